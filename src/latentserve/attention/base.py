@@ -1,0 +1,64 @@
+"""The attention backend interface: prepare metadata once per batch, then run attention
+for every layer. Backends: ``torch`` (pages gathered, SDPA; CPU and CUDA; the reference)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    """Where a batch's tokens sit, as the scheduler hands it to the backend.
+
+    Requests are laid out one after another in the flat token dimension ``T = sum(q_lens)``.
+    ``q_lens[b]``: tokens computed for request b this step (1 for decode, >1 for extend).
+    ``kv_lens[b]``: tokens in request b's KV after this step (cached prefix + new tokens).
+    ``rows``: ``[B] int64`` page-table rows. ``out_slots``: ``[T] int64`` KV slots the new
+    tokens write to. All tensors live on the model's device.
+    """
+
+    q_lens: list[int]
+    kv_lens: list[int]
+    rows: torch.Tensor
+    out_slots: torch.Tensor
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_slots.numel())
+
+
+class AttentionBackend:
+    """Five-method contract: ``prepare`` builds per-batch metadata from a ``BatchLayout``;
+    ``forward`` stores the new K/V of one layer into the KV pool and returns the attention
+    output for every new token."""
+
+    def prepare(self, layout: BatchLayout, page_table: torch.Tensor):
+        """Return backend-specific metadata for the batch (reused by every layer)."""
+        raise NotImplementedError
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta, kv_pool, scale: float) -> torch.Tensor:
+        """Attention for one layer.
+
+        Args:
+            q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (new tokens).
+            meta: from ``prepare``; kv_pool: a ``KVPool``; scale: softmax scale.
+        Returns:
+            ``[T, num_heads, head_dim]`` in q's dtype.
+        """
+        raise NotImplementedError
+
+
+def make_backend(name: str) -> AttentionBackend:
+    """``"torch"`` is the only backend on CPU. Raises ValueError for unknown names."""
+    if name == "torch":
+        from latentserve.attention.torch_backend import TorchBackend
+
+        return TorchBackend()
+    raise ValueError(f"attention_backend must be one of ('torch',), got {name!r}")

@@ -1,0 +1,75 @@
+"""Reference attention backend: gather each request's pages into a padded batch and call
+``torch.nn.functional.scaled_dot_product_attention`` with a causal-with-offset mask.
+
+Runs on CPU and CUDA. Every other backend is tested against this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from latentserve.attention.base import AttentionBackend, BatchLayout
+
+
+@dataclass(slots=True)
+class TorchMeta:
+    """``kv_index: [B, Kmax] int64`` slot ids (stale past kv_len; masked);
+    ``mask: [B, 1, Qmax, Kmax] bool`` (True = attend); ``flat_idx: [T] int64`` position of
+    each token in the padded ``[B * Qmax]`` query layout; ``out_slots: [T] int64``."""
+
+    kv_index: torch.Tensor
+    mask: torch.Tensor
+    flat_idx: torch.Tensor
+    out_slots: torch.Tensor
+    num_reqs: int
+    q_max: int
+
+
+class TorchBackend(AttentionBackend):
+    def prepare(self, layout: BatchLayout, page_table: torch.Tensor) -> TorchMeta:
+        dev = page_table.device
+        q_max, k_max = max(layout.q_lens), max(layout.kv_lens)
+        q = torch.tensor(layout.q_lens, device=dev)
+        kv = torch.tensor(layout.kv_lens, device=dev)
+        i = torch.arange(q_max, device=dev)[None, :, None]
+        j = torch.arange(k_max, device=dev)[None, None, :]
+        start = (kv - q)[:, None, None]
+        valid_q = i < q[:, None, None]
+        # Query i of request b sits at position start+i and sees keys 0..start+i.
+        # NOTE: padded query rows attend to key 0 only, so SDPA never sees an all-False row.
+        mask = (valid_q & (j <= start + i)) | (~valid_q & (j == 0))
+        b_idx = torch.repeat_interleave(torch.arange(len(layout.q_lens), device=dev), q)
+        offsets = torch.cumsum(q, 0) - q
+        flat_idx = b_idx * q_max + (torch.arange(int(q.sum()), device=dev) - offsets[b_idx])
+        return TorchMeta(
+            kv_index=page_table[layout.rows, :k_max],
+            mask=mask[:, None],
+            flat_idx=flat_idx,
+            out_slots=layout.out_slots,
+            num_reqs=len(layout.q_lens),
+            q_max=q_max,
+        )
+
+    def forward(self, layer, q, k, v, meta: TorchMeta, kv_pool, scale):
+        kv_pool.store(layer, meta.out_slots, k, v)
+        n_heads, d = q.shape[1], q.shape[2]
+        b, q_max = meta.num_reqs, meta.q_max
+        if q_max == 1:
+            qp = q[:, None]  # decode: T == B, already in request order
+        else:
+            qp = q.new_zeros(b * q_max, n_heads, d)
+            qp[meta.flat_idx] = q
+            qp = qp.view(b, q_max, n_heads, d)
+        keys = kv_pool.k[layer][meta.kv_index].to(q.dtype)  # [B, Kmax, Hkv, D]
+        vals = kv_pool.v[layer][meta.kv_index].to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
+            attn_mask=meta.mask, scale=scale, enable_gqa=keys.shape[2] != n_heads,
+        )
+        out = out.transpose(1, 2)  # [B, Qmax, H, D]
+        if q_max == 1:
+            return out[:, 0]
+        return out.reshape(b * q_max, n_heads, d)[meta.flat_idx]

@@ -1,0 +1,35 @@
+"""A tiny global forward context, so model files read like the Hugging Face reference they
+mirror: the model runner sets it before ``model.forward`` and attention layers read it
+(the nano-vllm pattern, ``nanovllm/utils/context.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """State of the current forward pass.
+
+    ``attn_meta``: what the attention backend prepared for this batch. ``backend``: the
+    attention backend. ``kv_pool``: the KV pool the layers write to.
+    """
+
+    attn_meta: Any
+    backend: Any
+    kv_pool: Any
+
+
+_CTX: ForwardContext | None = None
+
+
+def set_context(ctx: ForwardContext | None) -> None:
+    global _CTX
+    _CTX = ctx
+
+
+def get_context() -> ForwardContext:
+    if _CTX is None:
+        raise RuntimeError("no forward context: call set_context() before model.forward()")
+    return _CTX

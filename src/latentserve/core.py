@@ -1,0 +1,55 @@
+"""The engine's shared vocabulary: a request (``Req``) and its status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from latentserve.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted: holds no page-table row and no KV slots
+    RUNNING = "running"  # admitted: has a row; KV for ids[:num_computed] is in the pool
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Req:
+    """One request inside the engine.
+
+    Token bookkeeping (all counts are token positions in ``ids = prompt_ids + output_ids``):
+    ``num_computed`` tokens have KV in the pool; ``num_allocated`` slots are written in the
+    request's page-table row (``>= num_computed``); ``cache_len`` leading slots belong to the
+    radix cache (matched at admission, locked through ``cache_node``). ``num_cached_prompt``
+    counts prompt tokens served by the prefix cache at first admission (for stats and tests).
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    row: int = -1
+    num_computed: int = 0
+    num_allocated: int = 0
+    cache_len: int = 0
+    cache_node: Any = None
+    num_cached_prompt: int | None = None
+    finish_reason: str | None = None
+    generator: Any = None  # torch.Generator when params.seed is set
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV still has to be computed before the next token can be sampled."""
+        return self.seq_len - self.num_computed

@@ -1,0 +1,141 @@
+"""The in-process engine: model, KV pool, scheduler and sampler behind
+``add_request`` / ``abort_request`` / ``step``. The offline ``LLM`` and the server's engine
+process both drive this class."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from latentserve.config import EngineConfig
+from latentserve.core import Req
+from latentserve.outputs import StepOutput
+from latentserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_CPU_KV_BYTES = 1 << 30  # default KV pool size on CPU when --kv-slots is not given
+
+
+class LLMEngine:
+    """Loads ``config.model`` and serves requests step by step.
+
+    Attributes: ``tokenizer`` (transformers), ``model_name`` (str), ``max_model_len`` (int),
+    ``num_kv_slots`` (int), ``runner`` (ModelRunner), ``scheduler`` (Scheduler).
+
+    Raises (constructor): FileNotFoundError / ValueError from model resolution and loading;
+    ValueError when the KV pool cannot hold one full-length request.
+    """
+
+    def __init__(self, config: EngineConfig):
+        from latentserve.attention.base import make_backend
+        from latentserve.engine.model_runner import ModelRunner
+        from latentserve.kvcache.allocator import SlotAllocator
+        from latentserve.kvcache.pool import KVPool, PageTable
+        from latentserve.kvcache.radix import RadixCache
+        from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+        from latentserve.models.loader import load_model
+        from latentserve.scheduler.cache import CacheManager
+        from latentserve.scheduler.scheduler import Scheduler
+
+        self.config = config
+        self.device = torch.device(config.device)
+        torch.manual_seed(config.seed)
+        model_dir = resolve_model_dir(config.model)
+        self.model_dir = model_dir
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.tokenizer = load_tokenizer(model_dir)
+        model, hf_config = load_model(model_dir, config.torch_dtype, config.device)
+        self.hf_config = hf_config
+        self.vocab_size = hf_config.vocab_size
+        limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        layers, kv_heads, head_dim = model.kv_shape
+        per_slot = KVPool.bytes_per_slot(layers, kv_heads, head_dim, config.torch_dtype)
+        slots = config.kv_slots or min(
+            config.max_num_seqs * self.max_model_len, max(_CPU_KV_BYTES // per_slot, 2))
+        self.num_kv_slots = slots
+        pool = KVPool(layers, slots, kv_heads, head_dim, config.torch_dtype, self.device)
+        table = PageTable(config.max_num_seqs, self.max_model_len, self.device)
+        allocator = SlotAllocator(slots, self.device)
+        radix = RadixCache(allocator, enabled=config.enable_prefix_caching)
+        self.cache = CacheManager(allocator, radix, table)
+        self.eos_ids = _eos_ids(model_dir, self.tokenizer, hf_config)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   self.eos_ids)
+        self.runner = ModelRunner(model, pool, table, make_backend(config.attention_backend),
+                                  self.device)
+        self._rids: set[str] = set()
+        self._arrivals = 0
+        log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,
+                 self.max_model_len)
+
+    def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError (naming the field) for an empty prompt, a prompt
+        of max_model_len tokens or more, a token id outside the vocabulary, a prompt the KV
+        pool cannot hold, or a duplicate ``rid``."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len}; "
+                             "it must be shorter to leave room for at least one output token")
+        if n + 1 > self.num_kv_slots:
+            raise ValueError(f"prompt has {n} tokens but the KV pool holds {self.num_kv_slots}")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[0]}")
+        if rid in self._rids:
+            raise ValueError(f"request id {rid!r} is already running")
+        req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals)
+        self._arrivals += 1
+        if params.seed is not None:
+            req.generator = torch.Generator(self.device).manual_seed(params.seed)
+        self._rids.add(rid)
+        self.scheduler.add(req)
+
+    def abort_request(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, forward once, sample, and return what each request produced."""
+        from latentserve.sampling import sample
+
+        batch = self.scheduler.schedule()
+        if batch is None:
+            outs = self.scheduler.drain_aborted()
+        else:
+            logits, _ = self.runner.run(batch)
+            sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+            tokens = sample(logits, sampling_reqs).tolist() if sampling_reqs else []
+            outs = self.scheduler.postprocess(batch, tokens)
+        for o in outs:
+            if o.finished:
+                self._rids.discard(o.rid)
+        return outs
+
+
+def _eos_ids(model_dir, tokenizer, hf_config) -> set[int]:
+    """EOS ids from generation_config.json, the model config and the tokenizer."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+        ids |= _as_set(gen.eos_token_id)
+    except OSError:
+        pass
+    ids |= _as_set(getattr(hf_config, "eos_token_id", None))
+    ids |= _as_set(tokenizer.eos_token_id)
+    return ids
+
+
+def _as_set(x) -> set[int]:
+    if x is None:
+        return set()
+    return {int(v) for v in x} if isinstance(x, (list, tuple)) else {int(x)}

@@ -1,0 +1,56 @@
+"""The KV pool (per-layer K and V buffers indexed by slot) and the page table.
+
+Page size is 1: a request's page table row lists one slot id per token, as in SGLang's
+``req_to_token`` (``python/sglang/srt/mem_cache/memory_pool.py``). Slot 0 is a dummy that
+padded rows may write to; the allocator never hands it out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V buffers for every layer.
+
+    ``k[layer]`` and ``v[layer]``: ``[num_slots + 1, num_kv_heads, head_dim]`` in ``dtype``
+    (row 0 is the dummy slot). ``num_layers`` counts KV layers as the attention sees them
+    (recurrent-depth models later give one bank per (iteration, layer)).
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.num_slots = num_slots
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k, v: [T, num_kv_heads, head_dim]`` into ``slots: [T] int64``."""
+        self.k[layer][slots] = k.to(self.k[layer].dtype)
+        self.v[layer][slots] = v.to(self.v[layer].dtype)
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class PageTable:
+    """Rows of slot ids, one row per running request: ``table: [max_reqs, max_model_len] int64``.
+
+    ``alloc_row()`` returns a free row index or None; ``free_row(i)`` gives it back.
+    """
+
+    def __init__(self, max_reqs: int, max_model_len: int, device: torch.device | str):
+        self.table = torch.zeros((max_reqs, max_model_len), dtype=torch.int64, device=device)
+        self._free = list(range(max_reqs - 1, -1, -1))
+
+    def alloc_row(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free_row(self, row: int) -> None:
+        self._free.append(row)
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free)

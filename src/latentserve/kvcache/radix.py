@@ -1,0 +1,225 @@
+"""Radix-tree prefix cache over token ids (page size 1).
+
+Follows the contract of SGLang's ``RadixCache`` (``python/sglang/srt/mem_cache/radix_cache.py``)
+and mini-sglang's ``cache`` module; the code here is our own, kept small.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import torch
+
+from latentserve.kvcache.allocator import SlotAllocator
+
+
+class Node:
+    """One edge of the radix tree plus the node it leads to.
+
+    ``key``: token ids of the edge (``list[int]``); ``value``: their KV slot ids
+    (``torch.int64``, shape ``[len(key)]``). ``children`` is keyed by the child's first token.
+    ``lock_ref`` counts the requests using this node; ``last_access`` is a logical clock value
+    (larger = more recent) used for LRU eviction.
+    """
+
+    __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: Node | None) -> None:
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[int, Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0.0
+
+    def __lt__(self, other: Node) -> bool:  # heap order: least recently used first
+        return self.last_access < other.last_access
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class RadixCache:
+    """Prefix cache mapping token-id prefixes to the KV slots that hold them.
+
+    Ownership contract (as in SGLang):
+
+    * ``match_prefix(ids)`` returns the slots of the longest cached prefix and the deepest node
+      covering it. The slots stay owned by the tree; the caller must ``inc_lock(node)`` before
+      relying on them and ``dec_lock(node)`` when done.
+    * The caller allocates slots for the rest of the sequence itself. When it later calls
+      ``insert(ids, slots)`` with ``slots[:m]`` being the ``m`` slots from ``match_prefix``, the
+      return value ``p >= m`` is the prefix length that was already cached: the caller frees
+      ``slots[m:p]`` (its duplicates) and the tree takes ownership of ``slots[p:]``.
+    * ``evict(n)`` frees unlocked leaves in LRU order back to the allocator.
+
+    Invariant: every slot is either free in the allocator, owned by the tree, or owned by a
+    running request, so with no requests ``allocator.num_free + total_size() == num_total``.
+
+    Disabled mode (``enabled=False``): the tree stays empty. ``match_prefix`` returns an empty
+    tensor and the root, ``insert`` takes no slots and returns ``len(token_ids)`` so the caller's
+    usual "free ``slots[m:p]``" frees everything, ``evict`` returns 0 and locks are no-ops.
+    """
+
+    def __init__(self, allocator: SlotAllocator, enabled: bool = True) -> None:
+        self.allocator = allocator
+        self.disabled = not enabled
+        self._clock = itertools.count(1)
+        self.reset()
+
+    # ----- bookkeeping -----
+
+    def reset(self) -> None:
+        """Drop the whole tree, giving its slots back to the allocator.
+
+        Raises:
+            RuntimeError: if a node is still locked (a running request uses it).
+        """
+        root = getattr(self, "root", None)
+        if root is not None:
+            if self.protected_size:
+                raise RuntimeError(f"reset with {self.protected_size} locked slots")
+            values = [n.value for n in self._nodes() if n is not root]
+            if values:
+                self.allocator.free(torch.cat(values))
+        self.root = Node([], self._empty(), None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size = 0  # slots in nodes with lock_ref == 0
+        self.protected_size = 0  # slots in nodes with lock_ref > 0
+
+    def total_size(self) -> int:
+        """Number of slots held by the tree (walks it; ``evictable + protected`` is O(1))."""
+        return sum(len(n.value) for n in self._nodes())
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+
+    def _tick(self) -> float:
+        return float(next(self._clock))
+
+    def _split(self, child: Node, n: int) -> Node:
+        """Split ``child``'s edge after ``n`` tokens; return the new upper node."""
+        mid = Node(child.key[:n], child.value[:n], child.parent)
+        mid.lock_ref, mid.last_access = child.lock_ref, child.last_access
+        mid.children[child.key[n]] = child
+        child.parent.children[child.key[0]] = mid
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
+        return mid
+
+    # ----- public API -----
+
+    def match_prefix(self, token_ids: list[int]) -> tuple[torch.Tensor, Node]:
+        """Find the longest cached prefix of ``token_ids``.
+
+        Returns:
+            ``(slots, node)``: ``slots`` is ``torch.int64`` of shape ``[m]`` (``m`` may be 0) on
+            the allocator's device, a fresh tensor; ``node`` is the deepest node covering the
+            prefix (the root when ``m == 0``). A match ending inside an edge splits that edge,
+            so ``node`` always ends exactly at ``m``. Refreshes access time along the path.
+        """
+        if self.disabled:
+            return self._empty(), self.root
+        now = self._tick()
+        node, i, values = self.root, 0, []
+        while i < len(token_ids):
+            child = node.children.get(token_ids[i])
+            if child is None:
+                break
+            n = _common_len(child.key, token_ids[i:])
+            partial = n < len(child.key)
+            if partial:
+                child = self._split(child, n)
+            child.last_access = now
+            values.append(child.value)
+            node, i = child, i + n
+            if partial:
+                break
+        return (torch.cat(values) if values else self._empty()), node
+
+    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+        """Insert ``token_ids`` with their KV ``slots`` (``torch.int64``, shape ``[len]``).
+
+        Returns:
+            The length ``p`` of the prefix that was already in the tree. The tree keeps its own
+            slots for that prefix and takes ownership of (a copy of) ``slots[p:]``; the caller
+            frees ``slots[m:p]``, ``m`` being its matched length (see class docstring).
+            Disabled: returns ``len(token_ids)`` and takes nothing.
+        """
+        if len(slots) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} token ids but {len(slots)} slots")
+        if self.disabled:
+            return len(token_ids)
+        now = self._tick()
+        node, i = self.root, 0
+        while i < len(token_ids):
+            child = node.children.get(token_ids[i])
+            if child is None:
+                new = Node(list(token_ids[i:]), slots[i:].to(torch.int64, copy=True), node)
+                new.last_access = now
+                node.children[token_ids[i]] = new
+                self.evictable_size += len(new.key)
+                return i
+            n = _common_len(child.key, token_ids[i:])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            node, i = child, i + n
+        return i
+
+    def inc_lock(self, node: Node) -> None:
+        """Pin ``node`` and its ancestors (root excluded) so they are never evicted."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock(self, node: Node) -> None:
+        """Undo one ``inc_lock(node)``."""
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("dec_lock on an unlocked node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_size -= len(node.key)
+                self.evictable_size += len(node.key)
+            node = node.parent
+
+    def evict(self, num_slots: int) -> int:
+        """Free at least ``num_slots`` slots from unlocked leaves, least recently used first.
+
+        A parent whose last child is evicted becomes a candidate itself. Freed slots go back to
+        the allocator. Returns the number freed: may exceed ``num_slots`` (whole nodes are
+        freed) or fall short (nothing evictable left).
+        """
+        if self.disabled or num_slots <= 0:
+            return 0
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed, values = 0, []
+        while freed < num_slots and heap:
+            node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.key[0]]
+            values.append(node.value)
+            freed += len(node.key)
+            if not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        if values:
+            self.allocator.free(torch.cat(values))
+        self.evictable_size -= freed
+        return freed

@@ -1,0 +1,131 @@
+"""The Llama family (Llama 2/3.x, SmolLM2, Qwen2 with q/k/v bias, Mistral without sliding
+window): module names equal Hugging Face's ``LlamaForCausalLM`` so checkpoints load by name.
+
+Source: transformers ``models/llama/modeling_llama.py`` and ``models/qwen2/modeling_qwen2.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from latentserve.models.layers import RMSNorm, Rotary, paged_attention
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        qkv_bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
+        o_bias = cfg.model_type != "qwen2" and getattr(cfg, "attention_bias", False)
+        h, d = cfg.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=o_bias)
+        self.scale = d**-0.5
+
+    def forward(self, x, positions, rotary):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = paged_attention(self.layer, q, k, v, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary_emb = Rotary(cfg, head_dim)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Paged-KV Llama.
+
+    ``forward(input_ids [T] int64, positions [T] int64, input_embeds=None)`` returns the final
+    normed hidden ``[T, hidden_size]``; ``compute_logits(hidden [B, hidden]) -> [B, vocab]``
+    float32. ``input_embeds`` (``[T, hidden]``), when given, replaces the token embeddings.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(num KV layers, num KV heads, head_dim)."""
+        att = self.model.layers[0].self_attn
+        return len(self.model.layers), att.n_kv, att.head_dim
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, input_embeds=None):
+        x = self.embed(input_ids) if input_embeds is None else input_embeds
+        rotary = self.model.rotary_emb
+        for layer in self.model.layers:
+            x = layer(x, positions, rotary)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights) -> None:
+        """Load ``(name, tensor)`` pairs with Hugging Face names. Raises KeyError on an
+        unexpected name and ValueError when a parameter is missing."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie and name == "lm_head.weight":
+                name = "model.embed_tokens.weight" if "model.embed_tokens.weight" not in seen else name
+                if name == "lm_head.weight":
+                    continue
+            if name not in params:
+                raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            seen.add(name)
+        missing = {n for n in params if n not in seen} - ({"lm_head.weight"} if self.tie else set())
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")

@@ -1,0 +1,49 @@
+"""Build a model from a Hugging Face-style directory: config.json and ``*.safetensors``
+(or ``pytorch_model*.bin`` read with ``weights_only=True``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def iter_weights(model_dir: Path):
+    """Yield ``(name, tensor)`` from every weight file in ``model_dir``.
+
+    Raises FileNotFoundError when the directory has no weight file.
+    """
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        return
+    bins = sorted(model_dir.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {model_dir}")
+    for f in bins:
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str):
+    """Return ``(model, hf_config)`` with weights loaded, in eval mode, on ``device``.
+
+    Raises ValueError for an unsupported ``model_type``.
+    """
+    from transformers import AutoConfig
+
+    from latentserve.models.registry import model_class
+
+    model_dir = Path(model_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    cls = model_class(hf_config)
+    with torch.device("cpu"):
+        model = cls(hf_config)
+    model.load_weights(iter_weights(model_dir))
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    return model, hf_config

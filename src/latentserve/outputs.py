@@ -1,0 +1,44 @@
+"""What the engine hands back: per-step deltas (``StepOutput``) and finished results
+(``RequestOutput``, shaped like vLLM's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One request's progress after one engine step.
+
+    ``new_token_ids`` are the tokens sampled this step (zero or one today). ``finished`` is
+    set once, on the last output of the request, with ``finish_reason`` ``"stop"``
+    (EOS or a stop token), ``"length"`` (max_tokens or max_model_len) or ``"abort"``.
+    ``num_cached_tokens`` is how many prompt tokens were served by the prefix cache.
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one prompt from ``LLM.generate``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = True

@@ -1,0 +1,99 @@
+"""KV bookkeeping for requests: page-table rows, slot allocation, prefix matching and the
+hand-back of finished KV to the radix cache.
+
+Invariant (checked by ``check_idle``): with no request admitted,
+``allocator.num_free + radix.total_size() == allocator.num_total``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from latentserve.core import Req
+from latentserve.kvcache.allocator import SlotAllocator
+from latentserve.kvcache.pool import PageTable
+from latentserve.kvcache.radix import RadixCache
+
+
+class CacheManager:
+    """Owns the slot allocator, the radix cache and the page table.
+
+    Every method keeps ``req.row``, ``req.num_allocated``, ``req.cache_len`` and
+    ``req.cache_node`` consistent with what the request holds.
+    """
+
+    def __init__(self, allocator: SlotAllocator, radix: RadixCache, table: PageTable):
+        self.allocator = allocator
+        self.radix = radix
+        self.table = table
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        if self.allocator.num_free < n:
+            self.radix.evict(n - self.allocator.num_free)
+        return self.allocator.alloc(n)
+
+    def admit(self, req: Req) -> bool:
+        """Give ``req`` a page-table row, reuse its cached prefix and allocate slots for the
+        rest of its ids (all of them computed later, maybe in chunks). Returns False (and
+        holds nothing) when no row or not enough slots are free, even after eviction."""
+        row = self.table.alloc_row()
+        if row is None:
+            return False
+        ids = req.ids
+        # Leave at least one token to compute: its logits give the next token.
+        prefix, node = self.radix.match_prefix(ids[: len(ids) - 1])
+        self.radix.inc_lock(node)
+        m = len(prefix)
+        slots = self._alloc(len(ids) - m)
+        if slots is None:
+            self.radix.dec_lock(node)
+            self.table.free_row(row)
+            return False
+        self.table.table[row, :m] = prefix
+        self.table.table[row, m : len(ids)] = slots
+        req.row, req.cache_node, req.cache_len = row, node, m
+        req.num_computed, req.num_allocated = m, len(ids)
+        return True
+
+    def grow(self, req: Req, upto: int) -> bool:
+        """Make sure ``req`` has slots for ids ``[0, upto)``. False when slots ran out."""
+        need = upto - req.num_allocated
+        if need <= 0:
+            return True
+        slots = self._alloc(need)
+        if slots is None:
+            return False
+        self.table.table[req.row, req.num_allocated : upto] = slots
+        req.num_allocated = upto
+        return True
+
+    def release(self, req: Req) -> None:
+        """Hand ``req``'s computed KV to the radix cache (or free it) and free the rest.
+
+        Only token-id positions are inserted: their KV depends on ids alone.
+        """
+        if req.row < 0:
+            return
+        slots = self.table.table[req.row, : req.num_allocated].clone()
+        n = req.num_computed
+        present = self.radix.insert(req.ids[:n], slots[:n])
+        self.allocator.free(slots[req.cache_len : present])
+        self.allocator.free(slots[n:])
+        self.radix.dec_lock(req.cache_node)
+        self.table.free_row(req.row)
+        req.row, req.cache_node, req.cache_len = -1, None, 0
+        req.num_computed = req.num_allocated = 0
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    def available(self) -> int:
+        """Slots that could be handed out now: free plus evictable."""
+        return self.allocator.num_free + self.radix.evictable_size
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless free + cached slots == total (call with nothing admitted)."""
+        free, cached = self.allocator.num_free, self.radix.total_size()
+        total = self.allocator.num_total
+        assert free + cached == total, f"KV leak: free {free} + cached {cached} != total {total}"

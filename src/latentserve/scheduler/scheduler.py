@@ -1,0 +1,161 @@
+"""Continuous-batching scheduler: every step, one decode token for each running request,
+then prefill/extend chunks of admitted and newly admitted requests within a token budget.
+
+Batches mix decode rows (1 token) and extend rows (a chunk of prompt) freely; the attention
+backend handles both in one pass. When KV slots run out, the radix cache is evicted first,
+then the most recently admitted request is preempted (its KV goes to the radix cache and it
+is recomputed later), never a crash.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from latentserve.core import Req, ReqStatus
+from latentserve.outputs import StepOutput
+from latentserve.scheduler.cache import CacheManager
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One forward's worth of work.
+
+    ``reqs[b]`` computes ids ``[starts[b], starts[b] + q_lens[b])``; ``sample[b]`` is True
+    when that reaches the end of its ids, so a token is sampled for it.
+    """
+
+    reqs: list[Req]
+    starts: list[int]
+    q_lens: list[int]
+    sample: list[bool]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set.
+
+    Args:
+        cache: the KV bookkeeping. max_num_seqs: admitted requests at most.
+        max_num_batched_tokens: tokens per forward at most (decode rows count one each).
+        max_model_len: a request finishes with "length" when it reaches this many tokens.
+        eos_ids: token ids that end a request unless ``ignore_eos``.
+    """
+
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_ids: set[int]):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_ids = eos_ids
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.num_preemptions = 0
+        self._aborted: list[Req] = []
+
+    # ----- requests in and out -----
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        """Finish ``rid`` with reason "abort" (reported on the next step); unknown ids are ignored."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self.cache.release(req)
+                    self._finish(req, "abort")
+                    self._aborted.append(req)
+                    return
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    # ----- one step -----
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = ScheduledBatch([], [], [], [])
+        budget = self.max_num_batched_tokens
+        # 1. Running requests, oldest first: decode rows, then unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_pending, budget)
+            if not self.cache.grow(req, req.num_computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                continue  # retry req (unless it was the victim: then the loop ends)
+            self._add_to_batch(batch, req, n)
+            budget -= n
+            i += 1
+        # 2. Admit waiting requests in arrival order while rows, slots and budget last.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self.cache.admit(req):
+                break
+            self.waiting.popleft()
+            if req.num_cached_prompt is None:
+                req.num_cached_prompt = req.num_computed
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            n = min(req.num_pending, budget)
+            self._add_to_batch(batch, req, n)
+            budget -= n
+        return batch if batch.reqs else None
+
+    def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
+        batch.reqs.append(req)
+        batch.starts.append(req.num_computed)
+        batch.q_lens.append(n)
+        batch.sample.append(req.num_computed + n == req.seq_len)
+
+    def _preempt(self, req: Req) -> None:
+        self.cache.release(req)
+        req.status = ReqStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[StepOutput]:
+        """Advance each request past this step, append sampled tokens (``tokens`` has one
+        entry per row with ``sample`` set, in batch order), retire finished requests."""
+        outs = [StepOutput(r.rid, [], True, r.finish_reason, len(r.prompt_ids),
+                           r.num_cached_prompt or 0) for r in self._aborted]
+        self._aborted.clear()
+        it = iter(tokens)
+        for req, n, sample in zip(batch.reqs, batch.q_lens, batch.sample):
+            req.num_computed += n
+            if not sample:
+                continue
+            tok = next(it)
+            req.output_ids.append(tok)
+            reason = self._finish_reason(req, tok)
+            out = StepOutput(req.rid, [tok], reason is not None, reason, len(req.prompt_ids),
+                             req.num_cached_prompt or 0)
+            if reason is not None:
+                self.running.remove(req)
+                self.cache.release(req)
+                self._finish(req, reason)
+            outs.append(out)
+        return outs
+
+    def drain_aborted(self) -> list[StepOutput]:
+        """Outputs of requests aborted since the last step (when no batch ran)."""
+        return self.postprocess(ScheduledBatch([], [], [], []), [])
+
+    def _finish_reason(self, req: Req, tok: int) -> str | None:
+        p = req.params
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _finish(req: Req, reason: str) -> None:
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
