@@ -54,5 +54,5 @@ class ModelRunner:
             set_context(None)
         self.num_computed_tokens += len(ids)
         sample_rows = [i for i, s in zip(last, batch.sample) if s]
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)])
         return logits, hidden

@@ -1,0 +1,61 @@
+"""Tiny random checkpoints in the exact Hugging Face formats, for tests and benchmarks.
+
+Each builder writes a directory a user could have downloaded (config.json,
+model.safetensors, tokenizer files) using transformers' own model classes, so our loader is
+exercised exactly as on a real checkpoint. The tokenizer is SmolLM2's (vocab 49152), taken
+from the embedded model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB = 49152
+
+
+def _tokenizer():
+    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+
+    return load_tokenizer(resolve_model_dir(None))
+
+
+def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, **overrides) -> Path:
+    """Write a tiny random checkpoint of ``kind`` into ``out_dir`` and return the path.
+
+    Kinds: ``llama`` (GQA 4/2 heads, tied embeddings), ``llama-untied``, ``qwen2`` (q/k/v
+    bias), ``gpt2``. ``overrides`` go into the transformers config (e.g. hidden_size).
+    Raises ValueError for an unknown kind.
+    """
+    import torch
+    import transformers as tf
+
+    out = Path(out_dir)
+    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                bos_token_id=1, eos_token_id=2)
+    if kind == "llama":
+        cfg, cls = tf.LlamaConfig(**{**base, "tie_word_embeddings": True, **overrides}), \
+            tf.LlamaForCausalLM
+    elif kind == "llama-untied":
+        cfg, cls = tf.LlamaConfig(**{**base, "tie_word_embeddings": False, **overrides}), \
+            tf.LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg, cls = tf.Qwen2Config(**{**base, "tie_word_embeddings": False, **overrides}), \
+            tf.Qwen2ForCausalLM
+    elif kind == "gpt2":
+        g = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                 bos_token_id=1, eos_token_id=2)
+        cfg, cls = tf.GPT2Config(**{**g, **overrides}), tf.GPT2LMHeadModel
+    else:
+        raise ValueError(f"kind must be one of llama, llama-untied, qwen2, gpt2; got {kind!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():  # larger-than-default weights so greedy paths are not degenerate
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.02)
+    model.save_pretrained(out)
+    _tokenizer().save_pretrained(out)
+    return out

@@ -1,0 +1,60 @@
+"""Run an engine over a batch and record, per request, the greedy tokens, the logits the
+first token was sampled from (the prefill logits) and the prompt tokens served from cache."""
+
+from latentserve.sampling_params import SamplingParams
+
+
+def run_batch(engine, prompts, max_tokens, **params):
+    runner, first_logits = engine.runner, {}
+    original = runner.run
+
+    def recording_run(batch):
+        logits, hidden = original(batch)
+        sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        for req, row in zip(sampled, logits):
+            if not req.output_ids:
+                first_logits[req.rid] = row.clone()
+        return logits, hidden
+
+    runner.run = recording_run
+    try:
+        rids = [f"r{engine._arrivals + i}" for i in range(len(prompts))]
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
+        for rid, p in zip(rids, prompts):
+            engine.add_request(rid, p, sp)
+        tokens, cached = {rid: [] for rid in rids}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.rid] += out.new_token_ids
+                cached[out.rid] = out.num_cached_tokens
+    finally:
+        runner.run = original
+    return ([tokens[r] for r in rids], [first_logits[r] for r in rids], [cached[r] for r in rids])
+
+
+def hf_reference(model, prompt, max_tokens):
+    """HF transformers ``generate`` (greedy, batch 1) and the prompt's last-position logits."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1].float()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist(), logits
+
+
+def shared_prefix_prompts():
+    """Eight prompts of different lengths; five share a 48-token prefix, two share another."""
+    base = [(37 * i + 11) % 4000 + 100 for i in range(48)]
+    other = [(53 * i + 7) % 3000 + 900 for i in range(20)]
+    return [
+        base + [500, 501, 502],
+        base + [600] * 9,
+        base[:30],
+        base + [700 + i for i in range(25)],
+        [5, 6, 7],
+        other + [11, 12],
+        other + [13, 14, 15, 16, 17],
+        base + [999],
+    ]
