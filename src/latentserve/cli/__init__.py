@@ -1,0 +1,65 @@
+"""The ``latentserve`` command: serve, generate, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags that build an ``EngineConfig`` (shared by serve, generate and demo)."""
+    p.add_argument("--model", default=None,
+                   help="HF-style model directory or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per request (default: the model's limit)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--kv-slots", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per forward (prefill chunk budget)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable the radix cache")
+    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+
+
+def engine_config(args: argparse.Namespace):
+    from latentserve.config import EngineConfig
+
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        kv_slots=args.kv_slots,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        attention_backend=args.attention_backend)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from latentserve.cli import demo, generate, serve
+
+    parser = argparse.ArgumentParser(prog="latentserve",
+                                     description="Serve latent-reasoning language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for mod in (serve, generate, demo):
+        mod.register(sub)
+    try:
+        from latentserve.bench.cli import add_bench_args, bench_main
+    except ImportError:
+        pass
+    else:
+        p = sub.add_parser("bench", help="offline throughput against HF transformers")
+        add_bench_args(p)
+        p.set_defaults(func=bench_main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub at run time
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"latentserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

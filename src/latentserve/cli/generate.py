@@ -1,0 +1,47 @@
+"""``latentserve generate``: one completion, printed as it decodes."""
+
+from __future__ import annotations
+
+import sys
+
+
+def register(sub) -> None:
+    from latentserve.cli import add_engine_args
+
+    p = sub.add_parser("generate", help="complete one prompt, streamed to stdout")
+    add_engine_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as is, without the model's chat template")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from latentserve.cli import engine_config
+    from latentserve.detokenizer import IncrementalDetokenizer
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    engine = LLMEngine(engine_config(args))
+    tok = engine.tokenizer
+    if args.raw or not getattr(tok, "chat_template", None):
+        ids = tok.encode(args.prompt)
+    else:
+        ids = list(tok.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                           add_generation_prompt=True,
+                                           tokenize=True)["input_ids"])
+    engine.add_request("cli", ids, params)
+    detok = IncrementalDetokenizer(tok, ids, params.stop, params.skip_special_tokens)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(detok.add(out.new_token_ids))
+            sys.stdout.flush()
+    sys.stdout.write(detok.flush() + "\n")
+    return 0
