@@ -22,3 +22,29 @@ def smollm2_tokenizer(smollm2_dir):
     from latentserve.models.checkpoint import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, smollm2_dir):
+    """``kind -> checkpoint dir`` for every tiny kind (built once per session)."""
+    from latentserve.testing.tiny_models import save_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {k: save_tiny(root / k, k) for k in ("llama", "llama-untied", "qwen2", "gpt2")}
+
+
+@pytest.fixture(scope="session")
+def hf_models():
+    """``get(path, device="cpu", dtype="float32")``: HF reference models, cached (eval mode)."""
+    cache = {}
+
+    def get(path, device="cpu", dtype="float32"):
+        key = (str(path), device, dtype)
+        if key not in cache:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            cache[key] = model.to(device).eval()
+        return cache[key]
+
+    return get

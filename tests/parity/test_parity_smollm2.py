@@ -1,33 +1,19 @@
 """Real weights: SmolLM2-135M-Instruct (the embedded GGUF, dequantized to fp32) gives HF
 transformers' greedy tokens and prefill logits, cold and with the prefix cache warm."""
 
-
 import pytest
 import torch
 
-from engine_run import hf_reference, run_batch
+from latentserve.testing.parity import chat_prompts, hf_reference, run_batch
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 
 MAX_TOKENS = 16
-QUESTIONS = [
-    "What is 12 + 30?",
-    "Name three primary colors.",
-    "A farmer has 5 cows and buys 7 more. How many cows does he have?",
-    "Write one sentence about the sea.",
-    "What is the capital of France?",
-    "If a train travels 60 miles in 1 hour, how far does it go in 3 hours?",
-    "Say hello.",
-    "Tom has 3 apples and eats one. How many are left?",
-]
 
 
 @pytest.fixture(scope="module")
 def prompts(smollm2_tokenizer):
-    tok = smollm2_tokenizer
-    return [list(tok.apply_chat_template([{"role": "user", "content": q}],
-                                         add_generation_prompt=True, tokenize=True)["input_ids"])
-            for q in QUESTIONS]
+    return chat_prompts(smollm2_tokenizer)
 
 
 @pytest.mark.slow

