@@ -1,5 +1,6 @@
 """The attention backend interface: prepare metadata once per batch, then run attention
-for every layer. Backends: ``torch`` (pages gathered, SDPA; CPU and CUDA; the reference)."""
+for every layer. Backends: ``torch`` (pages gathered, SDPA; CPU and CUDA; the reference) and
+``triton`` (paged Triton kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
@@ -56,9 +57,14 @@ class AttentionBackend:
 
 
 def make_backend(name: str) -> AttentionBackend:
-    """``"torch"`` is the only backend on CPU. Raises ValueError for unknown names."""
+    """``"torch"`` (the reference; CPU and CUDA) or ``"triton"`` (CUDA; imports triton lazily).
+    Raises ValueError for unknown names."""
     if name == "torch":
         from latentserve.attention.torch_backend import TorchBackend
 
         return TorchBackend()
-    raise ValueError(f"attention_backend must be one of ('torch',), got {name!r}")
+    if name == "triton":
+        from latentserve.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"attention_backend must be one of ('torch', 'triton'), got {name!r}")
