@@ -1,0 +1,170 @@
+"""The API process's side of the ZMQ link: send requests, route outputs to their callers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from latentserve.outputs import StepOutput
+from latentserve.sampling_params import SamplingParams
+from latentserve.server.messages import (
+    Abort,
+    AddRequest,
+    EngineFailed,
+    RequestFailed,
+    StepOutputs,
+    dumps,
+    loads,
+)
+
+log = logging.getLogger(__name__)
+
+_LIVENESS_POLL_MS = 1000
+
+
+class EngineRequestError(ValueError):
+    """The engine rejected the request (its ``add_request`` raised ``ValueError``)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process stopped; no request can be served any more."""
+
+
+class EngineClient:
+    """Asyncio client of the engine process.
+
+    One background task receives output batches and puts each ``StepOutput`` on the queue
+    of its request; :meth:`generate` is the per-request async iterator. Sends never wait:
+    the PUSH socket has no high-water mark, so :meth:`abort` can be called from anywhere
+    in the event loop thread, including ``finally`` blocks of cancelled tasks.
+
+    ``is_alive`` (optional) tells whether the engine process still runs; it is checked
+    while no output arrives, and a dead engine fails every pending request.
+    """
+
+    def __init__(self, input_address: str, output_address: str,
+                 is_alive: Callable[[], bool] | None = None):
+        self.input_address = input_address
+        self.output_address = output_address
+        self.is_alive = is_alive
+        self.dead_reason: str | None = None
+        self.num_aborts_sent = 0
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ctx = self._actx = self._push = self._pull = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def num_running(self) -> int:
+        """Requests that have been sent and not finished, failed or aborted."""
+        return len(self._queues)
+
+    async def start(self) -> None:
+        """Connect the sockets and start the receive task (call inside the event loop)."""
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(self.input_address)
+        self._actx = zmq.asyncio.Context()
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.connect(self.output_address)
+        self._task = asyncio.create_task(self._receive_loop(), name="engine-client-receive")
+
+    async def close(self) -> None:
+        """Stop the receive task and close the sockets."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        for ctx in (self._ctx, self._actx):
+            if ctx is not None:
+                ctx.term()
+        self._ctx = self._actx = self._push = self._pull = None
+
+    async def generate(self, rid: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+        """Send the request and yield its ``StepOutput``s until the finished one.
+
+        Leaving early (``break``, ``aclose()``, cancellation) aborts the request in the
+        engine. Raises ``EngineRequestError`` when the engine rejects the request and
+        ``EngineDeadError`` when the engine process is gone.
+        """
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if rid in self._queues:
+            raise EngineRequestError(f"request id {rid!r} is already running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        done = False
+        try:
+            self._send(AddRequest(rid, list(prompt_token_ids), params))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not done and self.dead_reason is None:
+                self.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        """Ask the engine to stop ``rid`` (harmless if it already finished)."""
+        if self._push is not None and self.dead_reason is None:
+            self._send(Abort(rid))
+            self.num_aborts_sent += 1
+
+    def _send(self, message: object) -> None:
+        self._push.send(dumps(message))
+
+    async def _receive_loop(self) -> None:
+        import zmq
+
+        try:
+            while True:
+                if await self._pull.poll(_LIVENESS_POLL_MS, zmq.POLLIN):
+                    self._dispatch(loads(await self._pull.recv()))
+                elif self.is_alive is not None and not self.is_alive():
+                    self._fail_all("the engine process has stopped")
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken link fails requests, not the app
+            log.exception("engine client receive loop failed")
+            self._fail_all(f"lost the link to the engine: {type(exc).__name__}")
+
+    def _dispatch(self, message: object) -> None:
+        if isinstance(message, StepOutputs):
+            for out in message.outputs:
+                queue = self._queues.get(out.rid)
+                if queue is not None:  # None: the caller left (aborted) already
+                    queue.put_nowait(out)
+        elif isinstance(message, RequestFailed):
+            queue = self._queues.get(message.rid)
+            if queue is not None:
+                queue.put_nowait(EngineRequestError(message.error))
+        elif isinstance(message, EngineFailed):
+            log.error("engine failed: %s", message.error)
+            self._fail_all(f"the engine failed: {message.error}")
+        else:
+            log.warning("ignoring unknown message %r", type(message).__name__)
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))

@@ -1,0 +1,281 @@
+"""The engine in its own process: a loop around ``LLMEngine.step()`` fed over ZMQ.
+
+Sockets (the engine binds, the API process connects; ipc:// paths in a private temp dir):
+
+* ``input``  PULL  <- ``AddRequest`` / ``Abort`` / ``Shutdown``
+* ``output`` PUSH  -> ``StepOutputs`` / ``RequestFailed`` / ``EngineFailed``
+
+Start-up goes over a multiprocessing pipe: the child sends exactly one ``Ready`` or
+``StartupFailed``; the parent (:class:`EngineProcess`) turns the latter, or a child that dies
+without a word, into :class:`EngineStartupError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+from latentserve.config import EngineConfig
+from latentserve.server.messages import (
+    Abort,
+    AddRequest,
+    EngineFailed,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    StartupFailed,
+    StepOutputs,
+    dumps,
+    loads,
+)
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 1000  # idle wake-up, only to notice a dead parent
+
+
+class EngineStartupError(RuntimeError):
+    """The engine process could not load the model or died before it was ready."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAddresses:
+    """Where the engine's two ZMQ sockets are bound."""
+
+    input: str
+    output: str
+
+    @classmethod
+    def in_dir(cls, directory: str) -> EngineAddresses:
+        return cls(f"ipc://{directory}/input.sock", f"ipc://{directory}/output.sock")
+
+
+# --- child side ----------------------------------------------------------------------------
+
+
+def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
+                parent_pid: int) -> None:
+    """Entry point of the engine process: load, report readiness, then serve until told to
+    stop or until the parent process is gone."""
+    import signal
+
+    import zmq
+
+    # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    try:
+        from latentserve.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(addresses.input)
+        outbox = ctx.socket(zmq.PUSH)
+        outbox.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped
+        outbox.bind(addresses.output)
+        ready = Ready(engine.model_name, engine.max_model_len,
+                      getattr(engine, "vocab_size", None), engine.tokenizer)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+        ready_conn.send_bytes(dumps(StartupFailed(f"{type(exc).__name__}: {exc}",
+                                                  traceback.format_exc())))
+        ready_conn.close()
+        ctx.destroy(linger=0)
+        raise SystemExit(1) from None
+    ready_conn.send_bytes(dumps(ready))
+    ready_conn.close()
+    try:
+        EngineLoop(engine, inbox, outbox, parent_pid).run()
+    finally:
+        ctx.destroy(linger=1000)
+
+
+class EngineLoop:
+    """Receive messages, step the engine while it has work, send what each step produced.
+
+    Blocks on the input socket when the engine is idle (no busy spin); while requests run,
+    it only drains what has already arrived between steps. A rejected request is answered
+    with ``RequestFailed`` and the loop goes on; an exception from ``step()`` is sent as
+    ``EngineFailed`` and ends the process.
+    """
+
+    def __init__(self, engine, inbox, outbox, parent_pid: int | None = None):
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self.running = True
+
+    def run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        while self.running:
+            busy = self.engine.has_unfinished_requests()
+            if poller.poll(0 if busy else _IDLE_POLL_MS):
+                self._drain()
+            elif not busy and self._parent_gone():
+                log.info("parent process is gone; engine exits")
+                return
+            if self.running and self.engine.has_unfinished_requests():
+                self._step()
+
+    def _drain(self) -> None:
+        import zmq
+
+        while self.running:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(loads(data))
+
+    def handle(self, message: object) -> None:
+        """Apply one incoming message to the engine."""
+        if isinstance(message, AddRequest):
+            try:
+                self.engine.add_request(message.rid, message.prompt_token_ids, message.params)
+            except Exception as exc:  # noqa: BLE001 - any rejection goes back to the caller
+                self.outbox.send(dumps(RequestFailed(message.rid, str(exc))))
+        elif isinstance(message, Abort):
+            try:
+                self.engine.abort_request(message.rid)
+            except Exception:  # noqa: BLE001 - aborting a finished request is harmless
+                log.debug("abort of %s ignored", message.rid, exc_info=True)
+        elif isinstance(message, Shutdown):
+            self.running = False
+        else:
+            log.warning("ignoring unknown message %r", type(message).__name__)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self.outbox.send(dumps(EngineFailed(f"{type(exc).__name__}: {exc}")))
+            raise
+        if outputs:
+            self.outbox.send(dumps(StepOutputs(outputs)))
+
+    def _parent_gone(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+
+# --- parent side ---------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """Start the engine process and wait until it is ready (a context manager).
+
+    After :meth:`start`, ``ready`` holds the engine's ``Ready`` message (model name,
+    max_model_len, tokenizer) and ``addresses`` its sockets.
+
+    Raises:
+        EngineStartupError: from :meth:`start`, with the child's error message (and its
+            traceback in the exception's notes), when loading failed, the child died, or it
+            was not ready within ``startup_timeout`` seconds.
+    """
+
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0):
+        self.config = config
+        self.startup_timeout = startup_timeout
+        self.ready: Ready | None = None
+        self.addresses: EngineAddresses | None = None
+        self._proc = None
+        self._dir: str | None = None
+
+    def start(self) -> Ready:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="latentserve-")
+        self.addresses = EngineAddresses.in_dir(self._dir)
+        parent_conn, child_conn = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=engine_main, name="latentserve-engine", daemon=True,
+            args=(self.config, self.addresses, child_conn, os.getpid()),
+        )
+        self._proc.start()
+        child_conn.close()
+        try:
+            self.ready = self._wait_ready(parent_conn)
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            parent_conn.close()
+        return self.ready
+
+    def _wait_ready(self, conn) -> Ready:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if conn.poll(0.2):
+                try:
+                    message = loads(conn.recv_bytes())
+                except EOFError:
+                    break  # the child closed its end without a word: it died
+                if isinstance(message, Ready):
+                    return message
+                if isinstance(message, StartupFailed):
+                    err = EngineStartupError(f"engine failed to start: {message.error}")
+                    err.add_note(message.traceback)
+                    raise err
+                raise EngineStartupError(f"unexpected start-up message {message!r}")
+            if not self._proc.is_alive():
+                break
+        if self._proc.is_alive():
+            raise EngineStartupError(
+                f"engine was not ready within {self.startup_timeout:.0f} s")
+        self._proc.join(1)
+        raise EngineStartupError(
+            f"engine process exited with code {self._proc.exitcode} before it was ready")
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None before :meth:`start`)."""
+        return None if self._proc is None else self._proc.pid
+
+    def is_alive(self) -> bool:
+        """Whether the engine process is still running."""
+        return self._proc is not None and self._proc.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the engine to exit, then terminate it if it does not; remove the sockets."""
+        if self._proc is not None and self._proc.is_alive() and self.ready is not None:
+            _send_shutdown(self.addresses)
+            self._proc.join(timeout)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> EngineProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _send_shutdown(addresses: EngineAddresses) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(addresses.input)
+        sock.send(dumps(Shutdown()))
+        sock.close()
+    finally:
+        ctx.term()

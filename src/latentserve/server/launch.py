@@ -1,0 +1,163 @@
+"""Start the server: :func:`run_server` in this process, or :func:`start_server` as a
+subprocess (tests, demos) that is ready once ``/health`` answers.
+
+``python -m latentserve.server.launch --model DIR --port 8000`` runs :func:`run_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from latentserve.config import EngineConfig
+
+
+def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
+               log_level: str = "info") -> None:
+    """Start the engine process, wait until its model is loaded, then serve HTTP with
+    uvicorn until SIGINT/SIGTERM; the engine process is stopped on the way out (by the
+    app's shutdown, or the ``finally`` here when uvicorn fails to start).
+
+    The engine process is started with multiprocessing's ``spawn``: a script calling this
+    must do so under ``if __name__ == "__main__":``.
+
+    Raises:
+        EngineStartupError: the engine could not start (bad model path, load error, ...).
+    """
+    import uvicorn
+
+    from latentserve.server.app import create_app
+    from latentserve.server.client import EngineClient
+    from latentserve.server.engine_process import EngineProcess
+    from latentserve.server.state import ServerState
+
+    engine = EngineProcess(config)
+    ready = engine.start()
+    try:
+        client = EngineClient(engine.addresses.input, engine.addresses.output,
+                              is_alive=engine.is_alive)
+        state = ServerState(client, ready.tokenizer, ready.model_name, ready.max_model_len,
+                            ready.vocab_size)
+        app = create_app(state, on_shutdown=engine.stop)
+        uvicorn.run(app, host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()
+
+
+class ServerProcess:
+    """A server running as a subprocess (see :func:`start_server`); a context manager."""
+
+    def __init__(self, proc: subprocess.Popen, host: str, port: int, log_path: Path):
+        self.proc = proc
+        self.host = host
+        self.port = port
+        self.log_path = log_path
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` (the OpenAI client's base_url is this + ``/v1``)."""
+        return f"http://{self.host}:{self.port}"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (uvicorn shuts down gracefully and stops the engine), then SIGKILL."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int | None = None,
+                 timeout: float = 600.0, log_path: str | os.PathLike | None = None,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    """Run ``python -m latentserve.server.launch`` for ``config`` and wait for ``/health``.
+
+    ``port`` None picks a free one. Output goes to ``log_path`` (a temp file if None).
+
+    Raises:
+        RuntimeError: the server exited or was not healthy within ``timeout`` seconds; the
+            message carries the end of its log.
+    """
+    import httpx
+
+    port = port or free_port(host)
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="latentserve-server-", suffix=".log")
+        os.close(fd)
+    log_path = Path(log_path)
+    cmd = [sys.executable, "-m", "latentserve.server.launch", "--host", host,
+           "--port", str(port), "--config-json", json.dumps(asdict(config))]
+    child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+    server = ServerProcess(proc, host, port, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was "
+                               f"ready; log:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise RuntimeError(f"server not healthy within {timeout:.0f} s; log:\n{server.log_tail()}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m latentserve.server.launch``: serve one model."""
+    parser = argparse.ArgumentParser(description="latentserve OpenAI-compatible server")
+    parser.add_argument("--model", default=None, help="model directory or .gguf file")
+    parser.add_argument("--config-json", default=None,
+                        help="EngineConfig fields as a JSON object (overrides --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    fields = json.loads(args.config_json) if args.config_json else {"model": args.model}
+    from latentserve.server.engine_process import EngineStartupError
+
+    try:
+        run_server(EngineConfig(**fields), host=args.host, port=args.port,
+                   log_level=args.log_level)
+    except EngineStartupError as exc:
+        notes = "".join(getattr(exc, "__notes__", ()))
+        sys.exit(f"{notes}\nlatentserve: {exc}")
+
+
+if __name__ == "__main__":
+    main()

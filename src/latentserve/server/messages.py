@@ -1,0 +1,91 @@
+"""Messages between the API process and the engine process, and their one serializer.
+
+Every message is a small dataclass; ``dumps``/``loads`` pickle it (both ends are local
+processes of the same install, so pickle is safe and carries ``SamplingParams`` and
+``StepOutput`` as they are).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+from latentserve.outputs import StepOutput
+from latentserve.sampling_params import SamplingParams
+
+# --- API process -> engine process -----------------------------------------------------
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Queue a request in the engine."""
+
+    rid: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class Abort:
+    """Stop a request; the engine answers with a final output whose reason is ``"abort"``."""
+
+    rid: str
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Leave the engine loop and exit."""
+
+
+# --- engine process -> API process -----------------------------------------------------
+
+
+@dataclass(slots=True)
+class Ready:
+    """Sent once, after the model loaded: what the API process needs to serve it."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int | None
+    tokenizer: Any  # the engine's transformers tokenizer, pickled along
+
+
+@dataclass(slots=True)
+class StartupFailed:
+    """Sent instead of ``Ready`` when the engine could not start."""
+
+    error: str  # "ExceptionType: message"
+    traceback: str = ""
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """What one ``LLMEngine.step()`` produced (never empty)."""
+
+    outputs: list[StepOutput] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestFailed:
+    """The engine rejected a request (``add_request`` raised); nothing else comes for it."""
+
+    rid: str
+    error: str
+
+
+@dataclass(slots=True)
+class EngineFailed:
+    """The engine loop crashed; the process exits after sending this."""
+
+    error: str
+
+
+def dumps(message: object) -> bytes:
+    """Serialize any message above."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> object:
+    """Inverse of :func:`dumps`."""
+    return pickle.loads(data)

@@ -1,0 +1,109 @@
+"""The engine process and its ZMQ client, without HTTP: start-up, rejection, abort, routing."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from latentserve.config import EngineConfig
+from latentserve.sampling_params import SamplingParams
+from latentserve.server.client import EngineClient, EngineDeadError, EngineRequestError
+from latentserve.server.engine_process import EngineProcess, EngineStartupError
+
+
+def test_startup_failure_is_a_clear_error_in_the_parent(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(EngineStartupError, match="no-such-model.*does not exist"):
+        EngineProcess(EngineConfig(model=str(missing)), startup_timeout=300).start()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    with EngineProcess(EngineConfig(model=str(tiny_model_dir), max_num_seqs=4)) as proc:
+        yield proc
+
+
+def _run(engine, scenario):
+    """Run ``scenario(client)`` in a fresh event loop with a connected client."""
+
+    async def main():
+        client = EngineClient(engine.addresses.input, engine.addresses.output,
+                              is_alive=engine.is_alive)
+        await client.start()
+        try:
+            return await scenario(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+async def _collect(client, rid, ids, params):
+    return [out async for out in client.generate(rid, ids, params)]
+
+
+def test_ready_carries_model_facts_and_tokenizer(engine, tiny_model_dir):
+    assert engine.ready.model_name == str(tiny_model_dir)
+    assert engine.ready.max_model_len == 256
+    assert engine.ready.tokenizer.decode([28]) is not None
+
+
+def test_rejected_request_raises_and_loop_keeps_serving(engine):
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def scenario(client):
+        with pytest.raises(EngineRequestError, match="max_model_len"):
+            await _collect(client, "too-long", [5] * 300, greedy)
+        with pytest.raises(EngineRequestError, match="vocab|\\[0, "):
+            await _collect(client, "bad-id", [10**7], greedy)
+        return await _collect(client, "fine", [5, 6, 7], greedy)
+
+    outs = _run(engine, scenario)
+    assert sum(len(o.new_token_ids) for o in outs) == 3
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+
+
+def test_abort_finishes_the_request_with_abort(engine):
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def scenario(client):
+        outs = []
+        async for out in client.generate("long", [5, 6, 7], params):
+            outs.append(out)
+            if len(outs) == 2:
+                client.abort("long")
+        return outs
+
+    outs = _run(engine, scenario)
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert sum(len(o.new_token_ids) for o in outs) < 200
+
+
+def test_concurrent_requests_are_routed_to_their_callers(engine):
+    async def scenario(client):
+        jobs = [_collect(client, f"r{n}", [5, 6, 7 + n],
+                         SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+                for n in (1, 4, 9)]
+        return await asyncio.gather(*jobs)
+
+    results = _run(engine, scenario)
+    for n, outs in zip((1, 4, 9), results):
+        assert {o.rid for o in outs} == {f"r{n}"}
+        assert sum(len(o.new_token_ids) for o in outs) == n
+        assert [o.finished for o in outs].count(True) == 1
+
+
+def test_dead_engine_fails_pending_and_new_requests(tiny_model_dir):
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    with EngineProcess(EngineConfig(model=str(tiny_model_dir), max_num_seqs=2)) as proc:
+
+        async def scenario(client):
+            with pytest.raises(EngineDeadError):
+                async for _ in client.generate("doomed", [5, 6, 7], params):
+                    os.kill(proc.pid, signal.SIGKILL)  # the engine dies mid-request
+            with pytest.raises(EngineDeadError):
+                await _collect(client, "after", [5, 6], params)
+            return client.dead_reason
+
+        assert "stopped" in _run(proc, scenario)

@@ -1,0 +1,102 @@
+"""Bad input gets a 400 with the OpenAI error body naming the problem, and the server keeps
+serving: after each bad request, a valid one succeeds."""
+
+import json
+
+import pytest
+
+MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings (conftest.py)
+
+LONG_IDS = [1000] * 300
+
+
+def _chat(**fields):
+    return ("/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+
+
+def _cmpl(**fields):
+    return "/v1/completions", {"prompt": "hi", "max_tokens": 2, **fields}
+
+
+# (case id, path, body (dict, or raw str sent as is), expected param, words in the message)
+CASES = [
+    ("empty-prompt", *_cmpl(prompt=""), "prompt", ["empty"]),
+    ("empty-id-prompt", *_cmpl(prompt=[]), "prompt", ["empty"]),
+    ("max-tokens-zero", *_cmpl(max_tokens=0), "max_tokens", ["max_tokens", "0"]),
+    ("max-tokens-negative", *_chat(max_tokens=-5), "max_tokens", ["max_tokens", "-5"]),
+    ("max-completion-tokens-zero", *_chat(max_completion_tokens=0), "max_completion_tokens",
+     ["max_completion_tokens"]),
+    ("prompt-too-long", *_cmpl(prompt=LONG_IDS), "prompt", ["300", str(MAX_MODEL_LEN)]),
+    ("chat-too-long", *_chat(messages=[{"role": "user", "content": "word " * 400}]),
+     "messages", ["max_model_len", str(MAX_MODEL_LEN)]),
+    ("unknown-model", *_cmpl(model="gpt-9"), "model", ["gpt-9"]),
+    ("malformed-json", "/v1/completions", '{"prompt": "hi", "max_tokens": ', None, ["JSON"]),
+    ("body-not-object", "/v1/chat/completions", "[1, 2, 3]", None, ["JSON object"]),
+    ("max-tokens-string", *_cmpl(max_tokens="ten"), "max_tokens", ["max_tokens"]),
+    ("temperature-string", *_chat(temperature="hot"), "temperature", ["temperature"]),
+    ("stream-not-bool", *_chat(stream="yes"), "stream", ["stream"]),
+    ("prompt-wrong-type", *_cmpl(prompt=5), "prompt", ["prompt"]),
+    ("role-wrong-type", *_chat(messages=[{"role": 7, "content": "x"}]), "messages[0].role",
+     ["messages[0].role"]),
+    ("include-usage-not-bool", *_chat(stream=True, stream_options={"include_usage": "y"}),
+     "stream_options.include_usage", ["include_usage"]),
+    ("missing-messages", "/v1/chat/completions", {"max_tokens": 2}, "messages", ["messages"]),
+    ("no-user-turn", *_chat(messages=[{"role": "system", "content": "be nice"}]), "messages",
+     ["user"]),
+    ("unknown-role", *_chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role",
+     ["wizard"]),
+    ("n-two", *_chat(n=2), "n", ["n", "not supported"]),
+    ("top-p-out-of-range", *_cmpl(top_p=1.5), "top_p", ["top_p"]),
+    ("token-id-out-of-vocab", *_cmpl(prompt=[1, 10**6]), "prompt", ["1000000"]),
+    ("several-prompts", *_cmpl(prompt=["a", "b"]), "prompt", ["single"]),
+    ("stream-empty-prompt", *_cmpl(prompt="", stream=True), "prompt", ["empty"]),
+    ("logprobs-unsupported", *_chat(logprobs=True), "logprobs", ["not supported"]),
+    ("penalty-unsupported", *_cmpl(presence_penalty=0.5), "presence_penalty",
+     ["not supported"]),
+]
+
+
+@pytest.mark.parametrize("path,body,param,words", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bad_request_gets_400_naming_the_problem_then_server_still_serves(
+        http, model, path, body, param, words):
+    raw = body if isinstance(body, str) else json.dumps(body)
+    r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    for word in words:
+        assert word in error["message"], error["message"]
+    assert "Traceback" not in r.text
+    ok = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_unknown_model_has_code_model_not_found(http):
+    r = http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [
+        {"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_prompt_too_long_names_both_lengths(http):
+    r = http.post("/v1/completions", json={"prompt": LONG_IDS, "max_tokens": 2})
+    message = r.json()["error"]["message"]
+    assert "300 tokens" in message and f"max_model_len is {MAX_MODEL_LEN}" in message
+
+
+def test_openai_sdk_raises_bad_request_error(client, model):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_unknown_route_is_an_openai_error_404(http):
+    r = http.get("/v1/nothing-here")
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "invalid_request_error"
