@@ -2,9 +2,9 @@
 
 fp32: the engine's greedy tokens equal HF transformers' on the same GPU and prefill logits
 agree within 1e-4. bf16: engine and HF both in bf16; the stated tolerance is prefill logits
-within 0.25 absolute and the first greedy token equal unless HF's own logit margin between
-the two candidates is under 0.25 (a near tie). bf16 kernels differ in summation order, so
-later greedy tokens may diverge legitimately.
+within 0.5 absolute (4 bf16 ulps at |logit| 16-32) and the first greedy token equal unless HF's own
+logit margin between the two candidates is under 0.5 (a near tie). bf16 kernels differ in
+summation order, so later greedy tokens may diverge legitimately.
 """
 
 import pytest
@@ -29,10 +29,10 @@ def _check(engine, hf, prompts, max_tokens, exact):
                 assert toks == ref_toks, f"{run} prompt {i}"
                 torch.testing.assert_close(lg, ref_lg, atol=1e-4, rtol=0)
             else:
-                torch.testing.assert_close(lg, ref_lg, atol=0.25, rtol=0)
+                torch.testing.assert_close(lg, ref_lg, atol=0.5, rtol=0)
                 # A differing first token is allowed only where HF's own margin is a near tie.
                 margin = float(ref_lg[ref_toks[0]] - ref_lg[toks[0]])
-                assert margin < 0.25, f"{run} prompt {i}: first token {toks[0]} vs {ref_toks[0]}"
+                assert margin < 0.5, f"{run} prompt {i}: first token {toks[0]} vs {ref_toks[0]}"
         engine.cache.check_idle()
 
 
