@@ -1,0 +1,188 @@
+"""Paged decode attention, split-K over each request's KV (flash-decoding).
+
+A decode step has one query token per request, so a one-program-per-request kernel leaves
+most of the GPU idle for long contexts. Flash-decoding splits each request's keys into
+``NUM_SPLITS`` chunks processed in parallel, then merges the partial results:
+
+* stage 1 -- one program per (request, KV head, split). It loads the query rows of every
+  query head sharing that KV head (GQA: ``group = num_heads // num_kv_heads`` rows, padded to
+  ``BLOCK_H >= 16`` so the products run on tensor cores), walks its chunk of the request's
+  slots ``page_table[row, j]`` in ``BLOCK_N`` tiles and keeps an online softmax (running max
+  ``m``, running sum ``l``, running weighted sum of V ``acc``, all fp32). It writes the
+  normalised partial output ``acc / l`` and its log-sum-exp ``m + log2(l)`` (base 2).
+* stage 2 -- one program per (request, query head) merges the non-empty splits:
+  ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``.
+
+The chunk length is ``ceil(ceil(kv_len / NUM_SPLITS) / BLOCK_N) * BLOCK_N``, computed on the
+device from ``kv_lens``, so the launch grid depends only on the batch size: the launch is
+CUDA-graph friendly. Splits past the end of a short request are empty and skipped by stage 2.
+
+Idea after flash-decoding (Dao et al., 2023) and SGLang's
+``python/sglang/srt/layers/attention/triton_ops/decode_attention.py``; written anew here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, KCache, VCache, PageTable, Rows, KvLens, MidO, MidLse,
+    sm_scale_log2,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_pt,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    row = tl.load(Rows + b).to(tl.int64)
+    kv_len = tl.load(KvLens + b)
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, kv_len)
+
+    if end > start:
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        heads = kvh * GROUP + offs_h
+        mask_h = offs_h < GROUP
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        pt_row = PageTable + row * stride_pt
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(KCache + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale_log2
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(VCache + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                        mask=kv_mask, other=0.0).to(q.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
+
+        # Every row of a non-empty split saw at least one key, so l_i > 0 for real heads.
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        lse = m_i + tl.log2(l_safe)
+        mid = MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
+        tl.store(mid + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    MidO, MidLse, KvLens, Out,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_len = tl.load(KvLens + b)
+    chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    m = -1.0e30
+    l = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        if s * chunk < kv_len:
+            lse_s = tl.load(MidLse + b * stride_ml_b + h * stride_ml_h + s)
+            o_s = tl.load(MidO + b * stride_mo_b + h * stride_mo_h + s * stride_mo_s + offs_d,
+                          mask=mask_d, other=0.0)
+            m_new = tl.maximum(m, lse_s)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse_s - m_new)
+            acc = acc * alpha + o_s * w
+            l = l * alpha + w
+            m = m_new
+    out = acc / l
+    tl.store(Out + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+             out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor,
+                     scale: float, out: torch.Tensor | None = None, num_kv_splits: int = 8,
+                     block_n: int = 64, mid_o: torch.Tensor | None = None,
+                     mid_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention (one query token per request) over paged KV.
+
+    Args:
+        q: ``[B, num_heads, head_dim]`` fp32/bf16/fp16, token b belongs to request b.
+        k_cache, v_cache: ``[num_slots + 1, num_kv_heads, head_dim]`` one layer of the pool
+            (any float dtype; cast to q's dtype on load).
+        page_table: ``[max_reqs, max_model_len] int64`` slot ids; ``rows: [B] int64`` the
+            page-table row of each request; ``kv_lens: [B] int32`` keys per request (>= 1).
+        scale: softmax scale. ``out``: optional ``[B, num_heads, head_dim]`` output buffer.
+        num_kv_splits: splits per request (stage-1 programs per (request, KV head)).
+        block_n: keys per tile (>= 16, power of 2).
+        mid_o, mid_lse: optional fp32 scratch ``[B, num_heads, num_kv_splits, head_dim]``
+            and ``[B, num_heads, num_kv_splits]`` (allocated when omitted).
+    Returns:
+        ``[B, num_heads, head_dim]`` in q's dtype; softmax statistics are kept in fp32.
+    """
+    bsz, n_heads, d = q.shape
+    n_kv = k_cache.shape[1]
+    assert n_heads % n_kv == 0, "num_heads must be a multiple of num_kv_heads"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert page_table.stride(-1) == 1
+    group = n_heads // n_kv
+    if out is None:
+        out = torch.empty_like(q)
+    if bsz == 0:
+        return out
+    if mid_o is None:
+        mid_o = torch.empty((bsz, n_heads, num_kv_splits, d), dtype=torch.float32,
+                            device=q.device)
+    if mid_lse is None:
+        mid_lse = torch.empty((bsz, n_heads, num_kv_splits), dtype=torch.float32,
+                              device=q.device)
+    block_d = triton.next_power_of_2(d)
+    _decode_stage1_kernel[(bsz, n_kv, num_kv_splits)](
+        q, k_cache, v_cache, page_table, rows, kv_lens, mid_o, mid_lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_kv_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    _decode_stage2_kernel[(bsz, n_heads)](
+        mid_o, mid_lse, kv_lens, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=d, NUM_SPLITS=num_kv_splits, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=1 if block_d <= 64 else 2,
+    )
+    return out

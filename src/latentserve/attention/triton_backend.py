@@ -1,0 +1,106 @@
+"""Triton attention backend: paged KV read directly through the page table by Triton kernels.
+
+``forward`` stores the new K/V with the ``store_kv`` kernel, then runs either the split-K
+flash-decoding kernel (every request has ``q_len == 1``) or the FlashAttention-2-style extend
+kernel (any other batch, decode rows included). It must match ``TorchBackend``.
+
+Runs on CUDA; on CPU tensors only under the Triton interpreter (``TRITON_INTERPRET=1`` set
+before this module is imported), which the unit tests use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from latentserve.attention.base import AttentionBackend, BatchLayout
+from latentserve.attention.kernels import decode_attention, extend_attention, store_kv
+
+
+@dataclass(slots=True)
+class TritonMeta:
+    """Per-batch metadata, built once by ``TritonBackend.prepare`` and read by every layer.
+
+    Device tensors (what the kernels read; same shapes for the same batch size, so a CUDA
+    graph runner can keep static copies and refresh them with ``copy_``):
+        ``rows: [B] int64`` page-table rows; ``q_start: [B + 1] int32`` cumulative query
+        offsets into the flat token dimension; ``kv_lens: [B] int32`` keys per request after
+        this step; ``out_slots: [T] int64`` slots the new tokens' K/V go to;
+        ``page_table: [max_reqs, max_model_len] int64`` (the live table, not a copy).
+    Host values (fixed when the batch is built; ``forward`` never reads device values back):
+        ``num_reqs``; ``max_q_len`` (sizes the extend grid); ``is_decode`` (all ``q_len == 1``,
+        selects the decode kernel).
+    """
+
+    rows: torch.Tensor
+    q_start: torch.Tensor
+    kv_lens: torch.Tensor
+    out_slots: torch.Tensor
+    page_table: torch.Tensor
+    num_reqs: int
+    max_q_len: int
+    is_decode: bool
+
+
+class TritonBackend(AttentionBackend):
+    """Attention through Triton kernels over the paged KV pool (page size 1).
+
+    Args:
+        num_kv_splits: flash-decoding splits per (request, KV head); the decode grid is
+            ``(B, num_kv_heads, num_kv_splits)`` whatever the lengths (CUDA-graph friendly).
+        decode_block_n: keys per decode tile. extend_block_m / extend_block_n: query / key
+            tile of the extend kernel. All >= 16 and powers of 2.
+
+    Shapes follow ``AttentionBackend.forward``: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` with
+    ``H % Hkv == 0`` (MHA or GQA), any head_dim (non-powers of 2 are masked inside a padded
+    tile); fp32, bf16 or fp16 inputs with fp32 softmax statistics and accumulation.
+    """
+
+    def __init__(self, num_kv_splits: int = 8, decode_block_n: int = 64,
+                 extend_block_m: int = 64, extend_block_n: int = 64):
+        for name, val in (("decode_block_n", decode_block_n), ("extend_block_m", extend_block_m),
+                          ("extend_block_n", extend_block_n)):
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"{name} must be a power of 2 >= 16, got {val}")
+        if num_kv_splits < 1:
+            raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+        self.num_kv_splits = num_kv_splits
+        self.decode_block_n = decode_block_n
+        self.extend_block_m = extend_block_m
+        self.extend_block_n = extend_block_n
+
+    def prepare(self, layout: BatchLayout, page_table: torch.Tensor) -> TritonMeta:
+        """Build the batch's metadata on ``page_table``'s device (one host-to-device copy)."""
+        dev = page_table.device
+        q_start = [0]
+        for n in layout.q_lens:
+            q_start.append(q_start[-1] + n)
+        # One transfer for both int32 vectors: [q_start (B + 1) | kv_lens (B)].
+        packed = torch.tensor(q_start + list(layout.kv_lens), dtype=torch.int32, device=dev)
+        b = layout.num_reqs
+        return TritonMeta(
+            rows=layout.rows.to(device=dev, dtype=torch.int64),
+            q_start=packed[: b + 1],
+            kv_lens=packed[b + 1:],
+            out_slots=layout.out_slots,
+            page_table=page_table,
+            num_reqs=b,
+            max_q_len=max(layout.q_lens),
+            is_decode=all(n == 1 for n in layout.q_lens),
+        )
+
+    def forward(self, layer, q, k, v, meta: TritonMeta, kv_pool, scale):
+        k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
+        store_kv(k, v, k_cache, v_cache, meta.out_slots)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if meta.is_decode:
+            return decode_attention(
+                q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, scale,
+                num_kv_splits=self.num_kv_splits, block_n=self.decode_block_n,
+            )
+        return extend_attention(
+            q, k_cache, v_cache, meta.page_table, meta.rows, meta.q_start, meta.kv_lens,
+            meta.max_q_len, scale, block_m=self.extend_block_m, block_n=self.extend_block_n,
+        )

@@ -1,0 +1,156 @@
+"""TritonBackend against TorchBackend on CUDA at serving sizes (H200).
+
+Run in its own pytest process, without ``TRITON_INTERPRET``::
+
+    pytest -m gpu tests/gpu/test_triton_gpu.py
+
+The kernels are compiled or interpreted depending on ``TRITON_INTERPRET`` when they are first
+imported, and ``tests/unit/test_triton_attention.py`` sets it at collection, so these tests
+import the backend lazily and skip if the interpreter is on.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="kernels are interpreted in this process; run tests/gpu alone"),
+]
+
+ATOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _backends(**kw):
+    pytest.importorskip("triton")
+    from latentserve.attention.torch_backend import TorchBackend
+    from latentserve.attention.triton_backend import TritonBackend
+
+    return TorchBackend(), TritonBackend(**kw)
+
+
+def _scenario(seed, q_lens, kv_lens, n_kv, group, d, dtype, dev="cuda"):
+    """Random page table (shuffled slots, stale entries past kv_len), random pool, new q/k/v."""
+    from latentserve.attention.base import BatchLayout
+    from latentserve.kvcache.pool import KVPool, PageTable
+
+    g = torch.Generator().manual_seed(seed)
+    b, max_len = len(q_lens), max(kv_lens) + 8
+    table = PageTable(b + 8, max_len, dev)
+    num_slots = sum(kv_lens) + 64
+    table.table.copy_(torch.randint(1, num_slots + 1, table.table.shape, generator=g))
+    rows = torch.randperm(b + 8, generator=g)[:b]
+    perm = torch.randperm(num_slots, generator=g) + 1
+    used = 0
+    for r, n in zip(rows.tolist(), kv_lens):
+        table.table[r, :n] = perm[used : used + n].to(dev)
+        used += n
+    pool = KVPool(1, num_slots, n_kv, d, dtype, dev)
+    for buf in pool.k + pool.v:
+        buf.copy_(torch.randn(buf.shape, generator=g).to(dtype))
+    positions = torch.cat([torch.arange(kv - q, kv) for q, kv in zip(q_lens, kv_lens)]).to(dev)
+    rows = rows.to(dev)
+    row_of_token = torch.repeat_interleave(rows, torch.tensor(q_lens, device=dev))
+    layout = BatchLayout(q_lens=list(q_lens), kv_lens=list(kv_lens), rows=rows,
+                         out_slots=table.table[row_of_token, positions])
+    t = sum(q_lens)
+    q = torch.randn(t, n_kv * group, d, generator=g).to(dev, dtype)
+    k = torch.randn(t, n_kv, d, generator=g).to(dev, dtype)
+    v = torch.randn(t, n_kv, d, generator=g).to(dev, dtype)
+    return layout, table, pool, q, k, v
+
+
+def _clone_pool(pool):
+    from latentserve.kvcache.pool import KVPool
+
+    twin = KVPool.__new__(KVPool)
+    twin.num_slots = pool.num_slots
+    twin.k = [x.clone() for x in pool.k]
+    twin.v = [x.clone() for x in pool.v]
+    return twin
+
+
+def _compare(q_lens, kv_lens, n_kv, group, d, dtype, seed=0, **kw):
+    layout, table, pool, q, k, v = _scenario(seed, q_lens, kv_lens, n_kv, group, d, dtype)
+    ref_be, tri_be = _backends(**kw)
+    ref_pool, tri_pool = _clone_pool(pool), _clone_pool(pool)
+    scale = d ** -0.5
+    ref = ref_be.forward(0, q, k, v, ref_be.prepare(layout, table.table), ref_pool, scale)
+    out = tri_be.forward(0, q, k, v, tri_be.prepare(layout, table.table), tri_pool, scale)
+    torch.cuda.synchronize()
+    assert torch.equal(ref_pool.k[0], tri_pool.k[0]) and torch.equal(ref_pool.v[0], tri_pool.v[0])
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+
+
+def _kv_lens(seed, n, max_kv=1024):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_kv + 1, (n,), generator=g).tolist()
+    lens[:4] = [max_kv, max_kv, 1, 2]
+    return lens
+
+
+@pytest.mark.parametrize("d,n_kv,group", [(64, 4, 1), (64, 2, 4), (128, 8, 1), (128, 8, 4)])
+def test_decode_bf16_64_requests_kv1024(d, n_kv, group):
+    _compare([1] * 64, _kv_lens(d + group, 64), n_kv, group, d, torch.bfloat16)
+
+
+@pytest.mark.parametrize("d,n_kv,group", [(64, 4, 1), (128, 8, 4)])
+def test_extend_mixed_bf16_64_requests_kv1024(d, n_kv, group):
+    g = torch.Generator().manual_seed(d)
+    kv_lens = _kv_lens(d + 1, 64)
+    q_lens = [1 if i % 2 else int(torch.randint(1, kv + 1, (1,), generator=g).clamp(max=300))
+              for i, kv in enumerate(kv_lens)]
+    q_lens[0] = kv_lens[0]  # one full prefill of 1024 tokens
+    _compare(q_lens, kv_lens, n_kv, group, d, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [80, 96])
+def test_dtypes_and_odd_head_dims(dtype, d):
+    kv_lens = _kv_lens(d, 16, 300)
+    _compare([1] * 16, kv_lens, 2, 3, d, dtype)
+    _compare([1, 7, 1, 33] * 4, [max(kv, 33) for kv in kv_lens], 2, 3, d, dtype)
+
+
+def test_decode_cuda_graph_replay():
+    """Capture one decode forward with static metadata, refill the metadata in place (new
+    lengths and slots), replay, and compare: forward has no host syncs or shape changes."""
+    ref_be, tri_be = _backends()
+    n_kv, group, d, dtype, b = 8, 4, 128, torch.bfloat16, 32
+    kv_a, kv_b = _kv_lens(1, b), _kv_lens(2, b)
+    lay_a, table, pool, q, k, v = _scenario(3, [1] * b, [max(x, y) for x, y in zip(kv_a, kv_b)],
+                                            n_kv, group, d, dtype)
+    rows = lay_a.rows
+    static = tri_be.prepare(lay_a, table.table)
+    static_q, static_k, static_v = q.clone(), k.clone(), v.clone()
+    tri_pool = _clone_pool(pool)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up compiles the kernels outside the capture
+        tri_be.forward(0, static_q, static_k, static_v, static, tri_pool, d ** -0.5)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = tri_be.forward(0, static_q, static_k, static_v, static, tri_pool, d ** -0.5)
+
+    from latentserve.attention.base import BatchLayout
+
+    # New step: other lengths (so other slots), new q/k/v, written into the static tensors.
+    lay_b = BatchLayout(q_lens=[1] * b, kv_lens=kv_b, rows=rows,
+                        out_slots=table.table[rows, torch.tensor(kv_b, device="cuda") - 1])
+    fresh = tri_be.prepare(lay_b, table.table)
+    static.kv_lens.copy_(fresh.kv_lens)
+    static.out_slots.copy_(fresh.out_slots)
+    for dst in (static_q, static_k, static_v):
+        dst.copy_(torch.randn_like(dst))
+    ref_pool = _clone_pool(tri_pool)
+    graph.replay()
+    ref = ref_be.forward(0, static_q, static_k, static_v, ref_be.prepare(lay_b, table.table),
+                         ref_pool, d ** -0.5)
+    torch.cuda.synchronize()
+    assert torch.equal(ref_pool.k[0], tri_pool.k[0])
+    torch.testing.assert_close(static_out.float(), ref.float(), atol=2e-2, rtol=0)

@@ -1,0 +1,167 @@
+"""TritonBackend against TorchBackend on CPU, through the Triton interpreter.
+
+Tiny sizes only: the interpreter runs each kernel program in numpy. The real-size comparison
+on CUDA lives in ``tests/gpu/test_triton_gpu.py`` (run it in its own pytest process: the
+interpreter is chosen when the kernels are first imported).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or the kernels
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+
+from latentserve.attention.base import BatchLayout, make_backend  # noqa: E402
+from latentserve.attention.torch_backend import TorchBackend  # noqa: E402
+from latentserve.attention.triton_backend import TritonBackend, TritonMeta  # noqa: E402
+from latentserve.kvcache.pool import KVPool, PageTable  # noqa: E402
+
+
+
+def _patch_triton_interpreter():
+    """Work around two Triton 3.6 interpreter gaps (test process only; compiled kernels are
+    untouched, and each patch is a no-op where the interpreter already behaves):
+
+    * scalar tensors are 1-element arrays and become ``range`` bounds through ``int(array)``,
+      which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream after 3.6);
+    * bf16 values are held as raw ``uint16`` bits and ``tl.dot`` multiplies those bits as
+      integers. Widening bf16 operands to fp32 first is what tensor cores compute (exact bf16
+      products, fp32 accumulation).
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    try:
+        int(np.zeros(1, dtype=np.int32))
+    except TypeError:
+        original = interpreter._patch_lang_tensor
+        if not getattr(original, "_latentserve_patched", False):
+
+            def patch_lang_tensor(tensor, scope):
+                original(tensor, scope)
+                scope.set_attr(tensor, "__index__",
+                               lambda self: int(self.handle.data.reshape(-1)[0]))
+
+            patch_lang_tensor._latentserve_patched = True
+            interpreter._patch_lang_tensor = patch_lang_tensor
+
+    builder = interpreter.InterpreterBuilder
+    if not getattr(builder.create_dot, "_latentserve_patched", False):
+        create_dot = builder.create_dot
+
+        def widen(x):
+            if x.dtype != tl.bfloat16:
+                return x
+            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None)
+            return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+        def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+        create_dot_bf16._latentserve_patched = True
+        builder.create_dot = create_dot_bf16
+
+
+_patch_triton_interpreter()
+
+LAYER = 1  # of 2: checks that forward picks the right pool layer
+ATOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def _scenario(seed, q_lens, kv_lens, n_kv, group, d, dtype, max_len=48):
+    """A random batch over a random page table and pool: returns (layout, table, pool, q, k, v)."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(q_lens)
+    max_reqs = b + 3
+    table = PageTable(max_reqs, max_len, "cpu")
+    num_slots = sum(kv_lens) + 16
+    # Stale entries everywhere, then each request's slots: distinct, shuffled, never slot 0.
+    table.table.copy_(torch.randint(1, num_slots + 1, table.table.shape, generator=g))
+    rows = torch.randperm(max_reqs, generator=g)[:b]
+    perm = torch.randperm(num_slots, generator=g) + 1
+    used = 0
+    for r, n in zip(rows.tolist(), kv_lens):
+        table.table[r, :n] = perm[used : used + n]
+        used += n
+    pool = KVPool(2, num_slots, n_kv, d, dtype, "cpu")
+    for buf in pool.k + pool.v:  # cached prefixes (and garbage elsewhere)
+        buf.copy_(torch.randn(buf.shape, generator=g).to(dtype))
+    positions = torch.cat([torch.arange(kv - q, kv) for q, kv in zip(q_lens, kv_lens)])
+    row_of_token = torch.repeat_interleave(rows, torch.tensor(q_lens))
+    layout = BatchLayout(q_lens=list(q_lens), kv_lens=list(kv_lens), rows=rows,
+                         out_slots=table.table[row_of_token, positions])
+    t = sum(q_lens)
+    q = torch.randn(t, n_kv * group, d, generator=g).to(dtype)
+    k = torch.randn(t, n_kv, d, generator=g).to(dtype)
+    v = torch.randn(t, n_kv, d, generator=g).to(dtype)
+    return layout, table, pool, q, k, v
+
+
+def _clone_pool(pool: KVPool) -> KVPool:
+    twin = KVPool.__new__(KVPool)
+    twin.num_slots = pool.num_slots
+    twin.k = [x.clone() for x in pool.k]
+    twin.v = [x.clone() for x in pool.v]
+    return twin
+
+
+def _compare(seed, q_lens, kv_lens, n_kv, group, d, dtype, backend=None):
+    layout, table, pool, q, k, v = _scenario(seed, q_lens, kv_lens, n_kv, group, d, dtype)
+    scale = d ** -0.5
+    ref_pool, tri_pool = _clone_pool(pool), _clone_pool(pool)
+    ref_be, tri_be = TorchBackend(), backend or TritonBackend()
+    ref = ref_be.forward(LAYER, q, k, v, ref_be.prepare(layout, table.table), ref_pool, scale)
+    meta = tri_be.prepare(layout, table.table)
+    out = tri_be.forward(LAYER, q, k, v, meta, tri_pool, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for a, b_ in zip(ref_pool.k + ref_pool.v, tri_pool.k + tri_pool.v):
+        assert torch.equal(a, b_)  # the store is a plain copy
+    torch.testing.assert_close(out.float(), ref.float(), atol=ATOL[dtype], rtol=0)
+    return meta
+
+
+CASES = {
+    # name: (q_lens, kv_lens, n_kv, group, head_dim, dtype)
+    "decode-gqa2-d64-fp32": ([1, 1, 1, 1], [7, 40, 1, 23], 2, 2, 64, torch.float32),
+    "decode-mha-d96-bf16": ([1, 1, 1], [33, 2, 17], 4, 1, 96, torch.bfloat16),
+    "mixed-mha-d96-fp32": ([1, 5, 1, 9], [12, 30, 1, 9], 2, 1, 96, torch.float32),
+    "mixed-gqa2-d64-bf16": ([3, 1, 7], [20, 38, 7], 3, 2, 64, torch.bfloat16),
+    "extend-gqa2-d64-fp32": ([4, 9, 6], [4, 25, 40], 4, 2, 64, torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_torch_backend(name):
+    q_lens, kv_lens, n_kv, group, d, dtype = CASES[name]
+    meta = _compare(list(CASES).index(name), q_lens, kv_lens, n_kv, group, d, dtype)
+    assert meta.is_decode == all(n == 1 for n in q_lens)
+
+
+def test_small_tiles_many_splits_and_query_blocks():
+    """16-wide tiles: decode spans several splits (and empty ones), extend several key tiles
+    and, for the 20-token request, two query blocks."""
+    be = TritonBackend(num_kv_splits=4, decode_block_n=16, extend_block_m=16, extend_block_n=16)
+    _compare(5, [1, 1, 1], [40, 3, 17], 2, 2, 64, torch.float32, backend=be)
+    _compare(6, [20, 1, 3], [36, 40, 3], 2, 1, 64, torch.float32, backend=be)
+
+
+def test_prepare_metadata():
+    layout, table, *_ = _scenario(0, [1, 4, 2], [5, 9, 2], 2, 1, 64, torch.float32)
+    meta = TritonBackend().prepare(layout, table.table)
+    assert isinstance(meta, TritonMeta)
+    assert meta.q_start.tolist() == [0, 1, 5, 7] and meta.q_start.dtype == torch.int32
+    assert meta.kv_lens.tolist() == [5, 9, 2] and meta.kv_lens.dtype == torch.int32
+    assert meta.rows.dtype == torch.int64 and torch.equal(meta.rows, layout.rows)
+    assert (meta.num_reqs, meta.max_q_len, meta.is_decode) == (3, 4, False)
+    assert meta.page_table is table.table
+
+
+def test_make_backend_triton():
+    assert isinstance(make_backend("triton"), TritonBackend)
+    with pytest.raises(ValueError):
+        TritonBackend(decode_block_n=24)
