@@ -19,11 +19,19 @@ class ReqStatus(enum.Enum):
 class Req:
     """One request inside the engine.
 
-    Token bookkeeping (all counts are token positions in ``ids = prompt_ids + output_ids``):
+    Token bookkeeping (all counts are token positions in ``ids = prompt_ids + output_ids``;
+    ``output_ids`` holds every generated position: latent placeholders, forced transition
+    tokens and answer tokens; ``answer_ids`` is the answer part):
     ``num_computed`` tokens have KV in the pool; ``num_allocated`` slots are written in the
     request's page-table row (``>= num_computed``); ``cache_len`` leading slots belong to the
     radix cache (matched at admission, locked through ``cache_node``). ``num_cached_prompt``
     counts prompt tokens served by the prefix cache at first admission (for stats and tests).
+
+    Latent phase machine (models with a ``LatentSpec``): positions
+    ``[latent_start, latent_start + len(latent_embeds))`` take ``latent_embeds`` as their
+    input instead of a token embedding; ``answer_start`` is None until the transition tokens
+    are appended, then the index in ``output_ids`` where the answer begins. Plain requests
+    have ``latent_budget == 0`` and ``answer_start == 0`` from the start.
     """
 
     rid: str
@@ -40,6 +48,11 @@ class Req:
     num_cached_prompt: int | None = None
     finish_reason: str | None = None
     generator: Any = None  # torch.Generator when params.seed is set
+    latent_budget: int = 0
+    latent_start: int = 0
+    latent_embeds: list = field(default_factory=list)  # [hidden] tensors, one per latent step
+    answer_start: int | None = 0
+    latent_trace: list = field(default_factory=list)  # per step: {"norm", "top_tokens"}
 
     @property
     def ids(self) -> list[int]:
@@ -48,6 +61,16 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def answer_ids(self) -> list[int]:
+        return [] if self.answer_start is None else self.output_ids[self.answer_start :]
+
+    @property
+    def cacheable_len(self) -> int:
+        """Leading positions whose KV depends on token ids alone (safe for the radix cache):
+        everything before the first latent position."""
+        return self.latent_start if self.latent_embeds else self.seq_len
 
     @property
     def num_pending(self) -> int:

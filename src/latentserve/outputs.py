@@ -14,6 +14,9 @@ class StepOutput:
     set once, on the last output of the request, with ``finish_reason`` ``"stop"``
     (EOS or a stop token), ``"length"`` (max_tokens or max_model_len) or ``"abort"``.
     ``num_cached_tokens`` is how many prompt tokens were served by the prefix cache.
+    ``latent_steps`` counts the latent positions the request has run so far;
+    ``latent_trace`` (on the final output, when asked for) lists per latent step
+    ``{"norm": float, "top_tokens": [[id, logit], ...5]}``.
     """
 
     rid: str
@@ -22,6 +25,8 @@ class StepOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    latent_steps: int = 0
+    latent_trace: list | None = None
 
 
 @dataclass(slots=True)

@@ -32,6 +32,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Latent reasoning: None = the model's default budget; 0 = no thinking.
     latent_budget: int | None = None
+    # Report each latent step's norm and logit-lens top-5 tokens on the final output.
+    return_latent_trace: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

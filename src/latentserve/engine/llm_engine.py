@@ -62,9 +62,10 @@ class LLMEngine:
         radix = RadixCache(allocator, enabled=config.enable_prefix_caching)
         self.cache = CacheManager(allocator, radix, table)
         self.eos_ids = _eos_ids(model_dir, self.tokenizer, hf_config)
+        self.latent_spec = getattr(model, "latent_spec", None)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
-                                   self.eos_ids)
+                                   self.eos_ids, self.latent_spec)
         self.runner = ModelRunner(model, pool, table, make_backend(config.attention_backend),
                                   self.device)
         self._rids: set[str] = set()
@@ -74,15 +75,29 @@ class LLMEngine:
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ValueError (naming the field) for an empty prompt, a prompt
-        of max_model_len tokens or more, a token id outside the vocabulary, a prompt the KV
-        pool cannot hold, or a duplicate ``rid``."""
+        of max_model_len tokens or more (latent positions and transition tokens included), a
+        token id outside the vocabulary, a prompt the KV pool cannot hold, a latent_budget
+        above the model's cap, or a duplicate ``rid``.
+
+        For a model with a ``LatentSpec`` the spec's start ids are appended to the prompt and
+        the request runs ``latent_budget`` latent steps (None = the model's default) before
+        the transition tokens and the answer."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens but max_model_len is {self.max_model_len}; "
-                             "it must be shorter to leave room for at least one output token")
-        if n + 1 > self.num_kv_slots:
+        spec, budget, extra = self.latent_spec, 0, 0
+        if spec is not None:
+            budget = spec.resolve_budget(params.latent_budget)
+            extra = len(spec.start_ids) + budget + len(spec.end_ids)
+        elif params.latent_budget:
+            raise ValueError("latent_budget must be 0 or null: this model does no latent "
+                             "reasoning")
+        if n + extra >= self.max_model_len:
+            what = f"prompt has {n} tokens" + (f" (+{extra} latent and transition)" if extra
+                                               else "")
+            raise ValueError(f"{what} but max_model_len is {self.max_model_len}; it must be "
+                             "shorter to leave room for at least one output token")
+        if n + extra + 1 > self.num_kv_slots:
             raise ValueError(f"prompt has {n} tokens but the KV pool holds {self.num_kv_slots}")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -90,6 +105,10 @@ class LLMEngine:
         if rid in self._rids:
             raise ValueError(f"request id {rid!r} is already running")
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals)
+        if spec is not None:
+            req.prompt_ids += spec.start_ids
+            req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
+            req.answer_start = None
         self._arrivals += 1
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
@@ -110,14 +129,42 @@ class LLMEngine:
         if batch is None:
             outs = self.scheduler.drain_aborted()
         else:
-            logits, _ = self.runner.run(batch)
+            logits, last_hidden = self.runner.run(batch)
             sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
             tokens = sample(logits, sampling_reqs).tolist() if sampling_reqs else []
-            outs = self.scheduler.postprocess(batch, tokens)
+            latents = self._latent_inputs(sampling_reqs, logits, last_hidden)
+            outs = self.scheduler.postprocess(batch, tokens, latents)
         for o in outs:
             if o.finished:
                 self._rids.discard(o.rid)
         return outs
+
+    def _latent_inputs(self, reqs, logits, last_hidden) -> list | None:
+        """Next latent input (``[hidden]`` in the model dtype) for each sampling row still
+        in its latent phase, None elsewhere; the feedback hook runs once, batched. Records
+        the latent trace (norm, logit-lens top 5) for requests that asked for it."""
+        rows = [i for i, r in enumerate(reqs)
+                if r.answer_start is None and len(r.latent_embeds) < r.latent_budget]
+        if not rows:
+            return None
+        model = self.runner.model
+        idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
+        with torch.inference_mode():
+            vecs = model.latent_feedback(last_hidden[idx])
+        out: list = [None] * len(reqs)
+        traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
+        if traced:
+            with torch.inference_mode():
+                lens = model.compute_logits(vecs[torch.tensor(traced, device=vecs.device)])
+            top = lens.topk(5, dim=-1)
+            for k, j in enumerate(traced):
+                reqs[rows[j]].latent_trace.append({
+                    "norm": float(vecs[j].float().norm()),
+                    "top_tokens": [[int(t), float(v)] for t, v in
+                                   zip(top.indices[k].tolist(), top.values[k].tolist())]})
+        for j, i in enumerate(rows):
+            out[i] = vecs[j]
+        return out
 
 
 def _eos_ids(model_dir, tokenizer, hf_config) -> set[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from latentserve.models.layers import paged_attention
+from latentserve.models.layers import inject, paged_attention
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -74,9 +74,10 @@ class GPT2Model(nn.Module):
 
 class GPT2LMHeadModel(nn.Module):
     """Paged-KV GPT-2 with the same interface as ``LlamaForCausalLM``: ``forward(input_ids
-    [T], positions [T], input_embeds=None) -> [T, n_embd]`` (after ``ln_f``);
-    ``compute_logits([B, n_embd]) -> [B, vocab] float32``. ``input_embeds`` replaces the
-    token embedding only; position embeddings are always added."""
+    [T], positions [T], input_embeds=None, latent_mask=None) -> [T, n_embd]`` (after ``ln_f``);
+    ``compute_logits([B, n_embd]) -> [B, vocab] float32``. Masked rows of ``input_embeds``
+    replace the token embedding only; position embeddings are always added (as HF does for
+    ``inputs_embeds``)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -94,8 +95,8 @@ class GPT2LMHeadModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.transformer.wte(input_ids)
 
-    def forward(self, input_ids, positions, input_embeds=None):
-        x = self.embed(input_ids) if input_embeds is None else input_embeds
+    def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
+        x = inject(self.embed(input_ids), input_embeds, latent_mask)
         x = x + self.transformer.wpe(positions)
         for block in self.transformer.h:
             x = block(x)

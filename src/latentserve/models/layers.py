@@ -61,6 +61,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def inject(embeds: torch.Tensor, input_embeds: torch.Tensor | None,
+           latent_mask: torch.Tensor | None) -> torch.Tensor:
+    """Swap latent rows in right after the embedding lookup.
+
+    embeds: ``[T, H]`` token embeddings; input_embeds: ``[T, H]`` (any float dtype) or None;
+    latent_mask: ``[T] bool`` or None. Returns ``[T, H]`` in ``embeds``' dtype.
+    """
+    if input_embeds is None:
+        return embeds
+    return torch.where(latent_mask[:, None], input_embeds.to(embeds.dtype), embeds)
+
+
 def paged_attention(layer: int, q, k, v, scale: float) -> torch.Tensor:
     """Store this layer's new K/V and attend over each request's pages.
 

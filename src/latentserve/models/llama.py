@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from latentserve.models.layers import RMSNorm, Rotary, paged_attention
+from latentserve.models.layers import inject, RMSNorm, Rotary, paged_attention
 
 
 class LlamaAttention(nn.Module):
@@ -76,9 +76,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Paged-KV Llama.
 
-    ``forward(input_ids [T] int64, positions [T] int64, input_embeds=None)`` returns the final
-    normed hidden ``[T, hidden_size]``; ``compute_logits(hidden [B, hidden]) -> [B, vocab]``
-    float32. ``input_embeds`` (``[T, hidden]``), when given, replaces the token embeddings.
+    ``forward(input_ids [T] int64, positions [T] int64, input_embeds=None, latent_mask=None)``
+    returns the final normed hidden ``[T, hidden_size]``; ``compute_logits(hidden [B, hidden])
+    -> [B, vocab]`` float32. Rows of ``input_embeds [T, hidden]`` where ``latent_mask [T] bool``
+    is set replace the token embeddings (latent steps).
     """
 
     def __init__(self, cfg):
@@ -99,8 +100,8 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids, positions, input_embeds=None):
-        x = self.embed(input_ids) if input_embeds is None else input_embeds
+    def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
+        x = inject(self.embed(input_ids), input_embeds, latent_mask)
         rotary = self.model.rotary_emb
         for layer in self.model.layers:
             x = layer(x, positions, rotary)

@@ -32,7 +32,11 @@ def iter_weights(model_dir: Path):
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str):
     """Return ``(model, hf_config)`` with weights loaded, in eval mode, on ``device``.
 
-    Raises ValueError for an unsupported ``model_type``.
+    A directory with a ``latent_config.json`` is a latent-reasoning model: its family's
+    loader (``latentserve.latent.feedback``) reads the upstream checkpoint form and attaches
+    ``model.latent_spec`` and ``model.latent_feedback``.
+
+    Raises ValueError for an unsupported ``model_type`` or a bad latent config.
     """
     from transformers import AutoConfig
 
@@ -40,10 +44,21 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str):
 
     model_dir = Path(model_dir)
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    latent_cfg = None
+    if (model_dir / "latent_config.json").exists():
+        from latentserve.latent.feedback import (attach_latent, prepare_latent_weights,
+                                                 read_latent_config)
+
+        latent_cfg = read_latent_config(model_dir)
+        weights, hf_config = prepare_latent_weights(model_dir, hf_config, latent_cfg)
+    else:
+        weights = iter_weights(model_dir)
     cls = model_class(hf_config)
     with torch.device("cpu"):
         model = cls(hf_config)
-    model.load_weights(iter_weights(model_dir))
+    model.load_weights(weights)
     model = model.to(device=device, dtype=dtype).eval()
+    if latent_cfg is not None:
+        attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device)
     model.requires_grad_(False)
     return model, hf_config

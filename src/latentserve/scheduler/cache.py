@@ -40,8 +40,9 @@ class CacheManager:
         if row is None:
             return False
         ids = req.ids
-        # Leave at least one token to compute: its logits give the next token.
-        prefix, node = self.radix.match_prefix(ids[: len(ids) - 1])
+        # Leave at least one token to compute: its logits give the next token. Never match
+        # past a latent position: its KV depends on a hidden state, not on the id.
+        prefix, node = self.radix.match_prefix(ids[: min(len(ids) - 1, req.cacheable_len)])
         self.radix.inc_lock(node)
         m = len(prefix)
         slots = self._alloc(len(ids) - m)
@@ -70,15 +71,15 @@ class CacheManager:
     def release(self, req: Req) -> None:
         """Hand ``req``'s computed KV to the radix cache (or free it) and free the rest.
 
-        Only token-id positions are inserted: their KV depends on ids alone.
+        Only positions before the first latent are inserted: their KV depends on ids alone.
         """
         if req.row < 0:
             return
         slots = self.table.table[req.row, : req.num_allocated].clone()
-        n = req.num_computed
+        n = min(req.num_computed, req.cacheable_len)
         present = self.radix.insert(req.ids[:n], slots[:n])
         self.allocator.free(slots[req.cache_len : present])
-        self.allocator.free(slots[n:])
+        self.allocator.free(slots[n:])  # uncomputed, or latent-dependent: never cached
         self.radix.dec_lock(req.cache_node)
         self.table.free_row(req.row)
         req.row, req.cache_node, req.cache_len = -1, None, 0

@@ -43,15 +43,17 @@ class Scheduler:
         max_num_batched_tokens: tokens per forward at most (decode rows count one each).
         max_model_len: a request finishes with "length" when it reaches this many tokens.
         eos_ids: token ids that end a request unless ``ignore_eos``.
+        latent_spec: the model's ``LatentSpec`` or None for a plain model.
     """
 
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_ids: set[int]):
+                 max_model_len: int, eos_ids: set[int], latent_spec=None):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
+        self.latent_spec = latent_spec
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
@@ -120,28 +122,55 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: ScheduledBatch, tokens: list[int]) -> list[StepOutput]:
-        """Advance each request past this step, append sampled tokens (``tokens`` has one
-        entry per row with ``sample`` set, in batch order), retire finished requests."""
-        outs = [StepOutput(r.rid, [], True, r.finish_reason, len(r.prompt_ids),
-                           r.num_cached_prompt or 0) for r in self._aborted]
+    def postprocess(self, batch: ScheduledBatch, tokens: list[int],
+                    latents: list | None = None) -> list[StepOutput]:
+        """Advance each request past this step and retire finished requests.
+
+        ``tokens`` has one sampled id per row with ``sample`` set (batch order); ``latents``,
+        aligned with it, holds the next latent input vector (``[hidden]``) for rows still in
+        their latent phase and None elsewhere. A latent-phase row appends a latent position
+        (or, once its budget is spent, the transition tokens) instead of its sampled token.
+        """
+        outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
         it = iter(tokens)
+        lat = iter(latents or [None] * len(tokens))
         for req, n, sample in zip(batch.reqs, batch.q_lens, batch.sample):
             req.num_computed += n
             if not sample:
                 continue
-            tok = next(it)
+            tok, vec = next(it), next(lat)
+            if req.answer_start is None and not self._advance_latent(req, vec):
+                continue
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
-            out = StepOutput(req.rid, [tok], reason is not None, reason, len(req.prompt_ids),
-                             req.num_cached_prompt or 0)
             if reason is not None:
                 self.running.remove(req)
                 self.cache.release(req)
                 self._finish(req, reason)
-            outs.append(out)
+            outs.append(self._output(req, [tok]))
         return outs
+
+    def _advance_latent(self, req: Req, vec) -> bool:
+        """Phase machine of a latent request after a forward. Appends the next latent
+        position (input ``vec``) while budget remains, else the transition tokens. Returns
+        True when the sampled token is already the first answer token (no transition ids)."""
+        spec = self.latent_spec
+        if len(req.latent_embeds) < req.latent_budget:
+            req.latent_embeds.append(vec)
+            req.output_ids.append(spec.latent_id)
+            return False
+        req.output_ids.extend(spec.end_ids)
+        req.answer_start = len(req.output_ids)
+        return not spec.end_ids
+
+    @staticmethod
+    def _output(req: Req, new: list[int]) -> StepOutput:
+        done = req.status == ReqStatus.FINISHED
+        return StepOutput(req.rid, new, done, req.finish_reason if done else None,
+                          len(req.prompt_ids), req.num_cached_prompt or 0,
+                          latent_steps=len(req.latent_embeds),
+                          latent_trace=req.latent_trace if done and req.latent_trace else None)
 
     def drain_aborted(self) -> list[StepOutput]:
         """Outputs of requests aborted since the last step (when no batch ran)."""
@@ -151,7 +180,7 @@ class Scheduler:
         p = req.params
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.seq_len >= self.max_model_len:
+        if len(req.answer_ids) >= p.max_tokens or req.seq_len >= self.max_model_len:
             return "length"
         return None
 
