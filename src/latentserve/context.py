@@ -13,12 +13,22 @@ class ForwardContext:
     """State of the current forward pass.
 
     ``attn_meta``: what the attention backend prepared for this batch. ``backend``: the
-    attention backend. ``kv_pool``: the KV pool the layers write to.
+    attention backend. ``kv_pool``: the KV pool the layers write to. ``capture_layer`` /
+    ``capture_buf``: when ``capture_layer >= 0``, the model copies the residual stream after
+    that many decoder layers (``[T, hidden]``) into ``capture_buf[:T]`` (a fixed buffer, so
+    the copy is part of a captured CUDA graph; compression heads read it).
     """
 
     attn_meta: Any
     backend: Any
     kv_pool: Any
+    capture_layer: int = -1
+    capture_buf: Any = None
+
+    def maybe_capture(self, layer: int, x) -> None:
+        """Called by the model after decoder layer ``layer - 1`` (``layer`` layers done)."""
+        if layer == self.capture_layer:
+            self.capture_buf[: x.shape[0]].copy_(x)
 
 
 _CTX: ForwardContext | None = None

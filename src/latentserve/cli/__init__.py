@@ -20,7 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per forward (prefill chunk budget)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the radix cache")
-    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: triton on cuda, torch on cpu")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights, KV pool and graphs")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def engine_config(args: argparse.Namespace):
@@ -31,7 +35,9 @@ def engine_config(args: argparse.Namespace):
                         kv_slots=args.kv_slots,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        attention_backend=args.attention_backend)
+                        attention_backend=args.attention_backend,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        enforce_eager=args.enforce_eager)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,6 @@ from latentserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-_CPU_KV_BYTES = 1 << 30  # default KV pool size on CPU when --kv-slots is not given
-
 
 class LLMEngine:
     """Loads ``config.model`` and serves requests step by step.
@@ -30,6 +28,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         from latentserve.attention.base import make_backend
+        from latentserve.engine.kv_sizing import kv_slots_for
         from latentserve.engine.model_runner import ModelRunner
         from latentserve.kvcache.allocator import SlotAllocator
         from latentserve.kvcache.pool import KVPool, PageTable
@@ -53,8 +52,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         layers, kv_heads, head_dim = model.kv_shape
         per_slot = KVPool.bytes_per_slot(layers, kv_heads, head_dim, config.torch_dtype)
-        slots = config.kv_slots or min(
-            config.max_num_seqs * self.max_model_len, max(_CPU_KV_BYTES // per_slot, 2))
+        slots = kv_slots_for(config, per_slot, self.max_model_len, hf_config.vocab_size)
         self.num_kv_slots = slots
         pool = KVPool(layers, slots, kv_heads, head_dim, config.torch_dtype, self.device)
         table = PageTable(config.max_num_seqs, self.max_model_len, self.device)
@@ -66,8 +64,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.latent_spec)
-        self.runner = ModelRunner(model, pool, table, make_backend(config.attention_backend),
+        self.runner = ModelRunner(model, pool, table, make_backend(config.backend_name),
                                   self.device)
+        if (self.device.type == "cuda" and config.backend_name == "triton"
+                and not config.enforce_eager):
+            hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
+            self.runner.capture_graphs(min(config.max_num_seqs, 256), hidden,
+                                       config.torch_dtype)
         self._rids: set[str] = set()
         self._arrivals = 0
         log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,

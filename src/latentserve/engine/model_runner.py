@@ -1,5 +1,5 @@
-"""Turns a ``ScheduledBatch`` into tensors, runs the model once and returns the logits of
-the rows that sample."""
+"""Turns a ``ScheduledBatch`` into tensors, runs the model once (eagerly, or by replaying a
+captured CUDA graph for decode batches) and returns the logits of the rows that sample."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ class ModelRunner:
     rows with ``batch.sample`` set (in batch order): the final-normed hidden state of each
     such request's last position, which latent families feed back.
     Positions a request computes inside its latent span take ``req.latent_embeds`` as input.
-    ``num_computed_tokens`` counts every token forwarded (prefix-cache tests read it).
+    ``num_computed_tokens`` counts every token forwarded (prefix-cache tests read it);
+    ``num_graph_steps`` the decode steps replayed from CUDA graphs.
     """
 
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
@@ -28,7 +29,16 @@ class ModelRunner:
         self.table = table
         self.backend = backend
         self.device = device
+        self.graphs = None  # a CudaGraphRunner once capture_graphs() ran
         self.num_computed_tokens = 0
+        self.num_graph_steps = 0
+
+    def capture_graphs(self, max_bs: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """Capture decode graphs for batch sizes up to ``max_bs`` (CUDA + Triton only)."""
+        from latentserve.engine.cuda_graph import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table,
+                                      max_bs, hidden_size, dtype)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,19 +54,16 @@ class ModelRunner:
             ids.extend(req.ids[start : start + n])
             pos.extend(range(start, start + n))
             last.append(len(ids) - 1)
+        self.num_computed_tokens += len(ids)
         dev = self.device
-        rows = torch.tensor([r.row for r in batch.reqs], device=dev)
-        positions = torch.tensor(pos, device=dev)
-        # Slot of each new token: page_table[row, position].
+        rows_l = [r.row for r in batch.reqs]
+        kv_lens = [s + n for s, n in zip(batch.starts, batch.q_lens)]
+        # One host-to-device copy for every index vector of the batch.
+        packed = torch.tensor([ids, pos], dtype=torch.int64).to(dev, non_blocking=True)
+        input_ids, positions = packed[0], packed[1]
+        rows = torch.tensor(rows_l, dtype=torch.int64).to(dev, non_blocking=True)
         row_of_token = torch.repeat_interleave(rows, torch.tensor(batch.q_lens, device=dev))
-        layout = BatchLayout(
-            q_lens=batch.q_lens,
-            kv_lens=[s + n for s, n in zip(batch.starts, batch.q_lens)],
-            rows=rows,
-            out_slots=self.table.table[row_of_token, positions],
-        )
-        meta = self.backend.prepare(layout, self.table.table)
-        set_context(ForwardContext(meta, self.backend, self.kv_pool))
+        out_slots = self.table.table[row_of_token, positions]  # slot = table[row, position]
         input_embeds = latent_mask = None
         if inj_rows:
             rows_t = torch.tensor(inj_rows, dtype=torch.long, device=dev)
@@ -64,12 +71,24 @@ class ModelRunner:
             input_embeds = vecs.new_zeros(len(ids), vecs.shape[-1]).index_copy_(0, rows_t, vecs)
             latent_mask = torch.zeros(len(ids), dtype=torch.bool, device=dev)
             latent_mask[rows_t] = True
+        decode = len(ids) == len(batch.reqs)
+        if self.graphs is not None and decode and len(ids) <= self.graphs.max_bs:
+            self.num_graph_steps += 1
+            kv = torch.tensor(kv_lens, dtype=torch.int32).to(dev, non_blocking=True)
+            logits, hidden = self.graphs.replay(input_ids, positions, rows, kv, out_slots,
+                                                input_embeds, latent_mask)
+            keep = [i for i, s in enumerate(batch.sample) if s]
+            if len(keep) == len(ids):
+                return logits, hidden
+            idx = torch.tensor(keep, dtype=torch.long, device=dev)
+            return logits[idx], hidden[idx]
+        layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
+        meta = self.backend.prepare(layout, self.table.table)
+        set_context(ForwardContext(meta, self.backend, self.kv_pool))
         try:
-            hidden = self.model(torch.tensor(ids, device=dev), positions, input_embeds,
-                                latent_mask)
+            hidden = self.model(input_ids, positions, input_embeds, latent_mask)
         finally:
             set_context(None)
-        self.num_computed_tokens += len(ids)
         sample_rows = [i for i, s in zip(last, batch.sample) if s]
         last_hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)]
         return self.model.compute_logits(last_hidden), last_hidden

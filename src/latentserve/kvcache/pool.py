@@ -36,13 +36,18 @@ class KVPool:
 
 
 class PageTable:
-    """Rows of slot ids, one row per running request: ``table: [max_reqs, max_model_len] int64``.
+    """Rows of slot ids, one row per running request:
+    ``table: [max_reqs + 1, max_model_len] int64``.
 
     ``alloc_row()`` returns a free row index or None; ``free_row(i)`` gives it back.
+    NOTE: row ``dummy_row`` (the last) is never handed out and stays all zeros, i.e. it
+    points at the dummy slot 0; padded rows of a captured decode batch read through it.
     """
 
     def __init__(self, max_reqs: int, max_model_len: int, device: torch.device | str):
-        self.table = torch.zeros((max_reqs, max_model_len), dtype=torch.int64, device=device)
+        self.table = torch.zeros((max_reqs + 1, max_model_len), dtype=torch.int64,
+                                 device=device)
+        self.dummy_row = max_reqs
         self._free = list(range(max_reqs - 1, -1, -1))
 
     def alloc_row(self) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from latentserve.context import get_context
 from latentserve.models.layers import inject, paged_attention
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -98,8 +99,10 @@ class GPT2LMHeadModel(nn.Module):
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
         x = inject(self.embed(input_ids), input_embeds, latent_mask)
         x = x + self.transformer.wpe(positions)
-        for block in self.transformer.h:
+        ctx = get_context()
+        for i, block in enumerate(self.transformer.h):
             x = block(x)
+            ctx.maybe_capture(i + 1, x)
         return self.transformer.ln_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from latentserve.context import get_context
 from latentserve.models.layers import inject, RMSNorm, Rotary, paged_attention
 
 
@@ -102,9 +103,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
         x = inject(self.embed(input_ids), input_embeds, latent_mask)
-        rotary = self.model.rotary_emb
-        for layer in self.model.layers:
+        rotary, ctx = self.model.rotary_emb, get_context()
+        for i, layer in enumerate(self.model.layers):
             x = layer(x, positions, rotary)
+            ctx.maybe_capture(i + 1, x)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,113 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+Every captured graph is latent-capable: the ``input_embeds [B, hidden]`` and
+``latent_mask [B]`` buffers are always bound (all-False for plain rows), and a capture
+buffer receives one layer's hidden state for each row when the model asks for it. Shapes
+not captured (extend batches, batches above the largest bucket) run eagerly.
+Technique as in vLLM / SGLang ``cuda_graph_runner``; the attention metadata are the Triton
+backend's, refreshed in place before each replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from latentserve.context import ForwardContext, set_context
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    """Batch sizes captured: 1, 2, 4, 8, then every 16 up to ``max_bs`` (and ``max_bs``)."""
+    sizes = {1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}
+    return sorted(b for b in sizes if b <= max_bs)
+
+
+class CudaGraphRunner:
+    """Captures ``model`` decode steps for each bucket and replays them.
+
+    Args:
+        model: the model (``forward(ids, positions, input_embeds, latent_mask)`` and
+            ``compute_logits``). backend: a ``TritonBackend``. kv_pool / table: the KV pool
+            and page table. max_bs: largest batch captured. hidden_size, dtype: of the model.
+        capture_layer: decoder layer whose output goes to ``capture_buf`` (-1: none).
+        latent_capable: bind the inject buffers (True in the engine; False only lets the
+            benchmark measure what binding them costs).
+
+    ``replay(ids, pos, rows, kv_lens, out_slots, embeds, mask)`` takes ``[B]`` device tensors
+    (``embeds [B, hidden]``, ``mask [B] bool``) with B <= max_bs and returns
+    ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
+    the next replay.
+    """
+
+    def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
+                 dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True):
+        from latentserve.attention.triton_backend import TritonMeta
+
+        dev = table.table.device
+        self.buckets = graph_buckets(max_bs)
+        n = self.buckets[-1]
+        self.dummy_row = table.dummy_row
+        self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.rows = torch.full((n,), table.dummy_row, dtype=torch.int64, device=dev)
+        self.kv_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.out_slots = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.embeds = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        self.mask = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.latent_capable = latent_capable
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        pool = None
+        for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool
+            meta = TritonMeta(self.rows[:b], q_start[: b + 1], self.kv_lens[:b],
+                              self.out_slots[:b], table.table, b, 1, True)
+            ctx = ForwardContext(meta, backend, kv_pool, capture_layer, self.capture_buf)
+            set_context(ctx)
+            try:
+                with torch.inference_mode():
+                    self._forward(model, b)  # warm-up: compiles kernels outside capture
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._forward(model, b)
+            finally:
+                set_context(None)
+            pool = graph.pool()
+            self.graphs[b], self.outputs[b] = graph, out
+        torch.cuda.synchronize()
+
+    def _forward(self, model, b):
+        if self.latent_capable:
+            hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
+        else:
+            hidden = model(self.ids[:b], self.pos[:b])
+        return model.compute_logits(hidden), hidden
+
+    @property
+    def max_bs(self) -> int:
+        return self.buckets[-1]
+
+    def replay(self, ids, pos, rows, kv_lens, out_slots, embeds=None, mask=None):
+        n = ids.shape[0]
+        b = next(x for x in self.buckets if x >= n)
+        self.ids[:n].copy_(ids)
+        self.pos[:n].copy_(pos)
+        self.rows[:n].copy_(rows)
+        self.kv_lens[:n].copy_(kv_lens)
+        self.out_slots[:n].copy_(out_slots)
+        if mask is None:
+            self.mask[:n].zero_()
+        else:
+            if not self.latent_capable:
+                raise RuntimeError("latent rows need a latent-capable graph")
+            self.embeds[:n].copy_(embeds)
+            self.mask[:n].copy_(mask)
+        # Padded rows: dummy page-table row, one key, write to the dummy slot 0.
+        self.rows[n:b].fill_(self.dummy_row)
+        self.kv_lens[n:b].fill_(1)
+        self.out_slots[n:b].zero_()
+        self.mask[n:b].zero_()
+        self.graphs[b].replay()
+        logits, hidden = self.outputs[b]
+        return logits[:n], hidden[:n]

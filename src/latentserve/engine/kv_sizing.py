@@ -1,0 +1,35 @@
+"""How many KV slots the pool gets."""
+
+from __future__ import annotations
+
+import torch
+
+CPU_KV_BYTES = 1 << 30  # the pool's size on CPU when --kv-slots is not given
+_GPU_RESERVE_BYTES = 1 << 30  # activations, CUDA graphs and allocator slack
+
+
+def kv_slots_for(config, bytes_per_slot: int, max_model_len: int, vocab_size: int) -> int:
+    """KV pool size in tokens (slots).
+
+    ``config.kv_slots`` when set. On CPU: 1 GiB worth, at most ``max_num_seqs`` full-length
+    requests. On CUDA: ``gpu_memory_utilization`` of the device's memory minus what is in use
+    (weights) and a reserve for activations, graphs and logits.
+
+    Raises:
+        ValueError: on CUDA when the pool cannot hold one ``max_model_len`` request; the
+            message names the flags to change.
+    """
+    if config.kv_slots:
+        return config.kv_slots
+    if not config.device.startswith("cuda"):
+        return min(config.max_num_seqs * max_model_len, max(CPU_KV_BYTES // bytes_per_slot, 2))
+    free, total = torch.cuda.mem_get_info(torch.device(config.device))
+    logits = 4 * vocab_size * (2 * config.max_num_seqs + config.max_num_batched_tokens // 8)
+    budget = total * config.gpu_memory_utilization - (total - free) - _GPU_RESERVE_BYTES - logits
+    slots = int(budget // bytes_per_slot)
+    if slots < max_model_len + 1:
+        raise ValueError(
+            f"the KV pool would hold {max(slots, 0)} tokens, fewer than one request of "
+            f"max_model_len={max_model_len} needs ({bytes_per_slot} bytes per token); lower "
+            "--max-model-len or --max-num-seqs, or raise --gpu-memory-utilization")
+    return slots
