@@ -59,3 +59,22 @@ def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, **overrides) -> Pat
     model.save_pretrained(out)
     _tokenizer().save_pretrained(out)
     return out
+
+
+def save_word_tokenizer(out_dir: str | Path, vocab_size: int = 1024):
+    """Write a small word-level tokenizer (``tokenizer.json`` + config) into ``out_dir``.
+
+    Ids 0/1/2 are ``<unk>``/``<s>``/``</s>`` (eos); the rest are ``w3 .. w{vocab_size-1}``.
+    For benchmarks of random-weight models on machines without the embedded GGUF: only the
+    eos id and token-id prompts matter there.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.save_pretrained(out_dir)
+    return fast

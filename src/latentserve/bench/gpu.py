@@ -1,0 +1,193 @@
+"""GPU benchmark (issue 3): our engine against HF transformers ``generate`` on real-size
+shapes with random weights (bf16), and the decode step against the memory-bandwidth floor.
+
+Run on the H200: ``latentserve bench --suite gpu --json-out PATH`` (or
+``python -m latentserve.bench.gpu PATH``). All times in seconds, throughput in output
+tokens per second, bandwidth in bytes per second.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                         tie_word_embeddings=True, rope_theta=100000.0,
+                         max_position_embeddings=8192),
+    "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+                         vocab_size=128256, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                          "factor": 32.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192},
+                         max_position_embeddings=131072),
+}
+
+
+def save_random_llama(out_dir: Path, shape: dict) -> Path:
+    """A random-weight Llama checkpoint of ``shape`` in bf16 with a word-level tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from latentserve.testing.tiny_models import save_word_tokenizer
+
+    cfg = LlamaConfig(bos_token_id=1, eos_token_id=2, **shape)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out_dir)
+    save_word_tokenizer(out_dir)
+    return out_dir
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def _engine_run(engine, prompts, output_len):
+    """Output tokens/s of one batch, and the mean time of its pure-decode steps."""
+    import torch
+
+    from latentserve.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", p, sp)
+    decode_times, n_out = [], 0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        decode = not engine.scheduler.waiting and all(
+            r.num_pending == 1 for r in engine.scheduler.running)
+        s = time.perf_counter()
+        outs = engine.step()
+        if decode:
+            decode_times.append(time.perf_counter() - s)
+        n_out += sum(len(o.new_token_ids) for o in outs)
+    wall = time.perf_counter() - t0
+    return n_out / wall, wall, sum(decode_times) / max(len(decode_times), 1)
+
+
+def _hf_run(model, prompts, output_len):
+    import torch
+
+    ids = torch.tensor(prompts, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                   max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return len(prompts) * output_len / wall, wall
+
+
+def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
+    """Replay time of a decode graph with the latent inject buffers bound vs without."""
+    import torch
+
+    from latentserve.engine.cuda_graph import CudaGraphRunner
+
+    r = engine.runner
+    hidden = r.graphs.embeds.shape[1]
+    out = {}
+    for capable in (True, False):
+        g = CudaGraphRunner(r.model, r.backend, r.kv_pool, r.table, bs, hidden,
+                            r.graphs.embeds.dtype, latent_capable=capable)
+        z = torch.zeros(bs, dtype=torch.int64, device="cuda")
+        kv = torch.full((bs,), 384, dtype=torch.int32, device="cuda")
+        rows = torch.full((bs,), r.table.dummy_row, dtype=torch.int64, device="cuda")
+        for _ in range(3):
+            g.replay(z, z, rows, kv, z)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            g.replay(z, z, rows, kv, z)
+        torch.cuda.synchronize()
+        out["with_inject_s" if capable else "without_inject_s"] = (time.perf_counter() - t0) / iters
+    out["overhead_pct"] = 100 * (out["with_inject_s"] / out["without_inject_s"] - 1)
+    return out
+
+
+def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
+                  shapes=tuple(SHAPES), hf_baseline=True) -> dict:
+    """Benchmark every shape; returns a JSON-able dict (see module docstring for units)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.kvcache.pool import KVPool
+
+    bw = copy_bandwidth()
+    result = {"machine": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                          "python": platform.python_version()},
+              "copy_bandwidth_Bps": bw, "prompt_len": prompt_len, "output_len": output_len,
+              "shapes": {}}
+    g = torch.Generator().manual_seed(0)
+    for name in shapes:
+        with tempfile.TemporaryDirectory() as d:
+            path = save_random_llama(Path(d), SHAPES[name])
+            engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
+                                            max_model_len=prompt_len + output_len + 8,
+                                            max_num_seqs=max(concurrency)))
+            weights = sum(p.numel() * p.element_size()
+                          for p in engine.runner.model.parameters())
+            layers, kvh, hd = engine.runner.model.kv_shape
+            per_slot = KVPool.bytes_per_slot(layers, kvh, hd, torch.bfloat16)
+            rows = {}
+            _engine_run(engine, torch.randint(3, 1000, (2, 16), generator=g).tolist(), 8)
+            for c in concurrency:
+                prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
+                tps, wall, step = _engine_run(engine, prompts, output_len)
+                mean_ctx = prompt_len + output_len / 2
+                floor = (weights + c * mean_ctx * per_slot) / (bw / 2)
+                rows[c] = {"engine_tok_s": tps, "engine_wall_s": wall,
+                           "decode_step_s": step, "bandwidth_floor_s": floor,
+                           "step_over_floor": step / floor}
+            inject = _inject_cost(engine, max(concurrency))
+            del engine
+            torch.cuda.empty_cache()
+            if hf_baseline:
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
+                hf.eval()
+                _hf_run(hf, torch.randint(3, 1000, (1, 16), generator=g).tolist(), 8)
+                for c in concurrency:
+                    prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
+                    tps, wall = _hf_run(hf, prompts, output_len)
+                    rows[c]["hf_padded_batch_tok_s"] = tps
+                    rows[c]["speedup_vs_hf_batch"] = rows[c]["engine_tok_s"] / tps
+                tps1, _ = _hf_run(hf, prompts[:1], output_len)
+                for c in concurrency:
+                    rows[c]["hf_batch1_tok_s"] = tps1
+                    rows[c]["speedup_vs_hf_batch1"] = rows[c]["engine_tok_s"] / tps1
+                del hf
+                torch.cuda.empty_cache()
+            result["shapes"][name] = {"weights_bytes": weights, "kv_bytes_per_token": per_slot,
+                                      "concurrency": rows, "inject_cost": inject}
+            print(json.dumps({name: result["shapes"][name]}, indent=1), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    out = run_gpu_bench()
+    Path(sys.argv[1] if len(sys.argv) > 1 else "gpu_bench.json").write_text(
+        json.dumps(out, indent=1))
