@@ -1,0 +1,168 @@
+"""``latentserve convert coconut|codi``: an upstream checkpoint over its base HF model
+directory -> a latentserve model directory (docs/models.md):
+
+    config.json (+ generation_config.json)   the base's, ``vocab_size`` = the checkpoint's rows
+    tokenizer files                          the base's; COCONUT adds its three tokens
+    <checkpoint file>                        copied (or symlinked) unchanged
+    base.safetensors                         only when the checkpoint lacks some base weights
+    latent_config.json                       family, token ids, budgets, LoRA, prj
+
+COCONUT (arXiv 2412.06769, upstream ``run.py``): ``<|start-latent|>``, ``<|end-latent|>``,
+``<|latent|>`` are added to the tokenizer in that order (ids ``len(tokenizer)+0/1/2``).
+CODI (arXiv 2502.21074, upstream ``src/model.py``): pad/bot/eot are the raw embedding rows
+``vocab_size+0/1/2`` of the base config (not tokenizer tokens); LoRA rank and prj dims are read
+from the checkpoint's shapes, LoRA alpha is not stored there (upstream scripts use 32).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from latentserve.latent.feedback import (BUFFER_SUFFIXES, LATENT_CONFIG, merge_lora,
+                                         read_state_dict, strip_keys, validate_latent_config)
+
+COCONUT_TOKENS = ("<|start-latent|>", "<|end-latent|>", "<|latent|>")
+
+
+def _start(base_dir, checkpoint, out_dir, overwrite: bool):
+    base_dir, checkpoint, out_dir = Path(base_dir), Path(checkpoint), Path(out_dir)
+    if not (base_dir / "config.json").is_file():
+        raise ValueError(f"--base {base_dir} has no config.json (an HF model directory is needed)")
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"--checkpoint {checkpoint} is not a file")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out_dir} exists and is not empty (use --force)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return base_dir, checkpoint, out_dir, json.loads((base_dir / "config.json").read_text())
+
+
+def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer, symlink):
+    """Write config, tokenizer, checkpoint copy, missing base weights and latent_config."""
+    from safetensors.torch import save_file
+
+    from latentserve.models.loader import iter_weights
+
+    rows = latent_cfg["vocab_size"]
+    from transformers import AutoConfig
+
+    tied = getattr(AutoConfig.from_pretrained(base_dir, local_files_only=True),
+                   "tie_word_embeddings", True)
+    have = set(state) | {"transformer." + k for k in state}
+    missing = {k: v.contiguous() for k, v in iter_weights(base_dir)
+               if k not in have and "transformer." + k not in have
+               and not k.endswith(BUFFER_SUFFIXES) and not (tied and k == "lm_head.weight")}
+    if missing:
+        save_file(missing, str(out_dir / "base.safetensors"), metadata={"format": "pt"})
+    config = json.dumps({**hf_cfg, "vocab_size": rows}, indent=2)
+    (out_dir / "config.json").write_text(config + "\n")
+    if (base_dir / "generation_config.json").is_file():
+        shutil.copy2(base_dir / "generation_config.json", out_dir / "generation_config.json")
+    tokenizer.save_pretrained(str(out_dir))
+    target = out_dir / checkpoint.name
+    if target.resolve() != checkpoint.resolve():  # not converting in place
+        if target.exists() or target.is_symlink():
+            target.unlink()
+        if symlink:
+            target.symlink_to(checkpoint.resolve())
+        else:
+            shutil.copy2(checkpoint, target)
+    latent_cfg = validate_latent_config({**latent_cfg, "checkpoint": checkpoint.name}, out_dir)
+    (out_dir / LATENT_CONFIG).write_text(json.dumps(latent_cfg, indent=2) + "\n")
+    return out_dir
+
+
+def _rows(state: dict, checkpoint) -> int:
+    for k in ("transformer.wte.weight", "wte.weight", "model.embed_tokens.weight"):
+        if k in state:
+            return int(state[k].shape[0])
+    raise ValueError(f"{checkpoint} has no embedding weight: is it a COCONUT/CODI checkpoint?")
+
+
+def convert_coconut(base_dir, checkpoint, out_dir, *, default_budget: int = 6,
+                    max_budget: int = 64, variant: str | None = None, symlink: bool = False,
+                    overwrite: bool = False) -> Path:
+    """Write a COCONUT model directory from ``checkpoint`` (a ``torch.save``'d state dict,
+    keys with or without ``base_causallm.``) over ``base_dir``. Returns ``out_dir``.
+    Raises ValueError when the added token ids do not fit the checkpoint's vocab."""
+    from latentserve.models.checkpoint import load_tokenizer
+
+    base_dir, checkpoint, out_dir, hf_cfg = _start(base_dir, checkpoint, out_dir, overwrite)
+    state = strip_keys(read_state_dict(checkpoint), "coconut")
+    rows = _rows(state, checkpoint)
+    tok = load_tokenizer(base_dir)
+    tok.add_tokens(list(COCONUT_TOKENS))
+    ids = tok.convert_tokens_to_ids(list(COCONUT_TOKENS))
+    if max(ids) >= rows:
+        raise ValueError(f"the COCONUT tokens get ids {ids} from --base's tokenizer but "
+                         f"{checkpoint} has {rows} embedding rows: wrong --base?")
+    cfg = {"format_version": 1, "family": "coconut", "variant": variant, "vocab_size": rows,
+           "default_budget": default_budget, "max_budget": max_budget,
+           "tokens": dict(zip(("start_latent", "end_latent", "latent"), ids))}
+    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink)
+
+
+def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
+                 remove_eos: bool = True, default_budget: int = 6, max_budget: int = 64,
+                 variant: str | None = None, symlink: bool = False,
+                 overwrite: bool = False) -> Path:
+    """Write a CODI model directory from ``checkpoint`` (``model.safetensors`` /
+    ``pytorch_model.bin`` of the whole CODI module) over ``base_dir``. Returns ``out_dir``.
+    Raises ValueError when the embedding rows are not the base vocab + 3."""
+    from latentserve.models.checkpoint import load_tokenizer
+
+    base_dir, checkpoint, out_dir, hf_cfg = _start(base_dir, checkpoint, out_dir, overwrite)
+    raw = read_state_dict(checkpoint)
+    ori = int(hf_cfg["vocab_size"])
+    lora_a = [v for k, v in raw.items() if ".lora_A." in k]
+    lora = {"r": int(lora_a[0].shape[0]), "alpha": lora_alpha, "use_rslora": False} \
+        if lora_a else None
+    state = merge_lora(strip_keys(raw, "codi"), lora, hf_cfg.get("model_type") == "gpt2")
+    rows = _rows(state, checkpoint)
+    if rows != ori + 3:
+        raise ValueError(f"{checkpoint} has {rows} embedding rows; CODI over --base (vocab_size "
+                         f"{ori}) has {ori + 3}: wrong --base?")
+    raw = {k.removeprefix("module."): v for k, v in raw.items()}
+    prj = None
+    if "prj.1.weight" in raw:
+        prj = {"dim": int(raw["prj.1.weight"].shape[0]), "layer_norm": "prj.ln.weight" in raw,
+               "eps": 1e-5}
+    tok = load_tokenizer(base_dir)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else hf_cfg.get("eos_token_id")
+    tokens = {"pad": ori, "bot": ori + 1, "eot": ori + 2}
+    if isinstance(eos, int):
+        tokens["eos"] = eos
+    cfg = {"format_version": 1, "family": "codi", "variant": variant, "vocab_size": rows,
+           "default_budget": default_budget, "max_budget": max_budget, "tokens": tokens,
+           "remove_eos": remove_eos, "lora": lora, "prj": prj}
+    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink)
+
+
+def add_convert_args(p) -> None:
+    """``latentserve convert {coconut,codi} --base DIR --checkpoint FILE --out DIR ...``."""
+    p.add_argument("family", choices=["coconut", "codi"], help="upstream checkpoint form")
+    p.add_argument("--base", required=True, help="the base HF model directory it was trained from")
+    p.add_argument("--checkpoint", required=True,
+                   help="COCONUT: checkpoint_N; CODI: model.safetensors or pytorch_model.bin")
+    p.add_argument("--out", required=True, help="the model directory to write")
+    p.add_argument("--default-budget", type=int, default=6, help="latent steps by default (6)")
+    p.add_argument("--max-budget", type=int, default=64, help="the largest budget allowed (64)")
+    p.add_argument("--variant", default=None, help="informative tag, e.g. sim-cot")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="CODI LoRA alpha (32)")
+    p.add_argument("--keep-eos", action="store_true",
+                   help="CODI trained without --remove_eos: latents in [eos, bot] ... [eot, eos]")
+    p.add_argument("--symlink", action="store_true", help="link the checkpoint instead of copying")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+
+
+def convert_main(args) -> int:
+    common = dict(default_budget=args.default_budget, max_budget=args.max_budget,
+                  variant=args.variant, symlink=args.symlink, overwrite=args.force)
+    if args.family == "coconut":
+        out = convert_coconut(args.base, args.checkpoint, args.out, **common)
+    else:
+        out = convert_codi(args.base, args.checkpoint, args.out, lora_alpha=args.lora_alpha,
+                           remove_eos=not args.keep_eos, **common)
+    print(f"wrote {out}")
+    return 0

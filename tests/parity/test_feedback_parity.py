@@ -1,0 +1,134 @@
+"""Feedback latent models (COCONUT, CODI; SIM-CoT loads the same way): the engine's greedy
+answers and first-answer logits equal the eager per-request reference loop over HF
+transformers modules (``latentserve.testing.latent_reference``) for budgets 0, 1, 3, 6, 8 in
+mixed-budget batches, with the prefix cache cold and warm. Latent positions are never served
+from the radix cache."""
+
+import pytest
+import torch
+
+from latentserve.config import EngineConfig
+from latentserve.engine.llm_engine import LLMEngine
+from latentserve.sampling_params import SamplingParams
+from latentserve.testing.latent_models import LATENT_KINDS, save_latent_tiny
+from latentserve.testing.latent_reference import reference_generate
+from latentserve.testing.parity import shared_prefix_prompts
+
+BUDGETS = (0, 1, 3, 6, 8)
+MAX_TOKENS = 10
+
+
+def _requests():
+    """11 (prompt, budget) pairs: every budget, shared prefixes, and one prompt three times
+    with different budgets (its latent KV must not be shared)."""
+    prompts = shared_prefix_prompts()
+    reqs = [(p, BUDGETS[i % len(BUDGETS)]) for i, p in enumerate(prompts)]
+    return reqs + [(prompts[0], b) for b in (0, 6, 8)]
+
+
+@pytest.fixture(scope="module")
+def latent_dirs(tmp_path_factory, smollm2_dir):
+    root = tmp_path_factory.mktemp("latent-parity")
+    return {k: save_latent_tiny(root / k, k) for k in LATENT_KINDS}
+
+
+@pytest.fixture(scope="module")
+def references(latent_dirs):
+    return {k: [reference_generate(latent_dirs[k], p, b, MAX_TOKENS) for p, b in _requests()]
+            for k in LATENT_KINDS}
+
+
+def _run(engine, reqs, join_after: int | None = None):
+    """Drive ``engine`` over ``reqs``; returns per request (answer tokens, first-answer logits
+    row, num_cached_tokens). With ``join_after``, the second half joins after that many steps."""
+    runner, last = engine.runner, {}
+    original = runner.run
+
+    def recording_run(batch):
+        logits, hidden = original(batch)
+        last["reqs"] = [r.rid for r, s in zip(batch.reqs, batch.sample) if s]
+        last["logits"] = logits
+        return logits, hidden
+
+    base = engine._arrivals
+    rids = [f"q{base + i}" for i in range(len(reqs))]
+    todo = list(zip(rids, reqs))
+    first = todo if join_after is None else todo[: len(todo) // 2]
+    rest = [] if join_after is None else todo[len(todo) // 2:]
+    for rid, (prompt, budget) in first:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                       latent_budget=budget))
+    tokens, logits, cached, steps = {r: [] for r in rids}, {}, {}, 0
+    runner.run = recording_run
+    try:
+        while engine.has_unfinished_requests() or rest:
+            if rest and steps == join_after:
+                for rid, (prompt, budget) in rest:
+                    engine.add_request(rid, prompt, SamplingParams(
+                        max_tokens=MAX_TOKENS, temperature=0.0, latent_budget=budget))
+                rest = []
+            last.clear()
+            for out in engine.step():
+                if out.new_token_ids and not tokens[out.rid]:
+                    logits[out.rid] = last["logits"][last["reqs"].index(out.rid)].float().cpu()
+                tokens[out.rid] += out.new_token_ids
+                cached[out.rid] = out.num_cached_tokens
+            steps += 1
+    finally:
+        runner.run = original
+    return [(tokens[r], logits[r], cached[r]) for r in rids]
+
+
+def _assert_matches(kind, results, refs):
+    for i, ((toks, lg, _), (ref_toks, ref_lg), (_, b)) in enumerate(
+            zip(results, refs, _requests())):
+        assert toks == ref_toks, f"{kind} request {i} (budget {b}): engine {toks} != ref {ref_toks}"
+        torch.testing.assert_close(lg, ref_lg, atol=1e-4, rtol=0,
+                                   msg=f"{kind} request {i} (budget {b}) first-answer logits")
+
+
+@pytest.mark.parametrize("kind", LATENT_KINDS)
+def test_mixed_budget_batch_matches_reference_cold_then_warm(kind, latent_dirs, references):
+    engine = LLMEngine(EngineConfig(model=str(latent_dirs[kind])))
+    spec = engine.latent_spec
+    assert spec is not None and spec.family == kind.split("-")[0]
+    results = _run(engine, _requests())
+    _assert_matches(kind, results, references[kind])
+    engine.cache.check_idle()
+
+    results = _run(engine, _requests())  # warm: every prompt is in the radix cache
+    _assert_matches(kind, results, references[kind])
+    engine.cache.check_idle()
+    for (_, _, cached), (prompt, _) in zip(results, _requests()):
+        assert cached > 0, "warm run should hit the cache"
+        # Only prompt (+ start) tokens are shareable: latent positions never are.
+        assert cached <= len(prompt) + len(spec.start_ids)
+
+
+@pytest.mark.parametrize("kind", ["coconut-gpt2", "codi-llama"])
+def test_requests_joining_mid_flight_match_reference(kind, latent_dirs, references):
+    engine = LLMEngine(EngineConfig(model=str(latent_dirs[kind])))
+    _assert_matches(kind, _run(engine, _requests(), join_after=4), references[kind])
+    engine.cache.check_idle()
+
+
+def test_same_prompt_different_budgets_do_not_share_latent_kv(latent_dirs):
+    """Sequentially: a budget-8 request fills the cache, then the same prompt with budget 3
+    and 0 must recompute from the first latent position on."""
+    d = latent_dirs["codi-gpt2"]
+    engine = LLMEngine(EngineConfig(model=str(d)))
+    prompt = shared_prefix_prompts()[3]
+    for b in (8, 3, 0, 8):
+        (toks, lg, cached), = _run(engine, [(prompt, b)])
+        ref_toks, ref_lg = reference_generate(d, prompt, b, MAX_TOKENS)
+        assert toks == ref_toks, f"budget {b}"
+        torch.testing.assert_close(lg, ref_lg, atol=1e-4, rtol=0)
+        assert cached <= len(prompt) + len(engine.latent_spec.start_ids)
+    engine.cache.check_idle()
+
+
+def test_chunked_prefill_without_prefix_cache_matches_reference(latent_dirs, references):
+    engine = LLMEngine(EngineConfig(model=str(latent_dirs["coconut-llama"]),
+                                    max_num_batched_tokens=7, enable_prefix_caching=False))
+    _assert_matches("coconut-llama", _run(engine, _requests()), references["coconut-llama"])
+    assert engine.cache.num_free == engine.num_kv_slots
