@@ -132,3 +132,25 @@ def test_chunked_prefill_without_prefix_cache_matches_reference(latent_dirs, ref
                                     max_num_batched_tokens=7, enable_prefix_caching=False))
     _assert_matches("coconut-llama", _run(engine, _requests()), references["coconut-llama"])
     assert engine.cache.num_free == engine.num_kv_slots
+
+
+def test_codi_never_samples_eot(latent_dirs):
+    """Upstream CODI takes the answer argmax over logits[:vocab - 1], so eot is never an
+    answer token: even when eot's logit is made the largest, answers are unchanged."""
+    engine = LLMEngine(EngineConfig(model=str(latent_dirs["codi-gpt2"])))
+    eot = engine.latent_spec.end_ids[0]
+    reqs = _requests()[:4]
+    plain = [r[0] for r in _run(engine, reqs)]
+    model = engine.runner.model
+    original = model.compute_logits
+
+    def eot_first(hidden):
+        logits = original(hidden)
+        logits[:, eot] = logits.max() + 100.0
+        return logits
+
+    model.compute_logits = eot_first
+    boosted = [r[0] for r in _run(engine, reqs)]
+    assert boosted == plain
+    assert all(eot not in answer for answer in boosted)
+    engine.cache.check_idle()

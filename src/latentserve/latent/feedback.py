@@ -142,15 +142,17 @@ def latent_spec_from_config(cfg: dict) -> LatentSpec:
     """The engine contract for a validated config. CODI with ``remove_eos: false`` wraps the
     latents as upstream ``test.py`` does: prompt + [eos, bot] ... [eot, eos]."""
     t = cfg["tokens"]
+    suppress: tuple[int, ...] = ()
     if cfg["family"] == "coconut":
         start, end, latent = (t["start_latent"],), (t["end_latent"],), t["latent"]
     else:
-        start, end, latent = (t["bot"],), (t["eot"],), t["pad"]
+        # Upstream test.py takes the argmax over logits[:vocab_size - 1]: eot is never picked.
+        start, end, latent, suppress = (t["bot"],), (t["eot"],), t["pad"], (t["eot"],)
         if not cfg["remove_eos"]:
             start, end = (t["eos"], t["bot"]), (t["eot"], t["eos"])
     return LatentSpec(kind="feedback", family=cfg["family"], default_budget=cfg["default_budget"],
                       max_budget=cfg["max_budget"], positions_per_thought=1,
-                      start_ids=start, end_ids=end, latent_id=latent)
+                      start_ids=start, end_ids=end, latent_id=latent, suppress_ids=suppress)
 
 
 # ----------------------------------------------------------------------------- weights

@@ -26,6 +26,8 @@ class LatentSpec:
             ``<|end-latent|>``; CODI ``eot``).
         latent_id: the id recorded at latent positions (COCONUT ``<|latent|>``); it never
             reaches the embedding lookup because those rows are replaced.
+        suppress_ids: ids never sampled (their logits are set to -inf), e.g. CODI's ``eot``,
+            which upstream drops from the answer's argmax.
     """
 
     kind: str
@@ -36,6 +38,7 @@ class LatentSpec:
     start_ids: tuple[int, ...] = field(default_factory=tuple)
     end_ids: tuple[int, ...] = field(default_factory=tuple)
     latent_id: int = 0
+    suppress_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.kind not in ("feedback",):
