@@ -62,9 +62,10 @@ def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: 
 
 def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora_r: int = 8,
                         lora_alpha: float = 16.0, prj_dim: int = 48, layer_norm: bool = True,
-                        seed: int = 0):
-    """Write ``root/base`` (tiny ``gpt2`` or tied ``llama``) and ``root/upstream/<file>``
-    (``model.safetensors`` or ``pytorch_model.bin``). Returns ``(base_dir, checkpoint_path)``."""
+                        seed: int = 0, base_dir=None):
+    """Write ``root/base`` (tiny ``gpt2`` or tied ``llama``; or use an existing ``base_dir``
+    of that architecture) and ``root/upstream/<file>`` (``model.safetensors`` or
+    ``pytorch_model.bin``). Returns ``(base_dir, checkpoint_path)``."""
     import torch
     from peft import LoraConfig, get_peft_model
     from torch import nn
@@ -72,7 +73,7 @@ def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora
     from latentserve.testing.tiny_models import save_tiny
 
     root = Path(root)
-    base_dir = save_tiny(root / "base", base, seed=seed)
+    base_dir = Path(base_dir) if base_dir else save_tiny(root / "base", base, seed=seed)
     model = _resized_base(base_dir, seed)
     cfg = LoraConfig(task_type="CAUSAL_LM", r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.1,
                      target_modules=LORA_TARGETS[base], init_lora_weights=True,

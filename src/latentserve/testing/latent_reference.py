@@ -48,11 +48,12 @@ def _lora_hooks(model, state: dict, r: int, alpha: float) -> dict:
 
 
 @lru_cache(maxsize=8)
-def load_reference(model_dir: str):
+def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
     """``(hf_model, cfg, feedback)`` for a latentserve model directory: the HF CausalLM of the
     base config with the vocab resized to the checkpoint's rows and the upstream weights
     (LoRA through peft's unmerged forward when peft is installed, else forward hooks),
-    ``cfg`` the raw latent_config.json, ``feedback`` the CODI ``prj`` or identity. float32."""
+    ``cfg`` the raw latent_config.json, ``feedback`` the CODI ``prj`` or identity; on
+    ``device`` in ``dtype`` (float32 by default)."""
     from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -100,7 +101,8 @@ def load_reference(model_dir: str):
         if prj.get("layer_norm", True):
             feedback.add_module("ln", nn.LayerNorm(h, eps=prj.get("eps", 1e-5)))
         feedback.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("prj.")})
-    return target.eval(), cfg, feedback.eval()
+    dt = getattr(torch, dtype)
+    return target.to(device, dt).eval(), cfg, feedback.to(device, dt).eval()
 
 
 def _eos_ids(hf_model) -> set[int]:
@@ -121,10 +123,12 @@ def _wrap_ids(cfg: dict) -> tuple[list[int], list[int]]:
 
 
 @torch.no_grad()
-def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens: int):
+def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens: int,
+                       device: str = "cpu", dtype: str = "float32", ignore_eos: bool = False):
     """Greedy answer for one request: ``(answer_token_ids, first_answer_logits)`` where the
-    logits (``[vocab] float32``, all rows) are those the first answer token is taken from."""
-    model, cfg, feedback = load_reference(str(model_dir))
+    logits (``[vocab] float32``, all rows, on the CPU) are those the first answer token is
+    taken from. ``ignore_eos`` decodes exactly ``max_tokens`` (for benchmarks)."""
+    model, cfg, feedback = load_reference(str(model_dir), device, dtype)
     emb = model.get_input_embeddings()
     start, end = _wrap_ids(cfg)
     eos = _eos_ids(model)
@@ -138,16 +142,17 @@ def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens
         past = out.past_key_values
         return out.logits[0, -1].float(), out.hidden_states[-1][0, -1]
 
-    logits, hidden = run(emb(torch.tensor(prompt_ids + start)))
+    dev = model.device
+    logits, hidden = run(emb(torch.tensor(prompt_ids + start, device=dev)))
     for _ in range(budget):
         logits, hidden = run(feedback(hidden)[None])
-    logits, hidden = run(emb(torch.tensor(end)))
-    first, answer = logits.clone(), []
+    logits, hidden = run(emb(torch.tensor(end, device=dev)))
+    first, answer = logits.cpu(), []
     for _ in range(max_tokens):
         pick = logits[: vocab - 1] if cfg["family"] == "codi" else logits
         tok = int(pick.argmax())
         answer.append(tok)
-        if tok in eos:
+        if tok in eos and not ignore_eos:
             break
-        logits, hidden = run(emb(torch.tensor([tok])))
+        logits, hidden = run(emb(torch.tensor([tok], device=dev)))
     return answer, first

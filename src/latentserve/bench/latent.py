@@ -1,0 +1,130 @@
+"""Feedback-latent benchmark (issue 5): many concurrent COCONUT / CODI requests through the
+engine against the eager per-request reference loop (``latentserve.testing.latent_reference``,
+HF transformers with a KV cache: already faster than upstream COCONUT, which recomputes the
+whole prefix for every answer token) run one request at a time, in the same process.
+
+Shapes use random weights: COCONUT on GPT-2 124M (n_embd 768, 12 layers, vocab 50257 + 3) and
+CODI on Llama-3.2-1B (GPU only; needs peft to write the upstream checkpoint). Throughput is
+answer tokens per second; latent steps are work but not output.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
+
+
+def build_coconut_gpt2(root: Path) -> Path:
+    """COCONUT over a random GPT-2 124M-shaped base, written in the upstream form
+    (``base_causallm.`` state dict) and converted; returns the model directory."""
+    import torch
+
+    from latentserve.latent.convert import convert_coconut
+    from latentserve.testing.latent_models import _resized_base
+    from latentserve.testing.tiny_models import save_tiny
+
+    base = save_tiny(root / "base", "gpt2", **GPT2_124M)
+    model = _resized_base(base, 0)
+    (root / "upstream").mkdir(parents=True, exist_ok=True)
+    ckpt = root / "upstream" / "checkpoint_1"
+    torch.save({"base_causallm." + k: v for k, v in model.state_dict().items()}, ckpt)
+    return convert_coconut(base, ckpt, root / "model")
+
+
+def build_codi_llama_1b(root: Path) -> Path:
+    """CODI (LoRA r=128, alpha=32 as upstream's scripts; prj 2048) over a random Llama-3.2-1B
+    shape; returns the converted model directory."""
+    from latentserve.bench.gpu import SHAPES, save_random_llama
+    from latentserve.latent.convert import convert_codi
+    from latentserve.testing import latent_models
+
+    base = save_random_llama(root / "base", SHAPES["llama-3.2-1b"])
+    base, ckpt = latent_models.write_upstream_codi(root, "llama", "safetensors", lora_r=128,
+                                                   lora_alpha=32.0, prj_dim=2048, base_dir=base)
+    return convert_codi(base, ckpt, root / "model", lora_alpha=32.0)
+
+
+def bench_one(model_dir: Path, device: str, dtype: str, concurrency, budget: int,
+              answer_len: int, prompt_len: int = 64, ref_requests: int = 4) -> dict:
+    """Engine answer tokens/s at each concurrency vs the reference one request at a time
+    (measured on ``ref_requests`` requests; its throughput does not depend on concurrency)."""
+    import torch
+
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.latent_reference import reference_generate
+
+    g = torch.Generator().manual_seed(0)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype=dtype,
+                                    max_num_seqs=max(concurrency),
+                                    max_model_len=prompt_len + budget + answer_len + 8,
+                                    kv_slots=None if device == "cuda" else 65536))
+    sp = SamplingParams(max_tokens=answer_len, temperature=0.0, ignore_eos=True,
+                        latent_budget=budget)
+    rows = {}
+    for c in (1, *concurrency):  # the first pass warms up
+        prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
+        for i, p in enumerate(prompts):
+            engine.add_request(f"c{c}-{time.monotonic_ns()}-{i}", p, sp)
+        t0, n = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            n += sum(len(o.new_token_ids) for o in engine.step())
+        rows[c] = {"engine_tok_s": n / (time.perf_counter() - t0), "answer_tokens": n}
+    graph_steps = engine.runner.num_graph_steps
+    del engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the KV pool took most of the GPU
+    prompts = torch.randint(3, 1000, (ref_requests + 1, prompt_len), generator=g).tolist()
+    reference_generate(model_dir, prompts[0], budget, 2, device, dtype)  # load + warm up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for p in prompts[1:]:
+        reference_generate(model_dir, p, budget, answer_len, device, dtype, ignore_eos=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    ref = ref_requests * answer_len / (time.perf_counter() - t0)
+    for c in concurrency:
+        rows[c]["reference_tok_s"] = ref
+        rows[c]["speedup"] = rows[c]["engine_tok_s"] / ref
+    return {"budget": budget, "answer_len": answer_len, "prompt_len": prompt_len,
+            "graph_steps": graph_steps, "concurrency": {c: rows[c] for c in concurrency}}
+
+
+def run_latent_bench(device: str = "cpu", concurrency=(32,), budget: int = 6,
+                     answer_len: int = 32, codi: bool = False) -> dict:
+    """COCONUT GPT-2 124M (and, with ``codi``, CODI Llama-3.2-1B) on ``device``."""
+    import torch
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    out = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
+                       "torch": torch.__version__,
+                       "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None},
+           "device": device, "dtype": dtype, "models": {}}
+    with tempfile.TemporaryDirectory() as d:
+        builds = [("coconut-gpt2-124m", build_coconut_gpt2)]
+        if codi:
+            builds.append(("codi-llama-3.2-1b", build_codi_llama_1b))
+        for name, build in builds:
+            path = build(Path(d) / name)
+            out["models"][name] = bench_one(path, device, dtype, concurrency, budget,
+                                            answer_len)
+            print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    conc = (1, 16, 64) if dev == "cuda" else (32,)
+    res = run_latent_bench(dev, conc, codi=dev == "cuda")
+    Path(sys.argv[1] if len(sys.argv) > 1 else "latent_bench.json").write_text(
+        json.dumps(res, indent=1))
