@@ -19,7 +19,9 @@ class ModelRunner:
     such request's last position, which latent families feed back.
     Positions a request computes inside its latent span take ``req.latent_embeds`` as input.
     ``num_computed_tokens`` counts every token forwarded (prefix-cache tests read it);
-    ``num_graph_steps`` the decode steps replayed from CUDA graphs.
+    ``num_graph_steps`` the decode steps replayed from CUDA graphs. With
+    ``set_capture(layer)``, ``last_captured`` holds ``[S, hidden]``: the residual stream after
+    ``layer`` decoder layers at each sampling row's last position (compression heads read it).
     """
 
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
@@ -30,15 +32,22 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.graphs = None  # a CudaGraphRunner once capture_graphs() ran
+        self.capture_layer = -1
+        self.last_captured: torch.Tensor | None = None
         self.num_computed_tokens = 0
         self.num_graph_steps = 0
+
+    def set_capture(self, layer: int) -> None:
+        """Capture the residual stream after ``layer`` decoder layers (call before
+        ``capture_graphs``, which bakes it into the graphs); -1 turns capture off."""
+        self.capture_layer = layer
 
     def capture_graphs(self, max_bs: int, hidden_size: int, dtype: torch.dtype) -> None:
         """Capture decode graphs for batch sizes up to ``max_bs`` (CUDA + Triton only)."""
         from latentserve.engine.cuda_graph import CudaGraphRunner
 
         self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table,
-                                      max_bs, hidden_size, dtype)
+                                      max_bs, hidden_size, dtype, self.capture_layer)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,18 +86,29 @@ class ModelRunner:
             kv = torch.tensor(kv_lens, dtype=torch.int32).to(dev, non_blocking=True)
             logits, hidden = self.graphs.replay(input_ids, positions, rows, kv, out_slots,
                                                 input_embeds, latent_mask)
+            captured = self.graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             keep = [i for i, s in enumerate(batch.sample) if s]
-            if len(keep) == len(ids):
-                return logits, hidden
-            idx = torch.tensor(keep, dtype=torch.long, device=dev)
-            return logits[idx], hidden[idx]
+            if len(keep) < len(ids):  # a 1-token prefill chunk that does not end its prompt
+                idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                logits, hidden = logits[idx], hidden[idx]
+                captured = None if captured is None else captured[idx]
+            self.last_captured = captured
+            return logits, hidden
         layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
         meta = self.backend.prepare(layout, self.table.table)
-        set_context(ForwardContext(meta, self.backend, self.kv_pool))
+        capture_buf = None
+        if self.capture_layer >= 0:
+            capture_buf = torch.empty(len(ids), self.model.config.hidden_size,
+                                      dtype=self.kv_pool.k[0].dtype, device=dev)
+        set_context(ForwardContext(meta, self.backend, self.kv_pool, self.capture_layer,
+                                   capture_buf))
         try:
             hidden = self.model(input_ids, positions, input_embeds, latent_mask)
         finally:
             set_context(None)
         sample_rows = [i for i, s in zip(last, batch.sample) if s]
-        last_hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)]
+        idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        if capture_buf is not None:
+            self.last_captured = capture_buf[idx]
+        last_hidden = hidden[idx]
         return self.model.compute_logits(last_hidden), last_hidden

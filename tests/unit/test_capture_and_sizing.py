@@ -1,0 +1,55 @@
+"""The mid-layer capture buffer (what compression heads read) and KV pool sizing."""
+
+import pytest
+import torch
+
+from latentserve.config import EngineConfig
+from latentserve.engine.kv_sizing import kv_slots_for
+from latentserve.testing.parity import run_batch, shared_prefix_prompts
+
+
+@pytest.mark.parametrize("kind,layer", [("llama", 1), ("gpt2", 1)])
+def test_capture_returns_the_layer_hidden_of_each_sampling_row(kind, layer, tiny_dirs,
+                                                               hf_models):
+    from latentserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_dirs[kind])))
+    engine.runner.set_capture(layer)
+    seen = {}
+    original = engine.runner.run
+
+    def run(batch):
+        out = original(batch)
+        rows = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        for req, cap in zip(rows, engine.runner.last_captured):
+            if not req.output_ids:
+                seen[req.rid] = (list(req.prompt_ids), cap.clone())
+        return out
+
+    engine.runner.run = run
+    run_batch(engine, shared_prefix_prompts()[:4], 2)
+    hf = hf_models(tiny_dirs[kind])
+    for prompt, cap in seen.values():
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states[layer]
+        torch.testing.assert_close(cap, ref[0, -1], atol=1e-4, rtol=0)
+    assert len(seen) == 4
+
+
+def test_kv_sizing_on_cuda_fails_with_the_flags_to_change(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 80 * gib))
+    cfg = EngineConfig(device="cuda", max_model_len=4096)
+    with pytest.raises(ValueError, match="--max-model-len or --max-num-seqs"):
+        kv_slots_for(cfg, bytes_per_slot=1 << 20, max_model_len=4096, vocab_size=1000)
+
+
+def test_kv_sizing_on_cuda_uses_the_memory_fraction(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (70 * gib, 80 * gib))
+    small = kv_slots_for(EngineConfig(device="cuda", gpu_memory_utilization=0.5), 1 << 16,
+                         1024, 1000)
+    large = kv_slots_for(EngineConfig(device="cuda", gpu_memory_utilization=0.9), 1 << 16,
+                         1024, 1000)
+    # 0.4 of 80 GiB more memory buys 0.4 * 80 GiB / 64 KiB more slots.
+    assert large - small == pytest.approx(0.4 * 80 * gib / (1 << 16), abs=1)
