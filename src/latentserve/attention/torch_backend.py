@@ -63,8 +63,10 @@ class TorchBackend(AttentionBackend):
             qp = q.new_zeros(b * q_max, n_heads, d)
             qp[meta.flat_idx] = q
             qp = qp.view(b, q_max, n_heads, d)
-        keys = kv_pool.k[layer][meta.kv_index].to(q.dtype)  # [B, Kmax, Hkv, D]
-        vals = kv_pool.v[layer][meta.kv_index].to(q.dtype)
+        flat = meta.kv_index.reshape(-1)  # index_select is far faster than advanced indexing
+        shape = (*meta.kv_index.shape, *kv_pool.k[layer].shape[1:])
+        keys = kv_pool.k[layer].index_select(0, flat).view(shape).to(q.dtype)  # [B,Kmax,Hkv,D]
+        vals = kv_pool.v[layer].index_select(0, flat).view(shape).to(q.dtype)
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2), keys.transpose(1, 2), vals.transpose(1, 2),
             attn_mask=meta.mask, scale=scale, enable_gqa=keys.shape[2] != n_heads,

@@ -1,0 +1,299 @@
+"""Offline throughput: our engine (all prompts batched) against Hugging Face ``generate``
+(one prompt at a time), on the same chat-templated GSM8K questions.
+
+Units used throughout the returned dict: times in seconds (``*_s``; ``cpu_s`` is process CPU
+time, all threads), throughputs in tokens per second (``*_tok_per_s``), token counts in
+tokens, load averages in runnable threads. "Output tokens" are generated tokens; "total
+tokens" are prompt + generated tokens.
+
+Method:
+
+* prompts: the first ``num_prompts`` questions of ``latentserve/data/questions.json`` (GSM8K
+  test split, MIT), each as one user message through the model's chat template (cycled when
+  more than 40 are asked for);
+* engine: ``LLM(model, device, dtype, seed)``; a 2-prompt warm-up run (two other questions
+  as plain text, without the chat template, 8 output tokens, not timed), then every prompt in
+  one ``generate`` call, greedy, ``ignore_eos=True, max_tokens=output_len``, so each request
+  makes exactly ``output_len`` tokens. The prefix cache stays on (the engine default), but
+  because the warm-up prompts share no prefix with the chat prompts and all timed prompts
+  are admitted in the same step, the timed run starts cold: ``prefix_cached_tokens`` (the
+  prompt tokens the cache served) is expected to be 0;
+* HF baseline: ``AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)``, one untimed
+  4-token warm-up, then ``generate`` for one prompt at a time (batch 1, greedy,
+  ``max_new_tokens = min_new_tokens = output_len``), timed over all prompts;
+* greedy agreement: for the first 4 prompts the engine's tokens are compared with HF's up to
+  the engine's first EOS (HF's ``min_new_tokens`` forbids EOS, so the two legitimately differ
+  from there on).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import UTC, datetime
+from importlib import resources
+
+WARMUP_PROMPTS = 2
+WARMUP_OUTPUT_LEN = 8
+AGREEMENT_PROMPTS = 4
+
+
+def load_questions() -> list[dict]:
+    """The packaged GSM8K questions: a list of ``{"question": str, "answer": str}`` (answer is
+    the final number after '####'). Raises FileNotFoundError if the package data is missing."""
+    text = resources.files("latentserve").joinpath("data/questions.json").read_text("utf-8")
+    return json.loads(text)["questions"]
+
+
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
+    """``question`` as one user turn through the tokenizer's chat template (with the
+    generation prompt), as token ids; the plain encoded question if there is no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.encode(question))
+    out = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                        add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+    return [int(t) for t in ids]
+
+
+def build_prompts(tokenizer, num_prompts: int, offset: int = 0) -> list[list[int]]:
+    """Token ids of ``num_prompts`` chat prompts, questions ``offset, offset+1, ...`` (cycled)."""
+    qs = load_questions()
+    return [chat_prompt_ids(tokenizer, qs[(offset + i) % len(qs)]["question"])
+            for i in range(num_prompts)]
+
+
+def machine_info() -> dict:
+    """Platform, CPU model and counts, torch/transformers versions, torch's thread count, the
+1-minute load average and the OpenMP/MKL environment variables."""
+    import torch
+    import transformers
+
+    cpu_model = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    info = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "torch_num_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "loadavg_1m": _loadavg(),
+        # Threading knobs that change CPU results a lot on a shared machine.
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                                 "MKL_NUM_THREADS", "GOMP_SPINCOUNT")},
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _cpu_s() -> float:
+    """CPU time [s] used so far by this process (user + system, all threads)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _loadavg() -> float | None:
+    """The 1-minute load average (runnable threads on the machine), None where unknown."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _rates(wall_s: float, output_tokens: int, prompt_tokens: int, cpu_s: float,
+           load_before: float | None) -> dict:
+    """Throughputs of a timed run. ``cpu_s`` [s] is the process CPU time it used; a ratio
+    ``cpu_s / wall_s`` far above the useful thread count, together with a load average above
+    the CPU count, means threads spun waiting for CPUs taken by other processes."""
+    return {
+        "wall_s": round(wall_s, 4),
+        "cpu_s": round(cpu_s, 3),
+        "loadavg_1m_before": load_before,
+        "loadavg_1m_after": _loadavg(),
+        "output_tokens": output_tokens,
+        "total_tokens": output_tokens + prompt_tokens,
+        "output_tok_per_s": round(output_tokens / wall_s, 3),
+        "total_tok_per_s": round((output_tokens + prompt_tokens) / wall_s, 3),
+    }
+
+
+def _run_engine(model, prompts, warmup, output_len, device, dtype, seed
+                ) -> tuple[dict, list[list[int]], list[int]]:
+    from latentserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model, device=device, dtype=dtype, seed=seed,
+              max_num_seqs=max(64, len(prompts)))
+    load_s = time.perf_counter() - t0
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in warmup],
+                 SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, **greedy), use_tqdm=False)
+    _sync(device)
+    warmup_s = time.perf_counter() - t0
+    gc.collect()
+    load0, cpu0, t0 = _loadavg(), _cpu_s(), time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=output_len, **greedy), use_tqdm=False)
+    _sync(device)
+    wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    res = _rates(wall, sum(map(len, tokens)), sum(map(len, prompts)), cpu, load0)
+    res.update(load_s=round(load_s, 3), warmup_s=round(warmup_s, 3),
+               prefix_cached_tokens=sum(o.num_cached_tokens for o in outs),
+               max_num_seqs=llm.engine.config.max_num_seqs,
+               max_num_batched_tokens=llm.engine.config.max_num_batched_tokens,
+               enable_prefix_caching=llm.engine.config.enable_prefix_caching)
+    eos = sorted(llm.engine.eos_ids)
+    del llm
+    gc.collect()
+    return res, tokens, eos
+
+
+def _run_hf(model_dir, prompts, output_len, device, dtype) -> tuple[dict, list[list[int]]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype),
+                                              local_files_only=True).to(device).eval()
+    load_s = time.perf_counter() - t0
+    pad = hf.generation_config.pad_token_id
+    if pad is None:
+        eos = hf.generation_config.eos_token_id
+        pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) or 0
+
+    def gen(ids, n):
+        x = torch.tensor([ids], device=device)
+        with torch.inference_mode():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                              max_new_tokens=n, min_new_tokens=n, pad_token_id=pad)
+        return out[0, len(ids):].tolist()
+
+    gen(prompts[0], 4)  # warm-up, untimed
+    _sync(device)
+    gc.collect()
+    tokens = []
+    load0, cpu0, t0 = _loadavg(), _cpu_s(), time.perf_counter()
+    for p in prompts:
+        tokens.append(gen(p, output_len))
+    _sync(device)
+    wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+    res = _rates(wall, sum(map(len, tokens)), sum(map(len, prompts)), cpu, load0)
+    res.update(load_s=round(load_s, 3), batch_size=1)
+    return res, tokens  # the model is freed with this frame
+
+
+def _agreement(engine_tokens, hf_tokens, eos_ids) -> list[dict]:
+    """Per prompt: tokens compared (engine output up to, excluding, its first EOS), the
+    length of the common greedy prefix, and whether all compared tokens agree."""
+    rows = []
+    for i, (ours, theirs) in enumerate(zip(engine_tokens, hf_tokens)):
+        n = next((j for j, t in enumerate(ours) if t in eos_ids), len(ours))
+        n = min(n, len(theirs))
+        match = next((j for j in range(n) if ours[j] != theirs[j]), n)
+        rows.append({"prompt": i, "compared_tokens": n, "matching_prefix_tokens": match,
+                     "agree": match == n, "engine_hit_eos": n < len(ours)})
+    return rows
+
+
+def run_offline_bench(model: str | None = None, num_prompts: int = 32, output_len: int = 64,
+                      device: str = "cpu", dtype: str = "float32", hf_baseline: bool = True,
+                      seed: int = 0, command: str | None = None) -> dict:
+    """Measure offline generation throughput of our engine and, optionally, of HF transformers.
+
+    Args:
+        model: HF-style directory, ``.gguf`` file, or None for the embedded SmolLM2-135M.
+        num_prompts: prompts in the timed run (GSM8K questions, cycled past 40).
+        output_len: generated tokens per prompt (exact: greedy with EOS ignored/suppressed).
+        device, dtype: as ``EngineConfig`` (``"cpu"``/``"cuda"``; ``"float32"``, ...).
+        hf_baseline: also time HF ``generate`` one prompt at a time.
+        seed: engine seed (the runs are greedy; it only fixes torch's RNG).
+        command: the command line to record (default: this process's ``sys.argv``).
+
+    Returns:
+        A JSON-serialisable dict: ``engine`` and ``hf`` (None without baseline) each with
+        ``wall_s`` and ``cpu_s`` [s], ``output_tokens``/``total_tokens`` [tokens],
+        ``output_tok_per_s`` / ``total_tok_per_s`` [tokens/s], ``load_s`` [s] and the load
+        average before/after; ``speedup`` (engine over HF output
+        tokens/s, None without baseline); ``greedy_agreement`` (first 4 prompts) and
+        ``greedy_agree`` (bool); the prompt statistics [tokens]; ``machine``; ``command``.
+
+    Raises:
+        ValueError: num_prompts or output_len < 1; errors from model loading.
+    """
+    if num_prompts < 1 or output_len < 1:
+        raise ValueError(f"num_prompts and output_len must be >= 1, got {num_prompts}, "
+                         f"{output_len}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(model)
+    tokenizer = load_tokenizer(model_dir)
+    prompts = build_prompts(tokenizer, num_prompts)
+    # Plain text: no chat-template prefix shared with the timed prompts (cold prefix cache).
+    qs = load_questions()
+    warmup = [list(tokenizer.encode(qs[(num_prompts + i) % len(qs)]["question"]))
+              for i in range(WARMUP_PROMPTS)]
+    lens = [len(p) for p in prompts]
+
+    engine, engine_tokens, eos_ids = _run_engine(model, prompts, warmup, output_len, device,
+                                                 dtype, seed)
+    hf = agreement = None
+    if hf_baseline:
+        hf, hf_tokens = _run_hf(model_dir, prompts, output_len, device, dtype)
+        agreement = _agreement(engine_tokens[:AGREEMENT_PROMPTS],
+                               hf_tokens[:AGREEMENT_PROMPTS], set(eos_ids))
+    speedup = round(engine["output_tok_per_s"] / hf["output_tok_per_s"], 3) if hf else None
+    return {
+        "benchmark": "offline_throughput",
+        "command": command or " ".join(shlex.quote(a) for a in sys.argv),
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+        "model": model or "SmolLM2-135M-Instruct (embedded)",
+        "model_dir": str(model_dir),
+        "device": device,
+        "dtype": dtype,
+        "seed": seed,
+        "num_prompts": num_prompts,
+        "output_len": output_len,
+        "prompt_source": "GSM8K test questions (latentserve/data/questions.json), chat template",
+        "prompt_tokens": sum(lens),
+        "prompt_len_mean": round(sum(lens) / len(lens), 2),
+        "prompt_len_min": min(lens),
+        "prompt_len_max": max(lens),
+        "engine": engine,
+        "hf": hf,
+        "speedup": speedup,
+        "greedy_agreement": agreement,
+        "greedy_agree": None if agreement is None else all(r["agree"] for r in agreement),
+        "eos_token_ids": eos_ids,
+        "machine": machine_info(),
+    }

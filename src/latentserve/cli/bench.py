@@ -1,0 +1,45 @@
+"""``latentserve bench``: benchmarks. ``--suite offline`` (default): offline throughput
+against HF ``generate`` one prompt at a time; ``--suite gpu``: the H200 benchmark of real-size
+shapes (issue 3); ``--suite latent``: feedback-latent requests against the eager reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def register(sub) -> None:
+    from latentserve.bench.cli import add_bench_args
+
+    p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent)")
+    add_bench_args(p)
+    p.add_argument("--suite", default="offline", choices=["offline", "gpu", "latent"])
+    p.add_argument("--concurrency", default=None,
+                   help="comma-separated concurrent requests (gpu, latent suites)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.suite == "offline":
+        from latentserve.bench.cli import bench_main
+
+        return bench_main(args) or 0
+    conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
+    if args.suite == "gpu":
+        from latentserve.bench.gpu import run_gpu_bench
+
+        result = run_gpu_bench(concurrency=conc or (1, 16, 64),
+                               hf_baseline=not args.no_hf_baseline)
+    else:
+        from latentserve.bench.latent import run_latent_bench
+
+        cuda = args.device == "cuda"
+        result = run_latent_bench(args.device, conc or ((1, 16, 64) if cuda else (32,)),
+                                  codi=cuda)
+    text = json.dumps(result, indent=1)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(text)
+    else:
+        print(text)
+    return 0
