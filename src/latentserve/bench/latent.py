@@ -30,7 +30,7 @@ def build_coconut_gpt2(root: Path) -> Path:
     from latentserve.testing.latent_models import _resized_base
     from latentserve.testing.tiny_models import save_tiny
 
-    base = save_tiny(root / "base", "gpt2", **GPT2_124M)
+    base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **GPT2_124M)
     model = _resized_base(base, 0)
     (root / "upstream").mkdir(parents=True, exist_ok=True)
     ckpt = root / "upstream" / "checkpoint_1"

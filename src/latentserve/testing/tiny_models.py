@@ -19,11 +19,13 @@ def _tokenizer():
     return load_tokenizer(resolve_model_dir(None))
 
 
-def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, **overrides) -> Path:
+def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, word_tokenizer: bool = False,
+              **overrides) -> Path:
     """Write a tiny random checkpoint of ``kind`` into ``out_dir`` and return the path.
 
     Kinds: ``llama`` (GQA 4/2 heads, tied embeddings), ``llama-untied``, ``qwen2`` (q/k/v
     bias), ``gpt2``. ``overrides`` go into the transformers config (e.g. hidden_size).
+    ``word_tokenizer`` writes ``save_word_tokenizer``'s instead of SmolLM2's (no GGUF needed).
     Raises ValueError for an unknown kind.
     """
     import torch
@@ -57,7 +59,10 @@ def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, **overrides) -> Pat
             elif name.endswith("bias"):
                 p.normal_(0, 0.02)
     model.save_pretrained(out)
-    _tokenizer().save_pretrained(out)
+    if word_tokenizer:
+        save_word_tokenizer(out)
+    else:
+        _tokenizer().save_pretrained(out)
     return out
 
 
