@@ -7,6 +7,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """Log-probabilities at one generated position (see ``SamplingParams.logprobs``).
+
+    ``logprob`` is the sampled token's (natural log, raw model distribution); ``top`` holds
+    up to k ``(token_id, logprob)`` pairs, most likely first; ``rank`` is the sampled
+    token's 1-based rank in that distribution (1 = the most likely).
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StepOutput:
     """One request's progress after one engine step.
 
@@ -17,6 +32,9 @@ class StepOutput:
     ``latent_steps`` counts the latent positions the request has run so far;
     ``latent_trace`` (on the final output, when asked for) lists per latent step
     ``{"norm": float, "top_tokens": [[id, logit], ...5]}``.
+    ``logprobs`` (only when the request asked for them) is aligned with ``new_token_ids``.
+    ``finish_reason == "error"`` means the engine failed this request (``error`` says why,
+    without a traceback); the engine keeps serving the others.
     """
 
     rid: str
@@ -27,6 +45,8 @@ class StepOutput:
     num_cached_tokens: int = 0
     latent_steps: int = 0
     latent_trace: list | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)

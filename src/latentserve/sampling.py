@@ -1,38 +1,132 @@
-"""Token sampling for a batch: greedy, temperature, top-k, top-p, min-p and per-request seeds.
+"""Token sampling for a batch: penalties, greedy, temperature, top-k, top-p, min-p,
+per-request seeds, and log-probabilities.
 
 Filters follow the usual definitions (vLLM ``v1/sample/sampler.py``, HF logits warpers):
 top-k keeps the k largest logits, top-p the smallest set whose probability mass reaches p,
-min-p drops tokens whose probability is below ``min_p * max_prob``.
+min-p drops tokens whose probability is below ``min_p * max_prob``. Penalties follow vLLM's
+``apply_penalties`` (``model_executor/layers/utils.py``): repetition on prompt + output
+tokens first, then frequency and presence on output tokens, all before temperature.
+
+Log-probabilities are those of the raw model distribution: ``log_softmax`` of the logits as
+the model produced them, before penalties, temperature and filters (vLLM's default
+``logprobs_mode="raw_logprobs"``), so they do not depend on how a request is sampled.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from latentserve.core import Req
+from latentserve.outputs import TokenLogprob
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """``tokens``: ``[B] int64`` sampled ids; ``logprobs[b]``: a ``TokenLogprob`` for rows
+    whose request set ``params.logprobs``, None for the others."""
+
+    tokens: torch.Tensor
+    logprobs: list[TokenLogprob | None]
 
 
 def sample(logits: torch.Tensor, reqs: list[Req], generator: torch.Generator | None = None
            ) -> torch.Tensor:
-    """Pick one token per row.
+    """Pick one token per row (see :func:`sample_with_logprobs`); returns ``[B] int64``."""
+    return sample_with_logprobs(logits, reqs, generator).tokens
+
+
+def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
+                         generator: torch.Generator | None = None) -> SamplerOutput:
+    """Pick one token per row and compute the requested log-probabilities.
 
     Args:
-        logits: ``[B, vocab] float32``, row b for ``reqs[b]``.
-        reqs: the requests (their ``params`` and, for seeded ones, ``generator``).
+        logits: ``[B, vocab] float32``, row b for ``reqs[b]``; not modified.
+        reqs: the requests: their ``params``, ``prompt_ids`` and generated ids (for
+            penalties; ``answer_ids`` where the request has them, so latent placeholders
+            and transition tokens are not penalized) and, for seeded ones, ``generator``.
         generator: for unseeded sampled rows; None uses torch's global RNG.
     Returns:
-        ``[B] int64`` token ids on ``logits.device``.
+        ``SamplerOutput`` with tokens on ``logits.device``. Greedy rows without penalties
+        take the plain ``argmax`` of the raw logits (no copy, no softmax).
     """
+    raw = logits
+    penalized = [b for b, r in enumerate(reqs) if r.params.has_penalties]
+    if penalized:
+        rows = torch.tensor(penalized, device=logits.device)
+        logits = logits.clone()
+        logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized])
     out = logits.argmax(dim=-1)
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
-    if not sampled:
-        return out
-    rows = torch.tensor(sampled, device=logits.device)
-    probs = _filtered_probs(logits[rows], [reqs[b].params for b in sampled])
-    for j, b in enumerate(sampled):
-        gen = reqs[b].generator or generator
-        out[b] = torch.multinomial(probs[j], 1, generator=gen)[0]
-    return out
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        probs = _filtered_probs(logits[rows], [reqs[b].params for b in sampled])
+        for j, b in enumerate(sampled):
+            gen = reqs[b].generator or generator
+            out[b] = torch.multinomial(probs[j], 1, generator=gen)[0]
+    return SamplerOutput(out, _logprobs(raw, out, reqs))
+
+
+def _output_ids(req: Req) -> list[int]:
+    answer = getattr(req, "answer_ids", None)
+    return req.output_ids if answer is None else answer
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """Return ``logits`` (``[N, vocab]``, row i for ``reqs[i]``) with each request's
+    repetition, frequency and presence penalties applied (vLLM semantics, see the module
+    docstring). Token ids must be below ``vocab``."""
+    n, vocab = logits.shape
+    dev = logits.device
+    params = [r.params for r in reqs]
+    counts = torch.zeros(n, vocab, dtype=logits.dtype, device=dev)
+    for i, req in enumerate(reqs):
+        ids = _output_ids(req)
+        if ids:
+            idx = torch.tensor(ids, dtype=torch.long, device=dev)
+            counts[i].index_add_(0, idx, torch.ones(len(ids), dtype=logits.dtype, device=dev))
+    present = counts > 0
+    logits = logits.clone()
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep_rows:
+        seen = present.clone()
+        for i in rep_rows:
+            if reqs[i].prompt_ids:
+                seen[i, torch.tensor(reqs[i].prompt_ids, dtype=torch.long, device=dev)] = True
+        rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype,
+                           device=dev)[:, None]
+        scaled = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, scaled, logits)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)
+    logits -= freq[:, None] * counts
+    logits -= pres[:, None] * present.to(logits.dtype)
+    return logits
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Req]
+              ) -> list[TokenLogprob | None]:
+    want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+    result: list[TokenLogprob | None] = [None] * len(reqs)
+    if not want:
+        return result
+    rows = torch.tensor(want, device=raw.device)
+    lsm = torch.log_softmax(raw[rows].float(), dim=-1)
+    chosen = tokens[rows]
+    chosen_lp = lsm.gather(1, chosen[:, None])[:, 0]
+    rank = (lsm > chosen_lp[:, None]).sum(-1) + 1
+    k = max(reqs[b].params.logprobs for b in want)
+    top_v = top_i = None
+    if k > 0:
+        top_v, top_i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    chosen, chosen_lp, rank = chosen.tolist(), chosen_lp.tolist(), rank.tolist()
+    for j, b in enumerate(want):
+        kb = reqs[b].params.logprobs
+        top = list(zip(top_i[j][:kb], top_v[j][:kb])) if kb else []
+        result[b] = TokenLogprob(chosen[j], chosen_lp[j], rank[j], top)
+    return result
 
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:

@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How one request is decoded.
 
-    Fields follow vLLM's names and meanings. ``temperature == 0`` means greedy.
+    Fields follow vLLM's names and meanings. ``temperature`` below ``1e-5`` (vLLM's
+    ``_SAMPLING_EPS``; 0 in practice) means greedy.
     ``top_k <= 0`` (or -1) disables top-k; ``top_p == 1`` and ``min_p == 0`` disable those.
     ``seed`` makes sampling reproducible per request, independent of the batch it rides in.
     ``stop`` strings are matched on detokenized text and are not part of the output text;
     ``stop_token_ids`` end the request when sampled (the token is kept in ``token_ids``,
     not in the text). ``max_tokens`` counts generated tokens.
+
+    Penalties (vLLM semantics, applied to the raw logits before temperature and the
+    filters, for greedy rows too): ``repetition_penalty`` (> 0, 1 = off) divides the
+    positive logits and multiplies the negative ones of every token seen in the prompt or
+    the output; ``frequency_penalty`` (in [-2, 2]) subtracts ``penalty * count`` for each
+    token's count in the output; ``presence_penalty`` (in [-2, 2]) subtracts ``penalty``
+    once for every token present in the output.
+
+    ``logprobs``: None = none; k >= 0 = the sampled token's log-probability plus the k most
+    likely tokens' (0: the sampled token only). They are log-softmax values of the raw model
+    logits, before penalties, temperature and filtering (vLLM's default ``raw_logprobs``).
 
     Raises:
         ValueError: naming the field and the allowed range, from ``__post_init__``.
@@ -34,6 +50,10 @@ class SamplingParams:
     latent_budget: int | None = None
     # Report each latent step's norm and logit-lens top-5 tokens on the final output.
     return_latent_trace: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,12 +72,25 @@ class SamplingParams:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, lo=0)
+        _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_num("repetition_penalty", self.repetition_penalty, lo=0.0, hi=None,
+                   lo_open=True)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0)
         if self.latent_budget is not None:
             _check_int("latent_budget", self.latent_budget, lo=0)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether decoding is argmax (temperature below ``SAMPLING_EPS``)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three penalties changes the logits."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
@@ -71,8 +104,11 @@ def _check_num(
 ) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if lo_open and lo is not None and value <= lo:
-        raise ValueError(f"{name} must be in ({lo}, {hi}], got {value}")
+        hi_s = "inf)" if hi is None else f"{hi}]"
+        raise ValueError(f"{name} must be in ({lo}, {hi_s}, got {value}")
     _check_range(name, value, lo, hi)
 
 

@@ -1,5 +1,7 @@
 """/v1/chat/completions through the openai SDK."""
 
+import pytest
+
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name a color."}]
 
@@ -57,3 +59,82 @@ def test_include_usage_sends_exactly_one_usage_chunk_last(client, model):
 
 def test_models_lists_the_served_model(client, model):
     assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_message_has_empty_reasoning_content(http):
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+    assert r.json()["choices"][0]["message"]["reasoning_content"] == ""
+
+
+def test_n2_returns_two_indexed_choices_and_summed_usage(client, model):
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, n=2,
+                                       temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 8
+    single = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
+                                            temperature=1.0, seed=7,
+                                            extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
+
+
+def test_n2_with_seed_gives_choice_i_the_output_of_seed_plus_i(client, model):
+    args = dict(model=model, messages=MESSAGES, max_tokens=6, temperature=1.0,
+                extra_body={"ignore_eos": True})
+    both = client.chat.completions.create(n=2, seed=100, **args)
+    first = client.chat.completions.create(seed=100, **args).choices[0].message.content
+    second = client.chat.completions.create(seed=101, **args).choices[0].message.content
+    assert [c.message.content for c in both.choices] == [first, second]
+    assert first != second
+
+
+def test_n2_stream_gives_each_choice_one_role_chunk_and_one_finish_reason(client, model):
+    chunks = list(client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=5, n=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert [c.delta.role for c in mine if c.delta.role] == ["assistant"]
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert [c for c in chunks if c.usage is not None] == [chunks[-1]]
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_logprobs_report_top_k_sorted_with_greedy_token_first(client, model):
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=3,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 == r.usage.completion_tokens
+    assert b"".join(bytes(t.bytes) for t in content).decode() == r.choices[0].message.content
+    for t in content:
+        tops = [x.logprob for x in t.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob
+
+
+def test_streamed_logprobs_equal_non_streamed(client, model):
+    args = dict(model=model, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                top_logprobs=2, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**args).choices[0].logprobs.content
+    streamed = [t for c in client.chat.completions.create(stream=True, **args)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in full]
+
+
+def test_chat_template_kwargs_reach_the_template(client, model, smollm2_tokenizer):
+    args = dict(model=model, messages=MESSAGES, max_tokens=1, temperature=0)
+    with_prompt = client.chat.completions.create(**args).usage.prompt_tokens
+    without = client.chat.completions.create(
+        extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}, **args)
+    generation_prompt = len(smollm2_tokenizer.encode("<|im_start|>assistant\n"))
+    assert without.usage.prompt_tokens == with_prompt - generation_prompt
+
+
+def test_only_assistant_turn_is_a_400_not_a_500(client, model):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, max_tokens=2,
+                                       messages=[{"role": "assistant", "content": "Hi!"}])
+    assert info.value.status_code == 400 and info.value.body["param"] == "messages"

@@ -3,9 +3,11 @@
 import pytest
 
 
-def _greedy(client, model, prompt, max_tokens, **kw):
+def _greedy(client, model, prompt, max_tokens, extra_body=None, **kw):
     return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                     temperature=0, extra_body={"ignore_eos": True}, **kw)
+                                     temperature=0,
+                                     extra_body={"ignore_eos": True, **(extra_body or {})},
+                                     **kw)
 
 
 def test_completion_returns_text_usage_and_length_finish(client, model, smollm2_tokenizer):
@@ -75,3 +77,66 @@ def test_chat_stop_string_ends_generation_with_stop(client, model):
     r = client.chat.completions.create(stop=stop, **args)
     assert r.choices[0].message.content == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_echo_prepends_the_prompt(client, model):
+    plain = _greedy(client, model, "Once upon a time", 4).choices[0].text
+    echoed = _greedy(client, model, "Once upon a time", 4, echo=True).choices[0].text
+    assert echoed == "Once upon a time" + plain
+
+
+def test_echo_streams_the_prompt_first(client, model):
+    plain = _greedy(client, model, "Once upon a time", 4).choices[0].text
+    chunks = list(_greedy(client, model, "Once upon a time", 4, echo=True, stream=True))
+    assert chunks[0].choices[0].text == "Once upon a time"
+    assert "".join(c.choices[0].text for c in chunks) == "Once upon a time" + plain
+
+
+def test_list_of_prompts_gives_choices_in_prompt_order(client, model):
+    a = _greedy(client, model, "Hello there", 3).choices[0].text
+    b = _greedy(client, model, [5, 6, 7], 3).choices[0].text
+    r = _greedy(client, model, ["Hello there", "Hello there"], 3)
+    assert [c.text for c in r.choices] == [a, a] and [c.index for c in r.choices] == [0, 1]
+    ids = _greedy(client, model, [[5, 6, 7], [5, 6, 7]], 3, n=2)
+    assert [c.text for c in ids.choices] == [b] * 4 and ids.usage.completion_tokens == 12
+    assert ids.usage.prompt_tokens == 6
+
+
+def test_logprobs_give_one_entry_per_token_with_k_alternatives(client, model):
+    r = _greedy(client, model, "The sky is", 5, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob == max(top.values())  # greedy: the sampled token is top
+        assert len(top) == 2
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+
+def test_logprobs_match_the_model(client, model, tiny_model_dir, hf_models):
+    import torch
+
+    prompt = [1, 2000, 3000, 4000]
+    r = _greedy(client, model, prompt, 1, logprobs=3)
+    got = sorted(r.choices[0].logprobs.top_logprobs[0].values(), reverse=True)
+    with torch.no_grad():
+        logits = hf_models(tiny_model_dir)(torch.tensor([prompt])).logits[0, -1]
+    want = torch.log_softmax(logits.float(), -1).topk(3).values.tolist()
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_tokens_as_token_ids(client, model, smollm2_tokenizer):
+    r = _greedy(client, model, "Hi", 3, logprobs=0,
+                extra_body={"return_tokens_as_token_ids": True})
+    ids = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+    assert smollm2_tokenizer.decode(ids) == r.choices[0].text
+
+
+def test_stream_n2_has_one_finish_reason_per_choice_and_usage_last(client, model):
+    chunks = list(_greedy(client, model, "Hello", 3, n=2, stream=True,
+                          stream_options={"include_usage": True}))
+    for i in (0, 1):
+        assert [c.choices[0].finish_reason for c in chunks
+                if c.choices and c.choices[0].index == i and c.choices[0].finish_reason] == [
+            "length"]
+    assert [c for c in chunks if c.usage is not None] == [chunks[-1]]
+    assert chunks[-1].usage.completion_tokens == 6

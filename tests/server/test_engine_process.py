@@ -43,6 +43,17 @@ async def _collect(client, rid, ids, params):
     return [out async for out in client.generate(rid, ids, params)]
 
 
+def test_engine_is_warmed_up_before_ready_and_answers_stats(engine):
+    async def scenario(client):
+        return await client.get_stats(timeout=10)
+
+    stats = _run(engine, scenario)
+    assert stats["num_forward_tokens"] == 5  # the warm-up: 4 prompt tokens + 1 decode
+    assert stats["kv_slots_cached"] == 0  # ... which left nothing behind
+    assert stats["kv_slots_free"] == stats["kv_slots_total"] > 0
+    assert stats["num_running"] == stats["num_waiting"] == 0
+
+
 def test_ready_carries_model_facts_and_tokenizer(engine, tiny_model_dir):
     assert engine.ready.model_name == str(tiny_model_dir)
     assert engine.ready.max_model_len == 256
@@ -107,3 +118,18 @@ def test_dead_engine_fails_pending_and_new_requests(tiny_model_dir):
             return client.dead_reason
 
         assert "stopped" in _run(proc, scenario)
+
+
+def test_duplicate_request_id_is_refused_while_the_first_runs(engine):
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+    async def scenario(client):
+        first = client.generate("dup", [5, 6, 7], params)
+        out = [await anext(first)]
+        with pytest.raises(EngineRequestError, match="already running"):
+            await _collect(client, "dup", [8, 9], params)
+        out += [o async for o in first]
+        return out
+
+    outs = _run(engine, scenario)
+    assert sum(len(o.new_token_ids) for o in outs) == 5 and outs[-1].finish_reason == "length"

@@ -4,8 +4,7 @@ serving: after each bad request, a valid one succeeds."""
 import json
 
 import pytest
-
-MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings (conftest.py)
+from server_testlib import MAX_MODEL_LEN
 
 LONG_IDS = [1000] * 300
 
@@ -27,9 +26,12 @@ CASES = [
     ("max-tokens-negative", *_chat(max_tokens=-5), "max_tokens", ["max_tokens", "-5"]),
     ("max-completion-tokens-zero", *_chat(max_completion_tokens=0), "max_completion_tokens",
      ["max_completion_tokens"]),
-    ("prompt-too-long", *_cmpl(prompt=LONG_IDS), "prompt", ["300", str(MAX_MODEL_LEN)]),
+    ("prompt-too-long", *_cmpl(prompt=LONG_IDS), "prompt",
+     ["maximum context length", "300", str(MAX_MODEL_LEN)]),
     ("chat-too-long", *_chat(messages=[{"role": "user", "content": "word " * 400}]),
-     "messages", ["max_model_len", str(MAX_MODEL_LEN)]),
+     "messages", ["maximum context length", str(MAX_MODEL_LEN)]),
+    ("prompt-plus-max-tokens-too-long", *_cmpl(prompt=[5] * 200, max_tokens=100),
+     "max_tokens", ["maximum context length", "300 tokens", "200 in the prompt"]),
     ("unknown-model", *_cmpl(model="gpt-9"), "model", ["gpt-9"]),
     ("malformed-json", "/v1/completions", '{"prompt": "hi", "max_tokens": ', None, ["JSON"]),
     ("body-not-object", "/v1/chat/completions", "[1, 2, 3]", None, ["JSON object"]),
@@ -44,16 +46,30 @@ CASES = [
     ("missing-messages", "/v1/chat/completions", {"max_tokens": 2}, "messages", ["messages"]),
     ("no-user-turn", *_chat(messages=[{"role": "system", "content": "be nice"}]), "messages",
      ["user"]),
+    ("only-assistant-turn", *_chat(messages=[{"role": "assistant", "content": "Hello!"}]),
+     "messages", ["user"]),
     ("unknown-role", *_chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role",
      ["wizard"]),
-    ("n-two", *_chat(n=2), "n", ["n", "not supported"]),
+    ("n-zero", *_chat(n=0), "n", ["n must be in [1, 16]"]),
+    ("n-over-limit", *_cmpl(n=17), "n", ["n must be in [1, 16]"]),
     ("top-p-out-of-range", *_cmpl(top_p=1.5), "top_p", ["top_p"]),
     ("token-id-out-of-vocab", *_cmpl(prompt=[1, 10**6]), "prompt", ["1000000"]),
-    ("several-prompts", *_cmpl(prompt=["a", "b"]), "prompt", ["single"]),
+    ("empty-prompt-in-list", *_cmpl(prompt=["a", ""]), "prompt", ["empty"]),
     ("stream-empty-prompt", *_cmpl(prompt="", stream=True), "prompt", ["empty"]),
-    ("logprobs-unsupported", *_chat(logprobs=True), "logprobs", ["not supported"]),
-    ("penalty-unsupported", *_cmpl(presence_penalty=0.5), "presence_penalty",
-     ["not supported"]),
+    ("top-logprobs-over-limit", *_chat(logprobs=True, top_logprobs=21), "top_logprobs",
+     ["[0, 20]"]),
+    ("top-logprobs-without-logprobs", *_chat(top_logprobs=2), "top_logprobs", ["logprobs"]),
+    ("completion-logprobs-over-limit", *_cmpl(logprobs=21), "logprobs", ["[0, 20]"]),
+    ("echo-with-logprobs", *_cmpl(echo=True, logprobs=1), "logprobs", ["echo"]),
+    ("presence-penalty-out-of-range", *_cmpl(presence_penalty=2.5), "presence_penalty",
+     ["presence_penalty", "2.5"]),
+    ("repetition-penalty-zero", *_chat(repetition_penalty=0), "repetition_penalty",
+     ["repetition_penalty"]),
+    ("logit-bias-unsupported", *_cmpl(logit_bias={"5": 1}), "logit_bias", ["not supported"]),
+    ("reserved-template-kwarg", *_chat(chat_template_kwargs={"tokenize": False}),
+     "chat_template_kwargs", ["tokenize"]),
+    ("continue-without-assistant", *_chat(continue_final_message=True),
+     "continue_final_message", ["assistant"]),
 ]
 
 
@@ -82,10 +98,13 @@ def test_unknown_model_has_code_model_not_found(http):
     assert r.json()["error"]["code"] == "model_not_found"
 
 
-def test_prompt_too_long_names_both_lengths(http):
+def test_prompt_too_long_is_openai_context_length_error(http):
     r = http.post("/v1/completions", json={"prompt": LONG_IDS, "max_tokens": 2})
-    message = r.json()["error"]["message"]
-    assert "300 tokens" in message and f"max_model_len is {MAX_MODEL_LEN}" in message
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["message"].startswith(
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your "
+        "prompt has 300 tokens")
 
 
 def test_openai_sdk_raises_bad_request_error(client, model):

@@ -1,6 +1,7 @@
 """``latentserve bench``: benchmarks. ``--suite offline`` (default): offline throughput
 against HF ``generate`` one prompt at a time; ``--suite gpu``: the H200 benchmark of real-size
-shapes (issue 3); ``--suite latent``: feedback-latent requests against the eager reference."""
+shapes (issue 3); ``--suite latent``: feedback-latent requests against the eager reference.
+``latentserve bench serve ...``: TTFT/TPOT/ITL/throughput against a running server."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ def register(sub) -> None:
     p.add_argument("--concurrency", default=None,
                    help="comma-separated concurrent requests (gpu, latent suites)")
     p.set_defaults(func=run)
+    from latentserve.bench.serve import add_serve_bench_args, serve_bench_main
+
+    sub_bench = p.add_subparsers(dest="bench_command")
+    s = sub_bench.add_parser("serve", help="load a running server like `vllm bench serve`")
+    add_serve_bench_args(s)
+    s.set_defaults(func=serve_bench_main)
 
 
 def run(args) -> int:

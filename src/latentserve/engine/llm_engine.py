@@ -68,11 +68,13 @@ class LLMEngine:
                                   self.device)
         if (self.device.type == "cuda" and config.backend_name == "triton"
                 and not config.enforce_eager):
-            hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
-            self.runner.capture_graphs(min(config.max_num_seqs, 256), hidden,
+            self.runner.capture_graphs(min(config.max_num_seqs, 256), hf_config.hidden_size,
                                        config.torch_dtype)
         self._rids: set[str] = set()
         self._arrivals = 0
+        self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
+        self._counted: set[str] = set()  # rids counted in the prefix-cache stats
+        self._prefix_queries = self._prefix_hits = 0
         log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,
                  self.max_model_len)
 
@@ -125,22 +127,141 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        """Schedule, forward once, sample, and return what each request produced."""
-        from latentserve.sampling import sample
+        """Schedule, forward once, sample, and return what each request produced.
 
+        Rows whose request asked for ``logprobs`` get them on their ``StepOutput``. A
+        sampling failure is isolated to its request: if the batched sampler raises, rows are
+        sampled one at a time and a request whose own row raises finishes with
+        ``finish_reason="error"`` (``error`` says why) while the others go on. An exception
+        from the forward itself propagates (the caller decides what to fail).
+        """
         batch = self.scheduler.schedule()
         if batch is None:
             outs = self.scheduler.drain_aborted()
         else:
+            self._count_prefix_hits(batch.reqs)
             logits, last_hidden = self.runner.run(batch)
+            if self.latent_spec is not None and self.latent_spec.suppress_ids:
+                ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
+                logits = logits.index_fill(1, ids, float("-inf"))
             sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
-            tokens = sample(logits, sampling_reqs).tolist() if sampling_reqs else []
+            tokens, logprobs = self._sample(logits, sampling_reqs)
             latents = self._latent_inputs(sampling_reqs, logits, last_hidden)
             outs = self.scheduler.postprocess(batch, tokens, latents)
+            by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}
+            if by_rid:
+                for o in outs:
+                    lp = by_rid.get(o.rid)
+                    if lp is not None and o.new_token_ids == [lp.token_id]:
+                        o.logprobs = [lp]
+        if self._failed:
+            outs = self._apply_failures(outs)
         for o in outs:
             if o.finished:
                 self._rids.discard(o.rid)
+                self._counted.discard(o.rid)
         return outs
+
+    def _sample(self, logits, reqs) -> tuple[list[int], list]:
+        """Tokens and logprobs for the sampling rows, batched; row by row when that fails
+        (a row that still fails gets placeholder token 0 and its rid in ``_failed``)."""
+        from latentserve.sampling import sample_with_logprobs
+
+        if not reqs:
+            return [], []
+        try:
+            res = sample_with_logprobs(logits, reqs)
+            return res.tokens.tolist(), res.logprobs
+        except Exception:  # noqa: BLE001 - find the failing rows below
+            log.exception("batched sampling failed; sampling %d rows one by one", len(reqs))
+        tokens, logprobs = [], []
+        for b, req in enumerate(reqs):
+            try:
+                res = sample_with_logprobs(logits[b : b + 1], [req])
+                tokens.append(int(res.tokens[0]))
+                logprobs.append(res.logprobs[0])
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                log.exception("sampling failed for request %s", req.rid)
+                self._failed[req.rid] = f"sampling failed: {type(exc).__name__}"
+                tokens.append(0)
+                logprobs.append(None)
+        return tokens, logprobs
+
+    def _apply_failures(self, outs: list[StepOutput]) -> list[StepOutput]:
+        """Turn failed requests' outputs into one final ``"error"`` output each: a request
+        finishing this step is reported now; one still running is aborted (its final output,
+        next step, is rewritten) and its placeholder token is dropped."""
+        kept = []
+        for o in outs:
+            error = self._failed.get(o.rid)
+            if error is None:
+                kept.append(o)
+            elif o.finished:
+                del self._failed[o.rid]
+                o.finish_reason, o.error, o.new_token_ids, o.logprobs = "error", error, [], None
+                kept.append(o)
+        finishing = {o.rid for o in kept if o.finished}
+        for rid in self._failed:
+            if rid not in finishing:
+                self.scheduler.abort(rid)
+        return kept
+
+    def _count_prefix_hits(self, reqs) -> None:
+        for r in reqs:
+            if r.rid not in self._counted and r.num_cached_prompt is not None:
+                self._counted.add(r.rid)
+                self._prefix_queries += len(r.prompt_ids)
+                self._prefix_hits += r.num_cached_prompt
+
+    def stats(self) -> dict[str, int]:
+        """A snapshot for monitoring, all ints, cheap enough for every health check.
+
+        ``num_running`` / ``num_waiting``: admitted and queued requests.
+        ``kv_slots_total``: the KV pool in tokens; ``kv_slots_free``: slots in the allocator;
+        ``kv_slots_cached``: slots owned by the radix cache (``kv_slots_evictable`` of them
+        unlocked). With no request admitted, ``free + cached == total``.
+        ``prefix_cache_queries`` / ``prefix_cache_hits``: prompt tokens of requests at their
+        first admission since start-up, and how many of them the prefix cache served.
+        ``num_preemptions``, ``num_forward_tokens``: cumulative.
+        """
+        alloc, radix = self.cache.allocator, self.cache.radix
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_slots_total": int(alloc.num_total),
+            "kv_slots_free": int(alloc.num_free),
+            "kv_slots_cached": int(radix.total_size()),
+            "kv_slots_evictable": int(radix.evictable_size),
+            "prefix_cache_queries": self._prefix_queries,
+            "prefix_cache_hits": self._prefix_hits,
+            "num_preemptions": int(self.scheduler.num_preemptions),
+            "num_forward_tokens": int(self.runner.num_computed_tokens),
+        }
+
+    def warmup(self) -> None:
+        """Run one tiny request to completion before serving: a 4-token prompt and 2 greedy
+        tokens with logprobs (one prefill and one decode forward, the sampler and the
+        log-softmax), so one-off costs (allocator growth, kernel selection and compiles)
+        are paid here and not by the first client. Afterwards the prefix cache is emptied
+        and the prefix-cache counters are zero, so the engine looks untouched.
+
+        Raises RuntimeError when requests are queued; whatever the forward raises. A model
+        whose context cannot hold the warm-up request is left cold (logged).
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("warmup() needs an idle engine")
+        rid = "__latentserve_warmup__"
+        n = max(1, min(4, self.max_model_len - 3))
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1)
+        try:
+            self.add_request(rid, [min(i + 1, self.vocab_size - 1) for i in range(n)], params)
+        except ValueError as exc:
+            log.warning("warm-up skipped: %s", exc)
+            return
+        while self.has_unfinished_requests():
+            self.step()
+        self.cache.radix.reset()
+        self._prefix_queries = self._prefix_hits = 0
 
     def _latent_inputs(self, reqs, logits, last_hidden) -> list | None:
         """Next latent input (``[hidden]`` in the model dtype) for each sampling row still

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import uuid
+import time
 from collections.abc import AsyncIterator
 
-from latentserve.server.generation import TextDelta, generate_text
-from latentserve.server.params import check_common, sampling_params
+from latentserve.server.errors import APIError
+from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.logprobs import chat_logprobs, token_texts
+from latentserve.server.params import check_common, check_logprobs, fan_out, sampling_params
 from latentserve.server.prompts import chat_prompt_ids, check_prompt_length
 from latentserve.server.protocol import (
     AssistantMessage,
@@ -18,52 +20,86 @@ from latentserve.server.protocol import (
     DeltaMessage,
     Usage,
 )
+from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 from latentserve.server.state import ServerState
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request, state: ServerState):
-    """Validate, template, run; answer with one response or an SSE stream."""
-    check_common(body, state.model_name)
-    prompt_ids = chat_prompt_ids(state.tokenizer, body.messages)
+    """Validate, template, fan out ``n`` engine requests, run; answer with one response or
+    an SSE stream (choices interleaved, each with its ``index``)."""
+    arrival = time.monotonic()
+    check_common(body, state.model_name, state.limits)
+    logprobs = _logprobs_k(body, state)
+    prompt_ids = chat_prompt_ids(
+        state.tokenizer, body.messages, template_kwargs=body.chat_template_kwargs,
+        add_generation_prompt=body.add_generation_prompt is not False,
+        continue_final_message=bool(body.continue_final_message))
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
     if body.max_completion_tokens is not None:
         max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, field = body.max_tokens, "max_tokens"
-    params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    deltas = generate_text(state.client, state.tokenizer, rid, prompt_ids, params)
+    params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
+                             logprobs)
+    rid, engine_rid = new_request_id(request, "chatcmpl")
+    reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
+            for i, p in enumerate(fan_out(params, body.n or 1))]
+    as_ids = bool(body.return_tokens_as_token_ids)
     if body.stream:
-        deltas = await start_stream(request, state.client, rid, deltas)
-        chunks = _chunks(rid, state.model_name, len(prompt_ids), deltas, body.include_usage)
-        return sse_response(sse_events(request, state.client, rid, chunks))
-    result = await collect(request, state.client, rid, deltas)
+        deltas = await start_stream(request, state, reqs, arrival)
+        chunks = _chunks(state, rid, len(prompt_ids), len(reqs), deltas, body.include_usage,
+                         logprobs is not None, as_ids)
+        return sse_response(sse_events(request, state, reqs, chunks))
+    results = await collect(request, state, reqs, arrival)
+    texts = token_texts(state.tokenizer)
     return ChatCompletionResponse(
         id=rid, model=state.model_name,
-        choices=[ChatChoice(message=AssistantMessage(content=result.text),
-                            finish_reason=result.finish_reason)],
-        usage=Usage.of(len(prompt_ids), result.num_output_tokens),
+        choices=[ChatChoice(index=i, message=AssistantMessage(content=r.text),
+                            finish_reason=r.finish_reason,
+                            logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
+                                      if logprobs is not None else None))
+                 for i, r in enumerate(results)],
+        usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
     )
 
 
-async def _chunks(rid: str, model: str, num_prompt_tokens: int,
-                  deltas: AsyncIterator[TextDelta], include_usage: bool
-                  ) -> AsyncIterator[ChatCompletionChunk]:
-    """Role chunk, content chunks, one chunk with the finish reason, then (if asked) one
-    usage chunk with no choices."""
+def _logprobs_k(body: ChatCompletionRequest, state: ServerState) -> int | None:
+    """``top_logprobs`` when ``logprobs`` is true (0 if unset), else None."""
+    if not body.logprobs:
+        if body.top_logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        return None
+    k = body.top_logprobs or 0
+    check_logprobs(k, "top_logprobs", state.limits)
+    return k
 
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=rid, model=model, choices=[
-            ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
-    last = None
-    async for delta in deltas:
-        if delta.text:
-            yield chunk(DeltaMessage(content=delta.text))
-        last = delta
-    yield chunk(DeltaMessage(), last.finish_reason)
+async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
+                  deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
+                  want_logprobs: bool, as_ids: bool) -> AsyncIterator[ChatCompletionChunk]:
+    """Per choice: a role chunk, content chunks, one chunk with the finish reason; then (if
+    asked) one usage chunk with no choices."""
+    model = state.model_name
+    texts = token_texts(state.tokenizer)
+
+    def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None,
+              lps=None) -> ChatCompletionChunk:
+        logprobs = chat_logprobs(texts, lps, as_ids) if want_logprobs and lps else None
+        return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+            index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)])
+
+    for i in range(n):
+        yield chunk(i, DeltaMessage(role="assistant", content=""))
+    tokens = [0] * n
+    async for i, delta in deltas:
+        tokens[i] = delta.num_output_tokens
+        if delta.finish_reason is not None:
+            if delta.text or delta.logprobs:
+                yield chunk(i, DeltaMessage(content=delta.text), None, delta.logprobs)
+            yield chunk(i, DeltaMessage(), delta.finish_reason)
+        elif delta.text or delta.logprobs:
+            yield chunk(i, DeltaMessage(content=delta.text), None, delta.logprobs)
     if include_usage:
         yield ChatCompletionChunk(id=rid, model=model, choices=[],
-                                  usage=Usage.of(num_prompt_tokens, last.num_output_tokens))
+                                  usage=Usage.of(num_prompt_tokens, sum(tokens)))

@@ -12,6 +12,8 @@ from latentserve.server.messages import (
     Abort,
     AddRequest,
     EngineFailed,
+    EngineStats,
+    GetStats,
     RequestFailed,
     StepOutputs,
     dumps,
@@ -29,6 +31,10 @@ class EngineRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine process stopped; no request can be served any more."""
+
+
+class EngineInternalError(RuntimeError):
+    """The engine failed this one request (a server-side error); it keeps serving others."""
 
 
 class EngineClient:
@@ -50,7 +56,11 @@ class EngineClient:
         self.is_alive = is_alive
         self.dead_reason: str | None = None
         self.num_aborts_sent = 0
+        self.last_stats: dict[str, int] | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._aborted: set[str] = set()  # running rids already aborted
+        self._stats_waiters: dict[int, asyncio.Future] = {}
+        self._stats_token = 0
         self._ctx = self._actx = self._push = self._pull = None
         self._task: asyncio.Task | None = None
 
@@ -97,7 +107,8 @@ class EngineClient:
         """Send the request and yield its ``StepOutput``s until the finished one.
 
         Leaving early (``break``, ``aclose()``, cancellation) aborts the request in the
-        engine. Raises ``EngineRequestError`` when the engine rejects the request and
+        engine. Raises ``EngineRequestError`` when the engine rejects the request,
+        ``EngineInternalError`` when the engine failed it while running, and
         ``EngineDeadError`` when the engine process is gone.
         """
         if self.dead_reason is not None:
@@ -115,19 +126,47 @@ class EngineClient:
                     done = True
                     raise item
                 done = item.finished
+                if item.finish_reason == "error":
+                    raise EngineInternalError(item.error or "the engine failed this request")
                 yield item
                 if done:
                     return
         finally:
             self._queues.pop(rid, None)
-            if not done and self.dead_reason is None:
+            already = rid in self._aborted
+            self._aborted.discard(rid)
+            if not done and not already and self.dead_reason is None:
                 self.abort(rid)
 
     def abort(self, rid: str) -> None:
-        """Ask the engine to stop ``rid`` (harmless if it already finished)."""
+        """Ask the engine to stop ``rid`` (harmless if it already finished; a running
+        request is aborted once however often this is called)."""
+        if rid in self._aborted:
+            return
         if self._push is not None and self.dead_reason is None:
+            if rid in self._queues:
+                self._aborted.add(rid)
             self._send(Abort(rid))
             self.num_aborts_sent += 1
+
+    async def get_stats(self, timeout: float = 5.0) -> dict[str, int] | None:
+        """Ask the engine for ``LLMEngine.stats()`` now and wait for the answer (it comes
+        after every message sent before, so aborts already sent are reflected). Returns
+        ``last_stats`` (possibly None) when the engine is dead or does not answer within
+        ``timeout`` seconds."""
+        if self._push is None or self.dead_reason is not None:
+            return self.last_stats
+        self._stats_token += 1
+        token = self._stats_token
+        future = asyncio.get_running_loop().create_future()
+        self._stats_waiters[token] = future
+        try:
+            self._send(GetStats(token))
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return self.last_stats
+        finally:
+            self._stats_waiters.pop(token, None)
 
     def _send(self, message: object) -> None:
         self._push.send(dumps(message))
@@ -157,7 +196,13 @@ class EngineClient:
         elif isinstance(message, RequestFailed):
             queue = self._queues.get(message.rid)
             if queue is not None:
-                queue.put_nowait(EngineRequestError(message.error))
+                cls = EngineInternalError if message.internal else EngineRequestError
+                queue.put_nowait(cls(message.error))
+        elif isinstance(message, EngineStats):
+            self.last_stats = message.stats
+            waiter = self._stats_waiters.get(message.token)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message.stats)
         elif isinstance(message, EngineFailed):
             log.error("engine failed: %s", message.error)
             self._fail_all(f"the engine failed: {message.error}")
@@ -168,3 +213,6 @@ class EngineClient:
         self.dead_reason = reason
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
+        for waiter in self._stats_waiters.values():
+            if not waiter.done():
+                waiter.set_result(self.last_stats)

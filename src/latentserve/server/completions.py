@@ -2,52 +2,95 @@
 
 from __future__ import annotations
 
-import uuid
+import time
 from collections.abc import AsyncIterator
 
-from latentserve.server.generation import TextDelta, generate_text
-from latentserve.server.params import check_common, sampling_params
-from latentserve.server.prompts import check_prompt_length, completion_prompt_ids
+from latentserve.server.errors import APIError
+from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.logprobs import completion_logprobs, token_texts
+from latentserve.server.params import check_common, check_logprobs, fan_out, sampling_params
+from latentserve.server.prompts import check_prompt_length, completion_prompts
 from latentserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     Usage,
 )
+from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 from latentserve.server.state import ServerState
 
 
 async def create_completion(body: CompletionRequest, request, state: ServerState):
-    """Validate, encode, run; answer with one response or an SSE stream."""
-    check_common(body, state.model_name)
-    prompt_ids = completion_prompt_ids(state.tokenizer, body.prompt, state.vocab_size)
-    check_prompt_length(len(prompt_ids), state.max_model_len, "prompt")
-    params = sampling_params(body, body.max_tokens, "max_tokens", len(prompt_ids),
-                             state.max_model_len)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    deltas = generate_text(state.client, state.tokenizer, rid, prompt_ids, params)
+    """Validate, encode, fan out (``n`` choices per prompt; choice ``p * n + j`` is choice j
+    of prompt p), run; answer with one response or an SSE stream."""
+    arrival = time.monotonic()
+    check_common(body, state.model_name, state.limits)
+    check_logprobs(body.logprobs, "logprobs", state.limits)
+    if body.echo and body.logprobs is not None:
+        raise APIError("echo together with logprobs needs the prompt's logprobs, which this "
+                       "server does not compute", param="logprobs")
+    prompts = completion_prompts(state.tokenizer, body.prompt, state.vocab_size,
+                                 state.limits.max_prompts)
+    n = body.n or 1
+    rid, engine_rid = new_request_id(request, "cmpl")
+    reqs: list[EngineRequest] = []
+    for p, (ids, text) in enumerate(prompts):
+        check_prompt_length(len(ids), state.max_model_len, "prompt")
+        params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
+                                 state.max_model_len, body.logprobs)
+        for j, choice_params in enumerate(fan_out(params, n)):
+            index = p * n + j
+            reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,
+                                      text))
+    echoes = [_echo(state, r) if body.echo else "" for r in reqs]
+    num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    as_ids = bool(body.return_tokens_as_token_ids)
+    want_logprobs = body.logprobs is not None
     if body.stream:
-        deltas = await start_stream(request, state.client, rid, deltas)
-        chunks = _chunks(rid, state.model_name, len(prompt_ids), deltas, body.include_usage)
-        return sse_response(sse_events(request, state.client, rid, chunks))
-    result = await collect(request, state.client, rid, deltas)
+        deltas = await start_stream(request, state, reqs, arrival)
+        chunks = _chunks(state, rid, num_prompt_tokens, echoes, deltas, body.include_usage,
+                         want_logprobs, as_ids)
+        return sse_response(sse_events(request, state, reqs, chunks))
+    results = await collect(request, state, reqs, arrival)
+    texts = token_texts(state.tokenizer)
+    choices = []
+    for i, r in enumerate(results):
+        lps = completion_logprobs(texts, r.logprobs, 0, as_ids)[0] if want_logprobs else None
+        choices.append(CompletionChoice(index=i, text=echoes[i] + r.text,
+                                        finish_reason=r.finish_reason, logprobs=lps))
     return CompletionResponse(
-        id=rid, model=state.model_name,
-        choices=[CompletionChoice(text=result.text, finish_reason=result.finish_reason)],
-        usage=Usage.of(len(prompt_ids), result.num_output_tokens),
-    )
+        id=rid, model=state.model_name, choices=choices,
+        usage=Usage.of(num_prompt_tokens, sum(r.num_output_tokens for r in results)))
 
 
-async def _chunks(rid: str, model: str, num_prompt_tokens: int,
-                  deltas: AsyncIterator[TextDelta], include_usage: bool
-                  ) -> AsyncIterator[CompletionResponse]:
-    """Text chunks, the last one carrying the finish reason, then (if asked) one usage
-    chunk with no choices."""
-    async for delta in deltas:
-        yield CompletionResponse(id=rid, model=model, choices=[
-            CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)])
-        last = delta
+def _echo(state: ServerState, req: EngineRequest) -> str:
+    """The prompt as text: as given, or the token ids decoded."""
+    if req.prompt_text is not None:
+        return req.prompt_text
+    return state.tokenizer.decode(req.prompt_ids)
+
+
+async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: list[str],
+                  deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
+                  want_logprobs: bool, as_ids: bool) -> AsyncIterator[CompletionResponse]:
+    """Per choice: the echoed prompt (if asked), text chunks, the last one carrying the
+    finish reason; then (if asked) one usage chunk with no choices."""
+    model = state.model_name
+    texts = token_texts(state.tokenizer)
+    offsets = [len(e) for e in echoes]
+    tokens = [0] * len(echoes)
+    for i, echo in enumerate(echoes):
+        if echo:
+            yield CompletionResponse(id=rid, model=model,
+                                     choices=[CompletionChoice(index=i, text=echo)])
+    async for i, delta in deltas:
+        tokens[i] = delta.num_output_tokens
+        lps = None
+        if want_logprobs:
+            lps, offsets[i] = completion_logprobs(texts, delta.logprobs, offsets[i], as_ids)
+        yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
+            index=i, text=delta.text, finish_reason=delta.finish_reason, logprobs=lps)])
     if include_usage:
         yield CompletionResponse(id=rid, model=model, choices=[],
-                                 usage=Usage.of(num_prompt_tokens, last.num_output_tokens))
+                                 usage=Usage.of(num_prompt_tokens, sum(tokens)))

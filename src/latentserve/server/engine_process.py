@@ -2,9 +2,11 @@
 
 Sockets (the engine binds, the API process connects; ipc:// paths in a private temp dir):
 
-* ``input``  PULL  <- ``AddRequest`` / ``Abort`` / ``Shutdown``
-* ``output`` PUSH  -> ``StepOutputs`` / ``RequestFailed`` / ``EngineFailed``
+* ``input``  PULL  <- ``AddRequest`` / ``Abort`` / ``GetStats`` / ``Shutdown``
+* ``output`` PUSH  -> ``StepOutputs`` / ``RequestFailed`` / ``EngineStats`` / ``EngineFailed``
 
+The child loads the model and runs ``LLMEngine.warmup()`` before it reports ``Ready``, so
+the server is only reachable once the first request will be as fast as later ones.
 Start-up goes over a multiprocessing pipe: the child sends exactly one ``Ready`` or
 ``StartupFailed``; the parent (:class:`EngineProcess`) turns the latter, or a child that dies
 without a word, into :class:`EngineStartupError`.
@@ -25,6 +27,8 @@ from latentserve.server.messages import (
     Abort,
     AddRequest,
     EngineFailed,
+    EngineStats,
+    GetStats,
     Ready,
     RequestFailed,
     Shutdown,
@@ -37,6 +41,8 @@ from latentserve.server.messages import (
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # idle wake-up, only to notice a dead parent
+# Forward failures in a row (with no good step between) after which the engine gives up.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineStartupError(RuntimeError):
@@ -74,6 +80,7 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         from latentserve.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)
+        engine.warmup()
         inbox = ctx.socket(zmq.PULL)
         inbox.bind(addresses.input)
         outbox = ctx.socket(zmq.PUSH)
@@ -100,8 +107,10 @@ class EngineLoop:
 
     Blocks on the input socket when the engine is idle (no busy spin); while requests run,
     it only drains what has already arrived between steps. A rejected request is answered
-    with ``RequestFailed`` and the loop goes on; an exception from ``step()`` is sent as
-    ``EngineFailed`` and ends the process.
+    with ``RequestFailed`` and the loop goes on. When ``step()`` raises, the requests it was
+    running are aborted and each gets ``RequestFailed(internal=True)``; the loop goes on
+    with the waiting ones. Only after ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a
+    row is ``EngineFailed`` sent and the exception re-raised (the process ends).
     """
 
     def __init__(self, engine, inbox, outbox, parent_pid: int | None = None):
@@ -110,6 +119,7 @@ class EngineLoop:
         self.outbox = outbox
         self.parent_pid = parent_pid
         self.running = True
+        self.failed_steps = 0
 
     def run(self) -> None:
         import zmq
@@ -148,6 +158,8 @@ class EngineLoop:
                 self.engine.abort_request(message.rid)
             except Exception:  # noqa: BLE001 - aborting a finished request is harmless
                 log.debug("abort of %s ignored", message.rid, exc_info=True)
+        elif isinstance(message, GetStats):
+            self.outbox.send(dumps(EngineStats(message.token, self.engine.stats())))
         elif isinstance(message, Shutdown):
             self.running = False
         else:
@@ -157,10 +169,26 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            self.outbox.send(dumps(EngineFailed(f"{type(exc).__name__}: {exc}")))
-            raise
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                self.outbox.send(dumps(EngineFailed(f"{type(exc).__name__}: {exc}")))
+                raise
+            log.exception("engine step failed; failing the running requests")
+            self._fail_running(f"the engine failed while running this request "
+                               f"({type(exc).__name__})")
+            return
+        self.failed_steps = 0
         if outputs:
             self.outbox.send(dumps(StepOutputs(outputs)))
+
+    def _fail_running(self, error: str) -> None:
+        """Abort every admitted request (its KV is released) and tell its caller."""
+        for req in list(self.engine.scheduler.running):
+            try:
+                self.engine.abort_request(req.rid)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                log.exception("could not abort %s", req.rid)
+            self.outbox.send(dumps(RequestFailed(req.rid, error, internal=True)))
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid

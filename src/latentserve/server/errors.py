@@ -1,8 +1,11 @@
-"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+"""Error bodies: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` everywhere,
+except under ``/v1/messages`` where Anthropic's ``{"type": "error", "error": {"type",
+"message"}}`` is used.
 
 Every failure leaves the server in that shape: our own :class:`APIError`, request
 validation (wrong types, missing fields, malformed JSON: 400, not FastAPI's 422), routing
-errors (404/405) and, with a generic message and no stack trace, anything unexpected (500).
+errors (404/405), authentication (401), oversized bodies (413) and, with a generic message
+and no stack trace, anything unexpected (500).
 """
 
 from __future__ import annotations
@@ -36,6 +39,38 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict[str, Any]:
     """The OpenAI error object."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Anthropic's error type for each HTTP status.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether ``path`` is served with Anthropic's error shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
+    """Anthropic's error object for an HTTP status."""
+    kind = _ANTHROPIC_TYPES.get(status_code, "api_error" if status_code >= 500
+                                else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(path: str, status_code: int, message: str,
+                   type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None):
+    """A JSONResponse in the shape that ``path``'s protocol uses."""
+    from fastapi.responses import JSONResponse
+
+    if is_anthropic_path(path):
+        body = anthropic_error_body(message, status_code)
+    else:
+        body = error_body(message, type, param, code)
+    return JSONResponse(body, status_code=status_code, headers=headers)
 
 
 def param_from_value_error(message: str) -> str | None:
@@ -97,25 +132,27 @@ def _short(value: object, limit: int = 60) -> str:
 def install_error_handlers(app) -> None:
     """Register the handlers that keep every error response in the OpenAI shape."""
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
+    def reply(request, err: APIError, headers=None):
+        return error_response(request.url.path, err.status_code, err.message, err.type,
+                              err.param, err.code, headers)
+
     async def on_api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return reply(request, exc)
 
     async def on_validation(request, exc: RequestValidationError):
-        err = validation_error(list(exc.errors()))
-        return JSONResponse(err.body(), status_code=err.status_code)
+        return reply(request, validation_error(list(exc.errors())))
 
     async def on_http(request, exc: HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return reply(request, APIError(str(exc.detail), status_code=exc.status_code, type=kind),
+                     getattr(exc, "headers", None))
 
     async def on_unexpected(request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body("Internal server error", "server_error"),
-                            status_code=500)
+        return reply(request, APIError("Internal server error", status_code=500,
+                                       type="server_error"))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

@@ -1,53 +1,140 @@
-"""One request's token stream -> text deltas, with stop strings (shared by both endpoints)."""
+"""One engine request's token stream -> text deltas with stop strings, logprobs and timing;
+and the fan-out of a client request into several engine requests (``n``, prompt lists)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from latentserve.outputs import TokenLogprob
 from latentserve.sampling_params import SamplingParams
-from latentserve.server.client import EngineClient
 
 
 @dataclass(slots=True)
 class TextDelta:
-    """New text of one request. ``finish_reason`` is set on the last delta only;
-    ``num_output_tokens`` counts all tokens generated so far."""
+    """New text of one engine request.
+
+    ``finish_reason`` is set on the last delta only (``stop``, ``length``, or ``abort``
+    when the request was cancelled); ``num_output_tokens`` counts all tokens generated so
+    far. ``logprobs`` covers the tokens consumed since the previous delta (tokens whose text
+    was held back are reported with the delta that releases it). ``stop_string`` is the
+    stop string that ended the request, if one did.
+    """
 
     text: str
     finish_reason: str | None
     num_output_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_string: str | None = None
 
 
-async def generate_text(client: EngineClient, tokenizer, rid: str, prompt_ids: list[int],
-                        params: SamplingParams) -> AsyncIterator[TextDelta]:
+@dataclass(slots=True)
+class EngineRequest:
+    """One engine request of a client request: choice ``index`` of prompt
+    ``prompt_index``."""
+
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_index: int = 0
+    prompt_text: str | None = None
+
+
+async def generate_text(state, rid: str, prompt_ids: list[int], params: SamplingParams,
+                        arrival: float | None = None) -> AsyncIterator[TextDelta]:
     """Yield non-empty text deltas, then exactly one delta with a ``finish_reason``.
 
     Token-level stops (EOS, ``stop_token_ids``) end in the engine with ``"stop"``; that last
     token counts as generated but is not text. Stop strings are matched here, on the
-    detokenized text: the match and what follows are cut, the engine request is aborted
-    (by leaving ``client.generate``) and the reason is ``"stop"``.
+    detokenized text: the match and what follows are cut, text that could still become a
+    stop string is held back until it is decided, the engine request is aborted (by leaving
+    ``client.generate``) and the reason is ``"stop"``. ``state`` is the ``ServerState``; its
+    ``metrics`` (if any) time the request from ``arrival`` (``time.monotonic()`` seconds).
 
-    Raises ``EngineRequestError`` / ``EngineDeadError`` from the client.
+    Raises ``EngineRequestError`` / ``EngineInternalError`` / ``EngineDeadError`` from the
+    client.
     """
     from latentserve.detokenizer import IncrementalDetokenizer
 
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop,
+    detok = IncrementalDetokenizer(state.tokenizer, prompt_ids, params.stop,
                                    skip_special_tokens=params.skip_special_tokens)
+    timer = state.metrics.timer(arrival) if state.metrics is not None else None
     num_tokens = 0
-    async with aclosing(client.generate(rid, prompt_ids, params)) as outputs:
-        async for out in outputs:
-            ids = out.new_token_ids
-            num_tokens += len(ids)
-            if out.finished and out.finish_reason == "stop" and ids:
-                ids = ids[:-1]  # the EOS / stop token ends the text, it is not part of it
-            text = detok.add(ids) if ids else ""
-            if detok.stopped is not None:
-                yield TextDelta(text, "stop", num_tokens)
-                return  # leaving the generator aborts the engine request
-            if out.finished:
-                yield TextDelta(text + detok.flush(), out.finish_reason, num_tokens)
-                return
-            if text:
-                yield TextDelta(text, None, num_tokens)
+    pending: list[TokenLogprob] = []
+    reason = "abort"
+
+    def take() -> list[TokenLogprob]:
+        out = pending[:]
+        pending.clear()
+        return out
+
+    try:
+        async with aclosing(state.client.generate(rid, prompt_ids, params)) as outputs:
+            async for out in outputs:
+                ids = out.new_token_ids
+                num_tokens += len(ids)
+                if timer is not None:
+                    timer.tokens(len(ids))
+                if out.logprobs:
+                    pending.extend(out.logprobs)
+                if out.finished and out.finish_reason == "stop" and ids:
+                    ids = ids[:-1]  # the EOS / stop token ends the text, it is not part of it
+                text = detok.add(ids) if ids else ""
+                if detok.stopped is not None:
+                    reason = "stop"
+                    yield TextDelta(text, "stop", num_tokens, take(), detok.stopped)
+                    return  # leaving the generator aborts the engine request
+                if out.finished:
+                    reason = out.finish_reason
+                    yield TextDelta(text + detok.flush(), out.finish_reason, num_tokens, take())
+                    return
+                if text:
+                    yield TextDelta(text, None, num_tokens, take())
+    except Exception:
+        reason = "error"
+        raise
+    finally:
+        if timer is not None:
+            timer.finish(reason, len(prompt_ids))
+
+
+async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators as ``(position, item)`` in arrival order.
+
+    The first exception raised by any of them is re-raised here. Closing this generator
+    (or an exception) cancels the pumps, which closes every source (an engine request left
+    early is aborted by its ``client.generate``).
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[Any]) -> None:
+        try:
+            async with aclosing(it):
+                async for item in it:
+                    queue.put_nowait((i, item))
+            queue.put_nowait((i, done))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

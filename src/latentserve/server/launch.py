@@ -20,12 +20,23 @@ from pathlib import Path
 
 from latentserve.config import EngineConfig
 
+API_KEY_ENV = "LATENTSERVE_API_KEY"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info") -> None:
-    """Start the engine process, wait until its model is loaded, then serve HTTP with
-    uvicorn until SIGINT/SIGTERM; the engine process is stopped on the way out (by the
-    app's shutdown, or the ``finally`` here when uvicorn fails to start).
+               log_level: str = "info", api_key: str | None = None,
+               max_request_body_bytes: int | None = None,
+               drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+    """Start the engine process, wait until its model is loaded and warmed up, then serve
+    HTTP with uvicorn until SIGINT/SIGTERM; the engine process is stopped on the way out (by
+    the app's shutdown, or the ``finally`` here when uvicorn fails to start).
+
+    ``api_key``: required from clients on the API routes (None: open).
+    ``max_request_body_bytes``: larger bodies get a 413 (None: 16 MiB).
+    ``drain_timeout``: on SIGTERM/SIGINT the server stops accepting connections and lets
+    running requests finish for up to this many seconds, then cancels what is left (those
+    engine requests are aborted) and stops the engine.
 
     The engine process is started with multiprocessing's ``spawn``: a script calling this
     must do so under ``if __name__ == "__main__":``.
@@ -38,18 +49,20 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     from latentserve.server.app import create_app
     from latentserve.server.client import EngineClient
     from latentserve.server.engine_process import EngineProcess
-    from latentserve.server.state import ServerState
+    from latentserve.server.state import ServerLimits, ServerState
 
+    limits = ServerLimits() if max_request_body_bytes is None else ServerLimits(
+        max_request_body_bytes=max_request_body_bytes)
     engine = EngineProcess(config)
     ready = engine.start()
     try:
         client = EngineClient(engine.addresses.input, engine.addresses.output,
                               is_alive=engine.is_alive)
         state = ServerState(client, ready.tokenizer, ready.model_name, ready.max_model_len,
-                            ready.vocab_size)
-        app = create_app(state, on_shutdown=engine.stop)
+                            ready.vocab_size, limits=limits)
+        app = create_app(state, on_shutdown=engine.stop, api_key=api_key)
         uvicorn.run(app, host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=drain_timeout)
     finally:
         engine.stop()
 
@@ -75,7 +88,8 @@ class ServerProcess:
             return ""
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (uvicorn shuts down gracefully and stops the engine), then SIGKILL."""
+        """SIGTERM (uvicorn drains and shuts down, stopping the engine), then SIGKILL after
+        ``timeout`` seconds. Returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -94,10 +108,14 @@ class ServerProcess:
 
 def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int | None = None,
                  timeout: float = 600.0, log_path: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None) -> ServerProcess:
+                 env: dict[str, str] | None = None, api_key: str | None = None,
+                 max_request_body_bytes: int | None = None,
+                 drain_timeout: float | None = None) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` and wait for ``/health``.
 
     ``port`` None picks a free one. Output goes to ``log_path`` (a temp file if None).
+    ``api_key``, ``max_request_body_bytes`` and ``drain_timeout`` are :func:`run_server`'s
+    (the key travels in the child's environment, not on its command line).
 
     Raises:
         RuntimeError: the server exited or was not healthy within ``timeout`` seconds; the
@@ -112,7 +130,14 @@ def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int | None
     log_path = Path(log_path)
     cmd = [sys.executable, "-m", "latentserve.server.launch", "--host", host,
            "--port", str(port), "--config-json", json.dumps(asdict(config))]
+    if max_request_body_bytes is not None:
+        cmd += ["--max-request-body-bytes", str(max_request_body_bytes)]
+    if drain_timeout is not None:
+        cmd += ["--drain-timeout", str(drain_timeout)]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    child_env.pop(API_KEY_ENV, None)
+    if api_key is not None:
+        child_env[API_KEY_ENV] = api_key
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     server = ServerProcess(proc, host, port, log_path)
@@ -138,6 +163,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--api-key``, ``--max-request-body-bytes`` and ``--drain-timeout`` (the HTTP
+    server's own flags; ``latentserve serve`` adds them too)."""
+    parser.add_argument("--api-key", default=None,
+                        help=f"require this key (Bearer or x-api-key) on the API routes "
+                             f"(default: ${API_KEY_ENV}, else no key)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=None,
+                        help="refuse larger request bodies with 413 (default 16 MiB)")
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="seconds running requests may take to finish after SIGTERM "
+                             f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
+
+
+def server_kwargs(args: argparse.Namespace) -> dict:
+    """``run_server`` keyword arguments from :func:`add_server_args`' flags (the API key
+    falls back to ``$LATENTSERVE_API_KEY``)."""
+    return {"api_key": args.api_key or os.environ.get(API_KEY_ENV) or None,
+            "max_request_body_bytes": args.max_request_body_bytes,
+            "drain_timeout": args.drain_timeout}
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m latentserve.server.launch``: serve one model."""
     parser = argparse.ArgumentParser(description="latentserve OpenAI-compatible server")
@@ -147,13 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info")
+    add_server_args(parser)
     args = parser.parse_args(argv)
     fields = json.loads(args.config_json) if args.config_json else {"model": args.model}
     from latentserve.server.engine_process import EngineStartupError
 
     try:
         run_server(EngineConfig(**fields), host=args.host, port=args.port,
-                   log_level=args.log_level)
+                   log_level=args.log_level, **server_kwargs(args))
     except EngineStartupError as exc:
         notes = "".join(getattr(exc, "__notes__", ()))
         sys.exit(f"{notes}\nlatentserve: {exc}")

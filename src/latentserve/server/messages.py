@@ -38,12 +38,20 @@ class Shutdown:
     """Leave the engine loop and exit."""
 
 
+@dataclass(slots=True)
+class GetStats:
+    """Ask for an ``EngineStats`` reply carrying the same ``token``."""
+
+    token: int
+
+
 # --- engine process -> API process -----------------------------------------------------
 
 
 @dataclass(slots=True)
 class Ready:
-    """Sent once, after the model loaded: what the API process needs to serve it."""
+    """Sent once, after the model loaded and a warm-up request ran: what the API process
+    needs to serve it."""
 
     model_name: str
     max_model_len: int
@@ -68,10 +76,21 @@ class StepOutputs:
 
 @dataclass(slots=True)
 class RequestFailed:
-    """The engine rejected a request (``add_request`` raised); nothing else comes for it."""
+    """The engine rejected a request (``add_request`` raised: ``internal`` False, the
+    client's fault) or failed it while running (``internal`` True, a server error, e.g. the
+    forward raised); nothing else comes for it."""
 
     rid: str
     error: str
+    internal: bool = False
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Reply to ``GetStats``: ``LLMEngine.stats()`` (a dict of ints; no tensors)."""
+
+    token: int
+    stats: dict[str, int]
 
 
 @dataclass(slots=True)

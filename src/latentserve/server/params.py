@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.errors import APIError, param_from_value_error
 from latentserve.server.protocol import SamplingRequest
-
+from latentserve.server.state import ServerLimits
 
 # OpenAI features not implemented, with the values that mean "not used".
 _UNSUPPORTED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
+    "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}), "prompt_logprobs": (None, 0),
 }
 
 
-def check_common(request: SamplingRequest, served_model: str) -> None:
-    """Checks that need no tokenizer: the model name, ``n``, and unimplemented features."""
+def check_common(request: SamplingRequest, served_model: str, limits: ServerLimits) -> None:
+    """Checks that need no tokenizer: the model name, ``n`` and unimplemented features.
+
+    Raises:
+        APIError: 400 naming the field (``model_not_found`` for another model's name).
+    """
     for name, value in (request.model_extra or {}).items():
         if name in _UNSUPPORTED and not any(_same(value, ok) for ok in _UNSUPPORTED[name]):
             raise APIError(f"{name} is not supported by this server (got {value!r})",
@@ -26,25 +30,52 @@ def check_common(request: SamplingRequest, served_model: str) -> None:
     if request.model is not None and request.model != served_model:
         raise APIError(f"The model '{request.model}' does not exist; this server serves "
                        f"'{served_model}'", param="model", code="model_not_found")
-    if request.n is not None and request.n != 1:
-        raise APIError(f"n must be 1, got {request.n}; n > 1 is not supported yet", param="n")
+    n = 1 if request.n is None else request.n
+    if not 1 <= n <= limits.max_n:
+        raise APIError(f"n must be in [1, {limits.max_n}], got {n}", param="n")
+
+
+def check_logprobs(k: int | None, param: str, limits: ServerLimits) -> None:
+    """``k`` top logprobs must be in [0, limits.max_logprobs]."""
+    if k is not None and not 0 <= k <= limits.max_logprobs:
+        raise APIError(f"{param} must be in [0, {limits.max_logprobs}], got {k}", param=param)
+
+
+def context_error(num_prompt_tokens: int, max_model_len: int, param: str) -> APIError:
+    """The OpenAI-style 400 for a prompt that leaves no room for a generated token."""
+    return APIError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt has {num_prompt_tokens} tokens, so no token can be generated "
+        f"(max_model_len is {max_model_len}). Please reduce the length of the prompt.",
+        param=param, code="context_length_exceeded")
 
 
 def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens_field: str,
-                    num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-    """Build the engine's ``SamplingParams``.
+                    num_prompt_tokens: int, max_model_len: int,
+                    logprobs: int | None = None) -> SamplingParams:
+    """Build the engine's ``SamplingParams`` for one prompt.
 
     ``max_tokens`` is what the client asked for (None: up to the end of the context,
     ``max_model_len - num_prompt_tokens``); ``max_tokens_field`` names it in errors.
+    ``logprobs``: None, or how many top logprobs per token (already range-checked).
 
     Raises:
-        APIError: 400 naming the field and the allowed values.
+        APIError: 400 naming the field and the allowed values; a prompt plus
+            ``max_tokens`` over ``max_model_len`` is the OpenAI "maximum context length"
+            error (``code="context_length_exceeded"``).
     """
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
                        param=max_tokens_field)
     if max_tokens is None:
         max_tokens = max(max_model_len - num_prompt_tokens, 1)
+    elif num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} in the completion). Please reduce the length of the "
+            f"prompt or {max_tokens_field}.", param=max_tokens_field,
+            code="context_length_exceeded")
     top_k = request.top_k
     try:
         return SamplingParams(
@@ -53,17 +84,37 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=-1 if top_k is None or top_k == 0 else top_k,
             min_p=0.0 if request.min_p is None else request.min_p,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if request.repetition_penalty is None
+                                else request.repetition_penalty),
             seed=request.seed,
             stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
             stop_token_ids=list(request.stop_token_ids or []),
             ignore_eos=bool(request.ignore_eos),
             skip_special_tokens=request.skip_special_tokens is not False,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         param = param_from_value_error(str(exc))
         if param == "max_tokens":
             param = max_tokens_field
         raise APIError(str(exc), param=param) from None
+
+
+def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """``n`` copies of ``params``, one per choice; with a ``seed``, choice i gets
+    ``seed + i`` (so choice 0 equals the n=1 request with the same seed).
+
+    Raises:
+        APIError: 400 when ``seed + n - 1`` is out of range.
+    """
+    if params.seed is None:
+        return [params] + [dataclasses.replace(params) for _ in range(n - 1)]
+    try:
+        return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+    except ValueError as exc:
+        raise APIError(f"{exc} (seed + n - 1 must be in range)", param="seed") from None
 
 
 def _same(value: object, ok: object) -> bool:

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from latentserve.server.errors import APIError
+from latentserve.server.params import context_error
 from latentserve.server.protocol import ChatMessage
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
+# Arguments of apply_chat_template that a client may not set through chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "return_dict", "return_tensors", "tools",
+    "documents", "chat_template", "padding", "truncation", "max_length",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """Apply the tokenizer's chat template (with the generation prompt).
+
+def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """OpenAI messages -> ``[{"role", "content"}]`` for the chat template.
 
     Raises:
-        APIError: 400 for no user turn, an unknown role, non-text content, or a model
-            without a chat template.
+        APIError: 400 for no user turn, an unknown role or non-text content.
     """
     conversation = []
     for i, message in enumerate(messages):
@@ -24,11 +33,53 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
     if not any(m["role"] == "user" for m in conversation):
         raise APIError("messages must contain at least one message with role 'user'",
                        param="messages")
+    return conversation
+
+
+def render_chat(tokenizer, conversation: list[dict[str, str]], *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None,
+                param: str = "messages") -> list[int]:
+    """Apply the tokenizer's chat template and return the prompt's token ids.
+
+    ``continue_final_message`` leaves the last (assistant) message open so the model
+    continues it (and turns ``add_generation_prompt`` off). ``template_kwargs`` are passed to
+    the template (they may override the two flags; other ``apply_chat_template`` arguments
+    are refused).
+
+    Raises:
+        APIError: 400 for a model without a chat template, a reserved or non-string
+            template keyword, ``continue_final_message`` without a final assistant
+            message, or a template that fails on this conversation.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template; use /v1/completions",
-                       param="messages")
-    out = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+                       param=param)
+    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                              "continue_final_message": continue_final_message}
+    for key, value in (template_kwargs or {}).items():
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise APIError(f"chat_template_kwargs may not set {key!r}",
+                           param="chat_template_kwargs")
+        kwargs[key] = value
+    if kwargs["continue_final_message"]:
+        if not conversation or conversation[-1]["role"] != "assistant":
+            raise APIError("continue_final_message needs a final message with role "
+                           "'assistant'", param="continue_final_message")
+        kwargs["add_generation_prompt"] = False
+    try:
+        out = tokenizer.apply_chat_template(conversation, **kwargs)
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(...)
+        raise APIError(f"the chat template failed on these messages: "
+                       f"{type(exc).__name__}: {exc}", param=param) from None
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], **kwargs) -> list[int]:
+    """:func:`chat_conversation` then :func:`render_chat` (``kwargs`` go to the latter)."""
+    return render_chat(tokenizer, chat_conversation(messages), **kwargs)
 
 
 def _text(message: ChatMessage, i: int) -> str:
@@ -46,34 +97,42 @@ def _text(message: ChatMessage, i: int) -> str:
     return "".join(texts)
 
 
-def completion_prompt_ids(tokenizer, prompt, vocab_size: int | None) -> list[int]:
-    """Encode a completions ``prompt`` (string, one-string list, ids, or one-id-list list).
+def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int
+                       ) -> list[tuple[list[int], str | None]]:
+    """Encode a completions ``prompt``: a string, token ids, or a list of either.
+
+    Returns one ``(token_ids, text)`` per prompt (``text`` None for a token-id prompt).
 
     Raises:
-        APIError: 400 for an empty prompt, several prompts, or a token id out of range.
+        APIError: 400 for an empty prompt (or list), more than ``max_prompts`` prompts, or a
+            token id out of range.
     """
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) > 1:
-            raise APIError(f"prompt must be a single prompt; got a list of {len(prompt)} "
-                           "(batched prompts are not supported yet)", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt) if prompt else []
+        prompts = list(prompt)
+        if len(prompts) > max_prompts:
+            raise APIError(f"prompt may hold at most {max_prompts} prompts, got "
+                           f"{len(prompts)}", param="prompt")
     else:
-        ids = list(prompt)
-        limit = vocab_size or len(tokenizer)
-        bad = [t for t in ids if not 0 <= t < limit]
-        if bad:
-            raise APIError(f"prompt token ids must be in [0, {limit}), got {bad[0]}",
-                           param="prompt")
-    if not ids:
-        raise APIError("prompt must not be empty", param="prompt")
-    return ids
+        prompts = [prompt]
+    limit = vocab_size or len(tokenizer)
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            ids, text = (tokenizer.encode(p) if p else []), p
+        else:
+            ids, text = list(p), None
+            bad = [t for t in ids if not 0 <= t < limit]
+            if bad:
+                raise APIError(f"prompt token ids must be in [0, {limit}), got {bad[0]}",
+                               param="prompt")
+        if not ids:
+            raise APIError("prompt must not be empty", param="prompt")
+        out.append((ids, text))
+    return out
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
-    """The prompt must leave room for at least one generated token."""
+    """The prompt must leave room for at least one generated token (else the OpenAI
+    "maximum context length" 400, ``code="context_length_exceeded"``)."""
     if num_prompt_tokens >= max_model_len:
-        raise APIError(f"the prompt has {num_prompt_tokens} tokens but max_model_len is "
-                       f"{max_model_len}; it must be shorter to leave room for at least one "
-                       "generated token", param=param, code="context_length_exceeded")
+        raise context_error(num_prompt_tokens, max_model_len, param)

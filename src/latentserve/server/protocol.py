@@ -1,4 +1,5 @@
-"""Pydantic models of the OpenAI ``/v1/chat/completions`` and ``/v1/completions`` APIs.
+"""Pydantic models of the OpenAI ``/v1/chat/completions`` and ``/v1/completions`` APIs, and
+of ``/tokenize`` / ``/detokenize`` (vLLM's shapes).
 
 Requests are validated strictly (``"5"`` is not an integer, ``"yes"`` is not a boolean), as
 OpenAI does. Unknown fields are kept in ``model_extra`` (the handlers refuse the OpenAI
@@ -32,6 +33,9 @@ class SamplingRequest(_Request):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -41,6 +45,7 @@ class SamplingRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    return_tokens_as_token_ids: bool | None = False
 
     @property
     def include_usage(self) -> bool:
@@ -61,14 +66,43 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    """``logprobs`` / ``top_logprobs``: OpenAI's chat fields. ``chat_template_kwargs`` go to
+    the chat template; ``add_generation_prompt`` and ``continue_final_message`` are vLLM's
+    (continue the last, assistant, message instead of starting a new one)."""
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
 
 
 class CompletionRequest(SamplingRequest):
-    """``prompt``: a string, a list of one string, token ids, or a list of one id list."""
+    """``prompt``: a string, token ids, or a list of either (one choice set per prompt).
+    ``logprobs``: how many top tokens to report per position (0: the sampled one only).
+    ``echo``: prepend the prompt to each choice's text."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+
+
+class TokenizeRequest(_Request):
+    """``/tokenize``: either ``prompt`` (plain encoding) or ``messages`` (chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 # --- responses ---------------------------------------------------------------------------
@@ -91,16 +125,34 @@ class _Response(BaseModel):
     model: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
 class AssistantMessage(BaseModel):
+    """``reasoning_content``: what a thinking model produced before its answer ("" when
+    nothing was produced)."""
+
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str = ""
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -114,10 +166,12 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer
     def _drop_none(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content))
+        return {k: v for k, v in (("role", self.role), ("content", self.content),
+                                  ("reasoning_content", self.reasoning_content))
                 if v is not None}
 
 
@@ -125,7 +179,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -134,11 +188,21 @@ class ChatCompletionChunk(_Response):
     usage: Usage | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token;
+    ``text_offset`` is each token's start in the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(_Response):

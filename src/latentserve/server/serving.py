@@ -1,87 +1,151 @@
-"""What both endpoints do with a running request: collect it, or stream it as SSE; with
-engine errors turned into API errors and an abort when the HTTP client disconnects."""
+"""What every endpoint does with the engine requests of one client request: collect them,
+or stream them as SSE; with engine errors turned into API errors and every engine request
+aborted when the HTTP client disconnects."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from functools import partial
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from latentserve.server.client import EngineClient, EngineDeadError, EngineRequestError
+from latentserve.outputs import TokenLogprob
+from latentserve.server.client import (
+    EngineDeadError,
+    EngineInternalError,
+    EngineRequestError,
+)
 from latentserve.server.disconnect import on_disconnect
-from latentserve.server.errors import APIError, error_body
-from latentserve.server.generation import TextDelta
+from latentserve.server.errors import APIError
+from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
 
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+ENGINE_ERRORS = (EngineRequestError, EngineInternalError, EngineDeadError)
 
 
 def api_error(exc: Exception) -> APIError:
-    """The client-facing error for an engine-side failure."""
+    """The client-facing error for an engine-side failure: a rejection is a 400, a failure
+    inside the engine a 500 (its message has no traceback), a dead engine a 503."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
         return APIError(message, param="prompt" if message.startswith("prompt") else None)
+    if isinstance(exc, EngineInternalError):
+        return APIError(str(exc), status_code=500, type="server_error", code="engine_error")
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), status_code=503, type="server_error", code="engine_dead")
     raise TypeError(f"not an engine error: {exc!r}")
 
 
-async def collect(request, client: EngineClient, rid: str,
-                  deltas: AsyncIterator[TextDelta]) -> TextDelta:
-    """Run the request to the end; return all its text with the final reason and count."""
-    parts: list[str] = []
-    last = None
-    async with on_disconnect(request, partial(client.abort, rid)), aclosing(deltas):
+@dataclass(slots=True)
+class ChoiceResult:
+    """All of one engine request: its text, final reason, token count and logprobs."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_string: str | None = None
+
+
+def _abort_all(state, reqs: list[EngineRequest]) -> Callable[[], None]:
+    def abort() -> None:
+        for r in reqs:
+            state.client.abort(r.rid)
+
+    return abort
+
+
+def _deltas(state, reqs: list[EngineRequest], arrival: float | None):
+    return merge([generate_text(state, r.rid, r.prompt_ids, r.params, arrival) for r in reqs])
+
+
+async def collect(request, state, reqs: list[EngineRequest],
+                  arrival: float | None = None) -> list[ChoiceResult]:
+    """Run the engine requests concurrently to the end; one ``ChoiceResult`` each.
+
+    Raises:
+        APIError: from :func:`api_error` (the other engine requests are aborted).
+    """
+    results = [ChoiceResult() for _ in reqs]
+    async with on_disconnect(request, _abort_all(state, reqs)), \
+            aclosing(_deltas(state, reqs, arrival)) as deltas:
         try:
-            async for delta in deltas:
-                parts.append(delta.text)
-                last = delta
-        except (EngineRequestError, EngineDeadError) as exc:
+            async for i, delta in deltas:
+                r = results[i]
+                r.text += delta.text
+                r.logprobs.extend(delta.logprobs)
+                r.num_output_tokens = delta.num_output_tokens
+                if delta.finish_reason is not None:
+                    r.finish_reason, r.stop_string = delta.finish_reason, delta.stop_string
+        except ENGINE_ERRORS as exc:
             raise api_error(exc) from None
-    return TextDelta("".join(parts), last.finish_reason, last.num_output_tokens)
+    return results
 
 
-async def start_stream(request, client: EngineClient, rid: str,
-                       deltas: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
-    """Wait for the first delta, so that a rejected request still gets a plain 400 (not a
-    200 stream carrying an error); return an iterator over all deltas."""
-    async with on_disconnect(request, partial(client.abort, rid)):
+async def start_stream(request, state, reqs: list[EngineRequest], arrival: float | None = None
+                       ) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Start the engine requests and wait for the first delta, so that a rejected request
+    still gets a plain error response (not a 200 stream carrying an error); return an
+    iterator over all ``(position in reqs, delta)``.
+
+    Raises:
+        APIError: from :func:`api_error`.
+    """
+    deltas = _deltas(state, reqs, arrival)
+    async with on_disconnect(request, _abort_all(state, reqs)):
         try:
             first = await anext(deltas)
-        except (EngineRequestError, EngineDeadError) as exc:
+        except ENGINE_ERRORS as exc:
             await deltas.aclose()
             raise api_error(exc) from None
     return _chain(first, deltas)
 
 
-async def _chain(first: TextDelta, rest: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
+async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
     async with aclosing(rest):
         yield first
-        async for delta in rest:
-            yield delta
+        async for item in rest:
+            yield item
 
 
-async def sse_events(request, client: EngineClient, rid: str,
-                     chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-    """Server-sent events: ``data: {chunk}`` per chunk, then ``data: [DONE]``.
+def openai_error_event(exc: Exception) -> str:
+    """An OpenAI stream's error event (``data: {"error": ...}``)."""
+    return f"data: {json.dumps(api_error(exc).body())}\n\n"
 
-    An error after the stream started is sent as one ``data: {"error": ...}`` event.
+
+async def sse_events(request, state, reqs: list[EngineRequest],
+                     chunks: AsyncIterator[BaseModel | str],
+                     error_event: Callable[[Exception], str] = openai_error_event,
+                     internal_error_event: str | None = None,
+                     done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
+    """Server-sent events: ``data: {chunk}`` per pydantic chunk (strings pass as they
+    are), then ``done`` (OpenAI's ``data: [DONE]``; None for none).
+
+    An engine error after the stream started is sent as one ``error_event(exc)``; any other
+    exception as ``internal_error_event`` (default: an OpenAI 500 body, no traceback). A
+    client that disconnects aborts every engine request of ``reqs``.
     """
-    async with on_disconnect(request, partial(client.abort, rid)), aclosing(chunks):
+    from latentserve.server.errors import error_body
+
+    if internal_error_event is None:
+        internal_error_event = (
+            f"data: {json.dumps(error_body('Internal server error', 'server_error'))}\n\n")
+    async with on_disconnect(request, _abort_all(state, reqs)), aclosing(chunks):
         try:
             async for chunk in chunks:
-                yield f"data: {chunk.model_dump_json()}\n\n"
-        except (EngineRequestError, EngineDeadError) as exc:
-            yield f"data: {json.dumps(api_error(exc).body())}\n\n"
+                yield chunk if isinstance(chunk, str) else f"data: {chunk.model_dump_json()}\n\n"
+        except ENGINE_ERRORS as exc:
+            yield error_event(exc)
         except Exception:  # noqa: BLE001 - the stream ends with an error event, no trace
-            log.exception("stream %s failed", rid)
-            yield f"data: {json.dumps(error_body('Internal server error', 'server_error'))}\n\n"
-    yield "data: [DONE]\n\n"
+            log.exception("stream of %s failed", reqs[0].rid if reqs else "?")
+            yield internal_error_event
+    if done is not None:
+        yield done
 
 
 def sse_response(events: AsyncIterator[str]):

@@ -1,0 +1,218 @@
+"""``POST /v1/messages``: the Anthropic Messages API over the same engine.
+
+Served: ``system`` (string or text blocks), user/assistant messages with string or text-block
+content (a final assistant message is continued, Anthropic's "prefill"), ``max_tokens``,
+``stop_sequences``, ``temperature`` (0..1), ``top_p``, ``top_k``, ``stream``, ``metadata``
+(ignored). Refused with a 400: tools, thinking, structured outputs
+(``output_config.format``) and non-text content blocks. Newer SDKs have no ``temperature``
+/ ``top_p`` / ``top_k`` arguments; clients send them in the body (``extra_body``).
+
+Streaming follows the protocol's event sequence: ``message_start``, ``content_block_start``
+(one text block, index 0), ``ping``, ``content_block_delta`` (``text_delta``) per text
+fragment, ``content_block_stop``, ``message_delta`` (``stop_reason``, ``stop_sequence``,
+``usage.output_tokens``), ``message_stop``; an error after the start is one ``error`` event.
+Errors use Anthropic's shape (``latentserve.server.errors``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from latentserve.sampling_params import SamplingParams
+from latentserve.server.errors import APIError, anthropic_error_body
+from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.params import context_error
+from latentserve.server.prompts import render_chat
+from latentserve.server.request_ids import new_request_id
+from latentserve.server.state import ServerState
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TextBlock(_Request):
+    type: str
+    text: str | None = None
+
+
+class AnthropicMessage(_Request):
+    role: str
+    content: str | list[TextBlock]
+
+
+class MessagesRequest(_Request):
+    model: str
+    max_tokens: int
+    messages: list[AnthropicMessage]
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = False
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    """``/v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
+
+    max_tokens: int | None = None
+
+
+_UNSUPPORTED = {"tools": (None, []), "tool_choice": (None,),
+                "thinking": (None, {"type": "disabled"})}
+
+_STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
+
+
+def _blocks_text(content: str | list[TextBlock], param: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, block in enumerate(content):
+        if block.type != "text" or block.text is None:
+            raise APIError(f"only text content blocks are supported, got type "
+                           f"{block.type!r}", param=f"{param}.{j}")
+        parts.append(block.text)
+    return "".join(parts)
+
+
+def _conversation(body: MessagesRequest) -> list[dict[str, str]]:
+    if not body.messages:
+        raise APIError("messages: at least one message is required", param="messages")
+    conversation = []
+    if body.system:
+        conversation.append({"role": "system", "content": _blocks_text(body.system, "system")})
+    for i, message in enumerate(body.messages):
+        if message.role not in ("user", "assistant"):
+            raise APIError(f"messages.{i}.role: Input should be 'user' or 'assistant', got "
+                           f"{message.role!r}", param=f"messages.{i}.role")
+        conversation.append({"role": message.role,
+                             "content": _blocks_text(message.content, f"messages.{i}.content")})
+    if not any(m["role"] == "user" for m in conversation):
+        raise APIError("messages: at least one message must have role 'user'",
+                       param="messages")
+    return conversation
+
+
+def _check(body: MessagesRequest, state: ServerState) -> None:
+    for name, value in (body.model_extra or {}).items():
+        if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
+            raise APIError(f"{name}: not supported by this server", param=name)
+    output_config = (body.model_extra or {}).get("output_config")
+    if isinstance(output_config, dict) and output_config.get("format") is not None:
+        raise APIError("output_config.format: structured outputs are not supported by this "
+                       "server", param="output_config.format")
+    if body.model != state.model_name:
+        raise APIError(f"model: {body.model} (this server serves {state.model_name})",
+                       status_code=404, param="model", code="model_not_found")
+    if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
+        raise APIError(f"temperature: must be in [0, 1], got {body.temperature}",
+                       param="temperature")
+
+
+def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int
+            ) -> SamplingParams:
+    if body.max_tokens < 1:
+        raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
+                       param="max_tokens")
+    if num_prompt_tokens >= max_model_len:
+        raise context_error(num_prompt_tokens, max_model_len, "messages")
+    if num_prompt_tokens + body.max_tokens > max_model_len:
+        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens + max_tokens "
+                       f"{body.max_tokens} > the maximum context length {max_model_len}",
+                       param="max_tokens", code="context_length_exceeded")
+    try:
+        return SamplingParams(
+            max_tokens=body.max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if not body.top_k else body.top_k,
+            stop=list(body.stop_sequences or []))
+    except ValueError as exc:
+        raise APIError(str(exc)) from None
+
+
+def _stop(finish_reason: str | None, stop_string: str | None) -> tuple[str, str | None]:
+    if stop_string is not None:
+        return "stop_sequence", stop_string
+    return _STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
+
+
+async def create_message(body: MessagesRequest, request, state: ServerState):
+    """Validate, template, run; answer with one ``message`` object or an SSE event stream.
+
+    Raises:
+        APIError: 400 (bad field, context too long, unsupported feature), 404 (another
+            model's name), or the engine errors of ``serving.api_error``.
+    """
+    from latentserve.server.serving import collect, sse_events, sse_response, start_stream
+
+    arrival = time.monotonic()
+    _check(body, state)
+    conversation = _conversation(body)
+    prompt_ids = render_chat(state.tokenizer, conversation,
+                             continue_final_message=conversation[-1]["role"] == "assistant")
+    params = _params(body, len(prompt_ids), state.max_model_len)
+    msg_id, engine_rid = new_request_id(request, "msg")
+    if msg_id == engine_rid:
+        msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
+    reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
+    if body.stream:
+        deltas = await start_stream(request, state, reqs, arrival)
+        events = _events(msg_id, state.model_name, len(prompt_ids), deltas)
+        return sse_response(sse_events(
+            request, state, reqs, events, error_event=_error_event,
+            internal_error_event=_event("error", anthropic_error_body(
+                "Internal server error", 500)), done=None))
+    result = (await collect(request, state, reqs, arrival))[0]
+    stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string)
+    return _message(msg_id, state.model_name, [{"type": "text", "text": result.text}],
+                    stop_reason, stop_sequence, len(prompt_ids), result.num_output_tokens)
+
+
+def _message(msg_id: str, model: str, content: list, stop_reason: str | None,
+             stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict:
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+
+
+def _event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+def _error_event(exc: Exception) -> str:
+    from latentserve.server.serving import api_error
+
+    err = api_error(exc)
+    return _event("error", anthropic_error_body(err.message, err.status_code))
+
+
+async def _events(msg_id: str, model: str, input_tokens: int,
+                  deltas: AsyncIterator[tuple[int, TextDelta]]) -> AsyncIterator[str]:
+    yield _event("message_start", {"type": "message_start", "message": _message(
+        msg_id, model, [], None, None, input_tokens, 0)})
+    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "text", "text": ""}})
+    yield _event("ping", {"type": "ping"})
+    last = None
+    async for _, delta in deltas:
+        if delta.text:
+            yield _event("content_block_delta", {
+                "type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": delta.text}})
+        last = delta
+    stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string)
+    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    yield _event("message_delta", {
+        "type": "message_delta",
+        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+        "usage": {"output_tokens": last.num_output_tokens}})
+    yield _event("message_stop", {"type": "message_stop"})

@@ -1,0 +1,130 @@
+"""Engine ``TokenLogprob``s -> the OpenAI chat and completions ``logprobs`` objects.
+
+A token's text is its raw bytes decoded as UTF-8 (with U+FFFD for a token that holds part
+of a character); ``bytes`` carries the raw bytes so that a client can join such pieces.
+Raw bytes come from the tokenizer's vocabulary: byte-level BPE pieces (GPT-2's
+byte-to-unicode alphabet) are mapped back to bytes, SentencePiece ``<0xAB>`` byte pieces
+become that byte and ``▁`` a space; added (special) tokens are their text.
+With ``return_tokens_as_token_ids`` (vLLM's option) tokens are written ``"token_id:123"``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+from latentserve.outputs import TokenLogprob
+from latentserve.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+)
+
+_SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's ``bytes_to_unicode``: printable stand-in character -> byte."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenTexts:
+    """Per-tokenizer token id -> (text, bytes), cached."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.added = {int(i): str(getattr(t, "content", t))
+                      for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+        self.byte_level = False
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            try:
+                self.byte_level = "ByteLevel" in json.dumps(json.loads(backend.to_str())
+                                                            .get("decoder"))
+            except Exception:  # noqa: BLE001 - unknown backend: fall back to plain pieces
+                self.byte_level = False
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        """``(text, raw bytes)`` of one token."""
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        if token_id in self.added:
+            raw = self.added[token_id].encode()
+        else:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            piece = "" if piece is None else str(piece)
+            dec = _byte_decoder()
+            sp = _SP_BYTE.match(piece)
+            if sp:
+                raw = bytes([int(sp.group(1), 16)])
+            elif self.byte_level and piece and all(c in dec for c in piece):
+                raw = bytes(dec[c] for c in piece)
+            else:
+                raw = piece.replace("\u2581", " ").encode()
+        out = (raw.decode("utf-8", errors="replace"), raw)
+        if len(self._cache) < 200_000:
+            self._cache[token_id] = out
+        return out
+
+    def text(self, token_id: int, as_ids: bool = False) -> str:
+        return f"token_id:{token_id}" if as_ids else self.get(token_id)[0]
+
+
+def token_texts(tokenizer) -> TokenTexts:
+    """The (cached, one per tokenizer object) ``TokenTexts`` of ``tokenizer``."""
+    cached = getattr(tokenizer, "_latentserve_token_texts", None)
+    if cached is None:
+        cached = TokenTexts(tokenizer)
+        try:
+            tokenizer._latentserve_token_texts = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def chat_logprobs(texts: TokenTexts, lps: list[TokenLogprob], as_ids: bool = False
+                  ) -> ChatLogprobs:
+    """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``."""
+
+    def top(tid: int, lp: float) -> TopLogprob:
+        return TopLogprob(token=texts.text(tid, as_ids), logprob=lp,
+                          bytes=list(texts.get(tid)[1]))
+
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(token=texts.text(t.token_id, as_ids), logprob=t.logprob,
+                         bytes=list(texts.get(t.token_id)[1]),
+                         top_logprobs=[top(i, v) for i, v in t.top])
+        for t in lps])
+
+
+def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob], offset: int,
+                        as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
+    """The legacy shape for ``lps``, token offsets counted from ``offset`` (characters of
+    the choice's text before these tokens). ``top_logprobs[i]`` maps token text to
+    logprob for the k most likely tokens plus the sampled one. Returns the object and the
+    offset after these tokens."""
+    out = CompletionLogprobs()
+    for t in lps:
+        text = texts.text(t.token_id, as_ids)
+        out.tokens.append(text)
+        out.token_logprobs.append(t.logprob)
+        top = {texts.text(i, as_ids): v for i, v in t.top}
+        top.setdefault(text, t.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(texts.get(t.token_id)[0])
+    return out, offset

@@ -1,0 +1,88 @@
+"""ASGI middleware for the API key and the request body size limit.
+
+API key (when set): required on ``/v1/*``, ``/tokenize`` and ``/detokenize``, given as
+``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic clients);
+either header works on every protected route. ``/health``, ``/version`` and ``/metrics``
+stay open (load balancers and scrapers). A missing or wrong key is a 401 in the route's
+error shape. Keys are compared in constant time.
+
+Body limit: a ``Content-Length`` above the limit is refused with 413 before the body is
+read; a body without a length (chunked) is counted as it arrives and refused the same way
+when it goes over.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from latentserve.server.errors import error_response
+
+
+def _protected(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+class GuardMiddleware:
+    """Pure ASGI middleware (works for streaming responses, unlike ``BaseHTTPMiddleware``).
+
+    Args:
+        app: the ASGI app to guard.
+        api_key: the key clients must send, or None for no authentication.
+        max_body_bytes: the largest request body accepted, in bytes.
+    """
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        if self.api_key is not None and _protected(path) and not self._authorized(headers):
+            response = error_response(path, 401, "Invalid or missing API key; send it as "
+                                      "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                                      code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_body_bytes
+            except ValueError:
+                too_big = False
+            if too_big:
+                return await self._too_large(path, scope, receive, send)
+        limit, seen = self.max_body_bytes, 0
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    from starlette.exceptions import HTTPException
+
+                    raise HTTPException(413, self._too_large_message())
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+    def _authorized(self, headers: dict[str, bytes]) -> bool:
+        candidates = []
+        auth = headers.get("authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            candidates.append(auth[7:].strip())
+        if "x-api-key" in headers:
+            candidates.append(headers["x-api-key"].strip())
+        return any(hmac.compare_digest(c, self.api_key) for c in candidates)
+
+    def _too_large_message(self) -> str:
+        return f"Request body is larger than the limit of {self.max_body_bytes} bytes"
+
+    async def _too_large(self, path, scope, receive, send):
+        response = error_response(path, 413, self._too_large_message(),
+                                  code="request_too_large")
+        await response(scope, receive, send)

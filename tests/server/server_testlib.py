@@ -1,0 +1,90 @@
+"""Constants and helpers shared by the server tests (imported by conftest.py and tests).
+
+The scripted model: a tiny Llama whose next token is a fixed function of the current one
+(``script()``), so tests can make it write exact text: multi-byte characters split over
+tokens, and repeats for the penalties.
+"""
+
+import math
+import time
+
+MAX_MODEL_LEN = 256
+API_KEY = "test-key-123"
+VOCAB = 49152
+
+# --- the scripted model --------------------------------------------------------------------
+# next-token logits for the current token: {token: [(next token, logit), ...]}, others 0.
+SCRIPT_START = 1000  # a prompt ending in this token makes the model write SCRIPT_TEXT
+SCRIPT_TEXT = "héllo 😀 世界!"
+SCRIPT_IDS = [88, 2756, 31394, 40303, 218, 216, 7906, 240, 178, 239, 230, 17]  # its tokens
+EOS = 2
+SCRIPT_LOGIT = 10.0
+# A two-token loop with runners-up: A -> B (8) or X (7); B -> A (8) or Y (7).
+A, B, X, Y = 3000, 3001, 3002, 3003
+LOOP = {A: [(B, 8.0), (X, 7.0)], B: [(A, 8.0), (Y, 7.0)]}
+RMS_EPS = 1e-6
+
+
+def script() -> dict[int, list[tuple[int, float]]]:
+    chain = [SCRIPT_START, *SCRIPT_IDS, EOS]
+    out = {cur: [(nxt, SCRIPT_LOGIT)] for cur, nxt in zip(chain, chain[1:])}
+    out.update(LOOP)
+    return out
+
+
+def scripted_logit(logit: float, hidden: int = 64) -> float:
+    """The logit the scripted model really produces for a scripted ``logit`` (RMSNorm's
+    epsilon shrinks it a little)."""
+    return logit / math.sqrt(hidden) / math.sqrt(1.0 / hidden + RMS_EPS)
+
+
+def save_scripted(out_dir, table: dict[int, list[tuple[int, float]]]):
+    """A tiny untied Llama whose logits depend only on the current token: attention and MLP
+    outputs are zero, so the last hidden state is the token's embedding; token c (the d-th
+    key of ``table``) embeds as the unit vector e_d, and lm_head row s holds
+    ``logit / sqrt(hidden)`` in column d for each ``(s, logit)`` in ``table[c]``. Tokens
+    outside ``table`` embed as zero (all logits 0)."""
+    import torch
+    import transformers as tf
+
+    from latentserve.testing.tiny_models import save_tiny
+
+    save_tiny(out_dir, "llama-untied", max_position_embeddings=MAX_MODEL_LEN,
+              rms_norm_eps=RMS_EPS)
+    model = tf.LlamaForCausalLM.from_pretrained(out_dir)
+    hidden = model.config.hidden_size
+    assert len(table) <= hidden
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.zero_()
+        head.zero_()
+        for d, (cur, nexts) in enumerate(table.items()):
+            emb[cur, d] = 1.0
+            for nxt, logit in nexts:
+                head[nxt, d] = logit / math.sqrt(hidden)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def wait_idle(http, timeout: float = 30.0) -> dict:
+    """Poll ``/health`` until no request runs in the API process or the engine; return it."""
+    deadline = time.monotonic() + timeout
+    health = None
+    while time.monotonic() < deadline:
+        health = http.get("/health").json()
+        engine = health.get("engine") or {}
+        if (health["running"] == 0 and engine.get("num_running") == 0
+                and engine.get("num_waiting") == 0):
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"requests still running: {health}")
+
+
+def assert_slots_invariant(health: dict) -> None:
+    """With nothing running, every KV slot is free or held by the prefix cache."""
+    assert health["kv_slots_free"] + health["kv_slots_cached"] == health["kv_slots_total"], \
+        health

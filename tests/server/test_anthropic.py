@@ -1,0 +1,126 @@
+"""/v1/messages through the anthropic SDK: messages, streaming events, stop sequences,
+errors in Anthropic's shape, and the API key."""
+
+import anthropic
+import pytest
+from server_testlib import API_KEY
+
+MESSAGES = [{"role": "user", "content": "Name a color."}]
+# This SDK version no longer has temperature/top_p/top_k arguments; they travel as extra body.
+GREEDY = {"temperature": 0}
+
+
+def test_message_has_text_stop_reason_and_usage(anthropic_client, model):
+    m = anthropic_client.messages.create(model=model, max_tokens=5, messages=MESSAGES,
+                                         extra_body=GREEDY)
+    assert m.type == "message" and m.role == "assistant" and m.model == model
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text
+    assert m.stop_reason == "max_tokens" and m.stop_sequence is None
+    assert m.usage.output_tokens == 5 and m.usage.input_tokens > 5
+
+
+def test_stream_sends_the_protocol_event_sequence(anthropic_client, model):
+    events = list(anthropic_client.messages.create(
+        model=model, max_tokens=6, messages=MESSAGES, stream=True, extra_body=GREEDY))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("content_block_delta")
+    assert kinds == (["message_start", "content_block_start"]
+                     + ["content_block_delta"] * deltas
+                     + ["content_block_stop", "message_delta", "message_stop"])
+    assert deltas >= 1
+    assert events[-2].delta.stop_reason == "max_tokens" and events[-2].usage.output_tokens == 6
+    full = anthropic_client.messages.create(model=model, max_tokens=6, messages=MESSAGES,
+                                            extra_body=GREEDY)
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == \
+        full.content[0].text
+    assert events[0].message.usage.input_tokens == full.usage.input_tokens
+
+
+def test_stream_helper_accumulates_the_message(anthropic_client, model):
+    with anthropic_client.messages.stream(model=model, max_tokens=4, messages=MESSAGES,
+                                          extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.content[0].text == text and final.usage.output_tokens == 4
+
+
+def test_stop_sequence_is_reported(anthropic_client, model):
+    full = anthropic_client.messages.create(model=model, max_tokens=20, messages=MESSAGES,
+                                            extra_body=GREEDY).content[0].text
+    stop = next(full[k:k + 2] for k in range(len(full) // 2, len(full) - 1)
+                if full[k:k + 2].strip())
+    m = anthropic_client.messages.create(model=model, max_tokens=20, messages=MESSAGES,
+                                         extra_body=GREEDY, stop_sequences=[stop])
+    assert m.content[0].text == full[: full.index(stop)]
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+
+
+def test_system_prompt_is_templated_as_the_system_turn(anthropic_client, model,
+                                                      smollm2_tokenizer):
+    system = "You are a pirate who answers in rhymes."
+    m = anthropic_client.messages.create(model=model, max_tokens=1, messages=MESSAGES,
+                                         system=[{"type": "text", "text": system}])
+    ids = smollm2_tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, *MESSAGES], add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert m.usage.input_tokens == len(ids)
+
+
+def test_bad_request_is_an_anthropic_error(anthropic_client, model):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(model=model, max_tokens=0, messages=MESSAGES)
+    assert info.value.body["type"] == "error"
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in info.value.body["error"]["message"]
+
+
+def test_validation_error_is_an_anthropic_error(server, model):
+    import httpx
+
+    r = httpx.post(f"{server.base_url}/v1/messages", headers={"x-api-key": API_KEY},
+                   json={"model": model, "messages": MESSAGES})  # no max_tokens
+    assert r.status_code == 400
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_not_found(anthropic_client):
+    with pytest.raises(anthropic.NotFoundError) as info:
+        anthropic_client.messages.create(model="claude-nope", max_tokens=2, messages=MESSAGES)
+    assert info.value.body["error"]["type"] == "not_found_error"
+
+
+def test_missing_api_key_is_an_authentication_error(server, model):
+    no_key = anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        no_key.messages.create(model=model, max_tokens=2, messages=MESSAGES)
+    assert info.value.body["error"]["type"] == "authentication_error"
+
+
+def test_assistant_prefill_is_continued(anthropic_client, model):
+    base = anthropic_client.messages.create(model=model, max_tokens=3, extra_body=GREEDY,
+                                            messages=MESSAGES)
+    prefilled = anthropic_client.messages.create(
+        model=model, max_tokens=3, extra_body=GREEDY,
+        messages=[*MESSAGES, {"role": "assistant", "content": "Blue"}])
+    assert prefilled.usage.input_tokens > base.usage.input_tokens
+
+
+def test_sampling_fields_travel_in_the_body(anthropic_client, model):
+    args = dict(model=model, max_tokens=6, messages=MESSAGES)
+    a = anthropic_client.messages.create(extra_body={"temperature": 1.0, "top_k": 1}, **args)
+    b = anthropic_client.messages.create(extra_body=GREEDY, **args)
+    assert a.content[0].text == b.content[0].text  # top_k=1 is greedy at any temperature
+
+
+def test_structured_output_is_refused_not_ignored(anthropic_client, model):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(
+            model=model, max_tokens=2, messages=MESSAGES,
+            output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
+    assert "output_config" in info.value.body["error"]["message"]
+
+
+def test_count_tokens_equals_message_input_tokens(anthropic_client, model):
+    counted = anthropic_client.messages.count_tokens(model=model, messages=MESSAGES)
+    m = anthropic_client.messages.create(model=model, max_tokens=1, messages=MESSAGES)
+    assert counted.input_tokens == m.usage.input_tokens

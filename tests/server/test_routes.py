@@ -1,0 +1,74 @@
+"""/tokenize, /detokenize, /version, /health and /metrics."""
+
+import re
+
+import latentserve
+
+
+def test_tokenize_then_detokenize_round_trips(http, smollm2_tokenizer):
+    text = "Hello, wörld 😀"
+    r = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == smollm2_tokenizer.encode(text)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    assert len(r["token_strs"]) == r["count"]
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == text
+
+
+def test_tokenize_messages_counts_what_chat_bills(http, client, model):
+    messages = [{"role": "user", "content": "Hi there"}]
+    count = http.post("/tokenize", json={"messages": messages}).json()["count"]
+    billed = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert count == billed.usage.prompt_tokens
+
+
+def test_detokenize_refuses_ids_outside_the_vocabulary(http):
+    r = http.post("/detokenize", json={"tokens": [1, 49152]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+def test_version(http):
+    assert http.get("/version").json() == {"version": latentserve.__version__}
+
+
+def test_health_reports_ready_and_kv_slots(http):
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["ready"] is True
+    assert health["kv_slots_total"] > 0
+    assert 0 <= health["kv_slots_free"] <= health["kv_slots_total"]
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert match, f"{name} missing"
+    return float(match.group(1))
+
+
+def test_metrics_count_requests_tokens_and_latencies(http):
+    before = http.get("/metrics").text
+    r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
+                                           "ignore_eos": True})
+    assert r.status_code == 200
+    after = http.get("/metrics").text
+    for name, delta in (("latentserve_generation_tokens_total", 4),
+                        ("latentserve_prompt_tokens_total", 3),
+                        ("latentserve_time_to_first_token_seconds_count", 1),
+                        ("latentserve_e2e_request_latency_seconds_count", 1),
+                        ("latentserve_time_per_output_token_seconds_count", 1),
+                        ("latentserve_inter_token_latency_seconds_count", 3)):
+        assert _metric(after, name) - _metric(before, name) == delta, name
+    assert _metric(after, "latentserve_num_requests_running") == 0
+    assert _metric(after, "latentserve_kv_slots_total") == http.get("/health").json()[
+        "kv_slots_total"]
+
+
+def test_metrics_prefix_cache_hits_count_a_repeated_prompt(http):
+    prompt = list(range(100, 140))
+    before = http.get("/metrics").text
+    for _ in range(2):
+        http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    after = http.get("/metrics").text
+    queries = (_metric(after, "latentserve_prefix_cache_queries_total")
+               - _metric(before, "latentserve_prefix_cache_queries_total"))
+    hits = (_metric(after, "latentserve_prefix_cache_hits_total")
+            - _metric(before, "latentserve_prefix_cache_hits_total"))
+    assert queries == 80 and hits == 39  # the second run reuses all but the last token

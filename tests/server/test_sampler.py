@@ -1,0 +1,87 @@
+"""The sampler's penalties and logprobs (vLLM semantics), on hand-made logits."""
+
+import math
+
+import pytest
+import torch
+
+from latentserve.core import Req
+from latentserve.sampling import apply_penalties, sample_with_logprobs
+from latentserve.sampling_params import SamplingParams
+
+
+def _req(prompt, output, **params):
+    req = Req("r", list(prompt), SamplingParams(**params))
+    req.output_ids = list(output)
+    return req
+
+
+def test_penalties_follow_vllms_formula():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    req = _req([0], [2, 2, 3], repetition_penalty=2.0, frequency_penalty=0.5,
+               presence_penalty=0.25)
+    # 0: prompt, 2 / 2;  1: unseen;  2: 0.5 / 2 - 0.5 * 2 - 0.25;  3: 3 / 2 - 0.5 - 0.25
+    assert apply_penalties(logits, [req]).tolist() == [[1.0, -1.0, -1.0, 0.75, 1.0]]
+
+
+def test_repetition_penalty_multiplies_negative_logits():
+    out = apply_penalties(torch.tensor([[-1.0, 0.0, 1.0]]),
+                          [_req([0, 1], [], repetition_penalty=3.0)])
+    assert out.tolist() == [[-3.0, 0.0, 1.0]]
+
+
+def test_penalties_change_a_greedy_pick_and_leave_the_input_alone():
+    logits = torch.tensor([[1.0, 0.75, 0.0], [1.0, 0.75, 0.0]])
+    penalized = _req([5], [0], temperature=0, presence_penalty=0.5)
+    plain = _req([5], [0], temperature=0)
+    res = sample_with_logprobs(logits, [penalized, plain])
+    assert res.tokens.tolist() == [1, 0]
+    assert logits.tolist() == [[1.0, 0.75, 0.0], [1.0, 0.75, 0.0]]
+
+
+def test_logprobs_are_raw_log_softmax_with_top_k_and_rank():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    req = _req([0], [1], temperature=0, logprobs=2, repetition_penalty=100.0)
+    res = sample_with_logprobs(logits, [req])
+    lsm = torch.log_softmax(logits, -1)[0].tolist()
+    lp = res.logprobs[0]
+    assert lp.token_id == res.tokens.item() == 2  # token 1 is penalized away
+    assert lp.logprob == pytest.approx(lsm[2]) and lp.rank == 2
+    assert [t for t, _ in lp.top] == [1, 2]
+    assert [v for _, v in lp.top] == pytest.approx([lsm[1], lsm[2]])
+
+
+def test_logprobs_zero_reports_only_the_sampled_token_and_none_without_asking():
+    logits = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+    res = sample_with_logprobs(logits, [_req([0], [], temperature=0, logprobs=0),
+                                        _req([0], [], temperature=0)])
+    assert res.logprobs[0].top == [] and res.logprobs[0].logprob == pytest.approx(
+        -math.log(1 + math.exp(-1)))
+    assert res.logprobs[1] is None
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[0.0, 50.0, 49.0]])
+    res = sample_with_logprobs(logits, [_req([0], [], temperature=1e-9)])
+    assert res.tokens.tolist() == [1]
+
+
+def test_seeded_sampling_with_penalties_is_reproducible():
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(0))
+
+    def draws():
+        req = _req([1, 2], [3], temperature=1.0, seed=5, frequency_penalty=1.0)
+        req.generator = torch.Generator().manual_seed(5)
+        return [sample_with_logprobs(logits, [req]).tokens.item() for _ in range(8)]
+
+    first = draws()
+    assert first == draws() and len(set(first)) > 1
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
+    ("logprobs", -1), ("temperature", float("nan")),
+])
+def test_out_of_range_sampling_fields_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

@@ -1,0 +1,61 @@
+"""API key, body size limit, and per-request limits."""
+
+import httpx
+import openai
+import pytest
+from server_testlib import API_KEY
+
+
+def test_openai_client_without_the_key_gets_401(server, model):
+    bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        bad.completions.create(model=model, prompt="hi", max_tokens=1)
+    assert info.value.body["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer nope"},
+                                     {"Authorization": API_KEY}, {"x-api-key": "nope"}],
+                         ids=["none", "wrong-bearer", "no-bearer-prefix", "wrong-x-api-key"])
+def test_api_routes_refuse_missing_or_wrong_keys(server, headers):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
+                         ("POST", "/tokenize"), ("POST", "/detokenize")):
+        r = httpx.request(method, f"{server.base_url}{path}", headers=headers,
+                          json={"prompt": "hi", "tokens": [1]})
+        assert r.status_code == 401, (path, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_x_api_key_works_on_openai_routes_too(server):
+    r = httpx.get(f"{server.base_url}/v1/models", headers={"x-api-key": API_KEY})
+    assert r.status_code == 200
+
+
+def test_health_version_and_metrics_need_no_key(server):
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(f"{server.base_url}{path}").status_code == 200, path
+
+
+def test_body_over_the_limit_is_413_before_it_is_parsed(http):
+    big = b'{"prompt": "' + b"a" * (16 * 1024 * 1024) + b'", "max_tokens": 1}'
+    r = http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_chunked_body_over_the_limit_is_413(http):
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(17):
+            yield b"a" * (1024 * 1024)
+        yield b'", "max_tokens": 1}'
+
+    r = http.post("/v1/completions", content=chunks(),
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert "limit" in r.json()["error"]["message"]
+
+
+def test_error_bodies_carry_no_traceback(http):
+    r = http.post("/v1/completions", content=b'{"prompt": [1, "x"]}',
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "Traceback" not in r.text and 'File "' not in r.text

@@ -1,0 +1,72 @@
+"""SIGTERM: the server stops accepting connections, lets running requests finish, stops the
+engine and exits."""
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from server_testlib import A
+
+
+def _children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    if not os.path.exists(path):
+        pytest.skip("needs Linux /proc")
+    with open(path) as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_drains_a_running_stream_then_exits(scripted_model_dir):
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+
+    srv = start_server(EngineConfig(model=str(scripted_model_dir), max_num_seqs=2),
+                       timeout=300, drain_timeout=60)
+    try:
+        children = _children(srv.proc.pid)
+        assert children  # the engine process (and multiprocessing's helpers)
+        body = {"prompt": [A], "max_tokens": 250, "ignore_eos": True,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        chunks_after_sigterm, usage, reasons, attempt = 0, None, [], None
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)  # generating
+            srv.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while attempt != "ConnectError" and time.monotonic() < deadline:
+                time.sleep(0.1)  # uvicorn checks for the signal every 0.1 s
+                try:  # a new connection while the stream is draining
+                    attempt = httpx.get(f"{srv.base_url}/health", timeout=2).status_code
+                except httpx.HTTPError as exc:
+                    attempt = type(exc).__name__
+            still_running = srv.proc.poll() is None
+            for line in lines:
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or usage
+                chunks_after_sigterm += 1
+                reasons += [ch["finish_reason"] for ch in chunk["choices"]
+                            if ch["finish_reason"]]
+        assert attempt == "ConnectError" and still_running  # draining, not accepting
+        assert reasons == ["length"] and usage["completion_tokens"] == 250
+        assert chunks_after_sigterm > 100  # the loop writes text on every token
+        srv.proc.wait(30)
+        deadline = time.monotonic() + 10  # children notice their parent is gone
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in children)
+    finally:
+        srv.stop()
