@@ -8,7 +8,13 @@ from collections.abc import AsyncIterator
 from latentserve.server.errors import APIError
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.logprobs import chat_logprobs, token_texts
-from latentserve.server.params import check_common, check_logprobs, fan_out, sampling_params
+from latentserve.server.params import (
+    check_common,
+    check_logprobs,
+    fan_out,
+    latent_budget,
+    sampling_params,
+)
 from latentserve.server.prompts import chat_prompt_ids, check_prompt_length
 from latentserve.server.protocol import (
     AssistantMessage,
@@ -41,7 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     else:
         max_tokens, field = body.max_tokens, "max_tokens"
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
-                             logprobs)
+                             logprobs, latent_budget(request, body))
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
             for i, p in enumerate(fan_out(params, body.n or 1))]
@@ -58,7 +64,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         choices=[ChatChoice(index=i, message=AssistantMessage(content=r.text),
                             finish_reason=r.finish_reason,
                             logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
-                                      if logprobs is not None else None))
+                                      if logprobs is not None else None),
+                            latent=r.latent_info(bool(body.return_latent_trace)))
                  for i, r in enumerate(results)],
         usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
     )

@@ -8,7 +8,13 @@ from collections.abc import AsyncIterator
 from latentserve.server.errors import APIError
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.logprobs import completion_logprobs, token_texts
-from latentserve.server.params import check_common, check_logprobs, fan_out, sampling_params
+from latentserve.server.params import (
+    check_common,
+    check_logprobs,
+    fan_out,
+    latent_budget,
+    sampling_params,
+)
 from latentserve.server.prompts import check_prompt_length, completion_prompts
 from latentserve.server.protocol import (
     CompletionChoice,
@@ -35,10 +41,11 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     n = body.n or 1
     rid, engine_rid = new_request_id(request, "cmpl")
     reqs: list[EngineRequest] = []
+    budget = latent_budget(request, body)
     for p, (ids, text) in enumerate(prompts):
         check_prompt_length(len(ids), state.max_model_len, "prompt")
         params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
-                                 state.max_model_len, body.logprobs)
+                                 state.max_model_len, body.logprobs, budget)
         for j, choice_params in enumerate(fan_out(params, n)):
             index = p * n + j
             reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,
@@ -58,7 +65,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     for i, r in enumerate(results):
         lps = completion_logprobs(texts, r.logprobs, 0, as_ids)[0] if want_logprobs else None
         choices.append(CompletionChoice(index=i, text=echoes[i] + r.text,
-                                        finish_reason=r.finish_reason, logprobs=lps))
+                                        finish_reason=r.finish_reason, logprobs=lps,
+                                        latent=r.latent_info(bool(body.return_latent_trace))))
     return CompletionResponse(
         id=rid, model=state.model_name, choices=choices,
         usage=Usage.of(num_prompt_tokens, sum(r.num_output_tokens for r in results)))

@@ -21,7 +21,8 @@ class TextDelta:
     when the request was cancelled); ``num_output_tokens`` counts all tokens generated so
     far. ``logprobs`` covers the tokens consumed since the previous delta (tokens whose text
     was held back are reported with the delta that releases it). ``stop_string`` is the
-    stop string that ended the request, if one did.
+    stop string that ended the request, if one did. ``latent_steps`` / ``latent_trace``:
+    the request's latent positions so far and, on the last delta when asked, their trace.
     """
 
     text: str
@@ -29,6 +30,8 @@ class TextDelta:
     num_output_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_string: str | None = None
+    latent_steps: int = 0
+    latent_trace: list | None = None
 
 
 @dataclass(slots=True)
@@ -86,11 +89,13 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                 text = detok.add(ids) if ids else ""
                 if detok.stopped is not None:
                     reason = "stop"
-                    yield TextDelta(text, "stop", num_tokens, take(), detok.stopped)
+                    yield TextDelta(text, "stop", num_tokens, take(), detok.stopped,
+                                    out.latent_steps, out.latent_trace)
                     return  # leaving the generator aborts the engine request
                 if out.finished:
                     reason = out.finish_reason
-                    yield TextDelta(text + detok.flush(), out.finish_reason, num_tokens, take())
+                    yield TextDelta(text + detok.flush(), out.finish_reason, num_tokens, take(),
+                                    None, out.latent_steps, out.latent_trace)
                     return
                 if text:
                     yield TextDelta(text, None, num_tokens, take())

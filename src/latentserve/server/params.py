@@ -50,14 +50,28 @@ def context_error(num_prompt_tokens: int, max_model_len: int, param: str) -> API
         param=param, code="context_length_exceeded")
 
 
+def latent_budget(http_request, body: SamplingRequest) -> int | None:
+    """The request's latent budget: header ``x-latent-budget`` > body ``latent_budget`` >
+    None (the model's default). Raises APIError (400 naming the header) for a header that is
+    not a non-negative integer."""
+    raw = http_request.headers.get("x-latent-budget")
+    if raw is None:
+        return body.latent_budget
+    if not raw.strip().isdigit():
+        raise APIError(f"header x-latent-budget must be a non-negative integer, got {raw!r}",
+                       param="x-latent-budget")
+    return int(raw)
+
+
 def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens_field: str,
                     num_prompt_tokens: int, max_model_len: int,
-                    logprobs: int | None = None) -> SamplingParams:
+                    logprobs: int | None = None, budget: int | None = None) -> SamplingParams:
     """Build the engine's ``SamplingParams`` for one prompt.
 
     ``max_tokens`` is what the client asked for (None: up to the end of the context,
     ``max_model_len - num_prompt_tokens``); ``max_tokens_field`` names it in errors.
     ``logprobs``: None, or how many top logprobs per token (already range-checked).
+    ``budget``: the latent budget (see :func:`latent_budget`).
 
     Raises:
         APIError: 400 naming the field and the allowed values; a prompt plus
@@ -94,6 +108,8 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             ignore_eos=bool(request.ignore_eos),
             skip_special_tokens=request.skip_special_tokens is not False,
             logprobs=logprobs,
+            latent_budget=budget,
+            return_latent_trace=bool(request.return_latent_trace),
         )
     except ValueError as exc:
         param = param_from_value_error(str(exc))

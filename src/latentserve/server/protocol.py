@@ -46,6 +46,10 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool | None = False
+    # Latent reasoning: None = the model's default budget, 0 = no thinking (header
+    # x-latent-budget wins); the trace adds per-step norms and logit-lens tokens.
+    latent_budget: int | None = None
+    return_latent_trace: bool | None = False
 
     @property
     def include_usage(self) -> bool:
@@ -148,11 +152,20 @@ class AssistantMessage(BaseModel):
     reasoning_content: str = ""
 
 
+class LatentInfo(BaseModel):
+    """What one choice spent on latent reasoning: ``steps`` latent positions run, and with
+    ``return_latent_trace`` per step ``{"norm", "top_tokens": [[id, logit], ...]}``."""
+
+    steps: int
+    trace: list[dict] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChatLogprobs | None = None
+    latent: LatentInfo | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -203,6 +216,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    latent: LatentInfo | None = None
 
 
 class CompletionResponse(_Response):

@@ -19,7 +19,7 @@ from latentserve.server.client import (
     EngineRequestError,
 )
 from latentserve.server.disconnect import on_disconnect
-from latentserve.server.errors import APIError
+from latentserve.server.errors import APIError, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ def api_error(exc: Exception) -> APIError:
     inside the engine a 500 (its message has no traceback), a dead engine a 503."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
-        return APIError(message, param="prompt" if message.startswith("prompt") else None)
+        return APIError(message, param="prompt" if message.startswith("prompt")
+                        else param_from_value_error(message))
     if isinstance(exc, EngineInternalError):
         return APIError(str(exc), status_code=500, type="server_error", code="engine_error")
     if isinstance(exc, EngineDeadError):
@@ -50,6 +51,17 @@ class ChoiceResult:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_string: str | None = None
+    latent_steps: int = 0
+    latent_trace: list | None = None
+
+    def latent_info(self, asked: bool):
+        """The choice's ``latent`` field: None for a request that ran no latent step and
+        asked for no trace."""
+        from latentserve.server.protocol import LatentInfo
+
+        if not asked and not self.latent_steps:
+            return None
+        return LatentInfo(steps=self.latent_steps, trace=self.latent_trace if asked else None)
 
 
 def _abort_all(state, reqs: list[EngineRequest]) -> Callable[[], None]:
@@ -82,6 +94,7 @@ async def collect(request, state, reqs: list[EngineRequest],
                 r.num_output_tokens = delta.num_output_tokens
                 if delta.finish_reason is not None:
                     r.finish_reason, r.stop_string = delta.finish_reason, delta.stop_string
+                    r.latent_steps, r.latent_trace = delta.latent_steps, delta.latent_trace
         except ENGINE_ERRORS as exc:
             raise api_error(exc) from None
     return results

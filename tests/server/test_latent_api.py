@@ -1,0 +1,87 @@
+"""Latent budgets through the HTTP API (issue 5): a COCONUT checkpoint served over the
+OpenAI routes; the body field and the ``x-latent-budget`` header set each request's budget,
+bad budgets get 400s, and answers equal the eager per-request reference."""
+
+import httpx
+import pytest
+from server_testlib import assert_slots_invariant, wait_idle
+
+
+@pytest.fixture(scope="module")
+def coconut_dir(tmp_path_factory, smollm2_dir):
+    from latentserve.testing.latent_models import save_latent_tiny
+
+    return save_latent_tiny(tmp_path_factory.mktemp("latent-api"), "coconut-llama",
+                            max_budget=8)
+
+
+@pytest.fixture(scope="module")
+def latent_server(coconut_dir):
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+
+    srv = start_server(EngineConfig(model=str(coconut_dir), max_num_seqs=8), timeout=300)
+    yield srv
+    srv.stop()
+
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
+
+
+def _complete(srv, body=None, headers=None):
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, **(body or {})}
+    return httpx.post(f"{srv.base_url}/v1/completions", json=body, headers=headers or {},
+                      timeout=60)
+
+
+@pytest.mark.parametrize("budget", [0, 2, 5])
+def test_body_budget_runs_that_many_latent_steps_and_matches_reference(budget, latent_server,
+                                                                        coconut_dir):
+    from latentserve.models.checkpoint import load_tokenizer
+    from latentserve.testing.latent_reference import reference_generate
+
+    r = _complete(latent_server, {"latent_budget": budget})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    # ``latent`` is null when no latent step ran and no trace was asked for.
+    assert (choice["latent"] or {"steps": 0})["steps"] == budget
+    ref, _ = reference_generate(coconut_dir, PROMPT, budget, 6)
+    tok = load_tokenizer(coconut_dir)
+    eos = tok.eos_token_id
+    ref_text = tok.decode([t for t in ref if t != eos], skip_special_tokens=True)
+    assert choice["text"] == ref_text
+
+
+def test_header_overrides_body(latent_server):
+    r = _complete(latent_server, {"latent_budget": 1}, {"x-latent-budget": "4"})
+    assert r.status_code == 200 and r.json()["choices"][0]["latent"]["steps"] == 4
+
+
+def test_trace_reports_norm_and_top5_per_step(latent_server):
+    r = httpx.post(f"{latent_server.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+        "latent_budget": 3, "return_latent_trace": True})
+    assert r.status_code == 200, r.text
+    latent = r.json()["choices"][0]["latent"]
+    assert latent["steps"] == 3 and len(latent["trace"]) == 3
+    for step in latent["trace"]:
+        assert step["norm"] > 0 and len(step["top_tokens"]) == 5
+
+
+@pytest.mark.parametrize("body,headers,param", [
+    ({"latent_budget": 9}, None, "latent_budget"),          # above the model's cap of 8
+    ({"latent_budget": -1}, None, "latent_budget"),
+    ({"latent_budget": 2.5}, None, "latent_budget"),
+    ({"latent_budget": "3"}, None, "latent_budget"),
+    (None, {"x-latent-budget": "two"}, "x-latent-budget"),
+    (None, {"x-latent-budget": "-3"}, "x-latent-budget"),
+])
+def test_bad_budget_is_a_400_naming_it_and_the_server_goes_on(body, headers, param,
+                                                              latent_server):
+    r = _complete(latent_server, body, headers)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"]
+    assert _complete(latent_server, {"latent_budget": 1}).status_code == 200
+    with httpx.Client(base_url=latent_server.base_url) as http:
+        assert_slots_invariant(wait_idle(http))
