@@ -100,6 +100,42 @@ def bench_one(model_dir: Path, device: str, dtype: str, concurrency, budget: int
             "graph_steps": graph_steps, "concurrency": {c: rows[c] for c in concurrency}}
 
 
+def latent_step_cost(model_dir: Path, device: str, dtype: str, batch: int = 64,
+                     steps: int = 32) -> dict:
+    """Mean engine-step time (s) of a decode batch whose rows are all latent steps against
+    the same batch of plain answer-token rows, after the prefill; same prompts, same
+    positions. The latent batch runs ``steps`` latent steps and 1 answer token; the plain one
+    budget 0 and ``steps`` answer tokens."""
+    import torch
+
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype=dtype,
+                                    max_num_seqs=batch, max_model_len=64 + steps + 16,
+                                    kv_slots=None if device == "cuda" else 65536))
+    prompts = torch.randint(3, 1000, (batch, 64), generator=torch.Generator().manual_seed(1))
+    result = {}
+    for name, budget, answer in (("warmup", steps, steps), ("latent", steps, 1),
+                                 ("plain", 0, steps + 1)):
+        sp = SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True,
+                            latent_budget=budget)
+        for i, p in enumerate(prompts.tolist()):
+            engine.add_request(f"{name}-{i}", p, sp)
+        engine.step()  # prefill
+        times = []
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        result[name] = sum(times[1:-1]) / max(len(times) - 2, 1)  # steady steps only
+    del engine
+    gc.collect()
+    return {"latent_step_s": result["latent"], "plain_step_s": result["plain"],
+            "overhead_pct": 100 * (result["latent"] / result["plain"] - 1), "batch": batch}
+
+
 def run_latent_bench(device: str = "cpu", concurrency=(32,), budget: int = 6,
                      answer_len: int = 32, codi: bool = False) -> dict:
     """COCONUT GPT-2 124M (and, with ``codi``, CODI Llama-3.2-1B) on ``device``."""
@@ -118,6 +154,8 @@ def run_latent_bench(device: str = "cpu", concurrency=(32,), budget: int = 6,
             path = build(Path(d) / name)
             out["models"][name] = bench_one(path, device, dtype, concurrency, budget,
                                             answer_len)
+            out["models"][name]["step_cost"] = latent_step_cost(path, device, dtype,
+                                                                max(concurrency))
             print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
     return out
 
