@@ -85,3 +85,25 @@ def test_bad_budget_is_a_400_naming_it_and_the_server_goes_on(body, headers, par
     assert _complete(latent_server, {"latent_budget": 1}).status_code == 200
     with httpx.Client(base_url=latent_server.base_url) as http:
         assert_slots_invariant(wait_idle(http))
+
+
+def test_messages_route_takes_the_budget_too(latent_server, coconut_dir):
+    body = {"model": str(coconut_dir), "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    ok = httpx.post(f"{latent_server.base_url}/v1/messages", json=body, timeout=60,
+                    headers={"x-latent-budget": "2"})
+    assert ok.status_code == 200, ok.text
+    bad = httpx.post(f"{latent_server.base_url}/v1/messages", json={**body, "latent_budget": 99},
+                     timeout=60)
+    assert bad.status_code == 400 and "latent_budget" in bad.text
+
+
+def test_plain_model_refuses_a_budget_on_every_route(server, model):
+    from server_testlib import API_KEY
+
+    headers = {"Authorization": f"Bearer {API_KEY}", "x-latent-budget": "3"}
+    msgs = [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/chat/completions", {"messages": msgs, "max_tokens": 2}),
+                       ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/messages", {"model": model, "messages": msgs, "max_tokens": 2})):
+        r = httpx.post(server.base_url + path, json=body, headers=headers, timeout=60)
+        assert r.status_code == 400 and "no latent reasoning" in r.text, (path, r.text)

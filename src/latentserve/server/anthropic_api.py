@@ -16,6 +16,7 @@ Errors use Anthropic's shape (``latentserve.server.errors``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.errors import APIError, anthropic_error_body
 from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.params import context_error
+from latentserve.server.params import context_error, head_controls, latent_budget
 from latentserve.server.prompts import render_chat
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.state import ServerState
@@ -57,6 +58,7 @@ class MessagesRequest(_Request):
     top_k: int | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
+    latent_budget: int | None = None  # as on the OpenAI routes; header x-latent-budget wins
 
 
 class CountTokensRequest(MessagesRequest):
@@ -117,8 +119,8 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
                        param="temperature")
 
 
-def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int
-            ) -> SamplingParams:
+def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
+            budget: int | None = None) -> SamplingParams:
     if body.max_tokens < 1:
         raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
                        param="max_tokens")
@@ -134,7 +136,8 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if not body.top_k else body.top_k,
-            stop=list(body.stop_sequences or []))
+            stop=list(body.stop_sequences or []),
+            latent_budget=budget)
     except ValueError as exc:
         raise APIError(str(exc)) from None
 
@@ -157,9 +160,15 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     arrival = time.monotonic()
     _check(body, state)
     conversation = _conversation(body)
-    prompt_ids = render_chat(state.tokenizer, conversation,
-                             continue_final_message=conversation[-1]["role"] == "assistant")
-    params = _params(body, len(prompt_ids), state.max_model_len)
+    prompt_ids = await asyncio.to_thread(  # off the event loop: large prompts take seconds
+        render_chat, state.tokenizer, conversation,
+        continue_final_message=conversation[-1]["role"] == "assistant")
+    params = _params(body, len(prompt_ids), state.max_model_len, latent_budget(request, body))
+    head = {k: v for k, v in head_controls(request, body).items() if v is not None}
+    if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
+        import dataclasses
+
+        params = dataclasses.replace(params, **head)
     msg_id, engine_rid = new_request_id(request, "msg")
     if msg_id == engine_rid:
         msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")

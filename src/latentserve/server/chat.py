@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -12,6 +13,7 @@ from latentserve.server.params import (
     check_common,
     check_logprobs,
     fan_out,
+    head_controls,
     latent_budget,
     sampling_params,
 )
@@ -37,8 +39,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     arrival = time.monotonic()
     check_common(body, state.model_name, state.limits)
     logprobs = _logprobs_k(body, state)
-    prompt_ids = chat_prompt_ids(
-        state.tokenizer, body.messages, template_kwargs=body.chat_template_kwargs,
+    head = head_controls(request, body, body.chat_template_kwargs)
+    template_kwargs = body.chat_template_kwargs
+    if head["thinking"] is not None:  # the template renders the thinking opening (or not)
+        template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
+                           "enable_thinking": head["thinking"]}
+    # Templating and tokenizing a large prompt takes seconds: off the event loop, so other
+    # clients' streams keep flowing.
+    prompt_ids = await asyncio.to_thread(
+        chat_prompt_ids, state.tokenizer, body.messages, template_kwargs=template_kwargs,
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message))
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
@@ -47,7 +56,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     else:
         max_tokens, field = body.max_tokens, "max_tokens"
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
-                             logprobs, latent_budget(request, body))
+                             logprobs, latent_budget(request, body), head)
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
             for i, p in enumerate(fan_out(params, body.n or 1))]

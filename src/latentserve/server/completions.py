@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -12,6 +13,7 @@ from latentserve.server.params import (
     check_common,
     check_logprobs,
     fan_out,
+    head_controls,
     latent_budget,
     sampling_params,
 )
@@ -36,16 +38,17 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     if body.echo and body.logprobs is not None:
         raise APIError("echo together with logprobs needs the prompt's logprobs, which this "
                        "server does not compute", param="logprobs")
-    prompts = completion_prompts(state.tokenizer, body.prompt, state.vocab_size,
-                                 state.limits.max_prompts)
+    prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, body.prompt,
+                                      state.vocab_size, state.limits.max_prompts)
     n = body.n or 1
     rid, engine_rid = new_request_id(request, "cmpl")
     reqs: list[EngineRequest] = []
     budget = latent_budget(request, body)
+    head = head_controls(request, body)
     for p, (ids, text) in enumerate(prompts):
         check_prompt_length(len(ids), state.max_model_len, "prompt")
         params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
-                                 state.max_model_len, body.logprobs, budget)
+                                 state.max_model_len, body.logprobs, budget, head)
         for j, choice_params in enumerate(fan_out(params, n)):
             index = p * n + j
             reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,
