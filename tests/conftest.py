@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download from the hub
+# Spinning OpenMP waits stall every op on a shared 2-core machine (set before torch loads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 

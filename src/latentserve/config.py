@@ -20,6 +20,10 @@ class EngineConfig:
     ``max_num_batched_tokens`` is the prefill chunk budget per step. ``attention_backend``:
     ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``. ``enforce_eager``
     disables CUDA graphs for decode (they need CUDA and the Triton backend).
+    ``latent_head`` overrides the compression-head bundle (``latent/head.py``; default: env
+    ``LATENTSERVE_LATENT_HEAD``, else ``latent_reasoning_head.safetensors`` in the model
+    directory), ``no_latent_head`` serves the bare backbone, ``latent_injection`` overrides
+    the bundle's injection mode.
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -37,6 +41,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     seed: int = 0
+    latent_head: str | None = None  # head bundle path (None: env LATENTSERVE_LATENT_HEAD,
+    no_latent_head: bool = False  # then the model dir's); True: serve the bare backbone
+    latent_injection: str | None = None  # "closed_loop" / "prompt" (None: the bundle's)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -54,6 +61,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be one of ('auto', 'torch', 'triton'), "
                              f"got {self.attention_backend!r}")
+        if self.latent_injection not in (None, "closed_loop", "prompt"):
+            raise ValueError("latent_injection must be one of (None, 'closed_loop', 'prompt'), "
+                             f"got {self.latent_injection!r}")
         if self.kv_slots is not None and self.kv_slots < 2:
             raise ValueError(f"kv_slots must be >= 2, got {self.kv_slots}")
 

@@ -17,6 +17,9 @@ class ForwardContext:
     ``capture_buf``: when ``capture_layer >= 0``, the model copies the residual stream after
     that many decoder layers (``[T, hidden]``) into ``capture_buf[:T]`` (a fixed buffer, so
     the copy is part of a captured CUDA graph; compression heads read it).
+    Recurrent-depth models only (``latent/recurrent.py``): ``depths`` is ``[T] int64``, each
+    token's recurrence count (from its request's ``latent_budget``); ``recurrent`` is the
+    batch's ``RecurrentBatch`` (rows, exit rules, and what the model reports back).
     """
 
     attn_meta: Any
@@ -24,6 +27,8 @@ class ForwardContext:
     kv_pool: Any
     capture_layer: int = -1
     capture_buf: Any = None
+    depths: Any = None
+    recurrent: Any = None
 
     def maybe_capture(self, layer: int, x) -> None:
         """Called by the model after decoder layer ``layer - 1`` (``layer`` layers done)."""

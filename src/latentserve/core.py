@@ -32,6 +32,16 @@ class Req:
     input instead of a token embedding; ``answer_start`` is None until the transition tokens
     are appended, then the index in ``output_ids`` where the answer begins. Plain requests
     have ``latent_budget == 0`` and ``answer_start == 0`` from the start.
+
+    Recurrent-depth models (``LatentSpec.kind == "recurrent"``): ``latent_budget`` is the
+    request's recurrence count, ``exit_rule`` its ``latent.recurrent.ExitRule`` (or None),
+    ``cache_salt`` (0 = none) keeps its prefix-cache entries apart from requests whose KV
+    differs for the same ids (another depth or exit rule), and ``recurrence_iters`` lists the
+    iterations run at each position a token was sampled from.
+
+    Compression-head models (``kind == "head"``): ``head`` holds the request's resolved
+    controls and latent stats; latent positions, the closing ids and the answer all count
+    against ``params.max_tokens`` (already raised by the answer-budget floor).
     """
 
     rid: str
@@ -53,6 +63,10 @@ class Req:
     latent_embeds: list = field(default_factory=list)  # [hidden] tensors, one per latent step
     answer_start: int | None = 0
     latent_trace: list = field(default_factory=list)  # per step: {"norm", "top_tokens"}
+    exit_rule: Any = None
+    cache_salt: int = 0
+    recurrence_iters: list = field(default_factory=list)
+    head: Any = None  # compression-head models: latent.head.HeadSettings (controls + stats)
 
     @property
     def ids(self) -> list[int]:
@@ -65,6 +79,17 @@ class Req:
     @property
     def answer_ids(self) -> list[int]:
         return [] if self.answer_start is None else self.output_ids[self.answer_start :]
+
+    @property
+    def cache_key(self) -> list[int]:
+        """The ids as the radix cache sees them: ``ids``, each shifted into the request's
+        ``cache_salt`` namespace (ids stay below 2**32), so differently salted requests never
+        share a prefix."""
+        ids = self.ids
+        if not self.cache_salt:
+            return ids
+        off = self.cache_salt << 32
+        return [off + i for i in ids]
 
     @property
     def cacheable_len(self) -> int:

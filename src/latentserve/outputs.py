@@ -35,6 +35,11 @@ class StepOutput:
     ``logprobs`` (only when the request asked for them) is aligned with ``new_token_ids``.
     ``finish_reason == "error"`` means the engine failed this request (``error`` says why,
     without a traceback); the engine keeps serving the others.
+    ``recurrence`` (final output, recurrent-depth models): iterations per sampled token,
+    ``{"tokens": n, "mean_iterations": float, "histogram": {iterations: count}}``.
+    ``latent_stats`` (final output, compression-head models): ``latent.head.HeadSettings.stats()``
+    (``thinking``, ``mode``, ``steps``, ``stop_step``, ``max_stop_prob``, ``end`` stop|cap|length
+    and the resolved controls); with thinking off it says so (``thinking: False``).
     """
 
     rid: str
@@ -47,6 +52,8 @@ class StepOutput:
     latent_trace: list | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    recurrence: dict | None = None
+    latent_stats: dict | None = None
 
 
 @dataclass(slots=True)

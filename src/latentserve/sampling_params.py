@@ -32,6 +32,20 @@ class SamplingParams:
     likely tokens' (0: the sampled token only). They are log-softmax values of the raw model
     logits, before penalties, temperature and filtering (vLLM's default ``raw_logprobs``).
 
+    Recurrent-depth models (``latent_budget`` = recurrences per token): ``exit_criterion``
+    picks the per-token early exit (Huginn: ``entropy-diff``, ``latent-diff``, ``kl``,
+    ``minp-kl``, ``argmax-stability``, ``cosine``, ``none``; Ouro: ``last``, ``threshold``,
+    ``weighted``, ``threshold-approx``), ``exit_threshold`` its threshold (>= 0; None = the
+    criterion's "auto" value), ``exit_min_steps`` / ``exit_check_every`` when Huginn checks
+    (after 0-based iteration t with ``t >= min_steps`` and ``(t - min_steps) % every == 0``).
+    The engine checks the names against the model (``latent.recurrent.resolve_exit_rule``).
+
+    Compression-head models (``latent/head.py``): ``thinking`` (None = on), ``max_latent``
+    (cap on latent steps; ``latent_budget`` is an alias), ``min_latent``, ``use_stop``,
+    ``stop_threshold`` (in [0, 1]; stop when the stop probability is strictly above it) and
+    ``min_output_tokens`` (the answer-budget floor: ``max_tokens`` is raised to floor + cap
+    when lower). None takes the server default from the environment.
+
     Raises:
         ValueError: naming the field and the allowed range, from ``__post_init__``.
     """
@@ -54,6 +68,20 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    # Recurrent-depth models (Huginn, Ouro; latent/recurrent.py): per-token early exit.
+    # None = the model's default (Huginn: none; Ouro: its config's early_exit_threshold).
+    exit_criterion: str | None = None
+    exit_threshold: float | None = None  # None = the criterion's "auto" value
+    exit_min_steps: int = 0
+    exit_check_every: int = 1
+    # Compression-head models (latent/head.py); None = the server default (env
+    # LATENTSERVE_MAX_LATENT, _MIN_LATENT, _USE_STOP, _STOP_THRESHOLD, _MIN_OUTPUT_TOKENS).
+    thinking: bool | None = None  # None = on (off when latent_budget == 0)
+    max_latent: int | None = None  # latent-step cap (latent_budget is an alias)
+    min_latent: int | None = None  # steps before the stop head may end the phase
+    use_stop: bool | None = None
+    stop_threshold: float | None = None  # stop when sigmoid(stop logit) > this
+    min_output_tokens: int | None = None  # answer-budget floor (0 = off)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +108,23 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0)
         if self.latent_budget is not None:
             _check_int("latent_budget", self.latent_budget, lo=0)
+        if self.exit_criterion is not None and (not isinstance(self.exit_criterion, str)
+                                                or not self.exit_criterion):
+            raise ValueError(f"exit_criterion must be a non-empty string, got "
+                             f"{self.exit_criterion!r}")
+        if self.exit_threshold is not None:
+            _check_num("exit_threshold", self.exit_threshold, lo=0.0)
+        _check_int("exit_min_steps", self.exit_min_steps, lo=0)
+        _check_int("exit_check_every", self.exit_check_every, lo=1)
+        for name in ("thinking", "use_stop"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{name} must be a boolean, got {v!r}")
+        for name in ("max_latent", "min_latent", "min_output_tokens"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), lo=0)
+        if self.stop_threshold is not None:
+            _check_num("stop_threshold", self.stop_threshold, lo=0.0, hi=1.0)
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, KV pool and graphs")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--latent-head", default=None,
+                   help="compression-head bundle (default: env LATENTSERVE_LATENT_HEAD, else "
+                        "latent_reasoning_head.safetensors in the model directory)")
+    p.add_argument("--no-latent-head", action="store_true",
+                   help="serve the bare backbone even when a head bundle is found")
+    p.add_argument("--latent-injection", default=None, choices=["closed_loop", "prompt"],
+                   help="override the head bundle's injection mode")
 
 
 def engine_config(args: argparse.Namespace):
@@ -37,7 +44,10 @@ def engine_config(args: argparse.Namespace):
                         enable_prefix_caching=not args.no_prefix_caching,
                         attention_backend=args.attention_backend,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        enforce_eager=args.enforce_eager)
+                        enforce_eager=args.enforce_eager,
+                        latent_head=getattr(args, "latent_head", None),
+                        no_latent_head=getattr(args, "no_latent_head", False),
+                        latent_injection=getattr(args, "latent_injection", None))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,13 @@ buffer receives one layer's hidden state for each row when the model asks for it
 not captured (extend batches, batches above the largest bucket) run eagerly.
 Technique as in vLLM / SGLang ``cuda_graph_runner``; the attention metadata are the Triton
 backend's, refreshed in place before each replay.
+
+Recurrent-depth models (``latent/recurrent.py``) run their loop inside the graph in the
+masked mode: a static ``depths [B]`` buffer (refreshed like ``kv_lens``) gives each row's
+recurrence count and the loop has a fixed trip count ``D``; one graph per (bucket, D) for D
+in ``graph_depths`` (default: the spec's default and max budget). A batch replays the
+smallest captured D that covers its deepest row; a batch with a row that may exit early
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from latentserve.context import ForwardContext, set_context
+from latentserve.latent.recurrent import RecurrentBatch
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -31,15 +39,20 @@ class CudaGraphRunner:
         capture_layer: decoder layer whose output goes to ``capture_buf`` (-1: none).
         latent_capable: bind the inject buffers (True in the engine; False only lets the
             benchmark measure what binding them costs).
+        graph_depths: recurrent-depth models: the loop trip counts captured (None = the
+            spec's default and max budget).
 
-    ``replay(ids, pos, rows, kv_lens, out_slots, embeds, mask)`` takes ``[B]`` device tensors
-    (``embeds [B, hidden]``, ``mask [B] bool``) with B <= max_bs and returns
+    ``replay(ids, pos, rows, kv_lens, out_slots, embeds, mask, rec)`` takes ``[B]`` device
+    tensors (``embeds [B, hidden]``, ``mask [B] bool``; ``rec`` the ``RecurrentBatch`` of a
+    recurrent model, whose depths and readout go to static buffers) with B <= max_bs and
+    returns
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
     the next replay.
     """
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
-                 dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True):
+                 dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
+                 graph_depths=None):
         from latentserve.attention.triton_backend import TritonMeta
 
         dev = table.table.device
@@ -54,15 +67,32 @@ class CudaGraphRunner:
         self.embeds = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         self.mask = torch.zeros(n, dtype=torch.bool, device=dev)
         self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        spec = getattr(model, "latent_spec", None)
+        self.recurrent = spec is not None and spec.kind == "recurrent"
+        self.depths = torch.zeros(n, dtype=torch.int64, device=dev)  # padded rows: depth 0
+        self.exit_thr = torch.full((n,), float("inf"), device=dev)  # Ouro readout per row
+        self.exit_weighted = torch.zeros(n, dtype=torch.bool, device=dev)
+        if self.recurrent:
+            self.graph_depths = sorted(set(graph_depths or
+                                           (max(spec.default_budget, 1), spec.max_budget)))
+        else:
+            self.graph_depths = [0]
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.latent_capable = latent_capable
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         pool = None
-        for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its pool
+        # Largest first, so smaller graphs reuse its pool.
+        for depth, b in [(d, b) for d in reversed(self.graph_depths)
+                         for b in reversed(self.buckets)]:
             meta = TritonMeta(self.rows[:b], q_start[: b + 1], self.kv_lens[:b],
                               self.out_slots[:b], table.table, b, 1, True)
             ctx = ForwardContext(meta, backend, kv_pool, capture_layer, self.capture_buf)
+            if self.recurrent:  # masked loop of `depth` iterations, per-row depths
+                ctx.depths = self.depths[:b]
+                ctx.recurrent = RecurrentBatch(num_iters=depth, masked=True,
+                                               exit_thr=self.exit_thr[:b],
+                                               exit_weighted=self.exit_weighted[:b])
             set_context(ctx)
             try:
                 with torch.inference_mode():
@@ -74,7 +104,7 @@ class CudaGraphRunner:
             finally:
                 set_context(None)
             pool = graph.pool()
-            self.graphs[b], self.outputs[b] = graph, out
+            self.graphs[depth, b], self.outputs[depth, b] = graph, out
         torch.cuda.synchronize()
 
     def _forward(self, model, b):
@@ -88,9 +118,24 @@ class CudaGraphRunner:
     def max_bs(self) -> int:
         return self.buckets[-1]
 
-    def replay(self, ids, pos, rows, kv_lens, out_slots, embeds=None, mask=None):
+    def can_replay(self, rec) -> bool:
+        """Whether a recurrent batch (``RecurrentBatch``) fits a captured graph: no row may
+        exit early and its deepest row is within the deepest captured loop."""
+        return rec.graph_ok and rec.num_iters <= self.graph_depths[-1]
+
+    def replay(self, ids, pos, rows, kv_lens, out_slots, embeds=None, mask=None, rec=None):
         n = ids.shape[0]
         b = next(x for x in self.buckets if x >= n)
+        depth = next(d for d in self.graph_depths if d >= (rec.num_iters if rec else 0))
+        if self.recurrent:
+            dev = self.depths.device
+            self.depths[:n].copy_(rec.token_depths(dev))
+            self.depths[n:b].zero_()
+            thr, weighted = rec.token_readout(dev)
+            self.exit_thr[:n].copy_(thr)
+            self.exit_weighted[:n].copy_(weighted)
+            self.exit_thr[n:b].fill_(float("inf"))
+            self.exit_weighted[n:b].zero_()
         self.ids[:n].copy_(ids)
         self.pos[:n].copy_(pos)
         self.rows[:n].copy_(rows)
@@ -108,6 +153,6 @@ class CudaGraphRunner:
         self.kv_lens[n:b].fill_(1)
         self.out_slots[n:b].zero_()
         self.mask[n:b].zero_()
-        self.graphs[b].replay()
-        logits, hidden = self.outputs[b]
+        self.graphs[depth, b].replay()
+        logits, hidden = self.outputs[depth, b]
         return logits[:n], hidden[:n]

@@ -45,7 +45,10 @@ class LLMEngine:
         self.model_dir = model_dir
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(model_dir)
-        model, hf_config = load_model(model_dir, config.torch_dtype, config.device)
+        model, hf_config = load_model(model_dir, config.torch_dtype, config.device,
+                                      latent_head=config.latent_head,
+                                      no_latent_head=config.no_latent_head,
+                                      latent_injection=config.latent_injection)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
@@ -66,12 +69,19 @@ class LLMEngine:
                                    self.eos_ids, self.latent_spec)
         self.runner = ModelRunner(model, pool, table, make_backend(config.backend_name),
                                   self.device)
+        self.head_defaults = None
+        if self.latent_spec is not None and self.latent_spec.kind == "head":
+            from latentserve.latent.head import head_defaults
+
+            self.head_defaults = head_defaults()  # env, read once; ValueError if malformed
+            self.runner.set_capture(model.latent_head.config.source_layer + 1)
         if (self.device.type == "cuda" and config.backend_name == "triton"
                 and not config.enforce_eager):
             self.runner.capture_graphs(min(config.max_num_seqs, 256), hf_config.hidden_size,
                                        config.torch_dtype)
         self._rids: set[str] = set()
         self._arrivals = 0
+        self._salts: dict[tuple, int] = {}  # recurrent KV variant -> prefix-cache namespace
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         self._counted: set[str] = set()  # rids counted in the prefix-cache stats
         self._prefix_queries = self._prefix_hits = 0
@@ -86,17 +96,37 @@ class LLMEngine:
 
         For a model with a ``LatentSpec`` the spec's start ids are appended to the prompt and
         the request runs ``latent_budget`` latent steps (None = the model's default) before
-        the transition tokens and the answer."""
+        the transition tokens and the answer. For a recurrent-depth model (``kind ==
+        "recurrent"``) ``latent_budget`` is the recurrence count of every token, the
+        ``exit_*`` fields its early-exit rule (ValueError when the family does not know them),
+        and nothing is added to the prompt. For a compression-head model (``kind == "head"``)
+        the head controls are resolved against the server defaults (``_head_request``); on a
+        model without a head they are ignored (a chat client may send ``enable_thinking``),
+        and the final output then carries no ``latent_stats``."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
-        spec, budget, extra = self.latent_spec, 0, 0
-        if spec is not None:
+        spec, budget, extra, rule = self.latent_spec, 0, 0, None
+        recurrent = spec is not None and spec.kind == "recurrent"
+        head = spec is not None and spec.kind == "head"
+        if head:
+            params, hs, start = self._head_request(prompt_token_ids, params)
+            extra = len(start) + (len(spec.end_ids) if hs.mode == "closed_loop" else 0) \
+                if hs.thinking else 0
+        elif spec is not None:
             budget = spec.resolve_budget(params.latent_budget)
-            extra = len(spec.start_ids) + budget + len(spec.end_ids)
+            if recurrent:
+                from latentserve.latent.recurrent import resolve_exit_rule
+
+                rule = resolve_exit_rule(spec, params)
+            else:
+                extra = len(spec.start_ids) + budget + len(spec.end_ids)
         elif params.latent_budget:
             raise ValueError("latent_budget must be 0 or null: this model does no latent "
                              "reasoning")
+        if not recurrent and (params.exit_criterion is not None
+                              or params.exit_threshold is not None):
+            raise ValueError("exit_criterion / exit_threshold need a recurrent-depth model")
         if n + extra >= self.max_model_len:
             what = f"prompt has {n} tokens" + (f" (+{extra} latent and transition)" if extra
                                                else "")
@@ -110,7 +140,18 @@ class LLMEngine:
         if rid in self._rids:
             raise ValueError(f"request id {rid!r} is already running")
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals)
-        if spec is not None:
+        if head:
+            req.head = hs
+            if hs.thinking:
+                req.prompt_ids += start
+                req.latent_start, req.answer_start = len(req.prompt_ids), None
+        elif recurrent:  # no phase machine: answer_start stays 0
+            from latentserve.latent.recurrent import cache_salt_key
+
+            req.latent_budget, req.exit_rule = budget, rule
+            req.cache_salt = self._salts.setdefault(cache_salt_key(budget, rule),
+                                                    len(self._salts) + 1)
+        elif spec is not None:
             req.prompt_ids += spec.start_ids
             req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
             req.answer_start = None
@@ -157,6 +198,11 @@ class LLMEngine:
         if self._failed:
             outs = self._apply_failures(outs)
         for o in outs:
+            if o.finished and o.latent_stats is not None:
+                st = o.latent_stats
+                log.debug("latent head: req %s thinking=%s steps=%d stop_step=%s max_p=%s "
+                          "end=%s", o.rid, st["thinking"], st["steps"], st["stop_step"],
+                          st["max_stop_prob"], st["end"])
             if o.finished:
                 self._rids.discard(o.rid)
                 self._counted.discard(o.rid)
@@ -252,7 +298,9 @@ class LLMEngine:
             raise RuntimeError("warmup() needs an idle engine")
         rid = "__latentserve_warmup__"
         n = max(1, min(4, self.max_model_len - 3))
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1)
+        # A compression-head model runs one latent step (no floor), so the head runs too.
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1,
+                                max_latent=1, use_stop=False, min_output_tokens=0)
         try:
             self.add_request(rid, [min(i + 1, self.vocab_size - 1) for i in range(n)], params)
         except ValueError as exc:
@@ -263,10 +311,72 @@ class LLMEngine:
         self.cache.radix.reset()
         self._prefix_queries = self._prefix_hits = 0
 
+    def _head_request(self, prompt_ids, params):
+        """A compression-head request's ``(params, HeadSettings, opening ids to append)``:
+        controls resolved against the server defaults, ``max_tokens`` raised by the
+        answer-budget floor (closed loop: floor + cap) when thinking is on. The opening ids
+        are not appended again when the prompt already ends with them (a chat template that
+        renders the opening)."""
+        import dataclasses
+
+        from latentserve.latent.head import apply_output_floor, resolve_settings
+
+        model, spec = self.runner.model, self.latent_spec
+        hs = resolve_settings(params, self.head_defaults, model.latent_head_mode,
+                              model.latent_head.has_stop)
+        hs.end_ids = spec.end_ids if hs.mode == "closed_loop" else ()
+        if not hs.thinking:
+            return params, hs, ()
+        cap = hs.max_latent if hs.mode == "closed_loop" else 0
+        floor = apply_output_floor(params.max_tokens, hs.min_output_tokens, cap)
+        if floor != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=floor)
+        k = len(spec.start_ids)
+        start = () if list(prompt_ids[-k:]) == list(spec.start_ids) else spec.start_ids
+        return params, hs, start
+
+    def _head_inputs(self, reqs) -> list | None:
+        """Compression-head decisions for the sampling rows in their latent phase, batched:
+        the anchor is each row's source-layer residual stream (``runner.last_captured``).
+        Closed loop: stop when the stop probability > threshold after >= ``min_latent``
+        steps, else end at ``max_latent``, else the next latent input
+        ``decoder(LN(head(LN(anchor)).mu))`` (``[hidden]`` float32). Prompt mode: the
+        latent for the last prompt position. None marks the phase's end."""
+        rows = [i for i, r in enumerate(reqs) if r.head is not None and r.answer_start is None]
+        if not rows:
+            return None
+        head = self.runner.model.latent_head
+        cap = self.runner.last_captured
+        with torch.inference_mode():
+            anchors = cap[torch.tensor(rows, dtype=torch.long, device=cap.device)]
+            vecs = head.latent_input(anchors)
+            probs = head.stop_prob(anchors)
+        probs = probs.tolist() if probs is not None else [None] * len(rows)
+        out: list = [None] * len(reqs)
+        for j, i in enumerate(rows):
+            h = reqs[i].head
+            if h.mode == "prompt":
+                out[i], h.steps, h.end = vecs[j], 1, "prompt"
+                continue
+            k, p = h.steps, probs[j]
+            if p is not None:
+                h.max_stop_prob = p if h.max_stop_prob is None else max(h.max_stop_prob, p)
+            if h.use_stop and k >= h.min_latent and p > h.stop_threshold:
+                h.end, h.stop_step = "stop", k
+            elif k >= h.max_latent:
+                h.end = "cap"
+            else:
+                out[i] = vecs[j]
+                h.steps += 1
+        return out
+
     def _latent_inputs(self, reqs, logits, last_hidden) -> list | None:
         """Next latent input (``[hidden]`` in the model dtype) for each sampling row still
         in its latent phase, None elsewhere; the feedback hook runs once, batched. Records
-        the latent trace (norm, logit-lens top 5) for requests that asked for it."""
+        the latent trace (norm, logit-lens top 5) for requests that asked for it.
+        Compression-head models: ``_head_inputs``."""
+        if self.latent_spec is not None and self.latent_spec.kind == "head":
+            return self._head_inputs(reqs)
         rows = [i for i, r in enumerate(reqs)
                 if r.answer_start is None and len(r.latent_embeds) < r.latent_budget]
         if not rows:

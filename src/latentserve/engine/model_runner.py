@@ -8,6 +8,7 @@ import torch
 from latentserve.attention.base import AttentionBackend, BatchLayout
 from latentserve.context import ForwardContext, set_context
 from latentserve.kvcache.pool import KVPool, PageTable
+from latentserve.latent.recurrent import RecurrentBatch
 from latentserve.scheduler.scheduler import ScheduledBatch
 
 
@@ -22,6 +23,9 @@ class ModelRunner:
     ``num_graph_steps`` the decode steps replayed from CUDA graphs. With
     ``set_capture(layer)``, ``last_captured`` holds ``[S, hidden]``: the residual stream after
     ``layer`` decoder layers at each sampling row's last position (compression heads read it).
+    For a recurrent-depth model each forward also gets a ``RecurrentBatch`` (per-row depth
+    and exit rule, ``ForwardContext.recurrent``) and each token's depth
+    (``ForwardContext.depths``); sampling rows' iteration counts go to their requests.
     """
 
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
@@ -36,6 +40,8 @@ class ModelRunner:
         self.last_captured: torch.Tensor | None = None
         self.num_computed_tokens = 0
         self.num_graph_steps = 0
+        spec = getattr(model, "latent_spec", None)
+        self.recurrent = spec is not None and spec.kind == "recurrent"  # per-token depth
 
     def set_capture(self, layer: int) -> None:
         """Capture the residual stream after ``layer`` decoder layers (call before
@@ -80,12 +86,19 @@ class ModelRunner:
             input_embeds = vecs.new_zeros(len(ids), vecs.shape[-1]).index_copy_(0, rows_t, vecs)
             latent_mask = torch.zeros(len(ids), dtype=torch.bool, device=dev)
             latent_mask[rows_t] = True
+        layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
+        rec = RecurrentBatch.from_batch(batch, layout, self.table.table) if self.recurrent \
+            else None
         decode = len(ids) == len(batch.reqs)
-        if self.graphs is not None and decode and len(ids) <= self.graphs.max_bs:
+        if (self.graphs is not None and decode and len(ids) <= self.graphs.max_bs
+                and (rec is None or self.graphs.can_replay(rec))):
             self.num_graph_steps += 1
             kv = torch.tensor(kv_lens, dtype=torch.int32).to(dev, non_blocking=True)
             logits, hidden = self.graphs.replay(input_ids, positions, rows, kv, out_slots,
-                                                input_embeds, latent_mask)
+                                                input_embeds, latent_mask, rec)
+            if rec is not None:
+                rec.iters_used = list(rec.row_depths)
+                rec.record(batch)
             captured = self.graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             keep = [i for i, s in enumerate(batch.sample) if s]
             if len(keep) < len(ids):  # a 1-token prefill chunk that does not end its prompt
@@ -94,18 +107,20 @@ class ModelRunner:
                 captured = None if captured is None else captured[idx]
             self.last_captured = captured
             return logits, hidden
-        layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
         meta = self.backend.prepare(layout, self.table.table)
         capture_buf = None
         if self.capture_layer >= 0:
             capture_buf = torch.empty(len(ids), self.model.config.hidden_size,
                                       dtype=self.kv_pool.k[0].dtype, device=dev)
         set_context(ForwardContext(meta, self.backend, self.kv_pool, self.capture_layer,
-                                   capture_buf))
+                                   capture_buf, None if rec is None else rec.token_depths(dev),
+                                   rec))
         try:
             hidden = self.model(input_ids, positions, input_embeds, latent_mask)
         finally:
             set_context(None)
+        if rec is not None:
+            rec.record(batch)
         sample_rows = [i for i, s in zip(last, batch.sample) if s]
         idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         if capture_buf is not None:

@@ -7,6 +7,7 @@ each family's own mechanics (the feedback projection, head modules, ...) stay in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,10 +16,20 @@ class LatentSpec:
 
     Attributes:
         kind: ``"feedback"`` (COCONUT, CODI, SIM-CoT: the last hidden, maybe projected, is the
-            next input embedding).
-        family: the upstream family name (``"coconut"``, ``"codi"``), for logs and docs.
-        default_budget: latent steps when a request does not say (``latent_budget=None``).
-        max_budget: the largest budget a request may ask for (the server's cap).
+            next input embedding) or ``"recurrent"`` (Huginn, Ouro: every token loops a block of
+            layers; the budget is the number of recurrences per token, see
+            ``latent/recurrent.py``; no start/end ids, no latent positions) or ``"head"``
+            (a compression head with a learned stop, ``latent/head.py``: start/end ids are
+            the thinking span's opening/closing, ``latent_id`` the reserved pad id; the
+            budget fields are unused, each request's controls are ``head.HeadSettings``).
+        family: the upstream family name (``"coconut"``, ``"codi"``, ``"huginn"``, ``"ouro"``).
+        default_budget: latent steps (recurrent: recurrences) when a request does not say
+            (``latent_budget=None``).
+        max_budget: the largest budget a request may ask for (the server's cap; for a
+            recurrent model it also sizes the KV banks).
+        min_budget: the smallest budget a request may ask for (Ouro needs one loop).
+        default_exit: recurrent only: the ``latent.recurrent.ExitRule`` a request gets when it
+            names no exit criterion (Ouro's config ``early_exit_threshold``), or None.
         positions_per_thought: KV positions one latent step writes (1 for feedback latents).
         start_ids: token ids appended to every prompt before the latent phase (COCONUT
             ``<|start-latent|>``; CODI ``bot``). Part of the prompt for caching.
@@ -39,17 +50,22 @@ class LatentSpec:
     end_ids: tuple[int, ...] = field(default_factory=tuple)
     latent_id: int = 0
     suppress_ids: tuple[int, ...] = field(default_factory=tuple)
+    min_budget: int = 0
+    default_exit: Any = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("feedback",):
-            raise ValueError(f"LatentSpec.kind must be 'feedback', got {self.kind!r}")
-        if not 0 <= self.default_budget <= self.max_budget:
-            raise ValueError(f"default_budget must be in [0, max_budget={self.max_budget}], "
-                             f"got {self.default_budget}")
+        if self.kind not in ("feedback", "recurrent", "head"):
+            raise ValueError(f"LatentSpec.kind must be 'feedback', 'recurrent' or 'head', got "
+                             f"{self.kind!r}")
+        if not 0 <= self.min_budget <= self.default_budget <= self.max_budget:
+            raise ValueError(f"default_budget must be in [{self.min_budget}, "
+                             f"max_budget={self.max_budget}], got {self.default_budget}")
 
     def resolve_budget(self, requested: int | None) -> int:
-        """The budget a request runs with. Raises ValueError above ``max_budget``."""
+        """The budget a request runs with. Raises ValueError outside
+        ``[min_budget, max_budget]``."""
         budget = self.default_budget if requested is None else requested
-        if budget > self.max_budget:
-            raise ValueError(f"latent_budget must be in [0, {self.max_budget}], got {budget}")
+        if not self.min_budget <= budget <= self.max_budget:
+            raise ValueError(f"latent_budget must be in [{self.min_budget}, {self.max_budget}], "
+                             f"got {budget}")
         return budget

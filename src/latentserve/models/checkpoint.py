@@ -132,14 +132,17 @@ def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]):
-    """Load the tokenizer saved in ``model_dir`` with ``AutoTokenizer`` (local files only).
+    """Load the tokenizer saved in ``model_dir`` with ``AutoTokenizer`` (local files only,
+    never remote code: a config with an ``auto_map``, e.g. Huginn's or Ouro's, would otherwise
+    make transformers prompt on stdin).
 
     Raises:
         OSError: ``model_dir`` holds no loadable tokenizer (from transformers).
     """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True,
+                                         trust_remote_code=False)
 
 
 def gguf_special_token_ids(gguf_path: str | os.PathLike[str]) -> dict[str, int]:

@@ -19,7 +19,10 @@ def iter_weights(model_dir: Path):
 
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
+                names = list(sf.keys())
+                if any(n.startswith("reasoning_head.") for n in names):
+                    continue  # a compression-head bundle next to the weights (latent/bundle.py)
+                for name in names:
                     yield name, sf.get_tensor(name)
         return
     bins = sorted(model_dir.glob("pytorch_model*.bin"))
@@ -29,21 +32,39 @@ def iter_weights(model_dir: Path):
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str):
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
+               latent_head: str | None = None, no_latent_head: bool = False,
+               latent_injection: str | None = None):
     """Return ``(model, hf_config)`` with weights loaded, in eval mode, on ``device``.
 
     A directory with a ``latent_config.json`` is a latent-reasoning model: its family's
     loader (``latentserve.latent.feedback``) reads the upstream checkpoint form and attaches
     ``model.latent_spec`` and ``model.latent_feedback``.
 
+    Recurrent-depth checkpoints (Huginn ``huginn_raven``, Ouro ``ouro``) ship their config
+    class as remote code, which is never run: their ``config.json`` is read into a plain
+    ``PretrainedConfig`` (``registry.config_from_dict``).
+
+    A compression-head bundle (``latent.bundle.find_bundle``: ``latent_head``, env
+    ``LATENTSERVE_LATENT_HEAD``, or ``latent_reasoning_head.safetensors`` in the directory;
+    ``no_latent_head`` skips it) attaches ``model.latent_head`` and a ``"head"`` spec
+    (``latent.bundle.attach_head``; ``latent_injection`` overrides the bundle's mode).
+
     Raises ValueError for an unsupported ``model_type`` or a bad latent config.
     """
+    import json
+
     from transformers import AutoConfig
 
-    from latentserve.models.registry import model_class
+    from latentserve.models.registry import OWN_CONFIG_TYPES, config_from_dict, model_class
 
     model_dir = Path(model_dir)
-    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    raw = json.loads((model_dir / "config.json").read_text()) \
+        if (model_dir / "config.json").is_file() else {}
+    if raw.get("model_type") in OWN_CONFIG_TYPES:
+        hf_config = config_from_dict(raw)
+    else:
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     latent_cfg = None
     if (model_dir / "latent_config.json").exists():
         from latentserve.latent.feedback import (attach_latent, prepare_latent_weights,
@@ -60,5 +81,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str):
     model = model.to(device=device, dtype=dtype).eval()
     if latent_cfg is not None:
         attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device)
+    elif getattr(model, "latent_spec", None) is None:  # recurrent models bring their own
+        from latentserve.latent.bundle import attach_head, find_bundle
+
+        bundle = find_bundle(model_dir, latent_head, no_latent_head)
+        if bundle is not None:
+            attach_head(model, model_dir, hf_config, bundle, device, latent_injection)
     model.requires_grad_(False)
     return model, hf_config

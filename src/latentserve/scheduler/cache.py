@@ -39,7 +39,7 @@ class CacheManager:
         row = self.table.alloc_row()
         if row is None:
             return False
-        ids = req.ids
+        ids = req.cache_key
         # Leave at least one token to compute: its logits give the next token. Never match
         # past a latent position: its KV depends on a hidden state, not on the id.
         prefix, node = self.radix.match_prefix(ids[: min(len(ids) - 1, req.cacheable_len)])
@@ -77,7 +77,7 @@ class CacheManager:
             return
         slots = self.table.table[req.row, : req.num_allocated].clone()
         n = min(req.num_computed, req.cacheable_len)
-        present = self.radix.insert(req.ids[:n], slots[:n])
+        present = self.radix.insert(req.cache_key[:n], slots[:n])
         self.allocator.free(slots[req.cache_len : present])
         self.allocator.free(slots[n:])  # uncomputed, or latent-dependent: never cached
         self.radix.dec_lock(req.cache_node)

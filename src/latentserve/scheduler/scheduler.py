@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from latentserve.core import Req, ReqStatus
+from latentserve.latent.recurrent import recurrence_stats
 from latentserve.outputs import StepOutput
 from latentserve.scheduler.cache import CacheManager
 
@@ -87,7 +88,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_pending, budget)
+            n = self._chunk(req, budget)
             if not self.cache.grow(req, req.num_computed + n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -105,10 +106,22 @@ class Scheduler:
                 req.num_cached_prompt = req.num_computed
             req.status = ReqStatus.RUNNING
             self.running.append(req)
-            n = min(req.num_pending, budget)
+            n = self._chunk(req, budget)
             self._add_to_batch(batch, req, n)
             budget -= n
         return batch if batch.reqs else None
+
+    @staticmethod
+    def _chunk(req: Req, budget: int) -> int:
+        """Tokens ``req`` computes this step. A recurrent-depth request whose exit rule saves
+        compute runs its generated tokens (recomputed after a preemption too) one per forward
+        and ends a prompt chunk at the prompt's end, so each token that may exit early is a
+        batch row of its own (``latent/recurrent.py``)."""
+        n = min(req.num_pending, budget)
+        if req.exit_rule is not None and req.exit_rule.saves_compute:
+            p = len(req.prompt_ids)
+            n = 1 if req.num_computed >= p else min(n, p - req.num_computed)
+        return n
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         batch.reqs.append(req)
@@ -141,6 +154,13 @@ class Scheduler:
                 continue
             tok, vec = next(it), next(lat)
             if req.answer_start is None and not self._advance_latent(req, vec):
+                reason = self._head_budget_spent(req) if req.head is not None else None
+                if reason is not None:  # head latent steps spend the output budget
+                    req.head.end = req.head.end or "length"
+                    self.running.remove(req)
+                    self.cache.release(req)
+                    self._finish(req, reason)
+                    outs.append(self._output(req, []))
                 continue
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
@@ -156,6 +176,8 @@ class Scheduler:
         position (input ``vec``) while budget remains, else the transition tokens. Returns
         True when the sampled token is already the first answer token (no transition ids)."""
         spec = self.latent_spec
+        if req.head is not None:
+            return self._advance_head(req, vec)
         if len(req.latent_embeds) < req.latent_budget:
             req.latent_embeds.append(vec)
             req.output_ids.append(spec.latent_id)
@@ -164,13 +186,51 @@ class Scheduler:
         req.answer_start = len(req.output_ids)
         return not spec.end_ids
 
+    def _advance_head(self, req: Req, vec) -> bool:
+        """Compression-head phase machine (``vec`` from ``LLMEngine._head_inputs``; the
+        sampled token of a latent-phase row is always discarded).
+
+        Closed loop: ``vec`` is the next latent position's input (the reserved pad id goes in
+        its id slot); None ends the phase: the closing ids are forced. Prompt mode: ``vec``
+        replaces the input of the last prompt position, which is recomputed (its KV slot is
+        rewritten; from then on it is outside the cacheable prefix), then ordinary decoding.
+        """
+        if req.head.mode == "prompt":
+            req.latent_start = len(req.prompt_ids) - 1
+            req.latent_embeds = [vec]
+            req.num_computed = req.latent_start
+            req.answer_start = len(req.output_ids)
+            return False
+        if vec is not None:
+            req.latent_embeds.append(vec)
+            req.output_ids.append(self.latent_spec.latent_id)
+            return False
+        req.output_ids.extend(req.head.end_ids)
+        req.answer_start = len(req.output_ids)
+        return not req.head.end_ids
+
+    def _head_budget_spent(self, req: Req) -> str | None:
+        """"length" when a head request's latent phase has spent ``max_tokens`` or leaves no
+        room in the context for the closing ids and one answer token."""
+        if req.answer_start is not None and req.head.mode == "prompt":
+            return None
+        closing = len(req.head.end_ids) if req.answer_start is None else 0  # still to come
+        if (len(req.output_ids) >= req.params.max_tokens
+                or req.seq_len + closing >= self.max_model_len):
+            return "length"
+        return None
+
     @staticmethod
     def _output(req: Req, new: list[int]) -> StepOutput:
         done = req.status == ReqStatus.FINISHED
         return StepOutput(req.rid, new, done, req.finish_reason if done else None,
                           len(req.prompt_ids), req.num_cached_prompt or 0,
                           latent_steps=len(req.latent_embeds),
-                          latent_trace=req.latent_trace if done and req.latent_trace else None)
+                          latent_trace=req.latent_trace if done and req.latent_trace else None,
+                          recurrence=(recurrence_stats(req.recurrence_iters)
+                                      if done and req.recurrence_iters else None),
+                          latent_stats=req.head.stats() if done and req.head is not None
+                          else None)
 
     def drain_aborted(self) -> list[StepOutput]:
         """Outputs of requests aborted since the last step (when no batch ran)."""
@@ -180,7 +240,8 @@ class Scheduler:
         p = req.params
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
-        if len(req.answer_ids) >= p.max_tokens or req.seq_len >= self.max_model_len:
+        spent = len(req.output_ids) if req.head is not None else len(req.answer_ids)
+        if spent >= p.max_tokens or req.seq_len >= self.max_model_len:
             return "length"
         return None
 

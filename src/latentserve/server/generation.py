@@ -32,6 +32,7 @@ class TextDelta:
     stop_string: str | None = None
     latent_steps: int = 0
     latent_trace: list | None = None
+    latent_stats: dict | None = None  # compression heads: the final delta's stats
 
 
 @dataclass(slots=True)
@@ -90,12 +91,15 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                 if detok.stopped is not None:
                     reason = "stop"
                     yield TextDelta(text, "stop", num_tokens, take(), detok.stopped,
-                                    out.latent_steps, out.latent_trace)
+                                    out.latent_steps, out.latent_trace, out.latent_stats)
                     return  # leaving the generator aborts the engine request
                 if out.finished:
                     reason = out.finish_reason
+                    if timer is not None and out.latent_stats is not None:
+                        timer.latent(out.latent_stats)
                     yield TextDelta(text + detok.flush(), out.finish_reason, num_tokens, take(),
-                                    None, out.latent_steps, out.latent_trace)
+                                    None, out.latent_steps, out.latent_trace,
+                                    out.latent_stats)
                     return
                 if text:
                     yield TextDelta(text, None, num_tokens, take())

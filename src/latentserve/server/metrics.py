@@ -10,7 +10,9 @@ choices), from the moment the HTTP handler started (seconds, ``time.monotonic``)
 * ``latentserve_e2e_request_latency_seconds``: to the final output.
 
 Counters: ``latentserve_prompt_tokens_total``, ``latentserve_generation_tokens_total``,
-``latentserve_request_success_total{finish_reason}``. Engine state, read from
+``latentserve_request_success_total{finish_reason}``; compression heads:
+``latentserve_latent_steps_total`` and the histogram ``latentserve_latent_steps_per_request``.
+Engine state, read from
 ``LLMEngine.stats()`` at scrape time: ``latentserve_num_requests_running`` / ``_waiting``,
 ``latentserve_kv_slots_{total,free,cached}``, ``latentserve_kv_cache_usage_perc`` (slots not
 free and not evictable, over the total), ``latentserve_prefix_cache_{queries,hits}_total``
@@ -51,6 +53,14 @@ class RequestTimer:
             self.metrics.itl.observe(now - self.last)
         self.last = now
         self.num_tokens += n
+
+    def latent(self, stats: dict) -> None:
+        """A compression-head request's final ``latent_stats``: its latent steps go to
+        ``latentserve_latent_steps_total`` and ``latentserve_latent_steps_per_request``
+        (thinking-on requests only)."""
+        if stats.get("thinking"):
+            self.metrics.latent_steps.inc(stats["steps"])
+            self.metrics.latent_steps_per_request.observe(stats["steps"])
 
     def finish(self, finish_reason: str | None, num_prompt_tokens: int,
                now: float | None = None) -> None:
@@ -96,6 +106,13 @@ class ServerMetrics:
         self.generation_tokens = Counter("latentserve_generation_tokens",
                                          "Tokens generated", ["model_name"],
                                          registry=reg).labels(model_name)
+        self.latent_steps = Counter("latentserve_latent_steps",
+                                    "Latent steps run by compression-head requests",
+                                    ["model_name"], registry=reg).labels(model_name)
+        self.latent_steps_per_request = hist(
+            "latentserve_latent_steps_per_request",
+            "Latent steps per compression-head request (thinking on)",
+            (1, 2, 4, 8, 16, 32, 64, 128, 256))
         finished = Counter("latentserve_request_success", "Finished requests by reason",
                            ["model_name", "finish_reason"], registry=reg)
 

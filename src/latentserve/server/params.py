@@ -63,15 +63,69 @@ def latent_budget(http_request, body: SamplingRequest) -> int | None:
     return int(raw)
 
 
+# Compression-head controls: field -> (header, seed alias header, parser kind).
+HEAD_HEADERS = {
+    "thinking": ("x-latent-thinking", "x-ds4-thinking", "bool"),
+    "max_latent": ("x-latent-max", "x-ds4-max-latent", "int"),
+    "min_latent": ("x-latent-min", "x-ds4-min-latent", "int"),
+    "use_stop": ("x-latent-use-stop", "x-ds4-use-stop", "bool"),
+    "stop_threshold": ("x-latent-stop-threshold", "x-ds4-stop-threshold", "float"),
+    "min_output_tokens": ("x-latent-min-output-tokens", "x-ds4-min-output-tokens", "int"),
+}
+
+
+def head_controls(http_request, body: SamplingRequest,
+                  template_kwargs: dict | None = None) -> dict:
+    """The compression-head controls of a request, precedence header > body > server
+    default (None here; the engine fills in the ``LATENTSERVE_*`` env defaults). Headers
+    ``x-latent-*`` and the seed's ``x-ds4-*`` aliases (``x-latent-*`` wins when both are
+    sent); thinking also from ``chat_template_kwargs`` ``thinking`` / ``enable_thinking``
+    (below the body field). Raises APIError (400 naming the header) for a malformed value:
+    booleans 1/0/true/false/yes/no/on/off, non-negative integers, a threshold in [0, 1]."""
+    from latentserve.latent.head import parse_bool
+
+    out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
+    if out["thinking"] is None and template_kwargs:
+        for key in ("thinking", "enable_thinking"):
+            if isinstance(template_kwargs.get(key), bool):
+                out["thinking"] = template_kwargs[key]
+                break
+    headers = getattr(http_request, "headers", None) or {}
+    for name, (hdr, alias, kind) in HEAD_HEADERS.items():
+        used = hdr if headers.get(hdr) is not None else alias
+        raw = headers.get(used)
+        if raw is None:
+            continue
+        try:
+            if kind == "bool":
+                value = parse_bool(used, raw)
+            elif kind == "int":
+                if not raw.strip().isdigit():
+                    raise ValueError
+                value = int(raw)
+            else:
+                value = float(raw)
+                if not 0.0 <= value <= 1.0:
+                    raise ValueError
+        except ValueError:
+            want = {"bool": "a boolean (1/0, true/false, yes/no, on/off)",
+                    "int": "a non-negative integer", "float": "a number in [0, 1]"}[kind]
+            raise APIError(f"header {used} must be {want}, got {raw!r}", param=used) from None
+        out[name] = value
+    return out
+
+
 def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens_field: str,
                     num_prompt_tokens: int, max_model_len: int,
-                    logprobs: int | None = None, budget: int | None = None) -> SamplingParams:
+                    logprobs: int | None = None, budget: int | None = None,
+                    head: dict | None = None) -> SamplingParams:
     """Build the engine's ``SamplingParams`` for one prompt.
 
     ``max_tokens`` is what the client asked for (None: up to the end of the context,
     ``max_model_len - num_prompt_tokens``); ``max_tokens_field`` names it in errors.
     ``logprobs``: None, or how many top logprobs per token (already range-checked).
     ``budget``: the latent budget (see :func:`latent_budget`).
+    ``head``: compression-head controls (see :func:`head_controls`; None = body fields).
 
     Raises:
         APIError: 400 naming the field and the allowed values; a prompt plus
@@ -91,6 +145,8 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             f"prompt or {max_tokens_field}.", param=max_tokens_field,
             code="context_length_exceeded")
     top_k = request.top_k
+    if head is None:
+        head = {k: getattr(request, k, None) for k in HEAD_HEADERS}
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -110,6 +166,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             logprobs=logprobs,
             latent_budget=budget,
             return_latent_trace=bool(request.return_latent_trace),
+            **head,
         )
     except ValueError as exc:
         param = param_from_value_error(str(exc))

@@ -50,6 +50,14 @@ class SamplingRequest(_Request):
     # x-latent-budget wins); the trace adds per-step norms and logit-lens tokens.
     latent_budget: int | None = None
     return_latent_trace: bool | None = False
+    # Compression heads (latent/head.py): None = the server default (LATENTSERVE_* env);
+    # headers x-latent-* (aliases x-ds4-*) win over these (server/params.head_controls).
+    thinking: bool | None = None
+    max_latent: int | None = None
+    min_latent: int | None = None
+    use_stop: bool | None = None
+    stop_threshold: float | None = None
+    min_output_tokens: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -158,6 +166,9 @@ class LatentInfo(BaseModel):
 
     steps: int
     trace: list[dict] | None = None
+    # Compression heads: thinking, mode, steps, stop_step, max_stop_prob, end (stop|cap|
+    # length) and the resolved controls; thinking False says the head was not used.
+    stats: dict | None = None
 
 
 class ChatChoice(BaseModel):

@@ -53,15 +53,17 @@ class ChoiceResult:
     stop_string: str | None = None
     latent_steps: int = 0
     latent_trace: list | None = None
+    latent_stats: dict | None = None
 
     def latent_info(self, asked: bool):
-        """The choice's ``latent`` field: None for a request that ran no latent step and
-        asked for no trace."""
+        """The choice's ``latent`` field: None for a request that ran no latent step, asked
+        for no trace and has no compression-head stats."""
         from latentserve.server.protocol import LatentInfo
 
-        if not asked and not self.latent_steps:
+        if not asked and not self.latent_steps and self.latent_stats is None:
             return None
-        return LatentInfo(steps=self.latent_steps, trace=self.latent_trace if asked else None)
+        return LatentInfo(steps=self.latent_steps, trace=self.latent_trace if asked else None,
+                          stats=self.latent_stats)
 
 
 def _abort_all(state, reqs: list[EngineRequest]) -> Callable[[], None]:
@@ -95,6 +97,7 @@ async def collect(request, state, reqs: list[EngineRequest],
                 if delta.finish_reason is not None:
                     r.finish_reason, r.stop_string = delta.finish_reason, delta.stop_string
                     r.latent_steps, r.latent_trace = delta.latent_steps, delta.latent_trace
+                    r.latent_stats = delta.latent_stats
         except ENGINE_ERRORS as exc:
             raise api_error(exc) from None
     return results

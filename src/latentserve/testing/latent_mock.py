@@ -24,8 +24,8 @@ def mock_latent_loading():
 
     original = loader.load_model
 
-    def load(model_dir, dtype, device):
-        model, cfg = original(model_dir, dtype, device)
+    def load(model_dir, dtype, device, **kwargs):
+        model, cfg = original(model_dir, dtype, device, **kwargs)
         model.latent_spec = MOCK_SPEC
         model.latent_feedback = lambda hidden: hidden
         return model, cfg

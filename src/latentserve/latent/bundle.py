@@ -1,0 +1,309 @@
+"""Compression-head bundles: read, validate, write (facts from the DeepSeek-V4 addon's
+``checkpoint.py`` description; the code is ours).
+
+``.safetensors`` (chosen by suffix): flat float tensors named ``reasoning_head.*`` (the stop
+head under ``reasoning_head.stop_head.*``), ``decoder.*``, ``target_proj.*``; string
+metadata ``format_version`` (int as text; 3 when absent), ``config`` (JSON, required: see
+``head.HeadConfig``) and ``subdicts`` (JSON list of prefixes; optional, else the first dotted
+component of each tensor name; a declared prefix with no tensors is None).
+
+``.pt``: a ``torch.save``'d dict ``{format_version, config, reasoning_head, decoder,
+target_proj}`` (state dicts or None), read with ``torch.load(weights_only=True)`` only: a
+file that needs a pickled object is refused. A bare head state dict (no ``format_version``,
+upstream's legacy form) loads as a non-injectable head (no decoder).
+
+format_version: 2 = head + decoder + target_proj; 3 = adds the trained stop head (required
+from 3 on); 4 = adds ``arch`` / ``bank_m``. Validation dispatches on ``arch``: any
+unexpected ``reasoning_head`` key is an error naming it; the decoder must match exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from latentserve.latent.head import HeadConfig, LatentHead
+
+SUBDICTS = ("reasoning_head", "decoder", "target_proj")
+CURRENT_FORMAT = 3
+
+
+@dataclass(slots=True)
+class HeadBundle:
+    """A parsed bundle: ``format_version``, ``config`` and three state dicts (``str ->
+    tensor``; ``decoder`` / ``target_proj`` may be None)."""
+
+    format_version: int
+    config: HeadConfig
+    reasoning_head: dict
+    decoder: dict | None = None
+    target_proj: dict | None = None
+
+    @property
+    def injectable(self) -> bool:
+        return self.decoder is not None
+
+    @property
+    def has_stop_head(self) -> bool:
+        return any(k.startswith("stop_head.") for k in self.reasoning_head)
+
+    def build(self) -> LatentHead:
+        """The float32 modules with the weights loaded (validated). Raises ValueError."""
+        validate(self)
+        head = LatentHead(self.config, self.has_stop_head, self.target_proj is not None)
+        head.reasoning_head.load_state_dict(self.reasoning_head, strict=True)
+        if self.decoder is not None:
+            head.decoder.load_state_dict(self.decoder, strict=True)
+        if self.target_proj is not None:
+            head.target_proj.load_state_dict(self.target_proj, strict=True)
+        return head.float().eval().requires_grad_(False)
+
+
+def _expected_shapes(cfg: HeadConfig, stop: bool) -> tuple[dict, dict, dict]:
+    with torch.device("meta"):  # shapes without allocating
+        probe = LatentHead(cfg, has_stop_head=stop, has_target_proj=True)
+    def shapes(m):
+        return {k: tuple(v.shape) for k, v in m.state_dict().items()}
+
+    return (shapes(probe.reasoning_head), shapes(probe.decoder), shapes(probe.target_proj))
+
+
+def validate(b: HeadBundle) -> None:
+    """Raise ValueError when the bundle cannot be served as its config says: an ``arch``
+    other than v1, a format_version >= 3 bundle without ``reasoning_head.stop_head.*``, an
+    unexpected head key (named), a missing head/decoder tensor or a shape mismatch."""
+    cfg = b.config
+    if cfg.arch != "v1":
+        raise ValueError(f"head arch {cfg.arch!r} is not supported (only 'v1')")
+    if b.format_version >= 3 and not b.has_stop_head:
+        raise ValueError(f"format_version {b.format_version} bundle has no stop head "
+                         "(reasoning_head.stop_head.*); format_version >= 3 requires one")
+    head_s, dec_s, tp_s = _expected_shapes(cfg, stop=True)
+    for k, v in b.reasoning_head.items():
+        if k not in head_s:
+            raise ValueError(f"unexpected key reasoning_head.{k} for arch {cfg.arch!r} "
+                             "(wrong arch or head layout)")
+        if tuple(v.shape) != head_s[k]:
+            raise ValueError(f"reasoning_head.{k} has shape {tuple(v.shape)}, config says "
+                             f"{head_s[k]}")
+    for k in head_s:
+        if k.startswith("net.") and k not in b.reasoning_head:
+            raise ValueError(f"missing tensor reasoning_head.{k}")
+    if b.has_stop_head:
+        for k in head_s:
+            if k.startswith("stop_head.") and k not in b.reasoning_head:
+                raise ValueError(f"missing tensor reasoning_head.{k}")
+    for name, got, want in (("decoder", b.decoder, dec_s), ("target_proj", b.target_proj, tp_s)):
+        if got is None:
+            continue
+        for k, v in got.items():
+            if k not in want:
+                raise ValueError(f"unexpected key {name}.{k}")
+            if tuple(v.shape) != want[k]:
+                raise ValueError(f"{name}.{k} has shape {tuple(v.shape)}, config says {want[k]}")
+        for k in want:
+            if k not in got:
+                raise ValueError(f"missing tensor {name}.{k}")
+
+
+def _from_dict(d: dict, source: str) -> HeadBundle:
+    if "format_version" not in d:  # legacy: a bare head state dict
+        if not all(isinstance(v, torch.Tensor) for v in d.values()) or "net.0.weight" not in d:
+            raise ValueError(f"{source}: not a head bundle (no format_version, no net.0.weight)")
+        cfg = HeadConfig(hidden_size=int(d["net.0.weight"].shape[1]),
+                         latent_dim=int(d["net.4.weight"].shape[0]) // 2,
+                         mlp_dim=int(d["net.0.weight"].shape[0]))
+        fv = 3 if any(k.startswith("stop_head.") for k in d) else 2
+        return HeadBundle(fv, cfg, dict(d))
+    cfg = d.get("config")
+    if cfg is None:
+        raise ValueError(f"{source}: bundle has no config")
+    if isinstance(cfg, str):
+        cfg = json.loads(cfg)
+    fv = _int_version(d["format_version"], source)
+    head = d.get("reasoning_head")
+    if head is None:
+        raise ValueError(f"{source}: bundle has no reasoning_head")
+    return HeadBundle(fv, HeadConfig.from_dict(cfg), dict(head),
+                      None if d.get("decoder") is None else dict(d["decoder"]),
+                      None if d.get("target_proj") is None else dict(d["target_proj"]))
+
+
+def _int_version(v, source: str) -> int:
+    try:
+        fv = int(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}: format_version must be an integer, got {v!r}") from None
+    if fv < 1:
+        raise ValueError(f"{source}: format_version must be >= 1, got {fv}")
+    return fv
+
+
+def read_bundle(path: str | Path) -> HeadBundle:
+    """Read and validate a bundle (``.safetensors`` or ``.pt``). Raises FileNotFoundError,
+    or ValueError naming what is wrong (a ``.pt`` needing a pickled object included)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"head bundle {path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        if "config" not in meta:
+            raise ValueError(f"{path}: safetensors metadata has no 'config' (required)")
+        try:
+            cfg = json.loads(meta["config"])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: metadata 'config' is not JSON: {e}") from None
+        if "subdicts" in meta:
+            subs = json.loads(meta["subdicts"])
+        else:
+            subs = sorted({k.split(".", 1)[0] for k in tensors})
+        extra = sorted({k.split(".", 1)[0] for k in tensors} - set(subs))
+        if extra or not set(subs) <= set(SUBDICTS):
+            bad = extra or sorted(set(subs) - set(SUBDICTS))
+            raise ValueError(f"{path}: unexpected tensor prefix {bad[0]!r} (expected "
+                             f"{SUBDICTS})")
+        parts = {s: ({k.split(".", 1)[1]: v for k, v in tensors.items()
+                      if k.startswith(s + ".")} or None) for s in subs}
+        d = {"format_version": meta.get("format_version", CURRENT_FORMAT), "config": cfg, **parts}
+        bundle = _from_dict(d, str(path))
+    else:
+        import pickle
+
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{path}: refused: the .pt bundle needs a pickled object that "
+                             f"weights_only loading does not allow ({str(e).splitlines()[0]})"
+                             ) from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: a .pt bundle must hold a dict, got {type(obj).__name__}")
+        bundle = _from_dict(obj, str(path))
+    validate(bundle)
+    return bundle
+
+
+def write_bundle(bundle: HeadBundle, path: str | Path) -> Path:
+    """Write ``bundle`` as ``.safetensors`` (by suffix) or ``.pt``; ``read_bundle`` gives it
+    back equal. Returns the path."""
+    path = Path(path)
+    validate(bundle)
+    parts = {s: getattr(bundle, s) for s in SUBDICTS}
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        flat = {f"{s}.{k}": v.detach().contiguous() for s, sd in parts.items() if sd
+                for k, v in sd.items()}
+        meta = {"format_version": str(bundle.format_version),
+                "config": json.dumps(bundle.config.to_dict()),
+                "subdicts": json.dumps([s for s in SUBDICTS if parts[s]])}
+        save_file(flat, str(path), metadata=meta)
+    else:
+        torch.save({"format_version": bundle.format_version,
+                    "config": bundle.config.to_dict(), **parts}, path)
+    return path
+
+
+def bundle_from_module(head: LatentHead, format_version: int = CURRENT_FORMAT) -> HeadBundle:
+    """A bundle holding ``head``'s weights (float32 copies)."""
+    def sd(m):
+        return None if m is None else {k: v.detach().float().clone()
+                                       for k, v in m.state_dict().items()}
+
+    return HeadBundle(format_version, head.config, sd(head.reasoning_head), sd(head.decoder),
+                      sd(head.target_proj))
+
+
+def random_bundle(hidden_size: int, latent_dim: int = 16, mlp_dim: int | None = None,
+                  source_layer: int = 0, seed: int = 0, stop_bias: float = 0.0,
+                  scale: float = 1.0, **config) -> HeadBundle:
+    """A random v1 bundle (for tests and benchmarks). ``stop_bias`` is added to the stop
+    logit's bias; ``scale`` multiplies every weight's default init; ``config`` goes to
+    ``HeadConfig`` (e.g. ``injection``, ``think_open``)."""
+    torch.manual_seed(seed)
+    cfg = HeadConfig(hidden_size=hidden_size, latent_dim=latent_dim, mlp_dim=mlp_dim,
+                     source_layer=source_layer, target_layer=source_layer + 1,
+                     compression_factor=4, **config)
+    head = LatentHead(cfg, has_stop_head=True, has_target_proj=True)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(scale)
+        head.reasoning_head.stop_head[2].bias.add_(stop_bias)
+    return bundle_from_module(head)
+
+
+# ----------------------------------------------------------------------------- serving
+
+def find_bundle(model_dir, override: str | None = None, disabled: bool = False):
+    """The bundle a model directory serves with ("one model, one directory"): ``override``,
+    else env ``LATENTSERVE_LATENT_HEAD``, else the file named by ``config.json``'s
+    ``latent_reasoning_head`` key, else ``latent_reasoning_head.safetensors`` in the
+    directory; None when there is none or ``disabled``."""
+    import os
+
+    from latentserve.latent.head import HEAD_BUNDLE_NAME
+
+    if disabled:
+        return None
+    if override:
+        return Path(override)
+    env = os.environ.get("LATENTSERVE_LATENT_HEAD")
+    if env:
+        return Path(env)
+    d = Path(model_dir)
+    name = HEAD_BUNDLE_NAME
+    cfg = d / "config.json"
+    if cfg.is_file():
+        name = json.loads(cfg.read_text()).get("latent_reasoning_head") or name
+    return d / name if (d / name).is_file() else None
+
+
+def _span_ids(tok, text: str | None, token: str, what: str) -> tuple[int, ...]:
+    if text:
+        ids = tok.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValueError(f"head config {what} {text!r} encodes to no tokens")
+        return tuple(ids)
+    tid = tok.convert_tokens_to_ids(token)
+    if tid is None or tid == tok.unk_token_id:
+        raise ValueError(f"the tokenizer has no {token!r} token: the head bundle's config must "
+                         f"name the thinking span's text ({what})")
+    return (int(tid),)
+
+
+def attach_head(model, model_dir, hf_config, path, device, injection: str | None = None) -> None:
+    """Load the bundle at ``path`` onto ``model``: ``model.latent_head`` (float32
+    ``LatentHead`` on ``device``), ``model.latent_head_mode`` (``injection`` or the
+    bundle's) and ``model.latent_spec`` (kind ``"head"``: start/end ids = the thinking
+    opening/closing, ``<think>`` / ``</think>`` or the config's text; ``latent_id`` = the
+    tokenizer's pad id, else its eos id, else 0). Raises ValueError when the bundle does not
+    fit the backbone (hidden size, source layer) or cannot be injected (no decoder)."""
+    from latentserve.latent.spec import LatentSpec
+    from latentserve.models.checkpoint import load_tokenizer
+
+    bundle = read_bundle(path)
+    cfg = bundle.config
+    if not bundle.injectable:
+        raise ValueError(f"head bundle {path} has no decoder: it cannot be served")
+    if cfg.hidden_size != hf_config.hidden_size:
+        raise ValueError(f"head bundle {path} is for hidden_size {cfg.hidden_size}, the model "
+                         f"has {hf_config.hidden_size}")
+    n_layers = hf_config.num_hidden_layers
+    if cfg.source_layer is None or not 0 <= cfg.source_layer < n_layers:
+        raise ValueError(f"head bundle {path}: source_layer {cfg.source_layer} is not a layer "
+                         f"of this {n_layers}-layer model")
+    tok = load_tokenizer(model_dir)
+    start = _span_ids(tok, cfg.think_open, "<think>", "think_open")
+    end = _span_ids(tok, cfg.think_close, "</think>", "think_close")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model.latent_head = bundle.build().to(device)
+    model.latent_head_mode = injection or cfg.injection
+    model.latent_spec = LatentSpec(kind="head", family="compression-head", default_budget=0,
+                                   max_budget=0, start_ids=start, end_ids=end,
+                                   latent_id=int(pad or 0))

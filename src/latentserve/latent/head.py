@@ -1,0 +1,290 @@
+"""Compression heads with a learned stop (CoLaR-style latent reasoning on a frozen backbone).
+
+Facts from CoLaR (arXiv 2505.16552) and the DeepSeek-V4 latent-reasoning addon's
+``models.py`` / ``injector.py`` / ``closed_loop.py`` (its arch "v1"); the code is ours.
+
+Modules keep the upstream parameter names so bundles load by name:
+
+* :class:`CompressionHead` (upstream ``ReasoningCompressionHead``): ``net`` = Linear(H, M),
+  SiLU, Linear(M, M), SiLU, Linear(M, 2L) -> ``mu, log_sigma`` (``[..., L]`` each,
+  ``log_sigma`` clamped to [-10, 2]); ``stop_head`` = Linear(H, M // 2), SiLU,
+  Linear(M // 2, 1) -> one raw stop logit. ``M = mlp_dim`` (default ``H // 2``).
+* :class:`LatentDecoder` (upstream ``LatentDecoder``): ``net`` = Linear(L, M), SiLU,
+  Linear(M, M), SiLU, Linear(M, H) -> an input-embedding vector ``[..., H]``.
+* ``target_proj`` = Linear(H, L, bias=False): used by training only, loaded when present.
+
+:class:`LatentHead` bundles them with the non-affine LayerNorms of the serve path
+(addon ``injector.py``): ``encode(anchor) = head(LN(anchor)).mu``, ``latent_input(anchor) =
+decoder(LN(encode(anchor)))``, ``stop_prob(anchor) = sigmoid(stop_head(LN(anchor)))``. All
+math is float32; callers cast the decoded vector to the model dtype on injection.
+
+Per-request controls (:class:`HeadSettings`) come from ``SamplingParams`` with server
+defaults from the environment (:func:`head_defaults`); :func:`apply_output_floor` is the
+answer-budget floor (addon ``serving.py`` ``_apply_output_floor``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INJECTION_MODES = ("closed_loop", "prompt")
+LOG_SIGMA_MIN, LOG_SIGMA_MAX = -10.0, 2.0
+HEAD_BUNDLE_NAME = "latent_reasoning_head.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class HeadConfig:
+    """A bundle's ``config``.
+
+    ``hidden_size`` (H, the backbone's), ``latent_dim`` (L), ``mlp_dim`` (M; None = H // 2),
+    ``source_layer`` (0-based index of the decoder layer whose OUTPUT, the residual stream,
+    is the head's anchor; upstream 35), ``target_layer`` and ``compression_factor``
+    (training only, inert when serving), ``arch`` (only ``"v1"`` is served here),
+    ``bank_m`` (arch v2 only; 1 for v1), ``injection`` (``closed_loop`` or ``prompt``),
+    ``think_open`` / ``think_close`` (text of the thinking span's opening and closing for a
+    backbone without ``<think>`` / ``</think>`` tokens; None = those tokens).
+    """
+
+    hidden_size: int
+    latent_dim: int
+    mlp_dim: int | None = None
+    source_layer: int | None = None
+    target_layer: int | None = None
+    compression_factor: int | None = None
+    arch: str = "v1"
+    bank_m: int = 1
+    injection: str = "closed_loop"
+    think_open: str | None = None
+    think_close: str | None = None
+
+    @property
+    def mlp(self) -> int:
+        return self.mlp_dim or self.hidden_size // 2
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HeadConfig:
+        """Raises ValueError naming a missing or bad field."""
+        if not isinstance(d, dict):
+            raise ValueError(  # noqa: TRY004 - a config error, like the others
+                f"head config must be a JSON object, got {type(d).__name__}")
+        for k in ("hidden_size", "latent_dim"):
+            if k not in d:
+                raise ValueError(f"head config: field {k!r} is required")
+        known = {k: d[k] for k in cls.__slots__ if k in d and d[k] is not None}
+        cfg = cls(**known)
+        for k in ("hidden_size", "latent_dim", "mlp_dim", "source_layer", "bank_m"):
+            v = getattr(cfg, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                  or (v == 0 and k != "source_layer")):
+                raise ValueError(f"head config: field {k!r} must be a positive integer, "
+                                 f"got {v!r}")
+        if cfg.injection not in INJECTION_MODES:
+            raise ValueError(f"head config: field 'injection' must be one of "
+                             f"{INJECTION_MODES}, got {cfg.injection!r}")
+        return cfg
+
+
+class CompressionHead(nn.Module):
+    """Upstream ``ReasoningCompressionHead`` (arch v1).
+
+    ``forward(h [..., H] float32, already layer-normed) -> (mu, log_sigma)``, each
+    ``[..., L]``; ``stop_logit(h [..., H]) -> [..., 1]`` (raw logit). ``stop_head`` is None
+    for a bundle without one (format_version 2)."""
+
+    def __init__(self, hidden_size: int, latent_dim: int, mlp_dim: int | None = None,
+                 stop_head: bool = True):
+        super().__init__()
+        m = mlp_dim or hidden_size // 2
+        self.hidden_size, self.latent_dim = hidden_size, latent_dim
+        self.net = nn.Sequential(nn.Linear(hidden_size, m), nn.SiLU(), nn.Linear(m, m),
+                                 nn.SiLU(), nn.Linear(m, 2 * latent_dim))
+        self.stop_head = (nn.Sequential(nn.Linear(hidden_size, m // 2), nn.SiLU(),
+                                        nn.Linear(m // 2, 1)) if stop_head else None)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if h.shape[-1] != self.hidden_size:
+            raise ValueError(f"head input has last dim {h.shape[-1]}, expected "
+                             f"{self.hidden_size}")
+        mu, log_sigma = self.net(h).chunk(2, dim=-1)
+        return mu, log_sigma.clamp(LOG_SIGMA_MIN, LOG_SIGMA_MAX)
+
+    def stop_logit(self, h: torch.Tensor) -> torch.Tensor:
+        if self.stop_head is None:
+            raise ValueError("this head has no stop head (format_version < 3)")
+        return self.stop_head(h)
+
+
+class LatentDecoder(nn.Module):
+    """Upstream ``LatentDecoder`` (arch v1): ``forward(z [..., L] float32) -> [..., H]``,
+    an absolute input-embedding vector for the backbone's embedding output."""
+
+    def __init__(self, latent_dim: int, hidden_size: int, mlp_dim: int | None = None):
+        super().__init__()
+        m = mlp_dim or hidden_size // 2
+        self.latent_dim = latent_dim
+        self.net = nn.Sequential(nn.Linear(latent_dim, m), nn.SiLU(), nn.Linear(m, m),
+                                 nn.SiLU(), nn.Linear(m, hidden_size))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        if z.shape[-1] != self.latent_dim:
+            raise ValueError(f"decoder input has last dim {z.shape[-1]}, expected "
+                             f"{self.latent_dim}")
+        return self.net(z)
+
+
+class LatentHead(nn.Module):
+    """Head + decoder (+ ``target_proj``) with the serve path's LayerNorms, in float32.
+
+    ``anchor``: ``[N, H]`` source-layer residual stream (any float dtype).
+    ``latent_input(anchor) -> [N, H] float32``; ``stop_prob(anchor) -> [N] float32`` (None
+    when the bundle has no stop head).
+    """
+
+    def __init__(self, config: HeadConfig, has_stop_head: bool = True,
+                 has_target_proj: bool = False):
+        super().__init__()
+        self.config = config
+        h, lat, m = config.hidden_size, config.latent_dim, config.mlp
+        self.reasoning_head = CompressionHead(h, lat, m, stop_head=has_stop_head)
+        self.decoder = LatentDecoder(lat, h, m)
+        self.target_proj = nn.Linear(h, lat, bias=False) if has_target_proj else None
+
+    @property
+    def has_stop(self) -> bool:
+        return self.reasoning_head.stop_head is not None
+
+    def _ln_anchor(self, anchor: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(anchor.float(), (self.config.hidden_size,))
+
+    def encode(self, anchor: torch.Tensor) -> torch.Tensor:
+        """``mu`` of the head (``[N, L]`` float32): the MAP latent, as served upstream."""
+        return self.reasoning_head(self._ln_anchor(anchor))[0]
+
+    def latent_input(self, anchor: torch.Tensor) -> torch.Tensor:
+        mu = F.layer_norm(self.encode(anchor), (self.config.latent_dim,))
+        return self.decoder(mu)
+
+    def stop_prob(self, anchor: torch.Tensor) -> torch.Tensor | None:
+        if not self.has_stop:
+            return None
+        return torch.sigmoid(self.reasoning_head.stop_logit(self._ln_anchor(anchor))[..., 0])
+
+
+# ----------------------------------------------------------------------------- controls
+
+_ENV = {"max_latent": ("LATENTSERVE_MAX_LATENT", 256, int),
+        "min_latent": ("LATENTSERVE_MIN_LATENT", 4, int),
+        "use_stop": ("LATENTSERVE_USE_STOP", True, "bool"),
+        "stop_threshold": ("LATENTSERVE_STOP_THRESHOLD", 0.5, float),
+        "min_output_tokens": ("LATENTSERVE_MIN_OUTPUT_TOKENS", 4096, int)}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def parse_bool(name: str, value: str) -> bool:
+    """``1/true/yes/on`` or ``0/false/no/off`` (any case). Raises ValueError naming ``name``."""
+    v = str(value).strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(f"{name} must be one of 1/0, true/false, yes/no, on/off; got {value!r}")
+
+
+def head_defaults(environ=None) -> dict:
+    """Server defaults of the per-request head controls, from ``LATENTSERVE_MAX_LATENT``
+    (256), ``LATENTSERVE_MIN_LATENT`` (4), ``LATENTSERVE_USE_STOP`` (1),
+    ``LATENTSERVE_STOP_THRESHOLD`` (0.5), ``LATENTSERVE_MIN_OUTPUT_TOKENS`` (4096). Raises
+    ValueError naming a malformed variable."""
+    env = os.environ if environ is None else environ
+    out = {}
+    for key, (var, default, kind) in _ENV.items():
+        raw = env.get(var)
+        if raw is None:
+            out[key] = default
+            continue
+        try:
+            out[key] = parse_bool(var, raw) if kind == "bool" else kind(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {var} is malformed: {raw!r}") from None
+    check_controls(out, prefix="LATENTSERVE defaults: ")
+    return out
+
+
+def check_controls(c: dict, prefix: str = "") -> None:
+    """Range checks shared by ``SamplingParams`` and the env defaults (ValueError naming the
+    field)."""
+    for k in ("max_latent", "min_latent", "min_output_tokens"):
+        v = c.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{prefix}{k} must be an integer >= 0, got {v!r}")
+    t = c.get("stop_threshold")
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                          or not 0.0 <= t <= 1.0):
+        raise ValueError(f"{prefix}stop_threshold must be a number in [0, 1], got {t!r}")
+
+
+def apply_output_floor(max_tokens: int, floor: int, cap: int) -> int:
+    """The answer-budget floor: latent steps spend output tokens, so ``max_tokens`` is
+    raised to ``floor + cap`` when lower; never lowered; ``floor <= 0`` disables it.
+    E.g. (1000, 4096, 256) -> 4352; (9000, 4096, 256) -> 9000."""
+    if floor <= 0:
+        return max_tokens
+    return max(max_tokens, floor + max(0, cap))
+
+
+@dataclass(slots=True)
+class HeadSettings:
+    """One request's resolved head controls and, as it runs, its latent stats.
+
+    ``steps``: latent positions run; ``stop_step``: steps done when the stop fired (None
+    otherwise); ``max_stop_prob``: the largest stop probability seen at any decision (None
+    without a stop head); ``end``: ``"stop"``, ``"cap"`` or ``"length"`` (output budget or
+    context spent inside the latent phase), None while running or with thinking off.
+    """
+
+    thinking: bool
+    mode: str
+    max_latent: int
+    min_latent: int
+    use_stop: bool
+    stop_threshold: float
+    min_output_tokens: int
+    end_ids: tuple[int, ...] = ()
+    steps: int = 0
+    stop_step: int | None = None
+    max_stop_prob: float | None = None
+    end: str | None = None
+    probs: list = field(default_factory=list)
+
+    def stats(self) -> dict:
+        return {"thinking": self.thinking, "mode": self.mode, "steps": self.steps,
+                "stop_step": self.stop_step, "max_stop_prob": self.max_stop_prob,
+                "end": self.end, "max_latent": self.max_latent, "min_latent": self.min_latent,
+                "use_stop": self.use_stop, "stop_threshold": self.stop_threshold}
+
+
+def resolve_settings(params, defaults: dict, mode: str, has_stop: bool) -> HeadSettings:
+    """Per-request controls: the request's ``SamplingParams`` field, else the server default.
+    ``latent_budget`` is an alias of ``max_latent`` (and 0 turns thinking off). A bundle
+    without a stop head never stops early (``use_stop`` is forced off)."""
+    def pick(name):
+        v = getattr(params, name, None)
+        return defaults[name] if v is None else v
+
+    cap = params.max_latent
+    if cap is None:
+        cap = params.latent_budget if params.latent_budget is not None else defaults["max_latent"]
+    thinking = params.thinking if params.thinking is not None else params.latent_budget != 0
+    return HeadSettings(thinking=bool(thinking), mode=mode, max_latent=int(cap),
+                        min_latent=int(pick("min_latent")),
+                        use_stop=bool(pick("use_stop")) and has_stop,
+                        stop_threshold=float(pick("stop_threshold")),
+                        min_output_tokens=int(pick("min_output_tokens")))

@@ -1,0 +1,349 @@
+"""Recurrent depth (Huginn-0125, arXiv 2502.05171; Ouro, arXiv 2510.25741): what the engine
+and the model runner share with the recurrent model files.
+
+A recurrent-depth model loops a block of ``L`` weight layers ``r`` times per token. We serve
+it as an ordinary deep model whose KV pool has one **bank** (pool layer) per
+(iteration ``t``, core layer ``l``): bank ``t * L + l`` (after the non-looped prelude banks,
+if any; see each model's ``bank``). A token has one slot and one RoPE position; every bank
+stores that token's K/V of one iteration under the same slot id, so the page table, the
+allocator and the radix cache see a plain deep model with ``T_max * L (+ prelude + coda)``
+layers.
+
+* **Per-request depth**: ``req.latent_budget`` is the request's recurrence count ``r``
+  (``<= T_max = LatentSpec.max_budget``). All tokens of a request run ``r`` iterations
+  (except early exits below), so a token only ever reads banks ``< r`` of earlier tokens of
+  the same request. Requests with another depth (or another KV-changing exit rule) compute
+  other KV for the same ids, so ``cache_salt`` keeps their prefix-cache entries apart.
+* **Early exit**: a generated token (never a prompt token: upstream's
+  ``do_not_exit_in_prefill``) may stop after iteration ``e < r``. Huginn's
+  ``latest-m4`` cache lookup then reads, for iterations ``t > e``, the latest KV of the same
+  core layer, i.e. iteration ``e``. We implement that rule on the write side: when a token
+  exits, its bank ``(e, l)`` K/V is copied into banks ``(e+1 .. r-1, l)`` (``fill_banks``),
+  so every reader finds the right K/V in the bank of its own iteration with no lookup.
+  Exiting rows leave the remaining iterations of the forward (``ActiveRows``), so compute
+  drops. Generated tokens of a request with an exit rule are scheduled one per forward
+  (``Scheduler``), so an exit always removes a whole batch row.
+
+``ExitRule`` is the per-request rule, ``resolve_exit_rule`` validates a request's
+``SamplingParams`` against the model family, and ``RecurrentBatch`` is the host-side picture
+of one forward (``ForwardContext.recurrent``) that the model files read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Huginn exit criteria and their "auto" thresholds (upstream raven_modeling_minimal.py,
+# get_adaptive_exit_evaluator). "none" never exits.
+HUGINN_AUTO_THRESHOLDS = {"entropy-diff": 1e-3, "latent-diff": 0.03, "kl": 1e-3,
+                          "minp-kl": 1e-5, "argmax-stability": 5, "cosine": 1e-3}
+# Huginn criteria whose value needs the output distribution (the coda + head run at a check).
+HUGINN_LOGIT_CRITERIA = ("entropy-diff", "kl", "minp-kl", "argmax-stability")
+# Ouro readouts (upstream modeling_ouro.py, OuroForCausalLM.forward): "last" step,
+# "threshold" (first step whose cumulative exit probability reaches the threshold),
+# "weighted" (exit-probability mixture), and our compute-saving "threshold-approx".
+OURO_CRITERIA = ("last", "threshold", "weighted", "threshold-approx")
+
+
+@dataclass(frozen=True, slots=True)
+class ExitRule:
+    """One request's per-token exit rule (hashable: part of the prefix-cache salt).
+
+    Attributes:
+        criterion: Huginn: ``entropy-diff``, ``latent-diff``, ``kl``, ``minp-kl``,
+            ``argmax-stability``, ``cosine``. Ouro: ``threshold``, ``weighted``,
+            ``threshold-approx``.
+        threshold: exit when the criterion's value is below it (``argmax-stability``: when
+            the argmax was stable for at least this many checks; Ouro: when the cumulative
+            exit probability reaches it).
+        min_steps / check_every: Huginn checks after iteration ``t`` (0-based) when
+            ``t >= min_steps and (t - min_steps) % check_every == 0`` (upstream
+            ``min_steps``, ``check_criterion_every_n_steps``).
+    """
+
+    criterion: str
+    threshold: float = 0.0
+    min_steps: int = 0
+    check_every: int = 1
+
+    @property
+    def saves_compute(self) -> bool:
+        """Whether generated tokens may stop iterating (all Huginn criteria; Ouro only
+        ``threshold-approx``). Such rules change the KV of generated tokens."""
+        return self.criterion not in ("threshold", "weighted")
+
+    def is_check_step(self, t: int) -> bool:
+        """Whether the criterion is evaluated after iteration ``t`` (0-based)."""
+        return t >= self.min_steps and (t - self.min_steps) % self.check_every == 0
+
+
+def resolve_exit_rule(spec, params) -> ExitRule | None:
+    """The exit rule of a request with ``SamplingParams`` ``params`` on a model with
+    ``LatentSpec`` ``spec`` (``kind == "recurrent"``); None = run the full depth and read out
+    the last iteration.
+
+    Raises ValueError (naming the field) for a criterion the family does not know, a
+    threshold out of range, or exit fields without a criterion where one is needed.
+    """
+    crit, thr = params.exit_criterion, params.exit_threshold
+    knobs = params.exit_min_steps != 0 or params.exit_check_every != 1
+    if spec.family == "huginn":
+        if crit is None:
+            if thr is not None or knobs:
+                raise ValueError("exit_threshold / exit_min_steps / exit_check_every need an "
+                                 "exit_criterion")
+            return None
+        if crit == "none":
+            return None
+        if crit not in HUGINN_AUTO_THRESHOLDS:
+            raise ValueError(f"exit_criterion must be one of {sorted(HUGINN_AUTO_THRESHOLDS)} "
+                             f"or 'none' for this model, got {crit!r}")
+        thr = HUGINN_AUTO_THRESHOLDS[crit] if thr is None else thr
+        if crit == "argmax-stability" and (thr != int(thr) or thr < 1):
+            raise ValueError(f"exit_threshold for argmax-stability must be an integer >= 1 "
+                             f"(stable checks), got {thr}")
+        if thr < 0:
+            raise ValueError(f"exit_threshold must be >= 0, got {thr}")
+        return ExitRule(crit, float(thr), params.exit_min_steps, params.exit_check_every)
+    if spec.family == "ouro":
+        if knobs:
+            raise ValueError("exit_min_steps / exit_check_every are Huginn options; Ouro exits "
+                             "by its gate")
+        if crit is None:
+            if thr is None:
+                return spec.default_exit
+            crit = "threshold"
+        if crit not in OURO_CRITERIA:
+            raise ValueError(f"exit_criterion must be one of {list(OURO_CRITERIA)} for this "
+                             f"model, got {crit!r}")
+        if crit == "last":
+            if thr is not None:
+                raise ValueError("exit_threshold needs exit_criterion 'threshold' or "
+                                 "'threshold-approx'")
+            return None
+        if crit == "weighted":
+            if thr is not None:
+                raise ValueError("exit_criterion 'weighted' takes no exit_threshold")
+            return ExitRule("weighted")
+        if thr is None:
+            thr = spec.default_exit.threshold if spec.default_exit is not None else 1.0
+        if thr < 0:
+            raise ValueError(f"exit_threshold must be >= 0, got {thr}")
+        return ExitRule(crit, float(thr))
+    raise ValueError(f"unknown recurrent family {spec.family!r}")
+
+
+def cache_salt_key(depth: int, rule: ExitRule | None) -> tuple:
+    """What a request's KV depends on besides its token ids: the depth, and the exit rule
+    when it changes which iterations generated tokens compute."""
+    return (depth, rule) if rule is not None and rule.saves_compute else (depth,)
+
+
+@dataclass(slots=True)
+class RecurrentBatch:
+    """Host-side picture of one forward of a recurrent model (``ForwardContext.recurrent``).
+
+    Two modes:
+
+    * **compact** (eager path; ``row_depths`` set): rows are the batch's requests, in batch
+      order. ``ActiveRows`` drops rows whose depth is reached or that exited, re-preparing
+      the attention metadata for the rows left, so shallow and exited rows cost nothing.
+    * **masked** (CUDA-graph path; ``masked`` set or ``row_depths`` None): every token runs
+      ``num_iters``
+      iterations and a token past its depth (``ForwardContext.depths``) keeps its state
+      (``torch.where``); no host reads. Only valid without exit rules: the extra iterations
+      write K/V into banks ``>= depth`` of the token's own slot, which no reader of that
+      depth ever reads.
+
+    Attributes:
+        num_iters: iterations the loop runs (the batch's largest depth; the graph's depth).
+        row_depths: ``[B]`` recurrences per row. q_lens / kv_lens / rows / out_slots /
+            page_table: the batch layout (``attention.base.BatchLayout`` fields), to prepare
+            the attention of a subset of rows.
+        rules: ``[B]`` ``ExitRule`` or None. eligible: ``[B]`` the row is one generated token
+            whose rule saves compute (it may exit).
+        iters_used: ``[B]`` filled by the model: iterations run by each row's last token.
+        iterations_run: filled by the model: token-iterations computed in this forward
+            (each core/loop iteration of each active token counts 1).
+        masked: run the masked loop even though the rows are known (tests use it to check
+            the graph path's arithmetic eagerly).
+        exit_thr / exit_weighted: optional ``[T]`` device tensors (float32 / bool), each
+            token's Ouro readout threshold (+inf = last step) and weighted-mixture flag; the
+            graph path binds static buffers here (``token_readout`` fills them), the eager
+            path leaves them None and the model reads ``rules``.
+    """
+
+    num_iters: int
+    row_depths: list[int] | None = None
+    q_lens: list[int] | None = None
+    kv_lens: list[int] | None = None
+    rows: Any = None
+    out_slots: Any = None
+    page_table: Any = None
+    rules: list | None = None
+    eligible: list[bool] | None = None
+    iters_used: list[int] = field(default_factory=list)
+    iterations_run: int = 0
+    masked: bool = False
+    exit_thr: Any = None
+    exit_weighted: Any = None
+
+    @property
+    def compact(self) -> bool:
+        return self.row_depths is not None and not self.masked
+
+    @property
+    def any_exit(self) -> bool:
+        return bool(self.eligible) and any(self.eligible)
+
+    @property
+    def graph_ok(self) -> bool:
+        """Whether a masked (graph) forward gives the same result: no row may exit."""
+        return not self.any_exit
+
+    def row_starts(self) -> list[int]:
+        out, s = [], 0
+        for n in self.q_lens:
+            out.append(s)
+            s += n
+        return out
+
+    @classmethod
+    def from_batch(cls, batch, layout, page_table) -> RecurrentBatch:
+        """Describe ``batch`` (a ``ScheduledBatch``) laid out as ``layout``."""
+        depths = [int(r.latent_budget) for r in batch.reqs]
+        rules = [r.exit_rule for r in batch.reqs]
+        eligible = [rule is not None and rule.saves_compute and n == 1
+                    and s >= len(r.prompt_ids)
+                    for r, rule, s, n in zip(batch.reqs, rules, batch.starts, batch.q_lens)]
+        return cls(max(depths, default=0), depths, list(layout.q_lens), list(layout.kv_lens),
+                   layout.rows, layout.out_slots, page_table, rules, eligible)
+
+    def token_depths(self, device) -> torch.Tensor:
+        """``[T] int64`` recurrences per token (``ForwardContext.depths``)."""
+        d = torch.tensor(self.row_depths, dtype=torch.int64)
+        return torch.repeat_interleave(d, torch.tensor(self.q_lens)).to(device)
+
+    def token_readout(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([T] float32 threshold, [T] bool weighted)`` of each token's readout rule (Ouro):
+        +inf / False for the last step, the rule's threshold for ``threshold*`` rules, +inf /
+        True for ``weighted``."""
+        thr = [r.threshold if r is not None and r.criterion != "weighted" else math.inf
+               for r in self.rules]
+        weighted = [r is not None and r.criterion == "weighted" for r in self.rules]
+        reps = torch.tensor(self.q_lens)
+        return (torch.repeat_interleave(torch.tensor(thr, dtype=torch.float32), reps).to(device),
+                torch.repeat_interleave(torch.tensor(weighted), reps).to(device))
+
+    def record(self, batch) -> None:
+        """Append each sampling row's iteration count to its request's stats."""
+        for req, s, n in zip(batch.reqs, batch.sample, self.iters_used or self.row_depths):
+            if s:
+                req.recurrence_iters.append(int(n))
+
+
+class ActiveRows:
+    """The rows of a compact ``RecurrentBatch`` still iterating, for one forward.
+
+    ``select(t)`` makes the attention metadata of ``ForwardContext`` describe the rows that
+    run iteration ``t`` (depth ``> t``, not exited) and returns their token indices
+    (``[T_active] int64``, or None when every token of the batch is active). Metadata are
+    prepared once per distinct row set. ``exit(rows, t)`` retires rows after iteration ``t``.
+    ``restore()`` puts the full batch's metadata back.
+    """
+
+    def __init__(self, rb: RecurrentBatch, ctx):
+        from latentserve.attention.base import BatchLayout
+
+        self._layout_cls = BatchLayout
+        self.rb, self.ctx = rb, ctx
+        self.full_meta = ctx.attn_meta
+        self.starts = rb.row_starts()
+        self.num_tokens = sum(rb.q_lens)
+        self.exited = [False] * len(rb.row_depths)
+        self.rb.iters_used = [min(d, rb.num_iters) for d in rb.row_depths]
+        self._key = None
+        self._idx = None
+        self._cache: dict[tuple, tuple] = {}
+
+    def rows_at(self, t: int) -> list[int]:
+        return [b for b, d in enumerate(self.rb.row_depths) if d > t and not self.exited[b]]
+
+    def tokens_of(self, rows: list[int]) -> list[int]:
+        out = []
+        for b in rows:
+            out.extend(range(self.starts[b], self.starts[b] + self.rb.q_lens[b]))
+        return out
+
+    def meta_for(self, rows: list[int]):
+        """``(token index tensor or None, attention metadata)`` for ``rows``."""
+        key = tuple(rows)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        rb = self.rb
+        if len(rows) == len(rb.row_depths):
+            hit = (None, self.full_meta)
+        else:
+            dev = rb.out_slots.device
+            tok = torch.tensor(self.tokens_of(rows), dtype=torch.int64).to(dev)
+            sel = torch.tensor(rows, dtype=torch.int64).to(dev)
+            layout = self._layout_cls([rb.q_lens[b] for b in rows], [rb.kv_lens[b] for b in rows],
+                                      rb.rows[sel], rb.out_slots[tok])
+            hit = (tok, self.ctx.backend.prepare(layout, rb.page_table))
+        self._cache[key] = hit
+        return hit
+
+    def select(self, t: int):
+        """Rows running iteration ``t``: returns ``(rows, token index or None)`` and points
+        the context's attention metadata at them. ``rows`` may be empty."""
+        rows = self.rows_at(t)
+        if rows:
+            idx, meta = self.meta_for(rows)
+            self.ctx.attn_meta = meta
+            n = self.num_tokens if idx is None else len(idx)
+            self.rb.iterations_run += n
+            return rows, idx
+        return rows, None
+
+    def exit(self, rows: list[int], t: int) -> None:
+        for b in rows:
+            self.exited[b] = True
+            self.rb.iters_used[b] = t + 1
+
+    def slots_of(self, rows: list[int]) -> torch.Tensor:
+        idx = torch.tensor(self.tokens_of(rows), dtype=torch.int64).to(self.rb.out_slots.device)
+        return self.rb.out_slots[idx]
+
+    def restore(self) -> None:
+        self.ctx.attn_meta = self.full_meta
+
+
+def fill_banks(kv_pool, slots: torch.Tensor, bank, t_last: int, depth: int,
+               num_layers: int) -> None:
+    """Huginn's "latest same-layer" rule, write side: copy the K/V of iteration ``t_last`` of
+    every looped layer ``l`` (pool layer ``bank(t_last, l)``) at ``slots`` (``[N] int64``) into
+    the banks of iterations ``t_last + 1 .. depth - 1``."""
+    for l in range(num_layers):
+        src = bank(t_last, l)
+        k, v = kv_pool.k[src][slots], kv_pool.v[src][slots]
+        for t in range(t_last + 1, depth):
+            dst = bank(t, l)
+            kv_pool.k[dst][slots] = k
+            kv_pool.v[dst][slots] = v
+
+
+def recurrence_stats(iters: list[int]) -> dict:
+    """Per-request stats: ``{"tokens", "mean_iterations", "histogram": {iters: count}}``
+    over the sampled tokens (each counted with the iterations of the position it was
+    sampled from)."""
+    hist: dict[int, int] = {}
+    for n in iters:
+        hist[n] = hist.get(n, 0) + 1
+    mean = sum(iters) / len(iters) if iters else math.nan
+    return {"tokens": len(iters), "mean_iterations": mean,
+            "histogram": dict(sorted(hist.items()))}

@@ -1,0 +1,417 @@
+"""Huginn-0125 (arXiv 2502.05171): a prelude, a core block looped ``r`` times per token, a
+coda. Module names equal upstream's ``RavenForCausalLM`` (``recpre/raven_modeling_minimal.py``
+in ``seal-rg/recurrent-pretraining``; config ``raven_config_minimal.py``), so checkpoints load
+by name: ``transformer.wte``, ``transformer.prelude.{i}``, ``transformer.core_block.{i}``,
+``transformer.coda.{i}`` (each ``norm_1..4``, ``attn.Wqkv``, ``attn.qk_bias``, ``attn.proj``,
+``mlp.fc``, ``mlp.proj``), ``transformer.adapter``, ``transformer.ln_f``, ``lm_head`` (tied to
+``wte`` when ``tie_embeddings``).
+
+Per token (parallel over positions): ``e = wte(id) * sqrt(n_embd)``; prelude; state
+``x = s0(position)``; ``r`` times ``x = core(adapter(cat[x, e]))``; ``ln_f``; coda; ``ln_f``;
+``lm_head`` (float logits). Blocks are "sandwich" blocks:
+``x = norm_2(attn(norm_1(x)) + x); x = norm_4(mlp(norm_3(x)) + x)``; attention adds
+``qk_bias`` to q and k, then rotates interleaved pairs (upstream
+``apply_rotary_emb_complex_like``, base ``rope_base``), in fp32.
+
+**State init**: upstream draws ``x0 = trunc_normal(std=sqrt(2/(5 n_embd)) * init_scale,
+±3 std) * sqrt(n_embd)`` afresh on every call. Serving needs the KV of a prefix to depend on
+its ids only (prefix cache, preemption), so we draw the same distribution once, from a
+generator seeded with ``state_init_seed`` (config, default 0), as a ``[block_size, n_embd]``
+table indexed by position: every token at position p starts from row p. ``init_scale``
+(config, default 1; upstream's forward argument) 0 gives zeros.
+
+KV banks (see ``latent/recurrent.py``): prelude layer i -> pool layer i; core layer l of
+iteration t -> ``P + t * L + l``; coda layer j -> ``P + T_max * L + j``, with
+``T_max = max_recurrence`` (config, a latentserve extension; default ``mean_recurrence``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from latentserve.context import get_context
+from latentserve.latent.recurrent import HUGINN_LOGIT_CRITERIA, ActiveRows, fill_banks
+from latentserve.latent.spec import LatentSpec
+from latentserve.models.layers import RMSNorm, inject, paged_attention
+
+
+def _get(cfg, *names, default=None):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x[2i], x[2i+1])`` in fp32 (upstream's complex-style RoPE).
+    x: ``[T, H, D]``; cos, sin: ``[T, 1, D/2]`` float32. Returns x's dtype."""
+    xr = x.float().unflatten(-1, (-1, 2))
+    a, b = xr[..., 0], xr[..., 1]
+    return torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    """Fused ``Wqkv`` (q chunk ``n_embd``, k and v ``n_kv * head_dim``), optional ``qk_bias``
+    ``[2, 1, heads, head_dim]``, output ``proj``; no linear biases."""
+
+    def __init__(self, n_embd: int, n_head: int, n_kv: int, qk_bias: bool):
+        super().__init__()
+        self.n_head, self.n_kv = n_head, n_kv
+        self.head_dim = d = n_embd // n_head
+        self.chunks = [n_embd, n_kv * d, n_kv * d]
+        self.Wqkv = nn.Linear(n_embd, (n_head + 2 * n_kv) * d, bias=False)
+        self.has_qk_bias = qk_bias
+        if qk_bias:
+            self.qk_bias = nn.Parameter(torch.zeros(2, 1, n_head, d))
+        self.proj = nn.Linear(n_embd, n_embd, bias=False)
+        self.scale = d**-0.5
+
+    def forward(self, x, cos, sin, bank: int):
+        t = x.shape[0]
+        q, k, v = self.Wqkv(x).split(self.chunks, dim=-1)
+        q = q.view(t, self.n_head, self.head_dim)
+        k = k.view(t, self.n_kv, self.head_dim)
+        v = v.view(t, self.n_kv, self.head_dim)
+        if self.has_qk_bias:
+            q, k = (q + self.qk_bias[0, 0]).to(q.dtype), (k + self.qk_bias[1, 0]).to(q.dtype)
+        q, k = rope_pairs(q, cos, sin), rope_pairs(k, cos, sin)
+        o = paged_attention(bank, q, k, v, self.scale)
+        return self.proj(o.reshape(t, -1))
+
+
+class GatedMLP(nn.Module):
+    """One ``fc`` to ``2 * intermediate`` (first half gated by SiLU), then ``proj``."""
+
+    def __init__(self, n_embd: int, intermediate: int):
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 2 * intermediate, bias=False)
+        self.proj = nn.Linear(intermediate, n_embd, bias=False)
+
+    def forward(self, x):
+        a, b = self.fc(x).chunk(2, dim=-1)
+        return self.proj(F.silu(a) * b)
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, n_embd, n_head, n_kv, intermediate, eps, qk_bias):
+        super().__init__()
+        self.norm_1 = RMSNorm(n_embd, eps)
+        self.attn = CausalSelfAttention(n_embd, n_head, n_kv, qk_bias)
+        self.norm_2 = RMSNorm(n_embd, eps)
+        self.mlp = GatedMLP(n_embd, intermediate)
+        self.norm_3 = RMSNorm(n_embd, eps)
+        self.norm_4 = RMSNorm(n_embd, eps)
+
+    def forward(self, x, cos, sin, bank: int):
+        x = self.norm_2(self.attn(self.norm_1(x), cos, sin, bank) + x)
+        return self.norm_4(self.mlp(self.norm_3(x)) + x)
+
+
+def huginn_config(d: dict):
+    """A ``PretrainedConfig`` from Huginn's ``config.json`` dict (transformers has no Raven
+    class), with the aliases the engine reads: ``hidden_size`` (``n_embd``),
+    ``num_attention_heads``, ``max_position_embeddings`` (``block_size``),
+    ``tie_word_embeddings`` (``tie_embeddings``)."""
+    from transformers import PretrainedConfig
+
+    cfg = PretrainedConfig(**d)
+    cfg.model_type = "huginn_raven"
+    cfg.hidden_size = d.get("n_embd", 5280)
+    heads = d.get("num_attention_heads") or d.get("n_heads") or 55
+    cfg.num_attention_heads = heads
+    cfg.num_key_value_heads = d.get("num_key_value_heads") or heads
+    cfg.max_position_embeddings = d.get("block_size", 4096)
+    cfg.tie_word_embeddings = d.get("tie_embeddings", True)
+    cfg.vocab_size = d.get("vocab_size", 65536)
+    return cfg
+
+
+class RavenForCausalLM(nn.Module):
+    """Paged-KV Huginn with per-token depth and early exit.
+
+    ``forward(input_ids [T] int64, positions [T] int64, input_embeds=None, latent_mask=None)``
+    returns the final normed hidden ``[T, n_embd]`` (after the coda and ``ln_f``); each
+    token's depth and exit rule come from ``ForwardContext.recurrent`` / ``depths`` (without
+    them every token runs ``mean_recurrence``). ``compute_logits(hidden [B, n_embd]) ->
+    [B, vocab] float32``. ``num_iterations`` counts core-block iterations run, per token
+    (``L`` layers each), since construction.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        e = self.n_embd = int(_get(cfg, "n_embd", "hidden_size"))
+        heads = int(_get(cfg, "num_attention_heads", "n_heads"))
+        kv = int(_get(cfg, "num_key_value_heads", default=heads))
+        inter = int(cfg.intermediate_size)
+        eps = float(_get(cfg, "norm_eps", default=1e-6))
+        qk_bias = bool(_get(cfg, "qk_bias", default=True))
+        for key, ok in (("injection_type", "linear"), ("block_class_name", "SandwichBlock"),
+                        ("mlp_class_name", "GatedMLP"), ("nonlin_name", "SiLU")):
+            val = getattr(cfg, key, None)
+            if val is not None and val != ok:
+                raise ValueError(f"Huginn config {key}={val!r} is not supported (only {ok!r})")
+        if qk_bias and kv != heads:
+            raise ValueError("Huginn qk_bias needs num_key_value_heads == num_attention_heads")
+        self.n_prelude = int(_get(cfg, "n_layers_in_prelude", default=2))
+        self.n_core = int(_get(cfg, "n_layers_in_recurrent_block", default=4))
+        self.n_coda = int(_get(cfg, "n_layers_in_coda", default=2))
+        self.mean_recurrence = int(_get(cfg, "mean_recurrence", default=32))
+        self.max_depth = int(_get(cfg, "max_recurrence", default=self.mean_recurrence))
+        if self.max_depth < self.mean_recurrence:
+            raise ValueError(f"max_recurrence ({self.max_depth}) must be >= mean_recurrence "
+                             f"({self.mean_recurrence})")
+        vocab = int(cfg.vocab_size)
+
+        def blocks(n):
+            return nn.ModuleList(SandwichBlock(e, heads, kv, inter, eps, qk_bias)
+                                 for _ in range(n))
+
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(vocab, e),
+            "prelude": blocks(self.n_prelude),
+            "adapter": nn.Linear(2 * e, e, bias=bool(_get(cfg, "bias", default=False))),
+            "core_block": blocks(self.n_core),
+            "coda": blocks(self.n_coda),
+            "ln_f": RMSNorm(e, eps),
+        })
+        self.lm_head = nn.Linear(e, vocab, bias=False)
+        self.tie = bool(_get(cfg, "tie_embeddings", "tie_word_embeddings", default=True))
+        if self.tie:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.emb_scale = math.sqrt(e)
+        head_dim = e // heads
+        base = float(_get(cfg, "rope_base", default=50_000.0))
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        # Kept as int32 bits so model.to(bfloat16) cannot round it (upstream keeps RoPE fp32).
+        self.register_buffer("inv_freq_bits", inv.view(torch.int32), persistent=False)
+        block_size = int(_get(cfg, "block_size", "max_position_embeddings", default=4096))
+        self.register_buffer("state_table", self.state_init_table(
+            block_size, float(_get(cfg, "init_scale", default=1.0)),
+            int(_get(cfg, "state_init_seed", default=0))), persistent=False)
+        self.latent_spec = LatentSpec(kind="recurrent", family="huginn",
+                                      default_budget=self.mean_recurrence,
+                                      max_budget=self.max_depth)
+        self.num_iterations = 0
+
+    def state_init_table(self, block_size: int, init_scale: float, seed: int) -> torch.Tensor:
+        """``[block_size, n_embd]`` float32 initial states, row p for position p:
+        ``trunc_normal(0, std, -3 std, 3 std) * sqrt(n_embd)``, ``std = sqrt(2 / (5 n_embd))
+        * init_scale`` (upstream ``initialize_state``), drawn from ``Generator(seed)``."""
+        x = torch.zeros(block_size, self.n_embd)
+        std = math.sqrt(2 / (5 * self.n_embd)) * init_scale
+        if std > 0:
+            g = torch.Generator().manual_seed(seed)
+            torch.nn.init.trunc_normal_(x, mean=0.0, std=std, a=-3 * std, b=3 * std,
+                                        generator=g)
+            x = x * self.emb_scale
+        return x
+
+    # ----- layout -----
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(pool layers = P + T_max * L + C, KV heads, head_dim)."""
+        att = self.transformer.prelude[0].attn if self.n_prelude else \
+            self.transformer.core_block[0].attn
+        return (self.n_prelude + self.max_depth * self.n_core + self.n_coda, att.n_kv,
+                att.head_dim)
+
+    def bank(self, t: int, layer: int) -> int:
+        """Pool layer of core layer ``layer`` at iteration ``t`` (0-based)."""
+        return self.n_prelude + t * self.n_core + layer
+
+    def coda_bank(self, j: int) -> int:
+        return self.n_prelude + self.max_depth * self.n_core + j
+
+    # ----- forward -----
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.transformer.wte(input_ids)
+
+    def rope(self, positions: torch.Tensor):
+        """``(cos, sin)``, each ``[T, 1, head_dim / 2]`` float32."""
+        freqs = positions[:, None].float() * self.inv_freq_bits.view(torch.float32)[None, :]
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+    def iterate(self, x, e, cos, sin, t: int):
+        """One recurrence: ``core(adapter(cat[x, e]))`` with iteration ``t``'s banks."""
+        x = self.transformer.adapter(torch.cat([x, e], dim=-1))
+        for l, block in enumerate(self.transformer.core_block):
+            x = block(x, cos, sin, self.bank(t, l))
+        return x
+
+    def head_hidden(self, x, cos, sin):
+        """``ln_f``, coda, ``ln_f`` (upstream ``predict_from_latents`` before the head)."""
+        x = self.transformer.ln_f(x)
+        for j, block in enumerate(self.transformer.coda):
+            x = block(x, cos, sin, self.coda_bank(j))
+        return self.transformer.ln_f(x)
+
+    def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
+        ctx = get_context()
+        e = inject(self.embed(input_ids), input_embeds, latent_mask) * self.emb_scale
+        cos, sin = self.rope(positions)
+        for i, block in enumerate(self.transformer.prelude):
+            e = block(e, cos, sin, i)
+        x = self.state_table.index_select(0, positions).to(e.dtype)
+        rb = getattr(ctx, "recurrent", None)
+        if rb is not None and rb.compact:
+            x = self._recur_compact(x, e, cos, sin, ctx, rb)
+        else:  # masked: fixed trip count, no host reads (CUDA-graph path)
+            n = self.mean_recurrence if rb is None else rb.num_iters
+            depths = getattr(ctx, "depths", None)
+            for t in range(n):
+                x_new = self.iterate(x, e, cos, sin, t)
+                x = x_new if depths is None else torch.where((depths > t)[:, None], x_new, x)
+            self.num_iterations += n * x.shape[0]
+        return self.head_hidden(x, cos, sin)
+
+    def _recur_compact(self, x, e, cos, sin, ctx, rb):
+        act = ActiveRows(rb, ctx)
+        ex = _HuginnExit(self, rb, act, x) if rb.any_exit else None
+        try:
+            for t in range(rb.num_iters):
+                rows, idx = act.select(t)
+                if not rows:
+                    break
+                if idx is None:
+                    x = self.iterate(x, e, cos, sin, t)
+                else:
+                    xs = self.iterate(x[idx], e[idx], cos[idx], sin[idx], t)
+                    x = x.index_copy(0, idx, xs)
+                if ex is not None:
+                    check = [b for b in rows if rb.eligible[b] and rb.rules[b].is_check_step(t)]
+                    gone = ex.check(check, x, cos, sin) if check else []
+                    if gone:
+                        act.exit(gone, t)
+                        # One fill for all rows exiting now, up to the deepest one (banks
+                        # past a row's own depth are never read by that request).
+                        deepest = max(rb.row_depths[b] for b in gone)
+                        if deepest > t + 1:
+                            fill_banks(ctx.kv_pool, act.slots_of(gone), self.bank, t, deepest,
+                                       self.n_core)
+        finally:
+            act.restore()
+        self.num_iterations += rb.iterations_run
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights) -> None:
+        """Load ``(name, tensor)`` pairs with upstream names (a ``_orig_mod.`` /
+        ``_orig_mod._original_module.`` prefix is stripped, the ``freqs_cis`` buffer is
+        skipped). Raises KeyError on an unexpected name, ValueError when one is missing."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen = set()
+        for name, tensor in weights:
+            for prefix in ("_orig_mod._original_module.", "_orig_mod."):
+                name = name.removeprefix(prefix)
+            if name == "freqs_cis":
+                continue
+            if name not in params:
+                raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            seen.add(name)
+        missing = set(params) - seen
+        if self.tie and ({"lm_head.weight", "transformer.wte.weight"} & seen):
+            missing -= {"lm_head.weight", "transformer.wte.weight"}
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+
+class _HuginnExit:
+    """Per-row state of Huginn's exit evaluators for one forward (upstream
+    ``PerIterationExitEvaluator`` subclasses, evaluated for all checked rows at once).
+
+    Rows that may exit are single generated tokens (``RecurrentBatch.eligible``); the row's
+    state starts at its initial latent (``latent-diff``, ``cosine``), entropy 100
+    (``entropy-diff``), the uniform distribution over the padded vocabulary (``kl``,
+    ``minp-kl``) or argmax -1 with a zero stability count (``argmax-stability``), and is
+    updated at each check only, as upstream.
+    """
+
+    def __init__(self, model: RavenForCausalLM, rb, act: ActiveRows, x0):
+        self.model, self.rb, self.act = model, rb, act
+        dev = x0.device
+        b = len(rb.row_depths)
+        self.tok = torch.tensor(act.starts, dtype=torch.int64).to(dev)  # row -> its 1st token
+        self.prev_latent = x0[self.tok].clone()
+        self.prev_entropy = torch.full((b,), 100.0, device=dev)
+        self.vocab = model.lm_head.weight.shape[0]
+        self.prev_logp = None
+        if any(r is not None and "kl" in r.criterion for r in rb.rules):
+            self.prev_logp = torch.full((b, self.vocab), 1 / self.vocab, device=dev).log()
+        self.prev_argmax = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        self.stable = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.thr = torch.tensor([r.threshold if r is not None else 0.0 for r in rb.rules],
+                                dtype=torch.float32).to(dev)
+
+    def _logits(self, rows, x, cos, sin):
+        idx, meta = self.act.meta_for(rows)
+        ctx = self.act.ctx
+        keep = ctx.attn_meta
+        ctx.attn_meta = meta
+        try:
+            tok = self.tok[torch.tensor(rows, device=self.tok.device)] if idx is None else idx
+            h = self.model.head_hidden(x[tok], cos[tok], sin[tok])
+        finally:
+            ctx.attn_meta = keep
+        return self.model.compute_logits(h)
+
+    def check(self, rows: list[int], x, cos, sin) -> list[int]:
+        """Evaluate the rows' criteria on the latents ``x [T, n_embd]``; return the rows
+        that exit now (one host read)."""
+        rules = self.rb.rules
+        dev = x.device
+        logit_rows = [b for b in rows if rules[b].criterion in HUGINN_LOGIT_CRITERIA]
+        logits = self._logits(logit_rows, x, cos, sin) if logit_rows else None
+        lpos = {b: i for i, b in enumerate(logit_rows)}
+        decided = []  # (rows, exit flags)
+        for crit in sorted({rules[b].criterion for b in rows}):
+            g = [b for b in rows if rules[b].criterion == crit]
+            ri = torch.tensor(g, dtype=torch.int64, device=dev)
+            thr = self.thr[ri]
+            if crit in ("latent-diff", "cosine"):
+                lat, prev = x[self.tok[ri]], self.prev_latent[ri]
+                if crit == "latent-diff":
+                    val = (lat - prev).norm(dim=-1) / lat.norm(dim=-1)
+                else:
+                    val = 1 - (lat * prev).sum(-1) / lat.norm(dim=-1) / prev.norm(dim=-1)
+                self.prev_latent[ri] = lat
+                decided.append((g, val < thr))
+                continue
+            lg = logits[torch.tensor([lpos[b] for b in g], device=dev)]
+            if crit == "entropy-diff":
+                probs = F.softmax(lg, dim=-1)
+                ent = -torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+                val = (ent - self.prev_entropy[ri]).abs()
+                self.prev_entropy[ri] = ent
+                decided.append((g, val < thr))
+            elif crit in ("kl", "minp-kl"):
+                if crit == "kl":
+                    logp = F.log_softmax(lg.float(), dim=-1)
+                else:
+                    probs = F.softmax(lg, dim=-1)
+                    top = probs.max(dim=-1, keepdim=True)[0]
+                    probs = torch.where(probs < 0.1 * top, 1 / self.vocab, probs)
+                    logp = (probs / probs.sum(dim=-1, keepdim=True)).log()
+                val = F.kl_div(logp, self.prev_logp[ri], reduction="none",
+                               log_target=True).sum(dim=-1)
+                self.prev_logp[ri] = logp
+                decided.append((g, val < thr))
+            else:  # argmax-stability
+                am = lg.argmax(dim=-1)
+                stable = torch.where(am == self.prev_argmax[ri], self.stable[ri] + 1, 0)
+                self.prev_argmax[ri], self.stable[ri] = am, stable
+                decided.append((g, stable >= thr))
+        flags = torch.cat([f for _, f in decided]).tolist()  # the one host read per check
+        order = [b for g, _ in decided for b in g]
+        return [b for b, f in zip(order, flags) if f]

@@ -1,0 +1,312 @@
+"""Ouro (arXiv 2510.25741, ByteDance): the whole decoder stack looped ``total_ut_steps``
+times per token, the final norm inside the loop, and an exit gate. Module names equal the
+hub's remote code (``modeling_ouro.py``, ``OuroForCausalLM``): ``model.embed_tokens``,
+``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``model.layers.{i}.mlp.{gate,up,down}_proj``,
+``model.layers.{i}.{input_layernorm,input_layernorm_2,post_attention_layernorm,
+post_attention_layernorm_2}``, ``model.norm``, ``model.early_exit_gate`` (Linear(d, 1) with
+bias), ``lm_head`` (untied unless ``tie_word_embeddings``).
+
+Per token: ``h = embed(id)``; for step t < r: all layers (sandwich norms:
+``h = h + input_layernorm_2(attn(input_layernorm(h)))``,
+``h = h + post_attention_layernorm_2(mlp(post_attention_layernorm(h)))``, SwiGLU, rotate-half
+RoPE), then ``h_t = norm(h)`` feeds the next step; ``lambda_t = sigmoid(gate(h_t))``, exit
+probability ``p_t = lambda_t * prod_{j<t}(1 - lambda_j)``, the last step takes the remaining
+mass. Readout (upstream ``OuroForCausalLM.forward`` without labels, per token):
+
+* ``last``: ``h_{r-1}``. Upstream's ``exit_at_step = k`` reads ``h_k``, which depends on steps
+  ``<= k`` only: it is exactly depth ``k + 1`` with ``last`` (``latent_budget = k + 1``).
+* ``threshold``: ``h_e``, e = first step with ``cumsum(p) >= threshold`` (else the last).
+* ``weighted``: upstream returns ``sum_t p_t * lm_head(h_t)``; ``lm_head`` has no bias, so we
+  return the hidden ``sum_t p_t h_t`` and ``compute_logits`` gives the same logits (up to fp
+  rounding).
+* ``threshold-approx`` (ours, off by default): like ``threshold`` for prompt tokens; a
+  generated token stops computing at its exit step, and later tokens read its K/V of that
+  step for the skipped steps (Huginn's same-layer rule). Upstream always computes every step,
+  so this is an approximation that saves compute.
+
+KV banks: layer l of step t -> pool layer ``t * L + l`` (upstream ``UniversalTransformerCache``
+index ``ut * num_hidden_layers + layer``); ``T_max = max_recurrence`` (config, a latentserve
+extension; default ``total_ut_steps``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from latentserve.context import get_context
+from latentserve.latent.recurrent import ActiveRows, ExitRule, fill_banks
+from latentserve.latent.spec import LatentSpec
+from latentserve.models.layers import RMSNorm, Rotary, _rotate_half, inject, paged_attention
+from latentserve.models.llama import LlamaMLP
+
+
+def ouro_config(d: dict):
+    """A ``PretrainedConfig`` from Ouro's ``config.json`` dict (transformers has no Ouro class;
+    the hub's is remote code)."""
+    from transformers import PretrainedConfig
+
+    cfg = PretrainedConfig(**d)
+    cfg.model_type = "ouro"
+    rs = d.get("rope_scaling")
+    if rs and getattr(cfg, "rope_parameters", None) is None:
+        cfg.rope_parameters = {**rs, "rope_theta": d.get("rope_theta", 10000.0)}
+    return cfg
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = d = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.scale = d**-0.5
+
+    def forward(self, x, cos, sin, bank: int):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        o = paged_attention(bank, q, k, v, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = OuroAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.input_layernorm_2 = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x, cos, sin, bank: int):
+        x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), cos, sin, bank))
+        return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+
+
+class OuroModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(OuroDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.early_exit_gate = nn.Linear(cfg.hidden_size, 1)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary_emb = Rotary(cfg, head_dim)
+
+
+class OuroForCausalLM(nn.Module):
+    """Paged-KV Ouro with per-request depth and the gate readouts.
+
+    ``forward(input_ids [T] int64, positions [T] int64, input_embeds=None, latent_mask=None)``
+    returns each token's readout hidden ``[T, hidden]`` (already normed; see the module
+    docstring); ``compute_logits(hidden [B, hidden]) -> [B, vocab] float32``. Depth, readout
+    and exit come from ``ForwardContext.recurrent`` / ``depths`` (without them: every token
+    runs ``total_ut_steps`` and reads out the last step). ``num_iterations`` counts stack
+    iterations run, per token, since construction.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"Ouro hidden_act {cfg.hidden_act!r} is not supported (silu only)")
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+            raise ValueError("Ouro sliding-window layers are not supported")
+        self.config = cfg
+        self.model = OuroModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.n_layers = cfg.num_hidden_layers
+        self.total_steps = int(getattr(cfg, "total_ut_steps", None) or 4)
+        self.max_depth = int(getattr(cfg, "max_recurrence", None) or self.total_steps)
+        if self.max_depth < self.total_steps:
+            raise ValueError(f"max_recurrence ({self.max_depth}) must be >= total_ut_steps "
+                             f"({self.total_steps})")
+        step = getattr(cfg, "early_exit_step", None)
+        thr = getattr(cfg, "early_exit_threshold", None)
+        default = self.total_steps
+        default_exit = None
+        if step is not None and 0 <= step < self.total_steps:
+            default = step + 1  # exit_at_step k == depth k + 1, last-step readout
+        elif thr is not None:
+            default_exit = ExitRule("threshold", float(thr))
+        self.latent_spec = LatentSpec(kind="recurrent", family="ouro", default_budget=default,
+                                      max_budget=self.max_depth, min_budget=1,
+                                      default_exit=default_exit)
+        # int32 bits of the fp32 inverse frequencies: model.to(bfloat16) cannot round them.
+        self.register_buffer("inv_freq_bits", self.model.rotary_emb.inv_freq.float().clone()
+                             .view(torch.int32), persistent=False)
+        self.num_iterations = 0
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(pool layers = T_max * L, KV heads, head_dim)."""
+        att = self.model.layers[0].self_attn
+        return self.max_depth * self.n_layers, att.n_kv, att.head_dim
+
+    def bank(self, t: int, layer: int) -> int:
+        return t * self.n_layers + layer
+
+    def embed(self, input_ids):
+        return self.model.embed_tokens(input_ids)
+
+    def rope(self, positions, dtype):
+        """``(cos, sin)``, each ``[T, 1, head_dim]`` in ``dtype`` (rotate-half convention)."""
+        rot = self.model.rotary_emb
+        freqs = positions[:, None].float() * self.inv_freq_bits.view(torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return ((emb.cos() * rot.scaling).to(dtype)[:, None, :],
+                (emb.sin() * rot.scaling).to(dtype)[:, None, :])
+
+    def step(self, h, cos, sin, t: int):
+        """One loop: every layer with step ``t``'s banks, then the final norm."""
+        for l, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, self.bank(t, l))
+        return self.model.norm(h)
+
+    def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
+        ctx = get_context()
+        h = inject(self.embed(input_ids), input_embeds, latent_mask)
+        cos, sin = self.rope(positions, h.dtype)
+        rb = getattr(ctx, "recurrent", None)
+        n = h.shape[0]
+        dev = h.device
+        depths = getattr(ctx, "depths", None)
+        if depths is None:
+            depths = torch.full((n,), self.total_steps if rb is None else rb.num_iters,
+                                dtype=torch.int64, device=dev)
+        ro = _Readout(self, rb, depths, h)
+        if rb is not None and rb.compact:
+            act = ActiveRows(rb, ctx)
+            try:
+                for t in range(rb.num_iters):
+                    rows, idx = act.select(t)
+                    if not rows:
+                        break
+                    if idx is None:
+                        h = self.step(h, cos, sin, t)
+                        active = None
+                    else:
+                        h = h.index_copy(0, idx, self.step(h[idx], cos[idx], sin[idx], t))
+                        active = torch.zeros(n, dtype=torch.bool, device=dev)
+                        active[idx] = True
+                    hit = ro.update(h, t, active)
+                    approx = [b for b in rows if rb.eligible[b]]
+                    if approx and t + 1 < max(rb.row_depths[b] for b in approx):
+                        tok = ro.row_tok[torch.tensor(approx, device=dev)]
+                        flags = hit[tok].tolist()  # the one host read per step
+                        gone = [b for b, f in zip(approx, flags)
+                                if f and rb.row_depths[b] > t + 1]
+                        if gone:
+                            act.exit(gone, t)
+                            fill_banks(ctx.kv_pool, act.slots_of(gone), self.bank, t,
+                                       max(rb.row_depths[b] for b in gone), self.n_layers)
+            finally:
+                act.restore()
+            self.num_iterations += rb.iterations_run
+        else:  # masked: fixed trip count, no host reads (CUDA-graph path)
+            steps = self.total_steps if rb is None else rb.num_iters
+            for t in range(steps):
+                h_new = self.step(h, cos, sin, t)
+                live = depths > t
+                h = torch.where(live[:, None], h_new, h)
+                ro.update(h, t, live)
+            self.num_iterations += steps * n
+        return ro.result()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights) -> None:
+        """Load ``(name, tensor)`` pairs with the hub's names. Raises KeyError on an unexpected
+        name and ValueError when one is missing."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name not in params:
+                raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            seen.add(name)
+        missing = set(params) - seen
+        if self.tie and ({"lm_head.weight", "model.embed_tokens.weight"} & seen):
+            missing -= {"lm_head.weight", "model.embed_tokens.weight"}
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+
+class _Readout:
+    """Running per-token readout over the loop steps (no per-step history is kept).
+
+    Per token: ``rem`` (probability mass not yet assigned), ``cum`` (cumulative exit
+    probability), ``done`` / ``out`` (the threshold readout once chosen), ``mix`` (the
+    p-weighted sum of hiddens). ``thr [T]`` is +inf for the ``last`` readout, so it picks the
+    token's last step. All updates are tensor ops (no host reads), so the masked path stays
+    capturable; ``update`` returns the ``[T] bool`` "threshold reached at this step" flags.
+    """
+
+    def __init__(self, model: OuroForCausalLM, rb, depths, h0):
+        n, dev = h0.shape[0], h0.device
+        self.model, self.depths = model, depths
+        if rb is not None and rb.exit_thr is not None:  # static buffers (graph path)
+            self.thr, self.weighted = rb.exit_thr.to(h0.dtype), rb.exit_weighted
+            self.any_weighted = True
+        elif rb is not None and rb.rules is not None:  # eager: from the rows' rules
+            thr, self.weighted = rb.token_readout(dev)
+            self.thr = thr.to(h0.dtype)
+            self.any_weighted = any(r is not None and r.criterion == "weighted"
+                                    for r in rb.rules)
+        else:  # no recurrent context: last-step readout
+            self.thr = torch.full((n,), math.inf, dtype=h0.dtype, device=dev)
+            self.weighted = torch.zeros(n, dtype=torch.bool, device=dev)
+            self.any_weighted = False
+        self.row_tok = None
+        if rb is not None and rb.compact:  # each row's last token (approximate exits)
+            reps = torch.tensor(rb.q_lens)
+            self.row_tok = (torch.cumsum(reps, 0) - 1).to(dev)
+        self.rem = torch.ones(n, dtype=h0.dtype, device=dev)
+        self.cum = torch.zeros(n, dtype=h0.dtype, device=dev)
+        self.done = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.out = torch.zeros_like(h0)
+        self.mix = torch.zeros_like(h0) if self.any_weighted else None
+
+    def update(self, h, t: int, active):
+        """Fold step ``t``'s hidden ``h [T, hidden]`` in for ``active`` tokens (``[T] bool``,
+        None = all)."""
+        lam = torch.sigmoid(self.model.model.early_exit_gate(h).squeeze(-1))
+        last = self.depths == t + 1
+        p = torch.where(last, self.rem, lam * self.rem)
+        rem = torch.where(last, self.rem, self.rem * (1.0 - lam))
+        cum = self.cum + p
+        hit = ~self.done & ((cum >= self.thr) | last)
+        if active is not None:
+            p = torch.where(active, p, 0.0)
+            rem = torch.where(active, rem, self.rem)
+            cum = torch.where(active, cum, self.cum)
+            hit = hit & active
+        self.rem, self.cum = rem, cum
+        self.out = torch.where(hit[:, None], h, self.out)
+        self.done = self.done | hit
+        if self.mix is not None:
+            self.mix = self.mix + p[:, None] * h
+        return hit
+
+    def result(self):
+        if self.mix is None:
+            return self.out
+        return torch.where(self.weighted[:, None], self.mix, self.out)

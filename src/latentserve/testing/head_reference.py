@@ -1,0 +1,157 @@
+"""The eager single-request reference for compression heads, over HF transformers
+(``output_hidden_states`` + ``past_key_values``), written from the algorithm (CoLaR, arXiv
+2505.16552; the DeepSeek-V4 addon's ``closed_loop.py`` / ``injector.py`` as described in its
+design notes). It reads the bundle file itself (safetensors or ``.pt``) and builds its own
+modules, independent of ``latentserve.latent``.
+
+Closed loop: prefill ``prompt + opening`` once; the anchor is the residual stream after
+layer ``source_layer`` (HF ``hidden_states[source_layer + 1]``) at the last position. Before
+latent step k (k = steps done): p = sigmoid(stop(LN(anchor))); if ``use_stop`` and
+``k >= min_latent`` and ``p > threshold``: end "stop"; elif ``k >= max_latent``: end "cap";
+else feed ``decoder(LN(head(LN(anchor)).mu))`` as the next input embedding (cast to the model
+dtype), and its own source-layer hidden is the next anchor. Then the closing ids are fed and
+the answer is decoded greedily. Every latent step, closing id and answer token counts against
+``max_tokens``; a phase that spends it ends with "length" (also when the closing ids do).
+``source_layer`` must be below the last layer (HF's last hidden state is post-norm).
+Prompt mode: the same anchor from a plain pass over ``prompt + opening``; then the whole
+prompt is run again with the last position's input embedding replaced by the decoded latent,
+and the answer is decoded greedily.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _mlp(sd: dict, prefix: str) -> nn.Sequential:
+    """A Linear/SiLU stack from ``prefix{0,2,4}.weight`` tensors (the addon's layout)."""
+    layers = []
+    i = 0
+    while f"{prefix}{i}.weight" in sd:
+        w, b = sd[f"{prefix}{i}.weight"], sd.get(f"{prefix}{i}.bias")
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if b is not None:
+                lin.bias.copy_(b)
+        if layers:
+            layers.append(nn.SiLU())
+        layers.append(lin)
+        i += 2
+    return nn.Sequential(*layers).float().eval()
+
+
+def load_bundle_reference(path) -> tuple[dict, nn.Module, nn.Module | None, nn.Module]:
+    """``(config, head_net, stop_net or None, decoder_net)`` from a bundle file."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            cfg = json.loads(f.metadata()["config"])
+            flat = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        head = {k[len("reasoning_head."):]: v for k, v in flat.items()
+                if k.startswith("reasoning_head.")}
+        dec = {k[len("decoder."):]: v for k, v in flat.items() if k.startswith("decoder.")}
+    else:
+        d = torch.load(path, map_location="cpu", weights_only=True)
+        cfg = d["config"] if isinstance(d["config"], dict) else json.loads(d["config"])
+        head, dec = d["reasoning_head"], d["decoder"]
+    stop = _mlp(head, "stop_head.") if "stop_head.0.weight" in head else None
+    return cfg, _mlp(head, "net."), stop, _mlp(dec, "net.")
+
+
+@lru_cache(maxsize=4)
+def _hf_model(model_dir: str, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+
+@torch.no_grad()
+def head_reference_generate(model_dir, bundle_path, prompt_ids: list[int], open_ids, close_ids,
+                            *, mode: str = "closed_loop", max_latent: int = 8,
+                            min_latent: int = 0, use_stop: bool = True,
+                            stop_threshold: float = 0.5, max_tokens: int = 16,
+                            eos_ids=(), dtype: str = "float32") -> dict:
+    """One greedy request. Returns ``{"tokens": answer ids, "steps", "stop_step",
+    "max_stop_prob", "end", "finish_reason"}``. ``open_ids`` are appended unless the prompt
+    already ends with them; ``eos_ids`` end the answer (the eos is kept)."""
+    model = _hf_model(str(model_dir), dtype)
+    cfg, head_net, stop_net, dec_net = load_bundle_reference(bundle_path)
+    src, hid, lat = cfg["source_layer"], cfg["hidden_size"], cfg["latent_dim"]
+    emb = model.get_input_embeddings()
+    ids = list(prompt_ids)
+    if ids[-len(open_ids):] != list(open_ids):
+        ids += list(open_ids)
+    past = None
+
+    def run(embeds):  # [T, H] -> (last logits [V] float32, anchor [H])
+        nonlocal past
+        out = model(inputs_embeds=embeds[None], past_key_values=past, use_cache=True,
+                    output_hidden_states=True)
+        past = out.past_key_values
+        return out.logits[0, -1].float(), out.hidden_states[src + 1][0, -1]
+
+    def decode(anchor):
+        mu = head_net(F.layer_norm(anchor.float(), (hid,)))[..., :lat]
+        return dec_net(F.layer_norm(mu, (lat,)))
+
+    def stop_p(anchor):
+        if stop_net is None:
+            return None
+        return float(torch.sigmoid(stop_net(F.layer_norm(anchor.float(), (hid,))))[0])
+
+    res = {"steps": 0, "stop_step": None, "max_stop_prob": None, "end": None}
+    n_out = 0
+    logits, anchor = run(emb(torch.tensor(ids)))
+    if mode == "prompt":
+        embeds = emb(torch.tensor(ids)).clone()
+        embeds[-1] = decode(anchor).to(embeds.dtype)
+        past = None
+        logits, anchor = run(embeds)
+        res.update(steps=1, end="prompt")
+    else:
+        use_stop = use_stop and stop_net is not None
+        while True:
+            k, p = res["steps"], stop_p(anchor)
+            if p is not None:
+                m = res["max_stop_prob"]
+                res["max_stop_prob"] = p if m is None else max(m, p)
+            if use_stop and k >= min_latent and p > stop_threshold:
+                res.update(end="stop", stop_step=k)
+                break
+            if k >= max_latent:
+                res["end"] = "cap"
+                break
+            vec = decode(anchor).to(emb.weight.dtype)
+            logits, anchor = run(vec[None])
+            res["steps"] += 1
+            n_out += 1
+            if n_out >= max_tokens:
+                res.update(end="length", tokens=[], finish_reason="length")
+                return res
+        logits, anchor = run(emb(torch.tensor(list(close_ids))))
+        n_out += len(close_ids)
+        if n_out >= max_tokens:  # the closing ids spent the rest of the budget
+            res.update(tokens=[], finish_reason="length")
+            return res
+    answer, reason = [], "length"
+    while True:
+        tok = int(logits.argmax())
+        answer.append(tok)
+        n_out += 1
+        if tok in eos_ids:
+            reason = "stop"
+            break
+        if n_out >= max_tokens:
+            break
+        logits, anchor = run(emb(torch.tensor([tok])))
+    res.update(tokens=answer, finish_reason=reason)
+    return res

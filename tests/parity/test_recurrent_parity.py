@@ -1,0 +1,234 @@
+"""Recurrent depth (Huginn, Ouro) against the eager per-request references written from the
+upstream algorithms (``latentserve.testing.recurrent_reference``), on tiny random checkpoints
+in the upstream formats: greedy tokens equal, every sampled step's logits within 1e-4 (fp32),
+iterations per token equal, in batches that mix depths and exit rules, with the prefix cache
+cold and warm; early exit lowers the iterations run in the forward; free + cached slots ==
+total after every run."""
+
+import pytest
+import torch
+
+from latentserve.config import EngineConfig
+from latentserve.latent.recurrent import RecurrentBatch
+from latentserve.sampling_params import SamplingParams
+from latentserve.testing.recurrent_models import write_huginn, write_ouro
+from latentserve.testing.recurrent_reference import HuginnReference, OuroReference
+
+MAX_TOKENS = 8
+BASE = [(7 * i + 11) % 900 + 20 for i in range(24)]
+PROMPTS = [BASE + [100, 101], BASE + [200] * 5, BASE[:13], [5, 6, 7],
+           [(11 * i + 3) % 800 + 30 for i in range(19)], BASE + [300 + i for i in range(9)]]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recurrent")
+    return {"huginn": write_huginn(root / "huginn"), "ouro": write_ouro(root / "ouro")}
+
+
+@pytest.fixture(scope="module")
+def engines(dirs):
+    from latentserve.engine.llm_engine import LLMEngine
+
+    return {k: LLMEngine(EngineConfig(model=str(d), kv_slots=4096, max_model_len=256))
+            for k, d in dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def refs(dirs):
+    return {"huginn": HuginnReference(dirs["huginn"]), "ouro": OuroReference(dirs["ouro"])}
+
+
+def run(engine, params):
+    """Run one request per (PROMPTS[i], params[i]) to completion, all queued at once.
+    Returns per request ``(tokens, [logits per sampled step], iterations, cached)``."""
+    runner, logits = engine.runner, {}
+    original = runner.run
+
+    def recording(batch):
+        out, hidden = original(batch)
+        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], out):
+            logits.setdefault(req.rid, []).append(row.float().clone())
+        return out, hidden
+
+    runner.run = recording
+    try:
+        rids = [f"r{engine._arrivals + i}" for i in range(len(params))]
+        for rid, prompt, sp in zip(rids, PROMPTS, params):
+            engine.add_request(rid, prompt, sp)
+        toks, iters, cached = {r: [] for r in rids}, {}, {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                toks[o.rid] += o.new_token_ids
+                cached[o.rid] = o.num_cached_tokens
+                if o.finished:
+                    hist = o.recurrence["histogram"]
+                    iters[o.rid] = hist
+    finally:
+        runner.run = original
+    engine.cache.check_idle()
+    return [(toks[r], logits[r], iters[r], cached[r]) for r in rids]
+
+
+def sp(**kw):
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, **kw)
+
+
+def hist(iters):
+    out = {}
+    for n in iters:
+        out[n] = out.get(n, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def check(results, references):
+    for i, ((toks, logits, iters, _), ref) in enumerate(zip(results, references)):
+        assert toks == ref["tokens"], f"request {i}: engine {toks} != reference {ref['tokens']}"
+        for step, (a, b) in enumerate(zip(logits, ref["logits"])):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=f"request {i} step {step}")
+        assert iters == hist(ref["iterations"]), f"request {i} iterations"
+
+
+HUGINN_DEPTHS = [1, 2, 4, 8, 3, 4]
+
+
+def test_huginn_mixed_depths_cold_and_warm(engines, refs):
+    engine = engines["huginn"]
+    engine.cache.radix.reset()
+    params = [sp(latent_budget=d) for d in HUGINN_DEPTHS]
+    expected = [refs["huginn"].generate(p, MAX_TOKENS, d) for p, d in zip(PROMPTS, HUGINN_DEPTHS)]
+    check(run(engine, params), expected)
+    before = engine.runner.num_computed_tokens
+    warm = run(engine, params)
+    check(warm, expected)
+    assert all(c == len(p) - 1 for (*_, c), p in zip(warm, PROMPTS)), \
+        "warm: every prompt but its last token comes from the cache"
+    assert engine.runner.num_computed_tokens - before == len(PROMPTS) * MAX_TOKENS
+    # The same prompt at another depth has other KV: it must not hit those entries.
+    other = run(engine, [sp(latent_budget=5)])
+    assert other[0][3] == 0
+    check(other, [refs["huginn"].generate(PROMPTS[0], MAX_TOKENS, 5)])
+
+
+HUGINN_EXITS = [  # (depth, criterion, threshold, min_steps, check_every)
+    (8, "latent-diff", 0.2, 0, 1), (6, "kl", 0.01, 1, 1), (8, "entropy-diff", 0.05, 0, 2),
+    (8, "argmax-stability", 2, 0, 1), (5, "cosine", 0.01, 0, 1), (8, "minp-kl", 1e-3, 2, 1),
+]
+
+
+def test_huginn_early_exit_matches_reference_and_saves_iterations(engines, refs):
+    engine = engines["huginn"]
+    model = engine.runner.model
+    engine.cache.radix.reset()
+    params = [sp(latent_budget=d, exit_criterion=c, exit_threshold=t, exit_min_steps=m,
+                 exit_check_every=e) for d, c, t, m, e in HUGINN_EXITS]
+    expected = [refs["huginn"].generate(p, MAX_TOKENS, d, c, t, m, e)
+                for p, (d, c, t, m, e) in zip(PROMPTS, HUGINN_EXITS)]
+    before = model.num_iterations
+    cold = run(engine, params)
+    with_exit = model.num_iterations - before
+    check(cold, expected)
+    # Every criterion exits early somewhere, and the forward ran fewer iterations than the
+    # same requests without exit (all tokens at full depth).
+    for (d, *_), (_, _, iters, _) in zip(HUGINN_EXITS, cold):
+        assert min(iters) < d, f"no early exit with depth {d}: {iters}"
+    full = sum(len(p) * d + (MAX_TOKENS - 1) * d for p, (d, *_) in zip(PROMPTS, HUGINN_EXITS))
+    assert with_exit < full
+    saved = sum((d - n) * c for (d, *_), (_, _, it, _) in zip(HUGINN_EXITS, cold)
+                for n, c in it.items())
+    assert with_exit == full - saved  # exactly the iterations the exits skipped
+    check(run(engine, params), expected)  # warm: prompts and generated tokens from cache
+
+
+def test_huginn_exit_with_chunked_prefill_and_preemption(dirs, refs):
+    from latentserve.engine.llm_engine import LLMEngine
+
+    # 6 prompts of up to 33 tokens + 8 outputs cannot all fit in 64 slots; no prefix cache,
+    # so preempted requests recompute their generated tokens (one per step, exit included).
+    engine = LLMEngine(EngineConfig(model=str(dirs["huginn"]), kv_slots=64, max_model_len=256,
+                                    max_num_batched_tokens=16, enable_prefix_caching=False))
+    params = [sp(latent_budget=d, exit_criterion=c, exit_threshold=t, exit_min_steps=m,
+                 exit_check_every=e) for d, c, t, m, e in HUGINN_EXITS]
+    expected = [refs["huginn"].generate(p, MAX_TOKENS, d, c, t, m, e)
+                for p, (d, c, t, m, e) in zip(PROMPTS, HUGINN_EXITS)]
+    results = run(engine, params)
+    assert engine.scheduler.num_preemptions > 0
+    for (toks, *_), ref in zip(results, expected):
+        assert toks == ref["tokens"]
+    assert engine.cache.num_free == engine.num_kv_slots
+
+
+OURO_CASES = [  # (depth, criterion, threshold); None = the config default (threshold 1.0)
+    (4, None, None), (2, "threshold", 0.6), (6, "weighted", None), (3, "last", None),
+    (6, "threshold-approx", 0.6), (4, "threshold", 0.8),
+]
+
+
+def _ouro_expected(refs):
+    mode = {None: "threshold"}
+    return [refs["ouro"].generate(p, MAX_TOKENS, d, mode.get(c, c), 1.0 if t is None else t)
+            for p, (d, c, t) in zip(PROMPTS, OURO_CASES)]
+
+
+def test_ouro_readout_modes_cold_and_warm(engines, refs):
+    engine = engines["ouro"]
+    model = engine.runner.model
+    engine.cache.radix.reset()
+    params = [sp(latent_budget=d, exit_criterion=c, exit_threshold=t) for d, c, t in OURO_CASES]
+    expected = _ouro_expected(refs)
+    # The readouts are not all the same thing: threshold 0.6 picks another step than "last".
+    assert refs["ouro"].generate(PROMPTS[1], MAX_TOKENS, 2, "last")["tokens"] != \
+        expected[1]["tokens"]
+    before = model.num_iterations
+    cold = run(engine, params)
+    check(cold, expected)
+    full = sum((len(p) + MAX_TOKENS - 1) * d for p, (d, _, _) in zip(PROMPTS, OURO_CASES))
+    assert model.num_iterations - before < full  # threshold-approx stopped some tokens
+    assert min(cold[4][2]) < 6
+    warm = run(engine, params)
+    check(warm, expected)
+    assert all(c > 0 for *_, c in warm)
+
+
+@pytest.mark.parametrize("kind", ["huginn", "ouro"])
+def test_masked_loop_of_the_graph_path_matches(kind, engines, refs, monkeypatch):
+    """The fixed-trip-count loop a CUDA graph captures (every row runs the batch's max depth,
+    rows past their depth keep their state; per-row readouts from static tensors) gives the
+    same results, eagerly on CPU, and does no host read."""
+    original = RecurrentBatch.from_batch.__func__
+
+    def masked(cls, batch, layout, table):  # what CudaGraphRunner binds: no host-side rules
+        rec = original(cls, batch, layout, table)
+        rec.masked = True
+        rec.exit_thr, rec.exit_weighted = rec.token_readout(table.device)
+        rec.rules = None
+        return rec
+
+    monkeypatch.setattr(RecurrentBatch, "from_batch", classmethod(masked))
+    engine = engines[kind]
+    # Graph-ready: the forward (attention included) never reads device values on the host
+    # nor builds host tensors.
+    forward = engine.runner.model.forward
+
+    def no_host_reads(*args, **kwargs):
+        def trap(*a, **k):
+            raise AssertionError("host read or host tensor in the masked forward")
+
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "__bool__", "nonzero"):
+                m.setattr(torch.Tensor, name, trap)
+            m.setattr(torch, "tensor", trap)
+            return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.model, "forward", no_host_reads)
+    engine.cache.radix.reset()
+    depths = HUGINN_DEPTHS if kind == "huginn" else [d for d, _, _ in OURO_CASES]
+    n = 3
+    if kind == "huginn":
+        expected = [refs[kind].generate(p, MAX_TOKENS, d) for p, d in zip(PROMPTS[:n], depths)]
+        params = [sp(latent_budget=d) for d in depths[:n]]
+    else:
+        params = [sp(latent_budget=d, exit_criterion=c, exit_threshold=t)
+                  for d, c, t in OURO_CASES[:n]]
+        expected = _ouro_expected(refs)[:n]
+    check(run(engine, params), expected)

@@ -1,0 +1,104 @@
+"""Compression-head controls through the HTTP API (issue 6): a tiny Llama directory with a
+random head bundle inside serves with the head and no flags; per request, headers
+``x-latent-*`` (aliases ``x-ds4-*``) > body fields > server env defaults; a malformed header
+is a 400 naming it; each choice's ``latent.stats`` reports the run (and thinking off)."""
+
+import os
+
+import httpx
+import pytest
+from server_testlib import assert_slots_invariant, wait_idle
+
+ENV = {"LATENTSERVE_MAX_LATENT": "3", "LATENTSERVE_USE_STOP": "0",
+       "LATENTSERVE_MIN_OUTPUT_TOKENS": "0"}
+
+
+@pytest.fixture(scope="module")
+def head_server(tmp_path_factory, smollm2_dir):
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+    from latentserve.testing.head_models import save_head_model
+
+    d = save_head_model(tmp_path_factory.mktemp("head-api") / "m")
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)  # the engine process reads the defaults at start-up
+    try:
+        srv = start_server(EngineConfig(model=str(d), max_num_seqs=8), timeout=300)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    srv.model_dir = str(d)
+    yield srv
+    srv.stop()
+
+
+def _complete(srv, body=None, headers=None):
+    body = {"prompt": [11, 12, 13, 14], "max_tokens": 12, "temperature": 0, **(body or {})}
+    return httpx.post(f"{srv.base_url}/v1/completions", json=body, headers=headers or {},
+                      timeout=60)
+
+
+def _stats(r):
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["latent"]["stats"]
+
+
+def test_env_defaults_body_and_header_precedence(head_server):
+    s = _stats(_complete(head_server))
+    assert (s["max_latent"], s["steps"], s["end"], s["use_stop"]) == (3, 3, "cap", False)
+    assert _stats(_complete(head_server, {"max_latent": 2}))["steps"] == 2
+    assert _stats(_complete(head_server, {"max_latent": 2},
+                            {"x-ds4-max-latent": "5"}))["steps"] == 5
+    assert _stats(_complete(head_server, {"max_latent": 2},
+                            {"x-ds4-max-latent": "5", "x-latent-max": "1"}))["steps"] == 1
+    s = _stats(_complete(head_server, {"stop_threshold": 0.2},
+                         {"x-latent-use-stop": "1", "x-latent-min": "0"}))
+    assert s["use_stop"] is True and s["stop_threshold"] == 0.2 and s["min_latent"] == 0
+    with httpx.Client(base_url=head_server.base_url) as http:
+        assert_slots_invariant(wait_idle(http))
+
+
+def test_thinking_off_says_so(head_server):
+    s = _stats(_complete(head_server, headers={"x-latent-thinking": "0"}))
+    assert s["thinking"] is False and s["steps"] == 0
+    r = httpx.post(f"{head_server.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert _stats(r)["thinking"] is False
+
+
+@pytest.mark.parametrize("header,value", [("x-latent-max", "lots"),
+                                          ("x-ds4-stop-threshold", "7"),
+                                          ("x-ds4-thinking", "perhaps")])
+def test_malformed_header_is_400_naming_it(head_server, header, value):
+    r = _complete(head_server, headers={header: value})
+    assert r.status_code == 400 and header in r.text
+
+
+def test_messages_route_takes_headers(head_server):
+    r = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60,
+                   headers={"x-ds4-max-latent": "2", "x-ds4-min-output-tokens": "0"},
+                   json={"model": head_server.model_dir, "max_tokens": 3,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    bad = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60,
+                     headers={"x-latent-use-stop": "sometimes"},
+                     json={"model": head_server.model_dir, "max_tokens": 3,
+                           "messages": [{"role": "user", "content": "hi"}]})
+    assert bad.status_code == 400 and "x-latent-use-stop" in bad.text
+
+
+def test_prometheus_counts_latent_steps(head_server):
+    def steps_total():
+        text = httpx.get(f"{head_server.base_url}/metrics", timeout=30).text
+        line = next(x for x in text.splitlines() if x.startswith("latentserve_latent_steps_total"))
+        return float(line.rsplit(" ", 1)[1])
+
+    before = steps_total()
+    assert _stats(_complete(head_server, {"max_latent": 2}))["steps"] == 2
+    assert steps_total() == before + 2
+    text = httpx.get(f"{head_server.base_url}/metrics", timeout=30).text
+    assert "latentserve_latent_steps_per_request_bucket" in text

@@ -1,0 +1,62 @@
+"""Compression-head controls over HTTP (server/params.head_controls): header > body >
+server default, x-ds4-* aliases, chat_template_kwargs thinking, 400 naming a malformed
+header; and the controls reach SamplingParams."""
+
+import pytest
+
+from latentserve.server.errors import APIError
+from latentserve.server.params import head_controls, sampling_params
+from latentserve.server.protocol import ChatCompletionRequest
+
+
+class _Req:
+    def __init__(self, headers):
+        self.headers = headers
+
+
+def _body(**kw):
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_defaults_are_none_so_the_engine_uses_env():
+    c = head_controls(_Req({}), _body())
+    assert c == dict.fromkeys(("thinking", "max_latent", "min_latent", "use_stop",
+                               "stop_threshold", "min_output_tokens"))
+
+
+def test_header_beats_body_and_aliases_work():
+    body = _body(max_latent=10, min_latent=2, stop_threshold=0.3, use_stop=True)
+    c = head_controls(_Req({"x-latent-max": "64", "x-ds4-min-latent": "5",
+                            "x-ds4-use-stop": "off", "x-ds4-stop-threshold": "0.9",
+                            "x-latent-stop-threshold": "0.7",
+                            "x-ds4-min-output-tokens": "0", "x-ds4-thinking": "yes"}), body)
+    assert c == {"thinking": True, "max_latent": 64, "min_latent": 5, "use_stop": False,
+                 "stop_threshold": 0.7, "min_output_tokens": 0}
+    assert head_controls(_Req({}), body)["max_latent"] == 10
+
+
+def test_thinking_from_template_kwargs_below_body_and_header():
+    assert head_controls(_Req({}), _body(), {"enable_thinking": True})["thinking"] is True
+    assert head_controls(_Req({}), _body(), {"thinking": False})["thinking"] is False
+    assert head_controls(_Req({}), _body(thinking=False), {"thinking": True})["thinking"] is False
+    assert head_controls(_Req({"x-latent-thinking": "1"}), _body(thinking=False))["thinking"]
+
+
+@pytest.mark.parametrize("header,value", [("x-latent-max", "-3"), ("x-ds4-max-latent", "ten"),
+                                          ("x-latent-use-stop", "maybe"),
+                                          ("x-ds4-stop-threshold", "1.5"),
+                                          ("x-latent-min-output-tokens", "4.5")])
+def test_malformed_header_is_a_400_naming_it(header, value):
+    with pytest.raises(APIError) as e:
+        head_controls(_Req({header: value}), _body())
+    assert e.value.param == header and header in str(e.value)
+
+
+def test_controls_reach_sampling_params_and_bad_body_names_field():
+    body = _body(max_latent=7)
+    c = head_controls(_Req({"x-latent-stop-threshold": "0.25"}), body)
+    p = sampling_params(body, 16, "max_tokens", 3, 512, head=c)
+    assert p.max_latent == 7 and p.stop_threshold == 0.25 and p.use_stop is None
+    with pytest.raises(APIError) as e:
+        sampling_params(_body(min_latent=-1), 16, "max_tokens", 3, 512)
+    assert e.value.param == "min_latent"
