@@ -303,15 +303,29 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
+def _served_model(base_url: str, headers: dict) -> str:
+    """The first model ``/v1/models`` lists. Raises ValueError with the reason."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {base_url}: {exc}") from None
+    if r.status_code != 200:
+        hint = " (pass --api-key or set LATENTSERVE_API_KEY)" if r.status_code == 401 else ""
+        raise ValueError(f"{base_url}/v1/models answered {r.status_code}{hint}: {r.text[:200]}")
+    return r.json()["data"][0]["id"]
+
+
 def serve_bench_main(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` (from ``add_serve_bench_args``); print the
     report, write ``--json-out`` if given. Returns 0, or 1 when a request failed or the
     server was not healthy with its slot invariant after the run.
 
     Raises:
-        ValueError: bad flag values. httpx errors when the server cannot be reached.
+        ValueError: bad flag values, a server that cannot be reached, or a refused
+            ``/v1/models`` (e.g. a missing ``--api-key``); the message says which.
     """
-    import httpx
 
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be at least 1")
@@ -319,8 +333,7 @@ def serve_bench_main(args: argparse.Namespace) -> int:
         raise ValueError("--disconnect-fraction must be in [0, 1]")
     args.api_key = args.api_key or os.environ.get("LATENTSERVE_API_KEY")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = args.model or httpx.get(f"{args.base_url}/v1/models", headers=headers,
-                                    timeout=30).json()["data"][0]["id"]
+    model = args.model or _served_model(args.base_url, headers)
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
     bodies = build_requests(args, model)
     results, duration = asyncio.run(run_benchmark(args, bodies))
