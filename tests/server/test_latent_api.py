@@ -107,3 +107,4 @@ def test_plain_model_refuses_a_budget_on_every_route(server, model):
                        ("/v1/messages", {"model": model, "messages": msgs, "max_tokens": 2})):
         r = httpx.post(server.base_url + path, json=body, headers=headers, timeout=60)
         assert r.status_code == 400 and "no latent reasoning" in r.text, (path, r.text)
+        assert "x-latent-budget" in r.text  # the header is named, not the body field

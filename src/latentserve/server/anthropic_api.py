@@ -163,7 +163,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     prompt_ids = await asyncio.to_thread(  # off the event loop: large prompts take seconds
         render_chat, state.tokenizer, conversation,
         continue_final_message=conversation[-1]["role"] == "assistant")
-    params = _params(body, len(prompt_ids), state.max_model_len, latent_budget(request, body))
+    params = _params(body, len(prompt_ids), state.max_model_len, latent_budget(request, body, state.latent_spec))
     head = {k: v for k, v in head_controls(request, body).items() if v is not None}
     if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
         import dataclasses

@@ -56,7 +56,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     else:
         max_tokens, field = body.max_tokens, "max_tokens"
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
-                             logprobs, latent_budget(request, body), head)
+                             logprobs, latent_budget(request, body, state.latent_spec), head)
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
             for i, p in enumerate(fan_out(params, body.n or 1))]

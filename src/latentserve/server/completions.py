@@ -43,7 +43,7 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     n = body.n or 1
     rid, engine_rid = new_request_id(request, "cmpl")
     reqs: list[EngineRequest] = []
-    budget = latent_budget(request, body)
+    budget = latent_budget(request, body, state.latent_spec)
     head = head_controls(request, body)
     for p, (ids, text) in enumerate(prompts):
         check_prompt_length(len(ids), state.max_model_len, "prompt")

@@ -59,7 +59,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         client = EngineClient(engine.addresses.input, engine.addresses.output,
                               is_alive=engine.is_alive)
         state = ServerState(client, ready.tokenizer, ready.model_name, ready.max_model_len,
-                            ready.vocab_size, limits=limits)
+                            ready.vocab_size, limits=limits, latent_spec=ready.latent_spec)
         app = create_app(state, on_shutdown=engine.stop, api_key=api_key)
         uvicorn.run(app, host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=drain_timeout)

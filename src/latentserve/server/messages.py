@@ -57,6 +57,7 @@ class Ready:
     max_model_len: int
     vocab_size: int | None
     tokenizer: Any  # the engine's transformers tokenizer, pickled along
+    latent_spec: Any = None  # the model's LatentSpec (a small frozen dataclass) or None
 
 
 @dataclass(slots=True)

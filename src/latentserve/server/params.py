@@ -50,17 +50,34 @@ def context_error(num_prompt_tokens: int, max_model_len: int, param: str) -> API
         param=param, code="context_length_exceeded")
 
 
-def latent_budget(http_request, body: SamplingRequest) -> int | None:
+def latent_budget(http_request, body, spec=None) -> int | None:
     """The request's latent budget: header ``x-latent-budget`` > body ``latent_budget`` >
-    None (the model's default). Raises APIError (400 naming the header) for a header that is
-    not a non-negative integer."""
+    None (the model's default), checked against the served model's ``LatentSpec`` (``spec``;
+    None for a plain model).
+
+    Raises:
+        APIError: 400 naming the header or the field it came from: not a non-negative
+            integer, above the model's cap, or a positive budget for a model that does no
+            latent reasoning.
+    """
     raw = http_request.headers.get("x-latent-budget")
+    param = "x-latent-budget" if raw is not None else "latent_budget"
     if raw is None:
-        return body.latent_budget
-    if not raw.strip().isdigit():
+        value = body.latent_budget
+    elif raw.strip().isascii() and raw.strip().isdigit():
+        value = int(raw)
+    else:
         raise APIError(f"header x-latent-budget must be a non-negative integer, got {raw!r}",
-                       param="x-latent-budget")
-    return int(raw)
+                       param=param)
+    if value is None or value < 0 or (spec is not None and spec.kind == "head"):
+        return value  # negative: SamplingParams names it; heads use the x-latent-* controls
+    budgeted = spec is not None and spec.kind in ("feedback", "recurrent")
+    if value > 0 and not budgeted:
+        raise APIError(f"{param} must be 0 or null: this model does no latent reasoning",
+                       param=param)
+    if budgeted and value > spec.max_budget:
+        raise APIError(f"{param} must be in [0, {spec.max_budget}], got {value}", param=param)
+    return value
 
 
 # Compression-head controls: field -> (header, seed alias header, parser kind).

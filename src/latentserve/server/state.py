@@ -38,3 +38,4 @@ class ServerState:
     vocab_size: int | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     metrics: Any = None
+    latent_spec: Any = None  # the served model's LatentSpec, or None for a plain model
