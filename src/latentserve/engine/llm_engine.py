@@ -100,7 +100,8 @@ class LLMEngine:
         "recurrent"``) ``latent_budget`` is the recurrence count of every token, the
         ``exit_*`` fields its early-exit rule (ValueError when the family does not know them),
         and nothing is added to the prompt. For a compression-head model (``kind == "head"``)
-        the head controls are resolved against the server defaults (``_head_request``); on a
+        the head controls are resolved against the server defaults
+        (``latent.head_loop.prepare_request``); on a
         model without a head they are ignored (a chat client may send ``enable_thinking``),
         and the final output then carries no ``latent_stats``."""
         n = len(prompt_token_ids)
@@ -110,7 +111,10 @@ class LLMEngine:
         recurrent = spec is not None and spec.kind == "recurrent"
         head = spec is not None and spec.kind == "head"
         if head:
-            params, hs, start = self._head_request(prompt_token_ids, params)
+            from latentserve.latent import head_loop
+
+            params, hs, start = head_loop.prepare_request(
+                self.runner.model, spec, self.head_defaults, prompt_token_ids, params)
             extra = len(start) + (len(spec.end_ids) if hs.mode == "closed_loop" else 0) \
                 if hs.thinking else 0
         elif spec is not None:
@@ -311,72 +315,15 @@ class LLMEngine:
         self.cache.radix.reset()
         self._prefix_queries = self._prefix_hits = 0
 
-    def _head_request(self, prompt_ids, params):
-        """A compression-head request's ``(params, HeadSettings, opening ids to append)``:
-        controls resolved against the server defaults, ``max_tokens`` raised by the
-        answer-budget floor (closed loop: floor + cap) when thinking is on. The opening ids
-        are not appended again when the prompt already ends with them (a chat template that
-        renders the opening)."""
-        import dataclasses
-
-        from latentserve.latent.head import apply_output_floor, resolve_settings
-
-        model, spec = self.runner.model, self.latent_spec
-        hs = resolve_settings(params, self.head_defaults, model.latent_head_mode,
-                              model.latent_head.has_stop)
-        hs.end_ids = spec.end_ids if hs.mode == "closed_loop" else ()
-        if not hs.thinking:
-            return params, hs, ()
-        cap = hs.max_latent if hs.mode == "closed_loop" else 0
-        floor = apply_output_floor(params.max_tokens, hs.min_output_tokens, cap)
-        if floor != params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=floor)
-        k = len(spec.start_ids)
-        start = () if list(prompt_ids[-k:]) == list(spec.start_ids) else spec.start_ids
-        return params, hs, start
-
-    def _head_inputs(self, reqs) -> list | None:
-        """Compression-head decisions for the sampling rows in their latent phase, batched:
-        the anchor is each row's source-layer residual stream (``runner.last_captured``).
-        Closed loop: stop when the stop probability > threshold after >= ``min_latent``
-        steps, else end at ``max_latent``, else the next latent input
-        ``decoder(LN(head(LN(anchor)).mu))`` (``[hidden]`` float32). Prompt mode: the
-        latent for the last prompt position. None marks the phase's end."""
-        rows = [i for i, r in enumerate(reqs) if r.head is not None and r.answer_start is None]
-        if not rows:
-            return None
-        head = self.runner.model.latent_head
-        cap = self.runner.last_captured
-        with torch.inference_mode():
-            anchors = cap[torch.tensor(rows, dtype=torch.long, device=cap.device)]
-            vecs = head.latent_input(anchors)
-            probs = head.stop_prob(anchors)
-        probs = probs.tolist() if probs is not None else [None] * len(rows)
-        out: list = [None] * len(reqs)
-        for j, i in enumerate(rows):
-            h = reqs[i].head
-            if h.mode == "prompt":
-                out[i], h.steps, h.end = vecs[j], 1, "prompt"
-                continue
-            k, p = h.steps, probs[j]
-            if p is not None:
-                h.max_stop_prob = p if h.max_stop_prob is None else max(h.max_stop_prob, p)
-            if h.use_stop and k >= h.min_latent and p > h.stop_threshold:
-                h.end, h.stop_step = "stop", k
-            elif k >= h.max_latent:
-                h.end = "cap"
-            else:
-                out[i] = vecs[j]
-                h.steps += 1
-        return out
-
     def _latent_inputs(self, reqs, logits, last_hidden) -> list | None:
         """Next latent input (``[hidden]`` in the model dtype) for each sampling row still
         in its latent phase, None elsewhere; the feedback hook runs once, batched. Records
         the latent trace (norm, logit-lens top 5) for requests that asked for it.
-        Compression-head models: ``_head_inputs``."""
+        Compression-head models: ``latent.head_loop.next_inputs``."""
         if self.latent_spec is not None and self.latent_spec.kind == "head":
-            return self._head_inputs(reqs)
+            from latentserve.latent.head_loop import next_inputs
+
+            return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured)
         rows = [i for i, r in enumerate(reqs)
                 if r.answer_start is None and len(r.latent_embeds) < r.latent_budget]
         if not rows:

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from latentserve.core import Req, ReqStatus
+from latentserve.latent import head_loop
 from latentserve.latent.recurrent import recurrence_stats
 from latentserve.outputs import StepOutput
 from latentserve.scheduler.cache import CacheManager
@@ -154,7 +155,7 @@ class Scheduler:
                 continue
             tok, vec = next(it), next(lat)
             if req.answer_start is None and not self._advance_latent(req, vec):
-                reason = self._head_budget_spent(req) if req.head is not None else None
+                reason = head_loop.budget_spent(req, self.max_model_len) if req.head else None
                 if reason is not None:  # head latent steps spend the output budget
                     req.head.end = req.head.end or "length"
                     self.running.remove(req)
@@ -177,7 +178,7 @@ class Scheduler:
         True when the sampled token is already the first answer token (no transition ids)."""
         spec = self.latent_spec
         if req.head is not None:
-            return self._advance_head(req, vec)
+            return head_loop.advance(req, vec, spec.latent_id)
         if len(req.latent_embeds) < req.latent_budget:
             req.latent_embeds.append(vec)
             req.output_ids.append(spec.latent_id)
@@ -185,40 +186,6 @@ class Scheduler:
         req.output_ids.extend(spec.end_ids)
         req.answer_start = len(req.output_ids)
         return not spec.end_ids
-
-    def _advance_head(self, req: Req, vec) -> bool:
-        """Compression-head phase machine (``vec`` from ``LLMEngine._head_inputs``; the
-        sampled token of a latent-phase row is always discarded).
-
-        Closed loop: ``vec`` is the next latent position's input (the reserved pad id goes in
-        its id slot); None ends the phase: the closing ids are forced. Prompt mode: ``vec``
-        replaces the input of the last prompt position, which is recomputed (its KV slot is
-        rewritten; from then on it is outside the cacheable prefix), then ordinary decoding.
-        """
-        if req.head.mode == "prompt":
-            req.latent_start = len(req.prompt_ids) - 1
-            req.latent_embeds = [vec]
-            req.num_computed = req.latent_start
-            req.answer_start = len(req.output_ids)
-            return False
-        if vec is not None:
-            req.latent_embeds.append(vec)
-            req.output_ids.append(self.latent_spec.latent_id)
-            return False
-        req.output_ids.extend(req.head.end_ids)
-        req.answer_start = len(req.output_ids)
-        return not req.head.end_ids
-
-    def _head_budget_spent(self, req: Req) -> str | None:
-        """"length" when a head request's latent phase has spent ``max_tokens`` or leaves no
-        room in the context for the closing ids and one answer token."""
-        if req.answer_start is not None and req.head.mode == "prompt":
-            return None
-        closing = len(req.head.end_ids) if req.answer_start is None else 0  # still to come
-        if (len(req.output_ids) >= req.params.max_tokens
-                or req.seq_len + closing >= self.max_model_len):
-            return "length"
-        return None
 
     @staticmethod
     def _output(req: Req, new: list[int]) -> StepOutput:

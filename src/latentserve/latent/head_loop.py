@@ -1,0 +1,113 @@
+"""The compression head's per-request phase machine (closed loop and prompt mode): what the
+engine and the scheduler call for a request with a head (``req.head``), kept in one place.
+
+Closed loop (the DeepSeek-V4 latent-reasoning head, after CoLaR, arXiv 2505.16552): the
+prompt (+ the think-opening ids) is prefilled once; each latent step's input is
+``decoder(LN(head(LN(anchor)).mu))`` with the reserved pad id in the id slot, the anchor
+being the step's own source-layer hidden; the phase ends when the stop probability passes
+the threshold after ``min_latent`` steps, or at ``max_latent``; then the closing ids are
+forced and the answer decodes. Prompt mode: one decoded latent replaces the input of the
+last prompt position, then ordinary decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from latentserve.core import Req
+
+
+def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
+    """A compression-head request's ``(params, HeadSettings, opening ids to append)``:
+    controls resolved against the server defaults, ``max_tokens`` raised by the
+    answer-budget floor (closed loop: floor + cap) when thinking is on. The opening ids
+    are not appended again when the prompt already ends with them (a chat template that
+    renders the opening). Raises ValueError naming a bad control."""
+    from latentserve.latent.head import apply_output_floor, resolve_settings
+
+    hs = resolve_settings(params, defaults, model.latent_head_mode, model.latent_head.has_stop)
+    hs.end_ids = spec.end_ids if hs.mode == "closed_loop" else ()
+    if not hs.thinking:
+        return params, hs, ()
+    cap = hs.max_latent if hs.mode == "closed_loop" else 0
+    floor = apply_output_floor(params.max_tokens, hs.min_output_tokens, cap)
+    if floor != params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=floor)
+    k = len(spec.start_ids)
+    start = () if list(prompt_ids[-k:]) == list(spec.start_ids) else spec.start_ids
+    return params, hs, start
+
+
+def next_inputs(head, reqs: list[Req], captured: torch.Tensor) -> list | None:
+    """Head decisions for the sampling rows in their latent phase, batched.
+
+    ``captured``: ``[S, hidden]``, each sampling row's source-layer residual stream (the
+    anchor). Closed loop: stop when the stop probability > threshold after >= ``min_latent``
+    steps, else end at ``max_latent``, else the next latent input (``[hidden]`` float32).
+    Prompt mode: the latent for the last prompt position. Returns one entry per row of
+    ``reqs`` (None: not in the phase, or the phase ends), or None when no row is in it.
+    """
+    rows = [i for i, r in enumerate(reqs) if r.head is not None and r.answer_start is None]
+    if not rows:
+        return None
+    with torch.inference_mode():
+        anchors = captured[torch.tensor(rows, dtype=torch.long, device=captured.device)]
+        vecs = head.latent_input(anchors)
+        probs = head.stop_prob(anchors)
+    probs = probs.tolist() if probs is not None else [None] * len(rows)
+    out: list = [None] * len(reqs)
+    for j, i in enumerate(rows):
+        h = reqs[i].head
+        if h.mode == "prompt":
+            out[i], h.steps, h.end = vecs[j], 1, "prompt"
+            continue
+        k, p = h.steps, probs[j]
+        if p is not None:
+            h.max_stop_prob = p if h.max_stop_prob is None else max(h.max_stop_prob, p)
+        if h.use_stop and k >= h.min_latent and p > h.stop_threshold:
+            h.end, h.stop_step = "stop", k
+        elif k >= h.max_latent:
+            h.end = "cap"
+        else:
+            out[i] = vecs[j]
+            h.steps += 1
+    return out
+
+
+def advance(req: Req, vec, latent_id: int) -> bool:
+    """Move ``req`` past one forward (``vec`` from :func:`next_inputs`; the sampled token of
+    a latent-phase row is always discarded). Returns True when that sampled token is already
+    the first answer token (no closing ids).
+
+    Closed loop: ``vec`` is the next latent position's input (``latent_id``, the reserved pad
+    id, goes in its id slot); None ends the phase and the closing ids are forced. Prompt
+    mode: ``vec`` replaces the input of the last prompt position, which is recomputed (its KV
+    slot is rewritten; from then on it is outside the cacheable prefix).
+    """
+    if req.head.mode == "prompt":
+        req.latent_start = len(req.prompt_ids) - 1
+        req.latent_embeds = [vec]
+        req.num_computed = req.latent_start
+        req.answer_start = len(req.output_ids)
+        return False
+    if vec is not None:
+        req.latent_embeds.append(vec)
+        req.output_ids.append(latent_id)
+        return False
+    req.output_ids.extend(req.head.end_ids)
+    req.answer_start = len(req.output_ids)
+    return not req.head.end_ids
+
+
+def budget_spent(req: Req, max_model_len: int) -> str | None:
+    """"length" when a head request's latent phase has spent ``max_tokens`` or leaves no
+    room in the context for the closing ids and one answer token; else None."""
+    if req.answer_start is not None and req.head.mode == "prompt":
+        return None
+    closing = len(req.head.end_ids) if req.answer_start is None else 0  # still to come
+    if (len(req.output_ids) >= req.params.max_tokens
+            or req.seq_len + closing >= max_model_len):
+        return "length"
+    return None
