@@ -37,6 +37,7 @@ from latentserve.context import get_context
 from latentserve.latent.recurrent import HUGINN_LOGIT_CRITERIA, ActiveRows, fill_banks
 from latentserve.latent.spec import LatentSpec
 from latentserve.models.layers import RMSNorm, inject, paged_attention
+from latentserve.models.weights import load_by_name
 
 
 def _get(cfg, *names, default=None):
@@ -308,23 +309,14 @@ class RavenForCausalLM(nn.Module):
         """Load ``(name, tensor)`` pairs with upstream names (a ``_orig_mod.`` /
         ``_orig_mod._original_module.`` prefix is stripped, the ``freqs_cis`` buffer is
         skipped). Raises KeyError on an unexpected name, ValueError when one is missing."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        seen = set()
-        for name, tensor in weights:
+
+        def rename(name: str) -> str | None:
             for prefix in ("_orig_mod._original_module.", "_orig_mod."):
                 name = name.removeprefix(prefix)
-            if name == "freqs_cis":
-                continue
-            if name not in params:
-                raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            seen.add(name)
-        missing = set(params) - seen
-        if self.tie and ({"lm_head.weight", "transformer.wte.weight"} & seen):
-            missing -= {"lm_head.weight", "transformer.wte.weight"}
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+            return None if name == "freqs_cis" else name
+
+        load_by_name(self, weights, rename,
+                     tied=("lm_head.weight", "transformer.wte.weight") if self.tie else ())
 
 
 class _HuginnExit:

@@ -11,6 +11,7 @@ from torch import nn
 
 from latentserve.context import get_context
 from latentserve.models.layers import inject, RMSNorm, Rotary, paged_attention
+from latentserve.models.weights import load_by_name
 
 
 class LlamaAttention(nn.Module):
@@ -113,22 +114,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights) -> None:
-        """Load ``(name, tensor)`` pairs with Hugging Face names. Raises KeyError on an
-        unexpected name and ValueError when a parameter is missing."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        seen = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if self.tie and name == "lm_head.weight":
-                name = "model.embed_tokens.weight" if "model.embed_tokens.weight" not in seen else name
-                if name == "lm_head.weight":
-                    continue
-            if name not in params:
-                raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            seen.add(name)
-        missing = {n for n in params if n not in seen} - ({"lm_head.weight"} if self.tie else set())
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+        """Load ``(name, tensor)`` pairs with Hugging Face names (``rotary_emb.inv_freq``
+        buffers skipped). Raises KeyError on an unexpected name and ValueError when a
+        parameter is missing."""
+        load_by_name(self, weights,
+                     rename=lambda n: None if "rotary_emb.inv_freq" in n else n,
+                     tied=("lm_head.weight", "model.embed_tokens.weight") if self.tie else ())

@@ -40,6 +40,7 @@ from latentserve.context import get_context
 from latentserve.latent.recurrent import ActiveRows, ExitRule, fill_banks
 from latentserve.latent.spec import LatentSpec
 from latentserve.models.layers import RMSNorm, Rotary, _rotate_half, inject, paged_attention
+from latentserve.models.weights import load_by_name
 from latentserve.models.llama import LlamaMLP
 
 
@@ -233,21 +234,9 @@ class OuroForCausalLM(nn.Module):
     def load_weights(self, weights) -> None:
         """Load ``(name, tensor)`` pairs with the hub's names. Raises KeyError on an unexpected
         name and ValueError when one is missing."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        seen = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name not in params:
-                raise KeyError(f"unexpected weight {name!r} for {type(self).__name__}")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            seen.add(name)
-        missing = set(params) - seen
-        if self.tie and ({"lm_head.weight", "model.embed_tokens.weight"} & seen):
-            missing -= {"lm_head.weight", "model.embed_tokens.weight"}
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+        load_by_name(self, weights,
+                     rename=lambda n: None if "rotary_emb.inv_freq" in n else n,
+                     tied=("lm_head.weight", "model.embed_tokens.weight") if self.tie else ())
 
 
 class _Readout:
