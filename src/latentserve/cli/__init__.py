@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError) as e:
-        print(f"latentserve: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - one line for users; LATENTSERVE_DEBUG=1 for the trace
+        if os.environ.get("LATENTSERVE_DEBUG"):
+            raise
+        kind = "" if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: "
+        print(f"latentserve: error: {kind}{e}", file=sys.stderr)
+        return 2

@@ -57,6 +57,12 @@ class LLMEngine:
         per_slot = KVPool.bytes_per_slot(layers, kv_heads, head_dim, config.torch_dtype)
         slots = kv_slots_for(config, per_slot, self.max_model_len, hf_config.vocab_size)
         self.num_kv_slots = slots
+        if slots < self.max_model_len:
+            # NOTE: a request must always fit the pool on its own, or it would be preempted
+            # and re-admitted forever; so no request may outgrow the pool.
+            log.warning("max_model_len lowered from %d to the KV pool's %d slots",
+                        self.max_model_len, slots)
+            self.max_model_len = slots
         pool = KVPool(layers, slots, kv_heads, head_dim, config.torch_dtype, self.device)
         table = PageTable(config.max_num_seqs, self.max_model_len, self.device)
         allocator = SlotAllocator(slots, self.device)

@@ -70,6 +70,8 @@ class LLM:
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 res, detok = results[out.rid], detoks[out.rid]
+                if res.finished:  # ended here on a stop string; this is the abort's echo
+                    continue
                 comp = res.outputs[0]
                 comp.token_ids.extend(out.new_token_ids)
                 detok.add(out.new_token_ids)
