@@ -89,8 +89,6 @@ class LLMEngine:
         self._arrivals = 0
         self._salts: dict[tuple, int] = {}  # recurrent KV variant -> prefix-cache namespace
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
-        self._counted: set[str] = set()  # rids counted in the prefix-cache stats
-        self._prefix_queries = self._prefix_hits = 0
         log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,
                  self.max_model_len)
 
@@ -190,7 +188,6 @@ class LLMEngine:
         if batch is None:
             outs = self.scheduler.drain_aborted()
         else:
-            self._count_prefix_hits(batch.reqs)
             logits, last_hidden = self.runner.run(batch)
             if self.latent_spec is not None and self.latent_spec.suppress_ids:
                 ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
@@ -215,7 +212,6 @@ class LLMEngine:
                           st["max_stop_prob"], st["end"])
             if o.finished:
                 self._rids.discard(o.rid)
-                self._counted.discard(o.rid)
         return outs
 
     def _sample(self, logits, reqs) -> tuple[list[int], list]:
@@ -262,13 +258,6 @@ class LLMEngine:
                 self.scheduler.abort(rid)
         return kept
 
-    def _count_prefix_hits(self, reqs) -> None:
-        for r in reqs:
-            if r.rid not in self._counted and r.num_cached_prompt is not None:
-                self._counted.add(r.rid)
-                self._prefix_queries += len(r.prompt_ids)
-                self._prefix_hits += r.num_cached_prompt
-
     def stats(self) -> dict[str, int]:
         """A snapshot for monitoring, all ints, cheap enough for every health check.
 
@@ -288,8 +277,8 @@ class LLMEngine:
             "kv_slots_free": int(alloc.num_free),
             "kv_slots_cached": int(radix.total_size()),
             "kv_slots_evictable": int(radix.evictable_size),
-            "prefix_cache_queries": self._prefix_queries,
-            "prefix_cache_hits": self._prefix_hits,
+            "prefix_cache_queries": self.scheduler.prefix_queries,
+            "prefix_cache_hits": self.scheduler.prefix_hits,
             "num_preemptions": int(self.scheduler.num_preemptions),
             "num_forward_tokens": int(self.runner.num_computed_tokens),
         }
@@ -319,7 +308,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         self.cache.radix.reset()
-        self._prefix_queries = self._prefix_hits = 0
+        self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
 
     def _latent_inputs(self, reqs, logits, last_hidden) -> list | None:
         """Next latent input (``[hidden]`` in the model dtype) for each sampling row still

@@ -59,6 +59,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
+        # Prompt tokens at each request's first admission, and how many the cache served.
+        self.prefix_queries = self.prefix_hits = 0
         self._aborted: list[Req] = []
 
     # ----- requests in and out -----
@@ -105,6 +107,8 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_prompt is None:
                 req.num_cached_prompt = req.num_computed
+                self.prefix_queries += len(req.prompt_ids)
+                self.prefix_hits += req.num_computed
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             n = self._chunk(req, budget)
