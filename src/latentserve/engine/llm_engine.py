@@ -318,7 +318,8 @@ class LLMEngine:
         if self.latent_spec is not None and self.latent_spec.kind == "head":
             from latentserve.latent.head_loop import next_inputs
 
-            return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured)
+            return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured,
+                               self.runner.last_head_out)
         rows = [i for i, r in enumerate(reqs)
                 if r.answer_start is None and len(r.latent_embeds) < r.latent_budget]
         if not rows:
