@@ -12,6 +12,7 @@ from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.params import (
     check_common,
     check_logprobs,
+    check_total_output,
     fan_out,
     head_controls,
     latent_budget,
@@ -57,6 +58,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         max_tokens, field = body.max_tokens, "max_tokens"
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
                              logprobs, latent_budget(request, body, state.latent_spec), head)
+    check_total_output([params.max_tokens], body.n or 1, field, state.limits)
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
             for i, p in enumerate(fan_out(params, body.n or 1))]

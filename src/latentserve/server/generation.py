@@ -60,9 +60,12 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     ``metrics`` (if any) time the request from ``arrival`` (``time.monotonic()`` seconds).
 
     Raises ``EngineRequestError`` / ``EngineInternalError`` / ``EngineDeadError`` from the
-    client.
+    client. A request the engine refuses (``EngineRequestError``: a 400 such as the context
+    length) is not recorded in the metrics; one that fails while running counts as
+    ``finish_reason="error"``.
     """
     from latentserve.detokenizer import IncrementalDetokenizer
+    from latentserve.server.client import EngineRequestError
 
     detok = IncrementalDetokenizer(state.tokenizer, prompt_ids, params.stop,
                                    skip_special_tokens=params.skip_special_tokens)
@@ -103,11 +106,14 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                     return
                 if text:
                     yield TextDelta(text, None, num_tokens, take())
+    except EngineRequestError:
+        reason = None  # refused before it ran (a 400): not a finished request
+        raise
     except Exception:
         reason = "error"
         raise
     finally:
-        if timer is not None:
+        if timer is not None and reason is not None:
             timer.finish(reason, len(prompt_ids))
 
 

@@ -21,18 +21,28 @@ def check_common(request: SamplingRequest, served_model: str, limits: ServerLimi
     """Checks that need no tokenizer: the model name, ``n`` and unimplemented features.
 
     Raises:
-        APIError: 400 naming the field (``model_not_found`` for another model's name).
+        APIError: 400 naming the field (404 ``model_not_found`` for another model's name).
     """
     for name, value in (request.model_extra or {}).items():
         if name in _UNSUPPORTED and not any(_same(value, ok) for ok in _UNSUPPORTED[name]):
             raise APIError(f"{name} is not supported by this server (got {value!r})",
                            param=name)
-    if request.model is not None and request.model != served_model:
-        raise APIError(f"The model '{request.model}' does not exist; this server serves "
-                       f"'{served_model}'", param="model", code="model_not_found")
+    check_model(request.model, served_model)
     n = 1 if request.n is None else request.n
     if not 1 <= n <= limits.max_n:
         raise APIError(f"n must be in [1, {limits.max_n}], got {n}", param="n")
+
+
+def check_model(model: str | None, served_model: str) -> None:
+    """``model`` (None: not given) must name the served model.
+
+    Raises:
+        APIError: OpenAI's 404 ``model_not_found`` for any other name.
+    """
+    if model is not None and model != served_model:
+        raise APIError(f"The model '{model}' does not exist; this server serves "
+                       f"'{served_model}'", status_code=404, param="model",
+                       code="model_not_found")
 
 
 def check_logprobs(k: int | None, param: str, limits: ServerLimits) -> None:
@@ -190,6 +200,25 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
         if param == "max_tokens":
             param = max_tokens_field
         raise APIError(str(exc), param=param) from None
+
+
+def check_total_output(max_tokens: list[int], n: int, max_tokens_field: str,
+                       limits: ServerLimits) -> None:
+    """The request's total work, ``n`` times the sum of each prompt's resolved
+    ``max_tokens``, must stay within ``limits.max_request_output_tokens``.
+
+    Raises:
+        APIError: 400 naming ``max_tokens_field`` (the value that is most often unset or too
+            large), with the prompts, ``n`` and the total in the message.
+    """
+    total = n * sum(max_tokens)
+    limit = limits.max_request_output_tokens
+    if total > limit:
+        raise APIError(
+            f"{max_tokens_field} x n summed over prompts must be at most {limit} tokens per "
+            f"request, got {total} ({len(max_tokens)} prompt(s), n={n}, {max_tokens_field} "
+            f"up to {max(max_tokens)}); lower {max_tokens_field}, n or the number of prompts",
+            param=max_tokens_field)
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:

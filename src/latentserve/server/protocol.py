@@ -102,13 +102,17 @@ class CompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(_Request):
-    """``/tokenize``: either ``prompt`` (plain encoding) or ``messages`` (chat template)."""
+    """``/tokenize``: either ``prompt`` (plain encoding) or ``messages`` (chat template,
+    rendered as ``/v1/chat/completions`` renders it: ``chat_template_kwargs``,
+    ``add_generation_prompt`` and ``continue_final_message`` mean the same there)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
 

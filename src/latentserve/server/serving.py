@@ -29,12 +29,14 @@ ENGINE_ERRORS = (EngineRequestError, EngineInternalError, EngineDeadError)
 
 
 def api_error(exc: Exception) -> APIError:
-    """The client-facing error for an engine-side failure: a rejection is a 400, a failure
+    """The client-facing error for an engine-side failure: a rejection is a 400 (code
+    ``context_length_exceeded`` when the prompt does not fit ``max_model_len``), a failure
     inside the engine a 500 (its message has no traceback), a dead engine a 503."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
+        code = "context_length_exceeded" if "max_model_len" in message else None
         return APIError(message, param="prompt" if message.startswith("prompt")
-                        else param_from_value_error(message))
+                        else param_from_value_error(message), code=code)
     if isinstance(exc, EngineInternalError):
         return APIError(str(exc), status_code=500, type="server_error", code="engine_error")
     if isinstance(exc, EngineDeadError):
