@@ -23,7 +23,7 @@ def test_bad_model_path_prints_one_error_line_and_exits_non_zero(tmp_path, kind)
     done = _serve(str(model))
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
+    errors = [line for line in lines if line.startswith("latentserve: error")]
     # Library warnings may precede it; the error itself is one line, and the last.
     assert errors == [lines[-1]], done.stderr
     assert lines[-1].startswith("latentserve: error: EngineStartupError: engine failed to "
