@@ -81,5 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LATENTSERVE_DEBUG"):
             raise
         kind = "" if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: "
-        print(f"latentserve: error: {kind}{e}", file=sys.stderr)
+        message = " ".join(str(e).split())  # one line, even for a multi-line message
+        print(f"latentserve: error: {kind}{message}", file=sys.stderr)
         return 2

@@ -89,6 +89,9 @@ class LLMEngine:
         self._arrivals = 0
         self._salts: dict[tuple, int] = {}  # recurrent KV variant -> prefix-cache namespace
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
+        from latentserve.engine.prompt_logprobs import PromptLogprobTracker
+
+        self.prompt_logprobs = PromptLogprobTracker()
         log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,
                  self.max_model_len)
 
@@ -167,6 +170,8 @@ class LLMEngine:
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
         self._rids.add(rid)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs.add(rid, n, params.prompt_logprobs)
         self.scheduler.add(req)
 
     def abort_request(self, rid: str) -> None:
@@ -189,6 +194,8 @@ class LLMEngine:
             outs = self.scheduler.drain_aborted()
         else:
             logits, last_hidden = self.runner.run(batch)
+            if self.runner.prompt_hidden:
+                self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
             if self.latent_spec is not None and self.latent_spec.suppress_ids:
                 ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
                 logits = logits.index_fill(1, ids, float("-inf"))
@@ -204,6 +211,8 @@ class LLMEngine:
                         o.logprobs = [lp]
         if self._failed:
             outs = self._apply_failures(outs)
+        if self.prompt_logprobs:
+            self.prompt_logprobs.attach(outs)
         for o in outs:
             if o.finished and o.latent_stats is not None:
                 st = o.latent_stats

@@ -26,6 +26,9 @@ class ModelRunner:
     For a recurrent-depth model each forward also gets a ``RecurrentBatch`` (per-row depth
     and exit rule, ``ForwardContext.recurrent``) and each token's depth
     (``ForwardContext.depths``); sampling rows' iteration counts go to their requests.
+    After each run, ``prompt_hidden`` lists ``(req, start, hidden [q_len, hidden])`` for the
+    requests with ``params.prompt_logprobs`` set whose chunk holds prompt positions
+    ``start ..`` (such batches run eagerly; empty for every other batch).
     """
 
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
@@ -43,6 +46,7 @@ class ModelRunner:
         self.last_head_out: tuple | None = None
         self.num_computed_tokens = 0
         self.num_graph_steps = 0
+        self.prompt_hidden: list = []
         spec = getattr(model, "latent_spec", None)
         self.recurrent = spec is not None and spec.kind == "recurrent"  # per-token depth
 
@@ -105,7 +109,12 @@ class ModelRunner:
         rec = RecurrentBatch.from_batch(batch, layout, self.table.table) if self.recurrent \
             else None
         decode = len(ids) == len(batch.reqs)
-        if (self.graphs is not None and decode and len(ids) <= self.graphs.max_bs
+        # Rows of requests that asked for prompt logprobs and compute prompt tokens now.
+        prompt_rows = [b for b, (r, st) in enumerate(zip(batch.reqs, batch.starts))
+                       if r.params.prompt_logprobs is not None and st < len(r.prompt_ids)]
+        self.prompt_hidden = []
+        if (self.graphs is not None and decode and not prompt_rows
+                and len(ids) <= self.graphs.max_bs
                 and (rec is None or self.graphs.can_replay(rec))):
             self.num_graph_steps += 1
             logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_dev, out_slots,
@@ -139,6 +148,10 @@ class ModelRunner:
             set_context(None)
         if rec is not None:
             rec.record(batch)
+        for b in prompt_rows:
+            end = last[b] + 1
+            self.prompt_hidden.append((batch.reqs[b], batch.starts[b],
+                                       hidden[end - batch.q_lens[b] : end]))
         sample_rows = [i for i, s in zip(last, batch.sample) if s]
         idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         self.last_head_out = None

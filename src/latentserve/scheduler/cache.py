@@ -44,7 +44,9 @@ class CacheManager:
         ids = req.cache_key
         # Leave at least one token to compute: its logits give the next token. Never match
         # past a latent position: its KV depends on a hidden state, not on the id.
-        prefix, node = self.radix.match_prefix(ids[: min(len(ids) - 1, req.cacheable_len)])
+        # A request that wants its prompt's logprobs needs every prompt position computed.
+        limit = 0 if req.params.prompt_logprobs is not None else req.cacheable_len
+        prefix, node = self.radix.match_prefix(ids[: min(len(ids) - 1, limit)])
         self.radix.inc_lock(node)
         m = len(prefix)
         slots = self._alloc(len(ids) - m)

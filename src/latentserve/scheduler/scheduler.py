@@ -167,6 +167,8 @@ class Scheduler:
                     self.cache.release(req)
                     self._finish(req, reason)
                     outs.append(self._output(req, []))
+                elif req.params.stream_latent_steps:  # progress of a latent step, no token
+                    outs.append(self._output(req, []))
                 continue
             req.output_ids.append(tok)
             reason = self._finish_reason(req, tok)
