@@ -52,9 +52,16 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor) -> list | None:
     rows = [i for i, r in enumerate(reqs) if r.head is not None and r.answer_start is None]
     if not rows:
         return None
+    sigma = getattr(head, "policy_sigma", None)
     with torch.inference_mode():
         anchors = captured[torch.tensor(rows, dtype=torch.long, device=captured.device)]
-        vecs = head.latent_input(anchors)
+        if sigma is None:
+            vecs = head.latent_input(anchors)
+        else:  # Gaussian policy: z ~ N(mu, sigma^2 I), recorded with its anchor
+            mu = head.encode(anchors)
+            z = mu + sigma * torch.randn_like(mu)
+            vecs = head.decode(z)
+            z_cpu, a_cpu = z.float().cpu(), anchors.float().cpu()
         probs = head.stop_prob(anchors)
     probs = probs.tolist() if probs is not None else [None] * len(rows)
     out: list = [None] * len(reqs)
@@ -73,7 +80,22 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor) -> list | None:
         else:
             out[i] = vecs[j]
             h.steps += 1
+            if sigma is not None and h.mode == "closed_loop":
+                if h.actions is None:
+                    h.actions = []
+                h.actions.append((a_cpu[j], z_cpu[j]))
     return out
+
+
+def set_policy_sampling(head, sigma: float | None) -> None:
+    """Engine option for GRPO rollouts (``train/grpo.py``): with ``sigma`` > 0 every
+    closed-loop latent step injects ``decode(z)`` with ``z ~ N(mu, sigma^2 I)`` instead of
+    ``mu`` and records ``(anchor, z)`` in the request's ``latent_stats["actions"]``; None
+    restores MAP decoding (mu). ``head``: the engine's ``LatentHead``
+    (``engine.runner.model.latent_head``). Raises ValueError for sigma <= 0."""
+    if sigma is not None and not sigma > 0:
+        raise ValueError(f"sigma must be > 0 (or None to use mu), got {sigma!r}")
+    head.policy_sigma = None if sigma is None else float(sigma)
 
 
 def advance(req: Req, vec, latent_id: int) -> bool:
