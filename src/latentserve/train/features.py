@@ -81,7 +81,8 @@ def capture(model, traces, source_layer: int, target_layer: int, c: int,
             ids[i, :len(s)] = torch.tensor(s)
             mask[i, :len(s)] = 1
         ids, mask = ids.to(device), mask.to(device)
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        # the base model only: no logits over the vocabulary for every position
+        out = model.base_model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         src = out.hidden_states[source_layer + 1].float()
         tgt = out.hidden_states[target_layer + 1].float()
         tgt = F.layer_norm(tgt, (tgt.shape[-1],))

@@ -150,11 +150,13 @@ def rollouts(engine, prompts: list[list[int]], params, group_size: int) -> list[
     return [{"tokens": toks[r], "stats": stats[r]} for r in rids]
 
 
-def train_grpo(cfg: GRPOConfig, reward_fn=None) -> dict:
+def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     """Run ``cfg.steps`` GRPO steps from the SFT bundle ``cfg.bundle`` and write the
     trained bundle to ``cfg.out`` (+ ``<out>.log.json``). ``reward_fn(text, gold, stats) ->
-    float`` replaces :func:`default_reward`. Returns the log (``history``: per step mean
-    reward, accuracy, pg, kl, latent steps). Raises ValueError for bad options."""
+    float`` replaces :func:`default_reward`; ``engine``: an ``LLMEngine`` already serving
+    that bundle (else one is built from ``cfg``); its head ends with the trained weights.
+    Returns the log (``history``: per step mean reward, accuracy, pg, kl, latent steps).
+    Raises ValueError for bad options."""
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.eval.answers import last_number, numbers_equal
@@ -167,9 +169,13 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     bundle = read_bundle(cfg.bundle)
-    engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle, device=cfg.device,
-                                    dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
-                                    enforce_eager=cfg.enforce_eager))
+    if engine is None:
+        engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle,
+                                        device=cfg.device, dtype=cfg.dtype,
+                                        max_num_seqs=cfg.max_num_seqs,
+                                        enforce_eager=cfg.enforce_eager))
+    if engine.latent_spec is None or engine.latent_spec.kind != "head":
+        raise ValueError("the engine serves no compression head")
     served = engine.runner.model.latent_head
     set_policy_sampling(served, cfg.sigma)
     policy = bundle.build().to(cfg.device)
