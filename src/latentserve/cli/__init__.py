@@ -1,4 +1,4 @@
-"""The ``latentserve`` command: serve, generate, demo, bench."""
+"""The ``latentserve`` command: serve, generate, demo, bench, convert, train-head, eval."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def engine_config(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from latentserve.cli import bench, demo, generate, serve
+    from latentserve.cli import bench, demo, eval, generate, serve, train_head
 
     parser = argparse.ArgumentParser(prog="latentserve",
                                      description="Serve latent-reasoning language models.")
@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "latentserve model directory")
     add_convert_args(p)
     p.set_defaults(func=convert_main)
+    train_head.register(sub)
+    eval.register(sub)
     return parser
 
 
