@@ -76,6 +76,9 @@ def test_llama_tp2_matches_tp1_cold_and_warm(tiny_dirs):
         assert sum(o.num_cached_tokens for *_, o in warm) > 0
         with pytest.raises(ValueError, match="return_latent_trace"):
             two.add_request("x", [1, 2, 3], _greedy(return_latent_trace=True))
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            two.add_request("y", [1, 2, 3], _greedy(prompt_logprobs=1))
+        two.cache.check_idle()
     finally:
         two.shutdown()
 

@@ -169,6 +169,9 @@ class LLMEngine:
         if self.tp is not None and params.return_latent_trace:
             raise ValueError("return_latent_trace is not supported with "
                              "tensor_parallel_size > 1")
+        if self.tp is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs (echo with logprobs) is not supported with "
+                             "tensor_parallel_size > 1")
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals)
         if head:
             req.head = hs

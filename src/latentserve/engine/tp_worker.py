@@ -75,6 +75,9 @@ class _Window:
         return self.ids[s.start - self.start : s.stop - self.start]
 
 
+_NO_PROMPT_LOGPROBS = type("_ShadowParams", (), {"prompt_logprobs": None})()
+
+
 @dataclass(slots=True)
 class _ShadowReq:
     """The fields of a ``Req`` that ``ModelRunner.run`` and ``RecurrentBatch`` read."""
@@ -87,6 +90,8 @@ class _ShadowReq:
     latent_budget: int
     exit_rule: Any
     recurrence_iters: list = dataclasses.field(default_factory=list)
+    # The engine refuses prompt logprobs under tensor parallelism (rank 0 scores them).
+    params: Any = dataclasses.field(default_factory=lambda: _NO_PROMPT_LOGPROBS)
 
 
 def _latent_span(req, start: int, n: int) -> range:
