@@ -372,9 +372,12 @@ class LLMEngine:
         if not rows:
             return None
         model = self.runner.model
-        idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
         with torch.inference_mode():
-            vecs = model.latent_feedback(last_hidden[idx])
+            if len(rows) == len(reqs):  # every row thinks (the common latent decode batch)
+                vecs = model.latent_feedback(last_hidden)
+            else:
+                idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
+                vecs = model.latent_feedback(last_hidden[idx])
         out: list = [None] * len(reqs)
         traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
         if traced:
@@ -386,8 +389,9 @@ class LLMEngine:
                     "norm": float(vecs[j].float().norm()),
                     "top_tokens": [[int(t), float(v)] for t, v in
                                    zip(top.indices[k].tolist(), top.values[k].tolist())]})
+        views = vecs.unbind(0)  # one call for every row's view
         for j, i in enumerate(rows):
-            out[i] = vecs[j]
+            out[i] = views[j]
         return out
 
 
