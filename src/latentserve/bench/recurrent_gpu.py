@@ -8,7 +8,9 @@ memory-bandwidth floor.
 Shapes (``HUGINN_3_5B``, ``OURO_1_4B``; facts from shared/reference/latent-families.md):
 Huginn n_embd 5280, 55 heads (head_dim 96, MHA), intermediate 17920, vocab 65536, 2 prelude
 + 4 core + 2 coda layers, block_size 4096, run at 8 and 32 recurrences (one engine:
-``mean_recurrence`` 8 and ``max_recurrence`` 32, so graphs are captured at both depths);
+``mean_recurrence`` 8 and ``max_recurrence`` 32, so graphs are captured at both depths: with
+upstream's default of 32 only depth-32 graphs would exist and a depth-8 batch would replay
+them masked, at depth-32 cost);
 Ouro hidden 2048, 24 layers, 16 heads (head_dim 128, MHA), intermediate 5632, vocab 49152,
 untied head, 4 steps (readout ``last``). Weights are drawn on the GPU by
 ``testing.recurrent_models`` and saved in bf16; tokenizers are ``save_word_tokenizer``'s.
