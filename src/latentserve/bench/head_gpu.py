@@ -208,7 +208,7 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
     ref_out = [hr.head_reference_generate(path, bundle, p, spec.start_ids, spec.end_ids,
                                           **ref_kw)["tokens"] for p in ref_prompts]
     sync(device)
-    ref_req_s = (time.perf_counter() - t0) / ref_requests
+    ref_req_s = (time.perf_counter() - t0) / len(ref_prompts)
     hr._hf_model.cache_clear()
     hr._bundle_cached.cache_clear()
     _free(device)
@@ -226,7 +226,7 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
     head = {**HEADS.get(name, TINY_HEAD), "mlp_dim": backbone["hidden_size"] // 2}
     return {"backbone": backbone, "head": head, "build_s": t_build, "engine_init_s": t_engine,
             "max_model_len": max_len, "concurrency": rows, "step_cost": cost,
-            "reference_requests": ref_requests,
+            "reference_requests": len(ref_prompts),
             "agree_with_reference": agreement(ref_engine_out, ref_out)}
 
 
