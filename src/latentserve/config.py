@@ -23,7 +23,9 @@ class EngineConfig:
     ``latent_head`` overrides the compression-head bundle (``latent/head.py``; default: env
     ``LATENTSERVE_LATENT_HEAD``, else ``latent_reasoning_head.safetensors`` in the model
     directory), ``no_latent_head`` serves the bare backbone, ``latent_injection`` overrides
-    the bundle's injection mode.
+    the bundle's injection mode. ``max_latent_budget`` caps ``latent_budget`` (latent steps
+    of a feedback model, recurrences of a recurrent-depth one) below the model's own
+    ``LatentSpec.max_budget``; a model default above it is lowered to it.
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -44,6 +46,7 @@ class EngineConfig:
     latent_head: str | None = None  # head bundle path (None: env LATENTSERVE_LATENT_HEAD,
     no_latent_head: bool = False  # then the model dir's); True: serve the bare backbone
     latent_injection: str | None = None  # "closed_loop" / "prompt" (None: the bundle's)
+    max_latent_budget: int | None = None  # server cap on latent_budget (None: the model's)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -64,6 +67,8 @@ class EngineConfig:
         if self.latent_injection not in (None, "closed_loop", "prompt"):
             raise ValueError("latent_injection must be one of (None, 'closed_loop', 'prompt'), "
                              f"got {self.latent_injection!r}")
+        if self.max_latent_budget is not None and self.max_latent_budget < 1:
+            raise ValueError(f"max_latent_budget must be >= 1, got {self.max_latent_budget}")
         if self.kv_slots is not None and self.kv_slots < 2:
             raise ValueError(f"kv_slots must be >= 2, got {self.kv_slots}")
 

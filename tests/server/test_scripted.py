@@ -110,3 +110,33 @@ def test_logprobs_cover_every_counted_token_including_eos(scripted_http):
     lp = body["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == body["usage"]["completion_tokens"] == len(SCRIPT_IDS) + 1
     assert lp["tokens"][-1] == "<|im_end|>"
+
+
+def _logprob_ids(choice_logprobs) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice_logprobs["tokens"]]
+
+
+@pytest.mark.parametrize("stop,text,kept", [
+    ("世界", "héllo 😀 ", 6),  # the stop starts on a token boundary: its tokens are dropped
+    ("lo 😀", "hél", 3),  # it starts inside "llo": that token is kept, later ones dropped
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_past_a_stop_string_are_dropped_with_the_text(
+        scripted_http, stop, text, kept, stream):
+    body = {"prompt": [SCRIPT_START], "max_tokens": 30, "temperature": 0, "stop": [stop],
+            "logprobs": 1, "return_tokens_as_token_ids": True}
+    if stream:
+        ids, got = [], ""
+        with scripted_http.stream("POST", "/v1/completions",
+                                  json={"stream": True, **body}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        got += c["text"]
+                        if c["logprobs"]:
+                            ids += _logprob_ids(c["logprobs"])
+    else:
+        choice = scripted_http.post("/v1/completions", json=body).json()["choices"][0]
+        got, ids = choice["text"], _logprob_ids(choice["logprobs"])
+    assert got == text
+    assert ids == SCRIPT_IDS[:kept]
