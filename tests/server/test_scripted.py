@@ -15,6 +15,7 @@ from server_testlib import (
     B,
     X,
     Y,
+    LOOP,
     scripted_logit,
 )
 
@@ -140,3 +141,30 @@ def test_logprobs_of_tokens_past_a_stop_string_are_dropped_with_the_text(
         got, ids = choice["text"], _logprob_ids(choice["logprobs"])
     assert got == text
     assert ids == SCRIPT_IDS[:kept]
+
+
+def test_stop_token_id_ends_with_stop_and_counts_but_is_not_text(scripted_http):
+    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+
+    r = scripted_http.post("/v1/completions", json={
+        "prompt": [SCRIPT_START], "max_tokens": 30, "temperature": 0,
+        "stop_token_ids": [SCRIPT_IDS[3]]}).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == load_tokenizer(resolve_model_dir(None)).decode(SCRIPT_IDS[:3])
+    assert r["usage"]["completion_tokens"] == 4  # the stop token was generated
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_min_p_and_top_k_filter_what_temperature_1_may_sample(scripted_http, seed):
+    # At temperature 1 the ~49k tokens with logit 0 hold most of the mass; min_p 0.5 keeps
+    # only the top token (the runner-up has e^-1 of its probability), top_k 2 the two best.
+    assert _token_ids(scripted_http, 5, temperature=1.0, min_p=0.5, seed=seed) == \
+        [B, A, B, A, B]
+    ids = _token_ids(scripted_http, 6, temperature=1.0, top_k=2, seed=seed)
+    prev = A
+    for t in ids:
+        if prev not in LOOP:  # X and Y leave the script: every logit is 0 after them
+            break
+        assert t in {nxt for nxt, _ in LOOP[prev]}, (prev, t)
+        prev = t
