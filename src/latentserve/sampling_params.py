@@ -35,6 +35,9 @@ class SamplingParams:
     first has none); such a request computes its whole prompt (no prefix-cache hit) and
     gets the list on one ``StepOutput``. Costs nothing for requests that leave it None.
 
+    ``stream_latent_steps``: the engine also emits a token-less ``StepOutput`` after each
+    latent step (its ``latent_steps`` counts them), for streamed progress ticks.
+
     Recurrent-depth models (``latent_budget`` = recurrences per token): ``exit_criterion``
     picks the per-token early exit (Huginn: ``entropy-diff``, ``latent-diff``, ``kl``,
     ``minp-kl``, ``argmax-stability``, ``cosine``, ``none``; Ouro: ``last``, ``threshold``,
