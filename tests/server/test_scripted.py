@@ -6,6 +6,7 @@ import math
 
 import pytest
 from server_testlib import (
+    LOOP,
     SCRIPT_IDS,
     SCRIPT_LOGIT,
     SCRIPT_START,
@@ -15,7 +16,6 @@ from server_testlib import (
     B,
     X,
     Y,
-    LOOP,
     scripted_logit,
 )
 
