@@ -74,7 +74,10 @@ class LLMEngine:
         radix = RadixCache(allocator, enabled=config.enable_prefix_caching)
         self.cache = CacheManager(allocator, radix, table)
         self.eos_ids = _eos_ids(model_dir, self.tokenizer, hf_config)
-        self.latent_spec = getattr(model, "latent_spec", None)
+        from latentserve.latent.spec import cap_budget
+
+        self.latent_spec = cap_budget(getattr(model, "latent_spec", None),
+                                      config.max_latent_budget)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.latent_spec)
