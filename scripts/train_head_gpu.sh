@@ -4,7 +4,7 @@
 # with text CoT (bare backbone) vs the SFT and GRPO heads swept over max_latent.
 # Writes to $OUT (or ./out): head_sft.safetensors (+ .log.json), head_grpo.safetensors
 # (+ .log.json), eval_cot.json, eval_sft.json / eval_sft.png, eval_grpo.json / eval_grpo.png,
-# train_head_gpu.log, summary.json.
+# train_head_gpu.log, summary.json, scaling.png (both heads and the CoT baseline).
 # Needs the SmolLM2 GGUF: LATENTSERVE_EMBEDDED_GGUF=/path/to/smollm2.gguf (else the wheel's).
 # Knobs (env): DEVICE (cuda), SFT_EXAMPLES (all), SFT_STEPS (1500), GRPO_STEPS (15),
 # GRPO_Q (16 questions/step), GRPO_G (8 rollouts/question), EVAL_LIMIT (all 1319),
@@ -55,11 +55,12 @@ timeout "$(left)" $ls eval --device "$DEVICE" "${EAGER_FLAG[@]}" --no-latent-hea
 for name in sft grpo; do
   bundle="$out/head_$name.safetensors"
   [ -f "$bundle" ] || continue
+  base_flag=(); [ -f "$out/eval_cot.json" ] && base_flag=(--baseline "$out/eval_cot.json")
   stamp "eval: latent, $name head"
   timeout "$(left)" $ls eval --device "$DEVICE" "${EAGER_FLAG[@]}" --latent-head "$bundle" \
     --dataset gsm8k "${LIMIT_FLAG[@]}" --max-tokens 16 --max-num-seqs 256 \
     --sweep "max_latent=${SWEEP:-0,4,8,16,32}" --out "$out/eval_$name.json" \
-    --plot "$out/eval_$name.png" 2>&1 | tail -8 | tee -a "$log"
+    --plot "$out/eval_$name.png" "${base_flag[@]}" 2>&1 | tail -8 | tee -a "$log"
 done
 stamp "done"
 python3 - "$out" <<'PY' | tee -a "$log"
@@ -81,5 +82,14 @@ for name in ("sft", "grpo"):
         if name == "grpo":
             summary["train_grpo"]["history"] = lg["history"]
 json.dump(summary, open(os.path.join(out, "summary.json"), "w"), indent=1)
+from latentserve.eval.run import plot_sweep
+series = {f"{n} head": json.load(open(os.path.join(out, f"eval_{n}.json")))["runs"]
+          for n in ("sft", "grpo") if os.path.exists(os.path.join(out, f"eval_{n}.json"))}
+cot = os.path.join(out, "eval_cot.json")
+base = json.load(open(cot))["runs"][0] if os.path.exists(cot) else None
+if series:
+    n = next(iter(series.values()))[0]["n"]
+    plot_sweep(series, os.path.join(out, "scaling.png"),
+               f"SmolLM2-135M-Instruct, GSM8K test (n={n})", base)
 print(json.dumps(summary, indent=1))
 PY
