@@ -23,6 +23,10 @@ SFT_EX_FLAG=(); [ -n "${SFT_EXAMPLES:-}" ] && SFT_EX_FLAG=(--max-examples "$SFT_
 DATA="${LATENTSERVE_DATA:-$PWD/../shared/data}"
 [ -d "$DATA/gsm8k" ] || DATA=/work/shared/data
 [ -d "$DATA/gsm8k" ] || DATA="$PWD/shared/data"
+if [ ! -f "$DATA/gsm8k/train.jsonl" ] || [ ! -f "$DATA/gsm8k/test.jsonl" ]; then
+  echo "no gsm8k/train.jsonl + test.jsonl under \$LATENTSERVE_DATA (${LATENTSERVE_DATA:-unset})" >&2
+  exit 2
+fi
 export LATENTSERVE_DATA="$DATA"
 ls="python3 -m latentserve.cli"
 log="$out/train_head_gpu.log"
@@ -30,12 +34,17 @@ start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$log"; }
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' | tee -a "$log"
 
+stamp "convert the GGUF (once; cached)"
+python3 -c 'from latentserve.models.checkpoint import resolve_model_dir as r; print(r(None))' 2>&1 | tail -1 | tee -a "$log"
 stamp "sft"
 timeout "${T_SFT:-150}" $ls train-head sft --device "$DEVICE" --data "$DATA/gsm8k/train.jsonl" \
   "${SFT_EX_FLAG[@]}" --steps "${SFT_STEPS:-1500}" --batch-size 1024 --lr 1e-3 \
   --capture-batch-size 64 --save-every 500 --out "$out/head_sft.safetensors" 2>&1 | tail -20 | tee -a "$log"
 
-grpo_bundle=""
+if [ ! -f "$out/head_sft.safetensors" ]; then  # cut off by T_SFT: take the last checkpoint
+  last=$(ls -v "$out"/head_sft-step*.safetensors 2>/dev/null | tail -1)
+  [ -n "$last" ] && cp "$last" "$out/head_sft.safetensors" && stamp "sft cut off; using $last"
+fi
 if [ -f "$out/head_sft.safetensors" ]; then
   stamp "grpo"
   timeout "${T_GRPO:-120}" $ls train-head grpo --device "$DEVICE" "${EAGER_FLAG[@]}" \
@@ -43,7 +52,6 @@ if [ -f "$out/head_sft.safetensors" ]; then
     --steps "${GRPO_STEPS:-15}" --questions-per-step "${GRPO_Q:-16}" --group-size "${GRPO_G:-8}" \
     --lr 1e-4 --kl-coef 0.05 --sigma 0.3 --max-latent 32 \
     --out "$out/head_grpo.safetensors" 2>&1 | tail -20 | tee -a "$log"
-  [ -f "$out/head_grpo.safetensors" ] && grpo_bundle="$out/head_grpo.safetensors"
 fi
 
 eval_end=$(( $(date +%s) + ${T_EVAL:-240} ))
