@@ -114,7 +114,9 @@ class OpenAIBackend:
             body = {"thinking": True, "max_latent": r.max_latent, "min_output_tokens": 0}
         resp = self.client.chat.completions.create(
             model=self.model, messages=[{"role": "user", "content": r.user}],
-            max_tokens=r.max_tokens + (r.max_latent or 0), temperature=0.0,
+            # latent steps and the closing ids spend max_tokens too; 8 covers the closing
+            max_tokens=r.max_tokens + (r.max_latent + 8 if r.max_latent is not None else 0),
+            temperature=0.0,
             extra_body=body or None)
         ch = resp.choices[0]
         latent = (ch.model_extra or {}).get("latent") or {}
