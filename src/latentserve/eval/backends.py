@@ -97,7 +97,8 @@ class EngineBackend:
 class OpenAIBackend:
     """An OpenAI-compatible ``/v1/chat/completions`` server (``latentserve serve`` or
     another engine), ``concurrency`` requests in flight, greedy. ``max_latent`` goes as the
-    body fields ``thinking`` / ``max_latent`` (latentserve's; other servers ignore them);
+    body fields ``thinking`` / ``max_latent`` with the head controls (``use_stop``,
+    ``min_latent``, ``stop_threshold``: latentserve's fields; other servers ignore them);
     latent steps are read from the choice's ``latent.steps`` when the server reports it."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str = "none",
@@ -108,10 +109,11 @@ class OpenAIBackend:
         self.model = model or self.client.models.list().data[0].id
         self.concurrency = concurrency
 
-    def _one(self, r: Request, start: float) -> Completion:
+    def _one(self, r: Request, start: float, controls: dict) -> Completion:
         body = {}
         if r.max_latent is not None:
-            body = {"thinking": True, "max_latent": r.max_latent, "min_output_tokens": 0}
+            body = {"thinking": True, "max_latent": r.max_latent, "min_output_tokens": 0,
+                    **controls}
         resp = self.client.chat.completions.create(
             model=self.model, messages=[{"role": "user", "content": r.user}],
             # latent steps and the closing ids spend max_tokens too; 8 covers the closing
@@ -130,4 +132,4 @@ class OpenAIBackend:
 
         start = time.perf_counter()
         with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(lambda r: self._one(r, start), requests))
+            return list(pool.map(lambda r: self._one(r, start, head_controls), requests))
