@@ -6,9 +6,9 @@
 # (+ .log.json), eval_cot.json, eval_sft.json / eval_sft.png, eval_grpo.json / eval_grpo.png,
 # train_head_gpu.log, summary.json, scaling.png (both heads and the CoT baseline).
 # Needs the SmolLM2 GGUF: LATENTSERVE_EMBEDDED_GGUF=/path/to/smollm2.gguf (else the wheel's).
-# Knobs (env): DEVICE (cuda), SFT_EXAMPLES (all), SFT_STEPS (1500), GRPO_STEPS (15),
-# GRPO_Q (16 questions/step), GRPO_G (8 rollouts/question), EVAL_LIMIT (all 1319),
-# SWEEP (0,4,8,16,32), COT_TOKENS (256), EAGER (0; 1 = no CUDA graphs), and per-stage time
+# Knobs (env): DEVICE (cuda), SFT_EXAMPLES (all), SFT_STEPS (1500),
+# GRPO_STEPS (30; the bundle is saved every 5), GRPO_Q (16 questions/step), GRPO_G (8
+# rollouts/question), EVAL_LIMIT (all 1319), SWEEP (0,4,8,16,32), COT_TOKENS (256), EAGER (0; 1 = no CUDA graphs), and per-stage time
 # limits T_SFT (150 s), T_GRPO (120 s), T_EVAL (240 s for all three evals).
 # Usage: bash scripts/train_head_gpu.sh
 set -uo pipefail
@@ -49,7 +49,7 @@ if [ -f "$out/head_sft.safetensors" ]; then
   stamp "grpo"
   timeout "${T_GRPO:-120}" $ls train-head grpo --device "$DEVICE" "${EAGER_FLAG[@]}" \
     --data "$DATA/gsm8k/train.jsonl" --bundle "$out/head_sft.safetensors" \
-    --steps "${GRPO_STEPS:-15}" --questions-per-step "${GRPO_Q:-16}" --group-size "${GRPO_G:-8}" \
+    --steps "${GRPO_STEPS:-30}" --save-every 5 --questions-per-step "${GRPO_Q:-16}" --group-size "${GRPO_G:-8}" \
     --lr 1e-4 --kl-coef 0.05 --sigma 0.3 --max-latent 32 \
     --out "$out/head_grpo.safetensors" 2>&1 | tail -20 | tee -a "$log"
 fi
