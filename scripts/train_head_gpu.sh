@@ -6,10 +6,12 @@
 # (+ .log.json), eval_cot.json, eval_sft.json / eval_sft.png, eval_grpo.json / eval_grpo.png,
 # train_head_gpu.log, summary.json, scaling.png (both heads and the CoT baseline).
 # Needs the SmolLM2 GGUF: LATENTSERVE_EMBEDDED_GGUF=/path/to/smollm2.gguf (else the wheel's).
-# Knobs (env): DEVICE (cuda), SFT_EXAMPLES (all), SFT_STEPS (1500),
-# GRPO_STEPS (30; the bundle is saved every 5), GRPO_Q (16 questions/step), GRPO_G (8
-# rollouts/question), EVAL_LIMIT (all 1319), SWEEP (0,4,8,16,32), COT_TOKENS (256), EAGER (0; 1 = no CUDA graphs), and per-stage time
-# limits T_SFT (150 s), T_GRPO (120 s), T_EVAL (240 s for all three evals).
+# Knobs (env): DEVICE (cuda), SFT_EXAMPLES (all), SFT_STEPS (1500), GRPO_STEPS (30; the
+# bundle is saved every 5), GRPO_Q (16 questions/step), GRPO_G (8 rollouts/question),
+# EVAL_LIMIT (all 1319), SWEEP (0,4,8,16,32), COT_TOKENS (256), EAGER (0; 1 = no CUDA
+# graphs), LATENTSERVE_DATA (folder holding gsm8k/train.jsonl and gsm8k/test.jsonl), and
+# per-stage limits in seconds: T_SFT (130), T_GRPO (90), T_COT (80), T_HEAD (70 per head
+# sweep; a sweep writes its JSON after every budget, so a cut-off one keeps what it finished).
 # Usage: bash scripts/train_head_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +39,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.i
 stamp "convert the GGUF (once; cached)"
 python3 -c 'from latentserve.models.checkpoint import resolve_model_dir as r; print(r(None))' 2>&1 | tail -1 | tee -a "$log"
 stamp "sft"
-timeout "${T_SFT:-150}" $ls train-head sft --device "$DEVICE" --data "$DATA/gsm8k/train.jsonl" \
+timeout "${T_SFT:-130}" $ls train-head sft --device "$DEVICE" --data "$DATA/gsm8k/train.jsonl" \
   "${SFT_EX_FLAG[@]}" --steps "${SFT_STEPS:-1500}" --batch-size 1024 --lr 1e-3 \
   --capture-batch-size 64 --save-every 500 --out "$out/head_sft.safetensors" 2>&1 | tail -20 | tee -a "$log"
 
@@ -47,17 +49,15 @@ if [ ! -f "$out/head_sft.safetensors" ]; then  # cut off by T_SFT: take the last
 fi
 if [ -f "$out/head_sft.safetensors" ]; then
   stamp "grpo"
-  timeout "${T_GRPO:-120}" $ls train-head grpo --device "$DEVICE" "${EAGER_FLAG[@]}" \
+  timeout "${T_GRPO:-90}" $ls train-head grpo --device "$DEVICE" "${EAGER_FLAG[@]}" \
     --data "$DATA/gsm8k/train.jsonl" --bundle "$out/head_sft.safetensors" \
     --steps "${GRPO_STEPS:-30}" --save-every 5 --questions-per-step "${GRPO_Q:-16}" --group-size "${GRPO_G:-8}" \
     --lr 1e-4 --kl-coef 0.05 --sigma 0.3 --max-latent 32 \
     --out "$out/head_grpo.safetensors" 2>&1 | tail -20 | tee -a "$log"
 fi
 
-eval_end=$(( $(date +%s) + ${T_EVAL:-240} ))
-left() { echo $(( eval_end - $(date +%s) )); }
 stamp "eval: text CoT, bare backbone"
-timeout "$(left)" $ls eval --device "$DEVICE" "${EAGER_FLAG[@]}" --no-latent-head \
+timeout "${T_COT:-80}" $ls eval --device "$DEVICE" "${EAGER_FLAG[@]}" --no-latent-head \
   --dataset gsm8k "${LIMIT_FLAG[@]}" --max-tokens "${COT_TOKENS:-256}" --max-num-seqs 256 \
   --out "$out/eval_cot.json" 2>&1 | tail -3 | tee -a "$log"
 for name in sft grpo; do
@@ -65,7 +65,7 @@ for name in sft grpo; do
   [ -f "$bundle" ] || continue
   base_flag=(); [ -f "$out/eval_cot.json" ] && base_flag=(--baseline "$out/eval_cot.json")
   stamp "eval: latent, $name head"
-  timeout "$(left)" $ls eval --device "$DEVICE" "${EAGER_FLAG[@]}" --latent-head "$bundle" \
+  timeout "${T_HEAD:-70}" $ls eval --device "$DEVICE" "${EAGER_FLAG[@]}" --latent-head "$bundle" \
     --dataset gsm8k "${LIMIT_FLAG[@]}" --max-tokens 16 --max-num-seqs 256 \
     --sweep "max_latent=${SWEEP:-0,4,8,16,32}" --out "$out/eval_$name.json" \
     --plot "$out/eval_$name.png" "${base_flag[@]}" 2>&1 | tail -8 | tee -a "$log"

@@ -64,9 +64,10 @@ def run(args) -> int:
         runs.append(summary)
         records[str(b)] = recs
         print(json.dumps(summary), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"dataset": args.dataset, "runs": runs, "records": records}, f, indent=1)
+        if args.out:  # after every budget: a sweep cut off keeps what it finished
+            with open(args.out, "w") as f:
+                json.dump({"dataset": args.dataset, "runs": runs, "records": records}, f,
+                          indent=1)
     if args.plot:
         if args.sweep is None:
             raise ValueError("--plot needs --sweep")
