@@ -80,7 +80,8 @@ for name in ("cot", "sft", "grpo"):
     if os.path.exists(p):
         summary[name] = [{k: r[k] for k in ("max_latent", "n", "accuracy_flexible",
                           "accuracy_strict", "thinking_median", "thinking_max",
-                          "latency_median_s")} for r in json.load(open(p))["runs"]]
+                          "latency_median_s", "latent_end") if k in r}
+                        for r in json.load(open(p))["runs"]]
 for name in ("sft", "grpo"):
     p = os.path.join(out, f"head_{name}.safetensors.log.json")
     if os.path.exists(p):

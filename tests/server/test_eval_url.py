@@ -33,5 +33,6 @@ def test_url_backend_reports_latent_steps_from_the_server(head_server, tmp_path)
     records, summary = evaluate(items, backend, max_tokens=4, max_latent=3, use_stop=False)
     assert [r["latent_steps"] for r in records] == [3, 3, 3]
     assert (summary["thinking_median"], summary["thinking_max"], summary["n"]) == (3, 3, 3)
+    assert summary["latent_end"] == {"cap": 3}  # use_stop off: every phase hits its cap
     assert all(0 < r["completion_tokens"] for r in records)
     assert summary["accuracy_flexible"] == sum(r["flexible"] for r in records) / 3

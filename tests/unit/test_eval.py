@@ -126,6 +126,7 @@ def test_engine_backend_counts_latent_steps_and_answer_tokens(head_dir, gsm_file
     _, summary = evaluate(items, backend, max_tokens=5, max_latent=3, use_stop=False)
     # no stop head: every request runs its cap of 3 latent steps, then up to 5 tokens
     assert summary["thinking_median"] == 3 and summary["thinking_max"] == 3
+    assert summary["latent_end"] == {"cap": 3}
     assert summary["completion_tokens_mean"] <= 5
     records, summary = evaluate(items, backend, max_tokens=5)  # thinking off
     assert all(r["latent_steps"] == 0 for r in records)

@@ -20,6 +20,7 @@ class Completion:
     latent_steps: int
     latency_s: float
     finish_reason: str | None = None
+    latent_end: str | None = None  # how a head's latent phase ended: stop, cap or length
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +85,14 @@ class EngineBackend:
                     continue
                 toks[o.rid] += o.new_token_ids
                 if o.finished:
-                    steps = (o.latent_stats or {}).get("steps", o.latent_steps) or 0
-                    done[o.rid] = (time.perf_counter() - start, steps, o.finish_reason)
+                    st = o.latent_stats or {}
+                    done[o.rid] = (time.perf_counter() - start, st.get("steps", o.latent_steps)
+                                   or 0, o.finish_reason, st.get("end"))
         out = []
         for rid in rids:
-            lat, steps, reason = done[rid]
+            lat, steps, reason, end = done[rid]
             text = self.tokenizer.decode(toks[rid], skip_special_tokens=True)
-            out.append(Completion(text, len(toks[rid]), steps, lat, reason))
+            out.append(Completion(text, len(toks[rid]), steps, lat, reason, end))
         return out
 
 
@@ -125,7 +127,7 @@ class OpenAIBackend:
         return Completion(ch.message.content or "",
                           resp.usage.completion_tokens if resp.usage else 0,
                           int(latent.get("steps") or 0), time.perf_counter() - start,
-                          ch.finish_reason)
+                          ch.finish_reason, (latent.get("stats") or {}).get("end"))
 
     def run(self, requests: list[Request], **head_controls) -> list[Completion]:
         from concurrent.futures import ThreadPoolExecutor

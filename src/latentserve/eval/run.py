@@ -46,7 +46,8 @@ def evaluate(items: list[Item], backend, max_tokens: int = 256,
     """Run ``items`` through ``backend`` (``eval.backends``); returns ``(records,
     summary)``. A record: ``question``, ``gold``, ``output``, ``strict``, ``flexible``,
     ``thinking``, ``completion_tokens``, ``latent_steps``, ``latency_s``,
-    ``finish_reason``."""
+    ``finish_reason``, ``latent_end``; a latent run's summary also counts ``latent_end``
+    values (``stop`` = closed by the stop head, ``cap`` = hit ``max_latent``)."""
     outs = backend.run(requests_for(items, max_tokens, max_latent), **head_controls)
     records = []
     for it, o in zip(items, outs):
@@ -57,9 +58,12 @@ def evaluate(items: list[Item], backend, max_tokens: int = 256,
                         else o.latent_steps,
                         "completion_tokens": o.completion_tokens,
                         "latent_steps": o.latent_steps, "latency_s": round(o.latency_s, 4),
-                        "finish_reason": o.finish_reason})
+                        "finish_reason": o.finish_reason, "latent_end": o.latent_end})
     summary = summarize(records)
     summary["max_latent"] = max_latent
+    if max_latent is not None:  # how the latent phases ended (stop head, cap, length)
+        summary["latent_end"] = {e: sum(str(r["latent_end"]) == e for r in records)
+                                 for e in sorted({str(r["latent_end"]) for r in records})}
     return records, summary
 
 
