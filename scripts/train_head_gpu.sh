@@ -2,7 +2,7 @@
 # Train a compression head on SmolLM2-135M-Instruct and evaluate it, in one call on the H200
 # (<= ~8 minutes): SFT on GSM8K train, a few GRPO steps through our engine, then GSM8K test
 # with text CoT (bare backbone) vs the SFT and GRPO heads swept over max_latent.
-# Writes to $OUT (or ./out): head_sft.safetensors (+ .log.json), head_grpo.safetensors
+# Writes (under $WORK_DIR, then packed into $OUT/results.tgz): head_sft.safetensors (+ .log.json), head_grpo.safetensors
 # (+ .log.json), eval_cot.json, eval_sft.json / eval_sft.png, eval_grpo.json / eval_grpo.png,
 # train_head_gpu.log, summary.json, scaling.png (both heads and the CoT baseline).
 # Needs the SmolLM2 GGUF: LATENTSERVE_EMBEDDED_GGUF=/path/to/smollm2.gguf (else the wheel's).
@@ -15,7 +15,9 @@
 # Usage: bash scripts/train_head_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-out}"; mkdir -p "$out"
+# Everything is written under $out and packed into $OUT/results.tgz at the end (the device
+# tool returns at most 8 files per call).
+dest="${OUT:-out}"; out="${WORK_DIR:-/tmp/train_head_out}"; mkdir -p "$out" "$dest"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export TQDM_MININTERVAL=15
 DEVICE="${DEVICE:-cuda}"
@@ -102,3 +104,4 @@ if series:
                f"SmolLM2-135M-Instruct, GSM8K test (n={n})", base)
 print(json.dumps(summary, indent=1))
 PY
+tar czf "$dest/results.tgz" -C "$out" . && echo "packed $(ls "$out" | wc -l) files into $dest/results.tgz"
