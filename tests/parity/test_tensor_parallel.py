@@ -114,7 +114,9 @@ def test_compression_head_tp2_matches_tp1(tmp_path, smollm2_dir):
 def test_huginn_tp2_matches_tp1_with_depths_and_early_exit(tmp_path):
     from latentserve.testing.recurrent_models import write_huginn
 
-    one, two = _pair(write_huginn(tmp_path / "huginn"))
+    # 3 heads: rank 0 takes 2, rank 1 one (the uneven split Huginn's 55 heads need).
+    one, two = _pair(write_huginn(tmp_path / "huginn", n_embd=48, num_attention_heads=3,
+                                  num_key_value_heads=3))
     try:
         exits = [(8, "latent-diff", 0.2), (6, "kl", 0.01), (8, "entropy-diff", 0.05),
                  (8, "argmax-stability", 2), (2, None, None), (4, None, None)]
@@ -130,21 +132,39 @@ def test_huginn_tp2_matches_tp1_with_depths_and_early_exit(tmp_path):
         two.shutdown()
 
 
-def test_shard_model_names_the_size_that_does_not_divide(tiny_dirs):
-    """4 query / 2 KV heads: TP=3 splits neither; the error names the field and the size."""
+def _tiny_llama(**overrides):
+    from transformers import LlamaConfig
+
+    from latentserve.models.llama import LlamaForCausalLM
+
+    cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2, intermediate_size=64)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides}))
+
+
+@pytest.mark.parametrize("overrides, size, error", [
+    ({}, 3, r"num_key_value_heads \(2\) must be >= tensor_parallel_size \(3\)"),
+    ({"num_key_value_heads": 4, "intermediate_size": 66}, 4,
+     r"intermediate_size \(66\) must be divisible by tensor_parallel_size \(4\)"),
+])
+def test_shard_model_names_the_size_that_does_not_split(overrides, size, error):
     from latentserve.distributed import TPGroup
-    from latentserve.models.loader import load_model
     from latentserve.models.parallel import shard_model
 
-    model, _ = load_model(tiny_dirs["llama"], torch.float32, "cpu")
-    tp = TPGroup(rank=0, size=3, device=torch.device("cpu"), device_group=None, cpu_group=None)
-    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) must be divisible by "
-                                         r"tensor_parallel_size \(3\)"):
-        shard_model(model, tp)
-    model, _ = load_model(tiny_dirs["llama"], torch.float32, "cpu")
-    tp.size = 4  # heads split, the 2 KV heads do not
-    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\)"):
-        shard_model(model, tp)
+    tp = TPGroup(rank=0, size=size, device=torch.device("cpu"), device_group=None,
+                 cpu_group=None)
+    with pytest.raises(ValueError, match=error):
+        shard_model(_tiny_llama(**overrides), tp)
+
+
+def test_heads_split_unevenly_follow_their_kv_group():
+    """6 query heads over 3 KV heads on 2 ranks: KV 2 + 1, queries 4 + 2 (Huginn's 55 heads
+    split the same way)."""
+    from latentserve.distributed import TPGroup
+    from latentserve.models.parallel import head_split
+
+    splits = [head_split(6, 3, TPGroup(r, 2, torch.device("cpu"), None, None)) for r in (0, 1)]
+    assert splits == [(slice(0, 4), slice(0, 2)), (slice(4, 6), slice(2, 3))]
 
 
 def test_tensor_parallel_size_must_be_positive():
