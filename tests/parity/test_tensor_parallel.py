@@ -14,43 +14,7 @@ from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from latentserve.testing.parity import shared_prefix_prompts
-
-
-def _run(engine, requests):
-    """Queue ``[(prompt, SamplingParams)]`` at once and run to completion. Returns per
-    request ``(tokens, [logits row of every sampled step], final StepOutput)``."""
-    runner, logits = engine.runner, {}
-    original = runner.run
-
-    def recording(batch):
-        out, hidden = original(batch)
-        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], out):
-            logits.setdefault(req.rid, []).append(row.float().cpu())
-        return out, hidden
-
-    runner.run = recording
-    try:
-        rids = [f"t{engine._arrivals + i}" for i in range(len(requests))]
-        for rid, (prompt, params) in zip(rids, requests):
-            engine.add_request(rid, prompt, params)
-        toks, final = {r: [] for r in rids}, {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                toks[o.rid] += o.new_token_ids
-                if o.finished:
-                    final[o.rid] = o
-    finally:
-        runner.run = original
-    engine.cache.check_idle()
-    return [(toks[r], logits[r], final[r]) for r in rids]
-
-
-def _assert_same(tp1, tp2):
-    for i, ((t1, l1, _), (t2, l2, _)) in enumerate(zip(tp1, tp2)):
-        assert t2 == t1, f"request {i}: TP=2 {t2} != TP=1 {t1}"
-        assert len(l2) == len(l1)
-        for step, (a, b) in enumerate(zip(l1, l2)):
-            torch.testing.assert_close(b, a, atol=1e-4, rtol=0, msg=f"request {i} step {step}")
+from latentserve.testing.tp_parity import assert_same, run_requests
 
 
 def _pair(model_dir, **opts):
@@ -69,10 +33,10 @@ def test_llama_tp2_matches_tp1_cold_and_warm(tiny_dirs):
     one, two = _pair(tiny_dirs["llama"], max_num_batched_tokens=40)  # chunked prefill too
     try:
         reqs = [(p, _greedy()) for p in shared_prefix_prompts()]
-        cold = _run(one, reqs)
-        _assert_same(cold, _run(two, reqs))
-        warm = _run(two, reqs)
-        _assert_same(cold, warm)
+        cold = run_requests(one, reqs)
+        assert_same(cold, run_requests(two, reqs))
+        warm = run_requests(two, reqs)
+        assert_same(cold, warm)
         assert sum(o.num_cached_tokens for *_, o in warm) > 0
         with pytest.raises(ValueError, match="return_latent_trace"):
             two.add_request("x", [1, 2, 3], _greedy(return_latent_trace=True))
@@ -88,7 +52,7 @@ def test_coconut_gpt2_tp2_matches_tp1(tmp_path, smollm2_dir):
     try:
         prompts = shared_prefix_prompts()
         reqs = [(p, _greedy(latent_budget=b)) for p, b in zip(prompts, (0, 1, 3, 6, 2, 4, 5, 8))]
-        _assert_same(_run(one, reqs), _run(two, reqs))
+        assert_same(run_requests(one, reqs), run_requests(two, reqs))
     finally:
         two.shutdown()
 
@@ -103,8 +67,8 @@ def test_compression_head_tp2_matches_tp1(tmp_path, smollm2_dir):
         reqs = [(p, _greedy(max_latent=caps[i % 4], min_latent=1, use_stop=i % 2 == 0,
                             min_output_tokens=0))
                 for i, p in enumerate(shared_prefix_prompts())]
-        a, b = _run(one, reqs), _run(two, reqs)
-        _assert_same(a, b)
+        a, b = run_requests(one, reqs), run_requests(two, reqs)
+        assert_same(a, b)
         assert [o.latent_stats for *_, o in b] == [o.latent_stats for *_, o in a]
         assert any(o.latent_stats["steps"] > 0 for *_, o in a)
     finally:
@@ -123,8 +87,8 @@ def test_huginn_tp2_matches_tp1_with_depths_and_early_exit(tmp_path):
         prompts = [[(7 * i + 11 * j) % 900 + 20 for i in range(5 + 4 * j)] for j in range(6)]
         reqs = [(p, _greedy(latent_budget=d, exit_criterion=c, exit_threshold=t))
                 for p, (d, c, t) in zip(prompts, exits)]
-        a, b = _run(one, reqs), _run(two, reqs)
-        _assert_same(a, b)
+        a, b = run_requests(one, reqs), run_requests(two, reqs)
+        assert_same(a, b)
         assert [o.recurrence for *_, o in b] == [o.recurrence for *_, o in a]
         assert any(min(o.recurrence["histogram"]) < d for (*_, o), (d, *_) in zip(b, exits)), \
             "some request exits early"
@@ -137,8 +101,8 @@ def _tiny_llama(**overrides):
 
     from latentserve.models.llama import LlamaForCausalLM
 
-    cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-               num_key_value_heads=2, intermediate_size=64)
+    cfg = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64}
     return LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides}))
 
 
