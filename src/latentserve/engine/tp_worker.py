@@ -219,12 +219,22 @@ def start_workers(config) -> tuple[Any, list[subprocess.Popen]]:
     procs = [subprocess.Popen([sys.executable, "-m", "latentserve.engine.tp_worker", payload,
                                str(rank), str(size), init, str(os.getpid())])
              for rank in range(1, size)]
+    import atexit
+
+    atexit.register(_kill_alive, procs)  # e.g. when the engine fails after this point
     try:
         tp = init_tp_group(0, size, init, config.device)
     except Exception:
-        stop_workers(procs)
+        _kill_alive(procs)
         raise
     return tp, procs
+
+
+def _kill_alive(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
