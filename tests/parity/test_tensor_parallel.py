@@ -3,7 +3,8 @@ rank 0, one worker subprocess is rank 1) produces the same greedy tokens as the
 single-process engine on the same checkpoint, its sampled logits agree within 1e-4 (fp32;
 the all-reduce only changes the summation order), and every latent path agrees: COCONUT
 feedback latents (computed on rank 0, broadcast), a compression head (the capture buffer on
-every rank), Huginn recurrent banks with mixed depths and early exit. The TP=1 engines are
+every rank), Huginn (heads split unevenly) and Ouro recurrent banks with mixed depths, and
+Huginn's early exit. The TP=1 engines are
 themselves checked against eager references in the other parity tests.
 """
 
@@ -92,6 +93,20 @@ def test_huginn_tp2_matches_tp1_with_depths_and_early_exit(tmp_path):
         assert [o.recurrence for *_, o in b] == [o.recurrence for *_, o in a]
         assert any(min(o.recurrence["histogram"]) < d for (*_, o), (d, *_) in zip(b, exits)), \
             "some request exits early"
+    finally:
+        two.shutdown()
+
+
+def test_ouro_tp2_matches_tp1_with_depths(tmp_path):
+    from latentserve.testing.recurrent_models import write_ouro
+
+    one, two = _pair(write_ouro(tmp_path / "ouro"))  # 4 query / 2 KV heads
+    try:
+        prompts = [[(5 * i + 13 * j) % 900 + 20 for i in range(4 + 5 * j)] for j in range(4)]
+        reqs = [(p, _greedy(latent_budget=d)) for p, d in zip(prompts, (1, 2, 4, 6))]
+        a, b = run_requests(one, reqs), run_requests(two, reqs)
+        assert_same(a, b)
+        assert [o.recurrence for *_, o in b] == [o.recurrence for *_, o in a]
     finally:
         two.shutdown()
 
