@@ -20,25 +20,27 @@ from latentserve.testing.tp_parity import assert_same, run_requests
 
 def _pair(model_dir, **opts):
     """(TP=1 engine, TP=2 engine) on ``model_dir``; the caller shuts the TP one down."""
-    cfg = dict(model=str(model_dir), kv_slots=4096, max_model_len=256, **opts)
+    cfg = {"model": str(model_dir), "kv_slots": 4096, "max_model_len": 256, **opts}
     return LLMEngine(EngineConfig(**cfg)), LLMEngine(EngineConfig(**cfg, tensor_parallel_size=2))
 
 
-def _greedy(**kw):
-    return SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **kw)
+def _greedy(max_tokens=8, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
 def test_llama_tp2_matches_tp1_cold_and_warm(tiny_dirs):
     """GQA (4 query / 2 KV heads, one KV head per rank), tied vocab-parallel embedding and
-    head; the warm run reads prefixes from the radix cache (page-table rows sent to rank 1)."""
-    one, two = _pair(tiny_dirs["llama"], max_num_batched_tokens=40)  # chunked prefill too
+    head; the warm run reads prefixes from the radix cache (page-table rows sent to rank 1).
+    A 160-slot pool and 40-token chunks force chunked prefill, eviction and preemption."""
+    one, two = _pair(tiny_dirs["llama"], max_num_batched_tokens=40, kv_slots=160)
     try:
-        reqs = [(p, _greedy()) for p in shared_prefix_prompts()]
+        reqs = [(p, _greedy(max_tokens=12)) for p in shared_prefix_prompts()]
         cold = run_requests(one, reqs)
         assert_same(cold, run_requests(two, reqs))
         warm = run_requests(two, reqs)
         assert_same(cold, warm)
         assert sum(o.num_cached_tokens for *_, o in warm) > 0
+        assert two.scheduler.num_preemptions > 0
         with pytest.raises(ValueError, match="return_latent_trace"):
             two.add_request("x", [1, 2, 3], _greedy(return_latent_trace=True))
     finally:
