@@ -44,6 +44,9 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str) -> TPGrou
 
     import torch.distributed as dist
 
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel engine is already running in this process; "
+                           "call its shutdown() first")
     # NOTE: a worker waits on the gloo group for the next batch for as long as the server is
     # idle, so that group must not time out (a dead peer still fails fast: its sockets close).
     idle = timedelta(days=365)

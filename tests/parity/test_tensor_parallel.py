@@ -8,6 +8,9 @@ Huginn's early exit. The TP=1 engines are
 themselves checked against eager references in the other parity tests.
 """
 
+import os
+import subprocess
+
 import pytest
 import torch
 
@@ -136,6 +139,21 @@ def test_shard_model_names_the_size_that_does_not_split(overrides, size, error):
                  cpu_group=None)
     with pytest.raises(ValueError, match=error):
         shard_model(_tiny_llama(**overrides), tp)
+
+
+def test_engine_that_cannot_split_fails_cleanly(tiny_dirs):
+    """TP=3 over 2 KV heads: the engine raises the shard error, its workers are gone and the
+    process group is left, so a later TP engine in this process can start."""
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\) must be >= "
+                                         r"tensor_parallel_size \(3\)"):
+        LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), kv_slots=256,
+                               tensor_parallel_size=3))
+    assert not dist.is_initialized()
+    left = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "latentserve.engine.tp_worker"],
+                          capture_output=True, text=True, check=False)
+    assert left.stdout == "", f"workers left running: {left.stdout}"
 
 
 def test_heads_split_unevenly_follow_their_kv_group():

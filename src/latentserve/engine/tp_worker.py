@@ -230,6 +230,15 @@ def start_workers(config) -> tuple[Any, list[subprocess.Popen]]:
     return tp, procs
 
 
+def abort_workers(procs: list[subprocess.Popen]) -> None:
+    """Kill the workers and leave the process group (rank 0 failed before it could stop them
+    in order)."""
+    from latentserve.distributed import destroy_tp_group
+
+    _kill_alive(procs)
+    destroy_tp_group()
+
+
 def _kill_alive(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
