@@ -28,15 +28,23 @@ HUGINN_SHAPE = {"n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads"
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """``family -> checkpoint dir``, each written on first use (Huginn's is 14 GB)."""
     from latentserve.bench.gpu import SHAPES, save_random_llama
     from latentserve.testing.recurrent_models import write_huginn
 
-    root = tmp_path_factory.mktemp("tp-gpu")
-    llama = save_random_llama(root / "llama", SHAPES["llama-3.2-1b"])
-    huginn = write_huginn(root / "huginn", **HUGINN_SHAPE)
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"llama-3.2-1b": llama, "huginn": huginn}
+    root, made = tmp_path_factory.mktemp("tp-gpu"), {}
+
+    def get(family):
+        if family not in made:
+            if family == "huginn":
+                made[family] = write_huginn(root / family, **HUGINN_SHAPE)
+            else:
+                made[family] = save_random_llama(root / family, SHAPES[family])
+            gc.collect()
+            torch.cuda.empty_cache()
+        return made[family]
+
+    return get
 
 
 def _requests(family):
@@ -68,7 +76,7 @@ def _run(path, family, dtype, tp, eager=False):
 
 @pytest.mark.parametrize("family", ["llama-3.2-1b", "huginn"])
 def test_tp2_matches_tp1_at_real_shape(family, checkpoints):
-    path = checkpoints[family]
+    path = checkpoints(family)
     ref32 = _run(path, family, "float32", 1)
     assert_same(ref32, _run(path, family, "float32", 2))
     ref16 = _run(path, family, "bfloat16", 1)
@@ -77,6 +85,6 @@ def test_tp2_matches_tp1_at_real_shape(family, checkpoints):
 
 def test_tp2_eager_matches_tp1_llama_shape(checkpoints):
     """Without CUDA graphs (tells a TP numerics failure from a graph-capture one)."""
-    path = checkpoints["llama-3.2-1b"]
+    path = checkpoints("llama-3.2-1b")
     assert_same(_run(path, "llama-3.2-1b", "float32", 1, eager=True),
                 _run(path, "llama-3.2-1b", "float32", 2, eager=True))
