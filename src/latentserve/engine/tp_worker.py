@@ -89,6 +89,14 @@ class _ShadowReq:
     recurrence_iters: list = dataclasses.field(default_factory=list)
 
 
+def _chunk(req, start: int, n: int) -> list[int]:
+    """``req.ids[start : start + n]`` without building ``prompt_ids + output_ids``."""
+    p = len(req.prompt_ids)
+    if start >= p:
+        return req.output_ids[start - p : start - p + n]
+    return req.ids[start : start + n]
+
+
 def _latent_span(req, start: int, n: int) -> range:
     """Positions of ``[start, start + n)`` inside ``req``'s latent span (as ``ModelRunner``)."""
     if not req.latent_embeds:
@@ -132,7 +140,7 @@ class TPModelRunner(ModelRunner):
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             span = _latent_span(req, start, n)
             vecs.extend(req.latent_embeds[p - req.latent_start] for p in span)
-            reqs.append((req.row, start, n, req.ids[start : start + n], len(req.prompt_ids),
+            reqs.append((req.row, start, n, _chunk(req, start, n), len(req.prompt_ids),
                          req.latent_start, len(req.latent_embeds), list(span),
                          int(req.latent_budget), req.exit_rule))
         max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
