@@ -24,10 +24,10 @@ class EngineConfig:
     ``LATENTSERVE_LATENT_HEAD``, else ``latent_reasoning_head.safetensors`` in the model
     directory), ``no_latent_head`` serves the bare backbone, ``latent_injection`` overrides
     the bundle's injection mode. ``tensor_parallel_size``: processes (ranks) the model is
-    split across (``models/parallel.py``; CUDA needs that many devices; its head counts and
-    intermediate size must be divisible by it). ``max_latent_budget`` caps ``latent_budget`` (latent steps
-    of a feedback model, recurrences of a recurrent-depth one) below the model's own
-    ``LatentSpec.max_budget``; a model default above it is lowered to it.
+    split across (``models/parallel.py``: CUDA needs that many devices, the model at least
+    that many KV heads and an MLP intermediate size divisible by it). ``max_latent_budget`` caps
+    ``latent_budget`` (latent steps of a feedback model, recurrences of a recurrent-depth one)
+    below the model's own ``LatentSpec.max_budget``; a model default above it is lowered to it.
 
     Raises:
         ValueError: naming the field and its allowed values.

@@ -40,8 +40,16 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str) -> TPGrou
     Blocks until every rank has joined. Raises RuntimeError when CUDA has fewer devices than
     ``size``.
     """
+    from datetime import timedelta
+
     import torch.distributed as dist
 
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel engine is already running in this process; "
+                           "call its shutdown() first")
+    # NOTE: a worker waits on the gloo group for the next batch for as long as the server is
+    # idle, so that group must not time out (a dead peer still fails fast: its sockets close).
+    idle = timedelta(days=365)
     if device.startswith("cuda"):
         if torch.cuda.device_count() < size:
             raise RuntimeError(f"tensor_parallel_size={size} needs {size} CUDA devices, "
@@ -52,9 +60,11 @@ def init_tp_group(rank: int, size: int, init_method: str, device: str) -> TPGrou
     else:
         dev, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            device_id=dev if backend == "nccl" else None)
+                            device_id=dev if backend == "nccl" else None,
+                            timeout=None if backend == "nccl" else idle)
     device_group = dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else device_group
+    cpu_group = dist.new_group(backend="gloo", timeout=idle) if backend == "nccl" \
+        else device_group
     return TPGroup(rank, size, dev, device_group, cpu_group)
 
 

@@ -101,6 +101,10 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple] = {}
         pool = None
+        # NOTE: under tensor parallelism NCCL's watchdog thread queries CUDA events while we
+        # capture; "thread_local" forbids unsafe calls on this thread only.
+        dist = torch.distributed
+        mode = "thread_local" if dist.is_available() and dist.is_initialized() else "global"
         # Largest first, so smaller graphs reuse its pool.
         for depth, b in [(d, b) for d in reversed(self.graph_depths)
                          for b in reversed(self.buckets)]:
@@ -118,7 +122,7 @@ class CudaGraphRunner:
                     self._forward(model, b)  # warm-up: compiles kernels outside capture
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                         out = self._forward(model, b)
             finally:
                 set_context(None)

@@ -27,6 +27,21 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
+        self.tp, self._tp_procs = None, []  # TPGroup and worker processes when TP > 1
+        if config.tensor_parallel_size > 1:
+            from latentserve.engine.tp_worker import abort_workers, start_workers
+
+            self.tp, self._tp_procs = start_workers(config)
+            try:
+                self._build(config)
+            except BaseException:
+                self.tp = None
+                abort_workers(self._tp_procs)  # kill the workers, leave the process group
+                raise
+        else:
+            self._build(config)
+
+    def _build(self, config: EngineConfig) -> None:
         from latentserve.attention.base import make_backend
         from latentserve.engine.kv_sizing import kv_slots_for
         from latentserve.engine.model_runner import ModelRunner
@@ -39,11 +54,6 @@ class LLMEngine:
         from latentserve.scheduler.scheduler import Scheduler
 
         self.config = config
-        self.tp, self._tp_procs = None, []  # TPGroup and worker processes when TP > 1
-        if config.tensor_parallel_size > 1:
-            from latentserve.engine.tp_worker import start_workers
-
-            self.tp, self._tp_procs = start_workers(config)
         self.device = self.tp.device if self.tp is not None else torch.device(config.device)
         torch.manual_seed(config.seed)
         model_dir = resolve_model_dir(config.model)
@@ -207,13 +217,12 @@ class LLMEngine:
         from latentserve.distributed import destroy_tp_group
         from latentserve.engine.tp_worker import stop_workers
 
-        tp, self.tp = self.tp, None
+        self.tp = None
         try:
             self.runner.send_stop()
         finally:
             stop_workers(self._tp_procs)
             destroy_tp_group()
-        del tp
 
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort(rid)

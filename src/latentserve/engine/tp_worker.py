@@ -94,6 +94,14 @@ class _ShadowReq:
     params: Any = dataclasses.field(default_factory=lambda: _NO_PROMPT_LOGPROBS)
 
 
+def _chunk(req, start: int, n: int) -> list[int]:
+    """``req.ids[start : start + n]`` without building ``prompt_ids + output_ids``."""
+    p = len(req.prompt_ids)
+    if start >= p:
+        return req.output_ids[start - p : start - p + n]
+    return req.ids[start : start + n]
+
+
 def _latent_span(req, start: int, n: int) -> range:
     """Positions of ``[start, start + n)`` inside ``req``'s latent span (as ``ModelRunner``)."""
     if not req.latent_embeds:
@@ -137,7 +145,7 @@ class TPModelRunner(ModelRunner):
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             span = _latent_span(req, start, n)
             vecs.extend(req.latent_embeds[p - req.latent_start] for p in span)
-            reqs.append((req.row, start, n, req.ids[start : start + n], len(req.prompt_ids),
+            reqs.append((req.row, start, n, _chunk(req, start, n), len(req.prompt_ids),
                          req.latent_start, len(req.latent_embeds), list(span),
                          int(req.latent_budget), req.exit_rule))
         max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
@@ -224,12 +232,31 @@ def start_workers(config) -> tuple[Any, list[subprocess.Popen]]:
     procs = [subprocess.Popen([sys.executable, "-m", "latentserve.engine.tp_worker", payload,
                                str(rank), str(size), init, str(os.getpid())])
              for rank in range(1, size)]
+    import atexit
+
+    atexit.register(_kill_alive, procs)  # e.g. when the engine fails after this point
     try:
         tp = init_tp_group(0, size, init, config.device)
     except Exception:
-        stop_workers(procs)
+        _kill_alive(procs)
         raise
     return tp, procs
+
+
+def abort_workers(procs: list[subprocess.Popen]) -> None:
+    """Kill the workers and leave the process group (rank 0 failed before it could stop them
+    in order)."""
+    from latentserve.distributed import destroy_tp_group
+
+    _kill_alive(procs)
+    destroy_tp_group()
+
+
+def _kill_alive(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:

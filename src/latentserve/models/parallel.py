@@ -13,9 +13,13 @@ and ``shard_model`` swaps modules in place before the model moves to its device,
 ``tensor_parallel_size == 1`` nothing changes and nothing costs. Each rank reads the whole
 checkpoint into host memory once (simple; a per-rank slice reader is future work).
 
-Divisibility: ``num_attention_heads``, ``num_key_value_heads`` and the MLP intermediate size
-must be divisible by the TP size (KV heads are split, never replicated); the vocabulary is
-padded up to a multiple of the TP size.
+Head split: the KV heads are dealt out in contiguous blocks as evenly as possible (sizes
+differ by at most one, lower ranks take the extra head, so Huginn's 55 heads run on 2 ranks
+as 28 + 27); each rank takes the query heads of its KV heads. Requirements: at least one KV
+head per rank (``num_key_value_heads >= tensor_parallel_size``; KV heads are never
+replicated) and ``num_attention_heads`` a multiple of ``num_key_value_heads``. The MLP
+intermediate size must be divisible by the TP size; the vocabulary is padded up to a
+multiple of it. Rank 0 holds the most heads, so the KV pool it sizes fits every rank.
 """
 
 from __future__ import annotations
@@ -37,13 +41,35 @@ def _block(n: int, tp: TPGroup, what: str) -> slice:
     return slice(tp.rank * per, (tp.rank + 1) * per)
 
 
+def head_split(n_heads: int, n_kv: int, tp: TPGroup) -> tuple[slice, slice]:
+    """This rank's ``(query heads, KV heads)`` as index ranges (see the module docstring).
+    Raises ValueError when there are fewer KV heads than ranks or the query heads do not
+    group evenly over the KV heads."""
+    if n_kv < tp.size:
+        raise ValueError(f"num_key_value_heads ({n_kv}) must be >= tensor_parallel_size "
+                         f"({tp.size}): KV heads are split across ranks, not replicated")
+    if n_heads % n_kv:
+        raise ValueError(f"num_attention_heads ({n_heads}) must be a multiple of "
+                         f"num_key_value_heads ({n_kv})")
+    base, extra = divmod(n_kv, tp.size)
+    lo = tp.rank * base + min(tp.rank, extra)
+    hi = lo + base + (tp.rank < extra)
+    group = n_heads // n_kv
+    return slice(lo * group, hi * group), slice(lo, hi)
+
+
+def _scale(s: slice, k: int, offset: int = 0) -> slice:
+    return slice(offset + s.start * k, offset + s.stop * k)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y[..., out_r] = x W_r^T + b_r``: this rank's block of output features, no
     communication.
 
-    ``from_linear(linear, tp, splits)``: ``splits`` are the output chunk sizes of a fused
-    projection (q|k|v, gate|up); each chunk is split across ranks separately and this rank's
-    pieces are concatenated in order. Input ``[T, in]``; output ``[T, out / size]``.
+    ``from_rows(linear, parts)``: this rank's output rows are the ``parts`` (slices of the
+    full output, in order: one per chunk of a fused q|k|v or gate|up projection).
+    ``from_linear(linear, tp, splits)``: each chunk of sizes ``splits`` split evenly.
+    Input ``[T, in]``; output ``[T, rows of this rank]``.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -52,18 +78,20 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
+    def from_rows(cls, linear: nn.Linear, parts: list[slice]) -> ColumnParallelLinear:
+        weight = torch.cat([linear.weight.data[p] for p in parts]).clone()
+        bias = None if linear.bias is None else \
+            torch.cat([linear.bias.data[p] for p in parts]).clone()
+        return cls(weight, bias)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, tp: TPGroup, splits: list[int] | None = None,
                     what: str = "output features") -> ColumnParallelLinear:
-        splits = splits or [linear.out_features]
-        w_parts, b_parts, off = [], [], 0
-        for n in splits:
-            sl = _block(n, tp, what)
-            w_parts.append(linear.weight.data[off + sl.start : off + sl.stop])
-            if linear.bias is not None:
-                b_parts.append(linear.bias.data[off + sl.start : off + sl.stop])
+        parts, off = [], 0
+        for n in splits or [linear.out_features]:
+            parts.append(_scale(_block(n, tp, what), 1, off))
             off += n
-        bias = torch.cat(b_parts).clone() if b_parts else None
-        return cls(torch.cat(w_parts).clone(), bias)
+        return cls.from_rows(linear, parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -80,11 +108,14 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
 
     @classmethod
+    def from_cols(cls, linear: nn.Linear, cols: slice, tp: TPGroup) -> RowParallelLinear:
+        bias = None if linear.bias is None else linear.bias.data.clone()
+        return cls(linear.weight.data[:, cols].clone(), bias, tp)
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, tp: TPGroup,
                     what: str = "input features") -> RowParallelLinear:
-        sl = _block(linear.in_features, tp, what)
-        bias = None if linear.bias is None else linear.bias.data.clone()
-        return cls(linear.weight.data[:, sl].clone(), bias, tp)
+        return cls.from_cols(linear, _block(linear.in_features, tp, what), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight), self.tp)
@@ -142,31 +173,30 @@ class ParallelLMHead(nn.Module):
 
 def _shard_attention(att: nn.Module, tp: TPGroup) -> None:
     """Split one attention module's heads across ranks (head counts become per-rank)."""
+    col, row = ColumnParallelLinear.from_rows, RowParallelLinear.from_cols
     if hasattr(att, "q_proj"):  # Llama, Qwen2, Mistral, Ouro
-        _block(att.n_heads, tp, "num_attention_heads")
-        _block(att.n_kv, tp, "num_key_value_heads")
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(att, name, ColumnParallelLinear.from_linear(getattr(att, name), tp))
-        att.o_proj = RowParallelLinear.from_linear(att.o_proj, tp)
-        att.n_heads //= tp.size
-        att.n_kv //= tp.size
-    elif hasattr(att, "c_attn"):  # GPT-2: fused q|k|v
-        _block(att.n_heads, tp, "n_head")
-        e = att.n_heads * att.head_dim
-        att.c_attn = ColumnParallelLinear.from_linear(att.c_attn, tp, [e, e, e])
-        att.c_proj = RowParallelLinear.from_linear(att.c_proj, tp)
-        att.n_heads //= tp.size
+        q, kv = head_split(att.n_heads, att.n_kv, tp)
+        d = att.head_dim
+        att.q_proj = col(att.q_proj, [_scale(q, d)])
+        att.k_proj = col(att.k_proj, [_scale(kv, d)])
+        att.v_proj = col(att.v_proj, [_scale(kv, d)])
+        att.o_proj = row(att.o_proj, _scale(q, d), tp)
+        att.n_heads, att.n_kv = q.stop - q.start, kv.stop - kv.start
+    elif hasattr(att, "c_attn"):  # GPT-2: fused q|k|v, multi-head
+        q, _ = head_split(att.n_heads, att.n_heads, tp)
+        d, e = att.head_dim, att.n_heads * att.head_dim
+        att.c_attn = col(att.c_attn, [_scale(q, d, i * e) for i in range(3)])
+        att.c_proj = row(att.c_proj, _scale(q, d), tp)
+        att.n_heads = q.stop - q.start
     elif hasattr(att, "Wqkv"):  # Huginn: fused q|k|v, per-head qk_bias
-        _block(att.n_head, tp, "num_attention_heads")
-        _block(att.n_kv, tp, "num_key_value_heads")
-        att.Wqkv = ColumnParallelLinear.from_linear(att.Wqkv, tp, list(att.chunks))
-        att.proj = RowParallelLinear.from_linear(att.proj, tp)
-        if att.has_qk_bias:
-            sl = _block(att.n_head, tp, "num_attention_heads")
-            att.qk_bias = nn.Parameter(att.qk_bias.data[:, :, sl].clone(), requires_grad=False)
-        att.n_head //= tp.size
-        att.n_kv //= tp.size
-        att.chunks = [c // tp.size for c in att.chunks]
+        q, kv = head_split(att.n_head, att.n_kv, tp)
+        d, (nq, nk, _) = att.head_dim, att.chunks
+        att.Wqkv = col(att.Wqkv, [_scale(q, d), _scale(kv, d, nq), _scale(kv, d, nq + nk)])
+        att.proj = row(att.proj, _scale(q, d), tp)
+        if att.has_qk_bias:  # [2, 1, heads, head_dim]; Huginn requires kv == heads here
+            att.qk_bias = nn.Parameter(att.qk_bias.data[:, :, q].clone(), requires_grad=False)
+        att.n_head, att.n_kv = q.stop - q.start, kv.stop - kv.start
+        att.chunks = [att.n_head * d, att.n_kv * d, att.n_kv * d]
     else:
         raise ValueError(f"no tensor-parallel plan for attention {type(att).__name__}")
 
