@@ -66,18 +66,23 @@ class ModelRunner:
                 for p in range(lo, hi):
                     inj_rows.append(len(ids) + p - start)
                     inj_vecs.append(req.latent_embeds[p - req.latent_start])
-            ids.extend(req.ids[start : start + n])
+            ids.extend(_token_ids(req, start, n))
             pos.extend(range(start, start + n))
             last.append(len(ids) - 1)
         self.num_computed_tokens += len(ids)
         dev = self.device
-        rows_l = [r.row for r in batch.reqs]
+        t, b = len(ids), len(batch.reqs)
         kv_lens = [s + n for s, n in zip(batch.starts, batch.q_lens)]
-        # One host-to-device copy for every index vector of the batch.
-        packed = torch.tensor([ids, pos], dtype=torch.int64).to(dev, non_blocking=True)
-        input_ids, positions = packed[0], packed[1]
-        rows = torch.tensor(rows_l, dtype=torch.int64).to(dev, non_blocking=True)
-        row_of_token = torch.repeat_interleave(rows, torch.tensor(batch.q_lens, device=dev))
+        # One host-to-device copy for every index vector of the batch:
+        # [ids (T) | positions (T) | rows (B) | q_lens (B) | kv_lens (B)].
+        packed = torch.tensor([*ids, *pos, *(r.row for r in batch.reqs), *batch.q_lens, *kv_lens],
+                              dtype=torch.int64).to(dev, non_blocking=True)
+        input_ids, positions = packed[:t], packed[t : 2 * t]
+        rows, q_lens_t, kv_t = packed[2 * t : 2 * t + b], packed[2 * t + b : 2 * t + 2 * b], \
+            packed[2 * t + 2 * b :]
+        decode = t == b
+        # output_size given: no device-to-host sync to size the result.
+        row_of_token = rows if decode else torch.repeat_interleave(rows, q_lens_t, output_size=t)
         out_slots = self.table.table[row_of_token, positions]  # slot = table[row, position]
         input_embeds = latent_mask = None
         if inj_rows:
@@ -89,12 +94,10 @@ class ModelRunner:
         layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
         rec = RecurrentBatch.from_batch(batch, layout, self.table.table) if self.recurrent \
             else None
-        decode = len(ids) == len(batch.reqs)
         if (self.graphs is not None and decode and len(ids) <= self.graphs.max_bs
                 and (rec is None or self.graphs.can_replay(rec))):
             self.num_graph_steps += 1
-            kv = torch.tensor(kv_lens, dtype=torch.int32).to(dev, non_blocking=True)
-            logits, hidden = self.graphs.replay(input_ids, positions, rows, kv, out_slots,
+            logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_t, out_slots,
                                                 input_embeds, latent_mask, rec)
             if rec is not None:
                 rec.iters_used = list(rec.row_depths)
@@ -127,3 +130,14 @@ class ModelRunner:
             self.last_captured = capture_buf[idx]
         last_hidden = hidden[idx]
         return self.model.compute_logits(last_hidden), last_hidden
+
+
+def _token_ids(req, start: int, n: int) -> list[int]:
+    """``req.ids[start : start + n]`` without building ``prompt_ids + output_ids`` (O(n)
+    instead of O(sequence length) per row and step)."""
+    p = len(req.prompt_ids)
+    if start >= p:
+        return req.output_ids[start - p : start - p + n]
+    if start + n <= p:
+        return req.prompt_ids[start : start + n]
+    return req.prompt_ids[start:] + req.output_ids[: start + n - p]
