@@ -17,41 +17,12 @@ pytest.importorskip("triton")
 
 import torch
 
-from latentserve.ops import (
-    activation,
-    kernels,
-    norm,
-    rotary,
-)
+from latentserve.ops import activation, kernels, norm, rotary
+from latentserve.testing.triton_interpreter import patch_triton_interpreter
+
+patch_triton_interpreter()
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def _patch_bf16_rounding():
-    """The Triton 3.6 interpreter truncates fp32 -> bf16 casts; compiled kernels (and torch)
-    round to nearest even. Round in the interpreter too (test process only; a no-op where the
-    interpreter already rounds)."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.cast_impl, "_latentserve_patched", False):
-        return
-    cast_impl = builder.cast_impl
-
-    def cast_rounding(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
-            bits = bits.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return interpreter.TensorHandle(bits, tl.bfloat16)
-        return cast_impl(self, src, dst_type)
-
-    cast_rounding._latentserve_patched = True
-    builder.cast_impl = cast_rounding
-
-
-_patch_bf16_rounding()
 
 
 def _ulp_close(out: torch.Tensor, ref: torch.Tensor) -> None:
