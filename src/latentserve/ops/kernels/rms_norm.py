@@ -17,7 +17,7 @@ import triton.language as tl
 def _rms_norm_kernel(
     X, R, W, Out, ResOut,
     stride_x, stride_r, stride_o, stride_ro,
-    n_cols, eps,
+    n_cols, inv_n, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -29,8 +29,9 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
         tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
-    mean_sq = tl.sum(xf * xf, axis=0) / n_cols
-    normed = (xf / tl.sqrt_rn(mean_sq + eps)).to(X.dtype.element_ty)
+    # torch's ops on CUDA: mean = sum * (1 / n), then x * rsqrt (rsqrt.approx, as rsqrtf)
+    mean_sq = tl.sum(xf * xf, axis=0) * inv_n
+    normed = (xf * tl.rsqrt(mean_sq + eps)).to(X.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
     y = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
@@ -62,7 +63,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(t,)](
             x, r, weight, out, res_out,
             x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
-            n, eps,
+            n, 1.0 / n, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block,
             num_warps=min(max(block // 256, 1), 8),
         )
