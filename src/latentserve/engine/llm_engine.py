@@ -51,6 +51,8 @@ class LLMEngine:
                                       latent_injection=config.latent_injection)
         if config.use_fused_ops and hasattr(model, "use_fused_ops"):
             model.use_fused_ops()  # merged GEMMs + Triton norm/RoPE/SiLU kernels (models/llama)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the unmerged weights' blocks: KV sizing reads free memory
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
