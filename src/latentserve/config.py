@@ -26,7 +26,9 @@ class EngineConfig:
     ``latent_head`` overrides the compression-head bundle (``latent/head.py``; default: env
     ``LATENTSERVE_LATENT_HEAD``, else ``latent_reasoning_head.safetensors`` in the model
     directory), ``no_latent_head`` serves the bare backbone, ``latent_injection`` overrides
-    the bundle's injection mode.
+    the bundle's injection mode. ``tensor_parallel_size``: processes (ranks) the model is
+    split across (``models/parallel.py``; CUDA needs that many devices; its head counts and
+    intermediate size must be divisible by it).
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -48,13 +50,14 @@ class EngineConfig:
     latent_head: str | None = None  # head bundle path (None: env LATENTSERVE_LATENT_HEAD,
     no_latent_head: bool = False  # then the model dir's); True: serve the bare backbone
     latent_injection: str | None = None  # "closed_loop" / "prompt" (None: the bundle's)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -31,6 +31,9 @@ class SamplingParams:
     ``logprobs``: None = none; k >= 0 = the sampled token's log-probability plus the k most
     likely tokens' (0: the sampled token only). They are log-softmax values of the raw model
     logits, before penalties, temperature and filtering (vLLM's default ``raw_logprobs``).
+    ``prompt_logprobs``: the same for every prompt token given the tokens before it (the
+    first has none); such a request computes its whole prompt (no prefix-cache hit) and
+    gets the list on one ``StepOutput``. Costs nothing for requests that leave it None.
 
     Recurrent-depth models (``latent_budget`` = recurrences per token): ``exit_criterion``
     picks the per-token early exit (Huginn: ``entropy-diff``, ``latent-diff``, ``kl``,
@@ -64,10 +67,13 @@ class SamplingParams:
     latent_budget: int | None = None
     # Report each latent step's norm and logit-lens top-5 tokens on the final output.
     return_latent_trace: bool = False
+    # Emit a StepOutput (no tokens, latent_steps counted) after every latent step too.
+    stream_latent_steps: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # Recurrent-depth models (Huginn, Ouro; latent/recurrent.py): per-token early exit.
     # None = the model's default (Huginn: none; Ouro: its config's early_exit_threshold).
     exit_criterion: str | None = None
@@ -106,6 +112,8 @@ class SamplingParams:
                    lo_open=True)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0)
         if self.latent_budget is not None:
             _check_int("latent_budget", self.latent_budget, lo=0)
         if self.exit_criterion is not None and (not isinstance(self.exit_criterion, str)

@@ -47,7 +47,9 @@ class CudaGraphRunner:
     recurrent model, whose depths and readout go to static buffers) with B <= max_bs and
     returns
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
-    the next replay.
+    the next replay. A closed-loop compression head (``model.latent_head``) runs inside the
+    graph on the captured anchors; its ``(latent_input [B, hidden] float32, stop_prob [B]
+    float32 or None)`` are left in ``last_head`` after each replay.
     """
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
@@ -68,6 +70,11 @@ class CudaGraphRunner:
         self.mask = torch.zeros(n, dtype=torch.bool, device=dev)
         self._mask_set = False  # whether any mask entry may be True
         self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        # A compression head runs on the captured anchors inside the graph (closed loop).
+        head = getattr(model, "latent_head", None)
+        self.head = head if capture_layer >= 0 and getattr(
+            model, "latent_head_mode", None) == "closed_loop" else None
+        self.last_head = None
         spec = getattr(model, "latent_spec", None)
         self.recurrent = spec is not None and spec.kind == "recurrent"
         self.depths = torch.zeros(n, dtype=torch.int64, device=dev)  # padded rows: depth 0
@@ -81,7 +88,7 @@ class CudaGraphRunner:
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.latent_capable = latent_capable
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], tuple] = {}
         pool = None
         # Largest first, so smaller graphs reuse its pool.
         for depth, b in [(d, b) for d in reversed(self.graph_depths)
@@ -113,7 +120,11 @@ class CudaGraphRunner:
             hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
         else:
             hidden = model(self.ids[:b], self.pos[:b])
-        return model.compute_logits(hidden), hidden
+        head_out = None
+        if self.head is not None:  # next latent inputs and stop probabilities of every row
+            anchors = self.capture_buf[:b]
+            head_out = (self.head.latent_input(anchors), self.head.stop_prob(anchors))
+        return model.compute_logits(hidden), hidden, head_out
 
     @property
     def max_bs(self) -> int:
@@ -158,5 +169,8 @@ class CudaGraphRunner:
             self.kv_lens[n:b].fill_(1)
             self.out_slots[n:b].zero_()
         self.graphs[depth, b].replay()
-        logits, hidden = self.outputs[depth, b]
+        logits, hidden, head_out = self.outputs[depth, b]
+        if head_out is not None:
+            vecs, probs = head_out
+            self.last_head = (vecs[:n], None if probs is None else probs[:n])
         return logits[:n], hidden[:n]

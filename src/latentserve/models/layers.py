@@ -70,14 +70,16 @@ class Rotary(nn.Module):
 _rotate_half = rotate_half  # the name ouro.py imports
 
 
-def merge_linears(*linears: nn.Linear) -> nn.Linear:
+def merge_linears(*linears: nn.Module) -> nn.Linear:
     """One ``nn.Linear`` whose output is the given layers' outputs concatenated (their
     weights stacked along the output dim, on their device and dtype): one GEMM instead of
-    several. All must share ``in_features`` and either all have a bias or none."""
+    several. Takes ``nn.Linear`` or any module computing ``x @ weight.T + bias`` (a
+    tensor-parallel rank's column shard: the merge is then that rank's shard of the merged
+    projection). All must share the input size and either all have a bias or none."""
     w = torch.cat([lin.weight.detach() for lin in linears], dim=0)
     has_bias = [lin.bias is not None for lin in linears]
-    if len(set(has_bias)) != 1 or len({lin.in_features for lin in linears}) != 1:
-        raise ValueError("merge_linears needs equal in_features and all or no biases")
+    if len(set(has_bias)) != 1 or len({lin.weight.shape[1] for lin in linears}) != 1:
+        raise ValueError("merge_linears needs equal input sizes and all or no biases")
     merged = nn.Linear(w.shape[1], w.shape[0], bias=has_bias[0], device=w.device,
                        dtype=w.dtype)
     with torch.no_grad():

@@ -92,13 +92,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, budget)
-            if not self.cache.grow(req, req.num_computed + n):
+            if not self.cache.reserve(req, req.num_computed + n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 continue  # retry req (unless it was the victim: then the loop ends)
             self._add_to_batch(batch, req, n)
             budget -= n
             i += 1
+        self.cache.flush()
         # 2. Admit waiting requests in arrival order while rows, slots and budget last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -165,6 +166,8 @@ class Scheduler:
                     self.running.remove(req)
                     self.cache.release(req)
                     self._finish(req, reason)
+                    outs.append(self._output(req, []))
+                elif req.params.stream_latent_steps:  # progress of a latent step, no token
                     outs.append(self._output(req, []))
                 continue
             req.output_ids.append(tok)

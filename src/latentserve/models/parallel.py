@@ -1,0 +1,241 @@
+"""Tensor-parallel layers, and ``shard_model``, which turns a loaded model into this rank's
+shard.
+
+Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053), as vLLM and SGLang lay it out:
+q/k/v and gate/up projections are column-parallel (each rank owns a contiguous block of
+heads or of the intermediate size; no communication), attention output and MLP down
+projections are row-parallel (each rank multiplies its input block, then one all-reduce),
+the token embedding is vocab-parallel (each rank looks up its vocabulary block, zeros the
+rest, all-reduce) and the LM head is vocab-parallel (each rank's logits block, all-gather).
+
+Model files stay plain: the loader builds the full model on the CPU, loads the checkpoint,
+and ``shard_model`` swaps modules in place before the model moves to its device, so at
+``tensor_parallel_size == 1`` nothing changes and nothing costs. Each rank reads the whole
+checkpoint into host memory once (simple; a per-rank slice reader is future work).
+
+Divisibility: ``num_attention_heads``, ``num_key_value_heads`` and the MLP intermediate size
+must be divisible by the TP size (KV heads are split, never replicated); the vocabulary is
+padded up to a multiple of the TP size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from latentserve.distributed import TPGroup, all_gather_last_dim, all_reduce
+
+# Modules kept whole on every rank (small, or cheaper whole than split).
+REPLICATED = ("wpe", "adapter", "early_exit_gate")
+
+
+def _block(n: int, tp: TPGroup, what: str) -> slice:
+    if n % tp.size:
+        raise ValueError(f"{what} ({n}) must be divisible by tensor_parallel_size ({tp.size})")
+    per = n // tp.size
+    return slice(tp.rank * per, (tp.rank + 1) * per)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y[..., out_r] = x W_r^T + b_r``: this rank's block of output features, no
+    communication.
+
+    ``from_linear(linear, tp, splits)``: ``splits`` are the output chunk sizes of a fused
+    projection (q|k|v, gate|up); each chunk is split across ranks separately and this rank's
+    pieces are concatenated in order. Input ``[T, in]``; output ``[T, out / size]``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp: TPGroup, splits: list[int] | None = None,
+                    what: str = "output features") -> ColumnParallelLinear:
+        splits = splits or [linear.out_features]
+        w_parts, b_parts, off = [], [], 0
+        for n in splits:
+            sl = _block(n, tp, what)
+            w_parts.append(linear.weight.data[off + sl.start : off + sl.stop])
+            if linear.bias is not None:
+                b_parts.append(linear.bias.data[off + sl.start : off + sl.stop])
+            off += n
+        bias = torch.cat(b_parts).clone() if b_parts else None
+        return cls(torch.cat(w_parts).clone(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_r W_r^T) + b``: this rank's block of input features; the bias
+    (whole) is added once, after the sum. Input ``[T, in / size]``; output ``[T, out]``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.tp = tp
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp: TPGroup,
+                    what: str = "input features") -> RowParallelLinear:
+        sl = _block(linear.in_features, tp, what)
+        bias = None if linear.bias is None else linear.bias.data.clone()
+        return cls(linear.weight.data[:, sl].clone(), bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> tuple[nn.Parameter, int]:
+    """This rank's rows ``[rank * per, (rank + 1) * per)`` of a ``[vocab, hidden]`` table,
+    ``per = ceil(vocab / size)``, zero-padded to ``per`` rows; returns ``(param, start)``."""
+    vocab = weight.shape[0]
+    per = -(-vocab // tp.size)
+    start = tp.rank * per
+    part = weight.data[start : min(start + per, vocab)]
+    out = weight.data.new_zeros(per, weight.shape[1])
+    out[: part.shape[0]] = part
+    return nn.Parameter(out, requires_grad=False), start
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding over this rank's vocabulary block ``[start, start + per)``.
+
+    ``forward(ids [T] int64) -> [T, hidden]``: ids outside the block look up row 0 and are
+    zeroed, then one all-reduce sums the ranks' parts (each id is in exactly one block).
+    ``weight`` is ``[per, hidden]`` and may be shared with a tied ``ParallelLMHead``.
+    """
+
+    def __init__(self, weight: nn.Parameter, start: int, tp: TPGroup):
+        super().__init__()
+        self.weight = weight
+        self.start, self.tp = start, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(x.masked_fill(outside[:, None], 0), self.tp)
+
+
+class ParallelLMHead(nn.Module):
+    """LM head over this rank's vocabulary block, logits gathered on every rank.
+
+    ``forward(hidden [B, hidden]) -> [B, vocab]`` in the weight's dtype: local block
+    ``[B, per]``, all-gather, padding columns dropped.
+    """
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, tp: TPGroup):
+        super().__init__()
+        self.weight = weight
+        self.vocab_size, self.tp = vocab_size, tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = all_gather_last_dim(F.linear(hidden, self.weight), self.tp)
+        return logits[..., : self.vocab_size]
+
+
+def _shard_attention(att: nn.Module, tp: TPGroup) -> None:
+    """Split one attention module's heads across ranks (head counts become per-rank)."""
+    if hasattr(att, "q_proj"):  # Llama, Qwen2, Mistral, Ouro
+        _block(att.n_heads, tp, "num_attention_heads")
+        _block(att.n_kv, tp, "num_key_value_heads")
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(att, name, ColumnParallelLinear.from_linear(getattr(att, name), tp))
+        att.o_proj = RowParallelLinear.from_linear(att.o_proj, tp)
+        att.n_heads //= tp.size
+        att.n_kv //= tp.size
+    elif hasattr(att, "c_attn"):  # GPT-2: fused q|k|v
+        _block(att.n_heads, tp, "n_head")
+        e = att.n_heads * att.head_dim
+        att.c_attn = ColumnParallelLinear.from_linear(att.c_attn, tp, [e, e, e])
+        att.c_proj = RowParallelLinear.from_linear(att.c_proj, tp)
+        att.n_heads //= tp.size
+    elif hasattr(att, "Wqkv"):  # Huginn: fused q|k|v, per-head qk_bias
+        _block(att.n_head, tp, "num_attention_heads")
+        _block(att.n_kv, tp, "num_key_value_heads")
+        att.Wqkv = ColumnParallelLinear.from_linear(att.Wqkv, tp, list(att.chunks))
+        att.proj = RowParallelLinear.from_linear(att.proj, tp)
+        if att.has_qk_bias:
+            sl = _block(att.n_head, tp, "num_attention_heads")
+            att.qk_bias = nn.Parameter(att.qk_bias.data[:, :, sl].clone(), requires_grad=False)
+        att.n_head //= tp.size
+        att.n_kv //= tp.size
+        att.chunks = [c // tp.size for c in att.chunks]
+    else:
+        raise ValueError(f"no tensor-parallel plan for attention {type(att).__name__}")
+
+
+def _shard_mlp(mlp: nn.Module, tp: TPGroup) -> None:
+    what = "intermediate_size"
+    if hasattr(mlp, "gate_proj"):  # Llama family, Ouro
+        mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, tp, what=what)
+        mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, tp, what=what)
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp, what=what)
+    elif hasattr(mlp, "c_fc"):  # GPT-2
+        mlp.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, tp, what=what)
+        mlp.c_proj = RowParallelLinear.from_linear(mlp.c_proj, tp, what=what)
+    elif hasattr(mlp, "fc"):  # Huginn: fused gate|up
+        inter = mlp.proj.in_features
+        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, [inter, inter], what=what)
+        mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, what=what)
+    else:
+        raise ValueError(f"no tensor-parallel plan for MLP {type(mlp).__name__}")
+
+
+def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, name = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """Replace ``model``'s modules (still on the CPU, weights loaded) by this rank's shards.
+
+    Every decoder block's ``attn``/``self_attn`` and ``mlp`` are split; the token embedding
+    (``model.embed_tokens`` or ``transformer.wte``) becomes a ``VocabParallelEmbedding`` and
+    the LM head (``lm_head``, or the tied ``wte`` of GPT-2) a ``ParallelLMHead``, sharing the
+    shard when tied. ``compute_logits`` then returns gathered ``[B, vocab]`` logits on every
+    rank. Returns ``model``.
+
+    Raises ValueError naming a head count or size that ``tp.size`` does not divide, or a
+    ``nn.Linear`` / ``nn.Embedding`` no plan covers (so a new architecture cannot be served
+    half-split by accident).
+    """
+    for name, mod in list(model.named_modules()):
+        leaf = name.rpartition(".")[2]
+        if leaf in ("attn", "self_attn") and not isinstance(mod, nn.Linear):
+            _shard_attention(mod, tp)
+        elif leaf == "mlp":
+            _shard_mlp(mod, tp)
+    emb_name = next(n for n in ("model.embed_tokens", "transformer.wte")
+                    if _has(model, n))
+    emb = model.get_submodule(emb_name)
+    vocab = emb.weight.shape[0]
+    head = getattr(model, "lm_head", None)
+    tied = head is None or head.weight is emb.weight
+    weight, start = vocab_shard(emb.weight, tp)
+    _set(model, emb_name, VocabParallelEmbedding(weight, start, tp))
+    head_weight = weight if tied else vocab_shard(head.weight, tp)[0]
+    model.lm_head = ParallelLMHead(head_weight, vocab, tp)
+    if head is None:  # GPT-2 computes logits from wte: route them through the parallel head
+        model.compute_logits = lambda hidden: model.lm_head(hidden).float()
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)) and name.rpartition(".")[2] \
+                not in REPLICATED:
+            raise ValueError(f"no tensor-parallel plan for {name} ({type(mod).__name__}) "
+                             f"in {type(model).__name__}")
+    model.tp = tp
+    return model
+
+
+def _has(model: nn.Module, dotted: str) -> bool:
+    try:
+        model.get_submodule(dotted)
+        return True
+    except AttributeError:
+        return False
