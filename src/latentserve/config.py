@@ -28,7 +28,9 @@ class EngineConfig:
     directory), ``no_latent_head`` serves the bare backbone, ``latent_injection`` overrides
     the bundle's injection mode. ``tensor_parallel_size``: processes (ranks) the model is
     split across (``models/parallel.py``; CUDA needs that many devices; its head counts and
-    intermediate size must be divisible by it).
+    intermediate size must be divisible by it). ``max_latent_budget`` caps ``latent_budget`` (latent steps
+    of a feedback model, recurrences of a recurrent-depth one) below the model's own
+    ``LatentSpec.max_budget``; a model default above it is lowered to it.
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -51,6 +53,7 @@ class EngineConfig:
     no_latent_head: bool = False  # then the model dir's); True: serve the bare backbone
     latent_injection: str | None = None  # "closed_loop" / "prompt" (None: the bundle's)
     tensor_parallel_size: int = 1
+    max_latent_budget: int | None = None  # server cap on latent_budget (None: the model's)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -71,6 +74,8 @@ class EngineConfig:
         if self.latent_injection not in (None, "closed_loop", "prompt"):
             raise ValueError("latent_injection must be one of (None, 'closed_loop', 'prompt'), "
                              f"got {self.latent_injection!r}")
+        if self.max_latent_budget is not None and self.max_latent_budget < 1:
+            raise ValueError(f"max_latent_budget must be >= 1, got {self.max_latent_budget}")
         if self.kv_slots is not None and self.kv_slots < 2:
             raise ValueError(f"kv_slots must be >= 2, got {self.kv_slots}")
 

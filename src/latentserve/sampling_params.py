@@ -35,6 +35,9 @@ class SamplingParams:
     first has none); such a request computes its whole prompt (no prefix-cache hit) and
     gets the list on one ``StepOutput``. Costs nothing for requests that leave it None.
 
+    ``stream_latent_steps``: the engine also emits a token-less ``StepOutput`` after each
+    latent step (its ``latent_steps`` counts them), for streamed progress ticks.
+
     Recurrent-depth models (``latent_budget`` = recurrences per token): ``exit_criterion``
     picks the per-token early exit (Huginn: ``entropy-diff``, ``latent-diff``, ``kl``,
     ``minp-kl``, ``argmax-stability``, ``cosine``, ``none``; Ouro: ``last``, ``threshold``,
@@ -67,13 +70,10 @@ class SamplingParams:
     latent_budget: int | None = None
     # Report each latent step's norm and logit-lens top-5 tokens on the final output.
     return_latent_trace: bool = False
-    # Emit a StepOutput (no tokens, latent_steps counted) after every latent step too.
-    stream_latent_steps: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
     # Recurrent-depth models (Huginn, Ouro; latent/recurrent.py): per-token early exit.
     # None = the model's default (Huginn: none; Ouro: its config's early_exit_threshold).
     exit_criterion: str | None = None
@@ -88,6 +88,9 @@ class SamplingParams:
     use_stop: bool | None = None
     stop_threshold: float | None = None  # stop when sigmoid(stop logit) > this
     min_output_tokens: int | None = None  # answer-budget floor (0 = off)
+    prompt_logprobs: int | None = None  # logprobs of the prompt tokens too (echo)
+    # Emit a StepOutput (no tokens, latent_steps counted) after every latent step too.
+    stream_latent_steps: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="serve the bare backbone even when a head bundle is found")
     p.add_argument("--latent-injection", default=None, choices=["closed_loop", "prompt"],
                    help="override the head bundle's injection mode")
+    p.add_argument("--max-latent-budget", "--max-recurrence", type=int, default=None,
+                   dest="max_latent_budget",
+                   help="cap on a request's latent_budget: latent steps (COCONUT, CODI) or "
+                        "recurrences per token (Huginn, Ouro); default: the model's own cap")
 
 
 def engine_config(args: argparse.Namespace):
@@ -50,7 +54,8 @@ def engine_config(args: argparse.Namespace):
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         latent_head=getattr(args, "latent_head", None),
                         no_latent_head=getattr(args, "no_latent_head", False),
-                        latent_injection=getattr(args, "latent_injection", None))
+                        latent_injection=getattr(args, "latent_injection", None),
+                        max_latent_budget=getattr(args, "max_latent_budget", None))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,8 @@ def register(sub) -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--out", default=None, help="write summary and per-item records (JSON)")
     p.add_argument("--plot", default=None, help="sweep plot (PNG)")
+    p.add_argument("--baseline", default=None,
+                   help="an --out JSON of a text-CoT run, drawn as a reference line")
     p.set_defaults(func=run)
 
 
@@ -62,11 +64,16 @@ def run(args) -> int:
         runs.append(summary)
         records[str(b)] = recs
         print(json.dumps(summary), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"dataset": args.dataset, "runs": runs, "records": records}, f, indent=1)
+        if args.out:  # after every budget: a sweep cut off keeps what it finished
+            with open(args.out, "w") as f:
+                json.dump({"dataset": args.dataset, "runs": runs, "records": records}, f,
+                          indent=1)
     if args.plot:
         if args.sweep is None:
             raise ValueError("--plot needs --sweep")
-        plot_sweep(runs, args.plot, title=f"{args.dataset} (n={len(items)})")
+        base = None
+        if args.baseline:
+            with open(args.baseline) as f:
+                base = json.load(f)["runs"][0]
+        plot_sweep({"head": runs}, args.plot, f"{args.dataset} (n={len(items)})", base)
     return 0

@@ -53,12 +53,15 @@ def register(sub) -> None:
     g.add_argument("--close-bonus", type=float, default=0.1)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--save-every", type=int, default=0,
+                   help="also write the bundle every N steps (0: at the end only)")
     g.set_defaults(func=run_grpo)
 
 
 def _common(p) -> None:
     p.add_argument("--model", default=None, help="backbone (default: embedded SmolLM2)")
-    p.add_argument("--data", default="/work/shared/data/gsm8k/train.jsonl")
+    p.add_argument("--data", default=None,
+                   help="GSM8K-format jsonl (default: $LATENTSERVE_DATA/gsm8k/train.jsonl)")
     p.add_argument("--max-examples", type=int, default=None)
     p.add_argument("--out", required=True, help="bundle to write (.safetensors or .pt)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

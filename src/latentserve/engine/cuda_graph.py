@@ -10,7 +10,7 @@ backend's, refreshed in place before each replay.
 Recurrent-depth models (``latent/recurrent.py``) run their loop inside the graph in the
 masked mode: a static ``depths [B]`` buffer (refreshed like ``kv_lens``) gives each row's
 recurrence count and the loop has a fixed trip count ``D``; one graph per (bucket, D) for D
-in ``graph_depths`` (default: the spec's default and max budget). A batch replays the
+in ``graph_depths`` (default: ``default_graph_depths``). A batch replays the
 smallest captured D that covers its deepest row; a batch with a row that may exit early
 runs eagerly.
 """
@@ -29,6 +29,19 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sorted(b for b in sizes if b <= max_bs)
 
 
+def default_graph_depths(spec) -> list[int]:
+    """Recurrence counts captured for a recurrent model: powers of two up to the spec's
+    max budget, plus its default and its max, so a batch replays a loop at most about
+    twice as deep as its deepest row (1, 2, 4, 8, 16, 32 for Huginn's max 32)."""
+    top = max(spec.max_budget, 1)
+    depths = {max(spec.default_budget, 1), top}
+    d = 1
+    while d < top:
+        depths.add(d)
+        d *= 2
+    return sorted(depths)
+
+
 class CudaGraphRunner:
     """Captures ``model`` decode steps for each bucket and replays them.
 
@@ -39,8 +52,8 @@ class CudaGraphRunner:
         capture_layer: decoder layer whose output goes to ``capture_buf`` (-1: none).
         latent_capable: bind the inject buffers (True in the engine; False only lets the
             benchmark measure what binding them costs).
-        graph_depths: recurrent-depth models: the loop trip counts captured (None = the
-            spec's default and max budget).
+        graph_depths: recurrent-depth models: the loop trip counts captured (None =
+            ``default_graph_depths(spec)``).
 
     ``replay(ids, pos, rows, kv_lens, out_slots, embeds, mask, rec)`` takes ``[B]`` device
     tensors (``embeds [B, hidden]``, ``mask [B] bool``; ``rec`` the ``RecurrentBatch`` of a
@@ -81,8 +94,7 @@ class CudaGraphRunner:
         self.exit_thr = torch.full((n,), float("inf"), device=dev)  # Ouro readout per row
         self.exit_weighted = torch.zeros(n, dtype=torch.bool, device=dev)
         if self.recurrent:
-            self.graph_depths = sorted(set(graph_depths or
-                                           (max(spec.default_budget, 1), spec.max_budget)))
+            self.graph_depths = sorted(set(graph_depths or default_graph_depths(spec)))
         else:
             self.graph_depths = [0]
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)

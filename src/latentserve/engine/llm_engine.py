@@ -75,7 +75,10 @@ class LLMEngine:
         radix = RadixCache(allocator, enabled=config.enable_prefix_caching)
         self.cache = CacheManager(allocator, radix, table)
         self.eos_ids = _eos_ids(model_dir, self.tokenizer, hf_config)
-        self.latent_spec = getattr(model, "latent_spec", None)
+        from latentserve.latent.spec import cap_budget
+
+        self.latent_spec = cap_budget(getattr(model, "latent_spec", None),
+                                      config.max_latent_budget)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.latent_spec)
@@ -373,9 +376,12 @@ class LLMEngine:
         if not rows:
             return None
         model = self.runner.model
-        idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
         with torch.inference_mode():
-            vecs = model.latent_feedback(last_hidden[idx])
+            if len(rows) == len(reqs):  # every row thinks (the common latent decode batch)
+                vecs = model.latent_feedback(last_hidden)
+            else:
+                idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
+                vecs = model.latent_feedback(last_hidden[idx])
         out: list = [None] * len(reqs)
         traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
         if traced:
@@ -387,8 +393,9 @@ class LLMEngine:
                     "norm": float(vecs[j].float().norm()),
                     "top_tokens": [[int(t), float(v)] for t, v in
                                    zip(top.indices[k].tolist(), top.values[k].tolist())]})
+        views = vecs.unbind(0)  # one call for every row's view
         for j, i in enumerate(rows):
-            out[i] = vecs[j]
+            out[i] = views[j]
         return out
 
 

@@ -20,6 +20,7 @@ class Completion:
     latent_steps: int
     latency_s: float
     finish_reason: str | None = None
+    latent_end: str | None = None  # how a head's latent phase ended: stop, cap or length
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,20 +85,22 @@ class EngineBackend:
                     continue
                 toks[o.rid] += o.new_token_ids
                 if o.finished:
-                    steps = (o.latent_stats or {}).get("steps", o.latent_steps) or 0
-                    done[o.rid] = (time.perf_counter() - start, steps, o.finish_reason)
+                    st = o.latent_stats or {}
+                    done[o.rid] = (time.perf_counter() - start, st.get("steps", o.latent_steps)
+                                   or 0, o.finish_reason, st.get("end"))
         out = []
         for rid in rids:
-            lat, steps, reason = done[rid]
+            lat, steps, reason, end = done[rid]
             text = self.tokenizer.decode(toks[rid], skip_special_tokens=True)
-            out.append(Completion(text, len(toks[rid]), steps, lat, reason))
+            out.append(Completion(text, len(toks[rid]), steps, lat, reason, end))
         return out
 
 
 class OpenAIBackend:
     """An OpenAI-compatible ``/v1/chat/completions`` server (``latentserve serve`` or
     another engine), ``concurrency`` requests in flight, greedy. ``max_latent`` goes as the
-    body fields ``thinking`` / ``max_latent`` (latentserve's; other servers ignore them);
+    body fields ``thinking`` / ``max_latent`` with the head controls (``use_stop``,
+    ``min_latent``, ``stop_threshold``: latentserve's fields; other servers ignore them);
     latent steps are read from the choice's ``latent.steps`` when the server reports it."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str = "none",
@@ -108,24 +111,27 @@ class OpenAIBackend:
         self.model = model or self.client.models.list().data[0].id
         self.concurrency = concurrency
 
-    def _one(self, r: Request, start: float) -> Completion:
+    def _one(self, r: Request, start: float, controls: dict) -> Completion:
         body = {}
         if r.max_latent is not None:
-            body = {"thinking": True, "max_latent": r.max_latent, "min_output_tokens": 0}
+            body = {"thinking": True, "max_latent": r.max_latent, "min_output_tokens": 0,
+                    **controls}
         resp = self.client.chat.completions.create(
             model=self.model, messages=[{"role": "user", "content": r.user}],
-            max_tokens=r.max_tokens + (r.max_latent or 0), temperature=0.0,
+            # latent steps and the closing ids spend max_tokens too; 8 covers the closing
+            max_tokens=r.max_tokens + (r.max_latent + 8 if r.max_latent is not None else 0),
+            temperature=0.0,
             extra_body=body or None)
         ch = resp.choices[0]
         latent = (ch.model_extra or {}).get("latent") or {}
         return Completion(ch.message.content or "",
                           resp.usage.completion_tokens if resp.usage else 0,
                           int(latent.get("steps") or 0), time.perf_counter() - start,
-                          ch.finish_reason)
+                          ch.finish_reason, (latent.get("stats") or {}).get("end"))
 
     def run(self, requests: list[Request], **head_controls) -> list[Completion]:
         from concurrent.futures import ThreadPoolExecutor
 
         start = time.perf_counter()
         with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(lambda r: self._one(r, start), requests))
+            return list(pool.map(lambda r: self._one(r, start, head_controls), requests))

@@ -46,7 +46,8 @@ def evaluate(items: list[Item], backend, max_tokens: int = 256,
     """Run ``items`` through ``backend`` (``eval.backends``); returns ``(records,
     summary)``. A record: ``question``, ``gold``, ``output``, ``strict``, ``flexible``,
     ``thinking``, ``completion_tokens``, ``latent_steps``, ``latency_s``,
-    ``finish_reason``."""
+    ``finish_reason``, ``latent_end``; a latent run's summary also counts ``latent_end``
+    values (``stop`` = closed by the stop head, ``cap`` = hit ``max_latent``)."""
     outs = backend.run(requests_for(items, max_tokens, max_latent), **head_controls)
     records = []
     for it, o in zip(items, outs):
@@ -57,9 +58,12 @@ def evaluate(items: list[Item], backend, max_tokens: int = 256,
                         else o.latent_steps,
                         "completion_tokens": o.completion_tokens,
                         "latent_steps": o.latent_steps, "latency_s": round(o.latency_s, 4),
-                        "finish_reason": o.finish_reason})
+                        "finish_reason": o.finish_reason, "latent_end": o.latent_end})
     summary = summarize(records)
     summary["max_latent"] = max_latent
+    if max_latent is not None:  # how the latent phases ended (stop head, cap, length)
+        summary["latent_end"] = {e: sum(str(r["latent_end"]) == e for r in records)
+                                 for e in sorted({str(r["latent_end"]) for r in records})}
     return records, summary
 
 
@@ -77,24 +81,38 @@ def parse_sweep(spec: str) -> list[int]:
     return out
 
 
-def plot_sweep(summaries: list[dict], path, title: str = "") -> None:
-    """Test-time-scaling plot (PNG) of sweep ``summaries``: accuracy (flexible and
-    strict) and median / max latent steps against the ``max_latent`` budget."""
+def plot_sweep(series: dict[str, list[dict]], path, title: str = "",
+               baseline: dict | None = None) -> None:
+    """Test-time-scaling plot (PNG): for each ``label -> sweep summaries``, accuracy
+    (flexible solid, strict dashed) and median latent steps against the ``max_latent``
+    budget; ``baseline`` (a text-CoT summary) is drawn as horizontal lines (its accuracy;
+    its median thinking tokens on the right panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [s["max_latent"] for s in summaries]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
-    a1.plot(xs, [s["accuracy_flexible"] for s in summaries], "o-", label="flexible")
-    a1.plot(xs, [s["accuracy_strict"] for s in summaries], "s--", label="strict")
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
+    for label, runs in series.items():
+        xs = [s["max_latent"] for s in runs]
+        (line,) = a1.plot(xs, [s["accuracy_flexible"] for s in runs], "o-",
+                          label=f"{label} (flexible)")
+        a1.plot(xs, [s["accuracy_strict"] for s in runs], "s--", color=line.get_color(),
+                label=f"{label} (strict)")
+        a2.plot(xs, [s["thinking_median"] for s in runs], "o-", color=line.get_color(),
+                label=f"{label} median")
+        a2.plot(xs, [s["thinking_max"] for s in runs], "v:", color=line.get_color(),
+                label=f"{label} max")
+    if baseline is not None:
+        a1.axhline(baseline["accuracy_flexible"], color="gray", ls="-.",
+                   label="text CoT (flexible)")
+        a2.axhline(baseline["thinking_median"], color="gray", ls="-.",
+                   label="text CoT median tokens")
     a1.set(xlabel="max_latent", ylabel="accuracy", title="accuracy vs latent budget")
-    a1.legend()
-    a2.plot(xs, [s["thinking_median"] for s in summaries], "o-", label="median")
-    a2.plot(xs, [s["thinking_max"] for s in summaries], "s--", label="max")
-    a2.set(xlabel="max_latent", ylabel="latent steps", title="latent steps vs budget")
-    a2.legend()
+    a2.set(xlabel="max_latent", ylabel="latent steps / thinking tokens",
+           title="thinking vs budget")
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -120,9 +120,11 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: 
             if echo:
                 yield CompletionResponse(id=rid, model=model,
                                          choices=[CompletionChoice(index=i, text=echo)])
+    echoed = [not echo_later] * len(echoes)
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
-        if echo_later and delta.prompt_logprobs is not None:
+        if not echoed[i]:  # the prompt logprobs ride the choice's first delta
+            echoed[i] = True
             lps = echo_logprobs(texts, reqs[i].prompt_ids, delta.prompt_logprobs, as_ids)
             yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
                 index=i, text=echoes[i], logprobs=lps)])

@@ -43,7 +43,7 @@ class GRPOConfig:
     bundle: str
     out: str
     model: str | None = None
-    data: str = "/work/shared/data/gsm8k/train.jsonl"
+    data: str | None = None  # None = $LATENTSERVE_DATA/gsm8k/train.jsonl
     max_examples: int | None = None
     steps: int = 10
     questions_per_step: int = 8
@@ -61,6 +61,7 @@ class GRPOConfig:
     dtype: str = "float32"
     max_num_seqs: int = 256
     enforce_eager: bool = False
+    save_every: int = 0  # also write the bundle (and log) every N steps; 0 = at the end only
     progress: bool = True
 
     def __post_init__(self):
@@ -160,11 +161,11 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.eval.answers import last_number, numbers_equal
-    from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
+    from latentserve.latent.bundle import read_bundle
     from latentserve.latent.head_loop import set_policy_sampling
     from latentserve.sampling_params import SamplingParams
     from latentserve.train.schedule import adamw_warmup_linear
-    from latentserve.train.traces import chat_prompt_ids, load_gsm8k_rows
+    from latentserve.train.traces import chat_prompt_ids, load_gsm8k_rows, train_file
 
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -183,7 +184,7 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     policy.reasoning_head.net.requires_grad_(True)
     params = list(policy.reasoning_head.net.parameters())
     opt, sched = adamw_warmup_linear(params, cfg.lr, cfg.steps, warmup=0.0)
-    rows = load_gsm8k_rows(cfg.data, cfg.max_examples)
+    rows = load_gsm8k_rows(train_file(cfg.data), cfg.max_examples)
     tok = engine.tokenizer
     n_close = len(engine.latent_spec.end_ids)
     sp = SamplingParams(max_tokens=cfg.max_latent + n_close + cfg.answer_tokens,
@@ -227,10 +228,17 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
         if bar is not None:
             bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{acc:.2f}",
                             kl=f"{parts['kl']:.4f}")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            _save(policy, bundle.format_version, cfg, history, t0)
     set_policy_sampling(served, None)
-    out_bundle = bundle_from_module(policy.eval(), bundle.format_version)
+    return _save(policy, bundle.format_version, cfg, history, t0)
+
+
+def _save(policy, format_version: int, cfg: GRPOConfig, history: list, t0: float) -> dict:
+    from latentserve.latent.bundle import bundle_from_module, write_bundle
+
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    write_bundle(out_bundle, cfg.out)
+    write_bundle(bundle_from_module(policy, format_version), cfg.out)
     log = {"config": asdict(cfg), "history": history,
            "seconds": round(time.perf_counter() - t0, 2)}
     Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))

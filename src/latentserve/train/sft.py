@@ -40,7 +40,7 @@ class SFTConfig:
 
     out: str
     model: str | None = None
-    data: str = "/work/shared/data/gsm8k/train.jsonl"
+    data: str | None = None  # None = $LATENTSERVE_DATA/gsm8k/train.jsonl
     max_examples: int | None = None
     style: str = "solution"
     max_reasoning_tokens: int = 256
@@ -136,18 +136,20 @@ def train_sft(cfg: SFTConfig) -> dict:
     from latentserve.latent.head import HeadConfig, LatentHead
     from latentserve.train.features import capture
     from latentserve.train.schedule import adamw_warmup_linear
-    from latentserve.train.traces import build_traces, load_gsm8k_rows
+    from latentserve.train.traces import build_traces, load_gsm8k_rows, train_file
 
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
+    data = train_file(cfg.data)
+    rows = load_gsm8k_rows(data, cfg.max_examples)
     model, tok, _ = load_backbone(cfg.model, cfg.device, cfg.dtype)
     src, tgt = default_layers(model.config.num_hidden_layers)
     src = cfg.source_layer if cfg.source_layer is not None else src
     tgt = cfg.target_layer if cfg.target_layer is not None else tgt
-    traces = build_traces(tok, load_gsm8k_rows(cfg.data, cfg.max_examples), cfg.think_open,
-                          cfg.think_close, cfg.style, cfg.max_reasoning_tokens)
+    traces = build_traces(tok, rows, cfg.think_open, cfg.think_close, cfg.style,
+                          cfg.max_reasoning_tokens)
     if not traces:
-        raise ValueError(f"no usable trace in {cfg.data} (max_reasoning_tokens="
+        raise ValueError(f"no usable trace in {data} (max_reasoning_tokens="
                          f"{cfg.max_reasoning_tokens})")
     feats = capture(model, traces, src, tgt, cfg.compression_factor,
                     cfg.capture_batch_size, cfg.progress)

@@ -61,8 +61,20 @@ def reasoning_text(solution: str, style: str = "solution") -> str:
     raise ValueError(f"style must be 'solution' or 'equations', got {style!r}")
 
 
+def train_file(path: str | Path | None) -> Path:
+    """``path``, else GSM8K ``train.jsonl`` under ``eval.datasets.data_root()``."""
+    if path:
+        return Path(path)
+    from latentserve.eval.datasets import data_root
+
+    return data_root() / "gsm8k" / "train.jsonl"
+
+
 def load_gsm8k_rows(path: str | Path, limit: int | None = None) -> list[dict]:
-    """``{"question", "answer"}`` rows of a GSM8K jsonl file (the first ``limit``)."""
+    """``{"question", "answer"}`` rows of a GSM8K jsonl file (the first ``limit``).
+    Raises FileNotFoundError naming the file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"training data {path} does not exist")
     rows = []
     with open(path) as f:
         for line in f:
