@@ -1,8 +1,10 @@
 """The fast path's fused kernels and merged GEMMs on the H200 (``EngineConfig.fused_ops``).
 
 Kernels at serving sizes: each Triton kernel against its torch reference (``latentserve.ops``):
-fp32 within 1e-5, bf16/fp16 within one ulp of the output dtype (the kernels round where the
-eager ops round).
+fp32 within 1e-5; bf16/fp16 within two ulps of the output dtype. The kernels round where the
+eager ops round, but some fp32 intermediates differ in the last bit (summation order, the
+approximate exp of ``tl.exp``), which can flip one rounding before the last multiply and one
+after it. The residual sum is one rounded add on both sides and must be bitwise equal.
 
 Engines on real-size shapes with random weights (Llama-3.2-1B, SmolLM2-135M), Triton
 attention and CUDA graphs on both sides, fused vs unfused:
@@ -43,9 +45,10 @@ def _ulp_close(out, ref):
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         return
-    ulp = torch.finfo(out.dtype).eps * ref.float().abs().clamp_min(1e-3)
+    # eps * |ref| is at least one ulp at |ref|; two of them allow two flipped roundings.
+    bound = 2 * torch.finfo(out.dtype).eps * ref.float().abs().clamp_min(1e-3)
     err = (out.float() - ref.float()).abs()
-    assert bool((err <= ulp).all()), f"max error {float(err.max())}"
+    assert bool((err <= bound).all()), f"max error {float(err.max())}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
