@@ -8,8 +8,9 @@ after it. The residual sum is one rounded add on both sides and must be bitwise 
 
 Engines on real-size shapes with random weights (Llama-3.2-1B, SmolLM2-135M), Triton
 attention and CUDA graphs on both sides, fused vs unfused:
-* fp32: equal greedy tokens over 32 steps, every step's logits within 1e-4, and the fused
-  path's prefill logits within 1e-4 of HF transformers'.
+* fp32: the fused path's first 8 greedy tokens equal HF transformers' and its prefill logits
+  are within 1e-4 of HF's; against the unfused path, every step's logits within 1e-4 and
+  equal greedy tokens over 32 steps (a divergence only at a tie within 1e-4, printed).
 * bf16 (stated tolerance, self-calibrated): the bound is twice the unfused bf16 path's
   worst prefill-logit error against the unfused fp32 run (over the 16 prompts), plus 0.02.
   The fused bf16 prefill logits must be that close to fp32, and every step's logits that
@@ -139,6 +140,25 @@ def shape_dirs(tmp_path_factory):
     return {name: save_random_llama(root / name, SHAPES[name]) for name in SIZES}
 
 
+def _compare_steps(a_tok, a_lg, b_tok, b_lg, bound: float) -> int:
+    """Step by step, per prompt: logits within ``bound`` while both runs have had the same
+    inputs; at the first differing token, ``b``'s margin between the two tokens must be
+    within ``bound`` (a near tie), and the comparison of that prompt stops. Returns how many
+    prompts diverged."""
+    diverged = 0
+    for i in range(len(a_tok)):
+        assert len(a_tok[i]) == len(b_tok[i]) == STEPS
+        for s in range(STEPS):  # same inputs up to and including step s
+            err = float((a_lg[i][s] - b_lg[i][s]).abs().max())
+            assert err <= bound, f"prompt {i} step {s}: logits differ by {err:.2e} > {bound:.2e}"
+            if a_tok[i][s] != b_tok[i][s]:
+                margin = float(b_lg[i][s][b_tok[i][s]] - b_lg[i][s][a_tok[i][s]])
+                assert margin <= bound, f"prompt {i} step {s}: not a near tie ({margin:.2e})"
+                diverged += 1
+                break
+    return diverged
+
+
 @pytest.mark.parametrize("shape", list(SIZES))
 def test_fused_fp32_equals_unfused_and_hf(shape, shape_dirs, hf_models):
     from latentserve.testing.parity import hf_reference
@@ -156,9 +176,8 @@ def test_fused_fp32_equals_unfused_and_hf(shape, shape_dirs, hf_models):
     torch.cuda.empty_cache()
     unfused = _engine(shape_dirs[shape], "float32", False)
     u_tok, u_lg = _run_steps(unfused, prompts, STEPS)
-    assert f_tok == u_tok
-    for a, b in zip(f_lg, u_lg):
-        torch.testing.assert_close(torch.stack(a), torch.stack(b), atol=1e-4, rtol=0)
+    diverged = _compare_steps(f_tok, f_lg, u_tok, u_lg, 1e-4)
+    print(f"{shape} fp32: {diverged} of {len(prompts)} prompts diverged (ties within 1e-4)")
 
 
 @pytest.mark.parametrize("shape", list(SIZES))
@@ -175,16 +194,9 @@ def test_fused_bf16_tracks_unfused(shape, shape_dirs):
     (_, r_lg), (u_tok, u_lg), (f_tok, f_lg) = runs["ref"], runs["unfused"], runs["fused"]
     # bf16 noise of the unfused path on this model: its worst prefill error over the prompts.
     bound = 2 * max(float((u[0] - r[0]).abs().max()) for u, r in zip(u_lg, r_lg)) + 0.02
-    diverged = 0
     for i in range(len(prompts)):
         err = float((f_lg[i][0] - r_lg[i][0]).abs().max())
         assert err <= bound, f"prompt {i}: fused bf16 error {err:.4f} > {bound:.4f}"
-        for s in range(STEPS):  # same inputs up to and including step s
-            step_err = float((f_lg[i][s] - u_lg[i][s]).abs().max())
-            assert step_err <= bound, f"prompt {i} step {s}: {step_err:.4f} > {bound:.4f}"
-            if f_tok[i][s] != u_tok[i][s]:
-                margin = float(u_lg[i][s][u_tok[i][s]] - u_lg[i][s][f_tok[i][s]])
-                assert margin <= bound, f"prompt {i} step {s}: not a near tie ({margin:.4f})"
-                diverged += 1
-                break
-    print(f"{shape}: {diverged} of {len(prompts)} prompts diverged (near ties)")
+    diverged = _compare_steps(f_tok, f_lg, u_tok, u_lg, bound)
+    print(f"{shape} bf16: {diverged} of {len(prompts)} prompts diverged (ties within "
+          f"{bound:.3f})")
