@@ -19,7 +19,10 @@ class EngineConfig:
     CUDA ``gpu_memory_utilization`` of the device minus weights, graphs and activations).
     ``max_num_batched_tokens`` is the prefill chunk budget per step. ``attention_backend``:
     ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``. ``enforce_eager``
-    disables CUDA graphs for decode (they need CUDA and the Triton backend).
+    disables CUDA graphs for decode (they need CUDA and the Triton backend). ``fused_ops``:
+    the fast path's Triton kernels and merged q/k/v and gate/up GEMMs (``latentserve.ops``)
+    for models that have it (Llama family); None = on exactly when on CUDA with the Triton
+    backend (``use_fused_ops``).
     ``latent_head`` overrides the compression-head bundle (``latent/head.py``; default: env
     ``LATENTSERVE_LATENT_HEAD``, else ``latent_reasoning_head.safetensors`` in the model
     directory), ``no_latent_head`` serves the bare backbone, ``latent_injection`` overrides
@@ -44,6 +47,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    fused_ops: bool | None = None
     seed: int = 0
     latent_head: str | None = None  # head bundle path (None: env LATENTSERVE_LATENT_HEAD,
     no_latent_head: bool = False  # then the model dir's); True: serve the bare backbone
@@ -80,6 +84,12 @@ class EngineConfig:
         if self.attention_backend != "auto":
             return self.attention_backend
         return "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
+    def use_fused_ops(self) -> bool:
+        if self.fused_ops is not None:
+            return self.fused_ops
+        return self.device.startswith("cuda") and self.backend_name == "triton"
 
     @property
     def torch_dtype(self):

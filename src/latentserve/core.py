@@ -72,6 +72,16 @@ class Req:
     def ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_slice(self, start: int, stop: int) -> list[int]:
+        """``ids[start:stop]`` without building ``ids`` (O(stop - start), not O(seq_len):
+        the model runner takes each row's new ids this way every step)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p : stop - p]
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - p]
+
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

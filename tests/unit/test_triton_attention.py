@@ -13,61 +13,15 @@ import pytest
 
 pytest.importorskip("triton")
 
-import torch  # noqa: E402
+import torch
 
-from latentserve.attention.base import BatchLayout, make_backend  # noqa: E402
-from latentserve.attention.torch_backend import TorchBackend  # noqa: E402
-from latentserve.attention.triton_backend import TritonBackend, TritonMeta  # noqa: E402
-from latentserve.kvcache.pool import KVPool, PageTable  # noqa: E402
+from latentserve.attention.base import BatchLayout, make_backend
+from latentserve.attention.torch_backend import TorchBackend
+from latentserve.attention.triton_backend import TritonBackend, TritonMeta
+from latentserve.kvcache.pool import KVPool, PageTable
+from latentserve.testing.triton_interpreter import patch_triton_interpreter
 
-
-
-def _patch_triton_interpreter():
-    """Work around two Triton 3.6 interpreter gaps (test process only; compiled kernels are
-    untouched, and each patch is a no-op where the interpreter already behaves):
-
-    * scalar tensors are 1-element arrays and become ``range`` bounds through ``int(array)``,
-      which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream after 3.6);
-    * bf16 values are held as raw ``uint16`` bits and ``tl.dot`` multiplies those bits as
-      integers. Widening bf16 operands to fp32 first is what tensor cores compute (exact bf16
-      products, fp32 accumulation).
-    """
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    try:
-        int(np.zeros(1, dtype=np.int32))
-    except TypeError:
-        original = interpreter._patch_lang_tensor
-        if not getattr(original, "_latentserve_patched", False):
-
-            def patch_lang_tensor(tensor, scope):
-                original(tensor, scope)
-                scope.set_attr(tensor, "__index__",
-                               lambda self: int(self.handle.data.reshape(-1)[0]))
-
-            patch_lang_tensor._latentserve_patched = True
-            interpreter._patch_lang_tensor = patch_lang_tensor
-
-    builder = interpreter.InterpreterBuilder
-    if not getattr(builder.create_dot, "_latentserve_patched", False):
-        create_dot = builder.create_dot
-
-        def widen(x):
-            if x.dtype != tl.bfloat16:
-                return x
-            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None)
-            return interpreter.TensorHandle(data.view(np.float32), tl.float32)
-
-        def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
-            return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-        create_dot_bf16._latentserve_patched = True
-        builder.create_dot = create_dot_bf16
-
-
-_patch_triton_interpreter()
+patch_triton_interpreter()
 
 LAYER = 1  # of 2: checks that forward picks the right pool layer
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}

@@ -66,7 +66,9 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
 
 
 def _engine_run(engine, prompts, output_len):
-    """Output tokens/s of one batch, and the mean time of its pure-decode steps."""
+    """One batch through the engine: output tokens/s, wall time, the mean host time of its
+    pure-decode steps (the whole engine step) and the mean device time of the decode graph
+    replays in them (CUDA events around ``CudaGraphRunner.replay``: input copies + graph)."""
     import torch
 
     from latentserve.sampling_params import SamplingParams
@@ -74,19 +76,73 @@ def _engine_run(engine, prompts, output_len):
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", p, sp)
+    graphs, events = engine.runner.graphs, []
+    replay = graphs.replay
+
+    def timed_replay(*args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = replay(*args, **kwargs)
+        end.record()
+        events.append((start, end))
+        return out
+
+    graphs.replay = timed_replay
     decode_times, n_out = [], 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        decode = not engine.scheduler.waiting and all(
-            r.num_pending == 1 for r in engine.scheduler.running)
-        s = time.perf_counter()
-        outs = engine.step()
-        if decode:
-            decode_times.append(time.perf_counter() - s)
-        n_out += sum(len(o.new_token_ids) for o in outs)
+    try:
+        while engine.has_unfinished_requests():
+            decode = not engine.scheduler.waiting and all(
+                r.num_pending == 1 for r in engine.scheduler.running)
+            s = time.perf_counter()
+            outs = engine.step()
+            if decode:
+                decode_times.append(time.perf_counter() - s)
+            n_out += sum(len(o.new_token_ids) for o in outs)
+    finally:
+        del graphs.replay  # back to the class method
     wall = time.perf_counter() - t0
-    return n_out / wall, wall, sum(decode_times) / max(len(decode_times), 1)
+    torch.cuda.synchronize()
+    replays = [a.elapsed_time(b) / 1e3 for a, b in events]
+    return {"tok_s": n_out / wall, "wall_s": wall,
+            "step_s": sum(decode_times) / max(len(decode_times), 1),
+            "replay_s": sum(replays) / max(len(replays), 1)}
+
+
+def _kernels_per_replay(engine, bs: int) -> dict:
+    """Device operations (kernels, memcpys, memsets) in one replay of the decode graph of
+    batch ``bs``'s bucket, from ``torch.profiler``: their count, the 12 most frequent names,
+    the summed device time (``busy_us``; below the replay's wall time by the gaps between
+    kernels) and the 12 names with the most device time."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        graphs = engine.runner.graphs
+        b = next(x for x in graphs.buckets if x >= bs)
+        graph = graphs.graphs[graphs.graph_depths[0], b]
+        graph.replay()  # re-runs the last step's inputs: same K/V into the same slots
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        dev_events = [e for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA]
+        names = collections.Counter(e.name for e in dev_events)
+        busy = collections.Counter()  # microseconds of device time per op name
+        for e in dev_events:
+            busy[e.name] += e.time_range.elapsed_us()
+        out = {"bucket": b, "device_ops": sum(names.values()), "top": names.most_common(12),
+               "busy_us": sum(busy.values()),
+               "top_by_time_us": [(k, round(v, 1)) for k, v in busy.most_common(12)]}
+        if not names:
+            out["note"] = "the profiler saw no device ops inside the graph replay"
+        return out
+    except Exception as exc:  # noqa: BLE001 - a profiler gap must not lose the benchmark
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _hf_run(model, prompts, output_len):
@@ -130,8 +186,13 @@ def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
 
 
 def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
-                  shapes=tuple(SHAPES), hf_baseline=True) -> dict:
-    """Benchmark every shape; returns a JSON-able dict (see module docstring for units)."""
+                  shapes=tuple(SHAPES), hf_baseline=True, compare_unfused=True) -> dict:
+    """Benchmark every shape; returns a JSON-able dict (see module docstring for units).
+
+    Per shape and concurrency: engine throughput, the whole engine decode step
+    (``decode_step_s``, host wall time) and the device time of its graph replay
+    (``graph_replay_s``), each over the bandwidth floor, and the device ops in one replay.
+    ``compare_unfused``: also run the largest concurrency with ``fused_ops=False``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -157,26 +218,43 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
             per_slot = KVPool.bytes_per_slot(layers, kvh, hd, torch.bfloat16)
             rows = {}
             _engine_run(engine, torch.randint(3, 1000, (2, 16), generator=g).tolist(), 8)
+            mean_ctx = prompt_len + output_len / 2
+            # Bytes a decode step must read (weights + the batch's KV) at the copy bandwidth.
+            floor = {c: (weights + c * mean_ctx * per_slot) / bw for c in concurrency}
             for c in concurrency:
                 prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
-                tps, wall, step = _engine_run(engine, prompts, output_len)
-                mean_ctx = prompt_len + output_len / 2
-                # Bytes the step must read (weights + the batch's KV) at the copy bandwidth.
-                floor = (weights + c * mean_ctx * per_slot) / bw
-                rows[c] = {"engine_tok_s": tps, "engine_wall_s": wall,
-                           "decode_step_s": step, "bandwidth_floor_s": floor,
-                           "step_over_floor": step / floor}
+                r = _engine_run(engine, prompts, output_len)
+                rows[c] = {"engine_tok_s": r["tok_s"], "engine_wall_s": r["wall_s"],
+                           "decode_step_s": r["step_s"], "graph_replay_s": r["replay_s"],
+                           "bandwidth_floor_s": floor[c],
+                           "step_over_floor": r["step_s"] / floor[c],
+                           "replay_over_floor": r["replay_s"] / floor[c],
+                           "kernels": _kernels_per_replay(engine, c)}
             inject = _inject_cost(engine, max(concurrency))
             del engine
             gc.collect()
             torch.cuda.empty_cache()
+            if compare_unfused:  # the same decode graphs without the fused kernels
+                c = max(concurrency)
+                engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
+                                                max_model_len=prompt_len + output_len + 8,
+                                                max_num_seqs=c, fused_ops=False))
+                prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
+                r = _engine_run(engine, prompts, output_len)
+                rows[c]["unfused"] = {"decode_step_s": r["step_s"],
+                                      "graph_replay_s": r["replay_s"],
+                                      "replay_over_floor": r["replay_s"] / floor[c],
+                                      "kernels": _kernels_per_replay(engine, c)}
+                del engine
+                gc.collect()
+                torch.cuda.empty_cache()
             if hf_baseline:
                 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
                 hf.eval()
                 _hf_run(hf, torch.randint(3, 1000, (1, 16), generator=g).tolist(), 8)
                 for c in concurrency:
                     prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
-                    tps, wall = _hf_run(hf, prompts, output_len)
+                    tps, _ = _hf_run(hf, prompts, output_len)
                     rows[c]["hf_padded_batch_tok_s"] = tps
                     rows[c]["speedup_vs_hf_batch"] = rows[c]["engine_tok_s"] / tps
                 tps1, _ = _hf_run(hf, prompts[:1], output_len)

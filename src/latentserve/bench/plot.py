@@ -10,7 +10,8 @@ from pathlib import Path
 
 def plot_gpu(json_path: str | Path, out_png: str | Path) -> None:
     """Output tokens/s against concurrency for each shape: engine, HF padded batch, HF batch 1
-    (log scale), and the decode step against its bandwidth floor."""
+    (log scale), and the decode step (whole engine step, and its graph replay where the JSON
+    has it) against its bandwidth floor."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,7 +32,11 @@ def plot_gpu(json_path: str | Path, out_png: str | Path) -> None:
                ylabel="output tokens/s", xscale="log", yscale="log")
         ax.legend()
         ax = axes[1][col]
-        ax.bar([str(c) for c in x], [r["decode_step_s"] * 1e3 for r in rows], label="decode step")
+        ax.bar([str(c) for c in x], [r["decode_step_s"] * 1e3 for r in rows],
+               label="engine decode step")
+        if all("graph_replay_s" in r for r in rows):
+            ax.bar([str(c) for c in x], [r["graph_replay_s"] * 1e3 for r in rows], width=0.5,
+                   label="graph replay (device)")
         ax.plot([str(c) for c in x], [r["bandwidth_floor_s"] * 1e3 for r in rows], "k_",
                 markersize=30, label="bandwidth floor")
         ax.set(xlabel="concurrent requests", ylabel="ms per decode step")

@@ -81,6 +81,7 @@ class CudaGraphRunner:
         self.out_slots = torch.zeros(n, dtype=torch.int64, device=dev)
         self.embeds = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         self.mask = torch.zeros(n, dtype=torch.bool, device=dev)
+        self._mask_set = False  # whether any mask entry may be True
         self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         # A compression head runs on the captured anchors inside the graph (closed loop).
         head = getattr(model, "latent_head", None)
@@ -169,17 +170,20 @@ class CudaGraphRunner:
         self.kv_lens[:n].copy_(kv_lens)
         self.out_slots[:n].copy_(out_slots)
         if mask is None:
-            self.mask[:n].zero_()
+            if self._mask_set:  # NOTE: plain steps skip the clear while the mask is all-False
+                self.mask.zero_()
+                self._mask_set = False
         else:
             if not self.latent_capable:
                 raise RuntimeError("latent rows need a latent-capable graph")
             self.embeds[:n].copy_(embeds)
             self.mask[:n].copy_(mask)
-        # Padded rows: dummy page-table row, one key, write to the dummy slot 0.
-        self.rows[n:b].fill_(self.dummy_row)
-        self.kv_lens[n:b].fill_(1)
-        self.out_slots[n:b].zero_()
-        self.mask[n:b].zero_()
+            self.mask[n:].zero_()
+            self._mask_set = True
+        if b > n:  # padded rows: dummy page-table row, one key, write to the dummy slot 0
+            self.rows[n:b].fill_(self.dummy_row)
+            self.kv_lens[n:b].fill_(1)
+            self.out_slots[n:b].zero_()
         self.graphs[depth, b].replay()
         logits, hidden, head_out = self.outputs[depth, b]
         if head_out is not None:

@@ -73,7 +73,7 @@ class ModelRunner:
                 for p in range(lo, hi):
                     inj_rows.append(len(ids) + p - start)
                     inj_vecs.append(req.latent_embeds[p - req.latent_start])
-            ids.extend(req.ids[start : start + n])
+            ids.extend(req.ids_slice(start, start + n))
             pos.extend(range(start, start + n))
             row_tok.extend([req.row] * n)
             last.append(len(ids) - 1)

@@ -93,6 +93,9 @@ class _ShadowReq:
     # The engine refuses prompt logprobs under tensor parallelism (rank 0 scores them).
     params: Any = dataclasses.field(default_factory=lambda: _NO_PROMPT_LOGPROBS)
 
+    def ids_slice(self, start: int, stop: int) -> list[int]:
+        return self.ids[start:stop]
+
 
 def _chunk(req, start: int, n: int) -> list[int]:
     """``req.ids[start : start + n]`` without building ``prompt_ids + output_ids``."""
@@ -292,7 +295,8 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
     model, hf_config = load_model(resolve_model_dir(config.model), config.torch_dtype,
                                   str(tp.device), latent_head=config.latent_head,
                                   no_latent_head=config.no_latent_head,
-                                  latent_injection=config.latent_injection, tp=tp)
+                                  latent_injection=config.latent_injection, tp=tp,
+                                  fused_ops=config.use_fused_ops)
     layers, kv_heads, head_dim = model.kv_shape
     runner = None
     try:

@@ -1,6 +1,7 @@
-"""Building blocks shared by the model files: RMSNorm, rotary embedding and the paged
-attention call. Numerics follow Hugging Face transformers' Llama modules so fp32 logits
-match within 1e-4."""
+"""Building blocks shared by the model files: RMSNorm, rotary embedding, projection merging
+and the paged attention call. Numerics follow Hugging Face transformers' Llama modules so
+fp32 logits match within 1e-4; the torch math is in ``latentserve.ops``, the fused CUDA
+kernels in ``latentserve.ops.kernels``."""
 
 from __future__ import annotations
 
@@ -8,21 +9,33 @@ import torch
 from torch import nn
 
 from latentserve.context import get_context
+from latentserve.ops.norm import add_rms_norm, rms_norm
+from latentserve.ops.rotary import rope_cos_sin, rotate_half
 
 
 class RMSNorm(nn.Module):
-    """``x * rsqrt(mean(x^2) + eps) * weight``, computed in fp32 (as ``LlamaRMSNorm``)."""
+    """RMSNorm as ``LlamaRMSNorm`` (fp32 statistics), with the pre-norm residual add folded in.
+
+    ``forward(x [T, H])`` returns the normed ``[T, H]``; ``forward(x, residual)`` first forms
+    ``residual = x + residual`` and returns ``(normed, residual)``. With ``fused`` set (the
+    CUDA fast path) one Triton kernel does both (``ops/kernels/rms_norm.py``); otherwise the
+    torch ops of ``ops/norm.py``.
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused:
+            from latentserve.ops.kernels import rms_norm as fused_rms_norm
+
+            return fused_rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -30,7 +43,9 @@ class Rotary(nn.Module):
 
     ``inv_freq`` and the attention scaling come from transformers' ``ROPE_INIT_FUNCTIONS``
     for scaled variants (llama3, yarn, linear, ...) and the plain formula otherwise.
-    ``forward(positions [T] int64, q [T, H, D], k [T, Hkv, D])`` returns rotated q, k.
+    ``cos_sin(positions [T] int64, dtype)`` returns ``(cos, sin)``, each ``[T, head_dim]``
+    in ``dtype``: computed once per forward and shared by every layer
+    (``ops.rotary.apply_rotary``, or the in-place kernel on the fast path).
     """
 
     def __init__(self, hf_config, head_dim: int):
@@ -48,17 +63,30 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self.scaling = float(scaling)
 
-    def forward(self, positions, q, k):
-        freqs = positions[:, None].float() * self.inv_freq.to(q.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.scaling).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.scaling).to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.inv_freq, self.scaling, dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+_rotate_half = rotate_half  # the name ouro.py imports
+
+
+def merge_linears(*linears: nn.Module) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the given layers' outputs concatenated (their
+    weights stacked along the output dim, on their device and dtype): one GEMM instead of
+    several. Takes ``nn.Linear`` or any module computing ``x @ weight.T + bias`` (a
+    tensor-parallel rank's column shard: the merge is then that rank's shard of the merged
+    projection). All must share the input size and either all have a bias or none."""
+    w = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    has_bias = [lin.bias is not None for lin in linears]
+    if len(set(has_bias)) != 1 or len({lin.weight.shape[1] for lin in linears}) != 1:
+        raise ValueError("merge_linears needs equal input sizes and all or no biases")
+    merged = nn.Linear(w.shape[1], w.shape[0], bias=has_bias[0], device=w.device,
+                       dtype=w.dtype)
+    with torch.no_grad():
+        merged.weight.copy_(w)
+        if has_bias[0]:
+            merged.bias.copy_(torch.cat([lin.bias.detach() for lin in linears]))
+    return merged.requires_grad_(linears[0].weight.requires_grad)
 
 
 def inject(embeds: torch.Tensor, input_embeds: torch.Tensor | None,

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from latentserve.context import get_context
-from latentserve.models.layers import inject, RMSNorm, Rotary, paged_attention
+from latentserve.models.layers import RMSNorm, Rotary, inject, merge_linears, paged_attention
 from latentserve.models.weights import load_by_name
+from latentserve.ops.rotary import apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -29,13 +30,31 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=o_bias)
         self.scale = d**-0.5
+        self.fused = False
 
-    def forward(self, x, positions, rotary):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
-        q, k = rotary(positions, q, k)
+    def fuse(self) -> None:
+        """Fast path: one q/k/v GEMM (``qkv_proj``, rows q then k then v) and RoPE in place
+        by the Triton kernel. Call after loading weights (checkpoints keep q/k/v names)."""
+        self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.fused = True
+
+    def forward(self, x, cos, sin):
+        t, d = x.shape[0], self.head_dim
+        if self.fused:
+            from latentserve.ops.kernels import apply_rotary_
+
+            qkv = self.qkv_proj(x)
+            nq, nk = self.n_heads * d, self.n_kv * d
+            q = qkv[:, :nq].view(t, self.n_heads, d)
+            k = qkv[:, nq : nq + nk].view(t, self.n_kv, d)
+            v = qkv[:, nq + nk :].view(t, self.n_kv, d)
+            apply_rotary_(q, k, cos, sin)
+        else:
+            q = self.q_proj(x).view(t, self.n_heads, d)
+            k = self.k_proj(x).view(t, self.n_kv, d)
+            v = self.v_proj(x).view(t, self.n_kv, d)
+            q, k = apply_rotary(q, k, cos, sin)
         o = paged_attention(self.layer, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
@@ -47,8 +66,20 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.fused = False
+
+    def fuse(self) -> None:
+        """Fast path: one gate/up GEMM (``gate_up_proj``, gate rows first) and the
+        SiLU-and-multiply Triton kernel. Call after loading weights."""
+        self.gate_up_proj = merge_linears(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+        self.fused = True
 
     def forward(self, x):
+        if self.fused:
+            from latentserve.ops import kernels
+
+            return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -60,9 +91,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin):
+        """x: this layer's input ``[T, hidden]`` not yet added to ``residual`` (None for the
+        first layer, whose input is the residual stream). Returns ``(mlp_out, residual)``;
+        the residual stream after this layer is their sum (added by the next norm)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -102,13 +141,27 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    def use_fused_ops(self) -> None:
+        """Switch to the CUDA fast path (``latentserve.ops.kernels``): merged q/k/v and
+        gate/up GEMMs, fused residual-add + RMSNorm, in-place RoPE, SiLU-and-multiply.
+        Call once after ``load_weights``; ``load_weights`` cannot be used afterwards.
+        Runs wherever Triton runs (CUDA; CPU only under ``TRITON_INTERPRET=1``)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = True
+
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
         x = inject(self.embed(input_ids), input_embeds, latent_mask)
-        rotary, ctx = self.model.rotary_emb, get_context()
+        cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # once, for every layer
+        ctx, residual = get_context(), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, rotary)
-            ctx.maybe_capture(i + 1, x)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin)
+            if ctx.capture_layer == i + 1:
+                ctx.maybe_capture(i + 1, x + residual)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

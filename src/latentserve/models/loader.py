@@ -34,7 +34,7 @@ def iter_weights(model_dir: Path):
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
                latent_head: str | None = None, no_latent_head: bool = False,
-               latent_injection: str | None = None, tp=None):
+               latent_injection: str | None = None, tp=None, fused_ops: bool = False):
     """Return ``(model, hf_config)`` with weights loaded, in eval mode, on ``device``.
 
     A directory with a ``latent_config.json`` is a latent-reasoning model: its family's
@@ -53,6 +53,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
     ``tp`` (a ``distributed.TPGroup`` of size > 1): the backbone is split into this rank's
     shard (``models.parallel.shard_model``) before it moves to ``device``; latent modules stay
     whole.
+
+    ``fused_ops``: switch a model that has the fast path (``use_fused_ops``: merged q/k/v and
+    gate/up GEMMs, Triton norm/RoPE/SiLU kernels; the Llama family) to it, after sharding and
+    before the move to ``device``; other models ignore it.
 
     Raises ValueError for an unsupported ``model_type``, a bad latent config, or a model the
     TP size cannot split.
@@ -87,6 +91,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
         from latentserve.models.parallel import shard_model
 
         shard_model(model, tp)
+    if fused_ops and hasattr(model, "use_fused_ops"):
+        model.use_fused_ops()  # on the CPU: the merged weights move to the device once
     model = model.to(device=device, dtype=dtype).eval()
     if latent_cfg is not None:
         attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device)
