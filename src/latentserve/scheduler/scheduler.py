@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from latentserve.core import Req, ReqStatus
-from latentserve.latent import head_loop
+from latentserve.latent import head_loop, loop
 from latentserve.latent.recurrent import recurrence_stats
 from latentserve.outputs import StepOutput
 from latentserve.scheduler.cache import CacheManager
@@ -136,6 +136,7 @@ class Scheduler:
 
     def _preempt(self, req: Req) -> None:
         self.cache.release(req)
+        loop.on_preempt(req)
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -183,6 +184,8 @@ class Scheduler:
         spec = self.latent_spec
         if req.head is not None:
             return head_loop.advance(req, vec, spec.latent_id)
+        if req.loop is not None:
+            return loop.advance(req, spec)
         if len(req.latent_embeds) < req.latent_budget:
             req.latent_embeds.append(vec)
             req.output_ids.append(spec.latent_id)
