@@ -22,8 +22,8 @@ If the token budget splits a pass into chunks the outputs are gathered across th
 after a preemption the recomputed prefill is itself the pending pass, so neither changes the
 result. Block positions are never inserted into the prefix cache (``Req.cacheable_len``).
 
-The scheduler and engine call three functions: :func:`after_forward` (every forward),
-:func:`advance` (a looped row that sampled), :func:`on_preempt`.
+The scheduler and engine call four functions: :func:`after_forward` (every forward),
+:func:`advance` (a looped row that sampled), :func:`chunk` and :func:`on_preempt`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class LoopState:
     ``block_start - 1 .. block_end - 1`` of the current pass (row 0: the start token's);
     ``next_inputs``: ``[block_size, hidden]`` inputs of the next pass, set when a pass ends;
     ``slots``: the block's KV slot ids as the first pass wrote them (checked on every later
-    pass; reset by a preemption); ``slot_checks``: passes whose slots were checked.
+    pass; reset by a preemption); ``slot_checks``: passes whose slots were checked;
+    ``pass_chunk``: positions per forward inside a pass (0: the whole block at once).
     """
 
     block_start: int
@@ -57,6 +58,10 @@ class LoopState:
     next_inputs: Any = None
     slots: Any = None
     slot_checks: int = 0
+    pass_chunk: int = 0
+
+    # NOTE: pass_chunk > 0 splits every pass into forwards of that many positions; results
+    # are unchanged. Benchmarks set 1 to run the same thoughts position by position.
 
     @property
     def block_end(self) -> int:
@@ -76,6 +81,15 @@ def start_request(req: Req, spec, iterations: int) -> None:
 def extra_positions(spec) -> int:
     """Positions a looped request adds to its prompt: start, block and end ids."""
     return len(spec.start_ids) + spec.block_size + len(spec.end_ids)
+
+
+def chunk(req: Req, n: int) -> int:
+    """Tokens a looped request computes this step, given the scheduler's ``n``: at most
+    ``pass_chunk`` inside a pass when it is set."""
+    st = req.loop
+    if st.pass_chunk and req.answer_start is None and req.num_computed >= st.block_start:
+        return min(n, st.pass_chunk)
+    return n
 
 
 def _in_block_phase(req: Req) -> bool:

@@ -126,7 +126,7 @@ class Scheduler:
         if req.exit_rule is not None and req.exit_rule.saves_compute:
             p = len(req.prompt_ids)
             n = 1 if req.num_computed >= p else min(n, p - req.num_computed)
-        return n
+        return n if req.loop is None else loop.chunk(req, n)
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         batch.reqs.append(req)

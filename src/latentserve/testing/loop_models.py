@@ -48,7 +48,8 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     bot, eot, latent = tok.convert_tokens_to_ids(list(PCCOT_TOKENS))
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     v = model.config.vocab_size
-    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    rows = max(len(tok), v)  # a base whose vocab exceeds its tokenizer already has the rows
+    model.resize_token_embeddings(rows, mean_resizing=False)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
@@ -72,7 +73,7 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     tok.save_pretrained(str(adapter))
     base_cfg = json.loads((base_dir / "config.json").read_text())
     (adapter / "config.json").write_text(json.dumps({
-        **base_cfg, "model_type": f"pccot-{base}", "vocab_size": len(tok),
+        **base_cfg, "model_type": f"pccot-{base}", "vocab_size": rows,
         "num_iterations": iterations, "use_projection": use_projection, "loss_alpha": 1.0,
         "loss_beta": 1.0, "loss_gamma": 1.0, "use_layerwise_std": True}, indent=2))
     (adapter / "pccot_args.json").write_text(json.dumps({
