@@ -160,3 +160,23 @@ def test_budget_above_the_cap_is_rejected_naming_the_field(loop_dirs):
         engine.add_request("x", [1, 2, 3], SamplingParams(latent_budget=65))
     assert not engine.has_unfinished_requests()
     engine.cache.check_idle()
+
+
+def test_offline_llm_serves_mixed_budgets_and_reports_block_positions(loop_dirs, references):
+    """The user path: ``LLM.generate`` with one ``SamplingParams`` per prompt; the engine's
+    final outputs count block size x passes as latent steps."""
+    from latentserve import LLM
+
+    kind = "pccot-llama"
+    llm = LLM(str(loop_dirs[kind]), device="cpu", dtype="float32")
+    reqs = _requests()
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs],
+                        [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, latent_budget=b)
+                         for _, b in reqs], use_tqdm=False)
+    for out, (ref_ans, _) in zip(outs, references[kind]):
+        assert list(out.outputs[0].token_ids) == ref_ans
+    engine = llm.engine
+    engine.add_request("s", reqs[0][0], SamplingParams(max_tokens=2, latent_budget=3))
+    final = [o for _ in range(50) for o in engine.step() if o.finished]
+    assert final[0].latent_steps == KINDS[kind] * 4
+    engine.cache.check_idle()

@@ -199,7 +199,8 @@ class Scheduler:
         done = req.status == ReqStatus.FINISHED
         return StepOutput(req.rid, new, done, req.finish_reason if done else None,
                           len(req.prompt_ids), req.num_cached_prompt or 0,
-                          latent_steps=len(req.latent_embeds),
+                          latent_steps=len(req.latent_embeds) if req.loop is None
+                          else req.loop.block_size * req.loop.passes_done,
                           latent_trace=req.latent_trace if done and req.latent_trace else None,
                           recurrence=(recurrence_stats(req.recurrence_iters)
                                       if done and req.recurrence_iters else None),
