@@ -16,8 +16,6 @@ from latentserve.testing.loop_reference import (load_lotus_reference, load_pccot
                                                 reference_generate_loop)
 from latentserve.testing.parity import shared_prefix_prompts
 
-pytest.importorskip("peft")
-
 # kind -> block size (several sizes, 1 included)
 KINDS = {"pccot-gpt2": 4, "pccot-llama": 3, "lotus-llama": 6, "lotus-llama-b1": 1}
 BUDGETS = (0, 1, 2, 3, 5)
@@ -32,6 +30,7 @@ def _requests():
 
 @pytest.fixture(scope="module")
 def loop_dirs(tmp_path_factory, smollm2_dir):
+    pytest.importorskip("peft")  # not at import: peft loads triton before tests/unit's interpreter
     root = tmp_path_factory.mktemp("loop-parity")
     out = {}
     for kind, n in KINDS.items():

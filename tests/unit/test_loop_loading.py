@@ -16,11 +16,11 @@ from latentserve.models.loader import load_model
 from latentserve.server.errors import APIError
 from latentserve.server.params import latent_budget
 
-pytest.importorskip("peft")
 
 
 @pytest.fixture(scope="module")
 def pccot_upstream(tmp_path_factory, smollm2_dir):
+    pytest.importorskip("peft")  # inside: peft imports triton (test_triton_attention's interpreter)
     from latentserve.testing.loop_models import write_upstream_pccot
 
     root = tmp_path_factory.mktemp("pccot-upstream")

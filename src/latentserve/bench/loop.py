@@ -9,6 +9,9 @@ Shape: PCCoT over a random GPT-2 124M (n_embd 768, 12 layers), upstream's releas
 in the upstream PEFT form and converted. Throughput is answer tokens per second; the thought
 phase is the wall time until every request of the batch has left its block (prefill
 included).
+
+Run: ``latentserve bench --suite loop [--device cuda] --json-out PATH`` or
+``python3 -m latentserve.bench.loop PATH [cuda]`` (CUDA: 1, 16 and 64 concurrent requests).
 """
 
 from __future__ import annotations
@@ -130,3 +133,14 @@ def run_loop_bench(device: str = "cpu", concurrency=(1, 8)) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out["pccot"] = bench_loop(Path(d), device, dtype, concurrency)
     return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    res = run_loop_bench(dev, (1, 16, 64) if dev == "cuda" else (1, 8))
+    Path(sys.argv[1] if len(sys.argv) > 1 else "loop_bench.json").write_text(
+        json.dumps(res, indent=1))
+    print(json.dumps(res["pccot"]["concurrency"], indent=1))
