@@ -11,8 +11,11 @@ from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from latentserve.testing.loop_models import save_loop_tiny
-from latentserve.testing.loop_reference import (load_lotus_reference, load_pccot_reference,
-                                                reference_generate_loop)
+from latentserve.testing.loop_reference import (
+    load_lotus_reference,
+    load_pccot_reference,
+    reference_generate_loop,
+)
 from latentserve.testing.parity import shared_prefix_prompts
 
 pytestmark = [pytest.mark.gpu,

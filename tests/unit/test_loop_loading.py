@@ -17,7 +17,6 @@ from latentserve.server.errors import APIError
 from latentserve.server.params import latent_budget
 
 
-
 @pytest.fixture(scope="module")
 def pccot_upstream(tmp_path_factory, smollm2_dir):
     pytest.importorskip("peft")  # inside: peft imports triton (test_triton_attention's interpreter)
