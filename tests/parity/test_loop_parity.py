@@ -139,7 +139,9 @@ def test_chunked_and_preempted_passes_give_the_same_answers(loop_dirs, reference
     """A token budget smaller than a pass splits it into chunks; a pool too small for the
     batch preempts requests mid-loop; the answers do not change and no slot leaks."""
     kind = "lotus-llama"
-    engine = _engine(loop_dirs[kind], max_num_batched_tokens=5, kv_slots=90,
+    # 4 tokens per forward < block 6; 88 slots: room for the longest request (87 positions)
+    # but not for the batch, so one request is preempted in the middle of its passes.
+    engine = _engine(loop_dirs[kind], max_num_batched_tokens=4, kv_slots=88,
                      enable_prefix_caching=False)
     preempt, mid_loop = engine.scheduler._preempt, []
 

@@ -22,8 +22,9 @@ If the token budget splits a pass into chunks the outputs are gathered across th
 after a preemption the recomputed prefill is itself the pending pass, so neither changes the
 result. Block positions are never inserted into the prefix cache (``Req.cacheable_len``).
 
-The scheduler and engine call four functions: :func:`after_forward` (every forward),
-:func:`advance` (a looped row that sampled), :func:`chunk` and :func:`on_preempt`.
+The scheduler and engine call five functions: :func:`passes_first` (the scheduling order:
+block passes ahead of decode rows and prefill chunks), :func:`chunk`, :func:`after_forward`
+(every forward), :func:`advance` (a looped row that sampled) and :func:`on_preempt`.
 """
 
 from __future__ import annotations
@@ -90,6 +91,22 @@ def chunk(req: Req, n: int) -> int:
     if st.pass_chunk and req.answer_start is None and req.num_computed >= st.block_start:
         return min(n, st.pass_chunk)
     return n
+
+
+def in_pass(req: Req) -> bool:
+    """True while a looped request has a block pass to run (block laid, answer not begun)."""
+    return req.loop is not None and req.answer_start is None \
+        and len(req.output_ids) == req.loop.block_size
+
+
+def passes_first(running: list[Req]) -> list[Req]:
+    """``running`` with the requests in a block pass first (each group keeps its order), so
+    the scheduler gives loop passes the token budget before decode rows and prefill chunks.
+    The same list order when no request is looped."""
+    passes = [r for r in running if in_pass(r)]
+    if not passes:
+        return list(running)
+    return passes + [r for r in running if not in_pass(r)]
 
 
 def _in_block_phase(req: Req) -> bool:

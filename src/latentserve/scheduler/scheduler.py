@@ -87,18 +87,26 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         batch = ScheduledBatch([], [], [], [])
         budget = self.max_num_batched_tokens
-        # 1. Running requests, oldest first: decode rows, then unfinished prefill chunks.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        # 1. Running requests, oldest first: decode rows and unfinished prefill chunks, with
+        #    looped requests' block passes ahead of the rest (latent/loop.py).
+        in_batch: set[int] = set()
+        for req in loop.passes_first(self.running):
+            if budget <= 0:
+                break
+            if req.status is not ReqStatus.RUNNING:
+                continue  # preempted while an earlier row grew
             n = self._chunk(req, budget)
-            if not self.cache.grow(req, req.num_computed + n):
-                victim = self.running.pop()
+            while not self.cache.grow(req, req.num_computed + n):
+                # NOTE: the most recently admitted request not already in this batch.
+                victim = next(r for r in reversed(self.running) if id(r) not in in_batch)
+                self.running.remove(victim)
                 self._preempt(victim)
-                continue  # retry req (unless it was the victim: then the loop ends)
-            self._add_to_batch(batch, req, n)
-            budget -= n
-            i += 1
+                if victim is req:
+                    break
+            else:
+                self._add_to_batch(batch, req, n)
+                in_batch.add(id(req))
+                budget -= n
         # 2. Admit waiting requests in arrival order while rows, slots and budget last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
