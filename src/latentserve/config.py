@@ -23,7 +23,11 @@ class EngineConfig:
     ``latent_head`` overrides the compression-head bundle (``latent/head.py``; default: env
     ``LATENTSERVE_LATENT_HEAD``, else ``latent_reasoning_head.safetensors`` in the model
     directory), ``no_latent_head`` serves the bare backbone, ``latent_injection`` overrides
-    the bundle's injection mode.
+    the bundle's injection mode. ``tensor_parallel_size``: processes (ranks) the model is
+    split across (``models/parallel.py``: CUDA needs that many devices, the model at least
+    that many KV heads and an MLP intermediate size divisible by it). ``max_latent_budget`` caps
+    ``latent_budget`` (latent steps of a feedback model, recurrences of a recurrent-depth one)
+    below the model's own ``LatentSpec.max_budget``; a model default above it is lowered to it.
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -44,13 +48,15 @@ class EngineConfig:
     latent_head: str | None = None  # head bundle path (None: env LATENTSERVE_LATENT_HEAD,
     no_latent_head: bool = False  # then the model dir's); True: serve the bare backbone
     latent_injection: str | None = None  # "closed_loop" / "prompt" (None: the bundle's)
+    tensor_parallel_size: int = 1
+    max_latent_budget: int | None = None  # server cap on latent_budget (None: the model's)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -64,6 +70,8 @@ class EngineConfig:
         if self.latent_injection not in (None, "closed_loop", "prompt"):
             raise ValueError("latent_injection must be one of (None, 'closed_loop', 'prompt'), "
                              f"got {self.latent_injection!r}")
+        if self.max_latent_budget is not None and self.max_latent_budget < 1:
+            raise ValueError(f"max_latent_budget must be >= 1, got {self.max_latent_budget}")
         if self.kv_slots is not None and self.kv_slots < 2:
             raise ValueError(f"kv_slots must be >= 2, got {self.kv_slots}")
 

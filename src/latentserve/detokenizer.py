@@ -76,6 +76,12 @@ class IncrementalDetokenizer:
         return self._all_text[: self._emitted]
 
     @property
+    def decoded_len(self) -> int:
+        """Characters decoded so far, held-back text included; after a stop string matched,
+        the length of the text before it."""
+        return len(self._all_text)
+
+    @property
     def token_ids(self) -> list[int]:
         return self._ids[self._n_context :]
 

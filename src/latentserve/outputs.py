@@ -34,6 +34,8 @@ class StepOutput:
     ``latent_trace`` (on the final output, when asked for) lists per latent step
     ``{"norm": float, "top_tokens": [[id, logit], ...5]}``.
     ``logprobs`` (only when the request asked for them) is aligned with ``new_token_ids``.
+    ``prompt_logprobs`` (``params.prompt_logprobs`` set): one entry per prompt token as the
+    client sent it (None for the first), on the first output after the prompt is computed.
     ``finish_reason == "error"`` means the engine failed this request (``error`` says why,
     without a traceback); the engine keeps serving the others.
     ``recurrence`` (final output, recurrent-depth models): iterations per sampled token,
@@ -55,6 +57,7 @@ class StepOutput:
     error: str | None = None
     recurrence: dict | None = None
     latent_stats: dict | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)

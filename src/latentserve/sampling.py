@@ -154,3 +154,22 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """Log-probabilities of given tokens (not sampled ones): row i of ``logits``
+    (``[N, vocab]``, raw model logits) scores ``targets[i]``; each entry also has the
+    token's rank and the ``k`` most likely tokens, as for sampled tokens (raw log-softmax,
+    no penalties or temperature)."""
+    if not targets:
+        return []
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    tgt = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    lp = lsm.gather(1, tgt[:, None])[:, 0]
+    rank = ((lsm > lp[:, None]).sum(-1) + 1).tolist()
+    top_i = top_v = [[] for _ in targets]
+    if k > 0:
+        top_v, top_i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprob(t, v, r, list(zip(ti, tv)))
+            for t, v, r, ti, tv in zip(targets, lp.tolist(), rank, top_i, top_v)]

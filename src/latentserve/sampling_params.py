@@ -31,6 +31,12 @@ class SamplingParams:
     ``logprobs``: None = none; k >= 0 = the sampled token's log-probability plus the k most
     likely tokens' (0: the sampled token only). They are log-softmax values of the raw model
     logits, before penalties, temperature and filtering (vLLM's default ``raw_logprobs``).
+    ``prompt_logprobs``: the same for every prompt token given the tokens before it (the
+    first has none); such a request computes its whole prompt (no prefix-cache hit) and
+    gets the list on one ``StepOutput``. Costs nothing for requests that leave it None.
+
+    ``stream_latent_steps``: the engine also emits a token-less ``StepOutput`` after each
+    latent step (its ``latent_steps`` counts them), for streamed progress ticks.
 
     Recurrent-depth models (``latent_budget`` = recurrences per token): ``exit_criterion``
     picks the per-token early exit (Huginn: ``entropy-diff``, ``latent-diff``, ``kl``,
@@ -82,6 +88,9 @@ class SamplingParams:
     use_stop: bool | None = None
     stop_threshold: float | None = None  # stop when sigmoid(stop logit) > this
     min_output_tokens: int | None = None  # answer-budget floor (0 = off)
+    prompt_logprobs: int | None = None  # logprobs of the prompt tokens too (echo)
+    # Emit a StepOutput (no tokens, latent_steps counted) after every latent step too.
+    stream_latent_steps: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,6 +115,8 @@ class SamplingParams:
                    lo_open=True)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0)
         if self.latent_budget is not None:
             _check_int("latent_budget", self.latent_budget, lo=0)
         if self.exit_criterion is not None and (not isinstance(self.exit_criterion, str)

@@ -59,7 +59,8 @@ def _run(engine, reqs, chunk_budget=None):
     """Drive ``engine`` over ``reqs``; per request ``(answer ids, first-answer logits,
     num_cached_tokens, Req)``; also the slots handed out by the allocator during the run."""
     runner, last, allocated = engine.runner, {}, [0]
-    original, alloc = runner.run, engine.cache._alloc
+    allocator = engine.cache.allocator
+    original, alloc = runner.run, allocator.alloc
 
     def recording_run(batch):
         logits, hidden = original(batch)
@@ -78,7 +79,7 @@ def _run(engine, reqs, chunk_budget=None):
                                                        latent_budget=budget))
     objs = {r.rid: r for r in engine.scheduler.waiting}
     tokens, logits, cached = {r: [] for r in rids}, {}, {}
-    runner.run, engine.cache._alloc = recording_run, counting_alloc
+    runner.run, allocator.alloc = recording_run, counting_alloc
     try:
         while engine.has_unfinished_requests():
             last.clear()
@@ -88,7 +89,7 @@ def _run(engine, reqs, chunk_budget=None):
                 tokens[out.rid] += out.new_token_ids
                 cached[out.rid] = out.num_cached_tokens
     finally:
-        runner.run, engine.cache._alloc = original, alloc
+        runner.run, allocator.alloc = original, alloc
     return [(tokens[r], logits[r], cached[r], objs[r]) for r in rids], allocated[0]
 
 

@@ -138,3 +138,49 @@ def test_only_assistant_turn_is_a_400_not_a_500(client, model):
         client.chat.completions.create(model=model, max_tokens=2,
                                        messages=[{"role": "assistant", "content": "Hi!"}])
     assert info.value.status_code == 400 and info.value.body["param"] == "messages"
+
+
+# Compression-head controls sent to a model without a head (this tiny Llama): those that
+# would do something get a 400 naming what was sent; thinking off is harmless.
+_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages"]
+_OPENAI_ROUTES = _ROUTES[:2]  # the Messages API takes the head controls as headers only
+
+
+@pytest.mark.parametrize("path,body,headers,param", [
+    *[(p, {}, {"x-latent-max": "8"}, "x-latent-max") for p in _ROUTES],
+    *[(p, {}, {"x-ds4-thinking": "1"}, "x-ds4-thinking") for p in _ROUTES],
+    *[(p, {"max_latent": 8}, {}, "max_latent") for p in _OPENAI_ROUTES],
+    *[(p, {"thinking": True}, {}, "thinking") for p in _OPENAI_ROUTES],
+])
+def test_head_controls_without_a_head_are_400s_naming_them(http, model, path, body,
+                                                           headers, param):
+    r = http.post(path, json={**_route_body(path, model), **body}, headers=headers)
+    assert r.status_code == 400, r.text
+    assert param in r.text and "compression head" in r.text
+
+
+@pytest.mark.parametrize("path,body,headers", [
+    *[(p, {}, {"x-latent-thinking": "false"}) for p in _ROUTES],
+    # thinking off: the other controls do nothing, so they are not refused either
+    *[(p, {}, {"x-latent-thinking": "0", "x-latent-max": "8"}) for p in _ROUTES],
+    *[(p, {"thinking": False, "max_latent": 8}, {}) for p in _OPENAI_ROUTES],
+])
+def test_thinking_off_is_harmless_without_a_head(http, model, path, body, headers):
+    r = http.post(path, json={**_route_body(path, model), **body}, headers=headers)
+    assert r.status_code == 200, r.text
+
+
+def test_enable_thinking_template_kwarg_is_harmless_without_a_head(client, model):
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                       extra_body={"chat_template_kwargs":
+                                                   {"enable_thinking": True}})
+    assert r.choices[0].finish_reason == "length"
+
+
+def _route_body(path, model):
+    msgs = [{"role": "user", "content": "hi"}]
+    if path == "/v1/completions":
+        return {"prompt": "hi", "max_tokens": 2}
+    if path == "/v1/messages":
+        return {"model": model, "messages": msgs, "max_tokens": 2}
+    return {"messages": msgs, "max_tokens": 2}

@@ -140,3 +140,47 @@ def test_stream_n2_has_one_finish_reason_per_choice_and_usage_last(client, model
             "length"]
     assert [c for c in chunks if c.usage is not None] == [chunks[-1]]
     assert chunks[-1].usage.completion_tokens == 6
+
+
+def _prompt_reference(tiny_model_dir, hf_models, prompt):
+    import torch
+
+    with torch.no_grad():
+        logits = hf_models(tiny_model_dir)(torch.tensor([prompt])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_reports_the_prompt_tokens_too(client, model, tiny_model_dir,
+                                                          hf_models, stream):
+    prompt = [1, 2000, 3000, 4000, 17]
+    ref = _prompt_reference(tiny_model_dir, hf_models, prompt)
+    r = _greedy(client, model, prompt, 3, logprobs=2, echo=True, stream=stream,
+                extra_body={"return_tokens_as_token_ids": True})
+    if stream:
+        tokens, lps, tops, text = [], [], [], ""
+        for c in r:
+            for ch in c.choices:
+                text += ch.text
+                if ch.logprobs:
+                    tokens += ch.logprobs.tokens
+                    lps += ch.logprobs.token_logprobs
+                    tops += ch.logprobs.top_logprobs
+    else:
+        ch = r.choices[0]
+        text, tokens = ch.text, ch.logprobs.tokens
+        lps, tops = ch.logprobs.token_logprobs, ch.logprobs.top_logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert ids[: len(prompt)] == prompt and len(ids) == len(prompt) + 3
+    assert lps[0] is None and tops[0] is None  # nothing comes before the first token
+    for p in range(1, len(prompt)):
+        row = ref[p - 1]
+        assert lps[p] == pytest.approx(float(row[prompt[p]]), abs=1e-4)
+        top_v, top_i = row.topk(2)
+        want_top = {f"token_id:{i}": v for i, v in zip(top_i.tolist(), top_v.tolist())}
+        want_top.setdefault(f"token_id:{prompt[p]}", float(row[prompt[p]]))
+        assert tops[p] == pytest.approx(want_top, abs=1e-4)
+    assert all(v is not None for v in lps[len(prompt):])  # the generated tokens' logprobs
+    from latentserve.models.checkpoint import load_tokenizer
+
+    assert text.startswith(load_tokenizer(tiny_model_dir).decode(prompt))

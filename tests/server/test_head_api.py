@@ -102,3 +102,22 @@ def test_prometheus_counts_latent_steps(head_server):
     assert steps_total() == before + 2
     text = httpx.get(f"{head_server.base_url}/metrics", timeout=30).text
     assert "latentserve_latent_steps_per_request_bucket" in text
+
+
+def test_streamed_ticks_match_the_latent_steps_and_stats_ride_the_finish_chunk(head_server):
+    import json
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "temperature": 0, "stream": True, "max_latent": 3}
+    choices = []
+    with httpx.stream("POST", f"{head_server.base_url}/v1/chat/completions", json=body,
+                      headers={"x-latent-stream-steps": "true"}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choices += json.loads(line[6:])["choices"]
+    ticks = [c for c in choices if "reasoning_content" in c["delta"]]
+    finish = [c for c in choices if c["finish_reason"]]
+    assert len(finish) == 1
+    stats = finish[0]["latent"]["stats"]
+    assert stats["thinking"] is True and len(ticks) == stats["steps"] == 3

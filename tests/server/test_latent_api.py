@@ -2,6 +2,8 @@
 OpenAI routes; the body field and the ``x-latent-budget`` header set each request's budget,
 bad budgets get 400s, and answers equal the eager per-request reference."""
 
+import json
+
 import httpx
 import pytest
 from server_testlib import assert_slots_invariant, wait_idle
@@ -108,3 +110,63 @@ def test_plain_model_refuses_a_budget_on_every_route(server, model):
         r = httpx.post(server.base_url + path, json=body, headers=headers, timeout=60)
         assert r.status_code == 400 and "no latent reasoning" in r.text, (path, r.text)
         assert "x-latent-budget" in r.text  # the header is named, not the body field
+
+
+def _sse(srv, path, body, headers=None) -> list[dict]:
+    """Every JSON event of a streamed request."""
+    events = []
+    with httpx.stream("POST", f"{srv.base_url}{path}", json={**body, "stream": True},
+                      headers=headers or {}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    return events
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+        "latent_budget": 3, "return_latent_trace": True}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", CHAT),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                         "latent_budget": 3, "return_latent_trace": True}),
+])
+def test_streamed_finish_chunk_carries_the_same_latent_field(latent_server, path, body):
+    whole = httpx.post(f"{latent_server.base_url}{path}", json=body, timeout=60)
+    want = whole.json()["choices"][0]["latent"]
+    assert want["steps"] == 3 and len(want["trace"]) == 3
+    choices = [c for e in _sse(latent_server, path, body) for c in e["choices"]]
+    finish = [c for c in choices if c["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["latent"] == want
+    # Only the finish chunk carries it (chat leaves the field out, completions send null).
+    assert all(c.get("latent") is None for c in choices if not c["finish_reason"])
+
+
+@pytest.mark.parametrize("ask", [{"stream_latent_steps": True},
+                                 {"headers": {"x-latent-stream-steps": "1"}}])
+def test_one_reasoning_tick_per_latent_step_when_asked(latent_server, ask):
+    from latentserve.server.chat import LATENT_TICK_TEXT
+
+    fields = {k: v for k, v in ask.items() if k != "headers"}
+    body = {**CHAT, "latent_budget": 4, **fields}
+    headers = ask.get("headers")
+    events = _sse(latent_server, "/v1/chat/completions", body, headers)
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    ticks = [d for d in deltas if "reasoning_content" in d]
+    assert [d["reasoning_content"] for d in ticks] == [LATENT_TICK_TEXT] * 4
+    # The ticks come before any answer text.
+    first_text = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert max(deltas.index(t) for t in ticks) < first_text
+    plain = _sse(latent_server, "/v1/chat/completions", {**CHAT, "latent_budget": 4})
+    assert not any("reasoning_content" in c["delta"] for e in plain for c in e["choices"])
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    assert text == "".join(c["delta"].get("content") or "" for e in plain
+                           for c in e["choices"])
+
+
+def test_malformed_tick_header_is_a_400_naming_it(latent_server):
+    r = httpx.post(f"{latent_server.base_url}/v1/chat/completions", timeout=60,
+                   json={**CHAT, "stream": True}, headers={"x-latent-stream-steps": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-latent-stream-steps"

@@ -21,6 +21,31 @@ def test_tokenize_messages_counts_what_chat_bills(http, client, model):
     assert count == billed.usage.prompt_tokens
 
 
+def test_tokenize_messages_honours_template_kwargs_and_generation_prompt(
+        http, smollm2_tokenizer):
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi there"}]
+    for body in ({"add_generation_prompt": False},
+                 {"chat_template_kwargs": {"add_generation_prompt": False}}):
+        r = http.post("/tokenize", json={"messages": messages, **body}).json()
+        assert r["tokens"] == smollm2_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=False)["input_ids"]
+    with_prompt = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert with_prompt == smollm2_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True)["input_ids"]
+    assert len(with_prompt) > r["count"]
+    continued = [*messages, {"role": "assistant", "content": "Hello"}]
+    r = http.post("/tokenize", json={"messages": continued, "continue_final_message": True})
+    assert r.json()["tokens"] == smollm2_tokenizer.apply_chat_template(
+        continued, continue_final_message=True)["input_ids"]
+
+
+def test_tokenize_refuses_a_reserved_template_kwarg(http):
+    r = http.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}],
+                                     "chat_template_kwargs": {"tokenize": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
 def test_detokenize_refuses_ids_outside_the_vocabulary(http):
     r = http.post("/detokenize", json={"tokens": [1, 49152]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"

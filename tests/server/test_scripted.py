@@ -6,6 +6,7 @@ import math
 
 import pytest
 from server_testlib import (
+    LOOP,
     SCRIPT_IDS,
     SCRIPT_LOGIT,
     SCRIPT_START,
@@ -110,3 +111,60 @@ def test_logprobs_cover_every_counted_token_including_eos(scripted_http):
     lp = body["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == body["usage"]["completion_tokens"] == len(SCRIPT_IDS) + 1
     assert lp["tokens"][-1] == "<|im_end|>"
+
+
+def _logprob_ids(choice_logprobs) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice_logprobs["tokens"]]
+
+
+@pytest.mark.parametrize("stop,text,kept", [
+    ("世界", "héllo 😀 ", 6),  # the stop starts on a token boundary: its tokens are dropped
+    ("lo 😀", "hél", 3),  # it starts inside "llo": that token is kept, later ones dropped
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_tokens_past_a_stop_string_are_dropped_with_the_text(
+        scripted_http, stop, text, kept, stream):
+    body = {"prompt": [SCRIPT_START], "max_tokens": 30, "temperature": 0, "stop": [stop],
+            "logprobs": 1, "return_tokens_as_token_ids": True}
+    if stream:
+        ids, got = [], ""
+        with scripted_http.stream("POST", "/v1/completions",
+                                  json={"stream": True, **body}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        got += c["text"]
+                        if c["logprobs"]:
+                            ids += _logprob_ids(c["logprobs"])
+    else:
+        choice = scripted_http.post("/v1/completions", json=body).json()["choices"][0]
+        got, ids = choice["text"], _logprob_ids(choice["logprobs"])
+    assert got == text
+    assert ids == SCRIPT_IDS[:kept]
+
+
+def test_stop_token_id_ends_with_stop_and_counts_but_is_not_text(scripted_http):
+    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+
+    r = scripted_http.post("/v1/completions", json={
+        "prompt": [SCRIPT_START], "max_tokens": 30, "temperature": 0,
+        "stop_token_ids": [SCRIPT_IDS[3]]}).json()
+    choice = r["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == load_tokenizer(resolve_model_dir(None)).decode(SCRIPT_IDS[:3])
+    assert r["usage"]["completion_tokens"] == 4  # the stop token was generated
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_min_p_and_top_k_filter_what_temperature_1_may_sample(scripted_http, seed):
+    # At temperature 1 the ~49k tokens with logit 0 hold most of the mass; min_p 0.5 keeps
+    # only the top token (the runner-up has e^-1 of its probability), top_k 2 the two best.
+    assert _token_ids(scripted_http, 5, temperature=1.0, min_p=0.5, seed=seed) == \
+        [B, A, B, A, B]
+    ids = _token_ids(scripted_http, 6, temperature=1.0, top_k=2, seed=seed)
+    prev = A
+    for t in ids:
+        if prev not in LOOP:  # X and Y leave the script: every logit is 0 after them
+            break
+        assert t in {nxt for nxt, _ in LOOP[prev]}, (prev, t)
+        prev = t

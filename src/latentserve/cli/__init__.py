@@ -1,4 +1,4 @@
-"""The ``latentserve`` command: serve, generate, demo, bench."""
+"""The ``latentserve`` command: serve, generate, demo, bench, convert, train-head, eval."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, KV pool and graphs")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="split the model across this many processes (one GPU each on CUDA)")
     p.add_argument("--latent-head", default=None,
                    help="compression-head bundle (default: env LATENTSERVE_LATENT_HEAD, else "
                         "latent_reasoning_head.safetensors in the model directory)")
@@ -32,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="serve the bare backbone even when a head bundle is found")
     p.add_argument("--latent-injection", default=None, choices=["closed_loop", "prompt"],
                    help="override the head bundle's injection mode")
+    p.add_argument("--max-latent-budget", "--max-recurrence", type=int, default=None,
+                   dest="max_latent_budget",
+                   help="cap on a request's latent_budget: latent steps (COCONUT, CODI) or "
+                        "recurrences per token (Huginn, Ouro); default: the model's own cap")
 
 
 def engine_config(args: argparse.Namespace):
@@ -45,13 +51,15 @@ def engine_config(args: argparse.Namespace):
                         attention_backend=args.attention_backend,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager,
+                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         latent_head=getattr(args, "latent_head", None),
                         no_latent_head=getattr(args, "no_latent_head", False),
-                        latent_injection=getattr(args, "latent_injection", None))
+                        latent_injection=getattr(args, "latent_injection", None),
+                        max_latent_budget=getattr(args, "max_latent_budget", None))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from latentserve.cli import bench, demo, generate, serve
+    from latentserve.cli import bench, demo, eval, generate, serve, train_head
 
     parser = argparse.ArgumentParser(prog="latentserve",
                                      description="Serve latent-reasoning language models.")
@@ -64,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "latentserve model directory")
     add_convert_args(p)
     p.set_defaults(func=convert_main)
+    train_head.register(sub)
+    eval.register(sub)
     return parser
 
 
@@ -81,5 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("LATENTSERVE_DEBUG"):
             raise
         kind = "" if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: "
-        print(f"latentserve: error: {kind}{e}", file=sys.stderr)
+        message = " ".join(str(e).split())  # one line, even for a multi-line message
+        print(f"latentserve: error: {kind}{message}", file=sys.stderr)
         return 2

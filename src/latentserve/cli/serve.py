@@ -14,6 +14,13 @@ def register(sub) -> None:
     from latentserve.server.launch import add_server_args
 
     add_server_args(p)  # --api-key, --max-request-body-bytes, --drain-timeout
+    from latentserve.server.replicas import ROUTER_POLICIES
+
+    p.add_argument("--data-parallel-size", "--dp", type=int, default=1,
+                   help="N > 1: N replicas on ports port+1..port+N behind sglang-router on "
+                        "--port (docs/scaling.md)")
+    p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                   help="sglang-router policy with --data-parallel-size (default cache_aware)")
     p.set_defaults(func=run)
 
 
@@ -21,6 +28,12 @@ def run(args) -> int:
     from latentserve.cli import engine_config
     from latentserve.server.launch import run_server, server_kwargs
 
+    if args.data_parallel_size != 1:
+        from latentserve.server.replicas import serve_replicas
+
+        serve_replicas(engine_config(args), args.data_parallel_size, args.host, args.port,
+                       args.router_policy, server_kwargs(args))
+        return 0
     run_server(engine_config(args), host=args.host, port=args.port, log_level=args.log_level,
                **server_kwargs(args))
     return 0

@@ -10,7 +10,7 @@ backend's, refreshed in place before each replay.
 Recurrent-depth models (``latent/recurrent.py``) run their loop inside the graph in the
 masked mode: a static ``depths [B]`` buffer (refreshed like ``kv_lens``) gives each row's
 recurrence count and the loop has a fixed trip count ``D``; one graph per (bucket, D) for D
-in ``graph_depths`` (default: the spec's default and max budget). A batch replays the
+in ``graph_depths`` (default: ``default_graph_depths``). A batch replays the
 smallest captured D that covers its deepest row; a batch with a row that may exit early
 runs eagerly.
 """
@@ -29,6 +29,19 @@ def graph_buckets(max_bs: int) -> list[int]:
     return sorted(b for b in sizes if b <= max_bs)
 
 
+def default_graph_depths(spec) -> list[int]:
+    """Recurrence counts captured for a recurrent model: powers of two up to the spec's
+    max budget, plus its default and its max, so a batch replays a loop at most about
+    twice as deep as its deepest row (1, 2, 4, 8, 16, 32 for Huginn's max 32)."""
+    top = max(spec.max_budget, 1)
+    depths = {max(spec.default_budget, 1), top}
+    d = 1
+    while d < top:
+        depths.add(d)
+        d *= 2
+    return sorted(depths)
+
+
 class CudaGraphRunner:
     """Captures ``model`` decode steps for each bucket and replays them.
 
@@ -39,15 +52,17 @@ class CudaGraphRunner:
         capture_layer: decoder layer whose output goes to ``capture_buf`` (-1: none).
         latent_capable: bind the inject buffers (True in the engine; False only lets the
             benchmark measure what binding them costs).
-        graph_depths: recurrent-depth models: the loop trip counts captured (None = the
-            spec's default and max budget).
+        graph_depths: recurrent-depth models: the loop trip counts captured (None =
+            ``default_graph_depths(spec)``).
 
     ``replay(ids, pos, rows, kv_lens, out_slots, embeds, mask, rec)`` takes ``[B]`` device
     tensors (``embeds [B, hidden]``, ``mask [B] bool``; ``rec`` the ``RecurrentBatch`` of a
     recurrent model, whose depths and readout go to static buffers) with B <= max_bs and
     returns
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
-    the next replay.
+    the next replay. A closed-loop compression head (``model.latent_head``) runs inside the
+    graph on the captured anchors; its ``(latent_input [B, hidden] float32, stop_prob [B]
+    float32 or None)`` are left in ``last_head`` after each replay.
     """
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
@@ -67,21 +82,29 @@ class CudaGraphRunner:
         self.embeds = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         self.mask = torch.zeros(n, dtype=torch.bool, device=dev)
         self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
+        # A compression head runs on the captured anchors inside the graph (closed loop).
+        head = getattr(model, "latent_head", None)
+        self.head = head if capture_layer >= 0 and getattr(
+            model, "latent_head_mode", None) == "closed_loop" else None
+        self.last_head = None
         spec = getattr(model, "latent_spec", None)
         self.recurrent = spec is not None and spec.kind == "recurrent"
         self.depths = torch.zeros(n, dtype=torch.int64, device=dev)  # padded rows: depth 0
         self.exit_thr = torch.full((n,), float("inf"), device=dev)  # Ouro readout per row
         self.exit_weighted = torch.zeros(n, dtype=torch.bool, device=dev)
         if self.recurrent:
-            self.graph_depths = sorted(set(graph_depths or
-                                           (max(spec.default_budget, 1), spec.max_budget)))
+            self.graph_depths = sorted(set(graph_depths or default_graph_depths(spec)))
         else:
             self.graph_depths = [0]
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.latent_capable = latent_capable
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, int], tuple] = {}
         pool = None
+        # NOTE: under tensor parallelism NCCL's watchdog thread queries CUDA events while we
+        # capture; "thread_local" forbids unsafe calls on this thread only.
+        dist = torch.distributed
+        mode = "thread_local" if dist.is_available() and dist.is_initialized() else "global"
         # Largest first, so smaller graphs reuse its pool.
         for depth, b in [(d, b) for d in reversed(self.graph_depths)
                          for b in reversed(self.buckets)]:
@@ -99,7 +122,7 @@ class CudaGraphRunner:
                     self._forward(model, b)  # warm-up: compiles kernels outside capture
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                         out = self._forward(model, b)
             finally:
                 set_context(None)
@@ -112,7 +135,11 @@ class CudaGraphRunner:
             hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
         else:
             hidden = model(self.ids[:b], self.pos[:b])
-        return model.compute_logits(hidden), hidden
+        head_out = None
+        if self.head is not None:  # next latent inputs and stop probabilities of every row
+            anchors = self.capture_buf[:b]
+            head_out = (self.head.latent_input(anchors), self.head.stop_prob(anchors))
+        return model.compute_logits(hidden), hidden, head_out
 
     @property
     def max_bs(self) -> int:
@@ -154,5 +181,8 @@ class CudaGraphRunner:
         self.out_slots[n:b].zero_()
         self.mask[n:b].zero_()
         self.graphs[depth, b].replay()
-        logits, hidden = self.outputs[depth, b]
+        logits, hidden, head_out = self.outputs[depth, b]
+        if head_out is not None:
+            vecs, probs = head_out
+            self.last_head = (vecs[:n], None if probs is None else probs[:n])
         return logits[:n], hidden[:n]

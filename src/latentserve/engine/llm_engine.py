@@ -27,6 +27,21 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
+        self.tp, self._tp_procs = None, []  # TPGroup and worker processes when TP > 1
+        if config.tensor_parallel_size > 1:
+            from latentserve.engine.tp_worker import abort_workers, start_workers
+
+            self.tp, self._tp_procs = start_workers(config)
+            try:
+                self._build(config)
+            except BaseException:
+                self.tp = None
+                abort_workers(self._tp_procs)  # kill the workers, leave the process group
+                raise
+        else:
+            self._build(config)
+
+    def _build(self, config: EngineConfig) -> None:
         from latentserve.attention.base import make_backend
         from latentserve.engine.kv_sizing import kv_slots_for
         from latentserve.engine.model_runner import ModelRunner
@@ -39,7 +54,7 @@ class LLMEngine:
         from latentserve.scheduler.scheduler import Scheduler
 
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = self.tp.device if self.tp is not None else torch.device(config.device)
         torch.manual_seed(config.seed)
         model_dir = resolve_model_dir(config.model)
         self.model_dir = model_dir
@@ -48,7 +63,7 @@ class LLMEngine:
         model, hf_config = load_model(model_dir, config.torch_dtype, config.device,
                                       latent_head=config.latent_head,
                                       no_latent_head=config.no_latent_head,
-                                      latent_injection=config.latent_injection)
+                                      latent_injection=config.latent_injection, tp=self.tp)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
@@ -69,26 +84,43 @@ class LLMEngine:
         radix = RadixCache(allocator, enabled=config.enable_prefix_caching)
         self.cache = CacheManager(allocator, radix, table)
         self.eos_ids = _eos_ids(model_dir, self.tokenizer, hf_config)
-        self.latent_spec = getattr(model, "latent_spec", None)
+        from latentserve.latent.spec import cap_budget
+
+        self.latent_spec = cap_budget(getattr(model, "latent_spec", None),
+                                      config.max_latent_budget)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.latent_spec)
-        self.runner = ModelRunner(model, pool, table, make_backend(config.backend_name),
-                                  self.device)
+        runner_args = (model, pool, table, make_backend(config.backend_name), self.device)
+        if self.tp is None:
+            self.runner = ModelRunner(*runner_args)
+        else:
+            from latentserve.engine.tp_worker import TPModelRunner
+
+            self.runner = TPModelRunner(*runner_args, self.tp)
         self.head_defaults = None
         if self.latent_spec is not None and self.latent_spec.kind == "head":
             from latentserve.latent.head import head_defaults
 
             self.head_defaults = head_defaults()  # env, read once; ValueError if malformed
             self.runner.set_capture(model.latent_head.config.source_layer + 1)
-        if (self.device.type == "cuda" and config.backend_name == "triton"
-                and not config.enforce_eager):
-            self.runner.capture_graphs(min(config.max_num_seqs, 256), hf_config.hidden_size,
-                                       config.torch_dtype)
+        graph_bs = min(config.max_num_seqs, 256) if (
+            self.device.type == "cuda" and config.backend_name == "triton"
+            and not config.enforce_eager) else 0
+        if self.tp is not None:  # the workers copy these, then capture alongside
+            from latentserve.engine.tp_worker import RunnerSetup
+
+            self.runner.send_setup(RunnerSetup(slots, self.max_model_len,
+                                               self.runner.capture_layer, graph_bs))
+        if graph_bs:
+            self.runner.capture_graphs(graph_bs, hf_config.hidden_size, config.torch_dtype)
         self._rids: set[str] = set()
         self._arrivals = 0
         self._salts: dict[tuple, int] = {}  # recurrent KV variant -> prefix-cache namespace
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
+        from latentserve.engine.prompt_logprobs import PromptLogprobTracker
+
+        self.prompt_logprobs = PromptLogprobTracker()
         log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,
                  self.max_model_len)
 
@@ -154,6 +186,12 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[0]}")
         if rid in self._rids:
             raise ValueError(f"request id {rid!r} is already running")
+        if self.tp is not None and params.return_latent_trace:
+            raise ValueError("return_latent_trace is not supported with "
+                             "tensor_parallel_size > 1")
+        if self.tp is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs (echo with logprobs) is not supported with "
+                             "tensor_parallel_size > 1")
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals)
         if head:
             req.head = hs
@@ -178,7 +216,24 @@ class LLMEngine:
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
         self._rids.add(rid)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs.add(rid, n, params.prompt_logprobs)
         self.scheduler.add(req)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (no-op at TP 1;
+        idempotent). The engine cannot step afterwards."""
+        if self.tp is None:
+            return
+        from latentserve.distributed import destroy_tp_group
+        from latentserve.engine.tp_worker import stop_workers
+
+        self.tp = None
+        try:
+            self.runner.send_stop()
+        finally:
+            stop_workers(self._tp_procs)
+            destroy_tp_group()
 
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -200,6 +255,8 @@ class LLMEngine:
             outs = self.scheduler.drain_aborted()
         else:
             logits, last_hidden = self.runner.run(batch)
+            if self.runner.prompt_hidden:
+                self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
             if self.latent_spec is not None and self.latent_spec.kind == "loop":
                 from latentserve.latent.loop import after_forward
 
@@ -220,6 +277,8 @@ class LLMEngine:
                         o.logprobs = [lp]
         if self._failed:
             outs = self._apply_failures(outs)
+        if self.prompt_logprobs:
+            self.prompt_logprobs.attach(outs)
         for o in outs:
             if o.finished and o.latent_stats is not None:
                 st = o.latent_stats
@@ -334,6 +393,8 @@ class LLMEngine:
         if self.latent_spec is not None and self.latent_spec.kind == "head":
             from latentserve.latent.head_loop import next_inputs
 
+            return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured,
+                               self.runner.last_head_out)
             return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured)
         if self.latent_spec is not None and self.latent_spec.kind == "loop":
             return None  # latent.loop.after_forward already prepared the next passes
@@ -342,9 +403,12 @@ class LLMEngine:
         if not rows:
             return None
         model = self.runner.model
-        idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
         with torch.inference_mode():
-            vecs = model.latent_feedback(last_hidden[idx])
+            if len(rows) == len(reqs):  # every row thinks (the common latent decode batch)
+                vecs = model.latent_feedback(last_hidden)
+            else:
+                idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
+                vecs = model.latent_feedback(last_hidden[idx])
         out: list = [None] * len(reqs)
         traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
         if traced:
@@ -356,8 +420,9 @@ class LLMEngine:
                     "norm": float(vecs[j].float().norm()),
                     "top_tokens": [[int(t), float(v)] for t, v in
                                    zip(top.indices[k].tolist(), top.values[k].tolist())]})
+        views = vecs.unbind(0)  # one call for every row's view
         for j, i in enumerate(rows):
-            out[i] = vecs[j]
+            out[i] = views[j]
         return out
 
 

@@ -28,6 +28,9 @@ class ModelRunner:
     For a recurrent-depth model each forward also gets a ``RecurrentBatch`` (per-row depth
     and exit rule, ``ForwardContext.recurrent``) and each token's depth
     (``ForwardContext.depths``); sampling rows' iteration counts go to their requests.
+    After each run, ``prompt_hidden`` lists ``(req, start, hidden [q_len, hidden])`` for the
+    requests with ``params.prompt_logprobs`` set whose chunk holds prompt positions
+    ``start ..`` (such batches run eagerly; empty for every other batch).
     """
 
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
@@ -41,8 +44,12 @@ class ModelRunner:
         self.capture_layer = -1
         self.last_captured: torch.Tensor | None = None
         self.last_hidden_all: torch.Tensor | None = None
+        # (latent_input [S, H] float32, stop_prob [S] or None) of the sampling rows when a
+        # graph replay already ran the compression head; None after an eager forward.
+        self.last_head_out: tuple | None = None
         self.num_computed_tokens = 0
         self.num_graph_steps = 0
+        self.prompt_hidden: list = []
         spec = getattr(model, "latent_spec", None)
         self.recurrent = spec is not None and spec.kind == "recurrent"  # per-token depth
 
@@ -60,7 +67,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, pos, last = [], [], []
+        ids, pos, last, row_tok = [], [], [], []
         inj_rows, inj_vecs = [], []
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             if req.latent_embeds:  # latent span [lo, hi) of this chunk takes vectors
@@ -71,45 +78,65 @@ class ModelRunner:
                     inj_vecs.append(req.latent_embeds[p - req.latent_start])
             ids.extend(req.ids[start : start + n])
             pos.extend(range(start, start + n))
+            row_tok.extend([req.row] * n)
             last.append(len(ids) - 1)
         self.num_computed_tokens += len(ids)
         dev = self.device
-        rows_l = [r.row for r in batch.reqs]
+        t, b = len(ids), len(batch.reqs)
         kv_lens = [s + n for s, n in zip(batch.starts, batch.q_lens)]
-        # One host-to-device copy for every index vector of the batch.
-        packed = torch.tensor([ids, pos], dtype=torch.int64).to(dev, non_blocking=True)
-        input_ids, positions = packed[0], packed[1]
-        rows = torch.tensor(rows_l, dtype=torch.int64).to(dev, non_blocking=True)
-        row_of_token = torch.repeat_interleave(rows, torch.tensor(batch.q_lens, device=dev))
-        out_slots = self.table.table[row_of_token, positions]  # slot = table[row, position]
+        mask_l = []
+        if inj_rows:
+            mask_l = [0] * t
+            for r in inj_rows:
+                mask_l[r] = 1
+        # One host-to-device copy for every index vector of the batch:
+        # ids [T] | positions [T] | page-table row of each token [T] | rows [B] | kv_lens [B]
+        # | latent mask [T] (only with latent rows).
+        packed = torch.tensor(ids + pos + row_tok + [r.row for r in batch.reqs] + kv_lens
+                              + mask_l, dtype=torch.int64).to(dev, non_blocking=True)
+        input_ids, positions = packed[:t], packed[t : 2 * t]
+        rows, kv_dev = packed[3 * t : 3 * t + b], packed[3 * t + b : 3 * t + 2 * b]
+        out_slots = self.table.table[packed[2 * t : 3 * t], positions]  # table[row, position]
         input_embeds = latent_mask = None
         if inj_rows:
-            rows_t = torch.tensor(inj_rows, dtype=torch.long, device=dev)
-            vecs = torch.stack(inj_vecs)
-            input_embeds = vecs.new_zeros(len(ids), vecs.shape[-1]).index_copy_(0, rows_t, vecs)
-            latent_mask = torch.zeros(len(ids), dtype=torch.bool, device=dev)
-            latent_mask[rows_t] = True
+            latent_mask = packed[3 * t + 2 * b :].bool()
+            if len(inj_rows) == t:  # every row injects (a latent decode batch)
+                input_embeds = torch.stack(inj_vecs)
+            else:
+                zero = inj_vecs[0].new_zeros(inj_vecs[0].shape)
+                full = [zero] * t
+                for r, v in zip(inj_rows, inj_vecs):
+                    full[r] = v
+                input_embeds = torch.stack(full)
         layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
         rec = RecurrentBatch.from_batch(batch, layout, self.table.table) if self.recurrent \
             else None
         decode = len(ids) == len(batch.reqs)
-        if (self.graphs is not None and decode and len(ids) <= self.graphs.max_bs
+        # Rows of requests that asked for prompt logprobs and compute prompt tokens now.
+        prompt_rows = [b for b, (r, st) in enumerate(zip(batch.reqs, batch.starts))
+                       if r.params.prompt_logprobs is not None and st < len(r.prompt_ids)]
+        self.prompt_hidden = []
+        if (self.graphs is not None and decode and not prompt_rows
+                and len(ids) <= self.graphs.max_bs
                 and (rec is None or self.graphs.can_replay(rec))):
             self.num_graph_steps += 1
-            kv = torch.tensor(kv_lens, dtype=torch.int32).to(dev, non_blocking=True)
-            logits, hidden = self.graphs.replay(input_ids, positions, rows, kv, out_slots,
+            logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_dev, out_slots,
                                                 input_embeds, latent_mask, rec)
             if rec is not None:
                 rec.iters_used = list(rec.row_depths)
                 rec.record(batch)
             captured = self.graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             self.last_hidden_all = hidden  # one token per row: every position of the batch
+            head_out = self.graphs.last_head
             keep = [i for i, s in enumerate(batch.sample) if s]
             if len(keep) < len(ids):  # a 1-token prefill chunk that does not end its prompt
                 idx = torch.tensor(keep, dtype=torch.long, device=dev)
                 logits, hidden = logits[idx], hidden[idx]
                 captured = None if captured is None else captured[idx]
-            self.last_captured = captured
+                if head_out is not None:
+                    head_out = (head_out[0][idx],
+                                None if head_out[1] is None else head_out[1][idx])
+            self.last_captured, self.last_head_out = captured, head_out
             return logits, hidden
         meta = self.backend.prepare(layout, self.table.table)
         capture_buf = None
@@ -126,8 +153,13 @@ class ModelRunner:
         if rec is not None:
             rec.record(batch)
         self.last_hidden_all = hidden
+        for b in prompt_rows:
+            end = last[b] + 1
+            self.prompt_hidden.append((batch.reqs[b], batch.starts[b],
+                                       hidden[end - batch.q_lens[b] : end]))
         sample_rows = [i for i, s in zip(last, batch.sample) if s]
         idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        self.last_head_out = None
         if capture_buf is not None:
             self.last_captured = capture_buf[idx]
         last_hidden = hidden[idx]

@@ -172,6 +172,16 @@ class LatentHead(nn.Module):
         mu = F.layer_norm(self.encode(anchor), (self.config.latent_dim,))
         return self.decoder(mu)
 
+    def policy(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mu, log_sigma)`` of the head's Gaussian over the latent (``[N, L]`` float32
+        each) for anchors ``[N, H]``: the policy that GRPO trains (``train/grpo.py``)."""
+        return self.reasoning_head(self._ln_anchor(anchor))
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """The injected input vector for a latent ``z`` (``[N, L]`` -> ``[N, H]`` float32):
+        ``decoder(LN(z))``; ``latent_input(anchor) == decode(encode(anchor))``."""
+        return self.decoder(F.layer_norm(z, (self.config.latent_dim,)))
+
     def stop_prob(self, anchor: torch.Tensor) -> torch.Tensor | None:
         if not self.has_stop:
             return None
@@ -263,12 +273,18 @@ class HeadSettings:
     max_stop_prob: float | None = None
     end: str | None = None
     probs: list = field(default_factory=list)
+    # Policy sampling (latent.head_loop.set_policy_sampling): per latent step the anchor
+    # ``[H]`` and the sampled latent ``[L]`` (float32, CPU); None when the engine uses mu.
+    actions: list | None = None
 
     def stats(self) -> dict:
-        return {"thinking": self.thinking, "mode": self.mode, "steps": self.steps,
-                "stop_step": self.stop_step, "max_stop_prob": self.max_stop_prob,
-                "end": self.end, "max_latent": self.max_latent, "min_latent": self.min_latent,
-                "use_stop": self.use_stop, "stop_threshold": self.stop_threshold}
+        out = {"thinking": self.thinking, "mode": self.mode, "steps": self.steps,
+               "stop_step": self.stop_step, "max_stop_prob": self.max_stop_prob,
+               "end": self.end, "max_latent": self.max_latent, "min_latent": self.min_latent,
+               "use_stop": self.use_stop, "stop_threshold": self.stop_threshold}
+        if self.actions is not None:
+            out["actions"] = self.actions
+        return out
 
 
 def resolve_settings(params, defaults: dict, mode: str, has_stop: bool) -> HeadSettings:

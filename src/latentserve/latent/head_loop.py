@@ -40,7 +40,8 @@ def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
     return params, hs, start
 
 
-def next_inputs(head, reqs: list[Req], captured: torch.Tensor) -> list | None:
+def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
+                precomputed: tuple | None = None) -> list | None:
     """Head decisions for the sampling rows in their latent phase, batched.
 
     ``captured``: ``[S, hidden]``, each sampling row's source-layer residual stream (the
@@ -48,14 +49,28 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor) -> list | None:
     steps, else end at ``max_latent``, else the next latent input (``[hidden]`` float32).
     Prompt mode: the latent for the last prompt position. Returns one entry per row of
     ``reqs`` (None: not in the phase, or the phase ends), or None when no row is in it.
+    ``precomputed``: ``(latent_input [S, hidden], stop_prob [S] or None)`` for every
+    sampling row, when a CUDA graph already ran the head on ``captured``.
     """
     rows = [i for i, r in enumerate(reqs) if r.head is not None and r.answer_start is None]
     if not rows:
         return None
+    idx = torch.tensor(rows, dtype=torch.long, device=captured.device)
+    sigma = getattr(head, "policy_sigma", None)
     with torch.inference_mode():
-        anchors = captured[torch.tensor(rows, dtype=torch.long, device=captured.device)]
-        vecs = head.latent_input(anchors)
-        probs = head.stop_prob(anchors)
+        anchors = captured[idx]
+        if sigma is not None:  # Gaussian policy: z ~ N(mu, sigma^2 I), recorded with its anchor
+            mu = head.encode(anchors)
+            z = mu + sigma * torch.randn_like(mu)
+            vecs = head.decode(z)
+            z_cpu, a_cpu = z.float().cpu(), anchors.float().cpu()
+            probs = head.stop_prob(anchors)
+        elif precomputed is not None:  # a CUDA graph already ran the head on these anchors
+            vecs = precomputed[0][idx]
+            probs = None if precomputed[1] is None else precomputed[1][idx]
+        else:
+            vecs = head.latent_input(anchors)
+            probs = head.stop_prob(anchors)
     probs = probs.tolist() if probs is not None else [None] * len(rows)
     out: list = [None] * len(reqs)
     for j, i in enumerate(rows):
@@ -73,7 +88,22 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor) -> list | None:
         else:
             out[i] = vecs[j]
             h.steps += 1
+            if sigma is not None and h.mode == "closed_loop":
+                if h.actions is None:
+                    h.actions = []
+                h.actions.append((a_cpu[j], z_cpu[j]))
     return out
+
+
+def set_policy_sampling(head, sigma: float | None) -> None:
+    """Engine option for GRPO rollouts (``train/grpo.py``): with ``sigma`` > 0 every
+    closed-loop latent step injects ``decode(z)`` with ``z ~ N(mu, sigma^2 I)`` instead of
+    ``mu`` and records ``(anchor, z)`` in the request's ``latent_stats["actions"]``; None
+    restores MAP decoding (mu). ``head``: the engine's ``LatentHead``
+    (``engine.runner.model.latent_head``). Raises ValueError for sigma <= 0."""
+    if sigma is not None and not sigma > 0:
+        raise ValueError(f"sigma must be > 0 (or None to use mu), got {sigma!r}")
+    head.policy_sigma = None if sigma is None else float(sigma)
 
 
 def advance(req: Req, vec, latent_id: int) -> bool:

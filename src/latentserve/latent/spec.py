@@ -6,7 +6,7 @@ each family's own mechanics (the feedback projection, head modules, ...) stay in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -79,3 +79,26 @@ class LatentSpec:
             raise ValueError(f"latent_budget must be in [{self.min_budget}, {self.max_budget}], "
                              f"got {budget}")
         return budget
+
+
+def cap_budget(spec: LatentSpec | None, cap: int | None) -> LatentSpec | None:
+    """The served spec under a server cap on the latent budget (``EngineConfig.
+    max_latent_budget``; None: the model's own ``max_budget``). The default budget is lowered
+    to the cap when above it. KV banks stay sized by the model.
+
+    Raises:
+        ValueError: naming ``max_latent_budget`` when the model has no budget (a plain model
+            or a compression head, whose cap is ``max_latent``) or the cap is outside
+            ``[max(min_budget, 1), max_budget]``.
+    """
+    if cap is None:
+        return spec
+    if spec is None or spec.kind == "head":
+        what = "a plain model" if spec is None else "a compression head (use max_latent)"
+        raise ValueError(f"max_latent_budget applies to feedback and recurrent-depth models, "
+                         f"not {what}")
+    lo = max(spec.min_budget, 1)
+    if not lo <= cap <= spec.max_budget:
+        raise ValueError(f"max_latent_budget must be in [{lo}, {spec.max_budget}] for this "
+                         f"model, got {cap}")
+    return replace(spec, max_budget=cap, default_budget=min(spec.default_budget, cap))

@@ -337,7 +337,7 @@ class _HuginnExit:
         self.tok = torch.tensor(act.starts, dtype=torch.int64).to(dev)  # row -> its 1st token
         self.prev_latent = x0[self.tok].clone()
         self.prev_entropy = torch.full((b,), 100.0, device=dev)
-        self.vocab = model.lm_head.weight.shape[0]
+        self.vocab = int(model.config.vocab_size)  # lm_head rows (a shard under TP)
         self.prev_logp = None
         if any(r is not None and "kl" in r.criterion for r in rb.rules):
             self.prev_logp = torch.full((b, self.vocab), 1 / self.vocab, device=dev).log()

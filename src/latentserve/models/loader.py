@@ -34,7 +34,7 @@ def iter_weights(model_dir: Path):
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
                latent_head: str | None = None, no_latent_head: bool = False,
-               latent_injection: str | None = None):
+               latent_injection: str | None = None, tp=None):
     """Return ``(model, hf_config)`` with weights loaded, in eval mode, on ``device``.
 
     A directory with a ``latent_config.json`` is a latent-reasoning model: its family's
@@ -51,7 +51,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
     ``no_latent_head`` skips it) attaches ``model.latent_head`` and a ``"head"`` spec
     (``latent.bundle.attach_head``; ``latent_injection`` overrides the bundle's mode).
 
-    Raises ValueError for an unsupported ``model_type`` or a bad latent config.
+    ``tp`` (a ``distributed.TPGroup`` of size > 1): the backbone is split into this rank's
+    shard (``models.parallel.shard_model``) before it moves to ``device``; latent modules stay
+    whole.
+
+    Raises ValueError for an unsupported ``model_type``, a bad latent config, or a model the
+    TP size cannot split.
     """
     import json
 
@@ -86,6 +91,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
     with torch.device("cpu"):
         model = cls(hf_config)
     model.load_weights(weights)
+    if tp is not None and tp.size > 1:
+        from latentserve.models.parallel import shard_model
+
+        shard_model(model, tp)
     model = model.to(device=device, dtype=dtype).eval()
     if loop_cfg is not None:
         from latentserve.latent.loop_checkpoint import attach_loop

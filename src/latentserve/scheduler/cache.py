@@ -26,6 +26,8 @@ class CacheManager:
         self.allocator = allocator
         self.radix = radix
         self.table = table
+        self._grows: list[tuple[int, int, int]] = []  # (row, from, to) reserved, not written
+        self._pending = 0
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         if self.allocator.num_free < n:
@@ -42,7 +44,9 @@ class CacheManager:
         ids = req.cache_key
         # Leave at least one token to compute: its logits give the next token. Never match
         # past a latent position: its KV depends on a hidden state, not on the id.
-        prefix, node = self.radix.match_prefix(ids[: min(len(ids) - 1, req.cacheable_len)])
+        # A request that wants its prompt's logprobs needs every prompt position computed.
+        limit = 0 if req.params.prompt_logprobs is not None else req.cacheable_len
+        prefix, node = self.radix.match_prefix(ids[: min(len(ids) - 1, limit)])
         self.radix.inc_lock(node)
         m = len(prefix)
         slots = self._alloc(len(ids) - m)
@@ -56,17 +60,41 @@ class CacheManager:
         req.num_computed, req.num_allocated = m, len(ids)
         return True
 
-    def grow(self, req: Req, upto: int) -> bool:
-        """Make sure ``req`` has slots for ids ``[0, upto)``. False when slots ran out."""
+    def reserve(self, req: Req, upto: int) -> bool:
+        """Make sure ``req`` will have slots for ids ``[0, upto)``: the host-side half of
+        growing a request (evicting from the radix cache when short). The slots are taken
+        and written into the page table by :meth:`flush`, once for the whole step, so a
+        decode step costs one allocation and one page-table write, not one per request.
+        False (and nothing reserved) when slots ran out. Call :meth:`flush` before
+        :meth:`admit` or before the page table is read."""
         need = upto - req.num_allocated
         if need <= 0:
             return True
-        slots = self._alloc(need)
-        if slots is None:
-            return False
-        self.table.table[req.row, req.num_allocated : upto] = slots
+        short = self._pending + need - self.allocator.num_free
+        if short > 0:
+            self.radix.evict(short)
+            if self._pending + need > self.allocator.num_free:
+                return False
+        self._grows.append((req.row, req.num_allocated, upto))
+        self._pending += need
         req.num_allocated = upto
         return True
+
+    def flush(self) -> None:
+        """Take the slots reserved since the last flush and write them into the page table
+        (one slice of the free list, one host-to-device copy of the indices, one scatter)."""
+        if not self._grows:
+            return
+        slots = self.allocator.alloc(self._pending)
+        rows, cols = [], []
+        for row, lo, hi in self._grows:
+            rows.extend([row] * (hi - lo))
+            cols.extend(range(lo, hi))
+        idx = torch.tensor([rows, cols], dtype=torch.int64).to(self.table.table.device,
+                                                               non_blocking=True)
+        self.table.table[idx[0], idx[1]] = slots
+        self._grows.clear()
+        self._pending = 0
 
     def release(self, req: Req) -> None:
         """Hand ``req``'s computed KV to the radix cache (or free it) and free the rest.

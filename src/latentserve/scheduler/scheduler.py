@@ -96,7 +96,7 @@ class Scheduler:
             if req.status is not ReqStatus.RUNNING:
                 continue  # preempted while an earlier row grew
             n = self._chunk(req, budget)
-            while not self.cache.grow(req, req.num_computed + n):
+            while not self.cache.reserve(req, req.num_computed + n):
                 # NOTE: the most recently admitted request not already in this batch.
                 victim = next(r for r in reversed(self.running) if id(r) not in in_batch)
                 self.running.remove(victim)
@@ -107,6 +107,7 @@ class Scheduler:
                 self._add_to_batch(batch, req, n)
                 in_batch.add(id(req))
                 budget -= n
+        self.cache.flush()
         # 2. Admit waiting requests in arrival order while rows, slots and budget last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -174,6 +175,8 @@ class Scheduler:
                     self.running.remove(req)
                     self.cache.release(req)
                     self._finish(req, reason)
+                    outs.append(self._output(req, []))
+                elif req.params.stream_latent_steps:  # progress of a latent step, no token
                     outs.append(self._output(req, []))
                 continue
             req.output_ids.append(tok)

@@ -27,7 +27,12 @@ from pydantic import BaseModel, ConfigDict
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.errors import APIError, anthropic_error_body
 from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.params import context_error, head_controls, latent_budget
+from latentserve.server.params import (
+    context_error,
+    head_controls,
+    latent_budget,
+    refuse_head_controls,
+)
 from latentserve.server.prompts import render_chat
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.state import ServerState
@@ -164,7 +169,9 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         render_chat, state.tokenizer, conversation,
         continue_final_message=conversation[-1]["role"] == "assistant")
     params = _params(body, len(prompt_ids), state.max_model_len, latent_budget(request, body, state.latent_spec))
-    head = {k: v for k, v in head_controls(request, body).items() if v is not None}
+    controls = head_controls(request, body)
+    refuse_head_controls(request, body, controls, state.latent_spec)
+    head = {k: v for k, v in controls.items() if v is not None}
     if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
         import dataclasses
 

@@ -40,6 +40,7 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
     from latentserve.server.errors import APIError, install_error_handlers
     from latentserve.server.logprobs import token_texts
     from latentserve.server.metrics import ServerMetrics
+    from latentserve.server.params import check_model as check_served_model
     from latentserve.server.prompts import chat_prompt_ids
     from latentserve.server.protocol import (
         ChatCompletionRequest,
@@ -76,9 +77,7 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
         return JSONResponse(result.model_dump(mode="json"))
 
     def check_model(model):
-        if model is not None and model != state.model_name:
-            raise APIError(f"The model '{model}' does not exist; this server serves "
-                           f"'{state.model_name}'", param="model", code="model_not_found")
+        check_served_model(model, state.model_name)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -117,7 +116,9 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
                 body.prompt, add_special_tokens=body.add_special_tokens is not False))
         else:
             ids = chat_prompt_ids(state.tokenizer, body.messages,
-                                  add_generation_prompt=body.add_generation_prompt is not False)
+                                  template_kwargs=body.chat_template_kwargs,
+                                  add_generation_prompt=body.add_generation_prompt is not False,
+                                  continue_final_message=bool(body.continue_final_message))
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if body.return_token_strs:
             texts = token_texts(state.tokenizer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -12,10 +13,13 @@ from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.params import (
     check_common,
     check_logprobs,
+    check_total_output,
     fan_out,
     head_controls,
     latent_budget,
+    refuse_head_controls,
     sampling_params,
+    stream_latent_steps,
 )
 from latentserve.server.prompts import chat_prompt_ids, check_prompt_length
 from latentserve.server.protocol import (
@@ -29,8 +33,18 @@ from latentserve.server.protocol import (
     Usage,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import collect, sse_events, sse_response, start_stream
+from latentserve.server.serving import (
+    collect,
+    latent_info,
+    sse_events,
+    sse_response,
+    start_stream,
+)
 from latentserve.server.state import ServerState
+
+# The reasoning_content of one latent-step tick in a stream: a zero-width space, so a client
+# shows progress without visible text (the seed's choice; env LATENTSERVE_LATENT_TICK_TEXT).
+LATENT_TICK_TEXT = os.environ.get("LATENTSERVE_LATENT_TICK_TEXT", "\u200b")
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request, state: ServerState):
@@ -40,6 +54,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     check_common(body, state.model_name, state.limits)
     logprobs = _logprobs_k(body, state)
     head = head_controls(request, body, body.chat_template_kwargs)
+    refuse_head_controls(request, body, head, state.latent_spec)
+    ticks = bool(body.stream) and stream_latent_steps(request, body)
     template_kwargs = body.chat_template_kwargs
     if head["thinking"] is not None:  # the template renders the thinking opening (or not)
         template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
@@ -56,7 +72,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     else:
         max_tokens, field = body.max_tokens, "max_tokens"
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
-                             logprobs, latent_budget(request, body, state.latent_spec), head)
+                             logprobs, latent_budget(request, body, state.latent_spec), head,
+                             stream_latent_steps=ticks)
+    check_total_output([params.max_tokens], body.n or 1, field, state.limits)
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
             for i, p in enumerate(fan_out(params, body.n or 1))]
@@ -64,7 +82,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival)
         chunks = _chunks(state, rid, len(prompt_ids), len(reqs), deltas, body.include_usage,
-                         logprobs is not None, as_ids)
+                         logprobs is not None, as_ids, bool(body.return_latent_trace))
         return sse_response(sse_events(request, state, reqs, chunks))
     results = await collect(request, state, reqs, arrival)
     texts = token_texts(state.tokenizer)
@@ -93,29 +111,34 @@ def _logprobs_k(body: ChatCompletionRequest, state: ServerState) -> int | None:
 
 async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
-                  want_logprobs: bool, as_ids: bool) -> AsyncIterator[ChatCompletionChunk]:
-    """Per choice: a role chunk, content chunks, one chunk with the finish reason; then (if
-    asked) one usage chunk with no choices."""
+                  want_logprobs: bool, as_ids: bool, trace: bool
+                  ) -> AsyncIterator[ChatCompletionChunk]:
+    """Per choice: a role chunk, content chunks (and, with ``stream_latent_steps``, one
+    ``reasoning_content`` chunk of :data:`LATENT_TICK_TEXT` per latent step), one chunk with
+    the finish reason and the choice's ``latent`` field (as in the non-streamed response;
+    left out when None); then (if asked) one usage chunk with no choices."""
     model = state.model_name
     texts = token_texts(state.tokenizer)
 
     def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None,
-              lps=None) -> ChatCompletionChunk:
+              lps=None, latent=None) -> ChatCompletionChunk:
         logprobs = chat_logprobs(texts, lps, as_ids) if want_logprobs and lps else None
         return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
-            index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)])
+            index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs,
+            latent=latent)])
 
     for i in range(n):
         yield chunk(i, DeltaMessage(role="assistant", content=""))
     tokens = [0] * n
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
-        if delta.finish_reason is not None:
-            if delta.text or delta.logprobs:
-                yield chunk(i, DeltaMessage(content=delta.text), None, delta.logprobs)
-            yield chunk(i, DeltaMessage(), delta.finish_reason)
-        elif delta.text or delta.logprobs:
+        for _ in range(delta.latent_tick):
+            yield chunk(i, DeltaMessage(reasoning_content=LATENT_TICK_TEXT))
+        if delta.text or delta.logprobs:
             yield chunk(i, DeltaMessage(content=delta.text), None, delta.logprobs)
+        if delta.finish_reason is not None:
+            yield chunk(i, DeltaMessage(), delta.finish_reason,
+                        latent=latent_info(delta, trace))
     if include_usage:
         yield ChatCompletionChunk(id=rid, model=model, choices=[],
                                   usage=Usage.of(num_prompt_tokens, sum(tokens)))

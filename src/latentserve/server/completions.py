@@ -6,15 +6,21 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from latentserve.server.errors import APIError
 from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.logprobs import completion_logprobs, token_texts
+from latentserve.server.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
+    token_texts,
+)
 from latentserve.server.params import (
     check_common,
     check_logprobs,
+    check_total_output,
     fan_out,
     head_controls,
     latent_budget,
+    refuse_head_controls,
     sampling_params,
 )
 from latentserve.server.prompts import check_prompt_length, completion_prompts
@@ -25,7 +31,13 @@ from latentserve.server.protocol import (
     Usage,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import collect, sse_events, sse_response, start_stream
+from latentserve.server.serving import (
+    collect,
+    latent_info,
+    sse_events,
+    sse_response,
+    start_stream,
+)
 from latentserve.server.state import ServerState
 
 
@@ -35,9 +47,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     arrival = time.monotonic()
     check_common(body, state.model_name, state.limits)
     check_logprobs(body.logprobs, "logprobs", state.limits)
-    if body.echo and body.logprobs is not None:
-        raise APIError("echo together with logprobs needs the prompt's logprobs, which this "
-                       "server does not compute", param="logprobs")
+    # echo with logprobs reports the prompt tokens' logprobs too (the first one's is null).
+    prompt_logprobs = body.logprobs if body.echo else None
     prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, body.prompt,
                                       state.vocab_size, state.limits.max_prompts)
     n = body.n or 1
@@ -45,14 +56,18 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     reqs: list[EngineRequest] = []
     budget = latent_budget(request, body, state.latent_spec)
     head = head_controls(request, body)
+    refuse_head_controls(request, body, head, state.latent_spec)
     for p, (ids, text) in enumerate(prompts):
         check_prompt_length(len(ids), state.max_model_len, "prompt")
         params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
-                                 state.max_model_len, body.logprobs, budget, head)
+                                 state.max_model_len, body.logprobs, budget, head,
+                                 prompt_logprobs)
         for j, choice_params in enumerate(fan_out(params, n)):
             index = p * n + j
             reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,
                                       text))
+    check_total_output([r.params.max_tokens for r in reqs[::n]], n, "max_tokens",
+                       state.limits)
     echoes = [_echo(state, r) if body.echo else "" for r in reqs]
     num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
     as_ids = bool(body.return_tokens_as_token_ids)
@@ -60,13 +75,18 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival)
         chunks = _chunks(state, rid, num_prompt_tokens, echoes, deltas, body.include_usage,
-                         want_logprobs, as_ids)
+                         want_logprobs, as_ids, reqs, bool(body.return_latent_trace))
         return sse_response(sse_events(request, state, reqs, chunks))
     results = await collect(request, state, reqs, arrival)
     texts = token_texts(state.tokenizer)
     choices = []
     for i, r in enumerate(results):
-        lps = completion_logprobs(texts, r.logprobs, 0, as_ids)[0] if want_logprobs else None
+        lps = None
+        if want_logprobs:
+            lps, _ = completion_logprobs(texts, r.logprobs, len(echoes[i]), as_ids)
+            if body.echo:
+                lps = join_logprobs(echo_logprobs(texts, reqs[i].prompt_ids,
+                                                  r.prompt_logprobs, as_ids), lps)
         choices.append(CompletionChoice(index=i, text=echoes[i] + r.text,
                                         finish_reason=r.finish_reason, logprobs=lps,
                                         latent=r.latent_info(bool(body.return_latent_trace))))
@@ -84,24 +104,39 @@ def _echo(state: ServerState, req: EngineRequest) -> str:
 
 async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: list[str],
                   deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
-                  want_logprobs: bool, as_ids: bool) -> AsyncIterator[CompletionResponse]:
-    """Per choice: the echoed prompt (if asked), text chunks, the last one carrying the
-    finish reason; then (if asked) one usage chunk with no choices."""
+                  want_logprobs: bool, as_ids: bool, reqs: list[EngineRequest],
+                  trace: bool) -> AsyncIterator[CompletionResponse]:
+    """Per choice: the echoed prompt (if asked; with logprobs, once the prompt's logprobs
+    arrive with the choice's first delta), text chunks, the last one carrying the finish
+    reason and the ``latent`` field (as in the non-streamed response); then (if asked) one
+    usage chunk with no choices."""
     model = state.model_name
     texts = token_texts(state.tokenizer)
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
-    for i, echo in enumerate(echoes):
-        if echo:
-            yield CompletionResponse(id=rid, model=model,
-                                     choices=[CompletionChoice(index=i, text=echo)])
+    echo_later = want_logprobs and any(echoes)  # the echo chunk waits for prompt logprobs
+    if not echo_later:
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield CompletionResponse(id=rid, model=model,
+                                         choices=[CompletionChoice(index=i, text=echo)])
+    echoed = [not echo_later] * len(echoes)
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
+        if not echoed[i]:  # the prompt logprobs ride the choice's first delta
+            echoed[i] = True
+            lps = echo_logprobs(texts, reqs[i].prompt_ids, delta.prompt_logprobs, as_ids)
+            yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
+                index=i, text=echoes[i], logprobs=lps)])
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            continue
         lps = None
         if want_logprobs:
             lps, offsets[i] = completion_logprobs(texts, delta.logprobs, offsets[i], as_ids)
+        latent = latent_info(delta, trace) if delta.finish_reason is not None else None
         yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-            index=i, text=delta.text, finish_reason=delta.finish_reason, logprobs=lps)])
+            index=i, text=delta.text, finish_reason=delta.finish_reason, logprobs=lps,
+            latent=latent)])
     if include_usage:
         yield CompletionResponse(id=rid, model=model, choices=[],
                                  usage=Usage.of(num_prompt_tokens, sum(tokens)))

@@ -20,7 +20,8 @@ class TextDelta:
     ``finish_reason`` is set on the last delta only (``stop``, ``length``, or ``abort``
     when the request was cancelled); ``num_output_tokens`` counts all tokens generated so
     far. ``logprobs`` covers the tokens consumed since the previous delta (tokens whose text
-    was held back are reported with the delta that releases it). ``stop_string`` is the
+    was held back are reported with the delta that releases it; tokens that start after a
+    matched stop string are dropped, as their text is). ``stop_string`` is the
     stop string that ended the request, if one did. ``latent_steps`` / ``latent_trace``:
     the request's latent positions so far and, on the last delta when asked, their trace.
     """
@@ -33,6 +34,9 @@ class TextDelta:
     latent_steps: int = 0
     latent_trace: list | None = None
     latent_stats: dict | None = None  # compression heads: the final delta's stats
+    recurrence: dict | None = None  # recurrent depth: the final delta's iteration stats
+    latent_tick: int = 0  # latent steps run since the previous delta (stream_latent_steps)
+    prompt_logprobs: list | None = None  # asked for: on the first delta, None for token 0
 
 
 @dataclass(slots=True)
@@ -50,7 +54,9 @@ class EngineRequest:
 
 async def generate_text(state, rid: str, prompt_ids: list[int], params: SamplingParams,
                         arrival: float | None = None) -> AsyncIterator[TextDelta]:
-    """Yield non-empty text deltas, then exactly one delta with a ``finish_reason``.
+    """Yield non-empty text deltas, then exactly one delta with a ``finish_reason``; with
+    ``params.stream_latent_steps``, also a delta (text "", ``latent_tick`` > 0) whenever
+    latent steps ran since the last one.
 
     Token-level stops (EOS, ``stop_token_ids``) end in the engine with ``"stop"``; that last
     token counts as generated but is not text. Stop strings are matched here, on the
@@ -60,21 +66,39 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     ``metrics`` (if any) time the request from ``arrival`` (``time.monotonic()`` seconds).
 
     Raises ``EngineRequestError`` / ``EngineInternalError`` / ``EngineDeadError`` from the
-    client.
+    client. A request the engine refuses (``EngineRequestError``: a 400 such as the context
+    length) is not recorded in the metrics; one that fails while running counts as
+    ``finish_reason="error"``.
     """
     from latentserve.detokenizer import IncrementalDetokenizer
+    from latentserve.server.client import EngineRequestError
 
     detok = IncrementalDetokenizer(state.tokenizer, prompt_ids, params.stop,
                                    skip_special_tokens=params.skip_special_tokens)
     timer = state.metrics.timer(arrival) if state.metrics is not None else None
     num_tokens = 0
-    pending: list[TokenLogprob] = []
+    # Logprobs not yet reported, each with its token's start in the decoded text.
+    pending: list[tuple[TokenLogprob, int]] = []
+    prompt_lps: list | None = None
+    latent_steps = 0
     reason = "abort"
 
-    def take() -> list[TokenLogprob]:
-        out = pending[:]
+    def take(cut: int | None = None) -> list[TokenLogprob]:
+        """The pending logprobs; with ``cut``, only tokens that start before it (those
+        past a stop string are dropped with their text)."""
+        out = [lp for lp, start in pending if cut is None or start < cut]
         pending.clear()
         return out
+
+    def delta(text: str, finish: str | None, out=None, cut: int | None = None,
+              **kw) -> TextDelta:
+        nonlocal prompt_lps
+        d = TextDelta(text, finish, num_tokens, take(cut), prompt_logprobs=prompt_lps, **kw)
+        prompt_lps = None
+        if out is not None:
+            d.latent_steps, d.latent_trace = out.latent_steps, out.latent_trace
+            d.latent_stats, d.recurrence = out.latent_stats, out.recurrence
+        return d
 
     try:
         async with aclosing(state.client.generate(rid, prompt_ids, params)) as outputs:
@@ -83,31 +107,42 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                 num_tokens += len(ids)
                 if timer is not None:
                     timer.tokens(len(ids))
+                if out.prompt_logprobs is not None:
+                    prompt_lps = out.prompt_logprobs
+                # The EOS / stop token ends the text, it is not part of it.
+                text_ids = ids[:-1] if out.finished and out.finish_reason == "stop" else ids
+                starts, parts = [], []
+                for t in text_ids:
+                    starts.append(detok.decoded_len)
+                    parts.append(detok.add([t]))
+                starts += [detok.decoded_len] * (len(ids) - len(text_ids))
                 if out.logprobs:
-                    pending.extend(out.logprobs)
-                if out.finished and out.finish_reason == "stop" and ids:
-                    ids = ids[:-1]  # the EOS / stop token ends the text, it is not part of it
-                text = detok.add(ids) if ids else ""
+                    pending.extend(zip(out.logprobs, starts))
+                text = "".join(parts)
                 if detok.stopped is not None:
                     reason = "stop"
-                    yield TextDelta(text, "stop", num_tokens, take(), detok.stopped,
-                                    out.latent_steps, out.latent_trace, out.latent_stats)
+                    yield delta(text, "stop", out, cut=detok.decoded_len,
+                                stop_string=detok.stopped)
                     return  # leaving the generator aborts the engine request
                 if out.finished:
                     reason = out.finish_reason
                     if timer is not None and out.latent_stats is not None:
                         timer.latent(out.latent_stats)
-                    yield TextDelta(text + detok.flush(), out.finish_reason, num_tokens, take(),
-                                    None, out.latent_steps, out.latent_trace,
-                                    out.latent_stats)
+                    yield delta(text + detok.flush(), out.finish_reason, out)
                     return
-                if text:
-                    yield TextDelta(text, None, num_tokens, take())
+                tick = out.latent_steps - latent_steps if params.stream_latent_steps else 0
+                latent_steps = out.latent_steps
+                if text or tick > 0:
+                    yield delta(text, None, latent_tick=max(tick, 0),
+                                latent_steps=out.latent_steps)
+    except EngineRequestError:
+        reason = None  # refused before it ran (a 400): not a finished request
+        raise
     except Exception:
         reason = "error"
         raise
     finally:
-        if timer is not None:
+        if timer is not None and reason is not None:
             timer.finish(reason, len(prompt_ids))
 
 

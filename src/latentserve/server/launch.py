@@ -27,13 +27,16 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info", api_key: str | None = None,
                max_request_body_bytes: int | None = None,
-               drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+               drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
+               max_request_output_tokens: int | None = None) -> None:
     """Start the engine process, wait until its model is loaded and warmed up, then serve
     HTTP with uvicorn until SIGINT/SIGTERM; the engine process is stopped on the way out (by
     the app's shutdown, or the ``finally`` here when uvicorn fails to start).
 
     ``api_key``: required from clients on the API routes (None: open).
     ``max_request_body_bytes``: larger bodies get a 413 (None: 16 MiB).
+    ``max_request_output_tokens``: a request whose prompts x n x max_tokens is larger gets a
+    400 (None: ``ServerLimits``' default, 2**21).
     ``drain_timeout``: on SIGTERM/SIGINT the server stops accepting connections and lets
     running requests finish for up to this many seconds, then cancels what is left (those
     engine requests are aborted) and stops the engine.
@@ -51,8 +54,9 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     from latentserve.server.engine_process import EngineProcess
     from latentserve.server.state import ServerLimits, ServerState
 
-    limits = ServerLimits() if max_request_body_bytes is None else ServerLimits(
-        max_request_body_bytes=max_request_body_bytes)
+    limits = ServerLimits(**{k: v for k, v in (
+        ("max_request_body_bytes", max_request_body_bytes),
+        ("max_request_output_tokens", max_request_output_tokens)) if v is not None})
     engine = EngineProcess(config)
     ready = engine.start()
     try:
@@ -110,11 +114,13 @@ def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int | None
                  timeout: float = 600.0, log_path: str | os.PathLike | None = None,
                  env: dict[str, str] | None = None, api_key: str | None = None,
                  max_request_body_bytes: int | None = None,
-                 drain_timeout: float | None = None) -> ServerProcess:
+                 drain_timeout: float | None = None,
+                 max_request_output_tokens: int | None = None) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` and wait for ``/health``.
 
     ``port`` None picks a free one. Output goes to ``log_path`` (a temp file if None).
-    ``api_key``, ``max_request_body_bytes`` and ``drain_timeout`` are :func:`run_server`'s
+    ``api_key``, ``max_request_body_bytes``, ``drain_timeout`` and
+    ``max_request_output_tokens`` are :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
 
     Raises:
@@ -134,6 +140,8 @@ def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int | None
         cmd += ["--max-request-body-bytes", str(max_request_body_bytes)]
     if drain_timeout is not None:
         cmd += ["--drain-timeout", str(drain_timeout)]
+    if max_request_output_tokens is not None:
+        cmd += ["--max-request-output-tokens", str(max_request_output_tokens)]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     child_env.pop(API_KEY_ENV, None)
     if api_key is not None:
@@ -164,8 +172,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Add ``--api-key``, ``--max-request-body-bytes`` and ``--drain-timeout`` (the HTTP
+    """Add ``--api-key``, ``--max-request-body-bytes``, ``--drain-timeout`` and
+    ``--max-request-output-tokens`` (the HTTP
     server's own flags; ``latentserve serve`` adds them too)."""
+    from latentserve.server.state import DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
+
     parser.add_argument("--api-key", default=None,
                         help=f"require this key (Bearer or x-api-key) on the API routes "
                              f"(default: ${API_KEY_ENV}, else no key)")
@@ -174,6 +185,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="seconds running requests may take to finish after SIGTERM "
                              f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
+    parser.add_argument("--max-request-output-tokens", type=int, default=None,
+                        help="refuse a request whose prompts x n x max_tokens exceeds this "
+                             f"(default {DEFAULT_MAX_REQUEST_OUTPUT_TOKENS})")
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
@@ -181,7 +195,8 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     falls back to ``$LATENTSERVE_API_KEY``)."""
     return {"api_key": args.api_key or os.environ.get(API_KEY_ENV) or None,
             "max_request_body_bytes": args.max_request_body_bytes,
-            "drain_timeout": args.drain_timeout}
+            "drain_timeout": args.drain_timeout,
+            "max_request_output_tokens": args.max_request_output_tokens}
 
 
 def main(argv: list[str] | None = None) -> None:

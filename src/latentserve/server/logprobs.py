@@ -128,3 +128,37 @@ def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob], offset: int,
         out.text_offset.append(offset)
         offset += len(texts.get(t.token_id)[0])
     return out, offset
+
+
+def echo_logprobs(texts: TokenTexts, prompt_ids: list[int],
+                  prompt_lps: list[TokenLogprob | None] | None, as_ids: bool = False
+                  ) -> CompletionLogprobs:
+    """The legacy shape for an echoed prompt: one entry per prompt token, offsets from 0;
+    the first token (nothing before it to condition on), and every token when
+    ``prompt_lps`` is None, has ``null`` logprob and top logprobs, as in OpenAI's API."""
+    out = CompletionLogprobs()
+    offset = 0
+    for p, tid in enumerate(prompt_ids):
+        lp = prompt_lps[p] if prompt_lps is not None and p < len(prompt_lps) else None
+        text = texts.text(tid, as_ids)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(texts.get(tid)[0])
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(lp.logprob)
+        top = {texts.text(i, as_ids): v for i, v in lp.top}
+        top.setdefault(text, lp.logprob)
+        out.top_logprobs.append(top)
+    return out
+
+
+def join_logprobs(first: CompletionLogprobs, second: CompletionLogprobs
+                  ) -> CompletionLogprobs:
+    """``first``'s entries followed by ``second``'s (offsets are kept as they are)."""
+    return CompletionLogprobs(tokens=first.tokens + second.tokens,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              top_logprobs=first.top_logprobs + second.top_logprobs,
+                              text_offset=first.text_offset + second.text_offset)

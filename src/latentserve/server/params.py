@@ -21,18 +21,28 @@ def check_common(request: SamplingRequest, served_model: str, limits: ServerLimi
     """Checks that need no tokenizer: the model name, ``n`` and unimplemented features.
 
     Raises:
-        APIError: 400 naming the field (``model_not_found`` for another model's name).
+        APIError: 400 naming the field (404 ``model_not_found`` for another model's name).
     """
     for name, value in (request.model_extra or {}).items():
         if name in _UNSUPPORTED and not any(_same(value, ok) for ok in _UNSUPPORTED[name]):
             raise APIError(f"{name} is not supported by this server (got {value!r})",
                            param=name)
-    if request.model is not None and request.model != served_model:
-        raise APIError(f"The model '{request.model}' does not exist; this server serves "
-                       f"'{served_model}'", param="model", code="model_not_found")
+    check_model(request.model, served_model)
     n = 1 if request.n is None else request.n
     if not 1 <= n <= limits.max_n:
         raise APIError(f"n must be in [1, {limits.max_n}], got {n}", param="n")
+
+
+def check_model(model: str | None, served_model: str) -> None:
+    """``model`` (None: not given) must name the served model.
+
+    Raises:
+        APIError: OpenAI's 404 ``model_not_found`` for any other name.
+    """
+    if model is not None and model != served_model:
+        raise APIError(f"The model '{model}' does not exist; this server serves "
+                       f"'{served_model}'", status_code=404, param="model",
+                       code="model_not_found")
 
 
 def check_logprobs(k: int | None, param: str, limits: ServerLimits) -> None:
@@ -132,10 +142,58 @@ def head_controls(http_request, body: SamplingRequest,
     return out
 
 
+def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
+    """A model without a compression head (``spec`` None or not ``"head"``) refuses the
+    head controls a client sent explicitly (headers ``x-latent-*`` / ``x-ds4-*``, body fields
+    ``thinking``, ``max_latent``, ...): they would silently do nothing. Thinking turned off
+    (``controls["thinking"] is False``, from a header, the body or ``chat_template_kwargs``)
+    makes every control harmless, and ``chat_template_kwargs`` alone never refuses (chat
+    clients send ``enable_thinking`` to any model).
+
+    Raises:
+        APIError: 400 naming the header (or body field) that was sent.
+    """
+    if (spec is not None and spec.kind == "head") or controls.get("thinking") is False:
+        return
+    headers = getattr(http_request, "headers", None) or {}
+    for name, (hdr, alias, _) in HEAD_HEADERS.items():
+        for sent in (hdr, alias):
+            if headers.get(sent) is not None:
+                raise APIError(f"header {sent} needs a model with a compression head; this "
+                               f"model has none (send {HEAD_HEADERS['thinking'][0]}: false "
+                               "or leave it out)", param=sent)
+        if name in type(body).model_fields and getattr(body, name) is not None:
+            raise APIError(f"{name} needs a model with a compression head; this model has "
+                           "none (send thinking: false or leave it out)", param=name)
+
+
+def stream_latent_steps(http_request, body) -> bool:
+    """Whether a streamed request gets one tick per latent step: header
+    ``x-latent-stream-steps`` (a boolean) > body ``stream_latent_steps`` > off.
+
+    Raises:
+        APIError: 400 naming the header for a malformed value.
+    """
+    from latentserve.latent.head import parse_bool
+
+    raw = (getattr(http_request, "headers", None) or {}).get(STREAM_STEPS_HEADER)
+    if raw is None:
+        return bool(getattr(body, "stream_latent_steps", None))
+    try:
+        return parse_bool(STREAM_STEPS_HEADER, raw)
+    except ValueError:
+        raise APIError(f"header {STREAM_STEPS_HEADER} must be a boolean (1/0, true/false, "
+                       f"yes/no, on/off), got {raw!r}", param=STREAM_STEPS_HEADER) from None
+
+
+STREAM_STEPS_HEADER = "x-latent-stream-steps"
+
+
 def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens_field: str,
                     num_prompt_tokens: int, max_model_len: int,
                     logprobs: int | None = None, budget: int | None = None,
-                    head: dict | None = None) -> SamplingParams:
+                    head: dict | None = None, prompt_logprobs: int | None = None,
+                    stream_latent_steps: bool = False) -> SamplingParams:
     """Build the engine's ``SamplingParams`` for one prompt.
 
     ``max_tokens`` is what the client asked for (None: up to the end of the context,
@@ -143,6 +201,9 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
     ``logprobs``: None, or how many top logprobs per token (already range-checked).
     ``budget``: the latent budget (see :func:`latent_budget`).
     ``head``: compression-head controls (see :func:`head_controls`; None = body fields).
+    ``prompt_logprobs``: None, or top logprobs per prompt token (completions ``echo``).
+    ``stream_latent_steps``: report each latent step while streaming (see
+    :func:`stream_latent_steps`). The recurrent-depth exit fields come from the body.
 
     Raises:
         APIError: 400 naming the field and the allowed values; a prompt plus
@@ -181,8 +242,15 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             ignore_eos=bool(request.ignore_eos),
             skip_special_tokens=request.skip_special_tokens is not False,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             latent_budget=budget,
             return_latent_trace=bool(request.return_latent_trace),
+            stream_latent_steps=stream_latent_steps,
+            exit_criterion=request.exit_criterion,
+            exit_threshold=request.exit_threshold,
+            exit_min_steps=0 if request.exit_min_steps is None else request.exit_min_steps,
+            exit_check_every=(1 if request.exit_check_every is None
+                              else request.exit_check_every),
             **head,
         )
     except ValueError as exc:
@@ -190,6 +258,25 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
         if param == "max_tokens":
             param = max_tokens_field
         raise APIError(str(exc), param=param) from None
+
+
+def check_total_output(max_tokens: list[int], n: int, max_tokens_field: str,
+                       limits: ServerLimits) -> None:
+    """The request's total work, ``n`` times the sum of each prompt's resolved
+    ``max_tokens``, must stay within ``limits.max_request_output_tokens``.
+
+    Raises:
+        APIError: 400 naming ``max_tokens_field`` (the value that is most often unset or too
+            large), with the prompts, ``n`` and the total in the message.
+    """
+    total = n * sum(max_tokens)
+    limit = limits.max_request_output_tokens
+    if total > limit:
+        raise APIError(
+            f"{max_tokens_field} x n summed over prompts must be at most {limit} tokens per "
+            f"request, got {total} ({len(max_tokens)} prompt(s), n={n}, {max_tokens_field} "
+            f"up to {max(max_tokens)}); lower {max_tokens_field}, n or the number of prompts",
+            param=max_tokens_field)
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:

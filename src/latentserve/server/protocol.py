@@ -50,6 +50,15 @@ class SamplingRequest(_Request):
     # x-latent-budget wins); the trace adds per-step norms and logit-lens tokens.
     latent_budget: int | None = None
     return_latent_trace: bool | None = False
+    # Streamed chat: one reasoning_content tick per latent step (header x-latent-stream-steps
+    # wins); see server/chat.py.
+    stream_latent_steps: bool | None = None
+    # Recurrent-depth models (Huginn, Ouro): the per-token exit rule (SamplingParams' fields;
+    # None = the model's default).
+    exit_criterion: str | None = None
+    exit_threshold: float | None = None
+    exit_min_steps: int | None = None
+    exit_check_every: int | None = None
     # Compression heads (latent/head.py): None = the server default (LATENTSERVE_* env);
     # headers x-latent-* (aliases x-ds4-*) win over these (server/params.head_controls).
     thinking: bool | None = None
@@ -102,13 +111,17 @@ class CompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(_Request):
-    """``/tokenize``: either ``prompt`` (plain encoding) or ``messages`` (chat template)."""
+    """``/tokenize``: either ``prompt`` (plain encoding) or ``messages`` (chat template,
+    rendered as ``/v1/chat/completions`` renders it: ``chat_template_kwargs``,
+    ``add_generation_prompt`` and ``continue_final_message`` mean the same there)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
 
@@ -169,6 +182,9 @@ class LatentInfo(BaseModel):
     # Compression heads: thinking, mode, steps, stop_step, max_stop_prob, end (stop|cap|
     # length) and the resolved controls; thinking False says the head was not used.
     stats: dict | None = None
+    # Recurrent depth, with return_latent_trace: iterations per generated token,
+    # {"tokens": n, "mean_iterations": float, "histogram": {"iterations": count}}.
+    recurrence: dict | None = None
 
 
 class ChatChoice(BaseModel):
@@ -200,10 +216,21 @@ class DeltaMessage(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
+    """One choice of a streamed chunk. ``latent`` (left out of the JSON when None) rides on
+    the choice's finish chunk, as on a non-streamed choice."""
+
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
+    latent: LatentInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_null_latent(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("latent") is None:
+            out.pop("latent", None)
+        return out
 
 
 class ChatCompletionChunk(_Response):

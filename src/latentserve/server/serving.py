@@ -29,12 +29,14 @@ ENGINE_ERRORS = (EngineRequestError, EngineInternalError, EngineDeadError)
 
 
 def api_error(exc: Exception) -> APIError:
-    """The client-facing error for an engine-side failure: a rejection is a 400, a failure
+    """The client-facing error for an engine-side failure: a rejection is a 400 (code
+    ``context_length_exceeded`` when the prompt does not fit ``max_model_len``), a failure
     inside the engine a 500 (its message has no traceback), a dead engine a 503."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
+        code = "context_length_exceeded" if "max_model_len" in message else None
         return APIError(message, param="prompt" if message.startswith("prompt")
-                        else param_from_value_error(message))
+                        else param_from_value_error(message), code=code)
     if isinstance(exc, EngineInternalError):
         return APIError(str(exc), status_code=500, type="server_error", code="engine_error")
     if isinstance(exc, EngineDeadError):
@@ -54,16 +56,39 @@ class ChoiceResult:
     latent_steps: int = 0
     latent_trace: list | None = None
     latent_stats: dict | None = None
+    recurrence: dict | None = None
+    prompt_logprobs: list | None = None
 
     def latent_info(self, asked: bool):
-        """The choice's ``latent`` field: None for a request that ran no latent step, asked
-        for no trace and has no compression-head stats."""
-        from latentserve.server.protocol import LatentInfo
+        """The choice's ``latent`` field (see :func:`latent_info`)."""
+        return latent_info(self, asked)
 
-        if not asked and not self.latent_steps and self.latent_stats is None:
-            return None
-        return LatentInfo(steps=self.latent_steps, trace=self.latent_trace if asked else None,
-                          stats=self.latent_stats)
+    def add(self, delta: TextDelta) -> None:
+        """Fold one delta of this choice in."""
+        self.text += delta.text
+        self.logprobs.extend(delta.logprobs)
+        self.num_output_tokens = delta.num_output_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_string = delta.finish_reason, delta.stop_string
+            self.latent_steps, self.latent_trace = delta.latent_steps, delta.latent_trace
+            self.latent_stats, self.recurrence = delta.latent_stats, delta.recurrence
+
+
+def latent_info(final, asked: bool):
+    """The ``latent`` field of a choice from its final ``TextDelta`` or ``ChoiceResult``:
+    None for a request that ran no latent step, asked for no trace (``asked``:
+    ``return_latent_trace``) and has no compression-head stats. With ``asked``, the
+    per-step trace and, for a recurrent-depth model, the iterations per token
+    (``recurrence``: tokens, mean_iterations, histogram)."""
+    from latentserve.server.protocol import LatentInfo
+
+    if not asked and not final.latent_steps and final.latent_stats is None:
+        return None
+    return LatentInfo(steps=final.latent_steps, trace=final.latent_trace if asked else None,
+                      stats=final.latent_stats,
+                      recurrence=final.recurrence if asked else None)
 
 
 def _abort_all(state, reqs: list[EngineRequest]) -> Callable[[], None]:
@@ -90,14 +115,7 @@ async def collect(request, state, reqs: list[EngineRequest],
             aclosing(_deltas(state, reqs, arrival)) as deltas:
         try:
             async for i, delta in deltas:
-                r = results[i]
-                r.text += delta.text
-                r.logprobs.extend(delta.logprobs)
-                r.num_output_tokens = delta.num_output_tokens
-                if delta.finish_reason is not None:
-                    r.finish_reason, r.stop_string = delta.finish_reason, delta.stop_string
-                    r.latent_steps, r.latent_trace = delta.latent_steps, delta.latent_trace
-                    r.latent_stats = delta.latent_stats
+                results[i].add(delta)
         except ENGINE_ERRORS as exc:
             raise api_error(exc) from None
     return results

@@ -68,10 +68,21 @@ def load_bundle_reference(path) -> tuple[dict, nn.Module, nn.Module | None, nn.M
 
 
 @lru_cache(maxsize=4)
-def _hf_model(model_dir: str, dtype: str):
+def _hf_model(model_dir: str, dtype: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+
+
+def _bundle_on(path: str, device: str):
+    """``load_bundle_reference(path)`` with its modules on ``device``."""
+    cfg, head_net, stop_net, dec_net = load_bundle_reference(path)
+    return (cfg, head_net.to(device), None if stop_net is None else stop_net.to(device),
+            dec_net.to(device))
+
+
+_bundle_cached = lru_cache(maxsize=4)(_bundle_on)
 
 
 @torch.no_grad()
@@ -79,12 +90,17 @@ def head_reference_generate(model_dir, bundle_path, prompt_ids: list[int], open_
                             *, mode: str = "closed_loop", max_latent: int = 8,
                             min_latent: int = 0, use_stop: bool = True,
                             stop_threshold: float = 0.5, max_tokens: int = 16,
-                            eos_ids=(), dtype: str = "float32") -> dict:
+                            eos_ids=(), dtype: str = "float32", device: str = "cpu",
+                            reuse_bundle: bool = False) -> dict:
     """One greedy request. Returns ``{"tokens": answer ids, "steps", "stop_step",
     "max_stop_prob", "end", "finish_reason"}``. ``open_ids`` are appended unless the prompt
-    already ends with them; ``eos_ids`` end the answer (the eos is kept)."""
-    model = _hf_model(str(model_dir), dtype)
-    cfg, head_net, stop_net, dec_net = load_bundle_reference(bundle_path)
+    already ends with them; ``eos_ids`` end the answer (the eos is kept). The backbone runs
+    in ``dtype`` on ``device`` (the head, stop head and decoder in float32 there); the HF
+    model is cached between calls, the bundle is read on every call unless
+    ``reuse_bundle`` (benchmarks: the file must not change between calls)."""
+    model = _hf_model(str(model_dir), dtype, device)
+    load = _bundle_cached if reuse_bundle else _bundle_on
+    cfg, head_net, stop_net, dec_net = load(str(bundle_path), device)
     src, hid, lat = cfg["source_layer"], cfg["hidden_size"], cfg["latent_dim"]
     emb = model.get_input_embeddings()
     ids = list(prompt_ids)
@@ -110,9 +126,9 @@ def head_reference_generate(model_dir, bundle_path, prompt_ids: list[int], open_
 
     res = {"steps": 0, "stop_step": None, "max_stop_prob": None, "end": None}
     n_out = 0
-    logits, anchor = run(emb(torch.tensor(ids)))
+    logits, anchor = run(emb(torch.tensor(ids, device=device)))
     if mode == "prompt":
-        embeds = emb(torch.tensor(ids)).clone()
+        embeds = emb(torch.tensor(ids, device=device)).clone()
         embeds[-1] = decode(anchor).to(embeds.dtype)
         past = None
         logits, anchor = run(embeds)
@@ -137,7 +153,7 @@ def head_reference_generate(model_dir, bundle_path, prompt_ids: list[int], open_
             if n_out >= max_tokens:
                 res.update(end="length", tokens=[], finish_reason="length")
                 return res
-        logits, anchor = run(emb(torch.tensor(list(close_ids))))
+        logits, anchor = run(emb(torch.tensor(list(close_ids), device=device)))
         n_out += len(close_ids)
         if n_out >= max_tokens:  # the closing ids spent the rest of the budget
             res.update(tokens=[], finish_reason="length")
@@ -152,6 +168,6 @@ def head_reference_generate(model_dir, bundle_path, prompt_ids: list[int], open_
             break
         if n_out >= max_tokens:
             break
-        logits, anchor = run(emb(torch.tensor([tok])))
+        logits, anchor = run(emb(torch.tensor([tok], device=device)))
     res.update(tokens=answer, finish_reason=reason)
     return res

@@ -36,11 +36,23 @@ OURO_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2
 def _rand(g, shape, std):
     import torch
 
-    return torch.randn(*shape, generator=g) * std
+    return torch.randn(*shape, generator=g, device=g.device) * std
 
 
-def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, **overrides) -> Path:
-    """Write a tiny Huginn checkpoint (``HUGINN_TINY`` + ``overrides``) into ``out_dir``."""
+def _generator(seed: int, device: str):
+    import torch
+
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, save_dtype=None,
+                 init_device: str = "cpu", **overrides) -> Path:
+    """Write a tiny Huginn checkpoint (``HUGINN_TINY`` + ``overrides``) into ``out_dir``.
+
+    ``save_dtype`` (a torch dtype; None = float32) is the dtype of the saved weights (the
+    ``freqs_cis`` buffer stays float32); ``init_device`` draws the random weights there (a
+    CUDA generator is much faster for real-size shapes, and draws other numbers than the
+    default CPU one)."""
     import torch
     from safetensors.torch import save_file
 
@@ -71,7 +83,7 @@ def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, **overrides)
     for k in ("init_scale", "state_init_seed"):
         if k in c:
             cfg[k] = c[k]
-    g = torch.Generator().manual_seed(seed)
+    g = _generator(seed, init_device)
     # Gains ~1 per matmul at any width (0.12 / 0.09 at the tiny width 64 / 128).
     w_e, w_i = 0.96 / math.sqrt(e), 1.02 / math.sqrt(inter)
     sd = {"transformer.wte.weight": _rand(g, (c["vocab_size"], e), 0.1)}
@@ -98,14 +110,16 @@ def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, **overrides)
     sd["lm_head.weight"] = sd["transformer.wte.weight"].clone()  # tied, stored twice
     inv = 1.0 / (50000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
     freqs = torch.outer(torch.arange(c["block_size"], dtype=torch.float32), inv)
+    sd = _cast(sd, save_dtype, cfg)
     sd["freqs_cis"] = torch.stack([freqs.cos()[None, :, None, :],
                                    freqs.sin()[None, :, None, :]], dim=4)
     return _save(out_dir, cfg, sd, save_file, save_word_tokenizer, c["vocab_size"])
 
 
-def write_ouro(out_dir, seed: int = 0, **overrides) -> Path:
-    """Write a tiny Ouro checkpoint (``OURO_TINY`` + ``overrides``) into ``out_dir``."""
-    import torch
+def write_ouro(out_dir, seed: int = 0, save_dtype=None, init_device: str = "cpu",
+               **overrides) -> Path:
+    """Write a tiny Ouro checkpoint (``OURO_TINY`` + ``overrides``) into ``out_dir``;
+    ``save_dtype`` and ``init_device`` as in :func:`write_huginn`."""
     from safetensors.torch import save_file
 
     from latentserve.testing.tiny_models import save_word_tokenizer
@@ -130,7 +144,7 @@ def write_ouro(out_dir, seed: int = 0, **overrides) -> Path:
     for k in ("early_exit_step", "early_exit_threshold"):
         if k in c:
             cfg[k] = c[k]
-    g = torch.Generator().manual_seed(seed)
+    g = _generator(seed, init_device)
     w_h, w_i = 0.96 / math.sqrt(h), 1.02 / math.sqrt(inter)  # 0.12 / 0.09 at width 64 / 128
     sd = {"model.embed_tokens.weight": _rand(g, (c["vocab_size"], h), 0.5)}
     for i in range(n):
@@ -149,7 +163,20 @@ def write_ouro(out_dir, seed: int = 0, **overrides) -> Path:
     sd["model.early_exit_gate.weight"] = _rand(g, (1, h), 0.3)
     sd["model.early_exit_gate.bias"] = _rand(g, (1,), 0.3)
     sd["lm_head.weight"] = _rand(g, (c["vocab_size"], h), w_h)
+    sd = _cast(sd, save_dtype, cfg)
     return _save(out_dir, cfg, sd, save_file, save_word_tokenizer, c["vocab_size"])
+
+
+def _cast(sd: dict, dtype, cfg: dict) -> dict:
+    """``sd`` on the CPU in ``dtype`` (None: unchanged dtype); ``cfg["torch_dtype"]`` names
+    it. Tensors are converted one at a time (a real-size state dict drawn on the GPU)."""
+    out = {}
+    for k in list(sd):
+        v = sd.pop(k)
+        out[k] = (v if dtype is None else v.to(dtype)).cpu()
+    if dtype is not None:
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    return out
 
 
 def _save(out_dir, cfg, sd, save_file, save_word_tokenizer, vocab) -> Path:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 
 def load_checkpoint(model_dir) -> tuple[dict, dict]:
-    """``(config.json as a dict, {name: tensor})`` from ``model_dir``."""
+    """``(config.json as a dict, {name: tensor})`` from ``model_dir`` (tensors on the CPU)."""
     from safetensors.torch import load_file
 
     d = Path(model_dir)
@@ -59,7 +59,9 @@ def _attend(q, keys, vals, q_pos, scale):
     k = keys.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, P, D]
     v = vals.repeat_interleave(rep, dim=1).transpose(0, 1)
     s = torch.einsum("shd,hpd->hsp", q.float(), k.float()) * scale
-    visible = torch.arange(keys.shape[0])[None, :] <= torch.tensor(q_pos)[:, None]
+    dev = keys.device
+    visible = torch.arange(keys.shape[0], device=dev)[None, :] <= \
+        torch.tensor(q_pos, device=dev)[:, None]
     s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hsp,hpd->shd", s.softmax(-1), v.float()).to(q.dtype)
 
@@ -96,10 +98,12 @@ class HuginnReference:
     AUTO: ClassVar[dict] = {"entropy-diff": 1e-3, "latent-diff": 0.03, "kl": 1e-3,
                             "minp-kl": 1e-5, "argmax-stability": 5, "cosine": 1e-3}
 
-    def __init__(self, model_dir, dtype=torch.float32):
+    def __init__(self, model_dir, dtype=torch.float32, device="cpu"):
         c, sd = load_checkpoint(model_dir)
-        self.sd = {k: v.to(dtype) for k, v in sd.items() if k != "freqs_cis"}
-        self.dtype = dtype
+        self.sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()
+                   if k != "freqs_cis"}
+        del sd
+        self.dtype, self.device = dtype, torch.device(device)
         self.e = c["n_embd"]
         self.h = c.get("num_attention_heads") or c["n_heads"]
         self.hkv = c.get("num_key_value_heads") or self.h
@@ -114,7 +118,7 @@ class HuginnReference:
         base = c.get("rope_base", 50000.0)
         inv = 1.0 / (base ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
         freqs = torch.outer(torch.arange(block, dtype=torch.float32), inv)
-        self.cos, self.sin = freqs.cos(), freqs.sin()
+        self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
         # Initial states: trunc_normal(std = sqrt(2 / (5 n_embd)) * init_scale, +-3 std)
         # * sqrt(n_embd), one row per position, from Generator(state_init_seed).
         std = math.sqrt(2 / (5 * self.e)) * c.get("init_scale", 1.0)
@@ -123,7 +127,7 @@ class HuginnReference:
             g = torch.Generator().manual_seed(c.get("state_init_seed", 0))
             torch.nn.init.trunc_normal_(table, 0.0, std, -3 * std, 3 * std, generator=g)
             table = table * self.emb_scale
-        self.state = table.to(dtype)
+        self.state = table.to(device=device, dtype=dtype)
 
     def _w(self, name):
         return self.sd[name]
@@ -177,9 +181,10 @@ class HuginnReference:
             e = self._block(f"transformer.prelude.{i}", e, pos, cache, i)
         x = self.state[pos]
         crit, thr, min_steps, every = rule if rule else (None, None, 0, 1)
-        st = {"prev_latent": x.clone(), "prev_entropy": torch.tensor([100.0]),
-              "prev_logp": torch.full((1, self.vocab), 1 / self.vocab).log(),
-              "argmax": torch.tensor([-1]), "stable": torch.tensor([0])}
+        dev = self.device
+        st = {"prev_latent": x.clone(), "prev_entropy": torch.tensor([100.0], device=dev),
+              "prev_logp": torch.full((1, self.vocab), 1 / self.vocab, device=dev).log(),
+              "argmax": torch.tensor([-1], device=dev), "stable": torch.tensor([0], device=dev)}
         for step in range(num_steps):
             x = torch.cat([x, e], dim=-1) @ self._w("transformer.adapter.weight").T
             for l in range(self.l):
@@ -258,10 +263,11 @@ class HuginnReference:
 class OuroReference:
     """Upstream Ouro inference for one request at a time (see the module docstring)."""
 
-    def __init__(self, model_dir, dtype=torch.float32):
+    def __init__(self, model_dir, dtype=torch.float32, device="cpu"):
         c, sd = load_checkpoint(model_dir)
-        self.sd = {k: v.to(dtype) for k, v in sd.items()}
-        self.dtype = dtype
+        self.sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+        del sd
+        self.dtype, self.device = dtype, torch.device(device)
         self.hid = c["hidden_size"]
         self.h, self.hkv = c["num_attention_heads"], c.get("num_key_value_heads") or \
             c["num_attention_heads"]
@@ -270,7 +276,7 @@ class OuroReference:
         self.eps = c["rms_norm_eps"]
         theta = c.get("rope_theta", 10000.0)
         self.inv = 1.0 / (theta ** (torch.arange(0, self.hd, 2, dtype=torch.int64).float()
-                                    / self.hd))
+                                    / self.hd)).to(device)
         self.steps = c.get("total_ut_steps", 4)
 
     def _w(self, name):
@@ -306,12 +312,13 @@ class OuroReference:
 
     def _forward(self, ids, pos, cache, depth, mode, thr, may_stop):
         h = self._w("model.embed_tokens.weight")[ids]
-        freqs = torch.tensor(pos, dtype=torch.float32)[:, None] * self.inv[None, :]
+        freqs = torch.tensor(pos, dtype=torch.float32, device=self.device)[:, None] \
+            * self.inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(h.dtype)[:, None, :], emb.sin().to(h.dtype)[:, None, :]
         hs, gates = [], []
-        rem = torch.ones(h.shape[0], dtype=h.dtype)
-        cum = torch.zeros(h.shape[0], dtype=h.dtype)
+        rem = torch.ones(h.shape[0], dtype=h.dtype, device=h.device)
+        cum = torch.zeros(h.shape[0], dtype=h.dtype, device=h.device)
         for t in range(depth):
             for i in range(self.n):
                 h = self._layer(i, h, pos, cos, sin, cache, t * self.n + i)
@@ -340,7 +347,7 @@ class OuroReference:
             mask = torch.cumsum(pdf, dim=-1) >= thr
             exit_steps = torch.argmax(mask.float(), dim=-1)
             exit_steps[~mask.any(dim=-1)] = pdf.shape[-1] - 1
-            hidden = torch.stack(hs, dim=1)[torch.arange(len(ids)), exit_steps]
+            hidden = torch.stack(hs, dim=1)[torch.arange(len(ids), device=h.device), exit_steps]
             logits = hidden @ head.T
         elif mode == "weighted":
             logits = sum((hh @ head.T) * pdf[:, t:t + 1] for t, hh in enumerate(hs))

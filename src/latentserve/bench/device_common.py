@@ -1,0 +1,126 @@
+"""Pieces shared by the H200 latent benchmarks (``bench.head_gpu``, ``bench.recurrent_gpu``):
+device sync, copy bandwidth on either device, weight bytes, machine description, and an
+engine driver that times every step and labels it by phase.
+
+Units: seconds, bytes, bytes per second.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def sync(device: str) -> None:
+    """Wait for queued device work (a no-op on the CPU)."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth_on(device: str, nbytes: int | None = None, iters: int = 20) -> float:
+    """Copy bandwidth of ``device`` in bytes moved (read + written) per second, the figure
+    the decode floors divide by. CUDA: ``bench.gpu.copy_bandwidth`` (2 GiB buffers, CUDA
+    events). CPU: a ``nbytes`` (default 64 MiB) tensor copy timed with ``perf_counter``
+    (only so the ``--tiny`` path runs end to end; not a meaningful floor)."""
+    if device.startswith("cuda"):
+        from latentserve.bench.gpu import copy_bandwidth
+
+        return copy_bandwidth(nbytes or 2 << 30, iters)
+    import torch
+
+    n = nbytes or 64 << 20
+    src = torch.empty(n, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    return 2 * n * iters / (time.perf_counter() - t0)
+
+
+def param_bytes(*modules) -> int:
+    """Bytes of the distinct parameters of ``modules`` (a tied weight counts once)."""
+    seen, total = set(), 0
+    for m in modules:
+        for p in m.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+    return total
+
+
+def machine(device: str) -> dict:
+    """``offline.machine_info()`` plus the device, the GPU name and triton's version."""
+    from latentserve.bench.offline import machine_info
+
+    info = machine_info()
+    info["device"] = device
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def step_kind(engine) -> str:
+    """The phase of the batch the next ``engine.step()`` runs, from the scheduler's state:
+    ``latent`` (every running request decodes one position of its compression-head latent
+    phase), ``decode`` (every running request decodes one ordinary token), ``mixed`` (one-token
+    rows of both kinds) or ``other`` (a queue, a prefill or a multi-token extend)."""
+    s = engine.scheduler
+    if s.waiting or not s.running or any(r.num_pending != 1 for r in s.running):
+        return "other"
+    latent = [r.head is not None and r.answer_start is None for r in s.running]
+    if all(latent):
+        return "latent"
+    return "mixed" if any(latent) else "decode"
+
+
+def drive(engine, prompts, params, device: str, tag: str) -> dict:
+    """Queue every prompt with ``params`` at once and step to completion.
+
+    Returns ``wall_s`` (first add to last output, device synced), ``tokens`` (all new
+    output tokens), ``outputs`` (tokens per request, prompt order), ``step_s`` (the mean
+    step time of each ``step_kind``, over its steady steps: the first and last step of a kind
+    are dropped when it has more than 2), ``steps`` (count per kind) and ``graph_steps``
+    (decode steps replayed from CUDA graphs).
+    """
+    rids = [f"{tag}-{engine._arrivals}-{i}" for i in range(len(prompts))]
+    graphs0 = engine.runner.num_graph_steps
+    sync(device)
+    t0 = time.perf_counter()
+    for rid, p in zip(rids, prompts):
+        engine.add_request(rid, p, params)
+    toks = {r: [] for r in rids}
+    times: dict[str, list[float]] = {}
+    while engine.has_unfinished_requests():
+        kind = step_kind(engine)
+        s = time.perf_counter()
+        outs = engine.step()
+        times.setdefault(kind, []).append(time.perf_counter() - s)
+        for o in outs:
+            toks[o.rid] += o.new_token_ids
+    sync(device)
+    wall = time.perf_counter() - t0
+    steady = {k: (v[1:-1] if len(v) > 2 else v) for k, v in times.items()}
+    return {"wall_s": wall, "tokens": sum(len(t) for t in toks.values()),
+            "outputs": [toks[r] for r in rids],
+            "step_s": {k: sum(v) / len(v) for k, v in steady.items()},
+            "steps": {k: len(v) for k, v in times.items()},
+            "graph_steps": engine.runner.num_graph_steps - graphs0}
+
+
+def agreement(engine_outputs, reference_outputs) -> float:
+    """Mean fraction of each reference output's tokens that the engine's output for the
+    same prompt matches before their first difference (1.0 = identical). Informational in
+    bf16: random weights give near-tied logits, and batched kernels round differently."""
+    fr = []
+    for a, b in zip(engine_outputs, reference_outputs):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        fr.append(n / max(len(b), 1))
+    return sum(fr) / max(len(fr), 1)

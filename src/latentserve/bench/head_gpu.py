@@ -1,0 +1,300 @@
+"""Compression-head benchmark for the H200 (issue 6): closed-loop latent decoding through
+``LLMEngine`` (CUDA graphs on; head, stop head and decoder inside the captured decode
+graphs) at 1, 16 and 64 concurrent requests against the eager single-request closed loop
+over HF transformers (``testing.head_reference.head_reference_generate``), run one request
+at a time in the same process; and the cost of a latent step against a plain decode step.
+
+Models: random bf16 backbones of the SmolLM2-135M and Llama-3.2-1B shapes
+(``bench.gpu.SHAPES``) with a random float32 head bundle inside the model directory
+(``latent.bundle.random_bundle``; head config in ``HEADS``) and ``save_word_tokenizer``'s
+tokenizer (ids 3..1023 are words ``w3..``; the thinking span is ``w5 w6 w7`` ... ``w8``).
+
+Work per request (deterministic: ``use_stop`` off, ``min_latent`` 0): prompt of
+``prompt_len`` random ids + the 3 opening ids, exactly ``max_latent`` latent steps, the
+closing id, then ``answer_len`` greedy answer tokens with ``ignore_eos``. Throughput is
+answer tokens per second (wall clock, device synced, prefill included); each request does
+the same work, so the speedup is also the ratio of requests per second. The reference is
+timed on ``ref_requests`` requests after one warm-up request and its per-request time is
+taken as the same for every request (it runs them one after another).
+
+Latent vs plain step: one batch of ``step_batch`` rows runs ``max_latent`` latent steps
+(steady-step mean of the "latent" steps) and the same prompts with the opening ids and
+thinking off run ``max_latent`` plain decode steps in the same engine; the same plain batch
+also runs on the bare backbone (``no_latent_head``), whose graphs do not run the head.
+Goal (issue 6): latent within 10 % of plain. The bandwidth floor of the latent step is
+(backbone + head weight bytes + the batch's KV bytes at the mean context) / the copy
+bandwidth measured in the same run.
+
+Run on the H200: ``python -m latentserve.bench.head_gpu OUT.json`` (``--help`` for the
+options; ``--tiny`` runs the whole pipeline on a tiny model on the CPU in seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Head config per backbone: latent_dim, source_layer (0-based decoder layer whose output is
+# the anchor). Upstream's DeepSeek-V4 head is hidden 4096 -> latent 1024 with the anchor at
+# layer 35 of 43 (~0.8 depth); SmolLM2 takes latent 128 (issue 6), Llama-3.2-1B hidden / 4.
+# mlp_dim is the bundle default hidden / 2.
+HEADS = {"smollm2-135m": {"latent_dim": 128, "source_layer": 23},
+         "llama-3.2-1b": {"latent_dim": 512, "source_layer": 12}}
+TINY_SHAPE = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1024}
+TINY_HEAD = {"latent_dim": 16, "source_layer": 1}
+THINK_OPEN, THINK_CLOSE = "w5 w6 w7", "w8"  # word-tokenizer ids (5, 6, 7) and (8,)
+
+
+def build_head_model(root: Path, name: str) -> Path:
+    """A random backbone ``name`` (a ``bench.gpu.SHAPES`` key, or ``tiny``: a 3-layer
+    hidden-64 Llama on the CPU) with a random closed-loop head bundle in its directory."""
+    from latentserve.latent.bundle import random_bundle, write_bundle
+    from latentserve.latent.head import HEAD_BUNDLE_NAME
+
+    if name == "tiny":
+        from latentserve.testing.tiny_models import save_tiny
+
+        path, head, hidden = save_tiny(root, "llama", word_tokenizer=True, **TINY_SHAPE), \
+            TINY_HEAD, TINY_SHAPE["hidden_size"]
+    else:
+        from latentserve.bench.gpu import SHAPES, save_random_llama
+
+        path, head, hidden = save_random_llama(root, SHAPES[name]), HEADS[name], \
+            SHAPES[name]["hidden_size"]
+    bundle = random_bundle(hidden, head["latent_dim"], source_layer=head["source_layer"],
+                           seed=0, injection="closed_loop", think_open=THINK_OPEN,
+                           think_close=THINK_CLOSE)
+    write_bundle(bundle, path / HEAD_BUNDLE_NAME)
+    return path
+
+
+def _params(max_latent: int, answer_len: int, n_close: int, thinking: bool = True):
+    from latentserve.sampling_params import SamplingParams
+
+    if not thinking:
+        return SamplingParams(max_tokens=answer_len, temperature=0.0, ignore_eos=True,
+                              thinking=False)
+    return SamplingParams(max_tokens=max_latent + n_close + answer_len, temperature=0.0,
+                          ignore_eos=True, thinking=True, max_latent=max_latent,
+                          min_latent=0, use_stop=False, min_output_tokens=0)
+
+
+def _engine(path: Path, device: str, dtype: str, max_seqs: int, max_len: int, **kw):
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype,
+                                  max_num_seqs=max_seqs, max_model_len=max_len,
+                                  kv_slots=(max_seqs + 1) * max_len, **kw))
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _kv_floor(engine, batch: int, mean_ctx: float, bw: float) -> dict:
+    """Bandwidth floor (s) of one decode step of ``batch`` rows at context ``mean_ctx``:
+    every parameter of the model (backbone + head) and each row's KV read once."""
+    from latentserve.bench.device_common import param_bytes
+    from latentserve.kvcache.pool import KVPool
+
+    model = engine.runner.model
+    layers, kvh, hd = model.kv_shape
+    per_tok = KVPool.bytes_per_slot(layers, kvh, hd, engine.config.torch_dtype)
+    weights = param_bytes(model)
+    kv = batch * mean_ctx * per_tok
+    return {"weights_bytes": weights, "kv_bytes": kv, "floor_s": (weights + kv) / bw}
+
+
+def step_cost(engine, bare, prompts, open_ids, max_latent: int, device: str) -> dict:
+    """Steady step time (s) of ``len(prompts)`` rows in the latent phase against the same
+    rows decoding plain tokens at the same positions (prompt + opening ids, thinking off),
+    in the head engine and (when ``bare`` is an engine) on the bare backbone."""
+    from latentserve.bench.device_common import drive
+
+    n_close = len(engine.latent_spec.end_ids)
+    lat = drive(engine, prompts, _params(max_latent, 1, n_close), device, "lat")
+    plain_prompts = [p + list(open_ids) for p in prompts]
+    plain = drive(engine, plain_prompts, _params(0, max_latent + 1, 0, False), device, "pln")
+    out = {"batch": len(prompts), "latent_steps": lat["steps"].get("latent", 0),
+           "latent_step_s": lat["step_s"].get("latent"),
+           "plain_step_s": plain["step_s"].get("decode"),
+           "latent_graph_steps": lat["graph_steps"]}
+    out["latent_over_plain_pct"] = 100 * (out["latent_step_s"] / out["plain_step_s"] - 1)
+    if bare is not None:
+        b = drive(bare, plain_prompts, _params(0, max_latent + 1, 0, False), device, "bare")
+        out["bare_backbone_step_s"] = b["step_s"].get("decode")
+        out["latent_over_bare_pct"] = 100 * (out["latent_step_s"]
+                                             / out["bare_backbone_step_s"] - 1)
+    return out
+
+
+def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, prompt_len: int,
+                max_latent: int, answer_len: int, ref_requests: int, bw: float,
+                bare_baseline: bool = True) -> dict:
+    """One backbone + head: engine at each concurrency, latent-step cost, then the eager
+    reference (after the engines are freed). Returns a JSON-able dict."""
+    import torch
+
+    from latentserve.bench.device_common import agreement, drive
+    from latentserve.testing import head_reference as hr
+
+    t_build = time.perf_counter()
+    path = build_head_model(root / name, name)
+    t_build = time.perf_counter() - t_build
+    n_open, n_close = len(THINK_OPEN.split()), len(THINK_CLOSE.split())
+    max_len = prompt_len + n_open + max_latent + n_close + answer_len + 8
+    max_c = max(concurrency)
+    t0 = time.perf_counter()
+    engine = _engine(path, device, dtype, max_c, max_len)
+    t_engine = time.perf_counter() - t0
+    print(f"[head {name}] model written in {t_build:.1f} s, engine ready in {t_engine:.1f} s",
+          flush=True)
+    spec = engine.latent_spec
+    g = torch.Generator().manual_seed(0)
+
+    def rand_prompts(c):
+        return torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
+
+    sp = _params(max_latent, answer_len, n_close)
+    # Warm-up at full concurrency (prefill and extend kernels), short lengths.
+    drive(engine, rand_prompts(max_c), _params(2, 2, n_close), device, "warm")
+    engine.cache.radix.reset()
+    rows, outputs = {}, {}
+    for c in concurrency:
+        prompts = rand_prompts(c)
+        r = drive(engine, prompts, sp, device, f"c{c}")
+        outputs[c] = (prompts, r.pop("outputs"))
+        r["answer_tok_s"] = r["tokens"] / r["wall_s"]
+        r["req_s"] = c / r["wall_s"]
+        rows[c] = r
+        print(f"[head {name}] engine c={c}: {r['wall_s']:.3f} s, "
+              f"{r['answer_tok_s']:.1f} answer tok/s", flush=True)
+    floor = _kv_floor(engine, max_c, prompt_len + n_open + max_latent / 2, bw)
+    bare = None
+    if bare_baseline:
+        bare = _engine(path, device, dtype, max_c, max_len, no_latent_head=True)
+    cost = step_cost(engine, bare, rand_prompts(max_c), spec.start_ids, max_latent, device)
+    cost.update(floor)
+    cost["latent_step_over_floor"] = cost["latent_step_s"] / floor["floor_s"]
+    print(f"[head {name}] step cost: {json.dumps(cost)}", flush=True)
+    del engine, bare
+    _free(device)
+    # Eager reference, one request at a time.
+    ref_kw = {"mode": "closed_loop", "max_latent": max_latent, "min_latent": 0,
+              "use_stop": False, "max_tokens": max_latent + n_close + answer_len,
+              "eos_ids": (), "dtype": dtype, "device": device, "reuse_bundle": True}
+    bundle = path / "latent_reasoning_head.safetensors"
+    ref_prompts, ref_engine_out = outputs[max_c][0][:ref_requests], \
+        outputs[max_c][1][:ref_requests]
+    hr.head_reference_generate(path, bundle, rand_prompts(1)[0], spec.start_ids, spec.end_ids,
+                               **{**ref_kw, "max_latent": 2, "max_tokens": 2 + n_close + 2})
+    from latentserve.bench.device_common import sync
+
+    sync(device)
+    t0 = time.perf_counter()
+    ref_out = [hr.head_reference_generate(path, bundle, p, spec.start_ids, spec.end_ids,
+                                          **ref_kw)["tokens"] for p in ref_prompts]
+    sync(device)
+    ref_req_s = (time.perf_counter() - t0) / len(ref_prompts)
+    hr._hf_model.cache_clear()
+    hr._bundle_cached.cache_clear()
+    _free(device)
+    print(f"[head {name}] reference: {ref_req_s:.3f} s per request", flush=True)
+    for c in concurrency:
+        rows[c]["reference_s_per_request"] = ref_req_s
+        rows[c]["reference_answer_tok_s"] = answer_len / ref_req_s
+        rows[c]["speedup"] = rows[c]["answer_tok_s"] / rows[c]["reference_answer_tok_s"]
+    if name == "tiny":
+        backbone = TINY_SHAPE
+    else:
+        from latentserve.bench.gpu import SHAPES
+
+        backbone = SHAPES[name]
+    head = {**HEADS.get(name, TINY_HEAD), "mlp_dim": backbone["hidden_size"] // 2}
+    return {"backbone": backbone, "head": head, "build_s": t_build, "engine_init_s": t_engine,
+            "max_model_len": max_len, "concurrency": rows, "step_cost": cost,
+            "reference_requests": len(ref_prompts),
+            "agree_with_reference": agreement(ref_engine_out, ref_out)}
+
+
+def run_head_bench(shapes=tuple(HEADS), device: str = "cuda", dtype: str = "bfloat16",
+                   concurrency=(1, 16, 64), prompt_len: int = 128, max_latent: int = 32,
+                   answer_len: int = 32, ref_requests: int = 3, bare_baseline: bool = True,
+                   command: str | None = None) -> dict:
+    """Every shape in ``shapes`` (``HEADS`` keys, or ``("tiny",)``); see the module
+    docstring. Returns the JSON-able result with the config it ran."""
+    from latentserve.bench.device_common import copy_bandwidth_on, machine
+
+    t_start = time.perf_counter()
+    bw = copy_bandwidth_on(device)
+    out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "machine": machine(device),
+           "config": {"device": device, "dtype": dtype, "head_dtype": "float32",
+                      "concurrency": list(concurrency), "prompt_len": prompt_len,
+                      "think_open_ids": len(THINK_OPEN.split()),
+                      "think_close_ids": len(THINK_CLOSE.split()),
+                      "max_latent": max_latent, "min_latent": 0, "use_stop": False,
+                      "answer_len": answer_len, "ignore_eos": True,
+                      "ref_requests": ref_requests, "cuda_graphs": device.startswith("cuda"),
+                      "goal": ">= 30x at 64 concurrent; latent step within 10% of plain"},
+           "copy_bandwidth_Bps": bw, "shapes": {}}
+    with tempfile.TemporaryDirectory() as d:
+        for name in shapes:
+            out["shapes"][name] = bench_shape(name, Path(d), device, dtype, concurrency,
+                                              prompt_len, max_latent, answer_len,
+                                              ref_requests, bw, bare_baseline)
+            shutil.rmtree(Path(d) / name, ignore_errors=True)
+            print(json.dumps({name: out["shapes"][name]}, indent=1), flush=True)
+    out["total_s"] = time.perf_counter() - t_start
+    return out
+
+
+def main(argv=None) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    p = argparse.ArgumentParser(prog="python -m latentserve.bench.head_gpu",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", default="head_gpu_bench.json", help="JSON output path")
+    p.add_argument("--shapes", default=",".join(HEADS), help=f"comma list of {list(HEADS)}")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-latent", type=int, default=32)
+    p.add_argument("--answer-len", type=int, default=32)
+    p.add_argument("--ref-requests", type=int, default=3)
+    p.add_argument("--no-bare", action="store_true",
+                   help="skip the bare-backbone plain-step baseline")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny model on the CPU, float32, small lengths (CI smoke run)")
+    args = p.parse_args(argv)
+    cmd = shlex.join(["python", "-m", "latentserve.bench.head_gpu",
+                      *(sys.argv[1:] if argv is None else argv)])
+    conc = tuple(int(x) for x in args.concurrency.split(","))
+    if args.tiny:
+        res = run_head_bench(("tiny",), "cpu", "float32", (1, 4), 8, 4, 4, 1,
+                             not args.no_bare, cmd)
+    else:
+        res = run_head_bench(tuple(args.shapes.split(",")), "cuda", "bfloat16", conc,
+                             args.prompt_len, args.max_latent, args.answer_len,
+                             args.ref_requests, not args.no_bare, cmd)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {args.out} ({res['total_s']:.1f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

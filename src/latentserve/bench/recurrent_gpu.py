@@ -1,0 +1,297 @@
+"""Recurrent-depth benchmark for the H200 (issue 7): Huginn-0125 and Ouro-1.4B shapes with
+random bf16 weights through ``LLMEngine`` (CUDA graphs on; the masked recurrence loop inside
+the captured decode graph) at 1, 16 and 64 concurrent requests against the eager reference
+(``testing.recurrent_reference``: upstream's algorithm with its per-position dict KV cache)
+run one request at a time in the same process, and the decode step against its
+memory-bandwidth floor.
+
+Shapes (``HUGINN_3_5B``, ``OURO_1_4B``; facts from shared/reference/latent-families.md):
+Huginn n_embd 5280, 55 heads (head_dim 96, MHA), intermediate 17920, vocab 65536, 2 prelude
++ 4 core + 2 coda layers, block_size 4096, run at 8 and 32 recurrences (one engine:
+``mean_recurrence`` 8 and ``max_recurrence`` 32, so graphs are captured at both depths: with
+upstream's default of 32 only depth-32 graphs would exist and a depth-8 batch would replay
+them masked, at depth-32 cost);
+Ouro hidden 2048, 24 layers, 16 heads (head_dim 128, MHA), intermediate 5632, vocab 49152,
+untied head, 4 steps (readout ``last``). Weights are drawn on the GPU by
+``testing.recurrent_models`` and saved in bf16; tokenizers are ``save_word_tokenizer``'s.
+
+Work per request: ``prompt_len`` random ids, ``output_len`` greedy tokens with ``ignore_eos``
+at a fixed depth, no early exit. Engine throughput: output tokens per second, wall clock
+(device synced, prefill included). Reference: each of ``ref_requests`` prompts is run with 1
+and with ``ref_output_len`` output tokens; prefill time = the 1-token run, per-token decode
+time = the difference / (``ref_output_len`` - 1); one request of ``output_len`` tokens is
+extrapolated as prefill + (``output_len`` - 1) x decode (its KV re-stacking grows with the
+context, so this slightly favours the reference). Speedup = engine tok/s / reference tok/s.
+
+Bandwidth floor of a decode step of B rows at depth T, mean context n = prompt_len +
+output_len / 2 (bytes / the copy bandwidth measured in the same run):
+* Huginn weights: prelude + T x (adapter + core block) + coda + ln_f + lm_head (the tied
+  65536 x 5280 table, read in full for the logits) + B embedding rows;
+  KV: B x n x (P + T x L + C) banks x 2 x kv_heads x head_dim x 2 bytes.
+* Ouro weights: T x (24 layers + norm + exit gate) + lm_head + B embedding rows;
+  KV: B x n x (T x 24) banks x (2 x kv_heads x head_dim x 2 bytes).
+The floor ignores activations, the KV writes and the logits; a ratio near 1 is at the
+bandwidth limit.
+
+Run on the H200: ``python -m latentserve.bench.recurrent_gpu OUT.json`` (``--help`` for the
+options; ``--tiny`` runs the whole pipeline on tiny models on the CPU in seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HUGINN_3_5B = {"n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads": 55,
+               "intermediate_size": 17920, "vocab_size": 65536, "block_size": 4096,
+               "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4,
+               "n_layers_in_coda": 2, "mean_recurrence": 8, "max_recurrence": 32}
+OURO_1_4B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+             "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128,
+             "vocab_size": 49152, "max_position_embeddings": 65536, "total_ut_steps": 4,
+             "max_recurrence": 4}
+HUGINN_TINY = {"n_embd": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+               "intermediate_size": 128, "vocab_size": 1024, "block_size": 256,
+               "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
+               "n_layers_in_coda": 1, "mean_recurrence": 2, "max_recurrence": 4}
+OURO_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "vocab_size": 1024, "max_position_embeddings": 256, "total_ut_steps": 4,
+             "max_recurrence": 4}
+# (family, shape, depths) per benchmark name
+MODELS = {"huginn-0125": ("huginn", HUGINN_3_5B, (8, 32)),
+          "ouro-1.4b": ("ouro", OURO_1_4B, (4,))}
+TINY_MODELS = {"huginn-tiny": ("huginn", HUGINN_TINY, (2, 4)),
+               "ouro-tiny": ("ouro", OURO_TINY, (4,))}
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def decode_floor(model, family: str, depth: int, batch: int, mean_ctx: float, bw: float,
+                 kv_dtype) -> dict:
+    """Bytes one decode step of ``batch`` rows at ``depth`` must read (the byte model in the
+    module docstring; KV in ``kv_dtype``) and the floor time (s) at ``bw`` bytes/s."""
+    from latentserve.bench.device_common import param_bytes
+    from latentserve.kvcache.pool import KVPool
+
+    _, kvh, hd = model.kv_shape
+    per_bank = KVPool.bytes_per_slot(1, kvh, hd, kv_dtype)
+    if family == "huginn":
+        t = model.transformer
+        emb = t.wte.weight
+        weights = (param_bytes(t.prelude) + depth * param_bytes(t.adapter, t.core_block)
+                   + param_bytes(t.coda, t.ln_f) + param_bytes(model.lm_head))
+        banks = model.n_prelude + depth * model.n_core + model.n_coda
+    else:
+        m = model.model
+        emb = m.embed_tokens.weight
+        weights = (depth * param_bytes(m.layers, m.norm, m.early_exit_gate)
+                   + param_bytes(model.lm_head))
+        banks = depth * len(m.layers)
+    weights += batch * emb.shape[1] * emb.element_size()
+    kv = batch * mean_ctx * banks * per_bank
+    return {"weights_bytes": weights, "kv_bytes": kv, "kv_banks_read": banks,
+            "floor_s": (weights + kv) / bw}
+
+
+def _write(family: str, shape: dict, path: Path, device: str, dtype: str) -> Path:
+    from latentserve.testing import recurrent_models as rm
+
+    write = rm.write_huginn if family == "huginn" else rm.write_ouro
+    return write(path, save_dtype=_dtype(dtype), init_device=device, **shape)
+
+
+def _params(depth: int, output_len: int, family: str):
+    from latentserve.sampling_params import SamplingParams
+
+    extra = {"exit_criterion": "last"} if family == "ouro" else {}
+    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                          latent_budget=depth, **extra)
+
+
+def _reference(ref, family: str, prompt, n: int, depth: int) -> dict:
+    if family == "huginn":
+        return ref.generate(prompt, n, depth)
+    return ref.generate(prompt, n, depth, "last")
+
+
+def bench_model(name: str, family: str, shape: dict, depths, root: Path, device: str,
+                dtype: str, concurrency, prompt_len: int, output_len: int, ref_requests: int,
+                ref_output_len: int, bw: float) -> dict:
+    """One model: engine at every depth and concurrency, then the reference (after the
+    engine is freed). Returns a JSON-able dict."""
+    import torch
+
+    from latentserve.bench.device_common import agreement, drive, sync
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.recurrent_reference import HuginnReference, OuroReference
+
+    t0 = time.perf_counter()
+    path = _write(family, shape, root / name, device, dtype)
+    t_build = time.perf_counter() - t0
+    max_c, max_len = max(concurrency), prompt_len + output_len + 8
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype,
+                                    max_num_seqs=max_c, max_model_len=max_len,
+                                    kv_slots=(max_c + 1) * max_len))
+    t_engine = time.perf_counter() - t0
+    print(f"[{name}] checkpoint written in {t_build:.1f} s, engine ready in {t_engine:.1f} s",
+          flush=True)
+    model = engine.runner.model
+    g = torch.Generator().manual_seed(0)
+
+    def rand_prompts(c):
+        return torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
+
+    # Warm-up at full concurrency at every depth (prefill kernels), short output.
+    for depth in depths:
+        drive(engine, rand_prompts(max_c), _params(depth, 2, family), device, "warm")
+    engine.cache.radix.reset()
+    rows, outputs = {}, {}
+    for depth in depths:
+        rows[depth] = {}
+        for c in concurrency:
+            prompts = rand_prompts(c)
+            r = drive(engine, prompts, _params(depth, output_len, family), device,
+                      f"d{depth}c{c}")
+            outputs[depth, c] = (prompts, r.pop("outputs"))
+            r["tok_s"] = r["tokens"] / r["wall_s"]
+            step = r["step_s"].get("decode")
+            fl = decode_floor(model, family, depth, c, prompt_len + output_len / 2, bw,
+                              _dtype(dtype))
+            r.update(decode_step_s=step, bandwidth_floor=fl,
+                     step_over_floor=None if step is None else step / fl["floor_s"])
+            rows[depth][c] = r
+            print(f"[{name}] engine depth={depth} c={c}: {r['wall_s']:.3f} s, "
+                  f"{r['tok_s']:.1f} tok/s, step {step} s, "
+                  f"x floor {r['step_over_floor']}", flush=True)
+    engine.cache.check_idle()
+    del engine, model
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    cls = HuginnReference if family == "huginn" else OuroReference
+    ref = cls(path, dtype=_dtype(dtype), device=device)
+    t_ref_load = time.perf_counter() - t0
+    print(f"[{name}] reference loaded in {t_ref_load:.1f} s", flush=True)
+    ref_rows = {}
+    for depth in depths:
+        _reference(ref, family, rand_prompts(1)[0][:8], 2, depth)  # warm-up
+        prompts, eng_out = outputs[depth, max_c]
+        pre, dec, ref_out = [], [], []
+        for p in prompts[:ref_requests]:
+            sync(device)
+            s = time.perf_counter()
+            _reference(ref, family, p, 1, depth)
+            sync(device)
+            t1 = time.perf_counter() - s
+            s = time.perf_counter()
+            ref_out.append(_reference(ref, family, p, ref_output_len, depth)["tokens"])
+            sync(device)
+            tk = time.perf_counter() - s
+            pre.append(t1)
+            dec.append((tk - t1) / max(ref_output_len - 1, 1))
+        t_pre, t_dec = sum(pre) / len(pre), sum(dec) / len(dec)
+        per_req = t_pre + (output_len - 1) * t_dec
+        ref_rows[depth] = {"prefill_s": t_pre, "decode_token_s": t_dec,
+                           "extrapolated_s_per_request": per_req,
+                           "tok_s": output_len / per_req,
+                           "agree_with_engine": agreement(
+                               [o[:ref_output_len] for o in eng_out[:ref_requests]], ref_out)}
+        for c in concurrency:
+            rows[depth][c]["speedup"] = rows[depth][c]["tok_s"] / ref_rows[depth]["tok_s"]
+        print(f"[{name}] reference depth={depth}: prefill {t_pre:.3f} s, "
+              f"{t_dec * 1e3:.1f} ms/token", flush=True)
+    del ref
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"family": family, "shape": shape, "depths": list(depths), "build_s": t_build,
+            "engine_init_s": t_engine, "reference_load_s": t_ref_load,
+            "max_model_len": max_len,
+            "engine": {str(d): {str(c): v for c, v in r.items()} for d, r in rows.items()},
+            "reference": {str(d): v for d, v in ref_rows.items()}}
+
+
+def run_recurrent_gpu_bench(models=tuple(MODELS), device: str = "cuda",
+                            dtype: str = "bfloat16", concurrency=(1, 16, 64),
+                            prompt_len: int = 64, output_len: int = 32, ref_requests: int = 2,
+                            ref_output_len: int = 8, tiny: bool = False,
+                            command: str | None = None) -> dict:
+    """Every model in ``models`` (``MODELS`` keys, or ``TINY_MODELS`` keys with ``tiny``);
+    see the module docstring. Returns the JSON-able result with the config it ran."""
+    from latentserve.bench.device_common import copy_bandwidth_on, machine
+
+    table = TINY_MODELS if tiny else MODELS
+    t_start = time.perf_counter()
+    bw = copy_bandwidth_on(device)
+    out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "machine": machine(device),
+           "config": {"device": device, "dtype": dtype, "concurrency": list(concurrency),
+                      "prompt_len": prompt_len, "output_len": output_len, "ignore_eos": True,
+                      "early_exit": False, "ref_requests": ref_requests,
+                      "ref_output_len": ref_output_len,
+                      "cuda_graphs": device.startswith("cuda"),
+                      "goal": ">= 30x at 64 concurrent"},
+           "copy_bandwidth_Bps": bw, "models": {}}
+    with tempfile.TemporaryDirectory() as d:
+        for name in models:
+            family, shape, depths = table[name]
+            out["models"][name] = bench_model(name, family, shape, depths, Path(d), device,
+                                              dtype, concurrency, prompt_len, output_len,
+                                              ref_requests, ref_output_len, bw)
+            shutil.rmtree(Path(d) / name, ignore_errors=True)  # 7.6 GB for Huginn
+            print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
+    out["total_s"] = time.perf_counter() - t_start
+    return out
+
+
+def main(argv=None) -> int:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    p = argparse.ArgumentParser(prog="python -m latentserve.bench.recurrent_gpu",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", default="recurrent_gpu_bench.json",
+                   help="JSON output path")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--ref-requests", type=int, default=2)
+    p.add_argument("--ref-output-len", type=int, default=8,
+                   help="output tokens per timed reference request (>= 2)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny models on the CPU, float32, small lengths (CI smoke run)")
+    args = p.parse_args(argv)
+    cmd = shlex.join(["python", "-m", "latentserve.bench.recurrent_gpu",
+                      *(sys.argv[1:] if argv is None else argv)])
+    if args.tiny:
+        res = run_recurrent_gpu_bench(tuple(TINY_MODELS), "cpu", "float32", (1, 4), 8, 4, 1,
+                                      3, tiny=True, command=cmd)
+    else:
+        res = run_recurrent_gpu_bench(
+            tuple(args.models.split(",")), "cuda", "bfloat16",
+            tuple(int(x) for x in args.concurrency.split(",")), args.prompt_len,
+            args.output_len, args.ref_requests, args.ref_output_len, command=cmd)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {args.out} ({res['total_s']:.1f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

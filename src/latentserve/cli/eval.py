@@ -1,0 +1,79 @@
+"""``latentserve eval``: accuracy, thinking tokens or latent steps, and latency on GSM8K,
+ProsQA or multiplication, against our engine in-process or an OpenAI-compatible URL;
+``--sweep max_latent=0,4,8`` plots accuracy and latent steps against the budget."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    from latentserve.cli import add_engine_args
+    from latentserve.eval.datasets import DATASETS
+
+    p = sub.add_parser("eval", help="evaluate text CoT or latent reasoning on a data set")
+    add_engine_args(p)
+    p.add_argument("--dataset", default="gsm8k", choices=sorted(DATASETS))
+    p.add_argument("--data-file", default=None, help="override the data set's file")
+    p.add_argument("--limit", type=int, default=None, help="first N items only")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="answer tokens (latent steps come on top)")
+    p.add_argument("--max-latent", type=int, default=None,
+                   help="latent budget (needs a head); absent = text CoT, thinking off")
+    p.add_argument("--sweep", default=None, help="e.g. max_latent=0,4,8,16,32")
+    p.add_argument("--min-latent", type=int, default=None)
+    p.add_argument("--stop-threshold", type=float, default=None)
+    p.add_argument("--no-stop", action="store_true", help="run every budget to its cap")
+    p.add_argument("--url", default=None,
+                   help="OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1) "
+                        "instead of an in-process engine")
+    p.add_argument("--api-model", default=None, help="model name at --url (default: first)")
+    p.add_argument("--api-key", default="none")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--out", default=None, help="write summary and per-item records (JSON)")
+    p.add_argument("--plot", default=None, help="sweep plot (PNG)")
+    p.add_argument("--baseline", default=None,
+                   help="an --out JSON of a text-CoT run, drawn as a reference line")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from latentserve.eval.datasets import load_items
+    from latentserve.eval.run import evaluate, parse_sweep, plot_sweep
+
+    budgets = parse_sweep(args.sweep) if args.sweep else [args.max_latent]
+    items = load_items(args.dataset, args.data_file, args.limit)
+    if args.url:
+        from latentserve.eval.backends import OpenAIBackend
+
+        backend = OpenAIBackend(args.url, args.api_model, args.api_key, args.concurrency)
+    else:
+        from latentserve.cli import engine_config
+        from latentserve.engine.llm_engine import LLMEngine
+        from latentserve.eval.backends import EngineBackend
+
+        backend = EngineBackend(LLMEngine(engine_config(args)))
+    controls = {k: v for k, v in (("min_latent", args.min_latent),
+                                  ("stop_threshold", args.stop_threshold)) if v is not None}
+    if args.no_stop:
+        controls["use_stop"] = False
+    runs, records = [], {}
+    for b in budgets:
+        recs, summary = evaluate(items, backend, args.max_tokens, b, **controls)
+        summary["dataset"] = args.dataset
+        runs.append(summary)
+        records[str(b)] = recs
+        print(json.dumps(summary), flush=True)
+        if args.out:  # after every budget: a sweep cut off keeps what it finished
+            with open(args.out, "w") as f:
+                json.dump({"dataset": args.dataset, "runs": runs, "records": records}, f,
+                          indent=1)
+    if args.plot:
+        if args.sweep is None:
+            raise ValueError("--plot needs --sweep")
+        base = None
+        if args.baseline:
+            with open(args.baseline) as f:
+                base = json.load(f)["runs"][0]
+        plot_sweep({"head": runs}, args.plot, f"{args.dataset} (n={len(items)})", base)
+    return 0

@@ -1,0 +1,79 @@
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``): the log-probability of each prompt
+token given the ones before it, for requests that ask (completions ``echo`` with
+``logprobs``).
+
+The model runner hands over the final hidden states of such requests' prompt chunks
+(``ModelRunner.prompt_hidden``); this tracker turns them into ``TokenLogprob``s as the chunks
+run (a preempted request's recomputed chunks fill nothing twice) and puts the finished list
+on the request's next ``StepOutput``. Requests that do not ask never reach this code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from latentserve.outputs import StepOutput, TokenLogprob
+
+# Rows turned into [rows, vocab] logits at once (bounds the memory of a long prompt chunk).
+_LOGIT_ROWS = 256
+
+
+@dataclass(slots=True)
+class _Entry:
+    k: int
+    lps: list[TokenLogprob | None]
+    missing: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.missing = len(self.lps) - 1  # the first prompt token has no logprob
+
+
+class PromptLogprobTracker:
+    """Prompt logprobs of the running requests that asked, by request id."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def add(self, rid: str, num_prompt_tokens: int, k: int) -> None:
+        """Track ``rid``: the first ``num_prompt_tokens`` prompt tokens (the client's prompt,
+        before any latent start ids) with ``k`` top alternatives each."""
+        self._entries[rid] = _Entry(k, [None] * num_prompt_tokens)
+
+    @torch.inference_mode()
+    def record(self, model, prompt_hidden: list) -> None:
+        """Score the prompt positions of one forward. ``prompt_hidden``: ``(req, start,
+        hidden [q_len, hidden_size])`` per request (``ModelRunner.prompt_hidden``); row i is
+        position ``start + i`` and predicts the prompt token at ``start + i + 1``."""
+        from latentserve.sampling import prompt_logprobs
+
+        for req, start, hidden in prompt_hidden:
+            entry = self._entries.get(req.rid)
+            if entry is None:
+                continue
+            m = min(len(hidden), len(entry.lps) - 1 - start)
+            for lo in range(0, max(m, 0), _LOGIT_ROWS):
+                hi = min(m, lo + _LOGIT_ROWS)
+                targets = req.prompt_ids[start + 1 + lo : start + 1 + hi]
+                scored = prompt_logprobs(model.compute_logits(hidden[lo:hi]), targets, entry.k)
+                for i, lp in enumerate(scored, start=start + 1 + lo):
+                    if entry.lps[i] is None:
+                        entry.lps[i] = lp
+                        entry.missing -= 1
+
+    def attach(self, outs: list[StepOutput]) -> None:
+        """Put each complete list on its request's output in ``outs`` (once); forget
+        requests that finish (an aborted request may never complete its prompt)."""
+        for o in outs:
+            entry = self._entries.get(o.rid)
+            if entry is None:
+                continue
+            if entry.missing == 0:
+                o.prompt_logprobs = entry.lps
+                del self._entries[o.rid]
+            elif o.finished:
+                del self._entries[o.rid]

@@ -1,0 +1,331 @@
+"""Tensor parallelism across processes: rank 0 (the engine process: scheduler, sampler,
+latent phase machines) broadcasts each batch; ranks 1..N-1 (started here, one process each)
+run the same forward on their shard of the model.
+
+Per step rank 0 sends (a) a pickled ``StepHeader`` over the gloo group: per request its
+page-table row, the ids it computes, the chunk start and length, whether it samples, and
+what the latent and recurrent paths read (latent span, depth, exit rule); and (b) over the
+device group: the page-table block ``table[rows, :max_kv_len]`` (slot ids; the scheduler's
+allocator lives on rank 0 only) and the latent input vectors of the chunk (feedback and
+compression-head latents are computed once, on rank 0, and replicated this way). Each
+worker rebuilds a ``ScheduledBatch`` of ``_ShadowReq`` and calls the same
+``ModelRunner.run``, so eager forwards, CUDA-graph replays, the capture buffer and
+recurrent banks follow one code path on every rank.
+
+Layout as in mini-sglang (one scheduler process per rank, rank 0 broadcasting) and vLLM
+(the driver worker broadcasting tensors of the model input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from latentserve.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunnerSetup:
+    """What rank 0 decides after loading and every worker must copy: KV pool size in slots,
+    page-table width, capture layer (-1: none), the largest CUDA-graph batch (0: eager)."""
+
+    kv_slots: int
+    max_model_len: int
+    capture_layer: int
+    graph_max_bs: int
+
+
+@dataclass(slots=True)
+class StepHeader:
+    """One batch, as the workers need it (see the module docstring). ``reqs`` holds per
+    request ``(row, start, n, ids_chunk, prompt_len, latent_start, latent_len,
+    latent_positions, latent_budget, exit_rule)``; ``latent_positions`` are the positions
+    of this chunk whose input is a latent vector, whose vectors follow on the device group
+    in order (``latent_dtype``, ``[num_latent, hidden]``)."""
+
+    reqs: list[tuple]
+    sample: list[bool]
+    max_kv_len: int
+    num_latent: int
+    latent_dtype: str
+
+
+class _Window:
+    """``ids`` of a worker-side request: only the slice ``[start, start + len(ids))`` that
+    this step computes is known; slicing it returns that part."""
+
+    __slots__ = ("ids", "start")
+
+    def __init__(self, start: int, ids: list[int]):
+        self.start, self.ids = start, ids
+
+    def __getitem__(self, s: slice) -> list[int]:
+        return self.ids[s.start - self.start : s.stop - self.start]
+
+
+_NO_PROMPT_LOGPROBS = type("_ShadowParams", (), {"prompt_logprobs": None})()
+
+
+@dataclass(slots=True)
+class _ShadowReq:
+    """The fields of a ``Req`` that ``ModelRunner.run`` and ``RecurrentBatch`` read."""
+
+    row: int
+    ids: _Window
+    prompt_ids: range  # only its length is read
+    latent_start: int
+    latent_embeds: list
+    latent_budget: int
+    exit_rule: Any
+    recurrence_iters: list = dataclasses.field(default_factory=list)
+    # The engine refuses prompt logprobs under tensor parallelism (rank 0 scores them).
+    params: Any = dataclasses.field(default_factory=lambda: _NO_PROMPT_LOGPROBS)
+
+
+def _chunk(req, start: int, n: int) -> list[int]:
+    """``req.ids[start : start + n]`` without building ``prompt_ids + output_ids``."""
+    p = len(req.prompt_ids)
+    if start >= p:
+        return req.output_ids[start - p : start - p + n]
+    return req.ids[start : start + n]
+
+
+def _latent_span(req, start: int, n: int) -> range:
+    """Positions of ``[start, start + n)`` inside ``req``'s latent span (as ``ModelRunner``)."""
+    if not req.latent_embeds:
+        return range(0)
+    lo = max(start, req.latent_start)
+    hi = min(start + n, req.latent_start + len(req.latent_embeds))
+    return range(lo, max(lo, hi))
+
+
+class TPModelRunner(ModelRunner):
+    """A ``ModelRunner`` on one tensor-parallel rank. On rank 0 ``run(batch)`` first
+    broadcasts the batch; on a worker ``serve_forever()`` receives batches and runs them
+    until rank 0 sends stop. Same arguments as ``ModelRunner`` plus ``tp`` (``TPGroup``)."""
+
+    def __init__(self, model, kv_pool, table, backend, device, tp):
+        super().__init__(model, kv_pool, table, backend, device)
+        self.tp = tp
+
+    # ----- rank 0 -----
+
+    def send_setup(self, setup: RunnerSetup) -> None:
+        self._send_object(setup)
+
+    def send_stop(self) -> None:
+        self._send_object(None)
+
+    def run(self, batch):
+        if self.tp.is_driver:
+            self._send_batch(batch)
+        return super().run(batch)
+
+    def _send_object(self, obj) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([obj], src=0, group=self.tp.cpu_group)
+
+    def _send_batch(self, batch) -> None:
+        import torch.distributed as dist
+
+        reqs, vecs = [], []
+        for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
+            span = _latent_span(req, start, n)
+            vecs.extend(req.latent_embeds[p - req.latent_start] for p in span)
+            reqs.append((req.row, start, n, _chunk(req, start, n), len(req.prompt_ids),
+                         req.latent_start, len(req.latent_embeds), list(span),
+                         int(req.latent_budget), req.exit_rule))
+        max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
+        dtype = str(vecs[0].dtype).removeprefix("torch.") if vecs else ""
+        self._send_object(StepHeader(reqs, list(batch.sample), max_kv, len(vecs), dtype))
+        rows = torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=self.device)
+        block = self.table.table[rows, :max_kv].contiguous()
+        dist.broadcast(block, src=0, group=self.tp.device_group)
+        if vecs:
+            dist.broadcast(torch.stack(vecs).contiguous(), src=0, group=self.tp.device_group)
+
+    # ----- workers -----
+
+    def receive_setup(self) -> RunnerSetup:
+        return self._receive_object()
+
+    def _receive_object(self):
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.tp.cpu_group)
+        return box[0]
+
+    def serve_forever(self) -> None:
+        """Run rank 0's batches until it sends stop."""
+        from latentserve.scheduler.scheduler import ScheduledBatch
+
+        while True:
+            header = self._receive_object()
+            if header is None:
+                return
+            reqs = self._receive_batch(header)
+            self.run(ScheduledBatch(reqs, [r[1] for r in header.reqs],
+                                    [r[2] for r in header.reqs], header.sample))
+
+    def _receive_batch(self, header: StepHeader) -> list[_ShadowReq]:
+        import torch.distributed as dist
+
+        dev = self.device
+        rows = torch.tensor([r[0] for r in header.reqs], dtype=torch.int64, device=dev)
+        block = torch.empty(len(rows), header.max_kv_len, dtype=self.table.table.dtype,
+                            device=dev)
+        dist.broadcast(block, src=0, group=self.tp.device_group)
+        self.table.table[rows, : header.max_kv_len] = block
+        vecs = None
+        if header.num_latent:
+            hidden = self.model.config.hidden_size
+            vecs = torch.empty(header.num_latent, hidden,
+                               dtype=getattr(torch, header.latent_dtype), device=dev)
+            dist.broadcast(vecs, src=0, group=self.tp.device_group)
+        out, k = [], 0
+        for (row, start, _n, ids, prompt_len, lat_start, lat_len, span, budget,
+             rule) in header.reqs:
+            embeds: list = [None] * lat_len
+            for p in span:
+                embeds[p - lat_start] = vecs[k]
+                k += 1
+            out.append(_ShadowReq(row, _Window(start, ids), range(prompt_len), lat_start,
+                                  embeds, budget, rule))
+        return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_workers(config) -> tuple[Any, list[subprocess.Popen]]:
+    """Start ranks 1..N-1 of ``config.tensor_parallel_size`` as child processes and join the
+    group as rank 0. Returns ``(TPGroup, processes)``.
+
+    Workers are plain subprocesses (``python -m latentserve.engine.tp_worker``), so a
+    daemonic engine process (the server's) may start them. Raises RuntimeError when a worker
+    exits before the group forms.
+    """
+    from latentserve.distributed import init_tp_group
+
+    size = config.tensor_parallel_size
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    payload = json.dumps(dataclasses.asdict(config))
+    procs = [subprocess.Popen([sys.executable, "-m", "latentserve.engine.tp_worker", payload,
+                               str(rank), str(size), init, str(os.getpid())])
+             for rank in range(1, size)]
+    import atexit
+
+    atexit.register(_kill_alive, procs)  # e.g. when the engine fails after this point
+    try:
+        tp = init_tp_group(0, size, init, config.device)
+    except Exception:
+        _kill_alive(procs)
+        raise
+    return tp, procs
+
+
+def abort_workers(procs: list[subprocess.Popen]) -> None:
+    """Kill the workers and leave the process group (rank 0 failed before it could stop them
+    in order)."""
+    from latentserve.distributed import destroy_tp_group
+
+    _kill_alive(procs)
+    destroy_tp_group()
+
+
+def _kill_alive(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """Wait for the workers to exit (after ``send_stop``); kill those that do not."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Leave at once when rank 0's process goes away (its collectives would never come)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(1.0)
+
+
+def worker_main(config, rank: int, size: int, init_method: str) -> None:
+    """Rank ``rank``: load this rank's shard, copy rank 0's ``RunnerSetup`` (KV pool,
+    page table, capture layer, CUDA graphs), then run batches until stop."""
+    from latentserve.attention.base import make_backend
+    from latentserve.distributed import destroy_tp_group, init_tp_group
+    from latentserve.kvcache.pool import KVPool, PageTable
+    from latentserve.models.checkpoint import resolve_model_dir
+    from latentserve.models.loader import load_model
+
+    tp = init_tp_group(rank, size, init_method, config.device)
+    torch.manual_seed(config.seed)
+    model, hf_config = load_model(resolve_model_dir(config.model), config.torch_dtype,
+                                  str(tp.device), latent_head=config.latent_head,
+                                  no_latent_head=config.no_latent_head,
+                                  latent_injection=config.latent_injection, tp=tp)
+    layers, kv_heads, head_dim = model.kv_shape
+    runner = None
+    try:
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
+        setup: RunnerSetup = box[0]
+        pool = KVPool(layers, setup.kv_slots, kv_heads, head_dim, config.torch_dtype,
+                      tp.device)
+        table = PageTable(config.max_num_seqs, setup.max_model_len, tp.device)
+        runner = TPModelRunner(model, pool, table, make_backend(config.backend_name),
+                               tp.device, tp)
+        runner.set_capture(setup.capture_layer)
+        if setup.graph_max_bs:
+            runner.capture_graphs(setup.graph_max_bs, hf_config.hidden_size,
+                                  config.torch_dtype)
+        runner.serve_forever()
+    finally:
+        destroy_tp_group()
+
+
+def main(argv: list[str]) -> None:
+    from latentserve.config import EngineConfig
+
+    payload, rank, size, init, parent = argv
+    threading.Thread(target=_exit_with_parent, args=(int(parent),), daemon=True).start()
+    logging.basicConfig(level=logging.WARNING)
+    worker_main(EngineConfig(**json.loads(payload)), int(rank), int(size), init)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # NOTE: skip interpreter teardown (seconds for torch); the group is closed
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,137 @@
+"""Where evaluation prompts go: our engine in-process, or any OpenAI-compatible server.
+
+Both take one chat turn per item and return, per item, a :class:`Completion`: the answer
+``text``, ``completion_tokens`` (every generated token the engine or server counts; for
+text CoT these are the thinking tokens), ``latent_steps`` (compression-head latent steps;
+0 without a head), and ``latency_s`` (from the batch's start to the request's end, so
+queueing inside the batch counts, as a client would see it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Completion:
+    text: str
+    completion_tokens: int
+    latent_steps: int
+    latency_s: float
+    finish_reason: str | None = None
+    latent_end: str | None = None  # how a head's latent phase ended: stop, cap or length
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One evaluation prompt: ``user`` text, ``max_tokens`` (answer tokens; latent steps
+    come on top), ``max_latent`` (None = no latent thinking: thinking off on a head model)."""
+
+    user: str
+    max_tokens: int
+    max_latent: int | None = None
+
+
+class EngineBackend:
+    """Our ``LLMEngine`` in-process, all requests in one continuous batch, greedy.
+
+    ``engine_options``: ``EngineConfig`` fields (``model``, ``latent_head``, ``device``...).
+    For a request with ``max_latent`` the engine runs the head's closed loop with that cap
+    (stop head on, ``min_output_tokens`` 0, ``max_tokens`` raised by the cap and the closing
+    ids); without it, thinking is off."""
+
+    def __init__(self, engine=None, **engine_options):
+        if engine is None:
+            from latentserve.config import EngineConfig
+            from latentserve.engine.llm_engine import LLMEngine
+
+            engine = LLMEngine(EngineConfig(**engine_options))
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.has_head = engine.latent_spec is not None and engine.latent_spec.kind == "head"
+        self._n = 0
+
+    def run(self, requests: list[Request], **head_controls) -> list[Completion]:
+        from latentserve.sampling_params import SamplingParams
+        from latentserve.train.traces import chat_prompt_ids
+
+        start, rids = time.perf_counter(), []
+        n_close = len(self.engine.latent_spec.end_ids) if self.has_head else 0
+        for r in requests:
+            if r.max_latent is not None and not self.has_head:
+                raise ValueError("max_latent needs a model with a compression head "
+                                 "(--latent-head)")
+            extra = {}
+            max_tokens = r.max_tokens
+            if self.has_head:
+                if r.max_latent is None:
+                    extra = {"thinking": False}
+                else:
+                    extra = {"thinking": True, "max_latent": r.max_latent,
+                             "min_output_tokens": 0, **head_controls}
+                    max_tokens += r.max_latent + n_close
+            rid = f"eval-{self._n}"
+            self._n += 1
+            self.engine.add_request(rid, chat_prompt_ids(self.tokenizer, r.user),
+                                    SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                   **extra))
+            rids.append(rid)
+        toks = {rid: [] for rid in rids}
+        done = {}
+        while self.engine.has_unfinished_requests():
+            for o in self.engine.step():
+                if o.rid not in toks:
+                    continue
+                toks[o.rid] += o.new_token_ids
+                if o.finished:
+                    st = o.latent_stats or {}
+                    done[o.rid] = (time.perf_counter() - start, st.get("steps", o.latent_steps)
+                                   or 0, o.finish_reason, st.get("end"))
+        out = []
+        for rid in rids:
+            lat, steps, reason, end = done[rid]
+            text = self.tokenizer.decode(toks[rid], skip_special_tokens=True)
+            out.append(Completion(text, len(toks[rid]), steps, lat, reason, end))
+        return out
+
+
+class OpenAIBackend:
+    """An OpenAI-compatible ``/v1/chat/completions`` server (``latentserve serve`` or
+    another engine), ``concurrency`` requests in flight, greedy. ``max_latent`` goes as the
+    body fields ``thinking`` / ``max_latent`` with the head controls (``use_stop``,
+    ``min_latent``, ``stop_threshold``: latentserve's fields; other servers ignore them);
+    latent steps are read from the choice's ``latent.steps`` when the server reports it."""
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str = "none",
+                 concurrency: int = 16, timeout: float = 600.0):
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout)
+        self.model = model or self.client.models.list().data[0].id
+        self.concurrency = concurrency
+
+    def _one(self, r: Request, start: float, controls: dict) -> Completion:
+        body = {}
+        if r.max_latent is not None:
+            body = {"thinking": True, "max_latent": r.max_latent, "min_output_tokens": 0,
+                    **controls}
+        resp = self.client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": r.user}],
+            # latent steps and the closing ids spend max_tokens too; 8 covers the closing
+            max_tokens=r.max_tokens + (r.max_latent + 8 if r.max_latent is not None else 0),
+            temperature=0.0,
+            extra_body=body or None)
+        ch = resp.choices[0]
+        latent = (ch.model_extra or {}).get("latent") or {}
+        return Completion(ch.message.content or "",
+                          resp.usage.completion_tokens if resp.usage else 0,
+                          int(latent.get("steps") or 0), time.perf_counter() - start,
+                          ch.finish_reason, (latent.get("stats") or {}).get("end"))
+
+    def run(self, requests: list[Request], **head_controls) -> list[Completion]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(lambda r: self._one(r, start, head_controls), requests))

@@ -1,0 +1,79 @@
+"""Evaluation sets from ``shared/data`` (see its README): GSM8K ``test.jsonl`` and the iCoT
+``test_icot.txt``, ProsQA ``test.json``, iCoT multiplication ``4x4_test.txt`` /
+``5x5_test.txt``. Each loads as a list of :class:`Item`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# name -> (file under the data root, format, answer kind)
+DATASETS = {
+    "gsm8k": ("gsm8k/test.jsonl", "jsonl", "number"),
+    "gsm8k-icot": ("gsm8k/test_icot.txt", "icot", "number"),
+    "prosqa": ("prosqa/test.json", "prosqa", "prosqa"),
+    "mult4": ("multiplication/4x4_test.txt", "icot", "digits"),
+    "mult5": ("multiplication/5x5_test.txt", "icot", "digits"),
+}
+# What the model is asked to end its answer with, per answer kind (text-CoT prompts).
+INSTRUCTIONS = {
+    "number": "Solve the problem step by step, then give the final answer as '#### <number>'.",
+    "digits": "Multiply step by step. Digits are written least significant first; give the "
+              "product the same way as '#### <digits>'.",
+    "prosqa": "Reason step by step, then give the answer as '#### <name> is a <concept>.'",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One question: ``question`` (text), ``gold`` (the answer as the set writes it),
+    ``kind`` (answer kind for ``answers.score``), ``steps`` (the reference reasoning, may
+    be empty)."""
+
+    question: str
+    gold: str
+    kind: str
+    steps: str = ""
+
+
+def data_root() -> Path:
+    """``$LATENTSERVE_DATA``, else ``/work/shared/data``."""
+    return Path(os.environ.get("LATENTSERVE_DATA", "/work/shared/data"))
+
+
+def load_items(name: str, path: str | Path | None = None, limit: int | None = None
+               ) -> list[Item]:
+    """Items of data set ``name`` (a key of ``DATASETS``) from ``path`` (default: its file
+    under :func:`data_root`); the first ``limit`` only when given. Raises ValueError for an
+    unknown name or a malformed line (naming the file and line), FileNotFoundError."""
+    if name not in DATASETS:
+        raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {name!r}")
+    rel, fmt, kind = DATASETS[name]
+    p = Path(path) if path else data_root() / rel
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset file {p} does not exist")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    items = []
+    if fmt == "prosqa":
+        for row in json.loads(p.read_text()):
+            items.append(Item(row["question"], row["answer"], kind, " ".join(row["steps"])))
+    else:
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if fmt == "jsonl":
+                row = json.loads(line)
+                body, _, gold = row["answer"].rpartition("####")
+                items.append(Item(row["question"], gold.strip(), kind, body.strip()))
+            else:
+                q, sep, rest = line.partition("||")
+                steps, sep2, gold = rest.rpartition("####")
+                if not sep or not sep2:
+                    raise ValueError(f"{p}:{n}: expected 'question||steps #### answer'")
+                items.append(Item(q.strip(), gold.strip(), kind, steps.strip()))
+            if limit is not None and len(items) >= limit:
+                break
+    return items[:limit] if limit else items

@@ -1,0 +1,120 @@
+"""One evaluation run (a data set, a backend, one latent budget) and its summary.
+
+Text CoT (``max_latent`` None): the question plus the data set's instruction (answer as
+``#### ...``); thinking tokens = completion tokens. Latent (``max_latent`` = N): the bare
+question, as the head was trained; thinking tokens = latent steps (the closing ids and
+the answer are not counted).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from latentserve.eval.answers import score
+from latentserve.eval.backends import Request
+from latentserve.eval.datasets import INSTRUCTIONS, Item
+
+
+def requests_for(items: list[Item], max_tokens: int, max_latent: int | None) -> list[Request]:
+    """One request per item (see the module docstring for the two prompt forms)."""
+    if max_latent is None:
+        return [Request(f"{it.question}\n{INSTRUCTIONS[it.kind]}", max_tokens) for it in items]
+    return [Request(it.question, max_tokens, max_latent) for it in items]
+
+
+def summarize(records: list[dict]) -> dict:
+    """Summary of per-item ``records`` (``strict``, ``flexible`` bools, ``thinking`` int,
+    ``completion_tokens`` int, ``latency_s`` float): ``n``, ``accuracy_strict``,
+    ``accuracy_flexible`` (fractions), ``thinking_median`` / ``thinking_max``,
+    ``completion_tokens_mean``, ``latency_median_s`` / ``latency_max_s``. Raises
+    ValueError for no records."""
+    if not records:
+        raise ValueError("no records to summarize")
+    n = len(records)
+    think = [r["thinking"] for r in records]
+    lat = [r["latency_s"] for r in records]
+    return {"n": n,
+            "accuracy_strict": sum(r["strict"] for r in records) / n,
+            "accuracy_flexible": sum(r["flexible"] for r in records) / n,
+            "thinking_median": statistics.median(think), "thinking_max": max(think),
+            "completion_tokens_mean": sum(r["completion_tokens"] for r in records) / n,
+            "latency_median_s": statistics.median(lat), "latency_max_s": max(lat)}
+
+
+def evaluate(items: list[Item], backend, max_tokens: int = 256,
+             max_latent: int | None = None, **head_controls) -> tuple[list[dict], dict]:
+    """Run ``items`` through ``backend`` (``eval.backends``); returns ``(records,
+    summary)``. A record: ``question``, ``gold``, ``output``, ``strict``, ``flexible``,
+    ``thinking``, ``completion_tokens``, ``latent_steps``, ``latency_s``,
+    ``finish_reason``, ``latent_end``; a latent run's summary also counts ``latent_end``
+    values (``stop`` = closed by the stop head, ``cap`` = hit ``max_latent``)."""
+    outs = backend.run(requests_for(items, max_tokens, max_latent), **head_controls)
+    records = []
+    for it, o in zip(items, outs):
+        strict, flexible = score(it.kind, o.text, it.gold, it.question)
+        records.append({"question": it.question, "gold": it.gold, "output": o.text,
+                        "strict": strict, "flexible": flexible,
+                        "thinking": o.completion_tokens if max_latent is None
+                        else o.latent_steps,
+                        "completion_tokens": o.completion_tokens,
+                        "latent_steps": o.latent_steps, "latency_s": round(o.latency_s, 4),
+                        "finish_reason": o.finish_reason, "latent_end": o.latent_end})
+    summary = summarize(records)
+    summary["max_latent"] = max_latent
+    if max_latent is not None:  # how the latent phases ended (stop head, cap, length)
+        summary["latent_end"] = {e: sum(str(r["latent_end"]) == e for r in records)
+                                 for e in sorted({str(r["latent_end"]) for r in records})}
+    return records, summary
+
+
+def parse_sweep(spec: str) -> list[int]:
+    """``"max_latent=0,4,8"`` -> ``[0, 4, 8]``. Raises ValueError naming the problem."""
+    key, sep, vals = spec.partition("=")
+    if key.strip() != "max_latent" or not sep:
+        raise ValueError(f"--sweep must look like max_latent=0,4,8; got {spec!r}")
+    try:
+        out = [int(v) for v in vals.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep values must be integers, got {vals!r}") from None
+    if not out or any(v < 0 for v in out):
+        raise ValueError(f"--sweep needs integers >= 0, got {vals!r}")
+    return out
+
+
+def plot_sweep(series: dict[str, list[dict]], path, title: str = "",
+               baseline: dict | None = None) -> None:
+    """Test-time-scaling plot (PNG): for each ``label -> sweep summaries``, accuracy
+    (flexible solid, strict dashed) and median latent steps against the ``max_latent``
+    budget; ``baseline`` (a text-CoT summary) is drawn as horizontal lines (its accuracy;
+    its median thinking tokens on the right panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
+    for label, runs in series.items():
+        xs = [s["max_latent"] for s in runs]
+        (line,) = a1.plot(xs, [s["accuracy_flexible"] for s in runs], "o-",
+                          label=f"{label} (flexible)")
+        a1.plot(xs, [s["accuracy_strict"] for s in runs], "s--", color=line.get_color(),
+                label=f"{label} (strict)")
+        a2.plot(xs, [s["thinking_median"] for s in runs], "o-", color=line.get_color(),
+                label=f"{label} median")
+        a2.plot(xs, [s["thinking_max"] for s in runs], "v:", color=line.get_color(),
+                label=f"{label} max")
+    if baseline is not None:
+        a1.axhline(baseline["accuracy_flexible"], color="gray", ls="-.",
+                   label="text CoT (flexible)")
+        a2.axhline(baseline["thinking_median"], color="gray", ls="-.",
+                   label="text CoT median tokens")
+    a1.set(xlabel="max_latent", ylabel="accuracy", title="accuracy vs latent budget")
+    a2.set(xlabel="max_latent", ylabel="latent steps / thinking tokens",
+           title="thinking vs budget")
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,271 @@
+"""Tensor-parallel layers, and ``shard_model``, which turns a loaded model into this rank's
+shard.
+
+Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053), as vLLM and SGLang lay it out:
+q/k/v and gate/up projections are column-parallel (each rank owns a contiguous block of
+heads or of the intermediate size; no communication), attention output and MLP down
+projections are row-parallel (each rank multiplies its input block, then one all-reduce),
+the token embedding is vocab-parallel (each rank looks up its vocabulary block, zeros the
+rest, all-reduce) and the LM head is vocab-parallel (each rank's logits block, all-gather).
+
+Model files stay plain: the loader builds the full model on the CPU, loads the checkpoint,
+and ``shard_model`` swaps modules in place before the model moves to its device, so at
+``tensor_parallel_size == 1`` nothing changes and nothing costs. Each rank reads the whole
+checkpoint into host memory once (simple; a per-rank slice reader is future work).
+
+Head split: the KV heads are dealt out in contiguous blocks as evenly as possible (sizes
+differ by at most one, lower ranks take the extra head, so Huginn's 55 heads run on 2 ranks
+as 28 + 27); each rank takes the query heads of its KV heads. Requirements: at least one KV
+head per rank (``num_key_value_heads >= tensor_parallel_size``; KV heads are never
+replicated) and ``num_attention_heads`` a multiple of ``num_key_value_heads``. The MLP
+intermediate size must be divisible by the TP size; the vocabulary is padded up to a
+multiple of it. Rank 0 holds the most heads, so the KV pool it sizes fits every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from latentserve.distributed import TPGroup, all_gather_last_dim, all_reduce
+
+# Modules kept whole on every rank (small, or cheaper whole than split).
+REPLICATED = ("wpe", "adapter", "early_exit_gate")
+
+
+def _block(n: int, tp: TPGroup, what: str) -> slice:
+    if n % tp.size:
+        raise ValueError(f"{what} ({n}) must be divisible by tensor_parallel_size ({tp.size})")
+    per = n // tp.size
+    return slice(tp.rank * per, (tp.rank + 1) * per)
+
+
+def head_split(n_heads: int, n_kv: int, tp: TPGroup) -> tuple[slice, slice]:
+    """This rank's ``(query heads, KV heads)`` as index ranges (see the module docstring).
+    Raises ValueError when there are fewer KV heads than ranks or the query heads do not
+    group evenly over the KV heads."""
+    if n_kv < tp.size:
+        raise ValueError(f"num_key_value_heads ({n_kv}) must be >= tensor_parallel_size "
+                         f"({tp.size}): KV heads are split across ranks, not replicated")
+    if n_heads % n_kv:
+        raise ValueError(f"num_attention_heads ({n_heads}) must be a multiple of "
+                         f"num_key_value_heads ({n_kv})")
+    base, extra = divmod(n_kv, tp.size)
+    lo = tp.rank * base + min(tp.rank, extra)
+    hi = lo + base + (tp.rank < extra)
+    group = n_heads // n_kv
+    return slice(lo * group, hi * group), slice(lo, hi)
+
+
+def _scale(s: slice, k: int, offset: int = 0) -> slice:
+    return slice(offset + s.start * k, offset + s.stop * k)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y[..., out_r] = x W_r^T + b_r``: this rank's block of output features, no
+    communication.
+
+    ``from_rows(linear, parts)``: this rank's output rows are the ``parts`` (slices of the
+    full output, in order: one per chunk of a fused q|k|v or gate|up projection).
+    ``from_linear(linear, tp, splits)``: each chunk of sizes ``splits`` split evenly.
+    Input ``[T, in]``; output ``[T, rows of this rank]``.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_rows(cls, linear: nn.Linear, parts: list[slice]) -> ColumnParallelLinear:
+        weight = torch.cat([linear.weight.data[p] for p in parts]).clone()
+        bias = None if linear.bias is None else \
+            torch.cat([linear.bias.data[p] for p in parts]).clone()
+        return cls(weight, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp: TPGroup, splits: list[int] | None = None,
+                    what: str = "output features") -> ColumnParallelLinear:
+        parts, off = [], 0
+        for n in splits or [linear.out_features]:
+            parts.append(_scale(_block(n, tp, what), 1, off))
+            off += n
+        return cls.from_rows(linear, parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_r W_r^T) + b``: this rank's block of input features; the bias
+    (whole) is added once, after the sum. Input ``[T, in / size]``; output ``[T, out]``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.tp = tp
+
+    @classmethod
+    def from_cols(cls, linear: nn.Linear, cols: slice, tp: TPGroup) -> RowParallelLinear:
+        bias = None if linear.bias is None else linear.bias.data.clone()
+        return cls(linear.weight.data[:, cols].clone(), bias, tp)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, tp: TPGroup,
+                    what: str = "input features") -> RowParallelLinear:
+        return cls.from_cols(linear, _block(linear.in_features, tp, what), tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> tuple[nn.Parameter, int]:
+    """This rank's rows ``[rank * per, (rank + 1) * per)`` of a ``[vocab, hidden]`` table,
+    ``per = ceil(vocab / size)``, zero-padded to ``per`` rows; returns ``(param, start)``."""
+    vocab = weight.shape[0]
+    per = -(-vocab // tp.size)
+    start = tp.rank * per
+    part = weight.data[start : min(start + per, vocab)]
+    out = weight.data.new_zeros(per, weight.shape[1])
+    out[: part.shape[0]] = part
+    return nn.Parameter(out, requires_grad=False), start
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding over this rank's vocabulary block ``[start, start + per)``.
+
+    ``forward(ids [T] int64) -> [T, hidden]``: ids outside the block look up row 0 and are
+    zeroed, then one all-reduce sums the ranks' parts (each id is in exactly one block).
+    ``weight`` is ``[per, hidden]`` and may be shared with a tied ``ParallelLMHead``.
+    """
+
+    def __init__(self, weight: nn.Parameter, start: int, tp: TPGroup):
+        super().__init__()
+        self.weight = weight
+        self.start, self.tp = start, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(x.masked_fill(outside[:, None], 0), self.tp)
+
+
+class ParallelLMHead(nn.Module):
+    """LM head over this rank's vocabulary block, logits gathered on every rank.
+
+    ``forward(hidden [B, hidden]) -> [B, vocab]`` in the weight's dtype: local block
+    ``[B, per]``, all-gather, padding columns dropped.
+    """
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, tp: TPGroup):
+        super().__init__()
+        self.weight = weight
+        self.vocab_size, self.tp = vocab_size, tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = all_gather_last_dim(F.linear(hidden, self.weight), self.tp)
+        return logits[..., : self.vocab_size]
+
+
+def _shard_attention(att: nn.Module, tp: TPGroup) -> None:
+    """Split one attention module's heads across ranks (head counts become per-rank)."""
+    col, row = ColumnParallelLinear.from_rows, RowParallelLinear.from_cols
+    if hasattr(att, "q_proj"):  # Llama, Qwen2, Mistral, Ouro
+        q, kv = head_split(att.n_heads, att.n_kv, tp)
+        d = att.head_dim
+        att.q_proj = col(att.q_proj, [_scale(q, d)])
+        att.k_proj = col(att.k_proj, [_scale(kv, d)])
+        att.v_proj = col(att.v_proj, [_scale(kv, d)])
+        att.o_proj = row(att.o_proj, _scale(q, d), tp)
+        att.n_heads, att.n_kv = q.stop - q.start, kv.stop - kv.start
+    elif hasattr(att, "c_attn"):  # GPT-2: fused q|k|v, multi-head
+        q, _ = head_split(att.n_heads, att.n_heads, tp)
+        d, e = att.head_dim, att.n_heads * att.head_dim
+        att.c_attn = col(att.c_attn, [_scale(q, d, i * e) for i in range(3)])
+        att.c_proj = row(att.c_proj, _scale(q, d), tp)
+        att.n_heads = q.stop - q.start
+    elif hasattr(att, "Wqkv"):  # Huginn: fused q|k|v, per-head qk_bias
+        q, kv = head_split(att.n_head, att.n_kv, tp)
+        d, (nq, nk, _) = att.head_dim, att.chunks
+        att.Wqkv = col(att.Wqkv, [_scale(q, d), _scale(kv, d, nq), _scale(kv, d, nq + nk)])
+        att.proj = row(att.proj, _scale(q, d), tp)
+        if att.has_qk_bias:  # [2, 1, heads, head_dim]; Huginn requires kv == heads here
+            att.qk_bias = nn.Parameter(att.qk_bias.data[:, :, q].clone(), requires_grad=False)
+        att.n_head, att.n_kv = q.stop - q.start, kv.stop - kv.start
+        att.chunks = [att.n_head * d, att.n_kv * d, att.n_kv * d]
+    else:
+        raise ValueError(f"no tensor-parallel plan for attention {type(att).__name__}")
+
+
+def _shard_mlp(mlp: nn.Module, tp: TPGroup) -> None:
+    what = "intermediate_size"
+    if hasattr(mlp, "gate_proj"):  # Llama family, Ouro
+        mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, tp, what=what)
+        mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, tp, what=what)
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp, what=what)
+    elif hasattr(mlp, "c_fc"):  # GPT-2
+        mlp.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, tp, what=what)
+        mlp.c_proj = RowParallelLinear.from_linear(mlp.c_proj, tp, what=what)
+    elif hasattr(mlp, "fc"):  # Huginn: fused gate|up
+        inter = mlp.proj.in_features
+        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, [inter, inter], what=what)
+        mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, what=what)
+    else:
+        raise ValueError(f"no tensor-parallel plan for MLP {type(mlp).__name__}")
+
+
+def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
+    parent, _, name = dotted.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
+    """Replace ``model``'s modules (still on the CPU, weights loaded) by this rank's shards.
+
+    Every decoder block's ``attn``/``self_attn`` and ``mlp`` are split; the token embedding
+    (``model.embed_tokens`` or ``transformer.wte``) becomes a ``VocabParallelEmbedding`` and
+    the LM head (``lm_head``, or the tied ``wte`` of GPT-2) a ``ParallelLMHead``, sharing the
+    shard when tied. ``compute_logits`` then returns gathered ``[B, vocab]`` logits on every
+    rank. Returns ``model``.
+
+    Raises ValueError naming a head count or size that ``tp.size`` does not divide, or a
+    ``nn.Linear`` / ``nn.Embedding`` no plan covers (so a new architecture cannot be served
+    half-split by accident).
+    """
+    for name, mod in list(model.named_modules()):
+        leaf = name.rpartition(".")[2]
+        if leaf in ("attn", "self_attn") and not isinstance(mod, nn.Linear):
+            _shard_attention(mod, tp)
+        elif leaf == "mlp":
+            _shard_mlp(mod, tp)
+    emb_name = next(n for n in ("model.embed_tokens", "transformer.wte")
+                    if _has(model, n))
+    emb = model.get_submodule(emb_name)
+    vocab = emb.weight.shape[0]
+    head = getattr(model, "lm_head", None)
+    tied = head is None or head.weight is emb.weight
+    weight, start = vocab_shard(emb.weight, tp)
+    _set(model, emb_name, VocabParallelEmbedding(weight, start, tp))
+    head_weight = weight if tied else vocab_shard(head.weight, tp)[0]
+    model.lm_head = ParallelLMHead(head_weight, vocab, tp)
+    if head is None:  # GPT-2 computes logits from wte: route them through the parallel head
+        model.compute_logits = lambda hidden: model.lm_head(hidden).float()
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Linear, nn.Embedding)) and name.rpartition(".")[2] \
+                not in REPLICATED:
+            raise ValueError(f"no tensor-parallel plan for {name} ({type(mod).__name__}) "
+                             f"in {type(model).__name__}")
+    model.tp = tp
+    return model
+
+
+def _has(model: nn.Module, dotted: str) -> bool:
+    try:
+        model.get_submodule(dotted)
+        return True
+    except AttributeError:
+        return False

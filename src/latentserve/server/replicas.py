@@ -1,0 +1,134 @@
+"""Data-parallel replicas behind SGLang's router (``latentserve serve --data-parallel-size N``).
+
+N ordinary latentserve servers (each its own engine, and its own ``tensor_parallel_size``
+GPUs on CUDA: replica i sees devices ``[i*tp, (i+1)*tp)`` through ``CUDA_VISIBLE_DEVICES``)
+listen on ``port+1 .. port+N``; the router (PyPI ``sglang-router``, a Rust binary) listens on
+``port`` and forwards the OpenAI routes, by default with its ``cache_aware`` policy: it keeps
+an approximate radix tree of the prompts it sent to each replica and sends a request to the
+replica holding its longest prefix (when loads are balanced), so the replicas' radix caches
+keep hitting. Why this router and not nginx/HAProxy: docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+
+
+def router_command(host: str, port: int, worker_urls: list[str], policy: str) -> list[str]:
+    """The ``sglang_router.launch_router`` command line for ``worker_urls``."""
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
+            "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
+            "--log-level", "warn"]
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
+                   port: int = 8000, policy: str = "cache_aware",
+                   server_kwargs: dict | None = None) -> None:
+    """Start ``data_parallel_size`` servers and the router; block until interrupted (or the
+    router exits), then stop them all.
+
+    Raises:
+        ValueError: ``data_parallel_size`` < 1, an unknown ``policy``, or a port in
+            ``[port, port + N]`` already in use.
+        ModuleNotFoundError: ``sglang_router`` is not installed (the message says how).
+        RuntimeError: a replica failed to start (its log tail is in the message).
+    """
+    import importlib.util
+
+    from latentserve.server.launch import start_server
+
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"router policy must be one of {ROUTER_POLICIES}, got {policy!r}")
+    if importlib.util.find_spec("sglang_router") is None:
+        raise ModuleNotFoundError("--data-parallel-size needs the router: pip install "
+                                  "sglang-router==0.3.2 (see docs/scaling.md)")
+    busy = [p for p in range(port, port + data_parallel_size + 1) if not _port_free(host, p)]
+    if busy:
+        raise ValueError(f"ports {busy} are in use; the router takes --port and replica i "
+                         f"port + 1 + i (pick another --port)")
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    def on_term(*_):
+        raise KeyboardInterrupt  # run the finally below on SIGTERM too
+
+    signal.signal(signal.SIGTERM, on_term)
+    tp = config.tensor_parallel_size
+
+    def start(i: int):
+        env = {}
+        if config.device.startswith("cuda"):
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
+        return start_server(config, host, port + 1 + i, env=env, **(server_kwargs or {}))
+
+    servers, router = [], None
+    try:
+        with ThreadPoolExecutor(data_parallel_size) as pool:  # replicas load in parallel
+            futures = [pool.submit(start, i) for i in range(data_parallel_size)]
+            for f in futures:
+                try:
+                    servers.append(f.result())
+                except Exception:
+                    for g in futures:
+                        if g is not f and g.exception() is None:
+                            g.result().stop()
+                    raise
+        for i, s in enumerate(servers):
+            print(f"replica {i}: {s.base_url}", flush=True)
+        router = subprocess.Popen(router_command(host, port, [s.base_url for s in servers],
+                                                 policy))
+        print(f"router ({policy}): http://{host}:{port}", flush=True)
+        while router.poll() is None and all(s.proc.poll() is None for s in servers):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if router is not None and router.poll() is None:
+            router.terminate()
+            try:
+                router.wait(10)
+            except subprocess.TimeoutExpired:
+                router.kill()
+        for s in servers:
+            s.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m latentserve.server.replicas --config-json {...} --data-parallel-size N``."""
+    import argparse
+    import json
+
+    from latentserve.config import EngineConfig
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config-json", required=True, help="EngineConfig fields as JSON")
+    p.add_argument("--data-parallel-size", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES)
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    serve_replicas(EngineConfig(**json.loads(args.config_json)), args.data_parallel_size,
+                   args.host, args.port, args.router_policy)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Tensor-parallel parity helpers shared by the CPU and GPU tests: run one engine over a list
+of requests recording every sampled logits row, and compare a TP run with a TP=1 run."""
+
+from __future__ import annotations
+
+import torch
+
+
+def run_requests(engine, requests):
+    """Queue ``[(prompt ids, SamplingParams)]`` at once and step to completion.
+
+    Returns per request ``(tokens, [logits [vocab] float32 CPU, one per sampled step],
+    final StepOutput)``; checks afterwards that no KV slot leaked (``check_idle``).
+    """
+    runner, logits = engine.runner, {}
+    original = runner.run
+
+    def recording(batch):
+        out, hidden = original(batch)
+        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], out):
+            logits.setdefault(req.rid, []).append(row.float().cpu())
+        return out, hidden
+
+    runner.run = recording
+    try:
+        rids = [f"t{engine._arrivals + i}" for i in range(len(requests))]
+        for rid, (prompt, params) in zip(rids, requests):
+            engine.add_request(rid, prompt, params)
+        toks, final = {r: [] for r in rids}, {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                toks[o.rid] += o.new_token_ids
+                if o.finished:
+                    final[o.rid] = o
+    finally:
+        runner.run = original
+    engine.cache.check_idle()
+    return [(toks[r], logits[r], final[r]) for r in rids]
+
+
+def assert_same(reference, other, atol: float = 1e-4) -> None:
+    """Greedy tokens equal and every sampled step's logits within ``atol`` (fp32 runs)."""
+    for i, ((t1, l1, _), (t2, l2, _)) in enumerate(zip(reference, other)):
+        assert t2 == t1, f"request {i}: {t2} != reference {t1}"
+        assert len(l2) == len(l1), f"request {i}: {len(l2)} sampled steps != {len(l1)}"
+        for step, (a, b) in enumerate(zip(l1, l2)):
+            torch.testing.assert_close(b, a, atol=atol, rtol=0, msg=f"request {i} step {step}")
+
+
+def assert_close_bf16(ref32, ref16, other16) -> None:
+    """bf16 tolerance (as ``tests/gpu/test_cuda_parity.py``): against the fp32 reference's
+    first sampled logits, ``other16`` may be off by at most twice ``ref16``'s own error plus
+    0.25, and its first greedy token must equal the reference's unless the reference's
+    margin between the two tokens is within that bound (a near tie). Later tokens may
+    diverge legitimately (bf16 sums in another order)."""
+    for i, ((t32, l32, _), (_, l16, _), (t, lo, _)) in enumerate(zip(ref32, ref16, other16)):
+        bound = 2 * float((l16[0] - l32[0]).abs().max()) + 0.25
+        err = float((lo[0] - l32[0]).abs().max())
+        assert err <= bound, f"request {i}: error {err:.3f} > {bound:.3f}"
+        margin = float(l32[0][t32[0]] - l32[0][t[0]])
+        assert margin <= bound, f"request {i}: first token {t[0]} vs reference {t32[0]}"

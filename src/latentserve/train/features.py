@@ -1,0 +1,107 @@
+"""Teacher-forced training rows for a compression head, captured once on the frozen
+backbone (Hugging Face transformers forward with ``output_hidden_states``).
+
+For a trace with prompt length ``p`` and ``T`` reasoning tokens, grouped by the
+compression factor ``c`` into ``G = ceil(T / c)`` groups (group ``k`` = reasoning tokens
+``[k c, min((k + 1) c, T))``), the rows are, for ``k = 0 .. G``:
+
+* ``anchor`` ``[H]``: the source-layer residual stream (HF ``hidden_states[source + 1]``) at
+  the position after which latent step ``k + 1`` is injected when serving: the last prompt
+  token for ``k = 0``, else the last token of group ``k - 1`` (``p + k c - 1``); for
+  ``k = G`` the last reasoning token (``p + T - 1``), where the thinking phase ends.
+* for ``k < G``: ``target`` ``[H]``, the mean over group ``k`` of the LayerNorm-standardised
+  target-layer hidden, and ``embed`` ``[H]``, the mean input embedding of group ``k`` (what
+  the decoder must reconstruct: the serve path injects at the embedding output);
+* ``stop`` = 1 for ``k = G`` (the group where reasoning ends), else 0.
+
+Source of the scheme: the DeepSeek-V4 addon's training notes (group latents from the target
+layer, ``G = L // c``, a decoder reconstructing per-group mean embeddings, stop BCE on the
+group where reasoning ends) and CoLaR (arXiv 2505.16552); the code is ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class Features:
+    """Flat rows over all traces (float32, on one device). ``anchor [R, H]``,
+    ``stop [R]`` (0/1); ``target``/``embed`` ``[R, H]`` are valid where ``has_target [R]``
+    (bool; False on the end-of-reasoning rows)."""
+
+    anchor: torch.Tensor
+    target: torch.Tensor
+    embed: torch.Tensor
+    has_target: torch.Tensor
+    stop: torch.Tensor
+
+    def to(self, device) -> Features:
+        return Features(*(getattr(self, k).to(device) for k in self.__slots__))
+
+
+def anchor_positions(p: int, t: int, c: int) -> list[int]:
+    """Positions of the ``G + 1`` anchors of a trace (prompt length ``p``, ``t`` reasoning
+    tokens, compression factor ``c``; see the module docstring)."""
+    g = -(-t // c)
+    return [p - 1] + [p + k * c - 1 for k in range(1, g)] + [p + t - 1]
+
+
+@torch.no_grad()
+def capture(model, traces, source_layer: int, target_layer: int, c: int,
+            batch_size: int = 8, progress: bool = True) -> Features:
+    """Run ``model`` (an HF causal LM, frozen) over ``traces`` (``train.traces.Trace``) in
+    right-padded batches and collect :class:`Features` (float32, on the model's device).
+    Only the prompt and reasoning are run. Raises ValueError when a layer index is out of
+    range or ``c < 1``."""
+    n_layers = model.config.num_hidden_layers
+    for name, v in (("source_layer", source_layer), ("target_layer", target_layer)):
+        if not 0 <= v < n_layers:
+            raise ValueError(f"{name} must be in [0, {n_layers - 1}], got {v}")
+    if c < 1:
+        raise ValueError(f"compression_factor must be >= 1, got {c}")
+    device = next(model.parameters()).device
+    emb = model.get_input_embeddings()
+    rows = {k: [] for k in ("anchor", "target", "embed", "has_target", "stop")}
+    it = range(0, len(traces), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="capturing hidden states", unit="batch")
+    for start in it:
+        batch = traces[start:start + batch_size]
+        seqs = [t.prompt + t.reasoning for t in batch]
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        # the base model only: no logits over the vocabulary for every position
+        out = model.base_model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        src = out.hidden_states[source_layer + 1].float()
+        tgt = out.hidden_states[target_layer + 1].float()
+        tgt = F.layer_norm(tgt, (tgt.shape[-1],))
+        e = emb(ids).float()
+        for i, tr in enumerate(batch):
+            p, t = len(tr.prompt), len(tr.reasoning)
+            pos = anchor_positions(p, t, c)
+            g = len(pos) - 1
+            rows["anchor"].append(src[i, pos])
+            groups = [(p + k * c, min(p + (k + 1) * c, p + t)) for k in range(g)]
+            tg = torch.stack([tgt[i, a:b].mean(0) for a, b in groups])
+            eg = torch.stack([e[i, a:b].mean(0) for a, b in groups])
+            pad = torch.zeros(1, tg.shape[1], device=device)
+            rows["target"].append(torch.cat([tg, pad]))
+            rows["embed"].append(torch.cat([eg, pad]))
+            flag = torch.ones(g + 1, dtype=torch.bool, device=device)
+            flag[-1] = False
+            rows["has_target"].append(flag)
+            stop = torch.zeros(g + 1, device=device)
+            stop[-1] = 1.0
+            rows["stop"].append(stop)
+    return Features(**{k: torch.cat(v) for k, v in rows.items()})

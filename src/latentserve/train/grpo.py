@@ -1,0 +1,245 @@
+"""Stage 2 of a compression head: GRPO with the head as a Gaussian policy over the injected
+latent (``latentserve train-head grpo``).
+
+Each step takes ``questions_per_step`` GSM8K questions and runs ``group_size`` closed-loop
+rollouts of each through our engine, all in one continuous batch: at every latent step the
+engine samples ``z ~ N(mu, sigma^2 I)`` (``sigma`` fixed, the exploration width; SFT drives
+the head's own sigma to its clamp) and injects ``decoder(LN(z))``, recording the anchor and
+``z`` (``latent.head_loop.set_policy_sampling``); the answer is decoded greedily. Reward =
+exact match of the answer's last number with the gold + ``close_bonus`` when the stop head
+closed the thinking phase (``end == "stop"``, not the cap). Advantages are group-relative,
+``(r - mean) / (std + 1e-6)`` within each question's group. Loss, REINFORCE with a KL
+penalty to the frozen SFT head::
+
+    - mean_i A_i * mean_k mean_d log N(z_ik | mu_theta(a_ik), sigma^2)
+    + kl_coef * mean_ik mean_d (mu_theta(a_ik) - mu_sft(a_ik))^2 / (2 sigma^2)
+
+(the KL of two Gaussians with the same sigma, per dimension), recomputed with gradients from
+the recorded anchors ``a_ik``. Only the head's ``net`` (mu) is trained: the stop head is a
+deterministic threshold here and the decoder acts after ``z``, so neither gets a policy
+gradient. The updated weights are copied into the engine's head after every step.
+
+Facts from CoLaR (arXiv 2505.16552: GRPO over latent log-probabilities, group-normalised
+advantages, exact-match reward) and the DeepSeek-V4 addon's notes (rollouts with a fixed
+``sample_sigma``, sampled latent actions returned per request); the code is ours.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(slots=True)
+class GRPOConfig:
+    """Options of ``train-head grpo`` (see ``latentserve train-head grpo --help``)."""
+
+    bundle: str
+    out: str
+    model: str | None = None
+    data: str | None = None  # None = $LATENTSERVE_DATA/gsm8k/train.jsonl
+    max_examples: int | None = None
+    steps: int = 10
+    questions_per_step: int = 8
+    group_size: int = 8
+    lr: float = 1e-4
+    kl_coef: float = 0.05
+    sigma: float = 0.3
+    max_latent: int = 32
+    min_latent: int = 1
+    stop_threshold: float = 0.5
+    answer_tokens: int = 16
+    close_bonus: float = 0.1
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+    save_every: int = 0  # also write the bundle (and log) every N steps; 0 = at the end only
+    progress: bool = True
+
+    def __post_init__(self):
+        for k in ("steps", "questions_per_step", "group_size", "answer_tokens",
+                  "max_num_seqs"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages are group-relative), "
+                             f"got {self.group_size}")
+        for k in ("max_latent", "min_latent"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
+        if not self.sigma > 0:
+            raise ValueError(f"sigma must be > 0, got {self.sigma}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if not str(self.out).endswith((".safetensors", ".pt")):
+            raise ValueError(f"out must end in .safetensors or .pt, got {self.out!r}")
+
+
+def default_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) -> float:
+    """1 when the last number of ``text`` equals ``gold``, + ``close_bonus`` when the
+    latent phase ended by the stop head (``stats["end"] == "stop"``)."""
+    from latentserve.eval.answers import last_number, numbers_equal
+
+    return float(numbers_equal(last_number(text), gold)) + close_bonus * (
+        stats.get("end") == "stop")
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """``[Q, G]`` rewards -> ``[Q, G]`` advantages ``(r - mean) / (std + 1e-6)`` per row
+    (population std; a row of equal rewards gives zeros)."""
+    mean = rewards.mean(1, keepdim=True)
+    std = rewards.std(1, keepdim=True, unbiased=False)
+    return (rewards - mean) / (std + 1e-6)
+
+
+def policy_loss(policy, ref, actions: list[list], adv: torch.Tensor, sigma: float,
+                kl_coef: float) -> tuple[torch.Tensor, dict]:
+    """The GRPO loss (module docstring) for rollouts ``actions[i]`` = list of ``(anchor [H],
+    z [L])`` with advantages ``adv [n]``. Rollouts without latent steps add nothing.
+    Returns ``(loss, {"pg", "kl", "latent_steps"})``."""
+    rows = [(i, a, z) for i, acts in enumerate(actions) for a, z in acts]
+    dev = next(policy.parameters()).device
+    if not rows:
+        zero = torch.zeros((), device=dev, requires_grad=True)
+        return zero, {"pg": 0.0, "kl": 0.0, "latent_steps": 0}
+    idx = torch.tensor([r[0] for r in rows], device=dev)
+    anchors = torch.stack([r[1] for r in rows]).to(dev)
+    z = torch.stack([r[2] for r in rows]).to(dev)
+    mu = policy.encode(anchors)
+    with torch.no_grad():
+        mu_ref = ref.encode(anchors)
+    logp = (-0.5 * ((z - mu) / sigma) ** 2 - math.log(sigma)
+            - 0.5 * math.log(2 * math.pi)).mean(-1)  # [steps], per-dim mean
+    n = len(actions)
+    counts = torch.zeros(n, device=dev).index_add_(0, idx, torch.ones_like(logp))
+    per_rollout = torch.zeros(n, device=dev).index_add(0, idx, logp) / counts.clamp(min=1)
+    has = counts > 0
+    pg = -(adv.to(dev)[has] * per_rollout[has]).mean()
+    kl = (((mu - mu_ref) ** 2).mean(-1) / (2 * sigma ** 2)).mean()
+    loss = pg + kl_coef * kl
+    return loss, {"pg": float(pg.detach()), "kl": float(kl.detach()), "latent_steps": len(rows)}
+
+
+def rollouts(engine, prompts: list[list[int]], params, group_size: int) -> list[dict]:
+    """Run every prompt ``group_size`` times in one batch through ``engine`` (policy
+    sampling on). Returns, prompt-major, ``{"tokens", "stats"}`` per rollout."""
+    base = f"grpo-{time.monotonic_ns()}-"
+    rids = []
+    for q, ids in enumerate(prompts):
+        for g in range(group_size):
+            rid = f"{base}{q}-{g}"
+            engine.add_request(rid, ids, params)
+            rids.append(rid)
+    toks, stats = {r: [] for r in rids}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.rid in toks:
+                toks[o.rid] += o.new_token_ids
+                if o.finished:
+                    if o.finish_reason == "error":
+                        raise RuntimeError(f"rollout {o.rid} failed: {o.error}")
+                    stats[o.rid] = o.latent_stats or {}
+    return [{"tokens": toks[r], "stats": stats[r]} for r in rids]
+
+
+def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
+    """Run ``cfg.steps`` GRPO steps from the SFT bundle ``cfg.bundle`` and write the
+    trained bundle to ``cfg.out`` (+ ``<out>.log.json``). ``reward_fn(text, gold, stats) ->
+    float`` replaces :func:`default_reward`; ``engine``: an ``LLMEngine`` already serving
+    that bundle (else one is built from ``cfg``); its head ends with the trained weights.
+    Returns the log (``history``: per step mean reward, accuracy, pg, kl, latent steps).
+    Raises ValueError for bad options."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.eval.answers import last_number, numbers_equal
+    from latentserve.latent.bundle import read_bundle
+    from latentserve.latent.head_loop import set_policy_sampling
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.train.schedule import adamw_warmup_linear
+    from latentserve.train.traces import chat_prompt_ids, load_gsm8k_rows, train_file
+
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    bundle = read_bundle(cfg.bundle)
+    if engine is None:
+        engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle,
+                                        device=cfg.device, dtype=cfg.dtype,
+                                        max_num_seqs=cfg.max_num_seqs,
+                                        enforce_eager=cfg.enforce_eager))
+    if engine.latent_spec is None or engine.latent_spec.kind != "head":
+        raise ValueError("the engine serves no compression head")
+    served = engine.runner.model.latent_head
+    set_policy_sampling(served, cfg.sigma)
+    policy = bundle.build().to(cfg.device)
+    ref = copy.deepcopy(policy).requires_grad_(False)
+    policy.reasoning_head.net.requires_grad_(True)
+    params = list(policy.reasoning_head.net.parameters())
+    opt, sched = adamw_warmup_linear(params, cfg.lr, cfg.steps, warmup=0.0)
+    rows = load_gsm8k_rows(train_file(cfg.data), cfg.max_examples)
+    tok = engine.tokenizer
+    n_close = len(engine.latent_spec.end_ids)
+    sp = SamplingParams(max_tokens=cfg.max_latent + n_close + cfg.answer_tokens,
+                        temperature=0.0, max_latent=cfg.max_latent,
+                        min_latent=cfg.min_latent, use_stop=True,
+                        stop_threshold=cfg.stop_threshold, min_output_tokens=0)
+    reward = reward_fn or (lambda t, g, s: default_reward(t, g, s, cfg.close_bonus))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(rows), generator=gen).tolist()
+    history = []
+    it = range(cfg.steps)
+    bar = None
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        it = bar = tqdm(it, desc="grpo", unit="step")
+    for step in it:
+        pick = [rows[order[(step * cfg.questions_per_step + j) % len(rows)]]
+                for j in range(cfg.questions_per_step)]
+        prompts = [chat_prompt_ids(tok, r["question"]) for r in pick]
+        outs = rollouts(engine, prompts, sp, cfg.group_size)
+        golds = [r["answer"].rpartition("####")[2].strip() for r in pick
+                 for _ in range(cfg.group_size)]
+        texts = [tok.decode(o["tokens"], skip_special_tokens=True) for o in outs]
+        r = torch.tensor([reward(t, g, o["stats"]) for t, g, o in zip(texts, golds, outs)])
+        adv = group_advantages(r.view(cfg.questions_per_step, cfg.group_size)).flatten()
+        actions = [o["stats"].get("actions") or [] for o in outs]
+        loss, parts = policy_loss(policy, ref, actions, adv, cfg.sigma, cfg.kl_coef)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            served.reasoning_head.load_state_dict(policy.reasoning_head.state_dict())
+        acc = sum(numbers_equal(last_number(t), g) for t, g in zip(texts, golds)) / len(texts)
+        closed = sum(o["stats"].get("end") == "stop" for o in outs) / len(outs)
+        row = {"step": step, "reward": float(r.mean()), "accuracy": acc, "closed": closed,
+               **parts, "reward_std": float(r.std(unbiased=False))}
+        history.append(row)
+        if bar is not None:
+            bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{acc:.2f}",
+                            kl=f"{parts['kl']:.4f}")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            _save(policy, bundle.format_version, cfg, history, t0)
+    set_policy_sampling(served, None)
+    return _save(policy, bundle.format_version, cfg, history, t0)
+
+
+def _save(policy, format_version: int, cfg: GRPOConfig, history: list, t0: float) -> dict:
+    from latentserve.latent.bundle import bundle_from_module, write_bundle
+
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    write_bundle(bundle_from_module(policy, format_version), cfg.out)
+    log = {"config": asdict(cfg), "history": history,
+           "seconds": round(time.perf_counter() - t0, 2)}
+    Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
+    return log

@@ -1,0 +1,104 @@
+"""Latent families inside the captured decode graphs on the H200 (fp32): a real COCONUT
+checkpoint (feedback rows), a closed-loop compression head (head, decoder and stop head in
+the graph) and recurrent depth (the masked recurrence loop in the graph) give the eager
+per-request references' greedy tokens, and replayed steps carry the latent phase."""
+
+import pytest
+import torch
+
+from latentserve.config import EngineConfig
+from latentserve.sampling_params import SamplingParams
+from latentserve.testing.parity import shared_prefix_prompts
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _engine(path, **kw):
+    from latentserve.engine.llm_engine import LLMEngine
+
+    kw.setdefault("kv_slots", 8192)
+    return LLMEngine(EngineConfig(model=str(path), device="cuda", **kw))
+
+
+def _drive(engine, params_by_prompt):
+    """Run every ``(prompt, SamplingParams)`` as one batch; returns per request
+    ``(tokens, final StepOutput)``."""
+    base = engine._arrivals
+    rids = [f"g{base + i}" for i in range(len(params_by_prompt))]
+    for rid, (prompt, sp) in zip(rids, params_by_prompt):
+        engine.add_request(rid, prompt, sp)
+    toks, final = {r: [] for r in rids}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            toks[o.rid] += o.new_token_ids
+            if o.finished:
+                final[o.rid] = o
+    engine.cache.check_idle()
+    return [(toks[r], final[r]) for r in rids]
+
+
+def test_coconut_feedback_rows_replay_inside_graphs(tmp_path):
+    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.testing.latent_reference import reference_generate
+
+    d = save_latent_tiny(tmp_path, "coconut-gpt2")
+    engine = _engine(d)
+    prompts = shared_prefix_prompts()[:8]
+    budgets = [0, 1, 3, 6, 8, 0, 3, 6]
+    refs = [reference_generate(d, p, b, 8)[0] for p, b in zip(prompts, budgets)]
+    before = engine.runner.num_graph_steps
+    out = _drive(engine, [(p, SamplingParams(max_tokens=8, temperature=0.0, latent_budget=b))
+                          for p, b in zip(prompts, budgets)])
+    assert [t for t, _ in out] == refs
+    assert engine.runner.num_graph_steps - before >= max(budgets)
+
+
+def test_closed_loop_head_runs_inside_graphs(tmp_path):
+    from latentserve.testing.head_models import save_head_model
+    from latentserve.testing.head_reference import head_reference_generate
+
+    d = save_head_model(tmp_path / "cl", injection="closed_loop", source_layer=1,
+                        stop_bias=0.3)
+    engine = _engine(d)
+    assert engine.runner.graphs.head is not None
+    spec = engine.latent_spec
+    prompts = shared_prefix_prompts()[:8]
+    controls = [{"max_latent": c, "min_latent": m, "use_stop": u, "stop_threshold": t}
+                for c, m, u, t in ((0, 0, True, 0.5), (3, 2, False, 0.5), (8, 0, True, 0.62),
+                                   (12, 4, True, 0.66), (5, 0, False, 0.7), (10, 1, True, 0.64),
+                                   (2, 0, False, 0.5), (6, 1, True, 0.99))]
+    refs = [head_reference_generate(d, d / "latent_reasoning_head.safetensors", p,
+                                    spec.start_ids, spec.end_ids, max_tokens=24,
+                                    eos_ids=engine.eos_ids, **c)
+            for p, c in zip(prompts, controls)]
+    before = engine.runner.num_graph_steps
+    out = _drive(engine, [(p, SamplingParams(max_tokens=24, temperature=0.0,
+                                             min_output_tokens=0, **c))
+                          for p, c in zip(prompts, controls)])
+    for (toks, final), ref in zip(out, refs):
+        assert toks == ref["tokens"]
+        for k in ("steps", "stop_step", "end"):
+            assert final.latent_stats[k] == ref[k], k
+    assert engine.runner.num_graph_steps - before >= max(r["steps"] for r in refs)
+
+
+@pytest.mark.parametrize("kind", ["huginn", "ouro"])
+def test_recurrence_loop_runs_inside_graphs(kind, tmp_path):
+    from latentserve.testing.recurrent_models import write_huginn, write_ouro
+    from latentserve.testing.recurrent_reference import HuginnReference, OuroReference
+
+    d = (write_huginn if kind == "huginn" else write_ouro)(tmp_path / kind)
+    engine = _engine(d, max_model_len=256)
+    ref = (HuginnReference if kind == "huginn" else OuroReference)(d)
+    base = [(7 * i + 11) % 900 + 20 for i in range(24)]
+    prompts = [base + [100, 101], base + [200] * 5, base[:13], [5, 6, 7]]
+    depths = [1, 2, 4, 3] if kind == "huginn" else [4, 2, 3, 4]
+    before = engine.runner.num_graph_steps
+    out = _drive(engine, [(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                             latent_budget=t))
+                          for p, t in zip(prompts, depths)])
+    for (toks, _), p, t in zip(out, prompts, depths):
+        want = ref.generate(p, 8, t) if kind == "huginn" else ref.generate(p, 8, t, "threshold", 1.0)
+        assert toks == want["tokens"]
+    assert engine.runner.num_graph_steps - before >= 7

@@ -1,0 +1,38 @@
+"""``latentserve eval --url``: the OpenAI-compatible backend against a live server over a
+tiny Llama with a compression head; latent steps come from the server's ``latent.steps``
+and the summary equals a count over the records."""
+
+import json
+
+import pytest
+
+from latentserve.eval.backends import OpenAIBackend
+from latentserve.eval.datasets import load_items
+from latentserve.eval.run import evaluate
+
+
+@pytest.fixture(scope="module")
+def head_server(tmp_path_factory, smollm2_dir):
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+    from latentserve.testing.head_models import save_head_model
+
+    d = save_head_model(tmp_path_factory.mktemp("evalurl") / "m", source_layer=1, seed=4)
+    srv = start_server(EngineConfig(model=str(d), max_num_seqs=4), timeout=300)
+    yield srv
+    srv.stop()
+
+
+def test_url_backend_reports_latent_steps_from_the_server(head_server, tmp_path):
+    data = tmp_path / "test.jsonl"
+    rows = [{"question": f"What is {a} + {a}?", "answer": f"{a}+{a}=<<{a}+{a}={2 * a}>>"
+             f"{2 * a}\n#### {2 * a}"} for a in (2, 5, 7)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = load_items("gsm8k", data)
+    backend = OpenAIBackend(head_server.base_url + "/v1", concurrency=2)
+    records, summary = evaluate(items, backend, max_tokens=4, max_latent=3, use_stop=False)
+    assert [r["latent_steps"] for r in records] == [3, 3, 3]
+    assert (summary["thinking_median"], summary["thinking_max"], summary["n"]) == (3, 3, 3)
+    assert summary["latent_end"] == {"cap": 3}  # use_stop off: every phase hits its cap
+    assert all(0 < r["completion_tokens"] for r in records)
+    assert summary["accuracy_flexible"] == sum(r["flexible"] for r in records) / 3

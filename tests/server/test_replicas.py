@@ -1,0 +1,101 @@
+"""Data-parallel replicas: ``latentserve serve --data-parallel-size 2`` starts two servers
+and SGLang's router in front of them. Every request sent to the router is answered (by the
+OpenAI SDK), and with the ``cache_aware`` policy the requests that share a long prefix all go
+to the replica that served it first, whose radix cache then serves that prefix.
+
+Skipped unless ``sglang-router`` (a 30 MB wheel, not in the ``test`` extra) is installed.
+"""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("sglang_router")
+
+
+def _free_block(n: int) -> int:
+    """A port p with p .. p+n-1 free a moment ago."""
+    from latentserve.server.launch import free_port
+    from latentserve.server.replicas import _port_free
+
+    for _ in range(50):
+        p = free_port()
+        if all(_port_free("127.0.0.1", p + i) for i in range(n)):
+            return p
+    raise RuntimeError("no block of free ports")
+
+
+def _stats(url: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{url}/health", timeout=10).json()["engine"]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    import httpx
+
+    from latentserve.testing.tiny_models import save_tiny
+
+    d = save_tiny(tmp_path_factory.mktemp("dp") / "llama", "llama", word_tokenizer=True,
+                  vocab_size=1024)
+    port = _free_block(3)
+    proc = subprocess.Popen([sys.executable, "-c", "from latentserve.cli import main; main()",
+                             "serve", "--model", str(d), "--kv-slots", "4096",
+                             "--max-model-len", "512", "--port", str(port),
+                             "--data-parallel-size", "2"])
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(3)]
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, "latentserve serve --data-parallel-size 2 exited"
+            assert time.monotonic() < deadline, "router and replicas not healthy in 300 s"
+            try:
+                if all(httpx.get(f"{u}/health", timeout=2).status_code == 200 for u in urls):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield str(d), urls[0], urls[1:]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_every_request_through_the_router_is_answered(replicas):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    model, router, _ = replicas
+    client = OpenAI(base_url=f"{router}/v1", api_key="unused")
+
+    def ask(i):
+        return client.completions.create(model=model, prompt=f"w{10 + i} w{50 + 3 * i} w7",
+                                         max_tokens=4, temperature=0)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(8)))
+    assert [r.usage.completion_tokens for r in results] == [4] * 8
+    assert all(r.choices[0].finish_reason == "length" for r in results)
+
+
+def test_shared_prefix_goes_to_the_replica_that_has_it(replicas):
+    from openai import OpenAI
+
+    model, router, workers = replicas
+    client = OpenAI(base_url=f"{router}/v1", api_key="unused")
+    prefix = " ".join(f"w{100 + i}" for i in range(200))
+    before = [_stats(u) for u in workers]
+    for i in range(4):
+        client.completions.create(model=model, prompt=f"{prefix} w{900 + i}", max_tokens=2,
+                                  temperature=0)
+    after = [_stats(u) for u in workers]
+    grew = [a["prefix_cache_queries"] > b["prefix_cache_queries"]
+            for a, b in zip(after, before)]
+    assert grew.count(True) == 1, f"the prefix went to {grew.count(True)} replicas"
+    k = grew.index(True)
+    # Requests 2..4 find the 200-token prefix in that replica's radix cache.
+    assert after[k]["prefix_cache_hits"] - before[k]["prefix_cache_hits"] >= 3 * 200

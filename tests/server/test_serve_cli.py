@@ -1,0 +1,33 @@
+"""``latentserve serve`` with a model that cannot be loaded: one error line, no traceback
+(neither the API process's nor the engine process's), and a non-zero exit."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _serve(model: str) -> subprocess.CompletedProcess:
+    code = "import sys; from latentserve.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "serve", "--model", model,
+                           "--port", "0"], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("kind", ["missing", "bad-config"])
+def test_bad_model_path_prints_one_error_line_and_exits_non_zero(tmp_path, kind):
+    model = tmp_path / "model"
+    if kind == "bad-config":
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"model_type": "no-such-arch"}))
+    done = _serve(str(model))
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("latentserve: error")]
+    # Library warnings may precede it; the error itself is one line, and the last.
+    assert errors == [lines[-1]], done.stderr
+    assert lines[-1].startswith("latentserve: error: EngineStartupError: engine failed to "
+                                "start:"), lines[-1]
+    if kind == "missing":
+        assert f"'{model}' does not exist" in lines[-1]
+    assert "Traceback" not in done.stderr + done.stdout

@@ -1,0 +1,45 @@
+"""The H200 latent benchmarks (``bench.head_gpu``, ``bench.recurrent_gpu``) run end to end
+with ``--tiny`` (tiny models, CPU, float32) and write their JSON; no timing assertions. In
+fp32 on the CPU the engine and the eager references agree token for token."""
+
+import json
+
+
+def test_head_gpu_tiny(tmp_path):
+    from latentserve.bench.head_gpu import main
+
+    out = tmp_path / "head.json"
+    assert main([str(out), "--tiny"]) == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["max_latent"] == 4 and res["config"]["use_stop"] is False
+    shape = res["shapes"]["tiny"]
+    for c in ("1", "4"):
+        row = shape["concurrency"][c]
+        assert row["tokens"] == int(c) * 4  # answer tokens only
+        assert row["steps"]["latent"] >= 1
+        assert row["speedup"] > 0
+    cost = shape["step_cost"]
+    assert cost["latent_steps"] == 4
+    for k in ("latent_step_s", "plain_step_s", "bare_backbone_step_s", "floor_s"):
+        assert cost[k] > 0
+    assert shape["agree_with_reference"] == 1.0
+
+
+def test_recurrent_gpu_tiny(tmp_path):
+    from latentserve.bench.recurrent_gpu import main
+
+    out = tmp_path / "rec.json"
+    assert main([str(out), "--tiny"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["models"]) == {"huginn-tiny", "ouro-tiny"}
+    for m in res["models"].values():
+        for depth, rows in m["engine"].items():
+            for c, row in rows.items():
+                assert row["tokens"] == int(c) * 4
+                assert row["decode_step_s"] > 0 and row["speedup"] > 0
+                assert row["bandwidth_floor"]["floor_s"] > 0
+            assert m["reference"][depth]["agree_with_engine"] == 1.0
+    huginn = res["models"]["huginn-tiny"]["engine"]
+    # banks read per decode step: prelude 1 + depth x 2 core + coda 1
+    assert huginn["2"]["1"]["bandwidth_floor"]["kv_banks_read"] == 6
+    assert huginn["4"]["1"]["bandwidth_floor"]["kv_banks_read"] == 10

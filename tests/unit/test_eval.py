@@ -1,0 +1,155 @@
+"""``latentserve eval`` (eval/): data sets in their upstream formats, answer extraction
+(strict ``#### N`` and flexible last number; digits; ProsQA options), summaries equal to a
+hand count over scripted outputs, the in-process engine backend on a tiny head model, and
+the CLI sweep with its plot."""
+
+import json
+
+import pytest
+
+from latentserve.eval.answers import last_number, score, strict_number
+from latentserve.eval.backends import Completion
+from latentserve.eval.datasets import load_items
+from latentserve.eval.run import evaluate, parse_sweep
+
+GSM_ROWS = [("Ann has 3 pens and buys 4. How many?", "She has 3+4=<<3+4=7>>7.\n#### 7"),
+            ("A box holds 1,200 nails; 200 are used. How many are left?",
+             "1200-200=<<1200-200=1000>>1000\n#### 1000"),
+            ("Bo earns $5 a day for 6 days. How much?", "5*6=<<5*6=30>>30\n#### 30"),
+            ("Cy reads 10 pages a day for 3 days. Pages?", "10*3=<<10*3=30>>30\n#### 30"),
+            ("Di has 9 cats and gives away 2. Cats?", "9-2=<<9-2=7>>7\n#### 7")]
+
+
+@pytest.fixture
+def gsm_file(tmp_path):
+    p = tmp_path / "test.jsonl"
+    p.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GSM_ROWS))
+    return p
+
+
+def test_datasets_load_in_their_upstream_formats(tmp_path, gsm_file):
+    items = load_items("gsm8k", gsm_file)
+    assert [i.gold for i in items] == ["7", "1000", "30", "30", "7"]
+    assert items[0].question == GSM_ROWS[0][0] and items[0].kind == "number"
+    icot = tmp_path / "icot.txt"
+    icot.write_text("Q one?||<<2*3=6>> <<6+1=7>> #### 7\nQ two?||<<1+1=2>> #### 2\n")
+    assert [(i.question, i.gold, i.steps) for i in load_items("gsm8k-icot", icot)] == \
+        [("Q one?", "7", "<<2*3=6>> <<6+1=7>>"), ("Q two?", "2", "<<1+1=2>>")]
+    mult = tmp_path / "mult.txt"
+    mult.write_text("1 2 * 3 0||3 6 #### 3 6 0 0\n")
+    m = load_items("mult4", mult)[0]
+    assert (m.question, m.gold, m.kind) == ("1 2 * 3 0", "3 6 0 0", "digits")
+    pq = tmp_path / "prosqa.json"
+    pq.write_text(json.dumps([{"question": "Every a is b. Is Bob a wumpus or yumpus?",
+                               "answer": "Bob is a yumpus.", "steps": ["s1", "s2"]}]))
+    assert load_items("prosqa", pq)[0].steps == "s1 s2"
+    assert len(load_items("gsm8k", gsm_file, limit=2)) == 2
+    with pytest.raises(ValueError, match="dataset must be one of"):
+        load_items("mmlu", gsm_file)
+    bad = tmp_path / "bad.txt"
+    bad.write_text("no separator here\n")
+    with pytest.raises(ValueError, match="bad.txt:1"):
+        load_items("gsm8k-icot", bad)
+
+
+def test_number_extraction_strict_and_flexible():
+    assert strict_number("so #### 1,000.") == "1,000"
+    assert strict_number("the answer is 1000") is None
+    assert last_number("first 3, then $1,250.50 total.") == "$1,250.50"
+    assert score("number", "3 + 4 = 7\n#### 7", "7") == (True, True)
+    assert score("number", "#### 7 but then 8", "7") == (True, False)
+    assert score("number", "It is 1,000.", "1000") == (False, True)
+    assert score("number", "no number", "7") == (False, False)
+
+
+def test_digits_and_prosqa_extraction():
+    assert score("digits", "partial 3 6 #### 3 6 0 0", "3 6 0 0") == (True, True)
+    assert score("digits", "it is 3 6 0 0", "3 6 0 0") == (False, True)
+    q = "Every a is b. Is Bob a wumpus or yumpus?"
+    assert score("prosqa", "Bob is a wumpus, so ... #### Bob is a yumpus.", "Bob is a yumpus.",
+                 q) == (True, True)
+    assert score("prosqa", "Bob is a yumpus. No wait, wumpus", "Bob is a yumpus.", q) == \
+        (True, False)
+    with pytest.raises(ValueError, match="answer kind"):
+        score("boolean", "x", "y")
+
+
+class ScriptedBackend:
+    """Returns fixed outputs in order, as a server would."""
+
+    def __init__(self, outs):
+        self.outs, self.seen = outs, []
+
+    def run(self, requests, **controls):
+        self.seen = requests
+        return self.outs[:len(requests)]
+
+
+def test_summary_equals_a_hand_count(gsm_file):
+    items = load_items("gsm8k", gsm_file)
+    # per item: (text, completion tokens, latency); golds 7, 1000, 30, 30, 7
+    script = [("3+4=7 #### 7", 12, 0.5),            # strict + flexible
+              ("1200-200 = 1,000", 30, 1.5),        # flexible only
+              ("#### 30, or maybe 31", 7, 0.25),    # strict only
+              ("I do not know", 50, 2.0),           # neither
+              ("9 - 2 = 7. #### 7.", 9, 1.0)]       # strict + flexible
+    backend = ScriptedBackend([Completion(t, n, 0, s) for t, n, s in script])
+    records, summary = evaluate(items, backend, max_tokens=64)
+    strict_ok = [True, False, True, False, True]
+    flex_ok = [True, True, False, False, True]
+    tokens = sorted(n for _, n, _ in script)
+    lat = sorted(s for _, _, s in script)
+    assert summary["n"] == 5
+    assert summary["accuracy_strict"] == sum(strict_ok) / 5
+    assert summary["accuracy_flexible"] == sum(flex_ok) / 5
+    assert summary["thinking_median"] == tokens[2] and summary["thinking_max"] == tokens[-1]
+    assert summary["latency_median_s"] == lat[2] and summary["latency_max_s"] == lat[-1]
+    assert [r["strict"] for r in records] == strict_ok
+    # text CoT asks for '#### <number>'; a latent run sends the bare question
+    assert all("####" in r.user and r.max_latent is None for r in backend.seen)
+    evaluate(items, backend, max_tokens=8, max_latent=4)
+    assert [(r.user, r.max_latent) for r in backend.seen] == [(i.question, 4) for i in items]
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, smollm2_dir):
+    from latentserve.testing.head_models import save_head_model
+
+    return save_head_model(tmp_path_factory.mktemp("eval") / "m", source_layer=1, seed=2)
+
+
+def test_engine_backend_counts_latent_steps_and_answer_tokens(head_dir, gsm_file):
+    from latentserve.eval.backends import EngineBackend
+
+    items = load_items("gsm8k", gsm_file, limit=3)
+    backend = EngineBackend(model=str(head_dir))
+    _, summary = evaluate(items, backend, max_tokens=5, max_latent=3, use_stop=False)
+    # no stop head: every request runs its cap of 3 latent steps, then up to 5 tokens
+    assert summary["thinking_median"] == 3 and summary["thinking_max"] == 3
+    assert summary["latent_end"] == {"cap": 3}
+    assert summary["completion_tokens_mean"] <= 5
+    records, summary = evaluate(items, backend, max_tokens=5)  # thinking off
+    assert all(r["latent_steps"] == 0 for r in records)
+    assert summary["thinking_max"] == max(r["completion_tokens"] for r in records) <= 5
+    e = backend.engine.cache
+    assert e.allocator.num_free + e.radix.total_size() == e.allocator.num_total
+
+
+def test_cli_sweep_writes_runs_and_a_plot(head_dir, gsm_file, tmp_path):
+    from latentserve.cli import main
+
+    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    rc = main(["eval", "--model", str(head_dir), "--dataset", "gsm8k", "--data-file",
+               str(gsm_file), "--limit", "2", "--max-tokens", "3", "--no-stop",
+               "--sweep", "max_latent=0,2", "--out", str(out), "--plot", str(png)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["max_latent"], r["thinking_max"], r["n"]) for r in runs] == [(0, 0, 2), (2, 2, 2)]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parse_sweep_rejects_bad_specs():
+    assert parse_sweep("max_latent=0,4,16") == [0, 4, 16]
+    for bad in ("budget=1,2", "max_latent=a", "max_latent=", "max_latent=-1"):
+        with pytest.raises(ValueError, match="sweep"):
+            parse_sweep(bad)
