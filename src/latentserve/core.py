@@ -42,6 +42,11 @@ class Req:
     Compression-head models (``kind == "head"``): ``head`` holds the request's resolved
     controls and latent stats; latent positions, the closing ids and the answer all count
     against ``params.max_tokens`` (already raised by the answer-budget floor).
+
+    Looped-block models (``kind == "loop"``): ``loop`` is the request's
+    ``latent.loop.LoopState``; its block ``[latent_start, latent_start + block_size)`` is
+    re-forwarded in place, ``latent_embeds`` holding the current pass's inputs (empty for
+    pass 0, which reads the latent id's embedding).
     """
 
     rid: str
@@ -67,6 +72,7 @@ class Req:
     cache_salt: int = 0
     recurrence_iters: list = field(default_factory=list)
     head: Any = None  # compression-head models: latent.head.HeadSettings (controls + stats)
+    loop: Any = None  # looped-block models: latent.loop.LoopState
 
     @property
     def ids(self) -> list[int]:
@@ -104,8 +110,9 @@ class Req:
     @property
     def cacheable_len(self) -> int:
         """Leading positions whose KV depends on token ids alone (safe for the radix cache):
-        everything before the first latent position."""
-        return self.latent_start if self.latent_embeds else self.seq_len
+        everything before the first latent position (a looped block is rewritten in place)."""
+        return self.latent_start if self.latent_embeds or self.loop is not None \
+            else self.seq_len
 
     @property
     def num_pending(self) -> int:

@@ -29,7 +29,8 @@ class StepOutput:
     set once, on the last output of the request, with ``finish_reason`` ``"stop"``
     (EOS or a stop token), ``"length"`` (max_tokens or max_model_len) or ``"abort"``.
     ``num_cached_tokens`` is how many prompt tokens were served by the prefix cache.
-    ``latent_steps`` counts the latent positions the request has run so far;
+    ``latent_steps`` counts the latent positions the request has run so far (a looped
+    block: block size x passes completed);
     ``latent_trace`` (on the final output, when asked for) lists per latent step
     ``{"norm": float, "top_tokens": [[id, logit], ...5]}``.
     ``logprobs`` (only when the request asked for them) is aligned with ``new_token_ids``.

@@ -1,6 +1,8 @@
 """``latentserve bench``: benchmarks. ``--suite offline`` (default): offline throughput
 against HF ``generate`` one prompt at a time; ``--suite gpu``: the H200 benchmark of real-size
-shapes (issue 3); ``--suite latent``: feedback-latent requests against the eager reference.
+shapes (issue 3); ``--suite latent``: feedback-latent requests against the eager reference;
+``--suite loop``: looped latent blocks (PCCoT) as block passes vs position by position and vs
+the eager full-recomputation reference.
 ``latentserve bench serve ...``: TTFT/TPOT/ITL/throughput against a running server."""
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from pathlib import Path
 def register(sub) -> None:
     from latentserve.bench.cli import add_bench_args
 
-    p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent)")
+    p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent, loop)")
     add_bench_args(p)
-    p.add_argument("--suite", default="offline", choices=["offline", "gpu", "latent"])
+    p.add_argument("--suite", default="offline", choices=["offline", "gpu", "latent", "loop"])
     p.add_argument("--concurrency", default=None,
-                   help="comma-separated concurrent requests (gpu, latent suites)")
+                   help="comma-separated concurrent requests (gpu, latent, loop suites)")
     p.set_defaults(func=run)
     from latentserve.bench.serve import add_serve_bench_args, serve_bench_main
 
@@ -37,6 +39,11 @@ def run(args) -> int:
 
         result = run_gpu_bench(concurrency=conc or (1, 16, 64),
                                hf_baseline=not args.no_hf_baseline)
+    elif args.suite == "loop":
+        from latentserve.bench.loop import run_loop_bench
+
+        cuda = args.device == "cuda"
+        result = run_loop_bench(args.device, conc or ((1, 16, 64) if cuda else (1, 8)))
     else:
         from latentserve.bench.latent import run_latent_bench
 

@@ -133,7 +133,9 @@ class LLMEngine:
 
         For a model with a ``LatentSpec`` the spec's start ids are appended to the prompt and
         the request runs ``latent_budget`` latent steps (None = the model's default) before
-        the transition tokens and the answer. For a recurrent-depth model (``kind ==
+        the transition tokens and the answer; for a looped-block model (``kind == "loop"``,
+        ``latent/loop.py``) ``latent_budget`` is the number of passes over the block after
+        the first. For a recurrent-depth model (``kind ==
         "recurrent"``) ``latent_budget`` is the recurrence count of every token, the
         ``exit_*`` fields its early-exit rule (ValueError when the family does not know them),
         and nothing is added to the prompt. For a compression-head model (``kind == "head"``)
@@ -147,6 +149,7 @@ class LLMEngine:
         spec, budget, extra, rule = self.latent_spec, 0, 0, None
         recurrent = spec is not None and spec.kind == "recurrent"
         head = spec is not None and spec.kind == "head"
+        looped = spec is not None and spec.kind == "loop"
         if head:
             from latentserve.latent import head_loop
 
@@ -160,6 +163,10 @@ class LLMEngine:
                 from latentserve.latent.recurrent import resolve_exit_rule
 
                 rule = resolve_exit_rule(spec, params)
+            elif looped:
+                from latentserve.latent.loop import extra_positions
+
+                extra = extra_positions(spec)
             else:
                 extra = len(spec.start_ids) + budget + len(spec.end_ids)
         elif params.latent_budget:
@@ -198,6 +205,10 @@ class LLMEngine:
             req.latent_budget, req.exit_rule = budget, rule
             req.cache_salt = self._salts.setdefault(cache_salt_key(budget, rule),
                                                     len(self._salts) + 1)
+        elif looped:
+            from latentserve.latent.loop import start_request
+
+            start_request(req, spec, budget)
         elif spec is not None:
             req.prompt_ids += spec.start_ids
             req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
@@ -247,6 +258,11 @@ class LLMEngine:
             logits, last_hidden = self.runner.run(batch)
             if self.runner.prompt_hidden:
                 self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
+            if self.latent_spec is not None and self.latent_spec.kind == "loop":
+                from latentserve.latent.loop import after_forward
+
+                after_forward(self.runner.model, self.cache.table.table, batch,
+                              self.runner.last_hidden_all)
             if self.latent_spec is not None and self.latent_spec.suppress_ids:
                 ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
                 logits = logits.index_fill(1, ids, float("-inf"))
@@ -380,6 +396,9 @@ class LLMEngine:
 
             return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured,
                                self.runner.last_head_out)
+            return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured)
+        if self.latent_spec is not None and self.latent_spec.kind == "loop":
+            return None  # latent.loop.after_forward already prepared the next passes
         rows = [i for i, r in enumerate(reqs)
                 if r.answer_start is None and len(r.latent_embeds) < r.latent_budget]
         if not rows:

@@ -23,6 +23,8 @@ class ModelRunner:
     ``num_graph_steps`` the decode steps replayed from CUDA graphs. With
     ``set_capture(layer)``, ``last_captured`` holds ``[S, hidden]``: the residual stream after
     ``layer`` decoder layers at each sampling row's last position (compression heads read it).
+    ``last_hidden_all`` is the last forward's final-normed hidden at every position
+    (``[num_tokens, hidden]``, batch order; looped blocks read it).
     For a recurrent-depth model each forward also gets a ``RecurrentBatch`` (per-row depth
     and exit rule, ``ForwardContext.recurrent``) and each token's depth
     (``ForwardContext.depths``); sampling rows' iteration counts go to their requests.
@@ -41,6 +43,7 @@ class ModelRunner:
         self.graphs = None  # a CudaGraphRunner once capture_graphs() ran
         self.capture_layer = -1
         self.last_captured: torch.Tensor | None = None
+        self.last_hidden_all: torch.Tensor | None = None
         # (latent_input [S, H] float32, stop_prob [S] or None) of the sampling rows when a
         # graph replay already ran the compression head; None after an eager forward.
         self.last_head_out: tuple | None = None
@@ -123,6 +126,7 @@ class ModelRunner:
                 rec.iters_used = list(rec.row_depths)
                 rec.record(batch)
             captured = self.graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
+            self.last_hidden_all = hidden  # one token per row: every position of the batch
             head_out = self.graphs.last_head
             keep = [i for i, s in enumerate(batch.sample) if s]
             if len(keep) < len(ids):  # a 1-token prefill chunk that does not end its prompt
@@ -148,6 +152,7 @@ class ModelRunner:
             set_context(None)
         if rec is not None:
             rec.record(batch)
+        self.last_hidden_all = hidden
         for b in prompt_rows:
             end = last[b] + 1
             self.prompt_hidden.append((batch.reqs[b], batch.starts[b],

@@ -140,11 +140,14 @@ def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
 
 
 def add_convert_args(p) -> None:
-    """``latentserve convert {coconut,codi} --base DIR --checkpoint FILE --out DIR ...``."""
-    p.add_argument("family", choices=["coconut", "codi"], help="upstream checkpoint form")
+    """``latentserve convert {coconut,codi} --base DIR --checkpoint FILE --out DIR ...`` and
+    ``latentserve convert pccot --base DIR --adapter DIR --out DIR``."""
+    p.add_argument("family", choices=["coconut", "codi", "pccot"], help="upstream checkpoint form")
     p.add_argument("--base", required=True, help="the base HF model directory it was trained from")
-    p.add_argument("--checkpoint", required=True,
+    p.add_argument("--checkpoint", default=None,
                    help="COCONUT: checkpoint_N; CODI: model.safetensors or pytorch_model.bin")
+    p.add_argument("--adapter", default=None,
+                   help="PCCoT: the upstream PEFT adapter directory (pccot_args.json, ...)")
     p.add_argument("--out", required=True, help="the model directory to write")
     p.add_argument("--default-budget", type=int, default=6, help="latent steps by default (6)")
     p.add_argument("--max-budget", type=int, default=64, help="the largest budget allowed (64)")
@@ -157,6 +160,17 @@ def add_convert_args(p) -> None:
 
 
 def convert_main(args) -> int:
+    if args.family == "pccot":
+        from latentserve.latent.loop_convert import convert_pccot
+
+        if not args.adapter:
+            raise ValueError("convert pccot needs --adapter DIR")
+        out = convert_pccot(args.base, args.adapter, args.out, max_budget=args.max_budget,
+                            overwrite=args.force)
+        print(f"wrote {out}")
+        return 0
+    if not args.checkpoint:
+        raise ValueError(f"convert {args.family} needs --checkpoint FILE")
     common = dict(default_budget=args.default_budget, max_budget=args.max_budget,
                   variant=args.variant, symlink=args.symlink, overwrite=args.force)
     if args.family == "coconut":

@@ -39,6 +39,10 @@ class LatentSpec:
             reaches the embedding lookup because those rows are replaced.
         suppress_ids: ids never sampled (their logits are set to -inf), e.g. CODI's ``eot``,
             which upstream drops from the answer's argmax.
+        block_size: loop only: latent positions in the block (PCCoT ``num_latent_tokens``).
+        loop_rule: loop only: which output feeds block position j in the next pass:
+            ``"jacobi"`` (PCCoT: the output of position j-1, the first one reading the start
+            token's) or ``"same"`` (LOTUS as documented in docs/models.md: position j's own).
     """
 
     kind: str
@@ -52,11 +56,17 @@ class LatentSpec:
     suppress_ids: tuple[int, ...] = field(default_factory=tuple)
     min_budget: int = 0
     default_exit: Any = None
+    block_size: int = 0
+    loop_rule: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("feedback", "recurrent", "head"):
-            raise ValueError(f"LatentSpec.kind must be 'feedback', 'recurrent' or 'head', got "
-                             f"{self.kind!r}")
+        if self.kind not in ("feedback", "recurrent", "head", "loop"):
+            raise ValueError(f"LatentSpec.kind must be 'feedback', 'recurrent', 'head' or "
+                             f"'loop', got {self.kind!r}")
+        if self.kind == "loop" and (self.block_size < 1 or self.loop_rule not in ("jacobi",
+                                                                                 "same")):
+            raise ValueError(f"a loop LatentSpec needs block_size >= 1 and loop_rule 'jacobi' "
+                             f"or 'same', got {self.block_size}, {self.loop_rule!r}")
         if not 0 <= self.min_budget <= self.default_budget <= self.max_budget:
             raise ValueError(f"default_budget must be in [{self.min_budget}, "
                              f"max_budget={self.max_budget}], got {self.default_budget}")

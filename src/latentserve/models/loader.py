@@ -39,7 +39,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
 
     A directory with a ``latent_config.json`` is a latent-reasoning model: its family's
     loader (``latentserve.latent.feedback``) reads the upstream checkpoint form and attaches
-    ``model.latent_spec`` and ``model.latent_feedback``.
+    ``model.latent_spec`` and ``model.latent_feedback``; looped-block families (PCCoT,
+    LOTUS) go through ``latentserve.latent.loop_checkpoint`` instead.
 
     Recurrent-depth checkpoints (Huginn ``huginn_raven``, Ouro ``ouro``) ship their config
     class as remote code, which is never run: their ``config.json`` is read into a plain
@@ -74,13 +75,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
         hf_config = config_from_dict(raw)
     else:
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    latent_cfg = None
+    latent_cfg = loop_cfg = None
     if (model_dir / "latent_config.json").exists():
         from latentserve.latent.feedback import (attach_latent, prepare_latent_weights,
                                                  read_latent_config)
+        from latentserve.latent.loop_checkpoint import read_loop_config
 
-        latent_cfg = read_latent_config(model_dir)
-        weights, hf_config = prepare_latent_weights(model_dir, hf_config, latent_cfg)
+        loop_cfg = read_loop_config(model_dir)
+        if loop_cfg is not None:
+            from latentserve.latent.loop_checkpoint import prepare_loop_weights
+
+            weights, hf_config = prepare_loop_weights(model_dir, hf_config, loop_cfg)
+        else:
+            latent_cfg = read_latent_config(model_dir)
+            weights, hf_config = prepare_latent_weights(model_dir, hf_config, latent_cfg)
     else:
         weights = iter_weights(model_dir)
     cls = model_class(hf_config)
@@ -94,7 +102,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
     if fused_ops and hasattr(model, "use_fused_ops"):
         model.use_fused_ops()  # on the CPU: the merged weights move to the device once
     model = model.to(device=device, dtype=dtype).eval()
-    if latent_cfg is not None:
+    if loop_cfg is not None:
+        from latentserve.latent.loop_checkpoint import attach_loop
+
+        attach_loop(model, model_dir, hf_config, loop_cfg, dtype, device)
+    elif latent_cfg is not None:
         attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device)
     elif getattr(model, "latent_spec", None) is None:  # recurrent models bring their own
         from latentserve.latent.bundle import attach_head, find_bundle

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from latentserve.core import Req, ReqStatus
-from latentserve.latent import head_loop
+from latentserve.latent import head_loop, loop
 from latentserve.latent.recurrent import recurrence_stats
 from latentserve.outputs import StepOutput
 from latentserve.scheduler.cache import CacheManager
@@ -87,18 +87,26 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         batch = ScheduledBatch([], [], [], [])
         budget = self.max_num_batched_tokens
-        # 1. Running requests, oldest first: decode rows, then unfinished prefill chunks.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        # 1. Running requests, oldest first: decode rows and unfinished prefill chunks, with
+        #    looped requests' block passes ahead of the rest (latent/loop.py).
+        in_batch: set[int] = set()
+        for req in loop.passes_first(self.running):
+            if budget <= 0:
+                break
+            if req.status is not ReqStatus.RUNNING:
+                continue  # preempted while an earlier row grew
             n = self._chunk(req, budget)
-            if not self.cache.reserve(req, req.num_computed + n):
-                victim = self.running.pop()
+            while not self.cache.reserve(req, req.num_computed + n):
+                # NOTE: the most recently admitted request not already in this batch.
+                victim = next(r for r in reversed(self.running) if id(r) not in in_batch)
+                self.running.remove(victim)
                 self._preempt(victim)
-                continue  # retry req (unless it was the victim: then the loop ends)
-            self._add_to_batch(batch, req, n)
-            budget -= n
-            i += 1
+                if victim is req:
+                    break
+            else:
+                self._add_to_batch(batch, req, n)
+                in_batch.add(id(req))
+                budget -= n
         self.cache.flush()
         # 2. Admit waiting requests in arrival order while rows, slots and budget last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -127,7 +135,7 @@ class Scheduler:
         if req.exit_rule is not None and req.exit_rule.saves_compute:
             p = len(req.prompt_ids)
             n = 1 if req.num_computed >= p else min(n, p - req.num_computed)
-        return n
+        return n if req.loop is None else loop.chunk(req, n)
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         batch.reqs.append(req)
@@ -137,6 +145,7 @@ class Scheduler:
 
     def _preempt(self, req: Req) -> None:
         self.cache.release(req)
+        loop.on_preempt(req)
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -186,6 +195,8 @@ class Scheduler:
         spec = self.latent_spec
         if req.head is not None:
             return head_loop.advance(req, vec, spec.latent_id)
+        if req.loop is not None:
+            return loop.advance(req, spec)
         if len(req.latent_embeds) < req.latent_budget:
             req.latent_embeds.append(vec)
             req.output_ids.append(spec.latent_id)
@@ -199,7 +210,8 @@ class Scheduler:
         done = req.status == ReqStatus.FINISHED
         return StepOutput(req.rid, new, done, req.finish_reason if done else None,
                           len(req.prompt_ids), req.num_cached_prompt or 0,
-                          latent_steps=len(req.latent_embeds),
+                          latent_steps=len(req.latent_embeds) if req.loop is None
+                          else req.loop.block_size * req.loop.passes_done,
                           latent_trace=req.latent_trace if done and req.latent_trace else None,
                           recurrence=(recurrence_stats(req.recurrence_iters)
                                       if done and req.recurrence_iters else None),

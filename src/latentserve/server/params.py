@@ -81,7 +81,7 @@ def latent_budget(http_request, body, spec=None) -> int | None:
                        param=param)
     if value is None or value < 0 or (spec is not None and spec.kind == "head"):
         return value  # negative: SamplingParams names it; heads use the x-latent-* controls
-    budgeted = spec is not None and spec.kind in ("feedback", "recurrent")
+    budgeted = spec is not None and spec.kind in ("feedback", "recurrent", "loop")
     if value > 0 and not budgeted:
         raise APIError(f"{param} must be 0 or null: this model does no latent reasoning",
                        param=param)

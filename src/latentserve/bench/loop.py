@@ -1,0 +1,146 @@
+"""Looped-block benchmark (issue 8): PCCoT requests whose block passes run as one extend row
+over all block positions, against (a) the same engine running the same thoughts position by
+position (``LoopState.pass_chunk = 1``: every pass split into one-position forwards, what an
+append-only engine would do) and (b) the eager full-recomputation reference
+(``latentserve.testing.loop_reference``) one request at a time, in the same process.
+
+Shape: PCCoT over a random GPT-2 124M (n_embd 768, 12 layers), upstream's released recipe of
+24 latents and 3 Jacobi iterations, LoRA r 128 / alpha 32 on ``c_attn, c_fc, c_proj``, written
+in the upstream PEFT form and converted. Throughput is answer tokens per second; the thought
+phase is the wall time until every request of the batch has left its block (prefill
+included).
+
+Run: ``latentserve bench --suite loop [--device cuda] --json-out PATH`` or
+``python3 -m latentserve.bench.loop PATH [cuda]`` (CUDA: 1, 16 and 64 concurrent requests).
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import time
+from pathlib import Path
+
+GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
+
+
+def build_pccot_gpt2(root: Path, block_size: int = 24, iterations: int = 3) -> Path:
+    """PCCoT over a random GPT-2 124M-shaped base, upstream form, converted; returns the
+    model directory (``root/model``; upstream dirs ``root/base``, ``root/adapter``)."""
+    from latentserve.latent.loop_convert import convert_pccot
+    from latentserve.testing.loop_models import write_upstream_pccot
+    from latentserve.testing.tiny_models import save_tiny
+
+    base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **GPT2_124M)
+    base, adapter = write_upstream_pccot(root, "gpt2", block_size, iterations, lora_r=128,
+                                         lora_alpha=32.0, base_dir=base)
+    return convert_pccot(base, adapter, root / "model")
+
+
+def _engine_run(engine, prompts, params, pass_chunk: int) -> dict:
+    from latentserve.core import ReqStatus
+
+    reqs = []
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params)
+        reqs.append(engine.scheduler.waiting[-1])
+        reqs[-1].loop.pass_chunk = pass_chunk
+    sync = _sync(engine.device.type)
+    sync()
+    t0, n, thought, steps = time.perf_counter(), 0, None, 0
+    while engine.has_unfinished_requests():
+        n += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+        if thought is None and all(r.answer_start is not None or r.status == ReqStatus.FINISHED
+                                   for r in reqs):
+            sync()
+            thought = time.perf_counter() - t0
+    sync()
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "thought_s": thought, "answer_tokens": n, "steps": steps,
+            "answer_tok_s": n / wall}
+
+
+def _sync(device_type: str):
+    import torch
+
+    return torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+
+
+def bench_loop(root: Path, device: str, dtype: str, concurrency, answer_len: int = 16,
+               prompt_len: int = 64, ref_requests: int = 2, block_size: int = 24,
+               iterations: int = 3) -> dict:
+    """Per concurrency c: the engine with block passes and position by position, and the
+    reference's per-request time (measured on ``ref_requests`` requests) times c."""
+    import torch
+
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.loop_reference import load_pccot_reference, reference_generate_loop
+
+    model_dir = build_pccot_gpt2(root, block_size, iterations)
+    g = torch.Generator().manual_seed(0)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype=dtype,
+                                    max_num_seqs=max(concurrency), enable_prefix_caching=False,
+                                    max_model_len=prompt_len + block_size + answer_len + 16,
+                                    kv_slots=None if device == "cuda" else 65536))
+    sp = SamplingParams(max_tokens=answer_len, temperature=0.0, ignore_eos=True,
+                        latent_budget=iterations)
+    rows = {}
+    warm = torch.randint(3, 1000, (2, prompt_len), generator=g).tolist()
+    _engine_run(engine, warm, sp, 0)
+    _engine_run(engine, warm, sp, 1)
+    for c in concurrency:
+        prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
+        block = _engine_run(engine, prompts, sp, 0)
+        by_pos = _engine_run(engine, prompts, sp, 1)
+        rows[c] = {"block_passes": block, "position_by_position": by_pos,
+                   "thought_speedup_vs_positions": by_pos["thought_s"] / block["thought_s"],
+                   "wall_speedup_vs_positions": by_pos["wall_s"] / block["wall_s"]}
+    del engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    ref = load_pccot_reference(str(root / "base"), str(root / "adapter"), device, dtype)
+    prompts = torch.randint(3, 1000, (ref_requests + 1, prompt_len), generator=g).tolist()
+    reference_generate_loop(ref, prompts[0], iterations, 2)  # warm up
+    sync = _sync(device)
+    sync()
+    t0 = time.perf_counter()
+    for p in prompts[1:]:
+        reference_generate_loop(ref, p, iterations, answer_len, ignore_eos=True)
+    sync()
+    per_req = (time.perf_counter() - t0) / ref_requests
+    for c in concurrency:
+        rows[c]["reference_wall_s"] = per_req * c  # one request at a time
+        rows[c]["speedup_vs_reference"] = per_req * c / rows[c]["block_passes"]["wall_s"]
+    return {"model": "pccot-gpt2-124m", "block_size": block_size, "iterations": iterations,
+            "answer_len": answer_len, "prompt_len": prompt_len, "concurrency": rows}
+
+
+def run_loop_bench(device: str = "cpu", concurrency=(1, 8)) -> dict:
+    """The looped-block benchmark on ``device`` (bfloat16 on CUDA, float32 on the CPU)."""
+    import tempfile
+
+    import torch
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    out = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
+                       "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None},
+           "device": device, "dtype": dtype}
+    with tempfile.TemporaryDirectory() as d:
+        out["pccot"] = bench_loop(Path(d), device, dtype, concurrency)
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    res = run_loop_bench(dev, (1, 16, 64) if dev == "cuda" else (1, 8))
+    Path(sys.argv[1] if len(sys.argv) > 1 else "loop_bench.json").write_text(
+        json.dumps(res, indent=1))
+    print(json.dumps(res["pccot"]["concurrency"], indent=1))

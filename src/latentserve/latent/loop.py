@@ -1,0 +1,191 @@
+"""The loop manager: looped latent blocks (PCCoT, LOTUS) re-forwarded in place.
+
+A looped request's ids are ``prompt + start_ids | block | end_ids | answer`` where the block
+is ``block_size`` positions (``latent_id`` in the id slots). After the prompt prefill the
+block is laid down once (its KV slots are allocated by the first pass and never again) and
+run as ``iterations + 1`` passes; each pass is one extend row over all block positions at
+once, causal inside the block, over the frozen prompt KV, writing K/V back to the same slots
+(the batch's ``out_slots`` are the block's slots again). Pass 0 takes the ``latent_id``
+embeddings; pass p >= 1 takes ``latent_feedback`` of the previous pass's outputs, by
+``LatentSpec.loop_rule``:
+
+* ``"jacobi"`` (PCCoT, arXiv 2506.18582; upstream whyNLP/PCCoT ``models/modeling_gpt2.py``):
+  block position j reads the post-final-norm output of position j-1 (position 0 reads the
+  start token's output, which is the same in every pass);
+* ``"same"`` (LOTUS, arXiv 2606.31779, as this engine defines it, docs/models.md): block
+  position j reads its own output.
+
+The last pass's outputs are unused: its KV is what the read-out sees. Then ``end_ids`` are
+forced (PCCoT: ``<pcot.eot>`` + the answer prompt) and the request decodes like any other.
+Many looped requests share a pass; a pass may share the forward with prefill and decode rows.
+If the token budget splits a pass into chunks the outputs are gathered across the chunks, and
+after a preemption the recomputed prefill is itself the pending pass, so neither changes the
+result. Block positions are never inserted into the prefix cache (``Req.cacheable_len``).
+
+The scheduler and engine call five functions: :func:`passes_first` (the scheduling order:
+block passes ahead of decode rows and prefill chunks), :func:`chunk`, :func:`after_forward`
+(every forward), :func:`advance` (a looped row that sampled) and :func:`on_preempt`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from latentserve.core import Req
+
+
+@dataclass(slots=True)
+class LoopState:
+    """One looped request's block.
+
+    ``block_start``: the index in ``ids`` of the first block position; ``iterations``: passes
+    after pass 0 (the request's latent budget); ``passes_done``: block passes completed;
+    ``outputs``: ``[block_size + 1, hidden]`` post-final-norm outputs at positions
+    ``block_start - 1 .. block_end - 1`` of the current pass (row 0: the start token's);
+    ``next_inputs``: ``[block_size, hidden]`` inputs of the next pass, set when a pass ends;
+    ``slots``: the block's KV slot ids as the first pass wrote them (checked on every later
+    pass; reset by a preemption); ``slot_checks``: passes whose slots were checked;
+    ``pass_chunk``: positions per forward inside a pass (0: the whole block at once).
+    """
+
+    block_start: int
+    block_size: int
+    iterations: int
+    passes_done: int = 0
+    outputs: Any = None
+    next_inputs: Any = None
+    slots: Any = None
+    slot_checks: int = 0
+    pass_chunk: int = 0
+
+    # NOTE: pass_chunk > 0 splits every pass into forwards of that many positions; results
+    # are unchanged. Benchmarks set 1 to run the same thoughts position by position.
+
+    @property
+    def block_end(self) -> int:
+        return self.block_start + self.block_size
+
+
+def start_request(req: Req, spec, iterations: int) -> None:
+    """Make ``req`` (prompt ids not yet extended) a looped request: the spec's start ids
+    are appended to its prompt and its block starts right after them."""
+    req.prompt_ids += spec.start_ids
+    req.latent_start = len(req.prompt_ids)
+    req.latent_budget = iterations
+    req.answer_start = None
+    req.loop = LoopState(req.latent_start, spec.block_size, iterations)
+
+
+def extra_positions(spec) -> int:
+    """Positions a looped request adds to its prompt: start, block and end ids."""
+    return len(spec.start_ids) + spec.block_size + len(spec.end_ids)
+
+
+def chunk(req: Req, n: int) -> int:
+    """Tokens a looped request computes this step, given the scheduler's ``n``: at most
+    ``pass_chunk`` inside a pass when it is set."""
+    st = req.loop
+    if st.pass_chunk and req.answer_start is None and req.num_computed >= st.block_start:
+        return min(n, st.pass_chunk)
+    return n
+
+
+def in_pass(req: Req) -> bool:
+    """True while a looped request has a block pass to run (block laid, answer not begun)."""
+    return req.loop is not None and req.answer_start is None \
+        and len(req.output_ids) == req.loop.block_size
+
+
+def passes_first(running: list[Req]) -> list[Req]:
+    """``running`` with the requests in a block pass first (each group keeps its order), so
+    the scheduler gives loop passes the token budget before decode rows and prefill chunks.
+    The same list order when no request is looped."""
+    passes = [r for r in running if in_pass(r)]
+    if not passes:
+        return list(running)
+    return passes + [r for r in running if not in_pass(r)]
+
+
+def _in_block_phase(req: Req) -> bool:
+    return req.loop is not None and req.answer_start is None
+
+
+def after_forward(model, table: torch.Tensor, batch, hidden: torch.Tensor) -> None:
+    """Gather what a forward computed for the looped rows of ``batch``.
+
+    ``hidden``: ``[num_tokens, hidden]`` post-final-norm outputs of every position of the
+    batch (rows in batch order). Outputs at ``block_start - 1 .. block_end - 1`` go to each
+    request's ``LoopState.outputs``; a row that covers the whole block records (first pass,
+    or a prefill after a preemption) or checks (later passes) the block's slots in
+    ``table`` (``[rows, max_len]`` page table); rows that end a pass with passes left get
+    their ``next_inputs``, computed by ``model.latent_feedback`` in one batch.
+
+    Raises RuntimeError when a pass finds the block's slots moved (the engine's contract is
+    that a block is allocated once and rewritten in place).
+    """
+    off, ending = 0, []
+    for req, start, n, sample in zip(batch.reqs, batch.starts, batch.q_lens, batch.sample):
+        lo_row = off
+        off += n
+        if not _in_block_phase(req):
+            continue
+        st = req.loop
+        first, last = st.block_start - 1, st.block_end  # positions kept: [first, last)
+        lo, hi = max(start, first), min(start + n, last)
+        if lo < hi:
+            if st.outputs is None:
+                st.outputs = hidden.new_zeros(st.block_size + 1, hidden.shape[-1])
+            st.outputs[lo - first : hi - first] = hidden[lo_row + lo - start : lo_row + hi - start]
+        if start + n != st.block_end or len(req.output_ids) != st.block_size:
+            continue  # not the end of a pass
+        if start <= st.block_start:  # the whole pass in one row
+            slots = table[req.row, st.block_start : st.block_end]
+            if start < st.block_start or st.slots is None:
+                st.slots = slots.clone()
+            elif not torch.equal(slots, st.slots):
+                raise RuntimeError(f"request {req.rid}: loop block slots moved between passes "
+                                   f"({st.slots.tolist()} -> {slots.tolist()})")
+            else:
+                st.slot_checks += 1
+        if sample and st.passes_done < st.iterations:
+            ending.append(req)
+    if not ending:
+        return
+    jacobi = model.latent_spec.loop_rule == "jacobi"
+    src = torch.cat([r.loop.outputs[:-1] if jacobi else r.loop.outputs[1:] for r in ending])
+    with torch.inference_mode():
+        vecs = model.latent_feedback(src)
+    for i, req in enumerate(ending):
+        k = req.loop.block_size
+        req.loop.next_inputs = vecs[i * k : (i + 1) * k]
+
+
+def advance(req: Req, spec) -> bool:
+    """Move a looped request past a forward that sampled for it (the sampled token is
+    discarded unless this returns True). After the prompt: lay down the block. After a
+    pass with passes left: the next pass's inputs replace the block's, and ``num_computed``
+    goes back to the block start (the slots stay in the page table, so no allocation).
+    After the last pass: force ``end_ids``; returns True when there are none (the sampled
+    token is then the first answer token)."""
+    st = req.loop
+    if not req.output_ids:
+        req.output_ids.extend([spec.latent_id] * st.block_size)
+        return False
+    st.passes_done += 1
+    if st.passes_done <= st.iterations:
+        req.latent_embeds = list(st.next_inputs.unbind(0))
+        st.next_inputs = None
+        req.num_computed = st.block_start
+        return False
+    req.output_ids.extend(spec.end_ids)
+    req.answer_start = len(req.output_ids)
+    return not spec.end_ids
+
+
+def on_preempt(req: Req) -> None:
+    """A preempted looped request loses its slots: the recomputed prefill records new ones."""
+    if req.loop is not None:
+        req.loop.slots = None

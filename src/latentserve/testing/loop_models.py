@@ -1,0 +1,122 @@
+"""Tiny random looped-block checkpoints (PCCoT, LOTUS) for tests and benchmarks.
+
+* PCCoT (arXiv 2506.18582; whyNLP/PCCoT ``run_ccot.py``, ``models/pccot_arguments.py``):
+  written in the upstream form, a PEFT adapter directory over a ``save_tiny`` base:
+  ``<pcot.bot>``, ``<pcot.eot>``, ``<pcot.latent>`` added to the tokenizer as additional
+  special tokens (plus ``[PAD]`` when the base has none), the embedding resized and saved in
+  the adapter, LoRA on GPT-2 ``c_attn,c_fc,c_proj`` / Llama q/k/v/o/gate/up/down, optional
+  ``prj`` saved through ``modules_to_save``; ``config.json`` (``pccot-*``,
+  ``num_iterations``, ``use_projection``) and ``pccot_args.json``. Then converted with
+  ``latentserve convert pccot``. ``lora_B`` is random so the merge matters. Needs ``peft``.
+* LOTUS (arXiv 2606.31779; no public code): our model-directory layout directly, a plain HF
+  Llama with 3 raw embedding rows for start/end/latent and a ``latent_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LOOP_KINDS = ("pccot-gpt2", "pccot-llama", "lotus-llama")
+PCCOT_TOKENS = ("<pcot.bot>", "<pcot.eot>", "<pcot.latent>")
+_TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"],
+            "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "up_proj",
+                      "gate_proj"]}
+
+
+def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iterations: int = 3,
+                         use_projection: bool = False, lora_r: int = 8,
+                         lora_alpha: float = 16.0, seed: int = 0, base_dir=None,
+                         **base_overrides):
+    """Write ``root/base`` (a ``save_tiny`` ``gpt2`` or ``llama``, or use ``base_dir``) and
+    ``root/adapter`` (the upstream PEFT form). Returns ``(base_dir, adapter_dir)``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from latentserve.models.checkpoint import load_tokenizer
+    from latentserve.testing.tiny_models import save_tiny
+
+    root = Path(root)
+    base_dir = Path(base_dir) if base_dir else save_tiny(root / "base", base, seed=seed,
+                                                          **base_overrides)
+    tok = load_tokenizer(base_dir)
+    if tok.pad_token is None:
+        tok.add_special_tokens({"pad_token": "[PAD]"})
+    tok.add_special_tokens({"additional_special_tokens": list(PCCOT_TOKENS)})
+    bot, eot, latent = tok.convert_tokens_to_ids(list(PCCOT_TOKENS))
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    v = model.config.vocab_size
+    rows = max(len(tok), v)  # a base whose vocab exceeds its tokenizer already has the rows
+    model.resize_token_embeddings(rows, mean_resizing=False)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[v:] = torch.randn(emb.shape[0] - v, emb.shape[1], generator=g) * 0.08
+    d = model.config.hidden_size
+    if use_projection:
+        model.prj = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.LayerNorm(d))
+    cfg = LoraConfig(task_type="CAUSAL_LM", r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.1,
+                     target_modules=_TARGETS[base], fan_in_fan_out=base == "gpt2",
+                     modules_to_save=["prj"] if use_projection else None)
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            elif "prj.modules_to_save" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if name.endswith(
+                    "3.weight") else 0.0))
+    adapter = root / "adapter"
+    peft_model.save_pretrained(str(adapter), save_embedding_layers=True)
+    tok.save_pretrained(str(adapter))
+    base_cfg = json.loads((base_dir / "config.json").read_text())
+    (adapter / "config.json").write_text(json.dumps({
+        **base_cfg, "model_type": f"pccot-{base}", "vocab_size": rows,
+        "num_iterations": iterations, "use_projection": use_projection, "loss_alpha": 1.0,
+        "loss_beta": 1.0, "loss_gamma": 1.0, "use_layerwise_std": True}, indent=2))
+    (adapter / "pccot_args.json").write_text(json.dumps({
+        "bot_token_id": bot, "eot_token_id": eot, "latent_token_id": latent,
+        "label_pad_token_id": -100, "answer_prompt": "The answer is:",
+        "num_latent_tokens": block_size, "use_peft": True, "lora_r": lora_r,
+        "lora_alpha": lora_alpha, "lora_dropout": 0.1,
+        "lora_target_modules": "-".join(_TARGETS[base]),
+        "lora_modules_to_save": "prj" if use_projection else ""}, indent=4))
+    return base_dir, adapter
+
+
+def write_lotus(root, block_size: int = 4, iterations: int = 3, seed: int = 0,
+                **base_overrides) -> Path:
+    """A LOTUS model directory ``root/model``: tiny Llama with 3 extra embedding rows
+    (start, end, latent = vocab, vocab + 1, vocab + 2) and its latent_config.json."""
+    from latentserve.testing.tiny_models import VOCAB, save_tiny
+
+    vocab = base_overrides.pop("vocab_size", VOCAB)
+    out = save_tiny(Path(root) / "model", "llama", seed=seed, vocab_size=vocab + 3,
+                    **base_overrides)
+    cfg = {"format_version": 1, "family": "lotus", "checkpoint": None,
+           "tokens": {"start": vocab, "end": vocab + 1, "latent": vocab + 2},
+           "answer_prompt_ids": [], "block_size": block_size, "default_budget": iterations,
+           "max_budget": 64, "loop_rule": "same", "lora": None, "prj": None}
+    (out / "latent_config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def save_loop_tiny(root, kind: str, seed: int = 0, block_size: int = 4,
+                   iterations: int = 3) -> Path:
+    """Build ``kind`` (one of ``LOOP_KINDS``) under ``root``; returns the model directory
+    (PCCoT: converted into ``root/model``; the upstream dirs are ``root/base`` and
+    ``root/adapter``). ``pccot-llama`` has ``use_projection``. Raises ValueError for an
+    unknown kind."""
+    from latentserve.latent.loop_convert import convert_pccot
+
+    root = Path(root)
+    if kind == "lotus-llama":
+        return write_lotus(root, block_size, iterations, seed)
+    if kind in ("pccot-gpt2", "pccot-llama"):
+        base = kind.split("-")[1]
+        base_dir, adapter = write_upstream_pccot(root, base, block_size, iterations,
+                                                 use_projection=base == "llama", seed=seed)
+        return convert_pccot(base_dir, adapter, root / "model")
+    raise ValueError(f"kind must be one of {LOOP_KINDS}, got {kind!r}")

@@ -1,0 +1,118 @@
+"""The eager per-request reference for looped latent blocks (PCCoT, LOTUS): every pass
+recomputes the whole sequence from embeddings with HF transformers (no KV cache), written
+from the papers' algorithm, loading weights independently of ``latentserve.latent``.
+
+PCCoT (arXiv 2506.18582; the Jacobi iteration of whyNLP/PCCoT ``PCCoTGPT2LMHeadModel``):
+question + bot + N latent placeholders; block inputs X_0 = the latent token's embedding;
+for t = 1..T, X_t[j] = prj(h_{t-1}[position of latent j - 1]) where h_{t-1} is the
+post-final-norm output of the sequence with block X_{t-1} (so latent 0 reads bot's output,
+latent j the output of latent j-1); the answer reads the sequence with block X_T followed by
+eot + the answer prompt, greedy. Upstream's adapter is applied through peft (unmerged LoRA).
+LOTUS (as docs/models.md defines it): the same with X_t[j] = prj(h_{t-1}[latent j]).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class LoopReference:
+    model: object  # HF CausalLM (maybe a peft wrapper)
+    prj: object  # callable [N, H] -> [N, H]
+    start: list
+    end: list
+    latent: int
+    block_size: int
+    rule: str  # "jacobi" | "same"
+    eos: set
+
+
+def _eos(model) -> set:
+    e = model.config.eos_token_id
+    return set(e if isinstance(e, list) else [e] if e is not None else [])
+
+
+@lru_cache(maxsize=4)
+def load_pccot_reference(base_dir: str, adapter_dir: str, device: str = "cpu",
+                         dtype: str = "float32") -> LoopReference:
+    """PCCoT from its upstream form: the base HF model resized to the adapter's embedding,
+    ``prj`` attached when ``use_projection``, and ``PeftModel.from_pretrained``."""
+    from peft import PeftModel
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from latentserve.models.checkpoint import load_tokenizer
+
+    adapter = Path(adapter_dir)
+    pc = json.loads((adapter / "config.json").read_text())
+    args = json.loads((adapter / "pccot_args.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model.resize_token_embeddings(pc["vocab_size"], mean_resizing=False)
+    d = model.config.hidden_size
+    if pc.get("use_projection"):
+        model.prj = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.LayerNorm(d))
+    peft_model = PeftModel.from_pretrained(model, str(adapter))
+    dt = getattr(torch, dtype)
+    peft_model = peft_model.to(device, dt).eval()
+    inner = peft_model.base_model.model
+    prj = inner.prj if pc.get("use_projection") else (lambda x: x)
+    tok = load_tokenizer(adapter)
+    prompt = tok.encode(args["answer_prompt"], add_special_tokens=False)
+    return LoopReference(peft_model, prj, [args["bot_token_id"]],
+                         [args["eot_token_id"], *prompt], args["latent_token_id"],
+                         args["num_latent_tokens"], "jacobi", _eos(model))
+
+
+@lru_cache(maxsize=4)
+def load_lotus_reference(model_dir: str, device: str = "cpu",
+                         dtype: str = "float32") -> LoopReference:
+    """LOTUS from a model directory (plain HF weights + latent_config.json)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((Path(model_dir) / "latent_config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    t = cfg["tokens"]
+    return LoopReference(model, lambda x: x, [t["start"]],
+                         [t["end"], *cfg.get("answer_prompt_ids", [])], t["latent"],
+                         cfg["block_size"], cfg.get("loop_rule", "same"), _eos(model))
+
+
+@torch.no_grad()
+def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iterations: int,
+                            max_tokens: int, ignore_eos: bool = False):
+    """Greedy answer for one request: ``(answer_ids, first_answer_logits [vocab] float32 on
+    the CPU)``. Every forward recomputes the full sequence from embeddings."""
+    model, n = ref.model, ref.block_size
+    emb = model.get_input_embeddings()
+    dev = emb.weight.device
+    prefix = emb(torch.tensor(prompt_ids + ref.start, device=dev))
+    block = emb(torch.tensor([ref.latent] * n, device=dev))
+    p = prefix.shape[0]
+
+    def full(x):  # [L, H] -> (logits [L, V], post-final-norm hidden [L, H])
+        out = model(inputs_embeds=x[None], output_hidden_states=True, use_cache=False)
+        return out.logits[0].float(), out.hidden_states[-1][0]
+
+    for _ in range(iterations):
+        _, h = full(torch.cat([prefix, block]))
+        src = h[p - 1 : p - 1 + n] if ref.rule == "jacobi" else h[p : p + n]
+        block = ref.prj(src)
+    tail = emb(torch.tensor(ref.end, device=dev)) if ref.end else prefix[:0]
+    answer, first = [], None
+    for _ in range(max_tokens):
+        logits = full(torch.cat([prefix, block, tail]))[0][-1]
+        if first is None:
+            first = logits.cpu()
+        tok = int(logits.argmax())
+        answer.append(tok)
+        if tok in ref.eos and not ignore_eos:
+            break
+        tail = torch.cat([tail, emb(torch.tensor([tok], device=dev))])
+    return answer, first
