@@ -9,6 +9,7 @@ import torch
 from latentserve.config import EngineConfig
 from latentserve.sampling_params import SamplingParams
 from latentserve.testing.parity import shared_prefix_prompts
+from latentserve.testing.tp_parity import run_requests
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -21,21 +22,10 @@ def _engine(path, **kw):
     return LLMEngine(EngineConfig(model=str(path), device="cuda", **kw))
 
 
-def _drive(engine, params_by_prompt):
-    """Run every ``(prompt, SamplingParams)`` as one batch; returns per request
-    ``(tokens, final StepOutput)``."""
-    base = engine._arrivals
-    rids = [f"g{base + i}" for i in range(len(params_by_prompt))]
-    for rid, (prompt, sp) in zip(rids, params_by_prompt):
-        engine.add_request(rid, prompt, sp)
-    toks, final = {r: [] for r in rids}, {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            toks[o.rid] += o.new_token_ids
-            if o.finished:
-                final[o.rid] = o
-    engine.cache.check_idle()
-    return [(toks[r], final[r]) for r in rids]
+def _drive(engine, requests):
+    """``[(tokens, final StepOutput)]`` of ``[(prompt, SamplingParams)]`` run as one batch
+    (slot invariant checked after)."""
+    return [(toks, final) for toks, _, final in run_requests(engine, requests)]
 
 
 def test_coconut_feedback_rows_replay_inside_graphs(tmp_path):
