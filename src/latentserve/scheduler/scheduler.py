@@ -90,7 +90,8 @@ class Scheduler:
         # 1. Running requests, oldest first: decode rows and unfinished prefill chunks, with
         #    looped requests' block passes ahead of the rest (latent/loop.py).
         in_batch: set[int] = set()
-        for req in loop.passes_first(self.running):
+        looped = self.latent_spec is not None and self.latent_spec.kind == "loop"
+        for req in loop.passes_first(self.running) if looped else list(self.running):
             if budget <= 0:
                 break
             if req.status is not ReqStatus.RUNNING:
