@@ -32,6 +32,28 @@ def test_non_streaming_client_disconnect_aborts_the_request(server, http):
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 
+def test_client_that_hangs_up_right_after_sending_leaves_nothing_running(server, http):
+    """The disconnect can be noticed before the request reaches the engine: the request must
+    not start afterwards and run to max_tokens (counted in the engine's forward tokens)."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(server.base_url)
+    body = json.dumps(LONG).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.hostname}\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    before = wait_idle(http)["engine"]["num_forward_tokens"]
+    for _ in range(3):
+        with socket.create_connection((url.hostname, url.port)) as sock:
+            sock.sendall(head + body)
+    after = wait_idle(http, timeout=20)
+    assert_slots_invariant(after)
+    # Each of the 3 would decode 250 tokens if it ran; aborted early, none gets that far.
+    assert after["engine"]["num_forward_tokens"] - before < LONG["max_tokens"]
+
+
 def test_n2_stream_disconnect_aborts_both_choices_and_frees_every_slot(server, http):
     before = wait_idle(http)["aborts_sent"]
     body = {"messages": [{"role": "user", "content": "Count to a thousand."}], "n": 2,

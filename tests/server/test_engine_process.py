@@ -133,3 +133,22 @@ def test_duplicate_request_id_is_refused_while_the_first_runs(engine):
 
     outs = _run(engine, scenario)
     assert sum(len(o.new_token_ids) for o in outs) == 5 and outs[-1].finish_reason == "length"
+
+
+def test_abort_before_the_request_is_sent_keeps_it_from_starting(engine):
+    """A client that hangs up right after sending: the disconnect watcher's abort can come
+    before ``generate`` sends the request; the request must not start (and run to
+    max_tokens) afterwards, and a later request with another id is unaffected."""
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def scenario(client):
+        client.abort("early")
+        with pytest.raises(EngineRequestError, match="aborted before it started"):
+            await _collect(client, "early", [5, 6, 7], params)
+        other = await _collect(client, "other", [5, 6, 7], params)
+        return other, await client.get_stats(timeout=10)
+
+    other, stats = _run(engine, scenario)
+    assert other[-1].finished and len(sum((o.new_token_ids for o in other), [])) == 50
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["kv_slots_free"] + stats["kv_slots_cached"] == stats["kv_slots_total"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from latentserve.outputs import StepOutput
@@ -37,6 +38,9 @@ class EngineInternalError(RuntimeError):
     """The engine failed this one request (a server-side error); it keeps serving others."""
 
 
+_EARLY_ABORT_TTL_S = 10.0  # how long an abort for a request not yet sent is remembered
+
+
 class EngineClient:
     """Asyncio client of the engine process.
 
@@ -59,6 +63,9 @@ class EngineClient:
         self.last_stats: dict[str, int] | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._aborted: set[str] = set()  # running rids already aborted
+        # rid -> time of an abort that came before the request was sent (a client that hung
+        # up right after its request): generate() then refuses to start it. Entries expire.
+        self._early_aborts: dict[str, float] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_token = 0
         self._ctx = self._actx = self._push = self._pull = None
@@ -115,6 +122,10 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason)
         if rid in self._queues:
             raise EngineRequestError(f"request id {rid!r} is already running")
+        aborted_at = self._early_aborts.pop(rid, None)
+        if aborted_at is not None and time.monotonic() - aborted_at < _EARLY_ABORT_TTL_S:
+            raise EngineRequestError(f"request {rid!r} was aborted before it started "
+                                     "(the client disconnected)")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         done = False
@@ -132,17 +143,22 @@ class EngineClient:
                 if done:
                     return
         finally:
+            if not done and rid not in self._aborted and self.dead_reason is None:
+                self.abort(rid)  # while rid is still in _queues: not an early abort
             self._queues.pop(rid, None)
-            already = rid in self._aborted
             self._aborted.discard(rid)
-            if not done and not already and self.dead_reason is None:
-                self.abort(rid)
 
     def abort(self, rid: str) -> None:
         """Ask the engine to stop ``rid`` (harmless if it already finished; a running
         request is aborted once however often this is called)."""
         if rid in self._aborted:
             return
+        if rid not in self._queues:  # not started yet (or already over): remember it a while
+            now = time.monotonic()
+            if len(self._early_aborts) > 64:
+                self._early_aborts = {r: t for r, t in self._early_aborts.items()
+                                      if now - t < _EARLY_ABORT_TTL_S}
+            self._early_aborts[rid] = now
         if self._push is not None and self.dead_reason is None:
             if rid in self._queues:
                 self._aborted.add(rid)
