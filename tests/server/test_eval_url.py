@@ -36,3 +36,16 @@ def test_url_backend_reports_latent_steps_from_the_server(head_server, tmp_path)
     assert summary["latent_end"] == {"cap": 3}  # use_stop off: every phase hits its cap
     assert all(0 < r["completion_tokens"] for r in records)
     assert summary["accuracy_flexible"] == sum(r["flexible"] for r in records) / 3
+
+
+def test_url_backend_text_mode_turns_thinking_off_on_a_head_server(head_server, tmp_path):
+    """Without max_latent the backend asks for thinking off (the server's default with a
+    head is thinking on, with its 4096-token answer floor): no latent steps, and the answer
+    stays within max_tokens."""
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps({"question": "What is 2 + 2?",
+                                "answer": "2+2=<<2+2=4>>4\n#### 4"}) + "\n")
+    backend = OpenAIBackend(head_server.base_url + "/v1", concurrency=1)
+    records, _ = evaluate(load_items("gsm8k", data), backend, max_tokens=5)
+    assert records[0]["latent_steps"] == 0
+    assert 0 < records[0]["completion_tokens"] <= 5

@@ -112,16 +112,18 @@ class OpenAIBackend:
         self.concurrency = concurrency
 
     def _one(self, r: Request, start: float, controls: dict) -> Completion:
-        body = {}
+        body, headers = {}, None
         if r.max_latent is not None:
             body = {"thinking": True, "max_latent": r.max_latent, "min_output_tokens": 0,
                     **controls}
+        else:  # text mode: a latentserve server with a head would think by default
+            headers = {"x-latent-thinking": "false"}
         resp = self.client.chat.completions.create(
             model=self.model, messages=[{"role": "user", "content": r.user}],
             # latent steps and the closing ids spend max_tokens too; 8 covers the closing
             max_tokens=r.max_tokens + (r.max_latent + 8 if r.max_latent is not None else 0),
             temperature=0.0,
-            extra_body=body or None)
+            extra_body=body or None, extra_headers=headers)
         ch = resp.choices[0]
         latent = (ch.model_extra or {}).get("latent") or {}
         return Completion(ch.message.content or "",
