@@ -68,6 +68,16 @@ CASES = [
      "chat_template_kwargs", ["tokenize"]),
     ("continue-without-assistant", *_chat(continue_final_message=True),
      "continue_final_message", ["assistant"]),
+    ("lone-surrogate-prompt", "/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}',
+     "prompt", ["surrogate"]),
+    ("lone-surrogate-in-prompt-list", "/v1/completions",
+     '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt", ["surrogate"]),
+    ("lone-surrogate-chat", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "a\\udc00"}]}', "messages[0].content",
+     ["surrogate"]),
+    ("lone-surrogate-model", "/v1/completions",
+     '{"model": "\\udfff", "prompt": "hi", "max_tokens": 2}', "model", ["surrogate"]),
+    ("lone-surrogate-tokenize", "/tokenize", '{"prompt": "a\\udc00"}', "prompt", ["surrogate"]),
 ]
 
 

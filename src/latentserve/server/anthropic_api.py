@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.errors import APIError, anthropic_error_body
@@ -34,12 +34,18 @@ from latentserve.server.params import (
     refuse_head_controls,
 )
 from latentserve.server.prompts import render_chat
+from latentserve.server.protocol import no_lone_surrogates
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.state import ServerState
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _text_is_unicode(cls, value):
+        return no_lone_surrogates(value)
 
 
 class TextBlock(_Request):

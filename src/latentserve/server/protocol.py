@@ -13,11 +13,36 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+
+def no_lone_surrogates(value):
+    """Reject text holding a lone UTF-16 surrogate (JSON ``"\\ud800"`` decodes to one): it
+    cannot be encoded as UTF-8, so tokenizers and responses would fail on it. Checks
+    strings and strings inside lists and dicts; returns ``value``. Raises ValueError."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("text contains a lone UTF-16 surrogate (not valid Unicode)") \
+                from None
+    elif isinstance(value, list):
+        for v in value:
+            no_lone_surrogates(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            no_lone_surrogates(k)
+            no_lone_surrogates(v)
+    return value
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _text_is_unicode(cls, value):
+        return no_lone_surrogates(value)
 
 
 class StreamOptions(_Request):
