@@ -153,3 +153,16 @@ def test_parse_sweep_rejects_bad_specs():
     for bad in ("budget=1,2", "max_latent=a", "max_latent=", "max_latent=-1"):
         with pytest.raises(ValueError, match="sweep"):
             parse_sweep(bad)
+
+
+def test_answer_length_does_not_grow_with_unused_latent_budget(head_dir, gsm_file):
+    """A stop head that ends thinking early leaves latent budget unused; the answer still
+    gets at most max_tokens tokens (else a bigger budget would mean longer answers)."""
+    from latentserve.eval.backends import EngineBackend
+
+    items = load_items("gsm8k", gsm_file, limit=3)
+    backend = EngineBackend(model=str(head_dir))
+    records, _ = evaluate(items, backend, max_tokens=4, max_latent=20, use_stop=True,
+                          stop_threshold=0.0, min_latent=1)
+    assert all(r["latent_steps"] == 1 for r in records)  # threshold 0: stops at min_latent
+    assert all(0 < r["completion_tokens"] <= 4 for r in records)

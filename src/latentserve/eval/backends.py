@@ -89,10 +89,15 @@ class EngineBackend:
                     done[o.rid] = (time.perf_counter() - start, st.get("steps", o.latent_steps)
                                    or 0, o.finish_reason, st.get("end"))
         out = []
-        for rid in rids:
+        for rid, r in zip(rids, requests):
             lat, steps, reason, end = done[rid]
-            text = self.tokenizer.decode(toks[rid], skip_special_tokens=True)
-            out.append(Completion(text, len(toks[rid]), steps, lat, reason, end))
+            # The latent steps a stop head left unused would otherwise lengthen the answer
+            # (they share max_tokens): every answer gets at most r.max_tokens tokens.
+            answer = toks[rid][: r.max_tokens]
+            if len(answer) < len(toks[rid]):
+                reason = "length"
+            text = self.tokenizer.decode(answer, skip_special_tokens=True)
+            out.append(Completion(text, len(answer), steps, lat, reason, end))
         return out
 
 
