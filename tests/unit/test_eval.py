@@ -65,6 +65,7 @@ def test_number_extraction_strict_and_flexible():
 def test_digits_and_prosqa_extraction():
     assert score("digits", "partial 3 6 #### 3 6 0 0", "3 6 0 0") == (True, True)
     assert score("digits", "it is 3 6 0 0", "3 6 0 0") == (False, True)
+    assert score("digits", "#### 8501", "8 5 0 1") == (True, True)  # unspaced digits too
     q = "Every a is b. Is Bob a wumpus or yumpus?"
     assert score("prosqa", "Bob is a wumpus, so ... #### Bob is a yumpus.", "Bob is a yumpus.",
                  q) == (True, True)

@@ -7,7 +7,7 @@
   values after dropping ``$``, thousands commas and a trailing period (``1,000.`` == 1000).
 * Multiplication (iCoT format): the gold is the digit string after ``####`` (digits least
   significant first, space separated); compared with spaces removed. Strict: after
-  ``####``; flexible: the last run of space-separated digits.
+  ``####``; flexible: the last run of digits, space-separated or not.
 * ProsQA: the gold is a sentence ``"<name> is a <concept>."``; the question offers two
   concepts (``"Is Sally a hilpus or sterpus?"``). Strict: the output's text after ``####``
   (or the whole output without one) holds the gold sentence (case and final period
@@ -60,7 +60,7 @@ def digits_strict(text: str) -> str | None:
 
 
 def digits_last(text: str) -> str | None:
-    found = re.findall(r"\d(?: \d)*", text)
+    found = re.findall(r"\d(?: ?\d)*", text)  # spaced (the data's form) or not
     return found[-1].replace(" ", "") if found else None
 
 
