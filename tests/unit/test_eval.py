@@ -167,3 +167,16 @@ def test_answer_length_does_not_grow_with_unused_latent_budget(head_dir, gsm_fil
                           stop_threshold=0.0, min_latent=1)
     assert all(r["latent_steps"] == 1 for r in records)  # threshold 0: stops at min_latent
     assert all(0 < r["completion_tokens"] <= 4 for r in records)
+
+
+def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
+    from latentserve.train.traces import load_gsm8k_rows
+
+    prosqa = tmp_path / "p.json"
+    prosqa.write_text(json.dumps([{"question": "q", "answer": "a", "steps": []}]))
+    with pytest.raises(ValueError, match=f"{prosqa} is not a gsm8k data file"):
+        load_items("gsm8k", prosqa)
+    with pytest.raises(ValueError, match="is not a prosqa data file"):
+        load_items("prosqa", gsm_file)
+    with pytest.raises(ValueError, match=f"{prosqa}:1: not a GSM8K jsonl line"):
+        load_gsm8k_rows(prosqa)

@@ -56,6 +56,18 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
         raise FileNotFoundError(f"dataset file {p} does not exist")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
+    try:
+        items = _parse(p, fmt, kind, limit)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON errors included
+        if isinstance(exc, ValueError) and str(exc).startswith(str(p)):
+            raise
+        raise ValueError(f"{p} is not a {name} data file ({fmt} format): "
+                         f"{type(exc).__name__}: {exc}") from None
+    return items[:limit] if limit else items
+
+
+def _parse(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
+    """The items of file ``p`` in format ``fmt`` (see :func:`load_items`)."""
     items = []
     if fmt == "prosqa":
         for row in json.loads(p.read_text()):
@@ -76,4 +88,4 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
                 items.append(Item(q.strip(), gold.strip(), kind, steps.strip()))
             if limit is not None and len(items) >= limit:
                 break
-    return items[:limit] if limit else items
+    return items

@@ -72,14 +72,23 @@ def train_file(path: str | Path | None) -> Path:
 
 def load_gsm8k_rows(path: str | Path, limit: int | None = None) -> list[dict]:
     """``{"question", "answer"}`` rows of a GSM8K jsonl file (the first ``limit``).
-    Raises FileNotFoundError naming the file."""
+    Raises FileNotFoundError naming the file; ValueError naming the file and line when a
+    line is not a JSON object with string ``question`` and ``answer``."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"training data {path} does not exist")
     rows = []
-    with open(path) as f:
-        for line in f:
+    with open(path, encoding="utf-8", errors="strict") as f:
+        for n, line in enumerate(f, 1):
             if line.strip():
-                rows.append(json.loads(line))
+                try:
+                    row = json.loads(line)
+                    ok = all(isinstance(row.get(k), str) for k in ("question", "answer"))
+                except (ValueError, AttributeError):
+                    ok = False
+                if not ok:
+                    raise ValueError(f"{path}:{n}: not a GSM8K jsonl line (a JSON object "
+                                     "with string 'question' and 'answer')")
+                rows.append(row)
             if limit is not None and len(rows) >= limit:
                 break
     return rows
