@@ -62,10 +62,20 @@ class StepOutput:
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One completion of ``LLM.generate``: ``text``, ``token_ids`` (the answer; latent
+    positions are not tokens), ``finish_reason``; for latent models ``latent_steps`` and, as
+    on ``StepOutput``, ``latent_trace`` (when asked for), ``latent_stats`` (compression
+    heads) and ``recurrence`` (recurrent depth) from the final output (None otherwise, and
+    when a stop string ended the request)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    latent_steps: int = 0
+    latent_trace: list | None = None
+    latent_stats: dict | None = None
+    recurrence: dict | None = None
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
-"""The offline ``LLM`` API on a tiny model: stop strings, and a KV pool smaller than the
-model's context."""
+"""The offline ``LLM`` API on a tiny model: stop strings, a KV pool smaller than the
+model's context, and the latent fields of a completion."""
 
 from latentserve import LLM, SamplingParams
 
@@ -25,4 +25,19 @@ def test_pool_smaller_than_context_lowers_max_model_len_instead_of_hanging(tiny_
                                                    ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length"
     assert len(out.outputs[0].token_ids) == 100 - 90
+    llm.engine.cache.check_idle()
+
+
+def test_offline_outputs_carry_latent_steps_and_trace(tmp_path, smollm2_dir):
+    from latentserve.testing.latent_models import save_latent_tiny
+
+    llm = LLM(model=str(save_latent_tiny(tmp_path, "coconut-gpt2")))
+    outs = llm.generate([[5, 6, 7, 8], [9, 10, 11]],
+                        [SamplingParams(temperature=0, max_tokens=4, latent_budget=b,
+                                        return_latent_trace=True) for b in (3, 0)],
+                        use_tqdm=False)
+    thinking, plain = outs[0].outputs[0], outs[1].outputs[0]
+    assert thinking.latent_steps == 3 and len(thinking.latent_trace) == 3
+    assert all(len(step["top_tokens"]) == 5 for step in thinking.latent_trace)
+    assert plain.latent_steps == 0 and not plain.latent_trace
     llm.engine.cache.check_idle()

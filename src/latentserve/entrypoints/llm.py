@@ -74,6 +74,10 @@ class LLM:
                     continue
                 comp = res.outputs[0]
                 comp.token_ids.extend(out.new_token_ids)
+                comp.latent_steps = out.latent_steps
+                if out.finished:
+                    comp.latent_trace, comp.latent_stats = out.latent_trace, out.latent_stats
+                    comp.recurrence = out.recurrence
                 detok.add(out.new_token_ids)
                 res.num_cached_tokens = out.num_cached_tokens
                 finished, reason = out.finished, out.finish_reason
