@@ -70,3 +70,37 @@ def test_sigterm_drains_a_running_stream_then_exits(scripted_model_dir):
         assert not any(_alive(p) for p in children)
     finally:
         srv.stop()
+
+
+def test_requests_left_at_the_drain_timeout_end_cleanly_then_the_server_exits(
+        scripted_model_dir):
+    """A stream still running when the drain timeout ends is aborted in the engine just
+    before it: it gets a finish chunk and [DONE] (not a cut-off connection), and the
+    server exits soon after."""
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+
+    drain = 0.5  # = the abort margin: the abort comes at the signal (250 tokens take < 0.5 s)
+    srv = start_server(EngineConfig(model=str(scripted_model_dir), max_num_seqs=2),
+                       timeout=300, drain_timeout=drain)
+    try:
+        body = {"prompt": [A], "max_tokens": 250, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        reasons, done = [], False
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)  # generating
+            srv.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            for line in lines:
+                done = done or line == "data: [DONE]"
+                if line.startswith("data: {"):
+                    reasons += [ch["finish_reason"] for ch in json.loads(line[6:])["choices"]
+                                if ch["finish_reason"]]
+            ended = time.monotonic() - t0
+        assert reasons == ["abort"] and done
+        assert ended < drain + 3
+        srv.proc.wait(30)
+    finally:
+        srv.stop()

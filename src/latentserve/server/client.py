@@ -148,6 +148,14 @@ class EngineClient:
             self._queues.pop(rid, None)
             self._aborted.discard(rid)
 
+    def abort_all(self) -> int:
+        """Abort every request that is running (each then finishes with ``"abort"``);
+        returns how many."""
+        rids = list(self._queues)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
     def abort(self, rid: str) -> None:
         """Ask the engine to stop ``rid`` (harmless if it already finished; a running
         request is aborted once however often this is called)."""

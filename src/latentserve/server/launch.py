@@ -7,6 +7,7 @@ subprocess (tests, demos) that is ready once ``/health`` answers.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -65,10 +66,40 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         state = ServerState(client, ready.tokenizer, ready.model_name, ready.max_model_len,
                             ready.vocab_size, limits=limits, latent_spec=ready.latent_spec)
         app = create_app(state, on_shutdown=engine.stop, api_key=api_key)
-        uvicorn.run(app, host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=drain_timeout)
+        server = _draining_server(uvicorn, client, drain_timeout)(uvicorn.Config(
+            app, host=host, port=port, log_level=log_level,
+            timeout_graceful_shutdown=drain_timeout))
+        server.run()
     finally:
         engine.stop()
+
+
+# How long before the drain timeout the requests still running are aborted, seconds.
+_ABORT_BEFORE_DRAIN_END_S = 0.5
+
+
+def _draining_server(uvicorn, client, drain_timeout: float):
+    """``uvicorn.Server`` that, on the first shutdown signal, schedules an abort of every
+    request still running shortly before ``drain_timeout`` ends, so each finishes in the
+    engine (``finish_reason`` ``"abort"``; streams get their finish chunk and ``[DONE]``)
+    before uvicorn closes the connections, instead of being cut off mid-stream."""
+
+    class DrainingServer(uvicorn.Server):
+        _armed = False
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if self._armed:
+                return
+            try:
+                loop = asyncio.get_running_loop()  # the handler runs in the loop's thread
+            except RuntimeError:
+                return
+            self._armed = True
+            delay = max(drain_timeout - _ABORT_BEFORE_DRAIN_END_S, 0.0)
+            loop.call_soon_threadsafe(loop.call_later, delay, client.abort_all)
+
+    return DrainingServer
 
 
 class ServerProcess:
