@@ -68,6 +68,11 @@ CASES = [
      "chat_template_kwargs", ["tokenize"]),
     ("continue-without-assistant", *_chat(continue_final_message=True),
      "continue_final_message", ["assistant"]),
+    ("user-content-null", *_chat(messages=[{"role": "user", "content": None}]),
+     "messages[0].content", ["needs content"]),
+    ("text-part-without-text", *_chat(messages=[{"role": "user",
+                                                 "content": [{"type": "text"}]}]),
+     "messages[0].content[0].text", ["string 'text'"]),
     ("lone-surrogate-prompt", "/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}',
      "prompt", ["surrogate"]),
     ("lone-surrogate-in-prompt-list", "/v1/completions",
@@ -142,3 +147,13 @@ def test_unknown_route_is_an_openai_error_404(http):
     r = http.get("/v1/nothing-here")
     assert r.status_code == 404
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_openai_sdk_retrieves_the_served_model_and_not_another(client, model):
+    import openai
+
+    card = client.models.retrieve(model)
+    assert card.id == model
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"

@@ -53,6 +53,7 @@ def test_chunked_body_over_the_limit_is_413(http):
                   headers={"Content-Type": "application/json"})
     assert r.status_code == 413
     assert "limit" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "request_too_large"
 
 
 def test_error_bodies_carry_no_traceback(http):

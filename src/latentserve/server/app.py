@@ -106,6 +106,12 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
         card = ModelCard(id=state.model_name, max_model_len=state.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def model(model_id: str):
+        check_model(model_id)
+        card = ModelCard(id=state.model_name, max_model_len=state.max_model_len)
+        return JSONResponse(card.model_dump(mode="json"))
+
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: TokenizeRequest):
         check_model(body.model)

@@ -146,8 +146,9 @@ def install_error_handlers(app) -> None:
 
     async def on_http(request, exc: HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return reply(request, APIError(str(exc.detail), status_code=exc.status_code, type=kind),
-                     getattr(exc, "headers", None))
+        code = "request_too_large" if exc.status_code == 413 else None
+        return reply(request, APIError(str(exc.detail), status_code=exc.status_code, type=kind,
+                                       code=code), getattr(exc, "headers", None))
 
     async def on_unexpected(request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)

@@ -85,14 +85,20 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], **kwargs) -> list[in
 def _text(message: ChatMessage, i: int) -> str:
     content = message.content
     if content is None:
+        if message.role in ("user", "system"):
+            raise APIError(f"a {message.role} message needs content (a string or a list of "
+                           "text parts), got null", param=f"messages[{i}].content")
         return ""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise APIError(f"only text content parts are supported, got type {part.type!r}",
                            param=f"messages[{i}].content[{j}]")
+        if part.text is None:
+            raise APIError("a text content part needs a string 'text'",
+                           param=f"messages[{i}].content[{j}].text")
         texts.append(part.text)
     return "".join(texts)
 
