@@ -180,3 +180,18 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
         load_items("prosqa", gsm_file)
     with pytest.raises(ValueError, match=f"{prosqa}:1: not a GSM8K jsonl line"):
         load_gsm8k_rows(prosqa)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--plot", "p.png"], "--plot needs --sweep"),
+    (["--sweep", "max_latent=0,2", "--max-latent", "4"], "give one"),
+    (["--url", "http://127.0.0.1:9/v1", "--concurrency", "0"], "--concurrency must be >= 1"),
+    (["--url", "http://127.0.0.1:9/v1"], "--url http://127.0.0.1:9/v1: no OpenAI-compatible"),
+])
+def test_cli_refuses_bad_options_before_running_naming_them(gsm_file, capsys, extra, words):
+    from latentserve.cli import main
+
+    rc = main(["eval", "--dataset", "gsm8k", "--data-file", str(gsm_file), "--limit", "1",
+               *extra])
+    err = capsys.readouterr().err
+    assert rc != 0 and words in err and "Traceback" not in err

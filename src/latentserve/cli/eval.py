@@ -5,6 +5,7 @@ ProsQA or multiplication, against our engine in-process or an OpenAI-compatible 
 from __future__ import annotations
 
 import json
+import os
 
 
 def register(sub) -> None:
@@ -42,11 +43,27 @@ def run(args) -> int:
     from latentserve.eval.run import evaluate, parse_sweep, plot_sweep
 
     budgets = parse_sweep(args.sweep) if args.sweep else [args.max_latent]
+    # Options that are wrong whatever the run gives: refuse them before it starts.
+    if args.plot and args.sweep is None:
+        raise ValueError("--plot needs --sweep")
+    if args.sweep and args.max_latent is not None:
+        raise ValueError("--max-latent and --sweep both set the latent budget; give one")
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.baseline and not os.path.isfile(args.baseline):
+        raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
     items = load_items(args.dataset, args.data_file, args.limit)
     if args.url:
+        import openai
+
         from latentserve.eval.backends import OpenAIBackend
 
-        backend = OpenAIBackend(args.url, args.api_model, args.api_key, args.concurrency)
+        try:
+            backend = OpenAIBackend(args.url, args.api_model, args.api_key, args.concurrency)
+        except openai.APIError as exc:  # the first call (models.list) reaches the server
+            raise ConnectionError(f"--url {args.url}: no OpenAI-compatible server answered "
+                                  f"GET {args.url.rstrip('/')}/models ({type(exc).__name__}: "
+                                  f"{exc}); the URL usually ends in /v1") from None
     else:
         from latentserve.cli import engine_config
         from latentserve.engine.llm_engine import LLMEngine
@@ -69,8 +86,6 @@ def run(args) -> int:
                 json.dump({"dataset": args.dataset, "runs": runs, "records": records}, f,
                           indent=1)
     if args.plot:
-        if args.sweep is None:
-            raise ValueError("--plot needs --sweep")
         base = None
         if args.baseline:
             with open(args.baseline) as f:
