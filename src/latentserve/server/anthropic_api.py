@@ -22,8 +22,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
-
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.errors import APIError, anthropic_error_body
 from latentserve.server.generation import EngineRequest, TextDelta
@@ -34,31 +32,22 @@ from latentserve.server.params import (
     refuse_head_controls,
 )
 from latentserve.server.prompts import render_chat
-from latentserve.server.protocol import no_lone_surrogates
+from latentserve.server.protocol import RequestModel
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.state import ServerState
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _text_is_unicode(cls, value):
-        return no_lone_surrogates(value)
-
-
-class TextBlock(_Request):
+class TextBlock(RequestModel):
     type: str
     text: str | None = None
 
 
-class AnthropicMessage(_Request):
+class AnthropicMessage(RequestModel):
     role: str
     content: str | list[TextBlock]
 
 
-class MessagesRequest(_Request):
+class MessagesRequest(RequestModel):
     model: str
     max_tokens: int
     messages: list[AnthropicMessage]

@@ -36,7 +36,10 @@ def no_lone_surrogates(value):
     return value
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
+    """Base of every request body (OpenAI and Anthropic routes): strict types, unknown
+    fields kept, text checked for lone surrogates."""
+
     model_config = ConfigDict(strict=True, extra="allow")
 
     @field_validator("*", mode="after")
@@ -45,11 +48,11 @@ class _Request(BaseModel):
         return no_lone_surrogates(value)
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(RequestModel):
     """Fields shared by both endpoints."""
 
     model: str | None = None
@@ -98,14 +101,14 @@ class SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ContentPart(_Request):
+class ContentPart(RequestModel):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
 
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -135,7 +138,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     """``/tokenize``: either ``prompt`` (plain encoding) or ``messages`` (chat template,
     rendered as ``/v1/chat/completions`` renders it: ``chat_template_kwargs``,
     ``add_generation_prompt`` and ``continue_final_message`` mean the same there)."""
@@ -150,7 +153,7 @@ class TokenizeRequest(_Request):
     return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 
