@@ -136,9 +136,18 @@ def latent_step_cost(model_dir: Path, device: str, dtype: str, batch: int = 64,
             "overhead_pct": 100 * (result["latent"] / result["plain"] - 1), "batch": batch}
 
 
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def run_latent_bench(device: str = "cpu", concurrency=(32,), budget: int = 6,
-                     answer_len: int = 32, codi: bool = False) -> dict:
-    """COCONUT GPT-2 124M (and, with ``codi``, CODI Llama-3.2-1B) on ``device``."""
+                     answer_len: int = 32, codi: bool = False, only=None) -> dict:
+    """COCONUT GPT-2 124M (and, with ``codi``, CODI Llama-3.2-1B) on ``device``; ``only``:
+    a collection of model names to run (None: all)."""
     import torch
 
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -151,11 +160,15 @@ def run_latent_bench(device: str = "cpu", concurrency=(32,), budget: int = 6,
         if codi:
             builds.append(("codi-llama-3.2-1b", build_codi_llama_1b))
         for name, build in builds:
+            if only and name not in only:
+                continue
             path = build(Path(d) / name)
             out["models"][name] = bench_one(path, device, dtype, concurrency, budget,
                                             answer_len)
+            _free(device)
             out["models"][name]["step_cost"] = latent_step_cost(path, device, dtype,
                                                                 max(concurrency))
+            _free(device)
             print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
     return out
 
@@ -163,6 +176,7 @@ def run_latent_bench(device: str = "cpu", concurrency=(32,), budget: int = 6,
 if __name__ == "__main__":
     dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     conc = (1, 16, 64) if dev == "cuda" else (32,)
-    res = run_latent_bench(dev, conc, codi=dev == "cuda")
+    res = run_latent_bench(dev, conc, codi=dev == "cuda",
+                           only=sys.argv[3].split(",") if len(sys.argv) > 3 else None)
     Path(sys.argv[1] if len(sys.argv) > 1 else "latent_bench.json").write_text(
         json.dumps(res, indent=1))

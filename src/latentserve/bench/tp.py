@@ -24,6 +24,8 @@ LENGTHS = {"llama-3.2-1b": (256, 256), "huginn": (128, 64)}
 
 
 def _write(shape: str, root: Path) -> Path:
+    import torch
+
     if shape == "huginn":
         from latentserve.testing.recurrent_models import write_huginn
 
@@ -31,9 +33,8 @@ def _write(shape: str, root: Path) -> Path:
                      "intermediate_size": 17920, "vocab_size": 65536, "block_size": 4096,
                      "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4,
                      "n_layers_in_coda": 2, "mean_recurrence": 32, "max_recurrence": 32}
-        return write_huginn(root / shape, **shape_cfg)
-    import torch
-
+        return write_huginn(root / shape, save_dtype=torch.bfloat16, init_device="cuda",
+                            **shape_cfg)
     from latentserve.bench.gpu import SHAPES, save_random_llama
 
     path = save_random_llama(root / shape, SHAPES[shape])
@@ -59,12 +60,13 @@ def run_one(path: str, shape: str, tp: int, concurrency: int) -> dict:
         g = torch.Generator().manual_seed(0)
         _engine_run(engine, torch.randint(3, 1000, (2, 16), generator=g).tolist(), 8)
         prompts = torch.randint(3, 1000, (concurrency, prompt_len), generator=g).tolist()
-        tps, wall, step = _engine_run(engine, prompts, output_len)
+        run = _engine_run(engine, prompts, output_len)
         graphs = engine.runner.num_graph_steps
     finally:
         engine.shutdown()
-    return {"tok_s": tps, "wall_s": wall, "decode_step_s": step, "graph_steps": graphs,
-            "prompt_len": prompt_len, "output_len": output_len}
+    return {"tok_s": run["tok_s"], "wall_s": run["wall_s"], "decode_step_s": run["step_s"],
+            "replay_s": run["replay_s"], "graph_steps": graphs, "prompt_len": prompt_len,
+            "output_len": output_len}
 
 
 def run_tp_bench(shapes=tuple(LENGTHS), sizes=(1, 2), concurrency: int = 64,

@@ -23,6 +23,7 @@ def kv_slots_for(config, bytes_per_slot: int, max_model_len: int, vocab_size: in
         return config.kv_slots
     if not config.device.startswith("cuda"):
         return min(config.max_num_seqs * max_model_len, max(CPU_KV_BYTES // bytes_per_slot, 2))
+    torch.cuda.empty_cache()  # blocks cached by an earlier engine in this process are free
     free, total = torch.cuda.mem_get_info(torch.device(config.device))
     logits = 4 * vocab_size * (2 * config.max_num_seqs + config.max_num_batched_tokens // 8)
     budget = total * config.gpu_memory_utilization - (total - free) - _GPU_RESERVE_BYTES - logits

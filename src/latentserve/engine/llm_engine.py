@@ -233,8 +233,11 @@ class LLMEngine:
         try:
             self.runner.send_stop()
         finally:
-            stop_workers(self._tp_procs)
+            # NOTE: leave the group while the workers leave it too: NCCL's teardown waits
+            # for its peers, so destroying after they exited (or before they start) hangs.
+            self.runner.release_graphs()
             destroy_tp_group()
+            stop_workers(self._tp_procs)
 
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort(rid)
@@ -396,7 +399,6 @@ class LLMEngine:
 
             return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured,
                                self.runner.last_head_out)
-            return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured)
         if self.latent_spec is not None and self.latent_spec.kind == "loop":
             return None  # latent.loop.after_forward already prepared the next passes
         rows = [i for i, r in enumerate(reqs)

@@ -58,6 +58,14 @@ class ModelRunner:
         ``capture_graphs``, which bakes it into the graphs); -1 turns capture off."""
         self.capture_layer = layer
 
+    def release_graphs(self) -> None:
+        """Drop the captured decode graphs (later decode steps run eagerly) and wait for the
+        device. Tensor parallelism calls it before leaving the process group: graphs that
+        captured NCCL collectives keep the communicator busy."""
+        self.graphs = None
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def capture_graphs(self, max_bs: int, hidden_size: int, dtype: torch.dtype) -> None:
         """Capture decode graphs for batch sizes up to ``max_bs`` (CUDA + Triton only)."""
         from latentserve.engine.cuda_graph import CudaGraphRunner

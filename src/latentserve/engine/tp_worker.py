@@ -316,6 +316,8 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
                                   config.torch_dtype)
         runner.serve_forever()
     finally:
+        if runner is not None:
+            runner.release_graphs()
         destroy_tp_group()
 
 
