@@ -125,8 +125,12 @@ def step_cost(engine, bare, prompts, open_ids, max_latent: int, device: str) -> 
     from latentserve.bench.device_common import drive
 
     n_close = len(engine.latent_spec.end_ids)
+    # NOTE: both phases start from an empty prefix cache, so neither pays for evicting the
+    # earlier phases' cached prompts (nor reuses them): like is compared with like.
+    engine.cache.radix.reset()
     lat = drive(engine, prompts, _params(max_latent, 1, n_close), device, "lat")
     plain_prompts = [p + list(open_ids) for p in prompts]
+    engine.cache.radix.reset()
     plain = drive(engine, plain_prompts, _params(0, max_latent + 1, 0, False), device, "pln")
     out = {"batch": len(prompts), "latent_steps": lat["steps"].get("latent", 0),
            "latent_step_s": lat["step_s"].get("latent"),
