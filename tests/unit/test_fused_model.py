@@ -47,3 +47,82 @@ def test_fused_ops_default_only_on_cuda_triton():
     assert not EngineConfig(device="cuda", attention_backend="torch").use_fused_ops
     assert EngineConfig(device="cuda").use_fused_ops
     assert not EngineConfig(device="cuda", fused_ops=False).use_fused_ops
+
+
+def test_fused_ouro_matches_unfused_fp32(tmp_path):
+    """Ouro's fast path (merged q/k/v and gate/up, in-place RoPE from its ``[T, 1, D]``
+    cos/sin, the RMSNorm kernel on all four sandwich norms and the loop's final norm) gives
+    the unfused path's tokens and logits (1e-4) for mixed depths and readouts; the unfused
+    path is checked against the upstream-algorithm reference in
+    ``tests/parity/test_recurrent_parity.py``."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.recurrent_models import write_ouro
+    from latentserve.testing.tp_parity import assert_same, run_requests
+
+    path = write_ouro(tmp_path / "ouro")
+    g = torch.Generator().manual_seed(3)
+    cases = [(4, None, None), (2, "threshold", 0.6), (6, "weighted", None), (3, "last", None)]
+    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
+             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
+                            exit_criterion=c, exit_threshold=t))
+            for n, (d, c, t) in zip((9, 17, 4, 12), cases)]
+    out = {}
+    for fused in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(path), fused_ops=fused))
+        layer = engine.runner.model.model.layers[0]
+        assert layer.self_attn.fused == fused and layer.input_layernorm_2.fused == fused
+        out[fused] = run_requests(engine, reqs)
+    assert_same(out[False], out[True])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_pairs_kernel_matches_huginn_eager(dtype):
+    """The in-place kernel on strided views of a fused q|k|v output equals the eager
+    ``qk_bias`` add (in the activation dtype) then ``rope_pairs`` (fp32 rotation)."""
+    from latentserve.models.huginn import rope_pairs
+    from latentserve.ops.kernels import apply_rotary_pairs_
+
+    g = torch.Generator().manual_seed(0)
+    t, h, d = 5, 3, 8
+    qkv = torch.randn(t, 3 * h * d, generator=g).to(dtype)
+    bias = (0.5 * torch.randn(2, h, d, generator=g)).to(dtype)
+    freqs = torch.arange(t)[:, None].float() * torch.rand(d // 2, generator=g)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : 2 * h * d].view(t, h, d)
+    want_q = rope_pairs((q + bias[0]).to(dtype), cos[:, None], sin[:, None])
+    want_k = rope_pairs((k + bias[1]).to(dtype), cos[:, None], sin[:, None])
+    v_before = qkv[:, 2 * h * d :].clone()
+    apply_rotary_pairs_(q, k, cos, sin, bias[0], bias[1])
+    tol = 0 if dtype == torch.float32 else 2 ** -7  # one bf16 ulp at |x| < 2 (fp32 FMA)
+    torch.testing.assert_close(q, want_q, atol=1e-6 if tol == 0 else tol, rtol=0)
+    torch.testing.assert_close(k, want_k, atol=1e-6 if tol == 0 else tol, rtol=0)
+    assert torch.equal(qkv[:, 2 * h * d :], v_before)  # v untouched
+    with pytest.raises(ValueError, match="both q_bias and k_bias"):
+        apply_rotary_pairs_(q, k, cos, sin, bias[0], None)
+
+
+def test_fused_huginn_matches_unfused_fp32(tmp_path):
+    """Huginn's fast path (RMSNorm kernel with the sandwich residual add, the qk_bias +
+    pair-RoPE kernel, SiLU-and-multiply) gives the unfused path's tokens and logits (1e-4)
+    at mixed depths, with and without early exit; the unfused path is checked against the
+    upstream-algorithm reference in ``tests/parity/test_recurrent_parity.py``."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.recurrent_models import write_huginn
+    from latentserve.testing.tp_parity import assert_same, run_requests
+
+    path = write_huginn(tmp_path / "huginn")
+    g = torch.Generator().manual_seed(4)
+    cases = [(4, {}), (2, {}), (6, {"exit_criterion": "kl", "exit_threshold": 5e-4}),
+             (3, {})]
+    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
+             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
+                            **kw))
+            for n, (d, kw) in zip((9, 17, 4, 12), cases)]
+    out = {}
+    for fused in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(path), fused_ops=fused))
+        block = engine.runner.model.transformer.core_block[0]
+        assert block.attn.fused == fused and block.mlp.fused == fused and \
+            block.norm_2.fused == fused
+        out[fused] = run_requests(engine, reqs)
+    assert_same(out[False], out[True])

@@ -71,16 +71,25 @@ class CausalSelfAttention(nn.Module):
             self.qk_bias = nn.Parameter(torch.zeros(2, 1, n_head, d))
         self.proj = nn.Linear(n_embd, n_embd, bias=False)
         self.scale = d**-0.5
+        self.fused = False  # the qk_bias add and RoPE by one Triton kernel, in place
 
     def forward(self, x, cos, sin, bank: int):
+        """x ``[T, n_embd]``; cos, sin ``[T, 1, head_dim / 2]`` float32."""
         t = x.shape[0]
         q, k, v = self.Wqkv(x).split(self.chunks, dim=-1)
         q = q.view(t, self.n_head, self.head_dim)
         k = k.view(t, self.n_kv, self.head_dim)
         v = v.view(t, self.n_kv, self.head_dim)
-        if self.has_qk_bias:
-            q, k = (q + self.qk_bias[0, 0]).to(q.dtype), (k + self.qk_bias[1, 0]).to(q.dtype)
-        q, k = rope_pairs(q, cos, sin), rope_pairs(k, cos, sin)
+        if self.fused:
+            from latentserve.ops.kernels import apply_rotary_pairs_
+
+            bias = self.qk_bias[:, 0] if self.has_qk_bias else (None, None)
+            apply_rotary_pairs_(q, k, cos[:, 0], sin[:, 0], bias[0], bias[1])
+        else:
+            if self.has_qk_bias:
+                q = (q + self.qk_bias[0, 0]).to(q.dtype)
+                k = (k + self.qk_bias[1, 0]).to(q.dtype)
+            q, k = rope_pairs(q, cos, sin), rope_pairs(k, cos, sin)
         o = paged_attention(bank, q, k, v, self.scale)
         return self.proj(o.reshape(t, -1))
 
@@ -92,8 +101,13 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(n_embd, 2 * intermediate, bias=False)
         self.proj = nn.Linear(intermediate, n_embd, bias=False)
+        self.fused = False  # SiLU-and-multiply by the Triton kernel
 
     def forward(self, x):
+        if self.fused:
+            from latentserve.ops import kernels
+
+            return self.proj(kernels.silu_and_mul(self.fc(x)))
         a, b = self.fc(x).chunk(2, dim=-1)
         return self.proj(F.silu(a) * b)
 
@@ -109,8 +123,9 @@ class SandwichBlock(nn.Module):
         self.norm_4 = RMSNorm(n_embd, eps)
 
     def forward(self, x, cos, sin, bank: int):
-        x = self.norm_2(self.attn(self.norm_1(x), cos, sin, bank) + x)
-        return self.norm_4(self.mlp(self.norm_3(x)) + x)
+        # norm(f(x) + x) as RMSNorm's residual form: one kernel for the add and the norm
+        x = self.norm_2(self.attn(self.norm_1(x), cos, sin, bank), x)[0]
+        return self.norm_4(self.mlp(self.norm_3(x)), x)[0]
 
 
 def huginn_config(d: dict):
@@ -234,6 +249,17 @@ class RavenForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.transformer.wte(input_ids)
+
+    def use_fused_ops(self) -> None:
+        """Switch to the CUDA fast path (``latentserve.ops.kernels``): the RMSNorm kernel
+        (with the sandwich blocks' residual add folded in), the ``qk_bias`` add and
+        interleaved-pair RoPE in one in-place kernel, SiLU-and-multiply on ``mlp.fc``'s
+        output. The GEMMs are already fused upstream (``Wqkv``, ``fc``). Call once after
+        ``load_weights``. Runs wherever Triton runs (CUDA; CPU only under
+        ``TRITON_INTERPRET=1``)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, CausalSelfAttention, GatedMLP)):
+                m.fused = True
 
     def rope(self, positions: torch.Tensor):
         """``(cos, sin)``, each ``[T, 1, head_dim / 2]`` float32."""

@@ -39,7 +39,8 @@ from torch import nn
 from latentserve.context import get_context
 from latentserve.latent.recurrent import ActiveRows, ExitRule, fill_banks
 from latentserve.latent.spec import LatentSpec
-from latentserve.models.layers import RMSNorm, Rotary, _rotate_half, inject, paged_attention
+from latentserve.models.layers import (RMSNorm, Rotary, _rotate_half, inject, merge_linears,
+                                       paged_attention)
 from latentserve.models.weights import load_by_name
 from latentserve.models.llama import LlamaMLP
 
@@ -69,13 +70,32 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.scale = d**-0.5
+        self.fused = False
+
+    def fuse(self) -> None:
+        """Fast path: one q/k/v GEMM (``qkv_proj``) and RoPE in place by the Triton kernel,
+        as ``LlamaAttention.fuse``. Call after loading (and sharding) the weights."""
+        self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.fused = True
 
     def forward(self, x, cos, sin, bank: int):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """x ``[T, hidden]``; cos, sin ``[T, 1, head_dim]`` (``OuroForCausalLM.rope``)."""
+        t, d = x.shape[0], self.head_dim
+        if self.fused:
+            from latentserve.ops.kernels import apply_rotary_
+
+            qkv = self.qkv_proj(x)
+            nq, nk = self.n_heads * d, self.n_kv * d
+            q = qkv[:, :nq].view(t, self.n_heads, d)
+            k = qkv[:, nq : nq + nk].view(t, self.n_kv, d)
+            v = qkv[:, nq + nk :].view(t, self.n_kv, d)
+            apply_rotary_(q, k, cos[:, 0], sin[:, 0])
+        else:
+            q = self.q_proj(x).view(t, self.n_heads, d)
+            k = self.k_proj(x).view(t, self.n_kv, d)
+            v = self.v_proj(x).view(t, self.n_kv, d)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         o = paged_attention(bank, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
@@ -160,6 +180,19 @@ class OuroForCausalLM(nn.Module):
 
     def bank(self, t: int, layer: int) -> int:
         return t * self.n_layers + layer
+
+    def use_fused_ops(self) -> None:
+        """Switch to the CUDA fast path (``latentserve.ops.kernels``), as
+        ``LlamaForCausalLM.use_fused_ops``: merged q/k/v and gate/up GEMMs, in-place RoPE,
+        SiLU-and-multiply and the RMSNorm kernel for all four sandwich norms, the loop's final
+        norm included. Call once after ``load_weights``. Runs wherever Triton runs (CUDA; CPU
+        only under ``TRITON_INTERPRET=1``)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fused = True
 
     def embed(self, input_ids):
         return self.model.embed_tokens(input_ids)

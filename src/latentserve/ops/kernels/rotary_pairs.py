@@ -1,0 +1,98 @@
+"""Huginn's RoPE kernel: optional per-head bias add, then rotation of interleaved pairs, for q
+and k in place in one launch (reference: ``models.huginn.rope_pairs`` after the ``qk_bias``
+add).
+
+Upstream (``apply_rotary_emb_complex_like`` in seal-rg/recurrent-pretraining
+``recpre/raven_modeling_minimal.py``) treats ``(x[2i], x[2i+1])`` as a complex number and
+multiplies it by ``exp(i * pos * inv_freq[i])`` in fp32. One program per token loads every q
+and k head as pairs, adds the bias rounded as the eager path rounds it (the sum is taken in
+the activation dtype), rotates in fp32 and stores in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_pairs(base, stride_h, bias, c, s, n_heads, HAS_BIAS: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h < n_heads)[:, None] & (offs_i < HALF)[None, :]
+    ptr = base + offs_h[:, None] * stride_h + 2 * offs_i[None, :]
+    a = tl.load(ptr, mask=mask, other=0.0)
+    b = tl.load(ptr + 1, mask=mask, other=0.0)
+    dt = a.dtype
+    if HAS_BIAS:  # bias [heads, 2 * HALF] contiguous, same dtype; eager: (x + bias) in dt
+        bptr = bias + offs_h[:, None] * (2 * HALF) + 2 * offs_i[None, :]
+        a = (a.to(tl.float32) + tl.load(bptr, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        b = (b.to(tl.float32) + tl.load(bptr + 1, mask=mask, other=0.0).to(tl.float32)).to(dt)
+    a, b = a.to(tl.float32), b.to(tl.float32)
+    tl.store(ptr, (a * c - b * s).to(dt), mask=mask)
+    tl.store(ptr + 1, (b * c + a * s).to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_pairs_kernel(
+    Q, K, QBias, KBias, Cos, Sin,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+    n_q_heads, n_k_heads,
+    HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    c = tl.load(Cos + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0).to(tl.float32)
+    s = tl.load(Sin + t * stride_st + offs_i, mask=offs_i < HALF, other=0.0).to(tl.float32)
+    _rotate_pairs(Q + t * stride_qt, stride_qh, QBias, c[None, :], s[None, :], n_q_heads,
+                  HAS_BIAS, HALF, BLOCK_HQ, BLOCK_HALF)
+    _rotate_pairs(K + t * stride_kt, stride_kh, KBias, c[None, :], s[None, :], n_k_heads,
+                  HAS_BIAS, HALF, BLOCK_HK, BLOCK_HALF)
+
+
+def apply_rotary_pairs_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, q_bias: torch.Tensor | None = None,
+                        k_bias: torch.Tensor | None = None) -> None:
+    """Add the per-head bias (when given) and rotate interleaved pairs of q and k, in place.
+
+    Args:
+        q: ``[T, H, D]``, k: ``[T, Hk, D]``, same float dtype, last dim contiguous (views into
+            the fused ``Wqkv`` output are fine). D even.
+        cos, sin: ``[T, D/2]`` float32 (``RavenForCausalLM.rope`` without its head axis),
+            last dim contiguous.
+        q_bias, k_bias: ``[H, D]`` and ``[Hk, D]`` in q's dtype, contiguous (Huginn's
+            ``qk_bias[0, 0]`` and ``qk_bias[1, 0]``), both or neither.
+    Raises:
+        ValueError: on a shape, dtype or stride mismatch.
+    """
+    t, h, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or k.dtype != q.dtype or d % 2:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must "
+                         "share T, an even head_dim and the dtype")
+    half = d // 2
+    if cos.shape != (t, half) or sin.shape != (t, half):
+        raise ValueError(f"cos/sin must be [{t}, {half}], got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    if any(x.stride(-1) != 1 for x in (q, k, cos, sin)):
+        raise ValueError("q, k, cos and sin need a contiguous last dim")
+    has_bias = q_bias is not None
+    if has_bias != (k_bias is not None):
+        raise ValueError("pass both q_bias and k_bias, or neither")
+    if has_bias and (q_bias.shape != (h, d) or k_bias.shape != (k.shape[1], d)
+                     or q_bias.dtype != q.dtype or k_bias.dtype != q.dtype
+                     or not q_bias.is_contiguous() or not k_bias.is_contiguous()):
+        raise ValueError(f"q_bias/k_bias must be contiguous [{h}, {d}] / [{k.shape[1]}, {d}] "
+                         f"in {q.dtype}")
+    if t == 0:
+        return
+    _rotary_pairs_kernel[(t,)](
+        q, k, q_bias if has_bias else q, k_bias if has_bias else k, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        h, k.shape[1],
+        HAS_BIAS=has_bias, HALF=half, BLOCK_HQ=triton.next_power_of_2(h),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=4 if h * half >= 1024 else 1,
+    )
