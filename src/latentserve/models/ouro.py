@@ -39,10 +39,16 @@ from torch import nn
 from latentserve.context import get_context
 from latentserve.latent.recurrent import ActiveRows, ExitRule, fill_banks
 from latentserve.latent.spec import LatentSpec
-from latentserve.models.layers import (RMSNorm, Rotary, _rotate_half, inject, merge_linears,
-                                       paged_attention)
-from latentserve.models.weights import load_by_name
+from latentserve.models.layers import (
+    RMSNorm,
+    Rotary,
+    _rotate_half,
+    inject,
+    merge_linears,
+    paged_attention,
+)
 from latentserve.models.llama import LlamaMLP
+from latentserve.models.weights import load_by_name
 
 
 def ouro_config(d: dict):
