@@ -239,7 +239,7 @@ def test_a_killed_engine_fails_only_its_model_and_stop_ends_every_engine(multi_s
             assert r.status_code == 200, (name, r.text)
     assert http.get("/health", params={"model": dead[0]}).status_code == 503
     assert multi_server.stop() is not None
-    gone, alive = psutil.wait_procs(engines, timeout=10)
+    _, alive = psutil.wait_procs(engines, timeout=10)
     assert not alive
 
 
@@ -256,12 +256,28 @@ def test_same_name_twice_fails_at_start_up_naming_both_paths(tmp_path):
     code = "import sys; from latentserve.cli import main; sys.exit(main(sys.argv[1:]))"
     done = subprocess.run([sys.executable, "-c", code, "serve", "--model", path, "--model",
                            str(tmp_path / "other"), "--model", path, "--port", "0"],
-                          capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("latentserve: error: models 1 and 3 would both be served "
                                 f"as '{path}' (--model {path} and --model {path})"), lines
     assert "Traceback" not in done.stderr
+
+
+def test_a_model_that_cannot_load_fails_start_up_naming_it(tmp_path):
+    code = "import sys; from latentserve.cli import main; sys.exit(main(sys.argv[1:]))"
+    bad = str(tmp_path / "missing")
+    other = tmp_path / "bad-config"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "no-such-arch"}')
+    done = subprocess.run([sys.executable, "-c", code, "serve", "--model", str(other),
+                           "--model", bad, "--port", "0"],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"latentserve: error: EngineStartupError: {other}: engine "
+                                "failed to start:"), lines[-1]
+    assert "Traceback" not in done.stderr + done.stdout
 
 
 class _StandIn:

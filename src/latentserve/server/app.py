@@ -32,6 +32,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     inside uvicorn's event loop; ``on_shutdown`` runs last (uvicorn re-raises SIGTERM after
     its shutdown, so cleanup cannot wait until after ``uvicorn.run`` returns).
     """
+    import asyncio
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -59,8 +60,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         TokenizeRequest,
     )
     from latentserve.server.security import GuardMiddleware
-
-    import asyncio
 
     served = state if isinstance(state, ServedModels) else ServedModels(state)
     registry = None

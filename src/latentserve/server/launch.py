@@ -127,9 +127,14 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
         ("max_request_output_tokens", max_request_output_tokens)) if v is not None})
     engines = start_engines(configs)
 
-    def stop_engines() -> None:
-        for engine in engines:
-            engine.stop()
+    def stop_engines() -> None:  # all at once: each may wait for its engine to exit
+        if len(engines) == 1:
+            engines[0].stop()
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda e: e.stop(), engines))
 
     try:
         states = []
