@@ -70,21 +70,33 @@ def save_scripted(out_dir, table: dict[int, list[tuple[int, float]]]):
     return out_dir
 
 
+def _entries(health: dict) -> list[dict]:
+    """The per-model entries of a ``/health`` body (one per served model)."""
+    return health.get("models") or [health]
+
+
+def _idle(entry: dict) -> bool:
+    engine = entry.get("engine") or {}
+    return (entry.get("running") == 0 and engine.get("num_running") == 0
+            and engine.get("num_waiting") == 0)
+
+
 def wait_idle(http, timeout: float = 30.0) -> dict:
-    """Poll ``/health`` until no request runs in the API process or the engine; return it."""
+    """Poll ``/health`` until no request runs in the API process or any engine (every
+    served model); return it."""
     deadline = time.monotonic() + timeout
     health = None
     while time.monotonic() < deadline:
         health = http.get("/health").json()
-        engine = health.get("engine") or {}
-        if (health["running"] == 0 and engine.get("num_running") == 0
-                and engine.get("num_waiting") == 0):
+        if health.get("running") == 0 and all(_idle(e) for e in _entries(health)):
             return health
         time.sleep(0.05)
     raise AssertionError(f"requests still running: {health}")
 
 
 def assert_slots_invariant(health: dict) -> None:
-    """With nothing running, every KV slot is free or held by the prefix cache."""
-    assert health["kv_slots_free"] + health["kv_slots_cached"] == health["kv_slots_total"], \
-        health
+    """With nothing running, every KV slot of every served model's engine is free or held
+    by the prefix cache."""
+    for entry in _entries(health):
+        assert entry["kv_slots_free"] + entry["kv_slots_cached"] == entry["kv_slots_total"], \
+            entry

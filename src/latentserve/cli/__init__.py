@@ -7,10 +7,19 @@ import os
 import sys
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags that build an ``EngineConfig`` (shared by serve, generate and demo)."""
-    p.add_argument("--model", default=None,
-                   help="HF-style model directory or .gguf file (default: embedded SmolLM2)")
+def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) -> None:
+    """Flags that build an ``EngineConfig`` (shared by serve, generate and demo);
+    ``several_models``: ``--model`` may be repeated (``args.model`` is then a list or None,
+    see :func:`engine_configs`)."""
+    if several_models:
+        p.add_argument("--model", action="append", default=None,
+                       help="HF-style model directory or .gguf file (default: embedded "
+                            "SmolLM2); repeat to serve several models, one engine each, "
+                            "each under its own name")
+    else:
+        p.add_argument("--model", default=None,
+                       help="HF-style model directory or .gguf file (default: embedded "
+                            "SmolLM2)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None,
@@ -40,10 +49,27 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "recurrences per token (Huginn, Ouro); default: the model's own cap")
 
 
-def engine_config(args: argparse.Namespace):
+def engine_configs(args: argparse.Namespace) -> list:
+    """One ``EngineConfig`` per ``--model`` (repeatable, see ``add_engine_args``), all with
+    the same engine flags; none given: the embedded default model."""
+    import dataclasses
+
+    models = args.model if isinstance(args.model, list) else [args.model]
+    base = engine_config(args, model=None)
+    return [dataclasses.replace(base, model=m) for m in models]
+
+
+def engine_config(args: argparse.Namespace, model: str | None | list = ...):
+    """The ``EngineConfig`` of the flags (``model``: instead of ``args.model``)."""
     from latentserve.config import EngineConfig
 
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+    if model is ...:
+        model = args.model
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("this command takes one --model")
+        model = model[0]
+    return EngineConfig(model=model, device=args.device, dtype=args.dtype,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         kv_slots=args.kv_slots,
                         max_num_batched_tokens=args.max_num_batched_tokens,

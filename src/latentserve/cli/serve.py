@@ -6,8 +6,9 @@ from __future__ import annotations
 def register(sub) -> None:
     from latentserve.cli import add_engine_args
 
-    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_engine_args(p)
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (repeat --model "
+                                      "to serve several models)")
+    add_engine_args(p, several_models=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
@@ -25,15 +26,19 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from latentserve.cli import engine_config
-    from latentserve.server.launch import run_server, server_kwargs
+    from latentserve.cli import engine_configs
+    from latentserve.server.launch import check_model_names, run_server, server_kwargs
 
+    configs = engine_configs(args)
+    check_model_names(configs)  # a name served twice fails before any engine starts
     if args.data_parallel_size != 1:
+        if len(configs) != 1:
+            raise ValueError("--data-parallel-size serves one model; give one --model")
         from latentserve.server.replicas import serve_replicas
 
-        serve_replicas(engine_config(args), args.data_parallel_size, args.host, args.port,
+        serve_replicas(configs[0], args.data_parallel_size, args.host, args.port,
                        args.router_policy, server_kwargs(args))
         return 0
-    run_server(engine_config(args), host=args.host, port=args.port, log_level=args.log_level,
-               **server_kwargs(args))
+    run_server(configs[0] if len(configs) == 1 else configs, host=args.host, port=args.port,
+               log_level=args.log_level, **server_kwargs(args))
     return 0

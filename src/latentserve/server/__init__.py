@@ -14,5 +14,6 @@ Two processes (the mini-sglang / SGLang shape)::
 A client request becomes one engine request per choice (``n``, and per prompt for a list of
 completion prompts), with unique engine ids; a client that disconnects aborts all of them.
 Start it with :func:`latentserve.server.launch.run_server` (or ``start_server`` for a
-subprocess).
+subprocess). Several models: one engine process each, chosen by the request's
+``model`` (``state.ServedModels``; ``run_server`` / ``start_server`` take a list of configs).
 """

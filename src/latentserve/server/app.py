@@ -5,25 +5,34 @@
 
 from collections.abc import Callable
 
-from latentserve.server.state import ServerState
+from latentserve.server.state import ServedModels, ServerState
 
 STATS_TIMEOUT_S = 5.0
 
 
-def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None,
-               api_key: str | None = None):
-    """Build the app around a (not yet started) engine client and the engine's facts.
+def create_app(state: ServerState | list[ServerState] | ServedModels,
+               on_shutdown: Callable[[], None] | None = None, api_key: str | None = None):
+    """Build the app around (not yet started) engine clients and their engines' facts: one
+    ``ServerState`` per served model (a list, or one state for a single model).
+
+    A request's ``model`` picks the model (``ServedModels.resolve``): with several models,
+    every route that takes ``model`` needs it (400 naming ``model`` when missing, 404
+    ``model_not_found`` for a name not served); with one model, a missing ``model`` means
+    that model, as before. ``GET /v1/models`` lists every model; ``/health`` reports every
+    engine (``models``: one entry per model); ``/metrics`` labels each sample with its
+    model's name.
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/messages``
     (Anthropic), ``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``POST /tokenize``,
     ``POST /detokenize``, ``GET /health`` (the engine's live stats, including
     ``kv_slots_free`` / ``kv_slots_cached`` / ``kv_slots_total``; 503 once the engine
     process is gone), ``GET /version``, ``GET /metrics`` (Prometheus). ``api_key`` (None: no
-    authentication) and ``state.limits.max_request_body_bytes`` are enforced by
-    ``security.GuardMiddleware``. The client is started and closed by the app's lifespan,
+    authentication) and the first model's ``limits.max_request_body_bytes`` are enforced by
+    ``security.GuardMiddleware``. The clients are started and closed by the app's lifespan,
     inside uvicorn's event loop; ``on_shutdown`` runs last (uvicorn re-raises SIGTERM after
     its shutdown, so cleanup cannot wait until after ``uvicorn.run`` returns).
     """
+    import asyncio
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -39,7 +48,7 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
     from latentserve.server.completions import create_completion
     from latentserve.server.errors import APIError, install_error_handlers
     from latentserve.server.logprobs import token_texts
-    from latentserve.server.metrics import ServerMetrics
+    from latentserve.server.metrics import MetricsRegistry
     from latentserve.server.params import check_model as check_served_model
     from latentserve.server.prompts import chat_prompt_ids
     from latentserve.server.protocol import (
@@ -52,50 +61,70 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
     )
     from latentserve.server.security import GuardMiddleware
 
-    if state.metrics is None:
-        state.metrics = ServerMetrics(state.model_name, lambda: state.client.last_stats)
+    served = state if isinstance(state, ServedModels) else ServedModels(state)
+    registry = None
+    for s in served.states:
+        if s.metrics is None:
+            registry = registry or MetricsRegistry()
+            s.metrics = registry.model(s.model_name, lambda s=s: s.client.last_stats)
+    # One /metrics body per registry (states given their own ServerMetrics keep theirs).
+    registries = list({id(s.metrics.shared): s.metrics.shared for s in served.states
+                       if hasattr(s.metrics, "shared")}.values())
 
     @asynccontextmanager
     async def lifespan(app):
-        await state.client.start()
+        started = []
         try:
+            for s in served.states:
+                await s.client.start()
+                started.append(s.client)
             yield
         finally:
-            await state.client.close()
+            for client in started:
+                await client.close()
             if on_shutdown is not None:
                 on_shutdown()
 
     app = FastAPI(title="latentserve", lifespan=lifespan)
-    app.state.server = state
+    app.state.server = served.first
+    app.state.models = served
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key,
-                       max_body_bytes=state.limits.max_request_body_bytes)
+                       max_body_bytes=served.first.limits.max_request_body_bytes)
 
     def as_json(result):
         if isinstance(result, (JSONResponse, dict)) or not hasattr(result, "model_dump"):
             return JSONResponse(result) if isinstance(result, dict) else result
         return JSONResponse(result.model_dump(mode="json"))
 
-    def check_model(model):
+    def model_state(model: str | None) -> ServerState:
+        """The state of the model a request names; with one model, its name is checked
+        (a missing ``model`` is that model)."""
+        state = served.resolve(model)
         check_served_model(model, state.model_name)
+        return state
+
+    def card(s: ServerState) -> ModelCard:
+        return ModelCard(id=s.model_name, max_model_len=s.max_model_len)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return as_json(await create_chat_completion(body, request, state))
+        return as_json(await create_chat_completion(body, request, served.resolve(body.model)))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request):
-        return as_json(await create_completion(body, request, state))
+        return as_json(await create_completion(body, request, served.resolve(body.model)))
 
     @app.post("/v1/messages", response_model=None)
     async def messages(body: MessagesRequest, request: Request):
-        return as_json(await create_message(body, request, state))
+        return as_json(await create_message(body, request, served.resolve(body.model)))
 
     @app.post("/v1/messages/count_tokens", response_model=None)
     async def count_tokens(body: CountTokensRequest):
         from latentserve.server.anthropic_api import _conversation
         from latentserve.server.prompts import render_chat
 
+        state = served.resolve(body.model)  # one model: any name counts, as before
         conversation = _conversation(body)
         ids = render_chat(state.tokenizer, conversation,
                           continue_final_message=conversation[-1]["role"] == "assistant")
@@ -103,18 +132,16 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
 
     @app.get("/v1/models", response_model=None)
     async def models():
-        card = ModelCard(id=state.model_name, max_model_len=state.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+        data = [card(s) for s in served.states]
+        return JSONResponse(ModelList(data=data).model_dump(mode="json"))
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(model_id: str):
-        check_model(model_id)
-        card = ModelCard(id=state.model_name, max_model_len=state.max_model_len)
-        return JSONResponse(card.model_dump(mode="json"))
+        return JSONResponse(card(model_state(model_id)).model_dump(mode="json"))
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: TokenizeRequest):
-        check_model(body.model)
+        state = model_state(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.prompt is not None:
@@ -133,26 +160,48 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
 
     @app.post("/detokenize", response_model=None)
     async def detokenize(body: DetokenizeRequest):
-        check_model(body.model)
+        state = model_state(body.model)
         limit = state.vocab_size or len(state.tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < limit]
         if bad:
             raise APIError(f"tokens must be in [0, {limit}), got {bad[0]}", param="tokens")
         return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
 
-    @app.get("/health", response_model=None)
-    async def health():
-        client = state.client
+    async def model_health(s: ServerState) -> dict:
+        client = s.client
         if client.dead_reason is not None:
-            return JSONResponse({"status": "error", "reason": client.dead_reason},
-                                status_code=503)
+            return {"model": s.model_name, "status": "error", "reason": client.dead_reason}
         stats = await client.get_stats(STATS_TIMEOUT_S)
-        body = {"status": "ok", "ready": True, "running": client.num_running,
-                "aborts_sent": client.num_aborts_sent, "engine": stats}
+        body = {"model": s.model_name, "status": "ok", "ready": True,
+                "running": client.num_running, "aborts_sent": client.num_aborts_sent,
+                "engine": stats}
         if stats:
             for key in ("kv_slots_free", "kv_slots_cached", "kv_slots_total"):
                 body[key] = stats[key]
-        return JSONResponse(body)
+        return body
+
+    @app.get("/health", response_model=None)
+    async def health(model: str | None = None):
+        """Every engine's health (``models``, one entry each); ``?model=NAME``: that
+        model's only. One model (or ``?model``): its fields at the top level, 503 when its
+        engine is gone. Several: ``status`` is ``ok``, ``degraded`` (some engines are gone:
+        still 200, the other models serve) or ``error`` (all gone: 503); ``running`` and
+        ``aborts_sent`` are summed over the models."""
+        states = [model_state(model)] if model is not None else served.states
+        entries = list(await asyncio.gather(*(model_health(s) for s in states)))
+        if len(entries) == 1:
+            entry = entries[0]
+            if entry["status"] != "ok":
+                return JSONResponse({"status": "error", "reason": entry["reason"],
+                                     "models": entries}, status_code=503)
+            body = {k: v for k, v in entry.items() if k != "model"}
+            return JSONResponse({**body, "models": entries})
+        ok = [e for e in entries if e["status"] == "ok"]
+        status = "ok" if len(ok) == len(entries) else "degraded" if ok else "error"
+        body = {"status": status, "ready": bool(ok),
+                "running": sum(e["running"] for e in ok),
+                "aborts_sent": sum(e["aborts_sent"] for e in ok), "models": entries}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/version", response_model=None)
     async def version():
@@ -162,7 +211,11 @@ def create_app(state: ServerState, on_shutdown: Callable[[], None] | None = None
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        await state.client.get_stats(STATS_TIMEOUT_S)
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        await asyncio.gather(*(s.client.get_stats(STATS_TIMEOUT_S) for s in served.states))
+        if registries:
+            body = b"".join(r.render() for r in registries)
+        else:
+            body = b"".join(s.metrics.render() for s in served.states)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

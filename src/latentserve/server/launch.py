@@ -1,7 +1,8 @@
 """Start the server: :func:`run_server` in this process, or :func:`start_server` as a
 subprocess (tests, demos) that is ready once ``/health`` answers.
 
-``python -m latentserve.server.launch --model DIR --port 8000`` runs :func:`run_server`.
+``python -m latentserve.server.launch --model DIR --port 8000`` runs :func:`run_server`;
+``--model A --model B`` serves several models, one engine process each.
 """
 
 from __future__ import annotations
@@ -23,16 +24,79 @@ from latentserve.config import EngineConfig
 
 API_KEY_ENV = "LATENTSERVE_API_KEY"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info", api_key: str | None = None,
+def served_model_name(config: EngineConfig) -> str:
+    """The name ``config``'s model is served as (``LLMEngine.model_name``): the ``model``
+    path as given, or the embedded default's name."""
+    return config.model or DEFAULT_MODEL_NAME
+
+
+def check_model_names(configs: list[EngineConfig]) -> list[str]:
+    """The served names of ``configs``, in order.
+
+    Raises:
+        ValueError: no config, or two configs served under the same name (one line naming
+            both paths).
+    """
+    if not configs:
+        raise ValueError("no model to serve: give at least one --model")
+    seen: dict[str, int] = {}
+    names = []
+    for i, config in enumerate(configs):
+        name = served_model_name(config)
+        if name in seen:
+            j = seen[name]
+            raise ValueError(
+                f"models {j + 1} and {i + 1} would both be served as {name!r} "
+                f"(--model {configs[j].model or '(default)'} and --model "
+                f"{config.model or '(default)'}); give each model once")
+        seen[name] = i
+        names.append(name)
+    return names
+
+
+def _as_list(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
+    return [configs] if isinstance(configs, EngineConfig) else list(configs)
+
+
+def start_engines(configs: list[EngineConfig]) -> list:
+    """Start one ``EngineProcess`` per config, all at once, and wait until every one is
+    ready; returns them in order. If one fails, the others are stopped and its
+    ``EngineStartupError`` is raised (with a note naming its model when there are
+    several)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from latentserve.server.engine_process import EngineProcess
+
+    engines = [EngineProcess(c) for c in configs]
+    if len(engines) == 1:
+        engines[0].start()
+        return engines
+    with ThreadPoolExecutor(len(engines)) as pool:
+        futures = [pool.submit(e.start) for e in engines]
+        errors = [(c, f.exception()) for c, f in zip(configs, futures)]
+    failed = [(c, exc) for c, exc in errors if exc is not None]
+    if failed:
+        for e in engines:
+            e.stop()
+        config, exc = failed[0]
+        exc.args = (f"{served_model_name(config)}: {exc}",) + exc.args[1:]
+        raise exc
+    return engines
+
+
+def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1",
+               port: int = 8000, log_level: str = "info", api_key: str | None = None,
                max_request_body_bytes: int | None = None,
                drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
                max_request_output_tokens: int | None = None) -> None:
-    """Start the engine process, wait until its model is loaded and warmed up, then serve
-    HTTP with uvicorn until SIGINT/SIGTERM; the engine process is stopped on the way out (by
-    the app's shutdown, or the ``finally`` here when uvicorn fails to start).
+    """Start the engine process (one per config for a list: several models, each served
+    under its own name), wait until its model is loaded and warmed up, then serve
+    HTTP with uvicorn until SIGINT/SIGTERM; the engine processes are stopped on the way out
+    (by the app's shutdown, or the ``finally`` here when uvicorn fails to start).
 
     ``api_key``: required from clients on the API routes (None: open).
     ``max_request_body_bytes``: larger bodies get a 413 (None: 16 MiB).
@@ -46,43 +110,68 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     must do so under ``if __name__ == "__main__":``.
 
     Raises:
-        EngineStartupError: the engine could not start (bad model path, load error, ...).
+        ValueError: two configs would be served under the same name.
+        EngineStartupError: an engine could not start (bad model path, load error, ...);
+            the engines already started are stopped.
     """
     import uvicorn
 
     from latentserve.server.app import create_app
     from latentserve.server.client import EngineClient
-    from latentserve.server.engine_process import EngineProcess
-    from latentserve.server.state import ServerLimits, ServerState
+    from latentserve.server.state import ServedModels, ServerLimits, ServerState
 
+    configs = _as_list(config)
+    check_model_names(configs)
     limits = ServerLimits(**{k: v for k, v in (
         ("max_request_body_bytes", max_request_body_bytes),
         ("max_request_output_tokens", max_request_output_tokens)) if v is not None})
-    engine = EngineProcess(config)
-    ready = engine.start()
+    engines = start_engines(configs)
+
+    def stop_engines() -> None:  # all at once: each may wait for its engine to exit
+        if len(engines) == 1:
+            engines[0].stop()
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(lambda e: e.stop(), engines))
+
     try:
-        client = EngineClient(engine.addresses.input, engine.addresses.output,
-                              is_alive=engine.is_alive)
-        state = ServerState(client, ready.tokenizer, ready.model_name, ready.max_model_len,
-                            ready.vocab_size, limits=limits, latent_spec=ready.latent_spec)
-        app = create_app(state, on_shutdown=engine.stop, api_key=api_key)
-        server = _draining_server(uvicorn, client, drain_timeout)(uvicorn.Config(
+        states = []
+        for engine in engines:
+            ready = engine.ready
+            client = EngineClient(engine.addresses.input, engine.addresses.output,
+                                  is_alive=engine.is_alive)
+            states.append(ServerState(client, ready.tokenizer, ready.model_name,
+                                      ready.max_model_len, ready.vocab_size, limits=limits,
+                                      latent_spec=ready.latent_spec))
+        served = ServedModels(states)
+        app = create_app(served, on_shutdown=stop_engines, api_key=api_key)
+        server = _draining_server(uvicorn, [s.client for s in served.states],
+                                  drain_timeout)(uvicorn.Config(
             app, host=host, port=port, log_level=log_level,
             timeout_graceful_shutdown=drain_timeout))
         server.run()
     finally:
-        engine.stop()
+        stop_engines()
 
 
 # How long before the drain timeout the requests still running are aborted, seconds.
 _ABORT_BEFORE_DRAIN_END_S = 0.5
 
 
-def _draining_server(uvicorn, client, drain_timeout: float):
+def _draining_server(uvicorn, clients, drain_timeout: float):
     """``uvicorn.Server`` that, on the first shutdown signal, schedules an abort of every
-    request still running shortly before ``drain_timeout`` ends, so each finishes in the
+    request still running (in every engine of ``clients``, one client or a list) shortly
+    before ``drain_timeout`` ends, so each finishes in the
     engine (``finish_reason`` ``"abort"``; streams get their finish chunk and ``[DONE]``)
     before uvicorn closes the connections, instead of being cut off mid-stream."""
+
+    clients = clients if isinstance(clients, (list, tuple)) else [clients]
+
+    def abort_all() -> None:
+        for client in clients:
+            client.abort_all()
 
     class DrainingServer(uvicorn.Server):
         _armed = False
@@ -97,7 +186,7 @@ def _draining_server(uvicorn, client, drain_timeout: float):
                 return
             self._armed = True
             delay = max(drain_timeout - _ABORT_BEFORE_DRAIN_END_S, 0.0)
-            loop.call_soon_threadsafe(loop.call_later, delay, client.abort_all)
+            loop.call_soon_threadsafe(loop.call_later, delay, abort_all)
 
     return DrainingServer
 
@@ -141,13 +230,15 @@ class ServerProcess:
         self.stop()
 
 
-def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int | None = None,
+def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1",
+                 port: int | None = None,
                  timeout: float = 600.0, log_path: str | os.PathLike | None = None,
                  env: dict[str, str] | None = None, api_key: str | None = None,
                  max_request_body_bytes: int | None = None,
                  drain_timeout: float | None = None,
                  max_request_output_tokens: int | None = None) -> ServerProcess:
-    """Run ``python -m latentserve.server.launch`` for ``config`` and wait for ``/health``.
+    """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
+    one engine each) and wait for ``/health``.
 
     ``port`` None picks a free one. Output goes to ``log_path`` (a temp file if None).
     ``api_key``, ``max_request_body_bytes``, ``drain_timeout`` and
@@ -155,18 +246,24 @@ def start_server(config: EngineConfig, host: str = "127.0.0.1", port: int | None
     (the key travels in the child's environment, not on its command line).
 
     Raises:
+        ValueError: two configs would be served under the same name (before anything
+            starts).
         RuntimeError: the server exited or was not healthy within ``timeout`` seconds; the
             message carries the end of its log.
     """
     import httpx
 
+    configs = _as_list(config)
+    check_model_names(configs)
     port = port or free_port(host)
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="latentserve-server-", suffix=".log")
         os.close(fd)
     log_path = Path(log_path)
     cmd = [sys.executable, "-m", "latentserve.server.launch", "--host", host,
-           "--port", str(port), "--config-json", json.dumps(asdict(config))]
+           "--port", str(port)]
+    for c in configs:
+        cmd += ["--config-json", json.dumps(asdict(c))]
     if max_request_body_bytes is not None:
         cmd += ["--max-request-body-bytes", str(max_request_body_bytes)]
     if drain_timeout is not None:
@@ -231,25 +328,33 @@ def server_kwargs(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m latentserve.server.launch``: serve one model."""
+    """``python -m latentserve.server.launch``: serve one model, or several (``--model``
+    / ``--config-json`` repeated)."""
     parser = argparse.ArgumentParser(description="latentserve OpenAI-compatible server")
-    parser.add_argument("--model", default=None, help="model directory or .gguf file")
-    parser.add_argument("--config-json", default=None,
-                        help="EngineConfig fields as a JSON object (overrides --model)")
+    parser.add_argument("--model", action="append", default=None,
+                        help="model directory or .gguf file (repeat to serve several)")
+    parser.add_argument("--config-json", action="append", default=None,
+                        help="EngineConfig fields as a JSON object, one per model (overrides "
+                             "--model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info")
     add_server_args(parser)
     args = parser.parse_args(argv)
-    fields = json.loads(args.config_json) if args.config_json else {"model": args.model}
+    if args.config_json:
+        configs = [EngineConfig(**json.loads(c)) for c in args.config_json]
+    else:
+        configs = [EngineConfig(model=m) for m in args.model or [None]]
     from latentserve.server.engine_process import EngineStartupError
 
     try:
-        run_server(EngineConfig(**fields), host=args.host, port=args.port,
-                   log_level=args.log_level, **server_kwargs(args))
+        run_server(configs[0] if len(configs) == 1 else configs, host=args.host,
+                   port=args.port, log_level=args.log_level, **server_kwargs(args))
     except EngineStartupError as exc:
         notes = "".join(getattr(exc, "__notes__", ()))
         sys.exit(f"{notes}\nlatentserve: {exc}")
+    except ValueError as exc:
+        sys.exit(f"latentserve: error: {exc}")
 
 
 if __name__ == "__main__":

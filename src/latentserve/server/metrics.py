@@ -17,6 +17,9 @@ Engine state, read from
 ``latentserve_kv_slots_{total,free,cached}``, ``latentserve_kv_cache_usage_perc`` (slots not
 free and not evictable, over the total), ``latentserve_prefix_cache_{queries,hits}_total``
 (prompt tokens), ``latentserve_prefix_cache_hit_rate`` and ``latentserve_num_preemptions_total``.
+
+Every sample carries the ``model_name`` label; a server of several models has one
+:class:`MetricsRegistry` (one ``/metrics`` body) and one :class:`ServerMetrics` per model.
 """
 
 from __future__ import annotations
@@ -77,20 +80,23 @@ class RequestTimer:
         m.finished.labels(finish_reason=finish_reason or "unknown").inc()
 
 
-class ServerMetrics:
-    """The API process's metrics, in their own registry (several apps may live in one
-    process, e.g. in tests). ``get_stats()`` returns the latest engine stats dict or None;
-    :meth:`render` is the ``/metrics`` body (Prometheus text format)."""
+class MetricsRegistry:
+    """The metric families of one ``/metrics`` body, shared by every model a server serves
+    (each sample carries its ``model_name`` label); :meth:`model` gives one model's
+    :class:`ServerMetrics`. Its own registry: several apps may live in one process (tests).
+    """
 
-    def __init__(self, model_name: str, get_stats: Callable[[], dict | None]):
+    def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
         reg = self.registry
 
         def hist(name, doc, buckets):
-            return Histogram(name, doc, ["model_name"], buckets=buckets,
-                             registry=reg).labels(model_name)
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=reg)
+
+        def counter(name, doc, labels=("model_name",)):
+            return Counter(name, doc, list(labels), registry=reg)
 
         self.ttft = hist("latentserve_time_to_first_token_seconds",
                          "Time to first token, seconds", _LATENCY_BUCKETS)
@@ -101,32 +107,23 @@ class ServerMetrics:
                          _LATENCY_BUCKETS)
         self.e2e = hist("latentserve_e2e_request_latency_seconds",
                         "End-to-end request latency, seconds", _E2E_BUCKETS)
-        self.prompt_tokens = Counter("latentserve_prompt_tokens", "Prompt tokens received",
-                                     ["model_name"], registry=reg).labels(model_name)
-        self.generation_tokens = Counter("latentserve_generation_tokens",
-                                         "Tokens generated", ["model_name"],
-                                         registry=reg).labels(model_name)
-        self.latent_steps = Counter("latentserve_latent_steps",
-                                    "Latent steps run by compression-head requests",
-                                    ["model_name"], registry=reg).labels(model_name)
+        self.prompt_tokens = counter("latentserve_prompt_tokens", "Prompt tokens received")
+        self.generation_tokens = counter("latentserve_generation_tokens", "Tokens generated")
+        self.latent_steps = counter("latentserve_latent_steps",
+                                    "Latent steps run by compression-head requests")
         self.latent_steps_per_request = hist(
             "latentserve_latent_steps_per_request",
             "Latent steps per compression-head request (thinking on)",
             (1, 2, 4, 8, 16, 32, 64, 128, 256))
-        finished = Counter("latentserve_request_success", "Finished requests by reason",
-                           ["model_name", "finish_reason"], registry=reg)
+        self.finished = counter("latentserve_request_success", "Finished requests by reason",
+                                ("model_name", "finish_reason"))
+        self.engines: list[tuple[str, Callable[[], dict | None]]] = []
+        reg.register(_EngineCollector(self.engines))
 
-        class _Finished:
-            @staticmethod
-            def labels(finish_reason: str):
-                return finished.labels(model_name, finish_reason)
-
-        self.finished = _Finished
-        reg.register(_EngineCollector(model_name, get_stats))
-
-    def timer(self, arrival: float | None = None) -> RequestTimer:
-        """A timer for one engine request that arrived at ``arrival`` (monotonic s)."""
-        return RequestTimer(self, time.monotonic() if arrival is None else arrival)
+    def model(self, model_name: str, get_stats: Callable[[], dict | None]) -> ServerMetrics:
+        """The metrics of one served model, whose latest engine stats ``get_stats()``
+        returns (None: none yet)."""
+        return ServerMetrics(model_name, get_stats, registry=self)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -134,12 +131,50 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class _EngineCollector:
-    """Engine gauges and counters from the latest ``LLMEngine.stats()``."""
+class ServerMetrics:
+    """One served model's metrics: its labelled children of a :class:`MetricsRegistry`'s
+    families (a registry of its own when ``registry`` is None). ``get_stats()`` returns the
+    latest engine stats dict or None; :meth:`render` is the ``/metrics`` body (Prometheus
+    text format, every model of the registry)."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], dict | None]):
+    def __init__(self, model_name: str, get_stats: Callable[[], dict | None],
+                 registry: MetricsRegistry | None = None):
+        shared = MetricsRegistry() if registry is None else registry
+        self.shared = shared
+        self.registry = shared.registry
         self.model_name = model_name
-        self.get_stats = get_stats
+        self.ttft = shared.ttft.labels(model_name)
+        self.itl = shared.itl.labels(model_name)
+        self.tpot = shared.tpot.labels(model_name)
+        self.e2e = shared.e2e.labels(model_name)
+        self.prompt_tokens = shared.prompt_tokens.labels(model_name)
+        self.generation_tokens = shared.generation_tokens.labels(model_name)
+        self.latent_steps = shared.latent_steps.labels(model_name)
+        self.latent_steps_per_request = shared.latent_steps_per_request.labels(model_name)
+        finished = shared.finished
+
+        class _Finished:
+            @staticmethod
+            def labels(finish_reason: str):
+                return finished.labels(model_name, finish_reason)
+
+        self.finished = _Finished
+        shared.engines.append((model_name, get_stats))
+
+    def timer(self, arrival: float | None = None) -> RequestTimer:
+        """A timer for one engine request that arrived at ``arrival`` (monotonic s)."""
+        return RequestTimer(self, time.monotonic() if arrival is None else arrival)
+
+    def render(self) -> bytes:
+        return self.shared.render()
+
+
+class _EngineCollector:
+    """Engine gauges and counters from each model's latest ``LLMEngine.stats()`` (one
+    sample per model that has stats)."""
+
+    def __init__(self, engines: list[tuple[str, Callable[[], dict | None]]]):
+        self.engines = engines
 
     def describe(self):
         return []
@@ -147,41 +182,50 @@ class _EngineCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        stats = self.get_stats()
-        if not stats:
+        rows = [(name, stats) for name, get in self.engines if (stats := get())]
+        if not rows:
             return
-        label = [self.model_name]
+
+        def family(kind, name, doc, value):
+            f = kind(name, doc, labels=["model_name"])
+            for model_name, stats in rows:
+                f.add_metric([model_name], value(stats))
+            return f
 
         def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(label, value)
-            return g
+            return family(GaugeMetricFamily, name, doc, value)
 
         def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(label, value)
-            return c
+            return family(CounterMetricFamily, name, doc, value)
 
-        total = stats["kv_slots_total"] or 1
-        busy = stats["kv_slots_total"] - stats["kv_slots_free"] - stats["kv_slots_evictable"]
-        queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+        def usage(stats):
+            total = stats["kv_slots_total"] or 1
+            busy = (stats["kv_slots_total"] - stats["kv_slots_free"]
+                    - stats["kv_slots_evictable"])
+            return busy / total
+
+        def hit_rate(stats):
+            queries = stats["prefix_cache_queries"]
+            return stats["prefix_cache_hits"] / queries if queries else 0.0
+
         yield gauge("latentserve_num_requests_running", "Requests admitted in the engine",
-                    stats["num_running"])
+                    lambda s: s["num_running"])
         yield gauge("latentserve_num_requests_waiting", "Requests queued in the engine",
-                    stats["num_waiting"])
+                    lambda s: s["num_waiting"])
         yield gauge("latentserve_kv_slots_total", "KV pool size, tokens",
-                    stats["kv_slots_total"])
-        yield gauge("latentserve_kv_slots_free", "Free KV slots", stats["kv_slots_free"])
+                    lambda s: s["kv_slots_total"])
+        yield gauge("latentserve_kv_slots_free", "Free KV slots", lambda s: s["kv_slots_free"])
         yield gauge("latentserve_kv_slots_cached", "KV slots held by the prefix cache",
-                    stats["kv_slots_cached"])
+                    lambda s: s["kv_slots_cached"])
         yield gauge("latentserve_kv_cache_usage_perc",
-                    "Fraction of KV slots neither free nor evictable", busy / total)
+                    "Fraction of KV slots neither free nor evictable", usage)
         yield counter("latentserve_prefix_cache_queries",
-                      "Prompt tokens looked up in the prefix cache", queries)
+                      "Prompt tokens looked up in the prefix cache",
+                      lambda s: s["prefix_cache_queries"])
         yield counter("latentserve_prefix_cache_hits",
-                      "Prompt tokens served by the prefix cache", hits)
+                      "Prompt tokens served by the prefix cache",
+                      lambda s: s["prefix_cache_hits"])
         yield gauge("latentserve_prefix_cache_hit_rate",
-                    "prefix_cache_hits / prefix_cache_queries since start-up",
-                    hits / queries if queries else 0.0)
+                    "prefix_cache_hits / prefix_cache_queries since start-up", hit_rate)
         yield counter("latentserve_num_preemptions", "Requests preempted",
-                      stats["num_preemptions"])
+                      lambda s: s["num_preemptions"])

@@ -1,4 +1,5 @@
-"""What the API process knows about the engine it serves, and the limits it enforces."""
+"""What the API process knows about the engines it serves (one :class:`ServerState` per
+model, gathered in :class:`ServedModels`), and the limits it enforces."""
 
 from __future__ import annotations
 
@@ -54,3 +55,66 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     metrics: Any = None
     latent_spec: Any = None  # the served model's LatentSpec, or None for a plain model
+
+
+class ServedModels:
+    """The models one server serves, by name, in the order given (``GET /v1/models``).
+
+    Each model is a :class:`ServerState` of its own (engine client, tokenizer, limits,
+    latent spec, metrics); a request's ``model`` picks one with :meth:`resolve`.
+
+    Raises:
+        ValueError: no state, or two states with the same ``model_name``.
+    """
+
+    def __init__(self, states: ServerState | list[ServerState]):
+        states = [states] if isinstance(states, ServerState) else list(states)
+        if not states:
+            raise ValueError("a server needs at least one model")
+        self.by_name: dict[str, ServerState] = {}
+        for s in states:
+            if s.model_name in self.by_name:
+                raise ValueError(f"two models are served as {s.model_name!r}")
+            self.by_name[s.model_name] = s
+
+    @property
+    def states(self) -> list[ServerState]:
+        return list(self.by_name.values())
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.by_name)
+
+    @property
+    def first(self) -> ServerState:
+        return next(iter(self.by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    def resolve(self, model: str | None) -> ServerState:
+        """The state serving ``model`` (a request's ``model`` field; None: not given).
+
+        With one model this is always that model: the handlers check the name themselves
+        (a missing ``model`` is accepted, another name is their 404), as before
+        multi-model serving. With several, ``model`` picks one.
+
+        Raises:
+            APIError: several models and ``model`` None (400 naming ``model``), or a name
+                that is not served (404 ``model_not_found``).
+        """
+        from latentserve.server.errors import APIError
+
+        if len(self.by_name) == 1:
+            return self.first
+        served = ", ".join(repr(n) for n in self.by_name)
+        if model is None:
+            raise APIError(f"Missing required parameter: 'model' (this server serves "
+                           f"several models: {served})", param="model",
+                           code="missing_required_parameter")
+        state = self.by_name.get(model)
+        if state is None:
+            raise APIError(f"The model '{model}' does not exist; this server serves "
+                           f"{served}", status_code=404, param="model",
+                           code="model_not_found")
+        return state
