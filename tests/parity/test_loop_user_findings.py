@@ -85,3 +85,59 @@ def test_convert_keeps_an_explicit_cap_and_defaults_to_64(pccot_dirs, tmp_path):
         out = convert_pccot(base, adapter, tmp_path / f"out{cap}", max_budget=cap)
         cfg = json.loads((out / "latent_config.json").read_text())
         assert (cfg["default_budget"], cfg["max_budget"]) == (2, want)
+
+
+def _lotus_with_prj(root):
+    from safetensors.torch import save_file
+
+    from latentserve.testing.loop_models import write_lotus
+
+    model = write_lotus(root, block_size=3, iterations=2)
+    d = json.loads((model / "config.json").read_text())["hidden_size"]
+    g = torch.Generator().manual_seed(7)
+    save_file({"prj.0.weight": torch.randn(d, d, generator=g) * 0.3,
+               "prj.0.bias": torch.randn(d, generator=g) * 0.1,
+               "prj.2.weight": torch.randn(d, d, generator=g) * 0.3,
+               "prj.2.bias": torch.randn(d, generator=g) * 0.1,
+               "prj.3.weight": 1 + torch.randn(d, generator=g) * 0.3,
+               "prj.3.bias": torch.randn(d, generator=g) * 0.1},
+              str(model / "prj.safetensors"))
+    cfg = json.loads((model / "latent_config.json").read_text())
+    cfg["prj"] = {"eps": 1e-5}
+    (model / "latent_config.json").write_text(json.dumps(cfg))
+    return model
+
+
+def test_lotus_reference_applies_the_checkpoints_prj(tmp_path, smollm2_dir):
+    """docs/models.md: LOTUS ``prj`` is optional; the reference used identity regardless, so it
+    disagreed with the engine (which applies prj) for any budget >= 1."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.loop_reference import load_lotus_reference, reference_generate_loop
+
+    model = _lotus_with_prj(tmp_path)
+    ref = load_lotus_reference(str(model))
+    assert isinstance(ref.prj, torch.nn.Module)
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32"))
+    prompt = [5, 6, 7, 8]
+    for budget in (0, 1, 3):
+        engine.add_request(f"b{budget}", prompt, SamplingParams(
+            max_tokens=4, temperature=0.0, latent_budget=budget, ignore_eos=True))
+        got = []
+        while engine.has_unfinished_requests():
+            got += [t for o in engine.step() for t in o.new_token_ids]
+        assert got == reference_generate_loop(ref, prompt, budget, 4, ignore_eos=True)[0]
+    engine.cache.check_idle()
+
+
+def test_lotus_reference_refuses_weights_it_would_not_read(tmp_path, smollm2_dir):
+    from latentserve.testing.loop_models import write_lotus
+    from latentserve.testing.loop_reference import load_lotus_reference
+
+    model = write_lotus(tmp_path, block_size=2, iterations=1)
+    cfg = json.loads((model / "latent_config.json").read_text())
+    cfg["lora"] = {"r": 4, "alpha": 8.0}
+    (model / "latent_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="'lora'"):
+        load_lotus_reference(str(model))
