@@ -55,8 +55,9 @@ def validate_loop_config(cfg: dict, model_dir: Path | None = None) -> dict:
     fam = cfg.get("family")
     if fam not in LOOP_FAMILIES:
         raise _bad("family", f"must be one of {list(LOOP_FAMILIES)}, got {fam!r}")
-    if cfg.setdefault("format_version", 1) != 1:
-        raise _bad("format_version", f"must be 1, got {cfg['format_version']!r}")
+    fv = cfg.setdefault("format_version", 1)
+    if isinstance(fv, bool) or fv != 1:
+        raise _bad("format_version", f"must be 1, got {fv!r}")
     cfg["block_size"] = _pos_int(cfg, "block_size", 1)
     cfg["default_budget"] = _pos_int(cfg, "default_budget", 0)
     cfg["max_budget"] = _pos_int(cfg, "max_budget", 0, max(64, cfg["default_budget"]))
@@ -84,12 +85,15 @@ def validate_loop_config(cfg: dict, model_dir: Path | None = None) -> dict:
         a = lora.get("alpha")
         if isinstance(a, bool) or not isinstance(a, (int, float)) or a <= 0:
             raise _bad("lora.alpha", f"must be a number > 0, got {a!r}")
-        lora.setdefault("use_rslora", False)
+        if not isinstance(lora.setdefault("use_rslora", False), bool):
+            raise _bad("lora.use_rslora", f"must be true or false, got {lora['use_rslora']!r}")
     prj = cfg.setdefault("prj", None)
     if prj is not None:
         if not isinstance(prj, dict):
             raise _bad("prj", "must be an object {eps} or null")
-        prj.setdefault("eps", 1e-5)
+        eps = prj.setdefault("eps", 1e-5)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise _bad("prj.eps", f"must be a number > 0, got {eps!r}")
     ckpt = cfg.setdefault("checkpoint", None)
     if ckpt is not None:
         if not isinstance(ckpt, str) or "/" in ckpt or ckpt.startswith("."):
@@ -157,9 +161,10 @@ def prepare_loop_weights(model_dir, hf_config, cfg: dict):
         raise ValueError(f"{model_dir}: no embedding weight ({_EMBED_KEYS[0]} or "
                          f"{_EMBED_KEYS[2]})")
     rows = int(emb.shape[0])
-    ids = [*cfg["tokens"].values(), *cfg["answer_prompt_ids"]]
-    if max(ids) >= rows:
-        raise _bad("tokens", f"ids {ids} do not fit the embedding's {rows} rows")
+    for field, ids in (("tokens", list(cfg["tokens"].values())),
+                       ("answer_prompt_ids", list(cfg["answer_prompt_ids"]))):
+        if ids and max(ids) >= rows:
+            raise _bad(field, f"ids {ids} do not fit the embedding's {rows} rows")
     hf_config.vocab_size = rows
     return list(state.items()), hf_config
 

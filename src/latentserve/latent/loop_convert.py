@@ -33,11 +33,13 @@ def _read_json(path: Path, what: str) -> dict:
     return json.loads(path.read_text())
 
 
-def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int = 64,
+def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = None,
                   overwrite: bool = False) -> Path:
     """Write a PCCoT model directory from ``adapter_dir`` (upstream form) over ``base_dir``
-    (the HF base model it was trained from). Returns ``out_dir``. Raises ValueError naming
-    the missing file or mismatching field."""
+    (the HF base model it was trained from). Returns ``out_dir``. ``max_budget``: the
+    largest ``latent_budget`` served (None: ``max(64, num_iterations)``); below the adapter's
+    ``num_iterations`` (the default budget) it is an error, not silently raised. Raises
+    ValueError naming the missing file or mismatching field."""
     from safetensors.torch import save_file
 
     from latentserve.models.checkpoint import load_tokenizer
@@ -54,6 +56,12 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int = 64,
     if mt not in ("pccot-gpt2", "pccot-llama"):
         raise ValueError(f"--adapter config.json model_type must be pccot-gpt2 or pccot-llama, "
                          f"got {mt!r}")
+    iters = int(pc.get("num_iterations", 6))
+    if max_budget is None:
+        max_budget = max(64, iters)
+    if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < iters:
+        raise ValueError(f"--max-budget must be an integer >= the adapter's num_iterations "
+                         f"({iters}, the default budget), got {max_budget!r}")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ValueError(f"--out {out_dir} exists and is not empty (use --force)")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -78,12 +86,11 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int = 64,
     if (base_dir / "generation_config.json").is_file():
         shutil.copy2(base_dir / "generation_config.json", out_dir / "generation_config.json")
     tok.save_pretrained(str(out_dir))
-    iters = int(pc.get("num_iterations", 6))
     cfg = {"format_version": 1, "family": "pccot", "checkpoint": ADAPTER_FILE,
            "tokens": {"bot": args["bot_token_id"], "eot": args["eot_token_id"],
                       "latent": args["latent_token_id"]},
            "answer_prompt_ids": prompt, "block_size": int(args.get("num_latent_tokens", 6)),
-           "default_budget": iters, "max_budget": max(max_budget, iters), "lora": lora,
+           "default_budget": iters, "max_budget": max_budget, "lora": lora,
            "prj": {"eps": 1e-5} if pc.get("use_projection") else None}  # nn.LayerNorm default
     cfg = validate_loop_config(cfg, out_dir)
     (out_dir / "latent_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
