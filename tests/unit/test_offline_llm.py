@@ -1,6 +1,8 @@
 """The offline ``LLM`` API on a tiny model: stop strings, a KV pool smaller than the
 model's context, and the latent fields of a completion."""
 
+import pytest
+
 from latentserve import LLM, SamplingParams
 
 
@@ -41,3 +43,22 @@ def test_offline_outputs_carry_latent_steps_and_trace(tmp_path, smollm2_dir):
     assert all(len(step["top_tokens"]) == 5 for step in thinking.latent_trace)
     assert plain.latent_steps == 0 and not plain.latent_trace
     llm.engine.cache.check_idle()
+
+
+def test_a_refused_prompt_leaves_nothing_queued_and_the_llm_usable(tmp_path, smollm2_dir):
+    """A budget over the cap in the second prompt: ValueError naming the field, the first
+    prompt is not left queued, and the next call answers as a fresh one would."""
+    from latentserve.testing.latent_models import save_latent_tiny
+
+    llm = LLM(model=str(save_latent_tiny(tmp_path, "coconut-gpt2")))
+    good = SamplingParams(temperature=0, max_tokens=3, latent_budget=1)
+    cap = llm.engine.latent_spec.max_budget
+    with pytest.raises(ValueError, match="latent_budget"):
+        llm.generate([[5, 6, 7], [5, 6, 8]],
+                     [good, SamplingParams(temperature=0, max_tokens=3, latent_budget=cap + 1)],
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.cache.check_idle()
+    again = llm.generate([[5, 6, 7]], good, use_tqdm=False)[0].outputs[0]
+    fresh = LLM(model=llm.engine.config.model).generate([[5, 6, 7]], good, use_tqdm=False)
+    assert again.token_ids == fresh[0].outputs[0].token_ids and len(again.token_ids) == 3

@@ -60,7 +60,14 @@ class LLM:
         for (text, ids), params in zip(encoded, sampling_params):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            self.engine.add_request(rid, ids, params)
+            try:
+                self.engine.add_request(rid, ids, params)
+            except Exception:  # a bad prompt or params: nothing of this call stays queued
+                for queued in order:
+                    self.engine.abort_request(queued)
+                while self.engine.has_unfinished_requests():
+                    self.engine.step()
+                raise
             detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                  params.skip_special_tokens)
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)],
@@ -69,6 +76,8 @@ class LLM:
         bar = _progress(len(order), use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if out.rid not in results:  # not this call's (an earlier call's abort echo)
+                    continue
                 res, detok = results[out.rid], detoks[out.rid]
                 if res.finished:  # ended here on a stop string; this is the abort's echo
                     continue
