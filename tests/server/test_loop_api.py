@@ -59,3 +59,28 @@ def test_over_cap_budget_is_a_400_naming_it(loop_server):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "x-latent-budget"
     assert _complete(loop_server, {"latent_budget": 1}).status_code == 200
+
+
+def test_context_check_counts_the_block_positions(loop_server, lotus_dir):
+    """Prompt + start/block/end positions + max_tokens over max_model_len is the OpenAI
+    context-length 400 naming max_tokens; one token less fits and runs to max_tokens. A
+    negative budget is a 400 naming the model's range."""
+    import json
+
+    cfg = json.loads((lotus_dir / "latent_config.json").read_text())
+    extra = 1 + cfg["block_size"] + 1 + len(cfg["answer_prompt_ids"])  # start, block, end
+    card = httpx.get(f"{loop_server.base_url}/v1/models", timeout=30).json()["data"][0]
+    fits = card["max_model_len"] - len(PROMPT) - extra
+    r = _complete(loop_server, {"max_tokens": fits + 1, "latent_budget": 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert f"{extra} latent and transition positions" in err["message"]
+    ok = _complete(loop_server, {"max_tokens": fits, "latent_budget": 1, "ignore_eos": True})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == fits
+    r = _complete(loop_server, {"latent_budget": -1})
+    assert r.status_code == 400, r.text
+    assert f"[0, {cfg['max_budget']}]" in r.json()["error"]["message"]
+    with httpx.Client(base_url=loop_server.base_url) as http:
+        assert_slots_invariant(wait_idle(http))

@@ -29,6 +29,7 @@ from latentserve.server.params import (
     context_error,
     head_controls,
     latent_budget,
+    latent_positions,
     refuse_head_controls,
 )
 from latentserve.server.prompts import render_chat
@@ -120,14 +121,17 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
 
 
 def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
-            budget: int | None = None) -> SamplingParams:
+            budget: int | None = None, latent: int = 0) -> SamplingParams:
+    """``latent``: KV positions the model adds before the answer
+    (``params.latent_positions``); they count against the context like prompt tokens."""
     if body.max_tokens < 1:
         raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
                        param="max_tokens")
     if num_prompt_tokens >= max_model_len:
         raise context_error(num_prompt_tokens, max_model_len, "messages")
-    if num_prompt_tokens + body.max_tokens > max_model_len:
-        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens + max_tokens "
+    if num_prompt_tokens + latent + body.max_tokens > max_model_len:
+        extra = f" + {latent} latent and transition positions" if latent else ""
+        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + max_tokens "
                        f"{body.max_tokens} > the maximum context length {max_model_len}",
                        param="max_tokens", code="context_length_exceeded")
     try:
@@ -163,7 +167,9 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     prompt_ids = await asyncio.to_thread(  # off the event loop: large prompts take seconds
         render_chat, state.tokenizer, conversation,
         continue_final_message=conversation[-1]["role"] == "assistant")
-    params = _params(body, len(prompt_ids), state.max_model_len, latent_budget(request, body, state.latent_spec))
+    budget = latent_budget(request, body, state.latent_spec)
+    params = _params(body, len(prompt_ids), state.max_model_len, budget,
+                     latent_positions(state.latent_spec, budget))
     controls = head_controls(request, body)
     refuse_head_controls(request, body, controls, state.latent_spec)
     head = {k: v for k, v in controls.items() if v is not None}

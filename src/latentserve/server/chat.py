@@ -17,6 +17,7 @@ from latentserve.server.params import (
     fan_out,
     head_controls,
     latent_budget,
+    latent_positions,
     refuse_head_controls,
     sampling_params,
     stream_latent_steps,
@@ -71,9 +72,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, field = body.max_tokens, "max_tokens"
+    budget = latent_budget(request, body, state.latent_spec)
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
-                             logprobs, latent_budget(request, body, state.latent_spec), head,
-                             stream_latent_steps=ticks)
+                             logprobs, budget, head, stream_latent_steps=ticks,
+                             latent_positions=latent_positions(state.latent_spec, budget))
     check_total_output([params.max_tokens], body.n or 1, field, state.limits)
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)

@@ -20,6 +20,7 @@ from latentserve.server.params import (
     fan_out,
     head_controls,
     latent_budget,
+    latent_positions,
     refuse_head_controls,
     sampling_params,
 )
@@ -61,7 +62,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
         check_prompt_length(len(ids), state.max_model_len, "prompt")
         params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
                                  state.max_model_len, body.logprobs, budget, head,
-                                 prompt_logprobs)
+                                 prompt_logprobs,
+                                 latent_positions=latent_positions(state.latent_spec, budget))
         for j, choice_params in enumerate(fan_out(params, n)):
             index = p * n + j
             reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,

@@ -79,15 +79,38 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     else:
         raise APIError(f"header x-latent-budget must be a non-negative integer, got {raw!r}",
                        param=param)
-    if value is None or value < 0 or (spec is not None and spec.kind == "head"):
-        return value  # negative: SamplingParams names it; heads use the x-latent-* controls
+    if value is None or (spec is not None and spec.kind == "head"):
+        return value  # heads use the x-latent-* controls
     budgeted = spec is not None and spec.kind in ("feedback", "recurrent", "loop")
+    if value < 0:
+        allowed = f"in [0, {spec.max_budget}]" if budgeted else "0 or null"
+        raise APIError(f"{param} must be {allowed}, got {value}", param=param)
     if value > 0 and not budgeted:
         raise APIError(f"{param} must be 0 or null: this model does no latent reasoning",
                        param=param)
     if budgeted and value > spec.max_budget:
         raise APIError(f"{param} must be in [0, {spec.max_budget}], got {value}", param=param)
     return value
+
+
+def latent_positions(spec, budget: int | None, param: str = "latent_budget") -> int:
+    """KV positions a feedback or looped model adds between the prompt and the answer for a
+    request with ``budget`` (None: the model's default): start ids + latent steps + end ids,
+    or start ids + block + end ids. 0 for other models (recurrent depth adds none; a
+    compression head's latent steps count against ``max_tokens``). Mirrors
+    ``LLMEngine.add_request``. Raises APIError naming ``param`` for a budget the model
+    refuses (below its minimum)."""
+    if spec is None or spec.kind not in ("feedback", "loop"):
+        return 0
+    if spec.kind == "loop":
+        from latentserve.latent.loop import extra_positions
+
+        return extra_positions(spec)
+    try:
+        steps = spec.resolve_budget(budget)
+    except ValueError as exc:
+        raise APIError(str(exc).replace("latent_budget", param, 1), param=param) from None
+    return len(spec.start_ids) + steps + len(spec.end_ids)
 
 
 # Compression-head controls: field -> (header, seed alias header, parser kind).
@@ -193,7 +216,8 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
                     num_prompt_tokens: int, max_model_len: int,
                     logprobs: int | None = None, budget: int | None = None,
                     head: dict | None = None, prompt_logprobs: int | None = None,
-                    stream_latent_steps: bool = False) -> SamplingParams:
+                    stream_latent_steps: bool = False,
+                    latent_positions: int = 0) -> SamplingParams:
     """Build the engine's ``SamplingParams`` for one prompt.
 
     ``max_tokens`` is what the client asked for (None: up to the end of the context,
@@ -204,6 +228,8 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
     ``prompt_logprobs``: None, or top logprobs per prompt token (completions ``echo``).
     ``stream_latent_steps``: report each latent step while streaming (see
     :func:`stream_latent_steps`). The recurrent-depth exit fields come from the body.
+    ``latent_positions``: KV positions the model adds before the answer (see
+    :func:`latent_positions`); they count against the context like prompt tokens.
 
     Raises:
         APIError: 400 naming the field and the allowed values; a prompt plus
@@ -213,14 +239,17 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
                        param=max_tokens_field)
+    used = num_prompt_tokens + latent_positions
     if max_tokens is None:
-        max_tokens = max(max_model_len - num_prompt_tokens, 1)
-    elif num_prompt_tokens + max_tokens > max_model_len:
+        max_tokens = max(max_model_len - used, 1)
+    elif used + max_tokens > max_model_len:
+        latent = (f", {latent_positions} latent and transition positions"
+                  if latent_positions else "")
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt, {max_tokens} in the completion). Please reduce the length of the "
-            f"prompt or {max_tokens_field}.", param=max_tokens_field,
+            f"requested {used + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt{latent}, {max_tokens} in the completion). Please reduce the length of "
+            f"the prompt or {max_tokens_field}.", param=max_tokens_field,
             code="context_length_exceeded")
     top_k = request.top_k
     if head is None:
