@@ -86,3 +86,20 @@ def test_http_budget_in_range_passes():
     assert latent_budget(req, types.SimpleNamespace(latent_budget=None), OURO) is None
     # A plain model still leaves a negative budget to SamplingParams' message.
     assert latent_budget(req, types.SimpleNamespace(latent_budget=-1), None) == -1
+
+
+@pytest.mark.parametrize("family", ["huginn", "ouro"])
+def test_cap_below_default_lowers_the_default(tmp_path, family):
+    """docs/models.md: a ``max_latent_budget`` below the default depth lowers the default."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.recurrent_models import write_huginn, write_ouro
+
+    d = (write_huginn if family == "huginn" else write_ouro)(tmp_path / family)
+    engine = LLMEngine(EngineConfig(model=str(d), kv_slots=256, max_model_len=64,
+                                    max_latent_budget=2))
+    assert engine.latent_spec.default_budget == engine.latent_spec.max_budget == 2
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
+    assert engine.scheduler.waiting[-1].latent_budget == 2
+    with pytest.raises(ValueError, match=r"latent_budget must be in \[\d, 2\], got 3"):
+        engine.add_request("b", [5, 6, 7], SamplingParams(latent_budget=3))
