@@ -86,18 +86,23 @@ def resolve_exit_rule(spec, params) -> ExitRule | None:
     ``LatentSpec`` ``spec`` (``kind == "recurrent"``); None = run the full depth and read out
     the last iteration.
 
-    Raises ValueError (naming the field) for a criterion the family does not know, a
-    threshold out of range, or exit fields without a criterion where one is needed.
+    Raises ValueError (its message starts with the offending field's name) for a criterion
+    the family does not know, a threshold out of range (Ouro: outside [0, 1]), or exit fields
+    without a criterion that uses them (Huginn: none or ``'none'``; Ouro: ``'last'``,
+    ``'weighted'``; ``exit_min_steps`` / ``exit_check_every`` on Ouro).
     """
     crit, thr = params.exit_criterion, params.exit_threshold
-    knobs = params.exit_min_steps != 0 or params.exit_check_every != 1
+    # The exit fields the request set, in order: errors start with the first one's name (the
+    # server's 400 reports it as ``param``).
+    knobs = [name for name, unset in (("exit_min_steps", 0), ("exit_check_every", 1))
+             if getattr(params, name) != unset]
+    sent = (["exit_threshold"] if thr is not None else []) + knobs
     if spec.family == "huginn":
-        if crit is None:
-            if thr is not None or knobs:
-                raise ValueError("exit_threshold / exit_min_steps / exit_check_every need an "
-                                 "exit_criterion")
-            return None
-        if crit == "none":
+        if crit is None or crit == "none":
+            if sent:
+                what = "" if crit is None else " other than 'none'"
+                raise ValueError(f"{sent[0]} is set, but exit_threshold / exit_min_steps / "
+                                 f"exit_check_every need an exit_criterion{what}")
             return None
         if crit not in HUGINN_AUTO_THRESHOLDS:
             raise ValueError(f"exit_criterion must be one of {sorted(HUGINN_AUTO_THRESHOLDS)} "
@@ -111,8 +116,8 @@ def resolve_exit_rule(spec, params) -> ExitRule | None:
         return ExitRule(crit, float(thr), params.exit_min_steps, params.exit_check_every)
     if spec.family == "ouro":
         if knobs:
-            raise ValueError("exit_min_steps / exit_check_every are Huginn options; Ouro exits "
-                             "by its gate")
+            raise ValueError(f"{knobs[0]} is set, but exit_min_steps / exit_check_every are "
+                             "Huginn options; Ouro exits by its gate")
         if crit is None:
             if thr is None:
                 return spec.default_exit
@@ -127,12 +132,16 @@ def resolve_exit_rule(spec, params) -> ExitRule | None:
             return None
         if crit == "weighted":
             if thr is not None:
-                raise ValueError("exit_criterion 'weighted' takes no exit_threshold")
+                raise ValueError("exit_threshold must be null: exit_criterion 'weighted' "
+                                 "takes no exit_threshold (the mixture has no threshold)")
             return ExitRule("weighted")
         if thr is None:
             thr = spec.default_exit.threshold if spec.default_exit is not None else 1.0
-        if thr < 0:
-            raise ValueError(f"exit_threshold must be >= 0, got {thr}")
+        elif not 0 <= thr <= 1:
+            # A cumulative exit probability never exceeds 1: a larger threshold would silently
+            # read out the last step (exit_criterion 'last' says that).
+            raise ValueError(f"exit_threshold must be in [0, 1] for this model (a cumulative "
+                             f"exit probability), got {thr}")
         return ExitRule(crit, float(thr))
     raise ValueError(f"unknown recurrent family {spec.family!r}")
 

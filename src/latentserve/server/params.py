@@ -67,8 +67,8 @@ def latent_budget(http_request, body, spec=None) -> int | None:
 
     Raises:
         APIError: 400 naming the header or the field it came from: not a non-negative
-            integer, above the model's cap, or a positive budget for a model that does no
-            latent reasoning.
+            integer, outside the model's ``[min_budget, max_budget]`` (the message gives that
+            range), or a positive budget for a model that does no latent reasoning.
     """
     raw = http_request.headers.get("x-latent-budget")
     param = "x-latent-budget" if raw is not None else "latent_budget"
@@ -82,14 +82,15 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     if value is None or (spec is not None and spec.kind == "head"):
         return value  # heads use the x-latent-* controls
     budgeted = spec is not None and spec.kind in ("feedback", "recurrent", "loop")
-    if value < 0:
-        allowed = f"in [0, {spec.max_budget}]" if budgeted else "0 or null"
-        raise APIError(f"{param} must be {allowed}, got {value}", param=param)
+    if value < 0 and not budgeted:
+        raise APIError(f"{param} must be 0 or null, got {value}", param=param)
     if value > 0 and not budgeted:
         raise APIError(f"{param} must be 0 or null: this model does no latent reasoning",
                        param=param)
-    if budgeted and value > spec.max_budget:
-        raise APIError(f"{param} must be in [0, {spec.max_budget}], got {value}", param=param)
+    # The model's own range: Ouro needs one loop step (min_budget 1), so "[0, cap]" is wrong.
+    if budgeted and not spec.min_budget <= value <= spec.max_budget:
+        raise APIError(f"{param} must be in [{spec.min_budget}, {spec.max_budget}], got "
+                       f"{value}", param=param)
     return value
 
 
