@@ -110,9 +110,14 @@ class Req:
     @property
     def cacheable_len(self) -> int:
         """Leading positions whose KV depends on token ids alone (safe for the radix cache):
-        everything before the first latent position (a looped block is rewritten in place)."""
-        return self.latent_start if self.latent_embeds or self.loop is not None \
-            else self.seq_len
+        everything before the first latent position (a looped block is rewritten in place).
+        With an early-exit rule that skips iterations, only the prompt: generated tokens
+        stopped early, while a later request's prompt runs every iteration on them."""
+        if self.latent_embeds or self.loop is not None:
+            return self.latent_start
+        if self.exit_rule is not None and self.exit_rule.saves_compute:
+            return min(len(self.prompt_ids), self.seq_len)
+        return self.seq_len
 
     @property
     def num_pending(self) -> int:

@@ -105,3 +105,43 @@ def test_cap_below_default_lowers_the_default(tmp_path, family):
     assert engine.scheduler.waiting[-1].latent_budget == 2
     with pytest.raises(ValueError, match=r"latent_budget must be in \[\d, 2\], got 3"):
         engine.add_request("b", [5, 6, 7], SamplingParams(latent_budget=3))
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("huginn", {"exit_criterion": "latent-diff", "exit_threshold": 0.3, "latent_budget": 8}),
+    ("ouro", {"exit_criterion": "threshold-approx", "exit_threshold": 0.4, "latent_budget": 6}),
+])
+def test_follow_up_prompt_with_early_exit_matches_a_cold_engine(tmp_path, family, kw):
+    """Generated tokens that exited early are not cached: a follow-up prompt that continues
+    the answer (multi-turn chat) runs every iteration on it, as on a fresh engine."""
+    from latentserve import LLM
+    from latentserve.testing.recurrent_models import write_huginn, write_ouro
+
+    path = (write_huginn if family == "huginn" else write_ouro)(tmp_path / family)
+    prompt = [(13 * i + 3) % 900 + 20 for i in range(20)]
+
+    def first_logits(llm, ids):
+        runner, got = llm.engine.runner, []
+        original = runner.run
+
+        def recording(batch):
+            out, hidden = original(batch)
+            got.append(out[-1].float().clone())
+            return out, hidden
+
+        runner.run = recording
+        try:
+            llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, **kw),
+                         use_tqdm=False)
+        finally:
+            runner.run = original
+        return got[-1]
+
+    warm = LLM(model=str(path))
+    answer = warm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                    ignore_eos=True, **kw), use_tqdm=False)
+    follow_up = prompt + list(answer[0].outputs[0].token_ids)
+    got = first_logits(warm, follow_up)
+    want = first_logits(LLM(model=str(path)), follow_up)
+    assert (got - want).abs().max().item() < 1e-4
+    warm.engine.cache.check_idle()
