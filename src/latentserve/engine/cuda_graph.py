@@ -81,7 +81,7 @@ class CudaGraphRunner:
         self.out_slots = torch.zeros(n, dtype=torch.int64, device=dev)
         self.embeds = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         self.mask = torch.zeros(n, dtype=torch.bool, device=dev)
-        self._mask_set = False  # whether any mask entry may be True
+        self._mask_hi = 0  # mask entries at or past this index are all False
         self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         # A compression head runs on the captured anchors inside the graph (closed loop).
         head = getattr(model, "latent_head", None)
@@ -170,16 +170,17 @@ class CudaGraphRunner:
         self.kv_lens[:n].copy_(kv_lens)
         self.out_slots[:n].copy_(out_slots)
         if mask is None:
-            if self._mask_set:  # NOTE: plain steps skip the clear while the mask is all-False
-                self.mask.zero_()
-                self._mask_set = False
+            if self._mask_hi:  # NOTE: plain steps skip the clear while the mask is all-False
+                self.mask[: self._mask_hi].zero_()
+                self._mask_hi = 0
         else:
             if not self.latent_capable:
                 raise RuntimeError("latent rows need a latent-capable graph")
-            self.embeds[:n].copy_(embeds)
+            self.embeds[:n].copy_(embeds)  # straight from the latent source (any float dtype)
             self.mask[:n].copy_(mask)
-            self.mask[n:].zero_()
-            self._mask_set = True
+            if self._mask_hi > n:  # a larger batch's mask entries past this one
+                self.mask[n : self._mask_hi].zero_()
+            self._mask_hi = n
         if b > n:  # padded rows: dummy page-table row, one key, write to the dummy slot 0
             self.rows[n:b].fill_(self.dummy_row)
             self.kv_lens[n:b].fill_(1)
