@@ -87,3 +87,54 @@ def test_mixed_rows_and_several_tensors_get_the_right_vectors(spy_runner):
     embeds, mask = _injected(runner, seen, [chunk, lat[0]], [2, starts[0]], [5, 1])
     assert mask.tolist() == [False, False, True, True, True, True]
     torch.testing.assert_close(embeds[2:], torch.stack([other[0], vecs[0], other[3], vecs[1]]))
+
+
+def test_graph_replay_keeps_the_static_mask_exact():
+    """``CudaGraphRunner.replay``'s mask bookkeeping (plain steps skip the clear, all-latent
+    steps skip the copy while it already holds), checked on CPU buffers with no-op graphs."""
+    from latentserve.engine.cuda_graph import CudaGraphRunner
+
+    class NoGraph:
+        def replay(self):
+            pass
+
+    g = object.__new__(CudaGraphRunner)
+    cap, h = 16, 4
+    g.buckets, g.graph_depths, g.recurrent, g.latent_capable = [4, 8, 16], [0], False, True
+    g.dummy_row = 0
+    for name in ("ids", "pos", "rows", "out_slots"):
+        setattr(g, name, torch.zeros(cap, dtype=torch.int64))
+    g.kv_lens = torch.ones(cap, dtype=torch.int32)
+    g.embeds, g.mask = torch.zeros(cap, h), torch.zeros(cap, dtype=torch.bool)
+    g._mask_hi = g._mask_ones = 0
+    g.graphs = {(0, b): NoGraph() for b in g.buckets}
+    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, h), None) for b in g.buckets}
+    fills = []
+    mask_fill = torch.Tensor.fill_
+
+    def step(n, kind):
+        z = torch.zeros(n, dtype=torch.int64)
+        if kind == "plain":
+            g.replay(z, z, z, z, z)
+            want = [False] * n
+        elif kind == "all":
+            g.replay(z, z, z, z, z, torch.full((n, h), 2.0), None, mask_all=True)
+            want = [True] * n
+        else:  # every other row
+            m = torch.arange(n) % 2 == 0
+            g.replay(z, z, z, z, z, torch.full((n, h), 3.0), m)
+            want = m.tolist()
+        assert g.mask.tolist() == want + [False] * (cap - n), (n, kind)
+        if kind != "plain":
+            assert g.embeds[:n].eq(2.0 if kind == "all" else 3.0).all()
+
+    torch.Tensor.fill_ = lambda t, v: (fills.append(t.shape), mask_fill(t, v))[1]
+    try:
+        for n, kind in [(12, "all"), (12, "all"), (5, "all"), (5, "part"), (9, "all"),
+                        (3, "plain"), (3, "plain"), (16, "part"), (6, "all"), (6, "all"),
+                        (16, "plain"), (7, "all")]:
+            step(n, kind)
+    finally:
+        torch.Tensor.fill_ = mask_fill
+    # The repeated all-latent steps (12 then 12, 6 then 6) filled the mask once each.
+    assert sum(1 for s in fills if s == (12,)) == 1 and sum(1 for s in fills if s == (6,)) == 1

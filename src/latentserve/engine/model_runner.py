@@ -169,7 +169,8 @@ class ModelRunner:
             self.num_graph_steps += 1
             self.replayed = True
             logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_dev, out_slots,
-                                                input_embeds, latent_mask, rec)
+                                                input_embeds, latent_mask, rec,
+                                                mask_all=bool(inj_rows) and not mask_l)
             if rec is not None:
                 rec.iters_used = list(rec.row_depths)
                 rec.record(batch)
