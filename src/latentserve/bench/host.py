@@ -31,7 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 _SLACK = 16  # latent budget beyond the timed steps (prefill chunks end on different steps)
 
 
