@@ -29,9 +29,10 @@ class Req:
 
     Latent phase machine (models with a ``LatentSpec``): positions
     ``[latent_start, latent_start + len(latent_embeds))`` take ``latent_embeds`` as their
-    input instead of a token embedding; ``answer_start`` is None until the transition tokens
-    are appended, then the index in ``output_ids`` where the answer begins. Plain requests
-    have ``latent_budget == 0`` and ``answer_start == 0`` from the start.
+    input instead of a token embedding (one ``(tensor, row)`` entry per position, the vector
+    being ``tensor[row]``: ``latent/vectors.py``); ``answer_start`` is None until the
+    transition tokens are appended, then the index in ``output_ids`` where the answer begins.
+    Plain requests have ``latent_budget == 0`` and ``answer_start == 0`` from the start.
 
     Recurrent-depth models (``LatentSpec.kind == "recurrent"``): ``latent_budget`` is the
     request's recurrence count, ``exit_rule`` its ``latent.recurrent.ExitRule`` (or None),
@@ -65,7 +66,7 @@ class Req:
     generator: Any = None  # torch.Generator when params.seed is set
     latent_budget: int = 0
     latent_start: int = 0
-    latent_embeds: list = field(default_factory=list)  # [hidden] tensors, one per latent step
+    latent_embeds: list = field(default_factory=list)  # (tensor, row) per latent position
     answer_start: int | None = 0
     latent_trace: list = field(default_factory=list)  # per step: {"norm", "top_tokens"}
     exit_rule: Any = None

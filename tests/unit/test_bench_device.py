@@ -43,3 +43,24 @@ def test_recurrent_gpu_tiny(tmp_path):
     # banks read per decode step: prelude 1 + depth x 2 core + coda 1
     assert huginn["2"]["1"]["bandwidth_floor"]["kv_banks_read"] == 6
     assert huginn["4"]["1"]["bandwidth_floor"]["kv_banks_read"] == 10
+
+
+def test_host_bench_times_latent_and_plain_steps():
+    """``bench.host --latent``: every timed step of the latent run is a latent step of the
+    whole batch (it raises otherwise), the plain run decodes the same batch."""
+    import torch
+
+    from latentserve.bench.host import run_host_bench
+
+    threads = torch.get_num_threads()  # the bench runs torch on one thread
+    try:
+        for kind in ("feedback", "head"):
+            res = run_host_bench(batch=4, steps=6, prompt_len=8, latent=kind)
+            assert res["latent_kind"] == kind and res["batch"] == 4
+            for part in ("latent", "plain"):
+                assert res[part]["steps"] == 5 and res[part]["step_us"] > 0
+                assert res[part]["run_us"] > 0 and res[part]["_latent_inputs_us"] > 0
+        plain = run_host_bench(batch=4, steps=6, prompt_len=8)
+        assert plain["steps"] == 5 and plain["postprocess_us"] > 0
+    finally:
+        torch.set_num_threads(threads)

@@ -5,10 +5,21 @@ out so only the host side is timed: on CUDA the decode graphs are replaced by no
 input copies into the graphs' static buffers still run; outputs are the capture-time
 buffers), on CPU the forward returns zeros and the logits are 8 zero columns (so sampling
 times the host path, not an argmax over the vocabulary), with torch on one thread. Reports the
-median engine step and its parts (scheduling, ``ModelRunner.run``, sampling, postprocess),
-in microseconds.
+median engine step and its parts (scheduling, ``ModelRunner.run``, sampling, the next latent
+inputs, postprocess), in microseconds.
 
-Run: ``python -m latentserve.bench.host [--device cuda] [--batch 64] [--steps 200]``.
+``--latent feedback`` (a tiny COCONUT Llama) or ``--latent head`` (a tiny Llama with a random
+closed-loop compression-head bundle, ``bench.head_gpu.build_head_model``) times the same
+batch twice in one engine: ``steps`` latent steps (every row in its latent phase, so each
+step injects the previous step's latent vectors) and ``steps`` plain decode steps (latent
+budget 0 / thinking off, same prompt length), and reports both (``latent`` and ``plain``
+dicts) and ``latent_over_plain_pct`` of the median step. The head's MLPs are stubbed too on
+CPU (``latent_input`` / ``stop_prob`` return zeros; on CUDA they run inside the no-op
+graphs); the engine's own latent host code (phase machines, vector bookkeeping, injection)
+runs for real.
+
+Run: ``python -m latentserve.bench.host [--device cuda] [--batch 64] [--steps 200]
+[--latent feedback|head]``.
 """
 
 from __future__ import annotations
@@ -19,6 +30,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+_SLACK = 16  # latent budget beyond the timed steps (prefill chunks end on different steps)
 
 
 class _NoReplay:
@@ -42,19 +55,92 @@ def _timed(obj, name: str, sink: dict) -> None:
     setattr(obj, name, wrapper)
 
 
+def _build(root: Path, latent: str | None) -> Path:
+    """The tiny model directory: a plain Llama, a COCONUT Llama (``feedback``; latent budget
+    up to 512) or a Llama with a random closed-loop head bundle (``head``)."""
+    if latent is None:
+        from latentserve.testing.tiny_models import save_tiny
+
+        return save_tiny(root / "llama", "llama")
+    if latent == "feedback":
+        from latentserve.testing.latent_models import save_latent_tiny
+
+        return save_latent_tiny(root / "coconut", "coconut-llama", max_budget=512)
+    if latent == "head":
+        from latentserve.bench.head_gpu import build_head_model
+
+        return build_head_model(root / "head", "tiny")
+    raise ValueError(f"latent must be None, 'feedback' or 'head', got {latent!r}")
+
+
+def _params(latent: str | None, engine, thinking: bool, n: int):
+    """Sampling params of ``n`` decode steps: latent steps when ``thinking`` (every step of
+    the timed window in the latent phase), else plain tokens (budget 0 / thinking off)."""
+    from latentserve.sampling_params import SamplingParams
+
+    if latent == "head":
+        from latentserve.bench.head_gpu import _params as head_params
+
+        return head_params(n if thinking else 0, n + 1, len(engine.latent_spec.end_ids),
+                           thinking)
+    budget = (n if thinking else 0) if latent == "feedback" else None
+    return SamplingParams(max_tokens=n + 1, temperature=0.0, ignore_eos=True,
+                          latent_budget=budget)
+
+
+def _time_steps(engine, params, batch: int, steps: int, prompt_len: int, tag: str,
+                latent_phase: bool) -> dict:
+    """Admit ``batch`` requests, prefill them, then time ``steps`` engine steps (all decode
+    rows; all in the latent phase when ``latent_phase``); the requests are aborted after."""
+    for i in range(batch):
+        engine.add_request(f"{tag}{i}", [5 + (i * 7 + j) % 500 for j in range(prompt_len)],
+                           params)
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_pending != 1 for r in sched.running):
+        engine.step()
+    runner = engine.runner
+    parts: dict = {}
+    originals = [(obj, name, getattr(obj, name)) for obj, name in (
+        (sched, "schedule"), (runner, "run"), (engine, "_sample"), (engine, "_latent_inputs"),
+        (sched, "postprocess"))]
+    for obj, name, _ in originals:
+        _timed(obj, name, parts)
+    total = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            total.append(time.perf_counter() - start)
+    finally:
+        for obj, name, fn in originals:
+            setattr(obj, name, fn)
+    in_phase = [r.answer_start is None for r in sched.running]
+    if latent_phase and not (len(in_phase) == batch and all(in_phase)):
+        raise RuntimeError("a row left its latent phase inside the timed window")
+    for r in list(sched.running):
+        engine.abort_request(r.rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    def med(xs):
+        return statistics.median(xs) * 1e6
+
+    return {"steps": len(total), "step_us": med(total),
+            **{f"{k}_us": med(v) for k, v in parts.items()}}
+
+
 def run_host_bench(device: str = "cpu", batch: int = 64, steps: int = 200,
-                   prompt_len: int = 100) -> dict:
+                   prompt_len: int = 100, latent: str | None = None) -> dict:
     """Median host time per decode step (us) and of its parts; see the module docstring.
-    ``batch`` requests of ``prompt_len`` ids decode for ``steps`` timed steps."""
+    ``batch`` requests of ``prompt_len`` ids decode for ``steps`` timed steps. ``latent``
+    (``"feedback"`` or ``"head"``): time latent steps and plain steps of the same batch."""
     import torch
 
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.tiny_models import save_tiny
 
     with tempfile.TemporaryDirectory() as d:
-        path = save_tiny(Path(d) / "llama", "llama")
+        path = _build(Path(d), latent)
         engine = LLMEngine(EngineConfig(model=str(path), device=device, max_num_seqs=batch,
                                         kv_slots=batch * 512))
     runner, model = engine.runner, engine.runner.model
@@ -65,29 +151,25 @@ def run_host_bench(device: str = "cpu", batch: int = 64, steps: int = 200,
         hidden = model.config.hidden_size
         model.forward = lambda ids, pos, *a: torch.zeros(ids.shape[0], hidden)
         model.compute_logits = lambda h: torch.zeros(h.shape[0], 8)
-    steps = min(steps, engine.max_model_len - prompt_len - 2)
-    sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"h{i}", [5 + (i * 7 + j) % 500 for j in range(prompt_len)], sp)
-    while engine.scheduler.waiting or any(r.num_pending != 1 for r in engine.scheduler.running):
-        engine.step()
-    parts: dict = {}
-    _timed(engine.scheduler, "schedule", parts)
-    _timed(runner, "run", parts)
-    _timed(engine, "_sample", parts)
-    _timed(engine.scheduler, "postprocess", parts)
-    total = []
-    for _ in range(steps - 1):
-        start = time.perf_counter()
-        engine.step()
-        total.append(time.perf_counter() - start)
-
-    def med(xs):
-        return statistics.median(xs) * 1e6
-
-    return {"device": device, "batch": batch, "steps": len(total),
-            "graphs": runner.graphs is not None, "step_us": med(total),
-            **{f"{k}_us": med(v) for k, v in parts.items()}}
+        head = getattr(model, "latent_head", None)
+        if latent == "head" and head is not None:
+            head.latent_input = lambda a: torch.zeros(a.shape[0], hidden)
+            head.stop_prob = lambda a: torch.zeros(a.shape[0])
+    # Room for the opening ids, the steps (+ slack), the closing ids and one answer token.
+    steps = max(2, min(steps, engine.max_model_len - prompt_len - 8 - _SLACK))
+    base = {"device": device, "batch": batch, "graphs": runner.graphs is not None}
+    if latent is None:
+        res = _time_steps(engine, _params(None, engine, False, steps + _SLACK), batch, steps - 1,
+                          prompt_len, "h", False)
+        return {**base, **res}
+    # Latent steps first, then plain steps over the same prompts in the same engine. The
+    # budgets leave slack: rows whose prefill chunk came first start decoding earlier.
+    lat = _time_steps(engine, _params(latent, engine, True, steps + _SLACK), batch,
+                      steps - 1, prompt_len, "lat", True)
+    plain = _time_steps(engine, _params(latent, engine, False, steps + _SLACK), batch,
+                        steps - 1, prompt_len, "pln", False)
+    return {**base, "latent_kind": latent, "latent": lat, "plain": plain,
+            "latent_over_plain_pct": 100 * (lat["step_us"] / plain["step_us"] - 1)}
 
 
 if __name__ == "__main__":
@@ -95,5 +177,7 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--latent", choices=["feedback", "head"], default=None,
+                    help="also time latent steps of this kind against plain steps")
     a = ap.parse_args()
-    print(json.dumps(run_host_bench(a.device, a.batch, a.steps), indent=1))
+    print(json.dumps(run_host_bench(a.device, a.batch, a.steps, latent=a.latent), indent=1))

@@ -55,10 +55,11 @@ class CudaGraphRunner:
         graph_depths: recurrent-depth models: the loop trip counts captured (None =
             ``default_graph_depths(spec)``).
 
-    ``replay(ids, pos, rows, kv_lens, out_slots, embeds, mask, rec)`` takes ``[B]`` device
-    tensors (``embeds [B, hidden]``, ``mask [B] bool``; ``rec`` the ``RecurrentBatch`` of a
-    recurrent model, whose depths and readout go to static buffers) with B <= max_bs and
-    returns
+    ``replay(ids, pos, rows, kv_lens, out_slots, embeds, mask, rec, mask_all)`` takes ``[B]``
+    device tensors (``embeds [B, hidden]`` any float dtype, ``mask [B] bool``, both None for
+    a batch without latent rows; ``mask_all``: every row takes its ``embeds`` row, ``mask``
+    is then not read; ``rec`` the ``RecurrentBatch`` of a recurrent model, whose depths and
+    readout go to static buffers) with B <= max_bs and returns
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
     the next replay. A closed-loop compression head (``model.latent_head``) runs inside the
     graph on the captured anchors; its ``(latent_input [B, hidden] float32, stop_prob [B]
@@ -81,7 +82,8 @@ class CudaGraphRunner:
         self.out_slots = torch.zeros(n, dtype=torch.int64, device=dev)
         self.embeds = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         self.mask = torch.zeros(n, dtype=torch.bool, device=dev)
-        self._mask_set = False  # whether any mask entry may be True
+        self._mask_hi = 0  # mask entries at or past this index are all False
+        self._mask_ones = 0  # > 0: the mask is exactly this many leading True entries
         self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
         # A compression head runs on the captured anchors inside the graph (closed loop).
         head = getattr(model, "latent_head", None)
@@ -151,7 +153,8 @@ class CudaGraphRunner:
         exit early and its deepest row is within the deepest captured loop."""
         return rec.graph_ok and rec.num_iters <= self.graph_depths[-1]
 
-    def replay(self, ids, pos, rows, kv_lens, out_slots, embeds=None, mask=None, rec=None):
+    def replay(self, ids, pos, rows, kv_lens, out_slots, embeds=None, mask=None, rec=None,
+               mask_all: bool = False):
         n = ids.shape[0]
         b = next(x for x in self.buckets if x >= n)
         depth = next(d for d in self.graph_depths if d >= (rec.num_iters if rec else 0))
@@ -169,17 +172,23 @@ class CudaGraphRunner:
         self.rows[:n].copy_(rows)
         self.kv_lens[:n].copy_(kv_lens)
         self.out_slots[:n].copy_(out_slots)
-        if mask is None:
-            if self._mask_set:  # NOTE: plain steps skip the clear while the mask is all-False
-                self.mask.zero_()
-                self._mask_set = False
+        if embeds is None:
+            if self._mask_hi:  # NOTE: plain steps skip the clear while the mask is all-False
+                self.mask[: self._mask_hi].zero_()
+                self._mask_hi = self._mask_ones = 0
         else:
             if not self.latent_capable:
                 raise RuntimeError("latent rows need a latent-capable graph")
-            self.embeds[:n].copy_(embeds)
-            self.mask[:n].copy_(mask)
-            self.mask[n:].zero_()
-            self._mask_set = True
+            self.embeds[:n].copy_(embeds)  # straight from the latent source (any float dtype)
+            if not mask_all:
+                self.mask[:n].copy_(mask)
+                self._mask_ones = 0
+            elif self._mask_ones != n:  # NOTE: consecutive all-latent steps keep the mask
+                self.mask[:n].fill_(True)
+                self._mask_ones = n
+            if self._mask_hi > n:  # a larger batch's mask entries past this one
+                self.mask[n : self._mask_hi].zero_()
+            self._mask_hi = n
         if b > n:  # padded rows: dummy page-table row, one key, write to the dummy slot 0
             self.rows[n:b].fill_(self.dummy_row)
             self.kv_lens[n:b].fill_(1)

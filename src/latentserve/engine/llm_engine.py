@@ -390,10 +390,12 @@ class LLMEngine:
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
 
     def _latent_inputs(self, reqs, logits, last_hidden) -> list | None:
-        """Next latent input (``[hidden]`` in the model dtype) for each sampling row still
-        in its latent phase, None elsewhere; the feedback hook runs once, batched. Records
-        the latent trace (norm, logit-lens top 5) for requests that asked for it.
-        Compression-head models: ``latent.head_loop.next_inputs``."""
+        """Next latent input for each sampling row still in its latent phase, None elsewhere:
+        a ``(tensor, row)`` entry (``latent/vectors.py``; ``tensor[row]`` is the ``[hidden]``
+        vector in the model dtype, one tensor for the step's rows, no per-row views); the
+        feedback hook runs once, batched. Records the latent trace (norm, logit-lens top 5)
+        for requests that asked for it. Compression-head models:
+        ``latent.head_loop.next_inputs``."""
         if self.latent_spec is not None and self.latent_spec.kind == "head":
             from latentserve.latent.head_loop import next_inputs
 
@@ -406,13 +408,16 @@ class LLMEngine:
         if not rows:
             return None
         model = self.runner.model
+        every = len(rows) == len(reqs)  # every row thinks (the common latent decode batch)
         with torch.inference_mode():
-            if len(rows) == len(reqs):  # every row thinks (the common latent decode batch)
+            if every:
                 vecs = model.latent_feedback(last_hidden)
+                if self.runner.replayed and (vecs.untyped_storage().data_ptr()
+                                             == last_hidden.untyped_storage().data_ptr()):
+                    vecs = vecs.clone()  # a graph's static output (COCONUT: the identity)
             else:
                 idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
                 vecs = model.latent_feedback(last_hidden[idx])
-        out: list = [None] * len(reqs)
         traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
         if traced:
             with torch.inference_mode():
@@ -423,9 +428,11 @@ class LLMEngine:
                     "norm": float(vecs[j].float().norm()),
                     "top_tokens": [[int(t), float(v)] for t, v in
                                    zip(top.indices[k].tolist(), top.values[k].tolist())]})
-        views = vecs.unbind(0)  # one call for every row's view
+        if every:
+            return [(vecs, j) for j in range(len(rows))]
+        out: list = [None] * len(reqs)
         for j, i in enumerate(rows):
-            out[i] = views[j]
+            out[i] = (vecs, j)
         return out
 
 

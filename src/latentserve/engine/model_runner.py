@@ -3,11 +3,14 @@ captured CUDA graph for decode batches) and returns the logits of the rows that 
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from latentserve.attention.base import AttentionBackend, BatchLayout
 from latentserve.context import ForwardContext, set_context
 from latentserve.kvcache.pool import KVPool, PageTable
+from latentserve.latent import vectors as latent_vectors
 from latentserve.latent.recurrent import RecurrentBatch
 from latentserve.scheduler.scheduler import ScheduledBatch
 
@@ -18,13 +21,19 @@ class ModelRunner:
     ``run(batch)`` returns ``(logits [S, vocab] float32, last_hidden [S, hidden])`` for the S
     rows with ``batch.sample`` set (in batch order): the final-normed hidden state of each
     such request's last position, which latent families feed back.
-    Positions a request computes inside its latent span take ``req.latent_embeds`` as input.
+    Positions a request computes inside its latent span take ``req.latent_embeds`` as input
+    (``(tensor, row)`` entries, ``latent/vectors.py``): the rows of one tensor in token order
+    are injected as a slice of it, else gathered with one ``index_select`` (rows of one
+    tensor) or stacked (several tensors); rows without a vector are masked out.
     ``num_computed_tokens`` counts every token forwarded (prefix-cache tests read it);
     ``num_graph_steps`` the decode steps replayed from CUDA graphs. With
     ``set_capture(layer)``, ``last_captured`` holds ``[S, hidden]``: the residual stream after
     ``layer`` decoder layers at each sampling row's last position (compression heads read it).
     ``last_hidden_all`` is the last forward's final-normed hidden at every position
     (``[num_tokens, hidden]``, batch order; looped blocks read it).
+    ``replayed``: whether the last run replayed a CUDA graph; its outputs (and
+    ``last_hidden_all``, ``last_head_out``) may then be views of the graph's static buffers,
+    overwritten by the next replay, so a caller that keeps them copies them first.
     For a recurrent-depth model each forward also gets a ``RecurrentBatch`` (per-row depth
     and exit rule, ``ForwardContext.recurrent``) and each token's depth
     (``ForwardContext.depths``); sampling rows' iteration counts go to their requests.
@@ -49,6 +58,8 @@ class ModelRunner:
         self.last_head_out: tuple | None = None
         self.num_computed_tokens = 0
         self.num_graph_steps = 0
+        self.replayed = False
+        self._all_true = torch.ones(0, dtype=torch.bool, device=device)
         self.prompt_hidden: list = []
         spec = getattr(model, "latent_spec", None)
         self.recurrent = spec is not None and spec.kind == "recurrent"  # per-token depth
@@ -76,14 +87,21 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
         ids, pos, last, row_tok = [], [], [], []
-        inj_rows, inj_vecs = [], []
+        inj_rows, inj = [], []  # token rows that take a latent vector, and their entries
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
-            if req.latent_embeds:  # latent span [lo, hi) of this chunk takes vectors
-                lo = max(start, req.latent_start)
-                hi = min(start + n, req.latent_start + len(req.latent_embeds))
-                for p in range(lo, hi):
-                    inj_rows.append(len(ids) + p - start)
-                    inj_vecs.append(req.latent_embeds[p - req.latent_start])
+            emb = req.latent_embeds
+            if emb:  # latent span [lo, hi) of this chunk takes vectors
+                lo = start - req.latent_start  # index in latent_embeds of the chunk's start
+                if n == 1:  # a decode row
+                    if 0 <= lo < len(emb):
+                        inj_rows.append(len(ids))
+                        inj.append(emb[lo])
+                else:
+                    lo, hi = max(lo, 0), min(lo + n, len(emb))
+                    if lo < hi:
+                        base = len(ids) - start + req.latent_start
+                        inj_rows.extend(range(base + lo, base + hi))
+                        inj.extend(emb[lo:hi])
             ids.extend(req.ids_slice(start, start + n))
             pos.extend(range(start, start + n))
             row_tok.extend([req.row] * n)
@@ -92,30 +110,55 @@ class ModelRunner:
         dev = self.device
         t, b = len(ids), len(batch.reqs)
         kv_lens = [s + n for s, n in zip(batch.starts, batch.q_lens)]
-        mask_l = []
+        mask_l, src, src_rows = [], None, []
         if inj_rows:
-            mask_l = [0] * t
-            for r in inj_rows:
-                mask_l[r] = 1
+            full = len(inj_rows) == t  # every row injects (a latent decode batch)
+            if not full:
+                mask_l = [0] * t
+                for r in inj_rows:
+                    mask_l[r] = 1
+            src = latent_vectors.common_source(inj)
+            if src is not None:  # one step's tensor: its rows in order, or one index_select
+                src_idx = [r for _, r in inj]
+                r0 = src_idx[0]
+                if full and src_idx == list(range(r0, r0 + t)):
+                    src = src[r0 : r0 + t]
+                else:  # source row of every token row (rows without a vector: any row)
+                    src_rows = src_idx if full else [r0] * t
+                    if not full:
+                        for r, v in zip(inj_rows, src_idx):
+                            src_rows[r] = v
         # One host-to-device copy for every index vector of the batch:
         # ids [T] | positions [T] | page-table row of each token [T] | rows [B] | kv_lens [B]
-        # | latent mask [T] (only with latent rows).
-        packed = torch.tensor(ids + pos + row_tok + [r.row for r in batch.reqs] + kv_lens
-                              + mask_l, dtype=torch.int64).to(dev, non_blocking=True)
+        # | latent mask [T] (only when some rows take no vector) | latent source row of each
+        # token [T] (only when the latent vectors are not already one slice in token order).
+        # NOTE: through array('q'): torch.tensor of a long int list costs ~0.1 us an element.
+        packed = torch.frombuffer(array("q", ids + pos + row_tok + [r.row for r in batch.reqs]
+                                        + kv_lens + mask_l + src_rows),
+                                  dtype=torch.int64).to(dev, non_blocking=True)
         input_ids, positions = packed[:t], packed[t : 2 * t]
         rows, kv_dev = packed[3 * t : 3 * t + b], packed[3 * t + b : 3 * t + 2 * b]
         out_slots = self.table.table[packed[2 * t : 3 * t], positions]  # table[row, position]
         input_embeds = latent_mask = None
         if inj_rows:
-            latent_mask = packed[3 * t + 2 * b :].bool()
-            if len(inj_rows) == t:  # every row injects (a latent decode batch)
-                input_embeds = torch.stack(inj_vecs)
+            if mask_l:
+                latent_mask = packed[3 * t + 2 * b : 4 * t + 2 * b].bool()
+            else:  # every row: a slice of a cached all-True mask (read only)
+                if self._all_true.shape[0] < t:
+                    self._all_true = torch.ones(t, dtype=torch.bool, device=dev)
+                latent_mask = self._all_true[:t]
+            if src is None:  # vectors from several tensors (a recomputed prefill)
+                vecs = [latent_vectors.vector(e) for e in inj]
+                if len(inj_rows) < t:
+                    full_l = [vecs[0].new_zeros(vecs[0].shape)] * t
+                    for r, v in zip(inj_rows, vecs):
+                        full_l[r] = v
+                    vecs = full_l
+                input_embeds = torch.stack(vecs)
+            elif src_rows:
+                input_embeds = src.index_select(0, packed[3 * t + 2 * b + len(mask_l) :])
             else:
-                zero = inj_vecs[0].new_zeros(inj_vecs[0].shape)
-                full = [zero] * t
-                for r, v in zip(inj_rows, inj_vecs):
-                    full[r] = v
-                input_embeds = torch.stack(full)
+                input_embeds = src
         layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
         rec = RecurrentBatch.from_batch(batch, layout, self.table.table) if self.recurrent \
             else None
@@ -128,8 +171,10 @@ class ModelRunner:
                 and len(ids) <= self.graphs.max_bs
                 and (rec is None or self.graphs.can_replay(rec))):
             self.num_graph_steps += 1
+            self.replayed = True
             logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_dev, out_slots,
-                                                input_embeds, latent_mask, rec)
+                                                input_embeds, latent_mask, rec,
+                                                mask_all=bool(inj_rows) and not mask_l)
             if rec is not None:
                 rec.iters_used = list(rec.row_depths)
                 rec.record(batch)
@@ -146,6 +191,7 @@ class ModelRunner:
                                 None if head_out[1] is None else head_out[1][idx])
             self.last_captured, self.last_head_out = captured, head_out
             return logits, hidden
+        self.replayed = False
         meta = self.backend.prepare(layout, self.table.table)
         capture_buf = None
         if self.capture_layer >= 0:

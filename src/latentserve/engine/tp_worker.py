@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from latentserve.engine.model_runner import ModelRunner
+from latentserve.latent import vectors as latent_vectors
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +153,14 @@ class TPModelRunner(ModelRunner):
                          req.latent_start, len(req.latent_embeds), list(span),
                          int(req.latent_budget), req.exit_rule))
         max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
-        dtype = str(vecs[0].dtype).removeprefix("torch.") if vecs else ""
+        dtype = str(vecs[0][0].dtype).removeprefix("torch.") if vecs else ""
         self._send_object(StepHeader(reqs, list(batch.sample), max_kv, len(vecs), dtype))
         rows = torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=self.device)
         block = self.table.table[rows, :max_kv].contiguous()
         dist.broadcast(block, src=0, group=self.tp.device_group)
-        if vecs:
-            dist.broadcast(torch.stack(vecs).contiguous(), src=0, group=self.tp.device_group)
+        if vecs:  # (tensor, row) entries (latent/vectors.py), as one [num_latent, hidden]
+            dist.broadcast(latent_vectors.stack(vecs).contiguous(), src=0,
+                           group=self.tp.device_group)
 
     # ----- workers -----
 
@@ -204,7 +206,7 @@ class TPModelRunner(ModelRunner):
              rule) in header.reqs:
             embeds: list = [None] * lat_len
             for p in span:
-                embeds[p - lat_start] = vecs[k]
+                embeds[p - lat_start] = (vecs, k)  # a (tensor, row) entry, as on rank 0
                 k += 1
             out.append(_ShadowReq(row, _Window(start, ids), range(prompt_len), lat_start,
                                   embeds, budget, rule))

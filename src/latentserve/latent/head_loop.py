@@ -46,19 +46,22 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
 
     ``captured``: ``[S, hidden]``, each sampling row's source-layer residual stream (the
     anchor). Closed loop: stop when the stop probability > threshold after >= ``min_latent``
-    steps, else end at ``max_latent``, else the next latent input (``[hidden]`` float32).
-    Prompt mode: the latent for the last prompt position. Returns one entry per row of
-    ``reqs`` (None: not in the phase, or the phase ends), or None when no row is in it.
-    ``precomputed``: ``(latent_input [S, hidden], stop_prob [S] or None)`` for every
-    sampling row, when a CUDA graph already ran the head on ``captured``.
+    steps, else end at ``max_latent``, else the next latent input. Prompt mode: the latent for
+    the last prompt position. Returns one entry per row of ``reqs`` (None: not in the phase,
+    or the phase ends), or None when no row is in it; an input is a ``(tensor, row)`` pair
+    (``latent/vectors.py``): ``tensor[row]`` is the ``[hidden]`` float32 vector, one tensor
+    for the step's rows (no per-row views). ``precomputed``: ``(latent_input [S, hidden],
+    stop_prob [S] or None)`` for every sampling row, when a CUDA graph already ran the head
+    on ``captured`` (static buffers: the inputs kept are copied out of them).
     """
     rows = [i for i, r in enumerate(reqs) if r.head is not None and r.answer_start is None]
     if not rows:
         return None
-    idx = torch.tensor(rows, dtype=torch.long, device=captured.device)
+    every = len(rows) == len(reqs)  # no index ops when every row is in the phase
+    idx = None if every else torch.tensor(rows, dtype=torch.long, device=captured.device)
     sigma = getattr(head, "policy_sigma", None)
     with torch.inference_mode():
-        anchors = captured[idx]
+        anchors = captured if every else captured[idx]
         if sigma is not None:  # Gaussian policy: z ~ N(mu, sigma^2 I), recorded with its anchor
             mu = head.encode(anchors)
             z = mu + sigma * torch.randn_like(mu)
@@ -66,8 +69,10 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
             z_cpu, a_cpu = z.float().cpu(), anchors.float().cpu()
             probs = head.stop_prob(anchors)
         elif precomputed is not None:  # a CUDA graph already ran the head on these anchors
-            vecs = precomputed[0][idx]
-            probs = None if precomputed[1] is None else precomputed[1][idx]
+            vecs = precomputed[0].clone() if every else precomputed[0][idx]
+            probs = precomputed[1]
+            if probs is not None and not every:
+                probs = probs[idx]
         else:
             vecs = head.latent_input(anchors)
             probs = head.stop_prob(anchors)
@@ -76,7 +81,7 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
     for j, i in enumerate(rows):
         h = reqs[i].head
         if h.mode == "prompt":
-            out[i], h.steps, h.end = vecs[j], 1, "prompt"
+            out[i], h.steps, h.end = (vecs, j), 1, "prompt"
             continue
         k, p = h.steps, probs[j]
         if p is not None:
@@ -86,7 +91,7 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
         elif k >= h.max_latent:
             h.end = "cap"
         else:
-            out[i] = vecs[j]
+            out[i] = (vecs, j)
             h.steps += 1
             if sigma is not None and h.mode == "closed_loop":
                 if h.actions is None:
@@ -107,9 +112,10 @@ def set_policy_sampling(head, sigma: float | None) -> None:
 
 
 def advance(req: Req, vec, latent_id: int) -> bool:
-    """Move ``req`` past one forward (``vec`` from :func:`next_inputs`; the sampled token of
-    a latent-phase row is always discarded). Returns True when that sampled token is already
-    the first answer token (no closing ids).
+    """Move ``req`` past one forward (``vec``: its ``(tensor, row)`` entry from
+    :func:`next_inputs`, or None; the sampled token of a latent-phase row is always
+    discarded). Returns True when that sampled token is already the first answer token (no
+    closing ids).
 
     Closed loop: ``vec`` is the next latent position's input (``latent_id``, the reserved pad
     id, goes in its id slot); None ends the phase and the closing ids are forced. Prompt

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from latentserve.core import Req
+from latentserve.latent.vectors import as_rows
 
 
 @dataclass(slots=True)
@@ -176,7 +177,7 @@ def advance(req: Req, spec) -> bool:
         return False
     st.passes_done += 1
     if st.passes_done <= st.iterations:
-        req.latent_embeds = list(st.next_inputs.unbind(0))
+        req.latent_embeds = as_rows(st.next_inputs)  # (tensor, row) entries, no views
         st.next_inputs = None
         req.num_computed = st.block_start
         return False

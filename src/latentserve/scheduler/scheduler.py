@@ -156,9 +156,10 @@ class Scheduler:
         """Advance each request past this step and retire finished requests.
 
         ``tokens`` has one sampled id per row with ``sample`` set (batch order); ``latents``,
-        aligned with it, holds the next latent input vector (``[hidden]``) for rows still in
-        their latent phase and None elsewhere. A latent-phase row appends a latent position
-        (or, once its budget is spent, the transition tokens) instead of its sampled token.
+        aligned with it, holds the next latent input (a ``(tensor, row)`` entry,
+        ``latent/vectors.py``) for rows still in their latent phase and None elsewhere. A
+        latent-phase row appends a latent position (or, once its budget is spent, the
+        transition tokens) instead of its sampled token.
         """
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
@@ -191,8 +192,9 @@ class Scheduler:
 
     def _advance_latent(self, req: Req, vec) -> bool:
         """Phase machine of a latent request after a forward. Appends the next latent
-        position (input ``vec``) while budget remains, else the transition tokens. Returns
-        True when the sampled token is already the first answer token (no transition ids)."""
+        position (input ``vec``, a ``(tensor, row)`` entry) while budget remains, else the
+        transition tokens. Returns True when the sampled token is already the first answer
+        token (no transition ids)."""
         spec = self.latent_spec
         if req.head is not None:
             return head_loop.advance(req, vec, spec.latent_id)
