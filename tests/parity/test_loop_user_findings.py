@@ -141,3 +141,18 @@ def test_lotus_reference_refuses_weights_it_would_not_read(tmp_path, smollm2_dir
     (model / "latent_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="'lora'"):
         load_lotus_reference(str(model))
+
+
+def test_latent_trace_is_refused_for_a_looped_model(tmp_path, smollm2_dir):
+    """return_latent_trace was silently ignored for looped blocks; it is refused by name."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.loop_models import save_loop_tiny
+
+    path = save_loop_tiny(tmp_path, "lotus-llama", block_size=3, iterations=1)
+    engine = LLMEngine(EngineConfig(model=str(path)))
+    with pytest.raises(ValueError, match="^return_latent_trace is not supported"):
+        engine.add_request("a", [21, 22, 23], SamplingParams(return_latent_trace=True))
+    assert not engine.has_unfinished_requests()
+    engine.cache.check_idle()

@@ -166,3 +166,16 @@ def test_sampling_params_exit_fields_are_validated():
                       ({"exit_check_every": 0}, "exit_check_every")):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("field,value", [("exit_threshold", 0.5), ("exit_min_steps", 2),
+                                         ("exit_check_every", 3)])
+def test_plain_model_rejects_each_exit_field_by_name(tmp_path, field, value):
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.tiny_models import save_tiny
+
+    d = save_tiny(tmp_path / "llama", "llama", word_tokenizer=True, vocab_size=1024)
+    engine = LLMEngine(EngineConfig(model=str(d), kv_slots=256, max_model_len=64))
+    with pytest.raises(ValueError, match=f"^{field} needs a recurrent-depth model"):
+        engine.add_request("a", [1, 2], SamplingParams(**{field: value}))
+    engine.cache.check_idle()

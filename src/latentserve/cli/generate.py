@@ -18,6 +18,14 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template")
+    p.add_argument("--latent-budget", type=int, default=None,
+                   help="latent steps (feedback models), recurrences per token (Huginn, "
+                        "Ouro) or block passes (PCCoT, LOTUS); default: the model's own; "
+                        "0: no thinking")
+    p.add_argument("--exit-criterion", default=None,
+                   help="recurrent-depth early exit (docs/models.md), e.g. kl or "
+                        "threshold")
+    p.add_argument("--exit-threshold", type=float, default=None)
     p.set_defaults(func=run)
 
 
@@ -28,7 +36,10 @@ def run(args) -> int:
     from latentserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            latent_budget=args.latent_budget,
+                            exit_criterion=args.exit_criterion,
+                            exit_threshold=args.exit_threshold)
     engine = LLMEngine(engine_config(args))
     tok = engine.tokenizer
     if args.raw or not getattr(tok, "chat_template", None):

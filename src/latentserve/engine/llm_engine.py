@@ -172,9 +172,15 @@ class LLMEngine:
         elif params.latent_budget:
             raise ValueError("latent_budget must be 0 or null: this model does no latent "
                              "reasoning")
-        if not recurrent and (params.exit_criterion is not None
-                              or params.exit_threshold is not None):
-            raise ValueError("exit_criterion / exit_threshold need a recurrent-depth model")
+        if not recurrent:
+            sent = [name for name, unset in (("exit_criterion", None), ("exit_threshold", None),
+                                             ("exit_min_steps", 0), ("exit_check_every", 1))
+                    if getattr(params, name) != unset]
+            if sent:
+                raise ValueError(f"{sent[0]} needs a recurrent-depth model (Huginn, Ouro)")
+        if looped and params.return_latent_trace:
+            raise ValueError("return_latent_trace is not supported for looped-block models "
+                             "(PCCoT, LOTUS): their latents are rewritten by every pass")
         if n + extra >= self.max_model_len:
             what = f"prompt has {n} tokens" + (f" (+{extra} latent and transition)" if extra
                                                else "")
