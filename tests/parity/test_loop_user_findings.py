@@ -156,3 +156,25 @@ def test_latent_trace_is_refused_for_a_looped_model(tmp_path, smollm2_dir):
         engine.add_request("a", [21, 22, 23], SamplingParams(return_latent_trace=True))
     assert not engine.has_unfinished_requests()
     engine.cache.check_idle()
+
+
+def test_running_requests_are_ordered_prefill_then_passes_then_decode():
+    """The issue's priority order for a step's token budget: prefill -> loop passes ->
+    decode (each group in arrival order)."""
+    from types import SimpleNamespace
+
+    from latentserve.latent.loop import passes_first
+
+    def req(name, computed, prompt, outputs, looped=True, answered=False):
+        return SimpleNamespace(name=name, num_computed=computed, prompt_ids=[0] * prompt,
+                               output_ids=[0] * outputs, answer_start=3 if answered else None,
+                               loop=SimpleNamespace(block_size=4) if looped else None)
+
+    decode = req("decode", 12, 8, 6, answered=True)
+    in_pass = req("pass", 12, 8, 4)
+    prefill = req("prefill", 3, 8, 0)
+    plain = req("plain", 9, 9, 2, looped=False)
+    in_pass2 = req("pass2", 10, 6, 4)
+    order = passes_first([decode, in_pass, prefill, plain, in_pass2])
+    assert [r.name for r in order] == ["prefill", "pass", "pass2", "decode", "plain"]
+    assert passes_first([decode, plain]) == [decode, plain]  # no pass: unchanged

@@ -101,13 +101,17 @@ def in_pass(req: Req) -> bool:
 
 
 def passes_first(running: list[Req]) -> list[Req]:
-    """``running`` with the requests in a block pass first (each group keeps its order), so
-    the scheduler gives loop passes the token budget before decode rows and prefill chunks.
-    The same list order when no request is looped."""
+    """``running`` in the loop manager's priority order: requests with prompt tokens still to
+    prefill, then those in a block pass, then the rest (decode rows); each group keeps its
+    order. The scheduler hands out the step's token budget in this order (and admits new
+    requests after it), so it only matters when the budget runs short. The same list order
+    when no request is in a pass."""
     passes = [r for r in running if in_pass(r)]
     if not passes:
         return list(running)
-    return passes + [r for r in running if not in_pass(r)]
+    prefill = [r for r in running if not in_pass(r) and r.num_computed < len(r.prompt_ids)]
+    chosen = {id(r) for r in passes + prefill}
+    return prefill + passes + [r for r in running if id(r) not in chosen]
 
 
 def _in_block_phase(req: Req) -> bool:

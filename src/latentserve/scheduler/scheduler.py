@@ -87,8 +87,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         batch = ScheduledBatch([], [], [], [])
         budget = self.max_num_batched_tokens
-        # 1. Running requests, oldest first: decode rows and unfinished prefill chunks, with
-        #    looped requests' block passes ahead of the rest (latent/loop.py).
+        # 1. Running requests, oldest first: decode rows and unfinished prefill chunks. With
+        #    a looped model: prefill chunks, then block passes, then decode (latent/loop.py).
         in_batch: set[int] = set()
         looped = self.latent_spec is not None and self.latent_spec.kind == "loop"
         for req in loop.passes_first(self.running) if looped else list(self.running):
