@@ -70,6 +70,46 @@ class Rotary(nn.Module):
 _rotate_half = rotate_half  # the name ouro.py imports
 
 
+class MergedQKV:
+    """The fast path of an attention module with ``q_proj``, ``k_proj``, ``v_proj``,
+    ``n_heads``, ``n_kv`` and ``head_dim`` (Llama family, Ouro): ``fuse()`` merges the three
+    projections into one GEMM (``qkv_proj``, rows q then k then v; call after loading and
+    sharding the weights) and ``fused_qkv`` runs it with RoPE in place."""
+
+    fused = False
+
+    def fuse(self) -> None:
+        self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.fused = True
+
+    def fused_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x ``[T, hidden]``, cos/sin ``[T, head_dim]`` -> q ``[T, H, D]``, k and v
+        ``[T, Hkv, D]``: strided views of the merged output, q and k rotated in place by
+        the Triton kernel (``ops.kernels.apply_rotary_``)."""
+        from latentserve.ops.kernels import apply_rotary_
+
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        nq, nk = self.n_heads * d, self.n_kv * d
+        q = qkv[:, :nq].view(t, self.n_heads, d)
+        k = qkv[:, nq : nq + nk].view(t, self.n_kv, d)
+        v = qkv[:, nq + nk :].view(t, self.n_kv, d)
+        apply_rotary_(q, k, cos, sin)
+        return q, k, v
+
+
+def fuse_decoder(model: nn.Module, layers) -> None:
+    """Put ``model`` on the fast path: every layer's ``self_attn.fuse()`` and ``mlp.fuse()``
+    (merged GEMMs, RoPE and SiLU-mul kernels) and the RMSNorm kernel for every RMSNorm."""
+    for layer in layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.fused = True
+
+
 def merge_linears(*linears: nn.Module) -> nn.Linear:
     """One ``nn.Linear`` whose output is the given layers' outputs concatenated (their
     weights stacked along the output dim, on their device and dtype): one GEMM instead of

@@ -10,12 +10,20 @@ import torch
 from torch import nn
 
 from latentserve.context import get_context
-from latentserve.models.layers import RMSNorm, Rotary, inject, merge_linears, paged_attention
+from latentserve.models.layers import (
+    MergedQKV,
+    RMSNorm,
+    Rotary,
+    fuse_decoder,
+    inject,
+    merge_linears,
+    paged_attention,
+)
 from latentserve.models.weights import load_by_name
 from latentserve.ops.rotary import apply_rotary
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(MergedQKV, nn.Module):
     def __init__(self, cfg, layer: int):
         super().__init__()
         self.layer = layer
@@ -30,26 +38,11 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=o_bias)
         self.scale = d**-0.5
-        self.fused = False
-
-    def fuse(self) -> None:
-        """Fast path: one q/k/v GEMM (``qkv_proj``, rows q then k then v) and RoPE in place
-        by the Triton kernel. Call after loading weights (checkpoints keep q/k/v names)."""
-        self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
-        self.fused = True
 
     def forward(self, x, cos, sin):
         t, d = x.shape[0], self.head_dim
-        if self.fused:
-            from latentserve.ops.kernels import apply_rotary_
-
-            qkv = self.qkv_proj(x)
-            nq, nk = self.n_heads * d, self.n_kv * d
-            q = qkv[:, :nq].view(t, self.n_heads, d)
-            k = qkv[:, nq : nq + nk].view(t, self.n_kv, d)
-            v = qkv[:, nq + nk :].view(t, self.n_kv, d)
-            apply_rotary_(q, k, cos, sin)
+        if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, RoPE in place
+            q, k, v = self.fused_qkv(x, cos, sin)
         else:
             q = self.q_proj(x).view(t, self.n_heads, d)
             k = self.k_proj(x).view(t, self.n_kv, d)
@@ -146,12 +139,7 @@ class LlamaForCausalLM(nn.Module):
         gate/up GEMMs, fused residual-add + RMSNorm, in-place RoPE, SiLU-and-multiply.
         Call once after ``load_weights``; ``load_weights`` cannot be used afterwards.
         Runs wherever Triton runs (CUDA; CPU only under ``TRITON_INTERPRET=1``)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.fused = True
+        fuse_decoder(self, self.model.layers)
 
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
         x = inject(self.embed(input_ids), input_embeds, latent_mask)

@@ -40,11 +40,12 @@ from latentserve.context import get_context
 from latentserve.latent.recurrent import ActiveRows, ExitRule, fill_banks
 from latentserve.latent.spec import LatentSpec
 from latentserve.models.layers import (
+    MergedQKV,
     RMSNorm,
     Rotary,
     _rotate_half,
+    fuse_decoder,
     inject,
-    merge_linears,
     paged_attention,
 )
 from latentserve.models.llama import LlamaMLP
@@ -64,7 +65,7 @@ def ouro_config(d: dict):
     return cfg
 
 
-class OuroAttention(nn.Module):
+class OuroAttention(MergedQKV, nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
@@ -76,27 +77,12 @@ class OuroAttention(nn.Module):
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=False)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.scale = d**-0.5
-        self.fused = False
-
-    def fuse(self) -> None:
-        """Fast path: one q/k/v GEMM (``qkv_proj``) and RoPE in place by the Triton kernel,
-        as ``LlamaAttention.fuse``. Call after loading (and sharding) the weights."""
-        self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
-        self.fused = True
 
     def forward(self, x, cos, sin, bank: int):
         """x ``[T, hidden]``; cos, sin ``[T, 1, head_dim]`` (``OuroForCausalLM.rope``)."""
         t, d = x.shape[0], self.head_dim
-        if self.fused:
-            from latentserve.ops.kernels import apply_rotary_
-
-            qkv = self.qkv_proj(x)
-            nq, nk = self.n_heads * d, self.n_kv * d
-            q = qkv[:, :nq].view(t, self.n_heads, d)
-            k = qkv[:, nq : nq + nk].view(t, self.n_kv, d)
-            v = qkv[:, nq + nk :].view(t, self.n_kv, d)
-            apply_rotary_(q, k, cos[:, 0], sin[:, 0])
+        if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, RoPE in place
+            q, k, v = self.fused_qkv(x, cos[:, 0], sin[:, 0])
         else:
             q = self.q_proj(x).view(t, self.n_heads, d)
             k = self.k_proj(x).view(t, self.n_kv, d)
@@ -193,12 +179,7 @@ class OuroForCausalLM(nn.Module):
         SiLU-and-multiply and the RMSNorm kernel for all four sandwich norms, the loop's final
         norm included. Call once after ``load_weights``. Runs wherever Triton runs (CUDA; CPU
         only under ``TRITON_INTERPRET=1``)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-        for m in self.modules():
-            if isinstance(m, RMSNorm):
-                m.fused = True
+        fuse_decoder(self, self.model.layers)
 
     def embed(self, input_ids):
         return self.model.embed_tokens(input_ids)

@@ -48,6 +48,22 @@ def _rotary_kernel(
                   HALF, BLOCK_HK, BLOCK_HALF)
 
 
+def check_qk_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cos_dim: int) -> None:
+    """The shared argument checks of the RoPE kernels: q ``[T, H, D]`` and k ``[T, Hk, D]``
+    of one dtype with D even, cos/sin ``[T, cos_dim]``, every last dim contiguous.
+    Raises ValueError naming the mismatch."""
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or k.dtype != q.dtype or d % 2:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must "
+                         "share T, an even head_dim and the dtype")
+    if cos.shape != (t, cos_dim) or sin.shape != (t, cos_dim):
+        raise ValueError(f"cos/sin must be [{t}, {cos_dim}], got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
+    if any(x.stride(-1) != 1 for x in (q, k, cos, sin)):
+        raise ValueError("q, k, cos and sin need a contiguous last dim")
+
+
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> None:
     """Rotate q and k in place with the rotate-half convention.
@@ -61,14 +77,7 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         ValueError: on a shape, dtype or stride mismatch.
     """
     t, h, d = q.shape
-    if k.shape[0] != t or k.shape[2] != d or k.dtype != q.dtype or d % 2:
-        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must "
-                         "share T, an even head_dim and the dtype")
-    if cos.shape != (t, d) or sin.shape != (t, d):
-        raise ValueError(f"cos/sin must be [{t}, {d}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
-    if any(x.stride(-1) != 1 for x in (q, k, cos, sin)):
-        raise ValueError("q, k, cos and sin need a contiguous last dim")
+    check_qk_cos_sin(q, k, cos, sin, d)
     if t == 0:
         return
     half = d // 2

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from latentserve.ops.kernels.rotary import check_qk_cos_sin
+
 
 @triton.jit
 def _rotate_pairs(base, stride_h, bias, c, s, n_heads, HAS_BIAS: tl.constexpr,
@@ -69,15 +71,8 @@ def apply_rotary_pairs_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         ValueError: on a shape, dtype or stride mismatch.
     """
     t, h, d = q.shape
-    if k.shape[0] != t or k.shape[2] != d or k.dtype != q.dtype or d % 2:
-        raise ValueError(f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must "
-                         "share T, an even head_dim and the dtype")
     half = d // 2
-    if cos.shape != (t, half) or sin.shape != (t, half):
-        raise ValueError(f"cos/sin must be [{t}, {half}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
-    if any(x.stride(-1) != 1 for x in (q, k, cos, sin)):
-        raise ValueError("q, k, cos and sin need a contiguous last dim")
+    check_qk_cos_sin(q, k, cos, sin, half)
     has_bias = q_bias is not None
     if has_bias != (k_bias is not None):
         raise ValueError("pass both q_bias and k_bias, or neither")
