@@ -117,3 +117,25 @@ def test_two_requests_with_the_same_id_both_get_their_own_output(server, http):
     assert [r["text"] for r in results] == solo
     assert [r["id"] for r in results] == ["same-id", "same-id"]
     assert_slots_invariant(wait_idle(http))
+
+
+def test_x_request_id_is_echoed_on_every_response(server, http):
+    """Streamed, plain, an error, and a 401: the sanitized X-Request-Id comes back as a
+    header (and is the completion's id)."""
+    given, want = "trace 42/a" + "x" * 200, ("trace_42_a" + "x" * 200)[:128]
+    body = {"model": http.get("/v1/models").json()["data"][0]["id"], "prompt": "w5",
+            "max_tokens": 2}
+    r = http.post("/v1/completions", json=body, headers={"X-Request-Id": given})
+    assert r.status_code == 200 and r.headers["x-request-id"] == want
+    assert r.json()["id"] == want
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True},
+                     headers={"X-Request-Id": "s1"}) as s:
+        assert s.headers["x-request-id"] == "s1"
+        assert any(line.startswith("data: [DONE]") for line in s.iter_lines())
+    bad = http.post("/v1/completions", json={**body, "max_tokens": -1},
+                    headers={"X-Request-Id": "e1"})
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "e1"
+    unauth = httpx.post(f"{server.base_url}/v1/completions", json=body,
+                        headers={"X-Request-Id": "u1"}, timeout=30)
+    assert unauth.status_code == 401 and unauth.headers["x-request-id"] == "u1"
+    assert "x-request-id" not in http.post("/v1/completions", json=body).headers

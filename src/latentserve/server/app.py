@@ -59,6 +59,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         ModelList,
         TokenizeRequest,
     )
+    from latentserve.server.request_ids import RequestIdEcho
     from latentserve.server.security import GuardMiddleware
 
     served = state if isinstance(state, ServedModels) else ServedModels(state)
@@ -91,6 +92,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key,
                        max_body_bytes=served.first.limits.max_request_body_bytes)
+    app.add_middleware(RequestIdEcho)  # outermost: 401s and 413s echo the id too
 
     def as_json(result):
         if isinstance(result, (JSONResponse, dict)) or not hasattr(result, "model_dump"):

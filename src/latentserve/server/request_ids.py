@@ -9,6 +9,41 @@ _SAFE = re.compile(r"[^A-Za-z0-9._:-]")
 MAX_CLIENT_ID_CHARS = 128
 
 
+def public_id(given: str) -> str:
+    """A client's ``X-Request-Id`` as the server reports it: cut to 128 characters,
+    characters outside ``[A-Za-z0-9._:-]`` replaced by ``_``."""
+    return _SAFE.sub("_", given)[:MAX_CLIENT_ID_CHARS]
+
+
+class RequestIdEcho:
+    """Pure ASGI middleware: a response to a request that carried ``X-Request-Id`` carries
+    it back (as :func:`public_id` makes it), on every route and status, streamed or not,
+    as vLLM's server does."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        given = None
+        if scope["type"] == "http":
+            for k, v in scope.get("headers", []):
+                if k.lower() == b"x-request-id":
+                    given = public_id(v.decode("latin-1"))
+                    break
+        if not given:
+            return await self.app(scope, receive, send)
+
+        async def echoing_send(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", [])
+                           if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", given.encode("latin-1")))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, echoing_send)
+
+
 def new_request_id(request, prefix: str) -> tuple[str, str]:
     """``(response_id, engine_rid_base)`` for one HTTP request.
 
@@ -22,7 +57,7 @@ def new_request_id(request, prefix: str) -> tuple[str, str]:
     fresh = uuid.uuid4().hex
     given = request.headers.get("x-request-id") if request is not None else None
     if given:
-        public = _SAFE.sub("_", given)[:MAX_CLIENT_ID_CHARS]
+        public = public_id(given)
         return public, f"{public}-{fresh}"
     rid = f"{prefix}-{fresh}"
     return rid, rid
