@@ -106,3 +106,24 @@ def test_engine_context_refusal_is_a_400_and_not_an_error_in_metrics(smollm2_tok
                           r'([0-9.]+)$', metrics, re.M)
     assert all(float(count) == 0 for _, count in finished), finished
     assert 'finish_reason="error"' not in metrics
+
+
+def test_more_stop_strings_than_the_limit_are_a_400_naming_the_field(smollm2_tokenizer):
+    client = _StandInClient()
+    with _app(smollm2_tokenizer, client, max_stop=3) as app:
+        stops = ["x", "y", "z", "w"]
+        for route, body, field in (
+                ("/v1/completions", {"prompt": "a", "stop": stops}, "stop"),
+                ("/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "a"}], "stop": stops}, "stop")):
+            r = app.post(route, json={"max_tokens": 2, **body})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == field
+            assert "at most 3" in r.json()["error"]["message"]
+        r = app.post("/v1/messages", json={"model": "m", "max_tokens": 2, "stop_sequences": stops,
+                                           "messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 400 and "stop_sequences" in r.text, r.text
+        assert client.sent == []
+        ok = app.post("/v1/completions", json={"prompt": "a", "max_tokens": 2,
+                                               "stop": stops[:3]})
+        assert ok.status_code == 200 and len(client.sent) == 1

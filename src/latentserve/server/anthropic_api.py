@@ -26,6 +26,7 @@ from latentserve.sampling_params import SamplingParams
 from latentserve.server.errors import APIError, anthropic_error_body
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.params import (
+    check_stop_count,
     context_error,
     head_controls,
     latent_budget,
@@ -118,6 +119,7 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
     if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
         raise APIError(f"temperature: must be in [0, 1], got {body.temperature}",
                        param="temperature")
+    check_stop_count(body.stop_sequences, "stop_sequences", state.limits)
 
 
 def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,

@@ -31,6 +31,16 @@ def check_common(request: SamplingRequest, served_model: str, limits: ServerLimi
     n = 1 if request.n is None else request.n
     if not 1 <= n <= limits.max_n:
         raise APIError(f"n must be in [1, {limits.max_n}], got {n}", param="n")
+    check_stop_count(request.stop, "stop", limits)
+
+
+def check_stop_count(stop, param: str, limits: ServerLimits) -> None:
+    """At most ``limits.max_stop`` stop strings (each one is searched for in the text of
+    every step). Raises APIError naming ``param``."""
+    count = 0 if stop is None else 1 if isinstance(stop, str) else len(stop)
+    if count > limits.max_stop:
+        raise APIError(f"{param} takes at most {limits.max_stop} strings, got {count}",
+                       param=param)
 
 
 def check_model(model: str | None, served_model: str) -> None:

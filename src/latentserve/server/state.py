@@ -19,7 +19,8 @@ class ServerLimits:
 
     ``max_n``: choices per prompt; ``max_prompts``: prompts in one ``/v1/completions``
     request; ``max_logprobs``: ``top_logprobs`` / completions ``logprobs``;
-    ``max_request_body_bytes``: HTTP body size (413 above it);
+    ``max_request_body_bytes``: HTTP body size (413 above it); ``max_stop``: stop strings
+    (``stop``, Anthropic ``stop_sequences``) in one request;
     ``max_request_output_tokens``: the total work of one request, the sum of ``max_tokens``
     (as resolved: unset means up to the end of the context) over its prompts and ``n``
     choices. ``max_tokens`` and the prompt length are each bounded by the model's context
@@ -34,10 +35,11 @@ class ServerLimits:
     max_logprobs: int = 20
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
+    max_stop: int = 64
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_prompts", "max_logprobs", "max_request_body_bytes",
-                     "max_request_output_tokens"):
+                     "max_request_output_tokens", "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
