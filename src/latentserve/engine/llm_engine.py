@@ -64,7 +64,8 @@ class LLMEngine:
                                       latent_head=config.latent_head,
                                       no_latent_head=config.no_latent_head,
                                       latent_injection=config.latent_injection, tp=self.tp,
-                                      fused_ops=config.use_fused_ops)
+                                      fused_ops=config.use_fused_ops,
+                                      fused_ops_explicit=config.fused_ops is not None)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
