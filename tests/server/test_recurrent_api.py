@@ -119,3 +119,18 @@ def test_plain_model_refuses_exit_fields(server, model):
                    headers={"Authorization": f"Bearer {API_KEY}"},
                    json={"prompt": "hi", "max_tokens": 2, "exit_criterion": "kl"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "exit_criterion"
+
+
+def test_messages_route_passes_the_exit_fields_on():
+    """/v1/messages takes the same exit fields as the OpenAI routes (they were dropped)."""
+    from latentserve.server.anthropic_api import MessagesRequest, _params
+
+    body = MessagesRequest(model="m", max_tokens=4, messages=[{"role": "user", "content": "a"}],
+                           exit_criterion="kl", exit_threshold=0.01, exit_min_steps=2,
+                           exit_check_every=3)
+    params = _params(body, 3, 64, budget=5)
+    assert (params.latent_budget, params.exit_criterion, params.exit_threshold,
+            params.exit_min_steps, params.exit_check_every) == (5, "kl", 0.01, 2, 3)
+    plain = _params(MessagesRequest(model="m", max_tokens=4,
+                                    messages=[{"role": "user", "content": "a"}]), 3, 64)
+    assert (plain.exit_criterion, plain.exit_min_steps, plain.exit_check_every) == (None, 0, 1)

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from latentserve.sampling_params import SamplingParams
-from latentserve.server.errors import APIError, anthropic_error_body
+from latentserve.server.errors import APIError, anthropic_error_body, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.params import (
     check_stop_count,
@@ -61,6 +61,11 @@ class MessagesRequest(RequestModel):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     latent_budget: int | None = None  # as on the OpenAI routes; header x-latent-budget wins
+    # Recurrent-depth early exit, as on the OpenAI routes (docs/server.md).
+    exit_criterion: str | None = None
+    exit_threshold: float | None = None
+    exit_min_steps: int | None = None
+    exit_check_every: int | None = None
 
 
 class CountTokensRequest(MessagesRequest):
@@ -143,9 +148,13 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if not body.top_k else body.top_k,
             stop=list(body.stop_sequences or []),
-            latent_budget=budget)
+            latent_budget=budget,
+            exit_criterion=body.exit_criterion,
+            exit_threshold=body.exit_threshold,
+            exit_min_steps=0 if body.exit_min_steps is None else body.exit_min_steps,
+            exit_check_every=1 if body.exit_check_every is None else body.exit_check_every)
     except ValueError as exc:
-        raise APIError(str(exc)) from None
+        raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
 
 
 def _stop(finish_reason: str | None, stop_string: str | None) -> tuple[str, str | None]:
