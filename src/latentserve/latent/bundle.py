@@ -107,12 +107,19 @@ def validate(b: HeadBundle) -> None:
         for k in want:
             if k not in got:
                 raise ValueError(f"missing tensor {name}.{k}")
+    for name, sd in (("reasoning_head", b.reasoning_head), ("decoder", b.decoder),
+                     ("target_proj", b.target_proj)):
+        for k, v in (sd or {}).items():  # a NaN/inf weight would inject NaN embeddings
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise ValueError(f"{name}.{k} holds non-finite values (NaN or inf)")
 
 
 def _from_dict(d: dict, source: str) -> HeadBundle:
     if "format_version" not in d:  # legacy: a bare head state dict
         if not all(isinstance(v, torch.Tensor) for v in d.values()) or "net.0.weight" not in d:
             raise ValueError(f"{source}: not a head bundle (no format_version, no net.0.weight)")
+        if "net.4.weight" not in d:
+            raise ValueError(f"{source}: legacy head state dict has no net.4.weight")
         cfg = HeadConfig(hidden_size=int(d["net.0.weight"].shape[1]),
                          latent_dim=int(d["net.4.weight"].shape[0]) // 2,
                          mlp_dim=int(d["net.0.weight"].shape[0]))
@@ -122,14 +129,30 @@ def _from_dict(d: dict, source: str) -> HeadBundle:
     if cfg is None:
         raise ValueError(f"{source}: bundle has no config")
     if isinstance(cfg, str):
-        cfg = json.loads(cfg)
+        try:
+            cfg = json.loads(cfg)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}: 'config' is not JSON: {e}") from None
     fv = _int_version(d["format_version"], source)
-    head = d.get("reasoning_head")
-    if head is None:
+    if d.get("reasoning_head") is None:
         raise ValueError(f"{source}: bundle has no reasoning_head")
-    return HeadBundle(fv, HeadConfig.from_dict(cfg), dict(head),
-                      None if d.get("decoder") is None else dict(d["decoder"]),
-                      None if d.get("target_proj") is None else dict(d["target_proj"]))
+    parts = {s: _state_dict(d.get(s), s, source) for s in SUBDICTS}
+    return HeadBundle(fv, HeadConfig.from_dict(cfg), parts["reasoning_head"],
+                      parts["decoder"], parts["target_proj"])
+
+
+def _state_dict(sd, name: str, source: str) -> dict | None:
+    """``sd`` as a ``str -> tensor`` dict (None stays None); ValueError naming ``name``."""
+    if sd is None:
+        return None
+    if not isinstance(sd, dict):
+        raise ValueError(  # noqa: TRY004 - a bundle error, like the others
+            f"{source}: {name} must be a dict of tensors, got {type(sd).__name__}")
+    for k, v in sd.items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+            raise ValueError(  # noqa: TRY004 - a bundle error, like the others
+                f"{source}: {name}.{k} must be a tensor, got {type(v).__name__}")
+    return dict(sd)
 
 
 def _int_version(v, source: str) -> int:
@@ -151,9 +174,13 @@ def read_bundle(path: str | Path) -> HeadBundle:
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except Exception as e:  # noqa: BLE001 - SafetensorError is no ValueError
+            raise ValueError(f"{path}: not a readable .safetensors file "
+                             f"({type(e).__name__}: {e})") from None
         if "config" not in meta:
             raise ValueError(f"{path}: safetensors metadata has no 'config' (required)")
         try:
@@ -161,9 +188,19 @@ def read_bundle(path: str | Path) -> HeadBundle:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: metadata 'config' is not JSON: {e}") from None
         if "subdicts" in meta:
-            subs = json.loads(meta["subdicts"])
+            try:
+                subs = json.loads(meta["subdicts"])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: metadata 'subdicts' is not JSON: {e}") from None
+            if not isinstance(subs, list) or not all(isinstance(x, str) for x in subs):
+                raise ValueError(f"{path}: metadata 'subdicts' must be a JSON list of "
+                                 f"prefixes, got {meta['subdicts']!r}")
         else:
             subs = sorted({k.split(".", 1)[0] for k in tensors})
+        dotless = sorted(k for k in tensors if "." not in k)
+        if dotless:
+            raise ValueError(f"{path}: unexpected tensor {dotless[0]!r} (expected "
+                             f"'<prefix>.<name>' with a prefix in {SUBDICTS})")
         extra = sorted({k.split(".", 1)[0] for k in tensors} - set(subs))
         if extra or not set(subs) <= set(SUBDICTS):
             bad = extra or sorted(set(subs) - set(SUBDICTS))
@@ -181,6 +218,9 @@ def read_bundle(path: str | Path) -> HeadBundle:
         except pickle.UnpicklingError as e:
             raise ValueError(f"{path}: refused: the .pt bundle needs a pickled object that "
                              f"weights_only loading does not allow ({str(e).splitlines()[0]})"
+                             ) from None
+        except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+            raise ValueError(f"{path}: not a readable .pt bundle ({type(e).__name__}: {e})"
                              ) from None
         if not isinstance(obj, dict):
             raise ValueError(f"{path}: a .pt bundle must hold a dict, got {type(obj).__name__}")
@@ -244,24 +284,48 @@ def find_bundle(model_dir, override: str | None = None, disabled: bool = False):
     """The bundle a model directory serves with ("one model, one directory"): ``override``,
     else env ``LATENTSERVE_LATENT_HEAD``, else the file named by ``config.json``'s
     ``latent_reasoning_head`` key, else ``latent_reasoning_head.safetensors`` in the
-    directory; None when there is none or ``disabled``."""
+    directory; None when there is none or ``disabled``. A ``config.json`` that names a
+    missing file is a FileNotFoundError (not a silent bare backbone); an override that is a
+    model directory means that directory's bundle."""
     import os
-
-    from latentserve.latent.head import HEAD_BUNDLE_NAME
 
     if disabled:
         return None
     if override:
-        return Path(override)
+        return _bundle_file(Path(override), "--latent-head")
     env = os.environ.get("LATENTSERVE_LATENT_HEAD")
     if env:
-        return Path(env)
-    d = Path(model_dir)
-    name = HEAD_BUNDLE_NAME
+        return _bundle_file(Path(env), "LATENTSERVE_LATENT_HEAD")
+    return _dir_bundle(Path(model_dir))
+
+
+def _dir_bundle(d: Path) -> Path | None:
+    """The bundle of model directory ``d``: the file its ``config.json`` names (missing:
+    FileNotFoundError), else ``latent_reasoning_head.safetensors``, else None."""
+    from latentserve.latent.head import HEAD_BUNDLE_NAME
+
     cfg = d / "config.json"
-    if cfg.is_file():
-        name = json.loads(cfg.read_text()).get("latent_reasoning_head") or name
-    return d / name if (d / name).is_file() else None
+    named = json.loads(cfg.read_text()).get("latent_reasoning_head") if cfg.is_file() else None
+    if named:  # the directory's config asks for a head: a missing file is an error
+        if not isinstance(named, str):
+            raise ValueError(f"{cfg}: latent_reasoning_head must be a file name, got {named!r}")
+        if not (d / named).is_file():
+            raise FileNotFoundError(f"{cfg} names the head bundle {named!r} (key "
+                                    f"latent_reasoning_head), but {d / named} does not exist")
+        return d / named
+    return d / HEAD_BUNDLE_NAME if (d / HEAD_BUNDLE_NAME).is_file() else None
+
+
+def _bundle_file(path: Path, what: str) -> Path:
+    """``path`` (a bundle file), or a model directory's bundle; FileNotFoundError naming
+    ``what`` otherwise."""
+    if path.is_dir():
+        found = _dir_bundle(path)
+        if found is None:
+            raise FileNotFoundError(f"{what} {path} is a directory without a head bundle "
+                                    "(latent_reasoning_head.safetensors)")
+        return found
+    return path
 
 
 def _span_ids(tok, text: str | None, token: str, what: str) -> tuple[int, ...]:

@@ -86,6 +86,10 @@ class HeadConfig:
                                   or (v == 0 and k != "source_layer")):
                 raise ValueError(f"head config: field {k!r} must be a positive integer, "
                                  f"got {v!r}")
+        for k in ("arch", "injection", "think_open", "think_close"):
+            v = getattr(cfg, k)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"head config: field {k!r} must be a string, got {v!r}")
         if cfg.injection not in INJECTION_MODES:
             raise ValueError(f"head config: field 'injection' must be one of "
                              f"{INJECTION_MODES}, got {cfg.injection!r}")
@@ -195,7 +199,7 @@ _ENV = {"max_latent": ("LATENTSERVE_MAX_LATENT", 256, int),
         "use_stop": ("LATENTSERVE_USE_STOP", True, "bool"),
         "stop_threshold": ("LATENTSERVE_STOP_THRESHOLD", 0.5, float),
         "min_output_tokens": ("LATENTSERVE_MIN_OUTPUT_TOKENS", 4096, int)}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def parse_bool(name: str, value: str) -> bool:
@@ -217,7 +221,7 @@ def head_defaults(environ=None) -> dict:
     out = {}
     for key, (var, default, kind) in _ENV.items():
         raw = env.get(var)
-        if raw is None:
+        if raw is None or not raw.strip():  # unset or set empty: the default
             out[key] = default
             continue
         try:
@@ -281,7 +285,8 @@ class HeadSettings:
         out = {"thinking": self.thinking, "mode": self.mode, "steps": self.steps,
                "stop_step": self.stop_step, "max_stop_prob": self.max_stop_prob,
                "end": self.end, "max_latent": self.max_latent, "min_latent": self.min_latent,
-               "use_stop": self.use_stop, "stop_threshold": self.stop_threshold}
+               "use_stop": self.use_stop, "stop_threshold": self.stop_threshold,
+               "min_output_tokens": self.min_output_tokens}
         if self.actions is not None:
             out["actions"] = self.actions
         return out
