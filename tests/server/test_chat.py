@@ -143,14 +143,15 @@ def test_only_assistant_turn_is_a_400_not_a_500(client, model):
 # Compression-head controls sent to a model without a head (this tiny Llama): those that
 # would do something get a 400 naming what was sent; thinking off is harmless.
 _ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages"]
-_OPENAI_ROUTES = _ROUTES[:2]  # the Messages API takes the head controls as headers only
+_OPENAI_ROUTES = _ROUTES[:2]  # the Messages API's thinking is Anthropic's object
 
 
 @pytest.mark.parametrize("path,body,headers,param", [
     *[(p, {}, {"x-latent-max": "8"}, "x-latent-max") for p in _ROUTES],
     *[(p, {}, {"x-ds4-thinking": "1"}, "x-ds4-thinking") for p in _ROUTES],
-    *[(p, {"max_latent": 8}, {}, "max_latent") for p in _OPENAI_ROUTES],
+    *[(p, {"max_latent": 8}, {}, "max_latent") for p in _ROUTES],
     *[(p, {"thinking": True}, {}, "thinking") for p in _OPENAI_ROUTES],
+    ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, {}, "thinking"),
 ])
 def test_head_controls_without_a_head_are_400s_naming_them(http, model, path, body,
                                                            headers, param):
@@ -164,6 +165,7 @@ def test_head_controls_without_a_head_are_400s_naming_them(http, model, path, bo
     # thinking off: the other controls do nothing, so they are not refused either
     *[(p, {}, {"x-latent-thinking": "0", "x-latent-max": "8"}) for p in _ROUTES],
     *[(p, {"thinking": False, "max_latent": 8}, {}) for p in _OPENAI_ROUTES],
+    ("/v1/messages", {"thinking": {"type": "disabled"}}, {}),  # what Anthropic clients send
 ])
 def test_thinking_off_is_harmless_without_a_head(http, model, path, body, headers):
     r = http.post(path, json={**_route_body(path, model), **body}, headers=headers)
@@ -184,3 +186,14 @@ def _route_body(path, model):
     if path == "/v1/messages":
         return {"model": model, "messages": msgs, "max_tokens": 2}
     return {"messages": msgs, "max_tokens": 2}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"use_stop": 3}, "use_stop"),
+    ({"max_latent": "x"}, "max_latent"),
+])
+def test_messages_head_fields_of_the_wrong_type_are_400s(http, model, body, param):
+    r = http.post("/v1/messages", json={**_route_body("/v1/messages", model), **body})
+    assert r.status_code == 400, r.text
+    assert param in r.text

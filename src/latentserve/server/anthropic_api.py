@@ -66,6 +66,29 @@ class MessagesRequest(RequestModel):
     exit_threshold: float | None = None
     exit_min_steps: int | None = None
     exit_check_every: int | None = None
+    # Anthropic's extended-thinking switch: {"type": "enabled", "budget_tokens": N} or
+    # {"type": "disabled"}; on a compression-head model it turns the latent phase on or off.
+    thinking: dict[str, Any] | None = None
+    # Compression-head controls, as on the OpenAI routes (headers x-latent-* win).
+    max_latent: int | None = None
+    min_latent: int | None = None
+    use_stop: bool | None = None
+    stop_threshold: float | None = None
+    min_output_tokens: int | None = None
+
+
+def thinking_flag(thinking: dict | None) -> bool | None:
+    """Anthropic's ``thinking`` object as the head's ``thinking`` control: ``enabled`` ->
+    True, ``disabled`` -> False, absent -> None (``budget_tokens`` counts text thinking
+    tokens, which a latent head does not produce, so it is not used). Raises APIError naming
+    ``thinking.type`` for another type."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in ("enabled", "disabled"):
+        raise APIError(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}",
+                       param="thinking.type")
+    return kind == "enabled"
 
 
 class CountTokensRequest(MessagesRequest):
@@ -74,8 +97,7 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int | None = None
 
 
-_UNSUPPORTED = {"tools": (None, []), "tool_choice": (None,),
-                "thinking": (None, {"type": "disabled"})}
+_UNSUPPORTED = {"tools": (None, []), "tool_choice": (None,)}
 
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
 
@@ -181,6 +203,11 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     budget = latent_budget(request, body, state.latent_spec)
     params = _params(body, len(prompt_ids), state.max_model_len, budget,
                      latent_positions(state.latent_spec, budget))
+    # The body's thinking object as the head's boolean control (no head: "disabled" is a
+    # no-op, as for any Anthropic client; "enabled" asks for a head and is refused below).
+    flag = thinking_flag(body.thinking)
+    has_head = state.latent_spec is not None and state.latent_spec.kind == "head"
+    body = body.model_copy(update={"thinking": flag if flag or has_head else None})
     controls = head_controls(request, body)
     refuse_head_controls(request, body, controls, state.latent_spec)
     head = {k: v for k, v in controls.items() if v is not None}
