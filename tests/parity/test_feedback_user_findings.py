@@ -6,13 +6,19 @@
 * ``latentserve convert`` with a ``--base`` of another architecture (a GPT-2 checkpoint over
   a Llama base) wrote a directory that failed only at load ("unexpected weight");
 * ``latentserve convert --default-budget -1`` failed after writing config, tokenizer and the
-  checkpoint copy into ``--out``, so a retry needed ``--force``.
+  checkpoint copy into ``--out``, so a retry needed ``--force``;
+* a hand-assembled CODI directory whose ``latent_config.json`` leaves out ``prj`` (docs:
+  ``null`` = no projection) loaded and silently fed the raw hidden back although the
+  checkpoint has ``prj.*`` tensors: now refused naming ``prj`` with the dims to set.
 """
+
+import json
+
 
 import pytest
 import torch
 
-from latentserve.latent.convert import convert_coconut
+from latentserve.latent.convert import convert_coconut, convert_codi
 from latentserve.testing.latent_models import write_upstream_coconut
 from latentserve.testing.latent_reference import reference_generate
 
@@ -62,3 +68,19 @@ def test_convert_bad_budget_writes_nothing(upstream):
         convert_coconut(base, ckpt, out, default_budget=70)  # above max_budget 64
     assert not any(out.iterdir())
     assert (convert_coconut(base, ckpt, out, default_budget=2) / "latent_config.json").is_file()
+
+
+def test_codi_prj_left_out_is_refused(tmp_path, smollm2_dir):
+    pytest.importorskip("peft")
+    from latentserve.models.loader import load_model
+    from latentserve.testing.latent_models import write_upstream_codi
+
+    base, ckpt = write_upstream_codi(tmp_path, "gpt2", "safetensors")
+    model_dir = convert_codi(base, ckpt, tmp_path / "model", lora_alpha=16.0)
+    path = model_dir / "latent_config.json"
+    cfg = json.loads(path.read_text())
+    assert cfg["prj"]["dim"] == 48
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if k != "prj"}))
+    with pytest.raises(ValueError, match=r"'prj' is null but the checkpoint has prj\.\* "
+                                         r"tensors.*\"dim\": 48"):
+        load_model(model_dir, torch.float32, "cpu")
