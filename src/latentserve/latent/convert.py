@@ -45,12 +45,16 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
     from latentserve.models.loader import iter_weights
 
     rows = latent_cfg["vocab_size"]
+    # every config error (e.g. a negative --default-budget) before anything is written
+    validate_latent_config(latent_cfg)
     from transformers import AutoConfig
 
     tied = getattr(AutoConfig.from_pretrained(base_dir, local_files_only=True),
                    "tie_word_embeddings", True)
     have = set(state) | {"transformer." + k for k in state}
-    missing = {k: v.contiguous() for k, v in iter_weights(base_dir)
+    base = dict(iter_weights(base_dir))
+    _check_fits_base(state, base, base_dir, checkpoint)
+    missing = {k: v.contiguous() for k, v in base.items()
                if k not in have and "transformer." + k not in have
                and not k.endswith(BUFFER_SUFFIXES) and not (tied and k == "lm_head.weight")}
     if missing:
@@ -71,6 +75,27 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
     latent_cfg = validate_latent_config({**latent_cfg, "checkpoint": checkpoint.name}, out_dir)
     (out_dir / LATENT_CONFIG).write_text(json.dumps(latent_cfg, indent=2) + "\n")
     return out_dir
+
+
+def _check_fits_base(state: dict, base: dict, base_dir, checkpoint) -> None:
+    """Raise ValueError when the checkpoint's (stripped, merged) weights are not the base's
+    architecture: a name the base lacks, or a shape other than the base's (the embedding and
+    ``lm_head`` rows excepted, resized by the latent tokens). Without this a wrong --base
+    converts and fails only at load ("unexpected weight")."""
+    norm = {k.removeprefix("transformer."): v for k, v in base.items()}
+    odd = []
+    for k, v in state.items():
+        n = k.removeprefix("transformer.")
+        if n.endswith(BUFFER_SUFFIXES) or n == "lm_head.weight":
+            continue
+        b = norm.get(n)
+        if b is None:
+            odd.append(f"{k} (not in --base)")
+        elif n not in ("wte.weight", "model.embed_tokens.weight") and b.shape != v.shape:
+            odd.append(f"{k} {tuple(v.shape)} (--base: {tuple(b.shape)})")
+    if odd:
+        raise ValueError(f"{checkpoint} does not fit --base {base_dir}: {len(odd)} weights "
+                         f"differ, e.g. {', '.join(odd[:3])}: wrong --base?")
 
 
 def _rows(state: dict, checkpoint) -> int:

@@ -306,20 +306,29 @@ def attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device) -> Non
     """Set ``model.latent_spec`` and register ``model.latent_feedback`` (``[N, H]`` post-final-
     norm hidden in the model dtype -> ``[N, H]`` next input embedding): ``nn.Identity`` for
     COCONUT and for CODI without ``prj``, else :class:`CodiProjection` loaded from the
-    checkpoint's ``prj.*`` (strict). Raises ValueError on missing/mismatched prj weights."""
+    checkpoint's ``prj.*`` (strict). Raises ValueError on missing/mismatched prj weights, and
+    when ``prj`` is null but the checkpoint has ``prj.*`` tensors (it would be skipped)."""
     model.latent_spec = latent_spec_from_config(latent_cfg)
-    prj_cfg = latent_cfg.get("prj") if latent_cfg["family"] == "codi" else None
-    if prj_cfg is None:
+    if latent_cfg["family"] != "codi":
         model.latent_feedback = nn.Identity()
         return
-    hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
-    prj = CodiProjection(hidden, prj_cfg["dim"], prj_cfg["layer_norm"], prj_cfg["eps"])
+    prj_cfg = latent_cfg.get("prj")
     ckpt = latent_cfg.get("checkpoint")
     files = [Path(model_dir) / ckpt] if ckpt else sorted(Path(model_dir).glob("*.safetensors"))
     sd = {}
     for f in files:
         sd.update(read_state_dict(f, keep=lambda k: k.removeprefix("module.").startswith("prj.")))
     sd = {k.removeprefix("module.").removeprefix("prj."): v for k, v in sd.items()}
+    if prj_cfg is None:
+        if sd:  # a hand-written config without "prj" would silently skip the projection
+            dim = int(sd["1.weight"].shape[0]) if "1.weight" in sd else "?"
+            want = json.dumps({"dim": dim, "layer_norm": "ln.weight" in sd, "eps": 1e-5})
+            raise _bad("prj", f"is null but the checkpoint has prj.* tensors "
+                       f"({', '.join(sorted(sd)[:2])}, ...): set it, e.g. {want}")
+        model.latent_feedback = nn.Identity()
+        return
+    hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
+    prj = CodiProjection(hidden, prj_cfg["dim"], prj_cfg["layer_norm"], prj_cfg["eps"])
     try:
         prj.load_state_dict(sd, strict=True)
     except RuntimeError as e:

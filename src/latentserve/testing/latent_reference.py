@@ -59,7 +59,8 @@ def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
 
     d = Path(model_dir)
     cfg = json.loads((d / "latent_config.json").read_text())
-    state = _state_dict(d / cfg["checkpoint"])
+    # a DDP-saved checkpoint's ``module.`` prefix is stripped first (docs/models.md)
+    state = {k.removeprefix("module."): v for k, v in _state_dict(d / cfg["checkpoint"]).items()}
     prefix = "base_causallm." if cfg["family"] == "coconut" else "codi."
     if any(k.startswith(prefix) for k in state):
         main = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
