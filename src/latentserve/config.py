@@ -31,6 +31,9 @@ class EngineConfig:
     that many KV heads and an MLP intermediate size divisible by it). ``max_latent_budget`` caps
     ``latent_budget`` (latent steps of a feedback model, recurrences of a recurrent-depth one)
     below the model's own ``LatentSpec.max_budget``; a model default above it is lowered to it.
+    ``latent_cap_where_applicable`` (set for each model of a multi-model server): the cap is
+    ignored by a model without a budget and clipped to a model's own range, instead of being
+    an error.
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -54,6 +57,7 @@ class EngineConfig:
     latent_injection: str | None = None  # "closed_loop" / "prompt" (None: the bundle's)
     tensor_parallel_size: int = 1
     max_latent_budget: int | None = None  # server cap on latent_budget (None: the model's)
+    latent_cap_where_applicable: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -42,3 +42,28 @@ def test_serve_flag_reaches_the_engine_config(flag):
 
     args = build_parser().parse_args(["serve", flag, "5"])
     assert engine_config(args).max_latent_budget == 5
+
+
+def test_a_multi_model_server_applies_the_cap_where_it_can(tmp_path, tiny_dirs):
+    """``serve --model A --model B --max-latent-budget N``: each latent model is capped within
+    its own range, a plain model ignores the cap (one model alone still refuses it)."""
+    import argparse
+
+    from latentserve.cli import add_engine_args, engine_configs
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.recurrent_models import write_ouro
+
+    ouro = write_ouro(tmp_path / "ouro")  # max_recurrence 6
+    p = argparse.ArgumentParser()
+    add_engine_args(p, several_models=True)
+    args = p.parse_args(["--model", str(tiny_dirs["llama"]), "--model", str(ouro),
+                         "--max-latent-budget", "100"])
+    plain_cfg, ouro_cfg = engine_configs(args)
+    assert plain_cfg.latent_cap_where_applicable and ouro_cfg.latent_cap_where_applicable
+    assert LLMEngine(plain_cfg).latent_spec is None
+    assert LLMEngine(ouro_cfg).latent_spec.max_budget == 6
+    with pytest.raises(ValueError, match="not a plain model"):
+        LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), max_latent_budget=100))
+    lowered = LLMEngine(EngineConfig(model=str(ouro), max_latent_budget=3,
+                                     latent_cap_where_applicable=True)).latent_spec
+    assert (lowered.max_budget, lowered.default_budget) == (3, 3)

@@ -45,8 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                    help="override the head bundle's injection mode")
     p.add_argument("--max-latent-budget", "--max-recurrence", type=int, default=None,
                    dest="max_latent_budget",
-                   help="cap on a request's latent_budget: latent steps (COCONUT, CODI) or "
-                        "recurrences per token (Huginn, Ouro); default: the model's own cap")
+                   help="cap on a request's latent_budget: latent steps (COCONUT, CODI), "
+                        "recurrences per token (Huginn, Ouro) or block passes (PCCoT, LOTUS); "
+                        "default: the model's own cap; with several --model, each latent "
+                        "model is capped within its own range and the others ignore it")
 
 
 def engine_configs(args: argparse.Namespace) -> list:
@@ -56,7 +58,11 @@ def engine_configs(args: argparse.Namespace) -> list:
 
     models = args.model if isinstance(args.model, list) else [args.model]
     base = engine_config(args, model=None)
-    return [dataclasses.replace(base, model=m) for m in models]
+    # Several models: --max-latent-budget caps each latent model within its own range and is
+    # ignored by the others (a plain model beside COCONUT ones).
+    several = len(models) > 1
+    return [dataclasses.replace(base, model=m, latent_cap_where_applicable=several)
+            for m in models]
 
 
 def engine_config(args: argparse.Namespace, model: str | None | list = ...):

@@ -88,8 +88,11 @@ class LLMEngine:
         self.eos_ids = _eos_ids(model_dir, self.tokenizer, hf_config)
         from latentserve.latent.spec import cap_budget
 
-        self.latent_spec = cap_budget(getattr(model, "latent_spec", None),
-                                      config.max_latent_budget)
+        spec, cap = getattr(model, "latent_spec", None), config.max_latent_budget
+        if cap is not None and config.latent_cap_where_applicable:
+            budgeted = spec is not None and spec.kind in ("feedback", "recurrent", "loop")
+            cap = min(max(cap, spec.min_budget, 1), spec.max_budget) if budgeted else None
+        self.latent_spec = cap_budget(spec, cap)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.latent_spec)
