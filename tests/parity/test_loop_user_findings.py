@@ -152,7 +152,7 @@ def test_latent_trace_is_refused_for_a_looped_model(tmp_path, smollm2_dir):
 
     path = save_loop_tiny(tmp_path, "lotus-llama", block_size=3, iterations=1)
     engine = LLMEngine(EngineConfig(model=str(path)))
-    with pytest.raises(ValueError, match="^return_latent_trace is not supported"):
+    with pytest.raises(ValueError, match="^return_latent_trace needs a feedback-latent"):
         engine.add_request("a", [21, 22, 23], SamplingParams(return_latent_trace=True))
     assert not engine.has_unfinished_requests()
     engine.cache.check_idle()

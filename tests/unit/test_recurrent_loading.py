@@ -179,3 +179,29 @@ def test_plain_model_rejects_each_exit_field_by_name(tmp_path, field, value):
     with pytest.raises(ValueError, match=f"^{field} needs a recurrent-depth model"):
         engine.add_request("a", [1, 2], SamplingParams(**{field: value}))
     engine.cache.check_idle()
+
+
+@pytest.mark.parametrize("field", ["return_latent_trace", "stream_latent_steps"])
+def test_latent_report_fields_on_a_plain_model_are_refused(tmp_path, field):
+    """They would silently do nothing (trace null, no ticks)."""
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.tiny_models import save_tiny
+
+    d = save_tiny(tmp_path / "llama", "llama", word_tokenizer=True, vocab_size=1024)
+    engine = LLMEngine(EngineConfig(model=str(d), kv_slots=256, max_model_len=64))
+    with pytest.raises(ValueError, match=f"^{field} needs .* not a model without latent"):
+        engine.add_request("a", [1, 2], SamplingParams(**{field: True}))
+    engine.cache.check_idle()
+
+
+def test_stream_latent_steps_on_a_recurrent_model_is_refused(tmp_path):
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.recurrent_models import write_huginn
+
+    engine = LLMEngine(EngineConfig(model=str(write_huginn(tmp_path / "h"))))
+    with pytest.raises(ValueError, match="^stream_latent_steps needs .* recurrent-depth"):
+        engine.add_request("a", [5, 6], SamplingParams(stream_latent_steps=True))
+    engine.add_request("b", [5, 6], SamplingParams(max_tokens=1, return_latent_trace=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.cache.check_idle()

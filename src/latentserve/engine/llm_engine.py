@@ -182,9 +182,15 @@ class LLMEngine:
                     if getattr(params, name) != unset]
             if sent:
                 raise ValueError(f"{sent[0]} needs a recurrent-depth model (Huginn, Ouro)")
-        if looped and params.return_latent_trace:
-            raise ValueError("return_latent_trace is not supported for looped-block models "
-                             "(PCCoT, LOTUS): their latents are rewritten by every pass")
+        kind = None if spec is None else spec.kind
+        what = {None: "a model without latent reasoning", "head": "a compression-head model",
+                "loop": "a looped-block model", "recurrent": "a recurrent-depth model"}
+        if params.return_latent_trace and kind not in ("feedback", "recurrent"):
+            raise ValueError("return_latent_trace needs a feedback-latent or recurrent-depth "
+                             f"model, not {what[kind]} (it would silently do nothing)")
+        if params.stream_latent_steps and kind not in ("feedback", "head", "loop"):
+            raise ValueError("stream_latent_steps needs a model with latent steps, not "
+                             f"{what[kind]} (it would silently do nothing)")
         if n + extra >= self.max_model_len:
             what = f"prompt has {n} tokens" + (f" (+{extra} latent and transition)" if extra
                                                else "")
