@@ -170,6 +170,8 @@ def _check_num(
 
 def _check_range(name: str, value, lo, hi) -> None:
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        lo_s = "-inf" if lo is None else lo
-        hi_s = "inf" if hi is None else hi
-        raise ValueError(f"{name} must be in [{lo_s}, {hi_s}], got {value}")
+        if hi is None:  # one-sided: "[0, inf]" reads like a real upper bound
+            raise ValueError(f"{name} must be >= {lo}, got {value}")
+        if lo is None:
+            raise ValueError(f"{name} must be <= {hi}, got {value}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")

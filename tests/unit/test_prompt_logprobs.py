@@ -77,5 +77,5 @@ def test_aborted_request_leaves_nothing_tracked(tiny_dirs):
 
 
 def test_negative_prompt_logprobs_is_refused_by_name():
-    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+    with pytest.raises(ValueError, match="prompt_logprobs must be >= 0, got -1"):
         SamplingParams(prompt_logprobs=-1)
