@@ -31,3 +31,23 @@ def test_generate_exit_flags_on_a_plain_model_are_one_error_line(tiny_dirs, caps
     assert main(["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "w5", "--raw",
                  *flag]) == 2
     assert "needs a recurrent-depth model" in capsys.readouterr().err
+
+
+def test_generate_takes_the_head_controls(tmp_path, capsys):
+    from latentserve.bench.head_gpu import build_head_model
+
+    path = build_head_model(tmp_path / "tiny", "tiny")
+    argv = ["generate", "--model", str(path), "--prompt", "w9 w10", "--raw", "--max-tokens",
+            "6", "--max-latent", "2", "--min-output-tokens", "0"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out.strip()
+    want = LLM(model=str(path)).generate(
+        ["w9 w10"], SamplingParams(max_tokens=6, temperature=0, max_latent=2,
+                                   min_output_tokens=0), use_tqdm=False)[0].outputs[0]
+    assert printed == want.text.strip() and want.latent_stats["steps"] <= 2
+
+
+def test_head_flags_on_a_model_without_a_head_are_one_error_line(tiny_dirs, capsys):
+    assert main(["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "w5", "--raw",
+                 "--max-latent", "4"]) == 2
+    assert "--max-latent needs a model with a compression head" in capsys.readouterr().err

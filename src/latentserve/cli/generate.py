@@ -26,6 +26,13 @@ def register(sub) -> None:
                    help="recurrent-depth early exit (docs/models.md), e.g. kl or "
                         "threshold")
     p.add_argument("--exit-threshold", type=float, default=None)
+    p.add_argument("--thinking", default=None, choices=["on", "off"],
+                   help="compression-head models: latent thinking on or off (default: on)")
+    p.add_argument("--max-latent", type=int, default=None,
+                   help="compression-head models: latent step cap (default: the server's)")
+    p.add_argument("--min-output-tokens", type=int, default=None,
+                   help="compression-head models: the answer-budget floor (0: --max-tokens "
+                        "holds; default: LATENTSERVE_MIN_OUTPUT_TOKENS, 4096)")
     p.set_defaults(func=run)
 
 
@@ -39,8 +46,18 @@ def run(args) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             latent_budget=args.latent_budget,
                             exit_criterion=args.exit_criterion,
-                            exit_threshold=args.exit_threshold)
+                            exit_threshold=args.exit_threshold,
+                            thinking=None if args.thinking is None else args.thinking == "on",
+                            max_latent=args.max_latent,
+                            min_output_tokens=args.min_output_tokens)
     engine = LLMEngine(engine_config(args))
+    head_flags = [f for f, v in (("--thinking", args.thinking), ("--max-latent", args.max_latent),
+                                 ("--min-output-tokens", args.min_output_tokens))
+                  if v is not None]
+    spec = engine.latent_spec
+    if head_flags and (spec is None or spec.kind != "head"):
+        raise ValueError(f"{head_flags[0]} needs a model with a compression head; this model "
+                         "has none")
     tok = engine.tokenizer
     if args.raw or not getattr(tok, "chat_template", None):
         ids = tok.encode(args.prompt)
