@@ -175,3 +175,16 @@ def test_engine_stats_and_tokens_match_reference(tmp_path, smollm2_dir):
     assert st["min_output_tokens"] == 0 and st["max_latent"] == 5
     assert engine.stats()["kv_slots_free"] + engine.stats()["kv_slots_cached"] \
         == engine.stats()["kv_slots_total"]
+
+
+def test_latent_head_for_a_model_with_its_own_latents_is_refused(tmp_path, smollm2_dir):
+    """--latent-head on a COCONUT or Huginn directory was silently ignored (even a path that
+    does not exist)."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.testing.recurrent_models import write_huginn
+
+    for path in (save_latent_tiny(tmp_path / "c", "coconut-gpt2"), write_huginn(tmp_path / "h")):
+        with pytest.raises(ValueError, match="latent_head.*needs a plain backbone"):
+            LLMEngine(EngineConfig(model=str(path), latent_head=str(tmp_path / "nowhere.pt")))

@@ -40,6 +40,9 @@ def test_thinking_from_template_kwargs_below_body_and_header():
     assert head_controls(_Req({}), _body(), {"thinking": False})["thinking"] is False
     assert head_controls(_Req({}), _body(thinking=False), {"thinking": True})["thinking"] is False
     assert head_controls(_Req({"x-latent-thinking": "1"}), _body(thinking=False))["thinking"]
+    # a stringified boolean counts; another string is the template's business
+    assert head_controls(_Req({}), _body(), {"enable_thinking": "false"})["thinking"] is False
+    assert head_controls(_Req({}), _body(), {"enable_thinking": "maybe"})["thinking"] is None
 
 
 @pytest.mark.parametrize("header,value", [("x-latent-max", "-3"), ("x-ds4-max-latent", "ten"),

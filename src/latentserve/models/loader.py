@@ -105,6 +105,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
     if fused_ops and hasattr(model, "use_fused_ops") and (
             fused_ops_explicit or getattr(model, "fast_path_by_default", True)):
         model.use_fused_ops()  # on the CPU: the merged weights move to the device once
+    own_latents = loop_cfg is not None or latent_cfg is not None \
+        or getattr(model, "latent_spec", None) is not None  # recurrent models bring their own
+    if own_latents and latent_head is not None:  # a head bundle would silently do nothing
+        raise ValueError(f"--latent-head (latent_head) needs a plain backbone; {model_dir} "
+                         "is a latent-reasoning model already (latent_config.json or "
+                         "recurrent depth)")
     model = model.to(device=device, dtype=dtype).eval()
     if loop_cfg is not None:
         from latentserve.latent.loop_checkpoint import attach_loop
@@ -112,7 +118,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
         attach_loop(model, model_dir, hf_config, loop_cfg, dtype, device)
     elif latent_cfg is not None:
         attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device)
-    elif getattr(model, "latent_spec", None) is None:  # recurrent models bring their own
+    elif not own_latents:
         from latentserve.latent.bundle import attach_head, find_bundle
 
         bundle = find_bundle(model_dir, latent_head, no_latent_head)

@@ -148,8 +148,14 @@ def head_controls(http_request, body: SamplingRequest,
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
     if out["thinking"] is None and template_kwargs:
         for key in ("thinking", "enable_thinking"):
-            if isinstance(template_kwargs.get(key), bool):
-                out["thinking"] = template_kwargs[key]
+            value = template_kwargs.get(key)
+            if isinstance(value, str):  # "false" from a client that stringifies kwargs
+                try:
+                    value = parse_bool(f"chat_template_kwargs.{key}", value)
+                except ValueError:
+                    continue  # not a boolean: left to the template
+            if isinstance(value, bool):
+                out["thinking"] = value
                 break
     headers = getattr(http_request, "headers", None) or {}
     for name, (hdr, alias, kind) in HEAD_HEADERS.items():
