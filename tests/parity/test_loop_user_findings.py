@@ -178,3 +178,19 @@ def test_running_requests_are_ordered_prefill_then_passes_then_decode():
     order = passes_first([decode, in_pass, prefill, plain, in_pass2])
     assert [r.name for r in order] == ["prefill", "pass", "pass2", "decode", "plain"]
     assert passes_first([decode, plain]) == [decode, plain]  # no pass: unchanged
+
+
+@pytest.mark.parametrize("family,flag", [("pccot", ["--default-budget", "0"]),
+                                         ("pccot", ["--checkpoint", "x"]),
+                                         ("pccot", ["--lora-alpha", "16"]),
+                                         ("coconut", ["--adapter", "x"]),
+                                         ("coconut", ["--keep-eos"]),
+                                         ("codi", ["--adapter", "x"])])
+def test_convert_refuses_a_flag_its_form_does_not_read(tmp_path, family, flag, capsys):
+    """They were silently ignored (e.g. --default-budget for PCCoT)."""
+    from latentserve.cli import main
+
+    out = tmp_path / "out"
+    assert main(["convert", family, "--base", str(tmp_path), "--out", str(out), *flag]) == 2
+    assert f"convert {family} does not take {flag[0]}" in capsys.readouterr().err
+    assert not out.exists()
