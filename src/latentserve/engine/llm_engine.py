@@ -121,7 +121,6 @@ class LLMEngine:
             self.runner.capture_graphs(graph_bs, hf_config.hidden_size, config.torch_dtype)
         self._rids: set[str] = set()
         self._arrivals = 0
-        self._salts: dict[tuple, int] = {}  # recurrent KV variant -> prefix-cache namespace
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         from latentserve.engine.prompt_logprobs import PromptLogprobTracker
 
@@ -216,11 +215,10 @@ class LLMEngine:
                 req.prompt_ids += start
                 req.latent_start, req.answer_start = len(req.prompt_ids), None
         elif recurrent:  # no phase machine: answer_start stays 0
-            from latentserve.latent.recurrent import cache_salt_key
+            from latentserve.latent.recurrent import cache_salt_key, salt_of
 
             req.latent_budget, req.exit_rule = budget, rule
-            req.cache_salt = self._salts.setdefault(cache_salt_key(budget, rule),
-                                                    len(self._salts) + 1)
+            req.cache_salt = salt_of(cache_salt_key(budget, rule))
         elif looped:
             from latentserve.latent.loop import start_request
 

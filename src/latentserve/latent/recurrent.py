@@ -146,6 +146,17 @@ def resolve_exit_rule(spec, params) -> ExitRule | None:
     raise ValueError(f"unknown recurrent family {spec.family!r}")
 
 
+def salt_of(key: tuple) -> int:
+    """A request's prefix-cache namespace (``Req.cache_salt``, > 0) for a
+    :func:`cache_salt_key`: 63 bits of a BLAKE2b digest of the key, so the same variant always
+    gets the same namespace and the engine keeps no table that grows with every distinct
+    threshold a client sends."""
+    import hashlib
+
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") >> 1) or 1
+
+
 def cache_salt_key(depth: int, rule: ExitRule | None) -> tuple:
     """What a request's KV depends on besides its token ids: the depth, and the exit rule
     when it changes which iterations generated tokens compute."""
