@@ -128,9 +128,10 @@ def _reference(ref, family: str, prompt, n: int, depth: int) -> dict:
 
 def bench_model(name: str, family: str, shape: dict, depths, root: Path, device: str,
                 dtype: str, concurrency, prompt_len: int, output_len: int, ref_requests: int,
-                ref_output_len: int, bw: float) -> dict:
+                ref_output_len: int, bw: float, fused_ops: bool | None = None) -> dict:
     """One model: engine at every depth and concurrency, then the reference (after the
-    engine is freed). Returns a JSON-able dict."""
+    engine is freed). ``fused_ops``: ``EngineConfig.fused_ops`` (True: the model's Triton
+    fast path, opt-in for these models). Returns a JSON-able dict."""
     import torch
 
     from latentserve.bench.device_common import agreement, drive, sync
@@ -145,7 +146,7 @@ def bench_model(name: str, family: str, shape: dict, depths, root: Path, device:
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype,
                                     max_num_seqs=max_c, max_model_len=max_len,
-                                    kv_slots=(max_c + 1) * max_len))
+                                    kv_slots=(max_c + 1) * max_len, fused_ops=fused_ops))
     t_engine = time.perf_counter() - t0
     print(f"[{name}] checkpoint written in {t_build:.1f} s, engine ready in {t_engine:.1f} s",
           flush=True)
@@ -230,7 +231,7 @@ def run_recurrent_gpu_bench(models=tuple(MODELS), device: str = "cuda",
                             dtype: str = "bfloat16", concurrency=(1, 16, 64),
                             prompt_len: int = 64, output_len: int = 32, ref_requests: int = 2,
                             ref_output_len: int = 8, tiny: bool = False,
-                            command: str | None = None) -> dict:
+                            command: str | None = None, fused_ops: bool | None = None) -> dict:
     """Every model in ``models`` (``MODELS`` keys, or ``TINY_MODELS`` keys with ``tiny``);
     see the module docstring. Returns the JSON-able result with the config it ran."""
     from latentserve.bench.device_common import copy_bandwidth_on, machine
@@ -244,7 +245,7 @@ def run_recurrent_gpu_bench(models=tuple(MODELS), device: str = "cuda",
                       "prompt_len": prompt_len, "output_len": output_len, "ignore_eos": True,
                       "early_exit": False, "ref_requests": ref_requests,
                       "ref_output_len": ref_output_len,
-                      "cuda_graphs": device.startswith("cuda"),
+                      "cuda_graphs": device.startswith("cuda"), "fused_ops": fused_ops,
                       "goal": ">= 30x at 64 concurrent"},
            "copy_bandwidth_Bps": bw, "models": {}}
     with tempfile.TemporaryDirectory() as d:
@@ -252,7 +253,7 @@ def run_recurrent_gpu_bench(models=tuple(MODELS), device: str = "cuda",
             family, shape, depths = table[name]
             out["models"][name] = bench_model(name, family, shape, depths, Path(d), device,
                                               dtype, concurrency, prompt_len, output_len,
-                                              ref_requests, ref_output_len, bw)
+                                              ref_requests, ref_output_len, bw, fused_ops)
             shutil.rmtree(Path(d) / name, ignore_errors=True)  # 7.6 GB for Huginn
             print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
     out["total_s"] = time.perf_counter() - t_start
@@ -274,9 +275,15 @@ def main(argv=None) -> int:
     p.add_argument("--ref-requests", type=int, default=2)
     p.add_argument("--ref-output-len", type=int, default=8,
                    help="output tokens per timed reference request (>= 2)")
+    p.add_argument("--fused-ops", action="store_true",
+                   help="the models' Triton fast path (opt-in for Huginn and Ouro until "
+                        "tests/gpu/test_fused_gpu.py has passed on a GPU)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny models on the CPU, float32, small lengths (CI smoke run)")
     args = p.parse_args(argv)
+    if args.tiny and args.fused_ops:
+        p.error("--fused-ops is for the CUDA run, not --tiny (the kernels need a GPU, or "
+                "TRITON_INTERPRET=1 on CPU)")
     cmd = shlex.join(["python", "-m", "latentserve.bench.recurrent_gpu",
                       *(sys.argv[1:] if argv is None else argv)])
     if args.tiny:
@@ -286,7 +293,8 @@ def main(argv=None) -> int:
         res = run_recurrent_gpu_bench(
             tuple(args.models.split(",")), "cuda", "bfloat16",
             tuple(int(x) for x in args.concurrency.split(",")), args.prompt_len,
-            args.output_len, args.ref_requests, args.ref_output_len, command=cmd)
+            args.output_len, args.ref_requests, args.ref_output_len, command=cmd,
+            fused_ops=True if args.fused_ops else None)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out} ({res['total_s']:.1f} s)", flush=True)
