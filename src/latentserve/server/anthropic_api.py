@@ -28,13 +28,14 @@ from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.params import (
     check_stop_count,
     context_error,
+    exit_fields,
     head_controls,
     latent_budget,
     latent_positions,
     refuse_head_controls,
 )
 from latentserve.server.prompts import render_chat
-from latentserve.server.protocol import RequestModel
+from latentserve.server.protocol import LatentFields, RequestModel
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.state import ServerState
 
@@ -49,7 +50,7 @@ class AnthropicMessage(RequestModel):
     content: str | list[TextBlock]
 
 
-class MessagesRequest(RequestModel):
+class MessagesRequest(LatentFields):
     model: str
     max_tokens: int
     messages: list[AnthropicMessage]
@@ -60,21 +61,9 @@ class MessagesRequest(RequestModel):
     top_k: int | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
-    latent_budget: int | None = None  # as on the OpenAI routes; header x-latent-budget wins
-    # Recurrent-depth early exit, as on the OpenAI routes (docs/server.md).
-    exit_criterion: str | None = None
-    exit_threshold: float | None = None
-    exit_min_steps: int | None = None
-    exit_check_every: int | None = None
     # Anthropic's extended-thinking switch: {"type": "enabled", "budget_tokens": N} or
     # {"type": "disabled"}; on a compression-head model it turns the latent phase on or off.
     thinking: dict[str, Any] | None = None
-    # Compression-head controls, as on the OpenAI routes (headers x-latent-* win).
-    max_latent: int | None = None
-    min_latent: int | None = None
-    use_stop: bool | None = None
-    stop_threshold: float | None = None
-    min_output_tokens: int | None = None
 
 
 def thinking_flag(thinking: dict | None) -> bool | None:
@@ -171,10 +160,7 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
             top_k=-1 if not body.top_k else body.top_k,
             stop=list(body.stop_sequences or []),
             latent_budget=budget,
-            exit_criterion=body.exit_criterion,
-            exit_threshold=body.exit_threshold,
-            exit_min_steps=0 if body.exit_min_steps is None else body.exit_min_steps,
-            exit_check_every=1 if body.exit_check_every is None else body.exit_check_every)
+            **exit_fields(body))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
 

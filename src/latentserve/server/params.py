@@ -104,6 +104,14 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     return value
 
 
+def exit_fields(body) -> dict:
+    """A body's recurrent-depth exit fields (``protocol.LatentFields``) as ``SamplingParams``
+    keyword arguments, unset ones at SamplingParams' defaults."""
+    return {"exit_criterion": body.exit_criterion, "exit_threshold": body.exit_threshold,
+            "exit_min_steps": 0 if body.exit_min_steps is None else body.exit_min_steps,
+            "exit_check_every": 1 if body.exit_check_every is None else body.exit_check_every}
+
+
 def latent_positions(spec, budget: int | None, param: str = "latent_budget") -> int:
     """KV positions a feedback or looped model adds between the prompt and the answer for a
     request with ``budget`` (None: the model's default): start ids + latent steps + end ids,
@@ -292,11 +300,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             latent_budget=budget,
             return_latent_trace=bool(request.return_latent_trace),
             stream_latent_steps=stream_latent_steps,
-            exit_criterion=request.exit_criterion,
-            exit_threshold=request.exit_threshold,
-            exit_min_steps=0 if request.exit_min_steps is None else request.exit_min_steps,
-            exit_check_every=(1 if request.exit_check_every is None
-                              else request.exit_check_every),
+            **exit_fields(request),
             **head,
         )
     except ValueError as exc:

@@ -52,8 +52,30 @@ class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
-class SamplingRequest(RequestModel):
-    """Fields shared by both endpoints."""
+class LatentFields(RequestModel):
+    """The latent-reasoning body fields every generation route takes (the OpenAI routes and
+    Anthropic's ``/v1/messages``), all None by default."""
+
+    # Latent reasoning: None = the model's default budget, 0 = no thinking (header
+    # x-latent-budget wins).
+    latent_budget: int | None = None
+    # Recurrent-depth models (Huginn, Ouro): the per-token exit rule (SamplingParams' fields;
+    # None = the model's default).
+    exit_criterion: str | None = None
+    exit_threshold: float | None = None
+    exit_min_steps: int | None = None
+    exit_check_every: int | None = None
+    # Compression heads (latent/head.py): None = the server default (LATENTSERVE_* env);
+    # headers x-latent-* (aliases x-ds4-*) win over these (server/params.head_controls).
+    max_latent: int | None = None
+    min_latent: int | None = None
+    use_stop: bool | None = None
+    stop_threshold: float | None = None
+    min_output_tokens: int | None = None
+
+
+class SamplingRequest(LatentFields):
+    """Fields shared by both OpenAI endpoints."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -74,27 +96,11 @@ class SamplingRequest(RequestModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool | None = False
-    # Latent reasoning: None = the model's default budget, 0 = no thinking (header
-    # x-latent-budget wins); the trace adds per-step norms and logit-lens tokens.
-    latent_budget: int | None = None
     return_latent_trace: bool | None = False
     # Streamed chat: one reasoning_content tick per latent step (header x-latent-stream-steps
     # wins); see server/chat.py.
     stream_latent_steps: bool | None = None
-    # Recurrent-depth models (Huginn, Ouro): the per-token exit rule (SamplingParams' fields;
-    # None = the model's default).
-    exit_criterion: str | None = None
-    exit_threshold: float | None = None
-    exit_min_steps: int | None = None
-    exit_check_every: int | None = None
-    # Compression heads (latent/head.py): None = the server default (LATENTSERVE_* env);
-    # headers x-latent-* (aliases x-ds4-*) win over these (server/params.head_controls).
-    thinking: bool | None = None
-    max_latent: int | None = None
-    min_latent: int | None = None
-    use_stop: bool | None = None
-    stop_threshold: float | None = None
-    min_output_tokens: int | None = None
+    thinking: bool | None = None  # compression heads; Anthropic's route takes an object
 
     @property
     def include_usage(self) -> bool:
