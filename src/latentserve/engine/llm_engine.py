@@ -166,12 +166,8 @@ class LLMEngine:
                 from latentserve.latent.recurrent import resolve_exit_rule
 
                 rule = resolve_exit_rule(spec, params)
-            elif looped:
-                from latentserve.latent.loop import extra_positions
-
-                extra = extra_positions(spec)
             else:
-                extra = len(spec.start_ids) + budget + len(spec.end_ids)
+                extra = spec.prompt_extra(budget)
         elif params.latent_budget:
             raise ValueError("latent_budget must be 0 or null: this model does no latent "
                              "reasoning")

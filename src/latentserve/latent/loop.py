@@ -80,11 +80,6 @@ def start_request(req: Req, spec, iterations: int) -> None:
     req.loop = LoopState(req.latent_start, spec.block_size, iterations)
 
 
-def extra_positions(spec) -> int:
-    """Positions a looped request adds to its prompt: start, block and end ids."""
-    return len(spec.start_ids) + spec.block_size + len(spec.end_ids)
-
-
 def chunk(req: Req, n: int) -> int:
     """Tokens a looped request computes this step, given the scheduler's ``n``: at most
     ``pass_chunk`` inside a pass when it is set."""

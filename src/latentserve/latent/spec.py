@@ -80,6 +80,17 @@ class LatentSpec:
                              f"got {budget}")
         return budget
 
+    def prompt_extra(self, budget: int) -> int:
+        """KV positions a request with (resolved) ``budget`` adds between its prompt and its
+        answer: feedback, start ids + ``budget`` latent steps + end ids; loop, start ids +
+        the block + end ids (the budget counts passes, not positions); recurrent depth and
+        compression heads, 0 (a head's latent steps count against ``max_tokens``)."""
+        if self.kind == "feedback":
+            return len(self.start_ids) + budget + len(self.end_ids)
+        if self.kind == "loop":
+            return len(self.start_ids) + self.block_size + len(self.end_ids)
+        return 0
+
 
 def cap_budget(spec: LatentSpec | None, cap: int | None) -> LatentSpec | None:
     """The served spec under a server cap on the latent budget (``EngineConfig.

@@ -114,22 +114,15 @@ def exit_fields(body) -> dict:
 
 def latent_positions(spec, budget: int | None, param: str = "latent_budget") -> int:
     """KV positions a feedback or looped model adds between the prompt and the answer for a
-    request with ``budget`` (None: the model's default): start ids + latent steps + end ids,
-    or start ids + block + end ids. 0 for other models (recurrent depth adds none; a
-    compression head's latent steps count against ``max_tokens``). Mirrors
-    ``LLMEngine.add_request``. Raises APIError naming ``param`` for a budget the model
-    refuses (below its minimum)."""
+    request with ``budget`` (None: the model's default), ``LatentSpec.prompt_extra``, as
+    ``LLMEngine.add_request`` counts them; 0 for other models. Raises APIError naming
+    ``param`` for a budget the model refuses."""
     if spec is None or spec.kind not in ("feedback", "loop"):
         return 0
-    if spec.kind == "loop":
-        from latentserve.latent.loop import extra_positions
-
-        return extra_positions(spec)
     try:
-        steps = spec.resolve_budget(budget)
+        return spec.prompt_extra(spec.resolve_budget(budget))
     except ValueError as exc:
         raise APIError(str(exc).replace("latent_budget", param, 1), param=param) from None
-    return len(spec.start_ids) + steps + len(spec.end_ids)
 
 
 # Compression-head controls: field -> (header, seed alias header, parser kind).
