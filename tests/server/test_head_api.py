@@ -91,39 +91,36 @@ def test_messages_route_takes_headers(head_server):
     assert bad.status_code == 400 and "x-latent-use-stop" in bad.text
 
 
+def _steps_total(server) -> float:
+    """``latentserve_latent_steps_total`` from the server's Prometheus metrics."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    line = next(x for x in text.splitlines() if x.startswith("latentserve_latent_steps_total"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_messages_route_takes_the_thinking_object_and_body_controls(head_server):
     """Anthropic's thinking {"type": "disabled"} turns the latent phase off (it was a 500);
     body controls act as on the OpenAI routes."""
     url, msgs = f"{head_server.base_url}/v1/messages", [{"role": "user", "content": "hi"}]
 
-    def steps_total():
-        text = httpx.get(f"{head_server.base_url}/metrics", timeout=30).text
-        line = next(x for x in text.splitlines() if x.startswith("latentserve_latent_steps_total"))
-        return float(line.rsplit(" ", 1)[1])
-
-    before = steps_total()
+    before = _steps_total(head_server)
     off = httpx.post(url, timeout=60, json={"model": head_server.model_dir, "max_tokens": 3,
                                             "messages": msgs, "thinking": {"type": "disabled"}})
     assert off.status_code == 200, off.text
-    assert steps_total() == before  # no latent step
+    assert _steps_total(head_server) == before  # no latent step
     on = httpx.post(url, timeout=60, json={"model": head_server.model_dir, "max_tokens": 8,
                                            "messages": msgs, "max_latent": 2,
                                            "min_output_tokens": 0, "use_stop": False,
                                            "thinking": {"type": "enabled",
                                                         "budget_tokens": 1024}})
     assert on.status_code == 200, on.text
-    assert steps_total() == before + 2  # the body's max_latent took effect
+    assert _steps_total(head_server) == before + 2  # the body's max_latent took effect
 
 
 def test_prometheus_counts_latent_steps(head_server):
-    def steps_total():
-        text = httpx.get(f"{head_server.base_url}/metrics", timeout=30).text
-        line = next(x for x in text.splitlines() if x.startswith("latentserve_latent_steps_total"))
-        return float(line.rsplit(" ", 1)[1])
-
-    before = steps_total()
+    before = _steps_total(head_server)
     assert _stats(_complete(head_server, {"max_latent": 2}))["steps"] == 2
-    assert steps_total() == before + 2
+    assert _steps_total(head_server) == before + 2
     text = httpx.get(f"{head_server.base_url}/metrics", timeout=30).text
     assert "latentserve_latent_steps_per_request_bucket" in text
 
