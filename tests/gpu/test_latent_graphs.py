@@ -44,6 +44,33 @@ def test_coconut_feedback_rows_replay_inside_graphs(tmp_path):
     assert engine.runner.num_graph_steps - before >= max(budgets)
 
 
+@pytest.mark.parametrize("kind", ["codi-llama", "codi-gpt2"])
+def test_codi_projection_runs_in_latent_graphs(tmp_path, kind):
+    """CODI's ``prj`` (Linear, GELU, Linear, LayerNorm) runs in the decode graphs' latent
+    graph, replayed only for steps with latent rows; answers equal the eager reference."""
+    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.testing.latent_reference import reference_generate
+
+    d = save_latent_tiny(tmp_path, kind)
+    engine = _engine(d)
+    graphs = engine.runner.graphs
+    assert graphs.feedback is not None and graphs.latent_graphs
+    prompts = shared_prefix_prompts()[:8]
+    budgets = [0, 1, 3, 6, 8, 0, 3, 6]
+    refs = [reference_generate(d, p, b, 8, ignore_eos=True)[0]
+            for p, b in zip(prompts, budgets)]
+    before = engine.runner.num_graph_steps
+    out = _drive(engine, [(p, SamplingParams(max_tokens=8, temperature=0.0, latent_budget=b,
+                                             ignore_eos=True))
+                          for p, b in zip(prompts, budgets)])
+    assert [t for t, _ in out] == refs
+    steps = engine.runner.num_graph_steps - before
+    assert steps >= max(budgets)
+    # Replayed for the steps with latent rows only: a budget of k takes k - 1 of them (the
+    # prefill's eager forward gives the first latent input); 8 answer tokens follow.
+    assert max(budgets) - 1 <= graphs.num_latent_replays < steps
+
+
 def test_closed_loop_head_runs_inside_graphs(tmp_path):
     from latentserve.testing.head_models import save_head_model
     from latentserve.testing.head_reference import head_reference_generate
@@ -70,7 +97,11 @@ def test_closed_loop_head_runs_inside_graphs(tmp_path):
         assert toks == ref["tokens"]
         for k in ("steps", "stop_step", "end"):
             assert final.latent_stats[k] == ref[k], k
-    assert engine.runner.num_graph_steps - before >= max(r["steps"] for r in refs)
+    steps = engine.runner.num_graph_steps - before
+    assert steps >= max(r["steps"] for r in refs)
+    # The head runs in the latent graph, replayed only for decode steps with rows still
+    # thinking (a step that forces a request's closing ids is an eager extend step).
+    assert 0 < engine.runner.graphs.num_latent_replays < steps
 
 
 @pytest.mark.parametrize("kind", ["huginn", "ouro"])

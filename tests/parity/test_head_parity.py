@@ -125,6 +125,29 @@ def test_chunked_prefill_and_preemption_match_reference(mode, head_dirs, referen
     assert engine.scheduler.num_preemptions > 0
 
 
+def test_closing_ids_one_per_step_match_reference(head_dirs, references):
+    """With CUDA graphs the engine computes a multi-token closing text one id per step
+    (``Scheduler.forced_one_by_one``), so latent batches stay decode-shaped: same answers,
+    stats and slots as the reference, and after the first prefill no step has a row of more
+    than one token (every request was admitted in the first step)."""
+    engine = LLMEngine(EngineConfig(model=str(head_dirs["closed_loop"])))
+    assert len(engine.latent_spec.end_ids) > 1  # " Answer:" is two SmolLM2 tokens
+    engine.scheduler.forced_one_by_one = True
+    widths, schedule = [], engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        if batch is not None:
+            widths.append(max(batch.q_lens))
+        return batch
+
+    engine.scheduler.schedule = spy
+    cases = _cases()
+    _assert_matches("closed_loop", _run(engine, cases), references["closed_loop"], cases)
+    engine.cache.check_idle()
+    assert widths[0] > 1 and widths[1:] and max(widths[1:]) == 1
+
+
 def test_budget_spent_inside_latent_phase_matches_reference(head_dirs):
     d = head_dirs["closed_loop"]
     engine = LLMEngine(EngineConfig(model=str(d)))

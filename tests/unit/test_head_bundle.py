@@ -41,6 +41,50 @@ def test_modules_shapes_names_and_clamp():
         h(torch.randn(2, 63))
 
 
+@pytest.mark.parametrize("stop", [True, False])
+def test_serve_outputs_equal_latent_input_and_stop_prob(stop):
+    """The serve path (one LayerNorm of the anchor, no log_sigma) gives exactly the values
+    of ``latent_input`` and ``stop_prob``."""
+    head = random_bundle(64, 16, 40, seed=3, stop_bias=0.2).build()
+    if not stop:
+        head.reasoning_head.stop_head = None
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    vecs, probs = head.serve_outputs(x)
+    assert torch.equal(vecs, head.latent_input(x))
+    if stop:
+        assert torch.equal(probs, head.stop_prob(x))
+    else:
+        assert probs is None
+
+
+def test_next_inputs_runs_the_head_only_for_rows_in_their_latent_phase():
+    """A callable ``precomputed`` (the decode graph's latent graph) is called only when some
+    row still thinks; then its values are used."""
+    from types import SimpleNamespace
+
+    from latentserve.latent.head_loop import next_inputs
+
+    head = random_bundle(64, 16, 40, seed=1).build()
+    calls = []
+
+    def pre():
+        calls.append(1)
+        return torch.full((2, 64), 7.0), torch.tensor([0.1, 0.2])
+
+    settings = dict(mode="closed_loop", steps=0, use_stop=True, min_latent=0, max_latent=4,
+                    stop_threshold=0.5, max_stop_prob=None, end=None, stop_step=None,
+                    actions=None)
+    answering = [SimpleNamespace(head=SimpleNamespace(**settings), answer_start=3)
+                 for _ in range(2)]
+    assert next_inputs(head, answering, torch.randn(2, 64), pre) is None and not calls
+    thinking = [SimpleNamespace(head=SimpleNamespace(**settings), answer_start=None)
+                for _ in range(2)]
+    out = next_inputs(head, thinking, torch.randn(2, 64), pre)
+    assert calls == [1]
+    assert [r for _, r in out] == [0, 1] and torch.equal(out[0][0], torch.full((2, 64), 7.0))
+    assert [r.head.max_stop_prob for r in thinking] == pytest.approx([0.1, 0.2])
+
+
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_write_read_round_trip(tmp_path, suffix):
     b = random_bundle(64, 16, source_layer=2, injection="prompt", think_open=" think",

@@ -108,7 +108,7 @@ def test_graph_replay_keeps_the_static_mask_exact():
     g.embeds, g.mask = torch.zeros(cap, h), torch.zeros(cap, dtype=torch.bool)
     g._mask_hi = g._mask_ones = 0
     g.graphs = {(0, b): NoGraph() for b in g.buckets}
-    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, h), None) for b in g.buckets}
+    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, h)) for b in g.buckets}
     fills = []
     mask_fill = torch.Tensor.fill_
 
@@ -138,3 +138,53 @@ def test_graph_replay_keeps_the_static_mask_exact():
         torch.Tensor.fill_ = mask_fill
     # The repeated all-latent steps (12 then 12, 6 then 6) filled the mask once each.
     assert sum(1 for s in fills if s == (12,)) == 1 and sum(1 for s in fills if s == (6,)) == 1
+
+
+def test_latent_graph_replays_lazily_once_per_decode_replay():
+    """``CudaGraphRunner.latent_outputs``: the latent graph of the bucket just replayed runs
+    on the first call after a decode replay only (a plain step never asks), and its outputs
+    are sliced to the batch's rows; checked on CPU with counting no-op graphs."""
+    from latentserve.engine.cuda_graph import CudaGraphRunner
+
+    class Counting:
+        def __init__(self):
+            self.n = 0
+
+        def replay(self):
+            self.n += 1
+
+    g = object.__new__(CudaGraphRunner)
+    cap, h = 8, 4
+    g.buckets, g.graph_depths, g.recurrent, g.latent_capable = [4, 8], [0], False, True
+    g.dummy_row = 0
+    for name in ("ids", "pos", "rows", "out_slots"):
+        setattr(g, name, torch.zeros(cap, dtype=torch.int64))
+    g.kv_lens = torch.ones(cap, dtype=torch.int32)
+    g.embeds, g.mask = torch.zeros(cap, h), torch.zeros(cap, dtype=torch.bool)
+    g._mask_hi = g._mask_ones = 0
+    g.graphs = {(0, b): Counting() for b in g.buckets}
+    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, h)) for b in g.buckets}
+    g.head, g.feedback = object(), None  # a closed-loop head: (vectors, stop probabilities)
+    g.latent_graphs = {b: Counting() for b in g.buckets}
+    g.latent_out = {b: (torch.arange(b * h, dtype=torch.float32).view(b, h),
+                        torch.arange(b, dtype=torch.float32)) for b in g.buckets}
+    g._last, g._latent_ran, g.num_latent_replays = None, False, 0
+    with pytest.raises(RuntimeError, match="replay first"):
+        g.latent_outputs()
+    z = torch.zeros(3, dtype=torch.int64)
+    g.replay(z, z, z, z, z)  # 3 rows: bucket 4
+    vecs, probs = g.latent_outputs()
+    g.latent_outputs()  # the same step again: no second replay
+    assert vecs.shape == (3, h) and probs.tolist() == [0.0, 1.0, 2.0]
+    assert (g.latent_graphs[4].n, g.latent_graphs[8].n, g.num_latent_replays) == (1, 0, 1)
+    z = torch.zeros(6, dtype=torch.int64)
+    g.replay(z, z, z, z, z)  # a plain step (nobody asks) ...
+    g.replay(z, z, z, z, z)  # ... then one with latent rows
+    assert g.latent_outputs()[0].shape == (6, h)
+    assert (g.latent_graphs[8].n, g.graphs[0, 8].n, g.num_latent_replays) == (1, 2, 2)
+    g.head, g.feedback = None, object()  # CODI's prj: one tensor
+    g.latent_out = {b: torch.ones(b, h) for b in g.buckets}
+    g.replay(z[:2], z[:2], z[:2], z[:2], z[:2])
+    assert g.latent_outputs().shape == (2, h) and g.num_latent_replays == 3
+    g.head = g.feedback = None  # no latent graph at all
+    assert g.latent_outputs() is None

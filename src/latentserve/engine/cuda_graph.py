@@ -61,9 +61,15 @@ class CudaGraphRunner:
     is then not read; ``rec`` the ``RecurrentBatch`` of a recurrent model, whose depths and
     readout go to static buffers) with B <= max_bs and returns
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
-    the next replay. A closed-loop compression head (``model.latent_head``) runs inside the
-    graph on the captured anchors; its ``(latent_input [B, hidden] float32, stop_prob [B]
-    float32 or None)`` are left in ``last_head`` after each replay.
+    the next replay. A closed-loop compression head (``model.latent_head``) runs in a second,
+    small graph per bucket (the *latent graph*) on the captured anchors, replayed by
+    ``latent_outputs()`` only for a step that has rows in their latent phase, so plain decode
+    steps of a head model cost what the bare backbone's do; it returns ``(latent_input [n,
+    hidden] float32, stop_prob [n] float32 or None)``. A feedback model whose
+    ``latent_feedback`` is not the identity (CODI's ``prj``) gets the same: its latent graph
+    maps the step's final hidden ``[n, hidden]`` to the next input embeddings ``[n, hidden]``
+    (model dtype). Both are views of static buffers, valid until the next replay.
+    ``num_latent_replays`` counts the latent-graph replays.
     """
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
@@ -85,12 +91,17 @@ class CudaGraphRunner:
         self._mask_hi = 0  # mask entries at or past this index are all False
         self._mask_ones = 0  # > 0: the mask is exactly this many leading True entries
         self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
-        # A compression head runs on the captured anchors inside the graph (closed loop).
+        # A compression head runs on the captured anchors in the latent graph (closed loop).
         head = getattr(model, "latent_head", None)
         self.head = head if capture_layer >= 0 and getattr(
             model, "latent_head_mode", None) == "closed_loop" else None
-        self.last_head = None
         spec = getattr(model, "latent_spec", None)
+        feedback = getattr(model, "latent_feedback", None)
+        self.feedback = feedback if (spec is not None and spec.kind == "feedback"
+                                     and feedback is not None
+                                     and not isinstance(feedback, torch.nn.Identity)) else None
+        self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay
+        self.num_latent_replays = 0
         self.recurrent = spec is not None and spec.kind == "recurrent"
         self.depths = torch.zeros(n, dtype=torch.int64, device=dev)  # padded rows: depth 0
         self.exit_thr = torch.full((n,), float("inf"), device=dev)  # Ouro readout per row
@@ -131,18 +142,56 @@ class CudaGraphRunner:
                 set_context(None)
             pool = graph.pool()
             self.graphs[depth, b], self.outputs[depth, b] = graph, out
+        self.latent_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.latent_out: dict[int, object] = {}
+        if self.head is not None or self.feedback is not None:
+            self._capture_latent_graphs(mode)
         torch.cuda.synchronize()
+
+    def _capture_latent_graphs(self, mode) -> None:
+        """One latent graph per bucket, largest first, in a pool of their own (they read the
+        decode graphs' static outputs, so their work must not reuse that pool's memory)."""
+        pool = None
+        for b in reversed(self.buckets):
+            with torch.inference_mode():
+                self._latent_forward(b)  # warm-up outside capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+                    out = self._latent_forward(b)
+            pool = graph.pool()
+            self.latent_graphs[b], self.latent_out[b] = graph, out
+
+    def _latent_forward(self, b):
+        if self.head is not None:  # next latent inputs and stop probabilities of every row
+            return self.head.serve_outputs(self.capture_buf[:b])
+        return self.feedback(self.outputs[self.graph_depths[0], b][1])
 
     def _forward(self, model, b):
         if self.latent_capable:
             hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
         else:
             hidden = model(self.ids[:b], self.pos[:b])
-        head_out = None
-        if self.head is not None:  # next latent inputs and stop probabilities of every row
-            anchors = self.capture_buf[:b]
-            head_out = (self.head.latent_input(anchors), self.head.stop_prob(anchors))
-        return model.compute_logits(hidden), hidden, head_out
+        return model.compute_logits(hidden), hidden
+
+    def latent_outputs(self):
+        """The latent graph's outputs for the ``n`` rows of the last replay (see the class
+        docstring); the graph is replayed on the first call after each decode replay. None
+        for a model without a latent graph. Raises RuntimeError before any replay."""
+        if self.head is None and self.feedback is None:
+            return None
+        if self._last is None:
+            raise RuntimeError("latent_outputs() needs a decode-graph replay first")
+        b, n = self._last
+        if not self._latent_ran:
+            self.latent_graphs[b].replay()
+            self._latent_ran = True
+            self.num_latent_replays += 1
+        out = self.latent_out[b]
+        if self.head is not None:
+            vecs, probs = out
+            return vecs[:n], None if probs is None else probs[:n]
+        return out[:n]
 
     @property
     def max_bs(self) -> int:
@@ -194,8 +243,6 @@ class CudaGraphRunner:
             self.kv_lens[n:b].fill_(1)
             self.out_slots[n:b].zero_()
         self.graphs[depth, b].replay()
-        logits, hidden, head_out = self.outputs[depth, b]
-        if head_out is not None:
-            vecs, probs = head_out
-            self.last_head = (vecs[:n], None if probs is None else probs[:n])
+        self._last, self._latent_ran = (b, n), False
+        logits, hidden = self.outputs[depth, b]
         return logits[:n], hidden[:n]

@@ -64,8 +64,7 @@ class LLMEngine:
                                       latent_head=config.latent_head,
                                       no_latent_head=config.no_latent_head,
                                       latent_injection=config.latent_injection, tp=self.tp,
-                                      fused_ops=config.use_fused_ops,
-                                      fused_ops_explicit=config.fused_ops is not None)
+                                      fused_ops=config.use_fused_ops)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
@@ -119,6 +118,7 @@ class LLMEngine:
                                                self.runner.capture_layer, graph_bs))
         if graph_bs:
             self.runner.capture_graphs(graph_bs, hf_config.hidden_size, config.torch_dtype)
+            self.scheduler.forced_one_by_one = True  # keep latent batches on the graphs
         self._rids: set[str] = set()
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
@@ -280,6 +280,9 @@ class LLMEngine:
                 ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
                 logits = logits.index_fill(1, ids, float("-inf"))
             sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+            if self.runner.replayed and self._latent_graph and any(
+                    map(self._thinking, sampling_reqs)):
+                self.runner.latent_outputs()  # queued now, it runs while the host samples
             tokens, logprobs = self._sample(logits, sampling_reqs)
             latents = self._latent_inputs(sampling_reqs, logits, last_hidden)
             outs = self.scheduler.postprocess(batch, tokens, latents)
@@ -399,6 +402,23 @@ class LLMEngine:
         self.cache.radix.reset()
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
 
+    def _thinking(self, req) -> bool:
+        """Whether ``req``'s next input is a latent vector (feedback or head latent phase)."""
+        if req.answer_start is not None:
+            return False
+        if self.latent_spec is not None and self.latent_spec.kind == "head":
+            return req.head is not None
+        return len(req.latent_embeds) < req.latent_budget
+
+    @property
+    def _latent_graph(self) -> bool:
+        """The decode graphs have a latent graph (closed-loop head or CODI's prj) whose
+        outputs are used (a GRPO rollout's policy sampling runs the head eagerly)."""
+        g = self.runner.graphs
+        if g is None or (g.head is None and g.feedback is None):
+            return False
+        return g.head is None or getattr(g.head, "policy_sigma", None) is None
+
     def _latent_inputs(self, reqs, logits, last_hidden) -> list | None:
         """Next latent input for each sampling row still in its latent phase, None elsewhere:
         a ``(tensor, row)`` entry (``latent/vectors.py``; ``tensor[row]`` is the ``[hidden]``
@@ -410,24 +430,26 @@ class LLMEngine:
             from latentserve.latent.head_loop import next_inputs
 
             return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured,
-                               self.runner.last_head_out)
+                               self.runner.latent_outputs)
         if self.latent_spec is not None and self.latent_spec.kind == "loop":
             return None  # latent.loop.after_forward already prepared the next passes
-        rows = [i for i, r in enumerate(reqs)
-                if r.answer_start is None and len(r.latent_embeds) < r.latent_budget]
+        rows = [i for i, r in enumerate(reqs) if self._thinking(r)]
         if not rows:
             return None
         model = self.runner.model
         every = len(rows) == len(reqs)  # every row thinks (the common latent decode batch)
         with torch.inference_mode():
+            # CODI's prj after a replay: the decode graph's latent graph (static buffer)
+            pre = self.runner.latent_outputs()
+            src = last_hidden if pre is None else pre
             if every:
-                vecs = model.latent_feedback(last_hidden)
+                vecs = src if pre is not None else model.latent_feedback(last_hidden)
                 if self.runner.replayed and (vecs.untyped_storage().data_ptr()
-                                             == last_hidden.untyped_storage().data_ptr()):
+                                             == src.untyped_storage().data_ptr()):
                     vecs = vecs.clone()  # a graph's static output (COCONUT: the identity)
             else:
                 idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
-                vecs = model.latent_feedback(last_hidden[idx])
+                vecs = src[idx] if pre is not None else model.latent_feedback(last_hidden[idx])
         traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
         if traced:
             with torch.inference_mode():

@@ -32,8 +32,8 @@ class ModelRunner:
     ``last_hidden_all`` is the last forward's final-normed hidden at every position
     (``[num_tokens, hidden]``, batch order; looped blocks read it).
     ``replayed``: whether the last run replayed a CUDA graph; its outputs (and
-    ``last_hidden_all``, ``last_head_out``) may then be views of the graph's static buffers,
-    overwritten by the next replay, so a caller that keeps them copies them first.
+    ``last_hidden_all``, ``latent_outputs()``) may then be views of the graph's static
+    buffers, overwritten by the next replay, so a caller that keeps them copies them first.
     For a recurrent-depth model each forward also gets a ``RecurrentBatch`` (per-row depth
     and exit rule, ``ForwardContext.recurrent``) and each token's depth
     (``ForwardContext.depths``); sampling rows' iteration counts go to their requests.
@@ -53,9 +53,7 @@ class ModelRunner:
         self.capture_layer = -1
         self.last_captured: torch.Tensor | None = None
         self.last_hidden_all: torch.Tensor | None = None
-        # (latent_input [S, H] float32, stop_prob [S] or None) of the sampling rows when a
-        # graph replay already ran the compression head; None after an eager forward.
-        self.last_head_out: tuple | None = None
+        self._keep: torch.Tensor | None = None  # sampling rows of the last replay (None: all)
         self.num_computed_tokens = 0
         self.num_graph_steps = 0
         self.replayed = False
@@ -76,6 +74,21 @@ class ModelRunner:
         self.graphs = None
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def latent_outputs(self):
+        """After a replayed run, the sampling rows' outputs of the decode graph's latent
+        graph (``CudaGraphRunner.latent_outputs``: a closed-loop head's ``(latent_input [S, H]
+        float32, stop_prob [S] or None)``, or CODI's projected ``[S, H]``), replayed now;
+        None after an eager run or for a model without a latent graph. Views of static
+        buffers when every row samples, valid until the next run."""
+        if not self.replayed or self.graphs is None:
+            return None
+        out = self.graphs.latent_outputs()
+        if out is None or self._keep is None:
+            return out
+        if isinstance(out, tuple):
+            return out[0][self._keep], None if out[1] is None else out[1][self._keep]
+        return out[self._keep]
 
     def capture_graphs(self, max_bs: int, hidden_size: int, dtype: torch.dtype) -> None:
         """Capture decode graphs for batch sizes up to ``max_bs`` (CUDA + Triton only)."""
@@ -180,16 +193,13 @@ class ModelRunner:
                 rec.record(batch)
             captured = self.graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             self.last_hidden_all = hidden  # one token per row: every position of the batch
-            head_out = self.graphs.last_head
             keep = [i for i, s in enumerate(batch.sample) if s]
+            self._keep = None
             if len(keep) < len(ids):  # a 1-token prefill chunk that does not end its prompt
-                idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                self._keep = idx = torch.tensor(keep, dtype=torch.long, device=dev)
                 logits, hidden = logits[idx], hidden[idx]
                 captured = None if captured is None else captured[idx]
-                if head_out is not None:
-                    head_out = (head_out[0][idx],
-                                None if head_out[1] is None else head_out[1][idx])
-            self.last_captured, self.last_head_out = captured, head_out
+            self.last_captured = captured
             return logits, hidden
         self.replayed = False
         meta = self.backend.prepare(layout, self.table.table)
@@ -213,7 +223,6 @@ class ModelRunner:
                                        hidden[end - batch.q_lens[b] : end]))
         sample_rows = [i for i, s in zip(last, batch.sample) if s]
         idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-        self.last_head_out = None
         if capture_buf is not None:
             self.last_captured = capture_buf[idx]
         last_hidden = hidden[idx]

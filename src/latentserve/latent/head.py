@@ -191,6 +191,17 @@ class LatentHead(nn.Module):
             return None
         return torch.sigmoid(self.reasoning_head.stop_logit(self._ln_anchor(anchor))[..., 0])
 
+    def serve_outputs(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(latent_input(anchor), stop_prob(anchor))`` with the anchor's LayerNorm done once
+        and no ``log_sigma`` work (the serve path; the same float32 ops, so the same values).
+        ``anchor``: ``[N, H]`` any float dtype; returns ``[N, H]`` and ``[N]`` (or None)."""
+        h = self._ln_anchor(anchor)
+        mu = self.reasoning_head.net(h)[..., : self.config.latent_dim]
+        vecs = self.decoder(F.layer_norm(mu, (self.config.latent_dim,)))
+        if not self.has_stop:
+            return vecs, None
+        return vecs, torch.sigmoid(self.reasoning_head.stop_logit(h)[..., 0])
+
 
 # ----------------------------------------------------------------------------- controls
 

@@ -52,7 +52,9 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
     (``latent/vectors.py``): ``tensor[row]`` is the ``[hidden]`` float32 vector, one tensor
     for the step's rows (no per-row views). ``precomputed``: ``(latent_input [S, hidden],
     stop_prob [S] or None)`` for every sampling row, when a CUDA graph already ran the head
-    on ``captured`` (static buffers: the inputs kept are copied out of them).
+    on ``captured`` (static buffers: the inputs kept are copied out of them), or a
+    zero-argument callable returning that tuple or None (called only when some row is in its
+    latent phase, so a plain step does not run the head).
     """
     rows = [i for i, r in enumerate(reqs) if r.head is not None and r.answer_start is None]
     if not rows:
@@ -60,6 +62,8 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
     every = len(rows) == len(reqs)  # no index ops when every row is in the phase
     idx = None if every else torch.tensor(rows, dtype=torch.long, device=captured.device)
     sigma = getattr(head, "policy_sigma", None)
+    if callable(precomputed):
+        precomputed = None if sigma is not None else precomputed()
     with torch.inference_mode():
         anchors = captured if every else captured[idx]
         if sigma is not None:  # Gaussian policy: z ~ N(mu, sigma^2 I), recorded with its anchor
@@ -74,8 +78,7 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
             if probs is not None and not every:
                 probs = probs[idx]
         else:
-            vecs = head.latent_input(anchors)
-            probs = head.stop_prob(anchors)
+            vecs, probs = head.serve_outputs(anchors)
     probs = probs.tolist() if probs is not None else [None] * len(rows)
     out: list = [None] * len(reqs)
     for j, i in enumerate(rows):

@@ -46,6 +46,11 @@ class Scheduler:
         max_model_len: a request finishes with "length" when it reaches this many tokens.
         eos_ids: token ids that end a request unless ``ignore_eos``.
         latent_spec: the model's ``LatentSpec`` or None for a plain model.
+
+    ``forced_one_by_one`` (set by the engine when decode replays CUDA graphs): forced ids a
+    latent phase appends at once (a multi-token closing text, transition tokens) are computed
+    one per step, as decode rows, instead of as one multi-token chunk, which would send the
+    whole batch down the eager extend path for that step.
     """
 
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -62,6 +67,8 @@ class Scheduler:
         # Prompt tokens at each request's first admission, and how many the cache served.
         self.prefix_queries = self.prefix_hits = 0
         self._aborted: list[Req] = []
+        self.forced_one_by_one = False
+        self._max_forced = len(latent_spec.end_ids) if latent_spec is not None else 0
 
     # ----- requests in and out -----
 
@@ -126,13 +133,17 @@ class Scheduler:
             budget -= n
         return batch if batch.reqs else None
 
-    @staticmethod
-    def _chunk(req: Req, budget: int) -> int:
+    def _chunk(self, req: Req, budget: int) -> int:
         """Tokens ``req`` computes this step. A recurrent-depth request whose exit rule saves
         compute runs its generated tokens (recomputed after a preemption too) one per forward
         and ends a prompt chunk at the prompt's end, so each token that may exit early is a
-        batch row of its own (``latent/recurrent.py``)."""
+        batch row of its own (``latent/recurrent.py``). With ``forced_one_by_one``, the forced
+        ids that just ended a latent phase go one per step."""
         n = min(req.num_pending, budget)
+        if (self.forced_one_by_one and 1 < n <= self._max_forced
+                and req.answer_start is not None and req.loop is None
+                and req.num_computed >= len(req.prompt_ids)):
+            return 1
         if req.exit_rule is not None and req.exit_rule.saves_compute:
             p = len(req.prompt_ids)
             n = 1 if req.num_computed >= p else min(n, p - req.num_computed)
