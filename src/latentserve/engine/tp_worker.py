@@ -298,8 +298,7 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
                                   str(tp.device), latent_head=config.latent_head,
                                   no_latent_head=config.no_latent_head,
                                   latent_injection=config.latent_injection, tp=tp,
-                                  fused_ops=config.use_fused_ops,
-                                  fused_ops_explicit=config.fused_ops is not None)
+                                  fused_ops=config.use_fused_ops)
     layers, kv_heads, head_dim = model.kv_shape
     runner = None
     try:

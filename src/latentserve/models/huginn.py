@@ -158,11 +158,6 @@ class RavenForCausalLM(nn.Module):
     (``L`` layers each), since construction.
     """
 
-    # NOTE: the fast path (use_fused_ops) passed its parity tests on CPU under the Triton
-    # interpreter only; until tests/gpu/test_fused_gpu.py passes on the H200 the engine takes
-    # it only with an explicit EngineConfig(fused_ops=True).
-    fast_path_by_default = False
-
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg

@@ -34,8 +34,7 @@ def iter_weights(model_dir: Path):
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
                latent_head: str | None = None, no_latent_head: bool = False,
-               latent_injection: str | None = None, tp=None, fused_ops: bool = False,
-               fused_ops_explicit: bool = False):
+               latent_injection: str | None = None, tp=None, fused_ops: bool = False):
     """Return ``(model, hf_config)`` with weights loaded, in eval mode, on ``device``.
 
     A directory with a ``latent_config.json`` is a latent-reasoning model: its family's
@@ -58,9 +57,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
 
     ``fused_ops``: switch a model that has the fast path (``use_fused_ops``: merged q/k/v and
     gate/up GEMMs, Triton norm/RoPE/SiLU kernels; the Llama family, Ouro, Huginn) to it, after
-    sharding and before the move to ``device``; other models ignore it. A model class whose
-    ``fast_path_by_default`` is False (its fast path not yet checked on a GPU) takes it only
-    when the user asked for it (``fused_ops_explicit``).
+    sharding and before the move to ``device``; other models ignore it.
 
     Raises ValueError for an unsupported ``model_type``, a bad latent config, or a model the
     TP size cannot split.
@@ -102,8 +99,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
         from latentserve.models.parallel import shard_model
 
         shard_model(model, tp)
-    if fused_ops and hasattr(model, "use_fused_ops") and (
-            fused_ops_explicit or getattr(model, "fast_path_by_default", True)):
+    if fused_ops and hasattr(model, "use_fused_ops"):
         model.use_fused_ops()  # on the CPU: the merged weights move to the device once
     own_latents = loop_cfg is not None or latent_cfg is not None \
         or getattr(model, "latent_spec", None) is not None  # recurrent models bring their own
