@@ -115,6 +115,24 @@ def test_messages_route_takes_the_thinking_object_and_body_controls(head_server)
                                                         "budget_tokens": 1024}})
     assert on.status_code == 200, on.text
     assert _steps_total(head_server) == before + 2  # the body's max_latent took effect
+    assert on.json()["latent"]["stats"]["steps"] == 2  # the OpenAI routes' latent object
+    assert off.json()["latent"]["stats"]["thinking"] is False  # says the head sat idle
+
+
+def test_messages_stream_carries_latent_stats_on_message_delta(head_server):
+    import json
+
+    with httpx.stream("POST", f"{head_server.base_url}/v1/messages", timeout=60,
+                      json={"model": head_server.model_dir, "max_tokens": 6, "stream": True,
+                            "messages": [{"role": "user", "content": "hi"}],
+                            "max_latent": 3, "min_output_tokens": 0,
+                            "use_stop": False}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ")]
+    delta = next(e for e in events if e["type"] == "message_delta")
+    assert delta["latent"]["stats"]["steps"] == 3 and delta["latent"]["steps"] == 3
+    assert all("latent" not in e for e in events if e["type"] != "message_delta")
 
 
 def test_prometheus_counts_latent_steps(head_server):

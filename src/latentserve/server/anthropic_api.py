@@ -3,8 +3,11 @@
 Served: ``system`` (string or text blocks), user/assistant messages with string or text-block
 content (a final assistant message is continued, Anthropic's "prefill"), ``max_tokens``,
 ``stop_sequences``, ``temperature`` (0..1), ``top_p``, ``top_k``, ``stream``, ``metadata``
-(ignored). Refused with a 400: tools, thinking, structured outputs
-(``output_config.format``) and non-text content blocks. Newer SDKs have no ``temperature``
+(ignored), ``thinking`` (a compression head's switch; "enabled" needs a head) and the latent
+body fields of the OpenAI routes. Refused with a 400: tools, structured outputs
+(``output_config.format``) and non-text content blocks. A request with latent work has the
+OpenAI choices' ``latent`` object as an extra field of the message (streaming: of the
+``message_delta`` event). Newer SDKs have no ``temperature``
 / ``top_p`` / ``top_k`` arguments; clients send them in the body (``extra_body``).
 
 Streaming follows the protocol's event sequence: ``message_start``, ``content_block_start``
@@ -178,7 +181,13 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         APIError: 400 (bad field, context too long, unsupported feature), 404 (another
             model's name), or the engine errors of ``serving.api_error``.
     """
-    from latentserve.server.serving import collect, sse_events, sse_response, start_stream
+    from latentserve.server.serving import (
+        collect,
+        latent_info,
+        sse_events,
+        sse_response,
+        start_stream,
+    )
 
     arrival = time.monotonic()
     _check(body, state)
@@ -205,17 +214,28 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     if msg_id == engine_rid:
         msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
     reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
+    asked = False  # no return_latent_trace here: steps and a head's stats only
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival)
-        events = _events(msg_id, state.model_name, len(prompt_ids), deltas)
+        events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked)
         return sse_response(sse_events(
             request, state, reqs, events, error_event=_error_event,
             internal_error_event=_event("error", anthropic_error_body(
                 "Internal server error", 500)), done=None))
     result = (await collect(request, state, reqs, arrival))[0]
     stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string)
-    return _message(msg_id, state.model_name, [{"type": "text", "text": result.text}],
-                    stop_reason, stop_sequence, len(prompt_ids), result.num_output_tokens)
+    msg = _message(msg_id, state.model_name, [{"type": "text", "text": result.text}],
+                   stop_reason, stop_sequence, len(prompt_ids), result.num_output_tokens)
+    return _with_latent(msg, latent_info(result, asked))
+
+
+def _with_latent(obj: dict, info) -> dict:
+    """``obj`` with the extension field ``latent`` (as on the OpenAI routes' choices: steps,
+    trace, compression-head stats, recurrence) when the request has any; Anthropic clients
+    ignore fields they do not know."""
+    if info is not None:
+        obj["latent"] = info.model_dump(exclude_none=True)
+    return obj
 
 
 def _message(msg_id: str, model: str, content: list, stop_reason: str | None,
@@ -237,7 +257,10 @@ def _error_event(exc: Exception) -> str:
 
 
 async def _events(msg_id: str, model: str, input_tokens: int,
-                  deltas: AsyncIterator[tuple[int, TextDelta]]) -> AsyncIterator[str]:
+                  deltas: AsyncIterator[tuple[int, TextDelta]],
+                  asked: bool = False) -> AsyncIterator[str]:
+    from latentserve.server.serving import latent_info
+
     yield _event("message_start", {"type": "message_start", "message": _message(
         msg_id, model, [], None, None, input_tokens, 0)})
     yield _event("content_block_start", {"type": "content_block_start", "index": 0,
@@ -252,8 +275,8 @@ async def _events(msg_id: str, model: str, input_tokens: int,
         last = delta
     stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string)
     yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-    yield _event("message_delta", {
+    yield _event("message_delta", _with_latent({
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-        "usage": {"output_tokens": last.num_output_tokens}})
+        "usage": {"output_tokens": last.num_output_tokens}}, latent_info(last, asked)))
     yield _event("message_stop", {"type": "message_stop"})
