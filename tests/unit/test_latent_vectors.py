@@ -89,26 +89,40 @@ def test_mixed_rows_and_several_tensors_get_the_right_vectors(spy_runner):
     torch.testing.assert_close(embeds[2:], torch.stack([other[0], vecs[0], other[3], vecs[1]]))
 
 
-def test_graph_replay_keeps_the_static_mask_exact():
-    """``CudaGraphRunner.replay``'s mask bookkeeping (plain steps skip the clear, all-latent
-    steps skip the copy while it already holds), checked on CPU buffers with no-op graphs."""
+class _CountingGraph:
+    """A no-op stand-in for ``torch.cuda.CUDAGraph`` that counts its replays."""
+
+    def __init__(self):
+        self.n = 0
+
+    def replay(self):
+        self.n += 1
+
+
+def _cpu_graph_runner(buckets: list[int], hidden: int):
+    """A ``CudaGraphRunner`` over CPU buffers whose graphs are ``_CountingGraph``s (its
+    bookkeeping without CUDA): static buffers for ``buckets[-1]`` rows, logits of width 8."""
     from latentserve.engine.cuda_graph import CudaGraphRunner
 
-    class NoGraph:
-        def replay(self):
-            pass
-
     g = object.__new__(CudaGraphRunner)
-    cap, h = 16, 4
-    g.buckets, g.graph_depths, g.recurrent, g.latent_capable = [4, 8, 16], [0], False, True
+    cap = buckets[-1]
+    g.buckets, g.graph_depths, g.recurrent, g.latent_capable = buckets, [0], False, True
     g.dummy_row = 0
     for name in ("ids", "pos", "rows", "out_slots"):
         setattr(g, name, torch.zeros(cap, dtype=torch.int64))
     g.kv_lens = torch.ones(cap, dtype=torch.int32)
-    g.embeds, g.mask = torch.zeros(cap, h), torch.zeros(cap, dtype=torch.bool)
+    g.embeds, g.mask = torch.zeros(cap, hidden), torch.zeros(cap, dtype=torch.bool)
     g._mask_hi = g._mask_ones = 0
-    g.graphs = {(0, b): NoGraph() for b in g.buckets}
-    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, h)) for b in g.buckets}
+    g.graphs = {(0, b): _CountingGraph() for b in buckets}
+    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, hidden)) for b in buckets}
+    return g
+
+
+def test_graph_replay_keeps_the_static_mask_exact():
+    """``CudaGraphRunner.replay``'s mask bookkeeping (plain steps skip the clear, all-latent
+    steps skip the copy while it already holds), checked on CPU buffers with no-op graphs."""
+    cap, h = 16, 4
+    g = _cpu_graph_runner([4, 8, 16], h)
     fills = []
     mask_fill = torch.Tensor.fill_
 
@@ -144,28 +158,10 @@ def test_latent_graph_replays_lazily_once_per_decode_replay():
     """``CudaGraphRunner.latent_outputs``: the latent graph of the bucket just replayed runs
     on the first call after a decode replay only (a plain step never asks), and its outputs
     are sliced to the batch's rows; checked on CPU with counting no-op graphs."""
-    from latentserve.engine.cuda_graph import CudaGraphRunner
-
-    class Counting:
-        def __init__(self):
-            self.n = 0
-
-        def replay(self):
-            self.n += 1
-
-    g = object.__new__(CudaGraphRunner)
-    cap, h = 8, 4
-    g.buckets, g.graph_depths, g.recurrent, g.latent_capable = [4, 8], [0], False, True
-    g.dummy_row = 0
-    for name in ("ids", "pos", "rows", "out_slots"):
-        setattr(g, name, torch.zeros(cap, dtype=torch.int64))
-    g.kv_lens = torch.ones(cap, dtype=torch.int32)
-    g.embeds, g.mask = torch.zeros(cap, h), torch.zeros(cap, dtype=torch.bool)
-    g._mask_hi = g._mask_ones = 0
-    g.graphs = {(0, b): Counting() for b in g.buckets}
-    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, h)) for b in g.buckets}
+    h = 4
+    g = _cpu_graph_runner([4, 8], h)
     g.head, g.feedback = object(), None  # a closed-loop head: (vectors, stop probabilities)
-    g.latent_graphs = {b: Counting() for b in g.buckets}
+    g.latent_graphs = {b: _CountingGraph() for b in g.buckets}
     g.latent_out = {b: (torch.arange(b * h, dtype=torch.float32).view(b, h),
                         torch.arange(b, dtype=torch.float32)) for b in g.buckets}
     g._last, g._latent_ran, g.num_latent_replays = None, False, 0
