@@ -240,7 +240,10 @@ class Scheduler:
         p = req.params
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
-        spent = len(req.output_ids) if req.head is not None else len(req.answer_ids)
+        if req.head is not None:  # head latent steps spend the output budget too
+            spent = len(req.output_ids)
+        else:  # len(req.answer_ids), without copying them
+            spent = 0 if req.answer_start is None else len(req.output_ids) - req.answer_start
         if spent >= p.max_tokens or req.seq_len >= self.max_model_len:
             return "length"
         return None
