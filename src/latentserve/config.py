@@ -33,7 +33,8 @@ class EngineConfig:
     below the model's own ``LatentSpec.max_budget``; a model default above it is lowered to it.
     ``latent_cap_where_applicable`` (set for each model of a multi-model server): the cap is
     ignored by a model without a budget and clipped to a model's own range, instead of being
-    an error.
+    an error. ``overlap_schedule``: schedule and prepare the next step while the device runs
+    this one (``engine/overlap.py``; steps that cannot overlap run synchronously).
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -58,6 +59,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     max_latent_budget: int | None = None  # server cap on latent_budget (None: the model's)
     latent_cap_where_applicable: bool = False
+    overlap_schedule: bool = False  # engine/overlap.py: prepare step k+1 while k runs
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

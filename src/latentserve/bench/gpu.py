@@ -186,13 +186,16 @@ def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
 
 
 def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
-                  shapes=tuple(SHAPES), hf_baseline=True, compare_unfused=True) -> dict:
+                  shapes=tuple(SHAPES), hf_baseline=True, compare_unfused=True,
+                  compare_overlap=True) -> dict:
     """Benchmark every shape; returns a JSON-able dict (see module docstring for units).
 
     Per shape and concurrency: engine throughput, the whole engine decode step
     (``decode_step_s``, host wall time) and the device time of its graph replay
     (``graph_replay_s``), each over the bandwidth floor, and the device ops in one replay.
-    ``compare_unfused``: also run the largest concurrency with ``fused_ops=False``."""
+    ``compare_unfused``: also run the largest concurrency with ``fused_ops=False``;
+    ``compare_overlap``: and with ``overlap_schedule=True`` (engine/overlap.py), whose
+    ``decode_step_s`` is the step's wall time with the host work hidden behind the device's."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -234,17 +237,20 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
             del engine
             gc.collect()
             torch.cuda.empty_cache()
-            if compare_unfused:  # the same decode graphs without the fused kernels
+            variants = ([("unfused", {"fused_ops": False})] if compare_unfused else []) + \
+                ([("overlap", {"overlap_schedule": True})] if compare_overlap else [])
+            for key, opts in variants:  # the largest concurrency again, one option changed
                 c = max(concurrency)
                 engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
                                                 max_model_len=prompt_len + output_len + 8,
-                                                max_num_seqs=c, fused_ops=False))
+                                                max_num_seqs=c, **opts))
                 prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
                 r = _engine_run(engine, prompts, output_len)
-                rows[c]["unfused"] = {"decode_step_s": r["step_s"],
-                                      "graph_replay_s": r["replay_s"],
-                                      "replay_over_floor": r["replay_s"] / floor[c],
-                                      "kernels": _kernels_per_replay(engine, c)}
+                rows[c][key] = {"engine_tok_s": r["tok_s"], "decode_step_s": r["step_s"],
+                                "step_over_floor": r["step_s"] / floor[c],
+                                "graph_replay_s": r["replay_s"],
+                                "replay_over_floor": r["replay_s"] / floor[c],
+                                "kernels": _kernels_per_replay(engine, c)}
                 del engine
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -271,6 +277,8 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
 
 
 if __name__ == "__main__":
-    out = run_gpu_bench()
-    Path(sys.argv[1] if len(sys.argv) > 1 else "gpu_bench.json").write_text(
-        json.dumps(out, indent=1))
+    # python -m latentserve.bench.gpu [OUT.json] [shape,shape] [--no-hf]
+    args = [a for a in sys.argv[1:] if a != "--no-hf"]
+    out = run_gpu_bench(shapes=tuple(args[1].split(",")) if len(args) > 1 else tuple(SHAPES),
+                        hf_baseline="--no-hf" not in sys.argv)
+    Path(args[0] if args else "gpu_bench.json").write_text(json.dumps(out, indent=1))

@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, KV pool and graphs")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--overlap-schedule", action="store_true",
+                   help="schedule and prepare the next step while the device runs this one "
+                        "(plain models; steps with logprobs or penalties run synchronously)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="split the model across this many processes (one GPU each on CUDA)")
     p.add_argument("--latent-head", default=None,
@@ -83,6 +86,7 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
                         attention_backend=args.attention_backend,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager,
+                        overlap_schedule=getattr(args, "overlap_schedule", False),
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         latent_head=getattr(args, "latent_head", None),
                         no_latent_head=getattr(args, "no_latent_head", False),

@@ -120,6 +120,7 @@ class LLMEngine:
             self.runner.capture_graphs(graph_bs, hf_config.hidden_size, config.torch_dtype)
             self.scheduler.forced_one_by_one = True  # keep latent batches on the graphs
         self._rids: set[str] = set()
+        self.inflight = None  # overlap mode: the launched batch whose tokens are not finished
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         from latentserve.engine.prompt_logprobs import PromptLogprobTracker
@@ -263,7 +264,16 @@ class LLMEngine:
         sampled one at a time and a request whose own row raises finishes with
         ``finish_reason="error"`` (``error`` says why) while the others go on. An exception
         from the forward itself propagates (the caller decides what to fail).
+        With ``config.overlap_schedule`` a step that can overlap returns the tokens of the
+        batch launched by the previous step (``engine/overlap.py``).
         """
+        if self.config.overlap_schedule:
+            from latentserve.engine import overlap
+
+            if overlap.eligible(self):
+                return self._retire(overlap.step(self))
+            if self.inflight is not None:  # finish it first; the next step is synchronous
+                return self._retire(overlap.drain(self))
         batch = self.scheduler.schedule()
         if batch is None:
             outs = self.scheduler.drain_aborted()
@@ -292,6 +302,10 @@ class LLMEngine:
                     lp = by_rid.get(o.rid)
                     if lp is not None and o.new_token_ids == [lp.token_id]:
                         o.logprobs = [lp]
+        return self._retire(outs)
+
+    def _retire(self, outs: list[StepOutput]) -> list[StepOutput]:
+        """A step's outputs, after failures, prompt logprobs and finished-request bookkeeping."""
         if self._failed:
             outs = self._apply_failures(outs)
         if self.prompt_logprobs:

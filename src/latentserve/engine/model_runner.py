@@ -98,8 +98,15 @@ class ModelRunner:
                                       max_bs, hidden_size, dtype, self.capture_layer)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch: ScheduledBatch, pending: tuple | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pending`` (overlap mode, ``engine/overlap.py``): ``(tokens [S'] int64 on the
+        device, {id(req): row})``, the previous forward's sampled tokens, not yet on the
+        host; a request in the map whose chunk ends at its last id (the pending id) takes
+        ``tokens[row]`` as that id, substituted on the device."""
         ids, pos, last, row_tok = [], [], [], []
+        sub_dst, sub_src = [], []  # pending ids: token row <- row of the previous tokens
+        src_of = pending[1] if pending is not None else None
         inj_rows, inj = [], []  # token rows that take a latent vector, and their entries
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             emb = req.latent_embeds
@@ -119,6 +126,9 @@ class ModelRunner:
             pos.extend(range(start, start + n))
             row_tok.extend([req.row] * n)
             last.append(len(ids) - 1)
+            if src_of and id(req) in src_of and start + n == req.seq_len:
+                sub_dst.append(len(ids) - 1)
+                sub_src.append(src_of[id(req)])
         self.num_computed_tokens += len(ids)
         dev = self.device
         t, b = len(ids), len(batch.reqs)
@@ -144,12 +154,16 @@ class ModelRunner:
         # One host-to-device copy for every index vector of the batch:
         # ids [T] | positions [T] | page-table row of each token [T] | rows [B] | kv_lens [B]
         # | latent mask [T] (only when some rows take no vector) | latent source row of each
-        # token [T] (only when the latent vectors are not already one slice in token order).
+        # token [T] (only when the latent vectors are not already one slice in token order)
+        # | overlap mode: token rows with a pending id, and their rows in the previous tokens.
         # NOTE: through array('q'): torch.tensor of a long int list costs ~0.1 us an element.
         packed = torch.frombuffer(array("q", ids + pos + row_tok + [r.row for r in batch.reqs]
-                                        + kv_lens + mask_l + src_rows),
+                                        + kv_lens + mask_l + src_rows + sub_dst + sub_src),
                                   dtype=torch.int64).to(dev, non_blocking=True)
         input_ids, positions = packed[:t], packed[t : 2 * t]
+        if sub_dst:  # the previous step's tokens, still on the device
+            k = len(sub_dst)
+            input_ids[packed[-2 * k : -k]] = pending[0][packed[-k:]]
         rows, kv_dev = packed[3 * t : 3 * t + b], packed[3 * t + b : 3 * t + 2 * b]
         out_slots = self.table.table[packed[2 * t : 3 * t], positions]  # table[row, position]
         input_embeds = latent_mask = None
@@ -169,7 +183,8 @@ class ModelRunner:
                     vecs = full_l
                 input_embeds = torch.stack(vecs)
             elif src_rows:
-                input_embeds = src.index_select(0, packed[3 * t + 2 * b + len(mask_l) :])
+                lo = 3 * t + 2 * b + len(mask_l)
+                input_embeds = src.index_select(0, packed[lo : lo + len(src_rows)])
             else:
                 input_embeds = src
         layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)

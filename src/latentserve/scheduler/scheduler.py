@@ -18,6 +18,8 @@ from latentserve.latent.recurrent import recurrence_stats
 from latentserve.outputs import StepOutput
 from latentserve.scheduler.cache import CacheManager
 
+PENDING_ID = -1  # overlap mode: the output id of a token sampled by a forward still running
+
 
 @dataclass(slots=True)
 class ScheduledBatch:
@@ -201,6 +203,48 @@ class Scheduler:
             outs.append(self._output(req, [tok]))
         return outs
 
+    # ----- overlap mode (engine/overlap.py): the step's tokens arrive one step later -----
+
+    def advance_launched(self, batch: ScheduledBatch) -> list[tuple[Req, int]]:
+        """What :meth:`postprocess` does before the sampled tokens are known, for a batch
+        whose forward is launched but not finished: ``num_computed`` moves on and each
+        sampling row appends ``PENDING_ID`` for its token, so the next batch can be
+        scheduled now. Plain requests only (no latent phase). Returns ``(req, index in
+        output_ids)`` per sampling row, for :meth:`finalize_launched`."""
+        pending = []
+        for req, n, sample in zip(batch.reqs, batch.q_lens, batch.sample):
+            req.num_computed += n
+            if sample:
+                pending.append((req, len(req.output_ids)))
+                req.output_ids.append(PENDING_ID)
+        return pending
+
+    def finalize_launched(self, pending: list[tuple[Req, int]],
+                          tokens: list[int]) -> list[StepOutput]:
+        """Write the tokens of an earlier :meth:`advance_launched` over their pending ids and
+        retire the requests they finish. A request that finished or was aborted meanwhile is
+        skipped. A finishing request drops the pending ids of the batches launched after
+        (their tokens are discarded; their positions' KV, computed from real ids, stays) and
+        releases its KV; one that was preempted meanwhile leaves the waiting queue."""
+        outs = [self._output(r, []) for r in self._aborted]
+        self._aborted.clear()
+        for (req, idx), tok in zip(pending, tokens):
+            if req.status is ReqStatus.FINISHED:
+                continue
+            req.output_ids[idx] = tok
+            reason = self._finish_reason(req, tok, idx + 1)
+            if reason is not None:
+                del req.output_ids[idx + 1 :]
+                req.num_computed = min(req.num_computed, req.seq_len)
+                if req.status is ReqStatus.RUNNING:
+                    self.running.remove(req)
+                    self.cache.release(req)
+                else:  # preempted after its forward was launched
+                    self.waiting.remove(req)
+                self._finish(req, reason)
+            outs.append(self._output(req, [tok]))
+        return outs
+
     def _advance_latent(self, req: Req, vec) -> bool:
         """Phase machine of a latent request after a forward. Appends the next latent
         position (input ``vec``, a ``(tensor, row)`` entry) while budget remains, else the
@@ -236,15 +280,18 @@ class Scheduler:
         """Outputs of requests aborted since the last step (when no batch ran)."""
         return self.postprocess(ScheduledBatch([], [], [], []), [])
 
-    def _finish_reason(self, req: Req, tok: int) -> str | None:
+    def _finish_reason(self, req: Req, tok: int, num_out: int | None = None) -> str | None:
+        """Why ``req`` finishes with ``tok`` as its last output id, or None. ``num_out``: its
+        output ids up to ``tok`` (None: all; overlap mode has later pending ids)."""
         p = req.params
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
+        n = len(req.output_ids) if num_out is None else num_out
         if req.head is not None:  # head latent steps spend the output budget too
-            spent = len(req.output_ids)
+            spent = n
         else:  # len(req.answer_ids), without copying them
-            spent = 0 if req.answer_start is None else len(req.output_ids) - req.answer_start
-        if spent >= p.max_tokens or req.seq_len >= self.max_model_len:
+            spent = 0 if req.answer_start is None else n - req.answer_start
+        if spent >= p.max_tokens or len(req.prompt_ids) + n >= self.max_model_len:
             return "length"
         return None
 

@@ -8,8 +8,8 @@ def run_batch(engine, prompts, max_tokens, **params):
     runner, first_logits = engine.runner, {}
     original = runner.run
 
-    def recording_run(batch):
-        logits, hidden = original(batch)
+    def recording_run(batch, *args, **kwargs):
+        logits, hidden = original(batch, *args, **kwargs)
         sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
         for req, row in zip(sampled, logits):
             if not req.output_ids:

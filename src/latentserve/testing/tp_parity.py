@@ -15,8 +15,8 @@ def run_requests(engine, requests):
     runner, logits = engine.runner, {}
     original = runner.run
 
-    def recording(batch):
-        out, hidden = original(batch)
+    def recording(batch, *args, **kwargs):
+        out, hidden = original(batch, *args, **kwargs)
         for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], out):
             logits.setdefault(req.rid, []).append(row.float().cpu())
         return out, hidden

@@ -1,0 +1,119 @@
+"""Overlap scheduling: the host schedules and prepares step k+1 while the device runs step k.
+
+A synchronous engine step waits for its sampled tokens (a device-to-host copy) before it
+schedules the next batch, so the host's work (scheduling, building the inputs, postprocess)
+and the device's forward run one after the other. Here a step instead:
+
+1. schedules batch k at once: each request of the batch still running on the device has a
+   pending id (``scheduler.PENDING_ID``) for the token that batch is sampling;
+2. launches batch k's forward and sampling; a pending input id is read on the device from
+   batch k-1's sampled tokens (``ModelRunner.run(pending=...)``), so nothing waits for them;
+3. advances the host state of batch k before its tokens exist
+   (``Scheduler.advance_launched``);
+4. only then waits for batch k-1's tokens (copied to pinned host memory right after they
+   were sampled, so this waits for k-1's sampling, not for batch k) and finishes them
+   (``Scheduler.finalize_launched``): their outputs are what the step returns.
+
+A request that finishes on a token of batch k-1 was already scheduled in batch k: that row's
+work is discarded (its KV, computed from real ids, is kept or cached as usual). Technique as
+SGLang's overlap scheduler (``managers/scheduler.py`` ``event_loop_overlap``) and vLLM's
+async scheduling; the code is ours.
+
+Engaged with ``EngineConfig.overlap_schedule`` for a step where every request can do without
+its previous token on the host: a model without a ``LatentSpec``, no tensor parallelism, and
+no request asking for ``logprobs``, ``prompt_logprobs`` or penalties (they read the token
+history on the host). Otherwise the engine finishes the batch in flight and steps
+synchronously.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class Launched:
+    """A batch whose forward and sampling were launched and whose tokens are not finished.
+
+    ``pending``: ``(req, index in output_ids)`` per sampling row (``advance_launched``);
+    ``tokens``: ``[S] int64`` on the device, row j for ``pending[j]``; ``host``: their
+    pinned host copy and ``event`` the CUDA event after it (None on the CPU); ``src``:
+    ``id(req) -> j`` for the next batch's pending input ids."""
+
+    pending: list
+    tokens: torch.Tensor
+    host: torch.Tensor | None
+    event: Any
+    src: dict[int, int]
+
+
+def eligible(engine) -> bool:
+    """Whether ``engine``'s next step may overlap (see the module docstring)."""
+    if not engine.config.overlap_schedule or engine.latent_spec is not None \
+            or engine.tp is not None:
+        return False
+    sched = engine.scheduler
+    for queue in (sched.running, sched.waiting):
+        for r in queue:
+            p = r.params
+            if p.logprobs is not None or p.prompt_logprobs is not None or p.has_penalties:
+                return False
+    return True
+
+
+def step(engine) -> list:
+    """One overlapped engine step: launch the next batch, then return the outputs of the
+    batch launched by the previous step (none on the first)."""
+    prev: Launched | None = engine.inflight
+    sched = engine.scheduler
+    batch = sched.schedule()
+    engine.inflight = None
+    if batch is not None:
+        logits, _ = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
+        reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        tokens = _sample(engine, logits, reqs)
+        host = event = None
+        if tokens.is_cuda:  # copy now, so that waiting for them does not wait for batch k+1
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        pending = sched.advance_launched(batch)
+        engine.inflight = Launched(pending, tokens, host, event,
+                                   {id(r): j for j, (r, _) in enumerate(pending)})
+    if prev is None:
+        return sched.drain_aborted()
+    return finish(sched, prev)
+
+
+def finish(sched, launched: Launched) -> list:
+    """Wait for ``launched``'s tokens and finish its requests (``finalize_launched``)."""
+    if launched.event is not None:
+        launched.event.synchronize()
+        tokens = launched.host.tolist()
+    else:
+        tokens = launched.tokens.tolist()
+    return sched.finalize_launched(launched.pending, tokens)
+
+
+def drain(engine) -> list:
+    """Finish the batch in flight, if any (before a synchronous step)."""
+    prev, engine.inflight = engine.inflight, None
+    return [] if prev is None else finish(engine.scheduler, prev)
+
+
+def _sample(engine, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+    """``[S] int64`` tokens on ``logits.device`` without waiting for them; when the batched
+    sampler raises, the engine's row-by-row fallback (which isolates a failing request)."""
+    from latentserve.sampling import sample_with_logprobs
+
+    if not reqs:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    try:
+        return sample_with_logprobs(logits, reqs).tokens
+    except Exception:  # noqa: BLE001 - the fallback below names the failing rows
+        tokens, _ = engine._sample(logits, reqs)
+        return torch.tensor(tokens, dtype=torch.int64, device=logits.device)

@@ -1,0 +1,194 @@
+"""Overlap scheduling (``EngineConfig.overlap_schedule``, engine/overlap.py): the engine
+prepares step k+1 before step k's tokens reach the host. Greedy tokens and first logits
+equal HF transformers' (cold, warm prefix cache, chunked prefill, preemption); sampled,
+stopped and aborted requests give what the synchronous engine gives; a request that needs
+its tokens on the host (logprobs) makes the engine finish the batch in flight and step
+synchronously; no KV slot leaks."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from latentserve.config import EngineConfig
+from latentserve.engine.llm_engine import LLMEngine
+from latentserve.sampling_params import SamplingParams
+from latentserve.testing.parity import hf_reference, run_batch, shared_prefix_prompts
+from latentserve.testing.tp_parity import run_requests
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def references(tiny_dirs, hf_models):
+    model = hf_models(tiny_dirs["llama"])
+    return [hf_reference(model, p, MAX_TOKENS) for p in shared_prefix_prompts()]
+
+
+def _engine(tiny_dirs, **kw):
+    return LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), overlap_schedule=True, **kw))
+
+
+def _spy_overlapped(engine) -> list:
+    """Record, per forward, whether it read pending ids from the previous forward."""
+    seen, original = [], engine.runner.run
+
+    def spy(batch, pending=None):
+        seen.append(pending is not None)
+        return original(batch, pending)
+
+    engine.runner.run = spy
+    return seen
+
+
+def _assert_matches(tokens, logits, refs):
+    for i, (toks, lg, (ref_toks, ref_lg)) in enumerate(zip(tokens, logits, refs)):
+        assert toks == ref_toks, f"prompt {i}: engine {toks} != HF {ref_toks}"
+        torch.testing.assert_close(lg, ref_lg, atol=1e-4, rtol=0, msg=f"prompt {i} logits")
+
+
+def test_greedy_matches_hf_cold_then_warm(tiny_dirs, references):
+    engine = _engine(tiny_dirs)
+    overlapped = _spy_overlapped(engine)
+    prompts = shared_prefix_prompts()
+    tokens, logits, _ = run_batch(engine, prompts, MAX_TOKENS)
+    _assert_matches(tokens, logits, references)
+    engine.cache.check_idle()
+    # Every forward after the first reads the previous forward's tokens on the device.
+    assert not overlapped[0] and all(overlapped[1:]) and len(overlapped) > MAX_TOKENS
+    tokens, logits, cached = run_batch(engine, prompts, MAX_TOKENS)
+    _assert_matches(tokens, logits, references)
+    assert all(c > 0 for c in cached), cached
+    engine.cache.check_idle()
+
+
+@pytest.mark.parametrize("opts", [{"max_num_batched_tokens": 7}, {"kv_slots": 160}],
+                         ids=["chunked-prefill", "preemption"])
+def test_chunked_prefill_and_preemption_match_hf(tiny_dirs, references, opts):
+    engine = _engine(tiny_dirs, **opts)
+    tokens, logits, _ = run_batch(engine, shared_prefix_prompts(), MAX_TOKENS)
+    if "kv_slots" in opts:  # 8 prompts of up to 73 tokens + 12 outputs in 160 slots
+        assert engine.scheduler.num_preemptions > 0
+    _assert_matches(tokens, logits, references)
+    engine.cache.check_idle()
+
+
+def _mixed_requests():
+    prompts = shared_prefix_prompts()
+    kinds = [{"temperature": 0.0, "max_tokens": 9},
+             {"temperature": 0.8, "seed": 7, "max_tokens": 14},
+             {"temperature": 0.0, "max_tokens": 5, "ignore_eos": True},
+             {"temperature": 1.0, "top_k": 5, "seed": 3, "max_tokens": 11},
+             {"temperature": 0.0, "max_tokens": 16, "stop_token_ids": []},
+             {"temperature": 0.7, "top_p": 0.9, "seed": 11, "max_tokens": 8},
+             {"temperature": 0.0, "max_tokens": 1},
+             {"temperature": 0.0, "max_tokens": 13}]
+    return [(p, SamplingParams(**k)) for p, k in zip(prompts, kinds)]
+
+
+def test_sampled_and_stopped_requests_equal_the_synchronous_engine(tiny_dirs):
+    requests = _mixed_requests()
+    sync = run_requests(LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]))), requests)
+    # A stop id each request meets: its own third token (ends it early, with "stop").
+    stopped = [(p, dataclasses.replace(sp, stop_token_ids=[t[2]])) if len(t) > 3 else (p, sp)
+               for (p, sp), (t, _, _) in zip(requests, sync)]
+    for reqs in (requests, stopped):
+        want = run_requests(LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]))), reqs)
+        got = run_requests(_engine(tiny_dirs), reqs)  # checks that no slot leaked
+        for i, ((wt, _, wf), (gt, _, gf)) in enumerate(zip(want, got)):
+            assert gt == wt, f"request {i}"
+            assert gf.finish_reason == wf.finish_reason, f"request {i}"
+    assert any(f.finish_reason == "stop" for _, _, f in want)
+
+
+def test_logprobs_request_steps_synchronously_and_abort_frees_slots(tiny_dirs):
+    engine = _engine(tiny_dirs)
+    prompts = shared_prefix_prompts()
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(f"a{i}", p, SamplingParams(max_tokens=20, temperature=0.0,
+                                                      ignore_eos=True))
+    toks: dict[str, list] = {}
+    finals, logprobs = {}, []
+
+    def step():
+        for o in engine.step():
+            toks.setdefault(o.rid, []).extend(o.new_token_ids)
+            if o.rid == "lp" and o.logprobs:
+                logprobs.extend(o.logprobs)
+            if o.finished:
+                finals[o.rid] = o
+
+    for _ in range(4):
+        step()
+    assert engine.inflight is not None
+    engine.abort_request("a1")  # its row is in the batch on the device
+    engine.add_request("lp", prompts[5], SamplingParams(max_tokens=4, temperature=0.0,
+                                                        logprobs=2, ignore_eos=True))
+    step()  # finishes the batch in flight, launches nothing
+    assert engine.inflight is None
+    while engine.has_unfinished_requests():
+        step()
+    engine.cache.check_idle()
+    assert finals["a1"].finish_reason == "abort"
+    assert all(len(toks[f"a{i}"]) == 20 for i in (0, 2, 3))
+    sync = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"])))
+    want = run_requests(sync, [(prompts[i], SamplingParams(max_tokens=20, temperature=0.0,
+                                                           ignore_eos=True)) for i in (0, 2, 3)]
+                        + [(prompts[5], SamplingParams(max_tokens=4, temperature=0.0,
+                                                       ignore_eos=True))])
+    assert [toks[r] for r in ("a0", "a2", "a3", "lp")] == [t for t, _, _ in want]
+    assert [lp.token_id for lp in logprobs] == toks["lp"]
+
+
+def test_latent_models_and_tp_do_not_overlap(tmp_path, tiny_dirs):
+    from latentserve.engine import overlap
+    from latentserve.testing.latent_models import save_latent_tiny
+
+    engine = LLMEngine(EngineConfig(model=str(save_latent_tiny(tmp_path, "coconut-gpt2")),
+                                    overlap_schedule=True))
+    engine.add_request("c", [5, 6, 7], SamplingParams(max_tokens=3, latent_budget=2))
+    assert not overlap.eligible(engine)
+    plain = _engine(tiny_dirs)
+    plain.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3))
+    assert overlap.eligible(plain)
+    plain.add_request("q", [5, 6], SamplingParams(max_tokens=3, presence_penalty=0.5))
+    assert not overlap.eligible(plain)
+
+
+def test_server_with_overlap_streams_what_the_synchronous_engine_generates(tiny_dirs):
+    """``latentserve serve --overlap-schedule``: concurrent streamed and plain completions
+    over HTTP give the synchronous engine's greedy tokens."""
+    import concurrent.futures
+
+    import openai
+
+    from latentserve.cli import build_parser, engine_config
+    from latentserve.models.checkpoint import load_tokenizer
+    from latentserve.server.launch import start_server
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["llama"]),
+                                      "--overlap-schedule", "--max-num-seqs", "8"])
+    config = engine_config(args)
+    assert config.overlap_schedule
+    prompts = shared_prefix_prompts()[:6]
+    want = run_requests(LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]))),
+                        [(p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+                         for p in prompts])
+    srv = start_server(config, timeout=300)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="x", max_retries=0)
+
+        def ask(i):
+            kw = {"model": str(tiny_dirs["llama"]), "prompt": prompts[i], "max_tokens": 10,
+                  "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+            if i % 2:
+                return "".join(c.choices[0].text for c in
+                               client.completions.create(stream=True, **kw))
+            return client.completions.create(**kw).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            texts = list(pool.map(ask, range(len(prompts))))
+    finally:
+        srv.stop()
+    tok = load_tokenizer(tiny_dirs["llama"])
+    assert texts == [tok.decode(t) for t, _, _ in want]
