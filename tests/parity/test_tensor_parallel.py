@@ -172,3 +172,37 @@ def test_heads_split_unevenly_follow_their_kv_group():
 def test_tensor_parallel_size_must_be_positive():
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_dead_worker_ends_the_engine_loop_at_once(tiny_dirs):
+    """A killed rank is not recovered: the server's engine loop reports ``EngineFailed``
+    naming the rank on the failed step (or while idle), instead of failing each later
+    request one by one while ``/health`` stays ok."""
+    from latentserve.server.engine_process import EngineLoop
+    from latentserve.server.messages import AddRequest, EngineFailed, loads
+
+    class Outbox:
+        messages = []
+
+        def send(self, data):
+            self.messages.append(loads(data))
+
+    two = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), kv_slots=256,
+                                 tensor_parallel_size=2))
+    try:
+        loop = EngineLoop(two, inbox=None, outbox=Outbox())
+        assert two.dead_workers() == [] and loop._workers_gone() is None
+        two._tp_procs[0].kill()
+        two._tp_procs[0].wait()
+        assert two.dead_workers() == ["rank 1 (exit code -9)"]
+        loop.handle(AddRequest("r", [5, 6, 7], _greedy()))
+        with pytest.raises(RuntimeError):
+            loop._step()
+        assert loop.outbox.messages == [
+            EngineFailed("tensor-parallel worker rank 1 (exit code -9) exited")]
+    finally:
+        from latentserve.engine.tp_worker import abort_workers
+
+        two.tp = None
+        abort_workers(two._tp_procs)
+    assert two.dead_workers() == []

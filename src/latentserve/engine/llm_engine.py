@@ -249,6 +249,15 @@ class LLMEngine:
             destroy_tp_group()
             stop_workers(self._tp_procs)
 
+    def dead_workers(self) -> list[str]:
+        """The tensor-parallel workers that have exited, as ``"rank R (exit code C)"``
+        (empty at TP 1 and after ``shutdown``). A dead rank is never recovered: every later
+        step fails, so the caller should stop serving."""
+        if self.tp is None:
+            return []
+        return [f"rank {r} (exit code {p.returncode})"
+                for r, p in enumerate(self._tp_procs, start=1) if p.poll() is not None]
+
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
