@@ -125,3 +125,29 @@ def test_a_second_replica_set_on_the_same_machine_starts(replicas):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_killed_supervisor_leaves_no_replica_or_router(replicas):
+    """SIGKILL of ``latentserve serve --data-parallel-size 2`` (no chance to clean up): the
+    replicas notice their parent is gone and stop, the router gets SIGTERM from the kernel
+    (PR_SET_PDEATHSIG); before, all three kept running and holding their ports."""
+    import signal
+
+    import httpx
+
+    model, _, _ = replicas
+    proc, urls = _start(model)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 60
+    alive = urls
+    while alive and time.monotonic() < deadline:
+        time.sleep(1)
+        alive = []
+        for u in urls:
+            try:
+                httpx.get(f"{u}/health", timeout=2)
+                alive.append(u)
+            except httpx.HTTPError:
+                pass
+    assert alive == [], f"still answering 60 s after the supervisor was killed: {alive}"

@@ -31,6 +31,18 @@ def router_command(host: str, port: int, worker_urls: list[str], policy: str,
             "--log-level", "warn"]
 
 
+def _die_with_parent() -> None:
+    """``preexec_fn`` of the router: SIGTERM it when this process dies (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere a no-op), so a killed supervisor leaves no router."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _port_free(host: str, port: int) -> bool:
     import socket
 
@@ -81,7 +93,9 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
     tp = config.tensor_parallel_size
 
     def start(i: int):
-        env = {}
+        from latentserve.server.launch import PARENT_PID_ENV
+
+        env = {PARENT_PID_ENV: str(os.getpid())}  # a replica stops when this process dies
         if config.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
         return start_server(config, host, port + 1 + i, env=env, **(server_kwargs or {}))
@@ -101,7 +115,8 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
         for i, s in enumerate(servers):
             print(f"replica {i}: {s.base_url}", flush=True)
         router = subprocess.Popen(router_command(host, port, [s.base_url for s in servers],
-                                                 policy, metrics_port))
+                                                 policy, metrics_port),
+                                  preexec_fn=_die_with_parent)
         print(f"router ({policy}): http://{host}:{port}", flush=True)
         while router.poll() is None and all(s.proc.poll() is None for s in servers):
             time.sleep(0.5)
