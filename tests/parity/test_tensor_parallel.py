@@ -182,7 +182,8 @@ def test_dead_worker_ends_the_engine_loop_at_once(tiny_dirs):
     from latentserve.server.messages import AddRequest, EngineFailed, loads
 
     class Outbox:
-        messages = []
+        def __init__(self):
+            self.messages = []
 
         def send(self, data):
             self.messages.append(loads(data))

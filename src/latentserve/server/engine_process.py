@@ -204,7 +204,7 @@ class EngineLoop:
 
     def _workers_gone(self) -> str | None:
         """Why the engine cannot step any more because a tensor-parallel worker exited."""
-        dead = getattr(self.engine, "dead_workers", lambda: [])()
+        dead = getattr(self.engine, "dead_workers", list)()
         return f"tensor-parallel worker {', '.join(dead)} exited" if dead else None
 
     def _parent_gone(self) -> bool:

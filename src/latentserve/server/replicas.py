@@ -116,7 +116,7 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
             print(f"replica {i}: {s.base_url}", flush=True)
         router = subprocess.Popen(router_command(host, port, [s.base_url for s in servers],
                                                  policy, metrics_port),
-                                  preexec_fn=_die_with_parent)
+                                  preexec_fn=_die_with_parent)  # noqa: PLW1509 - pool ended
         print(f"router ({policy}): http://{host}:{port}", flush=True)
         while router.poll() is None and all(s.proc.poll() is None for s in servers):
             time.sleep(0.5)
