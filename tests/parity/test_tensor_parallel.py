@@ -62,6 +62,8 @@ def test_coconut_gpt2_tp2_matches_tp1(tmp_path, smollm2_dir):
         prompts = shared_prefix_prompts()
         reqs = [(p, _greedy(latent_budget=b)) for p, b in zip(prompts, (0, 1, 3, 6, 2, 4, 5, 8))]
         assert_same(run_requests(one, reqs), run_requests(two, reqs))
+        with pytest.raises(ValueError, match="return_latent_trace .* feedback-latent"):
+            two.add_request("x", [1, 2, 3], _greedy(latent_budget=2, return_latent_trace=True))
     finally:
         two.shutdown()
 
@@ -94,7 +96,9 @@ def test_huginn_tp2_matches_tp1_with_depths_and_early_exit(tmp_path):
         exits = [(8, "latent-diff", 0.2), (6, "kl", 0.01), (8, "entropy-diff", 0.05),
                  (8, "argmax-stability", 2), (2, None, None), (4, None, None)]
         prompts = [[(7 * i + 11 * j) % 900 + 20 for i in range(5 + 4 * j)] for j in range(6)]
-        reqs = [(p, _greedy(latent_budget=d, exit_criterion=c, exit_threshold=t))
+        # return_latent_trace (the recurrence stats over HTTP) is accepted under TP.
+        reqs = [(p, _greedy(latent_budget=d, exit_criterion=c, exit_threshold=t,
+                            return_latent_trace=True))
                 for p, (d, c, t) in zip(prompts, exits)]
         a, b = run_requests(one, reqs), run_requests(two, reqs)
         assert_same(a, b)
