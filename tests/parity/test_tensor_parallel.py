@@ -62,6 +62,8 @@ def test_coconut_gpt2_tp2_matches_tp1(tmp_path, smollm2_dir):
         prompts = shared_prefix_prompts()
         reqs = [(p, _greedy(latent_budget=b)) for p, b in zip(prompts, (0, 1, 3, 6, 2, 4, 5, 8))]
         assert_same(run_requests(one, reqs), run_requests(two, reqs))
+        with pytest.raises(ValueError, match="return_latent_trace .* feedback-latent"):
+            two.add_request("x", [1, 2, 3], _greedy(latent_budget=2, return_latent_trace=True))
     finally:
         two.shutdown()
 
@@ -96,7 +98,9 @@ def test_huginn_tp2_matches_tp1_with_depths_and_early_exit(tmp_path, fused):
         exits = [(8, "latent-diff", 0.2), (6, "kl", 0.01), (8, "entropy-diff", 0.05),
                  (8, "argmax-stability", 2), (2, None, None), (4, None, None)]
         prompts = [[(7 * i + 11 * j) % 900 + 20 for i in range(5 + 4 * j)] for j in range(6)]
-        reqs = [(p, _greedy(latent_budget=d, exit_criterion=c, exit_threshold=t))
+        # return_latent_trace (the recurrence stats over HTTP) is accepted under TP.
+        reqs = [(p, _greedy(latent_budget=d, exit_criterion=c, exit_threshold=t,
+                            return_latent_trace=True))
                 for p, (d, c, t) in zip(prompts, exits)]
         a, b = run_requests(one, reqs), run_requests(two, reqs)
         assert_same(a, b)
@@ -174,3 +178,38 @@ def test_heads_split_unevenly_follow_their_kv_group():
 def test_tensor_parallel_size_must_be_positive():
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_dead_worker_ends_the_engine_loop_at_once(tiny_dirs):
+    """A killed rank is not recovered: the server's engine loop reports ``EngineFailed``
+    naming the rank on the failed step (or while idle), instead of failing each later
+    request one by one while ``/health`` stays ok."""
+    from latentserve.server.engine_process import EngineLoop
+    from latentserve.server.messages import AddRequest, EngineFailed, loads
+
+    class Outbox:
+        def __init__(self):
+            self.messages = []
+
+        def send(self, data):
+            self.messages.append(loads(data))
+
+    two = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), kv_slots=256,
+                                 tensor_parallel_size=2))
+    try:
+        loop = EngineLoop(two, inbox=None, outbox=Outbox())
+        assert two.dead_workers() == [] and loop._workers_gone() is None
+        two._tp_procs[0].kill()
+        two._tp_procs[0].wait()
+        assert two.dead_workers() == ["rank 1 (exit code -9)"]
+        loop.handle(AddRequest("r", [5, 6, 7], _greedy()))
+        with pytest.raises(RuntimeError):
+            loop._step()
+        assert loop.outbox.messages == [
+            EngineFailed("tensor-parallel worker rank 1 (exit code -9) exited")]
+    finally:
+        from latentserve.engine.tp_worker import abort_workers
+
+        two.tp = None
+        abort_workers(two._tp_procs)
+    assert two.dead_workers() == []

@@ -35,33 +35,43 @@ def _stats(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
-    import httpx
-
     from latentserve.testing.tiny_models import save_tiny
 
     d = save_tiny(tmp_path_factory.mktemp("dp") / "llama", "llama", word_tokenizer=True,
                   vocab_size=1024)
-    port = _free_block(3)
-    proc = subprocess.Popen([sys.executable, "-c", "from latentserve.cli import main; main()",
-                             "serve", "--model", str(d), "--kv-slots", "4096",
-                             "--max-model-len", "512", "--port", str(port),
-                             "--data-parallel-size", "2"])
-    urls = [f"http://127.0.0.1:{port + i}" for i in range(3)]
+    proc, urls = _start(d)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, "latentserve serve --data-parallel-size 2 exited"
-            assert time.monotonic() < deadline, "router and replicas not healthy in 300 s"
-            try:
-                if all(httpx.get(f"{u}/health", timeout=2).status_code == 200 for u in urls):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         yield str(d), urls[0], urls[1:]
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def _start(model_dir):
+    """``latentserve serve --data-parallel-size 2`` on a free block of ports (router,
+    2 replicas, router metrics); returns the process and the router's and replicas' URLs
+    once all answer /health."""
+    import httpx
+
+    port = _free_block(4)
+    proc = subprocess.Popen([sys.executable, "-c", "from latentserve.cli import main; main()",
+                             "serve", "--model", str(model_dir), "--kv-slots", "4096",
+                             "--max-model-len", "512", "--port", str(port),
+                             "--data-parallel-size", "2"])
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(3)]
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            pytest.fail("latentserve serve --data-parallel-size 2 exited")
+        if time.monotonic() > deadline:
+            proc.terminate()
+            pytest.fail("router and replicas not healthy in 300 s")
+        try:
+            if all(httpx.get(f"{u}/health", timeout=2).status_code == 200 for u in urls):
+                return proc, urls
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
 
 
 def test_every_request_through_the_router_is_answered(replicas):
@@ -99,3 +109,45 @@ def test_shared_prefix_goes_to_the_replica_that_has_it(replicas):
     k = grew.index(True)
     # Requests 2..4 find the 200-token prefix in that replica's radix cache.
     assert after[k]["prefix_cache_hits"] - before[k]["prefix_cache_hits"] >= 3 * 200
+
+
+def test_a_second_replica_set_on_the_same_machine_starts(replicas):
+    """Each router's Prometheus exporter gets its own port (--port + N + 1, on --host):
+    with sglang-router's default (0.0.0.0:29000) the second router panicked at start."""
+    from openai import OpenAI
+
+    model, _, _ = replicas
+    proc, urls = _start(model)
+    try:
+        r = OpenAI(base_url=f"{urls[0]}/v1", api_key="unused").completions.create(
+            model=model, prompt="w10 w11", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_killed_supervisor_leaves_no_replica_or_router(replicas):
+    """SIGKILL of ``latentserve serve --data-parallel-size 2`` (no chance to clean up): the
+    replicas notice their parent is gone and stop, the router gets SIGTERM from the kernel
+    (PR_SET_PDEATHSIG); before, all three kept running and holding their ports."""
+    import signal
+
+    import httpx
+
+    model, _, _ = replicas
+    proc, urls = _start(model)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 60
+    alive = urls
+    while alive and time.monotonic() < deadline:
+        time.sleep(1)
+        alive = []
+        for u in urls:
+            try:
+                httpx.get(f"{u}/health", timeout=2)
+                alive.append(u)
+            except httpx.HTTPError:
+                pass
+    assert alive == [], f"still answering 60 s after the supervisor was killed: {alive}"

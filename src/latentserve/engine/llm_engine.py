@@ -199,9 +199,11 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[0]}")
         if rid in self._rids:
             raise ValueError(f"request id {rid!r} is already running")
-        if self.tp is not None and params.return_latent_trace:
+        # NOTE: a recurrent model's trace is its recurrence stats, kept on rank 0 under TP
+        # too; only the feedback logit lens would need a collective the workers never reach.
+        if self.tp is not None and params.return_latent_trace and kind == "feedback":
             raise ValueError("return_latent_trace is not supported with "
-                             "tensor_parallel_size > 1")
+                             "tensor_parallel_size > 1 on feedback-latent models")
         if self.tp is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs (echo with logprobs) is not supported with "
                              "tensor_parallel_size > 1")
@@ -249,6 +251,15 @@ class LLMEngine:
             self.runner.release_graphs()
             destroy_tp_group()
             stop_workers(self._tp_procs)
+
+    def dead_workers(self) -> list[str]:
+        """The tensor-parallel workers that have exited, as ``"rank R (exit code C)"``
+        (empty at TP 1 and after ``shutdown``). A dead rank is never recovered: every later
+        step fails, so the caller should stop serving."""
+        if self.tp is None:
+            return []
+        return [f"rank {r} (exit code {p.returncode})"
+                for r, p in enumerate(self._tp_procs, start=1) if p.poll() is not None]
 
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort(rid)

@@ -234,7 +234,8 @@ class EngineClient:
             log.warning("ignoring unknown message %r", type(message).__name__)
 
     def _fail_all(self, reason: str) -> None:
-        self.dead_reason = reason
+        if self.dead_reason is None:  # keep the first reason (EngineFailed's, with the cause)
+            self.dead_reason = reason
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
         for waiter in self._stats_waiters.values():

@@ -111,7 +111,9 @@ class EngineLoop:
     with ``RequestFailed`` and the loop goes on. When ``step()`` raises, the requests it was
     running are aborted and each gets ``RequestFailed(internal=True)``; the loop goes on
     with the waiting ones. Only after ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a
-    row is ``EngineFailed`` sent and the exception re-raised (the process ends).
+    row is ``EngineFailed`` sent and the exception re-raised (the process ends). A
+    tensor-parallel worker that exited ends the engine the same way at once (on the failed
+    step, or within a second while idle): its rank cannot be recovered.
     """
 
     def __init__(self, engine, inbox, outbox, parent_pid: int | None = None):
@@ -134,6 +136,9 @@ class EngineLoop:
             elif not busy and self._parent_gone():
                 log.info("parent process is gone; engine exits")
                 return
+            elif not busy and (gone := self._workers_gone()):
+                self._fail_engine(gone)
+                raise RuntimeError(gone)
             if self.running and self.engine.has_unfinished_requests():
                 self._step()
 
@@ -171,8 +176,9 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as exc:
             self.failed_steps += 1
-            if self.failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
-                self.outbox.send(dumps(EngineFailed(f"{type(exc).__name__}: {exc}")))
+            gone = self._workers_gone()  # a dead rank fails every later step: stop now
+            if gone or self.failed_steps >= MAX_CONSECUTIVE_STEP_FAILURES:
+                self._fail_engine(gone or f"{type(exc).__name__}: {exc}")
                 raise
             log.exception("engine step failed; failing the running requests")
             self._fail_running(f"the engine failed while running this request "
@@ -190,6 +196,16 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - keep failing the others
                 log.exception("could not abort %s", req.rid)
             self.outbox.send(dumps(RequestFailed(req.rid, error, internal=True)))
+
+    def _fail_engine(self, error: str) -> None:
+        """Tell the server this engine is gone for good (it then answers 503)."""
+        log.error("engine failed: %s", error)
+        self.outbox.send(dumps(EngineFailed(error)))
+
+    def _workers_gone(self) -> str | None:
+        """Why the engine cannot step any more because a tensor-parallel worker exited."""
+        dead = getattr(self.engine, "dead_workers", list)()
+        return f"tensor-parallel worker {', '.join(dead)} exited" if dead else None
 
     def _parent_gone(self) -> bool:
         return self.parent_pid is not None and os.getppid() != self.parent_pid

@@ -23,6 +23,16 @@ from pathlib import Path
 from latentserve.config import EngineConfig
 
 API_KEY_ENV = "LATENTSERVE_API_KEY"
+# Set by a supervising process (``--data-parallel-size``): the server stops (as on SIGTERM)
+# when the process with this pid is no longer its parent, e.g. after a SIGKILL.
+PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
+
+
+def _stop_with_parent(parent_pid: int, interval: float = 1.0) -> None:
+    """Send this process SIGTERM (the draining shutdown) once ``parent_pid`` is gone."""
+    while os.getppid() == parent_pid:
+        time.sleep(interval)
+    os.kill(os.getpid(), signal.SIGTERM)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -347,6 +357,11 @@ def main(argv: list[str] | None = None) -> None:
         configs = [EngineConfig(model=m) for m in args.model or [None]]
     from latentserve.server.engine_process import EngineStartupError
 
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent:
+        import threading
+
+        threading.Thread(target=_stop_with_parent, args=(int(parent),), daemon=True).start()
     try:
         run_server(configs[0] if len(configs) == 1 else configs, host=args.host,
                    port=args.port, log_level=args.log_level, **server_kwargs(args))

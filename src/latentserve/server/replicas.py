@@ -19,11 +19,28 @@ import time
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
-def router_command(host: str, port: int, worker_urls: list[str], policy: str) -> list[str]:
-    """The ``sglang_router.launch_router`` command line for ``worker_urls``."""
+def router_command(host: str, port: int, worker_urls: list[str], policy: str,
+                   metrics_port: int) -> list[str]:
+    """The ``sglang_router.launch_router`` command line for ``worker_urls``. The router's
+    Prometheus exporter listens on ``host:metrics_port`` (its own default, 0.0.0.0:29000,
+    is on every interface and is taken by the first router on the machine, so a second
+    one panics at start)."""
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
             "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
+            "--prometheus-host", host, "--prometheus-port", str(metrics_port),
             "--log-level", "warn"]
+
+
+def _die_with_parent() -> None:
+    """``preexec_fn`` of the router: SIGTERM it when this process dies (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere a no-op), so a killed supervisor leaves no router."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -45,7 +62,7 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
 
     Raises:
         ValueError: ``data_parallel_size`` < 1, an unknown ``policy``, or a port in
-            ``[port, port + N]`` already in use.
+            ``[port, port + N + 1]`` already in use (router, replicas, router metrics).
         ModuleNotFoundError: ``sglang_router`` is not installed (the message says how).
         RuntimeError: a replica failed to start (its log tail is in the message).
     """
@@ -60,10 +77,12 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
     if importlib.util.find_spec("sglang_router") is None:
         raise ModuleNotFoundError("--data-parallel-size needs the router: pip install "
                                   "sglang-router==0.3.2 (see docs/scaling.md)")
-    busy = [p for p in range(port, port + data_parallel_size + 1) if not _port_free(host, p)]
+    metrics_port = port + data_parallel_size + 1
+    busy = [p for p in range(port, metrics_port + 1) if not _port_free(host, p)]
     if busy:
-        raise ValueError(f"ports {busy} are in use; the router takes --port and replica i "
-                         f"port + 1 + i (pick another --port)")
+        raise ValueError(f"ports {busy} are in use; the router takes --port, replica i "
+                         f"port + 1 + i and the router's metrics port + 1 + N "
+                         f"(pick another --port)")
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
@@ -74,7 +93,9 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
     tp = config.tensor_parallel_size
 
     def start(i: int):
-        env = {}
+        from latentserve.server.launch import PARENT_PID_ENV
+
+        env = {PARENT_PID_ENV: str(os.getpid())}  # a replica stops when this process dies
         if config.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
         return start_server(config, host, port + 1 + i, env=env, **(server_kwargs or {}))
@@ -94,7 +115,8 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
         for i, s in enumerate(servers):
             print(f"replica {i}: {s.base_url}", flush=True)
         router = subprocess.Popen(router_command(host, port, [s.base_url for s in servers],
-                                                 policy))
+                                                 policy, metrics_port),
+                                  preexec_fn=_die_with_parent)  # noqa: PLW1509 - pool ended
         print(f"router ({policy}): http://{host}:{port}", flush=True)
         while router.poll() is None and all(s.proc.poll() is None for s in servers):
             time.sleep(0.5)
