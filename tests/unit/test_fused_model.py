@@ -140,3 +140,25 @@ def test_recurrent_models_take_the_fast_path_when_asked(tmp_path):
         norms = [m for m in plain.modules() if type(m).__name__ == "RMSNorm"]
         assert norms and not any(m.fused for m in norms)
         assert all(m.fused for m in fused.modules() if type(m).__name__ == "RMSNorm")
+
+
+def test_fused_huginn_tp2_matches_tp1(tmp_path):
+    """The fast path (the CUDA default for Huginn) after sharding: TP=2 over gloo gives the
+    TP=1 fast path's tokens and logits (1e-4), with heads split unevenly (2 + 1)."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.recurrent_models import write_huginn
+    from latentserve.testing.tp_parity import assert_same, run_requests
+
+    path = write_huginn(tmp_path / "huginn", n_embd=48, num_attention_heads=3,
+                        num_key_value_heads=3)
+    reqs = [([(7 * i + 11 * j) % 900 + 20 for i in range(5 + 4 * j)],
+             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d))
+            for j, d in enumerate((4, 2, 6))]
+    cfg = {"model": str(path), "fused_ops": True, "kv_slots": 2048, "max_model_len": 128}
+    one = run_requests(LLMEngine(EngineConfig(**cfg)), reqs)
+    two = LLMEngine(EngineConfig(**cfg, tensor_parallel_size=2))
+    try:
+        assert two.runner.model.transformer.core_block[0].attn.fused
+        assert_same(one, run_requests(two, reqs))
+    finally:
+        two.shutdown()
