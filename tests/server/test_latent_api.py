@@ -70,6 +70,27 @@ def test_trace_reports_norm_and_top5_per_step(latent_server):
         assert step["norm"] > 0 and len(step["top_tokens"]) == 5
 
 
+def test_chat_takes_latent_fields_inside_chat_template_kwargs(latent_server):
+    """What a router that rebuilds the OpenAI body keeps (sglang-router drops unknown
+    top-level fields and x- headers): the fields inside ``chat_template_kwargs``; a
+    top-level field wins; a bad value is a 400 naming where it was."""
+    url = f"{latent_server.base_url}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0}
+    r = httpx.post(url, timeout=60, json={
+        **body, "chat_template_kwargs": {"latent_budget": 3, "return_latent_trace": True}})
+    assert r.status_code == 200, r.text
+    latent = r.json()["choices"][0]["latent"]
+    assert latent["steps"] == 3 and len(latent["trace"]) == 3
+    r = httpx.post(url, timeout=60, json={**body, "latent_budget": 1,
+                                          "chat_template_kwargs": {"latent_budget": 3}})
+    assert r.status_code == 200 and r.json()["choices"][0]["latent"]["steps"] == 1
+    for bad, param in (({"latent_budget": "3"}, "chat_template_kwargs.latent_budget"),
+                       ({"latent_budget": 99}, "latent_budget")):
+        r = httpx.post(url, timeout=60, json={**body, "chat_template_kwargs": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 @pytest.mark.parametrize("body,headers,param", [
     ({"latent_budget": 9}, None, "latent_budget"),          # above the model's cap of 8
     ({"latent_budget": -1}, None, "latent_budget"),

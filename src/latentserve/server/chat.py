@@ -52,6 +52,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     """Validate, template, fan out ``n`` engine requests, run; answer with one response or
     an SSE stream (choices interleaved, each with its ``index``)."""
     arrival = time.monotonic()
+    body = body.with_template_kwargs_fields()  # what a router leaves of the latent fields
     check_common(body, state.model_name, state.limits)
     logprobs = _logprobs_k(body, state)
     head = head_controls(request, body, body.chat_template_kwargs)

@@ -133,6 +133,37 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
 
+    def with_template_kwargs_fields(self) -> ChatCompletionRequest:
+        """This request with the latent body fields (``TEMPLATE_KWARGS_FIELDS``) that came
+        inside ``chat_template_kwargs`` moved to the top level. A router that rebuilds the
+        OpenAI body from its own schema drops unknown top-level fields and ``x-`` headers but
+        keeps ``chat_template_kwargs`` (sglang-router 0.3.2; docs/scaling.md). The top-level
+        field, when set, wins; values are validated as top-level ones.
+
+        Raises:
+            APIError: naming ``chat_template_kwargs.<field>`` for a value of the wrong type.
+        """
+        from pydantic import ValidationError
+
+        from latentserve.server.errors import APIError
+
+        kw = self.chat_template_kwargs or {}
+        moved = {k: kw[k] for k in TEMPLATE_KWARGS_FIELDS
+                 if k in kw and k not in self.model_fields_set}
+        if not moved:
+            return self
+        try:
+            return type(self).model_validate({**self.model_dump(exclude_unset=True), **moved})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            name = f"chat_template_kwargs.{err['loc'][0]}"
+            raise APIError(f"{name}: {err['msg']}", param=name) from None
+
+
+# Latent body fields a chat request may also send inside chat_template_kwargs.
+TEMPLATE_KWARGS_FIELDS = (*LatentFields.model_fields, "return_latent_trace",
+                          "stream_latent_steps")
+
 
 class CompletionRequest(SamplingRequest):
     """``prompt``: a string, token ids, or a list of either (one choice set per prompt).
