@@ -85,7 +85,11 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     if raw is None:
         value = body.latent_budget
     elif raw.strip().isascii() and raw.strip().isdigit():
-        value = int(raw)
+        try:
+            value = int(raw)
+        except ValueError:  # over Python's 4300-digit int() limit: far above any cap
+            raise APIError(f"header x-latent-budget is too large ({len(raw.strip())} digits)",
+                           param=param) from None
     else:
         raise APIError(f"header x-latent-budget must be a non-negative integer, got {raw!r}",
                        param=param)
