@@ -175,6 +175,9 @@ BAD = [
     (lambda c: c.update(checkpoint="missing.bin"), "'checkpoint'"),
     (lambda c: c.update(checkpoint="../x"), "'checkpoint'"),
     (lambda c: c["lora"].update(alpha=0), "'lora.alpha'"),
+    (lambda c: c["lora"].update(alpha=float("nan")), "'lora.alpha'"),  # NaN weights at load
+    (lambda c: c["lora"].update(alpha=float("inf")), "'lora.alpha'"),
+    (lambda c: c["prj"].update(eps=float("nan")), "'prj.eps'"),
     (lambda c: c["lora"].pop("r"), "'lora.r'"),
     (lambda c: c["prj"].update(dim="48"), "'prj.dim'"),
     (lambda c: c.update(remove_eos="yes"), "'remove_eos'"),
