@@ -175,6 +175,9 @@ BAD = [
     (lambda c: c.update(checkpoint="missing.bin"), "'checkpoint'"),
     (lambda c: c.update(checkpoint="../x"), "'checkpoint'"),
     (lambda c: c["lora"].update(alpha=0), "'lora.alpha'"),
+    (lambda c: c["lora"].update(alpha=float("nan")), "'lora.alpha'"),  # NaN weights at load
+    (lambda c: c["lora"].update(alpha=float("inf")), "'lora.alpha'"),
+    (lambda c: c["prj"].update(eps=float("nan")), "'prj.eps'"),
     (lambda c: c["lora"].pop("r"), "'lora.r'"),
     (lambda c: c["prj"].update(dim="48"), "'prj.dim'"),
     (lambda c: c.update(remove_eos="yes"), "'remove_eos'"),
@@ -278,3 +281,21 @@ def test_reference_without_peft_equals_with_peft(dirs, monkeypatch):
     for (a, la), (b, lb) in zip(with_peft, without):
         assert a == b
         torch.testing.assert_close(la, lb, atol=2e-5, rtol=0)
+
+
+def test_refused_conversion_creates_no_out_dir(dirs, tmp_path):
+    """docs/models.md: bad flags and a wrong --base are refused before anything is written
+    to --out (an empty --out directory was left behind)."""
+    from latentserve.latent.convert import convert_coconut, convert_codi
+
+    root = dirs["codi-gpt2"].parent
+    ckpt = root / "upstream" / "model.safetensors"
+    for call in (lambda out: convert_codi(root / "base", ckpt, out, lora_alpha=float("nan")),
+                 lambda out: convert_codi(root / "base", ckpt, out, default_budget=-1),
+                 lambda out: convert_coconut(dirs["coconut-llama"].parent / "base",
+                                             dirs["coconut-gpt2"].parent / "upstream"
+                                             / "checkpoint_7", out)):
+        out = tmp_path / "out"
+        with pytest.raises(ValueError):
+            call(out)
+        assert not out.exists()

@@ -34,7 +34,6 @@ def _start(base_dir, checkpoint, out_dir, overwrite: bool):
         raise FileNotFoundError(f"--checkpoint {checkpoint} is not a file")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ValueError(f"--out {out_dir} exists and is not empty (use --force)")
-    out_dir.mkdir(parents=True, exist_ok=True)
     return base_dir, checkpoint, out_dir, json.loads((base_dir / "config.json").read_text())
 
 
@@ -54,6 +53,7 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
     have = set(state) | {"transformer." + k for k in state}
     base = dict(iter_weights(base_dir))
     _check_fits_base(state, base, base_dir, checkpoint)
+    out_dir.mkdir(parents=True, exist_ok=True)  # only once every check has passed
     missing = {k: v.contiguous() for k, v in base.items()
                if k not in have and "transformer." + k not in have
                and not k.endswith(BUFFER_SUFFIXES) and not (tied and k == "lm_head.weight")}

@@ -106,8 +106,8 @@ def validate_latent_config(cfg: dict, model_dir: Path | None = None) -> dict:
                 raise _bad("lora", "must be an object {r, alpha} or null")
             _int(cfg, "lora.r", lo=1)
             a = lora.get("alpha")
-            if isinstance(a, bool) or not isinstance(a, (int, float)) or a <= 0:
-                raise _bad("lora.alpha", f"must be a number > 0, got {a!r}")
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < math.inf:
+                raise _bad("lora.alpha", f"must be a finite number > 0, got {a!r}")
             if not isinstance(lora.setdefault("use_rslora", False), bool):
                 raise _bad("lora.use_rslora", "must be true or false")
         prj = cfg.setdefault("prj", None)
@@ -118,8 +118,8 @@ def validate_latent_config(cfg: dict, model_dir: Path | None = None) -> dict:
             if not isinstance(prj.setdefault("layer_norm", True), bool):
                 raise _bad("prj.layer_norm", "must be true or false")
             eps = prj.setdefault("eps", 1e-5)
-            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-                raise _bad("prj.eps", f"must be a number > 0, got {eps!r}")
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+                raise _bad("prj.eps", f"must be a finite number > 0, got {eps!r}")
     elif cfg.get("lora") or cfg.get("prj"):
         raise _bad("lora" if cfg.get("lora") else "prj", "is for family 'codi' only")
     return cfg

@@ -19,6 +19,7 @@ from latentserve.server.params import (
     latent_budget,
     latent_positions,
     refuse_head_controls,
+    refuse_stream_steps,
     sampling_params,
     stream_latent_steps,
 )
@@ -57,6 +58,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     logprobs = _logprobs_k(body, state)
     head = head_controls(request, body, body.chat_template_kwargs)
     refuse_head_controls(request, body, head, state.latent_spec)
+    refuse_stream_steps(request, body, state.latent_spec)
     ticks = bool(body.stream) and stream_latent_steps(request, body)
     template_kwargs = body.chat_template_kwargs
     if head["thinking"] is not None:  # the template renders the thinking opening (or not)

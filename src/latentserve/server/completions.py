@@ -22,6 +22,7 @@ from latentserve.server.params import (
     latent_budget,
     latent_positions,
     refuse_head_controls,
+    refuse_stream_steps,
     sampling_params,
 )
 from latentserve.server.prompts import check_prompt_length, completion_prompts
@@ -58,6 +59,7 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     budget = latent_budget(request, body, state.latent_spec)
     head = head_controls(request, body)
     refuse_head_controls(request, body, head, state.latent_spec)
+    refuse_stream_steps(request, body, state.latent_spec)
     for p, (ids, text) in enumerate(prompts):
         check_prompt_length(len(ids), state.max_model_len, "prompt")
         params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),

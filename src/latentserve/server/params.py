@@ -85,7 +85,11 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     if raw is None:
         value = body.latent_budget
     elif raw.strip().isascii() and raw.strip().isdigit():
-        value = int(raw)
+        try:
+            value = int(raw)
+        except ValueError:  # over Python's 4300-digit int() limit: far above any cap
+            raise APIError(f"header x-latent-budget is too large ({len(raw.strip())} digits)",
+                           param=param) from None
     else:
         raise APIError(f"header x-latent-budget must be a non-negative integer, got {raw!r}",
                        param=param)
@@ -228,6 +232,25 @@ def stream_latent_steps(http_request, body) -> bool:
 
 
 STREAM_STEPS_HEADER = "x-latent-stream-steps"
+
+
+def refuse_stream_steps(http_request, body, spec=None) -> None:
+    """``stream_latent_steps`` (body field or header) asked of a model without latent steps
+    (plain, recurrent-depth) is a 400 naming what was sent, streamed or not (it would
+    silently do nothing); a malformed header is a 400 on every model, streamed or not.
+
+    Raises:
+        APIError: 400 naming the header or the body field.
+    """
+    asked = stream_latent_steps(http_request, body)  # validates the header
+    if not asked or (spec is not None and spec.kind in ("feedback", "head", "loop")):
+        return
+    headers = getattr(http_request, "headers", None) or {}
+    sent = STREAM_STEPS_HEADER if headers.get(STREAM_STEPS_HEADER) is not None \
+        else "stream_latent_steps"
+    what = "a recurrent-depth model" if spec is not None else "a model without latent reasoning"
+    raise APIError(f"{sent} needs a model with latent steps, not {what} (it would silently "
+                   "do nothing)", param=sent)
 
 
 def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens_field: str,
