@@ -63,6 +63,8 @@ def test_convert_names_the_missing_upstream_file(pccot_upstream, tmp_path):
     ({"loop_rule": "same"}, "loop_rule"),
     ({"answer_prompt_ids": ["x"]}, "answer_prompt_ids"),
     ({"lora": {"r": 0, "alpha": 1}}, "r"),
+    ({"lora": {"r": 2, "alpha": float("nan")}}, "lora.alpha"),
+    ({"prj": {"eps": float("inf")}}, "prj.eps"),
 ])
 def test_bad_loop_config_names_the_field(change, field):
     cfg = {"family": "pccot", "tokens": {"bot": 1, "eot": 2, "latent": 3}, "block_size": 4,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from latentserve.latent.spec import LatentSpec
+from latentserve.latent.spec import LatentSpec, finite_positive
 
 LATENT_CONFIG = "latent_config.json"
 FAMILIES = ("coconut", "codi")
@@ -106,7 +106,7 @@ def validate_latent_config(cfg: dict, model_dir: Path | None = None) -> dict:
                 raise _bad("lora", "must be an object {r, alpha} or null")
             _int(cfg, "lora.r", lo=1)
             a = lora.get("alpha")
-            if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a < math.inf:
+            if not finite_positive(a):
                 raise _bad("lora.alpha", f"must be a finite number > 0, got {a!r}")
             if not isinstance(lora.setdefault("use_rslora", False), bool):
                 raise _bad("lora.use_rslora", "must be true or false")
@@ -118,7 +118,7 @@ def validate_latent_config(cfg: dict, model_dir: Path | None = None) -> dict:
             if not isinstance(prj.setdefault("layer_norm", True), bool):
                 raise _bad("prj.layer_norm", "must be true or false")
             eps = prj.setdefault("eps", 1e-5)
-            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
+            if not finite_positive(eps):
                 raise _bad("prj.eps", f"must be a finite number > 0, got {eps!r}")
     elif cfg.get("lora") or cfg.get("prj"):
         raise _bad("lora" if cfg.get("lora") else "prj", "is for family 'codi' only")

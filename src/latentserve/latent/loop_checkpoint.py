@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from latentserve.latent.feedback import BUFFER_SUFFIXES, read_state_dict
-from latentserve.latent.spec import LatentSpec
+from latentserve.latent.spec import LatentSpec, finite_positive
 
 LOOP_FAMILIES = ("pccot", "lotus")
 _TOKENS = {"pccot": ("bot", "eot", "latent"), "lotus": ("start", "end", "latent")}
@@ -83,8 +83,8 @@ def validate_loop_config(cfg: dict, model_dir: Path | None = None) -> dict:
             raise _bad("lora", "must be an object {r, alpha} or null")
         _pos_int(lora, "r", 1)
         a = lora.get("alpha")
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or a <= 0:
-            raise _bad("lora.alpha", f"must be a number > 0, got {a!r}")
+        if not finite_positive(a):
+            raise _bad("lora.alpha", f"must be a finite number > 0, got {a!r}")
         if not isinstance(lora.setdefault("use_rslora", False), bool):
             raise _bad("lora.use_rslora", f"must be true or false, got {lora['use_rslora']!r}")
     prj = cfg.setdefault("prj", None)
@@ -92,8 +92,8 @@ def validate_loop_config(cfg: dict, model_dir: Path | None = None) -> dict:
         if not isinstance(prj, dict):
             raise _bad("prj", "must be an object {eps} or null")
         eps = prj.setdefault("eps", 1e-5)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise _bad("prj.eps", f"must be a number > 0, got {eps!r}")
+        if not finite_positive(eps):
+            raise _bad("prj.eps", f"must be a finite number > 0, got {eps!r}")
     ckpt = cfg.setdefault("checkpoint", None)
     if ckpt is not None:
         if not isinstance(ckpt, str) or "/" in ckpt or ckpt.startswith("."):

@@ -113,3 +113,12 @@ def cap_budget(spec: LatentSpec | None, cap: int | None) -> LatentSpec | None:
         raise ValueError(f"max_latent_budget must be in [{lo}, {spec.max_budget}] for this "
                          f"model, got {cap}")
     return replace(spec, max_budget=cap, default_budget=min(spec.default_budget, cap))
+
+
+def finite_positive(value) -> bool:
+    """Whether a config value is a number (not a bool) in (0, inf): NaN and infinities are
+    refused (a NaN LoRA scale or LayerNorm eps would load as NaN weights)."""
+    import math
+
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and 0 < value < math.inf)
