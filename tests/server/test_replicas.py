@@ -151,3 +151,25 @@ def test_killed_supervisor_leaves_no_replica_or_router(replicas):
             except httpx.HTTPError:
                 pass
     assert alive == [], f"still answering 60 s after the supervisor was killed: {alive}"
+
+
+def test_latent_fields_reach_the_replicas_inside_chat_template_kwargs(tmp_path):
+    """The router rebuilds chat bodies and drops our top-level latent fields; inside
+    ``chat_template_kwargs`` they arrive (docs/scaling.md), on a COCONUT model."""
+    import httpx
+
+    from latentserve.testing.latent_models import save_latent_tiny
+
+    d = save_latent_tiny(tmp_path, "coconut-gpt2")
+    proc, urls = _start(d)
+    try:
+        body = {"model": str(d), "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3, "temperature": 0}
+        for budget in (0, 2, 5):
+            r = httpx.post(f"{urls[0]}/v1/chat/completions", timeout=60,
+                           json={**body, "chat_template_kwargs": {"latent_budget": budget}})
+            assert r.status_code == 200, r.text
+            assert (r.json()["choices"][0].get("latent") or {"steps": 0})["steps"] == budget
+    finally:
+        proc.terminate()
+        proc.wait(60)
