@@ -70,7 +70,10 @@ def step(engine) -> list:
     prev: Launched | None = engine.inflight
     sched = engine.scheduler
     batch = sched.schedule()
-    engine.inflight = None
+    # NOTE: ``prev`` stays in flight until this batch is launched: when the forward raises,
+    # the next step still finishes it, so a request of ``prev`` preempted by this schedule
+    # (now waiting, its last id still pending) gets its token instead of feeding -1 later.
+    launched = None
     if batch is not None:
         logits, _ = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
         reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
@@ -82,8 +85,9 @@ def step(engine) -> list:
             event = torch.cuda.Event()
             event.record()
         pending = sched.advance_launched(batch)
-        engine.inflight = Launched(pending, tokens, host, event,
-                                   {id(r): j for j, (r, _) in enumerate(pending)})
+        launched = Launched(pending, tokens, host, event,
+                            {id(r): j for j, (r, _) in enumerate(pending)})
+    engine.inflight = launched
     if prev is None:
         return sched.drain_aborted()
     return finish(sched, prev)
