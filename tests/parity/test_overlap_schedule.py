@@ -192,3 +192,81 @@ def test_server_with_overlap_streams_what_the_synchronous_engine_generates(tiny_
         srv.stop()
     tok = load_tokenizer(tiny_dirs["llama"])
     assert texts == [tok.decode(t) for t, _, _ in want]
+
+
+def _fail_forward_after_preemption(engine) -> dict:
+    """Two greedy requests that outgrow ``kv_slots``; the first forward after a preemption
+    raises (as a device error would), and the running requests are then aborted, as the
+    engine process does (``engine_process._fail_running``). Returns each request's tokens."""
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7, 8, 9], sp)
+    engine.add_request("b", [10, 11, 12, 13, 14], sp)
+    original, failed = engine.runner.run, []
+
+    def run(batch, *args):
+        if engine.scheduler.num_preemptions and not failed:
+            failed.append(True)
+            raise RuntimeError("injected forward failure")
+        return original(batch, *args)
+
+    engine.runner.run = run
+    toks: dict[str, list] = {"a": [], "b": []}
+    finals = {}
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RuntimeError:
+            for req in list(engine.scheduler.running):
+                engine.abort_request(req.rid)
+            continue
+        for o in outs:
+            toks[o.rid] += o.new_token_ids
+            if o.finished:
+                finals[o.rid] = o.finish_reason
+    assert failed
+    engine.cache.check_idle()
+    return toks, finals
+
+
+def test_failed_forward_keeps_the_batch_in_flight(tiny_dirs):
+    """A forward that raises must not drop the batch in flight: a request it preempted
+    (waiting, its last id still pending) would later feed the placeholder id -1 to the
+    model. The waiting request goes on as with the synchronous engine."""
+    want = _fail_forward_after_preemption(
+        LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), kv_slots=16)))
+    got = _fail_forward_after_preemption(_engine(tiny_dirs, kv_slots=16))
+    assert got[1] == want[1] == {"a": "abort", "b": "length"}
+    assert got[0]["b"] == want[0]["b"] and len(got[0]["b"]) == 10
+
+
+def test_failed_sampling_rows_fail_like_the_synchronous_engine(tiny_dirs, monkeypatch):
+    """A row whose sampling raises fails its request on the outputs of its own batch, as in
+    the synchronous engine: the token before it still streams, and the discarded row of a
+    request that already finished (sampled in overlap mode only) fails nothing."""
+    from latentserve import sampling
+
+    original = sampling.sample_with_logprobs
+    fail_at = {"a": 2, "b": 3}  # output ids before the failing row: a's 3rd, b's 4th token
+
+    def flaky(logits, reqs, *args):
+        if any(fail_at.get(r.rid) == len(r.output_ids) for r in reqs):
+            raise RuntimeError("probability tensor contains nan")
+        return original(logits, reqs, *args)
+
+    monkeypatch.setattr(sampling, "sample_with_logprobs", flaky)
+    outs = []
+    for engine in (LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]))), _engine(tiny_dirs)):
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0.0,
+                                                          ignore_eos=True))
+        engine.add_request("b", [8, 9], SamplingParams(max_tokens=3, temperature=0.0,
+                                                       ignore_eos=True))
+        got: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                got.setdefault(o.rid, []).append((len(o.new_token_ids), o.finish_reason))
+        engine.cache.check_idle()
+        outs.append(got)
+    want, got = outs
+    assert want["a"] == [(1, None), (1, None), (0, "error")]
+    assert want["b"] == [(1, None), (1, None), (1, "length")]  # never samples a 4th token
+    assert got == want

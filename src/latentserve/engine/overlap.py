@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from latentserve.core import ReqStatus
+
 
 @dataclass(slots=True)
 class Launched:
@@ -41,13 +43,15 @@ class Launched:
     ``pending``: ``(req, index in output_ids)`` per sampling row (``advance_launched``);
     ``tokens``: ``[S] int64`` on the device, row j for ``pending[j]``; ``host``: their
     pinned host copy and ``event`` the CUDA event after it (None on the CPU); ``src``:
-    ``id(req) -> j`` for the next batch's pending input ids."""
+    ``id(req) -> j`` for the next batch's pending input ids; ``failed``: ``rid -> error``
+    for rows whose sampling failed (placeholder token 0), failed when the batch finishes."""
 
     pending: list
     tokens: torch.Tensor
     host: torch.Tensor | None
     event: Any
     src: dict[int, int]
+    failed: dict[str, str]
 
 
 def eligible(engine) -> bool:
@@ -70,11 +74,14 @@ def step(engine) -> list:
     prev: Launched | None = engine.inflight
     sched = engine.scheduler
     batch = sched.schedule()
-    engine.inflight = None
+    # NOTE: ``prev`` stays in flight until this batch is launched: when the forward raises,
+    # the next step still finishes it, so a request of ``prev`` preempted by this schedule
+    # (now waiting, its last id still pending) gets its token instead of feeding -1 later.
+    launched = None
     if batch is not None:
         logits, _ = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
         reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        tokens = _sample(engine, logits, reqs)
+        tokens, failed = _sample(engine, logits, reqs)
         host = event = None
         if tokens.is_cuda:  # copy now, so that waiting for them does not wait for batch k+1
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -82,38 +89,48 @@ def step(engine) -> list:
             event = torch.cuda.Event()
             event.record()
         pending = sched.advance_launched(batch)
-        engine.inflight = Launched(pending, tokens, host, event,
-                                   {id(r): j for j, (r, _) in enumerate(pending)})
+        launched = Launched(pending, tokens, host, event,
+                            {id(r): j for j, (r, _) in enumerate(pending)}, failed)
+    engine.inflight = launched
     if prev is None:
         return sched.drain_aborted()
-    return finish(sched, prev)
+    return finish(engine, prev)
 
 
-def finish(sched, launched: Launched) -> list:
-    """Wait for ``launched``'s tokens and finish its requests (``finalize_launched``)."""
+def finish(engine, launched: Launched) -> list:
+    """Wait for ``launched``'s tokens and finish its requests (``finalize_launched``).
+    Its failed rows fail their requests now (``LLMEngine._apply_failures``, on these
+    outputs), as the synchronous engine's do on the step that sampled them; not the row of
+    a request that finished before it (a discarded row)."""
     if launched.event is not None:
         launched.event.synchronize()
         tokens = launched.host.tolist()
     else:
         tokens = launched.tokens.tolist()
-    return sched.finalize_launched(launched.pending, tokens)
+    for req, _ in launched.pending:
+        if req.rid in launched.failed and req.status is not ReqStatus.FINISHED:
+            engine._failed[req.rid] = launched.failed[req.rid]
+    return engine.scheduler.finalize_launched(launched.pending, tokens)
 
 
 def drain(engine) -> list:
     """Finish the batch in flight, if any (before a synchronous step)."""
     prev, engine.inflight = engine.inflight, None
-    return [] if prev is None else finish(engine.scheduler, prev)
+    return [] if prev is None else finish(engine, prev)
 
 
-def _sample(engine, logits: torch.Tensor, reqs: list) -> torch.Tensor:
-    """``[S] int64`` tokens on ``logits.device`` without waiting for them; when the batched
-    sampler raises, the engine's row-by-row fallback (which isolates a failing request)."""
+def _sample(engine, logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, dict]:
+    """``[S] int64`` tokens on ``logits.device`` without waiting for them, and ``rid ->
+    error`` of the failed rows; when the batched sampler raises, the engine's row-by-row
+    fallback (which isolates a failing request; its failures are taken back from
+    ``engine._failed`` and kept with the batch until it finishes)."""
     from latentserve.sampling import sample_with_logprobs
 
     if not reqs:
-        return torch.empty(0, dtype=torch.int64, device=logits.device)
+        return torch.empty(0, dtype=torch.int64, device=logits.device), {}
     try:
-        return sample_with_logprobs(logits, reqs).tokens
+        return sample_with_logprobs(logits, reqs).tokens, {}
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
         tokens, _ = engine._sample(logits, reqs)
-        return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+        failed = {r.rid: engine._failed.pop(r.rid) for r in reqs if r.rid in engine._failed}
+        return torch.tensor(tokens, dtype=torch.int64, device=logits.device), failed
