@@ -140,7 +140,7 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     top_p = torch.tensor([p.top_p for p in params], device=dev)
-    if bool((top_p < 1).any()):
+    if any(p.top_p < 1 for p in params):  # decided on the host: no wait for the device
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the mass before it already reaches p (the first token is kept).
@@ -149,7 +149,7 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_logits)
     probs = logits.softmax(-1)
     min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
         keep = probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
