@@ -18,7 +18,9 @@ class EngineConfig:
     ``kv_slots`` is the KV pool size in tokens (None = sized from memory: 1 GiB on CPU; on
     CUDA ``gpu_memory_utilization`` of the device minus weights, graphs and activations).
     ``max_num_batched_tokens`` is the prefill chunk budget per step. ``attention_backend``:
-    ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``. ``enforce_eager``
+    ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``;
+    ``attention_num_kv_splits``: the Triton decode kernel's splits of each request's keys
+    (SGLang's ``triton_attention_num_kv_splits``; 1 skips the merge kernel). ``enforce_eager``
     disables CUDA graphs for decode (they need CUDA and the Triton backend). ``fused_ops``:
     the fast path's Triton kernels and merged q/k/v and gate/up GEMMs (``latentserve.ops``)
     for models that have it (Llama family); None = on exactly when on CUDA with the Triton
@@ -49,6 +51,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    attention_num_kv_splits: int = 8  # Triton decode: flash-decoding splits per request
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     fused_ops: bool | None = None
@@ -66,7 +69,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device.split(":")[0] not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "attention_num_kv_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -97,6 +97,12 @@ def test_decode_bf16_64_requests_kv1024(d, n_kv, group):
     _compare([1] * 64, _kv_lens(d + group, 64), n_kv, group, d, torch.bfloat16)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_other_split_counts(splits):
+    """``num_kv_splits`` 1 (stage 1 writes the output, no merge kernel) and 2."""
+    _compare([1] * 64, _kv_lens(7, 64), 8, 4, 64, torch.bfloat16, num_kv_splits=splits)
+
+
 @pytest.mark.parametrize("d,n_kv,group", [(64, 4, 1), (128, 8, 4)])
 def test_extend_mixed_bf16_64_requests_kv1024(d, n_kv, group):
     g = torch.Generator().manual_seed(d)

@@ -96,6 +96,23 @@ def test_matches_torch_backend(name):
     assert meta.is_decode == all(n == 1 for n in q_lens)
 
 
+@pytest.mark.parametrize("name", ["decode-gqa2-d64-fp32", "decode-mha-d96-bf16",
+                                  "mixed-gqa2-d64-bf16"])
+def test_one_split_writes_the_output_from_stage_one(name):
+    """``num_kv_splits=1``: no merge kernel; the same outputs as the torch backend."""
+    q_lens, kv_lens, n_kv, group, d, dtype = CASES[name]
+    be = TritonBackend(num_kv_splits=1, decode_block_n=16)
+    _compare(11, q_lens, kv_lens, n_kv, group, d, dtype, backend=be)
+
+
+def test_split_count_reaches_the_backend():
+    from latentserve.config import EngineConfig
+
+    assert make_backend("triton", 2).num_kv_splits == 2
+    with pytest.raises(ValueError, match="attention_num_kv_splits"):
+        EngineConfig(attention_num_kv_splits=0)
+
+
 def test_small_tiles_many_splits_and_query_blocks():
     """16-wide tiles: decode spans several splits (and empty ones), extend several key tiles
     and, for the 20-token request, two query blocks."""
@@ -147,5 +164,27 @@ def test_looped_block_passes_match_torch_backend(tmp_path, smollm2_dir):
         engine.cache.check_idle()
     assert out["triton"][0] == out["torch"][0]
     assert len(out["triton"][1]) == len(out["torch"][1])
+    for a, b in zip(out["triton"][1], out["torch"][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_engine_with_split_count_matches_torch_backend(tiny_dirs, splits):
+    """``EngineConfig.attention_num_kv_splits`` reaches the decode kernel: greedy tokens and
+    first logits of a batch equal the torch backend's (1 split: no merge kernel)."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.parity import run_batch, shared_prefix_prompts
+
+    prompts = shared_prefix_prompts()[:4]
+    out = {}
+    for name in ("torch", "triton"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), attention_backend=name,
+                                        attention_num_kv_splits=splits))
+        if name == "triton":
+            assert engine.runner.backend.num_kv_splits == splits
+        out[name] = run_batch(engine, prompts, 6)[:2]
+        engine.cache.check_idle()
+    assert out["triton"][0] == out["torch"][0]
     for a, b in zip(out["triton"][1], out["torch"][1]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

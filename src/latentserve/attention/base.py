@@ -56,9 +56,10 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-def make_backend(name: str) -> AttentionBackend:
-    """``"torch"`` (the reference; CPU and CUDA) or ``"triton"`` (CUDA; imports triton lazily).
-    Raises ValueError for unknown names."""
+def make_backend(name: str, num_kv_splits: int = 8) -> AttentionBackend:
+    """``"torch"`` (the reference; CPU and CUDA) or ``"triton"`` (CUDA; imports triton lazily;
+    ``num_kv_splits``: its decode kernel's flash-decoding splits). Raises ValueError for
+    unknown names."""
     if name == "torch":
         from latentserve.attention.torch_backend import TorchBackend
 
@@ -66,5 +67,5 @@ def make_backend(name: str) -> AttentionBackend:
     if name == "triton":
         from latentserve.attention.triton_backend import TritonBackend
 
-        return TritonBackend()
+        return TritonBackend(num_kv_splits=num_kv_splits)
     raise ValueError(f"attention_backend must be one of ('torch', 'triton'), got {name!r}")

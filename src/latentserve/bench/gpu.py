@@ -187,7 +187,7 @@ def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
 
 def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                   shapes=tuple(SHAPES), hf_baseline=True, compare_unfused=True,
-                  compare_overlap=True) -> dict:
+                  compare_overlap=True, kv_splits=(1, 2, 4)) -> dict:
     """Benchmark every shape; returns a JSON-able dict (see module docstring for units).
 
     Per shape and concurrency: engine throughput, the whole engine decode step
@@ -195,7 +195,9 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
     (``graph_replay_s``), each over the bandwidth floor, and the device ops in one replay.
     ``compare_unfused``: also run the largest concurrency with ``fused_ops=False``;
     ``compare_overlap``: and with ``overlap_schedule=True`` (engine/overlap.py), whose
-    ``decode_step_s`` is the step's wall time with the host work hidden behind the device's."""
+    ``decode_step_s`` is the step's wall time with the host work hidden behind the device's;
+    ``kv_splits``: and with each of these ``attention_num_kv_splits`` (default 8), rows
+    ``kv_splits_N``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -238,7 +240,8 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
             gc.collect()
             torch.cuda.empty_cache()
             variants = ([("unfused", {"fused_ops": False})] if compare_unfused else []) + \
-                ([("overlap", {"overlap_schedule": True})] if compare_overlap else [])
+                ([("overlap", {"overlap_schedule": True})] if compare_overlap else []) + \
+                [(f"kv_splits_{s}", {"attention_num_kv_splits": s}) for s in kv_splits]
             for key, opts in variants:  # the largest concurrency again, one option changed
                 c = max(concurrency)
                 engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",

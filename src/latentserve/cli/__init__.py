@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the radix cache")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on cuda, torch on cpu")
+    p.add_argument("--attention-num-kv-splits", type=int, default=8,
+                   help="Triton decode attention: splits of each request's keys (1: no merge "
+                        "kernel)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, KV pool and graphs")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -84,6 +87,7 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
                         attention_backend=args.attention_backend,
+                        attention_num_kv_splits=getattr(args, "attention_num_kv_splits", 8),
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager,
                         overlap_schedule=getattr(args, "overlap_schedule", False),

@@ -95,7 +95,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.latent_spec)
-        runner_args = (model, pool, table, make_backend(config.backend_name), self.device)
+        runner_args = (model, pool, table, make_backend(config.backend_name, config.attention_num_kv_splits), self.device)
         if self.tp is None:
             self.runner = ModelRunner(*runner_args)
         else:

@@ -310,7 +310,7 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
         pool = KVPool(layers, setup.kv_slots, kv_heads, head_dim, config.torch_dtype,
                       tp.device)
         table = PageTable(config.max_num_seqs, setup.max_model_len, tp.device)
-        runner = TPModelRunner(model, pool, table, make_backend(config.backend_name),
+        runner = TPModelRunner(model, pool, table, make_backend(config.backend_name, config.attention_num_kv_splits),
                                tp.device, tp)
         runner.set_capture(setup.capture_layer)
         if setup.graph_max_bs:

@@ -12,6 +12,8 @@ most of the GPU idle for long contexts. Flash-decoding splits each request's key
   normalised partial output ``acc / l`` and its log-sum-exp ``m + log2(l)`` (base 2).
 * stage 2 -- one program per (request, query head) merges the non-empty splits:
   ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``.
+  With one split there is nothing to merge: stage 1 writes the output itself (``DIRECT``)
+  and stage 2 is not launched.
 
 The chunk length is ``ceil(ceil(kv_len / NUM_SPLITS) / BLOCK_N) * BLOCK_N``, computed on the
 device from ``kv_lens``, so the launch grid depends only on the batch size: the launch is
@@ -32,15 +34,17 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, KCache, VCache, PageTable, Rows, KvLens, MidO, MidLse,
+    Q, KCache, VCache, PageTable, Rows, KvLens, MidO, MidLse, Out,
     sm_scale_log2,
     stride_qt, stride_qh,
     stride_ks, stride_kh, stride_vs, stride_vh,
     stride_pt,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
+    stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -86,10 +90,15 @@ def _decode_stage1_kernel(
         # Every row of a non-empty split saw at least one key, so l_i > 0 for real heads.
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         out = acc / l_safe[:, None]
-        lse = m_i + tl.log2(l_safe)
-        mid = MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
-        tl.store(mid + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
+        if DIRECT:  # the only split: this is the output (stage 2 is not launched)
+            dst = Out + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+            tl.store(dst + offs_d[None, :], out.to(Out.dtype.element_ty),
+                     mask=mask_h[:, None] & mask_d[None, :])
+        else:
+            lse = m_i + tl.log2(l_safe)
+            mid = MidO + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
+            tl.store(mid + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
+            tl.store(MidLse + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -141,7 +150,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         page_table: ``[max_reqs, max_model_len] int64`` slot ids; ``rows: [B] int64`` the
             page-table row of each request; ``kv_lens: [B] int32`` keys per request (>= 1).
         scale: softmax scale. ``out``: optional ``[B, num_heads, head_dim]`` output buffer.
-        num_kv_splits: splits per request (stage-1 programs per (request, KV head)).
+        num_kv_splits: splits per request (stage-1 programs per (request, KV head)); 1 writes
+            the output from stage 1 and launches no stage 2.
         block_n: keys per tile (>= 16, power of 2).
         mid_o, mid_lse: optional fp32 scratch ``[B, num_heads, num_kv_splits, head_dim]``
             and ``[B, num_heads, num_kv_splits]`` (allocated when omitted).
@@ -158,6 +168,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out = torch.empty_like(q)
     if bsz == 0:
         return out
+    direct = num_kv_splits == 1
+    if direct:  # no partial results to keep: any float32 buffers stand in (never written)
+        mid_o = mid_lse = out.new_empty((1, 1, 1, 1), dtype=torch.float32)
     if mid_o is None:
         mid_o = torch.empty((bsz, n_heads, num_kv_splits, d), dtype=torch.float32,
                             device=q.device)
@@ -166,17 +179,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                               device=q.device)
     block_d = triton.next_power_of_2(d)
     _decode_stage1_kernel[(bsz, n_kv, num_kv_splits)](
-        q, k_cache, v_cache, page_table, rows, kv_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, page_table, rows, kv_lens, mid_o, mid_lse, out,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_kv_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4,
+        DIRECT=direct, num_warps=4,
     )
+    if direct:
+        return out
     _decode_stage2_kernel[(bsz, n_heads)](
         mid_o, mid_lse, kv_lens, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
