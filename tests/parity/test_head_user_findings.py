@@ -151,19 +151,14 @@ def test_engine_stats_and_tokens_match_reference(tmp_path, smollm2_dir):
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.testing.head_models import save_head_model
     from latentserve.testing.head_reference import head_reference_generate
+    from latentserve.testing.tp_parity import run_requests
 
     d = save_head_model(tmp_path / "m", source_layer=1, stop_bias=0.3)
     engine = LLMEngine(EngineConfig(model=str(d), max_model_len=256))
     prompt = list(range(20, 30))
     c = {"max_latent": 5, "min_latent": 1, "use_stop": True, "stop_threshold": 0.55}
-    engine.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0,
-                                                   min_output_tokens=0, **c))
-    toks, final = [], None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            toks += o.new_token_ids
-            if o.finished:
-                final = o
+    [(toks, _, final)] = run_requests(engine, [(prompt, SamplingParams(
+        max_tokens=12, temperature=0.0, min_output_tokens=0, **c))])
     spec = engine.latent_spec
     ref = head_reference_generate(d, d / "latent_reasoning_head.safetensors", prompt,
                                   spec.start_ids, spec.end_ids, max_tokens=12,

@@ -133,24 +133,8 @@ class ModelRunner:
         dev = self.device
         t, b = len(ids), len(batch.reqs)
         kv_lens = [s + n for s, n in zip(batch.starts, batch.q_lens)]
-        mask_l, src, src_rows = [], None, []
-        if inj_rows:
-            full = len(inj_rows) == t  # every row injects (a latent decode batch)
-            if not full:
-                mask_l = [0] * t
-                for r in inj_rows:
-                    mask_l[r] = 1
-            src = latent_vectors.common_source(inj)
-            if src is not None:  # one step's tensor: its rows in order, or one index_select
-                src_idx = [r for _, r in inj]
-                r0 = src_idx[0]
-                if full and src_idx == list(range(r0, r0 + t)):
-                    src = src[r0 : r0 + t]
-                else:  # source row of every token row (rows without a vector: any row)
-                    src_rows = src_idx if full else [r0] * t
-                    if not full:
-                        for r, v in zip(inj_rows, src_idx):
-                            src_rows[r] = v
+        mask_l, src, src_rows = ([], None, []) if not inj_rows else \
+            latent_vectors.injection_plan(inj_rows, inj, t)
         # One host-to-device copy for every index vector of the batch:
         # ids [T] | positions [T] | page-table row of each token [T] | rows [B] | kv_lens [B]
         # | latent mask [T] (only when some rows take no vector) | latent source row of each
@@ -175,13 +159,7 @@ class ModelRunner:
                     self._all_true = torch.ones(t, dtype=torch.bool, device=dev)
                 latent_mask = self._all_true[:t]
             if src is None:  # vectors from several tensors (a recomputed prefill)
-                vecs = [latent_vectors.vector(e) for e in inj]
-                if len(inj_rows) < t:
-                    full_l = [vecs[0].new_zeros(vecs[0].shape)] * t
-                    for r, v in zip(inj_rows, vecs):
-                        full_l[r] = v
-                    vecs = full_l
-                input_embeds = torch.stack(vecs)
+                input_embeds = latent_vectors.stack_at(inj_rows, inj, t)
             elif src_rows:
                 lo = 3 * t + 2 * b + len(mask_l)
                 input_embeds = src.index_select(0, packed[lo : lo + len(src_rows)])

@@ -206,18 +206,19 @@ class LatentHead(nn.Module):
         if split_k is None:
             split_k = 4 if anchor.is_cuda else 1
         h = self._ln_anchor(anchor)
-        net, dec = self.reasoning_head.net, self.decoder.net
-        t = F.silu(_linear(h, net[0], split_k))
-        t = F.silu(_linear(t, net[2], split_k))
-        mu = _linear(t, net[4], split_k)[..., : self.config.latent_dim]
-        v = F.silu(_linear(F.layer_norm(mu, (self.config.latent_dim,)), dec[0], split_k))
-        v = F.silu(_linear(v, dec[2], split_k))
-        vecs = _linear(v, dec[4], split_k)
+        lat = self.config.latent_dim
+        mu = _mlp(h, self.reasoning_head.net, split_k)[..., :lat]  # log_sigma not needed
+        vecs = _mlp(F.layer_norm(mu, (lat,)), self.decoder.net, split_k)
         if not self.has_stop:
             return vecs, None
-        stop = self.reasoning_head.stop_head
-        logit = stop[2](F.silu(_linear(h, stop[0], split_k)))
-        return vecs, torch.sigmoid(logit[..., 0])
+        return vecs, torch.sigmoid(_mlp(h, self.reasoning_head.stop_head, split_k)[..., 0])
+
+
+def _mlp(x: torch.Tensor, layers: nn.Sequential, split_k: int) -> torch.Tensor:
+    """``layers(x)`` with each ``nn.Linear`` run through :func:`_linear`."""
+    for layer in layers:
+        x = _linear(x, layer, split_k) if isinstance(layer, nn.Linear) else layer(x)
+    return x
 
 
 def _linear(x: torch.Tensor, lin: nn.Linear, split_k: int) -> torch.Tensor:

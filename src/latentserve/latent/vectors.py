@@ -47,3 +47,45 @@ def stack(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     if rows == list(range(r0, r0 + len(rows))):
         return src[r0 : r0 + len(rows)]
     return src.index_select(0, torch.tensor(rows, dtype=torch.long, device=src.device))
+
+
+def injection_plan(rows: list[int], entries: list[tuple[torch.Tensor, int]], t: int
+                   ) -> tuple[list[int], torch.Tensor | None, list[int]]:
+    """How a forward of ``t`` token rows takes ``entries[i]`` at token row ``rows[i]``
+    (``rows`` ascending, not empty), worked out on the host: ``(mask, src, src_rows)``.
+
+    ``mask``: ``[t]`` 0/1 per token row, or ``[]`` when every row takes a vector. ``src``:
+    the one tensor the entries point into (None when several: use :func:`stack_at`); when
+    ``src_rows`` is empty, ``src`` is already the ``[t, hidden]`` input (its rows in token
+    order, sliced), else ``src_rows`` (``[t]``) is the row of ``src`` each token row takes
+    (any row where the mask is 0), for one ``index_select`` on the device."""
+    full = len(rows) == t  # every row injects (a latent decode batch)
+    mask = [] if full else [0] * t
+    for r in [] if full else rows:
+        mask[r] = 1
+    src = common_source(entries)
+    if src is None:
+        return mask, None, []
+    src_idx = [r for _, r in entries]
+    r0 = src_idx[0]
+    if full and src_idx == list(range(r0, r0 + t)):
+        return mask, src[r0 : r0 + t], []
+    if full:
+        return mask, src, src_idx
+    src_rows = [r0] * t
+    for r, v in zip(rows, src_idx):
+        src_rows[r] = v
+    return mask, src, src_rows
+
+
+def stack_at(rows: list[int], entries: list[tuple[torch.Tensor, int]], t: int
+             ) -> torch.Tensor:
+    """``[t, hidden]``: ``entries[i]``'s vector at row ``rows[i]``, zeros elsewhere (entries
+    from several tensors, e.g. a prefill recomputed after a preemption)."""
+    vecs = [vector(e) for e in entries]
+    if len(rows) < t:
+        full = [vecs[0].new_zeros(vecs[0].shape)] * t
+        for r, v in zip(rows, vecs):
+            full[r] = v
+        vecs = full
+    return torch.stack(vecs)
