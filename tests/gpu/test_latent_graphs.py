@@ -123,3 +123,20 @@ def test_recurrence_loop_runs_inside_graphs(kind, tmp_path):
         want = ref.generate(p, 8, t) if kind == "huginn" else ref.generate(p, 8, t, "threshold", 1.0)
         assert toks == want["tokens"]
     assert engine.runner.num_graph_steps - before >= 7
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_fused_head_serve_path_matches_ieee_float32(rows):
+    """The head's fused serve path (``small_linear`` with 3xTF32 on tensor cores, the CUDA
+    default) against the IEEE float32 modules at the Llama-1B head's size (hidden 2048,
+    latent 512, mlp 1024): within float32 rounding, far inside plain TF32's ~1e-3."""
+    from latentserve.latent.bundle import random_bundle
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    head = random_bundle(2048, 512, 1024, seed=5, stop_bias=0.1).build().cuda()
+    x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16) * 3
+    with torch.inference_mode():
+        vecs, probs = head.serve_outputs(x)
+        ref_v, ref_p = head.serve_outputs(x, fused=False)
+    assert torch.equal(ref_v, head.latent_input(x)) and torch.equal(ref_p, head.stop_prob(x))
+    torch.testing.assert_close(vecs, ref_v, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(probs, ref_p, rtol=2e-5, atol=2e-6)

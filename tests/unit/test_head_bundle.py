@@ -49,18 +49,12 @@ def test_serve_outputs_equal_latent_input_and_stop_prob(stop):
     if not stop:
         head.reasoning_head.stop_head = None
     x = torch.randn(5, 64, dtype=torch.bfloat16)
-    vecs, probs = head.serve_outputs(x)  # CPU: split_k 1
+    vecs, probs = head.serve_outputs(x)  # CPU: the torch modules
     assert torch.equal(vecs, head.latent_input(x))
     if stop:
         assert torch.equal(probs, head.stop_prob(x))
     else:
         assert probs is None
-    # The split-K reduction (the CUDA default) stays within float32 rounding of it.
-    for k in (2, 4, 8):
-        v2, p2 = head.serve_outputs(x, split_k=k)
-        torch.testing.assert_close(v2, vecs, rtol=1e-5, atol=1e-6)
-        if stop:
-            torch.testing.assert_close(p2, probs, rtol=1e-5, atol=1e-6)
 
 
 def test_next_inputs_runs_the_head_only_for_rows_in_their_latent_phase():

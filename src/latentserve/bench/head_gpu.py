@@ -145,6 +145,34 @@ def step_cost(engine, bare, prompts, open_ids, max_latent: int, device: str) -> 
     return out
 
 
+def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
+    """Device time (microseconds) of one replay of a CUDA graph holding only the head's
+    serve path (``LatentHead.serve_outputs``) for ``rows`` bf16 anchors: the IEEE float32
+    torch modules (``torch_fp32``) against the fused 3xTF32 ``small_linear`` launches
+    (``small_linear_tf32x3``, the default)."""
+    import torch
+
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for name, fused in (("torch_fp32", False), ("small_linear_tf32x3", True)):
+        with torch.inference_mode():
+            head.serve_outputs(x, fused=fused)  # warm-up: compiles outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                head.serve_outputs(x, fused=fused)
+            graph.replay()
+            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+            start.record()
+            for _ in range(iters):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+        out[name] = start.elapsed_time(end) * 1e3 / iters
+        del graph
+    return out
+
+
 def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, prompt_len: int,
                 max_latent: int, answer_len: int, ref_requests: int, bw: float,
                 bare_baseline: bool = True) -> dict:
@@ -192,6 +220,9 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
         bare = _engine(path, device, dtype, max_c, max_len, no_latent_head=True)
     cost = step_cost(engine, bare, rand_prompts(max_c), spec.start_ids, max_latent, device)
     cost.update(floor)
+    if device.startswith("cuda"):
+        head = engine.runner.model.latent_head
+        cost["head_replay_us"] = head_replay_us(head, head.config.hidden_size, max_c)
     cost["latent_step_over_floor"] = cost["latent_step_s"] / floor["floor_s"]
     print(f"[head {name}] step cost: {json.dumps(cost)}", flush=True)
     del engine, bare

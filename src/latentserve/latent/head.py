@@ -191,46 +191,52 @@ class LatentHead(nn.Module):
             return None
         return torch.sigmoid(self.reasoning_head.stop_logit(self._ln_anchor(anchor))[..., 0])
 
-    def serve_outputs(self, anchor: torch.Tensor, split_k: int | None = None
+    def serve_outputs(self, anchor: torch.Tensor, fused: bool | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(latent_input(anchor), stop_prob(anchor))`` for the serve path: the anchor's
-        LayerNorm done once, no ``log_sigma`` work. ``anchor``: ``[N, H]`` any float dtype;
-        returns ``[N, H]`` and ``[N]`` float32 (or None without a stop head).
+        LayerNorm done once, only the ``mu`` half of the head's last Linear, no
+        ``log_sigma``. ``anchor``: ``[N, H]`` any float dtype; returns ``[N, H]`` and ``[N]``
+        float32 (or None without a stop head).
 
-        ``split_k`` (None: 4 on CUDA, 1 elsewhere): each Linear's reduction is split into
-        that many partial products (one batched GEMM, then a sum). For a few dozen rows a
-        float32 GEMM runs as a SIMT kernel with few thread blocks; on the H200 the
-        Llama-1B-shaped head (64 rows) took 141 us per graph replay split 4 ways against
-        214 us unsplit, within 3e-7 of it (docs/benchmarks.md). Split 1 gives exactly the
-        values of ``latent_input`` and ``stop_prob``."""
-        if split_k is None:
-            split_k = 4 if anchor.is_cuda else 1
+        ``fused`` (None: on CUDA): each Linear, with the SiLU after it, runs as one
+        ``ops.kernels.small_linear`` launch (float32 on tensor cores via 3xTF32, within
+        about 1e-6 relative of the IEEE GEMM). cuBLAS runs these few-row float32 GEMMs as
+        SIMT kernels with few thread blocks (214 us per step for the Llama-1B-shaped head
+        on the H200, docs/benchmarks.md). ``fused=False`` gives exactly the values of
+        ``latent_input`` and ``stop_prob``."""
+        if fused is None:
+            fused = anchor.is_cuda
         h = self._ln_anchor(anchor)
         lat = self.config.latent_dim
-        mu = _mlp(h, self.reasoning_head.net, split_k)[..., :lat]  # log_sigma not needed
-        vecs = _mlp(F.layer_norm(mu, (lat,)), self.decoder.net, split_k)
+        mu = _mlp(h, self.reasoning_head.net, fused, last_out=lat)[..., :lat]
+        vecs = _mlp(F.layer_norm(mu, (lat,)), self.decoder.net, fused)
         if not self.has_stop:
             return vecs, None
-        return vecs, torch.sigmoid(_mlp(h, self.reasoning_head.stop_head, split_k)[..., 0])
+        return vecs, torch.sigmoid(_mlp(h, self.reasoning_head.stop_head, fused)[..., 0])
 
 
-def _mlp(x: torch.Tensor, layers: nn.Sequential, split_k: int) -> torch.Tensor:
-    """``layers(x)`` with each ``nn.Linear`` run through :func:`_linear`."""
-    for layer in layers:
-        x = _linear(x, layer, split_k) if isinstance(layer, nn.Linear) else layer(x)
+def _mlp(x: torch.Tensor, layers: nn.Sequential, fused: bool,
+         last_out: int | None = None) -> torch.Tensor:
+    """``layers(x)`` for ``x [M, K]`` float32 (Linear and SiLU layers). ``fused``: each
+    Linear and the SiLU after it as one ``small_linear`` launch, the last Linear computing
+    only its first ``last_out`` features (None: all)."""
+    if not fused:
+        return layers(x)
+    from latentserve.ops.kernels.small_linear import small_linear
+
+    mods = list(layers)
+    i = 0
+    while i < len(mods):
+        layer = mods[i]
+        if not isinstance(layer, nn.Linear):
+            x = layer(x)
+            i += 1
+            continue
+        act = "silu" if i + 1 < len(mods) and isinstance(mods[i + 1], nn.SiLU) else None
+        n = last_out if i == len(mods) - 1 else None
+        x = small_linear(x, layer.weight, layer.bias, act, n)
+        i += 2 if act else 1
     return x
-
-
-def _linear(x: torch.Tensor, lin: nn.Linear, split_k: int) -> torch.Tensor:
-    """``lin(x)`` for ``x [M, K]``, its reduction over K split into ``split_k`` partial
-    products summed in float32 (``split_k`` 1, or K not divisible by it: ``lin(x)``)."""
-    k = x.shape[-1]
-    if split_k <= 1 or k % split_k or x.dim() != 2:
-        return lin(x)
-    xs = x.reshape(x.shape[0], split_k, k // split_k).transpose(0, 1)  # [s, M, K/s]
-    ws = lin.weight.view(-1, split_k, k // split_k).permute(1, 2, 0)  # [s, K/s, N]
-    y = torch.bmm(xs, ws).sum(0)
-    return y if lin.bias is None else y + lin.bias
 
 
 # ----------------------------------------------------------------------------- controls

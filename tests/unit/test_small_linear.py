@@ -1,0 +1,77 @@
+"""``ops.kernels.small_linear`` (the compression head's float32 Linear + SiLU kernel) and
+the head's fused serve path, on CPU through the Triton interpreter (``tl.dot`` is then an
+IEEE float32 product). The 3xTF32 tensor-core run at the Llama-1B head's size is in
+``tests/gpu/test_latent_graphs.py``."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or the kernels
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+import torch.nn.functional as F
+
+from latentserve.latent.bundle import random_bundle
+from latentserve.ops.kernels.small_linear import small_linear
+from latentserve.testing.triton_interpreter import patch_triton_interpreter
+
+patch_triton_interpreter()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (5, 40, 24), (64, 96, 16), (70, 128, 33)])
+@pytest.mark.parametrize("bias,act", [(True, "silu"), (True, None), (False, None)])
+def test_small_linear_matches_torch(m, k, n, bias, act):
+    """Odd M, K and N (masked tiles), M above one 64-row tile, with and without bias/SiLU."""
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    ref = F.linear(x, w, b)
+    if act:
+        ref = F.silu(ref)
+    torch.testing.assert_close(small_linear(x, w, b, act), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_small_linear_out_features_and_empty():
+    """``out_features`` computes the first rows of the weight only; zero rows work."""
+    x, w, b = torch.randn(3, 32), torch.randn(40, 32), torch.randn(40)
+    y = small_linear(x, w, b, out_features=16)
+    assert y.shape == (3, 16)
+    torch.testing.assert_close(y, F.linear(x, w, b)[:, :16], rtol=1e-5, atol=1e-6)
+    assert small_linear(torch.empty(0, 32), w).shape == (0, 40)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(x=torch.randn(2, 8, dtype=torch.float64)), "float32"),
+    (dict(x=torch.randn(2, 9)), "share K"),
+    (dict(x=torch.randn(8, 2).t()), "contiguous"),
+    (dict(activation="gelu"), "activation"),
+    (dict(out_features=0), "out_features"),
+    (dict(out_features=5), "out_features"),
+    (dict(bias=torch.randn(3)), "bias"),
+])
+def test_small_linear_refuses_bad_arguments(bad, match):
+    args = dict(x=torch.randn(2, 8), weight=torch.randn(4, 8), bias=None, activation=None,
+                out_features=None)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        small_linear(**args)
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_fused_serve_outputs_match_the_modules(stop):
+    """The head's fused serve path (the CUDA default) equals ``latent_input`` and
+    ``stop_prob`` within float32 rounding, for a bf16 anchor as the graphs capture it."""
+    head = random_bundle(64, 16, 40, seed=3, stop_bias=0.2).build()
+    if not stop:
+        head.reasoning_head.stop_head = None
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    vecs, probs = head.serve_outputs(x, fused=True)
+    torch.testing.assert_close(vecs, head.latent_input(x), rtol=1e-5, atol=1e-6)
+    if stop:
+        torch.testing.assert_close(probs, head.stop_prob(x), rtol=1e-5, atol=1e-6)
+    else:
+        assert probs is None
