@@ -45,17 +45,17 @@ def test_small_linear_out_features_and_empty():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(x=torch.randn(2, 8, dtype=torch.float64)), "float32"),
-    (dict(x=torch.randn(2, 9)), "share K"),
-    (dict(x=torch.randn(8, 2).t()), "contiguous"),
-    (dict(activation="gelu"), "activation"),
-    (dict(out_features=0), "out_features"),
-    (dict(out_features=5), "out_features"),
-    (dict(bias=torch.randn(3)), "bias"),
+    ({"x": torch.randn(2, 8, dtype=torch.float64)}, "float32"),
+    ({"x": torch.randn(2, 9)}, "share K"),
+    ({"x": torch.randn(8, 2).t()}, "contiguous"),
+    ({"activation": "gelu"}, "activation"),
+    ({"out_features": 0}, "out_features"),
+    ({"out_features": 5}, "out_features"),
+    ({"bias": torch.randn(3)}, "bias"),
 ])
 def test_small_linear_refuses_bad_arguments(bad, match):
-    args = dict(x=torch.randn(2, 8), weight=torch.randn(4, 8), bias=None, activation=None,
-                out_features=None)
+    args = {"x": torch.randn(2, 8), "weight": torch.randn(4, 8), "bias": None, "activation": None,
+                "out_features": None}
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         small_linear(**args)
