@@ -36,7 +36,8 @@ class EngineConfig:
     ``latent_cap_where_applicable`` (set for each model of a multi-model server): the cap is
     ignored by a model without a budget and clipped to a model's own range, instead of being
     an error. ``overlap_schedule``: schedule and prepare the next step while the device runs
-    this one (``engine/overlap.py``; steps that cannot overlap run synchronously).
+    this one (``engine/overlap.py``; steps that cannot overlap run synchronously); None = on
+    exactly when on CUDA (``use_overlap_schedule``), as SGLang's default.
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -62,7 +63,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     max_latent_budget: int | None = None  # server cap on latent_budget (None: the model's)
     latent_cap_where_applicable: bool = False
-    overlap_schedule: bool = False  # engine/overlap.py: prepare step k+1 while k runs
+    overlap_schedule: bool | None = None  # engine/overlap.py (None: on CUDA)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -100,6 +101,12 @@ class EngineConfig:
         if self.fused_ops is not None:
             return self.fused_ops
         return self.device.startswith("cuda") and self.backend_name == "triton"
+
+    @property
+    def use_overlap_schedule(self) -> bool:
+        if self.overlap_schedule is not None:
+            return self.overlap_schedule
+        return self.device.startswith("cuda")
 
     @property
     def torch_dtype(self):

@@ -270,3 +270,21 @@ def test_failed_sampling_rows_fail_like_the_synchronous_engine(tiny_dirs, monkey
     assert want["a"] == [(1, None), (1, None), (0, "error")]
     assert want["b"] == [(1, None), (1, None), (1, "length")]  # never samples a 4th token
     assert got == want
+
+
+def test_overlap_is_the_cuda_default_and_can_be_turned_off():
+    """``overlap_schedule`` None: on exactly for CUDA (SGLang's default); the CLI's
+    ``--overlap-schedule`` / ``--disable-overlap-schedule`` set it either way."""
+    from latentserve.cli import build_parser, engine_config
+
+    assert not EngineConfig().use_overlap_schedule
+    assert EngineConfig(device="cuda").use_overlap_schedule
+    assert not EngineConfig(device="cuda", overlap_schedule=False).use_overlap_schedule
+    assert EngineConfig(overlap_schedule=True).use_overlap_schedule
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve"])).overlap_schedule is None
+    assert engine_config(parse(["serve", "--overlap-schedule"])).overlap_schedule is True
+    assert engine_config(parse(["serve", "--disable-overlap-schedule"])).overlap_schedule \
+        is False
+    with pytest.raises(SystemExit):
+        parse(["serve", "--overlap-schedule", "--disable-overlap-schedule"])

@@ -37,9 +37,15 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, KV pool and graphs")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--overlap-schedule", action="store_true",
-                   help="schedule and prepare the next step while the device runs this one "
-                        "(plain models; steps with logprobs or penalties run synchronously)")
+    overlap = p.add_mutually_exclusive_group()
+    overlap.add_argument("--overlap-schedule", dest="overlap_schedule", action="store_const",
+                         const=True, default=None,
+                         help="schedule and prepare the next step while the device runs this "
+                              "one (default on CUDA; plain models; steps with logprobs or "
+                              "penalties run synchronously)")
+    overlap.add_argument("--disable-overlap-schedule", dest="overlap_schedule",
+                         action="store_const", const=False,
+                         help="step synchronously even on CUDA")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
                    help="split the model across this many processes (one GPU each on CUDA)")
     p.add_argument("--latent-head", default=None,
@@ -90,7 +96,7 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
                         attention_num_kv_splits=getattr(args, "attention_num_kv_splits", 8),
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager,
-                        overlap_schedule=getattr(args, "overlap_schedule", False),
+                        overlap_schedule=getattr(args, "overlap_schedule", None),
                         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                         latent_head=getattr(args, "latent_head", None),
                         no_latent_head=getattr(args, "no_latent_head", False),

@@ -275,10 +275,10 @@ class LLMEngine:
         sampled one at a time and a request whose own row raises finishes with
         ``finish_reason="error"`` (``error`` says why) while the others go on. An exception
         from the forward itself propagates (the caller decides what to fail).
-        With ``config.overlap_schedule`` a step that can overlap returns the tokens of the
+        With ``config.use_overlap_schedule`` (on CUDA by default) a step that can overlap returns the tokens of the
         batch launched by the previous step (``engine/overlap.py``).
         """
-        if self.config.overlap_schedule:
+        if self.config.use_overlap_schedule:
             from latentserve.engine import overlap
 
             if overlap.eligible(self):

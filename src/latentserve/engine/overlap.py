@@ -19,7 +19,7 @@ work is discarded (its KV, computed from real ids, is kept or cached as usual). 
 SGLang's overlap scheduler (``managers/scheduler.py`` ``event_loop_overlap``) and vLLM's
 async scheduling; the code is ours.
 
-Engaged with ``EngineConfig.overlap_schedule`` for a step where every request can do without
+Engaged with ``EngineConfig.use_overlap_schedule`` (default: on CUDA) for a step where every request can do without
 its previous token on the host: a model without a ``LatentSpec``, no tensor parallelism, and
 no request asking for ``logprobs``, ``prompt_logprobs`` or penalties (they read the token
 history on the host). Otherwise the engine finishes the batch in flight and steps
@@ -56,7 +56,7 @@ class Launched:
 
 def eligible(engine) -> bool:
     """Whether ``engine``'s next step may overlap (see the module docstring)."""
-    if not engine.config.overlap_schedule or engine.latent_spec is not None \
+    if not engine.config.use_overlap_schedule or engine.latent_spec is not None \
             or engine.tp is not None:
         return False
     sched = engine.scheduler
