@@ -20,7 +20,8 @@ taken as the same for every request (it runs them one after another).
 Latent vs plain step: one batch of ``step_batch`` rows runs ``max_latent`` latent steps
 (steady-step mean of the "latent" steps) and the same prompts with the opening ids and
 thinking off run ``max_latent`` plain decode steps in the same engine; the same plain batch
-also runs on the bare backbone (``no_latent_head``), whose graphs do not run the head.
+also runs on the bare backbone (``no_latent_head``, stepping synchronously like the head
+engine), whose graphs do not run the head.
 Goal (issue 6): latent within 10 % of plain. The bandwidth floor of the latent step is
 (backbone + head weight bytes + the batch's KV bytes at the mean context) / the copy
 bandwidth measured in the same run.
@@ -217,7 +218,10 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
     floor = _kv_floor(engine, max_c, prompt_len + n_open + max_latent / 2, bw)
     bare = None
     if bare_baseline:
-        bare = _engine(path, device, dtype, max_c, max_len, no_latent_head=True)
+        # NOTE: synchronous like the head engine (a latent model never overlaps), so the
+        # bare baseline compares like with like; overlap would hide its host time.
+        bare = _engine(path, device, dtype, max_c, max_len, no_latent_head=True,
+                       overlap_schedule=False)
     cost = step_cost(engine, bare, rand_prompts(max_c), spec.start_ids, max_latent, device)
     cost.update(floor)
     if device.startswith("cuda"):
