@@ -19,8 +19,10 @@ class EngineConfig:
     CUDA ``gpu_memory_utilization`` of the device minus weights, graphs and activations).
     ``max_num_batched_tokens`` is the prefill chunk budget per step. ``attention_backend``:
     ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``;
-    ``attention_num_kv_splits``: the Triton decode kernel's splits of each request's keys
-    (SGLang's ``triton_attention_num_kv_splits``; 1 skips the merge kernel). ``enforce_eager``
+    ``attention_num_kv_splits``: the most splits of each request's keys in the Triton decode
+    kernel (SGLang's ``triton_attention_num_kv_splits``); a batch whose requests times KV
+    heads already cover the GPU's SMs takes fewer, down to 1, which skips the merge kernel
+    (``TritonBackend.decode_splits``). ``enforce_eager``
     disables CUDA graphs for decode (they need CUDA and the Triton backend). ``fused_ops``:
     the fast path's Triton kernels and merged q/k/v and gate/up GEMMs (``latentserve.ops``)
     for models that have it (Llama family); None = on exactly when on CUDA with the Triton

@@ -103,8 +103,8 @@ def _run_steps(engine, prompts, max_tokens):
     runner, rows = engine.runner, {}
     original = runner.run
 
-    def recording_run(batch):
-        logits, hidden = original(batch)
+    def recording_run(batch, *args, **kwargs):  # overlap mode also passes the pending ids
+        logits, hidden = original(batch, *args, **kwargs)
         sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
         for req, row in zip(sampled, logits):
             rows.setdefault(req.rid, []).append(row.float().cpu())

@@ -113,6 +113,35 @@ def test_split_count_reaches_the_backend():
         EngineConfig(attention_num_kv_splits=0)
 
 
+def test_decode_splits_cover_the_sms_once():
+    """A decode batch takes the fewest power-of-2 splits (at most ``num_kv_splits``) for which
+    its (request, KV head, split) programs cover the SMs once; the kernel launch gets it."""
+    from unittest import mock
+
+    from latentserve.attention import triton_backend
+
+    be = TritonBackend(num_kv_splits=8, num_sms=132)
+    assert [be.decode_splits(b, 8) for b in (1, 4, 8, 16, 17, 32, 64, 500)] == \
+        [8, 8, 4, 2, 1, 1, 1, 1]
+    assert [be.decode_splits(b, 2) for b in (1, 16, 17, 33, 66, 67)] == [8, 8, 4, 2, 1, 1]
+    assert TritonBackend(num_kv_splits=2, num_sms=132).decode_splits(1, 1) == 2
+    assert TritonBackend(num_kv_splits=1).decode_splits(1, 1) == 1
+    assert TritonBackend(num_kv_splits=16, num_sms=16).decode_splits(3, 2) == 4
+    assert TritonBackend().decode_splits(64, 8) == 1  # CPU tensors: an H200's 132 SMs
+    be = TritonBackend(num_kv_splits=8, decode_block_n=16, num_sms=8)
+    seen = []
+    real = triton_backend.decode_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["num_kv_splits"])
+        return real(*args, **kwargs)
+
+    with mock.patch.object(triton_backend, "decode_attention", spy):
+        # 3 requests x 2 KV heads = 6 programs: 2 splits cover 8 SMs.
+        _compare(4, [1, 1, 1], [40, 3, 17], 2, 2, 64, torch.float32, backend=be)
+    assert seen == [2]
+
+
 def test_small_tiles_many_splits_and_query_blocks():
     """16-wide tiles: decode spans several splits (and empty ones), extend several key tiles
     and, for the 20-token request, two query blocks."""

@@ -187,7 +187,7 @@ def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
 
 def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                   shapes=tuple(SHAPES), hf_baseline=True, compare_unfused=True,
-                  compare_overlap=True, kv_splits=(1, 2, 4)) -> dict:
+                  compare_overlap=True, kv_splits=()) -> dict:
     """Benchmark every shape; returns a JSON-able dict (see module docstring for units).
 
     Per shape and concurrency: engine throughput, the whole engine decode step
@@ -198,8 +198,8 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
     ``decode_step_s`` is then the step's wall time with the host work hidden behind the
     device's). ``compare_overlap``: also run it synchronously (``overlap_schedule=False``,
     row ``sync``);
-    ``kv_splits``: and with each of these ``attention_num_kv_splits`` (default 8), rows
-    ``kv_splits_N``."""
+    ``kv_splits``: and with each of these ``attention_num_kv_splits`` (the most splits; default
+    8), rows ``kv_splits_N``."""
     import torch
     from transformers import AutoModelForCausalLM
 
