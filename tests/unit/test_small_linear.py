@@ -75,3 +75,28 @@ def test_fused_serve_outputs_match_the_modules(stop):
         torch.testing.assert_close(probs, head.stop_prob(x), rtol=1e-5, atol=1e-6)
     else:
         assert probs is None
+
+
+def test_autotuned_launch_runs_each_config_and_keeps_the_fastest(monkeypatch):
+    """The CUDA path's autotuner (forced on here, with a stand-in timer) launches every
+    configuration with its own grid, keeps one per (N, K, row tile), and every configuration
+    computes the same product."""
+    from latentserve.ops.kernels import small_linear as sl
+
+    timed = []
+
+    def fake_bench(kernel_call, quantiles):
+        kernel_call()
+        timed.append(len(timed))
+        return [float(len(timed) % 4 + 1)] * len(quantiles)  # a stand-in time per config
+
+    monkeypatch.setattr(sl._tuned_kernel, "_do_bench", fake_bench)
+    monkeypatch.setattr(sl._tuned_kernel, "cache", {})
+    x, w, b = torch.randn(20, 96), torch.randn(70, 96) / 10, torch.randn(70)
+    ref = F.silu(F.linear(x, w, b))
+    torch.testing.assert_close(small_linear(x, w, b, "silu", tuned=True), ref,
+                               rtol=1e-5, atol=1e-6)
+    assert len(timed) == len(sl._TUNE_CONFIGS)
+    torch.testing.assert_close(small_linear(x, w, b, "silu", tuned=True), ref,
+                               rtol=1e-5, atol=1e-6)
+    assert len(timed) == len(sl._TUNE_CONFIGS) and len(sl._tuned_kernel.cache) == 1

@@ -1,17 +1,20 @@
 """Float32 linear layer for a few dozen rows on tensor cores, with bias and SiLU fused.
 
-The compression head's serve path (``latent/head.py``) runs nine float32 Linears on the
+The compression head's serve path (``latent/head.py``) runs eight float32 Linears on the
 64 or so rows of a decode batch. cuBLAS runs float32 GEMMs of that size as SIMT kernels
-with few thread blocks: on the H200 the Llama-1B-shaped head took 214 us per step that way
-(docs/benchmarks.md), against ~8 us to read its weights. This kernel tiles the output
-columns finely (one program per 16 columns and up to 64 rows, so even a 1024-wide layer
-gets 64 programs) and multiplies on tensor cores with Triton's ``tf32x3`` input precision:
+with few thread blocks: on the H200 the Llama-1B-shaped head took 219 us per step that way
+against 122 us with this kernel at a fixed tiling (docs/benchmarks.md); reading its weights
+takes ~8 us. This kernel tiles the output columns finely (one program per 16 to 64 columns
+and up to 64 rows, so even a 1024-wide layer gets dozens of programs) and multiplies on tensor cores with Triton's ``tf32x3`` input precision:
 each float32 operand is split into a TF32 high part and a TF32 remainder and three TF32
 products are summed in float32 (the "3xTF32" scheme of CUTLASS), which keeps about 21 bits
 of each operand, so results stay within float32 rounding noise of an IEEE GEMM (about 1e-6
 relative), unlike plain TF32 (about 1e-3).
 
-Under ``TRITON_INTERPRET=1`` (CPU tests) ``tl.dot`` is an ordinary float32 product.
+On CUDA the column tile, K tile and pipeline depth are autotuned per (N, K, row tile) on
+the first call of each shape (a few milliseconds; the engine's warm-up runs before its CUDA
+graphs capture, so capture never tunes). Under ``TRITON_INTERPRET=1`` (CPU tests) one fixed
+configuration runs and ``tl.dot`` is an ordinary float32 product.
 """
 
 from __future__ import annotations
@@ -55,9 +58,22 @@ def _small_linear_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+_TUNE_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
+                 for bn, bk, st in ((16, 64, 4), (16, 128, 3), (32, 64, 4), (32, 128, 3),
+                                    (16, 256, 2), (64, 64, 3))]
+
+
+def _quick_bench(kernel_call, quantiles):
+    return triton.testing.do_bench(kernel_call, warmup=2, rep=8, quantiles=quantiles)
+
+
+_tuned_kernel = triton.autotune(_TUNE_CONFIGS, key=["N", "K", "BLOCK_M"],
+                                do_bench=_quick_bench)(_small_linear_kernel)
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  activation: str | None = None, out_features: int | None = None,
-                 precision: str = "tf32x3") -> torch.Tensor:
+                 precision: str = "tf32x3", tuned: bool | None = None) -> torch.Tensor:
     """``act(x @ weight[:n].T + bias[:n])`` in float32, for a small number of rows.
 
     Args:
@@ -71,6 +87,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             ``log_sigma``.
         precision: ``tl.dot`` input precision: ``"tf32x3"`` (default, float32-accurate),
             ``"ieee"`` (SIMT float32) or ``"tf32"`` (fast, about 1e-3 relative).
+        tuned: autotune the tiling (None: on CUDA; see the module docstring).
     Returns:
         ``[M, n]`` float32, a new contiguous tensor.
     Raises:
@@ -97,12 +114,14 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if m == 0:
         return y
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n, block_k = 16, 64
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _small_linear_kernel[grid](
-        x, weight, bias if bias is not None else weight, y, m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, ACT=_ACTS[activation], PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
-    )
+    args = (x, weight, bias if bias is not None else weight, y, m, n, k,
+            x.stride(0), weight.stride(0), y.stride(0))
+    flags = {"HAS_BIAS": bias is not None, "ACT": _ACTS[activation], "PRECISION": precision,
+             "BLOCK_M": block_m}
+    if x.is_cuda if tuned is None else tuned:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+        _tuned_kernel[grid](*args, **flags)
+    else:
+        _small_linear_kernel[(triton.cdiv(n, 16), triton.cdiv(m, block_m))](
+            *args, **flags, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=4)
     return y
