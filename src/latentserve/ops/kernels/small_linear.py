@@ -119,7 +119,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     flags = {"HAS_BIAS": bias is not None, "ACT": _ACTS[activation], "PRECISION": precision,
              "BLOCK_M": block_m}
     if x.is_cuda if tuned is None else tuned:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m))  # noqa: E731
+        def grid(meta):
+            return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, block_m)
+
         _tuned_kernel[grid](*args, **flags)
     else:
         _small_linear_kernel[(triton.cdiv(n, 16), triton.cdiv(m, block_m))](
