@@ -94,6 +94,25 @@ def test_fused_kv_store_ouro_banks_bitwise(tmp_path, monkeypatch):
     assert_same(two, one, atol=0)
 
 
+def test_fused_kv_store_huginn_banks_bitwise(tmp_path, monkeypatch):
+    """Huginn on the Triton backend: the qk_bias + pair-RoPE kernel stores each iteration's
+    K/V into its bank, with early exit (banks then filled from the exit iteration); tokens
+    and logits equal the two-kernel path."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.recurrent_models import write_huginn
+    from latentserve.testing.tp_parity import assert_same
+
+    path = write_huginn(tmp_path / "huginn")
+    g = torch.Generator().manual_seed(4)
+    cases = [(4, {}), (2, {}), (6, {"exit_criterion": "kl", "exit_threshold": 5e-4})]
+    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
+             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
+                            **kw))
+            for n, (d, kw) in zip((9, 17, 4), cases)]
+    two, one = _run_with_and_without_fused_kv_store(path, reqs, monkeypatch)
+    assert_same(two, one, atol=0)
+
+
 def test_fused_ops_default_only_on_cuda_triton():
     assert not EngineConfig(device="cpu").use_fused_ops
     assert not EngineConfig(device="cuda", attention_backend="torch").use_fused_ops

@@ -1,7 +1,7 @@
-"""The fused RoPE + KV store kernel (``ops.kernels.apply_rotary_store_kv_``) against the two
-kernels it replaces (``ops.kernels.apply_rotary_`` then ``attention.kernels.store_kv``), on
-CPU through the Triton interpreter, at tiny sizes: q and every written pool slot are bitwise
-equal. The real-size comparison on CUDA is in ``tests/gpu/test_rotary_store_kv_gpu.py``;
+"""The fused RoPE + KV store kernels (``ops.kernels.apply_rotary_store_kv_`` and Huginn's
+``apply_rotary_pairs_store_kv_``) against the two kernels each replaces (``apply_rotary_`` or
+``apply_rotary_pairs_``, then ``attention.kernels.store_kv``), on CPU through the Triton
+interpreter, at tiny sizes: q and every written pool slot are bitwise equal. The real-size comparison on CUDA is in ``tests/gpu/test_rotary_store_kv_gpu.py``;
 the engine end to end in ``tests/unit/test_fused_model.py``.
 """
 
@@ -89,6 +89,34 @@ def test_fused_kernel_casts_to_the_pool_dtype_as_store_kv(dtype, cache_dtype):
     assert torch.equal(fused[1][1:], ref[1][1:]) and torch.equal(fused[2][1:], ref[2][1:])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 3, 96), (4, 1, 128)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_pairs_kernel_equals_rotary_pairs_then_store_kv_bitwise(dtype, heads, kv_heads,
+                                                                head_dim, bias):
+    """Huginn's convention (qk_bias add, interleaved pairs rotated in fp32)."""
+    qkv, _, _, (kc, vc) = _inputs(dtype, heads, kv_heads, head_dim, dtype, seed=head_dim)
+    g = torch.Generator().manual_seed(1)
+    freqs = torch.tensor(POSITIONS).float()[:, None] * torch.rand(head_dim // 2, generator=g)
+    cos, sin = freqs.cos(), freqs.sin()
+    qb, kb = (None, None)
+    if bias:
+        qb = (0.5 * torch.randn(heads, head_dim, generator=g)).to(dtype)
+        kb = (0.5 * torch.randn(kv_heads, head_dim, generator=g)).to(dtype)
+    slots = torch.tensor(SLOTS)
+    ref = (qkv.clone(), kc.clone(), vc.clone())
+    q, k, v = _split(ref[0], heads, kv_heads, head_dim)
+    kernels.apply_rotary_pairs_(q, k, cos, sin, qb, kb)
+    store_kv(k, v, ref[1], ref[2], slots)
+    fused = (qkv.clone(), kc.clone(), vc.clone())
+    q, k, v = _split(fused[0], heads, kv_heads, head_dim)
+    kernels.apply_rotary_pairs_store_kv_(q, k, v, cos, sin, fused[1], fused[2], slots, qb, kb)
+    nq = heads * head_dim
+    assert torch.equal(fused[0][:, :nq], ref[0][:, :nq])
+    assert torch.equal(fused[0][:, nq:], qkv[:, nq:])  # k unrotated, v untouched
+    assert torch.equal(fused[1][1:], ref[1][1:]) and torch.equal(fused[2][1:], ref[2][1:])
+
+
 def test_fused_kernel_rejects_bad_layouts():
     t, d = 3, 8
     q, k, v = torch.randn(t, 2, d), torch.randn(t, 1, d), torch.randn(t, 1, d)
@@ -101,3 +129,6 @@ def test_fused_kernel_rejects_bad_layouts():
         kernels.apply_rotary_store_kv_(q, k, v, cos, sin, torch.zeros(5, 2, d), cache, slots)
     with pytest.raises(ValueError, match="slots must be"):
         kernels.apply_rotary_store_kv_(q, k, v, cos, sin, cache, cache, slots[:2])
+    with pytest.raises(ValueError, match="both q_bias and k_bias"):
+        kernels.apply_rotary_pairs_store_kv_(q, k, v, cos[:, :4], sin[:, :4], cache, cache,
+                                             slots, torch.zeros(2, d), None)

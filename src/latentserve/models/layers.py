@@ -156,7 +156,9 @@ def inject(embeds: torch.Tensor, input_embeds: torch.Tensor | None,
 def paged_attention(layer: int, q, k, v, scale: float) -> torch.Tensor:
     """Store this layer's new K/V and attend over each request's pages.
 
-    q: ``[T, H, D]``; k, v: ``[T, Hkv, D]``. Returns ``[T, H, D]``. Reads the forward context.
+    q: ``[T, H, D]``; k, v: ``[T, Hkv, D]``, or None when the caller already wrote them into
+    the pool (only where the backend's ``fused_kv_store``). Returns ``[T, H, D]``. Reads the
+    forward context.
     """
     ctx = get_context()
     return ctx.backend.forward(layer, q, k, v, ctx.attn_meta, ctx.kv_pool, scale)
