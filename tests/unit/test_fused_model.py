@@ -113,6 +113,34 @@ def test_fused_kv_store_huginn_banks_bitwise(tmp_path, monkeypatch):
     assert_same(two, one, atol=0)
 
 
+def test_fused_kv_store_llama_tp2_matches_tp1(tiny_dirs, tmp_path, monkeypatch):
+    """The fast path on the Triton backend after sharding (one KV head per rank): each rank's
+    RoPE kernel stores its local heads; TP=2 gives the TP=1 tokens and logits (1e-4)."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.tp_parity import assert_same, run_requests
+
+    # The rank-1 worker is a fresh interpreter (inheriting TRITON_INTERPRET): it needs this
+    # process's interpreter patches too, applied at its startup through sitecustomize.
+    (tmp_path / "sitecustomize.py").write_text(
+        "from latentserve.testing.triton_interpreter import patch_triton_interpreter\n"
+        "patch_triton_interpreter()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]
+    cfg = {"model": str(tiny_dirs["llama"]), "fused_ops": True, "attention_backend": "triton",
+           "kv_slots": 1024, "max_model_len": 128}
+    one = run_requests(LLMEngine(EngineConfig(**cfg)), reqs)
+    two = LLMEngine(EngineConfig(**cfg, tensor_parallel_size=2))
+    try:
+        assert two.runner.backend.fused_kv_store and two.runner.model.model.layers[0] \
+            .self_attn.n_kv == 1
+        assert_same(one, run_requests(two, reqs))
+    finally:
+        two.shutdown()
+
+
 def test_fused_ops_default_only_on_cuda_triton():
     assert not EngineConfig(device="cpu").use_fused_ops
     assert not EngineConfig(device="cuda", attention_backend="torch").use_fused_ops
