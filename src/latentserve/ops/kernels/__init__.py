@@ -3,9 +3,9 @@ them in ``latentserve.ops``).
 
 * ``rms_norm``: optional residual add + RMSNorm, one program per row.
 * ``rotary``: RoPE applied to q and k in place, one program per token.
+* ``rotary_pairs``: Huginn's RoPE (interleaved pairs, fp32) with its ``qk_bias`` add, in place.
 * ``rotary_store_kv``: either RoPE on q in place, with the rotated k and the v written into
   the layer's paged KV pool in the same launch (the attention backend then skips its store).
-* ``rotary_pairs``: Huginn's RoPE (interleaved pairs, fp32) with its ``qk_bias`` add, in place.
 * ``silu_and_mul``: SiLU(gate) * up on a fused ``[T, 2I]`` gate/up projection.
 
 Each kernel rounds where the Hugging Face eager modules round (to the activation dtype
