@@ -23,10 +23,10 @@ patch_triton_interpreter()
 
 
 @pytest.mark.parametrize("kind,backend", [("llama", "torch"), ("qwen2", "torch"),
-                                          ("llama", "triton")])
+                                          ("llama", "triton"), ("qwen2", "triton")])
 def test_fused_engine_matches_hf_fp32(kind, backend, tiny_dirs, hf_models):
     """With ``triton`` attention the kernels read q/k/v as strided views of the merged
-    projection output."""
+    projection output, and the RoPE kernel stores K/V into the pool itself."""
     engine = LLMEngine(EngineConfig(model=str(tiny_dirs[kind]), fused_ops=True,
                                     attention_backend=backend))
     layer = engine.runner.model.model.layers[0]
@@ -40,6 +40,105 @@ def test_fused_engine_matches_hf_fp32(kind, backend, tiny_dirs, hf_models):
         assert tokens[i] == ref_tokens, f"prompt {i}"
         torch.testing.assert_close(logits[i], ref_logits, atol=1e-4, rtol=0)
     engine.cache.check_idle()
+
+
+def _run_with_and_without_fused_kv_store(path, reqs, monkeypatch, **cfg):
+    """``run_requests`` output of two fresh fast-path engines on the Triton backend: the
+    two-kernel path (RoPE, then the backend's ``store_kv``) and the fused store. Checks
+    that only the first launches ``store_kv``."""
+    from latentserve.attention import triton_backend
+    from latentserve.testing.tp_parity import run_requests
+
+    calls, real = [], triton_backend.store_kv
+    monkeypatch.setattr(triton_backend, "store_kv", lambda *a: calls.append(1) or real(*a))
+    out = {}
+    for fused_store in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True,
+                                        attention_backend="triton", **cfg))
+        engine.runner.backend.fused_kv_store = fused_store  # False: as before the fusion
+        calls.clear()
+        out[fused_store] = run_requests(engine, reqs)
+        assert bool(calls) != fused_store, f"store_kv launched {len(calls)} times"
+    return out[False], out[True]
+
+
+@pytest.mark.parametrize("kind,dtype", [("llama", "float32"), ("qwen2", "bfloat16")])
+def test_fused_kv_store_gives_the_two_kernel_path_bitwise(kind, dtype, tiny_dirs, monkeypatch):
+    """Prefill, extend over a cached prefix and decode with RoPE and the KV store in one
+    kernel: greedy tokens and every step's logits equal the two-kernel path exactly."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.tp_parity import assert_same
+
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]  # 51, 30 (its prefix), 3 tokens
+    two, one = _run_with_and_without_fused_kv_store(tiny_dirs[kind], reqs, monkeypatch,
+                                                    dtype=dtype)
+    assert_same(two, one, atol=0)
+
+
+def test_fused_kv_store_ouro_banks_bitwise(tmp_path, monkeypatch):
+    """Ouro on the Triton backend: each loop iteration's bank gets the fused store, also
+    when exited rows leave a sub-batch; tokens and logits equal the two-kernel path."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.recurrent_models import write_ouro
+    from latentserve.testing.tp_parity import assert_same
+
+    path = write_ouro(tmp_path / "ouro")
+    g = torch.Generator().manual_seed(3)
+    cases = [(4, None, None), (2, "threshold", 0.6), (6, "weighted", None), (3, "last", None)]
+    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
+             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
+                            exit_criterion=c, exit_threshold=t))
+            for n, (d, c, t) in zip((9, 17, 4, 12), cases)]
+    two, one = _run_with_and_without_fused_kv_store(path, reqs, monkeypatch)
+    assert_same(two, one, atol=0)
+
+
+def test_fused_kv_store_huginn_banks_bitwise(tmp_path, monkeypatch):
+    """Huginn on the Triton backend: the qk_bias + pair-RoPE kernel stores each iteration's
+    K/V into its bank, with early exit (banks then filled from the exit iteration); tokens
+    and logits equal the two-kernel path."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.recurrent_models import write_huginn
+    from latentserve.testing.tp_parity import assert_same
+
+    path = write_huginn(tmp_path / "huginn")
+    g = torch.Generator().manual_seed(4)
+    cases = [(4, {}), (2, {}), (6, {"exit_criterion": "kl", "exit_threshold": 5e-4})]
+    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
+             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
+                            **kw))
+            for n, (d, kw) in zip((9, 17, 4), cases)]
+    two, one = _run_with_and_without_fused_kv_store(path, reqs, monkeypatch)
+    assert_same(two, one, atol=0)
+
+
+def test_fused_kv_store_llama_tp2_matches_tp1(tiny_dirs, tmp_path, monkeypatch):
+    """The fast path on the Triton backend after sharding (one KV head per rank): each rank's
+    RoPE kernel stores its local heads; TP=2 gives the TP=1 tokens and logits (1e-4)."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.tp_parity import assert_same, run_requests
+
+    # The rank-1 worker is a fresh interpreter (inheriting TRITON_INTERPRET): it needs this
+    # process's interpreter patches too, applied at its startup through sitecustomize.
+    (tmp_path / "sitecustomize.py").write_text(
+        "from latentserve.testing.triton_interpreter import patch_triton_interpreter\n"
+        "patch_triton_interpreter()\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]
+    cfg = {"model": str(tiny_dirs["llama"]), "fused_ops": True, "attention_backend": "triton",
+           "kv_slots": 1024, "max_model_len": 128}
+    one = run_requests(LLMEngine(EngineConfig(**cfg)), reqs)
+    two = LLMEngine(EngineConfig(**cfg, tensor_parallel_size=2))
+    try:
+        assert two.runner.backend.fused_kv_store and two.runner.model.model.layers[0] \
+            .self_attn.n_kv == 1
+        assert_same(one, run_requests(two, reqs))
+    finally:
+        two.shutdown()
 
 
 def test_fused_ops_default_only_on_cuda_triton():

@@ -37,7 +37,15 @@ class BatchLayout:
 class AttentionBackend:
     """Five-method contract: ``prepare`` builds per-batch metadata from a ``BatchLayout``;
     ``forward`` stores the new K/V of one layer into the KV pool and returns the attention
-    output for every new token."""
+    output for every new token.
+
+    ``fused_kv_store``: True when the caller may store the new K/V itself (the fast path's
+    RoPE kernel, ``ops.kernels.apply_rotary_store_kv_``, writes them to
+    ``kv_pool.k[layer][meta.out_slots]`` in its own launch) and call ``forward`` with
+    ``k = v = None``. Such a backend reads the new tokens' K/V from the pool only.
+    """
+
+    fused_kv_store: bool = False
 
     def prepare(self, layout: BatchLayout, page_table: torch.Tensor):
         """Return backend-specific metadata for the batch (reused by every layer)."""
@@ -48,7 +56,9 @@ class AttentionBackend:
         """Attention for one layer.
 
         Args:
-            q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (new tokens).
+            q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (new tokens),
+                or both None when already in the pool at ``meta.out_slots`` (only where
+                ``fused_kv_store``).
             meta: from ``prepare``; kv_pool: a ``KVPool``; scale: softmax scale.
         Returns:
             ``[T, num_heads, head_dim]`` in q's dtype.

@@ -54,7 +54,8 @@ class TorchBackend(AttentionBackend):
         )
 
     def forward(self, layer, q, k, v, meta: TorchMeta, kv_pool, scale):
-        kv_pool.store(layer, meta.out_slots, k, v)
+        if k is not None:  # None: the caller stored them (the contract allows; unused here)
+            kv_pool.store(layer, meta.out_slots, k, v)
         n_heads, d = q.shape[1], q.shape[2]
         b, q_max = meta.num_reqs, meta.q_max
         if q_max == 1:

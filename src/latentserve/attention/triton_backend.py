@@ -1,8 +1,10 @@
 """Triton attention backend: paged KV read directly through the page table by Triton kernels.
 
-``forward`` stores the new K/V with the ``store_kv`` kernel, then runs either the split-K
-flash-decoding kernel (every request has ``q_len == 1``) or the FlashAttention-2-style extend
-kernel (any other batch, decode rows included). It must match ``TorchBackend``.
+``forward`` stores the new K/V with the ``store_kv`` kernel (unless the fast path's RoPE
+kernel already did, ``fused_kv_store``), then runs either the split-K flash-decoding kernel
+(every request has ``q_len == 1``) or the FlashAttention-2-style extend kernel (any other
+batch, decode rows included); both read the new tokens' K/V from the pool. It must match
+``TorchBackend``.
 
 Runs on CUDA; on CPU tensors only under the Triton interpreter (``TRITON_INTERPRET=1`` set
 before this module is imported), which the unit tests use.
@@ -61,7 +63,10 @@ class TritonBackend(AttentionBackend):
     Shapes follow ``AttentionBackend.forward``: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` with
     ``H % Hkv == 0`` (MHA or GQA), any head_dim (non-powers of 2 are masked inside a padded
     tile); fp32, bf16 or fp16 inputs with fp32 softmax statistics and accumulation.
+    ``k = v = None``: the caller stored them already (``fused_kv_store``).
     """
+
+    fused_kv_store = True
 
     def __init__(self, num_kv_splits: int = 8, decode_block_n: int = 64,
                  extend_block_m: int = 64, extend_block_n: int = 64,
@@ -109,7 +114,8 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, meta: TritonMeta, kv_pool, scale):
         k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
-        store_kv(k, v, k_cache, v_cache, meta.out_slots)
+        if k is not None:
+            store_kv(k, v, k_cache, v_cache, meta.out_slots)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if meta.is_decode:

@@ -71,7 +71,7 @@ class CausalSelfAttention(nn.Module):
             self.qk_bias = nn.Parameter(torch.zeros(2, 1, n_head, d))
         self.proj = nn.Linear(n_embd, n_embd, bias=False)
         self.scale = d**-0.5
-        self.fused = False  # the qk_bias add and RoPE by one Triton kernel, in place
+        self.fused = False  # the qk_bias add and RoPE (+ the KV store) by one Triton kernel
 
     def forward(self, x, cos, sin, bank: int):
         """x ``[T, n_embd]``; cos, sin ``[T, 1, head_dim / 2]`` float32."""
@@ -81,10 +81,17 @@ class CausalSelfAttention(nn.Module):
         k = k.view(t, self.n_kv, self.head_dim)
         v = v.view(t, self.n_kv, self.head_dim)
         if self.fused:
-            from latentserve.ops.kernels import apply_rotary_pairs_
+            from latentserve.ops.kernels import apply_rotary_pairs_, apply_rotary_pairs_store_kv_
 
             bias = self.qk_bias[:, 0] if self.has_qk_bias else (None, None)
-            apply_rotary_pairs_(q, k, cos[:, 0], sin[:, 0], bias[0], bias[1])
+            ctx = get_context()
+            if ctx.backend.fused_kv_store:  # q in place; rotated k and v into the bank
+                apply_rotary_pairs_store_kv_(q, k, v, cos[:, 0], sin[:, 0], ctx.kv_pool.k[bank],
+                                             ctx.kv_pool.v[bank], ctx.attn_meta.out_slots,
+                                             bias[0], bias[1])
+                k = v = None  # in the pool now
+            else:
+                apply_rotary_pairs_(q, k, cos[:, 0], sin[:, 0], bias[0], bias[1])
         else:
             if self.has_qk_bias:
                 q = (q + self.qk_bias[0, 0]).to(q.dtype)

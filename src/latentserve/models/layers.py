@@ -72,9 +72,9 @@ _rotate_half = rotate_half  # the name ouro.py imports
 
 class MergedQKV:
     """The fast path of an attention module with ``q_proj``, ``k_proj``, ``v_proj``,
-    ``n_heads``, ``n_kv`` and ``head_dim`` (Llama family, Ouro): ``fuse()`` merges the three
-    projections into one GEMM (``qkv_proj``, rows q then k then v; call after loading and
-    sharding the weights) and ``fused_qkv`` runs it with RoPE in place."""
+    ``n_heads``, ``n_kv``, ``head_dim`` and ``scale`` (Llama family, Ouro): ``fuse()`` merges
+    the three projections into one GEMM (``qkv_proj``, rows q then k then v; call after
+    loading and sharding the weights) and ``fused_attention`` runs it, RoPE and attention."""
 
     fused = False
 
@@ -83,20 +83,32 @@ class MergedQKV:
         del self.q_proj, self.k_proj, self.v_proj
         self.fused = True
 
-    def fused_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x ``[T, hidden]``, cos/sin ``[T, head_dim]`` -> q ``[T, H, D]``, k and v
-        ``[T, Hkv, D]``: strided views of the merged output, q and k rotated in place by
-        the Triton kernel (``ops.kernels.apply_rotary_``)."""
-        from latentserve.ops.kernels import apply_rotary_
+    def fused_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        layer: int) -> torch.Tensor:
+        """x ``[T, hidden]``, cos/sin ``[T, head_dim]``, ``layer`` the KV pool layer (a
+        recurrent model's bank) -> attention output ``[T, H, D]``, as ``paged_attention``.
 
+        q, k and v are strided views of the merged output. When the backend allows it
+        (``fused_kv_store``: Triton) one kernel rotates q in place and writes the rotated k
+        and v into the pool at the batch's ``out_slots`` (``ops.kernels.
+        apply_rotary_store_kv_``), and the backend skips its store; otherwise q and k are
+        rotated in place (``ops.kernels.apply_rotary_``) and the backend stores them."""
+        from latentserve.ops.kernels import apply_rotary_, apply_rotary_store_kv_
+
+        ctx = get_context()
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
         nq, nk = self.n_heads * d, self.n_kv * d
         q = qkv[:, :nq].view(t, self.n_heads, d)
         k = qkv[:, nq : nq + nk].view(t, self.n_kv, d)
         v = qkv[:, nq + nk :].view(t, self.n_kv, d)
-        apply_rotary_(q, k, cos, sin)
-        return q, k, v
+        if ctx.backend.fused_kv_store:
+            apply_rotary_store_kv_(q, k, v, cos, sin, ctx.kv_pool.k[layer],
+                                   ctx.kv_pool.v[layer], ctx.attn_meta.out_slots)
+            k = v = None  # in the pool now (k there rotated, here not)
+        else:
+            apply_rotary_(q, k, cos, sin)
+        return ctx.backend.forward(layer, q, k, v, ctx.attn_meta, ctx.kv_pool, self.scale)
 
 
 def fuse_decoder(model: nn.Module, layers) -> None:
@@ -144,7 +156,9 @@ def inject(embeds: torch.Tensor, input_embeds: torch.Tensor | None,
 def paged_attention(layer: int, q, k, v, scale: float) -> torch.Tensor:
     """Store this layer's new K/V and attend over each request's pages.
 
-    q: ``[T, H, D]``; k, v: ``[T, Hkv, D]``. Returns ``[T, H, D]``. Reads the forward context.
+    q: ``[T, H, D]``; k, v: ``[T, Hkv, D]``, or None when the caller already wrote them into
+    the pool (only where the backend's ``fused_kv_store``). Returns ``[T, H, D]``. Reads the
+    forward context.
     """
     ctx = get_context()
     return ctx.backend.forward(layer, q, k, v, ctx.attn_meta, ctx.kv_pool, scale)

@@ -41,14 +41,14 @@ class LlamaAttention(MergedQKV, nn.Module):
 
     def forward(self, x, cos, sin):
         t, d = x.shape[0], self.head_dim
-        if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, RoPE in place
-            q, k, v = self.fused_qkv(x, cos, sin)
+        if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, one RoPE (+ KV store) kernel
+            o = self.fused_attention(x, cos, sin, self.layer)
         else:
             q = self.q_proj(x).view(t, self.n_heads, d)
             k = self.k_proj(x).view(t, self.n_kv, d)
             v = self.v_proj(x).view(t, self.n_kv, d)
             q, k = apply_rotary(q, k, cos, sin)
-        o = paged_attention(self.layer, q, k, v, self.scale)
+            o = paged_attention(self.layer, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 

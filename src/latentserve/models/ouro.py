@@ -81,14 +81,14 @@ class OuroAttention(MergedQKV, nn.Module):
     def forward(self, x, cos, sin, bank: int):
         """x ``[T, hidden]``; cos, sin ``[T, 1, head_dim]`` (``OuroForCausalLM.rope``)."""
         t, d = x.shape[0], self.head_dim
-        if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, RoPE in place
-            q, k, v = self.fused_qkv(x, cos[:, 0], sin[:, 0])
+        if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, one RoPE (+ KV store) kernel
+            o = self.fused_attention(x, cos[:, 0], sin[:, 0], bank)
         else:
             q = self.q_proj(x).view(t, self.n_heads, d)
             k = self.k_proj(x).view(t, self.n_kv, d)
             v = self.v_proj(x).view(t, self.n_kv, d)
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        o = paged_attention(bank, q, k, v, self.scale)
+            o = paged_attention(bank, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 

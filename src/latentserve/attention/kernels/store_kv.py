@@ -2,7 +2,8 @@
 
 Equivalent to ``k_cache[slots] = k.to(k_cache.dtype)`` (and the same for V), as done by
 ``KVPool.store``; one program per token copies all its KV heads, casting to the pool dtype.
-Kept as a kernel so that it can later be fused (e.g. with RoPE or quantisation).
+Kept as a kernel so that it can be fused: the fast path's RoPE kernels store K/V themselves
+(``ops/kernels/rotary_store_kv.py``); this one serves every other caller of the Triton backend.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ them in ``latentserve.ops``).
 * ``rms_norm``: optional residual add + RMSNorm, one program per row.
 * ``rotary``: RoPE applied to q and k in place, one program per token.
 * ``rotary_pairs``: Huginn's RoPE (interleaved pairs, fp32) with its ``qk_bias`` add, in place.
+* ``rotary_store_kv``: either RoPE on q in place, with the rotated k and the v written into
+  the layer's paged KV pool in the same launch (the attention backend then skips its store).
 * ``silu_and_mul``: SiLU(gate) * up on a fused ``[T, 2I]`` gate/up projection.
 
 Each kernel rounds where the Hugging Face eager modules round (to the activation dtype
@@ -15,6 +17,11 @@ run the kernels on CPU tensors (tests).
 from latentserve.ops.kernels.rms_norm import rms_norm
 from latentserve.ops.kernels.rotary import apply_rotary_
 from latentserve.ops.kernels.rotary_pairs import apply_rotary_pairs_
+from latentserve.ops.kernels.rotary_store_kv import (
+    apply_rotary_pairs_store_kv_,
+    apply_rotary_store_kv_,
+)
 from latentserve.ops.kernels.silu_and_mul import silu_and_mul
 
-__all__ = ["apply_rotary_", "apply_rotary_pairs_", "rms_norm", "silu_and_mul"]
+__all__ = ["apply_rotary_", "apply_rotary_pairs_", "apply_rotary_pairs_store_kv_",
+           "apply_rotary_store_kv_", "rms_norm", "silu_and_mul"]

@@ -13,21 +13,27 @@ import triton.language as tl
 
 
 @triton.jit
+def _rope_halves(x1, x2, c, s):
+    # Both rotated halves, in the activation dtype of x1/x2 (c, s: fp32). Eager:
+    # q * cos + rotate_half(q) * sin, every product rounded to the activation dtype.
+    dt = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    out1 = (x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)
+    out2 = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
+    return out1.to(dt), out2.to(dt)
+
+
+@triton.jit
 def _rotate_heads(base, stride_h, c, s, n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_HALF: tl.constexpr):
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask = (offs_h < n_heads)[:, None] & (offs_d < HALF)[None, :]
     ptr = base + offs_h[:, None] * stride_h + offs_d[None, :]
-    x1 = tl.load(ptr, mask=mask, other=0.0)
-    x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    # eager: q * cos + rotate_half(q) * sin, every product rounded to the activation dtype
-    out1 = (x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)
-    out2 = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
-    tl.store(ptr, out1.to(dt), mask=mask)
-    tl.store(ptr + HALF, out2.to(dt), mask=mask)
+    out1, out2 = _rope_halves(tl.load(ptr, mask=mask, other=0.0),
+                              tl.load(ptr + HALF, mask=mask, other=0.0), c, s)
+    tl.store(ptr, out1, mask=mask)
+    tl.store(ptr + HALF, out2, mask=mask)
 
 
 @triton.jit

@@ -19,22 +19,31 @@ from latentserve.ops.kernels.rotary import check_qk_cos_sin
 
 
 @triton.jit
-def _rotate_pairs(base, stride_h, bias, c, s, n_heads, HAS_BIAS: tl.constexpr,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_i = tl.arange(0, BLOCK_HALF)
-    mask = (offs_h < n_heads)[:, None] & (offs_i < HALF)[None, :]
-    ptr = base + offs_h[:, None] * stride_h + 2 * offs_i[None, :]
-    a = tl.load(ptr, mask=mask, other=0.0)
-    b = tl.load(ptr + 1, mask=mask, other=0.0)
+def _bias_rope_pairs(a, b, bias, offs_h, offs_i, mask, c, s, HAS_BIAS: tl.constexpr,
+                     HALF: tl.constexpr):
+    # The even (a) and odd (b) elements of [heads, HALF] tiles, biased and rotated, in their
+    # activation dtype (c, s: fp32).
     dt = a.dtype
     if HAS_BIAS:  # bias [heads, 2 * HALF] contiguous, same dtype; eager: (x + bias) in dt
         bptr = bias + offs_h[:, None] * (2 * HALF) + 2 * offs_i[None, :]
         a = (a.to(tl.float32) + tl.load(bptr, mask=mask, other=0.0).to(tl.float32)).to(dt)
         b = (b.to(tl.float32) + tl.load(bptr + 1, mask=mask, other=0.0).to(tl.float32)).to(dt)
     a, b = a.to(tl.float32), b.to(tl.float32)
-    tl.store(ptr, (a * c - b * s).to(dt), mask=mask)
-    tl.store(ptr + 1, (b * c + a * s).to(dt), mask=mask)
+    return (a * c - b * s).to(dt), (b * c + a * s).to(dt)
+
+
+@triton.jit
+def _rotate_pairs(base, stride_h, bias, c, s, n_heads, HAS_BIAS: tl.constexpr,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h < n_heads)[:, None] & (offs_i < HALF)[None, :]
+    ptr = base + offs_h[:, None] * stride_h + 2 * offs_i[None, :]
+    a, b = _bias_rope_pairs(tl.load(ptr, mask=mask, other=0.0),
+                            tl.load(ptr + 1, mask=mask, other=0.0), bias, offs_h, offs_i, mask,
+                            c, s, HAS_BIAS, HALF)
+    tl.store(ptr, a, mask=mask)
+    tl.store(ptr + 1, b, mask=mask)
 
 
 @triton.jit
@@ -55,6 +64,22 @@ def _rotary_pairs_kernel(
                   HAS_BIAS, HALF, BLOCK_HK, BLOCK_HALF)
 
 
+def check_pairs_args(q, k, cos, sin, q_bias, k_bias) -> bool:
+    """The argument checks of the pair-RoPE kernels (see ``apply_rotary_pairs_``); returns
+    whether a bias is given. Raises ValueError naming the mismatch."""
+    h, d = q.shape[1], q.shape[2]
+    check_qk_cos_sin(q, k, cos, sin, d // 2)
+    has_bias = q_bias is not None
+    if has_bias != (k_bias is not None):
+        raise ValueError("pass both q_bias and k_bias, or neither")
+    if has_bias and (q_bias.shape != (h, d) or k_bias.shape != (k.shape[1], d)
+                     or q_bias.dtype != q.dtype or k_bias.dtype != q.dtype
+                     or not q_bias.is_contiguous() or not k_bias.is_contiguous()):
+        raise ValueError(f"q_bias/k_bias must be contiguous [{h}, {d}] / [{k.shape[1]}, {d}] "
+                         f"in {q.dtype}")
+    return has_bias
+
+
 def apply_rotary_pairs_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, q_bias: torch.Tensor | None = None,
                         k_bias: torch.Tensor | None = None) -> None:
@@ -72,15 +97,7 @@ def apply_rotary_pairs_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     """
     t, h, d = q.shape
     half = d // 2
-    check_qk_cos_sin(q, k, cos, sin, half)
-    has_bias = q_bias is not None
-    if has_bias != (k_bias is not None):
-        raise ValueError("pass both q_bias and k_bias, or neither")
-    if has_bias and (q_bias.shape != (h, d) or k_bias.shape != (k.shape[1], d)
-                     or q_bias.dtype != q.dtype or k_bias.dtype != q.dtype
-                     or not q_bias.is_contiguous() or not k_bias.is_contiguous()):
-        raise ValueError(f"q_bias/k_bias must be contiguous [{h}, {d}] / [{k.shape[1]}, {d}] "
-                         f"in {q.dtype}")
+    has_bias = check_pairs_args(q, k, cos, sin, q_bias, k_bias)
     if t == 0:
         return
     _rotary_pairs_kernel[(t,)](

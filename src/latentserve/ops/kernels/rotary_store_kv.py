@@ -1,0 +1,184 @@
+"""RoPE fused with the KV store: one launch rotates q in place and writes the rotated k and
+the v of every new token into the layer's paged K/V pool (what ``ops.kernels.apply_rotary_``,
+or Huginn's ``apply_rotary_pairs_``, followed by ``attention.kernels.store_kv`` do in two
+launches).
+
+One program per token, as in the kernels it replaces: it rotates every q head in place,
+rotates every k head with the same jitted math (``rotary._rope_halves``,
+``rotary_pairs._bias_rope_pairs``, so the same rounding) and stores it, cast to the pool
+dtype, at the token's slot, then copies v there. k in the activations is left unrotated: the
+attention kernels read the new tokens' K/V from the pool only. Results are bitwise those of
+the two-kernel path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from latentserve.ops.kernels.rotary import _rope_halves, _rotate_heads, check_qk_cos_sin
+from latentserve.ops.kernels.rotary_pairs import (
+    _bias_rope_pairs,
+    _rotate_pairs,
+    check_pairs_args,
+)
+
+
+@triton.jit
+def _store_kv_tiles(k1, k2, V, KCache, VCache, t, slot, stride_vt, stride_vh,
+                    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, offs_h, offs_x, mask,
+                    PARTNER: tl.constexpr):
+    # Write a token's rotated k (k1 at element offs_x of each head, k2 at offs_x + PARTNER)
+    # and copy its v (the same elements) into slot `slot` of the pool, cast to its dtype.
+    kc = KCache + slot * stride_kc_s + offs_h[:, None] * stride_kc_h + offs_x[None, :]
+    tl.store(kc, k1.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(kc + PARTNER, k2.to(KCache.dtype.element_ty), mask=mask)
+    vp = V + t * stride_vt + offs_h[:, None] * stride_vh + offs_x[None, :]
+    vc = VCache + slot * stride_vc_s + offs_h[:, None] * stride_vc_h + offs_x[None, :]
+    tl.store(vc, tl.load(vp, mask=mask).to(VCache.dtype.element_ty), mask=mask)
+    tl.store(vc + PARTNER, tl.load(vp + PARTNER, mask=mask).to(VCache.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    Q, K, V, Cos, Sin, KCache, VCache, Slots,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+    n_q_heads, n_k_heads,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    c = tl.load(Cos + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
+    s = tl.load(Sin + t * stride_st + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(Q + t * stride_qt, stride_qh, c[None, :], s[None, :], n_q_heads,
+                  HALF, BLOCK_HQ, BLOCK_HALF)
+    offs_h = tl.arange(0, BLOCK_HK)  # k and v: [BLOCK_HK, BLOCK_HALF] tiles of each half
+    mask = (offs_h < n_k_heads)[:, None] & (offs_d < HALF)[None, :]
+    k_ptr = K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    k1, k2 = _rope_halves(tl.load(k_ptr, mask=mask, other=0.0),
+                          tl.load(k_ptr + HALF, mask=mask, other=0.0), c[None, :], s[None, :])
+    _store_kv_tiles(k1, k2, V, KCache, VCache, t, slot, stride_vt, stride_vh,
+                    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, offs_h, offs_d, mask,
+                    HALF)
+
+
+@triton.jit
+def _rotary_pairs_store_kv_kernel(
+    Q, K, V, QBias, KBias, Cos, Sin, KCache, VCache, Slots,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+    n_q_heads, n_k_heads,
+    HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    offs_i = tl.arange(0, BLOCK_HALF)
+    c = tl.load(Cos + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0).to(tl.float32)
+    s = tl.load(Sin + t * stride_st + offs_i, mask=offs_i < HALF, other=0.0).to(tl.float32)
+    _rotate_pairs(Q + t * stride_qt, stride_qh, QBias, c[None, :], s[None, :], n_q_heads,
+                  HAS_BIAS, HALF, BLOCK_HQ, BLOCK_HALF)
+    offs_h = tl.arange(0, BLOCK_HK)  # k and v: [BLOCK_HK, BLOCK_HALF] tiles of even/odd
+    mask = (offs_h < n_k_heads)[:, None] & (offs_i < HALF)[None, :]
+    k_ptr = K + t * stride_kt + offs_h[:, None] * stride_kh + 2 * offs_i[None, :]
+    k1, k2 = _bias_rope_pairs(tl.load(k_ptr, mask=mask, other=0.0),
+                              tl.load(k_ptr + 1, mask=mask, other=0.0), KBias, offs_h, offs_i,
+                              mask, c[None, :], s[None, :], HAS_BIAS, HALF)
+    _store_kv_tiles(k1, k2, V, KCache, VCache, t, slot, stride_vt, stride_vh,
+                    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, offs_h, 2 * offs_i,
+                    mask, 1)
+
+
+def _check_store_args(k, v, k_cache, v_cache, slots) -> None:
+    t, hk, d = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1:
+        raise ValueError(f"v {tuple(v.shape)} {v.dtype} must match k {tuple(k.shape)} "
+                         f"{k.dtype} with a contiguous last dim")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 3 or cache.shape[1:] != (hk, d) or cache.stride(-1) != 1:
+            raise ValueError(f"{name} must be [slots, {hk}, {d}] with a contiguous last dim, "
+                             f"got {tuple(cache.shape)}")
+    if slots.shape != (t,):
+        raise ValueError(f"slots must be [{t}], got {tuple(slots.shape)}")
+
+
+def _strides(q, k, v, cos, sin, k_cache, v_cache):
+    return (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), sin.stride(0),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            q.shape[1], k.shape[1])
+
+
+def apply_rotary_store_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rotate q in place (rotate-half convention) and store rotated k and v into the pool.
+
+    Afterwards q holds ``apply_rotary_``'s q and ``k_cache[slots]``/``v_cache[slots]`` hold
+    what ``apply_rotary_`` then ``store_kv`` would write, bit for bit; k and v are not
+    modified. No host sync and no allocation (CUDA-graph safe).
+
+    Args:
+        q: ``[T, H, D]``, k and v: ``[T, Hkv, D]``, one float dtype, last dim contiguous
+            (views into a fused qkv projection are fine). D even.
+        cos, sin: ``[T, D]`` (``ops.rotary.rope_cos_sin``; the first half is read), last dim
+            contiguous.
+        k_cache, v_cache: ``[num_slots + 1, Hkv, D]`` one layer's pool buffers (any float
+            dtype; values are cast to it), last dim contiguous.
+        slots: ``[T] int64`` destination slot of each token (duplicates, e.g. padded rows
+            on the dummy slot 0: which write lands is unspecified).
+    Raises:
+        ValueError: on a shape, dtype or stride mismatch.
+    """
+    t, h, d = q.shape
+    check_qk_cos_sin(q, k, cos, sin, d)
+    _check_store_args(k, v, k_cache, v_cache, slots)
+    if t == 0:
+        return
+    half, hk = d // 2, k.shape[1]
+    _rotary_store_kv_kernel[(t,)](
+        q, k, v, cos, sin, k_cache, v_cache, slots,
+        *_strides(q, k, v, cos, sin, k_cache, v_cache),
+        HALF=half, BLOCK_HQ=triton.next_power_of_2(h), BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=4 if h * half >= 1024 else 1,
+    )
+
+
+def apply_rotary_pairs_store_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                                 v_cache: torch.Tensor, slots: torch.Tensor,
+                                 q_bias: torch.Tensor | None = None,
+                                 k_bias: torch.Tensor | None = None) -> None:
+    """Huginn's convention: the per-head bias add (when given) and the rotation of
+    interleaved pairs, in place on q and stored with v into the pool.
+
+    Afterwards q and the pool hold what ``apply_rotary_pairs_`` then ``store_kv`` would
+    leave, bit for bit; k and v are not modified. No host sync and no allocation.
+
+    Args:
+        q, k, v, k_cache, v_cache, slots: as ``apply_rotary_store_kv_``.
+        cos, sin, q_bias, k_bias: as ``ops.kernels.apply_rotary_pairs_`` (cos/sin
+            ``[T, D/2]`` float32; biases ``[H, D]`` / ``[Hk, D]`` in q's dtype, or None).
+    Raises:
+        ValueError: on a shape, dtype or stride mismatch.
+    """
+    t, h, d = q.shape
+    has_bias = check_pairs_args(q, k, cos, sin, q_bias, k_bias)
+    _check_store_args(k, v, k_cache, v_cache, slots)
+    if t == 0:
+        return
+    half, hk = d // 2, k.shape[1]
+    _rotary_pairs_store_kv_kernel[(t,)](
+        q, k, v, q_bias if has_bias else q, k_bias if has_bias else k, cos, sin,
+        k_cache, v_cache, slots,
+        *_strides(q, k, v, cos, sin, k_cache, v_cache),
+        HAS_BIAS=has_bias, HALF=half, BLOCK_HQ=triton.next_power_of_2(h),
+        BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=4 if h * half >= 1024 else 1,
+    )
