@@ -288,3 +288,18 @@ def test_overlap_is_the_cuda_default_and_can_be_turned_off():
         is False
     with pytest.raises(SystemExit):
         parse(["serve", "--overlap-schedule", "--disable-overlap-schedule"])
+
+
+def test_recorded_steps_are_the_same_in_both_modes(tiny_dirs):
+    """``testing.tp_parity.run_requests`` drops overlap mode's discarded rows (a finished
+    request's row in the batch launched before its last token was seen), so an overlap run
+    compares step for step with a synchronous one (``assert_same``, as the GPU TP tests
+    compare TP=1 on CUDA, where overlap is the default, with TP=2)."""
+    from latentserve.testing.tp_parity import assert_same
+
+    requests = [(p, SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True))
+                for i, p in enumerate(shared_prefix_prompts()[:5])]
+    sync = run_requests(LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]))), requests)
+    over = run_requests(_engine(tiny_dirs), requests)
+    assert [len(lg) for _, lg, _ in over] == [4 + i for i in range(5)]
+    assert_same(sync, over)

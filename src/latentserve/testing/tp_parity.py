@@ -10,7 +10,10 @@ def run_requests(engine, requests):
     """Queue ``[(prompt ids, SamplingParams)]`` at once and step to completion.
 
     Returns per request ``(tokens, [logits [vocab] float32 CPU, one per sampled step],
-    final StepOutput)``; checks afterwards that no KV slot leaked (``check_idle``).
+    final StepOutput)``; checks afterwards that no KV slot leaked (``check_idle``). In
+    overlap mode (``engine/overlap.py``) a request that finished was already in the next
+    launched batch; that discarded row's logits are dropped, so both modes record the same
+    steps.
     """
     runner, logits = engine.runner, {}
     original = runner.run
@@ -35,6 +38,10 @@ def run_requests(engine, requests):
     finally:
         runner.run = original
     engine.cache.check_idle()
+    config = getattr(engine, "config", None)
+    if getattr(config, "use_overlap_schedule", False) and engine.latent_spec is None:
+        for r in rids:  # one sampled row per token; the rest are discarded rows
+            del logits[r][len(toks[r]):]
     return [(toks[r], logits[r], final[r]) for r in rids]
 
 
