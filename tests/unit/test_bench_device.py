@@ -9,9 +9,10 @@ def test_head_gpu_tiny(tmp_path):
     from latentserve.bench.head_gpu import main
 
     out = tmp_path / "head.json"
-    assert main([str(out), "--tiny"]) == 0
+    assert main([str(out), "--tiny", "--step-rounds", "2"]) == 0
     res = json.loads(out.read_text())
     assert res["config"]["max_latent"] == 4 and res["config"]["use_stop"] is False
+    assert res["config"]["step_rounds"] == 2
     shape = res["shapes"]["tiny"]
     for c in ("1", "4"):
         row = shape["concurrency"][c]
@@ -22,6 +23,11 @@ def test_head_gpu_tiny(tmp_path):
     assert cost["latent_steps"] == 4
     for k in ("latent_step_s", "plain_step_s", "bare_backbone_step_s", "floor_s"):
         assert cost[k] > 0
+    # Two rounds of each phase; the reported step is their median (here: their mean).
+    for k, name in (("latent", "latent_step_s"), ("plain", "plain_step_s"),
+                    ("bare", "bare_backbone_step_s")):
+        assert len(cost["rounds"][k]) == 2
+        assert abs(cost[name] - sum(cost["rounds"][k]) / 2) < 1e-12
     assert shape["agree_with_reference"] == 1.0
 
 

@@ -119,30 +119,49 @@ def _kv_floor(engine, batch: int, mean_ctx: float, bw: float) -> dict:
     return {"weights_bytes": weights, "kv_bytes": kv, "floor_s": (weights + kv) / bw}
 
 
-def step_cost(engine, bare, prompts, open_ids, max_latent: int, device: str) -> dict:
+def step_cost(engine, bare, prompts, open_ids, max_latent: int, device: str,
+              rounds: int = 1) -> dict:
     """Steady step time (s) of ``len(prompts)`` rows in the latent phase against the same
     rows decoding plain tokens at the same positions (prompt + opening ids, thinking off),
-    in the head engine and (when ``bare`` is an engine) on the bare backbone."""
+    in the head engine and (when ``bare`` is an engine) on the bare backbone.
+
+    ``rounds`` > 1 repeats the latent, plain and bare phases in turn and reports the median
+    of each (the per-round figures in ``rounds``): drift in clocks or host load between two
+    phases then cannot masquerade as the head's cost."""
+    import statistics
+
     from latentserve.bench.device_common import drive
 
     n_close = len(engine.latent_spec.end_ids)
-    # NOTE: both phases start from an empty prefix cache, so neither pays for evicting the
-    # earlier phases' cached prompts (nor reuses them): like is compared with like.
-    engine.cache.radix.reset()
-    lat = drive(engine, prompts, _params(max_latent, 1, n_close), device, "lat")
     plain_prompts = [p + list(open_ids) for p in prompts]
-    engine.cache.radix.reset()
-    plain = drive(engine, plain_prompts, _params(0, max_latent + 1, 0, False), device, "pln")
+    samples = {"latent": [], "plain": [], "bare": []}
+    lat = None
+    for _ in range(rounds):
+        # NOTE: every phase starts from an empty prefix cache, so none pays for evicting
+        # the earlier phases' cached prompts (nor reuses them): like is compared with like.
+        engine.cache.radix.reset()
+        lat = drive(engine, prompts, _params(max_latent, 1, n_close), device, "lat")
+        samples["latent"].append(lat["step_s"].get("latent"))
+        engine.cache.radix.reset()
+        plain = drive(engine, plain_prompts, _params(0, max_latent + 1, 0, False), device,
+                      "pln")
+        samples["plain"].append(plain["step_s"].get("decode"))
+        if bare is not None:
+            bare.cache.radix.reset()
+            b = drive(bare, plain_prompts, _params(0, max_latent + 1, 0, False), device,
+                      "bare")
+            samples["bare"].append(b["step_s"].get("decode"))
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
     out = {"batch": len(prompts), "latent_steps": lat["steps"].get("latent", 0),
-           "latent_step_s": lat["step_s"].get("latent"),
-           "plain_step_s": plain["step_s"].get("decode"),
+           "latent_step_s": med["latent"], "plain_step_s": med["plain"],
            "latent_graph_steps": lat["graph_steps"]}
     out["latent_over_plain_pct"] = 100 * (out["latent_step_s"] / out["plain_step_s"] - 1)
     if bare is not None:
-        b = drive(bare, plain_prompts, _params(0, max_latent + 1, 0, False), device, "bare")
-        out["bare_backbone_step_s"] = b["step_s"].get("decode")
+        out["bare_backbone_step_s"] = med["bare"]
         out["latent_over_bare_pct"] = 100 * (out["latent_step_s"]
                                              / out["bare_backbone_step_s"] - 1)
+    if rounds > 1:
+        out["rounds"] = {k: v for k, v in samples.items() if v}
     return out
 
 
@@ -176,7 +195,7 @@ def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
 
 def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, prompt_len: int,
                 max_latent: int, answer_len: int, ref_requests: int, bw: float,
-                bare_baseline: bool = True) -> dict:
+                bare_baseline: bool = True, step_rounds: int = 1) -> dict:
     """One backbone + head: engine at each concurrency, latent-step cost, then the eager
     reference (after the engines are freed). Returns a JSON-able dict."""
     import torch
@@ -222,7 +241,8 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
         # bare baseline compares like with like; overlap would hide its host time.
         bare = _engine(path, device, dtype, max_c, max_len, no_latent_head=True,
                        overlap_schedule=False)
-    cost = step_cost(engine, bare, rand_prompts(max_c), spec.start_ids, max_latent, device)
+    cost = step_cost(engine, bare, rand_prompts(max_c), spec.start_ids, max_latent, device,
+                     step_rounds)
     cost.update(floor)
     if device.startswith("cuda"):
         head = engine.runner.model.latent_head
@@ -272,7 +292,7 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
 def run_head_bench(shapes=tuple(HEADS), device: str = "cuda", dtype: str = "bfloat16",
                    concurrency=(1, 16, 64), prompt_len: int = 128, max_latent: int = 32,
                    answer_len: int = 32, ref_requests: int = 3, bare_baseline: bool = True,
-                   command: str | None = None) -> dict:
+                   command: str | None = None, step_rounds: int = 1) -> dict:
     """Every shape in ``shapes`` (``HEADS`` keys, or ``("tiny",)``); see the module
     docstring. Returns the JSON-able result with the config it ran."""
     from latentserve.bench.device_common import copy_bandwidth_on, machine
@@ -283,6 +303,7 @@ def run_head_bench(shapes=tuple(HEADS), device: str = "cuda", dtype: str = "bflo
            "machine": machine(device),
            "config": {"device": device, "dtype": dtype, "head_dtype": "float32",
                       "concurrency": list(concurrency), "prompt_len": prompt_len,
+                      "step_rounds": step_rounds,
                       "think_open_ids": len(THINK_OPEN.split()),
                       "think_close_ids": len(THINK_CLOSE.split()),
                       "max_latent": max_latent, "min_latent": 0, "use_stop": False,
@@ -294,7 +315,7 @@ def run_head_bench(shapes=tuple(HEADS), device: str = "cuda", dtype: str = "bflo
         for name in shapes:
             out["shapes"][name] = bench_shape(name, Path(d), device, dtype, concurrency,
                                               prompt_len, max_latent, answer_len,
-                                              ref_requests, bw, bare_baseline)
+                                              ref_requests, bw, bare_baseline, step_rounds)
             shutil.rmtree(Path(d) / name, ignore_errors=True)
             print(json.dumps({name: out["shapes"][name]}, indent=1), flush=True)
     out["total_s"] = time.perf_counter() - t_start
@@ -314,6 +335,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-latent", type=int, default=32)
     p.add_argument("--answer-len", type=int, default=32)
     p.add_argument("--ref-requests", type=int, default=3)
+    p.add_argument("--step-rounds", type=int, default=1,
+                   help="repeat the latent/plain/bare step-cost phases this many times in "
+                        "turn and report medians")
     p.add_argument("--no-bare", action="store_true",
                    help="skip the bare-backbone plain-step baseline")
     p.add_argument("--tiny", action="store_true",
@@ -324,11 +348,11 @@ def main(argv=None) -> int:
     conc = tuple(int(x) for x in args.concurrency.split(","))
     if args.tiny:
         res = run_head_bench(("tiny",), "cpu", "float32", (1, 4), 8, 4, 4, 1,
-                             not args.no_bare, cmd)
+                             not args.no_bare, cmd, args.step_rounds)
     else:
         res = run_head_bench(tuple(args.shapes.split(",")), "cuda", "bfloat16", conc,
                              args.prompt_len, args.max_latent, args.answer_len,
-                             args.ref_requests, not args.no_bare, cmd)
+                             args.ref_requests, not args.no_bare, cmd, args.step_rounds)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {args.out} ({res['total_s']:.1f} s)", flush=True)
