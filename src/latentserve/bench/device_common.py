@@ -39,6 +39,34 @@ def copy_bandwidth_on(device: str, nbytes: int | None = None, iters: int = 20) -
     return 2 * n * iters / (time.perf_counter() - t0)
 
 
+def profile_replay(graph) -> dict:
+    """Device operations (kernels, memcpys, memsets) in one replay of a captured CUDA
+    ``graph``, from ``torch.profiler``: their count, the 12 most frequent names, the summed
+    device time (``busy_us``; below the replay's wall time by the gaps between kernels) and
+    the 12 names with the most device time (microseconds)."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    dev_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = collections.Counter(e.name for e in dev_events)
+    busy = collections.Counter()  # microseconds of device time per op name
+    for e in dev_events:
+        busy[e.name] += e.time_range.elapsed_us()
+    out = {"device_ops": sum(names.values()), "top": names.most_common(12),
+           "busy_us": sum(busy.values()),
+           "top_by_time_us": [(k, round(v, 1)) for k, v in busy.most_common(12)]}
+    if not names:
+        out["note"] = "the profiler saw no device ops inside the graph replay"
+    return out
+
+
 def param_bytes(*modules) -> int:
     """Bytes of the distinct parameters of ``modules`` (a tied weight counts once)."""
     seen, total = set(), 0

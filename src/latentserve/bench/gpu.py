@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from latentserve.bench.device_common import profile_replay
+
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
@@ -111,36 +113,14 @@ def _engine_run(engine, prompts, output_len):
 
 
 def _kernels_per_replay(engine, bs: int) -> dict:
-    """Device operations (kernels, memcpys, memsets) in one replay of the decode graph of
-    batch ``bs``'s bucket, from ``torch.profiler``: their count, the 12 most frequent names,
-    the summed device time (``busy_us``; below the replay's wall time by the gaps between
-    kernels) and the 12 names with the most device time."""
-    import collections
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
+    """Device operations in one replay of the decode graph of batch ``bs``'s bucket
+    (``device_common.profile_replay``), with the bucket."""
     try:
         graphs = engine.runner.graphs
         b = next(x for x in graphs.buckets if x >= bs)
         graph = graphs.graphs[graphs.graph_depths[0], b]
         graph.replay()  # re-runs the last step's inputs: same K/V into the same slots
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            graph.replay()
-            torch.cuda.synchronize()
-        dev_events = [e for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA]
-        names = collections.Counter(e.name for e in dev_events)
-        busy = collections.Counter()  # microseconds of device time per op name
-        for e in dev_events:
-            busy[e.name] += e.time_range.elapsed_us()
-        out = {"bucket": b, "device_ops": sum(names.values()), "top": names.most_common(12),
-               "busy_us": sum(busy.values()),
-               "top_by_time_us": [(k, round(v, 1)) for k, v in busy.most_common(12)]}
-        if not names:
-            out["note"] = "the profiler saw no device ops inside the graph replay"
-        return out
+        return {"bucket": b, **profile_replay(graph)}
     except Exception as exc:  # noqa: BLE001 - a profiler gap must not lose the benchmark
         return {"error": f"{type(exc).__name__}: {exc}"}
 

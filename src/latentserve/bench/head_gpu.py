@@ -169,8 +169,11 @@ def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
     """Device time (microseconds) of one replay of a CUDA graph holding only the head's
     serve path (``LatentHead.serve_outputs``) for ``rows`` bf16 anchors: the IEEE float32
     torch modules (``torch_fp32``) against the fused 3xTF32 ``small_linear`` launches
-    (``small_linear_tf32x3``, the default)."""
+    (``small_linear_tf32x3``, the default); ``<name>_kernels``: one replay's device ops
+    (``device_common.profile_replay``)."""
     import torch
+
+    from latentserve.bench.device_common import profile_replay
 
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     out = {}
@@ -189,6 +192,10 @@ def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
             end.record()
             torch.cuda.synchronize()
         out[name] = start.elapsed_time(end) * 1e3 / iters
+        try:
+            out[f"{name}_kernels"] = profile_replay(graph)
+        except Exception as exc:  # noqa: BLE001 - a profiler gap must not lose the benchmark
+            out[f"{name}_kernels"] = {"error": f"{type(exc).__name__}: {exc}"}
         del graph
     return out
 
