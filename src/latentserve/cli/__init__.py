@@ -32,8 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on cuda, torch on cpu")
     p.add_argument("--attention-num-kv-splits", type=int, default=8,
-                   help="Triton decode attention: splits of each request's keys (1: no merge "
-                        "kernel)")
+                   help="Triton decode attention: the most splits of each request's keys; a "
+                        "batch that fills the GPU's SMs takes fewer (1: no merge kernel)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, KV pool and graphs")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
