@@ -76,20 +76,26 @@ def test_fused_kv_store_gives_the_two_kernel_path_bitwise(kind, dtype, tiny_dirs
     assert_same(two, one, atol=0)
 
 
+def _ouro_requests():
+    """Four Ouro requests with mixed depths and exit rules (one batch)."""
+    from latentserve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    cases = [(4, None, None), (2, "threshold", 0.6), (6, "weighted", None), (3, "last", None)]
+    return [(torch.randint(3, 200, (n,), generator=g).tolist(),
+             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
+                            exit_criterion=c, exit_threshold=t))
+            for n, (d, c, t) in zip((9, 17, 4, 12), cases)]
+
+
 def test_fused_kv_store_ouro_banks_bitwise(tmp_path, monkeypatch):
     """Ouro on the Triton backend: each loop iteration's bank gets the fused store, also
     when exited rows leave a sub-batch; tokens and logits equal the two-kernel path."""
-    from latentserve.sampling_params import SamplingParams
     from latentserve.testing.recurrent_models import write_ouro
     from latentserve.testing.tp_parity import assert_same
 
     path = write_ouro(tmp_path / "ouro")
-    g = torch.Generator().manual_seed(3)
-    cases = [(4, None, None), (2, "threshold", 0.6), (6, "weighted", None), (3, "last", None)]
-    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
-             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
-                            exit_criterion=c, exit_threshold=t))
-            for n, (d, c, t) in zip((9, 17, 4, 12), cases)]
+    reqs = _ouro_requests()
     two, one = _run_with_and_without_fused_kv_store(path, reqs, monkeypatch)
     assert_same(two, one, atol=0)
 
@@ -154,17 +160,11 @@ def test_fused_ouro_matches_unfused_fp32(tmp_path):
     the unfused path's tokens and logits (1e-4) for mixed depths and readouts; the unfused
     path is checked against the upstream-algorithm reference in
     ``tests/parity/test_recurrent_parity.py``."""
-    from latentserve.sampling_params import SamplingParams
     from latentserve.testing.recurrent_models import write_ouro
     from latentserve.testing.tp_parity import assert_same, run_requests
 
     path = write_ouro(tmp_path / "ouro")
-    g = torch.Generator().manual_seed(3)
-    cases = [(4, None, None), (2, "threshold", 0.6), (6, "weighted", None), (3, "last", None)]
-    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
-             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
-                            exit_criterion=c, exit_threshold=t))
-            for n, (d, c, t) in zip((9, 17, 4, 12), cases)]
+    reqs = _ouro_requests()
     out = {}
     for fused in (False, True):
         engine = LLMEngine(EngineConfig(model=str(path), fused_ops=fused))
