@@ -148,20 +148,11 @@ def head_controls(http_request, body: SamplingRequest,
     sent); thinking also from ``chat_template_kwargs`` ``thinking`` / ``enable_thinking``
     (below the body field). Raises APIError (400 naming the header) for a malformed value:
     booleans 1/0/true/false/yes/no/on/off, non-negative integers, a threshold in [0, 1]."""
-    from latentserve.latent.head import parse_bool
+    from latentserve.latent.head import parse_bool, template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
-    if out["thinking"] is None and template_kwargs:
-        for key in ("thinking", "enable_thinking"):
-            value = template_kwargs.get(key)
-            if isinstance(value, str):  # "false" from a client that stringifies kwargs
-                try:
-                    value = parse_bool(f"chat_template_kwargs.{key}", value)
-                except ValueError:
-                    continue  # not a boolean: left to the template
-            if isinstance(value, bool):
-                out["thinking"] = value
-                break
+    if out["thinking"] is None:
+        out["thinking"] = template_thinking(template_kwargs)
     headers = getattr(http_request, "headers", None) or {}
     for name, (hdr, alias, kind) in HEAD_HEADERS.items():
         used = hdr if headers.get(hdr) is not None else alias
