@@ -4,6 +4,7 @@ random head bundle inside serves with the head and no flags; per request, header
 is a 400 naming it; each choice's ``latent.stats`` reports the run (and thinking off)."""
 
 import os
+import time
 
 import httpx
 import pytest
@@ -160,3 +161,27 @@ def test_streamed_ticks_match_the_latent_steps_and_stats_ride_the_finish_chunk(h
     assert len(finish) == 1
     stats = finish[0]["latent"]["stats"]
     assert stats["thinking"] is True and len(ticks) == stats["steps"] == 3
+
+
+def test_log_level_debug_reaches_the_engine_per_request_latent_log_line(tmp_path, smollm2_dir):
+    """``--log-level debug`` logs each head request's latent stats (the engine's debug
+    line); the engine process used to log at INFO whatever the flag said."""
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+    from latentserve.testing.head_models import save_head_model
+
+    d = save_head_model(tmp_path / "m")
+    srv = start_server(EngineConfig(model=str(d), max_num_seqs=2), timeout=300,
+                       log_path=tmp_path / "server.log", log_level="debug")
+    try:
+        r = httpx.post(f"{srv.base_url}/v1/completions", timeout=60, json={
+            "prompt": [11, 12, 13], "max_tokens": 4, "max_latent": 2, "use_stop": False,
+            "min_output_tokens": 0})
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        deadline = time.monotonic() + 30
+        while "latent head: req" not in srv.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "latent head: req" in srv.log_tail() and "steps=2" in srv.log_tail(), rid
+    finally:
+        srv.stop()
