@@ -92,6 +92,22 @@ def test_messages_route_takes_headers(head_server):
     assert bad.status_code == 400 and "x-latent-use-stop" in bad.text
 
 
+def test_messages_route_refuses_a_malformed_stream_steps_header(head_server):
+    """``x-latent-stream-steps`` is validated on every generation route (a 400 naming it,
+    streamed or not), as on /v1/completions, which does not tick either; /v1/messages
+    ignored it."""
+    body = {"model": head_server.model_dir, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}]}
+    for stream in (False, True):
+        bad = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60,
+                         headers={"x-latent-stream-steps": "sometimes"},
+                         json={**body, "stream": stream})
+        assert bad.status_code == 400 and "x-latent-stream-steps" in bad.text, bad.text
+    ok = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60,
+                    headers={"x-latent-stream-steps": "1"}, json=body)
+    assert ok.status_code == 200, ok.text
+
+
 def _steps_total(server) -> float:
     """``latentserve_latent_steps_total`` from the server's Prometheus metrics."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
