@@ -201,3 +201,39 @@ def test_log_level_debug_reaches_the_engine_per_request_latent_log_line(tmp_path
         assert "latent head: req" in srv.log_tail() and "steps=2" in srv.log_tail(), rid
     finally:
         srv.stop()
+
+
+def test_answer_budget_floor_counts_in_the_request_output_limit(tmp_path, smollm2_dir):
+    """``--max-request-output-tokens`` bounds ``n`` x the prompts' ``max_tokens``; on a head
+    model the answer-budget floor raises a thinking request's ``max_tokens`` (to floor +
+    cap, at most the rest of the context), so the check counts the raised value: a client
+    could otherwise send ``max_tokens: 1`` and have each choice run to the context's end."""
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+    from latentserve.testing.head_models import save_head_model
+
+    d = save_head_model(tmp_path / "m")
+    env = {"LATENTSERVE_MAX_LATENT": "2", "LATENTSERVE_USE_STOP": "0",
+           "LATENTSERVE_MIN_OUTPUT_TOKENS": "40"}
+    srv = start_server(EngineConfig(model=str(d), max_num_seqs=4, max_model_len=256),
+                       timeout=300, env=env, max_request_output_tokens=60)
+    try:
+        def post(path, body, headers=None):
+            return httpx.post(f"{srv.base_url}{path}", timeout=60, headers=headers or {},
+                              json={"max_tokens": 1, "temperature": 0, **body})
+
+        prompt = {"prompt": [11, 12, 13]}
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        # floor 40 + cap 2 = 42 per choice: n=2 is 84 > 60
+        for path, body in (("/v1/completions", prompt), ("/v1/chat/completions", chat)):
+            r = post(path, {**body, "n": 2})
+            assert r.status_code == 400 and "max_tokens" in r.text, r.text
+            assert post(path, {**body, "n": 1}).status_code == 200
+            # the floor off, or thinking off: the client's max_tokens holds
+            assert post(path, {**body, "n": 2, "min_output_tokens": 0}).status_code == 200
+            assert post(path, {**body, "n": 2},
+                        {"x-latent-thinking": "off"}).status_code == 200
+        r = post("/v1/completions", {"prompt": [[11, 12], [13, 14]]})  # two prompts: 84
+        assert r.status_code == 400, r.text
+    finally:
+        srv.stop()
