@@ -87,6 +87,10 @@ class EngineConfig:
         if self.latent_injection not in (None, "closed_loop", "prompt"):
             raise ValueError("latent_injection must be one of (None, 'closed_loop', 'prompt'), "
                              f"got {self.latent_injection!r}")
+        for name in ("latent_head", "latent_injection"):  # they contradict --no-latent-head
+            if self.no_latent_head and getattr(self, name) is not None:
+                raise ValueError(f"no_latent_head serves the bare backbone; {name} "
+                                 f"({getattr(self, name)!r}) asks for a head: give one of them")
         if self.max_latent_budget is not None and self.max_latent_budget < 1:
             raise ValueError(f"max_latent_budget must be >= 1, got {self.max_latent_budget}")
         if self.kv_slots is not None and self.kv_slots < 2:

@@ -4,6 +4,7 @@ random head bundle inside serves with the head and no flags; per request, header
 is a 400 naming it; each choice's ``latent.stats`` reports the run (and thinking off)."""
 
 import os
+import time
 
 import httpx
 import pytest
@@ -91,6 +92,22 @@ def test_messages_route_takes_headers(head_server):
     assert bad.status_code == 400 and "x-latent-use-stop" in bad.text
 
 
+def test_messages_route_refuses_a_malformed_stream_steps_header(head_server):
+    """``x-latent-stream-steps`` is validated on every generation route (a 400 naming it,
+    streamed or not), as on /v1/completions, which does not tick either; /v1/messages
+    ignored it."""
+    body = {"model": head_server.model_dir, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}]}
+    for stream in (False, True):
+        bad = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60,
+                         headers={"x-latent-stream-steps": "sometimes"},
+                         json={**body, "stream": stream})
+        assert bad.status_code == 400 and "x-latent-stream-steps" in bad.text, bad.text
+    ok = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60,
+                    headers={"x-latent-stream-steps": "1"}, json=body)
+    assert ok.status_code == 200, ok.text
+
+
 def _steps_total(server) -> float:
     """``latentserve_latent_steps_total`` from the server's Prometheus metrics."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
@@ -160,3 +177,63 @@ def test_streamed_ticks_match_the_latent_steps_and_stats_ride_the_finish_chunk(h
     assert len(finish) == 1
     stats = finish[0]["latent"]["stats"]
     assert stats["thinking"] is True and len(ticks) == stats["steps"] == 3
+
+
+def test_log_level_debug_reaches_the_engine_per_request_latent_log_line(tmp_path, smollm2_dir):
+    """``--log-level debug`` logs each head request's latent stats (the engine's debug
+    line); the engine process used to log at INFO whatever the flag said."""
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+    from latentserve.testing.head_models import save_head_model
+
+    d = save_head_model(tmp_path / "m")
+    srv = start_server(EngineConfig(model=str(d), max_num_seqs=2), timeout=300,
+                       log_path=tmp_path / "server.log", log_level="debug")
+    try:
+        r = httpx.post(f"{srv.base_url}/v1/completions", timeout=60, json={
+            "prompt": [11, 12, 13], "max_tokens": 4, "max_latent": 2, "use_stop": False,
+            "min_output_tokens": 0})
+        assert r.status_code == 200, r.text
+        rid = r.json()["id"]
+        deadline = time.monotonic() + 30
+        while "latent head: req" not in srv.log_tail() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "latent head: req" in srv.log_tail() and "steps=2" in srv.log_tail(), rid
+    finally:
+        srv.stop()
+
+
+def test_answer_budget_floor_counts_in_the_request_output_limit(tmp_path, smollm2_dir):
+    """``--max-request-output-tokens`` bounds ``n`` x the prompts' ``max_tokens``; on a head
+    model the answer-budget floor raises a thinking request's ``max_tokens`` (to floor +
+    cap, at most the rest of the context), so the check counts the raised value: a client
+    could otherwise send ``max_tokens: 1`` and have each choice run to the context's end."""
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+    from latentserve.testing.head_models import save_head_model
+
+    d = save_head_model(tmp_path / "m")
+    env = {"LATENTSERVE_MAX_LATENT": "2", "LATENTSERVE_USE_STOP": "0",
+           "LATENTSERVE_MIN_OUTPUT_TOKENS": "40"}
+    srv = start_server(EngineConfig(model=str(d), max_num_seqs=4, max_model_len=256),
+                       timeout=300, env=env, max_request_output_tokens=60)
+    try:
+        def post(path, body, headers=None):
+            return httpx.post(f"{srv.base_url}{path}", timeout=60, headers=headers or {},
+                              json={"max_tokens": 1, "temperature": 0, **body})
+
+        prompt = {"prompt": [11, 12, 13]}
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        # floor 40 + cap 2 = 42 per choice: n=2 is 84 > 60
+        for path, body in (("/v1/completions", prompt), ("/v1/chat/completions", chat)):
+            r = post(path, {**body, "n": 2})
+            assert r.status_code == 400 and "max_tokens" in r.text, r.text
+            assert post(path, {**body, "n": 1}).status_code == 200
+            # the floor off, or thinking off: the client's max_tokens holds
+            assert post(path, {**body, "n": 2, "min_output_tokens": 0}).status_code == 200
+            assert post(path, {**body, "n": 2},
+                        {"x-latent-thinking": "off"}).status_code == 200
+        r = post("/v1/completions", {"prompt": [[11, 12], [13, 14]]})  # two prompts: 84
+        assert r.status_code == 400, r.text
+    finally:
+        srv.stop()

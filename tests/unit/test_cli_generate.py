@@ -51,3 +51,18 @@ def test_head_flags_on_a_model_without_a_head_are_one_error_line(tiny_dirs, caps
     assert main(["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "w5", "--raw",
                  "--max-latent", "4"]) == 2
     assert "--max-latent needs a model with a compression head" in capsys.readouterr().err
+
+
+def test_thinking_off_is_harmless_on_a_model_without_a_head(tiny_dirs, capsys):
+    """As on the server (docs/server.md): thinking turned off is harmless on any model and
+    makes the other head controls harmless too; only asking for thinking is refused."""
+    base = ["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "w5", "--raw",
+            "--max-tokens", "3", "--temperature", "0"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main([*base, "--thinking", "off"]) == 0
+    assert capsys.readouterr().out == plain
+    assert main([*base, "--thinking", "off", "--max-latent", "4"]) == 0
+    assert capsys.readouterr().out == plain
+    assert main([*base, "--thinking", "on"]) == 2
+    assert "--thinking needs a model with a compression head" in capsys.readouterr().err

@@ -231,3 +231,23 @@ def test_bundle_dataclass_build_is_fp32_eval():
     assert all(p.dtype == torch.float32 and not p.requires_grad for p in head.parameters())
     assert not head.training
     assert isinstance(_bundle(), HeadBundle)
+
+
+def test_pt_with_an_unexpected_part_or_version_is_refused(tmp_path):
+    """A ``.pt`` bundle's dict is checked like a ``.safetensors`` one: an unexpected
+    top-level key (a ``.safetensors`` file refuses an unexpected tensor prefix) and a
+    ``format_version`` that is not an integer (``True``, ``3.7``) are errors naming them,
+    not silently dropped or truncated."""
+    b = _bundle()
+    d = {"format_version": 3, "config": b.config.to_dict(), "reasoning_head": b.reasoning_head,
+         "decoder": b.decoder, "target_proj": b.target_proj}
+    torch.save({**d, "stop_head": {"w": torch.zeros(2)}}, tmp_path / "extra.pt")
+    with pytest.raises(ValueError, match="unexpected key 'stop_head'"):
+        read_bundle(tmp_path / "extra.pt")
+    for bad in (True, 3.7, "3.0"):
+        torch.save({**d, "format_version": bad}, tmp_path / "fv.pt")
+        with pytest.raises(ValueError, match="format_version must be an integer"):
+            read_bundle(tmp_path / "fv.pt")
+    for good in (3, "3", 3.0):
+        torch.save({**d, "format_version": good}, tmp_path / "fv.pt")
+        assert read_bundle(tmp_path / "fv.pt").format_version == 3

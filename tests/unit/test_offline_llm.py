@@ -62,3 +62,33 @@ def test_a_refused_prompt_leaves_nothing_queued_and_the_llm_usable(tmp_path, smo
     again = llm.generate([[5, 6, 7]], good, use_tqdm=False)[0].outputs[0]
     fresh = LLM(model=llm.engine.config.model).generate([[5, 6, 7]], good, use_tqdm=False)
     assert again.token_ids == fresh[0].outputs[0].token_ids and len(again.token_ids) == 3
+
+
+def test_chat_template_kwargs_turn_a_heads_thinking_on_and_off(tmp_path, smollm2_dir):
+    """``LLM.chat(..., chat_template_kwargs={"enable_thinking": False})`` turns the latent
+    phase off, as the same kwargs do on ``/v1/chat/completions`` (``thinking`` too, a
+    string "false" as well); a ``thinking`` set in the SamplingParams wins over them."""
+    from latentserve.testing.head_models import save_head_model
+
+    llm = LLM(model=str(save_head_model(tmp_path / "m")))
+    conv = [{"role": "user", "content": "hi"}]
+    p = SamplingParams(temperature=0, max_tokens=6, max_latent=2, use_stop=False,
+                       min_output_tokens=0)
+
+    def stats(params, kwargs):
+        out = llm.chat(conv, params, use_tqdm=False, chat_template_kwargs=kwargs)
+        return out[0].outputs[0].latent_stats
+
+    assert stats(p, None)["steps"] == 2
+    for kwargs in ({"enable_thinking": False}, {"thinking": False}, {"thinking": "false"}):
+        s = stats(p, kwargs)
+        assert (s["thinking"], s["steps"]) == (False, 0), kwargs
+    assert stats(SamplingParams(**{**_fields(p), "thinking": True}),
+                 {"enable_thinking": False})["steps"] == 2
+    llm.engine.cache.check_idle()
+
+
+def _fields(p):
+    import dataclasses
+
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}

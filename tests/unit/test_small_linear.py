@@ -52,10 +52,15 @@ def test_small_linear_out_features_and_empty():
     ({"out_features": 0}, "out_features"),
     ({"out_features": 5}, "out_features"),
     ({"bias": torch.randn(3)}, "bias"),
+    ({"precision": "fp64"}, "precision"),  # was a Triton assertion from inside the kernel
+    ({"out_features": True}, "out_features"),  # was read as 1, then a Triton type error
+    ({"out_features": 2.0}, "out_features"),  # was a TypeError from torch.empty
+    ({"weight": torch.randn(4, 8, device="meta")}, "device"),  # was an error from the launch
+    ({"bias": torch.randn(4, device="meta")}, "device"),
 ])
 def test_small_linear_refuses_bad_arguments(bad, match):
     args = {"x": torch.randn(2, 8), "weight": torch.randn(4, 8), "bias": None, "activation": None,
-                "out_features": None}
+                "out_features": None, "precision": "tf32x3"}
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         small_linear(**args)

@@ -136,3 +136,14 @@ def test_sft_config_rejects_bad_options():
         SFTConfig(out="h.bin")
     with pytest.raises(ValueError, match="beta"):
         SFTConfig(out="h.pt", beta=-1.0)
+
+
+@pytest.mark.parametrize("field", ["think_open", "think_close"])
+def test_sft_config_rejects_an_empty_thinking_text(field):
+    """An empty --think-open/--think-close trains on traces without that span, but the
+    bundle's empty text makes serving look for a ``<think>``/``</think>`` token instead
+    (SmolLM2 has none: the bundle could not be served at all)."""
+    from latentserve.train.sft import SFTConfig
+
+    with pytest.raises(ValueError, match=field):
+        SFTConfig(out="h.safetensors", **{field: ""})

@@ -55,7 +55,8 @@ def run(args) -> int:
                                  ("--min-output-tokens", args.min_output_tokens))
                   if v is not None]
     spec = engine.latent_spec
-    if head_flags and (spec is None or spec.kind != "head"):
+    # As on the server: thinking off is harmless on any model, and so are the other controls.
+    if head_flags and args.thinking != "off" and (spec is None or spec.kind != "head"):
         raise ValueError(f"{head_flags[0]} needs a model with a compression head; this model "
                          "has none")
     tok = engine.tokenizer

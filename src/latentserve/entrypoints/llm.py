@@ -109,11 +109,32 @@ class LLM:
              use_tqdm: bool = True, chat_template_kwargs: dict | None = None
              ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (a list of
-        ``{"role", "content"}``) or a list of them, then ``generate``."""
+        ``{"role", "content"}``) or a list of them, then ``generate``.
+
+        As on ``/v1/chat/completions``, ``chat_template_kwargs`` ``thinking`` /
+        ``enable_thinking`` turn a compression head's thinking on or off for the
+        sampling params that leave ``thinking`` unset, and a ``thinking`` that is set is
+        passed to the template under both names."""
+        import dataclasses
+
+        from latentserve.latent.head import template_thinking
+
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": self._chat_ids(c, chat_template_kwargs or {})} for c in convs
-        ]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(convs)
+        sampling_params = list(sampling_params)
+        from_kwargs = template_thinking(chat_template_kwargs)
+        prompts = []
+        for i, c in enumerate(convs):
+            kwargs = dict(chat_template_kwargs or {})
+            p = sampling_params[i] if i < len(sampling_params) else None
+            if p is not None and p.thinking is None and from_kwargs is not None:
+                sampling_params[i] = p = dataclasses.replace(p, thinking=from_kwargs)
+            if p is not None and p.thinking is not None:  # the template renders the opening
+                kwargs.update(thinking=p.thinking, enable_thinking=p.thinking)
+            prompts.append({"prompt_token_ids": self._chat_ids(c, kwargs)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _chat_ids(self, conv: list[dict], kwargs: dict) -> list[int]:

@@ -125,6 +125,10 @@ def _from_dict(d: dict, source: str) -> HeadBundle:
                          mlp_dim=int(d["net.0.weight"].shape[0]))
         fv = 3 if any(k.startswith("stop_head.") for k in d) else 2
         return HeadBundle(fv, cfg, dict(d))
+    extra = sorted(str(k) for k in d if k not in ("format_version", "config", *SUBDICTS))
+    if extra:  # as a .safetensors file refuses an unexpected tensor prefix
+        raise ValueError(f"{source}: unexpected key {extra[0]!r} in the bundle (expected "
+                         f"format_version, config and {SUBDICTS})")
     cfg = d.get("config")
     if cfg is None:
         raise ValueError(f"{source}: bundle has no config")
@@ -156,9 +160,11 @@ def _state_dict(sd, name: str, source: str) -> dict | None:
 
 
 def _int_version(v, source: str) -> int:
-    try:
+    try:  # int(True) and int(3.7) would pass: only integers, integral floats and digits
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError
         fv = int(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{source}: format_version must be an integer, got {v!r}") from None
     if fv < 1:
         raise ValueError(f"{source}: format_version must be >= 1, got {fv}")

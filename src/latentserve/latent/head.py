@@ -259,6 +259,22 @@ def parse_bool(name: str, value: str) -> bool:
     raise ValueError(f"{name} must be one of 1/0, true/false, yes/no, on/off; got {value!r}")
 
 
+def template_thinking(template_kwargs: dict | None) -> bool | None:
+    """Thinking on or off as chat ``template_kwargs`` say it: ``thinking``, else
+    ``enable_thinking``, a boolean or a boolean string ("false"); None when neither is
+    (a non-boolean value is left to the template)."""
+    for key in ("thinking", "enable_thinking"):
+        value = (template_kwargs or {}).get(key)
+        if isinstance(value, str):  # "false" from a client that stringifies kwargs
+            try:
+                value = parse_bool(f"chat_template_kwargs.{key}", value)
+            except ValueError:
+                continue
+        if isinstance(value, bool):
+            return value
+    return None
+
+
 def head_defaults(environ=None) -> dict:
     """Server defaults of the per-request head controls, from ``LATENTSERVE_MAX_LATENT``
     (256), ``LATENTSERVE_MIN_LATENT`` (4), ``LATENTSERVE_USE_STOP`` (1),

@@ -36,6 +36,7 @@ from latentserve.server.params import (
     latent_budget,
     latent_positions,
     refuse_head_controls,
+    refuse_stream_steps,
 )
 from latentserve.server.prompts import render_chat
 from latentserve.server.protocol import LatentFields, RequestModel
@@ -205,6 +206,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     body = body.model_copy(update={"thinking": flag if flag or has_head else None})
     controls = head_controls(request, body)
     refuse_head_controls(request, body, controls, state.latent_spec)
+    refuse_stream_steps(request, body, state.latent_spec)  # validates the header (no ticks)
     head = {k: v for k, v in controls.items() if v is not None}
     if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
         import dataclasses

@@ -14,6 +14,7 @@ from latentserve.server.params import (
     check_common,
     check_logprobs,
     check_total_output,
+    engine_max_tokens,
     fan_out,
     head_controls,
     latent_budget,
@@ -79,7 +80,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
                              logprobs, budget, head, stream_latent_steps=ticks,
                              latent_positions=latent_positions(state.latent_spec, budget))
-    check_total_output([params.max_tokens], body.n or 1, field, state.limits)
+    check_total_output([engine_max_tokens(params, state.latent_spec, len(prompt_ids),
+                                          state.max_model_len)], body.n or 1, field,
+                       state.limits, [params.max_tokens])
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
             for i, p in enumerate(fan_out(params, body.n or 1))]

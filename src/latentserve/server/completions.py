@@ -17,6 +17,7 @@ from latentserve.server.params import (
     check_common,
     check_logprobs,
     check_total_output,
+    engine_max_tokens,
     fan_out,
     head_controls,
     latent_budget,
@@ -70,8 +71,9 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
             index = p * n + j
             reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,
                                       text))
-    check_total_output([r.params.max_tokens for r in reqs[::n]], n, "max_tokens",
-                       state.limits)
+    check_total_output([engine_max_tokens(r.params, state.latent_spec, len(r.prompt_ids),
+                                          state.max_model_len) for r in reqs[::n]], n,
+                       "max_tokens", state.limits, [r.params.max_tokens for r in reqs[::n]])
     echoes = [_echo(state, r) if body.echo else "" for r in reqs]
     num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
     as_ids = bool(body.return_tokens_as_token_ids)

@@ -65,16 +65,20 @@ class EngineAddresses:
 
 
 def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
-                parent_pid: int) -> None:
+                parent_pid: int, log_level: str = "info") -> None:
     """Entry point of the engine process: load, report readiness, then serve until told to
-    stop or until the parent process is gone."""
+    stop or until the parent process is gone. ``log_level``: the server's ``--log-level``
+    (uvicorn's names; "trace" logs as debug)."""
     import signal
 
     import zmq
 
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    level = logging.getLevelName("DEBUG" if str(log_level).upper() == "TRACE"
+                                 else str(log_level).upper())
+    logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
+                        format="%(asctime)s engine %(levelname)s %(message)s")
     ctx = zmq.Context()
     try:
         from latentserve.engine.llm_engine import LLMEngine
@@ -226,9 +230,11 @@ class EngineProcess:
             was not ready within ``startup_timeout`` seconds.
     """
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0):
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0,
+                 log_level: str = "info"):
         self.config = config
         self.startup_timeout = startup_timeout
+        self.log_level = log_level
         self.ready: Ready | None = None
         self.addresses: EngineAddresses | None = None
         self._proc = None
@@ -243,7 +249,7 @@ class EngineProcess:
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=engine_main, name="latentserve-engine", daemon=True,
-            args=(self.config, self.addresses, child_conn, os.getpid()),
+            args=(self.config, self.addresses, child_conn, os.getpid(), self.log_level),
         )
         self._proc.start()
         child_conn.close()

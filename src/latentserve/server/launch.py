@@ -72,16 +72,16 @@ def _as_list(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
     return [configs] if isinstance(configs, EngineConfig) else list(configs)
 
 
-def start_engines(configs: list[EngineConfig]) -> list:
+def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
     """Start one ``EngineProcess`` per config, all at once, and wait until every one is
     ready; returns them in order. If one fails, the others are stopped and its
     ``EngineStartupError`` is raised (with a note naming its model when there are
-    several)."""
+    several). ``log_level``: the engines' logging level (the server's ``--log-level``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from latentserve.server.engine_process import EngineProcess
 
-    engines = [EngineProcess(c) for c in configs]
+    engines = [EngineProcess(c, log_level=log_level) for c in configs]
     if len(engines) == 1:
         engines[0].start()
         return engines
@@ -135,7 +135,7 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     limits = ServerLimits(**{k: v for k, v in (
         ("max_request_body_bytes", max_request_body_bytes),
         ("max_request_output_tokens", max_request_output_tokens)) if v is not None})
-    engines = start_engines(configs)
+    engines = start_engines(configs, log_level)
 
     def stop_engines() -> None:  # all at once: each may wait for its engine to exit
         if len(engines) == 1:
@@ -246,11 +246,13 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  env: dict[str, str] | None = None, api_key: str | None = None,
                  max_request_body_bytes: int | None = None,
                  drain_timeout: float | None = None,
-                 max_request_output_tokens: int | None = None) -> ServerProcess:
+                 max_request_output_tokens: int | None = None,
+                 log_level: str | None = None) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
-    ``port`` None picks a free one. Output goes to ``log_path`` (a temp file if None).
+    ``port`` None picks a free one. Output goes to ``log_path`` (a temp file if None);
+    ``log_level`` is the server's ``--log-level`` (None: info).
     ``api_key``, ``max_request_body_bytes``, ``drain_timeout`` and
     ``max_request_output_tokens`` are :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
@@ -280,6 +282,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
         cmd += ["--drain-timeout", str(drain_timeout)]
     if max_request_output_tokens is not None:
         cmd += ["--max-request-output-tokens", str(max_request_output_tokens)]
+    if log_level is not None:
+        cmd += ["--log-level", log_level]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     child_env.pop(API_KEY_ENV, None)
     if api_key is not None:

@@ -148,20 +148,11 @@ def head_controls(http_request, body: SamplingRequest,
     sent); thinking also from ``chat_template_kwargs`` ``thinking`` / ``enable_thinking``
     (below the body field). Raises APIError (400 naming the header) for a malformed value:
     booleans 1/0/true/false/yes/no/on/off, non-negative integers, a threshold in [0, 1]."""
-    from latentserve.latent.head import parse_bool
+    from latentserve.latent.head import parse_bool, template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
-    if out["thinking"] is None and template_kwargs:
-        for key in ("thinking", "enable_thinking"):
-            value = template_kwargs.get(key)
-            if isinstance(value, str):  # "false" from a client that stringifies kwargs
-                try:
-                    value = parse_bool(f"chat_template_kwargs.{key}", value)
-                except ValueError:
-                    continue  # not a boolean: left to the template
-            if isinstance(value, bool):
-                out["thinking"] = value
-                break
+    if out["thinking"] is None:
+        out["thinking"] = template_thinking(template_kwargs)
     headers = getattr(http_request, "headers", None) or {}
     for name, (hdr, alias, kind) in HEAD_HEADERS.items():
         used = hdr if headers.get(hdr) is not None else alias
@@ -326,10 +317,30 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
         raise APIError(str(exc), param=param) from None
 
 
+def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
+                      max_model_len: int) -> int:
+    """The ``max_tokens`` the engine runs ``params`` with: on a compression-head model
+    (``spec.kind == "head"``) with thinking on, raised by the answer-budget floor to
+    ``min_output_tokens + max_latent`` (controls the request leaves unset at the
+    ``LATENTSERVE_*`` defaults, which the engine process reads from the same environment),
+    at most what the context leaves; else ``params.max_tokens``."""
+    if spec is None or spec.kind != "head":
+        return params.max_tokens
+    from latentserve.latent.head import apply_output_floor, head_defaults, resolve_settings
+
+    hs = resolve_settings(params, head_defaults(), "closed_loop", True)
+    if not hs.thinking:
+        return params.max_tokens
+    raised = apply_output_floor(params.max_tokens, hs.min_output_tokens, hs.max_latent)
+    return max(params.max_tokens, min(raised, max_model_len - num_prompt_tokens))
+
+
 def check_total_output(max_tokens: list[int], n: int, max_tokens_field: str,
-                       limits: ServerLimits) -> None:
+                       limits: ServerLimits, asked: list[int] | None = None) -> None:
     """The request's total work, ``n`` times the sum of each prompt's resolved
-    ``max_tokens``, must stay within ``limits.max_request_output_tokens``.
+    ``max_tokens``, must stay within ``limits.max_request_output_tokens``. ``asked``: the
+    client's values when ``max_tokens`` holds them raised by a head's answer-budget floor
+    (:func:`engine_max_tokens`), for the message.
 
     Raises:
         APIError: 400 naming ``max_tokens_field`` (the value that is most often unset or too
@@ -338,11 +349,14 @@ def check_total_output(max_tokens: list[int], n: int, max_tokens_field: str,
     total = n * sum(max_tokens)
     limit = limits.max_request_output_tokens
     if total > limit:
+        floor = ("" if asked is None or list(asked) == list(max_tokens) else
+                 f", raised from {max(asked)} by the answer-budget floor min_output_tokens + "
+                 "max_latent (send min_output_tokens: 0 for it to hold)")
         raise APIError(
             f"{max_tokens_field} x n summed over prompts must be at most {limit} tokens per "
             f"request, got {total} ({len(max_tokens)} prompt(s), n={n}, {max_tokens_field} "
-            f"up to {max(max_tokens)}); lower {max_tokens_field}, n or the number of prompts",
-            param=max_tokens_field)
+            f"up to {max(max_tokens)}{floor}); lower {max_tokens_field}, n or the number of "
+            "prompts", param=max_tokens_field)
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:

@@ -75,6 +75,11 @@ class SFTConfig:
             raise ValueError(f"max_examples must be >= 1, got {self.max_examples}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        for k in ("think_open", "think_close"):  # empty: serving would look for <think>
+            if not isinstance(getattr(self, k), str) or not getattr(self, k):
+                raise ValueError(f"{k} must be a non-empty string (the thinking span's text "
+                                 f"the head is trained and served with), got "
+                                 f"{getattr(self, k)!r}")
         if not str(self.out).endswith((".safetensors", ".pt")):
             raise ValueError(f"out must end in .safetensors or .pt, got {self.out!r}")
 

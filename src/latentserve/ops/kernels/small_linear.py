@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 _ACTS = {None: 0, "silu": 1}
+_PRECISIONS = ("tf32x3", "ieee", "tf32")
 
 
 @triton.jit
@@ -91,10 +92,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     Returns:
         ``[M, n]`` float32, a new contiguous tensor.
     Raises:
-        ValueError: on a dtype, shape or stride mismatch or an unknown activation.
+        ValueError: on a dtype, device, shape or stride mismatch, an unknown activation or
+            precision, or an ``out_features`` that is not an integer in range.
     """
     if activation not in _ACTS:
         raise ValueError(f"activation must be one of {list(_ACTS)}, got {activation!r}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {list(_PRECISIONS)}, got {precision!r}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -104,9 +108,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or (bias is not None
                                                          and bias.stride(-1) != 1):
         raise ValueError("x, weight and bias need a contiguous last dim")
+    if any(t is not None and t.device != x.device for t in (weight, bias)):
+        raise ValueError(f"x, weight and bias must be on one device, got x on {x.device}, "
+                         f"weight on {weight.device}"
+                         + ("" if bias is None else f", bias on {bias.device}"))
     n = weight.shape[0] if out_features is None else out_features
-    if not 0 < n <= weight.shape[0]:
-        raise ValueError(f"out_features must be in [1, {weight.shape[0]}], got {n}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= weight.shape[0]:
+        raise ValueError(f"out_features must be an integer in [1, {weight.shape[0]}], got {n!r}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     m, k = x.shape
