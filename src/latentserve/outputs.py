@@ -40,9 +40,11 @@ class StepOutput:
     without a traceback); the engine keeps serving the others.
     ``recurrence`` (final output, recurrent-depth models): iterations per sampled token,
     ``{"tokens": n, "mean_iterations": float, "histogram": {iterations: count}}``.
-    ``latent_stats`` (final output, compression-head models): ``latent.head.HeadSettings.stats()``
+    ``latent_stats`` (compression-head models): ``latent.head.HeadSettings.stats()``
     (``thinking``, ``mode``, ``steps``, ``stop_step``, ``max_stop_prob``, ``end`` stop|cap|length
-    and the resolved controls); with thinking off it says so (``thinking: False``).
+    and the resolved controls); with thinking off it says so (``thinking: False``). On the
+    final output, and once before it on the output of the step where the latent phase ended
+    (the first output with thinking off), so that a request a stop string aborts has them.
     """
 
     rid: str
@@ -65,8 +67,9 @@ class CompletionOutput:
     """One completion of ``LLM.generate``: ``text``, ``token_ids`` (the answer; latent
     positions are not tokens), ``finish_reason``; for latent models ``latent_steps`` and, as
     on ``StepOutput``, ``latent_trace`` (when asked for), ``latent_stats`` (compression
-    heads) and ``recurrence`` (recurrent depth) from the final output (None otherwise, and
-    when a stop string ended the request)."""
+    heads; a request a stop string ended has the stats its latent phase ended with) and
+    ``recurrence`` (recurrent depth) from the final output (None otherwise; ``latent_trace``
+    and ``recurrence`` are None when a stop string ended the request)."""
 
     index: int
     text: str

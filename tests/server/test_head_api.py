@@ -3,6 +3,7 @@ random head bundle inside serves with the head and no flags; per request, header
 ``x-latent-*`` (aliases ``x-ds4-*``) > body fields > server env defaults; a malformed header
 is a 400 naming it; each choice's ``latent.stats`` reports the run (and thinking off)."""
 
+import json
 import os
 import time
 
@@ -158,6 +159,38 @@ def test_prometheus_counts_latent_steps(head_server):
     assert _steps_total(head_server) == before + 2
     text = httpx.get(f"{head_server.base_url}/metrics", timeout=30).text
     assert "latentserve_latent_steps_per_request_bucket" in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_keeps_the_stats_and_the_step_count(head_server, stream):
+    """A thinking request that a stop string ends (aborted in the engine, no final output)
+    still reports its latent stats, and its steps reach the Prometheus counter."""
+    full = _complete(head_server, {"max_latent": 2, "max_tokens": 16, "ignore_eos": True})
+    text = full.json()["choices"][0]["text"]
+    stop = text[len(text) // 2:][:3]
+    assert stop.strip(), text
+    before = _steps_total(head_server)
+    body = {"prompt": [11, 12, 13, 14], "max_tokens": 16, "temperature": 0,
+            "max_latent": 2, "ignore_eos": True, "stop": [stop], "stream": stream}
+    if stream:
+        final = None
+        with httpx.stream("POST", f"{head_server.base_url}/v1/completions", json=body,
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
+                        final = chunk["choices"][0]
+    else:
+        r = httpx.post(f"{head_server.base_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        final = r.json()["choices"][0]
+    assert final["finish_reason"] == "stop" and stop not in final.get("text", "")
+    s = final["latent"]["stats"]
+    assert (s["steps"], s["end"], s["thinking"]) == (2, "cap", True)
+    assert _steps_total(head_server) == before + 2
+    with httpx.Client(base_url=head_server.base_url) as http:
+        assert_slots_invariant(wait_idle(http))
 
 
 def test_streamed_ticks_match_the_latent_steps_and_stats_ride_the_finish_chunk(head_server):

@@ -92,3 +92,29 @@ def _fields(p):
     import dataclasses
 
     return {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+
+
+def test_a_stop_string_keeps_a_heads_latent_stats(tmp_path, smollm2_dir):
+    """Offline, a thinking request that a stop string ends (aborted, no final engine output)
+    keeps the stats its latent phase ended with; the engine sends them once when the phase
+    settles and again on a final output."""
+    from latentserve.testing.head_models import save_head_model
+
+    llm = LLM(model=str(save_head_model(tmp_path / "m")))
+    p = SamplingParams(temperature=0, max_tokens=12, max_latent=2, use_stop=False,
+                       min_output_tokens=0, ignore_eos=True)
+    full = llm.generate([[11, 12, 13, 14]], p, use_tqdm=False)[0].outputs[0]
+    assert full.latent_stats["steps"] == 2 and full.finish_reason == "length"
+    stop = full.text[len(full.text) // 2:][:3]
+    cut = llm.generate([[11, 12, 13, 14]], SamplingParams(**{**_fields(p), "stop": [stop]}),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and len(cut.text) < len(full.text)
+    assert cut.latent_stats == full.latent_stats
+    llm.engine.cache.check_idle()
+    # In the engine: the settled stats once, then the final output's.
+    eng = llm.engine
+    eng.add_request("s", [11, 12, 13, 14], p)
+    with_stats = []
+    while eng.has_unfinished_requests():
+        with_stats += [o.finished for o in eng.step() if o.latent_stats is not None]
+    assert with_stats == [False, True]

@@ -84,9 +84,10 @@ class LLM:
                 comp = res.outputs[0]
                 comp.token_ids.extend(out.new_token_ids)
                 comp.latent_steps = out.latent_steps
+                if out.latent_stats is not None:  # settled phase, then the final output
+                    comp.latent_stats = out.latent_stats
                 if out.finished:
-                    comp.latent_trace, comp.latent_stats = out.latent_trace, out.latent_stats
-                    comp.recurrence = out.recurrence
+                    comp.latent_trace, comp.recurrence = out.latent_trace, out.recurrence
                 detok.add(out.new_token_ids)
                 res.num_cached_tokens = out.num_cached_tokens
                 finished, reason = out.finished, out.finish_reason

@@ -325,6 +325,7 @@ class HeadSettings:
     otherwise); ``max_stop_prob``: the largest stop probability seen at any decision (None
     without a stop head); ``end``: ``"stop"``, ``"cap"`` or ``"length"`` (output budget or
     context spent inside the latent phase), None while running or with thinking off.
+    ``reported``: the settled stats went out on a ``StepOutput`` before the final one.
     """
 
     thinking: bool
@@ -343,6 +344,13 @@ class HeadSettings:
     # Policy sampling (latent.head_loop.set_policy_sampling): per latent step the anchor
     # ``[H]`` and the sampled latent ``[L]`` (float32, CPU); None when the engine uses mu.
     actions: list | None = None
+    reported: bool = False
+
+    @property
+    def settled(self) -> bool:
+        """No latent step is left to run: thinking off, or the latent phase has ended (its
+        stats are then final but for ``end`` "length" on a later step)."""
+        return not self.thinking or self.end is not None
 
     def stats(self) -> dict:
         out = {"thinking": self.thinking, "mode": self.mode, "steps": self.steps,

@@ -273,8 +273,18 @@ class Scheduler:
                           latent_trace=req.latent_trace if done and req.latent_trace else None,
                           recurrence=(recurrence_stats(req.recurrence_iters)
                                       if done and req.recurrence_iters else None),
-                          latent_stats=req.head.stats() if done and req.head is not None
-                          else None)
+                          latent_stats=Scheduler._head_stats(req, done))
+
+    @staticmethod
+    def _head_stats(req: Req, done: bool) -> dict | None:
+        """A compression-head request's stats on its final output and, once, on the output
+        of the step its latent phase settles in (so a request a stop string later aborts,
+        which gets no final output, still has them)."""
+        h = req.head
+        if h is None or not (done or (h.settled and not h.reported)):
+            return None
+        h.reported = True
+        return h.stats()
 
     def drain_aborted(self) -> list[StepOutput]:
         """Outputs of requests aborted since the last step (when no batch ran)."""

@@ -81,6 +81,7 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     pending: list[tuple[TokenLogprob, int]] = []
     prompt_lps: list | None = None
     latent_steps = 0
+    stats = None  # a compression head's latent stats, once its latent phase has settled
     reason = "abort"
 
     def take(cut: int | None = None) -> list[TokenLogprob]:
@@ -97,7 +98,7 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
         prompt_lps = None
         if out is not None:
             d.latent_steps, d.latent_trace = out.latent_steps, out.latent_trace
-            d.latent_stats, d.recurrence = out.latent_stats, out.recurrence
+            d.latent_stats, d.recurrence = out.latent_stats or stats, out.recurrence
         return d
 
     try:
@@ -109,6 +110,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                     timer.tokens(len(ids))
                 if out.prompt_logprobs is not None:
                     prompt_lps = out.prompt_logprobs
+                if out.latent_stats is not None:
+                    stats = out.latent_stats
                 # The EOS / stop token ends the text, it is not part of it.
                 text_ids = ids[:-1] if out.finished and out.finish_reason == "stop" else ids
                 starts, parts = [], []
@@ -121,13 +124,15 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                 text = "".join(parts)
                 if detok.stopped is not None:
                     reason = "stop"
+                    if timer is not None and stats is not None:
+                        timer.latent(stats)
                     yield delta(text, "stop", out, cut=detok.decoded_len,
                                 stop_string=detok.stopped)
                     return  # leaving the generator aborts the engine request
                 if out.finished:
                     reason = out.finish_reason
-                    if timer is not None and out.latent_stats is not None:
-                        timer.latent(out.latent_stats)
+                    if timer is not None and stats is not None:
+                        timer.latent(stats)
                     yield delta(text + detok.flush(), out.finish_reason, out)
                     return
                 tick = out.latent_steps - latent_steps if params.stream_latent_steps else 0
