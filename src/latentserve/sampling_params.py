@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass, field, fields
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
@@ -93,6 +94,10 @@ class SamplingParams:
     stream_latent_steps: bool = False
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # numpy scalars (np.int64(3), np.float32(0.7)) as Python's
+            setattr(self, f.name, _plain_number(getattr(self, f.name)))
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = [_plain_number(t) for t in self.stop_token_ids]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -147,6 +152,14 @@ class SamplingParams:
         """Whether any of the three penalties changes the logits."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _plain_number(value):
+    """A numpy (or other ``numbers``) integer or real scalar as a Python ``int`` / ``float``;
+    anything else (bools included) unchanged."""
+    if isinstance(value, (bool, int, float)) or not isinstance(value, numbers.Real):
+        return value  # numpy's bool_ is not a numbers.Real: it stays (and is refused)
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:

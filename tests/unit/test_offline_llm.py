@@ -118,3 +118,19 @@ def test_a_stop_string_keeps_a_heads_latent_stats(tmp_path, smollm2_dir):
     while eng.has_unfinished_requests():
         with_stats += [o.finished for o in eng.step() if o.latent_stats is not None]
     assert with_stats == [False, True]
+
+
+def test_numpy_scalars_are_taken_as_python_numbers(tiny_dirs):
+    """``SamplingParams`` built from numpy values (a common offline habit) holds plain Python
+    ints and floats; a non-integer for an integer field is still refused by name."""
+    import numpy as np
+
+    p = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.0), seed=np.uint32(5),
+                       top_k=np.int16(4), stop_token_ids=[np.int64(2)])
+    assert (type(p.max_tokens), type(p.temperature), type(p.seed), type(p.top_k)) == \
+        (int, float, int, int)
+    assert p.stop_token_ids == [2] and type(p.stop_token_ids[0]) is int
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=np.float64(3.0))
+    out = LLM(model=str(tiny_dirs["llama"])).generate([[5, 6, 7]], p, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) <= 3
