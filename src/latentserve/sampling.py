@@ -139,8 +139,8 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
     if any(p.top_p < 1 for p in params):  # decided on the host: no wait for the device
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the mass before it already reaches p (the first token is kept).
@@ -148,8 +148,8 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_logits)
     probs = logits.softmax(-1)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
     if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=dev)
         keep = probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -39,6 +39,29 @@ def copy_bandwidth_on(device: str, nbytes: int | None = None, iters: int = 20) -
     return 2 * n * iters / (time.perf_counter() - t0)
 
 
+def time_graph(fn, calls: int = 1, replays: int = 200):
+    """Capture ``calls`` back-to-back calls of ``fn`` (after one warm-up call outside the
+    capture, which compiles or autotunes) in a CUDA graph and time ``replays`` replays
+    with CUDA events. Returns ``(microseconds per call, graph)``."""
+    import torch
+
+    with torch.inference_mode():
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls), graph
+
+
 def profile_replay(graph) -> dict:
     """Device operations (kernels, memcpys, memsets) in one replay of a captured CUDA
     ``graph``, from ``torch.profiler``: their count, the 12 most frequent names, the summed

@@ -47,24 +47,11 @@ def _kernel():
     return gemm
 
 
-def _time_us(fn, launches: int = 100) -> float:
-    import torch
+def _time_us(fn) -> float:
+    """Microseconds per launch of ``fn``: 20 launches per CUDA graph, 5 replays."""
+    from latentserve.bench.device_common import time_graph
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    start.record()
-    for _ in range(launches // 20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (launches // 20 * 20)
+    return time_graph(fn, calls=20, replays=5)[0]
 
 
 def run_gemm_bench(rows=(64, 16)) -> dict:

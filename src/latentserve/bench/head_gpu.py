@@ -173,25 +173,13 @@ def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
     (``device_common.profile_replay``)."""
     import torch
 
-    from latentserve.bench.device_common import profile_replay
+    from latentserve.bench.device_common import profile_replay, time_graph
 
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     out = {}
     for name, fused in (("torch_fp32", False), ("small_linear_tf32x3", True)):
-        with torch.inference_mode():
-            head.serve_outputs(x, fused=fused)  # warm-up: compiles outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                head.serve_outputs(x, fused=fused)
-            graph.replay()
-            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-            start.record()
-            for _ in range(iters):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-        out[name] = start.elapsed_time(end) * 1e3 / iters
+        out[name], graph = time_graph(lambda f=fused: head.serve_outputs(x, fused=f),
+                                      replays=iters)
         try:
             out[f"{name}_kernels"] = profile_replay(graph)
         except Exception as exc:  # noqa: BLE001 - a profiler gap must not lose the benchmark

@@ -130,8 +130,8 @@ def bench_model(name: str, family: str, shape: dict, depths, root: Path, device:
                 dtype: str, concurrency, prompt_len: int, output_len: int, ref_requests: int,
                 ref_output_len: int, bw: float, fused_ops: bool | None = None) -> dict:
     """One model: engine at every depth and concurrency, then the reference (after the
-    engine is freed). ``fused_ops``: ``EngineConfig.fused_ops`` (True: the model's Triton
-    fast path, opt-in for these models). Returns a JSON-able dict."""
+    engine is freed). ``fused_ops``: ``EngineConfig.fused_ops`` (None: the engine's default,
+    the Triton fast path on CUDA; True forces it). Returns a JSON-able dict."""
     import torch
 
     from latentserve.bench.device_common import agreement, drive, sync
@@ -276,8 +276,9 @@ def main(argv=None) -> int:
     p.add_argument("--ref-output-len", type=int, default=8,
                    help="output tokens per timed reference request (>= 2)")
     p.add_argument("--fused-ops", action="store_true",
-                   help="the models' Triton fast path (opt-in for Huginn and Ouro until "
-                        "tests/gpu/test_fused_gpu.py has passed on a GPU)")
+                   help="force the models' Triton fast path (the CUDA default since "
+                        "tests/gpu/test_fused_gpu.py passed on the H200; kept so recorded "
+                        "commands still run)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny models on the CPU, float32, small lengths (CI smoke run)")
     args = p.parse_args(argv)

@@ -95,7 +95,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.latent_spec)
-        runner_args = (model, pool, table, make_backend(config.backend_name, config.attention_num_kv_splits), self.device)
+        backend = make_backend(config.backend_name, config.attention_num_kv_splits)
+        runner_args = (model, pool, table, backend, self.device)
         if self.tp is None:
             self.runner = ModelRunner(*runner_args)
         else:
@@ -275,8 +276,8 @@ class LLMEngine:
         sampled one at a time and a request whose own row raises finishes with
         ``finish_reason="error"`` (``error`` says why) while the others go on. An exception
         from the forward itself propagates (the caller decides what to fail).
-        With ``config.use_overlap_schedule`` (on CUDA by default) a step that can overlap returns the tokens of the
-        batch launched by the previous step (``engine/overlap.py``).
+        With ``config.use_overlap_schedule`` (on CUDA by default) a step that can overlap
+        returns the tokens of the batch launched by the previous step (``engine/overlap.py``).
         """
         if self.config.use_overlap_schedule:
             from latentserve.engine import overlap

@@ -19,10 +19,10 @@ work is discarded (its KV, computed from real ids, is kept or cached as usual). 
 SGLang's overlap scheduler (``managers/scheduler.py`` ``event_loop_overlap``) and vLLM's
 async scheduling; the code is ours.
 
-Engaged with ``EngineConfig.use_overlap_schedule`` (default: on CUDA) for a step where every request can do without
-its previous token on the host: a model without a ``LatentSpec``, no tensor parallelism, and
-no request asking for ``logprobs``, ``prompt_logprobs`` or penalties (they read the token
-history on the host). Otherwise the engine finishes the batch in flight and steps
+Engaged with ``EngineConfig.use_overlap_schedule`` (default: on CUDA) for a step where
+every request can do without its previous token on the host: a model without a
+``LatentSpec``, no tensor parallelism, and no request asking for ``logprobs``,
+``prompt_logprobs`` or penalties (they read the token history on the host). Otherwise the engine finishes the batch in flight and steps
 synchronously.
 """
 

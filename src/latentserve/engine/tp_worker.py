@@ -310,8 +310,8 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
         pool = KVPool(layers, setup.kv_slots, kv_heads, head_dim, config.torch_dtype,
                       tp.device)
         table = PageTable(config.max_num_seqs, setup.max_model_len, tp.device)
-        runner = TPModelRunner(model, pool, table, make_backend(config.backend_name, config.attention_num_kv_splits),
-                               tp.device, tp)
+        backend = make_backend(config.backend_name, config.attention_num_kv_splits)
+        runner = TPModelRunner(model, pool, table, backend, tp.device, tp)
         runner.set_capture(setup.capture_layer)
         if setup.graph_max_bs:
             runner.capture_graphs(setup.graph_max_bs, hf_config.hidden_size,
