@@ -66,7 +66,8 @@ def profile_replay(graph) -> dict:
     """Device operations (kernels, memcpys, memsets) in one replay of a captured CUDA
     ``graph``, from ``torch.profiler``: their count, the 12 most frequent names, the summed
     device time (``busy_us``; below the replay's wall time by the gaps between kernels) and
-    the 12 names with the most device time (microseconds)."""
+    the 12 names with the most device time (microseconds), and the first 24 operations in
+    start order with their device time (``first_ops_us``: one layer's kernels, in order)."""
     import collections
 
     import torch
@@ -84,7 +85,9 @@ def profile_replay(graph) -> dict:
         busy[e.name] += e.time_range.elapsed_us()
     out = {"device_ops": sum(names.values()), "top": names.most_common(12),
            "busy_us": sum(busy.values()),
-           "top_by_time_us": [(k, round(v, 1)) for k, v in busy.most_common(12)]}
+           "top_by_time_us": [(k, round(v, 1)) for k, v in busy.most_common(12)],
+           "first_ops_us": [(e.name[:60], round(e.time_range.elapsed_us(), 1)) for e in
+                            sorted(dev_events, key=lambda e: e.time_range.start)[:24]]}
     if not names:
         out["note"] = "the profiler saw no device ops inside the graph replay"
     return out

@@ -90,7 +90,10 @@ def _engine_run(engine, prompts, output_len):
         return out
 
     graphs.replay = timed_replay
-    decode_times, n_out = [], 0
+    decode_times, n_out, compiles = [], 0, []
+    knobs = _triton_knobs()
+    if knobs is not None:  # Triton compiles inside the timed run would count as serving time
+        knobs.runtime.jit_post_compile_hook = lambda **kw: compiles.append(kw["repr"][:160])
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     try:
@@ -104,12 +107,22 @@ def _engine_run(engine, prompts, output_len):
             n_out += sum(len(o.new_token_ids) for o in outs)
     finally:
         del graphs.replay  # back to the class method
+        if knobs is not None:
+            knobs.runtime.jit_post_compile_hook = None
     wall = time.perf_counter() - t0
     torch.cuda.synchronize()
     replays = [a.elapsed_time(b) / 1e3 for a, b in events]
-    return {"tok_s": n_out / wall, "wall_s": wall,
+    return {"tok_s": n_out / wall, "wall_s": wall, "jit_compiles": compiles,
             "step_s": sum(decode_times) / max(len(decode_times), 1),
             "replay_s": sum(replays) / max(len(replays), 1)}
+
+
+def _triton_knobs():
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return knobs
 
 
 def _kernels_per_replay(engine, bs: int) -> dict:
@@ -204,7 +217,10 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
             layers, kvh, hd = engine.runner.model.kv_shape
             per_slot = KVPool.bytes_per_slot(layers, kvh, hd, torch.bfloat16)
             rows = {}
-            _engine_run(engine, torch.randint(3, 1000, (2, 16), generator=g).tolist(), 8)
+            # warm-up: prefill at the real prompt length (cuBLAS GEMMs) and a short one
+            # (decode-sized GEMMs), so no Triton compile lands in a timed run
+            _engine_run(engine, torch.randint(3, 1000, (2, prompt_len), generator=g).tolist(), 8)
+            _engine_run(engine, torch.randint(3, 1000, (3, 16), generator=g).tolist(), 8)
             mean_ctx = prompt_len + output_len / 2
             # Bytes a decode step must read (weights + the batch's KV) at the copy bandwidth.
             floor = {c: (weights + c * mean_ctx * per_slot) / bw for c in concurrency}
@@ -212,6 +228,7 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                 prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
                 r = _engine_run(engine, prompts, output_len)
                 rows[c] = {"engine_tok_s": r["tok_s"], "engine_wall_s": r["wall_s"],
+                           "jit_compiles_in_run": r["jit_compiles"],
                            "decode_step_s": r["step_s"], "graph_replay_s": r["replay_s"],
                            "bandwidth_floor_s": floor[c],
                            "step_over_floor": r["step_s"] / floor[c],

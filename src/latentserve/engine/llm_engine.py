@@ -402,10 +402,11 @@ class LLMEngine:
         }
 
     def warmup(self) -> None:
-        """Run one tiny request to completion before serving: a 4-token prompt and 2 greedy
-        tokens with logprobs (one prefill and one decode forward, the sampler and the
-        log-softmax), so one-off costs (allocator growth, kernel selection and compiles)
-        are paid here and not by the first client. Afterwards the prefix cache is emptied
+        """Run one tiny request to completion before serving: a 4-token prompt (on the fast
+        path ``layers.DECODE_ROWS + 1`` tokens, so the prefill takes the cuBLAS GEMMs and
+        the decode the decode-sized ones) and 2 greedy tokens with logprobs (one prefill and
+        one decode forward, the sampler and the log-softmax), so one-off costs (allocator
+        growth, kernel selection and compiles) are paid here and not by the first client. Afterwards the prefix cache is emptied
         and the prefix-cache counters are zero, so the engine looks untouched.
 
         Raises RuntimeError when requests are queued; whatever the forward raises. A model
@@ -414,7 +415,10 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine")
         rid = "__latentserve_warmup__"
-        n = max(1, min(4, self.max_model_len - 3))
+        from latentserve.models.layers import DECODE_ROWS
+
+        n = DECODE_ROWS + 1 if self.config.use_fused_ops else 4
+        n = max(1, min(n, self.max_model_len - 3))
         # A compression-head model runs one latent step (no floor), so the head runs too.
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1,
                                 max_latent=1, use_stop=False, min_output_tokens=0)

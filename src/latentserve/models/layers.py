@@ -5,6 +5,8 @@ kernels in ``latentserve.ops.kernels``."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -36,6 +38,27 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+DECODE_ROWS = int(os.environ.get("LATENTSERVE_DECODE_ROWS", "64"))
+"""Up to this many rows, the fast path runs its weight GEMMs as ``ops.kernels.decode_linear``
+(split-K, fused SiLU-mul prologue, partial sums handed to the next RMSNorm, PDL) instead of
+cuBLAS: a decode step's batch. Larger batches (prefill, big decode buckets) keep cuBLAS.
+``LATENTSERVE_DECODE_ROWS=0`` keeps cuBLAS everywhere (the path before, for comparison)."""
+
+
+def decode_gemms(fused: bool, x: torch.Tensor, *linears: nn.Module) -> bool:
+    """True when the fast path (``fused``) should run ``linears`` (plain ``nn.Linear``
+    layers, not tensor-parallel shards) on ``x``'s ``T`` rows (``x [..., T, K]``) with
+    ``decode_linear``: ``0 < T <= DECODE_ROWS``."""
+    return (fused and 0 < x.shape[-2] <= DECODE_ROWS
+            and all(type(lin) is nn.Linear for lin in linears))
+
+
+def materialize(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A block output as a ``[T, H]`` tensor in ``like``'s dtype: ``x`` itself, or the sum of
+    split-K partials ``[S, T, H]`` (fp32) rounded as the GEMM's output."""
+    return x.sum(0).to(like.dtype) if x.dim() == 3 else x
 
 
 class Rotary(nn.Module):

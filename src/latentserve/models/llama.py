@@ -14,8 +14,10 @@ from latentserve.models.layers import (
     MergedQKV,
     RMSNorm,
     Rotary,
+    decode_gemms,
     fuse_decoder,
     inject,
+    materialize,
     merge_linears,
     paged_attention,
 )
@@ -39,16 +41,25 @@ class LlamaAttention(MergedQKV, nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=o_bias)
         self.scale = d**-0.5
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, partials: bool = False):
+        """x ``[T, hidden]`` -> ``[T, hidden]``; with ``partials`` on the decode path
+        (``layers.decode_gemms``, o_proj without bias) the o_proj's fp32 split-K partial
+        sums ``[S, T, hidden]`` instead, for the next RMSNorm kernel to reduce."""
         t, d = x.shape[0], self.head_dim
         if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, one RoPE (+ KV store) kernel
-            o = self.fused_attention(x, cos, sin, self.layer)
-        else:
-            q = self.q_proj(x).view(t, self.n_heads, d)
-            k = self.k_proj(x).view(t, self.n_kv, d)
-            v = self.v_proj(x).view(t, self.n_kv, d)
-            q, k = apply_rotary(q, k, cos, sin)
-            o = paged_attention(self.layer, q, k, v, self.scale)
+            o = self.fused_attention(x, cos, sin, self.layer).reshape(t, -1)
+            if decode_gemms(True, o, self.o_proj):
+                from latentserve.ops.kernels import decode_linear
+
+                if partials and self.o_proj.bias is None:
+                    return decode_linear(o, self.o_proj.weight, partials=True)
+                return decode_linear(o, self.o_proj.weight, self.o_proj.bias)
+            return self.o_proj(o)
+        q = self.q_proj(x).view(t, self.n_heads, d)
+        k = self.k_proj(x).view(t, self.n_kv, d)
+        v = self.v_proj(x).view(t, self.n_kv, d)
+        q, k = apply_rotary(q, k, cos, sin)
+        o = paged_attention(self.layer, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -68,10 +79,18 @@ class LlamaMLP(nn.Module):
         del self.gate_proj, self.up_proj
         self.fused = True
 
-    def forward(self, x):
+    def forward(self, x, partials: bool = False):
+        """x ``[T, hidden]`` -> ``[T, hidden]``, or (``partials`` on the decode path, no
+        down bias) the down projection's fp32 split-K partial sums ``[S, T, hidden]``."""
         if self.fused:
             from latentserve.ops import kernels
 
+            if decode_gemms(True, x, self.gate_up_proj, self.down_proj):
+                act = kernels.decode_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias,
+                                            swiglu=True)
+                if partials and self.down_proj.bias is None:
+                    return kernels.decode_linear(act, self.down_proj.weight, partials=True)
+                return kernels.decode_linear(act, self.down_proj.weight, self.down_proj.bias)
             return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -87,14 +106,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x, residual, cos, sin):
         """x: this layer's input ``[T, hidden]`` not yet added to ``residual`` (None for the
         first layer, whose input is the residual stream). Returns ``(mlp_out, residual)``;
-        the residual stream after this layer is their sum (added by the next norm)."""
+        the residual stream after this layer is their sum (added by the next norm). On the
+        decode path ``mlp_out`` (and this layer's x) may be fp32 split-K partial sums
+        ``[S, T, hidden]``, which the fused RMSNorm kernel reduces."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin)
+        x = self.self_attn(x, cos, sin, partials=True)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, partials=True), residual
 
 
 class LlamaModel(nn.Module):
@@ -148,10 +169,16 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin)
             if ctx.capture_layer == i + 1:
-                ctx.maybe_capture(i + 1, x + residual)
+                ctx.maybe_capture(i + 1, materialize(x, residual) + residual)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if decode_gemms(self.model.norm.fused, hidden, self.lm_head):
+            from latentserve.ops.kernels import decode_linear
+
+            # fp32 logits holding the bf16-rounded values, with no separate cast kernel
+            return decode_linear(hidden, self.lm_head.weight, self.lm_head.bias,
+                                 out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights) -> None:

@@ -28,6 +28,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from latentserve.ops.kernels.pdl import pdl_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -44,11 +47,14 @@ def _decode_stage1_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DIRECT: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
     row = tl.load(Rows + b).to(tl.int64)
     kv_len = tl.load(KvLens + b)
@@ -108,10 +114,13 @@ def _decode_stage2_kernel(
     stride_ml_b, stride_ml_h,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     kv_len = tl.load(KvLens + b)
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
@@ -189,7 +198,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_kv_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DIRECT=direct, num_warps=4,
+        DIRECT=direct, num_warps=4, **pdl_launch(q.device),
     )
     if direct:
         return out
@@ -199,6 +208,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, NUM_SPLITS=num_kv_splits, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=1 if block_d <= 64 else 2,
+        num_warps=1 if block_d <= 64 else 2, **pdl_launch(q.device),
     )
     return out

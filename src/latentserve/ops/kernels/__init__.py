@@ -7,6 +7,9 @@ them in ``latentserve.ops``).
 * ``rotary_store_kv``: either RoPE on q in place, with the rotated k and the v written into
   the layer's paged KV pool in the same launch (the attention backend then skips its store).
 * ``silu_and_mul``: SiLU(gate) * up on a fused ``[T, 2I]`` gate/up projection.
+* ``decode_linear``: the weight GEMMs of a decode-sized batch (split-K, SiLU-mul prologue,
+  partial sums for the next RMSNorm).
+* ``pdl``: programmatic dependent launch, which every kernel above uses on Hopper.
 
 Each kernel rounds where the Hugging Face eager modules round (to the activation dtype
 between steps), so bf16 results match the unfused path closely, not only within bf16 noise.
@@ -14,6 +17,7 @@ Importing this package imports triton. Set ``TRITON_INTERPRET=1`` before the fir
 run the kernels on CPU tensors (tests).
 """
 
+from latentserve.ops.kernels.decode_linear import decode_linear
 from latentserve.ops.kernels.rms_norm import rms_norm
 from latentserve.ops.kernels.rotary import apply_rotary_
 from latentserve.ops.kernels.rotary_pairs import apply_rotary_pairs_
@@ -23,5 +27,5 @@ from latentserve.ops.kernels.rotary_store_kv import (
 )
 from latentserve.ops.kernels.silu_and_mul import silu_and_mul
 
-__all__ = ["apply_rotary_", "apply_rotary_pairs_", "apply_rotary_pairs_store_kv_",
+__all__ = ["apply_rotary_", "decode_linear", "apply_rotary_pairs_", "apply_rotary_pairs_store_kv_",
            "apply_rotary_store_kv_", "rms_norm", "silu_and_mul"]

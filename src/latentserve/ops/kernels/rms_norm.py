@@ -4,6 +4,11 @@ One program per row holds the whole row in registers (hidden sizes up to a few t
 so the add, the fp32 sum of squares and the scaling read and write each element once.
 Same rounding as ``ops.norm.add_rms_norm``: the sum is rounded to the input dtype (it is
 the new residual), normalized in fp32, rounded again, then multiplied by the weight.
+
+``x`` may also be the fp32 split-K partial sums ``[S, T, hidden]`` of the GEMM before
+(``ops.kernels.decode_linear(..., partials=True)``): they are summed and rounded to the
+residual's dtype first, as that GEMM's output would have been, which saves its reduce
+kernel.
 """
 
 from __future__ import annotations
@@ -11,27 +16,40 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from latentserve.ops.kernels.pdl import pdl_launch
 
 
 @triton.jit
 def _rms_norm_kernel(
     X, R, W, Out, ResOut,
-    stride_x, stride_r, stride_o, stride_ro,
+    stride_xs, stride_x, stride_r, stride_o, stride_ro,
     n_cols, inv_n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    if SPLIT == 0:
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    else:  # fp32 partial sums [SPLIT, T, n]: their sum, rounded as the GEMM's output
+        x = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            x += tl.load(X + s * stride_xs + row * stride_x + offs, mask=mask, other=0.0)
+        x = x.to(ResOut.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(ResOut.dtype.element_ty)
         tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     # torch's ops on CUDA: mean = sum * (1 / n), then x * rsqrt (rsqrt.approx, as rsqrtf)
     mean_sq = tl.sum(xf * xf, axis=0) * inv_n
-    normed = (xf * tl.rsqrt(mean_sq + eps)).to(X.dtype.element_ty)
+    normed = (xf * tl.rsqrt(mean_sq + eps)).to(ResOut.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
     y = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
@@ -42,29 +60,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """RMSNorm of ``x`` (``residual`` None) or of ``x + residual``.
 
     Args:
-        x: ``[T, hidden]`` fp32/bf16/fp16 (rows may be strided; last dim contiguous).
+        x: ``[T, hidden]`` fp32/bf16/fp16 (rows may be strided; last dim contiguous), or the
+            fp32 partial sums ``[S, T, hidden]`` of a split-K GEMM (contiguous; then
+            ``residual`` is required and gives the dtype).
         weight: ``[hidden]``. eps: added to the mean square.
         residual: optional ``[T, hidden]`` in x's dtype.
     Returns:
         ``normed`` ``[T, hidden]`` (dtype: promotion of x and weight) when ``residual`` is
         None, else ``(normed, x + residual)``: new tensors, the inputs are not modified.
     Raises:
-        ValueError: when x is not 2-D or its last dim is not contiguous.
+        ValueError: when x is not 2-D (or 3-D partials with a residual) or its last dim is
+            not contiguous.
     """
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be [T, hidden] with a contiguous last dim, got shape "
+    split = x.shape[0] if x.dim() == 3 else 0
+    if x.dim() not in (2, 3) or x.stride(-1) != 1 or split and (
+            residual is None or x.dtype != torch.float32 or not x.is_contiguous()):
+        raise ValueError(f"x must be [T, hidden] with a contiguous last dim (or contiguous "
+                         f"fp32 [S, T, hidden] partials with a residual), got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
-    t, n = x.shape
-    out = torch.empty((t, n), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else out
+    t, n = x.shape[-2:]
+    act = residual.dtype if split else x.dtype
+    out = torch.empty((t, n), dtype=torch.promote_types(act, weight.dtype), device=x.device)
+    res_out = torch.empty((t, n), dtype=act, device=x.device) if residual is not None else out
     if t > 0:
         block = triton.next_power_of_2(n)
         r = residual if residual is not None else x
         _rms_norm_kernel[(t,)](
             x, r, weight, out, res_out,
-            x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
-            n, 1.0 / n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(max(block // 256, 1), 8),
+            x.stride(0) if split else 0, x.stride(-2), r.stride(0), out.stride(0),
+            res_out.stride(0), n, 1.0 / n, eps,
+            HAS_RESIDUAL=residual is not None, SPLIT=split, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8), **pdl_launch(x.device),
         )
     return out if residual is None else (out, res_out)

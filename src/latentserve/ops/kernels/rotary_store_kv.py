@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from latentserve.ops.kernels.pdl import pdl_launch
 
 from latentserve.ops.kernels.rotary import _rope_halves, _rotate_heads, check_qk_cos_sin
 from latentserve.ops.kernels.rotary_pairs import (
@@ -48,9 +51,12 @@ def _rotary_store_kv_kernel(
     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
     n_q_heads, n_k_heads,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     slot = tl.load(Slots + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     c = tl.load(Cos + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
@@ -74,9 +80,12 @@ def _rotary_pairs_store_kv_kernel(
     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
     n_q_heads, n_k_heads,
     HAS_BIAS: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     slot = tl.load(Slots + t).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_HALF)
     c = tl.load(Cos + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0).to(tl.float32)
@@ -146,7 +155,7 @@ def apply_rotary_store_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         *_strides(q, k, v, cos, sin, k_cache, v_cache),
         HALF=half, BLOCK_HQ=triton.next_power_of_2(h), BLOCK_HK=triton.next_power_of_2(hk),
         BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4 if h * half >= 1024 else 1,
+        num_warps=4 if h * half >= 1024 else 1, **pdl_launch(q.device),
     )
 
 
@@ -180,5 +189,5 @@ def apply_rotary_pairs_store_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         *_strides(q, k, v, cos, sin, k_cache, v_cache),
         HAS_BIAS=has_bias, HALF=half, BLOCK_HQ=triton.next_power_of_2(h),
         BLOCK_HK=triton.next_power_of_2(hk), BLOCK_HALF=triton.next_power_of_2(half),
-        num_warps=4 if h * half >= 1024 else 1,
+        num_warps=4 if h * half >= 1024 else 1, **pdl_launch(q.device),
     )

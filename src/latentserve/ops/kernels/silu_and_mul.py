@@ -7,13 +7,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from latentserve.ops.kernels.pdl import pdl_launch
 
 
 @triton.jit
-def _silu_and_mul_kernel(GU, Out, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(GU, Out, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     g = tl.load(GU + row * stride_gu + offs, mask=mask, other=0.0)
     u = tl.load(GU + row * stride_gu + n_cols + offs, mask=mask, other=0.0)
     dt = g.dtype
@@ -35,6 +42,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(n), 1024)
         _silu_and_mul_kernel[(t, triton.cdiv(n, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=block,
-            num_warps=4 if block >= 512 else 1,
+            num_warps=4 if block >= 512 else 1, **pdl_launch(gate_up.device),
         )
     return out

@@ -1,0 +1,162 @@
+"""The decode step's layer chain without attention, on the H200 (issue 3): how much of a
+batch-64 Llama-3.2-1B step the GEMM choice and programmatic dependent launch (PDL) save.
+
+1. Per GEMM shape (q/k/v, o, gate/up, down, LM head; M = 64): cuBLAS against
+   ``ops.kernels.decode_linear`` over a few tilings, with PDL and its L2 weight prefetch
+   (20 back-to-back launches per CUDA graph).
+2. The 16-layer chain a decode step runs apart from RoPE and attention (RMSNorm, q/k/v,
+   o_proj, add + RMSNorm, gate/up, SiLU-mul, down; then the final norm and an fp32 LM head),
+   captured in one CUDA graph, in four variants: cuBLAS (the engine's path before this
+   change, with the LM head's fp32 cast), ``decode_linear`` without PDL, with PDL, and with
+   PDL and the L2 prefetch. Reported: microseconds per replay, against the weights' read
+   floor at ``--copy-bw``.
+
+Run on the H200: ``python -m latentserve.bench.layer_gpu OUT.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+HIDDEN, INTER, QKV, VOCAB, LAYERS, EPS = 2048, 8192, 3072, 128256, 16, 1e-5
+SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
+          "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
+COPY_BW = 4.28e12
+
+
+def _set_pdl(on: bool) -> None:
+    os.environ["LATENTSERVE_PDL"] = "1" if on else "0"
+
+
+def gemm_sweep(rows: int = 64) -> dict:
+    """Per shape: cuBLAS us, and ``decode_linear`` us per tiling (PDL + prefetch, PDL only,
+    none for the best)."""
+    import torch
+    import torch.nn.functional as F
+
+    from latentserve.bench.device_common import time_graph
+    from latentserve.ops.kernels.decode_linear import decode_linear, pick_tiling
+
+    out = {}
+    for name, (n, k) in SHAPES.items():
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        ref = F.linear(x, w).float()
+        row = {"floor_us": n * k * 2 / COPY_BW * 1e6,
+               "cublas_us": time_graph(lambda x=x, w=w: F.linear(x, w), 20, 5)[0],
+               "picked": list(pick_tiling(rows, n, k)), "tilings": {}}
+        _set_pdl(True)
+        best = None
+        for bn in (32, 64, 128):
+            for sk in (1, 2, 4, 8):
+                if k // sk < 512 or (n // bn) * sk > 1200:
+                    continue
+                for st in (3, 4):
+                    key = f"bn{bn}_sk{sk}_st{st}"
+                    try:
+                        def fn(bn=bn, sk=sk, st=st, x=x, w=w):
+                            return decode_linear(x, w, block_n=bn, block_k=128, split_k=sk,
+                                                 num_stages=st)
+                        err = float((fn().float() - ref).abs().max())
+                        t = time_graph(fn, 20, 5)[0]
+                    except Exception as e:  # noqa: BLE001 - a tiling that fails is reported
+                        row["tilings"][key] = repr(e)[:200]
+                        continue
+                    row["tilings"][key] = [round(t, 2), err]
+                    if best is None or t < best[0]:
+                        best = (t, bn, sk, st)
+        if best:
+            t, bn, sk, st = best
+            row["best"] = {"us": t, "block_n": bn, "split_k": sk, "stages": st}
+            row["best_no_prefetch_us"] = time_graph(
+                lambda: decode_linear(x, w, block_n=bn, block_k=128, split_k=sk, num_stages=st,
+                                      prefetch=False), 20, 5)[0]
+            _set_pdl(False)
+            row["best_no_pdl_us"] = time_graph(
+                lambda: decode_linear(x, w, block_n=bn, block_k=128, split_k=sk,
+                                      num_stages=st), 20, 5)[0]
+        out[name] = row
+        print(name, json.dumps({k: v for k, v in row.items() if k != "tilings"}), flush=True)
+    return out
+
+
+def chain(tilings: dict, rows: int = 64) -> dict:
+    """Replay time of the 16-layer chain per variant (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from latentserve.bench.device_common import profile_replay, time_graph
+    from latentserve.ops.kernels import rms_norm, silu_and_mul
+    from latentserve.ops.kernels.decode_linear import decode_linear
+
+    dev, dt = "cuda", torch.bfloat16
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=dt) / shape[-1] ** 0.5
+
+    layers = [{"wi": torch.ones(HIDDEN, device=dev, dtype=dt), "qkv": rand(QKV, HIDDEN),
+               "o": rand(HIDDEN, HIDDEN), "wp": torch.ones(HIDDEN, device=dev, dtype=dt),
+               "gate_up": rand(2 * INTER, HIDDEN), "down": rand(HIDDEN, INTER)}
+              for _ in range(LAYERS)]
+    lm = rand(VOCAB, HIDDEN)
+    wf = torch.ones(HIDDEN, device=dev, dtype=dt)
+    x0 = torch.randn(rows, HIDDEN, device=dev, dtype=dt)
+    floor_us = (sum(w.numel() for ly in layers for w in ly.values()) + lm.numel()) * 2 \
+        / COPY_BW * 1e6
+
+    def make(kind):
+        def lin(a, name, w, out_dtype=None):
+            if kind == "cublas":
+                y = F.linear(a, w)
+                return y.float() if out_dtype else y
+            t = tilings.get(name, {})
+            return decode_linear(a, w, out_dtype=out_dtype, block_n=t.get("block_n"),
+                                 split_k=t.get("split_k"), num_stages=t.get("stages", 4),
+                                 prefetch=kind == "pdl_prefetch")
+
+        def step():
+            x, res = x0, None
+            for ly in layers:
+                if res is None:
+                    h, res = rms_norm(x, ly["wi"], EPS), x
+                else:
+                    h, res = rms_norm(x, ly["wi"], EPS, res)
+                qkv = lin(h, "qkv", ly["qkv"])
+                o = lin(qkv[:, :HIDDEN], "o", ly["o"])
+                h, res = rms_norm(o, ly["wp"], EPS, res)
+                x = lin(silu_and_mul(lin(h, "gate_up", ly["gate_up"])), "down", ly["down"])
+            h, _ = rms_norm(x, wf, EPS, res)
+            return lin(h, "lm_head", lm, torch.float32)
+        return step
+
+    out = {"floor_us": floor_us}
+    ref = None
+    for kind, pdl in (("cublas", False), ("triton", False), ("pdl", True),
+                      ("pdl_prefetch", True)):
+        _set_pdl(pdl)
+        try:
+            fn = make(kind)
+            us, graph = time_graph(fn, 1, 50)
+            logits = fn().float()
+            if ref is None:
+                ref = logits
+            out[kind] = {"us": us, "over_floor": us / floor_us,
+                         "max_abs_diff_vs_cublas": float((logits - ref).abs().max()),
+                         "argmax_equal_rows": int((logits.argmax(-1) == ref.argmax(-1)).sum()),
+                         "profile": profile_replay(graph)}
+        except Exception as e:  # noqa: BLE001 - report the failing variant, run the others
+            out[kind] = {"error": repr(e)[:500]}
+        print(kind, json.dumps({k: v for k, v in out[kind].items() if k != "profile"}),
+              flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    res = {"gemms": gemm_sweep()}
+    tilings = {k: v["best"] for k, v in res["gemms"].items() if "best" in v}
+    res["chain"] = chain(tilings)
+    Path(sys.argv[1] if len(sys.argv) > 1 else "layer_gpu.json").write_text(
+        json.dumps(res, indent=1))

@@ -1,0 +1,216 @@
+"""Linear layer for decode-sized batches (up to a few dozen rows) with split-K, a fused
+SiLU-and-multiply epilogue and programmatic dependent launch.
+
+A batch-64 decode step of a 1B model multiplies 64 rows by each weight matrix once: the
+GEMMs are weight-read bound, and the small ones pay several microseconds of launch and
+ramp-up latency each (docs/benchmarks.md, issue 3). This kernel tiles the output columns
+(``BLOCK_N``) and splits K across programs (``SPLIT_K``), so every weight byte is read
+once by enough programs to fill the GPU. A split GEMM either reduces its fp32 partial sums
+with a small second kernel or hands them to the next kernel (``partials=True``: the
+RMSNorm kernel sums them while adding the residual, ``ops.kernels.rms_norm``), which saves
+the reduce launch. ``swiglu=True`` takes a merged gate/up weight ``[2I, K]``: each program
+multiplies the same x tile by a gate tile and the matching up tile and writes
+``silu(gate) * up`` (rounded as ``ops.kernels.silu_and_mul`` rounds), so the MLP needs no
+separate activation kernel. With PDL (``ops.kernels.pdl``) each launch overlaps the previous
+kernel's tail.
+
+An earlier version applied SiLU-mul in the down projection's prologue instead: every
+column tile recomputed the activation, and on the H200 the batch-64 step got slower.
+
+Products run on tensor cores in the weight's dtype (fp32 weights: 3xTF32 on CUDA, which
+keeps fp32 accuracy) and accumulate in fp32; the result is rounded once to the output
+dtype, as cuBLAS rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from latentserve.ops.kernels.pdl import pdl_launch
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a row tile
+def _decode_linear_kernel(
+    X, W, B, Y, P,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIALS: tl.constexpr,
+    ROUND_TO_X: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = W + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWIGLU:  # the up rows sit N rows below the gate rows
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_lo + k0 + offs_k
+        k_ok = k < k_hi
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(W.dtype.element_ty)
+        # W is [N, K] row-major (nn.Linear); the tile is read as its transpose [BK, BN].
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if SWIGLU:
+            w_up = tl.load(w_cols + N * stride_wn + k[:, None], mask=w_mask, other=0.0)
+            acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+    if SWIGLU:  # silu(gate) * up, rounded where silu_and_mul rounds (after the GEMM's rounding)
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(B + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        g = acc.to(Y.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        acc = act * acc_up.to(Y.dtype.element_ty).to(tl.float32)
+    mask = m_ok[:, None] & n_ok[None, :]
+    if PARTIALS:  # fp32 partial sums P [SPLIT_K, M, N]; the consumer adds the bias
+        tl.store(P + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc,
+                 mask=mask)
+    else:
+        if HAS_BIAS and not SWIGLU:
+            acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ROUND_TO_X:
+            acc = acc.to(X.dtype.element_ty)
+        tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+                 acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _split_k_reduce_kernel(
+    P, B, Y, XT, M, N, stride_ym,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO_X: tl.constexpr,
+    PDL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(P + (s * M + m) * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + offs, mask=ok, other=0.0).to(tl.float32)
+    if ROUND_TO_X:  # XT: any tensor of x's dtype
+        acc = acc.to(XT.dtype.element_ty)
+    tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def pick_tiling(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, SPLIT_K)`` for an ``[m, k] @ [k, n]`` decode GEMM: 128 columns
+    per program for a wide or deep weight, else 64, and the fewest power-of-2 K splits (each
+    at least 512 long) that give at least 0.7 programs per SM. Set from the H200 sweep of
+    ``bench.layer_gpu`` (Llama-1B shapes at M = 64: q/k/v 64 x 2, o 64 x 4, gate/up 128 x 1,
+    down 128 x 8, LM head 128 x 1)."""
+    block_n = 128 if k >= 4096 or n >= 8192 else 64
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 64)
+    split = 1
+    while tiles * split < num_sms * 0.7 and k // (2 * split) >= 512:
+        split *= 2
+    return block_n, 128, split
+
+
+def _check(x, weight, bias, swiglu):
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"swiglu needs a merged gate/up weight [2I, K], got "
+                         f"{tuple(weight.shape)}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("x and weight need a contiguous last dim")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if any(t is not None and t.device != x.device for t in (weight, bias)):
+        raise ValueError("x, weight and bias must be on one device")
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  *, swiglu: bool = False, partials: bool = False,
+                  out_dtype: torch.dtype | None = None, block_n: int | None = None,
+                  block_k: int | None = None, split_k: int | None = None,
+                  num_stages: int = 4) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a few rows; with ``swiglu``, ``silu(gate) * up`` of the
+    merged gate/up projection ``x @ weight.T + bias`` (gate: its first half of columns).
+
+    Args:
+        x: ``[M, K]`` bf16, fp16 or fp32, last dim contiguous (rows may be strided).
+        weight: ``[N, K]`` (``nn.Linear.weight``; ``[2I, K]``, gate rows first, with
+            ``swiglu``), last dim contiguous.
+        bias: ``[N]`` or None (with ``partials`` the caller adds it).
+        swiglu: return ``[M, I]`` ``silu(gate) * up`` (no K split; not with ``partials``).
+        partials: return the fp32 partial sums ``[S, M, N]`` of the K splits instead of
+            the result (S may be 1); their sum is ``x @ weight.T``.
+        out_dtype: the result's dtype (default x's). A wider one (the LM head's fp32
+            logits) holds the values rounded to x's dtype, as ``linear(x).float()`` does.
+        block_n, block_k, split_k: the tiling (default ``pick_tiling``); split_k >= 1.
+        num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
+    Returns:
+        ``[M, N]`` (``[M, N / 2]`` with ``swiglu``) in ``out_dtype``, or ``[S, M, N]`` fp32
+        with ``partials``; new tensors.
+    Raises:
+        ValueError: on a shape, stride or device mismatch or a bad tiling.
+    """
+    _check(x, weight, bias, swiglu)
+    if swiglu and partials:
+        raise ValueError("swiglu and partials cannot be combined")
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    bn, bk, sk = pick_tiling(m, n, k)
+    if swiglu:  # one program computes BLOCK_N gate and BLOCK_N up columns
+        n, bn, sk = n // 2, bn // 2, 1
+    bn, bk, sk = block_n or bn, block_k or bk, split_k or sk
+    if swiglu and sk != 1:
+        raise ValueError("swiglu does not split K")
+    if sk < 1 or bn < 16 or bk < 16 or bn & (bn - 1) or bk & (bk - 1):
+        raise ValueError(f"bad tiling block_n={bn} block_k={bk} split_k={sk}: powers of 2 "
+                         f">= 16 and split_k >= 1")
+    block_m = min(64, max(16, triton.next_power_of_2(max(m, 1))))
+    if block_k is None and weight.element_size() == 4:
+        bk = 64  # fp32 tiles: half the K depth, so the pipeline fits in shared memory
+    # Triton's pipeline buffers (num_stages - 1) x and w tiles; stay under ~200 KiB
+    stage = (block_m * bk + bk * bn * (2 if swiglu else 1)) * weight.element_size()
+    num_stages = max(1, min(num_stages, 200 * 1024 // stage))
+    k_per = triton.cdiv(triton.cdiv(k, sk), bk) * bk
+    sk = triton.cdiv(k, k_per)
+    out_dtype = out_dtype or x.dtype
+    if partials:
+        part = y = torch.empty(sk, m, n, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+        part = torch.empty(sk, m, n, dtype=torch.float32, device=x.device) if sk > 1 else y
+    if m == 0:
+        return y
+    launch = pdl_launch(x.device)
+    b = bias if bias is not None else weight
+    precision = None  # half-precision weights: the default (ignored)
+    if weight.dtype == torch.float32:
+        precision = "tf32x3" if x.is_cuda else "ieee"
+    round_to_x = out_dtype.itemsize > x.dtype.itemsize
+    _decode_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, block_m), sk)](
+        x, weight, b, y, part, m, n, k, k_per, x.stride(0), weight.stride(0), y.stride(-2),
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, PARTIALS=partials or sk > 1,
+        ROUND_TO_X=round_to_x, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn,
+        BLOCK_K=bk, num_warps=4, num_stages=num_stages, **launch)
+    if sk > 1 and not partials:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+            part, b, y, x, m, n, y.stride(0), HAS_BIAS=bias is not None, SPLIT_K=sk,
+            ROUND_TO_X=round_to_x, BLOCK=block, num_warps=4, **launch)
+    return y

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL) for the decode path's Triton kernels.
+
+On Hopper (sm_90) and later a kernel launched with PDL may start while the kernel before it
+in the stream is still running: its programs are scheduled once every program of the
+previous kernel has signalled ``gdc_launch_dependents`` (or exited), run whatever does not
+read the previous kernel's results (weight prefetches, address arithmetic), then block in
+``gdc_wait`` until the previous kernel has finished and its writes are visible. Inside a
+CUDA graph the launches become programmatic edges, so a captured decode step keeps the
+overlap. This hides most of a kernel's launch and ramp-up latency: a few microseconds per
+kernel, which is what a batch-64 decode step of a 1B model spends between its ~170 kernels
+(docs/benchmarks.md, issue 3).
+
+Every kernel that takes ``PDL=True`` calls ``gdc_wait`` before its first read of an
+activation and its first write, so chains stay ordered transitively; kernels launched
+without PDL (cuBLAS, torch) serialize as usual. Source: CUDA programming guide,
+"Programmatic Dependent Launch and Synchronization"; PTX ``griddepcontrol``.
+
+``LATENTSERVE_PDL=0`` turns it off. Under ``TRITON_INTERPRET=1`` and on older GPUs it is off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _device_supports_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """True when kernels on ``device`` should launch with PDL: a CUDA device of compute
+    capability 9.0 or newer, not the Triton interpreter, and ``LATENTSERVE_PDL`` not "0"."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if os.environ.get("LATENTSERVE_PDL", "1") == "0":
+        return False
+    return _device_supports_pdl(device.index if device.index is not None
+                                else torch.cuda.current_device())
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Keyword arguments for a Triton launch: ``{"PDL": bool, "launch_pdl": True}`` when
+    PDL is on for ``device``, ``{"PDL": False}`` otherwise (the kernel must declare
+    ``PDL: tl.constexpr`` and guard its ``gdc_*`` calls with it)."""
+    if pdl_enabled(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}

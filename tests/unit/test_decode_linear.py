@@ -1,0 +1,164 @@
+"""``ops.kernels.decode_linear`` (the decode-sized weight GEMMs: split-K, partial sums for
+the next RMSNorm, the SiLU-mul epilogue, fp32 logits) and the RMSNorm kernel reducing those
+partial sums, on CPU through the Triton interpreter; then the Llama fast path with and
+without them. H200 runs: ``tests/gpu`` (the fast-path parity tests take this path for every
+decode step of up to ``layers.DECODE_ROWS`` rows)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or the kernels
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+import torch.nn.functional as F
+
+from latentserve.ops.kernels import decode_linear, rms_norm, silu_and_mul
+from latentserve.ops.kernels.decode_linear import pick_tiling
+from latentserve.ops.kernels.pdl import pdl_launch
+from latentserve.ops.norm import add_rms_norm
+from latentserve.testing.triton_interpreter import patch_triton_interpreter
+
+patch_triton_interpreter()
+
+
+def _data(m, n, k, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (5, 40, 200), (64, 96, 256), (70, 32, 96)])
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+def test_matches_torch_fp32(m, n, k, split_k):
+    """Odd M, N and K (masked tiles), M past one 64-row tile, K splits that do not divide K,
+    with a bias; the partial sums add up to the product."""
+    x, w, b = _data(m, n, k, seed=m + n + k)
+    y = decode_linear(x, w, b, block_n=16, block_k=32, split_k=split_k)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    parts = decode_linear(x, w, block_n=16, block_k=32, split_k=split_k, partials=True)
+    assert parts.dtype == torch.float32 and parts.shape[1:] == (m, n)
+    assert parts.shape[0] == min(split_k, -(-k // 32))  # never an empty split
+    torch.testing.assert_close(parts.sum(0), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_rounds_once_and_fp32_logits_hold_bf16_values():
+    """bf16: within one bf16 rounding of the fp32 product. ``out_dtype=float32`` (the LM
+    head) gives fp32 values that are bf16 numbers, as ``linear(x).float()`` does."""
+    x, w, _ = _data(17, 64, 512, torch.bfloat16)
+    exact = F.linear(x.float(), w.float())
+    for sk in (1, 4):
+        y = decode_linear(x, w, block_n=32, block_k=64, split_k=sk)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), exact, rtol=1e-2, atol=1e-2)
+        logits = decode_linear(x, w, out_dtype=torch.float32, block_n=32, block_k=64,
+                               split_k=sk)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, logits.to(torch.bfloat16).float())
+        torch.testing.assert_close(logits, y.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_epilogue_equals_silu_and_mul(dtype, bias):
+    """``swiglu`` on a merged gate/up weight equals the gate/up GEMM followed by the
+    SiLU-mul kernel (bitwise in bf16: the same roundings in the same places)."""
+    x, w, b = _data(9, 2 * 40, 96, dtype, seed=5)
+    y = decode_linear(x, w, b if bias else None, swiglu=True, block_n=16, block_k=32)
+    ref = silu_and_mul(F.linear(x, w, b if bias else None))
+    assert y.shape == (9, 40) and y.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(y, ref)
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_rows_and_strided_rows():
+    x, w, b = _data(6, 24, 64)
+    assert decode_linear(x[:0], w, b).shape == (0, 24)
+    wide = torch.randn(6, 100)
+    wide[:, 10:74] = x  # rows of stride 100, last dim contiguous
+    torch.testing.assert_close(decode_linear(wide[:, 10:74], w, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w, b: decode_linear(x[:, :60], w, b), "share K"),
+    (lambda x, w, b: decode_linear(x, w[:23], None, swiglu=True), "gate/up"),
+    (lambda x, w, b: decode_linear(x, w, None, swiglu=True, partials=True), "combined"),
+    (lambda x, w, b: decode_linear(x, w, b[:5]), "bias"),
+    (lambda x, w, b: decode_linear(x, w, b, block_n=24), "tiling"),
+    (lambda x, w, b: decode_linear(x, w, b, swiglu=True, split_k=2), "split"),
+    (lambda x, w, b: decode_linear(x.t(), w[:, :6], b), "contiguous"),
+])
+def test_bad_arguments_name_the_problem(call, match):
+    x, w, b = _data(6, 24, 64)
+    with pytest.raises(ValueError, match=match):
+        call(x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_reduces_partials(dtype):
+    """The RMSNorm kernel given ``[S, T, H]`` partials equals the eager add + RMSNorm of
+    their sum rounded to the activation dtype (the GEMM output it replaces)."""
+    g = torch.Generator().manual_seed(1)
+    parts = torch.randn(3, 5, 64, generator=g)
+    res = torch.randn(5, 64, generator=g).to(dtype)
+    w = torch.randn(64, generator=g).to(dtype)
+    normed, new_res = rms_norm(parts, w, 1e-5, res)
+    ref_normed, ref_res = add_rms_norm(parts.sum(0).to(dtype), res, w, 1e-5)
+    assert normed.dtype == new_res.dtype == dtype
+    torch.testing.assert_close(new_res, ref_res, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(normed, ref_normed, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="partials"):
+        rms_norm(parts, w, 1e-5)  # partials need the residual
+
+
+def test_tiling_heuristic_and_pdl_off_on_cpu(monkeypatch):
+    """The tilings the H200 sweep chose for the Llama-1B decode shapes at 64 rows
+    (docs/benchmarks.md); PDL is never requested off CUDA or with LATENTSERVE_PDL=0."""
+    assert pick_tiling(64, 3072, 2048) == (64, 128, 2)     # q/k/v
+    assert pick_tiling(64, 2048, 2048) == (64, 128, 4)     # o_proj
+    assert pick_tiling(64, 16384, 2048) == (128, 128, 1)   # gate/up
+    assert pick_tiling(64, 2048, 8192) == (128, 128, 8)    # down
+    assert pick_tiling(64, 128256, 2048) == (128, 128, 1)  # LM head
+    assert pdl_launch(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setenv("LATENTSERVE_PDL", "0")
+    assert pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
+
+
+@pytest.mark.parametrize("kind,dtype", [("llama", "float32"), ("qwen2", "bfloat16")])
+def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
+                                                         monkeypatch):
+    """The Llama fast path with the decode-sized GEMMs (o_proj and down handing partial
+    sums to the RMSNorm kernel, the SiLU-mul epilogue, fp32 logits) against the same path
+    with ``DECODE_ROWS = 0`` (torch GEMMs): equal greedy tokens, every step's logits within
+    1e-4 (fp32) or bf16 noise, and the kernels did run."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.models import layers
+    from latentserve.ops import kernels
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.parity import shared_prefix_prompts
+    from latentserve.testing.tp_parity import assert_same, run_requests
+
+    calls, real = [], kernels.decode_linear
+    monkeypatch.setattr(kernels, "decode_linear",
+                        lambda *a, **k: calls.append(k.get("partials")) or real(*a, **k))
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]  # 51, 30 (its prefix), 3 tokens
+    out = {}
+    for rows in (0, 64):
+        monkeypatch.setattr(layers, "DECODE_ROWS", rows)
+        engine = LLMEngine(EngineConfig(model=str(tiny_dirs[kind]), fused_ops=True,
+                                        attention_backend="triton", dtype=dtype))
+        calls.clear()
+        out[rows] = run_requests(engine, reqs)
+        assert bool(calls) == bool(rows)
+        engine.cache.check_idle()
+    assert True in calls  # o_proj / down handed partial sums on
+    assert_same(out[0], out[64], atol=1e-4 if dtype == "float32" else 0.1)
