@@ -2,14 +2,14 @@
 batch-64 Llama-3.2-1B step the GEMM choice and programmatic dependent launch (PDL) save.
 
 1. Per GEMM shape (q/k/v, o, gate/up, down, LM head; M = 64): cuBLAS against
-   ``ops.kernels.decode_linear`` over a few tilings, with PDL and its L2 weight prefetch
-   (20 back-to-back launches per CUDA graph).
-2. The 16-layer chain a decode step runs apart from RoPE and attention (RMSNorm, q/k/v,
-   o_proj, add + RMSNorm, gate/up, SiLU-mul, down; then the final norm and an fp32 LM head),
-   captured in one CUDA graph, in four variants: cuBLAS (the engine's path before this
-   change, with the LM head's fp32 cast), ``decode_linear`` without PDL, with PDL, and with
-   PDL and the L2 prefetch. Reported: microseconds per replay, against the weights' read
-   floor at ``--copy-bw``.
+   ``ops.kernels.decode_linear`` over a few tilings with PDL (20 back-to-back launches per
+   CUDA graph; a split tiling includes its reduce kernel), and the best without PDL.
+2. The 16-layer chain a decode step runs apart from RoPE and attention, captured in one
+   CUDA graph: cuBLAS (RMSNorm, q/k/v, o_proj, add + RMSNorm, gate/up, SiLU-mul, down; the
+   final norm; the LM head and its fp32 cast: the engine before ``decode_linear``), and the
+   engine's decode path (o_proj and down hand split-K partial sums to the RMSNorm kernel,
+   SiLU-mul in the gate/up epilogue, fp32 logits; q/k/v stays cuBLAS) without and with
+   PDL. Reported: microseconds per replay against the weights' read floor at 4.28 TB/s.
 
 Run on the H200: ``python -m latentserve.bench.layer_gpu OUT.json``.
 """
@@ -71,9 +71,6 @@ def gemm_sweep(rows: int = 64) -> dict:
         if best:
             t, bn, sk, st = best
             row["best"] = {"us": t, "block_n": bn, "split_k": sk, "stages": st}
-            row["best_no_prefetch_us"] = time_graph(
-                lambda: decode_linear(x, w, block_n=bn, block_k=128, split_k=sk, num_stages=st,
-                                      prefetch=False), 20, 5)[0]
             _set_pdl(False)
             row["best_no_pdl_us"] = time_graph(
                 lambda: decode_linear(x, w, block_n=bn, block_k=128, split_k=sk,
@@ -83,7 +80,7 @@ def gemm_sweep(rows: int = 64) -> dict:
     return out
 
 
-def chain(tilings: dict, rows: int = 64) -> dict:
+def chain(rows: int = 64) -> dict:
     """Replay time of the 16-layer chain per variant (see the module docstring)."""
     import torch
     import torch.nn.functional as F
@@ -108,15 +105,6 @@ def chain(tilings: dict, rows: int = 64) -> dict:
         / COPY_BW * 1e6
 
     def make(kind):
-        def lin(a, name, w, out_dtype=None):
-            if kind == "cublas":
-                y = F.linear(a, w)
-                return y.float() if out_dtype else y
-            t = tilings.get(name, {})
-            return decode_linear(a, w, out_dtype=out_dtype, block_n=t.get("block_n"),
-                                 split_k=t.get("split_k"), num_stages=t.get("stages", 4),
-                                 prefetch=kind == "pdl_prefetch")
-
         def step():
             x, res = x0, None
             for ly in layers:
@@ -124,18 +112,25 @@ def chain(tilings: dict, rows: int = 64) -> dict:
                     h, res = rms_norm(x, ly["wi"], EPS), x
                 else:
                     h, res = rms_norm(x, ly["wi"], EPS, res)
-                qkv = lin(h, "qkv", ly["qkv"])
-                o = lin(qkv[:, :HIDDEN], "o", ly["o"])
-                h, res = rms_norm(o, ly["wp"], EPS, res)
-                x = lin(silu_and_mul(lin(h, "gate_up", ly["gate_up"])), "down", ly["down"])
+                qkv = F.linear(h, ly["qkv"])
+                if kind == "cublas":
+                    o = F.linear(qkv[:, :HIDDEN], ly["o"])
+                    h, res = rms_norm(o, ly["wp"], EPS, res)
+                    x = F.linear(silu_and_mul(F.linear(h, ly["gate_up"])), ly["down"])
+                else:
+                    o = decode_linear(qkv[:, :HIDDEN], ly["o"], partials=True)
+                    h, res = rms_norm(o, ly["wp"], EPS, res)
+                    act = decode_linear(h, ly["gate_up"], swiglu=True)
+                    x = decode_linear(act, ly["down"], partials=True)
             h, _ = rms_norm(x, wf, EPS, res)
-            return lin(h, "lm_head", lm, torch.float32)
+            if kind == "cublas":
+                return F.linear(h, lm).float()
+            return decode_linear(h, lm, out_dtype=torch.float32)
         return step
 
     out = {"floor_us": floor_us}
     ref = None
-    for kind, pdl in (("cublas", False), ("triton", False), ("pdl", True),
-                      ("pdl_prefetch", True)):
+    for kind, pdl in (("cublas", False), ("decode", False), ("decode_pdl", True)):
         _set_pdl(pdl)
         try:
             fn = make(kind)
@@ -155,8 +150,6 @@ def chain(tilings: dict, rows: int = 64) -> dict:
 
 
 if __name__ == "__main__":
-    res = {"gemms": gemm_sweep()}
-    tilings = {k: v["best"] for k, v in res["gemms"].items() if "best" in v}
-    res["chain"] = chain(tilings)
+    res = {"gemms": gemm_sweep(), "chain": chain()}
     Path(sys.argv[1] if len(sys.argv) > 1 else "layer_gpu.json").write_text(
         json.dumps(res, indent=1))

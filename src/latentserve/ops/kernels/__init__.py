@@ -27,5 +27,12 @@ from latentserve.ops.kernels.rotary_store_kv import (
 )
 from latentserve.ops.kernels.silu_and_mul import silu_and_mul
 
-__all__ = ["apply_rotary_", "decode_linear", "apply_rotary_pairs_", "apply_rotary_pairs_store_kv_",
-           "apply_rotary_store_kv_", "rms_norm", "silu_and_mul"]
+__all__ = [
+    "apply_rotary_",
+    "apply_rotary_pairs_",
+    "apply_rotary_pairs_store_kv_",
+    "apply_rotary_store_kv_",
+    "decode_linear",
+    "rms_norm",
+    "silu_and_mul",
+]

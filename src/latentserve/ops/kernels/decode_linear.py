@@ -115,11 +115,11 @@ def _split_k_reduce_kernel(
 
 def pick_tiling(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K)`` for an ``[m, k] @ [k, n]`` decode GEMM: 128 columns
-    per program for a wide or deep weight, else 64, and the fewest power-of-2 K splits (each
-    at least 512 long) that give at least 0.7 programs per SM. Set from the H200 sweep of
+    per program for a wide weight, else 64, and the fewest power-of-2 K splits (each at
+    least 512 long) that give at least 0.7 programs per SM. Set from the H200 sweeps of
     ``bench.layer_gpu`` (Llama-1B shapes at M = 64: q/k/v 64 x 2, o 64 x 4, gate/up 128 x 1,
-    down 128 x 8, LM head 128 x 1)."""
-    block_n = 128 if k >= 4096 or n >= 8192 else 64
+    down 64 x 4, LM head 128 x 1)."""
+    block_n = 128 if n >= 8192 else 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 64)
     split = 1
     while tiles * split < num_sms * 0.7 and k // (2 * split) >= 512:

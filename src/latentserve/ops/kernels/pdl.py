@@ -26,7 +26,7 @@ import os
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_supports_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 

@@ -19,7 +19,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from latentserve.ops.kernels.pdl import pdl_launch
-
 from latentserve.ops.kernels.rotary import _rope_halves, _rotate_heads, check_qk_cos_sin
 from latentserve.ops.kernels.rotary_pairs import (
     _bias_rope_pairs,
