@@ -162,3 +162,20 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
         engine.cache.check_idle()
     assert True in calls  # o_proj / down handed partial sums on
     assert_same(out[0], out[64], atol=1e-4 if dtype == "float32" else 0.1)
+
+
+def test_rms_norm_without_residual_rounds_to_x_dtype_and_materialize_matches_kernel():
+    """Review findings: with no residual the kernel rounds the normed value to x's dtype
+    even under an fp32 weight (as ``ops.norm.rms_norm``); ``layers.materialize`` sums
+    partials in the kernel's order, so a captured hidden state equals the residual stream."""
+    from latentserve.models.layers import materialize
+    from latentserve.ops.norm import rms_norm as eager_rms_norm
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    w = torch.rand(64, generator=g) + 0.5
+    assert torch.equal(rms_norm(x, w, 1e-5), eager_rms_norm(x, w, 1e-5))
+    parts = torch.randn(4, 3, 64, generator=g) * 1e3
+    res = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    _, new_res = rms_norm(parts, torch.ones(64, dtype=torch.bfloat16), 1e-5, res)
+    assert torch.equal(new_res, materialize(parts, res) + res)

@@ -406,8 +406,10 @@ class LLMEngine:
         path ``layers.DECODE_ROWS + 1`` tokens, so the prefill takes the cuBLAS GEMMs and
         the decode the decode-sized ones) and 2 greedy tokens with logprobs (one prefill and
         one decode forward, the sampler and the log-softmax), so one-off costs (allocator
-        growth, kernel selection and compiles) are paid here and not by the first client. Afterwards the prefix cache is emptied
-        and the prefix-cache counters are zero, so the engine looks untouched.
+        growth, kernel selection and compiles) are paid here and not by the first client.
+        When the model's own extra tokens leave no room for the long prompt, 4 tokens are
+        used. Afterwards the prefix cache is emptied and the prefix-cache counters are
+        zero, so the engine looks untouched.
 
         Raises RuntimeError when requests are queued; whatever the forward raises. A model
         whose context cannot hold the warm-up request is left cold (logged).
@@ -417,16 +419,21 @@ class LLMEngine:
         rid = "__latentserve_warmup__"
         from latentserve.models.layers import DECODE_ROWS
 
-        n = DECODE_ROWS + 1 if self.config.use_fused_ops else 4
+        n = max(4, DECODE_ROWS + 1) if self.config.use_fused_ops else 4
         n = max(1, min(n, self.max_model_len - 3))
         # A compression-head model runs one latent step (no floor), so the head runs too.
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1,
                                 max_latent=1, use_stop=False, min_output_tokens=0)
-        try:
-            self.add_request(rid, [min(i + 1, self.vocab_size - 1) for i in range(n)], params)
-        except ValueError as exc:
-            log.warning("warm-up skipped: %s", exc)
-            return
+        for tries_left in (1, 0):  # a long prompt a model's extra tokens overflow: 4 tokens
+            try:
+                self.add_request(rid, [min(i + 1, self.vocab_size - 1) for i in range(n)],
+                                 params)
+                break
+            except ValueError as exc:
+                if not tries_left or n <= 4:
+                    log.warning("warm-up skipped: %s", exc)
+                    return
+                n = max(1, min(4, self.max_model_len - 3))
         while self.has_unfinished_requests():
             self.step()
         self.cache.radix.reset()

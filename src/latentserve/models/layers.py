@@ -57,8 +57,14 @@ def decode_gemms(fused: bool, x: torch.Tensor, *linears: nn.Module) -> bool:
 
 def materialize(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A block output as a ``[T, H]`` tensor in ``like``'s dtype: ``x`` itself, or the sum of
-    split-K partials ``[S, T, H]`` (fp32) rounded as the GEMM's output."""
-    return x.sum(0).to(like.dtype) if x.dim() == 3 else x
+    split-K partials ``[S, T, H]`` (fp32, added in split order as the RMSNorm kernel adds
+    them, so the result is the residual stream's bit for bit) rounded as the GEMM's output."""
+    if x.dim() != 3:
+        return x
+    total = x[0].clone()
+    for part in x[1:]:
+        total += part
+    return total.to(like.dtype)
 
 
 class Rotary(nn.Module):

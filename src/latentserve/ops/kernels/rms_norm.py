@@ -35,21 +35,22 @@ def _rms_norm_kernel(
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
+    # R: the residual, or x itself without one; either way the activation dtype
     if SPLIT == 0:
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     else:  # fp32 partial sums [SPLIT, T, n]: their sum, rounded as the GEMM's output
         x = tl.zeros((BLOCK,), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
             x += tl.load(X + s * stride_xs + row * stride_x + offs, mask=mask, other=0.0)
-        x = x.to(ResOut.dtype.element_ty)
+        x = x.to(R.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(ResOut.dtype.element_ty)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(R.dtype.element_ty)
         tl.store(ResOut + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     # torch's ops on CUDA: mean = sum * (1 / n), then x * rsqrt (rsqrt.approx, as rsqrtf)
     mean_sq = tl.sum(xf * xf, axis=0) * inv_n
-    normed = (xf * tl.rsqrt(mean_sq + eps)).to(ResOut.dtype.element_ty)
+    normed = (xf * tl.rsqrt(mean_sq + eps)).to(R.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
     y = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(Out + row * stride_o + offs, y.to(Out.dtype.element_ty), mask=mask)
