@@ -179,3 +179,36 @@ def test_rms_norm_without_residual_rounds_to_x_dtype_and_materialize_matches_ker
     res = torch.randn(3, 64, generator=g).to(torch.bfloat16)
     _, new_res = rms_norm(parts, torch.ones(64, dtype=torch.bfloat16), 1e-5, res)
     assert torch.equal(new_res, materialize(parts, res) + res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tma_descriptor_path_equals_pointer_path(dtype):
+    """The opt-in TMA path (``LATENTSERVE_DECODE_TMA=1``; tiles read through tensor
+    descriptors, zeros past every edge) gives the pointer path's results: odd M, N and K,
+    K splits, partial sums, the SwiGLU epilogue and fp32 logits."""
+    x, w, b = _data(5, 40, 200, dtype, seed=11)
+    w2, b2 = torch.cat([w, w.flip(0)]), torch.cat([b, b])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    cases = [dict(split_k=1), dict(split_k=4), dict(split_k=2, partials=True)]
+    for kw in cases:
+        bias = None if kw.get("partials") else b
+        want = decode_linear(x, w, bias, block_n=16, block_k=32, tma=False, **kw)
+        got = decode_linear(x, w, bias, block_n=16, block_k=32, tma=True, **kw)
+        torch.testing.assert_close(got, want, **tol)
+    want = decode_linear(x, w2, b2, swiglu=True, block_n=16, block_k=32, tma=False)
+    got = decode_linear(x, w2, b2, swiglu=True, block_n=16, block_k=32, tma=True)
+    torch.testing.assert_close(got, want, **tol)
+    got = decode_linear(x, w, out_dtype=torch.float32, block_n=16, block_k=32, tma=True)
+    torch.testing.assert_close(got, F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_tma_is_opt_in(monkeypatch):
+    from latentserve.ops.kernels.decode_linear import use_tma
+
+    x, w, _ = _data(4, 32, 64, torch.bfloat16)
+    monkeypatch.delenv("LATENTSERVE_DECODE_TMA", raising=False)
+    assert not use_tma(x, w)
+    monkeypatch.setenv("LATENTSERVE_DECODE_TMA", "1")
+    assert use_tma(x, w)
+    assert not use_tma(x.float(), w.float())  # 16-bit weights only
+    assert not use_tma(torch.zeros(4, 65, dtype=torch.bfloat16)[:, 1:], w)  # misaligned

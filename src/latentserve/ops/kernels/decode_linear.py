@@ -24,6 +24,8 @@ dtype, as cuBLAS rounds.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -34,13 +36,15 @@ from latentserve.ops.kernels.pdl import pdl_launch
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a row tile
 def _decode_linear_kernel(
-    X, W, B, Y, P,
+    X, W, XD, WD, B, Y, P,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIALS: tl.constexpr,
-    ROUND_TO_X: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    ROUND_TO_X: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # XD, WD: TMA descriptors of x and the weight when TMA (tiles past an edge read as
+    # zeros), else unused; X and W give the dtypes and, without TMA, the addresses.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -60,17 +64,25 @@ def _decode_linear_kernel(
     if SWIGLU:  # the up rows sit N rows below the gate rows
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
-        k = k_lo + k0 + offs_k
-        k_ok = k < k_hi
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        x = x.to(W.dtype.element_ty)
-        # W is [N, K] row-major (nn.Linear); the tile is read as its transpose [BK, BN].
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        if SWIGLU:
-            w_up = tl.load(w_cols + N * stride_wn + k[:, None], mask=w_mask, other=0.0)
-            acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+        if TMA:  # splits are BLOCK_K-aligned, so a tile never crosses into the next split
+            x = XD.load([pid_m * BLOCK_M, k_lo + k0]).to(W.dtype.element_ty)
+            w = tl.trans(WD.load([pid_n * BLOCK_N, k_lo + k0]))
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if SWIGLU:
+                w_up = tl.trans(WD.load([N + pid_n * BLOCK_N, k_lo + k0]))
+                acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+        else:
+            k = k_lo + k0 + offs_k
+            k_ok = k < k_hi
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = x.to(W.dtype.element_ty)
+            # W is [N, K] row-major (nn.Linear); the tile is read as its transpose [BK, BN].
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if SWIGLU:
+                w_up = tl.load(w_cols + N * stride_wn + k[:, None], mask=w_mask, other=0.0)
+                acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
     if SWIGLU:  # silu(gate) * up, rounded where silu_and_mul rounds (after the GEMM's rounding)
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -127,6 +139,22 @@ def pick_tiling(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, i
     return block_n, 128, split
 
 
+def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``decode_linear`` reads its tiles through TMA tensor descriptors by default:
+    only when ``LATENTSERVE_DECODE_TMA=1`` (off until measured on the H200), for 16-bit
+    weights of x's dtype, with 16-byte-aligned bases and row strides.
+
+    Why it exists: a cross-compile of the pointer-based K loop for sm_90 (Triton 3.6, bf16)
+    shows no software pipelining (each step loads into registers, copies to shared memory
+    and waits for its wgmma), while the descriptor version gets a 4-stage TMA pipeline."""
+    if os.environ.get("LATENTSERVE_DECODE_TMA", "0") != "1":
+        return False
+    if weight.element_size() != 2 or x.dtype != weight.dtype:
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+               for t in (x, weight))
+
+
 def _check(x, weight, bias, swiglu):
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x [M, K] and weight [N, K] must share K, got {tuple(x.shape)} and "
@@ -146,7 +174,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   *, swiglu: bool = False, partials: bool = False,
                   out_dtype: torch.dtype | None = None, block_n: int | None = None,
                   block_k: int | None = None, split_k: int | None = None,
-                  num_stages: int = 4) -> torch.Tensor:
+                  num_stages: int = 4, tma: bool | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a few rows; with ``swiglu``, ``silu(gate) * up`` of the
     merged gate/up projection ``x @ weight.T + bias`` (gate: its first half of columns).
 
@@ -162,6 +190,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             logits) holds the values rounded to x's dtype, as ``linear(x).float()`` does.
         block_n, block_k, split_k: the tiling (default ``pick_tiling``); split_k >= 1.
         num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
+        tma: read the tiles through TMA tensor descriptors (default: ``use_tma``). True
+            needs 16-byte-aligned bases and row strides.
     Returns:
         ``[M, N]`` (``[M, N / 2]`` with ``swiglu``) in ``out_dtype``, or ``[S, M, N]`` fp32
         with ``partials``; new tensors.
@@ -203,11 +233,18 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight.dtype == torch.float32:
         precision = "tf32x3" if x.is_cuda else "ieee"
     round_to_x = out_dtype.itemsize > x.dtype.itemsize
+    xd, wd = x, weight
+    if use_tma(x, weight) if tma is None else tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xd = TensorDescriptor.from_tensor(x, [block_m, bk])
+        wd = TensorDescriptor.from_tensor(weight, [bn, bk])
     _decode_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, block_m), sk)](
-        x, weight, b, y, part, m, n, k, k_per, x.stride(0), weight.stride(0), y.stride(-2),
-        HAS_BIAS=bias is not None, SWIGLU=swiglu, PARTIALS=partials or sk > 1,
-        ROUND_TO_X=round_to_x, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=bn,
-        BLOCK_K=bk, num_warps=4, num_stages=num_stages, **launch)
+        x, weight, xd, wd, b, y, part, m, n, k, k_per, x.stride(0), weight.stride(0),
+        y.stride(-2), HAS_BIAS=bias is not None, SWIGLU=swiglu,
+        PARTIALS=partials or sk > 1, ROUND_TO_X=round_to_x, PRECISION=precision,
+        TMA=xd is not x, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        num_stages=num_stages, **launch)
     if sk > 1 and not partials:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
