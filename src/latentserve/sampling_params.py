@@ -139,6 +139,10 @@ class SamplingParams:
         for name in ("max_latent", "min_latent", "min_output_tokens"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), lo=0)
+        if (self.min_latent is not None and self.max_latent  # max_latent 0: no latent phase
+                and self.min_latent > self.max_latent):
+            raise ValueError(f"min_latent must be at most max_latent ({self.max_latent}), "
+                             f"got {self.min_latent}")
         if self.stop_threshold is not None:
             _check_num("stop_threshold", self.stop_threshold, lo=0.0, hi=1.0)
 

@@ -63,6 +63,19 @@ def test_controls_reach_sampling_params_and_bad_body_names_field():
     with pytest.raises(APIError) as e:
         sampling_params(_body(min_latent=-1), 16, "max_tokens", 3, 512)
     assert e.value.param == "min_latent"
+    # a floor above the cap, in the body or from headers: a 400 naming min_latent
+    with pytest.raises(APIError, match="at most max_latent") as e:
+        sampling_params(_body(max_latent=3, min_latent=5), 16, "max_tokens", 3, 512)
+    assert e.value.param == "min_latent"
+    c = head_controls(_Req({"x-latent-max": "2", "x-latent-min": "4"}), _body())
+    with pytest.raises(APIError) as e:
+        sampling_params(_body(), 16, "max_tokens", 3, 512, head=c)
+    assert e.value.param == "min_latent"
+    assert sampling_params(_body(max_latent=5, min_latent=5), 16, "max_tokens", 3,
+                           512).min_latent == 5
+    # max_latent 0 runs no latent phase: any floor is moot, not an error
+    assert sampling_params(_body(max_latent=0, min_latent=2), 16, "max_tokens", 3,
+                           512).max_latent == 0
 
 
 @pytest.mark.parametrize("kw,field", [({"latent_head": "h.safetensors"}, "latent_head"),
