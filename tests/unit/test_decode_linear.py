@@ -212,3 +212,34 @@ def test_tma_is_opt_in(monkeypatch):
     assert use_tma(x, w)
     assert not use_tma(x.float(), w.float())  # 16-bit weights only
     assert not use_tma(torch.zeros(4, 65, dtype=torch.bfloat16)[:, 1:], w)  # misaligned
+
+
+def test_warmup_compiles_both_gemm_paths_and_leaves_the_engine_untouched(tiny_dirs,
+                                                                          monkeypatch):
+    """On the fast path the warm-up prompt is ``DECODE_ROWS + 1`` tokens: its prefill runs
+    the torch/cuBLAS GEMMs (the SiLU-mul kernel) and its decode step ``decode_linear``;
+    afterwards no request, no cached prefix and no prefix-cache counts remain. A context
+    too short for that prompt gets one that fits."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.models import layers
+    from latentserve.ops import kernels
+
+    monkeypatch.setattr(layers, "DECODE_ROWS", 8)  # a short long-prompt: fast on CPU
+    seen = []
+    for name in ("decode_linear", "silu_and_mul"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name,
+                            lambda *a, _n=name, _f=real, **k: seen.append(_n) or _f(*a, **k))
+    engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), fused_ops=True,
+                                    attention_backend="triton"))
+    seen.clear()
+    engine.warmup()
+    assert {"decode_linear", "silu_and_mul"} <= set(seen)
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.prefix_queries == engine.scheduler.prefix_hits == 0
+    engine.cache.check_idle()
+    short = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), fused_ops=True,
+                                   attention_backend="triton", max_model_len=8))
+    short.warmup()  # 5 tokens fit, not 9
+    short.cache.check_idle()

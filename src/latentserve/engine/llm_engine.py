@@ -419,21 +419,20 @@ class LLMEngine:
         rid = "__latentserve_warmup__"
         from latentserve.models.layers import DECODE_ROWS
 
-        n = max(4, DECODE_ROWS + 1) if self.config.use_fused_ops else 4
-        n = max(1, min(n, self.max_model_len - 3))
+        long = max(4, DECODE_ROWS + 1) if self.config.use_fused_ops else 4
         # A compression-head model runs one latent step (no floor), so the head runs too.
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1,
                                 max_latent=1, use_stop=False, min_output_tokens=0)
-        for tries_left in (1, 0):  # a long prompt a model's extra tokens overflow: 4 tokens
-            try:
+        for n in dict.fromkeys(max(1, min(k, self.max_model_len - 3)) for k in (long, 4)):
+            try:  # the long prompt, then (a model's extra tokens overflow it) 4 tokens
                 self.add_request(rid, [min(i + 1, self.vocab_size - 1) for i in range(n)],
                                  params)
                 break
             except ValueError as exc:
-                if not tries_left or n <= 4:
-                    log.warning("warm-up skipped: %s", exc)
-                    return
-                n = max(1, min(4, self.max_model_len - 3))
+                error = exc
+        else:
+            log.warning("warm-up skipped: %s", error)
+            return
         while self.has_unfinished_requests():
             self.step()
         self.cache.radix.reset()

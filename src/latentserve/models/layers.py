@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
 
 DECODE_ROWS = int(os.environ.get("LATENTSERVE_DECODE_ROWS", "64"))
 """Up to this many rows, the fast path runs its weight GEMMs as ``ops.kernels.decode_linear``
-(split-K, fused SiLU-mul prologue, partial sums handed to the next RMSNorm, PDL) instead of
+(split-K, SiLU-mul in the gate/up epilogue, partial sums handed to the next RMSNorm, PDL) instead of
 cuBLAS: a decode step's batch. Larger batches (prefill, big decode buckets) keep cuBLAS.
 ``LATENTSERVE_DECODE_ROWS=0`` keeps cuBLAS everywhere (the path before, for comparison)."""
 
