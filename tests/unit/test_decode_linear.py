@@ -94,6 +94,7 @@ def test_empty_rows_and_strided_rows():
     (lambda x, w, b: decode_linear(x, w, b, block_n=24), "tiling"),
     (lambda x, w, b: decode_linear(x, w, b, swiglu=True, split_k=2), "split"),
     (lambda x, w, b: decode_linear(x.t(), w[:, :6], b), "contiguous"),
+    (lambda x, w, b: decode_linear(x.double(), w, b), "dtype"),
 ])
 def test_bad_arguments_name_the_problem(call, match):
     x, w, b = _data(6, 24, 64)

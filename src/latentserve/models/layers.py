@@ -49,10 +49,11 @@ cuBLAS: a decode step's batch. Larger batches (prefill, big decode buckets) keep
 
 def decode_gemms(fused: bool, x: torch.Tensor, *linears: nn.Module) -> bool:
     """True when the fast path (``fused``) should run ``linears`` (plain ``nn.Linear``
-    layers, not tensor-parallel shards) on ``x``'s ``T`` rows (``x [..., T, K]``) with
-    ``decode_linear``: ``0 < T <= DECODE_ROWS``."""
+    layers of x's dtype, not tensor-parallel shards) on ``x``'s ``T`` rows
+    (``x [..., T, K]``) with ``decode_linear``: ``0 < T <= DECODE_ROWS``."""
     return (fused and 0 < x.shape[-2] <= DECODE_ROWS
-            and all(type(lin) is nn.Linear for lin in linears))
+            and all(type(lin) is nn.Linear and lin.weight.dtype == x.dtype
+                    for lin in linears))
 
 
 def materialize(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

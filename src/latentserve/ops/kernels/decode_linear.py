@@ -164,6 +164,8 @@ def _check(x, weight, bias, swiglu):
                          f"{tuple(weight.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("x and weight need a contiguous last dim")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     if any(t is not None and t.device != x.device for t in (weight, bias)):
