@@ -89,3 +89,16 @@ def test_no_latent_head_with_a_head_option_is_a_config_error(kw, field):
         EngineConfig(no_latent_head=True, **kw)
     EngineConfig(**kw)
     EngineConfig(no_latent_head=True)
+
+
+def test_budget_header_zero_beats_body_thinking():
+    """Header ``x-latent-budget: 0`` turns thinking off over a body ``thinking: true``
+    (header > body); a thinking header still decides; a body budget leaves it alone."""
+    assert head_controls(_Req({"x-latent-budget": "0"}), _body(thinking=True))["thinking"] \
+        is False
+    assert head_controls(_Req({"x-latent-budget": "0", "x-latent-thinking": "on"}),
+                         _body())["thinking"] is True
+    assert head_controls(_Req({"x-latent-budget": "5"}), _body(thinking=True))["thinking"] \
+        is True
+    assert head_controls(_Req({}), _body(thinking=True, latent_budget=0))["thinking"] is True
+    assert head_controls(_Req({"x-latent-budget": "0"}), _body())["thinking"] is None

@@ -146,7 +146,8 @@ def head_controls(http_request, body: SamplingRequest,
     default (None here; the engine fills in the ``LATENTSERVE_*`` env defaults). Headers
     ``x-latent-*`` and the seed's ``x-ds4-*`` aliases (``x-latent-*`` wins when both are
     sent); thinking also from ``chat_template_kwargs`` ``thinking`` / ``enable_thinking``
-    (below the body field). Raises APIError (400 naming the header) for a malformed value:
+    (below the body field); a body or template ``thinking: true`` is turned off by header
+    ``x-latent-budget: 0`` unless a thinking header is sent. Raises APIError (400 naming the header) for a malformed value:
     booleans 1/0/true/false/yes/no/on/off, non-negative integers, a threshold in [0, 1]."""
     from latentserve.latent.head import parse_bool, template_thinking
 
@@ -175,6 +176,11 @@ def head_controls(http_request, body: SamplingRequest,
                     "int": "a non-negative integer", "float": "a number in [0, 1]"}[kind]
             raise APIError(f"header {used} must be {want}, got {raw!r}", param=used) from None
         out[name] = value
+    budget = headers.get("x-latent-budget")
+    thinking_header = any(headers.get(h) is not None for h in HEAD_HEADERS["thinking"][:2])
+    if out["thinking"] and budget is not None and budget.strip() == "0" \
+            and not thinking_header:
+        out["thinking"] = False  # header x-latent-budget: 0 (thinking off) beats the body
     return out
 
 
