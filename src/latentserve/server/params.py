@@ -147,8 +147,9 @@ def head_controls(http_request, body: SamplingRequest,
     ``x-latent-*`` and the seed's ``x-ds4-*`` aliases (``x-latent-*`` wins when both are
     sent); thinking also from ``chat_template_kwargs`` ``thinking`` / ``enable_thinking``
     (below the body field); a body or template ``thinking: true`` is turned off by header
-    ``x-latent-budget: 0`` unless a thinking header is sent. Raises APIError (400 naming the header) for a malformed value:
-    booleans 1/0/true/false/yes/no/on/off, non-negative integers, a threshold in [0, 1]."""
+    ``x-latent-budget: 0`` unless a thinking header is sent. Raises APIError (400 naming
+    the header) for a malformed value: booleans 1/0/true/false/yes/no/on/off, non-negative
+    integers, a threshold in [0, 1]."""
     from latentserve.latent.head import parse_bool, template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
