@@ -28,9 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from latentserve.ops.kernels.pdl import pdl_launch
+from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
 
 _LOG2E = 1.4426950408889634
 
@@ -52,9 +51,7 @@ def _decode_stage1_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
 
     row = tl.load(Rows + b).to(tl.int64)
     kv_len = tl.load(KvLens + b)
@@ -118,9 +115,7 @@ def _decode_stage2_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
     kv_len = tl.load(KvLens + b)
     chunk = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)

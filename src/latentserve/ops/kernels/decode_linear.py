@@ -29,9 +29,9 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from latentserve.ops.kernels.pdl import pdl_launch
+from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
+from latentserve.ops.kernels.silu_and_mul import silu_mul
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a row tile
@@ -55,9 +55,7 @@ def _decode_linear_kernel(
     m_ok = offs_m < M
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
     x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
     w_cols = W + offs_n[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -87,9 +85,7 @@ def _decode_linear_kernel(
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             acc_up += tl.load(B + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        g = acc.to(Y.dtype.element_ty).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-        acc = act * acc_up.to(Y.dtype.element_ty).to(tl.float32)
+        acc = silu_mul(acc.to(Y.dtype.element_ty), acc_up.to(Y.dtype.element_ty))
     mask = m_ok[:, None] & n_ok[None, :]
     if PARTIALS:  # fp32 partial sums P [SPLIT_K, M, N]; the consumer adds the bias
         tl.store(P + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc,
@@ -112,9 +108,7 @@ def _split_k_reduce_kernel(
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(P + (s * M + m) * N + offs, mask=ok, other=0.0)

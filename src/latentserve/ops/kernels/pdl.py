@@ -10,8 +10,8 @@ overlap. This hides most of a kernel's launch and ramp-up latency: a few microse
 kernel, which is what a batch-64 decode step of a 1B model spends between its ~170 kernels
 (docs/benchmarks.md, issue 3).
 
-Every kernel that takes ``PDL=True`` calls ``gdc_wait`` before its first read of an
-activation and its first write, so chains stay ordered transitively; kernels launched
+Every kernel that takes ``PDL=True`` calls ``pdl_wait`` (``gdc_launch_dependents`` then
+``gdc_wait``) before its first read of an activation and its first write, so chains stay ordered transitively; kernels launched
 without PDL (cuBLAS, torch) serialize as usual. Source: CUDA programming guide,
 "Programmatic Dependent Launch and Synchronization"; PTX ``griddepcontrol``.
 
@@ -24,11 +24,24 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @functools.cache
 def _device_supports_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """A kernel's PDL prologue, called before its first read of an activation and its first
+    write: with ``PDL`` let the next kernel launch, then wait for the previous one (its
+    writes visible); without, nothing."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 def pdl_enabled(device: torch.device) -> bool:

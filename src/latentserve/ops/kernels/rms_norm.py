@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from latentserve.ops.kernels.pdl import pdl_launch
+from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -32,9 +31,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
     # R: the residual, or x itself without one; either way the activation dtype
     if SPLIT == 0:
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)

@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from latentserve.ops.kernels.pdl import pdl_launch
+from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
 from latentserve.ops.kernels.rotary import _rope_halves, _rotate_heads, check_qk_cos_sin
 from latentserve.ops.kernels.rotary_pairs import (
     _bias_rope_pairs,
@@ -53,9 +52,7 @@ def _rotary_store_kv_kernel(
     BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
     slot = tl.load(Slots + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
     c = tl.load(Cos + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)
@@ -82,9 +79,7 @@ def _rotary_pairs_store_kv_kernel(
     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
     slot = tl.load(Slots + t).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_HALF)
     c = tl.load(Cos + t * stride_ct + offs_i, mask=offs_i < HALF, other=0.0).to(tl.float32)

@@ -7,9 +7,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from latentserve.ops.kernels.pdl import pdl_launch
+from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
+
+
+@triton.jit
+def silu_mul(g, u):
+    """``silu(g) * u`` for g and u in the activation dtype (rounded there), computed in fp32
+    with SiLU rounded to that dtype before the product, as the eager ``F.silu(gate) * up``;
+    returns the activation dtype. Shared by this kernel and ``decode_linear``'s epilogue."""
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    return (act * u.to(tl.float32)).to(g.dtype)
 
 
 @triton.jit
@@ -18,15 +27,10 @@ def _silu_and_mul_kernel(GU, Out, stride_gu, stride_o, n_cols, BLOCK: tl.constex
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
     g = tl.load(GU + row * stride_gu + offs, mask=mask, other=0.0)
     u = tl.load(GU + row * stride_gu + n_cols + offs, mask=mask, other=0.0)
-    dt = g.dtype
-    gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
-    tl.store(Out + row * stride_o + offs, (act * u.to(tl.float32)).to(dt), mask=mask)
+    tl.store(Out + row * stride_o + offs, silu_mul(g, u), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
