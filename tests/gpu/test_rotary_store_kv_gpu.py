@@ -3,6 +3,8 @@ heads, 8 KV heads, head_dim 64; Huginn's pair convention at its own shape): q an
 written pool slot bitwise equal to the two kernels each replaces (``apply_rotary_`` or
 ``apply_rotary_pairs_``, then ``store_kv``), eagerly and replayed from a CUDA graph with new
 inputs and slots. CPU/interpreter version: ``tests/unit/test_rotary_store_kv.py``.
+Also ``qkv_rope_store_kv`` (the projection with RoPE and the store in its epilogue)
+against the exact projection and eager RoPE (``tests/unit/test_qkv_rope.py`` on CPU).
 
 Run with the other GPU tests (``bash scripts/gpu_tests.sh``), never in a process that
 imported the kernels under ``TRITON_INTERPRET=1``.
@@ -151,3 +153,50 @@ def test_fused_kernel_replays_from_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     _assert_same(ref_qkv, ref_caches, static[0], caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [17, 64])
+def test_qkv_rope_kernel_equals_projection_then_rotary(dtype, tokens):
+    """``qkv_rope_store_kv`` (the projection with RoPE and the store in its epilogue; bf16
+    reads its tiles through TMA on the H200) at the Llama-1B shape, hidden 2048, with
+    entries in {-1, 0, 1}: every dot product is an exact integer whatever the summation
+    order, so v lands in the pool bit for bit, and q and k equal the eager RoPE
+    (``ops.rotary.apply_rotary``) on the exact projection within two ulps of its terms
+    (|x cos| + |rot(x) sin|). Compiled RoPE kernels, the two-kernel path's included, flip
+    a last-bit rounding of a product against eager torch on this GPU (fp32: 1e-5)."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    from latentserve.ops import rotary
+    from latentserve.ops.kernels import qkv_rope_store_kv
+
+    hidden = 2048
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randint(-1, 2, (tokens, hidden), generator=g, device="cuda").to(dtype)
+    w = torch.randint(-1, 2, ((HEADS + 2 * KV_HEADS) * D, hidden), generator=g,
+                      device="cuda").to(dtype)
+    _, cos, sin, slots = _inputs(tokens, dtype, seed=tokens)
+    q_raw, k_raw, v_raw = _split(F.linear(x.float(), w.float()).to(dtype))
+    q_ref, k_ref = rotary.apply_rotary(q_raw, k_raw, cos, sin)
+    caches = _pool(dtype)
+    q = qkv_rope_store_kv(x, w, None, cos, sin, caches[0], caches[1], slots, HEADS, KV_HEADS)
+    torch.cuda.synchronize()
+    real = slots > 0
+    assert torch.equal(caches[1][slots[real]], v_raw[real])
+    c, sn = cos.float().abs()[:, None, :], sin.float().abs()[:, None, :]
+    _rotary_close(q, q_ref, q_raw, c, sn)
+    _rotary_close(caches[0][slots[real]], k_ref[real], k_raw[real], c[real], sn[real])
+
+
+def _rotary_close(out, ref, raw, abs_cos, abs_sin):
+    """fp32: within 1e-5; 16-bit: within two ulps of max(|ref|, |raw cos| + |rot(raw) sin|)."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        return
+    from latentserve.ops import rotary
+
+    scale = raw.float().abs() * abs_cos + rotary.rotate_half(raw.float()).abs() * abs_sin
+    bound = 2 * torch.finfo(out.dtype).eps * torch.maximum(ref.float().abs(), scale)
+    err = (out.float() - ref.float()).abs()
+    assert bool((err <= bound.clamp_min(1e-3)).all()), f"max error {float(err.max())}"

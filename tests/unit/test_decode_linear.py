@@ -135,8 +135,9 @@ def test_tiling_heuristic_and_pdl_off_on_cpu(monkeypatch):
 @pytest.mark.parametrize("kind,dtype", [("llama", "float32"), ("qwen2", "bfloat16")])
 def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
                                                          monkeypatch):
-    """The Llama fast path with the decode-sized GEMMs (o_proj and down handing partial
-    sums to the RMSNorm kernel, the SiLU-mul epilogue, fp32 logits) against the same path
+    """The Llama fast path with the decode-sized GEMMs (q/k/v with RoPE and the KV store
+    in its epilogue, o_proj and down handing partial sums to the RMSNorm kernel, the
+    SiLU-mul epilogue, fp32 logits) against the same path
     with ``DECODE_ROWS = 0`` (torch GEMMs): equal greedy tokens, every step's logits within
     1e-4 (fp32) or bf16 noise, and the kernels did run."""
     from latentserve.config import EngineConfig
@@ -147,12 +148,15 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
     from latentserve.testing.parity import shared_prefix_prompts
     from latentserve.testing.tp_parity import assert_same, run_requests
 
-    calls, real = [], kernels.decode_linear
+    calls, real, real_qkv = [], kernels.decode_linear, kernels.qkv_rope_store_kv
     monkeypatch.setattr(kernels, "decode_linear",
                         lambda *a, **k: calls.append(k.get("partials")) or real(*a, **k))
+    monkeypatch.setattr(kernels, "qkv_rope_store_kv",
+                        lambda *a, **k: calls.append("qkv") or real_qkv(*a, **k))
     sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]  # 51, 30 (its prefix), 3 tokens
     out = {}
+    monkeypatch.setattr(layers, "QKV_ROPE_ROWS", (1, 64))  # tiny batches here
     for rows in (0, 64):
         monkeypatch.setattr(layers, "DECODE_ROWS", rows)
         engine = LLMEngine(EngineConfig(model=str(tiny_dirs[kind]), fused_ops=True,
@@ -161,7 +165,7 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
         out[rows] = run_requests(engine, reqs)
         assert bool(calls) == bool(rows)
         engine.cache.check_idle()
-    assert True in calls  # o_proj / down handed partial sums on
+    assert True in calls and "qkv" in calls  # partial sums handed on; q/k/v + RoPE fused
     assert_same(out[0], out[64], atol=1e-4 if dtype == "float32" else 0.1)
 
 
@@ -182,9 +186,18 @@ def test_rms_norm_without_residual_rounds_to_x_dtype_and_materialize_matches_ker
     assert torch.equal(new_res, materialize(parts, res) + res)
 
 
+def mock_cuda(t: torch.Tensor):
+    """A stand-in for a CUDA tensor as ``use_tma`` inspects it (is_cuda, device index,
+    dtype, data_ptr, strides, element size)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=t.dtype,
+                           data_ptr=t.data_ptr, stride=t.stride, element_size=t.element_size)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tma_descriptor_path_equals_pointer_path(dtype):
-    """The opt-in TMA path (``LATENTSERVE_DECODE_TMA=1``; tiles read through tensor
+    """The TMA path (the Hopper default, forced here with ``tma=True``; tiles read through tensor
     descriptors, zeros past every edge) gives the pointer path's results: odd M, N and K,
     K splits, partial sums, the SwiGLU epilogue and fp32 logits."""
     x, w, b = _data(5, 40, 200, dtype, seed=11)
@@ -203,12 +216,22 @@ def test_tma_descriptor_path_equals_pointer_path(dtype):
     torch.testing.assert_close(got, F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
 
 
-def test_tma_is_opt_in(monkeypatch):
-    from latentserve.ops.kernels.decode_linear import use_tma
+def test_tma_default_is_hopper_only(monkeypatch):
+    """Descriptors by default on CUDA devices of compute capability 9.0+ only (never CPU
+    tensors); ``LATENTSERVE_DECODE_TMA=0`` turns them off there, ``=1`` forces them on."""
+    import importlib
 
+    mod = importlib.import_module("latentserve.ops.kernels.decode_linear")
+    use_tma = mod.use_tma
     x, w, _ = _data(4, 32, 64, torch.bfloat16)
     monkeypatch.delenv("LATENTSERVE_DECODE_TMA", raising=False)
-    assert not use_tma(x, w)
+    assert not use_tma(x, w)  # CPU tensors
+    monkeypatch.setattr(mod, "_device_has_tma", lambda index: True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert use_tma(mock_cuda(x), w)
+    monkeypatch.setenv("LATENTSERVE_DECODE_TMA", "0")
+    assert not use_tma(mock_cuda(x), w)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("LATENTSERVE_DECODE_TMA", "1")
     assert use_tma(x, w)
     assert not use_tma(x.float(), w.float())  # 16-bit weights only

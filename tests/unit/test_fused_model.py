@@ -45,9 +45,14 @@ def test_fused_engine_matches_hf_fp32(kind, backend, tiny_dirs, hf_models):
 def _run_with_and_without_fused_kv_store(path, reqs, monkeypatch, **cfg):
     """``run_requests`` output of two fresh fast-path engines on the Triton backend: the
     two-kernel path (RoPE, then the backend's ``store_kv``) and the fused store. Checks
-    that only the first launches ``store_kv``."""
+    that only the first launches ``store_kv``. Both keep the q/k/v projection on torch
+    (``DECODE_ROWS = 0``), so decode steps run this kernel, not ``qkv_rope_store_kv``
+    (tested in ``test_decode_linear.py`` and ``test_qkv_rope.py``)."""
     from latentserve.attention import triton_backend
+    from latentserve.models import layers
     from latentserve.testing.tp_parity import run_requests
+
+    monkeypatch.setattr(layers, "DECODE_ROWS", 0)
 
     calls, real = [], triton_backend.store_kv
     monkeypatch.setattr(triton_backend, "store_kv", lambda *a: calls.append(1) or real(*a))

@@ -113,21 +113,27 @@ def test_split_count_reaches_the_backend():
         EngineConfig(attention_num_kv_splits=0)
 
 
-def test_decode_splits_cover_the_sms_once():
-    """A decode batch takes the fewest power-of-2 splits (at most ``num_kv_splits``) for which
-    its (request, KV head, split) programs cover the SMs once; the kernel launch gets it."""
+def test_decode_splits_and_tile():
+    """A decode batch whose (request, KV head) programs cover the SMs three times takes one
+    split; a smaller one the fewest power-of-2 splits (at most ``num_kv_splits``) giving four
+    programs per SM; the kernel launch gets it. One split at head_dim <= 64 walks 128-key
+    tiles, anything else 64, unless ``decode_block_n`` is set."""
     from unittest import mock
 
     from latentserve.attention import triton_backend
 
     be = TritonBackend(num_kv_splits=8, num_sms=132)
-    assert [be.decode_splits(b, 8) for b in (1, 4, 8, 16, 17, 32, 64, 500)] == \
-        [8, 8, 4, 2, 1, 1, 1, 1]
-    assert [be.decode_splits(b, 2) for b in (1, 16, 17, 33, 66, 67)] == [8, 8, 4, 2, 1, 1]
+    assert [be.decode_splits(b, 8) for b in (1, 16, 17, 32, 33, 49, 50, 64, 500)] == \
+        [8, 8, 4, 4, 2, 2, 1, 1, 1]
+    assert [be.decode_splits(b, 2) for b in (1, 33, 66, 67, 132, 197, 198)] == \
+        [8, 8, 4, 4, 2, 2, 1]
     assert TritonBackend(num_kv_splits=2, num_sms=132).decode_splits(1, 1) == 2
     assert TritonBackend(num_kv_splits=1).decode_splits(1, 1) == 1
-    assert TritonBackend(num_kv_splits=16, num_sms=16).decode_splits(3, 2) == 4
+    assert TritonBackend(num_kv_splits=16, num_sms=16).decode_splits(3, 2) == 16
     assert TritonBackend().decode_splits(64, 8) == 1  # CPU tensors: an H200's 132 SMs
+    assert [be.decode_tile(s, d) for s, d in ((1, 64), (1, 96), (2, 64), (8, 32))] == \
+        [128, 64, 64, 64]
+    assert TritonBackend(decode_block_n=32).decode_tile(1, 64) == 32
     be = TritonBackend(num_kv_splits=8, decode_block_n=16, num_sms=8)
     seen = []
     real = triton_backend.decode_attention
@@ -137,9 +143,9 @@ def test_decode_splits_cover_the_sms_once():
         return real(*args, **kwargs)
 
     with mock.patch.object(triton_backend, "decode_attention", spy):
-        # 3 requests x 2 KV heads = 6 programs: 2 splits cover 8 SMs.
+        # 3 requests x 2 KV heads = 6 programs: 8 splits give four per SM of 8 SMs.
         _compare(4, [1, 1, 1], [40, 3, 17], 2, 2, 64, torch.float32, backend=be)
-    assert seen == [2]
+    assert seen == [8]
 
 
 def test_small_tiles_many_splits_and_query_blocks():

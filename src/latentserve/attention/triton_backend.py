@@ -50,15 +50,17 @@ class TritonBackend(AttentionBackend):
 
     Args:
         num_kv_splits: the most flash-decoding splits per (request, KV head). A decode batch
-            of B requests takes ``decode_splits(B, num_kv_heads)``: the fewest (a power of
-            2, at most this) for which ``B * num_kv_heads * splits`` programs cover the
-            device's SMs once; the grid is ``(B, num_kv_heads, splits)`` whatever the
-            lengths (CUDA-graph friendly: fixed per batch size). A batch that fills the
-            device alone takes 1 and launches no merge kernel.
+            of B requests takes ``decode_splits(B, num_kv_heads)``: 1 (no merge kernel) when
+            its ``B * num_kv_heads`` programs cover the device's SMs three times, else the
+            fewest power of 2 (at most this) that gives four programs per SM; the grid is
+            ``(B, num_kv_heads, splits)`` whatever the lengths (CUDA-graph friendly: fixed
+            per batch size).
         num_sms: streaming multiprocessors to cover (None: the CUDA device's count; 132, an
             H100/H200's, for CPU tensors, so interpreter runs choose as the GPU would).
-        decode_block_n: keys per decode tile. extend_block_m / extend_block_n: query / key
-            tile of the extend kernel. All >= 16 and powers of 2.
+        decode_block_n: keys per decode tile; None picks 128 for a one-split batch with
+            head_dim <= 64 and 64 otherwise (H200 sweep, docs/benchmarks.md session 7).
+            extend_block_m / extend_block_n: query / key tile of the extend kernel. All
+            >= 16 and powers of 2.
 
     Shapes follow ``AttentionBackend.forward``: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` with
     ``H % Hkv == 0`` (MHA or GQA), any head_dim (non-powers of 2 are masked inside a padded
@@ -68,12 +70,12 @@ class TritonBackend(AttentionBackend):
 
     fused_kv_store = True
 
-    def __init__(self, num_kv_splits: int = 8, decode_block_n: int = 64,
+    def __init__(self, num_kv_splits: int = 8, decode_block_n: int | None = None,
                  extend_block_m: int = 64, extend_block_n: int = 64,
                  num_sms: int | None = None):
         for name, val in (("decode_block_n", decode_block_n), ("extend_block_m", extend_block_m),
                           ("extend_block_n", extend_block_n)):
-            if val < 16 or val & (val - 1):
+            if val is not None and (val < 16 or val & (val - 1)):
                 raise ValueError(f"{name} must be a power of 2 >= 16, got {val}")
         if num_kv_splits < 1:
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
@@ -85,12 +87,23 @@ class TritonBackend(AttentionBackend):
 
     def decode_splits(self, batch: int, kv_heads: int, device=None) -> int:
         """Splits per (request, KV head) for a decode batch of ``batch`` requests (see the
-        class docstring). On the H200 (132 SMs, Llama-1B shape: 8 KV heads, 384 keys) one
-        split at batch 64 made the whole decode step 7% faster than eight
-        (docs/benchmarks.md)."""
+        class docstring). On the H200 (132 SMs, Llama-1B shape: 8 KV heads, 384 keys), per
+        layer: batch 64 takes 16.4 us with one split and 18.8 with two (the merge kernel
+        costs ~2 us); batch 16 takes 8.4 us with eight and 10.5 with two
+        (docs/benchmarks.md, session 7)."""
         sms = self.num_sms or _device_sms(device)
-        want = -(-sms // max(batch * kv_heads, 1))
+        programs = max(batch * kv_heads, 1)
+        if programs >= 3 * sms:
+            return 1
+        want = -(-4 * sms // programs)
         return min(self.num_kv_splits, 1 << (want - 1).bit_length())
+
+    def decode_tile(self, splits: int, head_dim: int) -> int:
+        """Keys per decode tile: ``decode_block_n`` when set, else 128 for one split (each
+        program walks a whole request) at head_dim <= 64, 64 otherwise."""
+        if self.decode_block_n is not None:
+            return self.decode_block_n
+        return 128 if splits == 1 and head_dim <= 64 else 64
 
     def prepare(self, layout: BatchLayout, page_table: torch.Tensor) -> TritonMeta:
         """Build the batch's metadata on ``page_table``'s device (one host-to-device copy)."""
@@ -119,10 +132,10 @@ class TritonBackend(AttentionBackend):
         if q.stride(-1) != 1:
             q = q.contiguous()
         if meta.is_decode:
+            splits = self.decode_splits(q.shape[0], k_cache.shape[1], q.device)
             return decode_attention(
                 q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, scale,
-                num_kv_splits=self.decode_splits(q.shape[0], k_cache.shape[1], q.device),
-                block_n=self.decode_block_n,
+                num_kv_splits=splits, block_n=self.decode_tile(splits, q.shape[-1]),
             )
         return extend_attention(
             q, k_cache, v_cache, meta.page_table, meta.rows, meta.q_start, meta.kv_lens,

@@ -54,7 +54,7 @@ def gemm_sweep(rows: int = 64) -> dict:
             for sk in (1, 2, 4, 8):
                 if k // sk < 512 or (n // bn) * sk > 1200:
                     continue
-                for st in (3, 4):
+                for st in (3, 4, 6):
                     key = f"bn{bn}_sk{sk}_st{st}"
                     try:
                         def fn(bn=bn, sk=sk, st=st, x=x, w=w):

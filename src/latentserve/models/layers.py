@@ -47,6 +47,12 @@ cuBLAS: a decode step's batch. Larger batches (prefill, big decode buckets) keep
 ``LATENTSERVE_DECODE_ROWS=0`` keeps cuBLAS everywhere (the path before, for comparison)."""
 
 
+QKV_ROPE_ROWS = (17, 64)
+"""Row counts (inclusive, and within ``DECODE_ROWS``) for which the fast path runs the q/k/v
+projection, RoPE and the KV store as one kernel (``ops.kernels.qkv_rope_store_kv``): on
+the H200 it beats cuBLAS plus the RoPE kernel at 64 rows and loses at 16 or fewer."""
+
+
 def decode_gemms(fused: bool, x: torch.Tensor, *linears: nn.Module) -> bool:
     """True when the fast path (``fused``) should run ``linears`` (plain ``nn.Linear``
     layers of x's dtype, not tensor-parallel shards) on ``x``'s ``T`` rows
@@ -118,15 +124,29 @@ class MergedQKV:
         """x ``[T, hidden]``, cos/sin ``[T, head_dim]``, ``layer`` the KV pool layer (a
         recurrent model's bank) -> attention output ``[T, H, D]``, as ``paged_attention``.
 
-        q, k and v are strided views of the merged output. When the backend allows it
+        For ``QKV_ROPE_ROWS`` rows with a backend that allows it (``fused_kv_store``:
+        Triton), one kernel does all of it before attention: the projection, RoPE and the KV
+        store (``ops.kernels.qkv_rope_store_kv``). Otherwise q, k and v are strided views of
+        the merged output of a cuBLAS GEMM. When the backend allows it
         (``fused_kv_store``: Triton) one kernel rotates q in place and writes the rotated k
         and v into the pool at the batch's ``out_slots`` (``ops.kernels.
         apply_rotary_store_kv_``), and the backend skips its store; otherwise q and k are
         rotated in place (``ops.kernels.apply_rotary_``) and the backend stores them."""
-        from latentserve.ops.kernels import apply_rotary_, apply_rotary_store_kv_
+        from latentserve.ops.kernels import (
+            apply_rotary_,
+            apply_rotary_store_kv_,
+            qkv_rope_store_kv,
+        )
 
         ctx = get_context()
         t, d = x.shape[0], self.head_dim
+        if (ctx.backend.fused_kv_store and decode_gemms(True, x, self.qkv_proj)
+                and QKV_ROPE_ROWS[0] <= t <= QKV_ROPE_ROWS[1]):
+            q = qkv_rope_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, cos, sin,
+                                  ctx.kv_pool.k[layer], ctx.kv_pool.v[layer],
+                                  ctx.attn_meta.out_slots, self.n_heads, self.n_kv)
+            return ctx.backend.forward(layer, q, None, None, ctx.attn_meta, ctx.kv_pool,
+                                       self.scale)
         qkv = self.qkv_proj(x)
         nq, nk = self.n_heads * d, self.n_kv * d
         q = qkv[:, :nq].view(t, self.n_heads, d)

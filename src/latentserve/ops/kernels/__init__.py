@@ -9,6 +9,8 @@ them in ``latentserve.ops``).
 * ``silu_and_mul``: SiLU(gate) * up on a fused ``[T, 2I]`` gate/up projection.
 * ``decode_linear``: the weight GEMMs of a decode-sized batch (split-K, SiLU-mul prologue,
   partial sums for the next RMSNorm).
+* ``qkv_rope``: the q/k/v projection of a decode-sized batch with RoPE and the KV store in
+  its epilogue (one launch for what took the GEMM and ``rotary_store_kv``).
 * ``pdl``: programmatic dependent launch, which every kernel above uses on Hopper.
 
 Each kernel rounds where the Hugging Face eager modules round (to the activation dtype
@@ -18,6 +20,7 @@ run the kernels on CPU tensors (tests).
 """
 
 from latentserve.ops.kernels.decode_linear import decode_linear
+from latentserve.ops.kernels.qkv_rope import qkv_rope_store_kv
 from latentserve.ops.kernels.rms_norm import rms_norm
 from latentserve.ops.kernels.rotary import apply_rotary_
 from latentserve.ops.kernels.rotary_pairs import apply_rotary_pairs_
@@ -33,6 +36,7 @@ __all__ = [
     "apply_rotary_pairs_store_kv_",
     "apply_rotary_store_kv_",
     "decode_linear",
+    "qkv_rope_store_kv",
     "rms_norm",
     "silu_and_mul",
 ]

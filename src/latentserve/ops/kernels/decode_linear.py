@@ -24,6 +24,7 @@ dtype, as cuBLAS rounds.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -134,19 +135,31 @@ def pick_tiling(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, i
 
 
 def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``decode_linear`` reads its tiles through TMA tensor descriptors by default:
-    only when ``LATENTSERVE_DECODE_TMA=1`` (off until measured on the H200), for 16-bit
-    weights of x's dtype, with 16-byte-aligned bases and row strides.
+    """Whether ``decode_linear`` and ``qkv_rope_store_kv`` read their tiles through TMA
+    tensor descriptors by default: on a CUDA device of compute capability 9.0 or newer
+    (not the Triton interpreter), for 16-bit weights of x's dtype with 16-byte-aligned
+    bases and row strides. ``LATENTSERVE_DECODE_TMA=0`` turns it off, ``=1`` forces it on
+    (the interpreter emulates descriptors: tests).
 
-    Why it exists: a cross-compile of the pointer-based K loop for sm_90 (Triton 3.6, bf16)
-    shows no software pipelining (each step loads into registers, copies to shared memory
-    and waits for its wgmma), while the descriptor version gets a 4-stage TMA pipeline."""
-    if os.environ.get("LATENTSERVE_DECODE_TMA", "0") != "1":
+    Why: a cross-compile of the pointer-based K loop for sm_90 (Triton 3.6, bf16) shows no
+    software pipelining (each step loads into registers, copies to shared memory and waits
+    for its wgmma), while the descriptor version gets a TMA pipeline. On the H200 the
+    batch-64 Llama-1B decode step went from 1.34 to 1.31 ms (docs/benchmarks.md)."""
+    env = os.environ.get("LATENTSERVE_DECODE_TMA")
+    if env == "0":
+        return False
+    if env != "1" and not (x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+                           and _device_has_tma(x.device.index)):
         return False
     if weight.element_size() != 2 or x.dtype != weight.dtype:
         return False
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                for t in (x, weight))
+
+
+@functools.cache
+def _device_has_tma(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _check(x, weight, bias, swiglu):
@@ -186,8 +199,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             logits) holds the values rounded to x's dtype, as ``linear(x).float()`` does.
         block_n, block_k, split_k: the tiling (default ``pick_tiling``); split_k >= 1.
         num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
-        tma: read the tiles through TMA tensor descriptors (default: ``use_tma``). True
-            needs 16-byte-aligned bases and row strides.
+        tma: read the tiles through TMA tensor descriptors (default: ``use_tma``, on for
+            Hopper and newer). True needs 16-byte-aligned bases and row strides.
     Returns:
         ``[M, N]`` (``[M, N / 2]`` with ``swiglu``) in ``out_dtype``, or ``[S, M, N]`` fp32
         with ``partials``; new tensors.

@@ -1,0 +1,208 @@
+"""The q/k/v projection of a decode-sized batch with RoPE and the KV store in its epilogue.
+
+On the fast path a layer's attention input went through three launches before attention:
+the merged q/k/v GEMM (cuBLAS), then ``rotary_store_kv`` (rotate q in place, rotate k and
+write it and v into the paged pool). For a batch of a few dozen rows both are latency
+bound: on the H200, a Llama-3.2-1B layer at batch 64 spent about 7 us in the GEMM and 2 us
+in the RoPE kernel, against a 2.9 us read of the weight (docs/benchmarks.md, issue 3).
+
+With TMA descriptors (``decode_linear.use_tma``, the Hopper default) it took 7.6 us
+against 8.6 for the two kernels it replaces at 64 rows, but 8.7 against 7.7-8.2 at 16 rows
+or fewer, where its 48 programs cannot pull the weight fast enough; the model layer
+(``layers.QKV_ROPE_ROWS``) uses it from 17 rows up.
+
+Here one program computes one head of every row in a ``BLOCK_M`` row tile: two
+accumulators, the head's first and second half of output columns, so the rotate-half
+rotation pairs element ``i`` of one with element ``i`` of the other without leaving
+registers. The grid is ``(row tiles, q heads + 2 * KV heads)`` with the row tile fastest, so
+the programs sharing a head's weight run together and read it from HBM about once; no K
+split, no partial sums, no reduce kernel. A q head is written, rotated, to a new ``[T, H, D]``
+tensor; a k head is rotated and written at each row's slot of the layer's K pool, a v head
+written at that slot of the V pool (cast to the pool dtype).
+
+Rounding is the unfused path's: the GEMM result (bias added in fp32) is rounded to x's dtype,
+then rotated with ``rotary._rope_halves`` (each product rounded to the activation dtype).
+Rotate-half convention only (Llama family, Ouro); Huginn's interleaved pairs keep
+``rotary_store_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from latentserve.ops.kernels.decode_linear import use_tma
+from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
+from latentserve.ops.kernels.rotary import _rope_halves
+
+
+@triton.jit
+def _pointer_step(x_rows, w1, w2, k0, offs_k, K, m_ok, d_ok, acc1, acc2, PRECISION):
+    # One K tile through masked pointer loads; W is [N, K] row-major (nn.Linear), so each
+    # half's tile is read as its transpose [BLOCK_K, BLOCK_HALF].
+    k = k0 + offs_k
+    k_ok = k < K
+    x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    w_mask = k_ok[:, None] & d_ok[None, :]
+    acc1 = tl.dot(x, tl.load(w1 + k[:, None], mask=w_mask, other=0.0), acc1,
+                  input_precision=PRECISION)
+    acc2 = tl.dot(x, tl.load(w2 + k[:, None], mask=w_mask, other=0.0), acc2,
+                  input_precision=PRECISION)
+    return acc1, acc2
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qkv_rope_kernel(
+    X, W, XD, WD, B, Q, Cos, Sin, KCache, VCache, Slots,
+    M, K, n_q_heads, n_kv_heads,
+    stride_xm, stride_wn, stride_qt, stride_qh, stride_ct, stride_st,
+    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+    HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
+):
+    # XD, WD: TMA descriptors of x and the weight when TMA (tiles past an edge read as
+    # zeros; columns past HALF are computed and not stored), else unused.
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads (the merged weight's rows)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    d_ok = offs_d < HALF
+    col1 = head * HEAD_DIM + offs_d  # output columns (weight rows) of the first half
+    pdl_wait(PDL)
+    x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
+    w1 = W + col1[None, :].to(tl.int64) * stride_wn
+    w2 = w1 + HALF * stride_wn
+    acc1 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if TMA:
+            x = XD.load([pid_m * BLOCK_M, k0])
+            acc1 = tl.dot(x, tl.trans(WD.load([head * HEAD_DIM, k0])), acc1,
+                          input_precision=PRECISION)
+            acc2 = tl.dot(x, tl.trans(WD.load([head * HEAD_DIM + HALF, k0])), acc2,
+                          input_precision=PRECISION)
+        else:
+            acc1, acc2 = _pointer_step(x_rows, w1, w2, k0, offs_k, K, m_ok, d_ok, acc1, acc2,
+                                       PRECISION)
+
+    if HAS_BIAS:
+        acc1 += tl.load(B + col1, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        acc2 += tl.load(B + col1 + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    a1 = acc1.to(X.dtype.element_ty)  # the projection's rounding
+    a2 = acc2.to(X.dtype.element_ty)
+    mask = m_ok[:, None] & d_ok[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    if head < n_q_heads + n_kv_heads:  # q or k: rotate
+        c = tl.load(Cos + rows * stride_ct + offs_d[None, :], mask=mask, other=0.0)
+        s = tl.load(Sin + rows * stride_st + offs_d[None, :], mask=mask, other=0.0)
+        r1, r2 = _rope_halves(a1, a2, c.to(tl.float32), s.to(tl.float32))
+        if head < n_q_heads:
+            dst = Q + rows * stride_qt + head * stride_qh + offs_d[None, :]
+            tl.store(dst, r1.to(Q.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, r2.to(Q.dtype.element_ty), mask=mask)
+        else:
+            slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
+            dst = (KCache + slot[:, None] * stride_kc_s + (head - n_q_heads) * stride_kc_h
+                   + offs_d[None, :])
+            tl.store(dst, r1.to(KCache.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, r2.to(KCache.dtype.element_ty), mask=mask)
+    else:  # v: store as is
+        slot = tl.load(Slots + offs_m, mask=m_ok, other=0).to(tl.int64)
+        dst = (VCache + slot[:, None] * stride_vc_s
+               + (head - n_q_heads - n_kv_heads) * stride_vc_h + offs_d[None, :])
+        tl.store(dst, a1.to(VCache.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, a2.to(VCache.dtype.element_ty), mask=mask)
+
+
+def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv: int,
+                      *, block_m: int = 64, block_k: int = 128, num_stages: int = 6,
+                      tma: bool | None = None) -> torch.Tensor:
+    """The merged q/k/v projection, RoPE (rotate-half) and the KV store in one launch.
+
+    Equals ``qkv = x @ weight.T + bias`` (rounded to x's dtype), then
+    ``ops.kernels.apply_rotary_store_kv_`` on its q/k/v views, up to the GEMM's summation
+    order: q is returned rotated, and the pool rows ``k_cache[slots]`` / ``v_cache[slots]``
+    receive the rotated k and the v. No host sync (CUDA-graph safe).
+
+    Args:
+        x: ``[T, hidden]`` bf16, fp16 or fp32, last dim contiguous.
+        weight: ``[(n_heads + 2 * n_kv) * D, hidden]`` of x's dtype, rows q, then k, then v
+            (``layers.merge_linears``), last dim contiguous; bias ``[(n_heads + 2 n_kv) D]``
+            or None.
+        cos, sin: ``[T, D]`` (``ops.rotary.rope_cos_sin``; the first half is read).
+        k_cache, v_cache: ``[num_slots + 1, n_kv, D]`` one layer's pool buffers (any float
+            dtype), last dim contiguous.
+        slots: ``[T] int64`` each row's destination slot.
+        n_heads, n_kv: query and KV heads; D = rows of ``weight`` / (n_heads + 2 n_kv), even.
+        block_m, block_k: rows per program and the K tile (powers of 2, >= 16; fp32
+            weights use at most 64). The defaults won an H200 sweep at 64 rows
+            (docs/benchmarks.md, session 7).
+        num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
+        tma: read the tiles through TMA tensor descriptors (default:
+            ``decode_linear.use_tma``, the H200 setting); True needs 16-bit tensors with
+            16-byte-aligned bases and row strides.
+    Returns:
+        q ``[T, n_heads, D]`` rotated, x's dtype, contiguous (a new tensor).
+    Raises:
+        ValueError: on a shape, dtype, stride or device mismatch.
+    """
+    t, hidden = x.shape if x.dim() == 2 else (None, None)
+    heads = n_heads + 2 * n_kv
+    if t is None or weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] % heads:
+        raise ValueError(f"x [T, hidden] and weight [(n_heads + 2 n_kv) * D, hidden] must "
+                         f"share hidden, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    d = weight.shape[0] // heads
+    if d % 2 or x.dtype != weight.dtype or x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"head_dim must be even (got {d}); x and weight need one dtype "
+                         f"(got {x.dtype}, {weight.dtype}) and a contiguous last dim")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if cos.shape != (t, d) or sin.shape != (t, d) or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError(f"cos/sin must be [{t}, {d}] with a contiguous last dim, got "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 3 or cache.shape[1:] != (n_kv, d) or cache.stride(-1) != 1:
+            raise ValueError(f"{name} must be [slots, {n_kv}, {d}] with a contiguous last "
+                             f"dim, got {tuple(cache.shape)}")
+    if slots.shape != (t,):
+        raise ValueError(f"slots must be [{t}], got {tuple(slots.shape)}")
+    if any(o.device != x.device for o in (weight, cos, sin, k_cache, v_cache, slots)):
+        raise ValueError("every tensor must be on x's device")
+    for name, val in (("block_m", block_m), ("block_k", block_k)):
+        if val < 16 or val & (val - 1):
+            raise ValueError(f"{name} must be a power of 2 >= 16, got {val}")
+    q = torch.empty(t, n_heads, d, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return q
+    precision = None  # half-precision weights: the default (ignored)
+    if weight.dtype == torch.float32:
+        precision = "tf32x3" if x.is_cuda else "ieee"
+    half = d // 2
+    block_half = max(16, triton.next_power_of_2(half))
+    block_k = block_k if weight.element_size() == 2 else min(block_k, 64)
+    # Triton's pipeline buffers num_stages x and w tiles; stay under ~200 KiB
+    stage = (block_m * block_k + 2 * block_k * block_half) * weight.element_size()
+    num_stages = max(1, min(num_stages, 200 * 1024 // stage))
+    xd, wd = x, weight
+    if use_tma(x, weight) if tma is None else tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xd = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        wd = TensorDescriptor.from_tensor(weight, [block_half, block_k])
+    _qkv_rope_kernel[(triton.cdiv(t, block_m), heads)](
+        x, weight, xd, wd, bias if bias is not None else weight, q, cos, sin, k_cache,
+        v_cache, slots,
+        t, hidden, n_heads, n_kv,
+        x.stride(0), weight.stride(0), q.stride(0), q.stride(1), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HAS_BIAS=bias is not None, HEAD_DIM=d, HALF=half,
+        BLOCK_HALF=block_half, BLOCK_M=block_m, BLOCK_K=block_k, PRECISION=precision,
+        TMA=xd is not x, num_warps=4, num_stages=num_stages, **pdl_launch(x.device),
+    )
+    return q

@@ -1,0 +1,108 @@
+"""``ops.kernels.qkv_rope_store_kv`` (the q/k/v projection with RoPE and the KV store in its
+epilogue) on CPU through the Triton interpreter, against the path it replaces: the merged
+projection, then ``apply_rotary_store_kv_``. With small-integer inputs every sum is exact in
+any order, so q and the pool must match bit for bit; with random inputs, within the
+GEMM's summation-order noise. The engine end to end: ``tests/unit/test_decode_linear.py``;
+on the H200: ``tests/gpu/test_fused_gpu.py``."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or the kernels
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+import torch.nn.functional as F
+
+from latentserve.ops import kernels, rotary
+from latentserve.ops.kernels.qkv_rope import qkv_rope_store_kv
+from latentserve.testing.triton_interpreter import patch_triton_interpreter
+
+patch_triton_interpreter()
+
+SLOTS = [7, 0, 3, 12, 0, 1, 9, 4, 15, 2, 11, 5, 6, 8, 10, 13, 14, 16, 0]  # 0: padding rows
+POSITIONS = [0, 1, 5, 17, 300, 4095, 2, 9, 10, 11, 12, 40, 41, 42, 7, 8, 3, 77, 0]
+
+
+def _inputs(dtype, t, heads, kv, d, hidden, integer, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = (heads + 2 * kv) * d
+    if integer:  # entries in {-1, 0, 1}: every dot product is an exact small integer
+        x = torch.randint(-1, 2, (t, hidden), generator=g).to(dtype)
+        w = torch.randint(-1, 2, (n, hidden), generator=g).to(dtype)
+        b = torch.randint(-3, 4, (n,), generator=g).to(dtype) if bias else None
+    else:
+        x = torch.randn(t, hidden, generator=g).to(dtype)
+        w = (torch.randn(n, hidden, generator=g) / hidden**0.5).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype) if bias else None
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    cos, sin = rotary.rope_cos_sin(torch.tensor(POSITIONS[:t]), inv_freq, 1.0, dtype)
+    caches = [torch.randn(17, kv, d, generator=g).to(dtype) for _ in range(2)]
+    return x, w, b, cos, sin, caches
+
+
+def _both(dtype, t, heads, kv, d, hidden, integer, bias, block_m=16, seed=0, tma=False):
+    x, w, b, cos, sin, (kc, vc) = _inputs(dtype, t, heads, kv, d, hidden, integer, bias, seed)
+    slots = torch.tensor(SLOTS[:t])
+    qkv = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    nq, nk = heads * d, kv * d
+    q_ref = qkv[:, :nq].reshape(t, heads, d).clone()
+    ref_k, ref_v = kc.clone(), vc.clone()
+    kernels.apply_rotary_store_kv_(q_ref, qkv[:, nq:nq + nk].view(t, kv, d),
+                                   qkv[:, nq + nk:].view(t, kv, d), cos, sin, ref_k, ref_v,
+                                   slots)
+    k_pool, v_pool = kc.clone(), vc.clone()
+    q = qkv_rope_store_kv(x, w, b, cos, sin, k_pool, v_pool, slots, heads, kv,
+                          block_m=block_m, block_k=32, tma=tma)
+    return (q_ref, ref_k, ref_v), (q, k_pool, v_pool)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv,d,t", [(4, 2, 64, 19), (3, 3, 96, 5), (2, 1, 128, 1)])
+def test_exact_sums_match_projection_then_rotary_store_bitwise(dtype, heads, kv, d, t):
+    """GQA and MHA, head dims 64/96/128, one row or more than one row tile, a bias: q and
+    every pool slot but the padding slot 0 equal the unfused path bit for bit."""
+    ref, got = _both(dtype, t, heads, kv, d, hidden=80, integer=True, bias=True, seed=d)
+    assert got[0].shape == (t, heads, d) and got[0].dtype == dtype and got[0].is_contiguous()
+    assert torch.equal(got[0], ref[0])
+    for r, g in zip(ref[1:], got[1:]):
+        assert torch.equal(g[1:], r[1:])
+
+
+@pytest.mark.parametrize("heads,kv,d,t", [(4, 2, 64, 19), (3, 3, 96, 5)])
+def test_tma_descriptor_path_bitwise(heads, kv, d, t):
+    """bf16 tiles read through TMA tensor descriptors (the H200 setting; the interpreter
+    emulates them): the same bits as the unfused path, head_dim 96 included (its tiles
+    reach into the next half and head, columns that are computed and not stored)."""
+    ref, got = _both(torch.bfloat16, t, heads, kv, d, hidden=80, integer=True, bias=True,
+                     seed=d, tma=True)
+    assert torch.equal(got[0], ref[0])
+    for r, g in zip(ref[1:], got[1:]):
+        assert torch.equal(g[1:], r[1:])
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_random_values_within_summation_noise(block_m):
+    """fp32 random inputs without a bias: equal to the unfused path within 1e-5."""
+    ref, got = _both(torch.float32, 19, 4, 2, 64, hidden=200, integer=False, bias=False,
+                     block_m=block_m, seed=3)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    for r, g in zip(ref[1:], got[1:]):  # the pools, past the padding slot 0
+        torch.testing.assert_close(g[1:], r[1:], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_name_the_problem():
+    x, w, b, cos, sin, (kc, vc) = _inputs(torch.float32, 3, 2, 1, 64, 32, True, True, 0)
+    slots = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="share hidden"):
+        qkv_rope_store_kv(x[:, :16], w, b, cos, sin, kc, vc, slots, 2, 1)
+    with pytest.raises(ValueError, match="k_cache"):
+        qkv_rope_store_kv(x, w, b, cos, sin, kc[:, :, :32], vc, slots, 2, 1)
+    with pytest.raises(ValueError, match="slots"):
+        qkv_rope_store_kv(x, w, b, cos, sin, kc, vc, slots[:2], 2, 1)
+    with pytest.raises(ValueError, match="dtype"):
+        qkv_rope_store_kv(x.double(), w, b, cos, sin, kc, vc, slots, 2, 1)
+    with pytest.raises(ValueError, match="block_m"):
+        qkv_rope_store_kv(x, w, b, cos, sin, kc, vc, slots, 2, 1, block_m=24)
