@@ -57,7 +57,7 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
         rows = torch.tensor(penalized, device=logits.device)
         logits = logits.clone()
         logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized])
-    out = logits.argmax(dim=-1)
+    out = greedy_tokens(logits)
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
     if sampled:
         rows = torch.tensor(sampled, device=logits.device)
@@ -66,6 +66,17 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
             gen = reqs[b].generator or generator
             out[b] = torch.multinomial(probs[j], 1, generator=gen)[0]
     return SamplerOutput(out, _logprobs(raw, out, reqs))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (``[B, vocab]`` -> ``[B] int64``): on CUDA the two-pass
+    Triton kernel ``ops.kernels.argmax.argmax_rows`` (the same indices; torch's reduction
+    took 40 us for a 64-row Llama-3 batch on the H200), elsewhere torch."""
+    if logits.is_cuda and logits.dim() == 2 and logits.shape[1] > 0:
+        from latentserve.ops.kernels.argmax import argmax_rows
+
+        return argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+    return logits.argmax(dim=-1)
 
 
 def _output_ids(req: Req) -> list[int]:

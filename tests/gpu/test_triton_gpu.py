@@ -160,3 +160,21 @@ def test_decode_cuda_graph_replay():
     torch.cuda.synchronize()
     assert torch.equal(ref_pool.k[0], tri_pool.k[0])
     torch.testing.assert_close(static_out.float(), ref.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("rows,vocab", [(64, 128256), (1, 49152), (16, 32000)])
+def test_argmax_kernel_equals_torch_argmax(rows, vocab):
+    """Greedy sampling's two-pass argmax (``ops.kernels.argmax``) against ``torch.argmax`` on
+    fp32 logits of real vocabularies: random rows, a tie across chunks, a NaN row, an
+    all -inf row."""
+    pytest.importorskip("triton")
+    from latentserve.ops.kernels.argmax import argmax_rows
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, vocab, generator=g, device="cuda")
+    x[0, [vocab - 1, 17]] = 99.0
+    if rows > 2:
+        x[1, [5000, 9]] = float("nan")
+        x[2] = float("-inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=-1))

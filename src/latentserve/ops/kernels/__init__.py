@@ -11,6 +11,7 @@ them in ``latentserve.ops``).
   partial sums for the next RMSNorm).
 * ``qkv_rope``: the q/k/v projection of a decode-sized batch with RoPE and the KV store in
   its epilogue (one launch for what took the GEMM and ``rotary_store_kv``).
+* ``argmax``: row-wise argmax in two passes (greedy sampling's token pick).
 * ``pdl``: programmatic dependent launch, which every kernel above uses on Hopper.
 
 Each kernel rounds where the Hugging Face eager modules round (to the activation dtype

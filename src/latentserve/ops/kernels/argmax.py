@@ -1,0 +1,83 @@
+"""Row-wise argmax of a logits matrix in two short passes: greedy sampling's token pick.
+
+``torch.argmax(logits, -1)`` over a decode batch's fp32 logits (64 x 128256 for a Llama-3
+vocabulary, 33 MB) ran at 40 us on the H200, about five times the time to read them: its
+reduction keeps one block per row. Here pass 1 splits every row into ``BLOCK``-wide chunks,
+one program each, and writes each chunk's maximum and the index where it first occurs;
+pass 2 (one program per row) picks the first chunk holding the row's maximum. The result is
+``torch.argmax``'s exactly: the first index of the maximum, and a NaN counts as larger than
+any number (the first NaN wins), as torch orders them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _first_max(vals, idx, n):
+    # (value, index) of the first maximum of `vals` among the entries with idx < n (others
+    # must hold -inf and an index >= n); NaN beats every number, the first NaN wins.
+    nan = vals != vals
+    first_nan = tl.min(tl.where(nan, idx, n))
+    best = tl.max(tl.where(nan, -float("inf"), vals))
+    first_best = tl.min(tl.where(vals == best, idx, n))
+    has_nan = first_nan < n
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first_best)
+
+
+@triton.jit
+def _argmax_chunks_kernel(X, Vals, Idx, n_cols, n_chunks, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_cols
+    x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=ok, other=-float("inf"))
+    v, i = _first_max(x.to(tl.float32), tl.where(ok, offs, n_cols), n_cols)
+    tl.store(Vals + row * n_chunks + chunk, v)
+    tl.store(Idx + row * n_chunks + chunk, i)
+
+
+@triton.jit
+def _argmax_rows_kernel(Vals, Idx, Out, n_cols, n_chunks, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    ok = offs < n_chunks
+    v = tl.load(Vals + row * n_chunks + offs, mask=ok, other=-float("inf"))
+    i = tl.load(Idx + row * n_chunks + offs, mask=ok, other=n_cols)
+    # chunks are in index order, so the first maximal chunk holds the first maximal index
+    _, best = _first_max(v, tl.where(ok, i, n_cols), n_cols)
+    tl.store(Out + row, best.to(tl.int64))
+
+
+def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` of a 2-D float tensor, bit for bit, in two passes.
+
+    Args:
+        x: ``[B, V]`` fp32, bf16 or fp16, last dim contiguous.
+        block: columns per pass-1 program (a power of 2 >= 16).
+    Returns:
+        ``[B] int64`` on x's device: per row the first index of its maximum (of its first
+        NaN when it has one).
+    Raises:
+        ValueError: for a non-2-D or empty-row input, a strided last dim or a bad block.
+    """
+    if x.dim() != 2 or x.shape[1] == 0 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [B, V] with V > 0 and a contiguous last dim, got "
+                         f"{tuple(x.shape)}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of 2 >= 16, got {block}")
+    b, v = x.shape
+    out = torch.empty(b, dtype=torch.int64, device=x.device)
+    if b == 0:
+        return out
+    n_chunks = triton.cdiv(v, block)
+    vals = torch.empty(b, n_chunks, dtype=torch.float32, device=x.device)
+    idx = torch.empty(b, n_chunks, dtype=torch.int32, device=x.device)
+    _argmax_chunks_kernel[(b, n_chunks)](x, vals, idx, v, n_chunks, x.stride(0), BLOCK=block,
+                                         num_warps=8 if block >= 2048 else 4)
+    _argmax_rows_kernel[(b,)](vals, idx, out, v, n_chunks,
+                              BLOCK_C=max(16, triton.next_power_of_2(n_chunks)), num_warps=1)
+    return out

@@ -1,0 +1,53 @@
+"""``ops.kernels.argmax.argmax_rows`` (greedy sampling's token pick on CUDA) on CPU through
+the Triton interpreter: the indices ``torch.argmax`` gives, bit for bit, including ties
+(the first maximum), NaN rows (the first NaN), all -inf rows, rows shorter than one chunk
+and a last chunk cut short. On the H200: ``tests/gpu/test_triton_gpu.py``."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or the kernels
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+
+from latentserve.ops.kernels.argmax import argmax_rows
+from latentserve.testing.triton_interpreter import patch_triton_interpreter
+
+patch_triton_interpreter()
+
+
+def _cases(dtype, v, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(9, v, generator=g).to(dtype)
+    x[1, [3, v - 1]] = 50.0  # a tie: the first wins
+    x[2, [v - 1, v // 2]] = 60.0  # a tie across chunks
+    x[3, [v - 2, 5]] = float("nan")  # NaN beats numbers; the first NaN wins
+    x[3, 0] = float("inf")
+    x[4] = float("-inf")  # nothing above -inf: index 0
+    x[5, v - 1] = float("inf")
+    x[6] = 7.0  # constant row
+    x[7, v // 3] = -float("inf")
+    x[8, 1:] = -1e30
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v,block", [(1000, 128), (1000, 1024), (517, 64), (7, 16)])
+def test_equals_torch_argmax(dtype, v, block):
+    x = _cases(dtype, v, seed=v)
+    got = argmax_rows(x, block=block)
+    assert got.dtype == torch.int64 and got.shape == (9,)
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_empty_batch_and_bad_arguments():
+    assert argmax_rows(torch.zeros(0, 10)).shape == (0,)
+    with pytest.raises(ValueError, match=r"\[B, V\]"):
+        argmax_rows(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"\[B, V\]"):
+        argmax_rows(torch.zeros(4, 6)[:, ::2])
+    with pytest.raises(ValueError, match="block"):
+        argmax_rows(torch.zeros(2, 6), block=24)
