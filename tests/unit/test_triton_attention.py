@@ -64,8 +64,9 @@ def _clone_pool(pool: KVPool) -> KVPool:
     return twin
 
 
-def _compare(seed, q_lens, kv_lens, n_kv, group, d, dtype, backend=None):
-    layout, table, pool, q, k, v = _scenario(seed, q_lens, kv_lens, n_kv, group, d, dtype)
+def _compare(seed, q_lens, kv_lens, n_kv, group, d, dtype, backend=None, max_len=48):
+    layout, table, pool, q, k, v = _scenario(seed, q_lens, kv_lens, n_kv, group, d, dtype,
+                                             max_len)
     scale = d ** -0.5
     ref_pool, tri_pool = _clone_pool(pool), _clone_pool(pool)
     ref_be, tri_be = TorchBackend(), backend or TritonBackend()
@@ -103,6 +104,27 @@ def test_one_split_writes_the_output_from_stage_one(name):
     q_lens, kv_lens, n_kv, group, d, dtype = CASES[name]
     be = TritonBackend(num_kv_splits=1, decode_block_n=16)
     _compare(11, q_lens, kv_lens, n_kv, group, d, dtype, backend=be)
+
+
+@pytest.mark.parametrize("d,tile", [(64, 128), (96, 64)])
+def test_one_split_default_tile_matches_torch_backend(d, tile):
+    """A batch that covers the SMs three times (here: 1 SM) takes one split and, at
+    head_dim 64, the 128-key tile it picks by default; requests longer and shorter than a
+    tile, the same outputs as the torch backend."""
+    from unittest import mock
+
+    from latentserve.attention import triton_backend
+
+    be, seen, real = TritonBackend(num_sms=1), [], triton_backend.decode_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["num_kv_splits"], kwargs["block_n"]))
+        return real(*args, **kwargs)
+
+    with mock.patch.object(triton_backend, "decode_attention", spy):
+        _compare(13, [1, 1, 1], [300, 5, 129], 2, 2, d, torch.bfloat16, backend=be,
+                 max_len=320)
+    assert seen == [(1, tile)]
 
 
 def test_split_count_reaches_the_backend():
