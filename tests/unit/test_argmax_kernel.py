@@ -49,5 +49,7 @@ def test_empty_batch_and_bad_arguments():
         argmax_rows(torch.zeros(4))
     with pytest.raises(ValueError, match=r"\[B, V\]"):
         argmax_rows(torch.zeros(4, 6)[:, ::2])
+    with pytest.raises(ValueError, match="float64"):
+        argmax_rows(torch.zeros(2, 6, dtype=torch.float64))
     with pytest.raises(ValueError, match="block"):
         argmax_rows(torch.zeros(2, 6), block=24)

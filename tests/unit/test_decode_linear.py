@@ -157,6 +157,7 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
     reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]  # 51, 30 (its prefix), 3 tokens
     out = {}
     monkeypatch.setattr(layers, "QKV_ROPE_ROWS", (1, 64))  # tiny batches here
+    monkeypatch.setenv("LATENTSERVE_DECODE_TMA", "1")  # as on Hopper (interpreted here)
     for rows in (0, 64):
         monkeypatch.setattr(layers, "DECODE_ROWS", rows)
         engine = LLMEngine(EngineConfig(model=str(tiny_dirs[kind]), fused_ops=True,
@@ -165,7 +166,8 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
         out[rows] = run_requests(engine, reqs)
         assert bool(calls) == bool(rows)
         engine.cache.check_idle()
-    assert True in calls and "qkv" in calls  # partial sums handed on; q/k/v + RoPE fused
+    assert True in calls  # o_proj / down handed partial sums on
+    assert ("qkv" in calls) == (dtype != "float32")  # q/k/v + RoPE fused: 16-bit TMA only
     assert_same(out[0], out[64], atol=1e-4 if dtype == "float32" else 0.1)
 
 
@@ -241,7 +243,8 @@ def test_tma_default_is_hopper_only(monkeypatch):
 def test_warmup_compiles_both_gemm_paths_and_leaves_the_engine_untouched(tiny_dirs,
                                                                           monkeypatch):
     """On the fast path the warm-up prompt is ``DECODE_ROWS + 1`` tokens: its prefill runs
-    the torch/cuBLAS GEMMs (the SiLU-mul kernel) and its decode step ``decode_linear``;
+    the torch/cuBLAS GEMMs (the SiLU-mul kernel) and its decode step ``decode_linear``; a
+    second prompt of ``QKV_ROPE_ROWS[0]`` tokens runs the q/k/v + RoPE kernel;
     afterwards no request, no cached prefix and no prefix-cache counts remain. A context
     too short for that prompt gets one that fits."""
     from latentserve.config import EngineConfig
@@ -250,16 +253,18 @@ def test_warmup_compiles_both_gemm_paths_and_leaves_the_engine_untouched(tiny_di
     from latentserve.ops import kernels
 
     monkeypatch.setattr(layers, "DECODE_ROWS", 8)  # a short long-prompt: fast on CPU
+    monkeypatch.setattr(layers, "QKV_ROPE_ROWS", (5, 8))
+    monkeypatch.setenv("LATENTSERVE_DECODE_TMA", "1")  # as on Hopper (interpreted here)
     seen = []
-    for name in ("decode_linear", "silu_and_mul"):
+    for name in ("decode_linear", "silu_and_mul", "qkv_rope_store_kv"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name,
                             lambda *a, _n=name, _f=real, **k: seen.append(_n) or _f(*a, **k))
     engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), fused_ops=True,
-                                    attention_backend="triton"))
+                                    attention_backend="triton", dtype="bfloat16"))
     seen.clear()
     engine.warmup()
-    assert {"decode_linear", "silu_and_mul"} <= set(seen)
+    assert {"decode_linear", "silu_and_mul", "qkv_rope_store_kv"} <= set(seen)
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.prefix_queries == engine.scheduler.prefix_hits == 0
     engine.cache.check_idle()

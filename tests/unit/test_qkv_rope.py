@@ -96,13 +96,14 @@ def test_random_values_within_summation_noise(block_m):
 def test_bad_arguments_name_the_problem():
     x, w, b, cos, sin, (kc, vc) = _inputs(torch.float32, 3, 2, 1, 64, 32, True, True, 0)
     slots = torch.tensor([1, 2, 3])
-    with pytest.raises(ValueError, match="share hidden"):
-        qkv_rope_store_kv(x[:, :16], w, b, cos, sin, kc, vc, slots, 2, 1)
-    with pytest.raises(ValueError, match="k_cache"):
-        qkv_rope_store_kv(x, w, b, cos, sin, kc[:, :, :32], vc, slots, 2, 1)
-    with pytest.raises(ValueError, match="slots"):
-        qkv_rope_store_kv(x, w, b, cos, sin, kc, vc, slots[:2], 2, 1)
-    with pytest.raises(ValueError, match="dtype"):
-        qkv_rope_store_kv(x.double(), w, b, cos, sin, kc, vc, slots, 2, 1)
-    with pytest.raises(ValueError, match="block_m"):
-        qkv_rope_store_kv(x, w, b, cos, sin, kc, vc, slots, 2, 1, block_m=24)
+    good = {"x": x, "weight": w, "bias": b, "cos": cos, "sin": sin, "k_cache": kc,
+            "v_cache": vc, "slots": slots, "n_heads": 2, "n_kv": 1}
+    bad = [({"x": x[:, :16]}, "weight must be"), ({"n_heads": 3}, "weight rows"),
+           ({"n_kv": 0}, "n_kv"), ({"x": x.double()}, "dtype"),
+           ({"bias": b[:5]}, "bias"), ({"cos": cos[:2]}, "cos must"),
+           ({"k_cache": kc[:, :, :32]}, "k_cache"), ({"slots": slots[:2]}, "slots"),
+           ({"slots": slots.float()}, "slots"), ({"block_m": 24}, "block_m"),
+           ({"tma": True}, "tma=True")]
+    for change, match in bad:
+        with pytest.raises(ValueError, match=match):
+            qkv_rope_store_kv(**{**good, **change})

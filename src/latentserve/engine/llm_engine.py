@@ -402,28 +402,38 @@ class LLMEngine:
         }
 
     def warmup(self) -> None:
-        """Run one tiny request to completion before serving: a 4-token prompt (on the fast
+        """Run tiny requests to completion before serving: a 4-token prompt (on the fast
         path ``layers.DECODE_ROWS + 1`` tokens, so the prefill takes the cuBLAS GEMMs and
         the decode the decode-sized ones) and 2 greedy tokens with logprobs (one prefill and
         one decode forward, the sampler and the log-softmax), so one-off costs (allocator
         growth, kernel selection and compiles) are paid here and not by the first client.
-        When the model's own extra tokens leave no room for the long prompt, 4 tokens are
-        used. Afterwards the prefix cache is emptied and the prefix-cache counters are
-        zero, so the engine looks untouched.
+        On the fast path a second request's prompt of ``layers.QKV_ROPE_ROWS[0]`` tokens
+        compiles the q/k/v + RoPE kernel too (when those rows take it). When the model's own
+        extra tokens leave no room for the long prompt, 4 tokens are used. Afterwards the
+        prefix cache is emptied and the prefix-cache counters are zero, so the engine looks
+        untouched.
 
         Raises RuntimeError when requests are queued; whatever the forward raises. A model
         whose context cannot hold the warm-up request is left cold (logged).
         """
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine")
-        rid = "__latentserve_warmup__"
-        from latentserve.models.layers import DECODE_ROWS
+        from latentserve.models.layers import DECODE_ROWS, QKV_ROPE_ROWS
 
-        long = max(4, DECODE_ROWS + 1) if self.config.use_fused_ops else 4
+        fused = self.config.use_fused_ops
+        long = max(4, DECODE_ROWS + 1) if fused else 4
+        if self._warm_request((long, 4)) and fused and QKV_ROPE_ROWS[0] <= DECODE_ROWS:
+            self._warm_request((QKV_ROPE_ROWS[0],))
+        self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
+
+    def _warm_request(self, lengths) -> bool:
+        """One warm-up request with the first prompt length of ``lengths`` that fits (see
+        ``warmup``), run to completion; False (logged) when none fits."""
+        rid = "__latentserve_warmup__"
         # A compression-head model runs one latent step (no floor), so the head runs too.
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1,
                                 max_latent=1, use_stop=False, min_output_tokens=0)
-        for n in dict.fromkeys(max(1, min(k, self.max_model_len - 3)) for k in (long, 4)):
+        for n in dict.fromkeys(max(1, min(k, self.max_model_len - 3)) for k in lengths):
             try:  # the long prompt, then (a model's extra tokens overflow it) 4 tokens
                 self.add_request(rid, [min(i + 1, self.vocab_size - 1) for i in range(n)],
                                  params)
@@ -432,11 +442,11 @@ class LLMEngine:
                 error = exc
         else:
             log.warning("warm-up skipped: %s", error)
-            return
+            return False
         while self.has_unfinished_requests():
             self.step()
-        self.cache.radix.reset()
-        self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
+        self.cache.radix.reset()  # the next warm-up prompt must not hit this one's prefix
+        return True
 
     def _thinking(self, req) -> bool:
         """Whether ``req``'s next input is a latent vector (feedback or head latent phase)."""

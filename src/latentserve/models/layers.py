@@ -49,13 +49,15 @@ cuBLAS: a decode step's batch. Larger batches (prefill, big decode buckets) keep
 
 QKV_ROPE_ROWS = (17, 64)
 """Row counts (inclusive, and within ``DECODE_ROWS``) for which the fast path runs the q/k/v
-projection, RoPE and the KV store as one kernel (``ops.kernels.qkv_rope_store_kv``): on
-the H200 it beats cuBLAS plus the RoPE kernel at 64 rows and loses at 16 or fewer."""
+projection, RoPE and the KV store as one kernel (``ops.kernels.qkv_rope_store_kv``), when
+it reads through TMA (``decode_linear.use_tma``): on the H200 it beats cuBLAS plus the RoPE
+kernel at 64 rows (7.6 against 8.6 us) and loses at 16 or fewer, and without TMA too."""
 
 
 def decode_gemms(fused: bool, x: torch.Tensor, *linears: nn.Module) -> bool:
     """True when the fast path (``fused``) should run ``linears`` (plain ``nn.Linear``
-    layers of x's dtype, not tensor-parallel shards) on ``x``'s ``T`` rows
+    layers of x's dtype: merged projections, a tensor-parallel rank's merged column shard
+    included, but not the row-parallel shard modules) on ``x``'s ``T`` rows
     (``x [..., T, K]``) with ``decode_linear``: ``0 < T <= DECODE_ROWS``."""
     return (fused and 0 < x.shape[-2] <= DECODE_ROWS
             and all(type(lin) is nn.Linear and lin.weight.dtype == x.dtype
@@ -124,7 +126,7 @@ class MergedQKV:
         """x ``[T, hidden]``, cos/sin ``[T, head_dim]``, ``layer`` the KV pool layer (a
         recurrent model's bank) -> attention output ``[T, H, D]``, as ``paged_attention``.
 
-        For ``QKV_ROPE_ROWS`` rows with a backend that allows it (``fused_kv_store``:
+        For ``QKV_ROPE_ROWS`` rows read through TMA, with a backend that allows it (``fused_kv_store``:
         Triton), one kernel does all of it before attention: the projection, RoPE and the KV
         store (``ops.kernels.qkv_rope_store_kv``). Otherwise q, k and v are strided views of
         the merged output of a cuBLAS GEMM. When the backend allows it
@@ -137,11 +139,13 @@ class MergedQKV:
             apply_rotary_store_kv_,
             qkv_rope_store_kv,
         )
+        from latentserve.ops.kernels.decode_linear import use_tma
 
         ctx = get_context()
         t, d = x.shape[0], self.head_dim
         if (ctx.backend.fused_kv_store and decode_gemms(True, x, self.qkv_proj)
-                and QKV_ROPE_ROWS[0] <= t <= QKV_ROPE_ROWS[1]):
+                and QKV_ROPE_ROWS[0] <= t <= QKV_ROPE_ROWS[1]
+                and use_tma(x, self.qkv_proj.weight)):
             q = qkv_rope_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, cos, sin,
                                   ctx.kv_pool.k[layer], ctx.kv_pool.v[layer],
                                   ctx.attn_meta.out_slots, self.n_heads, self.n_kv)

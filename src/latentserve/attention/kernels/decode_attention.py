@@ -144,7 +144,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      page_table: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor,
                      scale: float, out: torch.Tensor | None = None, num_kv_splits: int = 8,
                      block_n: int = 64, mid_o: torch.Tensor | None = None,
-                     mid_lse: torch.Tensor | None = None, num_warps: int = 4) -> torch.Tensor:
+                     mid_lse: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention (one query token per request) over paged KV.
 
     Args:
@@ -159,7 +159,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_n: keys per tile (>= 16, power of 2).
         mid_o, mid_lse: optional fp32 scratch ``[B, num_heads, num_kv_splits, head_dim]``
             and ``[B, num_heads, num_kv_splits]`` (allocated when omitted).
-        num_warps: warps per stage-1 program.
     Returns:
         ``[B, num_heads, head_dim]`` in q's dtype; softmax statistics are kept in fp32.
     """
@@ -194,7 +193,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, NUM_SPLITS=num_kv_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DIRECT=direct, num_warps=num_warps, **pdl_launch(q.device),
+        DIRECT=direct, num_warps=4, **pdl_launch(q.device),
     )
     if direct:
         return out

@@ -20,7 +20,7 @@ import triton.language as tl
 def _first_max(vals, idx, n):
     # (value, index) of the first maximum of `vals` among the entries with idx < n (others
     # must hold -inf and an index >= n); NaN beats every number, the first NaN wins.
-    nan = vals != vals
+    nan = vals != vals  # noqa: PLR0124 - true exactly for NaN
     first_nan = tl.min(tl.where(nan, idx, n))
     best = tl.max(tl.where(nan, -float("inf"), vals))
     first_best = tl.min(tl.where(vals == best, idx, n))
@@ -62,8 +62,11 @@ def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
         ``[B] int64`` on x's device: per row the first index of its maximum (of its first
         NaN when it has one).
     Raises:
-        ValueError: for a non-2-D or empty-row input, a strided last dim or a bad block.
+        ValueError: for a non-2-D or empty-row input, a strided last dim, another dtype
+            (fp64 would be compared in fp32) or a bad block.
     """
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] == 0 or x.stride(-1) != 1:
         raise ValueError(f"x must be [B, V] with V > 0 and a contiguous last dim, got "
                          f"{tuple(x.shape)}")

@@ -118,6 +118,51 @@ def _qkv_rope_kernel(
         tl.store(dst + HALF, a2.to(VCache.dtype.element_ty), mask=mask)
 
 
+def _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv) -> int:
+    # qkv_rope_store_kv's argument checks, one field at a time; returns head_dim.
+    if n_heads < 1 or n_kv < 1:
+        raise ValueError(f"n_heads and n_kv must be >= 1, got {n_heads} and {n_kv}")
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [T, hidden] with a contiguous last dim, got "
+                         f"{tuple(x.shape)}")
+    t, hidden = x.shape
+    heads = n_heads + 2 * n_kv
+    if weight.dim() != 2 or weight.shape[1] != hidden or weight.stride(-1) != 1:
+        raise ValueError(f"weight must be [rows, {hidden}] (x's hidden) with a contiguous "
+                         f"last dim, got {tuple(weight.shape)}")
+    if weight.shape[0] % heads or (weight.shape[0] // heads) % 2:
+        raise ValueError(f"weight rows ({weight.shape[0]}) must be (n_heads + 2 * n_kv) = "
+                         f"{heads} heads of an even head_dim")
+    d = weight.shape[0] // heads
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} must be x's ({x.dtype})")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{weight.shape[0]}] {x.dtype}, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+    for name, cs in (("cos", cos), ("sin", sin)):
+        if cs.shape != (t, d) or cs.stride(-1) != 1:
+            raise ValueError(f"{name} must be [{t}, {d}] with a contiguous last dim, got "
+                             f"{tuple(cs.shape)}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 3 or cache.shape[1:] != (n_kv, d) or cache.stride(-1) != 1:
+            raise ValueError(f"{name} must be [slots, {n_kv}, {d}] with a contiguous last "
+                             f"dim, got {tuple(cache.shape)}")
+    if slots.shape != (t,) or slots.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"slots must be [{t}] int64 or int32, got {tuple(slots.shape)} "
+                         f"{slots.dtype}")
+    for name, o in (("weight", weight), ("bias", bias), ("cos", cos), ("sin", sin),
+                    ("k_cache", k_cache), ("v_cache", v_cache), ("slots", slots)):
+        if o is not None and o.device != x.device:
+            raise ValueError(f"{name} is on {o.device}, x on {x.device}")
+    return d
+
+
+def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (weight.element_size() == 2 and x.dtype == weight.dtype
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+                    for t in (x, weight)))
+
+
 def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv: int,
@@ -146,37 +191,21 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
         tma: read the tiles through TMA tensor descriptors (default:
             ``decode_linear.use_tma``, the H200 setting); True needs 16-bit tensors with
-            16-byte-aligned bases and row strides.
+            16-byte-aligned bases and row strides (else ValueError).
     Returns:
         q ``[T, n_heads, D]`` rotated, x's dtype, contiguous (a new tensor).
     Raises:
-        ValueError: on a shape, dtype, stride or device mismatch.
+        ValueError: naming the argument, on a shape, dtype, stride or device mismatch, a
+            bad tiling or an impossible ``tma=True``.
     """
-    t, hidden = x.shape if x.dim() == 2 else (None, None)
-    heads = n_heads + 2 * n_kv
-    if t is None or weight.dim() != 2 or weight.shape[1] != hidden or weight.shape[0] % heads:
-        raise ValueError(f"x [T, hidden] and weight [(n_heads + 2 n_kv) * D, hidden] must "
-                         f"share hidden, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    d = weight.shape[0] // heads
-    if d % 2 or x.dtype != weight.dtype or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError(f"head_dim must be even (got {d}); x and weight need one dtype "
-                         f"(got {x.dtype}, {weight.dtype}) and a contiguous last dim")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    if cos.shape != (t, d) or sin.shape != (t, d) or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError(f"cos/sin must be [{t}, {d}] with a contiguous last dim, got "
-                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 3 or cache.shape[1:] != (n_kv, d) or cache.stride(-1) != 1:
-            raise ValueError(f"{name} must be [slots, {n_kv}, {d}] with a contiguous last "
-                             f"dim, got {tuple(cache.shape)}")
-    if slots.shape != (t,):
-        raise ValueError(f"slots must be [{t}], got {tuple(slots.shape)}")
-    if any(o.device != x.device for o in (weight, cos, sin, k_cache, v_cache, slots)):
-        raise ValueError("every tensor must be on x's device")
+    d = _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv)
     for name, val in (("block_m", block_m), ("block_k", block_k)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name} must be a power of 2 >= 16, got {val}")
+    if tma and not _tma_ok(x, weight):
+        raise ValueError("tma=True needs 16-bit x and weight of one dtype with 16-byte-"
+                         "aligned bases and row strides")
+    t, hidden = x.shape
     q = torch.empty(t, n_heads, d, dtype=x.dtype, device=x.device)
     if t == 0:
         return q
@@ -195,7 +224,7 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
         xd = TensorDescriptor.from_tensor(x, [block_m, block_k])
         wd = TensorDescriptor.from_tensor(weight, [block_half, block_k])
-    _qkv_rope_kernel[(triton.cdiv(t, block_m), heads)](
+    _qkv_rope_kernel[(triton.cdiv(t, block_m), n_heads + 2 * n_kv)](
         x, weight, xd, wd, bias if bias is not None else weight, q, cos, sin, k_cache,
         v_cache, slots,
         t, hidden, n_heads, n_kv,
