@@ -151,6 +151,12 @@ def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if env != "1" and not (x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
                            and _device_has_tma(x.device.index)):
         return False
+    return tma_compatible(x, weight)
+
+
+def tma_compatible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether TMA descriptors can read ``x`` and ``weight`` (2-D, last dim contiguous):
+    16-bit tensors of one dtype with 16-byte-aligned bases and row strides."""
     if weight.element_size() != 2 or x.dtype != weight.dtype:
         return False
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from latentserve.ops.kernels.decode_linear import use_tma
+from latentserve.ops.kernels.decode_linear import tma_compatible, use_tma
 from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
 from latentserve.ops.kernels.rotary import _rope_halves
 
@@ -157,12 +157,6 @@ def _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv) ->
     return d
 
 
-def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (weight.element_size() == 2 and x.dtype == weight.dtype
-            and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-                    for t in (x, weight)))
-
-
 def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv: int,
@@ -202,7 +196,7 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     for name, val in (("block_m", block_m), ("block_k", block_k)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name} must be a power of 2 >= 16, got {val}")
-    if tma and not _tma_ok(x, weight):
+    if tma and not tma_compatible(x, weight):
         raise ValueError("tma=True needs 16-bit x and weight of one dtype with 16-byte-"
                          "aligned bases and row strides")
     t, hidden = x.shape
