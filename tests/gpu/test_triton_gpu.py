@@ -99,8 +99,19 @@ def test_decode_bf16_64_requests_kv1024(d, n_kv, group):
 
 @pytest.mark.parametrize("splits", [1, 2])
 def test_decode_other_split_counts(splits):
-    """``num_kv_splits`` 1 (stage 1 writes the output, no merge kernel) and 2."""
-    _compare([1] * 64, _kv_lens(7, 64), 8, 4, 64, torch.bfloat16, num_kv_splits=splits)
+    """``num_kv_splits`` 1 (stage 1 writes the output, no merge kernel, 128-key tiles) and
+    2 (64-key tiles): 64 requests x 4 KV heads would take 4 splits uncapped."""
+    _compare([1] * 64, _kv_lens(7, 64), 4, 2, 64, torch.bfloat16, num_kv_splits=splits)
+
+
+def test_decode_one_split_default_tiles_at_batch_64():
+    """The batch-64 Llama-1B decode configuration: 8 KV heads fill the SMs, one split with
+    the default 128-key tiles."""
+    from latentserve.attention.triton_backend import TritonBackend
+
+    be = TritonBackend()
+    assert be.decode_splits(64, 8, "cuda") == 1 and be.decode_tile(1, 64) == 128
+    _compare([1] * 64, _kv_lens(8, 64), 8, 4, 64, torch.bfloat16)
 
 
 @pytest.mark.parametrize("d,n_kv,group", [(64, 4, 1), (128, 8, 4)])
