@@ -69,6 +69,8 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
         self.max_model_len = min(config.max_model_len or limit, limit)
+        if hasattr(model, "prepare_positions"):  # the fast path's RoPE table (before sizing)
+            model.prepare_positions(self.max_model_len)
         layers, kv_heads, head_dim = model.kv_shape
         per_slot = KVPool.bytes_per_slot(layers, kv_heads, head_dim, config.torch_dtype)
         slots = kv_slots_for(config, per_slot, self.max_model_len, hf_config.vocab_size)

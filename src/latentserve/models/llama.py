@@ -162,6 +162,14 @@ class LlamaForCausalLM(nn.Module):
         Runs wherever Triton runs (CUDA; CPU only under ``TRITON_INTERPRET=1``)."""
         fuse_decoder(self, self.model.layers)
 
+    def prepare_positions(self, max_positions: int) -> None:
+        """On the fast path (``use_fused_ops`` ran), precompute the RoPE cos/sin table for
+        ``max_positions`` positions in the model's dtype (``Rotary.build_table``); call
+        after the model is on its device and dtype. A no-op elsewhere."""
+        if self.model.norm.fused:
+            dtype = self.model.embed_tokens.weight.dtype
+            self.model.rotary_emb.build_table(max_positions, dtype)
+
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
         x = inject(self.embed(input_ids), input_embeds, latent_mask)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # once, for every layer
