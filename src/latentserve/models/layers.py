@@ -84,8 +84,8 @@ class Rotary(nn.Module):
     ``cos_sin(positions [T] int64, dtype)`` returns ``(cos, sin)``, each ``[T, head_dim]``
     in ``dtype``: computed once per forward and shared by every layer
     (``ops.rotary.apply_rotary``, or the in-place kernel on the fast path). After
-    ``build_table`` they are rows of a precomputed table (one gather instead of about nine
-    small kernels per step; the same values, element for element).
+    ``build_table`` they are rows of a precomputed table (a clamp and a gather instead of
+    about nine small kernels per step; the same values).
     """
 
     def __init__(self, hf_config, head_dim: int):
