@@ -11,7 +11,8 @@ batch-64 Llama-3.2-1B step the GEMM choice and programmatic dependent launch (PD
    SiLU-mul in the gate/up epilogue, fp32 logits; q/k/v stays cuBLAS) without and with
    PDL. Reported: microseconds per replay against the weights' read floor at 4.28 TB/s.
 
-Run on the H200: ``python -m latentserve.bench.layer_gpu OUT.json``.
+Run on the H200: ``python -m latentserve.bench.layer_gpu OUT.json [ROWS]`` (ROWS: the
+batch, default 64).
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def chain(rows: int = 64) -> dict:
 
 
 if __name__ == "__main__":
-    res = {"gemms": gemm_sweep(), "chain": chain()}
+    n_rows = int(sys.argv[2]) if len(sys.argv) > 2 else 64
+    res = {"rows": n_rows, "gemms": gemm_sweep(n_rows), "chain": chain(n_rows)}
     Path(sys.argv[1] if len(sys.argv) > 1 else "layer_gpu.json").write_text(
         json.dumps(res, indent=1))
