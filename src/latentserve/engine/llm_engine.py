@@ -410,10 +410,10 @@ class LLMEngine:
         one decode forward, the sampler and the log-softmax), so one-off costs (allocator
         growth, kernel selection and compiles) are paid here and not by the first client.
         On the fast path a second request's prompt of ``layers.QKV_ROPE_ROWS[0]`` tokens
-        compiles the q/k/v + RoPE kernel too (when those rows take it). When the model's own
-        extra tokens leave no room for the long prompt, 4 tokens are used. Afterwards the
-        prefix cache is emptied and the prefix-cache counters are zero, so the engine looks
-        untouched.
+        compiles the q/k/v + RoPE kernel too (when those rows take it and the prompt fits).
+        When the model's own extra tokens leave no room for the long prompt, 4 tokens are
+        used. Afterwards the prefix cache is emptied and the prefix-cache counters are zero
+        (the forward-token and graph-step counters keep the warm-up's counts).
 
         Raises RuntimeError when requests are queued; whatever the forward raises. A model
         whose context cannot hold the warm-up request is left cold (logged).
@@ -425,12 +425,13 @@ class LLMEngine:
         fused = self.config.use_fused_ops
         long = max(4, DECODE_ROWS + 1) if fused else 4
         if self._warm_request((long, 4)) and fused and QKV_ROPE_ROWS[0] <= DECODE_ROWS:
-            self._warm_request((QKV_ROPE_ROWS[0],))
+            self._warm_request((QKV_ROPE_ROWS[0],), quiet=True)
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
 
-    def _warm_request(self, lengths) -> bool:
+    def _warm_request(self, lengths, quiet: bool = False) -> bool:
         """One warm-up request with the first prompt length of ``lengths`` that fits (see
-        ``warmup``), run to completion; False (logged) when none fits."""
+        ``warmup``), run to completion; False when none fits (logged as a skipped warm-up
+        unless ``quiet``: the optional second request)."""
         rid = "__latentserve_warmup__"
         # A compression-head model runs one latent step (no floor), so the head runs too.
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1,
@@ -443,7 +444,7 @@ class LLMEngine:
             except ValueError as exc:
                 error = exc
         else:
-            log.warning("warm-up skipped: %s", error)
+            (log.debug if quiet else log.warning)("warm-up skipped: %s", error)
             return False
         while self.has_unfinished_requests():
             self.step()

@@ -307,6 +307,8 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
         setup: RunnerSetup = box[0]
+        if hasattr(model, "prepare_positions"):  # the fast path's RoPE table, as rank 0's
+            model.prepare_positions(setup.max_model_len)
         pool = KVPool(layers, setup.kv_slots, kv_heads, head_dim, config.torch_dtype,
                       tp.device)
         table = PageTable(config.max_num_seqs, setup.max_model_len, tp.device)
