@@ -171,6 +171,43 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
     assert_same(out[0], out[64], atol=1e-4 if dtype == "float32" else 0.1)
 
 
+def test_ouro_banks_with_the_qkv_rope_kernel(tmp_path, monkeypatch):
+    """Ouro (recurrent depth, one KV bank per loop iteration, exited rows leaving a
+    sub-batch) in bf16 with the q/k/v + RoPE + store kernel writing each iteration's bank,
+    against the same fast path with torch GEMMs (``DECODE_ROWS = 0``): equal greedy tokens
+    and every step's logits within bf16 noise."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.models import layers
+    from latentserve.ops import kernels
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.recurrent_models import write_ouro
+    from latentserve.testing.tp_parity import assert_same, run_requests
+
+    calls, real = [], kernels.qkv_rope_store_kv
+    monkeypatch.setattr(kernels, "qkv_rope_store_kv",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(layers, "QKV_ROPE_ROWS", (1, 64))
+    monkeypatch.setenv("LATENTSERVE_DECODE_TMA", "1")  # as on Hopper (interpreted here)
+    path = write_ouro(tmp_path / "ouro")
+    g = torch.Generator().manual_seed(5)
+    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
+             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, latent_budget=d,
+                            exit_criterion=c, exit_threshold=t))
+            for n, d, c, t in ((9, 4, None, None), (5, 2, "threshold", 0.6),
+                               (12, 3, "last", None))]
+    out = {}
+    for rows in (0, 64):
+        monkeypatch.setattr(layers, "DECODE_ROWS", rows)
+        engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True,
+                                        attention_backend="triton", dtype="bfloat16"))
+        calls.clear()
+        out[rows] = run_requests(engine, reqs)
+        assert bool(calls) == bool(rows)
+        engine.cache.check_idle()
+    assert_same(out[0], out[64], atol=0.1)
+
+
 def test_rms_norm_without_residual_rounds_to_x_dtype_and_materialize_matches_kernel():
     """Review findings: with no residual the kernel rounds the normed value to x's dtype
     even under an fp32 weight (as ``ops.norm.rms_norm``); ``layers.materialize`` sums
