@@ -8,8 +8,9 @@ in the RoPE kernel, against a 2.9 us read of the weight (docs/benchmarks.md, iss
 
 With TMA descriptors (``decode_linear.use_tma``, the Hopper default) it took 7.6 us
 against 8.6 for the two kernels it replaces at 64 rows, but 8.7 against 7.7-8.2 at 16 rows
-or fewer, where its 48 programs cannot pull the weight fast enough; the model layer
-(``layers.QKV_ROPE_ROWS``) uses it from 17 rows up.
+or fewer, where its 48 programs cannot pull the weight fast enough, and 9.5 at best
+without TMA (its pointer loads are not pipelined). The model layer uses it for 17 to 64
+rows with TMA only (``layers.QKV_ROPE_ROWS``).
 
 Here one program computes one head of every row in a ``BLOCK_M`` row tile: two
 accumulators, the head's first and second half of output columns, so the rotate-half
