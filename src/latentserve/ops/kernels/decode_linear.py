@@ -24,14 +24,13 @@ dtype, as cuBLAS rounds.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
+from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait, sm90_or_newer
 from latentserve.ops.kernels.silu_and_mul import silu_mul
 
 
@@ -163,9 +162,22 @@ def tma_compatible(x: torch.Tensor, weight: torch.Tensor) -> bool:
                for t in (x, weight))
 
 
-@functools.cache
-def _device_has_tma(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+_device_has_tma = sm90_or_newer  # TMA came with sm_90, as PDL did
+
+
+def dot_precision(weight: torch.Tensor) -> str | None:
+    """``tl.dot``'s ``input_precision`` for a decode GEMM with ``weight``: fp32 weights take
+    3xTF32 on CUDA (fp32 accuracy on tensor cores) and exact products in the interpreter;
+    16-bit weights the default (None)."""
+    if weight.dtype != torch.float32:
+        return None
+    return "tf32x3" if weight.is_cuda else "ieee"
+
+
+def fit_stages(num_stages: int, stage_bytes: int) -> int:
+    """``num_stages`` lowered so Triton's pipeline buffers (``stage_bytes`` of x and weight
+    tiles per stage) stay under ~200 KiB of shared memory; at least 1."""
+    return max(1, min(num_stages, 200 * 1024 // stage_bytes))
 
 
 def _check(x, weight, bias, swiglu):
@@ -229,9 +241,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_m = min(64, max(16, triton.next_power_of_2(max(m, 1))))
     if block_k is None and weight.element_size() == 4:
         bk = 64  # fp32 tiles: half the K depth, so the pipeline fits in shared memory
-    # Triton's pipeline buffers (num_stages - 1) x and w tiles; stay under ~200 KiB
     stage = (block_m * bk + bk * bn * (2 if swiglu else 1)) * weight.element_size()
-    num_stages = max(1, min(num_stages, 200 * 1024 // stage))
+    num_stages = fit_stages(num_stages, stage)
     k_per = triton.cdiv(triton.cdiv(k, sk), bk) * bk
     sk = triton.cdiv(k, k_per)
     out_dtype = out_dtype or x.dtype
@@ -244,9 +255,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y
     launch = pdl_launch(x.device)
     b = bias if bias is not None else weight
-    precision = None  # half-precision weights: the default (ignored)
-    if weight.dtype == torch.float32:
-        precision = "tf32x3" if x.is_cuda else "ieee"
     round_to_x = out_dtype.itemsize > x.dtype.itemsize
     xd, wd = x, weight
     if use_tma(x, weight) if tma is None else tma:
@@ -257,7 +265,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _decode_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, block_m), sk)](
         x, weight, xd, wd, b, y, part, m, n, k, k_per, x.stride(0), weight.stride(0),
         y.stride(-2), HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        PARTIALS=partials or sk > 1, ROUND_TO_X=round_to_x, PRECISION=precision,
+        PARTIALS=partials or sk > 1, ROUND_TO_X=round_to_x, PRECISION=dot_precision(weight),
         TMA=xd is not x, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
         num_stages=num_stages, **launch)
     if sk > 1 and not partials:

@@ -11,9 +11,10 @@ kernel, which is what a batch-64 decode step of a 1B model spends between its ~1
 (docs/benchmarks.md, issue 3).
 
 Every kernel that takes ``PDL=True`` calls ``pdl_wait`` (``gdc_launch_dependents`` then
-``gdc_wait``) before its first read of an activation and its first write, so chains stay ordered transitively; kernels launched
-without PDL (cuBLAS, torch) serialize as usual. Source: CUDA programming guide,
-"Programmatic Dependent Launch and Synchronization"; PTX ``griddepcontrol``.
+``gdc_wait``) before its first read of an activation and its first write, so chains stay
+ordered transitively; kernels launched without PDL (cuBLAS, torch) serialize as usual.
+Source: CUDA programming guide, "Programmatic Dependent Launch and Synchronization"; PTX
+``griddepcontrol``.
 
 ``LATENTSERVE_PDL=0`` turns it off. Under ``TRITON_INTERPRET=1`` and on older GPUs it is off.
 """
@@ -30,7 +31,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @functools.cache
-def _device_supports_pdl(index: int) -> bool:
+def sm90_or_newer(index: int | None) -> bool:
+    """Whether CUDA device ``index`` (None: the current one) has compute capability 9.0 or
+    newer (Hopper), which brought PDL and the TMA that ``decode_linear`` reads through.
+    Cached per index."""
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
@@ -51,7 +55,7 @@ def pdl_enabled(device: torch.device) -> bool:
         return False
     if os.environ.get("LATENTSERVE_PDL", "1") == "0":
         return False
-    return _device_supports_pdl(device.index if device.index is not None
+    return sm90_or_newer(device.index if device.index is not None
                                 else torch.cuda.current_device())
 
 

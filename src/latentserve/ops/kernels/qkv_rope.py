@@ -33,7 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from latentserve.ops.kernels.decode_linear import tma_compatible, use_tma
+from latentserve.ops.kernels.decode_linear import (
+    dot_precision,
+    fit_stages,
+    tma_compatible,
+    use_tma,
+)
 from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
 from latentserve.ops.kernels.rotary import _rope_halves
 
@@ -204,15 +209,11 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     q = torch.empty(t, n_heads, d, dtype=x.dtype, device=x.device)
     if t == 0:
         return q
-    precision = None  # half-precision weights: the default (ignored)
-    if weight.dtype == torch.float32:
-        precision = "tf32x3" if x.is_cuda else "ieee"
     half = d // 2
     block_half = max(16, triton.next_power_of_2(half))
     block_k = block_k if weight.element_size() == 2 else min(block_k, 64)
-    # Triton's pipeline buffers num_stages x and w tiles; stay under ~200 KiB
     stage = (block_m * block_k + 2 * block_k * block_half) * weight.element_size()
-    num_stages = max(1, min(num_stages, 200 * 1024 // stage))
+    num_stages = fit_stages(num_stages, stage)
     xd, wd = x, weight
     if use_tma(x, weight) if tma is None else tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -225,8 +226,8 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         t, hidden, n_heads, n_kv,
         x.stride(0), weight.stride(0), q.stride(0), q.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HAS_BIAS=bias is not None, HEAD_DIM=d, HALF=half,
-        BLOCK_HALF=block_half, BLOCK_M=block_m, BLOCK_K=block_k, PRECISION=precision,
-        TMA=xd is not x, num_warps=4, num_stages=num_stages, **pdl_launch(x.device),
+        HAS_BIAS=bias is not None, HEAD_DIM=d, HALF=half, BLOCK_HALF=block_half,
+        BLOCK_M=block_m, BLOCK_K=block_k, PRECISION=dot_precision(weight), TMA=xd is not x,
+        num_warps=4, num_stages=num_stages, **pdl_launch(x.device),
     )
     return q
