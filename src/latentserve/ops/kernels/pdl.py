@@ -48,6 +48,39 @@ def pdl_wait(PDL: tl.constexpr):
         gdc_wait()
 
 
+@triton.jit
+def prefetch_l2(ptrs, PDL: tl.constexpr):
+    """With ``PDL``, ask L2 for the 128-byte line holding each address of ``ptrs`` (any
+    shape; every address must lie inside an allocation: clamp indices, do not mask), and
+    return at once; without, nothing. A kernel calls it before ``pdl_wait`` on data the
+    previous kernel does not write (its weights), so their read from HBM overlaps the
+    previous kernel's tail instead of following it. PTX ``prefetch.global.L2``: a hint
+    with no effect on results."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch_lines(nbytes: int, rows: int, programs: int, line_elems: int,
+                   k_span: int) -> int:
+    """Elements of each weight row a GEMM program prefetches into L2 (``prefetch_l2``):
+    the program's share of ``nbytes`` (all programs together; 0 turns it off) over its
+    ``rows`` weight rows, as a power of 2 of whole 128-byte lines (``line_elems`` elements
+    each), at most the row's ``k_span`` elements rounded up to a power of 2; 0 when less
+    than a line fits."""
+    per_row = nbytes // max(programs * rows, 1) // (128 // line_elems)  # elements
+    if per_row < line_elems:
+        return 0
+    return min(1 << (per_row.bit_length() - 1), triton.next_power_of_2(max(k_span, 1)))
+
+
+def prefetch_budget() -> int:
+    """Bytes of weights the q/k/v kernel (``qkv_rope``) may prefetch into L2 across all its
+    programs before it waits for the previous kernel (``LATENTSERVE_DECODE_PREFETCH_MB``,
+    default 16: the whole 3 MiB of a Llama-1B layer's q/k/v weight; 0 turns it off)."""
+    return int(float(os.environ.get("LATENTSERVE_DECODE_PREFETCH_MB", "16")) * (1 << 20))
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """True when kernels on ``device`` should launch with PDL: a CUDA device of compute
     capability 9.0 or newer, not the Triton interpreter, and ``LATENTSERVE_PDL`` not "0"."""

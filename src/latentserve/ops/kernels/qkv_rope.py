@@ -21,6 +21,13 @@ split, no partial sums, no reduce kernel. A q head is written, rotated, to a new
 tensor; a k head is rotated and written at each row's slot of the layer's K pool, a v head
 written at that slot of the V pool (cast to the pool dtype).
 
+Before its PDL wait, each program asks L2 for its head's weight rows (``pdl.prefetch_l2``,
+``pdl.prefetch_budget``): the kernel runs after an RMSNorm that leaves HBM idle, and its 48
+programs cannot pull 3 MiB fast on their own. On the H200 it took 11 us off a batch-64
+Llama-1B step (16 layers); the same prefetch in ``decode_linear`` (o, gate/up, down, LM
+head) and of decode attention's first K/V tile changed nothing measurable, so they do not
+prefetch (docs/benchmarks.md, session 8).
+
 Rounding is the unfused path's: the GEMM result (bias added in fp32) is rounded to x's dtype,
 then rotated with ``rotary._rope_halves`` (each product rounded to the activation dtype).
 Rotate-half convention only (Llama family, Ouro); Huginn's interleaved pairs keep
@@ -39,7 +46,13 @@ from latentserve.ops.kernels.decode_linear import (
     tma_compatible,
     use_tma,
 )
-from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
+from latentserve.ops.kernels.pdl import (
+    pdl_launch,
+    pdl_wait,
+    prefetch_budget,
+    prefetch_l2,
+    prefetch_lines,
+)
 from latentserve.ops.kernels.rotary import _rope_halves
 
 
@@ -67,6 +80,7 @@ def _qkv_rope_kernel(
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
+    PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):
     # XD, WD: TMA descriptors of x and the weight when TMA (tiles past an edge read as
     # zeros; columns past HALF are computed and not stored), else unused.
@@ -78,6 +92,11 @@ def _qkv_rope_kernel(
     m_ok = offs_m < M
     d_ok = offs_d < HALF
     col1 = head * HEAD_DIM + offs_d  # output columns (weight rows) of the first half
+    if PREFETCH_K > 0:  # the head's weight rows into L2 while the previous kernel ends
+        pf = (W + (head * HEAD_DIM + tl.minimum(offs_d, HALF - 1))[:, None].to(tl.int64)
+              * stride_wn + tl.minimum(tl.arange(0, PREFETCH_K // LINE) * LINE, K - 1)[None, :])
+        prefetch_l2(pf, PDL)
+        prefetch_l2(pf + HALF * stride_wn, PDL)
     pdl_wait(PDL)
     x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
     w1 = W + col1[None, :].to(tl.int64) * stride_wn
@@ -220,7 +239,12 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
         xd = TensorDescriptor.from_tensor(x, [block_m, block_k])
         wd = TensorDescriptor.from_tensor(weight, [block_half, block_k])
-    _qkv_rope_kernel[(triton.cdiv(t, block_m), n_heads + 2 * n_kv)](
+    grid = (triton.cdiv(t, block_m), n_heads + 2 * n_kv)
+    launch = pdl_launch(x.device)
+    line = 128 // weight.element_size()
+    prefetch = prefetch_lines(prefetch_budget(), 2 * block_half, grid[0] * grid[1], line,
+                              hidden) if launch["PDL"] else 0
+    _qkv_rope_kernel[grid](
         x, weight, xd, wd, bias if bias is not None else weight, q, cos, sin, k_cache,
         v_cache, slots,
         t, hidden, n_heads, n_kv,
@@ -228,6 +252,6 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HAS_BIAS=bias is not None, HEAD_DIM=d, HALF=half, BLOCK_HALF=block_half,
         BLOCK_M=block_m, BLOCK_K=block_k, PRECISION=dot_precision(weight), TMA=xd is not x,
-        num_warps=4, num_stages=num_stages, **pdl_launch(x.device),
+        PREFETCH_K=prefetch, LINE=line, num_warps=4, num_stages=num_stages, **launch,
     )
     return q
