@@ -38,7 +38,8 @@ def sample(logits: torch.Tensor, reqs: list[Req], generator: torch.Generator | N
 
 
 def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
-                         generator: torch.Generator | None = None) -> SamplerOutput:
+                         generator: torch.Generator | None = None,
+                         greedy: torch.Tensor | None = None) -> SamplerOutput:
     """Pick one token per row and compute the requested log-probabilities.
 
     Args:
@@ -47,6 +48,9 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
             penalties; ``answer_ids`` where the request has them, so latent placeholders
             and transition tokens are not penalized) and, for seeded ones, ``generator``.
         generator: for unseeded sampled rows; None uses torch's global RNG.
+        greedy: ``[B] int64`` the argmax of ``logits``' rows when the caller has it (a
+            decode graph's ``ModelRunner.last_greedy``); used unless a row has penalties,
+            and never written.
     Returns:
         ``SamplerOutput`` with tokens on ``logits.device``. Greedy rows without penalties
         take the plain ``argmax`` of the raw logits (no copy, no softmax).
@@ -57,9 +61,11 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
         rows = torch.tensor(penalized, device=logits.device)
         logits = logits.clone()
         logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized])
-    out = greedy_tokens(logits)
+    out = greedy if greedy is not None and not penalized else greedy_tokens(logits)
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
     if sampled:
+        if out is greedy:  # a static graph buffer: the sampled rows go into a copy
+            out = out.clone()
         rows = torch.tensor(sampled, device=logits.device)
         probs = _filtered_probs(logits[rows], [reqs[b].params for b in sampled])
         for j, b in enumerate(sampled):

@@ -70,7 +70,8 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
 def _engine_run(engine, prompts, output_len):
     """One batch through the engine: output tokens/s, wall time, the mean host time of its
     pure-decode steps (the whole engine step) and the mean device time of the decode graph
-    replays in them (CUDA events around ``CudaGraphRunner.replay``: input copies + graph)."""
+    replays in them (CUDA events around ``CudaGraphRunner.replay`` / ``replay_packed``:
+    the inputs' unpacking or copies, and the graph)."""
     import torch
 
     from latentserve.sampling_params import SamplingParams
@@ -79,17 +80,19 @@ def _engine_run(engine, prompts, output_len):
     for i, p in enumerate(prompts):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", p, sp)
     graphs, events = engine.runner.graphs, []
-    replay = graphs.replay
 
-    def timed_replay(*args, **kwargs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = replay(*args, **kwargs)
-        end.record()
-        events.append((start, end))
-        return out
+    def timed(replay):
+        def timed_replay(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = replay(*args, **kwargs)
+            end.record()
+            events.append((start, end))
+            return out
+        return timed_replay
 
-    graphs.replay = timed_replay
+    graphs.replay, graphs.replay_packed = timed(graphs.replay), timed(graphs.replay_packed)
     decode_times, n_out, compiles = [], 0, []
     knobs = _triton_knobs()
     if knobs is not None:  # Triton compiles inside the timed run would count as serving time
@@ -106,7 +109,7 @@ def _engine_run(engine, prompts, output_len):
                 decode_times.append(time.perf_counter() - s)
             n_out += sum(len(o.new_token_ids) for o in outs)
     finally:
-        del graphs.replay  # back to the class method
+        del graphs.replay, graphs.replay_packed  # back to the class methods
         if knobs is not None:
             knobs.runtime.jit_post_compile_hook = None
     wall = time.perf_counter() - t0

@@ -61,7 +61,9 @@ class CudaGraphRunner:
     is then not read; ``rec`` the ``RecurrentBatch`` of a recurrent model, whose depths and
     readout go to static buffers) with B <= max_bs and returns
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
-    the next replay. A closed-loop compression head (``model.latent_head``) runs in a second,
+    the next replay; ``greedy`` is then their row-wise argmax ``[B] int64`` (a view too)
+    when the model has ``compute_logits_and_greedy`` (else None). ``replay_packed`` is
+    ``replay`` from the batch's packed index vectors (non-recurrent models). A closed-loop compression head (``model.latent_head``) runs in a second,
     small graph per bucket (the *latent graph*) on the captured anchors, replayed by
     ``latent_outputs()`` only for a step that has rows in their latent phase, so plain decode
     steps of a head model cost what the bare backbone's do; it returns ``(latent_input [n,
@@ -81,6 +83,7 @@ class CudaGraphRunner:
         self.buckets = graph_buckets(max_bs)
         n = self.buckets[-1]
         self.dummy_row = table.dummy_row
+        self.table = table.table
         self.ids = torch.zeros(n, dtype=torch.int64, device=dev)
         self.pos = torch.zeros(n, dtype=torch.int64, device=dev)
         self.rows = torch.full((n,), table.dummy_row, dtype=torch.int64, device=dev)
@@ -101,6 +104,7 @@ class CudaGraphRunner:
                                      and feedback is not None
                                      and not isinstance(feedback, torch.nn.Identity)) else None
         self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay
+        self.greedy = None  # the last replay's greedy tokens, when the model returns them
         self.num_latent_replays = 0
         self.recurrent = spec is not None and spec.kind == "recurrent"
         self.depths = torch.zeros(n, dtype=torch.int64, device=dev)  # padded rows: depth 0
@@ -172,7 +176,11 @@ class CudaGraphRunner:
             hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
         else:
             hidden = model(self.ids[:b], self.pos[:b])
-        return model.compute_logits(hidden), hidden
+        both = getattr(model, "compute_logits_and_greedy", None)
+        if both is None:
+            return model.compute_logits(hidden), hidden, None
+        logits, greedy = both(hidden)
+        return logits, hidden, greedy
 
     def latent_outputs(self):
         """The latent graph's outputs for the ``n`` rows of the last replay (see the class
@@ -221,6 +229,31 @@ class CudaGraphRunner:
         self.rows[:n].copy_(rows)
         self.kv_lens[:n].copy_(kv_lens)
         self.out_slots[:n].copy_(out_slots)
+        if b > n:  # padded rows: dummy page-table row, one key, write to the dummy slot 0
+            self.rows[n:b].fill_(self.dummy_row)
+            self.kv_lens[n:b].fill_(1)
+            self.out_slots[n:b].zero_()
+        return self._launch(depth, b, n, embeds, mask, mask_all)
+
+    def replay_packed(self, packed, n: int, num_pending: int = 0, pending=None, embeds=None,
+                      mask=None, mask_all: bool = False):
+        """``replay`` for a model that is not recurrent, from the batch's packed index
+        vectors (``ModelRunner.run``'s one host-to-device copy; layout in
+        ``ops.kernels.decode_inputs``), unpacked into the static buffers by one kernel that
+        also substitutes the ``num_pending`` ids still being sampled (``pending``, the
+        previous step's tokens) and looks up each token's KV slot in the page table.
+        Raises RuntimeError for a recurrent model."""
+        from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
+
+        if self.recurrent:
+            raise RuntimeError("replay_packed does not set a recurrent model's depths")
+        b = next(x for x in self.buckets if x >= n)
+        unpack_decode_inputs(packed, n, b, num_pending, pending, self.table, self.dummy_row,
+                             self.ids, self.pos, self.rows, self.kv_lens, self.out_slots)
+        return self._launch(0, b, n, embeds, mask, mask_all)
+
+    def _launch(self, depth, b, n, embeds, mask, mask_all):
+        # The latent inputs (see the class docstring), then the graph of (depth, bucket b).
         if embeds is None:
             if self._mask_hi:  # NOTE: plain steps skip the clear while the mask is all-False
                 self.mask[: self._mask_hi].zero_()
@@ -238,11 +271,8 @@ class CudaGraphRunner:
             if self._mask_hi > n:  # a larger batch's mask entries past this one
                 self.mask[n : self._mask_hi].zero_()
             self._mask_hi = n
-        if b > n:  # padded rows: dummy page-table row, one key, write to the dummy slot 0
-            self.rows[n:b].fill_(self.dummy_row)
-            self.kv_lens[n:b].fill_(1)
-            self.out_slots[n:b].zero_()
         self.graphs[depth, b].replay()
         self._last, self._latent_ran = (b, n), False
-        logits, hidden = self.outputs[depth, b]
+        logits, hidden, greedy = self.outputs[depth, b]
+        self.greedy = None if greedy is None else greedy[:n]
         return logits[:n], hidden[:n]

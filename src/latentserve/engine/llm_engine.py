@@ -307,7 +307,9 @@ class LLMEngine:
             if self.runner.replayed and self._latent_graph and any(
                     map(self._thinking, sampling_reqs)):
                 self.runner.latent_outputs()  # queued now, it runs while the host samples
-            tokens, logprobs = self._sample(logits, sampling_reqs)
+            # the graph's greedy tokens are the argmax of these logits unless ids were masked
+            greedy = self.runner.last_greedy if self.latent_spec is None else None
+            tokens, logprobs = self._sample(logits, sampling_reqs, greedy)
             latents = self._latent_inputs(sampling_reqs, logits, last_hidden)
             outs = self.scheduler.postprocess(batch, tokens, latents)
             by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}
@@ -334,15 +336,16 @@ class LLMEngine:
                 self._rids.discard(o.rid)
         return outs
 
-    def _sample(self, logits, reqs) -> tuple[list[int], list]:
-        """Tokens and logprobs for the sampling rows, batched; row by row when that fails
-        (a row that still fails gets placeholder token 0 and its rid in ``_failed``)."""
+    def _sample(self, logits, reqs, greedy=None) -> tuple[list[int], list]:
+        """Tokens and logprobs for the sampling rows, batched (``greedy``: the argmax of the
+        logits' rows, when known); row by row when that fails (a row that still fails gets
+        placeholder token 0 and its rid in ``_failed``)."""
         from latentserve.sampling import sample_with_logprobs
 
         if not reqs:
             return [], []
         try:
-            res = sample_with_logprobs(logits, reqs)
+            res = sample_with_logprobs(logits, reqs, greedy=greedy)
             return res.tokens.tolist(), res.logprobs
         except Exception:  # noqa: BLE001 - find the failing rows below
             log.exception("batched sampling failed; sampling %d rows one by one", len(reqs))

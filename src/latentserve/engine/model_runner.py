@@ -31,7 +31,9 @@ class ModelRunner:
     ``layer`` decoder layers at each sampling row's last position (compression heads read it).
     ``last_hidden_all`` is the last forward's final-normed hidden at every position
     (``[num_tokens, hidden]``, batch order; looped blocks read it).
-    ``replayed``: whether the last run replayed a CUDA graph; its outputs (and
+    ``last_greedy``: after a replayed run whose graph returns them, the argmax ``[S]
+    int64`` of the returned logits (a view of a static buffer, valid until the next run),
+    else None. ``replayed``: whether the last run replayed a CUDA graph; its outputs (and
     ``last_hidden_all``, ``latent_outputs()``) may then be views of the graph's static
     buffers, overwritten by the next replay, so a caller that keeps them copies them first.
     For a recurrent-depth model each forward also gets a ``RecurrentBatch`` (per-row depth
@@ -41,6 +43,8 @@ class ModelRunner:
     requests with ``params.prompt_logprobs`` set whose chunk holds prompt positions
     ``start ..`` (such batches run eagerly; empty for every other batch).
     """
+
+    PACKED_INPUTS = True  # False: decode replays take their inputs through torch ops (bench)
 
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
                  device: torch.device):
@@ -57,6 +61,7 @@ class ModelRunner:
         self.num_computed_tokens = 0
         self.num_graph_steps = 0
         self.replayed = False
+        self.last_greedy = None
         self._all_true = torch.ones(0, dtype=torch.bool, device=device)
         self.prompt_hidden: list = []
         spec = getattr(model, "latent_spec", None)
@@ -145,11 +150,22 @@ class ModelRunner:
                                         + kv_lens + mask_l + src_rows + sub_dst + sub_src),
                                   dtype=torch.int64).to(dev, non_blocking=True)
         input_ids, positions = packed[:t], packed[t : 2 * t]
-        if sub_dst:  # the previous step's tokens, still on the device
-            k = len(sub_dst)
-            input_ids[packed[-2 * k : -k]] = pending[0][packed[-k:]]
         rows, kv_dev = packed[3 * t : 3 * t + b], packed[3 * t + b : 3 * t + 2 * b]
-        out_slots = self.table.table[packed[2 * t : 3 * t], positions]  # table[row, position]
+        decode = t == b
+        # Rows of requests that asked for prompt logprobs and compute prompt tokens now.
+        prompt_rows = [b for b, (r, st) in enumerate(zip(batch.reqs, batch.starts))
+                       if r.params.prompt_logprobs is not None and st < len(r.prompt_ids)]
+        # A plain decode batch that fits a graph: one kernel unpacks the inputs into the
+        # graph's buffers (ops.kernels.decode_inputs), so nothing below touches them.
+        packed_replay = (self.PACKED_INPUTS and self.graphs is not None and decode
+                         and not prompt_rows and t <= self.graphs.max_bs
+                         and not self.recurrent)
+        out_slots = None
+        if not packed_replay:
+            if sub_dst:  # the previous step's tokens, still on the device
+                k = len(sub_dst)
+                input_ids[packed[-2 * k : -k]] = pending[0][packed[-k:]]
+            out_slots = self.table.table[packed[2 * t : 3 * t], positions]  # table[row, pos]
         input_embeds = latent_mask = None
         if inj_rows:
             if mask_l:
@@ -168,33 +184,38 @@ class ModelRunner:
         layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
         rec = RecurrentBatch.from_batch(batch, layout, self.table.table) if self.recurrent \
             else None
-        decode = len(ids) == len(batch.reqs)
-        # Rows of requests that asked for prompt logprobs and compute prompt tokens now.
-        prompt_rows = [b for b, (r, st) in enumerate(zip(batch.reqs, batch.starts))
-                       if r.params.prompt_logprobs is not None and st < len(r.prompt_ids)]
         self.prompt_hidden = []
-        if (self.graphs is not None and decode and not prompt_rows
-                and len(ids) <= self.graphs.max_bs
-                and (rec is None or self.graphs.can_replay(rec))):
+        mask_all = bool(inj_rows) and not mask_l
+        if packed_replay or (self.graphs is not None and decode and not prompt_rows
+                             and len(ids) <= self.graphs.max_bs
+                             and (rec is None or self.graphs.can_replay(rec))):
             self.num_graph_steps += 1
             self.replayed = True
-            logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_dev, out_slots,
-                                                input_embeds, latent_mask, rec,
-                                                mask_all=bool(inj_rows) and not mask_l)
+            if packed_replay:
+                logits, hidden = self.graphs.replay_packed(
+                    packed, t, len(sub_dst), pending[0] if sub_dst else None, input_embeds,
+                    latent_mask, mask_all=mask_all)
+            else:
+                logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_dev,
+                                                    out_slots, input_embeds, latent_mask, rec,
+                                                    mask_all=mask_all)
             if rec is not None:
                 rec.iters_used = list(rec.row_depths)
                 rec.record(batch)
             captured = self.graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             self.last_hidden_all = hidden  # one token per row: every position of the batch
+            self.last_greedy = self.graphs.greedy
             keep = [i for i, s in enumerate(batch.sample) if s]
             self._keep = None
             if len(keep) < len(ids):  # a 1-token prefill chunk that does not end its prompt
                 self._keep = idx = torch.tensor(keep, dtype=torch.long, device=dev)
                 logits, hidden = logits[idx], hidden[idx]
                 captured = None if captured is None else captured[idx]
+                self.last_greedy = None if self.last_greedy is None else self.last_greedy[idx]
             self.last_captured = captured
             return logits, hidden
         self.replayed = False
+        self.last_greedy = None
         meta = self.backend.prepare(layout, self.table.table)
         capture_buf = None
         if self.capture_layer >= 0:

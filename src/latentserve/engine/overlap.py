@@ -129,7 +129,7 @@ def _sample(engine, logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, dic
     if not reqs:
         return torch.empty(0, dtype=torch.int64, device=logits.device), {}
     try:
-        return sample_with_logprobs(logits, reqs).tokens, {}
+        return sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy).tokens, {}
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
         tokens, _ = engine._sample(logits, reqs)
         failed = {r.rid: engine._failed.pop(r.rid) for r in reqs if r.rid in engine._failed}

@@ -171,7 +171,13 @@ class LlamaForCausalLM(nn.Module):
             self.model.rotary_emb.build_table(max_positions, dtype)
 
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
-        x = inject(self.embed(input_ids), input_embeds, latent_mask)
+        emb = self.model.embed_tokens
+        if self.model.norm.fused and type(emb) is nn.Embedding:  # not a tensor-parallel shard
+            from latentserve.ops.kernels.embed_inject import embed_inject
+
+            x = embed_inject(emb.weight, input_ids, input_embeds, latent_mask)
+        else:
+            x = inject(self.embed(input_ids), input_embeds, latent_mask)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # once, for every layer
         ctx, residual = get_context(), None
         for i, layer in enumerate(self.model.layers):
@@ -188,6 +194,21 @@ class LlamaForCausalLM(nn.Module):
             return decode_linear(hidden, self.lm_head.weight, self.lm_head.bias,
                                  out_dtype=torch.float32)
         return self.lm_head(hidden).float()
+
+    def compute_logits_and_greedy(self, hidden: torch.Tensor):
+        """``(compute_logits(hidden), its row-wise argmax [B] int64)``: the greedy tokens a
+        decode graph returns beside its logits. On the decode fast path the LM head finds
+        them in its epilogue (``decode_linear(argmax=True)``), so the logits are not read
+        again; elsewhere (a tensor-parallel head included) ``sampling.greedy_tokens``."""
+        if decode_gemms(self.model.norm.fused, hidden, self.lm_head):
+            from latentserve.ops.kernels import decode_linear
+
+            return decode_linear(hidden, self.lm_head.weight, self.lm_head.bias,
+                                 out_dtype=torch.float32, argmax=True)
+        from latentserve.sampling import greedy_tokens
+
+        logits = self.compute_logits(hidden)
+        return logits, greedy_tokens(logits)
 
     def load_weights(self, weights) -> None:
         """Load ``(name, tensor)`` pairs with Hugging Face names (``rotary_emb.inv_freq``

@@ -1,0 +1,99 @@
+"""A decode step's inputs, unpacked into the CUDA graph's static buffers in one launch.
+
+``ModelRunner.run`` sends every index vector of a batch to the device in one packed int64
+copy. Before a graph replay the torch path then spent about ten device operations on them:
+an index kernel for the pending ids of overlap scheduling (ids the previous step is still
+sampling, read from its token tensor), a gather of each token's KV slot from the page table,
+five copies into the static buffers and the fills of the padded rows. On the H200 that was
+about 11 us of device time and 30-60 us of host time per batch-64 step (docs/benchmarks.md,
+issue 3). Here one kernel does all of it; ``program_id(0)`` covers ``BLOCK_R`` rows.
+
+Packed layout (all int64), for ``n`` decode rows (one token each) and ``k`` pending ids::
+
+    ids [n] | positions [n] | page-table row of each token [n] | rows [n] | kv_lens [n]
+    | ... | dst [k] | src [k]
+
+``dst``/``src`` (the packed tail): token ``dst[j]`` takes ``pending[src[j]]`` as its id.
+Rows ``n .. b-1`` of the bucket are padding: page-table row ``dummy_row``, one key, slot 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_inputs_kernel(
+    Packed, Pending, Table, Ids, Pos, Rows, KvLens, OutSlots,
+    n, b, k, off_dst, stride_table, dummy_row,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    real = r < n
+    pad = (r >= n) & (r < b)
+    ids = tl.load(Packed + r, mask=real, other=0)
+    pos = tl.load(Packed + n + r, mask=real, other=0)
+    row_tok = tl.load(Packed + 2 * n + r, mask=real, other=0)
+    rows = tl.load(Packed + 3 * n + r, mask=real, other=dummy_row)
+    kv = tl.load(Packed + 4 * n + r, mask=real, other=1)
+    src = tl.full([BLOCK_R], -1, dtype=tl.int64)
+    for k0 in range(0, k, BLOCK_K):  # the pending id each row takes, if any
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k
+        dst = tl.load(Packed + off_dst + kk, mask=k_ok, other=-1)
+        s = tl.load(Packed + off_dst + k + kk, mask=k_ok, other=-1)
+        hit = dst[None, :] == r[:, None]
+        src = tl.maximum(src, tl.max(tl.where(hit, s[None, :], -1), 1))
+    taken = real & (src >= 0)
+    ids = tl.where(taken, tl.load(Pending + tl.maximum(src, 0), mask=taken, other=0), ids)
+    slot = tl.load(Table + row_tok * stride_table + pos, mask=real, other=0)
+    tl.store(Ids + r, ids, mask=real)
+    tl.store(Pos + r, pos, mask=real)
+    live = real | pad
+    tl.store(Rows + r, rows, mask=live)
+    tl.store(KvLens + r, kv.to(tl.int32), mask=live)
+    tl.store(OutSlots + r, slot, mask=live)
+
+
+def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
+                         pending: torch.Tensor | None, table: torch.Tensor, dummy_row: int,
+                         ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
+                         kv_lens: torch.Tensor, out_slots: torch.Tensor) -> None:
+    """Write a decode batch's inputs from its packed copy into static buffers.
+
+    Args:
+        packed: ``[L] int64`` on the device, laid out as the module docstring says (its last
+            ``2 * num_pending`` entries are the pending ``dst`` and ``src``).
+        n: decode rows (tokens) in the batch; b: the graph bucket (``n <= b``).
+        num_pending: pending ids to substitute; pending: ``[S] int64`` the previous step's
+            sampled tokens (None when ``num_pending`` is 0).
+        table: ``[max_reqs, max_model_len] int64`` page table (last dim contiguous);
+            dummy_row: its row for padded rows.
+        ids, pos, out_slots: ``[>= b] int64``; rows: ``[>= b] int64``; kv_lens:
+            ``[>= b] int32``; contiguous. Rows ``< n`` get the batch's values (ids with the
+            pending ones substituted, each token's slot ``table[row, pos]``); rows ``n..b-1``
+            get ``dummy_row``, one key and slot 0 (their ids and positions are left as
+            they are).
+    Raises:
+        ValueError: ``n > b``, a buffer shorter than ``b``, or ``packed`` shorter than
+            ``5 * n + 2 * num_pending``.
+    """
+    if not 0 <= n <= b:
+        raise ValueError(f"n must be in [0, b={b}], got {n}")
+    for name, buf in (("ids", ids), ("pos", pos), ("rows", rows), ("kv_lens", kv_lens),
+                      ("out_slots", out_slots)):
+        if buf.shape[0] < b or buf.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous with >= {b} entries, got "
+                             f"{tuple(buf.shape)}")
+    if packed.shape[0] < 5 * n + 2 * num_pending:
+        raise ValueError(f"packed holds {packed.shape[0]} entries, needs "
+                         f">= {5 * n + 2 * num_pending}")
+    if b == 0:
+        return
+    block_r = min(64, triton.next_power_of_2(b))
+    _decode_inputs_kernel[(triton.cdiv(b, block_r),)](
+        packed, pending if num_pending else packed, table, ids, pos, rows, kv_lens,
+        out_slots, n, b, num_pending, packed.shape[0] - 2 * num_pending, table.stride(0),
+        dummy_row, BLOCK_R=block_r, BLOCK_K=64, num_warps=4)

@@ -1,0 +1,78 @@
+"""``ops.kernels.decode_inputs``: a decode batch's packed index vectors unpacked into static
+buffers in one launch equal what the torch ops of ``ModelRunner.run`` and
+``CudaGraphRunner.replay`` produce (pending ids substituted, each token's slot from the page
+table, padded rows set to the dummy row), run under the Triton interpreter on CPU."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or the kernels
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+
+from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
+from latentserve.testing.triton_interpreter import patch_triton_interpreter
+
+patch_triton_interpreter()
+
+
+def _batch(n, num_pending, extra, seed):
+    """A packed decode batch: ids | positions | page-table row per token | rows | kv_lens |
+    ``extra`` latent entries | dst | src, the page table, and the previous step's tokens."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(1, 10_000, (80, 300), generator=g)
+    rows = torch.randperm(79, generator=g)[:n]  # row 79 is the dummy row
+    pos = torch.randint(0, 300, (n,), generator=g)
+    ids = torch.randint(0, 1000, (n,), generator=g)
+    dst = torch.randperm(n, generator=g)[:num_pending]
+    ids[dst] = -1
+    pending = torch.randint(0, 1000, (num_pending + 5,), generator=g)
+    src = torch.randperm(num_pending + 5, generator=g)[:num_pending]
+    packed = torch.cat([ids, pos, rows, rows, pos + 1, torch.full((extra,), 7), dst, src])
+    return packed, table, pending, ids, pos, rows, dst, src
+
+
+@pytest.mark.parametrize("n,b,num_pending,extra", [
+    (64, 64, 64, 0), (5, 8, 3, 0), (5, 8, 0, 0), (70, 80, 70, 70), (1, 1, 1, 0), (0, 4, 0, 0)])
+def test_unpack_equals_the_torch_ops(n, b, num_pending, extra):
+    packed, table, pending, ids, pos, rows, dst, src = _batch(n, num_pending, extra, n + b)
+    want_ids = ids.clone()
+    want_ids[dst] = pending[src]
+    want_slots = table[rows, pos]
+    bufs = [torch.full((96,), -5, dtype=torch.int64) for _ in range(4)]
+    kv_lens = torch.full((96,), -5, dtype=torch.int32)
+    out_ids, out_pos, out_rows, out_slots = bufs
+    unpack_decode_inputs(packed, n, b, num_pending, pending if num_pending else None, table,
+                         79, out_ids, out_pos, out_rows, kv_lens, out_slots)
+    assert torch.equal(out_ids[:n], want_ids)
+    assert torch.equal(out_pos[:n], pos)
+    assert torch.equal(out_rows[:n], rows)
+    assert torch.equal(kv_lens[:n], (pos + 1).int())
+    assert torch.equal(out_slots[:n], want_slots)
+    # padded rows: dummy row, one key, slot 0; their ids and positions untouched
+    assert bool((out_rows[n:b] == 79).all()) and bool((kv_lens[n:b] == 1).all())
+    assert bool((out_slots[n:b] == 0).all())
+    assert bool((out_ids[n:] == -5).all()) and bool((out_pos[n:] == -5).all())
+    # past the bucket nothing is written
+    for buf in (out_rows, kv_lens, out_slots):
+        assert bool((buf[b:] == -5).all())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(n=9, b=8), "n must be in"),
+    (dict(n=4, b=8, short="kv_lens"), "kv_lens must be contiguous with >= 8"),
+    (dict(n=4, b=4, num_pending=9), "packed holds"),
+])
+def test_bad_arguments_name_the_field(kwargs, match):
+    n, b = kwargs["n"], kwargs["b"]
+    packed = torch.zeros(5 * n + 8, dtype=torch.int64)
+    bufs = {k: torch.zeros(16, dtype=torch.int64) for k in ("ids", "pos", "rows", "out_slots")}
+    bufs["kv_lens"] = torch.zeros(16, dtype=torch.int32)
+    if "short" in kwargs:
+        bufs[kwargs["short"]] = bufs[kwargs["short"]][:4]
+    with pytest.raises(ValueError, match=match):
+        unpack_decode_inputs(packed, n, b, kwargs.get("num_pending", 0), None,
+                             torch.zeros(4, 8, dtype=torch.int64), 3, **bufs)
