@@ -250,8 +250,8 @@ def test_fused_recurrent_fp32_equals_unfused(family, tmp_path):
 
 def test_qkv_weight_prefetch_changes_no_bit(monkeypatch):
     """The q/k/v kernel's weight prefetch before the PDL wait (``pdl.prefetch_l2``) is a
-    hint: q and the K/V pool rows are bitwise the same with the default budget and with it
-    off (0 MiB), at the Llama-1B shape, 64 rows, bf16."""
+    hint: q and the K/V pool rows are bitwise the same with the default budget, with the
+    whole weight prefetched and with none (0 MiB), at the Llama-1B shape, 64 rows, bf16."""
     from latentserve.ops.kernels.qkv_rope import qkv_rope_store_kv
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -261,11 +261,12 @@ def test_qkv_weight_prefetch_changes_no_bit(monkeypatch):
     cos, sin = torch.rand(64, 64, device=dev), torch.rand(64, 64, device=dev)
     slots = torch.randperm(64 * 384, device=dev)[:64] + 1
     outs = {}
-    for budget in ("16", "0"):
+    for budget in ("3", "16", "0"):  # the default, the whole weight, none
         monkeypatch.setenv("LATENTSERVE_DECODE_PREFETCH_MB", budget)
         k_cache = torch.zeros(64 * 384 + 1, 8, 64, device=dev, dtype=dt)
         v_cache = torch.zeros_like(k_cache)
         q = qkv_rope_store_kv(x, weight, None, cos, sin, k_cache, v_cache, slots, 32, 8)
         outs[budget] = (q, k_cache[slots], v_cache[slots])
-    for name, a, b in zip(("q", "k", "v"), outs["16"], outs["0"]):
-        assert torch.equal(a, b), f"{name} differs with the prefetch"
+    for budget in ("3", "16"):
+        for name, a, b in zip(("q", "k", "v"), outs[budget], outs["0"]):
+            assert torch.equal(a, b), f"{name} differs with a {budget} MiB prefetch"

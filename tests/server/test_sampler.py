@@ -39,6 +39,24 @@ def test_penalties_change_a_greedy_pick_and_leave_the_input_alone():
     assert logits.tolist() == [[1.0, 0.75, 0.0], [1.0, 0.75, 0.0]]
 
 
+def test_precomputed_greedy_tokens_are_used_and_never_written():
+    """``greedy`` (a decode graph's argmax of the same logits) is what greedy rows take; a
+    sampled row goes into a copy, so the caller's tensor (a static graph buffer) keeps its
+    values; a penalized batch recomputes from the penalized logits."""
+    logits = torch.tensor([[0.0, 5.0, 1.5], [0.0, 0.0, 9.0]])
+    greedy = torch.tensor([1, 2])
+    plain = _req([5], [0], temperature=0)
+    res = sample_with_logprobs(logits, [plain, plain], greedy=greedy)
+    assert res.tokens is greedy  # no copy, no argmax launched
+    seeded = _req([5], [0], temperature=1.0, seed=3)
+    res = sample_with_logprobs(logits, [plain, seeded], greedy=greedy)
+    assert res.tokens[0] == 1 and greedy.tolist() == [1, 2]
+    assert res.tokens.data_ptr() != greedy.data_ptr()
+    penalized = _req([5], [1], temperature=0, presence_penalty=2.0, frequency_penalty=2.0)
+    res = sample_with_logprobs(logits, [penalized, plain], greedy=greedy)
+    assert res.tokens.tolist() == [2, 2]  # 5 - 2 - 2 < 1.5: the penalties moved row 0
+
+
 def test_logprobs_are_raw_log_softmax_with_top_k_and_rank():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     req = _req([0], [1], temperature=0, logprobs=2, repetition_penalty=100.0)

@@ -62,7 +62,7 @@ class CudaGraphRunner:
     readout go to static buffers) with B <= max_bs and returns
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
     the next replay; ``greedy`` is then their row-wise argmax ``[B] int64`` (a view too)
-    when the model has ``compute_logits_and_greedy`` (else None). ``replay_packed`` is
+    for a model without a ``LatentSpec`` (else None). ``replay_packed`` is
     ``replay`` from the batch's packed index vectors (non-recurrent models). A closed-loop compression head (``model.latent_head``) runs in a second,
     small graph per bucket (the *latent graph*) on the captured anchors, replayed by
     ``latent_outputs()`` only for a step that has rows in their latent phase, so plain decode
@@ -73,6 +73,8 @@ class CudaGraphRunner:
     (model dtype). Both are views of static buffers, valid until the next replay.
     ``num_latent_replays`` counts the latent-graph replays.
     """
+
+    GREEDY = True  # False: no argmax in the graphs, the sampler launches it (bench)
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
@@ -104,7 +106,11 @@ class CudaGraphRunner:
                                      and feedback is not None
                                      and not isinstance(feedback, torch.nn.Identity)) else None
         self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay
-        self.greedy = None  # the last replay's greedy tokens, when the model returns them
+        # A plain model's graph also returns the logits' argmax (the greedy tokens), which
+        # the sampler takes instead of launching the argmax after the replay; a latent
+        # model's engine masks ids in the logits first, so its graph does not.
+        self.with_greedy = spec is None and self.GREEDY
+        self.greedy = None  # the last replay's greedy tokens (with_greedy)
         self.num_latent_replays = 0
         self.recurrent = spec is not None and spec.kind == "recurrent"
         self.depths = torch.zeros(n, dtype=torch.int64, device=dev)  # padded rows: depth 0
@@ -176,11 +182,12 @@ class CudaGraphRunner:
             hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
         else:
             hidden = model(self.ids[:b], self.pos[:b])
-        both = getattr(model, "compute_logits_and_greedy", None)
-        if both is None:
-            return model.compute_logits(hidden), hidden, None
-        logits, greedy = both(hidden)
-        return logits, hidden, greedy
+        logits = model.compute_logits(hidden)
+        if not self.with_greedy:
+            return logits, hidden, None
+        from latentserve.sampling import greedy_tokens
+
+        return logits, hidden, greedy_tokens(logits)  # in the graph: no launches per step
 
     def latent_outputs(self):
         """The latent graph's outputs for the ``n`` rows of the last replay (see the class

@@ -195,21 +195,6 @@ class LlamaForCausalLM(nn.Module):
                                  out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
-    def compute_logits_and_greedy(self, hidden: torch.Tensor):
-        """``(compute_logits(hidden), its row-wise argmax [B] int64)``: the greedy tokens a
-        decode graph returns beside its logits. On the decode fast path the LM head finds
-        them in its epilogue (``decode_linear(argmax=True)``), so the logits are not read
-        again; elsewhere (a tensor-parallel head included) ``sampling.greedy_tokens``."""
-        if decode_gemms(self.model.norm.fused, hidden, self.lm_head):
-            from latentserve.ops.kernels import decode_linear
-
-            return decode_linear(hidden, self.lm_head.weight, self.lm_head.bias,
-                                 out_dtype=torch.float32, argmax=True)
-        from latentserve.sampling import greedy_tokens
-
-        logits = self.compute_logits(hidden)
-        return logits, greedy_tokens(logits)
-
     def load_weights(self, weights) -> None:
         """Load ``(name, tensor)`` pairs with Hugging Face names (``rotary_emb.inv_freq``
         buffers skipped). Raises KeyError on an unexpected name and ValueError when a

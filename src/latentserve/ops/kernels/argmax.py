@@ -15,19 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
-from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
-
 
 @triton.jit
-def first_max(vals, idx, n, AXIS: tl.constexpr = 0):
-    """(value, index) of the first maximum of ``vals`` along ``AXIS`` among the entries
-    with ``idx < n`` (the others must hold -inf and an index >= n), as ``torch.argmax``
-    orders them: NaN beats every number and the first NaN wins. Shared with
-    ``decode_linear``'s LM-head epilogue."""
+def _first_max(vals, idx, n):
+    # (value, index) of the first maximum of `vals` among the entries with idx < n (others
+    # must hold -inf and an index >= n); NaN beats every number, the first NaN wins.
     nan = vals != vals  # noqa: PLR0124 - true exactly for NaN
-    first_nan = tl.min(tl.where(nan, idx, n), AXIS)
-    best = tl.max(tl.where(nan, -float("inf"), vals), AXIS)
-    first_best = tl.min(tl.where(vals == tl.expand_dims(best, AXIS), idx, n), AXIS)
+    first_nan = tl.min(tl.where(nan, idx, n))
+    best = tl.max(tl.where(nan, -float("inf"), vals))
+    first_best = tl.min(tl.where(vals == best, idx, n))
     has_nan = first_nan < n
     return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first_best)
 
@@ -39,22 +35,20 @@ def _argmax_chunks_kernel(X, Vals, Idx, n_cols, n_chunks, stride_x, BLOCK: tl.co
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_cols
     x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=ok, other=-float("inf"))
-    v, i = first_max(x.to(tl.float32), tl.where(ok, offs, n_cols), n_cols)
+    v, i = _first_max(x.to(tl.float32), tl.where(ok, offs, n_cols), n_cols)
     tl.store(Vals + row * n_chunks + chunk, v)
     tl.store(Idx + row * n_chunks + chunk, i)
 
 
 @triton.jit
-def _argmax_rows_kernel(Vals, Idx, Out, n_cols, n_chunks, BLOCK_C: tl.constexpr,
-                        PDL: tl.constexpr = False):
+def _argmax_rows_kernel(Vals, Idx, Out, n_cols, n_chunks, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
-    pdl_wait(PDL)
     offs = tl.arange(0, BLOCK_C)
     ok = offs < n_chunks
     v = tl.load(Vals + row * n_chunks + offs, mask=ok, other=-float("inf"))
     i = tl.load(Idx + row * n_chunks + offs, mask=ok, other=n_cols)
     # chunks are in index order, so the first maximal chunk holds the first maximal index
-    _, best = first_max(v, tl.where(ok, i, n_cols), n_cols)
+    _, best = _first_max(v, tl.where(ok, i, n_cols), n_cols)
     tl.store(Out + row, best.to(tl.int64))
 
 
@@ -87,26 +81,6 @@ def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     idx = torch.empty(b, n_chunks, dtype=torch.int32, device=x.device)
     _argmax_chunks_kernel[(b, n_chunks)](x, vals, idx, v, n_chunks, x.stride(0), BLOCK=block,
                                          num_warps=8 if block >= 2048 else 4)
-    return argmax_of_chunks(vals, idx, v, out)
-
-
-def argmax_of_chunks(vals: torch.Tensor, idx: torch.Tensor, n_cols: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pass 2: per row, the index of the first maximal chunk's maximum.
-
-    Args:
-        vals: ``[B, C] float32`` each chunk's maximum (``first_max``), chunks in column
-            order; idx: ``[B, C] int32`` where it first occurs; both contiguous.
-        n_cols: the row length (an index no chunk holds). out: optional ``[B] int64``.
-    Returns:
-        ``[B] int64``: ``torch.argmax`` of the rows the chunks cover.
-    """
-    b, n_chunks = vals.shape
-    if out is None:
-        out = torch.empty(b, dtype=torch.int64, device=vals.device)
-    if b:
-        _argmax_rows_kernel[(b,)](vals, idx, out, n_cols, n_chunks,
-                                  BLOCK_C=max(16, triton.next_power_of_2(n_chunks)),
-                                  num_warps=1 if n_chunks <= 1024 else 4,
-                                  **pdl_launch(vals.device))
+    _argmax_rows_kernel[(b,)](vals, idx, out, v, n_chunks,
+                              BLOCK_C=max(16, triton.next_power_of_2(n_chunks)), num_warps=1)
     return out

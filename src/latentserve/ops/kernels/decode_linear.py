@@ -30,25 +30,21 @@ import torch
 import triton
 import triton.language as tl
 
-from latentserve.ops.kernels.argmax import argmax_of_chunks, argmax_rows, first_max
 from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait, sm90_or_newer
 from latentserve.ops.kernels.silu_and_mul import silu_mul
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a row tile
 def _decode_linear_kernel(
-    X, W, XD, WD, B, Y, P, AV, AI,
+    X, W, XD, WD, B, Y, P,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIALS: tl.constexpr,
     ROUND_TO_X: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ARGMAX: tl.constexpr = False,
 ):
     # XD, WD: TMA descriptors of x and the weight when TMA (tiles past an edge read as
     # zeros), else unused; X and W give the dtypes and, without TMA, the addresses.
-    # ARGMAX (no K split): AV [M, n_tiles] fp32 / AI int32 get each row's first maximum of
-    # this program's stored columns and its index (argmax.first_max), for argmax_of_chunks.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -99,14 +95,8 @@ def _decode_linear_kernel(
             acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ROUND_TO_X:
             acc = acc.to(X.dtype.element_ty)
-        y = acc.to(Y.dtype.element_ty)
-        tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], y, mask=mask)
-        if ARGMAX:
-            v, i = first_max(tl.where(n_ok[None, :], y.to(tl.float32), -float("inf")),
-                             tl.where(n_ok, offs_n, N)[None, :], N, 1)
-            n_tiles = tl.num_programs(0)
-            tl.store(AV + offs_m * n_tiles + pid_n, v, mask=m_ok)
-            tl.store(AI + offs_m * n_tiles + pid_n, i, mask=m_ok)
+        tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+                 acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -211,7 +201,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   *, swiglu: bool = False, partials: bool = False,
                   out_dtype: torch.dtype | None = None, block_n: int | None = None,
                   block_k: int | None = None, split_k: int | None = None,
-                  num_stages: int = 4, tma: bool | None = None, argmax: bool = False):
+                  num_stages: int = 4, tma: bool | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a few rows; with ``swiglu``, ``silu(gate) * up`` of the
     merged gate/up projection ``x @ weight.T + bias`` (gate: its first half of columns).
 
@@ -229,22 +219,15 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
         tma: read the tiles through TMA tensor descriptors (default: ``use_tma``, on for
             Hopper and newer). True needs 16-byte-aligned bases and row strides.
-        argmax: also return each row's ``torch.argmax`` of the result (greedy tokens of
-            LM-head logits): without a K split, every program finds its tile's row maxima
-            in its epilogue and one small kernel picks among them
-            (``argmax.argmax_of_chunks``), so the logits are not read again; with a split,
-            ``argmax.argmax_rows`` of the result. Not with ``swiglu`` or ``partials``.
     Returns:
         ``[M, N]`` (``[M, N / 2]`` with ``swiglu``) in ``out_dtype``, or ``[S, M, N]`` fp32
-        with ``partials``; new tensors. With ``argmax``, ``(result, tokens [M] int64)``.
+        with ``partials``; new tensors.
     Raises:
         ValueError: on a shape, stride or device mismatch or a bad tiling.
     """
     _check(x, weight, bias, swiglu)
     if swiglu and partials:
         raise ValueError("swiglu and partials cannot be combined")
-    if argmax and (swiglu or partials):
-        raise ValueError("argmax needs the plain result: not with swiglu or partials")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     bn, bk, sk = pick_tiling(m, n, k)
     if swiglu:  # one program computes BLOCK_N gate and BLOCK_N up columns
@@ -269,7 +252,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         y = torch.empty(m, n, dtype=out_dtype, device=x.device)
         part = torch.empty(sk, m, n, dtype=torch.float32, device=x.device) if sk > 1 else y
     if m == 0:
-        return (y, torch.empty(0, dtype=torch.int64, device=x.device)) if argmax else y
+        return y
     launch = pdl_launch(x.device)
     b = bias if bias is not None else weight
     round_to_x = out_dtype.itemsize > x.dtype.itemsize
@@ -279,23 +262,15 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
         xd = TensorDescriptor.from_tensor(x, [block_m, bk])
         wd = TensorDescriptor.from_tensor(weight, [bn, bk])
-    n_tiles = triton.cdiv(n, bn)
-    fused_argmax = argmax and sk == 1
-    av = ai = y  # unused without the fused argmax
-    if fused_argmax:
-        av = torch.empty(m, n_tiles, dtype=torch.float32, device=x.device)
-        ai = torch.empty(m, n_tiles, dtype=torch.int32, device=x.device)
-    _decode_linear_kernel[(n_tiles, triton.cdiv(m, block_m), sk)](
-        x, weight, xd, wd, b, y, part, av, ai, m, n, k, k_per, x.stride(0), weight.stride(0),
+    _decode_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, block_m), sk)](
+        x, weight, xd, wd, b, y, part, m, n, k, k_per, x.stride(0), weight.stride(0),
         y.stride(-2), HAS_BIAS=bias is not None, SWIGLU=swiglu,
         PARTIALS=partials or sk > 1, ROUND_TO_X=round_to_x, PRECISION=dot_precision(weight),
-        TMA=xd is not x, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, ARGMAX=fused_argmax,
-        num_warps=4, num_stages=num_stages, **launch)
+        TMA=xd is not x, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        num_stages=num_stages, **launch)
     if sk > 1 and not partials:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             part, b, y, x, m, n, y.stride(0), HAS_BIAS=bias is not None, SPLIT_K=sk,
             ROUND_TO_X=round_to_x, BLOCK=block, num_warps=4, **launch)
-    if not argmax:
-        return y
-    return y, argmax_of_chunks(av, ai, n) if fused_argmax else argmax_rows(y)
+    return y

@@ -21,12 +21,13 @@ split, no partial sums, no reduce kernel. A q head is written, rotated, to a new
 tensor; a k head is rotated and written at each row's slot of the layer's K pool, a v head
 written at that slot of the V pool (cast to the pool dtype).
 
-Before its PDL wait, each program asks L2 for its head's weight rows (``pdl.prefetch_l2``,
-``pdl.prefetch_budget``): the kernel runs after an RMSNorm that leaves HBM idle, and its 48
-programs cannot pull 3 MiB fast on their own. On the H200 it took 11 us off a batch-64
-Llama-1B step (16 layers); the same prefetch in ``decode_linear`` (o, gate/up, down, LM
-head) and of decode attention's first K/V tile changed nothing measurable, so they do not
-prefetch (docs/benchmarks.md, session 8).
+Before its PDL wait, each program asks L2 for the first columns of its head's weight rows
+(``pdl.prefetch_l2``, ``pdl.prefetch_budget``): the kernel runs after an RMSNorm that leaves
+HBM idle, and its 48 programs cannot pull 3 MiB fast on their own. On the H200 a quarter of
+the weight took 11 us off a batch-64 Llama-1B step (16 layers); all of it made the step
+slower. The same prefetch in ``decode_linear`` (o, gate/up, down, LM head) and of decode
+attention's first K/V tile changed nothing measurable, so they do not prefetch
+(docs/benchmarks.md, session 8).
 
 Rounding is the unfused path's: the GEMM result (bias added in fp32) is rounded to x's dtype,
 then rotated with ``rotary._rope_halves`` (each product rounded to the activation dtype).
