@@ -152,6 +152,12 @@ class CudaGraphRunner:
                 set_context(None)
             pool = graph.pool()
             self.graphs[depth, b], self.outputs[depth, b] = graph, out
+        if not self.recurrent:  # compile replay_packed's kernel now, not in the first step
+            from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
+
+            unpack_decode_inputs(torch.zeros(2, dtype=torch.int64, device=dev), 0, 1, 0, None,
+                                 self.table, self.dummy_row, self.ids, self.pos, self.rows,
+                                 self.kv_lens, self.out_slots)
         self.latent_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.latent_out: dict[int, object] = {}
         if self.head is not None or self.feedback is not None:

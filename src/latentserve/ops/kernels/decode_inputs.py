@@ -93,8 +93,9 @@ def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
                          f">= {5 * n + 2 * num_pending}")
     if b == 0:
         return
-    block_r = min(64, triton.next_power_of_2(b))
-    _decode_inputs_kernel[(triton.cdiv(b, block_r),)](
+    # NOTE: fixed block sizes, so one compile (CudaGraphRunner's, at capture) serves every
+    # batch: a compile inside serving costs a few hundred milliseconds.
+    _decode_inputs_kernel[(triton.cdiv(b, 64),)](
         packed, pending if num_pending else packed, table, ids, pos, rows, kv_lens,
         out_slots, n, b, num_pending, packed.shape[0] - 2 * num_pending, table.stride(0),
-        dummy_row, BLOCK_R=block_r, BLOCK_K=64, num_warps=4)
+        dummy_row, BLOCK_R=64, BLOCK_K=64, num_warps=4)
