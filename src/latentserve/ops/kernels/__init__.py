@@ -12,6 +12,9 @@ them in ``latentserve.ops``).
 * ``qkv_rope``: the q/k/v projection of a decode-sized batch with RoPE and the KV store in
   its epilogue (one launch for what took the GEMM and ``rotary_store_kv``).
 * ``argmax``: row-wise argmax in two passes (greedy sampling's token pick).
+* ``decode_inputs``: a decode batch's packed index vectors unpacked into a CUDA graph's
+  input buffers (pending ids substituted, KV slots looked up).
+* ``embed_inject``: the embedding lookup with latent rows swapped in.
 * ``pdl``: programmatic dependent launch, which every kernel above uses on Hopper.
 
 Each kernel rounds where the Hugging Face eager modules round (to the activation dtype
