@@ -252,10 +252,14 @@ def test_qkv_weight_prefetch_changes_no_bit(monkeypatch):
     """The q/k/v kernel's weight prefetch before the PDL wait (``pdl.prefetch_l2``) is a
     hint: q and the K/V pool rows are bitwise the same with the default budget, with the
     whole weight prefetched and with none (0 MiB), at the Llama-1B shape, 64 rows, bf16."""
+    from latentserve.ops.kernels.pdl import pdl_enabled, prefetch_budget, prefetch_lines
     from latentserve.ops.kernels.qkv_rope import qkv_rope_store_kv
 
-    g = torch.Generator(device="cuda").manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
+    monkeypatch.delenv("LATENTSERVE_DECODE_PREFETCH_MB", raising=False)
+    assert pdl_enabled(torch.device(dev)), "PDL off: the prefetch would not be compiled in"
+    assert prefetch_lines(prefetch_budget(), 64, 48, 64, 2048) > 0  # the default prefetches
+    g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(64, 2048, generator=g, device=dev).to(dt)
     weight = (torch.randn(3072, 2048, generator=g, device=dev) * 0.02).to(dt)
     cos, sin = torch.rand(64, 64, device=dev), torch.rand(64, 64, device=dev)

@@ -53,7 +53,8 @@ def test_precomputed_greedy_tokens_are_used_and_never_written():
     assert res.tokens[0] == 1 and greedy.tolist() == [1, 2]
     assert res.tokens.data_ptr() != greedy.data_ptr()
     penalized = _req([5], [1], temperature=0, presence_penalty=2.0, frequency_penalty=2.0)
-    res = sample_with_logprobs(logits, [penalized, plain], greedy=greedy)
+    wrong = torch.tensor([0, 0])  # recomputed from the penalized logits, so never read
+    res = sample_with_logprobs(logits, [penalized, plain], greedy=wrong)
     assert res.tokens.tolist() == [2, 2]  # 5 - 2 - 2 < 1.5: the penalties moved row 0
 
 

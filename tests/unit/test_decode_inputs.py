@@ -64,7 +64,8 @@ def test_unpack_equals_the_torch_ops(n, b, num_pending, extra):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(n=9, b=8), "n must be in"),
     (dict(n=4, b=8, short="kv_lens"), "kv_lens must be contiguous with >= 8"),
-    (dict(n=4, b=4, num_pending=9), "packed holds"),
+    (dict(n=4, b=4, num_pending=9, pending=torch.zeros(9, dtype=torch.int64)), "packed holds"),
+    (dict(n=4, b=4, num_pending=2), "pending must be"),
 ])
 def test_bad_arguments_name_the_field(kwargs, match):
     n, b = kwargs["n"], kwargs["b"]
@@ -74,5 +75,5 @@ def test_bad_arguments_name_the_field(kwargs, match):
     if "short" in kwargs:
         bufs[kwargs["short"]] = bufs[kwargs["short"]][:4]
     with pytest.raises(ValueError, match=match):
-        unpack_decode_inputs(packed, n, b, kwargs.get("num_pending", 0), None,
+        unpack_decode_inputs(packed, n, b, kwargs.get("num_pending", 0), kwargs.get("pending"),
                              torch.zeros(4, 8, dtype=torch.int64), 3, **bufs)

@@ -133,19 +133,18 @@ def test_tiling_heuristic_and_pdl_off_on_cpu(monkeypatch):
 
 
 def test_prefetch_share_per_weight_row(monkeypatch):
-    """Each GEMM program's L2 prefetch: its share of the budget over its weight rows, in
-    whole 128-byte lines rounded down to a power of 2, at most its K span (rounded up)."""
+    """The q/k/v kernel's L2 prefetch per program: its share of the budget over its weight
+    rows, in whole 128-byte lines rounded down to a power of 2, at most its K span (rounded
+    up), and none when that is less than a line."""
     mib = 1 << 20
-    # Llama-1B at 64 rows, bf16 (64 elements a line): o_proj 128 programs x 64 rows
-    assert prefetch_lines(16 * mib, 64, 128, 64, 512) == 512      # 2 KiB a row: capped
-    assert prefetch_lines(16 * mib, 128, 128, 64, 2048) == 512    # gate/up: 1 KiB a row
-    assert prefetch_lines(16 * mib, 64, 128, 64, 2048) == 1024    # down
-    assert prefetch_lines(16 * mib, 128, 1002, 64, 2048) == 64    # LM head: one line
-    assert prefetch_lines(16 * mib, 64, 48, 64, 2048) == 2048     # q/k/v: the whole rows
-    assert prefetch_lines(16 * mib, 64, 48, 64, 600) == 1024      # K span rounded up
-    assert prefetch_lines(16 * mib, 128, 1 << 20, 64, 2048) == 0  # less than a line
-    assert prefetch_lines(0, 64, 128, 64, 2048) == 0
-    assert prefetch_lines(16 * mib, 64, 128, 32, 2048) == 512     # fp32: 32 a line
+    # Llama-1B q/k/v at 64 rows, bf16 (64 elements a line): 48 programs x 64 weight rows
+    assert prefetch_lines(3 * mib, 64, 48, 64, 2048) == 512     # the default: a quarter
+    assert prefetch_lines(16 * mib, 64, 48, 64, 2048) == 2048   # the whole rows
+    assert prefetch_lines(16 * mib, 64, 48, 64, 600) == 1024    # K span rounded up
+    assert prefetch_lines(16 * mib, 64, 1 << 20, 64, 2048) == 0  # less than a line
+    assert prefetch_lines(16 * mib, 64, 48, 64, 32) == 0        # rows shorter than a line
+    assert prefetch_lines(0, 64, 48, 64, 2048) == 0
+    assert prefetch_lines(3 * mib, 64, 48, 32, 2048) == 256     # fp32: 32 a line
     monkeypatch.delenv("LATENTSERVE_DECODE_PREFETCH_MB", raising=False)
     assert prefetch_budget() == 3 * mib
     monkeypatch.setenv("LATENTSERVE_DECODE_PREFETCH_MB", "0")

@@ -114,7 +114,7 @@ def _cpu_graph_runner(buckets: list[int], hidden: int):
     g.embeds, g.mask = torch.zeros(cap, hidden), torch.zeros(cap, dtype=torch.bool)
     g._mask_hi = g._mask_ones = 0
     g.graphs = {(0, b): _CountingGraph() for b in buckets}
-    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, hidden)) for b in buckets}
+    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, hidden), None) for b in buckets}
     return g
 
 

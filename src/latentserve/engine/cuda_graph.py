@@ -62,8 +62,8 @@ class CudaGraphRunner:
     readout go to static buffers) with B <= max_bs and returns
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
     the next replay; ``greedy`` is then their row-wise argmax ``[B] int64`` (a view too)
-    for a model without a ``LatentSpec`` (else None). ``replay_packed`` is
-    ``replay`` from the batch's packed index vectors (non-recurrent models). A closed-loop compression head (``model.latent_head``) runs in a second,
+    for a model without a ``LatentSpec`` (else None). ``replay_packed`` is ``replay`` from
+    the batch's packed index vectors (non-recurrent models). A closed-loop compression head (``model.latent_head``) runs in a second,
     small graph per bucket (the *latent graph*) on the captured anchors, replayed by
     ``latent_outputs()`` only for a step that has rows in their latent phase, so plain decode
     steps of a head model cost what the bare backbone's do; it returns ``(latent_input [n,
@@ -74,7 +74,7 @@ class CudaGraphRunner:
     ``num_latent_replays`` counts the latent-graph replays.
     """
 
-    GREEDY = True  # False: no argmax in the graphs, the sampler launches it (bench)
+    GREEDY = True  # False: no argmax in the graphs, the sampler launches it (A/B runs)
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,

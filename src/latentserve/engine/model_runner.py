@@ -44,7 +44,7 @@ class ModelRunner:
     ``start ..`` (such batches run eagerly; empty for every other batch).
     """
 
-    PACKED_INPUTS = True  # False: decode replays take their inputs through torch ops (bench)
+    PACKED_INPUTS = True  # False: decode replays take their inputs via torch ops (A/B runs)
 
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
                  device: torch.device):

@@ -81,6 +81,9 @@ def step(engine) -> list:
     if batch is not None:
         logits, _ = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
         reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        # NOTE: greedy tokens may be a view of the graph's static buffer (last_greedy). It
+        # is read only by the host copy below and, as pending ids, by the next step's
+        # input kernel, both queued before the next replay overwrites it.
         tokens, failed = _sample(engine, logits, reqs)
         host = event = None
         if tokens.is_cuda:  # copy now, so that waiting for them does not wait for batch k+1

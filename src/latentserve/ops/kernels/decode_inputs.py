@@ -78,8 +78,8 @@ def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
             get ``dummy_row``, one key and slot 0 (their ids and positions are left as
             they are).
     Raises:
-        ValueError: ``n > b``, a buffer shorter than ``b``, or ``packed`` shorter than
-            ``5 * n + 2 * num_pending``.
+        ValueError: ``n > b``, a buffer shorter than ``b``, ``pending`` missing while
+            ``num_pending > 0``, or ``packed`` shorter than ``5 * n + 2 * num_pending``.
     """
     if not 0 <= n <= b:
         raise ValueError(f"n must be in [0, b={b}], got {n}")
@@ -88,6 +88,9 @@ def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
         if buf.shape[0] < b or buf.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous with >= {b} entries, got "
                              f"{tuple(buf.shape)}")
+    if num_pending and (pending is None or pending.dim() != 1):
+        raise ValueError(f"pending must be the [S] previous tokens with num_pending="
+                         f"{num_pending}, got {None if pending is None else tuple(pending.shape)}")
     if packed.shape[0] < 5 * n + 2 * num_pending:
         raise ValueError(f"packed holds {packed.shape[0]} entries, needs "
                          f">= {5 * n + 2 * num_pending}")

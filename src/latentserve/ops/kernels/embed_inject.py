@@ -70,6 +70,7 @@ def embed_inject(weight: torch.Tensor, ids: torch.Tensor, input_embeds: torch.Te
         if x is not None and x.device != weight.device:
             raise ValueError(f"{name} is on {x.device}, weight on {weight.device}")
     out = torch.empty(t, hidden, dtype=weight.dtype, device=weight.device)
+    ids = ids.contiguous()
     if t == 0:
         return out
     block = min(1024, triton.next_power_of_2(hidden))

@@ -66,12 +66,11 @@ def prefetch_lines(nbytes: int, rows: int, programs: int, line_elems: int,
     """Elements of each weight row a GEMM program prefetches into L2 (``prefetch_l2``):
     the program's share of ``nbytes`` (all programs together; 0 turns it off) over its
     ``rows`` weight rows, as a power of 2 of whole 128-byte lines (``line_elems`` elements
-    each), at most the row's ``k_span`` elements rounded up to a power of 2; 0 when less
-    than a line fits."""
+    each), at most the row's ``k_span`` elements rounded up to a power of 2; 0 when that is
+    less than a line (a budget too small, or rows shorter than a line)."""
     per_row = nbytes // max(programs * rows, 1) // (128 // line_elems)  # elements
-    if per_row < line_elems:
-        return 0
-    return min(1 << (per_row.bit_length() - 1), triton.next_power_of_2(max(k_span, 1)))
+    lines = min(1 << max(per_row.bit_length() - 1, 0), triton.next_power_of_2(max(k_span, 1)))
+    return lines if lines >= line_elems else 0
 
 
 def prefetch_budget() -> int:
