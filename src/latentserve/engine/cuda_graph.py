@@ -63,8 +63,9 @@ class CudaGraphRunner:
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
     the next replay; ``greedy`` is then their row-wise argmax ``[B] int64`` (a view too)
     for a model without a ``LatentSpec`` (else None). ``replay_packed`` is ``replay`` from
-    the batch's packed index vectors (non-recurrent models). A closed-loop compression head (``model.latent_head``) runs in a second,
-    small graph per bucket (the *latent graph*) on the captured anchors, replayed by
+    the batch's packed index vectors (non-recurrent models). A closed-loop compression
+    head (``model.latent_head``) runs in a second, small graph per bucket (the *latent
+    graph*) on the captured anchors, replayed by
     ``latent_outputs()`` only for a step that has rows in their latent phase, so plain decode
     steps of a head model cost what the bare backbone's do; it returns ``(latent_input [n,
     hidden] float32, stop_prob [n] float32 or None)``. A feedback model whose
