@@ -307,9 +307,8 @@ class LLMEngine:
             if self.runner.replayed and self._latent_graph and any(
                     map(self._thinking, sampling_reqs)):
                 self.runner.latent_outputs()  # queued now, it runs while the host samples
-            # the graph's greedy tokens are the argmax of these logits unless ids were masked
-            greedy = self.runner.last_greedy if self.latent_spec is None else None
-            tokens, logprobs = self._sample(logits, sampling_reqs, greedy)
+            # None for a latent model, whose ids were masked above (its graphs return none)
+            tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy)
             latents = self._latent_inputs(sampling_reqs, logits, last_hidden)
             outs = self.scheduler.postprocess(batch, tokens, latents)
             by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}

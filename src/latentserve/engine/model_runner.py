@@ -155,11 +155,11 @@ class ModelRunner:
         # Rows of requests that asked for prompt logprobs and compute prompt tokens now.
         prompt_rows = [b for b, (r, st) in enumerate(zip(batch.reqs, batch.starts))
                        if r.params.prompt_logprobs is not None and st < len(r.prompt_ids)]
+        fits_graph = (self.graphs is not None and decode and not prompt_rows
+                      and t <= self.graphs.max_bs)
         # A plain decode batch that fits a graph: one kernel unpacks the inputs into the
         # graph's buffers (ops.kernels.decode_inputs), so nothing below touches them.
-        packed_replay = (self.PACKED_INPUTS and self.graphs is not None and decode
-                         and not prompt_rows and t <= self.graphs.max_bs
-                         and not self.recurrent)
+        packed_replay = self.PACKED_INPUTS and fits_graph and not self.recurrent
         out_slots = None
         if not packed_replay:
             if sub_dst:  # the previous step's tokens, still on the device
@@ -186,9 +186,7 @@ class ModelRunner:
             else None
         self.prompt_hidden = []
         mask_all = bool(inj_rows) and not mask_l
-        if packed_replay or (self.graphs is not None and decode and not prompt_rows
-                             and len(ids) <= self.graphs.max_bs
-                             and (rec is None or self.graphs.can_replay(rec))):
+        if packed_replay or (fits_graph and (rec is None or self.graphs.can_replay(rec))):
             self.num_graph_steps += 1
             self.replayed = True
             if packed_replay:

@@ -55,6 +55,7 @@ from latentserve.ops.kernels.pdl import (
     prefetch_lines,
 )
 from latentserve.ops.kernels.rotary import _rope_halves
+from latentserve.ops.kernels.rotary_store_kv import check_kv_pool
 
 
 @triton.jit
@@ -169,10 +170,7 @@ def _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv) ->
         if cs.shape != (t, d) or cs.stride(-1) != 1:
             raise ValueError(f"{name} must be [{t}, {d}] with a contiguous last dim, got "
                              f"{tuple(cs.shape)}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 3 or cache.shape[1:] != (n_kv, d) or cache.stride(-1) != 1:
-            raise ValueError(f"{name} must be [slots, {n_kv}, {d}] with a contiguous last "
-                             f"dim, got {tuple(cache.shape)}")
+    check_kv_pool(k_cache, v_cache, n_kv, d)
     if slots.shape != (t,) or slots.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"slots must be [{t}] int64 or int32, got {tuple(slots.shape)} "
                          f"{slots.dtype}")

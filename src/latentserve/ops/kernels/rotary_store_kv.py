@@ -97,15 +97,21 @@ def _rotary_pairs_store_kv_kernel(
                     mask, 1)
 
 
+def check_kv_pool(k_cache, v_cache, n_kv: int, d: int) -> None:
+    """Raise ValueError naming ``k_cache`` or ``v_cache`` unless it is one layer of the KV
+    pool, ``[slots, n_kv, d]`` with a contiguous last dim (the kernels that store into it)."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 3 or cache.shape[1:] != (n_kv, d) or cache.stride(-1) != 1:
+            raise ValueError(f"{name} must be [slots, {n_kv}, {d}] with a contiguous last dim, "
+                             f"got {tuple(cache.shape)}")
+
+
 def _check_store_args(k, v, k_cache, v_cache, slots) -> None:
     t, hk, d = k.shape
     if v.shape != k.shape or v.dtype != k.dtype or v.stride(-1) != 1:
         raise ValueError(f"v {tuple(v.shape)} {v.dtype} must match k {tuple(k.shape)} "
                          f"{k.dtype} with a contiguous last dim")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 3 or cache.shape[1:] != (hk, d) or cache.stride(-1) != 1:
-            raise ValueError(f"{name} must be [slots, {hk}, {d}] with a contiguous last dim, "
-                             f"got {tuple(cache.shape)}")
+    check_kv_pool(k_cache, v_cache, hk, d)
     if slots.shape != (t,):
         raise ValueError(f"slots must be [{t}], got {tuple(slots.shape)}")
 
