@@ -47,13 +47,6 @@ cuBLAS: a decode step's batch. Larger batches (prefill, big decode buckets) keep
 ``LATENTSERVE_DECODE_ROWS=0`` keeps cuBLAS everywhere (the path before, for comparison)."""
 
 
-FOLD_NORMS = os.environ.get("LATENTSERVE_FOLD_NORMS", "1") != "0"
-"""Whether the Llama family's fast path folds its RMSNorms into the decode GEMMs around
-them (``ops.kernels.norm_fold``) where the q/k/v + RoPE kernel runs: o_proj and down add
-the residual and write the norm's statistics, q/k/v and gate/up normalize their input rows
-as they load them. ``LATENTSERVE_FOLD_NORMS=0`` keeps the RMSNorm kernels (comparison)."""
-
-
 QKV_ROPE_ROWS = (17, 64)
 """Row counts (inclusive, and within ``DECODE_ROWS``) for which the fast path runs the q/k/v
 projection, RoPE and the KV store as one kernel (``ops.kernels.qkv_rope_store_kv``), when
@@ -151,21 +144,10 @@ class MergedQKV:
         del self.q_proj, self.k_proj, self.v_proj
         self.fused = True
 
-    def rope_kernel_applies(self, x: torch.Tensor) -> bool:
-        """Whether ``fused_attention`` runs ``x [T, hidden]`` through the q/k/v + RoPE +
-        KV store kernel: ``QKV_ROPE_ROWS`` rows read through TMA, Triton attention."""
-        from latentserve.ops.kernels.decode_linear import use_tma
-
-        return (get_context().backend.fused_kv_store and decode_gemms(True, x, self.qkv_proj)
-                and QKV_ROPE_ROWS[0] <= x.shape[0] <= QKV_ROPE_ROWS[1]
-                and use_tma(x, self.qkv_proj.weight))
-
     def fused_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        layer: int, norm=None) -> torch.Tensor:
+                        layer: int) -> torch.Tensor:
         """x ``[T, hidden]``, cos/sin ``[T, head_dim]``, ``layer`` the KV pool layer (a
         recurrent model's bank) -> attention output ``[T, H, D]``, as ``paged_attention``.
-        ``norm`` (``ops.kernels.norm_fold.NormIn``; only where ``rope_kernel_applies``,
-        else ValueError): x is the residual stream and the kernel applies the RMSNorm.
 
         For ``QKV_ROPE_ROWS`` rows read through TMA, with a backend that allows it
         (``fused_kv_store``: Triton), one kernel does all of it before attention: the
@@ -175,31 +157,34 @@ class MergedQKV:
         the pool at the batch's ``out_slots`` (``ops.kernels.apply_rotary_store_kv_``), and
         the backend skips its store; otherwise q and k are rotated in place
         (``ops.kernels.apply_rotary_``) and the backend stores them."""
-        from latentserve.ops import kernels
+        from latentserve.ops.kernels import (
+            apply_rotary_,
+            apply_rotary_store_kv_,
+            qkv_rope_store_kv,
+        )
+        from latentserve.ops.kernels.decode_linear import use_tma
 
         ctx = get_context()
         t, d = x.shape[0], self.head_dim
-        if self.rope_kernel_applies(x):
-            q = kernels.qkv_rope_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, cos,
-                                          sin, ctx.kv_pool.k[layer], ctx.kv_pool.v[layer],
-                                          ctx.attn_meta.out_slots, self.n_heads, self.n_kv,
-                                          norm=norm)
+        if (ctx.backend.fused_kv_store and decode_gemms(True, x, self.qkv_proj)
+                and QKV_ROPE_ROWS[0] <= t <= QKV_ROPE_ROWS[1]
+                and use_tma(x, self.qkv_proj.weight)):
+            q = qkv_rope_store_kv(x, self.qkv_proj.weight, self.qkv_proj.bias, cos, sin,
+                                  ctx.kv_pool.k[layer], ctx.kv_pool.v[layer],
+                                  ctx.attn_meta.out_slots, self.n_heads, self.n_kv)
             return ctx.backend.forward(layer, q, None, None, ctx.attn_meta, ctx.kv_pool,
                                        self.scale)
-        if norm is not None:
-            raise ValueError("fused_attention: norm needs the q/k/v + RoPE kernel "
-                             "(rope_kernel_applies)")
         qkv = self.qkv_proj(x)
         nq, nk = self.n_heads * d, self.n_kv * d
         q = qkv[:, :nq].view(t, self.n_heads, d)
         k = qkv[:, nq : nq + nk].view(t, self.n_kv, d)
         v = qkv[:, nq + nk :].view(t, self.n_kv, d)
         if ctx.backend.fused_kv_store:
-            kernels.apply_rotary_store_kv_(q, k, v, cos, sin, ctx.kv_pool.k[layer],
-                                           ctx.kv_pool.v[layer], ctx.attn_meta.out_slots)
+            apply_rotary_store_kv_(q, k, v, cos, sin, ctx.kv_pool.k[layer],
+                                   ctx.kv_pool.v[layer], ctx.attn_meta.out_slots)
             k = v = None  # in the pool now (k there rotated, here not)
         else:
-            kernels.apply_rotary_(q, k, cos, sin)
+            apply_rotary_(q, k, cos, sin)
         return ctx.backend.forward(layer, q, k, v, ctx.attn_meta, ctx.kv_pool, self.scale)
 
 

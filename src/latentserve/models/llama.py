@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from latentserve.context import get_context
-from latentserve.models import layers as _layers
 from latentserve.models.layers import (
     MergedQKV,
     RMSNorm,
@@ -118,39 +117,6 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x, partials=True), residual
 
-    def folds_norms(self, x: torch.Tensor) -> bool:
-        """Whether ``forward_folded`` can run this layer on ``x [T, hidden]``: the fast path
-        (``layers.FOLD_NORMS``) where the q/k/v + RoPE kernel applies, with plain
-        (not tensor-parallel) bias-free o_proj and down and norm weights in x's dtype."""
-        att, mlp = self.self_attn, self.mlp
-        return (_layers.FOLD_NORMS and self.input_layernorm.fused and mlp.fused
-                and att.o_proj.bias is None and mlp.down_proj.bias is None
-                and decode_gemms(True, x, att.o_proj, mlp.gate_up_proj, mlp.down_proj)
-                and self.input_layernorm.weight.dtype == x.dtype
-                and self.post_attention_layernorm.weight.dtype == x.dtype
-                and att.rope_kernel_applies(x))
-
-    def forward_folded(self, h, stats, cos, sin):
-        """The layer with its RMSNorms folded into the GEMMs around them
-        (``ops.kernels.norm_fold``; only where ``folds_norms``). h: the residual stream
-        ``[T, hidden]``; stats: the sums of squares of h from the ``decode_linear_add``
-        that produced it (``[tiles, T]`` fp32), or None for the first layer, whose input
-        norm then runs as a kernel. Returns ``(h, stats)`` after this layer."""
-        from latentserve.ops import kernels
-        from latentserve.ops.kernels.norm_fold import NormIn
-
-        att, mlp, ln = self.self_attn, self.mlp, self.input_layernorm
-        if stats is None:
-            x, norm = ln(h), None
-        else:
-            x, norm = h, NormIn(stats, ln.weight, ln.eps)
-        o = att.fused_attention(x, cos, sin, att.layer, norm=norm).reshape(h.shape[0], -1)
-        h, stats = kernels.decode_linear_add(o, att.o_proj.weight, h)
-        post = self.post_attention_layernorm
-        act = kernels.decode_linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                    swiglu=True, norm=NormIn(stats, post.weight, post.eps))
-        return kernels.decode_linear_add(act, mlp.down_proj.weight, h)
-
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg):
@@ -203,10 +169,6 @@ class LlamaForCausalLM(nn.Module):
         if self.model.norm.fused:
             dtype = self.model.embed_tokens.weight.dtype
             self.model.rotary_emb.build_table(max_positions, dtype)
-            if self.model.embed_tokens.weight.is_cuda:  # before any graph capture
-                from latentserve.ops.kernels.norm_fold import tile_counters
-
-                tile_counters(self.model.embed_tokens.weight.device)
 
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
         emb = self.model.embed_tokens
@@ -218,14 +180,6 @@ class LlamaForCausalLM(nn.Module):
             x = inject(self.embed(input_ids), input_embeds, latent_mask)
         cos, sin = self.model.rotary_emb.cos_sin(positions, x.dtype)  # once, for every layer
         ctx, residual = get_context(), None
-        if self.model.norm.fused and type(emb) is nn.Embedding and (
-                self.model.layers[0].folds_norms(x)):
-            stats = None
-            for i, layer in enumerate(self.model.layers):
-                x, stats = layer.forward_folded(x, stats, cos, sin)
-                if ctx.capture_layer == i + 1:
-                    ctx.maybe_capture(i + 1, x)
-            return self.model.norm(x)
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin)
             if ctx.capture_layer == i + 1:

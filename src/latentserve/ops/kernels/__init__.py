@@ -9,9 +9,6 @@ them in ``latentserve.ops``).
 * ``silu_and_mul``: SiLU(gate) * up on a fused ``[T, 2I]`` gate/up projection.
 * ``decode_linear``: the weight GEMMs of a decode-sized batch (split-K, SiLU-mul prologue,
   partial sums for the next RMSNorm).
-* ``norm_fold``: RMSNorm folded into the decode GEMMs around it (the producer adds the
-  residual and writes the norm's statistics, ``decode_linear_add``; the consumer normalizes
-  its input rows on load).
 * ``qkv_rope``: the q/k/v projection of a decode-sized batch with RoPE and the KV store in
   its epilogue (one launch for what took the GEMM and ``rotary_store_kv``).
 * ``argmax``: row-wise argmax in two passes (greedy sampling's token pick).
@@ -26,7 +23,7 @@ Importing this package imports triton. Set ``TRITON_INTERPRET=1`` before the fir
 run the kernels on CPU tensors (tests).
 """
 
-from latentserve.ops.kernels.decode_linear import decode_linear, decode_linear_add
+from latentserve.ops.kernels.decode_linear import decode_linear
 from latentserve.ops.kernels.qkv_rope import qkv_rope_store_kv
 from latentserve.ops.kernels.rms_norm import rms_norm
 from latentserve.ops.kernels.rotary import apply_rotary_
@@ -43,7 +40,6 @@ __all__ = [
     "apply_rotary_pairs_store_kv_",
     "apply_rotary_store_kv_",
     "decode_linear",
-    "decode_linear_add",
     "qkv_rope_store_kv",
     "rms_norm",
     "silu_and_mul",

@@ -30,15 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from latentserve.ops.kernels.norm_fold import (
-    NormIn,
-    add_residual_stats,
-    last_split_sum,
-    norm_args,
-    norm_tile,
-    row_rstd,
-    tile_counters,
-)
 from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait, sm90_or_newer
 from latentserve.ops.kernels.silu_and_mul import silu_mul
 
@@ -46,20 +37,14 @@ from latentserve.ops.kernels.silu_and_mul import silu_mul
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a row tile
 def _decode_linear_kernel(
     X, W, XD, WD, B, Y, P,
-    R, H, SQ, Counters, NS, G,
-    M, N, K, k_per_split, n_stats, inv_n, eps,
-    stride_xm, stride_wn, stride_ym, stride_r, stride_h,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIALS: tl.constexpr,
     ROUND_TO_X: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    RESIDUAL: tl.constexpr = False, SERIAL: tl.constexpr = False, NORM: tl.constexpr = False,
-    BLOCK_T: tl.constexpr = 1,
 ):
     # XD, WD: TMA descriptors of x and the weight when TMA (tiles past an edge read as
     # zeros), else unused; X and W give the dtypes and, without TMA, the addresses.
-    # RESIDUAL (decode_linear_add): H = R + x @ W.T and row sums of squares to SQ, the K
-    # splits reduced by the last one to finish (SERIAL, tickets from Counters). NORM: x's
-    # rows are RMSNorm'ed on load (stats NS, weight G; ops.kernels.norm_fold).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -76,13 +61,9 @@ def _decode_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SWIGLU:  # the up rows sit N rows below the gate rows
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if NORM:
-        rstd = row_rstd(NS, n_stats, offs_m, m_ok, M, inv_n, eps, BLOCK_T)
     for k0 in range(0, k_per_split, BLOCK_K):
         if TMA:  # splits are BLOCK_K-aligned, so a tile never crosses into the next split
             x = XD.load([pid_m * BLOCK_M, k_lo + k0]).to(W.dtype.element_ty)
-            if NORM:
-                x = norm_tile(x, rstd, G, k_lo + k0 + offs_k, K)
             w = tl.trans(WD.load([pid_n * BLOCK_N, k_lo + k0]))
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
             if SWIGLU:
@@ -93,8 +74,6 @@ def _decode_linear_kernel(
             k_ok = k < k_hi
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             x = x.to(W.dtype.element_ty)
-            if NORM:
-                x = norm_tile(x, rstd, G, k, K)
             # W is [N, K] row-major (nn.Linear); the tile is read as its transpose [BK, BN].
             w_mask = k_ok[:, None] & n_ok[None, :]
             w = tl.load(w_cols + k[:, None], mask=w_mask, other=0.0)
@@ -108,18 +87,7 @@ def _decode_linear_kernel(
             acc_up += tl.load(B + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc = silu_mul(acc.to(Y.dtype.element_ty), acc_up.to(Y.dtype.element_ty))
     mask = m_ok[:, None] & n_ok[None, :]
-    if RESIDUAL:  # no bias (decode_linear_add)
-        if SERIAL:
-            is_last, acc = last_split_sum(acc, P, Counters, offs_m, offs_n, m_ok, n_ok, M, N,
-                                          pid_m * tl.num_programs(0) + pid_n, pid_k,
-                                          tl.num_programs(2))
-            if is_last:
-                add_residual_stats(acc, R, H, SQ, offs_m, offs_n, m_ok, n_ok, M, stride_r,
-                                   stride_h, pid_n)
-        else:
-            add_residual_stats(acc, R, H, SQ, offs_m, offs_n, m_ok, n_ok, M, stride_r,
-                               stride_h, pid_n)
-    elif PARTIALS:  # fp32 partial sums P [SPLIT_K, M, N]; the consumer adds the bias
+    if PARTIALS:  # fp32 partial sums P [SPLIT_K, M, N]; the consumer adds the bias
         tl.store(P + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :], acc,
                  mask=mask)
     else:
@@ -231,10 +199,9 @@ def _check(x, weight, bias, swiglu):
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   *, swiglu: bool = False, partials: bool = False,
-                  out_dtype: torch.dtype | None = None, norm: NormIn | None = None,
-                  block_n: int | None = None, block_k: int | None = None,
-                  split_k: int | None = None, num_stages: int = 4,
-                  tma: bool | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, block_n: int | None = None,
+                  block_k: int | None = None, split_k: int | None = None,
+                  num_stages: int = 4, tma: bool | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for a few rows; with ``swiglu``, ``silu(gate) * up`` of the
     merged gate/up projection ``x @ weight.T + bias`` (gate: its first half of columns).
 
@@ -248,8 +215,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             the result (S may be 1); their sum is ``x @ weight.T``.
         out_dtype: the result's dtype (default x's). A wider one (the LM head's fp32
             logits) holds the values rounded to x's dtype, as ``linear(x).float()`` does.
-        norm: RMSNorm x's rows first, as they are loaded (``norm_fold.NormIn``: the stats
-            of the ``decode_linear_add`` that produced x, the norm's weight and eps).
         block_n, block_k, split_k: the tiling (default ``pick_tiling``); split_k >= 1.
         num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
         tma: read the tiles through TMA tensor descriptors (default: ``use_tma``, on for
@@ -258,47 +223,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ``[M, N]`` (``[M, N / 2]`` with ``swiglu``) in ``out_dtype``, or ``[S, M, N]`` fp32
         with ``partials``; new tensors.
     Raises:
-        ValueError: on a shape, stride or device mismatch, a bad tiling or ``norm`` field.
+        ValueError: on a shape, stride or device mismatch or a bad tiling.
     """
-    return _run(x, weight, bias, swiglu=swiglu, partials=partials, out_dtype=out_dtype,
-                norm=norm, block_n=block_n, block_k=block_k, split_k=split_k,
-                num_stages=num_stages, tma=tma)
-
-
-def decode_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
-                      block_n: int | None = None, split_k: int | None = None,
-                      num_stages: int = 4,
-                      tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual stream after a block: ``h = residual + x @ weight.T`` (the product
-    rounded to x's dtype first, as a GEMM then an add would round), with the sums of squares
-    the next RMSNorm needs, so a consumer can apply it (``norm=``) without a norm kernel.
-    The K splits are reduced inside the launch by the last split of each column tile to
-    finish (``ops.kernels.norm_fold``); no bias (o_proj and down of the Llama family).
-
-    Args:
-        x: ``[M, K]``, weight ``[N, K]``: as ``decode_linear``.
-        residual: ``[M, N]`` in x's dtype, last dim contiguous.
-        block_n, split_k, num_stages, tma: as ``decode_linear``.
-    Returns:
-        ``(h, stats)``: ``h [M, N]`` in x's dtype, ``stats [ceil(N / block_n), M]`` fp32,
-        ``stats[j, m]`` the sum of ``h[m, n]**2`` over column tile ``j``; new tensors.
-    Raises:
-        ValueError: as ``decode_linear``, or naming ``residual``.
-        RuntimeError: from ``norm_fold.tile_counters`` when first used in graph capture.
-    """
-    m, n = x.shape[0], weight.shape[0]
-    if residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(-1) != 1:
-        raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with a contiguous last dim,"
-                         f" got {tuple(residual.shape)} {residual.dtype}")
-    if residual.device != x.device:
-        raise ValueError(f"residual is on {residual.device}, x on {x.device}")
-    return _run(x, weight, None, residual=residual, block_n=block_n, split_k=split_k,
-                num_stages=num_stages, tma=tma)
-
-
-def _run(x, weight, bias, *, swiglu=False, partials=False, out_dtype=None, norm=None,
-         residual=None, block_n=None, block_k=None, split_k=None, num_stages=4, tma=None):
-    # decode_linear and decode_linear_add: checks, tiling, outputs and the launch
     _check(x, weight, bias, swiglu)
     if swiglu and partials:
         raise ValueError("swiglu and partials cannot be combined")
@@ -320,28 +246,13 @@ def _run(x, weight, bias, *, swiglu=False, partials=False, out_dtype=None, norm=
     k_per = triton.cdiv(triton.cdiv(k, sk), bk) * bk
     sk = triton.cdiv(k, k_per)
     out_dtype = out_dtype or x.dtype
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m), sk)
-    nargs = norm_args(norm, x)
-    res = {"R": x, "H": x, "SQ": x, "Counters": x, "stride_r": 0, "stride_h": 0}
-    if residual is not None:
-        h = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        stats = torch.empty(grid[0], m, dtype=torch.float32, device=x.device)
-        part = torch.empty(sk, m, n, dtype=torch.float32, device=x.device) if sk > 1 else h
-        y, out = h, (h, stats)
-        if sk > 1:
-            counters = tile_counters(x.device)
-            if grid[0] * grid[1] > counters.numel():
-                raise ValueError(f"{grid[0] * grid[1]} column tiles exceed the "
-                                 f"{counters.numel()} tile counters")
-            res["Counters"] = counters
-        res.update(R=residual, H=h, SQ=stats, stride_r=residual.stride(0), stride_h=n)
-    elif partials:
-        part = y = out = torch.empty(sk, m, n, dtype=torch.float32, device=x.device)
+    if partials:
+        part = y = torch.empty(sk, m, n, dtype=torch.float32, device=x.device)
     else:
-        y = out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+        y = torch.empty(m, n, dtype=out_dtype, device=x.device)
         part = torch.empty(sk, m, n, dtype=torch.float32, device=x.device) if sk > 1 else y
     if m == 0:
-        return out
+        return y
     launch = pdl_launch(x.device)
     b = bias if bias is not None else weight
     round_to_x = out_dtype.itemsize > x.dtype.itemsize
@@ -351,19 +262,15 @@ def _run(x, weight, bias, *, swiglu=False, partials=False, out_dtype=None, norm=
 
         xd = TensorDescriptor.from_tensor(x, [block_m, bk])
         wd = TensorDescriptor.from_tensor(weight, [bn, bk])
-    _decode_linear_kernel[grid](
-        x, weight, xd, wd, b, y, part, res["R"], res["H"], res["SQ"], res["Counters"],
-        nargs["NS"], nargs["G"], m, n, k, k_per, nargs["n_stats"], nargs["inv_n"],
-        nargs["eps"], x.stride(0), weight.stride(0), y.stride(-2), res["stride_r"],
-        res["stride_h"], HAS_BIAS=bias is not None, SWIGLU=swiglu,
+    _decode_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, block_m), sk)](
+        x, weight, xd, wd, b, y, part, m, n, k, k_per, x.stride(0), weight.stride(0),
+        y.stride(-2), HAS_BIAS=bias is not None, SWIGLU=swiglu,
         PARTIALS=partials or sk > 1, ROUND_TO_X=round_to_x, PRECISION=dot_precision(weight),
-        TMA=xd is not x, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
-        RESIDUAL=residual is not None, SERIAL=residual is not None and sk > 1,
-        NORM=nargs["NORM"], BLOCK_T=nargs["BLOCK_T"], num_warps=4, num_stages=num_stages,
-        **launch)
-    if sk > 1 and not partials and residual is None:
+        TMA=xd is not x, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        num_stages=num_stages, **launch)
+    if sk > 1 and not partials:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             part, b, y, x, m, n, y.stride(0), HAS_BIAS=bias is not None, SPLIT_K=sk,
             ROUND_TO_X=round_to_x, BLOCK=block, num_warps=4, **launch)
-    return out
+    return y

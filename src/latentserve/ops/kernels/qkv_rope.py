@@ -47,7 +47,6 @@ from latentserve.ops.kernels.decode_linear import (
     tma_compatible,
     use_tma,
 )
-from latentserve.ops.kernels.norm_fold import NormIn, norm_args, norm_tile, row_rstd
 from latentserve.ops.kernels.pdl import (
     pdl_launch,
     pdl_wait,
@@ -60,15 +59,12 @@ from latentserve.ops.kernels.rotary_store_kv import check_kv_pool
 
 
 @triton.jit
-def _pointer_step(x_rows, w1, w2, k0, offs_k, K, m_ok, d_ok, acc1, acc2, PRECISION,
-                  NORM: tl.constexpr, rstd, G):
+def _pointer_step(x_rows, w1, w2, k0, offs_k, K, m_ok, d_ok, acc1, acc2, PRECISION):
     # One K tile through masked pointer loads; W is [N, K] row-major (nn.Linear), so each
     # half's tile is read as its transpose [BLOCK_K, BLOCK_HALF].
     k = k0 + offs_k
     k_ok = k < K
     x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    if NORM:
-        x = norm_tile(x, rstd, G, k, K)
     w_mask = k_ok[:, None] & d_ok[None, :]
     acc1 = tl.dot(x, tl.load(w1 + k[:, None], mask=w_mask, other=0.0), acc1,
                   input_precision=PRECISION)
@@ -79,19 +75,17 @@ def _pointer_step(x_rows, w1, w2, k0, offs_k, K, m_ok, d_ok, acc1, acc2, PRECISI
 
 @triton.jit(do_not_specialize=["M"])
 def _qkv_rope_kernel(
-    X, W, XD, WD, B, Q, Cos, Sin, KCache, VCache, Slots, NS, G,
-    M, K, n_q_heads, n_kv_heads, n_stats, inv_n, eps,
+    X, W, XD, WD, B, Q, Cos, Sin, KCache, VCache, Slots,
+    M, K, n_q_heads, n_kv_heads,
     stride_xm, stride_wn, stride_qt, stride_qh, stride_ct, stride_st,
     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
     HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
-    PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64, NORM: tl.constexpr = False,
-    BLOCK_T: tl.constexpr = 1,
+    PREFETCH_K: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):
     # XD, WD: TMA descriptors of x and the weight when TMA (tiles past an edge read as
-    # zeros; columns past HALF are computed and not stored), else unused. NORM: x's rows
-    # are RMSNorm'ed on load (stats NS, weight G; ops.kernels.norm_fold).
+    # zeros; columns past HALF are computed and not stored), else unused.
     pid_m = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads (the merged weight's rows)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,21 +105,16 @@ def _qkv_rope_kernel(
     w2 = w1 + HALF * stride_wn
     acc1 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
-    rstd = offs_m.to(tl.float32)  # a placeholder of the right shape without NORM
-    if NORM:
-        rstd = row_rstd(NS, n_stats, offs_m, m_ok, M, inv_n, eps, BLOCK_T)
     for k0 in range(0, K, BLOCK_K):
         if TMA:
             x = XD.load([pid_m * BLOCK_M, k0])
-            if NORM:
-                x = norm_tile(x, rstd, G, k0 + offs_k, K)
             acc1 = tl.dot(x, tl.trans(WD.load([head * HEAD_DIM, k0])), acc1,
                           input_precision=PRECISION)
             acc2 = tl.dot(x, tl.trans(WD.load([head * HEAD_DIM + HALF, k0])), acc2,
                           input_precision=PRECISION)
         else:
             acc1, acc2 = _pointer_step(x_rows, w1, w2, k0, offs_k, K, m_ok, d_ok, acc1, acc2,
-                                       PRECISION, NORM, rstd, G)
+                                       PRECISION)
 
     if HAS_BIAS:
         acc1 += tl.load(B + col1, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -195,8 +184,7 @@ def _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv) ->
 def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv: int,
-                      *, norm: NormIn | None = None, block_m: int = 64,
-                      block_k: int = 128, num_stages: int = 6,
+                      *, block_m: int = 64, block_k: int = 128, num_stages: int = 6,
                       tma: bool | None = None) -> torch.Tensor:
     """The merged q/k/v projection, RoPE (rotate-half) and the KV store in one launch.
 
@@ -215,8 +203,6 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             dtype), last dim contiguous.
         slots: ``[T] int64`` each row's destination slot.
         n_heads, n_kv: query and KV heads; D = rows of ``weight`` / (n_heads + 2 n_kv), even.
-        norm: RMSNorm x's rows first, as they are loaded (``norm_fold.NormIn``: the stats
-            of the ``decode_linear_add`` that produced x, the norm's weight and eps).
         block_m, block_k: rows per program and the K tile (powers of 2, >= 16; fp32
             weights use at most 64). The defaults won an H200 sweep at 64 rows
             (docs/benchmarks.md, session 7).
@@ -257,16 +243,14 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     line = 128 // weight.element_size()
     prefetch = prefetch_lines(prefetch_budget(), 2 * block_half, grid[0] * grid[1], line,
                               hidden) if launch["PDL"] else 0
-    nargs = norm_args(norm, x)
     _qkv_rope_kernel[grid](
         x, weight, xd, wd, bias if bias is not None else weight, q, cos, sin, k_cache,
-        v_cache, slots, nargs["NS"], nargs["G"],
-        t, hidden, n_heads, n_kv, nargs["n_stats"], nargs["inv_n"], nargs["eps"],
+        v_cache, slots,
+        t, hidden, n_heads, n_kv,
         x.stride(0), weight.stride(0), q.stride(0), q.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HAS_BIAS=bias is not None, HEAD_DIM=d, HALF=half, BLOCK_HALF=block_half,
         BLOCK_M=block_m, BLOCK_K=block_k, PRECISION=dot_precision(weight), TMA=xd is not x,
-        PREFETCH_K=prefetch, LINE=line, NORM=nargs["NORM"], BLOCK_T=nargs["BLOCK_T"],
-        num_warps=4, num_stages=num_stages, **launch,
+        PREFETCH_K=prefetch, LINE=line, num_warps=4, num_stages=num_stages, **launch,
     )
     return q
