@@ -103,7 +103,24 @@ def test_bad_arguments_name_the_problem():
            ({"bias": b[:5]}, "bias"), ({"cos": cos[:2]}, "cos must"),
            ({"k_cache": kc[:, :, :32]}, "k_cache"), ({"slots": slots[:2]}, "slots"),
            ({"slots": slots.float()}, "slots"), ({"block_m": 24}, "block_m"),
+           ({"block_half": 24}, "block_half"),
            ({"tma": True}, "tma=True")]
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
             qkv_rope_store_kv(**{**good, **change})
+
+
+@pytest.mark.parametrize("d,block_half,tma", [(64, 16, False), (64, 16, True), (96, 16, True),
+                                              (128, 32, False), (64, 32, True)])
+def test_heads_split_in_column_chunks_bitwise(d, block_half, tma):
+    """``block_half`` below the half (several programs per head; 96: a last chunk past
+    the half) gives what one program per head gives, bit for bit."""
+    outs = []
+    for bh in (max(16, 1 << (d // 2 - 1).bit_length()), block_half):
+        x, w, b, cos, sin, (kc, vc) = _inputs(torch.bfloat16, 19, 4, 2, d, 64, False, True, 7)
+        slots = torch.tensor(SLOTS[:19])
+        q = qkv_rope_store_kv(x, w, b, cos, sin, kc, vc, slots, 4, 2, block_m=16, block_k=32,
+                              block_half=bh, tma=tma)
+        outs.append((q, kc, vc))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -15,9 +15,11 @@ rows with TMA only (``layers.QKV_ROPE_ROWS``).
 Here one program computes one head of every row in a ``BLOCK_M`` row tile: two
 accumulators, the head's first and second half of output columns, so the rotate-half
 rotation pairs element ``i`` of one with element ``i`` of the other without leaving
-registers. The grid is ``(row tiles, q heads + 2 * KV heads)`` with the row tile fastest, so
-the programs sharing a head's weight run together and read it from HBM about once; no K
-split, no partial sums, no reduce kernel. A q head is written, rotated, to a new ``[T, H, D]``
+registers. A head with halves of up to 32 columns is split further: each program takes 16
+columns of both halves (``default_block_half``), which doubles the programs pulling the
+weight at Llama-1B shapes. The grid is ``(row tiles, heads x chunks)`` with the row tile
+fastest, so the programs sharing weight rows run together and read them from HBM about
+once; no K split, no partial sums, no reduce kernel. A q head is written, rotated, to a new ``[T, H, D]``
 tensor; a k head is rotated and written at each row's slot of the layer's K pool, a v head
 written at that slot of the V pool (cast to the pool dtype).
 
@@ -87,9 +89,13 @@ def _qkv_rope_kernel(
     # XD, WD: TMA descriptors of x and the weight when TMA (tiles past an edge read as
     # zeros; columns past HALF are computed and not stored), else unused.
     pid_m = tl.program_id(0)
-    head = tl.program_id(1)  # q heads, then k heads, then v heads (the merged weight's rows)
+    # q heads, then k heads, then v heads (the merged weight's rows); each head's halves in
+    # chunks of BLOCK_HALF columns, one chunk (of both halves) per program
+    chunks = tl.cdiv(HALF, BLOCK_HALF)
+    head = tl.program_id(1) // chunks
+    c0 = (tl.program_id(1) % chunks) * BLOCK_HALF
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_HALF)
+    offs_d = c0 + tl.arange(0, BLOCK_HALF)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     d_ok = offs_d < HALF
@@ -108,9 +114,9 @@ def _qkv_rope_kernel(
     for k0 in range(0, K, BLOCK_K):
         if TMA:
             x = XD.load([pid_m * BLOCK_M, k0])
-            acc1 = tl.dot(x, tl.trans(WD.load([head * HEAD_DIM, k0])), acc1,
+            acc1 = tl.dot(x, tl.trans(WD.load([head * HEAD_DIM + c0, k0])), acc1,
                           input_precision=PRECISION)
-            acc2 = tl.dot(x, tl.trans(WD.load([head * HEAD_DIM + HALF, k0])), acc2,
+            acc2 = tl.dot(x, tl.trans(WD.load([head * HEAD_DIM + HALF + c0, k0])), acc2,
                           input_precision=PRECISION)
         else:
             acc1, acc2 = _pointer_step(x_rows, w1, w2, k0, offs_k, K, m_ok, d_ok, acc1, acc2,
@@ -143,6 +149,17 @@ def _qkv_rope_kernel(
                + (head - n_q_heads - n_kv_heads) * stride_vc_h + offs_d[None, :])
         tl.store(dst, a1.to(VCache.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, a2.to(VCache.dtype.element_ty), mask=mask)
+
+
+def default_block_half(half: int) -> int:
+    """Columns of each head half per program when the caller gives none: 16 for halves of
+    up to 32 (head_dim <= 64: two or more programs per head), else the whole half rounded
+    up to a power of 2 (one program per head). On the H200 at Llama-1B shapes (64 rows,
+    weights not in L2) 16 took the kernel from 7.34 to 7.02 us and a batch-64 decode step
+    3-4 us faster in three A/B runs. With a 32- or 16-row tile, 16 was slower (the model
+    layer uses the default 64-row tile at every row count). Larger heads were not measured
+    (docs/benchmarks.md, session 9)."""
+    return 16 if half <= 32 else max(16, triton.next_power_of_2(half))
 
 
 def _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv) -> int:
@@ -184,7 +201,8 @@ def _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv) ->
 def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slots: torch.Tensor, n_heads: int, n_kv: int,
-                      *, block_m: int = 64, block_k: int = 128, num_stages: int = 6,
+                      *, block_m: int = 64, block_k: int = 128,
+                      block_half: int | None = None, num_stages: int = 6,
                       tma: bool | None = None) -> torch.Tensor:
     """The merged q/k/v projection, RoPE (rotate-half) and the KV store in one launch.
 
@@ -206,6 +224,9 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         block_m, block_k: rows per program and the K tile (powers of 2, >= 16; fp32
             weights use at most 64). The defaults won an H200 sweep at 64 rows
             (docs/benchmarks.md, session 7).
+        block_half: columns of each head half per program, a power of 2 >= 16 (default
+            ``default_block_half``); each head runs as ``ceil(D / 2 / block_half)``
+            programs, each computing the same columns of both halves.
         num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
         tma: read the tiles through TMA tensor descriptors (default:
             ``decode_linear.use_tma``, the H200 setting); True needs 16-bit tensors with
@@ -217,7 +238,8 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             bad tiling or an impossible ``tma=True``.
     """
     d = _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv)
-    for name, val in (("block_m", block_m), ("block_k", block_k)):
+    for name, val in (("block_m", block_m), ("block_k", block_k),
+                      ("block_half", block_half or 16)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name} must be a power of 2 >= 16, got {val}")
     if tma and not tma_compatible(x, weight):
@@ -228,7 +250,7 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if t == 0:
         return q
     half = d // 2
-    block_half = max(16, triton.next_power_of_2(half))
+    block_half = block_half or default_block_half(half)
     block_k = block_k if weight.element_size() == 2 else min(block_k, 64)
     stage = (block_m * block_k + 2 * block_k * block_half) * weight.element_size()
     num_stages = fit_stages(num_stages, stage)
@@ -238,7 +260,7 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
         xd = TensorDescriptor.from_tensor(x, [block_m, block_k])
         wd = TensorDescriptor.from_tensor(weight, [block_half, block_k])
-    grid = (triton.cdiv(t, block_m), n_heads + 2 * n_kv)
+    grid = (triton.cdiv(t, block_m), (n_heads + 2 * n_kv) * triton.cdiv(half, block_half))
     launch = pdl_launch(x.device)
     line = 128 // weight.element_size()
     prefetch = prefetch_lines(prefetch_budget(), 2 * block_half, grid[0] * grid[1], line,
