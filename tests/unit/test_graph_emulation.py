@@ -85,25 +85,13 @@ def emulated_graphs(monkeypatch):
     monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
     # one bucket of 8 (fewer captures in the interpreter); smaller batches replay it padded
     monkeypatch.setattr(cuda_graph, "graph_buckets", lambda max_bs: [max_bs])
-    # Overlap mode copies the tokens to pinned host memory right after sampling (CUDA
-    # only); on the CPU ``finish`` reads the tensor later, so take that copy here.
-    host = {}
-    real_sample, real_finish = overlap._sample, overlap.finish
-
-    def sample(engine, logits, reqs):
-        tokens, failed = real_sample(engine, logits, reqs)
-        host[id(tokens)] = tokens.clone()
-        return tokens, failed
-
-    def finish(engine, launched):
-        launched.tokens = host.pop(id(launched.tokens), launched.tokens)
-        return real_finish(engine, launched)
-
-    monkeypatch.setattr(overlap, "_sample", sample)
-    monkeypatch.setattr(overlap, "finish", finish)
 
 
-def _run(path, graphs: bool, overlap_on: bool):
+def _run(path, graphs: bool, overlap_on: bool, fail_at: int = -1, seeded: bool = True):
+    """Greedy and seeded requests to completion; ``fail_at``: the run (counted from 0)
+    whose forward raises after its replay, as a fault after the graph would; the step is
+    then retried, as ``engine_process`` does not (it fails the running requests), so that
+    the in-flight batch's pending ids are used again."""
     engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True, attention_backend="triton",
                                     max_num_seqs=8, max_num_batched_tokens=64,
                                     max_model_len=128, overlap_schedule=overlap_on))
@@ -114,7 +102,7 @@ def _run(path, graphs: bool, overlap_on: bool):
     for i in range(7):
         prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(3, 12))]
         params = {"max_tokens": rng.randrange(4, 9), "ignore_eos": True, "temperature": 0.0}
-        if i % 3 == 0:  # seeded sampling: the sampled rows go into a copy of the tokens
+        if seeded and i % 3 == 0:  # seeded sampling: sampled rows go into a copy of the tokens
             params.update(temperature=0.9, seed=i, top_k=50)
         engine.add_request(f"r{i}", prompt, SamplingParams(**params))
     seen = {"replays": 0, "pending": 0}
@@ -127,12 +115,22 @@ def _run(path, graphs: bool, overlap_on: bool):
         if runner.replayed:
             seen["replays"] += 1
             assert torch.equal(runner.last_greedy, logits.argmax(-1))
+            if seen["replays"] == fail_at + 1:
+                with torch.inference_mode():  # what a later replay would leave there
+                    runner.last_greedy.fill_(7)
+                raise RuntimeError("injected fault after the replay")
         return logits, hidden
 
     engine.runner.run = run
     tokens = {f"r{i}": [] for i in range(7)}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        try:
+            outs = engine.step()
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+            seen["failed"] = True
+            continue
+        for out in outs:
             tokens[out.rid] += out.new_token_ids
     engine.cache.check_idle()
     return tokens, seen
@@ -146,3 +144,13 @@ def test_packed_replays_and_graph_greedy_tokens_equal_the_eager_engine(tiny_dirs
     got, seen = _run(tiny_dirs["llama"], graphs=True, overlap_on=True)
     assert got == want
     assert seen["replays"] > 5 and seen["pending"] > 5  # pending ids went through the kernel
+
+
+def test_a_forward_that_raises_after_the_replay_leaves_the_pending_ids_intact(
+        tiny_dirs, emulated_graphs):
+    """All greedy, so the in-flight batch's tokens view the graph's greedy buffer; a forward
+    that raises after replaying overwrote it. Retried, the step must feed the in-flight batch's
+    real tokens (its host copy) as pending ids: the same tokens as a run without the fault."""
+    want, _ = _run(tiny_dirs["llama"], graphs=True, overlap_on=True, seeded=False)
+    got, seen = _run(tiny_dirs["llama"], graphs=True, overlap_on=True, fail_at=3, seeded=False)
+    assert seen.get("failed") and got == want

@@ -42,13 +42,14 @@ class Launched:
 
     ``pending``: ``(req, index in output_ids)`` per sampling row (``advance_launched``);
     ``tokens``: ``[S] int64`` on the device, row j for ``pending[j]``; ``host``: their
-    pinned host copy and ``event`` the CUDA event after it (None on the CPU); ``src``:
+    host copy (pinned on CUDA) and ``event`` the CUDA event after it (None on the CPU);
+    ``src``:
     ``id(req) -> j`` for the next batch's pending input ids; ``failed``: ``rid -> error``
     for rows whose sampling failed (placeholder token 0), failed when the batch finishes."""
 
     pending: list
     tokens: torch.Tensor
-    host: torch.Tensor | None
+    host: torch.Tensor
     event: Any
     src: dict[int, int]
     failed: dict[str, str]
@@ -79,18 +80,19 @@ def step(engine) -> list:
     # (now waiting, its last id still pending) gets its token instead of feeding -1 later.
     launched = None
     if batch is not None:
-        logits, _ = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
+        try:
+            logits, _ = engine.runner.run(batch,
+                                          None if prev is None else (prev.tokens, prev.src))
+        except BaseException:
+            _detach(prev)
+            raise
         reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
         # NOTE: greedy tokens may be a view of the graph's static buffer (last_greedy). It
         # is read only by the host copy below and, as pending ids, by the next step's
-        # input kernel, both queued before the next replay overwrites it.
+        # input kernel, both queued before the next replay overwrites it (if that step's
+        # forward raises, _detach points them at the host copy).
         tokens, failed = _sample(engine, logits, reqs)
-        host = event = None
-        if tokens.is_cuda:  # copy now, so that waiting for them does not wait for batch k+1
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+        host, event = _host_copy(tokens)
         pending = sched.advance_launched(batch)
         launched = Launched(pending, tokens, host, event,
                             {id(r): j for j, (r, _) in enumerate(pending)}, failed)
@@ -107,13 +109,36 @@ def finish(engine, launched: Launched) -> list:
     a request that finished before it (a discarded row)."""
     if launched.event is not None:
         launched.event.synchronize()
-        tokens = launched.host.tolist()
-    else:
-        tokens = launched.tokens.tolist()
+    tokens = launched.host.tolist()
     for req, _ in launched.pending:
         if req.rid in launched.failed and req.status is not ReqStatus.FINISHED:
             engine._failed[req.rid] = launched.failed[req.rid]
     return engine.scheduler.finalize_launched(launched.pending, tokens)
+
+
+def _host_copy(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A host copy of a launched batch's ``tokens``, taken now (before the next replay can
+    overwrite a graph's buffer that ``tokens`` may view): on CUDA a non-blocking copy into
+    pinned memory and the event after it, so that waiting for them does not wait for the
+    next batch; on the CPU a clone and no event."""
+    if not tokens.is_cuda:
+        return tokens.clone(), None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _detach(prev: Launched | None) -> None:
+    """After a forward that raised: point ``prev``'s tokens (the pending ids of a later
+    batch) at its host copy, on their device. The forward may have replayed a graph and
+    overwritten the buffer they viewed (``ModelRunner.last_greedy``) before raising."""
+    if prev is None:
+        return
+    if prev.event is not None:
+        prev.event.synchronize()
+    prev.tokens = prev.host.to(prev.tokens.device)
 
 
 def drain(engine) -> list:
