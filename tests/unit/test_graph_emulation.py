@@ -154,3 +154,17 @@ def test_a_forward_that_raises_after_the_replay_leaves_the_pending_ids_intact(
     want, _ = _run(tiny_dirs["llama"], graphs=True, overlap_on=True, seeded=False)
     got, seen = _run(tiny_dirs["llama"], graphs=True, overlap_on=True, fail_at=3, seeded=False)
     assert seen.get("failed") and got == want
+
+
+def test_a_rank_that_never_samples_captures_no_argmax(tiny_dirs, emulated_graphs):
+    """``capture_graphs(greedy=False)`` (tensor-parallel worker ranks): the graphs return no
+    greedy tokens, so they launch no argmax; the default graphs of a plain model do."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), fused_ops=True,
+                                    attention_backend="triton", max_num_seqs=8,
+                                    max_model_len=64))
+    hidden = engine.runner.model.config.hidden_size
+    for greedy in (False, True):
+        engine.runner.capture_graphs(8, hidden, torch.float32, greedy=greedy)
+        graphs = engine.runner.graphs
+        assert graphs.with_greedy is greedy
+        assert all((out[2] is not None) is greedy for out in graphs.outputs.values())
