@@ -87,7 +87,8 @@ def emulated_graphs(monkeypatch):
     monkeypatch.setattr(cuda_graph, "graph_buckets", lambda max_bs: [max_bs])
 
 
-def _run(path, graphs: bool, overlap_on: bool, fail_at: int = -1, seeded: bool = True):
+def _run(path, graphs: bool, overlap_on: bool, fail_at: int = -1, seeded: bool = True,
+         n: int = 7):
     """Greedy and seeded requests to completion; ``fail_at``: the run (counted from 0)
     whose forward raises after its replay, as a fault after the graph would; the step is
     then retried, as ``engine_process`` does not (it fails the running requests), so that
@@ -99,7 +100,7 @@ def _run(path, graphs: bool, overlap_on: bool, fail_at: int = -1, seeded: bool =
         engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size, torch.float32)
 
     rng = random.Random(0)
-    for i in range(7):
+    for i in range(n):
         prompt = [rng.randrange(3, 200) for _ in range(rng.randrange(3, 12))]
         params = {"max_tokens": rng.randrange(4, 9), "ignore_eos": True, "temperature": 0.0}
         if seeded and i % 3 == 0:  # seeded sampling: sampled rows go into a copy of the tokens
@@ -122,13 +123,13 @@ def _run(path, graphs: bool, overlap_on: bool, fail_at: int = -1, seeded: bool =
         return logits, hidden
 
     engine.runner.run = run
-    tokens = {f"r{i}": [] for i in range(7)}
+    tokens = {f"r{i}": [] for i in range(n)}
     while engine.has_unfinished_requests():
         try:
             outs = engine.step()
         except RuntimeError as exc:
             assert "injected" in str(exc)
-            seen["failed"] = True
+            seen["failed"] = seen.get("failed", 0) + 1
             continue
         for out in outs:
             tokens[out.rid] += out.new_token_ids
@@ -146,25 +147,39 @@ def test_packed_replays_and_graph_greedy_tokens_equal_the_eager_engine(tiny_dirs
     assert seen["replays"] > 5 and seen["pending"] > 5  # pending ids went through the kernel
 
 
-def test_a_forward_that_raises_after_the_replay_leaves_the_pending_ids_intact(
-        tiny_dirs, emulated_graphs):
-    """All greedy, so the in-flight batch's tokens view the graph's greedy buffer; a forward
-    that raises after replaying overwrote it. Retried, the step must feed the in-flight batch's
-    real tokens (its host copy) as pending ids: the same tokens as a run without the fault."""
-    want, _ = _run(tiny_dirs["llama"], graphs=True, overlap_on=True, seeded=False)
-    got, seen = _run(tiny_dirs["llama"], graphs=True, overlap_on=True, fail_at=3, seeded=False)
-    assert seen.get("failed") and got == want
+def test_a_step_that_raises_after_the_replay_leaves_the_pending_ids_intact(
+        tiny_dirs, emulated_graphs, monkeypatch):
+    """All greedy, so the in-flight batch's tokens view the graph's greedy buffer, which a
+    step's replay overwrites: here two steps raise afterwards, one from the forward and a
+    later one from the host copy of its tokens. Retried, each must feed the in-flight
+    batch's real tokens (its host copy) as pending ids: the same tokens as a run without
+    the faults."""
+    want, _ = _run(tiny_dirs["llama"], graphs=True, overlap_on=True, seeded=False, n=4)
+    real_copy, calls = overlap._host_copy, []
+
+    def host_copy(tokens):
+        calls.append(1)
+        if len(calls) == 7:
+            with torch.inference_mode():  # what a later replay would leave there
+                tokens.fill_(7)
+            raise RuntimeError("injected fault in the host copy")
+        return real_copy(tokens)
+
+    monkeypatch.setattr(overlap, "_host_copy", host_copy)
+    got, seen = _run(tiny_dirs["llama"], graphs=True, overlap_on=True, fail_at=3, seeded=False,
+                     n=4)
+    assert seen["failed"] == 2 and got == want
 
 
 def test_a_rank_that_never_samples_captures_no_argmax(tiny_dirs, emulated_graphs):
-    """``capture_graphs(greedy=False)`` (tensor-parallel worker ranks): the graphs return no
+    """``capture_graphs(with_greedy=False)`` (tensor-parallel worker ranks): the graphs return no
     greedy tokens, so they launch no argmax; the default graphs of a plain model do."""
     engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), fused_ops=True,
                                     attention_backend="triton", max_num_seqs=8,
                                     max_model_len=64))
     hidden = engine.runner.model.config.hidden_size
     for greedy in (False, True):
-        engine.runner.capture_graphs(8, hidden, torch.float32, greedy=greedy)
+        engine.runner.capture_graphs(8, hidden, torch.float32, with_greedy=greedy)
         graphs = engine.runner.graphs
         assert graphs.with_greedy is greedy
         assert all((out[2] is not None) is greedy for out in graphs.outputs.values())

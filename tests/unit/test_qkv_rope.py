@@ -103,7 +103,8 @@ def test_bad_arguments_name_the_problem():
            ({"bias": b[:5]}, "bias"), ({"cos": cos[:2]}, "cos must"),
            ({"k_cache": kc[:, :, :32]}, "k_cache"), ({"slots": slots[:2]}, "slots"),
            ({"slots": slots.float()}, "slots"), ({"block_m": 24}, "block_m"),
-           ({"block_half": 24}, "block_half"),
+           ({"block_half": 24}, "block_half"), ({"block_half": 0}, "block_half"),
+           ({"block_half": 512}, "block_half"),
            ({"tma": True}, "tma=True")]
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -111,10 +112,11 @@ def test_bad_arguments_name_the_problem():
 
 
 @pytest.mark.parametrize("d,block_half,tma", [(64, 16, False), (64, 16, True), (96, 16, True),
-                                              (128, 32, False), (64, 32, True)])
+                                              (128, 32, False), (80, 16, True),
+                                              (96, 32, False)])
 def test_heads_split_in_column_chunks_bitwise(d, block_half, tma):
-    """``block_half`` below the half (several programs per head; 96: a last chunk past
-    the half) gives what one program per head gives, bit for bit."""
+    """``block_half`` below the half (several programs per head; 80 and 96 by 32: a last
+    chunk reaching past the half) gives what one program per head gives, bit for bit."""
     outs = []
     for bh in (max(16, 1 << (d // 2 - 1).bit_length()), block_half):
         x, w, b, cos, sin, (kc, vc) = _inputs(torch.bfloat16, 19, 4, 2, d, 64, False, True, 7)

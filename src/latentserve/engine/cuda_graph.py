@@ -79,7 +79,7 @@ class CudaGraphRunner:
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
-                 graph_depths=None, greedy: bool = True):
+                 graph_depths=None, with_greedy: bool = True):
         from latentserve.attention.triton_backend import TritonMeta
 
         dev = table.table.device
@@ -110,8 +110,8 @@ class CudaGraphRunner:
         # A plain model's graph also returns the logits' argmax (the greedy tokens), which
         # the sampler takes instead of launching the argmax after the replay; a latent
         # model's engine masks ids in the logits first, so its graph does not, nor does a
-        # tensor-parallel worker rank's (greedy=False: it never samples).
-        self.with_greedy = greedy and spec is None and self.GREEDY
+        # tensor-parallel worker rank's (with_greedy=False: it never samples).
+        self.with_greedy = with_greedy and spec is None and self.GREEDY
         self.greedy = None  # the last replay's greedy tokens (with_greedy)
         self.num_latent_replays = 0
         self.recurrent = spec is not None and spec.kind == "recurrent"

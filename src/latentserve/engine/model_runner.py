@@ -96,14 +96,14 @@ class ModelRunner:
         return out[self._keep]
 
     def capture_graphs(self, max_bs: int, hidden_size: int, dtype: torch.dtype,
-                       greedy: bool = True) -> None:
+                       with_greedy: bool = True) -> None:
         """Capture decode graphs for batch sizes up to ``max_bs`` (CUDA + Triton only);
-        ``greedy=False`` leaves the greedy argmax out of them (a rank that never samples)."""
+        ``with_greedy=False`` leaves the greedy argmax out of them (a rank that never samples)."""
         from latentserve.engine.cuda_graph import CudaGraphRunner
 
         self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table,
                                       max_bs, hidden_size, dtype, self.capture_layer,
-                                      greedy=greedy)
+                                      with_greedy=with_greedy)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending: tuple | None = None

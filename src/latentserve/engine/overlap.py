@@ -28,12 +28,15 @@ synchronously.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from latentserve.core import ReqStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -43,9 +46,9 @@ class Launched:
     ``pending``: ``(req, index in output_ids)`` per sampling row (``advance_launched``);
     ``tokens``: ``[S] int64`` on the device, row j for ``pending[j]``; ``host``: their
     host copy (pinned on CUDA) and ``event`` the CUDA event after it (None on the CPU);
-    ``src``:
-    ``id(req) -> j`` for the next batch's pending input ids; ``failed``: ``rid -> error``
-    for rows whose sampling failed (placeholder token 0), failed when the batch finishes."""
+    ``src``: ``id(req) -> j`` for the next batch's pending input ids; ``failed``: ``rid ->
+    error`` for rows whose sampling failed (placeholder token 0), failed when the batch
+    finishes."""
 
     pending: list
     tokens: torch.Tensor
@@ -81,25 +84,35 @@ def step(engine) -> list:
     launched = None
     if batch is not None:
         try:
-            logits, _ = engine.runner.run(batch,
-                                          None if prev is None else (prev.tokens, prev.src))
+            launched = _launch(engine, batch, prev)
         except BaseException:
-            _detach(prev)
+            # NOTE: the forward may have replayed a graph, overwriting the buffer that
+            # prev's tokens view, before something raised; its pending ids must survive
+            try:
+                _detach(prev)
+            except Exception:
+                log.exception("could not restore the in-flight tokens from their host copy")
             raise
-        reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        # NOTE: greedy tokens may be a view of the graph's static buffer (last_greedy). It
-        # is read only by the host copy below and, as pending ids, by the next step's
-        # input kernel, both queued before the next replay overwrites it (if that step's
-        # forward raises, _detach points them at the host copy).
-        tokens, failed = _sample(engine, logits, reqs)
-        host, event = _host_copy(tokens)
-        pending = sched.advance_launched(batch)
-        launched = Launched(pending, tokens, host, event,
-                            {id(r): j for j, (r, _) in enumerate(pending)}, failed)
     engine.inflight = launched
     if prev is None:
         return sched.drain_aborted()
     return finish(engine, prev)
+
+
+def _launch(engine, batch, prev: Launched | None) -> Launched:
+    """Run ``batch``'s forward (``prev``'s tokens as its pending ids) and launch its
+    sampling and the tokens' host copy; nothing here waits for the device."""
+    logits, _ = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
+    reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+    # NOTE: greedy tokens may be a view of the graph's static buffer (last_greedy). It is
+    # read only by the host copy below and, as pending ids, by the next step's input
+    # kernel, both queued before the next replay overwrites it (if that step raises,
+    # _detach points them at the host copy).
+    tokens, failed = _sample(engine, logits, reqs)
+    host, event = _host_copy(tokens)
+    pending = engine.scheduler.advance_launched(batch)
+    return Launched(pending, tokens, host, event,
+                    {id(r): j for j, (r, _) in enumerate(pending)}, failed)
 
 
 def finish(engine, launched: Launched) -> list:

@@ -317,7 +317,7 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
         runner.set_capture(setup.capture_layer)
         if setup.graph_max_bs:
             runner.capture_graphs(setup.graph_max_bs, hf_config.hidden_size,
-                                  config.torch_dtype, greedy=False)  # rank 0 samples
+                                  config.torch_dtype, with_greedy=False)  # rank 0 samples
         runner.serve_forever()
     finally:
         if runner is not None:

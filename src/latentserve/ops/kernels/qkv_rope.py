@@ -12,22 +12,22 @@ or fewer, where its 48 programs cannot pull the weight fast enough, and 9.5 at b
 without TMA (its pointer loads are not pipelined). The model layer uses it for 17 to 64
 rows with TMA only (``layers.QKV_ROPE_ROWS``).
 
-Here one program computes one head of every row in a ``BLOCK_M`` row tile: two
-accumulators, the head's first and second half of output columns, so the rotate-half
-rotation pairs element ``i`` of one with element ``i`` of the other without leaving
-registers. A head with halves of up to 32 columns is split further: each program takes 16
-columns of both halves (``default_block_half``), which doubles the programs pulling the
-weight at Llama-1B shapes. The grid is ``(row tiles, heads x chunks)`` with the row tile
+Here one program computes the same ``BLOCK_HALF`` columns of both halves of one head for
+every row in a ``BLOCK_M`` row tile: two accumulators, so the rotate-half rotation pairs
+element ``i`` of one with element ``i`` of the other without leaving registers. With
+head_dim over 64 a program takes whole halves; with head_dim 33 to 64 it takes 16 columns
+of each half (``default_block_half``), which doubles the programs pulling the weight at
+Llama-1B shapes (96 instead of 48). The grid is ``(row tiles, heads x chunks)`` with the row tile
 fastest, so the programs sharing weight rows run together and read them from HBM about
 once; no K split, no partial sums, no reduce kernel. A q head is written, rotated, to a new ``[T, H, D]``
 tensor; a k head is rotated and written at each row's slot of the layer's K pool, a v head
 written at that slot of the V pool (cast to the pool dtype).
 
-Before its PDL wait, each program asks L2 for the first columns of its head's weight rows
+Before its PDL wait, each program asks L2 for the first columns of its weight rows
 (``pdl.prefetch_l2``, ``pdl.prefetch_budget``): the kernel runs after an RMSNorm that leaves
-HBM idle, and its 48 programs cannot pull 3 MiB fast on their own. On the H200 a quarter of
-the weight took 11 us off a batch-64 Llama-1B step (16 layers); all of it made the step
-slower. The same prefetch in ``decode_linear`` (o, gate/up, down, LM head) and of decode
+HBM idle, and its programs (48 then, one per head) could not pull the weight fast on their
+own. In session 8 on the H200, prefetching a quarter of the weight took 11 us off a
+batch-64 Llama-1B step (16 layers); prefetching all of it made the step slower. The same prefetch in ``decode_linear`` (o, gate/up, down, LM head) and of decode
 attention's first K/V tile changed nothing measurable, so they do not prefetch
 (docs/benchmarks.md, session 8).
 
@@ -153,8 +153,8 @@ def _qkv_rope_kernel(
 
 def default_block_half(half: int) -> int:
     """Columns of each head half per program when the caller gives none: 16 for halves of
-    up to 32 (head_dim <= 64: two or more programs per head), else the whole half rounded
-    up to a power of 2 (one program per head). On the H200 at Llama-1B shapes (64 rows,
+    up to 32 (head_dim <= 64; a head of 48 or 64 then runs as 2 programs), else the whole
+    half rounded up to a power of 2 (one program per head). On the H200 at Llama-1B shapes (64 rows,
     weights not in L2) 16 took the kernel from 7.34 to 7.02 us and a batch-64 decode step
     3-4 us faster in three A/B runs. With a 32- or 16-row tile, 16 was slower (the model
     layer uses the default 64-row tile at every row count). Larger heads were not measured
@@ -224,9 +224,9 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         block_m, block_k: rows per program and the K tile (powers of 2, >= 16; fp32
             weights use at most 64). The defaults won an H200 sweep at 64 rows
             (docs/benchmarks.md, session 7).
-        block_half: columns of each head half per program, a power of 2 >= 16 (default
-            ``default_block_half``); each head runs as ``ceil(D / 2 / block_half)``
-            programs, each computing the same columns of both halves.
+        block_half: columns of each head half per program, a power of 2 from 16 to 256
+            (default ``default_block_half``); each head runs as ``ceil(D / 2 /
+            block_half)`` programs, each computing the same columns of both halves.
         num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
         tma: read the tiles through TMA tensor descriptors (default:
             ``decode_linear.use_tma``, the H200 setting); True needs 16-bit tensors with
@@ -238,10 +238,13 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             bad tiling or an impossible ``tma=True``.
     """
     d = _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv)
-    for name, val in (("block_m", block_m), ("block_k", block_k),
-                      ("block_half", block_half or 16)):
+    for name, val in (("block_m", block_m), ("block_k", block_k)):
         if val < 16 or val & (val - 1):
             raise ValueError(f"{name} must be a power of 2 >= 16, got {val}")
+    if block_half is not None and (block_half < 16 or block_half > 256
+                                   or block_half & (block_half - 1)):
+        raise ValueError(f"block_half must be a power of 2 from 16 to 256 (a TMA box's "
+                         f"rows), got {block_half}")
     if tma and not tma_compatible(x, weight):
         raise ValueError("tma=True needs 16-bit x and weight of one dtype with 16-byte-"
                          "aligned bases and row strides")
