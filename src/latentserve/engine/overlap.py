@@ -22,8 +22,8 @@ async scheduling; the code is ours.
 Engaged with ``EngineConfig.use_overlap_schedule`` (default: on CUDA) for a step where
 every request can do without its previous token on the host: a model without a
 ``LatentSpec``, no tensor parallelism, and no request asking for ``logprobs``,
-``prompt_logprobs`` or penalties (they read the token history on the host). Otherwise the engine finishes the batch in flight and steps
-synchronously.
+``prompt_logprobs`` or penalties (they read the token history on the host). Otherwise the
+engine finishes the batch in flight and steps synchronously.
 """
 
 from __future__ import annotations
@@ -144,9 +144,10 @@ def _host_copy(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
 
 
 def _detach(prev: Launched | None) -> None:
-    """After a forward that raised: point ``prev``'s tokens (the pending ids of a later
-    batch) at its host copy, on their device. The forward may have replayed a graph and
-    overwritten the buffer they viewed (``ModelRunner.last_greedy``) before raising."""
+    """After a launch that raised (``_launch``: forward, sampling, host copy): point
+    ``prev``'s tokens (the pending ids of a later batch) at its host copy, on their device.
+    The forward may have replayed a graph and overwritten the buffer they viewed
+    (``ModelRunner.last_greedy``) before something raised."""
     if prev is None:
         return
     if prev.event is not None:

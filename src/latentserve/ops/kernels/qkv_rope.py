@@ -17,19 +17,20 @@ every row in a ``BLOCK_M`` row tile: two accumulators, so the rotate-half rotati
 element ``i`` of one with element ``i`` of the other without leaving registers. With
 head_dim over 64 a program takes whole halves; with head_dim 33 to 64 it takes 16 columns
 of each half (``default_block_half``), which doubles the programs pulling the weight at
-Llama-1B shapes (96 instead of 48). The grid is ``(row tiles, heads x chunks)`` with the row tile
-fastest, so the programs sharing weight rows run together and read them from HBM about
-once; no K split, no partial sums, no reduce kernel. A q head is written, rotated, to a new ``[T, H, D]``
-tensor; a k head is rotated and written at each row's slot of the layer's K pool, a v head
-written at that slot of the V pool (cast to the pool dtype).
+Llama-1B shapes (96 instead of 48). The grid is ``(row tiles, heads x chunks)`` with the
+row tile fastest, so the programs sharing weight rows run together and read them from HBM
+about once; no K split, no partial sums, no reduce kernel. A q head is written, rotated, to
+a new ``[T, H, D]`` tensor; a k head is rotated and written at each row's slot of the
+layer's K pool, a v head written at that slot of the V pool (cast to the pool dtype).
 
 Before its PDL wait, each program asks L2 for the first columns of its weight rows
 (``pdl.prefetch_l2``, ``pdl.prefetch_budget``): the kernel runs after an RMSNorm that leaves
 HBM idle, and its programs (48 then, one per head) could not pull the weight fast on their
 own. In session 8 on the H200, prefetching a quarter of the weight took 11 us off a
-batch-64 Llama-1B step (16 layers); prefetching all of it made the step slower. The same prefetch in ``decode_linear`` (o, gate/up, down, LM head) and of decode
-attention's first K/V tile changed nothing measurable, so they do not prefetch
-(docs/benchmarks.md, session 8).
+batch-64 Llama-1B step (16 layers); prefetching all of it made the step slower. The same
+prefetch in ``decode_linear`` (o, gate/up, down, LM head) and of decode attention's first
+K/V tile changed nothing measurable, so they do not prefetch (docs/benchmarks.md,
+session 8).
 
 Rounding is the unfused path's: the GEMM result (bias added in fp32) is rounded to x's dtype,
 then rotated with ``rotary._rope_halves`` (each product rounded to the activation dtype).
