@@ -8,9 +8,9 @@ in the RoPE kernel, against a 2.9 us read of the weight (docs/benchmarks.md, iss
 
 With TMA descriptors (``decode_linear.use_tma``, the Hopper default) it took 7.6 us
 against 8.6 for the two kernels it replaces at 64 rows, but 8.7 against 7.7-8.2 at 16 rows
-or fewer, where its 48 programs cannot pull the weight fast enough, and 9.5 at best
-without TMA (its pointer loads are not pipelined). The model layer uses it for 17 to 64
-rows with TMA only (``layers.QKV_ROPE_ROWS``).
+or fewer, where its 48 programs (then one per head) could not pull the weight fast enough,
+and 9.5 at best without TMA (its pointer loads are not pipelined). The model layer uses it
+for 17 to 64 rows with TMA only (``layers.QKV_ROPE_ROWS``).
 
 Here one program computes the same ``BLOCK_HALF`` columns of both halves of one head for
 every row in a ``BLOCK_M`` row tile: two accumulators, so the rotate-half rotation pairs
@@ -154,10 +154,10 @@ def _qkv_rope_kernel(
 
 def default_block_half(half: int) -> int:
     """Columns of each head half per program when the caller gives none: 16 for halves of
-    up to 32 (head_dim <= 64; a head of 48 or 64 then runs as 2 programs), else the whole
-    half rounded up to a power of 2 (one program per head). On the H200 at Llama-1B shapes (64 rows,
-    weights not in L2) 16 took the kernel from 7.34 to 7.02 us and a batch-64 decode step
-    3-4 us faster in three A/B runs. With a 32- or 16-row tile, 16 was slower (the model
+    up to 32 (head_dim <= 64; a head of 33 to 64 then runs as 2 programs), else the whole
+    half rounded up to a power of 2 (one program per head). On the H200 at Llama-1B shapes
+    (64 rows, weights not in L2) 16 took the kernel from 7.34 to 7.02 us and a batch-64
+    decode step 3-4 us faster in three A/B runs. With a 32- or 16-row tile, 16 was slower (the model
     layer uses the default 64-row tile at every row count). Larger heads were not measured
     (docs/benchmarks.md, session 9)."""
     return 16 if half <= 32 else max(16, triton.next_power_of_2(half))
