@@ -114,6 +114,26 @@ def test_decode_one_split_default_tiles_at_batch_64():
     _compare([1] * 64, _kv_lens(8, 64), 8, 4, 64, torch.bfloat16)
 
 
+@pytest.mark.parametrize("batch", [64, 4])
+def test_decode_prefetch_hints_change_nothing(batch, monkeypatch):
+    """With PDL, stage 1 reads the batch's metadata and prefetches its first K/V tile before
+    the wait, and prefetches ``prefetch_next`` as it ends: outputs equal bit for bit with any
+    hint (a 8 MiB weight, one of a few bytes, a tiny budget, none), short requests and
+    empty splits included (batch 4 takes 8 splits; its keys: 700, 700, 1, 2)."""
+    layout, table, pool, q, k, v = _scenario(3, [1] * batch, _kv_lens(3, batch, 700), 8, 4,
+                                             64, torch.bfloat16)
+    _, be = _backends()
+    assert be.decode_splits(batch, 8, "cuda") == (1 if batch == 64 else 8)
+    meta = be.prepare(layout, table.table)
+    base = be.forward(0, q, k, v, meta, pool, 0.125)  # stores the new K/V
+    w = torch.randn(2048, 2048, device="cuda").bfloat16()
+    for hint, mb in ((w, "8"), (w[:1, :3].contiguous(), "8"), (w, "0.001"), (None, "8")):
+        monkeypatch.setenv("LATENTSERVE_ATTN_PREFETCH_MB", mb)
+        out = be.forward(0, q, None, None, meta, pool, 0.125, prefetch_next=hint)
+        torch.cuda.synchronize()
+        assert torch.equal(out, base)
+
+
 @pytest.mark.parametrize("d,n_kv,group", [(64, 4, 1), (128, 8, 4)])
 def test_extend_mixed_bf16_64_requests_kv1024(d, n_kv, group):
     g = torch.Generator().manual_seed(d)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from latentserve.ops.kernels import decode_linear, rms_norm, silu_and_mul
 from latentserve.ops.kernels.decode_linear import pick_tiling
-from latentserve.ops.kernels.pdl import pdl_launch, prefetch_budget, prefetch_lines
+from latentserve.ops.kernels.pdl import pdl_launch, prefetch_budget, prefetch_lines, share_args
 from latentserve.ops.norm import add_rms_norm
 from latentserve.testing.triton_interpreter import patch_triton_interpreter
 
@@ -151,6 +151,28 @@ def test_prefetch_share_per_weight_row(monkeypatch):
     assert prefetch_budget() == 0
 
 
+def test_share_args_split_a_buffer_over_programs(monkeypatch):
+    """``share_args``: power-of-2 shares of whole 128-byte lines that cover the budget (or the
+    whole buffer when smaller) across the programs; off for no buffer, no budget, or a buffer
+    under one line (the stand-in then fills the pointer)."""
+    from latentserve.attention.kernels.decode_attention import prefetch_budget as attn_budget
+
+    mib, stand_in = 1 << 20, torch.empty(1)
+    w = torch.empty(2048, 2048, dtype=torch.bfloat16)  # Llama-1B o_proj: 65536 lines
+    nxt, last, lines, line = share_args(w, 8 * mib, 512, stand_in)
+    assert nxt is w and (last, lines, line) == (65535, 128, 64) and lines * 512 > last
+    assert share_args(w, 1 * mib, 512, stand_in)[1:3] == (8191, 16)     # the budget caps
+    assert share_args(w, 64 * mib, 100, stand_in)[1:3] == (65535, 1024)  # the buffer caps
+    assert share_args(w.float(), 8 * mib, 512, stand_in)[1:] == (65535, 128, 32)  # fp32
+    for off in (share_args(None, mib, 8, stand_in), share_args(w, 0, 8, stand_in),
+                share_args(torch.empty(3, dtype=torch.bfloat16), mib, 8, stand_in)):
+        assert off[0] is stand_in and off[2] == 0
+    monkeypatch.delenv("LATENTSERVE_ATTN_PREFETCH_MB", raising=False)
+    assert attn_budget() == 8 * mib
+    monkeypatch.setenv("LATENTSERVE_ATTN_PREFETCH_MB", "0")
+    assert attn_budget() == 0
+
+
 @pytest.mark.parametrize("kind,dtype", [("llama", "float32"), ("qwen2", "bfloat16")])
 def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
                                                          monkeypatch):
@@ -158,7 +180,9 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
     in its epilogue, o_proj and down handing partial sums to the RMSNorm kernel, the
     SiLU-mul epilogue, fp32 logits) against the same path
     with ``DECODE_ROWS = 0`` (torch GEMMs): equal greedy tokens, every step's logits within
-    1e-4 (fp32) or bf16 noise, and the kernels did run."""
+    1e-4 (fp32) or bf16 noise, and the kernels did run. Decode attention gets the layer's
+    o_proj weight as its L2 prefetch hint on the decode-GEMM path only."""
+    from latentserve.attention import triton_backend
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.models import layers
@@ -172,6 +196,9 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
                         lambda *a, **k: calls.append(k.get("partials")) or real(*a, **k))
     monkeypatch.setattr(kernels, "qkv_rope_store_kv",
                         lambda *a, **k: calls.append("qkv") or real_qkv(*a, **k))
+    hints, real_attn = [], triton_backend.decode_attention
+    monkeypatch.setattr(triton_backend, "decode_attention", lambda *a, **k: hints.append(
+        k["prefetch_next"]) or real_attn(*a, **k))
     sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]  # 51, 30 (its prefix), 3 tokens
     out = {}
@@ -182,8 +209,12 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
         engine = LLMEngine(EngineConfig(model=str(tiny_dirs[kind]), fused_ops=True,
                                         attention_backend="triton", dtype=dtype))
         calls.clear()
+        hints.clear()
         out[rows] = run_requests(engine, reqs)
         assert bool(calls) == bool(rows)
+        o_projs = [lay.self_attn.o_proj.weight for lay in engine.runner.model.model.layers]
+        assert hints and all(h is o_projs[i % len(o_projs)] if rows else h is None
+                             for i, h in enumerate(hints))
         engine.cache.check_idle()
     assert True in calls  # o_proj / down handed partial sums on
     assert ("qkv" in calls) == (dtype != "float32")  # q/k/v + RoPE fused: 16-bit TMA only

@@ -52,7 +52,8 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta, kv_pool, scale: float) -> torch.Tensor:
+                meta, kv_pool, scale: float,
+                prefetch_next: torch.Tensor | None = None) -> torch.Tensor:
         """Attention for one layer.
 
         Args:
@@ -60,6 +61,8 @@ class AttentionBackend:
                 or both None when already in the pool at ``meta.out_slots`` (only where
                 ``fused_kv_store``).
             meta: from ``prepare``; kv_pool: a ``KVPool``; scale: softmax scale.
+            prefetch_next: a hint, the weight the caller reads next (the o_proj); a backend
+                may ask L2 for it. Results never depend on it.
         Returns:
             ``[T, num_heads, head_dim]`` in q's dtype.
         """

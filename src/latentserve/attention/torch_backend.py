@@ -53,7 +53,7 @@ class TorchBackend(AttentionBackend):
             q_max=q_max,
         )
 
-    def forward(self, layer, q, k, v, meta: TorchMeta, kv_pool, scale):
+    def forward(self, layer, q, k, v, meta: TorchMeta, kv_pool, scale, prefetch_next=None):
         if k is not None:  # None: the caller stored them (the contract allows; unused here)
             kv_pool.store(layer, meta.out_slots, k, v)
         n_heads, d = q.shape[1], q.shape[2]

@@ -125,7 +125,7 @@ class TritonBackend(AttentionBackend):
             is_decode=all(n == 1 for n in layout.q_lens),
         )
 
-    def forward(self, layer, q, k, v, meta: TritonMeta, kv_pool, scale):
+    def forward(self, layer, q, k, v, meta: TritonMeta, kv_pool, scale, prefetch_next=None):
         k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
         if k is not None:
             store_kv(k, v, k_cache, v_cache, meta.out_slots)
@@ -136,6 +136,7 @@ class TritonBackend(AttentionBackend):
             return decode_attention(
                 q, k_cache, v_cache, meta.page_table, meta.rows, meta.kv_lens, scale,
                 num_kv_splits=splits, block_n=self.decode_tile(splits, q.shape[-1]),
+                prefetch_next=prefetch_next,
             )
         return extend_attention(
             q, k_cache, v_cache, meta.page_table, meta.rows, meta.q_start, meta.kv_lens,

@@ -145,9 +145,11 @@ class MergedQKV:
         self.fused = True
 
     def fused_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        layer: int) -> torch.Tensor:
+                        layer: int, next_weight: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[T, hidden]``, cos/sin ``[T, head_dim]``, ``layer`` the KV pool layer (a
         recurrent model's bank) -> attention output ``[T, H, D]``, as ``paged_attention``.
+        ``next_weight``: the weight read next (the o_proj), handed to the backend as its
+        ``prefetch_next`` hint.
 
         For ``QKV_ROPE_ROWS`` rows read through TMA, with a backend that allows it
         (``fused_kv_store``: Triton), one kernel does all of it before attention: the
@@ -173,7 +175,7 @@ class MergedQKV:
                                   ctx.kv_pool.k[layer], ctx.kv_pool.v[layer],
                                   ctx.attn_meta.out_slots, self.n_heads, self.n_kv)
             return ctx.backend.forward(layer, q, None, None, ctx.attn_meta, ctx.kv_pool,
-                                       self.scale)
+                                       self.scale, prefetch_next=next_weight)
         qkv = self.qkv_proj(x)
         nq, nk = self.n_heads * d, self.n_kv * d
         q = qkv[:, :nq].view(t, self.n_heads, d)
@@ -185,7 +187,8 @@ class MergedQKV:
             k = v = None  # in the pool now (k there rotated, here not)
         else:
             apply_rotary_(q, k, cos, sin)
-        return ctx.backend.forward(layer, q, k, v, ctx.attn_meta, ctx.kv_pool, self.scale)
+        return ctx.backend.forward(layer, q, k, v, ctx.attn_meta, ctx.kv_pool, self.scale,
+                                   prefetch_next=next_weight)
 
 
 def fuse_decoder(model: nn.Module, layers) -> None:

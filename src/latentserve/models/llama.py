@@ -47,8 +47,10 @@ class LlamaAttention(MergedQKV, nn.Module):
         sums ``[S, T, hidden]`` instead, for the next RMSNorm kernel to reduce."""
         t, d = x.shape[0], self.head_dim
         if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, one RoPE (+ KV store) kernel
-            o = self.fused_attention(x, cos, sin, self.layer).reshape(t, -1)
-            if decode_gemms(True, o, self.o_proj):
+            gemm = decode_gemms(True, x, self.o_proj)  # o_proj on the decode GEMM kernel
+            o = self.fused_attention(x, cos, sin, self.layer,
+                                     self.o_proj.weight if gemm else None).reshape(t, -1)
+            if gemm:
                 from latentserve.ops.kernels import decode_linear
 
                 if partials and self.o_proj.bias is None:

@@ -61,6 +61,32 @@ def prefetch_l2(ptrs, PDL: tl.constexpr):
                                   [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def prefetch_share(Next, next_last, pid, LINES: tl.constexpr, LINE: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Program ``pid``'s share of another buffer into L2 (``prefetch_l2``): its ``LINES``
+    128-byte lines from line ``pid * LINES`` on (clamped to the buffer's last line,
+    ``next_last``; ``LINE`` elements each). ``LINES`` 0: nothing."""
+    if LINES > 0:
+        idx = tl.minimum(pid * LINES + tl.arange(0, LINES), next_last)
+        prefetch_l2(Next + idx.to(tl.int64) * LINE, PDL)
+
+
+def share_args(nxt: torch.Tensor | None, nbytes: int, programs: int,
+               stand_in: torch.Tensor) -> tuple:
+    """Launch arguments ``(Next, next_last, LINES, LINE)`` for ``prefetch_share``: the
+    first ``nbytes`` of ``nxt`` (a contiguous tensor; None or 0 bytes: off, and
+    ``stand_in`` fills the pointer) split over ``programs`` programs in power-of-2 shares
+    of whole lines."""
+    if nxt is None or nbytes <= 0 or programs <= 0:
+        return stand_in, 0, 0, 1
+    line = max(128 // nxt.element_size(), 1)
+    total = min(nxt.numel() // line, nbytes // 128)
+    if total == 0:
+        return stand_in, 0, 0, 1
+    return nxt, total - 1, triton.next_power_of_2(triton.cdiv(total, programs)), line
+
+
 def prefetch_lines(nbytes: int, rows: int, programs: int, line_elems: int,
                    k_span: int) -> int:
     """Elements of each weight row a GEMM program prefetches into L2 (``prefetch_l2``):
