@@ -207,5 +207,19 @@ def test_argmax_kernel_equals_torch_argmax(rows, vocab):
     if rows > 2:
         x[1, [5000, 9]] = float("nan")
         x[2] = float("-inf")
+        x[-1] = -1.0
+        x[-1, [vocab - 1, 4100, 9000]] = torch.tensor([0.0, -0.0, 0.0], device="cuda")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+
+
+def test_rope_rows_kernel_equals_indexing():
+    """``Rotary.cos_sin``'s CUDA gather (``ops.kernels.rope_rows``): the table's rows bit for
+    bit, positions past either end clamped."""
+    pytest.importorskip("triton")
+    from latentserve.ops.kernels.rope_rows import rope_rows
+
+    table = torch.randn(600, 2, 64, device="cuda").bfloat16()
+    pos = torch.randint(0, 600, (64,), device="cuda")
+    pos[:2] = torch.tensor([700, -1])
+    assert torch.equal(rope_rows(table, pos), table[pos.clamp(0, 599)])

@@ -1,7 +1,7 @@
 """``ops.kernels.argmax.argmax_rows`` (greedy sampling's token pick on CUDA) on CPU through
 the Triton interpreter: the indices ``torch.argmax`` gives, bit for bit, including ties
-(the first maximum), NaN rows (the first NaN), all -inf rows, rows shorter than one chunk
-and a last chunk cut short. On the H200: ``tests/gpu/test_triton_gpu.py``."""
+(the first maximum), NaN rows (the first NaN, whatever its sign bit), all -inf rows, -0.0
+tied with +0.0, rows shorter than one chunk and a last chunk cut short. On the H200: ``tests/gpu/test_triton_gpu.py``."""
 
 import os
 
@@ -21,7 +21,7 @@ patch_triton_interpreter()
 
 def _cases(dtype, v, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(9, v, generator=g).to(dtype)
+    x = torch.randn(11, v, generator=g).to(dtype)
     x[1, [3, v - 1]] = 50.0  # a tie: the first wins
     x[2, [v - 1, v // 2]] = 60.0  # a tie across chunks
     x[3, [v - 2, 5]] = float("nan")  # NaN beats numbers; the first NaN wins
@@ -31,6 +31,9 @@ def _cases(dtype, v, seed=0):
     x[6] = 7.0  # constant row
     x[7, v // 3] = -float("inf")
     x[8, 1:] = -1e30
+    x[9] = -1.0
+    x[9, [v - 1, 2, 4]] = torch.tensor([0.0, -0.0, 0.0]).to(dtype)  # -0.0 == +0.0: the first
+    x[10, [v - 1, 3]] = -float("nan")  # a NaN with its sign bit set is a NaN too
     return x
 
 
@@ -39,7 +42,7 @@ def _cases(dtype, v, seed=0):
 def test_equals_torch_argmax(dtype, v, block):
     x = _cases(dtype, v, seed=v)
     got = argmax_rows(x, block=block)
-    assert got.dtype == torch.int64 and got.shape == (9,)
+    assert got.dtype == torch.int64 and got.shape == (11,)
     assert torch.equal(got, x.argmax(dim=-1))
 
 

@@ -84,8 +84,8 @@ class Rotary(nn.Module):
     ``cos_sin(positions [T] int64, dtype)`` returns ``(cos, sin)``, each ``[T, head_dim]``
     in ``dtype``: computed once per forward and shared by every layer
     (``ops.rotary.apply_rotary``, or the in-place kernel on the fast path). After
-    ``build_table`` they are rows of a precomputed table (a clamp and a gather instead of
-    about nine small kernels per step; the same values).
+    ``build_table`` they are rows of a precomputed table (one gather instead of about nine
+    small kernels per step, ``ops.kernels.rope_rows`` on CUDA; the same values).
     """
 
     def __init__(self, hf_config, head_dim: int):
@@ -109,7 +109,12 @@ class Rotary(nn.Module):
         table = self._table
         if table is not None and table.dtype == dtype and table.device == positions.device:
             # NOTE: clamped, so a position past the table can never fault the device
-            rows = table[positions.clamp(max=table.shape[0] - 1)]
+            if table.is_cuda:  # one PDL kernel instead of torch's clamp and index
+                from latentserve.ops.kernels.rope_rows import rope_rows
+
+                rows = rope_rows(table, positions)
+            else:
+                rows = table[positions.clamp(max=table.shape[0] - 1)]
             return rows[:, 0], rows[:, 1]
         return rope_cos_sin(positions, self.inv_freq, self.scaling, dtype)
 

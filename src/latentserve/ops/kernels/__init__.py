@@ -15,6 +15,7 @@ them in ``latentserve.ops``).
 * ``decode_inputs``: a decode batch's packed index vectors unpacked into a CUDA graph's
   input buffers (pending ids substituted, KV slots looked up).
 * ``embed_inject``: the embedding lookup with latent rows swapped in.
+* ``rope_rows``: the RoPE (cos, sin) table's rows at the tokens' positions.
 * ``pdl``: programmatic dependent launch, which every kernel above uses on Hopper.
 
 Each kernel rounds where the Hugging Face eager modules round (to the activation dtype
