@@ -127,6 +127,9 @@ def test_tiling_heuristic_and_pdl_off_on_cpu(monkeypatch):
     assert pick_tiling(64, 16384, 2048) == (128, 128, 1)   # gate/up
     assert pick_tiling(64, 2048, 8192) == (64, 128, 4)     # down
     assert pick_tiling(64, 128256, 2048) == (128, 128, 1)  # LM head
+    # a weight already in L2 (o_proj after decode attention prefetched it): half the target
+    assert pick_tiling(64, 2048, 2048, in_l2=True) == (64, 128, 2)
+    assert pick_tiling(64, 16384, 2048, in_l2=True) == (128, 128, 1)
     assert pdl_launch(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv("LATENTSERVE_PDL", "0")
     assert pdl_launch(torch.device("cuda", 0)) == {"PDL": False}
@@ -181,7 +184,9 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
     SiLU-mul epilogue, fp32 logits) against the same path
     with ``DECODE_ROWS = 0`` (torch GEMMs): equal greedy tokens, every step's logits within
     1e-4 (fp32) or bf16 noise, and the kernels did run. Decode attention gets the layer's
-    o_proj weight as its L2 prefetch hint on the decode-GEMM path only."""
+    o_proj weight as its L2 prefetch hint on the decode-GEMM path only; where the backend
+    says it prefetches (forced here: no PDL on CPU), the o_proj tiles for an L2-resident
+    weight (split 2)."""
     from latentserve.attention import triton_backend
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
@@ -192,8 +197,10 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
     from latentserve.testing.tp_parity import assert_same, run_requests
 
     calls, real, real_qkv = [], kernels.decode_linear, kernels.qkv_rope_store_kv
-    monkeypatch.setattr(kernels, "decode_linear",
-                        lambda *a, **k: calls.append(k.get("partials")) or real(*a, **k))
+    monkeypatch.setattr(kernels, "decode_linear", lambda *a, **k: calls.append(
+        k.get("partials")) or calls.append(("l2", k.get("weight_in_l2"))) or real(*a, **k))
+    monkeypatch.setattr(triton_backend.TritonBackend, "prefetches",
+                        lambda self, meta, w: meta.is_decode and w is not None)
     monkeypatch.setattr(kernels, "qkv_rope_store_kv",
                         lambda *a, **k: calls.append("qkv") or real_qkv(*a, **k))
     hints, real_attn = [], triton_backend.decode_attention
@@ -217,6 +224,7 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
                              for i, h in enumerate(hints))
         engine.cache.check_idle()
     assert True in calls  # o_proj / down handed partial sums on
+    assert ("l2", True) in calls  # the decode steps' o_proj
     assert ("qkv" in calls) == (dtype != "float32")  # q/k/v + RoPE fused: 16-bit TMA only
     assert_same(out[0], out[64], atol=1e-4 if dtype == "float32" else 0.1)
 

@@ -245,3 +245,25 @@ def test_engine_with_split_count_matches_torch_backend(tiny_dirs, splits):
     assert out["triton"][0] == out["torch"][0]
     for a, b in zip(out["triton"][1], out["torch"][1]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_prefetches_reports_a_whole_weight_prefetch(monkeypatch):
+    """``TritonBackend.prefetches``: true only for a decode batch, with PDL, for a contiguous
+    weight within decode attention's prefetch budget (8 MiB by default); the torch backend
+    never prefetches."""
+    from types import SimpleNamespace
+
+    from latentserve.ops.kernels import pdl
+
+    be = TritonBackend()
+    dec, ext = SimpleNamespace(is_decode=True), SimpleNamespace(is_decode=False)
+    w = torch.empty(2048, 2048, dtype=torch.bfloat16)  # Llama-1B o_proj: 8 MiB
+    assert not be.prefetches(dec, w)  # CPU: no PDL
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    assert be.prefetches(dec, w)
+    assert not be.prefetches(ext, w) and not be.prefetches(dec, None)
+    assert not be.prefetches(dec, torch.empty(4096, 2048, dtype=torch.bfloat16))  # 16 MiB
+    assert not be.prefetches(dec, w.t())
+    monkeypatch.setenv("LATENTSERVE_ATTN_PREFETCH_MB", "0")
+    assert not be.prefetches(dec, w)
+    assert not TorchBackend().prefetches(dec, w)

@@ -69,6 +69,13 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+    def prefetches(self, meta, weight: torch.Tensor | None) -> bool:
+        """Whether ``forward(..., prefetch_next=weight)`` on a batch with ``meta`` brings all
+        of ``weight`` into L2 (the caller may then tile its GEMM for an L2-resident
+        weight). The base class never prefetches."""
+        return False
+
+
 def make_backend(name: str, num_kv_splits: int = 8) -> AttentionBackend:
     """``"torch"`` (the reference; CPU and CUDA) or ``"triton"`` (CUDA; imports triton lazily;
     ``num_kv_splits``: its decode kernel's flash-decoding splits). Raises ValueError for

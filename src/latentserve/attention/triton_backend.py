@@ -143,6 +143,16 @@ class TritonBackend(AttentionBackend):
             meta.max_q_len, scale, block_m=self.extend_block_m, block_n=self.extend_block_n,
         )
 
+    def prefetches(self, meta: TritonMeta, weight: torch.Tensor | None) -> bool:
+        """True for a decode batch on a device with PDL when all of ``weight`` fits the
+        decode attention's prefetch budget (``decode_attention.prefetch_budget``)."""
+        from latentserve.attention.kernels.decode_attention import prefetch_budget
+        from latentserve.ops.kernels.pdl import pdl_enabled
+
+        return (weight is not None and meta.is_decode and weight.is_contiguous()
+                and weight.numel() * weight.element_size() <= prefetch_budget()
+                and pdl_enabled(weight.device))
+
 
 _SMS: dict = {}
 

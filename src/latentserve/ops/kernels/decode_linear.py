@@ -119,16 +119,20 @@ def _split_k_reduce_kernel(
     tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
 
 
-def pick_tiling(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int]:
+def pick_tiling(m: int, n: int, k: int, num_sms: int = 132,
+                in_l2: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K)`` for an ``[m, k] @ [k, n]`` decode GEMM: 128 columns
     per program for a wide weight, else 64, and the fewest power-of-2 K splits (each at
     least 512 long) that give at least 0.7 programs per SM. Set from the H200 sweeps of
     ``bench.layer_gpu`` (Llama-1B shapes at M = 64: q/k/v 64 x 2, o 64 x 4, gate/up 128 x 1,
-    down 64 x 4, LM head 128 x 1)."""
+    down 64 x 4, LM head 128 x 1). ``in_l2``: the weight is already in L2 (decode attention
+    prefetched it), so half as many programs pull it fast enough, with fewer partial sums
+    for the next kernel to add: 0.35 programs per SM (o_proj: split 2, which took 10 us
+    off a batch-64 Llama-1B step on the H200; docs/benchmarks.md, session 10)."""
     block_n = 128 if n >= 8192 else 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 64)
-    split = 1
-    while tiles * split < num_sms * 0.7 and k // (2 * split) >= 512:
+    split, target = 1, num_sms * (0.35 if in_l2 else 0.7)
+    while tiles * split < target and k // (2 * split) >= 512:
         split *= 2
     return block_n, 128, split
 
@@ -201,7 +205,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   *, swiglu: bool = False, partials: bool = False,
                   out_dtype: torch.dtype | None = None, block_n: int | None = None,
                   block_k: int | None = None, split_k: int | None = None,
-                  num_stages: int = 4, tma: bool | None = None) -> torch.Tensor:
+                  num_stages: int = 4, tma: bool | None = None,
+                  weight_in_l2: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for a few rows; with ``swiglu``, ``silu(gate) * up`` of the
     merged gate/up projection ``x @ weight.T + bias`` (gate: its first half of columns).
 
@@ -219,6 +224,9 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
         tma: read the tiles through TMA tensor descriptors (default: ``use_tma``, on for
             Hopper and newer). True needs 16-byte-aligned bases and row strides.
+        weight_in_l2: the caller had the weight prefetched into L2; the default tiling
+            then splits K less (``pick_tiling``'s ``in_l2``). Results do not depend on it
+            beyond the split's summation order.
     Returns:
         ``[M, N]`` (``[M, N / 2]`` with ``swiglu``) in ``out_dtype``, or ``[S, M, N]`` fp32
         with ``partials``; new tensors.
@@ -229,7 +237,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if swiglu and partials:
         raise ValueError("swiglu and partials cannot be combined")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    bn, bk, sk = pick_tiling(m, n, k)
+    bn, bk, sk = pick_tiling(m, n, k, in_l2=weight_in_l2)
     if swiglu:  # one program computes BLOCK_N gate and BLOCK_N up columns
         n, bn, sk = n // 2, bn // 2, 1
     bn, bk, sk = block_n or bn, block_k or bk, split_k or sk
