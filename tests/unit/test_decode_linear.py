@@ -200,7 +200,7 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
     monkeypatch.setattr(kernels, "decode_linear", lambda *a, **k: calls.append(
         k.get("partials")) or calls.append(("l2", k.get("weight_in_l2"))) or real(*a, **k))
     monkeypatch.setattr(triton_backend.TritonBackend, "prefetches",
-                        lambda self, meta, w: meta.is_decode and w is not None)
+                        lambda self, meta, w, kv_heads: meta.is_decode and w is not None)
     monkeypatch.setattr(kernels, "qkv_rope_store_kv",
                         lambda *a, **k: calls.append("qkv") or real_qkv(*a, **k))
     hints, real_attn = [], triton_backend.decode_attention

@@ -248,22 +248,25 @@ def test_engine_with_split_count_matches_torch_backend(tiny_dirs, splits):
 
 
 def test_prefetches_reports_a_whole_weight_prefetch(monkeypatch):
-    """``TritonBackend.prefetches``: true only for a decode batch, with PDL, for a contiguous
-    weight within decode attention's prefetch budget (8 MiB by default); the torch backend
-    never prefetches."""
+    """``TritonBackend.prefetches``: true only for a one-split decode batch (an H200's 132
+    SMs: 64 requests x 8 KV heads, not 16 x 8), with PDL, for a contiguous weight within
+    decode attention's prefetch budget (8 MiB by default); the torch backend never
+    prefetches."""
     from types import SimpleNamespace
 
     from latentserve.ops.kernels import pdl
 
-    be = TritonBackend()
-    dec, ext = SimpleNamespace(is_decode=True), SimpleNamespace(is_decode=False)
+    be = TritonBackend(num_sms=132)
+    dec = SimpleNamespace(is_decode=True, num_reqs=64)
+    ext = SimpleNamespace(is_decode=False, num_reqs=64)
     w = torch.empty(2048, 2048, dtype=torch.bfloat16)  # Llama-1B o_proj: 8 MiB
-    assert not be.prefetches(dec, w)  # CPU: no PDL
+    assert not be.prefetches(dec, w, 8)  # CPU: no PDL
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
-    assert be.prefetches(dec, w)
-    assert not be.prefetches(ext, w) and not be.prefetches(dec, None)
-    assert not be.prefetches(dec, torch.empty(4096, 2048, dtype=torch.bfloat16))  # 16 MiB
-    assert not be.prefetches(dec, w.t())
+    assert be.prefetches(dec, w, 8)
+    assert not be.prefetches(SimpleNamespace(is_decode=True, num_reqs=16), w, 8)  # 8 splits
+    assert not be.prefetches(ext, w, 8) and not be.prefetches(dec, None, 8)
+    assert not be.prefetches(dec, torch.empty(4096, 2048, dtype=torch.bfloat16), 8)  # 16 MiB
+    assert not be.prefetches(dec, w.t(), 8)
     monkeypatch.setenv("LATENTSERVE_ATTN_PREFETCH_MB", "0")
-    assert not be.prefetches(dec, w)
-    assert not TorchBackend().prefetches(dec, w)
+    assert not be.prefetches(dec, w, 8)
+    assert not TorchBackend().prefetches(dec, w, 8)

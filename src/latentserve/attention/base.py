@@ -69,10 +69,11 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-    def prefetches(self, meta, weight: torch.Tensor | None) -> bool:
-        """Whether ``forward(..., prefetch_next=weight)`` on a batch with ``meta`` brings all
-        of ``weight`` into L2 (the caller may then tile its GEMM for an L2-resident
-        weight). The base class never prefetches."""
+    def prefetches(self, meta, weight: torch.Tensor | None, kv_heads: int) -> bool:
+        """Whether ``forward(..., prefetch_next=weight)`` on a batch with ``meta`` and a pool
+        of ``kv_heads`` KV heads brings all of ``weight`` into L2 right before the caller's
+        next kernel (which may then tile its GEMM for an L2-resident weight). The base
+        class never prefetches."""
         return False
 
 

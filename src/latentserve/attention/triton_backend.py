@@ -143,14 +143,21 @@ class TritonBackend(AttentionBackend):
             meta.max_q_len, scale, block_m=self.extend_block_m, block_n=self.extend_block_n,
         )
 
-    def prefetches(self, meta: TritonMeta, weight: torch.Tensor | None) -> bool:
-        """True for a decode batch on a device with PDL when all of ``weight`` fits the
-        decode attention's prefetch budget (``decode_attention.prefetch_budget``)."""
+    def prefetches(self, meta: TritonMeta, weight: torch.Tensor | None, kv_heads: int) -> bool:
+        """True for a one-split decode batch (stage 1 is the last attention kernel, so the
+        prefetch ends right before the caller's GEMM) on a device with PDL, when all of
+        ``weight`` fits the decode attention's prefetch budget
+        (``decode_attention.prefetch_budget``). On the H200 (Llama-1B o_proj) the
+        L2-resident tiling took 10 us off a batch-64 step (one split) and added 20 us at
+        batch 16 (eight splits and the merge kernel; docs/benchmarks.md, session 10)."""
         from latentserve.attention.kernels.decode_attention import prefetch_budget
         from latentserve.ops.kernels.pdl import pdl_enabled
 
-        return (weight is not None and meta.is_decode and weight.is_contiguous()
-                and weight.numel() * weight.element_size() <= prefetch_budget()
+        if weight is None or not meta.is_decode or not weight.is_contiguous():
+            return False
+        if self.decode_splits(meta.num_reqs, kv_heads, weight.device) != 1:
+            return False
+        return (weight.numel() * weight.element_size() <= prefetch_budget()
                 and pdl_enabled(weight.device))
 
 

@@ -56,7 +56,7 @@ class LlamaAttention(MergedQKV, nn.Module):
                 from latentserve.ops.kernels import decode_linear
 
                 ctx = get_context()
-                in_l2 = ctx.backend.prefetches(ctx.attn_meta, w)
+                in_l2 = ctx.backend.prefetches(ctx.attn_meta, w, self.n_kv)
                 if partials and self.o_proj.bias is None:
                     return decode_linear(o, w, partials=True, weight_in_l2=in_l2)
                 return decode_linear(o, w, self.o_proj.bias, weight_in_l2=in_l2)
