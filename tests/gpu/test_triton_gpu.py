@@ -118,7 +118,8 @@ def test_decode_one_split_default_tiles_at_batch_64():
 def test_decode_prefetch_hints_change_nothing(batch, monkeypatch):
     """With PDL, stage 1 reads the batch's metadata and prefetches its first K/V tile before
     the wait, and prefetches ``prefetch_next`` as it ends: outputs equal bit for bit with any
-    hint (a 8 MiB weight, one of a few bytes, a tiny budget, none), short requests and
+    hint (an 8 MiB weight, one of a few bytes, one of a line and a half, a tiny budget,
+    none), short requests and
     empty splits included (batch 4 takes 8 splits; its keys: 700, 700, 1, 2)."""
     layout, table, pool, q, k, v = _scenario(3, [1] * batch, _kv_lens(3, batch, 700), 8, 4,
                                              64, torch.bfloat16)
@@ -127,7 +128,8 @@ def test_decode_prefetch_hints_change_nothing(batch, monkeypatch):
     meta = be.prepare(layout, table.table)
     base = be.forward(0, q, k, v, meta, pool, 0.125)  # stores the new K/V
     w = torch.randn(2048, 2048, device="cuda").bfloat16()
-    for hint, mb in ((w, "8"), (w[:1, :3].contiguous(), "8"), (w, "0.001"), (None, "8")):
+    for hint, mb in ((w, "8"), (w[:1, :3].contiguous(), "8"), (w.reshape(-1)[:100], "8"),
+                     (w, "0.001"), (None, "8")):
         monkeypatch.setenv("LATENTSERVE_ATTN_PREFETCH_MB", mb)
         out = be.forward(0, q, None, None, meta, pool, 0.125, prefetch_next=hint)
         torch.cuda.synchronize()

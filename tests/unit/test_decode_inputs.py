@@ -35,6 +35,26 @@ def _batch(n, num_pending, extra, seed):
     return packed, table, pending, ids, pos, rows, dst, src
 
 
+def test_not_launched_with_pdl(monkeypatch):
+    """The kernel writes the batch metadata that decode attention reads before its PDL wait,
+    so it must not itself be a PDL launch (which could let later kernels start early)."""
+    from latentserve.ops.kernels import decode_inputs
+
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(kwargs)
+
+    monkeypatch.setattr(decode_inputs, "_decode_inputs_kernel", Spy())
+    packed, table, pending, *_ = _batch(5, 3, 0, 1)
+    bufs = [torch.zeros(8, dtype=torch.int64) for _ in range(3)]
+    unpack_decode_inputs(packed, 5, 8, 3, pending, table, 79, *bufs[:2],
+                         torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int32),
+                         bufs[2])
+    assert len(seen) == 1 and not {"launch_pdl", "PDL"} & set(seen[0])
+
+
 @pytest.mark.parametrize("n,b,num_pending,extra", [
     (64, 64, 64, 0), (5, 8, 3, 0), (5, 8, 0, 0), (70, 80, 70, 70), (1, 1, 1, 0), (0, 4, 0, 0)])
 def test_unpack_equals_the_torch_ops(n, b, num_pending, extra):

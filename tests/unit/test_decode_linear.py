@@ -156,8 +156,8 @@ def test_prefetch_share_per_weight_row(monkeypatch):
 
 def test_share_args_split_a_buffer_over_programs(monkeypatch):
     """``share_args``: power-of-2 shares of whole 128-byte lines that cover the budget (or the
-    whole buffer when smaller) across the programs; off for no buffer, no budget, or a buffer
-    under one line (the stand-in then fills the pointer)."""
+    whole buffer when smaller) across the programs; off for no buffer, no budget, a buffer
+    under one line or a non-contiguous one (the stand-in then fills the pointer)."""
     from latentserve.attention.kernels.decode_attention import prefetch_budget as attn_budget
 
     mib, stand_in = 1 << 20, torch.empty(1)
@@ -168,7 +168,9 @@ def test_share_args_split_a_buffer_over_programs(monkeypatch):
     assert share_args(w, 64 * mib, 100, stand_in)[1:3] == (65535, 1024)  # the buffer caps
     assert share_args(w.float(), 8 * mib, 512, stand_in)[1:] == (65535, 128, 32)  # fp32
     for off in (share_args(None, mib, 8, stand_in), share_args(w, 0, 8, stand_in),
-                share_args(torch.empty(3, dtype=torch.bfloat16), mib, 8, stand_in)):
+                share_args(torch.empty(3, dtype=torch.bfloat16), mib, 8, stand_in),
+                share_args(w[:1].expand(2048, 2048), mib, 8, stand_in),
+                share_args(w.t(), mib, 8, stand_in)):
         assert off[0] is stand_in and off[2] == 0
     monkeypatch.delenv("LATENTSERVE_ATTN_PREFETCH_MB", raising=False)
     assert attn_budget() == 8 * mib

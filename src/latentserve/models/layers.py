@@ -114,7 +114,7 @@ class Rotary(nn.Module):
 
                 rows = rope_rows(table, positions)
             else:
-                rows = table[positions.clamp(max=table.shape[0] - 1)]
+                rows = table[positions.clamp(0, table.shape[0] - 1)]
             return rows[:, 0], rows[:, 1]
         return rope_cos_sin(positions, self.inv_freq, self.scaling, dtype)
 

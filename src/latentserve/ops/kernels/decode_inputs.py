@@ -98,6 +98,9 @@ def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
         return
     # NOTE: fixed block sizes, so one compile (CudaGraphRunner's, at capture) serves every
     # batch: a compile inside serving costs a few hundred milliseconds.
+    # NOTE: never launched with PDL. Decode attention reads rows, kv_lens and the page table
+    # before its own PDL wait (attention/kernels/decode_attention.py), which is safe only
+    # while this kernel ends before any later kernel starts.
     _decode_inputs_kernel[(triton.cdiv(b, 64),)](
         packed, pending if num_pending else packed, table, ids, pos, rows, kv_lens,
         out_slots, n, b, num_pending, packed.shape[0] - 2 * num_pending, table.stride(0),

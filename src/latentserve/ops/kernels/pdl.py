@@ -75,10 +75,11 @@ def prefetch_share(Next, next_last, pid, LINES: tl.constexpr, LINE: tl.constexpr
 def share_args(nxt: torch.Tensor | None, nbytes: int, programs: int,
                stand_in: torch.Tensor) -> tuple:
     """Launch arguments ``(Next, next_last, LINES, LINE)`` for ``prefetch_share``: the
-    first ``nbytes`` of ``nxt`` (a contiguous tensor; None or 0 bytes: off, and
-    ``stand_in`` fills the pointer) split over ``programs`` programs in power-of-2 shares
-    of whole lines."""
-    if nxt is None or nbytes <= 0 or programs <= 0:
+    first ``nbytes`` of ``nxt`` split over ``programs`` programs in power-of-2 shares of
+    whole lines. Off (``LINES`` 0, ``stand_in`` fills the pointer) for None, 0 bytes, a
+    tensor under one line, or a non-contiguous one (its lines could lie outside its
+    storage)."""
+    if nxt is None or nbytes <= 0 or programs <= 0 or not nxt.is_contiguous():
         return stand_in, 0, 0, 1
     line = max(128 // nxt.element_size(), 1)
     total = min(nxt.numel() // line, nbytes // 128)
