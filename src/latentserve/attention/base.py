@@ -68,7 +68,6 @@ class AttentionBackend:
         """
         raise NotImplementedError
 
-
     def prefetches(self, meta, weight: torch.Tensor | None, kv_heads: int) -> bool:
         """Whether ``forward(..., prefetch_next=weight)`` on a batch with ``meta`` and a pool
         of ``kv_heads`` KV heads brings all of ``weight`` into L2 right before the caller's
