@@ -28,9 +28,10 @@ Before its PDL wait, each program asks L2 for the first columns of its weight ro
 HBM idle, and its programs (48 then, one per head) could not pull the weight fast on their
 own. In session 8 on the H200, prefetching a quarter of the weight took 11 us off a
 batch-64 Llama-1B step (16 layers); prefetching all of it made the step slower. The same
-prefetch in ``decode_linear`` (o, gate/up, down, LM head) and of decode attention's first
-K/V tile changed nothing measurable, so they do not prefetch (docs/benchmarks.md,
-session 8).
+prefetch in ``decode_linear`` (o, gate/up, down, LM head) changed nothing measurable, so
+the GEMMs do not prefetch their own weight (docs/benchmarks.md, session 8). Decode
+attention does prefetch: its first K/V tile before its wait and the o_proj weight as it
+ends (``attention.kernels.decode_attention``, session 10).
 
 Rounding is the unfused path's: the GEMM result (bias added in fp32) is rounded to x's dtype,
 then rotated with ``rotary._rope_halves`` (each product rounded to the activation dtype).
