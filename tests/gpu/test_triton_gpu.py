@@ -215,6 +215,28 @@ def test_argmax_kernel_equals_torch_argmax(rows, vocab):
     assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=-1))
 
 
+@pytest.mark.parametrize("rows,vocab", [(64, 128256), (16, 49152)])
+def test_lm_head_argmax_equals_torch_argmax(rows, vocab):
+    """The LM head with the argmax's first pass in its epilogue (``decode_linear_argmax``,
+    PDL and TMA on): logits equal to ``decode_linear``'s bit for bit, ids to their
+    ``torch.argmax``; a NaN and a tie across tiles in the weight, bf16."""
+    pytest.importorskip("triton")
+    from latentserve.ops.kernels.decode_linear import decode_linear, decode_linear_argmax
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 2048, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(vocab, 2048, generator=g, device="cuda") / 45).bfloat16()
+    w[vocab - 3] = w[70]  # equal logits in two tiles: the first wins
+    w[vocab - 3, 0] = w[70, 0] = 4.0
+    x[0, 0] = 50.0
+    y, ids = decode_linear_argmax(x, w, out_dtype=torch.float32)
+    assert torch.equal(y, decode_linear(x, w, out_dtype=torch.float32))
+    assert torch.equal(ids, y.argmax(dim=-1)) and int(ids[0]) == 70
+    w[9000, 1] = float("nan")
+    y, ids = decode_linear_argmax(x, w, out_dtype=torch.float32)
+    assert torch.equal(ids, y.argmax(dim=-1)) and ids.eq(9000).all()
+
+
 def test_rope_rows_kernel_equals_indexing():
     """``Rotary.cos_sin``'s CUDA gather (``ops.kernels.rope_rows``): the table's rows bit for
     bit, positions past either end clamped."""

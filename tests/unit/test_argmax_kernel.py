@@ -56,3 +56,41 @@ def test_empty_batch_and_bad_arguments():
         argmax_rows(torch.zeros(2, 6, dtype=torch.float64))
     with pytest.raises(ValueError, match="block"):
         argmax_rows(torch.zeros(2, 6), block=24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,block_n", [(6, 100, 16), (70, 40, 32)])
+def test_lm_head_epilogue_argmax_equals_torch_argmax_of_its_logits(dtype, m, n, block_n):
+    """``decode_linear_argmax``: the LM head's epilogue finds each column tile's first
+    maximum, a PDL kernel the row's. One-hot rows of x make the logits the weight's columns
+    exactly, so rows carry ties within and across tiles (the first wins), -0.0 tied with
+    +0.0 and a last tile cut short; a bias with a NaN, a sign-bit NaN and +inf tests those
+    in every row of the second call (70 rows: two row tiles)."""
+    from latentserve.ops.kernels.decode_linear import decode_linear, decode_linear_argmax
+
+    k = 80 if m > 64 else 16
+    x = torch.zeros(m, k, dtype=dtype)
+    x[torch.arange(m), torch.arange(m) % k] = 1.0
+    want = _cases(torch.float32, n, seed=n)[[1, 2, 6, 7, 8, 9]].nan_to_num(0.0, 1e4, -1e4)
+    logits = torch.randn(m, n, generator=torch.Generator().manual_seed(m))
+    logits[: len(want)] = want
+    w = torch.zeros(n, k, dtype=dtype)
+    w[:, : min(m, k)] = logits[: min(m, k)].T.to(dtype)
+    bias = torch.zeros(n, dtype=dtype)
+    for b in (None, bias, bias.index_put((torch.tensor([3, n - 2, n // 2]),),
+                                         torch.tensor([float("nan"), -float("nan"),
+                                                       float("inf")]).to(dtype))):
+        y, ids = decode_linear_argmax(x, w, b, out_dtype=torch.float32, block_n=block_n)
+        ref = decode_linear(x, w, b, out_dtype=torch.float32, block_n=block_n, split_k=1)
+        assert torch.equal(y.nan_to_num(7.5), ref.nan_to_num(7.5))
+        assert ids.dtype == torch.int64 and torch.equal(ids, y.argmax(dim=-1))
+    assert ids.eq(3).all()  # the first NaN, in every row
+
+
+def test_argmax_of_chunks_rejects_bad_buffers():
+    from latentserve.ops.kernels.argmax import argmax_of_chunks
+
+    with pytest.raises(ValueError, match="float32 and int32"):
+        argmax_of_chunks(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64), 10)
+    with pytest.raises(ValueError, match="float32 and int32"):
+        argmax_of_chunks(torch.zeros(2, 3), torch.zeros(3, 2, dtype=torch.int32), 10)

@@ -76,6 +76,9 @@ class CudaGraphRunner:
     """
 
     GREEDY = True  # False: no argmax in the graphs, the sampler launches it (A/B runs)
+    # False: the graphs' argmax reads the logits back instead of coming from the LM head's
+    # epilogue (``compute_logits_greedy``; A/B runs)
+    LM_HEAD_ARGMAX = True
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
@@ -145,7 +148,9 @@ class CudaGraphRunner:
             set_context(ctx)
             try:
                 with torch.inference_mode():
-                    self._forward(model, b)  # warm-up: compiles kernels outside capture
+                    warm = self._forward(model, b)  # warm-up: compiles kernels outside capture
+                    if self._lm_head_argmax(model):  # and the eager steps' LM head variant
+                        model.compute_logits(warm[1])
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
@@ -190,12 +195,19 @@ class CudaGraphRunner:
             hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
         else:
             hidden = model(self.ids[:b], self.pos[:b])
+        if self._lm_head_argmax(model):  # the LM head finds the argmax too
+            logits, greedy = model.compute_logits_greedy(hidden)
+            return logits, hidden, greedy
         logits = model.compute_logits(hidden)
         if not self.with_greedy:
             return logits, hidden, None
         from latentserve.sampling import greedy_tokens
 
         return logits, hidden, greedy_tokens(logits)  # in the graph: no launches per step
+
+    def _lm_head_argmax(self, model) -> bool:
+        return (self.with_greedy and self.LM_HEAD_ARGMAX
+                and getattr(model, "compute_logits_greedy", None) is not None)
 
     def latent_outputs(self):
         """The latent graph's outputs for the ``n`` rows of the last replay (see the class

@@ -201,6 +201,20 @@ class LlamaForCausalLM(nn.Module):
                                  out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
+    def compute_logits_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(compute_logits(hidden), its row-wise argmax [B] int64)``. On the fast path one
+        LM-head kernel also finds each column tile's maximum, so the logits are not read
+        back (``decode_linear.decode_linear_argmax``); else ``sampling.greedy_tokens``."""
+        if decode_gemms(self.model.norm.fused, hidden, self.lm_head):
+            from latentserve.ops.kernels.decode_linear import decode_linear_argmax
+
+            return decode_linear_argmax(hidden, self.lm_head.weight, self.lm_head.bias,
+                                        out_dtype=torch.float32)
+        from latentserve.sampling import greedy_tokens
+
+        logits = self.compute_logits(hidden)
+        return logits, greedy_tokens(logits)
+
     def load_weights(self, weights) -> None:
         """Load ``(name, tensor)`` pairs with Hugging Face names (``rotary_emb.inv_freq``
         buffers skipped). Raises KeyError on an unexpected name and ValueError when a

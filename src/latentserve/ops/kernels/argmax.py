@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _first_max(vals, idx, n):
@@ -24,6 +26,20 @@ def _first_max(vals, idx, n):
     first_nan = tl.min(tl.where(nan, idx, n))
     best = tl.max(tl.where(nan, -float("inf"), vals))
     first_best = tl.min(tl.where(vals == best, idx, n))
+    has_nan = first_nan < n
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first_best)
+
+
+@triton.jit
+def first_max_rows(vals, idx, n):
+    """Per row of ``vals [R, C]``, ``(value [R], index [R])`` of its first maximum among the
+    columns with ``idx [C] < n`` (the others must hold -inf and an index >= n); NaN beats
+    every number and the first NaN wins. Pass 1 of the argmax, fused into the LM head
+    (``decode_linear.decode_linear_argmax``)."""
+    nan = vals != vals  # noqa: PLR0124 - true exactly for NaN
+    first_nan = tl.min(tl.where(nan, idx[None, :], n), axis=1)
+    best = tl.max(tl.where(nan, -float("inf"), vals), axis=1)
+    first_best = tl.min(tl.where(vals == best[:, None], idx[None, :], n), axis=1)
     has_nan = first_nan < n
     return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first_best)
 
@@ -41,10 +57,12 @@ def _argmax_chunks_kernel(X, Vals, Idx, n_cols, n_chunks, stride_x, BLOCK: tl.co
 
 
 @triton.jit
-def _argmax_rows_kernel(Vals, Idx, Out, n_cols, n_chunks, BLOCK_C: tl.constexpr):
+def _argmax_rows_kernel(Vals, Idx, Out, n_cols, n_chunks, PDL: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     ok = offs < n_chunks
+    pdl_wait(PDL)
     v = tl.load(Vals + row * n_chunks + offs, mask=ok, other=-float("inf"))
     i = tl.load(Idx + row * n_chunks + offs, mask=ok, other=n_cols)
     # chunks are in index order, so the first maximal chunk holds the first maximal index
@@ -81,6 +99,34 @@ def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     idx = torch.empty(b, n_chunks, dtype=torch.int32, device=x.device)
     _argmax_chunks_kernel[(b, n_chunks)](x, vals, idx, v, n_chunks, x.stride(0), BLOCK=block,
                                          num_warps=8 if block >= 2048 else 4)
-    _argmax_rows_kernel[(b,)](vals, idx, out, v, n_chunks,
+    _argmax_rows_kernel[(b,)](vals, idx, out, v, n_chunks, PDL=False,
                               BLOCK_C=max(16, triton.next_power_of_2(n_chunks)), num_warps=1)
+    return out
+
+
+def argmax_of_chunks(vals: torch.Tensor, idx: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """Pass 2 of the argmax on chunk results another kernel wrote (the LM head's epilogue,
+    ``decode_linear.decode_linear_argmax``), launched with PDL where it is on.
+
+    Args:
+        vals: ``[B, C]`` fp32, per row and chunk (chunks in column order) the chunk's
+            maximum, NaN if it holds one.
+        idx: ``[B, C]`` int32, the column where that value first occurs.
+        n_cols: the row length V (the index a chunk never reports).
+    Returns:
+        ``[B] int64``: per row the first index of its maximum (of its first NaN).
+    Raises:
+        ValueError: when vals and idx are not contiguous ``[B, C]`` fp32 / int32 pairs.
+    """
+    if (vals.shape != idx.shape or vals.dim() != 2 or vals.dtype != torch.float32
+            or idx.dtype != torch.int32 or not (vals.is_contiguous() and idx.is_contiguous())):
+        raise ValueError(f"vals and idx must be contiguous [B, C] float32 and int32, got "
+                         f"{tuple(vals.shape)} {vals.dtype} and {tuple(idx.shape)} {idx.dtype}")
+    b, c = vals.shape
+    out = torch.empty(b, dtype=torch.int64, device=vals.device)
+    if b == 0:
+        return out
+    block_c = max(16, triton.next_power_of_2(c))
+    _argmax_rows_kernel[(b,)](vals, idx, out, n_cols, c, BLOCK_C=block_c,
+                              num_warps=4 if block_c >= 512 else 1, **pdl_launch(vals.device))
     return out

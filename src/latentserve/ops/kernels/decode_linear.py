@@ -30,21 +30,25 @@ import torch
 import triton
 import triton.language as tl
 
+from latentserve.ops.kernels.argmax import argmax_of_chunks, first_max_rows
 from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait, sm90_or_newer
 from latentserve.ops.kernels.silu_and_mul import silu_mul
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count of a row tile
 def _decode_linear_kernel(
-    X, W, XD, WD, B, Y, P,
+    X, W, XD, WD, B, Y, P, AV, AI,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIALS: tl.constexpr,
-    ROUND_TO_X: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr,
+    ROUND_TO_X: tl.constexpr, ARGMAX: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # XD, WD: TMA descriptors of x and the weight when TMA (tiles past an edge read as
     # zeros), else unused; X and W give the dtypes and, without TMA, the addresses.
+    # AV, AI: with ARGMAX (no K split), [M, column tiles] fp32 / int32 for each row's
+    # first maximum in this program's columns (argmax pass 1), else unused.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -95,8 +99,15 @@ def _decode_linear_kernel(
             acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ROUND_TO_X:
             acc = acc.to(X.dtype.element_ty)
-        tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-                 acc.to(Y.dtype.element_ty), mask=mask)
+        out = acc.to(Y.dtype.element_ty)
+        tl.store(Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out,
+                 mask=mask)
+        if ARGMAX:  # of the values just stored; columns past N hold -inf and index N
+            v, i = first_max_rows(tl.where(n_ok[None, :], out.to(tl.float32), -float("inf")),
+                                  tl.where(n_ok, offs_n, N), N)
+            n_tiles = tl.num_programs(0)
+            tl.store(AV + offs_m * n_tiles + pid_n, v, mask=m_ok)
+            tl.store(AI + offs_m * n_tiles + pid_n, i, mask=m_ok)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -233,6 +244,62 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Raises:
         ValueError: on a shape, stride or device mismatch or a bad tiling.
     """
+    return _launch(x, weight, bias, swiglu, partials, out_dtype, block_n, block_k, split_k,
+                   num_stages, tma, weight_in_l2, argmax=False)[0]
+
+
+def decode_linear_argmax(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None, *,
+                         out_dtype: torch.dtype | None = None, block_n: int | None = None,
+                         block_k: int | None = None, num_stages: int = 4,
+                         tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head and greedy sampling's argmax together: ``decode_linear(x, weight, bias)``
+    (never split along K) whose epilogue also writes, per row and column tile, the tile's
+    first maximum of the values it stored (argmax pass 1, ``argmax.first_max_rows``); a
+    short PDL kernel then picks each row's first maximal tile (``argmax.argmax_of_chunks``).
+    The logits are never read back: on the H200 the separate pass 1 read a batch-64
+    Llama-3 vocabulary's 33 MB of fp32 logits in 12 us (docs/benchmarks.md, session 11).
+
+    Args: as ``decode_linear`` (``x [M, K]``, ``weight [N, K]``, ``bias [N]`` or None).
+    Returns:
+        ``(y, ids)``: ``y [M, N]`` in ``out_dtype`` (default x's), equal to
+        ``decode_linear``'s unsplit result, and ``ids [M] int64``, ``torch.argmax(y, -1)``
+        bit for bit (the first maximum; the first NaN where a row has one).
+    Raises:
+        ValueError: as ``decode_linear``.
+    """
+    if (persistent_lm_head(x.shape[0])
+            and 0 < x.shape[0] <= 64 and (use_tma(x, weight) if tma is None else tma)):
+        from latentserve.ops.kernels.lm_head import lm_head_partials
+
+        _check(x, weight, bias, False)
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype,
+                        device=x.device)
+        vals, idx = lm_head_partials(x, weight, bias, y, block_n=block_n or 128,
+                                     block_k=block_k or 128, num_stages=num_stages,
+                                     pdl=pdl_launch(x.device))
+        return y, argmax_of_chunks(vals, idx, weight.shape[0])
+    y, vals, idx = _launch(x, weight, bias, False, False, out_dtype, block_n, block_k, 1,
+                           num_stages, tma, False, argmax=True)
+    if vals is None:  # no rows
+        return y, torch.empty(0, dtype=torch.int64, device=x.device)
+    return y, argmax_of_chunks(vals, idx, weight.shape[0])
+
+
+def persistent_lm_head(rows: int) -> bool:
+    """Whether ``decode_linear_argmax`` runs the persistent LM head (``ops.kernels.lm_head``;
+    it also needs TMA and at most 64 rows) for ``rows`` rows: from 33 rows on. On the H200
+    (Llama-3 vocabulary, bf16) it took 8 us more off a batch-64 decode step than the tiled
+    kernel with the same epilogue, and cost 9 us at 16 rows (docs/benchmarks.md, session
+    11). ``LATENTSERVE_LMHEAD=persistent`` / ``=tiled`` forces either (A/B runs)."""
+    mode = os.environ.get("LATENTSERVE_LMHEAD", "auto")
+    return mode == "persistent" or (mode != "tiled" and rows > 32)
+
+
+def _launch(x, weight, bias, swiglu, partials, out_dtype, block_n, block_k, split_k,
+            num_stages, tma, weight_in_l2, argmax):
+    """decode_linear's launch; returns ``(y, vals, idx)``, the last two the argmax pass-1
+    buffers with ``argmax`` (None without, or for no rows)."""
     _check(x, weight, bias, swiglu)
     if swiglu and partials:
         raise ValueError("swiglu and partials cannot be combined")
@@ -260,7 +327,12 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         y = torch.empty(m, n, dtype=out_dtype, device=x.device)
         part = torch.empty(sk, m, n, dtype=torch.float32, device=x.device) if sk > 1 else y
     if m == 0:
-        return y
+        return y, None, None
+    n_tiles = triton.cdiv(n, bn)
+    vals = idx = y
+    if argmax:
+        vals = torch.empty(m, n_tiles, dtype=torch.float32, device=x.device)
+        idx = torch.empty(m, n_tiles, dtype=torch.int32, device=x.device)
     launch = pdl_launch(x.device)
     b = bias if bias is not None else weight
     round_to_x = out_dtype.itemsize > x.dtype.itemsize
@@ -270,10 +342,11 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
         xd = TensorDescriptor.from_tensor(x, [block_m, bk])
         wd = TensorDescriptor.from_tensor(weight, [bn, bk])
-    _decode_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, block_m), sk)](
-        x, weight, xd, wd, b, y, part, m, n, k, k_per, x.stride(0), weight.stride(0),
-        y.stride(-2), HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        PARTIALS=partials or sk > 1, ROUND_TO_X=round_to_x, PRECISION=dot_precision(weight),
+    _decode_linear_kernel[(n_tiles, triton.cdiv(m, block_m), sk)](
+        x, weight, xd, wd, b, y, part, vals, idx, m, n, k, k_per, x.stride(0),
+        weight.stride(0), y.stride(-2), HAS_BIAS=bias is not None, SWIGLU=swiglu,
+        PARTIALS=partials or sk > 1, ROUND_TO_X=round_to_x, ARGMAX=argmax,
+        PRECISION=dot_precision(weight),
         TMA=xd is not x, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
         num_stages=num_stages, **launch)
     if sk > 1 and not partials:
@@ -281,4 +354,4 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             part, b, y, x, m, n, y.stride(0), HAS_BIAS=bias is not None, SPLIT_K=sk,
             ROUND_TO_X=round_to_x, BLOCK=block, num_warps=4, **launch)
-    return y
+    return (y, vals, idx) if argmax else (y, None, None)
