@@ -80,7 +80,14 @@ def test_compression_head_tp2_matches_tp1(tmp_path, smollm2_dir):
                 for i, p in enumerate(shared_prefix_prompts())]
         a, b = run_requests(one, reqs), run_requests(two, reqs)
         assert_same(a, b)
-        assert [o.latent_stats for *_, o in b] == [o.latent_stats for *_, o in a]
+        # The stop head's probabilities come from a hidden state the ranks reduce in
+        # another order: within 1e-5 (an Intel CPU's kernels differ in the last bits), the
+        # rest of the stats exactly.
+        for (*_, ob), (*_, oa) in zip(b, a):
+            sb, sa = dict(ob.latent_stats), dict(oa.latent_stats)
+            pb, pa = sb.pop("max_stop_prob", None), sa.pop("max_stop_prob", None)
+            assert sb == sa and (pb is None) == (pa is None)
+            assert pb is None or abs(pb - pa) <= 1e-5
         assert any(o.latent_stats["steps"] > 0 for *_, o in a)
     finally:
         two.shutdown()

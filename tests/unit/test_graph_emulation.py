@@ -193,3 +193,40 @@ def test_a_rank_that_never_samples_captures_no_argmax(small_vocab_llama, emulate
         graphs = engine.runner.graphs
         assert graphs.with_greedy is greedy
         assert all((out[2] is not None) is greedy for out in graphs.outputs.values())
+
+
+def test_graph_logits_equal_eager_logits_and_fall_back_where_eager_splits_k(
+        small_vocab_llama, monkeypatch):
+    """``compute_logits_greedy`` (the decode graphs' LM head) returns ``compute_logits``'s
+    logits bit for bit and their argmax: fused when ``decode_linear`` would not split the
+    LM head along K, else (forced here) the plain LM head and the separate argmax. It also
+    honours an instance's own ``compute_logits``, and an LM head that is not a plain
+    ``nn.Linear`` (tensor parallelism's gathering head) is never on the fast path."""
+    import sys
+
+    dl = sys.modules["latentserve.ops.kernels.decode_linear"]
+    engine = LLMEngine(EngineConfig(model=str(small_vocab_llama), fused_ops=True,
+                                    attention_backend="triton", max_num_seqs=8,
+                                    max_model_len=64))
+    model = engine.runner.model
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    fused = []
+    real = dl.decode_linear_argmax
+    monkeypatch.setattr(dl, "decode_linear_argmax",
+                        lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    with torch.inference_mode():
+        assert model.lm_head_fast(hidden)
+        logits, ids = model.compute_logits_greedy(hidden)
+        assert fused == [1] and torch.equal(logits, model.compute_logits(hidden))
+        assert torch.equal(ids, logits.argmax(-1))
+        real_pick = dl.pick_tiling
+        monkeypatch.setattr(dl, "pick_tiling", lambda *a, **kw: (*real_pick(*a, **kw)[:2], 2))
+        logits, ids = model.compute_logits_greedy(hidden)
+        assert fused == [1] and torch.equal(logits, model.compute_logits(hidden))
+        assert torch.equal(ids, logits.argmax(-1))
+        monkeypatch.setattr(dl, "pick_tiling", real_pick)
+        monkeypatch.setattr(model, "compute_logits", lambda h: torch.zeros(h.shape[0], 3))
+        logits, ids = model.compute_logits_greedy(hidden)
+        assert fused == [1] and logits.shape == (5, 3) and ids.eq(0).all()
+        monkeypatch.setattr(model, "lm_head", type("Gathering", (torch.nn.Linear,), {})(4, 4))
+        assert not model.lm_head_fast(hidden)

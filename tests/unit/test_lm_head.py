@@ -60,3 +60,14 @@ def test_rejects_what_it_cannot_run():
         lm_head_partials(x, w, None, torch.empty(65, 40))
     with pytest.raises(ValueError, match="16-bit"):
         lm_head_partials(x[:2].float(), w.float(), None, torch.empty(2, 40))
+
+
+def test_bad_tiling_and_mode_are_refused(monkeypatch):
+    x, w = torch.zeros(40, 32).bfloat16(), torch.zeros(64, 32).bfloat16()
+    monkeypatch.setenv("LATENTSERVE_LMHEAD", "persistent")
+    for bn in (8, 24):
+        with pytest.raises(ValueError, match="block_n"):
+            decode_linear_argmax(x, w, block_n=bn)
+    monkeypatch.setenv("LATENTSERVE_LMHEAD", "Persistent")
+    with pytest.raises(ValueError, match="LATENTSERVE_LMHEAD"):
+        decode_linear_argmax(x, w)

@@ -149,8 +149,8 @@ class CudaGraphRunner:
             try:
                 with torch.inference_mode():
                     warm = self._forward(model, b)  # warm-up: compiles kernels outside capture
-                    if self._lm_head_argmax(model):  # and the eager steps' LM head variant
-                        model.compute_logits(warm[1])
+                    if self._lm_head_argmax(model) and model.lm_head_fast(warm[1]):
+                        model.compute_logits(warm[1])  # and the eager steps' LM head variant
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):

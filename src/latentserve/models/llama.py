@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if decode_gemms(self.model.norm.fused, hidden, self.lm_head):
+        if self.lm_head_fast(hidden):
             from latentserve.ops.kernels import decode_linear
 
             # fp32 logits holding the bf16-rounded values, with no separate cast kernel
@@ -201,15 +201,30 @@ class LlamaForCausalLM(nn.Module):
                                  out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
+    def lm_head_fast(self, hidden: torch.Tensor) -> bool:
+        """Whether ``compute_logits(hidden [B, hidden])`` runs the LM head as one local
+        ``decode_linear`` (the fast path, a plain ``nn.Linear``: never under tensor
+        parallelism, whose ``ParallelLMHead`` gathers across ranks)."""
+        return decode_gemms(self.model.norm.fused, hidden, self.lm_head)
+
     def compute_logits_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(compute_logits(hidden), its row-wise argmax [B] int64)``. On the fast path one
-        LM-head kernel also finds each column tile's maximum, so the logits are not read
-        back (``decode_linear.decode_linear_argmax``); else ``sampling.greedy_tokens``."""
-        if decode_gemms(self.model.norm.fused, hidden, self.lm_head):
-            from latentserve.ops.kernels.decode_linear import decode_linear_argmax
+        """``(compute_logits(hidden), its row-wise argmax [B] int64)``, the logits bit for
+        bit. On the fast path, when ``decode_linear`` would not split the LM head along K
+        (``pick_tiling``; a vocabulary of about 12k or more at 64 rows, any with a hidden
+        size under 1024), one LM-head kernel also finds each column tile's maximum, so the
+        logits are not read back (``decode_linear.decode_linear_argmax``); else
+        ``sampling.greedy_tokens`` of ``compute_logits``."""
+        if self.lm_head_fast(hidden) and "compute_logits" not in vars(self):
+            from latentserve.ops.kernels.decode_linear import decode_linear_argmax, pick_tiling
+
+            if pick_tiling(hidden.shape[0], *self.lm_head.weight.shape)[2] > 1:
+                return self._logits_then_argmax(hidden)
 
             return decode_linear_argmax(hidden, self.lm_head.weight, self.lm_head.bias,
                                         out_dtype=torch.float32)
+        return self._logits_then_argmax(hidden)
+
+    def _logits_then_argmax(self, hidden):
         from latentserve.sampling import greedy_tokens
 
         logits = self.compute_logits(hidden)

@@ -268,11 +268,14 @@ def decode_linear_argmax(x: torch.Tensor, weight: torch.Tensor,
     Raises:
         ValueError: as ``decode_linear``.
     """
-    if (persistent_lm_head(x.shape[0])
-            and 0 < x.shape[0] <= 64 and (use_tma(x, weight) if tma is None else tma)):
+    _check(x, weight, bias, False)
+    for name, val in (("block_n", block_n), ("block_k", block_k)):
+        if val is not None and (val < 16 or val & (val - 1)):
+            raise ValueError(f"bad tiling {name}={val}: a power of 2 >= 16")
+    if (persistent_lm_head(x.shape[0]) and 0 < x.shape[0] <= 64
+            and (use_tma(x, weight) if tma is None else tma and tma_compatible(x, weight))):
         from latentserve.ops.kernels.lm_head import lm_head_partials
 
-        _check(x, weight, bias, False)
         y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype,
                         device=x.device)
         vals, idx = lm_head_partials(x, weight, bias, y, block_n=block_n or 128,
@@ -291,9 +294,12 @@ def persistent_lm_head(rows: int) -> bool:
     it also needs TMA and at most 64 rows) for ``rows`` rows: from 33 rows on. On the H200
     (Llama-3 vocabulary, bf16) it took 8 us more off a batch-64 decode step than the tiled
     kernel with the same epilogue, and cost 9 us at 16 rows (docs/benchmarks.md, session
-    11). ``LATENTSERVE_LMHEAD=persistent`` / ``=tiled`` forces either (A/B runs)."""
+    11). ``LATENTSERVE_LMHEAD=persistent`` / ``=tiled`` forces either (A/B runs; default
+    ``auto``). Raises ValueError for another value."""
     mode = os.environ.get("LATENTSERVE_LMHEAD", "auto")
-    return mode == "persistent" or (mode != "tiled" and rows > 32)
+    if mode not in ("auto", "persistent", "tiled"):
+        raise ValueError(f"LATENTSERVE_LMHEAD must be auto, persistent or tiled, got {mode!r}")
+    return mode == "persistent" or (mode == "auto" and rows > 32)
 
 
 def _launch(x, weight, bias, swiglu, partials, out_dtype, block_n, block_k, split_k,
