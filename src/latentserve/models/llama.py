@@ -210,16 +210,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(compute_logits(hidden), its row-wise argmax [B] int64)``, the logits bit for
         bit. On the fast path, when ``decode_linear`` would not split the LM head along K
-        (``pick_tiling``; a vocabulary of about 12k or more at 64 rows, any with a hidden
-        size under 1024), one LM-head kernel also finds each column tile's maximum, so the
-        logits are not read back (``decode_linear.decode_linear_argmax``); else
-        ``sampling.greedy_tokens`` of ``compute_logits``."""
+        (``pick_tiling``: at 64 rows with a hidden size of 1024 or more it splits
+        vocabularies under ~5.9k and from 8192 to ~11.8k), one LM-head kernel also finds
+        each column tile's maximum, so the logits are not read back
+        (``decode_linear.decode_linear_argmax``); else ``sampling.greedy_tokens`` of
+        ``compute_logits``."""
         if self.lm_head_fast(hidden) and "compute_logits" not in vars(self):
             from latentserve.ops.kernels.decode_linear import decode_linear_argmax, pick_tiling
 
             if pick_tiling(hidden.shape[0], *self.lm_head.weight.shape)[2] > 1:
                 return self._logits_then_argmax(hidden)
-
             return decode_linear_argmax(hidden, self.lm_head.weight, self.lm_head.bias,
                                         out_dtype=torch.float32)
         return self._logits_then_argmax(hidden)
