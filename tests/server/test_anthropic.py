@@ -124,3 +124,14 @@ def test_count_tokens_equals_message_input_tokens(anthropic_client, model):
     counted = anthropic_client.messages.count_tokens(model=model, messages=MESSAGES)
     m = anthropic_client.messages.create(model=model, max_tokens=1, messages=MESSAGES)
     assert counted.input_tokens == m.usage.input_tokens
+
+
+def test_count_tokens_refuses_head_controls_a_plain_model_would_ignore(anthropic_client, model):
+    """As ``/v1/messages`` does: a compression-head header on a model without a head."""
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.count_tokens(model=model, messages=MESSAGES,
+                                               extra_headers={"x-latent-max": "2"})
+    assert "x-latent-max" in info.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic_client.messages.create(model=model, max_tokens=2, messages=MESSAGES,
+                                         extra_headers={"x-latent-max": "2"})

@@ -93,6 +93,22 @@ def test_messages_route_takes_headers(head_server):
     assert bad.status_code == 400 and "x-latent-use-stop" in bad.text
 
 
+def test_count_tokens_checks_the_headers_messages_checks(head_server):
+    """``/v1/messages/count_tokens`` refuses what ``/v1/messages`` refuses (a malformed
+    ``x-latent-*`` header, a 400 naming it) and counts the same with valid ones."""
+    body = {"model": head_server.model_dir, "messages": [{"role": "user", "content": "hi"}]}
+    url = f"{head_server.base_url}/v1/messages/count_tokens"
+    plain = httpx.post(url, json=body, timeout=60)
+    ok = httpx.post(url, json=body, headers={"x-latent-max": "2"}, timeout=60)
+    assert plain.status_code == ok.status_code == 200, (plain.text, ok.text)
+    assert ok.json()["input_tokens"] == plain.json()["input_tokens"] > 0
+    for header, value in (("x-latent-max", "lots"), ("x-latent-budget", "-1"),
+                          ("x-latent-stream-steps", "maybe")):
+        bad = httpx.post(url, json=body, headers={header: value}, timeout=60)
+        assert bad.status_code == 400 and header in bad.text, bad.text
+        assert bad.json()["type"] == "error"
+
+
 def test_messages_route_refuses_a_malformed_stream_steps_header(head_server):
     """``x-latent-stream-steps`` is validated on every generation route (a 400 naming it,
     streamed or not), as on /v1/completions, which does not tick either; /v1/messages

@@ -175,6 +175,39 @@ def _stop(finish_reason: str | None, stop_string: str | None) -> tuple[str, str 
     return _STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
 
 
+def _head_controls(body: MessagesRequest, request, state: ServerState
+                   ) -> tuple[MessagesRequest, dict]:
+    """The body with its ``thinking`` object as the head's boolean control, and the
+    compression-head controls (headers ``x-latent-*`` / ``x-ds4-*`` > body). Raises
+    APIError (400 naming the header or field) for a malformed control, or one a model
+    without a head would ignore."""
+    # No head: "disabled" is a no-op, as for any Anthropic client; "enabled" asks for a
+    # head and is refused below.
+    flag = thinking_flag(body.thinking)
+    has_head = state.latent_spec is not None and state.latent_spec.kind == "head"
+    body = body.model_copy(update={"thinking": flag if flag or has_head else None})
+    controls = head_controls(request, body)
+    refuse_head_controls(request, body, controls, state.latent_spec)
+    refuse_stream_steps(request, body, state.latent_spec)  # validates the header (no ticks)
+    return body, controls
+
+
+def count_input_tokens(body: CountTokensRequest, request, state: ServerState) -> int:
+    """``/v1/messages/count_tokens``: the prompt tokens ``/v1/messages`` would take for
+    ``body``, after the same checks of the latent controls (``x-latent-budget``, the
+    ``x-latent-*`` / ``x-ds4-*`` headers, ``thinking``), so a request that count accepts is
+    not refused for them later. Any model name counts (one model per server).
+
+    Raises:
+        APIError: 400 for empty or malformed messages or a malformed or refused control.
+    """
+    conversation = _conversation(body)
+    latent_budget(request, body, state.latent_spec)
+    _head_controls(body, request, state)
+    return len(render_chat(state.tokenizer, conversation,
+                           continue_final_message=conversation[-1]["role"] == "assistant"))
+
+
 async def create_message(body: MessagesRequest, request, state: ServerState):
     """Validate, template, run; answer with one ``message`` object or an SSE event stream.
 
@@ -199,14 +232,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     budget = latent_budget(request, body, state.latent_spec)
     params = _params(body, len(prompt_ids), state.max_model_len, budget,
                      latent_positions(state.latent_spec, budget))
-    # The body's thinking object as the head's boolean control (no head: "disabled" is a
-    # no-op, as for any Anthropic client; "enabled" asks for a head and is refused below).
-    flag = thinking_flag(body.thinking)
-    has_head = state.latent_spec is not None and state.latent_spec.kind == "head"
-    body = body.model_copy(update={"thinking": flag if flag or has_head else None})
-    controls = head_controls(request, body)
-    refuse_head_controls(request, body, controls, state.latent_spec)
-    refuse_stream_steps(request, body, state.latent_spec)  # validates the header (no ticks)
+    body, controls = _head_controls(body, request, state)
     head = {k: v for k, v in controls.items() if v is not None}
     if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
         import dataclasses

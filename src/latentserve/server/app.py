@@ -122,15 +122,11 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         return as_json(await create_message(body, request, served.resolve(body.model)))
 
     @app.post("/v1/messages/count_tokens", response_model=None)
-    async def count_tokens(body: CountTokensRequest):
-        from latentserve.server.anthropic_api import _conversation
-        from latentserve.server.prompts import render_chat
+    async def count_tokens(body: CountTokensRequest, request: Request):
+        from latentserve.server.anthropic_api import count_input_tokens
 
         state = served.resolve(body.model)  # one model: any name counts, as before
-        conversation = _conversation(body)
-        ids = render_chat(state.tokenizer, conversation,
-                          continue_final_message=conversation[-1]["role"] == "assistant")
-        return JSONResponse({"input_tokens": len(ids)})
+        return JSONResponse({"input_tokens": count_input_tokens(body, request, state)})
 
     @app.get("/v1/models", response_model=None)
     async def models():
