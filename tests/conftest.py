@@ -36,6 +36,18 @@ def tiny_dirs(tmp_path_factory, smollm2_dir):
 
 
 @pytest.fixture(scope="session")
+def small_vocab_dirs(tmp_path_factory):
+    """``kind -> checkpoint dir`` of tiny ``llama`` and ``qwen2`` with a 4224-id word-level
+    vocabulary (``shared_prefix_prompts`` ids fit): in the Triton interpreter their LM head
+    takes 66 programs a call instead of SmolLM2's 384, for the fast-path tests."""
+    from latentserve.testing.tiny_models import save_tiny
+
+    root = tmp_path_factory.mktemp("tiny-small-vocab")
+    return {k: save_tiny(root / k, k, word_tokenizer=True, vocab_size=4224)
+            for k in ("llama", "qwen2")}
+
+
+@pytest.fixture(scope="session")
 def hf_models():
     """``get(path, device="cpu", dtype="float32")``: HF reference models, cached (eval mode)."""
     cache = {}

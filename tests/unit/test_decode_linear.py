@@ -179,7 +179,7 @@ def test_share_args_split_a_buffer_over_programs(monkeypatch):
 
 
 @pytest.mark.parametrize("kind,dtype", [("llama", "float32"), ("qwen2", "bfloat16")])
-def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
+def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, small_vocab_dirs,
                                                          monkeypatch):
     """The Llama fast path with the decode-sized GEMMs (q/k/v with RoPE and the KV store
     in its epilogue, o_proj and down handing partial sums to the RMSNorm kernel, the
@@ -215,7 +215,7 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, tiny_dirs,
     monkeypatch.setenv("LATENTSERVE_DECODE_TMA", "1")  # as on Hopper (interpreted here)
     for rows in (0, 64):
         monkeypatch.setattr(layers, "DECODE_ROWS", rows)
-        engine = LLMEngine(EngineConfig(model=str(tiny_dirs[kind]), fused_ops=True,
+        engine = LLMEngine(EngineConfig(model=str(small_vocab_dirs[kind]), fused_ops=True,
                                         attention_backend="triton", dtype=dtype))
         calls.clear()
         hints.clear()
@@ -337,7 +337,7 @@ def test_tma_default_is_hopper_only(monkeypatch):
     assert not use_tma(torch.zeros(4, 65, dtype=torch.bfloat16)[:, 1:], w)  # misaligned
 
 
-def test_warmup_compiles_both_gemm_paths_and_leaves_the_engine_untouched(tiny_dirs,
+def test_warmup_compiles_both_gemm_paths_and_leaves_the_engine_untouched(small_vocab_dirs,
                                                                           monkeypatch):
     """On the fast path the warm-up prompt is ``DECODE_ROWS + 1`` tokens: its prefill runs
     the torch/cuBLAS GEMMs (the SiLU-mul kernel) and its decode step ``decode_linear``; a
@@ -357,7 +357,7 @@ def test_warmup_compiles_both_gemm_paths_and_leaves_the_engine_untouched(tiny_di
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name,
                             lambda *a, _n=name, _f=real, **k: seen.append(_n) or _f(*a, **k))
-    engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), fused_ops=True,
+    engine = LLMEngine(EngineConfig(model=str(small_vocab_dirs["llama"]), fused_ops=True,
                                     attention_backend="triton", dtype="bfloat16"))
     seen.clear()
     engine.warmup()
@@ -365,7 +365,7 @@ def test_warmup_compiles_both_gemm_paths_and_leaves_the_engine_untouched(tiny_di
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.prefix_queries == engine.scheduler.prefix_hits == 0
     engine.cache.check_idle()
-    short = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), fused_ops=True,
+    short = LLMEngine(EngineConfig(model=str(small_vocab_dirs["llama"]), fused_ops=True,
                                    attention_backend="triton", max_model_len=8))
     short.warmup()  # 5 tokens fit, not 9
     short.cache.check_idle()

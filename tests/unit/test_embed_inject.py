@@ -89,16 +89,16 @@ def test_fused_coconut_llama_latent_steps_match_the_reference_loop(tmp_path, mon
         return logits, hidden
 
     runner.run = recording_run
-    reqs = list(zip(shared_prefix_prompts()[:3], (3, 0, 5)))
+    reqs = list(zip(shared_prefix_prompts()[:3], (2, 0, 3)))
     for i, (p, b) in enumerate(reqs):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0.0,
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=3, temperature=0.0,
                                                       latent_budget=b))
     tokens = {f"r{i}": [] for i in range(len(reqs))}
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens[out.rid] += out.new_token_ids
     for i, (p, b) in enumerate(reqs):
-        ref_tokens, ref_logits = reference_generate(path, p, b, 4)
+        ref_tokens, ref_logits = reference_generate(path, p, b, 3)
         assert tokens[f"r{i}"] == ref_tokens, f"request {i} (budget {b})"
         # the first-answer logits: the sampling row whose argmax is the first answer token
         rows = [x for x in first[f"r{i}"] if int(x.argmax()) == ref_tokens[0]]

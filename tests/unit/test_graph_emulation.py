@@ -103,9 +103,11 @@ def _run(path, graphs: bool, overlap_on: bool, fail_at: int = -1, seeded: bool =
     whose forward raises after its replay, as a fault after the graph would; the step is
     then retried, as ``engine_process`` does not (it fails the running requests), so that
     the in-flight batch's pending ids are used again."""
+    # two decode splits, not eight: a quarter of the interpreted attention programs
     engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True, attention_backend="triton",
                                     max_num_seqs=8, max_num_batched_tokens=64,
-                                    max_model_len=128, overlap_schedule=overlap_on))
+                                    max_model_len=128, overlap_schedule=overlap_on,
+                                    attention_num_kv_splits=2))
     if graphs:
         engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size, torch.float32)
 

@@ -60,7 +60,7 @@ def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, word_tokenizer: boo
                 p.normal_(0, 0.02)
     model.save_pretrained(out)
     if word_tokenizer:
-        save_word_tokenizer(out)
+        save_word_tokenizer(out, cfg.vocab_size)
     else:
         _tokenizer().save_pretrained(out)
     return out
