@@ -169,13 +169,13 @@ def test_a_step_that_raises_after_the_replay_leaves_the_pending_ids_intact(
     want, _ = _run(small_vocab_llama, graphs=True, overlap_on=True, seeded=False, n=4)
     real_copy, calls = overlap._host_copy, []
 
-    def host_copy(tokens):
+    def host_copy(tokens, ring):
         calls.append(1)
         if len(calls) == 7:
             with torch.inference_mode():  # what a later replay would leave there
                 tokens.fill_(7)
             raise RuntimeError("injected fault in the host copy")
-        return real_copy(tokens)
+        return real_copy(tokens, ring)
 
     monkeypatch.setattr(overlap, "_host_copy", host_copy)
     got, seen = _run(small_vocab_llama, graphs=True, overlap_on=True, fail_at=3, seeded=False,

@@ -12,6 +12,7 @@ from latentserve.config import EngineConfig
 from latentserve.core import Req
 from latentserve.outputs import StepOutput
 from latentserve.sampling_params import SamplingParams
+from latentserve.staging import DeviceToHost
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class LLMEngine:
             self.scheduler.forced_one_by_one = True  # keep latent batches on the graphs
         self._rids: set[str] = set()
         self.inflight = None  # overlap mode: the launched batch whose tokens are not finished
+        self.token_copies = DeviceToHost()  # overlap mode: pinned host copies of the tokens
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         from latentserve.engine.prompt_logprobs import PromptLogprobTracker

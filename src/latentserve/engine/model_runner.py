@@ -13,6 +13,7 @@ from latentserve.kvcache.pool import KVPool, PageTable
 from latentserve.latent import vectors as latent_vectors
 from latentserve.latent.recurrent import RecurrentBatch
 from latentserve.scheduler.scheduler import ScheduledBatch
+from latentserve.staging import HostToDevice
 
 
 class ModelRunner:
@@ -63,6 +64,7 @@ class ModelRunner:
         self.replayed = False
         self.last_greedy = None
         self._all_true = torch.ones(0, dtype=torch.bool, device=device)
+        self._to_device = HostToDevice(device)  # the batch's packed index vectors
         self.prompt_hidden: list = []
         spec = getattr(model, "latent_spec", None)
         self.recurrent = spec is not None and spec.kind == "recurrent"  # per-token depth
@@ -148,10 +150,11 @@ class ModelRunner:
         # | latent mask [T] (only when some rows take no vector) | latent source row of each
         # token [T] (only when the latent vectors are not already one slice in token order)
         # | overlap mode: token rows with a pending id, and their rows in the previous tokens.
-        # NOTE: through array('q'): torch.tensor of a long int list costs ~0.1 us an element.
-        packed = torch.frombuffer(array("q", ids + pos + row_tok + [r.row for r in batch.reqs]
-                                        + kv_lens + mask_l + src_rows + sub_dst + sub_src),
-                                  dtype=torch.int64).to(dev, non_blocking=True)
+        # NOTE: through array('q'): torch.tensor of a long int list costs ~0.1 us an element;
+        # and through a pinned buffer (staging.py), so the copy never waits for the device.
+        packed = self._to_device.copy(array("q", ids + pos + row_tok
+                                            + [r.row for r in batch.reqs] + kv_lens + mask_l
+                                            + src_rows + sub_dst + sub_src))
         input_ids, positions = packed[:t], packed[t : 2 * t]
         rows, kv_dev = packed[3 * t : 3 * t + b], packed[3 * t + b : 3 * t + 2 * b]
         decode = t == b

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from latentserve.core import ReqStatus
+from latentserve.staging import DeviceToHost
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     # kernel, both queued before the next replay overwrites it (if that step raises,
     # _detach points them at the host copy).
     tokens, failed = _sample(engine, logits, reqs)
-    host, event = _host_copy(tokens)
+    host, event = _host_copy(tokens, engine.token_copies)
     pending = engine.scheduler.advance_launched(batch)
     return Launched(pending, tokens, host, event,
                     {id(r): j for j, (r, _) in enumerate(pending)}, failed)
@@ -129,18 +130,13 @@ def finish(engine, launched: Launched) -> list:
     return engine.scheduler.finalize_launched(launched.pending, tokens)
 
 
-def _host_copy(tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
+def _host_copy(tokens: torch.Tensor, ring: DeviceToHost) -> tuple[torch.Tensor, Any]:
     """A host copy of a launched batch's ``tokens``, taken now (before the next replay can
     overwrite a graph's buffer that ``tokens`` may view): on CUDA a non-blocking copy into
-    pinned memory and the event after it, so that waiting for them does not wait for the
-    next batch; on the CPU a clone and no event."""
-    if not tokens.is_cuda:
-        return tokens.clone(), None
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
+    one of ``ring``'s pinned buffers and the event after it, so that waiting for them does
+    not wait for the next batch; on the CPU a clone and no event. The host copy stays
+    valid for the ring's slots - 1 later copies (the engine reads it on the next step)."""
+    return ring.copy(tokens)
 
 
 def _detach(prev: Launched | None) -> None:

@@ -7,12 +7,15 @@ Invariant (checked by ``check_idle``): with no request admitted,
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from latentserve.core import Req
 from latentserve.kvcache.allocator import SlotAllocator
 from latentserve.kvcache.pool import PageTable
 from latentserve.kvcache.radix import RadixCache
+from latentserve.staging import HostToDevice
 
 
 class CacheManager:
@@ -28,6 +31,7 @@ class CacheManager:
         self.table = table
         self._grows: list[tuple[int, int, int]] = []  # (row, from, to) reserved, not written
         self._pending = 0
+        self._to_device = HostToDevice(table.table.device)  # the page-table writes' indices
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         if self.allocator.num_free < n:
@@ -86,13 +90,18 @@ class CacheManager:
         if not self._grows:
             return
         slots = self.allocator.alloc(self._pending)
-        rows, cols = [], []
+        rows, cols = array("q"), array("q")
         for row, lo, hi in self._grows:
-            rows.extend([row] * (hi - lo))
-            cols.extend(range(lo, hi))
-        idx = torch.tensor([rows, cols], dtype=torch.int64).to(self.table.table.device,
-                                                               non_blocking=True)
-        self.table.table[idx[0], idx[1]] = slots
+            if hi - lo == 1:  # a decode row
+                rows.append(row)
+                cols.append(lo)
+            else:
+                rows.extend([row] * (hi - lo))
+                cols.extend(range(lo, hi))
+        n = len(rows)
+        rows.extend(cols)
+        idx = self._to_device.copy(rows)  # [rows | cols], through a pinned buffer
+        self.table.table[idx[:n], idx[n:]] = slots
         self._grows.clear()
         self._pending = 0
 

@@ -1,0 +1,110 @@
+"""Pinned host buffers for the engine's small per-step copies between host and device.
+
+A decode step moves a few hundred int64 values each way: the batch's index vectors and the
+page-table writes go to the device, the sampled tokens come back. From pageable memory
+``cudaMemcpyAsync`` must first stage the bytes into pinned memory, and the CUDA runtime
+documents that it "might be synchronous with respect to host" then (CUDA Runtime API,
+"API synchronization behavior"): a copy that waits for the work queued before it takes away
+what overlap scheduling (``engine/overlap.py``) gains. On an H200 host a 320-value pageable
+copy also took 56 us against 27 us through pinned memory, with a replay in flight
+(docs/benchmarks.md, session 12). Each class here cycles through a few pinned buffers,
+each with the CUDA event of its last copy, which it waits for before reusing that buffer
+(in the engine, that copy finished steps earlier, so the wait returns at once). vLLM keeps
+pinned CPU twins of its input buffers for the same reason (``v1/worker/gpu_model_runner.py``);
+the code is ours.
+
+On a CPU device no copy is made: the values are wrapped (host to device) or cloned
+(device to host).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+
+import torch
+
+
+class _Ring:
+    """``slots`` pinned int64 buffers (grown on demand) and the event of each one's last
+    copy."""
+
+    def __init__(self, slots: int):
+        if slots < 2:
+            raise ValueError(f"slots must be >= 2, got {slots}")
+        self._bufs: list[torch.Tensor | None] = [None] * slots
+        self._events: list = [None] * slots
+        self._next = 0
+
+    def take(self, n: int) -> tuple[torch.Tensor, object]:
+        """The next buffer, at least ``n`` long and free (its last copy waited for), and the
+        event to record after the copy that uses it."""
+        i = self._next
+        self._next = (i + 1) % len(self._bufs)
+        event = self._events[i]
+        if event is None:
+            event = self._events[i] = torch.cuda.Event()
+        else:
+            event.synchronize()  # NOTE: its copy was queued `slots` copies ago
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[i] = torch.empty(max(n, 256), dtype=torch.int64,
+                                              pin_memory=True)
+        return buf, event
+
+
+class HostToDevice:
+    """Copies int64 vectors (``array('q')``) to ``device`` through pinned buffers.
+
+    Args:
+        device: the destination; on a CPU device ``copy`` wraps the array instead.
+        slots: pinned buffers in the ring (>= 2; ValueError otherwise). A buffer is reused
+            after ``slots`` copies, once its copy has finished.
+    """
+
+    def __init__(self, device: torch.device | str, slots: int = 4):
+        self.device = torch.device(device)
+        self._ring = _Ring(slots) if self.device.type == "cuda" else None
+
+    def copy(self, values: array) -> torch.Tensor:
+        """``values`` (an ``array('q')``) as a ``[len(values)] int64`` tensor on the device.
+        The copy is queued on the current stream without waiting for it; ``values`` may be
+        changed as soon as this returns."""
+        n = len(values)
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if self._ring is None:
+            return torch.frombuffer(values, dtype=torch.int64)
+        buf, event = self._ring.take(n)
+        ctypes.memmove(buf.data_ptr(), values.buffer_info()[0], n * 8)
+        out = buf[:n].to(self.device, non_blocking=True)
+        event.record()
+        return out
+
+
+class DeviceToHost:
+    """Copies int64 device vectors to pinned host buffers without waiting for them.
+
+    Args:
+        slots: pinned buffers in the ring (>= 2; ValueError otherwise). A copy's host tensor
+            stays valid until ``slots - 1`` later copies were taken.
+    """
+
+    def __init__(self, slots: int = 4):
+        self._ring = _Ring(slots)
+
+    def copy(self, values: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """``(host, event)``: ``values`` (``[n] int64``) copied into a pinned buffer, and the
+        CUDA event after the copy (``event.synchronize()`` before reading ``host``). A CPU
+        tensor is cloned, with event None. Raises ValueError for a tensor that is not
+        1-D int64."""
+        if values.dtype != torch.int64 or values.dim() != 1:
+            raise ValueError(f"values must be a 1-D int64 tensor, got {values.dtype} "
+                             f"of shape {tuple(values.shape)}")
+        if not values.is_cuda:
+            return values.clone(), None
+        buf, event = self._ring.take(values.numel())
+        host = buf[: values.numel()]
+        host.copy_(values, non_blocking=True)
+        event.record()
+        return host, event
