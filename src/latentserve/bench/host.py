@@ -5,8 +5,9 @@ out so only the host side is timed: on CUDA the decode graphs are replaced by no
 input copies into the graphs' static buffers still run; outputs are the capture-time
 buffers), on CPU the forward returns zeros and the logits are 8 zero columns (so sampling
 times the host path, not an argmax over the vocabulary), with torch on one thread. Reports the
-median engine step and its parts (scheduling, ``ModelRunner.run``, sampling, the next latent
-inputs, postprocess), in microseconds.
+median engine step, its 90th and 99th percentiles and maximum, and the median of its parts
+(scheduling, ``ModelRunner.run``, sampling, the next latent inputs, postprocess), in
+microseconds.
 
 ``--latent feedback`` (a tiny COCONUT Llama) or ``--latent head`` (a tiny Llama with a random
 closed-loop compression-head bundle, ``bench.head_gpu.build_head_model``) times the same
@@ -125,7 +126,11 @@ def _time_steps(engine, params, batch: int, steps: int, prompt_len: int, tag: st
     def med(xs):
         return statistics.median(xs) * 1e6
 
+    ranked = sorted(total)
     return {"steps": len(total), "step_us": med(total),
+            "step_p90_us": ranked[int(0.9 * (len(ranked) - 1))] * 1e6,
+            "step_p99_us": ranked[int(0.99 * (len(ranked) - 1))] * 1e6,
+            "step_max_us": ranked[-1] * 1e6,
             **{f"{k}_us": med(v) for k, v in parts.items()}}
 
 

@@ -1,0 +1,161 @@
+"""Where the host's time goes in a real decode step on the GPU (the probe behind
+docs/benchmarks.md, "Results (session 12)").
+
+One engine serves the Llama-3.2-1B shape (random bf16 weights, overlap scheduling on).
+For 1, 16 and 64 requests of 256 prompt ids, 200 decode steps are timed twice: plain, then
+with each host part wrapped in ``perf_counter`` (scheduling, the page-table flush,
+``ModelRunner.run``, the packed replay and the graph launch inside it, sampling, the token
+copy, ``advance_launched``, ``finalize_launched`` and ``overlap.finish``, which includes the
+wait for the device). Then, on the batch-64 graph: the host time of a graph launch with the
+device idle and busy, and of a 320-value host-to-device copy from pageable and from pinned
+memory with a replay in flight.
+
+Usage (on the H200): ``OUT=dir python scripts/host_probe.py``. Prints one JSON line per
+batch size and writes ``$OUT/probe.json``: per batch ``plainN`` (median and mean step, us)
+and ``instN`` (the same, and per part ``[median, mean, calls]`` in us).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from array import array
+from pathlib import Path
+
+pc = time.perf_counter
+
+
+def _wrap(obj, name: str, sink: dict):
+    """Time every call of ``obj.name`` into ``sink[name]``; returns the original."""
+    fn = getattr(obj, name)
+
+    def timed(*a, **k):
+        s = pc()
+        try:
+            return fn(*a, **k)
+        finally:
+            sink.setdefault(name, []).append(pc() - s)
+
+    setattr(obj, name, timed)
+    return fn
+
+
+class _TimedGraph:
+    """A captured graph whose ``replay`` (the launch's host time) is timed."""
+
+    def __init__(self, graph, sink: dict):
+        self.graph, self.sink = graph, sink
+
+    def replay(self):
+        s = pc()
+        self.graph.replay()
+        self.sink.setdefault("cudaGraphLaunch", []).append(pc() - s)
+
+
+def _run(engine, batch: int, steps: int, instrument: bool, gen) -> dict:
+    import torch
+
+    from latentserve.engine import overlap
+    from latentserve.sampling_params import SamplingParams
+
+    sched, runner = engine.scheduler, engine.runner
+    sp = SamplingParams(max_tokens=steps + 50, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(torch.randint(3, 1000, (batch, 256), generator=gen).tolist()):
+        engine.add_request(f"p{batch}-{i}-{time.monotonic_ns()}", p, sp)
+    while sched.waiting or any(r.num_pending != 1 for r in sched.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    sink: dict = {}
+    saved, graphs = [], runner.graphs
+    originals = dict(graphs.graphs)
+    if instrument:
+        graphs.graphs = {k: _TimedGraph(v, sink) for k, v in originals.items()}
+        for obj, name in ((sched, "schedule"), (sched, "advance_launched"),
+                          (sched, "finalize_launched"), (sched.cache, "flush"),
+                          (runner, "run"), (graphs, "replay_packed"), (overlap, "_sample"),
+                          (overlap, "_host_copy"), (overlap, "finish")):
+            saved.append((obj, name, _wrap(obj, name, sink)))
+    times = []
+    try:
+        for _ in range(steps):
+            s = pc()
+            engine.step()
+            times.append(pc() - s)
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+        graphs.graphs = originals
+    for r in list(sched.running):
+        engine.abort_request(r.rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    out = {"step_med": statistics.median(times) * 1e6, "step_mean": statistics.mean(times) * 1e6}
+    for k, v in sink.items():
+        out[k] = [round(statistics.median(v) * 1e6, 1), round(statistics.mean(v) * 1e6, 1),
+                  len(v)]
+    return out
+
+
+def _copies(engine) -> dict:
+    """Host time of the batch-64 graph's launch (device idle, then busy) and of a 320-value
+    host-to-device copy from pageable and from pinned memory with a replay in flight."""
+    import torch
+
+    graph = engine.runner.graphs.graphs[0, 64]
+    idle, busy, pageable, pinned_t = [], [], [], []
+    values = array("q", range(64 * 5))
+    pinned = torch.empty(64 * 5, dtype=torch.int64, pin_memory=True)
+    for _ in range(30):
+        torch.cuda.synchronize()
+        s = pc()
+        graph.replay()
+        idle.append(pc() - s)
+        s = pc()
+        graph.replay()
+        busy.append(pc() - s)
+        s = pc()
+        torch.frombuffer(values, dtype=torch.int64).to("cuda", non_blocking=True)
+        pageable.append(pc() - s)
+        s = pc()
+        pinned.copy_(torch.frombuffer(values, dtype=torch.int64))
+        pinned.to("cuda", non_blocking=True)
+        pinned_t.append(pc() - s)
+    torch.cuda.synchronize()
+
+    def med(xs):
+        return statistics.median(xs) * 1e6
+
+    return {"launch_idle_us": med(idle), "launch_busy_us": med(busy),
+            "pageable_copy_busy_us": med(pageable), "pinned_copy_busy_us": med(pinned_t)}
+
+
+def main() -> None:
+    import torch
+
+    from latentserve.bench.gpu import SHAPES, save_random_llama
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+
+    with tempfile.TemporaryDirectory() as d:
+        path = save_random_llama(Path(d), SHAPES["llama-3.2-1b"])
+        engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
+                                        max_model_len=520, max_num_seqs=64))
+    gen = torch.Generator().manual_seed(0)
+    _run(engine, 64, 20, False, gen)  # warm-up
+    out = {}
+    for batch in (1, 16, 64):
+        out[f"plain{batch}"] = _run(engine, batch, 200, False, gen)
+        out[f"inst{batch}"] = _run(engine, batch, 200, True, gen)
+        print(batch, json.dumps(out[f"plain{batch}"]), json.dumps(out[f"inst{batch}"]),
+              flush=True)
+    out.update(_copies(engine))
+    print(json.dumps({k: v for k, v in out.items() if k.endswith("_us")}))
+    Path(os.environ.get("OUT", "."), "probe.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
