@@ -13,8 +13,8 @@ each with the CUDA event of its last copy, which it waits for before reusing tha
 pinned CPU twins of its input buffers for the same reason (``v1/worker/gpu_model_runner.py``);
 the code is ours.
 
-On a CPU device no copy is made: the values are wrapped (host to device) or cloned
-(device to host).
+On a CPU device there is no ring: the values are copied into a plain tensor (host to
+device) or cloned (device to host).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ class _Ring:
         else:
             event.synchronize()  # NOTE: its copy was queued `slots` copies ago
         buf = self._bufs[i]
-        if buf is None or buf.numel() < n:
-            buf = self._bufs[i] = torch.empty(max(n, 256), dtype=torch.int64,
-                                              pin_memory=True)
+        if buf is None or buf.numel() < n:  # a power of two, so a ramp of sizes grows rarely
+            buf = self._bufs[i] = torch.empty(max(1 << (n - 1).bit_length(), 256),
+                                              dtype=torch.int64, pin_memory=True)
         return buf, event
 
 
@@ -57,28 +57,31 @@ class HostToDevice:
     """Copies int64 vectors (``array('q')``) to ``device`` through pinned buffers.
 
     Args:
-        device: the destination; on a CPU device ``copy`` wraps the array instead.
+        device: the destination; on a CPU device ``copy`` copies into a plain tensor.
         slots: pinned buffers in the ring (>= 2; ValueError otherwise). A buffer is reused
             after ``slots`` copies, once its copy has finished.
     """
 
     def __init__(self, device: torch.device | str, slots: int = 4):
         self.device = torch.device(device)
-        self._ring = _Ring(slots) if self.device.type == "cuda" else None
+        ring = _Ring(slots)
+        self._ring = ring if self.device.type == "cuda" else None
 
     def copy(self, values: array) -> torch.Tensor:
         """``values`` (an ``array('q')``) as a ``[len(values)] int64`` tensor on the device.
-        The copy is queued on the current stream without waiting for it; ``values`` may be
-        changed as soon as this returns."""
+        The copy is queued on the device's current stream without waiting for it; ``values``
+        may be changed as soon as this returns. Raises ValueError for another typecode."""
+        if values.typecode != "q":
+            raise ValueError(f"values must be an array('q'), got typecode {values.typecode!r}")
         n = len(values)
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        if self._ring is None:
-            return torch.frombuffer(values, dtype=torch.int64)
+        if self._ring is None:  # a copy: the tensor must not share the array's memory
+            return torch.frombuffer(values, dtype=torch.int64).clone()
         buf, event = self._ring.take(n)
         ctypes.memmove(buf.data_ptr(), values.buffer_info()[0], n * 8)
         out = buf[:n].to(self.device, non_blocking=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return out
 
 
@@ -106,5 +109,5 @@ class DeviceToHost:
         buf, event = self._ring.take(values.numel())
         host = buf[: values.numel()]
         host.copy_(values, non_blocking=True)
-        event.record()
+        event.record(torch.cuda.current_stream(values.device))
         return host, event

@@ -1,5 +1,6 @@
 """``staging`` on CUDA: the pinned-buffer rings give every copy its own values while earlier
-copies are still queued behind device work, across buffer reuse and growth."""
+copies are still queued behind device work, when buffers are reused (the ring's event wait)
+and when they grow."""
 
 from array import array
 
@@ -13,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _busy():
-    """Queue ~tens of ms of device work, so the copies below wait behind it."""
+    """Queue ~tens of ms of device work, so the copies after it wait behind it."""
     a = torch.randn(4096, 4096, device="cuda")
     for _ in range(8):
         a = a @ a
@@ -22,10 +23,11 @@ def _busy():
 
 def test_host_to_device_copies_keep_their_values_across_reuse_and_growth():
     ring = HostToDevice("cuda", slots=2)
-    _busy()
     outs, want = [], []
-    for i in range(9):
-        n = 100 + 300 * i  # grows past the first buffers
+    # growing sizes (new buffers), then sizes that fit (each buffer reused, behind its copy)
+    for i, n in enumerate([100, 400, 1000, 3000, 700, 900, 50, 2000, 1500, 10]):
+        if i % 3 == 0:
+            _busy()
         values = array("q", range(i, i + n))
         outs.append(ring.copy(values))
         want.append(list(values))
@@ -35,14 +37,20 @@ def test_host_to_device_copies_keep_their_values_across_reuse_and_growth():
     assert all(o.is_cuda and o.dtype == torch.int64 for o in outs)
 
 
-def test_device_to_host_copies_arrive_after_their_event():
-    ring = DeviceToHost(slots=3)
-    got = []
-    for i in range(7):
+def test_device_to_host_copies_stay_valid_for_slots_minus_one_later_copies():
+    """As overlap scheduling uses them: a host copy is read after later copies were taken
+    (here slots - 1 of them, queued behind device work, nothing synchronized in between)."""
+    slots = 3
+    ring = DeviceToHost(slots=slots)
+    for rnd in range(3):
         _busy()
-        tokens = torch.arange(i, i + 64 + i, device="cuda")
-        host, event = ring.copy(tokens)
-        tokens.fill_(-1)  # queued after the copy: must not reach the host copy
-        event.synchronize()
-        got.append(host.tolist() == list(range(i, i + 64 + i)))
-    assert all(got)
+        got, want = [], []
+        for i in range(slots):
+            n = 300 + 200 * i + rnd  # larger than the ring's first buffers: they grow
+            tokens = torch.arange(n, device="cuda") * (rnd + 1) + i
+            got.append(ring.copy(tokens))
+            want.append((torch.arange(n) * (rnd + 1) + i).tolist())
+            tokens.fill_(-1)  # queued after the copy: must not reach the host copy
+        for (host, event), w in zip(got, want):
+            event.synchronize()
+            assert host.tolist() == w

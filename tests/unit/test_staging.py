@@ -10,12 +10,20 @@ import torch
 from latentserve.staging import DeviceToHost, HostToDevice
 
 
-def test_host_to_device_on_the_cpu_wraps_the_values():
+def test_host_to_device_on_the_cpu_copies_the_values():
     values = array("q", [3, -1, 2 ** 40, 0])
     out = HostToDevice("cpu").copy(values)
+    values[0] = 9  # the caller may change the array, or grow it, once copy returned
+    values.extend(range(1000))
     assert out.dtype == torch.int64 and out.tolist() == [3, -1, 2 ** 40, 0]
     empty = HostToDevice("cpu").copy(array("q"))
     assert empty.shape == (0,) and empty.dtype == torch.int64
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_host_to_device_takes_only_int64_arrays(device):
+    with pytest.raises(ValueError, match="array\\('q'\\)"):
+        HostToDevice(device).copy(array("i", [1, 2, 3, 4]))
 
 
 def test_device_to_host_on_the_cpu_clones_without_an_event():
@@ -32,7 +40,9 @@ def test_device_to_host_rejects_what_is_not_1d_int64(bad):
         DeviceToHost().copy(bad)
 
 
-@pytest.mark.parametrize("cls", [HostToDevice, DeviceToHost])
-def test_a_ring_needs_two_slots(cls):
+@pytest.mark.parametrize("make", [lambda: HostToDevice("cuda", slots=1),
+                                  lambda: HostToDevice("cpu", slots=1),
+                                  lambda: DeviceToHost(slots=1)])
+def test_a_ring_needs_two_slots(make):
     with pytest.raises(ValueError, match="slots must be >= 2"):
-        cls("cuda", slots=1) if cls is HostToDevice else cls(slots=1)
+        make()

@@ -50,16 +50,16 @@ def save_random_llama(out_dir: Path, shape: dict) -> Path:
     return out_dir
 
 
-_best_bandwidth = 0.0  # the best copy bandwidth this process measured (bytes/s)
+_best_bandwidth: dict = {}  # (device, nbytes) -> the best copy bandwidth measured (bytes/s)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, rounds: int = 5) -> float:
     """Device-to-device copy bandwidth: bytes moved (read + written) per second, the usual
     way copy bandwidth is quoted and the figure HBM sustains for mixed traffic. The best of
-    ``rounds`` timings of ``iters`` copies, and of every earlier call in this process: on
+    ``rounds`` timings of ``iters`` copies, and of every earlier call in this process on
+    the same device and size: on
     an H200, a second benchmark in one process read 3.84 TB/s against the first's 4.28 in
     every round (session 12), which raises the floor and flatters the ratios."""
-    global _best_bandwidth
     import torch
 
     torch.cuda.empty_cache()
@@ -75,8 +75,9 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, rounds: int = 5) -> f
         end.record()
         torch.cuda.synchronize()
         best = max(best, 2 * nbytes * iters / (start.elapsed_time(end) / 1e3))
-    _best_bandwidth = max(_best_bandwidth, best)
-    return _best_bandwidth
+    key = (torch.cuda.current_device(), nbytes)
+    _best_bandwidth[key] = max(_best_bandwidth.get(key, 0.0), best)
+    return _best_bandwidth[key]
 
 
 # _engine_run's keys on how the decode steps spread and whether the host set their pace
@@ -115,7 +116,6 @@ def _engine_run(engine, prompts, output_len):
             return out
         return timed_replay
 
-    graphs.replay, graphs.replay_packed = timed(graphs.replay), timed(graphs.replay_packed)
     real_finish, waits = overlap.finish, []
 
     def finish(engine_, launched):
@@ -125,15 +125,16 @@ def _engine_run(engine, prompts, output_len):
             waits.append(time.perf_counter() - s)
         return real_finish(engine_, launched)
 
-    overlap.finish = finish
     decode_times, decode_waits, n_out, compiles = [], [], 0, []
     knobs = _triton_knobs()
-    if knobs is not None:  # Triton compiles inside the timed run would count as serving time
-        knobs.runtime.jit_post_compile_hook = lambda **kw: compiles.append(kw["repr"][:160])
-    torch.cuda.synchronize()
-    gc_before = [g["collections"] for g in gc.get_stats()]
-    t0 = time.perf_counter()
-    try:
+    try:  # NOTE: the patches below are undone in `finally`, whatever raises after them
+        graphs.replay, graphs.replay_packed = timed(graphs.replay), timed(graphs.replay_packed)
+        overlap.finish = finish
+        if knobs is not None:  # Triton compiles in the timed run would count as serving time
+            knobs.runtime.jit_post_compile_hook = lambda **kw: compiles.append(kw["repr"][:160])
+        torch.cuda.synchronize()
+        gc_before = [g["collections"] for g in gc.get_stats()]
+        t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             decode = not engine.scheduler.waiting and all(
                 r.num_pending == 1 for r in engine.scheduler.running)
@@ -144,7 +145,8 @@ def _engine_run(engine, prompts, output_len):
                 decode_waits.extend(waits[n_waits:])
             n_out += sum(len(o.new_token_ids) for o in outs)
     finally:
-        del graphs.replay, graphs.replay_packed  # back to the class methods
+        for name in ("replay", "replay_packed"):  # back to the class methods
+            graphs.__dict__.pop(name, None)
         overlap.finish = real_finish
         if knobs is not None:
             knobs.runtime.jit_post_compile_hook = None

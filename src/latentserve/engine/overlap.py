@@ -148,6 +148,7 @@ def _detach(prev: Launched | None) -> None:
         return
     if prev.event is not None:
         prev.event.synchronize()
+    prev.host = prev.host.clone()  # out of the ring: retried launches take its slots again
     prev.tokens = prev.host.to(prev.tokens.device)
 
 
