@@ -28,21 +28,6 @@ from pathlib import Path
 pc = time.perf_counter
 
 
-def _wrap(obj, name: str, sink: dict):
-    """Time every call of ``obj.name`` into ``sink[name]``; returns the original."""
-    fn = getattr(obj, name)
-
-    def timed(*a, **k):
-        s = pc()
-        try:
-            return fn(*a, **k)
-        finally:
-            sink.setdefault(name, []).append(pc() - s)
-
-    setattr(obj, name, timed)
-    return fn
-
-
 class _TimedGraph:
     """A captured graph whose ``replay`` (the launch's host time) is timed."""
 
@@ -58,6 +43,7 @@ class _TimedGraph:
 def _run(engine, batch: int, steps: int, instrument: bool, gen) -> dict:
     import torch
 
+    from latentserve.bench.host import abort_all, step_until_all_decode, time_calls
     from latentserve.engine import overlap
     from latentserve.sampling_params import SamplingParams
 
@@ -65,8 +51,7 @@ def _run(engine, batch: int, steps: int, instrument: bool, gen) -> dict:
     sp = SamplingParams(max_tokens=steps + 50, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(torch.randint(3, 1000, (batch, 256), generator=gen).tolist()):
         engine.add_request(f"p{batch}-{i}-{time.monotonic_ns()}", p, sp)
-    while sched.waiting or any(r.num_pending != 1 for r in sched.running):
-        engine.step()
+    step_until_all_decode(engine)
     for _ in range(5):
         engine.step()
     sink: dict = {}
@@ -78,7 +63,7 @@ def _run(engine, batch: int, steps: int, instrument: bool, gen) -> dict:
                           (sched, "finalize_launched"), (sched.cache, "flush"),
                           (runner, "run"), (graphs, "replay_packed"), (overlap, "_sample"),
                           (overlap, "_host_copy"), (overlap, "finish")):
-            saved.append((obj, name, _wrap(obj, name, sink)))
+            saved.append((obj, name, time_calls(obj, name, sink)))
     times = []
     try:
         for _ in range(steps):
@@ -89,10 +74,7 @@ def _run(engine, batch: int, steps: int, instrument: bool, gen) -> dict:
         for obj, name, fn in saved:
             setattr(obj, name, fn)
         graphs.graphs = originals
-    for r in list(sched.running):
-        engine.abort_request(r.rid)
-    while engine.has_unfinished_requests():
-        engine.step()
+    abort_all(engine)
     out = {"step_med": statistics.median(times) * 1e6, "step_mean": statistics.mean(times) * 1e6}
     for k, v in sink.items():
         out[k] = [round(statistics.median(v) * 1e6, 1), round(statistics.mean(v) * 1e6, 1),

@@ -42,8 +42,9 @@ class _NoReplay:
         pass
 
 
-def _timed(obj, name: str, sink: dict) -> None:
-    """Wrap ``obj.name`` so each call's wall time is appended to ``sink[name]``."""
+def time_calls(obj, name: str, sink: dict):
+    """Wrap ``obj.name`` so each call's wall time (seconds) is appended to ``sink[name]``;
+    returns the original, for the caller to put back."""
     fn = getattr(obj, name)
 
     def wrapper(*args, **kwargs):
@@ -54,6 +55,22 @@ def _timed(obj, name: str, sink: dict) -> None:
             sink.setdefault(name, []).append(time.perf_counter() - start)
 
     setattr(obj, name, wrapper)
+    return fn
+
+
+def step_until_all_decode(engine) -> None:
+    """Step ``engine`` until nothing waits and every running request decodes one id."""
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_pending != 1 for r in sched.running):
+        engine.step()
+
+
+def abort_all(engine) -> None:
+    """Abort every running request and step until the engine is empty."""
+    for r in list(engine.scheduler.running):
+        engine.abort_request(r.rid)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 def _build(root: Path, latent: str | None) -> Path:
@@ -97,15 +114,12 @@ def _time_steps(engine, params, batch: int, steps: int, prompt_len: int, tag: st
         engine.add_request(f"{tag}{i}", [5 + (i * 7 + j) % 500 for j in range(prompt_len)],
                            params)
     sched = engine.scheduler
-    while sched.waiting or any(r.num_pending != 1 for r in sched.running):
-        engine.step()
+    step_until_all_decode(engine)
     runner = engine.runner
     parts: dict = {}
-    originals = [(obj, name, getattr(obj, name)) for obj, name in (
+    originals = [(obj, name, time_calls(obj, name, parts)) for obj, name in (
         (sched, "schedule"), (runner, "run"), (engine, "_sample"), (engine, "_latent_inputs"),
         (sched, "postprocess"))]
-    for obj, name, _ in originals:
-        _timed(obj, name, parts)
     total = []
     try:
         for _ in range(steps):
@@ -118,10 +132,7 @@ def _time_steps(engine, params, batch: int, steps: int, prompt_len: int, tag: st
     in_phase = [r.answer_start is None for r in sched.running]
     if latent_phase and not (len(in_phase) == batch and all(in_phase)):
         raise RuntimeError("a row left its latent phase inside the timed window")
-    for r in list(sched.running):
-        engine.abort_request(r.rid)
-    while engine.has_unfinished_requests():
-        engine.step()
+    abort_all(engine)
 
     def med(xs):
         return statistics.median(xs) * 1e6
