@@ -58,6 +58,7 @@ def _apply(knobs: dict[str, str], base_env: dict[str, str]) -> None:
 def run(path: Path, bs: int, configs: list[tuple[str, dict]], rounds: int, replays: int) -> dict:
     import torch
 
+    from latentserve.bench.device_common import time_replays
     from latentserve.config import EngineConfig
     from latentserve.engine import cuda_graph
     from latentserve.engine.cuda_graph import CudaGraphRunner
@@ -88,16 +89,7 @@ def run(path: Path, bs: int, configs: list[tuple[str, dict]], rounds: int, repla
                 for buf in ("ids", "pos", "rows", "kv_lens", "out_slots"):
                     getattr(gr, buf)[:bs].copy_(getattr(old, buf)[:bs])
                 graph = gr.graphs[gr.graph_depths[0], bs]
-                for _ in range(20):
-                    graph.replay()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-                start.record()
-                for _ in range(replays):
-                    graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                us[name].append(round(start.elapsed_time(end) * 1e3 / replays, 1))
+                us[name].append(round(time_replays(graph, replays, warmup=20), 1))
                 logits, _, greedy = gr.outputs[gr.graph_depths[0], bs]
                 tokens[name] = None if greedy is None else greedy[:8].tolist()
                 if greedy is not None and not torch.equal(greedy, logits.argmax(-1)):

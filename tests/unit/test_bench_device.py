@@ -70,3 +70,33 @@ def test_host_bench_times_latent_and_plain_steps():
         assert plain["steps"] == 5 and plain["postprocess_us"] > 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_time_replays_warms_up_then_times_the_replays_between_two_events(monkeypatch):
+    """``device_common.time_replays`` on the CPU with the CUDA events stood in: the warm-up
+    replays run before the first event, the timed ones between the two, and the result is
+    the events' elapsed time per timed replay in microseconds."""
+    import torch
+
+    from latentserve.bench.device_common import time_replays
+
+    log = []
+
+    class Event:
+        def __init__(self, timing):
+            assert timing is True
+
+        def record(self):
+            log.append("event")
+
+        def elapsed_time(self, other):  # milliseconds, as CUDA events give them
+            return 6.0
+
+    class Graph:
+        def replay(self):
+            log.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    assert time_replays(Graph(), replays=3, warmup=2) == 6.0 * 1e3 / 3
+    assert log == ["replay"] * 2 + ["sync", "event"] + ["replay"] * 3 + ["event", "sync"]

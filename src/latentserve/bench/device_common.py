@@ -52,14 +52,25 @@ def time_graph(fn, calls: int = 1, replays: int = 200):
         with torch.cuda.graph(graph):
             for _ in range(calls):
                 fn()
+        us = time_replays(graph, replays)
+    return us / calls, graph
+
+
+def time_replays(graph, replays: int = 200, warmup: int = 1) -> float:
+    """Microseconds per replay of a captured CUDA ``graph``: ``warmup`` replays, then
+    ``replays`` back to back between two CUDA events."""
+    import torch
+
+    for _ in range(warmup):
         graph.replay()
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls), graph
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
 
 
 def profile_replay(graph) -> dict:
