@@ -97,3 +97,44 @@ def test_bad_arguments_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         unpack_decode_inputs(packed, n, b, kwargs.get("num_pending", 0), kwargs.get("pending"),
                              torch.zeros(4, 8, dtype=torch.int64), 3, **bufs)
+
+
+@pytest.mark.parametrize("n,b,m,seed", [(64, 64, 64, 0), (5, 8, 7, 1), (70, 80, 130, 2),
+                                        (3, 4, 0, 3), (0, 4, 6, 4)])
+def test_staged_page_table_writes(n, b, m, seed):
+    """Staged writes (``PageTable.stage``) are made by the kernel: every cell gets its slot,
+    and a token whose cell is written in the same launch reads the new slot, not the old
+    cell (which another program may not have written yet)."""
+    packed, table, _, ids, pos, rows, _, _ = _batch(n, 0, 0, seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    # half the batch's own cells (as a decode step's grows), the rest elsewhere; distinct
+    own = torch.randperm(n, generator=g)[: min(n, m // 2)]
+    cells = {(int(rows[i]), int(pos[i])) for i in own}
+    while len(cells) < m:
+        cells.add((int(torch.randint(0, 79, (1,), generator=g)),
+                   int(torch.randint(0, 300, (1,), generator=g))))
+    cells = sorted(cells, key=lambda c: hash(c) % 997)
+    w_rows = torch.tensor([c[0] for c in cells], dtype=torch.int64)
+    w_cols = torch.tensor([c[1] for c in cells], dtype=torch.int64)
+    slots = torch.randint(20_000, 30_000, (m,), generator=g)
+    want = table.clone()
+    want[w_rows, w_cols] = slots
+    want_slots = want[rows, pos]
+    packed = torch.cat([packed, w_rows, w_cols])
+    bufs = [torch.full((96,), -5, dtype=torch.int64) for _ in range(4)]
+    kv_lens = torch.full((96,), -5, dtype=torch.int32)
+    unpack_decode_inputs(packed, n, b, 0, None, table, 79, bufs[0], bufs[1], bufs[2], kv_lens,
+                         bufs[3], m, slots)
+    assert torch.equal(table, want)
+    assert torch.equal(bufs[3][:n], want_slots)
+    assert torch.equal(bufs[0][:n], ids) and torch.equal(bufs[2][:n], rows)
+    assert bool((bufs[3][n:b] == 0).all()) and bool((bufs[3][b:] == -5).all())
+
+
+def test_staged_writes_need_their_slots():
+    packed = torch.zeros(40, dtype=torch.int64)
+    bufs = [torch.zeros(8, dtype=torch.int64) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"slots must be \[num_writes=3\]"):
+        unpack_decode_inputs(packed, 2, 2, 0, None, torch.zeros(4, 8, dtype=torch.int64), 3,
+                             *bufs[:3], torch.zeros(8, dtype=torch.int32), bufs[3], 3,
+                             torch.zeros(2, dtype=torch.int64))

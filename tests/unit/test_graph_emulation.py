@@ -118,15 +118,25 @@ def _run(path, graphs: bool, overlap_on: bool, fail_at: int = -1, seeded: bool =
         if seeded and i % 3 == 0:  # seeded sampling: sampled rows go into a copy of the tokens
             params.update(temperature=0.9, seed=i, top_k=50)
         engine.add_request(f"r{i}", prompt, SamplingParams(**params))
-    seen = {"replays": 0, "pending": 0}
-    real_run = engine.runner.run
+    seen = {"replays": 0, "pending": 0, "kernel_writes": 0, "applied": 0}
+    real_run, table = engine.runner.run, engine.cache.table
+    real_apply = table.apply_staged
+
+    def apply_staged():
+        seen["applied"] += table.staged is not None
+        real_apply()
+
+    table.apply_staged = apply_staged
 
     def run(batch, *args):
         seen["pending"] += bool(args and args[0] is not None)
+        staged, applied = table.staged, seen["applied"]
         logits, hidden = real_run(batch, *args)
         runner = engine.runner
         if runner.replayed:
             seen["replays"] += 1
+            # the page-table writes of this step were made by the input kernel
+            seen["kernel_writes"] += staged is not None and seen["applied"] == applied
             assert torch.equal(runner.last_greedy, logits.argmax(-1))
             if seen["replays"] == fail_at + 1:
                 with torch.inference_mode():  # what a later replay would leave there
@@ -157,6 +167,8 @@ def test_packed_replays_and_graph_greedy_tokens_equal_the_eager_engine(small_voc
     got, seen = _run(small_vocab_llama, graphs=True, overlap_on=True)
     assert got == want
     assert seen["replays"] > 5 and seen["pending"] > 5  # pending ids went through the kernel
+    # and so did every replay's page-table writes (PageTable.stage), not a copy and scatter
+    assert seen["kernel_writes"] == seen["replays"]
 
 
 def test_a_step_that_raises_after_the_replay_leaves_the_pending_ids_intact(

@@ -263,20 +263,24 @@ class CudaGraphRunner:
         return self._launch(depth, b, n, embeds, mask, mask_all)
 
     def replay_packed(self, packed, n: int, num_pending: int = 0, pending=None, embeds=None,
-                      mask=None, mask_all: bool = False):
+                      mask=None, mask_all: bool = False, writes: tuple | None = None):
         """``replay`` for a model that is not recurrent, from the batch's packed index
         vectors (``ModelRunner.run``'s one host-to-device copy; layout in
         ``ops.kernels.decode_inputs``), unpacked into the static buffers by one kernel that
         also substitutes the ``num_pending`` ids still being sampled (``pending``, the
         previous step's tokens) and looks up each token's KV slot in the page table.
+        ``writes``: ``(m, slots [m] int64)``, staged page-table writes whose rows and
+        columns end ``packed`` (``PageTable.take_staged``); the same kernel makes them.
         Raises RuntimeError for a recurrent model."""
         from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
 
         if self.recurrent:
             raise RuntimeError("replay_packed does not set a recurrent model's depths")
         b = next(x for x in self.buckets if x >= n)
+        m, slots = (0, None) if writes is None else writes
         unpack_decode_inputs(packed, n, b, num_pending, pending, self.table, self.dummy_row,
-                             self.ids, self.pos, self.rows, self.kv_lens, self.out_slots)
+                             self.ids, self.pos, self.rows, self.kv_lens, self.out_slots,
+                             m, slots)
         return self._launch(0, b, n, embeds, mask, mask_all)
 
     def _launch(self, depth, b, n, embeds, mask, mask_all):

@@ -107,6 +107,12 @@ class ModelRunner:
                                       max_bs, hidden_size, dtype, self.capture_layer,
                                       with_greedy=with_greedy)
 
+    def _restage(self, staged) -> None:
+        """Put page-table writes taken for a packed replay back, when it raised before or
+        after its input kernel: a later read of the table then applies them."""
+        if staged is not None:
+            self.table.stage(*staged)
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending: tuple | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,18 +151,6 @@ class ModelRunner:
         kv_lens = [s + n for s, n in zip(batch.starts, batch.q_lens)]
         mask_l, src, src_rows = ([], None, []) if not inj_rows else \
             latent_vectors.injection_plan(inj_rows, inj, t)
-        # One host-to-device copy for every index vector of the batch:
-        # ids [T] | positions [T] | page-table row of each token [T] | rows [B] | kv_lens [B]
-        # | latent mask [T] (only when some rows take no vector) | latent source row of each
-        # token [T] (only when the latent vectors are not already one slice in token order)
-        # | overlap mode: token rows with a pending id, and their rows in the previous tokens.
-        # NOTE: through array('q'): torch.tensor of a long int list costs ~0.1 us an element;
-        # and through a pinned buffer (staging.py), so the copy never waits for the device.
-        packed = self._to_device.copy(array("q", ids + pos + row_tok
-                                            + [r.row for r in batch.reqs] + kv_lens + mask_l
-                                            + src_rows + sub_dst + sub_src))
-        input_ids, positions = packed[:t], packed[t : 2 * t]
-        rows, kv_dev = packed[3 * t : 3 * t + b], packed[3 * t + b : 3 * t + 2 * b]
         decode = t == b
         # Rows of requests that asked for prompt logprobs and compute prompt tokens now.
         prompt_rows = [b for b, (r, st) in enumerate(zip(batch.reqs, batch.starts))
@@ -164,8 +158,25 @@ class ModelRunner:
         fits_graph = (self.graphs is not None and decode and not prompt_rows
                       and t <= self.graphs.max_bs)
         # A plain decode batch that fits a graph: one kernel unpacks the inputs into the
-        # graph's buffers (ops.kernels.decode_inputs), so nothing below touches them.
+        # graph's buffers (ops.kernels.decode_inputs), so nothing below touches them. It
+        # also makes the scheduler's staged page-table writes (PageTable.stage).
         packed_replay = self.PACKED_INPUTS and fits_graph and not self.recurrent
+        staged = self.table.staged if packed_replay else None  # taken at the replay
+        # One host-to-device copy for every index vector of the batch:
+        # ids [T] | positions [T] | page-table row of each token [T] | rows [B] | kv_lens [B]
+        # | latent mask [T] (only when some rows take no vector) | latent source row of each
+        # token [T] (only when the latent vectors are not already one slice in token order)
+        # | overlap mode: token rows with a pending id, and their rows in the previous tokens
+        # | packed replays: the staged page-table writes' rows and columns.
+        # NOTE: through array('q'): torch.tensor of a long int list costs ~0.1 us an element;
+        # and through a pinned buffer (staging.py), so the copy never waits for the device.
+        packed = array("q", ids + pos + row_tok + [r.row for r in batch.reqs] + kv_lens
+                       + mask_l + src_rows + sub_dst + sub_src)
+        if staged is not None:
+            packed.extend(staged[0])
+        packed = self._to_device.copy(packed)
+        input_ids, positions = packed[:t], packed[t : 2 * t]
+        rows, kv_dev = packed[3 * t : 3 * t + b], packed[3 * t + b : 3 * t + 2 * b]
         out_slots = None
         if not packed_replay:
             if sub_dst:  # the previous step's tokens, still on the device
@@ -196,9 +207,15 @@ class ModelRunner:
             self.num_graph_steps += 1
             self.replayed = True
             if packed_replay:
-                logits, hidden = self.graphs.replay_packed(
-                    packed, t, len(sub_dst), pending[0] if sub_dst else None, input_embeds,
-                    latent_mask, mask_all=mask_all)
+                self.table.take_staged()  # the input kernel writes them (or _restage)
+                try:
+                    logits, hidden = self.graphs.replay_packed(
+                        packed, t, len(sub_dst), pending[0] if sub_dst else None,
+                        input_embeds, latent_mask, mask_all=mask_all,
+                        writes=None if staged is None else staged[1:])
+                except BaseException:
+                    self._restage(staged)  # NOTE: writing a cell twice is harmless
+                    raise
             else:
                 logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_dev,
                                                     out_slots, input_embeds, latent_mask, rec,

@@ -62,5 +62,11 @@ class SlotAllocator:
         """Give slots back. ``slots``: integer tensor of any shape (flattened), any device."""
         if slots.numel() == 0:
             return
-        slots = slots.reshape(-1).to(device=self.device, dtype=torch.int64)
-        self._free = torch.cat((self._free, slots))
+        self.free_many([slots])
+
+    def free_many(self, pieces: list[torch.Tensor]) -> None:
+        """``free`` of each tensor in ``pieces``, in one concatenation (empty ones skipped)."""
+        pieces = [p.reshape(-1).to(device=self.device, dtype=torch.int64)
+                  for p in pieces if p.numel()]
+        if pieces:
+            self._free = torch.cat((self._free, *pieces))

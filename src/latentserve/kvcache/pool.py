@@ -7,6 +7,8 @@ padded rows may write to; the allocator never hands it out.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 
@@ -42,13 +44,66 @@ class PageTable:
     ``alloc_row()`` returns a free row index or None; ``free_row(i)`` gives it back.
     NOTE: row ``dummy_row`` (the last) is never handed out and stays all zeros, i.e. it
     points at the dummy slot 0; padded rows of a captured decode batch read through it.
+
+    Staged writes: ``stage(cells, n, slots)`` records writes ``table[cells[j], cells[n + j]]
+    = slots[j]`` without issuing them. Reading the ``table`` attribute applies what is
+    staged first (one host-to-device copy of the cells and one scatter), so every reader
+    sees a consistent table. A decode step whose inputs are unpacked by
+    ``ops.kernels.decode_inputs`` instead takes them (``take_staged``) and lets that kernel
+    write them, which saves a copy and a scatter per step (issue 3). ``raw`` is the tensor
+    itself, staged writes not applied: only for a caller that applies them on the device.
     """
 
     def __init__(self, max_reqs: int, max_model_len: int, device: torch.device | str):
-        self.table = torch.zeros((max_reqs + 1, max_model_len), dtype=torch.int64,
-                                 device=device)
+        self.raw = torch.zeros((max_reqs + 1, max_model_len), dtype=torch.int64,
+                               device=device)
         self.dummy_row = max_reqs
         self._free = list(range(max_reqs - 1, -1, -1))
+        self._staged: tuple | None = None
+        self._to_device = None  # a HostToDevice for the cells, made on first use
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The page table, with every staged write applied (see the class docstring)."""
+        if self._staged is not None:
+            self.apply_staged()
+        return self.raw
+
+    def stage(self, cells: array, n: int, slots: torch.Tensor) -> None:
+        """Record ``n`` writes: ``cells`` is ``array('q')`` of ``[rows (n) | cols (n)]``,
+        ``slots`` ``[n] int64`` on the table's device. Writes staged earlier are applied
+        first. Raises ValueError when the lengths disagree."""
+        if len(cells) != 2 * n or slots.shape != (n,):
+            raise ValueError(f"stage needs 2 * n = {2 * n} cells and [n] slots, got "
+                             f"{len(cells)} and {tuple(slots.shape)}")
+        if self._staged is not None:
+            self.apply_staged()
+        if n:
+            self._staged = (cells, n, slots)
+
+    @property
+    def staged(self) -> tuple | None:
+        """The staged writes ``(cells, n, slots)``, or None; still staged."""
+        return self._staged
+
+    def take_staged(self) -> tuple | None:
+        """The staged writes ``(cells, n, slots)`` (None when none), now the caller's to
+        write: they are no longer applied on a read."""
+        staged, self._staged = self._staged, None
+        return staged
+
+    def apply_staged(self) -> None:
+        """Issue the staged writes now (a host-to-device copy of the cells and a scatter)."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        cells, n, slots = staged
+        if self._to_device is None:
+            from latentserve.staging import HostToDevice
+
+            self._to_device = HostToDevice(self.raw.device)
+        idx = self._to_device.copy(cells)  # [rows | cols], through a pinned buffer
+        self.raw[idx[:n], idx[n:]] = slots
 
     def alloc_row(self) -> int | None:
         return self._free.pop() if self._free else None

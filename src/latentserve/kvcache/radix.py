@@ -149,8 +149,10 @@ class RadixCache:
                 break
         return (torch.cat(values) if values else self._empty()), node
 
-    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+    def insert(self, token_ids: list[int], slots: torch.Tensor, copy: bool = True) -> int:
         """Insert ``token_ids`` with their KV ``slots`` (``torch.int64``, shape ``[len]``).
+        ``copy=False``: the tree keeps a view of ``slots`` (the caller hands over a tensor
+        nobody writes to again), which saves a device copy per insert.
 
         Returns:
             The length ``p`` of the prefix that was already in the tree. The tree keeps its own
@@ -167,7 +169,8 @@ class RadixCache:
         while i < len(token_ids):
             child = node.children.get(token_ids[i])
             if child is None:
-                new = Node(list(token_ids[i:]), slots[i:].to(torch.int64, copy=True), node)
+                value = slots[i:].to(torch.int64, copy=True) if copy else slots[i:]
+                new = Node(list(token_ids[i:]), value, node)
                 new.last_access = now
                 node.children[token_ids[i]] = new
                 self.evictable_size += len(new.key)

@@ -15,7 +15,6 @@ from latentserve.core import Req
 from latentserve.kvcache.allocator import SlotAllocator
 from latentserve.kvcache.pool import PageTable
 from latentserve.kvcache.radix import RadixCache
-from latentserve.staging import HostToDevice
 
 
 class CacheManager:
@@ -31,7 +30,6 @@ class CacheManager:
         self.table = table
         self._grows: list[tuple[int, int, int]] = []  # (row, from, to) reserved, not written
         self._pending = 0
-        self._to_device = HostToDevice(table.table.device)  # the page-table writes' indices
 
     def _alloc(self, n: int) -> torch.Tensor | None:
         if self.allocator.num_free < n:
@@ -85,8 +83,10 @@ class CacheManager:
         return True
 
     def flush(self) -> None:
-        """Take the slots reserved since the last flush and write them into the page table
-        (one slice of the free list, one host-to-device copy of the indices, one scatter)."""
+        """Take the slots reserved since the last flush and stage their page-table writes
+        (``PageTable.stage``: one slice of the free list, no device work yet). The next read
+        of ``table.table`` applies them, or a packed decode replay writes them in its input
+        kernel."""
         if not self._grows:
             return
         slots = self.allocator.alloc(self._pending)
@@ -100,8 +100,7 @@ class CacheManager:
                 cols.extend(range(lo, hi))
         n = len(rows)
         rows.extend(cols)
-        idx = self._to_device.copy(rows)  # [rows | cols], through a pinned buffer
-        self.table.table[idx[:n], idx[n:]] = slots
+        self.table.stage(rows, n, slots)
         self._grows.clear()
         self._pending = 0
 
@@ -110,17 +109,33 @@ class CacheManager:
 
         Only positions before the first latent are inserted: their KV depends on ids alone.
         """
-        if req.row < 0:
+        self.release_many([req])
+
+    def release_many(self, reqs: list[Req]) -> None:
+        """:meth:`release` for each of ``reqs`` in order (requests holding no row are
+        skipped), with a constant number of device operations: one gather of their
+        page-table rows and one append to the free list, not a few per request. A step
+        where a group of requests finishes together would otherwise queue a few hundred
+        small copies between two decode graphs (docs/benchmarks.md, issue 3)."""
+        reqs = [r for r in reqs if r.row >= 0]
+        if not reqs:
             return
-        slots = self.table.table[req.row, : req.num_allocated].clone()
-        n = min(req.num_computed, req.cacheable_len)
-        present = self.radix.insert(req.cache_key[:n], slots[:n])
-        self.allocator.free(slots[req.cache_len : present])
-        self.allocator.free(slots[n:])  # uncomputed, or latent-dependent: never cached
-        self.radix.dec_lock(req.cache_node)
-        self.table.free_row(req.row)
-        req.row, req.cache_node, req.cache_len = -1, None, 0
-        req.num_computed = req.num_allocated = 0
+        table = self.table.table
+        # NOTE: a fresh tensor (clone / cat), so the radix tree may keep views of it
+        rows = [table[r.row, : r.num_allocated] for r in reqs]
+        held = rows[0].clone() if len(rows) == 1 else torch.cat(rows)
+        freed, off = [], 0
+        for req in reqs:
+            slots = held[off : off + req.num_allocated]
+            off += req.num_allocated
+            n = min(req.num_computed, req.cacheable_len)
+            present = self.radix.insert(req.cache_key[:n], slots[:n], copy=False)
+            freed += (slots[req.cache_len : present], slots[n:])  # n..: uncomputed or latent
+            self.radix.dec_lock(req.cache_node)
+            self.table.free_row(req.row)
+            req.row, req.cache_node, req.cache_len = -1, None, 0
+            req.num_computed = req.num_allocated = 0
+        self.allocator.free_many(freed)
 
     @property
     def num_free(self) -> int:

@@ -176,31 +176,35 @@ class Scheduler:
         """
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
-        it = iter(tokens)
-        lat = iter(latents or [None] * len(tokens))
-        for req, n, sample in zip(batch.reqs, batch.q_lens, batch.sample):
-            req.num_computed += n
-            if not sample:
-                continue
-            tok, vec = next(it), next(lat)
-            if req.answer_start is None and not self._advance_latent(req, vec):
-                reason = head_loop.budget_spent(req, self.max_model_len) if req.head else None
-                if reason is not None:  # head latent steps spend the output budget
-                    req.head.end = req.head.end or "length"
+        done = []  # finished this step: their KV is released together, at the end
+        try:
+            it = iter(tokens)
+            lat = iter(latents or [None] * len(tokens))
+            for req, n, sample in zip(batch.reqs, batch.q_lens, batch.sample):
+                req.num_computed += n
+                if not sample:
+                    continue
+                tok, vec = next(it), next(lat)
+                if req.answer_start is None and not self._advance_latent(req, vec):
+                    reason = head_loop.budget_spent(req, self.max_model_len) if req.head else None
+                    if reason is not None:  # head latent steps spend the output budget
+                        req.head.end = req.head.end or "length"
+                        self.running.remove(req)
+                        done.append(req)
+                        self._finish(req, reason)
+                        outs.append(self._output(req, []))
+                    elif req.params.stream_latent_steps:  # progress of a latent step, no token
+                        outs.append(self._output(req, []))
+                    continue
+                req.output_ids.append(tok)
+                reason = self._finish_reason(req, tok)
+                if reason is not None:
                     self.running.remove(req)
-                    self.cache.release(req)
+                    done.append(req)
                     self._finish(req, reason)
-                    outs.append(self._output(req, []))
-                elif req.params.stream_latent_steps:  # progress of a latent step, no token
-                    outs.append(self._output(req, []))
-                continue
-            req.output_ids.append(tok)
-            reason = self._finish_reason(req, tok)
-            if reason is not None:
-                self.running.remove(req)
-                self.cache.release(req)
-                self._finish(req, reason)
-            outs.append(self._output(req, [tok]))
+                outs.append(self._output(req, [tok]))
+        finally:  # released even when a later row raises: no KV leaks
+            self.cache.release_many(done)
         return outs
 
     # ----- overlap mode (engine/overlap.py): the step's tokens arrive one step later -----
@@ -228,21 +232,25 @@ class Scheduler:
         releases its KV; one that was preempted meanwhile leaves the waiting queue."""
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
-        for (req, idx), tok in zip(pending, tokens):
-            if req.status is ReqStatus.FINISHED:
-                continue
-            req.output_ids[idx] = tok
-            reason = self._finish_reason(req, tok, idx + 1)
-            if reason is not None:
-                del req.output_ids[idx + 1 :]
-                req.num_computed = min(req.num_computed, req.seq_len)
-                if req.status is ReqStatus.RUNNING:
-                    self.running.remove(req)
-                    self.cache.release(req)
-                else:  # preempted after its forward was launched
-                    self.waiting.remove(req)
-                self._finish(req, reason)
-            outs.append(self._output(req, [tok]))
+        done = []  # finished now: their KV is released together, at the end
+        try:
+            for (req, idx), tok in zip(pending, tokens):
+                if req.status is ReqStatus.FINISHED:
+                    continue
+                req.output_ids[idx] = tok
+                reason = self._finish_reason(req, tok, idx + 1)
+                if reason is not None:
+                    del req.output_ids[idx + 1 :]
+                    req.num_computed = min(req.num_computed, req.seq_len)
+                    if req.status is ReqStatus.RUNNING:
+                        self.running.remove(req)
+                        done.append(req)
+                    else:  # preempted after its forward was launched
+                        self.waiting.remove(req)
+                    self._finish(req, reason)
+                outs.append(self._output(req, [tok]))
+        finally:  # released even when a later row raises: no KV leaks
+            self.cache.release_many(done)
         return outs
 
     def _advance_latent(self, req: Req, vec) -> bool:

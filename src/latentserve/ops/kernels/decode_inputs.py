@@ -8,12 +8,17 @@ five copies into the static buffers and the fills of the padded rows. On the H20
 about 11 us of device time and 30-60 us of host time per batch-64 step (docs/benchmarks.md,
 issue 3). Here one kernel does all of it; ``program_id(0)`` covers ``BLOCK_R`` rows.
 
-Packed layout (all int64), for ``n`` decode rows (one token each) and ``k`` pending ids::
+Packed layout (all int64), for ``n`` decode rows (one token each), ``k`` pending ids and
+``m`` staged page-table writes::
 
     ids [n] | positions [n] | page-table row of each token [n] | rows [n] | kv_lens [n]
-    | ... | dst [k] | src [k]
+    | ... | dst [k] | src [k] | write rows [m] | write cols [m]
 
-``dst``/``src`` (the packed tail): token ``dst[j]`` takes ``pending[src[j]]`` as its id.
+``dst``/``src``: token ``dst[j]`` takes ``pending[src[j]]`` as its id. The writes are the
+scheduler's staged page-table writes (``kvcache.pool.PageTable.stage``): the kernel does
+``table[write_rows[j], write_cols[j]] = slots[j]``, and a token whose cell is written in
+this launch takes its slot from ``slots`` rather than reading the cell another program may
+be writing. That spares the step the page table's own copy and scatter.
 Rows ``n .. b-1`` of the bucket are padding: page-table row ``dummy_row``, one key, slot 0.
 """
 
@@ -25,13 +30,18 @@ import triton.language as tl
 
 
 # Batch sizes and offsets change every step: one compile serves them all (the warm-up's).
-@triton.jit(do_not_specialize=["n", "b", "k", "off_dst", "dummy_row"])
+@triton.jit(do_not_specialize=["n", "b", "k", "m", "off_dst", "off_w", "dummy_row"])
 def _decode_inputs_kernel(
-    Packed, Pending, Table, Ids, Pos, Rows, KvLens, OutSlots,
-    n, b, k, off_dst, stride_table, dummy_row,
+    Packed, Pending, Table, Slots, Ids, Pos, Rows, KvLens, OutSlots,
+    n, b, k, m, off_dst, off_w, stride_table, dummy_row,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # this program's share of the staged page-table writes
+    w_ok = r < m
+    w_cell = tl.load(Packed + off_w + r, mask=w_ok, other=0) * stride_table \
+        + tl.load(Packed + off_w + m + r, mask=w_ok, other=0)
+    tl.store(Table + w_cell, tl.load(Slots + r, mask=w_ok, other=0), mask=w_ok)
     real = r < n
     pad = (r >= n) & (r < b)
     ids = tl.load(Packed + r, mask=real, other=0)
@@ -49,7 +59,18 @@ def _decode_inputs_kernel(
         src = tl.maximum(src, tl.max(tl.where(hit, s[None, :], -1), 1))
     taken = real & (src >= 0)
     ids = tl.where(taken, tl.load(Pending + tl.maximum(src, 0), mask=taken, other=0), ids)
-    slot = tl.load(Table + row_tok * stride_table + pos, mask=real, other=0)
+    cell = row_tok * stride_table + pos
+    w = tl.full([BLOCK_R], -1, dtype=tl.int64)
+    for m0 in range(0, m, BLOCK_K):  # the staged write of each row's cell, if any
+        mm = m0 + tl.arange(0, BLOCK_K)
+        m_ok = mm < m
+        wc = tl.load(Packed + off_w + mm, mask=m_ok, other=-1) * stride_table \
+            + tl.load(Packed + off_w + m + mm, mask=m_ok, other=0)
+        hit = (wc[None, :] == cell[:, None]) & m_ok[None, :]
+        w = tl.maximum(w, tl.max(tl.where(hit, mm[None, :].to(tl.int64), -1), 1))
+    staged = real & (w >= 0)
+    slot = tl.load(Table + cell, mask=real & (w < 0), other=0)
+    slot = tl.where(staged, tl.load(Slots + tl.maximum(w, 0), mask=staged, other=0), slot)
     tl.store(Ids + r, ids, mask=real)
     tl.store(Pos + r, pos, mask=real)
     live = real | pad
@@ -61,12 +82,14 @@ def _decode_inputs_kernel(
 def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
                          pending: torch.Tensor | None, table: torch.Tensor, dummy_row: int,
                          ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
-                         kv_lens: torch.Tensor, out_slots: torch.Tensor) -> None:
+                         kv_lens: torch.Tensor, out_slots: torch.Tensor,
+                         num_writes: int = 0, slots: torch.Tensor | None = None) -> None:
     """Write a decode batch's inputs from its packed copy into static buffers.
 
     Args:
         packed: ``[L] int64`` on the device, laid out as the module docstring says (its last
-            ``2 * num_pending`` entries are the pending ``dst`` and ``src``).
+            ``2 * num_pending + 2 * num_writes`` entries are the pending ``dst`` and ``src``
+            and the staged writes' rows and columns).
         n: decode rows (tokens) in the batch; b: the graph bucket (``n <= b``).
         num_pending: pending ids to substitute; pending: ``[S] int64`` the previous step's
             sampled tokens (None when ``num_pending`` is 0).
@@ -77,9 +100,13 @@ def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
             pending ones substituted, each token's slot ``table[row, pos]``); rows ``n..b-1``
             get ``dummy_row``, one key and slot 0 (their ids and positions are left as
             they are).
+        num_writes, slots: staged page-table writes (``PageTable.take_staged``): ``slots``
+            ``[num_writes] int64`` on the device, written to ``table`` at the cells the
+            packed tail names (distinct cells).
     Raises:
         ValueError: ``n > b``, a buffer shorter than ``b``, ``pending`` missing while
-            ``num_pending > 0``, or ``packed`` shorter than ``5 * n + 2 * num_pending``.
+            ``num_pending > 0``, ``slots`` not ``[num_writes]``, or ``packed`` shorter than
+            ``5 * n + 2 * num_pending + 2 * num_writes``.
     """
     if not 0 <= n <= b:
         raise ValueError(f"n must be in [0, b={b}], got {n}")
@@ -91,17 +118,22 @@ def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
     if num_pending and (pending is None or pending.dim() != 1):
         raise ValueError(f"pending must be the [S] previous tokens with num_pending="
                          f"{num_pending}, got {None if pending is None else tuple(pending.shape)}")
-    if packed.shape[0] < 5 * n + 2 * num_pending:
-        raise ValueError(f"packed holds {packed.shape[0]} entries, needs "
-                         f">= {5 * n + 2 * num_pending}")
-    if b == 0:
+    if num_writes and (slots is None or tuple(slots.shape) != (num_writes,)):
+        raise ValueError(f"slots must be [num_writes={num_writes}] int64, got "
+                         f"{None if slots is None else tuple(slots.shape)}")
+    tail = 2 * num_pending + 2 * num_writes
+    if packed.shape[0] < 5 * n + tail:
+        raise ValueError(f"packed holds {packed.shape[0]} entries, needs >= {5 * n + tail}")
+    if max(b, num_writes) == 0:
         return
     # NOTE: fixed block sizes, so one compile (CudaGraphRunner's, at capture) serves every
     # batch: a compile inside serving costs a few hundred milliseconds.
     # NOTE: never launched with PDL. Decode attention reads rows, kv_lens and the page table
     # before its own PDL wait (attention/kernels/decode_attention.py), which is safe only
     # while this kernel ends before any later kernel starts.
-    _decode_inputs_kernel[(triton.cdiv(b, 64),)](
-        packed, pending if num_pending else packed, table, ids, pos, rows, kv_lens,
-        out_slots, n, b, num_pending, packed.shape[0] - 2 * num_pending, table.stride(0),
-        dummy_row, BLOCK_R=64, BLOCK_K=64, num_warps=4)
+    off_w = packed.shape[0] - 2 * num_writes
+    _decode_inputs_kernel[(triton.cdiv(max(b, num_writes), 64),)](
+        packed, pending if num_pending else packed, table, slots if num_writes else packed,
+        ids, pos, rows, kv_lens, out_slots, n, b, num_pending, num_writes,
+        off_w - 2 * num_pending, off_w, table.stride(0), dummy_row,
+        BLOCK_R=64, BLOCK_K=64, num_warps=4)
