@@ -57,3 +57,31 @@ def test_reset_frees_everything():
     a.alloc(3)
     a.reset()
     assert a.num_free == 4
+
+
+def test_freed_slots_join_the_free_list_in_order_when_needed():
+    """Freed slots queue behind the free list (no copy of it per free) and come back in the
+    order they were freed, once the slots before them are taken."""
+    a = SlotAllocator(6, "cpu")
+    first = a.alloc(4)  # 1..4 taken, 5 and 6 free
+    a.free_many([first[2:], first[:1]])  # 3, 4, then 1
+    assert a.num_free == 5
+    assert a.alloc(5).tolist() == [5, 6, 3, 4, 1]
+    assert a.alloc(1) is None and a.num_free == 0
+
+
+def test_free_copies_but_free_many_keeps_the_tensors():
+    a = SlotAllocator(4, "cpu")
+    got = a.alloc(4)
+    mine = got[:2].clone()
+    a.free(mine)
+    mine.fill_(0)  # free() copied: the caller may reuse its tensor
+    assert sorted(a.alloc(2).tolist()) == sorted(got[:2].tolist())
+
+
+def test_many_queued_frees_are_joined():
+    a = SlotAllocator(3000, "cpu")
+    got = a.alloc(3000)
+    a.free_many(list(got.split(1)))  # 3000 one-slot tensors: joined past MAX_QUEUED
+    assert len(a._queued) <= SlotAllocator.MAX_QUEUED and a.num_free == 3000
+    assert sorted(a.alloc(3000).tolist()) == list(range(1, 3001))

@@ -148,7 +148,8 @@ def test_random_ops_conserve_slots():
         assert cache.evictable_size + cache.protected_size == cache.total_size()
         # white-box: the three sets are disjoint and cover 1..N exactly
         tree = [s for n in cache._nodes() for s in n.value.tolist()]
-        every = alloc._free.tolist() + tree + [s for r in live for s in r[3].tolist()]
+        free = alloc._free.tolist() + [s for q in alloc._queued for s in q.tolist()]
+        every = free + tree + [s for r in live for s in r[3].tolist()]
         assert sorted(every) == list(range(1, alloc.num_total + 1))
 
     for _ in range(200):

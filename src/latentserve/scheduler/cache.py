@@ -121,16 +121,20 @@ class CacheManager:
         if not reqs:
             return
         table = self.table.table
-        # NOTE: a fresh tensor (clone / cat), so the radix tree may keep views of it
+        sizes = []  # per request: positions to insert [0, n), then the rest [n, allocated)
+        for r in reqs:
+            n = min(r.num_computed, r.cacheable_len)
+            sizes += (n, r.num_allocated - n)
+        # NOTE: a fresh tensor (clone / cat), so the radix tree may keep views of it; and
+        # few torch calls per request: each costs a few microseconds of host time
         rows = [table[r.row, : r.num_allocated] for r in reqs]
         held = rows[0].clone() if len(rows) == 1 else torch.cat(rows)
-        freed, off = [], 0
-        for req in reqs:
-            slots = held[off : off + req.num_allocated]
-            off += req.num_allocated
-            n = min(req.num_computed, req.cacheable_len)
-            present = self.radix.insert(req.cache_key[:n], slots[:n], copy=False)
-            freed += (slots[req.cache_len : present], slots[n:])  # n..: uncomputed or latent
+        parts = held.split(sizes)
+        freed = list(parts[1::2])  # uncomputed or latent-dependent: never cached
+        for req, slots, n in zip(reqs, parts[::2], sizes[::2]):
+            present = self.radix.insert(req.cache_key[:n], slots, copy=False)
+            if present > req.cache_len:  # cached meanwhile by another request: duplicates
+                freed.append(slots[req.cache_len : present])
             self.radix.dec_lock(req.cache_node)
             self.table.free_row(req.row)
             req.row, req.cache_node, req.cache_len = -1, None, 0
