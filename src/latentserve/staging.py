@@ -13,6 +13,11 @@ each with the CUDA event of its last copy, which it waits for before reusing tha
 pinned CPU twins of its input buffers for the same reason (``v1/worker/gpu_model_runner.py``);
 the code is ours.
 
+With ``side_stream=True`` a copy runs on a stream of its own, ordered against the current
+stream by events, so it overlaps the kernels queued before it instead of sitting between
+two decode graphs. On the H200 the two copies of a decode step and the latencies around
+them took about 15 us between two graphs in a profile (docs/benchmarks.md, session 13).
+
 On a CPU device there is no ring: the values are copied into a plain tensor (host to
 device) or cloned (device to host).
 """
@@ -62,15 +67,18 @@ class HostToDevice:
             after ``slots`` copies, once its copy has finished.
     """
 
-    def __init__(self, device: torch.device | str, slots: int = 4):
+    def __init__(self, device: torch.device | str, slots: int = 4, side_stream: bool = False):
         self.device = torch.device(device)
         ring = _Ring(slots)
         self._ring = ring if self.device.type == "cuda" else None
+        self._side = torch.cuda.Stream(self.device) if side_stream and self._ring else None
 
     def copy(self, values: array) -> torch.Tensor:
         """``values`` (an ``array('q')``) as a ``[len(values)] int64`` tensor on the device.
-        The copy is queued on the device's current stream without waiting for it; ``values``
-        may be changed as soon as this returns. Raises ValueError for another typecode."""
+        The copy is queued on the device's current stream without waiting for it, or
+        (``side_stream``) on the side stream, with the current stream waiting for it there;
+        ``values`` may be changed as soon as this returns. Raises ValueError for another
+        typecode."""
         if values.typecode != "q":
             raise ValueError(f"values must be an array('q'), got typecode {values.typecode!r}")
         n = len(values)
@@ -80,8 +88,16 @@ class HostToDevice:
             return torch.frombuffer(values, dtype=torch.int64).clone()
         buf, event = self._ring.take(n)
         ctypes.memmove(buf.data_ptr(), values.buffer_info()[0], n * 8)
-        out = buf[:n].to(self.device, non_blocking=True)
-        event.record(torch.cuda.current_stream(self.device))
+        cur = torch.cuda.current_stream(self.device)
+        if self._side is None:
+            out = buf[:n].to(self.device, non_blocking=True)
+            event.record(cur)
+            return out
+        with torch.cuda.stream(self._side):  # NOTE: `out` is allocated for the side stream
+            out = buf[:n].to(self.device, non_blocking=True)
+            event.record(self._side)
+        cur.wait_event(event)
+        out.record_stream(cur)  # and used on the current one
         return out
 
 
@@ -91,10 +107,16 @@ class DeviceToHost:
     Args:
         slots: pinned buffers in the ring (>= 2; ValueError otherwise). A copy's host tensor
             stays valid until ``slots - 1`` later copies were taken.
+        side_stream: copy on a stream of its own, after the work queued on the current
+            stream so far. Whatever later overwrites the copied tensor must wait for the
+            returned event on its own stream first (``CudaGraphRunner.wait_before_replay``
+            for a graph's static buffer).
     """
 
-    def __init__(self, slots: int = 4):
+    def __init__(self, slots: int = 4, side_stream: bool = False):
         self._ring = _Ring(slots)
+        self._want_side = side_stream
+        self._side: dict = {}  # device -> (side stream, ring of "values ready" events)
 
     def copy(self, values: torch.Tensor) -> tuple[torch.Tensor, object]:
         """``(host, event)``: ``values`` (``[n] int64``) copied into a pinned buffer, and the
@@ -106,8 +128,24 @@ class DeviceToHost:
                              f"of shape {tuple(values.shape)}")
         if not values.is_cuda:
             return values.clone(), None
+        i = self._ring._next
         buf, event = self._ring.take(values.numel())
         host = buf[: values.numel()]
-        host.copy_(values, non_blocking=True)
-        event.record(torch.cuda.current_stream(values.device))
+        cur = torch.cuda.current_stream(values.device)
+        if not self._want_side:
+            host.copy_(values, non_blocking=True)
+            event.record(cur)
+            return host, event
+        side = self._side.get(values.device)
+        if side is None:
+            side = self._side[values.device] = (
+                torch.cuda.Stream(values.device),
+                [torch.cuda.Event() for _ in range(len(self._ring._bufs))])
+        stream, ready = side
+        ready[i].record(cur)  # NOTE: reused once `event` of the same slot completed
+        stream.wait_event(ready[i])
+        with torch.cuda.stream(stream):
+            host.copy_(values, non_blocking=True)
+            event.record(stream)
+        values.record_stream(stream)  # freed on the current stream: not reused before this
         return host, event

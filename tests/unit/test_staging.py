@@ -46,3 +46,14 @@ def test_device_to_host_rejects_what_is_not_1d_int64(bad):
 def test_a_ring_needs_two_slots(make):
     with pytest.raises(ValueError, match="slots must be >= 2"):
         make()
+
+
+def test_side_stream_is_a_plain_copy_on_the_cpu():
+    values = array("q", [3, 1, 2])
+    out = HostToDevice("cpu", side_stream=True).copy(values)
+    values[0] = 9
+    assert out.tolist() == [3, 1, 2]
+    src = torch.tensor([4, 5], dtype=torch.int64)
+    host, event = DeviceToHost(side_stream=True).copy(src)
+    src.fill_(0)
+    assert host.tolist() == [4, 5] and event is None

@@ -86,6 +86,7 @@ class CudaGraphRunner:
         from latentserve.attention.triton_backend import TritonMeta
 
         dev = table.table.device
+        self._waits: list = []  # events the next replay waits for (wait_before_replay)
         self.buckets = graph_buckets(max_bs)
         n = self.buckets[-1]
         self.dummy_row = table.dummy_row
@@ -283,6 +284,12 @@ class CudaGraphRunner:
                              m, slots)
         return self._launch(0, b, n, embeds, mask, mask_all)
 
+    def wait_before_replay(self, event) -> None:
+        """Make the next replay (any graph) wait on the current stream for ``event``: a
+        copy on another stream still reading a static output buffer (the overlap
+        scheduler's token copy, ``staging.DeviceToHost(side_stream=True)``)."""
+        self._waits.append(event)
+
     def _launch(self, depth, b, n, embeds, mask, mask_all):
         # The latent inputs (see the class docstring), then the graph of (depth, bucket b).
         if embeds is None:
@@ -302,6 +309,11 @@ class CudaGraphRunner:
             if self._mask_hi > n:  # a larger batch's mask entries past this one
                 self.mask[n : self._mask_hi].zero_()
             self._mask_hi = n
+        if self._waits:
+            stream = torch.cuda.current_stream()
+            for event in self._waits:
+                stream.wait_event(event)
+            self._waits.clear()
         self.graphs[depth, b].replay()
         self._last, self._latent_ran = (b, n), False
         logits, hidden, greedy = self.outputs[depth, b]

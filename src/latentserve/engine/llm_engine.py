@@ -125,7 +125,9 @@ class LLMEngine:
             self.scheduler.forced_one_by_one = True  # keep latent batches on the graphs
         self._rids: set[str] = set()
         self.inflight = None  # overlap mode: the launched batch whose tokens are not finished
-        self.token_copies = DeviceToHost()  # overlap mode: pinned host copies of the tokens
+        # overlap mode: pinned host copies of the tokens, on a side stream (the next replay
+        # waits for them: CudaGraphRunner.wait_before_replay)
+        self.token_copies = DeviceToHost(side_stream=True)
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         from latentserve.engine.prompt_logprobs import PromptLogprobTracker

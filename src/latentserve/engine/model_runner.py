@@ -64,7 +64,8 @@ class ModelRunner:
         self.replayed = False
         self.last_greedy = None
         self._all_true = torch.ones(0, dtype=torch.bool, device=device)
-        self._to_device = HostToDevice(device)  # the batch's packed index vectors
+        # the batch's packed index vectors, copied while the previous batch's kernels run
+        self._to_device = HostToDevice(device, side_stream=True)
         self.prompt_hidden: list = []
         spec = getattr(model, "latent_spec", None)
         self.recurrent = spec is not None and spec.kind == "recurrent"  # per-token depth
