@@ -48,3 +48,49 @@ def test_stage_checks_lengths():
         pt.stage(array("q", [0, 1, 2]), 2, torch.zeros(2, dtype=torch.int64))
     pt.stage(array("q"), 0, torch.zeros(0, dtype=torch.int64))  # nothing to stage
     assert pt.staged is None
+
+
+def test_writes_stay_staged_when_applying_them_raises():
+    pt = PageTable(4, 8, "cpu")
+    _stage(pt, [(1, 2)], [7])
+
+    class Broken:
+        def copy(self, values):
+            raise RuntimeError("copy failed")
+
+    pt._to_device = Broken()
+    with pytest.raises(RuntimeError):
+        pt.table  # noqa: B018 - the read applies the writes
+    assert pt.staged is not None  # not lost: the next read applies them
+    pt._to_device = None
+    assert int(pt.table[1, 2]) == 7
+
+
+def test_requests_released_together_keep_every_slot_accounted_for():
+    """``CacheManager.release_many`` of requests that share a prompt prefix: the tree keeps
+    one copy of the prefix, the duplicates and the uncomputed tails go back to the free
+    list, and free + cached + held covers every slot exactly once."""
+    from latentserve.core import Req
+    from latentserve.kvcache.allocator import SlotAllocator
+    from latentserve.kvcache.radix import RadixCache
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.scheduler.cache import CacheManager
+
+    alloc = SlotAllocator(64)
+    cm = CacheManager(alloc, RadixCache(alloc), PageTable(4, 32, "cpu"))
+    shared = [5, 6, 7, 8]
+    reqs = [Req(f"r{i}", shared + [20 + i, 30 + i], SamplingParams(max_tokens=4))
+            for i in range(3)]
+    for r in reqs:
+        assert cm.admit(r)
+        r.num_computed = len(r.prompt_ids)
+        assert cm.reserve(r, len(r.prompt_ids) + 2)  # one more slot than computed
+    cm.flush()
+    cm.release_many(reqs[:2])
+    cm.release(reqs[2])
+    assert all(r.row == -1 for r in reqs)
+    tree = [s for n in cm.radix._nodes() for s in n.value.tolist()]
+    free = alloc._free.tolist() + [s for q in alloc._queued for s in q.tolist()]
+    assert sorted(tree + free) == list(range(1, 65))
+    assert len(tree) == 4 + 3 * 2  # the shared prefix once, each request's own two ids
+    cm.check_idle()

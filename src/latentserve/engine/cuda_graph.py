@@ -287,8 +287,9 @@ class CudaGraphRunner:
     def wait_before_replay(self, event) -> None:
         """Make the next replay (any graph) wait on the current stream for ``event``: a
         copy on another stream still reading a static output buffer (the overlap
-        scheduler's token copy, ``staging.DeviceToHost(side_stream=True)``)."""
-        self._waits.append(event)
+        scheduler's token copy, ``staging.DeviceToHost(side_stream=True)``). Copies on
+        one side stream run in order, so only the latest event is kept."""
+        self._waits = [event]
 
     def _launch(self, depth, b, n, embeds, mask, mask_all):
         # The latent inputs (see the class docstring), then the graph of (depth, bucket b).

@@ -111,9 +111,8 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     # _detach points them at the host copy).
     tokens, failed = _sample(engine, logits, reqs)
     host, event = _host_copy(tokens, engine.token_copies)
-    graphs = engine.runner.graphs
-    if event is not None and graphs is not None:  # tokens may view a graph's static buffer
-        graphs.wait_before_replay(event)
+    if event is not None and engine.runner.replayed:  # tokens may view a graph's buffer
+        engine.runner.graphs.wait_before_replay(event)
     pending = engine.scheduler.advance_launched(batch)
     return Launched(pending, tokens, host, event,
                     {id(r): j for j, (r, _) in enumerate(pending)}, failed)

@@ -94,7 +94,7 @@ class PageTable:
 
     def apply_staged(self) -> None:
         """Issue the staged writes now (a host-to-device copy of the cells and a scatter)."""
-        staged, self._staged = self._staged, None
+        staged = self._staged
         if staged is None:
             return
         cells, n, slots = staged
@@ -104,6 +104,7 @@ class PageTable:
             self._to_device = HostToDevice(self.raw.device)
         idx = self._to_device.copy(cells)  # [rows | cols], through a pinned buffer
         self.raw[idx[:n], idx[n:]] = slots
+        self._staged = None  # NOTE: only once queued: a raise above keeps them staged
 
     def alloc_row(self) -> int | None:
         return self._free.pop() if self._free else None

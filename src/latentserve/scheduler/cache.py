@@ -131,15 +131,20 @@ class CacheManager:
         held = rows[0].clone() if len(rows) == 1 else torch.cat(rows)
         parts = held.split(sizes)
         freed = list(parts[1::2])  # uncomputed or latent-dependent: never cached
-        for req, slots, n in zip(reqs, parts[::2], sizes[::2]):
-            present = self.radix.insert(req.cache_key[:n], slots, copy=False)
-            if present > req.cache_len:  # cached meanwhile by another request: duplicates
-                freed.append(slots[req.cache_len : present])
-            self.radix.dec_lock(req.cache_node)
-            self.table.free_row(req.row)
-            req.row, req.cache_node, req.cache_len = -1, None, 0
-            req.num_computed = req.num_allocated = 0
-        self.allocator.free_many(freed)
+        # NOTE: with several requests each node copies its slots; a view would keep the
+        # whole gathered tensor alive as long as the node lives
+        copy = len(reqs) > 1
+        try:
+            for req, slots, n in zip(reqs, parts[::2], sizes[::2]):
+                present = self.radix.insert(req.cache_key[:n], slots, copy=copy)
+                if present > req.cache_len:  # cached meanwhile by another request
+                    freed.append(slots[req.cache_len : present])
+                self.radix.dec_lock(req.cache_node)
+                self.table.free_row(req.row)
+                req.row, req.cache_node, req.cache_len = -1, None, 0
+                req.num_computed = req.num_allocated = 0
+        finally:
+            self.allocator.free_many(freed)
 
     @property
     def num_free(self) -> int:

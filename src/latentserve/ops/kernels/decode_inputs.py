@@ -30,7 +30,10 @@ import triton.language as tl
 
 
 # Batch sizes and offsets change every step: one compile serves them all (the warm-up's).
-@triton.jit(do_not_specialize=["n", "b", "k", "m", "off_dst", "off_w", "dummy_row"])
+# NOTE: `Slots` is a slice of the allocator's free list, 16-byte aligned or not from step
+# to step: no alignment specialization, or serving would compile a second variant.
+@triton.jit(do_not_specialize=["n", "b", "k", "m", "off_dst", "off_w", "dummy_row"],
+            do_not_specialize_on_alignment=["Slots"])
 def _decode_inputs_kernel(
     Packed, Pending, Table, Slots, Ids, Pos, Rows, KvLens, OutSlots,
     n, b, k, m, off_dst, off_w, stride_table, dummy_row,
@@ -118,9 +121,10 @@ def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
     if num_pending and (pending is None or pending.dim() != 1):
         raise ValueError(f"pending must be the [S] previous tokens with num_pending="
                          f"{num_pending}, got {None if pending is None else tuple(pending.shape)}")
-    if num_writes and (slots is None or tuple(slots.shape) != (num_writes,)):
-        raise ValueError(f"slots must be [num_writes={num_writes}] int64, got "
-                         f"{None if slots is None else tuple(slots.shape)}")
+    if num_writes and (slots is None or tuple(slots.shape) != (num_writes,)
+                       or slots.dtype != torch.int64 or slots.stride(0) != 1):
+        raise ValueError(f"slots must be [num_writes={num_writes}] contiguous int64, got "
+                         f"{None if slots is None else (tuple(slots.shape), slots.dtype)}")
     tail = 2 * num_pending + 2 * num_writes
     if packed.shape[0] < 5 * n + tail:
         raise ValueError(f"packed holds {packed.shape[0]} entries, needs >= {5 * n + tail}")
