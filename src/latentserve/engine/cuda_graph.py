@@ -79,7 +79,7 @@ class CudaGraphRunner:
     # False: the graphs' argmax reads the logits back instead of coming from the LM head's
     # epilogue (``compute_logits_greedy``; A/B runs)
     LM_HEAD_ARGMAX = True
-    _waits: tuple = ()  # events the next replay waits for (wait_before_replay)
+    _wait = None  # the event the next replay waits for (wait_before_replay)
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
@@ -289,7 +289,7 @@ class CudaGraphRunner:
         copy on another stream still reading a static output buffer (the overlap
         scheduler's token copy, ``staging.DeviceToHost(side_stream=True)``). Copies on
         one side stream run in order, so only the latest event is kept."""
-        self._waits = (event,)
+        self._wait = event
 
     def _launch(self, depth, b, n, embeds, mask, mask_all):
         # The latent inputs (see the class docstring), then the graph of (depth, bucket b).
@@ -310,11 +310,9 @@ class CudaGraphRunner:
             if self._mask_hi > n:  # a larger batch's mask entries past this one
                 self.mask[n : self._mask_hi].zero_()
             self._mask_hi = n
-        if self._waits:
-            stream = torch.cuda.current_stream()
-            for event in self._waits:
-                stream.wait_event(event)
-            self._waits = ()
+        if self._wait is not None:
+            torch.cuda.current_stream().wait_event(self._wait)
+            self._wait = None
         self.graphs[depth, b].replay()
         self._last, self._latent_ran = (b, n), False
         logits, hidden, greedy = self.outputs[depth, b]

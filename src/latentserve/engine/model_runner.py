@@ -108,12 +108,6 @@ class ModelRunner:
                                       max_bs, hidden_size, dtype, self.capture_layer,
                                       with_greedy=with_greedy)
 
-    def _restage(self, staged) -> None:
-        """Put page-table writes taken for a packed replay back, when it raised before or
-        after its input kernel: a later read of the table then applies them."""
-        if staged is not None:
-            self.table.stage(*staged)
-
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending: tuple | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,14 +202,17 @@ class ModelRunner:
             self.num_graph_steps += 1
             self.replayed = True
             if packed_replay:
-                self.table.take_staged()  # the input kernel writes them (or _restage)
+                self.table.take_staged()  # the input kernel writes them
                 try:
                     logits, hidden = self.graphs.replay_packed(
                         packed, t, len(sub_dst), pending[0] if sub_dst else None,
                         input_embeds, latent_mask, mask_all=mask_all,
                         writes=None if staged is None else staged[1:])
                 except BaseException:
-                    self._restage(staged)  # NOTE: writing a cell twice is harmless
+                    # put them back: a later read applies them (writing a cell twice is
+                    # harmless, should the kernel have run)
+                    if staged is not None:
+                        self.table.stage(*staged)
                     raise
             else:
                 logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_dev,

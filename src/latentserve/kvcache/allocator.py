@@ -82,14 +82,12 @@ class SlotAllocator:
                                               copy=True)])
 
     def free_many(self, pieces: list[torch.Tensor]) -> None:
-        """``free`` of each tensor in ``pieces`` (any shape and device; empty ones skipped),
-        in order. The caller must not write to them afterwards: they are queued as they
-        are when already 1-D int64 on ``device``."""
+        """Give back the slots of each tensor in ``pieces``, in order: 1-D ``torch.int64``
+        on ``device`` (empty ones skipped), queued as they are, not copied, so the caller
+        must not write to them afterwards (``free`` copies)."""
         for p in pieces:
             k = p.numel()
             if k:
-                if p.dim() != 1 or p.dtype is not torch.int64 or p.device != self.device:
-                    p = p.reshape(-1).to(device=self.device, dtype=torch.int64)
                 self._queued.append(p)
                 self._num_queued += k
         if len(self._queued) > self.MAX_QUEUED:
