@@ -105,7 +105,7 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from latentserve.cli import bench, demo, eval, generate, serve, train_head
+    from latentserve.cli import bench, data, demo, eval, generate, serve, train, train_head
 
     parser = argparse.ArgumentParser(prog="latentserve",
                                      description="Serve latent-reasoning language models.")
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_args(p)
     p.set_defaults(func=convert_main)
     train_head.register(sub)
+    train.register(sub)
+    data.register(sub)
     eval.register(sub)
     return parser
 

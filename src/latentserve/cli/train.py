@@ -1,0 +1,51 @@
+"""``latentserve train cot``: stage 0 of CoLaR, a text chain-of-thought backbone
+(``train/cot.py``)."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    from latentserve.train.cot import LORA_TARGETS
+
+    p = sub.add_parser("train", help="train reasoning models (cot: stage 0 of CoLaR)")
+    stages = p.add_subparsers(dest="stage", required=True)
+    c = stages.add_parser("cot", help="fine-tune a backbone on text chains of thought")
+    c.add_argument("--data", action="append", required=True,
+                   help="training file: iCoT text lines or GSM8K jsonl (repeatable)")
+    c.add_argument("--eval-data", action="append", default=[],
+                   help="file to check greedy accuracy on at the end (repeatable)")
+    c.add_argument("--eval-items", type=int, default=200, help="items per --eval-data file")
+    c.add_argument("--out", required=True, help="directory to write the adapter into")
+    c.add_argument("--model", dest="base", default=None,
+                   help="backbone (default: the embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--mode", default="cot", choices=["cot", "nocot"],
+                   help="nocot: the control that answers without steps")
+    c.add_argument("--lora-r", type=int, default=16, help="LoRA rank; 0 = full fine-tune")
+    c.add_argument("--lora-alpha", type=float, default=32.0)
+    c.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                   help="comma-separated module names")
+    c.add_argument("--init-adapter", default=None, help="continue training this adapter")
+    c.add_argument("--steps", type=int, default=2000)
+    c.add_argument("--batch-size", type=int, default=128)
+    c.add_argument("--lr", type=float, default=1e-3)
+    c.add_argument("--warmup", type=int, default=100, help="warmup steps")
+    c.add_argument("--weight-decay", type=float, default=0.01)
+    c.add_argument("--max-len", type=int, default=512, help="longer examples are dropped")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    c.add_argument("--max-seconds", type=float, default=0.0,
+                   help="stop and save after this long (0: no limit)")
+    c.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    c.add_argument("--log-every", type=int, default=50)
+    c.set_defaults(func=run_cot)
+
+
+def run_cot(args) -> int:
+    from latentserve.train.cot import CotConfig, train
+
+    opts = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "func")}
+    opts["lora_targets"] = tuple(t for t in opts["lora_targets"].split(",") if t)
+    print(json.dumps(train(CotConfig(**opts)), indent=1))
+    return 0

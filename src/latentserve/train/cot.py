@@ -1,0 +1,247 @@
+"""Stage 0 of CoLaR: a reasoning backbone (``latentserve train cot``).
+
+Fine-tunes a causal LM (default: the embedded SmolLM2-135M-Instruct) on text chains of
+thought in CoLaR's format (``latent/colar.py``; upstream ``src/models/cot.py``): the prompt
+``Question: {q} Let's think step by step:(Thinking speed: 1)`` is context, and the loss is
+the cross-entropy of ``### {steps} ### Answer:{answer} EOS``. ``mode="nocot"`` is the
+control that answers at once: the same format with empty steps. Each segment is tokenised
+on its own, so the separator is always the single ``###`` token.
+
+LoRA through PEFT (upstream: r 128, alpha 32 on Llama-3.2-1B; rank and target modules are
+options here) or, with ``lora_r=0``, a full fine-tune. The adapter is written in PEFT's
+form (``adapter_config.json``, ``adapter_model.safetensors`` in bfloat16) with
+``base_model_name_or_path`` naming the base, so PEFT and ``latentserve`` both load it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from latentserve.eval.datasets import Item
+from latentserve.latent import colar
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EMBEDDED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True)
+class CotConfig:
+    """Options of ``latentserve train cot`` (see its ``--help``). ``base`` None = the
+    embedded SmolLM2; ``lora_r`` 0 = full fine-tune; ``max_seconds`` 0 = no time limit
+    (else training stops and saves when it is reached)."""
+
+    data: list[str]
+    out: str
+    base: str | None = None
+    mode: str = "cot"
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    init_adapter: str | None = None
+    steps: int = 2000
+    batch_size: int = 128
+    lr: float = 1e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    max_len: int = 512
+    seed: int = 0
+    device: str = "cpu"
+    max_seconds: float = 0.0
+    save_every: int = 0
+    log_every: int = 50
+    eval_data: list[str] = field(default_factory=list)
+    eval_items: int = 200
+
+
+def read_items(path: str | Path) -> list[Item]:
+    """Training items of a file: GSM8K ``.jsonl`` (``tasks.gsm8k_train_items``) or iCoT
+    text lines ``question||steps #### answer``. Raises FileNotFoundError, ValueError."""
+    from latentserve.eval.datasets import _parse
+    from latentserve.train.tasks import gsm8k_train_items
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"training data {p} does not exist")
+    if p.suffix == ".jsonl":
+        return gsm8k_train_items(p)
+    return _parse(p, "icot", "text", None)
+
+
+def encode_example(tok, item: Item, mode: str = "cot") -> tuple[list[int], list[int]]:
+    """``(prompt_ids, target_ids)`` of one item (see the module docstring)."""
+    sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    prompt = enc(colar.QUESTION.format(item.question) + colar.SPEED.format(1))
+    steps = enc(item.steps) if mode == "cot" else []
+    return prompt, [sep, *steps, sep, *enc(colar.ANSWER.format(item.gold)), tok.eos_token_id]
+
+
+def load_backbone(base: str | None, device: str, cfg: CotConfig | None = None):
+    """``(model, tokenizer, base_name)``: the HF causal LM of ``base`` in float32 on
+    ``device``, wrapped in PEFT LoRA when ``cfg.lora_r > 0`` (or ``cfg.init_adapter`` is
+    given, whose adapter is loaded trainable)."""
+    from transformers import AutoModelForCausalLM
+
+    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(base)
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation="sdpa").to(device)
+    base_name = EMBEDDED_BASE if base is None else str(Path(base).resolve())
+    if cfg is not None and cfg.init_adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True)
+    elif cfg is not None and cfg.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(
+            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_targets),
+            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    return model, tok, base_name
+
+
+def _lm(model):
+    """The ``*ForCausalLM`` inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def batch_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int,
+               device: str) -> torch.Tensor:
+    """Mean cross-entropy of the target tokens of ``batch`` (right-padded, causal, so
+    padding is never attended to by a real token); logits only at target positions."""
+    lens = [len(p) + len(t) for p, t in batch]
+    T = max(lens)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), T), -100, dtype=torch.long)
+    for i, (p, t) in enumerate(batch):
+        ids[i, :len(p) + len(t)] = torch.tensor(p + t)
+        labels[i, len(p):len(p) + len(t)] = torch.tensor(t)
+    ids, labels = ids.to(device), labels.to(device)
+    lm = _lm(model)
+    hidden = lm.model(input_ids=ids).last_hidden_state[:, :-1]
+    target = labels[:, 1:]
+    keep = target != -100
+    logits = lm.lm_head(hidden[keep])
+    return F.cross_entropy(logits.float(), target[keep])
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: int = 256,
+                    batch_size: int = 256) -> dict:
+    """Greedy text-CoT accuracy of ``model`` on ``items`` through HF ``generate`` (a check
+    during training; the served numbers come from ``latentserve eval``): ``{n, accuracy,
+    thinking_median}``, thinking = tokens before the closing separator."""
+    model.eval()
+    tok.padding_side = "left"
+    sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
+    right, thinking = 0, []
+    for i in range(0, len(items), batch_size):
+        chunk = items[i:i + batch_size]
+        enc = tok([colar.prompt_text(it.question) for it in chunk], return_tensors="pt",
+                  padding=True, add_special_tokens=False).to(device)
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda")):
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id or tok.eos_token_id)
+        for it, row in zip(chunk, out[:, enc["input_ids"].shape[1]:].tolist()):
+            thinking.append(row.index(sep) if sep in row else len(row))
+            _, answer = colar.split_output(tok.decode(row, skip_special_tokens=True))
+            right += answer == it.gold
+    model.train()
+    thinking.sort()
+    return {"n": len(items), "accuracy": right / max(1, len(items)),
+            "thinking_median": thinking[len(thinking) // 2] if thinking else 0}
+
+
+def save(model, out: Path, base_name: str, cfg: CotConfig, log: list[dict]) -> None:
+    """Write the adapter (PEFT form, bfloat16) or, for a full fine-tune, the model
+    (``model.safetensors``), plus ``train_config.json`` and ``train_log.json``."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        pc = model.peft_config["default"]
+        pc.base_model_name_or_path = base_name
+        pc.save_pretrained(str(out))
+        sd = get_peft_model_state_dict(model)
+        save_file({k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in sd.items()},
+                  str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(str(out), safe_serialization=True)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+
+
+def train(cfg: CotConfig, progress=print) -> dict:
+    """Run stage 0 (see the module docstring); returns the last log record. Raises
+    ValueError for a bad option, FileNotFoundError for missing data."""
+    if cfg.mode not in ("cot", "nocot"):
+        raise ValueError(f"mode must be 'cot' or 'nocot', got {cfg.mode!r}")
+    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.lora_r < 0 or not cfg.lr > 0:
+        raise ValueError("steps and batch_size must be >= 1, lora_r >= 0 and lr > 0")
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    items = [it for p in cfg.data for it in read_items(p)]
+    evals = [it for p in cfg.eval_data for it in read_items(p)[:cfg.eval_items]]
+    model, tok, base_name = load_backbone(cfg.base, cfg.device, cfg)
+    examples = [e for e in (encode_example(tok, it, cfg.mode) for it in items)
+                if len(e[0]) + len(e[1]) <= cfg.max_len]
+    if not examples:
+        raise ValueError(f"no training example fits max_len={cfg.max_len}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            betas=(0.9, 0.999), fused=cfg.device.startswith("cuda"))
+    out, log, start = Path(cfg.out), [], time.time()
+
+    def lr_factor(s: int) -> float:  # warmup, then cosine to 0 by the step or time limit
+        done = s / cfg.steps
+        if cfg.max_seconds:
+            done = max(done, (time.time() - start) / cfg.max_seconds)
+        return min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (1 + math.cos(math.pi * min(
+            1.0, done)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    progress(f"train cot: {len(examples)} examples, {sum(p.numel() for p in params)} "
+             f"trainable parameters, {cfg.steps} steps of {cfg.batch_size}")
+    model.train()
+    order: list[int] = []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for step in range(1, cfg.steps + 1):
+        if len(order) < cfg.batch_size:
+            order += random.sample(range(len(examples)), len(examples))
+        batch = [examples[order.pop()] for _ in range(cfg.batch_size)]
+        with torch.autocast("cuda", torch.bfloat16, enabled=cfg.device.startswith("cuda")):
+            loss = batch_loss(model, batch, pad, cfg.device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        timed_out = cfg.max_seconds and time.time() - start > cfg.max_seconds
+        if step % cfg.log_every == 0 or step == 1 or step == cfg.steps or timed_out:
+            rec = {"step": step, "loss": round(loss.item(), 5), "lr": sched.get_last_lr()[0],
+                   "seconds": round(time.time() - start, 1)}
+            log.append(rec)
+            progress(json.dumps(rec))
+        if cfg.save_every and step % cfg.save_every == 0:
+            save(model, out, base_name, cfg, log)
+        if timed_out:
+            progress(f"stopping at step {step}: max_seconds {cfg.max_seconds} reached")
+            break
+    if evals:
+        rec = dict(log[-1], eval=greedy_accuracy(model, tok, evals, cfg.device))
+        log.append(rec)
+        progress(json.dumps(rec))
+    save(model, out, base_name, cfg, log)
+    return log[-1]

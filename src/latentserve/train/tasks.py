@@ -1,0 +1,103 @@
+"""Training data for the reasoning tasks: k x k multiplication in the iCoT format and GSM8K
+train with its calculator steps as the chain of thought.
+
+Multiplication (the format of ``shared/data/multiplication``, from iCoT, arXiv 2311.01460,
+da03/Internalize_CoT_Step_by_Step ``data/{k}_by_{k}_mult``): every number is written digit
+by digit, least significant first, digits separated by spaces. A line is
+``a * b||p_0 + p_1 ( s_1 ) + ... + p_{k-1} #### c`` where ``p_i = a * b_i * 10^i`` is
+written with ``k + 1 + i`` digits, ``s_i = p_0 + ... + p_i`` with ``k + 1 + i`` digits (after
+every partial product but the last) and ``c = a * b`` with ``2k`` digits. Operands are
+uniform over k-digit numbers (leading digit not 0).
+
+GSM8K (openai/grade-school-math ``train.jsonl``): the chain of thought is the answer's
+``<<expr=value>>`` annotations joined by spaces (the equation-only form of iCoT's
+``test_icot.txt``); the answer is what follows ``####``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from pathlib import Path
+
+from latentserve.eval.datasets import Item
+from latentserve.train.traces import load_gsm8k_rows, reasoning_text
+
+
+def digits(n: int, width: int) -> str:
+    """``n`` as ``width`` space-separated digits, least significant first. Raises
+    ValueError when ``n`` needs more digits."""
+    s = str(n)
+    if n < 0 or len(s) > width:
+        raise ValueError(f"{n} does not fit in {width} digits")
+    return " ".join(reversed(s.zfill(width)))
+
+
+def multiplication_item(a: int, b: int, k: int) -> Item:
+    """The iCoT item for ``a * b`` (both k-digit numbers): question, partial-product steps,
+    product (``Item.kind`` ``"digits"``)."""
+    lo, hi = 10 ** (k - 1), 10 ** k
+    if not (lo <= a < hi and lo <= b < hi):
+        raise ValueError(f"operands must have {k} digits, got {a} and {b}")
+    parts, total = [], 0
+    for i, d in enumerate(reversed(str(b))):
+        p = a * int(d) * 10 ** i
+        total += p
+        part = digits(p, k + 1 + i)
+        if 0 < i < k - 1:
+            part += f" ( {digits(total, k + 1 + i)} )"
+        parts.append(part)
+    question = f"{digits(a, k)} * {digits(b, k)}"
+    return Item(question, digits(a * b, 2 * k), "digits", " + ".join(parts))
+
+
+def icot_line(item: Item) -> str:
+    """``item`` as one line of the iCoT text format (``question||steps #### answer``)."""
+    return f"{item.question}||{item.steps} #### {item.gold}"
+
+
+def generate_multiplication(k: int, n: int, seed: int = 0,
+                            exclude: Iterable[str] = ()) -> list[Item]:
+    """``n`` distinct random k x k items whose question is not in ``exclude`` (questions as
+    iCoT writes them). Raises ValueError when fewer than ``n`` such items exist."""
+    if k < 1 or n < 0:
+        raise ValueError(f"need k >= 1 and n >= 0, got k={k}, n={n}")
+    lo, hi = 10 ** (k - 1), 10 ** k
+    if n > (hi - lo) ** 2 // 2:
+        raise ValueError(f"n={n} is more than half of the {(hi - lo) ** 2} {k}x{k} questions")
+    rng = random.Random(seed)
+    seen = set(exclude)
+    out = []
+    while len(out) < n:
+        a, b = rng.randrange(lo, hi), rng.randrange(lo, hi)
+        q = f"{digits(a, k)} * {digits(b, k)}"
+        if q not in seen:
+            seen.add(q)
+            out.append(multiplication_item(a, b, k))
+    return out
+
+
+def questions_of(paths: Iterable[str | Path]) -> set[str]:
+    """The questions of iCoT text files (to exclude from generated training data)."""
+    out = set()
+    for p in paths:
+        for line in Path(p).read_text().splitlines():
+            if line.strip():
+                out.add(line.partition("||")[0].strip())
+    return out
+
+
+def write_icot(items: Iterable[Item], path: str | Path) -> int:
+    """Write ``items`` as iCoT text lines; returns the count."""
+    lines = [icot_line(it) for it in items]
+    Path(path).write_text("".join(line + "\n" for line in lines))
+    return len(lines)
+
+
+def gsm8k_train_items(path: str | Path, limit: int | None = None) -> list[Item]:
+    """GSM8K rows (``{"question", "answer"}`` jsonl) as items whose steps are the
+    ``<<...>>`` annotations joined by spaces and whose gold is the text after ``####``
+    (commas removed). Errors as ``traces.load_gsm8k_rows``."""
+    return [Item(r["question"].strip(), r["answer"].rpartition("####")[2].strip().replace(",", ""),
+                 "number", reasoning_text(r["answer"], "equations"))
+            for r in load_gsm8k_rows(path, limit)]
