@@ -4,6 +4,7 @@ ProsQA or multiplication, against our engine in-process or an OpenAI-compatible 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -15,13 +16,21 @@ def register(sub) -> None:
     p = sub.add_parser("eval", help="evaluate text CoT or latent reasoning on a data set")
     add_engine_args(p)
     p.add_argument("--dataset", default="gsm8k", choices=sorted(DATASETS))
-    p.add_argument("--data-file", default=None, help="override the data set's file")
+    p.add_argument("--data-file", "--dataset-file", dest="data_file", default=None,
+                   help="override the data set's file (iCoT text lines or GSM8K jsonl)")
+    p.add_argument("--prompt-format", default="auto", choices=["auto", "colar", "chat"],
+                   help="colar: CoLaR's prompt (models from `latentserve train`); auto: colar "
+                        "when the model directory has colar_config.json or train_config.json")
+    p.add_argument("--compression-factor", type=int, default=None,
+                   help="CoLaR models: thinking speed (default: the model's)")
+    p.add_argument("--json-out", default=None, help="colar format: write the summary (JSON)")
     p.add_argument("--limit", type=int, default=None, help="first N items only")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="answer tokens (latent steps come on top)")
     p.add_argument("--max-latent", type=int, default=None,
                    help="latent budget (needs a head); absent = text CoT, thinking off")
-    p.add_argument("--sweep", default=None, help="e.g. max_latent=0,4,8,16,32")
+    p.add_argument("--sweep", default=None, help="e.g. max_latent=0,4,8,16,32 (CoLaR models "
+                   "also compression_factor=1,2,3,4,5)")
     p.add_argument("--min-latent", type=int, default=None)
     p.add_argument("--stop-threshold", type=float, default=None)
     p.add_argument("--no-stop", action="store_true", help="run every budget to its cap")
@@ -38,8 +47,60 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _colar_format(args) -> bool:
+    from pathlib import Path
+
+    if args.prompt_format != "auto":
+        return args.prompt_format == "colar"
+    d = Path(args.model) if args.model else None
+    return d is not None and d.is_dir() and any(
+        (d / f).is_file() for f in ("colar_config.json", "train_config.json"))
+
+
+def run_colar(args) -> int:
+    """The CoLaR-format evaluation (``eval/colar_eval.py``) of one run or a sweep."""
+    from latentserve.cli import engine_config
+    from latentserve.entrypoints.llm import LLM
+    from latentserve.eval.colar_eval import evaluate
+    from latentserve.eval.run import parse_sweep
+    from latentserve.train.cot import read_items
+
+    if args.data_file is None:
+        raise ValueError("--prompt-format colar needs --dataset-file")
+    items = read_items(args.data_file)[:args.limit]
+    key, values = "compression_factor", [args.compression_factor]
+    if args.sweep:
+        key = args.sweep.partition("=")[0].strip()
+        if key not in ("compression_factor", "max_latent"):
+            raise ValueError(f"--sweep must be compression_factor=... or max_latent=..., "
+                             f"got {args.sweep!r}")
+        values = parse_sweep(args.sweep.replace(key, "max_latent", 1))
+    cfg = engine_config(args)
+    llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    runs = []
+    for v in values:
+        opts = {"compression_factor": args.compression_factor, "max_latent": args.max_latent}
+        if args.sweep:
+            opts[key] = v
+        records, summary = evaluate(llm, items, args.max_tokens, **opts)
+        summary = {"dataset_file": args.data_file, **opts, **summary}
+        runs.append(summary)
+        print(json.dumps(summary), flush=True)
+        out = summary if not args.sweep else {"runs": runs}
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(out, f, indent=1)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"summary": out, "records": records}, f, indent=1)
+    return 0
+
+
 def run(args) -> int:
     from latentserve.eval.datasets import load_items
+
+    if _colar_format(args):
+        return run_colar(args)
     from latentserve.eval.run import evaluate, parse_sweep, plot_sweep
 
     budgets = parse_sweep(args.sweep) if args.sweep else [args.max_latent]

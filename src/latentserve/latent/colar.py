@@ -11,6 +11,15 @@ phase ends when the LM head emits the separator at a latent position.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from latentserve.latent.spec import finite_positive
+
 QUESTION = "Question: {} Let's think step by step:"
 SPEED = "(Thinking speed: {})"
 SEPARATOR = "###"
@@ -33,3 +42,130 @@ def split_output(text: str) -> tuple[str, str]:
         return text, ""
     prefix = ANSWER.format("")
     return reasoning, (rest.partition(prefix)[2] if prefix in rest else rest).strip()
+
+
+# ----------------------------------------------------------------------------- model files
+# A CoLaR model directory holds, beside its backbone (a PEFT LoRA adapter over a base, or
+# full weights): ``colar_config.json`` (:class:`ColarConfig`) and
+# ``latent_policy.safetensors`` (:class:`LatentPolicy`'s state dict, upstream names).
+
+COLAR_CONFIG = "colar_config.json"
+POLICY_WEIGHTS = "latent_policy.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class ColarConfig:
+    """``colar_config.json``.
+
+    ``hidden_size`` (H, the backbone's); ``intermediate_size`` (the policy's width,
+    upstream ``lp_intermediate_size``); ``deterministic`` (no ``log_std``: the policy's
+    std is 1e-9); ``embeds_std`` (the scale between the policy's output and input
+    embeddings, upstream ``MODEL_EMB_STD``, e.g. 0.018 for Llama-3.2-1B; here the std of
+    the backbone's embedding matrix unless set); ``compression_factor`` (the default
+    thinking speed c); ``max_compression_factor`` (the largest c trained, upstream 5);
+    ``max_latent`` (the latent-step cap, upstream ``max_n_latent_forward`` 64).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    embeds_std: float
+    deterministic: bool = False
+    compression_factor: int = 4
+    max_compression_factor: int = 5
+    max_latent: int = 64
+    format_version: int = 1
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ColarConfig:
+        """Raises ValueError naming a missing or bad field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{COLAR_CONFIG} must hold a JSON object")
+        unknown = set(d) - set(cls.__slots__)
+        if unknown:
+            raise ValueError(f"{COLAR_CONFIG}: unknown field(s) {sorted(unknown)}")
+        for k in ("hidden_size", "intermediate_size", "embeds_std"):
+            if k not in d:
+                raise ValueError(f"{COLAR_CONFIG}: field {k!r} is required")
+        cfg = cls(**d)
+        ints = ("hidden_size", "intermediate_size", "compression_factor",
+                "max_compression_factor", "max_latent")
+        for k in ints:
+            v = getattr(cfg, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{COLAR_CONFIG}: field {k!r} must be an integer >= 1, "
+                                 f"got {v!r}")
+        if not finite_positive(cfg.embeds_std):
+            raise ValueError(f"{COLAR_CONFIG}: field 'embeds_std' must be a finite number "
+                             f"> 0, got {cfg.embeds_std!r}")
+        if not isinstance(cfg.deterministic, bool):
+            raise ValueError(f"{COLAR_CONFIG}: field 'deterministic' must be true or false")
+        if cfg.format_version != 1:
+            raise ValueError(f"{COLAR_CONFIG}: field 'format_version' must be 1, got "
+                             f"{cfg.format_version!r}")
+        if cfg.compression_factor > cfg.max_compression_factor:
+            raise ValueError(f"{COLAR_CONFIG}: field 'compression_factor' must be <= "
+                             f"max_compression_factor ({cfg.max_compression_factor})")
+        return cfg
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class LatentPolicy(nn.Module):
+    """CoLaR's latent head (upstream ``src/modules/projector.py`` ``LatentPolicy``; the
+    parameter names are upstream's): ``fc`` = Linear(H, I), GELU, Linear(I, I),
+    LayerNorm(I); ``mean`` and ``log_std`` = Linear(I, H). It reads the last layer's
+    hidden state (after the final norm) and gives a Normal over the NEXT compressed
+    embedding divided by ``embeds_std``; std = ``exp(log_std) * temperature``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, deterministic: bool = False):
+        super().__init__()
+        self.deterministic = deterministic
+        self.fc = nn.Sequential(nn.Linear(hidden_size, intermediate_size), nn.GELU(),
+                                nn.Linear(intermediate_size, intermediate_size),
+                                nn.LayerNorm(intermediate_size))
+        self.mean = nn.Linear(intermediate_size, hidden_size)
+        if not deterministic:
+            self.log_std = nn.Linear(intermediate_size, hidden_size)
+
+    def forward(self, hidden: torch.Tensor, temperature: float = 1.0
+                ) -> torch.distributions.Normal:
+        """``hidden`` [..., H] -> Normal with mean and std [..., H] (in units of
+        ``embeds_std``)."""
+        x = self.fc(hidden)
+        mean = self.mean(x)
+        if self.deterministic:
+            return torch.distributions.Normal(mean, torch.full_like(mean, 1e-9))
+        return torch.distributions.Normal(mean, self.log_std(x).exp() * temperature)
+
+
+def load_colar(model_dir: str | Path) -> tuple[ColarConfig, LatentPolicy] | None:
+    """The CoLaR config and float32 policy of ``model_dir``, or None when it has no
+    ``colar_config.json``. Raises ValueError for a bad config or policy weights (missing,
+    unexpected or misshapen keys), FileNotFoundError when the weights file is missing."""
+    from safetensors.torch import load_file
+
+    d = Path(model_dir)
+    if not (d / COLAR_CONFIG).is_file():
+        return None
+    cfg = ColarConfig.from_dict(json.loads((d / COLAR_CONFIG).read_text()))
+    if not (d / POLICY_WEIGHTS).is_file():
+        raise FileNotFoundError(f"{d / POLICY_WEIGHTS} is missing ({COLAR_CONFIG} is there)")
+    policy = LatentPolicy(cfg.hidden_size, cfg.intermediate_size, cfg.deterministic)
+    try:
+        policy.load_state_dict({k: v.float() for k, v in load_file(d / POLICY_WEIGHTS).items()})
+    except RuntimeError as e:
+        raise ValueError(f"{d / POLICY_WEIGHTS} does not match {COLAR_CONFIG}: {e}") from None
+    return cfg, policy.eval()
+
+
+def save_colar(model_dir: str | Path, cfg: ColarConfig, policy: LatentPolicy) -> None:
+    """Write ``colar_config.json`` and ``latent_policy.safetensors`` (float32)."""
+    from safetensors.torch import save_file
+
+    d = Path(model_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / COLAR_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in policy.state_dict().items()},
+              str(d / POLICY_WEIGHTS))

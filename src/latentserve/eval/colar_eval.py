@@ -1,0 +1,91 @@
+"""Evaluation of models trained in CoLaR's format (``latent/colar.py``): the text-CoT
+backbone of stage 0 and CoLaR latent models, through our engine, greedy.
+
+A text model gets the whole prompt ``Question: {q} Let's think step by step:(Thinking
+speed: 1)###``; its thinking is the tokens it writes before the closing ``###`` and its
+stop fired when it wrote one. A CoLaR model gets the question part and the request's
+compression factor (the engine appends the speed and the separator); its thinking is the
+latent steps and its stop fired when the LM head closed the phase before the cap. The
+answer is what follows ``Answer:`` (upstream ``extract_answer_from_output``), compared as
+upstream ``verify_answer`` does (stripped, trailing dots and commas removed, numbers as
+floats).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from latentserve.eval.datasets import Item
+from latentserve.latent import colar
+
+
+def answers_match(gold: str, pred: str) -> bool:
+    """Upstream ``verify_answer``: strip spaces and newlines, drop a trailing dot and the
+    commas, compare as floats when both parse, else as strings."""
+    g = gold.strip("\n ").rstrip(".").replace(",", "")
+    p = pred.strip("\n ").rstrip(".").rstrip(".\n").replace(",", "")
+    try:
+        return float(g) == float(p)
+    except ValueError:
+        return g == p
+
+
+def summarize(records: list[dict], seconds: float) -> dict:
+    """``{"n", "accuracy", "thinking": {"median", "max", "mean"}, "stop_fired",
+    "seconds"}`` of per-item records (``correct``, ``thinking``, ``stop_fired``);
+    ``stop_fired`` is the fraction of items whose thinking ended by the model's own stop.
+    Raises ValueError for no records."""
+    if not records:
+        raise ValueError("no records to summarize")
+    n, think = len(records), [r["thinking"] for r in records]
+    return {"n": n, "accuracy": sum(r["correct"] for r in records) / n,
+            "thinking": {"median": statistics.median(think), "max": max(think),
+                         "mean": sum(think) / n},
+            "stop_fired": sum(r["stop_fired"] for r in records) / n,
+            "seconds": round(seconds, 3)}
+
+
+def evaluate(llm, items: list[Item], max_tokens: int = 320,
+             compression_factor: int | None = None, max_latent: int | None = None
+             ) -> tuple[list[dict], dict]:
+    """Run ``items`` through ``llm`` (an ``entrypoints.llm.LLM``) greedily; returns
+    ``(records, summary)`` (see :func:`summarize`). ``max_tokens`` bounds the generated
+    text tokens (thinking and answer); ``compression_factor`` / ``max_latent`` apply to a
+    CoLaR model only (None: the model's defaults). Raises ValueError when they are given
+    for a text model."""
+    from latentserve.sampling_params import SamplingParams
+
+    latent = getattr(llm.engine, "colar", None) is not None
+    if not latent and (compression_factor is not None or max_latent is not None):
+        raise ValueError("compression_factor and max_latent need a CoLaR model "
+                         "(a directory with colar_config.json)")
+    tok = llm.tokenizer
+    sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
+    extra = {}
+    if latent:
+        extra = {k: v for k, v in (("compression_factor", compression_factor),
+                                   ("max_latent", max_latent)) if v is not None}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
+    prompts = [{"prompt_token_ids": tok.encode(
+        colar.QUESTION.format(it.question) if latent else colar.prompt_text(it.question),
+        add_special_tokens=False)} for it in items]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    records = []
+    for it, o in zip(items, outs):
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        if latent:
+            stats = c.latent_stats or {}
+            thinking, fired = int(stats.get("steps", 0)), stats.get("end") == "stop"
+            text = tok.decode(ids, skip_special_tokens=True)
+            answer = text.partition(colar.ANSWER.format(""))[2].strip() or text.strip()
+        else:
+            thinking, fired = (ids.index(sep), True) if sep in ids else (len(ids), False)
+            _, answer = colar.split_output(tok.decode(ids, skip_special_tokens=True))
+        records.append({"question": it.question, "gold": it.gold, "answer": answer,
+                        "correct": answers_match(it.gold, answer), "thinking": thinking,
+                        "stop_fired": fired, "output_tokens": len(ids)})
+    return records, summarize(records, seconds)

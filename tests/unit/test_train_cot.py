@@ -1,0 +1,91 @@
+"""Stage-0 data and training (train/tasks.py, train/cot.py): the multiplication generator
+writes the iCoT format exactly and never a held-out question; GSM8K steps are its
+calculator annotations; a short LoRA run on a tiny Llama lowers the loss and writes a PEFT
+adapter that reproduces the trained model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from latentserve.eval.datasets import data_root
+from latentserve.train.tasks import (generate_multiplication, gsm8k_train_items, icot_line,
+                                     multiplication_item, questions_of)
+
+MULT = data_root() / "multiplication"
+
+
+def test_multiplication_item_matches_the_icot_line():
+    line = ("7 6 9 2 * 1 6 3 6||7 6 9 2 0 + 0 2 0 8 7 1 ( 7 8 9 0 8 1 ) + 0 0 1 0 9 8 0 "
+            "( 7 8 0 1 7 0 1 ) + 0 0 0 2 0 8 7 1 #### 7 8 0 3 7 8 8 1")
+    assert icot_line(multiplication_item(2967, 6361, 4)) == line
+
+
+@pytest.mark.skipif(not MULT.is_dir(), reason="shared/data not present")
+@pytest.mark.parametrize("name,k", [("4x4_test.txt", 4), ("5x5_valid.txt", 5)])
+def test_generator_reproduces_every_line_of_the_shared_sets(name, k):
+    for line in (MULT / name).read_text().splitlines():
+        a, b = (int("".join(reversed(x.split()))) for x in line.partition("||")[0].split(" * "))
+        assert icot_line(multiplication_item(a, b, k)) == line
+
+
+@pytest.mark.skipif(not MULT.is_dir(), reason="shared/data not present")
+def test_generated_training_set_excludes_test_and_valid():
+    held_out = questions_of([MULT / "4x4_test.txt", MULT / "4x4_valid.txt"])
+    # 2-digit operands have few questions: exclusion is what makes the set deterministic.
+    items = generate_multiplication(4, 3000, seed=1, exclude=held_out)
+    qs = [it.question for it in items]
+    assert len(set(qs)) == 3000 and not set(qs) & held_out
+
+
+def test_generator_refuses_impossible_requests():
+    with pytest.raises(ValueError, match="more than half"):
+        generate_multiplication(1, 50)
+    with pytest.raises(ValueError, match="2 digits"):
+        multiplication_item(5, 12, 2)
+
+
+def test_gsm8k_steps_are_the_calculator_annotations(tmp_path):
+    row = {"question": "Q?", "answer": "He has 3+4 = <<3+4=7>>7.\nThen 7*2 = <<7*2=14>>14.\n"
+                                       "#### 1,014"}
+    p = tmp_path / "train.jsonl"
+    p.write_text(json.dumps(row) + "\n")
+    (it,) = gsm8k_train_items(p)
+    assert (it.steps, it.gold) == ("<<3+4=7>> <<7*2=14>>", "1014")
+
+
+def test_encode_example_separator_is_one_token(smollm2_tokenizer):
+    from latentserve.train.cot import encode_example
+
+    it = multiplication_item(12, 34, 2)
+    sep = smollm2_tokenizer.convert_tokens_to_ids("###")
+    prompt, target = encode_example(smollm2_tokenizer, it)
+    assert smollm2_tokenizer.decode(prompt).endswith("(Thinking speed: 1)")
+    assert target[0] == sep and target.count(sep) == 2 and target[-1] == 2  # eos
+    _, nocot = encode_example(smollm2_tokenizer, it, "nocot")
+    assert nocot[:2] == [sep, sep] and smollm2_tokenizer.decode(nocot[2:-1]) == "Answer:" + it.gold
+
+
+def test_lora_run_lowers_loss_and_adapter_reproduces_model(tmp_path, tiny_dirs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from latentserve.train.cot import CotConfig, train
+    from latentserve.train.tasks import write_icot
+
+    data = tmp_path / "train.txt"
+    write_icot(generate_multiplication(2, 16, seed=0), data)
+    out = tmp_path / "adapter"
+    cfg = CotConfig(data=[str(data)], out=str(out), base=str(tiny_dirs["llama"]), lora_r=4,
+                    lora_alpha=8, steps=30, batch_size=8, lr=1e-2, warmup=2, log_every=5)
+    last = train(cfg, progress=lambda s: None)
+    log = json.loads((out / "train_log.json").read_text())
+    assert last["loss"] < 0.8 * log[0]["loss"]
+    conf = json.loads((out / "adapter_config.json").read_text())
+    assert conf["r"] == 4 and Path(conf["base_model_name_or_path"]) == tiny_dirs["llama"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 300, 4000, 12]])
+    plain = base(ids).logits
+    tuned = PeftModel.from_pretrained(base, str(out))(ids).logits
+    assert not torch.allclose(plain, tuned, atol=1e-3)  # the adapter changes the model
