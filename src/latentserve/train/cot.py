@@ -75,19 +75,49 @@ def read_items(path: str | Path) -> list[Item]:
     return _parse(p, "icot", "text", None)
 
 
-def encode_example(tok, item: Item, mode: str = "cot") -> tuple[list[int], list[int]]:
-    """``(prompt_ids, target_ids)`` of one item (see the module docstring)."""
+def encode_prompt(tok, question: str, speed: int | str = 1) -> list[int]:
+    """Ids of ``Question: {question} Let's think step by step:(Thinking speed: {speed})``
+    (one segment, no special tokens; the opening separator is not included)."""
+    return tok.encode(colar.QUESTION.format(question) + colar.SPEED.format(speed),
+                      add_special_tokens=False)
+
+
+def encode_parts(tok, item: Item) -> tuple[list[int], list[int], list[int]]:
+    """``(prompt_ids, steps_ids, answer_ids)`` of one item, each segment tokenised on its
+    own: the prompt at speed 1 (:func:`encode_prompt`), the steps text, and ``###
+    Answer:{gold} EOS`` (the closing separator is the single ``###`` id)."""
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    prompt = enc(colar.QUESTION.format(item.question) + colar.SPEED.format(1))
-    steps = enc(item.steps) if mode == "cot" else []
-    return prompt, [sep, *steps, sep, *enc(colar.ANSWER.format(item.gold)), tok.eos_token_id]
+    answer = tok.encode(colar.ANSWER.format(item.gold), add_special_tokens=False)
+    return (encode_prompt(tok, item.question), tok.encode(item.steps, add_special_tokens=False),
+            [sep, *answer, tok.eos_token_id])
 
 
-def load_backbone(base: str | None, device: str, cfg: CotConfig | None = None):
+def encode_examples(tok, items: list[Item], mode: str = "cot"
+                    ) -> list[tuple[list[int], list[int]]]:
+    """``(prompt_ids, target_ids)`` per item (see the module docstring), tokenised in
+    batches."""
+    sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
+
+    def enc(texts: list[str]) -> list[list[int]]:
+        return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    prompts = enc([colar.QUESTION.format(it.question) + colar.SPEED.format(1) for it in items])
+    steps = enc([it.steps for it in items]) if mode == "cot" else [[] for _ in items]
+    answers = enc([colar.ANSWER.format(it.gold) for it in items])
+    return [(p, [sep, *s, sep, *a, tok.eos_token_id])
+            for p, s, a in zip(prompts, steps, answers)]
+
+
+def encode_example(tok, item: Item, mode: str = "cot") -> tuple[list[int], list[int]]:
+    """``(prompt_ids, target_ids)`` of one item."""
+    return encode_examples(tok, [item], mode)[0]
+
+
+def load_backbone(base: str | None, device: str, cfg=None):
     """``(model, tokenizer, base_name)``: the HF causal LM of ``base`` in float32 on
     ``device``, wrapped in PEFT LoRA when ``cfg.lora_r > 0`` (or ``cfg.init_adapter`` is
-    given, whose adapter is loaded trainable)."""
+    given, whose adapter is loaded trainable). ``cfg``: a :class:`CotConfig` or any options
+    with ``init_adapter``, ``lora_r``, ``lora_alpha`` and ``lora_targets``."""
     from transformers import AutoModelForCausalLM
 
     from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
@@ -183,6 +213,67 @@ def save(model, out: Path, base_name: str, cfg: CotConfig, log: list[dict]) -> N
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
 
 
+def batches(n: int, batch_size: int):
+    """Endless batches of ``batch_size`` indices into ``n`` examples, drawn without
+    replacement from reshuffled passes (Python's ``random``, so ``random.seed`` fixes them)."""
+    order: list[int] = []
+    while True:
+        while len(order) < batch_size:
+            order += random.sample(range(n), n)
+        yield [order.pop() for _ in range(batch_size)]
+
+
+def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=print
+             ) -> list[dict]:
+    """The training loop of ``train cot`` and ``train colar``; returns the log records.
+
+    AdamW (``cfg.lr``, ``cfg.weight_decay``, betas 0.9/0.999) over ``params``; each step
+    ``loss, extra = step_loss()`` (``extra``: more values to log, tensors read only when
+    logged) runs under bfloat16 autocast when ``cfg.device`` is cuda,
+    is backpropagated and the gradients are clipped to norm 1.0. LR: linear warmup over
+    ``cfg.warmup`` steps, then cosine to 0 by ``cfg.steps`` or ``cfg.max_seconds``
+    (whichever comes first; the loop stops at either). A record ``{step, loss, **extra, lr,
+    seconds}`` is kept (and passed to ``progress`` as JSON) at step 1, every
+    ``cfg.log_every`` steps, at the last step and at the time limit; ``checkpoint(log)``
+    runs every ``cfg.save_every`` steps (0: never).
+    """
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            betas=(0.9, 0.999), fused=cfg.device.startswith("cuda"))
+    log: list[dict] = []
+    start = time.time()
+
+    def lr_factor(s: int) -> float:  # warmup, then cosine to 0 by the step or time limit
+        done = s / cfg.steps
+        if cfg.max_seconds:
+            done = max(done, (time.time() - start) / cfg.max_seconds)
+        return min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (1 + math.cos(math.pi * min(
+            1.0, done)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    for step in range(1, cfg.steps + 1):
+        with torch.autocast("cuda", torch.bfloat16, enabled=cfg.device.startswith("cuda")):
+            loss, extra = step_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        timed_out = cfg.max_seconds and time.time() - start > cfg.max_seconds
+        if step % cfg.log_every == 0 or step == 1 or step == cfg.steps or timed_out:
+            rec = {"step": step, "loss": round(loss.item(), 5),
+                   **{k: round(v.item(), 5) if torch.is_tensor(v) else v
+                      for k, v in extra.items()},
+                   "lr": sched.get_last_lr()[0], "seconds": round(time.time() - start, 1)}
+            log.append(rec)
+            progress(json.dumps(rec))
+        if cfg.save_every and step % cfg.save_every == 0:
+            checkpoint(log)
+        if timed_out:
+            progress(f"stopping at step {step}: max_seconds {cfg.max_seconds} reached")
+            break
+    return log
+
+
 def train(cfg: CotConfig, progress=print) -> dict:
     """Run stage 0 (see the module docstring); returns the last log record. Raises
     ValueError for a bad option, FileNotFoundError for missing data."""
@@ -195,50 +286,23 @@ def train(cfg: CotConfig, progress=print) -> dict:
     items = [it for p in cfg.data for it in read_items(p)]
     evals = [it for p in cfg.eval_data for it in read_items(p)[:cfg.eval_items]]
     model, tok, base_name = load_backbone(cfg.base, cfg.device, cfg)
-    examples = [e for e in (encode_example(tok, it, cfg.mode) for it in items)
+    examples = [e for e in encode_examples(tok, items, cfg.mode)
                 if len(e[0]) + len(e[1]) <= cfg.max_len]
     if not examples:
         raise ValueError(f"no training example fits max_len={cfg.max_len}")
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            betas=(0.9, 0.999), fused=cfg.device.startswith("cuda"))
-    out, log, start = Path(cfg.out), [], time.time()
-
-    def lr_factor(s: int) -> float:  # warmup, then cosine to 0 by the step or time limit
-        done = s / cfg.steps
-        if cfg.max_seconds:
-            done = max(done, (time.time() - start) / cfg.max_seconds)
-        return min(1.0, (s + 1) / max(1, cfg.warmup)) * 0.5 * (1 + math.cos(math.pi * min(
-            1.0, done)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     progress(f"train cot: {len(examples)} examples, {sum(p.numel() for p in params)} "
              f"trainable parameters, {cfg.steps} steps of {cfg.batch_size}")
     model.train()
-    order: list[int] = []
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    for step in range(1, cfg.steps + 1):
-        if len(order) < cfg.batch_size:
-            order += random.sample(range(len(examples)), len(examples))
-        batch = [examples[order.pop()] for _ in range(cfg.batch_size)]
-        with torch.autocast("cuda", torch.bfloat16, enabled=cfg.device.startswith("cuda")):
-            loss = batch_loss(model, batch, pad, cfg.device)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        timed_out = cfg.max_seconds and time.time() - start > cfg.max_seconds
-        if step % cfg.log_every == 0 or step == 1 or step == cfg.steps or timed_out:
-            rec = {"step": step, "loss": round(loss.item(), 5), "lr": sched.get_last_lr()[0],
-                   "seconds": round(time.time() - start, 1)}
-            log.append(rec)
-            progress(json.dumps(rec))
-        if cfg.save_every and step % cfg.save_every == 0:
-            save(model, out, base_name, cfg, log)
-        if timed_out:
-            progress(f"stopping at step {step}: max_seconds {cfg.max_seconds} reached")
-            break
+    order = batches(len(examples), cfg.batch_size)
+    out = Path(cfg.out)
+
+    def step_loss() -> tuple[torch.Tensor, dict]:
+        return batch_loss(model, [examples[i] for i in next(order)], pad, cfg.device), {}
+
+    log = optimise(cfg, params, step_loss, lambda log: save(model, out, base_name, cfg, log),
+                   progress)
     if evals:
         rec = dict(log[-1], eval=greedy_accuracy(model, tok, evals, cfg.device))
         log.append(rec)
