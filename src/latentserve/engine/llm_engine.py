@@ -524,12 +524,15 @@ class LLMEngine:
 
 
 def _eos_ids(model_dir, tokenizer, hf_config) -> set[int]:
-    """EOS ids from generation_config.json, the model config and the tokenizer."""
+    """EOS ids from generation_config.json (an adapter directory's: its base's), the model
+    config and the tokenizer."""
     ids: set[int] = set()
     try:
         from transformers import GenerationConfig
 
-        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+        from latentserve.models.checkpoint import base_model_dir
+
+        gen = GenerationConfig.from_pretrained(base_model_dir(model_dir), local_files_only=True)
         ids |= _as_set(gen.eos_token_id)
     except OSError:
         pass

@@ -25,13 +25,13 @@ Checkpoint forms (facts from the papers and upstream code, not its code):
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from latentserve.latent.spec import LatentSpec, finite_positive
+from latentserve.models.lora import lora_scale, merged_weight, split_lora_key
 
 LATENT_CONFIG = "latent_config.json"
 FAMILIES = ("coconut", "codi")
@@ -198,42 +198,41 @@ def strip_keys(state: dict, family: str) -> dict[str, torch.Tensor]:
 
 
 def merge_lora(state: dict, lora: dict | None, conv1d: bool) -> dict[str, torch.Tensor]:
-    """Fold PEFT LoRA pairs into their base weights: ``W += (B @ A) * alpha / r`` (``alpha /
-    sqrt(r)`` with rsLoRA), computed in float32 and cast back to W's dtype.
+    """Fold PEFT LoRA pairs into their base weights: ``W + (B @ A) * alpha / r`` (``alpha /
+    sqrt(r)`` with rsLoRA), computed and kept in float32 (``models.lora.merged_weight``; the
+    loader casts to the serving dtype later, so a bf16 base is not rounded back to bf16).
 
-    state: stripped names; ``<m>.base_layer.{weight,bias}`` become ``<m>.{weight,bias}``.
-    conv1d: GPT-2, whose ``c_attn/c_proj/c_fc`` store W as ``[in, out]`` (Conv1D), so the
-    update is transposed. Raises ValueError when LoRA tensors and ``lora`` disagree.
+    state: stripped names; ``<m>.base_layer.{weight,bias}`` become ``<m>.{weight,bias}``;
+    other tensors are returned unchanged. conv1d: GPT-2, whose ``c_attn/c_proj/c_fc`` store W
+    as ``[in, out]`` (Conv1D), so the update is transposed. Raises ValueError when LoRA
+    tensors and ``lora`` disagree, for a PEFT tensor other than LoRA A/B, and for shapes that
+    do not fit.
     """
     out, pairs = {}, {}
     for k, v in state.items():
-        if ".lora_A." in k or ".lora_B." in k:
-            mod, rest = k.split(".lora_", 1)
-            if rest[0] in pairs.setdefault(mod, {}):
-                raise ValueError(f"{mod!r} has more than one LoRA adapter; merge one first")
-            pairs[mod][rest[0]] = v
-        elif ".lora_" in k:
-            raise ValueError(f"unsupported PEFT tensor {k!r} (only plain LoRA A/B is supported)")
-        else:
+        hit = split_lora_key(k)
+        if hit is None:
             out[k.replace(".base_layer.", ".")] = v
+            continue
+        mod, part = hit
+        if part in pairs.setdefault(mod, {}):
+            raise ValueError(f"{mod!r} has more than one LoRA adapter; merge one first")
+        pairs[mod][part] = v
     if pairs and lora is None:
         raise _bad("lora", f"is null but the checkpoint has LoRA tensors ({next(iter(pairs))})")
     if not pairs:
         return out
     r = lora["r"]
-    scale = lora["alpha"] / (math.sqrt(r) if lora.get("use_rslora") else r)
+    scale = lora_scale(lora["alpha"], r, lora.get("use_rslora", False))
     for mod, ab in pairs.items():
         if set(ab) != {"A", "B"} or mod + ".weight" not in out:
             raise ValueError(f"incomplete LoRA module {mod!r}: has {sorted(ab)}, base weight "
                              f"{'present' if mod + '.weight' in out else 'missing'}")
-        a, b = ab["A"].float(), ab["B"].float()
-        if a.shape[0] != r:
-            raise _bad("lora.r", f"is {r} but {mod}.lora_A has rank {a.shape[0]}")
-        w = out[mod + ".weight"]
-        delta = (b @ a) * scale
-        if conv1d and mod.endswith(_GPT2_CONV1D):
-            delta = delta.t()
-        out[mod + ".weight"] = (w.float() + delta).to(w.dtype)
+        if ab["A"].shape[0] != r:
+            raise _bad("lora.r", f"is {r} but {mod}.lora_A has rank {ab['A'].shape[0]}")
+        name = mod + ".weight"
+        out[name] = merged_weight(out[name], ab["A"], ab["B"], scale, name=name,
+                                  transpose=conv1d and mod.endswith(_GPT2_CONV1D))
     return out
 
 

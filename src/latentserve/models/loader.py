@@ -1,5 +1,6 @@
 """Build a model from a Hugging Face-style directory: config.json and ``*.safetensors``
-(or ``pytorch_model*.bin`` read with ``weights_only=True``)."""
+(or ``pytorch_model*.bin`` read with ``weights_only=True``), or from a PEFT LoRA adapter
+directory over such a base (``models.lora``: merged at load)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,23 @@ def iter_weights(model_dir: Path):
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
+def _read_adapter(model_dir: Path):
+    """``models.lora.read_adapter(model_dir)`` for an adapter directory, else None. Raises
+    ValueError when the adapter or its base holds a ``latent_config.json`` (not merged)."""
+    from latentserve.models.checkpoint import is_adapter_dir
+
+    if not is_adapter_dir(model_dir):
+        return None
+    from latentserve.models.lora import read_adapter
+
+    adapter = read_adapter(model_dir)
+    for d in (model_dir, adapter.base_dir):
+        if (d / "latent_config.json").exists():
+            raise ValueError(f"{d / 'latent_config.json'}: LoRA adapter directories are "
+                             "merged into plain models only")
+    return adapter
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
                latent_head: str | None = None, no_latent_head: bool = False,
                latent_injection: str | None = None, tp=None, fused_ops: bool = False):
@@ -55,12 +73,18 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
     shard (``models.parallel.shard_model``) before it moves to ``device``; latent modules stay
     whole.
 
+    A PEFT LoRA adapter directory (``models.checkpoint.is_adapter_dir``) loads its base's
+    config and weights with the adapter merged in float32 before the cast to ``dtype`` and
+    before TP sharding (``models.lora``); it may not hold a ``latent_config.json`` and its
+    base must be a plain Llama-family model.
+
     ``fused_ops``: switch a model that has the fast path (``use_fused_ops``: merged q/k/v and
     gate/up GEMMs, Triton norm/RoPE/SiLU kernels; the Llama family, Ouro, Huginn) to it, after
     sharding and before the move to ``device``; other models ignore it.
 
-    Raises ValueError for an unsupported ``model_type``, a bad latent config, or a model the
-    TP size cannot split.
+    Raises ValueError for an unsupported ``model_type``, a bad latent config, an adapter
+    that cannot be merged (``models.lora``, message naming the field), or a model the TP
+    size cannot split.
     """
     import json
 
@@ -69,14 +93,20 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
     from latentserve.models.registry import OWN_CONFIG_TYPES, config_from_dict, model_class
 
     model_dir = Path(model_dir)
-    raw = json.loads((model_dir / "config.json").read_text()) \
-        if (model_dir / "config.json").is_file() else {}
+    adapter = _read_adapter(model_dir)
+    config_dir = adapter.base_dir if adapter is not None else model_dir
+    raw = json.loads((config_dir / "config.json").read_text()) \
+        if (config_dir / "config.json").is_file() else {}
     if raw.get("model_type") in OWN_CONFIG_TYPES:
         hf_config = config_from_dict(raw)
     else:
-        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
     latent_cfg = loop_cfg = None
-    if (model_dir / "latent_config.json").exists():
+    if adapter is not None:
+        from latentserve.models.lora import merge_adapter
+
+        weights = merge_adapter(iter_weights(adapter.base_dir), adapter, hf_config)
+    elif (model_dir / "latent_config.json").exists():
         from latentserve.latent.feedback import (attach_latent, prepare_latent_weights,
                                                  read_latent_config)
         from latentserve.latent.loop_checkpoint import read_loop_config

@@ -5,6 +5,9 @@ from __future__ import annotations
 # model_types transformers has no config class for (their upstream code is remote code): the
 # loader builds their config from config.json with these functions instead of AutoConfig.
 OWN_CONFIG_TYPES = ("huginn_raven", "ouro")
+# model_types served by ``LlamaForCausalLM`` (HF weight names ``model.layers.i.self_attn.*``,
+# ``mlp.{gate,up,down}_proj``); LoRA adapter directories are merged into these only.
+LLAMA_FAMILY = ("llama", "qwen2", "mistral")
 
 
 def config_from_dict(d: dict):
@@ -25,9 +28,8 @@ def model_class(hf_config):
     from latentserve.models.llama import LlamaForCausalLM
     from latentserve.models.ouro import OuroForCausalLM
 
-    table = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "mistral": LlamaForCausalLM,
-             "gpt2": GPT2LMHeadModel, "huginn_raven": RavenForCausalLM,
-             "ouro": OuroForCausalLM}
+    table = {**dict.fromkeys(LLAMA_FAMILY, LlamaForCausalLM), "gpt2": GPT2LMHeadModel,
+             "huginn_raven": RavenForCausalLM, "ouro": OuroForCausalLM}
     mt = getattr(hf_config, "model_type", None)
     if mt not in table:
         raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(table)}")

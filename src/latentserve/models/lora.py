@@ -1,0 +1,294 @@
+"""PEFT LoRA merged into base weights at load: the merge itself, and adapter directories.
+
+The merge (PEFT ``tuners/lora/layer.py`` ``Linear.get_delta_weight`` and ``merge``):
+``W' = W + (B @ A) * scale`` with ``A`` ``[r, in]``, ``B`` ``[out, r]``, ``scale = alpha / r``
+(``alpha / sqrt(r)`` with rsLoRA), all in float32 whatever the stored dtypes; ``W'`` stays
+float32 and the loader casts the whole model to the serving dtype afterwards, so a bf16 base
+served in fp32 gets the exact sum, not a bf16-rounded one. :func:`merged_weight` is shared by
+adapter directories (below) and by the latent checkpoints that embed LoRA pairs (CODI,
+PCCoT: ``latent.feedback.merge_lora``).
+
+An adapter directory (what ``PeftModel.save_pretrained`` and ``latentserve train cot``
+write): ``adapter_config.json`` (PEFT's ``LoraConfig``) and ``adapter_model.safetensors``
+(or ``adapter_model.bin``) with ``base_model.model.<module>.lora_{A,B}.weight``; its base
+comes from ``models.checkpoint.adapter_base_dir``. :func:`read_adapter` checks both files,
+:func:`merge_adapter` folds the pairs into the base's ``(name, tensor)`` stream. Only plain
+LoRA on ``nn.Linear`` weights is merged; every config field that changes the computation
+otherwise (DoRA, ``modules_to_save``, biases, ...) is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from latentserve.models.checkpoint import ADAPTER_CONFIG, adapter_base_dir
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+PEFT_PREFIX = "base_model.model."
+
+# adapter_config.json fields that must be unset (null, false, empty): what each would need.
+_UNSUPPORTED = {
+    "use_dora": "DoRA (a magnitude vector per weight)",
+    "modules_to_save": "whole modules trained beside the adapter",
+    "fan_in_fan_out": "weights stored [in, out] (GPT-2 Conv1D)",
+    "layer_replication": "replicated decoder layers",
+    "lora_bias": "a bias on lora_B",
+    "trainable_token_indices": "trained embedding rows",
+    "alora_invocation_tokens": "activated LoRA (on only after the invocation tokens)",
+    "use_qalora": "QA-LoRA",
+    "target_parameters": "LoRA on nn.Parameters (MoE experts)",
+    "use_bdlora": "block-diagonal LoRA",
+    "arrow_config": "Arrow routing over several adapters",
+    "kasa_config": "KaSA",
+    "monteclora_config": "MonteCLoRA",
+    "lora_ga_config": "LoRA-GA, whose initialization changes the base weights",
+}
+# Fields that do not change the merged weights (training, bookkeeping, which modules were
+# targeted: the adapter's tensor names say that).
+_IGNORED = frozenset((
+    "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+    "inference_mode", "target_modules", "exclude_modules", "lora_dropout",
+    "layers_to_transform", "layers_pattern", "megatron_config", "megatron_core",
+    "loftq_config", "eva_config", "corda_config", "velora_config", "qalora_group_size",
+    "ensure_weight_tying", "runtime_config"))
+# init_lora_weights values that leave the base weights untouched (PiSSA, OLoRA, CorDA and
+# LoftQ rewrite them when the adapter is created, so the adapter fits only that rewritten
+# base; PEFT's saved form after path_initial_model_for_weight_conversion says True).
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
+
+
+def lora_scale(alpha: float, r: int, use_rslora: bool = False) -> float:
+    """PEFT's ``scaling``: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+    return alpha / (math.sqrt(r) if use_rslora else r)
+
+
+def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
+                  transpose: bool = False, name: str = "weight") -> torch.Tensor:
+    """``w + (b @ a) * scale`` in float32: ``w`` ``[out, in]`` (``[in, out]`` with
+    ``transpose``, GPT-2's Conv1D) of any dtype, ``a`` ``[r, in]``, ``b`` ``[out, r]``.
+    Returns a new float32 tensor shaped like ``w``.
+
+    Raises ValueError naming ``name`` and the shapes when they do not fit.
+    """
+    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+        raise ValueError(f"LoRA pair of {name!r} does not fit together: lora_A "
+                         f"{tuple(a.shape)} [r, in], lora_B {tuple(b.shape)} [out, r]")
+    delta = b.float() @ a.float()
+    if transpose:
+        delta = delta.t()
+    if delta.shape != w.shape:
+        raise ValueError(f"LoRA pair of {name!r} gives an update of shape "
+                         f"{tuple(delta.shape)} but the base weight is {tuple(w.shape)}")
+    return w.float() + delta * scale
+
+
+def split_lora_key(name: str) -> tuple[str, str] | None:
+    """``<module>.lora_A.weight`` or ``<module>.lora_A.<adapter>.weight`` (same for B) ->
+    ``(module, "A" | "B")``; None for a name without ``.lora_``.
+
+    Raises ValueError for any other PEFT LoRA tensor (DoRA's ``lora_magnitude_vector``,
+    a ``lora_B`` bias, embedding LoRA ``lora_embedding_A``, ...): only A/B weights merge.
+    """
+    for part in ("A", "B"):
+        module, sep, rest = name.partition(f".lora_{part}.")
+        if sep and (rest == "weight" or (rest.endswith(".weight") and rest.count(".") == 1)):
+            return module, part
+    if ".lora_" in name:
+        raise ValueError(f"unsupported PEFT tensor {name!r}: only plain LoRA "
+                         "lora_A/lora_B weights can be merged")
+    return None
+
+
+# ----------------------------------------------------------------------------- adapters
+
+@dataclass(frozen=True, slots=True)
+class LoraPair:
+    """One adapted weight: ``a`` ``[r, in]`` and ``b`` ``[out, r]`` as stored (any float
+    dtype) and PEFT's ``scale`` for this module."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A checked adapter directory: ``path``, ``base_dir`` (its resolved base model
+    directory) and ``pairs`` (base weight name, e.g.
+    ``model.layers.0.self_attn.q_proj.weight`` -> :class:`LoraPair`)."""
+
+    path: Path
+    base_dir: Path
+    pairs: dict[str, LoraPair]
+
+
+def _bad(field: str, msg: str) -> ValueError:
+    return ValueError(f"{ADAPTER_CONFIG}: field {field!r} {msg}")
+
+
+def _number(v, field: str, integer: bool) -> None:
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or not math.isfinite(v) or v <= 0:
+        raise _bad(field, f"must be {'an integer' if integer else 'a finite number'} > 0, "
+                   f"got {v!r}")
+
+
+def check_adapter_config(cfg: dict) -> dict:
+    """Check a parsed ``adapter_config.json`` and return ``{r, lora_alpha, use_rslora,
+    rank_pattern, alpha_pattern}`` (defaults as PEFT's: rsLoRA off, empty patterns).
+
+    Raises ValueError naming the field: ``peft_type`` other than LORA, a bad ``r`` /
+    ``lora_alpha`` / pattern value, ``bias`` other than ``"none"``, an ``init_lora_weights``
+    that rewrites the base weights, a field of ``_UNSUPPORTED`` that is set, or a field this
+    loader does not know that is set (a newer PEFT feature).
+    """
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{ADAPTER_CONFIG} must hold a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise _bad("peft_type", f"must be 'LORA', got {cfg['peft_type']!r}")
+    _number(cfg.get("r"), "r", integer=True)
+    _number(cfg.get("lora_alpha"), "lora_alpha", integer=False)
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise _bad("use_rslora", f"must be true or false, got {rslora!r}")
+    patterns = {}
+    for field, integer in (("rank_pattern", True), ("alpha_pattern", False)):
+        pattern = cfg.get(field) or {}
+        if not isinstance(pattern, dict):
+            raise _bad(field, f"must be an object of module pattern -> value, got {pattern!r}")
+        for key, v in pattern.items():
+            _number(v, f"{field}.{key}", integer)
+        patterns[field] = pattern
+    if cfg.get("bias", "none") != "none":
+        raise _bad("bias", f"must be 'none' (trained biases are not merged), got "
+                   f"{cfg['bias']!r}")
+    init = cfg.get("init_lora_weights", True)
+    if init not in _PLAIN_INITS:
+        raise _bad("init_lora_weights", f"is {init!r}, an initialization that rewrites the "
+                   "base weights; save the adapter converted to plain LoRA (PEFT "
+                   "save_pretrained(path_initial_model_for_weight_conversion=...)) first")
+    known = {"peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
+             "bias", "init_lora_weights"} | _IGNORED
+    for field, v in cfg.items():
+        if v in (None, False, "", [], {}) or field in known:
+            continue
+        what = _UNSUPPORTED.get(field, "a setting this loader does not know")
+        raise _bad(field, f"is {v!r}: {what} is not supported; only plain LoRA adapters are "
+                   "merged (the field must be unset, false or empty)")
+    return {"r": cfg["r"], "lora_alpha": cfg["lora_alpha"], "use_rslora": rslora, **patterns}
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """PEFT's ``get_pattern_key``: the first key ``k`` with ``re.match(rf"(.*\\.)?({k})$",
+    module)`` gives the value, else ``default``."""
+    import re
+
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _read_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    for name in ADAPTER_WEIGHTS:
+        path = adapter_dir / name
+        if path.is_file():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(path))
+            return torch.load(path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{adapter_dir} has {ADAPTER_CONFIG} but no "
+                            f"{' or '.join(ADAPTER_WEIGHTS)}")
+
+
+def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
+    """Read and check the adapter directory ``adapter_dir`` (config, tensors, base).
+
+    Tensor names lose PEFT's ``base_model.model.`` prefix; each module needs exactly one
+    ``lora_A`` ``[r, in]`` and one ``lora_B`` ``[out, r]`` with ``r`` the config's (or
+    ``rank_pattern``'s for that module). Tensors stay in their stored dtype.
+
+    Raises:
+        ValueError: a bad config (:func:`check_adapter_config`), a base that does not
+            resolve (``adapter_base_dir``), a tensor that is not a LoRA A/B weight, a module
+            with several adapters or only one of A/B, a rank other than the config's.
+        FileNotFoundError: no adapter weights file.
+    """
+    adapter_dir = Path(adapter_dir)
+    try:
+        raw = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is not valid JSON: {e}") from None
+    cfg = check_adapter_config(raw)
+    base_dir = adapter_base_dir(adapter_dir)
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _read_tensors(adapter_dir).items():
+        try:
+            hit = split_lora_key(key)
+        except ValueError as e:
+            raise ValueError(f"{adapter_dir}: {e}") from None
+        if hit is None:
+            raise ValueError(f"{adapter_dir}: tensor {key!r} is not a LoRA A/B weight (a "
+                             "saved module, as modules_to_save writes, is not supported)")
+        module, part = hit[0].removeprefix(PEFT_PREFIX), hit[1]
+        if part in found.setdefault(module, {}):
+            raise ValueError(f"{adapter_dir}: {module!r} has more than one lora_{part}")
+        found[module][part] = tensor
+    pairs = {}
+    for module, ab in found.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{adapter_dir}: {module!r} has only lora_{next(iter(ab))}")
+        r = _pattern_value(cfg["rank_pattern"], module, cfg["r"])
+        if ab["A"].dim() != 2 or ab["A"].shape[0] != r:
+            field = "rank_pattern" if r != cfg["r"] else "r"
+            raise _bad(field, f"gives rank {r} for {module!r} but its lora_A is "
+                       f"{tuple(ab['A'].shape)} [r, in]")
+        alpha = _pattern_value(cfg["alpha_pattern"], module, cfg["lora_alpha"])
+        pairs[module + ".weight"] = LoraPair(ab["A"], ab["B"],
+                                             lora_scale(alpha, r, cfg["use_rslora"]))
+    return LoraAdapter(adapter_dir, base_dir, pairs)
+
+
+def merge_adapter(weights: Iterable[tuple[str, torch.Tensor]], adapter: LoraAdapter,
+                  hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base's ``(name, tensor)`` stream with ``adapter`` merged: an adapted weight comes
+    out float32 (:func:`merged_weight`), every other tensor unchanged.
+
+    Checked here (before the stream is read): ``hf_config.model_type`` is one of
+    ``registry.LLAMA_FAMILY``, and no pair adapts ``lm_head`` of a tied-embedding model (the
+    merge would change the input embedding too). Checked as the stream ends: every pair met
+    its base weight.
+
+    Raises ValueError naming the model_type, the tied weight, a shape mismatch or a pair
+    without a base weight.
+    """
+    from latentserve.models.registry import LLAMA_FAMILY
+
+    mt = getattr(hf_config, "model_type", None)
+    if mt not in LLAMA_FAMILY:
+        raise ValueError(f"{adapter.path}: LoRA adapters are merged into {list(LLAMA_FAMILY)} "
+                         f"models; the base {adapter.base_dir} has model_type {mt!r}")
+    if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" in adapter.pairs:
+        raise ValueError(f"{adapter.path}: the adapter targets lm_head, which the base ties to "
+                         "model.embed_tokens (tie_word_embeddings); merging would change the "
+                         "input embedding too")
+    return _merged_stream(weights, adapter)
+
+
+def _merged_stream(weights, adapter: LoraAdapter):
+    left = dict(adapter.pairs)
+    for name, tensor in weights:
+        pair = left.pop(name, None)
+        if pair is not None:
+            tensor = merged_weight(tensor, pair.a, pair.b, pair.scale, name=name)
+        yield name, tensor
+    if left:
+        raise ValueError(f"{adapter.path}: {len(left)} LoRA module(s) match no base weight in "
+                         f"{adapter.base_dir}, e.g. {sorted(left)[:3]}: wrong base?")
