@@ -53,6 +53,12 @@ class SamplingParams:
     ``min_output_tokens`` (the answer-budget floor: ``max_tokens`` is raised to floor + cap
     when lower). None takes the server default from the environment.
 
+    CoLaR models (``latent/colar_head.py``) take ``thinking``, ``max_latent``,
+    ``min_latent``, ``use_stop`` (defaults from ``colar_config.json``, not the environment)
+    and ``compression_factor`` (the thinking speed c, >= 1; None = the model's default; the
+    model's ``max_compression_factor`` bounds it) and ``latent_temperature`` (>= 0; None or
+    0 = the latent policy's mean; > 0 draws each latent with the request's ``seed``).
+
     Raises:
         ValueError: naming the field and the allowed range, from ``__post_init__``.
     """
@@ -89,6 +95,9 @@ class SamplingParams:
     use_stop: bool | None = None
     stop_threshold: float | None = None  # stop when sigmoid(stop logit) > this
     min_output_tokens: int | None = None  # answer-budget floor (0 = off)
+    # CoLaR models (latent/colar_head.py): None = the model's default (colar_config.json).
+    compression_factor: int | None = None  # thinking speed c
+    latent_temperature: float | None = None  # latent policy temperature (0: its mean)
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens too (echo)
     # Emit a StepOutput (no tokens, latent_steps counted) after every latent step too.
     stream_latent_steps: bool = False
@@ -145,6 +154,10 @@ class SamplingParams:
                              f"got {self.min_latent}")
         if self.stop_threshold is not None:
             _check_num("stop_threshold", self.stop_threshold, lo=0.0, hi=1.0)
+        if self.compression_factor is not None:
+            _check_int("compression_factor", self.compression_factor, lo=1)
+        if self.latent_temperature is not None:
+            _check_num("latent_temperature", self.latent_temperature, lo=0.0)
 
     @property
     def greedy(self) -> bool:

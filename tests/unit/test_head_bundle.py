@@ -73,7 +73,7 @@ def test_next_inputs_runs_the_head_only_for_rows_in_their_latent_phase():
 
     settings = dict(mode="closed_loop", steps=0, use_stop=True, min_latent=0, max_latent=4,
                     stop_threshold=0.5, max_stop_prob=None, end=None, stop_step=None,
-                    actions=None)
+                    actions=None, latent_temperature=0.0)
     answering = [SimpleNamespace(head=SimpleNamespace(**settings), answer_start=3)
                  for _ in range(2)]
     assert next_inputs(head, answering, torch.randn(2, 64), pre) is None and not calls

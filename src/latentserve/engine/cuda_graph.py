@@ -101,10 +101,12 @@ class CudaGraphRunner:
         self._mask_hi = 0  # mask entries at or past this index are all False
         self._mask_ones = 0  # > 0: the mask is exactly this many leading True entries
         self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
-        # A compression head runs on the captured anchors in the latent graph (closed loop).
+        # A closed-loop head runs in the latent graph on its anchors: the captured layer, or
+        # the final-normed hidden for a head that captures none (CoLaR).
         head = getattr(model, "latent_head", None)
-        self.head = head if capture_layer >= 0 and getattr(
-            model, "latent_head_mode", None) == "closed_loop" else None
+        self.head = head if head is not None and capture_layer == head.capture_layer and \
+            getattr(model, "latent_head_mode", None) == "closed_loop" else None
+        self.capture_layer = capture_layer
         spec = getattr(model, "latent_spec", None)
         feedback = getattr(model, "latent_feedback", None)
         self.feedback = feedback if (spec is not None and spec.kind == "feedback"
@@ -188,7 +190,9 @@ class CudaGraphRunner:
 
     def _latent_forward(self, b):
         if self.head is not None:  # next latent inputs and stop probabilities of every row
-            return self.head.serve_outputs(self.capture_buf[:b])
+            anchors = self.capture_buf[:b] if self.capture_layer >= 0 else \
+                self.outputs[self.graph_depths[0], b][1]
+            return self.head.serve_outputs(anchors)
         return self.feedback(self.outputs[self.graph_depths[0], b][1])
 
     def _forward(self, model, b):

@@ -111,7 +111,7 @@ class LLMEngine:
             from latentserve.latent.head import head_defaults
 
             self.head_defaults = head_defaults()  # env, read once; ValueError if malformed
-            self.runner.set_capture(model.latent_head.config.source_layer + 1)
+            self.runner.set_capture(model.latent_head.capture_layer)  # -1: final-normed hidden
         graph_bs = min(config.max_num_seqs, 256) if (
             self.device.type == "cuda" and config.backend_name == "triton"
             and not config.enforce_eager) else 0
@@ -151,9 +151,11 @@ class LLMEngine:
         ``exit_*`` fields its early-exit rule (ValueError when the family does not know them),
         and nothing is added to the prompt. For a compression-head model (``kind == "head"``)
         the head controls are resolved against the server defaults
-        (``latent.head_loop.prepare_request``); on a
+        (``latent.head_loop.prepare_request``; a CoLaR model, ``latent/colar_head.py``,
+        against its ``colar_config.json``, and its thinking speed's ids are appended); on a
         model without a head they are ignored (a chat client may send ``enable_thinking``),
-        and the final output then carries no ``latent_stats``."""
+        and the final output then carries no ``latent_stats``, but CoLaR's
+        ``compression_factor`` and ``latent_temperature`` are a ValueError there."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
@@ -166,8 +168,7 @@ class LLMEngine:
 
             params, hs, start = head_loop.prepare_request(
                 self.runner.model, spec, self.head_defaults, prompt_token_ids, params)
-            extra = len(start) + (len(spec.end_ids) if hs.mode == "closed_loop" else 0) \
-                if hs.thinking else 0
+            extra = len(start) + (len(hs.end_ids) if hs.thinking else 0)
         elif spec is not None:
             budget = spec.resolve_budget(params.latent_budget)
             if recurrent:
@@ -179,6 +180,12 @@ class LLMEngine:
         elif params.latent_budget:
             raise ValueError("latent_budget must be 0 or null: this model does no latent "
                              "reasoning")
+        if not head:
+            sent = [name for name in ("compression_factor", "latent_temperature")
+                    if getattr(params, name) is not None]
+            if sent:
+                raise ValueError(f"{sent[0]} needs a CoLaR model (a directory with "
+                                 "colar_config.json)")
         if not recurrent:
             sent = [name for name, unset in (("exit_criterion", None), ("exit_threshold", None),
                                              ("exit_min_steps", 0), ("exit_check_every", 1))
@@ -217,8 +224,8 @@ class LLMEngine:
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals)
         if head:
             req.head = hs
+            req.prompt_ids += start
             if hs.thinking:
-                req.prompt_ids += start
                 req.latent_start, req.answer_start = len(req.prompt_ids), None
         elif recurrent:  # no phase machine: answer_start stays 0
             from latentserve.latent.recurrent import cache_salt_key, salt_of
@@ -313,7 +320,7 @@ class LLMEngine:
                 self.runner.latent_outputs()  # queued now, it runs while the host samples
             # None for a latent model, whose ids were masked above (its graphs return none)
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy)
-            latents = self._latent_inputs(sampling_reqs, logits, last_hidden)
+            latents = self._latent_inputs(sampling_reqs, logits, last_hidden, tokens)
             outs = self.scheduler.postprocess(batch, tokens, latents)
             by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}
             if by_rid:
@@ -474,18 +481,21 @@ class LLMEngine:
             return False
         return g.head is None or getattr(g.head, "policy_sigma", None) is None
 
-    def _latent_inputs(self, reqs, logits, last_hidden) -> list | None:
+    def _latent_inputs(self, reqs, logits, last_hidden, tokens=None) -> list | None:
         """Next latent input for each sampling row still in its latent phase, None elsewhere:
         a ``(tensor, row)`` entry (``latent/vectors.py``; ``tensor[row]`` is the ``[hidden]``
         vector in the model dtype, one tensor for the step's rows, no per-row views); the
         feedback hook runs once, batched. Records the latent trace (norm, logit-lens top 5)
         for requests that asked for it. Compression-head models:
-        ``latent.head_loop.next_inputs``."""
+        ``latent.head_loop.next_inputs`` on the captured layer, or on the final-normed
+        ``last_hidden`` for a head that captures none (CoLaR), with the step's ``tokens``."""
         if self.latent_spec is not None and self.latent_spec.kind == "head":
             from latentserve.latent.head_loop import next_inputs
 
-            return next_inputs(self.runner.model.latent_head, reqs, self.runner.last_captured,
-                               self.runner.latent_outputs)
+            runner = self.runner
+            anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
+            return next_inputs(runner.model.latent_head, reqs, anchors, runner.latent_outputs,
+                               tokens)
         if self.latent_spec is not None and self.latent_spec.kind == "loop":
             return None  # latent.loop.after_forward already prepared the next passes
         rows = [i for i, r in enumerate(reqs) if self._thinking(r)]

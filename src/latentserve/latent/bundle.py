@@ -354,6 +354,7 @@ def attach_head(model, model_dir, hf_config, path, device, injection: str | None
     opening/closing, ``<think>`` / ``</think>`` or the config's text; ``latent_id`` = the
     tokenizer's pad id, else its eos id, else 0). Raises ValueError when the bundle does not
     fit the backbone (hidden size, source layer) or cannot be injected (no decoder)."""
+    from latentserve.latent.head import CONTROLS
     from latentserve.latent.spec import LatentSpec
     from latentserve.models.checkpoint import load_tokenizer
 
@@ -376,4 +377,4 @@ def attach_head(model, model_dir, hf_config, path, device, injection: str | None
     model.latent_head_mode = injection or cfg.injection
     model.latent_spec = LatentSpec(kind="head", family="compression-head", default_budget=0,
                                    max_budget=0, start_ids=start, end_ids=end,
-                                   latent_id=int(pad or 0))
+                                   latent_id=int(pad or 0), controls=CONTROLS)

@@ -33,6 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 INJECTION_MODES = ("closed_loop", "prompt")
+# Per-request controls of the head family (``SamplingParams`` fields); each head takes a
+# subset (its ``CONTROLS``) and a request setting another one is refused (ValueError).
+HEAD_FIELDS = ("thinking", "max_latent", "min_latent", "use_stop", "stop_threshold",
+               "min_output_tokens", "compression_factor", "latent_temperature")
+CONTROLS = HEAD_FIELDS[:6]  # this module's compression head
 LOG_SIGMA_MIN, LOG_SIGMA_MAX = -10.0, 2.0
 HEAD_BUNDLE_NAME = "latent_reasoning_head.safetensors"
 
@@ -150,7 +155,14 @@ class LatentHead(nn.Module):
     ``anchor``: ``[N, H]`` source-layer residual stream (any float dtype).
     ``latent_input(anchor) -> [N, H] float32``; ``stop_prob(anchor) -> [N] float32`` (None
     when the bundle has no stop head).
+
+    Serve-side interface (``latent/head_loop.py``; CoLaR's ``latent/colar_head.ColarHead``
+    offers the same): ``capture_layer`` (decoder layers whose output is the anchor, for
+    ``ModelRunner.set_capture``), ``stop_token`` (None: the stop head decides),
+    ``has_stop``, ``serve_outputs``.
     """
+
+    stop_token = None  # the stop is the stop head's probability, not a sampled token
 
     def __init__(self, config: HeadConfig, has_stop_head: bool = True,
                  has_target_proj: bool = False):
@@ -164,6 +176,11 @@ class LatentHead(nn.Module):
     @property
     def has_stop(self) -> bool:
         return self.reasoning_head.stop_head is not None
+
+    @property
+    def capture_layer(self) -> int:
+        """The anchor is the residual stream after this many decoder layers."""
+        return self.config.source_layer + 1
 
     def _ln_anchor(self, anchor: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(anchor.float(), (self.config.hidden_size,))
@@ -308,6 +325,16 @@ def check_controls(c: dict, prefix: str = "") -> None:
         raise ValueError(f"{prefix}stop_threshold must be a number in [0, 1], got {t!r}")
 
 
+def refuse_controls(params, controls: tuple[str, ...], what: str) -> None:
+    """Raise ValueError naming the first head-family control (``HEAD_FIELDS``) that
+    ``params`` sets and ``controls`` (a head's ``CONTROLS``) does not hold: it would silently
+    do nothing. ``what`` names the head in the message."""
+    for name in HEAD_FIELDS:
+        if name not in controls and getattr(params, name, None) is not None:
+            raise ValueError(f"{name} is not a control of {what}; it takes "
+                             f"{', '.join(controls)}")
+
+
 def apply_output_floor(max_tokens: int, floor: int, cap: int) -> int:
     """The answer-budget floor: latent steps spend output tokens, so ``max_tokens`` is
     raised to ``floor + cap`` when lower; never lowered; ``floor <= 0`` disables it.
@@ -326,6 +353,10 @@ class HeadSettings:
     without a stop head); ``end``: ``"stop"``, ``"cap"`` or ``"length"`` (output budget or
     context spent inside the latent phase), None while running or with thinking off.
     ``reported``: the settled stats went out on a ``StepOutput`` before the final one.
+    ``answer_budget``: ``max_tokens`` counts answer tokens only (CoLaR: latent steps are
+    bounded by ``max_latent``, the closing ids are free); False: every output position
+    counts (the compression head). ``compression_factor`` / ``latent_temperature``: CoLaR's
+    thinking speed and latent sampling temperature (None / 0 for the compression head).
     """
 
     thinking: bool
@@ -345,6 +376,9 @@ class HeadSettings:
     # ``[H]`` and the sampled latent ``[L]`` (float32, CPU); None when the engine uses mu.
     actions: list | None = None
     reported: bool = False
+    answer_budget: bool = False
+    compression_factor: int | None = None
+    latent_temperature: float = 0.0
 
     @property
     def settled(self) -> bool:
@@ -358,6 +392,10 @@ class HeadSettings:
                "end": self.end, "max_latent": self.max_latent, "min_latent": self.min_latent,
                "use_stop": self.use_stop, "stop_threshold": self.stop_threshold,
                "min_output_tokens": self.min_output_tokens}
+        if self.compression_factor is not None:  # CoLaR: its controls instead of the floor's
+            del out["stop_threshold"], out["min_output_tokens"]
+            out["compression_factor"] = self.compression_factor
+            out["latent_temperature"] = self.latent_temperature
         if self.actions is not None:
             out["actions"] = self.actions
         return out

@@ -8,6 +8,11 @@ being the step's own source-layer hidden; the phase ends when the stop probabili
 the threshold after ``min_latent`` steps, or at ``max_latent``; then the closing ids are
 forced and the answer decodes. Prompt mode: one decoded latent replaces the input of the
 last prompt position, then ordinary decoding.
+
+CoLaR (``latent/colar_head.py``) runs through the same functions with a ``ColarHead``: its
+anchor is the final-normed last hidden, its stop is the step's sampled ``###`` token
+(``stop_token``) after at least one latent, and its requests may draw their latents
+(``latent_temperature``).
 """
 
 from __future__ import annotations
@@ -24,9 +29,19 @@ def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
     controls resolved against the server defaults, ``max_tokens`` raised by the
     answer-budget floor (closed loop: floor + cap) when thinking is on. The opening ids
     are not appended again when the prompt already ends with them (a chat template that
-    renders the opening). Raises ValueError naming a bad control."""
-    from latentserve.latent.head import apply_output_floor, resolve_settings
+    renders the opening). A head with its own ``prepare_request`` (CoLaR) decides all of
+    this itself. Raises ValueError naming a bad control or one the head does not take."""
+    from latentserve.latent.head import (
+        CONTROLS,
+        apply_output_floor,
+        refuse_controls,
+        resolve_settings,
+    )
 
+    own = getattr(model.latent_head, "prepare_request", None)
+    if own is not None:
+        return own(prompt_ids, params)
+    refuse_controls(params, CONTROLS, "a compression head")
     hs = resolve_settings(params, defaults, model.latent_head_mode, model.latent_head.has_stop)
     hs.end_ids = spec.end_ids if hs.mode == "closed_loop" else ()
     if not hs.thinking:
@@ -41,13 +56,17 @@ def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
 
 
 def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
-                precomputed: tuple | None = None) -> list | None:
+                precomputed: tuple | None = None, tokens: list[int] | None = None
+                ) -> list | None:
     """Head decisions for the sampling rows in their latent phase, batched.
 
-    ``captured``: ``[S, hidden]``, each sampling row's source-layer residual stream (the
-    anchor). Closed loop: stop when the stop probability > threshold after >= ``min_latent``
-    steps, else end at ``max_latent``, else the next latent input. Prompt mode: the latent for
-    the last prompt position. Returns one entry per row of ``reqs`` (None: not in the phase,
+    ``captured``: ``[S, hidden]``, each sampling row's anchor (the source-layer residual
+    stream; CoLaR: the final-normed hidden). ``tokens``: the step's sampled token of each
+    row (read when ``head.stop_token`` is set). Closed loop: stop when the stop probability >
+    threshold (CoLaR: the row's token is ``head.stop_token`` and a latent ran) after >=
+    ``min_latent`` steps, else end at ``max_latent``, else the next latent input (drawn by
+    ``head.sample`` for a request with ``latent_temperature`` > 0). Prompt mode: the latent
+    for the last prompt position. Returns one entry per row of ``reqs`` (None: not in the phase,
     or the phase ends), or None when no row is in it; an input is a ``(tensor, row)`` pair
     (``latent/vectors.py``): ``tensor[row]`` is the ``[hidden]`` float32 vector, one tensor
     for the step's rows (no per-row views). ``precomputed``: ``(latent_input [S, hidden],
@@ -80,7 +99,9 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
         else:
             vecs, probs = head.serve_outputs(anchors)
     probs = probs.tolist() if probs is not None else [None] * len(rows)
+    stop_token = head.stop_token
     out: list = [None] * len(reqs)
+    drawn = []  # (j, i) of rows whose latent is drawn from the policy (CoLaR)
     for j, i in enumerate(rows):
         h = reqs[i].head
         if h.mode == "prompt":
@@ -89,17 +110,30 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
         k, p = h.steps, probs[j]
         if p is not None:
             h.max_stop_prob = p if h.max_stop_prob is None else max(h.max_stop_prob, p)
-        if h.use_stop and k >= h.min_latent and p > h.stop_threshold:
+        if stop_token is None:
+            fired = p is not None and p > h.stop_threshold
+        else:  # CoLaR: the LM head named the separator at a latent position
+            fired = k > 0 and tokens[i] == stop_token
+        if h.use_stop and k >= h.min_latent and fired:
             h.end, h.stop_step = "stop", k
         elif k >= h.max_latent:
             h.end = "cap"
         else:
             out[i] = (vecs, j)
             h.steps += 1
+            if h.latent_temperature > 0:
+                drawn.append((j, i))
             if sigma is not None and h.mode == "closed_loop":
                 if h.actions is None:
                     h.actions = []
                 h.actions.append((a_cpu[j], z_cpu[j]))
+    if drawn:
+        with torch.inference_mode():
+            sel = torch.tensor([j for j, _ in drawn], dtype=torch.long, device=anchors.device)
+            draws = head.sample(anchors[sel], [reqs[i].head.latent_temperature for _, i in drawn],
+                                [reqs[i].generator for _, i in drawn])
+        for m, (_, i) in enumerate(drawn):
+            out[i] = (draws, m)
     return out
 
 
@@ -141,12 +175,13 @@ def advance(req: Req, vec, latent_id: int) -> bool:
 
 
 def budget_spent(req: Req, max_model_len: int) -> str | None:
-    """"length" when a head request's latent phase has spent ``max_tokens`` or leaves no
-    room in the context for the closing ids and one answer token; else None."""
+    """"length" when a head request's latent phase has spent ``max_tokens`` (unless it
+    counts answer tokens only, ``HeadSettings.answer_budget``) or leaves no room in the
+    context for the closing ids and one answer token; else None."""
     if req.answer_start is not None and req.head.mode == "prompt":
         return None
     closing = len(req.head.end_ids) if req.answer_start is None else 0  # still to come
-    if (len(req.output_ids) >= req.params.max_tokens
-            or req.seq_len + closing >= max_model_len):
+    spent = not req.head.answer_budget and len(req.output_ids) >= req.params.max_tokens
+    if spent or req.seq_len + closing >= max_model_len:
         return "length"
     return None

@@ -43,6 +43,11 @@ class LatentSpec:
         loop_rule: loop only: which output feeds block position j in the next pass:
             ``"jacobi"`` (PCCoT: the output of position j-1, the first one reading the start
             token's) or ``"same"`` (LOTUS as documented in docs/models.md: position j's own).
+        controls: head only: the per-request controls the head takes (``SamplingParams``
+            field names, ``latent.head.HEAD_FIELDS``); a request setting another head
+            control is refused.
+        max_compression_factor: head only, CoLaR: the largest thinking speed (compression
+            factor) a request may ask for (``colar_config.json``); 0 for other models.
     """
 
     kind: str
@@ -58,6 +63,8 @@ class LatentSpec:
     default_exit: Any = None
     block_size: int = 0
     loop_rule: str = ""
+    controls: tuple[str, ...] = ()
+    max_compression_factor: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("feedback", "recurrent", "head", "loop"):

@@ -19,6 +19,8 @@ def iter_weights(model_dir: Path):
         from safetensors import safe_open
 
         for f in files:
+            if f.name == "latent_policy.safetensors":
+                continue  # CoLaR's latent policy next to the weights (latent/colar.py)
             with safe_open(str(f), framework="pt") as sf:
                 names = list(sf.keys())
                 if any(n.startswith("reasoning_head.") for n in names):
@@ -67,7 +69,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
     A compression-head bundle (``latent.bundle.find_bundle``: ``latent_head``, env
     ``LATENTSERVE_LATENT_HEAD``, or ``latent_reasoning_head.safetensors`` in the directory;
     ``no_latent_head`` skips it) attaches ``model.latent_head`` and a ``"head"`` spec
-    (``latent.bundle.attach_head``; ``latent_injection`` overrides the bundle's mode).
+    (``latent.bundle.attach_head``; ``latent_injection`` overrides the bundle's mode). A
+    ``colar_config.json`` attaches CoLaR instead (``latent.colar_head.attach_colar``;
+    ``no_latent_head`` skips it too).
 
     ``tp`` (a ``distributed.TPGroup`` of size > 1): the backbone is split into this rank's
     shard (``models.parallel.shard_model``) before it moves to ``device``; latent modules stay
@@ -133,10 +137,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
         model.use_fused_ops()  # on the CPU: the merged weights move to the device once
     own_latents = loop_cfg is not None or latent_cfg is not None \
         or getattr(model, "latent_spec", None) is not None  # recurrent models bring their own
-    if own_latents and latent_head is not None:  # a head bundle would silently do nothing
+    colar = not no_latent_head and (model_dir / "colar_config.json").is_file()  # CoLaR
+    if (own_latents or colar) and latent_head is not None:  # a bundle would do nothing
         raise ValueError(f"--latent-head (latent_head) needs a plain backbone; {model_dir} "
-                         "is a latent-reasoning model already (latent_config.json or "
-                         "recurrent depth)")
+                         "is a latent-reasoning model already (latent_config.json, "
+                         "colar_config.json or recurrent depth)")
     model = model.to(device=device, dtype=dtype).eval()
     if loop_cfg is not None:
         from latentserve.latent.loop_checkpoint import attach_loop
@@ -144,6 +149,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
         attach_loop(model, model_dir, hf_config, loop_cfg, dtype, device)
     elif latent_cfg is not None:
         attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device)
+    elif colar:
+        from latentserve.latent.colar_head import attach_colar
+
+        attach_colar(model, model_dir, hf_config, device)
     elif not own_latents:
         from latentserve.latent.bundle import attach_head, find_bundle
 

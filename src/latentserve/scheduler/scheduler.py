@@ -305,7 +305,7 @@ class Scheduler:
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
         n = len(req.output_ids) if num_out is None else num_out
-        if req.head is not None:  # head latent steps spend the output budget too
+        if req.head is not None and not req.head.answer_budget:  # head latent steps count
             spent = n
         else:  # len(req.answer_ids), without copying them
             spent = 0 if req.answer_start is None else n - req.answer_start

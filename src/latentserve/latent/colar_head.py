@@ -1,0 +1,188 @@
+"""CoLaR served closed-loop (arXiv 2505.16552; upstream ``src/models/model_base.py``
+``latent_generate``; the code is ours): a CoLaR model is run by the compression head's
+per-request machinery (``latent/head_loop.py``) with :class:`ColarHead` in place of the
+compression head.
+
+The KV sequence of a request is upstream's::
+
+    prompt | (Thinking speed: c) ### | latent_1 .. latent_n | ### | answer
+
+* The prompt is the question part (``latent.colar.QUESTION``, or what a chat template
+  renders); the engine appends the tokens of ``(Thinking speed: {c})`` and the separator
+  ``###``. A prompt that already ends with ``###`` is taken as complete (a client that
+  tokenized upstream's whole prompt string): nothing is appended and its thinking speed, if
+  the text names one, is the request's.
+* After each forward of the latent phase (the prompt's last position, then each latent
+  position) the latent policy (``latent.colar.LatentPolicy``) reads the last layer's hidden
+  state after the final norm (``ModelRunner``'s ``last_hidden``) and gives
+  ``Normal(mean, std * latent_temperature)`` in units of ``embeds_std``; the next latent
+  position's input embedding is ``embeds_std`` times its mean (``latent_temperature`` 0,
+  the default) or a draw with the request's generator.
+* The stop: after a latent position's forward, when the request's sampled token (the argmax
+  at temperature 0) is ``###`` and at least ``min_latent`` latents ran, the latent phase ends
+  and that latent is kept (upstream samples this token at its ``eol_temperature``, 1.0 by
+  default; here the request's own sampler decides). The prompt's forward never stops (upstream
+  checks only after a latent). At ``max_latent`` latents the phase ends too.
+* Then ``###`` is forced and the answer decodes. ``max_tokens`` counts answer tokens only
+  (upstream's ``max_new_tokens`` of the answer; ``HeadSettings.answer_budget``).
+* Thinking off: no latent phase; ``###`` follows the prompt's ``###`` at once (upstream with
+  ``max_n_latent_forward = 0``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from latentserve.latent.colar import SEPARATOR, SPEED, ColarConfig, LatentPolicy
+
+# The per-request controls CoLaR takes (``SamplingParams`` fields; ``latent.head.HEAD_FIELDS``).
+CONTROLS = ("thinking", "max_latent", "min_latent", "use_stop", "compression_factor",
+            "latent_temperature")
+_SPEED_AT_END = re.compile(r"\(\s*Thinking\s*speed\s*:\s*(\d+)\s*\)\s*$")
+
+
+class ColarHead(nn.Module):
+    """CoLaR's latent step with the compression head's serve-side interface
+    (``latent.head.LatentHead``): ``capture_layer`` -1 (it reads the final-normed hidden,
+    not a captured layer), ``stop_token`` (the ``###`` id: the stop is a sampled token),
+    ``has_stop``, ``serve_outputs``; plus :meth:`sample` (latent temperature > 0) and
+    :meth:`prepare_request` (its controls and the ids appended to the prompt).
+
+    Args:
+        config: the model's ``colar_config.json``. policy: its float32 ``LatentPolicy``.
+        separator_id: the ``###`` token id. speed_ids: ``c -> ids of "(Thinking speed:
+            {c})"`` for every c in ``[1, max_compression_factor]``. tokenizer: decodes a
+            prompt's tail to read a thinking speed already in it.
+    """
+
+    capture_layer = -1
+    has_stop = True
+
+    def __init__(self, config: ColarConfig, policy: LatentPolicy, separator_id: int,
+                 speed_ids: dict[int, tuple[int, ...]], tokenizer=None):
+        super().__init__()
+        self.config = config
+        self.policy = policy
+        self.stop_token = int(separator_id)
+        self.speed_ids = speed_ids
+        self.tokenizer = tokenizer
+
+    def serve_outputs(self, hidden: torch.Tensor, fused: bool | None = None
+                      ) -> tuple[torch.Tensor, None]:
+        """``(embeds_std * mean(hidden), None)``: the next latent inputs ``[N, H]`` float32
+        for final-normed hidden states ``[N, H]`` (any float dtype), the policy's mean
+        (latent temperature 0); no stop probability (the stop is the ``###`` token).
+        ``fused`` is accepted for the interface and unused."""
+        p = self.policy
+        return p.mean(p.fc(hidden.float())) * self.config.embeds_std, None
+
+    def sample(self, hidden: torch.Tensor, temperatures: list[float], generators: list
+               ) -> torch.Tensor:
+        """Latent inputs ``[n, H]`` float32 drawn from ``Normal(mean, std * t)`` times
+        ``embeds_std`` (upstream ``distributions.rsample() * embeds_std``) for ``hidden``
+        ``[n, H]``, row i with temperature ``temperatures[i]`` and noise from
+        ``generators[i]`` (a ``torch.Generator`` on ``hidden``'s device, or None: the global
+        generator). A deterministic policy's std is 1e-9 whatever the temperature."""
+        p = self.policy
+        x = p.fc(hidden.float())
+        mean = p.mean(x)
+        if p.deterministic:
+            std = torch.full_like(mean, 1e-9)
+        else:
+            t = torch.tensor(temperatures, dtype=mean.dtype, device=mean.device)
+            std = p.log_std(x).exp() * t[:, None]
+        h = mean.shape[-1]
+        eps = torch.stack([torch.randn(h, generator=g, device=mean.device) for g in generators])
+        return (mean + std * eps) * self.config.embeds_std
+
+    def prepare_request(self, prompt_ids: list[int], params):
+        """``(params, HeadSettings, ids to append to the prompt)`` of a request:
+        ``(Thinking speed: c)`` + ``###`` (+ ``###`` with thinking off), nothing when the
+        prompt already ends with ``###``. Defaults: ``compression_factor`` and ``max_latent``
+        from ``colar_config.json``, ``min_latent`` 0, ``use_stop`` on, ``latent_temperature``
+        0; ``latent_budget`` is an alias of ``max_latent`` (0: thinking off).
+
+        Raises:
+            ValueError: naming the field: a control CoLaR does not take (``stop_threshold``,
+                ``min_output_tokens``), ``compression_factor`` outside ``[1,
+                max_compression_factor]`` or different from the speed the prompt names.
+        """
+        from latentserve.latent.head import refuse_controls, resolve_settings
+
+        refuse_controls(params, CONTROLS, "a CoLaR model")
+        cfg = self.config
+        c = params.compression_factor
+        if c is not None and not 1 <= c <= cfg.max_compression_factor:
+            raise ValueError(f"compression_factor must be in [1, {cfg.max_compression_factor}] "
+                             f"for this model, got {c}")
+        defaults = {"max_latent": cfg.max_latent, "min_latent": 0, "use_stop": True,
+                    "stop_threshold": 0.5, "min_output_tokens": 0}  # the last two: inert
+        hs = resolve_settings(params, defaults, "closed_loop", True)
+        hs.end_ids, hs.answer_budget = (self.stop_token,), True
+        hs.latent_temperature = float(params.latent_temperature or 0.0)
+        if prompt_ids and prompt_ids[-1] == self.stop_token:  # the whole upstream prompt
+            named = self._prompt_speed(prompt_ids)
+            if c is not None and named is not None and named != c:
+                raise ValueError(f"compression_factor {c} contradicts the prompt's "
+                                 f"{SPEED.format(named)}; send the question alone or leave "
+                                 "compression_factor out")
+            hs.compression_factor = named if named is not None else \
+                cfg.compression_factor if c is None else c  # reported only
+            return params, hs, () if hs.thinking else hs.end_ids
+        hs.compression_factor = cfg.compression_factor if c is None else c
+        suffix = (*self.speed_ids[hs.compression_factor], self.stop_token)
+        return params, hs, suffix if hs.thinking else (*suffix, *hs.end_ids)
+
+    def _prompt_speed(self, prompt_ids: list[int]) -> int | None:
+        """The thinking speed ``(Thinking speed: c)`` right before a prompt's final ``###``,
+        or None when its text names none."""
+        if self.tokenizer is None:
+            return None
+        tail = self.tokenizer.decode(prompt_ids[-16:-1])
+        m = _SPEED_AT_END.search(tail)
+        return int(m.group(1)) if m else None
+
+
+def attach_colar(model, model_dir, hf_config, device) -> bool:
+    """Attach CoLaR to ``model`` when ``model_dir`` holds a ``colar_config.json``
+    (``latent.colar.load_colar``): ``model.latent_head`` (a :class:`ColarHead` on
+    ``device``, float32), ``model.latent_head_mode`` ``"closed_loop"`` and
+    ``model.latent_spec`` (kind ``"head"``, family ``"colar"``: start ids the default speed
+    + ``###``, end ids ``###``, ``latent_id`` the pad id, else eos, else 0; ``controls``
+    :data:`CONTROLS`). Returns False (nothing attached) without a ``colar_config.json``.
+
+    Raises:
+        ValueError: a bad config or policy (``load_colar``), a ``hidden_size`` other than the
+            backbone's, or a tokenizer without a ``###`` token.
+    """
+    from latentserve.latent.colar import load_colar
+    from latentserve.latent.spec import LatentSpec
+    from latentserve.models.checkpoint import load_tokenizer
+
+    loaded = load_colar(model_dir)
+    if loaded is None:
+        return False
+    cfg, policy = loaded
+    if cfg.hidden_size != hf_config.hidden_size:
+        raise ValueError(f"colar_config.json: hidden_size {cfg.hidden_size} is not the "
+                         f"backbone's {hf_config.hidden_size}")
+    tok = load_tokenizer(model_dir)
+    sep = tok.convert_tokens_to_ids(SEPARATOR)
+    if sep is None or sep == tok.unk_token_id:
+        raise ValueError(f"the tokenizer of {model_dir} has no {SEPARATOR!r} token (CoLaR's "
+                         "thinking separator)")
+    speeds = {c: tuple(tok.encode(SPEED.format(c), add_special_tokens=False))
+              for c in range(1, cfg.max_compression_factor + 1)}
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    model.latent_head = ColarHead(cfg, policy.float(), sep, speeds, tok).to(device)
+    model.latent_head.requires_grad_(False)
+    model.latent_head_mode = "closed_loop"
+    model.latent_spec = LatentSpec(
+        kind="head", family="colar", default_budget=0, max_budget=0,
+        start_ids=(*speeds[cfg.compression_factor], sep), end_ids=(sep,),
+        latent_id=int(pad or 0), controls=CONTROLS,
+        max_compression_factor=cfg.max_compression_factor)
+    return True

@@ -1,0 +1,339 @@
+"""CoLaR served closed-loop (latent/colar_head.py): on a tiny random CoLaR directory
+(``testing.colar_models.save_colar_tiny``, whose policy leans towards ``###`` so the stop
+fires after a few latents), batched engine runs equal the eager single-request reference
+over HF transformers (``testing.colar_reference.colar_generate_reference``, upstream
+``latent_generate`` with greedy choices): answer tokens, latent steps, stop or cap, the
+prompt as the engine extends it, and the first answer token's logits within 1e-4 (fp32);
+for a batch mixing thinking speeds and caps, cold and warm prefix cache, with overlap
+scheduling asked for, chunked prefill with preemptions, and the decode-graph path (CUDA
+graphs emulated on CPU). Per-request controls: thinking off, min_latent, use_stop, a
+seeded latent temperature, a prompt that already holds the speed, refusals."""
+
+import contextlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the graph test)
+
+import pytest
+import torch
+
+from latentserve.config import EngineConfig
+from latentserve.engine.llm_engine import LLMEngine
+from latentserve.latent import colar
+from latentserve.sampling_params import SamplingParams
+from latentserve.testing.colar_models import save_colar_tiny
+from latentserve.testing.colar_reference import colar_generate_reference
+
+MAX_TOKENS = 8
+SEP = 3  # "###" in save_colar_word_tokenizer
+
+_BASE = [f"w{(37 * i + 11) % 900 + 30}" for i in range(24)]
+_OTHER = [f"w{(53 * i + 7) % 800 + 100}" for i in range(12)]
+QUESTIONS = [" ".join(_BASE + ["w500", "w501"]), " ".join(_BASE + ["w600"] * 5),
+             " ".join(_BASE[:10]), " ".join(_BASE + [f"w{700 + i}" for i in range(9)]),
+             "w45 w46", " ".join(_OTHER + ["w31"]), " ".join(_OTHER + ["w33", "w34", "w35"]),
+             " ".join(_BASE + ["w999"])]
+
+
+def _cases():
+    """10 (question, compression factor, max_latent): every question with rotating speeds
+    and caps, plus two more runs of one question at other speeds."""
+    caps = (12, 3, 12, 6, 12)
+    out = [(q, i % 5 + 1, caps[i % 5]) for i, q in enumerate(QUESTIONS)]
+    return out + [(QUESTIONS[4], 3, 12), (QUESTIONS[4], 5, 3)]
+
+
+@pytest.fixture(scope="module")
+def colar_dir(tmp_path_factory):
+    return save_colar_tiny(tmp_path_factory.mktemp("colar") / "m", stop_push=16.0)
+
+
+@pytest.fixture(scope="module")
+def reference(colar_dir):
+    """``run(question, c, max_latent, max_tokens=MAX_TOKENS, **kw)`` -> the reference's
+    ``ColarReferenceOutput``."""
+    from transformers import AutoModelForCausalLM
+
+    from latentserve.models.checkpoint import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(colar_dir, dtype=torch.float32).eval()
+    tok = load_tokenizer(colar_dir)
+    cfg, policy = colar.load_colar(colar_dir)
+
+    def run(question, c, max_latent, max_tokens=MAX_TOKENS, **kw):
+        return colar_generate_reference(model, tok, policy, cfg, question, c, max_latent,
+                                        max_tokens, **kw)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def references(reference):
+    return [reference(q, c, m) for q, c, m in _cases()]
+
+
+def _ids(engine, question):
+    return engine.tokenizer.encode(colar.QUESTION.format(question), add_special_tokens=False)
+
+
+def _run(engine, cases, max_tokens=MAX_TOKENS, **extra):
+    """Run ``(question or prompt ids, c, max_latent)`` cases as one batch; per request
+    ``(answer tokens, final StepOutput, first answer logits [V])``."""
+    first, real = {}, engine.runner.run
+
+    def spy(batch, *args, **kwargs):  # the logits of each request's first answer token
+        logits, hidden = real(batch, *args, **kwargs)
+        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], logits):
+            if req.answer_start == len(req.output_ids) and req.rid not in first:
+                first[req.rid] = row.float().cpu().clone()
+        return logits, hidden
+
+    engine.runner.run = spy
+    base = engine._arrivals
+    rids = [f"c{base + i}" for i in range(len(cases))]
+    try:
+        for rid, (q, c, cap) in zip(rids, cases):
+            prompt = _ids(engine, q) if isinstance(q, str) else q
+            engine.add_request(rid, prompt, SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, compression_factor=c, max_latent=cap,
+                **extra))
+        toks, final = {r: [] for r in rids}, {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                toks[o.rid] += o.new_token_ids
+                if o.finished:
+                    final[o.rid] = o
+    finally:
+        engine.runner.run = real
+    return [(toks[r], final[r], first[r]) for r in rids]
+
+
+def _end(ref) -> str:
+    """Upstream's phase end: the stop fired when the last latent's logits name ``###``."""
+    fired = ref.n_latent > 0 and int(ref.latent_logits[-1].argmax()) == SEP
+    return "stop" if fired else "cap"
+
+
+def _assert_matches(results, refs, cases, what=""):
+    for i, ((toks, final, first), ref, case) in enumerate(zip(results, refs, cases)):
+        msg = f"{what} request {i} {case[1:]}"
+        assert toks == ref.answer_ids, f"{msg}: engine {toks} != ref {ref.answer_ids}"
+        st = final.latent_stats
+        assert (st["steps"], st["end"]) == (ref.n_latent, _end(ref)), msg
+        assert st["stop_step"] == (ref.n_latent if _end(ref) == "stop" else None), msg
+        assert st["compression_factor"] == case[1] and st["max_latent"] == case[2], msg
+        assert final.latent_steps == ref.n_latent, msg
+        assert final.num_prompt_tokens == len(ref.prompt_ids), msg  # + speed + "###"
+        torch.testing.assert_close(first, ref.answer_logits[0], atol=1e-4, rtol=0, msg=msg)
+
+
+def test_the_batch_fires_stops_at_several_steps_and_hits_caps(references):
+    ends = [_end(r) for r in references]
+    assert "cap" in ends
+    assert len({r.n_latent for r, e in zip(references, ends) if e == "stop"}) >= 3
+
+
+@pytest.mark.parametrize("config", [
+    {}, {"overlap_schedule": True},
+    {"max_num_batched_tokens": 7, "kv_slots": 120, "max_num_seqs": 6}],
+    ids=["default", "overlap", "chunked-preempted"])
+def test_mixed_batch_matches_reference_cold_then_warm(colar_dir, references, config):
+    engine = LLMEngine(EngineConfig(model=str(colar_dir), **config))
+    spec = engine.latent_spec
+    assert (spec.kind, spec.family, spec.end_ids) == ("head", "colar", (SEP,))
+    cases = _cases()
+    _assert_matches(_run(engine, cases), references, cases, "cold")
+    engine.cache.check_idle()
+    warm = _run(engine, cases)
+    _assert_matches(warm, references, cases, "warm")
+    engine.cache.check_idle()
+    if "kv_slots" in config:
+        assert engine.scheduler.num_preemptions > 0
+    else:  # prompt + speed + "###" were served from the cache, and no latent position
+        for (_, final, _), ref in zip(warm, references):
+            assert 0 < final.num_cached_tokens <= len(ref.prompt_ids)
+
+
+def test_thinking_off_is_the_reference_without_latents(colar_dir, reference):
+    """Thinking off (or ``latent_budget`` 0): ``###`` right after the prompt's ``###``."""
+    engine = LLMEngine(EngineConfig(model=str(colar_dir)))
+    cases = [(q, c, None) for q, c in zip(QUESTIONS[:4], (1, 2, 4, 5))]
+    refs = [reference(q, c, 0) for q, c, _ in cases]
+    for extra in ({"thinking": False}, {"latent_budget": 0}):
+        for (toks, final, first), ref in zip(_run(engine, cases, **extra), refs):
+            assert toks == ref.answer_ids
+            assert final.latent_stats["thinking"] is False and final.latent_stats["steps"] == 0
+            assert final.num_prompt_tokens == len(ref.prompt_ids) + 1  # the forced "###"
+            torch.testing.assert_close(first, ref.answer_logits[0], atol=1e-4, rtol=0)
+    engine.cache.check_idle()
+
+
+def test_min_latent_and_use_stop_hold_the_stop_back(colar_dir, references):
+    engine = LLMEngine(EngineConfig(model=str(colar_dir)))
+    i = next(k for k, r in enumerate(references) if _end(r) == "stop" and r.n_latent <= 2)
+    q, c, _ = _cases()[i]
+    (_, off, _), = _run(engine, [(q, c, 9)], use_stop=False)
+    (_, late, _), = _run(engine, [(q, c, 9)], min_latent=4)
+    assert (off.latent_stats["steps"], off.latent_stats["end"]) == (9, "cap")
+    st = late.latent_stats
+    assert st["steps"] >= 4 and (st["end"], st["stop_step"]) in (("cap", None),
+                                                                  ("stop", st["steps"]))
+
+
+def test_max_tokens_counts_answer_tokens_only(colar_dir):
+    engine = LLMEngine(EngineConfig(model=str(colar_dir)))
+    (toks, final, _), = _run(engine, [(QUESTIONS[0], 2, 6)], max_tokens=2, use_stop=False,
+                             ignore_eos=True)
+    assert len(toks) == 2 and final.finish_reason == "length"
+    assert final.latent_stats["steps"] == 6
+
+
+def test_seeded_latent_temperature_draws_the_reference_latents(colar_dir, reference):
+    """``latent_temperature`` > 0 draws each latent with the request's seed (greedy tokens
+    leave the generator to the latents), as the reference does with a generator seeded
+    alike; another seed draws other latents."""
+    engine = LLMEngine(EngineConfig(model=str(colar_dir)))
+    cases = [(QUESTIONS[i], c, 12) for i, c in ((0, 2), (4, 3), (6, 5))]
+    got = _run(engine, cases, latent_temperature=0.8, seed=7)
+    for (toks, final, first), (q, c, cap) in zip(got, cases):
+        ref = reference(q, c, cap, temperature=0.8, generator=torch.Generator().manual_seed(7))
+        assert toks == ref.answer_ids and final.latent_stats["steps"] == ref.n_latent
+        assert final.latent_stats["latent_temperature"] == 0.8
+        torch.testing.assert_close(first, ref.answer_logits[0], atol=1e-4, rtol=0)
+    other = _run(engine, cases, latent_temperature=0.8, seed=8)
+    assert any(not torch.equal(a[2], b[2]) for a, b in zip(got, other))
+
+
+def test_a_prompt_holding_the_speed_is_taken_as_is(colar_dir, reference):
+    """Upstream's whole prompt (``prompt_text``, ending in ``###``) gets nothing appended;
+    its speed is the request's, and a contradicting ``compression_factor`` is refused."""
+    engine = LLMEngine(EngineConfig(model=str(colar_dir)))
+    q = QUESTIONS[4]
+    ids = engine.tokenizer.encode(colar.prompt_text(q, 3), add_special_tokens=False)
+    ref = reference(q, 3, 12)
+    assert ids == ref.prompt_ids
+    for c in (None, 3):
+        (toks, final, _), = _run(engine, [(ids, c, 12)])
+        assert toks == ref.answer_ids and final.num_prompt_tokens == len(ids)
+        assert final.latent_stats["compression_factor"] == 3
+    with pytest.raises(ValueError, match="compression_factor 2 contradicts"):
+        engine.add_request("x", ids, SamplingParams(compression_factor=2))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("compression_factor", 6, r"compression_factor must be in \[1, 5\]"),
+    ("compression_factor", 0, "compression_factor must be >= 1"),
+    ("latent_temperature", -0.5, "latent_temperature must be >= 0"),
+    ("stop_threshold", 0.5, "stop_threshold is not a control of a CoLaR model"),
+    ("min_output_tokens", 0, "min_output_tokens is not a control of a CoLaR model")])
+def test_bad_or_foreign_controls_are_refused(colar_dir, field, value, match):
+    engine = LLMEngine(EngineConfig(model=str(colar_dir)))
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", [40, 41], SamplingParams(**{field: value}))
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_plain_model_refuses_the_colar_fields(small_vocab_dirs):
+    engine = LLMEngine(EngineConfig(model=str(small_vocab_dirs["llama"])))
+    for field, value in (("compression_factor", 2), ("latent_temperature", 0.0)):
+        with pytest.raises(ValueError, match=f"{field} needs a CoLaR model"):
+            engine.add_request("x", [5, 6], SamplingParams(**{field: value}))
+
+
+def test_no_latent_head_serves_the_bare_backbone(colar_dir):
+    engine = LLMEngine(EngineConfig(model=str(colar_dir), no_latent_head=True))
+    assert engine.latent_spec is None and not hasattr(engine.runner.model, "latent_head")
+
+
+# ----------------------------------------------------------------------------- graphs
+
+class _ReplayedForward:
+    """Stands in for ``torch.cuda.CUDAGraph``: ``replay()`` re-runs what was captured and
+    copies the results into the capture's outputs, as a graph writes its static buffers."""
+
+    capturing = None
+
+    def __init__(self):
+        self.rerun = None
+
+    def pool(self):
+        return None
+
+    def replay(self):
+        self.rerun()
+
+
+@contextlib.contextmanager
+def _capture(graph, pool=None, capture_error_mode=None):
+    _ReplayedForward.capturing = graph
+    try:
+        yield
+    finally:
+        _ReplayedForward.capturing = None
+
+
+def _replayable(fn):
+    """``fn(self, *args)`` (a decode or latent graph's forward) that, under capture, makes
+    the capturing graph's replay recompute it into the outputs it returned (under the
+    forward context of the capture; a latent graph has none)."""
+    from latentserve import context
+
+    set_context = context.set_context
+
+    def wrapped(self, *args):
+        out = fn(self, *args)
+        graph = _ReplayedForward.capturing
+        if graph is not None:
+            ctx = context._CTX
+
+            @torch.inference_mode()
+            def rerun():
+                set_context(ctx)
+                try:
+                    new = fn(self, *args)
+                finally:
+                    set_context(None)
+                for old, fresh in zip(out, new):
+                    if old is not None:
+                        old.copy_(fresh)
+
+            graph.rerun = rerun
+        return out
+
+    return wrapped
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    pytest.importorskip("triton")
+    from latentserve.engine import cuda_graph
+    from latentserve.engine.cuda_graph import CudaGraphRunner
+    from latentserve.testing.triton_interpreter import patch_triton_interpreter
+
+    patch_triton_interpreter()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayedForward)
+    monkeypatch.setattr(torch.cuda, "graph", _capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(CudaGraphRunner, "_forward", _replayable(CudaGraphRunner._forward))
+    monkeypatch.setattr(CudaGraphRunner, "_latent_forward",
+                        _replayable(CudaGraphRunner._latent_forward))
+    monkeypatch.setattr(cuda_graph, "graph_buckets", lambda max_bs: [max_bs])  # one bucket
+
+
+def test_decode_graphs_run_the_policy_in_the_latent_graph(colar_dir, references,
+                                                          emulated_graphs):
+    """Fused ops, Triton attention and decode steps replayed from (emulated) CUDA graphs:
+    the policy runs in the latent graph on the decode graph's final-normed hidden, and
+    the answers equal the reference's."""
+    engine = LLMEngine(EngineConfig(model=str(colar_dir), fused_ops=True,
+                                    attention_backend="triton", max_num_seqs=8,
+                                    max_model_len=128, attention_num_kv_splits=2))
+    engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size, torch.float32)
+    engine.scheduler.forced_one_by_one = True
+    graphs = engine.runner.graphs
+    assert graphs.head is engine.runner.model.latent_head and graphs.capture_layer == -1
+    cases = _cases()[:8]
+    _assert_matches(_run(engine, cases), references[:8], cases, "graphs")
+    engine.cache.check_idle()
+    assert engine.runner.num_graph_steps > MAX_TOKENS
+    assert 0 < graphs.num_latent_replays < engine.runner.num_graph_steps
