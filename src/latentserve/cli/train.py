@@ -1,5 +1,6 @@
 """``latentserve train cot``: stage 0 of CoLaR, a text chain-of-thought backbone
-(``train/cot.py``)."""
+(``train/cot.py``); ``latentserve train colar``: stage 1, compressed latent reasoning
+(``train/colar.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 def register(sub) -> None:
     from latentserve.train.cot import LORA_TARGETS
 
-    p = sub.add_parser("train", help="train reasoning models (cot: stage 0 of CoLaR)")
+    p = sub.add_parser("train", help="train reasoning models (CoLaR stage 0: cot, stage 1: colar)")
     stages = p.add_subparsers(dest="stage", required=True)
     c = stages.add_parser("cot", help="fine-tune a backbone on text chains of thought")
     c.add_argument("--data", action="append", required=True,
@@ -41,6 +42,51 @@ def register(sub) -> None:
     c.add_argument("--log-every", type=int, default=50)
     c.set_defaults(func=run_cot)
 
+    k = stages.add_parser("colar", help="CoLaR stage 1: LoRA + latent policy on compressed "
+                                        "reasoning (arXiv 2505.16552)")
+    k.add_argument("--data", action="append", required=True,
+                   help="training file: iCoT text lines or GSM8K jsonl (repeatable)")
+    k.add_argument("--out", required=True, help="model directory to write")
+    k.add_argument("--model", dest="base", default=None,
+                   help="backbone (default: --init-adapter's base, else the embedded "
+                        "SmolLM2-135M-Instruct)")
+    k.add_argument("--init-adapter", default=None,
+                   help="stage-0 adapter directory (train cot output) to continue training")
+    k.add_argument("--lora-r", type=int, default=16,
+                   help="rank of a fresh LoRA (without --init-adapter); 0 = full fine-tune")
+    k.add_argument("--lora-alpha", type=float, default=32.0)
+    k.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                   help="comma-separated module names of a fresh LoRA")
+    k.add_argument("--steps", type=int, default=2000)
+    k.add_argument("--batch-size", type=int, default=256)
+    k.add_argument("--lr", type=float, default=1e-4)
+    k.add_argument("--warmup", type=int, default=100, help="warmup steps")
+    k.add_argument("--weight-decay", type=float, default=0.01)
+    k.add_argument("--max-len", type=int, default=512,
+                   help="examples longer than this uncompressed are dropped")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    k.add_argument("--max-seconds", type=float, default=0.0,
+                   help="stop and save after this long (0: no limit)")
+    k.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    k.add_argument("--log-every", type=int, default=50)
+    k.add_argument("--max-compression-factor", type=int, default=5,
+                   help="each batch's compression factor is drawn from 1..this")
+    k.add_argument("--compression-factor", type=int, default=None,
+                   help="default thinking speed written to colar_config.json "
+                        "(default: --max-compression-factor)")
+    k.add_argument("--embed-loss", default="mse", choices=["mse", "nll"],
+                   help="latent loss: mse of a policy sample (upstream default) or nll")
+    k.add_argument("--embed-weight", type=float, default=1.0, help="weight of the latent loss")
+    k.add_argument("--ce-weight", type=float, default=1.0, help="weight of the CE loss")
+    k.add_argument("--intermediate-size", type=int, default=None,
+                   help="latent policy width (default: the hidden size)")
+    k.add_argument("--embeds-std", type=float, default=None,
+                   help="latent scale (default: std of the input-embedding matrix)")
+    k.add_argument("--max-latent", type=int, default=64,
+                   help="latent-step cap written to colar_config.json")
+    k.set_defaults(func=run_colar)
+
 
 def run_cot(args) -> int:
     from latentserve.train.cot import CotConfig, train
@@ -48,4 +94,13 @@ def run_cot(args) -> int:
     opts = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "func")}
     opts["lora_targets"] = tuple(t for t in opts["lora_targets"].split(",") if t)
     print(json.dumps(train(CotConfig(**opts)), indent=1))
+    return 0
+
+
+def run_colar(args) -> int:
+    from latentserve.train.colar import ColarTrainConfig, train
+
+    opts = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "func")}
+    opts["lora_targets"] = tuple(t for t in opts["lora_targets"].split(",") if t)
+    print(json.dumps(train(ColarTrainConfig(**opts)), indent=1))
     return 0

@@ -75,21 +75,29 @@ def read_items(path: str | Path) -> list[Item]:
     return _parse(p, "icot", "text", None)
 
 
-def encode_prompt(tok, question: str, speed: int | str = 1) -> list[int]:
-    """Ids of ``Question: {question} Let's think step by step:(Thinking speed: {speed})``
-    (one segment, no special tokens; the opening separator is not included)."""
-    return tok.encode(colar.QUESTION.format(question) + colar.SPEED.format(speed),
-                      add_special_tokens=False)
+def encode_prompts(tok, questions: list[str], speed: int | str = 1) -> list[list[int]]:
+    """Ids of ``Question: {q} Let's think step by step:(Thinking speed: {speed})`` per
+    question, tokenised in a batch (no special tokens; the opening separator is not
+    included)."""
+    texts = [colar.QUESTION.format(q) + colar.SPEED.format(speed) for q in questions]
+    return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
-def encode_parts(tok, item: Item) -> tuple[list[int], list[int], list[int]]:
-    """``(prompt_ids, steps_ids, answer_ids)`` of one item, each segment tokenised on its
-    own: the prompt at speed 1 (:func:`encode_prompt`), the steps text, and ``###
-    Answer:{gold} EOS`` (the closing separator is the single ``###`` id)."""
+def encode_parts(tok, items: list[Item], mode: str = "cot"
+                 ) -> list[tuple[list[int], list[int], list[int]]]:
+    """``(prompt_ids, steps_ids, answer_ids)`` per item, tokenised in batches, each segment
+    on its own: the prompt at speed 1 (:func:`encode_prompts`), the steps (empty for
+    ``mode="nocot"``) and ``### Answer:{gold} EOS`` (the separator is the single ``###``
+    id)."""
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
-    answer = tok.encode(colar.ANSWER.format(item.gold), add_special_tokens=False)
-    return (encode_prompt(tok, item.question), tok.encode(item.steps, add_special_tokens=False),
-            [sep, *answer, tok.eos_token_id])
+
+    def enc(texts: list[str]) -> list[list[int]]:
+        return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+    prompts = encode_prompts(tok, [it.question for it in items])
+    steps = enc([it.steps for it in items]) if mode == "cot" else [[] for _ in items]
+    answers = enc([colar.ANSWER.format(it.gold) for it in items])
+    return [(p, s, [sep, *a, tok.eos_token_id]) for p, s, a in zip(prompts, steps, answers)]
 
 
 def encode_examples(tok, items: list[Item], mode: str = "cot"
@@ -97,15 +105,7 @@ def encode_examples(tok, items: list[Item], mode: str = "cot"
     """``(prompt_ids, target_ids)`` per item (see the module docstring), tokenised in
     batches."""
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
-
-    def enc(texts: list[str]) -> list[list[int]]:
-        return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
-
-    prompts = enc([colar.QUESTION.format(it.question) + colar.SPEED.format(1) for it in items])
-    steps = enc([it.steps for it in items]) if mode == "cot" else [[] for _ in items]
-    answers = enc([colar.ANSWER.format(it.gold) for it in items])
-    return [(p, [sep, *s, sep, *a, tok.eos_token_id])
-            for p, s, a in zip(prompts, steps, answers)]
+    return [(p, [sep, *s, *a]) for p, s, a in encode_parts(tok, items, mode)]
 
 
 def encode_example(tok, item: Item, mode: str = "cot") -> tuple[list[int], list[int]]:

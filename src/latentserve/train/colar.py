@@ -1,0 +1,270 @@
+"""Stage 1 of CoLaR (``latentserve train colar``): supervised compressed latent reasoning.
+
+Source: arXiv 2505.16552; upstream xiaomi-research/colar ``src/models/colar.py``
+(``LitCoLaR.forward``, the SFT step) with the defaults of ``src/configs/models/colar.yaml``.
+The backbone's LoRA (a stage-0 adapter of ``train/cot.py``, or a fresh one) and a
+:class:`~latentserve.latent.colar.LatentPolicy` are trained together.
+
+Each batch draws one compression factor ``r`` uniformly from ``1..max_compression_factor``
+and lays every example out as ::
+
+    prompt at speed r | c_0 c_1 .. c_K | ### Answer:{answer} EOS
+
+``c_0`` is the opening ``###`` alone in its group; ``c_k`` (k >= 1) stands for steps
+tokens ``(k-1)r .. kr-1`` (the last group may be short): the sum of their embeddings
+divided by ``sqrt(count) + 1e-5`` (upstream ``sqrt_mean``); at ``r = 1`` the ``c_k`` are the
+plain token embeddings (upstream's ``r == 1`` branch). Labels: ``c_0`` -> ``###``, ``c_k``
+-> one token of its group drawn uniformly, each answer token -> itself; none in the prompt.
+
+* ``ce``: mean cross-entropy over every label of the batch, each predicted from the
+  position before it (the last prompt token predicts ``###``; ``c_K`` the closing ``###``).
+* ``embed``: at each ``c_k`` the policy reads the last layer's hidden state (after the final
+  norm) and is scored against the next input embedding (``c_{k+1}``; for ``c_K`` the
+  closing ``###``'s) divided by ``embeds_std``, averaged over the hidden size, then over all
+  ``c`` positions of the batch: ``mse`` (upstream's default) = squared error of a
+  reparameterised sample of the policy's Normal; ``nll`` = its negative log-likelihood.
+* total = ``ce_weight * ce + embed_weight * embed``.
+
+Batching: examples are right-padded without an attention mask (causal, so no real position
+sees padding) at positions ``0..T-1`` each, so every example's terms are those of the example
+alone. Upstream left-pads and masks instead; docs/training.md says where that differs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from latentserve.latent import colar
+from latentserve.train.cot import LORA_TARGETS
+
+# (prompt ids at speed r, steps ids, answer ids = [###, *Answer:{a}, EOS])
+Example = tuple[list[int], list[int], list[int]]
+
+
+@dataclass(slots=True)
+class ColarTrainConfig:
+    """Options of ``latentserve train colar`` (see its ``--help``). ``base`` None = the
+    base named by ``init_adapter``'s ``adapter_config.json``, else the embedded SmolLM2;
+    ``lora_*`` apply to a fresh LoRA only (``init_adapter`` brings its own); ``lora_r`` 0 =
+    full fine-tune; ``compression_factor`` None = ``max_compression_factor`` (upstream
+    evaluates at 5 = its maximum); ``intermediate_size`` None = the hidden size;
+    ``embeds_std`` None = the std of the input-embedding matrix; ``max_seconds`` 0 = no
+    time limit. Raises ValueError for a bad value."""
+
+    data: list[str]
+    out: str
+    base: str | None = None
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    init_adapter: str | None = None
+    steps: int = 2000
+    batch_size: int = 256
+    lr: float = 1e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    max_len: int = 512
+    seed: int = 0
+    device: str = "cpu"
+    max_seconds: float = 0.0
+    save_every: int = 0
+    log_every: int = 50
+    max_compression_factor: int = 5
+    compression_factor: int | None = None
+    embed_loss: str = "mse"
+    embed_weight: float = 1.0
+    ce_weight: float = 1.0
+    intermediate_size: int | None = None
+    embeds_std: float | None = None
+    max_latent: int = 64
+
+    def __post_init__(self):
+        if self.steps < 1 or self.batch_size < 1 or self.log_every < 1:
+            raise ValueError("steps, batch_size and log_every must be >= 1")
+        if self.lora_r < 0 or not self.lr > 0:
+            raise ValueError(f"lora_r must be >= 0 and lr > 0, got {self.lora_r}, {self.lr}")
+        if self.max_compression_factor < 1:
+            raise ValueError(f"max_compression_factor must be >= 1, got "
+                             f"{self.max_compression_factor}")
+        if self.compression_factor is None:
+            self.compression_factor = self.max_compression_factor
+        if not 1 <= self.compression_factor <= self.max_compression_factor:
+            raise ValueError(f"compression_factor must be in 1..{self.max_compression_factor}"
+                             f" (max_compression_factor), got {self.compression_factor}")
+        if self.embed_loss not in ("mse", "nll"):
+            raise ValueError(f"embed_loss must be 'mse' or 'nll', got {self.embed_loss!r}")
+        if self.embeds_std is not None and not (math.isfinite(self.embeds_std)
+                                                and self.embeds_std > 0):
+            raise ValueError(f"embeds_std must be a finite number > 0, got {self.embeds_std}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
+        if self.max_latent < 1:
+            raise ValueError(f"max_latent must be >= 1, got {self.max_latent}")
+
+
+def draw_picks(steps_lens: list[int], r: int, rng: random.Random) -> list[list[int]]:
+    """For each example (``steps_lens[i]`` steps tokens), the offset inside each of its
+    ``ceil(n / r)`` groups of the token that labels the group, uniform over the group's
+    tokens (upstream ``sample_indices_from_attention_mask_3d``, one draw per group)."""
+    return [[rng.randrange(min(r, n - g * r)) for g in range(-(-n // r))] for n in steps_lens]
+
+
+def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
+               picks: list[list[int]], embeds_std: float, embed_loss: str = "mse",
+               noise: torch.Tensor | None = None, ce_weight: float = 1.0,
+               embed_weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """The SFT losses of ``batch`` at compression factor ``r`` (see the module docstring).
+
+    ``model``: an HF ``*ForCausalLM`` (or a PEFT wrapper of one); ``picks``: the label
+    offsets of :func:`draw_picks`; ``noise``: [sum of (K_i + 1), H] float32 standard-normal
+    draws for the ``mse`` samples, example by example in position order (None: drawn with
+    ``torch.randn``). Returns scalars ``total``, ``ce``, ``embed`` (float32) and the counts
+    ``n_ce``, ``n_embed`` they average over.
+    """
+    from latentserve.train.cot import _lm
+
+    if embed_loss not in ("mse", "nll"):
+        raise ValueError(f"embed_loss must be 'mse' or 'nll', got {embed_loss!r}")
+    lm = _lm(model)
+    emb = lm.get_input_embeddings()
+    device = emb.weight.device
+    sep = batch[0][2][0]
+    # Example b: prompt [0, q) | c_0 .. c_k at [q, q + k] | answer. Groups of all examples in
+    # order, [###] first, then the steps in runs of r (-1 = pad); c_rows: (b, position) of
+    # each c (the latent rows), ce_rows: the positions whose logits predict the labels.
+    groups, c_rows, ce_rows, ids, labels = [], [], [], [], []
+    for b, ((prompt, steps, answer), pick) in enumerate(zip(batch, picks)):
+        q, k = len(prompt), -(-len(steps) // r)
+        chunks = [[sep]] + [steps[g * r:(g + 1) * r] for g in range(k)]
+        groups += [c + [-1] * (r - len(c)) for c in chunks]
+        c_rows += [(b, q + g) for g in range(k + 1)]
+        ids.append(prompt + [0] * (k + 1) + answer)
+        labels.append([sep] + [steps[g * r + p] for g, p in enumerate(pick)] + answer)
+        ce_rows += [(b, q - 1 + j) for j in range(len(labels[-1]))]
+    T = max(len(x) for x in ids)
+    ids_t = torch.tensor([x + [0] * (T - len(x)) for x in ids], device=device)
+    g_ids = torch.tensor(groups, device=device)
+    real = (g_ids >= 0).unsqueeze(-1)
+    compressed = (emb(g_ids.clamp(min=0)) * real).sum(1)  # [G, H]
+    if r > 1:
+        compressed = compressed / (real.sum(1).sqrt() + 1e-5)
+    lb, lt = torch.tensor(c_rows, device=device).T
+    x = emb(ids_t).index_put((lb, lt), compressed.to(emb.weight.dtype))  # [B, T, H]
+
+    hidden = lm.model(inputs_embeds=x).last_hidden_state  # [B, T, H], post final norm
+    cb, ct = torch.tensor(ce_rows, device=device).T
+    target = torch.tensor([y for row in labels for y in row], device=device)
+    ce = F.cross_entropy(lm.lm_head(hidden[cb, ct]).float(), target)
+
+    dist = policy(hidden[lb, lt])
+    mean, std = dist.mean.float(), dist.stddev.float()
+    gold = x[lb, lt + 1].detach().float() / embeds_std
+    if embed_loss == "mse":
+        eps = torch.randn_like(mean) if noise is None else noise.to(mean)
+        per_row = ((mean + std * eps - gold) ** 2).mean(-1)
+    else:
+        per_row = -torch.distributions.Normal(mean, std).log_prob(gold).mean(-1)
+    embed = per_row.mean()
+    return {"total": ce_weight * ce + embed_weight * embed, "ce": ce, "embed": embed,
+            "n_ce": torch.tensor(len(target)), "n_embed": torch.tensor(len(c_rows))}
+
+
+def embedding_std(model) -> float:
+    """Std of the input-embedding matrix (all entries), our default ``embeds_std`` (upstream
+    keeps a per-model constant, ``MODEL_EMB_STD``: 0.018 for Llama-3.2-1B)."""
+    from latentserve.train.cot import _lm
+
+    return _lm(model).get_input_embeddings().weight.detach().float().std().item()
+
+
+def adapter_base(adapter_dir: str) -> str | None:
+    """The base of a stage-0 adapter: its ``base_model_name_or_path`` (None for the
+    embedded SmolLM2's name or when absent). Raises FileNotFoundError without
+    ``adapter_config.json``."""
+    from latentserve.train.cot import EMBEDDED_BASE
+
+    path = Path(adapter_dir) / "adapter_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (--init-adapter takes a PEFT "
+                                f"adapter directory, e.g. the output of train cot)")
+    base = json.loads(path.read_text()).get("base_model_name_or_path")
+    return None if base in (None, "", EMBEDDED_BASE) else base
+
+
+def save_model(model, policy: colar.LatentPolicy, out: Path, base_name: str,
+               cfg: ColarTrainConfig, ccfg: colar.ColarConfig, log: list[dict]) -> None:
+    """A servable directory: the backbone as ``train cot`` writes it (PEFT adapter in
+    bfloat16, ``base_model_name_or_path`` set), ``colar_config.json``,
+    ``latent_policy.safetensors`` (float32), ``train_config.json``, ``train_log.json``."""
+    from latentserve.train.cot import save
+
+    save(model, out, base_name, cfg, log)
+    colar.save_colar(out, ccfg, policy)
+
+
+def train(cfg: ColarTrainConfig, progress=print) -> dict:
+    """Run stage 1 (see the module docstring); returns the last log record. Raises
+    ValueError for a bad option, FileNotFoundError for missing data or adapter."""
+    from latentserve.train.cot import (
+        _lm,
+        batches,
+        encode_parts,
+        encode_prompts,
+        load_backbone,
+        optimise,
+        read_items,
+    )
+
+    if cfg.init_adapter and cfg.base is None:
+        cfg.base = adapter_base(cfg.init_adapter)
+    rng = random.Random(cfg.seed)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    items = [it for p in cfg.data for it in read_items(p)]
+    model, tok, base_name = load_backbone(cfg.base, cfg.device, cfg)
+    if tok.convert_tokens_to_ids(colar.SEPARATOR) in (None, tok.unk_token_id):
+        raise ValueError(f"the tokenizer has no single {colar.SEPARATOR!r} token")
+    keep = [(it.question, e) for it, e in zip(items, encode_parts(tok, items))
+            if sum(map(len, e)) + 1 <= cfg.max_len]
+    if not keep:
+        raise ValueError(f"no training example fits max_len={cfg.max_len}")
+    hidden = _lm(model).config.hidden_size
+    ccfg = colar.ColarConfig(
+        hidden_size=hidden, intermediate_size=cfg.intermediate_size or hidden,
+        embeds_std=cfg.embeds_std or embedding_std(model),
+        compression_factor=cfg.compression_factor,
+        max_compression_factor=cfg.max_compression_factor, max_latent=cfg.max_latent)
+    policy = colar.LatentPolicy(hidden, ccfg.intermediate_size).to(cfg.device)
+    params = [p for p in model.parameters() if p.requires_grad] + list(policy.parameters())
+    progress(f"train colar: {len(keep)} examples, {sum(p.numel() for p in params)} trainable "
+             f"parameters, {cfg.steps} steps of {cfg.batch_size}, r in "
+             f"1..{cfg.max_compression_factor}, embeds_std {ccfg.embeds_std:.5g}")
+    model.train()
+    policy.train()
+    order = batches(len(keep), cfg.batch_size)
+    out = Path(cfg.out)
+
+    def step_loss() -> tuple[torch.Tensor, dict]:
+        r = rng.randint(1, cfg.max_compression_factor)
+        chosen = [keep[i] for i in next(order)]
+        prompts = (encode_prompts(tok, [q for q, _ in chosen], r) if r > 1
+                   else [p for _, (p, _, _) in chosen])
+        batch = [(p, s, a) for p, (_, (_, s, a)) in zip(prompts, chosen)]
+        picks = draw_picks([len(s) for _, s, _ in batch], r, rng)
+        loss = colar_loss(model, policy, batch, r, picks, ccfg.embeds_std, cfg.embed_loss,
+                          ce_weight=cfg.ce_weight, embed_weight=cfg.embed_weight)
+        return loss["total"], {"ce": loss["ce"], "embed": loss["embed"], "r": r}
+
+    log = optimise(cfg, params, step_loss,
+                   lambda log: save_model(model, policy, out, base_name, cfg, ccfg, log),
+                   progress)
+    save_model(model, policy, out, base_name, cfg, ccfg, log)
+    return log[-1]
+

@@ -1,0 +1,249 @@
+"""CoLaR stage 1 (train/colar.py, ``latentserve train colar``) and the eager reference loop
+(testing/colar_reference.py) on a tiny random Llama with a word-level tokenizer that has a
+``###`` token: the batched loss equals upstream's algorithm run on each example alone, a
+short run lowers the loss, the output directory loads with ``load_colar`` and PEFT, and a
+toy model trained for it ends its latent phase after ceil(steps / c) latents."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from latentserve.latent import colar
+from latentserve.train.colar import ColarTrainConfig, colar_loss, draw_picks, train
+
+WORDS = ["<unk>", "<s>", "</s>", "###", "Question", ":", "Let", "'s", "think", "step", "by",
+         "(", "Thinking", "speed", ")", "Answer", "+", "=", *map(str, range(10))]
+
+
+def _backbone(out):
+    """A tiny random Llama (hidden 64) with a word-level tokenizer over ``WORDS``: the
+    CoLaR templates tokenise into known words and ``###`` is one id."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from latentserve.testing.tiny_models import save_tiny
+
+    save_tiny(out, "llama", word_tokenizer=True, vocab_size=len(WORDS))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Split(Regex(r"###|'s|[A-Za-z]+|\d|[^\sA-Za-z\d]"), behavior="isolated")])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    return _backbone(tmp_path_factory.mktemp("colar") / "base")
+
+
+@pytest.fixture(scope="module")
+def toy_file(tmp_path_factory):
+    """Sums below 10 in iCoT lines; the steps ``x + y = s`` are 5 tokens."""
+    p = tmp_path_factory.mktemp("data") / "toy.txt"
+    p.write_text("".join(f"{x} + {y}||{x} + {y} = {x + y} #### {x + y}\n"
+                         for x in range(10) for y in range(10 - x)))
+    return p
+
+
+@pytest.fixture(scope="module")
+def trained(backbone, toy_file, tmp_path_factory):
+    """``(out_dir, log)`` of 300 steps on the toy task, r in 1..2, a fresh LoRA."""
+    out = tmp_path_factory.mktemp("run") / "colar"
+    cfg = ColarTrainConfig(data=[str(toy_file)], out=str(out), base=str(backbone), lora_r=16,
+                           steps=300, batch_size=16, lr=1e-2, warmup=5, log_every=1,
+                           max_compression_factor=2)
+    train(cfg, progress=lambda *_: None)
+    return out, json.loads((out / "train_log.json").read_text())
+
+
+# ------------------------------------------------------------------ upstream, one example
+
+
+def _upstream_one(lm, policy, prompt, steps, answer, r, pick, noise, embeds_std, kind):
+    """Upstream ``LitCoLaR.forward`` for a batch of one example, written out: ``(ce_sum,
+    n_ce, embed_sum, n_embed)``. Steps part ``[pad]*(r-1) ### steps [pad]*`` grouped by r,
+    pads zeroed, each group summed and divided by sqrt(count) + 1e-5 (r = 1: the plain
+    embeddings), labels gathered from the groups; -100 on the question, HF's shifted CE;
+    latent target = the next input embedding / embeds_std at every steps position. The
+    all-pad group upstream puts before the separator when the steps fill their groups
+    exactly is left out (a masked position; docs/training.md)."""
+    emb = lm.get_input_embeddings()
+    sep = answer[0]
+    ids = [sep, *steps]
+    if r == 1:
+        steps_embeds, steps_labels = emb(torch.tensor(ids)), ids
+    else:
+        left, right = r - 1, (-(r - 1 + len(ids))) % r
+        mask = torch.tensor([0] * left + [1] * len(ids) + [0] * right)
+        padded = torch.tensor([0] * left + ids + [0] * right)
+        e = (emb(padded) * mask[:, None]).view(-1, r, emb.weight.shape[1])
+        count = mask.view(-1, r).sum(1).float()
+        steps_embeds = e.sum(1) / (count.sqrt()[:, None] + 1e-5)
+        groups = padded.view(-1, r)
+        steps_labels = [sep] + [int(groups[g + 1, p]) for g, p in enumerate(pick)]
+    x = torch.cat([emb(torch.tensor(prompt)), steps_embeds, emb(torch.tensor(answer))])[None]
+    labels = torch.tensor([-100] * len(prompt) + steps_labels + answer)[None]
+    out = lm(inputs_embeds=x, labels=labels, output_hidden_states=True)
+    n_ce = len(steps_labels) + len(answer)
+    q, s = len(prompt), len(steps_embeds)
+    dist = policy(out.hidden_states[-1][0, q:q + s])
+    gold = x[0, q + 1:q + s + 1].detach() / embeds_std
+    if kind == "mse":
+        rows = torch.nn.functional.mse_loss(dist.mean + dist.stddev * noise, gold,
+                                            reduction="none").mean(-1)
+    else:
+        rows = -dist.log_prob(gold).mean(-1)
+    return out.loss * n_ce, n_ce, rows.sum(), s
+
+
+@pytest.mark.parametrize("r,kind", [(1, "mse"), (3, "mse"), (3, "nll"), (4, "nll")])
+def test_batched_loss_equals_upstream_per_example(backbone, r, kind):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                      init_lora_weights=False))
+    lm = model.get_base_model()
+    policy = colar.LatentPolicy(64, 32)
+    sep, eos = 3, 2
+    v = len(WORDS)
+    # steps lengths 0, 1, r, r + 1, 7: empty steps, a short last group, exact fills
+    batch = [([4 + i % 5] * (3 + i), [(7 * i + j) % (v - 4) + 4 for j in n], [sep, 15, 5, 20, eos])
+             for i, n in enumerate([range(0), range(1), range(r), range(r + 1), range(7)])]
+    picks = draw_picks([len(s) for _, s, _ in batch], r, random.Random(1))
+    noise = [torch.randn(-(-len(s) // r) + 1, 64) for _, s, _ in batch]
+    got = colar_loss(model, policy, batch, r, picks, 0.08, kind, noise=torch.cat(noise),
+                     embed_weight=0.5)
+    ref = [_upstream_one(lm, policy, *ex, r, pk, nz, 0.08, kind)
+           for ex, pk, nz in zip(batch, picks, noise)]
+    ce = sum(x[0] for x in ref) / sum(x[1] for x in ref)
+    embed = sum(x[2] for x in ref) / sum(x[3] for x in ref)
+    assert got["n_ce"] == sum(x[1] for x in ref) and got["n_embed"] == sum(x[3] for x in ref)
+    torch.testing.assert_close(got["ce"], ce, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["embed"], embed, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["total"], ce + 0.5 * embed, rtol=1e-5, atol=1e-5)
+
+
+def test_group_labels_are_real_tokens_of_their_group():
+    picks = draw_picks([0, 1, 5, 6], 3, random.Random(0))
+    assert [len(p) for p in picks] == [0, 1, 2, 2]
+    assert picks[1] == [0] and picks[2][1] in (0, 1) and all(p < 3 for p in picks[3])
+
+
+# ------------------------------------------------------------------ a training run
+
+
+def test_loss_falls_within_30_steps(trained):
+    _, log = trained
+    first = sum(r["loss"] for r in log[:5]) / 5
+    later = sum(r["loss"] for r in log[25:30]) / 5
+    assert later < 0.6 * first
+    assert {"ce", "embed", "r"} <= set(log[0]) and {r["r"] for r in log} == {1, 2}
+
+
+def test_output_directory_loads_with_load_colar_and_peft(trained, backbone):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, _ = trained
+    cfg, policy = colar.load_colar(out)
+    base = AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32)
+    std = base.get_input_embeddings().weight.std().item()
+    assert (cfg.hidden_size, cfg.intermediate_size) == (64, 64)
+    assert cfg.embeds_std == pytest.approx(std, rel=1e-5)
+    assert (cfg.compression_factor, cfg.max_compression_factor, cfg.max_latent) == (2, 2, 64)
+    assert not policy.training and policy.mean.weight.shape == (64, 64)
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(backbone.resolve())
+    lora = load_file(out / "adapter_model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in lora.values())
+    assert any("lora_B" in k and t.abs().max() > 0 for k, t in lora.items())
+    PeftModel.from_pretrained(base, str(out))  # loads without missing keys
+    assert json.loads((out / "train_config.json").read_text())["max_compression_factor"] == 2
+
+
+# ------------------------------------------------------------------ the reference loop
+
+
+@pytest.fixture(scope="module")
+def reference_model(trained):
+    from latentserve.testing.colar_reference import load_colar_reference
+
+    return load_colar_reference(trained[0])
+
+
+@pytest.mark.parametrize("c,latents", [(1, 5), (2, 3)])
+def test_trained_toy_stops_after_ceil_steps_over_c_latents(reference_model, c, latents):
+    from latentserve.testing.colar_reference import colar_generate_reference
+
+    model, tok, cfg, policy = reference_model
+    for q in ("3 + 4", "1 + 2", "5 + 0"):
+        out = colar_generate_reference(model, tok, policy, cfg, q, compression_factor=c,
+                                       max_latent=10)
+        assert out.n_latent == latents
+        assert int(out.latent_logits[-1].argmax()) == tok.convert_tokens_to_ids("###")
+        assert out.answer_ids[-1] == tok.eos_token_id
+        assert tok.convert_ids_to_tokens(out.answer_ids[:2]) == ["Answer", ":"]
+
+
+def test_reference_matches_a_full_recompute(reference_model):
+    """The cached loop's logits equal one uncached pass over prompt, latents, ``###`` and
+    the answer; a latent is the policy mean of the previous position times embeds_std."""
+    from latentserve.testing.colar_reference import colar_generate_reference
+
+    model, tok, cfg, policy = reference_model
+    out = colar_generate_reference(model, tok, policy, cfg, "2 + 5", compression_factor=2,
+                                   max_latent=10)
+    emb = model.get_input_embeddings()
+    sep = tok.convert_tokens_to_ids("###")
+    x = torch.cat([emb(torch.tensor(out.prompt_ids)), out.latents,
+                   emb(torch.tensor([sep] + out.answer_ids[:-1]))])
+    with torch.no_grad():
+        hidden = model.model(inputs_embeds=x[None]).last_hidden_state[0]
+        logits = model.lm_head(hidden)
+        p, n = len(out.prompt_ids), out.n_latent
+        torch.testing.assert_close(out.latent_logits, logits[p:p + n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(out.answer_logits, logits[p + n:], rtol=1e-4, atol=1e-4)
+        mean = policy(hidden[p - 1:p + n - 1]).mean * cfg.embeds_std
+        torch.testing.assert_close(out.latents, mean, rtol=1e-4, atol=1e-5)
+
+
+def test_reference_caps_latents_and_samples_with_the_generator(reference_model):
+    from latentserve.testing.colar_reference import colar_generate_reference
+
+    model, tok, cfg, policy = reference_model
+    capped = colar_generate_reference(model, tok, policy, cfg, "3 + 4", compression_factor=1,
+                                      max_latent=2)
+    assert capped.n_latent == 2 and capped.latents.shape == (2, 64)
+    none = colar_generate_reference(model, tok, policy, cfg, "3 + 4", max_latent=0)
+    assert none.n_latent == 0 and none.latent_logits.shape == (0, len(WORDS))
+    runs = [colar_generate_reference(model, tok, policy, cfg, "3 + 4", temperature=1.0,
+                                     generator=torch.Generator().manual_seed(7))
+            for _ in range(2)]
+    greedy = colar_generate_reference(model, tok, policy, cfg, "3 + 4")
+    torch.testing.assert_close(runs[0].latents, runs[1].latents)
+    assert not torch.equal(runs[0].latents[0], greedy.latents[0])
+
+
+def test_cli_train_colar_passes_its_options(monkeypatch, tmp_path):
+    import latentserve.train.colar as train_colar
+    from latentserve.cli import main
+
+    seen = {}
+    monkeypatch.setattr(train_colar, "train", lambda cfg: seen.setdefault("cfg", cfg) and {})
+    main(["train", "colar", "--data", "a.txt", "--data", "b.jsonl", "--out", str(tmp_path),
+          "--init-adapter", "stage0", "--max-compression-factor", "4",
+          "--compression-factor", "3", "--embed-loss", "nll", "--embed-weight", "2",
+          "--intermediate-size", "128", "--lora-targets", "q_proj,v_proj"])
+    cfg = seen["cfg"]
+    assert cfg.data == ["a.txt", "b.jsonl"] and cfg.init_adapter == "stage0"
+    assert (cfg.max_compression_factor, cfg.compression_factor, cfg.embed_loss) == (4, 3, "nll")
+    assert (cfg.embed_weight, cfg.intermediate_size, cfg.lr) == (2.0, 128, 1e-4)
+    assert cfg.lora_targets == ("q_proj", "v_proj")
