@@ -21,7 +21,8 @@ def _body(**kw):
 def test_defaults_are_none_so_the_engine_uses_env():
     c = head_controls(_Req({}), _body())
     assert c == dict.fromkeys(("thinking", "max_latent", "min_latent", "use_stop",
-                               "stop_threshold", "min_output_tokens"))
+                               "stop_threshold", "min_output_tokens", "compression_factor",
+                               "latent_temperature"))
 
 
 def test_header_beats_body_and_aliases_work():
@@ -31,7 +32,8 @@ def test_header_beats_body_and_aliases_work():
                             "x-latent-stop-threshold": "0.7",
                             "x-ds4-min-output-tokens": "0", "x-ds4-thinking": "yes"}), body)
     assert c == {"thinking": True, "max_latent": 64, "min_latent": 5, "use_stop": False,
-                 "stop_threshold": 0.7, "min_output_tokens": 0}
+                 "stop_threshold": 0.7, "min_output_tokens": 0, "compression_factor": None,
+                 "latent_temperature": None}
     assert head_controls(_Req({}), body)["max_latent"] == 10
 
 
@@ -102,3 +104,50 @@ def test_budget_header_zero_beats_body_thinking():
         is True
     assert head_controls(_Req({}), _body(thinking=True, latent_budget=0))["thinking"] is True
     assert head_controls(_Req({"x-latent-budget": "0"}), _body())["thinking"] is None
+
+
+def _spec(family):
+    """A served head's ``LatentSpec`` as the API process sees it."""
+    from latentserve.latent import colar_head, head
+    from latentserve.latent.spec import LatentSpec
+
+    if family == "colar":
+        return LatentSpec(kind="head", family="colar", default_budget=0,
+                          controls=colar_head.CONTROLS, max_compression_factor=5)
+    return LatentSpec(kind="head", family="compression-head", default_budget=0,
+                      controls=head.CONTROLS)
+
+
+@pytest.mark.parametrize("spec,headers,body,param", [
+    (None, {"x-latent-compression-factor": "2"}, {}, "x-latent-compression-factor"),
+    (None, {}, {"latent_temperature": 0.5}, "latent_temperature"),
+    ("head", {"x-latent-temperature": "0.5"}, {}, "x-latent-temperature"),
+    ("head", {}, {"compression_factor": 2}, "compression_factor"),
+    ("colar", {"x-latent-stop-threshold": "0.5"}, {}, "x-latent-stop-threshold"),
+    ("colar", {}, {"min_output_tokens": 0}, "min_output_tokens"),
+    ("colar", {"x-latent-compression-factor": "6"}, {}, "x-latent-compression-factor"),
+    ("colar", {}, {"compression_factor": 6}, "compression_factor")])
+def test_a_control_the_served_model_does_not_take_is_a_400_naming_it(spec, headers, body,
+                                                                     param):
+    """A plain model takes no head control; a compression head no ``compression_factor``
+    or ``latent_temperature``; CoLaR no ``stop_threshold`` or ``min_output_tokens``, and
+    its thinking speed must be in ``[1, max_compression_factor]``."""
+    from latentserve.server.params import refuse_head_controls
+
+    served = None if spec is None else _spec(spec)
+    req, b = _Req(headers), _body(**body)
+    with pytest.raises(APIError) as e:
+        refuse_head_controls(req, b, head_controls(req, b), served)
+    assert e.value.param == param and param in str(e.value)
+
+
+def test_colar_controls_reach_sampling_params_and_the_floor_stays_off():
+    from latentserve.server.params import engine_max_tokens, refuse_head_controls
+
+    req = _Req({"x-latent-compression-factor": "4", "x-latent-temperature": "0.3"})
+    body = _body(compression_factor=2, max_latent=9)
+    c = head_controls(req, body)
+    refuse_head_controls(req, body, c, _spec("colar"))
+    p = sampling_params(body, 16, "max_tokens", 3, 512, head=c)
+    assert (p.compression_factor, p.latent_temperature, p.max_latent) == (4, 0.3, 9)
+    assert engine_max_tokens(p, _spec("colar"), 3, 512) == 16  # answer tokens only

@@ -237,7 +237,10 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
         import dataclasses
 
-        params = dataclasses.replace(params, **head)
+        try:
+            params = dataclasses.replace(params, **head)
+        except ValueError as exc:  # a body control out of range (the headers are checked)
+            raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
     msg_id, engine_rid = new_request_id(request, "msg")
     if msg_id == engine_rid:
         msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")

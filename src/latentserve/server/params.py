@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.errors import APIError, param_from_value_error
@@ -129,7 +130,8 @@ def latent_positions(spec, budget: int | None, param: str = "latent_budget") -> 
         raise APIError(str(exc).replace("latent_budget", param, 1), param=param) from None
 
 
-# Compression-head controls: field -> (header, seed alias header, parser kind).
+# Head controls (compression heads, CoLaR): field -> (header, seed alias header or None,
+# parser kind).
 HEAD_HEADERS = {
     "thinking": ("x-latent-thinking", "x-ds4-thinking", "bool"),
     "max_latent": ("x-latent-max", "x-ds4-max-latent", "int"),
@@ -137,19 +139,22 @@ HEAD_HEADERS = {
     "use_stop": ("x-latent-use-stop", "x-ds4-use-stop", "bool"),
     "stop_threshold": ("x-latent-stop-threshold", "x-ds4-stop-threshold", "float"),
     "min_output_tokens": ("x-latent-min-output-tokens", "x-ds4-min-output-tokens", "int"),
+    "compression_factor": ("x-latent-compression-factor", None, "int"),
+    "latent_temperature": ("x-latent-temperature", None, "nonneg"),
 }
 
 
 def head_controls(http_request, body: SamplingRequest,
                   template_kwargs: dict | None = None) -> dict:
-    """The compression-head controls of a request, precedence header > body > server
-    default (None here; the engine fills in the ``LATENTSERVE_*`` env defaults). Headers
-    ``x-latent-*`` and the seed's ``x-ds4-*`` aliases (``x-latent-*`` wins when both are
-    sent); thinking also from ``chat_template_kwargs`` ``thinking`` / ``enable_thinking``
-    (below the body field); a body or template ``thinking: true`` is turned off by header
-    ``x-latent-budget: 0`` unless a thinking header is sent. Raises APIError (400 naming
-    the header) for a malformed value: booleans 1/0/true/false/yes/no/on/off, non-negative
-    integers, a threshold in [0, 1]."""
+    """The head controls of a request (``HEAD_HEADERS``), precedence header > body > the
+    model's default (None here; the engine fills in the ``LATENTSERVE_*`` env defaults, or
+    CoLaR's ``colar_config.json``). Headers ``x-latent-*`` and the seed's ``x-ds4-*``
+    aliases (``x-latent-*`` wins when both are sent); thinking also from
+    ``chat_template_kwargs`` ``thinking`` / ``enable_thinking`` (below the body field); a
+    body or template ``thinking: true`` is turned off by header ``x-latent-budget: 0``
+    unless a thinking header is sent. Raises APIError (400 naming the header) for a
+    malformed value: booleans 1/0/true/false/yes/no/on/off, non-negative integers, a
+    threshold in [0, 1], a finite temperature >= 0."""
     from latentserve.latent.head import parse_bool, template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
@@ -157,7 +162,7 @@ def head_controls(http_request, body: SamplingRequest,
         out["thinking"] = template_thinking(template_kwargs)
     headers = getattr(http_request, "headers", None) or {}
     for name, (hdr, alias, kind) in HEAD_HEADERS.items():
-        used = hdr if headers.get(hdr) is not None else alias
+        used = hdr if headers.get(hdr) is not None or alias is None else alias
         raw = headers.get(used)
         if raw is None:
             continue
@@ -170,11 +175,12 @@ def head_controls(http_request, body: SamplingRequest,
                 value = int(raw)
             else:
                 value = float(raw)
-                if not 0.0 <= value <= 1.0:
+                if not (0.0 <= value <= 1.0 if kind == "float" else 0.0 <= value < math.inf):
                     raise ValueError
         except ValueError:
             want = {"bool": "a boolean (1/0, true/false, yes/no, on/off)",
-                    "int": "a non-negative integer", "float": "a number in [0, 1]"}[kind]
+                    "int": "a non-negative integer", "float": "a number in [0, 1]",
+                    "nonneg": "a finite number >= 0"}[kind]
             raise APIError(f"header {used} must be {want}, got {raw!r}", param=used) from None
         out[name] = value
     budget = headers.get("x-latent-budget")
@@ -186,28 +192,55 @@ def head_controls(http_request, body: SamplingRequest,
 
 
 def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
-    """A model without a compression head (``spec`` None or not ``"head"``) refuses the
-    head controls a client sent explicitly (headers ``x-latent-*`` / ``x-ds4-*``, body fields
-    ``thinking``, ``max_latent``, ...): they would silently do nothing. Thinking turned off
-    (``controls["thinking"] is False``, from a header, the body or ``chat_template_kwargs``)
-    makes every control harmless, and ``chat_template_kwargs`` alone never refuses (chat
-    clients send ``enable_thinking`` to any model).
+    """Refuse the head controls a client sent explicitly (headers ``x-latent-*`` /
+    ``x-ds4-*``, body fields ``thinking``, ``max_latent``, ...) that the served model would
+    silently ignore, and check CoLaR's thinking speed against the model.
+
+    A model without a head (``spec`` None or not ``"head"``) refuses every control, unless
+    thinking is turned off (``controls["thinking"] is False``, from a header, the body or
+    ``chat_template_kwargs``), which makes them harmless; ``chat_template_kwargs`` alone
+    never refuses (chat clients send ``enable_thinking`` to any model). A head refuses the
+    controls it does not take (``spec.controls``: a compression head has no
+    ``compression_factor``, CoLaR no ``stop_threshold``), whatever thinking says.
+    ``compression_factor`` must be in ``[1, spec.max_compression_factor]``.
 
     Raises:
         APIError: 400 naming the header (or body field) that was sent.
     """
-    if (spec is not None and spec.kind == "head") or controls.get("thinking") is False:
+    from latentserve.latent.head import CONTROLS
+
+    head = spec is not None and spec.kind == "head"
+    if not head and controls.get("thinking") is False:
         return
+    taken = (spec.controls or CONTROLS) if head else ()
     headers = getattr(http_request, "headers", None) or {}
     for name, (hdr, alias, _) in HEAD_HEADERS.items():
+        if name in taken:
+            continue
         for sent in (hdr, alias):
-            if headers.get(sent) is not None:
-                raise APIError(f"header {sent} needs a model with a compression head; this "
-                               f"model has none (send {HEAD_HEADERS['thinking'][0]}: false "
-                               "or leave it out)", param=sent)
+            if sent is not None and headers.get(sent) is not None:
+                raise APIError(f"header {sent} " + _not_taken(spec, taken, hdr=True),
+                               param=sent)
         if name in type(body).model_fields and getattr(body, name) is not None:
-            raise APIError(f"{name} needs a model with a compression head; this model has "
-                           "none (send thinking: false or leave it out)", param=name)
+            raise APIError(f"{name} " + _not_taken(spec, taken, hdr=False), param=name)
+    c = controls.get("compression_factor")
+    if c is not None and "compression_factor" in taken:
+        top = spec.max_compression_factor
+        if not 1 <= c <= top:
+            sent = HEAD_HEADERS["compression_factor"][0]
+            param = sent if headers.get(sent) is not None else "compression_factor"
+            raise APIError(f"{param} must be in [1, {top}] for this model, got {c}",
+                           param=param)
+
+
+def _not_taken(spec, taken: tuple[str, ...], hdr: bool) -> str:
+    """Why a head control is refused (the message after its name)."""
+    if taken:
+        return (f"is not a control of this model's latent head ({spec.family}; it takes "
+                f"{', '.join(taken)})")
+    off = f"{HEAD_HEADERS['thinking'][0]}: false" if hdr else "thinking: false"
+    return f"needs a model with a compression head; this model has none (send {off} or " \
+        "leave it out)"
 
 
 def stream_latent_steps(http_request, body) -> bool:
@@ -331,7 +364,8 @@ def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
     ``min_output_tokens + max_latent`` (controls the request leaves unset at the
     ``LATENTSERVE_*`` defaults, which the engine process reads from the same environment),
     at most what the context leaves; else ``params.max_tokens``."""
-    if spec is None or spec.kind != "head":
+    if spec is None or spec.kind != "head" or "min_output_tokens" not in (
+            spec.controls or ("min_output_tokens",)):  # CoLaR: no floor
         return params.max_tokens
     from latentserve.latent.head import apply_output_floor, head_defaults, resolve_settings
 

@@ -72,6 +72,10 @@ class LatentFields(RequestModel):
     use_stop: bool | None = None
     stop_threshold: float | None = None
     min_output_tokens: int | None = None
+    # CoLaR models (latent/colar_head.py): None = the model's default; headers
+    # x-latent-compression-factor / x-latent-temperature win.
+    compression_factor: int | None = None
+    latent_temperature: float | None = None
 
 
 class SamplingRequest(LatentFields):

@@ -1,0 +1,113 @@
+"""CoLaR's per-request controls through the HTTP API (latent/colar_head.py): the body fields
+``compression_factor`` / ``latent_temperature`` and the headers
+``x-latent-compression-factor`` / ``x-latent-temperature`` (header > body > the model's
+``colar_config.json``) on /v1/completions, /v1/chat/completions and /v1/messages; a value
+out of range, a malformed header or a compression-head-only control is a 400 with the
+route's error body naming what was sent; ``latent.stats`` reports the speed and the run."""
+
+import httpx
+import pytest
+from server_testlib import assert_slots_invariant, wait_idle
+
+QUESTION = "Question: w40 w41 w42 w43 Let's think step by step:"
+MSGS = [{"role": "user", "content": "w40 w41 w42 w43"}]
+
+
+@pytest.fixture(scope="module")
+def colar_server(tmp_path_factory):
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+    from latentserve.testing.colar_models import save_colar_tiny
+
+    d = save_colar_tiny(tmp_path_factory.mktemp("colar-api") / "m", stop_push=16.0,
+                        compression_factor=2, max_compression_factor=5, max_latent=6)
+    srv = start_server(EngineConfig(model=str(d), max_num_seqs=8), timeout=300)
+    srv.model_dir = str(d)
+    yield srv
+    srv.stop()
+
+
+def _complete(srv, body=None, headers=None):
+    body = {"prompt": QUESTION, "max_tokens": 4, "temperature": 0, **(body or {})}
+    return httpx.post(f"{srv.base_url}/v1/completions", json=body, headers=headers or {},
+                      timeout=60)
+
+
+def _stats(r):
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["latent"]["stats"]
+
+
+def _openai_400(r, param):
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    return err["message"]
+
+
+def test_defaults_come_from_colar_config(colar_server):
+    s = _stats(_complete(colar_server))
+    assert (s["compression_factor"], s["max_latent"], s["min_latent"]) == (2, 6, 0)
+    assert s["latent_temperature"] == 0.0 and s["use_stop"] is True
+    assert "stop_threshold" not in s and "min_output_tokens" not in s
+
+
+def test_body_field_and_header_precedence(colar_server):
+    assert _stats(_complete(colar_server, {"compression_factor": 4}))["compression_factor"] == 4
+    s = _stats(_complete(colar_server, {"compression_factor": 4},
+                         {"x-latent-compression-factor": "5", "x-latent-max": "2"}))
+    assert (s["compression_factor"], s["max_latent"]) == (5, 2) and s["steps"] <= 2
+    s = _stats(_complete(colar_server, {"latent_temperature": 0.5, "seed": 3},
+                         {"x-latent-temperature": "0.25"}))
+    assert s["latent_temperature"] == 0.25
+
+
+def test_seeded_latent_temperature_is_reproducible(colar_server):
+    body = {"latent_temperature": 1.0, "seed": 11, "use_stop": False, "max_tokens": 6}
+    a, b = _complete(colar_server, body), _complete(colar_server, body)
+    assert a.status_code == b.status_code == 200
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("body,headers,param", [
+    ({"compression_factor": 6}, {}, "compression_factor"),
+    ({"compression_factor": 0}, {}, "compression_factor"),
+    ({}, {"x-latent-compression-factor": "9"}, "x-latent-compression-factor"),
+    ({}, {"x-latent-compression-factor": "fast"}, "x-latent-compression-factor"),
+    ({"latent_temperature": -0.5}, {}, "latent_temperature"),
+    ({}, {"x-latent-temperature": "-1"}, "x-latent-temperature"),
+    ({}, {"x-latent-temperature": "nan"}, "x-latent-temperature"),
+    ({"stop_threshold": 0.5}, {}, "stop_threshold"),
+    ({}, {"x-ds4-min-output-tokens": "0"}, "x-ds4-min-output-tokens")])
+def test_bad_or_foreign_control_is_a_400_naming_it(colar_server, body, headers, param):
+    message = _openai_400(_complete(colar_server, body, headers), param)
+    assert param in message
+
+
+def test_chat_route_takes_the_controls(colar_server):
+    url = f"{colar_server.base_url}/v1/chat/completions"
+    r = httpx.post(url, timeout=60, headers={"x-latent-compression-factor": "3"},
+                   json={"messages": MSGS, "max_tokens": 4, "temperature": 0})
+    assert _stats(r)["compression_factor"] == 3
+    bad = httpx.post(url, timeout=60, json={"messages": MSGS, "max_tokens": 4,
+                                            "compression_factor": 8})
+    assert "[1, 5]" in _openai_400(bad, "compression_factor")
+
+
+def test_messages_route_takes_the_controls_and_answers_anthropic_errors(colar_server):
+    url = f"{colar_server.base_url}/v1/messages"
+    body = {"model": colar_server.model_dir, "max_tokens": 4, "messages": MSGS}
+    ok = httpx.post(url, timeout=60, json={**body, "compression_factor": 5,
+                                           "latent_temperature": 0})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["latent"]["stats"]["compression_factor"] == 5
+    for extra, headers, param in (({}, {"x-latent-compression-factor": "7"},
+                                   "x-latent-compression-factor"),
+                                  ({"latent_temperature": -2.0}, {}, "latent_temperature")):
+        bad = httpx.post(url, timeout=60, json={**body, **extra}, headers=headers)
+        assert bad.status_code == 400, bad.text
+        err = bad.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert param in err["error"]["message"]
+    with httpx.Client(base_url=colar_server.base_url) as http:
+        assert_slots_invariant(wait_idle(http))
