@@ -186,7 +186,8 @@ def embedding_std(model) -> float:
 
 def adapter_base(adapter_dir: str) -> str | None:
     """The base of a stage-0 adapter: its ``base_model_name_or_path`` (None for the
-    embedded SmolLM2's name or when absent). Raises FileNotFoundError without
+    embedded SmolLM2, named by its hub id or ``embedded``, or when absent; a relative path
+    that exists beside the adapter is taken from there). Raises FileNotFoundError without
     ``adapter_config.json``."""
     from latentserve.train.cot import EMBEDDED_BASE
 
@@ -195,7 +196,10 @@ def adapter_base(adapter_dir: str) -> str | None:
         raise FileNotFoundError(f"{path} does not exist (--init-adapter takes a PEFT "
                                 f"adapter directory, e.g. the output of train cot)")
     base = json.loads(path.read_text()).get("base_model_name_or_path")
-    return None if base in (None, "", EMBEDDED_BASE) else base
+    if base in (None, "", EMBEDDED_BASE, "embedded"):
+        return None
+    beside = Path(adapter_dir) / base
+    return str(beside) if not Path(base).is_absolute() and beside.exists() else base
 
 
 def save_model(model, policy: colar.LatentPolicy, out: Path, base_name: str,
