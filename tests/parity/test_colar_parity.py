@@ -240,6 +240,32 @@ def test_a_plain_model_refuses_the_colar_fields(small_vocab_dirs):
             engine.add_request("x", [5, 6], SamplingParams(**{field: value}))
 
 
+def test_a_train_colar_output_serves_like_the_reference(tmp_path):
+    """``latentserve train colar``'s output (a PEFT LoRA adapter over the base, merged at
+    load, beside ``colar_config.json`` and the policy) serves as the reference runs it."""
+    from latentserve.testing.colar_models import save_colar_word_tokenizer
+    from latentserve.testing.colar_reference import load_colar_reference
+    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.train.colar import ColarTrainConfig, train
+
+    base = save_tiny(tmp_path / "base", "llama", word_tokenizer=True, vocab_size=64)
+    save_colar_word_tokenizer(base, 64)
+    data = tmp_path / "toy.txt"
+    data.write_text("".join(f"{x} + {y}||{x} + {y} = {x + y} #### {x + y}\n"
+                            for x in range(10) for y in range(10 - x)))
+    out = tmp_path / "colar"
+    train(ColarTrainConfig(data=[str(data)], out=str(out), base=str(base), lora_r=8,
+                           steps=40, batch_size=16, lr=1e-2, warmup=5,
+                           max_compression_factor=2, max_latent=8), progress=lambda *_: None)
+    model, tok, cfg, policy = load_colar_reference(out)
+    engine = LLMEngine(EngineConfig(model=str(out)))
+    cases = [(q, c, 8) for q in ("3 + 4", "1 + 2", "5 + 0") for c in (1, 2)]
+    refs = [colar_generate_reference(model, tok, policy, cfg, q, c, m, MAX_TOKENS)
+            for q, c, m in cases]
+    _assert_matches(_run(engine, cases), refs, cases, "trained")
+    engine.cache.check_idle()
+
+
 def test_no_latent_head_serves_the_bare_backbone(colar_dir):
     engine = LLMEngine(EngineConfig(model=str(colar_dir), no_latent_head=True))
     assert engine.latent_spec is None and not hasattr(engine.runner.model, "latent_head")

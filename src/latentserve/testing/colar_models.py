@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 WORDS = ("###", "(", ")", ":", "Thinking", "speed", "Question", "Let's", "think", "step",
-         "by", "Answer", *"0123456789")
+         "by", "Answer", "+", "=", *"0123456789")
 
 
 # Chat renders the last user message as CoLaR's question part (latent.colar.QUESTION).
