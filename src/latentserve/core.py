@@ -42,7 +42,8 @@ class Req:
 
     Compression-head models (``kind == "head"``): ``head`` holds the request's resolved
     controls and latent stats; latent positions, the closing ids and the answer all count
-    against ``params.max_tokens`` (already raised by the answer-budget floor).
+    against ``params.max_tokens`` (already raised by the answer-budget floor), except for
+    CoLaR, whose ``max_tokens`` counts answer tokens only (``head.answer_budget``).
 
     Looped-block models (``kind == "loop"``): ``loop`` is the request's
     ``latent.loop.LoopState``; its block ``[latent_start, latent_start + block_size)`` is
