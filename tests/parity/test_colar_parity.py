@@ -266,6 +266,15 @@ def test_a_train_colar_output_serves_like_the_reference(tmp_path):
     engine.cache.check_idle()
 
 
+def test_warmup_runs_a_latent_step(colar_dir):
+    """The engine's warm-up request takes only controls CoLaR accepts: prompt, speed and
+    ``###``, one latent, the forced ``###`` and an answer token are computed."""
+    engine = LLMEngine(EngineConfig(model=str(colar_dir)))
+    engine.warmup()
+    assert engine.runner.num_computed_tokens >= 4 + len(engine.latent_spec.start_ids) + 2
+    engine.cache.check_idle()
+
+
 def test_no_latent_head_serves_the_bare_backbone(colar_dir):
     engine = LLMEngine(EngineConfig(model=str(colar_dir), no_latent_head=True))
     assert engine.latent_spec is None and not hasattr(engine.runner.model, "latent_head")

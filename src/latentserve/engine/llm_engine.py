@@ -446,9 +446,11 @@ class LLMEngine:
         ``warmup``), run to completion; False when none fits (logged as a skipped warm-up
         unless ``quiet``: the optional second request)."""
         rid = "__latentserve_warmup__"
-        # A compression-head model runs one latent step (no floor), so the head runs too.
+        # A head model runs one latent step (no floor, where the head has one), so the head
+        # runs too.
+        floor = 0 if "min_output_tokens" in getattr(self.latent_spec, "controls", ()) else None
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1,
-                                max_latent=1, use_stop=False, min_output_tokens=0)
+                                max_latent=1, use_stop=False, min_output_tokens=floor)
         for n in dict.fromkeys(max(1, min(k, self.max_model_len - 3)) for k in lengths):
             try:  # the long prompt, then (a model's extra tokens overflow it) 4 tokens
                 self.add_request(rid, [min(i + 1, self.vocab_size - 1) for i in range(n)],
