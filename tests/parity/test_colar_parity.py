@@ -275,6 +275,21 @@ def test_warmup_runs_a_latent_step(colar_dir):
     engine.cache.check_idle()
 
 
+def test_colar_eval_runs_latents_at_the_asked_speed(colar_dir, reference):
+    """``eval.colar_eval.evaluate`` on a CoLaR model sends the question part and its
+    compression factor, and reads the latent steps from the stats."""
+    from latentserve.entrypoints.llm import LLM
+    from latentserve.eval.colar_eval import evaluate
+    from latentserve.eval.datasets import Item
+
+    llm = LLM(model=str(colar_dir))
+    items = [Item(question=q, gold="1", kind="number") for q in QUESTIONS[:3]]
+    records, summary = evaluate(llm, items, max_tokens=4, compression_factor=3, max_latent=6)
+    assert [r["thinking"] for r in records] == [reference(q, 3, 6, 4).n_latent
+                                                for q in QUESTIONS[:3]]
+    assert summary["n"] == 3
+
+
 def test_no_latent_head_serves_the_bare_backbone(colar_dir):
     engine = LLMEngine(EngineConfig(model=str(colar_dir), no_latent_head=True))
     assert engine.latent_spec is None and not hasattr(engine.runner.model, "latent_head")

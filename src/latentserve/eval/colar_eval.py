@@ -56,7 +56,7 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
     for a text model."""
     from latentserve.sampling_params import SamplingParams
 
-    latent = getattr(llm.engine, "colar", None) is not None
+    latent = getattr(llm.engine.latent_spec, "family", None) == "colar"
     if not latent and (compression_factor is not None or max_latent is not None):
         raise ValueError("compression_factor and max_latent need a CoLaR model "
                          "(a directory with colar_config.json)")
