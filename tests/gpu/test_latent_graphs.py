@@ -104,6 +104,43 @@ def test_closed_loop_head_runs_inside_graphs(tmp_path):
     assert 0 < engine.runner.graphs.num_latent_replays < steps
 
 
+def test_colar_policy_runs_inside_graphs(tmp_path):
+    """CoLaR (latent/colar_head.py): the policy runs in the latent graph on the decode
+    graph's final-normed hidden; answers, latent steps and stop/cap equal the eager
+    reference's for a batch of mixed thinking speeds and caps, cold and warm."""
+    from transformers import AutoModelForCausalLM
+
+    from latentserve.latent import colar
+    from latentserve.models.checkpoint import load_tokenizer
+    from latentserve.testing.colar_models import save_colar_tiny
+    from latentserve.testing.colar_reference import colar_generate_reference
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    d = save_colar_tiny(tmp_path / "colar", stop_push=16.0)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    tok = load_tokenizer(d)
+    cfg, policy = colar.load_colar(d)
+    engine = _engine(d)
+    assert engine.runner.graphs.head is engine.runner.model.latent_head
+    base = [f"w{(37 * i + 11) % 900 + 30}" for i in range(24)]
+    questions = [" ".join(base + ["w500"]), " ".join(base[:10]), "w45 w46",
+                 " ".join(base + [f"w{700 + i}" for i in range(9)])]
+    cases = [(q, c, m) for i, q in enumerate(questions)
+             for c, m in (((i % 5) + 1, 12), ((i + 2) % 5 + 1, 4))]
+    refs = [colar_generate_reference(model, tok, policy, cfg, q, c, m, 8) for q, c, m in cases]
+    requests = [(tok.encode(colar.QUESTION.format(q), add_special_tokens=False),
+                 SamplingParams(max_tokens=8, temperature=0.0, compression_factor=c,
+                                max_latent=m)) for q, c, m in cases]
+    before = engine.runner.num_graph_steps
+    for _ in range(2):  # cold, then warm
+        for (toks, final), ref in zip(_drive(engine, requests), refs):
+            assert toks == ref.answer_ids
+            assert final.latent_stats["steps"] == ref.n_latent
+    fired = [r.n_latent > 0 and int(r.latent_logits[-1].argmax()) == 3 for r in refs]  # ###
+    assert any(fired) and not all(fired)  # stops and caps both ran
+    assert 0 < engine.runner.graphs.num_latent_replays < engine.runner.num_graph_steps - before
+
+
 @pytest.mark.parametrize("kind", ["huginn", "ouro"])
 def test_recurrence_loop_runs_inside_graphs(kind, tmp_path):
     from latentserve.testing.recurrent_models import write_huginn, write_ouro
