@@ -21,7 +21,7 @@ snapshot() {  # adapters and logs into $OUT (at most 8 files come back)
   for m in cot_mult nocot_mult cot_gsm8k; do
     [ -f "$W/$m/adapter_model.safetensors" ] && cp "$W/$m/adapter_model.safetensors" "$OUT/$m.safetensors"
   done
-  tar czf "$OUT/stage0_logs.tgz" -C "$W" --exclude='*.safetensors' --exclude='data' . 2>/dev/null
+  tar czf "$OUT/stage0_logs.tgz" -C "$W" --exclude='*.safetensors' --exclude='data' --exclude='*.txt' . 2>/dev/null
 }
 
 if [ "${1:-}" = start ]; then
