@@ -2,10 +2,11 @@
 # Stage 1 of CoLaR on the H200 (docs/results.md): CoLaR trained from the stage-0 adapters
 # (models/smollm2-mult-cot, models/smollm2-gsm8k-cot), then evaluated through our engine.
 # Device calls, back to back (a machine goes cold 30 s after a call; the tree that travels is
-# at most 64 MiB, so the GGUF comes in three parts; make them with `bash $0 pack`):
+# at most 64 MiB and the repository holds ~30 MB, so the GGUF comes in four parts; make them
+# here with `bash scripts/stage1_gpu.sh pack`):
 #   run "bash scripts/stage1_gpu.sh take"   carry [".xfer/p1"]   (part 1 + data + gguf wheel)
-#   run "bash scripts/stage1_gpu.sh take"   carry [".xfer/p2"]
-#   run "bash scripts/stage1_gpu.sh start"  carry [".xfer/p3"]   (builds data, starts training,
+#   run "bash scripts/stage1_gpu.sh take"   carry [".xfer/p2"]   (and p3 likewise)
+#   run "bash scripts/stage1_gpu.sh start"  carry [".xfer/p4"]   (builds data, starts training,
 #                                                                 returns after T_WAIT s)
 #   run "bash scripts/stage1_gpu.sh finish"                      (waits, evaluates, packs $OUT)
 # Knobs (env): T_MULT (seconds of CoLaR training on multiplication, 780), T_GSM (GSM8K, 300),
@@ -19,11 +20,12 @@ ls="python3 -m latentserve.cli"
 D="$X/data/multiplication"; G="$X/data/gsm8k"
 
 case "${1:-}" in
-pack)  # here, not on the device: .xfer/p{1,2,3} from the embedded GGUF, the data and the wheel
-  gguf=$(python3 -c 'from latentserve.models.checkpoint import embedded_gguf_path as e; print(e())')
-  rm -rf .xfer/p1 .xfer/p2 .xfer/p3 && mkdir -p .xfer/p1 .xfer/p2 .xfer/p3
-  split -n 3 -d "$gguf" .xfer/part_ && mv .xfer/part_00 .xfer/p1/ && mv .xfer/part_01 .xfer/p2/ \
-    && mv .xfer/part_02 .xfer/p3/
+pack)  # here, not on the device: .xfer/p{1..4} from the embedded GGUF, the data and the wheel
+  gguf=$(env -u LATENTSERVE_EMBEDDED_GGUF python3 -c \
+    'from latentserve.models.checkpoint import embedded_gguf_path as e; print(e())')
+  rm -rf .xfer/p1 .xfer/p2 .xfer/p3 .xfer/p4
+  split -n 4 -d "$gguf" .xfer/part_
+  for i in 1 2 3 4; do mkdir -p .xfer/p$i && mv .xfer/part_0$((i - 1)) .xfer/p$i/; done
   cp -r "${DATA:-../shared/data}" .xfer/p1/data
   python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/p1 gguf==0.19.0
   md5sum "$gguf"; du -sh .xfer/p*
@@ -32,12 +34,13 @@ take)
   for p in .xfer/p1 .xfer/p2 .xfer/p3; do [ -d "$p" ] && cp -r "$p"/. "$X"/; done; ls "$X"
   ;;
 start)
-  cp -r .xfer/p3/. "$X"/
+  cp -r .xfer/p4/. "$X"/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site "$X"/gguf-*.whl || exit 1
-  cat "$X"/part_00 "$X"/part_01 "$X"/part_02 > /tmp/smollm2.gguf && md5sum /tmp/smollm2.gguf
+  cat "$X"/part_00 "$X"/part_01 "$X"/part_02 "$X"/part_03 > /tmp/smollm2.gguf && md5sum /tmp/smollm2.gguf
   python3 -c 'from latentserve.models.checkpoint import resolve_model_dir as r; print(r(None))' 2>&1 | tail -1
   for k in 4 5; do $ls data multiplication --k $k --n "${N_MULT:-400000}" --out "$W/${k}x${k}_train.txt"; done
-  common=(--device cuda --lr "${LR:-5e-4}" --log-every 100 --max-compression-factor 5)
+  common=(--device cuda --lr "${LR:-5e-4}" --log-every 100 --max-compression-factor 5
+          --max-latent 160)
   setsid nohup $ls train colar "${common[@]}" --init-adapter models/smollm2-mult-cot \
     --data "$W/4x4_train.txt" --data "$W/5x5_train.txt" --compression-factor 4 \
     --out "$W/colar_mult" --steps 100000 --max-seconds "${T_MULT:-780}" --batch-size 128 \
@@ -51,29 +54,32 @@ start)
     [ -d "$W/$m" ] && tar czf "$OUT/$m.tgz" -C "$W" --exclude='train_log.json' "$m"
   done
   ;;
-finish)
+finish)  # every result is packed into $OUT as soon as it exists (a call cut at its limit keeps it)
   while pgrep -f "latentserve.cli train" > /dev/null; do sleep 5; done
   tail -n 3 "$W"/*.log
-  ev() { $ls eval --device cuda --dtype bfloat16 "$@" 2>&1 | grep -v "Loading\|Converting"; }
-  for s in 4x4 5x5; do
+  pack() {
+    for m in colar_mult colar_gsm8k; do
+      [ -d "$W/$m" ] && [ ! -f "$OUT/$m.tgz" ] && tar czf "$OUT/$m.tgz" -C "$W" "$m"
+    done
+    tar czf "$OUT/stage1_logs.tgz" -C "$W" --exclude=./colar_mult --exclude=./colar_gsm8k \
+      --exclude='*.txt' .
+  }
+  pack
+  ev() { $ls eval --device cuda --dtype bfloat16 "$@" 2>&1 | grep --line-buffered -v "Loading\|Converting"; pack; }
+  for s in 5x5 4x4; do
     ev --model "$W/colar_mult" --dataset-file "$D/${s}_test.txt" --max-tokens 40 \
       --sweep compression_factor=1,2,3,4,5 --json-out "$W/eval_colar_${s}.json"
-    ev --model models/smollm2-mult-cot --dataset-file "$D/${s}_test.txt" --max-tokens 200 \
-      --json-out "$W/eval_cot_${s}.json"
   done
-  # Answer throughput at 64 concurrent requests, the same 1000 questions (5x5).
+  # Answer throughput at 64 concurrent requests, the same 1000 questions (5x5); the text-CoT
+  # runs give its accuracy and thinking through the engine too.
   ev --model "$W/colar_mult" --dataset-file "$D/5x5_test.txt" --max-tokens 40 \
     --max-num-seqs 64 --json-out "$W/tput_colar_5x5.json"
   ev --model models/smollm2-mult-cot --dataset-file "$D/5x5_test.txt" --max-tokens 200 \
     --max-num-seqs 64 --json-out "$W/tput_cot_5x5.json"
   ev --model "$W/colar_gsm8k" --dataset-file "$G/test_icot.txt" --max-tokens 40 \
     --json-out "$W/eval_colar_gsm8k.json"
-  ev --model models/smollm2-gsm8k-cot --dataset-file "$G/test_icot.txt" --max-tokens 160 \
-    --json-out "$W/eval_cot_gsm8k.json"
-  for m in colar_mult colar_gsm8k; do
-    [ -d "$W/$m" ] && tar czf "$OUT/$m.tgz" -C "$W" "$m"
-  done
-  tar czf "$OUT/stage1_logs.tgz" -C "$W" --exclude='colar_*/*' --exclude='*.txt' .
+  ev --model models/smollm2-mult-cot --dataset-file "$D/4x4_test.txt" --max-tokens 200 \
+    --json-out "$W/eval_cot_4x4.json"
   ls -la "$OUT"
   ;;
 *) echo "usage: $0 pack|take|start|finish" >&2; exit 2 ;;
