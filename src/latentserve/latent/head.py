@@ -373,7 +373,8 @@ class HeadSettings:
     end: str | None = None
     probs: list = field(default_factory=list)
     # Policy sampling (latent.head_loop.set_policy_sampling): per latent step the anchor
-    # ``[H]`` and the sampled latent ``[L]`` (float32, CPU); None when the engine uses mu.
+    # ``[H]`` and the sampled latent ``[L]`` (float32, CPU), or with ``record`` the injected
+    # input ``[H]`` (float32, CPU, CoLaR); None when nothing is recorded.
     actions: list | None = None
     reported: bool = False
     answer_budget: bool = False

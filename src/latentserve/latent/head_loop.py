@@ -73,7 +73,9 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
     stop_prob [S] or None)`` for every sampling row, when a CUDA graph already ran the head
     on ``captured`` (static buffers: the inputs kept are copied out of them), or a
     zero-argument callable returning that tuple or None (called only when some row is in its
-    latent phase, so a plain step does not run the head).
+    latent phase, so a plain step does not run the head). With ``head.record_latents``
+    (:func:`set_policy_sampling`) each closed-loop row's input is also kept in its request's
+    ``actions``.
     """
     rows = [i for i, r in enumerate(reqs) if r.head is not None and r.answer_start is None]
     if not rows:
@@ -134,18 +136,47 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
                                 [reqs[i].generator for _, i in drawn])
         for m, (_, i) in enumerate(drawn):
             out[i] = (draws, m)
+    if getattr(head, "record_latents", False):
+        _record_inputs(reqs, out)
     return out
 
 
-def set_policy_sampling(head, sigma: float | None) -> None:
-    """Engine option for GRPO rollouts (``train/grpo.py``): with ``sigma`` > 0 every
-    closed-loop latent step injects ``decode(z)`` with ``z ~ N(mu, sigma^2 I)`` instead of
-    ``mu`` and records ``(anchor, z)`` in the request's ``latent_stats["actions"]``; None
-    restores MAP decoding (mu). ``head``: the engine's ``LatentHead``
-    (``engine.runner.model.latent_head``). Raises ValueError for sigma <= 0."""
+def _record_inputs(reqs: list[Req], out: list) -> None:
+    """Append each closed-loop row's next latent input (``out[i]``, float32, one copy to
+    the CPU for the step) to its request's ``HeadSettings.actions``."""
+    rows = [i for i, e in enumerate(out) if e is not None and reqs[i].head.mode == "closed_loop"]
+    if not rows:
+        return
+    with torch.inference_mode():
+        vecs = torch.stack([out[i][0][out[i][1]] for i in rows]).float().cpu()
+    for m, i in enumerate(rows):
+        h = reqs[i].head
+        if h.actions is None:
+            h.actions = []
+        h.actions.append(vecs[m])
+
+
+def set_policy_sampling(head, sigma: float | None = None, *, record: bool = False) -> None:
+    """Engine options for GRPO rollouts. ``head``: the engine's latent head
+    (``engine.runner.model.latent_head``).
+
+    Compression head (``train/grpo.py``): with ``sigma`` > 0 every closed-loop latent step
+    injects ``decode(z)`` with ``z ~ N(mu, sigma^2 I)`` instead of ``mu`` and records
+    ``(anchor, z)`` in the request's ``latent_stats["actions"]``; None restores MAP decoding.
+
+    ``record`` (``sigma`` None; CoLaR, ``train/colar_grpo.py``, whose requests draw their own
+    latents at their ``latent_temperature``): every closed-loop latent step records the input
+    it injects, ``[hidden]`` float32 on the CPU (before the cast to the serving dtype), in
+    ``latent_stats["actions"]``; False stops recording.
+
+    Raises ValueError for sigma <= 0, or ``record`` with a sigma."""
     if sigma is not None and not sigma > 0:
         raise ValueError(f"sigma must be > 0 (or None to use mu), got {sigma!r}")
+    if record and sigma is not None:
+        raise ValueError("record=True records the injected inputs of a head that draws its own "
+                         "latents; with sigma the (anchor, z) actions are recorded already")
     head.policy_sigma = None if sigma is None else float(sigma)
+    head.record_latents = bool(record)
 
 
 def advance(req: Req, vec, latent_id: int) -> bool:
