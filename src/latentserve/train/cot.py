@@ -192,9 +192,10 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
             "thinking_median": thinking[len(thinking) // 2] if thinking else 0}
 
 
-def save(model, out: Path, base_name: str, cfg: CotConfig, log: list[dict]) -> None:
-    """Write the adapter (PEFT form, bfloat16) or, for a full fine-tune, the model
-    (``model.safetensors``), plus ``train_config.json`` and ``train_log.json``."""
+def save(model, out: Path, base_name: str, cfg: CotConfig, log: list[dict],
+         adapter_dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write the adapter (PEFT form, in ``adapter_dtype``) or, for a full fine-tune, the
+    model (``model.safetensors``), plus ``train_config.json`` and ``train_log.json``."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +206,7 @@ def save(model, out: Path, base_name: str, cfg: CotConfig, log: list[dict]) -> N
         pc.base_model_name_or_path = base_name
         pc.save_pretrained(str(out))
         sd = get_peft_model_state_dict(model)
-        save_file({k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in sd.items()},
+        save_file({k: v.detach().to(adapter_dtype).cpu().contiguous() for k, v in sd.items()},
                   str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     else:
         model.save_pretrained(str(out), safe_serialization=True)
@@ -213,13 +214,15 @@ def save(model, out: Path, base_name: str, cfg: CotConfig, log: list[dict]) -> N
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
 
 
-def batches(n: int, batch_size: int):
+def batches(n: int, batch_size: int, rng: random.Random | None = None):
     """Endless batches of ``batch_size`` indices into ``n`` examples, drawn without
-    replacement from reshuffled passes (Python's ``random``, so ``random.seed`` fixes them)."""
+    replacement from reshuffled passes (``rng``, default Python's global ``random``, so
+    ``random.seed`` fixes them)."""
+    rng = rng or random
     order: list[int] = []
     while True:
         while len(order) < batch_size:
-            order += random.sample(range(n), n)
+            order += rng.sample(range(n), n)
         yield [order.pop() for _ in range(batch_size)]
 
 
