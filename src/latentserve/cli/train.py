@@ -1,6 +1,7 @@
 """``latentserve train cot``: stage 0 of CoLaR, a text chain-of-thought backbone
 (``train/cot.py``); ``latentserve train colar``: stage 1, compressed latent reasoning
-(``train/colar.py``)."""
+(``train/colar.py``); ``latentserve train colar-grpo``: stage 2, GRPO with rollouts through
+the engine (``train/colar_grpo.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import json
 def register(sub) -> None:
     from latentserve.train.cot import LORA_TARGETS
 
-    p = sub.add_parser("train", help="train reasoning models (CoLaR stage 0: cot, stage 1: colar)")
+    p = sub.add_parser("train", help="train reasoning models (CoLaR stage 0: cot, stage 1: "
+                                     "colar, stage 2: colar-grpo)")
     stages = p.add_subparsers(dest="stage", required=True)
     c = stages.add_parser("cot", help="fine-tune a backbone on text chains of thought")
     c.add_argument("--data", action="append", required=True,
@@ -87,6 +89,54 @@ def register(sub) -> None:
                    help="latent-step cap written to colar_config.json")
     k.set_defaults(func=run_colar)
 
+    g = stages.add_parser("colar-grpo", help="CoLaR stage 2: GRPO on a stage-1 model, rollouts "
+                                             "through the engine (arXiv 2505.16552)")
+    g.add_argument("--model", required=True,
+                   help="stage-1 directory (train colar output: LoRA adapter + latent policy)")
+    g.add_argument("--data", action="append", required=True,
+                   help="training file: iCoT text lines or GSM8K jsonl (repeatable)")
+    g.add_argument("--out", required=True, help="model directory to write")
+    g.add_argument("--steps", type=int, default=100, help="rollout + update rounds")
+    g.add_argument("--questions-per-step", type=int, default=8)
+    g.add_argument("--group-size", type=int, default=8, help="rollouts per question (upstream 8)")
+    g.add_argument("--exp-batch-size", type=int, default=8,
+                   help="rollouts per optimiser step (upstream 8)")
+    g.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (upstream RL 1e-6)")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-eps", type=float, default=0.2, help="PPO ratio clip (upstream 0.2)")
+    g.add_argument("--loss-average", default="sum", choices=["sum", "mean"],
+                   help="per sequence: sum / 32 (upstream colar.yaml) or the mean over tokens")
+    g.add_argument("--no-latent-loss", dest="use_latent_loss", action="store_false",
+                   help="leave the latent log-probs out of the loss")
+    g.add_argument("--no-answer-loss", dest="use_answer_loss", action="store_false",
+                   help="leave the answer log-probs out of the loss")
+    g.add_argument("--punish-latent-length", action="store_true",
+                   help="divide each reward by its latent count (upstream option)")
+    g.add_argument("--length-penalty", type=float, default=0.0,
+                   help="subtract this x latent steps / max latent from each reward")
+    g.add_argument("--latent-temperature", type=float, default=1.0,
+                   help="latent policy temperature of the rollouts (> 0; upstream 1)")
+    g.add_argument("--answer-temperature", type=float, default=1.0,
+                   help="sampling temperature of the stop token and the answer (upstream 1)")
+    g.add_argument("--answer-top-p", type=float, default=0.9, help="answer top-p (upstream 0.9)")
+    g.add_argument("--answer-tokens", type=int, default=16,
+                   help="answer tokens per rollout (upstream max_new_tokens 16)")
+    g.add_argument("--compression-factor", type=int, default=None,
+                   help="thinking speed of the rollouts (default: the model's)")
+    g.add_argument("--max-latent", type=int, default=None,
+                   help="latent-step cap of the rollouts (default: the model's)")
+    g.add_argument("--max-examples", type=int, default=None, help="use the first N items")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the engine's dtype (default: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="engine batch size")
+    g.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
+    g.add_argument("--max-seconds", type=float, default=0.0,
+                   help="stop and save after this long (0: no limit)")
+    g.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    g.set_defaults(func=run_colar_grpo)
+
 
 def run_cot(args) -> int:
     from latentserve.train.cot import CotConfig, train
@@ -103,4 +153,12 @@ def run_colar(args) -> int:
     opts = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "func")}
     opts["lora_targets"] = tuple(t for t in opts["lora_targets"].split(",") if t)
     print(json.dumps(train(ColarTrainConfig(**opts)), indent=1))
+    return 0
+
+
+def run_colar_grpo(args) -> int:
+    from latentserve.train.colar_grpo import ColarGRPOConfig, train
+
+    opts = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "func")}
+    print(json.dumps(train(ColarGRPOConfig(**opts)), indent=1))
     return 0

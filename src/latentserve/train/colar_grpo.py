@@ -1,0 +1,518 @@
+"""Stage 2 of CoLaR (``latentserve train colar-grpo``): GRPO over the latent policy and the
+answer tokens, with the rollouts run by our engine.
+
+Source: arXiv 2505.16552; upstream xiaomi-research/colar ``src/models/colar.py``
+(``rl_training_step``, ``rollout``, ``get_group_rewards_and_acc``, ``get_logprobs``),
+``src/modules/grpo.py`` (``GRPOLoss``, ``group_advantages``) and the ``rl_config`` of
+``src/configs/models/colar.yaml``; the code is ours.
+
+A stage-1 directory (``train colar``: PEFT LoRA adapter + ``LatentPolicy``) is loaded twice:
+as the trainable HF model (LoRA and policy trainable, float32 master weights, bfloat16
+autocast on CUDA) and into an ``LLMEngine`` (the LoRA merged at load) that runs the
+rollouts. Each step:
+
+1. **Rollouts.** ``questions_per_step`` training items, ``group_size`` rollouts of each in
+   one continuous batch. Each latent is drawn from the policy at ``latent_temperature``
+   (upstream 1.0), the ``###`` that ends the phase and the answer tokens are sampled at
+   ``answer_temperature`` / ``answer_top_p`` (upstream 1.0 / 0.9), at thinking speed
+   ``compression_factor``. The engine records every injected latent
+   (``latent.head_loop.set_policy_sampling(head, record=True)``); a rollout is
+   ``prompt | latent_1 .. latent_n | ### answer``.
+2. **Rewards.** 1 when the text after ``Answer:`` matches the gold
+   (``eval.colar_eval.answers_match``, upstream ``verify_answer``), else 0; divided by ``n``
+   with ``punish_latent_length``; minus ``length_penalty * n / max_latent``.
+   Advantages per question: ``(r - mean) / (std + 1e-8)`` over its group, ``std`` the
+   sample std (upstream ``group_advantages``, ``torch.std``).
+3. **Old log-probs**, once, with the weights that ran the rollouts (upstream computes them
+   in ``rollout``): one teacher-forced forward over ``[prompt, latents, ###, answer]``.
+   Latent ``k``: ``Normal(mean, std * latent_temperature)`` of the policy on the final-normed
+   hidden state before it, ``log_prob(latent / embeds_std)`` averaged over the hidden size.
+   Answer token ``j`` (``###`` first, predicted at the last latent position): the log-softmax
+   of the logits before it, divided by ``answer_temperature`` (1 when it is 0).
+4. **Updates.** The rollouts, shuffled, in minibatches of ``exp_batch_size``; each is one
+   AdamW step (grad norm clipped to 1.0) on upstream's ``GRPOLoss`` without KL::
+
+       ratio = exp(logp - logp_old)
+       l = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
+       loss = L(l_latent, latent mask) + L(l_answer, answer mask)
+
+   with ``L`` = per-sequence sum / 32 then the mean over the minibatch (``loss_average``
+   "sum", upstream's ``average_per_token_loss: False``), or the per-sequence mean then the
+   mean over the minibatch ("mean", ``GRPOLoss``'s code default).
+5. **Sync.** The engine's adapted weights become ``base + B @ A * scale`` again (float32, as
+   at load, from the trainer's float32 base and LoRA), its ``ColarHead`` takes the policy,
+   and its prefix cache is emptied (that KV came from the old weights).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from latentserve.latent import colar
+
+# GRPOLoss with ``average_per_token_loss: False`` divides each sequence's summed loss by this
+# constant (upstream ``masked_sum``).
+SUM_DIVISOR = 32
+LOSS_AVERAGES = ("sum", "mean")
+
+
+@dataclass(slots=True)
+class ColarGRPOConfig:
+    """Options of ``latentserve train colar-grpo`` (see its ``--help``). ``model``: a
+    stage-1 directory (``train colar`` output with a LoRA adapter); ``compression_factor`` /
+    ``max_latent`` None = the model's ``colar_config.json``; ``dtype`` None = bfloat16 on
+    CUDA, float32 on CPU (the engine's; the trainer keeps float32 weights); ``max_seconds``
+    0 = no time limit; ``save_every`` 0 = save at the end only. Raises ValueError for a bad
+    value."""
+
+    model: str
+    data: list[str]
+    out: str
+    steps: int = 100
+    questions_per_step: int = 8
+    group_size: int = 8
+    exp_batch_size: int = 8
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    clip_eps: float = 0.2
+    loss_average: str = "sum"
+    use_latent_loss: bool = True
+    use_answer_loss: bool = True
+    punish_latent_length: bool = False
+    length_penalty: float = 0.0
+    latent_temperature: float = 1.0
+    answer_temperature: float = 1.0
+    answer_top_p: float = 0.9
+    answer_tokens: int = 16
+    compression_factor: int | None = None
+    max_latent: int | None = None
+    max_examples: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str | None = None
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+    max_seconds: float = 0.0
+    save_every: int = 0
+
+    def __post_init__(self):
+        for k in ("steps", "questions_per_step", "exp_batch_size", "answer_tokens",
+                  "max_num_seqs"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (advantages are group-relative), "
+                             f"got {self.group_size}")
+        if not self.lr > 0 or not 0 < self.clip_eps < 1:
+            raise ValueError(f"lr must be > 0 and clip_eps in (0, 1), got {self.lr}, "
+                             f"{self.clip_eps}")
+        if self.loss_average not in LOSS_AVERAGES:
+            raise ValueError(f"loss_average must be one of {LOSS_AVERAGES}, got "
+                             f"{self.loss_average!r}")
+        if not (self.use_latent_loss or self.use_answer_loss):
+            raise ValueError("use_latent_loss and use_answer_loss are both off: no loss")
+        if not self.latent_temperature > 0:
+            raise ValueError(f"latent_temperature must be > 0 (GRPO explores by drawing the "
+                             f"latents), got {self.latent_temperature}")
+        if self.answer_temperature < 0 or not 0 < self.answer_top_p <= 1:
+            raise ValueError(f"answer_temperature must be >= 0 and answer_top_p in (0, 1], got "
+                             f"{self.answer_temperature}, {self.answer_top_p}")
+        if self.length_penalty < 0:
+            raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
+        if self.max_latent is not None and self.max_latent < 1:
+            raise ValueError(f"max_latent must be >= 1, got {self.max_latent}")
+
+
+@dataclass(slots=True)
+class Rollout:
+    """One rollout as the engine ran it. ``prompt_ids``: the prefilled ids (question part,
+    ``(Thinking speed: c)``, ``###``); ``latents``: ``[n, H]`` float32, the injected inputs
+    (rounded to the serving dtype); ``answer_ids``: ``###`` then the sampled answer tokens
+    (EOS included when reached); ``text``: the answer tokens decoded; ``end``: "stop" (the
+    sampled ``###``) or "cap" (``max_latent``)."""
+
+    prompt_ids: list[int]
+    latents: torch.Tensor
+    answer_ids: list[int]
+    text: str
+    end: str
+
+    @property
+    def n_latent(self) -> int:
+        return self.latents.shape[0]
+
+
+def answer_of(text: str) -> str:
+    """The answer in a rollout's text as upstream ``extract_answer_from_output`` takes it:
+    what follows the first ``Answer:`` up to a second one, else the whole text; stripped."""
+    prefix = colar.ANSWER.format("")
+    return (text.split(prefix)[1] if prefix in text else text).strip()
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``[Q, G]`` rewards -> ``[Q, G]`` float32 advantages ``(r - mean) / (std + eps)`` per
+    row, ``std`` the sample (Bessel-corrected) std as upstream's ``torch.std``; a row of
+    equal rewards gives zeros."""
+    r = rewards.float()
+    return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
+
+
+def reward_stats(rewards: torch.Tensor) -> dict:
+    """Of ``[Q, G]`` rewards: ``reward`` (mean), ``reward_var`` (population variance over
+    all Q * G rollouts), ``group_reward_var`` (mean of the population variance within each
+    group) and ``zero_var_groups`` (the share of groups whose rewards are all equal: their
+    advantages are 0 and they add no gradient)."""
+    r = rewards.float()
+    return {"reward": float(r.mean()), "reward_var": float(r.var(unbiased=False)),
+            "group_reward_var": float(r.var(1, unbiased=False).mean()),
+            "zero_var_groups": float((r == r[:, :1]).all(1).float().mean())}
+
+
+def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D tensors -> ``([B, max_len] right-padded with 0, [B, max_len] bool mask)``."""
+    n = max((len(r) for r in rows), default=0)
+    out = rows[0].new_zeros(len(rows), n) if rows else torch.zeros(0, 0)
+    mask = torch.zeros(len(rows), n, dtype=torch.bool, device=out.device)
+    for b, r in enumerate(rows):
+        out[b, :len(r)], mask[b, :len(r)] = r, True
+    return out, mask
+
+
+def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
+                     embeds_std: float, latent_temperature: float = 1.0,
+                     answer_temperature: float = 1.0) -> tuple[list, list]:
+    """Per rollout ``(latent log-probs [n], answer log-probs [len(answer_ids)])`` float32,
+    from one teacher-forced forward of ``model`` (HF ``*ForCausalLM`` or its PEFT wrapper)
+    over ``prompt | latents | answer_ids`` per rollout (right-padded, no mask, positions
+    0..T-1: causal, so padding is never attended). See the module docstring, item 3 (upstream
+    ``get_logprobs``); gradients flow to the LoRA and the policy. The policy runs in float32
+    outside autocast."""
+    from latentserve.train.cot import _lm
+
+    lm = _lm(model)
+    emb = lm.get_input_embeddings()
+    dev = emb.weight.device
+    ids, lat_pos, ans_pos, targets = [], [], [], []
+    for b, r in enumerate(batch):
+        q, n = len(r.prompt_ids), r.n_latent
+        ids.append(r.prompt_ids + [0] * n + r.answer_ids)
+        lat_pos += [(b, q + k) for k in range(n)]
+        ans_pos += [(b, q + n - 1 + j) for j in range(len(r.answer_ids))]
+        targets += r.answer_ids
+    T = max(map(len, ids))
+    x = emb(torch.tensor([s + [0] * (T - len(s)) for s in ids], device=dev))
+    if lat_pos:
+        lb, lt = torch.tensor(lat_pos, device=dev).T
+        z = torch.cat([r.latents for r in batch]).to(dev)
+        x = x.index_put((lb, lt), z.to(x.dtype))
+    hidden = lm.model(inputs_embeds=x).last_hidden_state  # [B, T, H], after the final norm
+    ab, at = torch.tensor(ans_pos, device=dev).T
+    logits = lm.lm_head(hidden[ab, at]).float()
+    if answer_temperature > 0:
+        logits = logits / answer_temperature
+    ans = F.log_softmax(logits, -1).gather(-1, torch.tensor(targets, device=dev)[:, None])[:, 0]
+    lat = torch.zeros(0, device=dev)
+    if lat_pos:
+        with torch.autocast(dev.type, enabled=False):
+            dist = policy(hidden[lb, lt - 1].float(), temperature=latent_temperature)
+            lat = dist.log_prob(z.float() / embeds_std).mean(-1)
+    lat_rows = lat.split([r.n_latent for r in batch])
+    ans_rows = ans.split([len(r.answer_ids) for r in batch])
+    return list(lat_rows), list(ans_rows)
+
+
+def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
+                 adv: torch.Tensor, clip_eps: float, average: str) -> torch.Tensor:
+    """Upstream ``GRPOLoss.calculate_loss``: ``logp``, ``logp_old``, ``mask`` ``[B, L]``,
+    ``adv`` ``[B]``. ``-min(ratio * A, clip(ratio) * A)`` per token, then per sequence the
+    masked sum / :data:`SUM_DIVISOR` ("sum") or the masked mean ("mean"), then the mean over
+    the B sequences. A scalar."""
+    ratio = (logp - logp_old).exp()
+    a = adv[:, None]
+    per_tok = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a) * mask
+    if average == "sum":
+        return (per_tok.sum(-1) / SUM_DIVISOR).mean()
+    return (per_tok.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+
+
+def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
+              clip_eps: float = 0.2, average: str = "sum", use_latent: bool = True,
+              use_answer: bool = True) -> dict[str, torch.Tensor]:
+    """Upstream ``GRPOLoss.forward`` on a minibatch: ``new`` / ``old`` as
+    :func:`rollout_logprobs` returns them, ``adv`` ``[B]``. Returns ``total``, ``latent``
+    and ``answer`` (scalars; a part that is off is 0). Raises ValueError for a bad
+    ``average``."""
+    if average not in LOSS_AVERAGES:
+        raise ValueError(f"average must be one of {LOSS_AVERAGES}, got {average!r}")
+    parts = {}
+    for name, i, on in (("latent", 0, use_latent), ("answer", 1, use_answer)):
+        if not on:
+            parts[name] = torch.zeros((), device=adv.device)
+            continue
+        lp, mask = pad_rows(new[i])
+        lp_old, _ = pad_rows([t.detach() for t in old[i]])
+        parts[name] = clipped_loss(lp, lp_old, mask, adv.to(lp.device), clip_eps, average)
+    return {"total": parts["latent"] + parts["answer"], **parts}
+
+
+# ----------------------------------------------------------------------------- the engine
+
+_FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+          "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+          "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+          "up_proj": ("gate_up_proj", ("gate_proj", "up_proj"))}
+_PEFT_PREFIX = "base_model.model."
+
+
+class EngineSync:
+    """Pushes the trainable model's weights into the ``LLMEngine`` that serves it.
+
+    ``model``: the PEFT-wrapped HF model; ``engine``: an engine serving the same stage-1
+    directory (so its adapted weights were merged from the same base). Each LoRA layer maps
+    to its engine weight: the module of the same HF name, or its rows of the fast path's
+    merged ``qkv_proj`` / ``gate_up_proj`` (``models.layers.MergedQKV``, ``LlamaMLP.fuse``).
+    Raises ValueError for a tensor-parallel engine, a model without LoRA layers, or a weight
+    the engine lacks or shapes differently."""
+
+    def __init__(self, engine, model):
+        from peft.tuners.lora import LoraLayer
+
+        if engine.tp is not None:
+            raise ValueError("colar-grpo needs a single-process engine "
+                             "(tensor_parallel_size 1)")
+        served = engine.runner.model
+        mods = dict(served.named_modules())
+        self.engine, self.targets = engine, []
+        for name, layer in model.named_modules():
+            if isinstance(layer, LoraLayer):
+                hf = name.removeprefix(_PEFT_PREFIX)
+                dest = self._dest(mods, hf, model)
+                if dest.shape != layer.get_base_layer().weight.shape:
+                    raise ValueError(f"engine weight {hf} is {tuple(dest.shape)}, the trained "
+                                     f"one {tuple(layer.get_base_layer().weight.shape)}")
+                self.targets.append((layer, dest))
+        if not self.targets:
+            raise ValueError("the trainable model has no LoRA layer")
+
+    @staticmethod
+    def _dest(mods: dict, name: str, model) -> torch.Tensor:
+        """The engine tensor (a view for a fused projection) that holds HF weight ``name``."""
+        if name in mods:
+            return mods[name].weight
+        parent, _, leaf = name.rpartition(".")
+        fused, order = _FUSED.get(leaf, (None, ()))
+        host = mods.get(parent)
+        if fused is None or host is None or not hasattr(host, fused):
+            raise ValueError(f"the engine's model has no weight for {name!r}")
+        sizes = [model.get_submodule(_PEFT_PREFIX + f"{parent}.{o}").weight.shape[0]
+                 for o in order]
+        start = sum(sizes[:order.index(leaf)])
+        return getattr(host, fused).weight[start:start + sizes[order.index(leaf)]]
+
+    @torch.no_grad()
+    def push(self, policy: colar.LatentPolicy) -> None:
+        """Engine weights := ``base + B @ A * scale`` (float32, cast to the serving dtype;
+        ``models.lora.merged_weight``, the loader's merge) for every LoRA layer, the
+        engine's ``ColarHead`` policy := ``policy``; the prefix cache is emptied. Call
+        between steps (no request running: the cache reset raises RuntimeError otherwise)."""
+        from latentserve.models.lora import merged_weight
+
+        for layer, dest in self.targets:
+            ad = layer.active_adapters[0]
+            w = merged_weight(layer.get_base_layer().weight, layer.lora_A[ad].weight,
+                              layer.lora_B[ad].weight, layer.scaling[ad])
+            dest.copy_(w)
+        self.engine.runner.model.latent_head.policy.load_state_dict(policy.state_dict())
+        self.engine.cache.radix.reset()
+
+
+def run_rollouts(engine, prompts: list[list[int]], params, group_size: int,
+                 latent_dtype: torch.dtype) -> list[Rollout]:
+    """Run every prompt (the question part's ids) ``group_size`` times in one batch through
+    ``engine`` (its ``ColarHead`` recording the injected latents); returns the rollouts
+    prompt-major. ``latent_dtype``: the serving dtype the latents are rounded to."""
+    from latentserve.train.grpo import rollouts
+
+    head = engine.runner.model.latent_head
+    c = params.compression_factor or head.config.compression_factor
+    tail = [*head.speed_ids[c], head.stop_token]
+    outs = rollouts(engine, prompts, params, group_size)
+    res = []
+    for k, o in enumerate(outs):
+        acts, st = o["stats"].get("actions") or [], o["stats"]
+        if len(acts) != st.get("steps", 0):
+            raise RuntimeError(f"rollout {k}: {len(acts)} latents recorded for "
+                               f"{st.get('steps')} steps (is recording on?)")
+        lat = torch.stack(acts).to(latent_dtype).float() if acts else \
+            torch.zeros(0, head.config.hidden_size)
+        res.append(Rollout(prompt_ids=list(prompts[k // group_size]) + tail, latents=lat,
+                           answer_ids=[head.stop_token, *o["tokens"]],
+                           text=engine.tokenizer.decode(o["tokens"], skip_special_tokens=True),
+                           end=st.get("end") or "cap"))
+    return res
+
+
+def rewards_of(rollouts: list[Rollout], golds: list[str], cfg: ColarGRPOConfig,
+               max_latent: int, reward_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rewards [N], accuracies [N])`` float32 (see the module docstring, item 2).
+    ``reward_fn(rollout, gold) -> float`` replaces the 0/1 accuracy as the base reward; the
+    length terms apply to either."""
+    from latentserve.eval.colar_eval import answers_match
+
+    acc = torch.tensor([float(answers_match(g, answer_of(r.text)))
+                        for r, g in zip(rollouts, golds)])
+    base = acc.clone() if reward_fn is None else torch.tensor(
+        [float(reward_fn(r, g)) for r, g in zip(rollouts, golds)])
+    n = torch.tensor([float(r.n_latent) for r in rollouts])
+    if cfg.punish_latent_length:
+        base = base / n.clamp(min=1)
+    return base - cfg.length_penalty * n / max_latent, acc
+
+
+# ----------------------------------------------------------------------------- training
+
+def save_model(model, policy, ccfg: colar.ColarConfig, out: Path, base_name: str,
+               cfg: ColarGRPOConfig, log: list[dict]) -> None:
+    """A servable directory as ``train colar`` writes it, but with the adapter in float32
+    (an RL step at lr 1e-6 moves the LoRA weights far less than a bfloat16 ulp)."""
+    from latentserve.train.cot import save
+
+    save(model, out, base_name, cfg, log, adapter_dtype=torch.float32)
+    colar.save_colar(out, ccfg, policy)
+
+
+def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> dict:
+    """Run ``cfg.steps`` GRPO steps (module docstring) and write ``cfg.out``; returns the
+    last log record. ``engine``: an ``LLMEngine`` already serving ``cfg.model`` (else one is
+    built); its weights end as the trained ones. ``reward_fn(rollout, gold) -> float``
+    replaces the accuracy reward (:func:`rewards_of`).
+
+    Raises:
+        ValueError: a bad option, a stage-1 directory without a LoRA adapter or
+            ``colar_config.json``, a deterministic policy (no log-probs to train), a
+            compression factor the model was not trained for, an engine not serving CoLaR.
+        FileNotFoundError: missing data.
+    """
+    from types import SimpleNamespace
+
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.latent.head_loop import set_policy_sampling
+    from latentserve.models.checkpoint import is_adapter_dir
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.train.colar import adapter_base
+    from latentserve.train.cot import batches, load_backbone, read_items
+
+    t0 = time.time()
+    src = Path(cfg.model)
+    loaded = colar.load_colar(src)
+    if loaded is None or not is_adapter_dir(src):
+        raise ValueError(f"{src} is not a stage-1 CoLaR directory with a LoRA adapter "
+                         f"(adapter_config.json and {colar.COLAR_CONFIG}; train colar with "
+                         "--lora-r > 0 writes one)")
+    ccfg, policy = loaded
+    if ccfg.deterministic:
+        raise ValueError(f"{src}: the latent policy is deterministic; GRPO needs its std")
+    c = ccfg.compression_factor if cfg.compression_factor is None else cfg.compression_factor
+    if not 1 <= c <= ccfg.max_compression_factor:
+        raise ValueError(f"compression_factor must be in [1, {ccfg.max_compression_factor}] "
+                         f"for {src}, got {c}")
+    max_latent = ccfg.max_latent if cfg.max_latent is None else cfg.max_latent
+    items = [it for p in cfg.data for it in read_items(p)][:cfg.max_examples]
+    if not items:
+        raise ValueError(f"no training items in {cfg.data}")
+    dtype = cfg.dtype or ("bfloat16" if cfg.device.startswith("cuda") else "float32")
+    if engine is None:
+        engine = LLMEngine(EngineConfig(model=str(src), device=cfg.device, dtype=dtype,
+                                        max_num_seqs=cfg.max_num_seqs,
+                                        enforce_eager=cfg.enforce_eager))
+    if getattr(engine.latent_spec, "family", None) != "colar":
+        raise ValueError("the engine does not serve a CoLaR model")
+    model, _, base_name = load_backbone(adapter_base(str(src)), cfg.device,
+                                        SimpleNamespace(init_adapter=str(src)))
+    model.eval()  # no dropout: old and new log-probs come from the same function
+    policy = policy.to(cfg.device)
+    params = [p for p in model.parameters() if p.requires_grad] + list(policy.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sync = EngineSync(engine, model)
+    sync.push(policy)  # the engine runs exactly the trainer's weights from the first step
+    head = engine.runner.model.latent_head
+    set_policy_sampling(head, record=True)
+    sp = SamplingParams(max_tokens=cfg.answer_tokens, temperature=cfg.answer_temperature,
+                        top_p=cfg.answer_top_p, compression_factor=c, max_latent=max_latent,
+                        latent_temperature=cfg.latent_temperature)
+    latent_dtype = getattr(torch, engine.config.dtype)
+    order = batches(len(items), cfg.questions_per_step, random.Random(cfg.seed))
+    shuffle = torch.Generator().manual_seed(cfg.seed)
+    autocast = cfg.device.startswith("cuda")
+    out = Path(cfg.out)
+    log: list[dict] = []
+    progress(f"train colar-grpo: {len(items)} items, {sum(p.numel() for p in params)} "
+             f"trainable parameters, {cfg.steps} steps of {cfg.questions_per_step} x "
+             f"{cfg.group_size} rollouts, speed {c}, max_latent {max_latent}")
+
+    def logprobs(batch):
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            return rollout_logprobs(model, policy, batch, ccfg.embeds_std,
+                                    cfg.latent_temperature, cfg.answer_temperature)
+
+    torch.manual_seed(cfg.seed)  # the rollouts' draws do not depend on what loading drew
+    try:
+        for step in range(1, cfg.steps + 1):
+            ts = time.time()
+            pick = [items[i] for i in next(order)]
+            prompts = [engine.tokenizer.encode(colar.QUESTION.format(it.question),
+                                               add_special_tokens=False) for it in pick]
+            rolls = run_rollouts(engine, prompts, sp, cfg.group_size, latent_dtype)
+            golds = [it.gold for it in pick for _ in range(cfg.group_size)]
+            rewards, acc = rewards_of(rolls, golds, cfg, max_latent, reward_fn)
+            grid = rewards.view(cfg.questions_per_step, cfg.group_size)
+            adv = group_advantages(grid).flatten()
+            t_roll = time.time() - ts
+            perm = torch.randperm(len(rolls), generator=shuffle).tolist()
+            mbs = [perm[i:i + cfg.exp_batch_size]
+                   for i in range(0, len(perm), cfg.exp_batch_size)]
+            with torch.no_grad():
+                old = [logprobs([rolls[i] for i in mb]) for mb in mbs]
+            sums = {"loss": 0.0, "latent_loss": 0.0, "answer_loss": 0.0, "grad_norm": 0.0}
+            for mb, mb_old in zip(mbs, old):
+                new = logprobs([rolls[i] for i in mb])
+                loss = grpo_loss(new, mb_old, adv[mb].to(cfg.device), cfg.clip_eps,
+                                 cfg.loss_average, cfg.use_latent_loss, cfg.use_answer_loss)
+                opt.zero_grad(set_to_none=True)
+                loss["total"].backward()
+                norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                for k, v in (("loss", loss["total"]), ("latent_loss", loss["latent"]),
+                             ("answer_loss", loss["answer"]), ("grad_norm", norm)):
+                    sums[k] += float(v.detach()) / len(mbs)
+            sync.push(policy)
+            rec = {"step": step, **reward_stats(grid), "accuracy": float(acc.mean()),
+                   "latent_steps": sum(r.n_latent for r in rolls) / len(rolls),
+                   "stopped": sum(r.end == "stop" for r in rolls) / len(rolls),
+                   **{k: round(v, 6) for k, v in sums.items()},
+                   "rollout_seconds": round(t_roll, 2),
+                   "seconds": round(time.time() - ts, 2),
+                   "total_seconds": round(time.time() - t0, 1)}
+            log.append(rec)
+            progress(json.dumps(rec))
+            timed_out = cfg.max_seconds and time.time() - t0 > cfg.max_seconds
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+                save_model(model, policy, ccfg, out, base_name, cfg, log)
+            if timed_out:
+                progress(f"stopping at step {step}: max_seconds {cfg.max_seconds} reached")
+                break
+    finally:
+        set_policy_sampling(head, record=False)
+    save_model(model, policy, ccfg, out, base_name, cfg, log)
+    return log[-1] if log else {}
+
