@@ -72,7 +72,7 @@ def test_sampled_latents_are_injected_and_recorded(head_dir):
     set_policy_sampling(head, None)
     assert "actions" not in _run_one(engine, prompt, max_latent=3, use_stop=False)
     with pytest.raises(ValueError, match="sigma"):
-        set_policy_sampling(head, 0.0)
+        set_policy_sampling(head, -0.1)
 
 
 def test_group_advantages_are_normalised_within_each_group():

@@ -78,11 +78,13 @@ def run_colar(args) -> int:
     cfg = engine_config(args)
     llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     runs = []
+    controls = {"min_latent": args.min_latent, "stop_threshold": args.stop_threshold,
+                "use_stop": False if args.no_stop else None}  # compression heads only
     for v in values:
         opts = {"compression_factor": args.compression_factor, "max_latent": args.max_latent}
         if args.sweep:
             opts[key] = v
-        records, summary = evaluate(llm, items, args.max_tokens, **opts)
+        records, summary = evaluate(llm, items, args.max_tokens, **opts, **controls)
         summary = {"dataset_file": args.data_file, **opts, **summary}
         runs.append(summary)
         print(json.dumps(summary), flush=True)

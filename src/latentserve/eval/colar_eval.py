@@ -1,14 +1,18 @@
 """Evaluation of models trained in CoLaR's format (``latent/colar.py``): the text-CoT
-backbone of stage 0 and CoLaR latent models, through our engine, greedy.
+backbone of stage 0, CoLaR latent models and compression heads trained on that backbone
+(``train-head sft|dagger|grpo --prompt-format colar``), through our engine, greedy.
 
 A text model gets the whole prompt ``Question: {q} Let's think step by step:(Thinking
 speed: 1)###``; its thinking is the tokens it writes before the closing ``###`` and its
 stop fired when it wrote one. A CoLaR model gets the question part and the request's
 compression factor (the engine appends the speed and the separator); its thinking is the
-latent steps and its stop fired when the LM head closed the phase before the cap. The
-answer is what follows ``Answer:`` (upstream ``extract_answer_from_output``), compared as
-upstream ``verify_answer`` does (stripped, trailing dots and commas removed, numbers as
-floats).
+latent steps and its stop fired when the LM head closed the phase before the cap. A
+compression head gets the text model's prompt ids (``train.traces.colar_prompt_ids``, as it
+was trained); its thinking is the latent steps, its stop fired when the stop head closed
+the phase (not the cap), and its answer budget is ``max_tokens`` on top of the latent steps
+and the forced closing. The answer is what follows ``Answer:`` (upstream
+``extract_answer_from_output``), compared as upstream ``verify_answer`` does (stripped,
+trailing dots and commas removed, numbers as floats).
 """
 
 from __future__ import annotations
@@ -47,29 +51,51 @@ def summarize(records: list[dict], seconds: float) -> dict:
 
 
 def evaluate(llm, items: list[Item], max_tokens: int = 320,
-             compression_factor: int | None = None, max_latent: int | None = None
-             ) -> tuple[list[dict], dict]:
+             compression_factor: int | None = None, max_latent: int | None = None,
+             **head_controls) -> tuple[list[dict], dict]:
     """Run ``items`` through ``llm`` (an ``entrypoints.llm.LLM``) greedily; returns
     ``(records, summary)`` (see :func:`summarize`). ``max_tokens`` bounds the generated
-    text tokens (thinking and answer); ``compression_factor`` / ``max_latent`` apply to a
-    CoLaR model only (None: the model's defaults). Raises ValueError when they are given
-    for a text model."""
+    text tokens (text model: thinking and answer; CoLaR and head: the answer);
+    ``max_latent`` applies to a CoLaR model or a compression head, ``compression_factor`` to
+    a CoLaR model, ``head_controls`` (``min_latent``, ``use_stop``, ``stop_threshold``) to a
+    head (None or absent: the model's or server's defaults). Raises ValueError when one is
+    given for a model that does not take it."""
     from latentserve.sampling_params import SamplingParams
 
-    latent = getattr(llm.engine.latent_spec, "family", None) == "colar"
-    if not latent and (compression_factor is not None or max_latent is not None):
+    family = getattr(llm.engine.latent_spec, "family", None)
+    latent, head = family == "colar", family == "compression-head"
+    head_controls = {k: v for k, v in head_controls.items() if v is not None}
+    unknown = set(head_controls) - {"min_latent", "use_stop", "stop_threshold"}
+    if unknown:
+        raise ValueError(f"unknown head control(s) {sorted(unknown)}")
+    if not (latent or head) and (compression_factor is not None or max_latent is not None):
         raise ValueError("compression_factor and max_latent need a CoLaR model "
-                         "(a directory with colar_config.json)")
+                         "(a directory with colar_config.json) or a compression head")
+    if head_controls and not head:
+        raise ValueError(f"{sorted(head_controls)} need a compression head (--latent-head)")
+    if compression_factor is not None and head:
+        raise ValueError("compression_factor is a control of CoLaR models, not of a "
+                         "compression head (its factor is fixed by training)")
     tok = llm.tokenizer
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
     extra = {}
     if latent:
         extra = {k: v for k, v in (("compression_factor", compression_factor),
                                    ("max_latent", max_latent)) if v is not None}
+    elif head:
+        from latentserve.train.traces import colar_prompt_ids
+
+        cap = max_latent if max_latent is not None else llm.engine.head_defaults["max_latent"]
+        extra = {"max_latent": cap, "min_output_tokens": 0, **head_controls}
+        max_tokens += cap + len(llm.engine.latent_spec.end_ids)  # latent steps count too
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
-    prompts = [{"prompt_token_ids": tok.encode(
-        colar.QUESTION.format(it.question) if latent else colar.prompt_text(it.question),
-        add_special_tokens=False)} for it in items]
+    if head:
+        ids = colar_prompt_ids(tok, [it.question for it in items])
+    else:
+        ids = [tok.encode(colar.QUESTION.format(it.question) if latent
+                          else colar.prompt_text(it.question), add_special_tokens=False)
+               for it in items]
+    prompts = [{"prompt_token_ids": p} for p in ids]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -77,7 +103,7 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
     for it, o in zip(items, outs):
         c = o.outputs[0]
         ids = list(c.token_ids)
-        if latent:
+        if latent or head:
             stats = c.latent_stats or {}
             thinking, fired = int(stats.get("steps", 0)), stats.get("end") == "stop"
             text = tok.decode(ids, skip_special_tokens=True)

@@ -335,6 +335,8 @@ def _bundle_file(path: Path, what: str) -> Path:
 
 
 def _span_ids(tok, text: str | None, token: str, what: str) -> tuple[int, ...]:
+    if text == "":  # no such span: the prompt ends with the opening already (CoLaR's ###)
+        return ()
     if text:
         ids = tok.encode(text, add_special_tokens=False)
         if not ids:
@@ -351,9 +353,10 @@ def attach_head(model, model_dir, hf_config, path, device, injection: str | None
     """Load the bundle at ``path`` onto ``model``: ``model.latent_head`` (float32
     ``LatentHead`` on ``device``), ``model.latent_head_mode`` (``injection`` or the
     bundle's) and ``model.latent_spec`` (kind ``"head"``: start/end ids = the thinking
-    opening/closing, ``<think>`` / ``</think>`` or the config's text; ``latent_id`` = the
-    tokenizer's pad id, else its eos id, else 0). Raises ValueError when the bundle does not
-    fit the backbone (hidden size, source layer) or cannot be injected (no decoder)."""
+    opening/closing, ``<think>`` / ``</think>`` or the config's text, none for an empty
+    text; ``latent_id`` = the tokenizer's pad id, else its eos id, else 0). Raises ValueError
+    when the bundle does not fit the backbone (hidden size, source layer) or cannot be
+    injected (no decoder)."""
     from latentserve.latent.head import CONTROLS
     from latentserve.latent.spec import LatentSpec
     from latentserve.models.checkpoint import load_tokenizer

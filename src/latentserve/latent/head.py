@@ -52,7 +52,8 @@ class HeadConfig:
     (training only, inert when serving), ``arch`` (only ``"v1"`` is served here),
     ``bank_m`` (arch v2 only; 1 for v1), ``injection`` (``closed_loop`` or ``prompt``),
     ``think_open`` / ``think_close`` (text of the thinking span's opening and closing for a
-    backbone without ``<think>`` / ``</think>`` tokens; None = those tokens).
+    backbone without ``<think>`` / ``</think>`` tokens; None = those tokens; ``""`` = no ids,
+    e.g. the opening of a head on CoLaR's prompt, which ends with the opening ``###``).
     """
 
     hidden_size: int

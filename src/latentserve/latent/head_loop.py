@@ -89,7 +89,7 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
         anchors = captured if every else captured[idx]
         if sigma is not None:  # Gaussian policy: z ~ N(mu, sigma^2 I), recorded with its anchor
             mu = head.encode(anchors)
-            z = mu + sigma * torch.randn_like(mu)
+            z = mu + sigma * torch.randn_like(mu) if sigma > 0 else mu
             vecs = head.decode(z)
             z_cpu, a_cpu = z.float().cpu(), anchors.float().cpu()
             probs = head.stop_prob(anchors)
@@ -162,16 +162,18 @@ def set_policy_sampling(head, sigma: float | None = None, *, record: bool = Fals
 
     Compression head (``train/grpo.py``): with ``sigma`` > 0 every closed-loop latent step
     injects ``decode(z)`` with ``z ~ N(mu, sigma^2 I)`` instead of ``mu`` and records
-    ``(anchor, z)`` in the request's ``latent_stats["actions"]``; None restores MAP decoding.
+    ``(anchor, z)`` in the request's ``latent_stats["actions"]``; ``sigma`` 0 injects ``mu``
+    and records ``(anchor, mu)`` (DAgger rollouts, ``train/dagger.py``); None restores MAP
+    decoding without recording.
 
     ``record`` (``sigma`` None; CoLaR, ``train/colar_grpo.py``, whose requests draw their own
     latents at their ``latent_temperature``): every closed-loop latent step records the input
     it injects, ``[hidden]`` float32 on the CPU (before the cast to the serving dtype), in
     ``latent_stats["actions"]``; False stops recording.
 
-    Raises ValueError for sigma <= 0, or ``record`` with a sigma."""
-    if sigma is not None and not sigma > 0:
-        raise ValueError(f"sigma must be > 0 (or None to use mu), got {sigma!r}")
+    Raises ValueError for sigma < 0, or ``record`` with a sigma."""
+    if sigma is not None and not sigma >= 0:
+        raise ValueError(f"sigma must be >= 0 (or None to use mu), got {sigma!r}")
     if record and sigma is not None:
         raise ValueError("record=True records the injected inputs of a head that draws its own "
                          "latents; with sigma the (anchor, z) actions are recorded already")

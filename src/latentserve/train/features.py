@@ -42,12 +42,36 @@ class Features:
     def to(self, device) -> Features:
         return Features(*(getattr(self, k).to(device) for k in self.__slots__))
 
+    def rows(self, idx: torch.Tensor) -> Features:
+        """The rows ``idx`` (``[n]`` int64, on the same device), copied."""
+        return Features(*(getattr(self, k)[idx] for k in self.__slots__))
+
+    def cat(self, other: Features) -> Features:
+        """The rows of ``self``, then those of ``other`` (same device)."""
+        return Features(*(torch.cat([getattr(self, k), getattr(other, k)])
+                          for k in self.__slots__))
+
+
+def num_groups(t: int, c: int) -> int:
+    """``G = ceil(t / c)``: latent steps standing for ``t`` reasoning tokens."""
+    return -(-t // c)
+
 
 def anchor_positions(p: int, t: int, c: int) -> list[int]:
     """Positions of the ``G + 1`` anchors of a trace (prompt length ``p``, ``t`` reasoning
     tokens, compression factor ``c``; see the module docstring)."""
-    g = -(-t // c)
+    g = num_groups(t, c)
     return [p - 1] + [p + k * c - 1 for k in range(1, g)] + [p + t - 1]
+
+
+def first_rows(traces, c: int) -> list[int]:
+    """Index of each trace's row ``k = 0`` in :func:`capture`'s output (trace ``i`` owns
+    rows ``first[i] .. first[i] + G_i``)."""
+    out, n = [], 0
+    for tr in traces:
+        out.append(n)
+        n += num_groups(len(tr.reasoning), c) + 1
+    return out
 
 
 @torch.no_grad()

@@ -1,12 +1,15 @@
 """Stage 2 of a compression head: GRPO with the head as a Gaussian policy over the injected
 latent (``latentserve train-head grpo``).
 
-Each step takes ``questions_per_step`` GSM8K questions and runs ``group_size`` closed-loop
+Each step takes ``questions_per_step`` training questions (GSM8K rows in the ``chat``
+prompt format; CoLaR-format prompts of iCoT or GSM8K examples with ``prompt_format="colar"``,
+``train/traces.py``) and runs ``group_size`` closed-loop
 rollouts of each through our engine, all in one continuous batch: at every latent step the
 engine samples ``z ~ N(mu, sigma^2 I)`` (``sigma`` fixed, the exploration width; SFT drives
 the head's own sigma to its clamp) and injects ``decoder(LN(z))``, recording the anchor and
 ``z`` (``latent.head_loop.set_policy_sampling``); the answer is decoded greedily. Reward =
-exact match of the answer's last number with the gold + ``close_bonus`` when the stop head
+exact match of the answer with the gold (``chat``: the last number; ``colar``: what follows
+``Answer:``, as ``eval/colar_eval.py`` scores it) + ``close_bonus`` when the stop head
 closed the thinking phase (``end == "stop"``, not the cap). Advantages are group-relative,
 ``(r - mean) / (std + 1e-6)`` within each question's group. Loss, REINFORCE with a KL
 penalty to the frozen SFT head::
@@ -44,6 +47,7 @@ class GRPOConfig:
     out: str
     model: str | None = None
     data: str | None = None  # None = $LATENTSERVE_DATA/gsm8k/train.jsonl
+    prompt_format: str = "chat"
     max_examples: int | None = None
     steps: int = 10
     questions_per_step: int = 8
@@ -78,6 +82,9 @@ class GRPOConfig:
                 raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
         if not self.sigma > 0:
             raise ValueError(f"sigma must be > 0, got {self.sigma}")
+        if self.prompt_format not in ("chat", "colar"):
+            raise ValueError(f"prompt_format must be 'chat' or 'colar', got "
+                             f"{self.prompt_format!r}")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if not str(self.out).endswith((".safetensors", ".pt")):
@@ -90,6 +97,18 @@ def default_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) 
     from latentserve.eval.answers import last_number, numbers_equal
 
     return float(numbers_equal(last_number(text), gold)) + close_bonus * (
+        stats.get("end") == "stop")
+
+
+def colar_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) -> float:
+    """1 when the answer after ``Answer:`` in ``text`` matches ``gold``
+    (``eval.colar_eval.answers_match``, upstream ``verify_answer``), + ``close_bonus`` when
+    the latent phase ended by the stop head."""
+    from latentserve.eval.colar_eval import answers_match
+    from latentserve.latent.colar import ANSWER
+
+    answer = text.partition(ANSWER.format(""))[2].strip()
+    return float(bool(answer) and answers_match(gold, answer)) + close_bonus * (
         stats.get("end") == "stop")
 
 
@@ -160,12 +179,11 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     Raises ValueError for bad options."""
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.eval.answers import last_number, numbers_equal
     from latentserve.latent.bundle import read_bundle
     from latentserve.latent.head_loop import set_policy_sampling
     from latentserve.sampling_params import SamplingParams
     from latentserve.train.schedule import adamw_warmup_linear
-    from latentserve.train.traces import chat_prompt_ids, load_gsm8k_rows, train_file
+    from latentserve.train.traces import load_questions, prompt_ids
 
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -184,14 +202,15 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     policy.reasoning_head.net.requires_grad_(True)
     params = list(policy.reasoning_head.net.parameters())
     opt, sched = adamw_warmup_linear(params, cfg.lr, cfg.steps, warmup=0.0)
-    rows = load_gsm8k_rows(train_file(cfg.data), cfg.max_examples)
+    rows = load_questions(cfg.data, cfg.prompt_format, cfg.max_examples)
     tok = engine.tokenizer
     n_close = len(engine.latent_spec.end_ids)
     sp = SamplingParams(max_tokens=cfg.max_latent + n_close + cfg.answer_tokens,
                         temperature=0.0, max_latent=cfg.max_latent,
                         min_latent=cfg.min_latent, use_stop=True,
                         stop_threshold=cfg.stop_threshold, min_output_tokens=0)
-    reward = reward_fn or (lambda t, g, s: default_reward(t, g, s, cfg.close_bonus))
+    score = colar_reward if cfg.prompt_format == "colar" else default_reward
+    reward = reward_fn or (lambda t, g, s: score(t, g, s, cfg.close_bonus))
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(rows), generator=gen).tolist()
     history = []
@@ -204,10 +223,9 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     for step in it:
         pick = [rows[order[(step * cfg.questions_per_step + j) % len(rows)]]
                 for j in range(cfg.questions_per_step)]
-        prompts = [chat_prompt_ids(tok, r["question"]) for r in pick]
+        prompts = prompt_ids(tok, [q for q, _ in pick], cfg.prompt_format)
         outs = rollouts(engine, prompts, sp, cfg.group_size)
-        golds = [r["answer"].rpartition("####")[2].strip() for r in pick
-                 for _ in range(cfg.group_size)]
+        golds = [g for _, g in pick for _ in range(cfg.group_size)]
         texts = [tok.decode(o["tokens"], skip_special_tokens=True) for o in outs]
         r = torch.tensor([reward(t, g, o["stats"]) for t, g, o in zip(texts, golds, outs)])
         adv = group_advantages(r.view(cfg.questions_per_step, cfg.group_size)).flatten()
@@ -220,7 +238,7 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
         sched.step()
         with torch.no_grad():
             served.reasoning_head.load_state_dict(policy.reasoning_head.state_dict())
-        acc = sum(numbers_equal(last_number(t), g) for t, g in zip(texts, golds)) / len(texts)
+        acc = sum(score(t, g, {}, 0.0) for t, g in zip(texts, golds)) / len(texts)
         closed = sum(o["stats"].get("end") == "stop" for o in outs) / len(outs)
         row = {"step": step, "reward": float(r.mean()), "accuracy": acc, "closed": closed,
                **parts, "reward_std": float(r.std(unbiased=False))}

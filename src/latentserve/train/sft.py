@@ -12,7 +12,11 @@ randomly initialised ``target_proj``; ``mu, log_sigma = head(LN(anchor))``):
 * ``stop``: BCE of ``stop_head(LN(anchor))`` against the end-of-reasoning label, positives
   weighted by the negative/positive ratio.
 
-Loss = soft_mse + recon + stop; AdamW with linear warmup and decay. Facts from the
+Loss = soft_mse + recon + stop; AdamW with linear warmup and decay (:func:`fit`, which
+``train/dagger.py`` reuses on its aggregated rows). The backbone is a model directory, a
+``.gguf`` or a PEFT LoRA adapter directory, merged into its base in float32
+(:func:`load_backbone`); traces are in the ``chat`` or ``colar`` prompt format
+(``train/traces.py``). Facts from the
 DeepSeek-V4 latent-reasoning addon's training notes (soft-MSE with an entropy term, a
 reconstruction loss for the decoder, stop BCE on the group where reasoning ends, a frozen
 backbone, source layer near 80% depth and target layer at the top) and CoLaR (arXiv
@@ -30,22 +34,31 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from latentserve.train.traces import THINK_CLOSE, THINK_OPEN
+from latentserve.train.traces import (
+    COLAR_CLOSE,
+    COLAR_OPEN,
+    PROMPT_FORMATS,
+    THINK_CLOSE,
+    THINK_OPEN,
+)
 
 
 @dataclass(slots=True)
 class SFTConfig:
     """Options of ``train-head sft`` (see ``latentserve train-head sft --help``).
-    ``source_layer`` / ``target_layer`` None = ``round(0.8 L) - 1`` / ``L - 1``."""
+    ``source_layer`` / ``target_layer`` None = ``round(0.8 L) - 1`` / ``L - 1``.
+    ``think_open`` / ``think_close`` None = the format's: ``THINK_OPEN`` / ``THINK_CLOSE``
+    (``chat``), ``""`` / ``"###"`` (``colar``, which allows no other)."""
 
     out: str
     model: str | None = None
     data: str | None = None  # None = $LATENTSERVE_DATA/gsm8k/train.jsonl
+    prompt_format: str = "chat"
     max_examples: int | None = None
     style: str = "solution"
     max_reasoning_tokens: int = 256
-    think_open: str = THINK_OPEN
-    think_close: str = THINK_CLOSE
+    think_open: str | None = None
+    think_close: str | None = None
     source_layer: int | None = None
     target_layer: int | None = None
     compression_factor: int = 4
@@ -75,7 +88,21 @@ class SFTConfig:
             raise ValueError(f"max_examples must be >= 1, got {self.max_examples}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got "
+                             f"{self.prompt_format!r}")
+        fixed = self.prompt_format == "colar"
+        for k, v in (("think_open", COLAR_OPEN if fixed else THINK_OPEN),
+                     ("think_close", COLAR_CLOSE if fixed else THINK_CLOSE)):
+            if getattr(self, k) is None:
+                setattr(self, k, v)
+            elif fixed and getattr(self, k) != v:
+                raise ValueError(f"{k} is {v!r} in the colar prompt format (the prompt ends "
+                                 f"with the opening ###, the closing is ###), got "
+                                 f"{getattr(self, k)!r}")
         for k in ("think_open", "think_close"):  # empty: serving would look for <think>
+            if fixed:
+                continue
             if not isinstance(getattr(self, k), str) or not getattr(self, k):
                 raise ValueError(f"{k} must be a non-empty string (the thinking span's text "
                                  f"the head is trained and served with), got "
@@ -85,16 +112,41 @@ class SFTConfig:
 
 
 def load_backbone(model: str | None, device: str, dtype: str):
-    """``(hf_model, tokenizer, model_dir)``: the frozen HF causal LM (eval, no grads) for
-    ``model`` (a directory, a ``.gguf``, or None for the embedded SmolLM2)."""
+    """``(hf_model, tokenizer, model_dir)``: the frozen HF causal LM (eval, no grads, in
+    ``dtype`` on ``device``) for ``model``: a directory, a ``.gguf``, None for the embedded
+    SmolLM2, or a PEFT LoRA adapter directory, loaded as its base with the adapter merged
+    in float32 (:func:`merged_adapter_model`; the engine serves the same merge). Raises
+    ValueError as ``models.checkpoint.resolve_model_dir`` and ``models.lora.read_adapter``."""
     from transformers import AutoModelForCausalLM
 
-    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+    from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolve_model_dir
 
     d = resolve_model_dir(model)
-    m = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype))
+    if is_adapter_dir(d):
+        m = merged_adapter_model(d).to(getattr(torch, dtype))
+    else:
+        m = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype))
     m = m.to(device).eval().requires_grad_(False)
     return m, load_tokenizer(d), d
+
+
+def merged_adapter_model(adapter_dir):
+    """The HF causal LM (float32, CPU) of a PEFT LoRA adapter directory: its base
+    (``models.checkpoint.adapter_base_dir``) with every LoRA pair merged,
+    ``W + (B @ A) * scale`` in float32 (``models.lora.merge_adapter``, the engine's merge;
+    PEFT ``merge_and_unload`` computes the same). Raises ValueError for an adapter the
+    merge refuses (``models.lora.read_adapter``)."""
+    from transformers import AutoModelForCausalLM
+
+    from latentserve.models.lora import merge_adapter, read_adapter
+
+    adapter = read_adapter(adapter_dir)
+    m = AutoModelForCausalLM.from_pretrained(str(adapter.base_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for name, w in merge_adapter(m.state_dict().items(), adapter, m.config):
+            if name in adapter.pairs:
+                m.get_parameter(name).copy_(w)
+    return m
 
 
 def default_layers(n_layers: int) -> tuple[int, int]:
@@ -131,46 +183,40 @@ def full_losses(head, feats, beta, embed_var, pos_weight) -> dict:
     return {k: float(v) for k, v in terms.items()}
 
 
-def train_sft(cfg: SFTConfig) -> dict:
-    """Capture features, train a head, write the bundle to ``cfg.out`` (and a JSON log
-    beside it, ``<out>.log.json``). Returns the log: ``config``, ``loss_before`` /
-    ``loss_after`` (all terms over every training row), ``history`` (terms every
-    ``log_every`` steps), counts and seconds. Raises ValueError for bad options or when no
-    trace fits ``max_reasoning_tokens``."""
-    from latentserve.latent.bundle import bundle_from_module, write_bundle
-    from latentserve.latent.head import HeadConfig, LatentHead
+def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
+                   compression_factor: int, think_open: str, think_close: str):
+    """``(traces, features)`` of ``cfg``'s training data (``cfg``: :class:`SFTConfig` or
+    ``train.dagger.DaggerConfig``: ``data``, ``prompt_format``, ``max_examples``, ``style``,
+    ``max_reasoning_tokens``, ``capture_batch_size``, ``progress``) on the frozen ``model``.
+    Raises ValueError when no trace fits ``max_reasoning_tokens``."""
     from latentserve.train.features import capture
-    from latentserve.train.schedule import adamw_warmup_linear
-    from latentserve.train.traces import build_traces, load_gsm8k_rows, train_file
+    from latentserve.train.traces import load_traces, train_file
 
-    t0 = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    data = train_file(cfg.data)
-    rows = load_gsm8k_rows(data, cfg.max_examples)
-    model, tok, _ = load_backbone(cfg.model, cfg.device, cfg.dtype)
-    src, tgt = default_layers(model.config.num_hidden_layers)
-    src = cfg.source_layer if cfg.source_layer is not None else src
-    tgt = cfg.target_layer if cfg.target_layer is not None else tgt
-    traces = build_traces(tok, rows, cfg.think_open, cfg.think_close, cfg.style,
-                          cfg.max_reasoning_tokens)
+    traces = load_traces(tok, cfg.data, cfg.prompt_format, cfg.max_examples, think_open,
+                         think_close, cfg.style, cfg.max_reasoning_tokens)
     if not traces:
-        raise ValueError(f"no usable trace in {data} (max_reasoning_tokens="
+        raise ValueError(f"no usable trace in {train_file(cfg.data)} (max_reasoning_tokens="
                          f"{cfg.max_reasoning_tokens})")
-    feats = capture(model, traces, src, tgt, cfg.compression_factor,
+    feats = capture(model, traces, source_layer, target_layer, compression_factor,
                     cfg.capture_batch_size, cfg.progress)
-    t_capture = time.perf_counter() - t0
-    del model
+    return traces, feats
 
-    hcfg = HeadConfig(hidden_size=feats.anchor.shape[1], latent_dim=cfg.latent_dim,
-                      mlp_dim=cfg.mlp_dim, source_layer=src, target_layer=tgt,
-                      compression_factor=cfg.compression_factor,
-                      think_open=cfg.think_open, think_close=cfg.think_close)
-    head = LatentHead(hcfg, has_stop_head=True, has_target_proj=True).to(cfg.device)
-    head.target_proj.requires_grad_(False)
+
+def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
+    """Train ``head`` (``LatentHead`` with a frozen ``target_proj``, on ``cfg.device``) on
+    the rows of ``feats`` for ``cfg.steps`` steps of ``cfg.batch_size`` latent rows and as
+    many stop rows, each drawn uniformly (AdamW ``cfg.lr`` / ``cfg.weight_decay``, warmup
+    fraction ``cfg.warmup``, clip 1.0, seed ``cfg.seed``). ``checkpoint(step)`` is called
+    every ``cfg.save_every`` steps (0: never), the head in eval mode. Returns ``{"before",
+    "after", "history", "rows", "latent_rows"}``: all loss terms over every row, before and
+    after, and the terms every ``cfg.log_every`` steps. The head ends in eval mode."""
+    from latentserve.train.schedule import adamw_warmup_linear
+
     lat_rows = feats.has_target.nonzero()[:, 0]
     embed_var = float(feats.embed[lat_rows].var(0).sum() / feats.embed.shape[1]) or 1.0
     n_pos = float(feats.stop.sum())
     pos_weight = torch.tensor((len(feats.stop) - n_pos) / max(n_pos, 1.0), device=cfg.device)
+    head.eval()
     before = full_losses(head, feats, cfg.beta, embed_var, pos_weight)
     params = [p for p in head.parameters() if p.requires_grad]
     opt, sched = adamw_warmup_linear(params, cfg.lr, cfg.steps, cfg.warmup, cfg.weight_decay)
@@ -181,7 +227,7 @@ def train_sft(cfg: SFTConfig) -> dict:
     if cfg.progress:
         from tqdm.auto import tqdm
 
-        steps = bar = tqdm(steps, desc="sft", unit="step")
+        steps = bar = tqdm(steps, desc=desc, unit="step")
     head.train()
     for step in steps:
         li = lat_rows[torch.randint(len(lat_rows), (cfg.batch_size,), generator=gen,
@@ -201,19 +247,55 @@ def train_sft(cfg: SFTConfig) -> dict:
             if bar is not None:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", recon=f"{row['recon']:.3f}",
                                 stop=f"{row['stop']:.3f}")
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            out = Path(cfg.out)
-            write_bundle(bundle_from_module(head.eval()),
-                         out.with_name(f"{out.stem}-step{step + 1}{out.suffix}"))
+        if (checkpoint is not None and cfg.save_every and (step + 1) % cfg.save_every == 0
+                and step + 1 < cfg.steps):
+            checkpoint(step + 1)
             head.train()
     head.eval()
     after = full_losses(head, feats, cfg.beta, embed_var, pos_weight)
-    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    return {"before": before, "after": after, "history": history, "rows": len(feats.stop),
+            "latent_rows": len(lat_rows)}
+
+
+def train_sft(cfg: SFTConfig) -> dict:
+    """Capture features, train a head, write the bundle to ``cfg.out`` (and a JSON log
+    beside it, ``<out>.log.json``). Returns the log: ``config``, ``loss_before`` /
+    ``loss_after`` (all terms over every training row), ``history`` (terms every
+    ``log_every`` steps), counts and seconds. Raises ValueError for bad options or when no
+    trace fits ``max_reasoning_tokens``."""
+    from latentserve.latent.bundle import bundle_from_module, write_bundle
+    from latentserve.latent.head import HeadConfig, LatentHead
+
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    model, tok, _ = load_backbone(cfg.model, cfg.device, cfg.dtype)
+    src, tgt = default_layers(model.config.num_hidden_layers)
+    src = cfg.source_layer if cfg.source_layer is not None else src
+    tgt = cfg.target_layer if cfg.target_layer is not None else tgt
+    traces, feats = capture_traces(model, tok, cfg, src, tgt, cfg.compression_factor,
+                                   cfg.think_open, cfg.think_close)
+    t_capture = time.perf_counter() - t0
+    del model
+
+    hcfg = HeadConfig(hidden_size=feats.anchor.shape[1], latent_dim=cfg.latent_dim,
+                      mlp_dim=cfg.mlp_dim, source_layer=src, target_layer=tgt,
+                      compression_factor=cfg.compression_factor,
+                      think_open=cfg.think_open, think_close=cfg.think_close)
+    head = LatentHead(hcfg, has_stop_head=True, has_target_proj=True).to(cfg.device)
+    head.target_proj.requires_grad_(False)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(step):
+        write_bundle(bundle_from_module(head.eval()),
+                     out.with_name(f"{out.stem}-step{step}{out.suffix}"))
+
+    res = fit(head, feats, cfg, "sft", checkpoint)
     write_bundle(bundle_from_module(head), cfg.out)
     log = {"config": asdict(cfg), "head_config": hcfg.to_dict(), "traces": len(traces),
-           "rows": len(feats.stop), "latent_rows": len(lat_rows),
-           "loss_before": before, "loss_after": after, "history": history,
-           "capture_seconds": round(t_capture, 2),
+           "rows": res["rows"], "latent_rows": res["latent_rows"],
+           "loss_before": res["before"], "loss_after": res["after"],
+           "history": res["history"], "capture_seconds": round(t_capture, 2),
            "seconds": round(time.perf_counter() - t0, 2)}
     Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
     return log

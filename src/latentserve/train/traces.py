@@ -1,12 +1,20 @@
-"""Training traces for compression heads, built from GSM8K ``train.jsonl``: each row's
-worked solution (its ``<<expr=value>>`` calculator annotations removed, or only those
-equations with ``style="equations"``, the iCoT form) is the reasoning the head learns to
-compress; the number after ``####`` is the answer.
+"""Training traces for compression heads, in one of two prompt formats.
 
-A trace is the token sequence the served closed loop replaces: ``prompt`` (the chat
-template's rendering of the question, then the thinking opening, exactly the ids the engine
-prefills) + ``reasoning`` (compressed into latent steps) + ``close`` (the thinking closing,
-forced by the engine) + ``answer``.
+A trace is the token sequence the served closed loop replaces: ``prompt`` (exactly the ids
+the engine prefills, the thinking opening included) + ``reasoning`` (compressed into latent
+steps) + ``close`` (the thinking closing, forced by the engine) + ``answer``.
+
+* ``chat`` (a chat model, GSM8K ``train.jsonl``): prompt = the chat template's rendering of
+  the question + the thinking opening text (``THINK_OPEN``); reasoning = the worked solution
+  without its ``<<expr=value>>`` calculator annotations (``style="equations"``: only those,
+  the iCoT form); close = ``THINK_CLOSE``; answer = `` {gold}.`` EOS.
+* ``colar`` (a backbone trained on CoLaR's text chains of thought, ``latentserve train
+  cot``; iCoT lines or GSM8K jsonl, ``train.cot.read_items``): prompt = ``Question: {q}
+  Let's think step by step:(Thinking speed: 1)###`` (the opening separator ends the prompt,
+  so the head's opening text is empty, ``COLAR_OPEN``); reasoning = the steps; close =
+  ``###`` (``COLAR_CLOSE``); answer = ``Answer:{gold}`` EOS. Segments are tokenised as
+  ``train.cot.encode_parts`` does, so a trace is token for token the sequence the backbone
+  was fine-tuned on.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ from pathlib import Path
 # frozen model into stating the answer.
 THINK_OPEN = "Let me think step by step."
 THINK_CLOSE = "\nThe answer is"
+# CoLaR's format: the prompt already ends with the opening separator; the closing is "###".
+COLAR_OPEN, COLAR_CLOSE = "", "###"
+PROMPT_FORMATS = ("chat", "colar")
 _CALC = re.compile(r"<<([^>]*)>>")
 
 
@@ -113,3 +124,74 @@ def build_traces(tokenizer, rows: list[dict], think_open: str = THINK_OPEN,
         out.append(Trace(prompt, r_ids, close_ids,
                          tokenizer.encode(f" {gold}.", add_special_tokens=False) + eos))
     return out
+
+
+def colar_prompt_ids(tokenizer, questions: list[str]) -> list[list[int]]:
+    """Ids of CoLaR's prompt at thinking speed 1 with the opening separator, per question
+    (``train.cot.encode_prompts`` + the ``###`` id): what the engine prefills for a head
+    trained on ``colar`` traces."""
+    from latentserve.latent.colar import SEPARATOR
+    from latentserve.train.cot import encode_prompts
+
+    sep = tokenizer.convert_tokens_to_ids(SEPARATOR)
+    return [p + [sep] for p in encode_prompts(tokenizer, questions)]
+
+
+def build_colar_traces(tokenizer, items, max_reasoning_tokens: int = 256) -> list[Trace]:
+    """Traces in the ``colar`` format (module docstring) of ``items``
+    (``eval.datasets.Item``: question, steps, gold). Items whose steps are empty or longer
+    than ``max_reasoning_tokens`` tokens are skipped."""
+    from latentserve.train.cot import encode_parts
+
+    out = []
+    for prompt, steps, tail in encode_parts(tokenizer, items):  # tail = [###, answer, EOS]
+        if steps and len(steps) <= max_reasoning_tokens:
+            out.append(Trace(prompt + tail[:1], steps, tail[:1], tail[1:]))
+    return out
+
+
+def load_questions(data: str | Path | None, prompt_format: str = "chat",
+                   limit: int | None = None) -> list[tuple[str, str]]:
+    """``(question, gold)`` of the first ``limit`` training examples of ``data`` (None:
+    GSM8K ``train.jsonl``, :func:`train_file`): GSM8K jsonl rows for ``chat``, what
+    ``train.cot.read_items`` reads (iCoT lines or GSM8K jsonl) for ``colar``. Raises
+    ValueError for another format or a malformed file, FileNotFoundError."""
+    path = train_file(data)
+    if prompt_format == "chat":
+        return [(r["question"], r["answer"].rpartition("####")[2].strip())
+                for r in load_gsm8k_rows(path, limit)]
+    _check_format(prompt_format)
+    from latentserve.train.cot import read_items
+
+    return [(it.question, it.gold) for it in read_items(path)[:limit]]
+
+
+def prompt_ids(tokenizer, questions: list[str], prompt_format: str = "chat") -> list[list[int]]:
+    """What a request of each question prefills, before the engine appends the head's
+    opening ids: the chat template's rendering (``chat``) or :func:`colar_prompt_ids`."""
+    if _check_format(prompt_format) == "colar":
+        return colar_prompt_ids(tokenizer, questions)
+    return [chat_prompt_ids(tokenizer, q) for q in questions]
+
+
+def load_traces(tokenizer, data: str | Path | None, prompt_format: str = "chat",
+                limit: int | None = None, think_open: str = THINK_OPEN,
+                think_close: str = THINK_CLOSE, style: str = "solution",
+                max_reasoning_tokens: int = 256) -> list[Trace]:
+    """The traces (module docstring) of the first ``limit`` examples of ``data`` (None:
+    GSM8K ``train.jsonl``) in ``prompt_format``; ``think_open`` / ``think_close`` /
+    ``style`` apply to ``chat`` only. Raises as :func:`load_questions`."""
+    path = train_file(data)
+    if _check_format(prompt_format) == "colar":
+        from latentserve.train.cot import read_items
+
+        return build_colar_traces(tokenizer, read_items(path)[:limit], max_reasoning_tokens)
+    return build_traces(tokenizer, load_gsm8k_rows(path, limit), think_open, think_close,
+                        style, max_reasoning_tokens)
+
+
+def _check_format(prompt_format: str) -> str:
+    if prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got "
+                         f"{prompt_format!r}")
+    return prompt_format

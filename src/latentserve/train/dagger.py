@@ -1,0 +1,281 @@
+"""DAgger for a compression head: train it on the states its own latents lead to
+(``latentserve train-head dagger``, between ``train-head sft`` and ``train-head grpo``).
+
+SFT (``train/sft.py``) fits the head and its stop head on teacher-forced anchors: hidden
+states computed on the gold reasoning tokens. Served, the head only ever meets anchors
+computed on the latents it injected itself, so its latents drift and its stop head is asked
+about states it never saw. Each round here:
+
+1. **Rollouts.** The current head runs closed-loop through our engine (``LLMEngine`` with
+   the bundle, continuous batching) on ``rollout_examples`` training questions, greedy
+   (each latent is ``decode(mu)``; ``sigma`` > 0 samples ``z ~ N(mu, sigma^2)``), with
+   the stop off and each request capped at ``G + overshoot`` latent steps, ``G`` being the
+   number of compressed groups of its gold reasoning. The engine records the anchor of
+   every latent step it injects (``latent.head_loop.set_policy_sampling``): rollout row
+   ``j`` (``j = 0 .. G + overshoot - 1``) is the source-layer hidden from which latent
+   ``j + 1`` is computed, at the last prompt position for ``j = 0`` and at latent ``j``'s
+   position after that.
+2. **Labels** (:func:`label_rollouts`). Row ``j`` of a rollout takes the teacher-forced
+   labels of row ``min(j, G)`` of the same trace (``train/features.py``): for ``j < G``
+   the latent target of gold group ``j`` (the mean LayerNorm-standardised target-layer
+   hidden of the group, through the frozen ``target_proj`` in the loss, exactly SFT's
+   target) and the group's mean input embedding (the decoder's target), stop 0; for
+   ``j >= G`` no latent target and stop 1.
+3. **Aggregation.** The new rows join the teacher-forced rows and every earlier round's;
+   the head (mu/sigma network, stop head and decoder; ``target_proj`` stays frozen) trains
+   ``steps`` steps on the union with SFT's losses (``train.sft.fit``, a fresh optimizer
+   each round) and the engine serves the new weights in the next round.
+
+Why this labelling. The closed loop has no tokens to align with, so a state is aligned by
+the number of latents it has consumed: after ``j`` latents (each standing for ``c``
+reasoning tokens) the head stands where teacher forcing stands after ``j`` gold groups, and
+its next latent should be group ``j``'s. Once ``G`` latents are in, the gold reasoning is
+covered and the phase should end (the teacher-forced end row, stop 1); past ``G`` the loop
+has overrun and every further state says stop, so a stop missed by one step fires at the
+next. Rollouts run with the stop off because the served stop only truncates a trajectory:
+the state where a premature stop would fire and the states after it are recorded and
+labelled 0 as well, where a rollout that ended at the stop would hide them.
+
+Sources: the DeepSeek-V4 addon's "Phase 2" retrain (closed-loop DAgger / scheduled
+sampling: self-generated anchors paired with the reference trace's aligned group latent,
+stop BCE on the group where reasoning ends), DAgger (Ross, Gordon and Bagnell, AISTATS
+2011: aggregate the learner's states labelled by the expert, retrain, repeat). The addon
+mixes real and self-generated anchors per step (``ss_prob`` 0.5) on the fly; here whole
+closed-loop rollouts are aggregated by rounds. The code is ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from latentserve.train.features import Features
+
+
+@dataclass(slots=True)
+class DaggerConfig:
+    """Options of ``train-head dagger`` (see ``latentserve train-head dagger --help``).
+    Layers, compression factor and thinking text come from ``bundle`` (an SFT bundle:
+    ``target_proj`` and a stop head); the data options must be those SFT used.
+    ``rollout_examples`` None = every trace each round (else a fresh random subset)."""
+
+    bundle: str
+    out: str
+    model: str | None = None
+    data: str | None = None  # None = $LATENTSERVE_DATA/gsm8k/train.jsonl
+    prompt_format: str = "chat"
+    max_examples: int | None = None
+    style: str = "solution"
+    max_reasoning_tokens: int = 256
+    rounds: int = 2
+    rollout_examples: int | None = None
+    overshoot: int = 2
+    sigma: float = 0.0
+    steps: int = 300
+    batch_size: int = 256
+    lr: float = 1e-3
+    warmup: float = 0.05
+    weight_decay: float = 0.01
+    beta: float = 0.01
+    stop_threshold: float = 0.5  # for the logged stop metrics only
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    capture_batch_size: int = 8
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.5  # the engine's; the aggregated rows share the GPU
+    log_every: int = 10
+    progress: bool = True
+
+    def __post_init__(self):
+        for k in ("rounds", "overshoot", "steps", "batch_size", "max_reasoning_tokens",
+                  "capture_batch_size", "max_num_seqs", "log_every"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
+        for k in ("max_examples", "rollout_examples"):
+            v = getattr(self, k)
+            if v is not None and v < 1:
+                raise ValueError(f"{k} must be >= 1 (or unset), got {v}")
+        if not self.sigma >= 0:
+            raise ValueError(f"sigma must be >= 0 (0: greedy latents), got {self.sigma}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if not str(self.out).endswith((".safetensors", ".pt")):
+            raise ValueError(f"out must end in .safetensors or .pt, got {self.out!r}")
+
+
+def rollout_anchors(engine, prompts: list[list[int]], caps: list[int],
+                    chunk: int = 1024) -> list[torch.Tensor]:
+    """Run each prompt closed-loop through ``engine`` (serving a compression head with
+    policy sampling on, ``set_policy_sampling(head, sigma >= 0)``), the stop off, exactly
+    ``caps[i]`` latent steps, greedy answer token; ``chunk`` prompts at a time. Returns per
+    prompt the recorded anchors ``[caps[i], H]`` float32 on the CPU (fewer rows if the
+    context ran out). Raises RuntimeError when a request fails."""
+    from latentserve.sampling_params import SamplingParams
+
+    n_close = len(engine.latent_spec.end_ids)
+    hidden = engine.runner.model.latent_head.config.hidden_size
+    out: list = [None] * len(prompts)
+    base = f"dagger-{time.monotonic_ns()}-"
+    for lo in range(0, len(prompts), chunk):
+        rids = {}
+        for i in range(lo, min(lo + chunk, len(prompts))):
+            rids[f"{base}{i}"] = i
+            engine.add_request(f"{base}{i}", prompts[i], SamplingParams(
+                max_tokens=caps[i] + n_close + 1, temperature=0.0, thinking=True,
+                max_latent=caps[i], min_latent=0, use_stop=False, min_output_tokens=0))
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if not (o.finished and o.rid in rids):
+                    continue
+                if o.finish_reason == "error":
+                    raise RuntimeError(f"rollout {o.rid} failed: {o.error}")
+                acts = (o.latent_stats or {}).get("actions") or []
+                out[rids[o.rid]] = (torch.stack([a for a, _ in acts]).float() if acts
+                                    else torch.zeros(0, hidden))
+    return out
+
+
+def label_rollouts(anchors: list[torch.Tensor], teacher: Features, first: list[int],
+                   groups: list[int]) -> Features:
+    """DAgger rows of rollouts (module docstring, step 2): ``anchors[i]`` ``[n_i, H]`` is
+    rollout ``i``'s recorded anchors, ``first[i]`` its trace's first row in ``teacher`` (the
+    teacher-forced :class:`Features`, ``features.first_rows``) and ``groups[i]`` its ``G``.
+    Row ``j`` copies teacher row ``first[i] + min(j, G)`` with its anchor replaced. Returns
+    :class:`Features` on ``teacher``'s device, rollout-major."""
+    dev = teacher.anchor.device
+    idx = torch.cat([f + torch.arange(len(a)).clamp(max=g)
+                     for a, f, g in zip(anchors, first, groups)])
+    rows = teacher.rows(idx.to(dev))
+    rows.anchor = torch.cat(anchors).to(device=dev, dtype=torch.float32)
+    return rows
+
+
+@torch.no_grad()
+def closed_loop_metrics(head, anchors: list[torch.Tensor], rows: Features,
+                        groups: list[int], threshold: float = 0.5) -> dict:
+    """How the head did on its own rollouts (before training on them): ``stop_at_gold``,
+    ``stop_early``, ``stop_late`` (fractions of rollouts whose stop probability first passes
+    ``threshold`` at ``j == G``, at ``1 <= j < G``, later or never; ``j = 0`` is not
+    asked, as ``min_latent`` >= 1), ``mse`` (mean square error of mu against the latent
+    targets of the rows with one) and ``stop_prob_at_gold`` (mean stop probability at
+    ``j == G``)."""
+    lat = head.config.latent_dim
+    probs = head.stop_prob(rows.anchor).tolist()
+    has = rows.has_target
+    t = F.layer_norm(head.target_proj(rows.target[has]), (lat,))
+    mse = float(F.mse_loss(head.encode(rows.anchor[has]), t)) if bool(has.any()) else 0.0
+    at, early, at_gold, start = 0, 0, [], 0
+    for a, g in zip(anchors, groups):
+        p = probs[start:start + len(a)]
+        start += len(a)
+        fire = next((j for j in range(1, len(p)) if p[j] > threshold), None)
+        at += fire == g
+        early += fire is not None and fire < g
+        if g < len(p):
+            at_gold.append(p[g])
+    n = max(len(anchors), 1)
+    return {"stop_at_gold": at / n, "stop_early": early / n,
+            "stop_late": (len(anchors) - at - early) / n, "mse": round(mse, 6),
+            "stop_prob_at_gold": sum(at_gold) / max(len(at_gold), 1)}
+
+
+def _serve_weights(served, head) -> None:
+    """Copy ``head``'s trained parts into the engine's head (in place: graphs see them)."""
+    with torch.no_grad():
+        served.reasoning_head.load_state_dict(head.reasoning_head.state_dict())
+        served.decoder.load_state_dict(head.decoder.state_dict())
+
+
+def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
+    """Run ``cfg.rounds`` DAgger rounds from the SFT bundle ``cfg.bundle`` and write the
+    head after round ``r`` to ``<out stem>-round{r}<suffix>`` (the last one to ``cfg.out``)
+    with ``<out>.log.json``. ``engine``: an ``LLMEngine`` already serving that bundle on
+    ``cfg.model`` (else one is built from ``cfg``); it ends serving the trained weights.
+    Returns the log (``history``: per round the closed-loop metrics of the head that made
+    the rollouts, row counts, losses before and after). Raises ValueError for a bundle that
+    is not an SFT bundle or was trained in another prompt format."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
+    from latentserve.latent.head_loop import set_policy_sampling
+    from latentserve.train.features import first_rows, num_groups
+    from latentserve.train.sft import capture_traces, fit, load_backbone
+    from latentserve.train.traces import COLAR_CLOSE, COLAR_OPEN
+
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    bundle = read_bundle(cfg.bundle)
+    hc = bundle.config
+    if bundle.target_proj is None or not bundle.has_stop_head or hc.target_layer is None:
+        raise ValueError(f"{cfg.bundle} is not an SFT bundle (target_proj, target_layer and a "
+                         "stop head are needed to label rollouts)")
+    colar_texts = (hc.think_open, hc.think_close) == (COLAR_OPEN, COLAR_CLOSE)
+    if (cfg.prompt_format == "colar") != colar_texts or not (hc.think_open is not None
+                                                             and hc.think_close):
+        raise ValueError(f"{cfg.bundle} was trained with think_open {hc.think_open!r} and "
+                         f"think_close {hc.think_close!r}, which is not the "
+                         f"{cfg.prompt_format!r} prompt format")
+    c = hc.compression_factor or 1
+    model, tok, _ = load_backbone(cfg.model, cfg.device, cfg.dtype)
+    traces, teacher = capture_traces(model, tok, cfg, hc.source_layer, hc.target_layer, c,
+                                     hc.think_open, hc.think_close)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the engine sizes its KV pool from the free memory
+    head = bundle.build().to(cfg.device)
+    head.reasoning_head.requires_grad_(True)
+    head.decoder.requires_grad_(True)
+    if engine is None:
+        engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle,
+                                        device=cfg.device, dtype=cfg.dtype,
+                                        max_num_seqs=cfg.max_num_seqs,
+                                        enforce_eager=cfg.enforce_eager,
+                                        gpu_memory_utilization=cfg.gpu_memory_utilization))
+    if engine.latent_spec is None or engine.latent_spec.kind != "head":
+        raise ValueError("the engine serves no compression head")
+    served = engine.runner.model.latent_head
+    _serve_weights(served, head)
+    set_policy_sampling(served, cfg.sigma)
+    groups = [num_groups(len(t.reasoning), c) for t in traces]
+    first = first_rows(traces, c)
+    data, history = teacher, []
+    gen = torch.Generator().manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for r in range(1, cfg.rounds + 1):
+            t_round = time.perf_counter()
+            pick = torch.randperm(len(traces), generator=gen).tolist()[:cfg.rollout_examples]
+            anchors = rollout_anchors(engine, [traces[i].prompt for i in pick],
+                                      [groups[i] + cfg.overshoot for i in pick])
+            g = [groups[i] for i in pick]
+            new = label_rollouts(anchors, teacher, [first[i] for i in pick], g)
+            metrics = closed_loop_metrics(head, anchors, new, g, cfg.stop_threshold)
+            t_roll = time.perf_counter() - t_round
+            data = data.cat(new)
+            res = fit(head, data, dataclasses.replace(cfg, seed=cfg.seed + r),
+                      f"dagger round {r}")
+            _serve_weights(served, head)
+            path = out if r == cfg.rounds else out.with_name(f"{out.stem}-round{r}{out.suffix}")
+            write_bundle(bundle_from_module(head, bundle.format_version), path)
+            history.append({"round": r, "rollouts": len(pick), "new_rows": len(new.stop),
+                            "rows": res["rows"], "closed_loop": metrics,
+                            "loss_before": res["before"], "loss_after": res["after"],
+                            "rollout_seconds": round(t_roll, 2),
+                            "seconds": round(time.perf_counter() - t_round, 2)})
+            log = {"config": asdict(cfg), "traces": len(traces),
+                   "teacher_rows": len(teacher.stop), "history": history,
+                   "seconds": round(time.perf_counter() - t0, 2)}
+            Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
+    finally:
+        set_policy_sampling(served, None)
+    return log
