@@ -4,10 +4,11 @@
 # CoLaR prompt format: SFT, then DAgger rounds on the engine's own latents, then GRPO; each
 # head evaluated on the full 4x4 and 5x5 test sets, beside the backbone's text CoT.
 # Device calls, back to back (a machine goes cold 30 s after a call; the tree that travels is
-# at most 64 MiB, so the GGUF comes in three parts; make them here with `bash $0 pack`):
+# at most 64 MiB and the repository holds ~30 MB, so the GGUF comes in four parts, laid out as
+# scripts/stage1_gpu.sh lays them out; make them here with `bash $0 pack`):
 #   run "bash scripts/stage2_gpu.sh take"    carry [".xfer/p1"]  (part 1, data, gguf wheel)
-#   run "bash scripts/stage2_gpu.sh take"    carry [".xfer/p2"]
-#   run "bash scripts/stage2_gpu.sh start"   carry [".xfer/p3"]  (GGUF, then the pipeline in
+#   run "bash scripts/stage2_gpu.sh take"    carry [".xfer/p2"]  (and p3 likewise)
+#   run "bash scripts/stage2_gpu.sh start"   carry [".xfer/p4"]  (GGUF, then the pipeline in
 #                                                                 the background; returns
 #                                                                 after T_WAIT s)
 #   run "bash scripts/stage2_gpu.sh finish"                      (waits for it, packs $OUT)
@@ -129,12 +130,13 @@ PY
 }
 
 case "${1:-}" in
-pack)  # here, not on the device: .xfer/p{1,2,3} from the embedded GGUF, the data and the wheel
-  gguf=$(python3 -c 'from latentserve.models.checkpoint import embedded_gguf_path as e; print(e())')
-  rm -rf .xfer/p1 .xfer/p2 .xfer/p3 && mkdir -p .xfer/p1 .xfer/p2 .xfer/p3
-  split -n 3 -d "$gguf" .xfer/part_ && mv .xfer/part_00 .xfer/p1/ && mv .xfer/part_01 .xfer/p2/ \
-    && mv .xfer/part_02 .xfer/p3/
-  mkdir -p .xfer/p1/data && cp -r "${DATA:-../shared/data}/multiplication" .xfer/p1/data/
+pack)  # here, not on the device: .xfer/p{1..4} from the embedded GGUF, the data and the wheel
+  gguf=$(env -u LATENTSERVE_EMBEDDED_GGUF python3 -c \
+    'from latentserve.models.checkpoint import embedded_gguf_path as e; print(e())')
+  rm -rf .xfer/p1 .xfer/p2 .xfer/p3 .xfer/p4
+  split -n 4 -d "$gguf" .xfer/part_
+  for i in 1 2 3 4; do mkdir -p .xfer/p$i && mv .xfer/part_0$((i - 1)) .xfer/p$i/; done
+  cp -r "${DATA:-../shared/data}" .xfer/p1/data
   python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/p1 gguf==0.19.0
   md5sum "$gguf"; du -sh .xfer/p*
   ;;
@@ -142,9 +144,9 @@ take)
   for p in .xfer/p1 .xfer/p2 .xfer/p3; do [ -d "$p" ] && cp -r "$p"/. "$X"/; done; ls "$X"
   ;;
 start)
-  cp -r .xfer/p3/. "$X"/
+  cp -r .xfer/p4/. "$X"/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site "$X"/gguf-*.whl || exit 1
-  cat "$X"/part_00 "$X"/part_01 "$X"/part_02 > /tmp/smollm2.gguf && md5sum /tmp/smollm2.gguf
+  cat "$X"/part_00 "$X"/part_01 "$X"/part_02 "$X"/part_03 > /tmp/smollm2.gguf && md5sum /tmp/smollm2.gguf
   export LATENTSERVE_EMBEDDED_GGUF=/tmp/smollm2.gguf
   nvidia-smi --query-gpu=name,memory.used --format=csv
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
