@@ -299,3 +299,43 @@ def test_refused_conversion_creates_no_out_dir(dirs, tmp_path):
         with pytest.raises(ValueError):
             call(out)
         assert not out.exists()
+
+
+def test_converter_refuses_a_result_the_loader_fails_on_and_leaves_out_as_it_was(
+        dirs, tmp_path, monkeypatch):
+    """Every converter loads what it wrote (models.loader.load_model) before moving it into
+    --out; a failure there is refused with the loader's error and writes nothing."""
+    from latentserve.models import loader
+
+    root = dirs["coconut-gpt2"].parent
+    ckpt = root / "upstream" / "checkpoint_7"
+    seen = []
+
+    def failing_load(model_dir, *a, **kw):
+        seen.append(sorted(p.name for p in model_dir.iterdir()))
+        raise KeyError("unexpected weight 'transformer.x'")
+
+    monkeypatch.setattr(loader, "load_model", failing_load)
+    with pytest.raises(ValueError, match="would not serve: KeyError: .*unexpected weight"):
+        convert_coconut(root / "base", ckpt, tmp_path / "out")
+    assert "latent_config.json" in seen[0]  # the complete directory was loaded
+    assert list(tmp_path.iterdir()) == []  # no --out, no temporary directory left
+
+
+def test_in_place_conversion_keeps_the_checkpoint_and_stale_weights_are_refused(dirs,
+                                                                                tmp_path):
+    """A checkpoint inside --out (converted in place, --force) stays the same regular file;
+    a weight file in --out that the conversion does not write is refused (the loader would
+    read it too)."""
+    root = dirs["coconut-gpt2"].parent
+    out = tmp_path / "m"
+    out.mkdir()
+    shutil.copy2(root / "upstream" / "checkpoint_7", out / "checkpoint_7")
+    data = (out / "checkpoint_7").read_bytes()
+    convert_coconut(root / "base", out / "checkpoint_7", out, overwrite=True)
+    assert not (out / "checkpoint_7").is_symlink()
+    assert (out / "checkpoint_7").read_bytes() == data
+    assert fb.read_latent_config(out)["checkpoint"] == "checkpoint_7"
+    (out / "old.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"holds \['old.safetensors'\]"):
+        convert_coconut(root / "base", out / "checkpoint_7", out, overwrite=True)

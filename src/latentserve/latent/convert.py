@@ -12,12 +12,20 @@ COCONUT (arXiv 2412.06769, upstream ``run.py``): ``<|start-latent|>``, ``<|end-l
 CODI (arXiv 2502.21074, upstream ``src/model.py``): pad/bot/eot are the raw embedding rows
 ``vocab_size+0/1/2`` of the base config (not tokenizer tokens); LoRA rank and prj dims are read
 from the checkpoint's shapes, LoRA alpha is not stored there (upstream scripts use 32).
+
+Every converter (these two and ``convert pccot``, ``latent/loop_convert.py``) writes into a
+hidden temporary directory next to ``--out``, loads it as the engine would
+(:func:`check_serves`) and only then moves it into place (:func:`write_checked`): a result
+that would not serve is refused with the loader's error and ``--out`` is left untouched.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from latentserve.latent.feedback import (BUFFER_SUFFIXES, LATENT_CONFIG, merge_lora,
@@ -37,8 +45,85 @@ def _start(base_dir, checkpoint, out_dir, overwrite: bool):
     return base_dir, checkpoint, out_dir, json.loads((base_dir / "config.json").read_text())
 
 
-def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer, symlink):
-    """Write config, tokenizer, checkpoint copy, missing base weights and latent_config."""
+def check_serves(model_dir: Path) -> None:
+    """Load ``model_dir`` as the engine does: ``models.loader.load_model`` (float32 on the
+    CPU: the weights, the LoRA merge, the latent spec) and its tokenizer, whose ids must fit
+    the embedding. Raises ValueError ("... would not serve: <the loader's error>")."""
+    import torch
+
+    from latentserve.models.checkpoint import load_tokenizer
+    from latentserve.models.loader import load_model
+
+    try:
+        model, hf_config = load_model(model_dir, torch.float32, "cpu")
+        del model
+        tokens = len(load_tokenizer(model_dir))
+    except Exception as e:  # any load failure means it would not serve
+        raise ValueError(f"the converted model directory would not serve: "
+                         f"{type(e).__name__}: {e}") from e
+    if tokens > hf_config.vocab_size:
+        raise ValueError(f"the converted model directory would not serve: its tokenizer has "
+                         f"{tokens} tokens but the embedding only {hf_config.vocab_size} rows")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return b.exists() and a.resolve() == b.resolve()
+
+
+def write_checked(out_dir, overwrite: bool, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` into a fresh hidden directory next to ``out_dir``, check it
+    (:func:`check_serves`), then move it to ``out_dir``: renamed when ``out_dir`` is missing
+    or empty, else (``overwrite``) file by file, replacing same-named files. An entry of
+    ``tmp`` that is a link to the very file it would replace (a checkpoint converted in
+    place) is dropped. Returns ``out_dir``.
+
+    Raises ValueError when ``out_dir`` is not empty and not ``overwrite``, when the result
+    would not serve, or when ``out_dir`` holds weight files (``*.safetensors``,
+    ``pytorch_model*.bin``) this conversion does not replace (the loader would read them
+    too); whatever ``write`` raises. On every error ``tmp`` is removed and ``out_dir`` is as
+    it was.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise ValueError(f"--out {out_dir} exists and is not empty (use --force)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # as a plain mkdir of out_dir would be (mkdtemp gives 0700)
+    try:
+        write(tmp)
+        check_serves(tmp)
+        if out_dir.exists():
+            stale = sorted(f.name for pattern in ("*.safetensors", "pytorch_model*.bin")
+                           for f in out_dir.glob(pattern) if not (tmp / f.name).is_symlink()
+                           and not (tmp / f.name).exists())
+            if stale:
+                raise ValueError(f"--out {out_dir} holds {stale}, which this conversion does "
+                                 "not write but the loader would read; remove them or choose "
+                                 "another --out")
+        if out_dir.exists() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        if not out_dir.exists():
+            tmp.rename(out_dir)
+            return out_dir
+        for entry in sorted(tmp.iterdir()):
+            dest = out_dir / entry.name
+            if entry.is_symlink() and _same_file(entry, dest):
+                entry.unlink()  # the checkpoint, converted in place
+            else:
+                os.replace(entry, dest)
+        tmp.rmdir()
+        return out_dir
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer, symlink,
+            overwrite):
+    """Check, then write config, tokenizer, checkpoint copy, missing base weights and
+    latent_config through :func:`write_checked`."""
     from safetensors.torch import save_file
 
     from latentserve.models.loader import iter_weights
@@ -53,28 +138,28 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
     have = set(state) | {"transformer." + k for k in state}
     base = dict(iter_weights(base_dir))
     _check_fits_base(state, base, base_dir, checkpoint)
-    out_dir.mkdir(parents=True, exist_ok=True)  # only once every check has passed
     missing = {k: v.contiguous() for k, v in base.items()
                if k not in have and "transformer." + k not in have
                and not k.endswith(BUFFER_SUFFIXES) and not (tied and k == "lm_head.weight")}
-    if missing:
-        save_file(missing, str(out_dir / "base.safetensors"), metadata={"format": "pt"})
-    config = json.dumps({**hf_cfg, "vocab_size": rows}, indent=2)
-    (out_dir / "config.json").write_text(config + "\n")
-    if (base_dir / "generation_config.json").is_file():
-        shutil.copy2(base_dir / "generation_config.json", out_dir / "generation_config.json")
-    tokenizer.save_pretrained(str(out_dir))
-    target = out_dir / checkpoint.name
-    if target.resolve() != checkpoint.resolve():  # not converting in place
-        if target.exists() or target.is_symlink():
-            target.unlink()
-        if symlink:
+    in_place = _same_file(checkpoint, Path(out_dir) / checkpoint.name)
+
+    def write(out: Path) -> None:
+        if missing:
+            save_file(missing, str(out / "base.safetensors"), metadata={"format": "pt"})
+        config = json.dumps({**hf_cfg, "vocab_size": rows}, indent=2)
+        (out / "config.json").write_text(config + "\n")
+        if (base_dir / "generation_config.json").is_file():
+            shutil.copy2(base_dir / "generation_config.json", out / "generation_config.json")
+        tokenizer.save_pretrained(str(out))
+        target = out / checkpoint.name
+        if symlink or in_place:  # in place: a link for the check, dropped by the move
             target.symlink_to(checkpoint.resolve())
         else:
             shutil.copy2(checkpoint, target)
-    latent_cfg = validate_latent_config({**latent_cfg, "checkpoint": checkpoint.name}, out_dir)
-    (out_dir / LATENT_CONFIG).write_text(json.dumps(latent_cfg, indent=2) + "\n")
-    return out_dir
+        cfg = validate_latent_config({**latent_cfg, "checkpoint": checkpoint.name}, out)
+        (out / LATENT_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+
+    return write_checked(out_dir, overwrite, write)
 
 
 def _check_fits_base(state: dict, base: dict, base_dir, checkpoint) -> None:
@@ -125,7 +210,7 @@ def convert_coconut(base_dir, checkpoint, out_dir, *, default_budget: int = 6,
     cfg = {"format_version": 1, "family": "coconut", "variant": variant, "vocab_size": rows,
            "default_budget": default_budget, "max_budget": max_budget,
            "tokens": dict(zip(("start_latent", "end_latent", "latent"), ids))}
-    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink)
+    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink, overwrite)
 
 
 def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
@@ -161,7 +246,7 @@ def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
     cfg = {"format_version": 1, "family": "codi", "variant": variant, "vocab_size": rows,
            "default_budget": default_budget, "max_budget": max_budget, "tokens": tokens,
            "remove_eos": remove_eos, "lora": lora, "prj": prj}
-    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink)
+    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink, overwrite)
 
 
 def add_convert_args(p) -> None:
