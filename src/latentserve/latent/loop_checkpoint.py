@@ -131,7 +131,7 @@ def loop_spec_from_config(cfg: dict) -> LatentSpec:
 
 def _hf_name(k: str, gpt2: bool) -> str:
     k = k.removeprefix("module.").removeprefix("base_model.model.")
-    if gpt2 and not k.startswith(("transformer.", "lm_head.")):
+    if gpt2 and k.startswith(("wte.", "wpe.", "h.", "ln_f.")):
         k = "transformer." + k  # the original gpt2 repo stores h.0... without the prefix
     return k
 

@@ -1,18 +1,28 @@
 """``latentserve convert pccot``: PCCoT's upstream form -> a latentserve model directory.
 
-Upstream (arXiv 2506.18582; whyNLP/PCCoT, e.g. the ``whynlp/pccot-gpt2`` repo) ships a PEFT
-adapter directory over a base model: ``adapter_config.json`` (``r``, ``lora_alpha``,
-``use_rslora``), ``adapter_model.safetensors`` (LoRA pairs; the resized embedding when the
-special tokens were added; ``prj`` when ``use_projection`` and saved), ``config.json``
+Upstream (arXiv 2506.18582; whyNLP/PCCoT ``run_ccot.py``, e.g. the ``whynlp/pccot-gpt2`` repo)
+ships a PEFT adapter directory over a base model: ``adapter_config.json`` (``r``,
+``lora_alpha``, ``use_rslora``, ``trainable_token_indices``), ``adapter_model.safetensors``
+(LoRA pairs; the resized embedding; ``prj`` when ``use_projection`` and saved), ``config.json``
 (``model_type`` ``pccot-gpt2`` / ``pccot-llama``, ``num_iterations``, ``use_projection``),
 ``pccot_args.json`` (``bot_token_id``, ``eot_token_id``, ``latent_token_id``,
 ``answer_prompt``, ``num_latent_tokens``) and the tokenizer with ``<pcot.*>`` tokens.
 
+The embedding comes in one of PEFT's saved forms (``models.lora.fold_embedding_adapters``):
+trainable tokens, which ``run_ccot.py`` asks for (``trainable_token_indices={"wte" |
+"embed_tokens": [bot, eot, latent, pad, eos]}``; the resized rows under
+``<embedding>.token_adapter.base_layer.weight``, the trained rows for those ids under
+``...token_adapter.trainable_tokens_delta``, the same under ``lm_head.`` when tied),
+``modules_to_save`` (older setups), or a plain resized ``<embedding>.weight``.
+
 The output directory (docs/models.md): the base's config with ``model_type`` the base's and
 ``vocab_size`` the embedding rows, the adapter's tokenizer, ``base.safetensors`` (the base
-weights), ``adapter_model.safetensors`` (copied unchanged; LoRA is merged at load) and
-``latent_config.json`` (family ``pccot``; answer prompt tokenized as upstream's
-``COTDataProcessor``: ``encode(answer_prompt, add_special_tokens=False)``).
+weights), ``adapter_model.safetensors`` (the adapter's tensors, names without PEFT's
+``base_model.model.``, the embedding folded into a plain ``<embedding>.weight``; LoRA is
+merged at load) and ``latent_config.json`` (family ``pccot``; answer prompt tokenized as
+upstream's ``COTDataProcessor``: ``encode(answer_prompt, add_special_tokens=False)``). It is
+written to a temporary directory, loaded as the engine would and only then moved into place
+(``latent.convert.write_checked``).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
     ValueError naming the missing file or mismatching field."""
     from safetensors.torch import save_file
 
+    from latentserve.latent.convert import write_checked
     from latentserve.models.checkpoint import load_tokenizer
     from latentserve.models.loader import iter_weights
 
@@ -62,36 +73,87 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
     if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < iters:
         raise ValueError(f"--max-budget must be an integer >= the adapter's num_iterations "
                          f"({iters}, the default budget), got {max_budget!r}")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise ValueError(f"--out {out_dir} exists and is not empty (use --force)")
-    out_dir.mkdir(parents=True, exist_ok=True)
     base_cfg = json.loads((base_dir / "config.json").read_text())
-    adapter = read_state_dict(adapter_dir / ADAPTER_FILE)
-    emb = [v for k, v in adapter.items() if k.endswith(("wte.weight", "embed_tokens.weight"))]
-    rows = int(emb[0].shape[0]) if emb else int(base_cfg["vocab_size"])
+    gpt2 = base_cfg.get("model_type") == "gpt2"
+    weights = {k: v.contiguous() for k, v in iter_weights(base_dir)
+               if not k.endswith(BUFFER_SUFFIXES)}
+    state, untie = _fold_embedding(read_state_dict(adapter_dir / ADAPTER_FILE), adapter_dir,
+                                   base_dir, gpt2, weights)
+    embed = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
+    rows = int(state[embed].shape[0]) if embed in state else int(base_cfg["vocab_size"])
     lora = None
-    if any(".lora_A." in k or k.endswith(".lora_A.weight") for k in adapter):
+    if any(".lora_A." in k or k.endswith(".lora_A.weight") for k in state):
         ac = _read_json(adapter_dir / "adapter_config.json", "the LoRA rank and alpha")
         lora = {"r": int(ac["r"]), "alpha": float(ac["lora_alpha"]),
                 "use_rslora": bool(ac.get("use_rslora", False))}
     has_tok = any((adapter_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     tok = load_tokenizer(adapter_dir if has_tok else base_dir)
     prompt = tok.encode(args.get("answer_prompt", "The answer is:"), add_special_tokens=False)
-    weights = {k: v.contiguous() for k, v in iter_weights(base_dir)
-               if not k.endswith(BUFFER_SUFFIXES)}
-    save_file(weights, str(out_dir / "base.safetensors"), metadata={"format": "pt"})
-    shutil.copy2(adapter_dir / ADAPTER_FILE, out_dir / ADAPTER_FILE)
-    (out_dir / "config.json").write_text(json.dumps({**base_cfg, "vocab_size": rows},
-                                                    indent=2) + "\n")
-    if (base_dir / "generation_config.json").is_file():
-        shutil.copy2(base_dir / "generation_config.json", out_dir / "generation_config.json")
-    tok.save_pretrained(str(out_dir))
     cfg = {"format_version": 1, "family": "pccot", "checkpoint": ADAPTER_FILE,
            "tokens": {"bot": args["bot_token_id"], "eot": args["eot_token_id"],
                       "latent": args["latent_token_id"]},
            "answer_prompt_ids": prompt, "block_size": int(args.get("num_latent_tokens", 6)),
            "default_budget": iters, "max_budget": max_budget, "lora": lora,
            "prj": {"eps": 1e-5} if pc.get("use_projection") else None}  # nn.LayerNorm default
-    cfg = validate_loop_config(cfg, out_dir)
-    (out_dir / "latent_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out_dir
+    cfg = validate_loop_config(cfg)
+    hf_cfg = {**base_cfg, "vocab_size": rows, **({"tie_word_embeddings": False} if untie else {})}
+
+    def write(out: Path) -> None:
+        save_file(weights, str(out / "base.safetensors"), metadata={"format": "pt"})
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_FILE),
+                  metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        if (base_dir / "generation_config.json").is_file():
+            shutil.copy2(base_dir / "generation_config.json", out / "generation_config.json")
+        tok.save_pretrained(str(out))
+        (out / "latent_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+    return write_checked(out_dir, overwrite, write)
+
+
+def _fold_embedding(adapter: dict, adapter_dir: Path, base_dir: Path, gpt2: bool,
+                    base_weights: dict):
+    """``(state, untie)``: the adapter's tensors named without ``base_model.model.`` with its
+    embedding (and ``lm_head``) folded to plain weights (``models.lora.
+    fold_embedding_adapters``, rows the adapter lacks from ``base_weights``, the base's
+    ``(name, tensor)`` map); a saved ``lm_head`` equal to the embedding of a tied base is
+    dropped. ``untie``: the base ties them but the adapter trained them apart (PEFT's
+    ``modules_to_save`` on a tied embedding keeps ``lm_head`` at the original rows), so the
+    output config must say ``tie_word_embeddings: false``.
+
+    Raises ValueError when the folding does (``fold_embedding_adapters``), or when a GPT-2
+    base would need an untied head (the engine's GPT-2 ties it to ``wte``)."""
+    import torch
+    from transformers import AutoConfig
+
+    from latentserve.models.lora import fold_embedding_adapters
+
+    state = {k.removeprefix("module.").removeprefix("base_model.model."): v
+             for k, v in adapter.items()}
+    ac = {}
+    if (adapter_dir / "adapter_config.json").is_file():
+        ac = json.loads((adapter_dir / "adapter_config.json").read_text())
+    indices = ac.get("trainable_token_indices") or ac.get("token_indices")
+    tied = bool(getattr(AutoConfig.from_pretrained(base_dir, local_files_only=True),
+                        "tie_word_embeddings", True))
+    embed = "transformer.wte" if gpt2 else "model.embed_tokens"
+    def named(d: dict) -> dict:  # the original gpt2 repo's names have no transformer. prefix
+        return {("transformer." + k if gpt2 and k.startswith(("wte.", "wpe.", "h.", "ln_f."))
+                 else k): v for k, v in d.items()}
+
+    rows = {k: v for k, v in named(base_weights).items()
+            if k in (f"{embed}.weight", "lm_head.weight")}
+    state = fold_embedding_adapters(named(state), indices, embed, tied, rows)
+    head, emb = state.get("lm_head.weight"), state.get(embed + ".weight")
+    untie = False
+    if tied and head is not None:
+        if emb is not None and torch.equal(head, emb):
+            del state["lm_head.weight"]  # the tied copy
+        elif gpt2:
+            raise ValueError(f"--adapter {adapter_dir}: its lm_head rows differ from its "
+                             f"embedding (e.g. modules_to_save on {embed}, which PEFT trains "
+                             "apart from the tied lm_head); the engine's GPT-2 ties lm_head "
+                             "to wte and cannot serve it")
+        else:
+            untie = True
+    return state, untie

@@ -15,6 +15,10 @@ comes from ``models.checkpoint.adapter_base_dir``. :func:`read_adapter` checks b
 :func:`merge_adapter` folds the pairs into the base's ``(name, tensor)`` stream. Only plain
 LoRA on ``nn.Linear`` weights is merged; every config field that changes the computation
 otherwise (DoRA, ``modules_to_save``, biases, ...) is refused by name.
+
+Converters of adapters that also train embedding rows (``latentserve convert pccot``) resolve
+PEFT's saved forms of them, trainable tokens and ``modules_to_save``, into plain weights with
+:func:`fold_embedding_adapters`.
 """
 
 from __future__ import annotations
@@ -292,3 +296,109 @@ def _merged_stream(weights, adapter: LoraAdapter):
     if left:
         raise ValueError(f"{adapter.path}: {len(left)} LoRA module(s) match no base weight in "
                          f"{adapter.base_dir}, e.g. {sorted(left)[:3]}: wrong base?")
+
+
+# ----------------------------------------------------------------------------- embeddings
+
+def _indices_for(module: str, spec, embed: str) -> list[int] | None:
+    """The token ids PEFT's ``trainable_token_indices`` gives ``module``: a list targets the
+    input embedding ``embed``; a dict maps a module-name suffix to its ids (PEFT
+    ``_set_trainable`` matches ``name == key`` or ``name.endswith("." + key)``)."""
+    if isinstance(spec, dict):
+        for key, ids in spec.items():
+            if module == key or module.endswith("." + key):
+                return ids
+        return None
+    return spec if module == embed and spec is not None else None
+
+
+def fold_embedding_adapters(state: dict[str, torch.Tensor], token_indices, embed: str,
+                            tied: bool, base: dict[str, torch.Tensor] | None = None
+                            ) -> dict[str, torch.Tensor]:
+    """PEFT's saved forms of a trained embedding or LM head -> a plain ``<module>.weight``.
+
+    ``state``: adapter tensors named without ``base_model.model.``; ``token_indices``: the
+    adapter config's ``trainable_token_indices`` (a list for the input embedding, or
+    ``{module suffix: ids}``; None when the adapter has none); ``embed``: the input
+    embedding's module name (``transformer.wte``, ``model.embed_tokens``); ``tied``: the base
+    ties ``lm_head`` to it; ``base``: the base model's ``<module>.weight`` tensors, for an
+    adapter saved without its embedding (PEFT's ``save_embedding_layers="auto"`` leaves it
+    out when the vocabulary was not resized). Other tensors come back unchanged.
+
+    * Trainable tokens (PEFT >= 0.15, ``tuners/trainable_tokens/layer.py``
+      ``get_merged_weights``): ``<m>.token_adapter.base_layer.weight`` ``[V, H]`` (else the
+      base's ``<m>.weight``) with rows ``ids[i]`` replaced by
+      ``<m>.token_adapter.trainable_tokens_delta[i]`` ``[len(ids), H]`` (cast to the base's
+      dtype; the delta holds the rows, not a difference). A tied ``lm_head`` has the
+      embedding's ids and, what it lacks (PEFT 0.15 saved no delta for it), the embedding's
+      rows and delta. ``trainable_tokens_original`` is dropped.
+    * ``modules_to_save``: ``<m>.modules_to_save[.default].<p>`` is the trained copy and
+      becomes ``<m>.<p>``, over a plain ``<m>.<p>`` (older PEFT's only form);
+      ``<m>.original_module.<p>`` (the untrained copy) is dropped.
+
+    Raises ValueError naming the module: base rows without a delta, a delta without base
+    rows (in the adapter or ``base``), no ids for a module with a delta, a delta whose row
+    count or width does not fit the ids or the base rows, an id outside them, or an id listed
+    twice with different rows.
+    """
+    out, tokens, trained = {}, {}, {}
+    for k, v in state.items():
+        module, sep, rest = k.partition(".token_adapter.")
+        if sep:
+            if rest == "base_layer.weight":
+                tokens.setdefault(module, {})["base"] = v
+            elif rest.split(".")[0] == "trainable_tokens_delta":
+                tokens.setdefault(module, {})["delta"] = v
+            elif rest.split(".")[0] != "trainable_tokens_original":
+                raise ValueError(f"unsupported PEFT trainable-tokens tensor {k!r}")
+            continue
+        module, sep, rest = k.partition(".modules_to_save.")
+        if sep:
+            trained[f"{module}.{rest.removeprefix('default.')}"] = v
+        elif ".original_module." not in k:
+            out[k] = v
+    out.update(trained)  # the trained copy wins over a plain name saved beside it
+    base = base or {}
+    for module, parts in tokens.items():
+        ids = _indices_for(module, token_indices, embed)
+        rows = parts.get("base", base.get(f"{module}.weight"))
+        delta = parts.get("delta")
+        if tied and module == "lm_head" and ids is None:  # PEFT's tied adapter: the embedding's
+            shared = tokens.get(embed, {})
+            ids = _indices_for(embed, token_indices, embed)
+            rows = parts.get("base", shared.get("base", base.get(f"{embed}.weight")))
+            delta = delta if delta is not None else shared.get("delta")
+        if delta is None:
+            raise ValueError(f"{module!r} has token_adapter.base_layer.weight but no "
+                             "trainable_tokens_delta")
+        if rows is None:
+            raise ValueError(f"{module!r} has a trainable_tokens_delta but no base rows: "
+                             f"neither token_adapter.base_layer.weight nor the base's "
+                             f"{module}.weight")
+        if ids is None:
+            raise ValueError(f"{module!r} has trainable-token rows but adapter_config.json's "
+                             f"trainable_token_indices ({token_indices!r}) names no ids for it")
+        out[f"{module}.weight"] = _replace_rows(rows, list(ids), delta, module)
+    return out
+
+
+def _replace_rows(base: torch.Tensor, ids: list[int], delta: torch.Tensor,
+                  module: str) -> torch.Tensor:
+    """``base`` ``[V, H]`` with row ``ids[i]`` = ``delta[i]`` (``delta`` ``[len(ids), H]``,
+    cast to ``base.dtype``), as PEFT's ``index_copy``."""
+    if delta.dim() != 2 or delta.shape[0] != len(ids) or delta.shape[1] != base.shape[1]:
+        raise ValueError(f"{module!r}: trainable_tokens_delta is {tuple(delta.shape)} but "
+                         f"{len(ids)} token ids over base rows {tuple(base.shape)} need "
+                         f"({len(ids)}, {base.shape[1]})")
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)
+           or not 0 <= i < base.shape[0]]
+    if bad:
+        raise ValueError(f"{module!r}: trainable token id {bad[0]!r} is not a row of the "
+                         f"{base.shape[0]}-row base")
+    for j, i in enumerate(ids):
+        first = ids.index(i)
+        if first != j and not torch.equal(delta[first], delta[j]):
+            raise ValueError(f"{module!r}: trainable_token_indices lists token {i} twice with "
+                             "different rows (PEFT's result is undefined)")
+    index = torch.tensor(ids, dtype=torch.long)
+    return base.index_copy(0, index, delta.to(base.dtype))

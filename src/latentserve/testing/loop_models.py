@@ -3,11 +3,13 @@
 * PCCoT (arXiv 2506.18582; whyNLP/PCCoT ``run_ccot.py``, ``models/pccot_arguments.py``):
   written in the upstream form, a PEFT adapter directory over a ``save_tiny`` base:
   ``<pcot.bot>``, ``<pcot.eot>``, ``<pcot.latent>`` added to the tokenizer as additional
-  special tokens (plus ``[PAD]`` when the base has none), the embedding resized and saved in
-  the adapter, LoRA on GPT-2 ``c_attn,c_fc,c_proj`` / Llama q/k/v/o/gate/up/down, optional
-  ``prj`` saved through ``modules_to_save``; ``config.json`` (``pccot-*``,
-  ``num_iterations``, ``use_projection``) and ``pccot_args.json``. Then converted with
-  ``latentserve convert pccot``. ``lora_B`` is random so the merge matters. Needs ``peft``.
+  special tokens (plus ``[PAD]`` when the base has none), the embedding resized, LoRA on GPT-2
+  ``c_attn,c_fc,c_proj`` / Llama q/k/v/o/gate/up/down, the special tokens' rows trained as
+  PEFT trainable tokens (or another saved form), optional ``prj`` saved through
+  ``modules_to_save``; trained a few steps and saved with ``save_pretrained``;
+  ``config.json`` (``pccot-*``, ``num_iterations``, ``use_projection``) and
+  ``pccot_args.json``. Then converted with ``latentserve convert pccot``. ``lora_B`` starts
+  random so the merge matters. Needs ``peft``.
 * LOTUS (arXiv 2606.31779; no public code): our model-directory layout directly, a plain HF
   Llama with 3 raw embedding rows for start/end/latent and a ``latent_config.json``.
 """
@@ -24,12 +26,25 @@ _TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"],
                       "gate_proj"]}
 
 
+EMBEDDING_FORMS = ("trainable_tokens", "modules_to_save", "resized")
+
+
 def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iterations: int = 3,
                          use_projection: bool = False, lora_r: int = 8,
                          lora_alpha: float = 16.0, seed: int = 0, base_dir=None,
+                         embedding: str = "trainable_tokens", train_steps: int = 3,
                          **base_overrides):
     """Write ``root/base`` (a ``save_tiny`` ``gpt2`` or ``llama``, or use ``base_dir``) and
-    ``root/adapter`` (the upstream PEFT form). Returns ``(base_dir, adapter_dir)``."""
+    ``root/adapter`` (the upstream PEFT form). Returns ``(base_dir, adapter_dir)``.
+
+    ``embedding`` is how the resized embedding is trained and saved: ``trainable_tokens``
+    (upstream ``run_ccot.py``: ``trainable_token_indices={"wte" | "embed_tokens": [bot, eot,
+    latent, pad, eos]}``, saved by PEFT as ``token_adapter.base_layer.weight`` +
+    ``trainable_tokens_delta``), ``modules_to_save`` (the whole embedding trained and saved)
+    or ``resized`` (``save_embedding_layers=True`` with the embedding frozen). The new rows
+    and ``lora_B`` start random, then ``train_steps`` AdamW steps (lr 1e-2) of next-token
+    loss on seeded random sequences (with the special tokens) move every trained tensor.
+    Raises ValueError for an unknown ``embedding``."""
     import torch
     from peft import LoraConfig, get_peft_model
     from torch import nn
@@ -38,6 +53,8 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     from latentserve.models.checkpoint import load_tokenizer
     from latentserve.testing.tiny_models import save_tiny
 
+    if embedding not in EMBEDDING_FORMS:
+        raise ValueError(f"embedding must be one of {EMBEDDING_FORMS}, got {embedding!r}")
     root = Path(root)
     base_dir = Path(base_dir) if base_dir else save_tiny(root / "base", base, seed=seed,
                                                           **base_overrides)
@@ -57,9 +74,16 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     d = model.config.hidden_size
     if use_projection:
         model.prj = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.LayerNorm(d))
+    embed_name = "wte" if base == "gpt2" else "embed_tokens"
+    special = list(dict.fromkeys([bot, eot, latent, tok.pad_token_id, tok.eos_token_id]))
+    saved = ["prj"] if use_projection else []
+    if embedding == "modules_to_save":
+        saved.append(embed_name)
     cfg = LoraConfig(task_type="CAUSAL_LM", r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.1,
                      target_modules=_TARGETS[base], fan_in_fan_out=base == "gpt2",
-                     modules_to_save=["prj"] if use_projection else None)
+                     modules_to_save=saved or None,
+                     trainable_token_indices={embed_name: special}
+                     if embedding == "trainable_tokens" else None)
     peft_model = get_peft_model(model, cfg)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -68,8 +92,11 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
             elif "prj.modules_to_save" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if name.endswith(
                     "3.weight") else 0.0))
+    _train(peft_model, rows, special, train_steps, g)
     adapter = root / "adapter"
-    peft_model.save_pretrained(str(adapter), save_embedding_layers=True)
+    # "auto" (what upstream's Trainer.save_model uses) saves the resized embedding
+    peft_model.save_pretrained(str(adapter), save_embedding_layers=True
+                               if embedding == "resized" else "auto")
     tok.save_pretrained(str(adapter))
     base_cfg = json.loads((base_dir / "config.json").read_text())
     (adapter / "config.json").write_text(json.dumps({
@@ -82,8 +109,27 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
         "num_latent_tokens": block_size, "use_peft": True, "lora_r": lora_r,
         "lora_alpha": lora_alpha, "lora_dropout": 0.1,
         "lora_target_modules": "-".join(_TARGETS[base]),
-        "lora_modules_to_save": "prj" if use_projection else ""}, indent=4))
+        "lora_modules_to_save": "-".join(saved)}, indent=4))
     return base_dir, adapter
+
+
+def _train(peft_model, rows: int, special: list[int], steps: int, g) -> None:
+    """``steps`` AdamW steps of next-token loss on 2 random sequences of 12 ids (3 of them
+    the special tokens), dropout on; leaves the model in eval mode."""
+    import torch
+
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    peft_model.train()
+    with torch.random.fork_rng():
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))  # dropout
+        for _ in range(steps):
+            ids = torch.randint(0, rows, (2, 12), generator=g)
+            ids[:, 3:6] = torch.tensor(special[:3])
+            peft_model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    peft_model.eval()
 
 
 def write_lotus(root, block_size: int = 4, iterations: int = 3, seed: int = 0,
