@@ -48,7 +48,9 @@ class IncrementalDetokenizer:
         text: the text emitted so far (held-back text joins it when released or flushed).
         token_ids: the output token ids added so far (those after a stop are ignored).
 
-    Raises (from :meth:`add`): RuntimeError once :meth:`flush` has been called.
+    Raises: ``models.checkpoint.NoTokenizerError`` for stop strings with a ``NoTokenizer``
+    (its text is always empty); (from :meth:`add`) RuntimeError once :meth:`flush` has been
+    called.
     """
 
     def __init__(
@@ -58,9 +60,14 @@ class IncrementalDetokenizer:
         stop: Iterable[str] = (),
         skip_special_tokens: bool = True,
     ) -> None:
+        from latentserve.models.checkpoint import NoTokenizer, NoTokenizerError
+
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop if s]
+        if self.stop and isinstance(tokenizer, NoTokenizer):
+            raise NoTokenizerError("stop strings need text: this model directory has no "
+                                   "tokenizer files; use stop_token_ids")
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._ids: list[int] = [int(t) for t in list(prompt_token_ids)[-PROMPT_CONTEXT_TOKENS:]]
         self._n_context = len(self._ids)

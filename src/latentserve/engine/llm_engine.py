@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     """Loads ``config.model`` and serves requests step by step.
 
-    Attributes: ``tokenizer`` (transformers), ``model_name`` (str), ``max_model_len`` (int),
+    Attributes: ``tokenizer`` (transformers; ``models.checkpoint.NoTokenizer`` for a
+    directory without tokenizer files), ``model_name`` (str), ``max_model_len`` (int),
     ``num_kv_slots`` (int), ``runner`` (ModelRunner), ``scheduler`` (Scheduler).
 
     Raises (constructor): FileNotFoundError / ValueError from model resolution and loading;
@@ -60,7 +61,7 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model)
         self.model_dir = model_dir
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, optional=True)  # token ids only without one
         model, hf_config = load_model(model_dir, config.torch_dtype, config.device,
                                       latent_head=config.latent_head,
                                       no_latent_head=config.no_latent_head,

@@ -38,7 +38,9 @@ class LLM:
 
         A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
         ``sampling_params`` is one for all prompts or one per prompt (default: vLLM's,
-        ``SamplingParams()``). Raises ValueError for a bad prompt before anything runs.
+        ``SamplingParams()``). Raises ValueError for a bad prompt before anything runs (a
+        model directory without tokenizer files takes token ids only: a string prompt or a
+        stop string is ``models.checkpoint.NoTokenizerError``, and output text is empty).
         """
         from latentserve.detokenizer import IncrementalDetokenizer
 
@@ -61,6 +63,8 @@ class LLM:
             rid = f"offline-{self._counter}"
             self._counter += 1
             try:
+                detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                     params.skip_special_tokens)
                 self.engine.add_request(rid, ids, params)
             except Exception:  # a bad prompt or params: nothing of this call stays queued
                 for queued in order:
@@ -68,8 +72,6 @@ class LLM:
                 while self.engine.has_unfinished_requests():
                     self.engine.step()
                 raise
-            detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                                 params.skip_special_tokens)
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)],
                                          finished=False)
             order.append(rid)

@@ -200,21 +200,69 @@ def base_model_dir(model_dir: str | os.PathLike[str]) -> Path:
     return adapter_base_dir(model_dir) if is_adapter_dir(model_dir) else Path(model_dir)
 
 
-def load_tokenizer(model_dir: str | os.PathLike[str]):
+# Files a saved tokenizer is made of; a directory with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model")
+NO_TOKENIZER = "this model directory has no tokenizer files; send token ids"
+
+
+class NoTokenizerError(ValueError):
+    """Text was sent to a model served without a tokenizer (:class:`NoTokenizer`)."""
+
+
+class NoTokenizer:
+    """The tokenizer of a model directory without tokenizer files (e.g. a Huginn or Ouro
+    directory with only ``config.json`` and weights): prompts are token ids, outputs token
+    ids. Text in (``encode``, ``apply_chat_template``, calling it) raises
+    :class:`NoTokenizerError` (:data:`NO_TOKENIZER`); ids out decode to ``""``. No special
+    ids (eos comes from the model's configs) and no chat template."""
+
+    eos_token_id = bos_token_id = pad_token_id = None
+    chat_template = None
+
+    def __init__(self, model_dir: str | os.PathLike[str] = ""):
+        self.name_or_path = str(model_dir)
+        self.added_tokens_decoder: dict = {}
+
+    def encode(self, text, *args, **kwargs):
+        raise NoTokenizerError(NO_TOKENIZER)
+
+    __call__ = apply_chat_template = encode
+
+    def decode(self, token_ids, *args, **kwargs) -> str:
+        return ""
+
+    def convert_ids_to_tokens(self, token_ids, *args, **kwargs):
+        return "" if isinstance(token_ids, int) else [""] * len(token_ids)
+
+
+def has_tokenizer_files(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``model_dir`` (an adapter directory: its base) holds any of
+    :data:`TOKENIZER_FILES`."""
+    source = base_model_dir(model_dir)
+    return any((source / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str], optional: bool = False):
     """Load the tokenizer saved in ``model_dir`` with ``AutoTokenizer`` (local files only,
     never remote code: a config with an ``auto_map``, e.g. Huginn's or Ouro's, would otherwise
     make transformers prompt on stdin).
 
     An adapter directory loads its base's tokenizer (:func:`base_model_dir`); its own
-    ``chat_template.jinja``, when present, replaces the base's chat template.
+    ``chat_template.jinja``, when present, replaces the base's chat template. ``optional``:
+    a directory without tokenizer files (:func:`has_tokenizer_files`) gives a
+    :class:`NoTokenizer` instead of an error (the engine serves it token ids only).
 
     Raises:
-        OSError: the directory holds no loadable tokenizer (from transformers).
+        OSError / ValueError: the directory holds no loadable tokenizer (from transformers;
+            with ``optional``, only when some tokenizer file is there but broken).
         ValueError: an adapter's base does not resolve.
     """
     from transformers import AutoTokenizer
 
     source = base_model_dir(model_dir)
+    if optional and not has_tokenizer_files(source):
+        return NoTokenizer(source)
     tok = AutoTokenizer.from_pretrained(str(source), local_files_only=True,
                                         trust_remote_code=False)
     template = Path(model_dir) / "chat_template.jinja"

@@ -39,6 +39,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from fastapi.responses import JSONResponse, Response
 
     import latentserve
+    from latentserve.models.checkpoint import NoTokenizer
     from latentserve.server.anthropic_api import (
         CountTokensRequest,
         MessagesRequest,
@@ -163,6 +164,9 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         bad = [t for t in body.tokens if not 0 <= t < limit]
         if bad:
             raise APIError(f"tokens must be in [0, {limit}), got {bad[0]}", param="tokens")
+        if isinstance(state.tokenizer, NoTokenizer):
+            raise APIError("this model directory has no tokenizer files; token ids have no "
+                           "text", param="tokens")
         return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
 
     async def model_health(s: ServerState) -> dict:

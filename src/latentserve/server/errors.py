@@ -3,7 +3,8 @@ except under ``/v1/messages`` where Anthropic's ``{"type": "error", "error": {"t
 "message"}}`` is used.
 
 Every failure leaves the server in that shape: our own :class:`APIError`, request
-validation (wrong types, missing fields, malformed JSON: 400, not FastAPI's 422), routing
+validation (wrong types, missing fields, malformed JSON: 400, not FastAPI's 422), text sent to
+a model without tokenizer files (``models.checkpoint.NoTokenizerError``: 400), routing
 errors (404/405), authentication (401), oversized bodies (413) and, with a generic message
 and no stack trace, anything unexpected (500).
 """
@@ -134,6 +135,8 @@ def install_error_handlers(app) -> None:
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
+    from latentserve.models.checkpoint import NoTokenizerError
+
     def reply(request, err: APIError, headers=None):
         return error_response(request.url.path, err.status_code, err.message, err.type,
                               err.param, err.code, headers)
@@ -150,6 +153,9 @@ def install_error_handlers(app) -> None:
         return reply(request, APIError(str(exc.detail), status_code=exc.status_code, type=kind,
                                        code=code), getattr(exc, "headers", None))
 
+    async def on_no_tokenizer(request, exc: Exception):
+        return reply(request, APIError(str(exc)))  # text sent to a token-ids-only model
+
     async def on_unexpected(request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return reply(request, APIError("Internal server error", status_code=500,
@@ -158,4 +164,5 @@ def install_error_handlers(app) -> None:
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(NoTokenizerError, on_no_tokenizer)
     app.add_exception_handler(Exception, on_unexpected)

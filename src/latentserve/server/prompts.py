@@ -48,10 +48,14 @@ def render_chat(tokenizer, conversation: list[dict[str, str]], *,
     are refused).
 
     Raises:
-        APIError: 400 for a model without a chat template, a reserved or non-string
-            template keyword, ``continue_final_message`` without a final assistant
-            message, or a template that fails on this conversation.
+        APIError: 400 for a model without tokenizer files or a chat template, a reserved
+            or non-string template keyword, ``continue_final_message`` without a final
+            assistant message, or a template that fails on this conversation.
     """
+    from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
+
+    if isinstance(tokenizer, NoTokenizer):
+        raise APIError(f"{NO_TOKENIZER} to /v1/completions", param=param)
     if not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template; use /v1/completions",
                        param=param)
