@@ -73,6 +73,8 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
     if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < iters:
         raise ValueError(f"--max-budget must be an integer >= the adapter's num_iterations "
                          f"({iters}, the default budget), got {max_budget!r}")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # before the reading
+        raise ValueError(f"--out {out_dir} exists and is not empty (use --force)")
     base_cfg = json.loads((base_dir / "config.json").read_text())
     gpt2 = base_cfg.get("model_type") == "gpt2"
     weights = {k: v.contiguous() for k, v in iter_weights(base_dir)
