@@ -139,6 +139,7 @@ def _fold_embedding(adapter: dict, adapter_dir: Path, base_dir: Path, gpt2: bool
     tied = bool(getattr(AutoConfig.from_pretrained(base_dir, local_files_only=True),
                         "tie_word_embeddings", True))
     embed = "transformer.wte" if gpt2 else "model.embed_tokens"
+
     def named(d: dict) -> dict:  # the original gpt2 repo's names have no transformer. prefix
         return {("transformer." + k if gpt2 and k.startswith(("wte.", "wpe.", "h.", "ln_f."))
                  else k): v for k, v in d.items()}
