@@ -151,7 +151,7 @@ def test_after_dagger_the_stop_head_ends_the_closed_loop(toy, tmp_path):
     out = tmp_path / "dagger.safetensors"
     log = train_dagger(DaggerConfig(bundle=str(toy["sft"]), out=str(out),
                                     model=str(toy["adapter"]), data=str(toy["data"]),
-                                    prompt_format="colar", rounds=3, steps=150, batch_size=64,
+                                    prompt_format="colar", rounds=3, steps=300, batch_size=64,
                                     lr=5e-3, overshoot=OVERSHOOT, progress=False))
     h, per_round = log["history"], sum(g + OVERSHOOT for g in groups)
     assert [x["new_rows"] for x in h] == [per_round] * 3  # every trace rolled out

@@ -3,7 +3,7 @@ backbone of stage 0, CoLaR latent models and compression heads trained on that b
 (``train-head sft|dagger|grpo --prompt-format colar``), through our engine, greedy.
 
 A text model gets the whole prompt ``Question: {q} Let's think step by step:(Thinking
-speed: 1)###``; its thinking is the tokens it writes before the closing ``###`` and its
+speed: 1)###`` (``colar.prompt_ids``: its three parts tokenised on their own); its thinking is the tokens it writes before the closing ``###`` and its
 stop fired when it wrote one. A CoLaR model gets the question part and the request's
 compression factor (the engine appends the speed and the separator); its thinking is the
 latent steps and its stop fired when the LM head closed the phase before the cap. A
@@ -92,9 +92,9 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
     if head:
         ids = colar_prompt_ids(tok, [it.question for it in items])
     else:
-        ids = [tok.encode(colar.QUESTION.format(it.question) if latent
-                          else colar.prompt_text(it.question), add_special_tokens=False)
-               for it in items]
+        questions = [it.question for it in items]
+        ids = (tok([colar.QUESTION.format(q) for q in questions], add_special_tokens=False)
+               ["input_ids"] if latent else colar.prompt_ids(tok, questions))
     prompts = [{"prompt_token_ids": p} for p in ids]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -32,6 +32,22 @@ def prompt_text(question: str, speed: int | str = 1) -> str:
     return QUESTION.format(question) + SPEED.format(speed) + SEPARATOR
 
 
+def prompt_ids(tok, questions: list[str], speed: int | str = 1, separator: bool = True
+               ) -> list[list[int]]:
+    """The prompt's ids per question as our models are trained and served: the question
+    part, the thinking speed and (``separator``) the ``###`` id, each tokenised on its own,
+    the way the engine appends the speed and the separator to a CoLaR request's question.
+    (Upstream tokenises the joined string; a BPE merge across the boundary, SmolLM2's
+    ``:(``, would then give ids the engine cannot reproduce from a question.)"""
+    if not questions:
+        return []
+    qs = tok([QUESTION.format(q) for q in questions], add_special_tokens=False)["input_ids"]
+    tail = tok.encode(SPEED.format(speed), add_special_tokens=False)
+    if separator:
+        tail = [*tail, tok.convert_tokens_to_ids(SEPARATOR)]
+    return [q + tail for q in qs]
+
+
 def split_output(text: str) -> tuple[str, str]:
     """``(reasoning, answer)`` of a generated continuation: the text before the closing
     separator, and what follows ``Answer:`` after it (stripped). Without a separator the

@@ -3,7 +3,8 @@
 Source: arXiv 2505.16552; upstream xiaomi-research/colar ``src/models/model_base.py``
 ``latent_generate`` for one request, with greedy choices where upstream samples:
 
-1. prefill ``prompt_text(question, c)`` (ends with the opening ``###``);
+1. prefill ``colar.prompt_ids(tok, [question], c)`` (question part, speed and the opening
+   ``###``, each tokenised on its own, as the engine builds it);
 2. latent step: the policy reads the last position's last-layer hidden state (after the
    final norm); the latent is ``mean * embeds_std`` at temperature 0, else ``(mean + std *
    temperature * eps) * embeds_std`` with ``eps = torch.randn(H, generator=generator)``,
@@ -84,7 +85,7 @@ def colar_generate_reference(model, tok, policy: colar.LatentPolicy, cfg: colar.
     emb = lm.get_input_embeddings()
     device = emb.weight.device
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
-    prompt = tok.encode(colar.prompt_text(question, c), add_special_tokens=False)
+    prompt = colar.prompt_ids(tok, [question], c)[0]
     cache = None
 
     def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,11 +76,10 @@ def read_items(path: str | Path) -> list[Item]:
 
 
 def encode_prompts(tok, questions: list[str], speed: int | str = 1) -> list[list[int]]:
-    """Ids of ``Question: {q} Let's think step by step:(Thinking speed: {speed})`` per
-    question, tokenised in a batch (no special tokens; the opening separator is not
-    included)."""
-    texts = [colar.QUESTION.format(q) + colar.SPEED.format(speed) for q in questions]
-    return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+    """Ids of ``Question: {q} Let's think step by step:`` and ``(Thinking speed: {speed})``
+    per question, each part tokenised on its own (``colar.prompt_ids`` without the
+    opening separator)."""
+    return colar.prompt_ids(tok, questions, speed, separator=False)
 
 
 def encode_parts(tok, items: list[Item], mode: str = "cot"
@@ -177,8 +176,8 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
     right, thinking = 0, []
     for i in range(0, len(items), batch_size):
         chunk = items[i:i + batch_size]
-        enc = tok([colar.prompt_text(it.question) for it in chunk], return_tensors="pt",
-                  padding=True, add_special_tokens=False).to(device)
+        enc = tok.pad({"input_ids": colar.prompt_ids(tok, [it.question for it in chunk])},
+                      return_tensors="pt").to(device)
         with torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda")):
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id or tok.eos_token_id)
