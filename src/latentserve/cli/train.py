@@ -1,6 +1,6 @@
 """``latentserve train cot``: stage 0 of CoLaR, a text chain-of-thought backbone
 (``train/cot.py``); ``latentserve train colar``: stage 1, compressed latent reasoning
-(``train/colar.py``); ``latentserve train colar-grpo``: stage 2, GRPO with rollouts through
+(``train/colar.py``); ``latentserve train colar-grpo``: stage 3, GRPO with rollouts through
 the engine (``train/colar_grpo.py``)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ def register(sub) -> None:
     from latentserve.train.cot import LORA_TARGETS
 
     p = sub.add_parser("train", help="train reasoning models (CoLaR stage 0: cot, stage 1: "
-                                     "colar, stage 2: colar-grpo)")
+                                     "colar, stage 3: colar-grpo)")
     stages = p.add_subparsers(dest="stage", required=True)
     c = stages.add_parser("cot", help="fine-tune a backbone on text chains of thought")
     c.add_argument("--data", action="append", required=True,
@@ -89,7 +89,7 @@ def register(sub) -> None:
                    help="latent-step cap written to colar_config.json")
     k.set_defaults(func=run_colar)
 
-    g = stages.add_parser("colar-grpo", help="CoLaR stage 2: GRPO on a stage-1 model, rollouts "
+    g = stages.add_parser("colar-grpo", help="CoLaR stage 3: GRPO on a stage-1 model, rollouts "
                                              "through the engine (arXiv 2505.16552)")
     g.add_argument("--model", required=True,
                    help="stage-1 directory (train colar output: LoRA adapter + latent policy)")

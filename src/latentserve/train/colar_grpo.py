@@ -1,5 +1,5 @@
-"""Stage 2 of CoLaR (``latentserve train colar-grpo``): GRPO over the latent policy and the
-answer tokens, with the rollouts run by our engine.
+"""Stage 3 of CoLaR (``latentserve train colar-grpo``; upstream's second stage): GRPO over
+the latent policy and the answer tokens, with the rollouts run by our engine.
 
 Source: arXiv 2505.16552; upstream xiaomi-research/colar ``src/models/colar.py``
 (``rl_training_step``, ``rollout``, ``get_group_rewards_and_acc``, ``get_logprobs``),
