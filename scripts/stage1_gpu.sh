@@ -17,27 +17,14 @@ X=/tmp/x; W=/tmp/stage1; mkdir -p "$X" "$W" "${OUT:=out}"
 export PYTHONPATH="$PWD/src:/tmp/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export LATENTSERVE_EMBEDDED_GGUF=/tmp/smollm2.gguf LATENTSERVE_DATA="$X/data"
 ls="python3 -m latentserve.cli"
+. scripts/gpu_xfer.sh
 D="$X/data/multiplication"; G="$X/data/gsm8k"
 
 case "${1:-}" in
-pack)  # here, not on the device: .xfer/p{1..4} from the embedded GGUF, the data and the wheel
-  gguf=$(env -u LATENTSERVE_EMBEDDED_GGUF python3 -c \
-    'from latentserve.models.checkpoint import embedded_gguf_path as e; print(e())')
-  rm -rf .xfer/p1 .xfer/p2 .xfer/p3 .xfer/p4
-  split -n 4 -d "$gguf" .xfer/part_
-  for i in 1 2 3 4; do mkdir -p .xfer/p$i && mv .xfer/part_0$((i - 1)) .xfer/p$i/; done
-  cp -r "${DATA:-../shared/data}" .xfer/p1/data
-  python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/p1 gguf==0.19.0
-  md5sum "$gguf"; du -sh .xfer/p*
-  ;;
-take)
-  for p in .xfer/p1 .xfer/p2 .xfer/p3; do [ -d "$p" ] && cp -r "$p"/. "$X"/; done; ls "$X"
-  ;;
+pack) xfer_pack ;;
+take) xfer_take ;;
 start)
-  cp -r .xfer/p4/. "$X"/
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$X"/gguf-*.whl || exit 1
-  cat "$X"/part_00 "$X"/part_01 "$X"/part_02 "$X"/part_03 > /tmp/smollm2.gguf && md5sum /tmp/smollm2.gguf
-  python3 -c 'from latentserve.models.checkpoint import resolve_model_dir as r; print(r(None))' 2>&1 | tail -1
+  xfer_start || exit 1
   for k in 4 5; do $ls data multiplication --k $k --n "${N_MULT:-400000}" --out "$W/${k}x${k}_train.txt"; done
   common=(--device cuda --lr "${LR:-5e-4}" --log-every 100 --max-compression-factor 5
           --max-latent 160)
