@@ -150,7 +150,9 @@ def test_cli_sweep_writes_runs_and_a_plot(head_dir, gsm_file, tmp_path):
 
 
 def test_parse_sweep_rejects_bad_specs():
-    assert parse_sweep("max_latent=0,4,16") == [0, 4, 16]
+    assert parse_sweep("max_latent=0,4,16") == ("max_latent", [0, 4, 16])
+    assert parse_sweep("compression_factor=1,5", ("compression_factor", "max_latent")) == (
+        "compression_factor", [1, 5])
     for bad in ("budget=1,2", "max_latent=a", "max_latent=", "max_latent=-1"):
         with pytest.raises(ValueError, match="sweep"):
             parse_sweep(bad)

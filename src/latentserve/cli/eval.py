@@ -70,11 +70,7 @@ def run_colar(args) -> int:
     items = read_items(args.data_file)[:args.limit]
     key, values = "compression_factor", [args.compression_factor]
     if args.sweep:
-        key = args.sweep.partition("=")[0].strip()
-        if key not in ("compression_factor", "max_latent"):
-            raise ValueError(f"--sweep must be compression_factor=... or max_latent=..., "
-                             f"got {args.sweep!r}")
-        values = parse_sweep(args.sweep.replace(key, "max_latent", 1))
+        key, values = parse_sweep(args.sweep, ("compression_factor", "max_latent"))
     cfg = engine_config(args)
     llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     runs = []
@@ -105,7 +101,7 @@ def run(args) -> int:
         return run_colar(args)
     from latentserve.eval.run import evaluate, parse_sweep, plot_sweep
 
-    budgets = parse_sweep(args.sweep) if args.sweep else [args.max_latent]
+    budgets = parse_sweep(args.sweep)[1] if args.sweep else [args.max_latent]
     # Options that are wrong whatever the run gives: refuse them before it starts.
     if args.plot and args.sweep is None:
         raise ValueError("--plot needs --sweep")

@@ -67,18 +67,21 @@ def evaluate(items: list[Item], backend, max_tokens: int = 256,
     return records, summary
 
 
-def parse_sweep(spec: str) -> list[int]:
-    """``"max_latent=0,4,8"`` -> ``[0, 4, 8]``. Raises ValueError naming the problem."""
+def parse_sweep(spec: str, keys: tuple[str, ...] = ("max_latent",)) -> tuple[str, list[int]]:
+    """``"max_latent=0,4,8"`` -> ``("max_latent", [0, 4, 8])``; the key must be one of
+    ``keys``. Raises ValueError naming the problem."""
     key, sep, vals = spec.partition("=")
-    if key.strip() != "max_latent" or not sep:
-        raise ValueError(f"--sweep must look like max_latent=0,4,8; got {spec!r}")
+    key = key.strip()
+    if key not in keys or not sep:
+        shapes = " or ".join(f"{k}=..." for k in keys)
+        raise ValueError(f"--sweep must look like {shapes} (e.g. {keys[0]}=0,4,8); got {spec!r}")
     try:
         out = [int(v) for v in vals.split(",") if v.strip()]
     except ValueError:
         raise ValueError(f"--sweep values must be integers, got {vals!r}") from None
     if not out or any(v < 0 for v in out):
         raise ValueError(f"--sweep needs integers >= 0, got {vals!r}")
-    return out
+    return key, out
 
 
 def plot_sweep(series: dict[str, list[dict]], path, title: str = "",
