@@ -154,7 +154,7 @@ def test_converted_upstream_adapter_serves_as_the_peft_model(kind, upstream):
     expected = [reference_generate_loop(ref, p, b, MAX_TOKENS) for p, b in reqs]
     engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32"))
     for warm in (False, True):
-        for (ans, logits, cached), (ref_ans, ref_logits) in zip(_serve(engine, reqs), expected):
+        for (ans, logits, _cached), (ref_ans, ref_logits) in zip(_serve(engine, reqs), expected):
             assert ans == ref_ans
             torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
         if warm:

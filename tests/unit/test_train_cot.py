@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from latentserve.eval.datasets import data_root
-from latentserve.train.tasks import (generate_multiplication, gsm8k_train_items, icot_line,
-                                     multiplication_item, questions_of)
+from latentserve.train.tasks import (
+    generate_multiplication,
+    gsm8k_train_items,
+    icot_line,
+    multiplication_item,
+    questions_of,
+)
 
 MULT = data_root() / "multiplication"
 
