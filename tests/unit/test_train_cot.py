@@ -94,3 +94,16 @@ def test_lora_run_lowers_loss_and_adapter_reproduces_model(tmp_path, tiny_dirs):
     plain = base(ids).logits
     tuned = PeftModel.from_pretrained(base, str(out))(ids).logits
     assert not torch.allclose(plain, tuned, atol=1e-3)  # the adapter changes the model
+
+
+def test_cli_refuses_bad_sizes_before_loading_anything(tmp_path, capsys):
+    from latentserve.cli import main
+
+    assert main(["data", "multiplication", "--k", "0", "--n", "3", "--out",
+                 str(tmp_path / "m.txt")]) != 0
+    assert "need --k >= 1" in capsys.readouterr().err
+    data = tmp_path / "d.txt"
+    data.write_text("1 * 2||2 #### 2\n")
+    assert main(["eval", "--model", str(tmp_path), "--prompt-format", "colar",
+                 "--dataset-file", str(data), "--limit", "-3"]) != 0
+    assert "--limit must be >= 1, got -3" in capsys.readouterr().err

@@ -25,13 +25,16 @@ def run_multiplication(args) -> int:
     from latentserve.eval.datasets import data_root
     from latentserve.train.tasks import generate_multiplication, questions_of, write_icot
 
+    if args.k < 1 or args.n < 0:
+        raise ValueError(f"need --k >= 1 and --n >= 0, got --k {args.k}, --n {args.n}")
     if args.exclude is None:
         root = data_root() / "multiplication"
         args.exclude = [str(root / f"{args.k}x{args.k}_{s}.txt") for s in ("test", "valid")]
         missing = [p for p in args.exclude if not Path(p).is_file()]
         if missing:
             raise FileNotFoundError(f"evaluation sets to exclude not found: {missing}; set "
-                                    "$LATENTSERVE_DATA or pass --exclude")
+                                    "$LATENTSERVE_DATA or pass --exclude (--exclude "
+                                    "/dev/null excludes nothing)")
     items = generate_multiplication(args.k, args.n, args.seed, questions_of(args.exclude))
     n = write_icot(items, args.out)
     print(json.dumps({"out": args.out, "n": n, "excluded_from": args.exclude}))

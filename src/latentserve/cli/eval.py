@@ -67,6 +67,8 @@ def run_colar(args) -> int:
 
     if args.data_file is None:
         raise ValueError("--prompt-format colar needs --dataset-file")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     items = read_items(args.data_file)[:args.limit]
     key, values = "compression_factor", [args.compression_factor]
     if args.sweep:

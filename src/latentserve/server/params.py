@@ -219,10 +219,10 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
             continue
         for sent in (hdr, alias):
             if sent is not None and headers.get(sent) is not None:
-                raise APIError(f"header {sent} " + _not_taken(spec, taken, hdr=True),
+                raise APIError(f"header {sent} " + _not_taken(spec, taken, True, name),
                                param=sent)
         if name in type(body).model_fields and getattr(body, name) is not None:
-            raise APIError(f"{name} " + _not_taken(spec, taken, hdr=False), param=name)
+            raise APIError(f"{name} " + _not_taken(spec, taken, False, name), param=name)
     c = controls.get("compression_factor")
     if c is not None and "compression_factor" in taken:
         top = spec.max_compression_factor
@@ -233,11 +233,13 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
                            param=param)
 
 
-def _not_taken(spec, taken: tuple[str, ...], hdr: bool) -> str:
-    """Why a head control is refused (the message after its name)."""
+def _not_taken(spec, taken: tuple[str, ...], hdr: bool, name: str = "") -> str:
+    """Why head control ``name`` is refused (the message after its name)."""
     if taken:
         return (f"is not a control of this model's latent head ({spec.family}; it takes "
                 f"{', '.join(taken)})")
+    if name in ("compression_factor", "latent_temperature"):
+        return "needs a CoLaR model (a directory with colar_config.json); leave it out"
     off = f"{HEAD_HEADERS['thinking'][0]}: false" if hdr else "thinking: false"
     return f"needs a model with a compression head; this model has none (send {off} or " \
         "leave it out)"

@@ -69,7 +69,7 @@ def read_items(path: str | Path) -> list[Item]:
 
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"training data {p} does not exist")
+        raise FileNotFoundError(f"data file {p} does not exist")
     if p.suffix == ".jsonl":
         return gsm8k_train_items(p)
     return _parse(p, "icot", "text", None)
