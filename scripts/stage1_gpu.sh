@@ -9,6 +9,7 @@
 #   run "bash scripts/stage1_gpu.sh start"  carry [".xfer/p4"]   (builds data, starts training,
 #                                                                 returns after T_WAIT s)
 #   run "bash scripts/stage1_gpu.sh finish"                      (waits, evaluates, packs $OUT)
+# or, after p1-p3 with a CoLaR directory split into p2/p3: run "... more" carry [".xfer/p4"].
 # Knobs (env): T_MULT (seconds of CoLaR training on multiplication, 780), T_GSM (GSM8K, 300),
 # LR (5e-4), T_WAIT (500), N_MULT (generated items per k, 400000; seed 0 = stage 0's set).
 set -uo pipefail
@@ -35,11 +36,25 @@ start)
   setsid nohup $ls train colar "${common[@]}" --init-adapter models/smollm2-gsm8k-cot \
     --data "$G/train.jsonl" --compression-factor 2 --out "$W/colar_gsm8k" --steps 100000 \
     --max-seconds "${T_GSM:-300}" --batch-size 64 > "$W/colar_gsm8k.log" 2>&1 < /dev/null &
-  sleep "${T_WAIT:-500}"
+  # Wait T_WAIT s, or less when both trainings have ended (a crash shows at once).
+  for _ in $(seq $(( ${T_WAIT:-500} / 5 ))); do
+    pgrep -f "latentserve.cli train" > /dev/null || break; sleep 5
+  done
   tail -n 3 "$W"/*.log
   for m in colar_mult colar_gsm8k; do
     [ -d "$W/$m" ] && tar czf "$OUT/$m.tgz" -C "$W" --exclude='train_log.json' "$m"
   done
+  ;;
+more)  # continue stage 1 on multiplication from a CoLaR directory carried in .xfer/p2-p3
+  # (its adapter in p2/colar_mult, its policy and configs in p3/colar_mult): T_MORE s.
+  xfer_start || exit 1
+  for k in 4 5; do $ls data multiplication --k $k --n "${N_MULT:-150000}" --seed 1 \
+    --out "$W/${k}x${k}_train.txt"; done
+  $ls train colar --device cuda --lr "${LR:-5e-4}" --log-every 200 --max-compression-factor 5 \
+    --max-latent 160 --init-adapter "$X/colar_mult" --data "$W/4x4_train.txt" \
+    --data "$W/5x5_train.txt" --compression-factor 4 --out "$W/colar_mult" --steps 100000 \
+    --max-seconds "${T_MORE:-420}" --batch-size 128 2>&1 | grep --line-buffered -v Loading
+  tar czf "$OUT/colar_mult.tgz" -C "$W" colar_mult
   ;;
 finish)  # every result is packed into $OUT as soon as it exists (a call cut at its limit keeps it)
   while pgrep -f "latentserve.cli train" > /dev/null; do sleep 5; done

@@ -169,6 +169,21 @@ def test_output_directory_loads_with_load_colar_and_peft(trained, backbone):
     assert json.loads((out / "train_config.json").read_text())["max_compression_factor"] == 2
 
 
+def test_a_colar_directory_as_init_adapter_continues_its_policy(trained, toy_file, tmp_path):
+    """Stage 1 resumed from its own output starts from the saved latent policy and
+    ``embeds_std`` (not a fresh head): with a vanishing lr the policy comes back as saved."""
+    out, _ = trained
+    saved_cfg, saved = colar.load_colar(out)
+    again = tmp_path / "again"
+    train(ColarTrainConfig(data=[str(toy_file)], out=str(again), init_adapter=str(out),
+                           steps=1, batch_size=4, lr=1e-12, warmup=0, max_compression_factor=2,
+                           embeds_std=0.5), progress=lambda *_: None)
+    cfg, policy = colar.load_colar(again)
+    assert cfg.embeds_std == saved_cfg.embeds_std
+    for (k, a), b in zip(saved.state_dict().items(), policy.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6), k
+
+
 # ------------------------------------------------------------------ the reference loop
 
 

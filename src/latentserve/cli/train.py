@@ -53,7 +53,8 @@ def register(sub) -> None:
                    help="backbone (default: --init-adapter's base, else the embedded "
                         "SmolLM2-135M-Instruct)")
     k.add_argument("--init-adapter", default=None,
-                   help="stage-0 adapter directory (train cot output) to continue training")
+                   help="adapter directory to continue training: stage 0 (train cot output), or a "
+                        "CoLaR directory (train colar output; its latent policy too)")
     k.add_argument("--lora-r", type=int, default=16,
                    help="rank of a fresh LoRA (without --init-adapter); 0 = full fine-tune")
     k.add_argument("--lora-alpha", type=float, default=32.0)

@@ -52,7 +52,8 @@ Example = tuple[list[int], list[int], list[int]]
 class ColarTrainConfig:
     """Options of ``latentserve train colar`` (see its ``--help``). ``base`` None = the
     base named by ``init_adapter``'s ``adapter_config.json``, else the embedded SmolLM2;
-    ``lora_*`` apply to a fresh LoRA only (``init_adapter`` brings its own); ``lora_r`` 0 =
+    ``lora_*`` apply to a fresh LoRA only (``init_adapter`` brings its own; a CoLaR directory
+    as ``init_adapter`` also brings its latent policy and ``embeds_std``); ``lora_r`` 0 =
     full fine-tune; ``compression_factor`` None = ``max_compression_factor`` (upstream
     evaluates at 5 = its maximum); ``intermediate_size`` None = the hidden size;
     ``embeds_std`` None = the std of the input-embedding matrix; ``max_seconds`` 0 = no
@@ -240,12 +241,16 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
     if not keep:
         raise ValueError(f"no training example fits max_len={cfg.max_len}")
     hidden = _lm(model).config.hidden_size
+    prior = colar.load_colar(cfg.init_adapter) if cfg.init_adapter else None
     ccfg = colar.ColarConfig(
-        hidden_size=hidden, intermediate_size=cfg.intermediate_size or hidden,
-        embeds_std=cfg.embeds_std or embedding_std(model),
+        hidden_size=hidden,
+        intermediate_size=prior[0].intermediate_size if prior else
+        cfg.intermediate_size or hidden,
+        embeds_std=prior[0].embeds_std if prior else cfg.embeds_std or embedding_std(model),
         compression_factor=cfg.compression_factor,
         max_compression_factor=cfg.max_compression_factor, max_latent=cfg.max_latent)
-    policy = colar.LatentPolicy(hidden, ccfg.intermediate_size).to(cfg.device)
+    policy = (prior[1] if prior else colar.LatentPolicy(hidden, ccfg.intermediate_size))
+    policy = policy.to(cfg.device)
     params = [p for p in model.parameters() if p.requires_grad] + list(policy.parameters())
     progress(f"train colar: {len(keep)} examples, {sum(p.numel() for p in params)} trainable "
              f"parameters, {cfg.steps} steps of {cfg.batch_size}, r in "
