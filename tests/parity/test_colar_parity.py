@@ -382,8 +382,8 @@ def test_decode_graphs_run_the_policy_in_the_latent_graph(colar_dir, references,
     engine.scheduler.forced_one_by_one = True
     graphs = engine.runner.graphs
     assert graphs.head is engine.runner.model.latent_head and graphs.capture_layer == -1
-    cases = _cases()[:8]
-    _assert_matches(_run(engine, cases), references[:8], cases, "graphs")
+    cases = _cases()[:5]  # every speed 1..5, caps 12 and 3 and 6
+    _assert_matches(_run(engine, cases), references[:5], cases, "graphs")
     engine.cache.check_idle()
     assert engine.runner.num_graph_steps > MAX_TOKENS
     assert 0 < graphs.num_latent_replays < engine.runner.num_graph_steps

@@ -1,0 +1,96 @@
+"""The shipped CoLaR model (``models/smollm2-mult-colar``: LoRA over the embedded SmolLM2 and
+a latent policy, trained by ``latentserve train colar``) served by the engine in float32
+equals the eager reference (``testing.colar_reference``, upstream ``latent_generate`` with
+greedy choices) on real test questions: one batch mixing thinking speeds and a latent cap,
+cold and then warm prefix cache; answer tokens, latent steps, how the phase ended, and the
+first answer token's logits within 1e-4. The answers are also checked against the gold
+products the test file gives (what the model gets right is whatever it gets)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from latentserve.config import EngineConfig
+from latentserve.latent import colar
+from latentserve.sampling_params import SamplingParams
+
+MODEL = Path(__file__).parents[2] / "models" / "smollm2-mult-colar"
+MAX_TOKENS = 20  # "Answer:" + 8 or 10 digits with spaces, then EOS
+
+# (question, gold, c, max_latent): 4x4 at speeds 1 and 2, 5x5 at 2, one cap that cuts in.
+CASES = [("7 6 9 2 * 1 6 3 6", "7 8 0 3 7 8 8 1", 2, 160),
+         ("5 0 0 8 * 3 5 9 7", "5 6 7 3 6 6 3 6", 1, 160),
+         ("7 2 2 9 * 2 7 7 8", "4 4 2 9 3 9 0 8", 2, 20)]
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not MODEL.is_dir(), reason="models/smollm2-mult-colar absent")]
+
+
+@pytest.fixture(scope="module")
+def references(smollm2_dir):
+    from latentserve.testing.colar_reference import (
+        colar_generate_reference,
+        load_colar_reference,
+    )
+
+    model, tok, cfg, policy = load_colar_reference(MODEL)
+    return [colar_generate_reference(model, tok, policy, cfg, q, c, cap, MAX_TOKENS)
+            for q, _, c, cap in CASES]
+
+
+def _run(engine, tag):
+    first, real = {}, engine.runner.run
+
+    def spy(batch, *args, **kwargs):  # each request's first answer-token logits
+        logits, hidden = real(batch, *args, **kwargs)
+        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], logits):
+            if req.answer_start == len(req.output_ids) and req.rid not in first:
+                first[req.rid] = row.float().cpu().clone()
+        return logits, hidden
+
+    engine.runner.run = spy
+    rids = [f"{tag}{i}" for i in range(len(CASES))]
+    try:
+        for rid, (q, _, c, cap) in zip(rids, CASES):
+            ids = engine.tokenizer.encode(colar.QUESTION.format(q), add_special_tokens=False)
+            engine.add_request(rid, ids, SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=0.0, compression_factor=c, max_latent=cap))
+        toks, final = {r: [] for r in rids}, {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                toks[o.rid] += o.new_token_ids
+                if o.finished:
+                    final[o.rid] = o
+    finally:
+        engine.runner.run = real
+    return [(toks[r], final[r], first[r]) for r in rids]
+
+
+def test_engine_equals_reference_cold_then_warm(references):
+    from latentserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(MODEL), dtype="float32", max_model_len=512))
+    sep = engine.tokenizer.convert_tokens_to_ids(colar.SEPARATOR)
+    for tag in ("cold", "warm"):
+        for i, ((toks, final, first), ref) in enumerate(zip(_run(engine, tag), references)):
+            msg = f"{tag} case {i} {CASES[i][2:]}"
+            assert toks == ref.answer_ids, msg
+            fired = ref.n_latent > 0 and int(ref.latent_logits[-1].argmax()) == sep
+            assert final.latent_stats["steps"] == ref.n_latent, msg
+            assert final.latent_stats["end"] == ("stop" if fired else "cap"), msg
+            torch.testing.assert_close(first, ref.answer_logits[0], atol=1e-4, rtol=0, msg=msg)
+            if tag == "warm":  # the prompt came from the radix cache
+                assert 0 < final.num_cached_tokens <= len(ref.prompt_ids), msg
+        engine.cache.check_idle()
+    assert [r.n_latent for r in references][2] == 20  # the cap cut case 2's phase
+
+
+def test_the_reference_answers_in_format_and_right_at_speed_1(references, smollm2_tokenizer):
+    """Speed 1 (84 latents, one per CoT token) answers this 4x4 product; at speed 2 the
+    stop fires after about half as many latents."""
+    answers = [colar.split_output(colar.SEPARATOR + smollm2_tokenizer.decode(
+        r.answer_ids, skip_special_tokens=True))[1] for r in references]
+    assert answers[1] == CASES[1][1], answers
+    assert all(len(a.split()) == 8 for a in answers[:2]), answers  # case 2 is cut short
+    assert references[1].n_latent == 84 and 35 <= references[0].n_latent <= 45
