@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Stage 1 of CoLaR on the H200 (docs/results.md): CoLaR trained from the stage-0 adapters
 # (models/smollm2-mult-cot, models/smollm2-gsm8k-cot), then evaluated through our engine.
-# Device calls, back to back (a machine goes cold 30 s after a call; the tree that travels is
-# at most 64 MiB and the repository holds ~30 MB, so the GGUF comes in four parts; make them
-# here with `bash scripts/stage1_gpu.sh pack`):
-#   run "bash scripts/stage1_gpu.sh take"   carry [".xfer/p1"]   (part 1 + data + gguf wheel)
-#   run "bash scripts/stage1_gpu.sh take"   carry [".xfer/p2"]   (and p3 likewise)
-#   run "bash scripts/stage1_gpu.sh start"  carry [".xfer/p4"]   (builds data, starts training,
+# Device calls, back to back (a machine goes cold 30 s after a call; the GGUF travels in eight
+# parts, scripts/gpu_xfer.sh; make them here with `bash scripts/stage1_gpu.sh pack`):
+#   run "bash scripts/stage1_gpu.sh take"   carry [".xfer/p1"]   (then p2 .. p7 likewise)
+#   run "bash scripts/stage1_gpu.sh start"  carry [".xfer/p8"]   (builds data, starts training,
 #                                                                 returns after T_WAIT s)
 #   run "bash scripts/stage1_gpu.sh finish"                      (waits, evaluates, packs $OUT)
-# or, after p1-p3 with a CoLaR directory split into p2/p3: run "... more" carry [".xfer/p4"].
+# or, with a CoLaR directory copied into .xfer/pK/colar_mult (split over parts as size needs):
+#   run "bash scripts/stage1_gpu.sh more" carry [".xfer/p8"] (continues it T_MORE s).
 # Knobs (env): T_MULT (seconds of CoLaR training on multiplication, 780), T_GSM (GSM8K, 300),
 # LR (5e-4), T_WAIT (500), N_MULT (generated items per k, 400000; seed 0 = stage 0's set).
 set -uo pipefail
@@ -45,8 +44,7 @@ start)
     [ -d "$W/$m" ] && tar czf "$OUT/$m.tgz" -C "$W" --exclude='train_log.json' "$m"
   done
   ;;
-more)  # continue stage 1 on multiplication from a CoLaR directory carried in .xfer/p2-p3
-  # (its adapter in p2/colar_mult, its policy and configs in p3/colar_mult): T_MORE s.
+more)  # continue stage 1 on multiplication from the CoLaR directory carried as colar_mult
   xfer_start || exit 1
   for k in 4 5; do $ls data multiplication --k $k --n "${N_MULT:-150000}" --seed 1 \
     --out "$W/${k}x${k}_train.txt"; done

@@ -3,12 +3,10 @@
 # stage-0 reasoning backbone models/smollm2-mult-cot (a LoRA adapter over SmolLM2-135M),
 # CoLaR prompt format: SFT, then DAgger rounds on the engine's own latents, then GRPO; each
 # head evaluated on the full 4x4 and 5x5 test sets, beside the backbone's text CoT.
-# Device calls, back to back (a machine goes cold 30 s after a call; the tree that travels is
-# at most 64 MiB and the repository holds ~30 MB, so the GGUF comes in four parts, laid out as
-# scripts/stage1_gpu.sh lays them out; make them here with `bash $0 pack`):
-#   run "bash scripts/stage2_gpu.sh take"    carry [".xfer/p1"]  (part 1, data, gguf wheel)
-#   run "bash scripts/stage2_gpu.sh take"    carry [".xfer/p2"]  (and p3 likewise)
-#   run "bash scripts/stage2_gpu.sh start"   carry [".xfer/p4"]  (GGUF, then the pipeline in
+# Device calls, back to back (a machine goes cold 30 s after a call; the GGUF travels in eight
+# parts, scripts/gpu_xfer.sh; make them here with `bash $0 pack`):
+#   run "bash scripts/stage2_gpu.sh take"    carry [".xfer/p1"]  (then p2 .. p7 likewise)
+#   run "bash scripts/stage2_gpu.sh start"   carry [".xfer/p8"]  (GGUF, then the pipeline in
 #                                                                 the background; returns
 #                                                                 after T_WAIT s)
 #   run "bash scripts/stage2_gpu.sh finish"                      (waits for it, packs $OUT)

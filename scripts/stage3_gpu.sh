@@ -3,8 +3,8 @@
 # models/smollm2-mult-colar (written by scripts/stage1_gpu.sh) on 5x5 multiplication, rollouts
 # through our engine, then the full 4x4 and 5x5 test sets at c = 4 before and after.
 # Device calls, back to back (transfer as scripts/gpu_xfer.sh says; `bash $0 pack` here first):
-#   run "bash scripts/stage3_gpu.sh take"    carry [".xfer/p1"]   (and p2, p3 likewise)
-#   run "bash scripts/stage3_gpu.sh start"   carry [".xfer/p4"]   (GRPO in the background,
+#   run "bash scripts/stage3_gpu.sh take"    carry [".xfer/p1"]   (then p2 .. p7 likewise)
+#   run "bash scripts/stage3_gpu.sh start"   carry [".xfer/p8"]   (GRPO in the background,
 #                                                                  returns after T_WAIT s)
 #   run "bash scripts/stage3_gpu.sh finish"                       (waits, evaluates, packs $OUT)
 # Knobs (env): MODEL (models/smollm2-mult-colar), T_GRPO (seconds, 600), LR (1e-6, upstream),
