@@ -10,6 +10,7 @@ graphs emulated on CPU). Per-request controls: thinking off, min_latent, use_sto
 seeded latent temperature, a prompt that already holds the speed, refusals."""
 
 import contextlib
+import json
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the graph test)
@@ -288,6 +289,32 @@ def test_colar_eval_runs_latents_at_the_asked_speed(colar_dir, reference):
     assert [r["thinking"] for r in records] == [reference(q, 3, 6, 4).n_latent
                                                 for q in QUESTIONS[:3]]
     assert summary["n"] == 3
+
+
+def test_cli_speed_sweep_writes_runs_and_a_plot_beside_a_baseline(colar_dir, reference,
+                                                                   tmp_path):
+    """``latentserve eval`` on a CoLaR directory: ``--sweep compression_factor=1,3`` writes
+    one summary per speed (latent steps as the reference runs them) and ``--plot`` a PNG
+    with a text-CoT ``--baseline``; a baseline that is no summary is refused first."""
+    from latentserve.cli import main
+
+    data = tmp_path / "q.txt"
+    data.write_text("".join(f"{q}||x #### 1\n" for q in QUESTIONS[:2]))
+    base = tmp_path / "cot.json"
+    base.write_text(json.dumps({"n": 2, "accuracy": 0.5, "thinking": {"median": 9.0}}))
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    args = ["eval", "--model", str(colar_dir), "--dataset-file", str(data), "--max-tokens",
+            "3", "--max-latent", "6", "--sweep", "compression_factor=1,3"]
+    assert main([*args, "--json-out", str(out), "--plot", str(png),
+                 "--baseline", str(base)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["compression_factor"] for r in runs] == [1, 3]
+    for r, c in zip(runs, (1, 3)):
+        steps = [reference(q, c, 6, 3).n_latent for q in QUESTIONS[:2]]
+        assert r["thinking"]["max"] == max(steps) and r["n"] == 2
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    base.write_text("{}")
+    assert main([*args, "--plot", str(tmp_path / "p.png"), "--baseline", str(base)]) != 0
 
 
 def test_no_latent_head_serves_the_bare_backbone(colar_dir):

@@ -1,6 +1,7 @@
 """``latentserve eval``: accuracy, thinking tokens or latent steps, and latency on GSM8K,
 ProsQA or multiplication, against our engine in-process or an OpenAI-compatible URL;
-``--sweep max_latent=0,4,8`` plots accuracy and latent steps against the budget."""
+``--sweep max_latent=0,4,8`` (CoLaR models also ``compression_factor=1,2,3``) with ``--plot``
+draws accuracy and latent steps against the swept field."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="write summary and per-item records (JSON)")
     p.add_argument("--plot", default=None, help="sweep plot (PNG)")
     p.add_argument("--baseline", default=None,
-                   help="an --out JSON of a text-CoT run, drawn as a reference line")
+                   help="a text-CoT run's --out JSON (CoLaR format: its --json-out), drawn "
+                        "as a reference line")
     p.set_defaults(func=run)
 
 
@@ -69,10 +71,13 @@ def run_colar(args) -> int:
         raise ValueError("--prompt-format colar needs --dataset-file")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    items = read_items(args.data_file)[:args.limit]
     key, values = "compression_factor", [args.compression_factor]
     if args.sweep:
         key, values = parse_sweep(args.sweep, ("compression_factor", "max_latent"))
+    if args.plot and args.sweep is None:
+        raise ValueError("--plot needs --sweep")
+    base = _colar_baseline(args.baseline) if args.baseline else None
+    items = read_items(args.data_file)[:args.limit]
     cfg = engine_config(args)
     llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     runs = []
@@ -93,7 +98,28 @@ def run_colar(args) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"summary": out, "records": records}, f, indent=1)
+    if args.plot:
+        from latentserve.eval.run import plot_sweep
+
+        flat = [{key: r[key], "accuracy": r["accuracy"], "thinking_median":
+                 r["thinking"]["median"], "thinking_max": r["thinking"]["max"]} for r in runs]
+        plot_sweep({os.path.basename(os.path.normpath(args.model)): flat}, args.plot,
+                   f"{os.path.basename(args.data_file)} (n={len(items)})", base, x=key,
+                   accuracy_keys=(("accuracy", "exact"),))
     return 0
+
+
+def _colar_baseline(path: str) -> dict:
+    """``{"accuracy", "thinking_median"}`` of a text-CoT run's ``--json-out`` (a summary, or
+    the first of a sweep's ``runs``). Raises FileNotFoundError / ValueError."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--baseline {path} does not exist")
+    with open(path) as f:
+        data = json.load(f)
+    s = data["runs"][0] if "runs" in data else data.get("summary", data)
+    if "accuracy" not in s or "median" not in s.get("thinking", {}):
+        raise ValueError(f"--baseline {path} is not a `latentserve eval --json-out` summary")
+    return {"accuracy": s["accuracy"], "thinking_median": s["thinking"]["median"]}
 
 
 def run(args) -> int:

@@ -84,12 +84,17 @@ def parse_sweep(spec: str, keys: tuple[str, ...] = ("max_latent",)) -> tuple[str
     return key, out
 
 
+ACCURACY_KEYS = (("accuracy_flexible", "flexible"), ("accuracy_strict", "strict"))
+
+
 def plot_sweep(series: dict[str, list[dict]], path, title: str = "",
-               baseline: dict | None = None) -> None:
-    """Test-time-scaling plot (PNG): for each ``label -> sweep summaries``, accuracy
-    (flexible solid, strict dashed) and median latent steps against the ``max_latent``
-    budget; ``baseline`` (a text-CoT summary) is drawn as horizontal lines (its accuracy;
-    its median thinking tokens on the right panel)."""
+               baseline: dict | None = None, x: str = "max_latent",
+               accuracy_keys: tuple[tuple[str, str], ...] = ACCURACY_KEYS) -> None:
+    """Test-time-scaling plot (PNG): for each ``label -> sweep summaries``, accuracy (one
+    line per ``accuracy_keys`` entry ``(key, label)``, the first solid) and the median and
+    max latent steps (``thinking_median``, ``thinking_max``) against the swept field ``x``
+    (``max_latent``, or ``compression_factor`` for CoLaR); ``baseline`` (a text-CoT summary
+    with the first accuracy key and ``thinking_median``) is drawn as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,23 +102,23 @@ def plot_sweep(series: dict[str, list[dict]], path, title: str = "",
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
     for label, runs in series.items():
-        xs = [s["max_latent"] for s in runs]
-        (line,) = a1.plot(xs, [s["accuracy_flexible"] for s in runs], "o-",
-                          label=f"{label} (flexible)")
-        a1.plot(xs, [s["accuracy_strict"] for s in runs], "s--", color=line.get_color(),
-                label=f"{label} (strict)")
-        a2.plot(xs, [s["thinking_median"] for s in runs], "o-", color=line.get_color(),
+        xs = [s[x] for s in runs]
+        color = None
+        for k, (key, what) in enumerate(accuracy_keys):
+            (line,) = a1.plot(xs, [s[key] for s in runs], "o-" if k == 0 else "s--",
+                              color=color, label=f"{label} ({what})")
+            color = line.get_color()
+        a2.plot(xs, [s["thinking_median"] for s in runs], "o-", color=color,
                 label=f"{label} median")
-        a2.plot(xs, [s["thinking_max"] for s in runs], "v:", color=line.get_color(),
+        a2.plot(xs, [s["thinking_max"] for s in runs], "v:", color=color,
                 label=f"{label} max")
     if baseline is not None:
-        a1.axhline(baseline["accuracy_flexible"], color="gray", ls="-.",
-                   label="text CoT (flexible)")
+        key, what = accuracy_keys[0]
+        a1.axhline(baseline[key], color="gray", ls="-.", label=f"text CoT ({what})")
         a2.axhline(baseline["thinking_median"], color="gray", ls="-.",
                    label="text CoT median tokens")
-    a1.set(xlabel="max_latent", ylabel="accuracy", title="accuracy vs latent budget")
-    a2.set(xlabel="max_latent", ylabel="latent steps / thinking tokens",
-           title="thinking vs budget")
+    a1.set(xlabel=x, ylabel="accuracy", title=f"accuracy vs {x}")
+    a2.set(xlabel=x, ylabel="latent steps / thinking tokens", title=f"thinking vs {x}")
     a1.legend(fontsize=7)
     a2.legend(fontsize=7)
     if title:
