@@ -129,6 +129,15 @@ def run(args) -> int:
         return run_colar(args)
     from latentserve.eval.run import evaluate, parse_sweep, plot_sweep
 
+    speed = args.compression_factor is not None or (
+        args.sweep or "").partition("=")[0].strip() == "compression_factor"
+    if speed or args.json_out:
+        what = "--json-out" if args.json_out and not speed else "compression_factor"
+        given = (f"--model {args.model} is not one: a path that does not exist?"
+                 if args.model else "the embedded SmolLM2 is not one")
+        raise ValueError(f"{what} needs the CoLaR prompt format: a model directory holding "
+                         f"colar_config.json or train_config.json ({given}), or "
+                         f"--prompt-format colar")
     budgets = parse_sweep(args.sweep)[1] if args.sweep else [args.max_latent]
     # Options that are wrong whatever the run gives: refuse them before it starts.
     if args.plot and args.sweep is None:
