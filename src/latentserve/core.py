@@ -69,7 +69,9 @@ class Req:
     latent_start: int = 0
     latent_embeds: list = field(default_factory=list)  # (tensor, row) per latent position
     answer_start: int | None = 0
-    latent_trace: list = field(default_factory=list)  # per step: {"norm", "top_tokens"}
+    # return_latent_trace: per latent step {"norm", "top_tokens"} (feedback models), per
+    # sampled token {"depth"[, "readout_step"]} (recurrent depth: RecurrentBatch.record)
+    latent_trace: list = field(default_factory=list)
     exit_rule: Any = None
     cache_salt: int = 0
     recurrence_iters: list = field(default_factory=list)

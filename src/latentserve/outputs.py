@@ -32,7 +32,9 @@ class StepOutput:
     ``latent_steps`` counts the latent positions the request has run so far (a looped
     block: block size x passes completed);
     ``latent_trace`` (on the final output, when asked for) lists per latent step
-    ``{"norm": float, "top_tokens": [[id, logit], ...5]}``.
+    ``{"norm": float, "top_tokens": [[id, logit], ...5]}`` (feedback models), or per
+    generated token (recurrent-depth models; ``SamplingParams.return_latent_trace``)
+    ``{"depth": int}`` (Huginn) / ``{"depth": int, "readout_step": int | None}`` (Ouro).
     ``logprobs`` (only when the request asked for them) is aligned with ``new_token_ids``.
     ``prompt_logprobs`` (``params.prompt_logprobs`` set): one entry per prompt token as the
     client sent it (None for the first), on the first output after the prompt is computed.

@@ -36,6 +36,15 @@ class SamplingParams:
     first has none); such a request computes its whole prompt (no prefix-cache hit) and
     gets the list on one ``StepOutput``. Costs nothing for requests that leave it None.
 
+    ``return_latent_trace`` (feedback-latent and recurrent-depth models only; any other
+    model refuses it with a ValueError naming it): the final output's ``latent_trace`` lists,
+    for a feedback model, each latent step's ``{"norm", "top_tokens"}``; for a
+    recurrent-depth model, one entry per generated token, ``{"depth": n}`` (Huginn) or
+    ``{"depth": n, "readout_step": e}`` (Ouro), for the position the token was sampled
+    from: ``n`` loop iterations run there (< ``latent_budget`` after an early exit) and ``e``
+    the 0-based step whose hidden was read out (None for the ``weighted`` mixture). Prompt
+    positions get no entries: they never exit early, so each runs the full ``latent_budget``.
+
     ``stream_latent_steps``: the engine also emits a token-less ``StepOutput`` after each
     latent step (its ``latent_steps`` counts them), for streamed progress ticks.
 
@@ -75,7 +84,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Latent reasoning: None = the model's default budget; 0 = no thinking.
     latent_budget: int | None = None
-    # Report each latent step's norm and logit-lens top-5 tokens on the final output.
+    # Final output's latent_trace: feedback models, each latent step's norm and logit-lens
+    # top-5; recurrent depth, each generated token's depth (+ Ouro's readout step).
     return_latent_trace: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

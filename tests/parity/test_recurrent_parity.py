@@ -3,7 +3,9 @@ upstream algorithms (``latentserve.testing.recurrent_reference``), on tiny rando
 in the upstream formats: greedy tokens equal, every sampled step's logits within 1e-4 (fp32),
 iterations per token equal, in batches that mix depths and exit rules, with the prefix cache
 cold and warm; early exit lowers the iterations run in the forward; free + cached slots ==
-total after every run."""
+total after every run. ``return_latent_trace``: each generated token's depth (Huginn,
+adaptive exit) and readout step (Ouro) equal the reference's, in batches that mix traced and
+untraced requests (those get no trace)."""
 
 import pytest
 import torch
@@ -39,9 +41,10 @@ def refs(dirs):
     return {"huginn": HuginnReference(dirs["huginn"]), "ouro": OuroReference(dirs["ouro"])}
 
 
-def run(engine, params):
+def run(engine, params, traces=None):
     """Run one request per (PROMPTS[i], params[i]) to completion, all queued at once.
-    Returns per request ``(tokens, [logits per sampled step], iterations, cached)``."""
+    Returns per request ``(tokens, [logits per sampled step], iterations, cached)``; a
+    ``traces`` list gets each request's final ``latent_trace``, in order."""
     runner, logits = engine.runner, {}
     original = runner.run
 
@@ -56,7 +59,7 @@ def run(engine, params):
         rids = [f"r{engine._arrivals + i}" for i in range(len(params))]
         for rid, prompt, sp in zip(rids, PROMPTS, params):
             engine.add_request(rid, prompt, sp)
-        toks, iters, cached = {r: [] for r in rids}, {}, {}
+        toks, iters, cached, trace = {r: [] for r in rids}, {}, {}, {}
         while engine.has_unfinished_requests():
             for o in engine.step():
                 toks[o.rid] += o.new_token_ids
@@ -64,9 +67,12 @@ def run(engine, params):
                 if o.finished:
                     hist = o.recurrence["histogram"]
                     iters[o.rid] = hist
+                    trace[o.rid] = o.latent_trace
     finally:
         runner.run = original
     engine.cache.check_idle()
+    if traces is not None:
+        traces.extend(trace[r] for r in rids)
     return [(toks[r], logits[r], iters[r], cached[r]) for r in rids]
 
 
@@ -190,6 +196,55 @@ def test_ouro_readout_modes_cold_and_warm(engines, refs):
     assert all(c > 0 for *_, c in warm)
 
 
+def check_traces(traces, params, references, family):
+    """Traced requests: one entry per generated token, its depth the reference's iterations
+    and (Ouro) its readout step the reference's; untraced ones: no trace at all."""
+    for i, (trace, p, ref) in enumerate(zip(traces, params, references)):
+        if not p.return_latent_trace:
+            assert trace is None, f"request {i} did not ask for a trace"
+            continue
+        assert [e["depth"] for e in trace] == ref["iterations"], f"request {i} depths"
+        if family == "ouro":
+            assert [e["readout_step"] for e in trace] == ref["readouts"], f"request {i}"
+        else:  # Huginn reads out its last iteration: no readout field
+            assert all(set(e) == {"depth"} for e in trace), trace
+
+
+def test_huginn_trace_has_each_tokens_adaptive_depth(engines, refs):
+    engine = engines["huginn"]
+    engine.cache.radix.reset()
+    params = [sp(latent_budget=d, exit_criterion=c, exit_threshold=t, exit_min_steps=m,
+                 exit_check_every=e, return_latent_trace=i != 2)
+              for i, (d, c, t, m, e) in enumerate(HUGINN_EXITS)]
+    params[3] = sp(latent_budget=3, return_latent_trace=True)  # no exit rule: fixed depth
+    expected = [refs["huginn"].generate(p, MAX_TOKENS, d, c, t, m, e)
+                for p, (d, c, t, m, e) in zip(PROMPTS, HUGINN_EXITS)]
+    expected[3] = refs["huginn"].generate(PROMPTS[3], MAX_TOKENS, 3)
+    traces = []
+    check(run(engine, params, traces), expected)
+    check_traces(traces, params, expected, "huginn")
+    depths = [e["depth"] for e in traces[0]]
+    assert min(depths) < 8 and len(set(depths)) > 1, f"adaptive depths expected: {depths}"
+    assert [e["depth"] for e in traces[3]] == [3] * MAX_TOKENS
+
+
+def test_ouro_trace_has_each_tokens_readout_step(engines, refs):
+    engine = engines["ouro"]
+    engine.cache.radix.reset()
+    params = [sp(latent_budget=d, exit_criterion=c, exit_threshold=t,
+                 return_latent_trace=i != 5) for i, (d, c, t) in enumerate(OURO_CASES)]
+    expected = _ouro_expected(refs)
+    traces = []
+    check(run(engine, params, traces), expected)
+    check_traces(traces, params, expected, "ouro")
+    # The readouts differ: threshold 0.6 at depth 2 reads step 0 somewhere, weighted has
+    # none, last reads depth - 1, threshold-approx both stops early and reads that step.
+    assert 0 in [e["readout_step"] for e in traces[1]]
+    assert all(e["readout_step"] is None for e in traces[2])
+    assert all(e == {"depth": 3, "readout_step": 2} for e in traces[3])
+    assert any(e["depth"] < 6 and e["readout_step"] == e["depth"] - 1 for e in traces[4])
+
+
 @pytest.mark.parametrize("kind", ["huginn", "ouro"])
 def test_masked_loop_of_the_graph_path_matches(kind, engines, refs, monkeypatch):
     """The fixed-trip-count loop a CUDA graph captures (every row runs the batch's max depth,
@@ -202,6 +257,8 @@ def test_masked_loop_of_the_graph_path_matches(kind, engines, refs, monkeypatch)
         rec.masked = True
         rec.exit_thr, rec.exit_weighted = rec.token_readout(table.device)
         rec.rules = None
+        if kind == "ouro":  # the graph's static readout buffer (CudaGraphRunner)
+            rec.readout_steps = torch.full((sum(rec.q_lens),), -7, device=table.device)
         return rec
 
     monkeypatch.setattr(RecurrentBatch, "from_batch", classmethod(masked))
@@ -226,9 +283,11 @@ def test_masked_loop_of_the_graph_path_matches(kind, engines, refs, monkeypatch)
     n = 3
     if kind == "huginn":
         expected = [refs[kind].generate(p, MAX_TOKENS, d) for p, d in zip(PROMPTS[:n], depths)]
-        params = [sp(latent_budget=d) for d in depths[:n]]
+        params = [sp(latent_budget=d, return_latent_trace=True) for d in depths[:n]]
     else:
-        params = [sp(latent_budget=d, exit_criterion=c, exit_threshold=t)
-                  for d, c, t in OURO_CASES[:n]]
+        params = [sp(latent_budget=d, exit_criterion=c, exit_threshold=t,
+                     return_latent_trace=True) for d, c, t in OURO_CASES[:n]]
         expected = _ouro_expected(refs)[:n]
-    check(run(engine, params), expected)
+    traces = []
+    check(run(engine, params, traces), expected)
+    check_traces(traces, params, expected, kind)

@@ -244,3 +244,39 @@ def test_graph_logits_equal_eager_logits_and_fall_back_where_eager_splits_k(
         assert fused == [1] and logits.shape == (5, 3) and ids.eq(0).all()
         monkeypatch.setattr(model, "lm_head", type("Gathering", (torch.nn.Linear,), {})(4, 4))
         assert not model.lm_head_fast(hidden)
+
+
+def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp_path):
+    """Ouro's decode graphs write each row's readout step into a static buffer
+    (``CudaGraphRunner.readout_steps``): the ``return_latent_trace`` of replayed steps equals
+    the eager engine's, for traced rows with threshold, last and weighted readouts."""
+    from latentserve.testing.recurrent_models import write_ouro
+
+    d = write_ouro(tmp_path / "ouro")
+    cases = [(4, "threshold", 0.6), (3, "last", None), (4, "weighted", None),
+             (2, "threshold", 0.5)]
+
+    def traces(graphs: bool):
+        engine = LLMEngine(EngineConfig(model=str(d), attention_backend="triton",
+                                        max_num_seqs=8, max_model_len=128,
+                                        attention_num_kv_splits=2))
+        if graphs:
+            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
+                                         torch.float32)
+        for i, (depth, crit, thr) in enumerate(cases):
+            engine.add_request(f"r{i}", [5 + i, 17, 29, 41 + i], SamplingParams(
+                max_tokens=5, temperature=0.0, ignore_eos=True, latent_budget=depth,
+                exit_criterion=crit, exit_threshold=thr, return_latent_trace=True))
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.rid] = (o.latent_trace, o.recurrence)
+        return out, engine.runner.num_graph_steps
+
+    eager, _ = traces(False)
+    replayed, steps = traces(True)
+    assert steps > 0
+    assert replayed == eager
+    assert all(e["readout_step"] is None for e in eager["r2"][0])
+    assert {e["readout_step"] for e in eager["r1"][0]} == {2}

@@ -134,3 +134,40 @@ def test_numpy_scalars_are_taken_as_python_numbers(tiny_dirs):
         SamplingParams(max_tokens=np.float64(3.0))
     out = LLM(model=str(tiny_dirs["llama"])).generate([[5, 6, 7]], p, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) <= 3
+
+
+def test_offline_outputs_carry_a_recurrent_models_per_token_trace(tmp_path):
+    """``LLM.generate`` with ``return_latent_trace`` on Ouro: each generated token's depth
+    and readout step, equal to the eager reference's; a request that did not ask in the same
+    batch has no trace; a model without a trace refuses the field by name."""
+    from latentserve.testing.recurrent_models import write_ouro
+    from latentserve.testing.recurrent_reference import OuroReference
+
+    d = write_ouro(tmp_path / "ouro")
+    prompt = [(7 * i + 11) % 900 + 20 for i in range(10)]
+    greedy = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    params = [SamplingParams(exit_criterion="threshold", exit_threshold=0.6,
+                             return_latent_trace=True, **greedy),
+              SamplingParams(exit_criterion="threshold", exit_threshold=0.6, **greedy),
+              SamplingParams(latent_budget=3, exit_criterion="threshold-approx",
+                             exit_threshold=0.5, return_latent_trace=True, **greedy)]
+    llm = LLM(model=str(d))
+    outs = llm.generate([prompt] * 3, params, use_tqdm=False)
+    ref = OuroReference(d)
+    for (depth, mode, thr), out in zip([(4, "threshold", 0.6), (3, "threshold-approx", 0.5)],
+                                       (outs[0].outputs[0], outs[2].outputs[0])):
+        want = ref.generate(prompt, 6, depth, mode, thr)
+        assert out.token_ids == want["tokens"]
+        assert out.latent_trace == [{"depth": n, "readout_step": e}
+                                    for n, e in zip(want["iterations"], want["readouts"])]
+    assert outs[1].outputs[0].latent_trace is None
+    assert outs[1].outputs[0].recurrence is not None  # the stats stay as they were
+    llm.engine.cache.check_idle()
+
+
+def test_offline_plain_model_refuses_return_latent_trace(tiny_dirs):
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    with pytest.raises(ValueError, match="^return_latent_trace needs"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, return_latent_trace=True),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -124,6 +124,9 @@ class CudaGraphRunner:
         self.depths = torch.zeros(n, dtype=torch.int64, device=dev)  # padded rows: depth 0
         self.exit_thr = torch.full((n,), float("inf"), device=dev)  # Ouro readout per row
         self.exit_weighted = torch.zeros(n, dtype=torch.bool, device=dev)
+        # Ouro: each row's readout step, written by every replay (return_latent_trace reads it)
+        self.readout_steps = (torch.zeros(n, dtype=torch.int64, device=dev)
+                              if self.recurrent and spec.family == "ouro" else None)
         if self.recurrent:
             self.graph_depths = sorted(set(graph_depths or default_graph_depths(spec)))
         else:
@@ -145,9 +148,11 @@ class CudaGraphRunner:
             ctx = ForwardContext(meta, backend, kv_pool, capture_layer, self.capture_buf)
             if self.recurrent:  # masked loop of `depth` iterations, per-row depths
                 ctx.depths = self.depths[:b]
-                ctx.recurrent = RecurrentBatch(num_iters=depth, masked=True,
-                                               exit_thr=self.exit_thr[:b],
-                                               exit_weighted=self.exit_weighted[:b])
+                ctx.recurrent = RecurrentBatch(
+                    num_iters=depth, masked=True, exit_thr=self.exit_thr[:b],
+                    exit_weighted=self.exit_weighted[:b],
+                    readout_steps=None if self.readout_steps is None
+                    else self.readout_steps[:b])
             set_context(ctx)
             try:
                 with torch.inference_mode():

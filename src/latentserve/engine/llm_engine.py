@@ -214,8 +214,9 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[0]}")
         if rid in self._rids:
             raise ValueError(f"request id {rid!r} is already running")
-        # NOTE: a recurrent model's trace is its recurrence stats, kept on rank 0 under TP
-        # too; only the feedback logit lens would need a collective the workers never reach.
+        # NOTE: a recurrent model's trace (recurrence stats, per-token depth and readout)
+        # is kept on rank 0 under TP too; only the feedback logit lens would need a
+        # collective the workers never reach.
         if self.tp is not None and params.return_latent_trace and kind == "feedback":
             raise ValueError("return_latent_trace is not supported with "
                              "tensor_parallel_size > 1 on feedback-latent models")

@@ -76,7 +76,9 @@ class _Window:
         return self.ids[s.start - self.start : s.stop - self.start]
 
 
-_NO_PROMPT_LOGPROBS = type("_ShadowParams", (), {"prompt_logprobs": None})()
+# Rank 0 scores prompt logprobs and keeps the latent trace; workers do neither.
+_NO_PROMPT_LOGPROBS = type("_ShadowParams", (), {"prompt_logprobs": None,
+                                                 "return_latent_trace": False})()
 
 
 @dataclass(slots=True)

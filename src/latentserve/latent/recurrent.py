@@ -195,6 +195,12 @@ class RecurrentBatch:
             token's Ouro readout threshold (+inf = last step) and weighted-mixture flag; the
             graph path binds static buffers here (``token_readout`` fills them), the eager
             path leaves them None and the model reads ``rules``.
+        traced: ``[B]`` the row's request asked for ``return_latent_trace`` (``record``
+            then appends per-token entries to its ``latent_trace``).
+        readout_steps: ``[T] int64`` device tensor, each token's Ouro readout step (0-based
+            loop step whose hidden was read out; -1 for a ``weighted`` mixture). Ouro's
+            forward fills it when ``track_readout`` (a graph binds a static buffer here and
+            the forward copies into it); None otherwise (Huginn reads out its last step).
     """
 
     num_iters: int
@@ -211,10 +217,17 @@ class RecurrentBatch:
     masked: bool = False
     exit_thr: Any = None
     exit_weighted: Any = None
+    traced: list[bool] | None = None
+    readout_steps: Any = None
 
     @property
     def compact(self) -> bool:
         return self.row_depths is not None and not self.masked
+
+    @property
+    def track_readout(self) -> bool:
+        """Whether the forward must report readout steps: a bound buffer, or a traced row."""
+        return self.readout_steps is not None or any(self.traced or ())
 
     @property
     def any_exit(self) -> bool:
@@ -241,7 +254,8 @@ class RecurrentBatch:
                     and s >= len(r.prompt_ids)
                     for r, rule, s, n in zip(batch.reqs, rules, batch.starts, batch.q_lens)]
         return cls(max(depths, default=0), depths, list(layout.q_lens), list(layout.kv_lens),
-                   layout.rows, layout.out_slots, page_table, rules, eligible)
+                   layout.rows, layout.out_slots, page_table, rules, eligible,
+                   traced=[bool(r.params.return_latent_trace) for r in batch.reqs])
 
     def token_depths(self, device) -> torch.Tensor:
         """``[T] int64`` recurrences per token (``ForwardContext.depths``)."""
@@ -260,10 +274,27 @@ class RecurrentBatch:
                 torch.repeat_interleave(torch.tensor(weighted), reps).to(device))
 
     def record(self, batch) -> None:
-        """Append each sampling row's iteration count to its request's stats."""
-        for req, s, n in zip(batch.reqs, batch.sample, self.iters_used or self.row_depths):
-            if s:
-                req.recurrence_iters.append(int(n))
+        """Append each sampling row's iteration count to its request's stats and, for a
+        traced row (``traced``), one entry to its ``latent_trace``: ``{"depth": n}``
+        (iterations its last token ran) plus, when the forward reported readout steps
+        (Ouro), ``"readout_step"``: the 0-based step read out, None for ``weighted``.
+        One host read of ``readout_steps`` when a traced row samples."""
+        iters = self.iters_used or self.row_depths
+        traced = [bool(self.traced and self.traced[b] and s)
+                  for b, s in enumerate(batch.sample)]
+        steps = None
+        if any(traced) and self.readout_steps is not None:
+            last = torch.cumsum(torch.tensor(self.q_lens), 0) - 1  # each row's last token
+            steps = self.readout_steps[last.to(self.readout_steps.device)].tolist()
+        for b, (req, s, n) in enumerate(zip(batch.reqs, batch.sample, iters)):
+            if not s:
+                continue
+            req.recurrence_iters.append(int(n))
+            if traced[b]:
+                entry = {"depth": int(n)}
+                if steps is not None:
+                    entry["readout_step"] = None if steps[b] < 0 else int(steps[b])
+                req.latent_trace.append(entry)
 
 
 class ActiveRows:

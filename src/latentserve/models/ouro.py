@@ -267,6 +267,8 @@ class _Readout:
     p-weighted sum of hiddens). ``thr [T]`` is +inf for the ``last`` readout, so it picks the
     token's last step. All updates are tensor ops (no host reads), so the masked path stays
     capturable; ``update`` returns the ``[T] bool`` "threshold reached at this step" flags.
+    With ``rb.track_readout``, ``step [T] int64`` keeps the step each token was read out
+    from, and ``result`` puts it (-1 for ``weighted`` tokens) in ``rb.readout_steps``.
     """
 
     def __init__(self, model: OuroForCausalLM, rb, depths, h0):
@@ -293,6 +295,10 @@ class _Readout:
         self.done = torch.zeros(n, dtype=torch.bool, device=dev)
         self.out = torch.zeros_like(h0)
         self.mix = torch.zeros_like(h0) if self.any_weighted else None
+        self.rb = rb
+        self.step = None
+        if rb is not None and rb.track_readout:
+            self.step = torch.zeros(n, dtype=torch.int64, device=dev)
 
     def update(self, h, t: int, active):
         """Fold step ``t``'s hidden ``h [T, hidden]`` in for ``active`` tokens (``[T] bool``,
@@ -311,11 +317,19 @@ class _Readout:
         self.rem, self.cum = rem, cum
         self.out = torch.where(hit[:, None], h, self.out)
         self.done = self.done | hit
+        if self.step is not None:
+            self.step = torch.where(hit, t, self.step)
         if self.mix is not None:
             self.mix = self.mix + p[:, None] * h
         return hit
 
     def result(self):
+        if self.step is not None:
+            steps = torch.where(self.weighted, -1, self.step)
+            if self.rb.readout_steps is None:
+                self.rb.readout_steps = steps
+            else:  # a graph's static buffer
+                self.rb.readout_steps.copy_(steps)
         if self.mix is None:
             return self.out
         return torch.where(self.weighted[:, None], self.mix, self.out)

@@ -4,7 +4,8 @@ Served: ``system`` (string or text blocks), user/assistant messages with string 
 content (a final assistant message is continued, Anthropic's "prefill"), ``max_tokens``,
 ``stop_sequences``, ``temperature`` (0..1), ``top_p``, ``top_k``, ``stream``, ``metadata``
 (ignored), ``thinking`` (a compression head's switch; "enabled" needs a head) and the latent
-body fields of the OpenAI routes. Refused with a 400: tools, structured outputs
+body fields of the OpenAI routes, ``return_latent_trace`` included (a model that has no trace
+refuses it with a 400 naming it). Refused with a 400: tools, structured outputs
 (``output_config.format``) and non-text content blocks. A request with latent work has the
 OpenAI choices' ``latent`` object as an extra field of the message (streaming: of the
 ``message_delta`` event). Newer SDKs have no ``temperature``
@@ -68,6 +69,8 @@ class MessagesRequest(LatentFields):
     # Anthropic's extended-thinking switch: {"type": "enabled", "budget_tokens": N} or
     # {"type": "disabled"}; on a compression-head model it turns the latent phase on or off.
     thinking: dict[str, Any] | None = None
+    # As on the OpenAI routes: the message's ``latent`` gets ``trace`` and ``recurrence``.
+    return_latent_trace: bool | None = False
 
 
 def thinking_flag(thinking: dict | None) -> bool | None:
@@ -164,6 +167,7 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
             top_k=-1 if not body.top_k else body.top_k,
             stop=list(body.stop_sequences or []),
             latent_budget=budget,
+            return_latent_trace=bool(body.return_latent_trace),
             **exit_fields(body))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
@@ -245,7 +249,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     if msg_id == engine_rid:
         msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
     reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
-    asked = False  # no return_latent_trace here: steps and a head's stats only
+    asked = bool(body.return_latent_trace)
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival)
         events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked)

@@ -244,7 +244,10 @@ class AssistantMessage(BaseModel):
 
 class LatentInfo(BaseModel):
     """What one choice spent on latent reasoning: ``steps`` latent positions run, and with
-    ``return_latent_trace`` per step ``{"norm", "top_tokens": [[id, logit], ...]}``."""
+    ``return_latent_trace`` the ``trace``: per latent step ``{"norm", "top_tokens": [[id,
+    logit], ...]}`` (feedback models), or per generated token ``{"depth"}`` (Huginn) /
+    ``{"depth", "readout_step"}`` (Ouro; null for the weighted readout), as
+    ``SamplingParams.return_latent_trace`` says. Streamed, it is on the final chunk only."""
 
     steps: int
     trace: list[dict] | None = None

@@ -24,7 +24,8 @@ upstream algorithms over plain torch and the checkpoint's own files (``config.js
 
 ``generate(...)`` returns ``{"tokens": [...], "logits": [[vocab] float32 per generated
 token], "iterations": [iterations at the position each token was sampled from]}``; greedy,
-no EOS stop.
+no EOS stop. ``OuroReference.generate`` adds ``"readouts"``: per generated token, the 0-based
+step whose hidden its logits were read out from at that position (None for ``weighted``).
 """
 
 from __future__ import annotations
@@ -331,7 +332,7 @@ class OuroReference:
                 cum = cum + lam * rem
                 rem = rem * (1 - lam)
                 if bool(cum[-1] >= thr):
-                    return (h[-1] @ self._w("lm_head.weight").T).float(), t + 1
+                    return (h[-1] @ self._w("lm_head.weight").T).float(), t + 1, t
         pdf, rem = [], torch.ones_like(gates[0].squeeze(-1))
         for i, g in enumerate(gates):
             lam = torch.sigmoid(g.squeeze(-1))
@@ -343,17 +344,20 @@ class OuroReference:
             pdf.append(p)
         pdf = torch.stack(pdf, dim=-1)  # [S, steps]
         head = self._w("lm_head.weight")
+        readout = depth - 1
         if mode in ("threshold", "threshold-approx"):
             mask = torch.cumsum(pdf, dim=-1) >= thr
             exit_steps = torch.argmax(mask.float(), dim=-1)
             exit_steps[~mask.any(dim=-1)] = pdf.shape[-1] - 1
             hidden = torch.stack(hs, dim=1)[torch.arange(len(ids), device=h.device), exit_steps]
             logits = hidden @ head.T
+            readout = int(exit_steps[-1])
         elif mode == "weighted":
             logits = sum((hh @ head.T) * pdf[:, t:t + 1] for t, hh in enumerate(hs))
+            readout = None
         else:
             logits = hs[-1] @ head.T
-        return logits[-1].float(), depth
+        return logits[-1].float(), depth, readout
 
     @torch.no_grad()
     def generate(self, prompt, max_tokens, depth=None, mode="last", threshold=None) -> dict:
@@ -361,16 +365,18 @@ class OuroReference:
         thr = 1.0 if threshold is None else threshold
         cache = _LayeredCache(self._same_layer)
         ids = list(prompt)
-        out = {"tokens": [], "logits": [], "iterations": []}
-        logits, n = self._forward(ids, list(range(len(ids))), cache, depth, mode, thr, False)
+        out = {"tokens": [], "logits": [], "iterations": [], "readouts": []}
+        logits, n, e = self._forward(ids, list(range(len(ids))), cache, depth, mode, thr,
+                                     False)
         for _ in range(max_tokens):
             tok = int(logits.argmax())
             out["tokens"].append(tok)
             out["logits"].append(logits)
             out["iterations"].append(n)
+            out["readouts"].append(e)
             ids.append(tok)
             if len(out["tokens"]) == max_tokens:
                 break
-            logits, n = self._forward([tok], [len(ids) - 1], cache, depth, mode, thr,
-                                      mode == "threshold-approx")
+            logits, n, e = self._forward([tok], [len(ids) - 1], cache, depth, mode, thr,
+                                         mode == "threshold-approx")
         return out
