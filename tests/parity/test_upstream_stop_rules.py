@@ -202,13 +202,15 @@ def test_pccot_emits_at_least_two_tokens_as_upstream(pccot):
 
 
 def test_families_without_an_upstream_rule_refuse_it(tmp_path, smollm2_dir, tiny_dirs):
-    """CODI (upstream stops on the first eos, as the engine does) and a plain model: True is
-    a ValueError naming the field, per request and as the engine default; False and None
-    are accepted; a multi-model server's default is ignored there."""
+    """CODI (upstream stops on the first eos, as the engine does), LOTUS (no upstream code)
+    and a plain model: True is a ValueError naming the field, per request and as the engine
+    default; False and None are accepted; a multi-model server's default is ignored there."""
     from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.testing.loop_models import write_lotus
 
     codi = save_latent_tiny(tmp_path / "codi", "codi-gpt2")
-    for model_dir in (codi, tiny_dirs["llama"]):
+    lotus = write_lotus(tmp_path / "lotus", block_size=2, iterations=1)
+    for model_dir in (codi, lotus, tiny_dirs["llama"]):
         engine = _engine(model_dir)
         with pytest.raises(ValueError, match="^upstream_stop_rules needs"):
             engine.add_request("a", [5, 6, 7], SamplingParams(upstream_stop_rules=True))
@@ -227,3 +229,22 @@ def test_sampling_params_take_a_boolean_or_none():
     assert SamplingParams().upstream_stop_rules is None
     with pytest.raises(ValueError, match="^upstream_stop_rules must be a boolean"):
         SamplingParams(upstream_stop_rules=1)
+
+
+def test_cli_flag_sets_the_default_and_several_models_apply_it_where_it_can(tiny_dirs):
+    """``--upstream-stop-rules`` reaches ``EngineConfig`` (off without it); with several
+    ``--model`` each config may ignore it (``latent_cap_where_applicable``)."""
+    import argparse
+
+    from latentserve.cli import add_engine_args, build_parser, engine_config, engine_configs
+
+    assert engine_config(build_parser().parse_args(["serve"])).upstream_stop_rules is False
+    args = build_parser().parse_args(["serve", "--upstream-stop-rules"])
+    assert engine_config(args).upstream_stop_rules is True
+    p = argparse.ArgumentParser()
+    add_engine_args(p, several_models=True)
+    args = p.parse_args(["--model", str(tiny_dirs["llama"]), "--model", "other",
+                         "--upstream-stop-rules"])
+    plain = engine_configs(args)[0]
+    assert plain.upstream_stop_rules and plain.latent_cap_where_applicable
+    assert LLMEngine(plain).upstream_stop_rules is False  # the plain model ignores it
