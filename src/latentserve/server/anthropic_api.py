@@ -164,6 +164,7 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
             top_k=-1 if not body.top_k else body.top_k,
             stop=list(body.stop_sequences or []),
             latent_budget=budget,
+            upstream_stop_rules=body.upstream_stop_rules,
             **exit_fields(body))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
