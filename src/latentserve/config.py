@@ -36,8 +36,13 @@ class EngineConfig:
     ``latent_budget`` (latent steps of a feedback model, recurrences of a recurrent-depth one)
     below the model's own ``LatentSpec.max_budget``; a model default above it is lowered to it.
     ``latent_cap_where_applicable`` (set for each model of a multi-model server): the cap is
-    ignored by a model without a budget and clipped to a model's own range, instead of being
-    an error. ``overlap_schedule``: schedule and prepare the next step while the device runs
+    ignored by a model without a budget and clipped to a model's own range, and
+    ``upstream_stop_rules`` is ignored by a family without an upstream stop rule, instead of
+    being an error. ``upstream_stop_rules``: the default of the per-request field
+    (``SamplingParams.upstream_stop_rules``): end on EOS as the family's upstream code does
+    (COCONUT, PCCoT) to reproduce its numbers exactly; off by default, the first EOS ending
+    a request as vLLM users expect; on for a family whose upstream stops as the engine does
+    is a ValueError when the engine is built. ``overlap_schedule``: schedule and prepare the next step while the device runs
     this one (``engine/overlap.py``; steps that cannot overlap run synchronously); None = on
     exactly when on CUDA (``use_overlap_schedule``), as SGLang's default.
 
@@ -65,6 +70,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     max_latent_budget: int | None = None  # server cap on latent_budget (None: the model's)
     latent_cap_where_applicable: bool = False
+    upstream_stop_rules: bool = False  # requests' default: end on EOS as upstream does
     overlap_schedule: bool | None = None  # engine/overlap.py (None: on CUDA)
 
     def __post_init__(self) -> None:

@@ -49,6 +49,10 @@ class Req:
     ``latent.loop.LoopState``; its block ``[latent_start, latent_start + block_size)`` is
     re-forwarded in place, ``latent_embeds`` holding the current pass's inputs (empty for
     pass 0, which reads the latent id's embedding).
+
+    ``eos_from``: an EOS ends the request only as answer token number ``eos_from`` or later
+    (1-based; 0: any), the family's upstream rule (``LatentSpec.upstream_eos_from``) for a
+    request with ``upstream_stop_rules``.
     """
 
     rid: str
@@ -77,6 +81,7 @@ class Req:
     recurrence_iters: list = field(default_factory=list)
     head: Any = None  # compression-head models: latent.head.HeadSettings (controls + stats)
     loop: Any = None  # looped-block models: latent.loop.LoopState
+    eos_from: int = 0  # an EOS ends the answer from this 1-based answer token on (0: any)
 
     @property
     def ids(self) -> list[int]:

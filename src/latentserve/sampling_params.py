@@ -68,6 +68,14 @@ class SamplingParams:
     model's ``max_compression_factor`` bounds it) and ``latent_temperature`` (>= 0; None or
     0 = the latent policy's mean; > 0 draws each latent with the request's ``seed``).
 
+    ``upstream_stop_rules`` (None = the server default, ``EngineConfig.upstream_stop_rules``,
+    off unless set): end on EOS as the model family's upstream code does, to reproduce its
+    numbers exactly, instead of at the first EOS as vLLM does. COCONUT and PCCoT keep an EOS
+    that is the first answer token and decode on (an EOS ends the answer from its second
+    token on; ``latent.spec.LatentSpec.upstream_eos_from``). ``stop_token_ids`` and ``stop``
+    strings still end the request anywhere. True on a family whose upstream stops on EOS
+    as the engine does is a ValueError from the engine (``LLMEngine.add_request``).
+
     Raises:
         ValueError: naming the field and the allowed range, from ``__post_init__``.
     """
@@ -111,6 +119,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens too (echo)
     # Emit a StepOutput (no tokens, latent_steps counted) after every latent step too.
     stream_latent_steps: bool = False
+    # End on EOS as the family's upstream code does (COCONUT, PCCoT); None = server default.
+    upstream_stop_rules: bool | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):  # numpy scalars (np.int64(3), np.float32(0.7)) as Python's
@@ -151,7 +161,7 @@ class SamplingParams:
             _check_num("exit_threshold", self.exit_threshold, lo=0.0)
         _check_int("exit_min_steps", self.exit_min_steps, lo=0)
         _check_int("exit_check_every", self.exit_check_every, lo=1)
-        for name in ("thinking", "use_stop"):
+        for name in ("thinking", "use_stop", "upstream_stop_rules"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be a boolean, got {v!r}")

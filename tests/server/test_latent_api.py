@@ -54,6 +54,20 @@ def test_body_budget_runs_that_many_latent_steps_and_matches_reference(budget, l
     assert choice["text"] == ref_text
 
 
+@pytest.mark.parametrize("upstream", [True, False])
+def test_upstream_stop_rules_reaches_the_engine(upstream, latent_server, coconut_dir):
+    """COCONUT takes the field (the edge it changes is in tests/parity/
+    test_upstream_stop_rules.py); the answer equals the reference of that rule."""
+    from latentserve.models.checkpoint import load_tokenizer
+    from latentserve.testing.latent_reference import reference_generate
+
+    r = _complete(latent_server, {"latent_budget": 2, "upstream_stop_rules": upstream})
+    assert r.status_code == 200, r.text
+    ref, _ = reference_generate(coconut_dir, PROMPT, 2, 6, upstream_stop_rules=upstream)
+    text = load_tokenizer(coconut_dir).decode(ref, skip_special_tokens=True)
+    assert r.json()["choices"][0]["text"] == text
+
+
 def test_header_overrides_body(latent_server):
     r = _complete(latent_server, {"latent_budget": 1}, {"x-latent-budget": "4"})
     assert r.status_code == 200 and r.json()["choices"][0]["latent"]["steps"] == 4

@@ -61,6 +61,12 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "recurrences per token (Huginn, Ouro) or block passes (PCCoT, LOTUS); "
                         "default: the model's own cap; with several --model, each latent "
                         "model is capped within its own range and the others ignore it")
+    p.add_argument("--upstream-stop-rules", action="store_true",
+                   help="requests that do not say (upstream_stop_rules) end on EOS as the "
+                        "family's upstream code does (COCONUT, PCCoT: an EOS as the first "
+                        "answer token is kept and decoding goes on), to reproduce upstream "
+                        "numbers exactly; default off: the first EOS ends a request, as in "
+                        "vLLM; refused for other families (with several --model, they ignore it)")
 
 
 def engine_configs(args: argparse.Namespace) -> list:
@@ -71,7 +77,7 @@ def engine_configs(args: argparse.Namespace) -> list:
     models = args.model if isinstance(args.model, list) else [args.model]
     base = engine_config(args, model=None)
     # Several models: --max-latent-budget caps each latent model within its own range and is
-    # ignored by the others (a plain model beside COCONUT ones).
+    # ignored by the others (a plain model beside COCONUT ones); so is --upstream-stop-rules.
     several = len(models) > 1
     return [dataclasses.replace(base, model=m, latent_cap_where_applicable=several)
             for m in models]
@@ -101,7 +107,8 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
                         latent_head=getattr(args, "latent_head", None),
                         no_latent_head=getattr(args, "no_latent_head", False),
                         latent_injection=getattr(args, "latent_injection", None),
-                        max_latent_budget=getattr(args, "max_latent_budget", None))
+                        max_latent_budget=getattr(args, "max_latent_budget", None),
+                        upstream_stop_rules=getattr(args, "upstream_stop_rules", False))
 
 
 def build_parser() -> argparse.ArgumentParser:

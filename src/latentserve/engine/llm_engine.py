@@ -96,6 +96,11 @@ class LLMEngine:
             budgeted = spec is not None and spec.kind in ("feedback", "recurrent", "loop")
             cap = min(max(cap, spec.min_budget, 1), spec.max_budget) if budgeted else None
         self.latent_spec = cap_budget(spec, cap)
+        self.upstream_stop_rules = config.upstream_stop_rules  # requests' default
+        if self.upstream_stop_rules and not _upstream_eos_from(self.latent_spec):
+            if not config.latent_cap_where_applicable:
+                raise ValueError(_no_upstream_rule(self.latent_spec))
+            self.upstream_stop_rules = False  # a multi-model server: where it applies
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.latent_spec)
@@ -156,7 +161,11 @@ class LLMEngine:
         against its ``colar_config.json``, and its thinking speed's ids are appended); on a
         model without a head they are ignored (a chat client may send ``enable_thinking``),
         and the final output then carries no ``latent_stats``, but CoLaR's
-        ``compression_factor`` and ``latent_temperature`` are a ValueError there."""
+        ``compression_factor`` and ``latent_temperature`` are a ValueError there.
+        ``upstream_stop_rules`` (None: the engine's default, ``config.upstream_stop_rules``)
+        sets the request's EOS rule to the family's ``LatentSpec.upstream_eos_from``; True
+        on a family without one (``upstream_eos_from == 0``: CODI, LOTUS, recurrent depth,
+        compression heads, plain models) is a ValueError naming the field."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
@@ -193,6 +202,10 @@ class LLMEngine:
                     if getattr(params, name) != unset]
             if sent:
                 raise ValueError(f"{sent[0]} needs a recurrent-depth model (Huginn, Ouro)")
+        if params.upstream_stop_rules and not _upstream_eos_from(spec):
+            raise ValueError(_no_upstream_rule(spec))
+        upstream = (self.upstream_stop_rules if params.upstream_stop_rules is None
+                    else params.upstream_stop_rules)
         kind = None if spec is None else spec.kind
         what = {None: "a model without latent reasoning", "head": "a compression-head model",
                 "loop": "a looped-block model", "recurrent": "a recurrent-depth model"}
@@ -223,7 +236,8 @@ class LLMEngine:
         if self.tp is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs (echo with logprobs) is not supported with "
                              "tensor_parallel_size > 1")
-        req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals)
+        req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals,
+                  eos_from=_upstream_eos_from(spec) if upstream else 0)
         if head:
             req.head = hs
             req.prompt_ids += start
@@ -535,6 +549,20 @@ class LLMEngine:
         for j, i in enumerate(rows):
             out[i] = (vecs, j)
         return out
+
+
+def _upstream_eos_from(spec) -> int:
+    """The served family's upstream EOS rule (``LatentSpec.upstream_eos_from``; 0: none)."""
+    return 0 if spec is None else spec.upstream_eos_from
+
+
+def _no_upstream_rule(spec) -> str:
+    """The refusal of ``upstream_stop_rules`` on a model whose family has no upstream stop
+    rule of its own."""
+    what = "a model without latent reasoning" if spec is None else f"a {spec.family} model"
+    return ("upstream_stop_rules needs a model family whose upstream code ends on EOS "
+            f"differently from the engine (COCONUT, PCCoT), not {what}: it would change "
+            "nothing (leave it unset or false)")
 
 
 def _eos_ids(model_dir, tokenizer, hf_config) -> set[int]:

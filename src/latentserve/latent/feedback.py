@@ -140,11 +140,16 @@ def read_latent_config(model_dir: str | Path) -> dict | None:
 
 def latent_spec_from_config(cfg: dict) -> LatentSpec:
     """The engine contract for a validated config. CODI with ``remove_eos: false`` wraps the
-    latents as upstream ``test.py`` does: prompt + [eos, bot] ... [eot, eos]."""
+    latents as upstream ``test.py`` does: prompt + [eos, bot] ... [eot, eos]. COCONUT's
+    upstream stop rule (``LatentSpec.upstream_eos_from``) is 2; CODI's is the engine's."""
     t = cfg["tokens"]
     suppress: tuple[int, ...] = ()
+    eos_from = 0  # CODI's test.py stops on the first eos, as the engine does
     if cfg["family"] == "coconut":
         start, end, latent = (t["start_latent"],), (t["end_latent"],), t["latent"]
+        # Upstream coconut.py generate appends the first answer token unchecked, then stops
+        # on eos: an eos ends the answer from its second token on (upstream_stop_rules).
+        eos_from = 2
     else:
         # Upstream test.py takes the argmax over logits[:vocab_size - 1]: eot is never picked.
         start, end, latent, suppress = (t["bot"],), (t["eot"],), t["pad"], (t["eot"],)
@@ -152,7 +157,8 @@ def latent_spec_from_config(cfg: dict) -> LatentSpec:
             start, end = (t["eos"], t["bot"]), (t["eot"], t["eos"])
     return LatentSpec(kind="feedback", family=cfg["family"], default_budget=cfg["default_budget"],
                       max_budget=cfg["max_budget"], positions_per_thought=1,
-                      start_ids=start, end_ids=end, latent_id=latent, suppress_ids=suppress)
+                      start_ids=start, end_ids=end, latent_id=latent, suppress_ids=suppress,
+                      upstream_eos_from=eos_from)
 
 
 # ----------------------------------------------------------------------------- weights

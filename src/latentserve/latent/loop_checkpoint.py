@@ -119,14 +119,18 @@ def read_loop_config(model_dir) -> dict | None:
 
 
 def loop_spec_from_config(cfg: dict) -> LatentSpec:
-    """The engine contract: start ids, block, end ids = end token + answer prompt."""
+    """The engine contract: start ids, block, end ids = end token + answer prompt. PCCoT's
+    upstream stop rule (``LatentSpec.upstream_eos_from``) is 2: its ``generate`` (whyNLP/PCCoT
+    ``models/generate.py``) checks the stopping criteria only from the second answer token
+    on. LOTUS has no upstream generate: the engine's rule."""
     t = cfg["tokens"]
-    start, end = (t["bot"], t["eot"]) if cfg["family"] == "pccot" else (t["start"], t["end"])
+    pccot = cfg["family"] == "pccot"
+    start, end = (t["bot"], t["eot"]) if pccot else (t["start"], t["end"])
     return LatentSpec(kind="loop", family=cfg["family"], default_budget=cfg["default_budget"],
                       max_budget=cfg["max_budget"], positions_per_thought=cfg["block_size"],
                       start_ids=(start,), end_ids=(end, *cfg["answer_prompt_ids"]),
                       latent_id=t["latent"], block_size=cfg["block_size"],
-                      loop_rule=cfg["loop_rule"])
+                      loop_rule=cfg["loop_rule"], upstream_eos_from=2 if pccot else 0)
 
 
 def _hf_name(k: str, gpt2: bool) -> str:

@@ -48,6 +48,11 @@ class LatentSpec:
             control is refused.
         max_compression_factor: head only, CoLaR: the largest thinking speed (compression
             factor) a request may ask for (``colar_config.json``); 0 for other models.
+        upstream_eos_from: the family's upstream stop rule, for requests with
+            ``upstream_stop_rules``: an EOS ends the request only when it is answer token
+            number ``upstream_eos_from`` or later (1-based; an earlier EOS is kept as an
+            answer token and decoding goes on). 0: upstream stops on the first EOS as the
+            engine does, and ``upstream_stop_rules`` is refused.
     """
 
     kind: str
@@ -65,6 +70,7 @@ class LatentSpec:
     loop_rule: str = ""
     controls: tuple[str, ...] = ()
     max_compression_factor: int = 0
+    upstream_eos_from: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("feedback", "recurrent", "head", "loop"):
@@ -74,6 +80,8 @@ class LatentSpec:
                                                                                  "same")):
             raise ValueError(f"a loop LatentSpec needs block_size >= 1 and loop_rule 'jacobi' "
                              f"or 'same', got {self.block_size}, {self.loop_rule!r}")
+        if self.upstream_eos_from < 0:
+            raise ValueError(f"upstream_eos_from must be >= 0, got {self.upstream_eos_from}")
         if not 0 <= self.min_budget <= self.default_budget <= self.max_budget:
             raise ValueError(f"default_budget must be in [{self.min_budget}, "
                              f"max_budget={self.max_budget}], got {self.default_budget}")

@@ -300,15 +300,18 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, tok: int, num_out: int | None = None) -> str | None:
         """Why ``req`` finishes with ``tok`` as its last output id, or None. ``num_out``: its
-        output ids up to ``tok`` (None: all; overlap mode has later pending ids)."""
+        output ids up to ``tok`` (None: all; overlap mode has later pending ids). An EOS
+        ends the request from answer token ``req.eos_from`` on (its family's upstream rule)."""
         p = req.params
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return "stop"
         n = len(req.output_ids) if num_out is None else num_out
+        answer = 0 if req.answer_start is None else n - req.answer_start  # tok included
+        if ((tok in self.eos_ids and not p.ignore_eos and answer >= req.eos_from)
+                or tok in p.stop_token_ids):
+            return "stop"
         if req.head is not None and not req.head.answer_budget:  # head latent steps count
             spent = n
         else:  # len(req.answer_ids), without copying them
-            spent = 0 if req.answer_start is None else n - req.answer_start
+            spent = answer
         if spent >= p.max_tokens or len(req.prompt_ids) + n >= self.max_model_len:
             return "length"
         return None

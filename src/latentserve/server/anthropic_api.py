@@ -168,6 +168,7 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
             stop=list(body.stop_sequences or []),
             latent_budget=budget,
             return_latent_trace=bool(body.return_latent_trace),
+            upstream_stop_rules=body.upstream_stop_rules,
             **exit_fields(body))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None

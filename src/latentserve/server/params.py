@@ -349,6 +349,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             latent_budget=budget,
             return_latent_trace=bool(request.return_latent_trace),
             stream_latent_steps=stream_latent_steps,
+            upstream_stop_rules=request.upstream_stop_rules,
             **exit_fields(request),
             **head,
         )

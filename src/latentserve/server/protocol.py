@@ -76,6 +76,9 @@ class LatentFields(RequestModel):
     # x-latent-compression-factor / x-latent-temperature win.
     compression_factor: int | None = None
     latent_temperature: float | None = None
+    # End on EOS as the family's upstream code does (COCONUT, PCCoT); None = the server's
+    # --upstream-stop-rules (off unless given); true on another family is a 400.
+    upstream_stop_rules: bool | None = None
 
 
 class SamplingRequest(LatentFields):

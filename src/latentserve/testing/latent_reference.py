@@ -12,6 +12,8 @@ over ``logits[:vocab_size-1]`` (upstream drops the last row, eot; pad/bot stay s
 SIM-CoT (arXiv 2509.20317) checkpoints run the same loops. Budget 0: start then end directly.
 The answer is decoded with the KV cache (upstream COCONUT recomputes the whole prefix per
 token; the math is the same) and stops after an eos, which is included, as HF generate does.
+With ``upstream_stop_rules`` (COCONUT only) the answer loop is upstream ``Coconut.generate``'s:
+the first token is appended unchecked, later ones stop on eos.
 """
 
 from __future__ import annotations
@@ -125,11 +127,16 @@ def _wrap_ids(cfg: dict) -> tuple[list[int], list[int]]:
 
 @torch.no_grad()
 def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens: int,
-                       device: str = "cpu", dtype: str = "float32", ignore_eos: bool = False):
+                       device: str = "cpu", dtype: str = "float32", ignore_eos: bool = False,
+                       upstream_stop_rules: bool = False):
     """Greedy answer for one request: ``(answer_token_ids, first_answer_logits)`` where the
     logits (``[vocab] float32``, all rows, on the CPU) are those the first answer token is
-    taken from. ``ignore_eos`` decodes exactly ``max_tokens`` (for benchmarks)."""
+    taken from. ``ignore_eos`` decodes exactly ``max_tokens`` (for benchmarks).
+    ``upstream_stop_rules``: COCONUT's upstream answer loop (an eos as the first token is
+    kept); ValueError for CODI, whose upstream stops on the first eos as this loop does."""
     model, cfg, feedback = load_reference(str(model_dir), device, dtype)
+    if upstream_stop_rules and cfg["family"] != "coconut":
+        raise ValueError(f"upstream_stop_rules: {cfg['family']} stops on the first eos")
     emb = model.get_input_embeddings()
     start, end = _wrap_ids(cfg)
     eos = _eos_ids(model)
@@ -149,6 +156,21 @@ def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens
         logits, hidden = run(feedback(hidden)[None])
     logits, hidden = run(emb(torch.tensor(end, device=dev)))
     first, answer = logits.cpu(), []
+    if upstream_stop_rules:  # upstream coconut.py Coconut.generate, line by line
+        # "get the first token using the current hidden state": appended, eos or not
+        next_token = int(logits.argmax())
+        answer.append(next_token)
+        # "get other tokens"
+        for _ in range(max_tokens - 1):
+            logits, hidden = run(emb(torch.tensor([next_token], device=dev)))
+            next_token = int(logits.argmax())
+            if next_token in eos and not ignore_eos:
+                # NOTE: upstream breaks before appending; the eos is kept here as the
+                # engine's token_ids keep it (it is not in the text either way).
+                answer.append(next_token)
+                break
+            answer.append(next_token)
+        return answer, first
     for _ in range(max_tokens):
         pick = logits[: vocab - 1] if cfg["family"] == "codi" else logits
         tok = int(pick.argmax())

@@ -9,6 +9,9 @@ post-final-norm output of the sequence with block X_{t-1} (so latent 0 reads bot
 latent j the output of latent j-1); the answer reads the sequence with block X_T followed by
 eot + the answer prompt, greedy. Upstream's adapter is applied through peft (unmerged LoRA).
 LOTUS (as docs/models.md defines it): the same with X_t[j] = prj(h_{t-1}[latent j]).
+The answer stops after an eos, which is included; with ``upstream_stop_rules`` (PCCoT only)
+the answer loop is upstream ``PCCoTGenerationMixin.generate``'s (``models/generate.py``):
+the stopping criteria are checked from the second token on.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class LoopReference:
     block_size: int
     rule: str  # "jacobi" | "same"
     eos: set
+    family: str = ""  # "pccot" | "lotus"
 
 
 def _eos(model) -> set:
@@ -66,7 +70,7 @@ def load_pccot_reference(base_dir: str, adapter_dir: str, device: str = "cpu",
     prompt = tok.encode(args["answer_prompt"], add_special_tokens=False)
     return LoopReference(peft_model, prj, [args["bot_token_id"]],
                          [args["eot_token_id"], *prompt], args["latent_token_id"],
-                         args["num_latent_tokens"], "jacobi", _eos(model))
+                         args["num_latent_tokens"], "jacobi", _eos(model), "pccot")
 
 
 @lru_cache(maxsize=4)
@@ -99,14 +103,21 @@ def load_lotus_reference(model_dir: str, device: str = "cpu",
     t = cfg["tokens"]
     return LoopReference(model, prj, [t["start"]],
                          [t["end"], *cfg.get("answer_prompt_ids", [])], t["latent"],
-                         cfg["block_size"], cfg.get("loop_rule", "same"), _eos(model))
+                         cfg["block_size"], cfg.get("loop_rule", "same"), _eos(model),
+                         "lotus")
 
 
 @torch.no_grad()
 def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iterations: int,
-                            max_tokens: int, ignore_eos: bool = False):
+                            max_tokens: int, ignore_eos: bool = False,
+                            upstream_stop_rules: bool = False):
     """Greedy answer for one request: ``(answer_ids, first_answer_logits [vocab] float32 on
-    the CPU)``. Every forward recomputes the full sequence from embeddings."""
+    the CPU)``. Every forward recomputes the full sequence from embeddings.
+    ``upstream_stop_rules``: PCCoT's upstream answer loop (an eos as the first token does
+    not stop it); ValueError for another family."""
+    if upstream_stop_rules and ref.family != "pccot":
+        raise ValueError(f"upstream_stop_rules: {ref.family or 'this model'} has no upstream "
+                         "stop rule")
     model, n = ref.model, ref.block_size
     emb = model.get_input_embeddings()
     dev = emb.weight.device
@@ -123,6 +134,18 @@ def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iteration
         src = h[p - 1 : p - 1 + n] if ref.rule == "jacobi" else h[p : p + n]
         block = ref.prj(src)
     tail = emb(torch.tensor(ref.end, device=dev)) if ref.end else prefix[:0]
+    if upstream_stop_rules:  # upstream PCCoTGenerationMixin.generate, line by line
+        logits = full(torch.cat([prefix, block, tail]))[0][-1]
+        first = logits.cpu()
+        next_tokens = int(logits.argmax())  # the first token: no stopping check
+        answer, new_len, finished = [next_tokens], 1, False
+        while not finished and new_len < max_tokens:  # new_len + input_len < max_length
+            tail = torch.cat([tail, emb(torch.tensor([next_tokens], device=dev))])
+            next_tokens = int(full(torch.cat([prefix, block, tail]))[0][-1].argmax())
+            answer.append(next_tokens)
+            finished = next_tokens in ref.eos and not ignore_eos  # EosTokenCriteria: last id
+            new_len += 1
+        return answer, first
     answer, first = [], None
     for _ in range(max_tokens):
         logits = full(torch.cat([prefix, block, tail]))[0][-1]

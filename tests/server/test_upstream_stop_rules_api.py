@@ -1,0 +1,62 @@
+"""``upstream_stop_rules`` over HTTP (issue 26): the body field reaches the engine on the
+OpenAI routes and ``/v1/messages``; a model whose family has no upstream stop rule (here a
+plain tiny Llama) answers ``true`` with a 400 naming the field and accepts ``false``. The
+COCONUT side (the field changes the answer as upstream does) is in
+``tests/server/test_latent_api.py`` and ``tests/parity/test_upstream_stop_rules.py``."""
+
+import pytest
+from server_testlib import assert_slots_invariant, wait_idle
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _bodies(model, value):
+    return {"/v1/completions": {"model": model, "prompt": "hi", "max_tokens": 2,
+                                "upstream_stop_rules": value},
+            "/v1/chat/completions": {"model": model, "messages": MESSAGES, "max_tokens": 2,
+                                     "upstream_stop_rules": value},
+            "/v1/messages": {"model": model, "messages": MESSAGES, "max_tokens": 2,
+                             "upstream_stop_rules": value}}
+
+
+def test_a_plain_model_refuses_true_naming_the_field(http, model):
+    for route, body in _bodies(model, True).items():
+        r = http.post(route, json=body)
+        assert r.status_code == 400, (route, r.text)
+        error = r.json()["error"]
+        assert error["message"].startswith("upstream_stop_rules needs"), (route, error)
+        if route != "/v1/messages":  # Anthropic's error shape has no param
+            assert error["param"] == "upstream_stop_rules"
+    # inside chat_template_kwargs, where routers keep the latent fields
+    r = http.post("/v1/chat/completions", json={
+        "model": model, "messages": MESSAGES, "max_tokens": 2,
+        "chat_template_kwargs": {"upstream_stop_rules": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "upstream_stop_rules"
+    assert_slots_invariant(wait_idle(http))
+
+
+def test_a_plain_model_accepts_false(http, model):
+    for route, body in _bodies(model, False).items():
+        r = http.post(route, json=body)
+        assert r.status_code == 200, (route, r.text)
+
+
+def test_a_non_boolean_is_a_400_naming_it(http, model):
+    r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2,
+                                           "upstream_stop_rules": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "upstream_stop_rules"
+
+
+@pytest.mark.parametrize("value", [True, False, None])
+def test_the_field_reaches_sampling_params_on_every_route(value):
+    from latentserve.server.anthropic_api import MessagesRequest, _params
+    from latentserve.server.params import sampling_params
+    from latentserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = MessagesRequest(model="m", max_tokens=4, messages=MESSAGES,
+                           upstream_stop_rules=value)
+    assert _params(body, 3, 64).upstream_stop_rules is value
+    for request in (CompletionRequest(prompt="hi", upstream_stop_rules=value),
+                    ChatCompletionRequest(messages=MESSAGES, upstream_stop_rules=value)):
+        params = sampling_params(request, 4, "max_tokens", 3, 64)
+        assert params.upstream_stop_rules is value
