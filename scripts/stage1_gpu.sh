@@ -8,7 +8,8 @@
 #                                                                 returns after T_WAIT s)
 #   run "bash scripts/stage1_gpu.sh finish"                      (waits, evaluates, packs $OUT)
 # or, with a CoLaR directory copied into .xfer/pK/colar_mult (split over parts as size needs):
-#   run "bash scripts/stage1_gpu.sh more" carry [".xfer/p8"] (continues it T_MORE s).
+#   run "bash scripts/stage1_gpu.sh more" carry [".xfer/p8"] (continues it T_MORE s);
+# or run "bash scripts/stage1_gpu.sh tput" carry [".xfer/p8"] (throughput of models/, 64 seqs).
 # Knobs (env): T_MULT (seconds of CoLaR training on multiplication, 780), T_GSM (GSM8K, 300),
 # LR (5e-4), T_WAIT (500), N_MULT (generated items per k, 400000; seed 0 = stage 0's set).
 set -uo pipefail
@@ -82,5 +83,14 @@ finish)  # every result is packed into $OUT as soon as it exists (a call cut at 
     --json-out "$W/eval_cot_4x4.json"
   ls -la "$OUT"
   ;;
-*) echo "usage: $0 pack|take|start|finish" >&2; exit 2 ;;
+tput)  # carry .xfer/p8 after p1..p7: answer throughput of the shipped models at 64 concurrent
+  # requests (the same 1000 5x5 questions, bf16), CoLaR at its default speed against text CoT.
+  xfer_start || exit 1
+  for m in smollm2-mult-colar:40 smollm2-mult-cot:200; do
+    $ls eval --device cuda --dtype bfloat16 --model "models/${m%%:*}" --max-num-seqs 64 \
+      --dataset-file "$D/5x5_test.txt" --max-tokens "${m##*:}" \
+      --json-out "$OUT/tput_${m%%:*}_5x5.json" 2>&1 | grep --line-buffered -v "Loading\|Converting"
+  done
+  ;;
+*) echo "usage: $0 pack|take|start|more|finish|tput" >&2; exit 2 ;;
 esac
