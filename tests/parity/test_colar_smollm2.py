@@ -18,9 +18,9 @@ from latentserve.sampling_params import SamplingParams
 MODEL = Path(__file__).parents[2] / "models" / "smollm2-mult-colar"
 MAX_TOKENS = 20  # "Answer:" + 8 or 10 digits with spaces, then EOS
 
-# (question, gold, c, max_latent): 4x4 at speeds 1 and 2, 5x5 at 2, one cap that cuts in.
+# (question, gold, c, max_latent): 4x4 at speed 2, 5x5 at 4, one cap that cuts in.
 CASES = [("7 6 9 2 * 1 6 3 6", "7 8 0 3 7 8 8 1", 2, 160),
-         ("5 0 0 8 * 3 5 9 7", "5 6 7 3 6 6 3 6", 1, 160),
+         ("9 4 0 8 3 * 1 4 2 0 1", "9 0 8 9 5 6 9 8 3 0", 4, 160),
          ("7 2 2 9 * 2 7 7 8", "4 4 2 9 3 9 0 8", 2, 20)]
 
 pytestmark = [pytest.mark.slow,
@@ -86,11 +86,13 @@ def test_engine_equals_reference_cold_then_warm(references):
     assert [r.n_latent for r in references][2] == 20  # the cap cut case 2's phase
 
 
-def test_the_reference_answers_in_format_and_right_at_speed_1(references, smollm2_tokenizer):
-    """Speed 1 (84 latents, one per CoT token) answers this 4x4 product; at speed 2 the
-    stop fires after about half as many latents."""
+def test_the_reference_answers_in_format_and_stops_at_the_trained_step(references,
+                                                                          smollm2_tokenizer):
+    """At speed 2 this 4x4 product (84 CoT tokens) is answered right after 42 latents; at
+    speed 4 the 5x5 stop fires at ceil(137 / 4) = 35 and an answer of digits follows (a
+    wrong one: speed 4 is not learnt, docs/results.md)."""
     answers = [colar.split_output(colar.SEPARATOR + smollm2_tokenizer.decode(
         r.answer_ids, skip_special_tokens=True))[1] for r in references]
-    assert answers[1] == CASES[1][1], answers
-    assert all(len(a.split()) == 8 for a in answers[:2]), answers  # case 2 is cut short
-    assert references[1].n_latent == 84 and 35 <= references[0].n_latent <= 45
+    assert answers[0] == CASES[0][1], answers
+    assert answers[1].replace(" ", "").isdigit(), answers
+    assert [r.n_latent for r in references[:2]] == [42, 35]

@@ -253,8 +253,7 @@ def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp
     from latentserve.testing.recurrent_models import write_ouro
 
     d = write_ouro(tmp_path / "ouro")
-    cases = [(4, "threshold", 0.6), (3, "last", None), (4, "weighted", None),
-             (2, "threshold", 0.5)]
+    cases = [(4, "threshold", 0.6), (3, "last", None), (3, "weighted", None)]
 
     def traces(graphs: bool):
         engine = LLMEngine(EngineConfig(model=str(d), attention_backend="triton",
@@ -265,7 +264,7 @@ def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp
                                          torch.float32)
         for i, (depth, crit, thr) in enumerate(cases):
             engine.add_request(f"r{i}", [5 + i, 17, 29, 41 + i], SamplingParams(
-                max_tokens=5, temperature=0.0, ignore_eos=True, latent_budget=depth,
+                max_tokens=3, temperature=0.0, ignore_eos=True, latent_budget=depth,
                 exit_criterion=crit, exit_threshold=thr, return_latent_trace=True))
         out = {}
         while engine.has_unfinished_requests():
