@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from latentserve.sampling_params import EXIT_SEMANTICS
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("cpu", "cuda")
 
@@ -45,6 +47,9 @@ class EngineConfig:
     is a ValueError when the engine is built. ``overlap_schedule``: schedule and prepare the next step while the device runs
     this one (``engine/overlap.py``; steps that cannot overlap run synchronously); None = on
     exactly when on CUDA (``use_overlap_schedule``), as SGLang's default.
+    ``exit_semantics``: the default of ``SamplingParams.exit_semantics`` (Huginn's adaptive
+    exit: ``"engine"``, the default, or ``"upstream"``; ``latent/recurrent.py``); a model
+    without Huginn's exit ignores it.
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -72,6 +77,7 @@ class EngineConfig:
     latent_cap_where_applicable: bool = False
     upstream_stop_rules: bool = False  # requests' default: end on EOS as upstream does
     overlap_schedule: bool | None = None  # engine/overlap.py (None: on CUDA)
+    exit_semantics: str = "engine"  # requests' default Huginn exit semantics
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -90,6 +96,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be one of ('auto', 'torch', 'triton'), "
                              f"got {self.attention_backend!r}")
+        if self.exit_semantics not in EXIT_SEMANTICS:
+            raise ValueError(f"exit_semantics must be one of {EXIT_SEMANTICS}, got "
+                             f"{self.exit_semantics!r}")
         if self.latent_injection not in (None, "closed_loop", "prompt"):
             raise ValueError("latent_injection must be one of (None, 'closed_loop', 'prompt'), "
                              f"got {self.latent_injection!r}")

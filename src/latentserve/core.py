@@ -121,9 +121,13 @@ class Req:
         """Leading positions whose KV depends on token ids alone (safe for the radix cache):
         everything before the first latent position (a looped block is rewritten in place).
         With an early-exit rule that skips iterations, only the prompt: generated tokens
-        stopped early, while a later request's prompt runs every iteration on them."""
+        stopped early, while a later request's prompt runs every iteration on them. Nothing
+        when the prompt itself is an exit block (``ExitRule.prompt_exits``): its K/V depends
+        on the whole prompt."""
         if self.latent_embeds or self.loop is not None:
             return self.latent_start
+        if self.exit_rule is not None and self.exit_rule.prompt_exits:
+            return 0
         if self.exit_rule is not None and self.exit_rule.saves_compute:
             return min(len(self.prompt_ids), self.seq_len)
         return self.seq_len

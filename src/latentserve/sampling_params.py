@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
+# Huginn adaptive-exit semantics (SamplingParams.exit_semantics, EngineConfig.exit_semantics).
+EXIT_SEMANTICS = ("engine", "upstream")
 
 
 @dataclass(slots=True)
@@ -54,6 +56,10 @@ class SamplingParams:
     ``weighted``, ``threshold-approx``), ``exit_threshold`` its threshold (>= 0; None = the
     criterion's "auto" value), ``exit_min_steps`` / ``exit_check_every`` when Huginn checks
     (after 0-based iteration t with ``t >= min_steps`` and ``(t - min_steps) % every == 0``).
+    ``exit_semantics`` (Huginn; None = the server default, ``EngineConfig.exit_semantics``):
+    ``"engine"`` (prompt tokens run the full depth, an exited token's last K/V fills the
+    steps it skipped) or ``"upstream"`` (upstream's defaults: the prompt may exit as one
+    block, later tokens attend only to positions that have K/V at their step).
     The engine checks the names against the model (``latent.recurrent.resolve_exit_rule``).
 
     Compression-head models (``latent/head.py``): ``thinking`` (None = on), ``max_latent``
@@ -105,6 +111,10 @@ class SamplingParams:
     exit_threshold: float | None = None  # None = the criterion's "auto" value
     exit_min_steps: int = 0
     exit_check_every: int = 1
+    # Huginn exit semantics: "engine" (prompt runs full depth; an exited token's last K/V
+    # fills the steps it skipped) or "upstream" (the prompt may exit as one block; later
+    # tokens attend only to positions with K/V at their step). None = the server default.
+    exit_semantics: str | None = None
     # Compression-head models (latent/head.py); None = the server default (env
     # LATENTSERVE_MAX_LATENT, _MIN_LATENT, _USE_STOP, _STOP_THRESHOLD, _MIN_OUTPUT_TOKENS).
     thinking: bool | None = None  # None = on (off when latent_budget == 0)
@@ -161,6 +171,9 @@ class SamplingParams:
             _check_num("exit_threshold", self.exit_threshold, lo=0.0)
         _check_int("exit_min_steps", self.exit_min_steps, lo=0)
         _check_int("exit_check_every", self.exit_check_every, lo=1)
+        if self.exit_semantics is not None and self.exit_semantics not in EXIT_SEMANTICS:
+            raise ValueError(f"exit_semantics must be one of {list(EXIT_SEMANTICS)}, got "
+                             f"{self.exit_semantics!r}")
         for name in ("thinking", "use_stop", "upstream_stop_rules"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):

@@ -52,10 +52,11 @@ def _body(**fields):
             **fields}
 
 
-def _reference(huginn_dir, depth, criterion=None, threshold="auto"):
+def _reference(huginn_dir, depth, criterion=None, threshold="auto", semantics="engine"):
     from latentserve.testing.recurrent_reference import HuginnReference
 
-    ref = HuginnReference(huginn_dir).generate(PROMPT, MAX_TOKENS, depth, criterion, threshold)
+    ref = HuginnReference(huginn_dir).generate(PROMPT, MAX_TOKENS, depth, criterion, threshold,
+                                               semantics=semantics)
     hist: dict[str, int] = {}
     for n in ref["iterations"]:
         hist[str(n)] = hist.get(str(n), 0) + 1
@@ -156,7 +157,22 @@ def test_default_depth_runs_without_a_trace_field(http, huginn_dir):
         assert choice["latent"] is None  # not asked, and no latent steps
 
 
+@pytest.mark.parametrize("semantics", ["engine", "upstream"])
+def test_exit_semantics_body_field_reaches_the_engine(http, huginn_dir, semantics):
+    fields = {**EXIT, "exit_criterion": "kl", "exit_threshold": 0.01}
+    tokens, iters, _ = _reference(huginn_dir, SERVER_CAP, "kl", 0.01, semantics)
+    r = http.post("/v1/completions", json=_body(exit_semantics=semantics, **fields))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert _ids(choice["logprobs"]) == tokens
+    assert choice["latent"]["trace"] == [{"depth": n} for n in iters]
+    if semantics == "upstream":  # the prompt exits early only under upstream's semantics
+        assert iters[0] < SERVER_CAP
+    assert_slots_invariant(wait_idle(http))
+
+
 @pytest.mark.parametrize("fields,param,words", [
+    ({"exit_semantics": "latest"}, "exit_semantics", ["engine", "upstream"]),
     ({"latent_budget": SERVER_CAP + 1}, "latent_budget", [f"[0, {SERVER_CAP}]"]),
     ({"exit_criterion": "bogus"}, "exit_criterion", ["bogus"]),
     ({"exit_threshold": -1.0, "exit_criterion": "kl"}, "exit_threshold", ["exit_threshold"]),
@@ -180,6 +196,23 @@ def test_plain_model_refuses_exit_fields(server, model):
                    headers={"Authorization": f"Bearer {API_KEY}"},
                    json={"prompt": "hi", "max_tokens": 2, "exit_criterion": "kl"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "exit_criterion"
+
+
+def test_plain_model_refuses_exit_semantics_on_every_route(server, model):
+    from server_testlib import API_KEY
+
+    msgs = [{"role": "user", "content": "hi"}]
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": msgs}),
+                       ("/v1/messages", {"model": model, "messages": msgs})):
+        r = httpx.post(f"{server.base_url}{path}", timeout=60,
+                       headers={"Authorization": f"Bearer {API_KEY}", "x-api-key": API_KEY},
+                       json={**body, "max_tokens": 2, "exit_semantics": "upstream"})
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["message"].startswith("exit_semantics needs a recurrent-depth"), (path, err)
+        if path != "/v1/messages":  # Anthropic's error body has no param
+            assert err["param"] == "exit_semantics", (path, err)
 
 
 def test_plain_model_refuses_return_latent_trace_on_every_route(server, model):
@@ -211,14 +244,16 @@ def test_messages_route_passes_the_exit_fields_on():
 
     body = MessagesRequest(model="m", max_tokens=4, messages=[{"role": "user", "content": "a"}],
                            exit_criterion="kl", exit_threshold=0.01, exit_min_steps=2,
-                           exit_check_every=3)
+                           exit_check_every=3, exit_semantics="upstream")
     params = _params(body, 3, 64, budget=5)
     assert (params.latent_budget, params.exit_criterion, params.exit_threshold,
-            params.exit_min_steps, params.exit_check_every) == (5, "kl", 0.01, 2, 3)
+            params.exit_min_steps, params.exit_check_every,
+            params.exit_semantics) == (5, "kl", 0.01, 2, 3, "upstream")
     assert not params.return_latent_trace
     traced = MessagesRequest(model="m", max_tokens=4, return_latent_trace=True,
                              messages=[{"role": "user", "content": "a"}])
     assert _params(traced, 3, 64).return_latent_trace
     plain = _params(MessagesRequest(model="m", max_tokens=4,
                                     messages=[{"role": "user", "content": "a"}]), 3, 64)
-    assert (plain.exit_criterion, plain.exit_min_steps, plain.exit_check_every) == (None, 0, 1)
+    assert (plain.exit_criterion, plain.exit_min_steps, plain.exit_check_every,
+            plain.exit_semantics) == (None, 0, 1, None)

@@ -46,6 +46,16 @@ class AttentionBackend:
     """
 
     fused_kv_store: bool = False
+    supports_key_mask: bool = False  # implements ``mask_keys``
+
+    def mask_keys(self, meta, slot_ok: torch.Tensor, rows: torch.Tensor | None = None):
+        """``meta`` whose rows also mask every key whose slot has ``slot_ok[slot]`` False.
+
+        slot_ok: ``[num_slots + 1] bool`` per KV slot; rows: ``[B] bool``, the rows of
+        ``meta`` the mask applies to (None = all). A query must keep at least one key (its
+        own, in practice). Raises NotImplementedError where ``supports_key_mask`` is False.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot mask keys per slot")
 
     def prepare(self, layout: BatchLayout, page_table: torch.Tensor):
         """Return backend-specific metadata for the batch (reused by every layer)."""

@@ -6,7 +6,7 @@ Runs on CPU and CUDA. Every other backend is tested against this one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,17 @@ class TorchMeta:
 
 
 class TorchBackend(AttentionBackend):
+    supports_key_mask = True
+
+    def mask_keys(self, meta: TorchMeta, slot_ok, rows=None) -> TorchMeta:
+        ok = slot_ok[meta.kv_index]  # [B, Kmax]
+        if rows is not None:
+            ok = ok | ~rows[:, None]
+        mask = meta.mask & ok[:, None, None, :]
+        # Padded query rows attend key 0 only; keep them off all-False rows (SDPA NaN).
+        mask = torch.where(mask.any(-1, keepdim=True), mask, meta.mask)
+        return replace(meta, mask=mask)
+
     def prepare(self, layout: BatchLayout, page_table: torch.Tensor) -> TorchMeta:
         dev = page_table.device
         q_max, k_max = max(layout.q_lens), max(layout.kv_lens)

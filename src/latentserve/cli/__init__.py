@@ -67,6 +67,13 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "answer token is kept and decoding goes on), to reproduce upstream "
                         "numbers exactly; default off: the first EOS ends a request, as in "
                         "vLLM; refused for other families (with several --model, they ignore it)")
+    p.add_argument("--exit-semantics", default="engine", choices=["engine", "upstream"],
+                   help="requests that do not say (exit_semantics) use this Huginn adaptive "
+                        "exit: 'engine' (default: the prompt runs full depth, an exited "
+                        "token's K/V fills its skipped steps) or 'upstream' (upstream's "
+                        "defaults: the prompt may exit as one block, skipped steps are "
+                        "dropped from attention; needs the torch attention backend); "
+                        "models without Huginn's exit ignore it")
 
 
 def engine_configs(args: argparse.Namespace) -> list:
@@ -108,7 +115,8 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
                         no_latent_head=getattr(args, "no_latent_head", False),
                         latent_injection=getattr(args, "latent_injection", None),
                         max_latent_budget=getattr(args, "max_latent_budget", None),
-                        upstream_stop_rules=getattr(args, "upstream_stop_rules", False))
+                        upstream_stop_rules=getattr(args, "upstream_stop_rules", False),
+                        exit_semantics=getattr(args, "exit_semantics", "engine"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -105,6 +105,9 @@ class LLMEngine:
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.latent_spec)
         backend = make_backend(config.backend_name, config.attention_num_kv_splits)
+        self.exit_semantics = config.exit_semantics  # requests' default (Huginn)
+        self.backend_name, self.key_mask_ok = config.backend_name, backend.supports_key_mask
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         runner_args = (model, pool, table, backend, self.device)
         if self.tp is None:
             self.runner = ModelRunner(*runner_args)
@@ -165,7 +168,12 @@ class LLMEngine:
         ``upstream_stop_rules`` (None: the engine's default, ``config.upstream_stop_rules``)
         sets the request's EOS rule to the family's ``LatentSpec.upstream_eos_from``; True
         on a family without one (``upstream_eos_from == 0``: CODI, LOTUS, recurrent depth,
-        compression heads, plain models) is a ValueError naming the field."""
+        compression heads, plain models) is a ValueError naming the field.
+        ``exit_semantics`` (None: ``config.exit_semantics``) picks Huginn's exit semantics;
+        ``"upstream"`` with an exit criterion is a ValueError naming it on an attention
+        backend that cannot mask keys per slot (``triton``) or for a prompt longer than
+        ``max_num_batched_tokens`` (the prompt must run as one block); the field on a
+        non-recurrent model is a ValueError too."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
@@ -184,7 +192,9 @@ class LLMEngine:
             if recurrent:
                 from latentserve.latent.recurrent import resolve_exit_rule
 
-                rule = resolve_exit_rule(spec, params)
+                rule = resolve_exit_rule(spec, params, self.exit_semantics)
+                if rule is not None and rule.prompt_exits:
+                    self._check_upstream_exit(n)
             else:
                 extra = spec.prompt_extra(budget)
         elif params.latent_budget:
@@ -200,8 +210,9 @@ class LLMEngine:
             sent = [name for name, unset in (("exit_criterion", None), ("exit_threshold", None),
                                              ("exit_min_steps", 0), ("exit_check_every", 1))
                     if getattr(params, name) != unset]
-            if sent:
-                raise ValueError(f"{sent[0]} needs a recurrent-depth model (Huginn, Ouro)")
+            if sent or params.exit_semantics is not None:
+                name = sent[0] if sent else "exit_semantics"
+                raise ValueError(f"{name} needs a recurrent-depth model (Huginn, Ouro)")
         if params.upstream_stop_rules and not _upstream_eos_from(spec):
             raise ValueError(_no_upstream_rule(spec))
         upstream = (self.upstream_stop_rules if params.upstream_stop_rules is None
@@ -263,6 +274,19 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             self.prompt_logprobs.add(rid, n, params.prompt_logprobs)
         self.scheduler.add(req)
+
+    def _check_upstream_exit(self, n: int) -> None:
+        """Refuse (ValueError naming ``exit_semantics``) an upstream-semantics exit rule the
+        engine cannot run exactly: on an attention backend without ``supports_key_mask``,
+        or a prompt of ``n`` tokens above ``max_num_batched_tokens`` (its one exit block)."""
+        if not self.key_mask_ok:
+            raise ValueError(f"exit_semantics 'upstream' needs the torch attention backend "
+                             f"(it masks skipped steps per position); this server runs "
+                             f"{self.backend_name!r}: use exit_semantics 'engine'")
+        if n > self.max_num_batched_tokens:
+            raise ValueError(f"exit_semantics 'upstream' runs the prompt as one exit block, but "
+                             f"it has {n} tokens and max_num_batched_tokens is "
+                             f"{self.max_num_batched_tokens}")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (no-op at TP 1;

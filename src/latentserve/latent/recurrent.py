@@ -14,8 +14,8 @@ layers.
   (except early exits below), so a token only ever reads banks ``< r`` of earlier tokens of
   the same request. Requests with another depth (or another KV-changing exit rule) compute
   other KV for the same ids, so ``cache_salt`` keeps their prefix-cache entries apart.
-* **Early exit**: a generated token (never a prompt token: upstream's
-  ``do_not_exit_in_prefill``) may stop after iteration ``e < r``. Huginn's
+* **Early exit** (``exit_semantics="engine"``, the default): a generated token (never a
+  prompt token: upstream's ``do_not_exit_in_prefill``) may stop after iteration ``e < r``. Huginn's
   ``latest-m4`` cache lookup then reads, for iterations ``t > e``, the latest KV of the same
   core layer, i.e. iteration ``e``. We implement that rule on the write side: when a token
   exits, its bank ``(e, l)`` K/V is copied into banks ``(e+1 .. r-1, l)`` (``fill_banks``),
@@ -23,6 +23,15 @@ layers.
   Exiting rows leave the remaining iterations of the forward (``ActiveRows``), so compute
   drops. Generated tokens of a request with an exit rule are scheduled one per forward
   (``Scheduler``), so an exit always removes a whole batch row.
+* **Upstream exit** (``exit_semantics="upstream"``, upstream's defaults): the prompt is one
+  exit block, scheduled whole in one forward from position 0 (never from the prefix cache:
+  its exit depends on every prompt position); the criterion is evaluated over the block as
+  upstream does (latent criteria: the mean over positions; logit criteria: the last
+  position's logits), and all its positions stop together. A token that stops after
+  iteration ``e`` leaves banks ``> e`` empty: ``slot_steps`` records ``e + 1`` for its slot
+  and attention at iteration ``t`` masks positions whose count is ``<= t`` (upstream's
+  ``HuginnDynamicCache`` default lookup, which returns only the positions present at a
+  step). Needs an attention backend with ``supports_key_mask`` (the torch one).
 
 ``ExitRule`` is the per-request rule, ``resolve_exit_rule`` validates a request's
 ``SamplingParams`` against the model family, and ``RecurrentBatch`` is the host-side picture
@@ -63,12 +72,24 @@ class ExitRule:
         min_steps / check_every: Huginn checks after iteration ``t`` (0-based) when
             ``t >= min_steps and (t - min_steps) % check_every == 0`` (upstream
             ``min_steps``, ``check_criterion_every_n_steps``).
+        upstream: Huginn ``exit_semantics="upstream"``: the prompt is one exit block (it may
+            stop early, all its positions at the same iteration) and an exited token's
+            skipped iterations stay empty: attention at iteration ``t`` masks positions with
+            no K/V there (``SlotSteps``), instead of the ``fill_banks`` copy.
     """
 
     criterion: str
     threshold: float = 0.0
     min_steps: int = 0
     check_every: int = 1
+    upstream: bool = False
+
+    @property
+    def prompt_exits(self) -> bool:
+        """Whether the prompt is one exit block (``upstream``): it must run in one forward
+        from position 0, and its K/V depends on the whole prompt, so no prefix of it is
+        cacheable."""
+        return self.upstream and self.saves_compute
 
     @property
     def saves_compute(self) -> bool:
@@ -81,17 +102,20 @@ class ExitRule:
         return t >= self.min_steps and (t - self.min_steps) % self.check_every == 0
 
 
-def resolve_exit_rule(spec, params) -> ExitRule | None:
+def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRule | None:
     """The exit rule of a request with ``SamplingParams`` ``params`` on a model with
     ``LatentSpec`` ``spec`` (``kind == "recurrent"``); None = run the full depth and read out
-    the last iteration.
+    the last iteration. ``default_semantics`` applies when ``params.exit_semantics`` is None
+    (the server default; ignored by Ouro).
 
     Raises ValueError (its message starts with the offending field's name) for a criterion
     the family does not know, a threshold out of range (Ouro: outside [0, 1]), or exit fields
     without a criterion that uses them (Huginn: none or ``'none'``; Ouro: ``'last'``,
-    ``'weighted'``; ``exit_min_steps`` / ``exit_check_every`` on Ouro).
+    ``'weighted'``; ``exit_min_steps`` / ``exit_check_every`` / ``exit_semantics='upstream'``
+    on Ouro).
     """
     crit, thr = params.exit_criterion, params.exit_threshold
+    semantics = params.exit_semantics or default_semantics
     # The exit fields the request set, in order: errors start with the first one's name (the
     # server's 400 reports it as ``param``).
     knobs = [name for name, unset in (("exit_min_steps", 0), ("exit_check_every", 1))
@@ -113,8 +137,12 @@ def resolve_exit_rule(spec, params) -> ExitRule | None:
                              f"(stable checks), got {thr}")
         if thr < 0:
             raise ValueError(f"exit_threshold must be >= 0, got {thr}")
-        return ExitRule(crit, float(thr), params.exit_min_steps, params.exit_check_every)
+        return ExitRule(crit, float(thr), params.exit_min_steps, params.exit_check_every,
+                        upstream=semantics == "upstream")
     if spec.family == "ouro":
+        if params.exit_semantics == "upstream":
+            raise ValueError("exit_semantics 'upstream' is a Huginn option: Ouro's upstream "
+                             "never stops a token early (its exits are exact readouts)")
         if knobs:
             raise ValueError(f"{knobs[0]} is set, but exit_min_steps / exit_check_every are "
                              "Huginn options; Ouro exits by its gate")
@@ -201,6 +229,9 @@ class RecurrentBatch:
             loop step whose hidden was read out; -1 for a ``weighted`` mixture). Ouro's
             forward fills it when ``track_readout`` (a graph binds a static buffer here and
             the forward copies into it); None otherwise (Huginn reads out its last step).
+        drop_skipped: ``[B]`` the row's rule is ``upstream`` (its attention at iteration
+            ``t`` masks positions without K/V there, ``SlotSteps``); None when no row is.
+            Eligible rows of such a request include its whole prompt as one block.
     """
 
     num_iters: int
@@ -219,6 +250,7 @@ class RecurrentBatch:
     exit_weighted: Any = None
     traced: list[bool] | None = None
     readout_steps: Any = None
+    drop_skipped: list[bool] | None = None
 
     @property
     def compact(self) -> bool:
@@ -235,8 +267,9 @@ class RecurrentBatch:
 
     @property
     def graph_ok(self) -> bool:
-        """Whether a masked (graph) forward gives the same result: no row may exit."""
-        return not self.any_exit
+        """Whether a masked (graph) forward gives the same result: no row may exit, and no
+        row needs skipped steps masked (``drop_skipped``: the graph path has no key mask)."""
+        return not self.any_exit and self.drop_skipped is None
 
     def row_starts(self) -> list[int]:
         out, s = [], 0
@@ -250,12 +283,15 @@ class RecurrentBatch:
         """Describe ``batch`` (a ``ScheduledBatch``) laid out as ``layout``."""
         depths = [int(r.latent_budget) for r in batch.reqs]
         rules = [r.exit_rule for r in batch.reqs]
-        eligible = [rule is not None and rule.saves_compute and n == 1
-                    and s >= len(r.prompt_ids)
+        eligible = [rule is not None and rule.saves_compute
+                    and ((n == 1 and s >= len(r.prompt_ids))  # one generated token
+                         or (rule.prompt_exits and s == 0 and n == len(r.prompt_ids)))
                     for r, rule, s, n in zip(batch.reqs, rules, batch.starts, batch.q_lens)]
+        drop = [rule is not None and rule.prompt_exits for rule in rules]
         return cls(max(depths, default=0), depths, list(layout.q_lens), list(layout.kv_lens),
                    layout.rows, layout.out_slots, page_table, rules, eligible,
-                   traced=[bool(r.params.return_latent_trace) for r in batch.reqs])
+                   traced=[bool(r.params.return_latent_trace) for r in batch.reqs],
+                   drop_skipped=drop if any(drop) else None)
 
     def token_depths(self, device) -> torch.Tensor:
         """``[T] int64`` recurrences per token (``ForwardContext.depths``)."""
@@ -372,6 +408,20 @@ class ActiveRows:
 
     def restore(self) -> None:
         self.ctx.attn_meta = self.full_meta
+
+
+def slot_steps(kv_pool) -> torch.Tensor:
+    """``[num_slots + 1] int32`` on the pool's device, kept on the pool: per KV slot, the
+    iterations its token has K/V for (banks of iterations ``< n`` hold it). Written by a
+    forward that has ``RecurrentBatch.drop_skipped`` rows (each new token: its depth, or its
+    exit iteration + 1), read by their attention (``upstream`` exit semantics: a position
+    without K/V at iteration ``t`` is masked there). Slots of other requests are never read
+    through it."""
+    steps = getattr(kv_pool, "recurrent_slot_steps", None)
+    if steps is None:
+        steps = torch.zeros(kv_pool.num_slots + 1, dtype=torch.int32, device=kv_pool.k[0].device)
+        kv_pool.recurrent_slot_steps = steps
+    return steps
 
 
 def fill_banks(kv_pool, slots: torch.Tensor, bank, t_last: int, depth: int,

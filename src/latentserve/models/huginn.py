@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentserve.context import get_context
-from latentserve.latent.recurrent import HUGINN_LOGIT_CRITERIA, ActiveRows, fill_banks
+from latentserve.latent.recurrent import HUGINN_LOGIT_CRITERIA, ActiveRows, fill_banks, slot_steps
 from latentserve.latent.spec import LatentSpec
 from latentserve.models.layers import RMSNorm, inject, paged_attention
 from latentserve.models.weights import load_by_name
@@ -298,6 +298,9 @@ class RavenForCausalLM(nn.Module):
         if rb is not None and rb.compact:
             x = self._recur_compact(x, e, cos, sin, ctx, rb)
         else:  # masked: fixed trip count, no host reads (CUDA-graph path)
+            if rb is not None and rb.drop_skipped is not None:
+                raise RuntimeError("the masked loop cannot drop skipped steps "
+                                   "(exit_semantics 'upstream' runs the compact loop)")
             n = self.mean_recurrence if rb is None else rb.num_iters
             depths = getattr(ctx, "depths", None)
             for t in range(n):
@@ -309,11 +312,19 @@ class RavenForCausalLM(nn.Module):
     def _recur_compact(self, x, e, cos, sin, ctx, rb):
         act = ActiveRows(rb, ctx)
         ex = _HuginnExit(self, rb, act, x) if rb.any_exit else None
+        steps = drop = None
+        if rb.drop_skipped is not None:  # upstream exit semantics: skipped steps are masked
+            steps = slot_steps(ctx.kv_pool)
+            steps[rb.out_slots] = rb.token_depths(steps.device).to(steps.dtype)
+            drop = torch.tensor(rb.drop_skipped, device=steps.device)
         try:
             for t in range(rb.num_iters):
                 rows, idx = act.select(t)
                 if not rows:
                     break
+                if steps is not None:
+                    sel = drop if idx is None else drop[torch.tensor(rows, device=drop.device)]
+                    ctx.attn_meta = ctx.backend.mask_keys(ctx.attn_meta, steps > t, sel)
                 if idx is None:
                     x = self.iterate(x, e, cos, sin, t)
                 else:
@@ -324,9 +335,13 @@ class RavenForCausalLM(nn.Module):
                     gone = ex.check(check, x, cos, sin) if check else []
                     if gone:
                         act.exit(gone, t)
+                        dropped = [b for b in gone if rb.rules[b].upstream]
+                        if dropped:  # banks > t stay empty: masked for later readers
+                            steps[act.slots_of(dropped)] = t + 1
+                        gone = [b for b in gone if not rb.rules[b].upstream]
                         # One fill for all rows exiting now, up to the deepest one (banks
                         # past a row's own depth are never read by that request).
-                        deepest = max(rb.row_depths[b] for b in gone)
+                        deepest = max((rb.row_depths[b] for b in gone), default=0)
                         if deepest > t + 1:
                             fill_banks(ctx.kv_pool, act.slots_of(gone), self.bank, t, deepest,
                                        self.n_core)
@@ -356,8 +371,11 @@ class _HuginnExit:
     """Per-row state of Huginn's exit evaluators for one forward (upstream
     ``PerIterationExitEvaluator`` subclasses, evaluated for all checked rows at once).
 
-    Rows that may exit are single generated tokens (``RecurrentBatch.eligible``); the row's
-    state starts at its initial latent (``latent-diff``, ``cosine``), entropy 100
+    Rows that may exit (``RecurrentBatch.eligible``) are single generated tokens or, with
+    ``upstream`` semantics, a whole prompt, evaluated as one block as upstream does: latent
+    criteria average the per-position value over the row's positions, logit criteria read
+    the row's last position (the coda runs over all of them). The row's state starts at
+    its initial latents (``latent-diff``, ``cosine``; per position), entropy 100
     (``entropy-diff``), the uniform distribution over the padded vocabulary (``kl``,
     ``minp-kl``) or argmax -1 with a zero stability count (``argmax-stability``), and is
     updated at each check only, as upstream.
@@ -367,8 +385,7 @@ class _HuginnExit:
         self.model, self.rb, self.act = model, rb, act
         dev = x0.device
         b = len(rb.row_depths)
-        self.tok = torch.tensor(act.starts, dtype=torch.int64).to(dev)  # row -> its 1st token
-        self.prev_latent = x0[self.tok].clone()
+        self.prev_latent = x0.clone()  # [T, n_embd]
         self.prev_entropy = torch.full((b,), 100.0, device=dev)
         self.vocab = int(model.config.vocab_size)  # lm_head rows (a shard under TP)
         self.prev_logp = None
@@ -379,17 +396,24 @@ class _HuginnExit:
         self.thr = torch.tensor([r.threshold if r is not None else 0.0 for r in rb.rules],
                                 dtype=torch.float32).to(dev)
 
+    def _tokens(self, rows: list[int], dev) -> torch.Tensor:
+        """``[N] int64`` the token indices of ``rows``, row after row."""
+        return torch.tensor(self.act.tokens_of(rows), dtype=torch.int64).to(dev)
+
     def _logits(self, rows, x, cos, sin):
+        """``[len(rows), vocab]`` float32: each row's last position's logits, the coda run
+        over all the rows' positions (with the rows' own attention metadata)."""
         idx, meta = self.act.meta_for(rows)
         ctx = self.act.ctx
         keep = ctx.attn_meta
         ctx.attn_meta = meta
         try:
-            tok = self.tok[torch.tensor(rows, device=self.tok.device)] if idx is None else idx
+            tok = self._tokens(rows, x.device) if idx is None else idx
             h = self.model.head_hidden(x[tok], cos[tok], sin[tok])
         finally:
             ctx.attn_meta = keep
-        return self.model.compute_logits(h)
+        last = torch.cumsum(torch.tensor([self.rb.q_lens[b] for b in rows]), 0) - 1
+        return self.model.compute_logits(h[last.to(h.device)])
 
     def check(self, rows: list[int], x, cos, sin) -> list[int]:
         """Evaluate the rows' criteria on the latents ``x [T, n_embd]``; return the rows
@@ -405,12 +429,17 @@ class _HuginnExit:
             ri = torch.tensor(g, dtype=torch.int64, device=dev)
             thr = self.thr[ri]
             if crit in ("latent-diff", "cosine"):
-                lat, prev = x[self.tok[ri]], self.prev_latent[ri]
+                tok = self._tokens(g, dev)
+                lat, prev = x[tok], self.prev_latent[tok]
                 if crit == "latent-diff":
-                    val = (lat - prev).norm(dim=-1) / lat.norm(dim=-1)
+                    per = (lat - prev).norm(dim=-1) / lat.norm(dim=-1)
                 else:
-                    val = 1 - (lat * prev).sum(-1) / lat.norm(dim=-1) / prev.norm(dim=-1)
-                self.prev_latent[ri] = lat
+                    per = (lat * prev).sum(-1) / lat.norm(dim=-1) / prev.norm(dim=-1)
+                # a row's value: the mean over its positions (upstream's block-wide mean)
+                val = torch.stack([v.mean() for v in per.split([self.rb.q_lens[b] for b in g])])
+                if crit == "cosine":
+                    val = 1 - val
+                self.prev_latent[tok] = lat
                 decided.append((g, val < thr))
                 continue
             lg = logits[torch.tensor([lpos[b] for b in g], device=dev)]

@@ -121,6 +121,9 @@ class Scheduler:
         # 2. Admit waiting requests in arrival order while rows, slots and budget last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if (req.exit_rule is not None and req.exit_rule.prompt_exits
+                    and len(req.prompt_ids) > budget):
+                break  # its prompt is one exit block: it runs whole, in one forward
             if not self.cache.admit(req):
                 break
             self.waiting.popleft()
@@ -139,7 +142,9 @@ class Scheduler:
         """Tokens ``req`` computes this step. A recurrent-depth request whose exit rule saves
         compute runs its generated tokens (recomputed after a preemption too) one per forward
         and ends a prompt chunk at the prompt's end, so each token that may exit early is a
-        batch row of its own (``latent/recurrent.py``). With ``forced_one_by_one``, the forced
+        batch row of its own (``latent/recurrent.py``); a prompt that is an exit block
+        (``ExitRule.prompt_exits``) is admitted only when it fits the budget whole, and is
+        never cached, so it is one chunk. With ``forced_one_by_one``, the forced
         ids that just ended a latent phase go one per step."""
         n = min(req.num_pending, budget)
         if (self.forced_one_by_one and 1 < n <= self._max_forced

@@ -114,7 +114,8 @@ def exit_fields(body) -> dict:
     keyword arguments, unset ones at SamplingParams' defaults."""
     return {"exit_criterion": body.exit_criterion, "exit_threshold": body.exit_threshold,
             "exit_min_steps": 0 if body.exit_min_steps is None else body.exit_min_steps,
-            "exit_check_every": 1 if body.exit_check_every is None else body.exit_check_every}
+            "exit_check_every": 1 if body.exit_check_every is None else body.exit_check_every,
+            "exit_semantics": body.exit_semantics}
 
 
 def latent_positions(spec, budget: int | None, param: str = "latent_budget") -> int:

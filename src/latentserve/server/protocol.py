@@ -65,6 +65,8 @@ class LatentFields(RequestModel):
     exit_threshold: float | None = None
     exit_min_steps: int | None = None
     exit_check_every: int | None = None
+    # Huginn's exit semantics, "engine" or "upstream" (None = the server's --exit-semantics).
+    exit_semantics: str | None = None
     # Compression heads (latent/head.py): None = the server default (LATENTSERVE_* env);
     # headers x-latent-* (aliases x-ds4-*) win over these (server/params.head_controls).
     max_latent: int | None = None

@@ -14,7 +14,11 @@ upstream algorithms over plain torch and the checkpoint's own files (``config.js
   the engine's too: the initial state of position p is row p of a seeded table (upstream
   draws fresh noise on every call; same distribution), and a token that never exits is
   read out from its final state (upstream reuses the logits of its last check when
-  ``check_every`` skips the last step).
+  ``check_every`` skips the last step). ``generate(..., semantics="upstream")`` takes
+  upstream's defaults instead: the prompt forward checks the exit too (as one block: the
+  latent criteria average over its positions, the logit criteria read its last position),
+  and the cache uses the ``full`` lookup: a position without K/V at a step is left out of
+  that step's attention (no ``latest-m4`` fallback).
 * ``OuroReference`` follows the hub's ``OuroModel`` / ``OuroForCausalLM.forward``: every step
   runs all layers then ``norm``, the gate's exit pdf, and the readouts ``last``, ``threshold``
   (``cumsum(pdf) >= threshold``, else the last step), ``weighted`` (``sum_t lm_head(h_t) *
@@ -53,16 +57,17 @@ def _rms(x, w, eps):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
 
 
-def _attend(q, keys, vals, q_pos, scale):
+def _attend(q, keys, vals, q_pos, scale, k_pos=None):
     """Causal attention of queries ``q [S, H, D]`` at positions ``q_pos`` over ``keys, vals
-    [P, Hkv, D]`` at positions ``0 .. P-1``. Returns ``[S, H, D]``."""
+    [P, Hkv, D]`` at positions ``k_pos`` (None: ``0 .. P-1``). Returns ``[S, H, D]``."""
     rep = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, P, D]
     v = vals.repeat_interleave(rep, dim=1).transpose(0, 1)
     s = torch.einsum("shd,hpd->hsp", q.float(), k.float()) * scale
     dev = keys.device
-    visible = torch.arange(keys.shape[0], device=dev)[None, :] <= \
-        torch.tensor(q_pos, device=dev)[:, None]
+    kp = torch.arange(keys.shape[0], device=dev) if k_pos is None else \
+        torch.tensor(k_pos, device=dev)
+    visible = kp[None, :] <= torch.tensor(q_pos, device=dev)[:, None]
     s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hsp,hpd->shd", s.softmax(-1), v.float()).to(q.dtype)
 
@@ -70,16 +75,24 @@ def _attend(q, keys, vals, q_pos, scale):
 class _LayeredCache:
     """KV per cache index, each a dict position -> (k, v) ``[Hkv, D]``. ``same_layer(idx)``
     lists, newest first, the indices a missing position may fall back to (the latest
-    iteration of the same looped layer); empty for indices that are never skipped."""
+    iteration of the same looped layer); empty for indices that are never skipped.
+    ``drop``: upstream ``HuginnDynamicCache``'s default ``full`` lookup instead, which
+    returns only the positions present at the index (a missing one is left out).
+    ``update`` returns ``(keys, values, their positions)``."""
 
-    def __init__(self, same_layer):
+    def __init__(self, same_layer, drop=False):
         self.kv: dict[int, dict[int, tuple]] = {}
         self.same_layer = same_layer
+        self.drop = drop
 
     def update(self, idx, positions, k, v):
         slot = self.kv.setdefault(idx, {})
         for i, p in enumerate(positions):
             slot[p] = (k[i], v[i])
+        if self.drop:  # "full": stack the entries present, in position order
+            kept = sorted(slot)
+            return (torch.stack([slot[p][0] for p in kept]),
+                    torch.stack([slot[p][1] for p in kept]), kept)
         n = max(positions) + 1
         ks, vs = [], []
         for p in range(n):
@@ -89,7 +102,7 @@ class _LayeredCache:
                              if j in self.kv and p in self.kv[j])
             ks.append(entry[0])
             vs.append(entry[1])
-        return torch.stack(ks), torch.stack(vs)
+        return torch.stack(ks), torch.stack(vs), None
 
 
 class HuginnReference:
@@ -154,8 +167,8 @@ class HuginnReference:
                 .type_as(t)
 
         q, k = rot(q), rot(k)
-        keys, vals = cache.update(step, pos, k, v)
-        o = _attend(q, keys, vals, pos, self.hd**-0.5).reshape(s, self.e)
+        keys, vals, kpos = cache.update(step, pos, k, v)
+        o = _attend(q, keys, vals, pos, self.hd**-0.5, kpos).reshape(s, self.e)
         x = _rms(o @ w(f"{pre}.attn.proj.weight").T + x, w(f"{pre}.norm_2.weight"), self.eps)
         a, g = (_rms(x, w(f"{pre}.norm_3.weight"), self.eps) @ w(f"{pre}.mlp.fc.weight").T) \
             .chunk(2, dim=-1)
@@ -240,15 +253,24 @@ class HuginnReference:
 
     @torch.no_grad()
     def generate(self, prompt, max_tokens, num_steps, criterion=None, threshold="auto",
-                 min_steps=0, check_every=1) -> dict:
+                 min_steps=0, check_every=1, semantics="engine") -> dict:
+        """Greedy generation (module docstring). ``semantics``: ``"engine"`` (the prompt
+        at full depth, ``do_not_exit_in_prefill``; ``latest-m4`` lookup) or ``"upstream"``
+        (upstream ``generate_with_adaptive_compute``'s defaults: the prompt is checked as
+        one block, ``token_step_in_sequence == 0`` included, and the cache's ``full``
+        lookup leaves positions without K/V at a step out of that step's attention)."""
+        if semantics not in ("engine", "upstream"):
+            raise ValueError(f"semantics must be 'engine' or 'upstream', got {semantics!r}")
         rule = None
         if criterion not in (None, "none"):
             thr = self.AUTO[criterion] if threshold == "auto" else threshold
             rule = (criterion, thr, min_steps, check_every)
-        cache = _LayeredCache(self._same_layer)
+        upstream = semantics == "upstream"
+        cache = _LayeredCache(self._same_layer, drop=upstream)
         ids = list(prompt)
         out = {"tokens": [], "logits": [], "iterations": []}
-        logits, n = self._forward(ids, list(range(len(ids))), cache, num_steps, None)
+        logits, n = self._forward(ids, list(range(len(ids))), cache, num_steps,
+                                  rule if upstream else None)
         for _ in range(max_tokens):
             tok = int(logits.argmax())
             out["tokens"].append(tok)
@@ -299,7 +321,7 @@ class OuroReference:
             return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
 
         q, k = rot(q), rot(k)
-        keys, vals = cache.update(idx, pos, k, v)
+        keys, vals, _ = cache.update(idx, pos, k, v)
         o = _attend(q, keys, vals, pos, self.hd**-0.5).reshape(s, -1)
         a = o @ w(f"{pre}.self_attn.o_proj.weight").T
         x = x + self._rms(a, w(f"{pre}.input_layernorm_2.weight"))
