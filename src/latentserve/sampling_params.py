@@ -174,7 +174,7 @@ class SamplingParams:
         if self.exit_semantics is not None and self.exit_semantics not in EXIT_SEMANTICS:
             raise ValueError(f"exit_semantics must be one of {list(EXIT_SEMANTICS)}, got "
                              f"{self.exit_semantics!r}")
-        for name in ("thinking", "use_stop", "upstream_stop_rules"):
+        for name in ("thinking", "use_stop", "upstream_stop_rules", "return_latent_trace"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be a boolean, got {v!r}")

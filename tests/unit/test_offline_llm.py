@@ -136,6 +136,13 @@ def test_numpy_scalars_are_taken_as_python_numbers(tiny_dirs):
     assert len(out[0].outputs[0].token_ids) <= 3
 
 
+@pytest.mark.parametrize("value", ["no", 1])
+def test_return_latent_trace_takes_a_boolean_only(value):
+    """A truthy non-boolean (``"no"`` is truthy) is refused by name, as over HTTP."""
+    with pytest.raises(ValueError, match="^return_latent_trace must be a boolean"):
+        SamplingParams(return_latent_trace=value)
+
+
 def test_offline_outputs_carry_a_recurrent_models_per_token_trace(tmp_path):
     """``LLM.generate`` with ``return_latent_trace`` on Ouro: each generated token's depth
     and readout step, equal to the eager reference's; a request that did not ask in the same
