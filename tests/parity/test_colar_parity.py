@@ -23,7 +23,7 @@ from latentserve.engine.llm_engine import LLMEngine
 from latentserve.latent import colar
 from latentserve.sampling_params import SamplingParams
 from latentserve.testing.colar_models import save_colar_tiny
-from latentserve.testing.colar_reference import colar_generate_reference
+from latentserve.testing.colar_reference import colar_generate_reference, run_colar_batch
 
 MAX_TOKENS = 8
 SEP = 3  # "###" in save_colar_word_tokenizer
@@ -73,40 +73,8 @@ def references(reference):
     return [reference(q, c, m) for q, c, m in _cases()]
 
 
-def _ids(engine, question):
-    return engine.tokenizer.encode(colar.QUESTION.format(question), add_special_tokens=False)
-
-
 def _run(engine, cases, max_tokens=MAX_TOKENS, **extra):
-    """Run ``(question or prompt ids, c, max_latent)`` cases as one batch; per request
-    ``(answer tokens, final StepOutput, first answer logits [V])``."""
-    first, real = {}, engine.runner.run
-
-    def spy(batch, *args, **kwargs):  # the logits of each request's first answer token
-        logits, hidden = real(batch, *args, **kwargs)
-        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], logits):
-            if req.answer_start == len(req.output_ids) and req.rid not in first:
-                first[req.rid] = row.float().cpu().clone()
-        return logits, hidden
-
-    engine.runner.run = spy
-    base = engine._arrivals
-    rids = [f"c{base + i}" for i in range(len(cases))]
-    try:
-        for rid, (q, c, cap) in zip(rids, cases):
-            prompt = _ids(engine, q) if isinstance(q, str) else q
-            engine.add_request(rid, prompt, SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, compression_factor=c, max_latent=cap,
-                **extra))
-        toks, final = {r: [] for r in rids}, {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                toks[o.rid] += o.new_token_ids
-                if o.finished:
-                    final[o.rid] = o
-    finally:
-        engine.runner.run = real
-    return [(toks[r], final[r], first[r]) for r in rids]
+    return run_colar_batch(engine, cases, max_tokens, **extra)
 
 
 def _end(ref) -> str:

@@ -13,7 +13,6 @@ import torch
 
 from latentserve.config import EngineConfig
 from latentserve.latent import colar
-from latentserve.sampling_params import SamplingParams
 
 MODEL = Path(__file__).parents[2] / "models" / "smollm2-mult-colar"
 MAX_TOKENS = 20  # "Answer:" + 8 or 10 digits with spaces, then EOS
@@ -39,41 +38,16 @@ def references(smollm2_dir):
             for q, _, c, cap in CASES]
 
 
-def _run(engine, tag):
-    first, real = {}, engine.runner.run
-
-    def spy(batch, *args, **kwargs):  # each request's first answer-token logits
-        logits, hidden = real(batch, *args, **kwargs)
-        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], logits):
-            if req.answer_start == len(req.output_ids) and req.rid not in first:
-                first[req.rid] = row.float().cpu().clone()
-        return logits, hidden
-
-    engine.runner.run = spy
-    rids = [f"{tag}{i}" for i in range(len(CASES))]
-    try:
-        for rid, (q, _, c, cap) in zip(rids, CASES):
-            ids = engine.tokenizer.encode(colar.QUESTION.format(q), add_special_tokens=False)
-            engine.add_request(rid, ids, SamplingParams(
-                max_tokens=MAX_TOKENS, temperature=0.0, compression_factor=c, max_latent=cap))
-        toks, final = {r: [] for r in rids}, {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                toks[o.rid] += o.new_token_ids
-                if o.finished:
-                    final[o.rid] = o
-    finally:
-        engine.runner.run = real
-    return [(toks[r], final[r], first[r]) for r in rids]
-
-
 def test_engine_equals_reference_cold_then_warm(references):
     from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.colar_reference import run_colar_batch
 
     engine = LLMEngine(EngineConfig(model=str(MODEL), dtype="float32", max_model_len=512))
     sep = engine.tokenizer.convert_tokens_to_ids(colar.SEPARATOR)
     for tag in ("cold", "warm"):
-        for i, ((toks, final, first), ref) in enumerate(zip(_run(engine, tag), references)):
+        cases = [(q, c, cap) for q, _, c, cap in CASES]
+        results = run_colar_batch(engine, cases, MAX_TOKENS)
+        for i, ((toks, final, first), ref) in enumerate(zip(results, references)):
             msg = f"{tag} case {i} {CASES[i][2:]}"
             assert toks == ref.answer_ids, msg
             fired = ref.n_latent > 0 and int(ref.latent_logits[-1].argmax()) == sep

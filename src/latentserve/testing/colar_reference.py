@@ -124,3 +124,40 @@ def colar_generate_reference(model, tok, policy: colar.LatentPolicy, cfg: colar.
         latent_logits=torch.stack(latent_logits) if latents else torch.zeros(0, vocab),
         answer_ids=answer, answer_logits=torch.stack(answer_logits))
 
+
+def run_colar_batch(engine, cases, max_tokens: int, **extra) -> list[tuple]:
+    """Run ``[(question or prompt ids, compression_factor, max_latent)]`` through ``engine``
+    (an ``LLMEngine`` serving a CoLaR directory) as one greedy batch; a question gets the
+    question part ``colar.QUESTION`` (the engine appends speed and ``###``). ``extra``: more
+    ``SamplingParams`` fields. Returns per case ``(answer token ids, final StepOutput, the
+    first answer token's logits [V] float32 CPU)``."""
+    from latentserve.sampling_params import SamplingParams
+
+    first, real = {}, engine.runner.run
+
+    def spy(batch, *args, **kwargs):  # the logits of each request's first answer token
+        logits, hidden = real(batch, *args, **kwargs)
+        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], logits):
+            if req.answer_start == len(req.output_ids) and req.rid not in first:
+                first[req.rid] = row.float().cpu().clone()
+        return logits, hidden
+
+    engine.runner.run = spy
+    base = engine._arrivals
+    rids = [f"c{base + i}" for i in range(len(cases))]
+    try:
+        for rid, (q, c, cap) in zip(rids, cases):
+            prompt = (engine.tokenizer.encode(colar.QUESTION.format(q), add_special_tokens=False)
+                      if isinstance(q, str) else q)
+            engine.add_request(rid, prompt, SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, compression_factor=c, max_latent=cap,
+                **extra))
+        toks, final = {r: [] for r in rids}, {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                toks[o.rid] += o.new_token_ids
+                if o.finished:
+                    final[o.rid] = o
+    finally:
+        engine.runner.run = real
+    return [(toks[r], final[r], first[r]) for r in rids]
