@@ -7,8 +7,11 @@
 #   run "bash scripts/stage1_gpu.sh start"  carry [".xfer/p8"]   (builds data, starts training,
 #                                                                 returns after T_WAIT s)
 #   run "bash scripts/stage1_gpu.sh finish"                      (waits, evaluates, packs $OUT)
-# or, with a CoLaR directory copied into .xfer/pK/colar_mult (split over parts as size needs):
-#   run "bash scripts/stage1_gpu.sh more" carry [".xfer/p8"] (continues it T_MORE s);
+# or run "bash scripts/stage1_gpu.sh more" carry [".xfer/p8"] (continues the CoLaR directory
+#   INIT, default models/smollm2-mult-colar, T_MORE s, each batch's speed drawn from
+#   TRAIN_FACTORS, default 1..5), then, on the same machine,
+#   run "bash scripts/stage1_gpu.sh after" (its speed sweep on both test sets, 64 seqs, and
+#   text CoT's 5x5 run beside it);
 # or run "bash scripts/stage1_gpu.sh tput" carry [".xfer/p8"] (throughput of models/, 64 seqs).
 # Knobs (env): T_MULT (seconds of CoLaR training on multiplication, 780), T_GSM (GSM8K, 300),
 # LR (5e-4), T_WAIT (500), N_MULT (generated items per k, 400000; seed 0 = stage 0's set).
@@ -50,10 +53,21 @@ more)  # continue stage 1 on multiplication from the CoLaR directory carried as 
   for k in 4 5; do $ls data multiplication --k $k --n "${N_MULT:-150000}" --seed 1 \
     --out "$W/${k}x${k}_train.txt"; done
   $ls train colar --device cuda --lr "${LR:-5e-4}" --log-every 200 --max-compression-factor 5 \
-    --max-latent 160 --init-adapter "$X/colar_mult" --data "$W/4x4_train.txt" \
-    --data "$W/5x5_train.txt" --compression-factor 4 --out "$W/colar_mult" --steps 100000 \
+    --max-latent 160 --init-adapter "${INIT:-models/smollm2-mult-colar}" \
+    ${TRAIN_FACTORS:+--train-factors "$TRAIN_FACTORS"} --data "$W/4x4_train.txt" \
+    --data "$W/5x5_train.txt" --compression-factor 2 --out "$W/colar_mult" --steps 100000 \
     --max-seconds "${T_MORE:-420}" --batch-size 128 2>&1 | grep --line-buffered -v Loading
   tar czf "$OUT/colar_mult.tgz" -C "$W" colar_mult
+  ;;
+after)  # the model `more` left in $W/colar_mult: speeds 2..4 on both test sets (bf16, 64 seqs)
+  for s in 4x4 5x5; do
+    $ls eval --device cuda --dtype bfloat16 --model "$W/colar_mult" --max-num-seqs 64 \
+      --dataset-file "$D/${s}_test.txt" --max-tokens 40 --sweep compression_factor=2,3,4 \
+      --json-out "$OUT/more_colar_${s}.json" 2>&1 | grep --line-buffered -v "Loading\|Converting"
+  done
+  $ls eval --device cuda --dtype bfloat16 --model models/smollm2-mult-cot --max-num-seqs 64 \
+    --dataset-file "$D/5x5_test.txt" --max-tokens 200 --json-out "$OUT/tput_cot_5x5.json" \
+    2>&1 | grep --line-buffered -v "Loading\|Converting"
   ;;
 finish)  # every result is packed into $OUT as soon as it exists (a call cut at its limit keeps it)
   while pgrep -f "latentserve.cli train" > /dev/null; do sleep 5; done
@@ -92,5 +106,5 @@ tput)  # carry .xfer/p8 after p1..p7: answer throughput of the shipped models at
       --json-out "$OUT/tput_${m%%:*}_5x5.json" 2>&1 | grep --line-buffered -v "Loading\|Converting"
   done
   ;;
-*) echo "usage: $0 pack|take|start|more|finish|tput" >&2; exit 2 ;;
+*) echo "usage: $0 pack|take|start|more|after|finish|tput" >&2; exit 2 ;;
 esac

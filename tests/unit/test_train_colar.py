@@ -262,3 +262,17 @@ def test_cli_train_colar_passes_its_options(monkeypatch, tmp_path):
     assert (cfg.max_compression_factor, cfg.compression_factor, cfg.embed_loss) == (4, 3, "nll")
     assert (cfg.embed_weight, cfg.intermediate_size, cfg.lr) == (2.0, 128, 1e-4)
     assert cfg.lora_targets == ("q_proj", "v_proj")
+
+
+def test_train_factors_choose_each_batch_r(backbone, toy_file, tmp_path):
+    """``train_factors`` replaces upstream's uniform 1..max draw: every step's r is one of
+    them; a factor outside 1..max_compression_factor, or none, is refused."""
+    train(ColarTrainConfig(data=[str(toy_file)], out=str(tmp_path / "o"), base=str(backbone),
+                           lora_r=4, steps=6, batch_size=2, log_every=1,
+                           max_compression_factor=3, train_factors=(3,)),
+          progress=lambda *_: None)
+    log = json.loads((tmp_path / "o" / "train_log.json").read_text())
+    assert [rec["r"] for rec in log] == [3] * 6
+    for bad in ((), (0,), (4,)):
+        with pytest.raises(ValueError, match="train_factors"):
+            ColarTrainConfig(data=[], out="x", max_compression_factor=3, train_factors=bad)

@@ -75,6 +75,10 @@ def register(sub) -> None:
     k.add_argument("--log-every", type=int, default=50)
     k.add_argument("--max-compression-factor", type=int, default=5,
                    help="each batch's compression factor is drawn from 1..this")
+    k.add_argument("--train-factors", default=None,
+                   help="comma-separated factors each batch's compression factor is drawn "
+                        "from instead, repeats weighting one (e.g. 2,3,4,4); each in "
+                        "1..--max-compression-factor")
     k.add_argument("--compression-factor", type=int, default=None,
                    help="default thinking speed written to colar_config.json "
                         "(default: --max-compression-factor)")
@@ -153,6 +157,12 @@ def run_colar(args) -> int:
 
     opts = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "func")}
     opts["lora_targets"] = tuple(t for t in opts["lora_targets"].split(",") if t)
+    if opts["train_factors"] is not None:
+        try:
+            opts["train_factors"] = tuple(int(r) for r in opts["train_factors"].split(","))
+        except ValueError:
+            raise ValueError(f"--train-factors must be comma-separated integers, got "
+                             f"{opts['train_factors']!r}") from None
     print(json.dumps(train(ColarTrainConfig(**opts)), indent=1))
     return 0
 

@@ -6,7 +6,7 @@ The backbone's LoRA (a stage-0 adapter of ``train/cot.py``, or a fresh one) and 
 :class:`~latentserve.latent.colar.LatentPolicy` are trained together.
 
 Each batch draws one compression factor ``r`` uniformly from ``1..max_compression_factor``
-and lays every example out as ::
+(upstream; ``train_factors`` draws from a given list instead) and lays every example out as ::
 
     prompt at speed r | c_0 c_1 .. c_K | ### Answer:{answer} EOS
 
@@ -57,7 +57,9 @@ class ColarTrainConfig:
     full fine-tune; ``compression_factor`` None = ``max_compression_factor`` (upstream
     evaluates at 5 = its maximum); ``intermediate_size`` None = the hidden size;
     ``embeds_std`` None = the std of the input-embedding matrix; ``max_seconds`` 0 = no
-    time limit. Raises ValueError for a bad value."""
+    time limit; ``train_factors`` None = ``1..max_compression_factor`` (upstream), else the
+    factors each batch's ``r`` is drawn from uniformly (repeats weight a factor). Raises
+    ValueError for a bad value."""
 
     data: list[str]
     out: str
@@ -85,6 +87,7 @@ class ColarTrainConfig:
     intermediate_size: int | None = None
     embeds_std: float | None = None
     max_latent: int = 64
+    train_factors: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.steps < 1 or self.batch_size < 1 or self.log_every < 1:
@@ -108,6 +111,11 @@ class ColarTrainConfig:
             raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
         if self.max_latent < 1:
             raise ValueError(f"max_latent must be >= 1, got {self.max_latent}")
+        if self.train_factors is not None and not (self.train_factors and all(
+                1 <= r <= self.max_compression_factor for r in self.train_factors)):
+            raise ValueError(f"train_factors must be a non-empty list of values in "
+                             f"1..{self.max_compression_factor} (max_compression_factor), got "
+                             f"{self.train_factors}")
 
 
 def draw_picks(steps_lens: list[int], r: int, rng: random.Random) -> list[list[int]]:
@@ -261,7 +269,8 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
     out = Path(cfg.out)
 
     def step_loss() -> tuple[torch.Tensor, dict]:
-        r = rng.randint(1, cfg.max_compression_factor)
+        r = (rng.choice(cfg.train_factors) if cfg.train_factors
+             else rng.randint(1, cfg.max_compression_factor))
         chosen = [keep[i] for i in next(order)]
         prompts = (encode_prompts(tok, [q for q, _ in chosen], r) if r > 1
                    else [p for _, (p, _, _) in chosen])
