@@ -135,3 +135,21 @@ def test_count_tokens_refuses_head_controls_a_plain_model_would_ignore(anthropic
     with pytest.raises(anthropic.BadRequestError):
         anthropic_client.messages.create(model=model, max_tokens=2, messages=MESSAGES,
                                          extra_headers={"x-latent-max": "2"})
+
+
+@pytest.mark.parametrize("extra", [
+    {"return_latent_trace": True},  # refused by the engine: a plain model has no latents
+    {"upstream_stop_rules": True},  # refused by the engine: no upstream rule to follow
+    {"exit_semantics": "upstream"},  # refused by the engine: not a recurrent-depth model
+    {"tools": [{"name": "f", "input_schema": {"type": "object"}}]},  # refused by the API
+])
+def test_count_tokens_refuses_what_messages_refuses(anthropic_client, model, extra):
+    """A body ``/v1/messages`` answers with 400 gets the same 400 from count_tokens (the
+    engine's own checks run dry there), and the engine is left with nothing queued."""
+    with pytest.raises(anthropic.BadRequestError) as counted:
+        anthropic_client.messages.count_tokens(model=model, messages=MESSAGES, extra_body=extra)
+    with pytest.raises(anthropic.BadRequestError) as created:
+        anthropic_client.messages.create(model=model, max_tokens=2, messages=MESSAGES,
+                                         extra_body=extra)
+    assert counted.value.body["error"]["message"] == created.value.body["error"]["message"]
+    assert anthropic_client.messages.count_tokens(model=model, messages=MESSAGES).input_tokens

@@ -152,3 +152,23 @@ def test_abort_before_the_request_is_sent_keeps_it_from_starting(engine):
     assert other[-1].finished and len(sum((o.new_token_ids for o in other), [])) == 50
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["kv_slots_free"] + stats["kv_slots_cached"] == stats["kv_slots_total"]
+
+
+def test_check_answers_as_add_request_would_and_queues_nothing(engine):
+    """``EngineClient.check`` (``LLMEngine.check_request`` in the engine): a request the
+    engine would take passes, one it would refuse raises its reason, and neither leaves a
+    request or a KV slot behind."""
+    ok = SamplingParams(max_tokens=5, temperature=0)
+
+    async def scenario(client):
+        before = await client.get_stats(timeout=10)
+        await client.check("a", [5, 6, 7], ok)
+        with pytest.raises(EngineRequestError, match=r"token ids must be in \[0, "):
+            await client.check("b", [5, 10**6], ok)
+        with pytest.raises(EngineRequestError, match="latent_budget must be 0 or null"):
+            await client.check("c", [5, 6], SamplingParams(max_tokens=5, latent_budget=3))
+        return before, await client.get_stats(timeout=10), client.num_running
+
+    before, after, running = _run(engine, scenario)
+    assert running == after["num_running"] == after["num_waiting"] == 0
+    assert after["kv_slots_free"] == before["kv_slots_free"]

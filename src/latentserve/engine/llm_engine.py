@@ -174,6 +174,26 @@ class LLMEngine:
         backend that cannot mask keys per slot (``triton``) or for a prompt longer than
         ``max_num_batched_tokens`` (the prompt must run as one block); the field on a
         non-recurrent model is a ValueError too."""
+        if rid in self._rids:
+            raise ValueError(f"request id {rid!r} is already running")
+        req = self._prepare(rid, prompt_token_ids, params)
+        self._arrivals += 1
+        if params.seed is not None:
+            req.generator = torch.Generator(self.device).manual_seed(params.seed)
+        self._rids.add(rid)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs.add(rid, len(prompt_token_ids), params.prompt_logprobs)
+        self.scheduler.add(req)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Every check :meth:`add_request` makes of a prompt and its params, nothing queued
+        (the server's ``/v1/messages/count_tokens`` and other dry runs). Raises the same
+        ValueError ``add_request`` would."""
+        self._prepare("", prompt_token_ids, params)
+
+    def _prepare(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> Req:
+        """The checks of :meth:`add_request` and the unqueued ``Req`` they admit (no engine
+        state changes)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
@@ -236,8 +256,6 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[0]}")
-        if rid in self._rids:
-            raise ValueError(f"request id {rid!r} is already running")
         # NOTE: a recurrent model's trace (recurrence stats, per-token depth and readout)
         # is kept on rank 0 under TP too; only the feedback logit lens would need a
         # collective the workers never reach.
@@ -267,13 +285,7 @@ class LLMEngine:
             req.prompt_ids += spec.start_ids
             req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
             req.answer_start = None
-        self._arrivals += 1
-        if params.seed is not None:
-            req.generator = torch.Generator(self.device).manual_seed(params.seed)
-        self._rids.add(rid)
-        if params.prompt_logprobs is not None:
-            self.prompt_logprobs.add(rid, n, params.prompt_logprobs)
-        self.scheduler.add(req)
+        return req
 
     def _check_upstream_exit(self, n: int) -> None:
         """Refuse (ValueError naming ``exit_semantics``) an upstream-semantics exit rule the

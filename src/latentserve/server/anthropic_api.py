@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -197,20 +198,51 @@ def _head_controls(body: MessagesRequest, request, state: ServerState
     return body, controls
 
 
-def count_input_tokens(body: CountTokensRequest, request, state: ServerState) -> int:
+async def count_input_tokens(body: CountTokensRequest, request, state: ServerState) -> int:
     """``/v1/messages/count_tokens``: the prompt tokens ``/v1/messages`` would take for
-    ``body``, after the same checks of the latent controls (``x-latent-budget``, the
-    ``x-latent-*`` / ``x-ds4-*`` headers, ``thinking``), so a request that count accepts is
-    not refused for them later. Any model name counts (one model per server).
+    ``body``, after every check ``/v1/messages`` makes, the engine's included
+    (``LLMEngine.check_request``, nothing queued), so a body that count accepts is not
+    refused later. ``max_tokens`` None counts as 1; any model name counts (the route's
+    ``served.resolve`` picks the model).
 
     Raises:
-        APIError: 400 for empty or malformed messages or a malformed or refused control.
+        APIError: 400 for any body ``/v1/messages`` refuses (the engine's reason for its
+            refusals), 503 when the engine is gone.
     """
+    from latentserve.server.serving import ENGINE_ERRORS, api_error
+
+    _check(body.model_copy(update={"model": state.model_name}), state)
     conversation = _conversation(body)
-    latent_budget(request, body, state.latent_spec)
-    _head_controls(body, request, state)
-    return len(render_chat(state.tokenizer, conversation,
-                           continue_final_message=conversation[-1]["role"] == "assistant"))
+    prompt_ids = await asyncio.to_thread(
+        render_chat, state.tokenizer, conversation,
+        continue_final_message=conversation[-1]["role"] == "assistant")
+    sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
+    _, params = _request_params(sized, request, state, len(prompt_ids))
+    try:
+        await state.client.check(uuid.uuid4().hex, prompt_ids, params)
+    except ENGINE_ERRORS as exc:
+        raise api_error(exc) from None
+    return len(prompt_ids)
+
+
+def _request_params(body: MessagesRequest, request, state: ServerState,
+                    num_prompt_tokens: int) -> tuple[MessagesRequest, SamplingParams]:
+    """The body with its ``thinking`` resolved and the engine's ``SamplingParams``: body
+    fields, ``x-latent-budget``, then the ``x-latent-*`` / ``x-ds4-*`` head controls.
+    Raises APIError (400 naming the field or header)."""
+    budget = latent_budget(request, body, state.latent_spec)
+    params = _params(body, num_prompt_tokens, state.max_model_len, budget,
+                     latent_positions(state.latent_spec, budget))
+    body, controls = _head_controls(body, request, state)
+    head = {k: v for k, v in controls.items() if v is not None}
+    if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
+        import dataclasses
+
+        try:
+            params = dataclasses.replace(params, **head)
+        except ValueError as exc:  # a body control out of range (the headers are checked)
+            raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
+    return body, params
 
 
 async def create_message(body: MessagesRequest, request, state: ServerState):
@@ -234,18 +266,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     prompt_ids = await asyncio.to_thread(  # off the event loop: large prompts take seconds
         render_chat, state.tokenizer, conversation,
         continue_final_message=conversation[-1]["role"] == "assistant")
-    budget = latent_budget(request, body, state.latent_spec)
-    params = _params(body, len(prompt_ids), state.max_model_len, budget,
-                     latent_positions(state.latent_spec, budget))
-    body, controls = _head_controls(body, request, state)
-    head = {k: v for k, v in controls.items() if v is not None}
-    if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
-        import dataclasses
-
-        try:
-            params = dataclasses.replace(params, **head)
-        except ValueError as exc:  # a body control out of range (the headers are checked)
-            raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
+    body, params = _request_params(body, request, state, len(prompt_ids))
     msg_id, engine_rid = new_request_id(request, "msg")
     if msg_id == engine_rid:
         msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")

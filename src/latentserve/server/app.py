@@ -127,7 +127,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         from latentserve.server.anthropic_api import count_input_tokens
 
         state = served.resolve(body.model)  # one model: any name counts, as before
-        return JSONResponse({"input_tokens": count_input_tokens(body, request, state)})
+        return JSONResponse({"input_tokens": await count_input_tokens(body, request, state)})
 
     @app.get("/v1/models", response_model=None)
     async def models():

@@ -15,6 +15,7 @@ from latentserve.server.messages import (
     EngineFailed,
     EngineStats,
     GetStats,
+    RequestChecked,
     RequestFailed,
     StepOutputs,
     dumps,
@@ -68,6 +69,7 @@ class EngineClient:
         self._early_aborts: dict[str, float] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_token = 0
+        self._checks: dict[str, asyncio.Future] = {}  # rid -> check_request's answer
         self._ctx = self._actx = self._push = self._pull = None
         self._task: asyncio.Task | None = None
 
@@ -148,6 +150,26 @@ class EngineClient:
             self._queues.pop(rid, None)
             self._aborted.discard(rid)
 
+    async def check(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
+                    timeout: float = 30.0) -> None:
+        """Ask the engine whether it would accept this request (``LLMEngine.check_request``)
+        without queueing it. Raises ``EngineRequestError`` with the engine's reason when it
+        would not, ``EngineDeadError`` when the engine is gone or does not answer within
+        ``timeout`` seconds."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        rid = f"check-{rid}"
+        future = asyncio.get_running_loop().create_future()
+        self._checks[rid] = future
+        try:
+            self._send(AddRequest(rid, list(prompt_token_ids), params, check_only=True))
+            await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"the engine did not answer a check within {timeout} s"
+                                  ) from None
+        finally:
+            self._checks.pop(rid, None)
+
     def abort_all(self) -> int:
         """Abort every request that is running (each then finishes with ``"abort"``);
         returns how many."""
@@ -217,6 +239,13 @@ class EngineClient:
                 queue = self._queues.get(out.rid)
                 if queue is not None:  # None: the caller left (aborted) already
                     queue.put_nowait(out)
+        elif isinstance(message, RequestChecked | RequestFailed) and message.rid in self._checks:
+            future = self._checks[message.rid]
+            if not future.done():
+                if isinstance(message, RequestChecked):
+                    future.set_result(None)
+                else:
+                    future.set_exception(EngineRequestError(message.error))
         elif isinstance(message, RequestFailed):
             queue = self._queues.get(message.rid)
             if queue is not None:
@@ -241,3 +270,6 @@ class EngineClient:
         for waiter in self._stats_waiters.values():
             if not waiter.done():
                 waiter.set_result(self.last_stats)
+        for future in self._checks.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))

@@ -3,7 +3,8 @@
 Sockets (the engine binds, the API process connects; ipc:// paths in a private temp dir):
 
 * ``input``  PULL  <- ``AddRequest`` / ``Abort`` / ``GetStats`` / ``Shutdown``
-* ``output`` PUSH  -> ``StepOutputs`` / ``RequestFailed`` / ``EngineStats`` / ``EngineFailed``
+* ``output`` PUSH  -> ``StepOutputs`` / ``RequestFailed`` / ``RequestChecked`` /
+  ``EngineStats`` / ``EngineFailed``
 
 The child loads the model and runs ``LLMEngine.warmup()`` before it reports ``Ready``, so
 the server is only reachable once the first request will be as fast as later ones.
@@ -30,6 +31,7 @@ from latentserve.server.messages import (
     EngineStats,
     GetStats,
     Ready,
+    RequestChecked,
     RequestFailed,
     Shutdown,
     StartupFailed,
@@ -160,7 +162,12 @@ class EngineLoop:
         """Apply one incoming message to the engine."""
         if isinstance(message, AddRequest):
             try:
-                self.engine.add_request(message.rid, message.prompt_token_ids, message.params)
+                if message.check_only:
+                    self.engine.check_request(message.prompt_token_ids, message.params)
+                    self.outbox.send(dumps(RequestChecked(message.rid)))
+                else:
+                    self.engine.add_request(message.rid, message.prompt_token_ids,
+                                            message.params)
             except Exception as exc:  # noqa: BLE001 - any rejection goes back to the caller
                 self.outbox.send(dumps(RequestFailed(message.rid, str(exc))))
         elif isinstance(message, Abort):

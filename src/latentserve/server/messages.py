@@ -19,11 +19,13 @@ from latentserve.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class AddRequest:
-    """Queue a request in the engine."""
+    """Queue a request in the engine; ``check_only``: run its checks alone
+    (``LLMEngine.check_request``), answered by ``RequestChecked`` or ``RequestFailed``."""
 
     rid: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    check_only: bool = False
 
 
 @dataclass(slots=True)
@@ -84,6 +86,13 @@ class RequestFailed:
     rid: str
     error: str
     internal: bool = False
+
+
+@dataclass(slots=True)
+class RequestChecked:
+    """Reply to an ``AddRequest`` with ``check_only``: the engine would accept it."""
+
+    rid: str
 
 
 @dataclass(slots=True)
