@@ -261,8 +261,9 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
     policy = policy.to(cfg.device)
     params = [p for p in model.parameters() if p.requires_grad] + list(policy.parameters())
     progress(f"train colar: {len(keep)} examples, {sum(p.numel() for p in params)} trainable "
-             f"parameters, {cfg.steps} steps of {cfg.batch_size}, r in "
-             f"1..{cfg.max_compression_factor}, embeds_std {ccfg.embeds_std:.5g}")
+             f"parameters, {cfg.steps} steps of {cfg.batch_size}, r from "
+             f"{list(cfg.train_factors or range(1, cfg.max_compression_factor + 1))}, "
+             f"embeds_std {ccfg.embeds_std:.5g}")
     model.train()
     policy.train()
     order = batches(len(keep), cfg.batch_size)
