@@ -9,10 +9,9 @@ import torch
 
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
-from latentserve.sampling_params import SamplingParams
 from latentserve.testing.latent_models import LATENT_KINDS, save_latent_tiny
 from latentserve.testing.latent_reference import reference_generate
-from latentserve.testing.parity import shared_prefix_prompts
+from latentserve.testing.parity import run_budget_batch, shared_prefix_prompts
 
 BUDGETS = (0, 1, 3, 6, 8)
 MAX_TOKENS = 10
@@ -39,44 +38,7 @@ def references(latent_dirs):
 
 
 def _run(engine, reqs, join_after: int | None = None):
-    """Drive ``engine`` over ``reqs``; returns per request (answer tokens, first-answer logits
-    row, num_cached_tokens). With ``join_after``, the second half joins after that many steps."""
-    runner, last = engine.runner, {}
-    original = runner.run
-
-    def recording_run(batch):
-        logits, hidden = original(batch)
-        last["reqs"] = [r.rid for r, s in zip(batch.reqs, batch.sample) if s]
-        last["logits"] = logits
-        return logits, hidden
-
-    base = engine._arrivals
-    rids = [f"q{base + i}" for i in range(len(reqs))]
-    todo = list(zip(rids, reqs))
-    first = todo if join_after is None else todo[: len(todo) // 2]
-    rest = [] if join_after is None else todo[len(todo) // 2:]
-    for rid, (prompt, budget) in first:
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                       latent_budget=budget))
-    tokens, logits, cached, steps = {r: [] for r in rids}, {}, {}, 0
-    runner.run = recording_run
-    try:
-        while engine.has_unfinished_requests() or rest:
-            if rest and steps == join_after:
-                for rid, (prompt, budget) in rest:
-                    engine.add_request(rid, prompt, SamplingParams(
-                        max_tokens=MAX_TOKENS, temperature=0.0, latent_budget=budget))
-                rest = []
-            last.clear()
-            for out in engine.step():
-                if out.new_token_ids and not tokens[out.rid]:
-                    logits[out.rid] = last["logits"][last["reqs"].index(out.rid)].float().cpu()
-                tokens[out.rid] += out.new_token_ids
-                cached[out.rid] = out.num_cached_tokens
-            steps += 1
-    finally:
-        runner.run = original
-    return [(tokens[r], logits[r], cached[r]) for r in rids]
+    return run_budget_batch(engine, reqs, MAX_TOKENS, join_after)
 
 
 def _assert_matches(kind, results, refs):

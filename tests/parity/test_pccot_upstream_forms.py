@@ -15,9 +15,8 @@ import torch
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.latent.loop_convert import convert_pccot
-from latentserve.sampling_params import SamplingParams
 from latentserve.testing.loop_reference import load_pccot_reference, reference_generate_loop
-from latentserve.testing.parity import shared_prefix_prompts
+from latentserve.testing.parity import run_budget_batch, shared_prefix_prompts
 
 # (base, embedding form, use_projection, base overrides)
 KINDS = {"gpt2-tokens": ("gpt2", "trainable_tokens", False, {}),
@@ -115,37 +114,6 @@ def _requests():
         [(prompts[0], b) for b in BUDGETS]
 
 
-def _serve(engine, reqs):
-    """``(answer ids, first-answer logits [vocab] float32, num_cached_tokens)`` per request,
-    all in one batch."""
-    runner, last = engine.runner, {}
-    original = runner.run
-
-    def recording_run(batch):
-        logits, hidden = original(batch)
-        last["rids"] = [r.rid for r, s in zip(batch.reqs, batch.sample) if s]
-        last["logits"] = logits
-        return logits, hidden
-
-    rids = [f"r{engine._arrivals + i}" for i in range(len(reqs))]
-    for rid, (prompt, budget) in zip(rids, reqs):
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                       latent_budget=budget))
-    tokens, logits, cached = {r: [] for r in rids}, {}, {}
-    runner.run = recording_run
-    try:
-        while engine.has_unfinished_requests():
-            last.clear()
-            for out in engine.step():
-                if out.new_token_ids and not tokens[out.rid]:
-                    logits[out.rid] = last["logits"][last["rids"].index(out.rid)].float().cpu()
-                tokens[out.rid] += out.new_token_ids
-                cached[out.rid] = out.num_cached_tokens
-    finally:
-        runner.run = original
-    return [(tokens[r], logits[r], cached[r]) for r in rids]
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_converted_upstream_adapter_serves_as_the_peft_model(kind, upstream):
     base, adapter, model = upstream[kind]
@@ -154,11 +122,12 @@ def test_converted_upstream_adapter_serves_as_the_peft_model(kind, upstream):
     expected = [reference_generate_loop(ref, p, b, MAX_TOKENS) for p, b in reqs]
     engine = LLMEngine(EngineConfig(model=str(model), device="cpu", dtype="float32"))
     for warm in (False, True):
-        for (ans, logits, _cached), (ref_ans, ref_logits) in zip(_serve(engine, reqs), expected):
+        served = run_budget_batch(engine, reqs, MAX_TOKENS)
+        for (ans, logits, _cached), (ref_ans, ref_logits) in zip(served, expected):
             assert ans == ref_ans
             torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
         if warm:
-            assert sum(c for _, _, c in _serve(engine, reqs[:1])) > 0
+            assert sum(c for _, _, c in run_budget_batch(engine, reqs[:1], MAX_TOKENS)) > 0
     engine.cache.check_idle()
 
 

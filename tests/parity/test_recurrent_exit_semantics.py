@@ -17,13 +17,8 @@ from test_recurrent_parity import MAX_TOKENS, PROMPTS, hist, run, sp
 from latentserve.config import EngineConfig
 from latentserve.latent.recurrent import cache_salt_key, resolve_exit_rule
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.recurrent_models import write_huginn, write_ouro
+from latentserve.testing.recurrent_models import HUGINN_EXITS, write_huginn, write_ouro
 from latentserve.testing.recurrent_reference import HuginnReference
-
-EXITS = [  # (depth, criterion, threshold, min_steps, check_every)
-    (8, "latent-diff", 0.2, 0, 1), (6, "kl", 0.01, 1, 1), (8, "entropy-diff", 0.05, 0, 2),
-    (8, "argmax-stability", 2, 0, 1), (5, "cosine", 0.01, 0, 1), (8, "minp-kl", 1e-3, 2, 1),
-]
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +45,13 @@ def engine(huginn_dir):
 
 def _expected(ref, semantics):
     return [ref.generate(p, MAX_TOKENS, d, c, t, m, e, semantics=s)
-            for p, (d, c, t, m, e), s in zip(PROMPTS, EXITS, semantics)]
+            for p, (d, c, t, m, e), s in zip(PROMPTS, HUGINN_EXITS, semantics)]
 
 
 def _params(semantics, **kw):
     return [sp(latent_budget=d, exit_criterion=c, exit_threshold=t, exit_min_steps=m,
                exit_check_every=e, exit_semantics=s, **kw)
-            for (d, c, t, m, e), s in zip(EXITS, semantics)]
+            for (d, c, t, m, e), s in zip(HUGINN_EXITS, semantics)]
 
 
 def check(results, references):
@@ -91,9 +86,9 @@ def test_upstream_prompt_exits_early_and_differs_from_engine(ref):
     """The two semantics are different computations on this checkpoint: upstream's prompt
     exits early (engine's runs the full depth), and later tokens see other K/V."""
     eng, up = _expected(ref, ["engine"] * 6), _expected(ref, ["upstream"] * 6)
-    for (d, *_), e, u in zip(EXITS, eng, up):
+    for (d, *_), e, u in zip(HUGINN_EXITS, eng, up):
         assert e["iterations"][0] == d
-    assert any(u["iterations"][0] < d for (d, *_), u in zip(EXITS, up))
+    assert any(u["iterations"][0] < d for (d, *_), u in zip(HUGINN_EXITS, up))
     assert any(e["tokens"] != u["tokens"] or e["iterations"] != u["iterations"]
                for e, u in zip(eng, up))
     # Without an exit rule the semantics coincide (nothing is skipped).
@@ -127,7 +122,7 @@ def test_upstream_prompt_block_under_a_small_prefill_budget_with_preemption(hugi
         for o in eng.step():
             toks[o.rid] += o.new_token_ids
     assert eng.scheduler.num_preemptions > 0
-    for r, p, (d, c, t, m, e) in zip(rids, prompts, EXITS):
+    for r, p, (d, c, t, m, e) in zip(rids, prompts, HUGINN_EXITS):
         assert toks[r] == ref.generate(p, MAX_TOKENS, d, c, t, m, e,
                                        semantics="upstream")["tokens"]
     assert eng.cache.num_free == eng.num_kv_slots

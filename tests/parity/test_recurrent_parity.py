@@ -13,13 +13,11 @@ import torch
 from latentserve.config import EngineConfig
 from latentserve.latent.recurrent import RecurrentBatch
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.recurrent_models import write_huginn, write_ouro
+from latentserve.testing.recurrent_models import HUGINN_EXITS, write_huginn, write_ouro
+from latentserve.testing.recurrent_models import RECURRENT_PROMPTS as PROMPTS
 from latentserve.testing.recurrent_reference import HuginnReference, OuroReference
 
 MAX_TOKENS = 8
-BASE = [(7 * i + 11) % 900 + 20 for i in range(24)]
-PROMPTS = [BASE + [100, 101], BASE + [200] * 5, BASE[:13], [5, 6, 7],
-           [(11 * i + 3) % 800 + 30 for i in range(19)], BASE + [300 + i for i in range(9)]]
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +112,6 @@ def test_huginn_mixed_depths_cold_and_warm(engines, refs):
     other = run(engine, [sp(latent_budget=5)])
     assert other[0][3] == 0
     check(other, [refs["huginn"].generate(PROMPTS[0], MAX_TOKENS, 5)])
-
-
-HUGINN_EXITS = [  # (depth, criterion, threshold, min_steps, check_every)
-    (8, "latent-diff", 0.2, 0, 1), (6, "kl", 0.01, 1, 1), (8, "entropy-diff", 0.05, 0, 2),
-    (8, "argmax-stability", 2, 0, 1), (5, "cosine", 0.01, 0, 1), (8, "minp-kl", 1e-3, 2, 1),
-]
 
 
 def test_huginn_early_exit_matches_reference_and_saves_iterations(engines, refs):

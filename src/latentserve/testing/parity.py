@@ -1,6 +1,7 @@
 """Parity helpers shared by the CPU and GPU tests: run an engine over a batch and record, per
-request, the greedy tokens, the logits the first token was sampled from (the prefill logits)
-and the prompt tokens served from cache; and the HF transformers reference for one prompt."""
+request, the greedy tokens, the logits the first token was sampled from (the prefill logits;
+for a latent model, ``run_budget_batch``: the first answer token's) and the prompt tokens
+served from cache; and the HF transformers reference for one prompt."""
 from latentserve.sampling_params import SamplingParams
 
 
@@ -30,6 +31,51 @@ def run_batch(engine, prompts, max_tokens, **params):
     finally:
         runner.run = original
     return ([tokens[r] for r in rids], [first_logits[r] for r in rids], [cached[r] for r in rids])
+
+
+def run_budget_batch(engine, reqs, max_tokens: int, join_after: int | None = None):
+    """Run ``reqs``, ``[(prompt ids, latent_budget)]``, greedy, queued at once, on an engine
+    that steps synchronously (a latent model's steps never overlap). Returns per request
+    ``(answer ids, first-answer logits [vocab] float32 on the CPU, num_cached_tokens)``: the
+    logits row of the step that returned the request's first answer token (its latent steps
+    sample rows too). With ``join_after``, the second half of ``reqs`` is queued after that
+    many steps."""
+    runner, last = engine.runner, {}
+    original = runner.run
+
+    def recording_run(batch, *args, **kwargs):
+        logits, hidden = original(batch, *args, **kwargs)
+        last["rids"] = [r.rid for r, s in zip(batch.reqs, batch.sample) if s]
+        last["logits"] = logits
+        return logits, hidden
+
+    def add(todo):
+        for rid, (prompt, budget) in todo:
+            engine.add_request(rid, prompt, SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, latent_budget=budget))
+
+    rids = [f"q{engine._arrivals + i}" for i in range(len(reqs))]
+    todo = list(zip(rids, reqs))
+    split = len(todo) if join_after is None else len(todo) // 2
+    add(todo[:split])
+    rest = todo[split:]
+    tokens, logits, cached, steps = {r: [] for r in rids}, {}, {}, 0
+    runner.run = recording_run
+    try:
+        while engine.has_unfinished_requests() or rest:
+            if rest and steps == join_after:
+                add(rest)
+                rest = []
+            last.clear()
+            for out in engine.step():
+                if out.new_token_ids and not tokens[out.rid]:
+                    logits[out.rid] = last["logits"][last["rids"].index(out.rid)].float().cpu()
+                tokens[out.rid] += out.new_token_ids
+                cached[out.rid] = out.num_cached_tokens
+            steps += 1
+    finally:
+        runner.run = original
+    return [(tokens[r], logits[r], cached[r]) for r in rids]
 
 
 def hf_reference(model, prompt, max_tokens):

@@ -32,6 +32,18 @@ OURO_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2
                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024,
                  "max_position_embeddings": 256, "total_ut_steps": 4, "max_recurrence": 6}
 
+# Requests the CPU and GPU recurrent tests share (ids < 1024, the tiny vocab): six prompts of
+# 3 to 33 tokens, four of them sharing a prefix (three its 24 tokens, one its first 13), and
+# one Huginn exit rule per prompt, ``(depth, criterion, threshold, min_steps, check_every)``.
+_PREFIX = [(7 * i + 11) % 900 + 20 for i in range(24)]
+RECURRENT_PROMPTS = [_PREFIX + [100, 101], _PREFIX + [200] * 5, _PREFIX[:13], [5, 6, 7],
+                     [(11 * i + 3) % 800 + 30 for i in range(19)],
+                     _PREFIX + [300 + i for i in range(9)]]
+HUGINN_EXITS = [
+    (8, "latent-diff", 0.2, 0, 1), (6, "kl", 0.01, 1, 1), (8, "entropy-diff", 0.05, 0, 2),
+    (8, "argmax-stability", 2, 0, 1), (5, "cosine", 0.01, 0, 1), (8, "minp-kl", 1e-3, 2, 1),
+]
+
 
 def _rand(g, shape, std):
     import torch
