@@ -8,6 +8,7 @@ Huginn's early exit. The TP=1 engines are
 themselves checked against eager references in the other parity tests.
 """
 
+import dataclasses
 import os
 import subprocess
 
@@ -103,15 +104,20 @@ def test_huginn_tp2_matches_tp1_with_depths_and_early_exit(tmp_path):
         exits = [(8, "latent-diff", 0.2), (6, "kl", 0.01), (8, "entropy-diff", 0.05),
                  (8, "argmax-stability", 2), (2, None, None), (4, None, None)]
         prompts = [[(7 * i + 11 * j) % 900 + 20 for i in range(5 + 4 * j)] for j in range(6)]
-        # return_latent_trace (the recurrence stats over HTTP) is accepted under TP.
+        # return_latent_trace (the recurrence stats over HTTP) is accepted under TP, and
+        # both exit semantics (upstream's masks skipped steps' keys on every rank).
+        semantics = ["engine", "upstream", "upstream", "engine", None, None]
         reqs = [(p, _greedy(latent_budget=d, exit_criterion=c, exit_threshold=t,
-                            return_latent_trace=True))
-                for p, (d, c, t) in zip(prompts, exits)]
+                            return_latent_trace=True, exit_semantics=s))
+                for p, (d, c, t), s in zip(prompts, exits, semantics)]
         a, b = run_requests(one, reqs), run_requests(two, reqs)
         assert_same(a, b)
         assert [o.recurrence for *_, o in b] == [o.recurrence for *_, o in a]
         assert any(min(o.recurrence["histogram"]) < d for (*_, o), (d, *_) in zip(b, exits)), \
             "some request exits early"
+        engine_only = [(p, dataclasses.replace(sp, exit_semantics="engine")) for p, sp in reqs]
+        assert [o.recurrence for *_, o in run_requests(one, engine_only)] != \
+            [o.recurrence for *_, o in a], "the upstream semantics change the depths here"
     finally:
         two.shutdown()
 
