@@ -65,7 +65,7 @@ def test_host_bench_times_latent_and_plain_steps():
             assert res["latent_kind"] == kind and res["batch"] == 4
             for part in ("latent", "plain"):
                 assert res[part]["steps"] == 5 and res[part]["step_us"] > 0
-                assert res[part]["run_us"] > 0 and res[part]["_latent_inputs_us"] > 0
+                assert res[part]["run_us"] > 0 and res[part]["latent_inputs_us"] > 0
         plain = run_host_bench(batch=4, steps=6, prompt_len=8)
         assert plain["steps"] == 5 and plain["postprocess_us"] > 0
     finally:

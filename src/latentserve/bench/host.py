@@ -118,8 +118,8 @@ def _time_steps(engine, params, batch: int, steps: int, prompt_len: int, tag: st
     runner = engine.runner
     parts: dict = {}
     originals = [(obj, name, time_calls(obj, name, parts)) for obj, name in (
-        (sched, "schedule"), (runner, "run"), (engine, "_sample"), (engine, "_latent_inputs"),
-        (sched, "postprocess"))]
+        (sched, "schedule"), (runner, "run"), (engine, "_sample"),
+        (engine.family, "latent_inputs"), (sched, "postprocess"))]
     total = []
     try:
         for _ in range(steps):

@@ -89,12 +89,14 @@ class LLMEngine:
         radix = RadixCache(allocator, enabled=config.enable_prefix_caching)
         self.cache = CacheManager(allocator, radix, table)
         self.eos_ids = _eos_ids(model_dir, self.tokenizer, hf_config)
+        from latentserve.latent.family import family_for
         from latentserve.latent.spec import cap_budget
 
         spec, cap = getattr(model, "latent_spec", None), config.max_latent_budget
+        family = family_for(spec)
         if cap is not None and config.latent_cap_where_applicable:
-            budgeted = spec is not None and spec.kind in ("feedback", "recurrent", "loop")
-            cap = min(max(cap, spec.min_budget, 1), spec.max_budget) if budgeted else None
+            cap = (min(max(cap, spec.min_budget, 1), spec.max_budget) if family.budgeted
+                   else None)
         self.latent_spec = cap_budget(spec, cap)
         self.upstream_stop_rules = config.upstream_stop_rules  # requests' default
         if self.upstream_stop_rules and not _upstream_eos_from(self.latent_spec):
@@ -115,12 +117,8 @@ class LLMEngine:
             from latentserve.engine.tp_worker import TPModelRunner
 
             self.runner = TPModelRunner(*runner_args, self.tp)
-        self.head_defaults = None
-        if self.latent_spec is not None and self.latent_spec.kind == "head":
-            from latentserve.latent.head import head_defaults
-
-            self.head_defaults = head_defaults()  # env, read once; ValueError if malformed
-            self.runner.set_capture(model.latent_head.capture_layer)  # -1: final-normed hidden
+        self.family = family(self.latent_spec, self)  # the one interface to latent reasoning
+        self.family.setup()
         graph_bs = min(config.max_num_seqs, 256) if (
             self.device.type == "cuda" and config.backend_name == "triton"
             and not config.enforce_eager) else 0
@@ -151,29 +149,16 @@ class LLMEngine:
         token id outside the vocabulary, a prompt the KV pool cannot hold, a latent_budget
         above the model's cap, or a duplicate ``rid``.
 
-        For a model with a ``LatentSpec`` the spec's start ids are appended to the prompt and
-        the request runs ``latent_budget`` latent steps (None = the model's default) before
-        the transition tokens and the answer; for a looped-block model (``kind == "loop"``,
-        ``latent/loop.py``) ``latent_budget`` is the number of passes over the block after
-        the first. For a recurrent-depth model (``kind ==
-        "recurrent"``) ``latent_budget`` is the recurrence count of every token, the
-        ``exit_*`` fields its early-exit rule (ValueError when the family does not know them),
-        and nothing is added to the prompt. For a compression-head model (``kind == "head"``)
-        the head controls are resolved against the server defaults
-        (``latent.head_loop.prepare_request``; a CoLaR model, ``latent/colar_head.py``,
-        against its ``colar_config.json``, and its thinking speed's ids are appended); on a
-        model without a head they are ignored (a chat client may send ``enable_thinking``),
-        and the final output then carries no ``latent_stats``, but CoLaR's
-        ``compression_factor`` and ``latent_temperature`` are a ValueError there.
-        ``upstream_stop_rules`` (None: the engine's default, ``config.upstream_stop_rules``)
-        sets the request's EOS rule to the family's ``LatentSpec.upstream_eos_from``; True
-        on a family without one (``upstream_eos_from == 0``: CODI, LOTUS, recurrent depth,
-        compression heads, plain models) is a ValueError naming the field.
-        ``exit_semantics`` (None: ``config.exit_semantics``) picks Huginn's exit semantics;
-        ``"upstream"`` with an exit criterion is a ValueError naming it on an attention
-        backend that cannot mask keys per slot (``triton``) or for a prompt longer than
-        ``max_num_batched_tokens`` (the prompt must run as one block); the field on a
-        non-recurrent model is a ValueError too."""
+        The served model's family (``self.family``, ``latent/family.py``) admits the request
+        first: it resolves the latent fields (``latent_budget``: latent steps, block passes
+        or recurrences; a head's controls; a recurrent model's ``exit_*`` fields and
+        ``exit_semantics``, None = ``config.exit_semantics``) and says what it adds to the
+        prompt; each family's module documents its rules and refusals. Fields a family does
+        not take are a ValueError naming them (a head's ``enable_thinking``-style controls
+        on a model without a head are ignored, as a chat client may send them).
+        ``upstream_stop_rules`` (None: ``config.upstream_stop_rules``) sets the request's
+        EOS rule to ``LatentSpec.upstream_eos_from``; True on a family without one is a
+        ValueError naming the field."""
         if rid in self._rids:
             raise ValueError(f"request id {rid!r} is already running")
         req = self._prepare(rid, prompt_token_ids, params)
@@ -197,36 +182,16 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
-        spec, budget, extra, rule = self.latent_spec, 0, 0, None
-        recurrent = spec is not None and spec.kind == "recurrent"
-        head = spec is not None and spec.kind == "head"
-        looped = spec is not None and spec.kind == "loop"
-        if head:
-            from latentserve.latent import head_loop
-
-            params, hs, start = head_loop.prepare_request(
-                self.runner.model, spec, self.head_defaults, prompt_token_ids, params)
-            extra = len(start) + (len(hs.end_ids) if hs.thinking else 0)
-        elif spec is not None:
-            budget = spec.resolve_budget(params.latent_budget)
-            if recurrent:
-                from latentserve.latent.recurrent import resolve_exit_rule
-
-                rule = resolve_exit_rule(spec, params, self.exit_semantics)
-                if rule is not None and rule.prompt_exits:
-                    self._check_upstream_exit(n)
-            else:
-                extra = spec.prompt_extra(budget)
-        elif params.latent_budget:
-            raise ValueError("latent_budget must be 0 or null: this model does no latent "
-                             "reasoning")
-        if not head:
+        spec, family = self.latent_spec, self.family
+        admission = family.admit(prompt_token_ids, params)
+        params, extra = admission.params, admission.extra
+        if not family.takes_head_controls:
             sent = [name for name in ("compression_factor", "latent_temperature")
                     if getattr(params, name) is not None]
             if sent:
                 raise ValueError(f"{sent[0]} needs a CoLaR model (a directory with "
                                  "colar_config.json)")
-        if not recurrent:
+        if not family.takes_exit_fields:
             sent = [name for name, unset in (("exit_criterion", None), ("exit_threshold", None),
                                              ("exit_min_steps", 0), ("exit_check_every", 1))
                     if getattr(params, name) != unset]
@@ -237,15 +202,12 @@ class LLMEngine:
             raise ValueError(_no_upstream_rule(spec))
         upstream = (self.upstream_stop_rules if params.upstream_stop_rules is None
                     else params.upstream_stop_rules)
-        kind = None if spec is None else spec.kind
-        what = {None: "a model without latent reasoning", "head": "a compression-head model",
-                "loop": "a looped-block model", "recurrent": "a recurrent-depth model"}
-        if params.return_latent_trace and kind not in ("feedback", "recurrent"):
+        if params.return_latent_trace and not family.traced:
             raise ValueError("return_latent_trace needs a feedback-latent or recurrent-depth "
-                             f"model, not {what[kind]} (it would silently do nothing)")
-        if params.stream_latent_steps and kind not in ("feedback", "head", "loop"):
+                             f"model, not {family.description} (it would silently do nothing)")
+        if params.stream_latent_steps and not family.streams_steps:
             raise ValueError("stream_latent_steps needs a model with latent steps, not "
-                             f"{what[kind]} (it would silently do nothing)")
+                             f"{family.description} (it would silently do nothing)")
         if n + extra >= self.max_model_len:
             what = f"prompt has {n} tokens" + (f" (+{extra} latent and transition)" if extra
                                                else "")
@@ -256,49 +218,14 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[0]}")
-        # NOTE: a recurrent model's trace (recurrence stats, per-token depth and readout)
-        # is kept on rank 0 under TP too; only the feedback logit lens would need a
-        # collective the workers never reach.
-        if self.tp is not None and params.return_latent_trace and kind == "feedback":
-            raise ValueError("return_latent_trace is not supported with "
-                             "tensor_parallel_size > 1 on feedback-latent models")
         if self.tp is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs (echo with logprobs) is not supported with "
                              "tensor_parallel_size > 1")
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals,
                   eos_from=_upstream_eos_from(spec) if upstream else 0)
-        if head:
-            req.head = hs
-            req.prompt_ids += start
-            if hs.thinking:
-                req.latent_start, req.answer_start = len(req.prompt_ids), None
-        elif recurrent:  # no phase machine: answer_start stays 0
-            from latentserve.latent.recurrent import cache_salt_key, salt_of
-
-            req.latent_budget, req.exit_rule = budget, rule
-            req.cache_salt = salt_of(cache_salt_key(budget, rule))
-        elif looped:
-            from latentserve.latent.loop import start_request
-
-            start_request(req, spec, budget)
-        elif spec is not None:
-            req.prompt_ids += spec.start_ids
-            req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
-            req.answer_start = None
+        if admission.start is not None:
+            admission.start(req)
         return req
-
-    def _check_upstream_exit(self, n: int) -> None:
-        """Refuse (ValueError naming ``exit_semantics``) an upstream-semantics exit rule the
-        engine cannot run exactly: on an attention backend without ``supports_key_mask``,
-        or a prompt of ``n`` tokens above ``max_num_batched_tokens`` (its one exit block)."""
-        if not self.key_mask_ok:
-            raise ValueError(f"exit_semantics 'upstream' needs the torch attention backend "
-                             f"(it masks skipped steps per position); this server runs "
-                             f"{self.backend_name!r}: use exit_semantics 'engine'")
-        if n > self.max_num_batched_tokens:
-            raise ValueError(f"exit_semantics 'upstream' runs the prompt as one exit block, but "
-                             f"it has {n} tokens and max_num_batched_tokens is "
-                             f"{self.max_num_batched_tokens}")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (no-op at TP 1;
@@ -358,21 +285,17 @@ class LLMEngine:
             logits, last_hidden = self.runner.run(batch)
             if self.runner.prompt_hidden:
                 self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
-            if self.latent_spec is not None and self.latent_spec.kind == "loop":
-                from latentserve.latent.loop import after_forward
-
-                after_forward(self.runner.model, self.cache.table.table, batch,
-                              self.runner.last_hidden_all)
+            self.family.after_forward(batch)
             if self.latent_spec is not None and self.latent_spec.suppress_ids:
                 ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
                 logits = logits.index_fill(1, ids, float("-inf"))
             sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
             if self.runner.replayed and self._latent_graph and any(
-                    map(self._thinking, sampling_reqs)):
+                    map(self.family.thinking, sampling_reqs)):
                 self.runner.latent_outputs()  # queued now, it runs while the host samples
             # None for a latent model, whose ids were masked above (its graphs return none)
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy)
-            latents = self._latent_inputs(sampling_reqs, logits, last_hidden, tokens)
+            latents = self.family.latent_inputs(sampling_reqs, logits, last_hidden, tokens)
             outs = self.scheduler.postprocess(batch, tokens, latents)
             by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}
             if by_rid:
@@ -518,14 +441,6 @@ class LLMEngine:
         self.cache.radix.reset()  # the next warm-up prompt must not hit this one's prefix
         return True
 
-    def _thinking(self, req) -> bool:
-        """Whether ``req``'s next input is a latent vector (feedback or head latent phase)."""
-        if req.answer_start is not None:
-            return False
-        if self.latent_spec is not None and self.latent_spec.kind == "head":
-            return req.head is not None
-        return len(req.latent_embeds) < req.latent_budget
-
     @property
     def _latent_graph(self) -> bool:
         """The decode graphs have a latent graph (closed-loop head or CODI's prj) whose
@@ -534,57 +449,6 @@ class LLMEngine:
         if g is None or (g.head is None and g.feedback is None):
             return False
         return g.head is None or getattr(g.head, "policy_sigma", None) is None
-
-    def _latent_inputs(self, reqs, logits, last_hidden, tokens=None) -> list | None:
-        """Next latent input for each sampling row still in its latent phase, None elsewhere:
-        a ``(tensor, row)`` entry (``latent/vectors.py``; ``tensor[row]`` is the ``[hidden]``
-        vector in the model dtype, one tensor for the step's rows, no per-row views); the
-        feedback hook runs once, batched. Records the latent trace (norm, logit-lens top 5)
-        for requests that asked for it. Compression-head models:
-        ``latent.head_loop.next_inputs`` on the captured layer, or on the final-normed
-        ``last_hidden`` for a head that captures none (CoLaR), with the step's ``tokens``."""
-        if self.latent_spec is not None and self.latent_spec.kind == "head":
-            from latentserve.latent.head_loop import next_inputs
-
-            runner = self.runner
-            anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
-            return next_inputs(runner.model.latent_head, reqs, anchors, runner.latent_outputs,
-                               tokens)
-        if self.latent_spec is not None and self.latent_spec.kind == "loop":
-            return None  # latent.loop.after_forward already prepared the next passes
-        rows = [i for i, r in enumerate(reqs) if self._thinking(r)]
-        if not rows:
-            return None
-        model = self.runner.model
-        every = len(rows) == len(reqs)  # every row thinks (the common latent decode batch)
-        with torch.inference_mode():
-            # CODI's prj after a replay: the decode graph's latent graph (static buffer)
-            pre = self.runner.latent_outputs()
-            src = last_hidden if pre is None else pre
-            if every:
-                vecs = src if pre is not None else model.latent_feedback(last_hidden)
-                if self.runner.replayed and (vecs.untyped_storage().data_ptr()
-                                             == src.untyped_storage().data_ptr()):
-                    vecs = vecs.clone()  # a graph's static output (COCONUT: the identity)
-            else:
-                idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
-                vecs = src[idx] if pre is not None else model.latent_feedback(last_hidden[idx])
-        traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
-        if traced:
-            with torch.inference_mode():
-                lens = model.compute_logits(vecs[torch.tensor(traced, device=vecs.device)])
-            top = lens.topk(5, dim=-1)
-            for k, j in enumerate(traced):
-                reqs[rows[j]].latent_trace.append({
-                    "norm": float(vecs[j].float().norm()),
-                    "top_tokens": [[int(t), float(v)] for t, v in
-                                   zip(top.indices[k].tolist(), top.values[k].tolist())]})
-        if every:
-            return [(vecs, j) for j in range(len(rows))]
-        out: list = [None] * len(reqs)
-        for j, i in enumerate(rows):
-            out[i] = (vecs, j)
-        return out
 
 
 def _upstream_eos_from(spec) -> int:

@@ -85,7 +85,7 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
     elif head:
         from latentserve.train.traces import colar_prompt_ids
 
-        cap = max_latent if max_latent is not None else llm.engine.head_defaults["max_latent"]
+        cap = max_latent if max_latent is not None else llm.engine.family.defaults["max_latent"]
         extra = {"max_latent": cap, "min_output_tokens": 0, **head_controls}
         max_tokens += cap + len(llm.engine.latent_spec.end_ids)  # latent steps count too
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)

@@ -22,6 +22,7 @@ import dataclasses
 import torch
 
 from latentserve.core import Req
+from latentserve.latent.family import Admission, Family
 
 
 def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
@@ -218,3 +219,43 @@ def budget_spent(req: Req, max_model_len: int) -> str | None:
     if spent or req.seq_len + closing >= max_model_len:
         return "length"
     return None
+
+
+class HeadFamily(Family):
+    """The engine's :class:`~latentserve.latent.family.Family` for compression-head models
+    (``LatentSpec.kind == "head"``): controls resolved by :func:`prepare_request` against the
+    server defaults (``latent.head.head_defaults``, read once at start-up; ValueError if
+    malformed), latent inputs by :func:`next_inputs`."""
+
+    streams_steps = True
+    takes_head_controls = True
+    description = "a compression-head model"
+
+    def setup(self) -> None:
+        from latentserve.latent.head import head_defaults
+
+        self.defaults = head_defaults()
+        runner = self.engine.runner
+        runner.set_capture(runner.model.latent_head.capture_layer)  # -1: final-normed hidden
+
+    def admit(self, prompt_ids, params) -> Admission:
+        params, hs, start_ids = prepare_request(self.engine.runner.model, self.spec,
+                                                self.defaults, prompt_ids, params)
+
+        def start(req: Req) -> None:
+            req.head = hs
+            req.prompt_ids += start_ids
+            if hs.thinking:
+                req.latent_start, req.answer_start = len(req.prompt_ids), None
+
+        return Admission(params, len(start_ids) + (len(hs.end_ids) if hs.thinking else 0),
+                         start)
+
+    def thinking(self, req: Req) -> bool:
+        return req.answer_start is None and req.head is not None
+
+    def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
+        runner = self.engine.runner
+        anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
+        return next_inputs(runner.model.latent_head, reqs, anchors, runner.latent_outputs,
+                           tokens)

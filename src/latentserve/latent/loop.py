@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from latentserve.core import Req
+from latentserve.latent.family import Admission, Family
 from latentserve.latent.vectors import as_rows
 
 
@@ -189,3 +190,28 @@ def on_preempt(req: Req) -> None:
     """A preempted looped request loses its slots: the recomputed prefill records new ones."""
     if req.loop is not None:
         req.loop.slots = None
+
+
+class LoopFamily(Family):
+    """The engine's :class:`~latentserve.latent.family.Family` for looped-block models
+    (``LatentSpec.kind == "loop"``): ``latent_budget`` is the number of passes over the
+    block after the first (:func:`start_request`); after each forward :func:`after_forward`
+    lays out the next pass's inputs, so there are no per-step latent inputs."""
+
+    budgeted = True
+    streams_steps = True
+    description = "a looped-block model"
+
+    def admit(self, prompt_ids, params) -> Admission:
+        spec = self.spec
+        budget = spec.resolve_budget(params.latent_budget)
+        return Admission(params, spec.prompt_extra(budget),
+                         lambda req: start_request(req, spec, budget))
+
+    def thinking(self, req: Req) -> bool:
+        return req.answer_start is None and len(req.latent_embeds) < req.latent_budget
+
+    def after_forward(self, batch) -> None:
+        runner = self.engine.runner
+        after_forward(runner.model, self.engine.cache.table.table, batch,
+                      runner.last_hidden_all)

@@ -46,6 +46,9 @@ from typing import Any
 
 import torch
 
+from latentserve.core import Req
+from latentserve.latent.family import Admission, Family
+
 # Huginn exit criteria and their "auto" thresholds (upstream raven_modeling_minimal.py,
 # get_adaptive_exit_evaluator). "none" never exits.
 HUGINN_AUTO_THRESHOLDS = {"entropy-diff": 1e-3, "latent-diff": 0.03, "kl": 1e-3,
@@ -448,3 +451,42 @@ def recurrence_stats(iters: list[int]) -> dict:
     mean = sum(iters) / len(iters) if iters else math.nan
     return {"tokens": len(iters), "mean_iterations": mean,
             "histogram": dict(sorted(hist.items()))}
+
+
+class RecurrentFamily(Family):
+    """The engine's :class:`~latentserve.latent.family.Family` for recurrent-depth models
+    (``LatentSpec.kind == "recurrent"``): ``latent_budget`` is every token's recurrence
+    count, the ``exit_*`` fields its exit rule (:func:`resolve_exit_rule`, the engine's
+    ``exit_semantics`` as the default); nothing is added to the prompt and there are no
+    latent inputs (the recurrence runs inside ``model.forward``)."""
+
+    budgeted = True
+    traced = True
+    takes_exit_fields = True
+    description = "a recurrent-depth model"
+
+    def admit(self, prompt_ids, params) -> Admission:
+        budget = self.spec.resolve_budget(params.latent_budget)
+        rule = resolve_exit_rule(self.spec, params, self.engine.exit_semantics)
+        if rule is not None and rule.prompt_exits:
+            self._check_upstream_exit(len(prompt_ids))
+
+        def start(req: Req) -> None:  # no phase machine: answer_start stays 0
+            req.latent_budget, req.exit_rule = budget, rule
+            req.cache_salt = salt_of(cache_salt_key(budget, rule))
+
+        return Admission(params, 0, start)
+
+    def _check_upstream_exit(self, n: int) -> None:
+        """Refuse (ValueError naming ``exit_semantics``) an upstream-semantics exit rule the
+        engine cannot run exactly: on an attention backend without ``supports_key_mask``,
+        or a prompt of ``n`` tokens above ``max_num_batched_tokens`` (its one exit block)."""
+        engine = self.engine
+        if not engine.key_mask_ok:
+            raise ValueError(f"exit_semantics 'upstream' needs the torch attention backend "
+                             f"(it masks skipped steps per position); this server runs "
+                             f"{engine.backend_name!r}: use exit_semantics 'engine'")
+        if n > engine.max_num_batched_tokens:
+            raise ValueError(f"exit_semantics 'upstream' runs the prompt as one exit block, but "
+                             f"it has {n} tokens and max_num_batched_tokens is "
+                             f"{engine.max_num_batched_tokens}")

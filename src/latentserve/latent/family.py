@@ -1,0 +1,96 @@
+"""The engine's one interface to a model's latent reasoning: :class:`Family`.
+
+``LLMEngine`` holds one ``Family`` (``family_for(spec)(spec, engine)``) and calls only its
+hooks; it never branches on the kind of model. This base class is a plain model (no latent
+reasoning). Each kind has its subclass in its own module, registered in ``FAMILIES``:
+
+* ``"feedback"`` (COCONUT, CODI, SIM-CoT): ``latent/feedback_loop.py``;
+* ``"head"`` (compression heads, CoLaR): ``latent/head_loop.py``;
+* ``"loop"`` (PCCoT, LOTUS): ``latent/loop.py``;
+* ``"recurrent"`` (Huginn, Ouro): ``latent/recurrent.py``.
+
+Adding a family is a subclass in its module and one line in ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from latentserve.core import Req
+from latentserve.sampling_params import SamplingParams
+
+# LatentSpec.kind -> "module:class" of its Family (imported on first use).
+FAMILIES = {
+    "feedback": "latentserve.latent.feedback_loop:FeedbackFamily",
+    "head": "latentserve.latent.head_loop:HeadFamily",
+    "loop": "latentserve.latent.loop:LoopFamily",
+    "recurrent": "latentserve.latent.recurrent:RecurrentFamily",
+}
+
+
+@dataclass(slots=True)
+class Admission:
+    """What :meth:`Family.admit` decides for one request: its (possibly adjusted) params,
+    the KV positions the family adds before the answer (``extra``: start, latent and
+    transition ids), and ``start(req)``, which makes a fresh ``Req`` of the prompt a request
+    of the family (None: nothing to do)."""
+
+    params: SamplingParams
+    extra: int = 0
+    start: Callable[[Req], None] | None = None
+
+
+class Family:
+    """A plain model: no latent phase, no latent budget.
+
+    Class attributes (what the engine's generic checks ask): ``budgeted`` (``latent_budget``
+    applies and ``--max-latent-budget`` caps it), ``traced`` (``return_latent_trace`` has
+    something to return), ``streams_steps`` (``stream_latent_steps`` has steps to stream),
+    ``takes_exit_fields`` (the ``exit_*`` fields), ``takes_head_controls`` (CoLaR's
+    ``compression_factor`` / ``latent_temperature``), ``description`` (for error messages).
+    """
+
+    budgeted = False
+    traced = False
+    streams_steps = False
+    takes_exit_fields = False
+    takes_head_controls = False
+    description = "a model without latent reasoning"
+
+    def __init__(self, spec, engine):
+        self.spec = spec
+        self.engine = engine
+
+    def setup(self) -> None:
+        """Once, after the engine's model runner exists (e.g. the layer a head reads)."""
+
+    def admit(self, prompt_ids: list[int], params: SamplingParams) -> Admission:
+        """Resolve ``params`` for this family without changing any state. Raises ValueError
+        naming the field for a request the family cannot run."""
+        if params.latent_budget:
+            raise ValueError("latent_budget must be 0 or null: this model does no latent "
+                             "reasoning")
+        return Admission(params)
+
+    def thinking(self, req: Req) -> bool:
+        """Whether ``req``'s next input is a latent vector."""
+        return False
+
+    def after_forward(self, batch) -> None:
+        """After every forward, before sampling (a looped block prepares its next pass)."""
+
+    def latent_inputs(self, reqs: list[Req], logits, last_hidden, tokens: list[int]
+                      ) -> list | None:
+        """The next latent input of each sampling row of ``reqs`` (``(tensor, row)``, see
+        ``latent/vectors.py``) or None per row; None when no row has one."""
+        return None
+
+
+def family_for(spec) -> type[Family]:
+    """The ``Family`` class of a ``LatentSpec`` (None: a plain model)."""
+    if spec is None:
+        return Family
+    module, name = FAMILIES[spec.kind].split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,78 @@
+"""Feedback latents at serving time (COCONUT, CODI, SIM-CoT): the engine's
+:class:`~latentserve.latent.family.Family` for ``LatentSpec.kind == "feedback"``.
+
+A request's prompt gets the spec's start ids; then each of its ``latent_budget`` latent steps
+feeds the last hidden state (CODI: through its ``prj``, ``model.latent_feedback``) back as
+the next input embedding; then the end ids are forced and the answer decoded
+(``scheduler.Scheduler`` runs the phases). Sources: COCONUT arXiv 2412.06769
+(facebookresearch/coconut ``coconut.py``), CODI arXiv 2502.21074 (zhenyi4/codi ``test.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from latentserve.core import Req
+from latentserve.latent.family import Admission, Family
+
+
+class FeedbackFamily(Family):
+    budgeted = True
+    traced = True
+    streams_steps = True
+    description = "a feedback-latent model"
+
+    def admit(self, prompt_ids, params) -> Admission:
+        if self.engine.tp is not None and params.return_latent_trace:
+            raise ValueError("return_latent_trace is not supported with "
+                             "tensor_parallel_size > 1 on feedback-latent models")
+        spec = self.spec
+        budget = spec.resolve_budget(params.latent_budget)
+
+        def start(req: Req) -> None:
+            req.prompt_ids += spec.start_ids
+            req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
+            req.answer_start = None
+
+        return Admission(params, spec.prompt_extra(budget), start)
+
+    def thinking(self, req: Req) -> bool:
+        return req.answer_start is None and len(req.latent_embeds) < req.latent_budget
+
+    def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
+        """The feedback hook runs once, batched, on the thinking rows (after a graph replay
+        CODI's ``prj`` has already run in the decode graph's latent graph). Records the
+        latent trace (norm, logit-lens top 5) of requests that asked for it."""
+        rows = [i for i, r in enumerate(reqs) if self.thinking(r)]
+        if not rows:
+            return None
+        runner = self.engine.runner
+        model = runner.model
+        every = len(rows) == len(reqs)  # every row thinks (the common latent decode batch)
+        with torch.inference_mode():
+            pre = runner.latent_outputs()  # CODI's prj after a replay (a static buffer)
+            src = last_hidden if pre is None else pre
+            if every:
+                vecs = src if pre is not None else model.latent_feedback(last_hidden)
+                if runner.replayed and (vecs.untyped_storage().data_ptr()
+                                        == src.untyped_storage().data_ptr()):
+                    vecs = vecs.clone()  # a graph's static output (COCONUT: the identity)
+            else:
+                idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
+                vecs = src[idx] if pre is not None else model.latent_feedback(last_hidden[idx])
+        traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
+        if traced:
+            with torch.inference_mode():
+                lens = model.compute_logits(vecs[torch.tensor(traced, device=vecs.device)])
+            top = lens.topk(5, dim=-1)
+            for k, j in enumerate(traced):
+                reqs[rows[j]].latent_trace.append({
+                    "norm": float(vecs[j].float().norm()),
+                    "top_tokens": [[int(t), float(v)] for t, v in
+                                   zip(top.indices[k].tolist(), top.values[k].tolist())]})
+        if every:
+            return [(vecs, j) for j in range(len(rows))]
+        out: list = [None] * len(reqs)
+        for j, i in enumerate(rows):
+            out[i] = (vecs, j)
+        return out
