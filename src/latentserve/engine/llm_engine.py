@@ -103,9 +103,10 @@ class LLMEngine:
             if not config.latent_cap_where_applicable:
                 raise ValueError(_no_upstream_rule(self.latent_spec))
             self.upstream_stop_rules = False  # a multi-model server: where it applies
+        self.family = family(self.latent_spec, self)  # the one interface to latent reasoning
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
-                                   self.eos_ids, self.latent_spec)
+                                   self.eos_ids, self.family)
         backend = make_backend(config.backend_name, config.attention_num_kv_splits)
         self.exit_semantics = config.exit_semantics  # requests' default (Huginn)
         self.backend_name, self.key_mask_ok = config.backend_name, backend.supports_key_mask
@@ -117,7 +118,6 @@ class LLMEngine:
             from latentserve.engine.tp_worker import TPModelRunner
 
             self.runner = TPModelRunner(*runner_args, self.tp)
-        self.family = family(self.latent_spec, self)  # the one interface to latent reasoning
         self.family.setup()
         graph_bs = min(config.max_num_seqs, 256) if (
             self.device.type == "cuda" and config.backend_name == "triton"

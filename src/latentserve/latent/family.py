@@ -87,6 +87,46 @@ class Family:
         ``latent/vectors.py``) or None per row; None when no row has one."""
         return None
 
+    # ----- the scheduler's hooks (scheduler/scheduler.py) -----
+
+    def order(self, running: list[Req]) -> list[Req]:
+        """The running requests in the order the step's token budget is handed out."""
+        return list(running)
+
+    def admits_now(self, req: Req, budget: int) -> bool:
+        """Whether waiting ``req`` may be admitted with ``budget`` tokens left this step."""
+        return True
+
+    def chunk(self, req: Req, n: int) -> int:
+        """Tokens ``req`` computes this step, given the scheduler's ``n``."""
+        return n
+
+    def forces_one_by_one(self, req: Req) -> bool:
+        """Whether forced ids that just ended ``req``'s latent phase may go one per step
+        (``Scheduler.forced_one_by_one``)."""
+        return True
+
+    def on_preempt(self, req: Req) -> None:
+        """``req`` lost its KV and waits to be recomputed."""
+
+    def advance(self, req: Req, vec) -> bool:
+        """Move a latent-phase ``req`` past a forward that sampled for it (``vec``: its entry
+        of :meth:`latent_inputs`); the sampled token is discarded unless this returns True
+        (it is then the first answer token)."""
+        raise RuntimeError(f"request {req.rid} has no latent phase on {self.description}")
+
+    def budget_spent(self, req: Req, max_model_len: int) -> str | None:
+        """A finish reason for a latent-phase ``req`` that spent its budget, else None."""
+        return None
+
+    def latents_count_as_output(self, req: Req) -> bool:
+        """Whether ``req``'s latent positions count against ``max_tokens``."""
+        return False
+
+    def output_fields(self, req: Req, done: bool) -> dict:
+        """The family's ``StepOutput`` fields for ``req`` (``done``: its final output)."""
+        return {"latent_steps": len(req.latent_embeds)}
+
 
 def family_for(spec) -> type[Family]:
     """The ``Family`` class of a ``LatentSpec`` (None: a plain model)."""

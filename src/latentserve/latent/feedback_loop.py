@@ -39,6 +39,18 @@ class FeedbackFamily(Family):
     def thinking(self, req: Req) -> bool:
         return req.answer_start is None and len(req.latent_embeds) < req.latent_budget
 
+    def advance(self, req: Req, vec) -> bool:
+        """Append the next latent position (input ``vec``) while budget remains, else the
+        end ids; True when there are none."""
+        spec = self.spec
+        if len(req.latent_embeds) < req.latent_budget:
+            req.latent_embeds.append(vec)
+            req.output_ids.append(spec.latent_id)
+            return False
+        req.output_ids.extend(spec.end_ids)
+        req.answer_start = len(req.output_ids)
+        return not spec.end_ids
+
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
         """The feedback hook runs once, batched, on the thinking rows (after a graph replay
         CODI's ``prj`` has already run in the decode graph's latent graph). Records the

@@ -254,6 +254,29 @@ class HeadFamily(Family):
     def thinking(self, req: Req) -> bool:
         return req.answer_start is None and req.head is not None
 
+    def advance(self, req: Req, vec) -> bool:
+        return advance(req, vec, self.spec.latent_id)
+
+    def budget_spent(self, req: Req, max_model_len: int) -> str | None:
+        reason = budget_spent(req, max_model_len) if req.head is not None else None
+        if reason is not None:
+            req.head.end = req.head.end or "length"
+        return reason
+
+    def latents_count_as_output(self, req: Req) -> bool:
+        return req.head is not None and not req.head.answer_budget
+
+    def output_fields(self, req: Req, done: bool) -> dict:
+        """Latent steps, and the head's stats on the final output and, once, on the output
+        of the step its latent phase settles in (so a request a stop string later aborts,
+        which gets no final output, still has them)."""
+        fields = super().output_fields(req, done)
+        h = req.head
+        if h is not None and (done or (h.settled and not h.reported)):
+            h.reported = True
+            fields["latent_stats"] = h.stats()
+        return fields
+
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
         runner = self.engine.runner
         anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden

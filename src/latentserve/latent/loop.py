@@ -215,3 +215,22 @@ class LoopFamily(Family):
         runner = self.engine.runner
         after_forward(runner.model, self.engine.cache.table.table, batch,
                       runner.last_hidden_all)
+
+    def order(self, running: list[Req]) -> list[Req]:
+        return passes_first(running)
+
+    def chunk(self, req: Req, n: int) -> int:
+        return chunk(req, n)
+
+    def forces_one_by_one(self, req: Req) -> bool:
+        return False
+
+    def on_preempt(self, req: Req) -> None:
+        on_preempt(req)
+
+    def advance(self, req: Req, vec) -> bool:
+        return advance(req, self.spec)
+
+    def output_fields(self, req: Req, done: bool) -> dict:
+        st = req.loop
+        return {"latent_steps": st.block_size * st.passes_done}

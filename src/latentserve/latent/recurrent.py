@@ -477,6 +477,27 @@ class RecurrentFamily(Family):
 
         return Admission(params, 0, start)
 
+    def admits_now(self, req: Req, budget: int) -> bool:
+        """A prompt that is one exit block (``ExitRule.prompt_exits``) runs whole, in one
+        forward: it is admitted only when it fits the budget."""
+        rule = req.exit_rule
+        return not (rule is not None and rule.prompt_exits and len(req.prompt_ids) > budget)
+
+    def chunk(self, req: Req, n: int) -> int:
+        """A request whose exit rule saves compute runs its generated tokens (recomputed
+        after a preemption too) one per forward and ends a prompt chunk at the prompt's end,
+        so each token that may exit early is a batch row of its own."""
+        if req.exit_rule is not None and req.exit_rule.saves_compute:
+            p = len(req.prompt_ids)
+            n = 1 if req.num_computed >= p else min(n, p - req.num_computed)
+        return n
+
+    def output_fields(self, req: Req, done: bool) -> dict:
+        fields = super().output_fields(req, done)
+        if done and req.recurrence_iters:
+            fields["recurrence"] = recurrence_stats(req.recurrence_iters)
+        return fields
+
     def _check_upstream_exit(self, n: int) -> None:
         """Refuse (ValueError naming ``exit_semantics``) an upstream-semantics exit rule the
         engine cannot run exactly: on an attention backend without ``supports_key_mask``,

@@ -13,8 +13,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from latentserve.core import Req, ReqStatus
-from latentserve.latent import head_loop, loop
-from latentserve.latent.recurrent import recurrence_stats
 from latentserve.outputs import StepOutput
 from latentserve.scheduler.cache import CacheManager
 
@@ -47,7 +45,9 @@ class Scheduler:
         max_num_batched_tokens: tokens per forward at most (decode rows count one each).
         max_model_len: a request finishes with "length" when it reaches this many tokens.
         eos_ids: token ids that end a request unless ``ignore_eos``.
-        latent_spec: the model's ``LatentSpec`` or None for a plain model.
+        family: the served model's ``latent.family.Family``; the scheduler calls its hooks
+            for everything a latent family changes (step order, admission, chunk sizes,
+            preemption, the latent phase machine, output fields).
 
     ``forced_one_by_one`` (set by the engine when decode replays CUDA graphs): forced ids a
     latent phase appends at once (a multi-token closing text, transition tokens) are computed
@@ -56,13 +56,13 @@ class Scheduler:
     """
 
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_ids: set[int], latent_spec=None):
+                 max_model_len: int, eos_ids: set[int], family):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_ids = eos_ids
-        self.latent_spec = latent_spec
+        self.family = family
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.num_preemptions = 0
@@ -70,7 +70,7 @@ class Scheduler:
         self.prefix_queries = self.prefix_hits = 0
         self._aborted: list[Req] = []
         self.forced_one_by_one = False
-        self._max_forced = len(latent_spec.end_ids) if latent_spec is not None else 0
+        self._max_forced = len(family.spec.end_ids) if family.spec is not None else 0
 
     # ----- requests in and out -----
 
@@ -96,11 +96,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         batch = ScheduledBatch([], [], [], [])
         budget = self.max_num_batched_tokens
-        # 1. Running requests, oldest first: decode rows and unfinished prefill chunks. With
-        #    a looped model: prefill chunks, then block passes, then decode (latent/loop.py).
+        # 1. Running requests, oldest first (or in the family's order): decode rows and
+        #    unfinished prefill chunks.
         in_batch: set[int] = set()
-        looped = self.latent_spec is not None and self.latent_spec.kind == "loop"
-        for req in loop.passes_first(self.running) if looped else list(self.running):
+        for req in self.family.order(self.running):
             if budget <= 0:
                 break
             if req.status is not ReqStatus.RUNNING:
@@ -121,9 +120,8 @@ class Scheduler:
         # 2. Admit waiting requests in arrival order while rows, slots and budget last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if (req.exit_rule is not None and req.exit_rule.prompt_exits
-                    and len(req.prompt_ids) > budget):
-                break  # its prompt is one exit block: it runs whole, in one forward
+            if not self.family.admits_now(req, budget):
+                break
             if not self.cache.admit(req):
                 break
             self.waiting.popleft()
@@ -139,22 +137,15 @@ class Scheduler:
         return batch if batch.reqs else None
 
     def _chunk(self, req: Req, budget: int) -> int:
-        """Tokens ``req`` computes this step. A recurrent-depth request whose exit rule saves
-        compute runs its generated tokens (recomputed after a preemption too) one per forward
-        and ends a prompt chunk at the prompt's end, so each token that may exit early is a
-        batch row of its own (``latent/recurrent.py``); a prompt that is an exit block
-        (``ExitRule.prompt_exits``) is admitted only when it fits the budget whole, and is
-        never cached, so it is one chunk. With ``forced_one_by_one``, the forced
-        ids that just ended a latent phase go one per step."""
+        """Tokens ``req`` computes this step: what is pending within ``budget``, as the
+        family chunks it (``Family.chunk``). With ``forced_one_by_one``, the forced ids that
+        just ended a latent phase go one per step."""
         n = min(req.num_pending, budget)
         if (self.forced_one_by_one and 1 < n <= self._max_forced
-                and req.answer_start is not None and req.loop is None
+                and req.answer_start is not None and self.family.forces_one_by_one(req)
                 and req.num_computed >= len(req.prompt_ids)):
             return 1
-        if req.exit_rule is not None and req.exit_rule.saves_compute:
-            p = len(req.prompt_ids)
-            n = 1 if req.num_computed >= p else min(n, p - req.num_computed)
-        return n if req.loop is None else loop.chunk(req, n)
+        return self.family.chunk(req, n)
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         batch.reqs.append(req)
@@ -164,7 +155,7 @@ class Scheduler:
 
     def _preempt(self, req: Req) -> None:
         self.cache.release(req)
-        loop.on_preempt(req)
+        self.family.on_preempt(req)
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -190,10 +181,9 @@ class Scheduler:
                 if not sample:
                     continue
                 tok, vec = next(it), next(lat)
-                if req.answer_start is None and not self._advance_latent(req, vec):
-                    reason = head_loop.budget_spent(req, self.max_model_len) if req.head else None
-                    if reason is not None:  # head latent steps spend the output budget
-                        req.head.end = req.head.end or "length"
+                if req.answer_start is None and not self.family.advance(req, vec):
+                    reason = self.family.budget_spent(req, self.max_model_len)
+                    if reason is not None:  # e.g. head latent steps spend the output budget
                         self.running.remove(req)
                         done.append(req)
                         self._finish(req, reason)
@@ -258,46 +248,12 @@ class Scheduler:
             self.cache.release_many(done)
         return outs
 
-    def _advance_latent(self, req: Req, vec) -> bool:
-        """Phase machine of a latent request after a forward. Appends the next latent
-        position (input ``vec``, a ``(tensor, row)`` entry) while budget remains, else the
-        transition tokens. Returns True when the sampled token is already the first answer
-        token (no transition ids)."""
-        spec = self.latent_spec
-        if req.head is not None:
-            return head_loop.advance(req, vec, spec.latent_id)
-        if req.loop is not None:
-            return loop.advance(req, spec)
-        if len(req.latent_embeds) < req.latent_budget:
-            req.latent_embeds.append(vec)
-            req.output_ids.append(spec.latent_id)
-            return False
-        req.output_ids.extend(spec.end_ids)
-        req.answer_start = len(req.output_ids)
-        return not spec.end_ids
-
-    @staticmethod
-    def _output(req: Req, new: list[int]) -> StepOutput:
+    def _output(self, req: Req, new: list[int]) -> StepOutput:
         done = req.status == ReqStatus.FINISHED
         return StepOutput(req.rid, new, done, req.finish_reason if done else None,
                           len(req.prompt_ids), req.num_cached_prompt or 0,
-                          latent_steps=len(req.latent_embeds) if req.loop is None
-                          else req.loop.block_size * req.loop.passes_done,
                           latent_trace=req.latent_trace if done and req.latent_trace else None,
-                          recurrence=(recurrence_stats(req.recurrence_iters)
-                                      if done and req.recurrence_iters else None),
-                          latent_stats=Scheduler._head_stats(req, done))
-
-    @staticmethod
-    def _head_stats(req: Req, done: bool) -> dict | None:
-        """A compression-head request's stats on its final output and, once, on the output
-        of the step its latent phase settles in (so a request a stop string later aborts,
-        which gets no final output, still has them)."""
-        h = req.head
-        if h is None or not (done or (h.settled and not h.reported)):
-            return None
-        h.reported = True
-        return h.stats()
+                          **self.family.output_fields(req, done))
 
     def drain_aborted(self) -> list[StepOutput]:
         """Outputs of requests aborted since the last step (when no batch ran)."""
@@ -313,7 +269,7 @@ class Scheduler:
         if ((tok in self.eos_ids and not p.ignore_eos and answer >= req.eos_from)
                 or tok in p.stop_token_ids):
             return "stop"
-        if req.head is not None and not req.head.answer_budget:  # head latent steps count
+        if self.family.latents_count_as_output(req):
             spent = n
         else:  # len(req.answer_ids), without copying them
             spent = answer
