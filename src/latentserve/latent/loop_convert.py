@@ -37,10 +37,32 @@ from latentserve.latent.loop_checkpoint import validate_loop_config
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
-def _read_json(path: Path, what: str) -> dict:
+def _read_json(path: Path, what: str, flag: str = "--adapter") -> dict:
     if not path.is_file():
-        raise ValueError(f"--adapter {path.parent} has no {path.name} ({what})")
-    return json.loads(path.read_text())
+        raise ValueError(f"{flag} {path.parent} has no {path.name} ({what})")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _lora_of(ac: dict) -> dict:
+    """``latent_config.json``'s ``lora`` from the adapter's ``adapter_config.json``, checked
+    as for any adapter (``models.lora.check_adapter_config``) except the fields this
+    converter folds itself (trained embedding rows; GPT-2's Conv1D layout). Raises
+    ValueError naming the field, also for a ``rank_pattern`` / ``alpha_pattern``: one rank
+    and alpha are merged for every module, as upstream ``run_ccot.py`` trains."""
+    from latentserve.models.lora import check_adapter_config
+
+    folded = ("trainable_token_indices", "modules_to_save", "fan_in_fan_out")
+    checked = check_adapter_config({k: v for k, v in ac.items() if k not in folded})
+    for field in ("rank_pattern", "alpha_pattern"):
+        if checked[field]:
+            raise ValueError(f"adapter_config.json: field {field!r} is set "
+                             f"({checked[field]!r}); convert pccot merges one r and lora_alpha "
+                             f"for every module (upstream run_ccot.py trains so)")
+    return {"r": int(checked["r"]), "alpha": float(checked["lora_alpha"]),
+            "use_rslora": checked["use_rslora"]}
 
 
 def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = None,
@@ -67,7 +89,10 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
     if mt not in ("pccot-gpt2", "pccot-llama"):
         raise ValueError(f"--adapter config.json model_type must be pccot-gpt2 or pccot-llama, "
                          f"got {mt!r}")
-    iters = int(pc.get("num_iterations", 6))
+    iters = pc.get("num_iterations", 6)
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+        raise ValueError(f"--adapter config.json: field 'num_iterations' must be an integer "
+                         f">= 0, got {iters!r}")
     if max_budget is None:
         max_budget = max(64, iters)
     if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < iters:
@@ -75,8 +100,11 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
                          f"({iters}, the default budget), got {max_budget!r}")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:  # before the reading
         raise ValueError(f"--out {out_dir} exists and is not empty (use --force)")
-    base_cfg = json.loads((base_dir / "config.json").read_text())
+    base_cfg = _read_json(base_dir / "config.json", "the base model config", "--base")
     gpt2 = base_cfg.get("model_type") == "gpt2"
+    if base_cfg.get("model_type") != mt.removeprefix("pccot-"):
+        raise ValueError(f"--base {base_dir} is a {base_cfg.get('model_type')!r} model but the "
+                         f"adapter is {mt!r}: give the base it was trained from")
     weights = {k: v.contiguous() for k, v in iter_weights(base_dir)
                if not k.endswith(BUFFER_SUFFIXES)}
     state, untie = _fold_embedding(read_state_dict(adapter_dir / ADAPTER_FILE), adapter_dir,
@@ -85,9 +113,8 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
     rows = int(state[embed].shape[0]) if embed in state else int(base_cfg["vocab_size"])
     lora = None
     if any(".lora_A." in k or k.endswith(".lora_A.weight") for k in state):
-        ac = _read_json(adapter_dir / "adapter_config.json", "the LoRA rank and alpha")
-        lora = {"r": int(ac["r"]), "alpha": float(ac["lora_alpha"]),
-                "use_rslora": bool(ac.get("use_rslora", False))}
+        lora = _lora_of(_read_json(adapter_dir / "adapter_config.json",
+                                   "the LoRA rank and alpha"))
     has_tok = any((adapter_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     tok = load_tokenizer(adapter_dir if has_tok else base_dir)
     prompt = tok.encode(args.get("answer_prompt", "The answer is:"), add_special_tokens=False)
