@@ -43,3 +43,28 @@ def test_alpha_pattern_is_merged_or_refused(tmp_path, smollm2_dir):
                                                        expected):
         assert ans == ref_ans
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: (d / "adapter_config.json").write_text("{bad json"),
+     r"adapter_config.json is not valid JSON"),
+    (lambda d: _set(d / "adapter_config.json", use_dora=True), "use_dora"),
+    (lambda d: _set(d / "config.json", num_iterations="abc"), "num_iterations"),
+    (lambda d: _set(d / "config.json", model_type="pccot-llama"),
+     "is a 'gpt2' model but the adapter is 'pccot-llama'"),
+])
+def test_bad_adapter_directories_are_refused_naming_the_field(tmp_path, smollm2_dir, edit,
+                                                              match):
+    """Refused before anything is written, naming the file or field (a fresh user's
+    findings: these gave a bare JSON error, an int() error, or a trainable-token error)."""
+    from latentserve.testing.loop_models import write_upstream_pccot
+
+    base, adapter = write_upstream_pccot(tmp_path, "gpt2", block_size=3, iterations=2)
+    edit(adapter)
+    with pytest.raises(ValueError, match=match):
+        convert_pccot(base, adapter, tmp_path / "model")
+    assert not (tmp_path / "model").exists()
+
+
+def _set(path, **fields):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))

@@ -161,7 +161,7 @@ def _fold_embedding(adapter: dict, adapter_dir: Path, base_dir: Path, gpt2: bool
              for k, v in adapter.items()}
     ac = {}
     if (adapter_dir / "adapter_config.json").is_file():
-        ac = json.loads((adapter_dir / "adapter_config.json").read_text())
+        ac = _read_json(adapter_dir / "adapter_config.json", "")
     indices = ac.get("trainable_token_indices") or ac.get("token_indices")
     tied = bool(getattr(AutoConfig.from_pretrained(base_dir, local_files_only=True),
                         "tie_word_embeddings", True))
