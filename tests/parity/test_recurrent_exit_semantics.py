@@ -167,9 +167,10 @@ def test_refusals_name_the_field(huginn_dir, engine, tmp_path):
     small = _engine(huginn_dir, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="^exit_semantics 'upstream' runs the prompt as one"):
         small.add_request("t2", list(range(20, 37)), up)
-    # Ouro's upstream never stops a token early; the server default does not apply there.
+    # Ouro's upstream never stops a token early (a server default "upstream" is refused at
+    # start: test_server_default_upstream_refused_at_start_where_it_cannot_apply).
     ouro = LLMEngine(EngineConfig(model=str(write_ouro(tmp_path / "ouro")), kv_slots=512,
-                                  max_model_len=128, exit_semantics="upstream"))
+                                  max_model_len=128))
     with pytest.raises(ValueError, match="^exit_semantics 'upstream' is a Huginn option"):
         ouro.add_request("o0", [5, 6, 7], SamplingParams(exit_semantics="upstream"))
     ouro.add_request("o1", [5, 6, 7], SamplingParams(max_tokens=2))
@@ -197,3 +198,22 @@ def test_cli_flag_sets_the_server_default():
     args = build_parser().parse_args(["serve", "--exit-semantics", "upstream"])
     assert engine_config(args).exit_semantics == "upstream"
     assert engine_config(build_parser().parse_args(["serve"])).exit_semantics == "engine"
+
+
+def test_server_default_upstream_refused_at_start_where_it_cannot_apply(tmp_path):
+    """``--exit-semantics upstream`` on a plain model or Ouro refuses to start (as
+    ``--upstream-stop-rules`` does where it cannot apply); with several models
+    (``latent_cap_where_applicable``) it applies where it can and is dropped elsewhere."""
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.testing.tiny_models import save_tiny
+
+    plain = save_tiny(tmp_path / "llama", "llama", word_tokenizer=True)
+    ouro = write_ouro(tmp_path / "ouro")
+    for model in (plain, ouro):
+        cfg = {"model": str(model), "kv_slots": 256, "max_model_len": 64,
+               "exit_semantics": "upstream"}
+        with pytest.raises(ValueError, match=r"^exit_semantics 'upstream' \(--exit-semantics\) "
+                                             r"needs a Huginn model"):
+            LLMEngine(EngineConfig(**cfg))
+        several = LLMEngine(EngineConfig(**cfg, latent_cap_where_applicable=True))
+        assert several.exit_semantics == "engine"

@@ -153,3 +153,14 @@ def test_count_tokens_refuses_what_messages_refuses(anthropic_client, model, ext
                                          extra_body=extra)
     assert counted.value.body["error"]["message"] == created.value.body["error"]["message"]
     assert anthropic_client.messages.count_tokens(model=model, messages=MESSAGES).input_tokens
+
+
+def test_count_tokens_of_a_prompt_that_leaves_no_room_names_no_max_tokens(anthropic_client,
+                                                                          model):
+    """count_tokens takes no max_tokens: a prompt that leaves no room for one answer token is
+    a 400 (code context_length_exceeded) that does not mention a max_tokens nobody sent."""
+    long = [{"role": "user", "content": "red green blue " * 200}]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.count_tokens(model=model, messages=long)
+    error = info.value.body["error"]
+    assert "max_tokens" not in error["message"] and "prompt is too long" in error["message"]

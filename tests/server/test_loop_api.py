@@ -84,3 +84,30 @@ def test_context_check_counts_the_block_positions(loop_server, lotus_dir):
     assert f"[0, {cfg['max_budget']}]" in r.json()["error"]["message"]
     with httpx.Client(base_url=loop_server.base_url) as http:
         assert_slots_invariant(wait_idle(http))
+
+
+def test_count_tokens_asks_room_for_one_answer_token(loop_server, lotus_dir):
+    """Anthropic's count takes no max_tokens: a prompt whose start/block/end positions leave
+    no room for one answer token is a 400 (context_length_exceeded) that names no
+    max_tokens; one token shorter is counted, and /v1/messages refuses the longer too."""
+    import json
+
+    cfg = json.loads((lotus_dir / "latent_config.json").read_text())
+    extra = 1 + cfg["block_size"] + 1 + len(cfg["answer_prompt_ids"])
+    card = httpx.get(f"{loop_server.base_url}/v1/models", timeout=30).json()["data"][0]
+
+    def post(route, content, **body):
+        return httpx.post(f"{loop_server.base_url}/v1/messages{route}", timeout=60, json={
+            "model": card["id"], "messages": [{"role": "user", "content": content}], **body})
+
+    base = post("/count_tokens", "a").json()["input_tokens"]
+    assert post("/count_tokens", "a a").json()["input_tokens"] == base + 1
+    longest = card["max_model_len"] - extra - 1  # + extra + 1 answer token = max_model_len
+    fits = post("/count_tokens", " ".join(["a"] * (longest - base + 1)))
+    assert fits.status_code == 200 and fits.json()["input_tokens"] == longest, fits.text
+    words = " ".join(["a"] * (longest - base + 2))
+    r = post("/count_tokens", words)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "max_tokens" not in err["message"] and "prompt is too long" in err["message"]
+    assert post("", words, max_tokens=1).status_code == 400

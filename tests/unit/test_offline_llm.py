@@ -178,3 +178,17 @@ def test_offline_plain_model_refuses_return_latent_trace(tiny_dirs):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, return_latent_trace=True),
                      use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_prompt_dicts_as_vllm_takes_them(tiny_dirs):
+    """vLLM's TextPrompt ``{"prompt": str}`` and TokensPrompt ``{"prompt_token_ids": ids}``
+    give what the string and the ids give; a dict with neither is a ValueError naming both."""
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = llm.tokenizer.encode("hello world")
+    outs = llm.generate(["hello world", {"prompt": "hello world"}, {"prompt_token_ids": ids}],
+                        greedy, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert outs[1].prompt == "hello world" and outs[1].prompt_token_ids == ids
+    with pytest.raises(ValueError, match="'prompt_token_ids'.*'prompt'"):
+        llm.generate([{"text": "hello"}], greedy, use_tqdm=False)

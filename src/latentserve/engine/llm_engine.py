@@ -109,6 +109,11 @@ class LLMEngine:
                                    self.eos_ids, self.family)
         backend = make_backend(config.backend_name, config.attention_num_kv_splits)
         self.exit_semantics = config.exit_semantics  # requests' default (Huginn)
+        if self.exit_semantics != "engine" and not self.family.takes_exit_semantics:
+            if not config.latent_cap_where_applicable:
+                raise ValueError(f"exit_semantics {self.exit_semantics!r} (--exit-semantics) "
+                                 f"needs a Huginn model, not {_a_model(self.latent_spec)}")
+            self.exit_semantics = "engine"  # a multi-model server: where it applies
         self.backend_name, self.key_mask_ok = config.backend_name, backend.supports_key_mask
         self.max_num_batched_tokens = config.max_num_batched_tokens
         runner_args = (model, pool, table, backend, self.device)
@@ -459,10 +464,16 @@ def _upstream_eos_from(spec) -> int:
 def _no_upstream_rule(spec) -> str:
     """The refusal of ``upstream_stop_rules`` on a model whose family has no upstream stop
     rule of its own."""
-    what = "a model without latent reasoning" if spec is None else f"a {spec.family} model"
     return ("upstream_stop_rules needs a model family whose upstream code ends on EOS "
-            f"differently from the engine (COCONUT, PCCoT), not {what}: it would change "
-            "nothing (leave it unset or false)")
+            f"differently from the engine (COCONUT, PCCoT), not {_a_model(spec)}: it would "
+            "change nothing (leave it unset or false)")
+
+
+def _a_model(spec) -> str:
+    """``spec``'s model in words, for error messages ("an ouro model")."""
+    if spec is None:
+        return "a model without latent reasoning"
+    return f"{'an' if spec.family[0] in 'aeiou' else 'a'} {spec.family} model"
 
 
 def _eos_ids(model_dir, tokenizer, hf_config) -> set[int]:

@@ -148,12 +148,17 @@ class LLM:
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict):  # vLLM's TokensPrompt, or its TextPrompt
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError(f"a prompt dict needs 'prompt_token_ids' (a list of ids) or "
+                             f"'prompt' (a string), got keys {sorted(prompt)}")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict with "
-                         f"'prompt_token_ids', got {type(prompt).__name__}")
+                         f"'prompt_token_ids' or 'prompt', got {type(prompt).__name__}")
 
 
 def _progress(total: int, enabled: bool):

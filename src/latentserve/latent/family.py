@@ -48,7 +48,8 @@ class Family:
     Class attributes (what the engine's generic checks ask): ``budgeted`` (``latent_budget``
     applies and ``--max-latent-budget`` caps it), ``traced`` (``return_latent_trace`` has
     something to return), ``streams_steps`` (``stream_latent_steps`` has steps to stream),
-    ``takes_exit_fields`` (the ``exit_*`` fields), ``takes_head_controls`` (CoLaR's
+    ``takes_exit_fields`` (the ``exit_*`` fields), ``takes_exit_semantics`` (a server
+    default ``exit_semantics`` other than ``"engine"``), ``takes_head_controls`` (CoLaR's
     ``compression_factor`` / ``latent_temperature``), ``description`` (for error messages).
     """
 
@@ -57,6 +58,7 @@ class Family:
     streams_steps = False
     takes_exit_fields = False
     takes_head_controls = False
+    takes_exit_semantics = False
     description = "a model without latent reasoning"
 
     def __init__(self, spec, engine):

@@ -465,6 +465,10 @@ class RecurrentFamily(Family):
     takes_exit_fields = True
     description = "a recurrent-depth model"
 
+    @property
+    def takes_exit_semantics(self) -> bool:  # Ouro's exits are exact readouts: one semantics
+        return self.spec.family == "huginn"
+
     def admit(self, prompt_ids, params) -> Admission:
         budget = self.spec.resolve_budget(params.latent_budget)
         rule = resolve_exit_rule(self.spec, params, self.engine.exit_semantics)

@@ -202,8 +202,10 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     """``/v1/messages/count_tokens``: the prompt tokens ``/v1/messages`` would take for
     ``body``, after every check ``/v1/messages`` makes, the engine's included
     (``LLMEngine.check_request``, nothing queued), so a body that count accepts is not
-    refused later. ``max_tokens`` None counts as 1; any model name counts (the route's
-    ``served.resolve`` picks the model).
+    refused later for them. Without ``max_tokens`` (Anthropic's count takes none) the
+    context check asks room for one answer token, so ``/v1/messages`` can still refuse a
+    larger ``max_tokens``; any model name counts (the route's ``served.resolve`` picks the
+    model).
 
     Raises:
         APIError: 400 for any body ``/v1/messages`` refuses (the engine's reason for its
@@ -217,7 +219,15 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
         render_chat, state.tokenizer, conversation,
         continue_final_message=conversation[-1]["role"] == "assistant")
     sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
-    _, params = _request_params(sized, request, state, len(prompt_ids))
+    try:
+        _, params = _request_params(sized, request, state, len(prompt_ids))
+    except APIError as e:
+        if e.code != "context_length_exceeded" or body.max_tokens is not None:
+            raise
+        raise APIError(f"prompt is too long: {len(prompt_ids)} tokens leave no room for an "
+                       f"answer token (latent and transition positions counted) within the "
+                       f"maximum context length {state.max_model_len}", param="messages",
+                       code="context_length_exceeded") from None
     try:
         await state.client.check(uuid.uuid4().hex, prompt_ids, params)
     except ENGINE_ERRORS as exc:
