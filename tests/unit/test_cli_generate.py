@@ -66,3 +66,22 @@ def test_thinking_off_is_harmless_on_a_model_without_a_head(tiny_dirs, capsys):
     assert capsys.readouterr().out == plain
     assert main([*base, "--thinking", "on"]) == 2
     assert "--thinking needs a model with a compression head" in capsys.readouterr().err
+
+
+def test_generate_takes_token_ids_and_prints_ids_without_a_tokenizer(tmp_path, capsys):
+    """A directory without tokenizer files: ``--prompt-token-ids`` runs and prints the
+    output ids (those of the offline API); ``--prompt`` text is one error line saying why."""
+    from latentserve.testing.recurrent_models import write_huginn
+
+    d = write_huginn(tmp_path / "huginn")
+    for f in d.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
+            f.unlink()
+    assert main(["generate", "--model", str(d), "--prompt-token-ids", "5,6,7",
+                 "--max-tokens", "3"]) == 0
+    printed = [int(t) for t in capsys.readouterr().out.split()]
+    want = LLM(model=str(d)).generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0),
+                                      use_tqdm=False)[0].outputs[0].token_ids
+    assert printed == list(want) and len(printed) > 0
+    assert main(["generate", "--model", str(d), "--prompt", "hello"]) == 2
+    assert "no tokenizer files" in capsys.readouterr().err

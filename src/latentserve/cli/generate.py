@@ -10,7 +10,11 @@ def register(sub) -> None:
 
     p = sub.add_parser("generate", help="complete one prompt, streamed to stdout")
     add_engine_args(p)
-    p.add_argument("--prompt", required=True)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="text (with the model's chat template unless --raw)")
+    what.add_argument("--prompt-token-ids", default=None,
+                      help="comma-separated token ids, sent as they are (a model directory "
+                           "without tokenizer files takes only these; its output is ids)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -40,6 +44,7 @@ def run(args) -> int:
     from latentserve.cli import engine_config
     from latentserve.detokenizer import IncrementalDetokenizer
     from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.models.checkpoint import NoTokenizer
     from latentserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -54,19 +59,30 @@ def run(args) -> int:
     head_flags = [f for f, v in (("--thinking", args.thinking), ("--max-latent", args.max_latent),
                                  ("--min-output-tokens", args.min_output_tokens))
                   if v is not None]
-    spec = engine.latent_spec
     # As on the server: thinking off is harmless on any model, and so are the other controls.
-    if head_flags and args.thinking != "off" and (spec is None or spec.kind != "head"):
+    if head_flags and args.thinking != "off" and not engine.family.takes_head_controls:
         raise ValueError(f"{head_flags[0]} needs a model with a compression head; this model "
                          "has none")
     tok = engine.tokenizer
-    if args.raw or not getattr(tok, "chat_template", None):
+    if args.prompt_token_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_token_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--prompt-token-ids must be comma-separated integers, got "
+                             f"{args.prompt_token_ids!r}") from None
+    elif args.raw or not getattr(tok, "chat_template", None):
         ids = tok.encode(args.prompt)
     else:
         ids = list(tok.apply_chat_template([{"role": "user", "content": args.prompt}],
                                            add_generation_prompt=True,
                                            tokenize=True)["input_ids"])
     engine.add_request("cli", ids, params)
+    if isinstance(tok, NoTokenizer):  # ids out, one line
+        out_ids = []
+        while engine.has_unfinished_requests():
+            out_ids += [t for out in engine.step() for t in out.new_token_ids]
+        print(" ".join(map(str, out_ids)))
+        return 0
     detok = IncrementalDetokenizer(tok, ids, params.stop, params.skip_special_tokens)
     while engine.has_unfinished_requests():
         for out in engine.step():
