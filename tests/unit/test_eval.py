@@ -149,6 +149,19 @@ def test_cli_sweep_writes_runs_and_a_plot(head_dir, gsm_file, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_without_matplotlib_is_refused_before_any_work(monkeypatch, capsys, tmp_path):
+    """``--plot`` names the extra to install, before loading a model or running a sweep."""
+    import sys
+
+    from latentserve.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rc = main(["eval", "--model", str(tmp_path / "not-loaded"), "--dataset", "gsm8k",
+               "--sweep", "max_latent=0,2", "--plot", str(tmp_path / "p.png")])
+    assert rc == 2
+    assert "--plot needs matplotlib: pip install 'latentserve[eval]'" in capsys.readouterr().err
+
+
 def test_parse_sweep_rejects_bad_specs():
     assert parse_sweep("max_latent=0,4,16") == ("max_latent", [0, 4, 16])
     assert parse_sweep("compression_factor=1,5", ("compression_factor", "max_latent")) == (

@@ -122,15 +122,18 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
 def build_parser() -> argparse.ArgumentParser:
     from latentserve.cli import bench, data, demo, eval, generate, serve, train, train_head
 
+    from latentserve import __version__
+
     parser = argparse.ArgumentParser(prog="latentserve",
                                      description="Serve latent-reasoning language models.")
+    parser.add_argument("--version", action="version", version=f"latentserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for mod in (serve, generate, demo, bench):
         mod.register(sub)
     from latentserve.latent.convert import add_convert_args, convert_main
 
-    p = sub.add_parser("convert", help="turn an upstream COCONUT / CODI checkpoint into a "
-                                       "latentserve model directory")
+    p = sub.add_parser("convert", help="turn an upstream COCONUT / CODI / PCCoT checkpoint "
+                                       "into a latentserve model directory")
     add_convert_args(p)
     p.set_defaults(func=convert_main)
     train_head.register(sub)

@@ -16,7 +16,10 @@ def register(sub) -> None:
 
     p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent, loop)")
     add_bench_args(p)
-    p.add_argument("--suite", default="offline", choices=["offline", "gpu", "latent", "loop"])
+    p.add_argument("--suite", default="offline", choices=["offline", "gpu", "latent", "loop"],
+                   help="offline: the engine against HF on GSM8K prompts (CPU or GPU); gpu: "
+                        "decode steps against the bandwidth floor (CUDA); latent: latent "
+                        "against plain steps; loop: looped-block passes (docs/benchmarks.md)")
     p.add_argument("--concurrency", default=None,
                    help="comma-separated concurrent requests (gpu, latent, loop suites)")
     p.set_defaults(func=run)

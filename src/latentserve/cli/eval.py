@@ -125,6 +125,12 @@ def _colar_baseline(path: str) -> dict:
 def run(args) -> int:
     from latentserve.eval.datasets import load_items
 
+    if args.plot:  # before any work: the sweep would run first and only then fail
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'latentserve[eval]'") \
+                from None
     if _colar_format(args):
         return run_colar(args)
     from latentserve.eval.run import evaluate, parse_sweep, plot_sweep

@@ -1,0 +1,27 @@
+"""The CLI's help surface (issue 29): ``--version``, every ``convert`` form and ``bench``
+suite named in ``--help``."""
+
+import pytest
+
+from latentserve import __version__
+from latentserve.cli import main
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"latentserve {__version__}"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--help"], ["COCONUT / CODI / PCCoT"]),
+    (["convert", "--help"], ["coconut", "codi", "pccot"]),
+    (["bench", "--help"], ["serve", "offline:", "gpu:", "latent:", "loop:"]),
+])
+def test_help_names_every_form(capsys, argv, words):
+    with pytest.raises(SystemExit):
+        main(argv)
+    text = " ".join(capsys.readouterr().out.split())
+    for word in words:
+        assert word in text, (argv, word)
