@@ -25,3 +25,13 @@ def test_help_names_every_form(capsys, argv, words):
     text = " ".join(capsys.readouterr().out.split())
     for word in words:
         assert word in text, (argv, word)
+
+
+def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert main(["generate", "--device", "cuda", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device is available here" in err and "--device cpu" in err

@@ -56,6 +56,9 @@ class LLMEngine:
         from latentserve.scheduler.scheduler import Scheduler
 
         self.config = config
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r}: no CUDA device is available here "
+                             f"(torch {torch.__version__}); use --device cpu")
         self.device = self.tp.device if self.tp is not None else torch.device(config.device)
         torch.manual_seed(config.seed)
         model_dir = resolve_model_dir(config.model)
