@@ -41,6 +41,9 @@ def test_generate_takes_the_head_controls(tmp_path, capsys):
             "6", "--max-latent", "2", "--min-output-tokens", "0"]
     assert main(argv) == 0
     printed = capsys.readouterr().out.strip()
+    # An explicit --max-tokens holds without --min-output-tokens too (no 4,096 floor).
+    assert main(argv[:-2]) == 0
+    assert capsys.readouterr().out.strip() == printed
     want = LLM(model=str(path)).generate(
         ["w9 w10"], SamplingParams(max_tokens=6, temperature=0, max_latent=2,
                                    min_output_tokens=0), use_tqdm=False)[0].outputs[0]

@@ -15,7 +15,10 @@ def register(sub) -> None:
     what.add_argument("--prompt-token-ids", default=None,
                       help="comma-separated token ids, sent as they are (a model directory "
                            "without tokenizer files takes only these; its output is ids)")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="answer tokens at most (default 256; given, it also holds for a "
+                        "compression-head model, whose answer-budget floor otherwise raises "
+                        "it)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
@@ -36,7 +39,8 @@ def register(sub) -> None:
                    help="compression-head models: latent step cap (default: the server's)")
     p.add_argument("--min-output-tokens", type=int, default=None,
                    help="compression-head models: the answer-budget floor (0: --max-tokens "
-                        "holds; default: LATENTSERVE_MIN_OUTPUT_TOKENS, 4096)")
+                        "holds; default: 0 when --max-tokens is given, else "
+                        "LATENTSERVE_MIN_OUTPUT_TOKENS, 4096)")
     p.set_defaults(func=run)
 
 
@@ -47,14 +51,17 @@ def run(args) -> int:
     from latentserve.models.checkpoint import NoTokenizer
     from latentserve.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+    floor = args.min_output_tokens
+    if floor is None and args.max_tokens is not None:
+        floor = 0  # an explicit --max-tokens holds (the floor would raise it)
+    params = SamplingParams(max_tokens=args.max_tokens or 256, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             latent_budget=args.latent_budget,
                             exit_criterion=args.exit_criterion,
                             exit_threshold=args.exit_threshold,
                             thinking=None if args.thinking is None else args.thinking == "on",
                             max_latent=args.max_latent,
-                            min_output_tokens=args.min_output_tokens)
+                            min_output_tokens=floor)
     engine = LLMEngine(engine_config(args))
     head_flags = [f for f, v in (("--thinking", args.thinking), ("--max-latent", args.max_latent),
                                  ("--min-output-tokens", args.min_output_tokens))
