@@ -35,3 +35,15 @@ def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys):
     assert main(["generate", "--device", "cuda", "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device is available here" in err and "--device cpu" in err
+
+
+def test_the_parser_is_built_without_importing_torch():
+    """``latentserve --help`` answers at once: building the parser imports no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from latentserve.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

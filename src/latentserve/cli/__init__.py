@@ -120,8 +120,17 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from latentserve.cli import bench, data, demo, eval, generate, serve, train, train_head
-
+    from latentserve.cli import (
+        bench,
+        convert,
+        data,
+        demo,
+        eval,
+        generate,
+        serve,
+        train,
+        train_head,
+    )
     from latentserve import __version__
 
     parser = argparse.ArgumentParser(prog="latentserve",
@@ -130,12 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for mod in (serve, generate, demo, bench):
         mod.register(sub)
-    from latentserve.latent.convert import add_convert_args, convert_main
-
-    p = sub.add_parser("convert", help="turn an upstream COCONUT / CODI / PCCoT checkpoint "
-                                       "into a latentserve model directory")
-    add_convert_args(p)
-    p.set_defaults(func=convert_main)
+    convert.register(sub)
     train_head.register(sub)
     train.register(sub)
     data.register(sub)

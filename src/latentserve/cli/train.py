@@ -9,7 +9,7 @@ import json
 
 
 def register(sub) -> None:
-    from latentserve.train.cot import LORA_TARGETS
+    from latentserve.train import LORA_TARGETS
 
     p = sub.add_parser("train", help="train reasoning models (CoLaR stage 0: cot, stage 1: "
                                      "colar, stage 3: colar-grpo)")

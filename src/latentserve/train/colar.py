@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from latentserve.latent import colar
-from latentserve.train.cot import LORA_TARGETS
+from latentserve.train import LORA_TARGETS
 
 # (prompt ids at speed r, steps ids, answer ids = [###, *Answer:{a}, EOS])
 Example = tuple[list[int], list[int], list[int]]

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from latentserve.eval.datasets import Item
 from latentserve.latent import colar
+from latentserve.train import LORA_TARGETS
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EMBEDDED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 

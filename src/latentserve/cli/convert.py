@@ -1,0 +1,74 @@
+"""``latentserve convert``: an upstream COCONUT / CODI / PCCoT checkpoint into a model
+directory (``latent/convert.py``, ``latent/loop_convert.py``; docs/models.md)."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    p = sub.add_parser("convert", help="turn an upstream COCONUT / CODI / PCCoT checkpoint "
+                                       "into a latentserve model directory")
+    add_args(p)
+    p.set_defaults(func=run)
+
+
+def add_args(p) -> None:
+    """``latentserve convert {coconut,codi} --base DIR --checkpoint FILE --out DIR ...`` and
+    ``latentserve convert pccot --base DIR --adapter DIR --out DIR``."""
+    p.add_argument("family", choices=["coconut", "codi", "pccot"], help="upstream checkpoint form")
+    p.add_argument("--base", required=True, help="the base HF model directory it was trained from")
+    p.add_argument("--checkpoint", default=None,
+                   help="COCONUT: checkpoint_N; CODI: model.safetensors or pytorch_model.bin")
+    p.add_argument("--adapter", default=None,
+                   help="PCCoT: the upstream PEFT adapter directory (pccot_args.json, ...)")
+    p.add_argument("--out", required=True, help="the model directory to write")
+    p.add_argument("--default-budget", type=int, default=None,
+                   help="COCONUT/CODI: latent steps by default (6)")
+    p.add_argument("--max-budget", type=int, default=None,
+                   help="the largest budget allowed (64; PCCoT: at least num_iterations)")
+    p.add_argument("--variant", default=None, help="COCONUT/CODI: informative tag, e.g. sim-cot")
+    p.add_argument("--lora-alpha", type=float, default=None, help="CODI LoRA alpha (32)")
+    p.add_argument("--keep-eos", action="store_true",
+                   help="CODI trained without --remove_eos: latents in [eos, bot] ... [eot, eos]")
+    p.add_argument("--symlink", action="store_true", help="link the checkpoint instead of copying")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+
+
+# Which optional flags each form reads; another one given is an error, not silently dropped.
+_FLAGS = {"coconut": {"checkpoint", "default_budget", "variant", "symlink"},
+          "codi": {"checkpoint", "default_budget", "variant", "symlink", "lora_alpha",
+                   "keep_eos"},
+          "pccot": {"adapter"}}
+
+
+def run(args) -> int:
+    given = [name for name in ("checkpoint", "adapter", "default_budget", "variant",
+                               "lora_alpha", "keep_eos", "symlink")
+             if getattr(args, name) is not None and getattr(args, name) is not False]
+    unused = [n for n in given if n not in _FLAGS[args.family]]
+    if unused:
+        flag = "--" + unused[0].replace("_", "-")
+        raise ValueError(f"convert {args.family} does not take {flag}")
+    if args.family == "pccot":
+        from latentserve.latent.loop_convert import convert_pccot
+
+        if not args.adapter:
+            raise ValueError("convert pccot needs --adapter DIR")
+        out = convert_pccot(args.base, args.adapter, args.out, max_budget=args.max_budget,
+                            overwrite=args.force)
+        print(f"wrote {out}")
+        return 0
+    if not args.checkpoint:
+        raise ValueError(f"convert {args.family} needs --checkpoint FILE")
+    from latentserve.latent.convert import convert_codi, convert_coconut
+
+    common = dict(default_budget=6 if args.default_budget is None else args.default_budget,
+                  max_budget=64 if args.max_budget is None else args.max_budget,
+                  variant=args.variant, symlink=args.symlink, overwrite=args.force)
+    if args.family == "coconut":
+        out = convert_coconut(args.base, args.checkpoint, args.out, **common)
+    else:
+        alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
+        out = convert_codi(args.base, args.checkpoint, args.out, lora_alpha=alpha,
+                           remove_eos=not args.keep_eos, **common)
+    print(f"wrote {out}")
+    return 0
