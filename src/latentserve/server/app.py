@@ -147,7 +147,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
             ids = list(state.tokenizer.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens is not False))
         else:
-            ids = chat_prompt_ids(state.tokenizer, body.messages,
+            ids = chat_prompt_ids(state.tokenizer, body.messages, body.tools,
                                   template_kwargs=body.chat_template_kwargs,
                                   add_generation_prompt=body.add_generation_prompt is not False,
                                   continue_final_message=bool(body.continue_final_message))
