@@ -105,6 +105,14 @@ def test_assistant_prefill_is_continued(anthropic_client, model):
     assert prefilled.usage.input_tokens > base.usage.input_tokens
 
 
+def test_a_user_turn_is_required_as_anthropics_protocol_says(anthropic_client, model):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(model=model, max_tokens=2, system="Be terse.",
+                                         messages=[{"role": "assistant", "content": "Hi"}])
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert "user" in info.value.body["error"]["message"]
+
+
 def test_sampling_fields_travel_in_the_body(anthropic_client, model):
     args = dict(model=model, max_tokens=6, messages=MESSAGES)
     a = anthropic_client.messages.create(extra_body={"temperature": 1.0, "top_k": 1}, **args)

@@ -140,6 +140,25 @@ def test_only_assistant_turn_is_a_400_not_a_500(client, model):
     assert info.value.status_code == 400 and info.value.body["param"] == "messages"
 
 
+def test_developer_role_renders_as_system(client, model, smollm2_tokenizer):
+    r = client.chat.completions.create(
+        model=model, max_tokens=1, temperature=0,
+        messages=[{"role": "developer", "content": "You are terse."}, MESSAGES[1]])
+    # SmolLM2's template would render "developer" as is and add its default system prompt.
+    assert r.usage.prompt_tokens == len(smollm2_tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True)["input_ids"])
+
+
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_conversation_without_a_user_turn_is_served(client, model, smollm2_tokenizer, role):
+    r = client.chat.completions.create(
+        model=model, max_tokens=2, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": role, "content": "Say a color."}])
+    assert r.usage.completion_tokens == 2 and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(smollm2_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Say a color."}], add_generation_prompt=True)["input_ids"])
+
+
 # Compression-head controls sent to a model without a head (this tiny Llama): those that
 # would do something get a 400 naming what was sent; thinking off is harmless.
 _ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages"]

@@ -28,7 +28,8 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     ``kv_slots_free`` / ``kv_slots_cached`` / ``kv_slots_total``; 503 once the engine
     process is gone), ``GET /version``, ``GET /metrics`` (Prometheus). ``api_key`` (None: no
     authentication) and the first model's ``limits.max_request_body_bytes`` are enforced by
-    ``security.GuardMiddleware``. The clients are started and closed by the app's lifespan,
+    ``security.GuardMiddleware``; POST bodies are JSON whatever their ``Content-Type``
+    (``security.JSONBodies``). The clients are started and closed by the app's lifespan,
     inside uvicorn's event loop; ``on_shutdown`` runs last (uvicorn re-raises SIGTERM after
     its shutdown, so cleanup cannot wait until after ``uvicorn.run`` returns).
     """
@@ -61,7 +62,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         TokenizeRequest,
     )
     from latentserve.server.request_ids import RequestIdEcho
-    from latentserve.server.security import GuardMiddleware
+    from latentserve.server.security import GuardMiddleware, JSONBodies
 
     served = state if isinstance(state, ServedModels) else ServedModels(state)
     registry = None
@@ -91,6 +92,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     app.state.server = served.first
     app.state.models = served
     install_error_handlers(app)
+    app.add_middleware(JSONBodies)
     app.add_middleware(GuardMiddleware, api_key=api_key,
                        max_body_bytes=served.first.limits.max_request_body_bytes)
     app.add_middleware(RequestIdEcho)  # outermost: 401s and 413s echo the id too
@@ -147,7 +149,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
             ids = list(state.tokenizer.encode(
                 body.prompt, add_special_tokens=body.add_special_tokens is not False))
         else:
-            ids = chat_prompt_ids(state.tokenizer, body.messages,
+            ids = chat_prompt_ids(state.tokenizer, body.messages, body.tools,
                                   template_kwargs=body.chat_template_kwargs,
                                   add_generation_prompt=body.add_generation_prompt is not False,
                                   continue_final_message=bool(body.continue_final_message))

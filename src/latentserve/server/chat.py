@@ -68,7 +68,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     # Templating and tokenizing a large prompt takes seconds: off the event loop, so other
     # clients' streams keep flowing.
     prompt_ids = await asyncio.to_thread(
-        chat_prompt_ids, state.tokenizer, body.messages, template_kwargs=template_kwargs,
+        chat_prompt_ids, state.tokenizer, body.messages, body.tools,
+        template_kwargs=template_kwargs,
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message))
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")

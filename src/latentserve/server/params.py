@@ -10,10 +10,11 @@ from latentserve.server.errors import APIError, param_from_value_error
 from latentserve.server.protocol import SamplingRequest
 from latentserve.server.state import ServerLimits
 
-# OpenAI features not implemented, with the values that mean "not used".
+# OpenAI features not implemented, with the values that mean "not used" (chat declares
+# ``tools``: they go to the chat template; a forced tool call would need a parser).
 _UNSUPPORTED = {
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}), "prompt_logprobs": (None, 0),
 }
 

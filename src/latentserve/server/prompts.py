@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from latentserve.server.errors import APIError
 from latentserve.server.params import context_error
-from latentserve.server.protocol import ChatMessage
+from latentserve.server.protocol import ChatMessage, ChatTool, ToolCall
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -18,31 +19,72 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
-def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI messages -> ``[{"role", "content"}]`` for the chat template.
+def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages -> the chat template's ``[{"role", "content", ...}]``, with ``name``,
+    ``tool_calls`` and ``tool_call_id`` where sent (the template decides how to render
+    them). ``developer``, OpenAI's newer name for ``system``, becomes ``system``.
 
     Raises:
-        APIError: 400 for no user turn, an unknown role or non-text content.
+        APIError: 400 for an unknown role, non-text content, tool-call arguments that are not
+            JSON, or no system, developer or user message.
     """
     conversation = []
     for i, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
             raise APIError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
                            f"{message.role!r}", param=f"messages[{i}].role")
-        conversation.append({"role": message.role, "content": _text(message, i)})
-    if not any(m["role"] == "user" for m in conversation):
-        raise APIError("messages must contain at least one message with role 'user'",
-                       param="messages")
+        turn = {"role": "system" if message.role == "developer" else message.role,
+                "content": _text(message, i)}
+        if message.name is not None:
+            turn["name"] = message.name
+        if message.tool_calls is not None:
+            turn["tool_calls"] = [_tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                                  for j, call in enumerate(message.tool_calls)]
+        if message.tool_call_id is not None:
+            turn["tool_call_id"] = message.tool_call_id
+        conversation.append(turn)
+    if not any(m["role"] in ("system", "user") for m in conversation):
+        raise APIError("messages must contain at least one message with role 'system', "
+                       "'developer' or 'user'", param="messages")
     return conversation
 
 
-def render_chat(tokenizer, conversation: list[dict[str, str]], *,
+def _tool_call(call: ToolCall, param: str) -> dict[str, Any]:
+    """A tool call as chat templates take it: OpenAI's JSON-string ``arguments`` parsed
+    (templates render them with ``tojson``, as in transformers' and vLLM's convention; empty
+    or null is ``{}``). Raises APIError naming ``param``'s arguments if they are not JSON."""
+    args = call.function.arguments
+    if isinstance(args, str) and args.strip():
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as exc:
+            raise APIError(f"{param}.function.arguments is not valid JSON: {exc}",
+                           param=f"{param}.function.arguments") from None
+    out = {"type": call.type, "function": {"name": call.function.name, "arguments": args or {}}}
+    return out if call.id is None else {"id": call.id, **out}
+
+
+def chat_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """A request's ``tools`` as dicts for the chat template (None for none).
+
+    Raises:
+        APIError: 400 naming ``tools[i].type`` for a tool that is not a function.
+    """
+    for i, tool in enumerate(tools or []):
+        if tool.type != "function":
+            raise APIError(f"tools[{i}].type must be 'function', got {tool.type!r}",
+                           param=f"tools[{i}].type")
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
+def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None,
                 param: str = "messages") -> list[int]:
     """Apply the tokenizer's chat template and return the prompt's token ids.
 
-    ``continue_final_message`` leaves the last (assistant) message open so the model
+    ``tools`` (function definitions) go to the template. ``continue_final_message`` leaves the last (assistant) message open so the model
     continues it (and turns ``add_generation_prompt`` off). ``template_kwargs`` are passed to
     the template (they may override the two flags; other ``apply_chat_template`` arguments
     are refused).
@@ -72,7 +114,7 @@ def render_chat(tokenizer, conversation: list[dict[str, str]], *,
                            "'assistant'", param="continue_final_message")
         kwargs["add_generation_prompt"] = False
     try:
-        out = tokenizer.apply_chat_template(conversation, **kwargs)
+        out = tokenizer.apply_chat_template(conversation, tools=tools, **kwargs)
     except APIError:
         raise
     except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(...)
@@ -81,15 +123,18 @@ def render_chat(tokenizer, conversation: list[dict[str, str]], *,
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage], **kwargs) -> list[int]:
-    """:func:`chat_conversation` then :func:`render_chat` (``kwargs`` go to the latter)."""
-    return render_chat(tokenizer, chat_conversation(messages), **kwargs)
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
+                    tools: list[ChatTool] | None = None, **kwargs) -> list[int]:
+    """:func:`chat_conversation` and :func:`chat_tools`, then :func:`render_chat`
+    (``kwargs`` go to the latter)."""
+    return render_chat(tokenizer, chat_conversation(messages), tools=chat_tools(tools),
+                       **kwargs)
 
 
 def _text(message: ChatMessage, i: int) -> str:
     content = message.content
     if content is None:
-        if message.role in ("user", "system"):
+        if message.role in ("user", "system", "developer"):
             raise APIError(f"a {message.role} message needs content (a string or a list of "
                            "text parts), got null", param=f"messages[{i}].content")
         return ""

@@ -123,18 +123,52 @@ class ContentPart(RequestModel):
     text: str | None = None
 
 
+class FunctionCall(RequestModel):
+    """The function an assistant turn called: ``arguments`` is OpenAI's JSON string (an
+    object is taken too)."""
+
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(RequestModel):
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
+    """One turn: ``tool_calls`` on assistant turns, ``tool_call_id`` on tool results;
+    ``name`` names the speaker (or, on a tool message, the function)."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatTool(RequestModel):
+    """A tool the model may call, shown to it by the chat template (calls it writes come back
+    as text: they are not parsed into ``tool_calls``)."""
+
+    type: str
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """``logprobs`` / ``top_logprobs``: OpenAI's chat fields. ``chat_template_kwargs`` go to
-    the chat template; ``add_generation_prompt`` and ``continue_final_message`` are vLLM's
+    """``logprobs`` / ``top_logprobs``: OpenAI's chat fields. ``tools`` and
+    ``chat_template_kwargs`` go to the chat template; ``add_generation_prompt`` and ``continue_final_message`` are vLLM's
     (continue the last, assistant, message instead of starting a new one)."""
 
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -186,12 +220,13 @@ class CompletionRequest(SamplingRequest):
 
 class TokenizeRequest(RequestModel):
     """``/tokenize``: either ``prompt`` (plain encoding) or ``messages`` (chat template,
-    rendered as ``/v1/chat/completions`` renders it: ``chat_template_kwargs``,
+    rendered as ``/v1/chat/completions`` renders it: ``tools``, ``chat_template_kwargs``,
     ``add_generation_prompt`` and ``continue_final_message`` mean the same there)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool | None = True
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False

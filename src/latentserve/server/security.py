@@ -1,4 +1,4 @@
-"""ASGI middleware for the API key and the request body size limit.
+"""ASGI middleware for the API key, the request body size limit and JSON bodies.
 
 API key (when set): required on ``/v1/*``, ``/tokenize`` and ``/detokenize``, given as
 ``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic clients);
@@ -9,6 +9,10 @@ error shape. Keys are compared in constant time.
 Body limit: a ``Content-Length`` above the limit is refused with 413 before the body is
 read; a body without a length (chunked) is counted as it arrives and refused the same way
 when it goes over.
+
+JSON bodies: every POST body is read as JSON whatever its ``Content-Type`` (curl ``-d`` sends
+``application/x-www-form-urlencoded``, some SDKs ``text/plain`` or none), as vLLM does; a body
+that is not JSON is the protocol's 400.
 """
 
 from __future__ import annotations
@@ -86,3 +90,22 @@ class GuardMiddleware:
         response = error_response(path, 413, self._too_large_message(),
                                   code="request_too_large")
         await response(scope, receive, send)
+
+
+class JSONBodies:
+    """Pure ASGI middleware: a POST request whose ``Content-Type`` is missing or not JSON
+    reaches the app as ``application/json``, so its body is parsed (and validated) as
+    JSON rather than refused as "not a JSON object"."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            headers = scope.get("headers", [])
+            given = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+            media = given.split(b";", 1)[0].strip().lower()
+            if not (media == b"application/json" or media.endswith(b"+json")):
+                headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
