@@ -17,6 +17,13 @@ DATASETS = {
     "mult4": ("multiplication/4x4_test.txt", "icot", "digits"),
     "mult5": ("multiplication/5x5_test.txt", "icot", "digits"),
 }
+# Where each data folder's files come from (unchanged upstream copies, MIT licences).
+UPSTREAM = {
+    "gsm8k": "github.com/openai/grade-school-math, grade_school_math/data/ (the iCoT-format "
+             "files: github.com/da03/Internalize_CoT_Step_by_Step, data/gsm8k/)",
+    "prosqa": "github.com/facebookresearch/coconut, data/",
+    "multiplication": "github.com/da03/Internalize_CoT_Step_by_Step, data/{4,5}_by_{4,5}_mult/",
+}
 # What the model is asked to end its answer with, per answer kind (text-CoT prompts).
 INSTRUCTIONS = {
     "number": "Solve the problem step by step, then give the final answer as '#### <number>'.",
@@ -53,7 +60,9 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
     rel, fmt, kind = DATASETS[name]
     p = Path(path) if path else data_root() / rel
     if not p.is_file():
-        raise FileNotFoundError(f"dataset file {p} does not exist")
+        where = ("" if path else f"; set LATENTSERVE_DATA to a directory holding {rel} "
+                 f"(or pass the file), from {UPSTREAM[rel.split('/')[0]]}")
+        raise FileNotFoundError(f"dataset file {p} does not exist{where}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     try:
