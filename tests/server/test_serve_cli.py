@@ -31,3 +31,27 @@ def test_bad_model_path_prints_one_error_line_and_exits_non_zero(tmp_path, kind)
     if kind == "missing":
         assert f"'{model}' does not exist" in lines[-1]
     assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_busy_port_is_one_error_line_before_any_model_loads(tmp_path):
+    """The port is bound before the engine starts: a busy one is refused at once, naming the
+    address (the model path here does not exist, and is never reached)."""
+    import socket
+    import time
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    code = "import sys; from latentserve.cli import main; sys.exit(main(sys.argv[1:]))"
+    start = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", code, "serve", "--model",
+                               str(tmp_path / "never-loaded"), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        busy.close()
+    assert done.returncode != 0 and time.monotonic() - start < 60
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"latentserve: error: cannot listen on 127.0.0.1:{port}"), last
+    assert "never-loaded" not in done.stderr and "Traceback" not in done.stderr

@@ -120,7 +120,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     must do so under ``if __name__ == "__main__":``.
 
     Raises:
-        ValueError: two configs would be served under the same name.
+        ValueError: two configs would be served under the same name, or ``host:port``
+            cannot be bound (checked before any model loads).
         EngineStartupError: an engine could not start (bad model path, load error, ...);
             the engines already started are stopped.
     """
@@ -135,7 +136,12 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     limits = ServerLimits(**{k: v for k, v in (
         ("max_request_body_bytes", max_request_body_bytes),
         ("max_request_output_tokens", max_request_output_tokens)) if v is not None})
-    engines = start_engines(configs, log_level)
+    sock = listen_socket(host, port)  # a busy port fails now, not after the model loads
+    try:
+        engines = start_engines(configs, log_level)
+    except BaseException:
+        sock.close()
+        raise
 
     def stop_engines() -> None:  # all at once: each may wait for its engine to exit
         if len(engines) == 1:
@@ -161,9 +167,26 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                                   drain_timeout)(uvicorn.Config(
             app, host=host, port=port, log_level=log_level,
             timeout_graceful_shutdown=drain_timeout))
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         stop_engines()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 when ``host`` has a colon), for uvicorn to
+    listen on. Raises ValueError naming the address when it cannot be bound (in use, or not
+    an address of this machine)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                         socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server "
+                         f"on that port? choose one with --port)") from None
+    return sock
 
 
 # How long before the drain timeout the requests still running are aborted, seconds.
