@@ -115,7 +115,9 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
                 seen[i, torch.tensor(reqs[i].prompt_ids, dtype=torch.long, device=dev)] = True
         rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype,
                            device=dev)[:, None]
-        scaled = torch.where(logits > 0, logits / rep, logits * rep)
+        # A tiny penalty can overflow a seen logit: held at float32's largest, not inf (NaN).
+        big = torch.finfo(logits.dtype).max
+        scaled = torch.where(logits > 0, logits / rep, logits * rep).clamp(-big, big)
         logits = torch.where(seen, scaled, logits)
     freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)
     pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)
@@ -162,8 +164,10 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         top_p = torch.tensor([p.top_p for p in params], device=dev)
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the mass before it already reaches p (the first token is kept).
+        # Drop a token when the mass before it already reaches p. The first token is always
+        # kept, also for a top_p that float32 flushes to 0 (vLLM keeps one too).
         drop = (cum - sorted_logits.softmax(-1)) >= top_p[:, None]
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_logits)
     probs = logits.softmax(-1)

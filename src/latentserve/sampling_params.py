@@ -8,6 +8,10 @@ from dataclasses import dataclass, field, fields
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
+# float32's largest finite value and smallest normal one: the sampler computes in float32, where
+# larger values overflow to inf and smaller ones lose precision or flush to 0.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 2.0**-126
 # Huginn adaptive-exit semantics (SamplingParams.exit_semantics, EngineConfig.exit_semantics).
 EXIT_SEMANTICS = ("engine", "upstream")
 
@@ -30,6 +34,15 @@ class SamplingParams:
     the output; ``frequency_penalty`` (in [-2, 2]) subtracts ``penalty * count`` for each
     token's count in the output; ``presence_penalty`` (in [-2, 2]) subtracts ``penalty``
     once for every token present in the output.
+
+    float32 (the sampler's precision), as vLLM's rules and beyond them: ``temperature``
+    above ``FLOAT32_MAX`` is refused (it overflows to inf); below ``1e-5`` it is greedy, so
+    a tiny one never divides. ``top_p`` in (0, 1] as vLLM; one that float32 flushes to 0
+    keeps only the most likely token, as vLLM's sampler always keeps one.
+    ``repetition_penalty`` outside ``[FLOAT32_TINY, FLOAT32_MAX]`` is refused (vLLM only
+    asks > 0: a tiny one flushes to 0 or turns every seen logit into inf); within it, logits
+    the division overflows are held at +-``FLOAT32_MAX``. ``min_p`` and the [-2, 2]
+    penalties need no rule: a value float32 flushes to 0 means what 0 means, off.
 
     ``logprobs``: None = none; k >= 0 = the sampled token's log-probability plus the k most
     likely tokens' (0: the sampled token only). They are log-softmax values of the raw model
@@ -142,7 +155,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_num("temperature", self.temperature, lo=0.0)
+        _check_num("temperature", self.temperature, lo=0.0, hi=FLOAT32_MAX)
         _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=-1)
         _check_num("min_p", self.min_p, lo=0.0, hi=1.0)
@@ -155,8 +168,8 @@ class SamplingParams:
             _check_int("stop_token_ids[]", t, lo=0)
         _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        _check_num("repetition_penalty", self.repetition_penalty, lo=0.0, hi=None,
-                   lo_open=True)
+        _check_num("repetition_penalty", self.repetition_penalty, lo=FLOAT32_TINY,
+                   hi=FLOAT32_MAX)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0)
         if self.prompt_logprobs is not None:

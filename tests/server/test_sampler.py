@@ -104,3 +104,36 @@ def test_seeded_sampling_with_penalties_is_reproducible():
 def test_out_of_range_sampling_fields_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_top_p_that_float32_flushes_to_zero_keeps_the_most_likely_token():
+    """top_p 1e-50 is in vLLM's (0, 1] but is 0 in float32: it dropped every token (NaN
+    probabilities, "sampling failed"); the most likely token is always kept."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 3.0]])
+    for seed in range(5):
+        req = _req([0], [], temperature=1.0, top_p=1e-50, seed=seed)
+        req.generator = torch.Generator().manual_seed(seed)
+        assert sample_with_logprobs(logits, [req]).tokens.tolist() == [1]
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("repetition_penalty", 1e-40, ["1.1754943508222875e-38", "1e-40"]),
+    ("repetition_penalty", 1e39, ["3.4028234663852886e+38", "1e+39"]),
+    ("temperature", 1e39, ["3.4028234663852886e+38", "1e+39"]),
+])
+def test_values_float32_cannot_represent_are_refused_by_name(field, value, words):
+    with pytest.raises(ValueError, match=field) as info:
+        SamplingParams(**{field: value})
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_tiny_repetition_penalty_keeps_logits_finite():
+    """A penalty in float32's range can still overflow a seen logit (50 / 1e-37): held at
+    float32's largest, the seen tokens win and sampling never meets inf - inf = NaN."""
+    logits = torch.tensor([[50.0, 60.0, 1.0, 70.0]])
+    req = _req([0, 1], [], temperature=1.0, repetition_penalty=1e-37, seed=0)
+    req.generator = torch.Generator().manual_seed(0)
+    penalized = apply_penalties(logits, [req])
+    assert torch.isfinite(penalized).all()
+    assert sample_with_logprobs(logits, [req]).tokens.item() in (0, 1)

@@ -10,12 +10,21 @@ from latentserve.server.errors import APIError, param_from_value_error
 from latentserve.server.protocol import SamplingRequest
 from latentserve.server.state import ServerLimits
 
-# OpenAI features not implemented, with the values that mean "not used" (chat declares
-# ``tools``: they go to the chat template; a forced tool call would need a parser).
+# The body fields, OpenAI's and vLLM's, that change the output and are not implemented, with
+# the values that mean "not used"; any other value is a 400 naming the field (a client must
+# not get a 200 that ignored it). Chat's ``echo`` and ``chat_template`` are vLLM's; chat
+# declares ``tools`` (they go to the chat template; a forced tool call would need a parser).
 _UNSUPPORTED = {
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}), "prompt_logprobs": (None, 0),
+    "guided_json": (None,), "guided_choice": (None,), "guided_regex": (None,),
+    "guided_grammar": (None,), "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
+    "prompt_embeds": (None,), "min_tokens": (None, 0),
+    "include_stop_str_in_output": (None, False),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "chat_template": (None,),
+    "echo": (None, False),
 }
 
 
@@ -27,8 +36,9 @@ def check_common(request: SamplingRequest, served_model: str, limits: ServerLimi
     """
     for name, value in (request.model_extra or {}).items():
         if name in _UNSUPPORTED and not any(_same(value, ok) for ok in _UNSUPPORTED[name]):
-            raise APIError(f"{name} is not supported by this server (got {value!r})",
-                           param=name)
+            got = repr(value)
+            got = got if len(got) <= 80 else got[:77] + "..."
+            raise APIError(f"{name} is not supported by this server (got {got})", param=name)
     check_model(request.model, served_model)
     n = 1 if request.n is None else request.n
     if not 1 <= n <= limits.max_n:
