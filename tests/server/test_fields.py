@@ -16,6 +16,8 @@ REFUSED = [
     ("min_tokens", 5), ("include_stop_str_in_output", True), ("bad_words", ["the"]),
     ("allowed_token_ids", [5, 6]), ("chat_template", "{{ messages[0].content }}"),
     ("echo", True), ("response_format", {"type": "json_object"}),
+    ("truncate_prompt_tokens", 3), ("use_beam_search", True), ("length_penalty", 0.5),
+    ("logits_processors", ["x"]), ("spaces_between_special_tokens", False),
 ]
 
 

@@ -24,7 +24,9 @@ _UNSUPPORTED = {
     "prompt_embeds": (None,), "min_tokens": (None, 0),
     "include_stop_str_in_output": (None, False),
     "bad_words": (None, []), "allowed_token_ids": (None,), "chat_template": (None,),
-    "echo": (None, False),
+    "echo": (None, False), "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0), "logits_processors": (None, []),
+    "spaces_between_special_tokens": (None, True),
 }
 
 
