@@ -60,6 +60,32 @@ def test_health_reports_ready_and_kv_slots(http):
     assert health["status"] == "ok" and health["ready"] is True
     assert health["kv_slots_total"] > 0
     assert 0 <= health["kv_slots_free"] <= health["kv_slots_total"]
+    assert 0 <= health["engine_stats_age_s"] < 1.0  # an idle engine answers at once
+
+
+def test_health_answers_at_once_while_the_engine_is_busy(http, server):
+    """While the engine process cannot answer (stopped here with SIGSTOP, as a long step
+    would keep it), /health answers within a second from the last stats and their age."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    http.get("/health")  # fresh stats to fall back on
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    (pid,) = [p.pid for p in children if "spawn_main" in " ".join(p.cmdline())
+              and "resource_tracker" not in " ".join(p.cmdline())]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.5)
+        start = time.monotonic()
+        health = http.get("/health").json()
+        took = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert took < 1.0 and health["status"] == "ok"
+    assert health["engine"] is not None and health["engine_stats_age_s"] >= 0.5
 
 
 def _metric(text: str, name: str) -> float:

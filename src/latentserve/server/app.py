@@ -3,11 +3,15 @@
 # NOTE: no ``from __future__ import annotations`` here: FastAPI reads the route functions'
 # annotations, and the request models are imported inside create_app.
 
+import time
 from collections.abc import Callable
 
 from latentserve.server.state import ServedModels, ServerState
 
 STATS_TIMEOUT_S = 5.0
+# /health waits this long for fresh engine stats, then answers with the last ones and their
+# age (an engine busy with a long step must not make the health check time out).
+HEALTH_STATS_WAIT_S = 0.25
 
 
 def create_app(state: ServerState | list[ServerState] | ServedModels,
@@ -24,9 +28,10 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/messages``
     (Anthropic), ``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``POST /tokenize``,
-    ``POST /detokenize``, ``GET /health`` (the engine's live stats, including
-    ``kv_slots_free`` / ``kv_slots_cached`` / ``kv_slots_total``; 503 once the engine
-    process is gone), ``GET /version``, ``GET /metrics`` (Prometheus). ``api_key`` (None: no
+    ``POST /detokenize``, ``GET /health`` (the engine's stats, including
+    ``kv_slots_free`` / ``kv_slots_cached`` / ``kv_slots_total``: live, or when the engine
+    does not answer within ``HEALTH_STATS_WAIT_S`` (a long step) the last ones,
+    ``engine_stats_age_s`` old; 503 once the engine process is gone), ``GET /version``, ``GET /metrics`` (Prometheus). ``api_key`` (None: no
     authentication) and the first model's ``limits.max_request_body_bytes`` are enforced by
     ``security.GuardMiddleware``; POST bodies are JSON whatever their ``Content-Type``
     (``security.JSONBodies``). The clients are started and closed by the app's lifespan,
@@ -175,10 +180,12 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         client = s.client
         if client.dead_reason is not None:
             return {"model": s.model_name, "status": "error", "reason": client.dead_reason}
-        stats = await client.get_stats(STATS_TIMEOUT_S)
+        stats = await client.get_stats(HEALTH_STATS_WAIT_S)
+        age = (None if client.last_stats_at is None
+               else round(time.monotonic() - client.last_stats_at, 3))
         body = {"model": s.model_name, "status": "ok", "ready": True,
                 "running": client.num_running, "aborts_sent": client.num_aborts_sent,
-                "engine": stats}
+                "engine": stats, "engine_stats_age_s": age}
         if stats:
             for key in ("kv_slots_free", "kv_slots_cached", "kv_slots_total"):
                 body[key] = stats[key]

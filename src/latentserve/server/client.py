@@ -62,6 +62,7 @@ class EngineClient:
         self.dead_reason: str | None = None
         self.num_aborts_sent = 0
         self.last_stats: dict[str, int] | None = None
+        self.last_stats_at: float | None = None  # time.monotonic() of last_stats
         self._queues: dict[str, asyncio.Queue] = {}
         self._aborted: set[str] = set()  # running rids already aborted
         # rid -> time of an abort that came before the request was sent (a client that hung
@@ -252,7 +253,7 @@ class EngineClient:
                 cls = EngineInternalError if message.internal else EngineRequestError
                 queue.put_nowait(cls(message.error))
         elif isinstance(message, EngineStats):
-            self.last_stats = message.stats
+            self.last_stats, self.last_stats_at = message.stats, time.monotonic()
             waiter = self._stats_waiters.get(message.token)
             if waiter is not None and not waiter.done():
                 waiter.set_result(message.stats)
