@@ -129,7 +129,7 @@ class _FailingClient:
     dead_reason = None
     num_running = 0
     num_aborts_sent = 0
-    last_stats = None
+    last_stats = last_stats_at = None
 
     async def start(self):
         pass

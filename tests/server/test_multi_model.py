@@ -286,7 +286,7 @@ class _StandIn:
 
     num_running = 0
     num_aborts_sent = 0
-    last_stats = None
+    last_stats = last_stats_at = None
 
     def __init__(self, dead: bool = False):
         self.dead_reason = "engine process exited" if dead else None

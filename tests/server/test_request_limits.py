@@ -15,7 +15,7 @@ class _StandInClient:
     dead_reason = None
     num_running = 0
     num_aborts_sent = 0
-    last_stats = None
+    last_stats = last_stats_at = None
 
     def __init__(self, refuse: str | None = None):
         self.refuse = refuse

@@ -104,3 +104,35 @@ def test_requests_left_at_the_drain_timeout_end_cleanly_then_the_server_exits(
         srv.proc.wait(30)
     finally:
         srv.stop()
+
+
+def test_a_killed_engine_is_logged_and_the_server_exits_non_zero(scripted_model_dir):
+    """With its only engine process killed, the server logs it, fails the stream in flight
+    (an error event, no hang) and exits non-zero within seconds, so a supervisor restarts
+    it (before: it answered 503 forever, with no log line)."""
+    import psutil
+
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+
+    srv = start_server(EngineConfig(model=str(scripted_model_dir), max_num_seqs=2),
+                       timeout=300)
+    try:
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        (engine,) = [p for p in children if "spawn_main" in " ".join(p.cmdline())
+                     and "resource_tracker" not in " ".join(p.cmdline())]
+        body = {"prompt": [A], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c, \
+                c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            engine.kill()
+            rest = list(lines)  # ends: the engine's death fails the stream
+        assert first.startswith("data: {") and '"error"' not in first, first
+        assert any('"error"' in line for line in rest), rest[-3:]
+        code = srv.proc.wait(timeout=30)
+        assert code != 0
+        log = srv.log_tail(20000)
+        assert "the engine of" in log and "stopped" in log and "server exits" in log, log
+    finally:
+        srv.stop()

@@ -71,6 +71,8 @@ class EngineClient:
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_token = 0
         self._checks: dict[str, asyncio.Future] = {}  # rid -> check_request's answer
+        # called once, with the reason, when the engine is found gone (server: log, exit)
+        self.on_dead: Callable[[str], None] | None = None
         self._ctx = self._actx = self._push = self._pull = None
         self._task: asyncio.Task | None = None
 
@@ -266,6 +268,8 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         if self.dead_reason is None:  # keep the first reason (EngineFailed's, with the cause)
             self.dead_reason = reason
+            if self.on_dead is not None:
+                self.on_dead(reason)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
         for waiter in self._stats_waiters.values():

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
+import logging
 import os
 import signal
 import socket
@@ -21,6 +23,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from latentserve.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 API_KEY_ENV = "LATENTSERVE_API_KEY"
 # Set by a supervising process (``--data-parallel-size``): the server stops (as on SIGTERM)
@@ -119,9 +123,15 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     The engine process is started with multiprocessing's ``spawn``: a script calling this
     must do so under ``if __name__ == "__main__":``.
 
+    When every engine process has stopped (killed, crashed), the error is logged, the
+    in-flight requests fail, and the server exits with RuntimeError (a supervisor restarts
+    it); while some models still have an engine, the others keep serving (``/health``
+    says ``degraded``).
+
     Raises:
         ValueError: two configs would be served under the same name, or ``host:port``
             cannot be bound (checked before any model loads).
+        RuntimeError: every engine process stopped while serving.
         EngineStartupError: an engine could not start (bad model path, load error, ...);
             the engines already started are stopped.
     """
@@ -167,7 +177,20 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                                   drain_timeout)(uvicorn.Config(
             app, host=host, port=port, log_level=log_level,
             timeout_graceful_shutdown=drain_timeout))
+
+        def engine_gone(name: str, reason: str) -> None:
+            log.error("the engine of %s stopped: %s", name, reason)
+            if all(s.client.dead_reason for s in served.states):
+                log.error("no engine is left: the server exits")
+                server.should_exit = True
+
+        for st in served.states:
+            st.client.on_dead = functools.partial(engine_gone, st.model_name)
         server.run(sockets=[sock])
+        gone = [s for s in served.states if s.client.dead_reason]
+        if gone and len(gone) == len(served.states):
+            raise RuntimeError(f"the engine process stopped ({gone[0].client.dead_reason}); "
+                               f"the server exited")
     finally:
         sock.close()
         stop_engines()
