@@ -136,3 +136,50 @@ def test_a_killed_engine_is_logged_and_the_server_exits_non_zero(scripted_model_
         assert "the engine of" in log and "stopped" in log and "server exits" in log, log
     finally:
         srv.stop()
+
+
+def test_a_killed_api_server_ends_its_busy_engine_within_seconds(scripted_model_dir):
+    """SIGKILL of the API server while its engine is busy with long streams: the engine
+    notices its parent is gone at its next step and exits (before: it ran every request to
+    the end, queueing outputs nobody reads)."""
+    import threading
+
+    import psutil
+
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+
+    srv = start_server(EngineConfig(model=str(scripted_model_dir), max_num_seqs=8),
+                       timeout=300)
+    try:
+        children = psutil.Process(srv.proc.pid).children(recursive=True)
+        (engine,) = [p for p in children if "spawn_main" in " ".join(p.cmdline())
+                     and "resource_tracker" not in " ".join(p.cmdline())]
+        card = httpx.get(f"{srv.base_url}/v1/models", timeout=30).json()["data"][0]
+        body = {"prompt": [A], "max_tokens": card["max_model_len"] - 2, "ignore_eos": True,
+                "stream": True}
+        started = threading.Barrier(9)
+
+        def stream():
+            try:
+                with httpx.Client(base_url=srv.base_url, timeout=60) as c, \
+                        c.stream("POST", "/v1/completions", json=body) as r:
+                    lines = r.iter_lines()
+                    next(lines)
+                    started.wait(30)
+                    for _ in lines:
+                        pass
+            except (httpx.HTTPError, threading.BrokenBarrierError):
+                pass
+
+        threads = [threading.Thread(target=stream) for _ in range(8)]
+        for t in threads:
+            t.start()
+        started.wait(30)
+        srv.proc.send_signal(signal.SIGKILL)
+        gone, alive = psutil.wait_procs([engine], timeout=5)
+        assert not alive, "the engine outlived its API server"
+        for t in threads:
+            t.join(30)
+    finally:
+        srv.stop()

@@ -43,6 +43,7 @@ from latentserve.server.messages import (
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 1000  # idle wake-up, only to notice a dead parent
+_SEND_TIMEOUT_MS = 1000  # a send waiting for the API process rechecks that it exists
 # Forward failures in a row (with no good step between) after which the engine gives up.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
@@ -91,6 +92,9 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         inbox.bind(addresses.input)
         outbox = ctx.socket(zmq.PUSH)
         outbox.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped
+        # A PUSH socket with no peer blocks its sender: wake up to check that the API
+        # process still exists (EngineLoop._send).
+        outbox.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         outbox.bind(addresses.output)
         ready = Ready(engine.model_name, engine.max_model_len,
                       getattr(engine, "vocab_size", None), engine.tokenizer,
@@ -136,12 +140,12 @@ class EngineLoop:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
         while self.running:
+            if self._parent_gone():  # every step: nobody reads the outputs of a busy engine
+                log.info("parent process is gone; engine exits")
+                return
             busy = self.engine.has_unfinished_requests()
             if poller.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain()
-            elif not busy and self._parent_gone():
-                log.info("parent process is gone; engine exits")
-                return
             elif not busy and (gone := self._workers_gone()):
                 self._fail_engine(gone)
                 raise RuntimeError(gone)
@@ -164,19 +168,19 @@ class EngineLoop:
             try:
                 if message.check_only:
                     self.engine.check_request(message.prompt_token_ids, message.params)
-                    self.outbox.send(dumps(RequestChecked(message.rid)))
+                    self._send(RequestChecked(message.rid))
                 else:
                     self.engine.add_request(message.rid, message.prompt_token_ids,
                                             message.params)
             except Exception as exc:  # noqa: BLE001 - any rejection goes back to the caller
-                self.outbox.send(dumps(RequestFailed(message.rid, str(exc))))
+                self._send(RequestFailed(message.rid, str(exc)))
         elif isinstance(message, Abort):
             try:
                 self.engine.abort_request(message.rid)
             except Exception:  # noqa: BLE001 - aborting a finished request is harmless
                 log.debug("abort of %s ignored", message.rid, exc_info=True)
         elif isinstance(message, GetStats):
-            self.outbox.send(dumps(EngineStats(message.token, self.engine.stats())))
+            self._send(EngineStats(message.token, self.engine.stats()))
         elif isinstance(message, Shutdown):
             self.running = False
         else:
@@ -197,7 +201,7 @@ class EngineLoop:
             return
         self.failed_steps = 0
         if outputs:
-            self.outbox.send(dumps(StepOutputs(outputs)))
+            self._send(StepOutputs(outputs))
 
     def _fail_running(self, error: str) -> None:
         """Abort every admitted request (its KV is released) and tell its caller."""
@@ -206,12 +210,29 @@ class EngineLoop:
                 self.engine.abort_request(req.rid)
             except Exception:  # noqa: BLE001 - keep failing the others
                 log.exception("could not abort %s", req.rid)
-            self.outbox.send(dumps(RequestFailed(req.rid, error, internal=True)))
+            self._send(RequestFailed(req.rid, error, internal=True))
 
     def _fail_engine(self, error: str) -> None:
         """Tell the server this engine is gone for good (it then answers 503)."""
         log.error("engine failed: %s", error)
-        self.outbox.send(dumps(EngineFailed(error)))
+        self._send(EngineFailed(error))
+
+    def _send(self, message: object) -> None:
+        """Send ``message`` to the API process. While it has no reader (the API process
+        reconnecting, or gone), wait; once the parent process is gone, drop it and stop the
+        loop (nobody will read it)."""
+        import zmq
+
+        data = dumps(message)
+        while True:
+            try:
+                self.outbox.send(data)
+                return
+            except zmq.Again:
+                if self._parent_gone():
+                    log.info("parent process is gone; engine exits")
+                    self.running = False
+                    return
 
     def _workers_gone(self) -> str | None:
         """Why the engine cannot step any more because a tensor-parallel worker exited."""
