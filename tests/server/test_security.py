@@ -30,6 +30,14 @@ def test_x_api_key_works_on_openai_routes_too(server):
     assert r.status_code == 200
 
 
+def test_docs_and_schema_need_the_key(server):
+    """The interactive docs and the OpenAPI schema list every route: behind the key."""
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{server.base_url}{path}").status_code == 401, path
+        ok = httpx.get(f"{server.base_url}{path}", headers={"x-api-key": API_KEY})
+        assert ok.status_code == 200, path
+
+
 def test_health_version_and_metrics_need_no_key(server):
     for path in ("/health", "/version", "/metrics"):
         assert httpx.get(f"{server.base_url}{path}").status_code == 200, path

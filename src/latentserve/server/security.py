@@ -1,6 +1,7 @@
 """ASGI middleware for the API key, the request body size limit and JSON bodies.
 
-API key (when set): required on ``/v1/*``, ``/tokenize`` and ``/detokenize``, given as
+API key (when set): required on ``/v1/*``, ``/tokenize``, ``/detokenize`` and the docs
+(``/docs``, ``/redoc``, ``/openapi.json``), given as
 ``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic clients);
 either header works on every protected route. ``/health``, ``/version`` and ``/metrics``
 stay open (load balancers and scrapers). A missing or wrong key is a 401 in the route's
@@ -22,8 +23,12 @@ import hmac
 from latentserve.server.errors import error_response
 
 
+# The interactive docs and the schema describe every route: behind the key as the API is.
+_DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
 def _protected(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", *_DOCS)
 
 
 class GuardMiddleware:
