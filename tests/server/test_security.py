@@ -68,3 +68,55 @@ def test_error_bodies_carry_no_traceback(http):
     r = http.post("/v1/completions", content=b'{"prompt": [1, "x"]}',
                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "Traceback" not in r.text and 'File "' not in r.text
+
+
+def test_cors_preflight_and_responses_with_vllms_defaults(server):
+    """A browser's preflight (OPTIONS, no key) is answered, and responses carry the CORS
+    header, with vLLM's defaults (every origin, method and header)."""
+    origin = {"Origin": "http://page.example"}
+    pre = httpx.options(f"{server.base_url}/v1/chat/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert pre.status_code == 200, pre.text
+    assert pre.headers["access-control-allow-origin"] == "*"
+    r = httpx.get(f"{server.base_url}/v1/models", headers={**origin, "x-api-key": API_KEY})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_origins_can_be_restricted(smollm2_tokenizer):
+    from fastapi.testclient import TestClient
+
+    from latentserve.server.app import create_app
+    from latentserve.server.state import ServerState
+
+    class Idle:  # an engine client that is never asked for anything here
+        dead_reason = last_stats = last_stats_at = None
+        num_running = num_aborts_sent = 0
+
+        async def start(self):
+            pass
+
+        async def close(self):
+            pass
+
+    cors = {"allow_origins": ["http://ok.example"], "allow_methods": ["*"],
+            "allow_headers": ["*"], "allow_credentials": False}
+    app = create_app(ServerState(Idle(), smollm2_tokenizer, "m", 256, 49152), cors=cors)
+    with TestClient(app) as client:
+        for origin, allowed in (("http://ok.example", True), ("http://other.example", False)):
+            pre = client.options("/v1/completions", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST"})
+            assert (pre.headers.get("access-control-allow-origin") == origin) is allowed
+
+
+def test_serve_flags_reach_the_cors_options():
+    import argparse
+
+    from latentserve.server.launch import add_server_args, server_kwargs
+
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    args = p.parse_args(["--allowed-origins", '["http://a.example"]', "--allow-credentials"])
+    assert server_kwargs(args)["cors"] == {
+        "allow_origins": ["http://a.example"], "allow_methods": ["*"], "allow_headers": ["*"],
+        "allow_credentials": True}

@@ -12,10 +12,14 @@ STATS_TIMEOUT_S = 5.0
 # /health waits this long for fresh engine stats, then answers with the last ones and their
 # age (an engine busy with a long step must not make the health check time out).
 HEALTH_STATS_WAIT_S = 0.25
+# CORS as vLLM's server defaults it: every origin, method and header, no credentials.
+DEFAULT_CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"],
+                "allow_credentials": False}
 
 
 def create_app(state: ServerState | list[ServerState] | ServedModels,
-               on_shutdown: Callable[[], None] | None = None, api_key: str | None = None):
+               on_shutdown: Callable[[], None] | None = None, api_key: str | None = None,
+               cors: dict | None = None):
     """Build the app around (not yet started) engine clients and their engines' facts: one
     ``ServerState`` per served model (a list, or one state for a single model).
 
@@ -33,7 +37,8 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     does not answer within ``HEALTH_STATS_WAIT_S`` (a long step) the last ones,
     ``engine_stats_age_s`` old; 503 once the engine process is gone), ``GET /version``, ``GET /metrics`` (Prometheus). ``api_key`` (None: no
     authentication) and the first model's ``limits.max_request_body_bytes`` are enforced by
-    ``security.GuardMiddleware``; POST bodies are JSON whatever their ``Content-Type``
+    ``security.GuardMiddleware``; ``cors`` (None: ``DEFAULT_CORS``) configures Starlette's
+    ``CORSMiddleware``; POST bodies are JSON whatever their ``Content-Type``
     (``security.JSONBodies``). The clients are started and closed by the app's lifespan,
     inside uvicorn's event loop; ``on_shutdown`` runs last (uvicorn re-raises SIGTERM after
     its shutdown, so cleanup cannot wait until after ``uvicorn.run`` returns).
@@ -100,7 +105,11 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     app.add_middleware(JSONBodies)
     app.add_middleware(GuardMiddleware, api_key=api_key,
                        max_body_bytes=served.first.limits.max_request_body_bytes)
-    app.add_middleware(RequestIdEcho)  # outermost: 401s and 413s echo the id too
+    app.add_middleware(RequestIdEcho)  # 401s and 413s echo the id too
+    from starlette.middleware.cors import CORSMiddleware
+
+    # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check
+    app.add_middleware(CORSMiddleware, **(cors or DEFAULT_CORS))
 
     def as_json(result):
         if isinstance(result, (JSONResponse, dict)) or not hasattr(result, "model_dump"):

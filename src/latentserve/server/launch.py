@@ -106,7 +106,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                port: int = 8000, log_level: str = "info", api_key: str | None = None,
                max_request_body_bytes: int | None = None,
                drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
-               max_request_output_tokens: int | None = None) -> None:
+               max_request_output_tokens: int | None = None,
+               cors: dict | None = None) -> None:
     """Start the engine process (one per config for a list: several models, each served
     under its own name), wait until its model is loaded and warmed up, then serve
     HTTP with uvicorn until SIGINT/SIGTERM; the engine processes are stopped on the way out
@@ -114,6 +115,9 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
 
     ``api_key``: required from clients on the API routes (None: open).
     ``max_request_body_bytes``: larger bodies get a 413 (None: 16 MiB).
+    ``cors``: Starlette ``CORSMiddleware`` options (``allow_origins``, ``allow_methods``,
+    ``allow_headers``, ``allow_credentials``); None: vLLM's defaults (every origin, method
+    and header; no credentials).
     ``max_request_output_tokens``: a request whose prompts x n x max_tokens is larger gets a
     400 (None: ``ServerLimits``' default, 2**21).
     ``drain_timeout``: on SIGTERM/SIGINT the server stops accepting connections and lets
@@ -172,7 +176,7 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                                       ready.max_model_len, ready.vocab_size, limits=limits,
                                       latent_spec=ready.latent_spec))
         served = ServedModels(states)
-        app = create_app(served, on_shutdown=stop_engines, api_key=api_key)
+        app = create_app(served, on_shutdown=stop_engines, api_key=api_key, cors=cors)
         server = _draining_server(uvicorn, [s.client for s in served.states],
                                   drain_timeout)(uvicorn.Config(
             app, host=host, port=port, log_level=log_level,
@@ -293,14 +297,14 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  max_request_body_bytes: int | None = None,
                  drain_timeout: float | None = None,
                  max_request_output_tokens: int | None = None,
-                 log_level: str | None = None) -> ServerProcess:
+                 log_level: str | None = None, cors: dict | None = None) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
     ``port`` None picks a free one. Output goes to ``log_path`` (a temp file if None);
     ``log_level`` is the server's ``--log-level`` (None: info).
-    ``api_key``, ``max_request_body_bytes``, ``drain_timeout`` and
-    ``max_request_output_tokens`` are :func:`run_server`'s
+    ``api_key``, ``max_request_body_bytes``, ``drain_timeout``,
+    ``max_request_output_tokens`` and ``cors`` are :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
 
     Raises:
@@ -330,6 +334,12 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
         cmd += ["--max-request-output-tokens", str(max_request_output_tokens)]
     if log_level is not None:
         cmd += ["--log-level", log_level]
+    for key, flag in (("allow_origins", "--allowed-origins"), ("allow_methods",
+                      "--allowed-methods"), ("allow_headers", "--allowed-headers")):
+        if cors is not None and key in cors:
+            cmd += [flag, json.dumps(cors[key])]
+    if cors is not None and cors.get("allow_credentials"):
+        cmd += ["--allow-credentials"]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     child_env.pop(API_KEY_ENV, None)
     if api_key is not None:
@@ -376,6 +386,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-output-tokens", type=int, default=None,
                         help="refuse a request whose prompts x n x max_tokens exceeds this "
                              f"(default {DEFAULT_MAX_REQUEST_OUTPUT_TOKENS})")
+    # CORS, with vLLM's flags and defaults (vllm/entrypoints/openai/cli_args.py).
+    parser.add_argument("--allowed-origins", type=json.loads, default=["*"],
+                        help='CORS: origins allowed, a JSON list (default ["*"])')
+    parser.add_argument("--allowed-methods", type=json.loads, default=["*"],
+                        help='CORS: methods allowed, a JSON list (default ["*"])')
+    parser.add_argument("--allowed-headers", type=json.loads, default=["*"],
+                        help='CORS: request headers allowed, a JSON list (default ["*"])')
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: allow credentials (cookies, auth headers) cross-site")
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
@@ -384,7 +403,11 @@ def server_kwargs(args: argparse.Namespace) -> dict:
     return {"api_key": args.api_key or os.environ.get(API_KEY_ENV) or None,
             "max_request_body_bytes": args.max_request_body_bytes,
             "drain_timeout": args.drain_timeout,
-            "max_request_output_tokens": args.max_request_output_tokens}
+            "max_request_output_tokens": args.max_request_output_tokens,
+            "cors": {"allow_origins": args.allowed_origins,
+                     "allow_methods": args.allowed_methods,
+                     "allow_headers": args.allowed_headers,
+                     "allow_credentials": args.allow_credentials}}
 
 
 def main(argv: list[str] | None = None) -> None:
