@@ -24,13 +24,15 @@ class APIError(Exception):
     """An error answered to the client as an OpenAI error body."""
 
     def __init__(self, message: str, *, status_code: int = 400, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error"):
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers  # response headers (Retry-After on a 503 "overloaded")
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -138,8 +140,12 @@ def install_error_handlers(app) -> None:
     from latentserve.models.checkpoint import NoTokenizerError
 
     def reply(request, err: APIError, headers=None):
-        return error_response(request.url.path, err.status_code, err.message, err.type,
-                              err.param, err.code, headers)
+        path = request.url.path
+        status = err.status_code
+        if err.code == "overloaded" and is_anthropic_path(path):
+            status = 529  # Anthropic's overloaded_error
+        return error_response(path, status, err.message, err.type, err.param, err.code,
+                              headers or err.headers)
 
     async def on_api_error(request, exc: APIError):
         return reply(request, exc)

@@ -107,7 +107,7 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                max_request_body_bytes: int | None = None,
                drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
                max_request_output_tokens: int | None = None,
-               cors: dict | None = None) -> None:
+               cors: dict | None = None, max_waiting_requests: int | None = None) -> None:
     """Start the engine process (one per config for a list: several models, each served
     under its own name), wait until its model is loaded and warmed up, then serve
     HTTP with uvicorn until SIGINT/SIGTERM; the engine processes are stopped on the way out
@@ -119,7 +119,9 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     ``allow_headers``, ``allow_credentials``); None: vLLM's defaults (every origin, method
     and header; no credentials).
     ``max_request_output_tokens``: a request whose prompts x n x max_tokens is larger gets a
-    400 (None: ``ServerLimits``' default, 2**21).
+    400 (None: ``ServerLimits``' default, 2**21). ``max_waiting_requests``: requests that
+    may wait for one of a model's ``max_num_seqs`` seats before new ones get a 503 with
+    ``Retry-After`` (None: no limit).
     ``drain_timeout``: on SIGTERM/SIGINT the server stops accepting connections and lets
     running requests finish for up to this many seconds, then cancels what is left (those
     engine requests are aborted) and stops the engine.
@@ -149,7 +151,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     check_model_names(configs)
     limits = ServerLimits(**{k: v for k, v in (
         ("max_request_body_bytes", max_request_body_bytes),
-        ("max_request_output_tokens", max_request_output_tokens)) if v is not None})
+        ("max_request_output_tokens", max_request_output_tokens),
+        ("max_waiting_requests", max_waiting_requests)) if v is not None})
     sock = listen_socket(host, port)  # a busy port fails now, not after the model loads
     try:
         engines = start_engines(configs, log_level)
@@ -168,13 +171,14 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
 
     try:
         states = []
-        for engine in engines:
+        for engine, cfg in zip(engines, configs):
             ready = engine.ready
             client = EngineClient(engine.addresses.input, engine.addresses.output,
                                   is_alive=engine.is_alive)
             states.append(ServerState(client, ready.tokenizer, ready.model_name,
                                       ready.max_model_len, ready.vocab_size, limits=limits,
-                                      latent_spec=ready.latent_spec))
+                                      latent_spec=ready.latent_spec,
+                                      max_num_seqs=cfg.max_num_seqs))
         served = ServedModels(states)
         app = create_app(served, on_shutdown=stop_engines, api_key=api_key, cors=cors)
         server = _draining_server(uvicorn, [s.client for s in served.states],
@@ -297,14 +301,16 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  max_request_body_bytes: int | None = None,
                  drain_timeout: float | None = None,
                  max_request_output_tokens: int | None = None,
-                 log_level: str | None = None, cors: dict | None = None) -> ServerProcess:
+                 log_level: str | None = None, cors: dict | None = None,
+                 max_waiting_requests: int | None = None) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
     ``port`` None picks a free one. Output goes to ``log_path`` (a temp file if None);
     ``log_level`` is the server's ``--log-level`` (None: info).
     ``api_key``, ``max_request_body_bytes``, ``drain_timeout``,
-    ``max_request_output_tokens`` and ``cors`` are :func:`run_server`'s
+    ``max_request_output_tokens``, ``max_waiting_requests`` and ``cors`` are
+    :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
 
     Raises:
@@ -334,6 +340,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
         cmd += ["--max-request-output-tokens", str(max_request_output_tokens)]
     if log_level is not None:
         cmd += ["--log-level", log_level]
+    if max_waiting_requests is not None:
+        cmd += ["--max-waiting-requests", str(max_waiting_requests)]
     for key, flag in (("allow_origins", "--allowed-origins"), ("allow_methods",
                       "--allowed-methods"), ("allow_headers", "--allowed-headers")):
         if cors is not None and key in cors:
@@ -386,6 +394,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-output-tokens", type=int, default=None,
                         help="refuse a request whose prompts x n x max_tokens exceeds this "
                              f"(default {DEFAULT_MAX_REQUEST_OUTPUT_TOKENS})")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="requests that may wait for a seat (beyond --max-num-seqs) "
+                             "before new ones get 503 + Retry-After (529 on /v1/messages); "
+                             "default: no limit")
     # CORS, with vLLM's flags and defaults (vllm/entrypoints/openai/cli_args.py).
     parser.add_argument("--allowed-origins", type=json.loads, default=["*"],
                         help='CORS: origins allowed, a JSON list (default ["*"])')
@@ -404,6 +416,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
             "max_request_body_bytes": args.max_request_body_bytes,
             "drain_timeout": args.drain_timeout,
             "max_request_output_tokens": args.max_request_output_tokens,
+            "max_waiting_requests": args.max_waiting_requests,
             "cors": {"allow_origins": args.allowed_origins,
                      "allow_methods": args.allowed_methods,
                      "allow_headers": args.allowed_headers,

@@ -99,7 +99,27 @@ def _abort_all(state, reqs: list[EngineRequest]) -> Callable[[], None]:
     return abort
 
 
+RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait, seconds
+
+
+def check_capacity(state, n: int) -> None:
+    """Refuse ``n`` more engine requests when they would leave more than
+    ``state.limits.max_waiting_requests`` requests waiting for one of the engine's
+    ``max_num_seqs`` seats: a 503 ``overloaded`` with ``Retry-After`` (529 on
+    ``/v1/messages``), instead of a queue whose latency grows without bound."""
+    limit, seats = state.limits.max_waiting_requests, state.max_num_seqs
+    if limit is None or seats is None:
+        return
+    waiting = state.client.num_running + n - seats
+    if waiting > limit:
+        raise APIError(f"the server is overloaded ({state.client.num_running} requests "
+                       f"running or waiting, {seats} seats, at most {limit} may wait); retry "
+                       f"later", status_code=503, type="server_error", code="overloaded",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def _deltas(state, reqs: list[EngineRequest], arrival: float | None):
+    check_capacity(state, len(reqs))
     return merge([generate_text(state, r.rid, r.prompt_ids, r.params, arrival) for r in reqs])
 
 

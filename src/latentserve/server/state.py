@@ -24,10 +24,12 @@ class ServerLimits:
     ``max_request_output_tokens``: the total work of one request, the sum of ``max_tokens``
     (as resolved: unset means up to the end of the context) over its prompts and ``n``
     choices. ``max_tokens`` and the prompt length are each bounded by the model's context
-    (``max_model_len``).
+    (``max_model_len``). ``max_waiting_requests`` (None: no limit): engine requests that
+    may wait for a seat (beyond the engine's ``max_num_seqs``) before new ones get a 503
+    ``overloaded`` with ``Retry-After`` (``serving.check_capacity``).
 
     Raises:
-        ValueError: a limit below 1, naming it.
+        ValueError: a limit below 1 (``max_waiting_requests``: below 0), naming it.
     """
 
     max_n: int = 16
@@ -36,12 +38,16 @@ class ServerLimits:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
     max_stop: int = 64
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_prompts", "max_logprobs", "max_request_body_bytes",
                      "max_request_output_tokens", "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got "
+                             f"{self.max_waiting_requests}")
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     metrics: Any = None
     latent_spec: Any = None  # the served model's LatentSpec, or None for a plain model
+    max_num_seqs: int | None = None  # the engine's seats (for max_waiting_requests)
 
 
 class ServedModels:
