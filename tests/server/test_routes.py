@@ -123,3 +123,29 @@ def test_metrics_prefix_cache_hits_count_a_repeated_prompt(http):
     hits = (_metric(after, "latentserve_prefix_cache_hits_total")
             - _metric(before, "latentserve_prefix_cache_hits_total"))
     assert queries == 80 and hits == 39  # the second run reuses all but the last token
+
+
+def test_a_large_tokenize_does_not_stall_the_event_loop(http):
+    """/tokenize runs off the event loop: while an ~8 MB prompt is tokenized, /version still
+    answers within a second (before, it waited for the whole tokenization)."""
+    import threading
+    import time
+
+    text = "hello world, this is a test. " * 280000
+    took = []
+
+    def big():
+        start = time.monotonic()
+        r = http.post("/tokenize", json={"prompt": text}, timeout=300)
+        took.append((r.status_code, time.monotonic() - start))
+
+    worker = threading.Thread(target=big)
+    worker.start()
+    worst = 0.0
+    while worker.is_alive():
+        start = time.monotonic()
+        assert http.get("/version").status_code == 200
+        worst = max(worst, time.monotonic() - start)
+        time.sleep(0.05)
+    assert took and took[0][0] == 200
+    assert worst < 1.0, (worst, took)

@@ -159,14 +159,18 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         state = model_state(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
+        # Off the event loop: a large body takes seconds to tokenize, and every stream and
+        # /health would wait for it.
         if body.prompt is not None:
-            ids = list(state.tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens is not False))
+            ids = list(await asyncio.to_thread(
+                state.tokenizer.encode, body.prompt,
+                add_special_tokens=body.add_special_tokens is not False))
         else:
-            ids = chat_prompt_ids(state.tokenizer, body.messages, body.tools,
-                                  template_kwargs=body.chat_template_kwargs,
-                                  add_generation_prompt=body.add_generation_prompt is not False,
-                                  continue_final_message=bool(body.continue_final_message))
+            ids = await asyncio.to_thread(
+                chat_prompt_ids, state.tokenizer, body.messages, body.tools,
+                template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt is not False,
+                continue_final_message=bool(body.continue_final_message))
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if body.return_token_strs:
             texts = token_texts(state.tokenizer)
