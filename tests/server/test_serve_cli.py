@@ -55,3 +55,31 @@ def test_busy_port_is_one_error_line_before_any_model_loads(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"latentserve: error: cannot listen on 127.0.0.1:{port}"), last
     assert "never-loaded" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_start_server_picks_another_port_when_its_pick_is_taken(tiny_model_dir, monkeypatch):
+    """The race of a picked free port taken before the server binds it (a flaky replica
+    test): the server refuses at once and ``start_server`` picks again."""
+    import socket
+
+    from latentserve.config import EngineConfig
+    from latentserve.server import launch
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    taken = busy.getsockname()[1]
+    picks = iter([taken])
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda host: next(picks, None) or real(host))
+    try:
+        srv = launch.start_server(EngineConfig(model=str(tiny_model_dir)), timeout=300)
+    finally:
+        busy.close()
+    try:
+        import httpx
+
+        assert srv.port != taken
+        assert httpx.get(f"{srv.base_url}/health", timeout=10).status_code == 200
+    finally:
+        srv.stop()

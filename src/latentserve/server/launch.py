@@ -306,7 +306,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
-    ``port`` None picks a free one. Output goes to ``log_path`` (a temp file if None);
+    ``port`` None picks a free one (another, up to three times, when it is taken before the
+    server binds it). Output goes to ``log_path`` (a temp file if None);
     ``log_level`` is the server's ``--log-level`` (None: info).
     ``api_key``, ``max_request_body_bytes``, ``drain_timeout``,
     ``max_request_output_tokens``, ``max_waiting_requests`` and ``cors`` are
@@ -323,13 +324,11 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
 
     configs = _as_list(config)
     check_model_names(configs)
-    port = port or free_port(host)
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="latentserve-server-", suffix=".log")
         os.close(fd)
     log_path = Path(log_path)
-    cmd = [sys.executable, "-m", "latentserve.server.launch", "--host", host,
-           "--port", str(port)]
+    cmd = [sys.executable, "-m", "latentserve.server.launch", "--host", host]
     for c in configs:
         cmd += ["--config-json", json.dumps(asdict(c))]
     if max_request_body_bytes is not None:
@@ -352,20 +351,27 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     child_env.pop(API_KEY_ENV, None)
     if api_key is not None:
         child_env[API_KEY_ENV] = api_key
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
-    server = ServerProcess(proc, host, port, log_path)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} before it was "
-                               f"ready; log:\n{server.log_tail()}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+    # A port picked here can be taken by another process before the server binds it (the
+    # server says so at once, before loading): pick another, up to three times.
+    for attempt in range(1 if port else 3):
+        chosen = port or free_port(host)
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([*cmd, "--port", str(chosen)], stdout=log,
+                                    stderr=subprocess.STDOUT, env=child_env)
+        server = ServerProcess(proc, host, chosen, log_path)
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        if proc.poll() is None or "cannot listen on" not in server.log_tail() or attempt == 2:
+            break
+    if proc.poll() is not None:
+        raise RuntimeError(f"server exited with code {proc.returncode} before it was "
+                           f"ready; log:\n{server.log_tail()}")
     server.stop()
     raise RuntimeError(f"server not healthy within {timeout:.0f} s; log:\n{server.log_tail()}")
 
