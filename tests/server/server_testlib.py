@@ -100,3 +100,13 @@ def assert_slots_invariant(health: dict) -> None:
     for entry in _entries(health):
         assert entry["kv_slots_free"] + entry["kv_slots_cached"] == entry["kv_slots_total"], \
             entry
+
+
+def engine_processes(server) -> list:
+    """The engine processes (``psutil.Process``) of a ``ServerProcess``, in start order:
+    its multiprocessing children other than the resource tracker."""
+    import psutil
+
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    return [p for p in children if "spawn_main" in " ".join(p.cmdline())
+            and "resource_tracker" not in " ".join(p.cmdline())]

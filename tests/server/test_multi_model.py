@@ -216,11 +216,10 @@ def test_a_killed_engine_fails_only_its_model_and_stop_ends_every_engine(multi_s
     import time
 
     import psutil
+    from server_testlib import engine_processes
 
-    children = psutil.Process(multi_server.proc.pid).children(recursive=True)
-    engines = [p for p in children if "spawn_main" in " ".join(p.cmdline())
-               and "resource_tracker" not in " ".join(p.cmdline())]
-    assert len(engines) == 4, [p.cmdline() for p in children]
+    engines = engine_processes(multi_server)
+    assert len(engines) == 4, [p.cmdline() for p in engines]
     engines[0].kill()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -11,7 +11,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_testlib import A
+from server_testlib import A, engine_processes
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +28,8 @@ def small_server(scripted_model_dir):
 def test_past_seats_and_queue_new_requests_get_503_then_all_accepted_are_served(small_server):
     """One seat, one may wait: with the engine frozen (SIGSTOP) holding two accepted
     requests, a third is refused at once; once it runs again both accepted ones finish."""
-    import psutil
-
     url = small_server.base_url
-    children = psutil.Process(small_server.proc.pid).children(recursive=True)
-    (engine,) = [p.pid for p in children if "spawn_main" in " ".join(p.cmdline())
-                 and "resource_tracker" not in " ".join(p.cmdline())]
+    (engine,) = [p.pid for p in engine_processes(small_server)]
     model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": [A], "max_tokens": 200, "ignore_eos": True}
     lengths = []

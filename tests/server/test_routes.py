@@ -70,12 +70,10 @@ def test_health_answers_at_once_while_the_engine_is_busy(http, server):
     import signal
     import time
 
-    import psutil
+    from server_testlib import engine_processes
 
     http.get("/health")  # fresh stats to fall back on
-    children = psutil.Process(server.proc.pid).children(recursive=True)
-    (pid,) = [p.pid for p in children if "spawn_main" in " ".join(p.cmdline())
-              and "resource_tracker" not in " ".join(p.cmdline())]
+    (pid,) = [p.pid for p in engine_processes(server)]
     os.kill(pid, signal.SIGSTOP)
     try:
         time.sleep(0.5)

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from server_testlib import A
+from server_testlib import A, engine_processes
 
 
 def _children(pid: int) -> list[int]:
@@ -110,17 +110,13 @@ def test_a_killed_engine_is_logged_and_the_server_exits_non_zero(scripted_model_
     """With its only engine process killed, the server logs it, fails the stream in flight
     (an error event, no hang) and exits non-zero within seconds, so a supervisor restarts
     it (before: it answered 503 forever, with no log line)."""
-    import psutil
-
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
 
     srv = start_server(EngineConfig(model=str(scripted_model_dir), max_num_seqs=2),
                        timeout=300)
     try:
-        children = psutil.Process(srv.proc.pid).children(recursive=True)
-        (engine,) = [p for p in children if "spawn_main" in " ".join(p.cmdline())
-                     and "resource_tracker" not in " ".join(p.cmdline())]
+        (engine,) = engine_processes(srv)
         body = {"prompt": [A], "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=srv.base_url, timeout=60) as c, \
                 c.stream("POST", "/v1/completions", json=body) as r:
@@ -152,9 +148,7 @@ def test_a_killed_api_server_ends_its_busy_engine_within_seconds(scripted_model_
     srv = start_server(EngineConfig(model=str(scripted_model_dir), max_num_seqs=8),
                        timeout=300)
     try:
-        children = psutil.Process(srv.proc.pid).children(recursive=True)
-        (engine,) = [p for p in children if "spawn_main" in " ".join(p.cmdline())
-                     and "resource_tracker" not in " ".join(p.cmdline())]
+        (engine,) = engine_processes(srv)
         card = httpx.get(f"{srv.base_url}/v1/models", timeout=30).json()["data"][0]
         body = {"prompt": [A], "max_tokens": card["max_model_len"] - 2, "ignore_eos": True,
                 "stream": True}
