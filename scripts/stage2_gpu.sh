@@ -21,7 +21,8 @@
 # Knobs (env): N_TRAIN (generated items per k, 8000), SFT_STEPS (2000), DAGGER_ROUNDS (3),
 # DAGGER_STEPS (1000 per round), DAGGER_ROLLOUTS (8192 traces per round), GRPO_STEPS (30),
 # GRPO_Q (16), GRPO_G (8), MAX_LATENT (64: eval and GRPO cap), EVAL_LIMIT (all 1000),
-# T_SFT (240 s), T_DAGGER (330), T_GRPO (150), T_EVAL (75 per eval call), T_WAIT (540).
+# T_SFT (240 s), T_DAGGER (330), T_GRPO (150), T_EVAL (75 per eval call), T_WAIT (540),
+# KV_SLOTS (the engines' KV pools in tokens; unset: from memory).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 X="${X:-/tmp/x}"; W="${W:-/tmp/stage2}"; mkdir -p "$X" "$W" "${OUT:=out}"
@@ -53,6 +54,7 @@ pipeline() {
     cat "$W/4x4_train.txt" "$W/5x5_train.txt" | shuf --random-source=<(yes) > "$W/mult_train.txt"
   fi
   common=(--device "$DEVICE" --model "$MODEL" --data "$W/mult_train.txt" --prompt-format colar)
+  KV=(); [ -n "${KV_SLOTS:-}" ] && KV=(--kv-slots "$KV_SLOTS")
   stamp "sft"
   timeout "${T_SFT:-240}" $ls train-head sft "${common[@]}" --steps "${SFT_STEPS:-2000}" \
     --batch-size 1024 --lr 1e-3 --compression-factor 4 --capture-batch-size 64 \
@@ -66,7 +68,7 @@ pipeline() {
     timeout "${T_DAGGER:-330}" $ls train-head dagger "${common[@]}" \
       --bundle "$W/head_sft.safetensors" --rounds "${DAGGER_ROUNDS:-3}" \
       --steps "${DAGGER_STEPS:-1000}" --rollout-examples "${DAGGER_ROLLOUTS:-8192}" \
-      --overshoot 2 --batch-size 1024 --lr 1e-3 --capture-batch-size 64 --no-progress \
+      --overshoot 2 --batch-size 1024 --lr 1e-3 --capture-batch-size 64 --no-progress "${KV[@]}" \
       --out "$W/head_dagger.safetensors" 2>&1 | tail -40 | tee -a "$log"
     if [ ! -f "$W/head_dagger.safetensors" ]; then  # cut off: the last finished round
       last=$(ls -v "$W"/head_dagger-round*.safetensors 2>/dev/null | tail -1)
@@ -79,10 +81,10 @@ pipeline() {
       --bundle "$W/head_dagger.safetensors" --steps "${GRPO_STEPS:-30}" --save-every 5 \
       --questions-per-step "${GRPO_Q:-16}" --group-size "${GRPO_G:-8}" --lr 1e-4 \
       --kl-coef 0.05 --sigma 0.3 --max-latent "${MAX_LATENT:-64}" --answer-tokens 32 \
-      --no-progress --out "$W/head_grpo.safetensors" 2>&1 | tail -20 | tee -a "$log"
+      --no-progress "${KV[@]}" --out "$W/head_grpo.safetensors" 2>&1 | tail -20 | tee -a "$log"
   fi
   ev() { timeout "${T_EVAL:-75}" $ls eval --device "$DEVICE" --model "$MODEL" \
-           --prompt-format colar --max-num-seqs 256 "${LIMIT[@]}" "$@" 2>&1 \
+           --prompt-format colar --max-num-seqs 256 "${LIMIT[@]}" "${KV[@]}" "$@" 2>&1 \
            | grep --line-buffered -v "Loading\|Converting" | tail -3 | tee -a "$log"; }
   for s in 4x4 5x5; do
     stamp "eval: text CoT, $s"

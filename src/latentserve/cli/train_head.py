@@ -62,6 +62,8 @@ def register(sub) -> None:
     d.add_argument("--capture-batch-size", type=int, default=8)
     d.add_argument("--max-num-seqs", type=int, default=256)
     d.add_argument("--enforce-eager", action="store_true")
+    d.add_argument("--kv-slots", type=int, default=None,
+                   help="the rollout engine's KV pool in tokens (default: from memory)")
     d.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="the rollout engine's share of GPU memory (the rows stay on the GPU)")
     d.set_defaults(func=run_dagger)
@@ -84,6 +86,8 @@ def register(sub) -> None:
     g.add_argument("--close-bonus", type=float, default=0.1)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--kv-slots", type=int, default=None,
+                   help="the rollout engine's KV pool in tokens (default: from memory)")
     g.add_argument("--save-every", type=int, default=0,
                    help="also write the bundle every N steps (0: at the end only)")
     g.set_defaults(func=run_grpo)

@@ -99,6 +99,7 @@ class ColarGRPOConfig:
     dtype: str | None = None
     max_num_seqs: int = 256
     enforce_eager: bool = False
+    kv_slots: int | None = None  # the rollout engine's KV pool in tokens (None: from memory)
     max_seconds: float = 0.0
     save_every: int = 0
 
@@ -433,7 +434,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     dtype = cfg.dtype or ("bfloat16" if cfg.device.startswith("cuda") else "float32")
     if engine is None:
         engine = LLMEngine(EngineConfig(model=str(src), device=cfg.device, dtype=dtype,
-                                        max_num_seqs=cfg.max_num_seqs,
+                                        max_num_seqs=cfg.max_num_seqs, kv_slots=cfg.kv_slots,
                                         enforce_eager=cfg.enforce_eager))
     if getattr(engine.latent_spec, "family", None) != "colar":
         raise ValueError("the engine does not serve a CoLaR model")

@@ -90,6 +90,7 @@ class DaggerConfig:
     capture_batch_size: int = 8
     max_num_seqs: int = 256
     enforce_eager: bool = False
+    kv_slots: int | None = None  # the rollout engine's KV pool in tokens (None: from memory)
     gpu_memory_utilization: float = 0.5  # the engine's; the aggregated rows share the GPU
     log_every: int = 10
     progress: bool = True
@@ -237,7 +238,7 @@ def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
     if engine is None:
         engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle,
                                         device=cfg.device, dtype=cfg.dtype,
-                                        max_num_seqs=cfg.max_num_seqs,
+                                        max_num_seqs=cfg.max_num_seqs, kv_slots=cfg.kv_slots,
                                         enforce_eager=cfg.enforce_eager,
                                         gpu_memory_utilization=cfg.gpu_memory_utilization))
     if engine.latent_spec is None or engine.latent_spec.kind != "head":

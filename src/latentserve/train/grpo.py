@@ -65,6 +65,7 @@ class GRPOConfig:
     dtype: str = "float32"
     max_num_seqs: int = 256
     enforce_eager: bool = False
+    kv_slots: int | None = None  # the rollout engine's KV pool in tokens (None: from memory)
     save_every: int = 0  # also write the bundle (and log) every N steps; 0 = at the end only
     progress: bool = True
 
@@ -191,7 +192,7 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     if engine is None:
         engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle,
                                         device=cfg.device, dtype=cfg.dtype,
-                                        max_num_seqs=cfg.max_num_seqs,
+                                        max_num_seqs=cfg.max_num_seqs, kv_slots=cfg.kv_slots,
                                         enforce_eager=cfg.enforce_eager))
     if engine.latent_spec is None or engine.latent_spec.kind != "head":
         raise ValueError("the engine serves no compression head")
