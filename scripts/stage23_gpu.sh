@@ -11,12 +11,14 @@
 #   run "bash scripts/stage23_gpu.sh finish"                      (waits, evaluates stage 3,
 #                                                                  packs $OUT: stage2.tgz,
 #                                                                  summary.json, stage3.tgz)
-# Knobs (env): LR_A (1e-6, upstream), LR_B (1e-5), T_WAIT (530), KV_SLOTS (100000), T_EVAL
+# Knobs (env): STAGE2 (1; 0: stage 3 only), LR_A (1e-6, upstream), LR_B (1e-5; B trains
+# without autocast), T_WAIT (530), KV_SLOTS (100000), T_EVAL
 # (150), and those
 # of the two scripts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 X=/tmp/x; mkdir -p "$X" "${OUT:=out}"
+export PYTHONPATH="$PWD/src:/tmp/site" HF_HUB_OFFLINE=1 LATENTSERVE_DEBUG=1
 export KV_SLOTS="${KV_SLOTS:-100000}" T_EVAL="${T_EVAL:-150}" OUT
 . scripts/gpu_xfer.sh
 pack3() { tar czf "$OUT/stage3.tgz" -C /tmp/stage3 --exclude='*.txt' . 2>/dev/null; }
@@ -28,11 +30,12 @@ start)
   export LATENTSERVE_EMBEDDED_GGUF=/tmp/smollm2.gguf
   nvidia-smi --query-gpu=name,memory.used --format=csv
   mkdir -p /tmp/stage2 /tmp/stage3
-  setsid nohup bash scripts/stage2_gpu.sh pipeline > /tmp/stage2/pipeline.out 2>&1 < /dev/null &
+  [ "${STAGE2:-1}" = 1 ] && setsid nohup bash scripts/stage2_gpu.sh pipeline \
+    > /tmp/stage2/pipeline.out 2>&1 < /dev/null &
   setsid nohup bash scripts/stage3_gpu.sh grpo grpo_a "${LR_A:-1e-6}" 2 5 > /dev/null 2>&1 < /dev/null &
-  setsid nohup bash scripts/stage3_gpu.sh grpo grpo_b "${LR_B:-1e-5}" 3 4 > /dev/null 2>&1 < /dev/null &
+  setsid nohup bash scripts/stage3_gpu.sh grpo grpo_b "${LR_B:-1e-5}" 3 4 --no-autocast > /dev/null 2>&1 < /dev/null &
   sleep "${T_WAIT:-530}"
-  tail -n 12 /tmp/stage2/pipeline.log; tail -n 3 /tmp/stage3/grpo_{a,b}.log
+  tail -n 12 /tmp/stage2/pipeline.log 2>/dev/null; tail -n 3 /tmp/stage3/grpo_{a,b}.log
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
   pack3
   ;;
@@ -42,6 +45,7 @@ finish)
   bash scripts/stage3_gpu.sh eval 2 grpo_a
   bash scripts/stage3_gpu.sh eval 3 grpo_b
   pack3
+  [ "${STAGE2:-1}" = 1 ] || exit 0
   while [ ! -f /tmp/stage2/pipeline.done ] && pgrep -f "stage2_gpu.sh pipeline" > /dev/null; do
     sleep 5
   done

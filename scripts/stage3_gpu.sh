@@ -7,7 +7,8 @@
 #   run "bash scripts/stage3_gpu.sh start"   carry [".xfer/p8"]   (GRPO in the background,
 #                                                                  returns after T_WAIT s)
 #   run "bash scripts/stage3_gpu.sh finish"                       (waits, evaluates, packs $OUT)
-# `grpo NAME LR [C [K]]` runs one GRPO (speed C, KxK items) in the foreground into $W/NAME;
+# `grpo NAME LR [C [K [ARG...]]]` runs one GRPO (speed C, KxK items, more train colar-grpo
+# options) in the foreground into $W/NAME;
 # `eval C NAME...` evaluates models/smollm2-mult-colar and $W/NAME... (scripts/stage23_gpu.sh
 # runs stages 2 and 3 side by side on one GPU with these).
 # Knobs (env): MODEL (models/smollm2-mult-colar), C (speed, 2), T_GRPO (seconds, 600), LR
@@ -23,15 +24,15 @@ ls="python3 -m latentserve.cli"
 MODEL="${MODEL:-models/smollm2-mult-colar}"; D="$X/data/multiplication"; C="${C:-2}"
 KV=(); [ -n "${KV_SLOTS:-}" ] && KV=(--kv-slots "$KV_SLOTS")
 
-grpo() {  # grpo NAME LR [C [K]]: one GRPO run at speed C on KxK items into $W/NAME
-  local c="${3:-$C}" k="${4:-5}"
+grpo() {  # grpo NAME LR [C [K [ARG...]]]: one GRPO run at speed C on KxK items into $W/NAME
+  local name="$1" lr="$2" c="${3:-$C}" k="${4:-5}"; shift $(($# < 4 ? $# : 4))
   [ -f "$W/${k}x${k}_train.txt" ] || $ls data multiplication --k "$k" --n 100000 --seed 1 \
     --out "$W/${k}x${k}_train.txt"
-  $ls train colar-grpo --model "$MODEL" --data "$W/${k}x${k}_train.txt" --out "$W/$1" \
-    --device cuda --dtype bfloat16 --steps 100000 --max-seconds "${T_GRPO:-600}" --lr "$2" \
+  $ls train colar-grpo --model "$MODEL" --data "$W/${k}x${k}_train.txt" --out "$W/$name" \
+    --device cuda --dtype bfloat16 --steps 100000 --max-seconds "${T_GRPO:-600}" --lr "$lr" \
     --compression-factor "$c" --max-latent "${MAX_LATENT:-96}" "${KV[@]}" \
-    --length-penalty "${LENGTH_PENALTY:-0.5}" --save-every 20 --answer-tokens 40 \
-    > "$W/$1.log" 2>&1
+    --length-penalty "${LENGTH_PENALTY:-0.5}" --save-every 20 --answer-tokens 40 "$@" \
+    > "$W/$name.log" 2>&1
 }
 
 evaluate() {  # evaluate C NAME...: the stage-1 model and each $W/NAME on both test sets
@@ -63,5 +64,5 @@ finish)
   evaluate "$C" colar_grpo
   tar czf "$OUT/stage3_eval.tgz" -C "$W" --exclude=colar_grpo --exclude='*.txt' .
   ;;
-*) echo "usage: $0 pack|take|grpo NAME LR [C [K]]|eval C NAME...|start|finish" >&2; exit 2 ;;
+*) echo "usage: $0 pack|take|grpo NAME LR [C [K [ARG...]]]|eval C NAME...|start|finish" >&2; exit 2 ;;
 esac

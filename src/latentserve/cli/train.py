@@ -139,6 +139,8 @@ def register(sub) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="engine without CUDA graphs")
     g.add_argument("--kv-slots", type=int, default=None,
                    help="the rollout engine's KV pool in tokens (default: from memory)")
+    g.add_argument("--no-autocast", dest="autocast", action="store_false",
+                   help="the trainer's forward in float32 on CUDA (default: bfloat16 autocast)")
     g.add_argument("--max-seconds", type=float, default=0.0,
                    help="stop and save after this long (0: no limit)")
     g.add_argument("--save-every", type=int, default=0, help="also save every N steps")

@@ -100,6 +100,7 @@ class ColarGRPOConfig:
     max_num_seqs: int = 256
     enforce_eager: bool = False
     kv_slots: int | None = None  # the rollout engine's KV pool in tokens (None: from memory)
+    autocast: bool = True  # the trainer's forward under bfloat16 autocast on CUDA
     max_seconds: float = 0.0
     save_every: int = 0
 
@@ -215,6 +216,17 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
         z = torch.cat([r.latents for r in batch]).to(dev)
         x = x.index_put((lb, lt), z.to(x.dtype))
     hidden = lm.model(inputs_embeds=x).last_hidden_state  # [B, T, H], after the final norm
+    lengths = torch.tensor([len(s) for s in ids], device=dev)
+    bad = ~torch.isfinite(hidden).all(-1) & (torch.arange(T, device=dev) < lengths[:, None])
+    if bad.any():
+        b, t = (int(v) for v in bad.nonzero()[0])
+        r = batch[b]
+        raise FloatingPointError(
+            f"non-finite hidden state in rollout {b} at position {t} (prompt "
+            f"{len(r.prompt_ids)}, latents {r.n_latent}, answer {len(r.answer_ids)}); its "
+            f"latents' largest |value| {float(r.latents.abs().max()) if r.n_latent else 0:.3g}, "
+            f"input at that position finite: {bool(torch.isfinite(x[b, t]).all())}, "
+            f"answer ids {r.answer_ids[:8]}; non-finite rows {bad.any(-1).nonzero()[:, 0].tolist()}")
     ab, at = torch.tensor(ans_pos, device=dev).T
     logits = lm.lm_head(hidden[ab, at]).float()
     if answer_temperature > 0:
@@ -454,7 +466,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     latent_dtype = getattr(torch, engine.config.dtype)
     order = batches(len(items), cfg.questions_per_step, random.Random(cfg.seed))
     shuffle = torch.Generator().manual_seed(cfg.seed)
-    autocast = cfg.device.startswith("cuda")
+    autocast = cfg.autocast and cfg.device.startswith("cuda")
     out = Path(cfg.out)
     log: list[dict] = []
     progress(f"train colar-grpo: {len(items)} items, {sum(p.numel() for p in params)} "
