@@ -21,7 +21,10 @@ class LLMEngine:
     """Loads ``config.model`` and serves requests step by step.
 
     Attributes: ``tokenizer`` (transformers; ``models.checkpoint.NoTokenizer`` for a
-    directory without tokenizer files), ``model_name`` (str), ``max_model_len`` (int),
+    directory without tokenizer files), ``sampling_defaults`` (``SamplingParams`` keyword
+    defaults from the model's generation config, ``models/generation_config.py``; applied
+    by ``LLM`` and the server, not by :meth:`add_request`), ``model_name`` (str),
+    ``max_model_len`` (int),
     ``num_kv_slots`` (int), ``runner`` (ModelRunner), ``scheduler`` (Scheduler).
 
     Raises (constructor): FileNotFoundError / ValueError from model resolution and loading;
@@ -65,6 +68,9 @@ class LLMEngine:
         self.model_dir = model_dir
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(model_dir, optional=True)  # token ids only without one
+        from latentserve.models.generation_config import sampling_defaults
+
+        self.sampling_defaults = sampling_defaults(model_dir, config.generation_config)
         model, hf_config = load_model(model_dir, config.torch_dtype, config.device,
                                       latent_head=config.latent_head,
                                       no_latent_head=config.no_latent_head,
