@@ -161,7 +161,8 @@ class LLMEngine:
         """Queue a request. Raises ValueError (naming the field) for an empty prompt, a prompt
         of max_model_len tokens or more (latent positions and transition tokens included), a
         token id outside the vocabulary, a prompt the KV pool cannot hold, a latent_budget
-        above the model's cap, or a duplicate ``rid``.
+        above the model's cap, a duplicate ``rid``, or ``params.n`` other than 1
+        (``LLM.generate`` and the server fan ``n`` out).
 
         The served model's family (``self.family``, ``latent/family.py``) admits the request
         first: it resolves the latent fields (``latent_budget``: latent steps, block passes
@@ -193,6 +194,9 @@ class LLMEngine:
     def _prepare(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> Req:
         """The checks of :meth:`add_request` and the unqueued ``Req`` they admit (no engine
         state changes)."""
+        if params.n != 1:
+            raise ValueError(f"n must be 1 for one engine request, got {params.n} (LLM.generate "
+                             "and the server's n fan a prompt out into n requests)")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
