@@ -34,9 +34,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.tp, self._tp_procs = None, []  # TPGroup and worker processes when TP > 1
         if config.tensor_parallel_size > 1:
-            from latentserve.engine.tp_worker import abort_workers, start_workers
+            import dataclasses
 
-            self.tp, self._tp_procs = start_workers(config)
+            from latentserve.engine.tp_worker import abort_workers, start_workers
+            from latentserve.models.checkpoint import resolve_model_dir
+
+            # The workers load the directory rank 0 resolves (a GGUF converted once, in the
+            # serving dtype), not a conversion of their own.
+            resolved = str(resolve_model_dir(config.model, _dtype_name(config)))
+            self.tp, self._tp_procs = start_workers(dataclasses.replace(config, model=resolved))
             try:
                 self._build(config)
             except BaseException:
@@ -64,7 +70,7 @@ class LLMEngine:
                              f"(torch {torch.__version__}); use --device cpu")
         self.device = self.tp.device if self.tp is not None else torch.device(config.device)
         torch.manual_seed(config.seed)
-        model_dir = resolve_model_dir(config.model)
+        model_dir = resolve_model_dir(config.model, _dtype_name(config))
         self.model_dir = model_dir
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(model_dir, optional=True)  # token ids only without one
@@ -487,6 +493,11 @@ def _a_model(spec) -> str:
     if spec is None:
         return "a model without latent reasoning"
     return f"{'an' if spec.family[0] in 'aeiou' else 'a'} {spec.family} model"
+
+
+def _dtype_name(config: EngineConfig) -> str:
+    """The serving dtype's name (``"bfloat16"``), for a GGUF's conversion."""
+    return str(config.torch_dtype).removeprefix("torch.")
 
 
 def _eos_ids(model_dir, tokenizer, hf_config) -> set[int]:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
