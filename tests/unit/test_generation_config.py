@@ -62,6 +62,12 @@ def test_an_out_of_range_value_names_the_file_and_field(tmp_path):
         sampling_defaults(tmp_path)
 
 
+def test_a_file_that_is_not_a_json_object_is_refused(tmp_path):
+    (tmp_path / "generation_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="must hold a JSON object, got list"):
+        sampling_defaults(tmp_path)
+
+
 def test_an_empty_setting_is_refused_by_engine_config():
     with pytest.raises(ValueError, match="^generation_config must be"):
         EngineConfig(generation_config="")

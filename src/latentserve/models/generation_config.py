@@ -60,9 +60,10 @@ def sampling_defaults(model_dir: str | os.PathLike[str], setting: str = "auto") 
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"generation_config: {path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"generation_config: {path} must hold a JSON object, got "
-                         f"{type(raw).__name__}")
+    kind = type(raw).__name__
+    raw = raw if isinstance(raw, dict) else None
+    if raw is None:
+        raise ValueError(f"generation_config: {path} must hold a JSON object, got {kind}")
     out = {field: raw[key] for key, field in SAMPLING_KEYS.items() if raw.get(key) is not None}
     try:
         SamplingParams(**out)
