@@ -50,6 +50,11 @@ class EngineConfig:
     ``exit_semantics``: the default of ``SamplingParams.exit_semantics`` (Huginn's adaptive
     exit: ``"engine"``, the default, or ``"upstream"``; ``latent/recurrent.py``); a model
     without Huginn's exit ignores it.
+    ``generation_config`` (vLLM's ``--generation-config``): where sampling defaults for
+    the fields a request leaves unset come from: ``"auto"`` (the default: the model's
+    ``generation_config.json``), ``"vllm"`` (none, vLLM's neutral defaults) or a folder
+    holding a ``generation_config.json`` (``models/generation_config.py``; a missing folder
+    or file is a ValueError when the engine is built).
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -78,6 +83,9 @@ class EngineConfig:
     upstream_stop_rules: bool = False  # requests' default: end on EOS as upstream does
     overlap_schedule: bool | None = None  # engine/overlap.py (None: on CUDA)
     exit_semantics: str = "engine"  # requests' default Huginn exit semantics
+    # Sampling defaults for unset request fields (vLLM's --generation-config): "auto" (the
+    # model's generation_config.json), "vllm" (none) or a folder with generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -99,6 +107,9 @@ class EngineConfig:
         if self.exit_semantics not in EXIT_SEMANTICS:
             raise ValueError(f"exit_semantics must be one of {EXIT_SEMANTICS}, got "
                              f"{self.exit_semantics!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
+                             f"{self.generation_config!r}")
         if self.latent_injection not in (None, "closed_loop", "prompt"):
             raise ValueError("latent_injection must be one of (None, 'closed_loop', 'prompt'), "
                              f"got {self.latent_injection!r}")

@@ -1,5 +1,17 @@
 """Incremental detokenization with stop strings, for streaming outputs.
 
+Two decoders of one algorithm. A transformers fast tokenizer (its ``backend_tokenizer`` is a
+``tokenizers.Tokenizer``) is decoded by ``tokenizers.decoders.DecodeStream`` (Rust; vLLM's
+``FastIncrementalDetokenizer`` in ``vllm/v1/engine/detokenizer.py``), which runs the window
+below natively. The window in Python (:meth:`IncrementalDetokenizer._window_step`) is the
+fallback, used where DecodeStream cannot give ``tokenizer.decode``'s text: a tokenizer
+without a ``tokenizers`` backend (a slow/SentencePiece-only tokenizer, a stand-in object
+with only ``decode``, ``NoTokenizer``), one whose ``decode`` post-processes the text
+(``clean_up_tokenization_spaces`` that transformers applies), and the rest of a request
+after DecodeStream refused a step (its "invalid prefix" error: a decode that does not
+extend the previous one). Both keep the same offsets, so :meth:`IncrementalDetokenizer.flush`
+decodes the unfinished tail the same way.
+
 Algorithm (the prefix/read-offset window of vLLM's ``detokenizer_utils.py``, reimplemented):
 the token ids seen so far are ``context + output`` where ``context`` is the last
 :data:`PROMPT_CONTEXT_TOKENS` prompt tokens (so that a tokenizer whose decoding of a token
@@ -34,11 +46,38 @@ PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+def decode_stream_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` that ``DecodeStream`` can decode ``tokenizer``'s ids with
+    exactly as ``tokenizer.decode`` does, or None (then the Python window is used).
+
+    A transformers fast tokenizer qualifies unless its ``decode`` cleans up spaces:
+    transformers 5 applies ``clean_up_tokenization_spaces`` except on a BPE model (unless
+    ``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output``), per
+    ``TokenizersBackend._decode``."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or not isinstance(backend, Tokenizer):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        bpe = type(backend.model).__name__ == "BPE"
+        forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_"
+                                    "corrupt_output", False)
+        if not bpe or forced:
+            return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Turn a stream of output token ids into text deltas, honouring stop strings.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (only ``decode`` is used).
+        tokenizer: a Hugging Face tokenizer: ``DecodeStream`` over its ``backend_tokenizer``
+            where :func:`decode_stream_backend` allows, else (and for :meth:`flush`) its
+            ``decode``.
         prompt_token_ids: the prompt; its last few tokens are decoding context only.
         stop: stop strings (empty strings are ignored).
         skip_special_tokens: passed to ``tokenizer.decode``.
@@ -69,6 +108,7 @@ class IncrementalDetokenizer:
             raise NoTokenizerError("stop strings need text: this model directory has no "
                                    "tokenizer files; use stop_token_ids")
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._stop_firsts = {s[0] for s in self.stop}
         self._ids: list[int] = [int(t) for t in list(prompt_token_ids)[-PROMPT_CONTEXT_TOKENS:]]
         self._n_context = len(self._ids)
         self._prefix_offset = 0
@@ -77,6 +117,18 @@ class IncrementalDetokenizer:
         self._emitted = 0  # length of _all_text already returned
         self.stopped: str | None = None
         self._finished = False
+        self._backend = decode_stream_backend(tokenizer)
+        self._stream = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=list(self._ids),
+                                        skip_special_tokens=skip_special_tokens)
+
+    @property
+    def uses_decode_stream(self) -> bool:
+        """Whether the next token goes through ``DecodeStream`` (else the Python window)."""
+        return self._stream is not None
 
     @property
     def text(self) -> str:
@@ -134,6 +186,21 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_step(self, force: bool) -> str:
+        """Decode the newest token (``force``: the whole unfinished tail, for :meth:`flush`);
+        return the new text and move the offsets, or "" and keep them."""
+        if self._stream is not None and not force:
+            try:
+                chunk = self._stream.step(self._backend, self._ids[-1])
+            except Exception:  # noqa: BLE001 - "invalid prefix": the window takes over
+                self._stream = None
+                return self._window_step(force)
+            if chunk is None:
+                return ""
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return chunk
+        return self._window_step(force)
+
+    def _window_step(self, force: bool) -> str:
         """Decode the window; return the new text and move the offsets, or "" and keep them."""
         if self._read_offset >= len(self._ids):
             return ""
@@ -162,13 +229,22 @@ class IncrementalDetokenizer:
             self.stopped = best[1]
 
     def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        """Length of the longest text suffix that is a proper prefix of a stop string.
+
+        Only suffixes that start with a stop string's first character are tried (found with
+        ``str.find``, leftmost, so the longest first)."""
         text = self._all_text
         limit = min(self._max_stop_len - 1, len(text) - self._emitted)
-        for k in range(limit, 0, -1):
-            tail = text[-k:]
+        j = len(text) - limit
+        while limit > 0:
+            starts = [i for c in self._stop_firsts if (i := text.find(c, j)) >= 0]
+            if not starts:
+                return 0
+            j = min(starts)
+            tail = text[j:]
             if any(s.startswith(tail) for s in self.stop):
-                return k
+                return len(tail)
+            j += 1
         return 0
 
     def _release(self, hold: bool) -> str:

@@ -1,5 +1,6 @@
 """What the engine hands back: per-step deltas (``StepOutput``) and finished results
-(``RequestOutput``, shaped like vLLM's)."""
+(``RequestOutput``, ``CompletionOutput`` and ``Logprob``, shaped like vLLM's
+``vllm/outputs.py`` and ``vllm/logprobs.py``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,26 @@ class TokenLogprob:
     logprob: float
     rank: int
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's entry in a position's logprobs dict (vLLM's ``vllm/logprobs.py``
+    ``Logprob``): ``logprob`` (natural log, raw model distribution), ``rank`` (1-based rank
+    in that distribution, 1 = the most likely) and ``decoded_token`` (the token decoded on
+    its own, ``tokenizer.decode([token_id])`` as vLLM's ``convert_ids_list_to_tokens``; a
+    token holding part of a UTF-8 character decodes to U+FFFD; None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's types: per generated position, ``{token_id: Logprob}`` with the sampled token first
+# then the top-k (k + 1 entries, or k when the sampled token is among them); prompt logprobs
+# are the same per prompt token, None for the first one.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -66,8 +87,13 @@ class StepOutput:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One completion of ``LLM.generate``: ``text``, ``token_ids`` (the answer; latent
-    positions are not tokens), ``finish_reason``; for latent models ``latent_steps`` and, as
+    """One completion of ``LLM.generate`` (vLLM's ``vllm/outputs.py`` ``CompletionOutput``):
+    ``index`` (0 .. n-1 among the prompt's ``SamplingParams.n`` completions), ``text``,
+    ``token_ids`` (the answer; latent positions are not tokens), ``finish_reason`` (``"stop"``
+    or ``"length"``), ``stop_reason`` (None for EOS or ``"length"``, the stop token id or
+    the stop string that ended it); ``logprobs`` (``SampleLogprobs``, one dict per token,
+    when ``SamplingParams.logprobs`` is set, else None) and ``cumulative_logprob`` (the sum
+    of the sampled tokens' logprobs, None without ``logprobs``). For latent models ``latent_steps`` and, as
     on ``StepOutput``, ``latent_trace`` (when asked for), ``latent_stats`` (compression
     heads; a request a stop string ended has the stats its latent phase ended with) and
     ``recurrence`` (recurrent depth) from the final output (None otherwise; ``latent_trace``
@@ -81,11 +107,18 @@ class CompletionOutput:
     latent_trace: list | None = None
     latent_stats: dict | None = None
     recurrence: dict | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The result of one prompt from ``LLM.generate``."""
+    """The result of one prompt from ``LLM.generate`` (vLLM's ``RequestOutput``): its
+    ``outputs`` (``SamplingParams.n`` completions, by ``index``), ``prompt`` (None for a
+    token-id prompt), ``prompt_token_ids``, ``prompt_logprobs`` (``PromptLogprobs``, one
+    entry per prompt token, the first None, when ``SamplingParams.prompt_logprobs`` is set;
+    else None) and ``num_cached_tokens`` (prompt tokens the prefix cache served)."""
 
     request_id: str
     prompt: str | None
@@ -93,3 +126,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    prompt_logprobs: PromptLogprobs | None = None

@@ -44,6 +44,9 @@ class SamplingParams:
     the division overflows are held at +-``FLOAT32_MAX``. ``min_p`` and the [-2, 2]
     penalties need no rule: a value float32 flushes to 0 means what 0 means, off.
 
+    ``n``: completions per prompt (>= 1); ``LLM.generate`` turns them into n engine
+    requests (the engine itself takes n = 1; the server's ``n`` is a body field).
+
     ``logprobs``: None = none; k >= 0 = the sampled token's log-probability plus the k most
     likely tokens' (0: the sampled token only). They are log-softmax values of the raw model
     logits, before penalties, temperature and filtering (vLLM's default ``raw_logprobs``).
@@ -144,6 +147,8 @@ class SamplingParams:
     stream_latent_steps: bool = False
     # End on EOS as the family's upstream code does (COCONUT, PCCoT); None = server default.
     upstream_stop_rules: bool | None = None
+    # Completions per prompt (vLLM's n): LLM.generate runs n engine requests of n=1 each.
+    n: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):  # numpy scalars (np.int64(3), np.float32(0.7)) as Python's
@@ -155,6 +160,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("n", self.n, lo=1)
         _check_num("temperature", self.temperature, lo=0.0, hi=FLOAT32_MAX)
         _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=-1)

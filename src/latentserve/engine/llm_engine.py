@@ -21,7 +21,10 @@ class LLMEngine:
     """Loads ``config.model`` and serves requests step by step.
 
     Attributes: ``tokenizer`` (transformers; ``models.checkpoint.NoTokenizer`` for a
-    directory without tokenizer files), ``model_name`` (str), ``max_model_len`` (int),
+    directory without tokenizer files), ``sampling_defaults`` (``SamplingParams`` keyword
+    defaults from the model's generation config, ``models/generation_config.py``; applied
+    by ``LLM`` and the server, not by :meth:`add_request`), ``model_name`` (str),
+    ``max_model_len`` (int),
     ``num_kv_slots`` (int), ``runner`` (ModelRunner), ``scheduler`` (Scheduler).
 
     Raises (constructor): FileNotFoundError / ValueError from model resolution and loading;
@@ -31,9 +34,15 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.tp, self._tp_procs = None, []  # TPGroup and worker processes when TP > 1
         if config.tensor_parallel_size > 1:
-            from latentserve.engine.tp_worker import abort_workers, start_workers
+            import dataclasses
 
-            self.tp, self._tp_procs = start_workers(config)
+            from latentserve.engine.tp_worker import abort_workers, start_workers
+            from latentserve.models.checkpoint import resolve_model_dir
+
+            # The workers load the directory rank 0 resolves (a GGUF converted once, in the
+            # serving dtype), not a conversion of their own.
+            resolved = str(resolve_model_dir(config.model, _dtype_name(config)))
+            self.tp, self._tp_procs = start_workers(dataclasses.replace(config, model=resolved))
             try:
                 self._build(config)
             except BaseException:
@@ -61,10 +70,13 @@ class LLMEngine:
                              f"(torch {torch.__version__}); use --device cpu")
         self.device = self.tp.device if self.tp is not None else torch.device(config.device)
         torch.manual_seed(config.seed)
-        model_dir = resolve_model_dir(config.model)
+        model_dir = resolve_model_dir(config.model, _dtype_name(config))
         self.model_dir = model_dir
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(model_dir, optional=True)  # token ids only without one
+        from latentserve.models.generation_config import sampling_defaults
+
+        self.sampling_defaults = sampling_defaults(model_dir, config.generation_config)
         model, hf_config = load_model(model_dir, config.torch_dtype, config.device,
                                       latent_head=config.latent_head,
                                       no_latent_head=config.no_latent_head,
@@ -155,7 +167,8 @@ class LLMEngine:
         """Queue a request. Raises ValueError (naming the field) for an empty prompt, a prompt
         of max_model_len tokens or more (latent positions and transition tokens included), a
         token id outside the vocabulary, a prompt the KV pool cannot hold, a latent_budget
-        above the model's cap, or a duplicate ``rid``.
+        above the model's cap, a duplicate ``rid``, or ``params.n`` other than 1
+        (``LLM.generate`` and the server fan ``n`` out).
 
         The served model's family (``self.family``, ``latent/family.py``) admits the request
         first: it resolves the latent fields (``latent_budget``: latent steps, block passes
@@ -187,6 +200,9 @@ class LLMEngine:
     def _prepare(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> Req:
         """The checks of :meth:`add_request` and the unqueued ``Req`` they admit (no engine
         state changes)."""
+        if params.n != 1:
+            raise ValueError(f"n must be 1 for one engine request, got {params.n} (LLM.generate "
+                             "and the server's n fan a prompt out into n requests)")
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
@@ -477,6 +493,11 @@ def _a_model(spec) -> str:
     if spec is None:
         return "a model without latent reasoning"
     return f"{'an' if spec.family[0] in 'aeiou' else 'a'} {spec.family} model"
+
+
+def _dtype_name(config: EngineConfig) -> str:
+    """The serving dtype's name (``"bfloat16"``), for a GGUF's conversion."""
+    return str(config.torch_dtype).removeprefix("torch.")
 
 
 def _eos_ids(model_dir, tokenizer, hf_config) -> set[int]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from latentserve.config import EngineConfig
-from latentserve.outputs import CompletionOutput, RequestOutput
+from latentserve.outputs import RequestOutput
 from latentserve.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -31,81 +33,94 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (transformers; ``models.checkpoint.NoTokenizer`` for a
+        directory without tokenizer files), as vLLM's ``LLM.get_tokenizer()``."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's ``generation_config.json`` sampling defaults
+        (``LLMEngine.sampling_defaults``: temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens; none with
+        ``generation_config="vllm"``) over vLLM's defaults, as vLLM's
+        ``LLM.get_default_sampling_params()`` (``vllm/entrypoints/llm.py``). A fresh object
+        each call."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; returns one ``RequestOutput`` per prompt, in order.
+                 use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
+        """Complete every prompt; returns one ``RequestOutput`` per prompt, in order, each
+        with ``params.n`` completions (``outputs[i].index == i``).
 
-        A prompt is a string, a list of token ids, or ``{"prompt_token_ids": [...]}``.
-        ``sampling_params`` is one for all prompts or one per prompt (default: vLLM's,
-        ``SamplingParams()``). Raises ValueError for a bad prompt before anything runs (a
-        model directory without tokenizer files takes token ids only: a string prompt or a
-        stop string is ``models.checkpoint.NoTokenizerError``, and output text is empty).
+        A prompt is a string, a list of token ids, vLLM's TextPrompt ``{"prompt": str}`` or
+        TokensPrompt ``{"prompt_token_ids": [...]}`` (other keys, e.g.
+        ``multi_modal_data``, are refused by name). ``sampling_params`` is one for all
+        prompts or one per prompt; None takes :meth:`get_default_sampling_params` (the
+        model's generation config), while given params are used as they are (as vLLM).
+        ``n`` > 1 runs n engine requests, the i-th with ``seed + i`` when a seed is set
+        (vLLM's ``vllm/v1/engine/parallel_sampling.py``); ``prompt_logprobs`` are computed
+        once, by the first. ``use_tqdm``: a bool (a bar for more than one prompt) or a
+        tqdm-like callable, called as ``use_tqdm(total=..., desc=..., unit=...)``, whose
+        result gets ``update(1)`` per finished prompt and ``close()``.
+
+        Raises ValueError for a bad prompt or params before anything runs (a model directory
+        without tokenizer files takes token ids only: a string prompt or a stop string is
+        ``models.checkpoint.NoTokenizerError``, and output text is empty).
         """
-        from latentserve.detokenizer import IncrementalDetokenizer
+        from latentserve.entrypoints.completion import CompletionBuilder, TokenStrings
 
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling_params; pass one or one per prompt")
         encoded = [self._encode(p) for p in prompts]
-        results: dict[str, RequestOutput] = {}
-        detoks = {}
-        order = []
-        for (text, ids), params in zip(encoded, sampling_params):
-            rid = f"offline-{self._counter}"
-            self._counter += 1
-            try:
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                                     params.skip_special_tokens)
-                self.engine.add_request(rid, ids, params)
-            except Exception:  # a bad prompt or params: nothing of this call stays queued
-                for queued in order:
-                    self.engine.abort_request(queued)
-                while self.engine.has_unfinished_requests():
-                    self.engine.step()
-                raise
-            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)],
-                                         finished=False)
-            order.append(rid)
-        bar = _progress(len(order), use_tqdm)
+        strings = TokenStrings(self.tokenizer)
+        results: list[RequestOutput] = []
+        running: dict[str, CompletionBuilder] = {}
+        try:
+            for (text, ids), params in zip(encoded, sampling_params):
+                result = RequestOutput(f"offline-{self._counter}", text, ids, [],
+                                       finished=False)
+                self._counter += 1
+                for i, child in enumerate(_children(params)):
+                    rid = f"{i}_{result.request_id}"
+                    running[rid] = CompletionBuilder(result, i, child, self.tokenizer, strings,
+                                                     self.engine.eos_ids)
+                    result.outputs.append(running[rid].completion)
+                    self.engine.add_request(rid, ids, child)
+                results.append(result)
+        except Exception:  # a bad prompt or params: nothing of this call stays queued
+            for rid in running:
+                self.engine.abort_request(rid)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        bar = _progress(len(results), use_tqdm)
+        left = {r.request_id: len(r.outputs) for r in results}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if out.rid not in results:  # not this call's (an earlier call's abort echo)
+                builder = running.get(out.rid)
+                if builder is None or builder.finished:  # another call's, or an abort's echo
                     continue
-                res, detok = results[out.rid], detoks[out.rid]
-                if res.finished:  # ended here on a stop string; this is the abort's echo
-                    continue
-                comp = res.outputs[0]
-                comp.token_ids.extend(out.new_token_ids)
-                comp.latent_steps = out.latent_steps
-                if out.latent_stats is not None:  # settled phase, then the final output
-                    comp.latent_stats = out.latent_stats
-                if out.finished:
-                    comp.latent_trace, comp.recurrence = out.latent_trace, out.recurrence
-                detok.add(out.new_token_ids)
-                res.num_cached_tokens = out.num_cached_tokens
-                finished, reason = out.finished, out.finish_reason
-                if detok.stopped is not None and not finished:
+                if builder.add(out):  # a stop string ended it
                     self.engine.abort_request(out.rid)
-                    finished, reason = True, "stop"
-                if finished and not res.finished:
-                    detok.flush()
-                    comp.text = detok.text
-                    comp.finish_reason = reason
-                    res.finished = True
-                    if bar is not None:
-                        bar.update(1)
+                if builder.finished:
+                    left[builder.result.request_id] -= 1
+                    if not left[builder.result.request_id]:
+                        builder.result.finished = True
+                        if bar is not None:
+                            bar.update(1)
         if bar is not None:
             bar.close()
-        return [results[rid] for rid in order]
+        return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -124,7 +139,7 @@ class LLM:
 
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(convs)
         sampling_params = list(sampling_params)
@@ -149,6 +164,10 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):  # vLLM's TokensPrompt, or its TextPrompt
+            extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if extra and ("prompt" in prompt or "prompt_token_ids" in prompt):
+                raise ValueError(f"prompt key {extra[0]!r} is not supported (a prompt dict "
+                                 "takes 'prompt' and 'prompt_token_ids' only)")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if isinstance(prompt.get("prompt"), str):
@@ -161,9 +180,27 @@ class LLM:
                          f"'prompt_token_ids' or 'prompt', got {type(prompt).__name__}")
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled or total <= 1:
+def _children(params: SamplingParams) -> list[SamplingParams]:
+    """The ``params.n`` engine requests of one prompt (``n`` 1 each): the i-th with
+    ``seed + i`` when a seed is set, ``prompt_logprobs`` on the first only."""
+    if params.n == 1:
+        return [params]
+    out = []
+    for i in range(params.n):
+        seed = None if params.seed is None else params.seed + i
+        out.append(dataclasses.replace(params, n=1, seed=seed,
+                                       prompt_logprobs=params.prompt_logprobs if i == 0
+                                       else None))
+    return out
+
+
+def _progress(total: int, use_tqdm):
+    """A progress bar: ``use_tqdm`` called when it is callable, tqdm's for ``True`` and
+    more than one prompt, else None."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
+    if not use_tqdm or total <= 1:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="Generating", unit="req")
+    return tqdm(total=total, desc="Processed prompts", unit="prompt")

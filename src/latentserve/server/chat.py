@@ -80,7 +80,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     budget = latent_budget(request, body, state.latent_spec)
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
                              logprobs, budget, head, stream_latent_steps=ticks,
-                             latent_positions=latent_positions(state.latent_spec, budget))
+                             latent_positions=latent_positions(state.latent_spec, budget),
+                             defaults=state.sampling_defaults)
     check_total_output([engine_max_tokens(params, state.latent_spec, len(prompt_ids),
                                           state.max_model_len)], body.n or 1, field,
                        state.limits, [params.max_tokens])

@@ -66,7 +66,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
         params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
                                  state.max_model_len, body.logprobs, budget, head,
                                  prompt_logprobs,
-                                 latent_positions=latent_positions(state.latent_spec, budget))
+                                 latent_positions=latent_positions(state.latent_spec, budget),
+                                 defaults=state.sampling_defaults)
         for j, choice_params in enumerate(fan_out(params, n)):
             index = p * n + j
             reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,

@@ -98,7 +98,7 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         outbox.bind(addresses.output)
         ready = Ready(engine.model_name, engine.max_model_len,
                       getattr(engine, "vocab_size", None), engine.tokenizer,
-                      engine.latent_spec)
+                      engine.latent_spec, engine.sampling_defaults)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
         ready_conn.send_bytes(dumps(StartupFailed(f"{type(exc).__name__}: {exc}",
                                                   traceback.format_exc())))

@@ -178,7 +178,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
             states.append(ServerState(client, ready.tokenizer, ready.model_name,
                                       ready.max_model_len, ready.vocab_size, limits=limits,
                                       latent_spec=ready.latent_spec,
-                                      max_num_seqs=cfg.max_num_seqs))
+                                      max_num_seqs=cfg.max_num_seqs,
+                                      sampling_defaults=ready.sampling_defaults or {}))
         served = ServedModels(states)
         app = create_app(served, on_shutdown=stop_engines, api_key=api_key, cors=cors)
         server = _draining_server(uvicorn, [s.client for s in served.states],

@@ -60,6 +60,7 @@ class Ready:
     vocab_size: int | None
     tokenizer: Any  # the engine's transformers tokenizer, pickled along
     latent_spec: Any = None  # the model's LatentSpec (a small frozen dataclass) or None
+    sampling_defaults: dict | None = None  # LLMEngine.sampling_defaults (generation config)
 
 
 @dataclass(slots=True)

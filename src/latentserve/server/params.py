@@ -305,7 +305,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
                     logprobs: int | None = None, budget: int | None = None,
                     head: dict | None = None, prompt_logprobs: int | None = None,
                     stream_latent_steps: bool = False,
-                    latent_positions: int = 0) -> SamplingParams:
+                    latent_positions: int = 0, defaults: dict | None = None) -> SamplingParams:
     """Build the engine's ``SamplingParams`` for one prompt.
 
     ``max_tokens`` is what the client asked for (None: up to the end of the context,
@@ -318,6 +318,13 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
     :func:`stream_latent_steps`). The recurrent-depth exit fields come from the body.
     ``latent_positions``: KV positions the model adds before the answer (see
     :func:`latent_positions`); they count against the context like prompt tokens.
+    ``defaults``: the model's generation-config sampling defaults
+    (``ServerState.sampling_defaults``, ``models/generation_config.py``), taken for each of
+    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` the request
+    leaves unset (null), over vLLM's neutral values; their ``max_tokens`` bounds an unset
+    ``max_tokens`` (with the context left). A field the request sets wins. vLLM
+    (``vllm/entrypoints/utils.py`` ``get_max_tokens``) also caps a request's own
+    ``max_tokens`` by the generation config's; here it does not.
 
     Raises:
         APIError: 400 naming the field and the allowed values; a prompt plus
@@ -328,8 +335,9 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
         raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
                        param=max_tokens_field)
     used = num_prompt_tokens + latent_positions
+    defaults = defaults or {}
     if max_tokens is None:
-        max_tokens = max(max_model_len - used, 1)
+        max_tokens = min(max(max_model_len - used, 1), defaults.get("max_tokens", max_model_len))
     elif used + max_tokens > max_model_len:
         latent = (f", {latent_positions} latent and transition positions"
                   if latent_positions else "")
@@ -339,20 +347,20 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             f"prompt{latent}, {max_tokens} in the completion). Please reduce the length of "
             f"the prompt or {max_tokens_field}.", param=max_tokens_field,
             code="context_length_exceeded")
-    top_k = request.top_k
+    top_k = unset_default(request.top_k, "top_k", defaults, -1)
     if head is None:
         head = {k: getattr(request, k, None) for k in HEAD_HEADERS}
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if top_k is None or top_k == 0 else top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
+            temperature=unset_default(request.temperature, "temperature", defaults, 1.0),
+            top_p=unset_default(request.top_p, "top_p", defaults, 1.0),
+            top_k=-1 if top_k == 0 else top_k,
+            min_p=unset_default(request.min_p, "min_p", defaults, 0.0),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if request.repetition_penalty is None
-                                else request.repetition_penalty),
+            repetition_penalty=unset_default(request.repetition_penalty, "repetition_penalty",
+                                             defaults, 1.0),
             seed=request.seed,
             stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
             stop_token_ids=list(request.stop_token_ids or []),
@@ -372,6 +380,14 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
         if param == "max_tokens":
             param = max_tokens_field
         raise APIError(str(exc), param=param) from None
+
+
+def unset_default(value, name: str, defaults: dict | None, neutral):
+    """``value`` when the request set it, else the generation-config default ``name``
+    (``defaults``), else vLLM's ``neutral`` value (vLLM's ``to_sampling_params``)."""
+    if value is not None:
+        return value
+    return (defaults or {}).get(name, neutral)
 
 
 def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,

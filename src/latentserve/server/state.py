@@ -64,6 +64,9 @@ class ServerState:
     metrics: Any = None
     latent_spec: Any = None  # the served model's LatentSpec, or None for a plain model
     max_num_seqs: int | None = None  # the engine's seats (for max_waiting_requests)
+    # The model's generation-config sampling defaults (LLMEngine.sampling_defaults), for
+    # the fields a request leaves unset (params.sampling_params).
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 class ServedModels:

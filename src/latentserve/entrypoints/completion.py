@@ -1,0 +1,108 @@
+"""One completion of ``LLM.generate`` as the engine's ``StepOutput``s build it: text through
+the incremental detokenizer (stop strings), vLLM-shaped logprobs, and the finish and stop
+reasons (vLLM's ``vllm/outputs.py``, ``vllm/logprobs.py``, ``vllm/v1/engine/logprobs.py``)."""
+
+from __future__ import annotations
+
+from latentserve.outputs import CompletionOutput, Logprob, RequestOutput, StepOutput, TokenLogprob
+from latentserve.sampling_params import SamplingParams
+
+
+class TokenStrings:
+    """``token_id -> tokenizer.decode([token_id])`` (vLLM's ``convert_ids_list_to_tokens``:
+    each token decoded on its own, special tokens kept), cached per ``LLM.generate`` call;
+    None for every token of a ``NoTokenizer``."""
+
+    def __init__(self, tokenizer):
+        from latentserve.models.checkpoint import NoTokenizer
+
+        self._tokenizer = None if isinstance(tokenizer, NoTokenizer) else tokenizer
+        self._cache: dict[int, str | None] = {}
+
+    def __call__(self, token_id: int) -> str | None:
+        if token_id not in self._cache:
+            self._cache[token_id] = (None if self._tokenizer is None
+                                     else self._tokenizer.decode([token_id]))
+        return self._cache[token_id]
+
+
+def logprob_dict(lp: TokenLogprob, strings: TokenStrings) -> dict[int, Logprob]:
+    """One position's ``{token_id: Logprob}`` as vLLM builds it: the chosen token (rank
+    ``lp.rank``) first, then the top-k with ranks 1..k (the chosen token's entry is the top
+    entry when it is among them)."""
+    out = {lp.token_id: Logprob(lp.logprob, lp.rank, strings(lp.token_id))}
+    for rank, (token_id, value) in enumerate(lp.top, start=1):
+        out[token_id] = Logprob(value, rank, strings(token_id))
+    return out
+
+
+class CompletionBuilder:
+    """Turns one engine request's ``StepOutput``s into ``result.outputs[index]``.
+
+    Args:
+        result: the prompt's ``RequestOutput`` (its ``prompt_logprobs`` and
+            ``num_cached_tokens`` are filled by the completion with ``index`` 0).
+        index: this completion's index among the prompt's ``n``.
+        params: the engine request's params (``n`` 1).
+        tokenizer: the engine's tokenizer; ``strings`` its ``TokenStrings``.
+        eos_ids: the engine's EOS ids (a stop token that is EOS has no ``stop_reason``).
+
+    Raises: ``models.checkpoint.NoTokenizerError`` for stop strings without a tokenizer.
+    """
+
+    def __init__(self, result: RequestOutput, index: int, params: SamplingParams, tokenizer,
+                 strings: TokenStrings, eos_ids) -> None:
+        from latentserve.detokenizer import IncrementalDetokenizer
+
+        self.result, self.index, self.params = result, index, params
+        self.strings, self.eos_ids = strings, eos_ids
+        self.detok = IncrementalDetokenizer(tokenizer, result.prompt_token_ids, params.stop,
+                                            params.skip_special_tokens)
+        self.completion = CompletionOutput(index, "", [], None,
+                                           logprobs=None if params.logprobs is None else [],
+                                           cumulative_logprob=(None if params.logprobs is None
+                                                               else 0.0))
+        self.finished = False
+
+    def add(self, out: StepOutput) -> bool:
+        """Take one step's output; True when the completion has just ended here because a
+        stop string matched (the caller aborts the engine request). Outputs after the end
+        (an abort's echo) are ignored."""
+        if self.finished:
+            return False
+        comp = self.completion
+        comp.token_ids.extend(out.new_token_ids)
+        comp.latent_steps = out.latent_steps
+        if out.latent_stats is not None:  # settled phase, then the final output
+            comp.latent_stats = out.latent_stats
+        if out.finished:
+            comp.latent_trace, comp.recurrence = out.latent_trace, out.recurrence
+        if out.logprobs is not None and comp.logprobs is not None:
+            for lp in out.logprobs:
+                comp.logprobs.append(logprob_dict(lp, self.strings))
+                comp.cumulative_logprob += lp.logprob
+        if out.prompt_logprobs is not None and self.index == 0:
+            self.result.prompt_logprobs = [None if lp is None else logprob_dict(lp, self.strings)
+                                           for lp in out.prompt_logprobs]
+        if self.index == 0:
+            self.result.num_cached_tokens = out.num_cached_tokens
+        self.detok.add(out.new_token_ids)
+        if self.detok.stopped is not None and not out.finished:
+            self._finish("stop")
+            return True
+        if out.finished:
+            self._finish(out.finish_reason)
+        return False
+
+    def _finish(self, reason: str | None) -> None:
+        self.detok.flush()
+        comp = self.completion
+        comp.text, comp.finish_reason = self.detok.text, reason
+        if self.detok.stopped is not None:
+            comp.finish_reason, comp.stop_reason = "stop", self.detok.stopped
+        elif reason == "stop" and comp.token_ids:
+            last = comp.token_ids[-1]
+            eos = last in self.eos_ids and not self.params.ignore_eos
+            if last in self.params.stop_token_ids and not eos:
+                comp.stop_reason = last
+        self.finished = True

@@ -1,0 +1,72 @@
+"""A model's sampling defaults from its ``generation_config.json``, as vLLM's
+``--generation-config`` (``ModelConfig.get_diff_sampling_param`` in ``vllm/config/model.py``).
+
+``EngineConfig.generation_config`` picks the source:
+
+* ``"auto"`` (the default, as vLLM's): the model directory's ``generation_config.json`` (an
+  adapter directory: its base's); none there means no defaults;
+* ``"vllm"``: no defaults (vLLM's neutral ``SamplingParams`` defaults);
+* a folder path: that folder's ``generation_config.json`` (it must exist; vLLM would
+  silently use no defaults).
+
+Of the file, the keys vLLM takes are used: ``temperature``, ``top_p``, ``top_k``,
+``min_p``, ``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``); null values
+are skipped and the rest of the file (``do_sample`` included, as vLLM) is ignored. The
+defaults fill the fields a request leaves unset: ``LLM.get_default_sampling_params()`` (used
+by ``LLM.generate`` without sampling params) and the server's request fields
+(``server.params.sampling_params``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+GENERATION_CONFIG_MODES = ("auto", "vllm")
+# generation_config.json key -> SamplingParams field (vLLM's available_params).
+SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                 "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                 "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(model_dir: str | os.PathLike[str], setting: str = "auto") -> dict:
+    """The ``SamplingParams`` keyword defaults ``setting`` gives for ``model_dir``.
+
+    Returns a dict with the ``SAMPLING_KEYS`` fields the file sets (possibly empty).
+
+    Raises:
+        ValueError naming ``generation_config``: ``setting`` is neither ``"auto"``,
+            ``"vllm"`` nor a folder holding ``generation_config.json``; the file is not a
+            JSON object; a value is out of ``SamplingParams``' range (the message names the
+            file and the field).
+    """
+    from latentserve.models.checkpoint import base_model_dir
+    from latentserve.sampling_params import SamplingParams
+
+    if setting == "vllm":
+        return {}
+    if setting == "auto":
+        path = base_model_dir(model_dir) / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            return {}
+    else:
+        path = Path(setting).expanduser() / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding "
+                             f"{GENERATION_CONFIG_FILE}; there is no {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"generation_config: {path} is not valid JSON: {e}") from None
+    kind = type(raw).__name__
+    raw = raw if isinstance(raw, dict) else None
+    if raw is None:
+        raise ValueError(f"generation_config: {path} must hold a JSON object, got {kind}")
+    out = {field: raw[key] for key, field in SAMPLING_KEYS.items() if raw.get(key) is not None}
+    try:
+        SamplingParams(**out)
+    except ValueError as e:
+        raise ValueError(f"generation_config: {path}: {e}") from None
+    return out
