@@ -64,7 +64,8 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model)
         self.model_dir = model_dir
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.tokenizer = load_tokenizer(model_dir, optional=True)  # token ids only without one
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir,  # --tokenizer
+                                        optional=config.tokenizer is None)  # else ids only
         model, hf_config = load_model(model_dir, config.torch_dtype, config.device,
                                       latent_head=config.latent_head,
                                       no_latent_head=config.no_latent_head,
