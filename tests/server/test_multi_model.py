@@ -204,7 +204,7 @@ def test_health_and_metrics_report_every_engine(http, names):
     # Every family is written once (one HELP line), with one sample per model.
     assert text.count("# HELP latentserve_kv_slots_total ") == 1
     # The requests of the first test were counted under their own model.
-    assert f'latentserve_request_success_total{{finish_reason="length",model_name="' \
+    assert f'latentserve_request_success_total{{finished_reason="length",model_name="' \
            f'{names["huginn"]}"}}' in text
 
 

@@ -102,10 +102,10 @@ def test_engine_context_refusal_is_a_400_and_not_an_error_in_metrics(smollm2_tok
             assert r.json()["error"]["code"] == "context_length_exceeded"
             assert r.json()["error"]["param"] == "prompt"
         metrics = app.get("/metrics").text
-    finished = re.findall(r'^latentserve_request_success_total\{.*finish_reason="(\w+)".*\} '
+    finished = re.findall(r'^latentserve_request_success_total\{.*finished_reason="(\w+)".*\} '
                           r'([0-9.]+)$', metrics, re.M)
     assert all(float(count) == 0 for _, count in finished), finished
-    assert 'finish_reason="error"' not in metrics
+    assert 'finished_reason="error"' not in metrics
 
 
 def test_more_stop_strings_than_the_limit_are_a_400_naming_the_field(smollm2_tokenizer):

@@ -8,12 +8,13 @@ up after a few chunks, and at the end the server's ``/health`` must show an idle
 whose KV slots are all free or cached (``free + cached == total``).
 
 Method: ``--num-prompts`` streaming requests (each ``stream: true`` with
-``stream_options.include_usage``; greedy, ``ignore_eos``, ``max_tokens = --output-len``, so
-each makes exactly that many tokens unless cancelled), sent at ``--request-rate`` requests
-per second (Poisson arrivals; ``inf`` sends all at once) with at most ``--max-concurrency``
-in flight. Prompts: the packaged GSM8K questions (``--dataset gsm8k``, cycled; chat requests
-send each as one user message, completion requests as the prompt) or ``--input-len``
-random token ids (``--dataset random``, completions only). Per request, measured in this
+``stream_options.include_usage``; greedy; ``ignore_eos`` unless ``--no-ignore-eos``, so each
+makes exactly its output length unless cancelled; vLLM's default is off), sent at
+``--request-rate`` requests per second (Poisson arrivals; ``inf`` sends all at once) with at
+most ``--max-concurrency`` in flight. Prompts and output lengths: ``bench/serve_datasets.py``
+(``--dataset`` gsm8k, random, sharegpt or custom; chat requests send each prompt as one user
+message). ``--extra-body JSON`` is merged into every request body (``'{"latent_budget": 4}'``
+sweeps a latent budget), ``--header K=V`` adds a header. Per request, measured in this
 process from just before the request is sent (seconds, ``time.perf_counter``):
 
 * TTFT: until the first chunk carrying text;
@@ -25,6 +26,15 @@ Output tokens are the server's ``usage.completion_tokens``; input tokens its
 ``usage.prompt_tokens``. Throughputs divide by the wall time of the whole run (first send
 to last byte). Percentiles use linear interpolation (``numpy.percentile``'s default).
 Cancelled requests count in no latency and no throughput.
+
+The result is vLLM's flat JSON (``vllm/benchmarks/serve.py``): ``completed``,
+``request_throughput``, ``output_throughput``, ``mean_ttft_ms``, ``median_tpot_ms``,
+``p99_itl_ms``, ``std_e2el_ms``, ... (every ``--metric-percentiles`` of ttft, tpot, itl and
+e2el), ``input_lens``, ``output_lens``, ``ttfts``, ``itls``, ``generated_texts``,
+``errors``, plus ours (``cancelled``, ``server_after``, ``command``). ``--save-result``
+writes it to ``--result-dir``/``--result-filename`` (default vLLM's
+``{label}-{rate}qps[-concurrency{N}]-{model}-{YYYYmmdd-HHMMSS}.json``); ``--json-out PATH``
+writes it to PATH.
 """
 
 from __future__ import annotations
@@ -38,37 +48,89 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
+from datetime import datetime
+
+
+def _header(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
-    """Add the ``bench serve`` flags to ``parser``."""
+    """Add the ``bench serve`` flags to ``parser`` (vLLM's names, with our older ones as
+    aliases)."""
+    from latentserve.bench.serve_datasets import DATASETS
+
     parser.add_argument("--base-url", default="http://127.0.0.1:8000",
                         help="the server (default http://127.0.0.1:8000)")
     parser.add_argument("--endpoint", default="/v1/chat/completions",
                         choices=["/v1/chat/completions", "/v1/completions"])
     parser.add_argument("--model", default=None,
                         help="model name to send (default: the server's, from /v1/models)")
-    parser.add_argument("--dataset", default="gsm8k", choices=["gsm8k", "random"])
+    parser.add_argument("--dataset", "--dataset-name", dest="dataset", default="gsm8k",
+                        choices=DATASETS,
+                        help="gsm8k (packaged), random, sharegpt or custom (--dataset-path)")
+    parser.add_argument("--dataset-path", default=None,
+                        help="sharegpt: a ShareGPT JSON file; custom: JSON lines of "
+                             "{\"prompt\": ..., \"output_tokens\": ...}")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128,
+    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int,
+                        default=128,
                         help="prompt tokens per request for --dataset random (default 128)")
-    parser.add_argument("--output-len", type=int, default=64,
-                        help="generated tokens per request, exact (default 64)")
+    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
+                        default=64,
+                        help="generated tokens per request, gsm8k and random (default 64)")
+    parser.add_argument("--sharegpt-output-len", type=int, default=None,
+                        help="sharegpt: this many tokens per request instead of the answer's")
+    parser.add_argument("--custom-output-len", type=int, default=None,
+                        help="custom: tokens per line without output_tokens (default "
+                             "--output-len)")
+    ignore = parser.add_mutually_exclusive_group()
+    ignore.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=True,
+                        help="every request makes its whole output length (default)")
+    ignore.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                        help="requests may end at EOS (vLLM's default)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second, Poisson arrivals (default inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="requests in flight at most (default: no limit)")
     parser.add_argument("--disconnect-fraction", type=float, default=0.0,
                         help="share of requests whose client hangs up after 1-4 text chunks")
-    parser.add_argument("--percentiles", default="50,90,99",
+    parser.add_argument("--percentiles", "--metric-percentiles", dest="percentiles",
+                        default="50,90,99",
                         help="comma-separated percentiles to report (default 50,90,99)")
     parser.add_argument("--seed", type=int, default=0, help="arrivals, prompts, disconnects")
     parser.add_argument("--api-key", default=None,
                         help="sent as a Bearer token (default: $LATENTSERVE_API_KEY if set)")
+    parser.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+                        help="a JSON object merged into every request body, e.g. "
+                             "'{\"latent_budget\": 4}'")
+    parser.add_argument("--header", type=_header, action="append", default=None,
+                        metavar="KEY=VALUE", help="a header on every request (repeatable)")
+    parser.add_argument("--save-result", action="store_true",
+                        help="write the result JSON to --result-dir/--result-filename")
+    parser.add_argument("--result-dir", default=None, help="with --save-result (default .)")
+    parser.add_argument("--result-filename", default=None,
+                        help="with --save-result (default: vLLM's "
+                             "{label}-{rate}qps[-concurrency{N}]-{model}-{time}.json)")
+    parser.add_argument("--label", default=None,
+                        help="the result's label and file name prefix (default: the "
+                             "endpoint type, openai-chat or openai)")
     parser.add_argument("--json-out", default=None, metavar="PATH",
-                        help="write the full result as JSON to PATH")
+                        help="write the result JSON to PATH")
 
 
 @dataclass(slots=True)
@@ -83,35 +145,22 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    text: str = ""
 
 
-def _questions() -> list[str]:
-    from importlib import resources
-
-    text = resources.files("latentserve").joinpath("data/questions.json").read_text("utf-8")
-    return [q["question"] for q in json.loads(text)["questions"]]
-
-
-def build_requests(args: argparse.Namespace, model: str) -> list[dict]:
-    """The request bodies, in send order (deterministic for a given ``--seed``)."""
-    rng = random.Random(args.seed)
-    common = {"model": model, "max_tokens": args.output_len, "temperature": 0,
-              "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def build_requests(args: argparse.Namespace, model: str, samples) -> list[dict]:
+    """The request bodies of ``samples`` (``serve_datasets.Sample``), in send order, with
+    ``--extra-body`` merged in last."""
     bodies = []
-    if args.dataset == "random":
-        if args.endpoint != "/v1/completions":
-            raise ValueError("--dataset random needs --endpoint /v1/completions")
-        for _ in range(args.num_prompts):
-            ids = [rng.randrange(1000, 30000) for _ in range(args.input_len)]
-            bodies.append({**common, "prompt": ids})
-        return bodies
-    questions = _questions()
-    for i in range(args.num_prompts):
-        q = questions[i % len(questions)]
+    for sample in samples:
+        body = {"model": model, "max_tokens": sample.output_len, "temperature": 0,
+                "ignore_eos": args.ignore_eos, "stream": True,
+                "stream_options": {"include_usage": True}}
         if args.endpoint == "/v1/chat/completions":
-            bodies.append({**common, "messages": [{"role": "user", "content": q}]})
+            body["messages"] = [{"role": "user", "content": sample.prompt}]
         else:
-            bodies.append({**common, "prompt": q})
+            body["prompt"] = sample.prompt
+        bodies.append({**body, **(args.extra_body or {})})
     return bodies
 
 
@@ -138,6 +187,7 @@ async def _one(client, endpoint: str, body: dict, cancel_after: int | None) -> R
                 for choice in chunk.get("choices", []):
                     text = choice.get("text") or (choice.get("delta") or {}).get("content")
                     if text:
+                        res.text += text
                         now = time.perf_counter()
                         if res.ttft is None:
                             res.ttft = now - start
@@ -166,7 +216,7 @@ async def run_benchmark(args: argparse.Namespace, bodies: list[dict]
     rng = random.Random(args.seed + 1)
     cancels = [rng.randrange(1, 5) if rng.random() < args.disconnect_fraction else None
                for _ in bodies]
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = _headers(args)
     limit = args.max_concurrency or len(bodies)
     sem = asyncio.Semaphore(limit)
     async with httpx.AsyncClient(
@@ -188,41 +238,51 @@ async def run_benchmark(args: argparse.Namespace, bodies: list[dict]
         return list(results), time.perf_counter() - start
 
 
-def _stats(values: list[float], percentiles: list[float]) -> dict[str, float | None]:
+def _stats(name: str, values: list[float], percentiles: list[float]) -> dict:
+    """vLLM's ``mean_/median_/std_/pNN_{name}_ms`` of ``values`` (seconds), None when
+    empty."""
     import numpy as np
 
+    keys = ["mean", "median", "std", *(f"p{p:g}" for p in percentiles)]
     if not values:
-        return {"mean": None, "median": None, **{f"p{p:g}": None for p in percentiles}}
+        return {f"{k}_{name}_ms": None for k in keys}
     arr = np.asarray(values) * 1000.0
-    out = {"mean": float(arr.mean()), "median": float(np.median(arr))}
+    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
+           f"std_{name}_ms": float(arr.std())}
     for p in percentiles:
-        out[f"p{p:g}"] = float(np.percentile(arr, p))
+        out[f"p{p:g}_{name}_ms"] = float(np.percentile(arr, p))
     return out
 
 
 def summarize(results: list[RequestResult], duration: float, percentiles: list[float]
               ) -> dict:
-    """Counts, throughputs (per second of ``duration``) and latency statistics (ms)."""
+    """vLLM's flat result keys: counts, throughputs (per second of ``duration``), latency
+    statistics (ms) and the per-request lists."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok
              if r.output_tokens > 1 and r.ttft is not None]
     return {
+        "duration": duration,
         "completed": len(ok),
-        "cancelled": sum(r.cancelled for r in results),
         "failed": sum(1 for r in results if not r.ok and not r.cancelled),
-        "errors": sorted({r.error for r in results if r.error})[:5],
-        "duration_s": duration,
+        "cancelled": sum(r.cancelled for r in results),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None], percentiles),
-        "tpot_ms": _stats(tpots, percentiles),
-        "itl_ms": _stats([x for r in ok for x in r.itl], percentiles),
-        "e2el_ms": _stats([r.latency for r in ok], percentiles),
+        **_stats("ttft", [r.ttft for r in ok if r.ttft is not None], percentiles),
+        **_stats("tpot", tpots, percentiles),
+        **_stats("itl", [x for r in ok for x in r.itl], percentiles),
+        **_stats("e2el", [r.latency for r in ok], percentiles),
+        "input_lens": [r.prompt_tokens for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results],
+        "itls": [r.itl for r in results],
+        "generated_texts": [r.text for r in results],
+        "errors": [r.error or "" for r in results],
     }
 
 
@@ -247,32 +307,31 @@ def check_server(base_url: str, api_key: str | None, timeout: float = 30.0) -> d
     return health
 
 
-def format_report(result: dict) -> str:
+def format_report(result: dict, percentiles: list[float]) -> str:
     """The plain-text report (vLLM's layout)."""
-    s = result["summary"]
     lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
 
     def row(name, value, fmt="{:.2f}"):
         text = "n/a" if value is None else fmt.format(value)
         lines.append(f"{name:<44}{text:>16}")
 
-    row("Successful requests:", s["completed"], "{}")
-    row("Cancelled requests (client hung up):", s["cancelled"], "{}")
-    row("Failed requests:", s["failed"], "{}")
-    row("Benchmark duration (s):", s["duration_s"])
-    row("Total input tokens:", s["total_input_tokens"], "{}")
-    row("Total generated tokens:", s["total_output_tokens"], "{}")
-    row("Request throughput (req/s):", s["request_throughput"])
-    row("Output token throughput (tok/s):", s["output_throughput"])
-    row("Total token throughput (tok/s):", s["total_token_throughput"])
-    for key, title, short in (("ttft_ms", "Time to First Token", "TTFT"),
-                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
-                              ("itl_ms", "Inter-token Latency", "ITL"),
-                              ("e2el_ms", "End-to-end Latency", "E2EL")):
+    row("Successful requests:", result["completed"], "{}")
+    row("Cancelled requests (client hung up):", result["cancelled"], "{}")
+    row("Failed requests:", result["failed"], "{}")
+    row("Benchmark duration (s):", result["duration"])
+    row("Total input tokens:", result["total_input_tokens"], "{}")
+    row("Total generated tokens:", result["total_output_tokens"], "{}")
+    row("Request throughput (req/s):", result["request_throughput"])
+    row("Output token throughput (tok/s):", result["output_throughput"])
+    row("Total token throughput (tok/s):", result["total_token_throughput"])
+    for key, title, short in (("ttft", "Time to First Token", "TTFT"),
+                              ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+                              ("itl", "Inter-token Latency", "ITL"),
+                              ("e2el", "End-to-end Latency", "E2EL")):
         lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
-        for stat, value in s[key].items():
+        for stat in ("mean", "median", *(f"p{p:g}" for p in percentiles)):
             label = stat.capitalize() if stat in ("mean", "median") else stat.upper()
-            row(f"{label} {short} (ms):", value)
+            row(f"{label} {short} (ms):", result[f"{stat}_{key}_ms"])
     health = result.get("server_after") or {}
     lines.append("=" * 60)
     lines.append(f"server after the run: status {health.get('status')}, "
@@ -288,6 +347,18 @@ def command_line(args: argparse.Namespace) -> str:
              "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
     if args.dataset == "random":
         parts += ["--input-len", str(args.input_len)]
+    if args.dataset_path:
+        parts += ["--dataset-path", args.dataset_path]
+    for flag, value in (("--sharegpt-output-len", args.sharegpt_output_len),
+                        ("--custom-output-len", args.custom_output_len)):
+        if value is not None:
+            parts += [flag, str(value)]
+    if not args.ignore_eos:
+        parts.append("--no-ignore-eos")
+    if args.extra_body:
+        parts += ["--extra-body", json.dumps(args.extra_body)]
+    for key, value in args.header or ():
+        parts += ["--header", f"{key}={value}"]
     if args.model:
         parts += ["--model", args.model]
     if args.request_rate != float("inf"):
@@ -301,6 +372,47 @@ def command_line(args: argparse.Namespace) -> str:
     if args.json_out:
         parts += ["--json-out", str(args.json_out)]
     return shlex.join(parts)
+
+
+def _headers(args: argparse.Namespace) -> dict:
+    """The headers of every request: ``--header`` pairs, then the API key's."""
+    headers = dict(args.header or ())
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    return headers
+
+
+def _tokenizer_calls(base_url: str, headers: dict, model: str):
+    """``count_tokens(text)`` and ``detokenize(ids)`` through the server's ``/tokenize`` and
+    ``/detokenize``."""
+    import httpx
+
+    client = httpx.Client(base_url=base_url, headers=headers, timeout=60)
+
+    def count_tokens(text: str) -> int:
+        r = client.post("/tokenize", json={"model": model, "prompt": text})
+        r.raise_for_status()
+        return r.json()["count"]
+
+    def detokenize(ids: list[int]) -> str:
+        r = client.post("/detokenize", json={"model": model, "tokens": ids})
+        r.raise_for_status()
+        return r.json()["prompt"]
+
+    return count_tokens, detokenize
+
+
+def result_path(args: argparse.Namespace, result: dict) -> str:
+    """Where ``--save-result`` writes: ``--result-dir`` / ``--result-filename``, by default
+    vLLM's ``{label}-{rate}qps[-concurrency{N}]-{model}-{YYYYmmdd-HHMMSS}.json``."""
+    name = args.result_filename
+    if name is None:
+        concurrency = (f"-concurrency{args.max_concurrency}" if args.max_concurrency
+                       else "")
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = (f"{result['label']}-{args.request_rate}qps{concurrency}-"
+                f"{result['model_id'].rstrip('/').split('/')[-1]}-{stamp}.json")
+    return os.path.join(args.result_dir or ".", name)
 
 
 def _served_model(base_url: str, headers: dict) -> str:
@@ -332,34 +444,49 @@ def serve_bench_main(args: argparse.Namespace) -> int:
     if not 0.0 <= args.disconnect_fraction <= 1.0:
         raise ValueError("--disconnect-fraction must be in [0, 1]")
     args.api_key = args.api_key or os.environ.get("LATENTSERVE_API_KEY")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = _headers(args)
     model = args.model or _served_model(args.base_url, headers)
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
-    bodies = build_requests(args, model)
+    from latentserve.bench.serve_datasets import sample_requests
+
+    samples = sample_requests(args, *_tokenizer_calls(args.base_url, headers, model))
+    bodies = build_requests(args, model, samples)
     results, duration = asyncio.run(run_benchmark(args, bodies))
+    endpoint_type = "openai-chat" if args.endpoint == "/v1/chat/completions" else "openai"
     result = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": endpoint_type,
+        "backend": "latentserve",
+        "label": args.label or endpoint_type,
+        "model_id": model,
+        "tokenizer_id": model,
+        "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "burstiness": 1.0,
+        "max_concurrency": args.max_concurrency,
+        **summarize(results, duration, percentiles),
         "command": command_line(args),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "client_machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "python": sys.version.split()[0]},
-        "model": model,
         "endpoint": args.endpoint,
-        "num_prompts": args.num_prompts,
-        "output_len": args.output_len,
-        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-        "max_concurrency": args.max_concurrency,
+        "dataset_name": args.dataset,
+        "extra_body": args.extra_body,
         "disconnect_fraction": args.disconnect_fraction,
-        "summary": summarize(results, duration, percentiles),
         "server_after": check_server(args.base_url, args.api_key),
-        "requests": [asdict(r) for r in results],
     }
-    print(format_report(result))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
+    print(format_report(result, percentiles))
+    paths = [args.json_out] if args.json_out else []
+    if args.save_result:
+        paths.append(result_path(args, result))
+    for path in paths:
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
+        print(f"wrote {path}")
     healthy = result["server_after"].get("status") == "ok" and result["server_after"].get(
         "slots_ok")
-    return 0 if result["summary"]["failed"] == 0 and healthy else 1
+    return 0 if result["failed"] == 0 and healthy else 1
 
 
 def main(argv: list[str] | None = None) -> int:

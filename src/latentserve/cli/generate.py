@@ -9,7 +9,7 @@ def register(sub) -> None:
     from latentserve.cli import add_engine_args
 
     p = sub.add_parser("generate", help="complete one prompt, streamed to stdout")
-    add_engine_args(p)
+    add_engine_args(p, exclude=("seed",))  # --seed below seeds the request and the engine
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="text (with the model's chat template unless --raw)")
     what.add_argument("--prompt-token-ids", default=None,
@@ -22,7 +22,8 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="the request's sampling seed (also the engine's; default: unseeded)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template")
     p.add_argument("--latent-budget", type=int, default=None,
@@ -45,6 +46,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    import dataclasses
+
     from latentserve.cli import engine_config
     from latentserve.detokenizer import IncrementalDetokenizer
     from latentserve.engine.llm_engine import LLMEngine
@@ -62,7 +65,7 @@ def run(args) -> int:
                             thinking=None if args.thinking is None else args.thinking == "on",
                             max_latent=args.max_latent,
                             min_output_tokens=floor)
-    engine = LLMEngine(engine_config(args))
+    engine = LLMEngine(dataclasses.replace(engine_config(args), seed=args.seed or 0))
     head_flags = [f for f, v in (("--thinking", args.thinking), ("--max-latent", args.max_latent),
                                  ("--min-output-tokens", args.min_output_tokens))
                   if v is not None]

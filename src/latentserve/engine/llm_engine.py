@@ -73,7 +73,8 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model, _dtype_name(config))
         self.model_dir = model_dir
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.tokenizer = load_tokenizer(model_dir, optional=True)  # token ids only without one
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir,  # --tokenizer
+                                        optional=config.tokenizer is None)  # else ids only
         from latentserve.models.generation_config import sampling_defaults
 
         self.sampling_defaults = sampling_defaults(model_dir, config.generation_config)

@@ -76,9 +76,10 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     served = state if isinstance(state, ServedModels) else ServedModels(state)
     registry = None
+    longest = max(s.max_model_len for s in served.states)
     for s in served.states:
         if s.metrics is None:
-            registry = registry or MetricsRegistry()
+            registry = registry or MetricsRegistry(longest)
             s.metrics = registry.model(s.model_name, lambda s=s: s.client.last_stats)
     # One /metrics body per registry (states given their own ServerMetrics keep theirs).
     registries = list({id(s.metrics.shared): s.metrics.shared for s in served.states
@@ -120,39 +121,49 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         """The state of the model a request names; with one model, its name is checked
         (a missing ``model`` is that model)."""
         state = served.resolve(model)
-        check_served_model(model, state.model_name)
+        check_served_model(served.canonical(model), state.model_name)
         return state
 
-    def card(s: ServerState) -> ModelCard:
-        return ModelCard(id=s.model_name, max_model_len=s.max_model_len)
+    def routed(body) -> ServerState:
+        """The state of the model ``body.model`` names; an alias (``--served-model-name``)
+        is replaced by the model's first name, which the response carries."""
+        state = served.resolve(body.model)
+        body.model = served.canonical(body.model)
+        return state
+
+    def cards(s: ServerState) -> list[ModelCard]:
+        """One card per name the model is served under (vLLM lists each)."""
+        return [ModelCard(id=name, root=s.root or s.model_name, max_model_len=s.max_model_len)
+                for name in (s.model_name, *s.aliases)]
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return as_json(await create_chat_completion(body, request, served.resolve(body.model)))
+        return as_json(await create_chat_completion(body, request, routed(body)))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request):
-        return as_json(await create_completion(body, request, served.resolve(body.model)))
+        return as_json(await create_completion(body, request, routed(body)))
 
     @app.post("/v1/messages", response_model=None)
     async def messages(body: MessagesRequest, request: Request):
-        return as_json(await create_message(body, request, served.resolve(body.model)))
+        return as_json(await create_message(body, request, routed(body)))
 
     @app.post("/v1/messages/count_tokens", response_model=None)
     async def count_tokens(body: CountTokensRequest, request: Request):
         from latentserve.server.anthropic_api import count_input_tokens
 
-        state = served.resolve(body.model)  # one model: any name counts, as before
+        state = routed(body)  # one model: any name counts, as before
         return JSONResponse({"input_tokens": await count_input_tokens(body, request, state)})
 
     @app.get("/v1/models", response_model=None)
     async def models():
-        data = [card(s) for s in served.states]
+        data = [c for s in served.states for c in cards(s)]
         return JSONResponse(ModelList(data=data).model_dump(mode="json"))
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(model_id: str):
-        return JSONResponse(card(model_state(model_id)).model_dump(mode="json"))
+        card = next(c for c in cards(model_state(model_id)) if c.id == model_id)
+        return JSONResponse(card.model_dump(mode="json"))
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: TokenizeRequest):

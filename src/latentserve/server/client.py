@@ -64,6 +64,8 @@ class EngineClient:
         self.last_stats: dict[str, int] | None = None
         self.last_stats_at: float | None = None  # time.monotonic() of last_stats
         self._queues: dict[str, asyncio.Queue] = {}
+        # rid -> (queued_at, scheduled_at) in the engine process, while the request runs
+        self.scheduled_at: dict[str, tuple[float, float]] = {}
         self._aborted: set[str] = set()  # running rids already aborted
         # rid -> time of an abort that came before the request was sent (a client that hung
         # up right after its request): generate() then refuses to start it. Entries expire.
@@ -151,6 +153,7 @@ class EngineClient:
             if not done and rid not in self._aborted and self.dead_reason is None:
                 self.abort(rid)  # while rid is still in _queues: not an early abort
             self._queues.pop(rid, None)
+            self.scheduled_at.pop(rid, None)
             self._aborted.discard(rid)
 
     async def check(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -238,6 +241,9 @@ class EngineClient:
 
     def _dispatch(self, message: object) -> None:
         if isinstance(message, StepOutputs):
+            for rid, times in message.scheduled.items():
+                if rid in self._queues:
+                    self.scheduled_at[rid] = times
             for out in message.outputs:
                 queue = self._queues.get(out.rid)
                 if queue is not None:  # None: the caller left (aborted) already

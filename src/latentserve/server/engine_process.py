@@ -133,6 +133,8 @@ class EngineLoop:
         self.parent_pid = parent_pid
         self.running = True
         self.failed_steps = 0
+        self.queued_at: dict[str, float] = {}  # added, not yet scheduled: when it came
+        self.scheduled: dict[str, tuple[float, float]] = {}  # to send: (queued, scheduled)
 
     def run(self) -> None:
         import zmq
@@ -172,6 +174,7 @@ class EngineLoop:
                 else:
                     self.engine.add_request(message.rid, message.prompt_token_ids,
                                             message.params)
+                    self.queued_at[message.rid] = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - any rejection goes back to the caller
                 self._send(RequestFailed(message.rid, str(exc)))
         elif isinstance(message, Abort):
@@ -186,7 +189,23 @@ class EngineLoop:
         else:
             log.warning("ignoring unknown message %r", type(message).__name__)
 
+    def _note_scheduled(self, started: float, outputs) -> None:
+        """Record when each waiting request was first scheduled: the start of the step
+        after which it is running (or has an output); a request aborted before it ran is
+        forgotten."""
+        if not self.queued_at:
+            return
+        seen = {r.rid for r in self.engine.scheduler.running}
+        for out in outputs:
+            if out.finish_reason in ("abort", "error") and out.rid not in seen:
+                self.queued_at.pop(out.rid, None)
+            else:
+                seen.add(out.rid)
+        for rid in seen.intersection(self.queued_at):
+            self.scheduled[rid] = (self.queued_at.pop(rid), started)
+
     def _step(self) -> None:
+        started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -200,8 +219,10 @@ class EngineLoop:
                                f"({type(exc).__name__})")
             return
         self.failed_steps = 0
+        self._note_scheduled(started, outputs)
         if outputs:
-            self._send(StepOutputs(outputs))
+            self._send(StepOutputs(outputs, self.scheduled))
+            self.scheduled = {}
 
     def _fail_running(self, error: str) -> None:
         """Abort every admitted request (its KV is released) and tell its caller."""
@@ -210,6 +231,7 @@ class EngineLoop:
                 self.engine.abort_request(req.rid)
             except Exception:  # noqa: BLE001 - keep failing the others
                 log.exception("could not abort %s", req.rid)
+            self.queued_at.pop(req.rid, None)
             self._send(RequestFailed(req.rid, error, internal=True))
 
     def _fail_engine(self, error: str) -> None:

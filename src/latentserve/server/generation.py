@@ -53,7 +53,7 @@ class EngineRequest:
 
 
 async def generate_text(state, rid: str, prompt_ids: list[int], params: SamplingParams,
-                        arrival: float | None = None) -> AsyncIterator[TextDelta]:
+                        arrival: float | None = None, group=None) -> AsyncIterator[TextDelta]:
     """Yield non-empty text deltas, then exactly one delta with a ``finish_reason``; with
     ``params.stream_latent_steps``, also a delta (text "", ``latent_tick`` > 0) whenever
     latent steps ran since the last one.
@@ -63,7 +63,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     detokenized text: the match and what follows are cut, text that could still become a
     stop string is held back until it is decided, the engine request is aborted (by leaving
     ``client.generate``) and the reason is ``"stop"``. ``state`` is the ``ServerState``; its
-    ``metrics`` (if any) time the request from ``arrival`` (``time.monotonic()`` seconds).
+    ``metrics`` (if any) time the request from ``arrival`` (``time.monotonic()`` seconds),
+    one of ``group``'s (``metrics.RequestGroup``: a prompt's ``n`` choices; None: alone).
 
     Raises ``EngineRequestError`` / ``EngineInternalError`` / ``EngineDeadError`` from the
     client. A request the engine refuses (``EngineRequestError``: a 400 such as the context
@@ -75,7 +76,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
 
     detok = IncrementalDetokenizer(state.tokenizer, prompt_ids, params.stop,
                                    skip_special_tokens=params.skip_special_tokens)
-    timer = state.metrics.timer(arrival) if state.metrics is not None else None
+    timer = (state.metrics.timer(arrival, group, params.max_tokens)
+             if state.metrics is not None else None)
     num_tokens = 0
     # Logprobs not yet reported, each with its token's start in the decoded text.
     pending: list[tuple[TokenLogprob, int]] = []
@@ -107,6 +109,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                 ids = out.new_token_ids
                 num_tokens += len(ids)
                 if timer is not None:
+                    if timer.scheduled_at is None:  # (a stand-in client may not say)
+                        timer.scheduled(getattr(state.client, "scheduled_at", {}).get(rid))
                     timer.tokens(len(ids))
                 if out.prompt_logprobs is not None:
                     prompt_lps = out.prompt_logprobs

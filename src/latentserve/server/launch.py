@@ -43,9 +43,18 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def served_model_name(config: EngineConfig) -> str:
-    """The name ``config``'s model is served as (``LLMEngine.model_name``): the ``model``
-    path as given, or the embedded default's name."""
+    """The name ``config``'s model is served as: the first ``served_model_name``, else
+    ``LLMEngine.model_name`` (the ``model`` path as given, or the embedded default's
+    name)."""
+    if config.served_model_name:
+        return config.served_model_name[0]
     return config.model or DEFAULT_MODEL_NAME
+
+
+def served_names(config: EngineConfig) -> tuple[str, ...]:
+    """Every name ``config``'s model is served under, the first being
+    :func:`served_model_name`."""
+    return config.served_model_name or (served_model_name(config),)
 
 
 def check_model_names(configs: list[EngineConfig]) -> list[str]:
@@ -58,18 +67,18 @@ def check_model_names(configs: list[EngineConfig]) -> list[str]:
     if not configs:
         raise ValueError("no model to serve: give at least one --model")
     seen: dict[str, int] = {}
-    names = []
     for i, config in enumerate(configs):
-        name = served_model_name(config)
-        if name in seen:
-            j = seen[name]
-            raise ValueError(
-                f"models {j + 1} and {i + 1} would both be served as {name!r} "
-                f"(--model {configs[j].model or '(default)'} and --model "
-                f"{config.model or '(default)'}); give each model once")
-        seen[name] = i
-        names.append(name)
-    return names
+        for name in served_names(config):
+            if name in seen and seen[name] != i:
+                j = seen[name]
+                raise ValueError(
+                    f"models {j + 1} and {i + 1} would both be served as {name!r} "
+                    f"(--model {configs[j].model or '(default)'} and --model "
+                    f"{config.model or '(default)'}); give each model once")
+            if name in seen:
+                raise ValueError(f"--served-model-name gives {name!r} twice")
+            seen[name] = i
+    return [served_model_name(c) for c in configs]
 
 
 def _as_list(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
@@ -107,7 +116,9 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                max_request_body_bytes: int | None = None,
                drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
                max_request_output_tokens: int | None = None,
-               cors: dict | None = None, max_waiting_requests: int | None = None) -> None:
+               cors: dict | None = None, max_waiting_requests: int | None = None,
+               chat_template: str | None = None, uvicorn_log_level: str | None = None,
+               log_requests: bool = False, max_log_len: int | None = None) -> None:
     """Start the engine process (one per config for a list: several models, each served
     under its own name), wait until its model is loaded and warmed up, then serve
     HTTP with uvicorn until SIGINT/SIGTERM; the engine processes are stopped on the way out
@@ -125,6 +136,11 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     ``drain_timeout``: on SIGTERM/SIGINT the server stops accepting connections and lets
     running requests finish for up to this many seconds, then cancels what is left (those
     engine requests are aborted) and stops the engine.
+    ``chat_template``: ``--chat-template``, a file or the template itself
+    (``chat_template.load_chat_template``), for every model. ``uvicorn_log_level``:
+    uvicorn's level (None: ``log_level``, which also sets the engines' and this process's).
+    ``log_requests``, ``max_log_len``: log each request's prompt and parameters
+    (``ServerState``).
 
     The engine process is started with multiprocessing's ``spawn``: a script calling this
     must do so under ``if __name__ == "__main__":``.
@@ -135,8 +151,9 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     says ``degraded``).
 
     Raises:
-        ValueError: two configs would be served under the same name, or ``host:port``
-            cannot be bound (checked before any model loads).
+        ValueError: two configs would be served under the same name, a bad
+            ``chat_template``, or ``host:port`` cannot be bound (checked before any model
+            loads).
         RuntimeError: every engine process stopped while serving.
         EngineStartupError: an engine could not start (bad model path, load error, ...);
             the engines already started are stopped.
@@ -144,16 +161,21 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     import uvicorn
 
     from latentserve.server.app import create_app
+    from latentserve.server.chat_template import apply_chat_template, load_chat_template
     from latentserve.server.client import EngineClient
     from latentserve.server.state import ServedModels, ServerLimits, ServerState
 
     configs = _as_list(config)
     check_model_names(configs)
+    template = load_chat_template(chat_template)
+    _log_to_stderr(log_level)
     limits = ServerLimits(**{k: v for k, v in (
         ("max_request_body_bytes", max_request_body_bytes),
         ("max_request_output_tokens", max_request_output_tokens),
         ("max_waiting_requests", max_waiting_requests)) if v is not None})
     sock = listen_socket(host, port)  # a busy port fails now, not after the model loads
+    for cfg in configs:  # as vLLM logs its engine config: what each flag resolved to
+        log.info("engine config of %s: %s", served_model_name(cfg), cfg)
     try:
         engines = start_engines(configs, log_level)
     except BaseException:
@@ -175,16 +197,20 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
             ready = engine.ready
             client = EngineClient(engine.addresses.input, engine.addresses.output,
                                   is_alive=engine.is_alive)
-            states.append(ServerState(client, ready.tokenizer, ready.model_name,
+            apply_chat_template(ready.tokenizer, template)
+            names = cfg.served_model_name or (ready.model_name,)
+            states.append(ServerState(client, ready.tokenizer, names[0],
                                       ready.max_model_len, ready.vocab_size, limits=limits,
                                       latent_spec=ready.latent_spec,
-                                      max_num_seqs=cfg.max_num_seqs,
+                                      max_num_seqs=cfg.max_num_seqs, aliases=names[1:],
+                                      root=cfg.model or ready.model_name,
+                                      log_requests=log_requests, max_log_len=max_log_len,
                                       sampling_defaults=ready.sampling_defaults or {}))
         served = ServedModels(states)
         app = create_app(served, on_shutdown=stop_engines, api_key=api_key, cors=cors)
         server = _draining_server(uvicorn, [s.client for s in served.states],
                                   drain_timeout)(uvicorn.Config(
-            app, host=host, port=port, log_level=log_level,
+            app, host=host, port=port, log_level=uvicorn_log_level or log_level,
             timeout_graceful_shutdown=drain_timeout))
 
         def engine_gone(name: str, reason: str) -> None:
@@ -203,6 +229,17 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     finally:
         sock.close()
         stop_engines()
+
+
+def _log_to_stderr(level: str) -> None:
+    """Show this process's ``latentserve`` log records at ``level`` (uvicorn's names) on
+    stderr, unless logging is already set up."""
+    if logging.getLogger().handlers:
+        return
+    name = "DEBUG" if str(level).upper() == "TRACE" else str(level).upper()
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s api %(levelname)s %(message)s")
+    logging.getLogger("latentserve").setLevel(getattr(logging, name, logging.INFO))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -303,7 +340,9 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  drain_timeout: float | None = None,
                  max_request_output_tokens: int | None = None,
                  log_level: str | None = None, cors: dict | None = None,
-                 max_waiting_requests: int | None = None) -> ServerProcess:
+                 max_waiting_requests: int | None = None, chat_template: str | None = None,
+                 uvicorn_log_level: str | None = None, log_requests: bool = False,
+                 max_log_len: int | None = None) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
@@ -311,8 +350,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     server binds it). Output goes to ``log_path`` (a temp file if None);
     ``log_level`` is the server's ``--log-level`` (None: info).
     ``api_key``, ``max_request_body_bytes``, ``drain_timeout``,
-    ``max_request_output_tokens``, ``max_waiting_requests`` and ``cors`` are
-    :func:`run_server`'s
+    ``max_request_output_tokens``, ``max_waiting_requests``, ``cors``, ``chat_template``,
+    ``uvicorn_log_level``, ``log_requests`` and ``max_log_len`` are :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
 
     Raises:
@@ -348,6 +387,13 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
             cmd += [flag, json.dumps(cors[key])]
     if cors is not None and cors.get("allow_credentials"):
         cmd += ["--allow-credentials"]
+    for flag, value in (("--chat-template", chat_template),
+                        ("--uvicorn-log-level", uvicorn_log_level),
+                        ("--max-log-len", max_log_len)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if log_requests:
+        cmd += ["--enable-log-requests"]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     child_env.pop(API_KEY_ENV, None)
     if api_key is not None:
@@ -385,9 +431,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Add ``--api-key``, ``--max-request-body-bytes``, ``--drain-timeout`` and
-    ``--max-request-output-tokens`` (the HTTP
-    server's own flags; ``latentserve serve`` adds them too)."""
+    """Add the HTTP server's own flags (``latentserve serve`` adds them too): ``--api-key``,
+    the request limits, ``--drain-timeout``, CORS, and vLLM's ``--chat-template``,
+    ``--uvicorn-log-level``, ``--enable-log-requests`` / ``--disable-log-requests`` and
+    ``--max-log-len``."""
     from latentserve.server.state import DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 
     parser.add_argument("--api-key", default=None,
@@ -414,6 +461,33 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help='CORS: request headers allowed, a JSON list (default ["*"])')
     parser.add_argument("--allow-credentials", action="store_true",
                         help="CORS: allow credentials (cookies, auth headers) cross-site")
+    # vLLM's front-end flags (vllm/entrypoints/openai/cli_args.py).
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template for every model: a file, or the template itself "
+                             "(default: the tokenizer's)")
+    parser.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+                        help="uvicorn's log level (default: --log-level)")
+    log_requests = parser.add_mutually_exclusive_group()
+    log_requests.add_argument("--enable-log-requests", dest="enable_log_requests",
+                              action="store_true",
+                              help="log each request's prompt, token ids and sampling "
+                                   "parameters at INFO")
+    log_requests.add_argument("--disable-log-requests", dest="enable_log_requests",
+                              action="store_false",
+                              help="do not log requests (the default; vLLM's older flag)")
+    parser.add_argument("--max-log-len", type=_positive_int, default=None,
+                        help="with --enable-log-requests: log at most this many prompt "
+                             "characters and token ids (default: all)")
+
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
@@ -427,7 +501,11 @@ def server_kwargs(args: argparse.Namespace) -> dict:
             "cors": {"allow_origins": args.allowed_origins,
                      "allow_methods": args.allowed_methods,
                      "allow_headers": args.allowed_headers,
-                     "allow_credentials": args.allow_credentials}}
+                     "allow_credentials": args.allow_credentials},
+            "chat_template": args.chat_template,
+            "uvicorn_log_level": args.uvicorn_log_level,
+            "log_requests": args.enable_log_requests,
+            "max_log_len": args.max_log_len}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,25 +1,41 @@
-"""Prometheus metrics of the API process (``GET /metrics``), in vLLM's spirit.
+"""Prometheus metrics of the API process (``GET /metrics``), with vLLM's names and labels
+under our prefix: ``vllm:NAME`` is ``latentserve_NAME`` (``vllm/v1/metrics/loggers.py``;
+the rule that turns a vLLM Grafana dashboard into ours), every sample labelled
+``model_name`` (the first served name).
 
-Latencies are measured in the API process, per engine request (each of a request's ``n``
-choices), from the moment the HTTP handler started (seconds, ``time.monotonic``):
+Per engine request (each of a request's ``n`` choices), in seconds of ``time.monotonic``
+(one clock for the API and engine processes of a machine), from the moment the HTTP
+handler started (arrival):
 
 * ``latentserve_time_to_first_token_seconds``: to the first generated token's arrival;
 * ``latentserve_inter_token_latency_seconds``: between consecutive token arrivals;
 * ``latentserve_time_per_output_token_seconds``: per request, (last - first arrival) /
   (tokens - 1), for requests with at least two tokens;
-* ``latentserve_e2e_request_latency_seconds``: to the final output.
+* ``latentserve_e2e_request_latency_seconds``: to the final output;
+* ``latentserve_request_queue_time_seconds``: from the engine process receiving the request
+  to the engine step that first scheduled it (vLLM's WAITING phase);
+  ``_prefill_time_seconds``: from that step to the first token; ``_decode_time_seconds``:
+  first to last token; ``_inference_time_seconds``: scheduled to last token (the phases
+  are only observed for a request the engine scheduled);
+* ``latentserve_request_prompt_tokens`` / ``_generation_tokens`` (histograms, 1-2-5
+  buckets up to the largest ``max_model_len``), ``latentserve_request_params_max_tokens``
+  (requests that set it).
+
+Per client request and prompt (its ``n`` choices, vLLM's parent request), once all are done:
+``latentserve_request_max_num_generation_tokens`` (the most tokens a choice generated) and
+``latentserve_request_params_n``.
 
 Counters: ``latentserve_prompt_tokens_total``, ``latentserve_generation_tokens_total``,
-``latentserve_request_success_total{finish_reason}``; compression heads:
-``latentserve_latent_steps_total`` and the histogram ``latentserve_latent_steps_per_request``.
-Engine state, read from
-``LLMEngine.stats()`` at scrape time: ``latentserve_num_requests_running`` / ``_waiting``,
+``latentserve_request_success_total{finished_reason}`` (``stop``, ``length``, ``abort``,
+``error``); compression heads: ``latentserve_latent_steps_total`` and the histogram
+``latentserve_latent_steps_per_request``. Engine state, read from ``LLMEngine.stats()`` at
+scrape time: ``latentserve_num_requests_running`` / ``_waiting``,
 ``latentserve_kv_slots_{total,free,cached}``, ``latentserve_kv_cache_usage_perc`` (slots not
 free and not evictable, over the total), ``latentserve_prefix_cache_{queries,hits}_total``
 (prompt tokens), ``latentserve_prefix_cache_hit_rate`` and ``latentserve_num_preemptions_total``.
 
-Every sample carries the ``model_name`` label; a server of several models has one
-:class:`MetricsRegistry` (one ``/metrics`` body) and one :class:`ServerMetrics` per model.
+A server of several models has one :class:`MetricsRegistry` (one ``/metrics`` body) and one
+:class:`ServerMetrics` per model.
 """
 
 from __future__ import annotations
@@ -31,19 +47,65 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n buckets
+DEFAULT_MAX_TOKENS_BUCKET = 1 << 20  # token histograms' last finite bucket without a model
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+class RequestGroup:
+    """The ``n`` engine requests of one prompt of a client request: when the last one
+    finishes, the most tokens any of them generated goes to
+    ``latentserve_request_max_num_generation_tokens`` and ``n`` to
+    ``latentserve_request_params_n``."""
+
+    def __init__(self, metrics: ServerMetrics, n: int):
+        self.metrics = metrics
+        self.n = n
+        self.left = n
+        self.most = 0
+
+    def finished(self, num_tokens: int) -> None:
+        self.most = max(self.most, num_tokens)
+        self.left -= 1
+        if self.left == 0:
+            self.metrics.max_generation_tokens.observe(self.most)
+            self.metrics.params_n.observe(self.n)
 
 
 class RequestTimer:
     """Times one engine request; :meth:`tokens` on every output carrying tokens,
-    :meth:`finish` once at the end (later calls are ignored)."""
+    :meth:`scheduled` once the engine's queue and schedule times are known,
+    :meth:`finish` once at the end (later calls are ignored). ``max_tokens``: the
+    request's ``max_tokens`` as the client set it (None: unset)."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float):
+    def __init__(self, metrics: ServerMetrics, arrival: float,
+                 group: RequestGroup | None = None, max_tokens: int | None = None):
         self.metrics = metrics
         self.arrival = arrival
+        self.group = group
+        self.max_tokens = max_tokens
         self.first: float | None = None
         self.last: float | None = None
+        self.queued_at: float | None = None
+        self.scheduled_at: float | None = None
         self.num_tokens = 0
         self.done = False
+
+    def scheduled(self, times: tuple[float, float] | None) -> None:
+        """``(queued_at, scheduled_at)`` from the engine process (monotonic seconds), or
+        None while unknown."""
+        if times is not None:
+            self.queued_at, self.scheduled_at = times
 
     def tokens(self, n: int, now: float | None = None) -> None:
         if n <= 0:
@@ -77,20 +139,34 @@ class RequestTimer:
             m.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
         m.prompt_tokens.inc(num_prompt_tokens)
         m.generation_tokens.inc(self.num_tokens)
-        m.finished.labels(finish_reason=finish_reason or "unknown").inc()
+        m.request_prompt_tokens.observe(num_prompt_tokens)
+        m.request_generation_tokens.observe(self.num_tokens)
+        if self.max_tokens is not None:
+            m.params_max_tokens.observe(self.max_tokens)
+        if self.scheduled_at is not None:
+            end = self.last if self.last is not None else now
+            m.queue_time.observe(max(self.scheduled_at - self.queued_at, 0.0))
+            m.prefill_time.observe(max((self.first or end) - self.scheduled_at, 0.0))
+            m.decode_time.observe(end - self.first if self.first is not None else 0.0)
+            m.inference_time.observe(max(end - self.scheduled_at, 0.0))
+        m.finished.labels(finished_reason=finish_reason or "unknown").inc()
+        if self.group is not None:
+            self.group.finished(self.num_tokens)
 
 
 class MetricsRegistry:
     """The metric families of one ``/metrics`` body, shared by every model a server serves
     (each sample carries its ``model_name`` label); :meth:`model` gives one model's
     :class:`ServerMetrics`. Its own registry: several apps may live in one process (tests).
+    ``max_model_len``: the token histograms' buckets go up to it (1-2-5 steps, as vLLM's).
     """
 
-    def __init__(self):
+    def __init__(self, max_model_len: int | None = None):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
         reg = self.registry
+        token_buckets = buckets_1_2_5(max_model_len or DEFAULT_MAX_TOKENS_BUCKET)
 
         def hist(name, doc, buckets):
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=reg)
@@ -107,6 +183,30 @@ class MetricsRegistry:
                          _LATENCY_BUCKETS)
         self.e2e = hist("latentserve_e2e_request_latency_seconds",
                         "End-to-end request latency, seconds", _E2E_BUCKETS)
+        self.queue_time = hist("latentserve_request_queue_time_seconds",
+                               "Time waiting in the engine before first scheduled, seconds",
+                               _E2E_BUCKETS)
+        self.prefill_time = hist("latentserve_request_prefill_time_seconds",
+                                 "Time from first scheduled to the first token, seconds",
+                                 _E2E_BUCKETS)
+        self.decode_time = hist("latentserve_request_decode_time_seconds",
+                                "Time from the first to the last token, seconds",
+                                _E2E_BUCKETS)
+        self.inference_time = hist("latentserve_request_inference_time_seconds",
+                                   "Time from first scheduled to the last token, seconds",
+                                   _E2E_BUCKETS)
+        self.request_prompt_tokens = hist("latentserve_request_prompt_tokens",
+                                          "Prompt tokens per request", token_buckets)
+        self.request_generation_tokens = hist("latentserve_request_generation_tokens",
+                                              "Generated tokens per request", token_buckets)
+        self.max_generation_tokens = hist(
+            "latentserve_request_max_num_generation_tokens",
+            "Most tokens generated by one of a prompt's n choices", token_buckets)
+        self.params_n = hist("latentserve_request_params_n", "The n request parameter",
+                             _N_BUCKETS)
+        self.params_max_tokens = hist("latentserve_request_params_max_tokens",
+                                      "The max_tokens request parameter (when set)",
+                                      token_buckets)
         self.prompt_tokens = counter("latentserve_prompt_tokens", "Prompt tokens received")
         self.generation_tokens = counter("latentserve_generation_tokens", "Tokens generated")
         self.latent_steps = counter("latentserve_latent_steps",
@@ -116,7 +216,7 @@ class MetricsRegistry:
             "Latent steps per compression-head request (thinking on)",
             (1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.finished = counter("latentserve_request_success", "Finished requests by reason",
-                                ("model_name", "finish_reason"))
+                                ("model_name", "finished_reason"))
         self.engines: list[tuple[str, Callable[[], dict | None]]] = []
         reg.register(_EngineCollector(self.engines))
 
@@ -131,6 +231,13 @@ class MetricsRegistry:
         return generate_latest(self.registry)
 
 
+# ServerMetrics attributes that are one model's child of a MetricsRegistry family.
+_PER_MODEL = ("ttft", "itl", "tpot", "e2e", "queue_time", "prefill_time", "decode_time",
+              "inference_time", "request_prompt_tokens", "request_generation_tokens",
+              "max_generation_tokens", "params_n", "params_max_tokens", "prompt_tokens",
+              "generation_tokens", "latent_steps", "latent_steps_per_request")
+
+
 class ServerMetrics:
     """One served model's metrics: its labelled children of a :class:`MetricsRegistry`'s
     families (a registry of its own when ``registry`` is None). ``get_stats()`` returns the
@@ -143,27 +250,28 @@ class ServerMetrics:
         self.shared = shared
         self.registry = shared.registry
         self.model_name = model_name
-        self.ttft = shared.ttft.labels(model_name)
-        self.itl = shared.itl.labels(model_name)
-        self.tpot = shared.tpot.labels(model_name)
-        self.e2e = shared.e2e.labels(model_name)
-        self.prompt_tokens = shared.prompt_tokens.labels(model_name)
-        self.generation_tokens = shared.generation_tokens.labels(model_name)
-        self.latent_steps = shared.latent_steps.labels(model_name)
-        self.latent_steps_per_request = shared.latent_steps_per_request.labels(model_name)
+        for name in _PER_MODEL:
+            setattr(self, name, getattr(shared, name).labels(model_name))
         finished = shared.finished
 
         class _Finished:
             @staticmethod
-            def labels(finish_reason: str):
-                return finished.labels(model_name, finish_reason)
+            def labels(finished_reason: str):
+                return finished.labels(model_name, finished_reason)
 
         self.finished = _Finished
         shared.engines.append((model_name, get_stats))
 
-    def timer(self, arrival: float | None = None) -> RequestTimer:
-        """A timer for one engine request that arrived at ``arrival`` (monotonic s)."""
-        return RequestTimer(self, time.monotonic() if arrival is None else arrival)
+    def timer(self, arrival: float | None = None, group: RequestGroup | None = None,
+              max_tokens: int | None = None) -> RequestTimer:
+        """A timer for one engine request that arrived at ``arrival`` (monotonic s), one
+        of ``group``'s, whose client set ``max_tokens`` (None: unset)."""
+        return RequestTimer(self, time.monotonic() if arrival is None else arrival, group,
+                            max_tokens)
+
+    def group(self, n: int) -> RequestGroup:
+        """The group of one prompt's ``n`` engine requests."""
+        return RequestGroup(self, n)
 
     def render(self) -> bytes:
         return self.shared.render()

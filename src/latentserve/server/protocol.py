@@ -378,10 +378,16 @@ class CompletionResponse(_Response):
 
 
 class ModelCard(BaseModel):
+    """One ``/v1/models`` entry, with vLLM's extra keys (``vllm/entrypoints/openai/
+    protocol.py``: ``root`` the model path, ``parent`` None but for adapters,
+    ``max_model_len``), so that ``vllm bench serve`` and lm-eval find the model."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "latentserve"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 

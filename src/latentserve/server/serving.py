@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -118,9 +119,28 @@ def check_capacity(state, n: int) -> None:
                        headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def log_request(state, r: EngineRequest) -> None:
+    """With ``state.log_requests``: one INFO line per engine request, its prompt (cut to
+    ``state.max_log_len`` characters), parameters and prompt token ids (cut to as many),
+    as vLLM's ``RequestLogger.log_inputs`` (``vllm/entrypoints/logger.py``)."""
+    cut = state.max_log_len
+    text = r.prompt_text if r.prompt_text is None or cut is None else r.prompt_text[:cut]
+    ids = r.prompt_ids if cut is None else r.prompt_ids[:cut]
+    log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", r.rid, text,
+             r.params, ids)
+
+
 def _deltas(state, reqs: list[EngineRequest], arrival: float | None):
     check_capacity(state, len(reqs))
-    return merge([generate_text(state, r.rid, r.prompt_ids, r.params, arrival) for r in reqs])
+    if state.log_requests:
+        for r in reqs:
+            log_request(state, r)
+    # One metrics group per prompt: its n choices (vLLM's parent request).
+    counts = Counter(r.prompt_index for r in reqs)
+    groups = ({i: state.metrics.group(n) for i, n in counts.items()}
+              if state.metrics is not None else {})
+    return merge([generate_text(state, r.rid, r.prompt_ids, r.params, arrival,
+                                groups.get(r.prompt_index)) for r in reqs])
 
 
 async def collect(request, state, reqs: list[EngineRequest],

@@ -53,7 +53,13 @@ class ServerLimits:
 @dataclass(slots=True)
 class ServerState:
     """Shared by all handlers (``app.state.server``). ``metrics`` is a
-    ``latentserve.server.metrics.ServerMetrics`` (None: no metrics are recorded)."""
+    ``latentserve.server.metrics.ServerMetrics`` (None: no metrics are recorded).
+    ``model_name`` is the name responses and metrics carry; ``aliases`` the other names a
+    request's ``model`` may use (vLLM's ``--served-model-name a b``); ``root`` the model
+    path (``/v1/models``' ``root``; None: ``model_name``). ``log_requests``: log each
+    engine request's prompt and parameters at INFO, prompts cut to ``max_log_len``
+    characters or tokens (None: whole; vLLM's ``--enable-log-requests``, ``--max-log-len``).
+    """
 
     client: EngineClient
     tokenizer: Any
@@ -64,6 +70,10 @@ class ServerState:
     metrics: Any = None
     latent_spec: Any = None  # the served model's LatentSpec, or None for a plain model
     max_num_seqs: int | None = None  # the engine's seats (for max_waiting_requests)
+    aliases: tuple[str, ...] = ()
+    root: str | None = None
+    log_requests: bool = False
+    max_log_len: int | None = None
     # The model's generation-config sampling defaults (LLMEngine.sampling_defaults), for
     # the fields a request leaves unset (params.sampling_params).
     sampling_defaults: dict = field(default_factory=dict)
@@ -84,9 +94,12 @@ class ServedModels:
         if not states:
             raise ValueError("a server needs at least one model")
         self.by_name: dict[str, ServerState] = {}
+        self.primary: dict[str, str] = {}  # every served name -> the model's model_name
         for s in states:
-            if s.model_name in self.by_name:
-                raise ValueError(f"two models are served as {s.model_name!r}")
+            for name in (s.model_name, *s.aliases):
+                if name in self.primary:
+                    raise ValueError(f"two models are served as {name!r}")
+                self.primary[name] = s.model_name
             self.by_name[s.model_name] = s
 
     @property
@@ -103,6 +116,12 @@ class ServedModels:
 
     def __len__(self) -> int:
         return len(self.by_name)
+
+    def canonical(self, model: str | None) -> str | None:
+        """The ``model_name`` of the model served as ``model`` (an alias becomes its
+        model's first name, as vLLM answers with its first served name); any other value
+        unchanged."""
+        return self.primary.get(model, model) if model is not None else None
 
     def resolve(self, model: str | None) -> ServerState:
         """The state serving ``model`` (a request's ``model`` field; None: not given).
@@ -124,7 +143,7 @@ class ServedModels:
             raise APIError(f"Missing required parameter: 'model' (this server serves "
                            f"several models: {served})", param="model",
                            code="missing_required_parameter")
-        state = self.by_name.get(model)
+        state = self.by_name.get(self.canonical(model))
         if state is None:
             raise APIError(f"The model '{model}' does not exist; this server serves "
                            f"{served}", status_code=404, param="model",

@@ -1,0 +1,123 @@
+"""The engine flags generated from ``EngineConfig``'s declarations, the positional model,
+the older flag names, and ``--config FILE.yaml`` with vLLM's semantics."""
+
+import dataclasses
+
+import pytest
+
+from latentserve.cli import build_parser, main
+from latentserve.cli.config_file import expand_config_args
+from latentserve.cli.engine_args import engine_configs, finish_engine_args
+from latentserve.config import EngineConfig
+
+
+def configs(argv: list[str]) -> list[EngineConfig]:
+    parser = build_parser()
+    args = parser.parse_args(expand_config_args(parser, argv))
+    finish_engine_args(args)
+    return engine_configs(args)
+
+
+def test_no_flags_is_the_default_config():
+    assert configs(["serve"]) == [EngineConfig()]
+
+
+def test_every_declared_field_has_a_flag_with_its_default():
+    parser = build_parser()
+    serve = parser.parse_args(["serve"])
+    for f in dataclasses.fields(EngineConfig):
+        if f.metadata.get("cli", True) and f.name != "model":
+            assert getattr(serve, f.name) == f.default, f.name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),
+    (["--gpu-memory-utilization", "1.5"],
+     "argument --gpu-memory-utilization: must be in (0, 1], got 1.5"),
+    (["--max-model-len", "1"], "argument --max-model-len: must be >= 2, got 1"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    (["--tp", "x"], "argument --tensor-parallel-size/--tp/-tp: invalid int value: 'x'"),
+])
+def test_a_value_out_of_range_is_refused_naming_the_flag(capsys, argv, message):
+    with pytest.raises(SystemExit) as done:
+        main(["serve", *argv])
+    assert done.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_vllm_flags_and_the_older_names_set_the_same_fields():
+    new = configs(["serve", "m", "--no-enable-prefix-caching", "--tensor-parallel-size", "2",
+                   "--max-latent-budget", "3", "--disable-overlap-schedule", "--dtype", "half"])
+    old = configs(["serve", "--model", "m", "--no-prefix-caching", "--tp", "2",
+                   "--max-recurrence", "3", "--disable-overlap-schedule", "--dtype",
+                   "float16"])
+    assert new == old
+    c = new[0]
+    assert (c.model, c.enable_prefix_caching, c.tensor_parallel_size, c.max_latent_budget,
+            c.overlap_schedule, c.dtype) == ("m", False, 2, 3, False, "float16")
+
+
+def test_the_positional_model_comes_first_and_generate_takes_one(capsys):
+    assert [c.model for c in configs(["serve", "a", "--model", "b"])] == ["a", "b"]
+    assert main(["generate", "a", "--model", "b", "--prompt", "x"]) == 2
+    assert "the model is given twice" in capsys.readouterr().err
+
+
+def test_served_model_name_takes_several_names_for_one_model(capsys):
+    assert configs(["serve", "m", "--served-model-name", "x", "y"])[0].served_model_name \
+        == ("x", "y")
+    assert main(["serve", "--model", "a", "--model", "b", "--served-model-name", "x"]) == 2
+    assert "--served-model-name names one model" in capsys.readouterr().err
+
+
+def test_config_file_keys_are_flags_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("model: m\nmax-num-seqs: 8\nmax_model_len: 512\n"
+                    "enable-prefix-caching: false\nenforce-eager: true\n"
+                    "served-model-name: [x, y]\nseed: 3\n")
+    c = configs(["serve", "--config", str(path), "--max-num-seqs", "16"])[0]
+    assert (c.model, c.max_num_seqs, c.max_model_len, c.enable_prefix_caching,
+            c.enforce_eager, c.served_model_name, c.seed) == ("m", 16, 512, False, True,
+                                                               ("x", "y"), 3)
+    # A positional model before --config is not taken by the file's flag of several values.
+    path.write_text("served-model-name: [x, y]\n")
+    c = configs(["serve", "p", "--config", str(path)])[0]
+    assert (c.model, c.served_model_name) == ("p", ("x", "y"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max-num-seqz: 8\n", "'max-num-seqz' is not a flag of this command"),
+    ("- 1\n- 2\n", "the file must hold a mapping"),
+    ("max-num-seqs: 0\n", "argument --max-num-seqs: must be >= 1, got 0"),
+])
+def test_a_bad_config_file_is_one_error_naming_it(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) if "argument" in message else _no_raise():
+        assert main(["serve", "--config", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+class _no_raise:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_device_and_dtype_auto_resolve_on_construction(tmp_path, monkeypatch):
+    import json
+
+    from latentserve import config
+
+    assert (EngineConfig().device, EngineConfig().dtype) in (("cpu", "float32"),
+                                                              ("cuda", "bfloat16"))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    monkeypatch.setattr(config, "_cuda_available", lambda: True)
+    assert EngineConfig(model=str(model)).device == "cuda"
+    assert EngineConfig(model=str(model)).dtype == "float16"  # the checkpoint's
+    assert EngineConfig(model=str(model), device="cpu").dtype == "float32"
+    assert EngineConfig(device="cuda").dtype == "bfloat16"  # the embedded model
