@@ -119,3 +119,73 @@ def latent_step_text(step: int, entry: dict | None, texts) -> str:
 def latent_trace_text(trace: list[dict] | None, texts) -> str:
     """Every latent step of a final trace as :func:`latent_step_text` lines."""
     return "".join(latent_step_text(i + 1, e, texts) for i, e in enumerate(trace or []))
+
+
+def latent_reasoning_mode(body, spec) -> str | None:
+    """How a request's latent steps go into ``reasoning_content``: ``"count"`` (the
+    default), ``"logit_lens"``, or None (``include_reasoning`` false, or a model without a
+    latent phase before the answer: plain and recurrent-depth models).
+
+    Raises:
+        APIError: 400 naming ``latent_reasoning`` for another value, or ``"logit_lens"`` on
+            a model whose latent steps are not vectors the LM head reads (anything but a
+            feedback-latent model).
+    """
+    from latentserve.server.errors import APIError
+
+    mode = getattr(body, "latent_reasoning", None)
+    if mode is not None and mode not in LATENT_REASONING:
+        raise APIError(f"latent_reasoning must be one of {list(LATENT_REASONING)}, got "
+                       f"{mode!r}", param="latent_reasoning")
+    kind = getattr(spec, "kind", None)
+    if mode == "logit_lens" and kind != "feedback":
+        raise APIError("latent_reasoning 'logit_lens' needs a feedback-latent model (COCONUT, "
+                       "CODI), whose latent steps the LM head can read; this model has "
+                       f"{'none' if kind is None else kind + ' latent steps'}",
+                       param="latent_reasoning")
+    if getattr(body, "include_reasoning", True) is False or kind not in (
+            "feedback", "head", "loop"):
+        return None
+    return mode or "count"
+
+
+class LatentReasoning:
+    """One streamed choice's latent steps as ``reasoning_content`` pieces (``mode`` from
+    :func:`latent_reasoning_mode`; ``texts`` the tokenizer's ``logprobs.TokenTexts``):
+    ``logit_lens`` and ``ticks`` (``stream_latent_steps``) write one line per step as it
+    runs; ``count`` without ticks writes ``[N latent steps]`` once, with the answer's first
+    text (or the finish). :func:`latent_reasoning_text` writes the same for a whole
+    response."""
+
+    def __init__(self, mode: str, texts, ticks: bool = False):
+        self.mode, self.texts = mode, texts
+        self.per_step = mode == "logit_lens" or ticks
+        self.steps_shown = 0
+        self.count_shown = False
+
+    def step_texts(self, delta) -> list[str]:
+        """The reasoning texts one ``TextDelta`` releases, one per chunk: a tick's
+        ``latent_trace`` holds the entries of its new steps (``logit_lens``)."""
+        if delta.latent_tick:
+            new = max(delta.latent_steps - self.steps_shown, 0)
+            entries = list(delta.latent_trace or [])[-new:] if new else []
+            entries = [None] * (new - len(entries)) + entries
+            self.steps_shown += new
+            if not self.per_step:
+                return []
+            return [latent_step_text(self.steps_shown - new + i + 1,
+                                     entries[i] if self.mode == "logit_lens" else None,
+                                     self.texts) for i in range(new)]
+        if (not self.per_step and not self.count_shown and delta.latent_steps
+                and (delta.text or delta.finish_reason is not None)):
+            self.count_shown = True
+            return [latent_count_text(delta.latent_steps)]
+        return []
+
+
+def latent_reasoning_text(mode: str, steps: int, trace: list[dict] | None, texts) -> str:
+    """A whole response's latent reasoning: ``logit_lens``, one line per entry of the
+    per-step ``trace``; ``count``, ``[N latent steps]`` for ``steps``."""
+    if mode == "logit_lens":
+        return latent_trace_text(trace, texts)
+    return latent_count_text(steps)

@@ -64,6 +64,8 @@ class ServerState:
     metrics: Any = None
     latent_spec: Any = None  # the served model's LatentSpec, or None for a plain model
     max_num_seqs: int | None = None  # the engine's seats (for max_waiting_requests)
+    tool_parser: str | None = None  # --tool-call-parser (server/tool_parsers.py)
+    reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
 
 
 class ServedModels:

@@ -42,30 +42,36 @@ class ToolChoice:
         return self.mode in ("required", "named")
 
 
-def check_tools(tools: list[dict] | None, param: str = "tools") -> dict[str, dict]:
+def openai_field(i: int, key: str) -> str:
+    """The OpenAI name of field ``key`` of tool ``i``'s function."""
+    return f"tools[{i}].function.{key}"
+
+
+def check_tools(tools: list[dict] | None, field=openai_field) -> dict[str, dict]:
     """The request's function tools (OpenAI's ``{"type": "function", "function": {"name",
-    "description", "parameters"}}`` dicts) by name.
+    "description", "parameters"}}`` dicts) by name. ``field(i, key)``: how errors name
+    field ``key`` of tool ``i`` (:func:`openai_field`).
 
     Raises:
-        APIError: 400 naming ``tools[i]...`` for a name that is not 1-64 of
-            ``[A-Za-z0-9_-]`` or is given twice, or ``parameters`` that is not an object
-            schema (``"type"``, when given, must be ``"object"``).
+        APIError: 400 naming the field for a name that is not 1-64 of ``[A-Za-z0-9_-]``
+            or is given twice, or ``parameters`` that is not an object schema (``"type"``,
+            when given, must be ``"object"``).
     """
     out: dict[str, dict] = {}
     for i, tool in enumerate(tools or []):
         fn = tool["function"]
         name = fn["name"]
-        where = f"{param}[{i}].function"
         if not _NAME.match(name):
-            raise APIError(f"{where}.name must be 1 to 64 letters, digits, '_' or '-', got "
-                           f"{name!r}", param=f"{where}.name")
+            raise APIError(f"{field(i, 'name')} must be 1 to 64 letters, digits, '_' or '-', "
+                           f"got {name!r}", param=field(i, "name"))
         if name in out:
-            raise APIError(f"{where}.name {name!r} is given twice", param=f"{where}.name")
+            raise APIError(f"{field(i, 'name')} {name!r} is given twice",
+                           param=field(i, "name"))
         schema = fn.get("parameters")
         if schema is not None and schema.get("type", "object") != "object":
-            raise APIError(f"{where}.parameters must be a JSON Schema of an object (type "
-                           f"'object'), got type {schema.get('type')!r}",
-                           param=f"{where}.parameters")
+            raise APIError(f"{field(i, 'parameters')} must be a JSON Schema of an object "
+                           f"(type 'object'), got type {schema.get('type')!r}",
+                           param=field(i, "parameters"))
         out[name] = fn
     return out
 
