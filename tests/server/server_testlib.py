@@ -5,6 +5,7 @@ The scripted model: a tiny Llama whose next token is a fixed function of the cur
 tokens, and repeats for the penalties.
 """
 
+import itertools
 import math
 import time
 
@@ -131,5 +132,5 @@ def scripted_chat(tokenizer, replies: dict[int, list[str]]) -> dict[int, list[tu
     table = {}
     for start, reply in replies.items():
         chain = [start, *(vocab[p] for p in reply), EOS]
-        table.update({cur: [(nxt, SCRIPT_LOGIT)] for cur, nxt in zip(chain, chain[1:])})
+        table.update({cur: [(nxt, SCRIPT_LOGIT)] for cur, nxt in itertools.pairwise(chain)})
     return table

@@ -244,10 +244,10 @@ def test_messages_thinking_block_renders_the_latent_steps(latent_server, coconut
 
     claude = anthropic.Anthropic(base_url=latent_server.base_url, api_key="none",
                                  max_retries=0, timeout=60)
-    args = dict(model=str(coconut_dir), max_tokens=4, messages=CHAT["messages"],
-                thinking={"type": "enabled", "budget_tokens": 1024},
-                extra_body={"temperature": 0, "latent_budget": 3,
-                            "latent_reasoning": "logit_lens", "return_latent_trace": True})
+    args = {"model": str(coconut_dir), "max_tokens": 4, "messages": CHAT["messages"],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "extra_body": {"temperature": 0, "latent_budget": 3,
+                           "latent_reasoning": "logit_lens", "return_latent_trace": True}}
     if stream:
         with claude.messages.stream(**args) as s:
             msg = s.get_final_message()

@@ -71,8 +71,9 @@ def test_an_answer_without_think_tags_is_all_content_under_qwen3(client, model):
 def test_anthropic_thinking_block_carries_the_reasoning(tool_chat_server, model, stream):
     claude = anthropic.Anthropic(base_url=tool_chat_server.base_url, api_key="none",
                                  max_retries=0, timeout=120)
-    args = dict(model=model, max_tokens=40, messages=HI, extra_body={"temperature": 0},
-                thinking={"type": "enabled", "budget_tokens": 1024})
+    args = {"model": model, "max_tokens": 40, "messages": HI,
+            "extra_body": {"temperature": 0},
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
     if stream:
         with claude.messages.stream(**args) as s:
             msg = s.get_final_message()

@@ -87,9 +87,8 @@ def test_streamed_call_is_one_tool_calls_delta_with_index_id_and_name(tool_chat_
 def test_tool_choice_none_leaves_the_call_as_text(client, model):
     r = _chat(client, model, ASK, False, tool_choice="none").choices[0]
     assert r.finish_reason == "stop" and not r.message.tool_calls
-    assert r.message.content == "".join(
-        ['<tool_call>', '\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}',
-         '\n</tool_call>'])
+    assert r.message.content == ('<tool_call>\n{"name": "get_weather", '
+                                 '"arguments": {"city": "Paris"}}\n</tool_call>')
 
 
 @pytest.mark.parametrize("tool_choice", [
@@ -129,8 +128,8 @@ CLAUDE_TOOLS = [{"name": "get_weather", "description": "Weather of a city",
 
 
 def _message(claude, model, messages, stream: bool, **kw):
-    args = dict(model=model, max_tokens=40, messages=messages, tools=CLAUDE_TOOLS,
-                extra_body={"temperature": 0}, **kw)
+    args = {"model": model, "max_tokens": 40, "messages": messages, "tools": CLAUDE_TOOLS,
+            "extra_body": {"temperature": 0}, **kw}
     if not stream:
         return claude.messages.create(**args)
     with claude.messages.stream(**args) as s:

@@ -131,3 +131,17 @@ def test_bad_tools_and_choices_name_the_field(tools, choice, param):
     with pytest.raises(APIError) as info:
         resolve_tool_choice(choice, check_tools(tools))
     assert info.value.param == param
+
+
+def test_special_tags_make_the_request_keep_special_tokens():
+    from types import SimpleNamespace
+
+    from latentserve.server.output_parser import drops_tags
+
+    def tok(special: bool):
+        return SimpleNamespace(added_tokens_decoder={
+            7: SimpleNamespace(content="<tool_call>", special=special)})
+
+    hermes = OutputParser(tool_parser="hermes", choice=ToolChoice("auto"))
+    assert drops_tags(tok(True), hermes) and not drops_tags(tok(False), hermes)
+    assert not drops_tags(tok(True), OutputParser(choice=ToolChoice("none")))

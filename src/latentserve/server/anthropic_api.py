@@ -48,7 +48,7 @@ from latentserve.server.anthropic_blocks import (
 )
 from latentserve.server.errors import APIError, anthropic_error_body, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.output_parser import OutputParser, parse_output
+from latentserve.server.output_parser import OutputParser, drops_tags, parse_output
 from latentserve.server.params import (
     check_stop_count,
     context_error,
@@ -336,6 +336,8 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
     if answer.latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
         params = dataclasses.replace(params, return_latent_trace=True,
                                      stream_latent_steps=True)
+    if drops_tags(state.tokenizer, answer.parser(state)):
+        params = dataclasses.replace(params, skip_special_tokens=False)
     return body, params
 
 

@@ -14,7 +14,13 @@ from collections.abc import AsyncIterator
 from latentserve.server.errors import APIError
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.logprobs import chat_logprobs, token_texts
-from latentserve.server.output_parser import CallDelta, OutputParser, Piece, parse_output
+from latentserve.server.output_parser import (
+    CallDelta,
+    OutputParser,
+    Piece,
+    drops_tags,
+    parse_output,
+)
 from latentserve.server.params import (
     check_common,
     check_logprobs,
@@ -99,12 +105,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
                              logprobs, budget, head, stream_latent_steps=ticks,
                              latent_positions=latent_positions(state.latent_spec, budget))
+
+    def parser() -> OutputParser:
+        return OutputParser(state.reasoning_parser, state.tool_parser, choice,
+                            body.include_reasoning is not False)
+
     schema = call_schema(choice, tools)
     if schema is not None:
         params = json_constraint(params, schema)
     if latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
         params = dataclasses.replace(params, return_latent_trace=True,
                                      stream_latent_steps=True)
+    if drops_tags(state.tokenizer, parser()):
+        params = dataclasses.replace(params, skip_special_tokens=False)
     check_total_output([engine_max_tokens(params, state.latent_spec, len(prompt_ids),
                                           state.max_model_len)], body.n or 1, field,
                        state.limits, [params.max_tokens])
@@ -112,10 +125,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
             for i, p in enumerate(fan_out(params, body.n or 1))]
     as_ids = bool(body.return_tokens_as_token_ids)
-
-    def parser() -> OutputParser:
-        return OutputParser(state.reasoning_parser, state.tool_parser, choice,
-                            body.include_reasoning is not False)
 
     texts = token_texts(state.tokenizer)
     if body.stream:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from latentserve.server.reasoning import REASONING_PARSERS, ThinkParser
-from latentserve.server.tool_parsers import TOOL_PARSERS, ParsedCall
+from latentserve.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, ThinkParser
+from latentserve.server.tool_parsers import CALL_END, CALL_START, TOOL_PARSERS, ParsedCall
 from latentserve.server.tools import ToolChoice, new_call_id
 
 
@@ -157,3 +157,17 @@ def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[Call]]
     """``(reasoning, content, calls)`` of a whole output."""
     a, b = parser.feed(text), parser.finish()
     return a.reasoning + b.reasoning, a.content + b.content, join_calls(a.calls + b.calls)
+
+
+def drops_tags(tokenizer, parser: OutputParser) -> bool:
+    """Whether ``tokenizer`` marks a tag ``parser`` looks for as a special token, which
+    ``skip_special_tokens`` would drop from the text: the request must keep special tokens
+    (vLLM's hermes parser turns the option off for the same reason)."""
+    tags = set()
+    if parser.think is not None:
+        tags |= {THINK_START, THINK_END}
+    if parser.tools is not None:
+        tags |= {CALL_START, CALL_END}
+    added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+    return any(getattr(t, "special", False) and str(getattr(t, "content", t)) in tags
+               for t in added)
