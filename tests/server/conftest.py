@@ -1,11 +1,37 @@
 """Real servers (subprocesses, free ports) over tiny Llamas with SmolLM2's tokenizer.
 
 * ``server``: a tiny random Llama behind an API key (``API_KEY``), shared by the session;
-* ``scripted_server``: the scripted tiny Llama of ``server_testlib`` (no API key).
+* ``scripted_server``: the scripted tiny Llama of ``server_testlib`` (no API key);
+* ``tool_chat_server``: a scripted chat model (``TOOL_CHAT_*`` below) that calls a tool,
+  answers after the tool's result, or thinks in ``<think>`` text, served with
+  ``--tool-call-parser hermes --reasoning-parser qwen3`` (no API key).
 """
 
 import pytest
-from server_testlib import API_KEY, MAX_MODEL_LEN, save_scripted, script
+from server_testlib import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    VOCAB,
+    save_scripted,
+    script,
+    scripted_chat,
+)
+
+# The tool chat model's template: Qwen2.5-like, with a generation prompt whose last token
+# says what the model answers: "assistant" (a call), "assistant with the result" (the
+# answer after a tool result), "assistant thinking" (enable_thinking: <think> text).
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant"
+    "{% if messages[-1].role == 'tool' %} with the result{% elif enable_thinking %} thinking"
+    "{% endif %}{% endif %}")
+TOOL_CHAT_CALL = ['<tool_call>', '\n{"name": "get_weather", ',
+                  '"arguments": {"city": "Paris"}}', '\n</tool_call>']
+TOOL_CHAT_ANSWER = ["It is 18C", " in Paris."]
+TOOL_CHAT_THINK = ["<think>", "\nThe user greets me.", "\n</think>", "\n\nHello!"]
 
 # --- fixtures ----------------------------------------------------------------------------
 
@@ -22,6 +48,37 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
 @pytest.fixture(scope="session")
 def scripted_model_dir(tmp_path_factory, smollm2_dir):
     return save_scripted(tmp_path_factory.mktemp("server") / "scripted-llama", script())
+
+
+@pytest.fixture(scope="session")
+def tool_chat_dir(tmp_path_factory, smollm2_dir):
+    """The scripted chat model: its replies' pieces are tokens added to SmolLM2's tokenizer
+    (``server_testlib.scripted_chat``)."""
+    from latentserve.models.checkpoint import load_tokenizer
+
+    out = tmp_path_factory.mktemp("server") / "tool-chat"
+    tok = load_tokenizer(smollm2_dir)
+    tail = {t: tok.encode(f"<|im_start|>assistant{t}")[-1]
+            for t in ("", " with the result", " thinking")}
+    assert len(set(tail.values())) == 3
+    table = scripted_chat(tok, {tail[""]: TOOL_CHAT_CALL,
+                                tail[" with the result"]: TOOL_CHAT_ANSWER,
+                                tail[" thinking"]: TOOL_CHAT_THINK})
+    save_scripted(out, table, vocab_size=VOCAB + 64)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tool_chat_server(tool_chat_dir):
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+
+    srv = start_server(EngineConfig(model=str(tool_chat_dir), max_num_seqs=4), timeout=300,
+                       tool_call_parser="hermes", reasoning_parser="qwen3")
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")

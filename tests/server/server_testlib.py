@@ -5,6 +5,7 @@ The scripted model: a tiny Llama whose next token is a fixed function of the cur
 tokens, and repeats for the penalties.
 """
 
+import itertools
 import math
 import time
 
@@ -38,19 +39,20 @@ def scripted_logit(logit: float, hidden: int = 64) -> float:
     return logit / math.sqrt(hidden) / math.sqrt(1.0 / hidden + RMS_EPS)
 
 
-def save_scripted(out_dir, table: dict[int, list[tuple[int, float]]]):
+def save_scripted(out_dir, table: dict[int, list[tuple[int, float]]], **overrides):
     """A tiny untied Llama whose logits depend only on the current token: attention and MLP
     outputs are zero, so the last hidden state is the token's embedding; token c (the d-th
     key of ``table``) embeds as the unit vector e_d, and lm_head row s holds
     ``logit / sqrt(hidden)`` in column d for each ``(s, logit)`` in ``table[c]``. Tokens
-    outside ``table`` embed as zero (all logits 0)."""
+    outside ``table`` embed as zero (all logits 0). ``overrides`` go to the config
+    (``vocab_size``)."""
     import torch
     import transformers as tf
 
     from latentserve.testing.tiny_models import save_tiny
 
     save_tiny(out_dir, "llama-untied", max_position_embeddings=MAX_MODEL_LEN,
-              rms_norm_eps=RMS_EPS)
+              rms_norm_eps=RMS_EPS, **overrides)
     model = tf.LlamaForCausalLM.from_pretrained(out_dir)
     hidden = model.config.hidden_size
     assert len(table) <= hidden
@@ -110,3 +112,25 @@ def engine_processes(server) -> list:
     children = psutil.Process(server.proc.pid).children(recursive=True)
     return [p for p in children if "spawn_main" in " ".join(p.cmdline())
             and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+
+def scripted_chat(tokenizer, replies: dict[int, list[str]]) -> dict[int, list[tuple[int, float]]]:
+    """A ``save_scripted`` table under which a prompt ending in token ``t`` is answered with
+    the pieces of ``replies[t]``, then EOS. Each piece becomes a token of its own, added to
+    ``tokenizer`` (ids from ``len(tokenizer)`` on; the model's vocabulary must reach them), so
+    a reply may repeat any text: a scripted model's next token depends on this one only.
+
+    Raises:
+        ValueError: a piece given twice or already a token.
+    """
+    pieces = [p for reply in replies.values() for p in reply]
+    if len(set(pieces)) != len(pieces) or any(p in tokenizer.get_vocab() for p in pieces):
+        raise ValueError("each piece must be new and given once")
+    tokenizer.add_tokens(pieces)
+    vocab = tokenizer.get_vocab()
+    table = {}
+    for start, reply in replies.items():
+        chain = [start, *(vocab[p] for p in reply), EOS]
+        table.update({cur: [(nxt, SCRIPT_LOGIT)] for cur, nxt in itertools.pairwise(chain)})
+    return table

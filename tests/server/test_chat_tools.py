@@ -1,7 +1,8 @@
 """Tool use in a chat's history (issue 28): the request's ``tools``, an assistant turn's
 ``tool_calls`` and a tool message's ``tool_call_id`` and ``name`` reach the chat template,
 through the openai SDK; a forced tool call (``tool_choice`` "required" or a named function)
-is still refused (tool calls are not parsed out of the output)."""
+is refused while the server has no constrained decoding (test_tool_calls.py has the calls
+parsed out of the answer)."""
 
 import json
 
@@ -109,7 +110,7 @@ def test_tool_choice_that_forces_nothing_is_served(client, tok, model, tool_choi
 
 @pytest.mark.parametrize("tool_choice", [
     "required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_a_forced_tool_call_is_still_refused(client, model, tool_choice):
+def test_a_forced_tool_call_is_refused_without_constrained_decoding(client, model, tool_choice):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=MESSAGES,
                                        tools=TOOLS, tool_choice=tool_choice, max_tokens=1)

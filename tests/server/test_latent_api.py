@@ -181,24 +181,88 @@ def test_streamed_finish_chunk_carries_the_same_latent_field(latent_server, path
 
 @pytest.mark.parametrize("ask", [{"stream_latent_steps": True},
                                  {"headers": {"x-latent-stream-steps": "1"}}])
-def test_one_reasoning_tick_per_latent_step_when_asked(latent_server, ask):
-    from latentserve.server.chat import LATENT_TICK_TEXT
-
+def test_one_reasoning_line_per_latent_step_when_ticks_are_asked(latent_server, ask):
     fields = {k: v for k, v in ask.items() if k != "headers"}
     body = {**CHAT, "latent_budget": 4, **fields}
     headers = ask.get("headers")
     events = _sse(latent_server, "/v1/chat/completions", body, headers)
     deltas = [c["delta"] for e in events for c in e["choices"]]
     ticks = [d for d in deltas if "reasoning_content" in d]
-    assert [d["reasoning_content"] for d in ticks] == [LATENT_TICK_TEXT] * 4
+    assert [d["reasoning_content"] for d in ticks] == [f"[step {k}]\n" for k in (1, 2, 3, 4)]
     # The ticks come before any answer text.
     first_text = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert max(deltas.index(t) for t in ticks) < first_text
     plain = _sse(latent_server, "/v1/chat/completions", {**CHAT, "latent_budget": 4})
-    assert not any("reasoning_content" in c["delta"] for e in plain for c in e["choices"])
     text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     assert text == "".join(c["delta"].get("content") or "" for e in plain
                            for c in e["choices"])
+
+
+def _reasoning_deltas(events) -> tuple[list[str], int]:
+    """The streamed reasoning_content pieces and whether they all precede the answer."""
+    deltas = [c["delta"] for e in events for c in e["choices"]]
+    pieces = [(i, d["reasoning_content"]) for i, d in enumerate(deltas)
+              if d.get("reasoning_content")]
+    first_text = next(i for i, d in enumerate(deltas) if d.get("content"))
+    return [p for _, p in pieces], all(i < first_text for i, _ in pieces)
+
+
+def test_reasoning_content_counts_the_latent_steps(latent_server):
+    r = httpx.post(f"{latent_server.base_url}/v1/chat/completions", timeout=60,
+                   json={**CHAT, "return_latent_trace": False})
+    assert r.json()["choices"][0]["message"]["reasoning_content"] == "[3 latent steps]"
+    pieces, before = _reasoning_deltas(_sse(latent_server, "/v1/chat/completions",
+                                            {**CHAT, "return_latent_trace": False}))
+    assert pieces == ["[3 latent steps]"] and before
+
+
+def _logit_lens_lines(coconut_dir, trace) -> list[str]:
+    """What latent_reasoning "logit_lens" writes for a trace: each step's top 3 tokens."""
+    from latentserve.models.checkpoint import load_tokenizer
+    from latentserve.server.logprobs import TokenTexts
+
+    texts = TokenTexts(load_tokenizer(coconut_dir))
+    return [f"[step {k}: " + ", ".join(json.dumps(texts.text(t), ensure_ascii=False)
+                                       for t, _ in step["top_tokens"][:3]) + "]\n"
+            for k, step in enumerate(trace, 1)]
+
+
+def test_logit_lens_reasoning_decodes_each_steps_top_tokens(latent_server, coconut_dir):
+    body = {**CHAT, "latent_reasoning": "logit_lens"}
+    r = httpx.post(f"{latent_server.base_url}/v1/chat/completions", timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lines = _logit_lens_lines(coconut_dir, choice["latent"]["trace"])
+    assert len(lines) == 3 and choice["message"]["reasoning_content"] == "".join(lines)
+    pieces, before = _reasoning_deltas(_sse(latent_server, "/v1/chat/completions", body))
+    assert pieces == lines and before  # one delta per step, as it runs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_thinking_block_renders_the_latent_steps(latent_server, coconut_dir, stream):
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=latent_server.base_url, api_key="none",
+                                 max_retries=0, timeout=60)
+    args = {"model": str(coconut_dir), "max_tokens": 4, "messages": CHAT["messages"],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "extra_body": {"temperature": 0, "latent_budget": 3,
+                           "latent_reasoning": "logit_lens", "return_latent_trace": True}}
+    if stream:
+        with claude.messages.stream(**args) as s:
+            msg = s.get_final_message()
+        latent = None
+    else:
+        raw = claude.messages.with_raw_response.create(**args)
+        msg, latent = raw.parse(), raw.http_response.json()["latent"]
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    if latent is not None:
+        assert msg.content[0].thinking == "".join(_logit_lens_lines(coconut_dir,
+                                                                    latent["trace"]))
+    assert msg.content[0].thinking.count("[step ") == 3
+    count = claude.messages.create(**{**args, "extra_body": {"temperature": 0,
+                                                             "latent_budget": 3}})
+    assert count.content[0].thinking == "[3 latent steps]"
 
 
 def test_malformed_tick_header_is_a_400_naming_it(latent_server):

@@ -250,10 +250,13 @@ class Scheduler:
 
     def _output(self, req: Req, new: list[int]) -> StepOutput:
         done = req.status == ReqStatus.FINISHED
+        trace = req.latent_trace or None
+        if not done:  # a latent step's progress output carries that step's entry
+            tick = not new and req.params.stream_latent_steps
+            trace = trace[-1:] if trace and tick else None
         return StepOutput(req.rid, new, done, req.finish_reason if done else None,
                           len(req.prompt_ids), req.num_cached_prompt or 0,
-                          latent_trace=req.latent_trace if done and req.latent_trace else None,
-                          **self.family.output_fields(req, done))
+                          latent_trace=trace, **self.family.output_fields(req, done))
 
     def drain_aborted(self) -> list[StepOutput]:
         """Outputs of requests aborted since the last step (when no batch ran)."""

@@ -1,35 +1,54 @@
 """``POST /v1/messages``: the Anthropic Messages API over the same engine.
 
-Served: ``system`` (string or text blocks), user/assistant messages with string or text-block
-content (a final assistant message is continued, Anthropic's "prefill"), ``max_tokens``,
+Served: ``system`` (string or text blocks), user/assistant messages with string content or
+text, ``tool_use``, ``tool_result`` and ``thinking`` blocks (``server/anthropic_blocks.py``;
+a final assistant message is continued, Anthropic's "prefill"), ``tools`` and
+``tool_choice`` (``tool_use`` blocks in the answer: parsed with ``--tool-call-parser``, or
+decoded under a JSON schema for ``any`` / ``tool``, ``server/tools.py``), ``max_tokens``,
 ``stop_sequences``, ``temperature`` (0..1), ``top_p``, ``top_k``, ``stream``, ``metadata``
-(ignored), ``thinking`` (a compression head's switch; "enabled" needs a head) and the latent
-body fields of the OpenAI routes, ``return_latent_trace`` included (a model that has no trace
-refuses it with a 400 naming it). Refused with a 400: tools, structured outputs
-(``output_config.format``) and non-text content blocks. A request with latent work has the
-OpenAI choices' ``latent`` object as an extra field of the message (streaming: of the
-``message_delta`` event). Newer SDKs have no ``temperature``
-/ ``top_p`` / ``top_k`` arguments; clients send them in the body (``extra_body``).
+(ignored), ``thinking`` and the latent body fields of the OpenAI routes,
+``return_latent_trace`` and ``latent_reasoning`` included. ``thinking: {"type":
+"enabled"}`` returns the reasoning as a ``thinking`` block (the ``<think>`` text a
+``--reasoning-parser`` splits off, or a latent model's steps, ``server/reasoning.py``) and
+turns a compression head on; a model with neither refuses it. A thinking block's
+``signature`` is "": nothing is signed, and a signature sent back is not checked. Refused with
+a 400: structured outputs (``output_config.format``), server tools and image or document
+blocks. A request with latent work has the OpenAI choices' ``latent`` object as an extra
+field of the message (streaming: of the ``message_delta`` event). Newer SDKs have no
+``temperature`` / ``top_p`` / ``top_k`` arguments; clients send them in the body
+(``extra_body``).
 
-Streaming follows the protocol's event sequence: ``message_start``, ``content_block_start``
-(one text block, index 0), ``ping``, ``content_block_delta`` (``text_delta``) per text
-fragment, ``content_block_stop``, ``message_delta`` (``stop_reason``, ``stop_sequence``,
-``usage.output_tokens``), ``message_stop``; an error after the start is one ``error`` event.
-Errors use Anthropic's shape (``latentserve.server.errors``).
+Streaming follows the protocol's event sequence: ``message_start``, ``ping``, then per
+content block (thinking, text, tool_use, in the order the answer has them)
+``content_block_start``, its deltas (``thinking_delta`` then a ``signature_delta``;
+``text_delta``; ``input_json_delta``) and ``content_block_stop``; then ``message_delta``
+(``stop_reason``, ``stop_sequence``, ``usage.output_tokens``), ``message_stop``; an error
+after the start is one ``error`` event. Errors use Anthropic's shape
+(``latentserve.server.errors``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from latentserve.sampling_params import SamplingParams
+from latentserve.server.anthropic_blocks import (
+    AnthropicTool,
+    ContentBlock,
+    anthropic_tool_choice,
+    message_turns,
+    openai_tools,
+)
 from latentserve.server.errors import APIError, anthropic_error_body, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.output_parser import OutputParser, drops_tags, parse_output
 from latentserve.server.params import (
     check_stop_count,
     context_error,
@@ -43,8 +62,14 @@ from latentserve.server.params import (
 )
 from latentserve.server.prompts import render_chat
 from latentserve.server.protocol import LatentFields, RequestModel
+from latentserve.server.reasoning import (
+    LatentReasoning,
+    latent_reasoning_mode,
+    latent_reasoning_text,
+)
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.state import ServerState
+from latentserve.server.tools import ToolChoice, call_schema, check_tools, json_constraint
 
 
 class TextBlock(RequestModel):
@@ -54,7 +79,7 @@ class TextBlock(RequestModel):
 
 class AnthropicMessage(RequestModel):
     role: str
-    content: str | list[TextBlock]
+    content: str | list[ContentBlock]
 
 
 class MessagesRequest(LatentFields):
@@ -73,6 +98,10 @@ class MessagesRequest(LatentFields):
     thinking: dict[str, Any] | None = None
     # As on the OpenAI routes: the message's ``latent`` gets ``trace`` and ``recurrence``.
     return_latent_trace: bool | None = False
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    # A latent model's thinking block: "count" or "logit_lens" (server/reasoning.py).
+    latent_reasoning: str | None = None
 
 
 def thinking_flag(thinking: dict | None) -> bool | None:
@@ -95,8 +124,6 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int | None = None
 
 
-_UNSUPPORTED = {"tools": (None, []), "tool_choice": (None,)}
-
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
 
 
@@ -112,28 +139,28 @@ def _blocks_text(content: str | list[TextBlock], param: str) -> str:
     return "".join(parts)
 
 
-def _conversation(body: MessagesRequest) -> list[dict[str, str]]:
+def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
+    """The chat template's turns: the system prompt, then each message's
+    (``anthropic_blocks.message_turns``). Raises APIError (400 naming the field)."""
     if not body.messages:
         raise APIError("messages: at least one message is required", param="messages")
     conversation = []
     if body.system:
         conversation.append({"role": "system", "content": _blocks_text(body.system, "system")})
+    tool_names: dict[str, str] = {}
     for i, message in enumerate(body.messages):
         if message.role not in ("user", "assistant"):
             raise APIError(f"messages.{i}.role: Input should be 'user' or 'assistant', got "
                            f"{message.role!r}", param=f"messages.{i}.role")
-        conversation.append({"role": message.role,
-                             "content": _blocks_text(message.content, f"messages.{i}.content")})
-    if not any(m["role"] == "user" for m in conversation):
+        conversation += message_turns(message.role, message.content,
+                                      f"messages.{i}.content", tool_names)
+    if not any(m.role == "user" for m in body.messages):
         raise APIError("messages: at least one message must have role 'user'",
                        param="messages")
     return conversation
 
 
 def _check(body: MessagesRequest, state: ServerState) -> None:
-    for name, value in (body.model_extra or {}).items():
-        if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
-            raise APIError(f"{name}: not supported by this server", param=name)
     output_config = (body.model_extra or {}).get("output_config")
     if isinstance(output_config, dict) and output_config.get("format") is not None:
         raise APIError("output_config.format: structured outputs are not supported by this "
@@ -179,10 +206,46 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
 
 
-def _stop(finish_reason: str | None, stop_string: str | None) -> tuple[str, str | None]:
+def _stop(finish_reason: str | None, stop_string: str | None, called: bool = False
+          ) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence``: ``tool_use`` when the model
+    stopped after calling a tool."""
     if stop_string is not None:
         return "stop_sequence", stop_string
+    if called and finish_reason == "stop":
+        return "tool_use", None
     return _STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
+
+
+@dataclass(slots=True)
+class _Answer:
+    """How a request's answer is shaped: its tools (OpenAI-shaped, for the template; and by
+    name), the resolved ``choice``, whether reasoning comes back as a ``thinking`` block,
+    and how latent steps are written there (``latent_mode``)."""
+
+    tool_dicts: list[dict] | None
+    tools: dict[str, dict]
+    choice: ToolChoice
+    thinking: bool
+    latent_mode: str | None
+
+    def parser(self, state: ServerState) -> OutputParser:
+        return OutputParser(state.reasoning_parser, state.tool_parser, self.choice,
+                            self.thinking, id_prefix="toolu_")
+
+
+def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
+    """Raises APIError (400 naming the field) for bad tools, ``tool_choice`` or
+    ``latent_reasoning`` (it needs ``thinking`` enabled, where it shows)."""
+    tool_dicts = openai_tools(body.tools)
+    tools = check_tools(tool_dicts)
+    choice = anthropic_tool_choice(body.tool_choice, tools)
+    shown = thinking_flag(body.thinking) is True
+    mode = latent_reasoning_mode(body, state.latent_spec)
+    if body.latent_reasoning is not None and not shown:
+        raise APIError("latent_reasoning: it writes the thinking block, which needs thinking "
+                       '{"type": "enabled"}', param="latent_reasoning")
+    return _Answer(tool_dicts, tools, choice, shown, mode if shown else None)
 
 
 def _head_controls(body: MessagesRequest, request, state: ServerState
@@ -191,15 +254,32 @@ def _head_controls(body: MessagesRequest, request, state: ServerState
     compression-head controls (headers ``x-latent-*`` / ``x-ds4-*`` > body). Raises
     APIError (400 naming the header or field) for a malformed control, or one a model
     without a head would ignore."""
-    # No head: "disabled" is a no-op, as for any Anthropic client; "enabled" asks for a
+    # No head: "disabled" is a no-op, as for any Anthropic client; "enabled" shows the
+    # reasoning of a model that has some (a reasoning parser, latent steps), else asks for a
     # head and is refused below.
     flag = thinking_flag(body.thinking)
-    has_head = state.latent_spec is not None and state.latent_spec.kind == "head"
-    body = body.model_copy(update={"thinking": flag if flag or has_head else None})
+    kind = getattr(state.latent_spec, "kind", None)
+    shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
+    body = body.model_copy(update={"thinking": flag if kind == "head" or (flag and not shows)
+                                   else None})
     controls = head_controls(request, body)
     refuse_head_controls(request, body, controls, state.latent_spec)
     refuse_stream_steps(request, body, state.latent_spec)  # validates the header (no ticks)
     return body, controls
+
+
+async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
+                      ) -> list[int]:
+    """The templated prompt (off the event loop: large prompts take seconds): the turns,
+    the tools, and a ``thinking`` object's switch as the template's ``thinking`` /
+    ``enable_thinking`` (Qwen3's templates read the latter)."""
+    conversation = _conversation(body)
+    flag = thinking_flag(body.thinking)
+    kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
+    return await asyncio.to_thread(
+        render_chat, state.tokenizer, conversation, tools=answer.tool_dicts,
+        template_kwargs=kwargs,
+        continue_final_message=conversation[-1]["role"] == "assistant")
 
 
 async def count_input_tokens(body: CountTokensRequest, request, state: ServerState) -> int:
@@ -218,13 +298,11 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     from latentserve.server.serving import ENGINE_ERRORS, api_error
 
     _check(body.model_copy(update={"model": state.model_name}), state)
-    conversation = _conversation(body)
-    prompt_ids = await asyncio.to_thread(
-        render_chat, state.tokenizer, conversation,
-        continue_final_message=conversation[-1]["role"] == "assistant")
+    answer = _answer(body, state)
+    prompt_ids = await _prompt_ids(body, state, answer)
     sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
     try:
-        _, params = _request_params(sized, request, state, len(prompt_ids))
+        _, params = _request_params(sized, request, state, len(prompt_ids), answer)
     except APIError as e:
         if e.code != "context_length_exceeded" or body.max_tokens is not None:
             raise
@@ -240,22 +318,30 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 
 
 def _request_params(body: MessagesRequest, request, state: ServerState,
-                    num_prompt_tokens: int) -> tuple[MessagesRequest, SamplingParams]:
+                    num_prompt_tokens: int, answer: _Answer
+                    ) -> tuple[MessagesRequest, SamplingParams]:
     """The body with its ``thinking`` resolved and the engine's ``SamplingParams``: body
-    fields, ``x-latent-budget``, then the ``x-latent-*`` / ``x-ds4-*`` head controls.
-    Raises APIError (400 naming the field or header)."""
+    fields, ``x-latent-budget``, then the ``x-latent-*`` / ``x-ds4-*`` head controls; a
+    forced tool call's JSON schema; ``logit_lens`` steps' traces. Raises APIError (400
+    naming the field or header)."""
     budget = latent_budget(request, body, state.latent_spec)
     params = _params(body, num_prompt_tokens, state.max_model_len, budget,
                      latent_positions(state.latent_spec, budget), state.sampling_defaults)
     body, controls = _head_controls(body, request, state)
     head = {k: v for k, v in controls.items() if v is not None}
     if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
-        import dataclasses
-
         try:
             params = dataclasses.replace(params, **head)
         except ValueError as exc:  # a body control out of range (the headers are checked)
             raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
+    schema = call_schema(answer.choice, answer.tools)
+    if schema is not None:
+        params = json_constraint(params, schema)
+    if answer.latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
+        params = dataclasses.replace(params, return_latent_trace=True,
+                                     stream_latent_steps=True)
+    if drops_tags(state.tokenizer, answer.parser(state)):
+        params = dataclasses.replace(params, skip_special_tokens=False)
     return body, params
 
 
@@ -266,6 +352,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         APIError: 400 (bad field, context too long, unsupported feature), 404 (another
             model's name), or the engine errors of ``serving.api_error``.
     """
+    from latentserve.server.logprobs import token_texts
     from latentserve.server.serving import (
         collect,
         latent_info,
@@ -276,27 +363,44 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
 
     arrival = time.monotonic()
     _check(body, state)
-    conversation = _conversation(body)
-    prompt_ids = await asyncio.to_thread(  # off the event loop: large prompts take seconds
-        render_chat, state.tokenizer, conversation,
-        continue_final_message=conversation[-1]["role"] == "assistant")
-    body, params = _request_params(body, request, state, len(prompt_ids))
+    answer = _answer(body, state)
+    prompt_ids = await _prompt_ids(body, state, answer)
+    body, params = _request_params(body, request, state, len(prompt_ids), answer)
     msg_id, engine_rid = new_request_id(request, "msg")
     if msg_id == engine_rid:
         msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
     reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
     asked = bool(body.return_latent_trace)
+    texts = token_texts(state.tokenizer)
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival)
-        events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked)
+        latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
+                  else None)
+        events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
+                         answer.parser(state), latent)
         return sse_response(sse_events(
             request, state, reqs, events, error_event=_error_event,
             internal_error_event=_event("error", anthropic_error_body(
                 "Internal server error", 500)), done=None))
     result = (await collect(request, state, reqs, arrival))[0]
-    stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string)
-    msg = _message(msg_id, state.model_name, [{"type": "text", "text": result.text}],
-                   stop_reason, stop_sequence, len(prompt_ids), result.num_output_tokens)
+    reasoning, content, calls = parse_output(answer.parser(state), result.text)
+    if answer.latent_mode:
+        reasoning = latent_reasoning_text(answer.latent_mode, result.latent_steps,
+                                          result.step_trace, texts) + reasoning
+    blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning \
+        else []
+    uses = []
+    for c in calls:
+        try:
+            uses.append({"type": "tool_use", "id": c.id, "name": c.name,
+                         "input": json.loads(c.arguments)})
+        except json.JSONDecodeError:  # arguments cut short (max_tokens): left as text
+            content += c.arguments
+    if content or not uses:
+        blocks.append({"type": "text", "text": content})
+    stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string, bool(uses))
+    msg = _message(msg_id, state.model_name, blocks + uses, stop_reason, stop_sequence,
+                   len(prompt_ids), result.num_output_tokens)
     return _with_latent(msg, latent_info(result, asked))
 
 
@@ -327,25 +431,84 @@ def _error_event(exc: Exception) -> str:
     return _event("error", anthropic_error_body(err.message, err.status_code))
 
 
+class _Blocks:
+    """The content blocks of a streamed message, opened as the answer needs them: each
+    :meth:`open` closes the block before it (a thinking block with its
+    ``signature_delta``)."""
+
+    def __init__(self):
+        self.index = -1
+        self.kind: str | None = None
+
+    def open(self, block: dict) -> list[str]:
+        out = self.close()
+        self.index += 1
+        self.kind = block["type"]
+        out.append(_event("content_block_start", {
+            "type": "content_block_start", "index": self.index, "content_block": block}))
+        return out
+
+    def delta(self, delta: dict) -> str:
+        return _event("content_block_delta", {"type": "content_block_delta",
+                                              "index": self.index, "delta": delta})
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        out = []
+        if self.kind == "thinking":
+            out.append(self.delta({"type": "signature_delta", "signature": ""}))
+        out.append(_event("content_block_stop", {"type": "content_block_stop",
+                                                 "index": self.index}))
+        self.kind = None
+        return out
+
+
 async def _events(msg_id: str, model: str, input_tokens: int,
-                  deltas: AsyncIterator[tuple[int, TextDelta]],
-                  asked: bool = False) -> AsyncIterator[str]:
+                  deltas: AsyncIterator[tuple[int, TextDelta]], asked: bool,
+                  parser: OutputParser, latent: LatentReasoning | None
+                  ) -> AsyncIterator[str]:
     from latentserve.server.serving import latent_info
 
     yield _event("message_start", {"type": "message_start", "message": _message(
         msg_id, model, [], None, None, input_tokens, 0)})
-    yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                         "content_block": {"type": "text", "text": ""}})
     yield _event("ping", {"type": "ping"})
-    last = None
+    blocks = _Blocks()
+    last, called = None, False
     async for _, delta in deltas:
-        if delta.text:
-            yield _event("content_block_delta", {
-                "type": "content_block_delta", "index": 0,
-                "delta": {"type": "text_delta", "text": delta.text}})
+        piece = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            rest = parser.finish()
+            piece.reasoning += rest.reasoning
+            piece.content += rest.content
+            piece.calls += rest.calls
+        thinking = "".join(latent.step_texts(delta) if latent else ()) + piece.reasoning
+        if thinking:
+            if blocks.kind != "thinking":
+                for e in blocks.open({"type": "thinking", "thinking": "", "signature": ""}):
+                    yield e
+            yield blocks.delta({"type": "thinking_delta", "thinking": thinking})
+        if piece.content:
+            if blocks.kind != "text":
+                for e in blocks.open({"type": "text", "text": ""}):
+                    yield e
+            yield blocks.delta({"type": "text_delta", "text": piece.content})
+        for call in piece.calls:
+            called = True
+            if call.id is not None:
+                for e in blocks.open({"type": "tool_use", "id": call.id, "name": call.name,
+                                      "input": {}}):
+                    yield e
+            if call.arguments:
+                yield blocks.delta({"type": "input_json_delta",
+                                    "partial_json": call.arguments})
         last = delta
-    stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string)
-    yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    if blocks.index < 0:  # an empty answer: one empty text block, as when not streamed
+        for e in blocks.open({"type": "text", "text": ""}):
+            yield e
+    for e in blocks.close():
+        yield e
+    stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string, called)
     yield _event("message_delta", _with_latent({
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},

@@ -1,15 +1,26 @@
-"""``POST /v1/chat/completions``."""
+"""``POST /v1/chat/completions``: tools and ``tool_choice`` (``server/tools.py``), calls
+parsed out of the answer (``--tool-call-parser``) and reasoning split from it
+(``--reasoning-parser``; a latent model's steps, ``server/reasoning.py``), whole or
+streamed as OpenAI's ``delta.reasoning_content`` / ``delta.content`` /
+``delta.tool_calls``."""
 
 from __future__ import annotations
 
 import asyncio
-import os
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 from latentserve.server.errors import APIError
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.logprobs import chat_logprobs, token_texts
+from latentserve.server.output_parser import (
+    CallDelta,
+    OutputParser,
+    Piece,
+    drops_tags,
+    parse_output,
+)
 from latentserve.server.params import (
     check_common,
     check_logprobs,
@@ -24,7 +35,7 @@ from latentserve.server.params import (
     sampling_params,
     stream_latent_steps,
 )
-from latentserve.server.prompts import chat_prompt_ids, check_prompt_length
+from latentserve.server.prompts import chat_prompt_ids, chat_tools, check_prompt_length
 from latentserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -33,7 +44,14 @@ from latentserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     DeltaMessage,
+    FunctionCallOut,
+    ToolCallOut,
     Usage,
+)
+from latentserve.server.reasoning import (
+    LatentReasoning,
+    latent_reasoning_mode,
+    latent_reasoning_text,
 )
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import (
@@ -44,10 +62,13 @@ from latentserve.server.serving import (
     start_stream,
 )
 from latentserve.server.state import ServerState
-
-# The reasoning_content of one latent-step tick in a stream: a zero-width space, so a client
-# shows progress without visible text (the seed's choice; env LATENTSERVE_LATENT_TICK_TEXT).
-LATENT_TICK_TEXT = os.environ.get("LATENTSERVE_LATENT_TICK_TEXT", "\u200b")
+from latentserve.server.tools import (
+    ToolChoice,
+    call_schema,
+    check_tools,
+    json_constraint,
+    resolve_tool_choice,
+)
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request, state: ServerState):
@@ -56,6 +77,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     arrival = time.monotonic()
     body = body.with_template_kwargs_fields()  # what a router leaves of the latent fields
     check_common(body, state.model_name, state.limits)
+    tools = check_tools(chat_tools(body.tools))
+    choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
+    latent_mode = latent_reasoning_mode(body, state.latent_spec)
     logprobs = _logprobs_k(body, state)
     head = head_controls(request, body, body.chat_template_kwargs)
     refuse_head_controls(request, body, head, state.latent_spec)
@@ -82,6 +106,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                              logprobs, budget, head, stream_latent_steps=ticks,
                              latent_positions=latent_positions(state.latent_spec, budget),
                              defaults=state.sampling_defaults)
+
+    def parser() -> OutputParser:
+        return OutputParser(state.reasoning_parser, state.tool_parser, choice,
+                            body.include_reasoning is not False)
+
+    schema = call_schema(choice, tools)
+    if schema is not None:
+        params = json_constraint(params, schema)
+    if latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
+        params = dataclasses.replace(params, return_latent_trace=True,
+                                     stream_latent_steps=True)
+    if drops_tags(state.tokenizer, parser()):
+        params = dataclasses.replace(params, skip_special_tokens=False)
     check_total_output([engine_max_tokens(params, state.latent_spec, len(prompt_ids),
                                           state.max_model_len)], body.n or 1, field,
                        state.limits, [params.max_tokens])
@@ -89,23 +126,45 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
             for i, p in enumerate(fan_out(params, body.n or 1))]
     as_ids = bool(body.return_tokens_as_token_ids)
+
+    texts = token_texts(state.tokenizer)
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival)
+        latent = [LatentReasoning(latent_mode, texts, ticks) if latent_mode else None
+                  for _ in reqs]
         chunks = _chunks(state, rid, len(prompt_ids), len(reqs), deltas, body.include_usage,
-                         logprobs is not None, as_ids, bool(body.return_latent_trace))
+                         logprobs is not None, as_ids, bool(body.return_latent_trace),
+                         [parser() for _ in reqs], latent, choice)
         return sse_response(sse_events(request, state, reqs, chunks))
     results = await collect(request, state, reqs, arrival)
-    texts = token_texts(state.tokenizer)
+    choices = []
+    for i, r in enumerate(results):
+        reasoning, content, calls = parse_output(parser(), r.text)
+        if latent_mode:
+            reasoning = latent_reasoning_text(latent_mode, r.latent_steps, r.step_trace,
+                                              texts) + reasoning
+        message = AssistantMessage(
+            content=content if content or not calls else None, reasoning_content=reasoning,
+            tool_calls=[ToolCallOut(id=c.id, function=FunctionCallOut(
+                name=c.name, arguments=c.arguments)) for c in calls] or None)
+        choices.append(ChatChoice(
+            index=i, message=message, finish_reason=_finish_reason(r.finish_reason,
+                                                                   bool(calls), choice),
+            logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
+                      if logprobs is not None else None),
+            latent=r.latent_info(bool(body.return_latent_trace))))
     return ChatCompletionResponse(
-        id=rid, model=state.model_name,
-        choices=[ChatChoice(index=i, message=AssistantMessage(content=r.text),
-                            finish_reason=r.finish_reason,
-                            logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
-                                      if logprobs is not None else None),
-                            latent=r.latent_info(bool(body.return_latent_trace)))
-                 for i, r in enumerate(results)],
+        id=rid, model=state.model_name, choices=choices,
         usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
     )
+
+
+def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str | None:
+    """OpenAI's: ``tool_calls`` when the model stopped after calling (``auto``,
+    ``required``); a named function's call keeps ``stop``, as OpenAI and vLLM answer."""
+    if called and reason == "stop" and choice.mode != "named":
+        return "tool_calls"
+    return reason
 
 
 def _logprobs_k(body: ChatCompletionRequest, state: ServerState) -> int | None:
@@ -121,12 +180,15 @@ def _logprobs_k(body: ChatCompletionRequest, state: ServerState) -> int | None:
 
 async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
-                  want_logprobs: bool, as_ids: bool, trace: bool
-                  ) -> AsyncIterator[ChatCompletionChunk]:
-    """Per choice: a role chunk, content chunks (and, with ``stream_latent_steps``, one
-    ``reasoning_content`` chunk of :data:`LATENT_TICK_TEXT` per latent step), one chunk with
-    the finish reason and the choice's ``latent`` field (as in the non-streamed response;
-    left out when None); then (if asked) one usage chunk with no choices."""
+                  want_logprobs: bool, as_ids: bool, trace: bool,
+                  parsers: list[OutputParser], latent: list[LatentReasoning | None],
+                  choice: ToolChoice) -> AsyncIterator[ChatCompletionChunk]:
+    """Per choice: a role chunk; per delta, the latent reasoning it releases (one
+    ``reasoning_content`` chunk per latent step, or the step count once), then one chunk
+    with what its parser releases (``reasoning_content``, ``content``, ``tool_calls``) and
+    the delta's logprobs; one chunk with the finish reason and the choice's ``latent``
+    field (as in the non-streamed response; left out when None); then (if asked) one
+    usage chunk with no choices."""
     model = state.model_name
     texts = token_texts(state.tokenizer)
 
@@ -140,15 +202,37 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
     for i in range(n):
         yield chunk(i, DeltaMessage(role="assistant", content=""))
     tokens = [0] * n
+    called = [False] * n
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
-        for _ in range(delta.latent_tick):
-            yield chunk(i, DeltaMessage(reasoning_content=LATENT_TICK_TEXT))
-        if delta.text or delta.logprobs:
-            yield chunk(i, DeltaMessage(content=delta.text), None, delta.logprobs)
+        for text in latent[i].step_texts(delta) if latent[i] is not None else ():
+            yield chunk(i, DeltaMessage(reasoning_content=text))
+        piece = parsers[i].feed(delta.text)
         if delta.finish_reason is not None:
-            yield chunk(i, DeltaMessage(), delta.finish_reason,
+            rest = parsers[i].finish()
+            piece = Piece(piece.reasoning + rest.reasoning, piece.content + rest.content,
+                          piece.calls + rest.calls)
+        called[i] = called[i] or bool(piece.calls)
+        if piece or delta.logprobs:
+            yield chunk(i, _delta_message(piece), None, delta.logprobs)
+        if delta.finish_reason is not None:
+            yield chunk(i, DeltaMessage(), _finish_reason(delta.finish_reason, called[i],
+                                                          choice),
                         latent=latent_info(delta, trace))
     if include_usage:
         yield ChatCompletionChunk(id=rid, model=model, choices=[],
                                   usage=Usage.of(num_prompt_tokens, sum(tokens)))
+
+
+def _delta_message(piece: Piece) -> DeltaMessage:
+    return DeltaMessage(reasoning_content=piece.reasoning or None,
+                        content=piece.content or None,
+                        tool_calls=[_call_delta(c) for c in piece.calls] or None)
+
+
+def _call_delta(c: CallDelta) -> dict:
+    """OpenAI's streamed tool call piece: the first of a call names it."""
+    if c.id is None:
+        return {"index": c.index, "function": {"arguments": c.arguments}}
+    return {"index": c.index, "id": c.id, "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments}}

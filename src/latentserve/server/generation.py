@@ -23,7 +23,8 @@ class TextDelta:
     was held back are reported with the delta that releases it; tokens that start after a
     matched stop string are dropped, as their text is). ``stop_string`` is the
     stop string that ended the request, if one did. ``latent_steps`` / ``latent_trace``:
-    the request's latent positions so far and, on the last delta when asked, their trace.
+    the request's latent positions so far and, on the last delta when asked, their trace
+    (on a tick, ``latent_tick`` > 0, of a traced request: the new steps' trace entries).
     """
 
     text: str
@@ -143,7 +144,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                 latent_steps = out.latent_steps
                 if text or tick > 0:
                     yield delta(text, None, latent_tick=max(tick, 0),
-                                latent_steps=out.latent_steps)
+                                latent_steps=out.latent_steps,
+                                latent_trace=out.latent_trace if tick > 0 else None)
     except EngineRequestError:
         reason = None  # refused before it ran (a 400): not a finished request
         raise

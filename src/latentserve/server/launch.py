@@ -118,7 +118,9 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                max_request_output_tokens: int | None = None,
                cors: dict | None = None, max_waiting_requests: int | None = None,
                chat_template: str | None = None, uvicorn_log_level: str | None = None,
-               log_requests: bool = False, max_log_len: int | None = None) -> None:
+               log_requests: bool = False, max_log_len: int | None = None,
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None
+               ) -> None:
     """Start the engine process (one per config for a list: several models, each served
     under its own name), wait until its model is loaded and warmed up, then serve
     HTTP with uvicorn until SIGINT/SIGTERM; the engine processes are stopped on the way out
@@ -133,6 +135,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     400 (None: ``ServerLimits``' default, 2**21). ``max_waiting_requests``: requests that
     may wait for one of a model's ``max_num_seqs`` seats before new ones get a 503 with
     ``Retry-After`` (None: no limit).
+    ``tool_call_parser`` (``server/tool_parsers.py``) / ``reasoning_parser``
+    (``server/reasoning.py``): how every model's chat answers are parsed (None: not).
     ``drain_timeout``: on SIGTERM/SIGINT the server stops accepting connections and lets
     running requests finish for up to this many seconds, then cancels what is left (those
     engine requests are aborted) and stops the engine.
@@ -205,7 +209,9 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                                       max_num_seqs=cfg.max_num_seqs, aliases=names[1:],
                                       root=cfg.model or ready.model_name,
                                       log_requests=log_requests, max_log_len=max_log_len,
-                                      sampling_defaults=ready.sampling_defaults or {}))
+                                      sampling_defaults=ready.sampling_defaults or {},
+                                      tool_parser=tool_call_parser,
+                                      reasoning_parser=reasoning_parser))
         served = ServedModels(states)
         app = create_app(served, on_shutdown=stop_engines, api_key=api_key, cors=cors)
         server = _draining_server(uvicorn, [s.client for s in served.states],
@@ -342,7 +348,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  log_level: str | None = None, cors: dict | None = None,
                  max_waiting_requests: int | None = None, chat_template: str | None = None,
                  uvicorn_log_level: str | None = None, log_requests: bool = False,
-                 max_log_len: int | None = None) -> ServerProcess:
+                 max_log_len: int | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
@@ -351,7 +358,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     ``log_level`` is the server's ``--log-level`` (None: info).
     ``api_key``, ``max_request_body_bytes``, ``drain_timeout``,
     ``max_request_output_tokens``, ``max_waiting_requests``, ``cors``, ``chat_template``,
-    ``uvicorn_log_level``, ``log_requests`` and ``max_log_len`` are :func:`run_server`'s
+    ``uvicorn_log_level``, ``log_requests``, ``max_log_len``, ``tool_call_parser`` and
+    ``reasoning_parser`` are :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
 
     Raises:
@@ -381,6 +389,10 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
         cmd += ["--log-level", log_level]
     if max_waiting_requests is not None:
         cmd += ["--max-waiting-requests", str(max_waiting_requests)]
+    if tool_call_parser is not None:
+        cmd += ["--tool-call-parser", tool_call_parser]
+    if reasoning_parser is not None:
+        cmd += ["--reasoning-parser", reasoning_parser]
     for key, flag in (("allow_origins", "--allowed-origins"), ("allow_methods",
                       "--allowed-methods"), ("allow_headers", "--allowed-headers")):
         if cors is not None and key in cors:
@@ -432,9 +444,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Add the HTTP server's own flags (``latentserve serve`` adds them too): ``--api-key``,
-    the request limits, ``--drain-timeout``, CORS, and vLLM's ``--chat-template``,
-    ``--uvicorn-log-level``, ``--enable-log-requests`` / ``--disable-log-requests`` and
-    ``--max-log-len``."""
+    the request limits, ``--drain-timeout``, CORS, ``--tool-call-parser``,
+    ``--reasoning-parser``, and vLLM's ``--chat-template``, ``--uvicorn-log-level``,
+    ``--enable-log-requests`` / ``--disable-log-requests`` and ``--max-log-len``."""
     from latentserve.server.state import DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 
     parser.add_argument("--api-key", default=None,
@@ -452,6 +464,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a seat (beyond --max-num-seqs) "
                              "before new ones get 503 + Retry-After (529 on /v1/messages); "
                              "default: no limit")
+    from latentserve.server.reasoning import REASONING_PARSERS
+    from latentserve.server.tool_parsers import TOOL_PARSERS
+
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="parse tool calls out of chat answers in this format (tool_choice "
+                             "auto); default: none, calls stay text")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="split <think>...</think> reasoning from chat answers into "
+                             "reasoning_content; default: none")
     # CORS, with vLLM's flags and defaults (vllm/entrypoints/openai/cli_args.py).
     parser.add_argument("--allowed-origins", type=json.loads, default=["*"],
                         help='CORS: origins allowed, a JSON list (default ["*"])')
@@ -498,6 +519,8 @@ def server_kwargs(args: argparse.Namespace) -> dict:
             "drain_timeout": args.drain_timeout,
             "max_request_output_tokens": args.max_request_output_tokens,
             "max_waiting_requests": args.max_waiting_requests,
+            "tool_call_parser": args.tool_call_parser,
+            "reasoning_parser": args.reasoning_parser,
             "cors": {"allow_origins": args.allowed_origins,
                      "allow_methods": args.allowed_methods,
                      "allow_headers": args.allowed_headers,

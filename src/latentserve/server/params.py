@@ -13,7 +13,8 @@ from latentserve.server.state import ServerLimits
 # The body fields, OpenAI's and vLLM's, that change the output and are not implemented, with
 # the values that mean "not used"; any other value is a 400 naming the field (a client must
 # not get a 200 that ignored it). Chat's ``echo`` and ``chat_template`` are vLLM's; chat
-# declares ``tools`` (they go to the chat template; a forced tool call would need a parser).
+# declares ``tools`` and ``tool_choice`` (server/tools.py), so these entries hold for
+# completions.
 _UNSUPPORTED = {
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),

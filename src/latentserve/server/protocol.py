@@ -155,8 +155,7 @@ class FunctionDefinition(RequestModel):
 
 
 class ChatTool(RequestModel):
-    """A tool the model may call, shown to it by the chat template (calls it writes come back
-    as text: they are not parsed into ``tool_calls``)."""
+    """A tool the model may call, shown to it by the chat template (``server/tools.py``)."""
 
     type: str
     function: FunctionDefinition
@@ -164,11 +163,19 @@ class ChatTool(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     """``logprobs`` / ``top_logprobs``: OpenAI's chat fields. ``tools`` and
-    ``chat_template_kwargs`` go to the chat template; ``add_generation_prompt`` and ``continue_final_message`` are vLLM's
-    (continue the last, assistant, message instead of starting a new one)."""
+    ``chat_template_kwargs`` go to the chat template; ``tool_choice`` and
+    ``parallel_tool_calls`` are OpenAI's (``server/tools.py``); ``add_generation_prompt``
+    and ``continue_final_message`` are vLLM's (continue the last, assistant, message
+    instead of starting a new one). ``include_reasoning`` (vLLM's; false: no
+    ``reasoning_content``) and ``latent_reasoning`` (``"count"`` or ``"logit_lens"``: how a
+    latent model's steps are written into ``reasoning_content``; ``server/reasoning.py``)."""
 
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    include_reasoning: bool | None = True
+    latent_reasoning: str | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -205,7 +212,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 # Latent body fields a chat request may also send inside chat_template_kwargs.
 TEMPLATE_KWARGS_FIELDS = (*LatentFields.model_fields, "return_latent_trace",
-                          "stream_latent_steps")
+                          "stream_latent_steps", "latent_reasoning")
 
 
 class CompletionRequest(SamplingRequest):
@@ -273,13 +280,34 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
-    """``reasoning_content``: what a thinking model produced before its answer ("" when
-    nothing was produced)."""
+    """``reasoning_content``: what a thinking model produced before its answer, its
+    ``<think>`` text or its latent steps ("" when nothing was produced; ``server/
+    reasoning.py``). ``tool_calls`` (left out when None): the calls parsed out of the
+    answer; ``content`` is then null when no text came with them."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     reasoning_content: str = ""
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_null_calls(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class LatentInfo(BaseModel):
@@ -314,16 +342,20 @@ class ChatCompletionResponse(_Response):
 
 
 class DeltaMessage(BaseModel):
-    """A streamed message fragment; unset fields are left out of the JSON."""
+    """A streamed message fragment; unset fields are left out of the JSON. ``tool_calls``:
+    OpenAI's call pieces, ``{"index", "id", "type", "function": {"name", "arguments"}}``
+    on a call's first piece and ``{"index", "function": {"arguments"}}`` after."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
     def _drop_none(self) -> dict[str, Any]:
         return {k: v for k, v in (("role", self.role), ("content", self.content),
-                                  ("reasoning_content", self.reasoning_content))
+                                  ("reasoning_content", self.reasoning_content),
+                                  ("tool_calls", self.tool_calls))
                 if v is not None}
 
 

@@ -59,6 +59,7 @@ class ChoiceResult:
     latent_stats: dict | None = None
     recurrence: dict | None = None
     prompt_logprobs: list | None = None
+    step_trace: list = field(default_factory=list)  # the ticks' trace entries, per step
 
     def latent_info(self, asked: bool):
         """The choice's ``latent`` field (see :func:`latent_info`)."""
@@ -71,6 +72,8 @@ class ChoiceResult:
         self.num_output_tokens = delta.num_output_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.latent_tick and delta.latent_trace:
+            self.step_trace.extend(delta.latent_trace)
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_string = delta.finish_reason, delta.stop_string
             self.latent_steps, self.latent_trace = delta.latent_steps, delta.latent_trace

@@ -77,6 +77,8 @@ class ServerState:
     # The model's generation-config sampling defaults (LLMEngine.sampling_defaults), for
     # the fields a request leaves unset (params.sampling_params).
     sampling_defaults: dict = field(default_factory=dict)
+    tool_parser: str | None = None  # --tool-call-parser (server/tool_parsers.py)
+    reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
 
 
 class ServedModels:

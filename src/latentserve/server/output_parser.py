@@ -1,0 +1,173 @@
+"""One chat choice's generated text -> reasoning, answer text and tool calls, as stream
+pieces (:meth:`OutputParser.feed`, :meth:`OutputParser.finish`) or whole
+(:func:`parse_output`). Both the OpenAI chat route and ``/v1/messages`` use it.
+
+The reasoning parser runs first; tool calls are looked for in the answer only (vLLM's
+order). A call is streamed as :class:`CallDelta` s of one ``index``: the first carries its
+``id`` and ``name``, later ones more ``arguments`` text (OpenAI's ``delta.tool_calls``,
+Anthropic's ``content_block_start`` + ``input_json_delta``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from latentserve.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, ThinkParser
+from latentserve.server.tool_parsers import CALL_END, CALL_START, TOOL_PARSERS, ParsedCall
+from latentserve.server.tools import ToolChoice, new_call_id
+
+
+@dataclass(slots=True)
+class CallDelta:
+    """A piece of call ``index``: ``id`` and ``name`` on its first piece (None after),
+    ``arguments`` the JSON text that follows."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class Piece:
+    """What one step releases of a choice: ``reasoning`` and ``content`` text (either may
+    be "") and call pieces."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+
+@dataclass(slots=True)
+class Call:
+    """A whole call: :class:`CallDelta` s of one index joined."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class OutputParser:
+    """``reasoning_parser`` (a ``REASONING_PARSERS`` name or None), ``tool_parser`` (a
+    ``TOOL_PARSERS`` name or None) and the request's resolved ``choice`` (None: no tools)
+    decide what is parsed: calls are parsed for ``auto`` with a tool parser, the whole
+    answer is the arguments of a ``named`` choice and a JSON array of calls for
+    ``required``. ``include_reasoning`` False drops the reasoning text. ``id_prefix``: the
+    protocol's call id prefix."""
+
+    def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
+                 choice: ToolChoice | None = None, include_reasoning: bool = True,
+                 id_prefix: str = "call_"):
+        self.think = (ThinkParser(REASONING_PARSERS[reasoning_parser])
+                      if reasoning_parser else None)
+        self.mode = choice.mode if choice is not None else "none"
+        self.name = choice.name if choice is not None else None
+        self.single = bool(choice is not None and choice.single)
+        self.tools = (TOOL_PARSERS[tool_parser]() if tool_parser and self.mode == "auto"
+                      else None)
+        self.include_reasoning = include_reasoning
+        self.id_prefix = id_prefix
+        self.num_calls = 0
+        self.required_text = ""  # required: the answer, parsed at the end
+        self.named_open = False
+
+    def feed(self, text: str) -> Piece:
+        """The piece released by one more text delta."""
+        if self.think is None:
+            return self._answer(text, final=False)
+        split = self.think.feed(text)
+        out = self._answer(split.content, final=False)
+        out.reasoning = split.reasoning if self.include_reasoning else ""
+        return out
+
+    def finish(self) -> Piece:
+        """What is held back, at the end of the output."""
+        if self.think is None:
+            return self._answer("", final=True)
+        split = self.think.finish()
+        out = self._answer(split.content, final=True)
+        out.reasoning = split.reasoning if self.include_reasoning else ""
+        return out
+
+    def _answer(self, text: str, final: bool) -> Piece:
+        out = Piece()
+        if self.mode == "named":
+            if not self.named_open and (text or final):
+                self.named_open = True
+                out.calls.append(self._new_call(self.name, ""))
+            if text:
+                out.calls.append(CallDelta(0, arguments=text))
+        elif self.mode == "required":
+            self.required_text += text
+            if final:
+                calls = _required_calls(self.required_text)
+                if calls is None:  # cut short (length): the text as it is
+                    out.content = self.required_text
+                for c in calls or []:
+                    out.calls.append(self._new_call(c.name, c.arguments))
+        elif self.tools is not None:
+            parsed = self.tools.feed(text)
+            if final:
+                rest = self.tools.finish()
+                parsed.content += rest.content
+                parsed.calls += rest.calls
+            out.content = parsed.content
+            for c in parsed.calls:
+                if not (self.single and self.num_calls):
+                    out.calls.append(self._new_call(c.name, c.arguments))
+        else:
+            out.content = text
+        return out
+
+    def _new_call(self, name: str, arguments: str) -> CallDelta:
+        self.num_calls += 1
+        return CallDelta(self.num_calls - 1, new_call_id(self.id_prefix), name, arguments)
+
+
+def _required_calls(text: str) -> list[ParsedCall] | None:
+    """The calls of a ``required`` answer (``[{"name", "parameters"}, ...]``), or None when
+    it is not such an array."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list) or not all(
+            isinstance(i, dict) and isinstance(i.get("name"), str)
+            and isinstance(i.get("parameters", {}), dict) for i in items):
+        return None
+    return [ParsedCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False))
+            for i in items]
+
+
+def join_calls(pieces: list[CallDelta]) -> list[Call]:
+    """Call pieces (in stream order) joined per index."""
+    calls: dict[int, Call] = {}
+    for p in pieces:
+        if p.index not in calls:
+            calls[p.index] = Call(p.id or "", p.name or "", "")
+        calls[p.index].arguments += p.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[Call]]:
+    """``(reasoning, content, calls)`` of a whole output."""
+    a, b = parser.feed(text), parser.finish()
+    return a.reasoning + b.reasoning, a.content + b.content, join_calls(a.calls + b.calls)
+
+
+def drops_tags(tokenizer, parser: OutputParser) -> bool:
+    """Whether ``tokenizer`` marks a tag ``parser`` looks for as a special token, which
+    ``skip_special_tokens`` would drop from the text: the request must keep special tokens
+    (vLLM's hermes parser turns the option off for the same reason)."""
+    tags = set()
+    if parser.think is not None:
+        tags |= {THINK_START, THINK_END}
+    if parser.tools is not None:
+        tags |= {CALL_START, CALL_END}
+    added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+    return any(getattr(t, "special", False) and str(getattr(t, "content", t)) in tags
+               for t in added)

@@ -1,0 +1,191 @@
+"""Reasoning output: a model's ``<think>...</think>`` text split from its answer
+(``--reasoning-parser``), and a latent model's latent steps rendered as readable text.
+
+Text reasoning (the facts of vLLM's ``DeepSeekR1ReasoningParser`` and
+``Qwen3ReasoningParser``, vllm/reasoning/): the text up to ``</think>`` is the reasoning, the
+text after it the answer; a leading ``<think>`` is dropped. The two parsers differ on an
+output that does not open with ``<think>``: ``deepseek_r1`` reads it as reasoning until
+``</think>`` (R1's chat template writes the ``<think>`` into the prompt), ``qwen3`` as
+answer (Qwen3 with thinking off writes no tags). An output that opens ``<think>`` and never
+closes it is all reasoning under both (vLLM's streaming rule; its non-streamed qwen3 parser
+calls it content, which would make a stream and its whole response disagree).
+
+Latent reasoning (``reasoning_content`` of feedback, compression-head and looped models):
+``latent_reasoning: "count"`` (the default) writes ``[12 latent steps]`` once the latent
+phase is over; ``"logit_lens"`` (feedback models) writes one line per latent step with the
+top tokens of the latent vector read through the LM head, ``[step 3: "7", "8", " 7"]``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+THINK_START, THINK_END = "<think>", "</think>"
+# name -> whether an output that does not open with <think> is reasoning.
+REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
+LATENT_REASONING = ("count", "logit_lens")
+LOGIT_LENS_TOP = 3  # top tokens shown per latent step
+
+
+def held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (text that
+    may still become ``tag`` once more arrives)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass(slots=True)
+class Split:
+    """Text released by a parser: ``reasoning`` and ``content`` (answer), either may be ""."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+class ThinkParser:
+    """Splits one choice's streamed text at ``</think>``; :meth:`feed` each text delta, then
+    :meth:`finish`. The pieces concatenate to what :func:`split_reasoning` gives the whole
+    text (a tag split over deltas is held back until it is decided).
+
+    ``implicit``: an output that does not open with ``<think>`` is reasoning
+    (``REASONING_PARSERS[name]``)."""
+
+    def __init__(self, implicit: bool):
+        self.implicit = implicit
+        self.state = "start"  # start (undecided) | reasoning | content
+        self.buf = ""
+
+    def feed(self, text: str) -> Split:
+        self.buf += text
+        out = Split()
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(THINK_START):
+                self.state, self.buf = "reasoning", head[len(THINK_START):]
+            elif THINK_START.startswith(head):
+                return out  # "" or "<thi": undecided
+            else:
+                self.state = "reasoning" if self.implicit else "content"
+        if self.state == "reasoning":
+            end = self.buf.find(THINK_END)
+            if end < 0:
+                keep = held_prefix(self.buf, THINK_END)
+                out.reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[
+                    len(self.buf) - keep:]
+                return out
+            out.reasoning = self.buf[:end]
+            self.state, self.buf = "content", self.buf[end + len(THINK_END):]
+        out.content, self.buf = self.buf, ""
+        return out
+
+    def finish(self) -> Split:
+        """What is held back, at the end of the output."""
+        held, self.buf = self.buf, ""
+        if self.state == "reasoning" or (self.state == "start" and self.implicit):
+            return Split(reasoning=held)
+        return Split(content=held)
+
+
+def split_reasoning(text: str, parser: str) -> Split:
+    """A whole output's reasoning and answer under reasoning parser ``parser``."""
+    p = ThinkParser(REASONING_PARSERS[parser])
+    a, b = p.feed(text), p.finish()
+    return Split(a.reasoning + b.reasoning, a.content + b.content)
+
+
+def latent_count_text(steps: int) -> str:
+    """``[12 latent steps]`` (``[1 latent step]``); "" for none."""
+    if steps <= 0:
+        return ""
+    return f"[{steps} latent step{'s' if steps != 1 else ''}]"
+
+
+def latent_step_text(step: int, entry: dict | None, texts) -> str:
+    """One latent step as a line: ``[step 3: "7", "8", " 7"]\\n`` from its trace ``entry``
+    (``{"top_tokens": [[id, logit], ...]}``, most likely first; None: ``[step 3]\\n``).
+    ``texts``: the tokenizer's ``logprobs.TokenTexts``; each token is shown as a JSON
+    string, so spaces and newlines stay visible. ``step`` counts from 1."""
+    top = (entry or {}).get("top_tokens") or []
+    if not top:
+        return f"[step {step}]\n"
+    shown = ", ".join(json.dumps(texts.text(int(t)), ensure_ascii=False)
+                      for t, _ in top[:LOGIT_LENS_TOP])
+    return f"[step {step}: {shown}]\n"
+
+
+def latent_trace_text(trace: list[dict] | None, texts) -> str:
+    """Every latent step of a final trace as :func:`latent_step_text` lines."""
+    return "".join(latent_step_text(i + 1, e, texts) for i, e in enumerate(trace or []))
+
+
+def latent_reasoning_mode(body, spec) -> str | None:
+    """How a request's latent steps go into ``reasoning_content``: ``"count"`` (the
+    default), ``"logit_lens"``, or None (``include_reasoning`` false, or a model without a
+    latent phase before the answer: plain and recurrent-depth models).
+
+    Raises:
+        APIError: 400 naming ``latent_reasoning`` for another value, or ``"logit_lens"`` on
+            a model whose latent steps are not vectors the LM head reads (anything but a
+            feedback-latent model).
+    """
+    from latentserve.server.errors import APIError
+
+    mode = getattr(body, "latent_reasoning", None)
+    if mode is not None and mode not in LATENT_REASONING:
+        raise APIError(f"latent_reasoning must be one of {list(LATENT_REASONING)}, got "
+                       f"{mode!r}", param="latent_reasoning")
+    kind = getattr(spec, "kind", None)
+    if mode == "logit_lens" and kind != "feedback":
+        raise APIError("latent_reasoning 'logit_lens' needs a feedback-latent model (COCONUT, "
+                       "CODI), whose latent steps the LM head can read; this model has "
+                       f"{'none' if kind is None else kind + ' latent steps'}",
+                       param="latent_reasoning")
+    if getattr(body, "include_reasoning", True) is False or kind not in (
+            "feedback", "head", "loop"):
+        return None
+    return mode or "count"
+
+
+class LatentReasoning:
+    """One streamed choice's latent steps as ``reasoning_content`` pieces (``mode`` from
+    :func:`latent_reasoning_mode`; ``texts`` the tokenizer's ``logprobs.TokenTexts``):
+    ``logit_lens`` and ``ticks`` (``stream_latent_steps``) write one line per step as it
+    runs; ``count`` without ticks writes ``[N latent steps]`` once, with the answer's first
+    text (or the finish). :func:`latent_reasoning_text` writes the same for a whole
+    response."""
+
+    def __init__(self, mode: str, texts, ticks: bool = False):
+        self.mode, self.texts = mode, texts
+        self.per_step = mode == "logit_lens" or ticks
+        self.steps_shown = 0
+        self.count_shown = False
+
+    def step_texts(self, delta) -> list[str]:
+        """The reasoning texts one ``TextDelta`` releases, one per chunk: a tick's
+        ``latent_trace`` holds the entries of its new steps (``logit_lens``)."""
+        if delta.latent_tick:
+            new = max(delta.latent_steps - self.steps_shown, 0)
+            entries = list(delta.latent_trace or [])[-new:] if new else []
+            entries = [None] * (new - len(entries)) + entries
+            self.steps_shown += new
+            if not self.per_step:
+                return []
+            return [latent_step_text(self.steps_shown - new + i + 1,
+                                     entries[i] if self.mode == "logit_lens" else None,
+                                     self.texts) for i in range(new)]
+        if (not self.per_step and not self.count_shown and delta.latent_steps
+                and (delta.text or delta.finish_reason is not None)):
+            self.count_shown = True
+            return [latent_count_text(delta.latent_steps)]
+        return []
+
+
+def latent_reasoning_text(mode: str, steps: int, trace: list[dict] | None, texts) -> str:
+    """A whole response's latent reasoning: ``logit_lens``, one line per entry of the
+    per-step ``trace``; ``count``, ``[N latent steps]`` for ``steps``."""
+    if mode == "logit_lens":
+        return latent_trace_text(trace, texts)
+    return latent_count_text(steps)

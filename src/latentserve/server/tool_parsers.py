@@ -1,0 +1,134 @@
+"""Tool calls parsed out of a model's text (``--tool-call-parser``), streamed or whole.
+
+``hermes``: the Hermes 2 Pro / Qwen2.5 / Qwen3 format, each call a JSON object
+``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>`` (the
+facts of vLLM's vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py: that regex, the
+arguments re-serialized as a JSON string, a block left open at the end of the output parsed
+too). Unlike vLLM, a block whose JSON is not a call stays in the text (vLLM then returns the
+whole output as text), and a call is released when its closing tag is generated, arguments
+whole, rather than as partial JSON.
+
+The answer text (``content``) is the text outside the blocks, without the whitespace next
+to a block (the newlines between calls); a stream releases the same text in pieces.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from latentserve.server.reasoning import held_prefix
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    """One call the model wrote: the function's ``name`` and its ``arguments`` as a JSON
+    object string."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What a parser releases: answer text and complete calls."""
+
+    content: str = ""
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+def parse_call(raw: str) -> ParsedCall | None:
+    """The call a block holds (``{"name": str, "arguments": object or JSON string}``;
+    ``arguments`` missing is ``{}``), or None when it is not one."""
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class HermesToolParser:
+    """One choice's answer text -> content and calls; :meth:`feed` each text delta, then
+    :meth:`finish`. Tags split over deltas and whitespace that may precede a block are
+    held back until decided, so the pieces equal :func:`parse_tool_calls` of the whole."""
+
+    def __init__(self):
+        self.inside = False
+        self.buf = ""
+        self.after_block = False  # drop whitespace until the first text after a block
+        self.ws_before = ""  # the whitespace dropped before the open block
+
+    def feed(self, text: str) -> Parsed:
+        self.buf += text
+        out = Parsed()
+        while True:
+            if self.inside:
+                end = self.buf.find(CALL_END)
+                if end < 0:
+                    return out
+                self._close(self.buf[:end], out)
+                self.buf = self.buf[end + len(CALL_END):]
+                continue
+            if self.after_block:
+                self.buf = self.buf.lstrip()
+                if not self.buf:
+                    return out
+                self.after_block = False
+            start = self.buf.find(CALL_START)
+            if start >= 0:
+                text = self.buf[:start]
+                out.content += text.rstrip()
+                self.ws_before = text[len(text.rstrip()):]
+                self.inside, self.buf = True, self.buf[start + len(CALL_START):]
+                continue
+            keep = held_prefix(self.buf, CALL_START)
+            text, tail = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            ws = len(text) - len(text.rstrip())  # may precede a block: held too
+            out.content += text[:len(text) - ws]
+            self.buf = text[len(text) - ws:] + tail
+            return out
+
+    def _close(self, raw: str, out: Parsed) -> None:
+        call = parse_call(raw)
+        if call is not None:
+            out.calls.append(call)
+        else:  # not a call: the block stays in the text
+            out.content += self.ws_before + CALL_START + raw + CALL_END
+        self.inside, self.after_block = False, call is not None
+
+    def finish(self) -> Parsed:
+        """What is held back, at the end of the output: a block left open is parsed (a
+        length cut leaves it as text)."""
+        out = Parsed()
+        held, self.buf = self.buf, ""
+        if self.inside:
+            call = parse_call(held)
+            if call is not None:
+                out.calls.append(call)
+            else:
+                out.content = self.ws_before + CALL_START + held
+        elif not self.after_block:
+            out.content = held
+        return out
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser}
+
+
+def parse_tool_calls(text: str, parser: str = "hermes") -> Parsed:
+    """A whole output's content and calls under tool parser ``parser``."""
+    p = TOOL_PARSERS[parser]()
+    a, b = p.feed(text), p.finish()
+    return Parsed(a.content + b.content, a.calls + b.calls)

@@ -1,0 +1,152 @@
+"""Tool definitions and ``tool_choice``: checks, the JSON schema a forced call is decoded
+under, and the constraint that carries it to the engine.
+
+``tool_choice`` (OpenAI's values; ``/v1/messages`` maps Anthropic's onto them):
+``"none"`` (the template sees the tools, the output is text), ``"auto"`` (with
+``--tool-call-parser``: calls are parsed out of the text; without: text),
+``"required"`` and a named function (any model, no parser: the answer is decoded under
+:func:`call_schema`, which needs a constrained-decoding backend, :func:`json_constraint`).
+
+Forced calls follow vLLM (vllm/entrypoints/openai/protocol.py,
+``_get_json_schema_from_tool``; serving_chat.py): ``required`` is a JSON array of
+``{"name", "parameters"}`` objects, at least one, each name one of the tools; a named
+function's answer is its arguments object itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import uuid
+from dataclasses import dataclass
+
+from latentserve.server.errors import APIError
+
+# OpenAI's rule for function names.
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """A resolved ``tool_choice``: ``mode`` is ``none``, ``auto``, ``required`` or ``named``
+    (``name`` the function); ``single``: at most one call (``parallel_tool_calls: false``,
+    Anthropic's ``disable_parallel_tool_use``)."""
+
+    mode: str
+    name: str | None = None
+    single: bool = False
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def openai_field(i: int, key: str) -> str:
+    """The OpenAI name of field ``key`` of tool ``i``'s function."""
+    return f"tools[{i}].function.{key}"
+
+
+def check_tools(tools: list[dict] | None, field=openai_field) -> dict[str, dict]:
+    """The request's function tools (OpenAI's ``{"type": "function", "function": {"name",
+    "description", "parameters"}}`` dicts) by name. ``field(i, key)``: how errors name
+    field ``key`` of tool ``i`` (:func:`openai_field`).
+
+    Raises:
+        APIError: 400 naming the field for a name that is not 1-64 of ``[A-Za-z0-9_-]``
+            or is given twice, or ``parameters`` that is not an object schema (``"type"``,
+            when given, must be ``"object"``).
+    """
+    out: dict[str, dict] = {}
+    for i, tool in enumerate(tools or []):
+        fn = tool["function"]
+        name = fn["name"]
+        if not _NAME.match(name):
+            raise APIError(f"{field(i, 'name')} must be 1 to 64 letters, digits, '_' or '-', "
+                           f"got {name!r}", param=field(i, "name"))
+        if name in out:
+            raise APIError(f"{field(i, 'name')} {name!r} is given twice",
+                           param=field(i, "name"))
+        schema = fn.get("parameters")
+        if schema is not None and schema.get("type", "object") != "object":
+            raise APIError(f"{field(i, 'parameters')} must be a JSON Schema of an object "
+                           f"(type 'object'), got type {schema.get('type')!r}",
+                           param=field(i, "parameters"))
+        out[name] = fn
+    return out
+
+
+def resolve_tool_choice(choice, tools: dict[str, dict], parallel: bool | None = None,
+                        param: str = "tool_choice") -> ToolChoice:
+    """OpenAI's ``tool_choice`` (None: ``"auto"`` with tools, ``"none"`` without) against
+    the checked ``tools`` (:func:`check_tools`); ``parallel``: ``parallel_tool_calls``.
+
+    Raises:
+        APIError: 400 naming ``param`` for another value, or a forced choice without
+            tools; naming ``param.function.name`` for a function that is not a tool.
+    """
+    single = parallel is False
+    if choice is None:
+        return ToolChoice("auto" if tools else "none", single=single)
+    if choice in ("none", "auto", "required"):
+        if choice == "required" and not tools:
+            raise APIError(f"{param} 'required' needs tools", param=param)
+        return ToolChoice(choice, single=single)
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in tools:
+            known = ", ".join(repr(n) for n in tools) or "none"
+            raise APIError(f"{param}.function.name {name!r} is not one of the tools "
+                           f"({known})", param=f"{param}.function.name")
+        return ToolChoice("named", name, single=True)
+    raise APIError(f"{param} must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+                   f"\"function\": {{\"name\": ...}}}}, got {choice!r}", param=param)
+
+
+def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
+    """The JSON schema the answer of a forced ``choice`` is decoded under (None for
+    ``none`` / ``auto``): a named function's parameters, or for ``required`` an array
+    (one item when ``single``) of ``{"name": <one tool>, "parameters": <its schema>}``."""
+    if choice.mode == "named":
+        return tools[choice.name].get("parameters") or EMPTY_PARAMETERS
+    if choice.mode != "required":
+        return None
+    items = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [name]},
+                             "parameters": fn.get("parameters") or EMPTY_PARAMETERS},
+              "required": ["name", "parameters"]} for name, fn in tools.items()]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if choice.single:
+        schema["maxItems"] = 1
+    return schema
+
+
+def json_constraint(params, schema: dict, param: str = "tool_choice"):
+    """``params`` (``SamplingParams``) with its answer constrained to JSON matching
+    ``schema``: ``structured_outputs={"json": schema}`` (vLLM's field and key).
+
+    This is where the engine's constrained decoding plugs in: a ``SamplingParams`` without
+    a ``structured_outputs`` field means this install has no backend.
+
+    Raises:
+        APIError: 400 naming ``param`` when there is no backend, or the backend refuses
+            the schema.
+    """
+    from latentserve.sampling_params import SamplingParams
+
+    if "structured_outputs" not in {f.name for f in dataclasses.fields(SamplingParams)}:
+        raise APIError(f"{param}: a forced tool call ('required' or a named function) is "
+                       "decoded under a JSON schema, and this server has no constrained "
+                       "decoding; use 'auto' (with --tool-call-parser) or 'none'",
+                       param=param)
+    try:
+        return dataclasses.replace(params, structured_outputs={"json": schema})
+    except (TypeError, ValueError) as exc:
+        raise APIError(f"{param}: {exc}", param=param) from None
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    """A fresh tool call id: ``prefix`` and 24 hex digits (``call_``: OpenAI's form;
+    ``toolu_``: Anthropic's)."""
+    return prefix + uuid.uuid4().hex[:24]

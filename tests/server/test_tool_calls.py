@@ -1,0 +1,202 @@
+"""Tool calling through the openai and anthropic SDKs (issue 31), on the scripted chat model
+of conftest.py served with ``--tool-call-parser hermes``: a call parsed out of the answer,
+the round trip (call, result, final answer) streamed and not, and bad tool definitions as
+400s naming the field."""
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+ANSWER = "It is 18C in Paris."
+
+
+@pytest.fixture
+def client(tool_chat_server):
+    return openai.OpenAI(base_url=f"{tool_chat_server.base_url}/v1", api_key="none",
+                         max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def claude(tool_chat_server):
+    return anthropic.Anthropic(base_url=tool_chat_server.base_url, api_key="none",
+                               max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def model(tool_chat_dir):
+    return str(tool_chat_dir)
+
+
+def _chat(client, model, messages, stream: bool, **kw):
+    """The whole completion; streamed, as the openai SDK accumulates the chunks."""
+    if not stream:
+        return client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                              temperature=0, max_tokens=40, **kw)
+    with client.chat.completions.stream(model=model, messages=messages, tools=TOOLS,
+                                        temperature=0, max_tokens=40, **kw) as s:
+        return s.get_final_completion()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_round_trip_call_result_answer(client, model, stream):
+    first = _chat(client, model, ASK, stream).choices[0]
+    assert first.finish_reason == "tool_calls"
+    # null; streamed, "" (the role chunk's content, as OpenAI's first chunk has it)
+    assert first.message.content == ("" if stream else None)
+    (call,) = first.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18C"}]
+    final = _chat(client, model, history, stream).choices[0]
+    assert final.finish_reason == "stop"
+    assert final.message.content == ANSWER and not final.message.tool_calls
+
+
+def test_streamed_call_is_one_tool_calls_delta_with_index_id_and_name(tool_chat_server,
+                                                                       model):
+    import httpx
+
+    with httpx.stream("POST", f"{tool_chat_server.base_url}/v1/chat/completions",
+                      timeout=120, json={"model": model, "messages": ASK, "tools": TOOLS,
+                                         "temperature": 0, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and len(calls[0]) == 1
+    call = calls[0][0]
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert not any(d.get("content") for d in deltas)  # the call's text is not content
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_none_leaves_the_call_as_text(client, model):
+    r = _chat(client, model, ASK, False, tool_choice="none").choices[0]
+    assert r.finish_reason == "stop" and not r.message.tool_calls
+    assert r.message.content == ('<tool_call>\n{"name": "get_weather", '
+                                 '"arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_needs_constrained_decoding_and_says_so(client, model, tool_choice):
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, model, ASK, False, tool_choice=tool_choice)
+    assert info.value.body["param"] == "tool_choice"
+    assert "constrained decoding" in info.value.body["message"]
+
+
+@pytest.mark.parametrize("tools,tool_choice,param", [
+    ([{"type": "function", "function": {"name": "get weather"}}], None,
+     "tools[0].function.name"),
+    (TOOLS + TOOLS, None, "tools[1].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+     None, "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"description": "no name"}}], None,
+     "tools[0].function.name"),
+    (TOOLS, {"type": "function", "function": {"name": "get_time"}},
+     "tool_choice.function.name"),
+    (TOOLS, "sometimes", "tool_choice"),
+    (None, "required", "tool_choice"),
+])
+def test_bad_tools_are_a_400_naming_the_field(client, model, tools, tool_choice, param):
+    kw = {} if tool_choice is None else {"tool_choice": tool_choice}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=4,
+                                       **({"tools": tools} if tools else {}), **kw)
+    assert info.value.body["param"] == param
+
+
+# --- Anthropic /v1/messages ----------------------------------------------------------------
+
+CLAUDE_TOOLS = [{"name": "get_weather", "description": "Weather of a city",
+                 "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+def _message(claude, model, messages, stream: bool, **kw):
+    args = {"model": model, "max_tokens": 40, "messages": messages, "tools": CLAUDE_TOOLS,
+            "extra_body": {"temperature": 0}, **kw}
+    if not stream:
+        return claude.messages.create(**args)
+    with claude.messages.stream(**args) as s:
+        return s.get_final_message()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_round_trip_tool_use_result_answer(claude, model, stream):
+    first = _message(claude, model, ASK, stream)
+    assert first.stop_reason == "tool_use"
+    (use,) = first.content
+    assert use.type == "tool_use" and use.id.startswith("toolu_")
+    assert use.name == "get_weather" and use.input == {"city": "Paris"}
+    history = ASK + [
+        {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                      "content": [{"type": "text", "text": "18C"}]}]}]
+    final = _message(claude, model, history, stream)
+    assert final.stop_reason == "end_turn"
+    assert [(b.type, b.text) for b in final.content] == [("text", ANSWER)]
+
+
+def test_anthropic_stream_sends_tool_use_start_then_input_json(tool_chat_server, model):
+    import httpx
+
+    with httpx.stream("POST", f"{tool_chat_server.base_url}/v1/messages", timeout=120,
+                      json={"model": model, "max_tokens": 40, "messages": ASK,
+                            "tools": CLAUDE_TOOLS, "temperature": 0, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert kinds == ["message_start", "ping", "content_block_start", "content_block_delta",
+                     "content_block_stop", "message_delta", "message_stop"]
+    block = events[2]["content_block"]
+    assert block["type"] == "tool_use" and block["name"] == "get_weather"
+    assert block["input"] == {}
+    delta = events[3]["delta"]
+    assert delta["type"] == "input_json_delta"
+    assert json.loads(delta["partial_json"]) == {"city": "Paris"}
+    assert events[5]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_anthropic_tool_choice_none_answers_in_text(claude, model):
+    r = _message(claude, model, ASK, False, tool_choice={"type": "none"})
+    assert r.stop_reason == "end_turn" and [b.type for b in r.content] == ["text"]
+    assert r.content[0].text.startswith("<tool_call>")
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"tools": [{"name": "get weather", "input_schema": {"type": "object"}}]},
+     "tools.0.name"),
+    ({"tools": [{"name": "get_weather"}]}, "tools.0.input_schema"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools.0.input_schema"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
+     "tool_choice.name"),
+    ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": ""}}]}]}, "messages.0.content.0"),
+])
+def test_anthropic_bad_tools_are_a_400_naming_the_field(tool_chat_server, model, body, field):
+    import httpx
+
+    r = httpx.post(f"{tool_chat_server.base_url}/v1/messages", timeout=120,
+                   json={"model": model, "max_tokens": 4, "messages": ASK, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["message"].startswith(field), err
