@@ -226,7 +226,8 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
             f"{len(r.prompt_ids)}, latents {r.n_latent}, answer {len(r.answer_ids)}); its "
             f"latents' largest |value| {float(r.latents.abs().max()) if r.n_latent else 0:.3g}, "
             f"input at that position finite: {bool(torch.isfinite(x[b, t]).all())}, "
-            f"answer ids {r.answer_ids[:8]}; non-finite rows {bad.any(-1).nonzero()[:, 0].tolist()}")
+            f"answer ids {r.answer_ids[:8]}; non-finite rows "
+            f"{bad.any(-1).nonzero()[:, 0].tolist()}")
     ab, at = torch.tensor(ans_pos, device=dev).T
     logits = lm.lm_head(hidden[ab, at]).float()
     if answer_temperature > 0:
@@ -423,7 +424,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     from latentserve.models.checkpoint import is_adapter_dir
     from latentserve.sampling_params import SamplingParams
     from latentserve.train.colar import adapter_base
-    from latentserve.train.cot import batches, load_backbone, read_items
+    from latentserve.train.cot import batches, load_backbone, read_items, trainer_forward
 
     t0 = time.time()
     src = Path(cfg.model)
@@ -466,7 +467,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     latent_dtype = getattr(torch, engine.config.dtype)
     order = batches(len(items), cfg.questions_per_step, random.Random(cfg.seed))
     shuffle = torch.Generator().manual_seed(cfg.seed)
-    autocast = cfg.autocast and cfg.device.startswith("cuda")
+    autocast = cfg.autocast
     out = Path(cfg.out)
     log: list[dict] = []
     progress(f"train colar-grpo: {len(items)} items, {sum(p.numel() for p in params)} "
@@ -474,7 +475,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
              f"{cfg.group_size} rollouts, speed {c}, max_latent {max_latent}")
 
     def logprobs(batch):
-        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        with trainer_forward(cfg.device, autocast):
             return rollout_logprobs(model, policy, batch, ccfg.embeds_std,
                                     cfg.latent_temperature, cfg.answer_temperature)
 

@@ -15,6 +15,7 @@ form (``adapter_config.json``, ``adapter_model.safetensors`` in bfloat16) with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -139,6 +140,22 @@ def load_backbone(base: str | None, device: str, cfg=None):
     return model, tok, base_name
 
 
+@contextlib.contextmanager
+def trainer_forward(device: str, autocast: bool = True):
+    """Context for a training forward: on CUDA, bfloat16 autocast (when ``autocast``) and SDPA
+    free to pick any backend but cuDNN's, whose backward returns NaN ``grad_q`` on H100/H200
+    for some sequence lengths when a mask tensor is passed (pytorch/pytorch#196678;
+    transformers passes one). On CPU it changes nothing."""
+    if not device.startswith("cuda"):
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast), sdpa_kernel(backends):
+        yield
+
+
 def _lm(model):
     """The ``*ForCausalLM`` inside a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -253,7 +270,7 @@ def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=pr
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     for step in range(1, cfg.steps + 1):
-        with torch.autocast("cuda", torch.bfloat16, enabled=cfg.device.startswith("cuda")):
+        with trainer_forward(cfg.device):
             loss, extra = step_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
