@@ -22,7 +22,8 @@ async scheduling; the code is ours.
 Engaged with ``EngineConfig.use_overlap_schedule`` (default: on CUDA) for a step where
 every request can do without its previous token on the host: a model without a
 ``LatentSpec``, no tensor parallelism, and no request asking for ``logprobs``,
-``prompt_logprobs`` or penalties (they read the token history on the host). Otherwise the
+``prompt_logprobs``, penalties, ``bad_words`` or a grammar (they read the token history on
+the host; ``allowed_token_ids`` and ``min_tokens`` do not). Otherwise the
 engine finishes the batch in flight and steps synchronously.
 """
 
@@ -70,6 +71,8 @@ def eligible(engine) -> bool:
             p = r.params
             if p.logprobs is not None or p.prompt_logprobs is not None or p.has_penalties:
                 return False
+            if r.constraint is not None and not r.constraint.static:
+                return False  # bad words and grammars read the answer's tokens
     return True
 
 
@@ -160,6 +163,12 @@ def drain(engine) -> list:
     return [] if prev is None else finish(engine, prev)
 
 
+def _num_answer(req) -> int:
+    """Answer tokens of a plain request before the token being sampled, pending ids
+    included."""
+    return len(req.output_ids) - (req.answer_start or 0)
+
+
 def _sample(engine, logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, dict]:
     """``[S] int64`` tokens on ``logits.device`` without waiting for them, and ``rid ->
     error`` of the failed rows; when the batched sampler raises, the engine's row-by-row
@@ -169,9 +178,12 @@ def _sample(engine, logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, dic
 
     if not reqs:
         return torch.empty(0, dtype=torch.int64, device=logits.device), {}
+    # static masks only (``eligible``): they need the answer's length, not its last tokens
+    mask = engine.token_mask(reqs, logits.device, num_answer=_num_answer)
     try:
-        return sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy).tokens, {}
+        return sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
+                                    mask=mask).tokens, {}
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
-        tokens, _ = engine._sample(logits, reqs)
+        tokens, _ = engine._sample(logits, reqs, mask=mask)
         failed = {r.rid: engine._failed.pop(r.rid) for r in reqs if r.rid in engine._failed}
         return torch.tensor(tokens, dtype=torch.int64, device=logits.device), failed

@@ -58,13 +58,15 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         results: dict[str, RequestOutput] = {}
         detoks = {}
+        sampling_of: dict[str, SamplingParams] = {}
         order = []
         for (text, ids), params in zip(encoded, sampling_params):
             rid = f"offline-{self._counter}"
             self._counter += 1
             try:
-                detoks[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                                     params.skip_special_tokens)
+                detoks[rid] = IncrementalDetokenizer(
+                    self.tokenizer, ids, params.stop, params.skip_special_tokens,
+                    params.include_stop_str_in_output, params.min_tokens)
                 self.engine.add_request(rid, ids, params)
             except Exception:  # a bad prompt or params: nothing of this call stays queued
                 for queued in order:
@@ -74,6 +76,7 @@ class LLM:
                 raise
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)],
                                          finished=False)
+            sampling_of[rid] = params
             order.append(rid)
         bar = _progress(len(order), use_tqdm)
         while self.engine.has_unfinished_requests():
@@ -90,7 +93,11 @@ class LLM:
                     comp.latent_stats = out.latent_stats
                 if out.finished:
                     comp.latent_trace, comp.recurrence = out.latent_trace, out.recurrence
-                detok.add(out.new_token_ids)
+                text_ids = out.new_token_ids
+                if (out.finished and out.finish_reason == "stop" and text_ids
+                        and not sampling_of[out.rid].include_stop_str_in_output):
+                    text_ids = text_ids[:-1]  # the EOS / stop token is not text (vLLM)
+                detok.add(text_ids)
                 res.num_cached_tokens = out.num_cached_tokens
                 finished, reason = out.finished, out.finish_reason
                 if detok.stopped is not None and not finished:
