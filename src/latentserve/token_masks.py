@@ -97,9 +97,8 @@ class RequestMask:
 
     @property
     def static(self) -> bool:
-        """Whether the mask depends only on the answer's length, not its tokens (so the
-        overlap scheduler, which samples before the previous token is on the host, can
-        build it)."""
+        """Whether the mask depends only on the answer's length, not its tokens: the overlap
+        scheduler builds it without waiting for the previous batch's tokens."""
         return self.matcher is None and not self.bad_words
 
     def sync(self, answer: list[int]) -> None:
@@ -121,11 +120,10 @@ class RequestMask:
         return (self.matcher is not None and not self.failed
                 and self.matcher.is_terminated())
 
-    def fill(self, row: np.ndarray, answer: list[int], num_answer: int | None = None) -> None:
+    def fill(self, row: np.ndarray, answer: list[int]) -> None:
         """Write the allowed tokens into ``row`` (``[W] int32``, any content) given the answer
-        so far (``answer``; ``num_answer`` its length when ``answer`` is not passed in full,
-        for :attr:`static` masks)."""
-        n = len(answer) if num_answer is None else num_answer
+        so far (``answer``; a :attr:`static` mask reads only its length)."""
+        n = len(answer)
         grammar = self.matcher is not None and not self.failed and not self.terminated
         if grammar:
             self.sync(answer)
@@ -151,19 +149,18 @@ class RequestMask:
             row[:] = own  # the grammar wins over min_tokens and the rest
 
 
-def batch_bitmask(reqs, vocab_size: int, num_answer=None) -> tuple[list[int], np.ndarray] | None:
+def batch_bitmask(reqs, vocab_size: int, answer_of=None
+                  ) -> tuple[list[int], np.ndarray] | None:
     """The bitmask rows of the requests in ``reqs`` that have a ``constraint``: ``(rows,
     bits)``, ``rows[i]`` being the index in ``reqs`` of ``bits[i]`` (``[M, W] int32``); None
-    when no request has one. ``num_answer(req)``: the answer's length when the answer's last
-    tokens are not on the host yet (overlap mode, static masks only)."""
+    when no request has one. ``answer_of(req)``: the answer's tokens so far (default
+    ``req.answer_ids``; overlap mode passes them with the previous batch's tokens, not yet
+    written into ``output_ids``)."""
     rows = [b for b, r in enumerate(reqs) if r.constraint is not None]
     if not rows:
         return None
     bits = np.empty((len(rows), bitmask_width(vocab_size)), dtype=np.int32)
     for i, b in enumerate(rows):
         req = reqs[b]
-        if num_answer is not None:
-            req.constraint.fill(bits[i], [], num_answer(req))
-        else:
-            req.constraint.fill(bits[i], req.answer_ids)
+        req.constraint.fill(bits[i], req.answer_ids if answer_of is None else answer_of(req))
     return rows, bits

@@ -320,3 +320,37 @@ def test_the_constraint_covers_the_answer_not_the_latent_phase(tmp_path):
     for f, c in zip(free, choice):
         assert c.latent_steps == f.latent_steps == 3
         assert c.text in ("alpha", "beta") and c.finish_reason == "stop"
+
+
+def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
+    """Masks under overlap scheduling (engine/overlap.py): static ones are built before the
+    previous token is on the host, bad words and grammars after it; every request gets the
+    tokens of the synchronous engine, and the steps stay overlapped."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=1,
+                             allowed_token_ids=[11, 257, 1000, 4000], min_tokens=12),
+              SamplingParams(max_tokens=12, temperature=0, bad_words=["the", " of"]),
+              SamplingParams(max_tokens=24, temperature=1.0, seed=2,
+                             structured_outputs={"json": SCHEMA}),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=3,
+                             structured_outputs={"regex": "[a-z]{2,5}( [a-z]{2,5}){0,3}"})]
+    prompts = [[1 + i, 50 + i, 700 + i] for i in range(len(params))]
+    results = []
+    for overlap in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]),
+                                        overlap_schedule=overlap))
+        seen, run = [], engine.runner.run
+        engine.runner.run = lambda batch, pending=None: (seen.append(pending is not None),
+                                                         run(batch, pending))[1]
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", p, sp)
+        out = {f"r{i}": [] for i in range(len(params))}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.rid].extend(o.new_token_ids)
+        results.append(out)
+        assert any(seen) is overlap
+    assert results[0] == results[1]

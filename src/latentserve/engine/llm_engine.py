@@ -268,15 +268,15 @@ class LLMEngine:
         return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
                            words, matcher)
 
-    def token_mask(self, reqs: list[Req], device, num_answer=None):
+    def token_mask(self, reqs: list[Req], device, answer_of=None):
         """The sampler's ``TokenMask`` for the sampling rows ``reqs`` (None when no request
-        has a constraint); ``num_answer``: see ``token_masks.batch_bitmask``."""
+        has a constraint); ``answer_of``: see ``token_masks.batch_bitmask``."""
         from latentserve.sampling import TokenMask
         from latentserve.token_masks import batch_bitmask
 
         if not any(r.constraint is not None for r in reqs):
             return None
-        rows, bits = batch_bitmask(reqs, self.vocab_size, num_answer)
+        rows, bits = batch_bitmask(reqs, self.vocab_size, answer_of)
         return TokenMask.from_host(rows, bits, device)
 
     def shutdown(self) -> None:
