@@ -120,24 +120,33 @@ class RequestMask:
         return (self.matcher is not None and not self.failed
                 and self.matcher.is_terminated())
 
+    def grammar_active(self, answer: list[int]) -> bool:
+        """Feed the matcher ``answer``'s new tokens; whether the grammar masks the next
+        token (it has one, has not failed and has not taken its end)."""
+        if self.matcher is None or self.failed or self.terminated:
+            return False
+        self.sync(answer)
+        return not self.failed and not self.terminated
+
     def fill(self, row: np.ndarray, answer: list[int]) -> None:
         """Write the allowed tokens into ``row`` (``[W] int32``, any content) given the answer
         so far (``answer``; a :attr:`static` mask reads only its length)."""
-        n = len(answer)
-        grammar = self.matcher is not None and not self.failed and not self.terminated
-        if grammar:
-            self.sync(answer)
-            grammar = not self.failed and not self.terminated
+        grammar = self.grammar_active(answer)
         if grammar:
             import torch
 
             self.matcher.fill_next_token_bitmask(torch.from_numpy(row).view(1, -1))
-            if self.vocab_size % 32:  # xgrammar leaves the padding bits set
-                row.view(np.uint32)[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
-            own = row.copy()
         else:
             row[:] = -1
-            own = None
+        self.restrict(row, answer, grammar)
+
+    def restrict(self, row: np.ndarray, answer: list[int], grammar: bool) -> None:
+        """AND the other masks into ``row``, which holds the grammar's mask (``grammar``) or
+        all ones."""
+        if grammar and self.vocab_size % 32:  # xgrammar leaves the padding bits set
+            row.view(np.uint32)[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+        own = row.copy() if grammar else None
+        n = len(answer)
         if self.allowed is not None:
             row &= self.allowed
         if self.bad_words:
@@ -147,6 +156,26 @@ class RequestMask:
             _clear(row, self.stop_ids)
         if own is not None and not row.any():
             row[:] = own  # the grammar wins over min_tokens and the rest
+
+
+_batch_matcher = None
+
+
+def _fill_grammars(bits: np.ndarray, rows: list[int], matchers: list) -> None:
+    """The grammars' masks into ``bits[rows]``: one call to xgrammar's threaded
+    ``BatchGrammarMatcher`` for several, the matcher itself for one."""
+    import torch
+
+    t = torch.from_numpy(bits)
+    if len(matchers) == 1:
+        matchers[0].fill_next_token_bitmask(t, rows[0])
+        return
+    global _batch_matcher
+    if _batch_matcher is None:
+        import xgrammar
+
+        _batch_matcher = xgrammar.BatchGrammarMatcher()
+    _batch_matcher.batch_fill_next_token_bitmask(matchers, t, rows)
 
 
 def batch_bitmask(reqs, vocab_size: int, answer_of=None
@@ -159,8 +188,12 @@ def batch_bitmask(reqs, vocab_size: int, answer_of=None
     rows = [b for b, r in enumerate(reqs) if r.constraint is not None]
     if not rows:
         return None
-    bits = np.empty((len(rows), bitmask_width(vocab_size)), dtype=np.int32)
+    bits = np.full((len(rows), bitmask_width(vocab_size)), -1, dtype=np.int32)
+    answers = [reqs[b].answer_ids if answer_of is None else answer_of(reqs[b]) for b in rows]
+    active = [reqs[b].constraint.grammar_active(a) for b, a in zip(rows, answers)]
+    gi = [i for i, on in enumerate(active) if on]
+    if gi:
+        _fill_grammars(bits, gi, [reqs[rows[i]].constraint.matcher for i in gi])
     for i, b in enumerate(rows):
-        req = reqs[b]
-        req.constraint.fill(bits[i], req.answer_ids if answer_of is None else answer_of(req))
+        reqs[b].constraint.restrict(bits[i], answers[i], active[i])
     return rows, bits

@@ -393,8 +393,8 @@ class LLMEngine:
         for b, req in enumerate(reqs):
             try:
                 i = where.get(b)
-                row_mask = None if i is None else TokenMask([0], mask.bits[i : i + 1])
-                res = sample_with_logprobs(logits[b : b + 1], [req], mask=row_mask)
+                row = {} if i is None else {"mask": TokenMask([0], mask.bits[i : i + 1])}
+                res = sample_with_logprobs(logits[b : b + 1], [req], **row)
                 tokens.append(int(res.tokens[0]))
                 logprobs.append(res.logprobs[0])
             except Exception as exc:  # noqa: BLE001 - fails this request only
