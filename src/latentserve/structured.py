@@ -3,8 +3,8 @@ matcher that says, before each answer token, which tokens keep the text inside t
 
 The grammar library is xgrammar (the ``structured`` extra; docs/server.md says why it was
 chosen over llguidance). One :class:`Grammars` per engine holds the tokenizer's
-``TokenizerInfo`` and xgrammar's ``GrammarCompiler`` (with its cache, so a schema sent again
-compiles once); it is built on the first constrained request. Compilation runs in the engine
+``TokenizerInfo`` and xgrammar's ``GrammarCompiler`` (with its cache, at most
+``CACHE_LIMIT_BYTES``, so a schema sent again compiles once); it is built on the first constrained request. Compilation runs in the engine
 process when the request is admitted (``LLMEngine.add_request``), never on the API server's
 event loop; a schema, regex or grammar that does not compile is a ValueError naming the
 request field it came from, which the server answers with a 400.
@@ -24,6 +24,9 @@ import threading
 from latentserve.sampling_params import StructuredOutputsParams
 
 JSON_SEPARATORS = (", ", ": ")
+# xgrammar's compiled-grammar cache (LRU): bounded, so many distinct schemas cannot grow the
+# engine process without limit.
+CACHE_LIMIT_BYTES = 256 << 20
 
 
 class Grammars:
@@ -51,7 +54,8 @@ class Grammars:
                     info = xgr.TokenizerInfo.from_huggingface(
                         self.tokenizer, vocab_size=self.vocab_size,
                         stop_token_ids=self.eos_ids or None)
-                    self._compiler = xgr.GrammarCompiler(info)
+                    self._compiler = xgr.GrammarCompiler(info,
+                                                         cache_limit_bytes=CACHE_LIMIT_BYTES)
         return self._compiler
 
     def compile(self, so: StructuredOutputsParams):
