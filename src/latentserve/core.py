@@ -53,6 +53,9 @@ class Req:
     ``eos_from``: an EOS ends the request only as answer token number ``eos_from`` or later
     (1-based; 0: any), the family's upstream rule (``LatentSpec.upstream_eos_from``) for a
     request with ``upstream_stop_rules``.
+
+    ``constraint``: the request's ``token_masks.RequestMask`` when its params mask tokens
+    (allowed ids, bad words, ``min_tokens``, a grammar), else None.
     """
 
     rid: str
@@ -82,6 +85,7 @@ class Req:
     head: Any = None  # compression-head models: latent.head.HeadSettings (controls + stats)
     loop: Any = None  # looped-block models: latent.loop.LoopState
     eos_from: int = 0  # an EOS ends the answer from this 1-based answer token on (0: any)
+    constraint: Any = None  # token_masks.RequestMask: params that mask the sampled tokens
 
     @property
     def ids(self) -> list[int]:

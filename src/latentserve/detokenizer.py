@@ -29,8 +29,10 @@ so the window grows until the character completes; otherwise the offsets move to
 ``(read_offset, len(ids))``. Each step decodes only a few tokens, never the whole output.
 
 Stop strings: the decoded text is searched for every stop string in the region the new text
-can reach. On a match (the earliest one wins) the text is cut before it, :attr:`stopped` is
-set to the matched string and nothing more is emitted. Otherwise the longest suffix of the
+can reach. On a match (the earliest one wins) the text is cut before it (after it with
+``include_stop_str_in_output``), :attr:`stopped` is set to the matched string and nothing
+more is emitted. With ``min_tokens``, a match must end in text decoded after the first
+``min_tokens`` tokens (vLLM's ``stop_check_offset``). Otherwise the longest suffix of the
 text that is a proper prefix of some stop string is held back (it may still become a stop
 string); :meth:`flush` releases it, together with any bytes still waiting for the rest of a
 character (decoded with U+FFFD), when the request ends for another reason.
@@ -81,6 +83,9 @@ class IncrementalDetokenizer:
         prompt_token_ids: the prompt; its last few tokens are decoding context only.
         stop: stop strings (empty strings are ignored).
         skip_special_tokens: passed to ``tokenizer.decode``.
+        include_stop_str_in_output: keep a matched stop string at the end of the text.
+        min_tokens: stop strings cannot match inside the text of the first ``min_tokens``
+            output tokens.
 
     Attributes:
         stopped: the stop string that ended the output, or None.
@@ -98,6 +103,8 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Iterable[str] = (),
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         from latentserve.models.checkpoint import NoTokenizer, NoTokenizerError
 
@@ -117,6 +124,9 @@ class IncrementalDetokenizer:
         self._emitted = 0  # length of _all_text already returned
         self.stopped: str | None = None
         self._finished = False
+        self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._stop_from = 0  # a stop string must end after this many characters
         self._backend = decode_stream_backend(tokenizer)
         self._stream = None
         if self._backend is not None:
@@ -215,17 +225,21 @@ class IncrementalDetokenizer:
         """Append decoded text and cut it at the earliest stop string it completes."""
         old_len = len(self._all_text)
         self._all_text += new_text
+        if len(self._ids) - self._n_context <= self._min_tokens:
+            self._stop_from = len(self._all_text)  # min_tokens not reached: no stop yet
+            return
         if not self.stop:
             return
         # A match must end inside the new text; it starts at most max_stop_len - 1 before it.
         start = max(self._emitted, old_len - self._max_stop_len + 1, 0)
         best: tuple[int, str] | None = None
         for s in self.stop:
-            idx = self._all_text.find(s, start)
+            idx = self._all_text.find(s, max(start, self._stop_from - len(s) + 1))
             if idx >= 0 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is not None:
-            self._all_text = self._all_text[: best[0]]
+            end = best[0] + len(best[1]) if self._include_stop else best[0]
+            self._all_text = self._all_text[:end]
             self.stopped = best[1]
 
     def _held_back(self) -> int:

@@ -8,8 +8,13 @@ min-p drops tokens whose probability is below ``min_p * max_prob``. Penalties fo
 tokens first, then frequency and presence on output tokens, all before temperature.
 
 Log-probabilities are those of the raw model distribution: ``log_softmax`` of the logits as
-the model produced them, before penalties, temperature and filters (vLLM's default
-``logprobs_mode="raw_logprobs"``), so they do not depend on how a request is sampled.
+the model produced them, before token masks, penalties, temperature and filters (vLLM's
+default ``logprobs_mode="raw_logprobs"``), so they do not depend on how a request is sampled.
+
+Token masks (``token_masks.py``: allowed ids, bad words, ``min_tokens``, grammars) come in
+as a :class:`TokenMask`, a packed bitmask for the masked rows only, already on the logits'
+device; they set the logits of disallowed tokens to -inf first, before penalties. Rows
+without a mask are not touched, and a batch without one pays nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +36,25 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass(slots=True)
+class TokenMask:
+    """Which tokens some rows of a batch may take: ``bits[i]`` (``[M, ceil(vocab / 32)]
+    int32`` on the logits' device; bit ``t % 32`` of word ``t // 32`` set = token t allowed)
+    is the mask of batch row ``rows[i]``; other rows are unmasked."""
+
+    rows: list[int]
+    bits: torch.Tensor
+
+    @classmethod
+    def from_host(cls, rows: list[int], bits, device: torch.device) -> TokenMask:
+        """A mask from a host bitmask (numpy ``[M, W] int32``): on a CUDA device copied
+        through pinned memory without waiting for the device."""
+        t = torch.from_numpy(bits)
+        if torch.device(device).type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
+        return cls(rows, t)
+
+
 def sample(logits: torch.Tensor, reqs: list[Req], generator: torch.Generator | None = None
            ) -> torch.Tensor:
     """Pick one token per row (see :func:`sample_with_logprobs`); returns ``[B] int64``."""
@@ -39,7 +63,8 @@ def sample(logits: torch.Tensor, reqs: list[Req], generator: torch.Generator | N
 
 def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
                          generator: torch.Generator | None = None,
-                         greedy: torch.Tensor | None = None) -> SamplerOutput:
+                         greedy: torch.Tensor | None = None,
+                         mask: TokenMask | None = None) -> SamplerOutput:
     """Pick one token per row and compute the requested log-probabilities.
 
     Args:
@@ -49,17 +74,21 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
             and transition tokens are not penalized) and, for seeded ones, ``generator``.
         generator: for unseeded sampled rows; None uses torch's global RNG.
         greedy: ``[B] int64`` the argmax of ``logits``' rows when the caller has it (a
-            decode graph's ``ModelRunner.last_greedy``); used unless a row has penalties,
-            and never written.
+            decode graph's ``ModelRunner.last_greedy``); used unless a row has penalties
+            or a mask, and never written.
+        mask: the rows' token masks (see :class:`TokenMask`), or None.
     Returns:
         ``SamplerOutput`` with tokens on ``logits.device``. Greedy rows without penalties
         take the plain ``argmax`` of the raw logits (no copy, no softmax).
     """
     raw = logits
+    if mask is not None:
+        logits = apply_token_mask(logits, mask)
+        greedy = None
     penalized = [b for b, r in enumerate(reqs) if r.params.has_penalties]
     if penalized:
         rows = torch.tensor(penalized, device=logits.device)
-        logits = logits.clone()
+        logits = logits.clone() if logits is raw else logits
         logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized])
     out = greedy if greedy is not None and not penalized else greedy_tokens(logits)
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
@@ -72,6 +101,50 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
             gen = reqs[b].generator or generator
             out[b] = torch.multinomial(probs[j], 1, generator=gen)[0]
     return SamplerOutput(out, _logprobs(raw, out, reqs))
+
+
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+    """A copy of ``logits`` (``[B, vocab]``) with the tokens ``mask`` disallows at -inf in
+    its rows; the other rows are copied unchanged. Applied with xgrammar's
+    ``apply_token_bitmask_inplace`` (a C++ kernel on the CPU, Triton on CUDA) when installed,
+    else :func:`unpack_bitmask`."""
+    out = logits.clone()
+    if len(mask.rows) == out.shape[0] and mask.rows == list(range(out.shape[0])):
+        _apply_bitmask(out, mask.bits)
+        return out
+    rows = torch.tensor(mask.rows, dtype=torch.long, device=logits.device)
+    sub = out.index_select(0, rows)
+    _apply_bitmask(sub, mask.bits)
+    return out.index_copy_(0, rows, sub)
+
+
+def _apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> None:
+    """Set ``logits[i, t]`` (contiguous ``[M, vocab]``) to -inf where bit t of ``bits[i]`` is
+    0, in place."""
+    vocab = logits.shape[1]
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        apply_token_bitmask_inplace = None
+    if apply_token_bitmask_inplace is not None and logits.dtype in (
+            torch.float32, torch.bfloat16, torch.float16) and logits.is_contiguous():
+        apply_token_bitmask_inplace(logits, bits, vocab_size=min(vocab, bits.shape[1] * 32))
+        if vocab > bits.shape[1] * 32:
+            logits[:, bits.shape[1] * 32 :] = float("-inf")
+        return
+    logits.masked_fill_(~unpack_bitmask(bits, vocab), float("-inf"))
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[M, W] int32`` packed bits -> ``[M, vocab] bool`` (token t allowed = bit ``t % 32``
+    of word ``t // 32``; ids past ``32 * W`` are not allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    pad = torch.zeros(bits.shape[0], vocab - allowed.shape[1], dtype=torch.bool,
+                      device=bits.device)
+    return torch.cat([allowed, pad], dim=1)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

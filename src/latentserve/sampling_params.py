@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -98,6 +99,20 @@ class SamplingParams:
     strings still end the request anywhere. True on a family whose upstream stops on EOS
     as the engine does is a ValueError from the engine (``LLMEngine.add_request``).
 
+    Token masks (vLLM semantics; ``token_masks.py`` builds them, the sampler applies them):
+    ``allowed_token_ids`` (None = all; a non-empty list otherwise): only these ids are
+    sampled. ``bad_words``: each word is tokenized as it is and after a space; the last token
+    of a tokenization is never sampled right after the tokens before it (a one-token word is
+    never sampled). ``min_tokens``: EOS and ``stop_token_ids`` are masked until that many
+    answer tokens exist, and stop strings cannot end the request before then (the text of
+    the first ``min_tokens`` tokens is not searched; at most ``max_tokens``).
+    ``include_stop_str_in_output``: the matched stop string (and a non-special stop token's
+    text) stays at the end of the text. ``structured_outputs``
+    (:class:`StructuredOutputsParams`, or a dict of its fields): the answer follows a JSON
+    schema, regex, choice or grammar (``structured.py``); the request ends when the grammar
+    is complete. Masks change what is sampled, never the reported ``logprobs`` (raw). They
+    cover answer tokens only: a latent step's input is a vector, not the sampled token.
+
     Raises:
         ValueError: naming the field and the allowed range, from ``__post_init__``.
     """
@@ -149,6 +164,12 @@ class SamplingParams:
     upstream_stop_rules: bool | None = None
     # Completions per prompt (vLLM's n): LLM.generate runs n engine requests of n=1 each.
     n: int = 1
+    # Token masks (vLLM semantics; see the class docstring).
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):  # numpy scalars (np.int64(3), np.float32(0.7)) as Python's
@@ -210,6 +231,47 @@ class SamplingParams:
             _check_int("compression_factor", self.compression_factor, lo=1)
         if self.latent_temperature is not None:
             _check_num("latent_temperature", self.latent_temperature, lo=0.0)
+        self._check_masks()
+
+    def _check_masks(self) -> None:
+        """Validate (and normalize) the token-mask fields."""
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got "
+                             f"{self.min_tokens}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a boolean, got "
+                             f"{self.include_stop_str_in_output!r}")
+        if not isinstance(self.bad_words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got "
+                             f"{_short(self.bad_words)}")
+        self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {_short(ids)}")
+            self.allowed_token_ids = [_plain_number(t) for t in ids]
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids[]", t, lo=0)
+        if isinstance(self.structured_outputs, dict):
+            kinds = StructuredOutputsParams.KINDS
+            unknown = set(self.structured_outputs) - set(kinds) - {"param"}
+            if unknown:
+                raise ValueError(f"structured_outputs takes {', '.join(kinds)}, got "
+                                 f"{min(unknown)!r}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {_short(self.structured_outputs)}")
+
+    @property
+    def has_token_mask(self) -> bool:
+        """Whether the sampler masks this request's logits (``token_masks.py``)."""
+        return (self.allowed_token_ids is not None or bool(self.bad_words)
+                or self.min_tokens > 0 or self.structured_outputs is not None)
 
     @property
     def greedy(self) -> bool:
@@ -221,6 +283,71 @@ class SamplingParams:
         """Whether any of the three penalties changes the logits."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """One constraint on the answer's text (vLLM's ``StructuredOutputsParams``): exactly one
+    of ``json`` (a JSON schema, as a dict or a JSON string), ``regex``, ``choice`` (the answer
+    is one of these strings), ``grammar`` (an EBNF grammar with a ``root`` rule, GBNF style
+    as xgrammar and llama.cpp read it, or a Lark grammar with a ``start`` rule) or
+    ``json_object`` (True: any JSON object). ``param`` names the request field the
+    constraint came from (``response_format``, ``guided_json``, ...) in error messages.
+
+    Raises:
+        ValueError: naming ``param`` when none or several kinds are set, or a value has the
+            wrong type (a schema that is not JSON, an empty choice list). Whether a schema,
+            regex or grammar compiles is checked by the engine (``structured.py``).
+    """
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        p = self.param
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"{p} must set exactly one of {', '.join(self.KINDS)}, got "
+                             f"{', '.join(given) if given else 'none'}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = _json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"{p} is not valid JSON: {exc}") from None
+            if not isinstance(self.json, (dict, bool)):
+                raise ValueError(f"{p} must be a JSON schema (an object), got "
+                                 f"{_short(self.json)}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{p} must be a non-empty string ({name}), got {_short(v)}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple))
+                                        or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"{p} must be a non-empty list of strings (choice), got "
+                             f"{_short(self.choice)}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"{p} json_object must be a boolean, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which of ``KINDS`` is set."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+def _short(value) -> str:
+    """``repr(value)``, cut to 80 characters for an error message."""
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def _plain_number(value):

@@ -91,13 +91,37 @@ def test_tool_choice_none_leaves_the_call_as_text(client, model):
                                  '"arguments": {"city": "Paris"}}\n</tool_call>')
 
 
+ENUM_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                   "required": ["city"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tool_choice", [
     "required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_a_forced_call_needs_constrained_decoding_and_says_so(client, model, tool_choice):
+def test_a_forced_call_is_decoded_under_the_tools_schema(client, model, tool_choice, stream):
+    """The scripted model would answer with text; forced, its answer is a valid call (one:
+    with parallel calls on, a model may list calls until max_tokens)."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "Say hi"}],
+              tools=ENUM_TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=60,
+              parallel_tool_calls=False)
+    if stream:
+        with client.chat.completions.stream(**kw) as s:
+            r = s.get_final_completion().choices[0]
+    else:
+        r = client.chat.completions.create(**kw).choices[0]
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert r.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+
+
+def test_a_forced_call_with_a_response_format_is_refused(client, model):
     with pytest.raises(openai.BadRequestError) as info:
-        _chat(client, model, ASK, False, tool_choice=tool_choice)
+        _chat(client, model, ASK, False, tool_choice="required",
+              response_format={"type": "json_object"})
     assert info.value.body["param"] == "tool_choice"
-    assert "constrained decoding" in info.value.body["message"]
 
 
 @pytest.mark.parametrize("tools,tool_choice,param", [
@@ -172,6 +196,17 @@ def test_anthropic_stream_sends_tool_use_start_then_input_json(tool_chat_server,
     assert events[5]["delta"]["stop_reason"] == "tool_use"
 
 
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "any", "disable_parallel_tool_use": True}, {"type": "tool", "name": "get_weather"}])
+def test_anthropic_forced_tool_use_is_decoded_under_the_schema(claude, model, tool_choice):
+    tools = [{"name": "get_weather", "description": "Weather of a city", "input_schema":
+              ENUM_TOOLS[0]["function"]["parameters"]}]
+    r = claude.messages.create(model=model, max_tokens=60, tools=tools, tool_choice=tool_choice,
+                               messages=[{"role": "user", "content": "Say hi"}])
+    (block,) = [b for b in r.content if b.type == "tool_use"]
+    assert block.name == "get_weather" and block.input["city"] in ("Paris", "Rome")
+
+
 def test_anthropic_tool_choice_none_answers_in_text(claude, model):
     r = _message(claude, model, ASK, False, tool_choice={"type": "none"})
     assert r.stop_reason == "end_turn" and [b.type for b in r.content] == ["text"]
@@ -187,7 +222,6 @@ def test_anthropic_tool_choice_none_answers_in_text(claude, model):
     ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
      "tool_choice.name"),
     ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
-    ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": ""}}]}]}, "messages.0.content.0"),

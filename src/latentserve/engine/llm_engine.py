@@ -161,6 +161,7 @@ class LLMEngine:
         from latentserve.engine.prompt_logprobs import PromptLogprobTracker
 
         self.prompt_logprobs = PromptLogprobTracker()
+        self.grammars = None  # structured.Grammars, built for the first constrained request
         log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,
                  self.max_model_len)
 
@@ -247,10 +248,53 @@ class LLMEngine:
             raise ValueError("prompt_logprobs (echo with logprobs) is not supported with "
                              "tensor_parallel_size > 1")
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals,
-                  eos_from=_upstream_eos_from(spec) if upstream else 0)
+                  eos_from=_upstream_eos_from(spec) if upstream else 0,
+                  constraint=self._constraint(params) if params.has_token_mask else None)
         if admission.start is not None:
             admission.start(req)
         return req
+
+    def _constraint(self, params: SamplingParams):
+        """The request's ``token_masks.RequestMask`` (its grammar compiled here, in the engine:
+        ``structured.Grammars``). Raises ValueError naming the field: an id outside the
+        vocabulary, a bad word or a grammar without a tokenizer, a grammar that does not
+        compile."""
+        from latentserve.models.checkpoint import NoTokenizer
+        from latentserve.token_masks import RequestMask, bad_words_ids
+
+        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size}), got "
+                             f"{bad[0]}")
+        so = params.structured_outputs
+        for name, used in (("bad_words", bool(params.bad_words)),
+                           (so.param if so is not None else "", so is not None)):
+            if used and isinstance(self.tokenizer, NoTokenizer):
+                raise ValueError(f"{name} needs text: this model directory has no tokenizer "
+                                 "files")
+        words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else None
+        if words:
+            words = [w for w in words if all(0 <= t < self.vocab_size for t in w)]
+        matcher = None
+        if so is not None:
+            if self.grammars is None:
+                from latentserve.structured import Grammars
+
+                self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+            matcher = self.grammars.matcher(so)
+        return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
+                           words, matcher)
+
+    def token_mask(self, reqs: list[Req], device, answer_of=None):
+        """The sampler's ``TokenMask`` for the sampling rows ``reqs`` (None when no request
+        has a constraint); ``answer_of``: see ``token_masks.batch_bitmask``."""
+        from latentserve.sampling import TokenMask
+        from latentserve.token_masks import batch_bitmask
+
+        if not any(r.constraint is not None for r in reqs):
+            return None
+        rows, bits = batch_bitmask(reqs, self.vocab_size, answer_of)
+        return TokenMask.from_host(rows, bits, device)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (no-op at TP 1;
@@ -319,7 +363,9 @@ class LLMEngine:
                     map(self.family.thinking, sampling_reqs)):
                 self.runner.latent_outputs()  # queued now, it runs while the host samples
             # None for a latent model, whose ids were masked above (its graphs return none)
-            tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy)
+            mask = self.token_mask(sampling_reqs, logits.device)
+            tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
+                                            mask)
             latents = self.family.latent_inputs(sampling_reqs, logits, last_hidden, tokens)
             outs = self.scheduler.postprocess(batch, tokens, latents)
             by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}
@@ -346,23 +392,26 @@ class LLMEngine:
                 self._rids.discard(o.rid)
         return outs
 
-    def _sample(self, logits, reqs, greedy=None) -> tuple[list[int], list]:
+    def _sample(self, logits, reqs, greedy=None, mask=None) -> tuple[list[int], list]:
         """Tokens and logprobs for the sampling rows, batched (``greedy``: the argmax of the
-        logits' rows, when known); row by row when that fails (a row that still fails gets
-        placeholder token 0 and its rid in ``_failed``)."""
-        from latentserve.sampling import sample_with_logprobs
+        logits' rows, when known; ``mask``: their ``TokenMask``); row by row when that fails
+        (a row that still fails gets placeholder token 0 and its rid in ``_failed``)."""
+        from latentserve.sampling import TokenMask, sample_with_logprobs
 
         if not reqs:
             return [], []
         try:
-            res = sample_with_logprobs(logits, reqs, greedy=greedy)
+            res = sample_with_logprobs(logits, reqs, greedy=greedy, mask=mask)
             return res.tokens.tolist(), res.logprobs
         except Exception:  # noqa: BLE001 - find the failing rows below
             log.exception("batched sampling failed; sampling %d rows one by one", len(reqs))
         tokens, logprobs = [], []
+        where = {} if mask is None else {b: i for i, b in enumerate(mask.rows)}
         for b, req in enumerate(reqs):
             try:
-                res = sample_with_logprobs(logits[b : b + 1], [req])
+                i = where.get(b)
+                row = {} if i is None else {"mask": TokenMask([0], mask.bits[i : i + 1])}
+                res = sample_with_logprobs(logits[b : b + 1], [req], **row)
                 tokens.append(int(res.tokens[0]))
                 logprobs.append(res.logprobs[0])
             except Exception as exc:  # noqa: BLE001 - fails this request only

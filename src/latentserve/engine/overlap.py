@@ -22,7 +22,12 @@ async scheduling; the code is ours.
 Engaged with ``EngineConfig.use_overlap_schedule`` (default: on CUDA) for a step where
 every request can do without its previous token on the host: a model without a
 ``LatentSpec``, no tensor parallelism, and no request asking for ``logprobs``,
-``prompt_logprobs`` or penalties (they read the token history on the host). Otherwise the
+``prompt_logprobs`` or penalties (they read the token history on the host).
+
+Token masks (``token_masks.py``) stay overlapped: ``allowed_token_ids`` and ``min_tokens``
+need the answer's length only; a batch with a mask that reads tokens (``bad_words``, a
+grammar) waits for the previous batch's tokens after its own forward is launched, so the
+host builds the masks while the device runs the forward, then launches the sampling. Otherwise the
 engine finishes the batch in flight and steps synchronously.
 """
 
@@ -109,7 +114,7 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     # read only by the host copy below and, as pending ids, by the next step's input
     # kernel, both queued before the next replay overwrites it (if that step raises,
     # _detach points them at the host copy).
-    tokens, failed = _sample(engine, logits, reqs)
+    tokens, failed = _sample(engine, logits, reqs, _answers(reqs, prev))
     host, event = _host_copy(tokens, engine.token_copies)
     if event is not None and engine.runner.replayed:  # tokens may view a graph's buffer
         engine.runner.graphs.wait_before_replay(event)
@@ -160,7 +165,31 @@ def drain(engine) -> list:
     return [] if prev is None else finish(engine, prev)
 
 
-def _sample(engine, logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, dict]:
+def _answers(reqs: list, prev: Launched | None):
+    """``answer_of(req)`` for the token masks of ``reqs`` (``token_masks.batch_bitmask``):
+    the answer so far with ``prev``'s pending ids replaced by its tokens. Only when a mask
+    reads tokens (bad words, a grammar) does this wait for ``prev``'s tokens, while this
+    batch's forward runs on the device; static masks read the answer's length alone."""
+    if not any(r.constraint is not None for r in reqs):
+        return None
+    if prev is None or all(r.constraint is None or r.constraint.static for r in reqs):
+        return lambda req: req.output_ids[req.answer_start or 0 :]
+    if prev.event is not None:
+        prev.event.synchronize()
+    known = {id(req): (idx, tok) for (req, idx), tok in zip(prev.pending, prev.host.tolist())}
+
+    def answer_of(req):
+        ids = req.output_ids[req.answer_start or 0 :]
+        idx, tok = known.get(id(req), (None, None))
+        if idx is not None and 0 <= idx - (req.answer_start or 0) < len(ids):
+            ids[idx - (req.answer_start or 0)] = tok
+        return ids
+
+    return answer_of
+
+
+def _sample(engine, logits: torch.Tensor, reqs: list, answer_of=None
+            ) -> tuple[torch.Tensor, dict]:
     """``[S] int64`` tokens on ``logits.device`` without waiting for them, and ``rid ->
     error`` of the failed rows; when the batched sampler raises, the engine's row-by-row
     fallback (which isolates a failing request; its failures are taken back from
@@ -169,9 +198,11 @@ def _sample(engine, logits: torch.Tensor, reqs: list) -> tuple[torch.Tensor, dic
 
     if not reqs:
         return torch.empty(0, dtype=torch.int64, device=logits.device), {}
+    mask = None if answer_of is None else engine.token_mask(reqs, logits.device, answer_of)
     try:
-        return sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy).tokens, {}
+        return sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
+                                    mask=mask).tokens, {}
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
-        tokens, _ = engine._sample(logits, reqs)
+        tokens, _ = engine._sample(logits, reqs, mask=mask)
         failed = {r.rid: engine._failed.pop(r.rid) for r in reqs if r.rid in engine._failed}
         return torch.tensor(tokens, dtype=torch.int64, device=logits.device), failed

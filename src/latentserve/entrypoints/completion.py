@@ -57,7 +57,9 @@ class CompletionBuilder:
         self.result, self.index, self.params = result, index, params
         self.strings, self.eos_ids = strings, eos_ids
         self.detok = IncrementalDetokenizer(tokenizer, result.prompt_token_ids, params.stop,
-                                            params.skip_special_tokens)
+                                            params.skip_special_tokens,
+                                            params.include_stop_str_in_output,
+                                            params.min_tokens)
         self.completion = CompletionOutput(index, "", [], None,
                                            logprobs=None if params.logprobs is None else [],
                                            cumulative_logprob=(None if params.logprobs is None
@@ -86,7 +88,11 @@ class CompletionBuilder:
                                            for lp in out.prompt_logprobs]
         if self.index == 0:
             self.result.num_cached_tokens = out.num_cached_tokens
-        self.detok.add(out.new_token_ids)
+        text_ids = out.new_token_ids
+        if (out.finished and out.finish_reason == "stop" and text_ids
+                and not self.params.include_stop_str_in_output):
+            text_ids = text_ids[:-1]  # the EOS / stop token is not text (vLLM)
+        self.detok.add(text_ids)
         if self.detok.stopped is not None and not out.finished:
             self._finish("stop")
             return True

@@ -272,6 +272,11 @@ class Scheduler:
         if ((tok in self.eos_ids and not p.ignore_eos and answer >= req.eos_from)
                 or tok in p.stop_token_ids):
             return "stop"
+        c = req.constraint
+        if c is not None and c.matcher is not None and req.answer_start is not None:
+            c.sync(req.output_ids[req.answer_start : n])
+            if c.terminated:  # the grammar took its end (an ignored EOS): done
+                return "stop"
         if self.family.latents_count_as_output(req):
             spent = n
         else:  # len(req.answer_ids), without copying them

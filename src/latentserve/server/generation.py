@@ -60,8 +60,10 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     latent steps ran since the last one.
 
     Token-level stops (EOS, ``stop_token_ids``) end in the engine with ``"stop"``; that last
-    token counts as generated but is not text. Stop strings are matched here, on the
-    detokenized text: the match and what follows are cut, text that could still become a
+    token counts as generated but is not text (with ``include_stop_str_in_output`` it is,
+    where it decodes to any). Stop strings are matched here, on the detokenized text, once
+    ``min_tokens`` tokens exist: the match (unless ``include_stop_str_in_output``) and
+    what follows are cut, text that could still become a
     stop string is held back until it is decided, the engine request is aborted (by leaving
     ``client.generate``) and the reason is ``"stop"``. ``state`` is the ``ServerState``; its
     ``metrics`` (if any) time the request from ``arrival`` (``time.monotonic()`` seconds),
@@ -76,7 +78,9 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     from latentserve.server.client import EngineRequestError
 
     detok = IncrementalDetokenizer(state.tokenizer, prompt_ids, params.stop,
-                                   skip_special_tokens=params.skip_special_tokens)
+                                   skip_special_tokens=params.skip_special_tokens,
+                                   include_stop_str_in_output=params.include_stop_str_in_output,
+                                   min_tokens=params.min_tokens)
     timer = (state.metrics.timer(arrival, group, params.max_tokens)
              if state.metrics is not None else None)
     num_tokens = 0
@@ -117,8 +121,10 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                     prompt_lps = out.prompt_logprobs
                 if out.latent_stats is not None:
                     stats = out.latent_stats
-                # The EOS / stop token ends the text, it is not part of it.
-                text_ids = ids[:-1] if out.finished and out.finish_reason == "stop" else ids
+                # The EOS / stop token ends the text, it is not part of it (unless
+                # include_stop_str_in_output: then its text, if any, is, as in vLLM).
+                text_ids = ids[:-1] if (out.finished and out.finish_reason == "stop"
+                                        and not params.include_stop_str_in_output) else ids
                 starts, parts = [], []
                 for t in text_ids:
                     starts.append(detok.decoded_len)

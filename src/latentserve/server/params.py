@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from latentserve.sampling_params import SamplingParams
+from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.server.errors import APIError, param_from_value_error
 from latentserve.server.protocol import SamplingRequest
 from latentserve.server.state import ServerLimits
@@ -18,13 +18,10 @@ from latentserve.server.state import ServerLimits
 _UNSUPPORTED = {
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "prompt_logprobs": (None, 0),
-    "guided_json": (None,), "guided_choice": (None,), "guided_regex": (None,),
-    "guided_grammar": (None,), "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,), "structured_outputs": (None,),
-    "prompt_embeds": (None,), "min_tokens": (None, 0),
-    "include_stop_str_in_output": (None, False),
-    "bad_words": (None, []), "allowed_token_ids": (None,), "chat_template": (None,),
+    "prompt_logprobs": (None, 0),
+    "guided_decoding_backend": (None, "auto", "xgrammar"),
+    "guided_whitespace_pattern": (None,),
+    "prompt_embeds": (None,), "chat_template": (None,),
     "echo": (None, False), "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "logits_processors": (None, []),
     "spaces_between_special_tokens": (None, True),
@@ -301,6 +298,56 @@ def refuse_stream_steps(http_request, body, spec=None) -> None:
                    "do nothing)", param=sent)
 
 
+# The request fields that constrain the answer (one per request), and their kind.
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's answer constraint: from ``response_format`` (``json_object``,
+    ``json_schema``; ``text`` is none), vLLM's ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar``, or vLLM's ``structured_outputs`` object
+    (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``); None when none is set.
+    Whether it compiles is the engine's check (a 400 naming the field, from the engine).
+
+    Raises:
+        APIError: 400 naming the field: a malformed value, an unknown key of
+            ``structured_outputs``, or more than one constraint.
+    """
+    found: list[StructuredOutputsParams] = []
+    try:
+        rf = request.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_object":
+                found.append(StructuredOutputsParams(json_object=True, param="response_format"))
+            elif rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError("response_format of type json_schema needs json_schema.schema "
+                               "(the JSON schema the answer follows)", param="response_format")
+            else:
+                found.append(StructuredOutputsParams(json=rf.json_schema.schema_,
+                                                     param="response_format"))
+        for name, kind in _GUIDED:
+            value = getattr(request, name)
+            if value is not None:
+                found.append(StructuredOutputsParams(**{kind: value}, param=name))
+        if request.structured_outputs is not None:
+            fields = {}
+            for key, value in request.structured_outputs.items():
+                if key in StructuredOutputsParams.KINDS:
+                    fields[key] = value
+                elif value not in (None, False):
+                    raise APIError(f"structured_outputs.{key} is not supported by this server "
+                                   f"(it takes {', '.join(StructuredOutputsParams.KINDS)})",
+                                   param=f"structured_outputs.{key}")
+            found.append(StructuredOutputsParams(**fields, param="structured_outputs"))
+    except ValueError as exc:
+        raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
+    if len(found) > 1:
+        raise APIError(f"{found[1].param}: a request takes one structured-output constraint, "
+                       f"got {found[0].param} and {found[1].param}", param=found[1].param)
+    return found[0] if found else None
+
+
 def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens_field: str,
                     num_prompt_tokens: int, max_model_len: int,
                     logprobs: int | None = None, budget: int | None = None,
@@ -373,6 +420,11 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             return_latent_trace=bool(request.return_latent_trace),
             stream_latent_steps=stream_latent_steps,
             upstream_stop_rules=request.upstream_stop_rules,
+            min_tokens=request.min_tokens or 0,
+            include_stop_str_in_output=bool(request.include_stop_str_in_output),
+            bad_words=list(request.bad_words or []),
+            allowed_token_ids=request.allowed_token_ids,
+            structured_outputs=structured_outputs(request),
             **exit_fields(request),
             **head,
         )

@@ -83,7 +83,45 @@ class LatentFields(RequestModel):
     upstream_stop_rules: bool | None = None
 
 
-class SamplingRequest(LatentFields):
+class JsonSchemaFormat(RequestModel):
+    """``response_format.json_schema``: OpenAI's ``{"name", "description", "schema",
+    "strict"}`` (the schema is what the answer follows; the rest is informational)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True,
+                              serialize_by_alias=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema`` (``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredFields(RequestModel):
+    """Token masks and structured outputs (vLLM's fields and OpenAI's ``response_format``;
+    ``SamplingParams`` documents them). At most one constraint field per request."""
+
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's newer form: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
+
+
+class SamplingRequest(LatentFields, StructuredFields):
     """Fields shared by both OpenAI endpoints."""
 
     model: str | None = None

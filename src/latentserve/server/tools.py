@@ -124,24 +124,21 @@ def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
 
 def json_constraint(params, schema: dict, param: str = "tool_choice"):
     """``params`` (``SamplingParams``) with its answer constrained to JSON matching
-    ``schema``: ``structured_outputs={"json": schema}`` (vLLM's field and key).
-
-    This is where the engine's constrained decoding plugs in: a ``SamplingParams`` without
-    a ``structured_outputs`` field means this install has no backend.
+    ``schema`` (``structured_outputs``, the engine's constrained decoding).
 
     Raises:
-        APIError: 400 naming ``param`` when there is no backend, or the backend refuses
-            the schema.
+        APIError: 400 naming ``param`` when the request already has a constraint
+            (``response_format``, ``guided_*``) or the schema is refused.
     """
-    from latentserve.sampling_params import SamplingParams
+    from latentserve.sampling_params import StructuredOutputsParams
 
-    if "structured_outputs" not in {f.name for f in dataclasses.fields(SamplingParams)}:
-        raise APIError(f"{param}: a forced tool call ('required' or a named function) is "
-                       "decoded under a JSON schema, and this server has no constrained "
-                       "decoding; use 'auto' (with --tool-call-parser) or 'none'",
+    if params.structured_outputs is not None:
+        raise APIError(f"{param}: a forced tool call is decoded under its own JSON schema; it "
+                       f"cannot be combined with {params.structured_outputs.param}",
                        param=param)
     try:
-        return dataclasses.replace(params, structured_outputs={"json": schema})
+        return dataclasses.replace(
+            params, structured_outputs=StructuredOutputsParams(json=schema, param=param))
     except (TypeError, ValueError) as exc:
         raise APIError(f"{param}: {exc}", param=param) from None
 

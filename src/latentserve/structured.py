@@ -1,0 +1,122 @@
+"""Structured outputs: a request's ``StructuredOutputsParams`` compiled into a grammar
+matcher that says, before each answer token, which tokens keep the text inside the grammar.
+
+The grammar library is xgrammar (the ``structured`` extra; docs/server.md says why it was
+chosen over llguidance). One :class:`Grammars` per engine holds the tokenizer's
+``TokenizerInfo`` and xgrammar's ``GrammarCompiler`` (with its cache, at most
+``CACHE_LIMIT_BYTES``, so a schema sent again compiles once); it is built on the first constrained request. Compilation runs in the engine
+process when the request is admitted (``LLMEngine.add_request``), never on the API server's
+event loop; a schema, regex or grammar that does not compile is a ValueError naming the
+request field it came from, which the server answers with a 400.
+
+JSON is written with ``json.dumps``' default separators (``", "`` and ``": "``) and no other
+whitespace (vLLM's ``disable_any_whitespace``): a model cannot pad a JSON answer with
+whitespace until ``max_tokens`` runs out. Object properties not in the schema are not
+generated (xgrammar's strict mode); ``json_object`` takes any object.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+from latentserve.sampling_params import StructuredOutputsParams
+
+JSON_SEPARATORS = (", ", ": ")
+# xgrammar's compiled-grammar cache (LRU): bounded, so many distinct schemas cannot grow the
+# engine process without limit.
+CACHE_LIMIT_BYTES = 256 << 20
+
+
+class Grammars:
+    """Compiles constraints for one tokenizer.
+
+    Args:
+        tokenizer: the engine's Hugging Face tokenizer.
+        vocab_size: the model's vocabulary (logits' width; ids past the tokenizer's are never
+            allowed).
+        eos_ids: the ids that end a request; the grammar allows them once it is complete.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = sorted(eos_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _get_compiler(self, param: str):
+        if self._compiler is None:
+            with self._lock:
+                if self._compiler is None:
+                    xgr = import_xgrammar(param)
+                    info = xgr.TokenizerInfo.from_huggingface(
+                        self.tokenizer, vocab_size=self.vocab_size,
+                        stop_token_ids=self.eos_ids or None)
+                    self._compiler = xgr.GrammarCompiler(info,
+                                                         cache_limit_bytes=CACHE_LIMIT_BYTES)
+        return self._compiler
+
+    def compile(self, so: StructuredOutputsParams):
+        """``so`` as an xgrammar ``CompiledGrammar``.
+
+        Raises:
+            ValueError: naming ``so.param``: a schema, regex or grammar that does not compile,
+                or xgrammar not installed.
+        """
+        c = self._get_compiler(so.param)
+        kind = so.kind
+        try:
+            if kind == "json":
+                return c.compile_json_schema(json.dumps(so.json), any_whitespace=False,
+                                             separators=JSON_SEPARATORS, strict_mode=True)
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                             separators=JSON_SEPARATORS, strict_mode=False)
+            if kind == "regex":
+                return c.compile_regex(so.regex)
+            if kind == "choice":
+                return c.compile_grammar(choice_grammar(so.choice))
+            if "::=" in so.grammar:
+                return c.compile_grammar(so.grammar)
+            return c.compile_lark(so.grammar)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with C++ text
+            what = {"json": "is not a JSON schema this server can follow",
+                    "regex": "is not a valid regular expression",
+                    "choice": "could not be compiled",
+                    "grammar": "is not a valid grammar (EBNF with a root rule, or Lark)"}.get(
+                kind, "could not be compiled")
+            raise ValueError(f"{so.param} {what}: {_library_message(exc)}") from None
+
+    def matcher(self, so: StructuredOutputsParams):
+        """A fresh xgrammar ``GrammarMatcher`` for ``so`` (see :meth:`compile`)."""
+        xgr = import_xgrammar(so.param)
+        return xgr.GrammarMatcher(self.compile(so))
+
+
+def import_xgrammar(param: str = "structured_outputs"):
+    """The ``xgrammar`` module. Raises ValueError naming ``param`` when it is not installed."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise ValueError(f"{param} needs the grammar library xgrammar, which is not installed "
+                         "(pip install 'latentserve[structured]')") from None
+    return xgrammar
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose root is exactly one of ``choices`` (string literals escaped)."""
+    def literal(s: str) -> str:
+        s = s.replace("\\", "\\\\").replace('"', '\\"')
+        return '"' + s.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t") + '"'
+
+    return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+def _library_message(exc: Exception) -> str:
+    """xgrammar's error text without its C++ source location (``[12:00:00] file.cc:42: ``)."""
+    text = str(exc).strip()
+    text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", text)
+    text = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,356 @@
+"""Token masks in the sampler (``token_masks.py``, ``sampling.apply_token_mask``) and the
+four vLLM fields built on them, offline (``LLM.generate``) on a tiny Llama with SmolLM2's
+tokenizer: ``allowed_token_ids``, ``bad_words``, ``min_tokens`` and
+``include_stop_str_in_output``; plus structured outputs and the latent phase."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from latentserve.core import Req
+from latentserve.sampling import TokenMask, apply_token_mask, sample_with_logprobs, unpack_bitmask
+from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
+from latentserve.token_masks import RequestMask, bad_words_ids, ids_bitmask
+
+VOCAB = 100
+
+
+def _mask(ids_per_row: dict[int, list[int]], vocab=VOCAB) -> TokenMask:
+    rows = sorted(ids_per_row)
+    bits = np.stack([ids_bitmask(ids_per_row[b], vocab) for b in rows])
+    return TokenMask(rows, torch.from_numpy(bits))
+
+
+def test_unpack_bitmask_sets_exactly_the_packed_ids():
+    ids = [0, 1, 31, 32, 63, 64, 99]
+    allowed = unpack_bitmask(torch.from_numpy(ids_bitmask(ids, VOCAB))[None], VOCAB)[0]
+    assert allowed.nonzero().flatten().tolist() == ids
+
+
+def test_masked_rows_only_take_allowed_ids_and_other_rows_are_untouched():
+    logits = torch.randn(4, VOCAB)
+    mask = _mask({1: [7, 9], 3: [50]})
+    out = apply_token_mask(logits, mask)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [7, 9]
+    assert torch.isfinite(out[3]).nonzero().flatten().tolist() == [50]
+    assert torch.equal(out[1, [7, 9]], logits[1, [7, 9]])
+
+
+def test_library_kernel_and_torch_fallback_agree(monkeypatch):
+    import builtins
+
+    logits = torch.randn(3, 70)  # a vocabulary that is no multiple of 32
+    mask = _mask({0: [1, 33, 69], 2: list(range(0, 70, 3))}, vocab=70)
+    with_lib = apply_token_mask(logits, mask)
+    real_import = builtins.__import__
+
+    def no_xgrammar(name, *args, **kwargs):
+        if name == "xgrammar":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    assert torch.equal(apply_token_mask(logits, mask), with_lib)
+
+
+def _req(params, output=()):
+    r = Req("r", [1, 2], params)
+    r.output_ids = list(output)
+    return r
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampler_takes_masked_rows_from_their_allowed_ids_and_logprobs_stay_raw(temperature):
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    reqs = [_req(SamplingParams(temperature=temperature, logprobs=0)) for _ in range(3)]
+    mask = _mask({1: [3, 4, 5]})
+    for _ in range(5):
+        out = sample_with_logprobs(logits, reqs, mask=mask,
+                                   greedy=logits.argmax(-1))  # a graph's (unmasked) argmax
+        assert out.tokens[1].item() in (3, 4, 5)
+        raw = torch.log_softmax(logits[1], -1)[out.tokens[1]].item()
+        assert out.logprobs[1].logprob == pytest.approx(raw, abs=1e-5)
+    if temperature == 0.0:
+        assert out.tokens[0].item() == logits[0].argmax().item()
+        assert out.tokens[1].item() == 3 + logits[1, 3:6].argmax().item()
+
+
+def test_bad_words_are_tokenized_as_vllm_does(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    got = bad_words_ids(tok, ["hello world"])
+    assert got[0] == tok.encode("hello world", add_special_tokens=False)
+    assert got[1] == tok.encode(" hello world", add_special_tokens=False)
+    with pytest.raises(ValueError, match="bad_words"):
+        bad_words_ids(tok, [" "])
+
+
+def test_a_bad_words_last_token_is_masked_only_after_its_prefix():
+    params = SamplingParams(bad_words=["x"])
+    m = RequestMask(params, VOCAB, {2}, bad_words=[[10, 11, 12], [40]])
+    row = np.empty(ids_bitmask([], VOCAB).shape, dtype=np.int32)
+
+    def banned(answer):
+        m.fill(row, answer)
+        allowed = unpack_bitmask(torch.from_numpy(row)[None], VOCAB)[0]
+        return sorted(set(range(VOCAB)) - set(allowed.nonzero().flatten().tolist()))
+
+    assert banned([]) == [40]
+    assert banned([10]) == [40]
+    assert banned([5, 10, 11]) == [12, 40]
+    assert banned([10, 11, 13]) == [40]
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    params = SamplingParams(min_tokens=2, stop_token_ids=[7], max_tokens=5)
+    m = RequestMask(params, VOCAB, {2, 7})
+    row = np.empty(ids_bitmask([], VOCAB).shape, dtype=np.int32)
+    for n, masked in ((0, True), (1, True), (2, False)):
+        m.fill(row, [5] * n)
+        allowed = unpack_bitmask(torch.from_numpy(row)[None], VOCAB)[0]
+        assert (not allowed[2] and not allowed[7]) is masked
+        assert allowed[3]
+
+
+def test_sampling_params_validate_the_mask_fields():
+    for kw, field in ((dict(min_tokens=-1), "min_tokens"),
+                      (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+                      (dict(allowed_token_ids=[]), "allowed_token_ids"),
+                      (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+                      (dict(bad_words="word"), "bad_words"), (dict(bad_words=[""]), "bad_words"),
+                      (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+                      (dict(structured_outputs={"regex": "a", "choice": ["b"]}),
+                       "structured_outputs"),
+                      (dict(structured_outputs={"choice": []}), "structured_outputs"),
+                      (dict(structured_outputs={"schema": {}}), "structured_outputs")):
+        with pytest.raises(ValueError, match=f"^{field}"):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="^guided_json is not valid JSON"):
+        StructuredOutputsParams(json="{x", param="guided_json")
+
+
+# --- offline, on a tiny Llama with SmolLM2's tokenizer --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dirs):
+    from latentserve import LLM
+
+    return LLM(str(tiny_dirs["llama"]), max_num_seqs=8)
+
+
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+
+
+def _gen(llm, prompts, params):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_allowed_token_ids_only_yields_those_ids(llm):
+    allowed = [11, 257, 1000, 4000]
+    for seed in range(3):
+        outs = _gen(llm, PROMPTS, SamplingParams(max_tokens=12, temperature=1.0, seed=seed,
+                                                 allowed_token_ids=allowed, ignore_eos=True))
+        for o in outs:
+            assert len(o.token_ids) == 12 and set(o.token_ids) <= set(allowed)
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_refused(llm):
+    with pytest.raises(ValueError, match=r"^allowed_token_ids must be in \[0, 49152\)"):
+        _gen(llm, PROMPTS[:1], SamplingParams(allowed_token_ids=[5, 49152]))
+
+
+def _one_token_words(tok, ids):
+    """Ids of ``ids`` whose text is a word that tokenizes back to that one id, both bare
+    and after a space."""
+    out = []
+    for t in dict.fromkeys(ids):
+        w = tok.decode([t])
+        if w.strip() and re.fullmatch(r" ?[A-Za-z]+", w) and all(
+                len(tok.encode(p + w.lstrip(), add_special_tokens=False)) == 1
+                for p in ("", " ")):
+            out.append((t, w))
+    return out
+
+
+def test_bad_words_are_never_produced(llm):
+    tok = llm.tokenizer
+    plain = _gen(llm, PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    words = [w for o in plain for _, w in _one_token_words(tok, o.token_ids)][:6]
+    assert words, "the greedy text has no one-token word to ban"
+    banned = {t for w in words for t in (tok.encode(w.lstrip(), add_special_tokens=False)
+                                         + tok.encode(" " + w.lstrip(), add_special_tokens=False))}
+    outs = _gen(llm, PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                             bad_words=words))
+    for o, p in zip(outs, plain):
+        assert not banned & set(o.token_ids)
+    assert [o.token_ids for o in outs] != [p.token_ids for p in plain]
+
+
+def test_a_multi_token_bad_word_bans_its_last_token_after_its_prefix(llm):
+    tok = llm.tokenizer
+    plain = _gen(llm, PROMPTS[:1], SamplingParams(max_tokens=24, temperature=0,
+                                                  ignore_eos=True))[0].token_ids
+    pair = next((plain[i : i + 2] for i in range(len(plain) - 1)
+                 if tok.encode(tok.decode(plain[i : i + 2]), add_special_tokens=False)
+                 == plain[i : i + 2] and tok.decode(plain[i : i + 2]).strip()), None)
+    assert pair is not None
+    word = tok.decode(pair)
+    out = _gen(llm, PROMPTS[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                bad_words=[word]))[0].token_ids
+    assert all(out[i : i + 2] != pair for i in range(len(out) - 1))
+    assert out[: plain.index(pair[0]) + 1] == plain[: plain.index(pair[0]) + 1]
+
+
+def test_min_tokens_forces_length_past_eos(llm):
+    eos = llm.tokenizer.eos_token_id
+    two = [SamplingParams(max_tokens=10, temperature=1.0, seed=s, allowed_token_ids=[eos, 5])
+           for s in range(4)]
+    early = _gen(llm, PROMPTS * 4, [p for p in two for _ in PROMPTS])
+    assert any(len(o.token_ids) < 6 for o in early)  # EOS is a likely pick
+    forced = _gen(llm, PROMPTS * 4, [SamplingParams(max_tokens=10, temperature=1.0, seed=s,
+                                                    allowed_token_ids=[eos, 5], min_tokens=6)
+                                     for s in range(4) for _ in PROMPTS])
+    for o in forced:
+        assert len(o.token_ids) >= 6 and eos not in o.token_ids[:6]
+        assert o.finish_reason == ("stop" if o.token_ids[-1] == eos else "length")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_include_stop_str_in_output_offline(llm, include):
+    plain = _gen(llm, PROMPTS[:1], SamplingParams(max_tokens=16, temperature=0,
+                                                  ignore_eos=True))[0].text
+    stop = plain[5:8]
+    assert stop.strip() and plain.find(stop) == 5
+    out = _gen(llm, PROMPTS[:1], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                stop=[stop],
+                                                include_stop_str_in_output=include))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == (plain[:8] if include else plain[:5])
+
+
+def test_min_tokens_holds_stop_strings_back_until_reached(llm):
+    plain = _gen(llm, PROMPTS[:1], SamplingParams(max_tokens=16, temperature=0,
+                                                  ignore_eos=True))[0]
+    stop = llm.tokenizer.decode(plain.token_ids[:1]).strip()[:3]
+    assert stop and plain.text.count(stop) == 1
+    out = _gen(llm, PROMPTS[:1], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                stop=[stop], min_tokens=4))[0]
+    assert out.text == plain.text and out.finish_reason == "length"
+
+
+def test_masked_requests_leave_unmasked_ones_in_the_batch_exact(llm):
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = _gen(llm, PROMPTS, plain)
+    so = StructuredOutputsParams(regex=r"[a-z]{3,8}( [a-z]{3,8}){0,3}")
+    mixed = _gen(llm, [PROMPTS[0], "Hi", PROMPTS[1], "Yo", PROMPTS[2]],
+                 [plain, SamplingParams(max_tokens=12, temperature=1.0, structured_outputs=so),
+                  plain, SamplingParams(max_tokens=12, bad_words=["the"], min_tokens=3),
+                  plain])
+    assert [o.token_ids for o in mixed[::2]] == [o.token_ids for o in alone]
+    assert re.fullmatch(so.regex, mixed[1].text) or mixed[1].finish_reason == "length"
+
+
+# --- structured outputs offline ------------------------------------------------------------
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "ok": {"type": "boolean"}},
+          "required": ["name", "age", "ok"]}
+
+
+def _valid(value) -> bool:
+    return (isinstance(value, dict) and set(value) == {"name", "age", "ok"}
+            and isinstance(value["name"], str) and 1 <= len(value["name"]) <= 8
+            and type(value["age"]) is int and 0 <= value["age"] <= 120
+            and isinstance(value["ok"], bool))
+
+
+def test_json_schema_answers_parse_and_validate(llm):
+    outs = _gen(llm, PROMPTS * 2, [SamplingParams(max_tokens=64, temperature=1.0, seed=s,
+                                                  structured_outputs={"json": SCHEMA})
+                                   for s in range(6)])
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        assert _valid(json.loads(o.text)), o.text
+        assert o.token_ids[-1] == 2  # the grammar ended the answer with EOS
+
+
+@pytest.mark.parametrize("so,check", [
+    ({"choice": ["red", "green", "blue \"x\""]}, lambda t: t in ("red", "green", 'blue "x"')),
+    ({"regex": r"[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+    ({"grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    ({"grammar": 'start: "up" | "down"'}, lambda t: t in ("up", "down")),
+    ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+])
+def test_each_constraint_kind_holds(llm, so, check):
+    for o in _gen(llm, PROMPTS, [SamplingParams(max_tokens=48, temperature=1.0, seed=s,
+                                                structured_outputs=so) for s in range(3)]):
+        if "json_object" in so and o.finish_reason == "length":
+            continue  # an object of a random model may outgrow max_tokens
+        assert o.finish_reason == "stop" and check(o.text), o.text
+
+
+def test_a_schema_or_regex_that_does_not_compile_names_its_field(llm):
+    for so, field in (({"json": {"type": "foo"}, "param": "guided_json"}, "guided_json"),
+                      ({"regex": "(ab", "param": "guided_regex"}, "guided_regex"),
+                      ({"grammar": "root ::= ", "param": "guided_grammar"}, "guided_grammar")):
+        with pytest.raises(ValueError, match=f"^{field} "):
+            _gen(llm, PROMPTS[:1], SamplingParams(structured_outputs=so))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_constraint_covers_the_answer_not_the_latent_phase(tmp_path):
+    """A COCONUT model thinks its latent steps, then answers inside the grammar; the latent
+    phase is the same as without the constraint."""
+    from latentserve import LLM
+    from latentserve.testing.latent_models import save_latent_tiny
+
+    llm = LLM(str(save_latent_tiny(tmp_path, "coconut-llama")), max_num_seqs=4)
+    base = {"max_tokens": 20, "temperature": 0, "latent_budget": 3}
+    free = _gen(llm, PROMPTS[:2], SamplingParams(**base))
+    choice = _gen(llm, PROMPTS[:2], SamplingParams(**base,
+                                                  structured_outputs={"choice": ["alpha",
+                                                                                 "beta"]}))
+    for f, c in zip(free, choice):
+        assert c.latent_steps == f.latent_steps == 3
+        assert c.text in ("alpha", "beta") and c.finish_reason == "stop"
+
+
+def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
+    """Masks under overlap scheduling (engine/overlap.py): static ones are built before the
+    previous token is on the host, bad words and grammars after it; every request gets the
+    tokens of the synchronous engine, and the steps stay overlapped."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=1,
+                             allowed_token_ids=[11, 257, 1000, 4000], min_tokens=12),
+              SamplingParams(max_tokens=12, temperature=0, bad_words=["the", " of"]),
+              SamplingParams(max_tokens=24, temperature=1.0, seed=2,
+                             structured_outputs={"json": SCHEMA}),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=3,
+                             structured_outputs={"regex": "[a-z]{2,5}( [a-z]{2,5}){0,3}"})]
+    prompts = [[1 + i, 50 + i, 700 + i] for i in range(len(params))]
+    results = []
+    for overlap in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]),
+                                        overlap_schedule=overlap))
+        seen, run = [], engine.runner.run
+        engine.runner.run = lambda batch, pending=None: (seen.append(pending is not None),
+                                                         run(batch, pending))[1]
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", p, sp)
+        out = {f"r{i}": [] for i in range(len(params))}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.rid].extend(o.new_token_ids)
+        results.append(out)
+        assert any(seen) is overlap
+    assert results[0] == results[1]
