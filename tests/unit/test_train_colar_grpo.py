@@ -304,6 +304,29 @@ def test_a_reward_on_the_answer_token_raises_it_and_the_output_serves_as_trained
     assert _greedy(served, QUESTIONS) == _greedy(engine, QUESTIONS)
 
 
+def test_an_update_with_a_non_finite_gradient_is_skipped_and_counted(
+        stage1, toy_data, tmp_path, monkeypatch):
+    """A NaN loss never reaches the weights: its update is skipped and the step's log
+    counts it; the written adapter equals the stage-1 one."""
+    from safetensors.torch import load_file
+
+    real = cg.grpo_loss
+
+    def nan_loss(*args, **kw):
+        parts = real(*args, **kw)
+        return {**parts, "total": parts["total"] * float("nan")}
+
+    monkeypatch.setattr(cg, "grpo_loss", nan_loss)
+    log = _train(stage1, toy_data, tmp_path / "out", steps=2, questions_per_step=2,
+                 group_size=2, exp_batch_size=2, reward_fn=lambda r, g: float(len(r.text)))
+    assert [r["skipped_updates"] for r in log] == [2, 2]
+    before = load_file(stage1 / "adapter_model.safetensors")
+    after = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert before.keys() == after.keys()
+    for k in before:
+        torch.testing.assert_close(after[k].float(), before[k].float(), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ options
 
 

@@ -30,7 +30,8 @@ rollouts. Each step:
    Answer token ``j`` (``###`` first, predicted at the last latent position): the log-softmax
    of the logits before it, divided by ``answer_temperature`` (1 when it is 0).
 4. **Updates.** The rollouts, shuffled, in minibatches of ``exp_batch_size``; each is one
-   AdamW step (grad norm clipped to 1.0) on upstream's ``GRPOLoss`` without KL::
+   AdamW step (grad norm clipped to 1.0; an update whose gradient is not finite is
+   skipped, counted in the log's ``skipped_updates``) on upstream's ``GRPOLoss`` without KL::
 
        ratio = exp(logp - logp_old)
        l = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
@@ -498,6 +499,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
             with torch.no_grad():
                 old = [logprobs([rolls[i] for i in mb]) for mb in mbs]
             sums = {"loss": 0.0, "latent_loss": 0.0, "answer_loss": 0.0, "grad_norm": 0.0}
+            skipped = 0
             for mb, mb_old in zip(mbs, old):
                 new = logprobs([rolls[i] for i in mb])
                 loss = grpo_loss(new, mb_old, adv[mb].to(cfg.device), cfg.clip_eps,
@@ -505,6 +507,9 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
                 opt.zero_grad(set_to_none=True)
                 loss["total"].backward()
                 norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                if not torch.isfinite(norm):  # a non-finite gradient: this update is skipped
+                    skipped += 1
+                    continue
                 opt.step()
                 for k, v in (("loss", loss["total"]), ("latent_loss", loss["latent"]),
                              ("answer_loss", loss["answer"]), ("grad_norm", norm)):
@@ -514,6 +519,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
                    "latent_steps": sum(r.n_latent for r in rolls) / len(rolls),
                    "stopped": sum(r.end == "stop" for r in rolls) / len(rolls),
                    **{k: round(v, 6) for k, v in sums.items()},
+                   "skipped_updates": skipped,
                    "rollout_seconds": round(t_roll, 2),
                    "seconds": round(time.time() - ts, 2),
                    "total_seconds": round(time.time() - t0, 1)}
