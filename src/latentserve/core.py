@@ -15,6 +15,16 @@ class ReqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class LatentState:
+    """The base of a family's per-request state (``Req.state``): what the core asks of it."""
+
+    __slots__ = ()
+
+    def cacheable_len(self, req: Req) -> int:
+        """``req.cacheable_len``: by default everything before the first latent position."""
+        return req.latent_start if req.latent_embeds else req.seq_len
+
+
 @dataclass(eq=False, slots=True)
 class Req:
     """One request inside the engine.
@@ -34,21 +44,18 @@ class Req:
     transition tokens are appended, then the index in ``output_ids`` where the answer begins.
     Plain requests have ``latent_budget == 0`` and ``answer_start == 0`` from the start.
 
-    Recurrent-depth models (``LatentSpec.kind == "recurrent"``): ``latent_budget`` is the
-    request's recurrence count, ``exit_rule`` its ``latent.recurrent.ExitRule`` (or None),
-    ``cache_salt`` (0 = none) keeps its prefix-cache entries apart from requests whose KV
-    differs for the same ids (another depth or exit rule), and ``recurrence_iters`` lists the
-    iterations run at each position a token was sampled from.
-
-    Compression-head models (``kind == "head"``): ``head`` holds the request's resolved
-    controls and latent stats; latent positions, the closing ids and the answer all count
-    against ``params.max_tokens`` (already raised by the answer-budget floor), except for
-    CoLaR, whose ``max_tokens`` counts answer tokens only (``head.answer_budget``).
-
-    Looped-block models (``kind == "loop"``): ``loop`` is the request's
-    ``latent.loop.LoopState``; its block ``[latent_start, latent_start + block_size)`` is
-    re-forwarded in place, ``latent_embeds`` holding the current pass's inputs (empty for
-    pass 0, which reads the latent id's embedding).
+    ``state``: the family's own per-request state (a :class:`LatentState`, set when the
+    family admits the request; None for plain and feedback requests):
+    ``latent.recurrent.RecurrentState`` (recurrent depth: ``latent_budget`` is the
+    recurrence count, the state holds the exit rule and the iterations run per sampled
+    token), ``latent.head.HeadSettings`` (compression heads: resolved controls and latent
+    stats; latent positions, the closing ids and the answer all count against
+    ``params.max_tokens``, already raised by the answer-budget floor, except for CoLaR, whose
+    ``max_tokens`` counts answer tokens only) or ``latent.loop.LoopState`` (looped blocks:
+    the block ``[latent_start, latent_start + block_size)`` is re-forwarded in place,
+    ``latent_embeds`` holding the current pass's inputs, empty for pass 0).
+    ``cache_salt`` (0 = none) keeps a request's prefix-cache entries apart from requests whose
+    KV differs for the same ids (another recurrence depth or exit rule).
 
     ``eos_from``: an EOS ends the request only as answer token number ``eos_from`` or later
     (1-based; 0: any), the family's upstream rule (``LatentSpec.upstream_eos_from``) for a
@@ -79,11 +86,8 @@ class Req:
     # return_latent_trace: per latent step {"norm", "top_tokens"} (feedback models), per
     # sampled token {"depth"[, "readout_step"]} (recurrent depth: RecurrentBatch.record)
     latent_trace: list = field(default_factory=list)
-    exit_rule: Any = None
     cache_salt: int = 0
-    recurrence_iters: list = field(default_factory=list)
-    head: Any = None  # compression-head models: latent.head.HeadSettings (controls + stats)
-    loop: Any = None  # looped-block models: latent.loop.LoopState
+    state: LatentState | None = None  # the family's per-request state (see above)
     eos_from: int = 0  # an EOS ends the answer from this 1-based answer token on (0: any)
     constraint: Any = None  # token_masks.RequestMask: params that mask the sampled tokens
 
@@ -123,18 +127,11 @@ class Req:
     @property
     def cacheable_len(self) -> int:
         """Leading positions whose KV depends on token ids alone (safe for the radix cache):
-        everything before the first latent position (a looped block is rewritten in place).
-        With an early-exit rule that skips iterations, only the prompt: generated tokens
-        stopped early, while a later request's prompt runs every iteration on them. Nothing
-        when the prompt itself is an exit block (``ExitRule.prompt_exits``): its K/V depends
-        on the whole prompt."""
-        if self.latent_embeds or self.loop is not None:
-            return self.latent_start
-        if self.exit_rule is not None and self.exit_rule.prompt_exits:
-            return 0
-        if self.exit_rule is not None and self.exit_rule.saves_compute:
-            return min(len(self.prompt_ids), self.seq_len)
-        return self.seq_len
+        everything before the first latent position, unless the family's state says
+        otherwise (``LatentState.cacheable_len``: a looped block, an early-exit rule)."""
+        if self.state is not None:
+            return self.state.cacheable_len(self)
+        return self.latent_start if self.latent_embeds else self.seq_len
 
     @property
     def num_pending(self) -> int:

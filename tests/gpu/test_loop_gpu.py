@@ -63,6 +63,6 @@ def test_looped_block_cuda_matches_reference(kind, tmp_path, smollm2_dir):
         for rid, req, (_, b), (ans, lg) in zip(rids, objs, reqs, want):
             assert tokens[rid] == ans, f"{rnd} {rid}"
             torch.testing.assert_close(first[rid], lg, atol=1e-4, rtol=0)
-            assert req.loop.slot_checks == b
+            assert req.state.slot_checks == b
         engine.cache.check_idle()
     assert engine.runner.num_graph_steps > 0

@@ -115,8 +115,8 @@ def test_block_slots_are_allocated_once_and_reused_by_every_pass(loop_dirs):
     reqs = _requests()
     results, allocated = _run(engine, reqs)
     for (_, _, _, req), (_, budget) in zip(results, reqs):
-        assert req.loop.passes_done == budget + 1
-        assert req.loop.slot_checks == budget  # every pass after the first found the same slots
+        assert req.state.passes_done == budget + 1
+        assert req.state.slot_checks == budget  # every pass after the first found the same slots
     # one slot per position ever laid down, nothing per pass (no preemption happened)
     assert engine.scheduler.num_preemptions == 0
     assert allocated == sum(len(r.ids) - 1 for _, _, _, r in results)  # last id: never run

@@ -168,7 +168,7 @@ def test_running_requests_are_ordered_prefill_then_passes_then_decode():
     def req(name, computed, prompt, outputs, looped=True, answered=False):
         return SimpleNamespace(name=name, num_computed=computed, prompt_ids=[0] * prompt,
                                output_ids=[0] * outputs, answer_start=3 if answered else None,
-                               loop=SimpleNamespace(block_size=4) if looped else None)
+                               state=SimpleNamespace(block_size=4) if looped else None)
 
     decode = req("decode", 12, 8, 6, answered=True)
     in_pass = req("pass", 12, 8, 4)

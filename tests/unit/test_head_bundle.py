@@ -74,15 +74,15 @@ def test_next_inputs_runs_the_head_only_for_rows_in_their_latent_phase():
     settings = dict(mode="closed_loop", steps=0, use_stop=True, min_latent=0, max_latent=4,
                     stop_threshold=0.5, max_stop_prob=None, end=None, stop_step=None,
                     actions=None, latent_temperature=0.0)
-    answering = [SimpleNamespace(head=SimpleNamespace(**settings), answer_start=3)
+    answering = [SimpleNamespace(state=SimpleNamespace(**settings), answer_start=3)
                  for _ in range(2)]
     assert next_inputs(head, answering, torch.randn(2, 64), pre) is None and not calls
-    thinking = [SimpleNamespace(head=SimpleNamespace(**settings), answer_start=None)
+    thinking = [SimpleNamespace(state=SimpleNamespace(**settings), answer_start=None)
                 for _ in range(2)]
     out = next_inputs(head, thinking, torch.randn(2, 64), pre)
     assert calls == [1]
     assert [r for _, r in out] == [0, 1] and torch.equal(out[0][0], torch.full((2, 64), 7.0))
-    assert [r.head.max_stop_prob for r in thinking] == pytest.approx([0.1, 0.2])
+    assert [r.state.max_stop_prob for r in thinking] == pytest.approx([0.1, 0.2])
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])

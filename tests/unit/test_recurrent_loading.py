@@ -125,7 +125,7 @@ def test_request_validation(dirs):
                                                        exit_threshold=1.5))
     huginn.add_request("ok", [1, 2], SamplingParams(exit_criterion="kl", latent_budget=0))
     req = huginn.scheduler.waiting[-1]
-    assert req.exit_rule == ExitRule("kl", 1e-3) and req.latent_budget == 0
+    assert req.state.exit_rule == ExitRule("kl", 1e-3) and req.latent_budget == 0
     assert req.prompt_ids == [1, 2] and req.answer_start == 0  # no phase machine
     assert req.cache_salt > 0 and req.cache_key[0] == (req.cache_salt << 32) + 1
 

@@ -138,7 +138,7 @@ def step_kind(engine) -> str:
     s = engine.scheduler
     if s.waiting or not s.running or any(r.num_pending != 1 for r in s.running):
         return "other"
-    latent = [r.head is not None and r.answer_start is None for r in s.running]
+    latent = [r.state is not None and r.answer_start is None for r in s.running]
     if all(latent):
         return "latent"
     return "mixed" if any(latent) else "decode"

@@ -44,7 +44,7 @@ def _engine_run(engine, prompts, params, pass_chunk: int) -> dict:
     for i, p in enumerate(prompts):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params)
         reqs.append(engine.scheduler.waiting[-1])
-        reqs[-1].loop.pass_chunk = pass_chunk
+        reqs[-1].state.pass_chunk = pass_chunk
     sync = _sync(engine.device.type)
     sync()
     t0, n, thought, steps = time.perf_counter(), 0, None, 0

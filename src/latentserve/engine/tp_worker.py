@@ -82,6 +82,15 @@ _NO_PROMPT_LOGPROBS = type("_ShadowParams", (), {"prompt_logprobs": None,
 
 
 @dataclass(slots=True)
+class _ShadowState:
+    """A recurrent request's ``exit_rule`` on a worker; ``iters`` collects what rank 0
+    records too (unused here)."""
+
+    exit_rule: Any
+    iters: list = dataclasses.field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _ShadowReq:
     """The fields of a ``Req`` that ``ModelRunner.run`` and ``RecurrentBatch`` read."""
 
@@ -91,8 +100,7 @@ class _ShadowReq:
     latent_start: int
     latent_embeds: list
     latent_budget: int
-    exit_rule: Any
-    recurrence_iters: list = dataclasses.field(default_factory=list)
+    state: Any  # _ShadowState: what RecurrentBatch reads of a recurrent request's state
     # The engine refuses prompt logprobs under tensor parallelism (rank 0 scores them).
     params: Any = dataclasses.field(default_factory=lambda: _NO_PROMPT_LOGPROBS)
 
@@ -153,7 +161,7 @@ class TPModelRunner(ModelRunner):
             vecs.extend(req.latent_embeds[p - req.latent_start] for p in span)
             reqs.append((req.row, start, n, _chunk(req, start, n), len(req.prompt_ids),
                          req.latent_start, len(req.latent_embeds), list(span),
-                         int(req.latent_budget), req.exit_rule))
+                         int(req.latent_budget), getattr(req.state, "exit_rule", None)))
         max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
         dtype = str(vecs[0][0].dtype).removeprefix("torch.") if vecs else ""
         self._send_object(StepHeader(reqs, list(batch.sample), max_kv, len(vecs), dtype))
@@ -211,7 +219,7 @@ class TPModelRunner(ModelRunner):
                 embeds[p - lat_start] = (vecs, k)  # a (tensor, row) entry, as on rank 0
                 k += 1
             out.append(_ShadowReq(row, _Window(start, ids), range(prompt_len), lat_start,
-                                  embeds, budget, rule))
+                                  embeds, budget, _ShadowState(rule)))
         return out
 
 

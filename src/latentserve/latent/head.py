@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from latentserve.core import LatentState
+
 INJECTION_MODES = ("closed_loop", "prompt")
 # Per-request controls of the head family (``SamplingParams`` fields); each head takes a
 # subset (its ``CONTROLS``) and a request setting another one is refused (ValueError).
@@ -346,7 +348,7 @@ def apply_output_floor(max_tokens: int, floor: int, cap: int) -> int:
 
 
 @dataclass(slots=True)
-class HeadSettings:
+class HeadSettings(LatentState):
     """One request's resolved head controls and, as it runs, its latent stats.
 
     ``steps``: latent positions run; ``stop_step``: steps done when the stop fired (None

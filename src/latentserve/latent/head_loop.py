@@ -1,5 +1,5 @@
 """The compression head's per-request phase machine (closed loop and prompt mode): what the
-engine and the scheduler call for a request with a head (``req.head``), kept in one place.
+engine and the scheduler call for a request with a head (``req.state``), kept in one place.
 
 Closed loop (the DeepSeek-V4 latent-reasoning head, after CoLaR, arXiv 2505.16552): the
 prompt (+ the think-opening ids) is prefilled once; each latent step's input is
@@ -78,7 +78,7 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
     (:func:`set_policy_sampling`) each closed-loop row's input is also kept in its request's
     ``actions``.
     """
-    rows = [i for i, r in enumerate(reqs) if r.head is not None and r.answer_start is None]
+    rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
     if not rows:
         return None
     every = len(rows) == len(reqs)  # no index ops when every row is in the phase
@@ -106,7 +106,7 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
     out: list = [None] * len(reqs)
     drawn = []  # (j, i) of rows whose latent is drawn from the policy (CoLaR)
     for j, i in enumerate(rows):
-        h = reqs[i].head
+        h = reqs[i].state
         if h.mode == "prompt":
             out[i], h.steps, h.end = (vecs, j), 1, "prompt"
             continue
@@ -133,7 +133,7 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
     if drawn:
         with torch.inference_mode():
             sel = torch.tensor([j for j, _ in drawn], dtype=torch.long, device=anchors.device)
-            draws = head.sample(anchors[sel], [reqs[i].head.latent_temperature for _, i in drawn],
+            draws = head.sample(anchors[sel], [reqs[i].state.latent_temperature for _, i in drawn],
                                 [reqs[i].generator for _, i in drawn])
         for m, (_, i) in enumerate(drawn):
             out[i] = (draws, m)
@@ -145,13 +145,13 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
 def _record_inputs(reqs: list[Req], out: list) -> None:
     """Append each closed-loop row's next latent input (``out[i]``, float32, one copy to
     the CPU for the step) to its request's ``HeadSettings.actions``."""
-    rows = [i for i, e in enumerate(out) if e is not None and reqs[i].head.mode == "closed_loop"]
+    rows = [i for i, e in enumerate(out) if e is not None and reqs[i].state.mode == "closed_loop"]
     if not rows:
         return
     with torch.inference_mode():
         vecs = torch.stack([out[i][0][out[i][1]] for i in rows]).float().cpu()
     for m, i in enumerate(rows):
-        h = reqs[i].head
+        h = reqs[i].state
         if h.actions is None:
             h.actions = []
         h.actions.append(vecs[m])
@@ -193,7 +193,7 @@ def advance(req: Req, vec, latent_id: int) -> bool:
     mode: ``vec`` replaces the input of the last prompt position, which is recomputed (its KV
     slot is rewritten; from then on it is outside the cacheable prefix).
     """
-    if req.head.mode == "prompt":
+    if req.state.mode == "prompt":
         req.latent_start = len(req.prompt_ids) - 1
         req.latent_embeds = [vec]
         req.num_computed = req.latent_start
@@ -203,19 +203,19 @@ def advance(req: Req, vec, latent_id: int) -> bool:
         req.latent_embeds.append(vec)
         req.output_ids.append(latent_id)
         return False
-    req.output_ids.extend(req.head.end_ids)
+    req.output_ids.extend(req.state.end_ids)
     req.answer_start = len(req.output_ids)
-    return not req.head.end_ids
+    return not req.state.end_ids
 
 
 def budget_spent(req: Req, max_model_len: int) -> str | None:
     """"length" when a head request's latent phase has spent ``max_tokens`` (unless it
     counts answer tokens only, ``HeadSettings.answer_budget``) or leaves no room in the
     context for the closing ids and one answer token; else None."""
-    if req.answer_start is not None and req.head.mode == "prompt":
+    if req.answer_start is not None and req.state.mode == "prompt":
         return None
-    closing = len(req.head.end_ids) if req.answer_start is None else 0  # still to come
-    spent = not req.head.answer_budget and len(req.output_ids) >= req.params.max_tokens
+    closing = len(req.state.end_ids) if req.answer_start is None else 0  # still to come
+    spent = not req.state.answer_budget and len(req.output_ids) >= req.params.max_tokens
     if spent or req.seq_len + closing >= max_model_len:
         return "length"
     return None
@@ -243,7 +243,7 @@ class HeadFamily(Family):
                                                 self.defaults, prompt_ids, params)
 
         def start(req: Req) -> None:
-            req.head = hs
+            req.state = hs
             req.prompt_ids += start_ids
             if hs.thinking:
                 req.latent_start, req.answer_start = len(req.prompt_ids), None
@@ -252,26 +252,26 @@ class HeadFamily(Family):
                          start)
 
     def thinking(self, req: Req) -> bool:
-        return req.answer_start is None and req.head is not None
+        return req.answer_start is None and req.state is not None
 
     def advance(self, req: Req, vec) -> bool:
         return advance(req, vec, self.spec.latent_id)
 
     def budget_spent(self, req: Req, max_model_len: int) -> str | None:
-        reason = budget_spent(req, max_model_len) if req.head is not None else None
+        reason = budget_spent(req, max_model_len) if req.state is not None else None
         if reason is not None:
-            req.head.end = req.head.end or "length"
+            req.state.end = req.state.end or "length"
         return reason
 
     def latents_count_as_output(self, req: Req) -> bool:
-        return req.head is not None and not req.head.answer_budget
+        return req.state is not None and not req.state.answer_budget
 
     def output_fields(self, req: Req, done: bool) -> dict:
         """Latent steps, and the head's stats on the final output and, once, on the output
         of the step its latent phase settles in (so a request a stop string later aborts,
         which gets no final output, still has them)."""
         fields = super().output_fields(req, done)
-        h = req.head
+        h = req.state
         if h is not None and (done or (h.settled and not h.reported)):
             h.reported = True
             fields["latent_stats"] = h.stats()

@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from latentserve.core import Req
+from latentserve.core import LatentState, Req
 from latentserve.latent.family import Admission, Family
 from latentserve.latent.vectors import as_rows
 
 
 @dataclass(slots=True)
-class LoopState:
+class LoopState(LatentState):
     """One looped request's block.
 
     ``block_start``: the index in ``ids`` of the first block position; ``iterations``: passes
@@ -70,6 +70,10 @@ class LoopState:
     def block_end(self) -> int:
         return self.block_start + self.block_size
 
+    def cacheable_len(self, req: Req) -> int:
+        """The prompt before the block: the block is rewritten in place every pass."""
+        return req.latent_start
+
 
 def start_request(req: Req, spec, iterations: int) -> None:
     """Make ``req`` (prompt ids not yet extended) a looped request: the spec's start ids
@@ -78,13 +82,13 @@ def start_request(req: Req, spec, iterations: int) -> None:
     req.latent_start = len(req.prompt_ids)
     req.latent_budget = iterations
     req.answer_start = None
-    req.loop = LoopState(req.latent_start, spec.block_size, iterations)
+    req.state = LoopState(req.latent_start, spec.block_size, iterations)
 
 
 def chunk(req: Req, n: int) -> int:
     """Tokens a looped request computes this step, given the scheduler's ``n``: at most
     ``pass_chunk`` inside a pass when it is set."""
-    st = req.loop
+    st = req.state
     if st.pass_chunk and req.answer_start is None and req.num_computed >= st.block_start:
         return min(n, st.pass_chunk)
     return n
@@ -92,8 +96,8 @@ def chunk(req: Req, n: int) -> int:
 
 def in_pass(req: Req) -> bool:
     """True while a looped request has a block pass to run (block laid, answer not begun)."""
-    return req.loop is not None and req.answer_start is None \
-        and len(req.output_ids) == req.loop.block_size
+    return req.state is not None and req.answer_start is None \
+        and len(req.output_ids) == req.state.block_size
 
 
 def passes_first(running: list[Req]) -> list[Req]:
@@ -111,7 +115,7 @@ def passes_first(running: list[Req]) -> list[Req]:
 
 
 def _in_block_phase(req: Req) -> bool:
-    return req.loop is not None and req.answer_start is None
+    return req.state is not None and req.answer_start is None
 
 
 def after_forward(model, table: torch.Tensor, batch, hidden: torch.Tensor) -> None:
@@ -133,7 +137,7 @@ def after_forward(model, table: torch.Tensor, batch, hidden: torch.Tensor) -> No
         off += n
         if not _in_block_phase(req):
             continue
-        st = req.loop
+        st = req.state
         first, last = st.block_start - 1, st.block_end  # positions kept: [first, last)
         lo, hi = max(start, first), min(start + n, last)
         if lo < hi:
@@ -156,12 +160,12 @@ def after_forward(model, table: torch.Tensor, batch, hidden: torch.Tensor) -> No
     if not ending:
         return
     jacobi = model.latent_spec.loop_rule == "jacobi"
-    src = torch.cat([r.loop.outputs[:-1] if jacobi else r.loop.outputs[1:] for r in ending])
+    src = torch.cat([r.state.outputs[:-1] if jacobi else r.state.outputs[1:] for r in ending])
     with torch.inference_mode():
         vecs = model.latent_feedback(src)
     for i, req in enumerate(ending):
-        k = req.loop.block_size
-        req.loop.next_inputs = vecs[i * k : (i + 1) * k]
+        k = req.state.block_size
+        req.state.next_inputs = vecs[i * k : (i + 1) * k]
 
 
 def advance(req: Req, spec) -> bool:
@@ -171,7 +175,7 @@ def advance(req: Req, spec) -> bool:
     goes back to the block start (the slots stay in the page table, so no allocation).
     After the last pass: force ``end_ids``; returns True when there are none (the sampled
     token is then the first answer token)."""
-    st = req.loop
+    st = req.state
     if not req.output_ids:
         req.output_ids.extend([spec.latent_id] * st.block_size)
         return False
@@ -188,8 +192,8 @@ def advance(req: Req, spec) -> bool:
 
 def on_preempt(req: Req) -> None:
     """A preempted looped request loses its slots: the recomputed prefill records new ones."""
-    if req.loop is not None:
-        req.loop.slots = None
+    if req.state is not None:
+        req.state.slots = None
 
 
 class LoopFamily(Family):
@@ -232,5 +236,5 @@ class LoopFamily(Family):
         return advance(req, self.spec)
 
     def output_fields(self, req: Req, done: bool) -> dict:
-        st = req.loop
+        st = req.state
         return {"latent_steps": st.block_size * st.passes_done}

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from latentserve.core import Req
+from latentserve.core import LatentState, Req
 from latentserve.latent.family import Admission, Family
 
 # Huginn exit criteria and their "auto" thresholds (upstream raven_modeling_minimal.py,
@@ -103,6 +103,28 @@ class ExitRule:
     def is_check_step(self, t: int) -> bool:
         """Whether the criterion is evaluated after iteration ``t`` (0-based)."""
         return t >= self.min_steps and (t - self.min_steps) % self.check_every == 0
+
+
+@dataclass(slots=True)
+class RecurrentState(LatentState):
+    """One recurrent-depth request's state (``Req.state``): its ``exit_rule`` (None: every
+    token runs its full recurrence) and ``iters``, the iterations run at each position a
+    token was sampled from."""
+
+    exit_rule: ExitRule | None = None
+    iters: list[int] = field(default_factory=list)
+
+    def cacheable_len(self, req: Req) -> int:
+        """With an exit rule that skips iterations, only the prompt (generated tokens stopped
+        early, while a later request's prompt runs every iteration on them); nothing when the
+        prompt itself is an exit block (``ExitRule.prompt_exits``: its K/V depends on the
+        whole prompt); else everything."""
+        rule = self.exit_rule
+        if rule is not None and rule.prompt_exits:
+            return 0
+        if rule is not None and rule.saves_compute:
+            return min(len(req.prompt_ids), req.seq_len)
+        return req.seq_len
 
 
 def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRule | None:
@@ -285,7 +307,7 @@ class RecurrentBatch:
     def from_batch(cls, batch, layout, page_table) -> RecurrentBatch:
         """Describe ``batch`` (a ``ScheduledBatch``) laid out as ``layout``."""
         depths = [int(r.latent_budget) for r in batch.reqs]
-        rules = [r.exit_rule for r in batch.reqs]
+        rules = [r.state.exit_rule for r in batch.reqs]
         eligible = [rule is not None and rule.saves_compute
                     and ((n == 1 and s >= len(r.prompt_ids))  # one generated token
                          or (rule.prompt_exits and s == 0 and n == len(r.prompt_ids)))
@@ -328,7 +350,7 @@ class RecurrentBatch:
         for b, (req, s, n) in enumerate(zip(batch.reqs, batch.sample, iters)):
             if not s:
                 continue
-            req.recurrence_iters.append(int(n))
+            req.state.iters.append(int(n))
             if traced[b]:
                 entry = {"depth": int(n)}
                 if steps is not None:
@@ -476,7 +498,7 @@ class RecurrentFamily(Family):
             self._check_upstream_exit(len(prompt_ids))
 
         def start(req: Req) -> None:  # no phase machine: answer_start stays 0
-            req.latent_budget, req.exit_rule = budget, rule
+            req.latent_budget, req.state = budget, RecurrentState(rule)
             req.cache_salt = salt_of(cache_salt_key(budget, rule))
 
         return Admission(params, 0, start)
@@ -484,22 +506,23 @@ class RecurrentFamily(Family):
     def admits_now(self, req: Req, budget: int) -> bool:
         """A prompt that is one exit block (``ExitRule.prompt_exits``) runs whole, in one
         forward: it is admitted only when it fits the budget."""
-        rule = req.exit_rule
+        rule = req.state.exit_rule
         return not (rule is not None and rule.prompt_exits and len(req.prompt_ids) > budget)
 
     def chunk(self, req: Req, n: int) -> int:
         """A request whose exit rule saves compute runs its generated tokens (recomputed
         after a preemption too) one per forward and ends a prompt chunk at the prompt's end,
         so each token that may exit early is a batch row of its own."""
-        if req.exit_rule is not None and req.exit_rule.saves_compute:
+        rule = req.state.exit_rule
+        if rule is not None and rule.saves_compute:
             p = len(req.prompt_ids)
             n = 1 if req.num_computed >= p else min(n, p - req.num_computed)
         return n
 
     def output_fields(self, req: Req, done: bool) -> dict:
         fields = super().output_fields(req, done)
-        if done and req.recurrence_iters:
-            fields["recurrence"] = recurrence_stats(req.recurrence_iters)
+        if done and req.state.iters:
+            fields["recurrence"] = recurrence_stats(req.state.iters)
         return fields
 
     def _check_upstream_exit(self, n: int) -> None:
