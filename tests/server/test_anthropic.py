@@ -149,8 +149,8 @@ def test_count_tokens_refuses_head_controls_a_plain_model_would_ignore(anthropic
     {"return_latent_trace": True},  # refused by the engine: a plain model has no latents
     {"upstream_stop_rules": True},  # refused by the engine: no upstream rule to follow
     {"exit_semantics": "upstream"},  # refused by the engine: not a recurrent-depth model
-    {"tools": [{"name": "f", "input_schema": {"type": "object"}}],  # refused by the API:
-     "tool_choice": {"type": "any"}},  # no constrained decoding
+    {"tools": [{"name": "f", "input_schema": {"type": "array"}}]},  # refused by the API:
+    # a tool's input_schema must be an object schema
 ])
 def test_count_tokens_refuses_what_messages_refuses(anthropic_client, model, extra):
     """A body ``/v1/messages`` answers with 400 gets the same 400 from count_tokens (the

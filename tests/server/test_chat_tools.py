@@ -108,15 +108,6 @@ def test_tool_choice_that_forces_nothing_is_served(client, tok, model, tool_choi
     assert r.usage.prompt_tokens == len(tok.encode(RENDERED, add_special_tokens=False))
 
 
-@pytest.mark.parametrize("tool_choice", [
-    "required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_a_forced_tool_call_is_refused_without_constrained_decoding(client, model, tool_choice):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=MESSAGES,
-                                       tools=TOOLS, tool_choice=tool_choice, max_tokens=1)
-    assert info.value.body["param"] == "tool_choice"
-
-
 def test_tool_call_arguments_that_are_not_json_are_a_400_naming_them(client, model):
     bad = json.loads(json.dumps(MESSAGES))
     bad[1]["tool_calls"][0]["function"]["arguments"] = "{city: Paris"
