@@ -2,7 +2,8 @@
 against HF ``generate`` one prompt at a time; ``--suite gpu``: the H200 benchmark of real-size
 shapes (issue 3); ``--suite latent``: feedback-latent requests against the eager reference;
 ``--suite loop``: looped latent blocks (PCCoT) as block passes vs position by position and vs
-the eager full-recomputation reference.
+the eager full-recomputation reference; ``--suite families``: every family's suite on CUDA
+and one table of them (``bench.families``).
 ``latentserve bench serve ...``: TTFT/TPOT/ITL/throughput against a running server."""
 
 from __future__ import annotations
@@ -14,14 +15,19 @@ from pathlib import Path
 def register(sub) -> None:
     from latentserve.bench.cli import add_bench_args
 
-    p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent, loop)")
+    p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent, loop, families)")
     add_bench_args(p)
-    p.add_argument("--suite", default="offline", choices=["offline", "gpu", "latent", "loop"],
+    p.add_argument("--suite", default="offline",
+                   choices=["offline", "gpu", "latent", "loop", "families"],
                    help="offline: the engine against HF on GSM8K prompts (CPU or GPU); gpu: "
                         "decode steps against the bandwidth floor (CUDA); latent: latent "
-                        "against plain steps; loop: looped-block passes (docs/benchmarks.md)")
+                        "against plain steps; loop: looped-block passes; families: every "
+                        "family's suite and one table (CUDA; docs/benchmarks.md)")
     p.add_argument("--concurrency", default=None,
                    help="comma-separated concurrent requests (gpu, latent, loop suites)")
+    p.add_argument("--families", default=None,
+                   help="comma-separated families of --suite families (default: plain, "
+                        "feedback, head, recurrent, loop)")
     p.set_defaults(func=run)
     from latentserve.bench.serve import add_serve_bench_args, serve_bench_main
 
@@ -42,6 +48,16 @@ def run(args) -> int:
 
         result = run_gpu_bench(concurrency=conc or (1, 16, 64),
                                hf_baseline=not args.no_hf_baseline)
+    elif args.suite == "families":
+        import sys
+
+        from latentserve.bench.families import run_families_bench, table_markdown
+
+        families = args.families.split(",") if args.families else \
+            ("plain", "feedback", "head", "recurrent", "loop")
+        result = run_families_bench(conc or (1, 16, 64), families,
+                                    command="latentserve " + " ".join(sys.argv[1:]))
+        print(table_markdown(result["table"]))
     elif args.suite == "loop":
         from latentserve.bench.loop import run_loop_bench
 
