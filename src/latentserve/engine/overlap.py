@@ -20,9 +20,11 @@ SGLang's overlap scheduler (``managers/scheduler.py`` ``event_loop_overlap``) an
 async scheduling; the code is ours.
 
 Engaged with ``EngineConfig.use_overlap_schedule`` (default: on CUDA) for a step where
-every request can do without its previous token on the host: a model without a
-``LatentSpec``, no tensor parallelism, and no request asking for ``logprobs``,
-``prompt_logprobs`` or penalties (they read the token history on the host).
+every request can do without its previous token on the host: a model whose family
+overlaps (``Family.overlaps``: plain and recurrent-depth models), no tensor parallelism,
+and no request asking for ``logprobs``, ``prompt_logprobs`` or penalties (they read the
+token history on the host). A request that finishes on a token of a batch it was already
+launched past has that row discarded (``Family.truncate`` drops its per-token records).
 
 Token masks (``token_masks.py``) stay overlapped: ``allowed_token_ids`` and ``min_tokens``
 need the answer's length only; a batch with a mask that reads tokens (``bad_words``, a
@@ -66,7 +68,7 @@ class Launched:
 
 def eligible(engine) -> bool:
     """Whether ``engine``'s next step may overlap (see the module docstring)."""
-    if not engine.config.use_overlap_schedule or engine.latent_spec is not None \
+    if not engine.config.use_overlap_schedule or not engine.family.overlaps \
             or engine.tp is not None:
         return False
     sched = engine.scheduler

@@ -50,10 +50,13 @@ class Family:
     something to return), ``streams_steps`` (``stream_latent_steps`` has steps to stream),
     ``takes_exit_fields`` (the ``exit_*`` fields), ``takes_exit_semantics`` (a server
     default ``exit_semantics`` other than ``"engine"``), ``takes_head_controls`` (CoLaR's
-    ``compression_factor`` / ``latent_temperature``), ``description`` (for error messages).
+    ``compression_factor`` / ``latent_temperature``), ``overlaps`` (steps may run under the
+    overlap scheduler, ``engine/overlap.py``: nothing the family does on the host needs the
+    previous step's tokens), ``description`` (for error messages).
     """
 
     budgeted = False
+    overlaps = True
     traced = False
     streams_steps = False
     takes_exit_fields = False
@@ -124,6 +127,11 @@ class Family:
     def latents_count_as_output(self, req: Req) -> bool:
         """Whether ``req``'s latent positions count against ``max_tokens``."""
         return False
+
+    def truncate(self, req: Req) -> None:
+        """``req.output_ids`` were cut (overlap mode: the request finished on a token of an
+        earlier batch than the last it was launched in); drop the family's per-token records
+        past them."""
 
     def output_fields(self, req: Req, done: bool) -> dict:
         """The family's ``StepOutput`` fields for ``req`` (``done``: its final output)."""

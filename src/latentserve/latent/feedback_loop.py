@@ -17,6 +17,7 @@ from latentserve.latent.family import Admission, Family
 
 
 class FeedbackFamily(Family):
+    overlaps = False  # its latent steps read the previous step's outputs on the host
     budgeted = True
     traced = True
     streams_steps = True

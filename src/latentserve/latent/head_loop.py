@@ -227,6 +227,8 @@ class HeadFamily(Family):
     server defaults (``latent.head.head_defaults``, read once at start-up; ValueError if
     malformed), latent inputs by :func:`next_inputs`."""
 
+    overlaps = False  # its latent steps read the previous step's outputs on the host
+
     streams_steps = True
     takes_head_controls = True
     description = "a compression-head model"

@@ -202,6 +202,8 @@ class LoopFamily(Family):
     block after the first (:func:`start_request`); after each forward :func:`after_forward`
     lays out the next pass's inputs, so there are no per-step latent inputs."""
 
+    overlaps = False  # its latent steps read the previous step's outputs on the host
+
     budgeted = True
     streams_steps = True
     description = "a looped-block model"

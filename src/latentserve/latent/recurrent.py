@@ -519,6 +519,12 @@ class RecurrentFamily(Family):
             n = 1 if req.num_computed >= p else min(n, p - req.num_computed)
         return n
 
+    def truncate(self, req: Req) -> None:
+        """One iteration count (and trace entry) per sampled token: none past the output."""
+        n = len(req.output_ids)
+        del req.state.iters[n:]
+        del req.latent_trace[n:]
+
     def output_fields(self, req: Req, done: bool) -> dict:
         fields = super().output_fields(req, done)
         if done and req.state.iters:

@@ -236,6 +236,7 @@ class Scheduler:
                 reason = self._finish_reason(req, tok, idx + 1)
                 if reason is not None:
                     del req.output_ids[idx + 1 :]
+                    self.family.truncate(req)
                     req.num_computed = min(req.num_computed, req.seq_len)
                     if req.status is ReqStatus.RUNNING:
                         self.running.remove(req)

@@ -198,3 +198,23 @@ def _save(out_dir, cfg, sd, save_file, save_word_tokenizer, vocab) -> Path:
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
     save_word_tokenizer(out, vocab_size=vocab)
     return out
+
+
+def mixed_recurrent_requests(family: str) -> list:
+    """``[(prompt ids, SamplingParams)]`` over ``RECURRENT_PROMPTS`` for a ``family``
+    (``"huginn"`` or ``"ouro"``) model: greedy and seeded sampling, default and own depths,
+    an exit rule on half of them, a trace on half of them (ignore_eos, 6 to 9 tokens)."""
+    from latentserve.sampling_params import SamplingParams
+
+    exit_fields = ({"exit_criterion": "kl", "exit_threshold": 0.01} if family == "huginn"
+                   else {"exit_criterion": "threshold", "exit_threshold": 0.5})
+    kinds = [
+        SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, latent_budget=4),
+        SamplingParams(max_tokens=7, temperature=0.9, seed=3, ignore_eos=True,
+                       return_latent_trace=True),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, latent_budget=2,
+                       return_latent_trace=True, **exit_fields),
+        SamplingParams(max_tokens=6, temperature=0.7, top_k=20, seed=11, ignore_eos=True,
+                       **exit_fields),
+    ]
+    return [(p, kinds[i % len(kinds)]) for i, p in enumerate(RECURRENT_PROMPTS)]

@@ -39,10 +39,33 @@ def run_requests(engine, requests):
         runner.run = original
     engine.cache.check_idle()
     config = getattr(engine, "config", None)
-    if getattr(config, "use_overlap_schedule", False) and engine.latent_spec is None:
+    if getattr(config, "use_overlap_schedule", False) and engine.family.overlaps:
         for r in rids:  # one sampled row per token; the rest are discarded rows
             del logits[r][len(toks[r]):]
     return [(toks[r], logits[r], final[r]) for r in rids]
+
+
+def spy_overlapped(engine) -> list[bool]:
+    """Record, per forward of ``engine``, whether it read pending ids from the previous
+    forward (overlap mode); returns the list it appends to."""
+    seen, original = [], engine.runner.run
+
+    def spy(batch, pending=None):
+        seen.append(pending is not None)
+        return original(batch, pending)
+
+    engine.runner.run = spy
+    return seen
+
+
+def assert_same_outputs(reference, other) -> None:
+    """``run_requests`` results with equal tokens, finish reasons, ``recurrence`` stats and
+    latent traces."""
+    for i, ((wt, _, wf), (gt, _, gf)) in enumerate(zip(reference, other)):
+        assert gt == wt, f"request {i}: tokens"
+        assert gf.finish_reason == wf.finish_reason, f"request {i}: finish reason"
+        assert gf.recurrence == wf.recurrence, f"request {i}: iterations per token"
+        assert gf.latent_trace == wf.latent_trace, f"request {i}: trace"
 
 
 def assert_same(reference, other, atol: float = 1e-4) -> None:
