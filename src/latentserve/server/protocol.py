@@ -450,7 +450,9 @@ class CompletionResponse(_Response):
 class ModelCard(BaseModel):
     """One ``/v1/models`` entry, with vLLM's extra keys (``vllm/entrypoints/openai/
     protocol.py``: ``root`` the model path, ``parent`` None but for adapters,
-    ``max_model_len``), so that ``vllm bench serve`` and lm-eval find the model."""
+    ``max_model_len``), so that ``vllm bench serve`` and lm-eval find the model; ``latent``:
+    the model's latent family and the controls it takes (``server/latent_card.py``; null for
+    a plain model)."""
 
     id: str
     object: Literal["model"] = "model"
@@ -459,6 +461,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int
+    latent: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):
