@@ -83,7 +83,8 @@ class Req:
     latent_start: int = 0
     latent_embeds: list = field(default_factory=list)  # (tensor, row) per latent position
     answer_start: int | None = 0
-    # return_latent_trace: per latent step {"norm", "top_tokens"} (feedback models), per
+    # return_latent_trace: per latent step {"norm", "top_tokens", "top_probs"[, "stop_prob"]}
+    # (feedback models, compression heads: latent/lens.py), per
     # sampled token {"depth"[, "readout_step"]} (recurrent depth: RecurrentBatch.record)
     latent_trace: list = field(default_factory=list)
     cache_salt: int = 0

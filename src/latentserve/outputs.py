@@ -53,11 +53,12 @@ class StepOutput:
     ``latent_steps`` counts the latent positions the request has run so far (a looped
     block: block size x passes completed);
     ``latent_trace`` (on the final output, when asked for) lists per latent step
-    ``{"norm": float, "top_tokens": [[id, logit], ...5]}`` (feedback models), or per
+    ``{"norm": float, "top_tokens": [[id, logit], ...5], "top_probs": [p, ...5]}`` (feedback
+    models; compression heads add ``"stop_prob"``; ``latent/lens.py``), or per
     generated token (recurrent-depth models; ``SamplingParams.return_latent_trace``)
     ``{"depth": int}`` (Huginn) / ``{"depth": int, "readout_step": int | None}`` (Ouro);
-    a latent step's progress output (``stream_latent_steps``) of a traced feedback request
-    carries that step's entry alone.
+    a latent step's progress output (``stream_latent_steps``) of a traced request carries
+    that step's entry alone.
     ``logprobs`` (only when the request asked for them) is aligned with ``new_token_ids``.
     ``prompt_logprobs`` (``params.prompt_logprobs`` set): one entry per prompt token as the
     client sent it (None for the first), on the first output after the prompt is computed.

@@ -55,9 +55,11 @@ class SamplingParams:
     first has none); such a request computes its whole prompt (no prefix-cache hit) and
     gets the list on one ``StepOutput``. Costs nothing for requests that leave it None.
 
-    ``return_latent_trace`` (feedback-latent and recurrent-depth models only; any other
-    model refuses it with a ValueError naming it): the final output's ``latent_trace`` lists,
-    for a feedback model, each latent step's ``{"norm", "top_tokens"}``; for a
+    ``return_latent_trace`` (feedback-latent, compression-head and recurrent-depth models
+    only; any other model refuses it with a ValueError naming it): the final output's
+    ``latent_trace`` lists, for a feedback model or a compression head, each latent step's
+    ``{"norm", "top_tokens", "top_probs"}`` (``latent/lens.py``; a head's with
+    ``"stop_prob"``); for a
     recurrent-depth model, one entry per generated token, ``{"depth": n}`` (Huginn) or
     ``{"depth": n, "readout_step": e}`` (Ouro), for the position the token was sampled
     from: ``n`` loop iterations run there (< ``latent_budget`` after an early exit) and ``e``

@@ -4,7 +4,9 @@
 * ``scripted_server``: the scripted tiny Llama of ``server_testlib`` (no API key);
 * ``tool_chat_server``: a scripted chat model (``TOOL_CHAT_*`` below) that calls a tool,
   answers after the tool's result, or thinks in ``<think>`` text, served with
-  ``--tool-call-parser hermes --reasoning-parser qwen3`` (no API key).
+  ``--tool-call-parser hermes --reasoning-parser qwen3`` (no API key);
+* ``colar_key_server``: a tiny CoLaR whose stop fires (``COLAR_STOPS``) behind ``API_KEY``
+  (the viewer's and the streamed latent trace's tests).
 """
 
 import pytest
@@ -89,6 +91,23 @@ def server(tiny_model_dir):
 
     srv = start_server(EngineConfig(model=str(tiny_model_dir), max_num_seqs=8), timeout=300,
                        api_key=API_KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def colar_key_server(tmp_path_factory):
+    """A tiny CoLaR (speed 2 of 1..5, ``max_latent`` 12) behind ``API_KEY``; its
+    ``model_dir`` attribute is the directory it serves."""
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+    from latentserve.testing.colar_models import save_colar_tiny
+
+    d = save_colar_tiny(tmp_path_factory.mktemp("colar-key") / "m", stop_push=16.0,
+                        compression_factor=2, max_compression_factor=5, max_latent=12)
+    srv = start_server(EngineConfig(model=str(d), max_num_seqs=4), timeout=300,
+                       api_key=API_KEY)
+    srv.model_dir = str(d)
     yield srv
     srv.stop()
 

@@ -12,6 +12,10 @@ import time
 MAX_MODEL_LEN = 256
 API_KEY = "test-key-123"
 VOCAB = 49152
+# A completion prompt on which the tiny CoLaR of ``colar_key_server`` stops after 4 latent
+# steps (greedy): the stop fires, so a client sees the phase end with ``end: "stop"``.
+COLAR_STOPS = "Question: w75 w76 w77 Let's think step by step:"
+COLAR_STOP_STEPS = 4
 
 # --- the scripted model --------------------------------------------------------------------
 # next-token logits for the current token: {token: [(next token, logit), ...]}, others 0.

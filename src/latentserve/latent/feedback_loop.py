@@ -55,7 +55,8 @@ class FeedbackFamily(Family):
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
         """The feedback hook runs once, batched, on the thinking rows (after a graph replay
         CODI's ``prj`` has already run in the decode graph's latent graph). Records the
-        latent trace (norm, logit-lens top 5) of requests that asked for it."""
+        latent trace (``latent/lens.py``: norm, logit-lens top 5) of requests that asked
+        for it."""
         rows = [i for i, r in enumerate(reqs) if self.thinking(r)]
         if not rows:
             return None
@@ -75,14 +76,11 @@ class FeedbackFamily(Family):
                 vecs = src[idx] if pre is not None else model.latent_feedback(last_hidden[idx])
         traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
         if traced:
-            with torch.inference_mode():
-                lens = model.compute_logits(vecs[torch.tensor(traced, device=vecs.device)])
-            top = lens.topk(5, dim=-1)
-            for k, j in enumerate(traced):
-                reqs[rows[j]].latent_trace.append({
-                    "norm": float(vecs[j].float().norm()),
-                    "top_tokens": [[int(t), float(v)] for t, v in
-                                   zip(top.indices[k].tolist(), top.values[k].tolist())]})
+            from latentserve.latent.lens import lens_entries
+
+            sel = vecs[torch.tensor(traced, device=vecs.device)]
+            for j, entry in zip(traced, lens_entries(model, sel)):
+                reqs[rows[j]].latent_trace.append(entry)
         if every:
             return [(vecs, j) for j in range(len(rows))]
         out: list = [None] * len(reqs)

@@ -26,7 +26,7 @@ answer-budget floor (addon ``serving.py`` ``_apply_output_floor``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -353,7 +353,9 @@ class HeadSettings(LatentState):
 
     ``steps``: latent positions run; ``stop_step``: steps done when the stop fired (None
     otherwise); ``max_stop_prob``: the largest stop probability seen at any decision (None
-    without a stop head); ``end``: ``"stop"``, ``"cap"`` or ``"length"`` (output budget or
+    without a stop head); ``last_stop_prob``: the one read at the latest decision (CoLaR:
+    the LM head's probability of ``###``, read only for a request that traces its steps;
+    None otherwise), reported as ``end_stop_prob`` once the phase has ended; ``end``: ``"stop"``, ``"cap"`` or ``"length"`` (output budget or
     context spent inside the latent phase), None while running or with thinking off.
     ``reported``: the settled stats went out on a ``StepOutput`` before the final one.
     ``answer_budget``: ``max_tokens`` counts answer tokens only (CoLaR: latent steps are
@@ -373,8 +375,8 @@ class HeadSettings(LatentState):
     steps: int = 0
     stop_step: int | None = None
     max_stop_prob: float | None = None
+    last_stop_prob: float | None = None
     end: str | None = None
-    probs: list = field(default_factory=list)
     # Policy sampling (latent.head_loop.set_policy_sampling): per latent step the anchor
     # ``[H]`` and the sampled latent ``[L]`` (float32, CPU), or with ``record`` the injected
     # input ``[H]`` (float32, CPU, CoLaR); None when nothing is recorded.
@@ -396,6 +398,8 @@ class HeadSettings(LatentState):
                "end": self.end, "max_latent": self.max_latent, "min_latent": self.min_latent,
                "use_stop": self.use_stop, "stop_threshold": self.stop_threshold,
                "min_output_tokens": self.min_output_tokens}
+        if self.end is not None and self.last_stop_prob is not None:
+            out["end_stop_prob"] = self.last_stop_prob
         if self.compression_factor is not None:  # CoLaR: its controls instead of the floor's
             del out["stop_threshold"], out["min_output_tokens"]
             out["compression_factor"] = self.compression_factor

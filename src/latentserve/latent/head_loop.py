@@ -113,6 +113,7 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
         k, p = h.steps, probs[j]
         if p is not None:
             h.max_stop_prob = p if h.max_stop_prob is None else max(h.max_stop_prob, p)
+            h.last_stop_prob = p
         if stop_token is None:
             fired = p is not None and p > h.stop_threshold
         else:  # CoLaR: the LM head named the separator at a latent position
@@ -228,7 +229,7 @@ class HeadFamily(Family):
     malformed), latent inputs by :func:`next_inputs`."""
 
     overlaps = False  # its latent steps read the previous step's outputs on the host
-
+    traced = True
     streams_steps = True
     takes_head_controls = True
     description = "a compression-head model"
@@ -241,6 +242,9 @@ class HeadFamily(Family):
         runner.set_capture(runner.model.latent_head.capture_layer)  # -1: final-normed hidden
 
     def admit(self, prompt_ids, params) -> Admission:
+        if self.engine.tp is not None and params.return_latent_trace:
+            raise ValueError("return_latent_trace is not supported with "
+                             "tensor_parallel_size > 1 on compression-head models")
         params, hs, start_ids = prepare_request(self.engine.runner.model, self.spec,
                                                 self.defaults, prompt_ids, params)
 
@@ -280,7 +284,39 @@ class HeadFamily(Family):
         return fields
 
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
+        """The latent inputs of :func:`next_inputs`; with ``return_latent_trace``, each
+        closed-loop latent step's entry (:func:`trace_steps`)."""
         runner = self.engine.runner
         anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
-        return next_inputs(runner.model.latent_head, reqs, anchors, runner.latent_outputs,
-                           tokens)
+        traced = [i for i, r in enumerate(reqs) if r.params.return_latent_trace
+                  and r.state is not None and r.answer_start is None]
+        head = runner.model.latent_head
+        if traced and head.stop_token is not None:  # CoLaR: the stop is a sampled token
+            with torch.inference_mode():
+                rows = logits[torch.tensor(traced, device=logits.device)].float()
+                p = rows.softmax(-1)[:, head.stop_token].tolist()
+            for i, prob in zip(traced, p):
+                reqs[i].state.last_stop_prob = prob
+        out = next_inputs(head, reqs, anchors, runner.latent_outputs, tokens)
+        if traced and out is not None:
+            trace_steps(runner.model, reqs, traced, out)
+        return out
+
+
+def trace_steps(model, reqs: list[Req], rows: list[int], out: list) -> None:
+    """Append one trace entry to each of ``rows`` of ``reqs`` whose :func:`next_inputs`
+    entry ``out[i]`` is a new latent input: its logit lens (``latent/lens.py``) and
+    ``stop_prob``, the stop probability read at the decision that ran the step (from the
+    output of the position before it; CoLaR: the LM head's probability of ``###``; None for
+    a head without a stop). The decision that ends the phase runs no step: its probability
+    is the stats' ``end_stop_prob``."""
+    from latentserve.latent.lens import lens_entries
+
+    stepped = [i for i in rows if out[i] is not None]
+    if not stepped:
+        return
+    with torch.inference_mode():
+        vecs = torch.stack([out[i][0][out[i][1]] for i in stepped])
+    for i, entry in zip(stepped, lens_entries(model, vecs)):
+        entry["stop_prob"] = reqs[i].state.last_stop_prob
+        reqs[i].latent_trace.append(entry)

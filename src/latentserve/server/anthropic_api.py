@@ -377,7 +377,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
                   else None)
         events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
-                         answer.parser(state), latent)
+                         answer.parser(state), latent, texts)
         return sse_response(sse_events(
             request, state, reqs, events, error_event=_error_event,
             internal_error_event=_event("error", anthropic_error_body(
@@ -401,7 +401,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string, bool(uses))
     msg = _message(msg_id, state.model_name, blocks + uses, stop_reason, stop_sequence,
                    len(prompt_ids), result.num_output_tokens)
-    return _with_latent(msg, latent_info(result, asked))
+    return _with_latent(msg, latent_info(result, asked, texts))
 
 
 def _with_latent(obj: dict, info) -> dict:
@@ -466,7 +466,7 @@ class _Blocks:
 
 async def _events(msg_id: str, model: str, input_tokens: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], asked: bool,
-                  parser: OutputParser, latent: LatentReasoning | None
+                  parser: OutputParser, latent: LatentReasoning | None, texts=None
                   ) -> AsyncIterator[str]:
     from latentserve.server.serving import latent_info
 
@@ -512,5 +512,6 @@ async def _events(msg_id: str, model: str, input_tokens: int,
     yield _event("message_delta", _with_latent({
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-        "usage": {"output_tokens": last.num_output_tokens}}, latent_info(last, asked)))
+        "usage": {"output_tokens": last.num_output_tokens}},
+        latent_info(last, asked, texts)))
     yield _event("message_stop", {"type": "message_stop"})

@@ -35,7 +35,9 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     ``POST /detokenize``, ``GET /health`` (the engine's stats, including
     ``kv_slots_free`` / ``kv_slots_cached`` / ``kv_slots_total``: live, or when the engine
     does not answer within ``HEALTH_STATS_WAIT_S`` (a long step) the last ones,
-    ``engine_stats_age_s`` old; 503 once the engine process is gone), ``GET /version``, ``GET /metrics`` (Prometheus). ``api_key`` (None: no
+    ``engine_stats_age_s`` old; 503 once the engine process is gone), ``GET /version``, ``GET /metrics`` (Prometheus), ``GET /viewer/`` (the latent-reasoning
+    viewer's static page, ``server/viewer/``; open, it reads the API with the key a person
+    types in). ``api_key`` (None: no
     authentication) and the first model's ``limits.max_request_body_bytes`` are enforced by
     ``security.GuardMiddleware``; ``cors`` (None: ``DEFAULT_CORS``) configures Starlette's
     ``CORSMiddleware``; POST bodies are JSON whatever their ``Content-Type``
@@ -59,6 +61,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from latentserve.server.chat import create_chat_completion
     from latentserve.server.completions import create_completion
     from latentserve.server.errors import APIError, install_error_handlers
+    from latentserve.server.latent_card import latent_card
     from latentserve.server.logprobs import token_texts
     from latentserve.server.metrics import MetricsRegistry
     from latentserve.server.params import check_model as check_served_model
@@ -133,8 +136,9 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     def cards(s: ServerState) -> list[ModelCard]:
         """One card per name the model is served under (vLLM lists each)."""
-        return [ModelCard(id=name, root=s.root or s.model_name, max_model_len=s.max_model_len)
-                for name in (s.model_name, *s.aliases)]
+        latent = latent_card(s.latent_spec)
+        return [ModelCard(id=name, root=s.root or s.model_name, max_model_len=s.max_model_len,
+                          latent=latent) for name in (s.model_name, *s.aliases)]
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -237,6 +241,18 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
                 "running": sum(e["running"] for e in ok),
                 "aborts_sent": sum(e["aborts_sent"] for e in ok), "models": entries}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    from pathlib import Path
+
+    from fastapi.responses import RedirectResponse
+    from fastapi.staticfiles import StaticFiles
+
+    @app.get("/viewer", include_in_schema=False)
+    async def viewer():
+        return RedirectResponse("viewer/")  # relative: works behind a path prefix too
+
+    app.mount("/viewer", StaticFiles(directory=Path(__file__).parent / "viewer", html=True),
+              name="viewer")
 
     @app.get("/version", response_model=None)
     async def version():

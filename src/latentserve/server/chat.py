@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from latentserve.server.errors import APIError
 from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.latent_trace import tick_infos
 from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.output_parser import (
     CallDelta,
@@ -134,7 +135,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                   for _ in reqs]
         chunks = _chunks(state, rid, len(prompt_ids), len(reqs), deltas, body.include_usage,
                          logprobs is not None, as_ids, bool(body.return_latent_trace),
-                         [parser() for _ in reqs], latent, choice)
+                         [parser() for _ in reqs], latent, choice, ticks)
         return sse_response(sse_events(request, state, reqs, chunks))
     results = await collect(request, state, reqs, arrival)
     choices = []
@@ -152,7 +153,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                                                                    bool(calls), choice),
             logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
                       if logprobs is not None else None),
-            latent=r.latent_info(bool(body.return_latent_trace))))
+            latent=r.latent_info(bool(body.return_latent_trace), texts)))
     return ChatCompletionResponse(
         id=rid, model=state.model_name, choices=choices,
         usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
@@ -182,15 +183,20 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
                   want_logprobs: bool, as_ids: bool, trace: bool,
                   parsers: list[OutputParser], latent: list[LatentReasoning | None],
-                  choice: ToolChoice) -> AsyncIterator[ChatCompletionChunk]:
-    """Per choice: a role chunk; per delta, the latent reasoning it releases (one
-    ``reasoning_content`` chunk per latent step, or the step count once), then one chunk
-    with what its parser releases (``reasoning_content``, ``content``, ``tool_calls``) and
-    the delta's logprobs; one chunk with the finish reason and the choice's ``latent``
-    field (as in the non-streamed response; left out when None); then (if asked) one
-    usage chunk with no choices."""
+                  choice: ToolChoice, ticks: bool = False
+                  ) -> AsyncIterator[ChatCompletionChunk]:
+    """Per choice: a role chunk; per delta, the latent reasoning it releases (one chunk per
+    latent step, or the step count once), then one chunk with what its parser releases
+    (``reasoning_content``, ``content``, ``tool_calls``) and the delta's logprobs; one chunk
+    with the finish reason and the choice's ``latent`` field (as in the non-streamed
+    response; left out when None); then (if asked) one usage chunk with no choices.
+
+    With ``ticks`` (``stream_latent_steps``) a latent step's chunk carries its
+    ``reasoning_content`` line (none with ``include_reasoning`` false) and ``latent``:
+    ``{"steps": k}``, with ``trace`` the step's entry (``latent_trace.tick_infos``)."""
     model = state.model_name
     texts = token_texts(state.tokenizer)
+    shown = [0] * n  # latent steps announced per choice (ticks)
 
     def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None,
               lps=None, latent=None) -> ChatCompletionChunk:
@@ -205,7 +211,15 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
     called = [False] * n
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
-        for text in latent[i].step_texts(delta) if latent[i] is not None else ():
+        lines = latent[i].step_texts(delta) if latent[i] is not None else []
+        if ticks and delta.latent_tick:
+            infos = tick_infos(delta, shown[i], trace, texts)
+            shown[i] = delta.latent_steps
+            lines = [None] * (len(infos) - len(lines)) + lines
+            for line, info in zip(lines, infos):
+                yield chunk(i, DeltaMessage(reasoning_content=line), latent=info)
+            lines = []
+        for text in lines:
             yield chunk(i, DeltaMessage(reasoning_content=text))
         piece = parsers[i].feed(delta.text)
         if delta.finish_reason is not None:
@@ -218,7 +232,7 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
         if delta.finish_reason is not None:
             yield chunk(i, DeltaMessage(), _finish_reason(delta.finish_reason, called[i],
                                                           choice),
-                        latent=latent_info(delta, trace))
+                        latent=latent_info(delta, trace, texts))
     if include_usage:
         yield ChatCompletionChunk(id=rid, model=model, choices=[],
                                   usage=Usage.of(num_prompt_tokens, sum(tokens)))

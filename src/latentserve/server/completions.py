@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.latent_trace import tick_infos
 from latentserve.server.logprobs import (
     completion_logprobs,
     echo_logprobs,
@@ -25,6 +26,7 @@ from latentserve.server.params import (
     refuse_head_controls,
     refuse_stream_steps,
     sampling_params,
+    stream_latent_steps,
 )
 from latentserve.server.prompts import check_prompt_length, completion_prompts
 from latentserve.server.protocol import (
@@ -61,11 +63,12 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     head = head_controls(request, body)
     refuse_head_controls(request, body, head, state.latent_spec)
     refuse_stream_steps(request, body, state.latent_spec)
+    ticks = bool(body.stream) and stream_latent_steps(request, body)
     for p, (ids, text) in enumerate(prompts):
         check_prompt_length(len(ids), state.max_model_len, "prompt")
         params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
                                  state.max_model_len, body.logprobs, budget, head,
-                                 prompt_logprobs,
+                                 prompt_logprobs, stream_latent_steps=ticks,
                                  latent_positions=latent_positions(state.latent_spec, budget),
                                  defaults=state.sampling_defaults)
         for j, choice_params in enumerate(fan_out(params, n)):
@@ -96,7 +99,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
                                                   r.prompt_logprobs, as_ids), lps)
         choices.append(CompletionChoice(index=i, text=echoes[i] + r.text,
                                         finish_reason=r.finish_reason, logprobs=lps,
-                                        latent=r.latent_info(bool(body.return_latent_trace))))
+                                        latent=r.latent_info(bool(body.return_latent_trace),
+                                                             texts)))
     return CompletionResponse(
         id=rid, model=state.model_name, choices=choices,
         usage=Usage.of(num_prompt_tokens, sum(r.num_output_tokens for r in results)))
@@ -116,9 +120,11 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: 
     """Per choice: the echoed prompt (if asked; with logprobs, once the prompt's logprobs
     arrive with the choice's first delta), text chunks, the last one carrying the finish
     reason and the ``latent`` field (as in the non-streamed response); then (if asked) one
-    usage chunk with no choices."""
+    usage chunk with no choices. With ``stream_latent_steps`` each latent step is a chunk
+    with ``text`` "" and ``latent`` (``latent_trace.tick_infos``), as on chat."""
     model = state.model_name
     texts = token_texts(state.tokenizer)
+    shown = [0] * len(echoes)  # latent steps announced per choice (ticks)
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
     echo_later = want_logprobs and any(echoes)  # the echo chunk waits for prompt logprobs
@@ -135,12 +141,17 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: 
             lps = echo_logprobs(texts, reqs[i].prompt_ids, delta.prompt_logprobs, as_ids)
             yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
                 index=i, text=echoes[i], logprobs=lps)])
+        if delta.latent_tick:
+            for info in tick_infos(delta, shown[i], trace, texts):
+                yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
+                    index=i, text="", latent=info)])
+            shown[i] = delta.latent_steps
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             continue
         lps = None
         if want_logprobs:
             lps, offsets[i] = completion_logprobs(texts, delta.logprobs, offsets[i], as_ids)
-        latent = latent_info(delta, trace) if delta.finish_reason is not None else None
+        latent = latent_info(delta, trace, texts) if delta.finish_reason is not None else None
         yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
             index=i, text=delta.text, finish_reason=delta.finish_reason, logprobs=lps,
             latent=latent)])

@@ -351,9 +351,12 @@ class AssistantMessage(BaseModel):
 class LatentInfo(BaseModel):
     """What one choice spent on latent reasoning: ``steps`` latent positions run, and with
     ``return_latent_trace`` the ``trace``: per latent step ``{"norm", "top_tokens": [[id,
-    logit], ...]}`` (feedback models), or per generated token ``{"depth"}`` (Huginn) /
-    ``{"depth", "readout_step"}`` (Ouro; null for the weighted readout), as
-    ``SamplingParams.return_latent_trace`` says. Streamed, it is on the final chunk only."""
+    logit], ...], "top_probs", "top_texts"}`` (feedback models, compression heads with
+    ``stop_prob``; ``server/latent_trace.py``), or per generated token ``{"depth"}`` (Huginn)
+    / ``{"depth", "readout_step"}`` (Ouro; null for the weighted readout), as
+    ``SamplingParams.return_latent_trace`` says. Streamed, it is on the final chunk, and with
+    ``stream_latent_steps`` on each latent step's chunk: ``steps`` that step's number and
+    ``trace`` its entry alone."""
 
     steps: int
     trace: list[dict] | None = None
@@ -450,7 +453,9 @@ class CompletionResponse(_Response):
 class ModelCard(BaseModel):
     """One ``/v1/models`` entry, with vLLM's extra keys (``vllm/entrypoints/openai/
     protocol.py``: ``root`` the model path, ``parent`` None but for adapters,
-    ``max_model_len``), so that ``vllm bench serve`` and lm-eval find the model."""
+    ``max_model_len``), so that ``vllm bench serve`` and lm-eval find the model; ``latent``:
+    the model's latent family and the controls it takes (``server/latent_card.py``; null for
+    a plain model)."""
 
     id: str
     object: Literal["model"] = "model"
@@ -459,6 +464,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int
+    latent: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

@@ -61,9 +61,9 @@ class ChoiceResult:
     prompt_logprobs: list | None = None
     step_trace: list = field(default_factory=list)  # the ticks' trace entries, per step
 
-    def latent_info(self, asked: bool):
+    def latent_info(self, asked: bool, texts=None):
         """The choice's ``latent`` field (see :func:`latent_info`)."""
-        return latent_info(self, asked)
+        return latent_info(self, asked, texts)
 
     def add(self, delta: TextDelta) -> None:
         """Fold one delta of this choice in."""
@@ -80,17 +80,20 @@ class ChoiceResult:
             self.latent_stats, self.recurrence = delta.latent_stats, delta.recurrence
 
 
-def latent_info(final, asked: bool):
+def latent_info(final, asked: bool, texts=None):
     """The ``latent`` field of a choice from its final ``TextDelta`` or ``ChoiceResult``:
     None for a request that ran no latent step, asked for no trace (``asked``:
     ``return_latent_trace``) and has no compression-head stats. With ``asked``, the
-    per-step trace and, for a recurrent-depth model, the iterations per token
-    (``recurrence``: tokens, mean_iterations, histogram)."""
+    per-step trace (with ``texts``, the tokenizer's ``logprobs.TokenTexts``, each step's
+    ``top_texts``: ``latent_trace.with_texts``) and, for a recurrent-depth model, the
+    iterations per token (``recurrence``: tokens, mean_iterations, histogram)."""
+    from latentserve.server.latent_trace import with_texts
     from latentserve.server.protocol import LatentInfo
 
     if not asked and not final.latent_steps and final.latent_stats is None:
         return None
-    return LatentInfo(steps=final.latent_steps, trace=final.latent_trace if asked else None,
+    trace = final.latent_trace if texts is None else with_texts(final.latent_trace, texts)
+    return LatentInfo(steps=final.latent_steps, trace=trace if asked else None,
                       stats=final.latent_stats,
                       recurrence=final.recurrence if asked else None)
 

@@ -1,0 +1,35 @@
+"""A latent step's trace entry (``SamplingParams.return_latent_trace``): the logit lens of
+the step's input vector, read through the model's LM head (nostalgebraist, "interpreting GPT:
+the logit lens", 2020; COCONUT arXiv 2412.06769 reads its continuous thoughts the same way).
+
+One entry per latent step, as ``StepOutput.latent_trace`` carries it::
+
+    {"norm": float, "top_tokens": [[id, logit], ...k], "top_probs": [p, ...k]}
+
+``top_tokens`` most likely first; ``top_probs`` their softmax probabilities over the whole
+vocabulary (not renormalised over the k). Families add their own keys (a head's
+``stop_prob``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LENS_TOP = 5  # tokens per latent step
+
+
+def lens_entries(model, vecs: torch.Tensor, k: int = LENS_TOP) -> list[dict]:
+    """The trace entries of latent inputs ``vecs`` ``[n, hidden]`` (any float dtype), one per
+    row: their L2 norm, the ``k`` largest LM-head logits (``model.compute_logits``) and those
+    tokens' probabilities."""
+    if vecs.shape[0] == 0:
+        return []
+    with torch.inference_mode():
+        logits = model.compute_logits(vecs).float()
+        top = logits.topk(k, dim=-1)
+        probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp()
+        norms = vecs.float().norm(dim=-1)
+    return [{"norm": float(n), "top_tokens": [[int(t), float(v)] for t, v in zip(ids, vals)],
+             "top_probs": [float(p) for p in ps]}
+            for n, ids, vals, ps in zip(norms.tolist(), top.indices.tolist(),
+                                        top.values.tolist(), probs.tolist())]

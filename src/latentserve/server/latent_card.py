@@ -1,0 +1,49 @@
+"""What ``/v1/models`` says of a served model's latent reasoning (the ``latent`` key of its
+card), so a client (the viewer, ``server/viewer/``) shows only the controls the model takes.
+
+For a plain model the key is null; otherwise::
+
+    {"kind": "feedback" | "head" | "loop" | "recurrent", "family": "coconut", ...,
+     "controls": ["latent_budget", ...],   # the body fields of docs/server.md it takes
+     "budget": {"default": 6, "min": 0, "max": 16} | null,   # latent_budget's range
+     "max_compression_factor": 5 | null,   # CoLaR
+     "exit_criteria": ["entropy-diff", ...] | null,   # recurrent depth
+     "block_size": 4 | null,               # looped blocks: positions per pass
+     "return_latent_trace": bool, "stream_latent_steps": bool}
+"""
+
+from __future__ import annotations
+
+_TRACED = ("feedback", "head", "recurrent")
+_STREAMED = ("feedback", "head", "loop")
+_EXIT_FIELDS = ("exit_criterion", "exit_threshold", "exit_min_steps", "exit_check_every")
+
+
+def latent_card(spec) -> dict | None:
+    """The card's ``latent`` object for a ``LatentSpec`` (None: a plain model)."""
+    if spec is None:
+        return None
+    from latentserve.latent.head import CONTROLS as HEAD_CONTROLS
+    from latentserve.latent.recurrent import HUGINN_AUTO_THRESHOLDS, OURO_CRITERIA
+
+    kind = spec.kind
+    if kind == "head":
+        controls = list(spec.controls or HEAD_CONTROLS)
+    else:
+        controls = ["latent_budget"]
+    if kind == "recurrent":
+        controls += _EXIT_FIELDS
+        if spec.family == "huginn":
+            controls.append("exit_semantics")
+    if spec.upstream_eos_from:
+        controls.append("upstream_stop_rules")
+    criteria = None
+    if kind == "recurrent":
+        criteria = (list(OURO_CRITERIA) if spec.family == "ouro"
+                    else [*HUGINN_AUTO_THRESHOLDS, "none"])
+    budget = None if kind == "head" else {"default": spec.default_budget,
+                                          "min": spec.min_budget, "max": spec.max_budget}
+    return {"kind": kind, "family": spec.family, "controls": controls, "budget": budget,
+            "max_compression_factor": spec.max_compression_factor or None,
+            "exit_criteria": criteria, "block_size": spec.block_size or None,
+            "return_latent_trace": kind in _TRACED, "stream_latent_steps": kind in _STREAMED}

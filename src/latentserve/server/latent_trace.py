@@ -1,0 +1,46 @@
+"""The public shape of a latent trace: the engine's entries (``StepOutput.latent_trace``,
+``latent/lens.py``) with decoded token strings, and the ``latent`` object a streamed tick
+carries (``docs/server.md``, "Latent reasoning").
+
+A latent step's entry (feedback and compression-head models)::
+
+    {"norm": 41.2, "top_tokens": [[22, 17.5], ...], "top_probs": [0.61, ...],
+     "top_texts": ["7", ...], "stop_prob": 0.02}
+
+``top_texts[i]`` is token ``top_tokens[i][0]`` decoded on its own (``logprobs.TokenTexts``:
+the text the token adds, U+FFFD for part of a UTF-8 character); ``stop_prob`` only on
+compression heads. A recurrent-depth entry (``{"depth"}``, Ouro ``{"depth",
+"readout_step"}``) names no token and is passed as it is.
+"""
+
+from __future__ import annotations
+
+
+def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
+    """Copies of trace ``entries`` with ``top_texts`` next to each ``top_tokens`` (``texts``:
+    the tokenizer's ``logprobs.TokenTexts``); None stays None. The engine's dicts are not
+    changed (a delta's entries are also a choice's collected trace)."""
+    if entries is None:
+        return None
+    out = []
+    for e in entries:
+        if isinstance(e, dict) and "top_tokens" in e:
+            e = {**e, "top_texts": [texts.text(int(t)) for t, _ in e["top_tokens"]]}
+        out.append(e)
+    return out
+
+
+def tick_infos(delta, first_step: int, asked: bool, texts) -> list:
+    """One ``LatentInfo`` per latent step a tick ``delta`` (``TextDelta.latent_tick`` > 0)
+    announces, steps ``first_step + 1 .. delta.latent_steps``: ``steps`` is the step's
+    number (1-based, so the latest count), ``trace`` (with ``asked``,
+    ``return_latent_trace``) the step's entry alone, ``[entry]`` (``[]`` when the engine
+    sent none for it: a tick of several steps carries the last ones' entries)."""
+    from latentserve.server.protocol import LatentInfo
+
+    new = max(delta.latent_steps - first_step, 0)
+    entries = with_texts(list(delta.latent_trace or [])[-new:] if new else [], texts) or []
+    entries = [None] * (new - len(entries)) + entries
+    return [LatentInfo(steps=first_step + j + 1,
+                       trace=([] if e is None else [e]) if asked else None)
+            for j, e in enumerate(entries)]

@@ -1,0 +1,452 @@
+// latentserve viewer: streams one prompt from the public API and draws the thinking.
+// Data: GET /v1/models (each card's `latent`: family and controls), then a streamed
+// /v1/chat/completions or /v1/completions with return_latent_trace and stream_latent_steps;
+// the chunk shapes are those of docs/server.md ("Latent reasoning", "Streamed latent steps").
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const models = {};  // id -> /v1/models card
+
+// name -> [input type, label]; only the controls a card lists are shown.
+const CONTROLS = {
+  latent_budget: ["number", "budget"],
+  thinking: ["bool", "thinking"],
+  max_latent: ["number", "max_latent"],
+  min_latent: ["number", "min_latent"],
+  use_stop: ["bool", "use_stop"],
+  stop_threshold: ["number", "stop_threshold"],
+  min_output_tokens: ["number", "min_output_tokens"],
+  compression_factor: ["number", "compression factor"],
+  latent_temperature: ["number", "latent temperature"],
+  exit_criterion: ["select", "exit criterion"],
+  exit_threshold: ["number", "exit threshold"],
+  exit_min_steps: ["number", "exit_min_steps"],
+  exit_check_every: ["number", "exit_check_every"],
+};
+
+function el(tag, attrs = {}, ...kids) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") e.className = v;
+    else if (k === "text") e.textContent = v;
+    else if (k === "style") e.style.cssText = v;
+    else e.setAttribute(k, v);
+  }
+  for (const kid of kids) if (kid != null) e.append(kid);
+  return e;
+}
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = $("key").value.trim();
+  if (key) h.Authorization = "Bearer " + key;
+  return h;
+}
+
+async function apiError(r) {
+  try {
+    const body = await r.json();
+    return `${r.status}: ${body.error ? body.error.message : JSON.stringify(body)}`;
+  } catch (e) {
+    return `${r.status} ${r.statusText}`;
+  }
+}
+
+// ----- models and controls -------------------------------------------------------------
+
+async function loadModels() {
+  sessionStorage.setItem("latentserve-key", $("key").value);
+  $("status").textContent = "loading models...";
+  const r = await fetch("/v1/models", { headers: headers() });
+  if (!r.ok) {
+    $("status").textContent = r.status === 401 ? "API key needed (401)" : await apiError(r);
+    return;
+  }
+  const cards = (await r.json()).data;
+  const select = $("model");
+  select.innerHTML = "";
+  for (const c of cards) {
+    models[c.id] = c;
+    select.append(el("option", { value: c.id, text: c.id }));
+  }
+  $("status").textContent = `${cards.length} model${cards.length === 1 ? "" : "s"}`;
+  showControls();
+}
+
+function latentOf(id) {
+  return (models[id] && models[id].latent) || null;
+}
+
+function showControls() {
+  const lat = latentOf($("model").value);
+  $("family").textContent = lat ? `${lat.family} (${lat.kind})` : "no latent reasoning";
+  const box = $("controls");
+  box.querySelectorAll("label").forEach((n) => n.remove());
+  box.classList.toggle("none", !lat);
+  for (const name of lat ? lat.controls : []) {
+    const spec = CONTROLS[name];
+    if (!spec) continue;
+    let input;
+    if (spec[0] === "bool") {
+      input = el("select", { id: "c_" + name },
+        el("option", { value: "", text: "default" }), el("option", { value: "true", text: "on" }),
+        el("option", { value: "false", text: "off" }));
+    } else if (spec[0] === "select") {
+      input = el("select", { id: "c_" + name }, el("option", { value: "", text: "default" }),
+        ...(lat.exit_criteria || []).map((c) => el("option", { value: c, text: c })));
+    } else {
+      input = el("input", { id: "c_" + name, type: "number", step: "any", placeholder: "default" });
+      if (name === "latent_budget" && lat.budget) {
+        input.min = lat.budget.min; input.max = lat.budget.max;
+        input.placeholder = String(lat.budget.default);
+      }
+      if (name === "compression_factor" && lat.max_compression_factor) {
+        input.min = 1; input.max = lat.max_compression_factor;
+      }
+    }
+    box.append(el("label", {}, spec[1] + " ", input));
+  }
+  const cmp = $("compare_with");
+  cmp.innerHTML = "";
+  if (lat && offSwitch(lat)) cmp.append(el("option", { value: "", text: "thinking off" }));
+  for (const id of Object.keys(models)) {
+    if (id !== $("model").value) cmp.append(el("option", { value: id, text: id }));
+  }
+}
+
+// The body fields that turn a model's thinking off, or null when it cannot be turned off.
+function offSwitch(lat) {
+  if (lat.kind === "head") return { thinking: false };
+  if (lat.kind === "recurrent") return null;  // every token recurs
+  return lat.budget && lat.budget.min === 0 ? { latent_budget: 0 } : null;
+}
+
+function controlValues(lat) {
+  const out = {};
+  for (const name of lat ? lat.controls : []) {
+    const input = $("c_" + name);
+    if (!input || input.value === "") continue;
+    const kind = CONTROLS[name][0];
+    out[name] = kind === "bool" ? input.value === "true"
+      : kind === "select" ? input.value : Number(input.value);
+  }
+  return out;
+}
+
+// ----- one run --------------------------------------------------------------------------
+
+function requestBody(model, route, extra) {
+  const lat = latentOf(model);
+  const body = {
+    model, stream: true, stream_options: { include_usage: true },
+    max_tokens: Number($("max_tokens").value) || 64,
+    temperature: Number($("temperature").value),
+  };
+  if (lat && lat.return_latent_trace) body.return_latent_trace = true;
+  if (lat && lat.stream_latent_steps) body.stream_latent_steps = true;
+  if (route === "chat") {
+    body.messages = [{ role: "user", content: $("prompt").value }];
+    body.logprobs = true;  // token texts: the heat map's cells, text CoT's thinking tokens
+  } else {
+    body.prompt = $("prompt").value;
+    body.logprobs = 0;
+  }
+  return Object.assign(body, extra);
+}
+
+class RunView {
+  constructor(title, lat) {
+    this.lat = lat;
+    this.cols = [];  // step entries, in order
+    this.tokens = [];  // generated token texts (from logprobs)
+    this.answer = "";
+    this.reasoning = "";
+    this.root = el("div", { class: "run" }, el("h2", { text: title }));
+    this.thinking = el("div", { class: "thinking" });
+    this.answerEl = el("div", { class: "answer" });
+    this.summaryEl = el("table", { class: "summary" });
+    this.root.append(el("h3", { text: "Thinking" }), this.thinking, el("h3", { text: "Answer" }),
+      this.answerEl, this.summaryEl);
+    if (lat && (lat.kind === "feedback" || lat.kind === "head")) {
+      this.strip = el("div", { class: "steps" });
+      this.thinking.append(this.strip);
+    } else if (lat && lat.kind === "loop") {
+      this.grid = el("div", { class: "grid" });
+      this.thinking.append(this.grid);
+    }
+  }
+
+  onTick(info) {
+    const entry = info.trace && info.trace.length ? info.trace[0] : null;
+    this.addStep(info.steps, entry);
+  }
+
+  addStep(k, entry) {
+    this.cols[k - 1] = entry;
+    if (this.strip) this.strip.append(this.stepColumn(k, entry));
+    else if (this.grid) this.drawGrid(k);
+  }
+
+  stepColumn(k, e) {
+    const col = el("div", { class: "step-col", "data-step": String(k) });
+    col.append(el("div", { class: "k" }, `step ${k}`,
+      e ? el("span", { text: `‖z‖ ${e.norm.toFixed(1)}` }) : null));
+    if (!e) return col;
+    const texts = e.top_texts || e.top_tokens.map((t) => `#${t[0]}`);
+    texts.forEach((t, i) => {
+      const p = e.top_probs ? e.top_probs[i] : null;
+      col.append(el("div", { class: "tok", title: `id ${e.top_tokens[i][0]}, logit ` +
+          e.top_tokens[i][1].toFixed(2) },
+        el("div", { class: "bar", style: `width:${p == null ? 0 : Math.max(2, p * 100)}%` }),
+        el("code", { text: JSON.stringify(t) }),
+        el("span", { class: "p", text: p == null ? "" : pct(p) })));
+    });
+    if (e.stop_prob != null) {
+      col.append(el("div", { class: "stopbar" },
+        el("div", { class: "fill", style: `width:${e.stop_prob * 100}%` })));
+      col.append(el("div", { class: "stoptext", text: `${this.stopName()} ${e.stop_prob.toFixed(3)}` }));
+    }
+    return col;
+  }
+
+  stopName() {
+    return this.lat && this.lat.family === "colar" ? "p(###)" : "p(stop)";
+  }
+
+  drawGrid(k) {
+    const size = this.lat.block_size || 1;
+    const passes = Math.ceil(k / size);
+    this.grid.style.gridTemplateColumns = `auto repeat(${size}, 22px)`;
+    this.grid.innerHTML = "";
+    for (let p = 0; p < passes; p++) {
+      this.grid.append(el("div", { class: "lab", text: `pass ${p + 1}` }));
+      for (let j = 0; j < size; j++) {
+        this.grid.append(el("div", { class: "cell" + (p * size + j < k ? " on" : ""),
+          title: `pass ${p + 1}, block position ${j + 1}` }));
+      }
+    }
+  }
+
+  onText(text) {
+    this.answer += text;
+    this.answerEl.textContent = this.answer;
+  }
+
+  onReasoning(text) {
+    if (this.strip || this.grid) return;  // latent steps are drawn, not written
+    if (!this.reasoningEl) {
+      this.reasoningEl = el("div", { class: "thinking-text" });
+      this.thinking.append(this.reasoningEl);
+    }
+    this.reasoning += text;
+    this.reasoningEl.textContent = this.reasoning;
+  }
+
+  onFinish(latent) {
+    this.latent = latent;
+    if (!latent) return;
+    const trace = latent.trace || [];
+    if (this.strip) {
+      for (let k = this.cols.length + 1; k <= latent.steps; k++) this.addStep(k, trace[k - 1] || null);
+      this.markEnd(latent);
+    } else if (this.grid) {
+      if (latent.steps) this.drawGrid(latent.steps);
+      this.thinking.append(el("div", { class: "stop-marker", text:
+        `${latent.steps} latent positions: ${Math.ceil(latent.steps / (this.lat.block_size || 1))} passes over the block` }));
+    } else if (this.lat && this.lat.kind === "recurrent") {
+      this.heatMap(trace, latent.recurrence);
+    }
+  }
+
+  markEnd(latent) {
+    const s = latent.stats;
+    let head = `ended after ${latent.steps} step${latent.steps === 1 ? "" : "s"}`;
+    let why = "";
+    if (s && !s.thinking) {
+      head = "thinking off"; why = "no latent phase";
+    } else if (s) {
+      head = s.end === "stop" ? `stop at step ${s.stop_step}` : `${s.end} at step ${s.steps}`;
+      const p = s.end_stop_prob;
+      if (this.lat.family === "colar") {
+        why = s.end === "stop" ? `### sampled (p ${p == null ? "?" : p.toFixed(3)})`
+          : s.end === "cap" ? `max_latent ${s.max_latent} reached` : "max_tokens or context spent";
+      } else {
+        const thr = s.stop_threshold;
+        why = s.end === "stop" ? `p(stop) ${p == null ? "?" : p.toFixed(3)} > ${thr}`
+          : s.end === "cap" ? `max_latent ${s.max_latent} reached` : "max_tokens or context spent";
+        this.strip.querySelectorAll(".stopbar").forEach((bar) =>
+          bar.append(el("div", { class: "thr", style: `left:${thr * 100}%`, title: `threshold ${thr}` })));
+      }
+    } else {
+      why = "the budget's fixed number of steps";
+    }
+    const last = this.strip.querySelector(`.step-col[data-step="${latent.steps}"]`);
+    if (last && s && s.end === "stop") last.classList.add("fired");
+    this.strip.append(el("div", { class: "stop-marker" }, el("b", { text: head }),
+      el("span", { text: why })));
+  }
+
+  heatMap(trace, recurrence) {
+    const depths = trace.map((e) => e.depth);
+    const max = Math.max(1, ...depths);
+    const map = el("div", { class: "heat" });
+    trace.forEach((e, i) => {
+      const t = i < this.tokens.length ? this.tokens[i] : "⟂";
+      const a = (e.depth / max).toFixed(2);
+      map.append(el("span", { style: `background: rgba(47,111,219,${a})`,
+        title: `depth ${e.depth}` + (e.readout_step != null ? `, readout step ${e.readout_step}` : "") },
+        t, e.readout_step != null ? el("sub", { text: String(e.readout_step) }) : null));
+    });
+    this.thinking.append(map, el("div", { class: "legend", text:
+      `recurrences per token, darker = deeper (max ${max})` +
+      (trace.some((e) => e.readout_step != null) ? "; subscript: the step read out (Ouro)" : "") }));
+    if (recurrence && recurrence.histogram) {
+      const hist = el("div", { class: "hist", title: "tokens per recurrence count" });
+      const counts = Object.entries(recurrence.histogram);
+      const top = Math.max(...counts.map((c) => c[1]));
+      for (const [depth, n] of counts) {
+        hist.append(el("div", { style: `height:${(n / top) * 100}%`, title: `${n} tokens at depth ${depth}` },
+          el("span", { text: depth })));
+      }
+      this.thinking.append(el("h3", { text: `Depth distribution (mean ${recurrence.mean_iterations.toFixed(2)})` }), hist);
+    }
+  }
+
+  summary(rows) {
+    this.summaryEl.innerHTML = "";
+    for (const [k, v, cls] of rows) {
+      this.summaryEl.append(el("tr", {}, el("td", { text: k }), el("td", { class: cls || "", text: v })));
+    }
+  }
+}
+
+function pct(p) {
+  return p >= 0.995 ? "100%" : p < 0.001 ? "<0.1%" : (p * 100).toFixed(p < 0.1 ? 1 : 0) + "%";
+}
+
+// The answer part of an output: after "Answer:" or "####" when present.
+function finalAnswer(text) {
+  for (const mark of ["Answer:", "####"]) {
+    const i = text.lastIndexOf(mark);
+    if (i >= 0) return text.slice(i + mark.length).trim();
+  }
+  return text.trim();
+}
+
+const norm = (s) => s.replace(/\s+/g, " ").trim();
+
+// Tokens of a text chain of thought: those before the answer mark ("###", "Answer:").
+function thinkingTokens(tokens) {
+  let text = "";
+  for (let i = 0; i < tokens.length; i++) {
+    text += tokens[i];
+    if (text.includes("###") || text.includes("Answer:")) return i;
+  }
+  return tokens.length;
+}
+
+async function* sse(response) {
+  const reader = response.body.getReader();
+  const dec = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buf += dec.decode(value, { stream: true });
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const event = buf.slice(0, cut);
+      buf = buf.slice(cut + 2);
+      for (const line of event.split("\n")) {
+        if (line.startsWith("data: ") && line.slice(6) !== "[DONE]") yield JSON.parse(line.slice(6));
+      }
+    }
+  }
+}
+
+async function run(model, route, extra, title) {
+  const lat = latentOf(model);
+  const view = new RunView(title, lat);
+  $("runs").append(view.root);
+  const t0 = performance.now();
+  let first = null, usage = null, finish = null;
+  const path = route === "chat" ? "/v1/chat/completions" : "/v1/completions";
+  try {
+    const r = await fetch(path, { method: "POST", headers: headers(),
+                                  body: JSON.stringify(requestBody(model, route, extra)) });
+    if (!r.ok) throw new Error(await apiError(r));
+    for await (const chunk of sse(r)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      for (const c of chunk.choices || []) {
+        const d = c.delta || {};
+        const text = route === "chat" ? d.content : c.text;
+        if (c.logprobs) {
+          const toks = route === "chat" ? (c.logprobs.content || []).map((x) => x.token)
+            : c.logprobs.tokens || [];
+          view.tokens.push(...toks);
+        }
+        if (c.latent && c.finish_reason == null) view.onTick(c.latent);
+        else if (d.reasoning_content) view.onReasoning(d.reasoning_content);
+        if (text) {
+          if (first === null) first = performance.now();
+          view.onText(text);
+        }
+        if (c.finish_reason != null) {
+          finish = c.finish_reason;
+          view.onFinish(c.latent || null);
+        }
+      }
+    }
+  } catch (err) {
+    view.root.append(el("div", { class: "error", text: String(err.message || err) }));
+  }
+  const secs = (performance.now() - t0) / 1000;
+  const rows = [["answer", finalAnswer(view.answer) || "(none)"]];
+  const expected = $("expected").value.trim();
+  if (expected) {
+    const ok = norm(finalAnswer(view.answer)) === norm(expected);
+    rows.push(["correct", ok ? "yes" : `no (expected ${expected})`, ok ? "ok" : "bad"]);
+  }
+  const steps = view.latent ? view.latent.steps : 0;
+  if (lat && lat.kind === "recurrent" && view.latent && view.latent.recurrence) {
+    rows.push(["thinking", `${view.latent.recurrence.mean_iterations.toFixed(2)} recurrences per token`]);
+  } else if (lat) {
+    rows.push(["thinking", `${steps} latent step${steps === 1 ? "" : "s"}`]);
+  } else {
+    rows.push(["thinking", `${thinkingTokens(view.tokens)} thinking tokens (text)`]);
+  }
+  if (usage) rows.push(["tokens", `${usage.completion_tokens} generated`]);
+  rows.push(["time", `${secs.toFixed(2)} s` + (first ? `, first answer text at ${((first - t0) / 1000).toFixed(2)} s` : "")]);
+  if (finish) rows.push(["finish", finish]);
+  view.summary(rows);
+}
+
+async function submit(ev) {
+  ev.preventDefault();
+  const model = $("model").value;
+  const route = $("route").value;
+  if (!model) return;
+  const runs = $("runs");
+  runs.innerHTML = "";
+  const compare = $("compare").checked;
+  runs.classList.toggle("pair", compare);
+  $("run").disabled = true;
+  const lat = latentOf(model);
+  try {
+    await run(model, route, controlValues(lat), model);
+    if (compare) {
+      const other = $("compare_with").value;
+      if (other) await run(other, route, {}, other);
+      else await run(model, route, offSwitch(lat) || {}, `${model} (thinking off)`);
+    }
+  } finally {
+    $("run").disabled = false;
+  }
+}
+
+$("auth").addEventListener("submit", (ev) => { ev.preventDefault(); loadModels(); });
+$("ask").addEventListener("submit", submit);
+$("model").addEventListener("change", showControls);
+$("key").value = sessionStorage.getItem("latentserve-key") || "";
+loadModels();
