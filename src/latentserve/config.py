@@ -22,16 +22,18 @@ DEVICES = ("auto", "cpu", "cuda")
 def option(default=None, help: str = "", *, choices: tuple | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None,
            flags: tuple[str, ...] = (), off_flags: tuple[str, ...] = (), cli: bool = True,
-           metavar: str | None = None):
+           metavar: str | None = None, human: bool = False):
     """A field of :class:`EngineConfig` with the facts its flag and its check need.
 
     ``choices``: the allowed values (None is allowed too when ``default`` is None);
     ``ge`` / ``gt`` / ``le``: the allowed range; ``flags``: the option strings (default
     ``--field-name``); ``off_flags``: for a bool, the flags that set it False (then
-    ``flags`` set it True, vLLM's ``--x/--no-x``); ``cli``: False for a field no flag sets.
+    ``flags`` set it True, vLLM's ``--x/--no-x``); ``cli``: False for a field no flag sets;
+    ``human``: an integer flag also takes vLLM's human-readable form (``1k`` = 1000,
+    ``1K`` = 1024, ``25.6k``; ``cli.engine_args.human_readable_int``).
     """
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "flags": flags,
-            "off_flags": off_flags, "cli": cli, "metavar": metavar}
+            "off_flags": off_flags, "cli": cli, "metavar": metavar, "human": human}
     return field(default=default, metadata=meta)
 
 
@@ -152,13 +154,14 @@ class EngineConfig:
                         "cuda (bfloat16 for a .gguf or the embedded model), float32 on cpu; "
                         "half = float16, float = float32", choices=DTYPES)
     max_model_len: int | None = option(
-        None, "prompt + output tokens per request (default: the model's limit)", ge=2)
+        None, "prompt + output tokens per request (default: the model's limit; 1k = 1000, "
+        "1K = 1024)", ge=2, human=True)
     max_num_seqs: int = option(64, "requests running at once", ge=1)
     kv_slots: int | None = option(
         None, "KV pool size in tokens (default: 1 GiB on cpu; on cuda "
-        "--gpu-memory-utilization of the device minus weights and graphs)", ge=2)
+        "--gpu-memory-utilization of the device minus weights and graphs)", ge=2, human=True)
     max_num_batched_tokens: int = option(2048, "tokens per forward (prefill chunk budget)",
-                                         ge=1)
+                                         ge=1, human=True)
     enable_prefix_caching: bool = option(
         True, "reuse the KV of shared prompt prefixes (the radix cache)",
         flags=("--enable-prefix-caching",),

@@ -199,3 +199,17 @@ def test_chat_takes_vllms_arguments_and_content_parts(llm):
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}], greedy, use_tqdm=False)
     llm.engine.cache.check_idle()
+
+
+def test_bad_words_none_is_vllms_default():
+    assert SamplingParams(bad_words=None).bad_words == []
+
+
+def test_max_model_len_above_the_models_limit_is_served_at_the_limit_with_a_warning(
+        tiny_dirs, caplog):
+    """vLLM refuses a ``max_model_len`` above ``max_position_embeddings``; we serve the
+    model's limit, and say so instead of lowering it silently."""
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=str(tiny_dirs["llama"]), max_model_len=100_000)
+    assert llm.engine.max_model_len == 512
+    assert "max_model_len 100000 is above the model's 512 positions" in caplog.text
