@@ -233,6 +233,7 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
                              f"{self.generation_config!r}")
+        self._check_local_paths()
         for name in ("latent_head", "latent_injection"):  # they contradict --no-latent-head
             if self.no_latent_head and getattr(self, name) is not None:
                 raise ValueError(f"no_latent_head serves the bare backbone; {name} "
@@ -242,6 +243,31 @@ class EngineConfig:
         if self.dtype == "auto":
             set_(self, "dtype", checkpoint_dtype(self.model) if self.device.startswith("cuda")
                  else "float32")
+
+    def _check_local_paths(self) -> None:
+        """``tokenizer`` and a ``generation_config`` folder, checked before any loading (a
+        mistyped path is one error naming the field, not a failure after the weights load).
+        A ``tokenizer`` that is not a path (no leading ``/``, ``.`` or ``~``) is left to
+        transformers' local cache.
+
+        Raises:
+            ValueError: naming the field and the path."""
+        from latentserve.models.checkpoint import TOKENIZER_FILES, has_tokenizer_files
+
+        if self.tokenizer is not None:
+            path = Path(self.tokenizer).expanduser()
+            if path.is_dir():
+                if not has_tokenizer_files(path):
+                    raise ValueError(f"tokenizer {self.tokenizer!r} holds no tokenizer files "
+                                     f"(any of {', '.join(TOKENIZER_FILES)})")
+            elif path.exists() or self.tokenizer.startswith(("/", ".", "~")):
+                raise ValueError(f"tokenizer must be a directory holding tokenizer files; "
+                                 f"{self.tokenizer!r} is not a directory")
+        if self.generation_config not in ("auto", "vllm"):
+            file = Path(self.generation_config).expanduser() / "generation_config.json"
+            if not file.is_file():
+                raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder "
+                                 f"holding generation_config.json; there is no {file}")
 
     @property
     def backend_name(self) -> str:

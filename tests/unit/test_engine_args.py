@@ -142,3 +142,32 @@ def test_a_bad_human_readable_count_is_refused_naming_the_flag(capsys, text, mes
         main(["serve", "--max-model-len", text])
     assert done.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--tokenizer", "/nonexistent/tok", "tokenizer must be a directory holding tokenizer "
+                                        "files; '/nonexistent/tok' is not a directory"),
+    ("--tokenizer", "EMPTY", "holds no tokenizer files"),
+    ("--generation-config", "/nonexistent/gen", "generation_config must be 'auto', 'vllm' or "
+                                                "a folder holding generation_config.json; "
+                                                "there is no /nonexistent/gen/"),
+    ("--generation-config", "EMPTY", "there is no"),
+])
+def test_a_bad_tokenizer_or_generation_config_path_fails_before_loading(
+        tmp_path, capsys, monkeypatch, flag, value, message):
+    """One error naming the flag's field, from the config: no engine is built (vLLM users
+    get a mistyped path reported before the weights load)."""
+    import latentserve.engine.llm_engine as llm_engine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_engine)
+    value = str(tmp_path) if value == "EMPTY" else value
+    assert main(["generate", "--prompt", "hi", flag, value]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_tokenizer_directory_and_a_generation_config_folder_are_taken(smollm2_dir):
+    c = EngineConfig(tokenizer=str(smollm2_dir), generation_config=str(smollm2_dir))
+    assert c.tokenizer == str(smollm2_dir)
