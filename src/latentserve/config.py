@@ -22,16 +22,18 @@ DEVICES = ("auto", "cpu", "cuda")
 def option(default=None, help: str = "", *, choices: tuple | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None,
            flags: tuple[str, ...] = (), off_flags: tuple[str, ...] = (), cli: bool = True,
-           metavar: str | None = None):
+           metavar: str | None = None, human: bool = False):
     """A field of :class:`EngineConfig` with the facts its flag and its check need.
 
     ``choices``: the allowed values (None is allowed too when ``default`` is None);
     ``ge`` / ``gt`` / ``le``: the allowed range; ``flags``: the option strings (default
     ``--field-name``); ``off_flags``: for a bool, the flags that set it False (then
-    ``flags`` set it True, vLLM's ``--x/--no-x``); ``cli``: False for a field no flag sets.
+    ``flags`` set it True, vLLM's ``--x/--no-x``); ``cli``: False for a field no flag sets;
+    ``human``: an integer flag also takes vLLM's human-readable form (``1k`` = 1000,
+    ``1K`` = 1024, ``25.6k``; ``cli.engine_args.human_readable_int``).
     """
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "flags": flags,
-            "off_flags": off_flags, "cli": cli, "metavar": metavar}
+            "off_flags": off_flags, "cli": cli, "metavar": metavar, "human": human}
     return field(default=default, metadata=meta)
 
 
@@ -152,13 +154,14 @@ class EngineConfig:
                         "cuda (bfloat16 for a .gguf or the embedded model), float32 on cpu; "
                         "half = float16, float = float32", choices=DTYPES)
     max_model_len: int | None = option(
-        None, "prompt + output tokens per request (default: the model's limit)", ge=2)
+        None, "prompt + output tokens per request (default: the model's limit; 1k = 1000, "
+        "1K = 1024)", ge=2, human=True)
     max_num_seqs: int = option(64, "requests running at once", ge=1)
     kv_slots: int | None = option(
         None, "KV pool size in tokens (default: 1 GiB on cpu; on cuda "
-        "--gpu-memory-utilization of the device minus weights and graphs)", ge=2)
+        "--gpu-memory-utilization of the device minus weights and graphs)", ge=2, human=True)
     max_num_batched_tokens: int = option(2048, "tokens per forward (prefill chunk budget)",
-                                         ge=1)
+                                         ge=1, human=True)
     enable_prefix_caching: bool = option(
         True, "reuse the KV of shared prompt prefixes (the radix cache)",
         flags=("--enable-prefix-caching",),
@@ -230,6 +233,7 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
                              f"{self.generation_config!r}")
+        self._check_local_paths()
         for name in ("latent_head", "latent_injection"):  # they contradict --no-latent-head
             if self.no_latent_head and getattr(self, name) is not None:
                 raise ValueError(f"no_latent_head serves the bare backbone; {name} "
@@ -239,6 +243,31 @@ class EngineConfig:
         if self.dtype == "auto":
             set_(self, "dtype", checkpoint_dtype(self.model) if self.device.startswith("cuda")
                  else "float32")
+
+    def _check_local_paths(self) -> None:
+        """``tokenizer`` and a ``generation_config`` folder, checked before any loading (a
+        mistyped path is one error naming the field, not a failure after the weights load).
+        A ``tokenizer`` that is not a path (no leading ``/``, ``.`` or ``~``) is left to
+        transformers' local cache.
+
+        Raises:
+            ValueError: naming the field and the path."""
+        from latentserve.models.checkpoint import TOKENIZER_FILES, has_tokenizer_files
+
+        if self.tokenizer is not None:
+            path = Path(self.tokenizer).expanduser()
+            if path.is_dir():
+                if not has_tokenizer_files(path):
+                    raise ValueError(f"tokenizer {self.tokenizer!r} holds no tokenizer files "
+                                     f"(any of {', '.join(TOKENIZER_FILES)})")
+            elif path.exists() or self.tokenizer.startswith(("/", ".", "~")):
+                raise ValueError(f"tokenizer must be a directory holding tokenizer files; "
+                                 f"{self.tokenizer!r} is not a directory")
+        if self.generation_config not in ("auto", "vllm"):
+            file = Path(self.generation_config).expanduser() / "generation_config.json"
+            if not file.is_file():
+                raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder "
+                                 f"holding generation_config.json; there is no {file}")
 
     @property
     def backend_name(self) -> str:

@@ -244,6 +244,8 @@ class SamplingParams:
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a boolean, got "
                              f"{self.include_stop_str_in_output!r}")
+        if self.bad_words is None:  # vLLM's default
+            self.bad_words = []
         if not isinstance(self.bad_words, (list, tuple)) or not all(
                 isinstance(w, str) and w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must be a list of non-blank strings, got "

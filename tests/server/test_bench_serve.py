@@ -80,6 +80,21 @@ def test_header_is_sent(server, tmp_path, capsys, monkeypatch):
     assert "answered 401" in capsys.readouterr().err
 
 
+def test_vllm_host_port_and_backend_flags(server, tmp_path):
+    """``vllm bench serve --backend vllm --host H --port P`` as vLLM's docs write it: the
+    server from --host/--port, /v1/completions from --backend vllm."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.base_url)
+    assert main(["bench", "serve", "--backend", "vllm", "--host", url.hostname, "--port",
+                 str(url.port), "--api-key", API_KEY, "--num-prompts", "2", "--output-len",
+                 "1", "--json-out", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["completed"] == 2 and result["endpoint"] == "/v1/completions"
+    assert result["endpoint_type"] == "openai"
+    assert f"--base-url {server.base_url}" in result["command"]
+
+
 @pytest.fixture(scope="module")
 def latent_server(tmp_path_factory, smollm2_dir):
     from latentserve.config import EngineConfig
@@ -93,7 +108,7 @@ def latent_server(tmp_path_factory, smollm2_dir):
     srv.stop()
 
 
-def test_extra_body_sweeps_a_latent_budget(latent_server, tmp_path):
+def test_extra_body_sweeps_a_latent_budget(latent_server, tmp_path, capsys):
     result = bench(latent_server.base_url, tmp_path, "--extra-body", '{"latent_budget": 4}',
                    "--output-len", "2")
     assert result["completed"] == 4 and result["extra_body"] == {"latent_budget": 4}
@@ -105,6 +120,9 @@ def test_extra_body_sweeps_a_latent_budget(latent_server, tmp_path):
     over = json.loads((tmp_path / "over.json").read_text())
     assert over["completed"] == 0 and over["failed"] == 2
     assert all("latent_budget" in e for e in over["errors"])
+    # The reason is printed, not only saved in the JSON (vLLM prints its failed request's).
+    err = capsys.readouterr().err
+    assert err.count("failed request: HTTP 400") == 1 and "latent_budget" in err
 
 
 @pytest.mark.parametrize("argv, message", [

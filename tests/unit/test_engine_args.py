@@ -121,3 +121,53 @@ def test_device_and_dtype_auto_resolve_on_construction(tmp_path, monkeypatch):
     assert EngineConfig(model=str(model)).dtype == "float16"  # the checkpoint's
     assert EngineConfig(model=str(model), device="cpu").dtype == "float32"
     assert EngineConfig(device="cuda").dtype == "bfloat16"  # the embedded model
+
+
+@pytest.mark.parametrize("text, value", [("1k", 1000), ("25.6k", 25600), ("4K", 4096),
+                                         ("2048", 2048), ("1m", 10**6)])
+def test_token_counts_take_vllms_human_readable_form(text, value):
+    """vLLM's ``--max-model-len 32k`` (``human_readable_int``: k = 1000, K = 1024)."""
+    (c,) = configs(["serve", "--max-model-len", text, "--max-num-batched-tokens", text,
+                    "--kv-slots", text])
+    assert c.max_model_len == c.max_num_batched_tokens == c.kv_slots == value
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1.5K", "argument --max-model-len: decimals are not allowed with the binary suffix K"),
+    ("1x", "argument --max-model-len: invalid int value: '1x'"),
+    ("0k", "argument --max-model-len: must be >= 2, got 0"),
+])
+def test_a_bad_human_readable_count_is_refused_naming_the_flag(capsys, text, message):
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--max-model-len", text])
+    assert done.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--tokenizer", "/nonexistent/tok", "tokenizer must be a directory holding tokenizer "
+                                        "files; '/nonexistent/tok' is not a directory"),
+    ("--tokenizer", "EMPTY", "holds no tokenizer files"),
+    ("--generation-config", "/nonexistent/gen", "generation_config must be 'auto', 'vllm' or "
+                                                "a folder holding generation_config.json; "
+                                                "there is no /nonexistent/gen/"),
+    ("--generation-config", "EMPTY", "there is no"),
+])
+def test_a_bad_tokenizer_or_generation_config_path_fails_before_loading(
+        tmp_path, capsys, monkeypatch, flag, value, message):
+    """One error naming the flag's field, from the config: no engine is built (vLLM users
+    get a mistyped path reported before the weights load)."""
+    import latentserve.engine.llm_engine as llm_engine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_engine)
+    value = str(tmp_path) if value == "EMPTY" else value
+    assert main(["generate", "--prompt", "hi", flag, value]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_tokenizer_directory_and_a_generation_config_folder_are_taken(smollm2_dir):
+    c = EngineConfig(tokenizer=str(smollm2_dir), generation_config=str(smollm2_dir))
+    assert c.tokenizer == str(smollm2_dir)

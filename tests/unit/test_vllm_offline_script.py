@@ -152,3 +152,64 @@ def test_a_prompt_dict_with_an_unsupported_key_is_refused_by_name(llm):
     with pytest.raises(ValueError, match="prompt key 'multi_modal_data' is not supported"):
         llm.generate({"prompt": "hi", "multi_modal_data": {}}, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_llm_takes_vllms_trust_remote_code_and_ignores_it(tiny_dirs, caplog):
+    """``LLM(model, trust_remote_code=True)``, as vLLM scripts write it, loads (with the
+    CLI's note) instead of a TypeError; other unknown options are still refused."""
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=str(tiny_dirs["llama"]), trust_remote_code=True, max_model_len=64)
+    assert "trust_remote_code is ignored" in caplog.text
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(TypeError, match="no_such_option"):
+        LLM(model=str(tiny_dirs["llama"]), no_such_option=1)
+
+
+def test_chat_takes_vllms_arguments_and_content_parts(llm):
+    """vLLM's ``LLM.chat``: content as a list of text parts, ``add_generation_prompt``,
+    ``continue_final_message``, ``chat_template`` and ``tools``; ``prompt`` is the
+    rendered prompt text."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    conv = [{"role": "user", "content": "Hi there"}]
+    (plain,) = llm.chat(conv, greedy, use_tqdm=False)
+    expected = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert plain.prompt == expected
+    assert plain.prompt_token_ids == tok.encode(expected)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]
+    (same,) = llm.chat(parts, greedy, use_tqdm=False)
+    assert same.prompt_token_ids == plain.prompt_token_ids
+    assert same.outputs[0].token_ids == plain.outputs[0].token_ids
+    (no_gen,) = llm.chat(conv, greedy, use_tqdm=False, add_generation_prompt=False)
+    assert no_gen.prompt == tok.apply_chat_template(conv, add_generation_prompt=False,
+                                                    tokenize=False)
+    cont = conv + [{"role": "assistant", "content": "Hello, I am"}]
+    (cont_out,) = llm.chat(cont, greedy, use_tqdm=False, add_generation_prompt=False,
+                           continue_final_message=True)
+    assert cont_out.prompt.endswith("Hello, I am")
+    (custom,) = llm.chat(conv, greedy, use_tqdm=False,
+                         chat_template="{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    assert custom.prompt == "<Hi there>"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    (with_tool,) = llm.chat(conv, greedy, use_tqdm=False, tools=[tool],
+                            chat_template="{{ tools[0].function.name }}|{{ messages[0].content }}")
+    assert with_tool.prompt == "get_weather|Hi there"
+    with pytest.raises(ValueError, match="continue_final_message needs a final message"):
+        llm.chat(conv, greedy, use_tqdm=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "no role"}], greedy, use_tqdm=False)
+    llm.engine.cache.check_idle()
+
+
+def test_bad_words_none_is_vllms_default():
+    assert SamplingParams(bad_words=None).bad_words == []
+
+
+def test_max_model_len_above_the_models_limit_is_served_at_the_limit_with_a_warning(
+        tiny_dirs, caplog):
+    """vLLM refuses a ``max_model_len`` above ``max_position_embeddings``; we serve the
+    model's limit, and say so instead of lowering it silently."""
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=str(tiny_dirs["llama"]), max_model_len=100_000)
+    assert llm.engine.max_model_len == 512
+    assert "max_model_len 100000 is above the model's 512 positions" in caplog.text

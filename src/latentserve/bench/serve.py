@@ -69,15 +69,41 @@ def _json_object(text: str) -> dict:
     return value
 
 
+# vLLM's --backend names we serve, and the endpoint each sends to (vllm/benchmarks/lib/
+# endpoint_request_func.py: vllm and openai post completions, openai-chat chat completions).
+BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
+                     "openai-chat": "/v1/chat/completions"}
+
+
+def resolve_target(args: argparse.Namespace) -> None:
+    """Fill ``args.base_url`` (``--base-url``, else ``http://--host:--port``) and
+    ``args.endpoint`` (``--endpoint``, else ``--backend``'s, else chat completions), as
+    ``vllm bench serve`` resolves them."""
+    if not getattr(args, "base_url", None):
+        args.base_url = (f"http://{getattr(args, 'host', '127.0.0.1')}:"
+                         f"{getattr(args, 'port', 8000)}")
+    if not getattr(args, "endpoint", None):
+        args.endpoint = BACKEND_ENDPOINTS.get(getattr(args, "backend", None),
+                                              "/v1/chat/completions")
+
+
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench serve`` flags to ``parser`` (vLLM's names, with our older ones as
     aliases)."""
     from latentserve.bench.serve_datasets import DATASETS
 
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="the server (default http://127.0.0.1:8000)")
-    parser.add_argument("--endpoint", default="/v1/chat/completions",
-                        choices=["/v1/chat/completions", "/v1/completions"])
+    parser.add_argument("--base-url", default=None,
+                        help="the server (default http://--host:--port)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the server's host, without --base-url (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="the server's port, without --base-url (default 8000)")
+    parser.add_argument("--backend", default=None, choices=sorted(BACKEND_ENDPOINTS),
+                        help="vLLM's backend names: vllm and openai send to /v1/completions, "
+                             "openai-chat to /v1/chat/completions (an --endpoint given wins)")
+    parser.add_argument("--endpoint", default=None,
+                        choices=["/v1/chat/completions", "/v1/completions"],
+                        help="default: --backend's, else /v1/chat/completions")
     parser.add_argument("--model", default=None,
                         help="model name to send (default: the server's, from /v1/models)")
     parser.add_argument("--dataset", "--dataset-name", dest="dataset", default="gsm8k",
@@ -439,6 +465,7 @@ def serve_bench_main(args: argparse.Namespace) -> int:
             ``/v1/models`` (e.g. a missing ``--api-key``); the message says which.
     """
 
+    resolve_target(args)
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be at least 1")
     if not 0.0 <= args.disconnect_fraction <= 1.0:
@@ -475,6 +502,12 @@ def serve_bench_main(args: argparse.Namespace) -> int:
         "server_after": check_server(args.base_url, args.api_key),
     }
     print(format_report(result, percentiles))
+    errors = list(dict.fromkeys(e for e in result.get("errors") or [] if e))
+    for error in errors[:3]:  # why requests failed, as vLLM prints its failed test request
+        print(f"failed request: {error}", file=sys.stderr)
+    if len(errors) > 3:
+        print(f"... and {len(errors) - 3} other errors (the result's 'errors')",
+              file=sys.stderr)
     paths = [args.json_out] if args.json_out else []
     if args.save_result:
         paths.append(result_path(args, result))

@@ -32,6 +32,36 @@ def _base_type(annotation: str) -> tuple[type, bool]:
     return _TYPES.get(base, str), False
 
 
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's ``human_readable_int`` (``vllm/engine/arg_utils.py``): ``1k`` = 1000,
+    ``25.6k`` = 25600, ``1K`` = 1024 (no decimals with the binary suffixes), else a plain
+    integer.
+
+    Raises:
+        ValueError: not an integer in one of these forms (argparse: "invalid int value").
+    """
+    import re
+
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
+    if match is None:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(float(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"decimals are not allowed with the binary suffix {suffix} in {text!r} "
+            f"(did you mean {number}{suffix.lower()}?)")
+    return int(number) * _BINARY[suffix]
+
+
+human_readable_int.__name__ = "int"  # argparse's "invalid int value: 'x'"
+
+
 def _checked(conv: type, name: str, meta) -> callable:
     """``conv`` that also enforces ``meta``'s range: argparse reports a value outside it as
     ``argument --flag: must be ..., got V``."""
@@ -102,7 +132,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False,
             kwargs["choices"] = meta["choices"]
             kwargs["type"] = conv
         else:
-            kwargs["type"] = _checked(conv, f.name, meta)
+            human = meta.get("human") and conv is int
+            kwargs["type"] = _checked(human_readable_int if human else conv, f.name, meta)
         if several:
             kwargs["nargs"] = "+"
         p.add_argument(*flags, **kwargs)

@@ -87,6 +87,11 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
         self.max_model_len = min(config.max_model_len or limit, limit)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            # vLLM refuses this (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN); we serve the limit.
+            log.warning("max_model_len %d is above the model's %d positions "
+                        "(max_position_embeddings): serving %d", config.max_model_len,
+                        limit, limit)
         if hasattr(model, "prepare_positions"):  # the fast path's RoPE table (before sizing)
             model.prepare_positions(self.max_model_len)
         layers, kv_heads, head_dim = model.kv_shape

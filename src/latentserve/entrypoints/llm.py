@@ -20,7 +20,10 @@ class LLM:
         model: a Hugging Face-style directory, a ``.gguf`` file, or None for the embedded
             SmolLM2-135M-Instruct.
         **engine_options: any ``EngineConfig`` field (device, dtype, max_model_len,
-            max_num_seqs, kv_slots, enable_prefix_caching, ...).
+            max_num_seqs, kv_slots, enable_prefix_caching, ...). ``trust_remote_code``
+            (vLLM's ``LLM(..., trust_remote_code=True)``) is accepted and ignored with a
+            logged note, as the CLI's ``--trust-remote-code``: latentserve runs no code from
+            checkpoints.
 
     Raises:
         TypeError for an unknown option; ValueError / FileNotFoundError from loading.
@@ -29,6 +32,11 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options):
         from latentserve.engine.llm_engine import LLMEngine
 
+        if engine_options.pop("trust_remote_code", False):
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "trust_remote_code is ignored: latentserve runs no code from checkpoints")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
@@ -124,15 +132,30 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of
-        ``{"role", "content"}``) or a list of them, then ``generate``.
+             use_tqdm: bool | Callable[..., Any] = True,
+             chat_template_kwargs: dict | None = None, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of OpenAI-style
+        messages: ``{"role", "content"}``, the content a string or a list of
+        ``{"type": "text", "text": ...}`` parts) or a list of them, then ``generate``.
+
+        As vLLM's ``LLM.chat`` (``vllm/entrypoints/llm.py``): ``chat_template`` (a template
+        string instead of the tokenizer's), ``add_generation_prompt``,
+        ``continue_final_message`` (the last, assistant, message is left open and
+        continued) and ``tools`` (OpenAI function definitions, passed to the template).
+        Messages are rendered as ``/v1/chat/completions`` renders them
+        (``server.prompts``); each ``RequestOutput.prompt`` is the rendered prompt text.
 
         As on ``/v1/chat/completions``, ``chat_template_kwargs`` ``thinking`` /
         ``enable_thinking`` turn a compression head's thinking on or off for the
         sampling params that leave ``thinking`` unset, and a ``thinking`` that is set is
-        passed to the template under both names."""
+        passed to the template under both names.
+
+        Raises ValueError (naming the message or field) for a malformed message, a
+        reserved ``chat_template_kwargs`` key, a model without tokenizer files
+        (``models.checkpoint.NoTokenizerError``), ``continue_final_message`` without a final
+        assistant message, or a template that fails on the conversation."""
         import dataclasses
 
         from latentserve.latent.head import template_thinking
@@ -144,6 +167,9 @@ class LLM:
             sampling_params = [sampling_params] * len(convs)
         sampling_params = list(sampling_params)
         from_kwargs = template_thinking(chat_template_kwargs)
+        render = {"chat_template": chat_template, "tools": tools,
+                  "add_generation_prompt": add_generation_prompt,
+                  "continue_final_message": continue_final_message}
         prompts = []
         for i, c in enumerate(convs):
             kwargs = dict(chat_template_kwargs or {})
@@ -152,13 +178,41 @@ class LLM:
                 sampling_params[i] = p = dataclasses.replace(p, thinking=from_kwargs)
             if p is not None and p.thinking is not None:  # the template renders the opening
                 kwargs.update(thinking=p.thinking, enable_thinking=p.thinking)
-            prompts.append({"prompt_token_ids": self._chat_ids(c, kwargs)})
+            ids = self._chat_ids(c, kwargs, **render)
+            prompts.append({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False),
+                            "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _chat_ids(self, conv: list[dict], kwargs: dict) -> list[int]:
-        out = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True,
-                                                 tokenize=True, **kwargs)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    def _chat_ids(self, conv: list[dict], kwargs: dict, *, chat_template: str | None,
+                  tools: list[dict] | None, add_generation_prompt: bool,
+                  continue_final_message: bool) -> list[int]:
+        """One conversation's prompt ids, rendered as the server renders chat messages.
+        Raises ValueError naming the bad message or field."""
+        from pydantic import ValidationError
+
+        from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizerError
+        from latentserve.server.errors import APIError
+
+        if isinstance(self.tokenizer, NoTokenizer):
+            raise NoTokenizerError(NO_TOKENIZER)
+        from latentserve.server.prompts import chat_conversation, chat_tools, render_chat
+        from latentserve.server.protocol import ChatMessage, ChatTool
+
+        try:
+            messages = [ChatMessage.model_validate(m) for m in conv]
+            tool_list = None if tools is None else [ChatTool.model_validate(t) for t in tools]
+            return render_chat(self.tokenizer, chat_conversation(messages),
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               template_kwargs=kwargs, tools=chat_tools(tool_list),
+                               chat_template=chat_template)
+        except APIError as exc:
+            raise ValueError(exc.message) from None
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise ValueError(f"a chat message or tool is malformed at {where}: "
+                             f"{err['msg']}") from None
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
