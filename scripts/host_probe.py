@@ -1,5 +1,5 @@
 """Where the host's time goes in a real decode step on the GPU (the probe behind
-docs/benchmarks.md, "Results (session 12)").
+docs/benchmarks-history.md, "Results (session 12)").
 
 One engine serves the Llama-3.2-1B shape (random bf16 weights, overlap scheduling on).
 For 1, 16 and 64 requests of 256 prompt ids, 200 decode steps are timed twice: plain, then

@@ -1,5 +1,5 @@
 """Replay-level A/B of decode-graph variants on one GPU (the harness behind the session-11
-tables in docs/benchmarks.md, "Decode on one H200").
+tables in docs/benchmarks-history.md, "Decode on one H200").
 
 One engine serves ``batch`` requests (Llama-3.2-1B shape, random bf16 weights, prompts of 256
 ids) for 140 steps, so each holds about 391 keys. Then, for every configuration in turn and

@@ -121,7 +121,7 @@ def test_rms_norm_reduces_partials(dtype):
 
 def test_tiling_heuristic_and_pdl_off_on_cpu(monkeypatch):
     """The tilings the H200 sweep chose for the Llama-1B decode shapes at 64 rows
-    (docs/benchmarks.md); PDL is never requested off CUDA or with LATENTSERVE_PDL=0."""
+    (docs/benchmarks-history.md); PDL is never requested off CUDA or with LATENTSERVE_PDL=0."""
     assert pick_tiling(64, 3072, 2048) == (64, 128, 2)     # q/k/v
     assert pick_tiling(64, 2048, 2048) == (64, 128, 4)     # o_proj
     assert pick_tiling(64, 16384, 2048) == (128, 128, 1)   # gate/up

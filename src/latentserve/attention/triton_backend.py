@@ -58,7 +58,7 @@ class TritonBackend(AttentionBackend):
         num_sms: streaming multiprocessors to cover (None: the CUDA device's count; 132, an
             H100/H200's, for CPU tensors, so interpreter runs choose as the GPU would).
         decode_block_n: keys per decode tile; None picks 128 for a one-split batch with
-            head_dim <= 64 and 64 otherwise (H200 sweep, docs/benchmarks.md session 7).
+            head_dim <= 64 and 64 otherwise (H200 sweep, docs/benchmarks-history.md session 7).
             extend_block_m / extend_block_n: query / key tile of the extend kernel. All
             >= 16 and powers of 2.
 
@@ -90,7 +90,7 @@ class TritonBackend(AttentionBackend):
         class docstring). On the H200 (132 SMs, Llama-1B shape: 8 KV heads, 384 keys), per
         layer: batch 64 takes 16.4 us with one split and 18.8 with two (the merge kernel
         costs ~2 us); batch 16 takes 8.4 us with eight and 10.5 with two
-        (docs/benchmarks.md, session 7)."""
+        (docs/benchmarks-history.md, session 7)."""
         sms = self.num_sms or _device_sms(device)
         programs = max(batch * kv_heads, 1)
         if programs >= 3 * sms:
@@ -149,7 +149,7 @@ class TritonBackend(AttentionBackend):
         ``weight`` fits the decode attention's prefetch budget
         (``decode_attention.prefetch_budget``). On the H200 (Llama-1B o_proj) the
         L2-resident tiling took 10 us off a batch-64 step (one split) and added 20 us at
-        batch 16 (eight splits and the merge kernel; docs/benchmarks.md, session 10)."""
+        batch 16 (eight splits and the merge kernel; docs/benchmarks-history.md, session 10)."""
         from latentserve.attention.kernels.decode_attention import prefetch_budget
         from latentserve.ops.kernels.pdl import pdl_enabled
 

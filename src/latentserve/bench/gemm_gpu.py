@@ -5,7 +5,7 @@ Each timing replays a CUDA graph of 20 back-to-back launches (no host gaps) and 
 microseconds per launch; the Triton figure is the best of 18 tilings (column tile 16/32/64,
 K tile 64/128/256, 3 or 5 stages). ``floor_us``: the weight bytes over 4.28 TB/s, the copy
 bandwidth the decode benchmark measured on the H200. The result decided that the decode
-path keeps cuBLAS (docs/benchmarks.md).
+path keeps cuBLAS (docs/benchmarks-history.md).
 
 Run on the H200: ``python -m latentserve.bench.gemm_gpu OUT.json``.
 """

@@ -222,7 +222,7 @@ class LatentHead(nn.Module):
         ``ops.kernels.small_linear`` launch (float32 on tensor cores via 3xTF32, within
         about 1e-6 relative of the IEEE GEMM). cuBLAS runs these few-row float32 GEMMs as
         SIMT kernels with few thread blocks (214 us per step for the Llama-1B-shaped head
-        on the H200, docs/benchmarks.md). ``fused=False`` gives exactly the values of
+        on the H200, docs/benchmarks-history.md). ``fused=False`` gives exactly the values of
         ``latent_input`` and ``stop_prob``."""
         if fused is None:
             fused = anchor.is_cuda

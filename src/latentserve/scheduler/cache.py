@@ -116,7 +116,7 @@ class CacheManager:
         skipped), with a constant number of device operations: one gather of their
         page-table rows and one append to the free list, not a few per request. A step
         where a group of requests finishes together would otherwise queue a few hundred
-        small copies between two decode graphs (docs/benchmarks.md, issue 3)."""
+        small copies between two decode graphs (docs/benchmarks-history.md, issue 3)."""
         reqs = [r for r in reqs if r.row >= 0]
         if not reqs:
             return

@@ -28,7 +28,7 @@ later PDL kernel starts. (The current token's K/V row, which the kernel before w
 only prefetched before the wait, never read.) As its programs finish, stage 1 also asks L2
 for the next kernel's weight (``prefetch_next``: the o_proj), which then reads it from L2.
 On the H200 (batch 64, Llama-3.2-1B shape) the early metadata and first tile saved about
-9 us a step, and the o_proj prefetch 4-7 (docs/benchmarks.md, session 10).
+9 us a step, and the o_proj prefetch 4-7 (docs/benchmarks-history.md, session 10).
 
 Idea after flash-decoding (Dao et al., 2023) and SGLang's
 ``python/sglang/srt/layers/attention/triton_ops/decode_attention.py``; written anew here.

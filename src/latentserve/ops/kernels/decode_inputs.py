@@ -5,7 +5,7 @@ copy. Before a graph replay the torch path then spent about ten device operation
 an index kernel for the pending ids of overlap scheduling (ids the previous step is still
 sampling, read from its token tensor), a gather of each token's KV slot from the page table,
 five copies into the static buffers and the fills of the padded rows. On the H200 that was
-about 11 us of device time and 30-60 us of host time per batch-64 step (docs/benchmarks.md,
+about 11 us of device time and 30-60 us of host time per batch-64 step (docs/benchmarks-history.md,
 issue 3). Here one kernel does all of it; ``program_id(0)`` covers ``BLOCK_R`` rows.
 
 Packed layout (all int64), for ``n`` decode rows (one token each), ``k`` pending ids and

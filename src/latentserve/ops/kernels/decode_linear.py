@@ -3,7 +3,7 @@ SiLU-and-multiply epilogue and programmatic dependent launch.
 
 A batch-64 decode step of a 1B model multiplies 64 rows by each weight matrix once: the
 GEMMs are weight-read bound, and the small ones pay several microseconds of launch and
-ramp-up latency each (docs/benchmarks.md, issue 3). This kernel tiles the output columns
+ramp-up latency each (docs/benchmarks-history.md, issue 3). This kernel tiles the output columns
 (``BLOCK_N``) and splits K across programs (``SPLIT_K``), so every weight byte is read
 once by enough programs to fill the GPU. A split GEMM either reduces its fp32 partial sums
 with a small second kernel or hands them to the next kernel (``partials=True``: the
@@ -139,7 +139,7 @@ def pick_tiling(m: int, n: int, k: int, num_sms: int = 132,
     down 64 x 4, LM head 128 x 1). ``in_l2``: the weight is already in L2 (decode attention
     prefetched it), so half as many programs pull it fast enough, with fewer partial sums
     for the next kernel to add: 0.35 programs per SM (o_proj: split 2, which took 10 us
-    off a batch-64 Llama-1B step on the H200; docs/benchmarks.md, session 10)."""
+    off a batch-64 Llama-1B step on the H200; docs/benchmarks-history.md, session 10)."""
     block_n = 128 if n >= 8192 else 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 64)
     split, target = 1, num_sms * (0.35 if in_l2 else 0.7)
@@ -158,7 +158,7 @@ def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
     Why: a cross-compile of the pointer-based K loop for sm_90 (Triton 3.6, bf16) shows no
     software pipelining (each step loads into registers, copies to shared memory and waits
     for its wgmma), while the descriptor version gets a TMA pipeline. On the H200 the
-    batch-64 Llama-1B decode step went from 1.34 to 1.31 ms (docs/benchmarks.md)."""
+    batch-64 Llama-1B decode step went from 1.34 to 1.31 ms (docs/benchmarks-history.md)."""
     env = os.environ.get("LATENTSERVE_DECODE_TMA")
     if env == "0":
         return False
@@ -258,7 +258,7 @@ def decode_linear_argmax(x: torch.Tensor, weight: torch.Tensor,
     first maximum of the values it stored (argmax pass 1, ``argmax.first_max_rows``); a
     short PDL kernel then picks each row's first maximal tile (``argmax.argmax_of_chunks``).
     The logits are never read back: on the H200 the separate pass 1 read a batch-64
-    Llama-3 vocabulary's 33 MB of fp32 logits in 12 us (docs/benchmarks.md, session 11).
+    Llama-3 vocabulary's 33 MB of fp32 logits in 12 us (docs/benchmarks-history.md, session 11).
 
     Args: as ``decode_linear`` (``x [M, K]``, ``weight [N, K]``, ``bias [N]`` or None).
     Returns:
@@ -293,7 +293,7 @@ def persistent_lm_head(rows: int) -> bool:
     """Whether ``decode_linear_argmax`` runs the persistent LM head (``ops.kernels.lm_head``;
     it also needs TMA and at most 64 rows) for ``rows`` rows: from 33 rows on. On the H200
     (Llama-3 vocabulary, bf16) it took 8 us more off a batch-64 decode step than the tiled
-    kernel with the same epilogue, and cost 9 us at 16 rows (docs/benchmarks.md, session
+    kernel with the same epilogue, and cost 9 us at 16 rows (docs/benchmarks-history.md, session
     11). ``LATENTSERVE_LMHEAD=persistent`` / ``=tiled`` forces either (A/B runs; default
     ``auto``). Raises ValueError for another value."""
     mode = os.environ.get("LATENTSERVE_LMHEAD", "auto")

@@ -8,7 +8,7 @@ read the previous kernel's results (weight prefetches, address arithmetic), then
 CUDA graph the launches become programmatic edges, so a captured decode step keeps the
 overlap. This hides most of a kernel's launch and ramp-up latency: a few microseconds per
 kernel, which is what a batch-64 decode step of a 1B model spends between its ~170 kernels
-(docs/benchmarks.md, issue 3).
+(docs/benchmarks-history.md, issue 3).
 
 Every kernel that takes ``PDL=True`` calls ``pdl_wait`` (``gdc_launch_dependents`` then
 ``gdc_wait``) before its first read of an activation and its first write, so chains stay

@@ -4,7 +4,7 @@ On the fast path a layer's attention input went through three launches before at
 the merged q/k/v GEMM (cuBLAS), then ``rotary_store_kv`` (rotate q in place, rotate k and
 write it and v into the paged pool). For a batch of a few dozen rows both are latency
 bound: on the H200, a Llama-3.2-1B layer at batch 64 spent about 7 us in the GEMM and 2 us
-in the RoPE kernel, against a 2.9 us read of the weight (docs/benchmarks.md, issue 3).
+in the RoPE kernel, against a 2.9 us read of the weight (docs/benchmarks-history.md, issue 3).
 
 With TMA descriptors (``decode_linear.use_tma``, the Hopper default) it took 7.6 us
 against 8.6 for the two kernels it replaces at 64 rows, but 8.7 against 7.7-8.2 at 16 rows
@@ -29,7 +29,7 @@ HBM idle, and its programs (48 then, one per head) could not pull the weight fas
 own. In session 8 on the H200, prefetching a quarter of the weight took 11 us off a
 batch-64 Llama-1B step (16 layers); prefetching all of it made the step slower. The same
 prefetch in ``decode_linear`` (o, gate/up, down, LM head) changed nothing measurable, so
-the GEMMs do not prefetch their own weight (docs/benchmarks.md, session 8). Decode
+the GEMMs do not prefetch their own weight (docs/benchmarks-history.md, session 8). Decode
 attention does prefetch: its first K/V tile before its wait and the o_proj weight as it
 ends (``attention.kernels.decode_attention``, session 10).
 
@@ -160,7 +160,7 @@ def default_block_half(half: int) -> int:
     (64 rows, weights not in L2) 16 took the kernel from 7.34 to 7.02 us and a batch-64
     decode step 3-4 us faster in three A/B runs. With a 32- or 16-row tile, 16 was slower (the model
     layer uses the default 64-row tile at every row count). Larger heads were not measured
-    (docs/benchmarks.md, session 9)."""
+    (docs/benchmarks-history.md, session 9)."""
     return 16 if half <= 32 else max(16, triton.next_power_of_2(half))
 
 
@@ -225,7 +225,7 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         n_heads, n_kv: query and KV heads; D = rows of ``weight`` / (n_heads + 2 n_kv), even.
         block_m, block_k: rows per program and the K tile (powers of 2, >= 16; fp32
             weights use at most 64). The defaults won an H200 sweep at 64 rows
-            (docs/benchmarks.md, session 7).
+            (docs/benchmarks-history.md, session 7).
         block_half: columns of each head half per program, a power of 2 from 16 to 256
             (default ``default_block_half``); each head runs as ``ceil(D / 2 /
             block_half)`` programs, each computing the same columns of both halves.

@@ -3,7 +3,7 @@
 The compression head's serve path (``latent/head.py``) runs eight float32 Linears on the
 64 or so rows of a decode batch. cuBLAS runs float32 GEMMs of that size as SIMT kernels
 with few thread blocks: on the H200 the Llama-1B-shaped head took 219 us per step that way
-against 122 us with this kernel at a fixed tiling (docs/benchmarks.md); reading its weights
+against 122 us with this kernel at a fixed tiling (docs/benchmarks-history.md); reading its weights
 takes ~8 us. This kernel tiles the output columns finely (one program per 16 to 64 columns
 and up to 64 rows, so even a 1024-wide layer gets dozens of programs) and multiplies on tensor cores with Triton's ``tf32x3`` input precision:
 each float32 operand is split into a TF32 high part and a TF32 remainder and three TF32
