@@ -47,6 +47,8 @@ def test_figures_are_the_suites_own(suites):
     head = suites["head"]["shapes"]["llama-3.2-1b"]
     assert _one(rows, "head", "llama-3.2-1b", 64)["latent_over_plain_pct"] == \
         head["step_cost"]["latent_over_plain_pct"]
+    assert _one(rows, "head", "llama-3.2-1b", 64)["step_over_floor"] == \
+        head["step_cost"]["latent_step_over_floor"]
     assert _one(rows, "head", "llama-3.2-1b", 16)["latent_over_plain_pct"] is None
     codi = suites["feedback"]["models"]["codi-llama-3.2-1b"]
     assert _one(rows, "feedback", "codi-llama-3.2-1b", 64)["latent_over_plain_pct"] == \

@@ -6,8 +6,8 @@ plain Llama-3.2-1B and the SmolLM2-135M shape (``bench.gpu``), COCONUT GPT-2 and
 Llama-3.2-1B (``bench.latent``), a compression head on Llama-3.2-1B (``bench.head_gpu``),
 Huginn-0125 at depth 8 and 32 and Ouro-1.4B (``bench.recurrent_gpu``), PCCoT on GPT-2
 (``bench.loop``). :func:`summarize` reads their results into rows of one table; a figure a
-suite does not measure is None (the feedback, head and loop suites report no bandwidth
-floor).
+suite does not measure is None (the feedback and loop suites report no bandwidth floor, the
+head suite only its latent step's, at its step-cost batch).
 
 Row fields: ``family``, ``model``, ``concurrency``; ``step_ms`` (the engine's decode step,
 host wall time), ``replay_ms`` (its CUDA graph replay, device time), ``floor_ms`` (bytes one
@@ -66,13 +66,20 @@ def _feedback(res: dict) -> list[dict]:
 
 
 def _head(res: dict) -> list[dict]:
+    """Per concurrency its decode step; at the step-cost batch the latent step against its
+    floor (the suite measures the floor there only)."""
     rows = []
     for name, s in res.get("shapes", {}).items():
+        cost = s.get("step_cost") or {}
         for c, r in s["concurrency"].items():
-            steps = r.get("step_s", {})
-            rows.append(_row("head", name, c, step_ms=_ms(steps.get("decode")),
+            at_cost = int(cost.get("batch", -1)) == int(c)
+            floor = cost.get("floor_s") if at_cost else None
+            rows.append(_row("head", name, c, step_ms=_ms(r.get("step_s", {}).get("decode")),
+                             floor_ms=_ms(floor),
+                             step_over_floor=cost.get("latent_step_over_floor") if at_cost
+                             else None,
                              speedup_vs_reference=r.get("speedup"),
-                             latent_over_plain_pct=_cost_pct(s.get("step_cost"), c)))
+                             latent_over_plain_pct=_cost_pct(cost, c)))
     return rows
 
 
