@@ -119,7 +119,7 @@ class SamplingParams:
         ValueError: naming the field and the allowed range, from ``__post_init__``.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until max_model_len (vLLM), resolved by the engine
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -182,7 +182,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check_int("max_tokens", self.max_tokens, lo=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("n", self.n, lo=1)
         _check_num("temperature", self.temperature, lo=0.0, hi=FLOAT32_MAX)
         _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
@@ -238,7 +239,7 @@ class SamplingParams:
     def _check_masks(self) -> None:
         """Validate (and normalize) the token-mask fields."""
         _check_int("min_tokens", self.min_tokens, lo=0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got "
                              f"{self.min_tokens}")
         if not isinstance(self.include_stop_str_in_output, bool):

@@ -213,3 +213,14 @@ def test_max_model_len_above_the_models_limit_is_served_at_the_limit_with_a_warn
         llm = LLM(model=str(tiny_dirs["llama"]), max_model_len=100_000)
     assert llm.engine.max_model_len == 512
     assert "max_model_len 100000 is above the model's 512 positions" in caplog.text
+
+
+def test_max_tokens_none_generates_until_the_context_is_full(tiny_dirs):
+    """vLLM's ``SamplingParams(max_tokens=None)``: no output cap but ``max_model_len``."""
+    from latentserve import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_dirs["llama"]), max_model_len=24)
+    (out,) = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=None, temperature=0.0,
+                                                         ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 24 - 4
+    assert out.outputs[0].finish_reason == "length"

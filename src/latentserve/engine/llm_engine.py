@@ -4,6 +4,7 @@ process both drive this class."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -34,8 +35,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.tp, self._tp_procs = None, []  # TPGroup and worker processes when TP > 1
         if config.tensor_parallel_size > 1:
-            import dataclasses
-
             from latentserve.engine.tp_worker import abort_workers, start_workers
             from latentserve.models.checkpoint import resolve_model_dir
 
@@ -213,6 +212,8 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
+        if params.max_tokens is None:  # vLLM: until the context is full
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - n))
         spec, family = self.latent_spec, self.family
         admission = family.admit(prompt_token_ids, params)
         params, extra = admission.params, admission.extra
