@@ -13,7 +13,6 @@ SHARED = {"latentserve.latent.family", "latentserve.latent.spec", "latentserve.l
 FAMILY_MODELS = {"latentserve.models.huginn", "latentserve.models.ouro"}
 KNOWN = {  # (core file, family module): still to move behind latent.family (issue 27)
     ("engine/cuda_graph.py", "latentserve.latent.recurrent"),
-    ("engine/model_runner.py", "latentserve.latent.recurrent"),
 }
 
 

@@ -11,7 +11,7 @@ from latentserve.attention.base import AttentionBackend, BatchLayout
 from latentserve.context import ForwardContext, set_context
 from latentserve.kvcache.pool import KVPool, PageTable
 from latentserve.latent import vectors as latent_vectors
-from latentserve.latent.recurrent import RecurrentBatch
+from latentserve.latent.family import family_for
 from latentserve.scheduler.scheduler import ScheduledBatch
 from latentserve.staging import HostToDevice
 
@@ -37,9 +37,10 @@ class ModelRunner:
     else None. ``replayed``: whether the last run replayed a CUDA graph; its outputs (and
     ``last_hidden_all``, ``latent_outputs()``) may then be views of the graph's static
     buffers, overwritten by the next replay, so a caller that keeps them copies them first.
-    For a recurrent-depth model each forward also gets a ``RecurrentBatch`` (per-row depth
-    and exit rule, ``ForwardContext.recurrent``) and each token's depth
-    (``ForwardContext.depths``); sampling rows' iteration counts go to their requests.
+    Each forward also gets the model family's context (``Family.forward_context``: for a
+    recurrent-depth model a ``RecurrentBatch``, per-row depth and exit rule,
+    ``ForwardContext.recurrent``, and each token's depth, ``ForwardContext.depths``);
+    sampling rows' iteration counts go to their requests.
     After each run, ``prompt_hidden`` lists ``(req, start, hidden [q_len, hidden])`` for the
     requests with ``params.prompt_logprobs`` set whose chunk holds prompt positions
     ``start ..`` (such batches run eagerly; empty for every other batch).
@@ -67,8 +68,7 @@ class ModelRunner:
         # the batch's packed index vectors, copied while the previous batch's kernels run
         self._to_device = HostToDevice(device, side_stream=True)
         self.prompt_hidden: list = []
-        spec = getattr(model, "latent_spec", None)
-        self.recurrent = spec is not None and spec.kind == "recurrent"  # per-token depth
+        self.family = family_for(getattr(model, "latent_spec", None))  # its class only
 
     def set_capture(self, layer: int) -> None:
         """Capture the residual stream after ``layer`` decoder layers (call before
@@ -155,7 +155,7 @@ class ModelRunner:
         # A plain decode batch that fits a graph: one kernel unpacks the inputs into the
         # graph's buffers (ops.kernels.decode_inputs), so nothing below touches them. It
         # also makes the scheduler's staged page-table writes (PageTable.stage).
-        packed_replay = self.PACKED_INPUTS and fits_graph and not self.recurrent
+        packed_replay = self.PACKED_INPUTS and fits_graph and self.family.packed_replay
         staged = self.table.staged if packed_replay else None  # taken at the replay
         # One host-to-device copy for every index vector of the batch:
         # ids [T] | positions [T] | page-table row of each token [T] | rows [B] | kv_lens [B]
@@ -194,8 +194,7 @@ class ModelRunner:
             else:
                 input_embeds = src
         layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
-        rec = RecurrentBatch.from_batch(batch, layout, self.table.table) if self.recurrent \
-            else None
+        rec = self.family.forward_context(batch, layout, self.table.table)
         self.prompt_hidden = []
         mask_all = bool(inj_rows) and not mask_l
         if packed_replay or (fits_graph and (rec is None or self.graphs.can_replay(rec))):

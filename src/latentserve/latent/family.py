@@ -52,11 +52,14 @@ class Family:
     default ``exit_semantics`` other than ``"engine"``), ``takes_head_controls`` (CoLaR's
     ``compression_factor`` / ``latent_temperature``), ``overlaps`` (steps may run under the
     overlap scheduler, ``engine/overlap.py``: nothing the family does on the host needs the
-    previous step's tokens), ``description`` (for error messages).
+    previous step's tokens), ``packed_replay`` (a decode batch may replay its graph from the
+    packed index vectors alone: no per-forward context), ``description`` (for error
+    messages).
     """
 
     budgeted = False
     overlaps = True
+    packed_replay = True
     traced = False
     streams_steps = False
     takes_exit_fields = False
@@ -90,6 +93,12 @@ class Family:
                       ) -> list | None:
         """The next latent input of each sampling row of ``reqs`` (``(tensor, row)``, see
         ``latent/vectors.py``) or None per row; None when no row has one."""
+        return None
+
+    @staticmethod
+    def forward_context(batch, layout, page_table):
+        """What the model's forward reads for ``batch`` besides its inputs
+        (``ForwardContext.recurrent``; the model runner calls it on every rank), or None."""
         return None
 
     # ----- the scheduler's hooks (scheduler/scheduler.py) -----

@@ -483,6 +483,7 @@ class RecurrentFamily(Family):
     latent inputs (the recurrence runs inside ``model.forward``)."""
 
     budgeted = True
+    packed_replay = False  # each forward carries its RecurrentBatch (per-row depths)
     traced = True
     takes_exit_fields = True
     description = "a recurrent-depth model"
@@ -490,6 +491,10 @@ class RecurrentFamily(Family):
     @property
     def takes_exit_semantics(self) -> bool:  # Ouro's exits are exact readouts: one semantics
         return self.spec.family == "huginn"
+
+    @staticmethod
+    def forward_context(batch, layout, page_table) -> RecurrentBatch:
+        return RecurrentBatch.from_batch(batch, layout, page_table)
 
     def admit(self, prompt_ids, params) -> Admission:
         budget = self.spec.resolve_budget(params.latent_budget)
