@@ -198,8 +198,20 @@ def check_traces(traces, params, references, family):
         assert [e["depth"] for e in trace] == ref["iterations"], f"request {i} depths"
         if family == "ouro":
             assert [e["readout_step"] for e in trace] == ref["readouts"], f"request {i}"
+            check_exit_probs(trace, ref, f"request {i}")
         else:  # Huginn reads out its last iteration: no readout field
             assert all(set(e) == {"depth"} for e in trace), trace
+
+
+def check_exit_probs(trace, ref, what):
+    """Each Ouro entry's ``exit_probs``: one per step the token ran, summing to 1, within
+    1e-4 of the reference's exit pdf."""
+    for j, (e, want) in enumerate(zip(trace, ref["exit_probs"], strict=True)):
+        got = e["exit_probs"]
+        assert len(got) == len(want) == e["depth"], f"{what}, token {j}: {got} vs {want}"
+        assert all(isinstance(p, float) and 0 <= p <= 1 for p in got)
+        assert abs(sum(got) - 1) < 1e-9
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, f"{what}, token {j}"
 
 
 def test_huginn_trace_has_each_tokens_adaptive_depth(engines, refs):
@@ -233,8 +245,12 @@ def test_ouro_trace_has_each_tokens_readout_step(engines, refs):
     # none, last reads depth - 1, threshold-approx both stops early and reads that step.
     assert 0 in [e["readout_step"] for e in traces[1]]
     assert all(e["readout_step"] is None for e in traces[2])
-    assert all(e == {"depth": 3, "readout_step": 2} for e in traces[3])
+    assert all(set(e) == {"depth", "readout_step", "exit_probs"} for e in traces[3])
+    assert all((e["depth"], e["readout_step"]) == (3, 2) for e in traces[3])
     assert any(e["depth"] < 6 and e["readout_step"] == e["depth"] - 1 for e in traces[4])
+    # The distributions are not degenerate: the gate spreads mass over several steps.
+    assert any(sum(p > 0.05 for p in e["exit_probs"]) >= 2 for t in traces[:5] if t
+               for e in t)
 
 
 @pytest.mark.parametrize("kind", ["huginn", "ouro"])

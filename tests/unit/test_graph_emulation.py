@@ -247,9 +247,10 @@ def test_graph_logits_equal_eager_logits_and_fall_back_where_eager_splits_k(
 
 
 def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp_path):
-    """Ouro's decode graphs write each row's readout step into a static buffer
-    (``CudaGraphRunner.readout_steps``): the ``return_latent_trace`` of replayed steps equals
-    the eager engine's, for traced rows with threshold, last and weighted readouts."""
+    """Ouro's decode graphs write each row's readout step and per-step exit probabilities
+    into static buffers (``CudaGraphRunner.readout_steps``, ``exit_probs``): the
+    ``return_latent_trace`` of replayed steps equals the eager engine's, for traced rows with
+    threshold, last and weighted readouts."""
     from latentserve.testing.recurrent_models import write_ouro
 
     d = write_ouro(tmp_path / "ouro")
@@ -276,6 +277,16 @@ def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp
     eager, _ = traces(False)
     replayed, steps = traces(True)
     assert steps > 0
-    assert replayed == eager
+    # Depths, readout steps and stats exactly; the exit probabilities (``[T, steps]`` static
+    # buffer) within fp32 rounding of the eager loop's.
+    def exact(out):
+        return {rid: ([(e["depth"], e["readout_step"]) for e in trace], stats)
+                for rid, (trace, stats) in out.items()}
+
+    assert exact(replayed) == exact(eager)
+    for rid, (trace, _) in eager.items():
+        for e, r in zip(trace, replayed[rid][0], strict=True):
+            assert len(e["exit_probs"]) == e["depth"]
+            assert r["exit_probs"] == pytest.approx(e["exit_probs"], abs=1e-6)
     assert all(e["readout_step"] is None for e in eager["r2"][0])
     assert {e["readout_step"] for e in eager["r1"][0]} == {2}

@@ -165,8 +165,10 @@ def test_offline_outputs_carry_a_recurrent_models_per_token_trace(tmp_path):
                                        (outs[0].outputs[0], outs[2].outputs[0])):
         want = ref.generate(prompt, 6, depth, mode, thr)
         assert out.token_ids == want["tokens"]
-        assert out.latent_trace == [{"depth": n, "readout_step": e}
-                                    for n, e in zip(want["iterations"], want["readouts"])]
+        assert [(e["depth"], e["readout_step"]) for e in out.latent_trace] == \
+            list(zip(want["iterations"], want["readouts"]))
+        for e, pdf in zip(out.latent_trace, want["exit_probs"], strict=True):
+            assert e["exit_probs"] == pytest.approx(pdf, abs=1e-4)
     assert outs[1].outputs[0].latent_trace is None
     assert outs[1].outputs[0].recurrence is not None  # the stats stay as they were
     llm.engine.cache.check_idle()

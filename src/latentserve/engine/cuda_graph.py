@@ -131,6 +131,9 @@ class CudaGraphRunner:
             self.graph_depths = sorted(set(graph_depths or default_graph_depths(spec)))
         else:
             self.graph_depths = [0]
+        # ... and its exit probability at each loop step (columns past a replay's depth: stale)
+        self.exit_probs = (torch.zeros(n, self.graph_depths[-1], device=dev)
+                           if self.readout_steps is not None else None)
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.latent_capable = latent_capable
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -152,7 +155,9 @@ class CudaGraphRunner:
                     num_iters=depth, masked=True, exit_thr=self.exit_thr[:b],
                     exit_weighted=self.exit_weighted[:b],
                     readout_steps=None if self.readout_steps is None
-                    else self.readout_steps[:b])
+                    else self.readout_steps[:b],
+                    exit_probs=None if self.exit_probs is None
+                    else self.exit_probs[:b, :depth])
             set_context(ctx)
             try:
                 with torch.inference_mode():

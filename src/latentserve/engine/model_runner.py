@@ -221,6 +221,7 @@ class ModelRunner:
                 rec.iters_used = list(rec.row_depths)
                 if self.graphs.readout_steps is not None:  # Ouro: the replay's readouts
                     rec.readout_steps = self.graphs.readout_steps[: len(ids)]
+                    rec.exit_probs = self.graphs.exit_probs[: len(ids)]
                 rec.record(batch)
             captured = self.graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             self.last_hidden_all = hidden  # one token per row: every position of the batch

@@ -254,6 +254,9 @@ class RecurrentBatch:
             loop step whose hidden was read out; -1 for a ``weighted`` mixture). Ouro's
             forward fills it when ``track_readout`` (a graph binds a static buffer here and
             the forward copies into it); None otherwise (Huginn reads out its last step).
+        exit_probs: ``[T, S] float32`` device tensor, each token's Ouro exit probability at
+            each loop step ``t < S`` (0 past the steps it ran), filled with
+            ``readout_steps`` (a graph binds a static ``[T, max depth]`` buffer).
         drop_skipped: ``[B]`` the row's rule is ``upstream`` (its attention at iteration
             ``t`` masks positions without K/V there, ``SlotSteps``); None when no row is.
             Eligible rows of such a request include its whole prompt as one block.
@@ -275,6 +278,7 @@ class RecurrentBatch:
     exit_weighted: Any = None
     traced: list[bool] | None = None
     readout_steps: Any = None
+    exit_probs: Any = None
     drop_skipped: list[bool] | None = None
 
     @property
@@ -338,15 +342,19 @@ class RecurrentBatch:
         """Append each sampling row's iteration count to its request's stats and, for a
         traced row (``traced``), one entry to its ``latent_trace``: ``{"depth": n}``
         (iterations its last token ran) plus, when the forward reported readout steps
-        (Ouro), ``"readout_step"``: the 0-based step read out, None for ``weighted``.
-        One host read of ``readout_steps`` when a traced row samples."""
+        (Ouro), ``"readout_step"``: the 0-based step read out, None for ``weighted``, and
+        ``"exit_probs"``: :func:`exit_distribution` of the token's ``depth`` steps.
+        Host reads of ``readout_steps`` / ``exit_probs`` only when a traced row samples."""
         iters = self.iters_used or self.row_depths
         traced = [bool(self.traced and self.traced[b] and s)
                   for b, s in enumerate(batch.sample)]
-        steps = None
+        steps = probs = None
         if any(traced) and self.readout_steps is not None:
             last = torch.cumsum(torch.tensor(self.q_lens), 0) - 1  # each row's last token
-            steps = self.readout_steps[last.to(self.readout_steps.device)].tolist()
+            last = last.to(self.readout_steps.device)
+            steps = self.readout_steps[last].tolist()
+            if self.exit_probs is not None:
+                probs = self.exit_probs[last].tolist()
         for b, (req, s, n) in enumerate(zip(batch.reqs, batch.sample, iters)):
             if not s:
                 continue
@@ -355,7 +363,20 @@ class RecurrentBatch:
                 entry = {"depth": int(n)}
                 if steps is not None:
                     entry["readout_step"] = None if steps[b] < 0 else int(steps[b])
+                if probs is not None:
+                    entry["exit_probs"] = exit_distribution(probs[b][: int(n)])
                 req.latent_trace.append(entry)
+
+
+def exit_distribution(p: list[float]) -> list[float]:
+    """A token's Ouro exit distribution over the ``len(p)`` loop steps it ran (upstream
+    ``modeling_ouro.py``, ``OuroForCausalLM.forward``: ``p_t = lambda_t * prod_{j<t}(1 -
+    lambda_j)``, the last step takes the remaining mass), from the per-step probabilities
+    ``p`` the forward computed: the last entry is ``1 - sum(p[:-1])``, so the list sums to 1
+    in float64 whatever the model dtype. A ``threshold-approx`` token that stopped early ran
+    fewer steps than its depth: its last step takes the mass of the steps it skipped."""
+    head = [float(x) for x in p[:-1]]
+    return head + [max(0.0, 1.0 - math.fsum(head))]
 
 
 class ActiveRows:

@@ -268,7 +268,9 @@ class _Readout:
     token's last step. All updates are tensor ops (no host reads), so the masked path stays
     capturable; ``update`` returns the ``[T] bool`` "threshold reached at this step" flags.
     With ``rb.track_readout``, ``step [T] int64`` keeps the step each token was read out
-    from, and ``result`` puts it (-1 for ``weighted`` tokens) in ``rb.readout_steps``.
+    from, and ``result`` puts it (-1 for ``weighted`` tokens) in ``rb.readout_steps``; each
+    step's exit probabilities ``p [T]`` go to ``rb.exit_probs`` (``[T, steps]`` float32,
+    column ``t`` = step ``t``; a bound buffer gets its columns written in place).
     """
 
     def __init__(self, model: OuroForCausalLM, rb, depths, h0):
@@ -296,9 +298,10 @@ class _Readout:
         self.out = torch.zeros_like(h0)
         self.mix = torch.zeros_like(h0) if self.any_weighted else None
         self.rb = rb
-        self.step = None
+        self.step = self.probs = None
         if rb is not None and rb.track_readout:
             self.step = torch.zeros(n, dtype=torch.int64, device=dev)
+            self.probs = [] if rb.exit_probs is None else None
 
     def update(self, h, t: int, active):
         """Fold step ``t``'s hidden ``h [T, hidden]`` in for ``active`` tokens (``[T] bool``,
@@ -319,6 +322,10 @@ class _Readout:
         self.done = self.done | hit
         if self.step is not None:
             self.step = torch.where(hit, t, self.step)
+            if self.probs is not None:
+                self.probs.append(p.float())
+            else:  # a graph's static buffer
+                self.rb.exit_probs[:, t].copy_(p)
         if self.mix is not None:
             self.mix = self.mix + p[:, None] * h
         return hit
@@ -330,6 +337,8 @@ class _Readout:
                 self.rb.readout_steps = steps
             else:  # a graph's static buffer
                 self.rb.readout_steps.copy_(steps)
+            if self.probs:
+                self.rb.exit_probs = torch.stack(self.probs, dim=1)
         if self.mix is None:
             return self.out
         return torch.where(self.weighted[:, None], self.mix, self.out)

@@ -29,7 +29,10 @@ upstream algorithms over plain torch and the checkpoint's own files (``config.js
 ``generate(...)`` returns ``{"tokens": [...], "logits": [[vocab] float32 per generated
 token], "iterations": [iterations at the position each token was sampled from]}``; greedy,
 no EOS stop. ``OuroReference.generate`` adds ``"readouts"``: per generated token, the 0-based
-step whose hidden its logits were read out from at that position (None for ``weighted``).
+step whose hidden its logits were read out from at that position (None for ``weighted``), and
+``"exit_probs"``: per generated token, the exit pdf of that position over the steps it ran
+(``[p_0 .. p_{n-1}]``, float, summing to 1; a ``threshold-approx`` token that stopped early
+at step ``e`` has ``e + 1`` entries, the last taking the remaining mass).
 """
 
 from __future__ import annotations
@@ -354,17 +357,9 @@ class OuroReference:
                 cum = cum + lam * rem
                 rem = rem * (1 - lam)
                 if bool(cum[-1] >= thr):
-                    return (h[-1] @ self._w("lm_head.weight").T).float(), t + 1, t
-        pdf, rem = [], torch.ones_like(gates[0].squeeze(-1))
-        for i, g in enumerate(gates):
-            lam = torch.sigmoid(g.squeeze(-1))
-            if i < len(gates) - 1:
-                p = lam * rem
-                rem = rem * (1.0 - lam)
-            else:
-                p = rem
-            pdf.append(p)
-        pdf = torch.stack(pdf, dim=-1)  # [S, steps]
+                    return ((h[-1] @ self._w("lm_head.weight").T).float(), t + 1, t,
+                            self._exit_pdf(gates)[-1].tolist())
+        pdf = self._exit_pdf(gates)
         head = self._w("lm_head.weight")
         readout = depth - 1
         if mode in ("threshold", "threshold-approx"):
@@ -379,7 +374,23 @@ class OuroReference:
             readout = None
         else:
             logits = hs[-1] @ head.T
-        return logits[-1].float(), depth, readout
+        return logits[-1].float(), depth, readout, pdf[-1].tolist()
+
+    @staticmethod
+    def _exit_pdf(gates):
+        """``[S, steps]`` exit pdf from the gate logits of each step (``[S, 1]`` each), as
+        upstream ``OuroForCausalLM.forward``: ``p_i = sigmoid(g_i) * prod_{j<i}(1 -
+        sigmoid(g_j))``, the last step takes the remaining mass."""
+        pdf, rem = [], torch.ones_like(gates[0].squeeze(-1))
+        for i, g in enumerate(gates):
+            lam = torch.sigmoid(g.squeeze(-1))
+            if i < len(gates) - 1:
+                p = lam * rem
+                rem = rem * (1.0 - lam)
+            else:
+                p = rem
+            pdf.append(p)
+        return torch.stack(pdf, dim=-1)
 
     @torch.no_grad()
     def generate(self, prompt, max_tokens, depth=None, mode="last", threshold=None) -> dict:
@@ -387,18 +398,19 @@ class OuroReference:
         thr = 1.0 if threshold is None else threshold
         cache = _LayeredCache(self._same_layer)
         ids = list(prompt)
-        out = {"tokens": [], "logits": [], "iterations": [], "readouts": []}
-        logits, n, e = self._forward(ids, list(range(len(ids))), cache, depth, mode, thr,
-                                     False)
+        out = {"tokens": [], "logits": [], "iterations": [], "readouts": [], "exit_probs": []}
+        logits, n, e, pdf = self._forward(ids, list(range(len(ids))), cache, depth, mode, thr,
+                                          False)
         for _ in range(max_tokens):
             tok = int(logits.argmax())
             out["tokens"].append(tok)
             out["logits"].append(logits)
             out["iterations"].append(n)
             out["readouts"].append(e)
+            out["exit_probs"].append(pdf)
             ids.append(tok)
             if len(out["tokens"]) == max_tokens:
                 break
-            logits, n, e = self._forward([tok], [len(ids) - 1], cache, depth, mode, thr,
-                                         mode == "threshold-approx")
+            logits, n, e, pdf = self._forward([tok], [len(ids) - 1], cache, depth, mode, thr,
+                                              mode == "threshold-approx")
         return out
