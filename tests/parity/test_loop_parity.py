@@ -185,3 +185,47 @@ def test_offline_llm_serves_mixed_budgets_and_reports_block_positions(loop_dirs,
     final = [o for _ in range(50) for o in engine.step() if o.finished]
     assert final[0].latent_steps == KINDS[kind] * 4
     engine.cache.check_idle()
+
+
+@pytest.mark.parametrize("kind", ["pccot-gpt2", "lotus-llama"])
+def test_traced_passes_carry_each_block_positions_logit_lens(kind, loop_dirs):
+    """``return_latent_trace``: one entry per block position per pass (``iterations + 1``
+    passes), in pass order, each the logit lens of that position's output in that pass:
+    the reference's top-5 block logits of the same pass within 1e-4, their softmax
+    probabilities too; untraced requests in the same batch get none."""
+    ref = _reference(loop_dirs[kind])
+    n = KINDS[kind]
+    prompts = shared_prefix_prompts()[:3]
+    budgets = [0, 2, 3]
+    engine = _engine(loop_dirs[kind])
+    for i, (p, b) in enumerate(zip(prompts, budgets)):
+        engine.add_request(f"t{i}", p, SamplingParams(max_tokens=2, temperature=0.0,
+                                                      latent_budget=b,
+                                                      return_latent_trace=i != 2))
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.rid] = out
+    assert final["t2"].latent_trace is None
+    for i in range(2):
+        passes = []
+        reference_generate_loop(ref, prompts[i], budgets[i], 2, passes=passes)
+        trace = final[f"t{i}"].latent_trace
+        assert len(passes) == budgets[i] + 1 and len(trace) == n * len(passes)
+        assert final[f"t{i}"].latent_steps == len(trace)
+        for k, e in enumerate(trace):
+            p, j = divmod(k, n)
+            assert (e["pass"], e["position"]) == (p + 1, j + 1)
+            want = passes[p][j]
+            top = want.topk(5)
+            got = torch.tensor([v for _, v in e["top_tokens"]])
+            torch.testing.assert_close(got, top.values, atol=1e-4, rtol=0)
+            assert [t for t, _ in e["top_tokens"]] == top.indices.tolist()
+            probs = (top.values - want.logsumexp(-1)).exp()
+            torch.testing.assert_close(torch.tensor(e["top_probs"]), probs, atol=1e-4, rtol=0)
+            assert e["norm"] > 0
+        # Passes differ: the lens reads what each pass rewrote.
+        if budgets[i]:
+            assert trace[0]["top_tokens"] != trace[-n]["top_tokens"]
+    engine.cache.check_idle()

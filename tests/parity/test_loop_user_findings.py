@@ -143,8 +143,11 @@ def test_lotus_reference_refuses_weights_it_would_not_read(tmp_path, smollm2_dir
         load_lotus_reference(str(model))
 
 
-def test_latent_trace_is_refused_for_a_looped_model(tmp_path, smollm2_dir):
-    """return_latent_trace was silently ignored for looped blocks; it is refused by name."""
+def test_latent_trace_of_a_looped_model_has_an_entry_per_block_position(tmp_path,
+                                                                         smollm2_dir):
+    """return_latent_trace was silently ignored for looped blocks; it now returns each
+    pass's logit lens per block position (tests/parity/test_loop_parity.py checks the
+    values)."""
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
@@ -152,9 +155,11 @@ def test_latent_trace_is_refused_for_a_looped_model(tmp_path, smollm2_dir):
 
     path = save_loop_tiny(tmp_path, "lotus-llama", block_size=3, iterations=1)
     engine = LLMEngine(EngineConfig(model=str(path)))
-    with pytest.raises(ValueError, match="^return_latent_trace needs a feedback-latent"):
-        engine.add_request("a", [21, 22, 23], SamplingParams(return_latent_trace=True))
-    assert not engine.has_unfinished_requests()
+    engine.add_request("a", [21, 22, 23], SamplingParams(max_tokens=1, latent_budget=1,
+                                                         return_latent_trace=True))
+    final = [o for _ in range(20) for o in engine.step() if o.finished]
+    assert [(e["pass"], e["position"]) for e in final[0].latent_trace] == [
+        (p, j) for p in (1, 2) for j in (1, 2, 3)]
     engine.cache.check_idle()
 
 

@@ -235,8 +235,9 @@ class LLMEngine:
         upstream = (self.upstream_stop_rules if params.upstream_stop_rules is None
                     else params.upstream_stop_rules)
         if params.return_latent_trace and not family.traced:
-            raise ValueError("return_latent_trace needs a feedback-latent or recurrent-depth "
-                             f"model, not {family.description} (it would silently do nothing)")
+            raise ValueError("return_latent_trace needs a feedback-latent, recurrent-depth "
+                             f"or looped-block model, not {family.description} (it would "
+                             "silently do nothing)")
         if params.stream_latent_steps and not family.streams_steps:
             raise ValueError("stream_latent_steps needs a model with latent steps, not "
                              f"{family.description} (it would silently do nothing)")

@@ -15,7 +15,10 @@ embeddings; pass p >= 1 takes ``latent_feedback`` of the previous pass's outputs
 * ``"same"`` (LOTUS, arXiv 2606.31779, as this engine defines it, docs/models.md): block
   position j reads its own output.
 
-The last pass's outputs are unused: its KV is what the read-out sees. Then ``end_ids`` are
+The last pass's outputs are unused: its KV is what the read-out sees. With
+``return_latent_trace`` each pass adds one entry per block position (``latent/lens.py``: the
+logit lens of that position's post-final-norm output, plus ``"pass"`` and ``"position"``,
+both 1-based), so entry ``i`` is latent step ``i + 1``. Then ``end_ids`` are
 forced (PCCoT: ``<pcot.eot>`` + the answer prompt) and the request decodes like any other.
 Many looped requests share a pass; a pass may share the forward with prefill and decode rows.
 If the token budget splits a pass into chunks the outputs are gathered across the chunks, and
@@ -126,12 +129,14 @@ def after_forward(model, table: torch.Tensor, batch, hidden: torch.Tensor) -> No
     request's ``LoopState.outputs``; a row that covers the whole block records (first pass,
     or a prefill after a preemption) or checks (later passes) the block's slots in
     ``table`` (``[rows, max_len]`` page table); rows that end a pass with passes left get
-    their ``next_inputs``, computed by ``model.latent_feedback`` in one batch.
+    their ``next_inputs``, computed by ``model.latent_feedback`` in one batch. A traced
+    request (``return_latent_trace``) that ends a pass gets that pass's lens entries, one
+    LM-head call for all of them (:func:`_trace_passes`).
 
     Raises RuntimeError when a pass finds the block's slots moved (the engine's contract is
     that a block is allocated once and rewritten in place).
     """
-    off, ending = 0, []
+    off, ending, traced = 0, [], []
     for req, start, n, sample in zip(batch.reqs, batch.starts, batch.q_lens, batch.sample):
         lo_row = off
         off += n
@@ -157,6 +162,10 @@ def after_forward(model, table: torch.Tensor, batch, hidden: torch.Tensor) -> No
                 st.slot_checks += 1
         if sample and st.passes_done < st.iterations:
             ending.append(req)
+        if sample and req.params.return_latent_trace:
+            traced.append(req)
+    if traced:
+        _trace_passes(model, traced)
     if not ending:
         return
     jacobi = model.latent_spec.loop_rule == "jacobi"
@@ -166,6 +175,23 @@ def after_forward(model, table: torch.Tensor, batch, hidden: torch.Tensor) -> No
     for i, req in enumerate(ending):
         k = req.state.block_size
         req.state.next_inputs = vecs[i * k : (i + 1) * k]
+
+
+def _trace_passes(model, reqs: list[Req]) -> None:
+    """Append to each of ``reqs`` (each just ended a pass) one trace entry per block position:
+    :func:`~latentserve.latent.lens.lens_entries` of the pass's outputs at the block
+    positions (``LoopState.outputs[1:]``, ``[block_size, hidden]``) with ``"pass"`` (1-based:
+    ``passes_done + 1``) and ``"position"`` (1-based)."""
+    from latentserve.latent.lens import lens_entries
+
+    entries = lens_entries(model, torch.cat([r.state.outputs[1:] for r in reqs]))
+    i = 0
+    for req in reqs:
+        st = req.state
+        for j in range(st.block_size):
+            req.latent_trace.append({**entries[i], "pass": st.passes_done + 1,
+                                     "position": j + 1})
+            i += 1
 
 
 def advance(req: Req, spec) -> bool:
@@ -205,10 +231,14 @@ class LoopFamily(Family):
     overlaps = False  # its latent steps read the previous step's outputs on the host
 
     budgeted = True
+    traced = True
     streams_steps = True
     description = "a looped-block model"
 
     def admit(self, prompt_ids, params) -> Admission:
+        if self.engine.tp is not None and params.return_latent_trace:
+            raise ValueError("return_latent_trace is not supported with "
+                             "tensor_parallel_size > 1 on looped-block models")
         spec = self.spec
         budget = spec.resolve_budget(params.latent_budget)
         return Admission(params, spec.prompt_extra(budget),

@@ -14,7 +14,7 @@ For a plain model the key is null; otherwise::
 
 from __future__ import annotations
 
-_TRACED = ("feedback", "head", "recurrent")
+_TRACED = ("feedback", "head", "recurrent", "loop")
 _STREAMED = ("feedback", "head", "loop")
 _EXIT_FIELDS = ("exit_criterion", "exit_threshold", "exit_min_steps", "exit_check_every")
 

@@ -110,11 +110,13 @@ def load_lotus_reference(model_dir: str, device: str = "cpu",
 @torch.no_grad()
 def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iterations: int,
                             max_tokens: int, ignore_eos: bool = False,
-                            upstream_stop_rules: bool = False):
+                            upstream_stop_rules: bool = False, passes: list | None = None):
     """Greedy answer for one request: ``(answer_ids, first_answer_logits [vocab] float32 on
     the CPU)``. Every forward recomputes the full sequence from embeddings.
     ``upstream_stop_rules``: PCCoT's upstream answer loop (an eos as the first token does
-    not stop it); ValueError for another family."""
+    not stop it); ValueError for another family. ``passes``: a list that gets, per pass over
+    the block (``iterations + 1`` of them; the last one is the answer's first forward), the
+    LM-head logits at the block positions, ``[block_size, vocab]`` float32 on the CPU."""
     if upstream_stop_rules and ref.family != "pccot":
         raise ValueError(f"upstream_stop_rules: {ref.family or 'this model'} has no upstream "
                          "stop rule")
@@ -130,10 +132,14 @@ def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iteration
         return out.logits[0].float(), out.hidden_states[-1][0]
 
     for _ in range(iterations):
-        _, h = full(torch.cat([prefix, block]))
+        lg, h = full(torch.cat([prefix, block]))
+        if passes is not None:
+            passes.append(lg[p : p + n].cpu())
         src = h[p - 1 : p - 1 + n] if ref.rule == "jacobi" else h[p : p + n]
         block = ref.prj(src)
     tail = emb(torch.tensor(ref.end, device=dev)) if ref.end else prefix[:0]
+    if passes is not None:  # the last pass: the block as the answer reads it (causal)
+        passes.append(full(torch.cat([prefix, block]))[0][p : p + n].cpu())
     if upstream_stop_rules:  # upstream PCCoTGenerationMixin.generate, line by line
         logits = full(torch.cat([prefix, block, tail]))[0][-1]
         first = logits.cpu()
