@@ -85,7 +85,9 @@ class Req:
     answer_start: int | None = 0
     # return_latent_trace: per latent step {"norm", "top_tokens", "top_probs"[, "stop_prob"]}
     # (feedback models, compression heads: latent/lens.py), per
-    # sampled token {"depth"[, "readout_step"]} (recurrent depth: RecurrentBatch.record)
+    # sampled token {"depth"[, "readout_step", "exit_probs"]} (recurrent depth:
+    # RecurrentBatch.record), per block position of each pass a lens entry + "pass",
+    # "position" (looped blocks: loop._trace_passes)
     latent_trace: list = field(default_factory=list)
     cache_salt: int = 0
     state: LatentState | None = None  # the family's per-request state (see above)

@@ -56,7 +56,10 @@ class StepOutput:
     ``{"norm": float, "top_tokens": [[id, logit], ...5], "top_probs": [p, ...5]}`` (feedback
     models; compression heads add ``"stop_prob"``; ``latent/lens.py``), or per
     generated token (recurrent-depth models; ``SamplingParams.return_latent_trace``)
-    ``{"depth": int}`` (Huginn) / ``{"depth": int, "readout_step": int | None}`` (Ouro);
+    ``{"depth": int}`` (Huginn) / ``{"depth": int, "readout_step": int | None,
+    "exit_probs": [float, ...depth]}`` (Ouro; ``latent/recurrent.py``), or per block
+    position of each pass the lens entry plus ``"pass"``, ``"position"`` (looped blocks;
+    ``latent/loop.py``);
     a latent step's progress output (``stream_latent_steps``) of a traced request carries
     that step's entry alone.
     ``logprobs`` (only when the request asked for them) is aligned with ``new_token_ids``.

@@ -1,13 +1,23 @@
 """The viewer in a real headless browser (Playwright driving Debian's chromium, or the browser
-``playwright install chromium`` fetched), against a live server with a tiny CoLaR behind an
-API key: the page asks for the key, lists the model with its controls, streams a prompt
-and shows one column per latent step (logit-lens tokens as text with probabilities), the
-stop marker where the phase ended, and the answer; side by side, the same prompt with
-thinking off."""
+``playwright install chromium`` fetched), against live servers.
 
+A tiny CoLaR behind an API key: the page asks for the key, lists the model with its
+controls, streams a prompt and shows one column per latent step (logit-lens tokens as text
+with probabilities), the stop marker where the phase ended, and the answer; side by side, the
+same prompt with thinking off.
+
+One server with tiny Huginn, Ouro, PCCoT and COCONUT models (``views_server``): the
+recurrent heat map has one cell per generated token (also when a stop token or EOS ends the
+request), each with its depth, and for Ouro the token's exit distribution (one bar per loop
+step, the values the API returned); the looped-block grid has one row per pass and each
+cell the position's logit-lens token in that pass; the feedback view has one column per
+latent step with its top 5 tokens."""
+
+import json
 import os
 import shutil
 
+import httpx
 import pytest
 from server_testlib import API_KEY, COLAR_STOP_STEPS, COLAR_STOPS
 
@@ -89,3 +99,168 @@ def test_streams_step_columns_the_stop_marker_and_the_answer(page, colar_key_ser
     assert off.locator("h2").inner_text().endswith("(thinking off)")
     assert off.locator(".stop-marker").inner_text().startswith("thinking off")
     assert "0 latent steps" in off.locator("table.summary").inner_text()
+
+
+# --- the other views: one server, four tiny latent models ------------------------------------
+
+WORDS = "w5 w17 w29 w41"  # the recurrent models' word tokenizer
+PCCOT_BLOCK, PCCOT_BUDGET = 3, 2
+COCONUT_BUDGET = 3
+
+
+@pytest.fixture(scope="module")
+def views_server(tmp_path_factory, smollm2_dir):
+    """Tiny Huginn, Ouro, PCCoT (GPT-2, block 3) and COCONUT (Llama) in one server; its
+    ``dirs`` attribute maps ``huginn`` / ``ouro`` / ``pccot`` / ``coconut`` to the served
+    name."""
+    pytest.importorskip("peft")
+    from latentserve.config import EngineConfig
+    from latentserve.server.launch import start_server
+    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.testing.loop_models import save_loop_tiny
+    from latentserve.testing.recurrent_models import write_huginn, write_ouro
+
+    root = tmp_path_factory.mktemp("viewer-views")
+    dirs = {"huginn": write_huginn(root / "huginn"), "ouro": write_ouro(root / "ouro"),
+            "pccot": save_loop_tiny(root / "pccot", "pccot-gpt2", block_size=PCCOT_BLOCK,
+                                    iterations=PCCOT_BUDGET),
+            "coconut": save_latent_tiny(root / "coconut", "coconut-llama", max_budget=8)}
+    srv = start_server([EngineConfig(model=str(d), max_num_seqs=4, kv_slots=2048)
+                        for d in dirs.values()], timeout=600)
+    srv.dirs = {k: str(d) for k, d in dirs.items()}
+    yield srv
+    srv.stop()
+
+
+def _submit(page, srv, which: str, prompt: str, max_tokens: int, controls=None,
+            extra_body=None):
+    """Open the page, run ``prompt`` on model ``which`` (completion route) and wait for the
+    summary. ``extra_body``: fields the page has no control for, merged into its request
+    body by a wrapped ``fetch``."""
+    page.goto(f"{srv.base_url}/viewer/")
+    name = srv.dirs[which]
+    page.wait_for_selector(f'#model option[value="{name}"]', state="attached")
+    page.select_option("#model", name)
+    page.evaluate("""extra => {
+        const real = window.fetch.bind(window);
+        window.fetch = (url, opts) => {
+            if (extra && opts && opts.body) {
+                opts = {...opts, body: JSON.stringify({...JSON.parse(opts.body), ...extra})};
+            }
+            return real(url, opts);
+        };
+    }""", extra_body)
+    page.select_option("#route", "completion")
+    page.fill("#prompt", prompt)
+    page.fill("#max_tokens", str(max_tokens))
+    for key, value in (controls or {}).items():
+        page.fill(f"#c_{key}", str(value))
+    if page.is_checked("#compare"):
+        page.uncheck("#compare")
+    page.click("#run")
+    page.wait_for_selector(".run table.summary tr", timeout=120_000)
+    assert page.locator(".run .error").count() == 0, page.inner_text(".run .error")
+    return page.locator(".run").nth(0)
+
+
+def _api(srv, which: str, prompt: str, max_tokens: int, **body) -> dict:
+    """The same request through the API (not streamed): the choice."""
+    r = httpx.post(f"{srv.base_url}/v1/completions", timeout=120, json={
+        "model": srv.dirs[which], "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "logprobs": 0, "return_latent_trace": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _summary(run) -> dict:
+    rows = run.locator("table.summary tr")
+    return {rows.nth(i).locator("td").nth(0).inner_text():
+            rows.nth(i).locator("td").nth(1).inner_text() for i in range(rows.count())}
+
+
+def test_huginn_heat_map_has_one_cell_per_token_with_its_depth(page, views_server):
+    run = _submit(page, views_server, "huginn", WORDS, 5, {"latent_budget": 3})
+    cells = run.locator(".heat .cell")
+    assert cells.count() == 5
+    assert _summary(run)["tokens"] == "5 generated"
+    assert [cells.nth(i).get_attribute("data-depth") for i in range(5)] == ["3"] * 5
+    assert run.locator(".heat .exitbars").count() == 0  # Huginn has no exit distribution
+    assert run.locator(".align-warn").count() == 0
+    want = _api(views_server, "huginn", WORDS, 5, latent_budget=3)["logprobs"]["tokens"]
+    assert _cell_texts(cells) == want
+
+
+def _cell_texts(cells) -> list[str]:
+    """Each heat-map cell's token text (its first text node: no readout subscript)."""
+    return cells.evaluate_all("cs => cs.map((c) => c.firstChild.textContent)")
+
+
+def test_ouro_heat_map_shows_each_tokens_exit_distribution(page, views_server):
+    run = _submit(page, views_server, "ouro", WORDS, 4, {"latent_budget": 3})
+    want = _api(views_server, "ouro", WORDS, 4, latent_budget=3)["latent"]["trace"]
+    cells = run.locator(".heat .cell")
+    assert cells.count() == len(want) == 4
+    for i, e in enumerate(want):
+        cell = cells.nth(i)
+        assert cell.get_attribute("data-depth") == "3"
+        bars = cell.locator(".exitbars i")
+        assert bars.count() == len(e["exit_probs"]) == 3
+        heights = [float(bars.nth(n).evaluate("b => b.style.height").rstrip("%"))
+                   for n in range(3)]
+        # CSS keeps 6 significant digits of each height
+        assert heights == pytest.approx([max(1, p * 100) for p in e["exit_probs"]], rel=1e-5)
+        assert cell.locator(".exitbars i.read").count() == 1
+        assert bars.nth(e["readout_step"]).get_attribute("class") == "read"
+        assert "exit probability per step: 0: " in cell.get_attribute("title")
+    assert "exit probability of each step" in run.locator(".legend").inner_text()
+
+
+@pytest.mark.parametrize("how", ["eos", "stop_token"])
+def test_heat_map_cells_match_the_tokens_when_the_request_stops(page, views_server, how):
+    """A stop token or EOS ends the request: its token is generated (the logprobs name it,
+    the trace has its entry), so cells, tokens and trace entries stay one to one."""
+    if how == "eos":  # only EOS (id 2) may be sampled: it is the first and last token
+        extra, n = {"allowed_token_ids": [2]}, 1
+    else:  # the second greedy token stops the request
+        ids = _api(views_server, "ouro", WORDS, 4, return_tokens_as_token_ids=True)
+        second = int(ids["logprobs"]["tokens"][1].removeprefix("token_id:"))
+        extra, n = {"stop_token_ids": [second]}, 2
+    choice = _api(views_server, "ouro", WORDS, 4, **extra)
+    assert choice["finish_reason"] == "stop" and len(choice["latent"]["trace"]) == n
+    run = _submit(page, views_server, "ouro", WORDS, 4, extra_body=extra)
+    assert _summary(run)["finish"] == "stop"
+    assert _summary(run)["tokens"] == f"{n} generated"
+    cells = run.locator(".heat .cell")
+    assert cells.count() == n
+    assert _cell_texts(cells) == choice["logprobs"]["tokens"]
+    assert run.locator(".align-warn").count() == 0
+
+
+def test_pccot_grid_shows_each_passes_lens_tokens(page, views_server):
+    run = _submit(page, views_server, "pccot", "Question: 2 + 3 =", 2,
+                  {"latent_budget": PCCOT_BUDGET})
+    passes = PCCOT_BUDGET + 1
+    assert run.locator(".grid .lab").count() == passes
+    cells = run.locator(".grid .cell.lens")
+    assert cells.count() == passes * PCCOT_BLOCK
+    trace = _api(views_server, "pccot", "Question: 2 + 3 =", 2,
+                 latent_budget=PCCOT_BUDGET)["latent"]["trace"]
+    for i, e in enumerate(trace):
+        cell = cells.nth(i)
+        assert (cell.get_attribute("data-pass"), cell.get_attribute("data-position")) == (
+            str(e["pass"]), str(e["position"]))
+        assert cell.locator("code").inner_text() == json.dumps(e["top_texts"][0],
+                                                               ensure_ascii=False)
+    marker = run.locator(".stop-marker").inner_text()
+    assert marker == f"{passes * PCCOT_BLOCK} latent positions: {passes} passes over the block"
+
+
+def test_coconut_view_has_a_column_per_latent_step(page, views_server):
+    run = _submit(page, views_server, "coconut", "Question: 2 + 3 =", 2,
+                  {"latent_budget": COCONUT_BUDGET})
+    cols = run.locator(".step-col")
+    assert cols.count() == COCONUT_BUDGET
+    assert all(cols.nth(i).locator(".tok").count() == 5 for i in range(COCONUT_BUDGET))
+    assert run.locator(".stop-marker").inner_text().startswith(
+        f"ended after {COCONUT_BUDGET} steps")
+    assert f"{COCONUT_BUDGET} latent steps" in _summary(run)["thinking"]

@@ -9,8 +9,9 @@ A latent step's entry (feedback and compression-head models)::
 
 ``top_texts[i]`` is token ``top_tokens[i][0]`` decoded on its own (``logprobs.TokenTexts``:
 the text the token adds, U+FFFD for part of a UTF-8 character); ``stop_prob`` only on
-compression heads. A recurrent-depth entry (``{"depth"}``, Ouro ``{"depth",
-"readout_step"}``) names no token and is passed as it is.
+compression heads; a looped block's entries also carry ``pass`` and ``position``. A
+recurrent-depth entry (``{"depth"}``, Ouro ``{"depth", "readout_step", "exit_probs"}``)
+names no token and is passed as it is.
 """
 
 from __future__ import annotations

@@ -353,8 +353,9 @@ class LatentInfo(BaseModel):
     ``return_latent_trace`` the ``trace``: per latent step ``{"norm", "top_tokens": [[id,
     logit], ...], "top_probs", "top_texts"}`` (feedback models, compression heads with
     ``stop_prob``; ``server/latent_trace.py``), or per generated token ``{"depth"}`` (Huginn)
-    / ``{"depth", "readout_step"}`` (Ouro; null for the weighted readout), as
-    ``SamplingParams.return_latent_trace`` says. Streamed, it is on the final chunk, and with
+    / ``{"depth", "readout_step", "exit_probs"}`` (Ouro; ``readout_step`` null for the
+    weighted readout), or per block position of each pass the lens entry with ``"pass"``,
+    ``"position"`` (looped blocks), as ``SamplingParams.return_latent_trace`` says. Streamed, it is on the final chunk, and with
     ``stream_latent_steps`` on each latent step's chunk: ``steps`` that step's number and
     ``trace`` its entry alone."""
 

@@ -213,16 +213,30 @@ class RunView {
     return this.lat && this.lat.family === "colar" ? "p(###)" : "p(stop)";
   }
 
+  // Looped blocks: one row per pass, one cell per block position; with a trace entry the
+  // cell shows the position's logit-lens top token in that pass (tooltip: the top 5).
   drawGrid(k) {
     const size = this.lat.block_size || 1;
     const passes = Math.ceil(k / size);
-    this.grid.style.gridTemplateColumns = `auto repeat(${size}, 22px)`;
+    this.grid.style.gridTemplateColumns = `auto repeat(${size}, minmax(22px, auto))`;
     this.grid.innerHTML = "";
     for (let p = 0; p < passes; p++) {
       this.grid.append(el("div", { class: "lab", text: `pass ${p + 1}` }));
       for (let j = 0; j < size; j++) {
-        this.grid.append(el("div", { class: "cell" + (p * size + j < k ? " on" : ""),
-          title: `pass ${p + 1}, block position ${j + 1}` }));
+        const i = p * size + j;
+        const e = this.cols[i];
+        let title = `pass ${p + 1}, block position ${j + 1}`;
+        const cell = el("div", { class: "cell" + (i < k ? " on" : "") + (e ? " lens" : ""),
+          "data-pass": String(p + 1), "data-position": String(j + 1) });
+        if (e) {
+          const texts = e.top_texts || e.top_tokens.map((t) => `#${t[0]}`);
+          cell.append(el("code", { text: JSON.stringify(texts[0]) }));
+          if (e.top_probs) cell.append(el("span", { class: "p", text: pct(e.top_probs[0]) }));
+          title += ": " + texts.map((t, n) => `${JSON.stringify(t)} ` +
+            (e.top_probs ? pct(e.top_probs[n]) : "")).join(", ") + `; ‖h‖ ${e.norm.toFixed(1)}`;
+        }
+        cell.title = title;
+        this.grid.append(cell);
       }
     }
   }
@@ -250,6 +264,7 @@ class RunView {
       for (let k = this.cols.length + 1; k <= latent.steps; k++) this.addStep(k, trace[k - 1] || null);
       this.markEnd(latent);
     } else if (this.grid) {
+      trace.forEach((e, i) => { this.cols[i] = e; });
       if (latent.steps) this.drawGrid(latent.steps);
       this.thinking.append(el("div", { class: "stop-marker", text:
         `${latent.steps} latent positions: ${Math.ceil(latent.steps / (this.lat.block_size || 1))} passes over the block` }));
@@ -286,6 +301,10 @@ class RunView {
       el("span", { text: why })));
   }
 
+  // Recurrent depth: one cell per generated token, trace entry i paired with the i-th token
+  // the stream's logprobs named (the API's contract: one entry per generated token, a stop
+  // or EOS token included). Ouro cells also draw the token's exit distribution, one bar per
+  // loop step.
   heatMap(trace, recurrence) {
     const depths = trace.map((e) => e.depth);
     const max = Math.max(1, ...depths);
@@ -293,13 +312,29 @@ class RunView {
     trace.forEach((e, i) => {
       const t = i < this.tokens.length ? this.tokens[i] : "⟂";
       const a = (e.depth / max).toFixed(2);
-      map.append(el("span", { style: `background: rgba(47,111,219,${a})`,
-        title: `depth ${e.depth}` + (e.readout_step != null ? `, readout step ${e.readout_step}` : "") },
-        t, e.readout_step != null ? el("sub", { text: String(e.readout_step) }) : null));
+      let title = `token ${i + 1} ${JSON.stringify(t)}: depth ${e.depth}`;
+      if (e.readout_step != null) title += `, readout step ${e.readout_step}`;
+      let bars = null;
+      if (e.exit_probs) {
+        title += "\nexit probability per step: " +
+          e.exit_probs.map((p, n) => `${n}: ${p.toFixed(3)}`).join(", ");
+        bars = el("span", { class: "exitbars" }, ...e.exit_probs.map((p, n) =>
+          el("i", { style: `height:${Math.max(1, p * 100)}%`,
+            class: n === e.readout_step ? "read" : "" })));
+      }
+      map.append(el("span", { class: "cell", "data-depth": String(e.depth),
+        style: `background: rgba(47,111,219,${a})`, title },
+        t, e.readout_step != null ? el("sub", { text: String(e.readout_step) }) : null, bars));
     });
     this.thinking.append(map, el("div", { class: "legend", text:
       `recurrences per token, darker = deeper (max ${max})` +
-      (trace.some((e) => e.readout_step != null) ? "; subscript: the step read out (Ouro)" : "") }));
+      (trace.some((e) => e.readout_step != null) ? "; subscript: the step read out (Ouro)" : "") +
+      (trace.some((e) => e.exit_probs) ? "; bars: the exit probability of each step (Ouro)" : "") }));
+    if (trace.length !== this.tokens.length) {
+      this.thinking.append(el("div", { class: "align-warn", text:
+        `${trace.length} trace entries for ${this.tokens.length} streamed tokens: ` +
+        "cells pair them by position" }));
+    }
     if (recurrence && recurrence.histogram) {
       const hist = el("div", { class: "hist", title: "tokens per recurrence count" });
       const counts = Object.entries(recurrence.histogram);
