@@ -194,7 +194,10 @@ class ModelRunner:
             else:
                 input_embeds = src
         layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
-        rec = self.family.forward_context(batch, layout, self.table.table)
+        # NOTE: reading table.table applies the staged page-table writes, which a packed
+        # replay leaves to its input kernel; a family with a forward context never packs
+        rec = None if packed_replay else self.family.forward_context(batch, layout,
+                                                                     self.table.table)
         self.prompt_hidden = []
         mask_all = bool(inj_rows) and not mask_l
         if packed_replay or (fits_graph and (rec is None or self.graphs.can_replay(rec))):

@@ -58,14 +58,24 @@ def spy_overlapped(engine) -> list[bool]:
     return seen
 
 
-def assert_same_outputs(reference, other) -> None:
-    """``run_requests`` results with equal tokens, finish reasons, ``recurrence`` stats and
-    latent traces."""
+def assert_same_outputs(reference, other, atol: float = 1e-5) -> None:
+    """``run_requests`` results with equal tokens, finish reasons and ``recurrence`` stats,
+    and latent traces equal but for float values within ``atol`` (another batch shape
+    changes the last bits)."""
+    def close(a, b) -> bool:
+        if isinstance(a, float) and isinstance(b, float):
+            return abs(a - b) <= atol
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+        if isinstance(a, list) and isinstance(b, list):
+            return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+        return a == b
+
     for i, ((wt, _, wf), (gt, _, gf)) in enumerate(zip(reference, other)):
         assert gt == wt, f"request {i}: tokens"
         assert gf.finish_reason == wf.finish_reason, f"request {i}: finish reason"
         assert gf.recurrence == wf.recurrence, f"request {i}: iterations per token"
-        assert gf.latent_trace == wf.latent_trace, f"request {i}: trace"
+        assert close(gf.latent_trace, wf.latent_trace), f"request {i}: trace"
 
 
 def assert_same(reference, other, atol: float = 1e-4) -> None:
