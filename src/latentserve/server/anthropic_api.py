@@ -58,6 +58,7 @@ from latentserve.server.params import (
     latent_positions,
     refuse_head_controls,
     refuse_stream_steps,
+    refuse_unsupported,
     unset_default,
 )
 from latentserve.server.prompts import render_chat
@@ -161,6 +162,7 @@ def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
 
 
 def _check(body: MessagesRequest, state: ServerState) -> None:
+    refuse_unsupported(body)
     output_config = (body.model_extra or {}).get("output_config")
     if isinstance(output_config, dict) and output_config.get("format") is not None:
         raise APIError("output_config.format: structured outputs are not supported by this "

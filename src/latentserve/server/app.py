@@ -57,6 +57,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         create_message,
     )
     from latentserve.server.chat import create_chat_completion
+    from latentserve.server.chat_template import request_chat_template
     from latentserve.server.completions import create_completion
     from latentserve.server.errors import APIError, install_error_handlers
     from latentserve.server.logprobs import token_texts
@@ -177,9 +178,11 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
                 state.tokenizer.encode, body.prompt,
                 add_special_tokens=body.add_special_tokens is not False))
         else:
+            template = request_chat_template(body.chat_template,
+                                             state.trust_request_chat_template)
             ids = await asyncio.to_thread(
                 chat_prompt_ids, state.tokenizer, body.messages, body.tools,
-                template_kwargs=body.chat_template_kwargs,
+                template_kwargs=body.chat_template_kwargs, chat_template=template,
                 add_generation_prompt=body.add_generation_prompt is not False,
                 continue_final_message=bool(body.continue_final_message))
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}

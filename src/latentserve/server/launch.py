@@ -119,8 +119,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                cors: dict | None = None, max_waiting_requests: int | None = None,
                chat_template: str | None = None, uvicorn_log_level: str | None = None,
                log_requests: bool = False, max_log_len: int | None = None,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None
-               ) -> None:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               trust_request_chat_template: bool = False) -> None:
     """Start the engine process (one per config for a list: several models, each served
     under its own name), wait until its model is loaded and warmed up, then serve
     HTTP with uvicorn until SIGINT/SIGTERM; the engine processes are stopped on the way out
@@ -141,7 +141,9 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     running requests finish for up to this many seconds, then cancels what is left (those
     engine requests are aborted) and stops the engine.
     ``chat_template``: ``--chat-template``, a file or the template itself
-    (``chat_template.load_chat_template``), for every model. ``uvicorn_log_level``:
+    (``chat_template.load_chat_template``), for every model;
+    ``trust_request_chat_template``: a request's ``chat_template`` is used (else a 400).
+    ``uvicorn_log_level``:
     uvicorn's level (None: ``log_level``, which also sets the engines' and this process's).
     ``log_requests``, ``max_log_len``: log each request's prompt and parameters
     (``ServerState``).
@@ -211,7 +213,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                                       log_requests=log_requests, max_log_len=max_log_len,
                                       sampling_defaults=ready.sampling_defaults or {},
                                       tool_parser=tool_call_parser,
-                                      reasoning_parser=reasoning_parser))
+                                      reasoning_parser=reasoning_parser,
+                                      trust_request_chat_template=trust_request_chat_template))
         served = ServedModels(states)
         app = create_app(served, on_shutdown=stop_engines, api_key=api_key, cors=cors)
         server = _draining_server(uvicorn, [s.client for s in served.states],
@@ -349,7 +352,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  max_waiting_requests: int | None = None, chat_template: str | None = None,
                  uvicorn_log_level: str | None = None, log_requests: bool = False,
                  max_log_len: int | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> ServerProcess:
+                 reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
@@ -358,8 +362,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     ``log_level`` is the server's ``--log-level`` (None: info).
     ``api_key``, ``max_request_body_bytes``, ``drain_timeout``,
     ``max_request_output_tokens``, ``max_waiting_requests``, ``cors``, ``chat_template``,
-    ``uvicorn_log_level``, ``log_requests``, ``max_log_len``, ``tool_call_parser`` and
-    ``reasoning_parser`` are :func:`run_server`'s
+    ``uvicorn_log_level``, ``log_requests``, ``max_log_len``, ``tool_call_parser``,
+    ``reasoning_parser`` and ``trust_request_chat_template`` are :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
 
     Raises:
@@ -406,6 +410,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
             cmd += [flag, str(value)]
     if log_requests:
         cmd += ["--enable-log-requests"]
+    if trust_request_chat_template:
+        cmd += ["--trust-request-chat-template"]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     child_env.pop(API_KEY_ENV, None)
     if api_key is not None:
@@ -486,6 +492,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="chat template for every model: a file, or the template itself "
                              "(default: the tokenizer's)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="use a request's chat_template field (a Jinja template the "
+                             "server runs); default: such requests get a 400")
     parser.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
                         help="uvicorn's log level (default: --log-level)")
     log_requests = parser.add_mutually_exclusive_group()
@@ -526,6 +535,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
                      "allow_headers": args.allowed_headers,
                      "allow_credentials": args.allow_credentials},
             "chat_template": args.chat_template,
+            "trust_request_chat_template": args.trust_request_chat_template,
             "uvicorn_log_level": args.uvicorn_log_level,
             "log_requests": args.enable_log_requests,
             "max_log_len": args.max_log_len}

@@ -81,13 +81,14 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None,
                 tools: list[dict[str, Any]] | None = None,
-                param: str = "messages") -> list[int]:
+                param: str = "messages", chat_template: str | None = None) -> list[int]:
     """Apply the tokenizer's chat template and return the prompt's token ids.
 
     ``tools`` (function definitions) go to the template. ``continue_final_message`` leaves the last (assistant) message open so the model
     continues it (and turns ``add_generation_prompt`` off). ``template_kwargs`` are passed to
     the template (they may override the two flags; other ``apply_chat_template`` arguments
-    are refused).
+    are refused). ``chat_template``: Jinja text used instead of the tokenizer's (a request's,
+    already checked by ``chat_template.request_chat_template``; None: the tokenizer's).
 
     Raises:
         APIError: 400 for a model without tokenizer files or a chat template, a reserved
@@ -98,7 +99,7 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
 
     if isinstance(tokenizer, NoTokenizer):
         raise APIError(f"{NO_TOKENIZER} to /v1/completions", param=param)
-    if not getattr(tokenizer, "chat_template", None):
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template; use /v1/completions",
                        param=param)
     kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
@@ -114,6 +115,8 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
                            "'assistant'", param="continue_final_message")
         kwargs["add_generation_prompt"] = False
     try:
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
         out = tokenizer.apply_chat_template(conversation, tools=tools, **kwargs)
     except APIError:
         raise

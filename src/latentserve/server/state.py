@@ -79,6 +79,8 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)
     tool_parser: str | None = None  # --tool-call-parser (server/tool_parsers.py)
     reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
+    # --trust-request-chat-template: a request's chat_template is used (else refused)
+    trust_request_chat_template: bool = False
 
 
 class ServedModels:
