@@ -120,7 +120,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                chat_template: str | None = None, uvicorn_log_level: str | None = None,
                log_requests: bool = False, max_log_len: int | None = None,
                tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-               trust_request_chat_template: bool = False) -> None:
+               trust_request_chat_template: bool = False,
+               queue_timeout: float | None = None) -> None:
     """Start the engine process (one per config for a list: several models, each served
     under its own name), wait until its model is loaded and warmed up, then serve
     HTTP with uvicorn until SIGINT/SIGTERM; the engine processes are stopped on the way out
@@ -134,7 +135,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     ``max_request_output_tokens``: a request whose prompts x n x max_tokens is larger gets a
     400 (None: ``ServerLimits``' default, 2**21). ``max_waiting_requests``: requests that
     may wait for one of a model's ``max_num_seqs`` seats before new ones get a 503 with
-    ``Retry-After`` (None: no limit).
+    ``Retry-After`` (None: no limit); ``queue_timeout``: seconds a request may wait for a
+    seat before it is aborted with the same 503 (None: no limit).
     ``tool_call_parser`` (``server/tool_parsers.py``) / ``reasoning_parser``
     (``server/reasoning.py``): how every model's chat answers are parsed (None: not).
     ``drain_timeout``: on SIGTERM/SIGINT the server stops accepting connections and lets
@@ -178,7 +180,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     limits = ServerLimits(**{k: v for k, v in (
         ("max_request_body_bytes", max_request_body_bytes),
         ("max_request_output_tokens", max_request_output_tokens),
-        ("max_waiting_requests", max_waiting_requests)) if v is not None})
+        ("max_waiting_requests", max_waiting_requests),
+        ("queue_timeout", queue_timeout)) if v is not None})
     sock = listen_socket(host, port)  # a busy port fails now, not after the model loads
     for cfg in configs:  # as vLLM logs its engine config: what each flag resolved to
         log.info("engine config of %s: %s", served_model_name(cfg), cfg)
@@ -353,7 +356,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  uvicorn_log_level: str | None = None, log_requests: bool = False,
                  max_log_len: int | None = None, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False) -> ServerProcess:
+                 trust_request_chat_template: bool = False,
+                 queue_timeout: float | None = None) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
@@ -363,7 +367,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     ``api_key``, ``max_request_body_bytes``, ``drain_timeout``,
     ``max_request_output_tokens``, ``max_waiting_requests``, ``cors``, ``chat_template``,
     ``uvicorn_log_level``, ``log_requests``, ``max_log_len``, ``tool_call_parser``,
-    ``reasoning_parser`` and ``trust_request_chat_template`` are :func:`run_server`'s
+    ``reasoning_parser``, ``trust_request_chat_template`` and ``queue_timeout`` are
+    :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
 
     Raises:
@@ -393,6 +398,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
         cmd += ["--log-level", log_level]
     if max_waiting_requests is not None:
         cmd += ["--max-waiting-requests", str(max_waiting_requests)]
+    if queue_timeout is not None:
+        cmd += ["--queue-timeout", str(queue_timeout)]
     if tool_call_parser is not None:
         cmd += ["--tool-call-parser", tool_call_parser]
     if reasoning_parser is not None:
@@ -470,6 +477,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a seat (beyond --max-num-seqs) "
                              "before new ones get 503 + Retry-After (529 on /v1/messages); "
                              "default: no limit")
+    parser.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request that waits longer for a seat is aborted with 503 + "
+                             "Retry-After (529 on /v1/messages); default: no limit")
     from latentserve.server.reasoning import REASONING_PARSERS
     from latentserve.server.tool_parsers import TOOL_PARSERS
 
@@ -528,6 +538,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
             "drain_timeout": args.drain_timeout,
             "max_request_output_tokens": args.max_request_output_tokens,
             "max_waiting_requests": args.max_waiting_requests,
+            "queue_timeout": args.queue_timeout,
             "tool_call_parser": args.tool_call_parser,
             "reasoning_parser": args.reasoning_parser,
             "cors": {"allow_origins": args.allowed_origins,
