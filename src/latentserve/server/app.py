@@ -74,6 +74,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     )
     from latentserve.server.request_ids import RequestIdEcho
     from latentserve.server.security import GuardMiddleware, JSONBodies
+    from latentserve.server.tokenize_pool import in_pool
 
     served = state if isinstance(state, ServedModels) else ServedModels(state)
     registry = None
@@ -174,13 +175,13 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         # Off the event loop: a large body takes seconds to tokenize, and every stream and
         # /health would wait for it.
         if body.prompt is not None:
-            ids = list(await asyncio.to_thread(
+            ids = list(await in_pool(
                 state.tokenizer.encode, body.prompt,
                 add_special_tokens=body.add_special_tokens is not False))
         else:
             template = request_chat_template(body.chat_template,
                                              state.trust_request_chat_template)
-            ids = await asyncio.to_thread(
+            ids = await in_pool(
                 chat_prompt_ids, state.tokenizer, body.messages, body.tools,
                 template_kwargs=body.chat_template_kwargs, chat_template=template,
                 add_generation_prompt=body.add_generation_prompt is not False,
@@ -201,7 +202,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         if isinstance(state.tokenizer, NoTokenizer):
             raise APIError("this model directory has no tokenizer files; token ids have no "
                            "text", param="tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await in_pool(state.tokenizer.decode, body.tokens)})
 
     async def model_health(s: ServerState) -> dict:
         client = s.client

@@ -6,7 +6,6 @@ streamed as OpenAI's ``delta.reasoning_content`` / ``delta.content`` /
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -63,6 +62,7 @@ from latentserve.server.serving import (
     start_stream,
 )
 from latentserve.server.state import ServerState
+from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import (
     ToolChoice,
     call_schema,
@@ -93,9 +93,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     # Templating and tokenizing a large prompt takes seconds: off the event loop, so other
     # clients' streams keep flowing.
     template = request_chat_template(body.chat_template, state.trust_request_chat_template)
-    prompt_ids = await asyncio.to_thread(
+    prompt_ids = await in_pool(
         chat_prompt_ids, state.tokenizer, body.messages, body.tools,
         template_kwargs=template_kwargs, chat_template=template,
+        max_model_len=state.max_model_len,
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message))
     echo = echo_text(body) if body.echo else ""
