@@ -62,6 +62,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from latentserve.server.errors import APIError, install_error_handlers
     from latentserve.server.logprobs import token_texts
     from latentserve.server.metrics import MetricsRegistry
+    from latentserve.server.openapi import declare_errors
     from latentserve.server.params import check_model as check_served_model
     from latentserve.server.prompts import chat_prompt_ids
     from latentserve.server.protocol import (
@@ -257,4 +258,5 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
             body = b"".join(s.metrics.render() for s in served.states)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    declare_errors(app)  # /openapi.json: the real error responses, no 422
     return app
