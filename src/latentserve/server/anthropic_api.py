@@ -29,7 +29,6 @@ after the start is one ``error`` event. Errors use Anthropic's shape
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
@@ -58,6 +57,7 @@ from latentserve.server.params import (
     latent_positions,
     refuse_head_controls,
     refuse_stream_steps,
+    refuse_unsupported,
     unset_default,
 )
 from latentserve.server.prompts import render_chat
@@ -69,6 +69,7 @@ from latentserve.server.reasoning import (
 )
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.state import ServerState
+from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import ToolChoice, call_schema, check_tools, json_constraint
 
 
@@ -161,6 +162,7 @@ def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
 
 
 def _check(body: MessagesRequest, state: ServerState) -> None:
+    refuse_unsupported(body)
     output_config = (body.model_extra or {}).get("output_config")
     if isinstance(output_config, dict) and output_config.get("format") is not None:
         raise APIError("output_config.format: structured outputs are not supported by this "
@@ -276,7 +278,7 @@ async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
     conversation = _conversation(body)
     flag = thinking_flag(body.thinking)
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
-    return await asyncio.to_thread(
+    return await in_pool(
         render_chat, state.tokenizer, conversation, tools=answer.tool_dicts,
         template_kwargs=kwargs,
         continue_final_message=conversation[-1]["role"] == "assistant")

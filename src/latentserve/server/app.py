@@ -59,11 +59,13 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         create_message,
     )
     from latentserve.server.chat import create_chat_completion
+    from latentserve.server.chat_template import request_chat_template
     from latentserve.server.completions import create_completion
     from latentserve.server.errors import APIError, install_error_handlers
     from latentserve.server.latent_card import latent_card
     from latentserve.server.logprobs import token_texts
     from latentserve.server.metrics import MetricsRegistry
+    from latentserve.server.openapi import declare_errors
     from latentserve.server.params import check_model as check_served_model
     from latentserve.server.prompts import chat_prompt_ids
     from latentserve.server.protocol import (
@@ -76,6 +78,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     )
     from latentserve.server.request_ids import RequestIdEcho
     from latentserve.server.security import GuardMiddleware, JSONBodies
+    from latentserve.server.tokenize_pool import in_pool
 
     served = state if isinstance(state, ServedModels) else ServedModels(state)
     registry = None
@@ -177,13 +180,15 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         # Off the event loop: a large body takes seconds to tokenize, and every stream and
         # /health would wait for it.
         if body.prompt is not None:
-            ids = list(await asyncio.to_thread(
+            ids = list(await in_pool(
                 state.tokenizer.encode, body.prompt,
                 add_special_tokens=body.add_special_tokens is not False))
         else:
-            ids = await asyncio.to_thread(
+            template = request_chat_template(body.chat_template,
+                                             state.trust_request_chat_template)
+            ids = await in_pool(
                 chat_prompt_ids, state.tokenizer, body.messages, body.tools,
-                template_kwargs=body.chat_template_kwargs,
+                template_kwargs=body.chat_template_kwargs, chat_template=template,
                 add_generation_prompt=body.add_generation_prompt is not False,
                 continue_final_message=bool(body.continue_final_message))
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -202,7 +207,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         if isinstance(state.tokenizer, NoTokenizer):
             raise APIError("this model directory has no tokenizer files; token ids have no "
                            "text", param="tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await in_pool(state.tokenizer.decode, body.tokens)})
 
     async def model_health(s: ServerState) -> dict:
         client = s.client
@@ -269,4 +274,5 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
             body = b"".join(s.metrics.render() for s in served.states)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    declare_errors(app)  # /openapi.json: the real error responses, no 422
     return app

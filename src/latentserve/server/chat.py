@@ -6,11 +6,11 @@ streamed as OpenAI's ``delta.reasoning_content`` / ``delta.content`` /
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
 
+from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import tick_infos
@@ -63,6 +63,7 @@ from latentserve.server.serving import (
     start_stream,
 )
 from latentserve.server.state import ServerState
+from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import (
     ToolChoice,
     call_schema,
@@ -92,11 +93,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                            "enable_thinking": head["thinking"]}
     # Templating and tokenizing a large prompt takes seconds: off the event loop, so other
     # clients' streams keep flowing.
-    prompt_ids = await asyncio.to_thread(
+    template = request_chat_template(body.chat_template, state.trust_request_chat_template)
+    prompt_ids = await in_pool(
         chat_prompt_ids, state.tokenizer, body.messages, body.tools,
-        template_kwargs=template_kwargs,
+        template_kwargs=template_kwargs, chat_template=template,
+        max_model_len=state.max_model_len,
         add_generation_prompt=body.add_generation_prompt is not False,
         continue_final_message=bool(body.continue_final_message))
+    echo = echo_text(body) if body.echo else ""
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
     if body.max_completion_tokens is not None:
         max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
@@ -135,7 +139,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                   for _ in reqs]
         chunks = _chunks(state, rid, len(prompt_ids), len(reqs), deltas, body.include_usage,
                          logprobs is not None, as_ids, bool(body.return_latent_trace),
-                         [parser() for _ in reqs], latent, choice, ticks)
+                         [parser() for _ in reqs], latent, choice, ticks, echo)
         return sse_response(sse_events(request, state, reqs, chunks))
     results = await collect(request, state, reqs, arrival)
     choices = []
@@ -144,6 +148,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         if latent_mode:
             reasoning = latent_reasoning_text(latent_mode, r.latent_steps, r.step_trace,
                                               texts) + reasoning
+        content = echo + content
         message = AssistantMessage(
             content=content if content or not calls else None, reasoning_content=reasoning,
             tool_calls=[ToolCallOut(id=c.id, function=FunctionCallOut(
@@ -158,6 +163,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         id=rid, model=state.model_name, choices=choices,
         usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
     )
+
+
+def echo_text(body: ChatCompletionRequest) -> str:
+    """What vLLM's chat ``echo`` prepends to each choice's ``content``: the last message's
+    text when that message has the answer's role (``assistant``), else "" (``echo`` in
+    ``vllm/entrypoints/openai/serving_chat.py``; there, with ``add_generation_prompt``
+    false, the answer takes the last message's role, so a last user message is echoed
+    under role ``user``; here the answer is always the assistant's)."""
+    last = body.messages[-1] if body.messages else None
+    if last is None or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(part.text or "" for part in last.content)
 
 
 def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str | None:
@@ -183,13 +202,14 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
                   want_logprobs: bool, as_ids: bool, trace: bool,
                   parsers: list[OutputParser], latent: list[LatentReasoning | None],
-                  choice: ToolChoice, ticks: bool = False
+                  choice: ToolChoice, ticks: bool = False, echo: str = ""
                   ) -> AsyncIterator[ChatCompletionChunk]:
-    """Per choice: a role chunk; per delta, the latent reasoning it releases (one chunk per
-    latent step, or the step count once), then one chunk with what its parser releases
-    (``reasoning_content``, ``content``, ``tool_calls``) and the delta's logprobs; one chunk
-    with the finish reason and the choice's ``latent`` field (as in the non-streamed
-    response; left out when None); then (if asked) one usage chunk with no choices.
+    """Per choice: a role chunk, then ``echo`` (when not ""); per delta, the latent reasoning
+    it releases (one chunk per latent step, or the step count once), then one chunk with
+    what its parser releases (``reasoning_content``, ``content``, ``tool_calls``) and the
+    delta's logprobs; one chunk with the finish reason and the choice's ``latent`` field (as
+    in the non-streamed response; left out when None); then (if asked) one usage chunk with
+    no choices.
 
     With ``ticks`` (``stream_latent_steps``) a latent step's chunk carries its
     ``reasoning_content`` line (none with ``include_reasoning`` false) and ``latent``:
@@ -207,6 +227,8 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
 
     for i in range(n):
         yield chunk(i, DeltaMessage(role="assistant", content=""))
+    for i in range(n if echo else 0):
+        yield chunk(i, DeltaMessage(content=echo))
     tokens = [0] * n
     called = [False] * n
     async for i, delta in deltas:

@@ -51,3 +51,35 @@ def apply_chat_template(tokenizer, template: str | None) -> None:
         msg = "--chat-template: this model directory has no tokenizer files (token ids only)"
         raise ValueError(msg)  # noqa: TRY004 - a bad flag value: the CLI's one-line error
     tokenizer.chat_template = template
+
+
+TRUST_FLAG = "--trust-request-chat-template"
+
+
+def request_chat_template(template: str | None, trusted: bool) -> str | None:
+    """A request's ``chat_template`` (vLLM's field: Jinja text used instead of the model's
+    template), checked; None: the model's. As vLLM, the server must trust request templates
+    (``--trust-request-chat-template``, off by default: a template is code the server runs,
+    and a slow one holds a tokenizer worker); ``_validate_chat_template`` in
+    ``vllm/entrypoints/openai/serving_engine.py``.
+
+    Raises:
+        APIError: 400 naming ``chat_template`` when the server does not trust request
+            templates or the text is not a valid Jinja template.
+    """
+    if template is None:
+        return None
+    from latentserve.server.errors import APIError
+
+    if not trusted:
+        raise APIError(f"chat_template: a chat template was passed with the request, but the "
+                       f"server was not started with {TRUST_FLAG}; the request is refused",
+                       param="chat_template")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise APIError(f"chat_template is not a valid Jinja template: {exc}",
+                       param="chat_template") from None
+    return template

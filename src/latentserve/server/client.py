@@ -35,6 +35,10 @@ class EngineDeadError(RuntimeError):
     """The engine process stopped; no request can be served any more."""
 
 
+class EngineQueueTimeout(RuntimeError):
+    """The request waited longer than its queue timeout for a seat; it was aborted."""
+
+
 class EngineInternalError(RuntimeError):
     """The engine failed this one request (a server-side error); it keeps serving others."""
 
@@ -117,13 +121,16 @@ class EngineClient:
         self._ctx = self._actx = self._push = self._pull = None
 
     async def generate(self, rid: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StepOutput]:
+                       params: SamplingParams, queue_timeout: float | None = None
+                       ) -> AsyncIterator[StepOutput]:
         """Send the request and yield its ``StepOutput``s until the finished one.
 
         Leaving early (``break``, ``aclose()``, cancellation) aborts the request in the
         engine. Raises ``EngineRequestError`` when the engine rejects the request,
-        ``EngineInternalError`` when the engine failed it while running, and
-        ``EngineDeadError`` when the engine process is gone.
+        ``EngineInternalError`` when the engine failed it while running,
+        ``EngineDeadError`` when the engine process is gone, and ``EngineQueueTimeout``
+        (the request aborted) when ``queue_timeout`` seconds (None: no limit) pass after
+        sending it before the engine first schedules it (``scheduled_at``) or outputs for it.
         """
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -136,10 +143,23 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         done = False
+        deadline = None if queue_timeout is None else time.monotonic() + queue_timeout
         try:
             self._send(AddRequest(rid, list(prompt_token_ids), params))
             while True:
-                item = await queue.get()
+                if deadline is not None and rid in self.scheduled_at:
+                    deadline = None  # it has a seat
+                if deadline is None:
+                    item = await queue.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(
+                            queue.get(), max(deadline - time.monotonic(), 0.0))
+                    except TimeoutError:
+                        raise EngineQueueTimeout(
+                            f"the request waited more than {queue_timeout:g} s for a seat "
+                            f"(--queue-timeout); retry later") from None
+                    deadline = None  # an output (or an error): it is no longer waiting
                 if isinstance(item, BaseException):
                     done = True
                     raise item

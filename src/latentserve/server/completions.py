@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -44,6 +43,7 @@ from latentserve.server.serving import (
     start_stream,
 )
 from latentserve.server.state import ServerState
+from latentserve.server.tokenize_pool import in_pool
 
 
 async def create_completion(body: CompletionRequest, request, state: ServerState):
@@ -54,8 +54,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     check_logprobs(body.logprobs, "logprobs", state.limits)
     # echo with logprobs reports the prompt tokens' logprobs too (the first one's is null).
     prompt_logprobs = body.logprobs if body.echo else None
-    prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, body.prompt,
-                                      state.vocab_size, state.limits.max_prompts)
+    prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
+                            state.vocab_size, state.limits.max_prompts, state.max_model_len)
     n = body.n or 1
     rid, engine_rid = new_request_id(request, "cmpl")
     reqs: list[EngineRequest] = []

@@ -220,7 +220,7 @@ class EngineLoop:
             return
         self.failed_steps = 0
         self._note_scheduled(started, outputs)
-        if outputs:
+        if outputs or self.scheduled:  # a first prefill chunk has no output yet
             self._send(StepOutputs(outputs, self.scheduled))
             self.scheduled = {}
 

@@ -109,7 +109,9 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
         return d
 
     try:
-        async with aclosing(state.client.generate(rid, prompt_ids, params)) as outputs:
+        timeout = state.limits.queue_timeout
+        kw = {} if timeout is None else {"queue_timeout": timeout}
+        async with aclosing(state.client.generate(rid, prompt_ids, params, **kw)) as outputs:
             async for out in outputs:
                 ids = out.new_token_ids
                 num_tokens += len(ids)

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from latentserve.config import EngineConfig
+from latentserve.server.timeouts import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,11 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                cors: dict | None = None, max_waiting_requests: int | None = None,
                chat_template: str | None = None, uvicorn_log_level: str | None = None,
                log_requests: bool = False, max_log_len: int | None = None,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None
-               ) -> None:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+               trust_request_chat_template: bool = False,
+               queue_timeout: float | None = None, timeout_keep_alive: float = 5.0,
+               timeout_request_headers: float | None = DEFAULT_HEADER_TIMEOUT_S,
+               timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S) -> None:
     """Start the engine process (one per config for a list: several models, each served
     under its own name), wait until its model is loaded and warmed up, then serve
     HTTP with uvicorn until SIGINT/SIGTERM; the engine processes are stopped on the way out
@@ -134,14 +138,21 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     ``max_request_output_tokens``: a request whose prompts x n x max_tokens is larger gets a
     400 (None: ``ServerLimits``' default, 2**21). ``max_waiting_requests``: requests that
     may wait for one of a model's ``max_num_seqs`` seats before new ones get a 503 with
-    ``Retry-After`` (None: no limit).
+    ``Retry-After`` (None: no limit); ``queue_timeout``: seconds a request may wait for a
+    seat before it is aborted with the same 503 (None: no limit).
     ``tool_call_parser`` (``server/tool_parsers.py``) / ``reasoning_parser``
     (``server/reasoning.py``): how every model's chat answers are parsed (None: not).
+    ``timeout_keep_alive``: seconds an idle keep-alive connection is kept (uvicorn's, as
+    vLLM's ``--timeout-keep-alive``); ``timeout_request_headers`` / ``timeout_request_body``:
+    seconds a client may take to send a request's headers / body before its connection is
+    closed (``server/timeouts.py``; None: no limit).
     ``drain_timeout``: on SIGTERM/SIGINT the server stops accepting connections and lets
     running requests finish for up to this many seconds, then cancels what is left (those
     engine requests are aborted) and stops the engine.
     ``chat_template``: ``--chat-template``, a file or the template itself
-    (``chat_template.load_chat_template``), for every model. ``uvicorn_log_level``:
+    (``chat_template.load_chat_template``), for every model;
+    ``trust_request_chat_template``: a request's ``chat_template`` is used (else a 400).
+    ``uvicorn_log_level``:
     uvicorn's level (None: ``log_level``, which also sets the engines' and this process's).
     ``log_requests``, ``max_log_len``: log each request's prompt and parameters
     (``ServerState``).
@@ -168,6 +179,7 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     from latentserve.server.chat_template import apply_chat_template, load_chat_template
     from latentserve.server.client import EngineClient
     from latentserve.server.state import ServedModels, ServerLimits, ServerState
+    from latentserve.server.timeouts import protocol_class
 
     configs = _as_list(config)
     check_model_names(configs)
@@ -176,7 +188,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     limits = ServerLimits(**{k: v for k, v in (
         ("max_request_body_bytes", max_request_body_bytes),
         ("max_request_output_tokens", max_request_output_tokens),
-        ("max_waiting_requests", max_waiting_requests)) if v is not None})
+        ("max_waiting_requests", max_waiting_requests),
+        ("queue_timeout", queue_timeout)) if v is not None})
     sock = listen_socket(host, port)  # a busy port fails now, not after the model loads
     for cfg in configs:  # as vLLM logs its engine config: what each flag resolved to
         log.info("engine config of %s: %s", served_model_name(cfg), cfg)
@@ -211,13 +224,15 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                                       log_requests=log_requests, max_log_len=max_log_len,
                                       sampling_defaults=ready.sampling_defaults or {},
                                       tool_parser=tool_call_parser,
-                                      reasoning_parser=reasoning_parser))
+                                      reasoning_parser=reasoning_parser,
+                                      trust_request_chat_template=trust_request_chat_template))
         served = ServedModels(states)
         app = create_app(served, on_shutdown=stop_engines, api_key=api_key, cors=cors)
         server = _draining_server(uvicorn, [s.client for s in served.states],
                                   drain_timeout)(uvicorn.Config(
             app, host=host, port=port, log_level=uvicorn_log_level or log_level,
-            timeout_graceful_shutdown=drain_timeout))
+            timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=timeout_keep_alive,
+            http=protocol_class(timeout_request_headers, timeout_request_body)))
 
         def engine_gone(name: str, reason: str) -> None:
             log.error("the engine of %s stopped: %s", name, reason)
@@ -349,7 +364,12 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  max_waiting_requests: int | None = None, chat_template: str | None = None,
                  uvicorn_log_level: str | None = None, log_requests: bool = False,
                  max_log_len: int | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> ServerProcess:
+                 reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False,
+                 queue_timeout: float | None = None, timeout_keep_alive: float = 5.0,
+                 timeout_request_headers: float | None = DEFAULT_HEADER_TIMEOUT_S,
+                 timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S
+                 ) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
@@ -358,8 +378,9 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     ``log_level`` is the server's ``--log-level`` (None: info).
     ``api_key``, ``max_request_body_bytes``, ``drain_timeout``,
     ``max_request_output_tokens``, ``max_waiting_requests``, ``cors``, ``chat_template``,
-    ``uvicorn_log_level``, ``log_requests``, ``max_log_len``, ``tool_call_parser`` and
-    ``reasoning_parser`` are :func:`run_server`'s
+    ``uvicorn_log_level``, ``log_requests``, ``max_log_len``, ``tool_call_parser``,
+    ``reasoning_parser``, ``trust_request_chat_template``, ``queue_timeout`` and the
+    ``timeout_*`` seconds are :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
 
     Raises:
@@ -389,6 +410,11 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
         cmd += ["--log-level", log_level]
     if max_waiting_requests is not None:
         cmd += ["--max-waiting-requests", str(max_waiting_requests)]
+    if queue_timeout is not None:
+        cmd += ["--queue-timeout", str(queue_timeout)]
+    cmd += ["--timeout-keep-alive", str(timeout_keep_alive),
+            "--timeout-request-headers", str(timeout_request_headers or 0),
+            "--timeout-request-body", str(timeout_request_body or 0)]
     if tool_call_parser is not None:
         cmd += ["--tool-call-parser", tool_call_parser]
     if reasoning_parser is not None:
@@ -406,6 +432,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
             cmd += [flag, str(value)]
     if log_requests:
         cmd += ["--enable-log-requests"]
+    if trust_request_chat_template:
+        cmd += ["--trust-request-chat-template"]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     child_env.pop(API_KEY_ENV, None)
     if api_key is not None:
@@ -464,6 +492,22 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a seat (beyond --max-num-seqs) "
                              "before new ones get 503 + Retry-After (529 on /v1/messages); "
                              "default: no limit")
+    parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
+                        help="close an idle keep-alive connection after this (default 5, "
+                             "uvicorn's and vLLM's)")
+    parser.add_argument("--timeout-request-headers", type=_timeout,
+                        default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                        help="close a connection whose request headers are not complete this "
+                             f"long after it opened (or after its last response; default "
+                             f"{DEFAULT_HEADER_TIMEOUT_S:g}, 0: no limit)")
+    parser.add_argument("--timeout-request-body", type=_timeout,
+                        default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                        help="close a connection whose request body is not complete this long "
+                             f"after its headers (default {DEFAULT_BODY_TIMEOUT_S:g}, 0: no "
+                             "limit)")
+    parser.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
+                        help="a request that waits longer for a seat is aborted with 503 + "
+                             "Retry-After (529 on /v1/messages); default: no limit")
     from latentserve.server.reasoning import REASONING_PARSERS
     from latentserve.server.tool_parsers import TOOL_PARSERS
 
@@ -486,6 +530,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-template", default=None,
                         help="chat template for every model: a file, or the template itself "
                              "(default: the tokenizer's)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="use a request's chat_template field (a Jinja template the "
+                             "server runs); default: such requests get a 400")
     parser.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
                         help="uvicorn's log level (default: --log-level)")
     log_requests = parser.add_mutually_exclusive_group()
@@ -504,6 +551,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
+def _timeout(text: str) -> float | None:
+    """A timeout flag's seconds: 0 means none (None)."""
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    return value or None
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -519,6 +574,10 @@ def server_kwargs(args: argparse.Namespace) -> dict:
             "drain_timeout": args.drain_timeout,
             "max_request_output_tokens": args.max_request_output_tokens,
             "max_waiting_requests": args.max_waiting_requests,
+            "queue_timeout": args.queue_timeout,
+            "timeout_keep_alive": args.timeout_keep_alive,
+            "timeout_request_headers": args.timeout_request_headers,
+            "timeout_request_body": args.timeout_request_body,
             "tool_call_parser": args.tool_call_parser,
             "reasoning_parser": args.reasoning_parser,
             "cors": {"allow_origins": args.allowed_origins,
@@ -526,6 +585,7 @@ def server_kwargs(args: argparse.Namespace) -> dict:
                      "allow_headers": args.allowed_headers,
                      "allow_credentials": args.allow_credentials},
             "chat_template": args.chat_template,
+            "trust_request_chat_template": args.trust_request_chat_template,
             "uvicorn_log_level": args.uvicorn_log_level,
             "log_requests": args.enable_log_requests,
             "max_log_len": args.max_log_len}

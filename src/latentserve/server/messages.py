@@ -73,8 +73,9 @@ class StartupFailed:
 
 @dataclass(slots=True)
 class StepOutputs:
-    """What one ``LLMEngine.step()`` produced (never empty). ``scheduled``: for each
-    request the engine scheduled for the first time since the last message,
+    """What one ``LLMEngine.step()`` produced: outputs, or only first schedulings (a long
+    prompt's first prefill chunk has no output). ``scheduled``: for each request the engine
+    scheduled for the first time since the last message,
     ``(queued_at, scheduled_at)``: when the engine process received it and when the step
     that first scheduled it started (``time.monotonic()`` seconds), for the queue and
     prefill time metrics; it comes no later than the request's first output."""

@@ -10,23 +10,6 @@ from latentserve.server.errors import APIError, param_from_value_error
 from latentserve.server.protocol import SamplingRequest
 from latentserve.server.state import ServerLimits
 
-# The body fields, OpenAI's and vLLM's, that change the output and are not implemented, with
-# the values that mean "not used"; any other value is a 400 naming the field (a client must
-# not get a 200 that ignored it). Chat's ``echo`` and ``chat_template`` are vLLM's; chat
-# declares ``tools`` and ``tool_choice`` (server/tools.py), so these entries hold for
-# completions.
-_UNSUPPORTED = {
-    "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-    "prompt_logprobs": (None, 0),
-    "guided_decoding_backend": (None, "auto", "xgrammar"),
-    "guided_whitespace_pattern": (None,),
-    "prompt_embeds": (None,), "chat_template": (None,),
-    "echo": (None, False), "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0), "logits_processors": (None, []),
-    "spaces_between_special_tokens": (None, True),
-}
-
 
 def check_common(request: SamplingRequest, served_model: str, limits: ServerLimits) -> None:
     """Checks that need no tokenizer: the model name, ``n`` and unimplemented features.
@@ -34,16 +17,29 @@ def check_common(request: SamplingRequest, served_model: str, limits: ServerLimi
     Raises:
         APIError: 400 naming the field (404 ``model_not_found`` for another model's name).
     """
-    for name, value in (request.model_extra or {}).items():
-        if name in _UNSUPPORTED and not any(_same(value, ok) for ok in _UNSUPPORTED[name]):
-            got = repr(value)
-            got = got if len(got) <= 80 else got[:77] + "..."
-            raise APIError(f"{name} is not supported by this server (got {got})", param=name)
+    refuse_unsupported(request)
     check_model(request.model, served_model)
     n = 1 if request.n is None else request.n
     if not 1 <= n <= limits.max_n:
         raise APIError(f"n must be in [1, {limits.max_n}], got {n}", param="n")
     check_stop_count(request.stop, "stop", limits)
+
+
+def refuse_unsupported(request) -> None:
+    """Refuse the fields the request's route does not implement (``fields.refused``) when
+    they hold a value other than one that means "not used".
+
+    Raises:
+        APIError: 400 naming the first such field (its value cut to 80 characters).
+    """
+    from latentserve.server.fields import refused, route_of
+
+    unsupported = refused(route_of(type(request)))
+    for name, value in (request.model_extra or {}).items():
+        if name in unsupported and not any(_same(value, ok) for ok in unsupported[name]):
+            got = repr(value)
+            got = got if len(got) <= 80 else got[:77] + "..."
+            raise APIError(f"{name} is not supported by this server (got {got})", param=name)
 
 
 def check_stop_count(stop, param: str, limits: ServerLimits) -> None:

@@ -88,7 +88,8 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     ``tools`` (function definitions) go to the template. ``continue_final_message`` leaves the last (assistant) message open so the model
     continues it (and turns ``add_generation_prompt`` off). ``template_kwargs`` are passed to
     the template (they may override the two flags; other ``apply_chat_template`` arguments
-    are refused).
+    are refused). ``chat_template``: Jinja text used instead of the tokenizer's (a request's,
+    already checked by ``chat_template.request_chat_template``; None: the tokenizer's).
 
     Raises:
         APIError: 400 for a model without tokenizer files or a chat template, a reserved
@@ -99,7 +100,7 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
 
     if isinstance(tokenizer, NoTokenizer):
         raise APIError(f"{NO_TOKENIZER} to /v1/completions", param=param)
-    if not chat_template and not getattr(tokenizer, "chat_template", None):
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template; use /v1/completions",
                        param=param)
     kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
@@ -115,7 +116,7 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
                            "'assistant'", param="continue_final_message")
         kwargs["add_generation_prompt"] = False
     try:
-        if chat_template:
+        if chat_template is not None:
             kwargs["chat_template"] = chat_template
         out = tokenizer.apply_chat_template(conversation, tools=tools, **kwargs)
     except APIError:
@@ -127,11 +128,18 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
-                    tools: list[ChatTool] | None = None, **kwargs) -> list[int]:
+                    tools: list[ChatTool] | None = None, max_model_len: int | None = None,
+                    **kwargs) -> list[int]:
     """:func:`chat_conversation` and :func:`chat_tools`, then :func:`render_chat`
-    (``kwargs`` go to the latter)."""
-    return render_chat(tokenizer, chat_conversation(messages), tools=chat_tools(tools),
-                       **kwargs)
+    (``kwargs`` go to the latter). With ``max_model_len``, the bytes of the messages a
+    template renders whole (all but the assistant's, whose past reasoning some templates
+    drop) are checked first (:func:`check_prompt_bytes`)."""
+    conversation = chat_conversation(messages)
+    if max_model_len is not None:
+        size = sum(len(m["content"].encode("utf-8")) for m in conversation
+                   if m["role"] != "assistant")
+        check_prompt_bytes(size, tokenizer, max_model_len, "messages")
+    return render_chat(tokenizer, conversation, tools=chat_tools(tools), **kwargs)
 
 
 def _text(message: ChatMessage, i: int) -> str:
@@ -155,9 +163,10 @@ def _text(message: ChatMessage, i: int) -> str:
     return "".join(texts)
 
 
-def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int
-                       ) -> list[tuple[list[int], str | None]]:
-    """Encode a completions ``prompt``: a string, token ids, or a list of either.
+def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int,
+                       max_model_len: int | None = None) -> list[tuple[list[int], str | None]]:
+    """Encode a completions ``prompt``: a string, token ids, or a list of either; with
+    ``max_model_len``, a string is checked by :func:`check_prompt_bytes` first.
 
     Returns one ``(token_ids, text)`` per prompt (``text`` None for a token-id prompt).
 
@@ -176,6 +185,8 @@ def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: i
     out = []
     for p in prompts:
         if isinstance(p, str):
+            if max_model_len is not None:
+                check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
             ids, text = (tokenizer.encode(p) if p else []), p
         else:
             ids, text = list(p), None
@@ -187,6 +198,71 @@ def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: i
             raise APIError("prompt must not be empty", param="prompt")
         out.append((ids, text))
     return out
+
+
+# Normalizers that never shrink text by more than ``_SHRINK`` (NFC composes at most three
+# code points, Hangul jamo, into one); another normalizer (StripAccents, a SentencePiece
+# "Precompiled" map, ...) may delete text, and the byte bound is not used.
+_SAFE_NORMALIZERS = frozenset({"Sequence", "Prepend", "NFC", "NFKC"})
+_SHRINK = 4
+_BYTES_PER_TOKEN: dict[int, int | None] = {}
+
+
+def max_bytes_per_token(tokenizer) -> int | None:
+    """An upper bound of the UTF-8 bytes of prompt text one token can stand for: the longest
+    vocabulary string in UTF-8 bytes (a byte-level BPE token's string has one character,
+    one or two bytes, per byte it stands for; SentencePiece's ``▁``, three bytes, stands for
+    a space), times ``_SHRINK`` when the tokenizer normalizes text (NFC, NFKC). None when no
+    bound is known: a slow tokenizer, or a normalizer that may delete text. Cached per
+    tokenizer."""
+    key = id(tokenizer)
+    if key not in _BYTES_PER_TOKEN:
+        _BYTES_PER_TOKEN[key] = _bytes_per_token(tokenizer)
+    return _BYTES_PER_TOKEN[key]
+
+
+def _bytes_per_token(tokenizer) -> int | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    normalizer = json.loads(backend.to_str()).get("normalizer")
+    kinds = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if "type" in node:
+                kinds.add(node["type"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(normalizer)
+    if not kinds <= _SAFE_NORMALIZERS:
+        return None
+    longest = max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
+    return longest * (_SHRINK if kinds - {"Sequence", "Prepend"} else 1)
+
+
+def check_prompt_bytes(num_bytes: int, tokenizer, max_model_len: int, param: str) -> None:
+    """Refuse, before tokenizing, prompt text of ``num_bytes`` UTF-8 bytes that cannot fit:
+    more than ``max_model_len`` x :func:`max_bytes_per_token` bytes is more than
+    ``max_model_len`` tokens (no check when that bound is unknown). Tokenizing such a text
+    would cost seconds and about a hundred times its size in memory, to be refused anyway.
+
+    Raises:
+        APIError: OpenAI's "maximum context length" 400 (``context_length_exceeded``)
+            naming ``param``.
+    """
+    per_token = max_bytes_per_token(tokenizer)
+    if per_token is None or num_bytes <= max_model_len * per_token:
+        return
+    raise APIError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt is {num_bytes} bytes, more than {max_model_len} tokens of at most "
+        f"{per_token} bytes each. Please reduce the length of the prompt.",
+        param=param, code="context_length_exceeded")
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:

@@ -204,8 +204,8 @@ class ChatCompletionRequest(SamplingRequest):
     ``chat_template_kwargs`` go to the chat template; ``tool_choice`` and
     ``parallel_tool_calls`` are OpenAI's (``server/tools.py``); ``add_generation_prompt``
     and ``continue_final_message`` are vLLM's (continue the last, assistant, message
-    instead of starting a new one). ``include_reasoning`` (vLLM's; false: no
-    ``reasoning_content``) and ``latent_reasoning`` (``"count"`` or ``"logit_lens"``: how a
+    instead of starting a new one), as are ``chat_template`` and ``echo``.
+    ``include_reasoning`` (vLLM's; false: no ``reasoning_content``) and ``latent_reasoning`` (``"count"`` or ``"logit_lens"``: how a
     latent model's steps are written into ``reasoning_content``; ``server/reasoning.py``)."""
 
     messages: list[ChatMessage]
@@ -220,6 +220,11 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
+    # vLLM's: a Jinja chat template used instead of the model's (needs the server's
+    # --trust-request-chat-template), and the last (assistant) message's content prepended
+    # to the answer.
+    chat_template: str | None = None
+    echo: bool | None = False
 
     def with_template_kwargs_fields(self) -> ChatCompletionRequest:
         """This request with the latent body fields (``TEMPLATE_KWARGS_FIELDS``) that came
@@ -265,8 +270,9 @@ class CompletionRequest(SamplingRequest):
 
 class TokenizeRequest(RequestModel):
     """``/tokenize``: either ``prompt`` (plain encoding) or ``messages`` (chat template,
-    rendered as ``/v1/chat/completions`` renders it: ``tools``, ``chat_template_kwargs``,
-    ``add_generation_prompt`` and ``continue_final_message`` mean the same there)."""
+    rendered as ``/v1/chat/completions`` renders it: ``tools``, ``chat_template``,
+    ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message`` mean
+    the same there)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -276,6 +282,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     return_token_strs: bool | None = False
 
 

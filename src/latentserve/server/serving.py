@@ -17,6 +17,7 @@ from latentserve.outputs import TokenLogprob
 from latentserve.server.client import (
     EngineDeadError,
     EngineInternalError,
+    EngineQueueTimeout,
     EngineRequestError,
 )
 from latentserve.server.disconnect import on_disconnect
@@ -26,13 +27,15 @@ from latentserve.server.generation import EngineRequest, TextDelta, generate_tex
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-ENGINE_ERRORS = (EngineRequestError, EngineInternalError, EngineDeadError)
+ENGINE_ERRORS = (EngineRequestError, EngineInternalError, EngineDeadError, EngineQueueTimeout)
 
 
 def api_error(exc: Exception) -> APIError:
     """The client-facing error for an engine-side failure: a rejection is a 400 (code
     ``context_length_exceeded`` when the prompt does not fit ``max_model_len``), a failure
-    inside the engine a 500 (its message has no traceback), a dead engine a 503."""
+    inside the engine a 500 (its message has no traceback), a dead engine a 503, a request
+    that waited past ``--queue-timeout`` a 503 ``overloaded`` with ``Retry-After`` (529 on
+    ``/v1/messages``), as :func:`check_capacity`'s."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message else None
@@ -42,6 +45,8 @@ def api_error(exc: Exception) -> APIError:
         return APIError(str(exc), status_code=500, type="server_error", code="engine_error")
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), status_code=503, type="server_error", code="engine_dead")
+    if isinstance(exc, EngineQueueTimeout):
+        return overloaded(str(exc))
     raise TypeError(f"not an engine error: {exc!r}")
 
 
@@ -119,10 +124,16 @@ def check_capacity(state, n: int) -> None:
         return
     waiting = state.client.num_running + n - seats
     if waiting > limit:
-        raise APIError(f"the server is overloaded ({state.client.num_running} requests "
-                       f"running or waiting, {seats} seats, at most {limit} may wait); retry "
-                       f"later", status_code=503, type="server_error", code="overloaded",
-                       headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise overloaded(f"the server is overloaded ({state.client.num_running} requests "
+                         f"running or waiting, {seats} seats, at most {limit} may wait); "
+                         f"retry later")
+
+
+def overloaded(message: str) -> APIError:
+    """The 503 ``overloaded`` error with ``Retry-After: RETRY_AFTER_S`` (the error handler
+    answers 529 ``overloaded_error`` under ``/v1/messages``)."""
+    return APIError(message, status_code=503, type="server_error", code="overloaded",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def log_request(state, r: EngineRequest) -> None:

@@ -26,10 +26,13 @@ class ServerLimits:
     choices. ``max_tokens`` and the prompt length are each bounded by the model's context
     (``max_model_len``). ``max_waiting_requests`` (None: no limit): engine requests that
     may wait for a seat (beyond the engine's ``max_num_seqs``) before new ones get a 503
-    ``overloaded`` with ``Retry-After`` (``serving.check_capacity``).
+    ``overloaded`` with ``Retry-After`` (``serving.check_capacity``). ``queue_timeout``
+    (seconds; None: no limit): an engine request not scheduled that long after it was sent
+    is aborted and answered the same 503 (``client.EngineClient.generate``).
 
     Raises:
-        ValueError: a limit below 1 (``max_waiting_requests``: below 0), naming it.
+        ValueError: a limit below 1 (``max_waiting_requests``: below 0; ``queue_timeout``:
+            not above 0), naming it.
     """
 
     max_n: int = 16
@@ -39,6 +42,7 @@ class ServerLimits:
     max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
     max_stop: int = 64
     max_waiting_requests: int | None = None
+    queue_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_prompts", "max_logprobs", "max_request_body_bytes",
@@ -48,6 +52,8 @@ class ServerLimits:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got "
                              f"{self.max_waiting_requests}")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
 
 
 @dataclass(slots=True)
@@ -79,6 +85,8 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)
     tool_parser: str | None = None  # --tool-call-parser (server/tool_parsers.py)
     reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
+    # --trust-request-chat-template: a request's chat_template is used (else refused)
+    trust_request_chat_template: bool = False
 
 
 class ServedModels:

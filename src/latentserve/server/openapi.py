@@ -1,0 +1,104 @@
+"""``/openapi.json`` that tells the truth about errors: every route declares the error
+responses it sends (400, 401, 404, 413, 503; 529 on ``/v1/messages``) with the protocol's
+error body (OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", ...}``,
+``server/errors.py``), and FastAPI's 422, which is never sent (validation errors are 400s),
+is left out. Request bodies are the same pydantic models that validate them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(BaseModel):
+    """OpenAI's error body (every route but ``/v1/messages``)."""
+
+    error: OpenAIErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Anthropic's error body (``/v1/messages``, ``/v1/messages/count_tokens``)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+_WHY = {
+    400: "invalid request: a wrong type, a value out of range, a field not implemented "
+         "(named in param), a prompt over the context",
+    401: "missing or wrong API key (with --api-key)",
+    404: "no such model, or no such route",
+    413: "request body over --max-request-body-bytes",
+    503: "overloaded (Retry-After; --max-waiting-requests, --queue-timeout, the tokenizer "
+         "pool) or the engine is gone",
+    529: "overloaded (Anthropic's overloaded_error, with Retry-After)",
+}
+
+
+def error_responses(path: str, method: str) -> dict[int, dict]:
+    """The error responses of route ``method path``: every route under ``/v1/``,
+    ``/tokenize`` and ``/detokenize`` may send 401 and 404; a POST also 400, 413 and 503;
+    Anthropic's routes 529 for an overload; ``/health`` 404 (``?model``) and 503."""
+    from latentserve.server.errors import is_anthropic_path
+
+    model = AnthropicError if is_anthropic_path(path) else OpenAIError
+    if path == "/health":
+        codes = [404, 503]
+    elif path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+        codes = [401, 404] + ([400, 413, 503] if method == "POST" else [])
+        if is_anthropic_path(path) and method == "POST":
+            codes.append(529)
+    else:
+        codes = []
+    return {c: {"model": model, "description": _WHY[c]} for c in sorted(codes)}
+
+
+def declare_errors(app) -> None:
+    """Generate ``app``'s schema with :func:`error_responses` on every route (their bodies
+    as ``components.schemas.OpenAIError`` / ``AnthropicError``) and without FastAPI's 422
+    and its validation-error schemas. Call after the routes are added."""
+    from fastapi.openapi.utils import get_openapi
+    from fastapi.routing import APIRoute
+
+    ref = "#/components/schemas/{model}"
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        for model in (OpenAIError, AnthropicError):
+            body = model.model_json_schema(ref_template=ref)
+            schemas.update(body.pop("$defs", {}))
+            schemas[model.__name__] = body
+        for route in app.routes:
+            if not isinstance(route, APIRoute) or not route.include_in_schema:
+                continue  # e.g. /viewer's page, not part of the API
+            for method in route.methods:
+                operation = schema["paths"][route.path_format][method.lower()]
+                responses = operation.setdefault("responses", {})
+                responses.pop("422", None)
+                for code, spec in error_responses(route.path_format, method).items():
+                    responses[str(code)] = {"description": spec["description"], "content": {
+                        "application/json": {"schema": {
+                            "$ref": ref.format(model=spec["model"].__name__)}}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

@@ -1,0 +1,82 @@
+"""Read timeouts for HTTP connections: a client that sends its request headers or body too
+slowly (or nothing at all) is disconnected, so idle or byte-at-a-time connections cannot pile
+up (slow loris).
+
+uvicorn (0.54, ``uvicorn/protocols/http/h11_impl.py``) times out only an idle keep-alive
+connection, after a response (``timeout_keep_alive``); a new connection that sends nothing,
+or headers a byte at a time, or a body that stalls, is held forever. :func:`protocol_class`
+is uvicorn's h11 protocol with two more timers, as nginx's ``client_header_timeout`` and
+``client_body_timeout`` (both 60 s by default there; nginx times each read, here the whole
+headers and the whole body are bounded):
+
+- headers: from the connection's start (or the end of its previous response) until the
+  request's headers are complete;
+- body: from the headers until the body is complete.
+
+A timer that runs out closes the connection (a handler reading the body sees a disconnect);
+no response is sent. While the app handles a request whose body has arrived, no timer runs
+(a long generation is not cut).
+"""
+
+from __future__ import annotations
+
+DEFAULT_HEADER_TIMEOUT_S = 60.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
+
+
+def protocol_class(header_timeout: float | None, body_timeout: float | None):
+    """A subclass of uvicorn's ``H11Protocol`` (``uvicorn.Config(http=...)``) that closes a
+    connection whose request headers take longer than ``header_timeout`` seconds, or whose
+    body takes longer than ``body_timeout`` seconds after them (None: no limit)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    limits = {"headers": header_timeout, "body": body_timeout}
+
+    class ReadTimeoutProtocol(H11Protocol):
+        _phase: str | None = None
+        _timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._watch()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._watch()
+
+        def connection_lost(self, exc) -> None:
+            self._cancel()
+            super().connection_lost(exc)
+
+        def _watch(self) -> None:
+            """(Re)arm the timer of the phase the client is in: headers (h11's ``IDLE``,
+            waiting for a complete request head), body (``SEND_BODY``), or none."""
+            state = self.conn.their_state
+            phase = ("headers" if state is h11.IDLE else
+                     "body" if state is h11.SEND_BODY else None)
+            if phase == self._phase:
+                return
+            self._cancel()
+            self._phase = phase
+            if phase is not None and limits[phase] is not None \
+                    and not self.transport.is_closing():
+                self._timer = self.loop.call_later(limits[phase], self._expired, phase)
+
+        def _cancel(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _expired(self, phase: str) -> None:
+            self._timer = None
+            if not self.transport.is_closing():
+                self.logger.info("closing a connection whose request %s took over %g s",
+                                 phase, limits[phase])
+                self.transport.close()
+
+    return ReadTimeoutProtocol

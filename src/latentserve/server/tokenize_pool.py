@@ -1,0 +1,75 @@
+"""Tokenization and chat templating off the event loop, in a bounded pool of threads.
+
+A large prompt takes seconds to template and tokenize; on the event loop every stream and
+``/health`` would wait for it. The pool has ``TOKENIZER_WORKERS`` threads (the Rust
+tokenizers release the GIL while encoding) and at most ``MAX_PENDING_JOBS`` jobs queued or
+running; past that a request gets the 503 ``overloaded`` with ``Retry-After`` (529 on
+``/v1/messages``), as ``--max-waiting-requests`` answers, instead of a queue that grows
+without bound. A job whose caller left (a client that hung up) is dropped if it has not
+started; a started one runs to its end (a thread cannot be stopped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+
+TOKENIZER_WORKERS = 4
+MAX_PENDING_JOBS = 64
+
+
+class TokenizerPool:
+    """``workers`` threads, at most ``max_pending`` jobs queued or running.
+
+    Raises:
+        ValueError: ``workers`` or ``max_pending`` below 1.
+    """
+
+    def __init__(self, workers: int = TOKENIZER_WORKERS, max_pending: int = MAX_PENDING_JOBS):
+        if workers < 1 or max_pending < 1:
+            raise ValueError(f"workers and max_pending must be >= 1, got {workers}, "
+                             f"{max_pending}")
+        self.workers = workers
+        self.max_pending = max_pending
+        self.pending = 0  # jobs queued or running
+        self._lock = threading.Lock()
+        self._executor = None
+
+    async def run(self, fn, /, *args, **kwargs):
+        """``fn(*args, **kwargs)`` in a worker thread; its result, or its exception.
+
+        Raises:
+            APIError: 503 ``overloaded`` when ``max_pending`` jobs are already queued or
+                running.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        from latentserve.server.serving import overloaded
+
+        with self._lock:
+            if self.pending >= self.max_pending:
+                raise overloaded(f"the server is overloaded ({self.pending} prompts are being "
+                                 f"tokenized, at most {self.max_pending}); retry later")
+            self.pending += 1
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tokenize")
+        try:
+            future = self._executor.submit(functools.partial(fn, *args, **kwargs))
+        except BaseException:
+            self._done(None)
+            raise
+        future.add_done_callback(self._done)  # on completion, or when cancelled unstarted
+        return await asyncio.wrap_future(future)
+
+    def _done(self, _future) -> None:
+        with self._lock:
+            self.pending -= 1
+
+
+POOL = TokenizerPool()
+
+
+async def in_pool(fn, /, *args, **kwargs):
+    """``POOL.run(fn, *args, **kwargs)``: the server's one tokenizer pool."""
+    return await POOL.run(fn, *args, **kwargs)
