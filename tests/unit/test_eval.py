@@ -162,13 +162,6 @@ def test_plot_without_matplotlib_is_refused_before_any_work(monkeypatch, capsys,
     assert "--plot needs matplotlib: pip install 'latentserve[eval]'" in capsys.readouterr().err
 
 
-def test_missing_data_says_where_to_get_it(monkeypatch, tmp_path):
-    monkeypatch.setenv("LATENTSERVE_DATA", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match=r"set LATENTSERVE_DATA to a directory holding "
-                                                r"gsm8k/test.jsonl .*openai/grade-school-math"):
-        load_items("gsm8k")
-
-
 def test_parse_sweep_rejects_bad_specs():
     assert parse_sweep("max_latent=0,4,16") == ("max_latent", [0, 4, 16])
     assert parse_sweep("compression_factor=1,5", ("compression_factor", "max_latent")) == (
