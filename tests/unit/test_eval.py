@@ -159,7 +159,8 @@ def test_plot_without_matplotlib_is_refused_before_any_work(monkeypatch, capsys,
     rc = main(["eval", "--model", str(tmp_path / "not-loaded"), "--dataset", "gsm8k",
                "--sweep", "max_latent=0,2", "--plot", str(tmp_path / "p.png")])
     assert rc == 2
-    assert "--plot needs matplotlib: pip install 'latentserve[eval]'" in capsys.readouterr().err
+    assert ("--plot needs matplotlib, which is not installed: pip install 'latentserve[eval]'"
+            in capsys.readouterr().err)
 
 
 def test_parse_sweep_rejects_bad_specs():

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one line for users; LATENTSERVE_DEBUG=1 for the trace
         if os.environ.get("LATENTSERVE_DEBUG"):
             raise
-        kind = "" if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: "
+        kind = "" if isinstance(e, (ValueError, FileNotFoundError,
+                                                ModuleNotFoundError)) else f"{type(e).__name__}: "
         message = " ".join(str(e).split())  # one line, even for a multi-line message
         print(f"latentserve: error: {kind}{message}", file=sys.stderr)
         return 2

@@ -44,6 +44,9 @@ def run(args) -> int:
                                hf_baseline=not args.no_hf_baseline)
     elif args.suite == "loop":
         from latentserve.bench.loop import run_loop_bench
+        from latentserve.extras import require
+
+        require("peft", "bench --suite loop (it builds a PCCoT checkpoint)")
 
         cuda = args.device == "cuda"
         result = run_loop_bench(args.device, conc or ((1, 16, 64) if cuda else (1, 8)))
@@ -51,6 +54,10 @@ def run(args) -> int:
         from latentserve.bench.latent import run_latent_bench
 
         cuda = args.device == "cuda"
+        if cuda:
+            from latentserve.extras import require
+
+            require("peft", "bench --suite latent on cuda (it builds a CODI checkpoint)")
         result = run_latent_bench(args.device, conc or ((1, 16, 64) if cuda else (32,)),
                                   codi=cuda)
     text = json.dumps(result, indent=1)

@@ -139,11 +139,12 @@ def run(args) -> int:
     from latentserve.eval.datasets import load_items
 
     if args.plot:  # before any work: the sweep would run first and only then fail
+        from latentserve.extras import missing_extra_message
+
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ValueError("--plot needs matplotlib: pip install 'latentserve[eval]'") \
-                from None
+            raise ValueError(missing_extra_message("matplotlib", "--plot")) from None
     if _colar_format(args):
         return run_colar(args)
     args.dataset = args.dataset or "gsm8k"

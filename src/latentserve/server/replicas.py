@@ -68,17 +68,15 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
         RuntimeError: a replica failed to start (its log tail is in the message), or the
             router exited with an error.
     """
-    import importlib.util
-
     from latentserve.server.launch import free_port, start_server
 
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"router policy must be one of {ROUTER_POLICIES}, got {policy!r}")
-    if importlib.util.find_spec("sglang_router") is None:
-        raise ModuleNotFoundError("--data-parallel-size needs the router: pip install "
-                                  "sglang-router==0.3.2 (see docs/scaling.md)")
+    from latentserve.extras import require
+
+    require("sglang_router", "--data-parallel-size")
     if not _port_free(host, port):
         raise ValueError(f"--port {port} is in use on {host} (the router's port); pick "
                          f"another --port")
