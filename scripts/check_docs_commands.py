@@ -6,10 +6,12 @@ the ones that fail.
     python scripts/check_docs_commands.py --match 'data multiplication' --timeout 60
 
 A command is a line (with its ``\\`` continuations) of a fenced code block that starts with
-``latentserve`` or ``python -m latentserve``. Skipped, with the reason in the report:
+``latentserve`` or ``python -m latentserve``, or the ``latentserve ...`` after the last ``&&``
+of a line (the README's install-and-run lines). A usage line runs without its
+``[optional]`` arguments (``latentserve serve [--port 8000]`` runs ``latentserve serve``).
+Skipped, with the reason in the report:
 
 * a block preceded by ``<!-- skip: REASON -->``, or a command ending in ``# skip: REASON``;
-* ``synopsis``: a command with ``[optional]`` arguments (a usage line, not a command);
 * ``gpu``: a command that names ``cuda`` (``--device cuda``, ``--suite gpu``, a ``_gpu``
   benchmark module without ``--tiny``), since this check runs on the CPU;
 * ``placeholder``: a command with an upper-case placeholder (``PATH``, ``MODEL_DIR``) or
@@ -98,10 +100,12 @@ def extract(path: Path) -> list[Command]:
             text = text[:-1].rstrip()
             continue
         line, text = text, ""
+        if "&& latentserve " in line:
+            line = "latentserve " + line.rsplit("&& latentserve ", 1)[1]
         if not re.match(r"(latentserve|python3? -m latentserve)\b", line):
             continue
         line_skip = SKIP_LINE.search(line)
-        body = _drop_comment(line)
+        body = _without_optional(_drop_comment(line))
         background = body.endswith("&")
         body = body.rstrip("&").strip()
         doc = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
@@ -132,9 +136,26 @@ def _drop_comment(line: str) -> str:
     return line.rstrip()
 
 
+def _without_optional(text: str) -> str:
+    """``text`` without its ``[optional]`` groups (nested ones too) outside quotes."""
+    out, depth, quote = [], 0, None
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"" and depth == 0:
+            quote = ch
+        elif ch == "[" and (depth or not out or out[-1] == " "):
+            depth += 1
+            continue
+        elif ch == "]" and depth:
+            depth -= 1
+            continue
+        if depth == 0:
+            out.append(ch)
+    return re.sub(r"\s+", " ", "".join(out)).strip()
+
+
 def _auto_skip(text: str) -> str | None:
-    if re.search(r"\s\[", text):
-        return "synopsis"
     if "cuda" in text or "--suite gpu" in text or (
             re.search(r"bench\.\w+_gpu\b", text) and "--tiny" not in text):
         return "gpu"
