@@ -11,7 +11,8 @@ of a line (the README's install-and-run lines). A usage line runs without its
 ``[optional]`` arguments (``latentserve serve [--port 8000]`` runs ``latentserve serve``).
 Skipped, with the reason in the report:
 
-* a block preceded by ``<!-- skip: REASON -->``, or a command ending in ``# skip: REASON``;
+* a block preceded by ``<!-- skip: REASON -->``, or a command whose trailing comment says
+  ``skip: REASON`` (``# stage 0; skip: needs a GPU``);
 * ``gpu``: a command that names ``cuda`` (``--device cuda``, ``--suite gpu``, a ``_gpu``
   benchmark module without ``--tiny``), since this check runs on the CPU;
 * ``placeholder``: a command with an upper-case placeholder (``PATH``, ``MODEL_DIR``) or
@@ -45,7 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP_BLOCK = re.compile(r"<!--\s*skip:\s*(.+?)\s*-->")
-SKIP_LINE = re.compile(r"\s#\s*skip:\s*(.+)$")
+SKIP_LINE = re.compile(r"\s#.*?\bskip:\s*(.+)$")
 PLACEHOLDER = re.compile(r"(?<![\w-])(?:[A-Z][A-Z0-9]*_)*(?:PATH|DIR|FILE|NAME|MODEL|BUNDLE|"
                          r"N|KEY|C|X)(?![\w.-])|\.\.\.")
 URL = re.compile(r"http://127\.0\.0\.1:(\d+)")

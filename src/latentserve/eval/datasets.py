@@ -72,13 +72,15 @@ def data_root(data_dir: str | Path | None = None) -> Path:
     return data_dirs(data_dir)[0]
 
 
-def find_data_file(rel: str, data_dir: str | Path | None = None) -> Path:
+def find_data_file(rel: str, data_dir: str | Path | None = None,
+                   flag: str = "--data-dir DIR") -> Path:
     """The file ``rel`` (e.g. ``gsm8k/train.jsonl``) under the first of :func:`data_dirs`
     that holds it.
 
     Raises:
         FileNotFoundError: no folder holds it; the message names the folders searched,
-            ``--data-dir`` / ``$LATENTSERVE_DATA``, and where upstream the file comes from.
+            ``flag`` (the command's way to give the data) / ``$LATENTSERVE_DATA``, and where
+            upstream the file comes from.
     """
     dirs = data_dirs(data_dir)
     for d in dirs:
@@ -86,8 +88,8 @@ def find_data_file(rel: str, data_dir: str | Path | None = None) -> Path:
             return d / rel
     folder = rel.split("/")[0]
     raise FileNotFoundError(
-        f"data file {rel} not found in {', '.join(str(d) for d in dirs)}; pass --data-dir "
-        f"(or set {DATA_ENV} to) a directory holding {rel}, from "
+        f"data file {rel} not found in {', '.join(str(d) for d in dirs)}; pass {flag} or "
+        f"set {DATA_ENV} to a directory holding {rel}, from "
         f"{UPSTREAM.get(folder, 'its upstream repository')} (docs/training.md, 'Data')")
 
 

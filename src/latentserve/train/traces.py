@@ -80,7 +80,7 @@ def train_file(path: str | Path | None) -> Path:
         return Path(path)
     from latentserve.eval.datasets import find_data_file
 
-    return find_data_file("gsm8k/train.jsonl")
+    return find_data_file("gsm8k/train.jsonl", flag="--data FILE")
 
 
 def load_gsm8k_rows(path: str | Path, limit: int | None = None) -> list[dict]:
