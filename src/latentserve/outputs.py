@@ -53,8 +53,7 @@ class StepOutput:
     ``latent_steps`` counts the latent positions the request has run so far (a looped
     block: block size x passes completed);
     ``latent_trace`` (on the final output, when asked for) lists per latent step
-    ``{"norm": float, "top_tokens": [[id, logit], ...5], "top_texts": [str, ...5]}``
-    (feedback models; ``top_texts``: each top token decoded, absent without a tokenizer), or per
+    ``{"norm": float, "top_tokens": [[id, logit], ...5]}`` (feedback models), or per
     generated token (recurrent-depth models; ``SamplingParams.return_latent_trace``)
     ``{"depth": int}`` (Huginn) / ``{"depth": int, "readout_step": int | None}`` (Ouro);
     a latent step's progress output (``stream_latent_steps``) of a traced feedback request

@@ -73,10 +73,7 @@ def test_header_overrides_body(latent_server):
     assert r.status_code == 200 and r.json()["choices"][0]["latent"]["steps"] == 4
 
 
-def test_trace_reports_norm_and_top5_per_step(latent_server, coconut_dir):
-    from latentserve.models.checkpoint import load_tokenizer
-
-    tok = load_tokenizer(coconut_dir)
+def test_trace_reports_norm_and_top5_per_step(latent_server):
     r = httpx.post(f"{latent_server.base_url}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
         "latent_budget": 3, "return_latent_trace": True})
@@ -85,8 +82,6 @@ def test_trace_reports_norm_and_top5_per_step(latent_server, coconut_dir):
     assert latent["steps"] == 3 and len(latent["trace"]) == 3
     for step in latent["trace"]:
         assert step["norm"] > 0 and len(step["top_tokens"]) == 5
-        # the logit lens readable: each top token decoded
-        assert step["top_texts"] == [tok.decode([t]) for t, _ in step["top_tokens"]]
 
 
 def test_chat_takes_latent_fields_inside_chat_template_kwargs(latent_server):

@@ -77,29 +77,14 @@ class FeedbackFamily(Family):
             with torch.inference_mode():
                 lens = model.compute_logits(vecs[torch.tensor(traced, device=vecs.device)])
             top = lens.topk(5, dim=-1)
-            decode = _token_decoder(self.engine)
             for k, j in enumerate(traced):
-                ids = top.indices[k].tolist()
-                entry = {"norm": float(vecs[j].float().norm()),
-                         "top_tokens": [[int(t), float(v)] for t, v in
-                                        zip(ids, top.values[k].tolist())]}
-                if decode is not None:
-                    entry["top_texts"] = [decode(t) for t in ids]
-                reqs[rows[j]].latent_trace.append(entry)
+                reqs[rows[j]].latent_trace.append({
+                    "norm": float(vecs[j].float().norm()),
+                    "top_tokens": [[int(t), float(v)] for t, v in
+                                   zip(top.indices[k].tolist(), top.values[k].tolist())]})
         if every:
             return [(vecs, j) for j in range(len(rows))]
         out: list = [None] * len(reqs)
         for j, i in enumerate(rows):
             out[i] = (vecs, j)
         return out
-
-
-def _token_decoder(engine):
-    """``id -> str`` of the engine's tokenizer (one token decoded alone: a piece of a
-    multi-byte character reads as U+FFFD), or None for a model without tokenizer files."""
-    from latentserve.models.checkpoint import NoTokenizer
-
-    tok = getattr(engine, "tokenizer", None)
-    if tok is None or isinstance(tok, NoTokenizer):
-        return None
-    return lambda t: tok.decode([int(t)])
