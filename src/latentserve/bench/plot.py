@@ -1,5 +1,5 @@
-"""Plots for docs/benchmarks.md from the benchmark JSON files (matplotlib, optional extra
-``bench``)."""
+"""Plots for docs/benchmarks.md from the benchmark JSON files (matplotlib: the ``eval``
+extra)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ def plot_gpu(json_path: str | Path, out_png: str | Path) -> None:
     """Output tokens/s against concurrency for each shape: engine, HF padded batch, HF batch 1
     (log scale), and the decode step (whole engine step, and its graph replay where the JSON
     has it) against its bandwidth floor."""
+    from latentserve.extras import require
+
+    require("matplotlib", "latentserve.bench.plot")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -51,22 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     # OpenMP threads that spin while waiting stall every op when another job holds a core
     # (measured: 2.7 s vs 0.29 s per CPU decode step under load). Set before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    parser = build_parser()
     try:
-        argv = expand_config_args(parser, list(sys.argv[1:] if argv is None else argv))
-    except ValueError as e:
-        print(f"latentserve: error: {e}", file=sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
-    try:
+        parser = build_parser()
+        try:
+            argv = expand_config_args(parser, list(sys.argv[1:] if argv is None else argv))
+        except ValueError as e:
+            print(f"latentserve: error: {e}", file=sys.stderr)
+            return 2
+        args = parser.parse_args(argv)
         finish_engine_args(args)
         return args.func(args) or 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback, the shell's 128 + SIGINT
+        print("\nlatentserve: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - one line for users; LATENTSERVE_DEBUG=1 for the trace
         if os.environ.get("LATENTSERVE_DEBUG"):
             raise
-        kind = "" if isinstance(e, (ValueError, FileNotFoundError)) else f"{type(e).__name__}: "
+        kind = "" if isinstance(e, (ValueError, FileNotFoundError,
+                                                ModuleNotFoundError)) else f"{type(e).__name__}: "
         message = " ".join(str(e).split())  # one line, even for a multi-line message
         print(f"latentserve: error: {kind}{message}", file=sys.stderr)
         return 2

@@ -60,6 +60,9 @@ def run(args) -> int:
         print(table_markdown(result["table"]))
     elif args.suite == "loop":
         from latentserve.bench.loop import run_loop_bench
+        from latentserve.extras import require
+
+        require("peft", "bench --suite loop (it builds a PCCoT checkpoint)")
 
         cuda = args.device == "cuda"
         result = run_loop_bench(args.device, conc or ((1, 16, 64) if cuda else (1, 8)))
@@ -67,6 +70,10 @@ def run(args) -> int:
         from latentserve.bench.latent import run_latent_bench
 
         cuda = args.device == "cuda"
+        if cuda:
+            from latentserve.extras import require
+
+            require("peft", "bench --suite latent on cuda (it builds a CODI checkpoint)")
         result = run_latent_bench(args.device, conc or ((1, 16, 64) if cuda else (32,)),
                                   codi=cuda)
     text = json.dumps(result, indent=1)

@@ -4,7 +4,6 @@ format (``train/tasks.py``), excluding the evaluation sets' questions."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 
 def register(sub) -> None:
@@ -17,24 +16,26 @@ def register(sub) -> None:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--exclude", action="append", default=None,
                    help="iCoT files whose questions are left out (repeatable; default: "
-                        "multiplication/{k}x{k}_test.txt and _valid.txt under $LATENTSERVE_DATA)")
+                        "multiplication/{k}x{k}_test.txt and _valid.txt, from --data-dir, "
+                        "$LATENTSERVE_DATA or the package (4x4 and 5x5 ship))")
+    m.add_argument("--data-dir", default=None,
+                   help="folder searched first for the default --exclude files")
     m.set_defaults(func=run_multiplication)
 
 
 def run_multiplication(args) -> int:
-    from latentserve.eval.datasets import data_root
+    from latentserve.eval.datasets import find_data_file
     from latentserve.train.tasks import generate_multiplication, questions_of, write_icot
 
     if args.k < 1 or args.n < 0:
         raise ValueError(f"need --k >= 1 and --n >= 0, got --k {args.k}, --n {args.n}")
     if args.exclude is None:
-        root = data_root() / "multiplication"
-        args.exclude = [str(root / f"{args.k}x{args.k}_{s}.txt") for s in ("test", "valid")]
-        missing = [p for p in args.exclude if not Path(p).is_file()]
-        if missing:
-            raise FileNotFoundError(f"evaluation sets to exclude not found: {missing}; set "
-                                    "$LATENTSERVE_DATA or pass --exclude (--exclude "
-                                    "/dev/null excludes nothing)")
+        try:
+            args.exclude = [str(find_data_file(f"multiplication/{args.k}x{args.k}_{s}.txt",
+                                               args.data_dir)) for s in ("test", "valid")]
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"evaluation sets to exclude: {e}; or pass --exclude "
+                                    "(--exclude /dev/null excludes nothing)") from None
     items = generate_multiplication(args.k, args.n, args.seed, questions_of(args.exclude))
     n = write_icot(items, args.out)
     print(json.dumps({"out": args.out, "n": n, "excluded_from": args.exclude}))

@@ -16,9 +16,15 @@ def register(sub) -> None:
 
     p = sub.add_parser("eval", help="evaluate text CoT or latent reasoning on a data set")
     add_engine_args(p)
-    p.add_argument("--dataset", default="gsm8k", choices=sorted(DATASETS))
+    p.add_argument("--dataset", default=None, choices=sorted(DATASETS),
+                   help="data set (default gsm8k; the CoLaR prompt format reads iCoT lines: "
+                        "mult4, mult5 or gsm8k-icot); its test set ships with the package")
     p.add_argument("--data-file", "--dataset-file", dest="data_file", default=None,
                    help="override the data set's file (iCoT text lines or GSM8K jsonl)")
+    p.add_argument("--data-dir", default=None,
+                   help="folder searched first for --dataset's file (gsm8k/test.jsonl, "
+                        "prosqa/test.json, multiplication/4x4_test.txt, ...); default "
+                        "$LATENTSERVE_DATA, then the test sets shipped in the package")
     p.add_argument("--prompt-format", default="auto", choices=["auto", "colar", "chat"],
                    help="colar: CoLaR's prompt (models from `latentserve train`); auto: colar "
                         "when the model directory has colar_config.json or train_config.json")
@@ -68,7 +74,14 @@ def run_colar(args) -> int:
     from latentserve.train.cot import read_items
 
     if args.data_file is None:
-        raise ValueError("--prompt-format colar needs --dataset-file")
+        from latentserve.eval.datasets import DATASETS, find_data_file
+
+        icot = sorted(n for n, (_, fmt, _) in DATASETS.items() if fmt == "icot")
+        if args.dataset not in icot:
+            raise ValueError(f"the CoLaR prompt format reads iCoT lines: give --dataset "
+                             f"{'|'.join(icot)} or --dataset-file FILE, got --dataset "
+                             f"{args.dataset or '(none)'}")
+        args.data_file = str(find_data_file(DATASETS[args.dataset][0], args.data_dir))
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     key, values = "compression_factor", [args.compression_factor]
@@ -126,13 +139,15 @@ def run(args) -> int:
     from latentserve.eval.datasets import load_items
 
     if args.plot:  # before any work: the sweep would run first and only then fail
+        from latentserve.extras import missing_extra_message
+
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ValueError("--plot needs matplotlib: pip install 'latentserve[eval]'") \
-                from None
+            raise ValueError(missing_extra_message("matplotlib", "--plot")) from None
     if _colar_format(args):
         return run_colar(args)
+    args.dataset = args.dataset or "gsm8k"
     from latentserve.eval.run import evaluate, parse_sweep, plot_sweep
 
     speed = args.compression_factor is not None or (
@@ -154,7 +169,7 @@ def run(args) -> int:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.baseline and not os.path.isfile(args.baseline):
         raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
-    items = load_items(args.dataset, args.data_file, args.limit)
+    items = load_items(args.dataset, args.data_file, args.limit, args.data_dir)
     if args.url:
         import openai
 

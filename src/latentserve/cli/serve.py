@@ -18,7 +18,7 @@ def register(sub) -> None:
     from latentserve.server.replicas import ROUTER_POLICIES
 
     p.add_argument("--data-parallel-size", "--dp", type=int, default=1,
-                   help="N > 1: N replicas on ports port+1..port+N behind sglang-router on "
+                   help="N > 1: N replicas on free ports (printed) behind sglang-router on "
                         "--port (docs/scaling.md)")
     p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
                    help="sglang-router policy with --data-parallel-size (default cache_aware)")

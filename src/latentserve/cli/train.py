@@ -148,6 +148,10 @@ def register(sub) -> None:
 
 
 def run_cot(args) -> int:
+    from latentserve.extras import require
+
+    if args.lora_r > 0 or getattr(args, "init_adapter", None):  # LoRA through PEFT
+        require("peft", "latentserve train cot (LoRA; --lora-r 0 is a full fine-tune)")
     from latentserve.train.cot import CotConfig, train
 
     opts = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "func")}
@@ -157,6 +161,10 @@ def run_cot(args) -> int:
 
 
 def run_colar(args) -> int:
+    from latentserve.extras import require
+
+    if args.lora_r > 0 or args.init_adapter:  # LoRA through PEFT
+        require("peft", "latentserve train colar (LoRA; --lora-r 0 is a full fine-tune)")
     from latentserve.train.colar import ColarTrainConfig, train
 
     opts = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "func")}
@@ -172,6 +180,9 @@ def run_colar(args) -> int:
 
 
 def run_colar_grpo(args) -> int:
+    from latentserve.extras import require
+
+    require("peft", "latentserve train colar-grpo")
     from latentserve.train.colar_grpo import ColarGRPOConfig, train
 
     opts = {k: v for k, v in vars(args).items() if k not in ("command", "stage", "func")}

@@ -98,7 +98,8 @@ def _common(p) -> None:
                    "LoRA adapter directory (default: embedded SmolLM2)")
     p.add_argument("--data", default=None,
                    help="GSM8K jsonl; the colar format also takes iCoT lines "
-                        "(default: $LATENTSERVE_DATA/gsm8k/train.jsonl)")
+                        "(default: $LATENTSERVE_DATA/gsm8k/train.jsonl, which does not ship "
+                        "with the package: docs/training.md, 'Data')")
     p.add_argument("--max-examples", type=int, default=None)
     p.add_argument("--out", required=True, help="bundle to write (.safetensors or .pt)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -118,6 +119,13 @@ def _traces(p) -> None:
 
 
 def _options(args, skip=("command", "stage", "func", "no_progress")) -> dict:
+    """The stage's config fields from ``args``, once its training data is found (before the
+    backbone loads). Raises FileNotFoundError naming the file and where to get it."""
+    from latentserve.train.traces import train_file
+
+    data = train_file(args.data)
+    if not data.is_file():
+        raise FileNotFoundError(f"--data {data} does not exist")
     d = {k: v for k, v in vars(args).items() if k not in skip}
     d["progress"] = not args.no_progress
     return d

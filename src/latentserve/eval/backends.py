@@ -140,5 +140,8 @@ class OpenAIBackend:
         from concurrent.futures import ThreadPoolExecutor
 
         start = time.perf_counter()
-        with ThreadPoolExecutor(self.concurrency) as pool:
+        pool = ThreadPoolExecutor(self.concurrency)
+        try:
             return list(pool.map(lambda r: self._one(r, start, head_controls), requests))
+        finally:  # Ctrl-C: drop the queued requests (only the in-flight ones are awaited)
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -1,6 +1,11 @@
-"""Evaluation sets from ``shared/data`` (see its README): GSM8K ``test.jsonl`` and the iCoT
-``test_icot.txt``, ProsQA ``test.json``, iCoT multiplication ``4x4_test.txt`` /
-``5x5_test.txt``. Each loads as a list of :class:`Item`."""
+"""Evaluation sets: GSM8K ``test.jsonl`` and the iCoT ``test_icot.txt``, ProsQA
+``test.json``, iCoT multiplication ``4x4_test.txt`` / ``5x5_test.txt``. Each loads as a list
+of :class:`Item`.
+
+The test sets (and the multiplication valid sets) ship inside the package
+(``latentserve/data/<folder>/``, each folder with its upstream MIT licence); a data
+directory (``--data-dir``, else ``$LATENTSERVE_DATA``) laid out the same way is searched
+first, and holds what does not ship (GSM8K ``train.jsonl``, see :data:`UPSTREAM`)."""
 
 from __future__ import annotations
 
@@ -45,24 +50,61 @@ class Item:
     steps: str = ""
 
 
-def data_root() -> Path:
-    """``$LATENTSERVE_DATA``, else ``/work/shared/data``."""
-    return Path(os.environ.get("LATENTSERVE_DATA", "/work/shared/data"))
+DATA_ENV = "LATENTSERVE_DATA"
 
 
-def load_items(name: str, path: str | Path | None = None, limit: int | None = None
-               ) -> list[Item]:
+def package_data_dir() -> Path:
+    """The data sets shipped inside the package (``latentserve/data``)."""
+    from importlib import resources
+
+    return Path(str(resources.files("latentserve").joinpath("data")))
+
+
+def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
+    """The folders searched for a data file, in order: ``data_dir`` (``--data-dir``), else
+    ``$LATENTSERVE_DATA`` when set; then the package's own data."""
+    given = data_dir or os.environ.get(DATA_ENV)
+    return ([Path(given)] if given else []) + [package_data_dir()]
+
+
+def data_root(data_dir: str | Path | None = None) -> Path:
+    """The first of :func:`data_dirs`: the user's data directory, else the package's."""
+    return data_dirs(data_dir)[0]
+
+
+def find_data_file(rel: str, data_dir: str | Path | None = None,
+                   flag: str = "--data-dir DIR") -> Path:
+    """The file ``rel`` (e.g. ``gsm8k/train.jsonl``) under the first of :func:`data_dirs`
+    that holds it.
+
+    Raises:
+        FileNotFoundError: no folder holds it; the message names the folders searched,
+            ``flag`` (the command's way to give the data) / ``$LATENTSERVE_DATA``, and where
+            upstream the file comes from.
+    """
+    dirs = data_dirs(data_dir)
+    for d in dirs:
+        if (d / rel).is_file():
+            return d / rel
+    folder = rel.split("/")[0]
+    raise FileNotFoundError(
+        f"data file {rel} not found in {', '.join(str(d) for d in dirs)}; pass {flag} or "
+        f"set {DATA_ENV} to a directory holding {rel}, from "
+        f"{UPSTREAM.get(folder, 'its upstream repository')} (docs/training.md, 'Data')")
+
+
+def load_items(name: str, path: str | Path | None = None, limit: int | None = None,
+               data_dir: str | Path | None = None) -> list[Item]:
     """Items of data set ``name`` (a key of ``DATASETS``) from ``path`` (default: its file
-    under :func:`data_root`); the first ``limit`` only when given. Raises ValueError for an
-    unknown name or a malformed line (naming the file and line), FileNotFoundError."""
+    found by :func:`find_data_file` under ``data_dir``, ``$LATENTSERVE_DATA`` or the
+    package); the first ``limit`` only when given. Raises ValueError for an unknown name or
+    a malformed line (naming the file and line), FileNotFoundError."""
     if name not in DATASETS:
         raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {name!r}")
     rel, fmt, kind = DATASETS[name]
-    p = Path(path) if path else data_root() / rel
+    p = Path(path) if path else find_data_file(rel, data_dir)
     if not p.is_file():
-        where = ("" if path else f"; set LATENTSERVE_DATA to a directory holding {rel} "
-                 f"(or pass the file), from {UPSTREAM[rel.split('/')[0]]}")
-        raise FileNotFoundError(f"dataset file {p} does not exist{where}")
+        raise FileNotFoundError(f"dataset file {p} does not exist")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     try:

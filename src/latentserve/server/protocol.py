@@ -356,7 +356,8 @@ class AssistantMessage(BaseModel):
 
 
 class LatentInfo(BaseModel):
-    """What one choice spent on latent reasoning: ``steps`` latent positions run, and with
+    """What one choice spent on latent reasoning: ``steps`` latent positions run (0 for a
+    recurrent-depth model, which runs none: its budget is in ``recurrence``), and with
     ``return_latent_trace`` the ``trace``: per latent step ``{"norm", "top_tokens": [[id,
     logit], ...], "top_probs", "top_texts"}`` (feedback models, compression heads with
     ``stop_prob``; ``server/latent_trace.py``), or per generated token ``{"depth"}`` (Huginn)

@@ -2,8 +2,9 @@
 
 N ordinary latentserve servers (each its own engine, and its own ``tensor_parallel_size``
 GPUs on CUDA: replica i sees devices ``[i*tp, (i+1)*tp)`` through ``CUDA_VISIBLE_DEVICES``)
-listen on ``port+1 .. port+N``; the router (PyPI ``sglang-router``, a Rust binary) listens on
-``port`` and forwards the OpenAI routes, by default with its ``cache_aware`` policy: it keeps
+listen on ports the OS picks on ``host`` (printed as ``replica i: URL``; a port taken between
+the pick and the bind is picked again, ``launch.start_server``); the router (PyPI
+``sglang-router``, a Rust binary) listens on ``port`` and forwards the OpenAI routes, by default with its ``cache_aware`` policy: it keeps
 an approximate radix tree of the prompts it sent to each replica and sends a request to the
 replica holding its longest prefix (when loads are balanced), so the replicas' radix caches
 keep hitting. Why this router and not nginx/HAProxy: docs/scaling.md.
@@ -61,28 +62,24 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
     router exits), then stop them all.
 
     Raises:
-        ValueError: ``data_parallel_size`` < 1, an unknown ``policy``, or a port in
-            ``[port, port + N + 1]`` already in use (router, replicas, router metrics).
+        ValueError: ``data_parallel_size`` < 1, an unknown ``policy``, or ``port`` (the
+            router's) already in use, before any replica starts.
         ModuleNotFoundError: ``sglang_router`` is not installed (the message says how).
-        RuntimeError: a replica failed to start (its log tail is in the message).
+        RuntimeError: a replica failed to start (its log tail is in the message), or the
+            router exited with an error.
     """
-    import importlib.util
-
-    from latentserve.server.launch import start_server
+    from latentserve.server.launch import free_port, start_server
 
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"router policy must be one of {ROUTER_POLICIES}, got {policy!r}")
-    if importlib.util.find_spec("sglang_router") is None:
-        raise ModuleNotFoundError("--data-parallel-size needs the router: pip install "
-                                  "sglang-router==0.3.2 (see docs/scaling.md)")
-    metrics_port = port + data_parallel_size + 1
-    busy = [p for p in range(port, metrics_port + 1) if not _port_free(host, p)]
-    if busy:
-        raise ValueError(f"ports {busy} are in use; the router takes --port, replica i "
-                         f"port + 1 + i and the router's metrics port + 1 + N "
-                         f"(pick another --port)")
+    from latentserve.extras import require
+
+    require("sglang_router", "--data-parallel-size")
+    if not _port_free(host, port):
+        raise ValueError(f"--port {port} is in use on {host} (the router's port); pick "
+                         f"another --port")
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
@@ -98,7 +95,7 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
         env = {PARENT_PID_ENV: str(os.getpid())}  # a replica stops when this process dies
         if config.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
-        return start_server(config, host, port + 1 + i, env=env, **(server_kwargs or {}))
+        return start_server(config, host, None, env=env, **(server_kwargs or {}))
 
     servers, router = [], None
     try:
@@ -115,11 +112,14 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
         for i, s in enumerate(servers):
             print(f"replica {i}: {s.base_url}", flush=True)
         router = subprocess.Popen(router_command(host, port, [s.base_url for s in servers],
-                                                 policy, metrics_port),
+                                                 policy, free_port(host)),
                                   preexec_fn=_die_with_parent)  # noqa: PLW1509 - pool ended
         print(f"router ({policy}): http://{host}:{port}", flush=True)
         while router.poll() is None and all(s.proc.poll() is None for s in servers):
             time.sleep(0.5)
+        if router.returncode is not None and router.returncode not in (0, 130):  # 130: Ctrl-C
+            raise RuntimeError(f"the router exited with code {router.returncode} (its "
+                               f"output is above; --port {port} taken meanwhile?)")
     except KeyboardInterrupt:
         pass
     finally:

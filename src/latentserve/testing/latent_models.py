@@ -11,7 +11,7 @@ with ``latentserve convert`` (the documented user path; docs/models.md).
   ``lora_B`` is random (not PEFT's zero init) so the LoRA merge changes the outputs.
 
 Bases are ``save_tiny`` models (SmolLM2 tokenizer, vocab 49152), so the added ids are
-49152, 49153, 49154. Building CODI needs ``peft`` (the ``test`` extra).
+49152, 49153, 49154. Building CODI needs ``peft`` (the ``train`` extra).
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora
     """Write ``root/base`` (tiny ``gpt2`` or tied ``llama``; or use an existing ``base_dir``
     of that architecture) and ``root/upstream/<file>`` (``model.safetensors`` or
     ``pytorch_model.bin``). Returns ``(base_dir, checkpoint_path)``."""
+    from latentserve.extras import require
+
+    require("peft", "write_upstream_codi (a CODI test checkpoint)")
     import torch
     from peft import LoraConfig, get_peft_model
     from torch import nn

@@ -9,7 +9,7 @@
   ``modules_to_save``; trained a few steps and saved with ``save_pretrained``;
   ``config.json`` (``pccot-*``, ``num_iterations``, ``use_projection``) and
   ``pccot_args.json``. Then converted with ``latentserve convert pccot``. ``lora_B`` starts
-  random so the merge matters. Needs ``peft``.
+  random so the merge matters. Needs ``peft`` (the ``train`` extra).
 * LOTUS (arXiv 2606.31779; no public code): our model-directory layout directly, a plain HF
   Llama with 3 raw embedding rows for start/end/latent and a ``latent_config.json``.
 """
@@ -44,7 +44,10 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     or ``resized`` (``save_embedding_layers=True`` with the embedding frozen). The new rows
     and ``lora_B`` start random, then ``train_steps`` AdamW steps (lr 1e-2) of next-token
     loss on seeded random sequences (with the special tokens) move every trained tensor.
-    Raises ValueError for an unknown ``embedding``."""
+    Raises ValueError for an unknown ``embedding``, ModuleNotFoundError without peft."""
+    from latentserve.extras import require
+
+    require("peft", "write_upstream_pccot (a PCCoT test checkpoint)")
     import torch
     from peft import LoraConfig, get_peft_model
     from torch import nn

@@ -73,12 +73,14 @@ def reasoning_text(solution: str, style: str = "solution") -> str:
 
 
 def train_file(path: str | Path | None) -> Path:
-    """``path``, else GSM8K ``train.jsonl`` under ``eval.datasets.data_root()``."""
+    """``path``, else GSM8K ``train.jsonl`` under ``$LATENTSERVE_DATA`` (it does not ship
+    with the package). Raises FileNotFoundError saying where to get it
+    (``eval.datasets.find_data_file``)."""
     if path:
         return Path(path)
-    from latentserve.eval.datasets import data_root
+    from latentserve.eval.datasets import find_data_file
 
-    return data_root() / "gsm8k" / "train.jsonl"
+    return find_data_file("gsm8k/train.jsonl", flag="--data FILE")
 
 
 def load_gsm8k_rows(path: str | Path, limit: int | None = None) -> list[dict]:

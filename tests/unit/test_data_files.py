@@ -1,0 +1,83 @@
+"""The test sets ship inside the package with their licences; a data directory
+(``--data-dir`` or ``$LATENTSERVE_DATA``) is searched first; a file found nowhere is an error
+naming the folders searched and where upstream to get it, before any model loads."""
+
+import json
+
+import pytest
+
+from latentserve.eval.datasets import DATASETS, find_data_file, load_items, package_data_dir
+
+SIZES = {"gsm8k": 1319, "gsm8k-icot": 1319, "prosqa": 500, "mult4": 1000, "mult5": 1000}
+
+
+@pytest.fixture
+def no_data_env(monkeypatch):
+    monkeypatch.delenv("LATENTSERVE_DATA", raising=False)
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_every_test_set_loads_from_the_package(no_data_env, name):
+    items = load_items(name)
+    assert len(items) == SIZES[name]
+    assert all(i.question and i.gold for i in items)
+
+
+def test_each_shipped_folder_carries_its_licence():
+    root = package_data_dir()
+    for folder in ("gsm8k", "prosqa", "multiplication"):
+        assert "MIT License" in (root / folder / "LICENSE").read_text()
+    assert "MIT License" in (root / "gsm8k" / "LICENSE-icot").read_text()  # test_icot.txt
+
+
+def test_the_data_directory_is_searched_before_the_package(monkeypatch, tmp_path):
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text(
+        json.dumps({"question": "1+1?", "answer": "1+1=2\n#### 2"}) + "\n")
+    monkeypatch.setenv("LATENTSERVE_DATA", str(tmp_path))
+    assert [i.gold for i in load_items("gsm8k")] == ["2"]
+    assert len(load_items("prosqa")) == 500  # not in the directory: the package's
+    monkeypatch.delenv("LATENTSERVE_DATA")
+    assert [i.gold for i in load_items("gsm8k", data_dir=tmp_path)] == ["2"]
+
+
+def test_a_file_that_does_not_ship_says_where_to_get_it(no_data_env):
+    with pytest.raises(FileNotFoundError, match=r"data file gsm8k/train.jsonl not found in "
+                       r".*pass --data-dir DIR or set LATENTSERVE_DATA to a directory holding "
+                       r"gsm8k/train.jsonl, from github.com/openai/grade-school-math"):
+        find_data_file("gsm8k/train.jsonl")
+
+
+def test_train_head_without_train_data_fails_before_loading(no_data_env, capsys, tmp_path):
+    from latentserve.cli import main
+
+    rc = main(["train-head", "sft", "--model", str(tmp_path / "never-loaded"),
+               "--out", str(tmp_path / "h.safetensors")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "gsm8k/train.jsonl not found" in err and "pass --data FILE or set" in err
+
+
+def test_data_multiplication_excludes_the_shipped_sets(no_data_env, capsys, tmp_path):
+    from latentserve.cli import main
+
+    out = tmp_path / "train.txt"
+    assert main(["data", "multiplication", "--k", "4", "--n", "20", "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["n"] == 20 and len(out.read_text().splitlines()) == 20
+    assert [p.rsplit("/", 1)[1] for p in report["excluded_from"]] == ["4x4_test.txt",
+                                                                       "4x4_valid.txt"]
+    held_out = {i.question for i in load_items("mult4")}
+    assert not held_out & {line.partition("||")[0].strip()
+                           for line in out.read_text().splitlines()}
+
+
+def test_colar_eval_reads_its_dataset_from_the_package_before_loading(no_data_env, capsys,
+                                                                      tmp_path):
+    from latentserve.cli import main
+
+    rc = main(["eval", "--model", str(tmp_path / "never-loaded"), "--prompt-format", "colar",
+               "--dataset", "gsm8k"])
+    assert rc == 2
+    assert ("give --dataset gsm8k-icot|mult4|mult5 or --dataset-file FILE, got --dataset "
+            "gsm8k") in capsys.readouterr().err
