@@ -14,7 +14,7 @@ from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from latentserve.testing.parity import hf_reference, run_batch, shared_prefix_prompts
-from latentserve.testing.tp_parity import run_requests
+from latentserve.testing.tp_parity import run_requests, spy_overlapped
 
 MAX_TOKENS = 12
 
@@ -29,18 +29,6 @@ def _engine(tiny_dirs, **kw):
     return LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), overlap_schedule=True, **kw))
 
 
-def _spy_overlapped(engine) -> list:
-    """Record, per forward, whether it read pending ids from the previous forward."""
-    seen, original = [], engine.runner.run
-
-    def spy(batch, pending=None):
-        seen.append(pending is not None)
-        return original(batch, pending)
-
-    engine.runner.run = spy
-    return seen
-
-
 def _assert_matches(tokens, logits, refs):
     for i, (toks, lg, (ref_toks, ref_lg)) in enumerate(zip(tokens, logits, refs)):
         assert toks == ref_toks, f"prompt {i}: engine {toks} != HF {ref_toks}"
@@ -49,7 +37,7 @@ def _assert_matches(tokens, logits, refs):
 
 def test_greedy_matches_hf_cold_then_warm(tiny_dirs, references):
     engine = _engine(tiny_dirs)
-    overlapped = _spy_overlapped(engine)
+    overlapped = spy_overlapped(engine)
     prompts = shared_prefix_prompts()
     tokens, logits, _ = run_batch(engine, prompts, MAX_TOKENS)
     _assert_matches(tokens, logits, references)

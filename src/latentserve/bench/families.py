@@ -113,9 +113,8 @@ def summarize(suites: dict) -> list[dict]:
     "feedback": bench.latent result, "head": bench.head_gpu result, "recurrent":
     bench.recurrent_gpu result, "loop": bench.loop result}``; missing suites give no rows.
     Rows are in that family order, then model, then concurrency."""
-    rows = [r for family, read in READERS.items() if family in suites
+    return [r for family, read in READERS.items() if family in suites
             for r in read(suites[family])]
-    return rows
 
 
 def table_markdown(rows: list[dict]) -> str:
