@@ -177,3 +177,35 @@ def test_fused_head_serve_path_matches_ieee_float32(rows):
     assert torch.equal(ref_v, head.latent_input(x)) and torch.equal(ref_p, head.stop_prob(x))
     torch.testing.assert_close(vecs, ref_v, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(probs, ref_p, rtol=2e-5, atol=2e-6)
+
+
+def test_ouro_exit_distribution_from_replayed_graphs(tmp_path):
+    """Ouro's per-token trace (depth, readout step, exit distribution) from replayed decode
+    graphs (the static ``exit_probs`` buffer) equals the eager reference's, with several exit
+    criteria in one batch (fp32, the overlap schedule on: the CUDA default)."""
+    from latentserve.testing.recurrent_models import write_ouro
+    from latentserve.testing.recurrent_reference import OuroReference
+
+    d = write_ouro(tmp_path / "ouro")
+    engine = _engine(d, max_model_len=256)
+    ref = OuroReference(d)
+    base = [(7 * i + 11) % 900 + 20 for i in range(24)]
+    prompts = [base + [100, 101], base + [200] * 5, base[:13], [5, 6, 7], base[:9] + [44]]
+    cases = [(4, "threshold", 1.0), (2, "threshold", 0.6), (6, "weighted", None),
+             (3, "last", None), (6, "threshold-approx", 0.6)]
+    before = engine.runner.num_graph_steps
+    out = _drive(engine, [(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                             latent_budget=t, exit_criterion=c,
+                                             exit_threshold=thr, return_latent_trace=True))
+                          for p, (t, c, thr) in zip(prompts, cases)])
+    assert engine.runner.num_graph_steps - before >= 7
+    for i, ((toks, final), p, (t, c, thr)) in enumerate(zip(out, prompts, cases)):
+        want = ref.generate(p, 8, t, c, 1.0 if thr is None else thr)
+        assert toks == want["tokens"], f"request {i}"
+        trace = final.latent_trace
+        assert [e["depth"] for e in trace] == want["iterations"], f"request {i}"
+        assert [e["readout_step"] for e in trace] == want["readouts"], f"request {i}"
+        for j, (e, pdf) in enumerate(zip(trace, want["exit_probs"], strict=True)):
+            assert len(e["exit_probs"]) == len(pdf) == e["depth"], f"request {i} token {j}"
+            assert abs(sum(e["exit_probs"]) - 1) < 1e-6
+            assert max(abs(a - b) for a, b in zip(e["exit_probs"], pdf)) < 1e-4, (i, j)
