@@ -103,7 +103,8 @@ class CompletionOutput:
     on ``StepOutput``, ``latent_trace`` (when asked for), ``latent_stats`` (compression
     heads; a request a stop string ended has the stats its latent phase ended with) and
     ``recurrence`` (recurrent depth) from the final output (None otherwise; ``latent_trace``
-    and ``recurrence`` are None when a stop string ended the request)."""
+    and ``recurrence`` are None when a stop string ended the request); a latent step's
+    trace entry also has ``top_texts``, its ``top_tokens`` decoded one by one."""
 
     index: int
     text: str

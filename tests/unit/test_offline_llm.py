@@ -41,6 +41,9 @@ def test_offline_outputs_carry_latent_steps_and_trace(tmp_path, smollm2_dir):
     thinking, plain = outs[0].outputs[0], outs[1].outputs[0]
     assert thinking.latent_steps == 3 and len(thinking.latent_trace) == 3
     assert all(len(step["top_tokens"]) == 5 for step in thinking.latent_trace)
+    tok = llm.get_tokenizer()
+    assert all(step["top_texts"] == [tok.decode([t]) for t, _ in step["top_tokens"]]
+               for step in thinking.latent_trace)
     assert plain.latent_steps == 0 and not plain.latent_trace
     llm.engine.cache.check_idle()
 

@@ -26,6 +26,16 @@ class TokenStrings:
         return self._cache[token_id]
 
 
+def with_top_texts(entries: list | None, strings: TokenStrings) -> list | None:
+    """Copies of latent trace ``entries`` with ``top_texts`` (each ``top_tokens`` id decoded
+    on its own by ``strings``; None without a tokenizer) next to ``top_tokens``, as the HTTP
+    trace has them; entries without tokens (recurrent depth) are kept as they are."""
+    if entries is None:
+        return None
+    return [{**e, "top_texts": [strings(int(t)) for t, _ in e["top_tokens"]]}
+            if isinstance(e, dict) and "top_tokens" in e else e for e in entries]
+
+
 def logprob_dict(lp: TokenLogprob, strings: TokenStrings) -> dict[int, Logprob]:
     """One position's ``{token_id: Logprob}`` as vLLM builds it: the chosen token (rank
     ``lp.rank``) first, then the top-k with ranks 1..k (the chosen token's entry is the top
@@ -78,7 +88,8 @@ class CompletionBuilder:
         if out.latent_stats is not None:  # settled phase, then the final output
             comp.latent_stats = out.latent_stats
         if out.finished:
-            comp.latent_trace, comp.recurrence = out.latent_trace, out.recurrence
+            comp.latent_trace = with_top_texts(out.latent_trace, self.strings)
+            comp.recurrence = out.recurrence
         if out.logprobs is not None and comp.logprobs is not None:
             for lp in out.logprobs:
                 comp.logprobs.append(logprob_dict(lp, self.strings))
