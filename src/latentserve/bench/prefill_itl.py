@@ -22,17 +22,24 @@ import tempfile
 import time
 
 
-def tiny_checkpoint(out_dir: str, max_len: int) -> str:
-    """A random Llama of ``max_len`` positions (hidden 256, 4 layers: a long prefill costs
-    seconds on a CPU, a decode step milliseconds)."""
+SHAPES = {  # transformers LlamaConfig fields
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0),
+}
+
+
+def tiny_checkpoint(out_dir: str, max_len: int, shape: str = "tiny") -> str:
+    """A random Llama of ``max_len`` positions in ``shape`` (``SHAPES``: ``tiny``, hidden
+    256 and 4 layers, where a long prefill costs seconds on a CPU; ``llama-1b``, Llama-3.2-1B's
+    layer shapes with a small vocabulary, for a GPU)."""
     from latentserve.testing.tiny_models import save_tiny
 
-    return str(save_tiny(out_dir, "llama", hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=4, max_position_embeddings=max_len))
+    return str(save_tiny(out_dir, "llama", max_position_embeddings=max_len, **SHAPES[shape]))
 
 
 def measure(model_dir: str, prompt_len: int, budget: int, decode_tokens: int = 64,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", dtype: str | None = None) -> dict:
     """Run one decode request, admit a ``prompt_len``-token prompt after its 4th token, and
     time the decode's tokens until the long prompt's first token (its prefill). Returns
     ``{"budget", "prefill_steps", "decode_token_every_step", "worst_itl_ms",
@@ -42,7 +49,8 @@ def measure(model_dir: str, prompt_len: int, budget: int, decode_tokens: int = 6
     from latentserve.sampling_params import SamplingParams
 
     max_len = prompt_len + 2 * decode_tokens
-    engine = LLMEngine(EngineConfig(model=model_dir, device=device, max_model_len=max_len,
+    engine = LLMEngine(EngineConfig(model=model_dir, device=device, dtype=dtype or "auto",
+                                    max_model_len=max_len,
                                     max_num_batched_tokens=budget, max_num_seqs=4,
                                     enable_prefix_caching=False))
     try:
@@ -79,13 +87,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 8192])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="engine dtype (default: auto)")
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_checkpoint(tmp, args.prompt_len + 256)
-        runs = [measure(model, args.prompt_len, b, device=args.device) for b in args.budgets]
+        model = tiny_checkpoint(tmp, args.prompt_len + 256, args.shape)
+        runs = [measure(model, args.prompt_len, b, device=args.device, dtype=args.dtype)
+                for b in args.budgets]
     json.dump({"command": "python -m latentserve.bench.prefill_itl " + " ".join(
         sys.argv[1:] if argv is None else argv), "prompt_len": args.prompt_len,
-        "model": "random llama, hidden 256, 4 layers", "device": args.device, "runs": runs},
+        "model": f"random llama, {args.shape} shape: {SHAPES[args.shape]}",
+        "device": args.device, "dtype": args.dtype, "runs": runs},
         sys.stdout, indent=1)
     print()
 
