@@ -35,7 +35,8 @@ def tiny_checkpoint(out_dir: str, max_len: int, shape: str = "tiny") -> str:
     layer shapes with a small vocabulary, for a GPU)."""
     from latentserve.testing.tiny_models import save_tiny
 
-    return str(save_tiny(out_dir, "llama", max_position_embeddings=max_len, **SHAPES[shape]))
+    return str(save_tiny(out_dir, "llama", word_tokenizer=True, max_position_embeddings=max_len,
+                         **SHAPES[shape]))
 
 
 def measure(model_dir: str, prompt_len: int, budget: int, decode_tokens: int = 64,
@@ -50,7 +51,7 @@ def measure(model_dir: str, prompt_len: int, budget: int, decode_tokens: int = 6
 
     max_len = prompt_len + 2 * decode_tokens
     engine = LLMEngine(EngineConfig(model=model_dir, device=device, dtype=dtype or "auto",
-                                    max_model_len=max_len,
+                                    max_model_len=max_len, kv_slots=2 * max_len,
                                     max_num_batched_tokens=budget, max_num_seqs=4,
                                     enable_prefix_caching=False))
     try:
