@@ -12,7 +12,7 @@
 # `eval C NAME...` evaluates models/smollm2-mult-colar and $W/NAME... (scripts/stage23_gpu.sh
 # runs stages 2 and 3 side by side on one GPU with these).
 # Knobs (env): MODEL (models/smollm2-mult-colar), C (speed, 2), T_GRPO (seconds, 600), LR
-# (1e-6, upstream), LENGTH_PENALTY (0.5), MAX_LATENT (rollout cap, 96), KV_SLOTS (the engine's
+# (1e-6, upstream), LENGTH_PENALTY (0.5), EXP_BATCH (rollouts per update, 8; 64 = one on-policy update a step), MAX_LATENT (rollout cap, 96), KV_SLOTS (the engine's
 # KV pool in tokens; unset: from memory), T_WAIT (500).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +31,8 @@ grpo() {  # grpo NAME LR [C [K [ARG...]]]: one GRPO run at speed C on KxK items 
   $ls train colar-grpo --model "$MODEL" --data "$W/${k}x${k}_train.txt" --out "$W/$name" \
     --device cuda --dtype bfloat16 --steps 100000 --max-seconds "${T_GRPO:-600}" --lr "$lr" \
     --compression-factor "$c" --max-latent "${MAX_LATENT:-96}" "${KV[@]}" \
-    --length-penalty "${LENGTH_PENALTY:-0.5}" --save-every 20 --answer-tokens 40 "$@" \
+    --length-penalty "${LENGTH_PENALTY:-0.5}" --save-every 20 --answer-tokens 40 \
+    --exp-batch-size "${EXP_BATCH:-8}" "$@" \
     > "$W/$name.log" 2>&1
 }
 

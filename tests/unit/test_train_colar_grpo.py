@@ -327,6 +327,19 @@ def test_an_update_with_a_non_finite_gradient_is_skipped_and_counted(
         torch.testing.assert_close(after[k].float(), before[k].float(), rtol=0, atol=0)
 
 
+def test_latent_log_ratios_move_only_after_an_update_within_the_step(stage1, toy_data, tmp_path):
+    """``max_latent_logratio``: with one minibatch a step the update is on-policy (new
+    log-probs equal the old ones exactly: ratio 1); with several, the minibatches after the
+    first see the weights the first one moved, so their latent log-probs differ."""
+    reward = lambda r, g: float(len(r.text) % 2)  # noqa: E731 - varied rewards: non-zero advantages
+    one = _train(stage1, toy_data, tmp_path / "one", steps=2, questions_per_step=2,
+                 group_size=4, exp_batch_size=8, reward_fn=reward)
+    assert [r["max_latent_logratio"] for r in one] == [0.0, 0.0]
+    several = _train(stage1, toy_data, tmp_path / "several", steps=2, questions_per_step=2,
+                     group_size=4, exp_batch_size=2, reward_fn=reward)
+    assert max(r["max_latent_logratio"] for r in several) > 1e-3
+
+
 # ------------------------------------------------------------------ options
 
 

@@ -31,7 +31,8 @@ rollouts. Each step:
    of the logits before it, divided by ``answer_temperature`` (1 when it is 0).
 4. **Updates.** The rollouts, shuffled, in minibatches of ``exp_batch_size``; each is one
    AdamW step (grad norm clipped to 1.0; an update whose gradient is not finite is
-   skipped, counted in the log's ``skipped_updates``) on upstream's ``GRPOLoss`` without KL::
+   skipped, counted in the log's ``skipped_updates``; ``max_latent_logratio`` is the largest
+   ``|logp - logp_old|`` of a latent in the step) on upstream's ``GRPOLoss`` without KL::
 
        ratio = exp(logp - logp_old)
        l = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
@@ -499,9 +500,12 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
             with torch.no_grad():
                 old = [logprobs([rolls[i] for i in mb]) for mb in mbs]
             sums = {"loss": 0.0, "latent_loss": 0.0, "answer_loss": 0.0, "grad_norm": 0.0}
-            skipped = 0
+            skipped, max_logratio = 0, 0.0
             for mb, mb_old in zip(mbs, old):
                 new = logprobs([rolls[i] for i in mb])
+                max_logratio = max([max_logratio] + [float((n - o).abs().max().detach())
+                                                     for n, o in zip(new[0], mb_old[0])
+                                                     if len(n)])
                 loss = grpo_loss(new, mb_old, adv[mb].to(cfg.device), cfg.clip_eps,
                                  cfg.loss_average, cfg.use_latent_loss, cfg.use_answer_loss)
                 opt.zero_grad(set_to_none=True)
@@ -520,6 +524,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
                    "stopped": sum(r.end == "stop" for r in rolls) / len(rolls),
                    **{k: round(v, 6) for k, v in sums.items()},
                    "skipped_updates": skipped,
+                   "max_latent_logratio": round(max_logratio, 4),
                    "rollout_seconds": round(t_roll, 2),
                    "seconds": round(time.time() - ts, 2),
                    "total_seconds": round(time.time() - t0, 1)}
