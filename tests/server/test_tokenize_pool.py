@@ -73,6 +73,27 @@ def test_a_prompt_over_the_byte_bound_is_refused_before_tokenizing(client, model
         assert f"prompt is {size} bytes" in info.value.body["message"]
 
 
+def test_messages_over_the_byte_bound_are_refused_before_templating(anthropic_client, model,
+                                                                    smollm2_tokenizer):
+    """/v1/messages and its count_tokens: the same bound, with Anthropic's error body."""
+    import anthropic
+
+    from latentserve.server.prompts import max_bytes_per_token
+
+    size = 256 * max_bytes_per_token(smollm2_tokenizer) + 1
+    for call, total in ((lambda: anthropic_client.messages.create(
+                             model=model, max_tokens=1, system="b" * size,
+                             messages=[{"role": "user", "content": "hi"}]), size + 2),
+                        (lambda: anthropic_client.messages.count_tokens(
+                             model=model, messages=[{"role": "user", "content": "a" * size}]),
+                         size)):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            call()
+        assert info.value.body["type"] == "error"
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+        assert f"prompt is {total} bytes" in info.value.body["error"]["message"]
+
+
 def test_a_prompt_under_the_byte_bound_gets_the_token_count_error(client, model):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt="hello " * 400, max_tokens=1)

@@ -60,7 +60,7 @@ from latentserve.server.params import (
     refuse_unsupported,
     unset_default,
 )
-from latentserve.server.prompts import render_chat
+from latentserve.server.prompts import check_prompt_bytes, render_chat
 from latentserve.server.protocol import LatentFields, RequestModel
 from latentserve.server.reasoning import (
     LatentReasoning,
@@ -274,8 +274,12 @@ async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
                       ) -> list[int]:
     """The templated prompt (off the event loop: large prompts take seconds): the turns,
     the tools, and a ``thinking`` object's switch as the template's ``thinking`` /
-    ``enable_thinking`` (Qwen3's templates read the latter)."""
+    ``enable_thinking`` (Qwen3's templates read the latter). Turns too many bytes for the
+    context are refused before the template runs (``prompts.check_prompt_bytes``)."""
     conversation = _conversation(body)
+    check_prompt_bytes(sum(len(str(m.get("content") or "").encode("utf-8"))
+                           for m in conversation if m["role"] != "assistant"),
+                       state.tokenizer, state.max_model_len, "messages")
     flag = thinking_flag(body.thinking)
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
     return await in_pool(
