@@ -129,7 +129,8 @@ class EngineConfig:
     (``SamplingParams.upstream_stop_rules``): end on EOS as the family's upstream code does
     (COCONUT, PCCoT) to reproduce its numbers exactly; off by default, the first EOS ending
     a request as vLLM users expect; on for a family whose upstream stops as the engine does
-    is a ValueError when the engine is built. ``overlap_schedule``: schedule and prepare the next step while the device runs
+    is a ValueError when the engine is built. ``overlap_schedule``: schedule and prepare the next
+    step while the device runs
     this one (``engine/overlap.py``; steps that cannot overlap run synchronously); None = on
     exactly when on CUDA (``use_overlap_schedule``), as SGLang's default.
     ``exit_semantics``: the default of ``SamplingParams.exit_semantics`` (Huginn's adaptive

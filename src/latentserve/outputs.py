@@ -99,7 +99,8 @@ class CompletionOutput:
     or ``"length"``), ``stop_reason`` (None for EOS or ``"length"``, the stop token id or
     the stop string that ended it); ``logprobs`` (``SampleLogprobs``, one dict per token,
     when ``SamplingParams.logprobs`` is set, else None) and ``cumulative_logprob`` (the sum
-    of the sampled tokens' logprobs, None without ``logprobs``). For latent models ``latent_steps`` and, as
+    of the sampled tokens' logprobs, None without ``logprobs``). For latent models ``latent_steps``
+    and, as
     on ``StepOutput``, ``latent_trace`` (when asked for), ``latent_stats`` (compression
     heads; a request a stop string ended has the stats its latent phase ended with) and
     ``recurrence`` (recurrent depth) from the final output (None otherwise; ``latent_trace``

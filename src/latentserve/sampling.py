@@ -125,7 +125,7 @@ def _apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> None:
     try:
         from xgrammar import apply_token_bitmask_inplace
     except ImportError:
-        apply_token_bitmask_inplace = None
+        apply_token_bitmask_inplace = None  # type: ignore[assignment]
     if apply_token_bitmask_inplace is not None and logits.dtype in (
             torch.float32, torch.bfloat16, torch.float16) and logits.is_contiguous():
         apply_token_bitmask_inplace(logits, bits, vocab_size=min(vocab, bits.shape[1] * 32))
@@ -207,17 +207,19 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Req]
         return result
     rows = torch.tensor(want, device=raw.device)
     lsm = torch.log_softmax(raw[rows].float(), dim=-1)
-    chosen = tokens[rows]
-    chosen_lp = lsm.gather(1, chosen[:, None])[:, 0]
-    rank = (lsm > chosen_lp[:, None]).sum(-1) + 1
-    k = max(reqs[b].params.logprobs for b in want)
-    top_v = top_i = None
+    chosen_t = tokens[rows]
+    chosen_lp_t = lsm.gather(1, chosen_t[:, None])[:, 0]
+    rank_t = (lsm > chosen_lp_t[:, None]).sum(-1) + 1
+    ks = {b: reqs[b].params.logprobs or 0 for b in want}
+    k = max(ks.values())
+    top_v: list[list[float]] = []
+    top_i: list[list[int]] = []
     if k > 0:
-        top_v, top_i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
-    chosen, chosen_lp, rank = chosen.tolist(), chosen_lp.tolist(), rank.tolist()
+        v, i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
+        top_v, top_i = v.tolist(), i.tolist()
+    chosen, chosen_lp, rank = chosen_t.tolist(), chosen_lp_t.tolist(), rank_t.tolist()
     for j, b in enumerate(want):
-        kb = reqs[b].params.logprobs
+        kb = ks[b]
         top = list(zip(top_i[j][:kb], top_v[j][:kb])) if kb else []
         result[b] = TokenLogprob(chosen[j], chosen_lp[j], rank[j], top)
     return result
@@ -263,9 +265,10 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     tgt = torch.tensor(targets, dtype=torch.long, device=logits.device)
     lp = lsm.gather(1, tgt[:, None])[:, 0]
     rank = ((lsm > lp[:, None]).sum(-1) + 1).tolist()
-    top_i = top_v = [[] for _ in targets]
+    top_v: list[list[float]] = [[] for _ in targets]
+    top_i: list[list[int]] = [[] for _ in targets]
     if k > 0:
-        top_v, top_i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+        v, i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
+        top_v, top_i = v.tolist(), i.tolist()
     return [TokenLogprob(t, v, r, list(zip(ti, tv)))
             for t, v, r, ti, tv in zip(targets, lp.tolist(), rank, top_i, top_v)]

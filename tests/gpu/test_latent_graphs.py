@@ -157,7 +157,8 @@ def test_recurrence_loop_runs_inside_graphs(kind, tmp_path):
                                              latent_budget=t))
                           for p, t in zip(prompts, depths)])
     for (toks, _), p, t in zip(out, prompts, depths):
-        want = ref.generate(p, 8, t) if kind == "huginn" else ref.generate(p, 8, t, "threshold", 1.0)
+        want = (ref.generate(p, 8, t) if kind == "huginn"
+                else ref.generate(p, 8, t, "threshold", 1.0))
         assert toks == want["tokens"]
     assert engine.runner.num_graph_steps - before >= 7
 

@@ -14,7 +14,6 @@
 
 import json
 
-
 import pytest
 import torch
 

@@ -119,7 +119,8 @@ def test_override_may_be_a_model_directory(bundle, tmp_path, monkeypatch):
     d = tmp_path / "with"
     d.mkdir()
     write_bundle(bundle, d / "latent_reasoning_head.safetensors")
-    assert find_bundle(tmp_path / "other", override=str(d)) == d / "latent_reasoning_head.safetensors"
+    found = find_bundle(tmp_path / "other", override=str(d))
+    assert found == d / "latent_reasoning_head.safetensors"
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="directory without a head bundle"):

@@ -102,7 +102,7 @@ def test_looped_block_matches_full_recompute_reference(kind, loop_dirs, referenc
     engine = _engine(loop_dirs[kind])
     for warm in (False, True):
         results, _ = _run(engine, _requests())
-        for (ans, logits, cached, _), (ref_ans, ref_logits) in zip(results, references[kind]):
+        for (ans, logits, _cached, _), (ref_ans, ref_logits) in zip(results, references[kind]):
             assert ans == ref_ans
             torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
         if warm:

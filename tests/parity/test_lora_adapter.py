@@ -105,7 +105,7 @@ def test_bf16_stored_adapter_serves_like_peft_in_fp32(bases, tmp_path):
     from safetensors import safe_open
 
     with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
     _assert_serves_like_peft(adapter, peft_model)
 
 

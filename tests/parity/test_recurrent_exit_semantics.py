@@ -86,7 +86,7 @@ def test_upstream_prompt_exits_early_and_differs_from_engine(ref):
     """The two semantics are different computations on this checkpoint: upstream's prompt
     exits early (engine's runs the full depth), and later tokens see other K/V."""
     eng, up = _expected(ref, ["engine"] * 6), _expected(ref, ["upstream"] * 6)
-    for (d, *_), e, u in zip(HUGINN_EXITS, eng, up):
+    for (d, *_), e, _u in zip(HUGINN_EXITS, eng, up):
         assert e["iterations"][0] == d
     assert any(u["iterations"][0] < d for (d, *_), u in zip(HUGINN_EXITS, up))
     assert any(e["tokens"] != u["tokens"] or e["iterations"] != u["iterations"]

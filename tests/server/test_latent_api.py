@@ -125,7 +125,8 @@ def test_bad_budget_is_a_400_naming_it_and_the_server_goes_on(body, headers, par
 
 
 def test_messages_route_takes_the_budget_too(latent_server, coconut_dir):
-    body = {"model": str(coconut_dir), "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"model": str(coconut_dir), "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}]}
     ok = httpx.post(f"{latent_server.base_url}/v1/messages", json=body, timeout=60,
                     headers={"x-latent-budget": "2"})
     assert ok.status_code == 200, ok.text

@@ -1,7 +1,8 @@
 """``ops.kernels.argmax.argmax_rows`` (greedy sampling's token pick on CUDA) on CPU through
 the Triton interpreter: the indices ``torch.argmax`` gives, bit for bit, including ties
 (the first maximum), NaN rows (the first NaN, whatever its sign bit), all -inf rows, -0.0
-tied with +0.0, rows shorter than one chunk and a last chunk cut short. On the H200: ``tests/gpu/test_triton_gpu.py``."""
+tied with +0.0, rows shorter than one chunk and a last chunk cut short. On the H200:
+``tests/gpu/test_triton_gpu.py``."""
 
 import os
 

@@ -7,9 +7,9 @@ import shutil
 import pytest
 import torch
 
-from latentserve.latent import feedback as fb
 from latentserve.cli.convert import add_args as add_convert_args
 from latentserve.cli.convert import run as convert_main
+from latentserve.latent import feedback as fb
 from latentserve.latent.convert import convert_coconut
 from latentserve.testing import latent_models as lm
 from latentserve.testing.latent_reference import load_reference, reference_generate

@@ -1,7 +1,8 @@
 """The fused RoPE + KV store kernels (``ops.kernels.apply_rotary_store_kv_`` and Huginn's
 ``apply_rotary_pairs_store_kv_``) against the two kernels each replaces (``apply_rotary_`` or
 ``apply_rotary_pairs_``, then ``attention.kernels.store_kv``), on CPU through the Triton
-interpreter, at tiny sizes: q and every written pool slot are bitwise equal. The real-size comparison on CUDA is in ``tests/gpu/test_rotary_store_kv_gpu.py``;
+interpreter, at tiny sizes: q and every written pool slot are bitwise equal. The real-size
+comparison on CUDA is in ``tests/gpu/test_rotary_store_kv_gpu.py``;
 the engine end to end in ``tests/unit/test_fused_model.py``.
 """
 

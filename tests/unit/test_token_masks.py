@@ -186,7 +186,7 @@ def test_bad_words_are_never_produced(llm):
                                          + tok.encode(" " + w.lstrip(), add_special_tokens=False))}
     outs = _gen(llm, PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
                                              bad_words=words))
-    for o, p in zip(outs, plain):
+    for o, _p in zip(outs, plain):
         assert not banned & set(o.token_ids)
     assert [o.token_ids for o in outs] != [p.token_ids for p in plain]
 
@@ -343,8 +343,8 @@ def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
         engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]),
                                         overlap_schedule=overlap))
         seen, run = [], engine.runner.run
-        engine.runner.run = lambda batch, pending=None: (seen.append(pending is not None),
-                                                         run(batch, pending))[1]
+        engine.runner.run = lambda batch, pending=None: (
+            seen.append(pending is not None), run(batch, pending))[1]  # noqa: B023 - its own
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"r{i}", p, sp)
         out = {f"r{i}": [] for i in range(len(params))}

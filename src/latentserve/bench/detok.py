@@ -6,7 +6,8 @@ only ``decode``).
 The text is the 40 bundled GSM8K questions (``data/questions.json``) as one output of about
 2,400 tokens after a chat prompt; each pass feeds it one token at a time to a fresh
 detokenizer and flushes it, without stop strings and with one that never matches (so the
-held-back search runs on every token), the two paths' passes interleaved. Reports the fastest of ``--repeats`` passes (the
+held-back search runs on every token), the two paths' passes interleaved. Reports the fastest of
+``--repeats`` passes (the
 least disturbed by other work on a shared machine), in microseconds per token, and checks
 that both paths give the same text.
 

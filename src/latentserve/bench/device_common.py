@@ -21,7 +21,8 @@ def sync(device: str) -> None:
 def copy_bandwidth_on(device: str, nbytes: int | None = None, iters: int = 20) -> float:
     """Copy bandwidth of ``device`` in bytes moved (read + written) per second, the figure
     the decode floors divide by. CUDA: ``bench.gpu.copy_bandwidth`` (2 GiB buffers, CUDA
-    events, the best of 5 rounds). CPU: a ``nbytes`` (default 64 MiB) tensor copy timed with ``perf_counter``
+    events, the best of 5 rounds). CPU: a ``nbytes`` (default 64 MiB) tensor copy timed with
+    ``perf_counter``
     (only so the ``--tiny`` path runs end to end; not a meaningful floor)."""
     if device.startswith("cuda"):
         from latentserve.bench.gpu import copy_bandwidth

@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 
-
 SHAPES = {  # transformers LlamaConfig fields
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

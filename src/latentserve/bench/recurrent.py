@@ -26,11 +26,13 @@ import time
 from pathlib import Path
 
 HUGINN_CPU = {"n_embd": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
-                  "intermediate_size": 768, "vocab_size": 1024, "block_size": 512, "n_layers_in_prelude": 2,
+                  "intermediate_size": 768, "vocab_size": 1024, "block_size": 512,
+                  "n_layers_in_prelude": 2,
                   "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2, "mean_recurrence": 8,
                   "max_recurrence": 8}
 OURO_CPU = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
-                "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 1024,
+                "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64,
+                "vocab_size": 1024,
                 "max_position_embeddings": 512, "total_ut_steps": 4, "max_recurrence": 4}
 # Exit rules of the "exit on" runs (thresholds picked so that exits fire on these random
 # weights; trained models use upstream's "auto" values).
@@ -108,7 +110,8 @@ def bench_family(family: str, root: Path, batch: int, prompt_len: int, output_le
     engine = LLMEngine(EngineConfig(model=str(path), max_num_seqs=batch,
                                     max_model_len=prompt_len + output_len + 8,
                                     kv_slots=batch * (prompt_len + output_len + 8)))
-    base = {"max_tokens": output_len, "temperature": 0.0, "ignore_eos": True, "latent_budget": depth}
+    base = {"max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "latent_budget": depth}
     if family == "ouro":
         base["exit_criterion"] = "last"
     off_params = SamplingParams(**base)

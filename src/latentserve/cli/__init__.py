@@ -16,6 +16,7 @@ __all__ = ["add_engine_args", "build_parser", "engine_config", "engine_configs",
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from latentserve import __version__
     from latentserve.cli import (
         bench,
         convert,
@@ -27,7 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
         train,
         train_head,
     )
-    from latentserve import __version__
 
     parser = argparse.ArgumentParser(prog="latentserve",
                                      description="Serve latent-reasoning language models.")

@@ -59,7 +59,7 @@ def run(args) -> int:
         return 0
     if not args.checkpoint:
         raise ValueError(f"convert {args.family} needs --checkpoint FILE")
-    from latentserve.latent.convert import convert_codi, convert_coconut
+    from latentserve.latent.convert import convert_coconut, convert_codi
 
     common = dict(default_budget=6 if args.default_budget is None else args.default_budget,
                   max_budget=64 if args.max_budget is None else args.max_budget,

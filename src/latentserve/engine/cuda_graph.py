@@ -126,7 +126,8 @@ class CudaGraphRunner:
         self.exit_weighted = torch.zeros(n, dtype=torch.bool, device=dev)
         # Ouro: each row's readout step, written by every replay (return_latent_trace reads it)
         self.readout_steps = (torch.zeros(n, dtype=torch.int64, device=dev)
-                              if self.recurrent and spec.family == "ouro" else None)
+                              if spec is not None and self.recurrent and spec.family == "ouro"
+                              else None)
         if self.recurrent:
             self.graph_depths = sorted(set(graph_depths or default_graph_depths(spec)))
         else:

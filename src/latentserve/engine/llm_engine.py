@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 import torch
 
@@ -33,7 +34,9 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig):
-        self.tp, self._tp_procs = None, []  # TPGroup and worker processes when TP > 1
+        # TPGroup and worker processes when TP > 1
+        self.tp: Any = None
+        self._tp_procs: list = []
         if config.tensor_parallel_size > 1:
             from latentserve.engine.tp_worker import abort_workers, start_workers
             from latentserve.models.checkpoint import resolve_model_dir
@@ -115,8 +118,8 @@ class LLMEngine:
         spec, cap = getattr(model, "latent_spec", None), config.max_latent_budget
         family = family_for(spec)
         if cap is not None and config.latent_cap_where_applicable:
-            cap = (min(max(cap, spec.min_budget, 1), spec.max_budget) if family.budgeted
-                   else None)
+            cap = (min(max(cap, spec.min_budget, 1), spec.max_budget)
+                   if spec is not None and family.budgeted else None)
         self.latent_spec = cap_budget(spec, cap)
         self.upstream_stop_rules = config.upstream_stop_rules  # requests' default
         if self.upstream_stop_rules and not _upstream_eos_from(self.latent_spec):
@@ -137,6 +140,7 @@ class LLMEngine:
         self.backend_name, self.key_mask_ok = config.backend_name, backend.supports_key_mask
         self.max_num_batched_tokens = config.max_num_batched_tokens
         runner_args = (model, pool, table, backend, self.device)
+        self.runner: Any  # ModelRunner, or TPModelRunner (its subclass) under TP
         if self.tp is None:
             self.runner = ModelRunner(*runner_args)
         else:
@@ -165,7 +169,7 @@ class LLMEngine:
         from latentserve.engine.prompt_logprobs import PromptLogprobTracker
 
         self.prompt_logprobs = PromptLogprobTracker()
-        self.grammars = None  # structured.Grammars, built for the first constrained request
+        self.grammars: Any = None  # structured.Grammars, built for the first constrained one
         log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,
                  self.max_model_len)
 
@@ -298,10 +302,8 @@ class LLMEngine:
         from latentserve.sampling import TokenMask
         from latentserve.token_masks import batch_bitmask
 
-        if not any(r.constraint is not None for r in reqs):
-            return None
-        rows, bits = batch_bitmask(reqs, self.vocab_size, answer_of)
-        return TokenMask.from_host(rows, bits, device)
+        found = batch_bitmask(reqs, self.vocab_size, answer_of)
+        return None if found is None else TokenMask.from_host(*found, device)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (no-op at TP 1;
@@ -417,8 +419,8 @@ class LLMEngine:
         for b, req in enumerate(reqs):
             try:
                 i = where.get(b)
-                row = {} if i is None else {"mask": TokenMask([0], mask.bits[i : i + 1])}
-                res = sample_with_logprobs(logits[b : b + 1], [req], **row)
+                one = None if i is None else TokenMask([0], mask.bits[i : i + 1])
+                res = sample_with_logprobs(logits[b : b + 1], [req], mask=one)
                 tokens.append(int(res.tokens[0]))
                 logprobs.append(res.logprobs[0])
             except Exception as exc:  # noqa: BLE001 - fails this request only

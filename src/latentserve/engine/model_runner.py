@@ -4,6 +4,7 @@ captured CUDA graph for decode batches) and returns the logits of the rows that 
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from latentserve.latent import vectors as latent_vectors
 from latentserve.latent.family import family_for
 from latentserve.scheduler.scheduler import ScheduledBatch
 from latentserve.staging import HostToDevice
+
+if TYPE_CHECKING:
+    from latentserve.engine.cuda_graph import CudaGraphRunner
 
 
 class ModelRunner:
@@ -55,7 +59,7 @@ class ModelRunner:
         self.table = table
         self.backend = backend
         self.device = device
-        self.graphs = None  # a CudaGraphRunner once capture_graphs() ran
+        self.graphs: CudaGraphRunner | None = None  # once capture_graphs() ran
         self.capture_layer = -1
         self.last_captured: torch.Tensor | None = None
         self.last_hidden_all: torch.Tensor | None = None
@@ -115,8 +119,12 @@ class ModelRunner:
         device, {id(req): row})``, the previous forward's sampled tokens, not yet on the
         host; a request in the map whose chunk ends at its last id (the pending id) takes
         ``tokens[row]`` as that id, substituted on the device."""
-        ids, pos, last, row_tok = [], [], [], []
-        sub_dst, sub_src = [], []  # pending ids: token row <- row of the previous tokens
+        ids: list[int] = []
+        pos: list[int] = []
+        last: list[int] = []
+        row_tok: list[int] = []
+        sub_dst: list[int] = []  # pending ids: token row <- row of the previous tokens
+        sub_src: list[int] = []
         src_of = pending[1] if pending is not None else None
         inj_rows, inj = [], []  # token rows that take a latent vector, and their entries
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
@@ -165,16 +173,17 @@ class ModelRunner:
         # | packed replays: the staged page-table writes' rows and columns.
         # NOTE: through array('q'): torch.tensor of a long int list costs ~0.1 us an element;
         # and through a pinned buffer (staging.py), so the copy never waits for the device.
-        packed = array("q", ids + pos + row_tok + [r.row for r in batch.reqs] + kv_lens
-                       + mask_l + src_rows + sub_dst + sub_src)
+        cells = array("q", ids + pos + row_tok + [r.row for r in batch.reqs] + kv_lens
+                      + mask_l + src_rows + sub_dst + sub_src)
         if staged is not None:
-            packed.extend(staged[0])
-        packed = self._to_device.copy(packed)
+            cells.extend(staged[0])
+        packed = self._to_device.copy(cells)
         input_ids, positions = packed[:t], packed[t : 2 * t]
         rows, kv_dev = packed[3 * t : 3 * t + b], packed[3 * t + b : 3 * t + 2 * b]
         out_slots = None
         if not packed_replay:
             if sub_dst:  # the previous step's tokens, still on the device
+                assert pending is not None
                 k = len(sub_dst)
                 input_ids[packed[-2 * k : -k]] = pending[0][packed[-k:]]
             out_slots = self.table.table[packed[2 * t : 3 * t], positions]  # table[row, pos]
@@ -193,21 +202,25 @@ class ModelRunner:
                 input_embeds = src.index_select(0, packed[lo : lo + len(src_rows)])
             else:
                 input_embeds = src
-        layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)
+        # out_slots None: a packed replay's input kernel reads the slots from the page table
+        layout = BatchLayout(batch.q_lens, kv_lens, rows, out_slots)  # type: ignore[arg-type]
         # NOTE: reading table.table applies the staged page-table writes, which a packed
         # replay leaves to its input kernel; a family with a forward context never packs
         rec = None if packed_replay else self.family.forward_context(batch, layout,
                                                                      self.table.table)
         self.prompt_hidden = []
         mask_all = bool(inj_rows) and not mask_l
-        if packed_replay or (fits_graph and (rec is None or self.graphs.can_replay(rec))):
+        graphs = self.graphs
+        if graphs is not None and (packed_replay or (fits_graph
+                                                    and (rec is None or graphs.can_replay(rec)))):
             self.num_graph_steps += 1
             self.replayed = True
             if packed_replay:
                 self.table.take_staged()  # the input kernel writes them
                 try:
-                    logits, hidden = self.graphs.replay_packed(
-                        packed, t, len(sub_dst), pending[0] if sub_dst else None,
+                    prev_tokens = pending[0] if pending is not None and sub_dst else None
+                    logits, hidden = graphs.replay_packed(
+                        packed, t, len(sub_dst), prev_tokens,
                         input_embeds, latent_mask, mask_all=mask_all,
                         writes=None if staged is None else staged[1:])
                 except BaseException:
@@ -217,18 +230,19 @@ class ModelRunner:
                         self.table.stage(*staged)
                     raise
             else:
-                logits, hidden = self.graphs.replay(input_ids, positions, rows, kv_dev,
+                logits, hidden = graphs.replay(input_ids, positions, rows, kv_dev,
                                                     out_slots, input_embeds, latent_mask, rec,
                                                     mask_all=mask_all)
             if rec is not None:
                 rec.iters_used = list(rec.row_depths)
-                if self.graphs.readout_steps is not None:  # Ouro: the replay's readouts
-                    rec.readout_steps = self.graphs.readout_steps[: len(ids)]
-                    rec.exit_probs = self.graphs.exit_probs[: len(ids)]
+                if graphs.readout_steps is not None:  # Ouro: the replay's readouts
+                    assert graphs.exit_probs is not None
+                    rec.readout_steps = graphs.readout_steps[: len(ids)]
+                    rec.exit_probs = graphs.exit_probs[: len(ids)]
                 rec.record(batch)
-            captured = self.graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
+            captured = graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             self.last_hidden_all = hidden  # one token per row: every position of the batch
-            self.last_greedy = self.graphs.greedy
+            self.last_greedy = graphs.greedy
             keep = [i for i, s in enumerate(batch.sample) if s]
             self._keep = None
             if len(keep) < len(ids):  # a 1-token prefill chunk that does not end its prompt

@@ -155,7 +155,8 @@ class TPModelRunner(ModelRunner):
     def _send_batch(self, batch) -> None:
         import torch.distributed as dist
 
-        reqs, vecs = [], []
+        reqs: list = []
+        vecs: list = []
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             span = _latent_span(req, start, n)
             vecs.extend(req.latent_embeds[p - req.latent_start] for p in span)
@@ -193,7 +194,7 @@ class TPModelRunner(ModelRunner):
             if header is None:
                 return
             reqs = self._receive_batch(header)
-            self.run(ScheduledBatch(reqs, [r[1] for r in header.reqs],
+            self.run(ScheduledBatch(reqs, [r[1] for r in header.reqs],  # type: ignore[arg-type]
                                     [r[2] for r in header.reqs], header.sample))
 
     def _receive_batch(self, header: StepHeader) -> list[_ShadowReq]:
@@ -314,7 +315,7 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
     try:
         import torch.distributed as dist
 
-        box = [None]
+        box: list = [None]
         dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
         setup: RunnerSetup = box[0]
         if hasattr(model, "prepare_positions"):  # the fast path's RoPE table, as rank 0's

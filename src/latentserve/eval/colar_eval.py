@@ -3,7 +3,8 @@ backbone of stage 0, CoLaR latent models and compression heads trained on that b
 (``train-head sft|dagger|grpo --prompt-format colar``), through our engine, greedy.
 
 A text model gets the whole prompt ``Question: {q} Let's think step by step:(Thinking
-speed: 1)###`` (``colar.prompt_ids``: its three parts tokenised on their own); its thinking is the tokens it writes before the closing ``###`` and its
+speed: 1)###`` (``colar.prompt_ids``: its three parts tokenised on their own); its thinking is the
+tokens it writes before the closing ``###`` and its
 stop fired when it wrote one. A CoLaR model gets the question part and the request's
 compression factor (the engine appends the speed and the separator); its thinking is the
 latent steps and its stop fired when the LM head closed the phase before the cap. A

@@ -8,8 +8,12 @@ padded rows may write to; the allocator never hands it out.
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from latentserve.staging import HostToDevice
 
 
 class KVPool:
@@ -34,7 +38,8 @@ class KVPool:
 
     @staticmethod
     def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * size
 
 
 class PageTable:
@@ -60,7 +65,7 @@ class PageTable:
         self.dummy_row = max_reqs
         self._free = list(range(max_reqs - 1, -1, -1))
         self._staged: tuple | None = None
-        self._to_device = None  # a HostToDevice for the cells, made on first use
+        self._to_device: HostToDevice | None = None  # for the cells, made on first use
 
     @property
     def table(self) -> torch.Tensor:

@@ -67,6 +67,10 @@ class RadixCache:
     usual "free ``slots[m:p]``" frees everything, ``evict`` returns 0 and locks are no-ops.
     """
 
+    root: Node
+    evictable_size: int
+    protected_size: int
+
     def __init__(self, allocator: SlotAllocator, enabled: bool = True) -> None:
         self.allocator = allocator
         self.disabled = not enabled
@@ -115,6 +119,7 @@ class RadixCache:
         mid = Node(child.key[:n], child.value[:n], child.parent)
         mid.lock_ref, mid.last_access = child.lock_ref, child.last_access
         mid.children[child.key[n]] = child
+        assert child.parent is not None  # never the root
         child.parent.children[child.key[0]] = mid
         child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
         return mid
@@ -189,7 +194,7 @@ class RadixCache:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
             node.lock_ref += 1
-            node = node.parent
+            node = node.parent  # type: ignore[assignment]  # every node but the root has one
 
     def dec_lock(self, node: Node) -> None:
         """Undo one ``inc_lock(node)``."""
@@ -200,7 +205,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.protected_size -= len(node.key)
                 self.evictable_size += len(node.key)
-            node = node.parent
+            node = node.parent  # type: ignore[assignment]  # every node but the root has one
 
     def evict(self, num_slots: int) -> int:
         """Free at least ``num_slots`` slots from unlocked leaves, least recently used first.

@@ -28,8 +28,14 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from latentserve.latent.feedback import (BUFFER_SUFFIXES, LATENT_CONFIG, merge_lora,
-                                         read_state_dict, strip_keys, validate_latent_config)
+from latentserve.latent.feedback import (
+    BUFFER_SUFFIXES,
+    LATENT_CONFIG,
+    merge_lora,
+    read_state_dict,
+    strip_keys,
+    validate_latent_config,
+)
 
 COCONUT_TOKENS = ("<|start-latent|>", "<|end-latent|>", "<|latent|>")
 

@@ -172,7 +172,7 @@ def read_state_dict(path: str | Path, keep=None) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys() if keep is None or keep(k)}
+            return {k: f.get_tensor(k) for k in f.keys() if keep is None or keep(k)}  # noqa: SIM118 - safe_open is not iterable
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:  # legacy (non-zip) torch.save format cannot be memory-mapped

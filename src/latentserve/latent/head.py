@@ -355,7 +355,8 @@ class HeadSettings(LatentState):
     otherwise); ``max_stop_prob``: the largest stop probability seen at any decision (None
     without a stop head); ``last_stop_prob``: the one read at the latest decision (CoLaR:
     the LM head's probability of ``###``, read only for a request that traces its steps;
-    None otherwise), reported as ``end_stop_prob`` once the phase has ended; ``end``: ``"stop"``, ``"cap"`` or ``"length"`` (output budget or
+    None otherwise), reported as ``end_stop_prob`` once the phase has ended; ``end``: ``"stop"``,
+    ``"cap"`` or ``"length"`` (output budget or
     context spent inside the latent phase), None while running or with thinking off.
     ``reported``: the settled stats went out on a ``StepOutput`` before the final one.
     ``answer_budget``: ``max_tokens`` counts answer tokens only (CoLaR: latent steps are

@@ -152,8 +152,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
 
         weights = merge_adapter(iter_weights(adapter.base_dir), adapter, hf_config)
     elif (model_dir / "latent_config.json").exists():
-        from latentserve.latent.feedback import (attach_latent, prepare_latent_weights,
-                                                 read_latent_config)
+        from latentserve.latent.feedback import (
+            attach_latent,
+            prepare_latent_weights,
+            read_latent_config,
+        )
         from latentserve.latent.loop_checkpoint import read_loop_config
 
         loop_cfg = read_loop_config(model_dir)

@@ -90,6 +90,7 @@ class CacheManager:
         if not self._grows:
             return
         slots = self.allocator.alloc(self._pending)
+        assert slots is not None  # reserved when the rows grew
         rows, cols = array("q"), array("q")
         for row, lo, hi in self._grows:
             if hi - lo == 1:  # a decode row
@@ -121,7 +122,8 @@ class CacheManager:
         if not reqs:
             return
         table = self.table.table
-        sizes = []  # per request: positions to insert [0, n), then the rest [n, allocated)
+        # per request: positions to insert [0, n), then the rest [n, allocated)
+        sizes: list[int] = []
         for r in reqs:
             n = min(r.num_computed, r.cacheable_len)
             sizes += (n, r.num_allocated - n)

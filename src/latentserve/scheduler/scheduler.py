@@ -78,7 +78,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
-        """Finish ``rid`` with reason "abort" (reported on the next step); unknown ids are ignored."""
+        """Finish ``rid`` with reason "abort" (reported on the next step); unknown ids are
+        ignored."""
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
@@ -278,10 +279,9 @@ class Scheduler:
             c.sync(req.output_ids[req.answer_start : n])
             if c.terminated:  # the grammar took its end (an ignored EOS): done
                 return "stop"
-        if self.family.latents_count_as_output(req):
-            spent = n
-        else:  # len(req.answer_ids), without copying them
-            spent = answer
+        # answer = len(req.answer_ids), without copying them
+        spent = n if self.family.latents_count_as_output(req) else answer
+        assert p.max_tokens is not None  # LLMEngine.add_request resolves None
         if spent >= p.max_tokens or len(req.prompt_ids) + n >= self.max_model_len:
             return "length"
         return None

@@ -35,7 +35,8 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     ``POST /detokenize``, ``GET /health`` (the engine's stats, including
     ``kv_slots_free`` / ``kv_slots_cached`` / ``kv_slots_total``: live, or when the engine
     does not answer within ``HEALTH_STATS_WAIT_S`` (a long step) the last ones,
-    ``engine_stats_age_s`` old; 503 once the engine process is gone), ``GET /version``, ``GET /metrics`` (Prometheus), ``GET /viewer/`` (the latent-reasoning
+    ``engine_stats_age_s`` old; 503 once the engine process is gone), ``GET /version``, ``GET
+    /metrics`` (Prometheus), ``GET /viewer/`` (the latent-reasoning
     viewer's static page, ``server/viewer/``; open, it reads the API with the key a person
     types in). ``api_key`` (None: no
     authentication) and the first model's ``limits.max_request_body_bytes`` are enforced by

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -107,10 +108,8 @@ class EngineClient:
         """Stop the receive task and close the sockets."""
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         for sock in (self._push, self._pull):
             if sock is not None:
@@ -190,7 +189,7 @@ class EngineClient:
         try:
             self._send(AddRequest(rid, list(prompt_token_ids), params, check_only=True))
             await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineDeadError(f"the engine did not answer a check within {timeout} s"
                                   ) from None
         finally:
@@ -235,7 +234,7 @@ class EngineClient:
         try:
             self._send(GetStats(token))
             return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self.last_stats
         finally:
             self._stats_waiters.pop(token, None)

@@ -27,10 +27,7 @@ def latent_card(spec) -> dict | None:
     from latentserve.latent.recurrent import HUGINN_AUTO_THRESHOLDS, OURO_CRITERIA
 
     kind = spec.kind
-    if kind == "head":
-        controls = list(spec.controls or HEAD_CONTROLS)
-    else:
-        controls = ["latent_budget"]
+    controls = list(spec.controls or HEAD_CONTROLS) if kind == "head" else ["latent_budget"]
     if kind == "recurrent":
         controls += _EXIT_FIELDS
         if spec.family == "huginn":

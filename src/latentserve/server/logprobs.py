@@ -10,6 +10,7 @@ With ``return_tokens_as_token_ids`` (vLLM's option) tokens are written ``"token_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -89,10 +90,8 @@ def token_texts(tokenizer) -> TokenTexts:
     cached = getattr(tokenizer, "_latentserve_token_texts", None)
     if cached is None:
         cached = TokenTexts(tokenizer)
-        try:
+        with contextlib.suppress(AttributeError):
             tokenizer._latentserve_token_texts = cached
-        except AttributeError:
-            pass
     return cached
 
 

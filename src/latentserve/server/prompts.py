@@ -85,7 +85,8 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     """Apply the tokenizer's chat template (``chat_template``: this template instead, the
     offline ``LLM.chat``'s argument) and return the prompt's token ids.
 
-    ``tools`` (function definitions) go to the template. ``continue_final_message`` leaves the last (assistant) message open so the model
+    ``tools`` (function definitions) go to the template. ``continue_final_message`` leaves the last
+    (assistant) message open so the model
     continues it (and turns ``add_generation_prompt`` off). ``template_kwargs`` are passed to
     the template (they may override the two flags; other ``apply_chat_template`` arguments
     are refused). ``chat_template``: Jinja text used instead of the tokenizer's (a request's,

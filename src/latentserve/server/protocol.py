@@ -205,7 +205,8 @@ class ChatCompletionRequest(SamplingRequest):
     ``parallel_tool_calls`` are OpenAI's (``server/tools.py``); ``add_generation_prompt``
     and ``continue_final_message`` are vLLM's (continue the last, assistant, message
     instead of starting a new one), as are ``chat_template`` and ``echo``.
-    ``include_reasoning`` (vLLM's; false: no ``reasoning_content``) and ``latent_reasoning`` (``"count"`` or ``"logit_lens"``: how a
+    ``include_reasoning`` (vLLM's; false: no ``reasoning_content``) and ``latent_reasoning``
+    (``"count"`` or ``"logit_lens"``: how a
     latent model's steps are written into ``reasoning_content``; ``server/reasoning.py``)."""
 
     messages: list[ChatMessage]
@@ -363,7 +364,8 @@ class LatentInfo(BaseModel):
     ``stop_prob``; ``server/latent_trace.py``), or per generated token ``{"depth"}`` (Huginn)
     / ``{"depth", "readout_step", "exit_probs"}`` (Ouro; ``readout_step`` null for the
     weighted readout), or per block position of each pass the lens entry with ``"pass"``,
-    ``"position"`` (looped blocks), as ``SamplingParams.return_latent_trace`` says. Streamed, it is on the final chunk, and with
+    ``"position"`` (looped blocks), as ``SamplingParams.return_latent_trace`` says. Streamed, it is
+    on the final chunk, and with
     ``stream_latent_steps`` on each latent step's chunk: ``steps`` that step's number and
     ``trace`` its entry alone."""
 

@@ -25,7 +25,6 @@ import hmac
 
 from latentserve.server.errors import error_response
 
-
 # The interactive docs and the schema describe every route: behind the key as the API is.
 _DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 

@@ -91,7 +91,7 @@ def load_lotus_reference(model_dir: str, device: str = "cpu",
                              f"supported (plain HF weights only), got {cfg[field]!r}")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model = model.to(device).eval()
-    prj = lambda x: x
+    prj = lambda x: x  # noqa: E731 - replaced below when the checkpoint has a projection
     if cfg.get("prj") is not None:
         d = model.config.hidden_size
         seq = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d),

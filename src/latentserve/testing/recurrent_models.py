@@ -26,10 +26,12 @@ from pathlib import Path
 
 HUGINN_TINY = {"n_embd": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
                    "intermediate_size": 128, "vocab_size": 1024, "block_size": 256,
-                   "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2, "n_layers_in_coda": 1,
+                   "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
+                   "n_layers_in_coda": 1,
                    "mean_recurrence": 4, "max_recurrence": 8}
 OURO_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "vocab_size": 1024,
                  "max_position_embeddings": 256, "total_ut_steps": 4, "max_recurrence": 6}
 
 # Requests the CPU and GPU recurrent tests share (ids < 1024, the tiny vocab): six prompts of

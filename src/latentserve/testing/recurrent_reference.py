@@ -350,7 +350,8 @@ class OuroReference:
                 h = self._layer(i, h, pos, cos, sin, cache, t * self.n + i)
             h = self._rms(h, self._w("model.norm.weight"))
             hs.append(h)
-            g = h @ self._w("model.early_exit_gate.weight").T + self._w("model.early_exit_gate.bias")
+            g = (h @ self._w("model.early_exit_gate.weight").T
+                 + self._w("model.early_exit_gate.bias"))
             gates.append(g)
             if may_stop and t < depth - 1:  # threshold-approx: stop at the exit step
                 lam = torch.sigmoid(g.squeeze(-1))
