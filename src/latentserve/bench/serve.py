@@ -51,6 +51,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from latentserve import settings
+
 
 def _header(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
@@ -470,7 +472,7 @@ def serve_bench_main(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts and --output-len must be at least 1")
     if not 0.0 <= args.disconnect_fraction <= 1.0:
         raise ValueError("--disconnect-fraction must be in [0, 1]")
-    args.api_key = args.api_key or os.environ.get("LATENTSERVE_API_KEY")
+    args.api_key = args.api_key or settings.get("LATENTSERVE_API_KEY")
     headers = _headers(args)
     model = args.model or _served_model(args.base_url, headers)
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]

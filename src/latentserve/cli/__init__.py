@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from latentserve import settings
 from latentserve.cli.engine_args import (  # re-exported: the commands import them from here
     add_engine_args,
     engine_config,
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nlatentserve: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as e:  # noqa: BLE001 - one line for users; LATENTSERVE_DEBUG=1 for the trace
-        if os.environ.get("LATENTSERVE_DEBUG"):
+        if settings.get("LATENTSERVE_DEBUG"):
             raise
         kind = "" if isinstance(e, (ValueError, FileNotFoundError,
                                                 ModuleNotFoundError)) else f"{type(e).__name__}: "

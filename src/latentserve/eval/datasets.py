@@ -10,9 +10,10 @@ first, and holds what does not ship (GSM8K ``train.jsonl``, see :data:`UPSTREAM`
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from latentserve import settings
 
 # name -> (file under the data root, format, answer kind)
 DATASETS = {
@@ -63,7 +64,7 @@ def package_data_dir() -> Path:
 def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
     """The folders searched for a data file, in order: ``data_dir`` (``--data-dir``), else
     ``$LATENTSERVE_DATA`` when set; then the package's own data."""
-    given = data_dir or os.environ.get(DATA_ENV)
+    given = data_dir or settings.get(DATA_ENV)
     return ([Path(given)] if given else []) + [package_data_dir()]
 
 

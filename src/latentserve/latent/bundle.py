@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from latentserve import settings
 from latentserve.latent.head import HeadConfig, LatentHead
 
 SUBDICTS = ("reasoning_head", "decoder", "target_proj")
@@ -293,13 +294,12 @@ def find_bundle(model_dir, override: str | None = None, disabled: bool = False):
     directory; None when there is none or ``disabled``. A ``config.json`` that names a
     missing file is a FileNotFoundError (not a silent bare backbone); an override that is a
     model directory means that directory's bundle."""
-    import os
 
     if disabled:
         return None
     if override:
         return _bundle_file(Path(override), "--latent-head")
-    env = os.environ.get("LATENTSERVE_LATENT_HEAD")
+    env = settings.get("LATENTSERVE_LATENT_HEAD")
     if env:
         return _bundle_file(Path(env), "LATENTSERVE_LATENT_HEAD")
     return _dir_bundle(Path(model_dir))

@@ -25,14 +25,15 @@ answer-budget floor (addon ``serving.py`` ``_apply_output_floor``).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from latentserve import settings
 from latentserve.core import LatentState
+from latentserve.settings import parse_bool
 
 INJECTION_MODES = ("closed_loop", "prompt")
 # Per-request controls of the head family (``SamplingParams`` fields); each head takes a
@@ -261,22 +262,8 @@ def _mlp(x: torch.Tensor, layers: nn.Sequential, fused: bool,
 
 # ----------------------------------------------------------------------------- controls
 
-_ENV = {"max_latent": ("LATENTSERVE_MAX_LATENT", 256, int),
-        "min_latent": ("LATENTSERVE_MIN_LATENT", 4, int),
-        "use_stop": ("LATENTSERVE_USE_STOP", True, "bool"),
-        "stop_threshold": ("LATENTSERVE_STOP_THRESHOLD", 0.5, float),
-        "min_output_tokens": ("LATENTSERVE_MIN_OUTPUT_TOKENS", 4096, int)}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def parse_bool(name: str, value: str) -> bool:
-    """``1/true/yes/on`` or ``0/false/no/off`` (any case). Raises ValueError naming ``name``."""
-    v = str(value).strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(f"{name} must be one of 1/0, true/false, yes/no, on/off; got {value!r}")
+_ENV = {key: f"LATENTSERVE_{key.upper()}" for key in (
+    "max_latent", "min_latent", "use_stop", "stop_threshold", "min_output_tokens")}
 
 
 def template_thinking(template_kwargs: dict | None) -> bool | None:
@@ -296,21 +283,11 @@ def template_thinking(template_kwargs: dict | None) -> bool | None:
 
 
 def head_defaults(environ=None) -> dict:
-    """Server defaults of the per-request head controls, from ``LATENTSERVE_MAX_LATENT``
-    (256), ``LATENTSERVE_MIN_LATENT`` (4), ``LATENTSERVE_USE_STOP`` (1),
-    ``LATENTSERVE_STOP_THRESHOLD`` (0.5), ``LATENTSERVE_MIN_OUTPUT_TOKENS`` (4096). Raises
+    """Server defaults of the per-request head controls, from ``LATENTSERVE_MAX_LATENT``,
+    ``LATENTSERVE_MIN_LATENT``, ``LATENTSERVE_USE_STOP``, ``LATENTSERVE_STOP_THRESHOLD`` and
+    ``LATENTSERVE_MIN_OUTPUT_TOKENS`` (``settings``: defaults 256, 4, on, 0.5, 4096). Raises
     ValueError naming a malformed variable."""
-    env = os.environ if environ is None else environ
-    out = {}
-    for key, (var, default, kind) in _ENV.items():
-        raw = env.get(var)
-        if raw is None or not raw.strip():  # unset or set empty: the default
-            out[key] = default
-            continue
-        try:
-            out[key] = parse_bool(var, raw) if kind == "bool" else kind(raw)
-        except ValueError:
-            raise ValueError(f"environment variable {var} is malformed: {raw!r}") from None
+    out = {key: settings.get(var, environ) for key, var in _ENV.items()}
     check_controls(out, prefix="LATENTSERVE defaults: ")
     return out
 

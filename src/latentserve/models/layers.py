@@ -5,11 +5,10 @@ kernels in ``latentserve.ops.kernels``."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from latentserve import settings
 from latentserve.context import get_context
 from latentserve.ops.norm import add_rms_norm, rms_norm
 from latentserve.ops.rotary import rope_cos_sin, rotate_half
@@ -40,7 +39,7 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-DECODE_ROWS = int(os.environ.get("LATENTSERVE_DECODE_ROWS", "64"))
+DECODE_ROWS = settings.get("LATENTSERVE_DECODE_ROWS")
 """Up to this many rows, the fast path runs its weight GEMMs as ``ops.kernels.decode_linear``
 (split-K, SiLU-mul in the gate/up epilogue, partial sums handed to the next RMSNorm, PDL) instead of
 cuBLAS: a decode step's batch. Larger batches (prefill, big decode buckets) keep cuBLAS.

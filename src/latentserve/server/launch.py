@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from latentserve import settings
 from latentserve.config import EngineConfig
 from latentserve.server.timeouts import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 
@@ -569,7 +570,7 @@ def _positive_int(text: str) -> int:
 def server_kwargs(args: argparse.Namespace) -> dict:
     """``run_server`` keyword arguments from :func:`add_server_args`' flags (the API key
     falls back to ``$LATENTSERVE_API_KEY``)."""
-    return {"api_key": args.api_key or os.environ.get(API_KEY_ENV) or None,
+    return {"api_key": args.api_key or settings.get(API_KEY_ENV),
             "max_request_body_bytes": args.max_request_body_bytes,
             "drain_timeout": args.drain_timeout,
             "max_request_output_tokens": args.max_request_output_tokens,

@@ -36,12 +36,11 @@ Idea after flash-decoding (Dao et al., 2023) and SGLang's
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from latentserve import settings
 from latentserve.ops.kernels.pdl import (
     pdl_launch,
     pdl_wait,
@@ -58,7 +57,7 @@ def prefetch_budget() -> int:
     """Bytes of the next kernel's weight (``prefetch_next``) that decode attention's
     programs ask L2 for as they finish: ``LATENTSERVE_ATTN_PREFETCH_MB`` (default 8; 0
     turns it off). 8 MiB is all of Llama-3.2-1B's o_proj."""
-    return int(float(os.environ.get("LATENTSERVE_ATTN_PREFETCH_MB", "8")) * (1 << 20))
+    return int(settings.get("LATENTSERVE_ATTN_PREFETCH_MB") * (1 << 20))
 
 
 @triton.jit

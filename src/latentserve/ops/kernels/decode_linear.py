@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from latentserve import settings
 from latentserve.ops.kernels.argmax import argmax_of_chunks, first_max_rows
 from latentserve.ops.kernels.pdl import pdl_launch, pdl_wait, sm90_or_newer
 from latentserve.ops.kernels.silu_and_mul import silu_mul
@@ -159,7 +160,7 @@ def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
     software pipelining (each step loads into registers, copies to shared memory and waits
     for its wgmma), while the descriptor version gets a TMA pipeline. On the H200 the
     batch-64 Llama-1B decode step went from 1.34 to 1.31 ms (docs/benchmarks-history.md)."""
-    env = os.environ.get("LATENTSERVE_DECODE_TMA")
+    env = settings.get("LATENTSERVE_DECODE_TMA")
     if env == "0":
         return False
     if env != "1" and not (x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
@@ -296,9 +297,7 @@ def persistent_lm_head(rows: int) -> bool:
     kernel with the same epilogue, and cost 9 us at 16 rows (docs/benchmarks-history.md, session
     11). ``LATENTSERVE_LMHEAD=persistent`` / ``=tiled`` forces either (A/B runs; default
     ``auto``). Raises ValueError for another value."""
-    mode = os.environ.get("LATENTSERVE_LMHEAD", "auto")
-    if mode not in ("auto", "persistent", "tiled"):
-        raise ValueError(f"LATENTSERVE_LMHEAD must be auto, persistent or tiled, got {mode!r}")
+    mode = settings.get("LATENTSERVE_LMHEAD")
     return mode == "persistent" or (mode == "auto" and rows > 32)
 
 

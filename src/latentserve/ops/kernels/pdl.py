@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from latentserve import settings
+
 
 @functools.cache
 def sm90_or_newer(index: int | None) -> bool:
@@ -106,7 +108,7 @@ def prefetch_budget() -> int:
     default 3; 0 turns it off). On the H200 at Llama-1B (3 MiB of q/k/v weight a layer)
     3 MiB (each row's first 512 columns) took 11 us off a batch-64 step, while
     prefetching the whole weight made it 16 us slower than none."""
-    return int(float(os.environ.get("LATENTSERVE_DECODE_PREFETCH_MB", "3")) * (1 << 20))
+    return int(settings.get("LATENTSERVE_DECODE_PREFETCH_MB") * (1 << 20))
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -114,7 +116,7 @@ def pdl_enabled(device: torch.device) -> bool:
     capability 9.0 or newer, not the Triton interpreter, and ``LATENTSERVE_PDL`` not "0"."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get("LATENTSERVE_PDL", "1") == "0":
+    if settings.get("LATENTSERVE_PDL") == "0":
         return False
     return sm90_or_newer(device.index if device.index is not None
                                 else torch.cuda.current_device())
