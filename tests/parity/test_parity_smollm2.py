@@ -4,9 +4,9 @@ transformers' greedy tokens and prefill logits, cold and with the prefix cache w
 import pytest
 import torch
 
-from latentserve.testing.parity import chat_prompts, hf_reference, run_batch
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
+from tests.support.parity import chat_prompts, hf_reference, run_batch
 
 MAX_TOKENS = 16
 

@@ -4,9 +4,9 @@ checkpoints of every supported architecture, cold and with the prefix cache warm
 import pytest
 import torch
 
-from latentserve.testing.parity import hf_reference, run_batch, shared_prefix_prompts
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
+from tests.support.parity import hf_reference, run_batch, shared_prefix_prompts
 
 KINDS = ["llama", "llama-untied", "qwen2", "gpt2"]
 MAX_TOKENS = 12

@@ -68,7 +68,7 @@ def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, save_dtype=N
     import torch
     from safetensors.torch import save_file
 
-    from latentserve.testing.tiny_models import save_word_tokenizer
+    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
 
     c = {**HUGINN_TINY, **overrides}
     e, heads, kv = c["n_embd"], c["num_attention_heads"], c["num_key_value_heads"]
@@ -134,7 +134,7 @@ def write_ouro(out_dir, seed: int = 0, save_dtype=None, init_device: str = "cpu"
     ``save_dtype`` and ``init_device`` as in :func:`write_huginn`."""
     from safetensors.torch import save_file
 
-    from latentserve.testing.tiny_models import save_word_tokenizer
+    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
 
     c = {**OURO_TINY, **overrides}
     h, inter, n = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]

@@ -53,8 +53,8 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     from torch import nn
     from transformers import AutoModelForCausalLM
 
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.models.checkpoint import load_tokenizer
-    from latentserve.testing.tiny_models import save_tiny
 
     if embedding not in EMBEDDING_FORMS:
         raise ValueError(f"embedding must be one of {EMBEDDING_FORMS}, got {embedding!r}")
@@ -139,7 +139,7 @@ def write_lotus(root, block_size: int = 4, iterations: int = 3, seed: int = 0,
                 **base_overrides) -> Path:
     """A LOTUS model directory ``root/model``: tiny Llama with 3 extra embedding rows
     (start, end, latent = vocab, vocab + 1, vocab + 2) and its latent_config.json."""
-    from latentserve.testing.tiny_models import VOCAB, save_tiny
+    from latentserve.bench.baseline.tiny_models import VOCAB, save_tiny
 
     vocab = base_overrides.pop("vocab_size", VOCAB)
     out = save_tiny(Path(root) / "model", "llama", seed=seed, vocab_size=vocab + 3,

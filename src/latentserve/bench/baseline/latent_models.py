@@ -48,7 +48,7 @@ def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: 
     Returns ``(base_dir, checkpoint_path)``."""
     import torch
 
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = Path(root)
     base_dir = save_tiny(root / "base", "gpt2" if base == "gpt2" else "llama-untied", seed=seed)
@@ -73,7 +73,7 @@ def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora
     from peft import LoraConfig, get_peft_model
     from torch import nn
 
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = Path(root)
     base_dir = Path(base_dir) if base_dir else save_tiny(root / "base", base, seed=seed)
