@@ -1,13 +1,6 @@
 """Triton attention backend: paged KV read directly through the page table by Triton kernels.
 
-``forward`` stores the new K/V with the ``store_kv`` kernel (unless the fast path's RoPE
-kernel already did, ``fused_kv_store``), then runs either the split-K flash-decoding kernel
-(every request has ``q_len == 1``) or the FlashAttention-2-style extend kernel (any other
-batch, decode rows included); both read the new tokens' K/V from the pool. It must match
-``TorchBackend``.
-
-Runs on CUDA; on CPU tensors only under the Triton interpreter (``TRITON_INTERPRET=1`` set
-before this module is imported), which the unit tests use.
+Design notes: docs/internals.md, "latentserve.attention.triton_backend".
 """
 
 from __future__ import annotations

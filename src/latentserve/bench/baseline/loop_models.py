@@ -1,17 +1,6 @@
 """Tiny random looped-block checkpoints (PCCoT, LOTUS) for tests and benchmarks.
 
-* PCCoT (arXiv 2506.18582; whyNLP/PCCoT ``run_ccot.py``, ``models/pccot_arguments.py``):
-  written in the upstream form, a PEFT adapter directory over a ``save_tiny`` base:
-  ``<pcot.bot>``, ``<pcot.eot>``, ``<pcot.latent>`` added to the tokenizer as additional
-  special tokens (plus ``[PAD]`` when the base has none), the embedding resized, LoRA on GPT-2
-  ``c_attn,c_fc,c_proj`` / Llama q/k/v/o/gate/up/down, the special tokens' rows trained as
-  PEFT trainable tokens (or another saved form), optional ``prj`` saved through
-  ``modules_to_save``; trained a few steps and saved with ``save_pretrained``;
-  ``config.json`` (``pccot-*``, ``num_iterations``, ``use_projection``) and
-  ``pccot_args.json``. Then converted with ``latentserve convert pccot``. ``lora_B`` starts
-  random so the merge matters. Needs ``peft`` (the ``train`` extra).
-* LOTUS (arXiv 2606.31779; no public code): our model-directory layout directly, a plain HF
-  Llama with 3 raw embedding rows for start/end/latent and a ``latent_config.json``.
+Design notes: docs/internals.md, "latentserve.bench.baseline.loop_models".
 """
 
 from __future__ import annotations

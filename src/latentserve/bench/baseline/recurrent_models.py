@@ -1,21 +1,6 @@
 """Tiny random recurrent-depth checkpoints in the upstream formats, for tests and benchmarks.
 
-* Huginn (``RavenForCausalLM``, ``seal-rg/recurrent-pretraining`` ``recpre/raven_config_minimal``
-  keys): ``config.json`` with ``model_type: huginn_raven`` and the upstream keys, and
-  ``model.safetensors`` with upstream names (``transformer.wte.weight``,
-  ``transformer.prelude.{i}.attn.Wqkv.weight``, ``...qk_bias``, ``transformer.adapter.weight``,
-  ``transformer.ln_f.weight``, ``lm_head.weight`` tied to ``wte``) plus the persistent
-  ``freqs_cis`` buffer ``[1, block_size, 1, head_dim / 2, 2]`` upstream saves.
-* Ouro (hub ``modeling_ouro.py``): ``config.json`` with ``model_type: ouro``,
-  ``total_ut_steps``, ``early_exit_threshold``, and ``model.safetensors`` with hub names
-  (``model.layers.{i}.input_layernorm_2.weight``, ``model.early_exit_gate.{weight,bias}``,
-  untied ``lm_head.weight``).
-
-Both get ``save_word_tokenizer``'s tokenizer (ids 0/1/2 = unk/bos/eos). ``max_recurrence``
-(a latentserve extension, ignored by upstream) lets requests run deeper than the default.
-Weights are random; Huginn's adapter scales the state half of its input down by
-``contraction`` so the recurrence converges, as a trained model's does, and exit criteria
-fire after a few iterations.
+Design notes: docs/internals.md, "latentserve.bench.baseline.recurrent_models".
 """
 
 from __future__ import annotations

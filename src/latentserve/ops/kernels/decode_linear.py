@@ -1,25 +1,7 @@
 """Linear layer for decode-sized batches (up to a few dozen rows) with split-K, a fused
 SiLU-and-multiply epilogue and programmatic dependent launch.
 
-A batch-64 decode step of a 1B model multiplies 64 rows by each weight matrix once: the
-GEMMs are weight-read bound, and the small ones pay several microseconds of launch and
-ramp-up latency each (docs/benchmarks-history.md, issue 3). This kernel tiles the output columns
-(``BLOCK_N``) and splits K across programs (``SPLIT_K``), so every weight byte is read
-once by enough programs to fill the GPU. A split GEMM either reduces its fp32 partial sums
-with a small second kernel or hands them to the next kernel (``partials=True``: the
-RMSNorm kernel sums them while adding the residual, ``ops.kernels.rms_norm``), which saves
-the reduce launch. ``swiglu=True`` takes a merged gate/up weight ``[2I, K]``: each program
-multiplies the same x tile by a gate tile and the matching up tile and writes
-``silu(gate) * up`` (rounded as ``ops.kernels.silu_and_mul`` rounds), so the MLP needs no
-separate activation kernel. With PDL (``ops.kernels.pdl``) each launch overlaps the previous
-kernel's tail.
-
-An earlier version applied SiLU-mul in the down projection's prologue instead: every
-column tile recomputed the activation, and on the H200 the batch-64 step got slower.
-
-Products run on tensor cores in the weight's dtype (fp32 weights: 3xTF32 on CUDA, which
-keeps fp32 accuracy) and accumulate in fp32; the result is rounded once to the output
-dtype, as cuBLAS rounds.
+Design notes: docs/internals.md, "latentserve.ops.kernels.decode_linear".
 """
 
 from __future__ import annotations
