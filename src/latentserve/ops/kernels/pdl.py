@@ -87,9 +87,7 @@ def prefetch_lines(nbytes: int, rows: int, programs: int, line_elems: int,
 def prefetch_budget() -> int:
     """Bytes of weights the q/k/v kernel (``qkv_rope``) may prefetch into L2 across all its
     programs before it waits for the previous kernel (``LATENTSERVE_DECODE_PREFETCH_MB``,
-    default 3; 0 turns it off). On the H200 at Llama-1B (3 MiB of q/k/v weight a layer)
-    3 MiB (each row's first 512 columns) took 11 us off a batch-64 step, while
-    prefetching the whole weight made it 16 us slower than none."""
+    default 3; 0 turns it off; why 3: docs/benchmarks-history.md)."""
     return int(float(os.environ.get("LATENTSERVE_DECODE_PREFETCH_MB", "3")) * (1 << 20))
 
 

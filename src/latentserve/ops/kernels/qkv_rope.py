@@ -120,11 +120,8 @@ def _qkv_rope_kernel(
 def default_block_half(half: int) -> int:
     """Columns of each head half per program when the caller gives none: 16 for halves of
     up to 32 (head_dim <= 64; a head of 33 to 64 then runs as 2 programs), else the whole
-    half rounded up to a power of 2 (one program per head). On the H200 at Llama-1B shapes
-    (64 rows, weights not in L2) 16 took the kernel from 7.34 to 7.02 us and a batch-64
-    decode step 3-4 us faster in three A/B runs. With a 32- or 16-row tile, 16 was slower (the model
-    layer uses the default 64-row tile at every row count). Larger heads were not measured
-    (docs/benchmarks-history.md, session 9)."""
+    half rounded up to a power of 2 (one program per head). Source: H200 A/B runs at the
+    default 64-row tile (docs/benchmarks-history.md, session 9)."""
     return 16 if half <= 32 else max(16, triton.next_power_of_2(half))
 
 
