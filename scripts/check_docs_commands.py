@@ -6,9 +6,10 @@ the ones that fail.
     python scripts/check_docs_commands.py --match 'data multiplication' --timeout 60
 
 A command is a line (with its ``\\`` continuations) of a fenced code block that starts with
-``latentserve`` or ``python -m latentserve``, or the ``latentserve ...`` after the last ``&&``
-of a line (the README's install-and-run lines). A usage line runs without its
-``[optional]`` arguments (``latentserve serve [--port 8000]`` runs ``latentserve serve``).
+``latentserve``, ``python -m latentserve`` or ``python -m benchmarks``, or the
+``latentserve ...`` after the last ``&&`` of a line (the README's install-and-run lines). A
+usage line runs without its ``[optional]`` arguments (``latentserve serve [--port 8000]``
+runs ``latentserve serve``).
 Skipped, with the reason in the report:
 
 * a block preceded by ``<!-- skip: REASON -->``, or a command whose trailing comment says
@@ -103,7 +104,7 @@ def extract(path: Path) -> list[Command]:
         line, text = text, ""
         if "&& latentserve " in line:
             line = "latentserve " + line.rsplit("&& latentserve ", 1)[1]
-        if not re.match(r"(latentserve|python3? -m latentserve)\b", line):
+        if not re.match(r"(latentserve|python3? -m (latentserve|benchmarks))\b", line):
             continue
         line_skip = SKIP_LINE.search(line)
         body = _without_optional(_drop_comment(line))
@@ -292,7 +293,8 @@ def check(docs: list[Path], timeout: float, match: str | None = None, report=pri
     """Run (or skip) every command of ``docs`` whose text contains ``match``; each result is
     passed to ``report`` as it comes."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
+                                          os.environ.get("PYTHONPATH", "")])}
     results = []
     for doc in docs:
         cmds = [c for c in extract(doc) if match is None or match in c.text]

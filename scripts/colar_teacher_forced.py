@@ -19,8 +19,8 @@ import sys
 import torch
 
 from latentserve.latent import colar
-from latentserve.testing.colar_reference import load_colar_reference
 from latentserve.train.cot import encode_parts, encode_prompts, read_items
+from tests.support.colar_reference import load_colar_reference
 
 
 @torch.no_grad()

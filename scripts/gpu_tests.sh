@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and the GPU benchmark in one call on the H200: pytest -m gpu, then
-# latentserve.bench.gpu; results as JSON in $OUT (or ./out): gpu_tests.json, gpu_bench.json.
+# benchmarks.gpu; results as JSON in $OUT (or ./out): gpu_tests.json, gpu_bench.json.
 # Usage on the device machine: bash scripts/gpu_tests.sh [extra pytest args]
 # Only tests/gpu is collected: tests/unit turns on the Triton interpreter at import.
 set -uo pipefail
@@ -25,5 +25,5 @@ for tc in root.iter("testcase"):
 json.dump({"cases": cases}, open(f"{out}/gpu_tests.json", "w"), indent=1)
 print(json.dumps({s: sum(c["status"] == s for c in cases) for s in ("passed", "failure", "error", "skipped")}))
 PY
-[ "${SKIP_BENCH:-0}" = 1 ] || python3 -m latentserve.bench.gpu "$out/gpu_bench.json" 2>&1 | grep -v "Loading\|Writing" | tail -5
+[ "${SKIP_BENCH:-0}" = 1 ] || python3 -m benchmarks.gpu "$out/gpu_bench.json" 2>&1 | grep -v "Loading\|Writing" | tail -5
 exit $rc

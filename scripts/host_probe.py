@@ -43,7 +43,7 @@ class _TimedGraph:
 def _run(engine, batch: int, steps: int, instrument: bool, gen) -> dict:
     import torch
 
-    from latentserve.bench.host import abort_all, step_until_all_decode, time_calls
+    from benchmarks.host import abort_all, step_until_all_decode, time_calls
     from latentserve.engine import overlap
     from latentserve.sampling_params import SamplingParams
 

@@ -29,7 +29,7 @@ def smollm2_tokenizer(smollm2_dir):
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory, smollm2_dir):
     """``kind -> checkpoint dir`` for every tiny kind (built once per session)."""
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {k: save_tiny(root / k, k) for k in ("llama", "llama-untied", "qwen2", "gpt2")}
@@ -40,7 +40,7 @@ def small_vocab_dirs(tmp_path_factory):
     """``kind -> checkpoint dir`` of tiny ``llama`` and ``qwen2`` with a 4224-id word-level
     vocabulary (``shared_prefix_prompts`` ids fit): in the Triton interpreter their LM head
     takes 66 programs a call instead of SmolLM2's 384, for the fast-path tests."""
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = tmp_path_factory.mktemp("tiny-small-vocab")
     return {k: save_tiny(root / k, k, word_tokenizer=True, vocab_size=4224)

@@ -1,41 +1,6 @@
 """Incremental detokenization with stop strings, for streaming outputs.
 
-Two decoders of one algorithm. A transformers fast tokenizer (its ``backend_tokenizer`` is a
-``tokenizers.Tokenizer``) is decoded by ``tokenizers.decoders.DecodeStream`` (Rust; vLLM's
-``FastIncrementalDetokenizer`` in ``vllm/v1/engine/detokenizer.py``), which runs the window
-below natively. The window in Python (:meth:`IncrementalDetokenizer._window_step`) is the
-fallback, used where DecodeStream cannot give ``tokenizer.decode``'s text: a tokenizer
-without a ``tokenizers`` backend (a slow/SentencePiece-only tokenizer, a stand-in object
-with only ``decode``, ``NoTokenizer``), one whose ``decode`` post-processes the text
-(``clean_up_tokenization_spaces`` that transformers applies), and the rest of a request
-after DecodeStream refused a step (its "invalid prefix" error: a decode that does not
-extend the previous one). Both keep the same offsets, so :meth:`IncrementalDetokenizer.flush`
-decodes the unfinished tail the same way.
-
-Algorithm (the prefix/read-offset window of vLLM's ``detokenizer_utils.py``, reimplemented):
-the token ids seen so far are ``context + output`` where ``context`` is the last
-:data:`PROMPT_CONTEXT_TOKENS` prompt tokens (so that a tokenizer whose decoding of a token
-depends on its left neighbour, e.g. a SentencePiece leading space, decodes the first output
-token as it would in the full sequence). Two offsets split them:
-
-* ``prefix_offset``: start of a short window of already-emitted tokens, decoded for context;
-* ``read_offset``: end of what has been turned into text.
-
-For each new token, ``prefix = decode(ids[prefix_offset:read_offset])`` and
-``full = decode(ids[prefix_offset:])``; the new text is ``full[len(prefix):]``. If ``full``
-ends with U+FFFD (the token ends in the middle of a multi-byte UTF-8 character) or is not
-longer than ``prefix`` (e.g. a skipped special token), nothing is emitted and the offsets stay,
-so the window grows until the character completes; otherwise the offsets move to
-``(read_offset, len(ids))``. Each step decodes only a few tokens, never the whole output.
-
-Stop strings: the decoded text is searched for every stop string in the region the new text
-can reach. On a match (the earliest one wins) the text is cut before it (after it with
-``include_stop_str_in_output``), :attr:`stopped` is set to the matched string and nothing
-more is emitted. With ``min_tokens``, a match must end in text decoded after the first
-``min_tokens`` tokens (vLLM's ``stop_check_offset``). Otherwise the longest suffix of the
-text that is a proper prefix of some stop string is held back (it may still become a stop
-string); :meth:`flush` releases it, together with any bytes still waiting for the rest of a
-character (decoded with U+FFFD), when the request ends for another reason.
+Design notes: docs/internals.md, "latentserve.detokenizer".
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ from __future__ import annotations
 # module -> (extra, what needs it)
 EXTRAS = {
     "peft": ("train", ("PEFT LoRA: `latentserve train`, `bench --suite loop` and the CODI "
-                       "and PCCoT test-checkpoint builders (latentserve.testing)")),
-    "matplotlib": ("eval", "plots: `latentserve eval --plot`, latentserve.bench.plot"),
+                       "and PCCoT checkpoint builders (latentserve.bench.baseline)")),
+    "matplotlib": ("eval", "plots: `latentserve eval --plot`, benchmarks.plot"),
     "sglang_router": ("router", "`latentserve serve --data-parallel-size N`"),
     "xgrammar": ("structured", "structured outputs (response_format, guided_*)"),
 }

@@ -1,20 +1,7 @@
 """Token sampling for a batch: penalties, greedy, temperature, top-k, top-p, min-p,
 per-request seeds, and log-probabilities.
 
-Filters follow the usual definitions (vLLM ``v1/sample/sampler.py``, HF logits warpers):
-top-k keeps the k largest logits, top-p the smallest set whose probability mass reaches p,
-min-p drops tokens whose probability is below ``min_p * max_prob``. Penalties follow vLLM's
-``apply_penalties`` (``model_executor/layers/utils.py``): repetition on prompt + output
-tokens first, then frequency and presence on output tokens, all before temperature.
-
-Log-probabilities are those of the raw model distribution: ``log_softmax`` of the logits as
-the model produced them, before token masks, penalties, temperature and filters (vLLM's
-default ``logprobs_mode="raw_logprobs"``), so they do not depend on how a request is sampled.
-
-Token masks (``token_masks.py``: allowed ids, bad words, ``min_tokens``, grammars) come in
-as a :class:`TokenMask`, a packed bitmask for the masked rows only, already on the logits'
-device; they set the logits of disallowed tokens to -inf first, before penalties. Rows
-without a mask are not touched, and a batch without one pays nothing.
+Design notes: docs/internals.md, "latentserve.sampling".
 """
 
 from __future__ import annotations
@@ -149,9 +136,8 @@ def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (``[B, vocab]`` -> ``[B] int64``): on CUDA the two-pass
-    Triton kernel ``ops.kernels.argmax.argmax_rows`` (the same indices; torch's reduction
-    took 40 us for a 64-row Llama-3 batch on the H200) for fp32/bf16/fp16 logits, else
-    torch."""
+    Triton kernel ``ops.kernels.argmax.argmax_rows`` (the same indices) for fp32/bf16/fp16
+    logits, else torch."""
     if (logits.is_cuda and logits.dim() == 2 and logits.shape[1] > 0
             and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         from latentserve.ops.kernels.argmax import argmax_rows

@@ -1,25 +1,6 @@
 """Pinned host buffers for the engine's small per-step copies between host and device.
 
-A decode step moves a few hundred int64 values each way: the batch's index vectors and the
-page-table writes go to the device, the sampled tokens come back. From pageable memory
-``cudaMemcpyAsync`` must first stage the bytes into pinned memory, and the CUDA runtime
-documents that it "might be synchronous with respect to host" then (CUDA Runtime API,
-"API synchronization behavior"): a copy that waits for the work queued before it takes away
-what overlap scheduling (``engine/overlap.py``) gains. On an H200 host a 320-value pageable
-copy also took 56 us against 27 us through pinned memory, with a replay in flight
-(docs/benchmarks-history.md, session 12). Each class here cycles through a few pinned buffers,
-each with the CUDA event of its last copy, which it waits for before reusing that buffer
-(in the engine, that copy finished steps earlier, so the wait returns at once). vLLM keeps
-pinned CPU twins of its input buffers for the same reason (``v1/worker/gpu_model_runner.py``);
-the code is ours.
-
-With ``side_stream=True`` a copy runs on a stream of its own, ordered against the current
-stream by events, so it overlaps the kernels queued before it instead of sitting between
-two decode graphs. On the H200 the two copies of a decode step and the latencies around
-them took about 15 us between two graphs in a profile (docs/benchmarks-history.md, session 13).
-
-On a CPU device there is no ring: the values are copied into a plain tensor (host to
-device) or cloned (device to host).
+Design notes: docs/internals.md, "latentserve.staging".
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """Structured outputs: a request's ``StructuredOutputsParams`` compiled into a grammar
 matcher that says, before each answer token, which tokens keep the text inside the grammar.
 
-The grammar library is xgrammar (the ``structured`` extra; docs/server.md says why it was
-chosen over llguidance). One :class:`Grammars` per engine holds the tokenizer's
-``TokenizerInfo`` and xgrammar's ``GrammarCompiler`` (with its cache, at most
-``CACHE_LIMIT_BYTES``, so a schema sent again compiles once); it is built on the first constrained
-request. Compilation runs in the engine
-process when the request is admitted (``LLMEngine.add_request``), never on the API server's
-event loop; a schema, regex or grammar that does not compile is a ValueError naming the
-request field it came from, which the server answers with a 400.
-
-JSON is written with ``json.dumps``' default separators (``", "`` and ``": "``) and no other
-whitespace (vLLM's ``disable_any_whitespace``): a model cannot pad a JSON answer with
-whitespace until ``max_tokens`` runs out. Object properties not in the schema are not
-generated (xgrammar's strict mode); ``json_object`` takes any object.
+Design notes: docs/internals.md, "latentserve.structured".
 """
 
 from __future__ import annotations

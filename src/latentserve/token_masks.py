@@ -1,27 +1,6 @@
 """Per-request token masks: which ids a request may sample next, as a packed bitmask.
 
-A request whose params set ``allowed_token_ids``, ``bad_words``, ``min_tokens`` or
-``structured_outputs`` gets a :class:`RequestMask` at admission (``Req.constraint``). Before
-each sampling step the engine asks :func:`batch_bitmask` for the rows of such requests: a
-``[M, ceil(vocab / 32)] int32`` bitmask (bit ``t % 32`` of word ``t // 32`` set = token t
-allowed; the layout of xgrammar and llguidance), the AND of the request's masks:
-
-* ``allowed_token_ids``: only those ids (vLLM).
-* ``bad_words``: for each tokenization of a bad word (vLLM's ``update_from_tokenizer``: the
-  word as given, and after a space when that gives another first token of the same length),
-  its last token is masked when the tokens before it end the answer so far (vLLM's
-  ``v1/sample/ops/bad_words.py``); a one-token word is always masked.
-* ``min_tokens``: EOS and ``stop_token_ids`` are masked while the answer has fewer tokens.
-* a grammar (``structured.py``): the tokens that keep the answer inside it; EOS once it is
-  complete. The matcher is fed the answer's new tokens first.
-
-When the other masks leave nothing the grammar allows (``min_tokens`` against a complete
-grammar), the grammar's mask alone is used: the grammar wins. Rows of other requests are not
-in the bitmask at all, and a batch without masked requests costs nothing.
-
-Masks apply to every sampling row of a masked request, latent-phase rows included: a latent
-step's sampled token is discarded (its next input is a vector), and at the start of the
-answer the grammar is at its start state, which is what the first answer token needs.
+Design notes: docs/internals.md, "latentserve.token_masks".
 """
 
 from __future__ import annotations

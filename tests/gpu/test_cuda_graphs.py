@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from latentserve.config import EngineConfig
-from latentserve.testing.latent_mock import mock_latent_loading, mock_reference, run_mixed_budgets
-from latentserve.testing.parity import run_batch, shared_prefix_prompts
+from tests.support.latent_mock import mock_latent_loading, mock_reference, run_mixed_budgets
+from tests.support.parity import run_batch, shared_prefix_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -82,7 +82,7 @@ def test_overlap_schedule_equals_the_synchronous_engine(smollm2_dir):
     logprobs (its steps run synchronously, so the engine switches modes mid-run); the logits
     of every step the synchronous engine sampled within 1e-4; no KV slot leaked."""
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.tp_parity import run_requests
+    from tests.support.tp_parity import run_requests
 
     prompts = shared_prefix_prompts()
     kinds = [{"max_tokens": 6 + 3 * i} for i in range(len(prompts))]

@@ -14,7 +14,7 @@ import torch
 
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
-from latentserve.testing.parity import chat_prompts, hf_reference, run_batch, shared_prefix_prompts
+from tests.support.parity import chat_prompts, hf_reference, run_batch, shared_prefix_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -170,7 +170,7 @@ def _compare_steps(a_tok, a_lg, b_tok, b_lg, bound: float) -> int:
 
 @pytest.mark.parametrize("shape", list(SIZES))
 def test_fused_fp32_equals_unfused_and_hf(shape, shape_dirs, hf_models):
-    from latentserve.testing.parity import hf_reference
+    from tests.support.parity import hf_reference
 
     prompts = _prompts()
     fused = _engine(shape_dirs[shape], "float32", True)
@@ -216,11 +216,11 @@ def test_fused_recurrent_fp32_equals_unfused(family, tmp_path):
     """Ouro and Huginn on their fast path (CUDA graphs of the recurrence on both sides) give
     the unfused path's greedy tokens and logits within 1e-4 in fp32, at mixed depths, on
     mid-size random checkpoints (head_dim 128 / 96 as the real models)."""
+    from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.recurrent_models import write_huginn, write_ouro
-    from latentserve.testing.tp_parity import assert_same, run_requests
+    from tests.support.tp_parity import assert_same, run_requests
 
     if family == "ouro":
         path = write_ouro(tmp_path / family, hidden_size=512, intermediate_size=1408,

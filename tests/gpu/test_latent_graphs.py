@@ -8,8 +8,8 @@ import torch
 
 from latentserve.config import EngineConfig
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.parity import shared_prefix_prompts
-from latentserve.testing.tp_parity import run_requests
+from tests.support.parity import shared_prefix_prompts
+from tests.support.tp_parity import run_requests
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -29,8 +29,8 @@ def _drive(engine, requests):
 
 
 def test_coconut_feedback_rows_replay_inside_graphs(tmp_path):
-    from latentserve.testing.latent_models import save_latent_tiny
-    from latentserve.testing.latent_reference import reference_generate
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_reference import reference_generate
 
     d = save_latent_tiny(tmp_path, "coconut-gpt2")
     engine = _engine(d)
@@ -48,8 +48,8 @@ def test_coconut_feedback_rows_replay_inside_graphs(tmp_path):
 def test_codi_projection_runs_in_latent_graphs(tmp_path, kind):
     """CODI's ``prj`` (Linear, GELU, Linear, LayerNorm) runs in the decode graphs' latent
     graph, replayed only for steps with latent rows; answers equal the eager reference."""
-    from latentserve.testing.latent_models import save_latent_tiny
-    from latentserve.testing.latent_reference import reference_generate
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_reference import reference_generate
 
     d = save_latent_tiny(tmp_path, kind)
     engine = _engine(d)
@@ -72,8 +72,8 @@ def test_codi_projection_runs_in_latent_graphs(tmp_path, kind):
 
 
 def test_closed_loop_head_runs_inside_graphs(tmp_path):
-    from latentserve.testing.head_models import save_head_model
-    from latentserve.testing.head_reference import head_reference_generate
+    from latentserve.bench.baseline.head_reference import head_reference_generate
+    from tests.support.head_models import save_head_model
 
     d = save_head_model(tmp_path / "cl", injection="closed_loop", source_layer=1,
                         stop_bias=0.3)
@@ -112,8 +112,8 @@ def test_colar_policy_runs_inside_graphs(tmp_path):
 
     from latentserve.latent import colar
     from latentserve.models.checkpoint import load_tokenizer
-    from latentserve.testing.colar_models import save_colar_tiny
-    from latentserve.testing.colar_reference import colar_generate_reference
+    from tests.support.colar_models import save_colar_tiny
+    from tests.support.colar_reference import colar_generate_reference
 
     torch.backends.cuda.matmul.allow_tf32 = False
     d = save_colar_tiny(tmp_path / "colar", stop_push=16.0)
@@ -143,8 +143,8 @@ def test_colar_policy_runs_inside_graphs(tmp_path):
 
 @pytest.mark.parametrize("kind", ["huginn", "ouro"])
 def test_recurrence_loop_runs_inside_graphs(kind, tmp_path):
-    from latentserve.testing.recurrent_models import write_huginn, write_ouro
-    from latentserve.testing.recurrent_reference import HuginnReference, OuroReference
+    from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
+    from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
 
     d = (write_huginn if kind == "huginn" else write_ouro)(tmp_path / kind)
     engine = _engine(d, max_model_len=256)
@@ -184,8 +184,8 @@ def test_ouro_exit_distribution_from_replayed_graphs(tmp_path):
     """Ouro's per-token trace (depth, readout step, exit distribution) from replayed decode
     graphs (the static ``exit_probs`` buffer) equals the eager reference's, with several exit
     criteria in one batch (fp32, the overlap schedule on: the CUDA default)."""
-    from latentserve.testing.recurrent_models import write_ouro
-    from latentserve.testing.recurrent_reference import OuroReference
+    from latentserve.bench.baseline.recurrent_models import write_ouro
+    from latentserve.bench.baseline.recurrent_reference import OuroReference
 
     d = write_ouro(tmp_path / "ouro")
     engine = _engine(d, max_model_len=256)

@@ -6,10 +6,14 @@ import dataclasses
 import pytest
 import torch
 
+from latentserve.bench.baseline.recurrent_models import (
+    mixed_recurrent_requests,
+    write_huginn,
+    write_ouro,
+)
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
-from latentserve.testing.recurrent_models import mixed_recurrent_requests, write_huginn, write_ouro
-from latentserve.testing.tp_parity import assert_same_outputs, run_requests, spy_overlapped
+from tests.support.tp_parity import assert_same_outputs, run_requests, spy_overlapped
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

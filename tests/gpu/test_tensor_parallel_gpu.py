@@ -4,7 +4,7 @@ shape (55 heads, split 28 + 27; 8 recurrences, KV banks on every rank), with the
 CUDA path (Triton attention, decode replayed from CUDA graphs on every rank).
 
 fp32: greedy tokens equal and every sampled step's logits within 1e-4 (Huginn: 5e-4, see the
-test). bf16: the tolerance of ``testing.tp_parity.assert_close_bf16`` against the fp32 TP=1
+test). bf16: the tolerance of ``tests.support.tp_parity.assert_close_bf16`` against the fp32 TP=1
 run. Needs no HTTP stack.
 Run: ``bash scripts/gpu_tests.sh -k tensor_parallel`` on a 2-GPU machine.
 """
@@ -16,7 +16,7 @@ import torch
 
 from latentserve.config import EngineConfig
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.tp_parity import assert_close_bf16, assert_same, run_requests
+from tests.support.tp_parity import assert_close_bf16, assert_same, run_requests
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
@@ -31,8 +31,8 @@ HUGINN_SHAPE = {"n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads"
 def checkpoints(tmp_path_factory):
     """``family -> checkpoint dir``, each written on first use. Huginn's weights are saved in
     bf16 (7 GB) and read back in fp32 by the fp32 runs, which is exact."""
+    from latentserve.bench.baseline.recurrent_models import write_huginn
     from latentserve.bench.gpu import SHAPES, save_random_llama
-    from latentserve.testing.recurrent_models import write_huginn
 
     root, made = tmp_path_factory.mktemp("tp-gpu"), {}
 

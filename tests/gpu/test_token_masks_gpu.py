@@ -27,7 +27,7 @@ def test_cuda_mask_equals_cpu_mask():
 
 def test_engine_on_cuda_keeps_masks_and_unmasked_rows_exact(tmp_path):
     from latentserve import LLM, SamplingParams
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     path = save_tiny(tmp_path / "m", "llama", word_tokenizer=True, vocab_size=VOCAB)
     llm = LLM(str(path), device="cuda", max_num_seqs=8)

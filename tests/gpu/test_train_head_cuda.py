@@ -19,9 +19,9 @@ def _rows(n=16):
 
 
 def test_sft_then_grpo_on_cuda(tmp_path, smollm2_dir):
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.cli import main
     from latentserve.latent.bundle import read_bundle
-    from latentserve.testing.tiny_models import save_tiny
     from latentserve.train.grpo import GRPOConfig, train_grpo
 
     model = save_tiny(tmp_path / "m", "llama", num_hidden_layers=3)

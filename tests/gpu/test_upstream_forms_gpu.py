@@ -5,12 +5,12 @@ its latent start):
 
 * CODI (GPT-2, Llama) with its base weights in bf16 and its LoRA and ``prj`` in float32,
   converted: the engine's default CUDA path (Triton attention, CUDA graphs), budgets 0 to 8
-  in one batch, gives the greedy answers of ``testing.latent_reference`` (upstream's loop,
+  in one batch, gives the greedy answers of ``bench.baseline.latent_reference`` (upstream's loop,
   unmerged LoRA over the same weights) and first-answer logits within 1e-4.
 * PCCoT adapters saved as upstream ``run_ccot.py`` saves them (PEFT LoRA + trainable tokens;
   GPT-2, Llama with ``prj``, GPT-2 whose embedding needed no resize), converted: the default
   CUDA path, budgets 0, 1, 3, gives the greedy answers of the PEFT model
-  (``testing.loop_reference``) and first-answer logits within 1e-4.
+  (``bench.baseline.loop_reference``) and first-answer logits within 1e-4.
 * Huginn with a zero initial state, the ``"engine"`` and ``"upstream"`` exit semantics mixed
   in one batch (the torch attention backend: ``"upstream"`` leaves keys out per slot, which
   the Triton backend cannot): the tokens of ``HuginnReference``, every sampled step's logits
@@ -26,7 +26,7 @@ import torch
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.parity import run_budget_batch, shared_prefix_prompts
+from tests.support.parity import run_budget_batch, shared_prefix_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -57,9 +57,9 @@ def test_codi_bf16_base_checkpoint_matches_reference(base, tmp_path, smollm2_dir
     pytest.importorskip("peft")  # not at import: peft loads triton
     from safetensors.torch import load_file, save_file
 
+    from latentserve.bench.baseline.latent_models import write_upstream_codi
+    from latentserve.bench.baseline.latent_reference import reference_generate
     from latentserve.latent.convert import convert_codi
-    from latentserve.testing.latent_models import write_upstream_codi
-    from latentserve.testing.latent_reference import reference_generate
 
     base_dir, ckpt = write_upstream_codi(tmp_path, base, "safetensors")
     sd = {k: v.bfloat16() if k.startswith("codi.") and ".lora_" not in k else v
@@ -83,9 +83,12 @@ PCCOT_FORMS = {"gpt2-tokens": ("gpt2", False, {}), "llama-tokens-prj": ("llama",
 @pytest.mark.parametrize("kind", list(PCCOT_FORMS))
 def test_pccot_trainable_token_adapter_matches_peft_model(kind, tmp_path, smollm2_dir):
     pytest.importorskip("peft")
+    from latentserve.bench.baseline.loop_models import write_upstream_pccot
+    from latentserve.bench.baseline.loop_reference import (
+        load_pccot_reference,
+        reference_generate_loop,
+    )
     from latentserve.latent.loop_convert import convert_pccot
-    from latentserve.testing.loop_models import write_upstream_pccot
-    from latentserve.testing.loop_reference import load_pccot_reference, reference_generate_loop
 
     base, prj, overrides = PCCOT_FORMS[kind]
     base_dir, adapter = write_upstream_pccot(tmp_path, base, block_size=3, iterations=2,
@@ -107,9 +110,13 @@ MIXED = ["engine", "upstream"] * 3
 
 @pytest.mark.parametrize("semantics", [MIXED, MIXED[::-1]], ids=["eu", "ue"])
 def test_huginn_mixed_exit_semantics_match_reference(semantics, tmp_path):
-    from latentserve.testing.recurrent_models import HUGINN_EXITS, RECURRENT_PROMPTS, write_huginn
-    from latentserve.testing.recurrent_reference import HuginnReference
-    from latentserve.testing.tp_parity import run_requests
+    from latentserve.bench.baseline.recurrent_models import (
+        HUGINN_EXITS,
+        RECURRENT_PROMPTS,
+        write_huginn,
+    )
+    from latentserve.bench.baseline.recurrent_reference import HuginnReference
+    from tests.support.tp_parity import run_requests
 
     huginn = write_huginn(tmp_path / "huginn", init_scale=0)
     ref = HuginnReference(huginn, device=DEVICE)

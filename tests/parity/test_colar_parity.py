@@ -1,7 +1,7 @@
 """CoLaR served closed-loop (latent/colar_head.py): on a tiny random CoLaR directory
-(``testing.colar_models.save_colar_tiny``, whose policy leans towards ``###`` so the stop
+(``tests.support.colar_models.save_colar_tiny``, whose policy leans towards ``###`` so the stop
 fires after a few latents), batched engine runs equal the eager single-request reference
-over HF transformers (``testing.colar_reference.colar_generate_reference``, upstream
+over HF transformers (``tests.support.colar_reference.colar_generate_reference``, upstream
 ``latent_generate`` with greedy choices): answer tokens, latent steps, stop or cap, the
 prompt as the engine extends it, and the first answer token's logits within 1e-4 (fp32);
 for a batch mixing thinking speeds and caps, cold and warm prefix cache, with overlap
@@ -22,8 +22,8 @@ from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.latent import colar
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.colar_models import save_colar_tiny
-from latentserve.testing.colar_reference import colar_generate_reference, run_colar_batch
+from tests.support.colar_models import save_colar_tiny
+from tests.support.colar_reference import colar_generate_reference, run_colar_batch
 
 MAX_TOKENS = 8
 SEP = 3  # "###" in save_colar_word_tokenizer
@@ -212,10 +212,10 @@ def test_a_plain_model_refuses_the_colar_fields(small_vocab_dirs):
 def test_a_train_colar_output_serves_like_the_reference(tmp_path):
     """``latentserve train colar``'s output (a PEFT LoRA adapter over the base, merged at
     load, beside ``colar_config.json`` and the policy) serves as the reference runs it."""
-    from latentserve.testing.colar_models import save_colar_word_tokenizer
-    from latentserve.testing.colar_reference import load_colar_reference
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.train.colar import ColarTrainConfig, train
+    from tests.support.colar_models import save_colar_word_tokenizer
+    from tests.support.colar_reference import load_colar_reference
 
     base = save_tiny(tmp_path / "base", "llama", word_tokenizer=True, vocab_size=64)
     save_colar_word_tokenizer(base, 64)
@@ -353,7 +353,7 @@ def emulated_graphs(monkeypatch):
     pytest.importorskip("triton")
     from latentserve.engine import cuda_graph
     from latentserve.engine.cuda_graph import CudaGraphRunner
-    from latentserve.testing.triton_interpreter import patch_triton_interpreter
+    from tests.support.triton_interpreter import patch_triton_interpreter
 
     patch_triton_interpreter()
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayedForward)

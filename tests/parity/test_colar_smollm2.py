@@ -1,6 +1,6 @@
 """The shipped CoLaR model (``models/smollm2-mult-colar``: LoRA over the embedded SmolLM2 and
 a latent policy, trained by ``latentserve train colar``) served by the engine in float32
-equals the eager reference (``testing.colar_reference``, upstream ``latent_generate`` with
+equals the eager reference (``tests.support.colar_reference``, upstream ``latent_generate`` with
 greedy choices) on real test questions: one batch mixing thinking speeds and a latent cap,
 cold and then warm prefix cache; answer tokens, latent steps, how the phase ended, and the
 first answer token's logits within 1e-4. The answers are also checked against the gold
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow,
 
 @pytest.fixture(scope="module")
 def references(smollm2_dir):
-    from latentserve.testing.colar_reference import (
+    from tests.support.colar_reference import (
         colar_generate_reference,
         load_colar_reference,
     )
@@ -40,7 +40,7 @@ def references(smollm2_dir):
 
 def test_engine_equals_reference_cold_then_warm(references):
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.colar_reference import run_colar_batch
+    from tests.support.colar_reference import run_colar_batch
 
     engine = LLMEngine(EngineConfig(model=str(MODEL), dtype="float32", max_model_len=512))
     sep = engine.tokenizer.convert_tokens_to_ids(colar.SEPARATOR)

@@ -1,17 +1,17 @@
 """Feedback latent models (COCONUT, CODI; SIM-CoT loads the same way): the engine's greedy
 answers and first-answer logits equal the eager per-request reference loop over HF
-transformers modules (``latentserve.testing.latent_reference``) for budgets 0, 1, 3, 6, 8 in
+transformers modules (``latentserve.bench.baseline.latent_reference``) for budgets 0, 1, 3, 6, 8 in
 mixed-budget batches, with the prefix cache cold and warm. Latent positions are never served
 from the radix cache."""
 
 import pytest
 import torch
 
+from latentserve.bench.baseline.latent_models import LATENT_KINDS, save_latent_tiny
+from latentserve.bench.baseline.latent_reference import reference_generate
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
-from latentserve.testing.latent_models import LATENT_KINDS, save_latent_tiny
-from latentserve.testing.latent_reference import reference_generate
-from latentserve.testing.parity import run_budget_batch, shared_prefix_prompts
+from tests.support.parity import run_budget_batch, shared_prefix_prompts
 
 BUDGETS = (0, 1, 3, 6, 8)
 MAX_TOKENS = 10

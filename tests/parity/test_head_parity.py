@@ -1,19 +1,19 @@
 """Compression heads with a learned stop (latent/head.py): on a tiny Llama with a random
 bundle inside its directory, batched engine output (answer tokens, finish reason, latent
 steps, stop step, max stop probability, end reason) equals the eager single-request
-reference over HF transformers (``latentserve.testing.head_reference``) in both injection
+reference over HF transformers (``latentserve.bench.baseline.head_reference``) in both injection
 modes, for mixed caps, thresholds, min_latent and use_stop in one batch, cold and warm
 prefix cache, chunked prefill with preemptions. The slot invariant holds after each run and
 the prefix cache never holds a latent position."""
 
 import pytest
 
+from latentserve.bench.baseline.head_reference import head_reference_generate
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.head_models import save_head_model
-from latentserve.testing.head_reference import head_reference_generate
-from latentserve.testing.parity import shared_prefix_prompts
+from tests.support.head_models import save_head_model
+from tests.support.parity import shared_prefix_prompts
 
 MAX_TOKENS = 24
 MODES = ("closed_loop", "prompt")
@@ -205,7 +205,7 @@ def test_one_model_one_directory(tmp_path, head_dirs):
     assert engine.latent_spec.kind == "head" and engine.runner.capture_layer == 2
     # An explicit bundle path overrides, and the injection mode can be overridden.
     plain = tmp_path / "plain"
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     save_tiny(plain, "llama", num_hidden_layers=3)
     assert LLMEngine(EngineConfig(model=str(plain))).latent_spec is None
@@ -218,8 +218,8 @@ def test_one_model_one_directory(tmp_path, head_dirs):
 
 
 def test_bundle_that_does_not_fit_the_backbone_is_an_error(tmp_path):
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.latent.bundle import random_bundle, write_bundle
-    from latentserve.testing.tiny_models import save_tiny
 
     d = save_tiny(tmp_path / "m", "llama", num_hidden_layers=2)
     write_bundle(random_bundle(32, 8, source_layer=0, think_open=" a", think_close=" b"),
@@ -256,7 +256,7 @@ def test_smollm2_with_random_head_matches_reference(mode, smollm2_dir, tmp_path)
     """SmolLM2-135M (hidden 576, 30 layers) with a random bundle on layer 20, given by path
     (``latent_head``) with the injection mode overridden per server."""
     from latentserve.latent.bundle import random_bundle, write_bundle
-    from latentserve.testing.head_models import THINK_CLOSE, THINK_OPEN
+    from tests.support.head_models import THINK_CLOSE, THINK_OPEN
 
     path = write_bundle(random_bundle(576, 32, source_layer=20, seed=11, stop_bias=0.2,
                                       think_open=THINK_OPEN, think_close=THINK_CLOSE),

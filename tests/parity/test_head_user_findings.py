@@ -148,11 +148,11 @@ def test_stats_report_min_output_tokens():
 
 
 def test_engine_stats_and_tokens_match_reference(tmp_path, smollm2_dir):
+    from latentserve.bench.baseline.head_reference import head_reference_generate
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.head_models import save_head_model
-    from latentserve.testing.head_reference import head_reference_generate
-    from latentserve.testing.tp_parity import run_requests
+    from tests.support.head_models import save_head_model
+    from tests.support.tp_parity import run_requests
 
     d = save_head_model(tmp_path / "m", source_layer=1, stop_bias=0.3)
     engine = LLMEngine(EngineConfig(model=str(d), max_model_len=256))
@@ -176,10 +176,10 @@ def test_engine_stats_and_tokens_match_reference(tmp_path, smollm2_dir):
 def test_latent_head_for_a_model_with_its_own_latents_is_refused(tmp_path, smollm2_dir):
     """--latent-head on a COCONUT or Huginn directory was silently ignored (even a path that
     does not exist)."""
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.recurrent_models import write_huginn
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.latent_models import save_latent_tiny
-    from latentserve.testing.recurrent_models import write_huginn
 
     for path in (save_latent_tiny(tmp_path / "c", "coconut-gpt2"), write_huginn(tmp_path / "h")):
         with pytest.raises(ValueError, match="latent_head.*needs a plain backbone"):

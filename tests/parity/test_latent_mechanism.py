@@ -6,7 +6,7 @@ import pytest
 
 from latentserve.config import EngineConfig
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.latent_mock import mock_latent_loading, mock_reference, run_mixed_budgets
+from tests.support.latent_mock import mock_latent_loading, mock_reference, run_mixed_budgets
 
 PROMPTS = [[5 + i + j for j in range(10 + 3 * i)] for i in range(8)]
 BUDGETS = [0, 1, 3, 6, 8, 0, 3, 6]

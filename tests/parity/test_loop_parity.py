@@ -1,6 +1,6 @@
 """Looped latent blocks (PCCoT on GPT-2 and Llama, LOTUS on Llama): the engine's greedy answers
 and first-answer logits equal the eager full-recomputation reference
-(``latentserve.testing.loop_reference``) for several block sizes and iteration counts, in
+(``latentserve.bench.baseline.loop_reference``) for several block sizes and iteration counts, in
 one batch mixing budgets (0 included) with the prefix cache cold and warm; the block's slots
 are allocated once and reused by every pass; block positions never reach the prefix cache;
 the slot invariant holds."""
@@ -8,16 +8,16 @@ the slot invariant holds."""
 import pytest
 import torch
 
-from latentserve.config import EngineConfig
-from latentserve.engine.llm_engine import LLMEngine
-from latentserve.sampling_params import SamplingParams
-from latentserve.testing.loop_models import save_loop_tiny
-from latentserve.testing.loop_reference import (
+from latentserve.bench.baseline.loop_models import save_loop_tiny
+from latentserve.bench.baseline.loop_reference import (
     load_lotus_reference,
     load_pccot_reference,
     reference_generate_loop,
 )
-from latentserve.testing.parity import shared_prefix_prompts
+from latentserve.config import EngineConfig
+from latentserve.engine.llm_engine import LLMEngine
+from latentserve.sampling_params import SamplingParams
+from tests.support.parity import shared_prefix_prompts
 
 # kind -> block size (several sizes, 1 included)
 KINDS = {"pccot-gpt2": 4, "pccot-llama": 3, "lotus-llama": 6, "lotus-llama-b1": 1}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from latentserve.models.loader import load_model
-from latentserve.testing.parity import hf_reference, run_batch
+from tests.support.parity import hf_reference, run_batch
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], [(37 * i + 11) % 4000 + 100
@@ -21,7 +21,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory, smollm2_dir):
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = tmp_path_factory.mktemp("lora-bases")
     return {k: save_tiny(root / k, k) for k in ("llama", "qwen2", "gpt2")}
@@ -151,7 +151,7 @@ def test_adapter_with_tp2_matches_tp1(bases, tmp_path):
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.tp_parity import assert_same, run_requests
+    from tests.support.tp_parity import assert_same, run_requests
 
     shutil.copytree(bases["qwen2"], tmp_path / "base")
     adapter, _ = write_adapter(tmp_path / "adapter", tmp_path / "base")

@@ -8,12 +8,16 @@ import dataclasses
 
 import pytest
 
+from latentserve.bench.baseline.recurrent_models import (
+    mixed_recurrent_requests,
+    write_huginn,
+    write_ouro,
+)
 from latentserve.config import EngineConfig
 from latentserve.engine import overlap
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.recurrent_models import mixed_recurrent_requests, write_huginn, write_ouro
-from latentserve.testing.tp_parity import assert_same_outputs, run_requests, spy_overlapped
+from tests.support.tp_parity import assert_same_outputs, run_requests, spy_overlapped
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def test_overlapped_recurrent_engine_equals_the_synchronous_one(dirs, family):
 
 
 def test_only_families_that_can_overlap_do(dirs, tmp_path):
-    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
 
     engine = _engine(dirs["huginn"], True)
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, latent_budget=2))

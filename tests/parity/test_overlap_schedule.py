@@ -13,8 +13,8 @@ import torch
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.parity import hf_reference, run_batch, shared_prefix_prompts
-from latentserve.testing.tp_parity import run_requests, spy_overlapped
+from tests.support.parity import hf_reference, run_batch, shared_prefix_prompts
+from tests.support.tp_parity import run_requests, spy_overlapped
 
 MAX_TOKENS = 12
 
@@ -129,8 +129,8 @@ def test_logprobs_request_steps_synchronously_and_abort_frees_slots(tiny_dirs):
 
 
 def test_latent_models_and_tp_do_not_overlap(tmp_path, tiny_dirs):
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
     from latentserve.engine import overlap
-    from latentserve.testing.latent_models import save_latent_tiny
 
     engine = LLMEngine(EngineConfig(model=str(save_latent_tiny(tmp_path, "coconut-gpt2")),
                                     overlap_schedule=True))
@@ -279,11 +279,11 @@ def test_overlap_is_the_cuda_default_and_can_be_turned_off():
 
 
 def test_recorded_steps_are_the_same_in_both_modes(tiny_dirs):
-    """``testing.tp_parity.run_requests`` drops overlap mode's discarded rows (a finished
+    """``tests.support.tp_parity.run_requests`` drops overlap mode's discarded rows (a finished
     request's row in the batch launched before its last token was seen), so an overlap run
     compares step for step with a synchronous one (``assert_same``, as the GPU TP tests
     compare TP=1 on CUDA, where overlap is the default, with TP=2)."""
-    from latentserve.testing.tp_parity import assert_same
+    from tests.support.tp_parity import assert_same
 
     requests = [(p, SamplingParams(max_tokens=4 + i, temperature=0.0, ignore_eos=True))
                 for i, p in enumerate(shared_prefix_prompts()[:5])]

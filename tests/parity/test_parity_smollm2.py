@@ -6,7 +6,7 @@ import torch
 
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
-from latentserve.testing.parity import chat_prompts, hf_reference, run_batch
+from tests.support.parity import chat_prompts, hf_reference, run_batch
 
 MAX_TOKENS = 16
 

@@ -6,7 +6,7 @@ import torch
 
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
-from latentserve.testing.parity import hf_reference, run_batch, shared_prefix_prompts
+from tests.support.parity import hf_reference, run_batch, shared_prefix_prompts
 
 KINDS = ["llama", "llama-untied", "qwen2", "gpt2"]
 MAX_TOKENS = 12

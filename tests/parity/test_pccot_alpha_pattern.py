@@ -11,16 +11,16 @@ import shutil
 import pytest
 import torch
 
+from latentserve.bench.baseline.loop_reference import load_pccot_reference, reference_generate_loop
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.latent.loop_convert import convert_pccot
-from latentserve.testing.loop_reference import load_pccot_reference, reference_generate_loop
-from latentserve.testing.parity import run_budget_batch, shared_prefix_prompts
+from tests.support.parity import run_budget_batch, shared_prefix_prompts
 
 
 def test_alpha_pattern_is_merged_or_refused(tmp_path, smollm2_dir):
     pytest.importorskip("peft")
-    from latentserve.testing.loop_models import write_upstream_pccot
+    from latentserve.bench.baseline.loop_models import write_upstream_pccot
 
     base, adapter = write_upstream_pccot(tmp_path, "gpt2", block_size=3, iterations=2)
     patterned = tmp_path / "patterned"
@@ -57,7 +57,7 @@ def test_bad_adapter_directories_are_refused_naming_the_field(tmp_path, smollm2_
                                                               match):
     """Refused before anything is written, naming the file or field (a fresh user's
     findings: these gave a bare JSON error, an int() error, or a trainable-token error)."""
-    from latentserve.testing.loop_models import write_upstream_pccot
+    from latentserve.bench.baseline.loop_models import write_upstream_pccot
 
     base, adapter = write_upstream_pccot(tmp_path, "gpt2", block_size=3, iterations=2)
     edit(adapter)

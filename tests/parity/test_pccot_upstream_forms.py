@@ -2,7 +2,7 @@
 the new special tokens, tiny GPT-2 and Llama bases trained a few steps and saved with
 ``save_pretrained``), and as older setups save them (``modules_to_save`` on the embedding):
 ``latentserve convert pccot`` folds the trained rows into the embedding, and the converted
-directory serves as the PEFT model does (``testing.loop_reference``, unmerged LoRA): tokens
+directory serves as the PEFT model does (``bench.baseline.loop_reference``, unmerged LoRA): tokens
 exact and first-answer logits within 1e-5 in float32, one batch of mixed budgets, prefix
 cache cold and warm. Every converter loads what it wrote before moving it into ``--out`` and
 refuses, leaving ``--out`` untouched, a result that would not serve."""
@@ -12,11 +12,11 @@ import json
 import pytest
 import torch
 
+from latentserve.bench.baseline.loop_reference import load_pccot_reference, reference_generate_loop
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.latent.loop_convert import convert_pccot
-from latentserve.testing.loop_reference import load_pccot_reference, reference_generate_loop
-from latentserve.testing.parity import run_budget_batch, shared_prefix_prompts
+from tests.support.parity import run_budget_batch, shared_prefix_prompts
 
 # (base, embedding form, use_projection, base overrides)
 KINDS = {"gpt2-tokens": ("gpt2", "trainable_tokens", False, {}),
@@ -33,7 +33,7 @@ MAX_TOKENS = 5
 def upstream(tmp_path_factory, smollm2_dir):
     """kind -> (base dir, adapter dir, converted model dir)."""
     pytest.importorskip("peft")  # not at import: peft loads triton before tests/unit's interpreter
-    from latentserve.testing.loop_models import write_upstream_pccot
+    from latentserve.bench.baseline.loop_models import write_upstream_pccot
 
     root = tmp_path_factory.mktemp("pccot-forms")
     out = {}
@@ -134,7 +134,7 @@ def test_converted_upstream_adapter_serves_as_the_peft_model(kind, upstream):
 def test_gpt2_embedding_trained_apart_from_its_tied_head_is_refused(upstream, tmp_path):
     """modules_to_save on GPT-2's wte: PEFT's lm_head keeps the original rows, which the
     engine's always-tied GPT-2 cannot serve; refused naming why, nothing written."""
-    from latentserve.testing.loop_models import write_upstream_pccot
+    from latentserve.bench.baseline.loop_models import write_upstream_pccot
 
     base, _, _ = upstream["gpt2-tokens"]
     _, adapter = write_upstream_pccot(tmp_path, "gpt2", block_size=3, iterations=2,

@@ -14,11 +14,11 @@ import pytest
 import torch
 from test_recurrent_parity import MAX_TOKENS, PROMPTS, hist, run, sp
 
+from latentserve.bench.baseline.recurrent_models import HUGINN_EXITS, write_huginn, write_ouro
+from latentserve.bench.baseline.recurrent_reference import HuginnReference
 from latentserve.config import EngineConfig
 from latentserve.latent.recurrent import cache_salt_key, resolve_exit_rule
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.recurrent_models import HUGINN_EXITS, write_huginn, write_ouro
-from latentserve.testing.recurrent_reference import HuginnReference
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +182,8 @@ def test_refusals_name_the_field(huginn_dir, engine, tmp_path):
 
 
 def test_plain_model_refuses_exit_semantics(tmp_path):
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.tiny_models import save_tiny
 
     eng = LLMEngine(EngineConfig(model=str(save_tiny(tmp_path / "llama", "llama",
                                                      word_tokenizer=True)),
@@ -204,8 +204,8 @@ def test_server_default_upstream_refused_at_start_where_it_cannot_apply(tmp_path
     """``--exit-semantics upstream`` on a plain model or Ouro refuses to start (as
     ``--upstream-stop-rules`` does where it cannot apply); with several models
     (``latent_cap_where_applicable``) it applies where it can and is dropped elsewhere."""
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.tiny_models import save_tiny
 
     plain = save_tiny(tmp_path / "llama", "llama", word_tokenizer=True)
     ouro = write_ouro(tmp_path / "ouro")

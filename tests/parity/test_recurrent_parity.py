@@ -1,5 +1,5 @@
 """Recurrent depth (Huginn, Ouro) against the eager per-request references written from the
-upstream algorithms (``latentserve.testing.recurrent_reference``), on tiny random checkpoints
+upstream algorithms (``latentserve.bench.baseline.recurrent_reference``), on tiny random checkpoints
 in the upstream formats: greedy tokens equal, every sampled step's logits within 1e-4 (fp32),
 iterations per token equal, in batches that mix depths and exit rules, with the prefix cache
 cold and warm; early exit lowers the iterations run in the forward; free + cached slots ==
@@ -10,12 +10,12 @@ untraced requests (those get no trace)."""
 import pytest
 import torch
 
+from latentserve.bench.baseline.recurrent_models import HUGINN_EXITS, write_huginn, write_ouro
+from latentserve.bench.baseline.recurrent_models import RECURRENT_PROMPTS as PROMPTS
+from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
 from latentserve.config import EngineConfig
 from latentserve.latent.recurrent import RecurrentBatch
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.recurrent_models import HUGINN_EXITS, write_huginn, write_ouro
-from latentserve.testing.recurrent_models import RECURRENT_PROMPTS as PROMPTS
-from latentserve.testing.recurrent_reference import HuginnReference, OuroReference
 
 MAX_TOKENS = 8
 

@@ -18,8 +18,8 @@ import torch
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.parity import shared_prefix_prompts
-from latentserve.testing.tp_parity import assert_same, run_requests
+from tests.support.parity import shared_prefix_prompts
+from tests.support.tp_parity import assert_same, run_requests
 
 
 def _pair(model_dir, **opts):
@@ -55,7 +55,7 @@ def test_llama_tp2_matches_tp1_cold_and_warm(tiny_dirs):
 
 
 def test_coconut_gpt2_tp2_matches_tp1(tmp_path, smollm2_dir):
-    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
 
     d = save_latent_tiny(tmp_path / "coconut", "coconut-gpt2")
     one, two = _pair(d)
@@ -70,7 +70,7 @@ def test_coconut_gpt2_tp2_matches_tp1(tmp_path, smollm2_dir):
 
 
 def test_compression_head_tp2_matches_tp1(tmp_path, smollm2_dir):
-    from latentserve.testing.head_models import save_head_model
+    from tests.support.head_models import save_head_model
 
     d = save_head_model(tmp_path / "head", "llama")
     one, two = _pair(d)
@@ -96,7 +96,7 @@ def test_compression_head_tp2_matches_tp1(tmp_path, smollm2_dir):
 
 
 def test_huginn_tp2_matches_tp1_with_depths_and_early_exit(tmp_path):
-    from latentserve.testing.recurrent_models import write_huginn
+    from latentserve.bench.baseline.recurrent_models import write_huginn
 
     # 3 heads: rank 0 takes 2, rank 1 one (the uneven split Huginn's 55 heads need).
     one, two = _pair(write_huginn(tmp_path / "huginn", n_embd=48, num_attention_heads=3,
@@ -124,7 +124,7 @@ def test_huginn_tp2_matches_tp1_with_depths_and_early_exit(tmp_path):
 
 
 def test_ouro_tp2_matches_tp1_with_depths(tmp_path):
-    from latentserve.testing.recurrent_models import write_ouro
+    from latentserve.bench.baseline.recurrent_models import write_ouro
 
     one, two = _pair(write_ouro(tmp_path / "ouro"))  # 4 query / 2 KV heads
     try:

@@ -20,7 +20,7 @@ import pytest
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.parity import shared_prefix_prompts
+from tests.support.parity import shared_prefix_prompts
 
 MAX_TOKENS = 6
 PROMPTS = shared_prefix_prompts()
@@ -124,8 +124,8 @@ def _check_engine(engine, case):
 
 @pytest.fixture(scope="module")
 def coconut(tmp_path_factory, smollm2_dir):
-    from latentserve.testing.latent_models import save_latent_tiny
-    from latentserve.testing.latent_reference import reference_generate
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_reference import reference_generate
 
     root = tmp_path_factory.mktemp("upstream-stop-coconut")
     plain = save_latent_tiny(root / "src", "coconut-llama")
@@ -175,8 +175,11 @@ def test_max_tokens_one_ends_a_kept_first_eos_with_length(coconut):
 @pytest.fixture(scope="module")
 def pccot(tmp_path_factory, smollm2_dir):
     pytest.importorskip("peft")
-    from latentserve.testing.loop_models import save_loop_tiny
-    from latentserve.testing.loop_reference import load_pccot_reference, reference_generate_loop
+    from latentserve.bench.baseline.loop_models import save_loop_tiny
+    from latentserve.bench.baseline.loop_reference import (
+        load_pccot_reference,
+        reference_generate_loop,
+    )
 
     root = tmp_path_factory.mktemp("upstream-stop-pccot")
     plain = save_loop_tiny(root, "pccot-llama", block_size=3, iterations=2)
@@ -205,8 +208,8 @@ def test_families_without_an_upstream_rule_refuse_it(tmp_path, smollm2_dir, tiny
     """CODI (upstream stops on the first eos, as the engine does), LOTUS (no upstream code)
     and a plain model: True is a ValueError naming the field, per request and as the engine
     default; False and None are accepted; a multi-model server's default is ignored there."""
-    from latentserve.testing.latent_models import save_latent_tiny
-    from latentserve.testing.loop_models import write_lotus
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.loop_models import write_lotus
 
     codi = save_latent_tiny(tmp_path / "codi", "codi-gpt2")
     lotus = write_lotus(tmp_path / "lotus", block_size=2, iterations=1)

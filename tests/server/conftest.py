@@ -41,7 +41,7 @@ TOOL_CHAT_THINK = ["<think>", "\nThe user greets me.", "\n</think>", "\n\nHello!
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_dir):
     """Tiny random Llama (hidden 64, 2 layers, 4/2 heads, 256 positions, vocab 49152)."""
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("server") / "tiny-llama", "llama",
                      max_position_embeddings=MAX_MODEL_LEN)
@@ -101,7 +101,7 @@ def colar_key_server(tmp_path_factory):
     ``model_dir`` attribute is the directory it serves."""
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
-    from latentserve.testing.colar_models import save_colar_tiny
+    from tests.support.colar_models import save_colar_tiny
 
     d = save_colar_tiny(tmp_path_factory.mktemp("colar-key") / "m", stop_push=16.0,
                         compression_factor=2, max_compression_factor=5, max_latent=12)

@@ -53,7 +53,7 @@ def save_scripted(out_dir, table: dict[int, list[tuple[int, float]]], **override
     import torch
     import transformers as tf
 
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     save_tiny(out_dir, "llama-untied", max_position_embeddings=MAX_MODEL_LEN,
               rms_norm_eps=RMS_EPS, **overrides)

@@ -97,9 +97,9 @@ def test_vllm_host_port_and_backend_flags(server, tmp_path):
 
 @pytest.fixture(scope="module")
 def latent_server(tmp_path_factory, smollm2_dir):
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
-    from latentserve.testing.latent_models import save_latent_tiny
 
     path = save_latent_tiny(tmp_path_factory.mktemp("bench"), "coconut-llama", max_budget=8)
     srv = start_server(EngineConfig(model=str(path), max_num_seqs=8), timeout=300,

@@ -46,7 +46,7 @@ RENDERED = (
 def tools_dir(tmp_path_factory, smollm2_dir):
     from transformers import AutoTokenizer
 
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     d = save_tiny(tmp_path_factory.mktemp("chat-tools") / "tiny-llama", "llama",
                   max_position_embeddings=MAX_MODEL_LEN)

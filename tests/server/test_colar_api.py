@@ -17,7 +17,7 @@ MSGS = [{"role": "user", "content": "w40 w41 w42 w43"}]
 def colar_server(tmp_path_factory):
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
-    from latentserve.testing.colar_models import save_colar_tiny
+    from tests.support.colar_models import save_colar_tiny
 
     d = save_colar_tiny(tmp_path_factory.mktemp("colar-api") / "m", stop_push=16.0,
                         compression_factor=2, max_compression_factor=5, max_latent=6)

@@ -25,7 +25,7 @@ QUESTIONS = ("1 2 * 3 4", "5 6 * 7 8")
 def models(tmp_path_factory, smollm2_dir):
     """``(both, text_only)``: a models directory with the two stand-ins, one with the text
     model alone."""
-    from latentserve.testing.colar_models import save_colar_tiny
+    from tests.support.colar_models import save_colar_tiny
 
     both = tmp_path_factory.mktemp("demo-both")
     script = {cur: [(nxt, 10.0)] for cur, nxt in pairwise(CHAIN)}

@@ -15,7 +15,7 @@ from latentserve.eval.run import evaluate
 def head_server(tmp_path_factory, smollm2_dir):
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
-    from latentserve.testing.head_models import save_head_model
+    from tests.support.head_models import save_head_model
 
     d = save_head_model(tmp_path_factory.mktemp("evalurl") / "m", source_layer=1, seed=4)
     srv = start_server(EngineConfig(model=str(d), max_num_seqs=4), timeout=300)

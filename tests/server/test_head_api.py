@@ -19,7 +19,7 @@ ENV = {"LATENTSERVE_MAX_LATENT": "3", "LATENTSERVE_USE_STOP": "0",
 def head_server(tmp_path_factory, smollm2_dir):
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
-    from latentserve.testing.head_models import save_head_model
+    from tests.support.head_models import save_head_model
 
     d = save_head_model(tmp_path_factory.mktemp("head-api") / "m")
     saved = {k: os.environ.get(k) for k in ENV}
@@ -233,7 +233,7 @@ def test_log_level_debug_reaches_the_engine_per_request_latent_log_line(tmp_path
     line); the engine process used to log at INFO whatever the flag said."""
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
-    from latentserve.testing.head_models import save_head_model
+    from tests.support.head_models import save_head_model
 
     d = save_head_model(tmp_path / "m")
     srv = start_server(EngineConfig(model=str(d), max_num_seqs=2), timeout=300,
@@ -259,7 +259,7 @@ def test_answer_budget_floor_counts_in_the_request_output_limit(tmp_path, smollm
     could otherwise send ``max_tokens: 1`` and have each choice run to the context's end."""
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
-    from latentserve.testing.head_models import save_head_model
+    from tests.support.head_models import save_head_model
 
     d = save_head_model(tmp_path / "m")
     env = {"LATENTSERVE_MAX_LATENT": "2", "LATENTSERVE_USE_STOP": "0",

@@ -27,10 +27,10 @@ BUDGETS = {"plain": [None, 0], "coconut": [0, 3], "huginn": [2, 5], "lotus": [1,
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, smollm2_dir):
-    from latentserve.testing.latent_models import save_latent_tiny
-    from latentserve.testing.loop_models import save_loop_tiny
-    from latentserve.testing.recurrent_models import write_huginn
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.loop_models import save_loop_tiny
+    from latentserve.bench.baseline.recurrent_models import write_huginn
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = tmp_path_factory.mktemp("multi-model")
     return {
@@ -89,14 +89,17 @@ def _reference(kind, model_dir, budget, hf_models) -> list[int]:
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         return ids[len(PROMPT):]
     if kind == "coconut":
-        from latentserve.testing.latent_reference import reference_generate
+        from latentserve.bench.baseline.latent_reference import reference_generate
 
         return reference_generate(model_dir, PROMPT, budget, MAX_TOKENS, ignore_eos=True)[0]
     if kind == "huginn":
-        from latentserve.testing.recurrent_reference import HuginnReference
+        from latentserve.bench.baseline.recurrent_reference import HuginnReference
 
         return HuginnReference(model_dir).generate(PROMPT, MAX_TOKENS, budget)["tokens"]
-    from latentserve.testing.loop_reference import load_lotus_reference, reference_generate_loop
+    from latentserve.bench.baseline.loop_reference import (
+        load_lotus_reference,
+        reference_generate_loop,
+    )
 
     return reference_generate_loop(load_lotus_reference(str(model_dir)), PROMPT, budget,
                                    MAX_TOKENS, ignore_eos=True)[0]

@@ -18,7 +18,7 @@ NO_TOKENIZER = "this model directory has no tokenizer files; send token ids"
 
 @pytest.fixture(scope="module")
 def bare_huginn(tmp_path_factory):
-    from latentserve.testing.recurrent_models import write_huginn
+    from latentserve.bench.baseline.recurrent_models import write_huginn
 
     d = write_huginn(tmp_path_factory.mktemp("no-tokenizer-api") / "huginn")
     for f in d.iterdir():
@@ -50,7 +50,7 @@ def _ids(logprobs) -> list[int]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_token_id_prompt_gives_the_reference_tokens(http, bare_huginn, stream):
-    from latentserve.testing.recurrent_reference import HuginnReference
+    from latentserve.bench.baseline.recurrent_reference import HuginnReference
 
     ref = HuginnReference(bare_huginn).generate(PROMPT, MAX_TOKENS, DEPTH)["tokens"]
     if stream:

@@ -20,7 +20,7 @@ SERVER_CAP = 6  # the checkpoint allows 8
 def huginn_dir(tmp_path_factory, smollm2_dir):
     from transformers import AutoTokenizer
 
-    from latentserve.testing.recurrent_models import write_huginn
+    from latentserve.bench.baseline.recurrent_models import write_huginn
 
     d = write_huginn(tmp_path_factory.mktemp("recurrent-api") / "huginn")
     tok = AutoTokenizer.from_pretrained(d)  # a chat template that renders the contents only
@@ -53,7 +53,7 @@ def _body(**fields):
 
 
 def _reference(huginn_dir, depth, criterion=None, threshold="auto", semantics="engine"):
-    from latentserve.testing.recurrent_reference import HuginnReference
+    from latentserve.bench.baseline.recurrent_reference import HuginnReference
 
     ref = HuginnReference(huginn_dir).generate(PROMPT, MAX_TOKENS, depth, criterion, threshold,
                                                semantics=semantics)

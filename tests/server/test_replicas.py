@@ -23,7 +23,7 @@ def _stats(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     d = save_tiny(tmp_path_factory.mktemp("dp") / "llama", "llama", word_tokenizer=True,
                   vocab_size=1024)
@@ -190,7 +190,7 @@ def test_latent_fields_reach_the_replicas_inside_chat_template_kwargs(tmp_path):
     ``chat_template_kwargs`` they arrive (docs/scaling.md), on a COCONUT model."""
     import httpx
 
-    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
 
     d = save_latent_tiny(tmp_path, "coconut-gpt2")
     proc, urls = _start(d)

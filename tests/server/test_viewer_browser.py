@@ -114,11 +114,11 @@ def views_server(tmp_path_factory, smollm2_dir):
     ``dirs`` attribute maps ``huginn`` / ``ouro`` / ``pccot`` / ``coconut`` to the served
     name."""
     pytest.importorskip("peft")
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.loop_models import save_loop_tiny
+    from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
-    from latentserve.testing.latent_models import save_latent_tiny
-    from latentserve.testing.loop_models import save_loop_tiny
-    from latentserve.testing.recurrent_models import write_huginn, write_ouro
 
     root = tmp_path_factory.mktemp("viewer-views")
     dirs = {"huginn": write_huginn(root / "huginn"), "ouro": write_ouro(root / "ouro"),

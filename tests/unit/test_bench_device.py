@@ -6,7 +6,7 @@ import json
 
 
 def test_head_gpu_tiny(tmp_path):
-    from latentserve.bench.head_gpu import main
+    from benchmarks.head_gpu import main
 
     out = tmp_path / "head.json"
     assert main([str(out), "--tiny", "--step-rounds", "2"]) == 0
@@ -32,7 +32,7 @@ def test_head_gpu_tiny(tmp_path):
 
 
 def test_recurrent_gpu_tiny(tmp_path):
-    from latentserve.bench.recurrent_gpu import main
+    from benchmarks.recurrent_gpu import main
 
     out = tmp_path / "rec.json"
     assert main([str(out), "--tiny"]) == 0
@@ -56,7 +56,7 @@ def test_host_bench_times_latent_and_plain_steps():
     whole batch (it raises otherwise), the plain run decodes the same batch."""
     import torch
 
-    from latentserve.bench.host import run_host_bench
+    from benchmarks.host import run_host_bench
 
     threads = torch.get_num_threads()  # the bench runs torch on one thread
     try:

@@ -12,7 +12,7 @@ def test_questions_are_packaged():
 
 
 def test_run_offline_bench_tiny_llama(tmp_path):
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     model = save_tiny(tmp_path / "m", "llama")
     res = run_offline_bench(model=str(model), num_prompts=3, output_len=4)

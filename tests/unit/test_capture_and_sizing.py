@@ -5,7 +5,7 @@ import torch
 
 from latentserve.config import EngineConfig
 from latentserve.engine.kv_sizing import kv_slots_for
-from latentserve.testing.parity import run_batch, shared_prefix_prompts
+from tests.support.parity import run_batch, shared_prefix_prompts
 
 
 @pytest.mark.parametrize("kind,layer", [("llama", 1), ("gpt2", 1)])

@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from latentserve.bench.prefill_itl import measure
+from benchmarks.prefill_itl import measure
 
 PROMPT = 512
 
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory, smollm2_dir):
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     return str(save_tiny(tmp_path_factory.mktemp("itl") / "tiny", "llama",
                          max_position_embeddings=1024))

@@ -9,7 +9,7 @@ from latentserve.cli import main
 
 
 def test_generate_takes_a_latent_budget(tmp_path, smollm2_dir, capsys):
-    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
 
     path = save_latent_tiny(tmp_path, "coconut-gpt2")
     assert main(["generate", "--model", str(path), "--prompt", "w5 w6 w7", "--raw",
@@ -74,7 +74,7 @@ def test_thinking_off_is_harmless_on_a_model_without_a_head(tiny_dirs, capsys):
 def test_generate_takes_token_ids_and_prints_ids_without_a_tokenizer(tmp_path, capsys):
     """A directory without tokenizer files: ``--prompt-token-ids`` runs and prints the
     output ids (those of the offline API); ``--prompt`` text is one error line saying why."""
-    from latentserve.testing.recurrent_models import write_huginn
+    from latentserve.bench.baseline.recurrent_models import write_huginn
 
     d = write_huginn(tmp_path / "huginn")
     for f in d.iterdir():

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 import torch
 
 from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 

@@ -19,7 +19,7 @@ from latentserve.ops.kernels import decode_linear, rms_norm, silu_and_mul
 from latentserve.ops.kernels.decode_linear import pick_tiling
 from latentserve.ops.kernels.pdl import pdl_launch, prefetch_budget, prefetch_lines, share_args
 from latentserve.ops.norm import add_rms_norm
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 
@@ -195,8 +195,8 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, small_voca
     from latentserve.models import layers
     from latentserve.ops import kernels
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.parity import shared_prefix_prompts
-    from latentserve.testing.tp_parity import assert_same, run_requests
+    from tests.support.parity import shared_prefix_prompts
+    from tests.support.tp_parity import assert_same, run_requests
 
     calls, real, real_qkv = [], kernels.decode_linear, kernels.qkv_rope_store_kv
     monkeypatch.setattr(kernels, "decode_linear", lambda *a, **k: calls.append(
@@ -236,13 +236,13 @@ def test_ouro_banks_with_the_qkv_rope_kernel(tmp_path, monkeypatch):
     sub-batch) in bf16 with the q/k/v + RoPE + store kernel writing each iteration's bank,
     against the same fast path with torch GEMMs (``DECODE_ROWS = 0``): equal greedy tokens
     and every step's logits within bf16 noise."""
+    from latentserve.bench.baseline.recurrent_models import write_ouro
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.models import layers
     from latentserve.ops import kernels
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.recurrent_models import write_ouro
-    from latentserve.testing.tp_parity import assert_same, run_requests
+    from tests.support.tp_parity import assert_same, run_requests
 
     calls, real = [], kernels.qkv_rope_store_kv
     monkeypatch.setattr(kernels, "qkv_rope_store_kv",

@@ -83,7 +83,7 @@ def test_a_tokenizer_whose_decode_cleans_up_spaces_uses_the_window(tmp_path):
     (``" ."`` -> ``"."``), which DecodeStream would not: the window keeps decode's text."""
     from transformers import AutoTokenizer
 
-    from latentserve.testing.tiny_models import save_word_tokenizer
+    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
 
     save_word_tokenizer(tmp_path, 64)
     tok = AutoTokenizer.from_pretrained(tmp_path, clean_up_tokenization_spaces=True)

@@ -30,13 +30,13 @@ latentserve data multiplication --k 4 \\
 pip install something
 latentserve serve --port 8123 &
 latentserve generate --prompt "What is # this?" --max-tokens 4  # skip: why not
-python -m latentserve.bench.detok
+python -m benchmarks.detok
 latentserve train cot --data a.txt --out x --device cuda
 latentserve demo [--num-questions 4] [--models-dir models [--x "[y]"]]
 pip install -q -e . && latentserve demo --max-tokens 8
 latentserve serve --model PATH
 latentserve train cot --mode nocot ...
-python -m latentserve.bench.head_gpu --tiny /tmp/h.json
+python -m benchmarks.head_gpu --tiny /tmp/h.json
 ```
 
 <!-- skip: needs upstream checkpoints -->
@@ -55,13 +55,13 @@ def test_commands_and_skips_are_found(docs_check, tmp_path):
         (7, "latentserve serve --port 8123", None, True),
         (8, 'latentserve generate --prompt "What is # this?" --max-tokens 4', "why not",
          False),
-        (9, "python -m latentserve.bench.detok", None, False),
+        (9, "python -m benchmarks.detok", None, False),
         (10, "latentserve train cot --data a.txt --out x --device cuda", "gpu", False),
         (11, "latentserve demo", None, False),  # a usage line runs without [options]
         (12, "latentserve demo --max-tokens 8", None, False),  # the part after &&
         (13, "latentserve serve --model PATH", "placeholder", False),
         (14, "latentserve train cot --mode nocot ...", "placeholder", False),
-        (15, "python -m latentserve.bench.head_gpu --tiny /tmp/h.json", None, False),
+        (15, "python -m benchmarks.head_gpu --tiny /tmp/h.json", None, False),
         (20, "latentserve convert coconut --base gpt2-dir --checkpoint c --out o",
          "needs upstream checkpoints", False),
     ]

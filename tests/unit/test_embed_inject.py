@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from latentserve.models.layers import inject
 from latentserve.ops.kernels.embed_inject import embed_inject
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 
@@ -63,13 +63,13 @@ def test_fused_coconut_llama_latent_steps_match_the_reference_loop(tmp_path, mon
     feeds its latent vectors through ``embed_inject``: greedy answers and first-answer
     logits equal the eager per-request reference loop (fp32, 1e-4), for a mixed-budget
     batch."""
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_reference import reference_generate
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.ops.kernels import embed_inject as module
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.latent_models import save_latent_tiny
-    from latentserve.testing.latent_reference import reference_generate
-    from latentserve.testing.parity import shared_prefix_prompts
+    from tests.support.parity import shared_prefix_prompts
 
     latent_calls, real = [], module.embed_inject
     monkeypatch.setattr(module, "embed_inject", lambda w, ids, e, m: (

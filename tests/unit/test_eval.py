@@ -114,7 +114,7 @@ def test_summary_equals_a_hand_count(gsm_file):
 
 @pytest.fixture(scope="module")
 def head_dir(tmp_path_factory, smollm2_dir):
-    from latentserve.testing.head_models import save_head_model
+    from tests.support.head_models import save_head_model
 
     return save_head_model(tmp_path_factory.mktemp("eval") / "m", source_layer=1, seed=2)
 

@@ -47,7 +47,7 @@ def test_test_checkpoint_builders_name_the_extra(monkeypatch, tmp_path, builder)
     import importlib
 
     module, name = builder.split(".")
-    fn = getattr(importlib.import_module(f"latentserve.testing.{module}"), name)
+    fn = getattr(importlib.import_module(f"latentserve.bench.baseline.{module}"), name)
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(ModuleNotFoundError, match=r"needs peft, .*latentserve\[train\]"):
         fn(tmp_path)

@@ -16,8 +16,8 @@ import torch
 
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
-from latentserve.testing.parity import hf_reference, run_batch, shared_prefix_prompts
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.parity import hf_reference, run_batch, shared_prefix_prompts
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 
@@ -50,7 +50,7 @@ def _run_with_and_without_fused_kv_store(path, reqs, monkeypatch, **cfg):
     (tested in ``test_decode_linear.py`` and ``test_qkv_rope.py``)."""
     from latentserve.attention import triton_backend
     from latentserve.models import layers
-    from latentserve.testing.tp_parity import run_requests
+    from tests.support.tp_parity import run_requests
 
     monkeypatch.setattr(layers, "DECODE_ROWS", 0)
 
@@ -74,7 +74,7 @@ def test_fused_kv_store_gives_the_two_kernel_path_bitwise(kind, dtype, small_voc
     """Prefill, extend over a cached prefix and decode with RoPE and the KV store in one
     kernel: greedy tokens and every step's logits equal the two-kernel path exactly."""
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.tp_parity import assert_same
+    from tests.support.tp_parity import assert_same
 
     sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]  # 51, 30 (its prefix), 3 tokens
@@ -98,8 +98,8 @@ def _ouro_requests():
 def test_fused_kv_store_ouro_banks_bitwise(tmp_path, monkeypatch):
     """Ouro on the Triton backend: each loop iteration's bank gets the fused store, also
     when exited rows leave a sub-batch; tokens and logits equal the two-kernel path."""
-    from latentserve.testing.recurrent_models import write_ouro
-    from latentserve.testing.tp_parity import assert_same
+    from latentserve.bench.baseline.recurrent_models import write_ouro
+    from tests.support.tp_parity import assert_same
 
     path = write_ouro(tmp_path / "ouro")
     reqs = _ouro_requests()
@@ -111,9 +111,9 @@ def test_fused_kv_store_huginn_banks_bitwise(tmp_path, monkeypatch):
     """Huginn on the Triton backend: the qk_bias + pair-RoPE kernel stores each iteration's
     K/V into its bank, with early exit (banks then filled from the exit iteration); tokens
     and logits equal the two-kernel path."""
+    from latentserve.bench.baseline.recurrent_models import write_huginn
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.recurrent_models import write_huginn
-    from latentserve.testing.tp_parity import assert_same
+    from tests.support.tp_parity import assert_same
 
     path = write_huginn(tmp_path / "huginn")
     g = torch.Generator().manual_seed(4)
@@ -130,12 +130,12 @@ def test_fused_kv_store_llama_tp2_matches_tp1(small_vocab_dirs, tmp_path, monkey
     """The fast path on the Triton backend after sharding (one KV head per rank): each rank's
     RoPE kernel stores its local heads; TP=2 gives the TP=1 tokens and logits (1e-4)."""
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.tp_parity import assert_same, run_requests
+    from tests.support.tp_parity import assert_same, run_requests
 
     # The rank-1 worker is a fresh interpreter (inheriting TRITON_INTERPRET): it needs this
     # process's interpreter patches too, applied at its startup through sitecustomize.
     (tmp_path / "sitecustomize.py").write_text(
-        "from latentserve.testing.triton_interpreter import patch_triton_interpreter\n"
+        "from tests.support.triton_interpreter import patch_triton_interpreter\n"
         "patch_triton_interpreter()\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
@@ -168,8 +168,8 @@ def test_fused_ouro_matches_unfused_fp32(tmp_path):
     the unfused path's tokens and logits (1e-4) for mixed depths and readouts; the unfused
     path is checked against the upstream-algorithm reference in
     ``tests/parity/test_recurrent_parity.py``."""
-    from latentserve.testing.recurrent_models import write_ouro
-    from latentserve.testing.tp_parity import assert_same, run_requests
+    from latentserve.bench.baseline.recurrent_models import write_ouro
+    from tests.support.tp_parity import assert_same, run_requests
 
     path = write_ouro(tmp_path / "ouro")
     reqs = _ouro_requests()
@@ -213,9 +213,9 @@ def test_fused_huginn_matches_unfused_fp32(tmp_path):
     pair-RoPE kernel, SiLU-and-multiply) gives the unfused path's tokens and logits (1e-4)
     at mixed depths, with and without early exit; the unfused path is checked against the
     upstream-algorithm reference in ``tests/parity/test_recurrent_parity.py``."""
+    from latentserve.bench.baseline.recurrent_models import write_huginn
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.recurrent_models import write_huginn
-    from latentserve.testing.tp_parity import assert_same, run_requests
+    from tests.support.tp_parity import assert_same, run_requests
 
     path = write_huginn(tmp_path / "huginn")
     g = torch.Generator().manual_seed(4)
@@ -238,8 +238,8 @@ def test_fused_huginn_matches_unfused_fp32(tmp_path):
 def test_recurrent_models_take_the_fast_path_when_asked(tmp_path):
     """``fused_ops`` (the CUDA + Triton default) switches Huginn and Ouro to the fast path,
     which passed its fp32 parity test on the H200; without it they stay unfused."""
+    from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
     from latentserve.models.loader import load_model
-    from latentserve.testing.recurrent_models import write_huginn, write_ouro
 
     for path in (write_huginn(tmp_path / "h"), write_ouro(tmp_path / "o")):
         plain, _ = load_model(path, torch.float32, "cpu")
@@ -252,9 +252,9 @@ def test_recurrent_models_take_the_fast_path_when_asked(tmp_path):
 def test_fused_huginn_tp2_matches_tp1(tmp_path):
     """The fast path (the CUDA default for Huginn) after sharding: TP=2 over gloo gives the
     TP=1 fast path's tokens and logits (1e-4), with heads split unevenly (2 + 1)."""
+    from latentserve.bench.baseline.recurrent_models import write_huginn
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.recurrent_models import write_huginn
-    from latentserve.testing.tp_parity import assert_same, run_requests
+    from tests.support.tp_parity import assert_same, run_requests
 
     path = write_huginn(tmp_path / "huginn", n_embd=48, num_attention_heads=3,
                         num_key_value_heads=3)

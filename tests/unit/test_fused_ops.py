@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 import torch
 
 from latentserve.ops import activation, kernels, norm, rotary
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 

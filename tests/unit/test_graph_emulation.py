@@ -27,7 +27,7 @@ from latentserve.engine import cuda_graph, overlap
 from latentserve.engine.cuda_graph import CudaGraphRunner
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 
@@ -91,7 +91,7 @@ def emulated_graphs(monkeypatch):
 def small_vocab_llama(tmp_path_factory):
     """The tiny Llama with a 1024-token vocabulary: its LM head and argmax interpret ~48x
     faster than with SmolLM2's vocabulary (the argmax's chunked pass has its own tests)."""
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("small-vocab") / "llama", "llama",
                      word_tokenizer=True, vocab_size=1024)
@@ -251,7 +251,7 @@ def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp
     into static buffers (``CudaGraphRunner.readout_steps``, ``exit_probs``): the
     ``return_latent_trace`` of replayed steps equals the eager engine's, for traced rows with
     threshold, last and weighted readouts."""
-    from latentserve.testing.recurrent_models import write_ouro
+    from latentserve.bench.baseline.recurrent_models import write_ouro
 
     d = write_ouro(tmp_path / "ouro")
     cases = [(4, "threshold", 0.6), (3, "last", None), (3, "weighted", None)]

@@ -49,9 +49,9 @@ def test_a_multi_model_server_applies_the_cap_where_it_can(tmp_path, tiny_dirs):
     its own range, a plain model ignores the cap (one model alone still refuses it)."""
     import argparse
 
+    from latentserve.bench.baseline.recurrent_models import write_ouro
     from latentserve.cli import add_engine_args, engine_configs
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.recurrent_models import write_ouro
 
     ouro = write_ouro(tmp_path / "ouro")  # max_recurrence 6
     p = argparse.ArgumentParser()

@@ -7,12 +7,12 @@ import shutil
 import pytest
 import torch
 
+from latentserve.bench.baseline import latent_models as lm
+from latentserve.bench.baseline.latent_reference import load_reference, reference_generate
 from latentserve.cli.convert import add_args as add_convert_args
 from latentserve.cli.convert import run as convert_main
 from latentserve.latent import feedback as fb
 from latentserve.latent.convert import convert_coconut
-from latentserve.testing import latent_models as lm
-from latentserve.testing.latent_reference import load_reference, reference_generate
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -153,8 +153,8 @@ def test_converter_cli_and_base_weight_fallback(dirs, tmp_path):
 
 
 def test_codi_converter_rejects_wrong_base_and_keep_eos_spec(dirs, tmp_path):
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.latent.convert import convert_codi
-    from latentserve.testing.tiny_models import save_tiny
 
     root = dirs["codi-gpt2"].parent
     ckpt = root / "upstream" / "model.safetensors"
@@ -227,7 +227,7 @@ def test_no_latent_config_means_none(tmp_path):
 def _recompute_loop(model, cfg, prompt, budget, max_tokens, feedback):
     """Upstream COCONUT ``generate``'s shape: no KV cache, the whole embedded sequence is
     re-run for every position (independent of the cached reference loop)."""
-    from latentserve.testing.latent_reference import _wrap_ids
+    from latentserve.bench.baseline.latent_reference import _wrap_ids
 
     emb = model.get_input_embeddings()
     start, end = _wrap_ids(cfg)

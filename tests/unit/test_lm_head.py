@@ -17,7 +17,7 @@ import torch
 from latentserve.ops.kernels.argmax import argmax_of_chunks
 from latentserve.ops.kernels.decode_linear import decode_linear, decode_linear_argmax
 from latentserve.ops.kernels.lm_head import lm_head_partials
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 

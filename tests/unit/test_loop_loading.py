@@ -20,7 +20,7 @@ from latentserve.server.params import latent_budget
 @pytest.fixture(scope="module")
 def pccot_upstream(tmp_path_factory, smollm2_dir):
     pytest.importorskip("peft")  # inside: peft imports triton (test_triton_attention's interpreter)
-    from latentserve.testing.loop_models import write_upstream_pccot
+    from latentserve.bench.baseline.loop_models import write_upstream_pccot
 
     root = tmp_path_factory.mktemp("pccot-upstream")
     return write_upstream_pccot(root, "llama", block_size=5, iterations=4, use_projection=True)

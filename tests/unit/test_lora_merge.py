@@ -86,9 +86,9 @@ def test_codi_bf16_checkpoint_merges_in_fp32_not_rounded_to_bf16(tmp_path, smoll
     float32 sum, not that sum rounded back to bf16 (the old ``.to(w.dtype)``)."""
     from safetensors.torch import load_file, save_file
 
+    from latentserve.bench.baseline.latent_models import write_upstream_codi
     from latentserve.latent.convert import convert_codi
     from latentserve.models.loader import load_model
-    from latentserve.testing.latent_models import write_upstream_codi
 
     base_dir, ckpt = write_upstream_codi(tmp_path, "llama", "safetensors")
     sd = {k: v.bfloat16() for k, v in load_file(ckpt).items()}

@@ -22,7 +22,7 @@ def _weights_only(model_dir):
 @pytest.fixture(scope="module", params=["huginn", "ouro"])
 def bare(request, tmp_path_factory):
     """``(kind, directory without tokenizer files, reference tokens for PROMPT)``."""
-    from latentserve.testing import recurrent_models, recurrent_reference
+    from latentserve.bench.baseline import recurrent_models, recurrent_reference
 
     kind = request.param
     d = tmp_path_factory.mktemp("no-tokenizer") / kind
@@ -77,8 +77,8 @@ def test_stop_strings_are_refused_and_nothing_stays_queued(llm):
 
 def test_a_broken_tokenizer_file_is_still_an_error(tmp_path):
     """Only a directory with no tokenizer file at all is served without one."""
+    from latentserve.bench.baseline.recurrent_models import write_ouro
     from latentserve.models.checkpoint import load_tokenizer
-    from latentserve.testing.recurrent_models import write_ouro
 
     d = _weights_only(write_ouro(tmp_path / "ouro"))
     (d / "tokenizer.json").write_text("{not json")

@@ -31,7 +31,7 @@ def test_pool_smaller_than_context_lowers_max_model_len_instead_of_hanging(tiny_
 
 
 def test_offline_outputs_carry_latent_steps_and_trace(tmp_path, smollm2_dir):
-    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
 
     llm = LLM(model=str(save_latent_tiny(tmp_path, "coconut-gpt2")))
     outs = llm.generate([[5, 6, 7, 8], [9, 10, 11]],
@@ -51,7 +51,7 @@ def test_offline_outputs_carry_latent_steps_and_trace(tmp_path, smollm2_dir):
 def test_a_refused_prompt_leaves_nothing_queued_and_the_llm_usable(tmp_path, smollm2_dir):
     """A budget over the cap in the second prompt: ValueError naming the field, the first
     prompt is not left queued, and the next call answers as a fresh one would."""
-    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
 
     llm = LLM(model=str(save_latent_tiny(tmp_path, "coconut-gpt2")))
     good = SamplingParams(temperature=0, max_tokens=3, latent_budget=1)
@@ -71,7 +71,7 @@ def test_chat_template_kwargs_turn_a_heads_thinking_on_and_off(tmp_path, smollm2
     """``LLM.chat(..., chat_template_kwargs={"enable_thinking": False})`` turns the latent
     phase off, as the same kwargs do on ``/v1/chat/completions`` (``thinking`` too, a
     string "false" as well); a ``thinking`` set in the SamplingParams wins over them."""
-    from latentserve.testing.head_models import save_head_model
+    from tests.support.head_models import save_head_model
 
     llm = LLM(model=str(save_head_model(tmp_path / "m")))
     conv = [{"role": "user", "content": "hi"}]
@@ -101,7 +101,7 @@ def test_a_stop_string_keeps_a_heads_latent_stats(tmp_path, smollm2_dir):
     """Offline, a thinking request that a stop string ends (aborted, no final engine output)
     keeps the stats its latent phase ended with; the engine sends them once when the phase
     settles and again on a final output."""
-    from latentserve.testing.head_models import save_head_model
+    from tests.support.head_models import save_head_model
 
     llm = LLM(model=str(save_head_model(tmp_path / "m")))
     p = SamplingParams(temperature=0, max_tokens=12, max_latent=2, use_stop=False,
@@ -150,8 +150,8 @@ def test_offline_outputs_carry_a_recurrent_models_per_token_trace(tmp_path):
     """``LLM.generate`` with ``return_latent_trace`` on Ouro: each generated token's depth
     and readout step, equal to the eager reference's; a request that did not ask in the same
     batch has no trace; a model without a trace refuses the field by name."""
-    from latentserve.testing.recurrent_models import write_ouro
-    from latentserve.testing.recurrent_reference import OuroReference
+    from latentserve.bench.baseline.recurrent_models import write_ouro
+    from latentserve.bench.baseline.recurrent_reference import OuroReference
 
     d = write_ouro(tmp_path / "ouro")
     prompt = [(7 * i + 11) % 900 + 20 for i in range(10)]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from latentserve.ops import kernels, rotary
 from latentserve.ops.kernels.qkv_rope import qkv_rope_store_kv
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
+from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
 from latentserve.config import EngineConfig
 from latentserve.latent.recurrent import ExitRule, cache_salt_key, resolve_exit_rule
 from latentserve.models.loader import load_model
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.recurrent_models import write_huginn, write_ouro
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +149,8 @@ def test_request_validation(dirs):
 
 
 def test_plain_model_rejects_exit_fields(tmp_path):
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.tiny_models import save_tiny
 
     d = save_tiny(tmp_path / "llama", "llama", word_tokenizer=True, vocab_size=1024)
     engine = LLMEngine(EngineConfig(model=str(d), kv_slots=256, max_model_len=64))
@@ -171,8 +171,8 @@ def test_sampling_params_exit_fields_are_validated():
 @pytest.mark.parametrize("field,value", [("exit_threshold", 0.5), ("exit_min_steps", 2),
                                          ("exit_check_every", 3)])
 def test_plain_model_rejects_each_exit_field_by_name(tmp_path, field, value):
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.tiny_models import save_tiny
 
     d = save_tiny(tmp_path / "llama", "llama", word_tokenizer=True, vocab_size=1024)
     engine = LLMEngine(EngineConfig(model=str(d), kv_slots=256, max_model_len=64))
@@ -184,8 +184,8 @@ def test_plain_model_rejects_each_exit_field_by_name(tmp_path, field, value):
 @pytest.mark.parametrize("field", ["return_latent_trace", "stream_latent_steps"])
 def test_latent_report_fields_on_a_plain_model_are_refused(tmp_path, field):
     """They would silently do nothing (trace null, no ticks)."""
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.tiny_models import save_tiny
 
     d = save_tiny(tmp_path / "llama", "llama", word_tokenizer=True, vocab_size=1024)
     engine = LLMEngine(EngineConfig(model=str(d), kv_slots=256, max_model_len=64))
@@ -195,8 +195,8 @@ def test_latent_report_fields_on_a_plain_model_are_refused(tmp_path, field):
 
 
 def test_stream_latent_steps_on_a_recurrent_model_is_refused(tmp_path):
+    from latentserve.bench.baseline.recurrent_models import write_huginn
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.recurrent_models import write_huginn
 
     engine = LLMEngine(EngineConfig(model=str(write_huginn(tmp_path / "h"))))
     with pytest.raises(ValueError, match="^stream_latent_steps needs .* recurrent-depth"):

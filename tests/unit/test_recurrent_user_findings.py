@@ -93,9 +93,9 @@ def test_http_budget_in_range_passes():
 @pytest.mark.parametrize("family", ["huginn", "ouro"])
 def test_cap_below_default_lowers_the_default(tmp_path, family):
     """docs/models.md: a ``max_latent_budget`` below the default depth lowers the default."""
+    from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.recurrent_models import write_huginn, write_ouro
 
     d = (write_huginn if family == "huginn" else write_ouro)(tmp_path / family)
     engine = LLMEngine(EngineConfig(model=str(d), kv_slots=256, max_model_len=64,
@@ -115,7 +115,7 @@ def test_follow_up_prompt_with_early_exit_matches_a_cold_engine(tmp_path, family
     """Generated tokens that exited early are not cached: a follow-up prompt that continues
     the answer (multi-turn chat) runs every iteration on it, as on a fresh engine."""
     from latentserve import LLM
-    from latentserve.testing.recurrent_models import write_huginn, write_ouro
+    from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
 
     path = (write_huginn if family == "huginn" else write_ouro)(tmp_path / family)
     prompt = [(13 * i + 3) % 900 + 20 for i in range(20)]

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 import torch
 
 from latentserve.ops.kernels.rope_rows import rope_rows
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 

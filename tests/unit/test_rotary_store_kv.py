@@ -18,7 +18,7 @@ import torch
 
 from latentserve.attention.kernels import store_kv
 from latentserve.ops import kernels, rotary
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 

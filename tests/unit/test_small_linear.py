@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from latentserve.latent.bundle import random_bundle
 from latentserve.ops.kernels.small_linear import small_linear
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 

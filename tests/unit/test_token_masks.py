@@ -309,7 +309,7 @@ def test_the_constraint_covers_the_answer_not_the_latent_phase(tmp_path):
     """A COCONUT model thinks its latent steps, then answers inside the grammar; the latent
     phase is the same as without the constraint."""
     from latentserve import LLM
-    from latentserve.testing.latent_models import save_latent_tiny
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
 
     llm = LLM(str(save_latent_tiny(tmp_path, "coconut-llama")), max_num_seqs=4)
     base = {"max_tokens": 20, "temperature": 0, "latent_budget": 3}

@@ -1,5 +1,5 @@
 """CoLaR stage 1 (train/colar.py, ``latentserve train colar``) and the eager reference loop
-(testing/colar_reference.py) on a tiny random Llama with a word-level tokenizer that has a
+(tests/support/colar_reference.py) on a tiny random Llama with a word-level tokenizer that has a
 ``###`` token: the batched loss equals upstream's algorithm run on each example alone, a
 short run lowers the loss, the output directory loads with ``load_colar`` and PEFT, and a
 toy model trained for it ends its latent phase after ceil(steps / c) latents."""
@@ -23,7 +23,7 @@ def _backbone(out):
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     save_tiny(out, "llama", word_tokenizer=True, vocab_size=len(WORDS))
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
@@ -189,14 +189,14 @@ def test_a_colar_directory_as_init_adapter_continues_its_policy(trained, toy_fil
 
 @pytest.fixture(scope="module")
 def reference_model(trained):
-    from latentserve.testing.colar_reference import load_colar_reference
+    from tests.support.colar_reference import load_colar_reference
 
     return load_colar_reference(trained[0])
 
 
 @pytest.mark.parametrize("c,latents", [(1, 5), (2, 3)])
 def test_trained_toy_stops_after_ceil_steps_over_c_latents(reference_model, c, latents):
-    from latentserve.testing.colar_reference import colar_generate_reference
+    from tests.support.colar_reference import colar_generate_reference
 
     model, tok, cfg, policy = reference_model
     for q in ("3 + 4", "1 + 2", "5 + 0"):
@@ -211,7 +211,7 @@ def test_trained_toy_stops_after_ceil_steps_over_c_latents(reference_model, c, l
 def test_reference_matches_a_full_recompute(reference_model):
     """The cached loop's logits equal one uncached pass over prompt, latents, ``###`` and
     the answer; a latent is the policy mean of the previous position times embeds_std."""
-    from latentserve.testing.colar_reference import colar_generate_reference
+    from tests.support.colar_reference import colar_generate_reference
 
     model, tok, cfg, policy = reference_model
     out = colar_generate_reference(model, tok, policy, cfg, "2 + 5", compression_factor=2,
@@ -231,7 +231,7 @@ def test_reference_matches_a_full_recompute(reference_model):
 
 
 def test_reference_caps_latents_and_samples_with_the_generator(reference_model):
-    from latentserve.testing.colar_reference import colar_generate_reference
+    from tests.support.colar_reference import colar_generate_reference
 
     model, tok, cfg, policy = reference_model
     capped = colar_generate_reference(model, tok, policy, cfg, "3 + 4", compression_factor=1,

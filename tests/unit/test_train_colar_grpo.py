@@ -42,7 +42,7 @@ def stage1(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from latentserve.testing.colar_models import save_colar_tiny
+    from tests.support.colar_models import save_colar_tiny
 
     root = tmp_path_factory.mktemp("colar-grpo")
     base = save_colar_tiny(root / "base", stop_push=12.0, vocab_size=64, max_latent=8,
@@ -104,7 +104,7 @@ def test_recomputed_logprobs_are_those_of_the_engine_draws(stage1):
     generator's noise, the latent log-probs are that Normal's, the answer log-probs are the
     reference loop's logits at the positions that chose them (``###`` at the last latent),
     and recomputing with gradients gives the same values (ratio 1 before an update)."""
-    from latentserve.testing.colar_reference import colar_generate_reference
+    from tests.support.colar_reference import colar_generate_reference
 
     model, tok, ccfg, policy = _trainable(stage1)
     engine = LLMEngine(EngineConfig(model=str(stage1)))
@@ -206,7 +206,7 @@ def test_engine_after_a_push_serves_the_updated_trainer_like_the_reference(stage
     """LoRA and policy moved by hand, pushed: the engine's greedy answers and latent counts
     are those of the reference loop on the updated PEFT model and policy (and differ from
     before the update); a warm prefix cache from the old weights is not reused."""
-    from latentserve.testing.colar_reference import colar_generate_reference
+    from tests.support.colar_reference import colar_generate_reference
 
     model, tok, ccfg, policy = _trainable(stage1)
     engine = LLMEngine(EngineConfig(model=str(stage1)))
@@ -364,7 +364,7 @@ def test_bad_options_are_refused(field, value, match):
 
 
 def test_a_directory_without_an_adapter_is_refused(toy_data, tmp_path):
-    from latentserve.testing.colar_models import save_colar_tiny
+    from tests.support.colar_models import save_colar_tiny
 
     full = save_colar_tiny(tmp_path / "full", vocab_size=64)
     with pytest.raises(ValueError, match="LoRA adapter"):

@@ -24,8 +24,8 @@ def toy(tmp_path_factory, smollm2_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.cli import main
-    from latentserve.testing.tiny_models import save_tiny
     from latentserve.train.tasks import generate_multiplication, write_icot
 
     root = tmp_path_factory.mktemp("dagger")

@@ -15,7 +15,7 @@ from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
-from latentserve.testing.head_models import save_head_model
+from tests.support.head_models import save_head_model
 
 
 @pytest.fixture(scope="module")

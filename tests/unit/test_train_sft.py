@@ -29,7 +29,7 @@ def _rows(n=12):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2_dir):
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("sft") / "m", "llama", num_hidden_layers=3)
 
@@ -85,12 +85,12 @@ def test_features_equal_hidden_states_of_each_trace_run_alone(tiny_dir, smollm2_
 
 
 def test_sft_cli_lowers_the_loss_and_writes_a_bundle_that_serves(tiny_dir, data_file, tmp_path):
+    from latentserve.bench.baseline.head_reference import head_reference_generate
     from latentserve.cli import main
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.latent.bundle import read_bundle
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.head_reference import head_reference_generate
 
     out = tmp_path / "head.safetensors"
     rc = main(["train-head", "sft", "--model", str(tiny_dir), "--data", str(data_file),

@@ -19,7 +19,7 @@ from latentserve.attention.base import BatchLayout, make_backend
 from latentserve.attention.torch_backend import TorchBackend
 from latentserve.attention.triton_backend import TritonBackend, TritonMeta
 from latentserve.kvcache.pool import KVPool, PageTable
-from latentserve.testing.triton_interpreter import patch_triton_interpreter
+from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 
@@ -198,10 +198,10 @@ def test_make_backend_triton():
 def test_looped_block_passes_match_torch_backend(tmp_path, smollm2_dir):
     """Loop passes rewrite the block's slots in place (extend rows whose out slots already
     hold K/V): the Triton kernels give the torch backend's answers and logits."""
+    from latentserve.bench.baseline.loop_models import save_loop_tiny
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.loop_models import save_loop_tiny
-    from latentserve.testing.parity import run_batch
+    from tests.support.parity import run_batch
 
     model_dir = save_loop_tiny(tmp_path, "lotus-llama", block_size=3, iterations=2)
     out = {}
@@ -231,7 +231,7 @@ def test_engine_with_split_count_matches_torch_backend(tiny_dirs, splits):
     first logits of a batch equal the torch backend's (1 split: no merge kernel)."""
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.testing.parity import run_batch, shared_prefix_prompts
+    from tests.support.parity import run_batch, shared_prefix_prompts
 
     prompts = shared_prefix_prompts()[:4]
     out = {}

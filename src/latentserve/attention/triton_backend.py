@@ -1,13 +1,6 @@
 """Triton attention backend: paged KV read directly through the page table by Triton kernels.
 
-``forward`` stores the new K/V with the ``store_kv`` kernel (unless the fast path's RoPE
-kernel already did, ``fused_kv_store``), then runs either the split-K flash-decoding kernel
-(every request has ``q_len == 1``) or the FlashAttention-2-style extend kernel (any other
-batch, decode rows included); both read the new tokens' K/V from the pool. It must match
-``TorchBackend``.
-
-Runs on CUDA; on CPU tensors only under the Triton interpreter (``TRITON_INTERPRET=1`` set
-before this module is imported), which the unit tests use.
+Design notes: docs/internals.md, "latentserve.attention.triton_backend".
 """
 
 from __future__ import annotations
@@ -87,10 +80,7 @@ class TritonBackend(AttentionBackend):
 
     def decode_splits(self, batch: int, kv_heads: int, device=None) -> int:
         """Splits per (request, KV head) for a decode batch of ``batch`` requests (see the
-        class docstring). On the H200 (132 SMs, Llama-1B shape: 8 KV heads, 384 keys), per
-        layer: batch 64 takes 16.4 us with one split and 18.8 with two (the merge kernel
-        costs ~2 us); batch 16 takes 8.4 us with eight and 10.5 with two
-        (docs/benchmarks-history.md, session 7)."""
+        class docstring; measured: docs/benchmarks-history.md, session 7)."""
         sms = self.num_sms or _device_sms(device)
         programs = max(batch * kv_heads, 1)
         if programs >= 3 * sms:
@@ -147,9 +137,8 @@ class TritonBackend(AttentionBackend):
         """True for a one-split decode batch (stage 1 is the last attention kernel, so the
         prefetch ends right before the caller's GEMM) on a device with PDL, when all of
         ``weight`` fits the decode attention's prefetch budget
-        (``decode_attention.prefetch_budget``). On the H200 (Llama-1B o_proj) the
-        L2-resident tiling took 10 us off a batch-64 step (one split) and added 20 us at
-        batch 16 (eight splits and the merge kernel; docs/benchmarks-history.md, session 10)."""
+        (``decode_attention.prefetch_budget``; measured: docs/benchmarks-history.md,
+        session 10)."""
         from latentserve.attention.kernels.decode_attention import prefetch_budget
         from latentserve.ops.kernels.pdl import pdl_enabled
 

@@ -1,20 +1,7 @@
 """``latentserve bench --suite families``: every latent family's benchmark in one run, and one
 table of them (issue 27).
 
-The suites it runs, each on its 1B-class shape with random weights in bfloat16 (CUDA):
-plain Llama-3.2-1B and the SmolLM2-135M shape (``bench.gpu``), COCONUT GPT-2 and CODI on
-Llama-3.2-1B (``bench.latent``), a compression head on Llama-3.2-1B (``bench.head_gpu``),
-Huginn-0125 at depth 8 and 32 and Ouro-1.4B (``bench.recurrent_gpu``), PCCoT on GPT-2
-(``bench.loop``). :func:`summarize` reads their results into rows of one table; a figure a
-suite does not measure is None (the feedback and loop suites report no bandwidth floor, the
-head suite only its latent step's, at its step-cost batch).
-
-Row fields: ``family``, ``model``, ``concurrency``; ``step_ms`` (the engine's decode step,
-host wall time), ``replay_ms`` (its CUDA graph replay, device time), ``floor_ms`` (bytes one
-step must read over the copy bandwidth), ``step_over_floor``, ``replay_over_floor``,
-``latent_over_plain_pct`` (a latent step against a plain step of the same engine, at the
-suite's largest concurrency), ``speedup_vs_reference`` (throughput against the family's
-eager reference or HF).
+Design notes: docs/internals.md, "latentserve.bench.families".
 """
 
 from __future__ import annotations

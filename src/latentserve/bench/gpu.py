@@ -1,17 +1,11 @@
-"""GPU benchmark (issue 3): our engine against HF transformers ``generate`` on real-size
-shapes with random weights (bf16), and the decode step against the memory-bandwidth floor.
-
-Run on the H200: ``latentserve bench --suite gpu --json-out PATH`` (or
-``python -m latentserve.bench.gpu PATH``). All times in seconds, throughput in output
-tokens per second, bandwidth in bytes per second.
-"""
+"""GPU benchmark: the engine against HF ``generate`` on real-size random-weight shapes (bf16),
+and the decode step against the memory-bandwidth floor. Seconds, output tokens/s, bytes/s."""
 
 from __future__ import annotations
 
 import gc
 import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,7 +33,7 @@ def save_random_llama(out_dir: Path, shape: dict) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from latentserve.testing.tiny_models import save_word_tokenizer
+    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
 
     cfg = LlamaConfig(bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(0)
@@ -329,11 +323,3 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                                       "concurrency": rows, "inject_cost": inject}
             print(json.dumps({name: result["shapes"][name]}, indent=1), flush=True)
     return result
-
-
-if __name__ == "__main__":
-    # python -m latentserve.bench.gpu [OUT.json] [shape,shape] [--no-hf]
-    args = [a for a in sys.argv[1:] if a != "--no-hf"]
-    out = run_gpu_bench(shapes=tuple(args[1].split(",")) if len(args) > 1 else tuple(SHAPES),
-                        hf_baseline="--no-hf" not in sys.argv)
-    Path(args[0] if args else "gpu_bench.json").write_text(json.dumps(out, indent=1))

@@ -1,43 +1,11 @@
-"""Compression-head benchmark for the H200 (issue 6): closed-loop latent decoding through
-``LLMEngine`` (CUDA graphs on; head, stop head and decoder inside the captured decode
-graphs) at 1, 16 and 64 concurrent requests against the eager single-request closed loop
-over HF transformers (``testing.head_reference.head_reference_generate``), run one request
-at a time in the same process; and the cost of a latent step against a plain decode step.
-
-Models: random bf16 backbones of the SmolLM2-135M and Llama-3.2-1B shapes
-(``bench.gpu.SHAPES``) with a random float32 head bundle inside the model directory
-(``latent.bundle.random_bundle``; head config in ``HEADS``) and ``save_word_tokenizer``'s
-tokenizer (ids 3..1023 are words ``w3..``; the thinking span is ``w5 w6 w7`` ... ``w8``).
-
-Work per request (deterministic: ``use_stop`` off, ``min_latent`` 0): prompt of
-``prompt_len`` random ids + the 3 opening ids, exactly ``max_latent`` latent steps, the
-closing id, then ``answer_len`` greedy answer tokens with ``ignore_eos``. Throughput is
-answer tokens per second (wall clock, device synced, prefill included); each request does
-the same work, so the speedup is also the ratio of requests per second. The reference is
-timed on ``ref_requests`` requests after one warm-up request and its per-request time is
-taken as the same for every request (it runs them one after another).
-
-Latent vs plain step: one batch of ``step_batch`` rows runs ``max_latent`` latent steps
-(steady-step mean of the "latent" steps) and the same prompts with the opening ids and
-thinking off run ``max_latent`` plain decode steps in the same engine; the same plain batch
-also runs on the bare backbone (``no_latent_head``, stepping synchronously like the head
-engine), whose graphs do not run the head.
-Goal (issue 6): latent within 10 % of plain. The bandwidth floor of the latent step is
-(backbone + head weight bytes + the batch's KV bytes at the mean context) / the copy
-bandwidth measured in the same run.
-
-Run on the H200: ``python -m latentserve.bench.head_gpu OUT.json`` (``--help`` for the
-options; ``--tiny`` runs the whole pipeline on a tiny model on the CPU in seconds).
-"""
+"""Compression-head benchmark: the engine's closed-loop latent decoding against the eager
+single-request reference, and a latent step against a plain one (method: benchmarks/head_gpu.py)."""
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-import shlex
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -61,7 +29,7 @@ def build_head_model(root: Path, name: str) -> Path:
     from latentserve.latent.head import HEAD_BUNDLE_NAME
 
     if name == "tiny":
-        from latentserve.testing.tiny_models import save_tiny
+        from latentserve.bench.baseline.tiny_models import save_tiny
 
         path, head, hidden = save_tiny(root, "llama", word_tokenizer=True, **TINY_SHAPE), \
             TINY_HEAD, TINY_SHAPE["hidden_size"]
@@ -195,8 +163,8 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
     reference (after the engines are freed). Returns a JSON-able dict."""
     import torch
 
+    from latentserve.bench.baseline import head_reference as hr
     from latentserve.bench.device_common import agreement, drive
-    from latentserve.testing import head_reference as hr
 
     t_build = time.perf_counter()
     path = build_head_model(root / name, name)
@@ -315,44 +283,3 @@ def run_head_bench(shapes=tuple(HEADS), device: str = "cuda", dtype: str = "bflo
             print(json.dumps({name: out["shapes"][name]}, indent=1), flush=True)
     out["total_s"] = time.perf_counter() - t_start
     return out
-
-
-def main(argv=None) -> int:
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    p = argparse.ArgumentParser(prog="python -m latentserve.bench.head_gpu",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("out", nargs="?", default="head_gpu_bench.json", help="JSON output path")
-    p.add_argument("--shapes", default=",".join(HEADS), help=f"comma list of {list(HEADS)}")
-    p.add_argument("--concurrency", default="1,16,64")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-latent", type=int, default=32)
-    p.add_argument("--answer-len", type=int, default=32)
-    p.add_argument("--ref-requests", type=int, default=3)
-    p.add_argument("--step-rounds", type=int, default=1,
-                   help="repeat the latent/plain/bare step-cost phases this many times in "
-                        "turn and report medians")
-    p.add_argument("--no-bare", action="store_true",
-                   help="skip the bare-backbone plain-step baseline")
-    p.add_argument("--tiny", action="store_true",
-                   help="tiny model on the CPU, float32, small lengths (CI smoke run)")
-    args = p.parse_args(argv)
-    cmd = shlex.join(["python", "-m", "latentserve.bench.head_gpu",
-                      *(sys.argv[1:] if argv is None else argv)])
-    conc = tuple(int(x) for x in args.concurrency.split(","))
-    if args.tiny:
-        res = run_head_bench(("tiny",), "cpu", "float32", (1, 4), 8, 4, 4, 1,
-                             not args.no_bare, cmd, args.step_rounds)
-    else:
-        res = run_head_bench(tuple(args.shapes.split(",")), "cuda", "bfloat16", conc,
-                             args.prompt_len, args.max_latent, args.answer_len,
-                             args.ref_requests, not args.no_bare, cmd, args.step_rounds)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {args.out} ({res['total_s']:.1f} s)", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,19 +1,11 @@
-"""Feedback-latent benchmark (issue 5): many concurrent COCONUT / CODI requests through the
-engine against the eager per-request reference loop (``latentserve.testing.latent_reference``,
-HF transformers with a KV cache: already faster than upstream COCONUT, which recomputes the
-whole prefix for every answer token) run one request at a time, in the same process.
-
-Shapes use random weights: COCONUT on GPT-2 124M (n_embd 768, 12 layers, vocab 50257 + 3) and
-CODI on Llama-3.2-1B (GPU only; needs peft to write the upstream checkpoint). Throughput is
-answer tokens per second; latent steps are work but not output.
-"""
+"""Feedback-latent benchmark: concurrent COCONUT / CODI requests through the engine against
+the eager per-request reference (``bench.baseline.latent_reference``); answer tokens/s."""
 
 from __future__ import annotations
 
 import gc
 import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,9 +18,9 @@ def build_coconut_gpt2(root: Path) -> Path:
     (``base_causallm.`` state dict) and converted; returns the model directory."""
     import torch
 
+    from latentserve.bench.baseline.latent_models import _resized_base
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.latent.convert import convert_coconut
-    from latentserve.testing.latent_models import _resized_base
-    from latentserve.testing.tiny_models import save_tiny
 
     base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **GPT2_124M)
     model = _resized_base(base, 0)
@@ -41,9 +33,9 @@ def build_coconut_gpt2(root: Path) -> Path:
 def build_codi_llama_1b(root: Path) -> Path:
     """CODI (LoRA r=128, alpha=32 as upstream's scripts; prj 2048) over a random Llama-3.2-1B
     shape; returns the converted model directory."""
+    from latentserve.bench.baseline import latent_models
     from latentserve.bench.gpu import SHAPES, save_random_llama
     from latentserve.latent.convert import convert_codi
-    from latentserve.testing import latent_models
 
     base = save_random_llama(root / "base", SHAPES["llama-3.2-1b"])
     base, ckpt = latent_models.write_upstream_codi(root, "llama", "safetensors", lora_r=128,
@@ -57,10 +49,10 @@ def bench_one(model_dir: Path, device: str, dtype: str, concurrency, budget: int
     (measured on ``ref_requests`` requests; its throughput does not depend on concurrency)."""
     import torch
 
+    from latentserve.bench.baseline.latent_reference import reference_generate
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.latent_reference import reference_generate
 
     g = torch.Generator().manual_seed(0)
     engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype=dtype,
@@ -171,12 +163,3 @@ def run_latent_bench(device: str = "cpu", concurrency=(32,), budget: int = 6,
             _free(device)
             print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
     return out
-
-
-if __name__ == "__main__":
-    dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
-    conc = (1, 16, 64) if dev == "cuda" else (32,)
-    res = run_latent_bench(dev, conc, codi=dev == "cuda",
-                           only=sys.argv[3].split(",") if len(sys.argv) > 3 else None)
-    Path(sys.argv[1] if len(sys.argv) > 1 else "latent_bench.json").write_text(
-        json.dumps(res, indent=1))

@@ -1,18 +1,5 @@
-"""Looped-block benchmark (issue 8): PCCoT requests whose block passes run as one extend row
-over all block positions, against (a) the same engine running the same thoughts position by
-position (``LoopState.pass_chunk = 1``: every pass split into one-position forwards, what an
-append-only engine would do) and (b) the eager full-recomputation reference
-(``latentserve.testing.loop_reference``) one request at a time, in the same process.
-
-Shape: PCCoT over a random GPT-2 124M (n_embd 768, 12 layers), upstream's released recipe of
-24 latents and 3 Jacobi iterations, LoRA r 128 / alpha 32 on ``c_attn, c_fc, c_proj``, written
-in the upstream PEFT form and converted. Throughput is answer tokens per second; the thought
-phase is the wall time until every request of the batch has left its block (prefill
-included).
-
-Run: ``latentserve bench --suite loop [--device cuda] --json-out PATH`` or
-``python3 -m latentserve.bench.loop PATH [cuda]`` (CUDA: 1, 16 and 64 concurrent requests).
-"""
+"""Looped-block benchmark: PCCoT block passes against the same thoughts position by position
+and against the eager reference (``bench.baseline.loop_reference``); answer tokens/s."""
 
 from __future__ import annotations
 
@@ -27,9 +14,9 @@ GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size
 def build_pccot_gpt2(root: Path, block_size: int = 24, iterations: int = 3) -> Path:
     """PCCoT over a random GPT-2 124M-shaped base, upstream form, converted; returns the
     model directory (``root/model``; upstream dirs ``root/base``, ``root/adapter``)."""
+    from latentserve.bench.baseline.loop_models import write_upstream_pccot
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.latent.loop_convert import convert_pccot
-    from latentserve.testing.loop_models import write_upstream_pccot
-    from latentserve.testing.tiny_models import save_tiny
 
     base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **GPT2_124M)
     base, adapter = write_upstream_pccot(root, "gpt2", block_size, iterations, lora_r=128,
@@ -74,10 +61,13 @@ def bench_loop(root: Path, device: str, dtype: str, concurrency, answer_len: int
     reference's per-request time (measured on ``ref_requests`` requests) times c."""
     import torch
 
+    from latentserve.bench.baseline.loop_reference import (
+        load_pccot_reference,
+        reference_generate_loop,
+    )
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing.loop_reference import load_pccot_reference, reference_generate_loop
 
     model_dir = build_pccot_gpt2(root, block_size, iterations)
     g = torch.Generator().manual_seed(0)
@@ -133,14 +123,3 @@ def run_loop_bench(device: str = "cpu", concurrency=(1, 8)) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out["pccot"] = bench_loop(Path(d), device, dtype, concurrency)
     return out
-
-
-if __name__ == "__main__":
-    import json
-    import sys
-
-    dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
-    res = run_loop_bench(dev, (1, 16, 64) if dev == "cuda" else (1, 8))
-    Path(sys.argv[1] if len(sys.argv) > 1 else "loop_bench.json").write_text(
-        json.dumps(res, indent=1))
-    print(json.dumps(res["pccot"]["concurrency"], indent=1))

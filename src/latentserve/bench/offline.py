@@ -1,29 +1,7 @@
 """Offline throughput: our engine (all prompts batched) against Hugging Face ``generate``
 (one prompt at a time), on the same chat-templated GSM8K questions.
 
-Units used throughout the returned dict: times in seconds (``*_s``; ``cpu_s`` is process CPU
-time, all threads), throughputs in tokens per second (``*_tok_per_s``), token counts in
-tokens, load averages in runnable threads. "Output tokens" are generated tokens; "total
-tokens" are prompt + generated tokens.
-
-Method:
-
-* prompts: the first ``num_prompts`` questions of ``latentserve/data/questions.json`` (GSM8K
-  test split, MIT), each as one user message through the model's chat template (cycled when
-  more than 40 are asked for);
-* engine: ``LLM(model, device, dtype, seed)``; a 2-prompt warm-up run (two other questions
-  as plain text, without the chat template, 8 output tokens, not timed), then every prompt in
-  one ``generate`` call, greedy, ``ignore_eos=True, max_tokens=output_len``, so each request
-  makes exactly ``output_len`` tokens. The prefix cache stays on (the engine default), but
-  because the warm-up prompts share no prefix with the chat prompts and all timed prompts
-  are admitted in the same step, the timed run starts cold: ``prefix_cached_tokens`` (the
-  prompt tokens the cache served) is expected to be 0;
-* HF baseline: ``AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)``, one untimed
-  4-token warm-up, then ``generate`` for one prompt at a time (batch 1, greedy,
-  ``max_new_tokens = min_new_tokens = output_len``), timed over all prompts;
-* greedy agreement: for the first 4 prompts the engine's tokens are compared with HF's up to
-  the engine's first EOS (HF's ``min_new_tokens`` forbids EOS, so the two legitimately differ
-  from there on).
+Design notes: docs/internals.md, "latentserve.bench.offline".
 """
 
 from __future__ import annotations

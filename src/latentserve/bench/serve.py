@@ -1,40 +1,7 @@
 """``latentserve bench serve``: an online benchmark against a running server, like
 ``vllm bench serve``.
 
-``add_serve_bench_args(parser)`` adds the flags; ``serve_bench_main(args)`` runs it, prints
-the report and writes the JSON (``--json-out``). It can also play the load test of the
-server's robustness checks: ``--disconnect-fraction`` makes that share of the clients hang
-up after a few chunks, and at the end the server's ``/health`` must show an idle engine
-whose KV slots are all free or cached (``free + cached == total``).
-
-Method: ``--num-prompts`` streaming requests (each ``stream: true`` with
-``stream_options.include_usage``; greedy; ``ignore_eos`` unless ``--no-ignore-eos``, so each
-makes exactly its output length unless cancelled; vLLM's default is off), sent at
-``--request-rate`` requests per second (Poisson arrivals; ``inf`` sends all at once) with at
-most ``--max-concurrency`` in flight. Prompts and output lengths: ``bench/serve_datasets.py``
-(``--dataset`` gsm8k, random, sharegpt or custom; chat requests send each prompt as one user
-message). ``--extra-body JSON`` is merged into every request body (``'{"latent_budget": 4}'``
-sweeps a latent budget), ``--header K=V`` adds a header. Per request, measured in this
-process from just before the request is sent (seconds, ``time.perf_counter``):
-
-* TTFT: until the first chunk carrying text;
-* ITL: between consecutive chunks carrying text (each gap is one sample);
-* TPOT: ``(latency - TTFT) / (output tokens - 1)``, for requests with 2+ tokens;
-* E2EL: until the stream ends.
-
-Output tokens are the server's ``usage.completion_tokens``; input tokens its
-``usage.prompt_tokens``. Throughputs divide by the wall time of the whole run (first send
-to last byte). Percentiles use linear interpolation (``numpy.percentile``'s default).
-Cancelled requests count in no latency and no throughput.
-
-The result is vLLM's flat JSON (``vllm/benchmarks/serve.py``): ``completed``,
-``request_throughput``, ``output_throughput``, ``mean_ttft_ms``, ``median_tpot_ms``,
-``p99_itl_ms``, ``std_e2el_ms``, ... (every ``--metric-percentiles`` of ttft, tpot, itl and
-e2el), ``input_lens``, ``output_lens``, ``ttfts``, ``itls``, ``generated_texts``,
-``errors``, plus ours (``cancelled``, ``server_after``, ``command``). ``--save-result``
-writes it to ``--result-dir``/``--result-filename`` (default vLLM's
-``{label}-{rate}qps[-concurrency{N}]-{model}-{YYYYmmdd-HHMMSS}.json``); ``--json-out PATH``
-writes it to PATH.
+Design notes: docs/internals.md, "latentserve.bench.serve".
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """The prompts of ``latentserve bench serve``, as ``vllm bench serve`` samples them
 (``vllm/benchmarks/datasets.py``): each a :class:`Sample` of prompt and output length.
 
-* ``gsm8k``: the packaged GSM8K questions, cycled, ``--output-len`` tokens each;
-* ``random``: ``--input-len`` random token ids (sent as ids to completions, as their text to
-  chat), ``--output-len`` tokens;
-* ``sharegpt``: a ShareGPT-format JSON file (``--dataset-path``): a list of
-  ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}``;
-  entries with two turns or more are shuffled with ``--seed``; the first turn is the prompt,
-  the second's token count the output length (``--sharegpt-output-len`` instead, when
-  given); as vLLM, a pair is skipped when the prompt or (without ``--sharegpt-output-len``)
-  the output is under 4 tokens, the prompt over 1024, or both over 2048; too few left are
-  repeated;
-* ``custom``: a JSON-lines file (``--dataset-path``), one ``{"prompt": ...}`` per line as
-  vLLM's ``CustomDataset`` takes, with an optional ``"output_tokens"`` of ours; else
-  ``--custom-output-len``, else ``--output-len``.
-
-Token counts come from the server's ``/tokenize`` (the served model's tokenizer), so the
-client needs no tokenizer of its own.
+Design notes: docs/internals.md, "latentserve.bench.serve_datasets".
 """
 
 from __future__ import annotations

@@ -3,19 +3,7 @@ thought beside CoLaR (arXiv 2505.16552), asked the same held-out questions throu
 ``openai`` client; prints per question each model's answer, whether it is right, its
 thinking (text tokens against latent steps) and its time, then a summary line.
 
-The models are looked up in a models directory (``--models-dir``; else ``models/`` of the
-source checkout, then of the working directory):
-
-* ``smollm2-mult-cot``: a text model in CoLaR's format (``latent/colar.py``) at speed 1. It
-  gets the whole prompt ``colar.prompt_text(q)`` (ending in ``###``) and writes its steps,
-  ``###``, then ``Answer:...``; its thinking is the tokens before that ``###``.
-* ``smollm2-mult-colar``: a CoLaR model directory (``latent/colar_head.py``). It gets the
-  question part ``colar.QUESTION`` and a ``compression_factor``; the engine appends the speed
-  and ``###`` and runs latent steps until the model writes ``###``; its thinking is the
-  response's ``latent.stats.steps``.
-
-Without the CoLaR model the text column is shown alone; without either (or with
-``--model``) the embedded SmolLM2 answers grade-school math questions, streamed.
+Design notes: docs/internals.md, "latentserve.cli.demo".
 """
 
 from __future__ import annotations

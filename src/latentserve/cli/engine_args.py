@@ -2,13 +2,7 @@
 (``config.option``): one flag per field, with its help, default, choices and range, in the
 shape of vLLM's ``EngineArgs.add_cli_args`` (``vllm/engine/arg_utils.py``).
 
-Per field: ``--field-name`` (or the declared ``flags``); a bool is ``--flag`` (or, with
-``off_flags``, a ``--flag/--no-flag`` pair); ``tuple[str, ...]`` takes one or more values;
-a range is checked as the flag is read (``argument --max-num-seqs: must be >= 1, got 0``).
-A field declared without ``option`` still gets a flag, typed by its annotation.
-``model`` is also the first positional argument (``latentserve serve MODEL``, as
-``vllm serve MODEL``). ``--trust-remote-code`` is accepted and ignored (latentserve runs no
-checkpoint code), with a logged note. Imports no torch.
+Design notes: docs/internals.md, "latentserve.cli.engine_args".
 """
 
 from __future__ import annotations

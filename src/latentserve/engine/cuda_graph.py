@@ -1,18 +1,6 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
-Every captured graph is latent-capable: the ``input_embeds [B, hidden]`` and
-``latent_mask [B]`` buffers are always bound (all-False for plain rows), and a capture
-buffer receives one layer's hidden state for each row when the model asks for it. Shapes
-not captured (extend batches, batches above the largest bucket) run eagerly.
-Technique as in vLLM / SGLang ``cuda_graph_runner``; the attention metadata are the Triton
-backend's, refreshed in place before each replay.
-
-Recurrent-depth models (``latent/recurrent.py``) run their loop inside the graph in the
-masked mode: a static ``depths [B]`` buffer (refreshed like ``kv_lens``) gives each row's
-recurrence count and the loop has a fixed trip count ``D``; one graph per (bucket, D) for D
-in ``graph_depths`` (default: ``default_graph_depths``). A batch replays the
-smallest captured D that covers its deepest row; a batch with a row that may exit early
-runs eagerly.
+Design notes: docs/internals.md, "latentserve.engine.cuda_graph".
 """
 
 from __future__ import annotations

@@ -1,36 +1,6 @@
 """Overlap scheduling: the host schedules and prepares step k+1 while the device runs step k.
 
-A synchronous engine step waits for its sampled tokens (a device-to-host copy) before it
-schedules the next batch, so the host's work (scheduling, building the inputs, postprocess)
-and the device's forward run one after the other. Here a step instead:
-
-1. schedules batch k at once: each request of the batch still running on the device has a
-   pending id (``scheduler.PENDING_ID``) for the token that batch is sampling;
-2. launches batch k's forward and sampling; a pending input id is read on the device from
-   batch k-1's sampled tokens (``ModelRunner.run(pending=...)``), so nothing waits for them;
-3. advances the host state of batch k before its tokens exist
-   (``Scheduler.advance_launched``);
-4. only then waits for batch k-1's tokens (copied to pinned host memory right after they
-   were sampled, so this waits for k-1's sampling, not for batch k) and finishes them
-   (``Scheduler.finalize_launched``): their outputs are what the step returns.
-
-A request that finishes on a token of batch k-1 was already scheduled in batch k: that row's
-work is discarded (its KV, computed from real ids, is kept or cached as usual). Technique as
-SGLang's overlap scheduler (``managers/scheduler.py`` ``event_loop_overlap``) and vLLM's
-async scheduling; the code is ours.
-
-Engaged with ``EngineConfig.use_overlap_schedule`` (default: on CUDA) for a step where
-every request can do without its previous token on the host: a model whose family
-overlaps (``Family.overlaps``: plain and recurrent-depth models), no tensor parallelism,
-and no request asking for ``logprobs``, ``prompt_logprobs`` or penalties (they read the
-token history on the host). A request that finishes on a token of a batch it was already
-launched past has that row discarded (``Family.truncate`` drops its per-token records).
-
-Token masks (``token_masks.py``) stay overlapped: ``allowed_token_ids`` and ``min_tokens``
-need the answer's length only; a batch with a mask that reads tokens (``bad_words``, a
-grammar) waits for the previous batch's tokens after its own forward is launched, so the
-host builds the masks while the device runs the forward, then launches the sampling. Otherwise the
-engine finishes the batch in flight and steps synchronously.
+Design notes: docs/internals.md, "latentserve.engine.overlap".
 """
 
 from __future__ import annotations

@@ -2,18 +2,7 @@
 latent phase machines) broadcasts each batch; ranks 1..N-1 (started here, one process each)
 run the same forward on their shard of the model.
 
-Per step rank 0 sends (a) a pickled ``StepHeader`` over the gloo group: per request its
-page-table row, the ids it computes, the chunk start and length, whether it samples, and
-what the latent and recurrent paths read (latent span, depth, exit rule); and (b) over the
-device group: the page-table block ``table[rows, :max_kv_len]`` (slot ids; the scheduler's
-allocator lives on rank 0 only) and the latent input vectors of the chunk (feedback and
-compression-head latents are computed once, on rank 0, and replicated this way). Each
-worker rebuilds a ``ScheduledBatch`` of ``_ShadowReq`` and calls the same
-``ModelRunner.run``, so eager forwards, CUDA-graph replays, the capture buffer and
-recurrent banks follow one code path on every rank.
-
-Layout as in mini-sglang (one scheduler process per rank, rank 0 broadcasting) and vLLM
-(the driver worker broadcasting tensors of the model input).
+Design notes: docs/internals.md, "latentserve.engine.tp_worker".
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Answer extraction and matching, as the data sets define their answers.
 
-* GSM8K (``test.jsonl`` and the iCoT ``test_icot.txt``): the gold is the number after
-  ``####``. *Strict*: the output holds ``#### N`` and N equals the gold. *Flexible*: the last
-  number anywhere in the output equals the gold (lm-evaluation-harness's gsm8k
-  "strict-match" / "flexible-extract" filters follow the same two ideas). Numbers compare as
-  values after dropping ``$``, thousands commas and a trailing period (``1,000.`` == 1000).
-* Multiplication (iCoT format): the gold is the digit string after ``####`` (digits least
-  significant first, space separated); compared with spaces removed. Strict: after
-  ``####``; flexible: the last run of digits, space-separated or not.
-* ProsQA: the gold is a sentence ``"<name> is a <concept>."``; the question offers two
-  concepts (``"Is Sally a hilpus or sterpus?"``). Strict: the output's text after ``####``
-  (or the whole output without one) holds the gold sentence (case and final period
-  ignored). Flexible: of the two offered concepts, the one named last in the output is the
-  gold one.
+Design notes: docs/internals.md, "latentserve.eval.answers".
 """
 
 from __future__ import annotations

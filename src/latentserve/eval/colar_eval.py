@@ -2,18 +2,7 @@
 backbone of stage 0, CoLaR latent models and compression heads trained on that backbone
 (``train-head sft|dagger|grpo --prompt-format colar``), through our engine, greedy.
 
-A text model gets the whole prompt ``Question: {q} Let's think step by step:(Thinking
-speed: 1)###`` (``colar.prompt_ids``: its three parts tokenised on their own); its thinking is the
-tokens it writes before the closing ``###`` and its
-stop fired when it wrote one. A CoLaR model gets the question part and the request's
-compression factor (the engine appends the speed and the separator); its thinking is the
-latent steps and its stop fired when the LM head closed the phase before the cap. A
-compression head gets the text model's prompt ids (``train.traces.colar_prompt_ids``, as it
-was trained); its thinking is the latent steps, its stop fired when the stop head closed
-the phase (not the cap), and its answer budget is ``max_tokens`` on top of the latent steps
-and the forced closing. The answer is what follows ``Answer:`` (upstream
-``extract_answer_from_output``), compared as upstream ``verify_answer`` does (stripped,
-trailing dots and commas removed, numbers as floats).
+Design notes: docs/internals.md, "latentserve.eval.colar_eval".
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """KV slot allocator: hands out token-granular slot ids of the KV pool.
 
-Modelled on SGLang's ``TokenToKVPoolAllocator``
-(``python/sglang/srt/mem_cache/allocator.py``) and mini-sglang's cache manager: the free list is
-a single int64 tensor on the pool's device, so alloc is a slice. Freed slots wait in a list
-of tensors and join the free list, in the order they were freed, only when an allocation
-needs them: the free list of a large pool holds millions of slots, and appending to it
-copies all of it (32 MB for 4M slots: on the H200 a device copy per step that finishes
-requests; on the CPU milliseconds of host time).
+Design notes: docs/internals.md, "latentserve.kvcache.allocator".
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """Compression-head bundles: read, validate, write (facts from the DeepSeek-V4 addon's
 ``checkpoint.py`` description; the code is ours).
 
-``.safetensors`` (chosen by suffix): flat float tensors named ``reasoning_head.*`` (the stop
-head under ``reasoning_head.stop_head.*``), ``decoder.*``, ``target_proj.*``; string
-metadata ``format_version`` (int as text; 3 when absent), ``config`` (JSON, required: see
-``head.HeadConfig``) and ``subdicts`` (JSON list of prefixes; optional, else the first dotted
-component of each tensor name; a declared prefix with no tensors is None).
-
-``.pt``: a ``torch.save``'d dict ``{format_version, config, reasoning_head, decoder,
-target_proj}`` (state dicts or None), read with ``torch.load(weights_only=True)`` only: a
-file that needs a pickled object is refused. A bare head state dict (no ``format_version``,
-upstream's legacy form) loads as a non-injectable head (no decoder).
-
-format_version: 2 = head + decoder + target_proj; 3 = adds the trained stop head (required
-from 3 on); 4 = adds ``arch`` / ``bank_m``. Validation dispatches on ``arch``: any
-unexpected ``reasoning_head`` key is an error naming it; the decoder must match exactly.
+Design notes: docs/internals.md, "latentserve.latent.bundle".
 """
 
 from __future__ import annotations

@@ -3,30 +3,7 @@
 per-request machinery (``latent/head_loop.py``) with :class:`ColarHead` in place of the
 compression head.
 
-The KV sequence of a request is upstream's::
-
-    prompt | (Thinking speed: c) ### | latent_1 .. latent_n | ### | answer
-
-* The prompt is the question part (``latent.colar.QUESTION``, or what a chat template
-  renders); the engine appends the tokens of ``(Thinking speed: {c})`` and the separator
-  ``###``. A prompt that already ends with ``###`` is taken as complete (a client that
-  tokenized upstream's whole prompt string): nothing is appended and its thinking speed, if
-  the text names one, is the request's.
-* After each forward of the latent phase (the prompt's last position, then each latent
-  position) the latent policy (``latent.colar.LatentPolicy``) reads the last layer's hidden
-  state after the final norm (``ModelRunner``'s ``last_hidden``) and gives
-  ``Normal(mean, std * latent_temperature)`` in units of ``embeds_std``; the next latent
-  position's input embedding is ``embeds_std`` times its mean (``latent_temperature`` 0,
-  the default) or a draw with the request's generator.
-* The stop: after a latent position's forward, when the request's sampled token (the argmax
-  at temperature 0) is ``###`` and at least ``min_latent`` latents ran, the latent phase ends
-  and that latent is kept (upstream samples this token at its ``eol_temperature``, 1.0 by
-  default; here the request's own sampler decides). The prompt's forward never stops (upstream
-  checks only after a latent). At ``max_latent`` latents the phase ends too.
-* Then ``###`` is forced and the answer decodes. ``max_tokens`` counts answer tokens only
-  (upstream's ``max_new_tokens`` of the answer; ``HeadSettings.answer_budget``).
-* Thinking off: no latent phase; ``###`` follows the prompt's ``###`` at once (upstream with
-  ``max_n_latent_forward = 0``).
+Design notes: docs/internals.md, "latentserve.latent.colar_head".
 """
 
 from __future__ import annotations

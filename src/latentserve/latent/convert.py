@@ -1,22 +1,7 @@
 """``latentserve convert coconut|codi``: an upstream checkpoint over its base HF model
-directory -> a latentserve model directory (docs/models.md):
+directory -> a latentserve model directory (docs/models.md).
 
-    config.json (+ generation_config.json)   the base's, ``vocab_size`` = the checkpoint's rows
-    tokenizer files                          the base's; COCONUT adds its three tokens
-    <checkpoint file>                        copied (or symlinked) unchanged
-    base.safetensors                         only when the checkpoint lacks some base weights
-    latent_config.json                       family, token ids, budgets, LoRA, prj
-
-COCONUT (arXiv 2412.06769, upstream ``run.py``): ``<|start-latent|>``, ``<|end-latent|>``,
-``<|latent|>`` are added to the tokenizer in that order (ids ``len(tokenizer)+0/1/2``).
-CODI (arXiv 2502.21074, upstream ``src/model.py``): pad/bot/eot are the raw embedding rows
-``vocab_size+0/1/2`` of the base config (not tokenizer tokens); LoRA rank and prj dims are read
-from the checkpoint's shapes, LoRA alpha is not stored there (upstream scripts use 32).
-
-Every converter (these two and ``convert pccot``, ``latent/loop_convert.py``) writes into a
-hidden temporary directory next to ``--out``, loads it as the engine would
-(:func:`check_serves`) and only then moves it into place (:func:`write_checked`): a result
-that would not serve is refused with the loader's error and ``--out`` is left untouched.
+Design notes: docs/internals.md, "latentserve.latent.convert".
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """The engine's one interface to a model's latent reasoning: :class:`Family`.
 
-``LLMEngine`` holds one ``Family`` (``family_for(spec)(spec, engine)``) and calls only its
-hooks; it never branches on the kind of model. This base class is a plain model (no latent
-reasoning). Each kind has its subclass in its own module, registered in ``FAMILIES``:
-
-* ``"feedback"`` (COCONUT, CODI, SIM-CoT): ``latent/feedback_loop.py``;
-* ``"head"`` (compression heads, CoLaR): ``latent/head_loop.py``;
-* ``"loop"`` (PCCoT, LOTUS): ``latent/loop.py``;
-* ``"recurrent"`` (Huginn, Ouro): ``latent/recurrent.py``.
-
-Adding a family is a subclass in its module and one line in ``FAMILIES``.
+Design notes: docs/internals.md, "latentserve.latent.family".
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """Feedback latent models (COCONUT, CODI, SIM-CoT) from their upstream checkpoint forms.
 
-A model directory is a latent model when it holds ``latent_config.json`` (schema in
-docs/models.md). ``load_model`` calls, in this order:
-
-* :func:`read_latent_config` -- the validated config (defaults filled in), or None;
-* :func:`prepare_latent_weights` -- HF-named base weights out of the upstream checkpoint
-  (prefixes stripped, LoRA merged) and ``hf_config.vocab_size`` = the checkpoint's embedding rows;
-* :func:`attach_latent` -- ``model.latent_spec`` (:class:`LatentSpec`) and
-  ``model.latent_feedback`` (an ``nn.Module``: identity for COCONUT, ``prj`` for CODI).
-
-Checkpoint forms (facts from the papers and upstream code, not its code):
-
-* COCONUT (arXiv 2412.06769, facebookresearch/coconut ``run.py``/``coconut.py``): a
-  ``torch.save``'d state dict ``checkpoint_N``; keys ``base_causallm.<HF name>`` (or plain HF
-  names for a CoT stage-0 checkpoint). SIM-CoT (arXiv 2509.20317) adds training-only modules
-  (``expainable_llm.*``), dropped here. Continuous thought = post-final-norm last hidden, raw.
-* CODI (arXiv 2502.21074, zhenyi4/codi ``src/model.py``/``test.py``): ``model.safetensors`` or
-  ``pytorch_model.bin`` of the whole CODI module: ``codi.base_model.model.<HF name>`` with PEFT
-  LoRA (``<m>.base_layer.weight``, ``<m>.lora_A.<adapter>.weight`` [r, in],
-  ``<m>.lora_B.<adapter>.weight`` [out, r]) and ``prj.{1,3,ln}.*`` (Dropout, Linear, GELU,
-  Linear, LayerNorm). Continuous thought = ``prj(post-final-norm last hidden)``.
+Design notes: docs/internals.md, "latentserve.latent.feedback".
 """
 
 from __future__ import annotations

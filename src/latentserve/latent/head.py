@@ -1,26 +1,6 @@
 """Compression heads with a learned stop (CoLaR-style latent reasoning on a frozen backbone).
 
-Facts from CoLaR (arXiv 2505.16552) and the DeepSeek-V4 latent-reasoning addon's
-``models.py`` / ``injector.py`` / ``closed_loop.py`` (its arch "v1"); the code is ours.
-
-Modules keep the upstream parameter names so bundles load by name:
-
-* :class:`CompressionHead` (upstream ``ReasoningCompressionHead``): ``net`` = Linear(H, M),
-  SiLU, Linear(M, M), SiLU, Linear(M, 2L) -> ``mu, log_sigma`` (``[..., L]`` each,
-  ``log_sigma`` clamped to [-10, 2]); ``stop_head`` = Linear(H, M // 2), SiLU,
-  Linear(M // 2, 1) -> one raw stop logit. ``M = mlp_dim`` (default ``H // 2``).
-* :class:`LatentDecoder` (upstream ``LatentDecoder``): ``net`` = Linear(L, M), SiLU,
-  Linear(M, M), SiLU, Linear(M, H) -> an input-embedding vector ``[..., H]``.
-* ``target_proj`` = Linear(H, L, bias=False): used by training only, loaded when present.
-
-:class:`LatentHead` bundles them with the non-affine LayerNorms of the serve path
-(addon ``injector.py``): ``encode(anchor) = head(LN(anchor)).mu``, ``latent_input(anchor) =
-decoder(LN(encode(anchor)))``, ``stop_prob(anchor) = sigmoid(stop_head(LN(anchor)))``. All
-math is float32; callers cast the decoded vector to the model dtype on injection.
-
-Per-request controls (:class:`HeadSettings`) come from ``SamplingParams`` with server
-defaults from the environment (:func:`head_defaults`); :func:`apply_output_floor` is the
-answer-budget floor (addon ``serving.py`` ``_apply_output_floor``).
+Design notes: docs/internals.md, "latentserve.latent.head".
 """
 
 from __future__ import annotations

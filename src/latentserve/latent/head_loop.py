@@ -1,18 +1,7 @@
 """The compression head's per-request phase machine (closed loop and prompt mode): what the
 engine and the scheduler call for a request with a head (``req.state``), kept in one place.
 
-Closed loop (the DeepSeek-V4 latent-reasoning head, after CoLaR, arXiv 2505.16552): the
-prompt (+ the think-opening ids) is prefilled once; each latent step's input is
-``decoder(LN(head(LN(anchor)).mu))`` with the reserved pad id in the id slot, the anchor
-being the step's own source-layer hidden; the phase ends when the stop probability passes
-the threshold after ``min_latent`` steps, or at ``max_latent``; then the closing ids are
-forced and the answer decodes. Prompt mode: one decoded latent replaces the input of the
-last prompt position, then ordinary decoding.
-
-CoLaR (``latent/colar_head.py``) runs through the same functions with a ``ColarHead``: its
-anchor is the final-normed last hidden, its stop is the step's sampled ``###`` token
-(``stop_token``) after at least one latent, and its requests may draw their latents
-(``latent_temperature``).
+Design notes: docs/internals.md, "latentserve.latent.head_loop".
 """
 
 from __future__ import annotations

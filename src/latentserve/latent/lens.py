@@ -2,13 +2,7 @@
 the step's input vector, read through the model's LM head (nostalgebraist, "interpreting GPT:
 the logit lens", 2020; COCONUT arXiv 2412.06769 reads its continuous thoughts the same way).
 
-One entry per latent step, as ``StepOutput.latent_trace`` carries it::
-
-    {"norm": float, "top_tokens": [[id, logit], ...k], "top_probs": [p, ...k]}
-
-``top_tokens`` most likely first; ``top_probs`` their softmax probabilities over the whole
-vocabulary (not renormalised over the k). Families add their own keys (a head's
-``stop_prob``).
+Design notes: docs/internals.md, "latentserve.latent.lens".
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
 """The loop manager: looped latent blocks (PCCoT, LOTUS) re-forwarded in place.
 
-A looped request's ids are ``prompt + start_ids | block | end_ids | answer`` where the block
-is ``block_size`` positions (``latent_id`` in the id slots). After the prompt prefill the
-block is laid down once (its KV slots are allocated by the first pass and never again) and
-run as ``iterations + 1`` passes; each pass is one extend row over all block positions at
-once, causal inside the block, over the frozen prompt KV, writing K/V back to the same slots
-(the batch's ``out_slots`` are the block's slots again). Pass 0 takes the ``latent_id``
-embeddings; pass p >= 1 takes ``latent_feedback`` of the previous pass's outputs, by
-``LatentSpec.loop_rule``:
-
-* ``"jacobi"`` (PCCoT, arXiv 2506.18582; upstream whyNLP/PCCoT ``models/modeling_gpt2.py``):
-  block position j reads the post-final-norm output of position j-1 (position 0 reads the
-  start token's output, which is the same in every pass);
-* ``"same"`` (LOTUS, arXiv 2606.31779, as this engine defines it, docs/models.md): block
-  position j reads its own output.
-
-The last pass's outputs are unused: its KV is what the read-out sees. With
-``return_latent_trace`` each pass adds one entry per block position (``latent/lens.py``: the
-logit lens of that position's post-final-norm output, plus ``"pass"`` and ``"position"``,
-both 1-based), so entry ``i`` is latent step ``i + 1``. Then ``end_ids`` are
-forced (PCCoT: ``<pcot.eot>`` + the answer prompt) and the request decodes like any other.
-Many looped requests share a pass; a pass may share the forward with prefill and decode rows.
-If the token budget splits a pass into chunks the outputs are gathered across the chunks, and
-after a preemption the recomputed prefill is itself the pending pass, so neither changes the
-result. Block positions are never inserted into the prefix cache (``Req.cacheable_len``).
-
-The scheduler and engine call five functions: :func:`passes_first` (the scheduling order:
-block passes ahead of decode rows and prefill chunks), :func:`chunk`, :func:`after_forward`
-(every forward), :func:`advance` (a looped row that sampled) and :func:`on_preempt`.
+Design notes: docs/internals.md, "latentserve.latent.loop".
 """
 
 from __future__ import annotations

@@ -3,21 +3,7 @@ the weights (PEFT LoRA merged at load) and the ``LatentSpec``. The loop itself i
 ``latent/loop.py``; ``latentserve convert pccot`` (``latent/loop_convert.py``) writes the
 directory from PCCoT's upstream form.
 
-``latent_config.json`` (schema in docs/models.md)::
-
-    {"format_version": 1, "family": "pccot" | "lotus",
-     "checkpoint": "adapter_model.safetensors" | null,   # read last, over the base weights
-     "tokens": {"bot", "eot", "latent"} (pccot) | {"start", "end", "latent"} (lotus),
-     "answer_prompt_ids": [...],       # forced after the end token (PCCoT "The answer is:")
-     "block_size": N, "default_budget": T, "max_budget": M,
-     "loop_rule": "jacobi" (pccot, fixed) | "same" (lotus default) | "jacobi",
-     "lora": {"r", "alpha", "use_rslora"} | null,
-     "prj": {"eps"} | null}           # PCCoT use_projection: Linear-GELU-Linear-LayerNorm
-
-PCCoT facts (arXiv 2506.18582; whyNLP/PCCoT ``models/modeling_gpt2.py``,
-``models/pccot_arguments.py``, ``models/data_processor.py``): the sequence is question + bot +
-N latents + eot + answer prompt; ``prj`` is ``nn.Sequential(Linear(d, d), GELU, Linear(d, d),
-LayerNorm(d))`` (keys ``prj.0``, ``prj.2``, ``prj.3``) when ``use_projection``, else identity.
+Design notes: docs/internals.md, "latentserve.latent.loop_checkpoint".
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """``latentserve convert pccot``: PCCoT's upstream form -> a latentserve model directory.
 
-Upstream (arXiv 2506.18582; whyNLP/PCCoT ``run_ccot.py``, e.g. the ``whynlp/pccot-gpt2`` repo)
-ships a PEFT adapter directory over a base model: ``adapter_config.json`` (``r``,
-``lora_alpha``, ``use_rslora``, ``trainable_token_indices``), ``adapter_model.safetensors``
-(LoRA pairs; the resized embedding; ``prj`` when ``use_projection`` and saved), ``config.json``
-(``model_type`` ``pccot-gpt2`` / ``pccot-llama``, ``num_iterations``, ``use_projection``),
-``pccot_args.json`` (``bot_token_id``, ``eot_token_id``, ``latent_token_id``,
-``answer_prompt``, ``num_latent_tokens``) and the tokenizer with ``<pcot.*>`` tokens.
-
-The embedding comes in one of PEFT's saved forms (``models.lora.fold_embedding_adapters``):
-trainable tokens, which ``run_ccot.py`` asks for (``trainable_token_indices={"wte" |
-"embed_tokens": [bot, eot, latent, pad, eos]}``; the resized rows under
-``<embedding>.token_adapter.base_layer.weight``, the trained rows for those ids under
-``...token_adapter.trainable_tokens_delta``, the same under ``lm_head.`` when tied),
-``modules_to_save`` (older setups), or a plain resized ``<embedding>.weight``.
-
-The output directory (docs/models.md): the base's config with ``model_type`` the base's and
-``vocab_size`` the embedding rows, the adapter's tokenizer, ``base.safetensors`` (the base
-weights), ``adapter_model.safetensors`` (the adapter's tensors, names without PEFT's
-``base_model.model.``, the embedding folded into a plain ``<embedding>.weight``; LoRA is
-merged at load) and ``latent_config.json`` (family ``pccot``; answer prompt tokenized as
-upstream's ``COTDataProcessor``: ``encode(answer_prompt, add_special_tokens=False)``). It is
-written to a temporary directory, loaded as the engine would and only then moved into place
-(``latent.convert.write_checked``).
+Design notes: docs/internals.md, "latentserve.latent.loop_convert".
 """
 
 from __future__ import annotations

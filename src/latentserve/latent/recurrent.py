@@ -1,41 +1,7 @@
 """Recurrent depth (Huginn-0125, arXiv 2502.05171; Ouro, arXiv 2510.25741): what the engine
 and the model runner share with the recurrent model files.
 
-A recurrent-depth model loops a block of ``L`` weight layers ``r`` times per token. We serve
-it as an ordinary deep model whose KV pool has one **bank** (pool layer) per
-(iteration ``t``, core layer ``l``): bank ``t * L + l`` (after the non-looped prelude banks,
-if any; see each model's ``bank``). A token has one slot and one RoPE position; every bank
-stores that token's K/V of one iteration under the same slot id, so the page table, the
-allocator and the radix cache see a plain deep model with ``T_max * L (+ prelude + coda)``
-layers.
-
-* **Per-request depth**: ``req.latent_budget`` is the request's recurrence count ``r``
-  (``<= T_max = LatentSpec.max_budget``). All tokens of a request run ``r`` iterations
-  (except early exits below), so a token only ever reads banks ``< r`` of earlier tokens of
-  the same request. Requests with another depth (or another KV-changing exit rule) compute
-  other KV for the same ids, so ``cache_salt`` keeps their prefix-cache entries apart.
-* **Early exit** (``exit_semantics="engine"``, the default): a generated token (never a
-  prompt token: upstream's ``do_not_exit_in_prefill``) may stop after iteration ``e < r``. Huginn's
-  ``latest-m4`` cache lookup then reads, for iterations ``t > e``, the latest KV of the same
-  core layer, i.e. iteration ``e``. We implement that rule on the write side: when a token
-  exits, its bank ``(e, l)`` K/V is copied into banks ``(e+1 .. r-1, l)`` (``fill_banks``),
-  so every reader finds the right K/V in the bank of its own iteration with no lookup.
-  Exiting rows leave the remaining iterations of the forward (``ActiveRows``), so compute
-  drops. Generated tokens of a request with an exit rule are scheduled one per forward
-  (``Scheduler``), so an exit always removes a whole batch row.
-* **Upstream exit** (``exit_semantics="upstream"``, upstream's defaults): the prompt is one
-  exit block, scheduled whole in one forward from position 0 (never from the prefix cache:
-  its exit depends on every prompt position); the criterion is evaluated over the block as
-  upstream does (latent criteria: the mean over positions; logit criteria: the last
-  position's logits), and all its positions stop together. A token that stops after
-  iteration ``e`` leaves banks ``> e`` empty: ``slot_steps`` records ``e + 1`` for its slot
-  and attention at iteration ``t`` masks positions whose count is ``<= t`` (upstream's
-  ``HuginnDynamicCache`` default lookup, which returns only the positions present at a
-  step). Needs an attention backend with ``supports_key_mask`` (the torch one).
-
-``ExitRule`` is the per-request rule, ``resolve_exit_rule`` validates a request's
-``SamplingParams`` against the model family, and ``RecurrentBatch`` is the host-side picture
-of one forward (``ForwardContext.recurrent``) that the model files read.
+Design notes: docs/internals.md, "latentserve.latent.recurrent".
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Latent input vectors as the engine keeps them: a ``(tensor, row)`` pair per latent position.
 
-One step computes the next latent inputs of all its rows in one ``[N, hidden]`` tensor; each
-request remembers ``(tensor, row)`` (the vector is ``tensor[row]``) instead of a view of its
-own, so no per-row tensor is built on the host. When the next forward injects the vectors of
-rows ``r0 .. r0 + n - 1`` of one tensor in order (the common all-latent decode batch), the
-slice is used as it is; rows of one tensor in another order cost one ``index_select``; only
-vectors from several tensors (a recomputed prefill after a preemption, say) are stacked row
-by row. The tensors must not be overwritten while a request holds them (copy a CUDA graph's
-static output before keeping it).
+Design notes: docs/internals.md, "latentserve.latent.vectors".
 """
 
 from __future__ import annotations

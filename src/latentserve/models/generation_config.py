@@ -1,20 +1,7 @@
 """A model's sampling defaults from its ``generation_config.json``, as vLLM's
 ``--generation-config`` (``ModelConfig.get_diff_sampling_param`` in ``vllm/config/model.py``).
 
-``EngineConfig.generation_config`` picks the source:
-
-* ``"auto"`` (the default, as vLLM's): the model directory's ``generation_config.json`` (an
-  adapter directory: its base's); none there means no defaults;
-* ``"vllm"``: no defaults (vLLM's neutral ``SamplingParams`` defaults);
-* a folder path: that folder's ``generation_config.json`` (it must exist; vLLM would
-  silently use no defaults).
-
-Of the file, the keys vLLM takes are used: ``temperature``, ``top_p``, ``top_k``,
-``min_p``, ``repetition_penalty`` and ``max_new_tokens`` (as ``max_tokens``); null values
-are skipped and the rest of the file (``do_sample`` included, as vLLM) is ignored. The
-defaults fill the fields a request leaves unset: ``LLM.get_default_sampling_params()`` (used
-by ``LLM.generate`` without sampling params) and the server's request fields
-(``server.params.sampling_params``).
+Design notes: docs/internals.md, "latentserve.models.generation_config".
 """
 
 from __future__ import annotations

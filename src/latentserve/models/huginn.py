@@ -6,23 +6,7 @@ by name: ``transformer.wte``, ``transformer.prelude.{i}``, ``transformer.core_bl
 ``mlp.fc``, ``mlp.proj``), ``transformer.adapter``, ``transformer.ln_f``, ``lm_head`` (tied to
 ``wte`` when ``tie_embeddings``).
 
-Per token (parallel over positions): ``e = wte(id) * sqrt(n_embd)``; prelude; state
-``x = s0(position)``; ``r`` times ``x = core(adapter(cat[x, e]))``; ``ln_f``; coda; ``ln_f``;
-``lm_head`` (float logits). Blocks are "sandwich" blocks:
-``x = norm_2(attn(norm_1(x)) + x); x = norm_4(mlp(norm_3(x)) + x)``; attention adds
-``qk_bias`` to q and k, then rotates interleaved pairs (upstream
-``apply_rotary_emb_complex_like``, base ``rope_base``), in fp32.
-
-**State init**: upstream draws ``x0 = trunc_normal(std=sqrt(2/(5 n_embd)) * init_scale,
-±3 std) * sqrt(n_embd)`` afresh on every call. Serving needs the KV of a prefix to depend on
-its ids only (prefix cache, preemption), so we draw the same distribution once, from a
-generator seeded with ``state_init_seed`` (config, default 0), as a ``[block_size, n_embd]``
-table indexed by position: every token at position p starts from row p. ``init_scale``
-(config, default 1; upstream's forward argument) 0 gives zeros.
-
-KV banks (see ``latent/recurrent.py``): prelude layer i -> pool layer i; core layer l of
-iteration t -> ``P + t * L + l``; coda layer j -> ``P + T_max * L + j``, with
-``T_max = max_recurrence`` (config, a latentserve extension; default ``mean_recurrence``).
+Design notes: docs/internals.md, "latentserve.models.huginn".
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """PEFT LoRA merged into base weights at load: the merge itself, and adapter directories.
 
-The merge (PEFT ``tuners/lora/layer.py`` ``Linear.get_delta_weight`` and ``merge``):
-``W' = W + (B @ A) * scale`` with ``A`` ``[r, in]``, ``B`` ``[out, r]``, ``scale = alpha / r``
-(``alpha / sqrt(r)`` with rsLoRA), all in float32 whatever the stored dtypes; ``W'`` stays
-float32 and the loader casts the whole model to the serving dtype afterwards, so a bf16 base
-served in fp32 gets the exact sum, not a bf16-rounded one. :func:`merged_weight` is shared by
-adapter directories (below) and by the latent checkpoints that embed LoRA pairs (CODI,
-PCCoT: ``latent.feedback.merge_lora``).
-
-An adapter directory (what ``PeftModel.save_pretrained`` and ``latentserve train cot``
-write): ``adapter_config.json`` (PEFT's ``LoraConfig``) and ``adapter_model.safetensors``
-(or ``adapter_model.bin``) with ``base_model.model.<module>.lora_{A,B}.weight``; its base
-comes from ``models.checkpoint.adapter_base_dir``. :func:`read_adapter` checks both files,
-:func:`merge_adapter` folds the pairs into the base's ``(name, tensor)`` stream. Only plain
-LoRA on ``nn.Linear`` weights is merged; every config field that changes the computation
-otherwise (DoRA, ``modules_to_save``, biases, ...) is refused by name.
-
-Converters of adapters that also train embedding rows (``latentserve convert pccot``) resolve
-PEFT's saved forms of them, trainable tokens and ``modules_to_save``, into plain weights with
-:func:`fold_embedding_adapters`.
+Design notes: docs/internals.md, "latentserve.models.lora".
 """
 
 from __future__ import annotations

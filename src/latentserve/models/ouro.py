@@ -6,27 +6,7 @@ hub's remote code (``modeling_ouro.py``, ``OuroForCausalLM``): ``model.embed_tok
 post_attention_layernorm_2}``, ``model.norm``, ``model.early_exit_gate`` (Linear(d, 1) with
 bias), ``lm_head`` (untied unless ``tie_word_embeddings``).
 
-Per token: ``h = embed(id)``; for step t < r: all layers (sandwich norms:
-``h = h + input_layernorm_2(attn(input_layernorm(h)))``,
-``h = h + post_attention_layernorm_2(mlp(post_attention_layernorm(h)))``, SwiGLU, rotate-half
-RoPE), then ``h_t = norm(h)`` feeds the next step; ``lambda_t = sigmoid(gate(h_t))``, exit
-probability ``p_t = lambda_t * prod_{j<t}(1 - lambda_j)``, the last step takes the remaining
-mass. Readout (upstream ``OuroForCausalLM.forward`` without labels, per token):
-
-* ``last``: ``h_{r-1}``. Upstream's ``exit_at_step = k`` reads ``h_k``, which depends on steps
-  ``<= k`` only: it is exactly depth ``k + 1`` with ``last`` (``latent_budget = k + 1``).
-* ``threshold``: ``h_e``, e = first step with ``cumsum(p) >= threshold`` (else the last).
-* ``weighted``: upstream returns ``sum_t p_t * lm_head(h_t)``; ``lm_head`` has no bias, so we
-  return the hidden ``sum_t p_t h_t`` and ``compute_logits`` gives the same logits (up to fp
-  rounding).
-* ``threshold-approx`` (ours, off by default): like ``threshold`` for prompt tokens; a
-  generated token stops computing at its exit step, and later tokens read its K/V of that
-  step for the skipped steps (Huginn's same-layer rule). Upstream always computes every step,
-  so this is an approximation that saves compute.
-
-KV banks: layer l of step t -> pool layer ``t * L + l`` (upstream ``UniversalTransformerCache``
-index ``ut * num_hidden_layers + layer``); ``T_max = max_recurrence`` (config, a latentserve
-extension; default ``total_ut_steps``).
+Design notes: docs/internals.md, "latentserve.models.ouro".
 """
 
 from __future__ import annotations

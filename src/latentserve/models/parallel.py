@@ -1,25 +1,7 @@
 """Tensor-parallel layers, and ``shard_model``, which turns a loaded model into this rank's
 shard.
 
-Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053), as vLLM and SGLang lay it out:
-q/k/v and gate/up projections are column-parallel (each rank owns a contiguous block of
-heads or of the intermediate size; no communication), attention output and MLP down
-projections are row-parallel (each rank multiplies its input block, then one all-reduce),
-the token embedding is vocab-parallel (each rank looks up its vocabulary block, zeros the
-rest, all-reduce) and the LM head is vocab-parallel (each rank's logits block, all-gather).
-
-Model files stay plain: the loader builds the full model on the CPU, loads the checkpoint,
-and ``shard_model`` swaps modules in place before the model moves to its device, so at
-``tensor_parallel_size == 1`` nothing changes and nothing costs. Each rank reads the whole
-checkpoint into host memory once (simple; a per-rank slice reader is future work).
-
-Head split: the KV heads are dealt out in contiguous blocks as evenly as possible (sizes
-differ by at most one, lower ranks take the extra head, so Huginn's 55 heads run on 2 ranks
-as 28 + 27); each rank takes the query heads of its KV heads. Requirements: at least one KV
-head per rank (``num_key_value_heads >= tensor_parallel_size``; KV heads are never
-replicated) and ``num_attention_heads`` a multiple of ``num_key_value_heads``. The MLP
-intermediate size must be divisible by the TP size; the vocabulary is padded up to a
-multiple of it. Rank 0 holds the most heads, so the KV pool it sizes fits every rank.
+Design notes: docs/internals.md, "latentserve.models.parallel".
 """
 
 from __future__ import annotations

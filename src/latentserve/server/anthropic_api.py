@@ -1,30 +1,6 @@
 """``POST /v1/messages``: the Anthropic Messages API over the same engine.
 
-Served: ``system`` (string or text blocks), user/assistant messages with string content or
-text, ``tool_use``, ``tool_result`` and ``thinking`` blocks (``server/anthropic_blocks.py``;
-a final assistant message is continued, Anthropic's "prefill"), ``tools`` and
-``tool_choice`` (``tool_use`` blocks in the answer: parsed with ``--tool-call-parser``, or
-decoded under a JSON schema for ``any`` / ``tool``, ``server/tools.py``), ``max_tokens``,
-``stop_sequences``, ``temperature`` (0..1), ``top_p``, ``top_k``, ``stream``, ``metadata``
-(ignored), ``thinking`` and the latent body fields of the OpenAI routes,
-``return_latent_trace`` and ``latent_reasoning`` included. ``thinking: {"type":
-"enabled"}`` returns the reasoning as a ``thinking`` block (the ``<think>`` text a
-``--reasoning-parser`` splits off, or a latent model's steps, ``server/reasoning.py``) and
-turns a compression head on; a model with neither refuses it. A thinking block's
-``signature`` is "": nothing is signed, and a signature sent back is not checked. Refused with
-a 400: structured outputs (``output_config.format``), server tools and image or document
-blocks. A request with latent work has the OpenAI choices' ``latent`` object as an extra
-field of the message (streaming: of the ``message_delta`` event). Newer SDKs have no
-``temperature`` / ``top_p`` / ``top_k`` arguments; clients send them in the body
-(``extra_body``).
-
-Streaming follows the protocol's event sequence: ``message_start``, ``ping``, then per
-content block (thinking, text, tool_use, in the order the answer has them)
-``content_block_start``, its deltas (``thinking_delta`` then a ``signature_delta``;
-``text_delta``; ``input_json_delta``) and ``content_block_stop``; then ``message_delta``
-(``stop_reason``, ``stop_sequence``, ``usage.output_tokens``), ``message_stop``; an error
-after the start is one ``error`` event. Errors use Anthropic's shape
-(``latentserve.server.errors``).
+Design notes: docs/internals.md, "latentserve.server.anthropic_api".
 """
 
 from __future__ import annotations

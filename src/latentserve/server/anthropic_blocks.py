@@ -1,14 +1,7 @@
 """Anthropic Messages content blocks and tools <-> the chat template's conversation and the
 OpenAI-shaped tools of ``server/tools.py``.
 
-Request blocks (Anthropic's Messages API): ``text``; on assistant turns ``tool_use``
-(``id``, ``name``, ``input``) -> the turn's ``tool_calls``, and ``thinking`` /
-``redacted_thinking``, dropped (Anthropic leaves earlier turns' thinking out of the context
-too); on user turns ``tool_result`` (``tool_use_id``, ``content``: a string or text blocks,
-``is_error``) -> a ``tool`` turn before the user's text, as OpenAI's tool messages are.
-Tools: ``{"name", "description", "input_schema"}`` (``type`` absent or ``"custom"``;
-Anthropic's server tools are refused). ``tool_choice``: ``auto``, ``any`` (OpenAI's
-``required``), ``tool`` (a named function), ``none``; ``disable_parallel_tool_use``.
+Design notes: docs/internals.md, "latentserve.server.anthropic_blocks".
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The engine in its own process: a loop around ``LLMEngine.step()`` fed over ZMQ.
 
-Sockets (the engine binds, the API process connects; ipc:// paths in a private temp dir):
-
-* ``input``  PULL  <- ``AddRequest`` / ``Abort`` / ``GetStats`` / ``Shutdown``
-* ``output`` PUSH  -> ``StepOutputs`` / ``RequestFailed`` / ``RequestChecked`` /
-  ``EngineStats`` / ``EngineFailed``
-
-The child loads the model and runs ``LLMEngine.warmup()`` before it reports ``Ready``, so
-the server is only reachable once the first request will be as fast as later ones.
-Start-up goes over a multiprocessing pipe: the child sends exactly one ``Ready`` or
-``StartupFailed``; the parent (:class:`EngineProcess`) turns the latter, or a child that dies
-without a word, into :class:`EngineStartupError`.
+Design notes: docs/internals.md, "latentserve.server.engine_process".
 """
 
 from __future__ import annotations

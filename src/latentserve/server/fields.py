@@ -1,21 +1,7 @@
 """The body fields of each generation route, declared once: implemented, accepted with no
 effect, or refused.
 
-- implemented: the fields of the route's request model (``server/protocol.py``,
-  ``server/anthropic_api.py``), validated there and used; the declaration takes them from the
-  model, so validation, the OpenAPI schema and the docs table cannot disagree.
-- accepted: fields of that model that are validated and change nothing in the answer
-  (``user``, Anthropic's ``metadata``): ``ACCEPTED``.
-- refused: fields we do not implement that would change the answer: ``REFUSED``, each with
-  the values that mean "not used" (served); any other value is a 400 naming the field
-  (``params.check_common``; a client must not get a 200 that ignored it). A route refuses
-  the ``REFUSED`` names that are not fields of its model (chat declares ``tools``, ``echo``
-  and ``chat_template``; completions declares ``echo``).
-
-Other unknown fields are kept in ``model_extra`` and ignored, as vLLM ignores them
-(``vllm/entrypoints/openai/protocol.py`` warns about them). ``NESTED`` lists the refusals
-inside a field (an unknown ``structured_outputs`` key, ...), checked where the field is read.
-``docs/server.md``'s field table is :func:`markdown_table` (``scripts/gen_field_table.py``).
+Design notes: docs/internals.md, "latentserve.server.fields".
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
 """What ``/v1/models`` says of a served model's latent reasoning (the ``latent`` key of its
 card), so a client (the viewer, ``server/viewer/``) shows only the controls the model takes.
 
-For a plain model the key is null; otherwise::
-
-    {"kind": "feedback" | "head" | "loop" | "recurrent", "family": "coconut", ...,
-     "controls": ["latent_budget", ...],   # the body fields of docs/server.md it takes
-     "budget": {"default": 6, "min": 0, "max": 16} | null,   # latent_budget's range
-     "max_compression_factor": 5 | null,   # CoLaR
-     "exit_criteria": ["entropy-diff", ...] | null,   # recurrent depth
-     "block_size": 4 | null,               # looped blocks: positions per pass
-     "return_latent_trace": bool, "stream_latent_steps": bool}
+Design notes: docs/internals.md, "latentserve.server.latent_card".
 """
 
 from __future__ import annotations

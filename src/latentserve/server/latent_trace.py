@@ -2,16 +2,7 @@
 ``latent/lens.py``) with decoded token strings, and the ``latent`` object a streamed tick
 carries (``docs/server.md``, "Latent reasoning").
 
-A latent step's entry (feedback and compression-head models)::
-
-    {"norm": 41.2, "top_tokens": [[22, 17.5], ...], "top_probs": [0.61, ...],
-     "top_texts": ["7", ...], "stop_prob": 0.02}
-
-``top_texts[i]`` is token ``top_tokens[i][0]`` decoded on its own (``logprobs.TokenTexts``:
-the text the token adds, U+FFFD for part of a UTF-8 character); ``stop_prob`` only on
-compression heads; a looped block's entries also carry ``pass`` and ``position``. A
-recurrent-depth entry (``{"depth"}``, Ouro ``{"depth", "readout_step", "exit_probs"}``)
-names no token and is passed as it is.
+Design notes: docs/internals.md, "latentserve.server.latent_trace".
 """
 
 from __future__ import annotations

@@ -3,39 +3,7 @@ under our prefix: ``vllm:NAME`` is ``latentserve_NAME`` (``vllm/v1/metrics/logge
 the rule that turns a vLLM Grafana dashboard into ours), every sample labelled
 ``model_name`` (the first served name).
 
-Per engine request (each of a request's ``n`` choices), in seconds of ``time.monotonic``
-(one clock for the API and engine processes of a machine), from the moment the HTTP
-handler started (arrival):
-
-* ``latentserve_time_to_first_token_seconds``: to the first generated token's arrival;
-* ``latentserve_inter_token_latency_seconds``: between consecutive token arrivals;
-* ``latentserve_time_per_output_token_seconds``: per request, (last - first arrival) /
-  (tokens - 1), for requests with at least two tokens;
-* ``latentserve_e2e_request_latency_seconds``: to the final output;
-* ``latentserve_request_queue_time_seconds``: from the engine process receiving the request
-  to the engine step that first scheduled it (vLLM's WAITING phase);
-  ``_prefill_time_seconds``: from that step to the first token; ``_decode_time_seconds``:
-  first to last token; ``_inference_time_seconds``: scheduled to last token (the phases
-  are only observed for a request the engine scheduled);
-* ``latentserve_request_prompt_tokens`` / ``_generation_tokens`` (histograms, 1-2-5
-  buckets up to the largest ``max_model_len``), ``latentserve_request_params_max_tokens``
-  (requests that set it).
-
-Per client request and prompt (its ``n`` choices, vLLM's parent request), once all are done:
-``latentserve_request_max_num_generation_tokens`` (the most tokens a choice generated) and
-``latentserve_request_params_n``.
-
-Counters: ``latentserve_prompt_tokens_total``, ``latentserve_generation_tokens_total``,
-``latentserve_request_success_total{finished_reason}`` (``stop``, ``length``, ``abort``,
-``error``); compression heads: ``latentserve_latent_steps_total`` and the histogram
-``latentserve_latent_steps_per_request``. Engine state, read from ``LLMEngine.stats()`` at
-scrape time: ``latentserve_num_requests_running`` / ``_waiting``,
-``latentserve_kv_slots_{total,free,cached}``, ``latentserve_kv_cache_usage_perc`` (slots not
-free and not evictable, over the total), ``latentserve_prefix_cache_{queries,hits}_total``
-(prompt tokens), ``latentserve_prefix_cache_hit_rate`` and ``latentserve_num_preemptions_total``.
-
-A server of several models has one :class:`MetricsRegistry` (one ``/metrics`` body) and one
-:class:`ServerMetrics` per model.
+Design notes: docs/internals.md, "latentserve.server.metrics".
 """
 
 from __future__ import annotations

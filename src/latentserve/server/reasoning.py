@@ -1,19 +1,7 @@
 """Reasoning output: a model's ``<think>...</think>`` text split from its answer
 (``--reasoning-parser``), and a latent model's latent steps rendered as readable text.
 
-Text reasoning (the facts of vLLM's ``DeepSeekR1ReasoningParser`` and
-``Qwen3ReasoningParser``, vllm/reasoning/): the text up to ``</think>`` is the reasoning, the
-text after it the answer; a leading ``<think>`` is dropped. The two parsers differ on an
-output that does not open with ``<think>``: ``deepseek_r1`` reads it as reasoning until
-``</think>`` (R1's chat template writes the ``<think>`` into the prompt), ``qwen3`` as
-answer (Qwen3 with thinking off writes no tags). An output that opens ``<think>`` and never
-closes it is all reasoning under both (vLLM's streaming rule; its non-streamed qwen3 parser
-calls it content, which would make a stream and its whole response disagree).
-
-Latent reasoning (``reasoning_content`` of feedback, compression-head and looped models):
-``latent_reasoning: "count"`` (the default) writes ``[12 latent steps]`` once the latent
-phase is over; ``"logit_lens"`` (feedback models) writes one line per latent step with the
-top tokens of the latent vector read through the LM head, ``[step 3: "7", "8", " 7"]``.
+Design notes: docs/internals.md, "latentserve.server.reasoning".
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Data-parallel replicas behind SGLang's router (``latentserve serve --data-parallel-size N``).
 
-N ordinary latentserve servers (each its own engine, and its own ``tensor_parallel_size``
-GPUs on CUDA: replica i sees devices ``[i*tp, (i+1)*tp)`` through ``CUDA_VISIBLE_DEVICES``)
-listen on ports the OS picks on ``host`` (printed as ``replica i: URL``; a port taken between
-the pick and the bind is picked again, ``launch.start_server``); the router (PyPI
-``sglang-router``, a Rust binary) listens on ``port`` and forwards the OpenAI routes, by default
-with its ``cache_aware`` policy: it keeps
-an approximate radix tree of the prompts it sent to each replica and sends a request to the
-replica holding its longest prefix (when loads are balanced), so the replicas' radix caches
-keep hitting. Why this router and not nginx/HAProxy: docs/scaling.md.
+Design notes: docs/internals.md, "latentserve.server.replicas".
 """
 
 from __future__ import annotations

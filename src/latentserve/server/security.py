@@ -1,22 +1,6 @@
 """ASGI middleware for the API key, the request body size limit and JSON bodies.
 
-API key (when set): required on ``/v1/*``, ``/tokenize``, ``/detokenize`` and the docs
-(``/docs``, ``/redoc``, ``/openapi.json``), given as
-``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic clients);
-either header works on every protected route. ``/health``, ``/version`` and ``/metrics``
-stay open (load balancers and scrapers), and so does the viewer's static page (``/viewer/``):
-unlike the docs it holds no fact about the server, and a browser cannot send a header when it
-opens a page; it asks for the key and sends it as ``Authorization: Bearer`` with every API
-call it makes. A missing or wrong key is a 401 in the route's error shape. Keys are compared
-in constant time.
-
-Body limit: a ``Content-Length`` above the limit is refused with 413 before the body is
-read; a body without a length (chunked) is counted as it arrives and refused the same way
-when it goes over.
-
-JSON bodies: every POST body is read as JSON whatever its ``Content-Type`` (curl ``-d`` sends
-``application/x-www-form-urlencoded``, some SDKs ``text/plain`` or none), as vLLM does; a body
-that is not JSON is the protocol's 400.
+Design notes: docs/internals.md, "latentserve.server.security".
 """
 
 from __future__ import annotations

@@ -2,20 +2,7 @@
 slowly (or nothing at all) is disconnected, so idle or byte-at-a-time connections cannot pile
 up (slow loris).
 
-uvicorn (0.54, ``uvicorn/protocols/http/h11_impl.py``) times out only an idle keep-alive
-connection, after a response (``timeout_keep_alive``); a new connection that sends nothing,
-or headers a byte at a time, or a body that stalls, is held forever. :func:`protocol_class`
-is uvicorn's h11 protocol with two more timers, as nginx's ``client_header_timeout`` and
-``client_body_timeout`` (both 60 s by default there; nginx times each read, here the whole
-headers and the whole body are bounded):
-
-- headers: from the connection's start (or the end of its previous response) until the
-  request's headers are complete;
-- body: from the headers until the body is complete.
-
-A timer that runs out closes the connection (a handler reading the body sees a disconnect);
-no response is sent. While the app handles a request whose body has arrived, no timer runs
-(a long generation is not cut).
+Design notes: docs/internals.md, "latentserve.server.timeouts".
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Tokenization and chat templating off the event loop, in a bounded pool of threads.
 
-A large prompt takes seconds to template and tokenize; on the event loop every stream and
-``/health`` would wait for it. The pool has ``TOKENIZER_WORKERS`` threads (the Rust
-tokenizers release the GIL while encoding) and at most ``MAX_PENDING_JOBS`` jobs queued or
-running; past that a request gets the 503 ``overloaded`` with ``Retry-After`` (529 on
-``/v1/messages``), as ``--max-waiting-requests`` answers, instead of a queue that grows
-without bound. A job whose caller left (a client that hung up) is dropped if it has not
-started; a started one runs to its end (a thread cannot be stopped).
+Design notes: docs/internals.md, "latentserve.server.tokenize_pool".
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Tool calls parsed out of a model's text (``--tool-call-parser``), streamed or whole.
 
-``hermes``: the Hermes 2 Pro / Qwen2.5 / Qwen3 format, each call a JSON object
-``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>`` (the
-facts of vLLM's vllm/entrypoints/openai/tool_parsers/hermes_tool_parser.py: that regex, the
-arguments re-serialized as a JSON string, a block left open at the end of the output parsed
-too). Unlike vLLM, a block whose JSON is not a call stays in the text (vLLM then returns the
-whole output as text), and a call is released when its closing tag is generated, arguments
-whole, rather than as partial JSON.
-
-The answer text (``content``) is the text outside the blocks, without the whitespace next
-to a block (the newlines between calls); a stream releases the same text in pieces.
+Design notes: docs/internals.md, "latentserve.server.tool_parsers".
 """
 
 from __future__ import annotations

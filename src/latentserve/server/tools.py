@@ -1,16 +1,7 @@
 """Tool definitions and ``tool_choice``: checks, the JSON schema a forced call is decoded
 under, and the constraint that carries it to the engine.
 
-``tool_choice`` (OpenAI's values; ``/v1/messages`` maps Anthropic's onto them):
-``"none"`` (the template sees the tools, the output is text), ``"auto"`` (with
-``--tool-call-parser``: calls are parsed out of the text; without: text),
-``"required"`` and a named function (any model, no parser: the answer is decoded under
-:func:`call_schema`, which needs a constrained-decoding backend, :func:`json_constraint`).
-
-Forced calls follow vLLM (vllm/entrypoints/openai/protocol.py,
-``_get_json_schema_from_tool``; serving_chat.py): ``required`` is a JSON array of
-``{"name", "parameters"}`` objects, at least one, each name one of the tools; a named
-function's answer is its arguments object itself.
+Design notes: docs/internals.md, "latentserve.server.tools".
 """
 
 from __future__ import annotations

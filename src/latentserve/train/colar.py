@@ -1,33 +1,6 @@
 """Stage 1 of CoLaR (``latentserve train colar``): supervised compressed latent reasoning.
 
-Source: arXiv 2505.16552; upstream xiaomi-research/colar ``src/models/colar.py``
-(``LitCoLaR.forward``, the SFT step) with the defaults of ``src/configs/models/colar.yaml``.
-The backbone's LoRA (a stage-0 adapter of ``train/cot.py``, or a fresh one) and a
-:class:`~latentserve.latent.colar.LatentPolicy` are trained together.
-
-Each batch draws one compression factor ``r`` uniformly from ``1..max_compression_factor``
-(upstream; ``train_factors`` draws from a given list instead) and lays every example out as ::
-
-    prompt at speed r | c_0 c_1 .. c_K | ### Answer:{answer} EOS
-
-``c_0`` is the opening ``###`` alone in its group; ``c_k`` (k >= 1) stands for steps
-tokens ``(k-1)r .. kr-1`` (the last group may be short): the sum of their embeddings
-divided by ``sqrt(count) + 1e-5`` (upstream ``sqrt_mean``); at ``r = 1`` the ``c_k`` are the
-plain token embeddings (upstream's ``r == 1`` branch). Labels: ``c_0`` -> ``###``, ``c_k``
--> one token of its group drawn uniformly, each answer token -> itself; none in the prompt.
-
-* ``ce``: mean cross-entropy over every label of the batch, each predicted from the
-  position before it (the last prompt token predicts ``###``; ``c_K`` the closing ``###``).
-* ``embed``: at each ``c_k`` the policy reads the last layer's hidden state (after the final
-  norm) and is scored against the next input embedding (``c_{k+1}``; for ``c_K`` the
-  closing ``###``'s) divided by ``embeds_std``, averaged over the hidden size, then over all
-  ``c`` positions of the batch: ``mse`` (upstream's default) = squared error of a
-  reparameterised sample of the policy's Normal; ``nll`` = its negative log-likelihood.
-* total = ``ce_weight * ce + embed_weight * embed``.
-
-Batching: examples are right-padded without an attention mask (causal, so no real position
-sees padding) at positions ``0..T-1`` each, so every example's terms are those of the example
-alone. Upstream left-pads and masks instead; docs/training.md says where that differs.
+Design notes: docs/internals.md, "latentserve.train.colar".
 """
 
 from __future__ import annotations

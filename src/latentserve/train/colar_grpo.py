@@ -1,49 +1,7 @@
 """Stage 3 of CoLaR (``latentserve train colar-grpo``; upstream's second stage): GRPO over
 the latent policy and the answer tokens, with the rollouts run by our engine.
 
-Source: arXiv 2505.16552; upstream xiaomi-research/colar ``src/models/colar.py``
-(``rl_training_step``, ``rollout``, ``get_group_rewards_and_acc``, ``get_logprobs``),
-``src/modules/grpo.py`` (``GRPOLoss``, ``group_advantages``) and the ``rl_config`` of
-``src/configs/models/colar.yaml``; the code is ours.
-
-A stage-1 directory (``train colar``: PEFT LoRA adapter + ``LatentPolicy``) is loaded twice:
-as the trainable HF model (LoRA and policy trainable, float32 master weights, bfloat16
-autocast on CUDA) and into an ``LLMEngine`` (the LoRA merged at load) that runs the
-rollouts. Each step:
-
-1. **Rollouts.** ``questions_per_step`` training items, ``group_size`` rollouts of each in
-   one continuous batch. Each latent is drawn from the policy at ``latent_temperature``
-   (upstream 1.0), the ``###`` that ends the phase and the answer tokens are sampled at
-   ``answer_temperature`` / ``answer_top_p`` (upstream 1.0 / 0.9), at thinking speed
-   ``compression_factor``. The engine records every injected latent
-   (``latent.head_loop.set_policy_sampling(head, record=True)``); a rollout is
-   ``prompt | latent_1 .. latent_n | ### answer``.
-2. **Rewards.** 1 when the text after ``Answer:`` matches the gold
-   (``eval.colar_eval.answers_match``, upstream ``verify_answer``), else 0; divided by ``n``
-   with ``punish_latent_length``; minus ``length_penalty * n / max_latent``.
-   Advantages per question: ``(r - mean) / (std + 1e-8)`` over its group, ``std`` the
-   sample std (upstream ``group_advantages``, ``torch.std``).
-3. **Old log-probs**, once, with the weights that ran the rollouts (upstream computes them
-   in ``rollout``): one teacher-forced forward over ``[prompt, latents, ###, answer]``.
-   Latent ``k``: ``Normal(mean, std * latent_temperature)`` of the policy on the final-normed
-   hidden state before it, ``log_prob(latent / embeds_std)`` averaged over the hidden size.
-   Answer token ``j`` (``###`` first, predicted at the last latent position): the log-softmax
-   of the logits before it, divided by ``answer_temperature`` (1 when it is 0).
-4. **Updates.** The rollouts, shuffled, in minibatches of ``exp_batch_size``; each is one
-   AdamW step (grad norm clipped to 1.0; an update whose gradient is not finite is
-   skipped, counted in the log's ``skipped_updates``; ``max_latent_logratio`` is the largest
-   ``|logp - logp_old|`` of a latent in the step) on upstream's ``GRPOLoss`` without KL::
-
-       ratio = exp(logp - logp_old)
-       l = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
-       loss = L(l_latent, latent mask) + L(l_answer, answer mask)
-
-   with ``L`` = per-sequence sum / 32 then the mean over the minibatch (``loss_average``
-   "sum", upstream's ``average_per_token_loss: False``), or the per-sequence mean then the
-   mean over the minibatch ("mean", ``GRPOLoss``'s code default).
-5. **Sync.** The engine's adapted weights become ``base + B @ A * scale`` again (float32, as
-   at load, from the trainer's float32 base and LoRA), its ``ColarHead`` takes the policy,
-   and its prefix cache is emptied (that KV came from the old weights).
+Design notes: docs/internals.md, "latentserve.train.colar_grpo".
 """
 
 from __future__ import annotations

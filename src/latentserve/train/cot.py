@@ -1,16 +1,6 @@
 """Stage 0 of CoLaR: a reasoning backbone (``latentserve train cot``).
 
-Fine-tunes a causal LM (default: the embedded SmolLM2-135M-Instruct) on text chains of
-thought in CoLaR's format (``latent/colar.py``; upstream ``src/models/cot.py``): the prompt
-``Question: {q} Let's think step by step:(Thinking speed: 1)`` is context, and the loss is
-the cross-entropy of ``### {steps} ### Answer:{answer} EOS``. ``mode="nocot"`` is the
-control that answers at once: the same format with empty steps. Each segment is tokenised
-on its own, so the separator is always the single ``###`` token.
-
-LoRA through PEFT (upstream: r 128, alpha 32 on Llama-3.2-1B; rank and target modules are
-options here) or, with ``lora_r=0``, a full fine-tune. The adapter is written in PEFT's
-form (``adapter_config.json``, ``adapter_model.safetensors`` in bfloat16) with
-``base_model_name_or_path`` naming the base, so PEFT and ``latentserve`` both load it.
+Design notes: docs/internals.md, "latentserve.train.cot".
 """
 
 from __future__ import annotations

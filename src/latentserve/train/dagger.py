@@ -1,47 +1,7 @@
 """DAgger for a compression head: train it on the states its own latents lead to
 (``latentserve train-head dagger``, between ``train-head sft`` and ``train-head grpo``).
 
-SFT (``train/sft.py``) fits the head and its stop head on teacher-forced anchors: hidden
-states computed on the gold reasoning tokens. Served, the head only ever meets anchors
-computed on the latents it injected itself, so its latents drift and its stop head is asked
-about states it never saw. Each round here:
-
-1. **Rollouts.** The current head runs closed-loop through our engine (``LLMEngine`` with
-   the bundle, continuous batching) on ``rollout_examples`` training questions, greedy
-   (each latent is ``decode(mu)``; ``sigma`` > 0 samples ``z ~ N(mu, sigma^2)``), with
-   the stop off and each request capped at ``G + overshoot`` latent steps, ``G`` being the
-   number of compressed groups of its gold reasoning. The engine records the anchor of
-   every latent step it injects (``latent.head_loop.set_policy_sampling``): rollout row
-   ``j`` (``j = 0 .. G + overshoot - 1``) is the source-layer hidden from which latent
-   ``j + 1`` is computed, at the last prompt position for ``j = 0`` and at latent ``j``'s
-   position after that.
-2. **Labels** (:func:`label_rollouts`). Row ``j`` of a rollout takes the teacher-forced
-   labels of row ``min(j, G)`` of the same trace (``train/features.py``): for ``j < G``
-   the latent target of gold group ``j`` (the mean LayerNorm-standardised target-layer
-   hidden of the group, through the frozen ``target_proj`` in the loss, exactly SFT's
-   target) and the group's mean input embedding (the decoder's target), stop 0; for
-   ``j >= G`` no latent target and stop 1.
-3. **Aggregation.** The new rows join the teacher-forced rows and every earlier round's;
-   the head (mu/sigma network, stop head and decoder; ``target_proj`` stays frozen) trains
-   ``steps`` steps on the union with SFT's losses (``train.sft.fit``, a fresh optimizer
-   each round) and the engine serves the new weights in the next round.
-
-Why this labelling. The closed loop has no tokens to align with, so a state is aligned by
-the number of latents it has consumed: after ``j`` latents (each standing for ``c``
-reasoning tokens) the head stands where teacher forcing stands after ``j`` gold groups, and
-its next latent should be group ``j``'s. Once ``G`` latents are in, the gold reasoning is
-covered and the phase should end (the teacher-forced end row, stop 1); past ``G`` the loop
-has overrun and every further state says stop, so a stop missed by one step fires at the
-next. Rollouts run with the stop off because the served stop only truncates a trajectory:
-the state where a premature stop would fire and the states after it are recorded and
-labelled 0 as well, where a rollout that ended at the stop would hide them.
-
-Sources: the DeepSeek-V4 addon's "Phase 2" retrain (closed-loop DAgger / scheduled
-sampling: self-generated anchors paired with the reference trace's aligned group latent,
-stop BCE on the group where reasoning ends), DAgger (Ross, Gordon and Bagnell, AISTATS
-2011: aggregate the learner's states labelled by the expert, retrain, repeat). The addon
-mixes real and self-generated anchors per step (``ss_prob`` 0.5) on the fly; here whole
-closed-loop rollouts are aggregated by rounds. The code is ours.
+Design notes: docs/internals.md, "latentserve.train.dagger".
 """
 
 from __future__ import annotations

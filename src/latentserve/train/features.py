@@ -1,22 +1,7 @@
 """Teacher-forced training rows for a compression head, captured once on the frozen
 backbone (Hugging Face transformers forward with ``output_hidden_states``).
 
-For a trace with prompt length ``p`` and ``T`` reasoning tokens, grouped by the
-compression factor ``c`` into ``G = ceil(T / c)`` groups (group ``k`` = reasoning tokens
-``[k c, min((k + 1) c, T))``), the rows are, for ``k = 0 .. G``:
-
-* ``anchor`` ``[H]``: the source-layer residual stream (HF ``hidden_states[source + 1]``) at
-  the position after which latent step ``k + 1`` is injected when serving: the last prompt
-  token for ``k = 0``, else the last token of group ``k - 1`` (``p + k c - 1``); for
-  ``k = G`` the last reasoning token (``p + T - 1``), where the thinking phase ends.
-* for ``k < G``: ``target`` ``[H]``, the mean over group ``k`` of the LayerNorm-standardised
-  target-layer hidden, and ``embed`` ``[H]``, the mean input embedding of group ``k`` (what
-  the decoder must reconstruct: the serve path injects at the embedding output);
-* ``stop`` = 1 for ``k = G`` (the group where reasoning ends), else 0.
-
-Source of the scheme: the DeepSeek-V4 addon's training notes (group latents from the target
-layer, ``G = L // c``, a decoder reconstructing per-group mean embeddings, stop BCE on the
-group where reasoning ends) and CoLaR (arXiv 2505.16552); the code is ours.
+Design notes: docs/internals.md, "latentserve.train.features".
 """
 
 from __future__ import annotations

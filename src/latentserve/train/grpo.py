@@ -1,30 +1,7 @@
 """Stage 2 of a compression head: GRPO with the head as a Gaussian policy over the injected
 latent (``latentserve train-head grpo``).
 
-Each step takes ``questions_per_step`` training questions (GSM8K rows in the ``chat``
-prompt format; CoLaR-format prompts of iCoT or GSM8K examples with ``prompt_format="colar"``,
-``train/traces.py``) and runs ``group_size`` closed-loop
-rollouts of each through our engine, all in one continuous batch: at every latent step the
-engine samples ``z ~ N(mu, sigma^2 I)`` (``sigma`` fixed, the exploration width; SFT drives
-the head's own sigma to its clamp) and injects ``decoder(LN(z))``, recording the anchor and
-``z`` (``latent.head_loop.set_policy_sampling``); the answer is decoded greedily. Reward =
-exact match of the answer with the gold (``chat``: the last number; ``colar``: what follows
-``Answer:``, as ``eval/colar_eval.py`` scores it) + ``close_bonus`` when the stop head
-closed the thinking phase (``end == "stop"``, not the cap). Advantages are group-relative,
-``(r - mean) / (std + 1e-6)`` within each question's group. Loss, REINFORCE with a KL
-penalty to the frozen SFT head::
-
-    - mean_i A_i * mean_k mean_d log N(z_ik | mu_theta(a_ik), sigma^2)
-    + kl_coef * mean_ik mean_d (mu_theta(a_ik) - mu_sft(a_ik))^2 / (2 sigma^2)
-
-(the KL of two Gaussians with the same sigma, per dimension), recomputed with gradients from
-the recorded anchors ``a_ik``. Only the head's ``net`` (mu) is trained: the stop head is a
-deterministic threshold here and the decoder acts after ``z``, so neither gets a policy
-gradient. The updated weights are copied into the engine's head after every step.
-
-Facts from CoLaR (arXiv 2505.16552: GRPO over latent log-probabilities, group-normalised
-advantages, exact-match reward) and the DeepSeek-V4 addon's notes (rollouts with a fixed
-``sample_sigma``, sampled latent actions returned per request); the code is ours.
+Design notes: docs/internals.md, "latentserve.train.grpo".
 """
 
 from __future__ import annotations

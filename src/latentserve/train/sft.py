@@ -1,26 +1,7 @@
 """Stage 1 of a compression head: supervised regression on a frozen backbone
 (``latentserve train-head sft``).
 
-Losses on the rows of ``train.features`` (``t = LN(target_proj(target))`` with a frozen,
-randomly initialised ``target_proj``; ``mu, log_sigma = head(LN(anchor))``):
-
-* ``soft_mse``: the Gaussian negative log-likelihood of ``t`` under ``N(mu, sigma^2)``,
-  ``0.5 (t - mu)^2 / sigma^2 + log sigma`` (mean over rows and dims), minus ``beta`` (0.01)
-  times the Gaussian entropy ``log sigma + 0.5 log(2 pi e)``;
-* ``recon``: ``|decoder(LN(t)) - embed|^2`` divided by the variance of the embeddings (so
-  1.0 = predicting their mean);
-* ``stop``: BCE of ``stop_head(LN(anchor))`` against the end-of-reasoning label, positives
-  weighted by the negative/positive ratio.
-
-Loss = soft_mse + recon + stop; AdamW with linear warmup and decay (:func:`fit`, which
-``train/dagger.py`` reuses on its aggregated rows). The backbone is a model directory, a
-``.gguf`` or a PEFT LoRA adapter directory, merged into its base in float32
-(:func:`load_backbone`); traces are in the ``chat`` or ``colar`` prompt format
-(``train/traces.py``). Facts from the
-DeepSeek-V4 latent-reasoning addon's training notes (soft-MSE with an entropy term, a
-reconstruction loss for the decoder, stop BCE on the group where reasoning ends, a frozen
-backbone, source layer near 80% depth and target layer at the top) and CoLaR (arXiv
-2505.16552); the code is ours.
+Design notes: docs/internals.md, "latentserve.train.sft".
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Training data for the reasoning tasks: k x k multiplication in the iCoT format and GSM8K
 train with its calculator steps as the chain of thought.
 
-Multiplication (the format of ``shared/data/multiplication``, from iCoT, arXiv 2311.01460,
-da03/Internalize_CoT_Step_by_Step ``data/{k}_by_{k}_mult``): every number is written digit
-by digit, least significant first, digits separated by spaces. A line is
-``a * b||p_0 + p_1 ( s_1 ) + ... + p_{k-1} #### c`` where ``p_i = a * b_i * 10^i`` is
-written with ``k + 1 + i`` digits, ``s_i = p_0 + ... + p_i`` with ``k + 1 + i`` digits (after
-every partial product but the last) and ``c = a * b`` with ``2k`` digits. Operands are
-uniform over k-digit numbers (leading digit not 0).
-
-GSM8K (openai/grade-school-math ``train.jsonl``): the chain of thought is the answer's
-``<<expr=value>>`` annotations joined by spaces (the equation-only form of iCoT's
-``test_icot.txt``); the answer is what follows ``####``.
+Design notes: docs/internals.md, "latentserve.train.tasks".
 """
 
 from __future__ import annotations

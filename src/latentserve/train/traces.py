@@ -1,20 +1,6 @@
 """Training traces for compression heads, in one of two prompt formats.
 
-A trace is the token sequence the served closed loop replaces: ``prompt`` (exactly the ids
-the engine prefills, the thinking opening included) + ``reasoning`` (compressed into latent
-steps) + ``close`` (the thinking closing, forced by the engine) + ``answer``.
-
-* ``chat`` (a chat model, GSM8K ``train.jsonl``): prompt = the chat template's rendering of
-  the question + the thinking opening text (``THINK_OPEN``); reasoning = the worked solution
-  without its ``<<expr=value>>`` calculator annotations (``style="equations"``: only those,
-  the iCoT form); close = ``THINK_CLOSE``; answer = `` {gold}.`` EOS.
-* ``colar`` (a backbone trained on CoLaR's text chains of thought, ``latentserve train
-  cot``; iCoT lines or GSM8K jsonl, ``train.cot.read_items``): prompt = ``Question: {q}
-  Let's think step by step:(Thinking speed: 1)###`` (the opening separator ends the prompt,
-  so the head's opening text is empty, ``COLAR_OPEN``); reasoning = the steps; close =
-  ``###`` (``COLAR_CLOSE``); answer = ``Answer:{gold}`` EOS. Segments are tokenised as
-  ``train.cot.encode_parts`` does, so a trace is token for token the sequence the backbone
-  was fine-tuned on.
+Design notes: docs/internals.md, "latentserve.train.traces".
 """
 
 from __future__ import annotations

@@ -1,37 +1,6 @@
 """Paged decode attention, split-K over each request's KV (flash-decoding).
 
-A decode step has one query token per request, so a one-program-per-request kernel leaves
-most of the GPU idle for long contexts. Flash-decoding splits each request's keys into
-``NUM_SPLITS`` chunks processed in parallel, then merges the partial results:
-
-* stage 1 -- one program per (request, KV head, split). It loads the query rows of every
-  query head sharing that KV head (GQA: ``group = num_heads // num_kv_heads`` rows, padded to
-  ``BLOCK_H >= 16`` so the products run on tensor cores), walks its chunk of the request's
-  slots ``page_table[row, j]`` in ``BLOCK_N`` tiles and keeps an online softmax (running max
-  ``m``, running sum ``l``, running weighted sum of V ``acc``, all fp32). It writes the
-  normalised partial output ``acc / l`` and its log-sum-exp ``m + log2(l)`` (base 2).
-* stage 2 -- one program per (request, query head) merges the non-empty splits:
-  ``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``.
-  With one split there is nothing to merge: stage 1 writes the output itself (``DIRECT``)
-  and stage 2 is not launched.
-
-The chunk length is ``ceil(ceil(kv_len / NUM_SPLITS) / BLOCK_N) * BLOCK_N``, computed on the
-device from ``kv_lens``, so the launch grid depends only on the batch size: the launch is
-CUDA-graph friendly. Splits past the end of a short request are empty and skipped by stage 2.
-
-With PDL (``ops.kernels.pdl``) stage 1 starts while the q/k/v kernel before it runs. Before
-its PDL wait it reads the batch's ``rows``, ``kv_lens`` and page-table entries and asks L2 for
-its first tile's K/V rows; only q and the K/V reads themselves wait. That is safe because no
-kernel launched with PDL writes that metadata: the engine fills it by host copies or with
-the ``decode_inputs`` kernel, which does not signal early, so it is complete before any
-later PDL kernel starts. (The current token's K/V row, which the kernel before writes, is
-only prefetched before the wait, never read.) As its programs finish, stage 1 also asks L2
-for the next kernel's weight (``prefetch_next``: the o_proj), which then reads it from L2.
-On the H200 (batch 64, Llama-3.2-1B shape) the early metadata and first tile saved about
-9 us a step, and the o_proj prefetch 4-7 (docs/benchmarks-history.md, session 10).
-
-Idea after flash-decoding (Dao et al., 2023) and SGLang's
-``python/sglang/srt/layers/attention/triton_ops/decode_attention.py``; written anew here.
+Design notes: docs/internals.md, "latentserve.attention.kernels.decode_attention".
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Extend (prefill with a cached prefix) attention over paged KV.
 
-Request b has ``q_len`` new tokens at positions ``kv_len - q_len .. kv_len - 1``; token i
-attends causally to keys ``0 .. kv_len - q_len + i``, all read from the pool through
-``page_table[row, j]`` (the new tokens' K/V were stored before this kernel runs). Decode
-rows (``q_len == 1``) are a special case, so a mixed batch runs through this kernel alone.
-
-FlashAttention-2 tiling (Dao, arXiv 2307.08691): one program per (request, query head,
-block of ``BLOCK_M`` queries) keeps its query tile in registers and walks the keys in
-``BLOCK_N`` tiles with an online softmax (running max and sum in fp32, exponentials in base 2
-with the scale folded in), stopping at the block's last causally visible key, and divides by
-the running sum once at the end. Query tokens of request b sit in the flat token dimension at
-``q_start[b] .. q_start[b + 1] - 1``.
+Design notes: docs/internals.md, "latentserve.attention.kernels.extend_attention".
 """
 
 from __future__ import annotations

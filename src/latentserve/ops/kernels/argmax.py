@@ -1,12 +1,6 @@
 """Row-wise argmax of a logits matrix in two short passes: greedy sampling's token pick.
 
-``torch.argmax(logits, -1)`` over a decode batch's fp32 logits (64 x 128256 for a Llama-3
-vocabulary, 33 MB) ran at 40 us on the H200, about five times the time to read them: its
-reduction keeps one block per row. Here pass 1 splits every row into ``BLOCK``-wide chunks,
-one program each, and writes each chunk's maximum and the index where it first occurs;
-pass 2 (one program per row) picks the first chunk holding the row's maximum. The result is
-``torch.argmax``'s exactly: the first index of the maximum, and a NaN counts as larger than
-any number (the first NaN wins), as torch orders them.
+Design notes: docs/internals.md, "latentserve.ops.kernels.argmax".
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """A decode step's inputs, unpacked into the CUDA graph's static buffers in one launch.
 
-``ModelRunner.run`` sends every index vector of a batch to the device in one packed int64
-copy. Before a graph replay the torch path then spent about ten device operations on them:
-an index kernel for the pending ids of overlap scheduling (ids the previous step is still
-sampling, read from its token tensor), a gather of each token's KV slot from the page table,
-five copies into the static buffers and the fills of the padded rows. On the H200 that was
-about 11 us of device time and 30-60 us of host time per batch-64 step (docs/benchmarks-history.md,
-issue 3). Here one kernel does all of it; ``program_id(0)`` covers ``BLOCK_R`` rows.
-
-Packed layout (all int64), for ``n`` decode rows (one token each), ``k`` pending ids and
-``m`` staged page-table writes::
-
-    ids [n] | positions [n] | page-table row of each token [n] | rows [n] | kv_lens [n]
-    | ... | dst [k] | src [k] | write rows [m] | write cols [m]
-
-``dst``/``src``: token ``dst[j]`` takes ``pending[src[j]]`` as its id. The writes are the
-scheduler's staged page-table writes (``kvcache.pool.PageTable.stage``): the kernel does
-``table[write_rows[j], write_cols[j]] = slots[j]``, and a token whose cell is written in
-this launch takes its slot from ``slots`` rather than reading the cell another program may
-be writing. That spares the step the page table's own copy and scatter.
-Rows ``n .. b-1`` of the bucket are padding: page-table row ``dummy_row``, one key, slot 0.
+Design notes: docs/internals.md, "latentserve.ops.kernels.decode_inputs".
 """
 
 from __future__ import annotations

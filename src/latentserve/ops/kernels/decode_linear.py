@@ -1,25 +1,7 @@
 """Linear layer for decode-sized batches (up to a few dozen rows) with split-K, a fused
 SiLU-and-multiply epilogue and programmatic dependent launch.
 
-A batch-64 decode step of a 1B model multiplies 64 rows by each weight matrix once: the
-GEMMs are weight-read bound, and the small ones pay several microseconds of launch and
-ramp-up latency each (docs/benchmarks-history.md, issue 3). This kernel tiles the output columns
-(``BLOCK_N``) and splits K across programs (``SPLIT_K``), so every weight byte is read
-once by enough programs to fill the GPU. A split GEMM either reduces its fp32 partial sums
-with a small second kernel or hands them to the next kernel (``partials=True``: the
-RMSNorm kernel sums them while adding the residual, ``ops.kernels.rms_norm``), which saves
-the reduce launch. ``swiglu=True`` takes a merged gate/up weight ``[2I, K]``: each program
-multiplies the same x tile by a gate tile and the matching up tile and writes
-``silu(gate) * up`` (rounded as ``ops.kernels.silu_and_mul`` rounds), so the MLP needs no
-separate activation kernel. With PDL (``ops.kernels.pdl``) each launch overlaps the previous
-kernel's tail.
-
-An earlier version applied SiLU-mul in the down projection's prologue instead: every
-column tile recomputed the activation, and on the H200 the batch-64 step got slower.
-
-Products run on tensor cores in the weight's dtype (fp32 weights: 3xTF32 on CUDA, which
-keeps fp32 accuracy) and accumulate in fp32; the result is rounded once to the output
-dtype, as cuBLAS rounds.
+Design notes: docs/internals.md, "latentserve.ops.kernels.decode_linear".
 """
 
 from __future__ import annotations
@@ -135,12 +117,9 @@ def pick_tiling(m: int, n: int, k: int, num_sms: int = 132,
                 in_l2: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, SPLIT_K)`` for an ``[m, k] @ [k, n]`` decode GEMM: 128 columns
     per program for a wide weight, else 64, and the fewest power-of-2 K splits (each at
-    least 512 long) that give at least 0.7 programs per SM. Set from the H200 sweeps of
-    ``bench.layer_gpu`` (Llama-1B shapes at M = 64: q/k/v 64 x 2, o 64 x 4, gate/up 128 x 1,
-    down 64 x 4, LM head 128 x 1). ``in_l2``: the weight is already in L2 (decode attention
-    prefetched it), so half as many programs pull it fast enough, with fewer partial sums
-    for the next kernel to add: 0.35 programs per SM (o_proj: split 2, which took 10 us
-    off a batch-64 Llama-1B step on the H200; docs/benchmarks-history.md, session 10)."""
+    least 512 long) that give at least 0.7 programs per SM; ``in_l2`` (decode attention
+    prefetched the weight): 0.35 programs per SM. Source: the H200 sweeps of
+    ``benchmarks.layer_gpu`` (docs/benchmarks-history.md, sessions 7 and 10)."""
     block_n = 128 if n >= 8192 else 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 64)
     split, target = 1, num_sms * (0.35 if in_l2 else 0.7)
@@ -154,12 +133,7 @@ def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
     tensor descriptors by default: on a CUDA device of compute capability 9.0 or newer
     (not the Triton interpreter), for 16-bit weights of x's dtype with 16-byte-aligned
     bases and row strides. ``LATENTSERVE_DECODE_TMA=0`` turns it off, ``=1`` forces it on
-    (the interpreter emulates descriptors: tests).
-
-    Why: a cross-compile of the pointer-based K loop for sm_90 (Triton 3.6, bf16) shows no
-    software pipelining (each step loads into registers, copies to shared memory and waits
-    for its wgmma), while the descriptor version gets a TMA pipeline. On the H200 the
-    batch-64 Llama-1B decode step went from 1.34 to 1.31 ms (docs/benchmarks-history.md)."""
+    (the interpreter emulates descriptors: tests). Why: docs/benchmarks-history.md (TMA)."""
     env = settings.get("LATENTSERVE_DECODE_TMA")
     if env == "0":
         return False
@@ -258,8 +232,7 @@ def decode_linear_argmax(x: torch.Tensor, weight: torch.Tensor,
     (never split along K) whose epilogue also writes, per row and column tile, the tile's
     first maximum of the values it stored (argmax pass 1, ``argmax.first_max_rows``); a
     short PDL kernel then picks each row's first maximal tile (``argmax.argmax_of_chunks``).
-    The logits are never read back: on the H200 the separate pass 1 read a batch-64
-    Llama-3 vocabulary's 33 MB of fp32 logits in 12 us (docs/benchmarks-history.md, session 11).
+    The logits are never read back (docs/benchmarks-history.md, session 11).
 
     Args: as ``decode_linear`` (``x [M, K]``, ``weight [N, K]``, ``bias [N]`` or None).
     Returns:
@@ -292,11 +265,9 @@ def decode_linear_argmax(x: torch.Tensor, weight: torch.Tensor,
 
 def persistent_lm_head(rows: int) -> bool:
     """Whether ``decode_linear_argmax`` runs the persistent LM head (``ops.kernels.lm_head``;
-    it also needs TMA and at most 64 rows) for ``rows`` rows: from 33 rows on. On the H200
-    (Llama-3 vocabulary, bf16) it took 8 us more off a batch-64 decode step than the tiled
-    kernel with the same epilogue, and cost 9 us at 16 rows (docs/benchmarks-history.md, session
-    11). ``LATENTSERVE_LMHEAD=persistent`` / ``=tiled`` forces either (A/B runs; default
-    ``auto``). Raises ValueError for another value."""
+    it also needs TMA and at most 64 rows) for ``rows`` rows: from 33 rows on
+    (docs/benchmarks-history.md, session 11). ``LATENTSERVE_LMHEAD=persistent`` / ``=tiled``
+    forces either (A/B runs; default ``auto``). Raises ValueError for another value."""
     mode = settings.get("LATENTSERVE_LMHEAD")
     return mode == "persistent" or (mode == "auto" and rows > 32)
 

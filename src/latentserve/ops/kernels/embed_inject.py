@@ -2,10 +2,9 @@
 
 A latent-capable decode graph starts with ``embed_tokens(ids)`` and then
 ``torch.where(latent_mask[:, None], input_embeds, embeds)`` (``layers.inject``): two
-kernels and a ``[T, hidden]`` intermediate, about 7 us of a batch-64 Llama-1B step on the
-H200, most of it launch and ramp time (docs/benchmarks-history.md, issue 3). Here one program per
-(row, column block) copies either the row's embedding or its latent vector (cast to the
-embedding dtype), so the result is bitwise what the two torch ops give.
+kernels and a ``[T, hidden]`` intermediate (cost: docs/benchmarks-history.md, issue 3). Here
+one program per (row, column block) copies either the row's embedding or its latent vector
+(cast to the embedding dtype), so the result is bitwise what the two torch ops give.
 """
 
 from __future__ import annotations

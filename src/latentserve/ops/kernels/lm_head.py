@@ -1,20 +1,7 @@
 """The LM head of a decode batch as a persistent GEMM, with the argmax's first pass in its
 epilogue.
 
-``decode_linear`` gives every ``BLOCK_N`` column tile its own program. At a Llama-3
-vocabulary that is ~1000 programs of 512 KB of weight each, one resident per SM (a
-4-stage TMA pipeline of 64 x 128 x tiles and 128 x 128 weight tiles fills 192 KB of
-shared memory), so each program starts by waiting for its first tiles with nothing else
-on its SM to cover the wait: about eight such waits per SM. Here one program per SM walks
-its column tiles (``pid``, ``pid + P``, ...) in one loop flattened over tiles and K steps
-(``tl.range(flatten=True)``), so the pipeline loads the next tile's first K steps while
-the current tile finishes. Each tile's epilogue stores the logits (rounded as
-``decode_linear`` rounds) and the tile's per-row first maximum and its index
-(``argmax.first_max_rows``); ``argmax.argmax_of_chunks`` then reduces those per row.
-
-TMA only (compute capability 9.0+; the interpreter emulates the descriptors in tests) and
-one row tile (at most 64 rows); ``decode_linear.decode_linear_argmax`` picks it. Triton
-tutorial 09 (persistent matmul) is the source of the flattened tile loop.
+Design notes: docs/internals.md, "latentserve.ops.kernels.lm_head".
 """
 
 from __future__ import annotations

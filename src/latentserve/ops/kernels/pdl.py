@@ -1,22 +1,6 @@
 """Programmatic dependent launch (PDL) for the decode path's Triton kernels.
 
-On Hopper (sm_90) and later a kernel launched with PDL may start while the kernel before it
-in the stream is still running: its programs are scheduled once every program of the
-previous kernel has signalled ``gdc_launch_dependents`` (or exited), run whatever does not
-read the previous kernel's results (weight prefetches, address arithmetic), then block in
-``gdc_wait`` until the previous kernel has finished and its writes are visible. Inside a
-CUDA graph the launches become programmatic edges, so a captured decode step keeps the
-overlap. This hides most of a kernel's launch and ramp-up latency: a few microseconds per
-kernel, which is what a batch-64 decode step of a 1B model spends between its ~170 kernels
-(docs/benchmarks-history.md, issue 3).
-
-Every kernel that takes ``PDL=True`` calls ``pdl_wait`` (``gdc_launch_dependents`` then
-``gdc_wait``) before its first read of an activation and its first write, so chains stay
-ordered transitively; kernels launched without PDL (cuBLAS, torch) serialize as usual.
-Source: CUDA programming guide, "Programmatic Dependent Launch and Synchronization"; PTX
-``griddepcontrol``.
-
-``LATENTSERVE_PDL=0`` turns it off. Under ``TRITON_INTERPRET=1`` and on older GPUs it is off.
+Design notes: docs/internals.md, "latentserve.ops.kernels.pdl".
 """
 
 from __future__ import annotations
@@ -105,9 +89,7 @@ def prefetch_lines(nbytes: int, rows: int, programs: int, line_elems: int,
 def prefetch_budget() -> int:
     """Bytes of weights the q/k/v kernel (``qkv_rope``) may prefetch into L2 across all its
     programs before it waits for the previous kernel (``LATENTSERVE_DECODE_PREFETCH_MB``,
-    default 3; 0 turns it off). On the H200 at Llama-1B (3 MiB of q/k/v weight a layer)
-    3 MiB (each row's first 512 columns) took 11 us off a batch-64 step, while
-    prefetching the whole weight made it 16 us slower than none."""
+    default 3; 0 turns it off; why 3: docs/benchmarks-history.md)."""
     return int(settings.get("LATENTSERVE_DECODE_PREFETCH_MB") * (1 << 20))
 
 

@@ -1,42 +1,6 @@
 """The q/k/v projection of a decode-sized batch with RoPE and the KV store in its epilogue.
 
-On the fast path a layer's attention input went through three launches before attention:
-the merged q/k/v GEMM (cuBLAS), then ``rotary_store_kv`` (rotate q in place, rotate k and
-write it and v into the paged pool). For a batch of a few dozen rows both are latency
-bound: on the H200, a Llama-3.2-1B layer at batch 64 spent about 7 us in the GEMM and 2 us
-in the RoPE kernel, against a 2.9 us read of the weight (docs/benchmarks-history.md, issue 3).
-
-With TMA descriptors (``decode_linear.use_tma``, the Hopper default) it took 7.6 us
-against 8.6 for the two kernels it replaces at 64 rows, but 8.7 against 7.7-8.2 at 16 rows
-or fewer, where its 48 programs (then one per head) could not pull the weight fast enough,
-and 9.5 at best without TMA (its pointer loads are not pipelined). The model layer uses it
-for 17 to 64 rows with TMA only (``layers.QKV_ROPE_ROWS``).
-
-Here one program computes the same ``BLOCK_HALF`` columns of both halves of one head for
-every row in a ``BLOCK_M`` row tile: two accumulators, so the rotate-half rotation pairs
-element ``i`` of one with element ``i`` of the other without leaving registers. With
-head_dim over 64 a program takes whole halves; with head_dim 33 to 64 it takes 16 columns
-of each half (``default_block_half``), which doubles the programs pulling the weight at
-Llama-1B shapes (96 instead of 48). The grid is ``(row tiles, heads x chunks)`` with the
-row tile fastest, so the programs sharing weight rows run together and read them from HBM
-about once; no K split, no partial sums, no reduce kernel. A q head is written, rotated, to
-a new ``[T, H, D]`` tensor; a k head is rotated and written at each row's slot of the
-layer's K pool, a v head written at that slot of the V pool (cast to the pool dtype).
-
-Before its PDL wait, each program asks L2 for the first columns of its weight rows
-(``pdl.prefetch_l2``, ``pdl.prefetch_budget``): the kernel runs after an RMSNorm that leaves
-HBM idle, and its programs (48 then, one per head) could not pull the weight fast on their
-own. In session 8 on the H200, prefetching a quarter of the weight took 11 us off a
-batch-64 Llama-1B step (16 layers); prefetching all of it made the step slower. The same
-prefetch in ``decode_linear`` (o, gate/up, down, LM head) changed nothing measurable, so
-the GEMMs do not prefetch their own weight (docs/benchmarks-history.md, session 8). Decode
-attention does prefetch: its first K/V tile before its wait and the o_proj weight as it
-ends (``attention.kernels.decode_attention``, session 10).
-
-Rounding is the unfused path's: the GEMM result (bias added in fp32) is rounded to x's dtype,
-then rotated with ``rotary._rope_halves`` (each product rounded to the activation dtype).
-Rotate-half convention only (Llama family, Ouro); Huginn's interleaved pairs keep
-``rotary_store_kv``.
+Design notes: docs/internals.md, "latentserve.ops.kernels.qkv_rope".
 """
 
 from __future__ import annotations
@@ -156,11 +120,8 @@ def _qkv_rope_kernel(
 def default_block_half(half: int) -> int:
     """Columns of each head half per program when the caller gives none: 16 for halves of
     up to 32 (head_dim <= 64; a head of 33 to 64 then runs as 2 programs), else the whole
-    half rounded up to a power of 2 (one program per head). On the H200 at Llama-1B shapes
-    (64 rows, weights not in L2) 16 took the kernel from 7.34 to 7.02 us and a batch-64
-    decode step 3-4 us faster in three A/B runs. With a 32- or 16-row tile, 16 was slower (the model
-    layer uses the default 64-row tile at every row count). Larger heads were not measured
-    (docs/benchmarks-history.md, session 9)."""
+    half rounded up to a power of 2 (one program per head). Source: H200 A/B runs at the
+    default 64-row tile (docs/benchmarks-history.md, session 9)."""
     return 16 if half <= 32 else max(16, triton.next_power_of_2(half))
 
 

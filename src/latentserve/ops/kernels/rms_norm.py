@@ -1,14 +1,6 @@
 """Fused residual add + RMSNorm kernel (reference: ``latentserve.ops.norm``).
 
-One program per row holds the whole row in registers (hidden sizes up to a few thousand),
-so the add, the fp32 sum of squares and the scaling read and write each element once.
-Same rounding as ``ops.norm.add_rms_norm``: the sum is rounded to the input dtype (it is
-the new residual), normalized in fp32, rounded again, then multiplied by the weight.
-
-``x`` may also be the fp32 split-K partial sums ``[S, T, hidden]`` of the GEMM before
-(``ops.kernels.decode_linear(..., partials=True)``): they are summed and rounded to the
-residual's dtype first, as that GEMM's output would have been, which saves its reduce
-kernel.
+Design notes: docs/internals.md, "latentserve.ops.kernels.rms_norm".
 """
 
 from __future__ import annotations

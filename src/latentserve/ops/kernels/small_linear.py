@@ -1,21 +1,6 @@
 """Float32 linear layer for a few dozen rows on tensor cores, with bias and SiLU fused.
 
-The compression head's serve path (``latent/head.py``) runs eight float32 Linears on the
-64 or so rows of a decode batch. cuBLAS runs float32 GEMMs of that size as SIMT kernels
-with few thread blocks: on the H200 the Llama-1B-shaped head took 219 us per step that way
-against 122 us with this kernel at a fixed tiling (docs/benchmarks-history.md); reading its weights
-takes ~8 us. This kernel tiles the output columns finely (one program per 16 to 64 columns
-and up to 64 rows, so even a 1024-wide layer gets dozens of programs) and multiplies on tensor
-cores with Triton's ``tf32x3`` input precision:
-each float32 operand is split into a TF32 high part and a TF32 remainder and three TF32
-products are summed in float32 (the "3xTF32" scheme of CUTLASS), which keeps about 21 bits
-of each operand, so results stay within float32 rounding noise of an IEEE GEMM (about 1e-6
-relative), unlike plain TF32 (about 1e-3).
-
-On CUDA the column tile, K tile and pipeline depth are autotuned per (N, K, row tile) on
-the first call of each shape (a few milliseconds; the engine's warm-up runs before its CUDA
-graphs capture, so capture never tunes). Under ``TRITON_INTERPRET=1`` (CPU tests) one fixed
-configuration runs and ``tl.dot`` is an ordinary float32 product.
+Design notes: docs/internals.md, "latentserve.ops.kernels.small_linear".
 """
 
 from __future__ import annotations

@@ -2,16 +2,7 @@
 recomputes the whole sequence from embeddings with HF transformers (no KV cache), written
 from the papers' algorithm, loading weights independently of ``latentserve.latent``.
 
-PCCoT (arXiv 2506.18582; the Jacobi iteration of whyNLP/PCCoT ``PCCoTGPT2LMHeadModel``):
-question + bot + N latent placeholders; block inputs X_0 = the latent token's embedding;
-for t = 1..T, X_t[j] = prj(h_{t-1}[position of latent j - 1]) where h_{t-1} is the
-post-final-norm output of the sequence with block X_{t-1} (so latent 0 reads bot's output,
-latent j the output of latent j-1); the answer reads the sequence with block X_T followed by
-eot + the answer prompt, greedy. Upstream's adapter is applied through peft (unmerged LoRA).
-LOTUS (as docs/models.md defines it): the same with X_t[j] = prj(h_{t-1}[latent j]).
-The answer stops after an eos, which is included; with ``upstream_stop_rules`` (PCCoT only)
-the answer loop is upstream ``PCCoTGenerationMixin.generate``'s (``models/generate.py``):
-the stopping criteria are checked from the second token on.
+Design notes: docs/internals.md, "latentserve.bench.baseline.loop_reference".
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Tiny random COCONUT / CODI checkpoints written in the exact upstream forms, then converted
 with ``latentserve convert`` (the documented user path; docs/models.md).
 
-* COCONUT (arXiv 2412.06769; upstream ``run.py``): the base model with the embedding (and
-  an untied ``lm_head``) resized by 3, ``torch.save(state_dict)`` as ``checkpoint_7``, keys
-  ``base_causallm.<HF name>`` or plain HF names.
-* CODI (arXiv 2502.21074; upstream ``src/model.py``): the base resized to vocab + 3 and wrapped
-  with PEFT LoRA (GPT-2 ``c_attn,c_proj,c_fc``; Llama q/k/v/o/gate/up/down), plus ``prj`` =
-  Dropout, Linear, GELU, Linear, LayerNorm. The whole module's state dict (``codi.*``,
-  ``prj.*``) goes to ``model.safetensors`` (tied ``lm_head`` dropped) or ``pytorch_model.bin``.
-  ``lora_B`` is random (not PEFT's zero init) so the LoRA merge changes the outputs.
-
-Bases are ``save_tiny`` models (SmolLM2 tokenizer, vocab 49152), so the added ids are
-49152, 49153, 49154. Building CODI needs ``peft`` (the ``train`` extra).
+Design notes: docs/internals.md, "latentserve.bench.baseline.latent_models".
 """
 
 from __future__ import annotations
@@ -48,7 +38,7 @@ def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: 
     Returns ``(base_dir, checkpoint_path)``."""
     import torch
 
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = Path(root)
     base_dir = save_tiny(root / "base", "gpt2" if base == "gpt2" else "llama-untied", seed=seed)
@@ -73,7 +63,7 @@ def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora
     from peft import LoraConfig, get_peft_model
     from torch import nn
 
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = Path(root)
     base_dir = Path(base_dir) if base_dir else save_tiny(root / "base", base, seed=seed)

@@ -19,18 +19,18 @@ CPU (``latent_input`` / ``stop_prob`` return zeros; on CUDA they run inside the 
 graphs); the engine's own latent host code (phase machines, vector bookkeeping, injection)
 runs for real.
 
-Run: ``python -m latentserve.bench.host [--device cuda] [--batch 64] [--steps 200]
+Run: ``python -m benchmarks.host [--device cuda] [--batch 64] [--steps 200]
 [--latent feedback|head]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common import parser, write_json
 
 _SLACK = 16  # latent budget beyond the timed steps (prefill chunks end on different steps)
 
@@ -77,11 +77,11 @@ def _build(root: Path, latent: str | None) -> Path:
     """The tiny model directory: a plain Llama, a COCONUT Llama (``feedback``; latent budget
     up to 512) or a Llama with a random closed-loop head bundle (``head``)."""
     if latent is None:
-        from latentserve.testing.tiny_models import save_tiny
+        from latentserve.bench.baseline.tiny_models import save_tiny
 
         return save_tiny(root / "llama", "llama")
     if latent == "feedback":
-        from latentserve.testing.latent_models import save_latent_tiny
+        from latentserve.bench.baseline.latent_models import save_latent_tiny
 
         return save_latent_tiny(root / "coconut", "coconut-llama", max_budget=512)
     if latent == "head":
@@ -189,12 +189,17 @@ def run_host_bench(device: str = "cpu", batch: int = 64, steps: int = 200,
             "latent_over_plain_pct": 100 * (lat["step_us"] / plain["step_us"] - 1)}
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = parser("host", __doc__)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--latent", choices=["feedback", "head"], default=None,
                     help="also time latent steps of this kind against plain steps")
-    a = ap.parse_args()
-    print(json.dumps(run_host_bench(a.device, a.batch, a.steps, latent=a.latent), indent=1))
+    a = ap.parse_args(argv)
+    write_json(None, run_host_bench(a.device, a.batch, a.steps, latent=a.latent))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,21 +2,21 @@
 and TP=2 on random-weight checkpoints of real shapes (bf16, CUDA graphs), the Llama-3.2-1B
 shape and the Huginn-0125 shape (32 recurrences per token).
 
-Run on a machine with 2 GPUs: ``python -m latentserve.bench.tp --json-out PATH``. Each
+Run on a machine with 2 GPUs: ``python -m benchmarks.tp --json-out PATH``. Each
 (shape, TP size) runs in its own process so GPU memory starts clean. Throughput in output
 tokens per second, times in seconds.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.common import command, parser, write_json
 
 # (prompt_len, output_len) per shape: Huginn's KV is 132 banks deep, so its requests are
 # shorter to keep 64 of them in memory at TP=1.
@@ -27,7 +27,7 @@ def _write(shape: str, root: Path) -> Path:
     import torch
 
     if shape == "huginn":
-        from latentserve.testing.recurrent_models import write_huginn
+        from latentserve.bench.baseline.recurrent_models import write_huginn
 
         shape_cfg = {"n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads": 55,
                      "intermediate_size": 17920, "vocab_size": 65536, "block_size": 4096,
@@ -86,7 +86,7 @@ def run_tp_bench(shapes=tuple(LENGTHS), sizes=(1, 2), concurrency: int = 64,
             rows = {}
             for tp in sizes:
                 res = Path(d) / f"{shape}-{tp}.json"
-                subprocess.run([sys.executable, "-m", "latentserve.bench.tp", "--one", str(path),
+                subprocess.run([sys.executable, "-m", "benchmarks.tp", "--one", str(path),
                                 shape, str(tp), str(concurrency), str(res)], check=True)
                 rows[tp] = json.loads(res.read_text())
             if 1 in rows:
@@ -104,8 +104,7 @@ def main(argv=None) -> int:
         path, shape, tp, conc, res = argv[1:]
         Path(res).write_text(json.dumps(run_one(path, shape, int(tp), int(conc))))
         return 0
-    p = argparse.ArgumentParser(prog="python -m latentserve.bench.tp",
-                                description=__doc__.split("\n\n")[0])
+    p = parser("tp", __doc__)
     p.add_argument("--shapes", default=",".join(LENGTHS))
     p.add_argument("--sizes", default="1,2", help="TP sizes (default 1,2)")
     p.add_argument("--concurrency", type=int, default=64)
@@ -113,10 +112,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     res = run_tp_bench(tuple(args.shapes.split(",")),
                        tuple(int(s) for s in args.sizes.split(",")), args.concurrency,
-                       shlex.join(["python", "-m", "latentserve.bench.tp", *argv]))
+                       command("tp", argv))
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json_out, res)
     return 0
 
 

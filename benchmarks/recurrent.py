@@ -1,29 +1,28 @@
 """Recurrent-depth benchmark (issue 7), CPU: a batch of concurrent Huginn / Ouro requests
 through the engine against the eager per-request reference
-(``latentserve.testing.recurrent_reference``, upstream's algorithm with a per-position dict
+(``latentserve.bench.baseline.recurrent_reference``, upstream's algorithm with a per-position dict
 KV cache, one request at a time), and the mean iterations per token with early exit on vs
 off.
 
-Models are random, written in the upstream formats by ``testing.recurrent_models`` at a
+Models are random, written in the upstream formats by ``bench.baseline.recurrent_models`` at a
 small CPU shape (Huginn: n_embd 256, 2 prelude + 4 core + 2 coda layers, 8 recurrences;
 Ouro: hidden 256, 4 layers, 4 steps). Throughput is generated tokens per second (wall
 clock, greedy, ``ignore_eos``). Iterations per token: core-block (Huginn) / stack (Ouro)
 iterations at each position a token was sampled from, averaged over all generated tokens
 (the first one comes from the prompt, which never exits).
 
-Run: ``python -m latentserve.bench.recurrent --json-out docs/bench/recurrent_cpu.json``.
+Run: ``python -m benchmarks.recurrent --json-out docs/bench/recurrent_cpu.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.common import command, parser, write_json
 
 HUGINN_CPU = {"n_embd": 256, "num_attention_heads": 4, "num_key_value_heads": 4,
                   "intermediate_size": 768, "vocab_size": 1024, "block_size": 512,
@@ -93,11 +92,11 @@ def bench_family(family: str, root: Path, batch: int, prompt_len: int, output_le
                  ref_requests: int) -> dict:
     import torch
 
+    from latentserve.bench.baseline import recurrent_models as rm
+    from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
-    from latentserve.testing import recurrent_models as rm
-    from latentserve.testing.recurrent_reference import HuginnReference, OuroReference
 
     if family == "huginn":
         path, shape = rm.write_huginn(root / family, **HUGINN_CPU), HUGINN_CPU
@@ -162,10 +161,8 @@ def run_recurrent_bench(batch: int = 16, prompt_len: int = 32, output_len: int =
 def main(argv=None) -> int:
     import os
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI: no spinning on shared CPUs
-    p = argparse.ArgumentParser(prog="python -m latentserve.bench.recurrent",
-                                description=__doc__.split("\n\n")[0])
+    p = parser("recurrent", __doc__)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=32)
@@ -174,12 +171,11 @@ def main(argv=None) -> int:
     p.add_argument("--families", default="huginn,ouro")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-    cmd = shlex.join(["python", "-m", "latentserve.bench.recurrent", *(argv or sys.argv[1:])])
+    cmd = command("recurrent", argv)
     res = run_recurrent_bench(args.batch, args.prompt_len, args.output_len, args.ref_requests,
                               tuple(args.families.split(",")), cmd)
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=1) + "\n")
+        write_json(args.json_out, res)
     return 0
 
 

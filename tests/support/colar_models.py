@@ -56,8 +56,8 @@ def save_colar_tiny(root: str | Path, seed: int = 0, vocab_size: int = 1024,
     import torch
     from safetensors.torch import load_file
 
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.latent.colar import ColarConfig, LatentPolicy, save_colar
-    from latentserve.testing.tiny_models import save_tiny
 
     d = save_tiny(Path(root), "llama-untied", seed=seed, word_tokenizer=True,
                   vocab_size=vocab_size, **overrides)

@@ -2,37 +2,7 @@
 upstream algorithms over plain torch and the checkpoint's own files (``config.json``,
 ``model.safetensors``), with no engine code. The engine is tested against these.
 
-* ``HuginnReference`` follows upstream ``RavenForCausalLM`` (``raven_modeling_minimal.py``):
-  the prompt is one forward at full depth (upstream ``do_not_exit_in_prefill``), then one
-  token per forward as ``generate_with_adaptive_compute`` at batch size 1: prelude, state
-  init, ``iterate_one_step`` up to ``num_steps`` times, after each step the exit evaluator
-  when ``step >= min_steps and (step - min_steps) % check_every == 0``, then
-  ``predict_from_latents``. The KV cache is upstream's ``HuginnDynamicCache`` shape (a dict
-  per cache step index: prelude 0.., core ``P + t * L + l``, coda -1, -2, ..., each keyed by
-  position) read with the ``latest-m4`` strategy: a position without KV at core step s uses
-  the latest step <= s of the same core layer. Two choices differ from upstream and are
-  the engine's too: the initial state of position p is row p of a seeded table (upstream
-  draws fresh noise on every call; same distribution), and a token that never exits is
-  read out from its final state (upstream reuses the logits of its last check when
-  ``check_every`` skips the last step). ``generate(..., semantics="upstream")`` takes
-  upstream's defaults instead: the prompt forward checks the exit too (as one block: the
-  latent criteria average over its positions, the logit criteria read its last position),
-  and the cache uses the ``full`` lookup: a position without K/V at a step is left out of
-  that step's attention (no ``latest-m4`` fallback).
-* ``OuroReference`` follows the hub's ``OuroModel`` / ``OuroForCausalLM.forward``: every step
-  runs all layers then ``norm``, the gate's exit pdf, and the readouts ``last``, ``threshold``
-  (``cumsum(pdf) >= threshold``, else the last step), ``weighted`` (``sum_t lm_head(h_t) *
-  p_t``). KV: one bank per (step, layer), upstream's ``UniversalTransformerCache`` index.
-  ``threshold-approx`` (ours): generated tokens stop at their exit step and later reads of
-  their skipped steps use the latest same-layer KV, as in Huginn.
-
-``generate(...)`` returns ``{"tokens": [...], "logits": [[vocab] float32 per generated
-token], "iterations": [iterations at the position each token was sampled from]}``; greedy,
-no EOS stop. ``OuroReference.generate`` adds ``"readouts"``: per generated token, the 0-based
-step whose hidden its logits were read out from at that position (None for ``weighted``), and
-``"exit_probs"``: per generated token, the exit pdf of that position over the steps it ran
-(``[p_0 .. p_{n-1}]``, float, summing to 1; a ``threshold-approx`` token that stopped early
-at step ``e`` has ``e + 1`` entries, the last taking the remaining mass).
+Design notes: docs/internals.md, "latentserve.bench.baseline.recurrent_reference".
 """
 
 from __future__ import annotations

@@ -6,20 +6,20 @@ only ``decode``).
 The text is the 40 bundled GSM8K questions (``data/questions.json``) as one output of about
 2,400 tokens after a chat prompt; each pass feeds it one token at a time to a fresh
 detokenizer and flushes it, without stop strings and with one that never matches (so the
-held-back search runs on every token), the two paths' passes interleaved. Reports the fastest of
-``--repeats`` passes (the
-least disturbed by other work on a shared machine), in microseconds per token, and checks
-that both paths give the same text.
+held-back search runs on every token), the two paths' passes interleaved. Reports the fastest
+of ``--repeats`` passes (the least disturbed by other work on a shared machine), in
+microseconds per token, and checks that both paths give the same text.
 
-Run: ``python -m latentserve.bench.detok [--repeats 15]``.
+Run: ``python -m benchmarks.detok [--repeats 15]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from importlib import resources
+
+from benchmarks.common import parser
 
 CHAT_PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
@@ -69,8 +69,7 @@ def run(repeats: int = 15) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m latentserve.bench.detok",
-                                description=__doc__.split("\n\n")[0])
+    p = parser("detok", __doc__)
     p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
     result = run(args.repeats)

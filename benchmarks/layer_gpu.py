@@ -11,7 +11,7 @@ batch-64 Llama-3.2-1B step the GEMM choice and programmatic dependent launch (PD
    SiLU-mul in the gate/up epilogue, fp32 logits; q/k/v stays cuBLAS) without and with
    PDL. Reported: microseconds per replay against the weights' read floor at 4.28 TB/s.
 
-Run on the H200: ``python -m latentserve.bench.layer_gpu OUT.json [ROWS]`` (ROWS: the
+Run on the H200: ``python -m benchmarks.layer_gpu OUT.json [ROWS]`` (ROWS: the
 batch, default 64).
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from pathlib import Path
+
+from benchmarks.common import parser, write_json
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS, EPS = 2048, 8192, 3072, 128256, 16, 1e-5
 SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
@@ -150,8 +150,15 @@ def chain(rows: int = 64) -> dict:
     return out
 
 
+def main(argv=None) -> int:
+    p = parser("layer_gpu", __doc__)
+    p.add_argument("out", nargs="?", default="layer_gpu.json", help="JSON output path")
+    p.add_argument("rows", nargs="?", type=int, default=64, help="decode rows (default 64)")
+    args = p.parse_args(argv)
+    write_json(args.out, {"rows": args.rows, "gemms": gemm_sweep(args.rows),
+                          "chain": chain(args.rows)})
+    return 0
+
+
 if __name__ == "__main__":
-    n_rows = int(sys.argv[2]) if len(sys.argv) > 2 else 64
-    res = {"rows": n_rows, "gemms": gemm_sweep(n_rows), "chain": chain(n_rows)}
-    Path(sys.argv[1] if len(sys.argv) > 1 else "layer_gpu.json").write_text(
-        json.dumps(res, indent=1))
+    raise SystemExit(main())

@@ -2,18 +2,7 @@
 (``inputs_embeds`` + ``past_key_values``), written from the papers' and upstream's algorithm
 and loading the checkpoint independently of ``latentserve.latent.feedback``.
 
-COCONUT (arXiv 2412.06769; upstream ``coconut.py`` ``Coconut.forward/generate``):
-prompt + ``<|start-latent|>`` -> k steps, each feeding the post-final-norm last hidden of the
-previous position as the next input embedding -> ``<|end-latent|>`` -> greedy answer.
-CODI (arXiv 2502.21074; upstream ``test.py``): prompt + bot (``[eos, bot]`` without
-``remove_eos``) -> ``latent = prj(last hidden)`` -> k steps feeding the latent, each output
-projected again (the k+1-th latent is discarded) -> ``eot`` (``[eot, eos]``) -> greedy answer
-over ``logits[:vocab_size-1]`` (upstream drops the last row, eot; pad/bot stay selectable).
-SIM-CoT (arXiv 2509.20317) checkpoints run the same loops. Budget 0: start then end directly.
-The answer is decoded with the KV cache (upstream COCONUT recomputes the whole prefix per
-token; the math is the same) and stops after an eos, which is included, as HF generate does.
-With ``upstream_stop_rules`` (COCONUT only) the answer loop is upstream ``Coconut.generate``'s:
-the first token is appended unchecked, later ones stop on eos.
+Design notes: docs/internals.md, "latentserve.bench.baseline.latent_reference".
 """
 
 from __future__ import annotations

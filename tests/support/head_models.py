@@ -20,9 +20,9 @@ def save_head_model(root, kind: str = "llama", injection: str = "closed_loop",
     (key ``latent_reasoning_head``)."""
     import json
 
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.latent.bundle import random_bundle, write_bundle
     from latentserve.latent.head import HEAD_BUNDLE_NAME
-    from latentserve.testing.tiny_models import save_tiny
 
     d = save_tiny(Path(root), kind, seed=seed, **{"num_hidden_layers": 3, **overrides})
     cfg = json.loads((d / "config.json").read_text())

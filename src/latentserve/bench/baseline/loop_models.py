@@ -1,17 +1,6 @@
 """Tiny random looped-block checkpoints (PCCoT, LOTUS) for tests and benchmarks.
 
-* PCCoT (arXiv 2506.18582; whyNLP/PCCoT ``run_ccot.py``, ``models/pccot_arguments.py``):
-  written in the upstream form, a PEFT adapter directory over a ``save_tiny`` base:
-  ``<pcot.bot>``, ``<pcot.eot>``, ``<pcot.latent>`` added to the tokenizer as additional
-  special tokens (plus ``[PAD]`` when the base has none), the embedding resized, LoRA on GPT-2
-  ``c_attn,c_fc,c_proj`` / Llama q/k/v/o/gate/up/down, the special tokens' rows trained as
-  PEFT trainable tokens (or another saved form), optional ``prj`` saved through
-  ``modules_to_save``; trained a few steps and saved with ``save_pretrained``;
-  ``config.json`` (``pccot-*``, ``num_iterations``, ``use_projection``) and
-  ``pccot_args.json``. Then converted with ``latentserve convert pccot``. ``lora_B`` starts
-  random so the merge matters. Needs ``peft`` (the ``train`` extra).
-* LOTUS (arXiv 2606.31779; no public code): our model-directory layout directly, a plain HF
-  Llama with 3 raw embedding rows for start/end/latent and a ``latent_config.json``.
+Design notes: docs/internals.md, "latentserve.bench.baseline.loop_models".
 """
 
 from __future__ import annotations
@@ -53,8 +42,8 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     from torch import nn
     from transformers import AutoModelForCausalLM
 
+    from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.models.checkpoint import load_tokenizer
-    from latentserve.testing.tiny_models import save_tiny
 
     if embedding not in EMBEDDING_FORMS:
         raise ValueError(f"embedding must be one of {EMBEDDING_FORMS}, got {embedding!r}")
@@ -139,7 +128,7 @@ def write_lotus(root, block_size: int = 4, iterations: int = 3, seed: int = 0,
                 **base_overrides) -> Path:
     """A LOTUS model directory ``root/model``: tiny Llama with 3 extra embedding rows
     (start, end, latent = vocab, vocab + 1, vocab + 2) and its latent_config.json."""
-    from latentserve.testing.tiny_models import VOCAB, save_tiny
+    from latentserve.bench.baseline.tiny_models import VOCAB, save_tiny
 
     vocab = base_overrides.pop("vocab_size", VOCAB)
     out = save_tiny(Path(root) / "model", "llama", seed=seed, vocab_size=vocab + 3,

@@ -4,18 +4,7 @@
 design notes). It reads the bundle file itself (safetensors or ``.pt``) and builds its own
 modules, independent of ``latentserve.latent``.
 
-Closed loop: prefill ``prompt + opening`` once; the anchor is the residual stream after
-layer ``source_layer`` (HF ``hidden_states[source_layer + 1]``) at the last position. Before
-latent step k (k = steps done): p = sigmoid(stop(LN(anchor))); if ``use_stop`` and
-``k >= min_latent`` and ``p > threshold``: end "stop"; elif ``k >= max_latent``: end "cap";
-else feed ``decoder(LN(head(LN(anchor)).mu))`` as the next input embedding (cast to the model
-dtype), and its own source-layer hidden is the next anchor. Then the closing ids are fed and
-the answer is decoded greedily. Every latent step, closing id and answer token counts against
-``max_tokens``; a phase that spends it ends with "length" (also when the closing ids do).
-``source_layer`` must be below the last layer (HF's last hidden state is post-norm).
-Prompt mode: the same anchor from a plain pass over ``prompt + opening``; then the whole
-prompt is run again with the last position's input embedding replaced by the decoded latent,
-and the answer is decoded greedily.
+Design notes: docs/internals.md, "latentserve.bench.baseline.head_reference".
 """
 
 from __future__ import annotations

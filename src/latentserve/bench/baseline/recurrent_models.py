@@ -1,21 +1,6 @@
 """Tiny random recurrent-depth checkpoints in the upstream formats, for tests and benchmarks.
 
-* Huginn (``RavenForCausalLM``, ``seal-rg/recurrent-pretraining`` ``recpre/raven_config_minimal``
-  keys): ``config.json`` with ``model_type: huginn_raven`` and the upstream keys, and
-  ``model.safetensors`` with upstream names (``transformer.wte.weight``,
-  ``transformer.prelude.{i}.attn.Wqkv.weight``, ``...qk_bias``, ``transformer.adapter.weight``,
-  ``transformer.ln_f.weight``, ``lm_head.weight`` tied to ``wte``) plus the persistent
-  ``freqs_cis`` buffer ``[1, block_size, 1, head_dim / 2, 2]`` upstream saves.
-* Ouro (hub ``modeling_ouro.py``): ``config.json`` with ``model_type: ouro``,
-  ``total_ut_steps``, ``early_exit_threshold``, and ``model.safetensors`` with hub names
-  (``model.layers.{i}.input_layernorm_2.weight``, ``model.early_exit_gate.{weight,bias}``,
-  untied ``lm_head.weight``).
-
-Both get ``save_word_tokenizer``'s tokenizer (ids 0/1/2 = unk/bos/eos). ``max_recurrence``
-(a latentserve extension, ignored by upstream) lets requests run deeper than the default.
-Weights are random; Huginn's adapter scales the state half of its input down by
-``contraction`` so the recurrence converges, as a trained model's does, and exit criteria
-fire after a few iterations.
+Design notes: docs/internals.md, "latentserve.bench.baseline.recurrent_models".
 """
 
 from __future__ import annotations
@@ -70,7 +55,7 @@ def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, save_dtype=N
     import torch
     from safetensors.torch import save_file
 
-    from latentserve.testing.tiny_models import save_word_tokenizer
+    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
 
     c = {**HUGINN_TINY, **overrides}
     e, heads, kv = c["n_embd"], c["num_attention_heads"], c["num_key_value_heads"]
@@ -136,7 +121,7 @@ def write_ouro(out_dir, seed: int = 0, save_dtype=None, init_device: str = "cpu"
     ``save_dtype`` and ``init_device`` as in :func:`write_huginn`."""
     from safetensors.torch import save_file
 
-    from latentserve.testing.tiny_models import save_word_tokenizer
+    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
 
     c = {**OURO_TINY, **overrides}
     h, inter, n = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]

@@ -14,7 +14,7 @@ def plot_gpu(json_path: str | Path, out_png: str | Path) -> None:
     has it) against its bandwidth floor."""
     from latentserve.extras import require
 
-    require("matplotlib", "latentserve.bench.plot")
+    require("matplotlib", "benchmarks.plot")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -7,15 +7,15 @@ K tile 64/128/256, 3 or 5 stages). ``floor_us``: the weight bytes over 4.28 TB/s
 bandwidth the decode benchmark measured on the H200. The result decided that the decode
 path keeps cuBLAS (docs/benchmarks-history.md).
 
-Run on the H200: ``python -m latentserve.bench.gemm_gpu OUT.json``.
+Run on the H200: ``python -m benchmarks.gemm_gpu OUT.json``.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import sys
-from pathlib import Path
+
+from benchmarks.common import parser, write_json
 
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (128256, 2048)}  # (N, K) of the Llama-1B shape
@@ -93,6 +93,12 @@ def run_gemm_bench(rows=(64, 16)) -> dict:
     return out
 
 
+def main(argv=None) -> int:
+    p = parser("gemm_gpu", __doc__)
+    p.add_argument("out", nargs="?", default="gemm_gpu.json", help="JSON output path")
+    write_json(p.parse_args(argv).out, run_gemm_bench())
+    return 0
+
+
 if __name__ == "__main__":
-    Path(sys.argv[1] if len(sys.argv) > 1 else "gemm_gpu.json").write_text(
-        json.dumps(run_gemm_bench(), indent=1))
+    raise SystemExit(main())

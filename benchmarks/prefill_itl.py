@@ -4,7 +4,7 @@ scheduler.py``) puts decode rows first and fills the rest of each step's budget 
 of the long prompt, as vLLM v1's chunked prefill does, so the decode waits for one chunk per
 step instead of the whole prefill.
 
-    python -m latentserve.bench.prefill_itl --prompt-len 4096 --budgets 256 8192
+    python -m benchmarks.prefill_itl --prompt-len 4096 --budgets 256 8192
 
 prints one JSON object: per budget, the decode request's worst and median inter-token gap
 (ms) while the long prompt was in prefill, the steps that prefill took and whether the decode
@@ -13,13 +13,12 @@ got a token in every one of them. Numbers and the command go to docs/bench/.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import statistics
-import sys
 import tempfile
 import time
+
+from benchmarks import common
 
 SHAPES = {  # transformers LlamaConfig fields
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4),
@@ -32,7 +31,7 @@ def tiny_checkpoint(out_dir: str, max_len: int, shape: str = "tiny") -> str:
     """A random Llama of ``max_len`` positions in ``shape`` (``SHAPES``: ``tiny``, hidden
     256 and 4 layers, where a long prefill costs seconds on a CPU; ``llama-1b``, Llama-3.2-1B's
     layer shapes with a small vocabulary, for a GPU)."""
-    from latentserve.testing.tiny_models import save_tiny
+    from latentserve.bench.baseline.tiny_models import save_tiny
 
     return str(save_tiny(out_dir, "llama", word_tokenizer=True, max_position_embeddings=max_len,
                          **SHAPES[shape]))
@@ -83,7 +82,7 @@ def measure(model_dir: str, prompt_len: int, budget: int, decode_tokens: int = 6
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common.parser("prefill_itl", __doc__)
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 8192])
     parser.add_argument("--device", default="cpu")
@@ -94,12 +93,10 @@ def main(argv: list[str] | None = None) -> None:
         model = tiny_checkpoint(tmp, args.prompt_len + 256, args.shape)
         runs = [measure(model, args.prompt_len, b, device=args.device, dtype=args.dtype)
                 for b in args.budgets]
-    json.dump({"command": "python -m latentserve.bench.prefill_itl " + " ".join(
-        sys.argv[1:] if argv is None else argv), "prompt_len": args.prompt_len,
+    common.write_json(None, {
+        "command": common.command("prefill_itl", argv), "prompt_len": args.prompt_len,
         "model": f"random llama, {args.shape} shape: {SHAPES[args.shape]}",
-        "device": args.device, "dtype": args.dtype, "runs": runs},
-        sys.stdout, indent=1)
-    print()
+        "device": args.device, "dtype": args.dtype, "runs": runs})
 
 
 if __name__ == "__main__":

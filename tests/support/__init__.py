@@ -1,0 +1,1 @@
+"""Test-only references, fixtures and checkpoint builders (importable as ``tests.support``)."""
