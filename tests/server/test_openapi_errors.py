@@ -1,7 +1,8 @@
 """``/openapi.json`` declares the error responses the server really sends (issue 28,
 ``server/openapi.py``): each route's 400/401/404/413 answer to a bad request has the body
 the schema names for that status (OpenAI's or Anthropic's), and no route lists FastAPI's 422;
-a bounded schemathesis run finds no 5xx and no schema violation."""
+a bounded schemathesis run (schema-valid and schema-invalid requests) finds no 5xx and no
+schema violation."""
 
 import httpx
 import pytest
@@ -71,10 +72,37 @@ def test_get_model_errors_match_their_declared_bodies(server, schema):
             "/v1/models/nope", headers={"Authorization": f"Bearer {API_KEY}"}), 404)
 
 
-def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
-    """A bounded, derandomized schemathesis run (15 examples per operation): no 5xx, and
-    every response's status, content type and body as /openapi.json declares them."""
+def _fuzz(operation, valid: bool, call, seen: dict[int, int], model: str) -> None:
+    """Send 10 derandomized schemathesis cases of ``operation`` (schema-valid ones when
+    ``valid``, naming ``model`` and asking for at most 4 tokens; else schema-invalid ones)
+    through ``call(case)``, which validates the response; ``seen`` counts the statuses."""
     import hypothesis
+    from schemathesis import GenerationMode
+
+    mode = GenerationMode.POSITIVE if valid else GenerationMode.NEGATIVE
+
+    @hypothesis.settings(max_examples=10, deadline=None, database=None, derandomize=True,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
+    def check(case):
+        if valid and isinstance(case.body, dict):
+            case.body["model"] = model
+            for key in ("max_tokens", "max_completion_tokens"):
+                if isinstance(case.body.get(key), int):
+                    case.body[key] = min(case.body[key], 4)
+        status = call(case)
+        seen[status] = seen.get(status, 0) + 1
+
+    try:
+        check()
+    except hypothesis.errors.Unsatisfiable:  # no parameter to make invalid
+        assert not valid, operation.path
+
+
+def test_schemathesis_finds_no_5xx_and_no_schema_violation(server, model):
+    """A bounded schemathesis run (:func:`_fuzz`, schema-valid and schema-invalid cases of
+    every operation): no 5xx, and every response's status, content type and body as
+    /openapi.json declares them."""
     import schemathesis
     from schemathesis.checks import not_a_server_error
     from schemathesis.specs.openapi.checks import (
@@ -87,19 +115,16 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
     schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json", headers=auth)
     checks = [not_a_server_error, status_code_conformance, content_type_conformance,
               response_schema_conformance]
+
+    def call(case) -> int:
+        response = case.call(base_url=server.base_url, headers=auth, timeout=60)
+        case.validate_response(response, checks=checks, headers=auth)
+        return response.status_code
+
     seen: dict[int, int] = {}  # status code -> responses
     for result in schema.get_all_operations():
         operation = result.ok()
-        if operation.path in ("/metrics",):
-            continue
-
-        @hypothesis.settings(max_examples=15, deadline=None, database=None, derandomize=True,
-                             suppress_health_check=list(hypothesis.HealthCheck))
-        @hypothesis.given(case=operation.as_strategy())
-        def check(case):
-            response = case.call(base_url=server.base_url, headers=auth, timeout=60)
-            seen[response.status_code] = seen.get(response.status_code, 0) + 1
-            case.validate_response(response, checks=checks, headers=auth)
-
-        check()
-    assert seen.get(200, 0) >= 5 and seen.get(400, 0) >= 10, seen  # both kinds exercised
+        if operation.path != "/metrics":
+            for valid in (True, False):
+                _fuzz(operation, valid, call, seen, model)
+    assert seen.get(200, 0) >= 5 and seen.get(400, 0) >= 50, seen  # both kinds exercised

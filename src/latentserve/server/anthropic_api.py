@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import Field
+
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.anthropic_blocks import (
     AnthropicTool,
@@ -55,7 +57,7 @@ class TextBlock(RequestModel):
 
 
 class AnthropicMessage(RequestModel):
-    role: str
+    role: str = Field(json_schema_extra={"enum": ["user", "assistant"]})  # _conversation checks
     content: str | list[ContentBlock]
 
 

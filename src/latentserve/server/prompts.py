@@ -7,9 +7,7 @@ from typing import Any
 
 from latentserve.server.errors import APIError
 from latentserve.server.params import context_error
-from latentserve.server.protocol import ChatMessage, ChatTool, ToolCall
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+from latentserve.server.protocol import CHAT_ROLES, ChatMessage, ChatTool, ToolCall
 
 # Arguments of apply_chat_template that a client may not set through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -85,12 +83,12 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     """Apply the tokenizer's chat template (``chat_template``: this template instead, the
     offline ``LLM.chat``'s argument) and return the prompt's token ids.
 
-    ``tools`` (function definitions) go to the template. ``continue_final_message`` leaves the last
-    (assistant) message open so the model
-    continues it (and turns ``add_generation_prompt`` off). ``template_kwargs`` are passed to
-    the template (they may override the two flags; other ``apply_chat_template`` arguments
-    are refused). ``chat_template``: Jinja text used instead of the tokenizer's (a request's,
-    already checked by ``chat_template.request_chat_template``; None: the tokenizer's).
+    ``tools`` (function definitions) go to the template. ``continue_final_message`` leaves
+    the last (assistant) message open so the model continues it (and turns
+    ``add_generation_prompt`` off). ``template_kwargs`` are passed to the template (they may
+    override the two flags; other ``apply_chat_template`` arguments are refused).
+    ``chat_template``: Jinja text used instead of the tokenizer's (a request's, already
+    checked by ``chat_template.request_chat_template``; None: the tokenizer's).
 
     Raises:
         APIError: 400 for a model without tokenizer files or a chat template, a reserved

@@ -175,11 +175,15 @@ class ToolCall(RequestModel):
     function: FunctionCall
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(RequestModel):
     """One turn: ``tool_calls`` on assistant turns, ``tool_call_id`` on tool results;
-    ``name`` names the speaker (or, on a tool message, the function)."""
+    ``name`` names the speaker (or, on a tool message, the function). ``role`` is one of
+    ``CHAT_ROLES`` (checked by ``prompts.chat_conversation``, which names the message)."""
 
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -205,9 +209,9 @@ class ChatCompletionRequest(SamplingRequest):
     ``parallel_tool_calls`` are OpenAI's (``server/tools.py``); ``add_generation_prompt``
     and ``continue_final_message`` are vLLM's (continue the last, assistant, message
     instead of starting a new one), as are ``chat_template`` and ``echo``.
-    ``include_reasoning`` (vLLM's; false: no ``reasoning_content``) and ``latent_reasoning``
-    (``"count"`` or ``"logit_lens"``: how a
-    latent model's steps are written into ``reasoning_content``; ``server/reasoning.py``)."""
+    ``include_reasoning`` (vLLM's; false: no ``reasoning_content``) and
+    ``latent_reasoning`` (``"count"`` or ``"logit_lens"``: how a latent model's steps are
+    written into ``reasoning_content``; ``server/reasoning.py``)."""
 
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None
@@ -364,10 +368,9 @@ class LatentInfo(BaseModel):
     ``stop_prob``; ``server/latent_trace.py``), or per generated token ``{"depth"}`` (Huginn)
     / ``{"depth", "readout_step", "exit_probs"}`` (Ouro; ``readout_step`` null for the
     weighted readout), or per block position of each pass the lens entry with ``"pass"``,
-    ``"position"`` (looped blocks), as ``SamplingParams.return_latent_trace`` says. Streamed, it is
-    on the final chunk, and with
-    ``stream_latent_steps`` on each latent step's chunk: ``steps`` that step's number and
-    ``trace`` its entry alone."""
+    ``"position"`` (looped blocks), as ``SamplingParams.return_latent_trace`` says.
+    Streamed, it is on the final chunk, and with ``stream_latent_steps`` on each latent
+    step's chunk: ``steps`` that step's number and ``trace`` its entry alone."""
 
     steps: int
     trace: list[dict] | None = None
