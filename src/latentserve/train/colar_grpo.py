@@ -25,8 +25,10 @@ rollouts. Each step:
    sample std (upstream ``group_advantages``, ``torch.std``).
 3. **Old log-probs**, once, with the weights that ran the rollouts (upstream computes them
    in ``rollout``): one teacher-forced forward over ``[prompt, latents, ###, answer]``.
-   Latent ``k``: ``Normal(mean, std * latent_temperature)`` of the policy on the final-normed
-   hidden state before it, ``log_prob(latent / embeds_std)`` averaged over the hidden size.
+   Latent ``k``: ``Normal(mean, std)`` of the policy on the final-normed hidden state before
+   it (upstream ``get_logprobs`` calls the policy at temperature 1 whatever the rollouts'
+   temperature; ``tempered_logprobs``: at ``latent_temperature``, the density the latent was
+   drawn from), ``log_prob(latent / embeds_std)`` averaged over the hidden size.
    Answer token ``j`` (``###`` first, predicted at the last latent position): the log-softmax
    of the logits before it, divided by ``answer_temperature`` (1 when it is 0).
 4. **Updates.** The rollouts, shuffled, in minibatches of ``exp_batch_size``; each is one
@@ -37,6 +39,17 @@ rollouts. Each step:
        ratio = exp(logp - logp_old)
        l = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
        loss = L(l_latent, latent mask) + L(l_answer, answer mask)
+
+   ``max_log_ratio`` (off: upstream) clamps ``logp - logp_old`` to ``[-m, m]`` before the
+   ``exp``. Why: a stage-1 policy's std is ~1e-4 ``embeds_std``, so once one minibatch has
+   stepped (AdamW moves each weight by ~lr, momentum and weight decay included, even on a
+   zero gradient) a latent's log-prob moves by 1e2-1e3 nats per dimension; in bfloat16 the
+   old log-prob is itself far below the density's peak, so the move can be positive and
+   ``exp`` overflows: ``inf * 0`` (a zero-variance group) is NaN and the update is skipped.
+   The clamp keeps the ratio finite. It changes only tokens with ``|logp - logp_old| > m``,
+   far outside ``[1 - clip_eps, 1 + clip_eps]``: their gradient becomes 0, where upstream's
+   clip keeps ``ratio * A * grad(logp)`` for ``A < 0`` above ``1 + clip_eps`` (``e^m`` times
+   the on-policy size, or inf) and for ``A > 0`` below ``1 - clip_eps`` (at most ``e^-m``).
 
    with ``L`` = per-sequence sum / 32 then the mean over the minibatch (``loss_average``
    "sum", upstream's ``average_per_token_loss: False``), or the per-sequence mean then the
@@ -85,6 +98,8 @@ class ColarGRPOConfig:
     weight_decay: float = 0.01
     clip_eps: float = 0.2
     loss_average: str = "sum"
+    max_log_ratio: float | None = None  # clamp of logp - logp_old before exp (None: upstream)
+    tempered_logprobs: bool = False  # latent log-probs at latent_temperature (upstream: at 1)
     use_latent_loss: bool = True
     use_answer_loss: bool = True
     punish_latent_length: bool = False
@@ -118,6 +133,9 @@ class ColarGRPOConfig:
         if not self.lr > 0 or not 0 < self.clip_eps < 1:
             raise ValueError(f"lr must be > 0 and clip_eps in (0, 1), got {self.lr}, "
                              f"{self.clip_eps}")
+        if self.max_log_ratio is not None and not self.max_log_ratio > 0:
+            raise ValueError(f"max_log_ratio must be > 0 (or None: no clamp), got "
+                             f"{self.max_log_ratio}")
         if self.loss_average not in LOSS_AVERAGES:
             raise ValueError(f"loss_average must be one of {LOSS_AVERAGES}, got "
                              f"{self.loss_average!r}")
@@ -246,12 +264,17 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
 
 
 def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
-                 adv: torch.Tensor, clip_eps: float, average: str) -> torch.Tensor:
+                 adv: torch.Tensor, clip_eps: float, average: str,
+                 max_log_ratio: float | None = None) -> torch.Tensor:
     """Upstream ``GRPOLoss.calculate_loss``: ``logp``, ``logp_old``, ``mask`` ``[B, L]``,
     ``adv`` ``[B]``. ``-min(ratio * A, clip(ratio) * A)`` per token, then per sequence the
     masked sum / :data:`SUM_DIVISOR` ("sum") or the masked mean ("mean"), then the mean over
-    the B sequences. A scalar."""
-    ratio = (logp - logp_old).exp()
+    the B sequences. A scalar. ``max_log_ratio``: ``logp - logp_old`` clamped to ``[-m, m]``
+    before the ``exp`` (None: not, as upstream; module docstring, item 4)."""
+    log_ratio = logp - logp_old
+    if max_log_ratio is not None:
+        log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
+    ratio = log_ratio.exp()
     a = adv[:, None]
     per_tok = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a) * mask
     if average == "sum":
@@ -261,9 +284,11 @@ def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
 
 def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
               clip_eps: float = 0.2, average: str = "sum", use_latent: bool = True,
-              use_answer: bool = True) -> dict[str, torch.Tensor]:
+              use_answer: bool = True, max_log_ratio: float | None = None
+              ) -> dict[str, torch.Tensor]:
     """Upstream ``GRPOLoss.forward`` on a minibatch: ``new`` / ``old`` as
-    :func:`rollout_logprobs` returns them, ``adv`` ``[B]``. Returns ``total``, ``latent``
+    :func:`rollout_logprobs` returns them, ``adv`` ``[B]``; ``max_log_ratio`` as
+    :func:`clipped_loss`. Returns ``total``, ``latent``
     and ``answer`` (scalars; a part that is off is 0). Raises ValueError for a bad
     ``average``."""
     if average not in LOSS_AVERAGES:
@@ -275,7 +300,8 @@ def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
             continue
         lp, mask = pad_rows(new[i])
         lp_old, _ = pad_rows([t.detach() for t in old[i]])
-        parts[name] = clipped_loss(lp, lp_old, mask, adv.to(lp.device), clip_eps, average)
+        parts[name] = clipped_loss(lp, lp_old, mask, adv.to(lp.device), clip_eps, average,
+                                   max_log_ratio)
     return {"total": parts["latent"] + parts["answer"], **parts}
 
 
@@ -476,10 +502,12 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
              f"trainable parameters, {cfg.steps} steps of {cfg.questions_per_step} x "
              f"{cfg.group_size} rollouts, speed {c}, max_latent {max_latent}")
 
+    lp_temperature = cfg.latent_temperature if cfg.tempered_logprobs else 1.0
+
     def logprobs(batch):
         with trainer_forward(cfg.device, autocast):
-            return rollout_logprobs(model, policy, batch, ccfg.embeds_std,
-                                    cfg.latent_temperature, cfg.answer_temperature)
+            return rollout_logprobs(model, policy, batch, ccfg.embeds_std, lp_temperature,
+                                    cfg.answer_temperature)
 
     torch.manual_seed(cfg.seed)  # the rollouts' draws do not depend on what loading drew
     try:
@@ -507,7 +535,8 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
                                                      for n, o in zip(new[0], mb_old[0])
                                                      if len(n)])
                 loss = grpo_loss(new, mb_old, adv[mb].to(cfg.device), cfg.clip_eps,
-                                 cfg.loss_average, cfg.use_latent_loss, cfg.use_answer_loss)
+                                 cfg.loss_average, cfg.use_latent_loss, cfg.use_answer_loss,
+                                 cfg.max_log_ratio)
                 opt.zero_grad(set_to_none=True)
                 loss["total"].backward()
                 norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
