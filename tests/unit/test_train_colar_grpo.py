@@ -356,6 +356,23 @@ def test_an_update_with_a_non_finite_gradient_is_skipped_and_counted(
         torch.testing.assert_close(after[k].float(), before[k].float(), rtol=0, atol=0)
 
 
+def test_with_max_log_ratio_every_minibatch_update_of_a_step_is_applied(
+        stage1, toy_data, tmp_path):
+    """Latents drawn at temperature 50, log-probs at 1 (upstream): the old log-probs lie far
+    below the density's peak, so after the first minibatch's update the later ones' ratios
+    overflow (upstream: non-finite gradients, updates skipped, as on the H200 with a
+    near-deterministic policy); clamped at 20 all four updates of each step are applied."""
+    reward = lambda r, g: float(len(r.text) % 2)  # noqa: E731 - varied rewards
+    kw = dict(steps=2, questions_per_step=2, group_size=4, exp_batch_size=2,
+              latent_temperature=50.0, reward_fn=reward)
+    upstream = _train(stage1, toy_data, tmp_path / "up", **kw)
+    assert sum(r["skipped_updates"] for r in upstream) > 0
+    clamped = _train(stage1, toy_data, tmp_path / "clamped", max_log_ratio=20.0, **kw)
+    assert [r["skipped_updates"] for r in clamped] == [0, 0]
+    assert all(r["max_latent_logratio"] > 20 for r in clamped)
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in clamped)
+
+
 def test_latent_log_ratios_move_only_after_an_update_within_the_step(stage1, toy_data, tmp_path):
     """``max_latent_logratio``: with one minibatch a step the update is on-policy (new
     log-probs equal the old ones exactly: ratio 1); with several, the minibatches after the
