@@ -15,7 +15,10 @@ rollouts. Each step:
    one continuous batch. Each latent is drawn from the policy at ``latent_temperature``
    (upstream 1.0), the ``###`` that ends the phase and the answer tokens are sampled at
    ``answer_temperature`` / ``answer_top_p`` (upstream 1.0 / 0.9), at thinking speed
-   ``compression_factor``. The engine records every injected latent
+   ``compression_factor`` (upstream samples the ``###`` from the full softmax at its
+   ``eol_temperature``, no top-p; on the shipped 4x4 model P(``###``) is below 3e-7 at every
+   latent but the last and 1.0 there, so top-p changes no length). The engine records every
+   injected latent
    (``latent.head_loop.set_policy_sampling(head, record=True)``); a rollout is
    ``prompt | latent_1 .. latent_n | ### answer``.
 2. **Rewards.** 1 when the text after ``Answer:`` matches the gold
@@ -40,20 +43,23 @@ rollouts. Each step:
        l = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)
        loss = L(l_latent, latent mask) + L(l_answer, answer mask)
 
+   with ``L`` = per-sequence sum / 32 then the mean over the minibatch (``loss_average``
+   "sum", upstream's ``average_per_token_loss: False``), or the per-sequence mean then the
+   mean over the minibatch ("mean", ``GRPOLoss``'s code default).
+
    ``max_log_ratio`` (off: upstream) clamps ``logp - logp_old`` to ``[-m, m]`` before the
    ``exp``. Why: a stage-1 policy's std is ~1e-4 ``embeds_std``, so once one minibatch has
    stepped (AdamW moves each weight by ~lr, momentum and weight decay included, even on a
-   zero gradient) a latent's log-prob moves by 1e2-1e3 nats per dimension; in bfloat16 the
-   old log-prob is itself far below the density's peak, so the move can be positive and
-   ``exp`` overflows: ``inf * 0`` (a zero-variance group) is NaN and the update is skipped.
+   zero gradient) a latent's log-prob moves by 1e2-1e3 nats per dimension (measured on CPU,
+   fp32, lr 1e-5: -450 to -825 mean, ratios underflow to 0). Where the old log-prob lies far
+   below the density's peak (latents drawn at a temperature above the log-probs', or, likely
+   on the H200, by a bfloat16 engine whose mean differs from the trainer's by more than the
+   std) the move can be positive and ``exp`` overflows: ``inf * 0`` (a zero-variance group)
+   is NaN, the gradient is not finite and the update is skipped.
    The clamp keeps the ratio finite. It changes only tokens with ``|logp - logp_old| > m``,
    far outside ``[1 - clip_eps, 1 + clip_eps]``: their gradient becomes 0, where upstream's
    clip keeps ``ratio * A * grad(logp)`` for ``A < 0`` above ``1 + clip_eps`` (``e^m`` times
    the on-policy size, or inf) and for ``A > 0`` below ``1 - clip_eps`` (at most ``e^-m``).
-
-   with ``L`` = per-sequence sum / 32 then the mean over the minibatch (``loss_average``
-   "sum", upstream's ``average_per_token_loss: False``), or the per-sequence mean then the
-   mean over the minibatch ("mean", ``GRPOLoss``'s code default).
 5. **Sync.** The engine's adapted weights become ``base + B @ A * scale`` again (float32, as
    at load, from the trainer's float32 base and LoRA), its ``ColarHead`` takes the policy,
    and its prefix cache is emptied (that KV came from the old weights).
