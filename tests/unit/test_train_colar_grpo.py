@@ -171,6 +171,35 @@ def test_loss_is_upstreams_grpo_loss_on_a_hand_made_batch():
     assert off["latent"].item() == 0 and off["total"].item() == pytest.approx(1.6 / 64)
 
 
+def test_max_log_ratio_keeps_an_overflowing_ratio_finite():
+    """A latent whose log-prob rose by 1000 nats since the rollout (a near-deterministic
+    policy after an update): upstream's loss is NaN for a zero advantage (``inf * 0``) and its
+    gradient non-finite for a negative one; clamped at 20 both are finite, the clamped
+    tokens get no gradient and the in-range token keeps upstream's value and gradient."""
+    old = ([torch.zeros(2), torch.zeros(1)], [torch.zeros(1), torch.zeros(1)])
+    adv = torch.tensor([0.0, -1.0])
+
+    def run(m):
+        lat = [torch.tensor([1000.0, 0.1]).requires_grad_(), torch.tensor([1000.0])
+               .requires_grad_()]
+        got = cg.grpo_loss((lat, [torch.zeros(1), torch.zeros(1)]), old, adv, 0.2, "sum",
+                           max_log_ratio=m)
+        got["total"].backward()
+        return got["latent"], [t.grad for t in lat]
+
+    loss, _ = run(None)
+    assert loss.isnan()
+    loss, (g0, g1) = run(20.0)
+    assert loss.item() == pytest.approx(math.exp(20) / 64)  # -(e^20 * -1) / 32, mean of 2 rows
+    assert torch.equal(g0, torch.zeros(2)) and torch.equal(g1, torch.zeros(1))
+    lat = [torch.tensor([0.1]).requires_grad_()]
+    one = (lat, [torch.zeros(1)])
+    ref = cg.grpo_loss(one, ([torch.zeros(1)], [torch.zeros(1)]), torch.tensor([-1.0]))
+    clamped = cg.grpo_loss(one, ([torch.zeros(1)], [torch.zeros(1)]), torch.tensor([-1.0]),
+                           max_log_ratio=20.0)
+    assert clamped["latent"].item() == ref["latent"].item()
+
+
 def test_group_advantages_use_the_sample_std_and_zero_variance_groups_are_counted():
     rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.5, 0.5, 0.5], [0.0, 0.0, 0.25]])
     adv = cg.group_advantages(rewards)
@@ -327,6 +356,23 @@ def test_an_update_with_a_non_finite_gradient_is_skipped_and_counted(
         torch.testing.assert_close(after[k].float(), before[k].float(), rtol=0, atol=0)
 
 
+def test_with_max_log_ratio_every_minibatch_update_of_a_step_is_applied(
+        stage1, toy_data, tmp_path):
+    """Latents drawn at temperature 50, log-probs at 1 (upstream): the old log-probs lie far
+    below the density's peak, so after the first minibatch's update the later ones' ratios
+    overflow (upstream: non-finite gradients, updates skipped, as on the H200 with a
+    near-deterministic policy); clamped at 20 all four updates of each step are applied."""
+    reward = lambda r, g: float(len(r.text) % 2)  # noqa: E731 - varied rewards
+    kw = dict(steps=2, questions_per_step=2, group_size=4, exp_batch_size=2,
+              latent_temperature=50.0, reward_fn=reward)
+    upstream = _train(stage1, toy_data, tmp_path / "up", **kw)
+    assert sum(r["skipped_updates"] for r in upstream) > 0
+    clamped = _train(stage1, toy_data, tmp_path / "clamped", max_log_ratio=20.0, **kw)
+    assert [r["skipped_updates"] for r in clamped] == [0, 0]
+    assert all(r["max_latent_logratio"] > 20 for r in clamped)
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in clamped)
+
+
 def test_latent_log_ratios_move_only_after_an_update_within_the_step(stage1, toy_data, tmp_path):
     """``max_latent_logratio``: with one minibatch a step the update is on-policy (new
     log-probs equal the old ones exactly: ratio 1); with several, the minibatches after the
@@ -357,7 +403,8 @@ def test_record_refuses_a_sigma_and_recording_off_keeps_no_actions(stage1):
 
 @pytest.mark.parametrize("field,value,match", [
     ("group_size", 1, "group_size"), ("latent_temperature", 0.0, "latent_temperature"),
-    ("loss_average", "token", "loss_average"), ("answer_top_p", 0.0, "answer_top_p")])
+    ("loss_average", "token", "loss_average"), ("answer_top_p", 0.0, "answer_top_p"),
+    ("max_log_ratio", 0.0, "max_log_ratio")])
 def test_bad_options_are_refused(field, value, match):
     with pytest.raises(ValueError, match=match):
         cg.ColarGRPOConfig(model="m", data=["d"], out="o", **{field: value})
@@ -379,10 +426,12 @@ def test_cli_passes_its_options(monkeypatch, tmp_path):
     main(["train", "colar-grpo", "--model", "stage1", "--data", "a.txt", "--out",
           str(tmp_path), "--group-size", "4", "--latent-temperature", "0.5",
           "--answer-temperature", "0", "--compression-factor", "3", "--length-penalty", "0.1",
-          "--punish-latent-length", "--no-answer-loss", "--loss-average", "mean"])
+          "--punish-latent-length", "--no-answer-loss", "--loss-average", "mean",
+          "--max-log-ratio", "20", "--tempered-logprobs"])
     cfg = seen["cfg"]
     assert (cfg.model, cfg.data, cfg.group_size) == ("stage1", ["a.txt"], 4)
     assert (cfg.latent_temperature, cfg.answer_temperature, cfg.answer_top_p) == (0.5, 0.0, 0.9)
     assert (cfg.compression_factor, cfg.length_penalty, cfg.punish_latent_length) == (3, 0.1, True)
     assert (cfg.use_answer_loss, cfg.use_latent_loss, cfg.loss_average) == (False, True, "mean")
     assert (cfg.lr, cfg.clip_eps, cfg.exp_batch_size) == (1e-6, 0.2, 8)
+    assert (cfg.max_log_ratio, cfg.tempered_logprobs) == (20.0, True)

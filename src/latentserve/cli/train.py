@@ -111,6 +111,13 @@ def register(sub) -> None:
     g.add_argument("--clip-eps", type=float, default=0.2, help="PPO ratio clip (upstream 0.2)")
     g.add_argument("--loss-average", default="sum", choices=["sum", "mean"],
                    help="per sequence: sum / 32 (upstream colar.yaml) or the mean over tokens")
+    g.add_argument("--max-log-ratio", type=float, default=None,
+                   help="clamp logp - logp_old to [-M, M] before exp (default: no clamp, "
+                        "upstream); keeps the ratios of a near-deterministic latent policy "
+                        "finite after an update (train/colar_grpo.py)")
+    g.add_argument("--tempered-logprobs", action="store_true",
+                   help="latent log-probs at --latent-temperature, the density the latents "
+                        "were drawn from (default: at 1, upstream get_logprobs)")
     g.add_argument("--no-latent-loss", dest="use_latent_loss", action="store_false",
                    help="leave the latent log-probs out of the loss")
     g.add_argument("--no-answer-loss", dest="use_answer_loss", action="store_false",

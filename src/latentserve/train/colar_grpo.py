@@ -43,6 +43,8 @@ class ColarGRPOConfig:
     weight_decay: float = 0.01
     clip_eps: float = 0.2
     loss_average: str = "sum"
+    max_log_ratio: float | None = None  # clamp of logp - logp_old before exp (None: upstream)
+    tempered_logprobs: bool = False  # latent log-probs at latent_temperature (upstream: at 1)
     use_latent_loss: bool = True
     use_answer_loss: bool = True
     punish_latent_length: bool = False
@@ -76,6 +78,9 @@ class ColarGRPOConfig:
         if not self.lr > 0 or not 0 < self.clip_eps < 1:
             raise ValueError(f"lr must be > 0 and clip_eps in (0, 1), got {self.lr}, "
                              f"{self.clip_eps}")
+        if self.max_log_ratio is not None and not self.max_log_ratio > 0:
+            raise ValueError(f"max_log_ratio must be > 0 (or None: no clamp), got "
+                             f"{self.max_log_ratio}")
         if self.loss_average not in LOSS_AVERAGES:
             raise ValueError(f"loss_average must be one of {LOSS_AVERAGES}, got "
                              f"{self.loss_average!r}")
@@ -204,12 +209,17 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
 
 
 def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
-                 adv: torch.Tensor, clip_eps: float, average: str) -> torch.Tensor:
+                 adv: torch.Tensor, clip_eps: float, average: str,
+                 max_log_ratio: float | None = None) -> torch.Tensor:
     """Upstream ``GRPOLoss.calculate_loss``: ``logp``, ``logp_old``, ``mask`` ``[B, L]``,
     ``adv`` ``[B]``. ``-min(ratio * A, clip(ratio) * A)`` per token, then per sequence the
     masked sum / :data:`SUM_DIVISOR` ("sum") or the masked mean ("mean"), then the mean over
-    the B sequences. A scalar."""
-    ratio = (logp - logp_old).exp()
+    the B sequences. A scalar. ``max_log_ratio``: ``logp - logp_old`` clamped to ``[-m, m]``
+    before the ``exp`` (None: not, as upstream; module docstring, item 4)."""
+    log_ratio = logp - logp_old
+    if max_log_ratio is not None:
+        log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
+    ratio = log_ratio.exp()
     a = adv[:, None]
     per_tok = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a) * mask
     if average == "sum":
@@ -219,9 +229,11 @@ def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
 
 def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
               clip_eps: float = 0.2, average: str = "sum", use_latent: bool = True,
-              use_answer: bool = True) -> dict[str, torch.Tensor]:
+              use_answer: bool = True, max_log_ratio: float | None = None
+              ) -> dict[str, torch.Tensor]:
     """Upstream ``GRPOLoss.forward`` on a minibatch: ``new`` / ``old`` as
-    :func:`rollout_logprobs` returns them, ``adv`` ``[B]``. Returns ``total``, ``latent``
+    :func:`rollout_logprobs` returns them, ``adv`` ``[B]``; ``max_log_ratio`` as
+    :func:`clipped_loss`. Returns ``total``, ``latent``
     and ``answer`` (scalars; a part that is off is 0). Raises ValueError for a bad
     ``average``."""
     if average not in LOSS_AVERAGES:
@@ -233,7 +245,8 @@ def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
             continue
         lp, mask = pad_rows(new[i])
         lp_old, _ = pad_rows([t.detach() for t in old[i]])
-        parts[name] = clipped_loss(lp, lp_old, mask, adv.to(lp.device), clip_eps, average)
+        parts[name] = clipped_loss(lp, lp_old, mask, adv.to(lp.device), clip_eps, average,
+                                   max_log_ratio)
     return {"total": parts["latent"] + parts["answer"], **parts}
 
 
@@ -434,10 +447,12 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
              f"trainable parameters, {cfg.steps} steps of {cfg.questions_per_step} x "
              f"{cfg.group_size} rollouts, speed {c}, max_latent {max_latent}")
 
+    lp_temperature = cfg.latent_temperature if cfg.tempered_logprobs else 1.0
+
     def logprobs(batch):
         with trainer_forward(cfg.device, autocast):
-            return rollout_logprobs(model, policy, batch, ccfg.embeds_std,
-                                    cfg.latent_temperature, cfg.answer_temperature)
+            return rollout_logprobs(model, policy, batch, ccfg.embeds_std, lp_temperature,
+                                    cfg.answer_temperature)
 
     torch.manual_seed(cfg.seed)  # the rollouts' draws do not depend on what loading drew
     try:
@@ -465,7 +480,8 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
                                                      for n, o in zip(new[0], mb_old[0])
                                                      if len(n)])
                 loss = grpo_loss(new, mb_old, adv[mb].to(cfg.device), cfg.clip_eps,
-                                 cfg.loss_average, cfg.use_latent_loss, cfg.use_answer_loss)
+                                 cfg.loss_average, cfg.use_latent_loss, cfg.use_answer_loss,
+                                 cfg.max_log_ratio)
                 opt.zero_grad(set_to_none=True)
                 loss["total"].backward()
                 norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
