@@ -52,7 +52,8 @@ class Family:
     default ``exit_semantics`` other than ``"engine"``), ``takes_head_controls`` (CoLaR's
     ``compression_factor`` / ``latent_temperature``), ``overlaps`` (steps may run under the
     overlap scheduler, ``engine/overlap.py``: nothing the family does on the host needs the
-    previous step's tokens), ``packed_replay`` (a decode batch may replay its graph from the
+    previous step's tokens, ``latent_inputs`` does not read ``tokens`` and ``budget_spent``
+    never finishes a request), ``packed_replay`` (a decode batch may replay its graph from the
     packed index vectors alone: no per-forward context), ``description`` (for error
     messages).
     """
@@ -92,7 +93,8 @@ class Family:
     def latent_inputs(self, reqs: list[Req], logits, last_hidden, tokens: list[int]
                       ) -> list | None:
         """The next latent input of each sampling row of ``reqs`` (``(tensor, row)``, see
-        ``latent/vectors.py``) or None per row; None when no row has one."""
+        ``latent/vectors.py``) or None per row; None when no row has one. ``tokens``: the
+        rows' sampled ids, or None under the overlap scheduler (not on the host yet)."""
         return None
 
     @staticmethod

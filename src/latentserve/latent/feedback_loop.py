@@ -17,7 +17,9 @@ from latentserve.latent.family import Admission, Family
 
 
 class FeedbackFamily(Family):
-    overlaps = False  # its latent steps read the previous step's outputs on the host
+    # a latent step's input is the previous forward's hidden row, on the device; the phase
+    # moves on by counts (budget, end ids), never by a sampled token
+    overlaps = True
     budgeted = True
     traced = True
     streams_steps = True
@@ -54,9 +56,10 @@ class FeedbackFamily(Family):
 
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
         """The feedback hook runs once, batched, on the thinking rows (after a graph replay
-        CODI's ``prj`` has already run in the decode graph's latent graph). Records the
-        latent trace (``latent/lens.py``: norm, logit-lens top 5) of requests that asked
-        for it."""
+        CODI's ``prj`` has already run in the decode graph's latent graph); ``tokens`` is
+        not read. Records the latent trace (``latent/lens.py``: norm, logit-lens top 5) of
+        requests that asked for it (this reads the vectors on the host: under the overlap
+        scheduler such a step waits for its own forward)."""
         rows = [i for i, r in enumerate(reqs) if self.thinking(r)]
         if not rows:
             return None

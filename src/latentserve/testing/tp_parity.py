@@ -12,16 +12,17 @@ def run_requests(engine, requests):
     Returns per request ``(tokens, [logits [vocab] float32 CPU, one per sampled step],
     final StepOutput)``; checks afterwards that no KV slot leaked (``check_idle``). In
     overlap mode (``engine/overlap.py``) a request that finished was already in the next
-    launched batch; that discarded row's logits are dropped, so both modes record the same
-    steps.
+    launched batch; that discarded row's logits (sampled past its last output id) are
+    dropped, so both modes record the same steps (latent steps included).
     """
-    runner, logits = engine.runner, {}
+    runner, logits, reqs = engine.runner, {}, {}
     original = runner.run
 
     def recording(batch, *args, **kwargs):
         out, hidden = original(batch, *args, **kwargs)
         for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], out):
-            logits.setdefault(req.rid, []).append(row.float().cpu())
+            reqs[req.rid] = req
+            logits.setdefault(req.rid, []).append((len(req.output_ids), row.float().cpu()))
         return out, hidden
 
     runner.run = recording
@@ -38,10 +39,9 @@ def run_requests(engine, requests):
     finally:
         runner.run = original
     engine.cache.check_idle()
-    config = getattr(engine, "config", None)
-    if getattr(config, "use_overlap_schedule", False) and engine.family.overlaps:
-        for r in rids:  # one sampled row per token; the rest are discarded rows
-            del logits[r][len(toks[r]):]
+    for r in rids:  # a row sampled at output index n < the final count; the rest discarded
+        n = len(reqs[r].output_ids)
+        logits[r] = [row for i, row in logits[r] if i < n]
     return [(toks[r], logits[r], final[r]) for r in rids]
 
 
@@ -58,24 +58,27 @@ def spy_overlapped(engine) -> list[bool]:
     return seen
 
 
+def close(a, b, atol: float = 1e-5) -> bool:
+    """Whether ``a`` and ``b`` (nested lists, dicts, tuples and scalars, e.g. latent traces)
+    are equal but for float values within ``atol``."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= atol
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], atol) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, type(a)):
+        return len(a) == len(b) and all(close(x, y, atol) for x, y in zip(a, b))
+    return a == b
+
+
 def assert_same_outputs(reference, other, atol: float = 1e-5) -> None:
     """``run_requests`` results with equal tokens, finish reasons and ``recurrence`` stats,
     and latent traces equal but for float values within ``atol`` (another batch shape
     changes the last bits)."""
-    def close(a, b) -> bool:
-        if isinstance(a, float) and isinstance(b, float):
-            return abs(a - b) <= atol
-        if isinstance(a, dict) and isinstance(b, dict):
-            return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
-        if isinstance(a, list) and isinstance(b, list):
-            return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
-        return a == b
-
     for i, ((wt, _, wf), (gt, _, gf)) in enumerate(zip(reference, other)):
         assert gt == wt, f"request {i}: tokens"
         assert gf.finish_reason == wf.finish_reason, f"request {i}: finish reason"
         assert gf.recurrence == wf.recurrence, f"request {i}: iterations per token"
-        assert close(gf.latent_trace, wf.latent_trace), f"request {i}: trace"
+        assert close(gf.latent_trace, wf.latent_trace, atol), f"request {i}: trace"
 
 
 def assert_same(reference, other, atol: float = 1e-4) -> None:
