@@ -78,7 +78,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
-        """Finish ``rid`` with reason "abort" (reported on the next step); unknown ids are ignored."""
+        """Finish ``rid`` with reason "abort" (reported on the next step); unknown ids are
+        ignored."""
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:

@@ -133,3 +133,24 @@ def save_latent_tiny(root, kind: str, seed: int = 0, **convert_opts) -> Path:
                                              seed=seed)
         return convert_codi(base_dir, ckpt, root / "model", lora_alpha=16.0, **convert_opts)
     raise ValueError(f"kind must be one of {LATENT_KINDS}, got {kind!r}")
+
+
+def mixed_feedback_requests(**over) -> list:
+    """``[(prompt ids, SamplingParams)]``: eight requests over ``shared_prefix_prompts`` for a
+    feedback model, greedy and seeded, latent budgets 0, 1, 3, 6 and the model's default,
+    traces and streamed latent steps (ignore_eos, 4 to 7 answer tokens); ``over`` overrides
+    fields of every request."""
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.testing.parity import shared_prefix_prompts
+
+    kinds = [
+        {"temperature": 0.0, "latent_budget": 3, "max_tokens": 6},
+        {"temperature": 0.8, "seed": 3, "latent_budget": 0, "max_tokens": 5,
+         "return_latent_trace": True},
+        {"temperature": 0.0, "latent_budget": 6, "max_tokens": 7, "stream_latent_steps": True,
+         "return_latent_trace": True},
+        {"temperature": 0.7, "top_k": 20, "seed": 11, "latent_budget": 1, "max_tokens": 4},
+        {"temperature": 0.0, "max_tokens": 5},
+    ]
+    return [(p, SamplingParams(**{"ignore_eos": True, **kinds[i % len(kinds)], **over}))
+            for i, p in enumerate(shared_prefix_prompts())]

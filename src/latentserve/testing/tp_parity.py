@@ -45,6 +45,38 @@ def run_requests(engine, requests):
     return [(toks[r], logits[r], final[r]) for r in rids]
 
 
+def run_streams(engine, requests):
+    """``(run_requests(engine, requests), streams)``: ``streams`` holds per request every
+    ``StepOutput`` in order, as ``(new ids, finished, finish reason, latent_steps,
+    latent_trace)`` (streamed latent steps included)."""
+    streams, step = {}, engine.step
+
+    def recording():
+        outs = step()
+        for o in outs:
+            streams.setdefault(o.rid, []).append(
+                (o.new_token_ids, o.finished, o.finish_reason, o.latent_steps, o.latent_trace))
+        return outs
+
+    rids = [f"t{engine._arrivals + i}" for i in range(len(requests))]
+    engine.step = recording
+    try:
+        results = run_requests(engine, requests)
+    finally:
+        engine.step = step
+    return results, [streams[r] for r in rids]
+
+
+def assert_same_streams(reference, other, atol: float = 1e-4) -> None:
+    """``run_streams`` results with the same outputs (``assert_same_outputs``), output for
+    output (float values within 1e-5), and every sampled step's logits within ``atol``."""
+    (wr, ws), (gr, gs) = reference, other
+    assert_same_outputs(wr, gr)
+    assert_same(wr, gr, atol)
+    for i, (a, b) in enumerate(zip(ws, gs)):
+        assert close(b, a), f"request {i}: outputs {b} != {a}"
+
+
 def spy_overlapped(engine) -> list[bool]:
     """Record, per forward of ``engine``, whether it read pending ids from the previous
     forward (overlap mode); returns the list it appends to."""
