@@ -42,6 +42,43 @@ class Admission:
     start: Callable[[Req], None] | None = None
 
 
+class GraphHooks:
+    """What a family adds to the decode graphs (``engine/cuda_graph.py``), asked by the
+    graph runner; this base adds nothing: one graph per batch-size bucket, no forward
+    context, no latent graph.
+
+    ``depths``: the loop trip counts captured, one graph per ``(depth, bucket)`` (a plain
+    model: ``[0]``). ``feedback``: a module the latent graph runs on the decode graph's
+    final hidden rows (``[n, hidden] -> [n, hidden]`` next input embeddings, CODI's
+    ``prj``), or None. ``packed``: a batch may replay from its packed index vectors alone
+    (``CudaGraphRunner.replay_packed``: no forward context to copy)."""
+
+    depths = [0]
+    feedback = None
+    packed = True
+
+    def bind(self, ctx, depth: int, b: int) -> None:
+        """Set the family's fields of ``ctx`` (the ``ForwardContext`` a graph of ``depth``
+        and bucket ``b`` is captured with) to static buffers."""
+
+    def fits(self, rec) -> bool:
+        """Whether a batch with forward context ``rec`` (``Family.forward_context``) may
+        replay a captured graph."""
+        return True
+
+    def depth_for(self, rec) -> int:
+        """The captured depth a batch with forward context ``rec`` replays."""
+        return self.depths[0]
+
+    def refresh(self, rec, n: int, b: int) -> None:
+        """Before a replay of ``n`` rows (bucket ``b``, rows past ``n`` padding): copy
+        ``rec`` into the static buffers ``bind`` bound."""
+
+    def replayed(self, rec, n: int) -> None:
+        """After a replay of ``n`` rows: fill ``rec`` with what the graph wrote (the eager
+        forward fills it itself)."""
+
+
 class Family:
     """A plain model: no latent phase, no latent budget.
 
@@ -102,6 +139,13 @@ class Family:
         """What the model's forward reads for ``batch`` besides its inputs
         (``ForwardContext.recurrent``; the model runner calls it on every rank), or None."""
         return None
+
+    @staticmethod
+    def graph_hooks(spec, model, max_bs: int, device, depths=None) -> GraphHooks:
+        """The decode graphs' :class:`GraphHooks` for ``model`` (static buffers for
+        ``max_bs`` rows on ``device``; ``depths``: loop trip counts to capture, None for the
+        family's default)."""
+        return GraphHooks()
 
     # ----- the scheduler's hooks (scheduler/scheduler.py) -----
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from latentserve.core import Req
-from latentserve.latent.family import Admission, Family
+from latentserve.latent.family import Admission, Family, GraphHooks
 
 
 class FeedbackFamily(Family):
@@ -38,6 +38,16 @@ class FeedbackFamily(Family):
             req.answer_start = None
 
         return Admission(params, spec.prompt_extra(budget), start)
+
+    @staticmethod
+    def graph_hooks(spec, model, max_bs, device, depths=None) -> GraphHooks:
+        """A latent graph for ``model.latent_feedback`` unless it is the identity (COCONUT):
+        CODI's ``prj`` runs in the decode graphs' latent graph."""
+        hooks = GraphHooks()
+        feedback = getattr(model, "latent_feedback", None)
+        if feedback is not None and not isinstance(feedback, torch.nn.Identity):
+            hooks.feedback = feedback
+        return hooks
 
     def thinking(self, req: Req) -> bool:
         return req.answer_start is None and len(req.latent_embeds) < req.latent_budget
