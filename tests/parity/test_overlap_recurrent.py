@@ -1,8 +1,8 @@
 """Overlap scheduling for recurrent-depth models (issue 27: every family on the fast path):
 Huginn and Ouro under the overlap scheduler give what the synchronous engine gives: tokens,
 finish reasons, iterations per token (``recurrence``) and traces, greedy and seeded, with
-stop tokens and exit rules, in mixed batches, and no KV slot leaks; the other latent
-families still step synchronously."""
+stop tokens and exit rules, in mixed batches, and no KV slot leaks; compression heads still
+step synchronously."""
 
 import dataclasses
 
@@ -51,12 +51,12 @@ def test_overlapped_recurrent_engine_equals_the_synchronous_one(dirs, family):
 
 
 def test_only_families_that_can_overlap_do(dirs, tmp_path):
-    from latentserve.bench.baseline.latent_models import save_latent_tiny
+    from tests.support.head_models import save_head_model
 
     engine = _engine(dirs["huginn"], True)
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, latent_budget=2))
     assert overlap.eligible(engine)
-    coconut = LLMEngine(EngineConfig(model=str(save_latent_tiny(tmp_path, "coconut-gpt2")),
-                                     overlap_schedule=True))
-    coconut.add_request("c", [5, 6, 7], SamplingParams(max_tokens=3, latent_budget=2))
-    assert not overlap.eligible(coconut)
+    head = LLMEngine(EngineConfig(model=str(save_head_model(tmp_path / "head")),
+                                  overlap_schedule=True))
+    head.add_request("h", [5, 6, 7], SamplingParams(max_tokens=3))
+    assert not overlap.eligible(head)

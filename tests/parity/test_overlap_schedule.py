@@ -128,13 +128,13 @@ def test_logprobs_request_steps_synchronously_and_abort_frees_slots(tiny_dirs):
     assert [lp.token_id for lp in logprobs] == toks["lp"]
 
 
-def test_latent_models_and_tp_do_not_overlap(tmp_path, tiny_dirs):
-    from latentserve.bench.baseline.latent_models import save_latent_tiny
+def test_head_models_and_penalties_do_not_overlap(tmp_path, tiny_dirs):
     from latentserve.engine import overlap
+    from tests.support.head_models import save_head_model
 
-    engine = LLMEngine(EngineConfig(model=str(save_latent_tiny(tmp_path, "coconut-gpt2")),
+    engine = LLMEngine(EngineConfig(model=str(save_head_model(tmp_path / "head")),
                                     overlap_schedule=True))
-    engine.add_request("c", [5, 6, 7], SamplingParams(max_tokens=3, latent_budget=2))
+    engine.add_request("h", [5, 6, 7], SamplingParams(max_tokens=3))
     assert not overlap.eligible(engine)
     plain = _engine(tiny_dirs)
     plain.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3))

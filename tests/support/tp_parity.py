@@ -12,16 +12,17 @@ def run_requests(engine, requests):
     Returns per request ``(tokens, [logits [vocab] float32 CPU, one per sampled step],
     final StepOutput)``; checks afterwards that no KV slot leaked (``check_idle``). In
     overlap mode (``engine/overlap.py``) a request that finished was already in the next
-    launched batch; that discarded row's logits are dropped, so both modes record the same
-    steps.
+    launched batch; that discarded row's logits (sampled past its last output id) are
+    dropped, so both modes record the same steps (latent steps included).
     """
-    runner, logits = engine.runner, {}
+    runner, logits, reqs = engine.runner, {}, {}
     original = runner.run
 
     def recording(batch, *args, **kwargs):
         out, hidden = original(batch, *args, **kwargs)
         for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], out):
-            logits.setdefault(req.rid, []).append(row.float().cpu())
+            reqs[req.rid] = req
+            logits.setdefault(req.rid, []).append((len(req.output_ids), row.float().cpu()))
         return out, hidden
 
     runner.run = recording
@@ -38,11 +39,42 @@ def run_requests(engine, requests):
     finally:
         runner.run = original
     engine.cache.check_idle()
-    config = getattr(engine, "config", None)
-    if getattr(config, "use_overlap_schedule", False) and engine.family.overlaps:
-        for r in rids:  # one sampled row per token; the rest are discarded rows
-            del logits[r][len(toks[r]):]
+    for r in rids:  # a row sampled at output index n < the final count; the rest discarded
+        n = len(reqs[r].output_ids)
+        logits[r] = [row for i, row in logits[r] if i < n]
     return [(toks[r], logits[r], final[r]) for r in rids]
+
+
+def run_streams(engine, requests):
+    """``(run_requests(engine, requests), streams)``: ``streams`` holds per request every
+    ``StepOutput`` in order, as ``(new ids, finished, finish reason, latent_steps,
+    latent_trace)`` (streamed latent steps included)."""
+    streams, step = {}, engine.step
+
+    def recording():
+        outs = step()
+        for o in outs:
+            streams.setdefault(o.rid, []).append(
+                (o.new_token_ids, o.finished, o.finish_reason, o.latent_steps, o.latent_trace))
+        return outs
+
+    rids = [f"t{engine._arrivals + i}" for i in range(len(requests))]
+    engine.step = recording
+    try:
+        results = run_requests(engine, requests)
+    finally:
+        engine.step = step
+    return results, [streams[r] for r in rids]
+
+
+def assert_same_streams(reference, other, atol: float = 1e-4) -> None:
+    """``run_streams`` results with the same outputs (``assert_same_outputs``), output for
+    output (float values within 1e-5), and every sampled step's logits within ``atol``."""
+    (wr, ws), (gr, gs) = reference, other
+    assert_same_outputs(wr, gr)
+    assert_same(wr, gr, atol)
+    for i, (a, b) in enumerate(zip(ws, gs)):
+        assert close(b, a), f"request {i}: outputs {b} != {a}"
 
 
 def spy_overlapped(engine) -> list[bool]:
@@ -58,24 +90,27 @@ def spy_overlapped(engine) -> list[bool]:
     return seen
 
 
+def close(a, b, atol: float = 1e-5) -> bool:
+    """Whether ``a`` and ``b`` (nested lists, dicts, tuples and scalars, e.g. latent traces)
+    are equal but for float values within ``atol``."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= atol
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], atol) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, type(a)):
+        return len(a) == len(b) and all(close(x, y, atol) for x, y in zip(a, b))
+    return a == b
+
+
 def assert_same_outputs(reference, other, atol: float = 1e-5) -> None:
     """``run_requests`` results with equal tokens, finish reasons and ``recurrence`` stats,
     and latent traces equal but for float values within ``atol`` (another batch shape
     changes the last bits)."""
-    def close(a, b) -> bool:
-        if isinstance(a, float) and isinstance(b, float):
-            return abs(a - b) <= atol
-        if isinstance(a, dict) and isinstance(b, dict):
-            return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
-        if isinstance(a, list) and isinstance(b, list):
-            return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
-        return a == b
-
     for i, ((wt, _, wf), (gt, _, gf)) in enumerate(zip(reference, other)):
         assert gt == wt, f"request {i}: tokens"
         assert gf.finish_reason == wf.finish_reason, f"request {i}: finish reason"
         assert gf.recurrence == wf.recurrence, f"request {i}: iterations per token"
-        assert close(gf.latent_trace, wf.latent_trace), f"request {i}: trace"
+        assert close(gf.latent_trace, wf.latent_trace, atol), f"request {i}: trace"
 
 
 def assert_same(reference, other, atol: float = 1e-4) -> None:
@@ -99,3 +134,24 @@ def assert_close_bf16(ref32, ref16, other16) -> None:
         assert err <= bound, f"request {i}: error {err:.3f} > {bound:.3f}"
         margin = float(l32[0][t32[0]] - l32[0][t[0]])
         assert margin <= bound, f"request {i}: first token {t[0]} vs reference {t32[0]}"
+
+
+def mixed_feedback_requests(**over) -> list:
+    """``[(prompt ids, SamplingParams)]``: eight requests over ``shared_prefix_prompts`` for a
+    feedback model, greedy and seeded, latent budgets 0, 1, 3, 6 and the model's default,
+    traces and streamed latent steps (ignore_eos, 4 to 7 answer tokens); ``over`` overrides
+    fields of every request."""
+    from latentserve.sampling_params import SamplingParams
+    from tests.support.parity import shared_prefix_prompts
+
+    kinds = [
+        {"temperature": 0.0, "latent_budget": 3, "max_tokens": 6},
+        {"temperature": 0.8, "seed": 3, "latent_budget": 0, "max_tokens": 5,
+         "return_latent_trace": True},
+        {"temperature": 0.0, "latent_budget": 6, "max_tokens": 7, "stream_latent_steps": True,
+         "return_latent_trace": True},
+        {"temperature": 0.7, "top_k": 20, "seed": 11, "latent_budget": 1, "max_tokens": 4},
+        {"temperature": 0.0, "max_tokens": 5},
+    ]
+    return [(p, SamplingParams(**{"ignore_eos": True, **kinds[i % len(kinds)], **over}))
+            for i, p in enumerate(shared_prefix_prompts())]

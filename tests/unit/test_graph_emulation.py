@@ -3,9 +3,10 @@
 as a real graph writes its static buffers. This covers what only the H200 ran before:
 ``CudaGraphRunner.replay_packed`` with the input kernel (``ops.kernels.decode_inputs``,
 overlap scheduling's pending ids included), the greedy tokens returned by the graph
-(``ModelRunner.last_greedy``) and the sampler taking them. Tokens and logprobs must equal
-an engine without graphs; every replay's ``last_greedy`` must be the argmax of the logits
-it returned. Kernels run in the Triton interpreter.
+(``ModelRunner.last_greedy``) and the sampler taking them, the family's graph hooks (Ouro's
+readout buffers, CODI's ``prj`` in the latent graph, under overlap scheduling). Tokens and
+logprobs must equal an engine without graphs; every replay's ``last_greedy`` must be the
+argmax of the logits it returned. Kernels run in the Triton interpreter.
 """
 
 import contextlib
@@ -21,8 +22,9 @@ pytest.importorskip("triton")
 
 import torch
 
+from latentserve import context
 from latentserve.config import EngineConfig
-from latentserve.context import get_context, set_context
+from latentserve.context import set_context
 from latentserve.engine import cuda_graph, overlap
 from latentserve.engine.cuda_graph import CudaGraphRunner
 from latentserve.engine.llm_engine import LLMEngine
@@ -56,33 +58,43 @@ def _capture(graph, pool=None, capture_error_mode=None):
         _ReplayedForward.capturing = None
 
 
-@pytest.fixture
-def emulated_graphs(monkeypatch):
-    real_forward = CudaGraphRunner._forward
+def _replayable(fn):
+    """``fn(self, *args)`` (a decode or latent graph's forward) that, under capture, makes
+    the capturing graph's replay re-run it into the outputs it returned (a tensor or a
+    tuple of them), under the forward context of the capture."""
 
-    def forward(self, model, b):
-        out = real_forward(self, model, b)
+    def wrapped(self, *args):
+        out = fn(self, *args)
         graph = _ReplayedForward.capturing
         if graph is not None:
-            ctx = get_context()
+            ctx = context._CTX  # a latent graph's capture has none
 
+            @torch.inference_mode()
             def rerun():  # into the capture's outputs, as the graph's static buffers
                 set_context(ctx)
                 try:
-                    new = real_forward(self, model, b)
+                    new = fn(self, *args)
                 finally:
                     set_context(None)
-                for old, fresh in zip(out, new):
+                pairs = [(out, new)] if isinstance(out, torch.Tensor) else zip(out, new)
+                for old, fresh in pairs:
                     if old is not None:
                         old.copy_(fresh)
 
             graph.rerun = rerun
         return out
 
+    return wrapped
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayedForward)
     monkeypatch.setattr(torch.cuda, "graph", _capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(CudaGraphRunner, "_forward", forward)
+    monkeypatch.setattr(CudaGraphRunner, "_forward", _replayable(CudaGraphRunner._forward))
+    monkeypatch.setattr(CudaGraphRunner, "_latent_forward",
+                        _replayable(CudaGraphRunner._latent_forward))
     # one bucket of 8 (fewer captures in the interpreter); smaller batches replay it padded
     monkeypatch.setattr(cuda_graph, "graph_buckets", lambda max_bs: [max_bs])
 
@@ -290,3 +302,48 @@ def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp
             assert r["exit_probs"] == pytest.approx(e["exit_probs"], abs=1e-6)
     assert all(e["readout_step"] is None for e in eager["r2"][0])
     assert {e["readout_step"] for e in eager["r1"][0]} == {2}
+
+
+@pytest.fixture(scope="module")
+def small_vocab_codi(tmp_path_factory, small_vocab_llama):
+    """A tiny CODI (Llama, LoRA, ``prj``) over the small-vocabulary Llama."""
+    from latentserve.bench.baseline.latent_models import write_upstream_codi
+    from latentserve.latent.convert import convert_codi
+
+    root = tmp_path_factory.mktemp("small-vocab-codi")
+    base, ckpt = write_upstream_codi(root, "llama", fmt="bin", base_dir=small_vocab_llama)
+    return convert_codi(base, ckpt, root / "model", lora_alpha=16.0)
+
+
+def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_codi,
+                                                                 emulated_graphs):
+    """CODI's ``prj`` runs in the decode graphs' latent graph (``FeedbackFamily.graph_hooks``)
+    and the overlap scheduler launches each latent step on the replayed outputs of the one
+    before (their vectors injected into the next replay): greedy tokens, latent step counts
+    and traces equal the eager synchronous engine's, for budgets 0 to 5 in one batch."""
+    from tests.support.tp_parity import assert_same_outputs, run_requests, spy_overlapped
+
+    requests = [([5 + i, 17, 29 + i, 41], SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=b,
+        return_latent_trace=i % 2 == 0)) for i, b in enumerate((0, 2, 3, 5))]
+
+    def run(graphs: bool):
+        engine = LLMEngine(EngineConfig(model=str(small_vocab_codi), fused_ops=True,
+                                        attention_backend="triton", max_num_seqs=8,
+                                        max_model_len=128, attention_num_kv_splits=2,
+                                        overlap_schedule=graphs))
+        if graphs:
+            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
+                                         torch.float32)
+            engine.scheduler.forced_one_by_one = True
+        overlapped = spy_overlapped(engine)
+        return run_requests(engine, requests), engine, overlapped
+
+    want, _, _ = run(False)
+    got, engine, overlapped = run(True)
+    assert_same_outputs(want, got, atol=1e-4)
+    assert sum(overlapped) > 5
+    assert [f.latent_steps for _, _, f in got] == [0, 2, 3, 5]
+    graphs = engine.runner.graphs
+    assert graphs.feedback is engine.runner.model.latent_feedback
+    assert graphs.num_latent_replays > 3 and engine.runner.num_graph_steps > 5

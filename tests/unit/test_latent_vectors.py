@@ -103,10 +103,11 @@ def _cpu_graph_runner(buckets: list[int], hidden: int):
     """A ``CudaGraphRunner`` over CPU buffers whose graphs are ``_CountingGraph``s (its
     bookkeeping without CUDA): static buffers for ``buckets[-1]`` rows, logits of width 8."""
     from latentserve.engine.cuda_graph import CudaGraphRunner
+    from latentserve.latent.family import GraphHooks
 
     g = object.__new__(CudaGraphRunner)
     cap = buckets[-1]
-    g.buckets, g.graph_depths, g.recurrent, g.latent_capable = buckets, [0], False, True
+    g.buckets, g.graph_depths, g.hooks, g.latent_capable = buckets, [0], GraphHooks(), True
     g.dummy_row = 0
     for name in ("ids", "pos", "rows", "out_slots"):
         setattr(g, name, torch.zeros(cap, dtype=torch.int64))

@@ -11,9 +11,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "latentserve"
 CORE = ("engine", "scheduler", "kvcache", "attention")
 SHARED = {"latentserve.latent.family", "latentserve.latent.spec", "latentserve.latent.vectors"}
 FAMILY_MODELS = {"latentserve.models.huginn", "latentserve.models.ouro"}
-KNOWN = {  # (core file, family module): still to move behind latent.family (issue 27)
-    ("engine/cuda_graph.py", "latentserve.latent.recurrent"),
-}
+KNOWN: set = set()  # (core file, family module) not behind latent.family: none left
 
 
 def _imports(path: Path) -> set[str]:

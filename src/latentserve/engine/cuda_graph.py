@@ -8,26 +8,13 @@ from __future__ import annotations
 import torch
 
 from latentserve.context import ForwardContext, set_context
-from latentserve.latent.recurrent import RecurrentBatch
+from latentserve.latent.family import family_for
 
 
 def graph_buckets(max_bs: int) -> list[int]:
     """Batch sizes captured: 1, 2, 4, 8, then every 16 up to ``max_bs`` (and ``max_bs``)."""
     sizes = {1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}
     return sorted(b for b in sizes if b <= max_bs)
-
-
-def default_graph_depths(spec) -> list[int]:
-    """Recurrence counts captured for a recurrent model: powers of two up to the spec's
-    max budget, plus its default and its max, so a batch replays a loop at most about
-    twice as deep as its deepest row (1, 2, 4, 8, 16, 32 for Huginn's max 32)."""
-    top = max(spec.max_budget, 1)
-    depths = {max(spec.default_budget, 1), top}
-    d = 1
-    while d < top:
-        depths.add(d)
-        d *= 2
-    return sorted(depths)
 
 
 class CudaGraphRunner:
@@ -40,26 +27,26 @@ class CudaGraphRunner:
         capture_layer: decoder layer whose output goes to ``capture_buf`` (-1: none).
         latent_capable: bind the inject buffers (True in the engine; False only lets the
             benchmark measure what binding them costs).
-        graph_depths: recurrent-depth models: the loop trip counts captured (None =
-            ``default_graph_depths(spec)``).
+        graph_depths: the loop trip counts captured (recurrent depth; None: the family's
+            default, ``Family.graph_hooks``).
 
     ``replay(ids, pos, rows, kv_lens, out_slots, embeds, mask, rec, mask_all)`` takes ``[B]``
     device tensors (``embeds [B, hidden]`` any float dtype, ``mask [B] bool``, both None for
     a batch without latent rows; ``mask_all``: every row takes its ``embeds`` row, ``mask``
-    is then not read; ``rec`` the ``RecurrentBatch`` of a recurrent model, whose depths and
-    readout go to static buffers) with B <= max_bs and returns
+    is then not read; ``rec`` the batch's forward context, ``Family.forward_context``, which
+    ``hooks`` copies to static buffers) with B <= max_bs and returns
     ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
     the next replay; ``greedy`` is then their row-wise argmax ``[B] int64`` (a view too)
     for a model without a ``LatentSpec`` (else None). ``replay_packed`` is ``replay`` from
-    the batch's packed index vectors (non-recurrent models). A closed-loop compression
+    the batch's packed index vectors (a family without a forward context). A closed-loop compression
     head (``model.latent_head``) runs in a second, small graph per bucket (the *latent
     graph*) on the captured anchors, replayed by
     ``latent_outputs()`` only for a step that has rows in their latent phase, so plain decode
     steps of a head model cost what the bare backbone's do; it returns ``(latent_input [n,
-    hidden] float32, stop_prob [n] float32 or None)``. A feedback model whose
-    ``latent_feedback`` is not the identity (CODI's ``prj``) gets the same: its latent graph
-    maps the step's final hidden ``[n, hidden]`` to the next input embeddings ``[n, hidden]``
-    (model dtype). Both are views of static buffers, valid until the next replay.
+    hidden] float32, stop_prob [n] float32 or None)``. A family whose hooks give a
+    ``feedback`` module (CODI's ``prj``) gets the same: its latent graph maps the step's
+    final hidden ``[n, hidden]`` to the next input embeddings ``[n, hidden]`` (model
+    dtype). Both are views of static buffers, valid until the next replay.
     ``num_latent_replays`` counts the latent-graph replays.
     """
 
@@ -96,10 +83,9 @@ class CudaGraphRunner:
             getattr(model, "latent_head_mode", None) == "closed_loop" else None
         self.capture_layer = capture_layer
         spec = getattr(model, "latent_spec", None)
-        feedback = getattr(model, "latent_feedback", None)
-        self.feedback = feedback if (spec is not None and spec.kind == "feedback"
-                                     and feedback is not None
-                                     and not isinstance(feedback, torch.nn.Identity)) else None
+        self.hooks = family_for(spec).graph_hooks(spec, model, n, dev, graph_depths)
+        self.feedback = self.hooks.feedback
+        self.graph_depths = list(self.hooks.depths)
         self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay
         # A plain model's graph also returns the logits' argmax (the greedy tokens), which
         # the sampler takes instead of launching the argmax after the replay; a latent
@@ -108,21 +94,6 @@ class CudaGraphRunner:
         self.with_greedy = with_greedy and spec is None and self.GREEDY
         self.greedy = None  # the last replay's greedy tokens (with_greedy)
         self.num_latent_replays = 0
-        self.recurrent = spec is not None and spec.kind == "recurrent"
-        self.depths = torch.zeros(n, dtype=torch.int64, device=dev)  # padded rows: depth 0
-        self.exit_thr = torch.full((n,), float("inf"), device=dev)  # Ouro readout per row
-        self.exit_weighted = torch.zeros(n, dtype=torch.bool, device=dev)
-        # Ouro: each row's readout step, written by every replay (return_latent_trace reads it)
-        self.readout_steps = (torch.zeros(n, dtype=torch.int64, device=dev)
-                              if spec is not None and self.recurrent and spec.family == "ouro"
-                              else None)
-        if self.recurrent:
-            self.graph_depths = sorted(set(graph_depths or default_graph_depths(spec)))
-        else:
-            self.graph_depths = [0]
-        # ... and its exit probability at each loop step (columns past a replay's depth: stale)
-        self.exit_probs = (torch.zeros(n, self.graph_depths[-1], device=dev)
-                           if self.readout_steps is not None else None)
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.latent_capable = latent_capable
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -138,15 +109,7 @@ class CudaGraphRunner:
             meta = TritonMeta(self.rows[:b], q_start[: b + 1], self.kv_lens[:b],
                               self.out_slots[:b], table.table, b, 1, True)
             ctx = ForwardContext(meta, backend, kv_pool, capture_layer, self.capture_buf)
-            if self.recurrent:  # masked loop of `depth` iterations, per-row depths
-                ctx.depths = self.depths[:b]
-                ctx.recurrent = RecurrentBatch(
-                    num_iters=depth, masked=True, exit_thr=self.exit_thr[:b],
-                    exit_weighted=self.exit_weighted[:b],
-                    readout_steps=None if self.readout_steps is None
-                    else self.readout_steps[:b],
-                    exit_probs=None if self.exit_probs is None
-                    else self.exit_probs[:b, :depth])
+            self.hooks.bind(ctx, depth, b)  # e.g. a masked loop of `depth` iterations
             set_context(ctx)
             try:
                 with torch.inference_mode():
@@ -161,7 +124,7 @@ class CudaGraphRunner:
                 set_context(None)
             pool = graph.pool()
             self.graphs[depth, b], self.outputs[depth, b] = graph, out
-        if not self.recurrent:  # compile replay_packed's kernel now, not in the first step
+        if self.hooks.packed:  # compile replay_packed's kernel now, not in the first step
             from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
 
             unpack_decode_inputs(torch.zeros(2, dtype=torch.int64, device=dev), 0, 1, 0, None,
@@ -237,24 +200,23 @@ class CudaGraphRunner:
         return self.buckets[-1]
 
     def can_replay(self, rec) -> bool:
-        """Whether a recurrent batch (``RecurrentBatch``) fits a captured graph: no row may
-        exit early and its deepest row is within the deepest captured loop."""
-        return rec.graph_ok and rec.num_iters <= self.graph_depths[-1]
+        """Whether a batch with forward context ``rec`` fits a captured graph
+        (``GraphHooks.fits``)."""
+        return self.hooks.fits(rec)
+
+    def replayed(self, rec, n: int) -> None:
+        """After a replay of ``n`` rows: fill the forward context ``rec`` with what the graph
+        wrote (``GraphHooks.replayed``)."""
+        self.hooks.replayed(rec, n)
 
     def replay(self, ids, pos, rows, kv_lens, out_slots, embeds=None, mask=None, rec=None,
                mask_all: bool = False):
         n = ids.shape[0]
         b = next(x for x in self.buckets if x >= n)
-        depth = next(d for d in self.graph_depths if d >= (rec.num_iters if rec else 0))
-        if self.recurrent:
-            dev = self.depths.device
-            self.depths[:n].copy_(rec.token_depths(dev))
-            self.depths[n:b].zero_()
-            thr, weighted = rec.token_readout(dev)
-            self.exit_thr[:n].copy_(thr)
-            self.exit_weighted[:n].copy_(weighted)
-            self.exit_thr[n:b].fill_(float("inf"))
-            self.exit_weighted[n:b].zero_()
+        depth = self.graph_depths[0]
+        if rec is not None:
+            depth = self.hooks.depth_for(rec)
+            self.hooks.refresh(rec, n, b)
         self.ids[:n].copy_(ids)
         self.pos[:n].copy_(pos)
         self.rows[:n].copy_(rows)
@@ -268,18 +230,18 @@ class CudaGraphRunner:
 
     def replay_packed(self, packed, n: int, num_pending: int = 0, pending=None, embeds=None,
                       mask=None, mask_all: bool = False, writes: tuple | None = None):
-        """``replay`` for a model that is not recurrent, from the batch's packed index
+        """``replay`` for a family without a forward context, from the batch's packed index
         vectors (``ModelRunner.run``'s one host-to-device copy; layout in
         ``ops.kernels.decode_inputs``), unpacked into the static buffers by one kernel that
         also substitutes the ``num_pending`` ids still being sampled (``pending``, the
         previous step's tokens) and looks up each token's KV slot in the page table.
         ``writes``: ``(m, slots [m] int64)``, staged page-table writes whose rows and
         columns end ``packed`` (``PageTable.take_staged``); the same kernel makes them.
-        Raises RuntimeError for a recurrent model."""
+        Raises RuntimeError for a family with a forward context (``GraphHooks.packed``)."""
         from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
 
-        if self.recurrent:
-            raise RuntimeError("replay_packed does not set a recurrent model's depths")
+        if not self.hooks.packed:
+            raise RuntimeError("replay_packed sets no forward context (recurrent depths)")
         b = next(x for x in self.buckets if x >= n)
         m, slots = (0, None) if writes is None else writes
         unpack_decode_inputs(packed, n, b, num_pending, pending, self.table, self.dummy_row,

@@ -363,14 +363,7 @@ class LLMEngine:
             logits, last_hidden = self.runner.run(batch)
             if self.runner.prompt_hidden:
                 self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
-            self.family.after_forward(batch)
-            if self.latent_spec is not None and self.latent_spec.suppress_ids:
-                ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
-                logits = logits.index_fill(1, ids, float("-inf"))
-            sampling_reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
-            if self.runner.replayed and self._latent_graph and any(
-                    map(self.family.thinking, sampling_reqs)):
-                self.runner.latent_outputs()  # queued now, it runs while the host samples
+            logits, sampling_reqs = self._after_forward(batch, logits)
             # None for a latent model, whose ids were masked above (its graphs return none)
             mask = self.token_mask(sampling_reqs, logits.device)
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
@@ -384,6 +377,20 @@ class LLMEngine:
                     if lp is not None and o.new_token_ids == [lp.token_id]:
                         o.logprobs = [lp]
         return self._retire(outs)
+
+    def _after_forward(self, batch, logits: torch.Tensor) -> tuple[torch.Tensor, list[Req]]:
+        """After ``batch``'s forward, before sampling: the family's ``after_forward``, the
+        spec's ``suppress_ids`` masked out of ``logits [S, vocab]`` and, after a replay
+        with rows in their latent phase, the latent graph queued (it runs while the host
+        samples). Returns the logits to sample and the sampling rows' requests."""
+        self.family.after_forward(batch)
+        if self.latent_spec is not None and self.latent_spec.suppress_ids:
+            ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
+            logits = logits.index_fill(1, ids, float("-inf"))
+        reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        if self.runner.replayed and self._latent_graph and any(map(self.family.thinking, reqs)):
+            self.runner.latent_outputs()
+        return logits, reqs
 
     def _retire(self, outs: list[StepOutput]) -> list[StepOutput]:
         """A step's outputs, after failures, prompt logprobs and finished-request bookkeeping."""
@@ -419,8 +426,9 @@ class LLMEngine:
         for b, req in enumerate(reqs):
             try:
                 i = where.get(b)
-                one = None if i is None else TokenMask([0], mask.bits[i : i + 1])
-                res = sample_with_logprobs(logits[b : b + 1], [req], mask=one)
+                res = (sample_with_logprobs(logits[b : b + 1], [req]) if i is None
+                       else sample_with_logprobs(logits[b : b + 1], [req],
+                                                 mask=TokenMask([0], mask.bits[i : i + 1])))
                 tokens.append(int(res.tokens[0]))
                 logprobs.append(res.logprobs[0])
             except Exception as exc:  # noqa: BLE001 - fails this request only

@@ -234,11 +234,7 @@ class ModelRunner:
                                                     out_slots, input_embeds, latent_mask, rec,
                                                     mask_all=mask_all)
             if rec is not None:
-                rec.iters_used = list(rec.row_depths)
-                if graphs.readout_steps is not None:  # Ouro: the replay's readouts
-                    assert graphs.exit_probs is not None
-                    rec.readout_steps = graphs.readout_steps[: len(ids)]
-                    rec.exit_probs = graphs.exit_probs[: len(ids)]
+                graphs.replayed(rec, len(ids))
                 rec.record(batch)
             captured = graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             self.last_hidden_all = hidden  # one token per row: every position of the batch

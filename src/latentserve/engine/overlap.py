@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 class Launched:
     """A batch whose forward and sampling were launched and whose tokens are not finished.
 
-    ``pending``: ``(req, index in output_ids)`` per sampling row (``advance_launched``);
+    ``pending``: ``(req, index in output_ids or None, latent step's output)`` per sampling
+    row (``Scheduler.advance_launched``);
     ``tokens``: ``[S] int64`` on the device, row j for ``pending[j]``; ``host``: their
     host copy (pinned on CUDA) and ``event`` the CUDA event after it (None on the CPU);
     ``src``: ``id(req) -> j`` for the next batch's pending input ids; ``failed``: ``rid ->
@@ -80,19 +81,21 @@ def step(engine) -> list:
 def _launch(engine, batch, prev: Launched | None) -> Launched:
     """Run ``batch``'s forward (``prev``'s tokens as its pending ids) and launch its
     sampling and the tokens' host copy; nothing here waits for the device."""
-    logits, _ = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
-    reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+    logits, hidden = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
+    logits, reqs = engine._after_forward(batch, logits)
     # NOTE: greedy tokens may be a view of the graph's static buffer (last_greedy). It is
     # read only by the host copy below and, as pending ids, by the next step's input
     # kernel, both queued before the next replay overwrites it (if that step raises,
     # _detach points them at the host copy).
     tokens, failed = _sample(engine, logits, reqs, _answers(reqs, prev))
+    # rows in their latent phase: the next inputs, on the device (their tokens are not read)
+    latents = engine.family.latent_inputs(reqs, logits, hidden, None)
     host, event = _host_copy(tokens, engine.token_copies)
     if event is not None and engine.runner.replayed:  # tokens may view a graph's buffer
         engine.runner.graphs.wait_before_replay(event)
-    pending = engine.scheduler.advance_launched(batch)
+    pending = engine.scheduler.advance_launched(batch, latents)
     return Launched(pending, tokens, host, event,
-                    {id(r): j for j, (r, _) in enumerate(pending)}, failed)
+                    {id(r): j for j, (r, i, _) in enumerate(pending) if i is not None}, failed)
 
 
 def finish(engine, launched: Launched) -> list:
@@ -103,7 +106,7 @@ def finish(engine, launched: Launched) -> list:
     if launched.event is not None:
         launched.event.synchronize()
     tokens = launched.host.tolist()
-    for req, _ in launched.pending:
+    for req, _, _ in launched.pending:
         if req.rid in launched.failed and req.status is not ReqStatus.FINISHED:
             engine._failed[req.rid] = launched.failed[req.rid]
     return engine.scheduler.finalize_launched(launched.pending, tokens)
@@ -148,7 +151,8 @@ def _answers(reqs: list, prev: Launched | None):
         return lambda req: req.output_ids[req.answer_start or 0 :]
     if prev.event is not None:
         prev.event.synchronize()
-    known = {id(req): (idx, tok) for (req, idx), tok in zip(prev.pending, prev.host.tolist())}
+    known = {id(req): (idx, tok) for (req, idx, _), tok in zip(prev.pending, prev.host.tolist())
+             if idx is not None}
 
     def answer_of(req):
         ids = req.output_ids[req.answer_start or 0 :]

@@ -33,6 +33,43 @@ class Admission:
     start: Callable[[Req], None] | None = None
 
 
+class GraphHooks:
+    """What a family adds to the decode graphs (``engine/cuda_graph.py``), asked by the
+    graph runner; this base adds nothing: one graph per batch-size bucket, no forward
+    context, no latent graph.
+
+    ``depths``: the loop trip counts captured, one graph per ``(depth, bucket)`` (a plain
+    model: ``[0]``). ``feedback``: a module the latent graph runs on the decode graph's
+    final hidden rows (``[n, hidden] -> [n, hidden]`` next input embeddings, CODI's
+    ``prj``), or None. ``packed``: a batch may replay from its packed index vectors alone
+    (``CudaGraphRunner.replay_packed``: no forward context to copy)."""
+
+    depths = [0]
+    feedback = None
+    packed = True
+
+    def bind(self, ctx, depth: int, b: int) -> None:
+        """Set the family's fields of ``ctx`` (the ``ForwardContext`` a graph of ``depth``
+        and bucket ``b`` is captured with) to static buffers."""
+
+    def fits(self, rec) -> bool:
+        """Whether a batch with forward context ``rec`` (``Family.forward_context``) may
+        replay a captured graph."""
+        return True
+
+    def depth_for(self, rec) -> int:
+        """The captured depth a batch with forward context ``rec`` replays."""
+        return self.depths[0]
+
+    def refresh(self, rec, n: int, b: int) -> None:
+        """Before a replay of ``n`` rows (bucket ``b``, rows past ``n`` padding): copy
+        ``rec`` into the static buffers ``bind`` bound."""
+
+    def replayed(self, rec, n: int) -> None:
+        """After a replay of ``n`` rows: fill ``rec`` with what the graph wrote (the eager
+        forward fills it itself)."""
+
+
 class Family:
     """A plain model: no latent phase, no latent budget.
 
@@ -43,7 +80,8 @@ class Family:
     default ``exit_semantics`` other than ``"engine"``), ``takes_head_controls`` (CoLaR's
     ``compression_factor`` / ``latent_temperature``), ``overlaps`` (steps may run under the
     overlap scheduler, ``engine/overlap.py``: nothing the family does on the host needs the
-    previous step's tokens), ``packed_replay`` (a decode batch may replay its graph from the
+    previous step's tokens, ``latent_inputs`` does not read ``tokens`` and ``budget_spent``
+    never finishes a request), ``packed_replay`` (a decode batch may replay its graph from the
     packed index vectors alone: no per-forward context), ``description`` (for error
     messages).
     """
@@ -83,7 +121,8 @@ class Family:
     def latent_inputs(self, reqs: list[Req], logits, last_hidden, tokens: list[int]
                       ) -> list | None:
         """The next latent input of each sampling row of ``reqs`` (``(tensor, row)``, see
-        ``latent/vectors.py``) or None per row; None when no row has one."""
+        ``latent/vectors.py``) or None per row; None when no row has one. ``tokens``: the
+        rows' sampled ids, or None under the overlap scheduler (not on the host yet)."""
         return None
 
     @staticmethod
@@ -91,6 +130,13 @@ class Family:
         """What the model's forward reads for ``batch`` besides its inputs
         (``ForwardContext.recurrent``; the model runner calls it on every rank), or None."""
         return None
+
+    @staticmethod
+    def graph_hooks(spec, model, max_bs: int, device, depths=None) -> GraphHooks:
+        """The decode graphs' :class:`GraphHooks` for ``model`` (static buffers for
+        ``max_bs`` rows on ``device``; ``depths``: loop trip counts to capture, None for the
+        family's default)."""
+        return GraphHooks()
 
     # ----- the scheduler's hooks (scheduler/scheduler.py) -----
 

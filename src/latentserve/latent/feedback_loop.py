@@ -13,11 +13,13 @@ from __future__ import annotations
 import torch
 
 from latentserve.core import Req
-from latentserve.latent.family import Admission, Family
+from latentserve.latent.family import Admission, Family, GraphHooks
 
 
 class FeedbackFamily(Family):
-    overlaps = False  # its latent steps read the previous step's outputs on the host
+    # a latent step's input is the previous forward's hidden row, on the device; the phase
+    # moves on by counts (budget, end ids), never by a sampled token
+    overlaps = True
     budgeted = True
     traced = True
     streams_steps = True
@@ -37,6 +39,16 @@ class FeedbackFamily(Family):
 
         return Admission(params, spec.prompt_extra(budget), start)
 
+    @staticmethod
+    def graph_hooks(spec, model, max_bs, device, depths=None) -> GraphHooks:
+        """A latent graph for ``model.latent_feedback`` unless it is the identity (COCONUT):
+        CODI's ``prj`` runs in the decode graphs' latent graph."""
+        hooks = GraphHooks()
+        feedback = getattr(model, "latent_feedback", None)
+        if feedback is not None and not isinstance(feedback, torch.nn.Identity):
+            hooks.feedback = feedback
+        return hooks
+
     def thinking(self, req: Req) -> bool:
         return req.answer_start is None and len(req.latent_embeds) < req.latent_budget
 
@@ -54,9 +66,10 @@ class FeedbackFamily(Family):
 
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
         """The feedback hook runs once, batched, on the thinking rows (after a graph replay
-        CODI's ``prj`` has already run in the decode graph's latent graph). Records the
-        latent trace (``latent/lens.py``: norm, logit-lens top 5) of requests that asked
-        for it."""
+        CODI's ``prj`` has already run in the decode graph's latent graph); ``tokens`` is
+        not read. Records the latent trace (``latent/lens.py``: norm, logit-lens top 5) of
+        requests that asked for it (this reads the vectors on the host: under the overlap
+        scheduler such a step waits for its own forward)."""
         rows = [i for i, r in enumerate(reqs) if self.thinking(r)]
         if not rows:
             return None

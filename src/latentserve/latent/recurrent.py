@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from latentserve.core import LatentState, Req
-from latentserve.latent.family import Admission, Family
+from latentserve.latent.family import Admission, Family, GraphHooks
 
 # Huginn exit criteria and their "auto" thresholds (upstream raven_modeling_minimal.py,
 # get_adaptive_exit_evaluator). "none" never exits.
@@ -462,6 +462,75 @@ def recurrence_stats(iters: list[int]) -> dict:
             "histogram": dict(sorted(hist.items()))}
 
 
+def default_graph_depths(spec) -> list[int]:
+    """Recurrence counts captured for a recurrent model: powers of two up to the spec's
+    max budget, plus its default and its max, so a batch replays a loop at most about
+    twice as deep as its deepest row (1, 2, 4, 8, 16, 32 for Huginn's max 32)."""
+    top = max(spec.max_budget, 1)
+    depths = {max(spec.default_budget, 1), top}
+    d = 1
+    while d < top:
+        depths.add(d)
+        d *= 2
+    return sorted(depths)
+
+
+class RecurrentGraphs(GraphHooks):
+    """Recurrent depth in the decode graphs (``engine/cuda_graph.py``): the loop runs in the
+    masked mode (``RecurrentBatch`` masked) with a fixed trip count ``D``, one graph per
+    (bucket, D) for D in ``depths`` (default: :func:`default_graph_depths`); static buffers
+    (``max_bs`` rows) give each token its recurrence count (``row_depths [B] int64``,
+    padded rows 0) and Ouro readout rule (``exit_thr [B] float32``, +inf: the last step;
+    ``exit_weighted [B] bool``), and take Ouro's readout step per token
+    (``readout_steps [B] int64``) and exit probability per loop step (``exit_probs [B,
+    max D] float32``, columns past a replay's depth stale). A batch replays the smallest D
+    that covers its deepest row; one with a row that may exit early runs eagerly."""
+
+    packed = False  # each forward carries its RecurrentBatch (per-row depths)
+
+    def __init__(self, spec, max_bs: int, device, depths=None):
+        self.depths = sorted(set(depths or default_graph_depths(spec)))
+        self.row_depths = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.exit_thr = torch.full((max_bs,), math.inf, device=device)
+        self.exit_weighted = torch.zeros(max_bs, dtype=torch.bool, device=device)
+        ouro = spec.family == "ouro"
+        self.readout_steps = (torch.zeros(max_bs, dtype=torch.int64, device=device)
+                              if ouro else None)
+        self.exit_probs = (torch.zeros(max_bs, self.depths[-1], device=device)
+                           if ouro else None)
+
+    def bind(self, ctx, depth: int, b: int) -> None:
+        ctx.depths = self.row_depths[:b]
+        ctx.recurrent = RecurrentBatch(
+            num_iters=depth, masked=True, exit_thr=self.exit_thr[:b],
+            exit_weighted=self.exit_weighted[:b],
+            readout_steps=None if self.readout_steps is None else self.readout_steps[:b],
+            exit_probs=None if self.exit_probs is None else self.exit_probs[:b, :depth])
+
+    def fits(self, rec) -> bool:
+        """No row may exit early and the deepest row is within the deepest captured loop."""
+        return rec.graph_ok and rec.num_iters <= self.depths[-1]
+
+    def depth_for(self, rec) -> int:
+        return next(d for d in self.depths if d >= rec.num_iters)
+
+    def refresh(self, rec, n: int, b: int) -> None:
+        dev = self.row_depths.device
+        self.row_depths[:n].copy_(rec.token_depths(dev))
+        self.row_depths[n:b].zero_()
+        thr, weighted = rec.token_readout(dev)
+        self.exit_thr[:n].copy_(thr)
+        self.exit_weighted[:n].copy_(weighted)
+        self.exit_thr[n:b].fill_(math.inf)
+        self.exit_weighted[n:b].zero_()
+
+    def replayed(self, rec, n: int) -> None:
+        rec.iters_used = list(rec.row_depths)
+        if self.readout_steps is not None:  # Ouro: the replay's readouts
+            rec.readout_steps = self.readout_steps[:n]
+            rec.exit_probs = self.exit_probs[:n]
+
+
 class RecurrentFamily(Family):
     """The engine's :class:`~latentserve.latent.family.Family` for recurrent-depth models
     (``LatentSpec.kind == "recurrent"``): ``latent_budget`` is every token's recurrence
@@ -482,6 +551,10 @@ class RecurrentFamily(Family):
     @staticmethod
     def forward_context(batch, layout, page_table) -> RecurrentBatch:
         return RecurrentBatch.from_batch(batch, layout, page_table)
+
+    @staticmethod
+    def graph_hooks(spec, model, max_bs, device, depths=None) -> RecurrentGraphs:
+        return RecurrentGraphs(spec, max_bs, device, depths)
 
     def admit(self, prompt_ids, params) -> Admission:
         budget = self.spec.resolve_budget(params.latent_budget)

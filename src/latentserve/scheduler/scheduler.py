@@ -173,7 +173,7 @@ class Scheduler:
         """
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
-        done = []  # finished this step: their KV is released together, at the end
+        done: list[Req] = []  # finished this step: their KV is released together, at the end
         try:
             it = iter(tokens)
             lat = iter(latents or [None] * len(tokens))
@@ -182,16 +182,12 @@ class Scheduler:
                 if not sample:
                     continue
                 tok, vec = next(it), next(lat)
-                if req.answer_start is None and not self.family.advance(req, vec):
-                    reason = self.family.budget_spent(req, self.max_model_len)
-                    if reason is not None:  # e.g. head latent steps spend the output budget
-                        self.running.remove(req)
-                        done.append(req)
-                        self._finish(req, reason)
-                        outs.append(self._output(req, []))
-                    elif req.params.stream_latent_steps:  # progress of a latent step, no token
-                        outs.append(self._output(req, []))
-                    continue
+                if req.answer_start is None:
+                    answers, out = self._think(req, vec, done)
+                    if out is not None:
+                        outs.append(out)
+                    if not answers:
+                        continue
                 req.output_ids.append(tok)
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
@@ -203,35 +199,78 @@ class Scheduler:
             self.cache.release_many(done)
         return outs
 
+    def _think(self, req: Req, vec, done: list) -> tuple[bool, StepOutput | None]:
+        """Move latent-phase ``req`` past a forward that sampled for it (``vec``: its next
+        latent input or None, ``Family.advance``): whether the sampled token is its first
+        answer token, and the step's output (None: none). A request whose budget is spent
+        (``Family.budget_spent``) finishes and joins ``done``."""
+        if self.family.advance(req, vec):
+            return True, None
+        reason = self.family.budget_spent(req, self.max_model_len)
+        if reason is not None:  # e.g. head latent steps spend the output budget
+            self.running.remove(req)
+            done.append(req)
+            self._finish(req, reason)
+            return False, self._output(req, [])
+        if req.params.stream_latent_steps:  # progress of a latent step, no token
+            return False, self._output(req, [])
+        return False, None
+
     # ----- overlap mode (engine/overlap.py): the step's tokens arrive one step later -----
 
-    def advance_launched(self, batch: ScheduledBatch) -> list[tuple[Req, int]]:
+    def advance_launched(self, batch: ScheduledBatch, latents: list | None = None
+                         ) -> list[tuple[Req, int | None, StepOutput | None]]:
         """What :meth:`postprocess` does before the sampled tokens are known, for a batch
-        whose forward is launched but not finished: ``num_computed`` moves on and each
-        sampling row appends ``PENDING_ID`` for its token, so the next batch can be
-        scheduled now. Plain requests only (no latent phase). Returns ``(req, index in
-        output_ids)`` per sampling row, for :meth:`finalize_launched`."""
-        pending = []
-        for req, n, sample in zip(batch.reqs, batch.q_lens, batch.sample):
-            req.num_computed += n
-            if sample:
-                pending.append((req, len(req.output_ids)))
+        whose forward is launched but not finished: ``num_computed`` moves on, each
+        sampling row in its answer appends ``PENDING_ID`` for its token, and each row in its
+        latent phase moves on with its next latent input (``latents``, as for
+        ``postprocess``: on the device, not read here), so the next batch can be scheduled
+        now. Returns per sampling row ``(req, index in output_ids, None)``, or for a latent
+        step ``(req, None, its output or None)``, for :meth:`finalize_launched`. Raises
+        RuntimeError when the family finishes a request in its latent phase
+        (``Family.budget_spent``: such a family does not overlap)."""
+        pending: list[tuple[Req, int | None, StepOutput | None]] = []
+        lat = iter(latents or ())
+        done: list[Req] = []
+        try:
+            for req, n, sample in zip(batch.reqs, batch.q_lens, batch.sample):
+                req.num_computed += n
+                if not sample:
+                    continue
+                vec = next(lat, None)
+                if req.answer_start is None:
+                    answers, out = self._think(req, vec, done)
+                    if done:
+                        raise RuntimeError(f"request {req.rid} finished in its latent phase "
+                                           "under the overlap scheduler")
+                    if not answers:
+                        pending.append((req, None, out))
+                        continue
+                pending.append((req, len(req.output_ids), None))
                 req.output_ids.append(PENDING_ID)
+        finally:
+            self.cache.release_many(done)
         return pending
 
-    def finalize_launched(self, pending: list[tuple[Req, int]],
+    def finalize_launched(self, pending: list[tuple[Req, int | None, StepOutput | None]],
                           tokens: list[int]) -> list[StepOutput]:
         """Write the tokens of an earlier :meth:`advance_launched` over their pending ids and
-        retire the requests they finish. A request that finished or was aborted meanwhile is
-        skipped. A finishing request drops the pending ids of the batches launched after
-        (their tokens are discarded; their positions' KV, computed from real ids, stays) and
-        releases its KV; one that was preempted meanwhile leaves the waiting queue."""
+        retire the requests they finish; latent steps give the outputs built at their
+        launch (their sampled tokens are discarded). A request that finished or was aborted
+        meanwhile is skipped. A finishing request drops the pending ids of the batches
+        launched after (their tokens are discarded; their positions' KV, computed from real
+        ids, stays) and releases its KV; one that was preempted meanwhile leaves the waiting
+        queue."""
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
         done = []  # finished now: their KV is released together, at the end
         try:
-            for (req, idx), tok in zip(pending, tokens):
+            for (req, idx, tick), tok in zip(pending, tokens):
                 if req.status is ReqStatus.FINISHED:
+                    continue
+                if idx is None:  # a latent step
+                    if tick is not None:
+                        outs.append(tick)
                     continue
                 req.output_ids[idx] = tok
                 reason = self._finish_reason(req, tok, idx + 1)
