@@ -97,15 +97,13 @@ class Harness:
             host.copy_(torch.tensor([a[s] for a in self.answers]))
             prev = Launched([(r, s) for r in reqs], host, host, None, {}, {})
             t0 = time.perf_counter()
-            answer_of = overlap._answers(reqs, prev)
-            rows, bits = batch_bitmask(reqs, vocab, answer_of)
-            mask = staging[: len(rows)]
-            mask.copy_(torch.from_numpy(bits))  # into the pinned buffer (CPU stand-in)
+            known = overlap._known(reqs, prev)
+            rows, mask = batch_bitmask(reqs, vocab, known, staging)  # the pinned buffer
             # finalize batch s: the grammar's end check of Scheduler._finish_reason
             for r, tok in zip(reqs, host.tolist()):
                 r.output_ids[s] = tok
                 c = r.constraint
-                c.sync(r.output_ids[r.answer_start : s + 1])
+                c.sync(r.output_ids, r.answer_start, s + 1)
                 c.terminated
             t1 = time.perf_counter()
             if times is not None:

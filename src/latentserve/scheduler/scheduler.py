@@ -78,7 +78,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
-        """Finish ``rid`` with reason "abort" (reported on the next step); unknown ids are ignored."""
+        """Finish ``rid`` with reason "abort" (reported on the next step); unknown ids are
+        ignored."""
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
@@ -275,7 +276,7 @@ class Scheduler:
             return "stop"
         c = req.constraint
         if c is not None and c.matcher is not None and req.answer_start is not None:
-            c.sync(req.output_ids[req.answer_start : n])
+            c.sync(req.output_ids, req.answer_start, n)
             if c.terminated:  # the grammar took its end (an ignored EOS): done
                 return "stop"
         if self.family.latents_count_as_output(req):
