@@ -92,7 +92,8 @@ class RequestMask:
                         else ids_bitmask(params.allowed_token_ids, vocab_size))
         self.min_tokens = params.min_tokens
         self.stop_ids = sorted(t for t in stop_ids if 0 <= t < vocab_size)
-        self._stops = frozenset(stop_ids)
+        # the grammar ends only on accepting one of these (xgrammar's default)
+        self._stops = frozenset(matcher.stop_token_ids) if matcher is not None else frozenset()
         self.bad_words = bad_words or []
         self.matcher = matcher
         self.consumed = 0
