@@ -153,7 +153,8 @@ def main():
         eng.shutdown()
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
     result = {"device": name, "batch": args.batch,
-              "rounds": args.rounds, "model": "random Llama, SmolLM2-135M shape, bf16",
+              "rounds": args.rounds, "model": "random Llama, SmolLM2-135M shape, "
+              + ("bf16" if args.device == "cuda" else "fp32"),
               "rows": rows}
     print(json.dumps(result, indent=1))
     if args.out:

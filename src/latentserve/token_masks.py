@@ -112,16 +112,6 @@ class RequestMask:
         taken its end)."""
         return self.matcher is not None and not self.failed and not self.terminated
 
-    def accepted(self, token: int, ok: bool) -> None:
-        """Record that the matcher took (``ok``) or refused ``token``, the next answer token."""
-        self.consumed += 1
-        if not ok:
-            log.warning("the grammar refused answer token %d; it is no longer applied to this "
-                        "request", token)
-            self.failed = True
-        elif token in self._stops:
-            self.terminated = self.matcher.is_terminated()
-
     def sync(self, ids: list[int], start: int = 0, stop: int | None = None,
              patch: tuple[int, int] | None = None) -> None:
         """Feed the matcher the answer tokens it has not seen: the answer is ``ids[start:stop]``
@@ -131,7 +121,13 @@ class RequestMask:
         i = start + self.consumed
         while i < stop and self.grammar_on:
             t = patch[1] if patch is not None and i == patch[0] else ids[i]
-            self.accepted(t, self.matcher.accept_token(t))
+            self.consumed += 1
+            if not self.matcher.accept_token(t):
+                log.warning("the grammar refused answer token %d; it is no longer applied to "
+                            "this request", t)
+                self.failed = True
+            elif t in self._stops:
+                self.terminated = self.matcher.is_terminated()
             i += 1
 
     def fill(self, row: np.ndarray, answer: list[int]) -> None:
