@@ -20,6 +20,10 @@ them took about 15 us between two graphs in a profile (docs/benchmarks-history.m
 
 On a CPU device there is no ring: the values are copied into a plain tensor (host to
 device) or cloned (device to host).
+
+:class:`BitmaskToDevice` does the same for the token masks of a step (``token_masks``):
+their ``[rows, vocab / 32] int32`` bitmask is written on the host straight into its pinned
+buffer, so no pageable copy or pinned staging copy is made per step.
 """
 
 from __future__ import annotations
