@@ -1,15 +1,25 @@
 """Decode-step cost of token masks and structured outputs, offline on one GPU.
 
 A random-weight Llama of SmolLM2-135M's shape (SmolLM2's tokenizer from ``--tokenizer``)
-serves ``--batch`` concurrent requests in each variant; the engine's ``step()`` is timed and
-the median over the steps where every request is decoding (all ``--batch`` running, no
-prefill) is reported, with its ratio to the plain step (``plain`` runs first and last: the
-faster of the two is the base). Variants: ``plain`` (overlap
+serves ``--batch`` concurrent requests per variant; the engine's ``step()`` is timed (no
+device sync between steps) and the median over the steps where every request decodes (all
+``--batch`` running, no prefill) is the variant's round median. Variants: ``plain`` (overlap
 scheduling on, the CUDA default), ``plain_sync`` (overlap off), ``allowed`` and
-``min_tokens`` (static masks: overlap stays on), ``json`` and ``regex`` (a grammar per
-request: synchronous steps). Prints one JSON object; docs/server.md quotes it.
+``min_tokens`` (static masks), ``json`` and ``regex`` (a grammar per request; masks built on
+the host while the forward runs). Two engines (overlap on and off) are built once and warmed
+with one pass of every variant; then ``--rounds`` rounds each run every variant once, in
+order, so that a slow stretch of the host hits every variant. Prints one JSON object and
+writes it to ``--out``; docs/server.md quotes it::
 
-    python scripts/bench_structured_gpu.py --tokenizer DIR [--batch 64] [--out FILE]
+    {"device": str, "batch": int, "rounds": int, "model": str,
+     "rows": [{"variant": str,
+               "steps": int,                 # full-batch steps, all rounds
+               "round_ms": [float, ...],     # each round's median step (ms)
+               "step_ms_median": float,      # median of round_ms
+               "step_ms_mean": float,        # mean step over all rounds' steps
+               "vs_plain": float}]}          # step_ms_median / plain's step_ms_median
+
+    python scripts/bench_structured_gpu.py --tokenizer DIR [--batch 64] [--rounds 3] [--out FILE]
 """
 
 import argparse
@@ -44,48 +54,59 @@ def build_model(tokenizer_dir: str, out: Path) -> Path:
     return out
 
 
-def run_variant(model_dir: Path, name: str, batch: int, max_tokens: int) -> dict:
-    import torch
+EXTRA = {"plain": {}, "plain_sync": {},
+         "allowed": {"allowed_token_ids": list(range(0, 49152, 3))},
+         "min_tokens": {"min_tokens": None},  # max_tokens, filled in
+         "json": {"structured_outputs": {"json": SCHEMA}},
+         "regex": {"structured_outputs": {"regex": "[a-z ,.]+"}}}
 
+
+def build_engine(model_dir: Path, batch: int, overlap: bool, device: str):
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.sampling_params import SamplingParams
 
-    overlap = name != "plain_sync"
-    eng = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16",
+    eng = LLMEngine(EngineConfig(model=str(model_dir), device=device,
+                                 dtype="bfloat16" if device == "cuda" else "float32",
                                  max_num_seqs=batch, max_model_len=1024, kv_slots=batch * 1024,
                                  overlap_schedule=overlap))
     eng.warmup()
-    extra = {"plain": {}, "plain_sync": {},
-             "allowed": {"allowed_token_ids": list(range(0, 49152, 3))},
-             "min_tokens": {"min_tokens": max_tokens},
-             "json": {"structured_outputs": {"json": SCHEMA}},
-             "regex": {"structured_outputs": {"regex": "[a-z ,.]+"}}}[name]
+    return eng
+
+
+def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int) -> list[float]:
+    """One round of ``name`` on ``eng``: the wall times (s) of its full-batch steps."""
+    from latentserve.sampling_params import SamplingParams
+
+    extra = dict(EXTRA[name])
+    if "min_tokens" in extra:
+        extra["min_tokens"] = max_tokens
+    for i in range(batch):
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
+                                ignore_eos=name not in ("json", "regex"), **extra)
+        eng.add_request(f"{name}-{tag}-{i}", [1 + (i * 7 + k) % 1000 for k in range(32)],
+                        params)
     times: list[float] = []
-    for rnd in range(2):  # round 0 warms the graphs' batch sizes and the grammar cache
-        for i in range(batch):
-            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
-                                    ignore_eos=name not in ("json", "regex"), **extra)
-            eng.add_request(f"{name}-{rnd}-{i}", [1 + (i * 7 + k) % 1000 for k in range(32)],
-                            params)
+    _sync()
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        # NOTE: no device sync between steps (it would undo overlap scheduling): a step's
+        # time is the wall time between step boundaries, in the steady state
+        full = (len(eng.scheduler.running) == batch and not eng.scheduler.waiting
+                and all(r.num_computed >= len(r.prompt_ids) for r in eng.scheduler.running))
+        eng.step()
+        t1 = time.perf_counter()
+        if full:
+            times.append(t1 - t0)
+        t0 = t1
+    _sync()
+    return times
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        while eng.has_unfinished_requests():
-            # NOTE: no device sync between steps (it would undo overlap scheduling): a
-            # step's time is the wall time between step boundaries, in the steady state
-            full = (len(eng.scheduler.running) == batch and not eng.scheduler.waiting
-                    and all(r.num_computed >= len(r.prompt_ids) for r in eng.scheduler.running))
-            eng.step()
-            t1 = time.perf_counter()
-            if rnd == 1 and full:
-                times.append(t1 - t0)
-            t0 = t1
-    eng.shutdown()
-    del eng
-    torch.cuda.empty_cache()
-    return {"variant": name, "steps": len(times),
-            "step_ms_median": round(statistics.median(times) * 1e3, 3) if times else None,
-            "step_ms_mean": round(statistics.mean(times) * 1e3, 3) if times else None}
 
 
 def main():
@@ -93,27 +114,55 @@ def main():
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--variants",
-                    default="plain,allowed,min_tokens,json,regex,plain_sync,plain")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="plain,allowed,min_tokens,json,regex,plain_sync")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
     args = ap.parse_args()
     import torch
 
+    variants = args.variants.split(",")
+    bad = [v for v in variants if v not in EXTRA]
+    if bad or args.rounds < 1:
+        ap.error(f"unknown variant {bad[0]!r}" if bad else "--rounds must be >= 1")
     model_dir = build_model(args.tokenizer, Path(tempfile.mkdtemp()) / "smollm2-shape")
+    engines = {o: build_engine(model_dir, args.batch, o, args.device)
+               for o in {v != "plain_sync" for v in variants}}
+    times = {v: [] for v in variants}  # per round, the step times
+    for rnd in range(args.rounds + 1):  # round 0 warms the graphs' batch sizes and grammars
+        for v in variants:
+            t = run_variant(engines[v != "plain_sync"], v, str(rnd), args.batch,
+                            args.max_tokens)
+            if rnd:
+                times[v].append(t)
+                print(json.dumps({"round": rnd, "variant": v, "steps": len(t),
+                                  "step_ms_median": _ms(statistics.median(t)) if t else None}),
+                      flush=True)
     rows = []
-    for v in args.variants.split(","):
-        rows.append(run_variant(model_dir, v, args.batch, args.max_tokens))
-        print(json.dumps(rows[-1]), flush=True)
-    plain = [r["step_ms_median"] for r in rows if r["variant"] == "plain"]
-    base = min(plain) if plain else None
+    for v in variants:
+        per = [_ms(statistics.median(t)) for t in times[v] if t]
+        flat = [x for t in times[v] for x in t]
+        rows.append({"variant": v, "steps": len(flat), "round_ms": per,
+                     "step_ms_median": round(statistics.median(per), 3) if per else None,
+                     "step_ms_mean": _ms(statistics.mean(flat)) if flat else None})
+    base = next((r["step_ms_median"] for r in rows if r["variant"] == "plain"), None)
     for r in rows:
-        if base and r["step_ms_median"]:
-            r["vs_plain"] = round(r["step_ms_median"] / base, 3)
-    result = {"device": torch.cuda.get_device_name(0), "batch": args.batch,
-              "model": "random Llama, SmolLM2-135M shape, bf16", "rows": rows}
+        r["vs_plain"] = (round(r["step_ms_median"] / base, 3)
+                         if base and r["step_ms_median"] else None)
+    for eng in engines.values():
+        eng.shutdown()
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
+    result = {"device": name, "batch": args.batch,
+              "rounds": args.rounds, "model": "random Llama, SmolLM2-135M shape, "
+              + ("bf16" if args.device == "cuda" else "fp32"),
+              "rows": rows}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
 
 
 if __name__ == "__main__":

@@ -32,15 +32,6 @@ class TokenMask:
     rows: list[int]
     bits: torch.Tensor
 
-    @classmethod
-    def from_host(cls, rows: list[int], bits, device: torch.device) -> TokenMask:
-        """A mask from a host bitmask (numpy ``[M, W] int32``): on a CUDA device copied
-        through pinned memory without waiting for the device."""
-        t = torch.from_numpy(bits)
-        if torch.device(device).type == "cuda":
-            t = t.pin_memory().to(device, non_blocking=True)
-        return cls(rows, t)
-
 
 def sample(logits: torch.Tensor, reqs: list[Req], generator: torch.Generator | None = None
            ) -> torch.Tensor:

@@ -130,3 +130,38 @@ class DeviceToHost:
             event.record(stream)
         values.record_stream(stream)  # freed on the current stream: not reused before this
         return host, event
+
+
+class BitmaskToDevice:
+    """Token bitmasks (``[M, W] int32``) written on the host straight into a pinned buffer and
+    copied to ``device`` without waiting.
+
+    Args:
+        device: the destination; on a CPU device :meth:`host` gives a new tensor and
+            :meth:`copy` returns it.
+        slots: pinned buffers in the ring (>= 2; ValueError otherwise). A buffer is reused
+            after ``slots`` copies, once its copy has finished.
+    """
+
+    def __init__(self, device: torch.device | str, slots: int = 3):
+        self.device = torch.device(device)
+        ring = _Ring(slots)
+        self._ring = ring if self.device.type == "cuda" else None
+        self._event = None
+
+    def host(self, rows: int, width: int) -> torch.Tensor:
+        """A ``[rows, width] int32`` host tensor to fill (any content), then pass to
+        :meth:`copy`; on CUDA the next pinned buffer, free of its last copy."""
+        if self._ring is None:
+            return torch.empty(rows, width, dtype=torch.int32)
+        buf, self._event = self._ring.take((rows * width + 1) // 2)
+        return buf.view(torch.int32)[: rows * width].view(rows, width)
+
+    def copy(self, bits: torch.Tensor) -> torch.Tensor:
+        """``bits`` (rows of the last :meth:`host` tensor) on the device: a copy queued on
+        the current stream, not waited for."""
+        if self._ring is None:
+            return bits
+        out = bits.to(self.device, non_blocking=True)
+        self._event.record(torch.cuda.current_stream(self.device))
+        return out

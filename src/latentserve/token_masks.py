@@ -57,8 +57,10 @@ class RequestMask:
         bad_words: :func:`bad_words_ids` of ``params.bad_words``.
         matcher: an xgrammar ``GrammarMatcher`` (``structured.Grammars.matcher``) or None.
 
-    ``consumed``: answer tokens fed to the matcher so far; ``failed``: the matcher refused a
-    token (then the grammar is no longer applied; logged).
+    ``consumed``: answer tokens fed to the matcher so far (it advances by each new token, never
+    by the whole answer again); ``failed``: the matcher refused a token (then the grammar is no
+    longer applied; logged); ``terminated``: the grammar accepted its end (EOS after a complete
+    answer).
     """
 
     def __init__(self, params, vocab_size: int, stop_ids: set[int],
@@ -69,10 +71,13 @@ class RequestMask:
                         else ids_bitmask(params.allowed_token_ids, vocab_size))
         self.min_tokens = params.min_tokens
         self.stop_ids = sorted(t for t in stop_ids if 0 <= t < vocab_size)
+        # the grammar ends only on accepting one of these (xgrammar's default)
+        self._stops = frozenset(matcher.stop_token_ids) if matcher is not None else frozenset()
         self.bad_words = bad_words or []
         self.matcher = matcher
         self.consumed = 0
         self.failed = False
+        self.terminated = False
 
     @property
     def static(self) -> bool:
@@ -80,99 +85,144 @@ class RequestMask:
         scheduler builds it without waiting for the previous batch's tokens."""
         return self.matcher is None and not self.bad_words
 
-    def sync(self, answer: list[int]) -> None:
-        """Feed the matcher the answer tokens it has not seen (``answer``: every answer
-        token so far)."""
-        if self.matcher is None or self.failed:
-            return
-        for t in answer[self.consumed :]:
+    @property
+    def grammar_on(self) -> bool:
+        """Whether the grammar masks the next token (it has one, has not failed and has not
+        taken its end)."""
+        return self.matcher is not None and not self.failed and not self.terminated
+
+    def sync(self, ids: list[int], start: int = 0, stop: int | None = None,
+             patch: tuple[int, int] | None = None) -> None:
+        """Feed the matcher the answer tokens it has not seen: the answer is ``ids[start:stop]``
+        (``stop`` None: to the end); ``patch``: ``(index, token)``, ``ids[index]`` being a
+        pending id whose token is known (overlap mode). O(new tokens)."""
+        stop = len(ids) if stop is None else stop
+        i = start + self.consumed
+        while i < stop and self.grammar_on:
+            t = patch[1] if patch is not None and i == patch[0] else ids[i]
             self.consumed += 1
             if not self.matcher.accept_token(t):
-                log.warning("the grammar refused answer token %d; it is no longer applied "
-                            "to this request", t)
+                log.warning("the grammar refused answer token %d; it is no longer applied to "
+                            "this request", t)
                 self.failed = True
-                return
-
-    @property
-    def terminated(self) -> bool:
-        """Whether the grammar accepted its end (EOS after a complete answer)."""
-        return (self.matcher is not None and not self.failed
-                and self.matcher.is_terminated())
-
-    def grammar_active(self, answer: list[int]) -> bool:
-        """Feed the matcher ``answer``'s new tokens; whether the grammar masks the next
-        token (it has one, has not failed and has not taken its end)."""
-        if self.matcher is None or self.failed or self.terminated:
-            return False
-        self.sync(answer)
-        return not self.failed and not self.terminated
+            elif t in self._stops:
+                self.terminated = self.matcher.is_terminated()
+            i += 1
 
     def fill(self, row: np.ndarray, answer: list[int]) -> None:
         """Write the allowed tokens into ``row`` (``[W] int32``, any content) given the answer
         so far (``answer``; a :attr:`static` mask reads only its length)."""
-        grammar = self.grammar_active(answer)
+        self.sync(answer)
+        grammar = self.grammar_on
         if grammar:
             import torch
 
             self.matcher.fill_next_token_bitmask(torch.from_numpy(row).view(1, -1))
+            _clear_padding(row.reshape(1, -1), self.vocab_size)
         else:
             row[:] = -1
-        self.restrict(row, answer, grammar)
+        self.restrict(row, answer, len(answer), grammar)
 
-    def restrict(self, row: np.ndarray, answer: list[int], grammar: bool) -> None:
-        """AND the other masks into ``row``, which holds the grammar's mask (``grammar``) or
-        all ones."""
-        if grammar and self.vocab_size % 32:  # xgrammar leaves the padding bits set
-            row.view(np.uint32)[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+    def restricts(self, n: int) -> bool:
+        """Whether :meth:`restrict` changes a row at answer length ``n``."""
+        return self.allowed is not None or bool(self.bad_words) or n < self.min_tokens
+
+    def restrict(self, row: np.ndarray, ids: list[int], stop: int, grammar: bool,
+                 start: int = 0, patch: tuple[int, int] | None = None) -> None:
+        """AND the other masks into ``row``, which holds the grammar's mask (``grammar``;
+        padding bits cleared) or all ones. The answer is ``ids[start:stop]`` (``patch``: see
+        :meth:`sync`)."""
         own = row.copy() if grammar else None
-        n = len(answer)
+        n = stop - start
         if self.allowed is not None:
             row &= self.allowed
         if self.bad_words:
+            k = min(n, max(len(w) for w in self.bad_words) - 1)
+            tail = ids[stop - k : stop] if k else []
+            if patch is not None and stop - k <= patch[0] < stop:
+                tail[patch[0] - stop + k] = patch[1]
             _clear(row, [w[-1] for w in self.bad_words
-                         if len(w) <= n + 1 and answer[n - len(w) + 1 :] == w[:-1]])
+                         if len(w) <= n + 1 and (len(w) == 1 or tail[-(len(w) - 1):] == w[:-1])])
         if n < self.min_tokens:
             _clear(row, self.stop_ids)
         if own is not None and not row.any():
             row[:] = own  # the grammar wins over min_tokens and the rest
 
 
+def _clear_padding(bits: np.ndarray, vocab_size: int) -> None:
+    """Clear the bits past ``vocab_size`` in every row of ``bits`` (``[M, W] int32``;
+    xgrammar leaves them set)."""
+    if vocab_size % 32:
+        bits.view(np.uint32)[:, -1] &= np.uint32((1 << (vocab_size % 32)) - 1)
+
+
 _batch_matcher = None
 
 
-def _fill_grammars(bits: np.ndarray, rows: list[int], matchers: list) -> None:
-    """The grammars' masks into ``bits[rows]``: one call to xgrammar's threaded
-    ``BatchGrammarMatcher`` for several, the matcher itself for one."""
-    import torch
-
-    t = torch.from_numpy(bits)
-    if len(matchers) == 1:
-        matchers[0].fill_next_token_bitmask(t, rows[0])
-        return
+def _batcher():
+    """xgrammar's ``BatchGrammarMatcher`` (one per process), on at most 8 threads and half
+    this process's CPUs (xgrammar's own default is half the machine's)."""
     global _batch_matcher
     if _batch_matcher is None:
+        import os
+
         import xgrammar
 
-        _batch_matcher = xgrammar.BatchGrammarMatcher()
-    _batch_matcher.batch_fill_next_token_bitmask(matchers, t, rows)
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+        _batch_matcher = xgrammar.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
+    return _batch_matcher
 
 
-def batch_bitmask(reqs, vocab_size: int, answer_of=None
-                  ) -> tuple[list[int], np.ndarray] | None:
+def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None):
     """The bitmask rows of the requests in ``reqs`` that have a ``constraint``: ``(rows,
-    bits)``, ``rows[i]`` being the index in ``reqs`` of ``bits[i]`` (``[M, W] int32``); None
-    when no request has one. ``answer_of(req)``: the answer's tokens so far (default
-    ``req.answer_ids``; overlap mode passes them with the previous batch's tokens, not yet
-    written into ``output_ids``)."""
+    bits)``, ``rows[i]`` being the index in ``reqs`` of ``bits[i]`` (``[M, W] int32`` torch
+    tensor on the CPU); None when no request has one.
+
+    Args:
+        reqs: the batch's sampling rows; each answer is ``output_ids[answer_start:]``.
+        known: ``id(req) -> (index in output_ids, token)`` for a pending id whose token is
+            already on the host (overlap mode: the previous batch's), else None.
+        out: a CPU ``[>= M, W] int32`` tensor to write into (a pinned staging buffer); its
+            first M rows are returned. None: a new tensor.
+
+    Each grammar takes its request's new answer tokens (:meth:`RequestMask.sync`), then the
+    grammars fill their rows in one threaded xgrammar call; a row is touched again only when
+    its request has other masks. O(batch + new tokens) per step, not O(answer length).
+    """
+    import torch
+
     rows = [b for b, r in enumerate(reqs) if r.constraint is not None]
     if not rows:
         return None
-    bits = np.full((len(rows), bitmask_width(vocab_size)), -1, dtype=np.int32)
-    answers = [reqs[b].answer_ids if answer_of is None else answer_of(reqs[b]) for b in rows]
-    active = [reqs[b].constraint.grammar_active(a) for b, a in zip(rows, answers)]
-    gi = [i for i, on in enumerate(active) if on]
-    if gi:
-        _fill_grammars(bits, gi, [reqs[rows[i]].constraint.matcher for i in gi])
+    bits = (torch.empty(len(rows), bitmask_width(vocab_size), dtype=torch.int32)
+            if out is None else out[: len(rows)])
+    arr = bits.numpy()
+    gi, others, matchers = [], [], []
     for i, b in enumerate(rows):
-        reqs[b].constraint.restrict(bits[i], answers[i], active[i])
+        r = reqs[b]
+        c = r.constraint
+        if c.grammar_on and r.answer_start is not None:
+            c.sync(r.output_ids, r.answer_start, None,
+                   None if known is None else known.get(id(r)))
+        if c.grammar_on:
+            gi.append(i)
+            matchers.append(c.matcher)
+        else:
+            others.append(i)
+    if others:
+        arr[others] = -1
+    if len(gi) > 1:
+        _batcher().batch_fill_next_token_bitmask(matchers, bits, gi)
+    elif gi:
+        matchers[0].fill_next_token_bitmask(bits, gi[0])
+    if gi:
+        _clear_padding(arr, vocab_size)  # harmless on the all-ones rows
+    for i, b in enumerate(rows):
+        r = reqs[b]
+        c = r.constraint
+        stop = len(r.output_ids)
+        start = stop if r.answer_start is None else r.answer_start  # latent phase: no answer
+        if c.restricts(stop - start):
+            c.restrict(arr[i], r.output_ids, stop, c.grammar_on, start,
+                       None if known is None else known.get(id(r)))
     return rows, bits

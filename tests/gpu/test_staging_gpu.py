@@ -1,13 +1,13 @@
 """``staging`` on CUDA: the pinned-buffer rings give every copy its own values while earlier
 copies are still queued behind device work, when buffers are reused (the ring's event wait)
-and when they grow."""
+and when they grow; token bitmasks too."""
 
 from array import array
 
 import pytest
 import torch
 
-from latentserve.staging import DeviceToHost, HostToDevice
+from latentserve.staging import BitmaskToDevice, DeviceToHost, HostToDevice
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -83,3 +83,21 @@ def _check_device_to_host(ring, slots, wait=False):
         for (host, event), w in zip(got, want):
             event.synchronize()
             assert host.tolist() == w
+
+
+def test_bitmask_copies_keep_their_rows_across_reuse_and_growth():
+    ring = BitmaskToDevice("cuda", slots=2)
+    outs, want = [], []
+    for i, rows in enumerate([3, 64, 7, 64, 1, 33]):
+        if i % 2 == 0:
+            _busy()
+        host = ring.host(rows, 1536)
+        assert host.is_pinned() and host.shape == (rows, 1536) and host.dtype == torch.int32
+        values = torch.arange(rows * 1536, dtype=torch.int32).view(rows, 1536) + i
+        host.copy_(values)
+        used = max(1, rows - 1)  # the engine copies the first M rows
+        outs.append(ring.copy(host[:used]))
+        want.append(values[:used])
+    torch.cuda.synchronize()
+    for o, w in zip(outs, want):
+        assert o.is_cuda and torch.equal(o.cpu(), w)

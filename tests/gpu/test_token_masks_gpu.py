@@ -21,7 +21,7 @@ def test_cuda_mask_equals_cpu_mask():
     rows = [1, 4, 5]
     bits = np.stack([ids_bitmask(range(k, VOCAB, 7 + k), VOCAB) for k in rows])
     cpu = apply_token_mask(logits, TokenMask(rows, torch.from_numpy(bits)))
-    gpu = apply_token_mask(logits.cuda(), TokenMask.from_host(rows, bits, torch.device("cuda")))
+    gpu = apply_token_mask(logits.cuda(), TokenMask(rows, torch.from_numpy(bits).cuda()))
     assert torch.equal(gpu.cpu(), cpu)
 
 

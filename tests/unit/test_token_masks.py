@@ -354,3 +354,59 @@ def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
         results.append(out)
         assert any(seen) is overlap
     assert results[0] == results[1]
+
+
+def _run_engine(engine, params, prompts, abort_at=None):
+    """``rid -> (tokens, finish_reason)``; ``abort_at``: ``(rid, n)`` aborts ``rid`` once it
+    has ``n`` tokens."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    out = {f"r{i}": [[], None] for i in range(len(params))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.rid][0].extend(o.new_token_ids)
+            if o.finished:
+                out[o.rid][1] = o.finish_reason
+        if abort_at is not None and len(out[abort_at[0]][0]) >= abort_at[1]:
+            engine.abort_request(abort_at[0])
+            abort_at = None
+    engine.cache.check_idle()
+    return {rid: tuple(v) for rid, v in out.items()}
+
+
+@pytest.mark.parametrize("opts", [{}, {"kv_slots": 192}], ids=["roomy", "preemption"])
+def test_mixed_masked_batch_overlapped_equals_synchronous(tiny_dirs, opts):
+    """Grammars (JSON schema, regex, choice), static masks, bad words and plain requests,
+    greedy and seeded, in one batch with an abort mid-way (and, with a small KV pool,
+    preemptions): the overlapped engine gives every request the synchronous engine's tokens
+    and finish reason (the aborted one: a prefix of them)."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+
+    kinds = [{"temperature": 0}, {"temperature": 1.0, "seed": 5},
+             {"allowed_token_ids": [11, 257, 1000, 4000], "min_tokens": 8},
+             {"bad_words": ["the", " of"]},
+             {"structured_outputs": {"json": SCHEMA}},
+             {"structured_outputs": {"regex": "[a-z]{2,5}( [a-z]{2,5}){0,5}"}},
+             {"structured_outputs": {"choice": ["alpha", "beta gamma"]}},
+             {"structured_outputs": {"json": SCHEMA}, "min_tokens": 25}]
+    params = [SamplingParams(max_tokens=28, **k, **({} if "temperature" in k else
+                                                     {"temperature": 0} if j % 2 else
+                                                     {"temperature": 1.0, "seed": j}))
+              for j, k in enumerate(kinds)] * 2
+    prompts = [[1 + (i * 13 + k) % 900 for k in range(20 + 3 * i)] for i in range(len(params))]
+    results = []
+    for overlap in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), max_num_seqs=8,
+                                        overlap_schedule=overlap, **opts))
+        results.append(_run_engine(engine, params, prompts, abort_at=("r9", 3)))
+        if opts:
+            assert engine.scheduler.num_preemptions > 0
+    want, got = results
+    for rid in want:
+        if rid == "r9":
+            assert got[rid][1] == want[rid][1] == "abort"
+            assert want[rid][0][: len(got[rid][0])] == got[rid][0]
+        else:
+            assert got[rid] == want[rid], rid
+    assert {reason for _, reason in want.values()} >= {"stop", "length"}

@@ -164,6 +164,7 @@ class LLMEngine:
         # overlap mode: pinned host copies of the tokens, on a side stream (the next replay
         # waits for them: CudaGraphRunner.wait_before_replay)
         self.token_copies = DeviceToHost(side_stream=True)
+        self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         from latentserve.engine.prompt_logprobs import PromptLogprobTracker
@@ -296,14 +297,22 @@ class LLMEngine:
         return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
                            words, matcher)
 
-    def token_mask(self, reqs: list[Req], device, answer_of=None):
+    def token_mask(self, reqs: list[Req], device, known: dict | None = None):
         """The sampler's ``TokenMask`` for the sampling rows ``reqs`` (None when no request
-        has a constraint); ``answer_of``: see ``token_masks.batch_bitmask``."""
+        has a constraint), filled on the host in a pinned buffer and copied to ``device``
+        without waiting; ``known``: see ``token_masks.batch_bitmask``."""
         from latentserve.sampling import TokenMask
-        from latentserve.token_masks import batch_bitmask
+        from latentserve.staging import BitmaskToDevice
+        from latentserve.token_masks import batch_bitmask, bitmask_width
 
-        found = batch_bitmask(reqs, self.vocab_size, answer_of)
-        return None if found is None else TokenMask.from_host(*found, device)
+        if not any(r.constraint is not None for r in reqs):
+            return None
+        device = torch.device(device)
+        if self._mask_copies is None or self._mask_copies.device != device:
+            self._mask_copies = BitmaskToDevice(device)
+        out = self._mask_copies.host(len(reqs), bitmask_width(self.vocab_size))
+        rows, bits = batch_bitmask(reqs, self.vocab_size, known, out)
+        return TokenMask(rows, self._mask_copies.copy(bits))
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (no-op at TP 1;

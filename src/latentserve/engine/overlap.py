@@ -87,7 +87,7 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     # read only by the host copy below and, as pending ids, by the next step's input
     # kernel, both queued before the next replay overwrites it (if that step raises,
     # _detach points them at the host copy).
-    tokens, failed = _sample(engine, logits, reqs, _answers(reqs, prev))
+    tokens, failed = _sample(engine, logits, reqs, _known(reqs, prev))
     # rows in their latent phase: the next inputs, on the device (their tokens are not read)
     latents = engine.family.latent_inputs(reqs, logits, hidden, None)
     host, event = _host_copy(tokens, engine.token_copies)
@@ -140,41 +140,32 @@ def drain(engine) -> list:
     return [] if prev is None else finish(engine, prev)
 
 
-def _answers(reqs: list, prev: Launched | None):
-    """``answer_of(req)`` for the token masks of ``reqs`` (``token_masks.batch_bitmask``):
-    the answer so far with ``prev``'s pending ids replaced by its tokens. Only when a mask
-    reads tokens (bad words, a grammar) does this wait for ``prev``'s tokens, while this
-    batch's forward runs on the device; static masks read the answer's length alone."""
-    if not any(r.constraint is not None for r in reqs):
-        return None
+def _known(reqs: list, prev: Launched | None) -> dict | None:
+    """``id(req) -> (index in output_ids, token)`` of ``prev``'s rows, for the token masks of
+    ``reqs`` (``token_masks.batch_bitmask``: the pending id at that index is that token).
+    Only when a mask of ``reqs`` reads tokens (bad words, a grammar) does this wait for
+    ``prev``'s tokens, while this batch's forward runs on the device; otherwise None (static
+    masks read the answer's length alone)."""
     if prev is None or all(r.constraint is None or r.constraint.static for r in reqs):
-        return lambda req: req.output_ids[req.answer_start or 0 :]
+        return None
     if prev.event is not None:
         prev.event.synchronize()
-    known = {id(req): (idx, tok) for (req, idx, _), tok in zip(prev.pending, prev.host.tolist())
-             if idx is not None}
-
-    def answer_of(req):
-        ids = req.output_ids[req.answer_start or 0 :]
-        idx, tok = known.get(id(req), (None, None))
-        if idx is not None and 0 <= idx - (req.answer_start or 0) < len(ids):
-            ids[idx - (req.answer_start or 0)] = tok
-        return ids
-
-    return answer_of
+    return {id(req): (idx, tok) for (req, idx, _), tok in zip(prev.pending, prev.host.tolist())
+            if idx is not None}
 
 
-def _sample(engine, logits: torch.Tensor, reqs: list, answer_of=None
+def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None
             ) -> tuple[torch.Tensor, dict]:
     """``[S] int64`` tokens on ``logits.device`` without waiting for them, and ``rid ->
     error`` of the failed rows; when the batched sampler raises, the engine's row-by-row
     fallback (which isolates a failing request; its failures are taken back from
-    ``engine._failed`` and kept with the batch until it finishes)."""
+    ``engine._failed`` and kept with the batch until it finishes). ``known``: see
+    :func:`_known`."""
     from latentserve.sampling import sample_with_logprobs
 
     if not reqs:
         return torch.empty(0, dtype=torch.int64, device=logits.device), {}
-    mask = None if answer_of is None else engine.token_mask(reqs, logits.device, answer_of)
+    mask = engine.token_mask(reqs, logits.device, known)
     try:
         return sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
                                     mask=mask).tokens, {}

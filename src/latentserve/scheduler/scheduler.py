@@ -315,7 +315,7 @@ class Scheduler:
             return "stop"
         c = req.constraint
         if c is not None and c.matcher is not None and req.answer_start is not None:
-            c.sync(req.output_ids[req.answer_start : n])
+            c.sync(req.output_ids, req.answer_start, n)
             if c.terminated:  # the grammar took its end (an ignored EOS): done
                 return "stop"
         # answer = len(req.answer_ids), without copying them
