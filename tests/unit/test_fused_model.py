@@ -5,6 +5,7 @@ in fp32 (1e-4), as on the unfused path. Real sizes on CUDA: ``tests/gpu/test_fus
 """
 
 import os
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or the kernels
 
@@ -137,8 +138,9 @@ def test_fused_kv_store_llama_tp2_matches_tp1(small_vocab_dirs, tmp_path, monkey
     (tmp_path / "sitecustomize.py").write_text(
         "from tests.support.triton_interpreter import patch_triton_interpreter\n"
         "patch_triton_interpreter()\n")
+    root = str(Path(__file__).resolve().parents[2])  # tests.support, before sys.path[0] is set
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
+        p for p in (str(tmp_path), root, os.environ.get("PYTHONPATH")) if p))
 
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]
