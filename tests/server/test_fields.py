@@ -13,6 +13,8 @@ REFUSED = [
     ("prompt_embeds", "AAAA" * 100), ("truncate_prompt_tokens", 3), ("use_beam_search", True),
     ("length_penalty", 0.5),
     ("logits_processors", ["x"]), ("spaces_between_special_tokens", False),
+    ("documents", [{"title": "a", "text": "b"}]), ("return_token_ids", True),
+    ("reasoning_effort", "high"), ("priority", 5),
 ]
 
 

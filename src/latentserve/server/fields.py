@@ -35,6 +35,8 @@ _OPENAI_REFUSED = {
     "length_penalty": (None, 1, 1.0), "logits_processors": (None, []),
     "spaces_between_special_tokens": (None, True),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
+    "documents": (None, []), "return_token_ids": (None, False),
+    "reasoning_effort": (None,), "priority": (None, 0),
 }
 REFUSED = {
     "/v1/completions": _OPENAI_REFUSED,
