@@ -14,10 +14,12 @@ EXTRAS = {
 
 
 def missing_extra_message(module: str, what: str | None = None) -> str:
-    """``'WHAT needs MODULE, which is not installed: pip install 'latentserve[EXTRA]''``."""
+    """``'WHAT needs MODULE, which is not installed: pip install 'latentserve[EXTRA]' (from a
+    source checkout: pip install -e '.[EXTRA]')'``."""
     extra, default_what = EXTRAS[module]
     return (f"{what or default_what} needs {module.replace('_', '-')}, which is not "
-            f"installed: pip install 'latentserve[{extra}]'")
+            f"installed: pip install 'latentserve[{extra}]' (from a source checkout: "
+            f"pip install -e '.[{extra}]')")
 
 
 def require(module: str, what: str | None = None) -> None:
