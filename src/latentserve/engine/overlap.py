@@ -21,15 +21,19 @@ log = logging.getLogger(__name__)
 class Launched:
     """A batch whose forward and sampling were launched and whose tokens are not finished.
 
-    ``pending``: ``(req, index in output_ids or None, latent step's output)`` per sampling
-    row (``Scheduler.advance_launched``);
-    ``tokens``: ``[S] int64`` on the device, row j for ``pending[j]``; ``host``: their
-    host copy (pinned on CUDA) and ``event`` the CUDA event after it (None on the CPU);
-    ``src``: ``id(req) -> j`` for the next batch's pending input ids; ``failed``: ``rid ->
-    error`` for rows whose sampling failed (placeholder token 0), failed when the batch
-    finishes."""
+    ``batch``: the ``ScheduledBatch``; ``latents``: its rows' next latent inputs
+    (``Family.latent_inputs``), until :func:`_advance` hands them to the scheduler;
+    ``pending``: ``(req, index in output_ids or None, latent step's output, late)`` per
+    sampling row (``Scheduler.advance_launched``; None until then);
+    ``tokens``: ``[S] int64`` on the device, row j for the batch's j-th sampling row;
+    ``host``: their host copy (pinned on CUDA) and ``event`` the CUDA event after it (None
+    on the CPU); ``src``: ``id(req) -> j`` for the next batch's pending input ids;
+    ``failed``: ``rid -> error`` for rows whose sampling failed (placeholder token 0),
+    failed when the batch finishes."""
 
-    pending: list
+    batch: Any
+    latents: list | None
+    pending: list | None
     tokens: torch.Tensor
     host: torch.Tensor
     event: Any
@@ -52,8 +56,9 @@ def eligible(engine) -> bool:
 
 
 def step(engine) -> list:
-    """One overlapped engine step: launch the next batch, then return the outputs of the
-    batch launched by the previous step (none on the first)."""
+    """One overlapped engine step: launch the next batch, finish the batch launched by the
+    previous step (its outputs are returned; none on the first), then advance the host state
+    of the new batch (``Scheduler.advance_launched``) past what that finish settled."""
     prev: Launched | None = engine.inflight
     sched = engine.scheduler
     batch = sched.schedule()
@@ -73,14 +78,17 @@ def step(engine) -> list:
                 log.exception("could not restore the in-flight tokens from their host copy")
             raise
     engine.inflight = launched
-    if prev is None:
-        return sched.drain_aborted()
-    return finish(engine, prev)
+    try:
+        return sched.drain_aborted() if prev is None else finish(engine, prev)
+    finally:  # the new batch is on the device whatever finishing the last one raised
+        if launched is not None:
+            _advance(engine, launched)
 
 
 def _launch(engine, batch, prev: Launched | None) -> Launched:
     """Run ``batch``'s forward (``prev``'s tokens as its pending ids) and launch its
-    sampling and the tokens' host copy; nothing here waits for the device."""
+    sampling, its latent inputs and the tokens' host copy; nothing here waits for the
+    device."""
     logits, hidden = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
     logits, reqs = engine._after_forward(batch, logits)
     # NOTE: greedy tokens may be a view of the graph's static buffer (last_greedy). It is
@@ -93,9 +101,16 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     host, event = _host_copy(tokens, engine.token_copies)
     if event is not None and engine.runner.replayed:  # tokens may view a graph's buffer
         engine.runner.graphs.wait_before_replay(event)
+    return Launched(batch, latents, None, tokens, host, event, {}, failed)
+
+
+def _advance(engine, launched: Launched) -> None:
+    """Move the host state past ``launched`` (``Scheduler.advance_launched``, after the
+    batch before it was finished) and map its pending ids for the next batch."""
+    batch, latents, launched.batch, launched.latents = launched.batch, launched.latents, None, None
     pending = engine.scheduler.advance_launched(batch, latents)
-    return Launched(pending, tokens, host, event,
-                    {id(r): j for j, (r, i, _) in enumerate(pending) if i is not None}, failed)
+    launched.pending = pending
+    launched.src = {id(r): j for j, (r, i, _, _) in enumerate(pending) if i is not None}
 
 
 def finish(engine, launched: Launched) -> list:
@@ -106,7 +121,7 @@ def finish(engine, launched: Launched) -> list:
     if launched.event is not None:
         launched.event.synchronize()
     tokens = launched.host.tolist()
-    for req, _, _ in launched.pending:
+    for req, _, _, _ in launched.pending:
         if req.rid in launched.failed and req.status is not ReqStatus.FINISHED:
             engine._failed[req.rid] = launched.failed[req.rid]
     return engine.scheduler.finalize_launched(launched.pending, tokens)
@@ -150,8 +165,8 @@ def _known(reqs: list, prev: Launched | None) -> dict | None:
         return None
     if prev.event is not None:
         prev.event.synchronize()
-    return {id(req): (idx, tok) for (req, idx, _), tok in zip(prev.pending, prev.host.tolist())
-            if idx is not None}
+    return {id(req): (idx, tok) for (req, idx, _, _), tok
+            in zip(prev.pending, prev.host.tolist()) if idx is not None}
 
 
 def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None

@@ -81,13 +81,17 @@ class Family:
     ``compression_factor`` / ``latent_temperature``), ``overlaps`` (steps may run under the
     overlap scheduler, ``engine/overlap.py``: nothing the family does on the host needs the
     previous step's tokens, ``latent_inputs`` does not read ``tokens`` and ``budget_spent``
-    never finishes a request), ``packed_replay`` (a decode batch may replay its graph from the
+    never finishes a request, unless it ``decides_late``), ``decides_late`` (under the
+    overlap scheduler a latent step's ``advance`` at launch is provisional, settled by
+    :meth:`resolve` when the step's sampled token reaches the host; its budget and output
+    wait for that), ``packed_replay`` (a decode batch may replay its graph from the
     packed index vectors alone: no per-forward context), ``description`` (for error
     messages).
     """
 
     budgeted = False
     overlaps = True
+    decides_late = False
     packed_replay = True
     traced = False
     streams_steps = False
@@ -165,6 +169,14 @@ class Family:
         of :meth:`latent_inputs`); the sampled token is discarded unless this returns True
         (it is then the first answer token)."""
         raise RuntimeError(f"request {req.rid} has no latent phase on {self.description}")
+
+    def resolve(self, req: Req, token: int) -> bool:
+        """Settle the latent step ``advance`` took provisionally for ``req`` at a batch's
+        launch (overlap mode, ``decides_late`` families), now that the step's sampled
+        ``token`` is on the host: True when it stands; False when the family undid it
+        (``req``'s ids, latents and state as before that ``advance``), and the scheduler then
+        ends the latent phase (``advance(req, None)``)."""
+        return True
 
     def budget_spent(self, req: Req, max_model_len: int) -> str | None:
         """A finish reason for a latent-phase ``req`` that spent its budget, else None."""

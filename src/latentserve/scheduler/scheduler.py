@@ -69,6 +69,9 @@ class Scheduler:
         # Prompt tokens at each request's first admission, and how many the cache served.
         self.prefix_queries = self.prefix_hits = 0
         self._aborted: list[Req] = []
+        # overlap mode: id(req) -> seq position from which a late-decided latent step was
+        # undone (finalize_launched), for the advance of the batch launched after it
+        self._undone: dict[int, int] = {}
         self.forced_one_by_one = False
         self._max_forced = len(family.spec.end_ids) if family.spec is not None else 0
 
@@ -95,6 +98,7 @@ class Scheduler:
     # ----- one step -----
 
     def schedule(self) -> ScheduledBatch | None:
+        self._undone.clear()  # only the advance right after the finalize that set them
         batch = ScheduledBatch([], [], [], [])
         budget = self.max_num_batched_tokens
         # 1. Running requests, oldest first (or in the family's order): decode rows and
@@ -202,57 +206,103 @@ class Scheduler:
     def _think(self, req: Req, vec, done: list) -> tuple[bool, StepOutput | None]:
         """Move latent-phase ``req`` past a forward that sampled for it (``vec``: its next
         latent input or None, ``Family.advance``): whether the sampled token is its first
-        answer token, and the step's output (None: none). A request whose budget is spent
-        (``Family.budget_spent``) finishes and joins ``done``."""
+        answer token, and the step's output (None: none; :meth:`_thought`)."""
         if self.family.advance(req, vec):
             return True, None
+        return False, self._thought(req, done)
+
+    def _thought(self, req: Req, done: list) -> StepOutput | None:
+        """The output of a latent step ``req`` has just taken (None: none). A request whose
+        budget is spent (``Family.budget_spent``) finishes and joins ``done``."""
         reason = self.family.budget_spent(req, self.max_model_len)
         if reason is not None:  # e.g. head latent steps spend the output budget
-            self.running.remove(req)
+            self._leave(req)
             done.append(req)
             self._finish(req, reason)
-            return False, self._output(req, [])
+            return self._output(req, [])
         if req.params.stream_latent_steps:  # progress of a latent step, no token
-            return False, self._output(req, [])
-        return False, None
+            return self._output(req, [])
+        return None
+
+    def _leave(self, req: Req) -> None:
+        """Take ``req`` out of the running set, or out of the waiting queue when it was
+        preempted after its forward was launched (overlap mode)."""
+        if req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
 
     # ----- overlap mode (engine/overlap.py): the step's tokens arrive one step later -----
 
     def advance_launched(self, batch: ScheduledBatch, latents: list | None = None
-                         ) -> list[tuple[Req, int | None, StepOutput | None]]:
+                         ) -> list[tuple[Req, int | None, StepOutput | None, bool]]:
         """What :meth:`postprocess` does before the sampled tokens are known, for a batch
-        whose forward is launched but not finished: ``num_computed`` moves on, each
-        sampling row in its answer appends ``PENDING_ID`` for its token, and each row in its
-        latent phase moves on with its next latent input (``latents``, as for
-        ``postprocess``: on the device, not read here), so the next batch can be scheduled
-        now. Returns per sampling row ``(req, index in output_ids, None)``, or for a latent
-        step ``(req, None, its output or None)``, for :meth:`finalize_launched`. Raises
-        RuntimeError when the family finishes a request in its latent phase
-        (``Family.budget_spent``: such a family does not overlap)."""
-        pending: list[tuple[Req, int | None, StepOutput | None]] = []
+        whose forward is launched but not finished (called after the batch launched before
+        it was finalized): ``num_computed`` moves on, each sampling row in its answer
+        appends ``PENDING_ID`` for its token, and each row in its latent phase moves on with
+        its next latent input (``latents``, as for ``postprocess``: on the device, not read
+        here), so the next batch can be scheduled now. A request finished meanwhile is
+        skipped; so is the sampling row of a request whose latent step was undone since this
+        batch was launched (:meth:`finalize_launched`: its row computed a position whose
+        input changed; ``num_computed`` stops before it).
+
+        Returns per sampling row (token row) ``(req, index in output_ids or None, its output
+        or None, late)``: a skipped row ``(req, None, None, False)``; a row in its answer
+        ``(req, index, None, False)``; a latent step ``(req, None, its output or None,
+        False)``; a latent step of a family that decides late
+        (``Family.decides_late``) ``(req, index or None, None, True)``: its budget and its
+        output wait for :meth:`finalize_launched`. Raises RuntimeError when a family that
+        decides at launch finishes a request in its latent phase (``Family.budget_spent``:
+        such a family does not overlap)."""
+        pending: list[tuple[Req, int | None, StepOutput | None, bool]] = []
         lat = iter(latents or ())
         done: list[Req] = []
+        late = self.family.decides_late
+        undone, self._undone = self._undone, {}
+
+        def skip(req):  # a discarded row: nothing to finish
+            return req, None, None, False
+
         try:
-            for req, n, sample in zip(batch.reqs, batch.q_lens, batch.sample):
+            for req, start, n, sample in zip(batch.reqs, batch.starts, batch.q_lens,
+                                              batch.sample):
+                vec = next(lat, None) if sample else None
+                if req.status is ReqStatus.FINISHED:  # on a token of the batch before
+                    if sample:
+                        pending.append(skip(req))
+                    continue
                 req.num_computed += n
+                cut = undone.get(id(req))
+                if cut is not None:
+                    req.num_computed = min(req.num_computed, cut)
+                    if start + n > cut:  # computed from an input that was undone
+                        if sample:
+                            pending.append(skip(req))
+                        continue
                 if not sample:
                     continue
-                vec = next(lat, None)
                 if req.answer_start is None:
+                    if late:
+                        answers = self.family.advance(req, vec)
+                        idx = len(req.output_ids) if answers else None
+                        if answers:
+                            req.output_ids.append(PENDING_ID)
+                        pending.append((req, idx, None, True))
+                        continue
                     answers, out = self._think(req, vec, done)
                     if done:
                         raise RuntimeError(f"request {req.rid} finished in its latent phase "
                                            "under the overlap scheduler")
                     if not answers:
-                        pending.append((req, None, out))
+                        pending.append((req, None, out, False))
                         continue
-                pending.append((req, len(req.output_ids), None))
+                pending.append((req, len(req.output_ids), None, False))
                 req.output_ids.append(PENDING_ID)
         finally:
             self.cache.release_many(done)
         return pending
 
-    def finalize_launched(self, pending: list[tuple[Req, int | None, StepOutput | None]],
+    def finalize_launched(self, pending: list[tuple[Req, int | None, StepOutput | None, bool]],
                           tokens: list[int]) -> list[StepOutput]:
         """Write the tokens of an earlier :meth:`advance_launched` over their pending ids and
         retire the requests they finish; latent steps give the outputs built at their
@@ -260,14 +310,29 @@ class Scheduler:
         meanwhile is skipped. A finishing request drops the pending ids of the batches
         launched after (their tokens are discarded; their positions' KV, computed from real
         ids, stays) and releases its KV; one that was preempted meanwhile leaves the waiting
-        queue."""
+        queue.
+
+        A latent step of a family that decides late is settled first (``Family.resolve``
+        with its sampled token): when the family undid it, the phase ends here instead
+        (``Family.advance`` with None, the token then maybe the first answer token) and the
+        request's row in the batch launched after this one is skipped by the next
+        :meth:`advance_launched`; then its budget and output, as :meth:`postprocess`."""
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
         done = []  # finished now: their KV is released together, at the end
         try:
-            for (req, idx, tick), tok in zip(pending, tokens):
+            for (req, idx, tick, late), tok in zip(pending, tokens):
                 if req.status is ReqStatus.FINISHED:
                     continue
+                if late:
+                    if not self.family.resolve(req, tok):
+                        self._undone[id(req)] = req.seq_len  # ids from here on changed
+                        idx = None
+                        if self.family.advance(req, None):
+                            idx = len(req.output_ids)
+                            req.output_ids.append(tok)
+                    if idx is None:
+                        tick = self._thought(req, done)
                 if idx is None:  # a latent step
                     if tick is not None:
                         outs.append(tick)
@@ -278,11 +343,9 @@ class Scheduler:
                     del req.output_ids[idx + 1 :]
                     self.family.truncate(req)
                     req.num_computed = min(req.num_computed, req.seq_len)
+                    self._leave(req)
                     if req.status is ReqStatus.RUNNING:
-                        self.running.remove(req)
                         done.append(req)
-                    else:  # preempted after its forward was launched
-                        self.waiting.remove(req)
                     self._finish(req, reason)
                 outs.append(self._output(req, [tok]))
         finally:  # released even when a later row raises: no KV leaks
