@@ -13,7 +13,9 @@ def run_requests(engine, requests):
     final StepOutput)``; checks afterwards that no KV slot leaked (``check_idle``). In
     overlap mode (``engine/overlap.py``) a request that finished was already in the next
     launched batch; that discarded row's logits (sampled past its last output id) are
-    dropped, so both modes record the same steps (latent steps included).
+    dropped, so both modes record the same steps (latent steps included); so are a row
+    computed after a latent step that was undone (a compression head's stop, learned a step
+    later: its ids then are not a prefix of the final ones).
     """
     runner, logits, reqs = engine.runner, {}, {}
     original = runner.run
@@ -22,7 +24,7 @@ def run_requests(engine, requests):
         out, hidden = original(batch, *args, **kwargs)
         for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], out):
             reqs[req.rid] = req
-            logits.setdefault(req.rid, []).append((len(req.output_ids), row.float().cpu()))
+            logits.setdefault(req.rid, []).append((list(req.output_ids), row.float().cpu()))
         return out, hidden
 
     runner.run = recording
@@ -39,23 +41,25 @@ def run_requests(engine, requests):
     finally:
         runner.run = original
     engine.cache.check_idle()
-    for r in rids:  # a row sampled at output index n < the final count; the rest discarded
-        n = len(reqs[r].output_ids)
-        logits[r] = [row for i, row in logits[r] if i < n]
+    for r in rids:  # a row sampled after ids that start the final ones; the rest discarded
+        out = reqs[r].output_ids
+        logits[r] = [row for ids, row in logits[r] if len(ids) < len(out) and all(
+            a in (b, -1) for a, b in zip(ids, out))]  # -1: an id pending in overlap mode
     return [(toks[r], logits[r], final[r]) for r in rids]
 
 
 def run_streams(engine, requests):
     """``(run_requests(engine, requests), streams)``: ``streams`` holds per request every
     ``StepOutput`` in order, as ``(new ids, finished, finish reason, latent_steps,
-    latent_trace)`` (streamed latent steps included)."""
+    latent_trace, latent_stats)`` (streamed latent steps included)."""
     streams, step = {}, engine.step
 
     def recording():
         outs = step()
         for o in outs:
             streams.setdefault(o.rid, []).append(
-                (o.new_token_ids, o.finished, o.finish_reason, o.latent_steps, o.latent_trace))
+                (o.new_token_ids, o.finished, o.finish_reason, o.latent_steps, o.latent_trace,
+                 o.latent_stats))
         return outs
 
     rids = [f"t{engine._arrivals + i}" for i in range(len(requests))]
@@ -134,6 +138,63 @@ def assert_close_bf16(ref32, ref16, other16) -> None:
         assert err <= bound, f"request {i}: error {err:.3f} > {bound:.3f}"
         margin = float(l32[0][t32[0]] - l32[0][t[0]])
         assert margin <= bound, f"request {i}: first token {t[0]} vs reference {t32[0]}"
+
+
+def mixed_head_requests(**over) -> list:
+    """``[(prompt ids, SamplingParams)]``: eight requests over ``shared_prefix_prompts`` for a
+    compression-head model (``tests.support.head_models``), greedy and seeded: caps 0 to 10,
+    ``min_latent``, stop thresholds, ``use_stop`` off, thinking off, the answer-budget floor,
+    an output budget spent inside the latent phase, traces and streamed latent steps
+    (ignore_eos); ``over`` overrides fields of every request."""
+    from latentserve.sampling_params import SamplingParams
+    from tests.support.parity import shared_prefix_prompts
+
+    kinds = [
+        {"temperature": 0.0, "max_latent": 6, "min_latent": 1, "stop_threshold": 0.62,
+         "max_tokens": 16},
+        {"temperature": 0.8, "seed": 3, "max_latent": 4, "use_stop": False, "max_tokens": 12,
+         "return_latent_trace": True, "stream_latent_steps": True},
+        {"temperature": 0.0, "max_latent": 8, "min_latent": 0, "stop_threshold": 0.5,
+         "max_tokens": 18, "return_latent_trace": True},
+        {"temperature": 0.7, "top_k": 20, "seed": 11, "thinking": False, "max_tokens": 5},
+        {"temperature": 0.0, "max_latent": 3, "min_output_tokens": 6, "max_tokens": 2,
+         "use_stop": False},
+        {"temperature": 0.9, "seed": 5, "max_latent": 10, "min_latent": 2,
+         "stop_threshold": 0.64, "max_tokens": 20, "stream_latent_steps": True,
+         "return_latent_trace": True},
+        {"temperature": 0.0, "max_latent": 0, "max_tokens": 6},
+        {"temperature": 0.0, "max_latent": 8, "use_stop": False, "max_tokens": 4},
+    ]
+    return [(p, SamplingParams(**{"ignore_eos": True, "min_output_tokens": 0,
+                                  **kinds[i % len(kinds)], **over}))
+            for i, p in enumerate(shared_prefix_prompts())]
+
+
+def mixed_colar_requests(**over) -> list:
+    """``[(prompt ids, SamplingParams)]``: eight requests for a tiny CoLaR model
+    (``tests.support.colar_models``, vocabulary 1024), greedy and seeded, latent temperature
+    0 and above (seeded), caps 0 to 12, ``min_latent``, ``use_stop`` off, thinking off,
+    compression factors, traces and streamed latent steps (ignore_eos, 3 to 6 answer
+    tokens); ``over`` overrides fields of every request."""
+    from latentserve.sampling_params import SamplingParams
+    from tests.support.parity import shared_prefix_prompts
+
+    kinds = [
+        {"temperature": 0.0, "max_latent": 12, "max_tokens": 4},
+        {"temperature": 0.8, "seed": 3, "max_latent": 6, "latent_temperature": 1.0,
+         "max_tokens": 5, "return_latent_trace": True, "stream_latent_steps": True},
+        {"temperature": 0.0, "max_latent": 12, "min_latent": 3, "compression_factor": 3,
+         "max_tokens": 6, "return_latent_trace": True},
+        {"temperature": 0.7, "top_k": 20, "seed": 11, "thinking": False, "max_tokens": 5},
+        {"temperature": 0.0, "max_latent": 5, "use_stop": False, "max_tokens": 3},
+        {"temperature": 0.9, "seed": 5, "max_latent": 10, "latent_temperature": 0.5,
+         "compression_factor": 1, "max_tokens": 4, "stream_latent_steps": True},
+        {"temperature": 0.0, "max_latent": 0, "max_tokens": 4},
+        {"temperature": 0.0, "max_latent": 12, "compression_factor": 5, "max_tokens": 6},
+    ]
+    return [([t % 900 + 30 for t in p], SamplingParams(**{"ignore_eos": True,
+                                                          **kinds[i % len(kinds)], **over}))
+            for i, p in enumerate(shared_prefix_prompts())]
 
 
 def mixed_feedback_requests(**over) -> list:

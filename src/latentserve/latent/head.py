@@ -6,6 +6,7 @@ Design notes: docs/internals.md, "latentserve.latent.head".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -340,6 +341,9 @@ class HeadSettings(LatentState):
     # input ``[H]`` (float32, CPU, CoLaR); None when nothing is recorded.
     actions: list | None = None
     reported: bool = False
+    # overlap mode: the closed-loop decision taken at launch, until settled
+    # (latent.head_late.Late); None otherwise
+    late: Any = None
     answer_budget: bool = False
     compression_factor: int | None = None
     latent_temperature: float = 0.0

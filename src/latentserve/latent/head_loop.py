@@ -12,6 +12,7 @@ import torch
 
 from latentserve.core import Req
 from latentserve.latent.family import Admission, Family
+from latentserve.latent.head_late import Candidate, candidates, decide, settle, snapshot
 
 
 def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
@@ -217,18 +218,30 @@ class HeadFamily(Family):
     server defaults (``latent.head.head_defaults``, read once at start-up; ValueError if
     malformed), latent inputs by :func:`next_inputs`."""
 
-    overlaps = False  # its latent steps read the previous step's outputs on the host
+    # under the overlap scheduler a closed-loop step is decided at launch and settled a step
+    # later (latent/head_late.py)
+    decides_late = True
     traced = True
     streams_steps = True
     takes_head_controls = True
     description = "a compression-head model"
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether steps may overlap: not while GRPO rollouts draw or record policy latents
+        (``set_policy_sampling``: global RNG draws, host copies of every step)."""
+        head = self.engine.runner.model.latent_head
+        return (getattr(head, "policy_sigma", None) is None
+                and not getattr(head, "record_latents", False))
+
     def setup(self) -> None:
         from latentserve.latent.head import head_defaults
+        from latentserve.staging import DeviceToHost
 
         self.defaults = head_defaults()
         runner = self.engine.runner
         runner.set_capture(runner.model.latent_head.capture_layer)  # -1: final-normed hidden
+        self._probs = DeviceToHost()  # overlap mode: stop probabilities to the host
 
     def admit(self, prompt_ids, params) -> Admission:
         if self.engine.tp is not None and params.return_latent_trace:
@@ -249,8 +262,22 @@ class HeadFamily(Family):
     def thinking(self, req: Req) -> bool:
         return req.answer_start is None and req.state is not None
 
+    def after_forward(self, batch) -> None:
+        """Overlap mode: keep the generator state of a row that may be undone
+        (``head_late.snapshot``) before the batch samples it."""
+        for req, sample in zip(batch.reqs, batch.sample):
+            if sample and req.generator is not None and req.state is not None:
+                snapshot(req)
+
     def advance(self, req: Req, vec) -> bool:
+        """``vec``: a ``head_late.Candidate`` under the overlap scheduler (decided here,
+        ``head_late.decide``), else the input ``next_inputs`` chose."""
+        if isinstance(vec, Candidate):
+            vec = decide(req, vec, self.engine.runner.model.latent_head.stop_token)
         return advance(req, vec, self.spec.latent_id)
+
+    def resolve(self, req: Req, token: int) -> bool:
+        return settle(req, token, self.engine.runner.model.latent_head.stop_token)
 
     def budget_spent(self, req: Req, max_model_len: int) -> str | None:
         reason = budget_spent(req, max_model_len) if req.state is not None else None
@@ -274,9 +301,13 @@ class HeadFamily(Family):
 
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
         """The latent inputs of :func:`next_inputs`; with ``return_latent_trace``, each
-        closed-loop latent step's entry (:func:`trace_steps`)."""
+        closed-loop latent step's entry (:func:`trace_steps`). Under the overlap scheduler
+        (``tokens`` None) each row's ``head_late.Candidate``, decided in :meth:`advance`."""
         runner = self.engine.runner
         anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
+        if tokens is None:
+            return candidates(runner.model.latent_head, runner.model, reqs, logits, anchors,
+                              runner.latent_outputs, self._probs)
         traced = [i for i, r in enumerate(reqs) if r.params.return_latent_trace
                   and r.state is not None and r.answer_start is None]
         head = runner.model.latent_head

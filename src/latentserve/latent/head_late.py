@@ -1,0 +1,226 @@
+"""Compression heads under the overlap scheduler: a closed-loop latent step is decided at
+launch from what the host knows, and settled when the step's sampled token and stop
+probability reach the host, one step later (``Family.decides_late``).
+
+At launch (``Scheduler.advance_launched``) a row whose stop may fire (``use_stop``, at least
+``min_latent`` steps; CoLaR: at least one) takes its next latent step as if the stop did not
+fire; a row at ``max_latent`` ends its phase either way (the stop only changes the end's
+name). When the step's outputs reach the host (``HeadFamily.resolve``) the stats take the
+step's stop probability; a fired stop undoes the provisional latent step (its id, input,
+trace entry and count; the request's generator back to its state before the draws and the
+sampled row of the undone step) and the scheduler ends the phase instead. The batch
+launched meanwhile computed that latent position: its row is discarded and its KV slot is
+written again by the closing ids. Outputs equal the synchronous engine's
+(``latent/head_loop.py`` ``next_inputs``), one wasted row per fired stop.
+
+Design notes: docs/internals.md, "latentserve.latent.head_late".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from latentserve.core import Req
+
+
+class HostFloats:
+    """``[n] float32`` device values copied to the host without waiting (their bits ride the
+    int64 ring of ``staging.DeviceToHost``); :meth:`get` waits for the copy once."""
+
+    def __init__(self, values: torch.Tensor, ring):
+        bits = values.detach().float().contiguous().view(torch.int32).to(torch.int64)
+        self._host, self._event = ring.copy(bits)
+        self._values: list[float] | None = None
+
+    def get(self, j: int) -> float:
+        if self._values is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._values = self._host.to(torch.int32).view(torch.float32).tolist()
+        return self._values[j]
+
+
+@dataclass(slots=True)
+class Candidate:
+    """What one latent-phase row's launch computed for its next step: ``vec`` its next
+    input at latent temperature 0 and ``draw`` the drawn one (``(tensor, row)`` entries,
+    ``latent/vectors.py``; ``draw`` None when not drawn); ``rng``: the request's generator
+    state before the draw (None: no draw or no generator); ``probs``/``j``: the batch's
+    stop probabilities and this row's index in them (``probs`` None without a stop head);
+    ``entry``: the trace entry of the step (``return_latent_trace``, else None);
+    ``lens_p``: CoLaR's probability of its stop token, read for a traced row."""
+
+    vec: tuple
+    draw: tuple | None
+    rng: Any
+    probs: HostFloats | None
+    j: int
+    entry: dict | None
+    lens_p: float | None
+
+
+@dataclass(slots=True)
+class Late:
+    """A closed-loop decision taken at launch (``HeadSettings.late``) until it is settled:
+    ``k`` steps before it, its ``cand``, whether its stop ``may_fire``, whether the phase
+    ``ended`` at launch (the cap), whether a trace entry was appended (``traced``), and
+    ``rng``: the generator's state before the batch launched after it sampled the request's
+    row (``after_forward``), None when it did not."""
+
+    k: int
+    cand: Candidate
+    may_fire: bool
+    ended: bool
+    traced: bool
+    rng: Any = None
+
+
+def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torch.Tensor,
+               precomputed, ring) -> list | None:
+    """Per sampling row of ``reqs`` its :class:`Candidate` (None: not in its latent phase),
+    or None when no row is in it. ``anchors``: ``[S, hidden]``; ``precomputed``: as for
+    ``head_loop.next_inputs`` (a callable); ``ring``: the ``DeviceToHost`` of the stop
+    probabilities. Reads the host only for a traced row. Changes no request state."""
+    rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
+    if not rows:
+        return None
+    every = len(rows) == len(reqs)
+    idx = None if every else torch.tensor(rows, dtype=torch.long, device=anchors.device)
+    pre = precomputed() if callable(precomputed) else precomputed
+    with torch.inference_mode():
+        sel = anchors if every else anchors[idx]
+        if pre is not None:  # a CUDA graph ran the head on these anchors (static buffers)
+            vecs = pre[0].clone() if every else pre[0][idx]
+            probs = pre[1] if pre[1] is None or every else pre[1][idx]
+        else:
+            vecs, probs = head.serve_outputs(sel)
+    host = HostFloats(probs, ring) if probs is not None else None
+    states = [reqs[i].state for i in rows]
+    open_ = [j for j, h in enumerate(states)  # may take a step
+             if h.mode == "prompt" or h.steps < h.max_latent]
+    drawn = [j for j in open_ if states[j].mode == "closed_loop"
+             and states[j].latent_temperature > 0]
+    rngs: dict[int, Any] = {}
+    draws: dict[int, tuple] = {}
+    if drawn:
+        gens = [reqs[rows[j]].generator for j in drawn]
+        rngs = {j: g.get_state() for j, g in zip(drawn, gens) if g is not None}
+        with torch.inference_mode():
+            at = torch.tensor(drawn, dtype=torch.long, device=sel.device)
+            out = head.sample(sel[at], [reqs[rows[j]].state.latent_temperature for j in drawn],
+                              gens)
+        draws = {j: (out, m) for m, j in enumerate(drawn)}
+    entries, lens_p = _trace(head, model, reqs, rows, open_, logits, vecs, host, draws)
+    return _spread(reqs, rows, [
+        Candidate((vecs, j), draws.get(j), rngs.get(j), host, j, entries.get(j), lens_p.get(j))
+        for j in range(len(rows))])
+
+
+def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[dict, dict]:
+    """For the traced rows: ``(j -> trace entry of the step a row may take, j -> CoLaR's
+    stop-token probability)``, as ``head_loop.trace_steps`` (this reads the host)."""
+    traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
+    if not traced:
+        return {}, {}
+    lens_p = {}
+    if head.stop_token is not None:
+        with torch.inference_mode():
+            at = torch.tensor([rows[j] for j in traced], device=logits.device)
+            p = logits[at].float().softmax(-1)[:, head.stop_token].tolist()
+        lens_p = dict(zip(traced, p))
+    stepping = [j for j in traced if j in set(open_)]
+    if not stepping:
+        return {}, lens_p
+    from latentserve.latent.lens import lens_entries
+
+    with torch.inference_mode():
+        inputs = [draws.get(j, (vecs, j)) for j in stepping]
+        stacked = torch.stack([t[r] for t, r in inputs])
+    entries = {}
+    for j, entry in zip(stepping, lens_entries(model, stacked)):
+        if reqs[rows[j]].state.mode == "prompt":  # no stop decision
+            entry["stop_prob"] = None
+        else:
+            entry["stop_prob"] = host.get(j) if host is not None else lens_p.get(j)
+        entries[j] = entry
+    return entries, lens_p
+
+
+def _spread(reqs: list, rows: list[int], per_row: list) -> list:
+    out: list = [None] * len(reqs)
+    for i, c in zip(rows, per_row):
+        out[i] = c
+    return out
+
+
+def decide(req: Req, cand: Candidate, stop_token: int | None):
+    """The latent step ``req`` takes at launch (closed loop): the next input (a
+    ``(tensor, row)`` entry) or None (the phase ends); records the :class:`Late` decision
+    for :func:`settle` and, for a step, its count and trace entry. Prompt mode: its one
+    latent, decided at once."""
+    h = req.state
+    if h.mode == "prompt":
+        h.steps, h.end = 1, "prompt"
+        if cand.entry is not None:
+            req.latent_trace.append(cand.entry)
+        return cand.vec
+    k = h.steps
+    may_fire = h.use_stop and k >= h.min_latent and (
+        k > 0 if stop_token is not None else cand.probs is not None)
+    ended = k >= h.max_latent
+    h.late = Late(k, cand, may_fire, ended, traced=cand.entry is not None and not ended)
+    if ended:
+        h.end = "cap"
+        return None
+    h.steps += 1
+    if cand.entry is not None:
+        req.latent_trace.append(cand.entry)
+    return cand.draw if cand.draw is not None else cand.vec
+
+
+def snapshot(req: Req) -> None:
+    """Before a batch samples ``req``'s row: keep its generator's state when that row may
+    be undone (``req``'s last latent step is provisional)."""
+    late = getattr(req.state, "late", None)
+    if (late is not None and late.rng is None and late.may_fire and not late.ended
+            and req.generator is not None):
+        late.rng = req.generator.get_state()
+
+
+def settle(req: Req, token: int, stop_token: int | None) -> bool:
+    """Settle ``req``'s :class:`Late` decision with its row's sampled ``token`` and stop
+    probability (``Family.resolve``): True when it stands, False when a fired stop undid
+    the provisional latent step (the phase then ends)."""
+    h = req.state
+    late = getattr(h, "late", None)
+    if late is None:
+        return True
+    h.late = None
+    cand = late.cand
+    if cand.lens_p is not None:
+        h.last_stop_prob = cand.lens_p
+    p = cand.probs.get(cand.j) if cand.probs is not None else None
+    if p is not None:
+        h.max_stop_prob = p if h.max_stop_prob is None else max(h.max_stop_prob, p)
+        h.last_stop_prob = p
+    if stop_token is None:
+        fired = p is not None and p > h.stop_threshold
+    else:
+        fired = token == stop_token
+    if not (late.may_fire and fired):
+        return True
+    h.end, h.stop_step = "stop", late.k
+    if late.ended:
+        return True
+    req.output_ids.pop()
+    req.latent_embeds.pop()
+    h.steps = late.k
+    if late.traced:
+        req.latent_trace.pop()
+    rng = cand.rng if cand.rng is not None else late.rng
+    if rng is not None:
+        req.generator.set_state(rng)
+    return False
