@@ -116,9 +116,12 @@ def test_chunked_prefill_and_preemption_equal_the_synchronous_engine(dirs, kind,
 @pytest.mark.parametrize("kind", ["closed_loop", "colar"])
 def test_warm_prefix_cache_equals_the_synchronous_engine(dirs, kind):
     path, requests = dirs[kind], _requests(kind)
-    want = run_streams(_engine(path, False), requests)
+    sync = _engine(path, False)
+    want = run_streams(sync, requests)
     engine = _engine(path, True)
     assert_same_streams(want, run_streams(engine, requests))
+    # the discarded rows' KV is not cached: the cache holds what the synchronous one holds
+    assert engine.cache.radix.total_size() == sync.cache.radix.total_size()
     warm = run_streams(engine, requests)  # every prompt (and opening id) is in the cache
     assert_same_streams(want, warm)
     assert all(f.num_cached_tokens > 0 for _, _, f in warm[0])

@@ -4,9 +4,10 @@ as a real graph writes its static buffers. This covers what only the H200 ran be
 ``CudaGraphRunner.replay_packed`` with the input kernel (``ops.kernels.decode_inputs``,
 overlap scheduling's pending ids included), the greedy tokens returned by the graph
 (``ModelRunner.last_greedy``) and the sampler taking them, the family's graph hooks (Ouro's
-readout buffers, CODI's ``prj`` in the latent graph, under overlap scheduling). Tokens and
-logprobs must equal an engine without graphs; every replay's ``last_greedy`` must be the
-argmax of the logits it returned. Kernels run in the Triton interpreter.
+readout buffers, CODI's ``prj`` and a closed-loop head in the latent graph, under overlap
+scheduling). Tokens and logprobs must equal an engine without graphs; every replay's
+``last_greedy`` must be the argmax of the logits it returned. Kernels run in the Triton
+interpreter.
 """
 
 import contextlib
@@ -347,3 +348,52 @@ def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_cod
     graphs = engine.runner.graphs
     assert graphs.feedback is engine.runner.model.latent_feedback
     assert graphs.num_latent_replays > 3 and engine.runner.num_graph_steps > 5
+
+
+@pytest.mark.parametrize("kind", ["colar", "head"])
+def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_graphs,
+                                                                 tmp_path):
+    """A closed-loop head (CoLaR's policy; the compression head with its stop head) runs in
+    the decode graphs' latent graph and the overlap scheduler settles each stop a step later
+    from the graph's static outputs (``latent/head_late.py``), the closing ids one per step:
+    greedy and seeded tokens, latent stats, step counts and traces equal the eager
+    synchronous engine's."""
+    from tests.support.colar_models import save_colar_tiny
+    from tests.support.head_models import save_head_model
+    from tests.support.tp_parity import assert_same_outputs, run_requests, spy_overlapped
+
+    if kind == "colar":
+        path = save_colar_tiny(tmp_path / "colar", stop_push=16.0)
+        extra = [{}, {"latent_temperature": 1.0}]
+    else:
+        path = save_head_model(tmp_path / "head", source_layer=1, stop_bias=0.3,
+                               word_tokenizer=True, vocab_size=1024)
+        extra = [{"stop_threshold": 0.55, "min_latent": 1, "min_output_tokens": 0}] * 2
+    requests = [([40 + i, 57, 69 + i, 81] * (1 + i % 2), SamplingParams(
+        max_tokens=4 if kind == "colar" else 12, temperature=0.0 if i % 2 else 0.8, seed=i,
+        ignore_eos=True, max_latent=m, return_latent_trace=i % 2 == 0, **extra[i % 2]))
+        for i, m in enumerate((0, 3, 6, 8))]
+
+    def run(graphs: bool):
+        engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True,
+                                        attention_backend="triton", max_num_seqs=8,
+                                        max_model_len=128, attention_num_kv_splits=2,
+                                        overlap_schedule=graphs))
+        if graphs:
+            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
+                                         torch.float32)
+            engine.scheduler.forced_one_by_one = True
+        overlapped = spy_overlapped(engine)
+        return run_requests(engine, requests), engine, overlapped
+
+    want, _, _ = run(False)
+    got, engine, overlapped = run(True)
+    assert_same_outputs(want, got, atol=1e-4)
+    for (_, _, w), (_, _, g) in zip(want, got):
+        assert (g.latent_steps, g.latent_stats["end"], g.latent_stats["stop_step"]) == (
+            w.latent_steps, w.latent_stats["end"], w.latent_stats["stop_step"])
+    assert sum(overlapped) > 5
+    assert "stop" in {f.latent_stats["end"] for _, _, f in want}
+    graphs = engine.runner.graphs
+    assert graphs.head is engine.runner.model.latent_head
+    assert graphs.num_latent_replays > 1 and engine.runner.num_graph_steps > 5
