@@ -200,10 +200,10 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
     floor = _kv_floor(engine, max_c, prompt_len + n_open + max_latent / 2, bw)
     bare = None
     if bare_baseline:
-        # NOTE: synchronous like the head engine (a latent model never overlaps), so the
-        # bare baseline compares like with like; overlap would hide its host time.
+        # NOTE: scheduled like the head engine (both overlap on CUDA by default), so the
+        # bare baseline compares like with like
         bare = _engine(path, device, dtype, max_c, max_len, no_latent_head=True,
-                       overlap_schedule=False)
+                       overlap_schedule=engine.config.overlap_schedule)
     cost = step_cost(engine, bare, rand_prompts(max_c), spec.start_ids, max_latent, device,
                      step_rounds)
     cost.update(floor)
