@@ -201,7 +201,9 @@ class LoopFamily(Family):
     block after the first (:func:`start_request`); after each forward :func:`after_forward`
     lays out the next pass's inputs, so there are no per-step latent inputs."""
 
-    overlaps = False  # its latent steps read the previous step's outputs on the host
+    # a pass's next inputs are computed on the device from the forward's outputs
+    # (after_forward) and the passes move on by counts, never by a sampled token
+    overlaps = True
 
     budgeted = True
     traced = True
