@@ -15,8 +15,7 @@ from latentserve.bench.baseline.loop_reference import (
 )
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
-from latentserve.sampling_params import SamplingParams
-from tests.support.parity import shared_prefix_prompts
+from tests.support.parity import run_budget_batch, shared_prefix_prompts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,32 +36,15 @@ def test_looped_block_cuda_matches_reference(kind, tmp_path, smollm2_dir):
                                     kv_slots=8192))
     reqs = [(p, BUDGETS[i % len(BUDGETS)]) for i, p in enumerate(shared_prefix_prompts())]
     want = [reference_generate_loop(ref, p, b, MAX_TOKENS) for p, b in reqs]
-    runner, last = engine.runner, {}
-    original = runner.run
-
-    def recording_run(batch):
-        logits, hidden = original(batch)
-        last["rids"] = [r.rid for r, s in zip(batch.reqs, batch.sample) if s]
-        last["logits"] = logits
-        return logits, hidden
-
-    runner.run = recording_run
-    for rnd in ("cold", "warm"):
-        rids = [f"{rnd}{i}" for i in range(len(reqs))]
-        objs = []
-        for rid, (p, b) in zip(rids, reqs):
-            engine.add_request(rid, p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
-                                                      latent_budget=b))
-            objs.append(engine.scheduler.waiting[-1])
-        tokens, first = {r: [] for r in rids}, {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.new_token_ids and not tokens[out.rid]:
-                    first[out.rid] = last["logits"][last["rids"].index(out.rid)].float().cpu()
-                tokens[out.rid] += out.new_token_ids
-        for rid, req, (_, b), (ans, lg) in zip(rids, objs, reqs, want):
-            assert tokens[rid] == ans, f"{rnd} {rid}"
-            torch.testing.assert_close(first[rid], lg, atol=1e-4, rtol=0)
+    added, add = [], engine.scheduler.add
+    engine.scheduler.add = lambda req: (added.append(req), add(req))  # their LoopStates
+    for _ in ("cold", "warm"):  # run_budget_batch: synchronous or overlapped (the default)
+        added.clear()
+        served = run_budget_batch(engine, reqs, MAX_TOKENS)
+        for i, (req, (_, b), (ans, lg, _), (want_ans, want_lg)) in enumerate(
+                zip(added, reqs, served, want)):
+            assert ans == want_ans, f"request {i}"
+            torch.testing.assert_close(lg, want_lg, atol=1e-4, rtol=0)
             assert req.state.slot_checks == b
         engine.cache.check_idle()
     assert engine.runner.num_graph_steps > 0

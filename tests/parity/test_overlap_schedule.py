@@ -128,13 +128,16 @@ def test_logprobs_request_steps_synchronously_and_abort_frees_slots(tiny_dirs):
     assert [lp.token_id for lp in logprobs] == toks["lp"]
 
 
-def test_head_models_and_penalties_do_not_overlap(tmp_path, tiny_dirs):
+def test_penalties_and_head_policy_sampling_do_not_overlap(tmp_path, tiny_dirs):
     from latentserve.engine import overlap
+    from latentserve.latent.head_loop import set_policy_sampling
     from tests.support.head_models import save_head_model
 
     engine = LLMEngine(EngineConfig(model=str(save_head_model(tmp_path / "head")),
                                     overlap_schedule=True))
     engine.add_request("h", [5, 6, 7], SamplingParams(max_tokens=3))
+    assert overlap.eligible(engine)  # heads settle their stop a step late (head_late.py)
+    set_policy_sampling(engine.runner.model.latent_head, 0.0)  # DAgger / GRPO rollouts
     assert not overlap.eligible(engine)
     plain = _engine(tiny_dirs)
     plain.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3))

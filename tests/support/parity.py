@@ -34,19 +34,21 @@ def run_batch(engine, prompts, max_tokens, **params):
 
 
 def run_budget_batch(engine, reqs, max_tokens: int, join_after: int | None = None):
-    """Run ``reqs``, ``[(prompt ids, latent_budget)]``, greedy, queued at once, on an engine
-    that steps synchronously (a latent model's steps never overlap). Returns per request
-    ``(answer ids, first-answer logits [vocab] float32 on the CPU, num_cached_tokens)``: the
-    logits row of the step that returned the request's first answer token (its latent steps
-    sample rows too). With ``join_after``, the second half of ``reqs`` is queued after that
-    many steps."""
-    runner, last = engine.runner, {}
+    """Run ``reqs``, ``[(prompt ids, latent_budget)]``, greedy, queued at once. Returns per
+    request ``(answer ids, first-answer logits [vocab] float32 on the CPU,
+    num_cached_tokens)``: the logits row that sampled the request's first answer token (its
+    latent steps sample rows too), synchronous or overlapped (a row is matched to the output
+    index it sampled; rows after ids that were later undone are dropped). With
+    ``join_after``, the second half of ``reqs`` is queued after that many steps."""
+    runner, rows, live = engine.runner, {}, {}
     original = runner.run
 
     def recording_run(batch, *args, **kwargs):
         logits, hidden = original(batch, *args, **kwargs)
-        last["rids"] = [r.rid for r, s in zip(batch.reqs, batch.sample) if s]
-        last["logits"] = logits
+        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], logits):
+            if req.answer_start is None or req.answer_start == len(req.output_ids):
+                live[req.rid] = req
+                rows.setdefault(req.rid, []).append((list(req.output_ids), row.float().cpu()))
         return logits, hidden
 
     def add(todo):
@@ -54,28 +56,31 @@ def run_budget_batch(engine, reqs, max_tokens: int, join_after: int | None = Non
             engine.add_request(rid, prompt, SamplingParams(
                 max_tokens=max_tokens, temperature=0.0, latent_budget=budget))
 
+    def first_logits(rid):
+        out = live[rid].output_ids
+        start = live[rid].answer_start
+        return [row for ids, row in rows[rid] if len(ids) == start and all(
+            a in (b, -1) for a, b in zip(ids, out))][-1]  # -1: pending in overlap mode
+
     rids = [f"q{engine._arrivals + i}" for i in range(len(reqs))]
     todo = list(zip(rids, reqs))
     split = len(todo) if join_after is None else len(todo) // 2
     add(todo[:split])
     rest = todo[split:]
-    tokens, logits, cached, steps = {r: [] for r in rids}, {}, {}, 0
+    tokens, cached, steps = {r: [] for r in rids}, {}, 0
     runner.run = recording_run
     try:
         while engine.has_unfinished_requests() or rest:
             if rest and steps == join_after:
                 add(rest)
                 rest = []
-            last.clear()
             for out in engine.step():
-                if out.new_token_ids and not tokens[out.rid]:
-                    logits[out.rid] = last["logits"][last["rids"].index(out.rid)].float().cpu()
                 tokens[out.rid] += out.new_token_ids
                 cached[out.rid] = out.num_cached_tokens
             steps += 1
     finally:
         runner.run = original
-    return [(tokens[r], logits[r], cached[r]) for r in rids]
+    return [(tokens[r], first_logits(r), cached[r]) for r in rids]
 
 
 def hf_reference(model, prompt, max_tokens):

@@ -24,7 +24,7 @@ class Launched:
     ``batch``: the ``ScheduledBatch``; ``latents``: its rows' next latent inputs
     (``Family.latent_inputs``), until :func:`_advance` hands them to the scheduler;
     ``pending``: ``(req, index in output_ids or None, latent step's output, late)`` per
-    sampling row (``Scheduler.advance_launched``; None until then);
+    sampling row (``Scheduler.advance_launched``; empty until then);
     ``tokens``: ``[S] int64`` on the device, row j for the batch's j-th sampling row;
     ``host``: their host copy (pinned on CUDA) and ``event`` the CUDA event after it (None
     on the CPU); ``src``: ``id(req) -> j`` for the next batch's pending input ids;
@@ -33,7 +33,7 @@ class Launched:
 
     batch: Any
     latents: list | None
-    pending: list | None
+    pending: list
     tokens: torch.Tensor
     host: torch.Tensor
     event: Any
@@ -101,7 +101,7 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     host, event = _host_copy(tokens, engine.token_copies)
     if event is not None and engine.runner.replayed:  # tokens may view a graph's buffer
         engine.runner.graphs.wait_before_replay(event)
-    return Launched(batch, latents, None, tokens, host, event, {}, failed)
+    return Launched(batch, latents, [], tokens, host, event, {}, failed)
 
 
 def _advance(engine, launched: Launched) -> None:

@@ -81,7 +81,9 @@ class Family:
     ``compression_factor`` / ``latent_temperature``), ``overlaps`` (steps may run under the
     overlap scheduler, ``engine/overlap.py``: nothing the family does on the host needs the
     previous step's tokens, ``latent_inputs`` does not read ``tokens`` and ``budget_spent``
-    never finishes a request, unless it ``decides_late``), ``decides_late`` (under the
+    never finishes a request, unless it ``decides_late``; ``after_forward`` and
+    ``latent_inputs`` run at a batch's launch, before the batch launched before it is
+    finished, ``advance`` after that), ``decides_late`` (under the
     overlap scheduler a latent step's ``advance`` at launch is provisional, settled by
     :meth:`resolve` when the step's sampled token reaches the host; its budget and output
     wait for that), ``packed_replay`` (a decode batch may replay its graph from the
@@ -126,7 +128,9 @@ class Family:
                       ) -> list | None:
         """The next latent input of each sampling row of ``reqs`` (``(tensor, row)``, see
         ``latent/vectors.py``) or None per row; None when no row has one. ``tokens``: the
-        rows' sampled ids, or None under the overlap scheduler (not on the host yet)."""
+        rows' sampled ids, or None under the overlap scheduler (not on the host yet); a
+        family that ``decides_late`` then returns whatever its ``advance`` decides from,
+        changing no request state (the batch before may still be undone)."""
         return None
 
     @staticmethod

@@ -150,6 +150,7 @@ def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[d
 
 
 def _spread(reqs: list, rows: list[int], per_row: list) -> list:
+    """One entry per row of ``reqs``: ``per_row[m]`` at ``rows[m]``, None elsewhere."""
     out: list = [None] * len(reqs)
     for i, c in zip(rows, per_row):
         out[i] = c
@@ -206,10 +207,9 @@ def settle(req: Req, token: int, stop_token: int | None) -> bool:
     if p is not None:
         h.max_stop_prob = p if h.max_stop_prob is None else max(h.max_stop_prob, p)
         h.last_stop_prob = p
-    if stop_token is None:
-        fired = p is not None and p > h.stop_threshold
-    else:
-        fired = token == stop_token
+    # the stop head's probability, or CoLaR's sampled stop token
+    fired = token == stop_token if stop_token is not None else (
+        p is not None and p > h.stop_threshold)
     if not (late.may_fire and fired):
         return True
     h.end, h.stop_step = "stop", late.k

@@ -319,7 +319,7 @@ class Scheduler:
         :meth:`advance_launched`; then its budget and output, as :meth:`postprocess`."""
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
-        done = []  # finished now: their KV is released together, at the end
+        done: list[Req] = []  # finished now: their KV is released together, at the end
         try:
             for (req, idx, tick, late), tok in zip(pending, tokens):
                 if req.status is ReqStatus.FINISHED:
