@@ -115,10 +115,10 @@ def views_server(tmp_path_factory, smollm2_dir):
     name."""
     pytest.importorskip("peft")
     from latentserve.bench.baseline.latent_models import save_latent_tiny
-    from latentserve.bench.baseline.loop_models import save_loop_tiny
     from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
+    from tests.support.loop_models import save_loop_tiny
 
     root = tmp_path_factory.mktemp("viewer-views")
     dirs = {"huginn": write_huginn(root / "huginn"), "ouro": write_ouro(root / "ouro"),
