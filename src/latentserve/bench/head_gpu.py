@@ -90,12 +90,9 @@ def _kv_floor(engine, batch: int, mean_ctx: float, bw: float) -> dict:
 def step_cost(engine, bare, prompts, open_ids, max_latent: int, device: str,
               rounds: int = 1) -> dict:
     """Steady step time (s) of ``len(prompts)`` rows in the latent phase against the same
-    rows decoding plain tokens at the same positions (prompt + opening ids, thinking off),
-    in the head engine and (when ``bare`` is an engine) on the bare backbone.
-
-    ``rounds`` > 1 repeats the latent, plain and bare phases in turn and reports the median
-    of each (the per-round figures in ``rounds``): drift in clocks or host load between two
-    phases then cannot masquerade as the head's cost."""
+    rows decoding plain tokens at the same positions, in the head engine and (when ``bare``
+    is an engine) on the bare backbone. ``rounds`` > 1 alternates the phases and reports each
+    one's median (per-round figures in ``rounds``), so drift cannot pass for the head's cost."""
     import statistics
 
     from latentserve.bench.device_common import drive

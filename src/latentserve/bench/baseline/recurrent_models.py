@@ -33,12 +33,9 @@ def _generator(seed: int, device: str):
 
 def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, save_dtype=None,
                  init_device: str = "cpu", **overrides) -> Path:
-    """Write a tiny Huginn checkpoint (``HUGINN_TINY`` + ``overrides``) into ``out_dir``.
-
-    ``save_dtype`` (a torch dtype; None = float32) is the dtype of the saved weights (the
-    ``freqs_cis`` buffer stays float32); ``init_device`` draws the random weights there (a
-    CUDA generator is much faster for real-size shapes, and draws other numbers than the
-    default CPU one)."""
+    """Write a tiny Huginn checkpoint (``HUGINN_TINY`` + ``overrides``) into ``out_dir``;
+    weights in ``save_dtype`` (None: float32; ``freqs_cis`` stays float32), drawn on
+    ``init_device`` (a CUDA generator draws other numbers than the CPU one)."""
     import torch
     from safetensors.torch import save_file
 
