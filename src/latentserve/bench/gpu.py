@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from latentserve.bench.device_common import profile_replay
+from latentserve.bench.device_common import free_memory, profile_replay
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -272,8 +272,7 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                            **{k: r[k] for k in _STEP_SPREAD if k in r}}
             inject = _inject_cost(engine, max(concurrency))
             del engine
-            gc.collect()
-            torch.cuda.empty_cache()
+            free_memory("cuda")
             variants = ([("unfused", {"fused_ops": False})] if compare_unfused else []) + \
                 ([("sync", {"overlap_schedule": False})] if compare_overlap else []) + \
                 [(f"kv_splits_{s}", {"attention_num_kv_splits": s}) for s in kv_splits]
@@ -291,8 +290,7 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                                 "kernels": _kernels_per_replay(engine, c),
                                 **{k: r[k] for k in _STEP_SPREAD if k in r}}
                 del engine
-                gc.collect()
-                torch.cuda.empty_cache()
+                free_memory("cuda")
             if hf_baseline:
                 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
                 hf.eval()
@@ -307,8 +305,7 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                     rows[c]["hf_batch1_tok_s"] = tps1
                     rows[c]["speedup_vs_hf_batch1"] = rows[c]["engine_tok_s"] / tps1
                 del hf
-                gc.collect()
-                torch.cuda.empty_cache()
+                free_memory("cuda")
             result["shapes"][name] = {"weights_bytes": weights, "kv_bytes_per_token": per_slot,
                                       "concurrency": rows, "inject_cost": inject}
             print(json.dumps({name: result["shapes"][name]}, indent=1), flush=True)
