@@ -47,3 +47,19 @@ def test_the_parser_is_built_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_train_head_checks_its_data_before_importing_torch(tmp_path):
+    """A missing ``--data`` is reported at once, before torch loads (seconds on a busy
+    machine)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from latentserve.cli import main; "
+            f"rc = main(['train-head', 'sft', '--model', 'unused', '--data', "
+            f"{str(tmp_path / 'missing.jsonl')!r}, '--out', 'unused']); "
+            "print(rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.split() == ["2", "False"], r.stderr
+    assert "missing.jsonl does not exist" in r.stderr

@@ -146,8 +146,9 @@ def resolve_model_dir(model: str | os.PathLike[str] | None, dtype: str = "float3
         return _converted(embedded_gguf_path(), dtype)
     path = Path(model).expanduser()
     accepted = (
-        "model must be None (the embedded SmolLM2-135M-Instruct), a directory containing "
-        "config.json or a PEFT adapter_config.json, or a path to a .gguf file"
+        "--model (EngineConfig.model) must be a directory containing config.json or a PEFT "
+        "adapter_config.json, or a .gguf file; leave it out (None) for the embedded "
+        "SmolLM2-135M-Instruct"
     )
     if path.is_dir():
         if (path / "config.json").is_file():

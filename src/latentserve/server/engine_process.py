@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
 
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    loaded = threading.Event()  # from then on EngineLoop watches the parent
+    threading.Thread(target=_exit_if_parent_goes, args=(parent_pid, loaded),
+                     name="parent-watch", daemon=True).start()
     level = logging.getLevelName("DEBUG" if str(log_level).upper() == "TRACE"
                                  else str(log_level).upper())
     logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
@@ -95,12 +99,24 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         ready_conn.close()
         ctx.destroy(linger=0)
         raise SystemExit(1) from None
+    loaded.set()
     ready_conn.send_bytes(dumps(ready))
     ready_conn.close()
     try:
         EngineLoop(engine, inbox, outbox, parent_pid).run()
     finally:
         ctx.destroy(linger=1000)
+
+
+def _exit_if_parent_goes(parent_pid: int, loaded: threading.Event,
+                         interval: float = 0.5) -> None:
+    """Exit this process at once when ``parent_pid`` stops being its parent before ``loaded``
+    is set: a server killed while the model loads (SIGTERM, SIGKILL) leaves no engine behind.
+    Tensor-parallel workers watch this process in turn (``tp_worker``)."""
+    while not loaded.wait(interval):
+        if os.getppid() != parent_pid:
+            log.info("parent process is gone while loading; engine exits")
+            os._exit(1)
 
 
 class EngineLoop:
@@ -279,6 +295,12 @@ class EngineProcess:
         self.addresses: EngineAddresses | None = None
         self._proc = None
         self._dir: str | None = None
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        """Make a :meth:`start` waiting in another thread stop the child and raise
+        ``EngineStartupError`` within 0.2 s (Ctrl-C while several engines load)."""
+        self._cancel.set()
 
     def start(self) -> Ready:
         import multiprocessing as mp
@@ -305,6 +327,8 @@ class EngineProcess:
     def _wait_ready(self, conn) -> Ready:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
+            if self._cancel.is_set():
+                raise EngineStartupError("engine start-up cancelled")
             if conn.poll(0.2):
                 try:
                     message = loads(conn.recv_bytes())
