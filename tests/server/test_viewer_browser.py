@@ -61,6 +61,12 @@ def test_without_the_key_the_page_says_so(page, colar_key_server):
     page.evaluate("sessionStorage.clear()")
     page.reload()
     page.wait_for_function("document.getElementById('status').textContent.includes('401')")
+    assert page.inner_text("#status") == "API key needed (401)"
+    assert page.locator("#model option").count() == 0
+    page.fill("#key", "not-the-key")
+    page.click("#connect")
+    page.wait_for_function("document.getElementById('status').textContent.includes('rejected')")
+    assert page.inner_text("#status").startswith("API key rejected (401)")
     assert page.locator("#model option").count() == 0
 
 
@@ -87,18 +93,82 @@ def test_streams_step_columns_the_stop_marker_and_the_answer(page, colar_key_ser
     assert cols.nth(0).locator(".tok").count() == 5
     assert cols.nth(0).locator(".tok code").first.inner_text().startswith('"')
     assert cols.nth(0).locator(".tok .p").first.inner_text().endswith("%")
-    assert "p(###)" in cols.nth(0).inner_text()
     marker = first.locator(".stop-marker")
     assert marker.inner_text().startswith(f"stop at step {COLAR_STOP_STEPS}")
     assert "### sampled" in marker.inner_text()
     assert "fired" in cols.nth(COLAR_STOP_STEPS - 1).get_attribute("class")
+    # Step k shows p(###) read from its own output: the next entry's stop_prob, and on the
+    # step that fired the stop the final stats' end_stop_prob, as the marker does.
+    latent = httpx.post(f"{colar_key_server.base_url}/v1/completions", timeout=60,
+                        headers={"Authorization": f"Bearer {API_KEY}"},
+                        json={"model": colar_key_server.model_dir, "prompt": COLAR_STOPS,
+                              "max_tokens": 3, "temperature": 0, "compression_factor": 2,
+                              "return_latent_trace": True}).json()["choices"][0]["latent"]
+    fired = latent["stats"]["end_stop_prob"]
+    want = [e["stop_prob"] for e in latent["trace"][1:]] + [fired]
+    shown = [float(cols.nth(k).locator(".stoptext").inner_text().removeprefix("p(###) "))
+             for k in range(COLAR_STOP_STEPS)]
+    assert shown == pytest.approx(want, rel=0.05, abs=5e-4)
+    assert float(marker.inner_text().split("(p ")[1].rstrip(")")) == pytest.approx(
+        fired, rel=0.05, abs=5e-4)
     answer = first.locator(".answer").inner_text().strip()
     assert len(answer.split()) == 3  # three word tokens of the tiny vocabulary
     assert f"{COLAR_STOP_STEPS} latent steps" in first.locator("table.summary").inner_text()
     off = page.locator(".run").nth(1)
     assert off.locator("h2").inner_text().endswith("(thinking off)")
     assert off.locator(".stop-marker").inner_text().startswith("thinking off")
-    assert "0 latent steps" in off.locator("table.summary").inner_text()
+    # thinking off: CoLaR reasons in text before "###"; this tiny one writes no mark
+    assert _summary(off)["thinking"] == "none (thinking off, no ### or Answer: mark in the output)"
+
+
+def test_thinking_counts_text_tokens_before_the_mark_only(page, colar_key_server):
+    """The summary's thinking value (viewer.js ``thinkingSummary``): a head model with
+    thinking off counts its text tokens before ``###`` / ``Answer:``; a plain model's output
+    without either mark is not counted as thinking."""
+    _connect(page, colar_key_server)
+    head, plain = {"kind": "head", "family": "colar"}, None
+    off = {"steps": 0, "stats": {"thinking": False}}
+    on = {"steps": 4, "stats": {"thinking": True}}
+    cases = [(head, off, ["I", " add", " 2", " ###", " 5"], "3 thinking tokens (thinking off, "
+              "text before ### / Answer:)"),
+             (head, on, ["Answer:", " 5"], "4 latent steps"),
+             (plain, None, [" 5", " apples", ".", "\n", "Sure", "!"],
+              "none (no ### or Answer: mark in the output)"),
+             (plain, None, ["2", "+", "3", " Answer:", " 5"], "3 thinking tokens (text before "
+              "### / Answer:)")]
+    for lat, latent, tokens, want in cases:
+        got = page.evaluate("([l, s, t]) => thinkingSummary(l, s, t)", [lat, latent, tokens])
+        assert got == want
+
+
+def test_stop_aborts_and_a_cut_stream_shows_no_summary(page, colar_key_server):
+    """Stop aborts the request in flight; a stream that ends without a finish_reason (the
+    server stopped) is said to be cut short, with no summary as if it had finished."""
+    _connect(page, colar_key_server)
+    page.fill("#prompt", COLAR_STOPS)
+    if page.is_checked("#compare"):
+        page.uncheck("#compare")
+    page.route("**/v1/chat/completions", lambda route: None)  # never answered
+    try:
+        page.click("#run")
+        page.wait_for_selector("#stop:not([hidden])")
+        page.click("#stop")
+        page.wait_for_selector(".run .error")
+        assert page.inner_text(".run .error") == "stopped (Stop pressed)"
+        assert page.locator("#stop").is_hidden() and page.is_enabled("#run")
+    finally:
+        page.unroute("**/v1/chat/completions")
+    tick = {"choices": [{"index": 0, "delta": {"content": " w5"}, "finish_reason": None}]}
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=f"data: {json.dumps(tick)}\n\n"))
+    try:
+        page.click("#run")
+        page.wait_for_selector(".run .error")
+        assert page.inner_text(".run .error").startswith(
+            "the stream ended before the request finished")
+        assert page.locator(".run table.summary tr").count() == 0
+    finally:
+        page.unroute("**/v1/chat/completions")
 
 
 # --- the other views: one server, four tiny latent models ------------------------------------
@@ -158,7 +228,7 @@ def _submit(page, srv, which: str, prompt: str, max_tokens: int, controls=None,
     if page.is_checked("#compare"):
         page.uncheck("#compare")
     page.click("#run")
-    page.wait_for_selector(".run table.summary tr", timeout=120_000)
+    page.wait_for_selector(".run table.summary tr, .run .error", timeout=120_000)
     assert page.locator(".run .error").count() == 0, page.inner_text(".run .error")
     return page.locator(".run").nth(0)
 
@@ -188,11 +258,24 @@ def test_huginn_heat_map_has_one_cell_per_token_with_its_depth(page, views_serve
     assert run.locator(".align-warn").count() == 0
     want = _api(views_server, "huginn", WORDS, 5, latent_budget=3)["logprobs"]["tokens"]
     assert _cell_texts(cells) == want
+    # Recurrent depth has no thinking-off mode: only the other models to compare with, and
+    # with no other model no side-by-side at all.
+    assert page.locator('#compare_with option[value=""]').count() == 0
+    assert page.locator("#compare_row").is_visible()
+    page.evaluate("""name => { for (const id of Object.keys(models)) if (id !== name)
+        delete models[id]; showControls(); }""", views_server.dirs["huginn"])
+    assert page.locator("#compare_row").is_hidden() and not page.is_checked("#compare")
+    assert page.evaluate("visible(' a\\n')") == "\u2423a\u21b5"
 
 
 def _cell_texts(cells) -> list[str]:
-    """Each heat-map cell's token text (its first text node: no readout subscript)."""
-    return cells.evaluate_all("cs => cs.map((c) => c.firstChild.textContent)")
+    """Each heat-map cell's token text (``data-token``), checked against what the cell shows
+    (its first text node, whitespace made visible: no readout subscript)."""
+    raw = cells.evaluate_all("cs => cs.map((c) => c.dataset.token)")
+    shown = cells.evaluate_all("cs => cs.map((c) => c.firstChild.textContent)")
+    assert shown == [t.replace(" ", "\u2423").replace("\n", "\u21b5").replace("\t", "\u21e5")
+                     for t in raw]
+    return raw
 
 
 def test_ouro_heat_map_shows_each_tokens_exit_distribution(page, views_server):
@@ -211,7 +294,8 @@ def test_ouro_heat_map_shows_each_tokens_exit_distribution(page, views_server):
         assert heights == pytest.approx([max(1, p * 100) for p in e["exit_probs"]], rel=1e-5)
         assert cell.locator(".exitbars i.read").count() == 1
         assert bars.nth(e["readout_step"]).get_attribute("class") == "read"
-        assert "exit probability per step: 0: " in cell.get_attribute("title")
+        assert "exit probability per step: 1: " in cell.get_attribute("title")
+        assert cell.locator("sub").inner_text() == f"@{e['readout_step'] + 1}"
     assert "exit probability of each step" in run.locator(".legend").inner_text()
 
 
@@ -253,6 +337,24 @@ def test_pccot_grid_shows_each_passes_lens_tokens(page, views_server):
                                                                ensure_ascii=False)
     marker = run.locator(".stop-marker").inner_text()
     assert marker == f"{passes * PCCOT_BLOCK} latent positions: {passes} passes over the block"
+
+
+def test_pccot_budget_0_runs_pass_0_and_says_so(page, views_server):
+    """latent_budget counts the passes after pass 0 (docs/models.md): at 0 the block still
+    runs once over its latent-token placeholders (the engine's trace has that pass), and the
+    view says so instead of "no thinking"; side by side names that option the same way."""
+    run = _submit(page, views_server, "pccot", "Question: 2 + 3 =", 2, {"latent_budget": 0})
+    latent = _api(views_server, "pccot", "Question: 2 + 3 =", 2, latent_budget=0)["latent"]
+    assert latent["steps"] == PCCOT_BLOCK
+    assert [(e["pass"], e["position"]) for e in latent["trace"]] == [
+        (1, j + 1) for j in range(PCCOT_BLOCK)]
+    assert run.locator(".grid .lab").count() == 1
+    assert run.locator(".grid .cell.lens").count() == PCCOT_BLOCK
+    marker = run.locator(".stop-marker").inner_text()
+    assert marker == (f"{PCCOT_BLOCK} latent positions: 1 pass over the block (latent_budget 0: "
+                      "pass 0 only, the latent-token placeholders with no feedback)")
+    assert _summary(run)["thinking"] == marker
+    assert page.inner_text('#compare_with option[value=""]') == "latent_budget 0: pass 0 only"
 
 
 def test_coconut_view_has_a_column_per_latent_step(page, views_server):
