@@ -23,7 +23,12 @@ from latentserve.server.anthropic_blocks import (
     message_turns,
     openai_tools,
 )
-from latentserve.server.errors import APIError, anthropic_error_body, param_from_value_error
+from latentserve.server.errors import (
+    APIError,
+    anthropic_error_body,
+    anthropic_status,
+    param_from_value_error,
+)
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.output_parser import OutputParser, drops_tags, parse_output
 from latentserve.server.params import (
@@ -272,16 +277,16 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     (``LLMEngine.check_request``, nothing queued), so a body that count accepts is not
     refused later for them. Without ``max_tokens`` (Anthropic's count takes none) the
     context check asks room for one answer token, so ``/v1/messages`` can still refuse a
-    larger ``max_tokens``; any model name counts (the route's ``served.resolve`` picks the
-    model).
+    larger ``max_tokens``.
 
     Raises:
         APIError: 400 for any body ``/v1/messages`` refuses (the engine's reason for its
-            refusals), 503 when the engine is gone.
+            refusals), 404 for a model that is not served (Anthropic's
+            ``not_found_error``), 503 when the engine is gone.
     """
     from latentserve.server.serving import ENGINE_ERRORS, api_error
 
-    _check(body.model_copy(update={"model": state.model_name}), state)
+    _check(body, state)
     answer = _answer(body, state)
     prompt_ids = await _prompt_ids(body, state, answer)
     sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
@@ -412,7 +417,7 @@ def _error_event(exc: Exception) -> str:
     from latentserve.server.serving import api_error
 
     err = api_error(exc)
-    return _event("error", anthropic_error_body(err.message, err.status_code))
+    return _event("error", anthropic_error_body(err.message, anthropic_status(err)))
 
 
 class _Blocks:
