@@ -93,7 +93,8 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     Raises:
         APIError: 400 for a model without tokenizer files or a chat template, a reserved
             or non-string template keyword, ``continue_final_message`` without a final
-            assistant message, or a template that fails on this conversation.
+            assistant message, or a template that fails on this conversation or renders it
+            as no tokens (naming ``chat_template`` when it is the request's).
     """
     from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
 
@@ -123,7 +124,13 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(...)
         raise APIError(f"the chat template failed on these messages: "
                        f"{type(exc).__name__}: {exc}", param=param) from None
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+    ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+    if not ids:
+        whose = "the request's chat_template" if chat_template is not None else \
+            "the model's chat template"
+        raise APIError(f"{whose} rendered these messages as an empty prompt",
+                       param="chat_template" if chat_template is not None else param)
+    return ids
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
