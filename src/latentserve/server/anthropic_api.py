@@ -335,12 +335,24 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
 
 
 async def create_message(body: MessagesRequest, request, state: ServerState):
-    """Validate, template, run; answer with one ``message`` object or an SSE event stream.
+    """Validate, admit (``admission.admit``: one engine request), template, run; answer
+    with one ``message`` object or an SSE event stream.
 
     Raises:
         APIError: 400 (bad field, context too long, unsupported feature), 404 (another
-            model's name), or the engine errors of ``serving.api_error``.
+            model's name), 503 ``overloaded`` (529 here) from ``admission.admit``, or the
+            engine errors of ``serving.api_error``.
     """
+    from latentserve.server.admission import admit
+
+    arrival = time.monotonic()
+    _check(body, state)
+    with admit(state, 1) as ticket:
+        return await _admitted_message(body, request, state, arrival, ticket)
+
+
+async def _admitted_message(body: MessagesRequest, request, state: ServerState,
+                            arrival: float, ticket):
     from latentserve.server.logprobs import token_texts
     from latentserve.server.serving import (
         collect,
@@ -350,8 +362,6 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         start_stream,
     )
 
-    arrival = time.monotonic()
-    _check(body, state)
     answer = _answer(body, state)
     prompt_ids = await _prompt_ids(body, state, answer)
     body, params = _request_params(body, request, state, len(prompt_ids), answer)
@@ -362,7 +372,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     asked = bool(body.return_latent_trace)
     texts = token_texts(state.tokenizer)
     if body.stream:
-        deltas = await start_stream(request, state, reqs, arrival)
+        deltas = await start_stream(request, state, reqs, arrival, ticket)
         latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
                   else None)
         events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
@@ -371,7 +381,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
             request, state, reqs, events, error_event=_error_event,
             internal_error_event=_event("error", anthropic_error_body(
                 "Internal server error", 500)), done=None))
-    result = (await collect(request, state, reqs, arrival))[0]
+    result = (await collect(request, state, reqs, arrival, ticket))[0]
     reasoning, content, calls = parse_output(answer.parser(state), result.text)
     if answer.latent_mode:
         reasoning = latent_reasoning_text(answer.latent_mode, result.latent_steps,

@@ -169,6 +169,20 @@ def _text(message: ChatMessage, i: int) -> str:
     return "".join(texts)
 
 
+def prompt_list(prompt, max_prompts: int) -> list:
+    """A completions ``prompt`` as a list of prompts (a string or a token-id list is one).
+
+    Raises:
+        APIError: 400 naming ``prompt`` for more than ``max_prompts`` prompts.
+    """
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > max_prompts:
+            raise APIError(f"prompt may hold at most {max_prompts} prompts, got "
+                           f"{len(prompt)}", param="prompt")
+        return list(prompt)
+    return [prompt]
+
+
 def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int,
                        max_model_len: int | None = None) -> list[tuple[list[int], str | None]]:
     """Encode a completions ``prompt``: a string, token ids, or a list of either; with
@@ -180,16 +194,9 @@ def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: i
         APIError: 400 for an empty prompt (or list), more than ``max_prompts`` prompts, or a
             token id out of range.
     """
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompts = list(prompt)
-        if len(prompts) > max_prompts:
-            raise APIError(f"prompt may hold at most {max_prompts} prompts, got "
-                           f"{len(prompts)}", param="prompt")
-    else:
-        prompts = [prompt]
     limit = vocab_size or len(tokenizer)
     out = []
-    for p in prompts:
+    for p in prompt_list(prompt, max_prompts):
         if isinstance(p, str):
             if max_model_len is not None:
                 check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
