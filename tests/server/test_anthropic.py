@@ -83,10 +83,17 @@ def test_validation_error_is_an_anthropic_error(server, model):
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_unknown_model_is_not_found(anthropic_client):
-    with pytest.raises(anthropic.NotFoundError) as info:
+def test_unknown_model_is_not_found(anthropic_client, model):
+    """On /v1/messages and its count_tokens alike: Anthropic's 404 ``not_found_error``."""
+    with pytest.raises(anthropic.NotFoundError) as created:
         anthropic_client.messages.create(model="claude-nope", max_tokens=2, messages=MESSAGES)
-    assert info.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError) as counted:
+        anthropic_client.messages.count_tokens(model="claude-nope", messages=MESSAGES)
+    for info in (created, counted):
+        assert info.value.status_code == 404
+        assert info.value.body == {"type": "error", "error": {
+            "type": "not_found_error",
+            "message": f"model: claude-nope (this server serves {model})"}}
 
 
 def test_missing_api_key_is_an_authentication_error(server, model):

@@ -48,3 +48,29 @@ def test_wrong_type_is_400_not_422(app_client):
 def test_param_is_the_field_path_without_union_tags(loc, param):
     error = validation_error([{"loc": loc, "msg": "bad", "type": "x_type", "input": 1}])
     assert error.param == param and error.status_code == 400
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"prompt": "\xff"}', b"", b"[1]"],
+                         ids=["syntax", "not-utf8", "empty", "not-an-object"])
+def test_a_body_that_is_not_a_json_object_is_invalid_json_on_both_apis(content):
+    """OpenAI's body has ``code: "invalid_json"`` (never null) whatever the parser tripped
+    on; Anthropic's the same message as an ``invalid_request_error``."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    @app.post("/v1/messages")
+    async def route(body: CompletionRequest):
+        return {"ok": True}
+
+    client = TestClient(app, raise_server_exceptions=False)
+    headers = {"Content-Type": "application/json"}
+    openai_error = client.post("/v1/completions", content=content, headers=headers)
+    assert openai_error.status_code == 400
+    error = openai_error.json()["error"]
+    assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error"
+    assert "JSON" in error["message"]
+    anthropic_error = client.post("/v1/messages", content=content, headers=headers)
+    assert anthropic_error.status_code == 400
+    assert anthropic_error.json() == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": error["message"]}}

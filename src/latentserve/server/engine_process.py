@@ -33,8 +33,11 @@ from latentserve.server.messages import (
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_MS = 1000  # idle wake-up, only to notice a dead parent
-_SEND_TIMEOUT_MS = 1000  # a send waiting for the API process rechecks that it exists
+# How often an idle engine (and a send waiting for a reader) checks that the API process
+# still exists: an orphaned engine exits within this long, busy or idle.
+PARENT_CHECK_S = 0.5
+_IDLE_POLL_MS = int(PARENT_CHECK_S * 1000)  # idle wake-up, only to notice a dead parent
+_SEND_TIMEOUT_MS = _IDLE_POLL_MS  # a send waiting for the API process rechecks it exists
 # Forward failures in a row (with no good step between) after which the engine gives up.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
@@ -102,9 +105,12 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
     loaded.set()
     ready_conn.send_bytes(dumps(ready))
     ready_conn.close()
+    loop = EngineLoop(engine, inbox, outbox, parent_pid)
     try:
-        EngineLoop(engine, inbox, outbox, parent_pid).run()
+        loop.run()
     finally:
+        if loop.orphaned:
+            _exit_orphaned(addresses)
         ctx.destroy(linger=1000)
 
 
@@ -117,6 +123,27 @@ def _exit_if_parent_goes(parent_pid: int, loaded: threading.Event,
         if os.getppid() != parent_pid:
             log.info("parent process is gone while loading; engine exits")
             os._exit(1)
+
+
+def _exit_orphaned(addresses: EngineAddresses) -> None:
+    """Leave at once, the API process being gone: remove the IPC sockets and their
+    directory if it is empty (nobody else will), and skip the interpreter's teardown
+    (seconds with torch loaded), which has nothing to save; the memory goes back to the
+    system with the process."""
+    import contextlib
+    import sys
+
+    paths = [a.removeprefix("ipc://") for a in (addresses.input, addresses.output)
+             if a.startswith("ipc://")]
+    with contextlib.suppress(OSError):
+        for path in paths:
+            os.unlink(path)
+        if paths:
+            os.rmdir(os.path.dirname(paths[0]))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class EngineLoop:
@@ -138,6 +165,7 @@ class EngineLoop:
         self.outbox = outbox
         self.parent_pid = parent_pid
         self.running = True
+        self.orphaned = False  # the loop ended because the parent process is gone
         self.failed_steps = 0
         self.queued_at: dict[str, float] = {}  # added, not yet scheduled: when it came
         self.scheduled: dict[str, tuple[float, float]] = {}  # to send: (queued, scheduled)
@@ -149,7 +177,7 @@ class EngineLoop:
         poller.register(self.inbox, zmq.POLLIN)
         while self.running:
             if self._parent_gone():  # every step: nobody reads the outputs of a busy engine
-                log.info("parent process is gone; engine exits")
+                self._orphan()
                 return
             busy = self.engine.has_unfinished_requests()
             if poller.poll(0 if busy else _IDLE_POLL_MS):
@@ -258,9 +286,12 @@ class EngineLoop:
                 return
             except zmq.Again:
                 if self._parent_gone():
-                    log.info("parent process is gone; engine exits")
-                    self.running = False
+                    self._orphan()
                     return
+
+    def _orphan(self) -> None:
+        log.info("parent process is gone; engine exits")
+        self.running, self.orphaned = False, True
 
     def _workers_gone(self) -> str | None:
         """Why the engine cannot step any more because a tensor-parallel worker exited."""

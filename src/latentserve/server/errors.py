@@ -44,16 +44,23 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-# Anthropic's error type for each HTTP status.
+# Anthropic's error type for each HTTP status: only load shedding (529, the server's
+# ``overloaded``) is ``overloaded_error``; a failed engine (500, 503) is ``api_error``.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
                     413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
+                    503: "api_error", 529: "overloaded_error"}
 
 
 def is_anthropic_path(path: str) -> bool:
     """Whether ``path`` is served with Anthropic's error shape."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_status(err: APIError) -> int:
+    """The HTTP status of ``err`` under ``/v1/messages``: Anthropic's 529 for the 503
+    ``overloaded`` (load shedding), else ``err.status_code``."""
+    return 529 if err.code == "overloaded" else err.status_code
 
 
 def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
@@ -97,7 +104,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"Malformed JSON body: {detail}", code="invalid_json")
     if loc in (("body",), ()):
         if first.get("type") == "missing":
-            return APIError("Request body is missing; send a JSON object")
+            return APIError("Request body is missing; send a JSON object", code="invalid_json")
         return APIError("Request body must be a JSON object", code="invalid_json")
     param = _param(loc)
     if first.get("type") == "missing":
@@ -108,6 +115,16 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     got = _short(first.get("input"))
     return APIError(f"Invalid type for '{param}': {reasons} (got {got})", param=param,
                     code="invalid_type")
+
+
+def malformed_body(cause: BaseException | None) -> APIError:
+    """The 400 ``invalid_json`` for a body FastAPI could not parse for another reason than
+    its JSON syntax (``cause``: the parser's exception, e.g. a ``UnicodeDecodeError``)."""
+    if isinstance(cause, UnicodeDecodeError):
+        detail = f"not valid UTF-8 (byte {cause.start})"
+    else:
+        detail = type(cause).__name__ if cause is not None else "unreadable"
+    return APIError(f"Malformed JSON body: {detail}", code="invalid_json")
 
 
 def _param(loc: tuple) -> str:
@@ -141,9 +158,7 @@ def install_error_handlers(app) -> None:
 
     def reply(request, err: APIError, headers=None):
         path = request.url.path
-        status = err.status_code
-        if err.code == "overloaded" and is_anthropic_path(path):
-            status = 529  # Anthropic's overloaded_error
+        status = anthropic_status(err) if is_anthropic_path(path) else err.status_code
         return error_response(path, status, err.message, err.type, err.param, err.code,
                               headers or err.headers)
 
@@ -154,6 +169,8 @@ def install_error_handlers(app) -> None:
         return reply(request, validation_error(list(exc.errors())))
 
     async def on_http(request, exc: HTTPException):
+        if exc.status_code == 400:  # FastAPI could not read the body (not UTF-8, ...)
+            return reply(request, malformed_body(exc.__cause__))
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "request_too_large" if exc.status_code == 413 else None
         return reply(request, APIError(str(exc.detail), status_code=exc.status_code, type=kind,
