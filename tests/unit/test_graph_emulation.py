@@ -320,8 +320,14 @@ def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_cod
     """CODI's ``prj`` runs in the decode graphs' latent graph (``FeedbackFamily.graph_hooks``)
     and the overlap scheduler launches each latent step on the replayed outputs of the one
     before (their vectors injected into the next replay): greedy tokens, latent step counts
-    and traces equal the eager synchronous engine's, for budgets 0 to 5 in one batch."""
-    from tests.support.tp_parity import assert_same_outputs, run_requests, spy_overlapped
+    and traces equal the eager synchronous engine's, and every sampled step's logits within
+    1e-4, for budgets 0 to 5 in one batch."""
+    from tests.support.tp_parity import (
+        assert_same,
+        assert_same_outputs,
+        run_requests,
+        spy_overlapped,
+    )
 
     requests = [([5 + i, 17, 29 + i, 41], SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=b,
@@ -342,6 +348,7 @@ def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_cod
     want, _, _ = run(False)
     got, engine, overlapped = run(True)
     assert_same_outputs(want, got, atol=1e-4)
+    assert_same(want, got, atol=1e-4)
     assert sum(overlapped) > 5
     assert [f.latent_steps for _, _, f in got] == [0, 2, 3, 5]
     graphs = engine.runner.graphs
