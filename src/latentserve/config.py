@@ -103,7 +103,8 @@ class EngineConfig:
     ``max_model_len`` bounds
     prompt + output tokens per request (None = the model's ``max_position_embeddings``).
     ``kv_slots`` is the KV pool size in tokens (None = sized from memory: 1 GiB on CPU; on
-    CUDA ``gpu_memory_utilization`` of the device minus weights, graphs and activations).
+    CUDA ``gpu_memory_utilization`` of the device minus the memory in use on it, by any
+    process, and a reserve for activations).
     ``max_num_batched_tokens`` is the prefill chunk budget per step. ``attention_backend``:
     ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``;
     ``attention_num_kv_splits``: the most splits of each request's keys in the Triton decode
@@ -161,7 +162,8 @@ class EngineConfig:
     max_num_seqs: int = option(64, "requests running at once", ge=1)
     kv_slots: int | None = option(
         None, "KV pool size in tokens (default: 1 GiB on cpu; on cuda "
-        "--gpu-memory-utilization of the device minus weights and graphs)", ge=2, human=True)
+        "--gpu-memory-utilization of the device minus the memory in use on it)", ge=2,
+        human=True)
     max_num_batched_tokens: int = option(2048, "tokens per forward (prefill chunk budget)",
                                          ge=1, human=True)
     enable_prefix_caching: bool = option(

@@ -14,7 +14,7 @@ def run_batch(engine, prompts, max_tokens, **params):
         sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
         for req, row in zip(sampled, logits):
             if not req.output_ids:
-                first_logits[req.rid] = row.float().cpu()
+                first_logits[req.rid] = row.float().cpu().clone()
         return logits, hidden
 
     runner.run = recording_run
@@ -34,19 +34,21 @@ def run_batch(engine, prompts, max_tokens, **params):
 
 
 def run_budget_batch(engine, reqs, max_tokens: int, join_after: int | None = None):
-    """Run ``reqs``, ``[(prompt ids, latent_budget)]``, greedy, queued at once, on an engine
-    that steps synchronously (a latent model's steps never overlap). Returns per request
-    ``(answer ids, first-answer logits [vocab] float32 on the CPU, num_cached_tokens)``: the
-    logits row of the step that returned the request's first answer token (its latent steps
-    sample rows too). With ``join_after``, the second half of ``reqs`` is queued after that
-    many steps."""
-    runner, last = engine.runner, {}
+    """Run ``reqs``, ``[(prompt ids, latent_budget)]``, greedy, queued at once, synchronously
+    or under the overlap scheduler. Returns per request ``(answer ids, first-answer logits
+    [vocab] float32 on the CPU, num_cached_tokens)``: the logits row of the forward that
+    sampled the first answer token, the row sampled when the request had ``answer_start``
+    output ids (its latent steps sample rows too, at fewer; under overlap a step's outputs are
+    the previous forward's, so rows are matched by that count, not by step). With
+    ``join_after``, the second half of ``reqs`` is queued after that many steps."""
+    runner, rows, seen = engine.runner, {}, {}
     original = runner.run
 
     def recording_run(batch, *args, **kwargs):
         logits, hidden = original(batch, *args, **kwargs)
-        last["rids"] = [r.rid for r, s in zip(batch.reqs, batch.sample) if s]
-        last["logits"] = logits
+        for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], logits):
+            seen[req.rid] = req  # a copy: on the CPU .cpu() may be a graph's static buffer
+            rows.setdefault(req.rid, {})[len(req.output_ids)] = row.float().cpu().clone()
         return logits, hidden
 
     def add(todo):
@@ -59,23 +61,21 @@ def run_budget_batch(engine, reqs, max_tokens: int, join_after: int | None = Non
     split = len(todo) if join_after is None else len(todo) // 2
     add(todo[:split])
     rest = todo[split:]
-    tokens, logits, cached, steps = {r: [] for r in rids}, {}, {}, 0
+    tokens, cached, steps = {r: [] for r in rids}, {}, 0
     runner.run = recording_run
     try:
         while engine.has_unfinished_requests() or rest:
             if rest and steps == join_after:
                 add(rest)
                 rest = []
-            last.clear()
             for out in engine.step():
-                if out.new_token_ids and not tokens[out.rid]:
-                    logits[out.rid] = last["logits"][last["rids"].index(out.rid)].float().cpu()
                 tokens[out.rid] += out.new_token_ids
                 cached[out.rid] = out.num_cached_tokens
             steps += 1
     finally:
         runner.run = original
-    return [(tokens[r], logits[r], cached[r]) for r in rids]
+    first = {r: rows[r][seen[r].answer_start] for r in rids}
+    return [(tokens[r], first[r], cached[r]) for r in rids]
 
 
 def hf_reference(model, prompt, max_tokens):
