@@ -366,3 +366,23 @@ def test_coconut_view_has_a_column_per_latent_step(page, views_server):
     assert run.locator(".stop-marker").inner_text().startswith(
         f"ended after {COCONUT_BUDGET} steps")
     assert f"{COCONUT_BUDGET} latent steps" in _summary(run)["thinking"]
+
+
+def test_models_card_lists_only_the_controls_each_model_takes(views_server):
+    """``/v1/models``: Huginn's card lists its exit fields, all of which it takes; Ouro's only
+    the criterion and threshold (it exits by its gate and refuses the others)."""
+    cards = {c["id"]: c["latent"] for c in httpx.get(
+        f"{views_server.base_url}/v1/models", timeout=30).json()["data"]}
+    huginn, ouro = (cards[views_server.dirs[k]] for k in ("huginn", "ouro"))
+    assert huginn["controls"] == ["latent_budget", "exit_criterion", "exit_threshold",
+                                  "exit_min_steps", "exit_check_every", "exit_semantics"]
+    assert ouro["controls"] == ["latent_budget", "exit_criterion", "exit_threshold"]
+    _api(views_server, "huginn", WORDS, 2, exit_criterion="kl", exit_threshold=0.1,
+         exit_min_steps=1, exit_check_every=2, exit_semantics="engine")
+    _api(views_server, "ouro", WORDS, 2, exit_criterion="threshold", exit_threshold=0.5)
+    for field, value in (("exit_min_steps", 1), ("exit_check_every", 2),
+                         ("exit_semantics", "upstream")):
+        r = httpx.post(f"{views_server.base_url}/v1/completions", timeout=60, json={
+            "model": views_server.dirs["ouro"], "prompt": WORDS, "max_tokens": 1, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
