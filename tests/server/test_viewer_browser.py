@@ -4,14 +4,18 @@
 A tiny CoLaR behind an API key: the page asks for the key, lists the model with its
 controls, streams a prompt and shows one column per latent step (logit-lens tokens as text
 with probabilities), the stop marker where the phase ended, and the answer; side by side, the
-same prompt with thinking off.
+same prompt with thinking off; Run is disabled until the models are listed, a key refused at
+Run says so as at Connect, an out-of-range value is named in the pane, and a stream cut
+short (no finish_reason, or a connection reset) shows no summary.
 
 One server with tiny Huginn, Ouro, PCCoT and COCONUT models (``views_server``): the
 recurrent heat map has one cell per generated token (also when a stop token or EOS ends the
 request), each with its depth, and for Ouro the token's exit distribution (one bar per loop
 step, the values the API returned); the looped-block grid has one row per pass and each
 cell the position's logit-lens token in that pass; the feedback view has one column per
-latent step with its top 5 tokens."""
+latent step with its top 5 tokens; controls the cards list beyond the numbers (Huginn's
+exit_semantics, COCONUT's upstream_stop_rules) are selects, and Connect keeps the model and
+its control values."""
 
 import json
 import os
@@ -63,11 +67,52 @@ def test_without_the_key_the_page_says_so(page, colar_key_server):
     page.wait_for_function("document.getElementById('status').textContent.includes('401')")
     assert page.inner_text("#status") == "API key needed (401)"
     assert page.locator("#model option").count() == 0
+    # no model yet: Run is disabled, and the hint says why
+    assert page.is_disabled("#run") and page.is_visible("#run_hint")
     page.fill("#key", "not-the-key")
     page.click("#connect")
     page.wait_for_function("document.getElementById('status').textContent.includes('rejected')")
     assert page.inner_text("#status").startswith("API key rejected (401)")
     assert page.locator("#model option").count() == 0
+
+
+def test_a_key_refused_at_run_time_says_so_as_at_connect(page, colar_key_server):
+    _connect(page, colar_key_server)
+    assert page.is_enabled("#run") and page.is_hidden("#run_hint")
+    page.fill("#prompt", COLAR_STOPS)
+    if page.is_checked("#compare"):
+        page.uncheck("#compare")
+    page.fill("#key", "not-the-key")
+    page.click("#run")
+    page.wait_for_selector(".run .error")
+    assert page.inner_text(".run .error") == "API key rejected (401): check the key"
+
+
+def test_an_out_of_range_value_is_named_in_the_pane(page, colar_key_server):
+    """The form is checked before a run: a value outside its min/max is reported in the pane
+    (a headless browser draws no validation bubble), naming the field; nothing is sent."""
+    _connect(page, colar_key_server)
+    page.fill("#prompt", COLAR_STOPS)
+    sent = []
+
+    def record(request):
+        if "/v1/" in request.url:
+            sent.append(request.url)
+
+    page.on("request", record)
+    try:
+        for field, value in (("#max_tokens", "0"), ("#c_compression_factor", "9")):
+            page.fill(field, value)
+            page.click("#run")
+            page.wait_for_selector(".run .error")
+            want = page.eval_on_selector(field, "e => e.validationMessage")
+            assert want  # the browser's own reason, e.g. "Value must be ... 1."
+            name = field.removeprefix("#").removeprefix("c_")
+            assert page.inner_text(".run .error") == f"{name}: {want}"
+            page.fill(field, "2")
+    finally:
+        page.remove_listener("request", record)
+    assert sent == [] and page.is_enabled("#run")
 
 
 def test_model_shows_only_its_controls(page, colar_key_server):
@@ -169,6 +214,20 @@ def test_stop_aborts_and_a_cut_stream_shows_no_summary(page, colar_key_server):
         assert page.locator(".run table.summary tr").count() == 0
     finally:
         page.unroute("**/v1/chat/completions")
+    # The connection breaks mid-stream (a reset: the read fails after the first event).
+    page.evaluate("""tick => {
+        window.fetch = async () => new Response(new ReadableStream({
+            start(c) { c.enqueue(new TextEncoder().encode(`data: ${tick}\n\n`)); },
+            pull(c) { c.error(new TypeError("network error")); },
+        }), { status: 200, headers: { "Content-Type": "text/event-stream" } });
+    }""", json.dumps(tick))
+    page.click("#run")
+    page.wait_for_selector(".run .error")
+    assert page.inner_text(".run .error") == (
+        "the stream ended before the request finished (the server stopped or the connection "
+        "broke): network error")
+    assert page.inner_text(".run .answer") == " w5"
+    assert page.locator(".run table.summary tr").count() == 0
 
 
 # --- the other views: one server, four tiny latent models ------------------------------------
@@ -206,7 +265,7 @@ def _submit(page, srv, which: str, prompt: str, max_tokens: int, controls=None,
             extra_body=None):
     """Open the page, run ``prompt`` on model ``which`` (completion route) and wait for the
     summary. ``extra_body``: fields the page has no control for, merged into its request
-    body by a wrapped ``fetch``."""
+    body by a wrapped ``fetch``; the body sent is ``window.sentBody``."""
     page.goto(f"{srv.base_url}/viewer/")
     name = srv.dirs[which]
     page.wait_for_selector(f'#model option[value="{name}"]', state="attached")
@@ -214,8 +273,9 @@ def _submit(page, srv, which: str, prompt: str, max_tokens: int, controls=None,
     page.evaluate("""extra => {
         const real = window.fetch.bind(window);
         window.fetch = (url, opts) => {
-            if (extra && opts && opts.body) {
-                opts = {...opts, body: JSON.stringify({...JSON.parse(opts.body), ...extra})};
+            if (opts && opts.body) {
+                window.sentBody = {...JSON.parse(opts.body), ...(extra || {})};
+                opts = {...opts, body: JSON.stringify(window.sentBody)};
             }
             return real(url, opts);
         };
@@ -224,7 +284,10 @@ def _submit(page, srv, which: str, prompt: str, max_tokens: int, controls=None,
     page.fill("#prompt", prompt)
     page.fill("#max_tokens", str(max_tokens))
     for key, value in (controls or {}).items():
-        page.fill(f"#c_{key}", str(value))
+        if page.eval_on_selector(f"#c_{key}", "e => e.tagName") == "SELECT":
+            page.select_option(f"#c_{key}", str(value))
+        else:
+            page.fill(f"#c_{key}", str(value))
     if page.is_checked("#compare"):
         page.uncheck("#compare")
     page.click("#run")
@@ -249,7 +312,11 @@ def _summary(run) -> dict:
 
 
 def test_huginn_heat_map_has_one_cell_per_token_with_its_depth(page, views_server):
-    run = _submit(page, views_server, "huginn", WORDS, 5, {"latent_budget": 3})
+    run = _submit(page, views_server, "huginn", WORDS, 5,
+                  {"latent_budget": 3, "exit_semantics": "engine"})
+    assert page.evaluate("sentBody.exit_semantics") == "engine"
+    assert page.locator("#c_exit_semantics option").all_inner_texts() == [
+        "default", "engine", "upstream"]
     cells = run.locator(".heat .cell")
     assert cells.count() == 5
     assert _summary(run)["tokens"] == "5 generated"
@@ -296,7 +363,32 @@ def test_ouro_heat_map_shows_each_tokens_exit_distribution(page, views_server):
         assert bars.nth(e["readout_step"]).get_attribute("class") == "read"
         assert "exit probability per step: 1: " in cell.get_attribute("title")
         assert cell.locator("sub").inner_text() == f"@{e['readout_step'] + 1}"
+        # every token at full depth: the darkest cell; its text and @n still read, and the
+        # exit bars keep their own light ground
+        assert _contrast(cell) >= 4.5 and _contrast(cell.locator("sub")) >= 4.5
+        assert cell.locator(".exitbars").evaluate(
+            "b => getComputedStyle(b).backgroundColor") == "rgb(255, 255, 255)"
     assert "exit probability of each step" in run.locator(".legend").inner_text()
+    labels = run.locator(".hist div span").evaluate_all(
+        "ss => Math.max(...ss.map((s) => s.getBoundingClientRect().bottom))")
+    answer = run.locator("h3", has_text="Answer").bounding_box()
+    assert labels <= answer["y"]  # the histogram's depth labels clear the Answer heading
+
+
+def _contrast(loc) -> float:
+    """WCAG contrast ratio of an element's text against its heat-map cell's background (an
+    rgba over the white pane)."""
+    return loc.evaluate("""e => {
+        const rgb = (s) => s.match(/[0-9.]+/g).map(Number);
+        const cell = e.closest(".cell");
+        const [r, g, b, a = 1] = rgb(getComputedStyle(cell).backgroundColor);
+        const bg = [r, g, b].map((v) => v * a + 255 * (1 - a));
+        const lum = (c) => c.map((v) => v / 255).map((v) => v <= 0.03928 ? v / 12.92
+            : ((v + 0.055) / 1.055) ** 2.4).reduce((s, v, i) => s + v * [0.2126, 0.7152,
+            0.0722][i], 0);
+        const [l1, l2] = [lum(rgb(getComputedStyle(e).color).slice(0, 3)), lum(bg)];
+        return (Math.max(l1, l2) + 0.05) / (Math.min(l1, l2) + 0.05);
+    }""")
 
 
 @pytest.mark.parametrize("how", ["eos", "stop_token"])
@@ -359,10 +451,48 @@ def test_pccot_budget_0_runs_pass_0_and_says_so(page, views_server):
 
 def test_coconut_view_has_a_column_per_latent_step(page, views_server):
     run = _submit(page, views_server, "coconut", "Question: 2 + 3 =", 2,
-                  {"latent_budget": COCONUT_BUDGET})
+                  {"latent_budget": COCONUT_BUDGET, "upstream_stop_rules": "true"})
+    assert page.evaluate("sentBody.upstream_stop_rules") is True
     cols = run.locator(".step-col")
     assert cols.count() == COCONUT_BUDGET
     assert all(cols.nth(i).locator(".tok").count() == 5 for i in range(COCONUT_BUDGET))
     assert run.locator(".stop-marker").inner_text().startswith(
         f"ended after {COCONUT_BUDGET} steps")
     assert f"{COCONUT_BUDGET} latent steps" in _summary(run)["thinking"]
+
+
+def test_models_card_lists_only_the_controls_each_model_takes(views_server):
+    """``/v1/models``: Huginn's card lists its exit fields, all of which it takes; Ouro's only
+    the criterion and threshold (it exits by its gate and refuses the others)."""
+    cards = {c["id"]: c["latent"] for c in httpx.get(
+        f"{views_server.base_url}/v1/models", timeout=30).json()["data"]}
+    huginn, ouro = (cards[views_server.dirs[k]] for k in ("huginn", "ouro"))
+    assert huginn["controls"] == ["latent_budget", "exit_criterion", "exit_threshold",
+                                  "exit_min_steps", "exit_check_every", "exit_semantics"]
+    assert ouro["controls"] == ["latent_budget", "exit_criterion", "exit_threshold"]
+    _api(views_server, "huginn", WORDS, 2, exit_criterion="kl", exit_threshold=0.1,
+         exit_min_steps=1, exit_check_every=2, exit_semantics="engine")
+    _api(views_server, "ouro", WORDS, 2, exit_criterion="threshold", exit_threshold=0.5)
+    for field, value in (("exit_min_steps", 1), ("exit_check_every", 2),
+                         ("exit_semantics", "upstream")):
+        r = httpx.post(f"{views_server.base_url}/v1/completions", timeout=60, json={
+            "model": views_server.dirs["ouro"], "prompt": WORDS, "max_tokens": 1, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_connect_keeps_the_model_and_its_control_values(page, views_server):
+    page.goto(f"{views_server.base_url}/viewer/")
+    name = views_server.dirs["ouro"]
+    page.wait_for_selector(f'#model option[value="{name}"]', state="attached")
+    page.select_option("#model", name)
+    page.fill("#c_latent_budget", "2")
+    page.select_option("#c_exit_criterion", "weighted")
+    other = page.eval_on_selector("#compare_with", "s => s.options[s.options.length - 1].value")
+    page.select_option("#compare_with", other)
+    page.evaluate("document.getElementById('status').textContent = ''")
+    page.click("#connect")
+    page.wait_for_function("document.getElementById('status').textContent === '4 models'")
+    assert page.input_value("#model") == name
+    assert page.input_value("#c_latent_budget") == "2"
+    assert page.input_value("#c_exit_criterion") == "weighted"
+    assert page.input_value("#compare_with") == other

@@ -7,7 +7,8 @@
 const $ = (id) => document.getElementById(id);
 const models = {};  // id -> /v1/models card
 
-// name -> [input type, label]; only the controls a card lists are shown.
+// name -> [input type, label, choices]; only the controls a card lists are shown. A select's
+// choices default to the card's exit_criteria.
 const CONTROLS = {
   latent_budget: ["number", "budget"],
   thinking: ["bool", "thinking"],
@@ -22,7 +23,12 @@ const CONTROLS = {
   exit_threshold: ["number", "exit threshold"],
   exit_min_steps: ["number", "exit_min_steps"],
   exit_check_every: ["number", "exit_check_every"],
+  exit_semantics: ["select", "exit semantics", ["engine", "upstream"]],
+  upstream_stop_rules: ["bool", "upstream stop rules"],
 };
+
+const CUT = "the stream ended before the request finished (the server stopped or the " +
+  "connection broke)";
 
 function el(tag, attrs = {}, ...kids) {
   const e = document.createElement(tag);
@@ -43,7 +49,13 @@ function headers() {
   return h;
 }
 
+// What a 401 means: a key was sent and refused, or none was sent.
+function keyMessage() {
+  return $("key").value.trim() ? "API key rejected (401): check the key" : "API key needed (401)";
+}
+
 async function apiError(r) {
+  if (r.status === 401) return keyMessage();
   try {
     const body = await r.json();
     return `${r.status}: ${body.error ? body.error.message : JSON.stringify(body)}`;
@@ -54,24 +66,44 @@ async function apiError(r) {
 
 // ----- models and controls -------------------------------------------------------------
 
+// Connect: list the served models. The selected model, the side-by-side choice and the
+// latent controls' values are kept when the model is still served.
 async function loadModels() {
   sessionStorage.setItem("latentserve-key", $("key").value);
   $("status").textContent = "loading models...";
   const r = await fetch("/v1/models", { headers: headers() });
   if (!r.ok) {
-    $("status").textContent = r.status !== 401 ? await apiError(r)
-      : $("key").value.trim() ? "API key rejected (401): check the key" : "API key needed (401)";
+    $("status").textContent = await apiError(r);
     return;
   }
   const cards = (await r.json()).data;
   const select = $("model");
+  const kept = { model: select.value, other: $("compare_with").value, values: {} };
+  $("controls").querySelectorAll("input, select").forEach((i) => { kept.values[i.id] = i.value; });
   select.innerHTML = "";
+  for (const id of Object.keys(models)) delete models[id];
   for (const c of cards) {
     models[c.id] = c;
     select.append(el("option", { value: c.id, text: c.id }));
   }
   $("status").textContent = `${cards.length} model${cards.length === 1 ? "" : "s"}`;
+  const same = kept.model in models;
+  if (same) select.value = kept.model;
   showControls();
+  if (same) {
+    for (const [id, v] of Object.entries(kept.values)) if ($(id)) $(id).value = v;
+    if ([...$("compare_with").options].some((o) => o.value === kept.other)) {
+      $("compare_with").value = kept.other;
+    }
+  }
+  setReady();
+}
+
+// Run needs a model: until the models are listed it is disabled, with a hint saying why.
+function setReady() {
+  const ready = $("model").options.length > 0;
+  $("run").disabled = !ready;
+  $("run_hint").hidden = ready;
 }
 
 function latentOf(id) {
@@ -94,7 +126,7 @@ function showControls() {
         el("option", { value: "false", text: "off" }));
     } else if (spec[0] === "select") {
       input = el("select", { id: "c_" + name }, el("option", { value: "", text: "default" }),
-        ...(lat.exit_criteria || []).map((c) => el("option", { value: c, text: c })));
+        ...(spec[2] || lat.exit_criteria || []).map((c) => el("option", { value: c, text: c })));
     } else {
       input = el("input", { id: "c_" + name, type: "number", step: "any", placeholder: "default" });
       if (name === "latent_budget" && lat.budget) {
@@ -347,7 +379,9 @@ class RunView {
           el("i", { style: `height:${Math.max(1, p * 100)}%`,
             class: n === e.readout_step ? "read" : "" })));
       }
-      map.append(el("span", { class: "cell", "data-depth": String(e.depth), "data-token": t,
+      // white text on the darkest cells, where the page's ink would not read
+      map.append(el("span", { class: e.depth / max > 0.9 ? "cell deep" : "cell",
+        "data-depth": String(e.depth), "data-token": t,
         style: `background: rgba(47,111,219,${a})`, title },
         visible(t), e.readout_step != null ? el("sub", { text: `@${e.readout_step + 1}` }) : null,
         bars));
@@ -451,7 +485,13 @@ async function* sse(response) {
   const dec = new TextDecoder();
   let buf = "";
   for (;;) {
-    const { value, done } = await reader.read();
+    let read;
+    try {
+      read = await reader.read();
+    } catch (err) {  // the connection broke mid-stream (a reset, the server killed)
+      throw new Error(`${CUT}: ${err.message || err}`);
+    }
+    const { value, done } = read;
     if (done) break;
     buf += dec.decode(value, { stream: true });
     let cut;
@@ -502,8 +542,7 @@ async function run(model, route, extra, title, signal) {
         }
       }
     }
-    if (finish === null) throw new Error("the stream ended before the request finished " +
-                                         "(the server stopped or the connection broke)");
+    if (finish === null) throw new Error(CUT);
   } catch (err) {
     const stopped = signal && signal.aborted;
     view.root.append(el("div", { class: "error", text: stopped ? "stopped (Stop pressed)"
@@ -524,6 +563,17 @@ async function run(model, route, extra, title, signal) {
   view.summary(rows);
 }
 
+// The form's first invalid field (a value out of its min/max, say) as "name: why", or null.
+// The form is novalidate so that this shows in the page too: a headless browser draws no
+// validation bubble.
+function invalidField() {
+  const form = $("ask");
+  if (form.checkValidity()) return null;
+  form.reportValidity();
+  const bad = form.querySelector("input:invalid, select:invalid, textarea:invalid");
+  return `${bad.id.replace(/^c_/, "")}: ${bad.validationMessage}`;
+}
+
 async function submit(ev) {
   ev.preventDefault();
   const model = $("model").value;
@@ -531,6 +581,12 @@ async function submit(ev) {
   if (!model) return;
   const runs = $("runs");
   runs.innerHTML = "";
+  const bad = invalidField();
+  if (bad) {
+    runs.classList.remove("pair");
+    runs.append(el("div", { class: "run" }, el("div", { class: "error", text: bad })));
+    return;
+  }
   const compare = $("compare").checked;
   runs.classList.toggle("pair", compare);
   const lat = latentOf(model);
@@ -550,7 +606,7 @@ async function submit(ev) {
       }
     }
   } finally {
-    $("run").disabled = false;
+    setReady();
     $("stop").hidden = true;
   }
 }
