@@ -66,6 +66,30 @@ def test_a_union_field_names_every_type_it_takes(app_client, body, message):
     assert r.json()["error"]["message"] == message
 
 
+def test_messages_errors_name_the_field_as_anthropic_does():
+    """Under /v1/messages a message that names its field another way reads ``field: reason``;
+    the OpenAI shape keeps it as it is."""
+    from latentserve.server.errors import APIError
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/messages")
+    @app.post("/v1/completions")
+    async def route(body: CompletionRequest):
+        raise APIError("top_p must be in (0.0, 1.0], got 2.0", param="top_p")
+
+    client = TestClient(app, raise_server_exceptions=False)
+    for body, message in (({"prompt": "x"}, "top_p: must be in (0.0, 1.0], got 2.0"),
+                          ({}, "prompt: Field required"),
+                          ({"prompt": "x", "seed": "a"},
+                           "seed: Input should be a valid integer (got 'a')")):
+        r = client.post("/v1/messages", json=body)
+        assert (r.status_code, r.json()["error"]["message"]) == (400, message)
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.json()["error"]["message"] == "top_p must be in (0.0, 1.0], got 2.0"
+
+
 @pytest.mark.parametrize("content", [b"{not json", b'{"prompt": "\xff"}', b"", b"[1]",
                                      b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
                          ids=["syntax", "not-utf8", "empty", "not-an-object", "too-deep"])

@@ -63,6 +63,21 @@ def anthropic_status(err: APIError) -> int:
     return 529 if err.code == "overloaded" else err.status_code
 
 
+def anthropic_message(err: APIError) -> str:
+    """``err``'s message in Anthropic's ``field: reason`` form when it names its field in
+    another (``top_p must be ...``, ``Invalid type for 'top_p': ...``, ``Missing required
+    parameter: 'max_tokens'``); else as it is."""
+    param, text = err.param, err.message
+    if not param or text.startswith(f"{param}: "):
+        return text
+    for lead in (f"{param} ", f"Invalid type for '{param}': "):
+        if text.startswith(lead):
+            return f"{param}: {text[len(lead):]}"
+    if text == f"Missing required parameter: '{param}'":
+        return f"{param}: Field required"
+    return text
+
+
 def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
     """Anthropic's error object for an HTTP status."""
     kind = _ANTHROPIC_TYPES.get(status_code, "api_error" if status_code >= 500
@@ -202,8 +217,11 @@ def install_error_handlers(app) -> None:
 
     def reply(request, err: APIError, headers=None):
         path = request.url.path
-        status = anthropic_status(err) if is_anthropic_path(path) else err.status_code
-        return error_response(path, status, err.message, err.type, err.param, err.code,
+        if is_anthropic_path(path):
+            status, message = anthropic_status(err), anthropic_message(err)
+        else:
+            status, message = err.status_code, err.message
+        return error_response(path, status, message, err.type, err.param, err.code,
                               headers or err.headers)
 
     async def on_api_error(request, exc: APIError):
