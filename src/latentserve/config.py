@@ -249,11 +249,11 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
                              f"{self.generation_config!r}")
-        self._check_local_paths()
         for name in ("latent_head", "latent_injection"):  # they contradict --no-latent-head
             if self.no_latent_head and getattr(self, name) is not None:
                 raise ValueError(f"no_latent_head serves the bare backbone; {name} "
                                  f"({getattr(self, name)!r}) asks for a head: give one of them")
+        self._check_local_paths()
         if self.device == "auto":
             set_(self, "device", "cuda" if _cuda_available() else "cpu")
         if self.dtype == "auto":
