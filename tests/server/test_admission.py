@@ -77,13 +77,18 @@ def test_admitted_requests_count_before_they_reach_the_engine():
 
 
 def test_a_request_is_admitted_for_all_its_engine_requests():
-    """Completions' prompts x n, chat's n: one request of 4 with 2 seats and 1 waiting is
-    refused even on an idle server; 3 fit."""
+    """Completions' prompts x n, chat's n: one request of 4 with 2 seats and 1 waiting could
+    never be admitted, so it is a 400 naming its field (not a 503 to retry forever); 3 fit."""
     from latentserve.server.admission import admit
 
     state = _state()
-    with pytest.raises(APIError):
-        admit(state, 4)
+    with pytest.raises(APIError) as info:
+        admit(state, 4, "prompt")
+    err = info.value
+    assert (err.status_code, err.param, err.headers) == (400, "prompt", None)
+    assert err.message == ("prompt: this request needs 4 engine requests; this server admits "
+                           "at most 3 at once (2 seats + 1 may wait)")
+    assert state.reserved == 0
     with admit(state, 3):
         assert state.reserved == 3
     assert state.reserved == 0
@@ -97,6 +102,7 @@ def test_the_app_admits_before_tokenizing_and_gives_back_what_it_does_not_send(
     looked at (a bad prompt gets the 503, not the 400)."""
     from fastapi.testclient import TestClient
 
+    from latentserve.server.admission import admit
     from latentserve.server.app import create_app
 
     state = _state(smollm2_tokenizer, seats=1, may_wait=2)
@@ -113,8 +119,22 @@ def test_the_app_admits_before_tokenizing_and_gives_back_what_it_does_not_send(
         chat = app.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 1})
         assert chat.status_code == 200 and len(chat.json()["choices"]) == 3
-        for path, body in (("/v1/completions", {"prompt": [[5], [10**7]], "n": 2}),
-                           ("/v1/chat/completions", {"messages": [], "n": 4})):
+        with admit(state, 2):  # 1 seat + 1 waiting taken: one more may wait
+            for path, body in (("/v1/completions", {"prompt": [[5], [10**7]]}),
+                               ("/v1/chat/completions", {"messages": [], "n": 2})):
+                r = app.post(path, json={**body, "max_tokens": 1})
+                assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+        assert state.reserved == 0
+        # More than seats + waiting (3) could never be admitted: a 400 naming the field.
+        for path, body, param in (
+                ("/v1/completions", {"prompt": ["a", "b", "c", "d"]}, "prompt"),
+                ("/v1/completions", {"prompt": "a", "n": 4}, "n"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                          "n": 6}, "n")):
             r = app.post(path, json={**body, "max_tokens": 1})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+            err = r.json()["error"]
+            assert (r.status_code, err["param"]) == (400, param), r.text
+            assert "retry-after" not in r.headers
+            assert err["message"].startswith(f"{param}: this request needs ")
+            assert "at most 3 at once (1 seats + 2 may wait)" in err["message"]
         assert state.reserved == 0

@@ -130,6 +130,7 @@ def test_a_killed_engine_is_logged_and_the_server_exits_non_zero(scripted_model_
         assert code != 0
         log = srv.log_tail(20000)
         assert "the engine of" in log and "stopped" in log and "server exits" in log, log
+        assert "RuntimeError: the engine process has stopped; the server exited" in log, log
     finally:
         srv.stop()
 

@@ -27,14 +27,25 @@ def test_help_names_every_form(capsys, argv, words):
         assert word in text, (argv, word)
 
 
-def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys):
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x"], ["serve"]])
+def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys, monkeypatch, argv):
+    """One line, the same for generate and serve (serve's used to come from the engine
+    process as an EngineStartupError, after the server logged its config)."""
     import torch
+
+    import latentserve.server.launch as launch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    assert main(["generate", "--device", "cuda", "--prompt", "x"]) == 2
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("the server was started")
+
+    monkeypatch.setattr(launch, "run_server", no_server)
+    assert main([*argv, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
-    assert "no CUDA device is available here" in err and "--device cpu" in err
+    assert err == (f"latentserve: error: device 'cuda': no CUDA device is available here "
+                   f"(torch {torch.__version__}); use --device cpu\n")
 
 
 def test_the_parser_is_built_without_importing_torch():

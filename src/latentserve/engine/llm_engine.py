@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from latentserve.config import EngineConfig
+from latentserve.config import EngineConfig, check_device
 from latentserve.core import Req
 from latentserve.outputs import StepOutput
 from latentserve.sampling_params import SamplingParams
@@ -67,9 +67,7 @@ class LLMEngine:
         from latentserve.scheduler.scheduler import Scheduler
 
         self.config = config
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {config.device!r}: no CUDA device is available here "
-                             f"(torch {torch.__version__}); use --device cpu")
+        check_device(config.device)
         self.device = self.tp.device if self.tp is not None else torch.device(config.device)
         torch.manual_seed(config.seed)
         model_dir = resolve_model_dir(config.model, _dtype_name(config))

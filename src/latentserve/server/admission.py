@@ -39,17 +39,25 @@ class Ticket:
         self.left = 0
 
 
-def admit(state, n: int) -> Ticket:
+def admit(state, n: int, param: str = "n") -> Ticket:
     """Admit a client request of ``n`` engine requests, or refuse it at once when it would
     leave more than ``state.limits.max_waiting_requests`` engine requests waiting for one of
     the engine's ``state.max_num_seqs`` seats. Waiting: admitted (reserved or running in
     the engine client) and not finished, beyond the seats.
 
     Raises:
-        APIError: the 503 ``overloaded`` with ``Retry-After`` (529 on ``/v1/messages``).
+        APIError: the 400 naming ``param`` when ``n`` exceeds seats + waiting (it could
+            never be admitted); the 503 ``overloaded`` with ``Retry-After`` (529 on
+            ``/v1/messages``).
     """
     limit, seats = state.limits.max_waiting_requests, state.max_num_seqs
     if limit is not None and seats is not None:
+        if n > seats + limit:
+            from latentserve.server.errors import APIError
+
+            raise APIError(f"{param}: this request needs {n} engine requests; this server "
+                           f"admits at most {seats + limit} at once ({seats} seats + "
+                           f"{limit} may wait)", param=param)
         admitted = state.client.num_running + state.reserved
         if admitted + n - seats > limit:
             from latentserve.server.serving import overloaded

@@ -117,7 +117,7 @@ def _blocks_text(content: str | list[TextBlock], param: str) -> str:
     parts = []
     for j, block in enumerate(content):
         if block.type != "text" or block.text is None:
-            raise APIError(f"only text content blocks are supported, got type "
+            raise APIError(f"{param}.{j}: only text content blocks are supported, got type "
                            f"{block.type!r}", param=f"{param}.{j}")
         parts.append(block.text)
     return "".join(parts)

@@ -53,8 +53,9 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     answer with one response or an SSE stream."""
     arrival = time.monotonic()
     check_common(body, state.model_name, state.limits)
-    count = len(prompt_list(body.prompt, state.limits.max_prompts)) * (body.n or 1)
-    with admit(state, count) as ticket:
+    n = body.n or 1
+    count = len(prompt_list(body.prompt, state.limits.max_prompts)) * n
+    with admit(state, count, "n" if n > 1 else "prompt") as ticket:
         return await _completion(body, request, state, arrival, ticket)
 
 

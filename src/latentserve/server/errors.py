@@ -63,6 +63,21 @@ def anthropic_status(err: APIError) -> int:
     return 529 if err.code == "overloaded" else err.status_code
 
 
+def anthropic_message(err: APIError) -> str:
+    """``err``'s message in Anthropic's ``field: reason`` form when it names its field in
+    another (``top_p must be ...``, ``Invalid type for 'top_p': ...``, ``Missing required
+    parameter: 'max_tokens'``); else as it is."""
+    param, text = err.param, err.message
+    if not param or text.startswith(f"{param}: "):
+        return text
+    for lead in (f"{param} ", f"Invalid type for '{param}': "):
+        if text.startswith(lead):
+            return f"{param}: {text[len(lead):]}"
+    if text == f"Missing required parameter: '{param}'":
+        return f"{param}: Field required"
+    return text
+
+
 def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
     """Anthropic's error object for an HTTP status."""
     kind = _ANTHROPIC_TYPES.get(status_code, "api_error" if status_code >= 500
@@ -111,7 +126,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"Missing required parameter: '{param}'", param=param,
                         code="missing_required_parameter")
     same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
-    reasons = "; ".join(dict.fromkeys(e.get("msg", "invalid") for e in same))
+    reasons = (_union_expected(same)
+               or "; ".join(dict.fromkeys(e.get("msg", "invalid") for e in same)))
     got = _short(first.get("input"))
     return APIError(f"Invalid type for '{param}': {reasons} (got {got})", param=param,
                     code="invalid_type")
@@ -122,6 +138,8 @@ def malformed_body(cause: BaseException | None) -> APIError:
     its JSON syntax (``cause``: the parser's exception, e.g. a ``UnicodeDecodeError``)."""
     if isinstance(cause, UnicodeDecodeError):
         detail = f"not valid UTF-8 (byte {cause.start})"
+    elif isinstance(cause, RecursionError):
+        detail = "it nests too deeply (arrays or objects inside one another)"
     else:
         detail = type(cause).__name__ if cause is not None else "unreadable"
     return APIError(f"Malformed JSON body: {detail}", code="invalid_json")
@@ -137,6 +155,47 @@ def _param(loc: tuple) -> str:
         else:
             break  # a union member's tag: "str", "list[int]", "StreamOptions", ...
     return path or "body"
+
+
+_KINDS = {"str": ("a string", "strings"), "int": ("an integer", "integers"),
+          "float": ("a number", "numbers"), "bool": ("a boolean", "booleans")}
+
+
+def _kind(tag: str, plural: bool = False) -> str | None:
+    """``list[int]`` -> ``a list of integers``; a model or dict tag -> ``an object``; None
+    for a tag with no plain name."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _kind(tag[5:-1], plural=True)
+        return inner and ("lists of " if plural else "a list of ") + inner
+    if tag in _KINDS:
+        return _KINDS[tag][plural]
+    if tag.startswith("dict[") or (tag.isidentifier() and tag[:1].isupper()):
+        return "objects" if plural else "an object"
+    return None
+
+
+def _union_expected(errors: list[dict[str, Any]]) -> str | None:
+    """``expected a string or a list of strings`` when ``errors`` (one field's) are a union's
+    members each refusing the value's type (``stop: [1, 2]``); None otherwise (an error
+    inside a member, or a tag with no plain name)."""
+    kinds = []
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        loc = loc[1:] if loc[:1] == ("body",) else loc
+        at = next((i for i, p in enumerate(loc) if not isinstance(p, int) and not _is_field(p)),
+                  None)
+        if at is None or not str(e.get("type", "")).endswith("_type"):
+            return None
+        rest = loc[at + 1:]  # () or an item's index: the member refused the type
+        kind = _kind(str(loc[at])) if len(rest) < 2 and all(isinstance(p, int) for p in rest) \
+            else None
+        if kind is None:
+            return None
+        kinds.append(kind)
+    kinds = list(dict.fromkeys(kinds))
+    if len(kinds) < 2:
+        return None
+    return f"expected {', '.join(kinds[:-1])} or {kinds[-1]}"
 
 
 def _is_field(part: object) -> bool:
@@ -158,8 +217,11 @@ def install_error_handlers(app) -> None:
 
     def reply(request, err: APIError, headers=None):
         path = request.url.path
-        status = anthropic_status(err) if is_anthropic_path(path) else err.status_code
-        return error_response(path, status, err.message, err.type, err.param, err.code,
+        if is_anthropic_path(path):
+            status, message = anthropic_status(err), anthropic_message(err)
+        else:
+            status, message = err.status_code, err.message
+        return error_response(path, status, message, err.type, err.param, err.code,
                               headers or err.headers)
 
     async def on_api_error(request, exc: APIError):

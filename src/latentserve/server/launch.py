@@ -256,8 +256,7 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
         server.run(sockets=[sock])
         gone = [s for s in served.states if s.client.dead_reason]
         if gone and len(gone) == len(served.states):
-            raise RuntimeError(f"the engine process stopped ({gone[0].client.dead_reason}); "
-                               f"the server exited")
+            raise RuntimeError(f"{gone[0].client.dead_reason}; the server exited")
     finally:
         sock.close()
         stop_engines()
