@@ -56,20 +56,23 @@ def main() -> None:
 
     q, expected = question(Path(args.data), args.line)
     models = [args.model] + ([args.compare] if args.compare else [])
-    srv = start_server([EngineConfig(model=m, device="cpu") for m in models], timeout=600)
+    # served by directory name: the picture shows no checkout path
+    names = [Path(m).name for m in models]
+    srv = start_server([EngineConfig(model=m, device="cpu", served_model_name=n)
+                        for m, n in zip(models, names)], timeout=600)
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(f"{srv.base_url}/viewer/")
-            page.wait_for_selector(f'#model option[value="{args.model}"]', state="attached")
-            page.select_option("#model", args.model)
+            page.wait_for_selector(f'#model option[value="{names[0]}"]', state="attached")
+            page.select_option("#model", names[0])
             page.fill("#prompt", q)
             page.fill("#expected", expected)
             page.fill("#max_tokens", "160")
             page.fill("#c_compression_factor", str(args.compression_factor))
             page.check("#compare")
-            page.select_option("#compare_with", args.compare)
+            page.select_option("#compare_with", names[1] if args.compare else "")
             page.click("#run")
             runs = 2
             page.wait_for_selector(f".run:nth-child({runs}) table.summary tr", timeout=600_000)

@@ -86,6 +86,16 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def check_device(device: str) -> None:
+    """Raises ValueError naming ``device`` when it is ``cuda`` (``cuda:N``) and torch sees no
+    CUDA device."""
+    if device.startswith("cuda") and not _cuda_available():
+        import torch
+
+        raise ValueError(f"device {device!r}: no CUDA device is available here "
+                         f"(torch {torch.__version__}); use --device cpu")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What the engine is asked to run.
@@ -103,7 +113,8 @@ class EngineConfig:
     ``max_model_len`` bounds
     prompt + output tokens per request (None = the model's ``max_position_embeddings``).
     ``kv_slots`` is the KV pool size in tokens (None = sized from memory: 1 GiB on CPU; on
-    CUDA ``gpu_memory_utilization`` of the device minus weights, graphs and activations).
+    CUDA ``gpu_memory_utilization`` of the device minus the memory in use on it, by any
+    process, and a reserve for activations).
     ``max_num_batched_tokens`` is the prefill chunk budget per step. ``attention_backend``:
     ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``;
     ``attention_num_kv_splits``: the most splits of each request's keys in the Triton decode
@@ -161,7 +172,8 @@ class EngineConfig:
     max_num_seqs: int = option(64, "requests running at once", ge=1)
     kv_slots: int | None = option(
         None, "KV pool size in tokens (default: 1 GiB on cpu; on cuda "
-        "--gpu-memory-utilization of the device minus weights and graphs)", ge=2, human=True)
+        "--gpu-memory-utilization of the device minus the memory in use on it)", ge=2,
+        human=True)
     max_num_batched_tokens: int = option(2048, "tokens per forward (prefill chunk budget)",
                                          ge=1, human=True)
     enable_prefix_caching: bool = option(
@@ -237,11 +249,11 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
                              f"{self.generation_config!r}")
-        self._check_local_paths()
         for name in ("latent_head", "latent_injection"):  # they contradict --no-latent-head
             if self.no_latent_head and getattr(self, name) is not None:
                 raise ValueError(f"no_latent_head serves the bare backbone; {name} "
                                  f"({getattr(self, name)!r}) asks for a head: give one of them")
+        self._check_local_paths()
         if self.device == "auto":
             set_(self, "device", "cuda" if _cuda_available() else "cpu")
         if self.dtype == "auto":
@@ -249,13 +261,14 @@ class EngineConfig:
                  else "float32")
 
     def _check_local_paths(self) -> None:
-        """``tokenizer`` and a ``generation_config`` folder, checked before any loading (a
-        mistyped path is one error naming the field, not a failure after the weights load).
-        A ``tokenizer`` that is not a path (no leading ``/``, ``.`` or ``~``) is left to
-        transformers' local cache.
+        """``tokenizer``, ``latent_head`` and a ``generation_config`` folder, checked before
+        any loading (a mistyped path is one error naming the field, not a failure after the
+        weights load). A ``tokenizer`` that is not a path (no leading ``/``, ``.`` or ``~``)
+        is left to transformers' local cache.
 
         Raises:
-            ValueError: naming the field and the path."""
+            ValueError: naming the field and the path.
+            FileNotFoundError: a ``latent_head`` directory holding no head bundle."""
         from latentserve.models.checkpoint import TOKENIZER_FILES, has_tokenizer_files
 
         if self.tokenizer is not None:
@@ -267,6 +280,16 @@ class EngineConfig:
             elif path.exists() or self.tokenizer.startswith(("/", ".", "~")):
                 raise ValueError(f"tokenizer must be a directory holding tokenizer files; "
                                  f"{self.tokenizer!r} is not a directory")
+        if self.latent_head is not None:  # read_bundle's file, or a model dir holding one
+            path = Path(self.latent_head).expanduser()
+            if path.is_dir():
+                from latentserve.latent.bundle import find_bundle
+
+                find_bundle(path, self.latent_head)  # FileNotFoundError: no bundle in it
+            elif not path.is_file():
+                raise ValueError(f"--latent-head (latent_head) must be a head bundle file "
+                                 f"(.safetensors or .pt) or a model directory holding one; "
+                                 f"{self.latent_head!r} does not exist")
         if self.generation_config not in ("auto", "vllm"):
             file = Path(self.generation_config).expanduser() / "generation_config.json"
             if not file.is_file():

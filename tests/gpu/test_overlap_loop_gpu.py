@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from latentserve.bench.baseline.loop_models import save_loop_tiny
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
+from tests.support.loop_models import save_loop_tiny
 from tests.support.tp_parity import (
     assert_same_streams,
     mixed_feedback_requests,

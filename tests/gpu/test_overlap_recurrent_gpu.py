@@ -6,13 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from latentserve.bench.baseline.recurrent_models import (
-    mixed_recurrent_requests,
-    write_huginn,
-    write_ouro,
-)
+from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
+from tests.support.recurrent_requests import mixed_recurrent_requests
 from tests.support.tp_parity import assert_same_outputs, run_requests, spy_overlapped
 
 pytestmark = [pytest.mark.gpu,

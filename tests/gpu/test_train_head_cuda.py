@@ -19,6 +19,8 @@ def _rows(n=16):
 
 
 def test_sft_then_grpo_on_cuda(tmp_path, smollm2_dir):
+    """The rollout engine's pool is given (``kv_slots``): sized from memory it would count
+    what other processes hold on the GPU (``engine/kv_sizing.py``)."""
     from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.cli import main
     from latentserve.latent.bundle import read_bundle
@@ -40,7 +42,7 @@ def test_sft_then_grpo_on_cuda(tmp_path, smollm2_dir):
     glog = train_grpo(GRPOConfig(bundle=str(sft), out=str(out), model=str(model),
                                  data=str(data), steps=1, questions_per_step=2, group_size=4,
                                  max_latent=4, answer_tokens=4, lr=1e-2, device="cuda",
-                                 progress=False),
+                                 kv_slots=4096, progress=False),
                       reward_fn=lambda text, gold, stats: float(stats["actions"][0][1][0]))
     assert glog["history"][0]["latent_steps"] > 0
     before, after = read_bundle(sft), read_bundle(out)

@@ -74,6 +74,20 @@ def test_requests_joining_mid_flight_match_reference(kind, latent_dirs, referenc
     engine.cache.check_idle()
 
 
+@pytest.mark.parametrize("kind", ["coconut-gpt2", "codi-llama"])
+def test_overlapped_mixed_budget_batch_matches_reference(kind, latent_dirs, references):
+    """Under the overlap scheduler (the CUDA default) a step returns the previous forward's
+    tokens: the first-answer logits are still the reference's (``run_budget_batch`` matches
+    rows by output count, not by step)."""
+    from tests.support.tp_parity import spy_overlapped
+
+    engine = LLMEngine(EngineConfig(model=str(latent_dirs[kind]), overlap_schedule=True))
+    overlapped = spy_overlapped(engine)
+    _assert_matches(kind, _run(engine, _requests()), references[kind])
+    assert sum(overlapped) > 5
+    engine.cache.check_idle()
+
+
 def test_same_prompt_different_budgets_do_not_share_latent_kv(latent_dirs):
     """Sequentially: a budget-8 request fills the cache, then the same prompt with budget 3
     and 0 must recompute from the first latent position on."""

@@ -174,13 +174,14 @@ def test_engine_stats_and_tokens_match_reference(tmp_path, smollm2_dir):
 
 
 def test_latent_head_for_a_model_with_its_own_latents_is_refused(tmp_path, smollm2_dir):
-    """--latent-head on a COCONUT or Huginn directory was silently ignored (even a path that
-    does not exist)."""
+    """--latent-head on a COCONUT or Huginn directory is refused (it was silently ignored)."""
     from latentserve.bench.baseline.latent_models import save_latent_tiny
     from latentserve.bench.baseline.recurrent_models import write_huginn
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
 
+    head = tmp_path / "head.pt"  # a path that does not exist fails earlier, in EngineConfig
+    head.write_bytes(b"")
     for path in (save_latent_tiny(tmp_path / "c", "coconut-gpt2"), write_huginn(tmp_path / "h")):
         with pytest.raises(ValueError, match="latent_head.*needs a plain backbone"):
-            LLMEngine(EngineConfig(model=str(path), latent_head=str(tmp_path / "nowhere.pt")))
+            LLMEngine(EngineConfig(model=str(path), latent_head=str(head)))

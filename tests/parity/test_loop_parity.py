@@ -8,15 +8,11 @@ the slot invariant holds."""
 import pytest
 import torch
 
-from latentserve.bench.baseline.loop_models import save_loop_tiny
-from latentserve.bench.baseline.loop_reference import (
-    load_lotus_reference,
-    load_pccot_reference,
-    reference_generate_loop,
-)
+from latentserve.bench.baseline.loop_reference import load_pccot_reference, reference_generate_loop
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
+from tests.support.loop_models import load_lotus_reference, save_loop_tiny
 from tests.support.parity import shared_prefix_prompts
 
 # kind -> block size (several sizes, 1 included)

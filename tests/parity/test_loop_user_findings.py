@@ -24,7 +24,7 @@ CFG = {"format_version": 1, "family": "pccot", "checkpoint": None,
 @pytest.fixture(scope="module")
 def pccot_dirs(tmp_path_factory, smollm2_dir):
     pytest.importorskip("peft")  # inside: peft imports triton
-    from latentserve.bench.baseline.loop_models import save_loop_tiny
+    from tests.support.loop_models import save_loop_tiny
 
     root = tmp_path_factory.mktemp("loop-user")
     model = save_loop_tiny(root, "pccot-llama", block_size=3, iterations=2)
@@ -90,7 +90,7 @@ def test_convert_keeps_an_explicit_cap_and_defaults_to_64(pccot_dirs, tmp_path):
 def _lotus_with_prj(root):
     from safetensors.torch import save_file
 
-    from latentserve.bench.baseline.loop_models import write_lotus
+    from tests.support.loop_models import write_lotus
 
     model = write_lotus(root, block_size=3, iterations=2)
     d = json.loads((model / "config.json").read_text())["hidden_size"]
@@ -111,13 +111,11 @@ def _lotus_with_prj(root):
 def test_lotus_reference_applies_the_checkpoints_prj(tmp_path, smollm2_dir):
     """docs/models.md: LOTUS ``prj`` is optional; the reference used identity regardless, so it
     disagreed with the engine (which applies prj) for any budget >= 1."""
-    from latentserve.bench.baseline.loop_reference import (
-        load_lotus_reference,
-        reference_generate_loop,
-    )
+    from latentserve.bench.baseline.loop_reference import reference_generate_loop
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
+    from tests.support.loop_models import load_lotus_reference
 
     model = _lotus_with_prj(tmp_path)
     ref = load_lotus_reference(str(model))
@@ -135,8 +133,7 @@ def test_lotus_reference_applies_the_checkpoints_prj(tmp_path, smollm2_dir):
 
 
 def test_lotus_reference_refuses_weights_it_would_not_read(tmp_path, smollm2_dir):
-    from latentserve.bench.baseline.loop_models import write_lotus
-    from latentserve.bench.baseline.loop_reference import load_lotus_reference
+    from tests.support.loop_models import load_lotus_reference, write_lotus
 
     model = write_lotus(tmp_path, block_size=2, iterations=1)
     cfg = json.loads((model / "latent_config.json").read_text())
@@ -151,10 +148,10 @@ def test_latent_trace_of_a_looped_model_has_an_entry_per_block_position(tmp_path
     """return_latent_trace was silently ignored for looped blocks; it now returns each
     pass's logit lens per block position (tests/parity/test_loop_parity.py checks the
     values)."""
-    from latentserve.bench.baseline.loop_models import save_loop_tiny
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
+    from tests.support.loop_models import save_loop_tiny
 
     path = save_loop_tiny(tmp_path, "lotus-llama", block_size=3, iterations=1)
     engine = LLMEngine(EngineConfig(model=str(path)))

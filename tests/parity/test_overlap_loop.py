@@ -10,11 +10,11 @@ import dataclasses
 
 import pytest
 
-from latentserve.bench.baseline.loop_models import save_loop_tiny
 from latentserve.config import EngineConfig
 from latentserve.engine import overlap
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
+from tests.support.loop_models import save_loop_tiny
 from tests.support.parity import shared_prefix_prompts
 from tests.support.tp_parity import (
     assert_same_streams,

@@ -7,15 +7,12 @@ import dataclasses
 
 import pytest
 
-from latentserve.bench.baseline.recurrent_models import (
-    mixed_recurrent_requests,
-    write_huginn,
-    write_ouro,
-)
+from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
 from latentserve.config import EngineConfig
 from latentserve.engine import overlap
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
+from tests.support.recurrent_requests import mixed_recurrent_requests
 from tests.support.tp_parity import assert_same_outputs, run_requests, spy_overlapped
 
 

@@ -175,11 +175,11 @@ def test_max_tokens_one_ends_a_kept_first_eos_with_length(coconut):
 @pytest.fixture(scope="module")
 def pccot(tmp_path_factory, smollm2_dir):
     pytest.importorskip("peft")
-    from latentserve.bench.baseline.loop_models import save_loop_tiny
     from latentserve.bench.baseline.loop_reference import (
         load_pccot_reference,
         reference_generate_loop,
     )
+    from tests.support.loop_models import save_loop_tiny
 
     root = tmp_path_factory.mktemp("upstream-stop-pccot")
     plain = save_loop_tiny(root, "pccot-llama", block_size=3, iterations=2)
@@ -209,7 +209,7 @@ def test_families_without_an_upstream_rule_refuse_it(tmp_path, smollm2_dir, tiny
     and a plain model: True is a ValueError naming the field, per request and as the engine
     default; False and None are accepted; a multi-model server's default is ignored there."""
     from latentserve.bench.baseline.latent_models import save_latent_tiny
-    from latentserve.bench.baseline.loop_models import write_lotus
+    from tests.support.loop_models import write_lotus
 
     codi = save_latent_tiny(tmp_path / "codi", "codi-gpt2")
     lotus = write_lotus(tmp_path / "lotus", block_size=2, iterations=1)

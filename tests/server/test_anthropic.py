@@ -83,10 +83,32 @@ def test_validation_error_is_an_anthropic_error(server, model):
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_unknown_model_is_not_found(anthropic_client):
-    with pytest.raises(anthropic.NotFoundError) as info:
+@pytest.mark.parametrize("extra, message", [
+    ({"temperature": 2}, "temperature: must be in [0, 1], got 2.0"),
+    ({"top_p": 2}, "top_p: must be in [0.0, 1.0], got 2.0"),
+    ({"top_p": "x"}, "top_p: Input should be a valid number (got 'x')"),
+    ({"thinking": {"type": "on"}}, "thinking.type: must be 'enabled' or 'disabled', got 'on'"),
+])
+def test_bad_fields_are_named_in_one_form(anthropic_client, model, extra, message):
+    """Every field error reads ``field: reason`` (``top_p must ...`` and ``Invalid type for
+    'top_p'`` came in other forms than ``temperature: must ...``)."""
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(model=model, max_tokens=2, messages=MESSAGES,
+                                         extra_body=extra)
+    assert info.value.body["error"]["message"] == message
+
+
+def test_unknown_model_is_not_found(anthropic_client, model):
+    """On /v1/messages and its count_tokens alike: Anthropic's 404 ``not_found_error``."""
+    with pytest.raises(anthropic.NotFoundError) as created:
         anthropic_client.messages.create(model="claude-nope", max_tokens=2, messages=MESSAGES)
-    assert info.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError) as counted:
+        anthropic_client.messages.count_tokens(model="claude-nope", messages=MESSAGES)
+    for info in (created, counted):
+        assert info.value.status_code == 404
+        assert info.value.body == {"type": "error", "error": {
+            "type": "not_found_error",
+            "message": f"model: claude-nope (this server serves {model})"}}
 
 
 def test_missing_api_key_is_an_authentication_error(server, model):

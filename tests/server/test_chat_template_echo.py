@@ -45,6 +45,18 @@ def test_request_chat_template_that_does_not_parse_is_a_400(trusting_server, tin
     assert "not a valid Jinja template" in info.value.body["message"]
 
 
+def test_request_chat_template_that_renders_nothing_is_a_400_naming_it(trusting_server,
+                                                                        tiny_model_dir):
+    client = openai.OpenAI(base_url=f"{trusting_server.base_url}/v1", api_key="x",
+                           max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=str(tiny_model_dir), messages=MESSAGES, max_tokens=1,
+            extra_body={"chat_template": "{% for m in messages %}{% endfor %}"})
+    assert info.value.body["param"] == "chat_template"
+    assert "empty prompt" in info.value.body["message"]
+
+
 def test_request_chat_template_is_refused_unless_trusted(client, model):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,

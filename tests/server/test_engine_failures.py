@@ -184,3 +184,44 @@ def test_engine_failure_on_messages_is_an_anthropic_api_error(failing_app):
     assert r.status_code == 500
     assert r.json() == {"type": "error", "error": {
         "type": "api_error", "message": "the engine failed while running this request"}}
+
+
+class _DyingClient(_FailingClient):
+    """Generates one token, then reports the engine process gone."""
+
+    async def generate(self, rid, prompt_ids, params):
+        from latentserve.server.client import EngineDeadError
+
+        yield StepOutput(rid, [28])
+        raise EngineDeadError("the engine process has stopped")
+
+
+def test_engine_death_mid_stream_on_messages_is_an_api_error_event(smollm2_tokenizer):
+    """A dead engine is a server fault: Anthropic's ``api_error`` (503 when no stream has
+    started), not ``overloaded_error``, which is kept for load shedding (529)."""
+    from fastapi.testclient import TestClient
+
+    from latentserve.server.app import create_app
+    from latentserve.server.state import ServerState
+
+    state = ServerState(_DyingClient(), smollm2_tokenizer, "m", 256, 49152)
+    body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(create_app(state), raise_server_exceptions=False) as app:
+        r = app.post("/v1/messages", json={**body, "stream": True})
+        assert r.status_code == 200
+        lines = r.text.splitlines()
+        assert lines[-3] == "event: error", lines[-4:]
+        assert json.loads(lines[-2][6:]) == {"type": "error", "error": {
+            "type": "api_error", "message": "the engine process has stopped"}}
+        state.client.dead_reason = "the engine process has stopped"
+
+        async def dead(rid, prompt_ids, params):
+            from latentserve.server.client import EngineDeadError
+
+            raise EngineDeadError(state.client.dead_reason)
+            yield
+
+        state.client.generate = dead
+        r = app.post("/v1/messages", json=body)
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "api_error"

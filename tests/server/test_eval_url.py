@@ -49,3 +49,35 @@ def test_url_backend_text_mode_turns_thinking_off_on_a_head_server(head_server, 
     records, _ = evaluate(load_items("gsm8k", data), backend, max_tokens=5)
     assert records[0]["latent_steps"] == 0
     assert 0 < records[0]["completion_tokens"] <= 5
+
+
+@pytest.mark.parametrize("suffix", ["", "/", "/v1", "/v1/"])
+def test_eval_cli_takes_the_server_url_with_or_without_v1(head_server, tmp_path, capsys,
+                                                          suffix):
+    """``eval --url`` takes the server's root (``/v1`` is added when the root answers 404)
+    and its ``/v1`` base URL, with or without a trailing slash."""
+    from latentserve.cli import main
+
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps({"question": "What is 2 + 2?",
+                                "answer": "2+2=<<2+2=4>>4\n#### 4"}) + "\n")
+    rc = main(["eval", "--url", head_server.base_url + suffix, "--dataset", "gsm8k",
+               "--data-file", str(data), "--max-tokens", "3"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert '"n": 1' in out
+
+
+def test_eval_cli_url_without_a_server_says_what_it_tried(tmp_path, capsys):
+    from latentserve.cli import main
+    from latentserve.server.launch import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)  # bound, never listening: connections are refused
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        assert main(["eval", "--url", url, "--dataset", "mult4", "--limit", "1"]) == 2
+    finally:
+        sock.close()
+    err = capsys.readouterr().err
+    assert f"--url {url}: no OpenAI-compatible server answered GET {url}/models" in err
+    assert "e.g. http://127.0.0.1:8000/v1" in err

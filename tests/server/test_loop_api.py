@@ -14,7 +14,7 @@ PROMPT = [21, 22, 23, 24, 25, 26, 27]
 
 @pytest.fixture(scope="module")
 def lotus_dir(tmp_path_factory, smollm2_dir):
-    from latentserve.bench.baseline.loop_models import save_loop_tiny
+    from tests.support.loop_models import save_loop_tiny
 
     return save_loop_tiny(tmp_path_factory.mktemp("loop-api"), "lotus-llama", block_size=5,
                           iterations=2)
@@ -37,11 +37,9 @@ def _complete(srv, body=None, headers=None):
 
 
 def test_concurrent_budgets_match_the_reference(loop_server, lotus_dir):
-    from latentserve.bench.baseline.loop_reference import (
-        load_lotus_reference,
-        reference_generate_loop,
-    )
+    from latentserve.bench.baseline.loop_reference import reference_generate_loop
     from latentserve.models.checkpoint import load_tokenizer
+    from tests.support.loop_models import load_lotus_reference
 
     budgets = [0, 1, 3, 2, 0, 4]
     with ThreadPoolExecutor(len(budgets)) as pool:

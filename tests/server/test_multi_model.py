@@ -28,9 +28,9 @@ BUDGETS = {"plain": [None, 0], "coconut": [0, 3], "huginn": [2, 5], "lotus": [1,
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, smollm2_dir):
     from latentserve.bench.baseline.latent_models import save_latent_tiny
-    from latentserve.bench.baseline.loop_models import save_loop_tiny
     from latentserve.bench.baseline.recurrent_models import write_huginn
     from latentserve.bench.baseline.tiny_models import save_tiny
+    from tests.support.loop_models import save_loop_tiny
 
     root = tmp_path_factory.mktemp("multi-model")
     return {
@@ -96,10 +96,8 @@ def _reference(kind, model_dir, budget, hf_models) -> list[int]:
         from latentserve.bench.baseline.recurrent_reference import HuginnReference
 
         return HuginnReference(model_dir).generate(PROMPT, MAX_TOKENS, budget)["tokens"]
-    from latentserve.bench.baseline.loop_reference import (
-        load_lotus_reference,
-        reference_generate_loop,
-    )
+    from latentserve.bench.baseline.loop_reference import reference_generate_loop
+    from tests.support.loop_models import load_lotus_reference
 
     return reference_generate_loop(load_lotus_reference(str(model_dir)), PROMPT, budget,
                                    MAX_TOKENS, ignore_eos=True)[0]

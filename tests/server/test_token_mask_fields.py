@@ -141,6 +141,15 @@ def test_bad_values_are_a_400_naming_the_field(client, model, body, field):
     assert info.value.body["param"] == field, info.value.body
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_ids_outside_the_vocabulary_are_a_400_with_the_range(client, model, stream):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="Hi", max_tokens=4, stream=stream,
+                                  extra_body={"stop_token_ids": [13, 49152]})
+    assert info.value.body["param"] == "stop_token_ids"
+    assert info.value.body["message"] == "stop_token_ids must be in [0, 49152), got 49152"
+
+
 def test_the_eos_id_of_the_scripted_model_is_the_servers(scripted):
     """(The scripted tests above rely on EOS being the tokenizer's, id 2.)"""
     r = scripted.completions.create(model=_model(scripted), prompt=[SCRIPT_START],

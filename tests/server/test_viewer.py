@@ -16,6 +16,7 @@ def test_page_is_served_without_the_key(server):
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/html")
     assert '<script src="viewer.js">' in r.text and 'id="key"' in r.text
+    assert '<link rel="icon" href="data:,">' in r.text  # no /favicon.ico request (a 404)
 
 
 @pytest.mark.parametrize("name,kind", [("viewer.js", "javascript"), ("viewer.css", "text/css"),

@@ -14,7 +14,7 @@ def run_batch(engine, prompts, max_tokens, **params):
         sampled = [r for r, s in zip(batch.reqs, batch.sample) if s]
         for req, row in zip(sampled, logits):
             if not req.output_ids:
-                first_logits[req.rid] = row.float().cpu()
+                first_logits[req.rid] = row.float().cpu().clone()
         return logits, hidden
 
     runner.run = recording_run
@@ -34,33 +34,27 @@ def run_batch(engine, prompts, max_tokens, **params):
 
 
 def run_budget_batch(engine, reqs, max_tokens: int, join_after: int | None = None):
-    """Run ``reqs``, ``[(prompt ids, latent_budget)]``, greedy, queued at once. Returns per
-    request ``(answer ids, first-answer logits [vocab] float32 on the CPU,
-    num_cached_tokens)``: the logits row that sampled the request's first answer token (its
-    latent steps sample rows too), synchronous or overlapped (a row is matched to the output
-    index it sampled; rows after ids that were later undone are dropped). With
+    """Run ``reqs``, ``[(prompt ids, latent_budget)]``, greedy, queued at once, synchronously
+    or under the overlap scheduler. Returns per request ``(answer ids, first-answer logits
+    [vocab] float32 on the CPU, num_cached_tokens)``: the logits row of the forward that
+    sampled the first answer token, the row sampled when the request had ``answer_start``
+    output ids (its latent steps sample rows too, at fewer; under overlap a step's outputs are
+    the previous forward's, so rows are matched by that count, not by step). With
     ``join_after``, the second half of ``reqs`` is queued after that many steps."""
-    runner, rows, live = engine.runner, {}, {}
+    runner, rows, seen = engine.runner, {}, {}
     original = runner.run
 
     def recording_run(batch, *args, **kwargs):
         logits, hidden = original(batch, *args, **kwargs)
         for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], logits):
-            if req.answer_start is None or req.answer_start == len(req.output_ids):
-                live[req.rid] = req
-                rows.setdefault(req.rid, []).append((list(req.output_ids), row.float().cpu()))
+            seen[req.rid] = req  # a copy: on the CPU .cpu() may be a graph's static buffer
+            rows.setdefault(req.rid, {})[len(req.output_ids)] = row.float().cpu().clone()
         return logits, hidden
 
     def add(todo):
         for rid, (prompt, budget) in todo:
             engine.add_request(rid, prompt, SamplingParams(
                 max_tokens=max_tokens, temperature=0.0, latent_budget=budget))
-
-    def first_logits(rid):
-        out = live[rid].output_ids
-        start = live[rid].answer_start
-        return [row for ids, row in rows[rid] if len(ids) == start and all(
-            a in (b, -1) for a, b in zip(ids, out))][-1]  # -1: pending in overlap mode
 
     rids = [f"q{engine._arrivals + i}" for i in range(len(reqs))]
     todo = list(zip(rids, reqs))
@@ -80,7 +74,8 @@ def run_budget_batch(engine, reqs, max_tokens: int, join_after: int | None = Non
             steps += 1
     finally:
         runner.run = original
-    return [(tokens[r], first_logits(r), cached[r]) for r in rids]
+    first = {r: rows[r][seen[r].answer_start] for r in rids}
+    return [(tokens[r], first[r], cached[r]) for r in rids]
 
 
 def hf_reference(model, prompt, max_tokens):

@@ -24,7 +24,9 @@ def run_requests(engine, requests):
         out, hidden = original(batch, *args, **kwargs)
         for req, row in zip([r for r, s in zip(batch.reqs, batch.sample) if s], out):
             reqs[req.rid] = req
-            logits.setdefault(req.rid, []).append((list(req.output_ids), row.float().cpu()))
+            # a copy: on the CPU .cpu() is the row itself, a graph's static buffer if replayed
+            row = row.float().cpu().clone()
+            logits.setdefault(req.rid, []).append((list(req.output_ids), row))
         return out, hidden
 
     runner.run = recording

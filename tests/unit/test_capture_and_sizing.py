@@ -40,8 +40,10 @@ def test_kv_sizing_on_cuda_fails_with_the_flags_to_change(monkeypatch):
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * gib, 80 * gib))
     cfg = EngineConfig(device="cuda", max_model_len=4096)
-    with pytest.raises(ValueError, match="--max-model-len or --max-num-seqs"):
+    with pytest.raises(ValueError, match="--max-model-len or --max-num-seqs") as err:
         kv_slots_for(cfg, bytes_per_slot=1 << 20, max_model_len=4096, vocab_size=1000)
+    assert "78.0 of 80.0 GiB of cuda are in use" in str(err.value)
+    assert "--kv-slots" in str(err.value)
 
 
 def test_kv_sizing_on_cuda_uses_the_memory_fraction(monkeypatch):

@@ -168,8 +168,16 @@ def test_directory_with_config_json_is_returned_as_is(tmp_path):
 
 
 def test_missing_path_raises_value_error_saying_what_is_accepted(tmp_path):
-    with pytest.raises(ValueError, match=r"\.gguf"):
+    """The message names the field (the CLI flag and the config field) and what to pass,
+    not the Python-only 'must be None'."""
+    with pytest.raises(ValueError) as e:
         resolve_model_dir(str(tmp_path / "nope"))
+    message = str(e.value)
+    assert message.startswith("--model (EngineConfig.model) must be a directory containing "
+                              "config.json"), message
+    assert "a .gguf file; leave it out (None) for the embedded" in message
+    assert "must be None" not in message
+    assert f"{str(tmp_path / 'nope')!r} does not exist" in message
 
 
 def test_directory_without_config_json_raises_value_error(tmp_path):

@@ -50,6 +50,23 @@ def test_generate_takes_the_head_controls(tmp_path, capsys):
     assert printed == want.text.strip() and want.latent_stats["steps"] <= 2
 
 
+def test_a_latent_phase_that_takes_the_whole_budget_is_explained(tmp_path, capsys):
+    """A head that never stops thinking within ``--max-tokens`` leaves no answer token: the
+    empty answer comes with a note saying why and what to raise (before: an empty line)."""
+    from tests.support.head_models import save_head_model
+
+    path = save_head_model(tmp_path / "head", stop_bias=-20.0)  # never stops by itself
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n"
+    assert "the latent phase (5 steps) used the whole --max-tokens budget" in err
+    assert "raise --max-tokens" in err and "--max-latent" in err
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "5",
+                 "--max-latent", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "note" not in err
+
+
 def test_head_flags_on_a_model_without_a_head_are_one_error_line(tiny_dirs, capsys):
     assert main(["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "w5", "--raw",
                  "--max-latent", "4"]) == 2

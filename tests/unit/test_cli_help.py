@@ -27,14 +27,25 @@ def test_help_names_every_form(capsys, argv, words):
         assert word in text, (argv, word)
 
 
-def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys):
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x"], ["serve"]])
+def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys, monkeypatch, argv):
+    """One line, the same for generate and serve (serve's used to come from the engine
+    process as an EngineStartupError, after the server logged its config)."""
     import torch
+
+    import latentserve.server.launch as launch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    assert main(["generate", "--device", "cuda", "--prompt", "x"]) == 2
+
+    def no_server(*args, **kwargs):
+        raise AssertionError("the server was started")
+
+    monkeypatch.setattr(launch, "run_server", no_server)
+    assert main([*argv, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
-    assert "no CUDA device is available here" in err and "--device cpu" in err
+    assert err == (f"latentserve: error: device 'cuda': no CUDA device is available here "
+                   f"(torch {torch.__version__}); use --device cpu\n")
 
 
 def test_the_parser_is_built_without_importing_torch():
@@ -47,3 +58,19 @@ def test_the_parser_is_built_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_train_head_checks_its_data_before_importing_torch(tmp_path):
+    """A missing ``--data`` is reported at once, before torch loads (seconds on a busy
+    machine)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from latentserve.cli import main; "
+            f"rc = main(['train-head', 'sft', '--model', 'unused', '--data', "
+            f"{str(tmp_path / 'missing.jsonl')!r}, '--out', 'unused']); "
+            "print(rc, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True)
+    assert r.stdout.split() == ["2", "False"], r.stderr
+    assert "missing.jsonl does not exist" in r.stderr

@@ -17,11 +17,15 @@ RUN_CLI = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.defau
            "sys.argv[0] = 'latentserve'; runpy.run_module('latentserve.cli', run_name='__main__')")
 
 
-def interrupt(argv: list[str], when: str | float, timeout: float = 300.0):
+def interrupt(argv: list[str], when, timeout: float = 300.0, env: dict | None = None,
+              group: bool = True, exit_within: float | None = None):
     """Run ``python -m latentserve.cli argv`` in its own process group (with Python's
-    SIGINT handler, as in a terminal), send the group SIGINT (what Ctrl-C does) ``when`` seconds
-    after the start, or once ``when`` (a str) appears on stderr; ``(returncode, stderr)``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    SIGINT handler, as in a terminal), send the group SIGINT (what Ctrl-C does; ``group``
+    False: the command's process alone, as ``kill -INT``) ``when`` seconds after the start,
+    once ``when`` (a str) appears on stderr, or once ``when(proc)`` (a callable) returns;
+    ``(returncode, stderr)``. The command must exit within ``exit_within`` seconds of the
+    signal (default ``timeout``)."""
+    env = env or {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-c", RUN_CLI, *argv], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -29,14 +33,25 @@ def interrupt(argv: list[str], when: str | float, timeout: float = 300.0):
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
     start = time.monotonic()
-    while time.monotonic() - start < timeout and proc.poll() is None:
-        if (isinstance(when, str) and any(when in line for line in lines)) or (
-                not isinstance(when, str) and time.monotonic() - start >= when):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, f"exited before the signal: {''.join(lines)}"
-    os.killpg(proc.pid, signal.SIGINT)
-    rc = proc.wait(timeout)
+    try:
+        if callable(when):
+            when(proc)
+        while time.monotonic() - start < timeout and proc.poll() is None:
+            if callable(when) or (isinstance(when, str) and any(when in x for x in lines)) or (
+                    isinstance(when, (int, float)) and time.monotonic() - start >= when):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"exited before the signal: {''.join(lines)}"
+        (os.killpg if group else os.kill)(proc.pid, signal.SIGINT)
+        try:
+            rc = proc.wait(exit_within or timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {exit_within} s after SIGINT: "
+                                 f"{''.join(lines)}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     reader.join(10)
     return rc, "".join(lines)
 
@@ -69,3 +84,73 @@ def test_ctrl_c_during_eval(tiny_dirs):
 def test_ctrl_c_while_generate_starts(tiny_dirs, delay):
     assert_clean(*interrupt(["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "hi",
                              "--max-tokens", "8"], delay))
+
+
+# --- start-up with engines that are still loading (tests/support/slow_engine.py) ----------
+
+
+def _descendants(pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+
+
+def test_ctrl_c_while_two_engines_load_exits_at_once(tiny_dirs, tmp_path):
+    """``serve`` with two models, Ctrl-C while both engines load: exits within seconds and
+    leaves no engine (before: it waited until both had loaded, ~50 s for the demo)."""
+    from tests.support.slow_engine import alive_after, loading_pids, slow_engine_env
+
+    env, marker = slow_engine_env(tmp_path)
+    engines = []
+    rc, err = interrupt(["serve", "--model", str(tiny_dirs["llama"]), "--model",
+                         str(tiny_dirs["qwen2"]), "--port", "0"],
+                        lambda proc: engines.extend(loading_pids(marker, 2, proc)),
+                        env=env, exit_within=15)
+    assert_clean(rc, err)
+    assert alive_after(engines, 5) == []
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["ctrl-c", "kill-int-demo-alone"])
+def test_interrupted_demo_start_up_exits_at_once_and_leaves_no_process(
+        tiny_dirs, tmp_path, group):
+    """``latentserve demo`` interrupted while its server's engine loads, by Ctrl-C (its
+    process group) or ``kill -INT`` of the demo alone: it exits within seconds and its
+    server and engine are gone (before: SIGINT to the demo alone waited for the server to
+    be ready, then left it running)."""
+    from tests.support.slow_engine import alive_after, loading_pids, slow_engine_env
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "smollm2-mult-cot").symlink_to(tiny_dirs["llama"])
+    env, marker = slow_engine_env(tmp_path)
+    family = []
+
+    def when(proc):
+        loading_pids(marker, 1, proc)
+        family.extend(_descendants(proc.pid))  # the server, its engine and helpers
+
+    rc, err = interrupt(["demo", "--models-dir", str(models), "--num-questions", "1"], when,
+                        env=env, group=group, exit_within=15)
+    assert_clean(rc, err)
+    assert len(family) >= 2
+    assert alive_after(family, 10) == []
+
+
+def test_sigterm_while_the_engine_loads_leaves_no_engine(tiny_dirs, tmp_path):
+    """A server SIGTERMed (or killed) while its model loads: its engine process exits
+    within seconds too (before: it went on loading, orphaned)."""
+    from tests.support.slow_engine import alive_after, loading_pids, slow_engine_env
+
+    env, marker = slow_engine_env(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "latentserve.server.launch", "--model",
+                             str(tiny_dirs["llama"]), "--port", "0"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        engines = loading_pids(marker, 1, proc)
+        proc.terminate()
+        proc.wait(15)
+        assert alive_after(engines, 5) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -72,6 +72,22 @@ def test_data_multiplication_excludes_the_shipped_sets(no_data_env, capsys, tmp_
                            for line in out.read_text().splitlines()}
 
 
+def test_data_multiplication_without_evaluation_sets_says_to_pass_exclude(
+        no_data_env, capsys, tmp_path):
+    """``--k 3`` has no evaluation sets to leave out: the error says which --k lack them and
+    what to pass, not where upstream to fetch files that do not exist there."""
+    from latentserve.cli import main
+
+    out = tmp_path / "train.txt"
+    assert main(["data", "multiplication", "--k", "3", "--n", "5", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--k 3: no evaluation sets multiplication/3x3_test.txt" in err
+    assert "4x4 and 5x5 ship" in err and "--exclude /dev/null" in err
+    assert "Internalize_CoT" not in err
+    assert main(["data", "multiplication", "--k", "3", "--n", "5", "--out", str(out),
+                 "--exclude", "/dev/null"]) == 0
+
+
 def test_colar_eval_reads_its_dataset_from_the_package_before_loading(no_data_env, capsys,
                                                                       tmp_path):
     from latentserve.cli import main

@@ -168,6 +168,30 @@ def test_a_bad_tokenizer_or_generation_config_path_fails_before_loading(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "hi"], ["serve"],
+                                  ["eval", "--dataset", "gsm8k", "--limit", "1"]])
+def test_a_missing_latent_head_fails_before_loading(tmp_path, capsys, monkeypatch, argv):
+    """--latent-head is checked with the other paths, before any model loads (it was found
+    missing only once the weights had loaded); a directory must hold a bundle."""
+    import latentserve.engine.llm_engine as llm_engine
+    import latentserve.server.launch as launch
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_load)
+    monkeypatch.setattr(launch, "run_server", no_load)
+    missing = str(tmp_path / "head.safetensors")
+    assert main([*argv, "--latent-head", missing]) == 2
+    assert capsys.readouterr().err == (
+        "latentserve: error: --latent-head (latent_head) must be a head bundle file "
+        f"(.safetensors or .pt) or a model directory holding one; {missing!r} does not exist\n")
+    assert main([*argv, "--latent-head", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"latentserve: error: --latent-head {tmp_path} is a directory without a head bundle "
+        "(latent_reasoning_head.safetensors)\n")
+
+
 def test_a_tokenizer_directory_and_a_generation_config_folder_are_taken(smollm2_dir):
     c = EngineConfig(tokenizer=str(smollm2_dir), generation_config=str(smollm2_dir))
     assert c.tokenizer == str(smollm2_dir)

@@ -82,11 +82,14 @@ def test_controls_reach_sampling_params_and_bad_body_names_field():
 
 @pytest.mark.parametrize("kw,field", [({"latent_head": "h.safetensors"}, "latent_head"),
                                       ({"latent_injection": "prompt"}, "latent_injection")])
-def test_no_latent_head_with_a_head_option_is_a_config_error(kw, field):
+def test_no_latent_head_with_a_head_option_is_a_config_error(kw, field, tmp_path,
+                                                            monkeypatch):
     """``--no-latent-head`` beside ``--latent-head B`` (or ``--latent-injection``) served the
     bare backbone without a word: the two contradict, so the config refuses them."""
     from latentserve.config import EngineConfig
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "h.safetensors").write_bytes(b"")  # --latent-head must exist
     with pytest.raises(ValueError, match=f"no_latent_head.*{field}|{field}.*no_latent_head"):
         EngineConfig(no_latent_head=True, **kw)
     EngineConfig(**kw)

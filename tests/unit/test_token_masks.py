@@ -164,6 +164,12 @@ def test_allowed_token_ids_outside_the_vocabulary_are_refused(llm):
         _gen(llm, PROMPTS[:1], SamplingParams(allowed_token_ids=[5, 49152]))
 
 
+@pytest.mark.parametrize("bad", [49152, 10**6])
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm, bad):
+    with pytest.raises(ValueError, match=rf"^stop_token_ids must be in \[0, 49152\), got {bad}$"):
+        _gen(llm, PROMPTS[:1], SamplingParams(stop_token_ids=[5, bad], min_tokens=2))
+
+
 def _one_token_words(tok, ids):
     """Ids of ``ids`` whose text is a word that tokenizes back to that one id, both bare
     and after a space."""

@@ -198,9 +198,9 @@ def test_make_backend_triton():
 def test_looped_block_passes_match_torch_backend(tmp_path, smollm2_dir):
     """Loop passes rewrite the block's slots in place (extend rows whose out slots already
     hold K/V): the Triton kernels give the torch backend's answers and logits."""
-    from latentserve.bench.baseline.loop_models import save_loop_tiny
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
+    from tests.support.loop_models import save_loop_tiny
     from tests.support.parity import run_batch
 
     model_dir = save_loop_tiny(tmp_path, "lotus-llama", block_size=3, iterations=2)

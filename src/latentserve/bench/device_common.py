@@ -7,6 +7,7 @@ Units: seconds, bytes, bytes per second.
 
 from __future__ import annotations
 
+import gc
 import time
 
 
@@ -16,6 +17,15 @@ def sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def free_memory(device: str) -> None:
+    """Collect garbage and, on CUDA, hand the caching allocator's free blocks back."""
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def copy_bandwidth_on(device: str, nbytes: int | None = None, iters: int = 20) -> float:

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from latentserve.bench.device_common import profile_replay
+from latentserve.bench.device_common import free_memory, profile_replay
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -48,12 +48,9 @@ _best_bandwidth: dict = {}  # (device, nbytes) -> the best copy bandwidth measur
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20, rounds: int = 5) -> float:
-    """Device-to-device copy bandwidth: bytes moved (read + written) per second, the usual
-    way copy bandwidth is quoted and the figure HBM sustains for mixed traffic. The best of
-    ``rounds`` timings of ``iters`` copies, and of every earlier call in this process on
-    the same device and size: on
-    an H200, a second benchmark in one process read 3.84 TB/s against the first's 4.28 in
-    every round (session 12), which raises the floor and flatters the ratios."""
+    """Device-to-device copy bandwidth in bytes moved (read + written) per second: the best
+    of ``rounds`` timings of ``iters`` copies and of every earlier call in this process on the
+    same device and size (a later benchmark in one H200 process read ~10% slower)."""
     import torch
 
     torch.cuda.empty_cache()
@@ -80,15 +77,12 @@ _STEP_SPREAD = ("step_p50_s", "step_p90_s", "step_max_s", "overlap_wait_s", "hos
 
 
 def _engine_run(engine, prompts, output_len):
-    """One batch through the engine: output tokens/s, wall time, the mean host time of its
-    pure-decode steps (the whole engine step) with their median, 90th percentile and
-    maximum, and the mean device time of the decode graph replays in them (CUDA events
-    around ``CudaGraphRunner.replay`` / ``replay_packed``: the inputs' unpacking or copies,
-    and the graph), the 8 slowest decode steps as ``(index, seconds)`` and the Python
-    collections per generation during the run. With overlap scheduling, ``overlap_wait_s``
-    is the mean time a decode step's host waited for the previous batch's tokens
-    (``overlap.finish``) and ``host_bound_frac`` the fraction of decode steps that waited
-    under 20 us: the host, not the device, set their pace."""
+    """One batch through the engine: output tokens/s, wall time, the pure-decode steps' host
+    time (mean, median, p90, max), the device time of their graph replays (CUDA events around
+    ``CudaGraphRunner.replay`` / ``replay_packed``), the 8 slowest decode steps as ``(index,
+    seconds)``, Python collections per generation, and with overlap scheduling
+    ``overlap_wait_s`` (mean host wait for the previous batch's tokens) and
+    ``host_bound_frac`` (fraction of decode steps that waited under 20 us)."""
     import torch
 
     from latentserve.engine import overlap
@@ -226,18 +220,14 @@ def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
 def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                   shapes=tuple(SHAPES), hf_baseline=True, compare_unfused=True,
                   compare_overlap=True, kv_splits=()) -> dict:
-    """Benchmark every shape; returns a JSON-able dict (see module docstring for units).
+    """Benchmark every shape; returns a JSON-able dict (units: module docstring).
 
-    Per shape and concurrency: engine throughput, the whole engine decode step
-    (``decode_step_s``, host wall time) and the device time of its graph replay
+    Per shape and concurrency: engine throughput, the engine decode step (``decode_step_s``,
+    host wall time, overlap scheduling on as by default) and its graph replay's device time
     (``graph_replay_s``), each over the bandwidth floor, and the device ops in one replay.
-    ``compare_unfused``: also run the largest concurrency with ``fused_ops=False``;
-    The engine runs with its CUDA defaults, overlap scheduling included (engine/overlap.py:
-    ``decode_step_s`` is then the step's wall time with the host work hidden behind the
-    device's). ``compare_overlap``: also run it synchronously (``overlap_schedule=False``,
-    row ``sync``);
-    ``kv_splits``: and with each of these ``attention_num_kv_splits`` (the most splits; default
-    8), rows ``kv_splits_N``."""
+    At the largest concurrency also: ``compare_unfused`` (``fused_ops=False``),
+    ``compare_overlap`` (row ``sync``, ``overlap_schedule=False``) and each of ``kv_splits``
+    as ``attention_num_kv_splits`` (rows ``kv_splits_N``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -282,8 +272,7 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                            **{k: r[k] for k in _STEP_SPREAD if k in r}}
             inject = _inject_cost(engine, max(concurrency))
             del engine
-            gc.collect()
-            torch.cuda.empty_cache()
+            free_memory("cuda")
             variants = ([("unfused", {"fused_ops": False})] if compare_unfused else []) + \
                 ([("sync", {"overlap_schedule": False})] if compare_overlap else []) + \
                 [(f"kv_splits_{s}", {"attention_num_kv_splits": s}) for s in kv_splits]
@@ -301,8 +290,7 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                                 "kernels": _kernels_per_replay(engine, c),
                                 **{k: r[k] for k in _STEP_SPREAD if k in r}}
                 del engine
-                gc.collect()
-                torch.cuda.empty_cache()
+                free_memory("cuda")
             if hf_baseline:
                 hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()
                 hf.eval()
@@ -317,8 +305,7 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                     rows[c]["hf_batch1_tok_s"] = tps1
                     rows[c]["speedup_vs_hf_batch1"] = rows[c]["engine_tok_s"] / tps1
                 del hf
-                gc.collect()
-                torch.cuda.empty_cache()
+                free_memory("cuda")
             result["shapes"][name] = {"weights_bytes": weights, "kv_bytes_per_token": per_slot,
                                       "concurrency": rows, "inject_cost": inject}
             print(json.dumps({name: result["shapes"][name]}, indent=1), flush=True)

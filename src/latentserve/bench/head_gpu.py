@@ -3,12 +3,13 @@ single-request reference, and a latent step against a plain one (method: benchma
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
+
+from latentserve.bench.device_common import free_memory
 
 # Head config per backbone: latent_dim, source_layer (0-based decoder layer whose output is
 # the anchor). Upstream's DeepSeek-V4 head is hidden 4096 -> latent 1024 with the anchor at
@@ -65,14 +66,6 @@ def _engine(path: Path, device: str, dtype: str, max_seqs: int, max_len: int, **
                                   kv_slots=(max_seqs + 1) * max_len, **kw))
 
 
-def _free(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
-
-
 def _kv_floor(engine, batch: int, mean_ctx: float, bw: float) -> dict:
     """Bandwidth floor (s) of one decode step of ``batch`` rows at context ``mean_ctx``:
     every parameter of the model (backbone + head) and each row's KV read once."""
@@ -90,12 +83,9 @@ def _kv_floor(engine, batch: int, mean_ctx: float, bw: float) -> dict:
 def step_cost(engine, bare, prompts, open_ids, max_latent: int, device: str,
               rounds: int = 1) -> dict:
     """Steady step time (s) of ``len(prompts)`` rows in the latent phase against the same
-    rows decoding plain tokens at the same positions (prompt + opening ids, thinking off),
-    in the head engine and (when ``bare`` is an engine) on the bare backbone.
-
-    ``rounds`` > 1 repeats the latent, plain and bare phases in turn and reports the median
-    of each (the per-round figures in ``rounds``): drift in clocks or host load between two
-    phases then cannot masquerade as the head's cost."""
+    rows decoding plain tokens at the same positions, in the head engine and (when ``bare``
+    is an engine) on the bare backbone. ``rounds`` > 1 alternates the phases and reports each
+    one's median (per-round figures in ``rounds``), so drift cannot pass for the head's cost."""
     import statistics
 
     from latentserve.bench.device_common import drive
@@ -213,7 +203,7 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
     cost["latent_step_over_floor"] = cost["latent_step_s"] / floor["floor_s"]
     print(f"[head {name}] step cost: {json.dumps(cost)}", flush=True)
     del engine, bare
-    _free(device)
+    free_memory(device)
     # Eager reference, one request at a time.
     ref_kw = {"mode": "closed_loop", "max_latent": max_latent, "min_latent": 0,
               "use_stop": False, "max_tokens": max_latent + n_close + answer_len,
@@ -233,7 +223,7 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
     ref_req_s = (time.perf_counter() - t0) / len(ref_prompts)
     hr._hf_model.cache_clear()
     hr._bundle_cached.cache_clear()
-    _free(device)
+    free_memory(device)
     print(f"[head {name}] reference: {ref_req_s:.3f} s per request", flush=True)
     for c in concurrency:
         rows[c]["reference_s_per_request"] = ref_req_s

@@ -3,12 +3,13 @@ the eager per-request reference (``bench.baseline.latent_reference``); answer to
 
 from __future__ import annotations
 
-import gc
 import json
 import platform
 import tempfile
 import time
 from pathlib import Path
+
+from latentserve.bench.device_common import free_memory, sync
 
 GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
 
@@ -72,18 +73,14 @@ def bench_one(model_dir: Path, device: str, dtype: str, concurrency, budget: int
         rows[c] = {"engine_tok_s": n / (time.perf_counter() - t0), "answer_tokens": n}
     graph_steps = engine.runner.num_graph_steps
     del engine
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()  # the KV pool took most of the GPU
+    free_memory(device)  # the KV pool took most of the GPU
     prompts = torch.randint(3, 1000, (ref_requests + 1, prompt_len), generator=g).tolist()
     reference_generate(model_dir, prompts[0], budget, 2, device, dtype)  # load + warm up
-    if device == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     for p in prompts[1:]:
         reference_generate(model_dir, p, budget, answer_len, device, dtype, ignore_eos=True)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     ref = ref_requests * answer_len / (time.perf_counter() - t0)
     for c in concurrency:
         rows[c]["reference_tok_s"] = ref
@@ -123,17 +120,9 @@ def latent_step_cost(model_dir: Path, device: str, dtype: str, batch: int = 64,
             times.append(time.perf_counter() - t0)
         result[name] = sum(times[1:-1]) / max(len(times) - 2, 1)  # steady steps only
     del engine
-    gc.collect()
+    free_memory(device)
     return {"latent_step_s": result["latent"], "plain_step_s": result["plain"],
             "overhead_pct": 100 * (result["latent"] / result["plain"] - 1), "batch": batch}
-
-
-def _free(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 def run_latent_bench(device: str = "cpu", concurrency=(32,), budget: int = 6,
@@ -157,9 +146,9 @@ def run_latent_bench(device: str = "cpu", concurrency=(32,), budget: int = 6,
             path = build(Path(d) / name)
             out["models"][name] = bench_one(path, device, dtype, concurrency, budget,
                                             answer_len)
-            _free(device)
+            free_memory(device)
             out["models"][name]["step_cost"] = latent_step_cost(path, device, dtype,
                                                                 max(concurrency))
-            _free(device)
+            free_memory(device)
             print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
     return out

@@ -3,10 +3,11 @@ and against the eager reference (``bench.baseline.loop_reference``); answer toke
 
 from __future__ import annotations
 
-import gc
 import platform
 import time
 from pathlib import Path
+
+from latentserve.bench.device_common import free_memory, sync
 
 GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
 
@@ -32,26 +33,20 @@ def _engine_run(engine, prompts, params, pass_chunk: int) -> dict:
         engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params)
         reqs.append(engine.scheduler.waiting[-1])
         reqs[-1].state.pass_chunk = pass_chunk
-    sync = _sync(engine.device.type)
-    sync()
+    dev = engine.device.type
+    sync(dev)
     t0, n, thought, steps = time.perf_counter(), 0, None, 0
     while engine.has_unfinished_requests():
         n += sum(len(o.new_token_ids) for o in engine.step())
         steps += 1
         if thought is None and all(r.answer_start is not None or r.status == ReqStatus.FINISHED
                                    for r in reqs):
-            sync()
+            sync(dev)
             thought = time.perf_counter() - t0
-    sync()
+    sync(dev)
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "thought_s": thought, "answer_tokens": n, "steps": steps,
             "answer_tok_s": n / wall}
-
-
-def _sync(device_type: str):
-    import torch
-
-    return torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 
 
 def bench_loop(root: Path, device: str, dtype: str, concurrency, answer_len: int = 16,
@@ -89,18 +84,15 @@ def bench_loop(root: Path, device: str, dtype: str, concurrency, answer_len: int
                    "thought_speedup_vs_positions": by_pos["thought_s"] / block["thought_s"],
                    "wall_speedup_vs_positions": by_pos["wall_s"] / block["wall_s"]}
     del engine
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    free_memory(device)
     ref = load_pccot_reference(str(root / "base"), str(root / "adapter"), device, dtype)
     prompts = torch.randint(3, 1000, (ref_requests + 1, prompt_len), generator=g).tolist()
     reference_generate_loop(ref, prompts[0], iterations, 2)  # warm up
-    sync = _sync(device)
-    sync()
+    sync(device)
     t0 = time.perf_counter()
     for p in prompts[1:]:
         reference_generate_loop(ref, p, iterations, answer_len, ignore_eos=True)
-    sync()
+    sync(device)
     per_req = (time.perf_counter() - t0) / ref_requests
     for c in concurrency:
         rows[c]["reference_wall_s"] = per_req * c  # one request at a time

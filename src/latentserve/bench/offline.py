@@ -206,28 +206,20 @@ def _agreement(engine_tokens, hf_tokens, eos_ids) -> list[dict]:
 def run_offline_bench(model: str | None = None, num_prompts: int = 32, output_len: int = 64,
                       device: str = "cpu", dtype: str = "float32", hf_baseline: bool = True,
                       seed: int = 0, command: str | None = None) -> dict:
-    """Measure offline generation throughput of our engine and, optionally, of HF transformers.
+    """Offline generation throughput of our engine and, with ``hf_baseline``, of HF
+    ``generate`` one prompt at a time.
 
-    Args:
-        model: HF-style directory, ``.gguf`` file, or None for the embedded SmolLM2-135M.
-        num_prompts: prompts in the timed run (GSM8K questions, cycled past 40).
-        output_len: generated tokens per prompt (exact: greedy with EOS ignored/suppressed).
-        device, dtype: as ``EngineConfig`` (``"cpu"``/``"cuda"``; ``"float32"``, ...).
-        hf_baseline: also time HF ``generate`` one prompt at a time.
-        seed: engine seed (the runs are greedy; it only fixes torch's RNG).
-        command: the command line to record (default: this process's ``sys.argv``).
+    ``model``: HF-style directory, ``.gguf`` file, or None (embedded SmolLM2-135M);
+    ``num_prompts`` GSM8K questions (cycled past 40), ``output_len`` tokens each (exact: greedy,
+    EOS ignored); ``command``: recorded (default ``sys.argv``).
 
-    Returns:
-        A JSON-serialisable dict: ``engine`` and ``hf`` (None without baseline) each with
-        ``wall_s`` and ``cpu_s`` [s], ``output_tokens``/``total_tokens`` [tokens],
-        ``output_tok_per_s`` / ``total_tok_per_s`` [tokens/s], ``load_s`` [s] and the load
-        average before/after; ``speedup`` (engine over HF output
-        tokens/s, None without baseline); ``greedy_agreement`` (first 4 prompts) and
-        ``greedy_agree`` (bool); the prompt statistics [tokens]; ``machine``; ``command``.
+    Returns a JSON-serialisable dict: ``engine`` and ``hf`` (None without baseline) each with
+    ``wall_s``, ``cpu_s``, ``load_s`` [s], ``output_tokens`` / ``total_tokens``,
+    ``output_tok_per_s`` / ``total_tok_per_s`` and the load average before/after; ``speedup``
+    (output tokens/s over HF's, or None); ``greedy_agreement`` (first 4 prompts) and
+    ``greedy_agree``; the prompt statistics [tokens]; ``machine``; ``command``.
 
-    Raises:
-        ValueError: num_prompts or output_len < 1; errors from model loading.
-    """
+    Raises ValueError for ``num_prompts`` or ``output_len`` < 1; errors from model loading."""
     if num_prompts < 1 or output_len < 1:
         raise ValueError(f"num_prompts and output_len must be >= 1, got {num_prompts}, "
                          f"{output_len}")

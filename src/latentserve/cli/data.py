@@ -10,7 +10,9 @@ def register(sub) -> None:
     p = sub.add_parser("data", help="build training data")
     kinds = p.add_subparsers(dest="kind", required=True)
     m = kinds.add_parser("multiplication", help="k x k multiplication in the iCoT format")
-    m.add_argument("--k", type=int, required=True, help="digits per operand")
+    m.add_argument("--k", type=int, required=True,
+                   help="digits per operand, >= 1 (the default --exclude has evaluation sets "
+                        "for 4 and 5; another k needs --exclude)")
     m.add_argument("--n", type=int, required=True, help="items to write")
     m.add_argument("--out", required=True, help="file to write (iCoT text lines)")
     m.add_argument("--seed", type=int, default=0)
@@ -24,7 +26,7 @@ def register(sub) -> None:
 
 
 def run_multiplication(args) -> int:
-    from latentserve.eval.datasets import find_data_file
+    from latentserve.eval.datasets import data_dirs, find_data_file
     from latentserve.train.tasks import generate_multiplication, questions_of, write_icot
 
     if args.k < 1 or args.n < 0:
@@ -33,9 +35,13 @@ def run_multiplication(args) -> int:
         try:
             args.exclude = [str(find_data_file(f"multiplication/{args.k}x{args.k}_{s}.txt",
                                                args.data_dir)) for s in ("test", "valid")]
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"evaluation sets to exclude: {e}; or pass --exclude "
-                                    "(--exclude /dev/null excludes nothing)") from None
+        except FileNotFoundError:
+            where = ", ".join(str(d) for d in data_dirs(args.data_dir))
+            raise FileNotFoundError(
+                f"--k {args.k}: no evaluation sets multiplication/{args.k}x{args.k}_test.txt "
+                f"and _valid.txt to leave out in {where} (4x4 and 5x5 ship, from iCoT); pass "
+                "--exclude FILE with the questions to leave out, or --exclude /dev/null for "
+                "none") from None
     items = generate_multiplication(args.k, args.n, args.seed, questions_of(args.exclude))
     n = write_icot(items, args.out)
     print(json.dumps({"out": args.out, "n": n, "excluded_from": args.exclude}))

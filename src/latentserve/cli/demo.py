@@ -315,7 +315,8 @@ def convert_embedded(dtype: str = "float32") -> None:
 def start_verbose(configs: list, labels: list[str]):
     """``start_server(configs)``, printing a line as each engine (``labels``, in order) is
     ready and every 15 s until the server is; returns the ``ServerProcess``. Raises what
-    ``start_server`` raises."""
+    ``start_server`` raises; an interrupt (Ctrl-C, SIGINT) stops the server at once."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from latentserve.server.launch import served_model_name, start_server
@@ -324,23 +325,31 @@ def start_verbose(configs: list, labels: list[str]):
     os.close(fd)
     names = [served_model_name(c) for c in configs]
     start, shown, last = time.perf_counter(), set(), 0.0
+    cancel = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(start_server, configs, log_path=log)
-        while True:
-            try:
-                server = future.result(timeout=0.5)
-                break
-            except TimeoutError:
-                pass
-            elapsed = time.perf_counter() - start
-            lines = Path(log).read_text(errors="replace")
-            for name, label in zip(names, labels):
-                if name not in shown and f"engine ready: {name}," in lines:
-                    shown.add(name)
-                    print(f"  {label} ready ({elapsed:.0f} s)", flush=True)
-            if elapsed - last >= 15:
-                last = elapsed
-                print(f"  ... {elapsed:.0f} s", flush=True)
+        future = pool.submit(start_server, configs, log_path=log, cancel=cancel)
+        try:
+            while True:
+                try:
+                    server = future.result(timeout=0.5)
+                    break
+                except TimeoutError:
+                    pass
+                elapsed = time.perf_counter() - start
+                lines = Path(log).read_text(errors="replace")
+                for name, label in zip(names, labels):
+                    if name not in shown and f"engine ready: {name}," in lines:
+                        shown.add(name)
+                        print(f"  {label} ready ({elapsed:.0f} s)", flush=True)
+                if elapsed - last >= 15:
+                    last = elapsed
+                    print(f"  ... {elapsed:.0f} s", flush=True)
+        except BaseException:  # start_server stops its server; one ready meanwhile: here
+            cancel.set()
+            pool.shutdown()
+            if future.exception() is None:
+                future.result().stop()
+            raise
     print(f"server ready at {server.base_url} ({time.perf_counter() - start:.0f} s); "
           f"its log: {log}\n", flush=True)
     return server

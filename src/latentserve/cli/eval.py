@@ -42,8 +42,8 @@ def register(sub) -> None:
     p.add_argument("--stop-threshold", type=float, default=None)
     p.add_argument("--no-stop", action="store_true", help="run every budget to its cap")
     p.add_argument("--url", default=None,
-                   help="OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1) "
-                        "instead of an in-process engine")
+                   help="OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1; without "
+                        "/v1 it is tried with /v1 added) instead of an in-process engine")
     p.add_argument("--api-model", default=None, help="model name at --url (default: first)")
     p.add_argument("--api-key", default="none")
     p.add_argument("--concurrency", type=int, default=16)
@@ -171,16 +171,7 @@ def run(args) -> int:
         raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
     items = load_items(args.dataset, args.data_file, args.limit, args.data_dir)
     if args.url:
-        import openai
-
-        from latentserve.eval.backends import OpenAIBackend
-
-        try:
-            backend = OpenAIBackend(args.url, args.api_model, args.api_key, args.concurrency)
-        except openai.APIError as exc:  # the first call (models.list) reaches the server
-            raise ConnectionError(f"--url {args.url}: no OpenAI-compatible server answered "
-                                  f"GET {args.url.rstrip('/')}/models ({type(exc).__name__}: "
-                                  f"{exc}); the URL usually ends in /v1") from None
+        backend = url_backend(args.url, args.api_model, args.api_key, args.concurrency)
     else:
         from latentserve.cli import engine_config
         from latentserve.engine.llm_engine import LLMEngine
@@ -209,3 +200,32 @@ def run(args) -> int:
                 base = json.load(f)["runs"][0]
         plot_sweep({"head": runs}, args.plot, f"{args.dataset} (n={len(items)})", base)
     return 0
+
+
+def url_backend(url: str, model: str | None, api_key: str, concurrency: int):
+    """``OpenAIBackend`` for the server at ``url``, or at ``url/v1`` when ``url`` has no
+    ``/v1`` and answers 404 (a server's root given).
+
+    Raises:
+        ConnectionError: no OpenAI-compatible server answered ``GET .../models`` (the
+            message names the URLs tried).
+    """
+    import openai
+
+    from latentserve.eval.backends import OpenAIBackend
+
+    base = url.rstrip("/")
+    tries = [base] if base.endswith("/v1") else [base, base + "/v1"]
+    for i, u in enumerate(tries):
+        try:
+            return OpenAIBackend(u, model, api_key, concurrency)
+        except openai.NotFoundError:
+            if i + 1 < len(tries):
+                continue
+            error = "404 Not Found"
+        except openai.APIError as exc:  # the first call (models.list) reaches the server
+            error = f"{type(exc).__name__}: {exc}"
+        tried = " and ".join(f"GET {t}/models" for t in tries[:i + 1])
+        raise ConnectionError(f"--url {url}: no OpenAI-compatible server answered {tried} "
+                              f"({error}); give the server's base URL, e.g. "
+                              "http://127.0.0.1:8000/v1")

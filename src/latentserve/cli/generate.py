@@ -94,9 +94,28 @@ def run(args) -> int:
         print(" ".join(map(str, out_ids)))
         return 0
     detok = IncrementalDetokenizer(tok, ids, params.stop, params.skip_special_tokens)
+    n_answer, last = 0, None
     while engine.has_unfinished_requests():
         for out in engine.step():
+            n_answer += len(out.new_token_ids)
+            last = out
             sys.stdout.write(detok.add(out.new_token_ids))
             sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
+    note = budget_note(last, n_answer)
+    if note:
+        print(f"latentserve: note: {note}", file=sys.stderr)
     return 0
+
+
+def budget_note(final, n_answer: int) -> str | None:
+    """What to tell the user when the latent phase took the whole token budget: ``final`` is
+    the request's last ``StepOutput``, ``n_answer`` the answer tokens it got; None unless it
+    ended on the length cap with no answer token after a latent phase."""
+    stats = getattr(final, "latent_stats", None) or {}
+    steps = stats.get("steps") or 0
+    if n_answer or final is None or final.finish_reason != "length" or not steps:
+        return None
+    return (f"the latent phase ({steps} steps) used the whole --max-tokens budget and no "
+            "answer token was left; raise --max-tokens, or cap the thinking with "
+            "--max-latent N (or --thinking off)")

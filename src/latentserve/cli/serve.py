@@ -27,9 +27,12 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from latentserve.cli import engine_configs
+    from latentserve.config import check_device
     from latentserve.server.launch import check_model_names, run_server, server_kwargs
 
     configs = engine_configs(args)
+    for c in configs:
+        check_device(c.device)  # before the engine starts: one line, not EngineStartupError
     check_model_names(configs)  # a name served twice fails before any engine starts
     if args.data_parallel_size != 1:
         if len(configs) != 1:

@@ -132,9 +132,10 @@ def _options(args, skip=("command", "stage", "func", "no_progress")) -> dict:
 
 
 def run_sft(args) -> int:
+    options = _options(args)  # a missing --data fails before torch loads
     from latentserve.train.sft import SFTConfig, train_sft
 
-    log = train_sft(SFTConfig(**_options(args)))
+    log = train_sft(SFTConfig(**options))
     print(json.dumps({"bundle": args.out, "traces": log["traces"],
                       "loss_before": log["loss_before"], "loss_after": log["loss_after"],
                       "seconds": log["seconds"]}, indent=1))
@@ -142,9 +143,10 @@ def run_sft(args) -> int:
 
 
 def run_dagger(args) -> int:
+    options = _options(args)  # a missing --data fails before torch loads
     from latentserve.train.dagger import DaggerConfig, train_dagger
 
-    log = train_dagger(DaggerConfig(**_options(args)))
+    log = train_dagger(DaggerConfig(**options))
     print(json.dumps({"bundle": args.out, "traces": log["traces"],
                       "rounds": [{k: h[k] for k in ("round", "rows", "closed_loop")}
                                  for h in log["history"]],
@@ -153,9 +155,10 @@ def run_dagger(args) -> int:
 
 
 def run_grpo(args) -> int:
+    options = _options(args)  # a missing --data fails before torch loads
     from latentserve.train.grpo import GRPOConfig, train_grpo
 
-    log = train_grpo(GRPOConfig(**_options(args)))
+    log = train_grpo(GRPOConfig(**options))
     h = log["history"]
     print(json.dumps({"bundle": args.out, "first": h[0], "last": h[-1],
                       "seconds": log["seconds"]}, indent=1))

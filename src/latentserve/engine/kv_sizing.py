@@ -12,12 +12,14 @@ def kv_slots_for(config, bytes_per_slot: int, max_model_len: int, vocab_size: in
     """KV pool size in tokens (slots).
 
     ``config.kv_slots`` when set. On CPU: 1 GiB worth, at most ``max_num_seqs`` full-length
-    requests. On CUDA: ``gpu_memory_utilization`` of the device's memory minus what is in use
-    (weights) and a reserve for activations, graphs and logits.
+    requests. On CUDA: ``gpu_memory_utilization`` of the device's memory minus all that is
+    in use on it (this process's weights and any other process's memory, as SGLang's
+    ``mem_fraction_static``: the device keeps ``1 - gpu_memory_utilization`` free) and a
+    reserve for activations, graphs and logits.
 
     Raises:
         ValueError: on CUDA when the pool cannot hold one ``max_model_len`` request; the
-            message names the flags to change.
+            message gives the memory in use and names the flags to change.
     """
     if config.kv_slots:
         return config.kv_slots
@@ -29,8 +31,13 @@ def kv_slots_for(config, bytes_per_slot: int, max_model_len: int, vocab_size: in
     budget = total * config.gpu_memory_utilization - (total - free) - _GPU_RESERVE_BYTES - logits
     slots = int(budget // bytes_per_slot)
     if slots < max_model_len + 1:
+        gib = 1 << 30
         raise ValueError(
             f"the KV pool would hold {max(slots, 0)} tokens, fewer than one request of "
-            f"max_model_len={max_model_len} needs ({bytes_per_slot} bytes per token); lower "
-            "--max-model-len or --max-num-seqs, or raise --gpu-memory-utilization")
+            f"max_model_len={max_model_len} needs ({bytes_per_slot} bytes per token): "
+            f"{(total - free) / gib:.1f} of {total / gib:.1f} GiB of {config.device} are in "
+            f"use (this process's weights and other processes), and "
+            f"--gpu-memory-utilization={config.gpu_memory_utilization} counts them; lower "
+            "--max-model-len or --max-num-seqs, raise --gpu-memory-utilization, free the "
+            "device, or give the pool's size with --kv-slots")
     return slots

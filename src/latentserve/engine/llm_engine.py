@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from latentserve.config import EngineConfig
+from latentserve.config import EngineConfig, check_device
 from latentserve.core import Req
 from latentserve.outputs import StepOutput
 from latentserve.sampling_params import SamplingParams
@@ -67,9 +67,7 @@ class LLMEngine:
         from latentserve.scheduler.scheduler import Scheduler
 
         self.config = config
-        if config.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {config.device!r}: no CUDA device is available here "
-                             f"(torch {torch.__version__}); use --device cpu")
+        check_device(config.device)
         self.device = self.tp.device if self.tp is not None else torch.device(config.device)
         torch.manual_seed(config.seed)
         model_dir = resolve_model_dir(config.model, _dtype_name(config))
@@ -177,9 +175,10 @@ class LLMEngine:
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises ValueError (naming the field) for an empty prompt, a prompt
         of max_model_len tokens or more (latent positions and transition tokens included), a
-        token id outside the vocabulary, a prompt the KV pool cannot hold, a latent_budget
-        above the model's cap, a duplicate ``rid``, or ``params.n`` other than 1
-        (``LLM.generate`` and the server fan ``n`` out).
+        prompt token id or ``stop_token_ids`` entry outside the vocabulary ``[0,
+        vocab_size)``, a prompt the KV pool cannot hold, a latent_budget above the model's
+        cap, a duplicate ``rid``, or ``params.n`` other than 1 (``LLM.generate`` and the
+        server fan ``n`` out).
 
         The served model's family (``self.family``, ``latent/family.py``) admits the request
         first: it resolves the latent fields (``latent_budget``: latent steps, block passes
@@ -253,9 +252,11 @@ class LLMEngine:
                              "shorter to leave room for at least one output token")
         if n + extra + 1 > self.num_kv_slots:
             raise ValueError(f"prompt has {n} tokens but the KV pool holds {self.num_kv_slots}")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[0]}")
+        for name, ids in (("prompt token ids", prompt_token_ids),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} must be in [0, {self.vocab_size}), got {bad[0]}")
         if self.tp is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs (echo with logprobs) is not supported with "
                              "tensor_parallel_size > 1")

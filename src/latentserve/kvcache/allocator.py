@@ -9,18 +9,13 @@ import torch
 
 
 class SlotAllocator:
-    """Free list of KV slot ids ``1..num_slots`` (page size 1).
+    """Free list of KV slot ids ``1..num_slots`` (page size 1): a ``torch.int64`` tensor on
+    ``device``, no Python loop over slots.
 
-    Slot 0 is a reserved dummy slot: it is never handed out, so padded rows of a batch can
-    write their (garbage) K/V there. A KV pool backing this allocator therefore needs
-    ``num_slots + 1`` rows.
-
-    The free list is a 1-D ``torch.int64`` tensor on ``device``. ``alloc`` takes slots from its
-    front, ``free`` queues them for its back (joined when ``alloc`` reaches them, or once
-    ``MAX_QUEUED`` tensors wait); neither loops over slots in Python. The allocator does
-    not check for double frees or foreign ids (that would need a device sync); the callers
-    (request table and ``RadixCache``) own that invariant.
-    """
+    Slot 0 is a reserved dummy that padded rows write to, so a pool needs ``num_slots + 1``
+    rows. ``free`` queues slots, joined when ``alloc`` reaches them or once ``MAX_QUEUED``
+    tensors wait. Double frees and foreign ids are not checked (a device sync); the callers
+    (request table and ``RadixCache``) own that invariant."""
 
     MAX_QUEUED = 1024  # freed tensors waiting before they are joined to the free list
 
@@ -52,12 +47,8 @@ class SlotAllocator:
         return self._num_slots
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """Take ``n`` free slots.
-
-        Returns:
-            ``torch.int64`` tensor of shape ``[n]`` on ``device``, or None when fewer than ``n``
-            slots are free (the allocation is all-or-nothing; nothing is taken then).
-        """
+        """Take ``n`` free slots: ``[n] int64`` on ``device``, or None (nothing taken) when fewer
+        are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
         if n > self._free.numel():

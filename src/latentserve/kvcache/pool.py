@@ -47,17 +47,12 @@ class PageTable:
     ``table: [max_reqs + 1, max_model_len] int64``.
 
     ``alloc_row()`` returns a free row index or None; ``free_row(i)`` gives it back.
-    NOTE: row ``dummy_row`` (the last) is never handed out and stays all zeros, i.e. it
-    points at the dummy slot 0; padded rows of a captured decode batch read through it.
+    NOTE: row ``dummy_row`` (the last) is never handed out and stays all zeros (the dummy
+    slot 0); padded rows of a captured decode batch read through it.
 
-    Staged writes: ``stage(cells, n, slots)`` records writes ``table[cells[j], cells[n + j]]
-    = slots[j]`` without issuing them. Reading the ``table`` attribute applies what is
-    staged first (one host-to-device copy of the cells and one scatter), so every reader
-    sees a consistent table. A decode step whose inputs are unpacked by
-    ``ops.kernels.decode_inputs`` instead takes them (``take_staged``) and lets that kernel
-    write them, which saves a copy and a scatter per step (issue 3). ``raw`` is the tensor
-    itself, staged writes not applied: only for a caller that applies them on the device.
-    """
+    ``stage(cells, n, slots)`` records writes ``table[cells[j], cells[n + j]] = slots[j]``;
+    reading ``table`` applies them first (one copy, one scatter). ``take_staged`` hands them
+    to ``ops.kernels.decode_inputs`` instead; ``raw`` is the table without them applied."""
 
     def __init__(self, max_reqs: int, max_model_len: int, device: torch.device | str):
         self.raw = torch.zeros((max_reqs + 1, max_model_len), dtype=torch.int64,
@@ -116,7 +111,3 @@ class PageTable:
 
     def free_row(self, row: int) -> None:
         self._free.append(row)
-
-    @property
-    def num_free_rows(self) -> int:
-        return len(self._free)

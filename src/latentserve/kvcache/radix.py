@@ -127,14 +127,9 @@ class RadixCache:
     # ----- public API -----
 
     def match_prefix(self, token_ids: list[int]) -> tuple[torch.Tensor, Node]:
-        """Find the longest cached prefix of ``token_ids``.
-
-        Returns:
-            ``(slots, node)``: ``slots`` is ``torch.int64`` of shape ``[m]`` (``m`` may be 0) on
-            the allocator's device, a fresh tensor; ``node`` is the deepest node covering the
-            prefix (the root when ``m == 0``). A match ending inside an edge splits that edge,
-            so ``node`` always ends exactly at ``m``. Refreshes access time along the path.
-        """
+        """The longest cached prefix of ``token_ids``: ``(slots [m] int64`` (a fresh tensor,
+        ``m`` may be 0), ``node)``, the node ending exactly at ``m`` (an edge is split if need be;
+        the root when ``m == 0``). Refreshes access time along the path."""
         if self.disabled:
             return self._empty(), self.root
         now = self._tick()
@@ -155,16 +150,12 @@ class RadixCache:
         return (torch.cat(values) if values else self._empty()), node
 
     def insert(self, token_ids: list[int], slots: torch.Tensor, copy: bool = True) -> int:
-        """Insert ``token_ids`` with their KV ``slots`` (``torch.int64``, shape ``[len]``).
-        ``copy=False``: the tree keeps a view of ``slots`` (the caller hands over a tensor
-        nobody writes to again), which saves a device copy per insert.
+        """Insert ``token_ids`` with their KV ``slots`` (``[len] int64``); ``copy=False``: the
+        tree keeps a view (the caller never writes ``slots`` again).
 
-        Returns:
-            The length ``p`` of the prefix that was already in the tree. The tree keeps its own
-            slots for that prefix and takes ownership of (a copy of) ``slots[p:]``; the caller
-            frees ``slots[m:p]``, ``m`` being its matched length (see class docstring).
-            Disabled: returns ``len(token_ids)`` and takes nothing.
-        """
+        Returns the length ``p`` already cached: the tree keeps its slots for it and owns
+        ``slots[p:]``; the caller frees ``slots[m:p]`` (``m`` its matched length). Disabled:
+        returns ``len(token_ids)`` and takes nothing."""
         if len(slots) != len(token_ids):
             raise ValueError(f"{len(token_ids)} token ids but {len(slots)} slots")
         if self.disabled:

@@ -146,8 +146,9 @@ def resolve_model_dir(model: str | os.PathLike[str] | None, dtype: str = "float3
         return _converted(embedded_gguf_path(), dtype)
     path = Path(model).expanduser()
     accepted = (
-        "model must be None (the embedded SmolLM2-135M-Instruct), a directory containing "
-        "config.json or a PEFT adapter_config.json, or a path to a .gguf file"
+        "--model (EngineConfig.model) must be a directory containing config.json or a PEFT "
+        "adapter_config.json, or a .gguf file; leave it out (None) for the embedded "
+        "SmolLM2-135M-Instruct"
     )
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -288,11 +289,8 @@ def load_tokenizer(model_dir: str | os.PathLike[str], optional: bool = False):
 
 
 def gguf_special_token_ids(gguf_path: str | os.PathLike[str]) -> dict[str, int]:
-    """Read bos/eos/pad/unk token ids from a GGUF file's ``tokenizer.ggml.*`` metadata.
-
-    Returns a dict with the keys among ``bos_token_id``, ``eos_token_id``, ``pad_token_id``
-    and ``unk_token_id`` that the file defines. Only metadata is read (memory-mapped).
-    """
+    """The ``bos/eos/pad/unk_token_id`` keys a GGUF file's ``tokenizer.ggml.*`` metadata
+    defines (memory-mapped, metadata only)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -347,13 +345,8 @@ def _apply_umask(directory: Path) -> None:
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None:
     """Write a Hugging Face-style checkpoint of ``gguf_path`` into the existing ``out_dir``,
-    its weights in ``dtype`` (one of ``GGUF_DTYPES``; ``config.json``'s ``dtype`` says it).
-
-    Uses transformers' GGUF loading (dequantized float32, HF tensor names, q/k permutation
-    reversed), then casts to ``dtype``; ``quantization_config`` is dropped from
-    ``config.json``; tied ``lm_head`` weights are not stored twice; eos/pad come from the
-    GGUF metadata.
-    """
+    its weights in ``dtype`` (one of ``GGUF_DTYPES``), through transformers' GGUF loading;
+    ``quantization_config`` dropped, tied ``lm_head`` stored once, eos/pad from the GGUF."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig

@@ -19,16 +19,12 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
 
 
 def sampling_defaults(model_dir: str | os.PathLike[str], setting: str = "auto") -> dict:
-    """The ``SamplingParams`` keyword defaults ``setting`` gives for ``model_dir``.
+    """The ``SamplingParams`` keyword defaults (``SAMPLING_KEYS``, possibly none) ``setting``
+    gives for ``model_dir``.
 
-    Returns a dict with the ``SAMPLING_KEYS`` fields the file sets (possibly empty).
-
-    Raises:
-        ValueError naming ``generation_config``: ``setting`` is neither ``"auto"``,
-            ``"vllm"`` nor a folder holding ``generation_config.json``; the file is not a
-            JSON object; a value is out of ``SamplingParams``' range (the message names the
-            file and the field).
-    """
+    Raises ValueError naming ``generation_config``: ``setting`` is neither ``"auto"``,
+    ``"vllm"`` nor a folder holding ``generation_config.json``; the file is not a JSON object;
+    a value is out of ``SamplingParams``' range (naming the file and the field)."""
     from latentserve.models.checkpoint import base_model_dir
     from latentserve.sampling_params import SamplingParams
 

@@ -242,12 +242,10 @@ class RavenForCausalLM(nn.Module):
         return self.transformer.wte(input_ids)
 
     def use_fused_ops(self) -> None:
-        """Switch to the CUDA fast path (``latentserve.ops.kernels``): the RMSNorm kernel
-        (with the sandwich blocks' residual add folded in), the ``qk_bias`` add and
-        interleaved-pair RoPE in one in-place kernel, SiLU-and-multiply on ``mlp.fc``'s
-        output. The GEMMs are already fused upstream (``Wqkv``, ``fc``). Call once after
-        ``load_weights``. Runs wherever Triton runs (CUDA; CPU only under
-        ``TRITON_INTERPRET=1``)."""
+        """Switch to the CUDA fast path (``latentserve.ops.kernels``): RMSNorm kernel with the
+        residual add folded in, ``qk_bias`` + interleaved-pair RoPE in one in-place kernel,
+        SiLU-and-multiply. Call once after ``load_weights``; CPU only under
+        ``TRITON_INTERPRET=1``."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, CausalSelfAttention, GatedMLP)):
                 m.fused = True

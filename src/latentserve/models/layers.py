@@ -17,11 +17,9 @@ from latentserve.ops.rotary import rope_cos_sin, rotate_half
 class RMSNorm(nn.Module):
     """RMSNorm as ``LlamaRMSNorm`` (fp32 statistics), with the pre-norm residual add folded in.
 
-    ``forward(x [T, H])`` returns the normed ``[T, H]``; ``forward(x, residual)`` first forms
-    ``residual = x + residual`` and returns ``(normed, residual)``. With ``fused`` set (the
-    CUDA fast path) one Triton kernel does both (``ops/kernels/rms_norm.py``); otherwise the
-    torch ops of ``ops/norm.py``.
-    """
+    ``forward(x [T, H])`` returns the normed ``[T, H]``; ``forward(x, residual)`` returns
+    ``(normed(x + residual), x + residual)``; ``fused``: one Triton kernel
+    (``ops/kernels/rms_norm.py``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -79,13 +77,9 @@ class Rotary(nn.Module):
     """Rotary position embedding with the rotate-half convention.
 
     ``inv_freq`` and the attention scaling come from transformers' ``ROPE_INIT_FUNCTIONS``
-    for scaled variants (llama3, yarn, linear, ...) and the plain formula otherwise.
-    ``cos_sin(positions [T] int64, dtype)`` returns ``(cos, sin)``, each ``[T, head_dim]``
-    in ``dtype``: computed once per forward and shared by every layer
-    (``ops.rotary.apply_rotary``, or the in-place kernel on the fast path). After
-    ``build_table`` they are rows of a precomputed table (one gather instead of about nine
-    small kernels per step, ``ops.kernels.rope_rows`` on CUDA; the same values).
-    """
+    for scaled variants (llama3, yarn, linear, ...). ``cos_sin(positions [T] int64, dtype)``
+    returns ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``, shared by every layer; after
+    ``build_table`` they are gathered rows of a precomputed table (same values)."""
 
     def __init__(self, hf_config, head_dim: int):
         super().__init__()
@@ -118,13 +112,9 @@ class Rotary(nn.Module):
         return rope_cos_sin(positions, self.inv_freq, self.scaling, dtype)
 
     def build_table(self, max_positions: int, dtype: torch.dtype) -> None:
-        """Precompute ``(cos, sin)`` of positions ``0 .. max_positions - 1`` in ``dtype`` on
-        ``inv_freq``'s device, from its current values (after the model's ``.to(dtype)``,
-        which rounds the buffer as Hugging Face's does): ``[max_positions, 2, head_dim]``,
-        ``max_positions * 4 * head_dim`` bytes in bf16. Later ``cos_sin`` calls in ``dtype``
-        on that device gather rows; positions must stay below ``max_positions`` (the engine
-        builds it for ``max_model_len``; larger ones are clamped to the last row).
-        Build it outside CUDA-graph capture."""
+        """Precompute ``(cos, sin)`` of positions ``0 .. max_positions - 1`` in ``dtype`` from
+        ``inv_freq``'s current values: ``[max_positions, 2, head_dim]``. Positions past the end
+        are clamped to the last row. Build it outside CUDA-graph capture."""
         if max_positions < 1:
             raise ValueError(f"max_positions must be >= 1, got {max_positions}")
         pos = torch.arange(max_positions, device=self.inv_freq.device)
@@ -152,17 +142,8 @@ class MergedQKV:
                         layer: int, next_weight: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[T, hidden]``, cos/sin ``[T, head_dim]``, ``layer`` the KV pool layer (a
         recurrent model's bank) -> attention output ``[T, H, D]``, as ``paged_attention``.
-        ``next_weight``: the weight read next (the o_proj), handed to the backend as its
-        ``prefetch_next`` hint.
-
-        For ``QKV_ROPE_ROWS`` rows read through TMA, with a backend that allows it
-        (``fused_kv_store``: Triton), one kernel does all of it before attention: the
-        projection, RoPE and the KV store (``ops.kernels.qkv_rope_store_kv``). Otherwise q,
-        k and v are strided views of the merged output of a cuBLAS GEMM. When the backend
-        allows it, one kernel then rotates q in place and writes the rotated k and v into
-        the pool at the batch's ``out_slots`` (``ops.kernels.apply_rotary_store_kv_``), and
-        the backend skips its store; otherwise q and k are rotated in place
-        (``ops.kernels.apply_rotary_``) and the backend stores them."""
+        ``next_weight``: the weight read next (the o_proj), the backend's ``prefetch_next`` hint.
+        Which kernels run: docs/internals.md, "latentserve.models.layers"."""
         from latentserve.ops.kernels import (
             apply_rotary_,
             apply_rotary_store_kv_,
@@ -227,22 +208,17 @@ def merge_linears(*linears: nn.Module) -> nn.Linear:
 
 def inject(embeds: torch.Tensor, input_embeds: torch.Tensor | None,
            latent_mask: torch.Tensor | None) -> torch.Tensor:
-    """Swap latent rows in right after the embedding lookup.
-
-    embeds: ``[T, H]`` token embeddings; input_embeds: ``[T, H]`` (any float dtype) or None;
-    latent_mask: ``[T] bool`` or None. Returns ``[T, H]`` in ``embeds``' dtype.
-    """
+    """Swap latent rows in right after the embedding lookup: embeds ``[T, H]``, input_embeds
+    ``[T, H]`` (any float dtype) or None, latent_mask ``[T] bool`` or None -> ``[T, H]`` in
+    ``embeds``' dtype."""
     if input_embeds is None:
         return embeds
     return torch.where(latent_mask[:, None], input_embeds.to(embeds.dtype), embeds)
 
 
 def paged_attention(layer: int, q, k, v, scale: float) -> torch.Tensor:
-    """Store this layer's new K/V and attend over each request's pages.
-
-    q: ``[T, H, D]``; k, v: ``[T, Hkv, D]``, or None when the caller already wrote them into
-    the pool (only where the backend's ``fused_kv_store``). Returns ``[T, H, D]``. Reads the
-    forward context.
-    """
+    """Store this layer's new K/V and attend over each request's pages (reads the forward
+    context). q ``[T, H, D]``; k, v ``[T, Hkv, D]``, or None when already in the pool (the
+    backend's ``fused_kv_store``). Returns ``[T, H, D]``."""
     ctx = get_context()
     return ctx.backend.forward(layer, q, k, v, ctx.attn_meta, ctx.kv_pool, scale)

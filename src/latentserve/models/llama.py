@@ -209,12 +209,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(compute_logits(hidden), its row-wise argmax [B] int64)``, the logits bit for
-        bit. On the fast path, when ``decode_linear`` would not split the LM head along K
-        (``pick_tiling``: at 64 rows with a hidden size of 1024 or more it splits
-        vocabularies under ~5.9k and from 8192 to ~11.8k), one LM-head kernel also finds
-        each column tile's maximum, so the logits are not read back
-        (``decode_linear.decode_linear_argmax``); else ``sampling.greedy_tokens`` of
-        ``compute_logits``."""
+        bit; on the fast path one LM-head kernel also finds the argmax when ``decode_linear`` does
+        not split K (``decode_linear.decode_linear_argmax``)."""
         if self.lm_head_fast(hidden) and "compute_logits" not in vars(self):
             from latentserve.ops.kernels.decode_linear import decode_linear_argmax, pick_tiling
 

@@ -98,39 +98,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
                latent_injection: str | None = None, tp=None, fused_ops: bool = False):
     """Return ``(model, hf_config)`` with weights loaded, in eval mode, on ``device``.
 
-    A directory with a ``latent_config.json`` is a latent-reasoning model: its family's
-    loader (``latentserve.latent.feedback``) reads the upstream checkpoint form and attaches
-    ``model.latent_spec`` and ``model.latent_feedback``; looped-block families (PCCoT,
-    LOTUS) go through ``latentserve.latent.loop_checkpoint`` instead.
-
-    Recurrent-depth checkpoints (Huginn ``huginn_raven``, Ouro ``ouro``) ship their config
-    class as remote code, which is never run: their ``config.json`` is read into a plain
-    ``PretrainedConfig`` (``registry.config_from_dict``).
-
-    A compression-head bundle (``latent.bundle.find_bundle``: ``latent_head``, env
-    ``LATENTSERVE_LATENT_HEAD``, or ``latent_reasoning_head.safetensors`` in the directory;
-    ``no_latent_head`` skips it) attaches ``model.latent_head`` and a ``"head"`` spec
-    (``latent.bundle.attach_head``; ``latent_injection`` overrides the bundle's mode). A
-    ``colar_config.json`` attaches CoLaR instead (``latent.colar_head.attach_colar``;
-    ``no_latent_head`` skips it too).
-
-    ``tp`` (a ``distributed.TPGroup`` of size > 1): the backbone is split into this rank's
-    shard (``models.parallel.shard_model``) before it moves to ``device``; latent modules stay
-    whole.
-
-    A PEFT LoRA adapter directory (``models.checkpoint.is_adapter_dir``) loads its base's
-    config and weights with the adapter merged in float32 before the cast to ``dtype`` and
-    before TP sharding (``models.lora``); it may not hold a ``latent_config.json`` and its
-    base must be a plain Llama-family model.
-
-    ``fused_ops``: switch a model that has the fast path (``use_fused_ops``: merged q/k/v and
-    gate/up GEMMs, Triton norm/RoPE/SiLU kernels; the Llama family, Ouro, Huginn) to it, after
-    sharding and before the move to ``device``; other models ignore it.
+    Dispatch (docs/internals.md, "latentserve.models.loader"): a ``latent_config.json`` loads a
+    latent family (``latent.feedback`` / ``latent.loop_checkpoint``); Huginn and Ouro configs
+    are read without remote code (``registry.config_from_dict``); a compression-head bundle
+    (``latent.bundle.find_bundle``) or ``colar_config.json`` is attached unless
+    ``no_latent_head`` (``latent_injection`` overrides the bundle's mode); a PEFT LoRA adapter
+    directory is merged in float32 into its Llama-family base (``models.lora``) before the cast
+    and before ``tp`` sharding (``models.parallel.shard_model``; latent modules stay whole);
+    ``fused_ops`` switches a model with ``use_fused_ops`` to the fast path.
 
     Raises ValueError for an unsupported ``model_type``, a bad latent config, an adapter
-    that cannot be merged (``models.lora``, message naming the field), or a model the TP
-    size cannot split.
-    """
+    that cannot be merged (message naming the field), or a model the TP size cannot split."""
     import json
 
     from transformers import AutoConfig

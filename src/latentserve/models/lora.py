@@ -56,12 +56,9 @@ def lora_scale(alpha: float, r: int, use_rslora: bool = False) -> float:
 
 def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
                   transpose: bool = False, name: str = "weight") -> torch.Tensor:
-    """``w + (b @ a) * scale`` in float32: ``w`` ``[out, in]`` (``[in, out]`` with
-    ``transpose``, GPT-2's Conv1D) of any dtype, ``a`` ``[r, in]``, ``b`` ``[out, r]``.
-    Returns a new float32 tensor shaped like ``w``.
-
-    Raises ValueError naming ``name`` and the shapes when they do not fit.
-    """
+    """``w + (b @ a) * scale`` as a new float32 tensor: ``w`` ``[out, in]`` (``[in, out]``
+    with ``transpose``, GPT-2's Conv1D), ``a`` ``[r, in]``, ``b`` ``[out, r]``. Raises
+    ValueError naming ``name`` and the shapes when they do not fit."""
     if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
         raise ValueError(f"LoRA pair of {name!r} does not fit together: lora_A "
                          f"{tuple(a.shape)} [r, in], lora_B {tuple(b.shape)} [out, r]")

@@ -154,11 +154,9 @@ class OuroForCausalLM(nn.Module):
         return t * self.n_layers + layer
 
     def use_fused_ops(self) -> None:
-        """Switch to the CUDA fast path (``latentserve.ops.kernels``), as
-        ``LlamaForCausalLM.use_fused_ops``: merged q/k/v and gate/up GEMMs, in-place RoPE,
-        SiLU-and-multiply and the RMSNorm kernel for all four sandwich norms, the loop's final
-        norm included. Call once after ``load_weights``. Runs wherever Triton runs (CUDA; CPU
-        only under ``TRITON_INTERPRET=1``)."""
+        """Switch to the CUDA fast path, as ``LlamaForCausalLM.use_fused_ops`` (the RMSNorm
+        kernel for all four sandwich norms and the loop's final norm). Call once after
+        ``load_weights``; CPU only under ``TRITON_INTERPRET=1``."""
         fuse_decoder(self, self.model.layers)
 
     def embed(self, input_ids):

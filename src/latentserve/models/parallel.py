@@ -137,11 +137,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """LM head over this rank's vocabulary block, logits gathered on every rank.
-
-    ``forward(hidden [B, hidden]) -> [B, vocab]`` in the weight's dtype: local block
-    ``[B, per]``, all-gather, padding columns dropped.
-    """
+    """LM head over this rank's vocabulary block: ``forward(hidden [B, hidden]) -> [B, vocab]``
+    in the weight's dtype, all-gathered, padding columns dropped."""
 
     def __init__(self, weight: nn.Parameter, vocab_size: int, tp: TPGroup):
         super().__init__()

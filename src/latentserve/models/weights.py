@@ -10,12 +10,9 @@ import torch
 def load_by_name(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  rename: Callable[[str], str | None] = lambda name: name,
                  tied: tuple[str, ...] = ()) -> None:
-    """Copy each ``(name, tensor)`` into the parameter ``rename(name)`` (None: skip it).
-
-    ``tied`` names parameters that share one tensor (a tied embedding and LM head): loading
-    any of them loads all. Raises KeyError naming an unexpected weight and ValueError naming
-    (up to five) missing ones.
-    """
+    """Copy each ``(name, tensor)`` into the parameter ``rename(name)`` (None: skip it);
+    loading any of the ``tied`` parameters loads all. Raises KeyError naming an unexpected
+    weight, ValueError naming (up to five) missing ones."""
     params = dict(model.named_parameters(remove_duplicate=False))
     seen = set()
     for name, tensor in weights:

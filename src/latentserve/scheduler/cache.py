@@ -63,12 +63,10 @@ class CacheManager:
         return True
 
     def reserve(self, req: Req, upto: int) -> bool:
-        """Make sure ``req`` will have slots for ids ``[0, upto)``: the host-side half of
-        growing a request (evicting from the radix cache when short). The slots are taken
-        and written into the page table by :meth:`flush`, once for the whole step, so a
-        decode step costs one allocation and one page-table write, not one per request.
-        False (and nothing reserved) when slots ran out. Call :meth:`flush` before
-        :meth:`admit` or before the page table is read."""
+        """Make sure ``req`` will have slots for ids ``[0, upto)``, evicting from the radix cache
+        when short; False (nothing reserved) when slots ran out. :meth:`flush` takes the slots
+        and writes the page table once per step; call it before :meth:`admit` or any read of the
+        page table."""
         need = upto - req.num_allocated
         if need <= 0:
             return True

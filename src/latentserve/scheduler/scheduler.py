@@ -40,20 +40,11 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue and the running set.
 
-    Args:
-        cache: the KV bookkeeping. max_num_seqs: admitted requests at most.
-        max_num_batched_tokens: tokens per forward at most (decode rows count one each).
-        max_model_len: a request finishes with "length" when it reaches this many tokens.
-        eos_ids: token ids that end a request unless ``ignore_eos``.
-        family: the served model's ``latent.family.Family``; the scheduler calls its hooks
-            for everything a latent family changes (step order, admission, chunk sizes,
-            preemption, the latent phase machine, output fields).
-
-    ``forced_one_by_one`` (set by the engine when decode replays CUDA graphs): forced ids a
-    latent phase appends at once (a multi-token closing text, transition tokens) are computed
-    one per step, as decode rows, instead of as one multi-token chunk, which would send the
-    whole batch down the eager extend path for that step.
-    """
+    ``max_num_batched_tokens``: tokens per forward (decode rows count one each);
+    ``max_model_len``: a request reaching it finishes with "length"; ``family``: the served
+    model's ``latent.family.Family``, whose hooks cover all a latent family changes.
+    ``forced_one_by_one`` (set when decode replays CUDA graphs): forced ids a latent phase
+    appends at once run one per step as decode rows, not as an eager multi-token chunk."""
 
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_ids: set[int], family):

@@ -23,7 +23,12 @@ from latentserve.server.anthropic_blocks import (
     message_turns,
     openai_tools,
 )
-from latentserve.server.errors import APIError, anthropic_error_body, param_from_value_error
+from latentserve.server.errors import (
+    APIError,
+    anthropic_error_body,
+    anthropic_status,
+    param_from_value_error,
+)
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.output_parser import OutputParser, drops_tags, parse_output
 from latentserve.server.params import (
@@ -112,7 +117,7 @@ def _blocks_text(content: str | list[TextBlock], param: str) -> str:
     parts = []
     for j, block in enumerate(content):
         if block.type != "text" or block.text is None:
-            raise APIError(f"only text content blocks are supported, got type "
+            raise APIError(f"{param}.{j}: only text content blocks are supported, got type "
                            f"{block.type!r}", param=f"{param}.{j}")
         parts.append(block.text)
     return "".join(parts)
@@ -272,16 +277,16 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     (``LLMEngine.check_request``, nothing queued), so a body that count accepts is not
     refused later for them. Without ``max_tokens`` (Anthropic's count takes none) the
     context check asks room for one answer token, so ``/v1/messages`` can still refuse a
-    larger ``max_tokens``; any model name counts (the route's ``served.resolve`` picks the
-    model).
+    larger ``max_tokens``.
 
     Raises:
         APIError: 400 for any body ``/v1/messages`` refuses (the engine's reason for its
-            refusals), 503 when the engine is gone.
+            refusals), 404 for a model that is not served (Anthropic's
+            ``not_found_error``), 503 when the engine is gone.
     """
     from latentserve.server.serving import ENGINE_ERRORS, api_error
 
-    _check(body.model_copy(update={"model": state.model_name}), state)
+    _check(body, state)
     answer = _answer(body, state)
     prompt_ids = await _prompt_ids(body, state, answer)
     sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
@@ -330,12 +335,24 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
 
 
 async def create_message(body: MessagesRequest, request, state: ServerState):
-    """Validate, template, run; answer with one ``message`` object or an SSE event stream.
+    """Validate, admit (``admission.admit``: one engine request), template, run; answer
+    with one ``message`` object or an SSE event stream.
 
     Raises:
         APIError: 400 (bad field, context too long, unsupported feature), 404 (another
-            model's name), or the engine errors of ``serving.api_error``.
+            model's name), 503 ``overloaded`` (529 here) from ``admission.admit``, or the
+            engine errors of ``serving.api_error``.
     """
+    from latentserve.server.admission import admit
+
+    arrival = time.monotonic()
+    _check(body, state)
+    with admit(state, 1) as ticket:
+        return await _admitted_message(body, request, state, arrival, ticket)
+
+
+async def _admitted_message(body: MessagesRequest, request, state: ServerState,
+                            arrival: float, ticket):
     from latentserve.server.logprobs import token_texts
     from latentserve.server.serving import (
         collect,
@@ -345,8 +362,6 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         start_stream,
     )
 
-    arrival = time.monotonic()
-    _check(body, state)
     answer = _answer(body, state)
     prompt_ids = await _prompt_ids(body, state, answer)
     body, params = _request_params(body, request, state, len(prompt_ids), answer)
@@ -357,7 +372,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     asked = bool(body.return_latent_trace)
     texts = token_texts(state.tokenizer)
     if body.stream:
-        deltas = await start_stream(request, state, reqs, arrival)
+        deltas = await start_stream(request, state, reqs, arrival, ticket)
         latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
                   else None)
         events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
@@ -366,7 +381,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
             request, state, reqs, events, error_event=_error_event,
             internal_error_event=_event("error", anthropic_error_body(
                 "Internal server error", 500)), done=None))
-    result = (await collect(request, state, reqs, arrival))[0]
+    result = (await collect(request, state, reqs, arrival, ticket))[0]
     reasoning, content, calls = parse_output(answer.parser(state), result.text)
     if answer.latent_mode:
         reasoning = latent_reasoning_text(answer.latent_mode, result.latent_steps,
@@ -412,7 +427,7 @@ def _error_event(exc: Exception) -> str:
     from latentserve.server.serving import api_error
 
     err = api_error(exc)
-    return _event("error", anthropic_error_body(err.message, err.status_code))
+    return _event("error", anthropic_error_body(err.message, anthropic_status(err)))
 
 
 class _Blocks:

@@ -160,7 +160,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     async def count_tokens(body: CountTokensRequest, request: Request):
         from latentserve.server.anthropic_api import count_input_tokens
 
-        state = routed(body)  # one model: any name counts, as before
+        state = routed(body)
         return JSONResponse({"input_tokens": await count_input_tokens(body, request, state)})
 
     @app.get("/v1/models", response_model=None)

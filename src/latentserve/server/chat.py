@@ -10,6 +10,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
+from latentserve.server.admission import Ticket, admit
 from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
 from latentserve.server.generation import EngineRequest, TextDelta
@@ -74,11 +75,18 @@ from latentserve.server.tools import (
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request, state: ServerState):
-    """Validate, template, fan out ``n`` engine requests, run; answer with one response or
-    an SSE stream (choices interleaved, each with its ``index``)."""
+    """Validate, admit (``admission.admit``: ``n`` engine requests), template, fan out,
+    run; answer with one response or an SSE stream (choices interleaved, each with its
+    ``index``)."""
     arrival = time.monotonic()
     body = body.with_template_kwargs_fields()  # what a router leaves of the latent fields
     check_common(body, state.model_name, state.limits)
+    with admit(state, body.n or 1) as ticket:
+        return await _chat_completion(body, request, state, arrival, ticket)
+
+
+async def _chat_completion(body: ChatCompletionRequest, request, state: ServerState,
+                           arrival: float, ticket: Ticket):
     tools = check_tools(chat_tools(body.tools))
     choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
     latent_mode = latent_reasoning_mode(body, state.latent_spec)
@@ -134,14 +142,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
 
     texts = token_texts(state.tokenizer)
     if body.stream:
-        deltas = await start_stream(request, state, reqs, arrival)
+        deltas = await start_stream(request, state, reqs, arrival, ticket)
         latent = [LatentReasoning(latent_mode, texts, ticks) if latent_mode else None
                   for _ in reqs]
         chunks = _chunks(state, rid, len(prompt_ids), len(reqs), deltas, body.include_usage,
                          logprobs is not None, as_ids, bool(body.return_latent_trace),
                          [parser() for _ in reqs], latent, choice, ticks, echo)
         return sse_response(sse_events(request, state, reqs, chunks))
-    results = await collect(request, state, reqs, arrival)
+    results = await collect(request, state, reqs, arrival, ticket)
     choices = []
     for i, r in enumerate(results):
         reasoning, content, calls = parse_output(parser(), r.text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
+from latentserve.server.admission import Ticket, admit
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import tick_infos
 from latentserve.server.logprobs import (
@@ -27,7 +28,7 @@ from latentserve.server.params import (
     sampling_params,
     stream_latent_steps,
 )
-from latentserve.server.prompts import check_prompt_length, completion_prompts
+from latentserve.server.prompts import check_prompt_length, completion_prompts, prompt_list
 from latentserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -47,10 +48,19 @@ from latentserve.server.tokenize_pool import in_pool
 
 
 async def create_completion(body: CompletionRequest, request, state: ServerState):
-    """Validate, encode, fan out (``n`` choices per prompt; choice ``p * n + j`` is choice j
-    of prompt p), run; answer with one response or an SSE stream."""
+    """Validate, admit (``admission.admit``: its prompts x ``n`` engine requests), encode,
+    fan out (``n`` choices per prompt; choice ``p * n + j`` is choice j of prompt p), run;
+    answer with one response or an SSE stream."""
     arrival = time.monotonic()
     check_common(body, state.model_name, state.limits)
+    n = body.n or 1
+    count = len(prompt_list(body.prompt, state.limits.max_prompts)) * n
+    with admit(state, count, "n" if n > 1 else "prompt") as ticket:
+        return await _completion(body, request, state, arrival, ticket)
+
+
+async def _completion(body: CompletionRequest, request, state: ServerState, arrival: float,
+                      ticket: Ticket):
     check_logprobs(body.logprobs, "logprobs", state.limits)
     # echo with logprobs reports the prompt tokens' logprobs too (the first one's is null).
     prompt_logprobs = body.logprobs if body.echo else None
@@ -83,11 +93,11 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     as_ids = bool(body.return_tokens_as_token_ids)
     want_logprobs = body.logprobs is not None
     if body.stream:
-        deltas = await start_stream(request, state, reqs, arrival)
+        deltas = await start_stream(request, state, reqs, arrival, ticket)
         chunks = _chunks(state, rid, num_prompt_tokens, echoes, deltas, body.include_usage,
                          want_logprobs, as_ids, reqs, bool(body.return_latent_trace))
         return sse_response(sse_events(request, state, reqs, chunks))
-    results = await collect(request, state, reqs, arrival)
+    results = await collect(request, state, reqs, arrival, ticket)
     texts = token_texts(state.tokenizer)
     choices = []
     for i, r in enumerate(results):

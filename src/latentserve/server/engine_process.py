@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -32,8 +33,11 @@ from latentserve.server.messages import (
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_MS = 1000  # idle wake-up, only to notice a dead parent
-_SEND_TIMEOUT_MS = 1000  # a send waiting for the API process rechecks that it exists
+# How often an idle engine (and a send waiting for a reader) checks that the API process
+# still exists: an orphaned engine exits within this long, busy or idle.
+PARENT_CHECK_S = 0.5
+_IDLE_POLL_MS = int(PARENT_CHECK_S * 1000)  # idle wake-up, only to notice a dead parent
+_SEND_TIMEOUT_MS = _IDLE_POLL_MS  # a send waiting for the API process rechecks it exists
 # Forward failures in a row (with no good step between) after which the engine gives up.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
@@ -68,6 +72,9 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
 
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    loaded = threading.Event()  # from then on EngineLoop watches the parent
+    threading.Thread(target=_exit_if_parent_goes, args=(parent_pid, loaded),
+                     name="parent-watch", daemon=True).start()
     level = logging.getLevelName("DEBUG" if str(log_level).upper() == "TRACE"
                                  else str(log_level).upper())
     logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
@@ -95,12 +102,48 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         ready_conn.close()
         ctx.destroy(linger=0)
         raise SystemExit(1) from None
+    loaded.set()
     ready_conn.send_bytes(dumps(ready))
     ready_conn.close()
+    loop = EngineLoop(engine, inbox, outbox, parent_pid)
     try:
-        EngineLoop(engine, inbox, outbox, parent_pid).run()
+        loop.run()
     finally:
+        if loop.orphaned:
+            _exit_orphaned(addresses)
         ctx.destroy(linger=1000)
+
+
+def _exit_if_parent_goes(parent_pid: int, loaded: threading.Event,
+                         interval: float = 0.5) -> None:
+    """Exit this process at once when ``parent_pid`` stops being its parent before ``loaded``
+    is set: a server killed while the model loads (SIGTERM, SIGKILL) leaves no engine behind.
+    Tensor-parallel workers watch this process in turn (``tp_worker``)."""
+    while not loaded.wait(interval):
+        if os.getppid() != parent_pid:
+            log.info("parent process is gone while loading; engine exits")
+            os._exit(1)
+
+
+def _exit_orphaned(addresses: EngineAddresses) -> None:
+    """Leave at once, the API process being gone: remove the IPC sockets and their
+    directory if it is empty (nobody else will), and skip the interpreter's teardown
+    (seconds with torch loaded), which has nothing to save; the memory goes back to the
+    system with the process."""
+    import contextlib
+    import sys
+
+    paths = [a.removeprefix("ipc://") for a in (addresses.input, addresses.output)
+             if a.startswith("ipc://")]
+    with contextlib.suppress(OSError):
+        for path in paths:
+            os.unlink(path)
+        if paths:
+            os.rmdir(os.path.dirname(paths[0]))
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class EngineLoop:
@@ -122,6 +165,7 @@ class EngineLoop:
         self.outbox = outbox
         self.parent_pid = parent_pid
         self.running = True
+        self.orphaned = False  # the loop ended because the parent process is gone
         self.failed_steps = 0
         self.queued_at: dict[str, float] = {}  # added, not yet scheduled: when it came
         self.scheduled: dict[str, tuple[float, float]] = {}  # to send: (queued, scheduled)
@@ -133,7 +177,7 @@ class EngineLoop:
         poller.register(self.inbox, zmq.POLLIN)
         while self.running:
             if self._parent_gone():  # every step: nobody reads the outputs of a busy engine
-                log.info("parent process is gone; engine exits")
+                self._orphan()
                 return
             busy = self.engine.has_unfinished_requests()
             if poller.poll(0 if busy else _IDLE_POLL_MS):
@@ -242,9 +286,12 @@ class EngineLoop:
                 return
             except zmq.Again:
                 if self._parent_gone():
-                    log.info("parent process is gone; engine exits")
-                    self.running = False
+                    self._orphan()
                     return
+
+    def _orphan(self) -> None:
+        log.info("parent process is gone; engine exits")
+        self.running, self.orphaned = False, True
 
     def _workers_gone(self) -> str | None:
         """Why the engine cannot step any more because a tensor-parallel worker exited."""
@@ -279,6 +326,12 @@ class EngineProcess:
         self.addresses: EngineAddresses | None = None
         self._proc = None
         self._dir: str | None = None
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        """Make a :meth:`start` waiting in another thread stop the child and raise
+        ``EngineStartupError`` within 0.2 s (Ctrl-C while several engines load)."""
+        self._cancel.set()
 
     def start(self) -> Ready:
         import multiprocessing as mp
@@ -305,6 +358,8 @@ class EngineProcess:
     def _wait_ready(self, conn) -> Ready:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
+            if self._cancel.is_set():
+                raise EngineStartupError("engine start-up cancelled")
             if conn.poll(0.2):
                 try:
                     message = loads(conn.recv_bytes())

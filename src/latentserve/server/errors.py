@@ -44,16 +44,38 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-# Anthropic's error type for each HTTP status.
+# Anthropic's error type for each HTTP status: only load shedding (529, the server's
+# ``overloaded``) is ``overloaded_error``; a failed engine (500, 503) is ``api_error``.
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
                     413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
+                    503: "api_error", 529: "overloaded_error"}
 
 
 def is_anthropic_path(path: str) -> bool:
     """Whether ``path`` is served with Anthropic's error shape."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_status(err: APIError) -> int:
+    """The HTTP status of ``err`` under ``/v1/messages``: Anthropic's 529 for the 503
+    ``overloaded`` (load shedding), else ``err.status_code``."""
+    return 529 if err.code == "overloaded" else err.status_code
+
+
+def anthropic_message(err: APIError) -> str:
+    """``err``'s message in Anthropic's ``field: reason`` form when it names its field in
+    another (``top_p must be ...``, ``Invalid type for 'top_p': ...``, ``Missing required
+    parameter: 'max_tokens'``); else as it is."""
+    param, text = err.param, err.message
+    if not param or text.startswith(f"{param}: "):
+        return text
+    for lead in (f"{param} ", f"Invalid type for '{param}': "):
+        if text.startswith(lead):
+            return f"{param}: {text[len(lead):]}"
+    if text == f"Missing required parameter: '{param}'":
+        return f"{param}: Field required"
+    return text
 
 
 def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
@@ -97,17 +119,30 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         return APIError(f"Malformed JSON body: {detail}", code="invalid_json")
     if loc in (("body",), ()):
         if first.get("type") == "missing":
-            return APIError("Request body is missing; send a JSON object")
+            return APIError("Request body is missing; send a JSON object", code="invalid_json")
         return APIError("Request body must be a JSON object", code="invalid_json")
     param = _param(loc)
     if first.get("type") == "missing":
         return APIError(f"Missing required parameter: '{param}'", param=param,
                         code="missing_required_parameter")
     same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
-    reasons = "; ".join(dict.fromkeys(e.get("msg", "invalid") for e in same))
+    reasons = (_union_expected(same)
+               or "; ".join(dict.fromkeys(e.get("msg", "invalid") for e in same)))
     got = _short(first.get("input"))
     return APIError(f"Invalid type for '{param}': {reasons} (got {got})", param=param,
                     code="invalid_type")
+
+
+def malformed_body(cause: BaseException | None) -> APIError:
+    """The 400 ``invalid_json`` for a body FastAPI could not parse for another reason than
+    its JSON syntax (``cause``: the parser's exception, e.g. a ``UnicodeDecodeError``)."""
+    if isinstance(cause, UnicodeDecodeError):
+        detail = f"not valid UTF-8 (byte {cause.start})"
+    elif isinstance(cause, RecursionError):
+        detail = "it nests too deeply (arrays or objects inside one another)"
+    else:
+        detail = type(cause).__name__ if cause is not None else "unreadable"
+    return APIError(f"Malformed JSON body: {detail}", code="invalid_json")
 
 
 def _param(loc: tuple) -> str:
@@ -120,6 +155,47 @@ def _param(loc: tuple) -> str:
         else:
             break  # a union member's tag: "str", "list[int]", "StreamOptions", ...
     return path or "body"
+
+
+_KINDS = {"str": ("a string", "strings"), "int": ("an integer", "integers"),
+          "float": ("a number", "numbers"), "bool": ("a boolean", "booleans")}
+
+
+def _kind(tag: str, plural: bool = False) -> str | None:
+    """``list[int]`` -> ``a list of integers``; a model or dict tag -> ``an object``; None
+    for a tag with no plain name."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _kind(tag[5:-1], plural=True)
+        return inner and ("lists of " if plural else "a list of ") + inner
+    if tag in _KINDS:
+        return _KINDS[tag][plural]
+    if tag.startswith("dict[") or (tag.isidentifier() and tag[:1].isupper()):
+        return "objects" if plural else "an object"
+    return None
+
+
+def _union_expected(errors: list[dict[str, Any]]) -> str | None:
+    """``expected a string or a list of strings`` when ``errors`` (one field's) are a union's
+    members each refusing the value's type (``stop: [1, 2]``); None otherwise (an error
+    inside a member, or a tag with no plain name)."""
+    kinds = []
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        loc = loc[1:] if loc[:1] == ("body",) else loc
+        at = next((i for i, p in enumerate(loc) if not isinstance(p, int) and not _is_field(p)),
+                  None)
+        if at is None or not str(e.get("type", "")).endswith("_type"):
+            return None
+        rest = loc[at + 1:]  # () or an item's index: the member refused the type
+        kind = _kind(str(loc[at])) if len(rest) < 2 and all(isinstance(p, int) for p in rest) \
+            else None
+        if kind is None:
+            return None
+        kinds.append(kind)
+    kinds = list(dict.fromkeys(kinds))
+    if len(kinds) < 2:
+        return None
+    return f"expected {', '.join(kinds[:-1])} or {kinds[-1]}"
 
 
 def _is_field(part: object) -> bool:
@@ -141,10 +217,11 @@ def install_error_handlers(app) -> None:
 
     def reply(request, err: APIError, headers=None):
         path = request.url.path
-        status = err.status_code
-        if err.code == "overloaded" and is_anthropic_path(path):
-            status = 529  # Anthropic's overloaded_error
-        return error_response(path, status, err.message, err.type, err.param, err.code,
+        if is_anthropic_path(path):
+            status, message = anthropic_status(err), anthropic_message(err)
+        else:
+            status, message = err.status_code, err.message
+        return error_response(path, status, message, err.type, err.param, err.code,
                               headers or err.headers)
 
     async def on_api_error(request, exc: APIError):
@@ -154,6 +231,8 @@ def install_error_handlers(app) -> None:
         return reply(request, validation_error(list(exc.errors())))
 
     async def on_http(request, exc: HTTPException):
+        if exc.status_code == 400:  # FastAPI could not read the body (not UTF-8, ...)
+            return reply(request, malformed_body(exc.__cause__))
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "request_too_large" if exc.status_code == 413 else None
         return reply(request, APIError(str(exc.detail), status_code=exc.status_code, type=kind,

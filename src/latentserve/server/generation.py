@@ -54,7 +54,8 @@ class EngineRequest:
 
 
 async def generate_text(state, rid: str, prompt_ids: list[int], params: SamplingParams,
-                        arrival: float | None = None, group=None) -> AsyncIterator[TextDelta]:
+                        arrival: float | None = None, group=None, ticket=None
+                        ) -> AsyncIterator[TextDelta]:
     """Yield non-empty text deltas, then exactly one delta with a ``finish_reason``; with
     ``params.stream_latent_steps``, also a delta (text "", ``latent_tick`` > 0) whenever
     latent steps ran since the last one.
@@ -68,6 +69,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     ``client.generate``) and the reason is ``"stop"``. ``state`` is the ``ServerState``; its
     ``metrics`` (if any) time the request from ``arrival`` (``time.monotonic()`` seconds),
     one of ``group``'s (``metrics.RequestGroup``: a prompt's ``n`` choices; None: alone).
+    ``ticket`` (``admission.Ticket``; None: none) hands this request from its client
+    request's reservation to the client's ``num_running`` as it is sent.
 
     Raises ``EngineRequestError`` / ``EngineInternalError`` / ``EngineDeadError`` from the
     client. A request the engine refuses (``EngineRequestError``: a 400 such as the context
@@ -111,6 +114,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     try:
         timeout = state.limits.queue_timeout
         kw = {} if timeout is None else {"queue_timeout": timeout}
+        if ticket is not None:  # the client counts it from here (no await in between)
+            ticket.take()
         async with aclosing(state.client.generate(rid, prompt_ids, params, **kw)) as outputs:
             async for out in outputs:
                 ids = out.new_token_ids

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 _TRACED = ("feedback", "head", "recurrent", "loop")
 _STREAMED = ("feedback", "head", "loop")
-_EXIT_FIELDS = ("exit_criterion", "exit_threshold", "exit_min_steps", "exit_check_every")
+# The exit fields each recurrent family takes (Ouro exits by its gate: no min steps, no check
+# interval, no exit semantics; latent/recurrent.py ``resolve_exit_rule`` refuses them).
+_EXIT_FIELDS = {"huginn": ("exit_criterion", "exit_threshold", "exit_min_steps",
+                           "exit_check_every", "exit_semantics"),
+                "ouro": ("exit_criterion", "exit_threshold")}
 
 
 def latent_card(spec) -> dict | None:
@@ -21,9 +25,7 @@ def latent_card(spec) -> dict | None:
     kind = spec.kind
     controls = list(spec.controls or HEAD_CONTROLS) if kind == "head" else ["latent_budget"]
     if kind == "recurrent":
-        controls += _EXIT_FIELDS
-        if spec.family == "huginn":
-            controls.append("exit_semantics")
+        controls += _EXIT_FIELDS[spec.family]
     if spec.upstream_eos_from:
         controls.append("upstream_stop_rules")
     criteria = None

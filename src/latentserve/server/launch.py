@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -29,7 +30,7 @@ from latentserve.server.timeouts import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_T
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "LATENTSERVE_API_KEY"
-# Set by a supervising process (``--data-parallel-size``): the server stops (as on SIGTERM)
+# Set by a supervising process (``start_server``): the server stops (as on SIGTERM)
 # when the process with this pid is no longer its parent, e.g. after a SIGKILL.
 PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
 
@@ -91,7 +92,8 @@ def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
     """Start one ``EngineProcess`` per config, all at once, and wait until every one is
     ready; returns them in order. If one fails, the others are stopped and its
     ``EngineStartupError`` is raised (with a note naming its model when there are
-    several). ``log_level``: the engines' logging level (the server's ``--log-level``)."""
+    several); an interrupt (Ctrl-C) while they load stops them all at once and is re-raised.
+    ``log_level``: the engines' logging level (the server's ``--log-level``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from latentserve.server.engine_process import EngineProcess
@@ -102,7 +104,15 @@ def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
         return engines
     with ThreadPoolExecutor(len(engines)) as pool:
         futures = [pool.submit(e.start) for e in engines]
-        errors = [(c, f.exception()) for c, f in zip(configs, futures)]
+        try:
+            errors = [(c, f.exception()) for c, f in zip(configs, futures)]
+        except BaseException:  # Ctrl-C while they load: stop them now, not once loaded
+            for e in engines:
+                e.cancel()
+            pool.shutdown()
+            for e in engines:
+                e.stop()
+            raise
     failed = [(c, exc) for c, exc in errors if exc is not None]
     if failed:
         for e in engines:
@@ -246,8 +256,7 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
         server.run(sockets=[sock])
         gone = [s for s in served.states if s.client.dead_reason]
         if gone and len(gone) == len(served.states):
-            raise RuntimeError(f"the engine process stopped ({gone[0].client.dead_reason}); "
-                               f"the server exited")
+            raise RuntimeError(f"{gone[0].client.dead_reason}; the server exited")
     finally:
         sock.close()
         stop_engines()
@@ -369,8 +378,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  trust_request_chat_template: bool = False,
                  queue_timeout: float | None = None, timeout_keep_alive: float = 5.0,
                  timeout_request_headers: float | None = DEFAULT_HEADER_TIMEOUT_S,
-                 timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S
-                 ) -> ServerProcess:
+                 timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S,
+                 cancel: threading.Event | None = None) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
     one engine each) and wait for ``/health``.
 
@@ -383,6 +392,9 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     ``reasoning_parser``, ``trust_request_chat_template``, ``queue_timeout`` and the
     ``timeout_*`` seconds are :func:`run_server`'s
     (the key travels in the child's environment, not on its command line).
+    The server stops (as on SIGTERM) when this process is gone, even killed.
+    ``cancel``: once set (by another thread), the server is stopped and RuntimeError raised
+    within 0.25 s; an interrupt while waiting stops it too.
 
     Raises:
         ValueError: two configs would be served under the same name (before anything
@@ -435,7 +447,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
         cmd += ["--enable-log-requests"]
     if trust_request_chat_template:
         cmd += ["--trust-request-chat-template"]
-    child_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    child_env = {**os.environ, "HF_HUB_OFFLINE": "1", PARENT_PID_ENV: str(os.getpid()),
+                 **(env or {})}
     child_env.pop(API_KEY_ENV, None)
     if api_key is not None:
         child_env[API_KEY_ENV] = api_key
@@ -448,13 +461,19 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
             proc = subprocess.Popen([*cmd, "--port", str(chosen)], stdout=log,
                                     stderr=subprocess.STDOUT, env=child_env)
         server = ServerProcess(proc, host, chosen, log_path)
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if cancel is not None and cancel.is_set():
+                    raise RuntimeError("server start-up cancelled")
+                try:
+                    if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
+                        return server
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
+        except BaseException:  # cancelled or interrupted: leave no server behind
+            server.stop()
+            raise
         if proc.poll() is None or "cannot listen on" not in server.log_tail() or attempt == 2:
             break
     if proc.poll() is not None:
@@ -614,8 +633,6 @@ def main(argv: list[str] | None = None) -> None:
 
     parent = os.environ.pop(PARENT_PID_ENV, None)
     if parent:
-        import threading
-
         threading.Thread(target=_stop_with_parent, args=(int(parent),), daemon=True).start()
     try:
         run_server(configs[0] if len(configs) == 1 else configs, host=args.host,

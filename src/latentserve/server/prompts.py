@@ -93,7 +93,8 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     Raises:
         APIError: 400 for a model without tokenizer files or a chat template, a reserved
             or non-string template keyword, ``continue_final_message`` without a final
-            assistant message, or a template that fails on this conversation.
+            assistant message, or a template that fails on this conversation or renders it
+            as no tokens (naming ``chat_template`` when it is the request's).
     """
     from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
 
@@ -123,7 +124,13 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(...)
         raise APIError(f"the chat template failed on these messages: "
                        f"{type(exc).__name__}: {exc}", param=param) from None
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
+    ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+    if not ids:
+        whose = "the request's chat_template" if chat_template is not None else \
+            "the model's chat template"
+        raise APIError(f"{whose} rendered these messages as an empty prompt",
+                       param="chat_template" if chat_template is not None else param)
+    return ids
 
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
@@ -162,6 +169,20 @@ def _text(message: ChatMessage, i: int) -> str:
     return "".join(texts)
 
 
+def prompt_list(prompt, max_prompts: int) -> list:
+    """A completions ``prompt`` as a list of prompts (a string or a token-id list is one).
+
+    Raises:
+        APIError: 400 naming ``prompt`` for more than ``max_prompts`` prompts.
+    """
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > max_prompts:
+            raise APIError(f"prompt may hold at most {max_prompts} prompts, got "
+                           f"{len(prompt)}", param="prompt")
+        return list(prompt)
+    return [prompt]
+
+
 def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int,
                        max_model_len: int | None = None) -> list[tuple[list[int], str | None]]:
     """Encode a completions ``prompt``: a string, token ids, or a list of either; with
@@ -173,16 +194,9 @@ def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: i
         APIError: 400 for an empty prompt (or list), more than ``max_prompts`` prompts, or a
             token id out of range.
     """
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompts = list(prompt)
-        if len(prompts) > max_prompts:
-            raise APIError(f"prompt may hold at most {max_prompts} prompts, got "
-                           f"{len(prompts)}", param="prompt")
-    else:
-        prompts = [prompt]
     limit = vocab_size or len(tokenizer)
     out = []
-    for p in prompts:
+    for p in prompt_list(prompt, max_prompts):
         if isinstance(p, str):
             if max_model_len is not None:
                 check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")

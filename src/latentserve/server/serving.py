@@ -35,7 +35,7 @@ def api_error(exc: Exception) -> APIError:
     ``context_length_exceeded`` when the prompt does not fit ``max_model_len``), a failure
     inside the engine a 500 (its message has no traceback), a dead engine a 503, a request
     that waited past ``--queue-timeout`` a 503 ``overloaded`` with ``Retry-After`` (529 on
-    ``/v1/messages``), as :func:`check_capacity`'s."""
+    ``/v1/messages``), as ``admission.admit``'s."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message else None
@@ -114,21 +114,6 @@ def _abort_all(state, reqs: list[EngineRequest]) -> Callable[[], None]:
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait, seconds
 
 
-def check_capacity(state, n: int) -> None:
-    """Refuse ``n`` more engine requests when they would leave more than
-    ``state.limits.max_waiting_requests`` requests waiting for one of the engine's
-    ``max_num_seqs`` seats: a 503 ``overloaded`` with ``Retry-After`` (529 on
-    ``/v1/messages``), instead of a queue whose latency grows without bound."""
-    limit, seats = state.limits.max_waiting_requests, state.max_num_seqs
-    if limit is None or seats is None:
-        return
-    waiting = state.client.num_running + n - seats
-    if waiting > limit:
-        raise overloaded(f"the server is overloaded ({state.client.num_running} requests "
-                         f"running or waiting, {seats} seats, at most {limit} may wait); "
-                         f"retry later")
-
-
 def overloaded(message: str) -> APIError:
     """The 503 ``overloaded`` error with ``Retry-After: RETRY_AFTER_S`` (the error handler
     answers 529 ``overloaded_error`` under ``/v1/messages``)."""
@@ -147,8 +132,7 @@ def log_request(state, r: EngineRequest) -> None:
              r.params, ids)
 
 
-def _deltas(state, reqs: list[EngineRequest], arrival: float | None):
-    check_capacity(state, len(reqs))
+def _deltas(state, reqs: list[EngineRequest], arrival: float | None, ticket):
     if state.log_requests:
         for r in reqs:
             log_request(state, r)
@@ -157,19 +141,20 @@ def _deltas(state, reqs: list[EngineRequest], arrival: float | None):
     groups = ({i: state.metrics.group(n) for i, n in counts.items()}
               if state.metrics is not None else {})
     return merge([generate_text(state, r.rid, r.prompt_ids, r.params, arrival,
-                                groups.get(r.prompt_index)) for r in reqs])
+                                groups.get(r.prompt_index), ticket) for r in reqs])
 
 
-async def collect(request, state, reqs: list[EngineRequest],
-                  arrival: float | None = None) -> list[ChoiceResult]:
+async def collect(request, state, reqs: list[EngineRequest], arrival: float | None = None,
+                  ticket=None) -> list[ChoiceResult]:
     """Run the engine requests concurrently to the end; one ``ChoiceResult`` each.
+    ``ticket``: the client request's ``admission.Ticket`` (None: not counted).
 
     Raises:
         APIError: from :func:`api_error` (the other engine requests are aborted).
     """
     results = [ChoiceResult() for _ in reqs]
     async with on_disconnect(request, _abort_all(state, reqs)), \
-            aclosing(_deltas(state, reqs, arrival)) as deltas:
+            aclosing(_deltas(state, reqs, arrival, ticket)) as deltas:
         try:
             async for i, delta in deltas:
                 results[i].add(delta)
@@ -178,16 +163,16 @@ async def collect(request, state, reqs: list[EngineRequest],
     return results
 
 
-async def start_stream(request, state, reqs: list[EngineRequest], arrival: float | None = None
-                       ) -> AsyncIterator[tuple[int, TextDelta]]:
+async def start_stream(request, state, reqs: list[EngineRequest], arrival: float | None = None,
+                       ticket=None) -> AsyncIterator[tuple[int, TextDelta]]:
     """Start the engine requests and wait for the first delta, so that a rejected request
     still gets a plain error response (not a 200 stream carrying an error); return an
-    iterator over all ``(position in reqs, delta)``.
+    iterator over all ``(position in reqs, delta)``. ``ticket``: as :func:`collect`'s.
 
     Raises:
         APIError: from :func:`api_error`.
     """
-    deltas = _deltas(state, reqs, arrival)
+    deltas = _deltas(state, reqs, arrival, ticket)
     async with on_disconnect(request, _abort_all(state, reqs)):
         try:
             first = await anext(deltas)

@@ -26,7 +26,7 @@ class ServerLimits:
     choices. ``max_tokens`` and the prompt length are each bounded by the model's context
     (``max_model_len``). ``max_waiting_requests`` (None: no limit): engine requests that
     may wait for a seat (beyond the engine's ``max_num_seqs``) before new ones get a 503
-    ``overloaded`` with ``Retry-After`` (``serving.check_capacity``). ``queue_timeout``
+    ``overloaded`` with ``Retry-After`` (``admission.admit``). ``queue_timeout``
     (seconds; None: no limit): an engine request not scheduled that long after it was sent
     is aborted and answered the same 503 (``client.EngineClient.generate``).
 
@@ -87,6 +87,8 @@ class ServerState:
     reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
     # --trust-request-chat-template: a request's chat_template is used (else refused)
     trust_request_chat_template: bool = False
+    # engine requests admitted and not yet sent to the engine (admission.Ticket)
+    reserved: int = 0
 
 
 class ServedModels:

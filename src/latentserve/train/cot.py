@@ -236,16 +236,12 @@ def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=pr
              ) -> list[dict]:
     """The training loop of ``train cot`` and ``train colar``; returns the log records.
 
-    AdamW (``cfg.lr``, ``cfg.weight_decay``, betas 0.9/0.999) over ``params``; each step
-    ``loss, extra = step_loss()`` (``extra``: more values to log, tensors read only when
-    logged) runs under bfloat16 autocast when ``cfg.device`` is cuda,
-    is backpropagated and the gradients are clipped to norm 1.0. LR: linear warmup over
-    ``cfg.warmup`` steps, then cosine to 0 by ``cfg.steps`` or ``cfg.max_seconds``
-    (whichever comes first; the loop stops at either). A record ``{step, loss, **extra, lr,
-    seconds}`` is kept (and passed to ``progress`` as JSON) at step 1, every
-    ``cfg.log_every`` steps, at the last step and at the time limit; ``checkpoint(log)``
-    runs every ``cfg.save_every`` steps (0: never).
-    """
+    AdamW (betas 0.9/0.999), bfloat16 autocast on cuda, gradients clipped to norm 1.0; LR
+    linear warmup over ``cfg.warmup`` steps, then cosine to 0 by ``cfg.steps`` or
+    ``cfg.max_seconds``, whichever ends the loop first. ``step_loss() -> (loss, extra)``
+    (``extra`` read only when logged). A record ``{step, loss, **extra, lr, seconds}`` goes to
+    ``progress`` as JSON at step 1, every ``cfg.log_every`` steps and at the end;
+    ``checkpoint(log)`` runs every ``cfg.save_every`` steps (0: never)."""
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                             betas=(0.9, 0.999), fused=cfg.device.startswith("cuda"))
     log: list[dict] = []

@@ -1,4 +1,5 @@
-"""Tiny random looped-block checkpoints (PCCoT, LOTUS) for tests and benchmarks.
+"""Tiny random PCCoT checkpoints in the upstream PEFT form, for tests and benchmarks (LOTUS:
+``tests/support/loop_models.py``).
 
 Design notes: docs/internals.md, "latentserve.bench.baseline.loop_models".
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-LOOP_KINDS = ("pccot-gpt2", "pccot-llama", "lotus-llama")
 PCCOT_TOKENS = ("<pcot.bot>", "<pcot.eot>", "<pcot.latent>")
 _TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"],
             "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "up_proj",
@@ -122,39 +122,3 @@ def _train(peft_model, rows: int, special: list[int], steps: int, g) -> None:
             opt.step()
             opt.zero_grad()
     peft_model.eval()
-
-
-def write_lotus(root, block_size: int = 4, iterations: int = 3, seed: int = 0,
-                **base_overrides) -> Path:
-    """A LOTUS model directory ``root/model``: tiny Llama with 3 extra embedding rows
-    (start, end, latent = vocab, vocab + 1, vocab + 2) and its latent_config.json."""
-    from latentserve.bench.baseline.tiny_models import VOCAB, save_tiny
-
-    vocab = base_overrides.pop("vocab_size", VOCAB)
-    out = save_tiny(Path(root) / "model", "llama", seed=seed, vocab_size=vocab + 3,
-                    **base_overrides)
-    cfg = {"format_version": 1, "family": "lotus", "checkpoint": None,
-           "tokens": {"start": vocab, "end": vocab + 1, "latent": vocab + 2},
-           "answer_prompt_ids": [], "block_size": block_size, "default_budget": iterations,
-           "max_budget": 64, "loop_rule": "same", "lora": None, "prj": None}
-    (out / "latent_config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
-
-def save_loop_tiny(root, kind: str, seed: int = 0, block_size: int = 4,
-                   iterations: int = 3) -> Path:
-    """Build ``kind`` (one of ``LOOP_KINDS``) under ``root``; returns the model directory
-    (PCCoT: converted into ``root/model``; the upstream dirs are ``root/base`` and
-    ``root/adapter``). ``pccot-llama`` has ``use_projection``. Raises ValueError for an
-    unknown kind."""
-    from latentserve.latent.loop_convert import convert_pccot
-
-    root = Path(root)
-    if kind == "lotus-llama":
-        return write_lotus(root, block_size, iterations, seed)
-    if kind in ("pccot-gpt2", "pccot-llama"):
-        base = kind.split("-")[1]
-        base_dir, adapter = write_upstream_pccot(root, base, block_size, iterations,
-                                                 use_projection=base == "llama", seed=seed)
-        return convert_pccot(base_dir, adapter, root / "model")
-    raise ValueError(f"kind must be one of {LOOP_KINDS}, got {kind!r}")

@@ -64,40 +64,6 @@ def load_pccot_reference(base_dir: str, adapter_dir: str, device: str = "cpu",
                          args["num_latent_tokens"], "jacobi", _eos(model), "pccot")
 
 
-@lru_cache(maxsize=4)
-def load_lotus_reference(model_dir: str, device: str = "cpu",
-                         dtype: str = "float32") -> LoopReference:
-    """LOTUS from a model directory (plain HF weights + latent_config.json). An optional
-    ``prj`` (``{"eps"}``) is rebuilt as ``Sequential(Linear, GELU, Linear, LayerNorm)`` from the
-    ``prj.*`` tensors of the directory's ``*.safetensors``. Raises ValueError for a
-    ``checkpoint`` file or ``lora`` (weights HF's ``from_pretrained`` would not read)."""
-    from safetensors.torch import load_file
-    from torch import nn
-    from transformers import AutoModelForCausalLM
-
-    cfg = json.loads((Path(model_dir) / "latent_config.json").read_text())
-    for field in ("checkpoint", "lora"):
-        if cfg.get(field) is not None:
-            raise ValueError(f"load_lotus_reference: latent_config.json field {field!r} is not "
-                             f"supported (plain HF weights only), got {cfg[field]!r}")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    model = model.to(device).eval()
-    prj = lambda x: x  # noqa: E731 - replaced below when the checkpoint has a projection
-    if cfg.get("prj") is not None:
-        d = model.config.hidden_size
-        seq = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d),
-                            nn.LayerNorm(d, eps=cfg["prj"].get("eps", 1e-5)))
-        state = {k.removeprefix("prj."): v for f in sorted(Path(model_dir).glob("*.safetensors"))
-                 for k, v in load_file(str(f)).items() if k.startswith("prj.")}
-        seq.load_state_dict(state, strict=True)
-        prj = seq.to(device, getattr(torch, dtype)).eval()
-    t = cfg["tokens"]
-    return LoopReference(model, prj, [t["start"]],
-                         [t["end"], *cfg.get("answer_prompt_ids", [])], t["latent"],
-                         cfg["block_size"], cfg.get("loop_rule", "same"), _eos(model),
-                         "lotus")
-
-
 @torch.no_grad()
 def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iterations: int,
                             max_tokens: int, ignore_eos: bool = False,

@@ -1,10 +1,5 @@
-"""Tiny random checkpoints in the exact Hugging Face formats, for tests and benchmarks.
-
-Each builder writes a directory a user could have downloaded (config.json,
-model.safetensors, tokenizer files) using transformers' own model classes, so our loader is
-exercised exactly as on a real checkpoint. The tokenizer is SmolLM2's (vocab 49152), taken
-from the embedded model.
-"""
+"""Tiny random checkpoints in the exact Hugging Face formats (written by transformers' own
+model classes), for tests and benchmarks; tokenizer SmolLM2's (vocab 49152)."""
 
 from __future__ import annotations
 
@@ -24,10 +19,8 @@ def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, word_tokenizer: boo
     """Write a tiny random checkpoint of ``kind`` into ``out_dir`` and return the path.
 
     Kinds: ``llama`` (GQA 4/2 heads, tied embeddings), ``llama-untied``, ``qwen2`` (q/k/v
-    bias), ``gpt2``. ``overrides`` go into the transformers config (e.g. hidden_size).
-    ``word_tokenizer`` writes ``save_word_tokenizer``'s instead of SmolLM2's (no GGUF needed).
-    Raises ValueError for an unknown kind.
-    """
+    bias), ``gpt2``; ``overrides`` go into the transformers config; ``word_tokenizer``: the
+    ``save_word_tokenizer`` one. Raises ValueError for an unknown kind."""
     import torch
     import transformers as tf
 
@@ -67,12 +60,8 @@ def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, word_tokenizer: boo
 
 
 def save_word_tokenizer(out_dir: str | Path, vocab_size: int = 1024):
-    """Write a small word-level tokenizer (``tokenizer.json`` + config) into ``out_dir``.
-
-    Ids 0/1/2 are ``<unk>``/``<s>``/``</s>`` (eos); the rest are ``w3 .. w{vocab_size-1}``.
-    For benchmarks of random-weight models on machines without the embedded GGUF: only the
-    eos id and token-id prompts matter there.
-    """
+    """Write a word-level tokenizer into ``out_dir`` (no GGUF needed): ids 0/1/2 are
+    ``<unk>``/``<s>``/``</s>`` (eos), the rest ``w3 .. w{vocab_size-1}``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -232,7 +232,7 @@ def decode_linear_argmax(x: torch.Tensor, weight: torch.Tensor,
     (never split along K) whose epilogue also writes, per row and column tile, the tile's
     first maximum of the values it stored (argmax pass 1, ``argmax.first_max_rows``); a
     short PDL kernel then picks each row's first maximal tile (``argmax.argmax_of_chunks``).
-    The logits are never read back (docs/benchmarks-history.md, session 11).
+    The logits are never read back.
 
     Args: as ``decode_linear`` (``x [M, K]``, ``weight [N, K]``, ``bias [N]`` or None).
     Returns:

@@ -185,8 +185,7 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         slots: ``[T] int64`` each row's destination slot.
         n_heads, n_kv: query and KV heads; D = rows of ``weight`` / (n_heads + 2 n_kv), even.
         block_m, block_k: rows per program and the K tile (powers of 2, >= 16; fp32
-            weights use at most 64). The defaults won an H200 sweep at 64 rows
-            (docs/benchmarks-history.md, session 7).
+            weights use at most 64).
         block_half: columns of each head half per program, a power of 2 from 16 to 256
             (default ``default_block_half``); each head runs as ``ceil(D / 2 /
             block_half)`` programs, each computing the same columns of both halves.

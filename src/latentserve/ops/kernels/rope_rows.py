@@ -1,11 +1,6 @@
-"""Rows of the RoPE (cos, sin) table at each token's position, in one launch.
-
-``layers.Rotary.cos_sin`` after ``build_table`` used to take a clamp and an index kernel
-from torch: two launches a decode step that, not being PDL launches, also held the next
-kernel back until they ended. Here one program per token clamps its position into the
-table and copies its row; the values are the table's, bit for bit. Launched with PDL
-(``ops.kernels.pdl``).
-"""
+"""Rows of the RoPE (cos, sin) table at each token's position, in one PDL launch
+(``ops.kernels.pdl``): one program per token clamps its position into the table and copies
+its row, bit for bit the table's (torch took a clamp and an index kernel)."""
 
 from __future__ import annotations
 
@@ -29,19 +24,11 @@ def _rope_rows_kernel(Table, Pos, Out, last_row, row_elems, BLOCK: tl.constexpr,
 
 
 def rope_rows(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``table[positions.clamp(0, len(table) - 1)]`` in one kernel.
-
-    Args:
-        table: ``[max_positions, 2, head_dim]`` contiguous (``Rotary.build_table``: cos
-            then sin), any dtype.
-        positions: ``[T]`` int32/int64 on table's device; positions outside the table are
-            clamped into it (never a fault).
-    Returns:
-        ``[T, 2, head_dim]`` in table's dtype (a new tensor).
-    Raises:
-        ValueError: for a non-contiguous or non-3-D table, non-1-D positions, or tensors on
-            two devices.
-    """
+    """``table[positions.clamp(0, len(table) - 1)]`` in one kernel: table
+    ``[max_positions, 2, head_dim]`` contiguous (``Rotary.build_table``: cos then sin), any
+    dtype; positions ``[T]`` int32/int64 on its device -> ``[T, 2, head_dim]`` in table's dtype
+    (a new tensor). Raises ValueError for a non-contiguous or non-3-D table, non-1-D positions
+    or two devices."""
     if table.dim() != 3 or not table.is_contiguous() or table.shape[0] == 0:
         raise ValueError(f"table must be a contiguous [max_positions, 2, head_dim], got "
                          f"{tuple(table.shape)}")

@@ -1,15 +1,9 @@
 """RoPE fused with the KV store: one launch rotates q in place and writes the rotated k and
-the v of every new token into the layer's paged K/V pool (what ``ops.kernels.apply_rotary_``,
-or Huginn's ``apply_rotary_pairs_``, followed by ``attention.kernels.store_kv`` do in two
-launches).
-
-One program per token, as in the kernels it replaces: it rotates every q head in place,
-rotates every k head with the same jitted math (``rotary._rope_halves``,
-``rotary_pairs._bias_rope_pairs``, so the same rounding) and stores it, cast to the pool
-dtype, at the token's slot, then copies v there. k in the activations is left unrotated: the
-attention kernels read the new tokens' K/V from the pool only. Results are bitwise those of
-the two-kernel path.
-"""
+the v of every new token into the layer's paged K/V pool, bitwise what
+``ops.kernels.apply_rotary_`` (or Huginn's ``apply_rotary_pairs_``) followed by
+``attention.kernels.store_kv`` write in two launches (same jitted math: ``rotary._rope_halves``,
+``rotary_pairs._bias_rope_pairs``). k in the activations is left unrotated: the attention
+kernels read the new tokens' K/V from the pool only."""
 
 from __future__ import annotations
 

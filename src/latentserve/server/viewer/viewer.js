@@ -7,7 +7,8 @@
 const $ = (id) => document.getElementById(id);
 const models = {};  // id -> /v1/models card
 
-// name -> [input type, label]; only the controls a card lists are shown.
+// name -> [input type, label, choices]; only the controls a card lists are shown. A select's
+// choices default to the card's exit_criteria.
 const CONTROLS = {
   latent_budget: ["number", "budget"],
   thinking: ["bool", "thinking"],
@@ -22,7 +23,12 @@ const CONTROLS = {
   exit_threshold: ["number", "exit threshold"],
   exit_min_steps: ["number", "exit_min_steps"],
   exit_check_every: ["number", "exit_check_every"],
+  exit_semantics: ["select", "exit semantics", ["engine", "upstream"]],
+  upstream_stop_rules: ["bool", "upstream stop rules"],
 };
+
+const CUT = "the stream ended before the request finished (the server stopped or the " +
+  "connection broke)";
 
 function el(tag, attrs = {}, ...kids) {
   const e = document.createElement(tag);
@@ -43,7 +49,13 @@ function headers() {
   return h;
 }
 
+// What a 401 means: a key was sent and refused, or none was sent.
+function keyMessage() {
+  return $("key").value.trim() ? "API key rejected (401): check the key" : "API key needed (401)";
+}
+
 async function apiError(r) {
+  if (r.status === 401) return keyMessage();
   try {
     const body = await r.json();
     return `${r.status}: ${body.error ? body.error.message : JSON.stringify(body)}`;
@@ -54,23 +66,44 @@ async function apiError(r) {
 
 // ----- models and controls -------------------------------------------------------------
 
+// Connect: list the served models. The selected model, the side-by-side choice and the
+// latent controls' values are kept when the model is still served.
 async function loadModels() {
   sessionStorage.setItem("latentserve-key", $("key").value);
   $("status").textContent = "loading models...";
   const r = await fetch("/v1/models", { headers: headers() });
   if (!r.ok) {
-    $("status").textContent = r.status === 401 ? "API key needed (401)" : await apiError(r);
+    $("status").textContent = await apiError(r);
     return;
   }
   const cards = (await r.json()).data;
   const select = $("model");
+  const kept = { model: select.value, other: $("compare_with").value, values: {} };
+  $("controls").querySelectorAll("input, select").forEach((i) => { kept.values[i.id] = i.value; });
   select.innerHTML = "";
+  for (const id of Object.keys(models)) delete models[id];
   for (const c of cards) {
     models[c.id] = c;
     select.append(el("option", { value: c.id, text: c.id }));
   }
   $("status").textContent = `${cards.length} model${cards.length === 1 ? "" : "s"}`;
+  const same = kept.model in models;
+  if (same) select.value = kept.model;
   showControls();
+  if (same) {
+    for (const [id, v] of Object.entries(kept.values)) if ($(id)) $(id).value = v;
+    if ([...$("compare_with").options].some((o) => o.value === kept.other)) {
+      $("compare_with").value = kept.other;
+    }
+  }
+  setReady();
+}
+
+// Run needs a model: until the models are listed it is disabled, with a hint saying why.
+function setReady() {
+  const ready = $("model").options.length > 0;
+  $("run").disabled = !ready;
+  $("run_hint").hidden = ready;
 }
 
 function latentOf(id) {
@@ -93,7 +126,7 @@ function showControls() {
         el("option", { value: "false", text: "off" }));
     } else if (spec[0] === "select") {
       input = el("select", { id: "c_" + name }, el("option", { value: "", text: "default" }),
-        ...(lat.exit_criteria || []).map((c) => el("option", { value: c, text: c })));
+        ...(spec[2] || lat.exit_criteria || []).map((c) => el("option", { value: c, text: c })));
     } else {
       input = el("input", { id: "c_" + name, type: "number", step: "any", placeholder: "default" });
       if (name === "latent_budget" && lat.budget) {
@@ -108,17 +141,26 @@ function showControls() {
   }
   const cmp = $("compare_with");
   cmp.innerHTML = "";
-  if (lat && offSwitch(lat)) cmp.append(el("option", { value: "", text: "thinking off" }));
+  const off = lat && offSwitch(lat);
+  if (off) cmp.append(el("option", { value: "", text: off.label }));
   for (const id of Object.keys(models)) {
     if (id !== $("model").value) cmp.append(el("option", { value: id, text: id }));
   }
+  // Nothing to compare with (a recurrent-depth model alone): no side-by-side.
+  $("compare_row").hidden = cmp.options.length === 0;
+  if (cmp.options.length === 0) $("compare").checked = false;
 }
 
-// The body fields that turn a model's thinking off, or null when it cannot be turned off.
+// The same model with less thinking: {label, body} (the body fields), or null when there is
+// no such mode. Recurrent depth has none: every token recurs. Looped blocks at budget 0 still
+// run pass 0 over the block (the latent-token placeholders, no feedback; docs/models.md).
 function offSwitch(lat) {
-  if (lat.kind === "head") return { thinking: false };
-  if (lat.kind === "recurrent") return null;  // every token recurs
-  return lat.budget && lat.budget.min === 0 ? { latent_budget: 0 } : null;
+  if (lat.kind === "head") return { label: "thinking off", body: { thinking: false } };
+  if (lat.kind === "recurrent" || !lat.budget || lat.budget.min !== 0) return null;
+  if (lat.kind === "loop") {
+    return { label: "latent_budget 0: pass 0 only", body: { latent_budget: 0 } };
+  }
+  return { label: "thinking off", body: { latent_budget: 0 } };
 }
 
 function controlValues(lat) {
@@ -183,8 +225,12 @@ class RunView {
 
   addStep(k, entry) {
     this.cols[k - 1] = entry;
-    if (this.strip) this.strip.append(this.stepColumn(k, entry));
-    else if (this.grid) this.drawGrid(k);
+    if (this.strip) {
+      this.strip.append(this.stepColumn(k, entry));
+      // Entry k's stop_prob was read from step k-1's output (the prompt's, for k = 1): the
+      // decision that ran step k. It is drawn on the step it was read from.
+      if (entry && entry.stop_prob != null && k > 1) this.setStop(k - 1, entry.stop_prob);
+    } else if (this.grid) this.drawGrid(k);
   }
 
   stepColumn(k, e) {
@@ -198,15 +244,23 @@ class RunView {
       col.append(el("div", { class: "tok", title: `id ${e.top_tokens[i][0]}, logit ` +
           e.top_tokens[i][1].toFixed(2) },
         el("div", { class: "bar", style: `width:${p == null ? 0 : Math.max(2, p * 100)}%` }),
-        el("code", { text: JSON.stringify(t) }),
+        el("code", { text: JSON.stringify(t), title: JSON.stringify(t) }),
         el("span", { class: "p", text: p == null ? "" : pct(p) })));
     });
-    if (e.stop_prob != null) {
-      col.append(el("div", { class: "stopbar" },
-        el("div", { class: "fill", style: `width:${e.stop_prob * 100}%` })));
-      col.append(el("div", { class: "stoptext", text: `${this.stopName()} ${e.stop_prob.toFixed(3)}` }));
-    }
     return col;
+  }
+
+  // The stop probability read from step k's output: the decision whether to run step k+1
+  // (the next entry's stop_prob) or, after the last step, the one that ended the phase
+  // (stats.end_stop_prob).
+  setStop(k, p) {
+    const col = this.strip.querySelector(`.step-col[data-step="${k}"]`);
+    if (!col || col.querySelector(".stopbar")) return;
+    col.append(el("div", { class: "stopbar" },
+      el("div", { class: "fill", style: `width:${p * 100}%` })));
+    col.append(el("div", { class: "stoptext", text: `${this.stopName()} ${fmtP(p)}`,
+      title: `${this.stopName()} read from step ${k}'s output: the chance the phase stops ` +
+        "after this step" }));
   }
 
   stopName() {
@@ -266,8 +320,8 @@ class RunView {
     } else if (this.grid) {
       trace.forEach((e, i) => { this.cols[i] = e; });
       if (latent.steps) this.drawGrid(latent.steps);
-      this.thinking.append(el("div", { class: "stop-marker", text:
-        `${latent.steps} latent positions: ${Math.ceil(latent.steps / (this.lat.block_size || 1))} passes over the block` }));
+      this.thinking.append(el("div", { class: "stop-marker",
+        text: loopSummary(this.lat, latent.steps) }));
     } else if (this.lat && this.lat.kind === "recurrent") {
       this.heatMap(trace, latent.recurrence);
     }
@@ -282,16 +336,19 @@ class RunView {
     } else if (s) {
       head = s.end === "stop" ? `stop at step ${s.stop_step}` : `${s.end} at step ${s.steps}`;
       const p = s.end_stop_prob;
+      if (p != null && s.end !== "length") this.setStop(s.steps, p);
       if (this.lat.family === "colar") {
-        why = s.end === "stop" ? `### sampled (p ${p == null ? "?" : p.toFixed(3)})`
+        why = s.end === "stop" ? `### sampled (p ${p == null ? "?" : fmtP(p)})`
           : s.end === "cap" ? `max_latent ${s.max_latent} reached` : "max_tokens or context spent";
       } else {
         const thr = s.stop_threshold;
-        why = s.end === "stop" ? `p(stop) ${p == null ? "?" : p.toFixed(3)} > ${thr}`
+        why = s.end === "stop" ? `p(stop) ${p == null ? "?" : fmtP(p)} > ${thr}`
           : s.end === "cap" ? `max_latent ${s.max_latent} reached` : "max_tokens or context spent";
         this.strip.querySelectorAll(".stopbar").forEach((bar) =>
           bar.append(el("div", { class: "thr", style: `left:${thr * 100}%`, title: `threshold ${thr}` })));
       }
+    } else if (latent.steps === 0) {
+      head = "thinking off"; why = "latent_budget 0: no latent steps";
     } else {
       why = "the budget's fixed number of steps";
     }
@@ -313,22 +370,25 @@ class RunView {
       const t = i < this.tokens.length ? this.tokens[i] : "⟂";
       const a = (e.depth / max).toFixed(2);
       let title = `token ${i + 1} ${JSON.stringify(t)}: depth ${e.depth}`;
-      if (e.readout_step != null) title += `, readout step ${e.readout_step}`;
+      if (e.readout_step != null) title += `, read out at step ${e.readout_step + 1} of ${e.depth}`;
       let bars = null;
       if (e.exit_probs) {
         title += "\nexit probability per step: " +
-          e.exit_probs.map((p, n) => `${n}: ${p.toFixed(3)}`).join(", ");
+          e.exit_probs.map((p, n) => `${n + 1}: ${p.toFixed(3)}`).join(", ");
         bars = el("span", { class: "exitbars" }, ...e.exit_probs.map((p, n) =>
           el("i", { style: `height:${Math.max(1, p * 100)}%`,
             class: n === e.readout_step ? "read" : "" })));
       }
-      map.append(el("span", { class: "cell", "data-depth": String(e.depth),
+      // white text on the darkest cells, where the page's ink would not read
+      map.append(el("span", { class: e.depth / max > 0.9 ? "cell deep" : "cell",
+        "data-depth": String(e.depth), "data-token": t,
         style: `background: rgba(47,111,219,${a})`, title },
-        t, e.readout_step != null ? el("sub", { text: String(e.readout_step) }) : null, bars));
+        visible(t), e.readout_step != null ? el("sub", { text: `@${e.readout_step + 1}` }) : null,
+        bars));
     });
     this.thinking.append(map, el("div", { class: "legend", text:
-      `recurrences per token, darker = deeper (max ${max})` +
-      (trace.some((e) => e.readout_step != null) ? "; subscript: the step read out (Ouro)" : "") +
+      `recurrences per token, darker = deeper (max ${max}); ␣ a space, ↵ a newline` +
+      (trace.some((e) => e.readout_step != null) ? "; @n: the loop step read out (Ouro)" : "") +
       (trace.some((e) => e.exit_probs) ? "; bars: the exit probability of each step (Ouro)" : "") }));
     if (trace.length !== this.tokens.length) {
       this.thinking.append(el("div", { class: "align-warn", text:
@@ -355,8 +415,47 @@ class RunView {
   }
 }
 
+// A probability with three decimals, or in scientific notation below 0.001.
+function fmtP(p) {
+  return p === 0 || p >= 0.001 ? p.toFixed(3) : p.toExponential(1);
+}
+
+// A token's text with its whitespace made visible (a heat-map cell's text).
+function visible(t) {
+  return t.replace(/ /g, "␣").replace(/\n/g, "↵").replace(/\t/g, "⇥");
+}
+
 function pct(p) {
   return p >= 0.995 ? "100%" : p < 0.001 ? "<0.1%" : (p * 100).toFixed(p < 0.1 ? 1 : 0) + "%";
+}
+
+// Looped blocks: what `steps` block positions ran means. latent_budget counts the passes after
+// pass 0, so budget 0 still runs pass 0: the block of latent-token placeholders, no feedback.
+function loopSummary(lat, steps) {
+  const passes = Math.ceil(steps / (lat.block_size || 1));
+  return `${steps} latent position${steps === 1 ? "" : "s"}: ` +
+    `${passes} pass${passes === 1 ? "" : "es"} over the block` +
+    (passes === 1 ? " (latent_budget 0: pass 0 only, the latent-token placeholders with no " +
+      "feedback)" : "");
+}
+
+// The summary's "thinking" value: latent steps, recurrences per token, a looped block's
+// passes, or the tokens of a text chain of thought (before "###" / "Answer:"), also a head
+// model's with thinking off (CoLaR then writes its reasoning as text before "###").
+function thinkingSummary(lat, latent, tokens) {
+  if (lat && lat.kind === "recurrent") {
+    return latent && latent.recurrence
+      ? `${latent.recurrence.mean_iterations.toFixed(2)} recurrences per token` : "n/a";
+  }
+  if (lat && lat.kind === "loop" && latent && latent.steps) return loopSummary(lat, latent.steps);
+  const steps = latent ? latent.steps : 0;
+  if (lat && !(lat.kind === "head" && latent && latent.stats && !latent.stats.thinking)) {
+    return `${steps} latent step${steps === 1 ? "" : "s"}`;
+  }
+  const n = thinkingTokens(tokens);
+  const off = lat ? "thinking off, " : "";
+  return n === null ? `none (${off}no ### or Answer: mark in the output)`
+    : `${n} thinking token${n === 1 ? "" : "s"} (${off}text before ### / Answer:)`;
 }
 
 // The answer part of an output: after "Answer:" or "####" when present.
@@ -370,14 +469,15 @@ function finalAnswer(text) {
 
 const norm = (s) => s.replace(/\s+/g, " ").trim();
 
-// Tokens of a text chain of thought: those before the answer mark ("###", "Answer:").
+// Tokens of a text chain of thought: those before the answer mark ("###", "Answer:"); null
+// when the output has no mark (then nothing in it is told apart as thinking).
 function thinkingTokens(tokens) {
   let text = "";
   for (let i = 0; i < tokens.length; i++) {
     text += tokens[i];
     if (text.includes("###") || text.includes("Answer:")) return i;
   }
-  return tokens.length;
+  return null;
 }
 
 async function* sse(response) {
@@ -385,7 +485,13 @@ async function* sse(response) {
   const dec = new TextDecoder();
   let buf = "";
   for (;;) {
-    const { value, done } = await reader.read();
+    let read;
+    try {
+      read = await reader.read();
+    } catch (err) {  // the connection broke mid-stream (a reset, the server killed)
+      throw new Error(`${CUT}: ${err.message || err}`);
+    }
+    const { value, done } = read;
     if (done) break;
     buf += dec.decode(value, { stream: true });
     let cut;
@@ -399,7 +505,10 @@ async function* sse(response) {
   }
 }
 
-async function run(model, route, extra, title) {
+// One streamed request drawn in its own pane; `signal` (the Stop button's) aborts it. The
+// summary is drawn only when the stream finished (a finish_reason came); otherwise the pane
+// says why it ended (an error, Stop, or a stream cut short, e.g. the server stopping).
+async function run(model, route, extra, title, signal) {
   const lat = latentOf(model);
   const view = new RunView(title, lat);
   $("runs").append(view.root);
@@ -407,7 +516,7 @@ async function run(model, route, extra, title) {
   let first = null, usage = null, finish = null;
   const path = route === "chat" ? "/v1/chat/completions" : "/v1/completions";
   try {
-    const r = await fetch(path, { method: "POST", headers: headers(),
+    const r = await fetch(path, { method: "POST", headers: headers(), signal,
                                   body: JSON.stringify(requestBody(model, route, extra)) });
     if (!r.ok) throw new Error(await apiError(r));
     for await (const chunk of sse(r)) {
@@ -433,8 +542,12 @@ async function run(model, route, extra, title) {
         }
       }
     }
+    if (finish === null) throw new Error(CUT);
   } catch (err) {
-    view.root.append(el("div", { class: "error", text: String(err.message || err) }));
+    const stopped = signal && signal.aborted;
+    view.root.append(el("div", { class: "error", text: stopped ? "stopped (Stop pressed)"
+      : String(err.message || err) }));
+    return;
   }
   const secs = (performance.now() - t0) / 1000;
   const rows = [["answer", finalAnswer(view.answer) || "(none)"]];
@@ -443,18 +556,22 @@ async function run(model, route, extra, title) {
     const ok = norm(finalAnswer(view.answer)) === norm(expected);
     rows.push(["correct", ok ? "yes" : `no (expected ${expected})`, ok ? "ok" : "bad"]);
   }
-  const steps = view.latent ? view.latent.steps : 0;
-  if (lat && lat.kind === "recurrent" && view.latent && view.latent.recurrence) {
-    rows.push(["thinking", `${view.latent.recurrence.mean_iterations.toFixed(2)} recurrences per token`]);
-  } else if (lat) {
-    rows.push(["thinking", `${steps} latent step${steps === 1 ? "" : "s"}`]);
-  } else {
-    rows.push(["thinking", `${thinkingTokens(view.tokens)} thinking tokens (text)`]);
-  }
+  rows.push(["thinking", thinkingSummary(lat, view.latent, view.tokens)]);
   if (usage) rows.push(["tokens", `${usage.completion_tokens} generated`]);
   rows.push(["time", `${secs.toFixed(2)} s` + (first ? `, first answer text at ${((first - t0) / 1000).toFixed(2)} s` : "")]);
-  if (finish) rows.push(["finish", finish]);
+  rows.push(["finish", finish]);
   view.summary(rows);
+}
+
+// The form's first invalid field (a value out of its min/max, say) as "name: why", or null.
+// The form is novalidate so that this shows in the page too: a headless browser draws no
+// validation bubble.
+function invalidField() {
+  const form = $("ask");
+  if (form.checkValidity()) return null;
+  form.reportValidity();
+  const bad = form.querySelector("input:invalid, select:invalid, textarea:invalid");
+  return `${bad.id.replace(/^c_/, "")}: ${bad.validationMessage}`;
 }
 
 async function submit(ev) {
@@ -464,19 +581,33 @@ async function submit(ev) {
   if (!model) return;
   const runs = $("runs");
   runs.innerHTML = "";
+  const bad = invalidField();
+  if (bad) {
+    runs.classList.remove("pair");
+    runs.append(el("div", { class: "run" }, el("div", { class: "error", text: bad })));
+    return;
+  }
   const compare = $("compare").checked;
   runs.classList.toggle("pair", compare);
-  $("run").disabled = true;
   const lat = latentOf(model);
+  const abort = new AbortController();
+  const signal = abort.signal;
+  $("run").disabled = true;
+  $("stop").hidden = false;
+  $("stop").onclick = () => abort.abort();
   try {
-    await run(model, route, controlValues(lat), model);
-    if (compare) {
+    await run(model, route, controlValues(lat), model, signal);
+    if (compare && !signal.aborted) {
       const other = $("compare_with").value;
-      if (other) await run(other, route, {}, other);
-      else await run(model, route, offSwitch(lat) || {}, `${model} (thinking off)`);
+      if (other) await run(other, route, {}, other, signal);
+      else {
+        const off = lat && offSwitch(lat);
+        if (off) await run(model, route, off.body, `${model} (${off.label})`, signal);
+      }
     }
   } finally {
-    $("run").disabled = false;
+    setReady();
+    $("stop").hidden = true;
   }
 }
 

@@ -1,0 +1,69 @@
+"""``--max-waiting-requests``: admission counted in the API process, when a request arrives.
+
+A client request is admitted (or refused with the 503 ``overloaded``) before any of its work
+is done: before its prompt is templated or tokenized and before the engine hears of it. Its
+engine requests are counted from that moment: as reserved (:class:`Ticket`) until each one
+is sent, then as ``client.num_running`` until it ends, so a burst of requests that arrive
+together is counted whole, however long the ones admitted first take to be sent.
+"""
+
+from __future__ import annotations
+
+
+class Ticket:
+    """The reservation of one admitted client request: ``left`` of its engine requests are
+    not yet sent to the engine (they count as waiting in ``state.reserved``).
+
+    :meth:`take` moves one to the engine client (call it as the request is sent); leaving
+    the ``with`` block gives back the ones never sent (a refused or failed request).
+    """
+
+    __slots__ = ("state", "left")
+
+    def __init__(self, state, n: int):
+        self.state = state
+        self.left = n
+        state.reserved += n
+
+    def take(self) -> None:
+        """One engine request is being sent: the client's ``num_running`` counts it now."""
+        if self.left > 0:
+            self.left -= 1
+            self.state.reserved -= 1
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.state.reserved -= self.left
+        self.left = 0
+
+
+def admit(state, n: int, param: str = "n") -> Ticket:
+    """Admit a client request of ``n`` engine requests, or refuse it at once when it would
+    leave more than ``state.limits.max_waiting_requests`` engine requests waiting for one of
+    the engine's ``state.max_num_seqs`` seats. Waiting: admitted (reserved or running in
+    the engine client) and not finished, beyond the seats.
+
+    Raises:
+        APIError: the 400 naming ``param`` when ``n`` exceeds seats + waiting (it could
+            never be admitted); the 503 ``overloaded`` with ``Retry-After`` (529 on
+            ``/v1/messages``).
+    """
+    limit, seats = state.limits.max_waiting_requests, state.max_num_seqs
+    if limit is not None and seats is not None:
+        if n > seats + limit:
+            from latentserve.server.errors import APIError
+
+            raise APIError(f"{param}: this request needs {n} engine requests; this server "
+                           f"admits at most {seats + limit} at once ({seats} seats + "
+                           f"{limit} may wait)", param=param)
+        admitted = state.client.num_running + state.reserved
+        if admitted + n - seats > limit:
+            from latentserve.server.serving import overloaded
+
+            waiting = max(admitted - seats, 0)
+            raise overloaded(f"the server is overloaded ({waiting} requests wait for one of "
+                             f"{seats} seats, at most {limit} may wait; this one needs "
+                             f"{n}); retry later")
+    return Ticket(state, n)
