@@ -24,8 +24,9 @@ def head_server(tmp_path_factory, smollm2_dir):
     d = save_head_model(tmp_path_factory.mktemp("head-api") / "m")
     saved = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)  # the engine process reads the defaults at start-up
-    try:
-        srv = start_server(EngineConfig(model=str(d), max_num_seqs=8), timeout=300)
+    try:  # debug: the engine's per-request latent log line (test_log_level_debug_...)
+        srv = start_server(EngineConfig(model=str(d), max_num_seqs=8), timeout=300,
+                           log_level="debug")
     finally:
         for k, v in saved.items():
             if v is None:
@@ -228,28 +229,22 @@ def test_streamed_ticks_match_the_latent_steps_and_stats_ride_the_finish_chunk(h
     assert stats["thinking"] is True and len(ticks) == stats["steps"] == 3
 
 
-def test_log_level_debug_reaches_the_engine_per_request_latent_log_line(tmp_path, smollm2_dir):
+def test_log_level_debug_reaches_the_engine_per_request_latent_log_line(head_server):
     """``--log-level debug`` logs each head request's latent stats (the engine's debug
     line); the engine process used to log at INFO whatever the flag said."""
-    from latentserve.config import EngineConfig
-    from latentserve.server.launch import start_server
-    from tests.support.head_models import save_head_model
+    before = len(head_server.log_path.read_text(errors="replace"))
 
-    d = save_head_model(tmp_path / "m")
-    srv = start_server(EngineConfig(model=str(d), max_num_seqs=2), timeout=300,
-                       log_path=tmp_path / "server.log", log_level="debug")
-    try:
-        r = httpx.post(f"{srv.base_url}/v1/completions", timeout=60, json={
-            "prompt": [11, 12, 13], "max_tokens": 4, "max_latent": 2, "use_stop": False,
-            "min_output_tokens": 0})
-        assert r.status_code == 200, r.text
-        rid = r.json()["id"]
-        deadline = time.monotonic() + 30
-        while "latent head: req" not in srv.log_tail() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert "latent head: req" in srv.log_tail() and "steps=2" in srv.log_tail(), rid
-    finally:
-        srv.stop()
+    def since():
+        return head_server.log_path.read_text(errors="replace")[before:]
+
+    r = _complete(head_server, {"max_tokens": 4, "max_latent": 2, "use_stop": False,
+                                "min_output_tokens": 0})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while "latent head: req" not in since() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    lines = [x for x in since().splitlines() if "latent head: req" in x]
+    assert lines and "steps=2" in lines[0], since()[-2000:]
 
 
 def test_answer_budget_floor_counts_in_the_request_output_limit(tmp_path, smollm2_dir):

@@ -71,14 +71,17 @@ def _start(model_dir, port: int | None = None):
         time.sleep(0.5)
 
 
-def test_replicas_start_when_the_ports_after_the_routers_are_taken(replicas):
-    """The replicas' ports are the OS's picks, not ``--port + 1 + i``: with those held by
-    another process (the race that made this test file flaky) the set starts all the same."""
+@pytest.fixture(scope="module")
+def second_set(replicas, tmp_path_factory):
+    """``(model, port, urls)``: a second replica set on this machine, beside ``replicas``,
+    serving a tiny COCONUT; started with the three ports after its router's held by another
+    socket (released once it is up)."""
     import socket
 
+    from latentserve.bench.baseline.latent_models import save_latent_tiny
     from latentserve.server.launch import free_port
 
-    model, _, _ = replicas
+    d = save_latent_tiny(tmp_path_factory.mktemp("dp-coconut"), "coconut-gpt2")
     held = []
     for _ in range(50):
         port = free_port()
@@ -95,15 +98,22 @@ def test_replicas_start_when_the_ports_after_the_routers_are_taken(replicas):
             held = []
     assert held, "no port with three free ports after it"
     try:
-        proc, urls = _start(model, port)
-        try:
-            assert all(not u.endswith(f":{port + i}") for u in urls[1:] for i in (1, 2, 3))
-        finally:
-            proc.terminate()
-            proc.wait(60)
+        proc, urls = _start(d, port)
     finally:
         for s in held:
             s.close()
+    try:
+        yield str(d), port, urls
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_replicas_start_when_the_ports_after_the_routers_are_taken(second_set):
+    """The replicas' ports are the OS's picks, not ``--port + 1 + i``: with those held by
+    another process (the race that made this test file flaky) the set starts all the same."""
+    _, port, urls = second_set
+    assert all(not u.endswith(f":{port + i}") for u in urls[1:] for i in (1, 2, 3))
 
 
 def test_every_request_through_the_router_is_answered(replicas):
@@ -143,20 +153,15 @@ def test_shared_prefix_goes_to_the_replica_that_has_it(replicas):
     assert after[k]["prefix_cache_hits"] - before[k]["prefix_cache_hits"] >= 3 * 200
 
 
-def test_a_second_replica_set_on_the_same_machine_starts(replicas):
+def test_a_second_replica_set_on_the_same_machine_starts(second_set):
     """Each router's Prometheus exporter gets its own free port (on --host):
     with sglang-router's default (0.0.0.0:29000) the second router panicked at start."""
     from openai import OpenAI
 
-    model, _, _ = replicas
-    proc, urls = _start(model)
-    try:
-        r = OpenAI(base_url=f"{urls[0]}/v1", api_key="unused").completions.create(
-            model=model, prompt="w10 w11", max_tokens=2, temperature=0)
-        assert r.usage.completion_tokens == 2
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    model, _, urls = second_set
+    r = OpenAI(base_url=f"{urls[0]}/v1", api_key="unused").completions.create(
+        model=model, prompt="w10 w11", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
 
 
 def test_killed_supervisor_leaves_no_replica_or_router(replicas):
@@ -185,23 +190,16 @@ def test_killed_supervisor_leaves_no_replica_or_router(replicas):
     assert alive == [], f"still answering 60 s after the supervisor was killed: {alive}"
 
 
-def test_latent_fields_reach_the_replicas_inside_chat_template_kwargs(tmp_path):
+def test_latent_fields_reach_the_replicas_inside_chat_template_kwargs(second_set):
     """The router rebuilds chat bodies and drops our top-level latent fields; inside
     ``chat_template_kwargs`` they arrive (docs/scaling.md), on a COCONUT model."""
     import httpx
 
-    from latentserve.bench.baseline.latent_models import save_latent_tiny
-
-    d = save_latent_tiny(tmp_path, "coconut-gpt2")
-    proc, urls = _start(d)
-    try:
-        body = {"model": str(d), "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 3, "temperature": 0}
-        for budget in (0, 2, 5):
-            r = httpx.post(f"{urls[0]}/v1/chat/completions", timeout=60,
-                           json={**body, "chat_template_kwargs": {"latent_budget": budget}})
-            assert r.status_code == 200, r.text
-            assert (r.json()["choices"][0].get("latent") or {"steps": 0})["steps"] == budget
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    model, _, urls = second_set
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3, "temperature": 0}
+    for budget in (0, 2, 5):
+        r = httpx.post(f"{urls[0]}/v1/chat/completions", timeout=60,
+                       json={**body, "chat_template_kwargs": {"latent_budget": budget}})
+        assert r.status_code == 200, r.text
+        assert (r.json()["choices"][0].get("latent") or {"steps": 0})["steps"] == budget

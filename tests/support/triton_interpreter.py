@@ -6,7 +6,8 @@ from __future__ import annotations
 
 
 def patch_triton_interpreter() -> None:
-    """Work around three Triton 3.6 interpreter gaps:
+    """Work around three Triton 3.6 interpreter gaps, and wrap the language's builtins once
+    rather than at every launch (``_cache_builtin_lists``):
 
     * scalar tensors are 1-element arrays and become ``range`` bounds through ``int(array)``,
       which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed upstream after 3.6);
@@ -49,6 +50,44 @@ def patch_triton_interpreter() -> None:
         create_dot_bf16._latentserve_patched = True
         builder.create_dot = create_dot_bf16
     _patch_bf16_rounding()
+    _cache_builtin_lists()
+
+
+def _cache_builtin_lists() -> None:
+    """Each launch re-patches ``triton.language``'s builtins, finding them with
+    ``inspect.getmembers`` and wrapping each anew: over half of the time the interpreter
+    spends outside the kernels. A package's builtins and their wrappers (``_patch_attr``'s,
+    bound to the one interpreter builder) do not change, so they are made on the first
+    launch (nothing is patched then) and set on each launch as before."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._patch_builtin, "_latentserve_patched", False):
+        return
+    patch_attr, wrapped = interpreter._patch_attr, {}
+
+    class Recorder:
+        def __init__(self):
+            self.values = []
+
+        def set_attr(self, obj, name, value):
+            self.values.append((name, value))
+
+    def patch_builtin(pkg, builder, scope):
+        key = (pkg, builder)
+        if key not in wrapped:
+            rec = Recorder()
+            for name, member in inspect.getmembers(pkg):
+                if tl.core.is_builtin(member):
+                    patch_attr(pkg, name, member, builder, rec)
+            wrapped[key] = rec.values
+        for name, value in wrapped[key]:
+            scope.set_attr(pkg, name, value)
+
+    patch_builtin._latentserve_patched = True
+    interpreter._patch_builtin = patch_builtin
 
 
 def _patch_bf16_rounding() -> None:

@@ -216,7 +216,8 @@ def test_fast_path_with_decode_gemms_equals_cublas_gemms(kind, dtype, small_voca
     for rows in (0, 64):
         monkeypatch.setattr(layers, "DECODE_ROWS", rows)
         engine = LLMEngine(EngineConfig(model=str(small_vocab_dirs[kind]), fused_ops=True,
-                                        attention_backend="triton", dtype=dtype))
+                                        attention_backend="triton", dtype=dtype,
+                                        attention_num_kv_splits=2))
         calls.clear()
         hints.clear()
         out[rows] = run_requests(engine, reqs)
@@ -260,7 +261,8 @@ def test_ouro_banks_with_the_qkv_rope_kernel(tmp_path, monkeypatch):
     for rows in (0, 64):
         monkeypatch.setattr(layers, "DECODE_ROWS", rows)
         engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True,
-                                        attention_backend="triton", dtype="bfloat16"))
+                                        attention_backend="triton", dtype="bfloat16",
+                                        attention_num_kv_splits=2))
         calls.clear()
         out[rows] = run_requests(engine, reqs)
         assert bool(calls) == bool(rows)

@@ -213,7 +213,7 @@ def test_a_rank_that_never_samples_captures_no_argmax(small_vocab_llama, emulate
     greedy tokens, so they launch no argmax; the default graphs of a plain model do."""
     engine = LLMEngine(EngineConfig(model=str(small_vocab_llama), fused_ops=True,
                                     attention_backend="triton", max_num_seqs=8,
-                                    max_model_len=64))
+                                    max_model_len=64, attention_num_kv_splits=2))
     hidden = engine.runner.model.config.hidden_size
     for greedy in (False, True):
         engine.runner.capture_graphs(8, hidden, torch.float32, with_greedy=greedy)
@@ -234,7 +234,7 @@ def test_graph_logits_equal_eager_logits_and_fall_back_where_eager_splits_k(
     dl = sys.modules["latentserve.ops.kernels.decode_linear"]
     engine = LLMEngine(EngineConfig(model=str(small_vocab_llama), fused_ops=True,
                                     attention_backend="triton", max_num_seqs=8,
-                                    max_model_len=64))
+                                    max_model_len=64, attention_num_kv_splits=2))
     model = engine.runner.model
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     fused = []
