@@ -1,10 +1,6 @@
 """``--max-waiting-requests``: admission counted in the API process, when a request arrives.
 
-A client request is admitted (or refused with the 503 ``overloaded``) before any of its work
-is done: before its prompt is templated or tokenized and before the engine hears of it. Its
-engine requests are counted from that moment: as reserved (:class:`Ticket`) until each one
-is sent, then as ``client.num_running`` until it ends, so a burst of requests that arrive
-together is counted whole, however long the ones admitted first take to be sent.
+Design notes: docs/internals.md, "latentserve.server.admission".
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Engine ``TokenLogprob``s -> the OpenAI chat and completions ``logprobs`` objects.
 
-A token's text is its raw bytes decoded as UTF-8 (with U+FFFD for a token that holds part
-of a character); ``bytes`` carries the raw bytes so that a client can join such pieces.
-Raw bytes come from the tokenizer's vocabulary: byte-level BPE pieces (GPT-2's
-byte-to-unicode alphabet) are mapped back to bytes, SentencePiece ``<0xAB>`` byte pieces
-become that byte and ``▁`` a space; added (special) tokens are their text.
-With ``return_tokens_as_token_ids`` (vLLM's option) tokens are written ``"token_id:123"``.
+Design notes: docs/internals.md, "latentserve.server.logprobs".
 """
 
 from __future__ import annotations

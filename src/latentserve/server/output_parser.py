@@ -1,11 +1,6 @@
-"""One chat choice's generated text -> reasoning, answer text and tool calls, as stream
-pieces (:meth:`OutputParser.feed`, :meth:`OutputParser.finish`) or whole
-(:func:`parse_output`). Both the OpenAI chat route and ``/v1/messages`` use it.
+"""One chat choice's text -> reasoning, answer and tool calls, streamed or whole.
 
-The reasoning parser runs first; tool calls are looked for in the answer only (vLLM's
-order). A call is streamed as :class:`CallDelta` s of one ``index``: the first carries its
-``id`` and ``name``, later ones more ``arguments`` text (OpenAI's ``delta.tool_calls``,
-Anthropic's ``content_block_start`` + ``input_json_delta``).
+Design notes: docs/internals.md, "latentserve.server.output_parser".
 """
 
 from __future__ import annotations

@@ -393,15 +393,18 @@ def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
     return max(params.max_tokens, min(raised, max_model_len - num_prompt_tokens))
 
 
-def check_total_output(max_tokens: list[int], n: int, max_tokens_field: str,
-                       limits: ServerLimits, asked: list[int] | None = None) -> None:
-    """``n`` x sum(``max_tokens``) must be at most ``limits.max_request_output_tokens``, else
-    APIError (400 naming ``max_tokens_field``). ``asked``: the client's values, when
-    ``max_tokens`` were raised by :func:`engine_max_tokens`."""
+def check_total_output(params: list[SamplingParams], prompt_lens: list[int], n: int,
+                       max_tokens_field: str, state) -> None:
+    """``n`` x the sum of each prompt's :func:`engine_max_tokens` must be at most
+    ``state.limits.max_request_output_tokens``, else APIError (400 naming
+    ``max_tokens_field``)."""
+    asked = [p.max_tokens for p in params]
+    max_tokens = [engine_max_tokens(p, state.latent_spec, k, state.max_model_len)
+                  for p, k in zip(params, prompt_lens)]
     total = n * sum(max_tokens)
-    limit = limits.max_request_output_tokens
+    limit = state.limits.max_request_output_tokens
     if total > limit:
-        floor = ("" if asked is None or list(asked) == list(max_tokens) else
+        floor = ("" if asked == max_tokens else
                  f", raised from {max(asked)} by the answer-budget floor min_output_tokens + "
                  "max_latent (send min_output_tokens: 0 for it to hold)")
         raise APIError(
@@ -409,6 +412,18 @@ def check_total_output(max_tokens: list[int], n: int, max_tokens_field: str,
             f"request, got {total} ({len(max_tokens)} prompt(s), n={n}, {max_tokens_field} "
             f"up to {max(max_tokens)}{floor}); lower {max_tokens_field}, n or the number of "
             "prompts", param=max_tokens_field)
+
+
+def latent_controls(http_request, body, spec, template_kwargs: dict | None = None
+                    ) -> tuple[int | None, dict, bool]:
+    """``(budget, head controls, ticks)``: :func:`latent_budget`, :func:`head_controls`
+    (refused where the model would ignore them) and whether a stream ticks per latent step.
+    Raises APIError (400 naming the header or field)."""
+    budget = latent_budget(http_request, body, spec)
+    head = head_controls(http_request, body, template_kwargs)
+    refuse_head_controls(http_request, body, head, spec)
+    refuse_stream_steps(http_request, body, spec)
+    return budget, head, bool(body.stream) and stream_latent_steps(http_request, body)
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
