@@ -1,10 +1,6 @@
-"""Where evaluation prompts go: our engine in-process, or any OpenAI-compatible server.
+"""Where evaluation prompts go: the engine in-process, or an OpenAI-compatible server.
 
-Both take one chat turn per item and return, per item, a :class:`Completion`: the answer
-``text``, ``completion_tokens`` (every generated token the engine or server counts; for
-text CoT these are the thinking tokens), ``latent_steps`` (compression-head latent steps;
-0 without a head), and ``latency_s`` (from the batch's start to the request's end, so
-queueing inside the batch counts, as a client would see it).
+Design notes: docs/internals.md, "latentserve.eval.backends".
 """
 
 from __future__ import annotations

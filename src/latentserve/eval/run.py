@@ -1,9 +1,6 @@
 """One evaluation run (a data set, a backend, one latent budget) and its summary.
 
-Text CoT (``max_latent`` None): the question plus the data set's instruction (answer as
-``#### ...``); thinking tokens = completion tokens. Latent (``max_latent`` = N): the bare
-question, as the head was trained; thinking tokens = latent steps (the closing ids and
-the answer are not counted).
+Design notes: docs/internals.md, "latentserve.eval.run".
 """
 
 from __future__ import annotations

@@ -47,12 +47,9 @@ class Call:
 
 
 class OutputParser:
-    """``reasoning_parser`` (a ``REASONING_PARSERS`` name or None), ``tool_parser`` (a
-    ``TOOL_PARSERS`` name or None) and the request's resolved ``choice`` (None: no tools)
-    decide what is parsed: calls are parsed for ``auto`` with a tool parser, the whole
-    answer is the arguments of a ``named`` choice and a JSON array of calls for
-    ``required``. ``include_reasoning`` False drops the reasoning text. ``id_prefix``: the
-    protocol's call id prefix."""
+    """Parses calls for ``auto`` with a tool parser; the whole answer is a ``named`` choice's
+    arguments, or a JSON array of calls for ``required``. ``include_reasoning`` False drops
+    the reasoning."""
 
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
                  choice: ToolChoice | None = None, include_reasoning: bool = True,

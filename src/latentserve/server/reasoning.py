@@ -34,12 +34,8 @@ class Split:
 
 
 class ThinkParser:
-    """Splits one choice's streamed text at ``</think>``; :meth:`feed` each text delta, then
-    :meth:`finish`. The pieces concatenate to what :func:`split_reasoning` gives the whole
-    text (a tag split over deltas is held back until it is decided).
-
-    ``implicit``: an output that does not open with ``<think>`` is reasoning
-    (``REASONING_PARSERS[name]``)."""
+    """Splits one choice's streamed text at ``</think>`` as :func:`split_reasoning` does the
+    whole; ``implicit``: an output not opening with ``<think>`` is reasoning."""
 
     def __init__(self, implicit: bool):
         self.implicit = implicit
@@ -110,15 +106,9 @@ def latent_trace_text(trace: list[dict] | None, texts) -> str:
 
 
 def latent_reasoning_mode(body, spec) -> str | None:
-    """How a request's latent steps go into ``reasoning_content``: ``"count"`` (the
-    default), ``"logit_lens"``, or None (``include_reasoning`` false, or a model without a
-    latent phase before the answer: plain and recurrent-depth models).
-
-    Raises:
-        APIError: 400 naming ``latent_reasoning`` for another value, or ``"logit_lens"`` on
-            a model whose latent steps are not vectors the LM head reads (anything but a
-            feedback-latent model).
-    """
+    """``"count"`` (default), ``"logit_lens"`` or None (``include_reasoning`` false, or no
+    latent phase). Raises APIError (400 naming ``latent_reasoning``) for another value, or
+    ``"logit_lens"`` on a model that is not feedback-latent."""
     from latentserve.server.errors import APIError
 
     mode = getattr(body, "latent_reasoning", None)
@@ -138,12 +128,8 @@ def latent_reasoning_mode(body, spec) -> str | None:
 
 
 class LatentReasoning:
-    """One streamed choice's latent steps as ``reasoning_content`` pieces (``mode`` from
-    :func:`latent_reasoning_mode`; ``texts`` the tokenizer's ``logprobs.TokenTexts``):
-    ``logit_lens`` and ``ticks`` (``stream_latent_steps``) write one line per step as it
-    runs; ``count`` without ticks writes ``[N latent steps]`` once, with the answer's first
-    text (or the finish). :func:`latent_reasoning_text` writes the same for a whole
-    response."""
+    """One streamed choice's latent steps as ``reasoning_content``: a line per step
+    (``logit_lens``, or ``ticks``), else ``[N latent steps]`` once with the first text."""
 
     def __init__(self, mode: str, texts, ticks: bool = False):
         self.mode, self.texts = mode, texts
