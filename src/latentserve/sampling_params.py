@@ -104,12 +104,9 @@ class SamplingParams:
         _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _check_num("repetition_penalty", self.repetition_penalty, lo=FLOAT32_TINY,
                    hi=FLOAT32_MAX)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0)
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0)
-        if self.latent_budget is not None:
-            _check_int("latent_budget", self.latent_budget, lo=0)
+        for name in ("logprobs", "prompt_logprobs", "latent_budget"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), lo=0)
         if self.exit_criterion is not None and (not isinstance(self.exit_criterion, str)
                                                 or not self.exit_criterion):
             raise ValueError(f"exit_criterion must be a non-empty string, got "

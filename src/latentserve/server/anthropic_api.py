@@ -30,7 +30,7 @@ from latentserve.server.errors import (
     param_from_value_error,
 )
 from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.output_parser import OutputParser, drops_tags, parse_output
+from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
     check_stop_count,
     context_error,
@@ -53,7 +53,7 @@ from latentserve.server.reasoning import (
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
-from latentserve.server.tools import ToolChoice, call_schema, check_tools, json_constraint
+from latentserve.server.tools import ToolChoice, check_tools
 
 
 class TextBlock(RequestModel):
@@ -296,15 +296,8 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
             params = dataclasses.replace(params, **head)
         except ValueError as exc:  # a body control out of range (the headers are checked)
             raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
-    schema = call_schema(answer.choice, answer.tools)
-    if schema is not None:
-        params = json_constraint(params, schema)
-    if answer.latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
-        params = dataclasses.replace(params, return_latent_trace=True,
-                                     stream_latent_steps=True)
-    if drops_tags(state.tokenizer, answer.parser(state)):
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    return body, params
+    return body, answer_params(params, answer.choice, answer.tools, answer.latent_mode,
+                               state.tokenizer, answer.parser(state))
 
 
 async def create_message(body: MessagesRequest, request, state: ServerState):

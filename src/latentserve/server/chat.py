@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -16,7 +15,7 @@ from latentserve.server.output_parser import (
     CallDelta,
     OutputParser,
     Piece,
-    drops_tags,
+    answer_params,
     parse_output,
 )
 from latentserve.server.params import (
@@ -58,9 +57,7 @@ from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import (
     ToolChoice,
-    call_schema,
     check_tools,
-    json_constraint,
     resolve_tool_choice,
 )
 
@@ -108,14 +105,7 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
         return OutputParser(state.reasoning_parser, state.tool_parser, choice,
                             body.include_reasoning is not False)
 
-    schema = call_schema(choice, tools)
-    if schema is not None:
-        params = json_constraint(params, schema)
-    if latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
-        params = dataclasses.replace(params, return_latent_trace=True,
-                                     stream_latent_steps=True)
-    if drops_tags(state.tokenizer, parser()):
-        params = dataclasses.replace(params, skip_special_tokens=False)
+    params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
     check_total_output([params], [len(prompt_ids)], body.n or 1, field, state)
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)

@@ -33,6 +33,9 @@ API_KEY_ENV = "LATENTSERVE_API_KEY"
 # Set by a supervising process (``start_server``): the server stops (as on SIGTERM)
 # when the process with this pid is no longer its parent, e.g. after a SIGKILL.
 PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def _stop_with_parent(parent_pid: int, interval: float = 1.0) -> None:
@@ -40,9 +43,6 @@ def _stop_with_parent(parent_pid: int, interval: float = 1.0) -> None:
     while os.getppid() == parent_pid:
         time.sleep(interval)
     os.kill(os.getpid(), signal.SIGTERM)
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
-# The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -521,26 +521,18 @@ def _positive_int(text: str) -> int:
 def server_kwargs(args: argparse.Namespace) -> dict:
     """``run_server`` keyword arguments from :func:`add_server_args`' flags (the API key
     falls back to ``$LATENTSERVE_API_KEY``)."""
+    same = ("max_request_body_bytes", "drain_timeout", "max_request_output_tokens",
+            "max_waiting_requests", "queue_timeout", "timeout_keep_alive",
+            "timeout_request_headers", "timeout_request_body", "tool_call_parser",
+            "reasoning_parser", "chat_template", "trust_request_chat_template",
+            "uvicorn_log_level", "max_log_len")
     return {"api_key": args.api_key or settings.get(API_KEY_ENV),
-            "max_request_body_bytes": args.max_request_body_bytes,
-            "drain_timeout": args.drain_timeout,
-            "max_request_output_tokens": args.max_request_output_tokens,
-            "max_waiting_requests": args.max_waiting_requests,
-            "queue_timeout": args.queue_timeout,
-            "timeout_keep_alive": args.timeout_keep_alive,
-            "timeout_request_headers": args.timeout_request_headers,
-            "timeout_request_body": args.timeout_request_body,
-            "tool_call_parser": args.tool_call_parser,
-            "reasoning_parser": args.reasoning_parser,
+            **{name: getattr(args, name) for name in same},
             "cors": {"allow_origins": args.allowed_origins,
                      "allow_methods": args.allowed_methods,
                      "allow_headers": args.allowed_headers,
                      "allow_credentials": args.allow_credentials},
-            "chat_template": args.chat_template,
-            "trust_request_chat_template": args.trust_request_chat_template,
-            "uvicorn_log_level": args.uvicorn_log_level,
-            "log_requests": args.enable_log_requests,
-            "max_log_len": args.max_log_len}
+            "log_requests": args.enable_log_requests}
 
 
 def main(argv: list[str] | None = None) -> None:

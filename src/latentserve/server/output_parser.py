@@ -5,6 +5,7 @@ Design notes: docs/internals.md, "latentserve.server.output_parser".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -163,3 +164,20 @@ def drops_tags(tokenizer, parser: OutputParser) -> bool:
     added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
     return any(getattr(t, "special", False) and str(getattr(t, "content", t)) in tags
                for t in added)
+
+
+def answer_params(params, choice: ToolChoice, tools: dict[str, dict], latent_mode: str | None,
+                  tokenizer, parser: OutputParser):
+    """``params`` as the answer's parsing needs them: a forced call's JSON schema
+    (``tools.call_schema``), every latent step's trace for ``logit_lens`` reasoning, and
+    special tokens kept when :func:`drops_tags`. Raises APIError from ``json_constraint``."""
+    from latentserve.server.tools import call_schema, json_constraint
+
+    schema = call_schema(choice, tools)
+    if schema is not None:
+        params = json_constraint(params, schema)
+    if latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
+        params = dataclasses.replace(params, return_latent_trace=True, stream_latent_steps=True)
+    if drops_tags(tokenizer, parser):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params

@@ -88,21 +88,14 @@ def latent_count_text(steps: int) -> str:
 
 
 def latent_step_text(step: int, entry: dict | None, texts) -> str:
-    """One latent step as a line: ``[step 3: "7", "8", " 7"]\\n`` from its trace ``entry``
-    (``{"top_tokens": [[id, logit], ...]}``, most likely first; None: ``[step 3]\\n``).
-    ``texts``: the tokenizer's ``logprobs.TokenTexts``; each token is shown as a JSON
-    string, so spaces and newlines stay visible. ``step`` counts from 1."""
+    """One latent step as a line, ``[step 3: "7", "8", " 7"]\\n`` (top tokens of ``entry`` as
+    JSON strings; no entry: ``[step 3]\\n``); ``step`` counts from 1."""
     top = (entry or {}).get("top_tokens") or []
     if not top:
         return f"[step {step}]\n"
     shown = ", ".join(json.dumps(texts.text(int(t)), ensure_ascii=False)
                       for t, _ in top[:LOGIT_LENS_TOP])
     return f"[step {step}: {shown}]\n"
-
-
-def latent_trace_text(trace: list[dict] | None, texts) -> str:
-    """Every latent step of a final trace as :func:`latent_step_text` lines."""
-    return "".join(latent_step_text(i + 1, e, texts) for i, e in enumerate(trace or []))
 
 
 def latent_reasoning_mode(body, spec) -> str | None:
@@ -138,8 +131,7 @@ class LatentReasoning:
         self.count_shown = False
 
     def step_texts(self, delta) -> list[str]:
-        """The reasoning texts one ``TextDelta`` releases, one per chunk: a tick's
-        ``latent_trace`` holds the entries of its new steps (``logit_lens``)."""
+        """The reasoning texts one ``TextDelta`` releases, one per chunk."""
         if delta.latent_tick:
             new = max(delta.latent_steps - self.steps_shown, 0)
             entries = list(delta.latent_trace or [])[-new:] if new else []
@@ -158,8 +150,7 @@ class LatentReasoning:
 
 
 def latent_reasoning_text(mode: str, steps: int, trace: list[dict] | None, texts) -> str:
-    """A whole response's latent reasoning: ``logit_lens``, one line per entry of the
-    per-step ``trace``; ``count``, ``[N latent steps]`` for ``steps``."""
+    """A whole response's latent reasoning: a line per ``trace`` entry, or the count."""
     if mode == "logit_lens":
-        return latent_trace_text(trace, texts)
+        return "".join(latent_step_text(i + 1, e, texts) for i, e in enumerate(trace or []))
     return latent_count_text(steps)
