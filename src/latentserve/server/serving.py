@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from latentserve.outputs import TokenLogprob
 from latentserve.server.client import (
     EngineDeadError,
     EngineInternalError,
@@ -48,20 +47,10 @@ def api_error(exc: Exception) -> APIError:
 
 
 @dataclass(slots=True)
-class ChoiceResult:
-    """All of one engine request: its text, final reason, token count and logprobs."""
+class ChoiceResult(TextDelta):
+    """All of one engine request: its deltas folded in, and the ticks' trace entries."""
 
-    text: str = ""
-    finish_reason: str | None = None
-    num_output_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    stop_string: str | None = None
-    latent_steps: int = 0
-    latent_trace: list | None = None
-    latent_stats: dict | None = None
-    recurrence: dict | None = None
-    prompt_logprobs: list | None = None
-    step_trace: list = field(default_factory=list)  # the ticks' trace entries, per step
+    step_trace: list = field(default_factory=list)
 
     def latent_info(self, asked: bool, texts=None):
         """The choice's ``latent`` field (see :func:`latent_info`)."""
@@ -141,7 +130,7 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
                   ticket=None) -> list[ChoiceResult]:
     """Run the engine requests concurrently; one ``ChoiceResult`` each. APIError from
     :func:`api_error` (the others aborted)."""
-    results = [ChoiceResult() for _ in reqs]
+    results = [ChoiceResult("", None, 0) for _ in reqs]
     async with on_disconnect(request, _abort_all(state, reqs)), \
             aclosing(_deltas(state, reqs, arrival, ticket)) as deltas:
         try:
