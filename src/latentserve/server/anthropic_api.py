@@ -43,7 +43,7 @@ from latentserve.server.params import (
     refuse_unsupported,
     unset_default,
 )
-from latentserve.server.prompts import check_prompt_bytes, render_chat
+from latentserve.server.prompts import check_conversation_bytes, render_chat
 from latentserve.server.protocol import LatentFields, RequestModel
 from latentserve.server.reasoning import (
     LatentReasoning,
@@ -240,9 +240,7 @@ async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
     """The templated prompt (in the pool), ``thinking`` passed as the template's
     ``thinking`` / ``enable_thinking``."""
     conversation = _conversation(body)
-    check_prompt_bytes(sum(len(str(m.get("content") or "").encode("utf-8"))
-                           for m in conversation if m["role"] != "assistant"),
-                       state.tokenizer, state.max_model_len, "messages")
+    check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
     flag = thinking_flag(body.thinking)
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
     return await in_pool(

@@ -130,9 +130,7 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
     messages' bytes go through :func:`check_prompt_bytes` first."""
     conversation = chat_conversation(messages)
     if max_model_len is not None:
-        size = sum(len(m["content"].encode("utf-8")) for m in conversation
-                   if m["role"] != "assistant")
-        check_prompt_bytes(size, tokenizer, max_model_len, "messages")
+        check_conversation_bytes(conversation, tokenizer, max_model_len)
     return render_chat(tokenizer, conversation, tools=chat_tools(tools), **kwargs)
 
 
@@ -240,6 +238,15 @@ def check_prompt_bytes(num_bytes: int, tokenizer, max_model_len: int, param: str
         f"prompt is {num_bytes} bytes, more than {max_model_len} tokens of at most "
         f"{per_token} bytes each. Please reduce the length of the prompt.",
         param=param, code="context_length_exceeded")
+
+
+def check_conversation_bytes(conversation: list[dict[str, Any]], tokenizer,
+                             max_model_len: int) -> None:
+    """:func:`check_prompt_bytes` of the turns a template renders whole (not the assistant's,
+    whose past reasoning some templates drop), naming ``messages``."""
+    size = sum(len(str(m.get("content") or "").encode("utf-8")) for m in conversation
+               if m["role"] != "assistant")
+    check_prompt_bytes(size, tokenizer, max_model_len, "messages")
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
