@@ -433,12 +433,7 @@ async def _events(msg_id: str, model: str, input_tokens: int,
     blocks = _Blocks()
     last, called = None, False
     async for _, delta in deltas:
-        piece = parser.feed(delta.text)
-        if delta.finish_reason is not None:
-            rest = parser.finish()
-            piece.reasoning += rest.reasoning
-            piece.content += rest.content
-            piece.calls += rest.calls
+        piece = parser.step(delta.text, delta.finish_reason is not None)
         thinking = "".join(latent.step_texts(delta) if latent else ()) + piece.reasoning
         if thinking:
             if blocks.kind != "thinking":

@@ -211,11 +211,7 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
             lines = []
         for text in lines:
             yield chunk(i, DeltaMessage(reasoning_content=text))
-        piece = parsers[i].feed(delta.text)
-        if delta.finish_reason is not None:
-            rest = parsers[i].finish()
-            piece = Piece(piece.reasoning + rest.reasoning, piece.content + rest.content,
-                          piece.calls + rest.calls)
+        piece = parsers[i].step(delta.text, delta.finish_reason is not None)
         called[i] = called[i] or bool(piece.calls)
         if piece or delta.logprobs:
             yield chunk(i, _delta_message(piece), None, delta.logprobs)

@@ -77,6 +77,15 @@ class OutputParser:
         out.reasoning = split.reasoning if self.include_reasoning else ""
         return out
 
+    def step(self, text: str, final: bool) -> Piece:
+        """:meth:`feed`, joined with :meth:`finish` when ``final``."""
+        out = self.feed(text)
+        if final:
+            rest = self.finish()
+            out = Piece(out.reasoning + rest.reasoning, out.content + rest.content,
+                        out.calls + rest.calls)
+        return out
+
     def finish(self) -> Piece:
         """What is held back, at the end of the output."""
         if self.think is None:
@@ -148,8 +157,8 @@ def join_calls(pieces: list[CallDelta]) -> list[Call]:
 
 def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[Call]]:
     """``(reasoning, content, calls)`` of a whole output."""
-    a, b = parser.feed(text), parser.finish()
-    return a.reasoning + b.reasoning, a.content + b.content, join_calls(a.calls + b.calls)
+    p = parser.step(text, final=True)
+    return p.reasoning, p.content, join_calls(p.calls)
 
 
 def drops_tags(tokenizer, parser: OutputParser) -> bool:
