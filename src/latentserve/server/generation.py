@@ -155,12 +155,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
 
 
 async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several async iterators as ``(position, item)`` in arrival order.
-
-    The first exception raised by any of them is re-raised here. Closing this generator
-    (or an exception) cancels the pumps, which closes every source (an engine request left
-    early is aborted by its ``client.generate``).
-    """
+    """Interleave async iterators as ``(position, item)`` in arrival order; the first
+    exception is re-raised, and closing this generator closes every source."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
