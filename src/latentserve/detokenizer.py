@@ -14,13 +14,9 @@ _REPLACEMENT = "\ufffd"
 
 
 def decode_stream_backend(tokenizer):
-    """The ``tokenizers.Tokenizer`` that ``DecodeStream`` can decode ``tokenizer``'s ids with
-    exactly as ``tokenizer.decode`` does, or None (then the Python window is used).
-
-    A transformers fast tokenizer qualifies unless its ``decode`` cleans up spaces:
-    transformers 5 applies ``clean_up_tokenization_spaces`` except on a BPE model (unless
-    ``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output``), per
-    ``TokenizersBackend._decode``."""
+    """The ``tokenizers.Tokenizer`` with which ``DecodeStream`` decodes as ``tokenizer.decode``
+    does, or None: not a fast tokenizer, or one whose ``decode`` cleans up spaces
+    (transformers 5's ``TokenizersBackend._decode`` rule)."""
     try:
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
@@ -41,25 +37,11 @@ def decode_stream_backend(tokenizer):
 class IncrementalDetokenizer:
     """Turn a stream of output token ids into text deltas, honouring stop strings.
 
-    Args:
-        tokenizer: a Hugging Face tokenizer: ``DecodeStream`` over its ``backend_tokenizer``
-            where :func:`decode_stream_backend` allows, else (and for :meth:`flush`) its
-            ``decode``.
-        prompt_token_ids: the prompt; its last few tokens are decoding context only.
-        stop: stop strings (empty strings are ignored).
-        skip_special_tokens: passed to ``tokenizer.decode``.
-        include_stop_str_in_output: keep a matched stop string at the end of the text.
-        min_tokens: stop strings cannot match inside the text of the first ``min_tokens``
-            output tokens.
+    The prompt's last tokens are decoding context only; stop strings cannot match in the
+    text of the first ``min_tokens`` tokens. ``stopped``: the stop string that ended it.
 
-    Attributes:
-        stopped: the stop string that ended the output, or None.
-        text: the text emitted so far (held-back text joins it when released or flushed).
-        token_ids: the output token ids added so far (those after a stop are ignored).
-
-    Raises: ``models.checkpoint.NoTokenizerError`` for stop strings with a ``NoTokenizer``
-    (its text is always empty); (from :meth:`add`) RuntimeError once :meth:`flush` has been
-    called.
+    Raises: ``NoTokenizerError`` for stop strings with a ``NoTokenizer``; RuntimeError from
+    :meth:`add` after :meth:`flush`.
     """
 
     def __init__(
@@ -125,13 +107,7 @@ class IncrementalDetokenizer:
         return self._finished or self.stopped is not None
 
     def add(self, token_ids: Iterable[int]) -> str:
-        """Add output tokens; return the text that became final (possibly "").
-
-        After a stop string matched, further tokens are ignored and "" is returned.
-
-        Raises:
-            RuntimeError: :meth:`flush` was already called.
-        """
+        """Add output tokens; return the text that became final (tokens after a stop: "")."""
         if self._finished:
             raise RuntimeError("IncrementalDetokenizer.add() called after flush()")
         for token_id in token_ids:
@@ -154,8 +130,6 @@ class IncrementalDetokenizer:
                 self._append(new_text)
         self._finished = True
         return self._release(hold=False)
-
-    # -- internals ---------------------------------------------------------------------------
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -208,10 +182,7 @@ class IncrementalDetokenizer:
             self.stopped = best[1]
 
     def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string.
-
-        Only suffixes that start with a stop string's first character are tried (found with
-        ``str.find``, leftmost, so the longest first)."""
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
         text = self._all_text
         limit = min(self._max_stop_len - 1, len(text) - self._emitted)
         j = len(text) - limit

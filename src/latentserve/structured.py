@@ -19,14 +19,8 @@ CACHE_LIMIT_BYTES = 256 << 20
 
 
 class Grammars:
-    """Compiles constraints for one tokenizer.
-
-    Args:
-        tokenizer: the engine's Hugging Face tokenizer.
-        vocab_size: the model's vocabulary (logits' width; ids past the tokenizer's are never
-            allowed).
-        eos_ids: the ids that end a request; the grammar allows them once it is complete.
-    """
+    """Compiles constraints for one tokenizer; ``vocab_size``: the logits' width (ids past
+    the tokenizer's are never allowed); ``eos_ids`` are allowed once the grammar completes."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
         self.tokenizer = tokenizer
@@ -48,12 +42,8 @@ class Grammars:
         return self._compiler
 
     def compile(self, so: StructuredOutputsParams):
-        """``so`` as an xgrammar ``CompiledGrammar``.
-
-        Raises:
-            ValueError: naming ``so.param``: a schema, regex or grammar that does not compile,
-                or xgrammar not installed.
-        """
+        """``so`` as an xgrammar ``CompiledGrammar``; ValueError naming ``so.param`` when it
+        does not compile or xgrammar is missing."""
         c = self._get_compiler(so.param)
         kind = so.kind
         try:

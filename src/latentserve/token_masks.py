@@ -5,6 +5,7 @@ Design notes: docs/internals.md, "latentserve.token_masks".
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -50,17 +51,9 @@ def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
 class RequestMask:
     """What one request allows at its next sampled token.
 
-    Args:
-        params: the request's ``SamplingParams``.
-        vocab_size: the logits' width.
-        stop_ids: the ids ``min_tokens`` masks (EOS and ``params.stop_token_ids``).
-        bad_words: :func:`bad_words_ids` of ``params.bad_words``.
-        matcher: an xgrammar ``GrammarMatcher`` (``structured.Grammars.matcher``) or None.
-
-    ``consumed``: answer tokens fed to the matcher so far (it advances by each new token, never
-    by the whole answer again); ``failed``: the matcher refused a token (then the grammar is no
-    longer applied; logged); ``terminated``: the grammar accepted its end (EOS after a complete
-    answer).
+    ``stop_ids``: what ``min_tokens`` masks (EOS and ``stop_token_ids``); ``matcher``: an
+    xgrammar ``GrammarMatcher`` or None. ``consumed``: answer tokens fed to it; ``failed``:
+    it refused one (the grammar is dropped, logged); ``terminated``: it accepted its end.
     """
 
     def __init__(self, params, vocab_size: int, stop_ids: set[int],
@@ -87,8 +80,7 @@ class RequestMask:
 
     @property
     def grammar_on(self) -> bool:
-        """Whether the grammar masks the next token (it has one, has not failed and has not
-        taken its end)."""
+        """Whether the grammar masks the next token."""
         return self.matcher is not None and not self.failed and not self.terminated
 
     def sync(self, ids: list[int], start: int = 0, stop: int | None = None,
@@ -156,38 +148,23 @@ def _clear_padding(bits: np.ndarray, vocab_size: int) -> None:
         bits.view(np.uint32)[:, -1] &= np.uint32((1 << (vocab_size % 32)) - 1)
 
 
-_batch_matcher = None
-
-
+@functools.cache
 def _batcher():
-    """xgrammar's ``BatchGrammarMatcher`` (one per process), on at most 8 threads and half
-    this process's CPUs (xgrammar's own default is half the machine's)."""
-    global _batch_matcher
-    if _batch_matcher is None:
-        import os
+    """xgrammar's ``BatchGrammarMatcher`` on half this process's CPUs, at most 8 threads."""
+    import os
 
-        import xgrammar
+    import xgrammar
 
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
-        _batch_matcher = xgrammar.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
-    return _batch_matcher
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+    return xgrammar.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
 
 
 def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None):
-    """The bitmask rows of the requests in ``reqs`` that have a ``constraint``: ``(rows,
-    bits)``, ``rows[i]`` being the index in ``reqs`` of ``bits[i]`` (``[M, W] int32`` torch
-    tensor on the CPU); None when no request has one.
-
-    Args:
-        reqs: the batch's sampling rows; each answer is ``output_ids[answer_start:]``.
-        known: ``id(req) -> (index in output_ids, token)`` for a pending id whose token is
-            already on the host (overlap mode: the previous batch's), else None.
-        out: a CPU ``[>= M, W] int32`` tensor to write into (a pinned staging buffer); its
-            first M rows are returned. None: a new tensor.
-
-    Each grammar takes its request's new answer tokens (:meth:`RequestMask.sync`), then the
-    grammars fill their rows in one threaded xgrammar call; a row is touched again only when
-    its request has other masks. O(batch + new tokens) per step, not O(answer length).
+    """``(rows, bits)`` for the requests of ``reqs`` with a ``constraint``: ``bits[i]`` (an
+    ``[M, W] int32`` CPU tensor, written into ``out[:M]`` when given) is ``reqs[rows[i]]``'s
+    mask; None when none has one. ``known``: ``id(req) -> (index, token)`` for a pending id
+    whose token is on the host (overlap mode). Grammars fill in one threaded xgrammar call;
+    O(batch + new tokens) per step.
     """
     import torch
 

@@ -1,10 +1,5 @@
-"""``latentserve bench``: benchmarks. ``--suite offline`` (default): offline throughput
-against HF ``generate`` one prompt at a time; ``--suite gpu``: the H200 benchmark of real-size
-shapes (issue 3); ``--suite latent``: feedback-latent requests against the eager reference;
-``--suite loop``: looped latent blocks (PCCoT) as block passes vs position by position and vs
-the eager full-recomputation reference; ``--suite families``: every family's suite on CUDA
-and one table of them (``bench.families``).
-``latentserve bench serve ...``: TTFT/TPOT/ITL/throughput against a running server."""
+"""``latentserve bench``: ``--suite offline|gpu|latent|loop|families`` (``bench/``), and
+``bench serve``: TTFT/TPOT/ITL/throughput against a running server."""
 
 from __future__ import annotations
 

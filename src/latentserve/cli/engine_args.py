@@ -1,6 +1,5 @@
-"""The engine flags, generated from ``EngineConfig``'s field declarations
-(``config.option``): one flag per field, with its help, default, choices and range, in the
-shape of vLLM's ``EngineArgs.add_cli_args`` (``vllm/engine/arg_utils.py``).
+"""The engine flags, one per ``EngineConfig`` field (``config.option``), as vLLM's
+``EngineArgs.add_cli_args`` (``vllm/engine/arg_utils.py``).
 
 Design notes: docs/internals.md, "latentserve.cli.engine_args".
 """
@@ -17,8 +16,7 @@ _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def _base_type(annotation: str) -> tuple[type, bool]:
-    """The Python type of an annotation string (``"int | None"`` -> int) and whether it is
-    a tuple of several values (``tuple[str, ...]``)."""
+    """``"int | None"`` -> (int, False); ``"tuple[str, ...]"`` -> (str, True)."""
     parts = [p.strip() for p in str(annotation).split("|") if p.strip() != "None"]
     base = parts[0] if parts else "str"
     if base.startswith("tuple["):
@@ -31,13 +29,8 @@ _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def human_readable_int(text: str) -> int:
-    """vLLM's ``human_readable_int`` (``vllm/engine/arg_utils.py``): ``1k`` = 1000,
-    ``25.6k`` = 25600, ``1K`` = 1024 (no decimals with the binary suffixes), else a plain
-    integer.
-
-    Raises:
-        ValueError: not an integer in one of these forms (argparse: "invalid int value").
-    """
+    """vLLM's ``human_readable_int``: ``1k`` = 1000, ``25.6k`` = 25600, ``1K`` = 1024.
+    Raises ValueError (ArgumentTypeError for decimals with a binary suffix)."""
     import re
 
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
@@ -57,8 +50,7 @@ human_readable_int.__name__ = "int"  # argparse's "invalid int value: 'x'"
 
 
 def _checked(conv: type, name: str, meta) -> callable:
-    """``conv`` that also enforces ``meta``'s range: argparse reports a value outside it as
-    ``argument --flag: must be ..., got V``."""
+    """``conv`` that also enforces ``meta``'s range (argparse reports it on the flag)."""
     from latentserve.config import check_value
 
     def parse(text: str):
@@ -79,11 +71,9 @@ def _flag_text(default) -> str:
 
 def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False,
                     exclude: tuple[str, ...] = ()) -> None:
-    """Add the flags that build an ``EngineConfig`` to ``p`` (serve, generate, demo, eval):
-    the positional ``MODEL``, ``--model`` (repeatable when ``several_models``: one engine
-    per model), one flag per ``EngineConfig`` field except those in ``exclude``,
-    ``--trust-remote-code`` (ignored) and ``--config FILE.yaml`` (read by
-    ``cli.config_file.expand_config_args`` before parsing)."""
+    """Add the ``EngineConfig`` flags to ``p``: positional ``MODEL``, ``--model`` (repeatable
+    with ``several_models``), one per field not in ``exclude``, ``--trust-remote-code``
+    (ignored) and ``--config FILE.yaml`` (``cli.config_file``)."""
     from latentserve.config import EngineConfig
 
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -141,13 +131,8 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False,
 
 
 def finish_engine_args(args: argparse.Namespace) -> None:
-    """After parsing: fold the positional ``MODEL`` into ``args.model`` (first, before any
-    ``--model``) and log the note for ``--trust-remote-code``.
-
-    Raises:
-        ValueError: a command of one model given different positional and ``--model``
-            values.
-    """
+    """Fold the positional ``MODEL`` into ``args.model`` (ValueError when it contradicts
+    ``--model`` on a one-model command); warn about ``--trust-remote-code``."""
     tag = getattr(args, "model_tag", None)
     if tag is not None:
         if isinstance(args.model, list):
@@ -163,11 +148,8 @@ def finish_engine_args(args: argparse.Namespace) -> None:
 
 
 def engine_config(args: argparse.Namespace, model: str | None | list = ...):
-    """The ``EngineConfig`` of the flags (``model``: instead of ``args.model``).
-
-    Raises:
-        ValueError: several models for a command of one, or a field's check failed.
-    """
+    """The ``EngineConfig`` of the flags (``model``: instead of ``args.model``). Raises
+    ValueError for several models or a failed field check."""
     from latentserve.config import EngineConfig
 
     if model is ...:
@@ -183,20 +165,12 @@ def engine_config(args: argparse.Namespace, model: str | None | list = ...):
 
 
 def engine_configs(args: argparse.Namespace) -> list:
-    """One ``EngineConfig`` per model (``MODEL`` and repeated ``--model``), all with the
-    same engine flags; none given: the embedded default model.
-
-    Raises:
-        ValueError: ``--served-model-name`` with several models (each model is served
-            under its own path then).
-    """
+    """One ``EngineConfig`` per model, each with ``latent_cap_where_applicable`` when there
+    are several (ValueError with ``--served-model-name``)."""
     models = args.model if isinstance(args.model, list) else [args.model]
     several = len(models) > 1
     if several and getattr(args, "served_model_name", None) is not None:
         raise ValueError("--served-model-name names one model; with several --model each "
                          "is served under its path")
-    # Several models: --max-latent-budget caps each latent model within its own range and is
-    # ignored by the others (a plain model beside COCONUT ones); so is --upstream-stop-rules.
-    # Each config is built with its model: dtype "auto" resolves from that checkpoint.
     return [dataclasses.replace(engine_config(args, model=m),
                                 latent_cap_where_applicable=several) for m in models]

@@ -203,13 +203,8 @@ def run(args) -> int:
 
 
 def url_backend(url: str, model: str | None, api_key: str, concurrency: int):
-    """``OpenAIBackend`` for the server at ``url``, or at ``url/v1`` when ``url`` has no
-    ``/v1`` and answers 404 (a server's root given).
-
-    Raises:
-        ConnectionError: no OpenAI-compatible server answered ``GET .../models`` (the
-            message names the URLs tried).
-    """
+    """``OpenAIBackend`` for ``url``, or ``url/v1`` when ``url`` answers 404. Raises
+    ConnectionError naming the URLs tried when no server answered ``GET .../models``."""
     import openai
 
     from latentserve.eval.backends import OpenAIBackend

@@ -1,7 +1,5 @@
-"""``latentserve train cot``: stage 0 of CoLaR, a text chain-of-thought backbone
-(``train/cot.py``); ``latentserve train colar``: stage 1, compressed latent reasoning
-(``train/colar.py``); ``latentserve train colar-grpo``: stage 3, GRPO with rollouts through
-the engine (``train/colar_grpo.py``)."""
+"""``latentserve train cot|colar|colar-grpo``: CoLaR's stages 0 (text CoT, ``train/cot.py``),
+1 (compressed latents, ``train/colar.py``) and 3 (GRPO, ``train/colar_grpo.py``)."""
 
 from __future__ import annotations
 

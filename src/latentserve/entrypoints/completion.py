@@ -1,6 +1,5 @@
-"""One completion of ``LLM.generate`` as the engine's ``StepOutput``s build it: text through
-the incremental detokenizer (stop strings), vLLM-shaped logprobs, and the finish and stop
-reasons (vLLM's ``vllm/outputs.py``, ``vllm/logprobs.py``, ``vllm/v1/engine/logprobs.py``)."""
+"""One ``LLM.generate`` completion built from ``StepOutput``s: text, logprobs and stop reasons
+(vLLM's ``vllm/outputs.py``, ``vllm/v1/engine/logprobs.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +8,7 @@ from latentserve.sampling_params import SamplingParams
 
 
 class TokenStrings:
-    """``token_id -> tokenizer.decode([token_id])`` (vLLM's ``convert_ids_list_to_tokens``:
-    each token decoded on its own, special tokens kept), cached per ``LLM.generate`` call;
-    None for every token of a ``NoTokenizer``."""
+    """``token_id -> tokenizer.decode([token_id])``, cached (None without a tokenizer)."""
 
     def __init__(self, tokenizer):
         from latentserve.models.checkpoint import NoTokenizer
@@ -27,9 +24,7 @@ class TokenStrings:
 
 
 def with_top_texts(entries: list | None, strings: TokenStrings) -> list | None:
-    """Copies of latent trace ``entries`` with ``top_texts`` (each ``top_tokens`` id decoded
-    on its own by ``strings``; None without a tokenizer) next to ``top_tokens``, as the HTTP
-    trace has them; entries without tokens (recurrent depth) are kept as they are."""
+    """Copies of trace ``entries`` with ``top_texts`` next to ``top_tokens``, as over HTTP."""
     if entries is None:
         return None
     return [{**e, "top_texts": [strings(int(t)) for t, _ in e["top_tokens"]]}
@@ -37,9 +32,7 @@ def with_top_texts(entries: list | None, strings: TokenStrings) -> list | None:
 
 
 def logprob_dict(lp: TokenLogprob, strings: TokenStrings) -> dict[int, Logprob]:
-    """One position's ``{token_id: Logprob}`` as vLLM builds it: the chosen token (rank
-    ``lp.rank``) first, then the top-k with ranks 1..k (the chosen token's entry is the top
-    entry when it is among them)."""
+    """One position's ``{token_id: Logprob}``: the sampled token, then the top k (ranks 1..k)."""
     out = {lp.token_id: Logprob(lp.logprob, lp.rank, strings(lp.token_id))}
     for rank, (token_id, value) in enumerate(lp.top, start=1):
         out[token_id] = Logprob(value, rank, strings(token_id))
@@ -47,18 +40,9 @@ def logprob_dict(lp: TokenLogprob, strings: TokenStrings) -> dict[int, Logprob]:
 
 
 class CompletionBuilder:
-    """Turns one engine request's ``StepOutput``s into ``result.outputs[index]``.
-
-    Args:
-        result: the prompt's ``RequestOutput`` (its ``prompt_logprobs`` and
-            ``num_cached_tokens`` are filled by the completion with ``index`` 0).
-        index: this completion's index among the prompt's ``n``.
-        params: the engine request's params (``n`` 1).
-        tokenizer: the engine's tokenizer; ``strings`` its ``TokenStrings``.
-        eos_ids: the engine's EOS ids (a stop token that is EOS has no ``stop_reason``).
-
-    Raises: ``models.checkpoint.NoTokenizerError`` for stop strings without a tokenizer.
-    """
+    """Turns one engine request's ``StepOutput``s into ``result.outputs[index]`` (index 0
+    also fills the prompt's ``prompt_logprobs`` and ``num_cached_tokens``). Raises
+    ``NoTokenizerError`` for stop strings without a tokenizer."""
 
     def __init__(self, result: RequestOutput, index: int, params: SamplingParams, tokenizer,
                  strings: TokenStrings, eos_ids) -> None:
@@ -77,9 +61,8 @@ class CompletionBuilder:
         self.finished = False
 
     def add(self, out: StepOutput) -> bool:
-        """Take one step's output; True when the completion has just ended here because a
-        stop string matched (the caller aborts the engine request). Outputs after the end
-        (an abort's echo) are ignored."""
+        """Take one step's output; True when a stop string just ended it (the caller aborts
+        the engine request). Outputs after the end are ignored."""
         if self.finished:
             return False
         comp = self.completion

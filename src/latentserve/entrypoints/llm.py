@@ -14,16 +14,8 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
-    """Run the engine in-process.
-
-    Args:
-        model: a Hugging Face-style directory, a ``.gguf`` file, or None for the embedded
-            SmolLM2-135M-Instruct.
-        **engine_options: any ``EngineConfig`` field (device, dtype, max_model_len,
-            max_num_seqs, kv_slots, enable_prefix_caching, ...). ``trust_remote_code``
-            (vLLM's ``LLM(..., trust_remote_code=True)``) is accepted and ignored with a
-            logged note, as the CLI's ``--trust-remote-code``: latentserve runs no code from
-            checkpoints.
+    """Run the engine in-process; ``engine_options`` are ``EngineConfig`` fields
+    (``trust_remote_code`` is ignored with a warning: no checkpoint code is run).
 
     Raises:
         TypeError for an unknown option; ValueError / FileNotFoundError from loading.
@@ -42,39 +34,26 @@ class LLM:
         self._counter = 0
 
     def get_tokenizer(self):
-        """The engine's tokenizer (transformers; ``models.checkpoint.NoTokenizer`` for a
-        directory without tokenizer files), as vLLM's ``LLM.get_tokenizer()``."""
+        """The engine's tokenizer (``NoTokenizer`` for a directory without tokenizer files)."""
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """``SamplingParams`` with the model's ``generation_config.json`` sampling defaults
-        (``LLMEngine.sampling_defaults``: temperature, top_p, top_k, min_p,
-        repetition_penalty, max_new_tokens as max_tokens; none with
-        ``generation_config="vllm"``) over vLLM's defaults, as vLLM's
-        ``LLM.get_default_sampling_params()`` (``vllm/entrypoints/llm.py``). A fresh object
-        each call."""
+        """A fresh ``SamplingParams`` with the model's ``generation_config.json`` defaults
+        (none with ``generation_config="vllm"``), as vLLM's."""
         return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
-        """Complete every prompt; returns one ``RequestOutput`` per prompt, in order, each
-        with ``params.n`` completions (``outputs[i].index == i``).
+        """One ``RequestOutput`` per prompt, in order, each with ``params.n`` completions.
 
-        A prompt is a string, a list of token ids, vLLM's TextPrompt ``{"prompt": str}`` or
-        TokensPrompt ``{"prompt_token_ids": [...]}`` (other keys, e.g.
-        ``multi_modal_data``, are refused by name). ``sampling_params`` is one for all
-        prompts or one per prompt; None takes :meth:`get_default_sampling_params` (the
-        model's generation config), while given params are used as they are (as vLLM).
-        ``n`` > 1 runs n engine requests, the i-th with ``seed + i`` when a seed is set
-        (vLLM's ``vllm/v1/engine/parallel_sampling.py``); ``prompt_logprobs`` are computed
-        once, by the first. ``use_tqdm``: a bool (a bar for more than one prompt) or a
-        tqdm-like callable, called as ``use_tqdm(total=..., desc=..., unit=...)``, whose
-        result gets ``update(1)`` per finished prompt and ``close()``.
+        A prompt is a string, token ids, or vLLM's ``{"prompt": str}`` /
+        ``{"prompt_token_ids": [...]}``. ``sampling_params``: one, or one per prompt (None:
+        :meth:`get_default_sampling_params`). Choice i of ``n`` > 1 uses ``seed + i``.
+        ``use_tqdm``: a bool or a tqdm-like callable.
 
-        Raises ValueError for a bad prompt or params before anything runs (a model directory
-        without tokenizer files takes token ids only: a string prompt or a stop string is
-        ``models.checkpoint.NoTokenizerError``, and output text is empty).
+        Raises ValueError for a bad prompt or params before anything runs
+        (``NoTokenizerError`` for text without tokenizer files).
         """
         from latentserve.entrypoints.completion import CompletionBuilder, TokenStrings
 
@@ -136,28 +115,12 @@ class LLM:
              chat_template_kwargs: dict | None = None, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of OpenAI-style
-        messages: ``{"role", "content"}``, the content a string or a list of
-        ``{"type": "text", "text": ...}`` parts) or a list of them, then ``generate``.
+        """Render one conversation or a list of them as ``/v1/chat/completions`` does (vLLM's
+        ``LLM.chat`` arguments), then :meth:`generate`; ``RequestOutput.prompt`` is the
+        rendered text. ``chat_template_kwargs`` thinking sets unset ``params.thinking``.
 
-        As vLLM's ``LLM.chat`` (``vllm/entrypoints/llm.py``): ``chat_template`` (a template
-        string instead of the tokenizer's), ``add_generation_prompt``,
-        ``continue_final_message`` (the last, assistant, message is left open and
-        continued) and ``tools`` (OpenAI function definitions, passed to the template).
-        Messages are rendered as ``/v1/chat/completions`` renders them
-        (``server.prompts``); each ``RequestOutput.prompt`` is the rendered prompt text.
-
-        As on ``/v1/chat/completions``, ``chat_template_kwargs`` ``thinking`` /
-        ``enable_thinking`` turn a compression head's thinking on or off for the
-        sampling params that leave ``thinking`` unset, and a ``thinking`` that is set is
-        passed to the template under both names.
-
-        Raises ValueError (naming the message or field) for a malformed message, a
-        reserved ``chat_template_kwargs`` key, a model without tokenizer files
-        (``models.checkpoint.NoTokenizerError``), ``continue_final_message`` without a final
-        assistant message, or a template that fails on the conversation."""
-        import dataclasses
-
+        Raises ValueError naming the message or field (``NoTokenizerError`` without
+        tokenizer files)."""
         from latentserve.latent.head import template_thinking
 
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -186,8 +149,6 @@ class LLM:
     def _chat_ids(self, conv: list[dict], kwargs: dict, *, chat_template: str | None,
                   tools: list[dict] | None, add_generation_prompt: bool,
                   continue_final_message: bool) -> list[int]:
-        """One conversation's prompt ids, rendered as the server renders chat messages.
-        Raises ValueError naming the bad message or field."""
         from pydantic import ValidationError
 
         from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizerError
@@ -235,8 +196,7 @@ class LLM:
 
 
 def _children(params: SamplingParams) -> list[SamplingParams]:
-    """The ``params.n`` engine requests of one prompt (``n`` 1 each): the i-th with
-    ``seed + i`` when a seed is set, ``prompt_logprobs`` on the first only."""
+    """One prompt's ``params.n`` engine requests: seed + i, prompt_logprobs on the first."""
     if params.n == 1:
         return [params]
     out = []
@@ -249,8 +209,6 @@ def _children(params: SamplingParams) -> list[SamplingParams]:
 
 
 def _progress(total: int, use_tqdm):
-    """A progress bar: ``use_tqdm`` called when it is callable, tqdm's for ``True`` and
-    more than one prompt, else None."""
     if callable(use_tqdm):
         return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
     if not use_tqdm or total <= 1:

@@ -1,10 +1,6 @@
-"""Where evaluation prompts go: our engine in-process, or any OpenAI-compatible server.
+"""Where evaluation prompts go: the engine in-process, or an OpenAI-compatible server.
 
-Both take one chat turn per item and return, per item, a :class:`Completion`: the answer
-``text``, ``completion_tokens`` (every generated token the engine or server counts; for
-text CoT these are the thinking tokens), ``latent_steps`` (compression-head latent steps;
-0 without a head), and ``latency_s`` (from the batch's start to the request's end, so
-queueing inside the batch counts, as a client would see it).
+Design notes: docs/internals.md, "latentserve.eval.backends".
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ class Completion:
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One evaluation prompt: ``user`` text, ``max_tokens`` (answer tokens; latent steps
-    come on top), ``max_latent`` (None = no latent thinking: thinking off on a head model)."""
+    """One evaluation prompt; ``max_tokens`` answer tokens (latent steps on top);
+    ``max_latent`` None: thinking off."""
 
     user: str
     max_tokens: int
@@ -34,12 +30,8 @@ class Request:
 
 
 class EngineBackend:
-    """Our ``LLMEngine`` in-process, all requests in one continuous batch, greedy.
-
-    ``engine_options``: ``EngineConfig`` fields (``model``, ``latent_head``, ``device``...).
-    For a request with ``max_latent`` the engine runs the head's closed loop with that cap
-    (stop head on, ``min_output_tokens`` 0, ``max_tokens`` raised by the cap and the closing
-    ids); without it, thinking is off."""
+    """Our ``LLMEngine`` in-process (``engine_options``: ``EngineConfig`` fields), one
+    continuous batch, greedy; ``max_latent`` runs a head's closed loop with that cap."""
 
     def __init__(self, engine=None, **engine_options):
         if engine is None:
@@ -102,11 +94,8 @@ class EngineBackend:
 
 
 class OpenAIBackend:
-    """An OpenAI-compatible ``/v1/chat/completions`` server (``latentserve serve`` or
-    another engine), ``concurrency`` requests in flight, greedy. ``max_latent`` goes as the
-    body fields ``thinking`` / ``max_latent`` with the head controls (``use_stop``,
-    ``min_latent``, ``stop_threshold``: latentserve's fields; other servers ignore them);
-    latent steps are read from the choice's ``latent.steps`` when the server reports it."""
+    """An OpenAI-compatible chat server, ``concurrency`` requests in flight, greedy; the head
+    controls go as latentserve's body fields, latent steps come from ``latent.steps``."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str = "none",
                  concurrency: int = 16, timeout: float = 600.0):

@@ -43,13 +43,10 @@ def summarize(records: list[dict], seconds: float) -> dict:
 def evaluate(llm, items: list[Item], max_tokens: int = 320,
              compression_factor: int | None = None, max_latent: int | None = None,
              **head_controls) -> tuple[list[dict], dict]:
-    """Run ``items`` through ``llm`` (an ``entrypoints.llm.LLM``) greedily; returns
-    ``(records, summary)`` (see :func:`summarize`). ``max_tokens`` bounds the generated
-    text tokens (text model: thinking and answer; CoLaR and head: the answer);
-    ``max_latent`` applies to a CoLaR model or a compression head, ``compression_factor`` to
-    a CoLaR model, ``head_controls`` (``min_latent``, ``use_stop``, ``stop_threshold``) to a
-    head (None or absent: the model's or server's defaults). Raises ValueError when one is
-    given for a model that does not take it."""
+    """Run ``items`` through ``llm`` greedily; returns ``(records, summary)``. ``max_tokens``
+    bounds text tokens (latent models: the answer's). ``max_latent`` is for CoLaR or a head,
+    ``compression_factor`` CoLaR's, ``head_controls`` a head's; ValueError for a model that
+    does not take one."""
     from latentserve.sampling_params import SamplingParams
 
     family = getattr(llm.engine.latent_spec, "family", None)

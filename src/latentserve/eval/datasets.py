@@ -1,11 +1,7 @@
-"""Evaluation sets: GSM8K ``test.jsonl`` and the iCoT ``test_icot.txt``, ProsQA
-``test.json``, iCoT multiplication ``4x4_test.txt`` / ``5x5_test.txt``. Each loads as a list
-of :class:`Item`.
+"""Evaluation sets (GSM8K, ProsQA, iCoT multiplication), each a list of :class:`Item`.
 
-The test sets (and the multiplication valid sets) ship inside the package
-(``latentserve/data/<folder>/``, each folder with its upstream MIT licence); a data
-directory (``--data-dir``, else ``$LATENTSERVE_DATA``) laid out the same way is searched
-first, and holds what does not ship (GSM8K ``train.jsonl``, see :data:`UPSTREAM`)."""
+Design notes: docs/internals.md, "latentserve.eval.datasets".
+"""
 
 from __future__ import annotations
 
@@ -75,14 +71,8 @@ def data_root(data_dir: str | Path | None = None) -> Path:
 
 def find_data_file(rel: str, data_dir: str | Path | None = None,
                    flag: str = "--data-dir DIR") -> Path:
-    """The file ``rel`` (e.g. ``gsm8k/train.jsonl``) under the first of :func:`data_dirs`
-    that holds it.
-
-    Raises:
-        FileNotFoundError: no folder holds it; the message names the folders searched,
-            ``flag`` (the command's way to give the data) / ``$LATENTSERVE_DATA``, and where
-            upstream the file comes from.
-    """
+    """The file ``rel`` under the first of :func:`data_dirs` that holds it. Raises
+    FileNotFoundError naming the folders searched, ``flag`` and the upstream source."""
     dirs = data_dirs(data_dir)
     for d in dirs:
         if (d / rel).is_file():

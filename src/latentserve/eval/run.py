@@ -1,9 +1,6 @@
 """One evaluation run (a data set, a backend, one latent budget) and its summary.
 
-Text CoT (``max_latent`` None): the question plus the data set's instruction (answer as
-``#### ...``); thinking tokens = completion tokens. Latent (``max_latent`` = N): the bare
-question, as the head was trained; thinking tokens = latent steps (the closing ids and
-the answer are not counted).
+Design notes: docs/internals.md, "latentserve.eval.run".
 """
 
 from __future__ import annotations
@@ -16,18 +13,15 @@ from latentserve.eval.datasets import INSTRUCTIONS, Item
 
 
 def requests_for(items: list[Item], max_tokens: int, max_latent: int | None) -> list[Request]:
-    """One request per item (see the module docstring for the two prompt forms)."""
+    """One request per item: with the data set's instruction for text CoT, bare for latent."""
     if max_latent is None:
         return [Request(f"{it.question}\n{INSTRUCTIONS[it.kind]}", max_tokens) for it in items]
     return [Request(it.question, max_tokens, max_latent) for it in items]
 
 
 def summarize(records: list[dict]) -> dict:
-    """Summary of per-item ``records`` (``strict``, ``flexible`` bools, ``thinking`` int,
-    ``completion_tokens`` int, ``latency_s`` float): ``n``, ``accuracy_strict``,
-    ``accuracy_flexible`` (fractions), ``thinking_median`` / ``thinking_max``,
-    ``completion_tokens_mean``, ``latency_median_s`` / ``latency_max_s``. Raises
-    ValueError for no records."""
+    """Accuracies (fractions), thinking, token and latency (s) statistics of per-item
+    ``records``. Raises ValueError for no records."""
     if not records:
         raise ValueError("no records to summarize")
     n = len(records)
@@ -43,11 +37,8 @@ def summarize(records: list[dict]) -> dict:
 
 def evaluate(items: list[Item], backend, max_tokens: int = 256,
              max_latent: int | None = None, **head_controls) -> tuple[list[dict], dict]:
-    """Run ``items`` through ``backend`` (``eval.backends``); returns ``(records,
-    summary)``. A record: ``question``, ``gold``, ``output``, ``strict``, ``flexible``,
-    ``thinking``, ``completion_tokens``, ``latent_steps``, ``latency_s``,
-    ``finish_reason``, ``latent_end``; a latent run's summary also counts ``latent_end``
-    values (``stop`` = closed by the stop head, ``cap`` = hit ``max_latent``)."""
+    """Run ``items`` through ``backend``; returns ``(records, summary)`` (a latent run's
+    summary counts each ``latent_end``: ``stop``, ``cap`` or ``length``)."""
     outs = backend.run(requests_for(items, max_tokens, max_latent), **head_controls)
     records = []
     for it, o in zip(items, outs):
@@ -68,8 +59,8 @@ def evaluate(items: list[Item], backend, max_tokens: int = 256,
 
 
 def parse_sweep(spec: str, keys: tuple[str, ...] = ("max_latent",)) -> tuple[str, list[int]]:
-    """``"max_latent=0,4,8"`` -> ``("max_latent", [0, 4, 8])``; the key must be one of
-    ``keys``. Raises ValueError naming the problem."""
+    """``"max_latent=0,4,8"`` -> ``("max_latent", [0, 4, 8])`` (a key of ``keys``); else
+    ValueError."""
     key, sep, vals = spec.partition("=")
     key = key.strip()
     if key not in keys or not sep:
@@ -90,11 +81,8 @@ ACCURACY_KEYS = (("accuracy_flexible", "flexible"), ("accuracy_strict", "strict"
 def plot_sweep(series: dict[str, list[dict]], path, title: str = "",
                baseline: dict | None = None, x: str = "max_latent",
                accuracy_keys: tuple[tuple[str, str], ...] = ACCURACY_KEYS) -> None:
-    """Test-time-scaling plot (PNG): for each ``label -> sweep summaries``, accuracy (one
-    line per ``accuracy_keys`` entry ``(key, label)``, the first solid) and the median and
-    max latent steps (``thinking_median``, ``thinking_max``) against the swept field ``x``
-    (``max_latent``, or ``compression_factor`` for CoLaR); ``baseline`` (a text-CoT summary
-    with the first accuracy key and ``thinking_median``) is drawn as horizontal lines."""
+    """Test-time-scaling plot (PNG): accuracy and median / max thinking of each series
+    against the swept field ``x``; ``baseline`` (a text-CoT summary) as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")

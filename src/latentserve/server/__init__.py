@@ -1,6 +1,4 @@
-"""The HTTP server: OpenAI (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``)
-and Anthropic (``/v1/messages``) protocols, plus ``/tokenize``, ``/detokenize``,
-``/health``, ``/version`` and ``/metrics``.
+"""The HTTP server: the OpenAI and Anthropic protocols over one engine process per model.
 
 Design notes: docs/internals.md, "latentserve.server".
 """

@@ -1,22 +1,14 @@
 """``--max-waiting-requests``: admission counted in the API process, when a request arrives.
 
-A client request is admitted (or refused with the 503 ``overloaded``) before any of its work
-is done: before its prompt is templated or tokenized and before the engine hears of it. Its
-engine requests are counted from that moment: as reserved (:class:`Ticket`) until each one
-is sent, then as ``client.num_running`` until it ends, so a burst of requests that arrive
-together is counted whole, however long the ones admitted first take to be sent.
+Design notes: docs/internals.md, "latentserve.server.admission".
 """
 
 from __future__ import annotations
 
 
 class Ticket:
-    """The reservation of one admitted client request: ``left`` of its engine requests are
-    not yet sent to the engine (they count as waiting in ``state.reserved``).
-
-    :meth:`take` moves one to the engine client (call it as the request is sent); leaving
-    the ``with`` block gives back the ones never sent (a refused or failed request).
-    """
+    """An admitted client request's ``left`` engine requests not yet sent (counted in
+    ``state.reserved``); :meth:`take` as each is sent, the ``with`` exit returns the rest."""
 
     __slots__ = ("state", "left")
 
@@ -40,10 +32,8 @@ class Ticket:
 
 
 def admit(state, n: int, param: str = "n") -> Ticket:
-    """Admit a client request of ``n`` engine requests, or refuse it at once when it would
-    leave more than ``state.limits.max_waiting_requests`` engine requests waiting for one of
-    the engine's ``state.max_num_seqs`` seats. Waiting: admitted (reserved or running in
-    the engine client) and not finished, beyond the seats.
+    """Admit a client request of ``n`` engine requests, unless it would leave more than
+    ``max_waiting_requests`` admitted and unfinished ones beyond the ``max_num_seqs`` seats.
 
     Raises:
         APIError: the 400 naming ``param`` when ``n`` exceeds seats + waiting (it could

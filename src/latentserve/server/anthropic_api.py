@@ -30,7 +30,7 @@ from latentserve.server.errors import (
     param_from_value_error,
 )
 from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.output_parser import OutputParser, drops_tags, parse_output
+from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
     check_stop_count,
     context_error,
@@ -43,7 +43,7 @@ from latentserve.server.params import (
     refuse_unsupported,
     unset_default,
 )
-from latentserve.server.prompts import check_prompt_bytes, render_chat
+from latentserve.server.prompts import check_conversation_bytes, render_chat
 from latentserve.server.protocol import LatentFields, RequestModel
 from latentserve.server.reasoning import (
     LatentReasoning,
@@ -53,7 +53,7 @@ from latentserve.server.reasoning import (
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
-from latentserve.server.tools import ToolChoice, call_schema, check_tools, json_constraint
+from latentserve.server.tools import ToolChoice, check_tools
 
 
 class TextBlock(RequestModel):
@@ -77,22 +77,16 @@ class MessagesRequest(LatentFields):
     top_k: int | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
-    # Anthropic's extended-thinking switch: {"type": "enabled", "budget_tokens": N} or
-    # {"type": "disabled"}; on a compression-head model it turns the latent phase on or off.
     thinking: dict[str, Any] | None = None
-    # As on the OpenAI routes: the message's ``latent`` gets ``trace`` and ``recurrence``.
     return_latent_trace: bool | None = False
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
-    # A latent model's thinking block: "count" or "logit_lens" (server/reasoning.py).
     latent_reasoning: str | None = None
 
 
 def thinking_flag(thinking: dict | None) -> bool | None:
-    """Anthropic's ``thinking`` object as the head's ``thinking`` control: ``enabled`` ->
-    True, ``disabled`` -> False, absent -> None (``budget_tokens`` counts text thinking
-    tokens, which a latent head does not produce, so it is not used). Raises APIError naming
-    ``thinking.type`` for another type."""
+    """``thinking.type`` ``enabled`` -> True, ``disabled`` -> False, absent -> None
+    (``budget_tokens`` is not used). APIError naming ``thinking.type`` for another type."""
     if thinking is None:
         return None
     kind = thinking.get("type")
@@ -124,8 +118,7 @@ def _blocks_text(content: str | list[TextBlock], param: str) -> str:
 
 
 def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
-    """The chat template's turns: the system prompt, then each message's
-    (``anthropic_blocks.message_turns``). Raises APIError (400 naming the field)."""
+    """The chat template's turns. Raises APIError (400 naming the field)."""
     if not body.messages:
         raise APIError("messages: at least one message is required", param="messages")
     conversation = []
@@ -162,10 +155,7 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
 def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
             budget: int | None = None, latent: int = 0,
             defaults: dict | None = None) -> SamplingParams:
-    """``latent``: KV positions the model adds before the answer
-    (``params.latent_positions``); they count against the context like prompt tokens.
-    ``defaults``: the model's generation-config sampling defaults (``ServerState.
-    sampling_defaults``) for ``temperature``, ``top_p`` and ``top_k`` left unset."""
+    """``latent`` KV positions count against the context; ``defaults`` fill unset fields."""
     if body.max_tokens < 1:
         raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
                        param="max_tokens")
@@ -193,8 +183,7 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
 
 def _stop(finish_reason: str | None, stop_string: str | None, called: bool = False
           ) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence``: ``tool_use`` when the model
-    stopped after calling a tool."""
+    """Anthropic's ``stop_reason`` and ``stop_sequence``."""
     if stop_string is not None:
         return "stop_sequence", stop_string
     if called and finish_reason == "stop":
@@ -204,9 +193,7 @@ def _stop(finish_reason: str | None, stop_string: str | None, called: bool = Fal
 
 @dataclass(slots=True)
 class _Answer:
-    """How a request's answer is shaped: its tools (OpenAI-shaped, for the template; and by
-    name), the resolved ``choice``, whether reasoning comes back as a ``thinking`` block,
-    and how latent steps are written there (``latent_mode``)."""
+    """How a request's answer is shaped: tools, tool choice, thinking block, latent mode."""
 
     tool_dicts: list[dict] | None
     tools: dict[str, dict]
@@ -221,7 +208,7 @@ class _Answer:
 
 def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
     """Raises APIError (400 naming the field) for bad tools, ``tool_choice`` or
-    ``latent_reasoning`` (it needs ``thinking`` enabled, where it shows)."""
+    ``latent_reasoning`` (it needs ``thinking`` enabled)."""
     tool_dicts = openai_tools(body.tools)
     tools = check_tools(tool_dicts)
     choice = anthropic_tool_choice(body.tool_choice, tools)
@@ -235,13 +222,8 @@ def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
 
 def _head_controls(body: MessagesRequest, request, state: ServerState
                    ) -> tuple[MessagesRequest, dict]:
-    """The body with its ``thinking`` object as the head's boolean control, and the
-    compression-head controls (headers ``x-latent-*`` / ``x-ds4-*`` > body). Raises
-    APIError (400 naming the header or field) for a malformed control, or one a model
-    without a head would ignore."""
-    # No head: "disabled" is a no-op, as for any Anthropic client; "enabled" shows the
-    # reasoning of a model that has some (a reasoning parser, latent steps), else asks for a
-    # head and is refused below.
+    """The body with ``thinking`` as the head's boolean (kept only where it means a head),
+    and the head controls. Raises APIError (400 naming the header or field)."""
     flag = thinking_flag(body.thinking)
     kind = getattr(state.latent_spec, "kind", None)
     shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
@@ -255,14 +237,10 @@ def _head_controls(body: MessagesRequest, request, state: ServerState
 
 async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
                       ) -> list[int]:
-    """The templated prompt (off the event loop: large prompts take seconds): the turns,
-    the tools, and a ``thinking`` object's switch as the template's ``thinking`` /
-    ``enable_thinking`` (Qwen3's templates read the latter). Turns too many bytes for the
-    context are refused before the template runs (``prompts.check_prompt_bytes``)."""
+    """The templated prompt (in the pool), ``thinking`` passed as the template's
+    ``thinking`` / ``enable_thinking``."""
     conversation = _conversation(body)
-    check_prompt_bytes(sum(len(str(m.get("content") or "").encode("utf-8"))
-                           for m in conversation if m["role"] != "assistant"),
-                       state.tokenizer, state.max_model_len, "messages")
+    check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
     flag = thinking_flag(body.thinking)
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
     return await in_pool(
@@ -272,17 +250,12 @@ async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
 
 
 async def count_input_tokens(body: CountTokensRequest, request, state: ServerState) -> int:
-    """``/v1/messages/count_tokens``: the prompt tokens ``/v1/messages`` would take for
-    ``body``, after every check ``/v1/messages`` makes, the engine's included
-    (``LLMEngine.check_request``, nothing queued), so a body that count accepts is not
-    refused later for them. Without ``max_tokens`` (Anthropic's count takes none) the
-    context check asks room for one answer token, so ``/v1/messages`` can still refuse a
-    larger ``max_tokens``.
+    """The prompt tokens ``/v1/messages`` would take, after all its checks (the engine's
+    too, nothing queued); without ``max_tokens`` it asks room for one answer token.
 
     Raises:
-        APIError: 400 for any body ``/v1/messages`` refuses (the engine's reason for its
-            refusals), 404 for a model that is not served (Anthropic's
-            ``not_found_error``), 503 when the engine is gone.
+        APIError: 400 for a body ``/v1/messages`` refuses, 404 for a model not served,
+            503 when the engine is gone.
     """
     from latentserve.server.serving import ENGINE_ERRORS, api_error
 
@@ -309,10 +282,8 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 def _request_params(body: MessagesRequest, request, state: ServerState,
                     num_prompt_tokens: int, answer: _Answer
                     ) -> tuple[MessagesRequest, SamplingParams]:
-    """The body with its ``thinking`` resolved and the engine's ``SamplingParams``: body
-    fields, ``x-latent-budget``, then the ``x-latent-*`` / ``x-ds4-*`` head controls; a
-    forced tool call's JSON schema; ``logit_lens`` steps' traces. Raises APIError (400
-    naming the field or header)."""
+    """The body with ``thinking`` resolved and the engine's ``SamplingParams``. Raises
+    APIError (400 naming the field or header)."""
     budget = latent_budget(request, body, state.latent_spec)
     params = _params(body, num_prompt_tokens, state.max_model_len, budget,
                      latent_positions(state.latent_spec, budget), state.sampling_defaults)
@@ -323,25 +294,16 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
             params = dataclasses.replace(params, **head)
         except ValueError as exc:  # a body control out of range (the headers are checked)
             raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
-    schema = call_schema(answer.choice, answer.tools)
-    if schema is not None:
-        params = json_constraint(params, schema)
-    if answer.latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
-        params = dataclasses.replace(params, return_latent_trace=True,
-                                     stream_latent_steps=True)
-    if drops_tags(state.tokenizer, answer.parser(state)):
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    return body, params
+    return body, answer_params(params, answer.choice, answer.tools, answer.latent_mode,
+                               state.tokenizer, answer.parser(state))
 
 
 async def create_message(body: MessagesRequest, request, state: ServerState):
-    """Validate, admit (``admission.admit``: one engine request), template, run; answer
-    with one ``message`` object or an SSE event stream.
+    """Validate, admit, template, run; answer with a ``message`` or an SSE event stream.
 
     Raises:
-        APIError: 400 (bad field, context too long, unsupported feature), 404 (another
-            model's name), 503 ``overloaded`` (529 here) from ``admission.admit``, or the
-            engine errors of ``serving.api_error``.
+        APIError: 400, 404 (another model), 503 ``overloaded`` (529 here), or the engine
+            errors of ``serving.api_error``.
     """
     from latentserve.server.admission import admit
 
@@ -404,9 +366,7 @@ async def _admitted_message(body: MessagesRequest, request, state: ServerState,
 
 
 def _with_latent(obj: dict, info) -> dict:
-    """``obj`` with the extension field ``latent`` (as on the OpenAI routes' choices: steps,
-    trace, compression-head stats, recurrence) when the request has any; Anthropic clients
-    ignore fields they do not know."""
+    """``obj`` with the extension field ``latent`` when there is one."""
     if info is not None:
         obj["latent"] = info.model_dump(exclude_none=True)
     return obj
@@ -431,9 +391,7 @@ def _error_event(exc: Exception) -> str:
 
 
 class _Blocks:
-    """The content blocks of a streamed message, opened as the answer needs them: each
-    :meth:`open` closes the block before it (a thinking block with its
-    ``signature_delta``)."""
+    """A streamed message's content blocks; :meth:`open` closes the one before it."""
 
     def __init__(self):
         self.index = -1
@@ -475,12 +433,7 @@ async def _events(msg_id: str, model: str, input_tokens: int,
     blocks = _Blocks()
     last, called = None, False
     async for _, delta in deltas:
-        piece = parser.feed(delta.text)
-        if delta.finish_reason is not None:
-            rest = parser.finish()
-            piece.reasoning += rest.reasoning
-            piece.content += rest.content
-            piece.calls += rest.calls
+        piece = parser.step(delta.text, delta.finish_reason is not None)
         thinking = "".join(latent.step_texts(delta) if latent else ()) + piece.reasoning
         if thinking:
             if blocks.kind != "thinking":

@@ -58,14 +58,9 @@ def _result_text(block: ContentBlock, param: str) -> str:
 
 def message_turns(role: str, content: str | list[ContentBlock], param: str,
                   tool_names: dict[str, str]) -> list[dict[str, Any]]:
-    """One Anthropic message as chat-template turns (see the module docstring).
-    ``tool_names``: tool_use id -> function name, filled from assistant turns and read by
-    tool results (a tool turn's ``name``).
-
-    Raises:
-        APIError: 400 naming ``{param}.{j}`` for a block of another type (images,
-            documents) or one that lacks its fields.
-    """
+    """One Anthropic message as chat-template turns; ``tool_names`` (tool_use id -> name) is
+    filled by assistant turns and read by tool results. APIError (400 naming
+    ``{param}.{j}``) for another block type or missing fields."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts, calls, results = [], [], []
@@ -108,13 +103,8 @@ def message_turns(role: str, content: str | list[ContentBlock], param: str,
 
 
 def openai_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tools as OpenAI function tools (for the template and ``tools.py``).
-
-    Raises:
-        APIError: 400 naming ``tools.{i}.type`` for a server tool, ``tools.{i}.input_schema``
-            when it is missing or not an object schema, ``tools.{i}.name`` for a bad or
-            repeated name.
-    """
+    """Anthropic tools as OpenAI function tools. APIError (400 naming ``tools.{i}.type``,
+    ``.input_schema`` or ``.name``) for a server tool, a bad schema or name."""
     if not tools:
         return None
     out = []
@@ -135,13 +125,8 @@ def openai_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | No
 
 def anthropic_tool_choice(choice: dict[str, Any] | None, tools: dict[str, dict]
                           ) -> ToolChoice:
-    """Anthropic's ``tool_choice`` against the checked tools (None: ``auto`` with tools).
-
-    Raises:
-        APIError: 400 naming ``tool_choice.type`` for another type, ``tool_choice`` for
-            ``any`` / ``tool`` without tools, ``tool_choice.name`` for a name that is not a
-            tool.
-    """
+    """Anthropic's ``tool_choice`` (None: ``auto`` with tools). APIError (400 naming
+    ``tool_choice``, its ``type`` or ``name``) for a bad value."""
     if choice is None:
         return ToolChoice("auto" if tools else "none")
     kind = choice.get("type")

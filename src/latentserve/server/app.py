@@ -20,31 +20,13 @@ DEFAULT_CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers":
 def create_app(state: ServerState | list[ServerState] | ServedModels,
                on_shutdown: Callable[[], None] | None = None, api_key: str | None = None,
                cors: dict | None = None):
-    """Build the app around (not yet started) engine clients and their engines' facts: one
-    ``ServerState`` per served model (a list, or one state for a single model).
+    """The app around one ``ServerState`` per served model (clients not yet started).
 
-    A request's ``model`` picks the model (``ServedModels.resolve``): with several models,
-    every route that takes ``model`` needs it (400 naming ``model`` when missing, 404
-    ``model_not_found`` for a name not served); with one model, a missing ``model`` means
-    that model, as before. ``GET /v1/models`` lists every model; ``/health`` reports every
-    engine (``models``: one entry per model); ``/metrics`` labels each sample with its
-    model's name.
-
-    Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/messages``
-    (Anthropic), ``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``POST /tokenize``,
-    ``POST /detokenize``, ``GET /health`` (the engine's stats, including
-    ``kv_slots_free`` / ``kv_slots_cached`` / ``kv_slots_total``: live, or when the engine
-    does not answer within ``HEALTH_STATS_WAIT_S`` (a long step) the last ones,
-    ``engine_stats_age_s`` old; 503 once the engine process is gone), ``GET /version``, ``GET
-    /metrics`` (Prometheus), ``GET /viewer/`` (the latent-reasoning
-    viewer's static page, ``server/viewer/``; open, it reads the API with the key a person
-    types in). ``api_key`` (None: no
-    authentication) and the first model's ``limits.max_request_body_bytes`` are enforced by
-    ``security.GuardMiddleware``; ``cors`` (None: ``DEFAULT_CORS``) configures Starlette's
-    ``CORSMiddleware``; POST bodies are JSON whatever their ``Content-Type``
-    (``security.JSONBodies``). The clients are started and closed by the app's lifespan,
-    inside uvicorn's event loop; ``on_shutdown`` runs last (uvicorn re-raises SIGTERM after
-    its shutdown, so cleanup cannot wait until after ``uvicorn.run`` returns).
+    Routes: the OpenAI and Anthropic APIs, ``/v1/models``, ``/tokenize``, ``/detokenize``,
+    ``/health``, ``/version``, ``/metrics`` (Prometheus) and ``/viewer/`` (static, open). A
+    request's ``model`` picks the model (``ServedModels.resolve``). ``api_key`` (None: open)
+    and the body limit are ``security.GuardMiddleware``'s; ``cors`` None: ``DEFAULT_CORS``.
+    The lifespan starts and closes the clients, then runs ``on_shutdown``.
     """
     import asyncio
     from contextlib import asynccontextmanager
@@ -125,15 +107,13 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         return JSONResponse(result.model_dump(mode="json"))
 
     def model_state(model: str | None) -> ServerState:
-        """The state of the model a request names; with one model, its name is checked
-        (a missing ``model`` is that model)."""
+        """The state of the model a request names (checked even with one model)."""
         state = served.resolve(model)
         check_served_model(served.canonical(model), state.model_name)
         return state
 
     def routed(body) -> ServerState:
-        """The state of the model ``body.model`` names; an alias (``--served-model-name``)
-        is replaced by the model's first name, which the response carries."""
+        """The state of ``body.model``, whose alias becomes the model's first name."""
         state = served.resolve(body.model)
         body.model = served.canonical(body.model)
         return state
@@ -178,8 +158,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         state = model_state(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
-        # Off the event loop: a large body takes seconds to tokenize, and every stream and
-        # /health would wait for it.
         if body.prompt is not None:
             ids = list(await in_pool(
                 state.tokenizer.encode, body.prompt,
@@ -227,11 +205,9 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.get("/health", response_model=None)
     async def health(model: str | None = None):
-        """Every engine's health (``models``, one entry each); ``?model=NAME``: that
-        model's only. One model (or ``?model``): its fields at the top level, 503 when its
-        engine is gone. Several: ``status`` is ``ok``, ``degraded`` (some engines are gone:
-        still 200, the other models serve) or ``error`` (all gone: 503); ``running`` and
-        ``aborts_sent`` are summed over the models."""
+        """Every engine's health (``models``; ``?model=NAME``: one). One model: its fields at
+        the top level, 503 when its engine is gone. Several: ``status`` ``ok``, ``degraded``
+        (200) or ``error`` (503), ``running`` and ``aborts_sent`` summed."""
         states = [model_state(model)] if model is not None else served.states
         entries = list(await asyncio.gather(*(model_health(s) for s in states)))
         if len(entries) == 1:

@@ -1,12 +1,7 @@
-"""``POST /v1/chat/completions``: tools and ``tool_choice`` (``server/tools.py``), calls
-parsed out of the answer (``--tool-call-parser``) and reasoning split from it
-(``--reasoning-parser``; a latent model's steps, ``server/reasoning.py``), whole or
-streamed as OpenAI's ``delta.reasoning_content`` / ``delta.content`` /
-``delta.tool_calls``."""
+"""``POST /v1/chat/completions``, with tool calls and reasoning parsed out of the answer."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -20,22 +15,17 @@ from latentserve.server.output_parser import (
     CallDelta,
     OutputParser,
     Piece,
-    drops_tags,
+    answer_params,
     parse_output,
 )
 from latentserve.server.params import (
     check_common,
     check_logprobs,
     check_total_output,
-    engine_max_tokens,
     fan_out,
-    head_controls,
-    latent_budget,
+    latent_controls,
     latent_positions,
-    refuse_head_controls,
-    refuse_stream_steps,
     sampling_params,
-    stream_latent_steps,
 )
 from latentserve.server.prompts import chat_prompt_ids, chat_tools, check_prompt_length
 from latentserve.server.protocol import (
@@ -67,17 +57,13 @@ from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import (
     ToolChoice,
-    call_schema,
     check_tools,
-    json_constraint,
     resolve_tool_choice,
 )
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request, state: ServerState):
-    """Validate, admit (``admission.admit``: ``n`` engine requests), template, fan out,
-    run; answer with one response or an SSE stream (choices interleaved, each with its
-    ``index``)."""
+    """Validate, admit, template, fan out, run; answer with one response or an SSE stream."""
     arrival = time.monotonic()
     body = body.with_template_kwargs_fields()  # what a router leaves of the latent fields
     check_common(body, state.model_name, state.limits)
@@ -91,16 +77,12 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
     choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
     latent_mode = latent_reasoning_mode(body, state.latent_spec)
     logprobs = _logprobs_k(body, state)
-    head = head_controls(request, body, body.chat_template_kwargs)
-    refuse_head_controls(request, body, head, state.latent_spec)
-    refuse_stream_steps(request, body, state.latent_spec)
-    ticks = bool(body.stream) and stream_latent_steps(request, body)
+    budget, head, ticks = latent_controls(request, body, state.latent_spec,
+                                          body.chat_template_kwargs)
     template_kwargs = body.chat_template_kwargs
     if head["thinking"] is not None:  # the template renders the thinking opening (or not)
         template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
                            "enable_thinking": head["thinking"]}
-    # Templating and tokenizing a large prompt takes seconds: off the event loop, so other
-    # clients' streams keep flowing.
     template = request_chat_template(body.chat_template, state.trust_request_chat_template)
     prompt_ids = await in_pool(
         chat_prompt_ids, state.tokenizer, body.messages, body.tools,
@@ -114,7 +96,6 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
         max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, field = body.max_tokens, "max_tokens"
-    budget = latent_budget(request, body, state.latent_spec)
     params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
                              logprobs, budget, head, stream_latent_steps=ticks,
                              latent_positions=latent_positions(state.latent_spec, budget),
@@ -124,17 +105,8 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
         return OutputParser(state.reasoning_parser, state.tool_parser, choice,
                             body.include_reasoning is not False)
 
-    schema = call_schema(choice, tools)
-    if schema is not None:
-        params = json_constraint(params, schema)
-    if latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
-        params = dataclasses.replace(params, return_latent_trace=True,
-                                     stream_latent_steps=True)
-    if drops_tags(state.tokenizer, parser()):
-        params = dataclasses.replace(params, skip_special_tokens=False)
-    check_total_output([engine_max_tokens(params, state.latent_spec, len(prompt_ids),
-                                          state.max_model_len)], body.n or 1, field,
-                       state.limits, [params.max_tokens])
+    params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
+    check_total_output([params], [len(prompt_ids)], body.n or 1, field, state)
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
             for i, p in enumerate(fan_out(params, body.n or 1))]
@@ -174,11 +146,7 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
 
 
 def echo_text(body: ChatCompletionRequest) -> str:
-    """What vLLM's chat ``echo`` prepends to each choice's ``content``: the last message's
-    text when that message has the answer's role (``assistant``), else "" (``echo`` in
-    ``vllm/entrypoints/openai/serving_chat.py``; there, with ``add_generation_prompt``
-    false, the answer takes the last message's role, so a last user message is echoed
-    under role ``user``; here the answer is always the assistant's)."""
+    """vLLM's chat ``echo``: the last message's text when it is the assistant's, else ""."""
     last = body.messages[-1] if body.messages else None
     if last is None or last.role != "assistant" or last.content is None:
         return ""
@@ -188,8 +156,7 @@ def echo_text(body: ChatCompletionRequest) -> str:
 
 
 def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str | None:
-    """OpenAI's: ``tool_calls`` when the model stopped after calling (``auto``,
-    ``required``); a named function's call keeps ``stop``, as OpenAI and vLLM answer."""
+    """``tool_calls`` after a call, except for a named function (``stop``, as OpenAI)."""
     if called and reason == "stop" and choice.mode != "named":
         return "tool_calls"
     return reason
@@ -212,16 +179,9 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
                   parsers: list[OutputParser], latent: list[LatentReasoning | None],
                   choice: ToolChoice, ticks: bool = False, echo: str = ""
                   ) -> AsyncIterator[ChatCompletionChunk]:
-    """Per choice: a role chunk, then ``echo`` (when not ""); per delta, the latent reasoning
-    it releases (one chunk per latent step, or the step count once), then one chunk with
-    what its parser releases (``reasoning_content``, ``content``, ``tool_calls``) and the
-    delta's logprobs; one chunk with the finish reason and the choice's ``latent`` field (as
-    in the non-streamed response; left out when None); then (if asked) one usage chunk with
-    no choices.
-
-    With ``ticks`` (``stream_latent_steps``) a latent step's chunk carries its
-    ``reasoning_content`` line (none with ``include_reasoning`` false) and ``latent``:
-    ``{"steps": k}``, with ``trace`` the step's entry (``latent_trace.tick_infos``)."""
+    """Per choice: a role chunk and the echo; per delta, its latent reasoning (with ``ticks``,
+    a chunk per step carrying ``latent``) and what its parser releases; the finish chunk
+    with ``latent``; then the usage chunk, if asked."""
     model = state.model_name
     texts = token_texts(state.tokenizer)
     shown = [0] * n  # latent steps announced per choice (ticks)
@@ -251,11 +211,7 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
             lines = []
         for text in lines:
             yield chunk(i, DeltaMessage(reasoning_content=text))
-        piece = parsers[i].feed(delta.text)
-        if delta.finish_reason is not None:
-            rest = parsers[i].finish()
-            piece = Piece(piece.reasoning + rest.reasoning, piece.content + rest.content,
-                          piece.calls + rest.calls)
+        piece = parsers[i].step(delta.text, delta.finish_reason is not None)
         called[i] = called[i] or bool(piece.calls)
         if piece or delta.logprobs:
             yield chunk(i, _delta_message(piece), None, delta.logprobs)

@@ -10,14 +10,9 @@ _JINJA_CHARS = "{}\n"
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """The Jinja text of ``value``: the file's text when it can be read, else ``value``
-    itself with its backslash escapes decoded (``\\n`` in a one-line template); None: none.
-
-    Raises:
-        ValueError: a value that looks like a path (no ``{``, ``}`` or newline) and cannot
-            be read, or text that is not a valid Jinja template; the message names
-            ``--chat-template``.
-    """
+    """The Jinja text of ``value``: a file's text, else ``value`` with backslash escapes
+    decoded; None: none. Raises ValueError naming ``--chat-template`` for an unreadable
+    path (no ``{``, ``}`` or newline) or invalid Jinja."""
     if value is None:
         return None
     try:
@@ -38,11 +33,8 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def apply_chat_template(tokenizer, template: str | None) -> None:
-    """Make ``template`` the chat template of ``tokenizer`` (None: leave it as it is).
-
-    Raises:
-        ValueError: the model has no tokenizer (token ids only) to take a template.
-    """
+    """Make ``template`` the chat template of ``tokenizer`` (None: keep it). ValueError for
+    a model without a tokenizer."""
     if template is None:
         return
     from latentserve.models.checkpoint import NoTokenizer
@@ -57,16 +49,9 @@ TRUST_FLAG = "--trust-request-chat-template"
 
 
 def request_chat_template(template: str | None, trusted: bool) -> str | None:
-    """A request's ``chat_template`` (vLLM's field: Jinja text used instead of the model's
-    template), checked; None: the model's. As vLLM, the server must trust request templates
-    (``--trust-request-chat-template``, off by default: a template is code the server runs,
-    and a slow one holds a tokenizer worker); ``_validate_chat_template`` in
-    ``vllm/entrypoints/openai/serving_engine.py``.
-
-    Raises:
-        APIError: 400 naming ``chat_template`` when the server does not trust request
-            templates or the text is not a valid Jinja template.
-    """
+    """A request's ``chat_template``, checked (None: the model's), as vLLM's
+    ``_validate_chat_template``. Raises APIError (400 naming ``chat_template``) without
+    ``--trust-request-chat-template`` or for invalid Jinja."""
     if template is None:
         return None
     from latentserve.server.errors import APIError

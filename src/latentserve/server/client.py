@@ -48,16 +48,10 @@ _EARLY_ABORT_TTL_S = 10.0  # how long an abort for a request not yet sent is rem
 
 
 class EngineClient:
-    """Asyncio client of the engine process.
-
-    One background task receives output batches and puts each ``StepOutput`` on the queue
-    of its request; :meth:`generate` is the per-request async iterator. Sends never wait:
-    the PUSH socket has no high-water mark, so :meth:`abort` can be called from anywhere
-    in the event loop thread, including ``finally`` blocks of cancelled tasks.
-
-    ``is_alive`` (optional) tells whether the engine process still runs; it is checked
-    while no output arrives, and a dead engine fails every pending request.
-    """
+    """Asyncio client of the engine process: a receive task routes each ``StepOutput`` to
+    its request's queue. Sends never wait (no high-water mark), so :meth:`abort` works in
+    ``finally`` blocks of cancelled tasks. ``is_alive`` is polled while no output arrives;
+    a dead engine fails every pending request."""
 
     def __init__(self, input_address: str, output_address: str,
                  is_alive: Callable[[], bool] | None = None):
@@ -72,8 +66,7 @@ class EngineClient:
         # rid -> (queued_at, scheduled_at) in the engine process, while the request runs
         self.scheduled_at: dict[str, tuple[float, float]] = {}
         self._aborted: set[str] = set()  # running rids already aborted
-        # rid -> time of an abort that came before the request was sent (a client that hung
-        # up right after its request): generate() then refuses to start it. Entries expire.
+        # rid -> time of an abort before the request was sent: generate() refuses it.
         self._early_aborts: dict[str, float] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_token = 0
@@ -122,15 +115,10 @@ class EngineClient:
     async def generate(self, rid: str, prompt_token_ids: list[int],
                        params: SamplingParams, queue_timeout: float | None = None
                        ) -> AsyncIterator[StepOutput]:
-        """Send the request and yield its ``StepOutput``s until the finished one.
-
-        Leaving early (``break``, ``aclose()``, cancellation) aborts the request in the
-        engine. Raises ``EngineRequestError`` when the engine rejects the request,
-        ``EngineInternalError`` when the engine failed it while running,
-        ``EngineDeadError`` when the engine process is gone, and ``EngineQueueTimeout``
-        (the request aborted) when ``queue_timeout`` seconds (None: no limit) pass after
-        sending it before the engine first schedules it (``scheduled_at``) or outputs for it.
-        """
+        """Send the request and yield its ``StepOutput``s until the finished one; leaving
+        early aborts it. Raises ``EngineRequestError`` (rejected), ``EngineInternalError``
+        (failed while running), ``EngineDeadError``, or ``EngineQueueTimeout`` (aborted:
+        not scheduled within ``queue_timeout`` seconds)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if rid in self._queues:
@@ -177,10 +165,8 @@ class EngineClient:
 
     async def check(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
                     timeout: float = 30.0) -> None:
-        """Ask the engine whether it would accept this request (``LLMEngine.check_request``)
-        without queueing it. Raises ``EngineRequestError`` with the engine's reason when it
-        would not, ``EngineDeadError`` when the engine is gone or does not answer within
-        ``timeout`` seconds."""
+        """Whether the engine would accept this request, not queueing it: EngineRequestError
+        with its reason, or EngineDeadError (gone, or no answer within ``timeout`` s)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         rid = f"check-{rid}"
@@ -221,10 +207,8 @@ class EngineClient:
             self.num_aborts_sent += 1
 
     async def get_stats(self, timeout: float = 5.0) -> dict[str, int] | None:
-        """Ask the engine for ``LLMEngine.stats()`` now and wait for the answer (it comes
-        after every message sent before, so aborts already sent are reflected). Returns
-        ``last_stats`` (possibly None) when the engine is dead or does not answer within
-        ``timeout`` seconds."""
+        """``LLMEngine.stats()`` now (after every message sent before); ``last_stats`` when
+        the engine is dead or does not answer within ``timeout`` seconds."""
         if self._push is None or self.dead_reason is not None:
             return self.last_stats
         self._stats_token += 1

@@ -18,15 +18,10 @@ from latentserve.server.params import (
     check_common,
     check_logprobs,
     check_total_output,
-    engine_max_tokens,
     fan_out,
-    head_controls,
-    latent_budget,
+    latent_controls,
     latent_positions,
-    refuse_head_controls,
-    refuse_stream_steps,
     sampling_params,
-    stream_latent_steps,
 )
 from latentserve.server.prompts import check_prompt_length, completion_prompts, prompt_list
 from latentserve.server.protocol import (
@@ -48,8 +43,7 @@ from latentserve.server.tokenize_pool import in_pool
 
 
 async def create_completion(body: CompletionRequest, request, state: ServerState):
-    """Validate, admit (``admission.admit``: its prompts x ``n`` engine requests), encode,
-    fan out (``n`` choices per prompt; choice ``p * n + j`` is choice j of prompt p), run;
+    """Validate, admit, encode, fan out (choice ``p * n + j`` is choice j of prompt p), run;
     answer with one response or an SSE stream."""
     arrival = time.monotonic()
     check_common(body, state.model_name, state.limits)
@@ -62,18 +56,13 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
 async def _completion(body: CompletionRequest, request, state: ServerState, arrival: float,
                       ticket: Ticket):
     check_logprobs(body.logprobs, "logprobs", state.limits)
-    # echo with logprobs reports the prompt tokens' logprobs too (the first one's is null).
     prompt_logprobs = body.logprobs if body.echo else None
     prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
                             state.vocab_size, state.limits.max_prompts, state.max_model_len)
     n = body.n or 1
     rid, engine_rid = new_request_id(request, "cmpl")
     reqs: list[EngineRequest] = []
-    budget = latent_budget(request, body, state.latent_spec)
-    head = head_controls(request, body)
-    refuse_head_controls(request, body, head, state.latent_spec)
-    refuse_stream_steps(request, body, state.latent_spec)
-    ticks = bool(body.stream) and stream_latent_steps(request, body)
+    budget, head, ticks = latent_controls(request, body, state.latent_spec)
     for p, (ids, text) in enumerate(prompts):
         check_prompt_length(len(ids), state.max_model_len, "prompt")
         params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
@@ -85,9 +74,8 @@ async def _completion(body: CompletionRequest, request, state: ServerState, arri
             index = p * n + j
             reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,
                                       text))
-    check_total_output([engine_max_tokens(r.params, state.latent_spec, len(r.prompt_ids),
-                                          state.max_model_len) for r in reqs[::n]], n,
-                       "max_tokens", state.limits, [r.params.max_tokens for r in reqs[::n]])
+    check_total_output([r.params for r in reqs[::n]], [len(r.prompt_ids) for r in reqs[::n]],
+                       n, "max_tokens", state)
     echoes = [_echo(state, r) if body.echo else "" for r in reqs]
     num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
     as_ids = bool(body.return_tokens_as_token_ids)
@@ -127,11 +115,8 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: 
                   deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
                   want_logprobs: bool, as_ids: bool, reqs: list[EngineRequest],
                   trace: bool) -> AsyncIterator[CompletionResponse]:
-    """Per choice: the echoed prompt (if asked; with logprobs, once the prompt's logprobs
-    arrive with the choice's first delta), text chunks, the last one carrying the finish
-    reason and the ``latent`` field (as in the non-streamed response); then (if asked) one
-    usage chunk with no choices. With ``stream_latent_steps`` each latent step is a chunk
-    with ``text`` "" and ``latent`` (``latent_trace.tick_infos``), as on chat."""
+    """Per choice: the echo (with logprobs: once they arrive), a chunk per latent tick and
+    per delta, the finish chunk with ``latent``; then the usage chunk, if asked."""
     model = state.model_name
     texts = token_texts(state.tokenizer)
     shown = [0] * len(echoes)  # latent steps announced per choice (ticks)

@@ -9,11 +9,8 @@ from contextlib import asynccontextmanager
 
 @asynccontextmanager
 async def on_disconnect(request, callback: Callable[[], None]) -> AsyncIterator[None]:
-    """Run ``callback()`` once if the client disconnects while the block runs.
-
-    The request body has been read by then, so the next ASGI ``receive()`` only returns
-    when the connection closes (``http.disconnect``); a background task waits for it.
-    """
+    """Run ``callback()`` once if the client disconnects while the block runs (a task
+    waits on ``receive()``, which only returns ``http.disconnect`` once the body is read)."""
 
     async def watch() -> None:
         while True:

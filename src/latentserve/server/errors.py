@@ -1,12 +1,6 @@
-"""Error bodies: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` everywhere,
-except under ``/v1/messages`` where Anthropic's ``{"type": "error", "error": {"type",
-"message"}}`` is used.
+"""Error bodies: OpenAI's shape everywhere, Anthropic's under ``/v1/messages``.
 
-Every failure leaves the server in that shape: our own :class:`APIError`, request
-validation (wrong types, missing fields, malformed JSON: 400, not FastAPI's 422), text sent to
-a model without tokenizer files (``models.checkpoint.NoTokenizerError``: 400), routing
-errors (404/405), authentication (401), oversized bodies (413) and, with a generic message
-and no stack trace, anything unexpected (500).
+Design notes: docs/internals.md, "latentserve.server.errors".
 """
 
 from __future__ import annotations

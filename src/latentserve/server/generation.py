@@ -17,14 +17,9 @@ from latentserve.sampling_params import SamplingParams
 class TextDelta:
     """New text of one engine request.
 
-    ``finish_reason`` is set on the last delta only (``stop``, ``length``, or ``abort``
-    when the request was cancelled); ``num_output_tokens`` counts all tokens generated so
-    far. ``logprobs`` covers the tokens consumed since the previous delta (tokens whose text
-    was held back are reported with the delta that releases it; tokens that start after a
-    matched stop string are dropped, as their text is). ``stop_string`` is the
-    stop string that ended the request, if one did. ``latent_steps`` / ``latent_trace``:
-    the request's latent positions so far and, on the last delta when asked, their trace
-    (on a tick, ``latent_tick`` > 0, of a traced request: the new steps' trace entries).
+    ``finish_reason`` is set on the last delta only; ``num_output_tokens`` counts all tokens
+    so far; ``logprobs`` cover the tokens whose text this delta releases (those after a stop
+    string are dropped). ``latent_trace``: on the last delta, or a tick's new entries.
     """
 
     text: str
@@ -34,16 +29,15 @@ class TextDelta:
     stop_string: str | None = None
     latent_steps: int = 0
     latent_trace: list | None = None
-    latent_stats: dict | None = None  # compression heads: the final delta's stats
-    recurrence: dict | None = None  # recurrent depth: the final delta's iteration stats
+    latent_stats: dict | None = None
+    recurrence: dict | None = None
     latent_tick: int = 0  # latent steps run since the previous delta (stream_latent_steps)
-    prompt_logprobs: list | None = None  # asked for: on the first delta, None for token 0
+    prompt_logprobs: list | None = None  # on the first delta
 
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One engine request of a client request: choice ``index`` of prompt
-    ``prompt_index``."""
+    """Choice ``index`` of prompt ``prompt_index`` of a client request."""
 
     index: int
     rid: str
@@ -56,26 +50,17 @@ class EngineRequest:
 async def generate_text(state, rid: str, prompt_ids: list[int], params: SamplingParams,
                         arrival: float | None = None, group=None, ticket=None
                         ) -> AsyncIterator[TextDelta]:
-    """Yield non-empty text deltas, then exactly one delta with a ``finish_reason``; with
-    ``params.stream_latent_steps``, also a delta (text "", ``latent_tick`` > 0) whenever
-    latent steps ran since the last one.
+    """Yield non-empty text deltas, then exactly one with a ``finish_reason``; with
+    ``stream_latent_steps``, also text-less ticks (``latent_tick`` > 0).
 
-    Token-level stops (EOS, ``stop_token_ids``) end in the engine with ``"stop"``; that last
-    token counts as generated but is not text (with ``include_stop_str_in_output`` it is,
-    where it decodes to any). Stop strings are matched here, on the detokenized text, once
-    ``min_tokens`` tokens exist: the match (unless ``include_stop_str_in_output``) and
-    what follows are cut, text that could still become a
-    stop string is held back until it is decided, the engine request is aborted (by leaving
-    ``client.generate``) and the reason is ``"stop"``. ``state`` is the ``ServerState``; its
-    ``metrics`` (if any) time the request from ``arrival`` (``time.monotonic()`` seconds),
-    one of ``group``'s (``metrics.RequestGroup``: a prompt's ``n`` choices; None: alone).
-    ``ticket`` (``admission.Ticket``; None: none) hands this request from its client
-    request's reservation to the client's ``num_running`` as it is sent.
+    A stop token ends in the engine and is not text (unless
+    ``include_stop_str_in_output``); stop strings are matched here on the detokenized text,
+    which then aborts the engine request. ``arrival``: ``time.monotonic()`` seconds, for the
+    metrics (``group``: the prompt's ``metrics.RequestGroup``); ``ticket``: the
+    ``admission.Ticket`` handing this request to the client's count as it is sent.
 
-    Raises ``EngineRequestError`` / ``EngineInternalError`` / ``EngineDeadError`` from the
-    client. A request the engine refuses (``EngineRequestError``: a 400 such as the context
-    length) is not recorded in the metrics; one that fails while running counts as
-    ``finish_reason="error"``.
+    Raises ``EngineRequestError`` (not recorded in the metrics), ``EngineInternalError``
+    (counted as ``finish_reason="error"``) or ``EngineDeadError`` from the client.
     """
     from latentserve.detokenizer import IncrementalDetokenizer
     from latentserve.server.client import EngineRequestError
@@ -95,8 +80,7 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     reason = "abort"
 
     def take(cut: int | None = None) -> list[TokenLogprob]:
-        """The pending logprobs; with ``cut``, only tokens that start before it (those
-        past a stop string are dropped with their text)."""
+        """The pending logprobs; with ``cut``, only those of tokens starting before it."""
         out = [lp for lp, start in pending if cut is None or start < cut]
         pending.clear()
         return out
@@ -171,12 +155,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
 
 
 async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave several async iterators as ``(position, item)`` in arrival order.
-
-    The first exception raised by any of them is re-raised here. Closing this generator
-    (or an exception) cancels the pumps, which closes every source (an engine request left
-    early is aborted by its ``client.generate``).
-    """
+    """Interleave async iterators as ``(position, item)`` in arrival order; the first
+    exception is re-raised, and closing this generator closes every source."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

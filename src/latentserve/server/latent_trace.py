@@ -23,11 +23,8 @@ def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
 
 
 def tick_infos(delta, first_step: int, asked: bool, texts) -> list:
-    """One ``LatentInfo`` per latent step a tick ``delta`` (``TextDelta.latent_tick`` > 0)
-    announces, steps ``first_step + 1 .. delta.latent_steps``: ``steps`` is the step's
-    number (1-based, so the latest count), ``trace`` (with ``asked``,
-    ``return_latent_trace``) the step's entry alone, ``[entry]`` (``[]`` when the engine
-    sent none for it: a tick of several steps carries the last ones' entries)."""
+    """One ``LatentInfo`` per step ``first_step + 1 .. delta.latent_steps`` of a tick:
+    ``steps`` its 1-based number, ``trace`` (when ``asked``) ``[entry]`` or ``[]``."""
     from latentserve.server.protocol import LatentInfo
 
     new = max(delta.latent_steps - first_step, 0)

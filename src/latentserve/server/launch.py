@@ -33,6 +33,9 @@ API_KEY_ENV = "LATENTSERVE_API_KEY"
 # Set by a supervising process (``start_server``): the server stops (as on SIGTERM)
 # when the process with this pid is no longer its parent, e.g. after a SIGKILL.
 PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def _stop_with_parent(parent_pid: int, interval: float = 1.0) -> None:
@@ -40,33 +43,23 @@ def _stop_with_parent(parent_pid: int, interval: float = 1.0) -> None:
     while os.getppid() == parent_pid:
         time.sleep(interval)
     os.kill(os.getpid(), signal.SIGTERM)
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
-# The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def served_model_name(config: EngineConfig) -> str:
-    """The name ``config``'s model is served as: the first ``served_model_name``, else
-    ``LLMEngine.model_name`` (the ``model`` path as given, or the embedded default's
-    name)."""
+    """The first ``served_model_name``, else the ``model`` path (or the default's name)."""
     if config.served_model_name:
         return config.served_model_name[0]
     return config.model or DEFAULT_MODEL_NAME
 
 
 def served_names(config: EngineConfig) -> tuple[str, ...]:
-    """Every name ``config``'s model is served under, the first being
-    :func:`served_model_name`."""
+    """Every name ``config``'s model is served under, :func:`served_model_name` first."""
     return config.served_model_name or (served_model_name(config),)
 
 
 def check_model_names(configs: list[EngineConfig]) -> list[str]:
-    """The served names of ``configs``, in order.
-
-    Raises:
-        ValueError: no config, or two configs served under the same name (one line naming
-            both paths).
-    """
+    """The served names of ``configs``, in order. Raises ValueError for no config or a name
+    served twice (naming both ``--model`` paths)."""
     if not configs:
         raise ValueError("no model to serve: give at least one --model")
     seen: dict[str, int] = {}
@@ -89,11 +82,10 @@ def _as_list(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
 
 
 def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
-    """Start one ``EngineProcess`` per config, all at once, and wait until every one is
-    ready; returns them in order. If one fails, the others are stopped and its
-    ``EngineStartupError`` is raised (with a note naming its model when there are
-    several); an interrupt (Ctrl-C) while they load stops them all at once and is re-raised.
-    ``log_level``: the engines' logging level (the server's ``--log-level``)."""
+    """Start one ``EngineProcess`` per config in parallel; returns them once all are ready.
+
+    Raises ``EngineStartupError`` (prefixed with the model's name) after stopping the others
+    when one fails; Ctrl-C while they load stops them all and is re-raised."""
     from concurrent.futures import ThreadPoolExecutor
 
     from latentserve.server.engine_process import EngineProcess
@@ -127,54 +119,23 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                port: int = 8000, log_level: str = "info", api_key: str | None = None,
                max_request_body_bytes: int | None = None,
                drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
-               max_request_output_tokens: int | None = None,
-               cors: dict | None = None, max_waiting_requests: int | None = None,
-               chat_template: str | None = None, uvicorn_log_level: str | None = None,
-               log_requests: bool = False, max_log_len: int | None = None,
-               tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-               trust_request_chat_template: bool = False,
+               max_request_output_tokens: int | None = None, cors: dict | None = None,
+               max_waiting_requests: int | None = None, chat_template: str | None = None,
+               uvicorn_log_level: str | None = None, log_requests: bool = False,
+               max_log_len: int | None = None, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
                queue_timeout: float | None = None, timeout_keep_alive: float = 5.0,
                timeout_request_headers: float | None = DEFAULT_HEADER_TIMEOUT_S,
                timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S) -> None:
-    """Start the engine process (one per config for a list: several models, each served
-    under its own name), wait until its model is loaded and warmed up, then serve
-    HTTP with uvicorn until SIGINT/SIGTERM; the engine processes are stopped on the way out
-    (by the app's shutdown, or the ``finally`` here when uvicorn fails to start).
+    """Start one engine process per config, wait until each is warmed up, then serve HTTP
+    with uvicorn until SIGINT/SIGTERM; the engines are stopped on the way out.
 
-    ``api_key``: required from clients on the API routes (None: open).
-    ``max_request_body_bytes``: larger bodies get a 413 (None: 16 MiB).
-    ``cors``: Starlette ``CORSMiddleware`` options (``allow_origins``, ``allow_methods``,
-    ``allow_headers``, ``allow_credentials``); None: vLLM's defaults (every origin, method
-    and header; no credentials).
-    ``max_request_output_tokens``: a request whose prompts x n x max_tokens is larger gets a
-    400 (None: ``ServerLimits``' default, 2**21). ``max_waiting_requests``: requests that
-    may wait for one of a model's ``max_num_seqs`` seats before new ones get a 503 with
-    ``Retry-After`` (None: no limit); ``queue_timeout``: seconds a request may wait for a
-    seat before it is aborted with the same 503 (None: no limit).
-    ``tool_call_parser`` (``server/tool_parsers.py``) / ``reasoning_parser``
-    (``server/reasoning.py``): how every model's chat answers are parsed (None: not).
-    ``timeout_keep_alive``: seconds an idle keep-alive connection is kept (uvicorn's, as
-    vLLM's ``--timeout-keep-alive``); ``timeout_request_headers`` / ``timeout_request_body``:
-    seconds a client may take to send a request's headers / body before its connection is
-    closed (``server/timeouts.py``; None: no limit).
-    ``drain_timeout``: on SIGTERM/SIGINT the server stops accepting connections and lets
-    running requests finish for up to this many seconds, then cancels what is left (those
-    engine requests are aborted) and stops the engine.
-    ``chat_template``: ``--chat-template``, a file or the template itself
-    (``chat_template.load_chat_template``), for every model;
-    ``trust_request_chat_template``: a request's ``chat_template`` is used (else a 400).
-    ``uvicorn_log_level``:
-    uvicorn's level (None: ``log_level``, which also sets the engines' and this process's).
-    ``log_requests``, ``max_log_len``: log each request's prompt and parameters
-    (``ServerState``).
-
-    The engine process is started with multiprocessing's ``spawn``: a script calling this
-    must do so under ``if __name__ == "__main__":``.
-
-    When every engine process has stopped (killed, crashed), the error is logged, the
-    in-flight requests fail, and the server exits with RuntimeError (a supervisor restarts
-    it); while some models still have an engine, the others keep serving (``/health``
-    says ``degraded``).
+    The arguments are the flags of :func:`add_server_args` (their help gives units and
+    defaults; None: no limit, or the default). ``cors``: ``CORSMiddleware`` options (None:
+    vLLM's defaults). ``drain_timeout``: seconds running requests may take after
+    SIGTERM/SIGINT before they are aborted. Engines start with multiprocessing's ``spawn``:
+    call this under ``if __name__ == "__main__":``. When some engines die the others keep
+    serving (``/health`` says ``degraded``); when all die the server exits.
 
     Raises:
         ValueError: two configs would be served under the same name, a bad
@@ -263,8 +224,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
 
 
 def _log_to_stderr(level: str) -> None:
-    """Show this process's ``latentserve`` log records at ``level`` (uvicorn's names) on
-    stderr, unless logging is already set up."""
+    """Log ``latentserve`` records at ``level`` (uvicorn's names) to stderr, unless logging
+    is already set up."""
     if logging.getLogger().handlers:
         return
     name = "DEBUG" if str(level).upper() == "TRACE" else str(level).upper()
@@ -274,9 +235,8 @@ def _log_to_stderr(level: str) -> None:
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (IPv6 when ``host`` has a colon), for uvicorn to
-    listen on. Raises ValueError naming the address when it cannot be bound (in use, or not
-    an address of this machine)."""
+    """A TCP socket bound to ``host:port`` (IPv6 if ``host`` has a colon). Raises ValueError
+    naming the address when it cannot be bound."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
                          socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -294,13 +254,9 @@ _ABORT_BEFORE_DRAIN_END_S = 0.5
 
 
 def _draining_server(uvicorn, clients, drain_timeout: float):
-    """``uvicorn.Server`` that, on the first shutdown signal, schedules an abort of every
-    request still running (in every engine of ``clients``, one client or a list) shortly
-    before ``drain_timeout`` ends, so each finishes in the
-    engine (``finish_reason`` ``"abort"``; streams get their finish chunk and ``[DONE]``)
-    before uvicorn closes the connections, instead of being cut off mid-stream."""
-
-    clients = clients if isinstance(clients, (list, tuple)) else [clients]
+    """``uvicorn.Server`` that, on the first shutdown signal, aborts every running request of
+    ``clients`` shortly before ``drain_timeout`` ends, so streams end with ``finish_reason``
+    ``"abort"`` and ``[DONE]`` instead of being cut off."""
 
     def abort_all() -> None:
         for client in clients:
@@ -364,43 +320,31 @@ class ServerProcess:
 
 
 def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1",
-                 port: int | None = None,
-                 timeout: float = 600.0, log_path: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None, api_key: str | None = None,
-                 max_request_body_bytes: int | None = None,
+                 port: int | None = None, timeout: float = 600.0,
+                 log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+                 api_key: str | None = None, max_request_body_bytes: int | None = None,
                  drain_timeout: float | None = None,
-                 max_request_output_tokens: int | None = None,
-                 log_level: str | None = None, cors: dict | None = None,
-                 max_waiting_requests: int | None = None, chat_template: str | None = None,
-                 uvicorn_log_level: str | None = None, log_requests: bool = False,
-                 max_log_len: int | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False,
-                 queue_timeout: float | None = None, timeout_keep_alive: float = 5.0,
+                 max_request_output_tokens: int | None = None, log_level: str | None = None,
+                 cors: dict | None = None, max_waiting_requests: int | None = None,
+                 chat_template: str | None = None, uvicorn_log_level: str | None = None,
+                 log_requests: bool = False, max_log_len: int | None = None,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False, queue_timeout: float | None = None,
+                 timeout_keep_alive: float = 5.0,
                  timeout_request_headers: float | None = DEFAULT_HEADER_TIMEOUT_S,
                  timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S,
                  cancel: threading.Event | None = None) -> ServerProcess:
-    """Run ``python -m latentserve.server.launch`` for ``config`` (a list: several models,
-    one engine each) and wait for ``/health``.
+    """Run ``python -m latentserve.server.launch`` as a subprocess and wait for ``/health``.
 
-    ``port`` None picks a free one (another, up to three times, when it is taken before the
-    server binds it). Output goes to ``log_path`` (a temp file if None);
-    ``log_level`` is the server's ``--log-level`` (None: info).
-    ``api_key``, ``max_request_body_bytes``, ``drain_timeout``,
-    ``max_request_output_tokens``, ``max_waiting_requests``, ``cors``, ``chat_template``,
-    ``uvicorn_log_level``, ``log_requests``, ``max_log_len``, ``tool_call_parser``,
-    ``reasoning_parser``, ``trust_request_chat_template``, ``queue_timeout`` and the
-    ``timeout_*`` seconds are :func:`run_server`'s
-    (the key travels in the child's environment, not on its command line).
-    The server stops (as on SIGTERM) when this process is gone, even killed.
-    ``cancel``: once set (by another thread), the server is stopped and RuntimeError raised
-    within 0.25 s; an interrupt while waiting stops it too.
+    The server arguments are :func:`run_server`'s (the API key travels in the environment).
+    ``port`` None picks a free one (retried up to three times if taken); output goes to
+    ``log_path`` (a temp file if None). The server stops when this process is gone.
+    ``cancel``: once set, the server is stopped and RuntimeError raised within 0.25 s.
 
     Raises:
-        ValueError: two configs would be served under the same name (before anything
-            starts).
-        RuntimeError: the server exited or was not healthy within ``timeout`` seconds; the
-            message carries the end of its log.
+        ValueError: two configs would be served under the same name.
+        RuntimeError: the server exited or was not healthy within ``timeout`` seconds (with
+            the end of its log).
     """
     import httpx
 
@@ -413,40 +357,28 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     cmd = [sys.executable, "-m", "latentserve.server.launch", "--host", host]
     for c in configs:
         cmd += ["--config-json", json.dumps(asdict(c))]
-    if max_request_body_bytes is not None:
-        cmd += ["--max-request-body-bytes", str(max_request_body_bytes)]
-    if drain_timeout is not None:
-        cmd += ["--drain-timeout", str(drain_timeout)]
-    if max_request_output_tokens is not None:
-        cmd += ["--max-request-output-tokens", str(max_request_output_tokens)]
-    if log_level is not None:
-        cmd += ["--log-level", log_level]
-    if max_waiting_requests is not None:
-        cmd += ["--max-waiting-requests", str(max_waiting_requests)]
-    if queue_timeout is not None:
-        cmd += ["--queue-timeout", str(queue_timeout)]
-    cmd += ["--timeout-keep-alive", str(timeout_keep_alive),
-            "--timeout-request-headers", str(timeout_request_headers or 0),
-            "--timeout-request-body", str(timeout_request_body or 0)]
-    if tool_call_parser is not None:
-        cmd += ["--tool-call-parser", tool_call_parser]
-    if reasoning_parser is not None:
-        cmd += ["--reasoning-parser", reasoning_parser]
-    for key, flag in (("allow_origins", "--allowed-origins"), ("allow_methods",
-                      "--allowed-methods"), ("allow_headers", "--allowed-headers")):
-        if cors is not None and key in cors:
-            cmd += [flag, json.dumps(cors[key])]
-    if cors is not None and cors.get("allow_credentials"):
-        cmd += ["--allow-credentials"]
-    for flag, value in (("--chat-template", chat_template),
-                        ("--uvicorn-log-level", uvicorn_log_level),
-                        ("--max-log-len", max_log_len)):
+    cors = cors or {}
+    for flag, value in (
+            ("--max-request-body-bytes", max_request_body_bytes),
+            ("--drain-timeout", drain_timeout), ("--log-level", log_level),
+            ("--max-request-output-tokens", max_request_output_tokens),
+            ("--max-waiting-requests", max_waiting_requests), ("--queue-timeout", queue_timeout),
+            ("--timeout-keep-alive", timeout_keep_alive),
+            ("--timeout-request-headers", timeout_request_headers or 0),
+            ("--timeout-request-body", timeout_request_body or 0),
+            ("--tool-call-parser", tool_call_parser), ("--reasoning-parser", reasoning_parser),
+            ("--allowed-origins", cors.get("allow_origins")),
+            ("--allowed-methods", cors.get("allow_methods")),
+            ("--allowed-headers", cors.get("allow_headers")),
+            ("--chat-template", chat_template), ("--uvicorn-log-level", uvicorn_log_level),
+            ("--max-log-len", max_log_len)):
         if value is not None:
-            cmd += [flag, str(value)]
-    if log_requests:
-        cmd += ["--enable-log-requests"]
-    if trust_request_chat_template:
-        cmd += ["--trust-request-chat-template"]
+            cmd += [flag, json.dumps(value) if flag.startswith("--allowed-") else str(value)]
+    for flag, on in (("--allow-credentials", cors.get("allow_credentials")),
+                     ("--enable-log-requests", log_requests),
+                     ("--trust-request-chat-template", trust_request_chat_template)):
+        if on:
+            cmd.append(flag)
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", PARENT_PID_ENV: str(os.getpid()),
                  **(env or {})}
     child_env.pop(API_KEY_ENV, None)
@@ -491,10 +423,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Add the HTTP server's own flags (``latentserve serve`` adds them too): ``--api-key``,
-    the request limits, ``--drain-timeout``, CORS, ``--tool-call-parser``,
-    ``--reasoning-parser``, and vLLM's ``--chat-template``, ``--uvicorn-log-level``,
-    ``--enable-log-requests`` / ``--disable-log-requests`` and ``--max-log-len``."""
+    """Add the HTTP server's own flags (also used by ``latentserve serve``)."""
     from latentserve.server.state import DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 
     parser.add_argument("--api-key", default=None,
@@ -589,31 +518,22 @@ def _positive_int(text: str) -> int:
 def server_kwargs(args: argparse.Namespace) -> dict:
     """``run_server`` keyword arguments from :func:`add_server_args`' flags (the API key
     falls back to ``$LATENTSERVE_API_KEY``)."""
+    same = ("max_request_body_bytes", "drain_timeout", "max_request_output_tokens",
+            "max_waiting_requests", "queue_timeout", "timeout_keep_alive",
+            "timeout_request_headers", "timeout_request_body", "tool_call_parser",
+            "reasoning_parser", "chat_template", "trust_request_chat_template",
+            "uvicorn_log_level", "max_log_len")
     return {"api_key": args.api_key or settings.get(API_KEY_ENV),
-            "max_request_body_bytes": args.max_request_body_bytes,
-            "drain_timeout": args.drain_timeout,
-            "max_request_output_tokens": args.max_request_output_tokens,
-            "max_waiting_requests": args.max_waiting_requests,
-            "queue_timeout": args.queue_timeout,
-            "timeout_keep_alive": args.timeout_keep_alive,
-            "timeout_request_headers": args.timeout_request_headers,
-            "timeout_request_body": args.timeout_request_body,
-            "tool_call_parser": args.tool_call_parser,
-            "reasoning_parser": args.reasoning_parser,
+            **{name: getattr(args, name) for name in same},
             "cors": {"allow_origins": args.allowed_origins,
                      "allow_methods": args.allowed_methods,
                      "allow_headers": args.allowed_headers,
                      "allow_credentials": args.allow_credentials},
-            "chat_template": args.chat_template,
-            "trust_request_chat_template": args.trust_request_chat_template,
-            "uvicorn_log_level": args.uvicorn_log_level,
-            "log_requests": args.enable_log_requests,
-            "max_log_len": args.max_log_len}
+            "log_requests": args.enable_log_requests}
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m latentserve.server.launch``: serve one model, or several (``--model``
-    / ``--config-json`` repeated)."""
+    """``python -m latentserve.server.launch``: serve one model or several."""
     parser = argparse.ArgumentParser(description="latentserve OpenAI-compatible server")
     parser.add_argument("--model", action="append", default=None,
                         help="model directory or .gguf file (repeat to serve several)")

@@ -1,11 +1,6 @@
 """Engine ``TokenLogprob``s -> the OpenAI chat and completions ``logprobs`` objects.
 
-A token's text is its raw bytes decoded as UTF-8 (with U+FFFD for a token that holds part
-of a character); ``bytes`` carries the raw bytes so that a client can join such pieces.
-Raw bytes come from the tokenizer's vocabulary: byte-level BPE pieces (GPT-2's
-byte-to-unicode alphabet) are mapped back to bytes, SentencePiece ``<0xAB>`` byte pieces
-become that byte and ``▁`` a space; added (special) tokens are their text.
-With ``return_tokens_as_token_ids`` (vLLM's option) tokens are written ``"token_id:123"``.
+Design notes: docs/internals.md, "latentserve.server.logprobs".
 """
 
 from __future__ import annotations
@@ -110,47 +105,42 @@ def chat_logprobs(texts: TokenTexts, lps: list[TokenLogprob], as_ids: bool = Fal
         for t in lps])
 
 
+def _add_token(out: CompletionLogprobs, texts: TokenTexts, token_id: int,
+               lp: TokenLogprob | None, offset: int, as_ids: bool) -> int:
+    """Append one token's entries (``null`` logprobs for ``lp`` None); the next offset."""
+    text = texts.text(token_id, as_ids)
+    out.tokens.append(text)
+    out.text_offset.append(offset)
+    if lp is None:
+        out.token_logprobs.append(None)
+        out.top_logprobs.append(None)
+    else:
+        out.token_logprobs.append(lp.logprob)
+        top = {texts.text(i, as_ids): v for i, v in lp.top}
+        top.setdefault(text, lp.logprob)
+        out.top_logprobs.append(top)
+    return offset + len(texts.get(token_id)[0])
+
+
 def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob], offset: int,
                         as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
-    """The legacy shape for ``lps``, token offsets counted from ``offset`` (characters of
-    the choice's text before these tokens). ``top_logprobs[i]`` maps token text to
-    logprob for the k most likely tokens plus the sampled one. Returns the object and the
-    offset after these tokens."""
+    """The legacy shape for ``lps``, offsets counted from ``offset`` characters;
+    ``top_logprobs[i]`` holds the top k and the sampled token. Returns it and the offset
+    after these tokens."""
     out = CompletionLogprobs()
     for t in lps:
-        text = texts.text(t.token_id, as_ids)
-        out.tokens.append(text)
-        out.token_logprobs.append(t.logprob)
-        top = {texts.text(i, as_ids): v for i, v in t.top}
-        top.setdefault(text, t.logprob)
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(texts.get(t.token_id)[0])
+        offset = _add_token(out, texts, t.token_id, t, offset, as_ids)
     return out, offset
 
 
 def echo_logprobs(texts: TokenTexts, prompt_ids: list[int],
                   prompt_lps: list[TokenLogprob | None] | None, as_ids: bool = False
                   ) -> CompletionLogprobs:
-    """The legacy shape for an echoed prompt: one entry per prompt token, offsets from 0;
-    the first token (nothing before it to condition on), and every token when
-    ``prompt_lps`` is None, has ``null`` logprob and top logprobs, as in OpenAI's API."""
-    out = CompletionLogprobs()
-    offset = 0
+    """The legacy shape for an echoed prompt, offsets from 0; the first token (and every one
+    when ``prompt_lps`` is None) has ``null`` logprobs, as in OpenAI's API."""
+    out, offset, lps = CompletionLogprobs(), 0, prompt_lps or []
     for p, tid in enumerate(prompt_ids):
-        lp = prompt_lps[p] if prompt_lps is not None and p < len(prompt_lps) else None
-        text = texts.text(tid, as_ids)
-        out.tokens.append(text)
-        out.text_offset.append(offset)
-        offset += len(texts.get(tid)[0])
-        if lp is None:
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            continue
-        out.token_logprobs.append(lp.logprob)
-        top = {texts.text(i, as_ids): v for i, v in lp.top}
-        top.setdefault(text, lp.logprob)
-        out.top_logprobs.append(top)
+        offset = _add_token(out, texts, tid, lps[p] if p < len(lps) else None, offset, as_ids)
     return out
 
 

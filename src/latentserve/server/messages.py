@@ -1,9 +1,5 @@
-"""Messages between the API process and the engine process, and their one serializer.
-
-Every message is a small dataclass; ``dumps``/``loads`` pickle it (both ends are local
-processes of the same install, so pickle is safe and carries ``SamplingParams`` and
-``StepOutput`` as they are).
-"""
+"""Messages between the API and engine processes: small dataclasses, pickled (both ends are
+local processes of one install)."""
 
 from __future__ import annotations
 
@@ -73,12 +69,9 @@ class StartupFailed:
 
 @dataclass(slots=True)
 class StepOutputs:
-    """What one ``LLMEngine.step()`` produced: outputs, or only first schedulings (a long
-    prompt's first prefill chunk has no output). ``scheduled``: for each request the engine
-    scheduled for the first time since the last message,
-    ``(queued_at, scheduled_at)``: when the engine process received it and when the step
-    that first scheduled it started (``time.monotonic()`` seconds), for the queue and
-    prefill time metrics; it comes no later than the request's first output."""
+    """One ``LLMEngine.step()``'s outputs; ``scheduled``: ``(queued_at, scheduled_at)``
+    monotonic seconds of each request first scheduled since the last message (no later
+    than its first output)."""
 
     outputs: list[StepOutput] = field(default_factory=list)
     scheduled: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -86,9 +79,8 @@ class StepOutputs:
 
 @dataclass(slots=True)
 class RequestFailed:
-    """The engine rejected a request (``add_request`` raised: ``internal`` False, the
-    client's fault) or failed it while running (``internal`` True, a server error, e.g. the
-    forward raised); nothing else comes for it."""
+    """The engine rejected a request (``internal`` False) or failed it while running
+    (``internal`` True); nothing else comes for it."""
 
     rid: str
     error: str

@@ -31,10 +31,8 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 
 
 class RequestGroup:
-    """The ``n`` engine requests of one prompt of a client request: when the last one
-    finishes, the most tokens any of them generated goes to
-    ``latentserve_request_max_num_generation_tokens`` and ``n`` to
-    ``latentserve_request_params_n``."""
+    """One prompt's ``n`` engine requests: when the last finishes, the most tokens one
+    generated and ``n`` are observed."""
 
     def __init__(self, metrics: ServerMetrics, n: int):
         self.metrics = metrics
@@ -51,10 +49,8 @@ class RequestGroup:
 
 
 class RequestTimer:
-    """Times one engine request; :meth:`tokens` on every output carrying tokens,
-    :meth:`scheduled` once the engine's queue and schedule times are known,
-    :meth:`finish` once at the end (later calls are ignored). ``max_tokens``: the
-    request's ``max_tokens`` as the client set it (None: unset)."""
+    """Times one engine request (monotonic seconds); :meth:`finish` counts once.
+    ``max_tokens``: as the client set it (None: unset)."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float,
                  group: RequestGroup | None = None, max_tokens: int | None = None):
@@ -88,9 +84,7 @@ class RequestTimer:
         self.num_tokens += n
 
     def latent(self, stats: dict) -> None:
-        """A compression-head request's final ``latent_stats``: its latent steps go to
-        ``latentserve_latent_steps_total`` and ``latentserve_latent_steps_per_request``
-        (thinking-on requests only)."""
+        """Count a compression-head request's latent steps (thinking on only)."""
         if stats.get("thinking"):
             self.metrics.latent_steps.inc(stats["steps"])
             self.metrics.latent_steps_per_request.observe(stats["steps"])
@@ -123,11 +117,8 @@ class RequestTimer:
 
 
 class MetricsRegistry:
-    """The metric families of one ``/metrics`` body, shared by every model a server serves
-    (each sample carries its ``model_name`` label); :meth:`model` gives one model's
-    :class:`ServerMetrics`. Its own registry: several apps may live in one process (tests).
-    ``max_model_len``: the token histograms' buckets go up to it (1-2-5 steps, as vLLM's).
-    """
+    """The metric families of one ``/metrics`` body, shared by the served models (labelled
+    ``model_name``), in a registry of their own (several apps may share a process)."""
 
     def __init__(self, max_model_len: int | None = None):
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -135,56 +126,14 @@ class MetricsRegistry:
         self.registry = CollectorRegistry()
         reg = self.registry
         token_buckets = buckets_1_2_5(max_model_len or DEFAULT_MAX_TOKENS_BUCKET)
-
-        def hist(name, doc, buckets):
-            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=reg)
-
-        def counter(name, doc, labels=("model_name",)):
-            return Counter(name, doc, list(labels), registry=reg)
-
-        self.ttft = hist("latentserve_time_to_first_token_seconds",
-                         "Time to first token, seconds", _LATENCY_BUCKETS)
-        self.itl = hist("latentserve_inter_token_latency_seconds",
-                        "Time between consecutive output tokens, seconds", _LATENCY_BUCKETS)
-        self.tpot = hist("latentserve_time_per_output_token_seconds",
-                         "Mean time per output token after the first, per request, seconds",
-                         _LATENCY_BUCKETS)
-        self.e2e = hist("latentserve_e2e_request_latency_seconds",
-                        "End-to-end request latency, seconds", _E2E_BUCKETS)
-        self.queue_time = hist("latentserve_request_queue_time_seconds",
-                               "Time waiting in the engine before first scheduled, seconds",
-                               _E2E_BUCKETS)
-        self.prefill_time = hist("latentserve_request_prefill_time_seconds",
-                                 "Time from first scheduled to the first token, seconds",
-                                 _E2E_BUCKETS)
-        self.decode_time = hist("latentserve_request_decode_time_seconds",
-                                "Time from the first to the last token, seconds",
-                                _E2E_BUCKETS)
-        self.inference_time = hist("latentserve_request_inference_time_seconds",
-                                   "Time from first scheduled to the last token, seconds",
-                                   _E2E_BUCKETS)
-        self.request_prompt_tokens = hist("latentserve_request_prompt_tokens",
-                                          "Prompt tokens per request", token_buckets)
-        self.request_generation_tokens = hist("latentserve_request_generation_tokens",
-                                              "Generated tokens per request", token_buckets)
-        self.max_generation_tokens = hist(
-            "latentserve_request_max_num_generation_tokens",
-            "Most tokens generated by one of a prompt's n choices", token_buckets)
-        self.params_n = hist("latentserve_request_params_n", "The n request parameter",
-                             _N_BUCKETS)
-        self.params_max_tokens = hist("latentserve_request_params_max_tokens",
-                                      "The max_tokens request parameter (when set)",
-                                      token_buckets)
-        self.prompt_tokens = counter("latentserve_prompt_tokens", "Prompt tokens received")
-        self.generation_tokens = counter("latentserve_generation_tokens", "Tokens generated")
-        self.latent_steps = counter("latentserve_latent_steps",
-                                    "Latent steps run by compression-head requests")
-        self.latent_steps_per_request = hist(
-            "latentserve_latent_steps_per_request",
-            "Latent steps per compression-head request (thinking on)",
-            (1, 2, 4, 8, 16, 32, 64, 128, 256))
-        self.finished = counter("latentserve_request_success", "Finished requests by reason",
-                                ("model_name", "finished_reason"))
+        for attr, (name, doc, buckets) in _HISTOGRAMS.items():
+            setattr(self, attr, Histogram(f"latentserve_{name}", doc, ["model_name"],
+                                          buckets=buckets or token_buckets, registry=reg))
+        for attr, (name, doc) in _COUNTERS.items():
+            setattr(self, attr, Counter(f"latentserve_{name}", doc, ["model_name"],
+                                        registry=reg))
+        self.finished = Counter("latentserve_request_success", "Finished requests by reason",
+                                ["model_name", "finished_reason"], registry=reg)
         self.engines: list[tuple[str, Callable[[], dict | None]]] = []
         reg.register(_EngineCollector(self.engines))
 
@@ -199,18 +148,45 @@ class MetricsRegistry:
         return generate_latest(self.registry)
 
 
-# ServerMetrics attributes that are one model's child of a MetricsRegistry family.
-_PER_MODEL = ("ttft", "itl", "tpot", "e2e", "queue_time", "prefill_time", "decode_time",
-              "inference_time", "request_prompt_tokens", "request_generation_tokens",
-              "max_generation_tokens", "params_n", "params_max_tokens", "prompt_tokens",
-              "generation_tokens", "latent_steps", "latent_steps_per_request")
+# Attribute -> (name after "latentserve_", help, buckets; None: 1-2-5 up to max_model_len).
+_HISTOGRAMS = {
+    "ttft": ("time_to_first_token_seconds", "Time to first token, seconds", _LATENCY_BUCKETS),
+    "itl": ("inter_token_latency_seconds", "Time between consecutive output tokens, seconds",
+            _LATENCY_BUCKETS),
+    "tpot": ("time_per_output_token_seconds",
+             "Mean time per output token after the first, per request, seconds",
+             _LATENCY_BUCKETS),
+    "e2e": ("e2e_request_latency_seconds", "End-to-end request latency, seconds", _E2E_BUCKETS),
+    "queue_time": ("request_queue_time_seconds",
+                   "Time waiting in the engine before first scheduled, seconds", _E2E_BUCKETS),
+    "prefill_time": ("request_prefill_time_seconds",
+                     "Time from first scheduled to the first token, seconds", _E2E_BUCKETS),
+    "decode_time": ("request_decode_time_seconds",
+                    "Time from the first to the last token, seconds", _E2E_BUCKETS),
+    "inference_time": ("request_inference_time_seconds",
+                       "Time from first scheduled to the last token, seconds", _E2E_BUCKETS),
+    "request_prompt_tokens": ("request_prompt_tokens", "Prompt tokens per request", None),
+    "request_generation_tokens": ("request_generation_tokens", "Generated tokens per request",
+                                  None),
+    "max_generation_tokens": ("request_max_num_generation_tokens",
+                              "Most tokens generated by one of a prompt's n choices", None),
+    "params_n": ("request_params_n", "The n request parameter", _N_BUCKETS),
+    "params_max_tokens": ("request_params_max_tokens",
+                          "The max_tokens request parameter (when set)", None),
+    "latent_steps_per_request": ("latent_steps_per_request",
+                                 "Latent steps per compression-head request (thinking on)",
+                                 (1, 2, 4, 8, 16, 32, 64, 128, 256)),
+}
+_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens received"),
+    "generation_tokens": ("generation_tokens", "Tokens generated"),
+    "latent_steps": ("latent_steps", "Latent steps run by compression-head requests"),
+}
 
 
 class ServerMetrics:
-    """One served model's metrics: its labelled children of a :class:`MetricsRegistry`'s
-    families (a registry of its own when ``registry`` is None). ``get_stats()`` returns the
-    latest engine stats dict or None; :meth:`render` is the ``/metrics`` body (Prometheus
-    text format, every model of the registry)."""
+    """One served model's children of a :class:`MetricsRegistry` (its own when None);
+    ``get_stats()``: the latest engine stats or None."""
 
     def __init__(self, model_name: str, get_stats: Callable[[], dict | None],
                  registry: MetricsRegistry | None = None):
@@ -218,7 +194,7 @@ class ServerMetrics:
         self.shared = shared
         self.registry = shared.registry
         self.model_name = model_name
-        for name in _PER_MODEL:
+        for name in (*_HISTOGRAMS, *_COUNTERS):
             setattr(self, name, getattr(shared, name).labels(model_name))
         finished = shared.finished
 
@@ -232,8 +208,7 @@ class ServerMetrics:
 
     def timer(self, arrival: float | None = None, group: RequestGroup | None = None,
               max_tokens: int | None = None) -> RequestTimer:
-        """A timer for one engine request that arrived at ``arrival`` (monotonic s), one
-        of ``group``'s, whose client set ``max_tokens`` (None: unset)."""
+        """A timer for one engine request that arrived at ``arrival`` (monotonic s)."""
         return RequestTimer(self, time.monotonic() if arrival is None else arrival, group,
                             max_tokens)
 

@@ -1,9 +1,5 @@
-"""``/openapi.json`` that tells the truth about errors: every route declares the error
-responses it sends (400, 401, 404, 413, 503; 529 on ``/v1/messages``) with the protocol's
-error body (OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", ...}``,
-``server/errors.py``), and FastAPI's 422, which is never sent (validation errors are 400s),
-is left out. Request bodies are the same pydantic models that validate them.
-"""
+"""``/openapi.json`` with the error responses each route really sends, in its protocol's
+body, and without FastAPI's 422 (validation errors are 400s)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
-"""One chat choice's generated text -> reasoning, answer text and tool calls, as stream
-pieces (:meth:`OutputParser.feed`, :meth:`OutputParser.finish`) or whole
-(:func:`parse_output`). Both the OpenAI chat route and ``/v1/messages`` use it.
+"""One chat choice's text -> reasoning, answer and tool calls, streamed or whole.
 
-The reasoning parser runs first; tool calls are looked for in the answer only (vLLM's
-order). A call is streamed as :class:`CallDelta` s of one ``index``: the first carries its
-``id`` and ``name``, later ones more ``arguments`` text (OpenAI's ``delta.tool_calls``,
-Anthropic's ``content_block_start`` + ``input_json_delta``).
+Design notes: docs/internals.md, "latentserve.server.output_parser".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -52,12 +48,9 @@ class Call:
 
 
 class OutputParser:
-    """``reasoning_parser`` (a ``REASONING_PARSERS`` name or None), ``tool_parser`` (a
-    ``TOOL_PARSERS`` name or None) and the request's resolved ``choice`` (None: no tools)
-    decide what is parsed: calls are parsed for ``auto`` with a tool parser, the whole
-    answer is the arguments of a ``named`` choice and a JSON array of calls for
-    ``required``. ``include_reasoning`` False drops the reasoning text. ``id_prefix``: the
-    protocol's call id prefix."""
+    """Parses calls for ``auto`` with a tool parser; the whole answer is a ``named`` choice's
+    arguments, or a JSON array of calls for ``required``. ``include_reasoning`` False drops
+    the reasoning."""
 
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
                  choice: ToolChoice | None = None, include_reasoning: bool = True,
@@ -82,6 +75,15 @@ class OutputParser:
         split = self.think.feed(text)
         out = self._answer(split.content, final=False)
         out.reasoning = split.reasoning if self.include_reasoning else ""
+        return out
+
+    def step(self, text: str, final: bool) -> Piece:
+        """:meth:`feed`, joined with :meth:`finish` when ``final``."""
+        out = self.feed(text)
+        if final:
+            rest = self.finish()
+            out = Piece(out.reasoning + rest.reasoning, out.content + rest.content,
+                        out.calls + rest.calls)
         return out
 
     def finish(self) -> Piece:
@@ -155,8 +157,8 @@ def join_calls(pieces: list[CallDelta]) -> list[Call]:
 
 def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[Call]]:
     """``(reasoning, content, calls)`` of a whole output."""
-    a, b = parser.feed(text), parser.finish()
-    return a.reasoning + b.reasoning, a.content + b.content, join_calls(a.calls + b.calls)
+    p = parser.step(text, final=True)
+    return p.reasoning, p.content, join_calls(p.calls)
 
 
 def drops_tags(tokenizer, parser: OutputParser) -> bool:
@@ -171,3 +173,20 @@ def drops_tags(tokenizer, parser: OutputParser) -> bool:
     added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
     return any(getattr(t, "special", False) and str(getattr(t, "content", t)) in tags
                for t in added)
+
+
+def answer_params(params, choice: ToolChoice, tools: dict[str, dict], latent_mode: str | None,
+                  tokenizer, parser: OutputParser):
+    """``params`` as the answer's parsing needs them: a forced call's JSON schema
+    (``tools.call_schema``), every latent step's trace for ``logit_lens`` reasoning, and
+    special tokens kept when :func:`drops_tags`. Raises APIError from ``json_constraint``."""
+    from latentserve.server.tools import call_schema, json_constraint
+
+    schema = call_schema(choice, tools)
+    if schema is not None:
+        params = json_constraint(params, schema)
+    if latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
+        params = dataclasses.replace(params, return_latent_trace=True, stream_latent_steps=True)
+    if drops_tags(tokenizer, parser):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params

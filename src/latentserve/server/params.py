@@ -12,11 +12,8 @@ from latentserve.server.state import ServerLimits
 
 
 def check_common(request: SamplingRequest, served_model: str, limits: ServerLimits) -> None:
-    """Checks that need no tokenizer: the model name, ``n`` and unimplemented features.
-
-    Raises:
-        APIError: 400 naming the field (404 ``model_not_found`` for another model's name).
-    """
+    """Checks that need no tokenizer: model name, ``n``, stop count, refused fields.
+    Raises APIError: 400 naming the field (404 ``model_not_found`` for another model)."""
     refuse_unsupported(request)
     check_model(request.model, served_model)
     n = 1 if request.n is None else request.n
@@ -26,12 +23,8 @@ def check_common(request: SamplingRequest, served_model: str, limits: ServerLimi
 
 
 def refuse_unsupported(request) -> None:
-    """Refuse the fields the request's route does not implement (``fields.refused``) when
-    they hold a value other than one that means "not used".
-
-    Raises:
-        APIError: 400 naming the first such field (its value cut to 80 characters).
-    """
+    """Raise APIError (400 naming the field) for a ``fields.refused`` field whose value is
+    not one that means "not used"."""
     from latentserve.server.fields import refused, route_of
 
     unsupported = refused(route_of(type(request)))
@@ -43,8 +36,7 @@ def refuse_unsupported(request) -> None:
 
 
 def check_stop_count(stop, param: str, limits: ServerLimits) -> None:
-    """At most ``limits.max_stop`` stop strings (each one is searched for in the text of
-    every step). Raises APIError naming ``param``."""
+    """At most ``limits.max_stop`` stop strings; else APIError naming ``param``."""
     count = 0 if stop is None else 1 if isinstance(stop, str) else len(stop)
     if count > limits.max_stop:
         raise APIError(f"{param} takes at most {limits.max_stop} strings, got {count}",
@@ -52,11 +44,7 @@ def check_stop_count(stop, param: str, limits: ServerLimits) -> None:
 
 
 def check_model(model: str | None, served_model: str) -> None:
-    """``model`` (None: not given) must name the served model.
-
-    Raises:
-        APIError: OpenAI's 404 ``model_not_found`` for any other name.
-    """
+    """Raise OpenAI's 404 ``model_not_found`` unless ``model`` is None or the served one."""
     if model is not None and model != served_model:
         raise APIError(f"The model '{model}' does not exist; this server serves "
                        f"'{served_model}'", status_code=404, param="model",
@@ -79,14 +67,11 @@ def context_error(num_prompt_tokens: int, max_model_len: int, param: str) -> API
 
 
 def latent_budget(http_request, body, spec=None) -> int | None:
-    """The request's latent budget: header ``x-latent-budget`` > body ``latent_budget`` >
-    None (the model's default), checked against the served model's ``LatentSpec`` (``spec``;
-    None for a plain model).
+    """Header ``x-latent-budget`` > body ``latent_budget`` > None (the model's default).
 
     Raises:
-        APIError: 400 naming the header or the field it came from: not a non-negative
-            integer, outside the model's ``[min_budget, max_budget]`` (the message gives that
-            range), or a positive budget for a model that does no latent reasoning.
+        APIError: 400 naming the header or field: not a non-negative integer, outside
+            ``spec``'s ``[min_budget, max_budget]``, or > 0 for a model without latent steps.
     """
     raw = http_request.headers.get("x-latent-budget")
     param = "x-latent-budget" if raw is not None else "latent_budget"
@@ -109,7 +94,6 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     if value > 0 and not budgeted:
         raise APIError(f"{param} must be 0 or null: this model does no latent reasoning",
                        param=param)
-    # The model's own range: Ouro needs one loop step (min_budget 1), so "[0, cap]" is wrong.
     if budgeted and not spec.min_budget <= value <= spec.max_budget:
         raise APIError(f"{param} must be in [{spec.min_budget}, {spec.max_budget}], got "
                        f"{value}", param=param)
@@ -117,8 +101,7 @@ def latent_budget(http_request, body, spec=None) -> int | None:
 
 
 def exit_fields(body) -> dict:
-    """A body's recurrent-depth exit fields (``protocol.LatentFields``) as ``SamplingParams``
-    keyword arguments, unset ones at SamplingParams' defaults."""
+    """A body's recurrent-depth exit fields as ``SamplingParams`` keyword arguments."""
     return {"exit_criterion": body.exit_criterion, "exit_threshold": body.exit_threshold,
             "exit_min_steps": 0 if body.exit_min_steps is None else body.exit_min_steps,
             "exit_check_every": 1 if body.exit_check_every is None else body.exit_check_every,
@@ -126,10 +109,9 @@ def exit_fields(body) -> dict:
 
 
 def latent_positions(spec, budget: int | None, param: str = "latent_budget") -> int:
-    """KV positions a feedback or looped model adds between the prompt and the answer for a
-    request with ``budget`` (None: the model's default), ``LatentSpec.prompt_extra``, as
-    ``LLMEngine.add_request`` counts them; 0 for other models. Raises APIError naming
-    ``param`` for a budget the model refuses."""
+    """KV positions a feedback or looped model adds before the answer for ``budget``
+    (``LatentSpec.prompt_extra``); 0 for other models. APIError naming ``param`` for a budget
+    the model refuses."""
     if spec is None or spec.kind not in ("feedback", "loop"):
         return 0
     try:
@@ -138,8 +120,7 @@ def latent_positions(spec, budget: int | None, param: str = "latent_budget") -> 
         raise APIError(str(exc).replace("latent_budget", param, 1), param=param) from None
 
 
-# Head controls (compression heads, CoLaR): field -> (header, seed alias header or None,
-# parser kind).
+# Head controls: field -> (header, seed alias header or None, parser kind).
 HEAD_HEADERS = {
     "thinking": ("x-latent-thinking", "x-ds4-thinking", "bool"),
     "max_latent": ("x-latent-max", "x-ds4-max-latent", "int"),
@@ -154,15 +135,10 @@ HEAD_HEADERS = {
 
 def head_controls(http_request, body: SamplingRequest,
                   template_kwargs: dict | None = None) -> dict:
-    """The head controls of a request (``HEAD_HEADERS``), precedence header > body > the
-    model's default (None here; the engine fills in the ``LATENTSERVE_*`` env defaults, or
-    CoLaR's ``colar_config.json``). Headers ``x-latent-*`` and the seed's ``x-ds4-*``
-    aliases (``x-latent-*`` wins when both are sent); thinking also from
-    ``chat_template_kwargs`` ``thinking`` / ``enable_thinking`` (below the body field); a
-    body or template ``thinking: true`` is turned off by header ``x-latent-budget: 0``
-    unless a thinking header is sent. Raises APIError (400 naming the header) for a
-    malformed value: booleans 1/0/true/false/yes/no/on/off, non-negative integers, a
-    threshold in [0, 1], a finite temperature >= 0."""
+    """The request's ``HEAD_HEADERS`` controls: header (``x-latent-*`` > ``x-ds4-*``) > body
+    > ``chat_template_kwargs`` thinking > None (the engine's default). ``x-latent-budget: 0``
+    turns a body or template ``thinking`` off unless a thinking header is sent. Raises
+    APIError (400 naming the header) for a malformed value."""
     from latentserve.latent.head import parse_bool, template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
@@ -200,20 +176,10 @@ def head_controls(http_request, body: SamplingRequest,
 
 
 def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
-    """Refuse the head controls a client sent explicitly (headers ``x-latent-*`` /
-    ``x-ds4-*``, body fields ``thinking``, ``max_latent``, ...) that the served model would
-    silently ignore, and check CoLaR's thinking speed against the model.
-
-    A model without a head (``spec`` None or not ``"head"``) refuses every control, unless
-    thinking is turned off (``controls["thinking"] is False``, from a header, the body or
-    ``chat_template_kwargs``), which makes them harmless; ``chat_template_kwargs`` alone
-    never refuses (chat clients send ``enable_thinking`` to any model). A head refuses the
-    controls it does not take (``spec.controls``: a compression head has no
-    ``compression_factor``, CoLaR no ``stop_threshold``), whatever thinking says.
-    ``compression_factor`` must be in ``[1, spec.max_compression_factor]``.
-
-    Raises:
-        APIError: 400 naming the header (or body field) that was sent.
+    """Refuse head controls sent as headers or body fields that the model would ignore: all
+    of them without a head (unless thinking is off), those not in ``spec.controls`` with
+    one; ``compression_factor`` must be in ``[1, spec.max_compression_factor]``.
+    ``chat_template_kwargs`` alone never refuses. Raises APIError (400 naming what was sent).
     """
     from latentserve.latent.head import CONTROLS
 
@@ -254,12 +220,8 @@ def _not_taken(spec, taken: tuple[str, ...], hdr: bool, name: str = "") -> str:
 
 
 def stream_latent_steps(http_request, body) -> bool:
-    """Whether a streamed request gets one tick per latent step: header
-    ``x-latent-stream-steps`` (a boolean) > body ``stream_latent_steps`` > off.
-
-    Raises:
-        APIError: 400 naming the header for a malformed value.
-    """
+    """Header ``x-latent-stream-steps`` > body ``stream_latent_steps`` > False. APIError
+    (400 naming the header) for a malformed value."""
     from latentserve.latent.head import parse_bool
 
     raw = (getattr(http_request, "headers", None) or {}).get(STREAM_STEPS_HEADER)
@@ -276,13 +238,8 @@ STREAM_STEPS_HEADER = "x-latent-stream-steps"
 
 
 def refuse_stream_steps(http_request, body, spec=None) -> None:
-    """``stream_latent_steps`` (body field or header) asked of a model without latent steps
-    (plain, recurrent-depth) is a 400 naming what was sent, streamed or not (it would
-    silently do nothing); a malformed header is a 400 on every model, streamed or not.
-
-    Raises:
-        APIError: 400 naming the header or the body field.
-    """
+    """Raise APIError (400 naming the header or field) for ``stream_latent_steps`` asked of
+    a model without latent steps, or a malformed header on any model."""
     asked = stream_latent_steps(http_request, body)  # validates the header
     if not asked or (spec is not None and spec.kind in ("feedback", "head", "loop")):
         return
@@ -294,21 +251,17 @@ def refuse_stream_steps(http_request, body, spec=None) -> None:
                    "do nothing)", param=sent)
 
 
-# The request fields that constrain the answer (one per request), and their kind.
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
            ("guided_grammar", "grammar"))
 
 
 def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
-    """The request's answer constraint: from ``response_format`` (``json_object``,
-    ``json_schema``; ``text`` is none), vLLM's ``guided_json`` / ``guided_regex`` /
-    ``guided_choice`` / ``guided_grammar``, or vLLM's ``structured_outputs`` object
-    (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``); None when none is set.
-    Whether it compiles is the engine's check (a 400 naming the field, from the engine).
+    """The answer constraint from ``response_format``, vLLM's ``guided_*`` fields or its
+    ``structured_outputs`` object; None when none is set (compiling is the engine's check).
 
     Raises:
-        APIError: 400 naming the field: a malformed value, an unknown key of
-            ``structured_outputs``, or more than one constraint.
+        APIError: 400 naming the field: a malformed value, an unknown
+            ``structured_outputs`` key, or more than one constraint.
     """
     found: list[StructuredOutputsParams] = []
     try:
@@ -350,30 +303,16 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
                     head: dict | None = None, prompt_logprobs: int | None = None,
                     stream_latent_steps: bool = False,
                     latent_positions: int = 0, defaults: dict | None = None) -> SamplingParams:
-    """Build the engine's ``SamplingParams`` for one prompt.
+    """The engine's ``SamplingParams`` for one prompt.
 
-    ``max_tokens`` is what the client asked for (None: up to the end of the context,
-    ``max_model_len - num_prompt_tokens``); ``max_tokens_field`` names it in errors.
-    ``logprobs``: None, or how many top logprobs per token (already range-checked).
-    ``budget``: the latent budget (see :func:`latent_budget`).
-    ``head``: compression-head controls (see :func:`head_controls`; None = body fields).
-    ``prompt_logprobs``: None, or top logprobs per prompt token (completions ``echo``).
-    ``stream_latent_steps``: report each latent step while streaming (see
-    :func:`stream_latent_steps`). The recurrent-depth exit fields come from the body.
-    ``latent_positions``: KV positions the model adds before the answer (see
-    :func:`latent_positions`); they count against the context like prompt tokens.
-    ``defaults``: the model's generation-config sampling defaults
-    (``ServerState.sampling_defaults``, ``models/generation_config.py``), taken for each of
-    ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` the request
-    leaves unset (null), over vLLM's neutral values; their ``max_tokens`` bounds an unset
-    ``max_tokens`` (with the context left). A field the request sets wins. vLLM
-    (``vllm/entrypoints/utils.py`` ``get_max_tokens``) also caps a request's own
-    ``max_tokens`` by the generation config's; here it does not.
+    ``max_tokens`` None: up to the end of the context; ``max_tokens_field`` names it in
+    errors. ``latent_positions`` count against the context like prompt tokens. ``defaults``
+    (generation-config) fill the sampling fields the request leaves null and bound an unset
+    ``max_tokens`` (unlike vLLM's ``get_max_tokens``, not a set one). ``head`` None: body.
 
     Raises:
-        APIError: 400 naming the field and the allowed values; a prompt plus
-            ``max_tokens`` over ``max_model_len`` is the OpenAI "maximum context length"
-            error (``code="context_length_exceeded"``).
+        APIError: 400 naming the field; over ``max_model_len`` it has
+            ``code="context_length_exceeded"``.
     """
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
@@ -432,8 +371,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
 
 
 def unset_default(value, name: str, defaults: dict | None, neutral):
-    """``value`` when the request set it, else the generation-config default ``name``
-    (``defaults``), else vLLM's ``neutral`` value (vLLM's ``to_sampling_params``)."""
+    """``value``, else ``defaults[name]``, else vLLM's ``neutral`` value."""
     if value is not None:
         return value
     return (defaults or {}).get(name, neutral)
@@ -441,11 +379,8 @@ def unset_default(value, name: str, defaults: dict | None, neutral):
 
 def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
                       max_model_len: int) -> int:
-    """The ``max_tokens`` the engine runs ``params`` with: on a compression-head model
-    (``spec.kind == "head"``) with thinking on, raised by the answer-budget floor to
-    ``min_output_tokens + max_latent`` (controls the request leaves unset at the
-    ``LATENTSERVE_*`` defaults, which the engine process reads from the same environment),
-    at most what the context leaves; else ``params.max_tokens``."""
+    """``params.max_tokens``, raised on a thinking compression head to the answer-budget
+    floor ``min_output_tokens + max_latent`` (within the context left)."""
     if spec is None or spec.kind != "head" or "min_output_tokens" not in (
             spec.controls or ("min_output_tokens",)):  # CoLaR: no floor
         return params.max_tokens
@@ -458,21 +393,18 @@ def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
     return max(params.max_tokens, min(raised, max_model_len - num_prompt_tokens))
 
 
-def check_total_output(max_tokens: list[int], n: int, max_tokens_field: str,
-                       limits: ServerLimits, asked: list[int] | None = None) -> None:
-    """The request's total work, ``n`` times the sum of each prompt's resolved
-    ``max_tokens``, must stay within ``limits.max_request_output_tokens``. ``asked``: the
-    client's values when ``max_tokens`` holds them raised by a head's answer-budget floor
-    (:func:`engine_max_tokens`), for the message.
-
-    Raises:
-        APIError: 400 naming ``max_tokens_field`` (the value that is most often unset or too
-            large), with the prompts, ``n`` and the total in the message.
-    """
+def check_total_output(params: list[SamplingParams], prompt_lens: list[int], n: int,
+                       max_tokens_field: str, state) -> None:
+    """``n`` x the sum of each prompt's :func:`engine_max_tokens` must be at most
+    ``state.limits.max_request_output_tokens``, else APIError (400 naming
+    ``max_tokens_field``)."""
+    asked = [p.max_tokens for p in params]
+    max_tokens = [engine_max_tokens(p, state.latent_spec, k, state.max_model_len)
+                  for p, k in zip(params, prompt_lens)]
     total = n * sum(max_tokens)
-    limit = limits.max_request_output_tokens
+    limit = state.limits.max_request_output_tokens
     if total > limit:
-        floor = ("" if asked is None or list(asked) == list(max_tokens) else
+        floor = ("" if asked == max_tokens else
                  f", raised from {max(asked)} by the answer-budget floor min_output_tokens + "
                  "max_latent (send min_output_tokens: 0 for it to hold)")
         raise APIError(
@@ -482,13 +414,21 @@ def check_total_output(max_tokens: list[int], n: int, max_tokens_field: str,
             "prompts", param=max_tokens_field)
 
 
-def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """``n`` copies of ``params``, one per choice; with a ``seed``, choice i gets
-    ``seed + i`` (so choice 0 equals the n=1 request with the same seed).
+def latent_controls(http_request, body, spec, template_kwargs: dict | None = None
+                    ) -> tuple[int | None, dict, bool]:
+    """``(budget, head controls, ticks)``: :func:`latent_budget`, :func:`head_controls`
+    (refused where the model would ignore them) and whether a stream ticks per latent step.
+    Raises APIError (400 naming the header or field)."""
+    budget = latent_budget(http_request, body, spec)
+    head = head_controls(http_request, body, template_kwargs)
+    refuse_head_controls(http_request, body, head, spec)
+    refuse_stream_steps(http_request, body, spec)
+    return budget, head, bool(body.stream) and stream_latent_steps(http_request, body)
 
-    Raises:
-        APIError: 400 when ``seed + n - 1`` is out of range.
-    """
+
+def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """``n`` copies of ``params``; with a ``seed``, choice i gets ``seed + i``. APIError (400)
+    when ``seed + n - 1`` is out of range."""
     if params.seed is None:
         return [params] + [dataclasses.replace(params) for _ in range(n - 1)]
     try:

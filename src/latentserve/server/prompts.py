@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from latentserve.server.errors import APIError
@@ -18,9 +19,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI messages -> the chat template's ``[{"role", "content", ...}]``, with ``name``,
-    ``tool_calls`` and ``tool_call_id`` where sent (the template decides how to render
-    them). ``developer``, OpenAI's newer name for ``system``, becomes ``system``.
+    """OpenAI messages -> the chat template's turns (``developer`` becomes ``system``).
 
     Raises:
         APIError: 400 for an unknown role, non-text content, tool-call arguments that are not
@@ -48,9 +47,8 @@ def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _tool_call(call: ToolCall, param: str) -> dict[str, Any]:
-    """A tool call as chat templates take it: OpenAI's JSON-string ``arguments`` parsed
-    (templates render them with ``tojson``, as in transformers' and vLLM's convention; empty
-    or null is ``{}``). Raises APIError naming ``param``'s arguments if they are not JSON."""
+    """A tool call with its JSON-string ``arguments`` parsed (templates ``tojson`` them;
+    empty is ``{}``). APIError naming ``param``'s arguments if they are not JSON."""
     args = call.function.arguments
     if isinstance(args, str) and args.strip():
         try:
@@ -63,11 +61,8 @@ def _tool_call(call: ToolCall, param: str) -> dict[str, Any]:
 
 
 def chat_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
-    """A request's ``tools`` as dicts for the chat template (None for none).
-
-    Raises:
-        APIError: 400 naming ``tools[i].type`` for a tool that is not a function.
-    """
+    """``tools`` as dicts for the chat template (None for none); APIError naming
+    ``tools[i].type`` for a tool that is not a function."""
     for i, tool in enumerate(tools or []):
         if tool.type != "function":
             raise APIError(f"tools[{i}].type must be 'function', got {tool.type!r}",
@@ -80,15 +75,10 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
                 template_kwargs: dict[str, Any] | None = None,
                 tools: list[dict[str, Any]] | None = None,
                 param: str = "messages", chat_template: str | None = None) -> list[int]:
-    """Apply the tokenizer's chat template (``chat_template``: this template instead, the
-    offline ``LLM.chat``'s argument) and return the prompt's token ids.
+    """The prompt's token ids from the tokenizer's chat template (or ``chat_template``).
 
-    ``tools`` (function definitions) go to the template. ``continue_final_message`` leaves
-    the last (assistant) message open so the model continues it (and turns
-    ``add_generation_prompt`` off). ``template_kwargs`` are passed to the template (they may
-    override the two flags; other ``apply_chat_template`` arguments are refused).
-    ``chat_template``: Jinja text used instead of the tokenizer's (a request's, already
-    checked by ``chat_template.request_chat_template``; None: the tokenizer's).
+    ``continue_final_message`` leaves the last (assistant) message open and turns
+    ``add_generation_prompt`` off; ``template_kwargs`` may override both flags.
 
     Raises:
         APIError: 400 for a model without tokenizer files or a chat template, a reserved
@@ -136,15 +126,11 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
                     tools: list[ChatTool] | None = None, max_model_len: int | None = None,
                     **kwargs) -> list[int]:
-    """:func:`chat_conversation` and :func:`chat_tools`, then :func:`render_chat`
-    (``kwargs`` go to the latter). With ``max_model_len``, the bytes of the messages a
-    template renders whole (all but the assistant's, whose past reasoning some templates
-    drop) are checked first (:func:`check_prompt_bytes`)."""
+    """:func:`render_chat` of the messages; with ``max_model_len``, the non-assistant
+    messages' bytes go through :func:`check_prompt_bytes` first."""
     conversation = chat_conversation(messages)
     if max_model_len is not None:
-        size = sum(len(m["content"].encode("utf-8")) for m in conversation
-                   if m["role"] != "assistant")
-        check_prompt_bytes(size, tokenizer, max_model_len, "messages")
+        check_conversation_bytes(conversation, tokenizer, max_model_len)
     return render_chat(tokenizer, conversation, tools=chat_tools(tools), **kwargs)
 
 
@@ -170,11 +156,7 @@ def _text(message: ChatMessage, i: int) -> str:
 
 
 def prompt_list(prompt, max_prompts: int) -> list:
-    """A completions ``prompt`` as a list of prompts (a string or a token-id list is one).
-
-    Raises:
-        APIError: 400 naming ``prompt`` for more than ``max_prompts`` prompts.
-    """
+    """A completions ``prompt`` as a list of prompts; APIError for over ``max_prompts``."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) > max_prompts:
             raise APIError(f"prompt may hold at most {max_prompts} prompts, got "
@@ -185,10 +167,7 @@ def prompt_list(prompt, max_prompts: int) -> list:
 
 def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int,
                        max_model_len: int | None = None) -> list[tuple[list[int], str | None]]:
-    """Encode a completions ``prompt``: a string, token ids, or a list of either; with
-    ``max_model_len``, a string is checked by :func:`check_prompt_bytes` first.
-
-    Returns one ``(token_ids, text)`` per prompt (``text`` None for a token-id prompt).
+    """One ``(token_ids, text)`` per completions prompt (``text`` None for token ids).
 
     Raises:
         APIError: 400 for an empty prompt (or list), more than ``max_prompts`` prompts, or a
@@ -222,12 +201,9 @@ _BYTES_PER_TOKEN: dict[int, int | None] = {}
 
 
 def max_bytes_per_token(tokenizer) -> int | None:
-    """An upper bound of the UTF-8 bytes of prompt text one token can stand for: the longest
-    vocabulary string in UTF-8 bytes (a byte-level BPE token's string has one character,
-    one or two bytes, per byte it stands for; SentencePiece's ``▁``, three bytes, stands for
-    a space), times ``_SHRINK`` when the tokenizer normalizes text (NFC, NFKC). None when no
-    bound is known: a slow tokenizer, or a normalizer that may delete text. Cached per
-    tokenizer."""
+    """An upper bound of the UTF-8 bytes one token stands for: the longest vocabulary string's
+    bytes, times ``_SHRINK`` under NFC/NFKC. None when unknown (a slow tokenizer, or a
+    normalizer that may delete text). Cached per tokenizer."""
     key = id(tokenizer)
     if key not in _BYTES_PER_TOKEN:
         _BYTES_PER_TOKEN[key] = _bytes_per_token(tokenizer)
@@ -238,20 +214,8 @@ def _bytes_per_token(tokenizer) -> int | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    normalizer = json.loads(backend.to_str()).get("normalizer")
-    kinds = set()
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            if "type" in node:
-                kinds.add(node["type"])
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(normalizer)
+    normalizer = json.dumps(json.loads(backend.to_str()).get("normalizer"))
+    kinds = set(re.findall(r'"type": "([^"]*)"', normalizer))
     if not kinds <= _SAFE_NORMALIZERS:
         return None
     longest = max(len(t.encode("utf-8")) for t in tokenizer.get_vocab())
@@ -259,10 +223,8 @@ def _bytes_per_token(tokenizer) -> int | None:
 
 
 def check_prompt_bytes(num_bytes: int, tokenizer, max_model_len: int, param: str) -> None:
-    """Refuse, before tokenizing, prompt text of ``num_bytes`` UTF-8 bytes that cannot fit:
-    more than ``max_model_len`` x :func:`max_bytes_per_token` bytes is more than
-    ``max_model_len`` tokens (no check when that bound is unknown). Tokenizing such a text
-    would cost seconds and about a hundred times its size in memory, to be refused anyway.
+    """Refuse, before tokenizing, text of more than ``max_model_len`` x
+    :func:`max_bytes_per_token` bytes (tokenizing it would take seconds and much memory).
 
     Raises:
         APIError: OpenAI's "maximum context length" 400 (``context_length_exceeded``)
@@ -278,8 +240,16 @@ def check_prompt_bytes(num_bytes: int, tokenizer, max_model_len: int, param: str
         param=param, code="context_length_exceeded")
 
 
+def check_conversation_bytes(conversation: list[dict[str, Any]], tokenizer,
+                             max_model_len: int) -> None:
+    """:func:`check_prompt_bytes` of the turns a template renders whole (not the assistant's,
+    whose past reasoning some templates drop), naming ``messages``."""
+    size = sum(len(str(m.get("content") or "").encode("utf-8")) for m in conversation
+               if m["role"] != "assistant")
+    check_prompt_bytes(size, tokenizer, max_model_len, "messages")
+
+
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
-    """The prompt must leave room for at least one generated token (else the OpenAI
-    "maximum context length" 400, ``code="context_length_exceeded"``)."""
+    """Raise :func:`context_error` unless the prompt leaves room for one token."""
     if num_prompt_tokens >= max_model_len:
         raise context_error(num_prompt_tokens, max_model_len, param)

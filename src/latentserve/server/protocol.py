@@ -1,11 +1,9 @@
-"""Pydantic models of the OpenAI ``/v1/chat/completions`` and ``/v1/completions`` APIs, and
-of ``/tokenize`` / ``/detokenize`` (vLLM's shapes).
+"""Pydantic models of OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` and vLLM's
+``/tokenize`` / ``/detokenize``.
 
-Requests are validated strictly (``"5"`` is not an integer, ``"yes"`` is not a boolean), as
-OpenAI does. Unknown fields are kept in ``model_extra`` (the handlers refuse the OpenAI
-features that are not implemented rather than silently ignore them). Values are
-range-checked later, by ``SamplingParams`` and the handlers, so the error names the field
-and the allowed range.
+Types are strict, as OpenAI's (``"5"`` is not an integer); unknown fields stay in
+``model_extra`` (``fields.py`` refuses the unimplemented ones); ranges are checked later by
+``SamplingParams`` and the handlers.
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 
 def no_lone_surrogates(value):
-    """Reject text holding a lone UTF-16 surrogate (JSON ``"\\ud800"`` decodes to one): it
-    cannot be encoded as UTF-8, so tokenizers and responses would fail on it. Checks
-    strings and strings inside lists and dicts; returns ``value``. Raises ValueError."""
+    """``value``, unless a string in it (nested in lists and dicts too) holds a lone UTF-16
+    surrogate, which UTF-8 cannot encode: ValueError."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -53,39 +50,27 @@ class StreamOptions(RequestModel):
 
 
 class LatentFields(RequestModel):
-    """The latent-reasoning body fields every generation route takes (the OpenAI routes and
-    Anthropic's ``/v1/messages``), all None by default."""
+    """The latent body fields of every generation route (``SamplingParams``' meanings; None:
+    the default; ``x-latent-*`` headers win, ``params.head_controls``)."""
 
-    # Latent reasoning: None = the model's default budget, 0 = no thinking (header
-    # x-latent-budget wins).
     latent_budget: int | None = None
-    # Recurrent-depth models (Huginn, Ouro): the per-token exit rule (SamplingParams' fields;
-    # None = the model's default).
     exit_criterion: str | None = None
     exit_threshold: float | None = None
     exit_min_steps: int | None = None
     exit_check_every: int | None = None
-    # Huginn's exit semantics, "engine" or "upstream" (None = the server's --exit-semantics).
     exit_semantics: str | None = None
-    # Compression heads (latent/head.py): None = the server default (LATENTSERVE_* env);
-    # headers x-latent-* (aliases x-ds4-*) win over these (server/params.head_controls).
     max_latent: int | None = None
     min_latent: int | None = None
     use_stop: bool | None = None
     stop_threshold: float | None = None
     min_output_tokens: int | None = None
-    # CoLaR models (latent/colar_head.py): None = the model's default; headers
-    # x-latent-compression-factor / x-latent-temperature win.
     compression_factor: int | None = None
     latent_temperature: float | None = None
-    # End on EOS as the family's upstream code does (COCONUT, PCCoT); None = the server's
-    # --upstream-stop-rules (off unless given); true on another family is a 400.
     upstream_stop_rules: bool | None = None
 
 
 class JsonSchemaFormat(RequestModel):
-    """``response_format.json_schema``: OpenAI's ``{"name", "description", "schema",
-    "strict"}`` (the schema is what the answer follows; the rest is informational)."""
+    """``response_format.json_schema``; only ``schema`` constrains the answer."""
 
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True,
                               serialize_by_alias=True)
@@ -97,16 +82,14 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
-    object) or ``json_schema`` (``json_schema.schema``)."""
+    """OpenAI's ``response_format``."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
 class StructuredFields(RequestModel):
-    """Token masks and structured outputs (vLLM's fields and OpenAI's ``response_format``;
-    ``SamplingParams`` documents them). At most one constraint field per request."""
+    """Token masks and structured outputs; at most one constraint field per request."""
 
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
@@ -117,7 +100,6 @@ class StructuredFields(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # vLLM's newer form: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     structured_outputs: dict[str, Any] | None = None
 
 
@@ -144,10 +126,8 @@ class SamplingRequest(LatentFields, StructuredFields):
     user: str | None = None
     return_tokens_as_token_ids: bool | None = False
     return_latent_trace: bool | None = False
-    # Streamed chat: one reasoning_content tick per latent step (header x-latent-stream-steps
-    # wins); see server/chat.py.
     stream_latent_steps: bool | None = None
-    thinking: bool | None = None  # compression heads; Anthropic's route takes an object
+    thinking: bool | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -162,8 +142,7 @@ class ContentPart(RequestModel):
 
 
 class FunctionCall(RequestModel):
-    """The function an assistant turn called: ``arguments`` is OpenAI's JSON string (an
-    object is taken too)."""
+    """A called function; ``arguments`` is a JSON string or an object."""
 
     name: str
     arguments: str | dict[str, Any] | None = None
@@ -179,9 +158,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatMessage(RequestModel):
-    """One turn: ``tool_calls`` on assistant turns, ``tool_call_id`` on tool results;
-    ``name`` names the speaker (or, on a tool message, the function). ``role`` is one of
-    ``CHAT_ROLES`` (checked by ``prompts.chat_conversation``, which names the message)."""
+    """One turn; ``role`` (one of ``CHAT_ROLES``) is checked by ``prompts.chat_conversation``."""
 
     role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[ContentPart] | None = None
@@ -197,21 +174,16 @@ class FunctionDefinition(RequestModel):
 
 
 class ChatTool(RequestModel):
-    """A tool the model may call, shown to it by the chat template (``server/tools.py``)."""
+    """A tool the chat template shows the model (``server/tools.py``)."""
 
     type: str
     function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """``logprobs`` / ``top_logprobs``: OpenAI's chat fields. ``tools`` and
-    ``chat_template_kwargs`` go to the chat template; ``tool_choice`` and
-    ``parallel_tool_calls`` are OpenAI's (``server/tools.py``); ``add_generation_prompt``
-    and ``continue_final_message`` are vLLM's (continue the last, assistant, message
-    instead of starting a new one), as are ``chat_template`` and ``echo``.
-    ``include_reasoning`` (vLLM's; false: no ``reasoning_content``) and
-    ``latent_reasoning`` (``"count"`` or ``"logit_lens"``: how a latent model's steps are
-    written into ``reasoning_content``; ``server/reasoning.py``)."""
+    """OpenAI's and vLLM's chat fields; ``latent_reasoning`` (``"count"`` or ``"logit_lens"``)
+    is how latent steps are written into ``reasoning_content`` (``server/reasoning.py``);
+    ``chat_template`` needs ``--trust-request-chat-template``."""
 
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None
@@ -225,22 +197,13 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
-    # vLLM's: a Jinja chat template used instead of the model's (needs the server's
-    # --trust-request-chat-template), and the last (assistant) message's content prepended
-    # to the answer.
     chat_template: str | None = None
     echo: bool | None = False
 
     def with_template_kwargs_fields(self) -> ChatCompletionRequest:
-        """This request with the latent body fields (``TEMPLATE_KWARGS_FIELDS``) that came
-        inside ``chat_template_kwargs`` moved to the top level. A router that rebuilds the
-        OpenAI body from its own schema drops unknown top-level fields and ``x-`` headers but
-        keeps ``chat_template_kwargs`` (sglang-router 0.3.2; docs/scaling.md). The top-level
-        field, when set, wins; values are validated as top-level ones.
-
-        Raises:
-            APIError: naming ``chat_template_kwargs.<field>`` for a value of the wrong type.
-        """
+        """This request with ``TEMPLATE_KWARGS_FIELDS`` found in ``chat_template_kwargs``
+        moved to the top level (routers keep only that; docs/scaling.md); a top-level value
+        wins. Raises APIError naming ``chat_template_kwargs.<field>`` for a wrong type."""
         from pydantic import ValidationError
 
         from latentserve.server.errors import APIError
@@ -264,9 +227,7 @@ TEMPLATE_KWARGS_FIELDS = (*LatentFields.model_fields, "return_latent_trace",
 
 
 class CompletionRequest(SamplingRequest):
-    """``prompt``: a string, token ids, or a list of either (one choice set per prompt).
-    ``logprobs``: how many top tokens to report per position (0: the sampled one only).
-    ``echo``: prepend the prompt to each choice's text."""
+    """``prompt``: a string, token ids, or a list of either (one choice set per prompt)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
@@ -274,10 +235,7 @@ class CompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(RequestModel):
-    """``/tokenize``: either ``prompt`` (plain encoding) or ``messages`` (chat template,
-    rendered as ``/v1/chat/completions`` renders it: ``tools``, ``chat_template``,
-    ``chat_template_kwargs``, ``add_generation_prompt`` and ``continue_final_message`` mean
-    the same there)."""
+    """``/tokenize``: ``prompt`` (plain) or ``messages`` (templated as on the chat route)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -342,10 +300,8 @@ class ToolCallOut(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """``reasoning_content``: what a thinking model produced before its answer, its
-    ``<think>`` text or its latent steps ("" when nothing was produced; ``server/
-    reasoning.py``). ``tool_calls`` (left out when None): the calls parsed out of the
-    answer; ``content`` is then null when no text came with them."""
+    """``reasoning_content``: the ``<think>`` text or latent steps ("" if none);
+    ``tool_calls`` is left out when None."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
@@ -361,24 +317,15 @@ class AssistantMessage(BaseModel):
 
 
 class LatentInfo(BaseModel):
-    """What one choice spent on latent reasoning: ``steps`` latent positions run (0 for a
-    recurrent-depth model, which runs none: its budget is in ``recurrence``), and with
-    ``return_latent_trace`` the ``trace``: per latent step ``{"norm", "top_tokens": [[id,
-    logit], ...], "top_probs", "top_texts"}`` (feedback models, compression heads with
-    ``stop_prob``; ``server/latent_trace.py``), or per generated token ``{"depth"}`` (Huginn)
-    / ``{"depth", "readout_step", "exit_probs"}`` (Ouro; ``readout_step`` null for the
-    weighted readout), or per block position of each pass the lens entry with ``"pass"``,
-    ``"position"`` (looped blocks), as ``SamplingParams.return_latent_trace`` says.
-    Streamed, it is on the final chunk, and with ``stream_latent_steps`` on each latent
-    step's chunk: ``steps`` that step's number and ``trace`` its entry alone."""
+    """A choice's latent work: ``steps`` latent positions run (0 for recurrent depth), the
+    ``trace`` (``return_latent_trace``; entries as ``server/latent_trace.py``), a compression
+    head's ``stats`` and recurrent depth's ``recurrence`` ``{"tokens", "mean_iterations",
+    "histogram"}``. Streamed: on the final chunk, and per step with ``stream_latent_steps``.
+    """
 
     steps: int
     trace: list[dict] | None = None
-    # Compression heads: thinking, mode, steps, stop_step, max_stop_prob, end (stop|cap|
-    # length) and the resolved controls; thinking False says the head was not used.
     stats: dict | None = None
-    # Recurrent depth, with return_latent_trace: iterations per generated token,
-    # {"tokens": n, "mean_iterations": float, "histogram": {"iterations": count}}.
     recurrence: dict | None = None
 
 
@@ -397,26 +344,20 @@ class ChatCompletionResponse(_Response):
 
 
 class DeltaMessage(BaseModel):
-    """A streamed message fragment; unset fields are left out of the JSON. ``tool_calls``:
-    OpenAI's call pieces, ``{"index", "id", "type", "function": {"name", "arguments"}}``
-    on a call's first piece and ``{"index", "function": {"arguments"}}`` after."""
+    """A streamed message fragment; None fields are left out of the JSON."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
-    @model_serializer
-    def _drop_none(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content),
-                                  ("reasoning_content", self.reasoning_content),
-                                  ("tool_calls", self.tool_calls))
-                if v is not None}
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
-    """One choice of a streamed chunk. ``latent`` (left out of the JSON when None) rides on
-    the choice's finish chunk, as on a non-streamed choice."""
+    """One choice of a streamed chunk; ``latent`` is left out when None."""
 
     index: int = 0
     delta: DeltaMessage
@@ -439,8 +380,7 @@ class ChatCompletionChunk(_Response):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per generated token;
-    ``text_offset`` is each token's start in the choice's text."""
+    """Legacy completions logprobs: parallel lists, one entry per token."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -457,7 +397,7 @@ class CompletionChoice(BaseModel):
 
 
 class CompletionResponse(_Response):
-    """Both the non-streamed response and each streamed chunk (OpenAI uses one shape)."""
+    """The response and each streamed chunk (one shape, as OpenAI's)."""
 
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
@@ -465,11 +405,8 @@ class CompletionResponse(_Response):
 
 
 class ModelCard(BaseModel):
-    """One ``/v1/models`` entry, with vLLM's extra keys (``vllm/entrypoints/openai/
-    protocol.py``: ``root`` the model path, ``parent`` None but for adapters,
-    ``max_model_len``), so that ``vllm bench serve`` and lm-eval find the model; ``latent``:
-    the model's latent family and the controls it takes (``server/latent_card.py``; null for
-    a plain model)."""
+    """A ``/v1/models`` entry with vLLM's ``root``, ``parent`` and ``max_model_len`` (which
+    ``vllm bench serve`` and lm-eval read) and ``latent`` (``server/latent_card.py``)."""
 
     id: str
     object: Literal["model"] = "model"

@@ -34,12 +34,8 @@ class Split:
 
 
 class ThinkParser:
-    """Splits one choice's streamed text at ``</think>``; :meth:`feed` each text delta, then
-    :meth:`finish`. The pieces concatenate to what :func:`split_reasoning` gives the whole
-    text (a tag split over deltas is held back until it is decided).
-
-    ``implicit``: an output that does not open with ``<think>`` is reasoning
-    (``REASONING_PARSERS[name]``)."""
+    """Splits one choice's streamed text at ``</think>`` as :func:`split_reasoning` does the
+    whole; ``implicit``: an output not opening with ``<think>`` is reasoning."""
 
     def __init__(self, implicit: bool):
         self.implicit = implicit
@@ -92,10 +88,8 @@ def latent_count_text(steps: int) -> str:
 
 
 def latent_step_text(step: int, entry: dict | None, texts) -> str:
-    """One latent step as a line: ``[step 3: "7", "8", " 7"]\\n`` from its trace ``entry``
-    (``{"top_tokens": [[id, logit], ...]}``, most likely first; None: ``[step 3]\\n``).
-    ``texts``: the tokenizer's ``logprobs.TokenTexts``; each token is shown as a JSON
-    string, so spaces and newlines stay visible. ``step`` counts from 1."""
+    """One latent step as a line, ``[step 3: "7", "8", " 7"]\\n`` (top tokens of ``entry`` as
+    JSON strings; no entry: ``[step 3]\\n``); ``step`` counts from 1."""
     top = (entry or {}).get("top_tokens") or []
     if not top:
         return f"[step {step}]\n"
@@ -104,21 +98,10 @@ def latent_step_text(step: int, entry: dict | None, texts) -> str:
     return f"[step {step}: {shown}]\n"
 
 
-def latent_trace_text(trace: list[dict] | None, texts) -> str:
-    """Every latent step of a final trace as :func:`latent_step_text` lines."""
-    return "".join(latent_step_text(i + 1, e, texts) for i, e in enumerate(trace or []))
-
-
 def latent_reasoning_mode(body, spec) -> str | None:
-    """How a request's latent steps go into ``reasoning_content``: ``"count"`` (the
-    default), ``"logit_lens"``, or None (``include_reasoning`` false, or a model without a
-    latent phase before the answer: plain and recurrent-depth models).
-
-    Raises:
-        APIError: 400 naming ``latent_reasoning`` for another value, or ``"logit_lens"`` on
-            a model whose latent steps are not vectors the LM head reads (anything but a
-            feedback-latent model).
-    """
+    """``"count"`` (default), ``"logit_lens"`` or None (``include_reasoning`` false, or no
+    latent phase). Raises APIError (400 naming ``latent_reasoning``) for another value, or
+    ``"logit_lens"`` on a model that is not feedback-latent."""
     from latentserve.server.errors import APIError
 
     mode = getattr(body, "latent_reasoning", None)
@@ -138,12 +121,8 @@ def latent_reasoning_mode(body, spec) -> str | None:
 
 
 class LatentReasoning:
-    """One streamed choice's latent steps as ``reasoning_content`` pieces (``mode`` from
-    :func:`latent_reasoning_mode`; ``texts`` the tokenizer's ``logprobs.TokenTexts``):
-    ``logit_lens`` and ``ticks`` (``stream_latent_steps``) write one line per step as it
-    runs; ``count`` without ticks writes ``[N latent steps]`` once, with the answer's first
-    text (or the finish). :func:`latent_reasoning_text` writes the same for a whole
-    response."""
+    """One streamed choice's latent steps as ``reasoning_content``: a line per step
+    (``logit_lens``, or ``ticks``), else ``[N latent steps]`` once with the first text."""
 
     def __init__(self, mode: str, texts, ticks: bool = False):
         self.mode, self.texts = mode, texts
@@ -152,8 +131,7 @@ class LatentReasoning:
         self.count_shown = False
 
     def step_texts(self, delta) -> list[str]:
-        """The reasoning texts one ``TextDelta`` releases, one per chunk: a tick's
-        ``latent_trace`` holds the entries of its new steps (``logit_lens``)."""
+        """The reasoning texts one ``TextDelta`` releases, one per chunk."""
         if delta.latent_tick:
             new = max(delta.latent_steps - self.steps_shown, 0)
             entries = list(delta.latent_trace or [])[-new:] if new else []
@@ -172,8 +150,7 @@ class LatentReasoning:
 
 
 def latent_reasoning_text(mode: str, steps: int, trace: list[dict] | None, texts) -> str:
-    """A whole response's latent reasoning: ``logit_lens``, one line per entry of the
-    per-step ``trace``; ``count``, ``[N latent steps]`` for ``steps``."""
+    """A whole response's latent reasoning: a line per ``trace`` entry, or the count."""
     if mode == "logit_lens":
-        return latent_trace_text(trace, texts)
+        return "".join(latent_step_text(i + 1, e, texts) for i, e in enumerate(trace or []))
     return latent_count_text(steps)

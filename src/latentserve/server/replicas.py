@@ -51,15 +51,13 @@ def _port_free(host: str, port: int) -> bool:
 def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
                    port: int = 8000, policy: str = "cache_aware",
                    server_kwargs: dict | None = None) -> None:
-    """Start ``data_parallel_size`` servers and the router; block until interrupted (or the
-    router exits), then stop them all.
+    """Start ``data_parallel_size`` servers and the router; block until interrupted or the
+    router exits, then stop them all.
 
     Raises:
-        ValueError: ``data_parallel_size`` < 1, an unknown ``policy``, or ``port`` (the
-            router's) already in use, before any replica starts.
-        ModuleNotFoundError: ``sglang_router`` is not installed (the message says how).
-        RuntimeError: a replica failed to start (its log tail is in the message), or the
-            router exited with an error.
+        ValueError: bad size or ``policy``, or the router's ``port`` in use (before starting).
+        ModuleNotFoundError: no ``sglang_router``.
+        RuntimeError: a replica failed to start (with its log tail) or the router failed.
     """
     from latentserve.server.launch import free_port, start_server
 

@@ -18,13 +18,8 @@ def _protected(path: str) -> bool:
 
 
 class GuardMiddleware:
-    """Pure ASGI middleware (works for streaming responses, unlike ``BaseHTTPMiddleware``).
-
-    Args:
-        app: the ASGI app to guard.
-        api_key: the key clients must send, or None for no authentication.
-        max_body_bytes: the largest request body accepted, in bytes.
-    """
+    """Pure ASGI middleware (streaming-safe, unlike ``BaseHTTPMiddleware``): ``api_key``
+    (None: open) and ``max_body_bytes``."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from latentserve.outputs import TokenLogprob
 from latentserve.server.client import (
     EngineDeadError,
     EngineInternalError,
@@ -31,11 +30,8 @@ ENGINE_ERRORS = (EngineRequestError, EngineInternalError, EngineDeadError, Engin
 
 
 def api_error(exc: Exception) -> APIError:
-    """The client-facing error for an engine-side failure: a rejection is a 400 (code
-    ``context_length_exceeded`` when the prompt does not fit ``max_model_len``), a failure
-    inside the engine a 500 (its message has no traceback), a dead engine a 503, a request
-    that waited past ``--queue-timeout`` a 503 ``overloaded`` with ``Retry-After`` (529 on
-    ``/v1/messages``), as ``admission.admit``'s."""
+    """The client-facing error for an engine failure: rejection 400, internal 500 (no
+    traceback), dead engine 503, queue timeout 503 ``overloaded`` + ``Retry-After``."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message else None
@@ -51,20 +47,10 @@ def api_error(exc: Exception) -> APIError:
 
 
 @dataclass(slots=True)
-class ChoiceResult:
-    """All of one engine request: its text, final reason, token count and logprobs."""
+class ChoiceResult(TextDelta):
+    """All of one engine request: its deltas folded in, and the ticks' trace entries."""
 
-    text: str = ""
-    finish_reason: str | None = None
-    num_output_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    stop_string: str | None = None
-    latent_steps: int = 0
-    latent_trace: list | None = None
-    latent_stats: dict | None = None
-    recurrence: dict | None = None
-    prompt_logprobs: list | None = None
-    step_trace: list = field(default_factory=list)  # the ticks' trace entries, per step
+    step_trace: list = field(default_factory=list)
 
     def latent_info(self, asked: bool, texts=None):
         """The choice's ``latent`` field (see :func:`latent_info`)."""
@@ -86,12 +72,8 @@ class ChoiceResult:
 
 
 def latent_info(final, asked: bool, texts=None):
-    """The ``latent`` field of a choice from its final ``TextDelta`` or ``ChoiceResult``:
-    None for a request that ran no latent step, asked for no trace (``asked``:
-    ``return_latent_trace``) and has no compression-head stats. With ``asked``, the
-    per-step trace (with ``texts``, the tokenizer's ``logprobs.TokenTexts``, each step's
-    ``top_texts``: ``latent_trace.with_texts``) and, for a recurrent-depth model, the
-    iterations per token (``recurrence``: tokens, mean_iterations, histogram)."""
+    """A choice's ``latent`` field from its final delta or result (None when there is no
+    latent work); the trace and ``recurrence`` only when ``asked``."""
     from latentserve.server.latent_trace import with_texts
     from latentserve.server.protocol import LatentInfo
 
@@ -146,13 +128,9 @@ def _deltas(state, reqs: list[EngineRequest], arrival: float | None, ticket):
 
 async def collect(request, state, reqs: list[EngineRequest], arrival: float | None = None,
                   ticket=None) -> list[ChoiceResult]:
-    """Run the engine requests concurrently to the end; one ``ChoiceResult`` each.
-    ``ticket``: the client request's ``admission.Ticket`` (None: not counted).
-
-    Raises:
-        APIError: from :func:`api_error` (the other engine requests are aborted).
-    """
-    results = [ChoiceResult() for _ in reqs]
+    """Run the engine requests concurrently; one ``ChoiceResult`` each. APIError from
+    :func:`api_error` (the others aborted)."""
+    results = [ChoiceResult("", None, 0) for _ in reqs]
     async with on_disconnect(request, _abort_all(state, reqs)), \
             aclosing(_deltas(state, reqs, arrival, ticket)) as deltas:
         try:
@@ -165,13 +143,8 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
 
 async def start_stream(request, state, reqs: list[EngineRequest], arrival: float | None = None,
                        ticket=None) -> AsyncIterator[tuple[int, TextDelta]]:
-    """Start the engine requests and wait for the first delta, so that a rejected request
-    still gets a plain error response (not a 200 stream carrying an error); return an
-    iterator over all ``(position in reqs, delta)``. ``ticket``: as :func:`collect`'s.
-
-    Raises:
-        APIError: from :func:`api_error`.
-    """
+    """Start the engine requests and wait for the first delta (so a rejection is a plain
+    error, not a 200 stream); an iterator of ``(position in reqs, delta)``. APIError."""
     deltas = _deltas(state, reqs, arrival, ticket)
     async with on_disconnect(request, _abort_all(state, reqs)):
         try:
@@ -199,13 +172,8 @@ async def sse_events(request, state, reqs: list[EngineRequest],
                      error_event: Callable[[Exception], str] = openai_error_event,
                      internal_error_event: str | None = None,
                      done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
-    """Server-sent events: ``data: {chunk}`` per pydantic chunk (strings pass as they
-    are), then ``done`` (OpenAI's ``data: [DONE]``; None for none).
-
-    An engine error after the stream started is sent as one ``error_event(exc)``; any other
-    exception as ``internal_error_event`` (default: an OpenAI 500 body, no traceback). A
-    client that disconnects aborts every engine request of ``reqs``.
-    """
+    """``data: {chunk}`` events, then ``done``. An error after the start is one
+    ``error_event(exc)`` (else ``internal_error_event``); a disconnect aborts ``reqs``."""
     from latentserve.server.errors import error_body
 
     if internal_error_event is None:

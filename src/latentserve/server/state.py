@@ -15,20 +15,11 @@ DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 1 << 21
 
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
-    """Per-request limits (a request over one gets a 400 naming the field).
+    """Per-request limits (over one: a 400 naming the field; a 413 for the body size).
 
-    ``max_n``: choices per prompt; ``max_prompts``: prompts in one ``/v1/completions``
-    request; ``max_logprobs``: ``top_logprobs`` / completions ``logprobs``;
-    ``max_request_body_bytes``: HTTP body size (413 above it); ``max_stop``: stop strings
-    (``stop``, Anthropic ``stop_sequences``) in one request;
-    ``max_request_output_tokens``: the total work of one request, the sum of ``max_tokens``
-    (as resolved: unset means up to the end of the context) over its prompts and ``n``
-    choices. ``max_tokens`` and the prompt length are each bounded by the model's context
-    (``max_model_len``). ``max_waiting_requests`` (None: no limit): engine requests that
-    may wait for a seat (beyond the engine's ``max_num_seqs``) before new ones get a 503
-    ``overloaded`` with ``Retry-After`` (``admission.admit``). ``queue_timeout``
-    (seconds; None: no limit): an engine request not scheduled that long after it was sent
-    is aborted and answered the same 503 (``client.EngineClient.generate``).
+    ``max_request_output_tokens``: the sum of resolved ``max_tokens`` over prompts and ``n``.
+    ``max_waiting_requests`` (engine requests waiting for a seat) and ``queue_timeout``
+    (seconds unscheduled) answer 503 ``overloaded`` with ``Retry-After``; None: no limit.
 
     Raises:
         ValueError: a limit below 1 (``max_waiting_requests``: below 0; ``queue_timeout``:
@@ -58,14 +49,8 @@ class ServerLimits:
 
 @dataclass(slots=True)
 class ServerState:
-    """Shared by all handlers (``app.state.server``). ``metrics`` is a
-    ``latentserve.server.metrics.ServerMetrics`` (None: no metrics are recorded).
-    ``model_name`` is the name responses and metrics carry; ``aliases`` the other names a
-    request's ``model`` may use (vLLM's ``--served-model-name a b``); ``root`` the model
-    path (``/v1/models``' ``root``; None: ``model_name``). ``log_requests``: log each
-    engine request's prompt and parameters at INFO, prompts cut to ``max_log_len``
-    characters or tokens (None: whole; vLLM's ``--enable-log-requests``, ``--max-log-len``).
-    """
+    """One served model as the handlers see it; ``model_name`` is the name responses carry,
+    ``aliases`` the other names a request may use, ``root`` the model path."""
 
     client: EngineClient
     tokenizer: Any
@@ -80,26 +65,15 @@ class ServerState:
     root: str | None = None
     log_requests: bool = False
     max_log_len: int | None = None
-    # The model's generation-config sampling defaults (LLMEngine.sampling_defaults), for
-    # the fields a request leaves unset (params.sampling_params).
     sampling_defaults: dict = field(default_factory=dict)
-    tool_parser: str | None = None  # --tool-call-parser (server/tool_parsers.py)
-    reasoning_parser: str | None = None  # --reasoning-parser (server/reasoning.py)
-    # --trust-request-chat-template: a request's chat_template is used (else refused)
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
     trust_request_chat_template: bool = False
-    # engine requests admitted and not yet sent to the engine (admission.Ticket)
-    reserved: int = 0
+    reserved: int = 0  # engine requests admitted and not yet sent (admission.Ticket)
 
 
 class ServedModels:
-    """The models one server serves, by name, in the order given (``GET /v1/models``).
-
-    Each model is a :class:`ServerState` of its own (engine client, tokenizer, limits,
-    latent spec, metrics); a request's ``model`` picks one with :meth:`resolve`.
-
-    Raises:
-        ValueError: no state, or two states with the same ``model_name``.
-    """
+    """The served models by name, in order; ValueError for none or a name served twice."""
 
     def __init__(self, states: ServerState | list[ServerState]):
         states = [states] if isinstance(states, ServerState) else list(states)
@@ -130,17 +104,11 @@ class ServedModels:
         return len(self.by_name)
 
     def canonical(self, model: str | None) -> str | None:
-        """The ``model_name`` of the model served as ``model`` (an alias becomes its
-        model's first name, as vLLM answers with its first served name); any other value
-        unchanged."""
+        """The ``model_name`` of the model served as ``model``; other values unchanged."""
         return self.primary.get(model, model) if model is not None else None
 
     def resolve(self, model: str | None) -> ServerState:
-        """The state serving ``model`` (a request's ``model`` field; None: not given).
-
-        With one model this is always that model: the handlers check the name themselves
-        (a missing ``model`` is accepted, another name is their 404), as before
-        multi-model serving. With several, ``model`` picks one.
+        """The state serving ``model``; with one model always that one (handlers check it).
 
         Raises:
             APIError: several models and ``model`` None (400 naming ``model``), or a name

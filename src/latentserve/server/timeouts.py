@@ -1,6 +1,4 @@
-"""Read timeouts for HTTP connections: a client that sends its request headers or body too
-slowly (or nothing at all) is disconnected, so idle or byte-at-a-time connections cannot pile
-up (slow loris).
+"""Read timeouts: a client too slow to send its request headers or body is disconnected.
 
 Design notes: docs/internals.md, "latentserve.server.timeouts".
 """

@@ -14,11 +14,7 @@ MAX_PENDING_JOBS = 64
 
 
 class TokenizerPool:
-    """``workers`` threads, at most ``max_pending`` jobs queued or running.
-
-    Raises:
-        ValueError: ``workers`` or ``max_pending`` below 1.
-    """
+    """``workers`` threads, at most ``max_pending`` jobs; ValueError for either below 1."""
 
     def __init__(self, workers: int = TOKENIZER_WORKERS, max_pending: int = MAX_PENDING_JOBS):
         if workers < 1 or max_pending < 1:
@@ -31,12 +27,8 @@ class TokenizerPool:
         self._executor = None
 
     async def run(self, fn, /, *args, **kwargs):
-        """``fn(*args, **kwargs)`` in a worker thread; its result, or its exception.
-
-        Raises:
-            APIError: 503 ``overloaded`` when ``max_pending`` jobs are already queued or
-                running.
-        """
+        """``fn(*args, **kwargs)`` in a worker thread. APIError 503 ``overloaded`` when
+        ``max_pending`` jobs are already queued or running."""
         from concurrent.futures import ThreadPoolExecutor
 
         from latentserve.server.serving import overloaded

@@ -39,15 +39,9 @@ def openai_field(i: int, key: str) -> str:
 
 
 def check_tools(tools: list[dict] | None, field=openai_field) -> dict[str, dict]:
-    """The request's function tools (OpenAI's ``{"type": "function", "function": {"name",
-    "description", "parameters"}}`` dicts) by name. ``field(i, key)``: how errors name
-    field ``key`` of tool ``i`` (:func:`openai_field`).
-
-    Raises:
-        APIError: 400 naming the field for a name that is not 1-64 of ``[A-Za-z0-9_-]``
-            or is given twice, or ``parameters`` that is not an object schema (``"type"``,
-            when given, must be ``"object"``).
-    """
+    """The request's function tools by name (``field(i, key)`` names a field in errors).
+    Raises APIError (400 naming the field) for a name not 1-64 of ``[A-Za-z0-9_-]`` or
+    given twice, or ``parameters`` that is not an object schema."""
     out: dict[str, dict] = {}
     for i, tool in enumerate(tools or []):
         fn = tool["function"]
@@ -69,13 +63,8 @@ def check_tools(tools: list[dict] | None, field=openai_field) -> dict[str, dict]
 
 def resolve_tool_choice(choice, tools: dict[str, dict], parallel: bool | None = None,
                         param: str = "tool_choice") -> ToolChoice:
-    """OpenAI's ``tool_choice`` (None: ``"auto"`` with tools, ``"none"`` without) against
-    the checked ``tools`` (:func:`check_tools`); ``parallel``: ``parallel_tool_calls``.
-
-    Raises:
-        APIError: 400 naming ``param`` for another value, or a forced choice without
-            tools; naming ``param.function.name`` for a function that is not a tool.
-    """
+    """OpenAI's ``tool_choice`` (None: ``"auto"`` with tools, ``"none"`` without). Raises
+    APIError (400 naming ``param`` or ``param.function.name``) for a bad value."""
     single = parallel is False
     if choice is None:
         return ToolChoice("auto" if tools else "none", single=single)
@@ -114,13 +103,8 @@ def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
 
 
 def json_constraint(params, schema: dict, param: str = "tool_choice"):
-    """``params`` (``SamplingParams``) with its answer constrained to JSON matching
-    ``schema`` (``structured_outputs``, the engine's constrained decoding).
-
-    Raises:
-        APIError: 400 naming ``param`` when the request already has a constraint
-            (``response_format``, ``guided_*``) or the schema is refused.
-    """
+    """``params`` with the answer constrained to JSON matching ``schema``. APIError (400
+    naming ``param``) when the request has a constraint already or the schema is refused."""
     from latentserve.sampling_params import StructuredOutputsParams
 
     if params.structured_outputs is not None:
