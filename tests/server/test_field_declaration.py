@@ -63,4 +63,4 @@ def test_every_declared_anthropic_refusal_is_a_400_naming_the_field(server, mode
                                messages=[{"role": "user", "content": "hi"}])
     body = info.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert f"{name} is not supported" in body["error"]["message"]
+    assert f"{name}: not supported" in body["error"]["message"]  # Anthropic's field: reason

@@ -59,14 +59,14 @@ def anthropic_status(err: APIError) -> int:
 
 def anthropic_message(err: APIError) -> str:
     """``err``'s message in Anthropic's ``field: reason`` form when it names its field in
-    another (``top_p must be ...``, ``Invalid type for 'top_p': ...``, ``Missing required
+    another (``top_p must be ...``, ``container is not supported ...``, ``Invalid type for 'top_p': ...``, ``Missing required
     parameter: 'max_tokens'``); else as it is."""
     param, text = err.param, err.message
     if not param or text.startswith(f"{param}: "):
         return text
     for lead in (f"{param} ", f"Invalid type for '{param}': "):
         if text.startswith(lead):
-            return f"{param}: {text[len(lead):]}"
+            return f"{param}: {text[len(lead):].removeprefix('is ')}"
     if text == f"Missing required parameter: '{param}'":
         return f"{param}: Field required"
     return text
