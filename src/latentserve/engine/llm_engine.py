@@ -219,6 +219,9 @@ class LLMEngine:
         if params.max_tokens is None:  # vLLM: until the context is full
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - n))
         spec, family = self.latent_spec, self.family
+        if params.return_latent_trace and self.tp is not None and not family.traced_under_tp:
+            raise ValueError("return_latent_trace is not supported with tensor_parallel_size "
+                             f"> 1 on {family.description}")
         admission = family.admit(prompt_token_ids, params)
         params, extra = admission.params, admission.extra
         if not family.takes_head_controls:

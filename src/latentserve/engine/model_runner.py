@@ -50,8 +50,6 @@ class ModelRunner:
     ``start ..`` (such batches run eagerly; empty for every other batch).
     """
 
-    PACKED_INPUTS = True  # False: decode replays take their inputs via torch ops (A/B runs)
-
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
                  device: torch.device):
         self.model = model
@@ -163,7 +161,7 @@ class ModelRunner:
         # A plain decode batch that fits a graph: one kernel unpacks the inputs into the
         # graph's buffers (ops.kernels.decode_inputs), so nothing below touches them. It
         # also makes the scheduler's staged page-table writes (PageTable.stage).
-        packed_replay = self.PACKED_INPUTS and fits_graph and self.family.packed_replay
+        packed_replay = fits_graph and self.graphs is not None and self.graphs.hooks.packed
         staged = self.table.staged if packed_replay else None  # taken at the replay
         # One host-to-device copy for every index vector of the batch:
         # ids [T] | positions [T] | page-table row of each token [T] | rows [B] | kv_lens [B]

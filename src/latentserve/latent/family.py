@@ -23,10 +23,9 @@ FAMILIES = {
 
 @dataclass(slots=True)
 class Admission:
-    """What :meth:`Family.admit` decides for one request: its (possibly adjusted) params,
-    the KV positions the family adds before the answer (``extra``: start, latent and
-    transition ids), and ``start(req)``, which makes a fresh ``Req`` of the prompt a request
-    of the family (None: nothing to do)."""
+    """What :meth:`Family.admit` decides for one request: its params, the KV positions the
+    family adds before the answer (``extra``), and ``start(req)``, which makes a fresh
+    ``Req`` a request of the family (None: nothing to do)."""
 
     params: SamplingParams
     extra: int = 0
@@ -34,27 +33,23 @@ class Admission:
 
 
 class GraphHooks:
-    """What a family adds to the decode graphs (``engine/cuda_graph.py``), asked by the
-    graph runner; this base adds nothing: one graph per batch-size bucket, no forward
-    context, no latent graph.
+    """What a family adds to the decode graphs (``engine/cuda_graph.py``); this base adds
+    nothing.
 
-    ``depths``: the loop trip counts captured, one graph per ``(depth, bucket)`` (a plain
-    model: ``[0]``). ``feedback``: a module the latent graph runs on the decode graph's
-    final hidden rows (``[n, hidden] -> [n, hidden]`` next input embeddings, CODI's
-    ``prj``), or None. ``packed``: a batch may replay from its packed index vectors alone
-    (``CudaGraphRunner.replay_packed``: no forward context to copy)."""
+    ``depths``: loop trip counts captured, one graph per ``(depth, bucket)``. ``feedback``:
+    a module the latent graph runs on the final hidden rows (``[n, hidden] -> [n, hidden]``,
+    CODI's ``prj``), or None. ``packed``: a batch may replay from its packed index vectors
+    alone (no forward context)."""
 
     depths = [0]
     feedback = None
     packed = True
 
     def bind(self, ctx, depth: int, b: int) -> None:
-        """Set the family's fields of ``ctx`` (the ``ForwardContext`` a graph of ``depth``
-        and bucket ``b`` is captured with) to static buffers."""
+        """Point the family's fields of the capture's ``ForwardContext`` at static buffers."""
 
     def fits(self, rec) -> bool:
-        """Whether a batch with forward context ``rec`` (``Family.forward_context``) may
-        replay a captured graph."""
+        """Whether a batch with forward context ``rec`` may replay a captured graph."""
         return True
 
     def depth_for(self, rec) -> int:
@@ -62,39 +57,30 @@ class GraphHooks:
         return self.depths[0]
 
     def refresh(self, rec, n: int, b: int) -> None:
-        """Before a replay of ``n`` rows (bucket ``b``, rows past ``n`` padding): copy
-        ``rec`` into the static buffers ``bind`` bound."""
+        """Before a replay of ``n`` rows (bucket ``b``): copy ``rec`` into the static buffers."""
 
     def replayed(self, rec, n: int) -> None:
-        """After a replay of ``n`` rows: fill ``rec`` with what the graph wrote (the eager
-        forward fills it itself)."""
+        """After a replay of ``n`` rows: fill ``rec`` with what the graph wrote."""
 
 
 class Family:
     """A plain model: no latent phase, no latent budget.
 
-    Class attributes (what the engine's generic checks ask): ``budgeted`` (``latent_budget``
-    applies and ``--max-latent-budget`` caps it), ``traced`` (``return_latent_trace`` has
-    something to return), ``streams_steps`` (``stream_latent_steps`` has steps to stream),
-    ``takes_exit_fields`` (the ``exit_*`` fields), ``takes_exit_semantics`` (a server
-    default ``exit_semantics`` other than ``"engine"``), ``takes_head_controls`` (CoLaR's
-    ``compression_factor`` / ``latent_temperature``), ``overlaps`` (steps may run under the
-    overlap scheduler, ``engine/overlap.py``: nothing the family does on the host needs the
-    previous step's tokens, ``latent_inputs`` does not read ``tokens`` and ``budget_spent``
-    never finishes a request, unless it ``decides_late``; ``after_forward`` and
-    ``latent_inputs`` run at a batch's launch, before the batch launched before it is
-    finished, ``advance`` after that), ``decides_late`` (under the
-    overlap scheduler a latent step's ``advance`` at launch is provisional, settled by
-    :meth:`resolve` when the step's sampled token reaches the host; its budget and output
-    wait for that), ``packed_replay`` (a decode batch may replay its graph from the
-    packed index vectors alone: no per-forward context), ``description`` (for error
-    messages).
+    Class attributes the engine's generic checks ask: ``budgeted`` (``latent_budget``
+    applies, ``--max-latent-budget`` caps it), ``traced`` / ``streams_steps``
+    (``return_latent_trace`` / ``stream_latent_steps`` have something to return),
+    ``traced_under_tp`` (the trace works with tensor parallelism), ``takes_exit_fields``,
+    ``takes_exit_semantics`` (a server default other than ``"engine"``),
+    ``takes_head_controls`` (CoLaR's ``compression_factor`` / ``latent_temperature``),
+    ``overlaps`` (steps may run under ``engine/overlap.py``: ``latent_inputs`` does not read
+    ``tokens`` and ``budget_spent`` never finishes a request, unless it ``decides_late``:
+    ``advance`` at launch is provisional, settled by :meth:`resolve`), ``description``.
     """
 
     budgeted = False
+    traced_under_tp = True
     overlaps = True
     decides_late = False
-    packed_replay = True
     traced = False
     streams_steps = False
     takes_exit_fields = False
@@ -121,29 +107,31 @@ class Family:
         """Whether ``req``'s next input is a latent vector."""
         return False
 
+    def budget_thinking(self, req: Req) -> bool:
+        """``thinking`` of a family whose latent steps run to ``req.latent_budget``."""
+        return req.answer_start is None and len(req.latent_embeds) < req.latent_budget
+
     def after_forward(self, batch) -> None:
         """After every forward, before sampling (a looped block prepares its next pass)."""
 
     def latent_inputs(self, reqs: list[Req], logits, last_hidden, tokens: list[int]
                       ) -> list | None:
-        """The next latent input of each sampling row of ``reqs`` (``(tensor, row)``, see
+        """The next latent input of each sampling row (a ``(tensor, row)`` entry,
         ``latent/vectors.py``) or None per row; None when no row has one. ``tokens``: the
-        rows' sampled ids, or None under the overlap scheduler (not on the host yet); a
-        family that ``decides_late`` then returns whatever its ``advance`` decides from,
-        changing no request state (the batch before may still be undone)."""
+        sampled ids, or None under the overlap scheduler; a family that ``decides_late``
+        then returns what its ``advance`` decides from, changing no request state."""
         return None
 
     @staticmethod
     def forward_context(batch, layout, page_table):
-        """What the model's forward reads for ``batch`` besides its inputs
-        (``ForwardContext.recurrent``; the model runner calls it on every rank), or None."""
+        """What the forward reads for ``batch`` besides its inputs
+        (``ForwardContext.recurrent``), or None."""
         return None
 
     @staticmethod
     def graph_hooks(spec, model, max_bs: int, device, depths=None) -> GraphHooks:
-        """The decode graphs' :class:`GraphHooks` for ``model`` (static buffers for
-        ``max_bs`` rows on ``device``; ``depths``: loop trip counts to capture, None for the
-        family's default)."""
+        """The decode graphs' :class:`GraphHooks` (static buffers for ``max_bs`` rows;
+        ``depths``: loop trip counts to capture, None: the family's default)."""
         return GraphHooks()
 
     # ----- the scheduler's hooks (scheduler/scheduler.py) -----
@@ -169,17 +157,14 @@ class Family:
         """``req`` lost its KV and waits to be recomputed."""
 
     def advance(self, req: Req, vec) -> bool:
-        """Move a latent-phase ``req`` past a forward that sampled for it (``vec``: its entry
-        of :meth:`latent_inputs`); the sampled token is discarded unless this returns True
-        (it is then the first answer token)."""
+        """Move a latent-phase ``req`` past a forward that sampled for it (``vec``: its
+        :meth:`latent_inputs` entry); True: the sampled token is the first answer token."""
         raise RuntimeError(f"request {req.rid} has no latent phase on {self.description}")
 
     def resolve(self, req: Req, token: int) -> bool:
-        """Settle the latent step ``advance`` took provisionally for ``req`` at a batch's
-        launch (overlap mode, ``decides_late`` families), now that the step's sampled
-        ``token`` is on the host: True when it stands; False when the family undid it
-        (``req``'s ids, latents and state as before that ``advance``), and the scheduler then
-        ends the latent phase (``advance(req, None)``)."""
+        """Settle the step ``advance`` took provisionally at launch (``decides_late``) with
+        its sampled ``token``: True when it stands; False when the family undid it (the
+        scheduler then ends the phase, ``advance(req, None)``)."""
         return True
 
     def budget_spent(self, req: Req, max_model_len: int) -> str | None:
@@ -191,9 +176,7 @@ class Family:
         return False
 
     def truncate(self, req: Req) -> None:
-        """``req.output_ids`` were cut (overlap mode: the request finished on a token of an
-        earlier batch than the last it was launched in); drop the family's per-token records
-        past them."""
+        """``req.output_ids`` were cut (overlap mode); drop per-token records past them."""
 
     def output_fields(self, req: Req, done: bool) -> dict:
         """The family's ``StepOutput`` fields for ``req`` (``done``: its final output)."""

@@ -17,18 +17,13 @@ from latentserve.latent.family import Admission, Family, GraphHooks
 
 
 class FeedbackFamily(Family):
-    # a latent step's input is the previous forward's hidden row, on the device; the phase
-    # moves on by counts (budget, end ids), never by a sampled token
-    overlaps = True
     budgeted = True
     traced = True
+    traced_under_tp = False
     streams_steps = True
     description = "a feedback-latent model"
 
     def admit(self, prompt_ids, params) -> Admission:
-        if self.engine.tp is not None and params.return_latent_trace:
-            raise ValueError("return_latent_trace is not supported with "
-                             "tensor_parallel_size > 1 on feedback-latent models")
         spec = self.spec
         budget = spec.resolve_budget(params.latent_budget)
 
@@ -49,8 +44,7 @@ class FeedbackFamily(Family):
             hooks.feedback = feedback
         return hooks
 
-    def thinking(self, req: Req) -> bool:
-        return req.answer_start is None and len(req.latent_embeds) < req.latent_budget
+    thinking = Family.budget_thinking
 
     def advance(self, req: Req, vec) -> bool:
         """Append the next latent position (input ``vec``) while budget remains, else the

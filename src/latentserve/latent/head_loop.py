@@ -222,6 +222,7 @@ class HeadFamily(Family):
     # later (latent/head_late.py)
     decides_late = True
     traced = True
+    traced_under_tp = False
     streams_steps = True
     takes_head_controls = True
     description = "a compression-head model"
@@ -244,9 +245,6 @@ class HeadFamily(Family):
         self._probs = DeviceToHost()  # overlap mode: stop probabilities to the host
 
     def admit(self, prompt_ids, params) -> Admission:
-        if self.engine.tp is not None and params.return_latent_trace:
-            raise ValueError("return_latent_trace is not supported with "
-                             "tensor_parallel_size > 1 on compression-head models")
         params, hs, start_ids = prepare_request(self.engine.runner.model, self.spec,
                                                 self.defaults, prompt_ids, params)
 

@@ -539,7 +539,6 @@ class RecurrentFamily(Family):
     latent inputs (the recurrence runs inside ``model.forward``)."""
 
     budgeted = True
-    packed_replay = False  # each forward carries its RecurrentBatch (per-row depths)
     traced = True
     takes_exit_fields = True
     description = "a recurrent-depth model"
