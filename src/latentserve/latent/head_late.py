@@ -1,17 +1,6 @@
 """Compression heads under the overlap scheduler: a closed-loop latent step is decided at
-launch from what the host knows, and settled when the step's sampled token and stop
-probability reach the host, one step later (``Family.decides_late``).
-
-At launch (``Scheduler.advance_launched``) a row whose stop may fire (``use_stop``, at least
-``min_latent`` steps; CoLaR: at least one) takes its next latent step as if the stop did not
-fire; a row at ``max_latent`` ends its phase either way (the stop only changes the end's
-name). When the step's outputs reach the host (``HeadFamily.resolve``) the stats take the
-step's stop probability; a fired stop undoes the provisional latent step (its id, input,
-trace entry and count; the request's generator back to its state before the draws and the
-sampled row of the undone step) and the scheduler ends the phase instead. The batch
-launched meanwhile computed that latent position: its row is discarded and its KV slot is
-written again by the closing ids. Outputs equal the synchronous engine's
-(``latent/head_loop.py`` ``next_inputs``), one wasted row per fired stop.
+launch and settled when its sampled token and stop probability reach the host
+(``Family.decides_late``); outputs equal the synchronous engine's.
 
 Design notes: docs/internals.md, "latentserve.latent.head_late".
 """
@@ -45,13 +34,11 @@ class HostFloats:
 
 @dataclass(slots=True)
 class Candidate:
-    """What one latent-phase row's launch computed for its next step: ``vec`` its next
-    input at latent temperature 0 and ``draw`` the drawn one (``(tensor, row)`` entries,
-    ``latent/vectors.py``; ``draw`` None when not drawn); ``rng``: the request's generator
-    state before the draw (None: no draw or no generator); ``probs``/``j``: the batch's
-    stop probabilities and this row's index in them (``probs`` None without a stop head);
-    ``entry``: the trace entry of the step (``return_latent_trace``, else None);
-    ``lens_p``: CoLaR's probability of its stop token, read for a traced row."""
+    """What a latent-phase row's launch computed: ``vec`` (temperature 0) and ``draw``
+    (None: not drawn) as ``(tensor, row)`` entries; ``rng``: the generator state before the
+    draw; ``probs``/``j``: the batch's stop probabilities (None without a stop head) and
+    the row's index; ``entry``: the step's trace entry; ``lens_p``: CoLaR's stop-token
+    probability (traced rows)."""
 
     vec: tuple
     draw: tuple | None
@@ -64,11 +51,10 @@ class Candidate:
 
 @dataclass(slots=True)
 class Late:
-    """A closed-loop decision taken at launch (``HeadSettings.late``) until it is settled:
-    ``k`` steps before it, its ``cand``, whether its stop ``may_fire``, whether the phase
-    ``ended`` at launch (the cap), whether a trace entry was appended (``traced``), and
-    ``rng``: the generator's state before the batch launched after it sampled the request's
-    row (``after_forward``), None when it did not."""
+    """A closed-loop decision taken at launch (``HeadSettings.late``) until settled: ``k``
+    steps before it, whether its stop ``may_fire``, whether the phase ``ended`` at the cap,
+    whether a trace entry was appended, and ``rng``: the generator state before the next
+    batch sampled the row (None: it did not)."""
 
     k: int
     cand: Candidate
@@ -80,10 +66,10 @@ class Late:
 
 def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torch.Tensor,
                precomputed, ring) -> list | None:
-    """Per sampling row of ``reqs`` its :class:`Candidate` (None: not in its latent phase),
-    or None when no row is in it. ``anchors``: ``[S, hidden]``; ``precomputed``: as for
-    ``head_loop.next_inputs`` (a callable); ``ring``: the ``DeviceToHost`` of the stop
-    probabilities. Reads the host only for a traced row. Changes no request state."""
+    """Per sampling row its :class:`Candidate` (None: not in its latent phase), or None
+    when no row is. ``anchors``: ``[S, hidden]``; ``precomputed``: as for
+    ``head_loop.next_inputs``; ``ring``: ``DeviceToHost`` for the stop probabilities.
+    Reads the host only for a traced row; changes no request state."""
     rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
     if not rows:
         return None
@@ -114,9 +100,11 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
                               gens)
         draws = {j: (out, m) for m, j in enumerate(drawn)}
     entries, lens_p = _trace(head, model, reqs, rows, open_, logits, vecs, host, draws)
-    return _spread(reqs, rows, [
-        Candidate((vecs, j), draws.get(j), rngs.get(j), host, j, entries.get(j), lens_p.get(j))
-        for j in range(len(rows))])
+    out: list = [None] * len(reqs)
+    for j, i in enumerate(rows):
+        out[i] = Candidate((vecs, j), draws.get(j), rngs.get(j), host, j, entries.get(j),
+                           lens_p.get(j))
+    return out
 
 
 def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[dict, dict]:
@@ -149,19 +137,9 @@ def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[d
     return entries, lens_p
 
 
-def _spread(reqs: list, rows: list[int], per_row: list) -> list:
-    """One entry per row of ``reqs``: ``per_row[m]`` at ``rows[m]``, None elsewhere."""
-    out: list = [None] * len(reqs)
-    for i, c in zip(rows, per_row):
-        out[i] = c
-    return out
-
-
 def decide(req: Req, cand: Candidate, stop_token: int | None):
-    """The latent step ``req`` takes at launch (closed loop): the next input (a
-    ``(tensor, row)`` entry) or None (the phase ends); records the :class:`Late` decision
-    for :func:`settle` and, for a step, its count and trace entry. Prompt mode: its one
-    latent, decided at once."""
+    """The step ``req`` takes at launch: the next input or None (the phase ends); records
+    the :class:`Late` decision for :func:`settle`. Prompt mode: its one latent, final."""
     h = req.state
     if h.mode == "prompt":
         h.steps, h.end = 1, "prompt"
@@ -183,8 +161,8 @@ def decide(req: Req, cand: Candidate, stop_token: int | None):
 
 
 def snapshot(req: Req) -> None:
-    """Before a batch samples ``req``'s row: keep its generator's state when that row may
-    be undone (``req``'s last latent step is provisional)."""
+    """Before a batch samples ``req``'s row: keep its generator state if the row may be
+    undone."""
     late = getattr(req.state, "late", None)
     if (late is not None and late.rng is None and late.may_fire and not late.ended
             and req.generator is not None):
@@ -192,9 +170,8 @@ def snapshot(req: Req) -> None:
 
 
 def settle(req: Req, token: int, stop_token: int | None) -> bool:
-    """Settle ``req``'s :class:`Late` decision with its row's sampled ``token`` and stop
-    probability (``Family.resolve``): True when it stands, False when a fired stop undid
-    the provisional latent step (the phase then ends)."""
+    """Settle ``req``'s :class:`Late` decision with its sampled ``token`` and stop
+    probability: True when it stands, False when a fired stop undid the step."""
     h = req.state
     late = getattr(h, "late", None)
     if late is None:

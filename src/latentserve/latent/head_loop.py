@@ -16,12 +16,10 @@ from latentserve.latent.head_late import Candidate, candidates, decide, settle, 
 
 
 def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
-    """A compression-head request's ``(params, HeadSettings, opening ids to append)``:
-    controls resolved against the server defaults, ``max_tokens`` raised by the
-    answer-budget floor (closed loop: floor + cap) when thinking is on. The opening ids
-    are not appended again when the prompt already ends with them (a chat template that
-    renders the opening). A head with its own ``prepare_request`` (CoLaR) decides all of
-    this itself. Raises ValueError naming a bad control or one the head does not take."""
+    """A head request's ``(params, HeadSettings, opening ids to append)``: controls
+    resolved against the server defaults, ``max_tokens`` raised by the answer-budget floor
+    when thinking; no opening ids when the prompt ends with them. A head with its own
+    ``prepare_request`` (CoLaR) decides itself. Raises ValueError naming a bad control."""
     from latentserve.latent.head import (
         CONTROLS,
         apply_output_floor,
@@ -51,22 +49,16 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
                 ) -> list | None:
     """Head decisions for the sampling rows in their latent phase, batched.
 
-    ``captured``: ``[S, hidden]``, each sampling row's anchor (the source-layer residual
-    stream; CoLaR: the final-normed hidden). ``tokens``: the step's sampled token of each
-    row (read when ``head.stop_token`` is set). Closed loop: stop when the stop probability >
-    threshold (CoLaR: the row's token is ``head.stop_token`` and a latent ran) after >=
-    ``min_latent`` steps, else end at ``max_latent``, else the next latent input (drawn by
-    ``head.sample`` for a request with ``latent_temperature`` > 0). Prompt mode: the latent
-    for the last prompt position. Returns one entry per row of ``reqs`` (None: not in the phase,
-    or the phase ends), or None when no row is in it; an input is a ``(tensor, row)`` pair
-    (``latent/vectors.py``): ``tensor[row]`` is the ``[hidden]`` float32 vector, one tensor
-    for the step's rows (no per-row views). ``precomputed``: ``(latent_input [S, hidden],
-    stop_prob [S] or None)`` for every sampling row, when a CUDA graph already ran the head
-    on ``captured`` (static buffers: the inputs kept are copied out of them), or a
-    zero-argument callable returning that tuple or None (called only when some row is in its
-    latent phase, so a plain step does not run the head). With ``head.record_latents``
-    (:func:`set_policy_sampling`) each closed-loop row's input is also kept in its request's
-    ``actions``.
+    ``captured``: ``[S, hidden]`` anchors (source-layer residual stream; CoLaR: final-normed
+    hidden). ``tokens``: sampled ids (read when ``head.stop_token`` is set). Closed loop:
+    stop when the stop probability > threshold (CoLaR: the token is ``stop_token`` after a
+    latent) after ``min_latent`` steps, else end at ``max_latent``, else the next input
+    (drawn by ``head.sample`` at ``latent_temperature`` > 0). Prompt mode: the last prompt
+    position's latent. Returns per row a ``(tensor, row)`` entry (``[hidden]`` float32) or
+    None, or None when no row is in its phase. ``precomputed``: ``(latent_input [S, hidden],
+    stop_prob [S] or None)`` a CUDA graph computed (static buffers), or a callable giving
+    it, called only when some row is in its phase. ``head.record_latents``: each
+    closed-loop input is also kept in ``actions``.
     """
     rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
     if not rows:
@@ -134,8 +126,7 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
 
 
 def _record_inputs(reqs: list[Req], out: list) -> None:
-    """Append each closed-loop row's next latent input (``out[i]``, float32, one copy to
-    the CPU for the step) to its request's ``HeadSettings.actions``."""
+    """Append each closed-loop row's next input (float32, CPU) to its ``actions``."""
     rows = [i for i, e in enumerate(out) if e is not None and reqs[i].state.mode == "closed_loop"]
     if not rows:
         return
@@ -149,19 +140,12 @@ def _record_inputs(reqs: list[Req], out: list) -> None:
 
 
 def set_policy_sampling(head, sigma: float | None = None, *, record: bool = False) -> None:
-    """Engine options for GRPO rollouts. ``head``: the engine's latent head
-    (``engine.runner.model.latent_head``).
+    """Engine options for GRPO rollouts on ``head`` (``engine.runner.model.latent_head``).
 
-    Compression head (``train/grpo.py``): with ``sigma`` > 0 every closed-loop latent step
-    injects ``decode(z)`` with ``z ~ N(mu, sigma^2 I)`` instead of ``mu`` and records
-    ``(anchor, z)`` in the request's ``latent_stats["actions"]``; ``sigma`` 0 injects ``mu``
-    and records ``(anchor, mu)`` (DAgger rollouts, ``train/dagger.py``); None restores MAP
-    decoding without recording.
-
-    ``record`` (``sigma`` None; CoLaR, ``train/colar_grpo.py``, whose requests draw their own
-    latents at their ``latent_temperature``): every closed-loop latent step records the input
-    it injects, ``[hidden]`` float32 on the CPU (before the cast to the serving dtype), in
-    ``latent_stats["actions"]``; False stops recording.
+    ``sigma`` > 0: each closed-loop step injects ``decode(z)``, ``z ~ N(mu, sigma^2 I)``,
+    and records ``(anchor, z)`` in ``latent_stats["actions"]``; 0: ``mu``, recorded (DAgger);
+    None: MAP decoding, nothing recorded. ``record`` (CoLaR, sigma None): each closed-loop
+    step records its injected input, ``[hidden]`` float32 on the CPU.
 
     Raises ValueError for sigma < 0, or ``record`` with a sigma."""
     if sigma is not None and not sigma >= 0:
@@ -173,53 +157,12 @@ def set_policy_sampling(head, sigma: float | None = None, *, record: bool = Fals
     head.record_latents = bool(record)
 
 
-def advance(req: Req, vec, latent_id: int) -> bool:
-    """Move ``req`` past one forward (``vec``: its ``(tensor, row)`` entry from
-    :func:`next_inputs`, or None; the sampled token of a latent-phase row is always
-    discarded). Returns True when that sampled token is already the first answer token (no
-    closing ids).
-
-    Closed loop: ``vec`` is the next latent position's input (``latent_id``, the reserved pad
-    id, goes in its id slot); None ends the phase and the closing ids are forced. Prompt
-    mode: ``vec`` replaces the input of the last prompt position, which is recomputed (its KV
-    slot is rewritten; from then on it is outside the cacheable prefix).
-    """
-    if req.state.mode == "prompt":
-        req.latent_start = len(req.prompt_ids) - 1
-        req.latent_embeds = [vec]
-        req.num_computed = req.latent_start
-        req.answer_start = len(req.output_ids)
-        return False
-    if vec is not None:
-        req.latent_embeds.append(vec)
-        req.output_ids.append(latent_id)
-        return False
-    req.output_ids.extend(req.state.end_ids)
-    req.answer_start = len(req.output_ids)
-    return not req.state.end_ids
-
-
-def budget_spent(req: Req, max_model_len: int) -> str | None:
-    """"length" when a head request's latent phase has spent ``max_tokens`` (unless it
-    counts answer tokens only, ``HeadSettings.answer_budget``) or leaves no room in the
-    context for the closing ids and one answer token; else None."""
-    if req.answer_start is not None and req.state.mode == "prompt":
-        return None
-    closing = len(req.state.end_ids) if req.answer_start is None else 0  # still to come
-    spent = not req.state.answer_budget and len(req.output_ids) >= req.params.max_tokens
-    if spent or req.seq_len + closing >= max_model_len:
-        return "length"
-    return None
-
-
 class HeadFamily(Family):
-    """The engine's :class:`~latentserve.latent.family.Family` for compression-head models
-    (``LatentSpec.kind == "head"``): controls resolved by :func:`prepare_request` against the
-    server defaults (``latent.head.head_defaults``, read once at start-up; ValueError if
-    malformed), latent inputs by :func:`next_inputs`."""
+    """The :class:`~latentserve.latent.family.Family` of compression-head models
+    (``LatentSpec.kind == "head"``): controls by :func:`prepare_request` against the server
+    defaults (``head.head_defaults``, read at start-up; ValueError if malformed), latent
+    inputs by :func:`next_inputs` (overlap mode: ``latent/head_late.py``)."""
 
-    # under the overlap scheduler a closed-loop step is decided at launch and settled a step
-    # later (latent/head_late.py)
     decides_late = True
     traced = True
     traced_under_tp = False
@@ -229,8 +172,7 @@ class HeadFamily(Family):
 
     @property
     def overlaps(self) -> bool:
-        """Whether steps may overlap: not while GRPO rollouts draw or record policy latents
-        (``set_policy_sampling``: global RNG draws, host copies of every step)."""
+        """Not while GRPO rollouts draw or record policy latents (``set_policy_sampling``)."""
         head = self.engine.runner.model.latent_head
         return (getattr(head, "policy_sigma", None) is None
                 and not getattr(head, "record_latents", False))
@@ -261,35 +203,55 @@ class HeadFamily(Family):
         return req.answer_start is None and req.state is not None
 
     def after_forward(self, batch) -> None:
-        """Overlap mode: keep the generator state of a row that may be undone
-        (``head_late.snapshot``) before the batch samples it."""
+        """Overlap mode: keep the generator state of a row that may be undone."""
         for req, sample in zip(batch.reqs, batch.sample):
             if sample and req.generator is not None and req.state is not None:
                 snapshot(req)
 
     def advance(self, req: Req, vec) -> bool:
-        """``vec``: a ``head_late.Candidate`` under the overlap scheduler (decided here,
-        ``head_late.decide``), else the input ``next_inputs`` chose."""
+        """``vec``: the next input, or None (the phase ends: closing ids forced); a
+        ``head_late.Candidate`` under the overlap scheduler, decided here. Closed loop: the
+        input of a new latent position (id ``latent_id``). Prompt mode: the input of the
+        last prompt position, which is recomputed (then outside the cacheable prefix)."""
         if isinstance(vec, Candidate):
             vec = decide(req, vec, self.engine.runner.model.latent_head.stop_token)
-        return advance(req, vec, self.spec.latent_id)
+        if req.state.mode == "prompt":
+            req.latent_start = len(req.prompt_ids) - 1
+            req.latent_embeds = [vec]
+            req.num_computed = req.latent_start
+            req.answer_start = len(req.output_ids)
+            return False
+        if vec is not None:
+            req.latent_embeds.append(vec)
+            req.output_ids.append(self.spec.latent_id)
+            return False
+        req.output_ids.extend(req.state.end_ids)
+        req.answer_start = len(req.output_ids)
+        return not req.state.end_ids
 
     def resolve(self, req: Req, token: int) -> bool:
         return settle(req, token, self.engine.runner.model.latent_head.stop_token)
 
     def budget_spent(self, req: Req, max_model_len: int) -> str | None:
-        reason = budget_spent(req, max_model_len) if req.state is not None else None
-        if reason is not None:
-            req.state.end = req.state.end or "length"
-        return reason
+        """"length" when the latent phase spent ``max_tokens`` (unless
+        ``HeadSettings.answer_budget``) or leaves no room for the closing ids and one answer
+        token."""
+        h = req.state
+        if h is None or (req.answer_start is not None and h.mode == "prompt"):
+            return None
+        closing = len(h.end_ids) if req.answer_start is None else 0  # still to come
+        spent = not h.answer_budget and len(req.output_ids) >= req.params.max_tokens
+        if spent or req.seq_len + closing >= max_model_len:
+            h.end = h.end or "length"
+            return "length"
+        return None
 
     def latents_count_as_output(self, req: Req) -> bool:
         return req.state is not None and not req.state.answer_budget
 
     def output_fields(self, req: Req, done: bool) -> dict:
-        """Latent steps, and the head's stats on the final output and, once, on the output
-        of the step its latent phase settles in (so a request a stop string later aborts,
-        which gets no final output, still has them)."""
+        """Latent steps, and the head's stats on the final output and once on the output of
+        the step its phase settles in (a request a stop string aborts still has them)."""
         fields = super().output_fields(req, done)
         h = req.state
         if h is not None and (done or (h.settled and not h.reported)):
@@ -298,9 +260,9 @@ class HeadFamily(Family):
         return fields
 
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
-        """The latent inputs of :func:`next_inputs`; with ``return_latent_trace``, each
-        closed-loop latent step's entry (:func:`trace_steps`). Under the overlap scheduler
-        (``tokens`` None) each row's ``head_late.Candidate``, decided in :meth:`advance`."""
+        """:func:`next_inputs`, with each traced closed-loop step's entry
+        (:func:`trace_steps`); overlap mode (``tokens`` None): each row's
+        ``head_late.Candidate``."""
         runner = self.engine.runner
         anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
         if tokens is None:
@@ -322,12 +284,9 @@ class HeadFamily(Family):
 
 
 def trace_steps(model, reqs: list[Req], rows: list[int], out: list) -> None:
-    """Append one trace entry to each of ``rows`` of ``reqs`` whose :func:`next_inputs`
-    entry ``out[i]`` is a new latent input: its logit lens (``latent/lens.py``) and
-    ``stop_prob``, the stop probability read at the decision that ran the step (from the
-    output of the position before it; CoLaR: the LM head's probability of ``###``; None for
-    a head without a stop). The decision that ends the phase runs no step: its probability
-    is the stats' ``end_stop_prob``."""
+    """Append to each of ``rows`` whose ``out[i]`` is a new latent input its lens entry
+    (``latent/lens.py``) with ``stop_prob``, read at the decision that ran the step (CoLaR:
+    the LM head's probability of ``###``; None without a stop)."""
     from latentserve.latent.lens import lens_entries
 
     stepped = [i for i in rows if out[i] is not None]
