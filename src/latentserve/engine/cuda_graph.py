@@ -18,42 +18,25 @@ def graph_buckets(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Captures ``model`` decode steps for each bucket and replays them.
+    """Captures ``model`` decode steps for each bucket (and loop depth) and replays them.
 
-    Args:
-        model: the model (``forward(ids, positions, input_embeds, latent_mask)`` and
-            ``compute_logits``). backend: a ``TritonBackend``. kv_pool / table: the KV pool
-            and page table. max_bs: largest batch captured. hidden_size, dtype: of the model.
-        capture_layer: decoder layer whose output goes to ``capture_buf`` (-1: none).
-        latent_capable: bind the inject buffers (True in the engine; False only lets the
-            benchmark measure what binding them costs).
-        graph_depths: the loop trip counts captured (recurrent depth; None: the family's
-            default, ``Family.graph_hooks``).
+    ``capture_layer``: decoder layer whose output goes to ``capture_buf`` (-1: none).
+    ``latent_capable``: bind the inject buffers (False only for a benchmark of their cost).
+    ``graph_depths``: loop trip counts (None: ``Family.graph_hooks``' default).
 
-    ``replay(ids, pos, rows, kv_lens, out_slots, embeds, mask, rec, mask_all)`` takes ``[B]``
-    device tensors (``embeds [B, hidden]`` any float dtype, ``mask [B] bool``, both None for
-    a batch without latent rows; ``mask_all``: every row takes its ``embeds`` row, ``mask``
-    is then not read; ``rec`` the batch's forward context, ``Family.forward_context``, which
-    ``hooks`` copies to static buffers) with B <= max_bs and returns
-    ``(logits [B, vocab] float32, hidden [B, hidden])`` views of static outputs, valid until
-    the next replay; ``greedy`` is then their row-wise argmax ``[B] int64`` (a view too)
-    for a model without a ``LatentSpec`` (else None). ``replay_packed`` is ``replay`` from
-    the batch's packed index vectors (a family without a forward context). A closed-loop compression
-    head (``model.latent_head``) runs in a second, small graph per bucket (the *latent
-    graph*) on the captured anchors, replayed by
-    ``latent_outputs()`` only for a step that has rows in their latent phase, so plain decode
-    steps of a head model cost what the bare backbone's do; it returns ``(latent_input [n,
-    hidden] float32, stop_prob [n] float32 or None)``. A family whose hooks give a
-    ``feedback`` module (CODI's ``prj``) gets the same: its latent graph maps the step's
-    final hidden ``[n, hidden]`` to the next input embeddings ``[n, hidden]`` (model
-    dtype). Both are views of static buffers, valid until the next replay.
-    ``num_latent_replays`` counts the latent-graph replays.
+    ``replay`` takes ``[B]`` device tensors (``embeds [B, hidden]``, ``mask [B] bool``, None
+    without latent rows; ``mask_all``: every row takes its ``embeds`` row; ``rec``: the
+    forward context) with B <= max_bs and returns ``(logits [B, vocab] float32, hidden [B,
+    hidden])``, views of static outputs valid until the next replay; ``greedy`` is then their
+    argmax ``[B] int64`` for a model without a ``LatentSpec`` (else None). A closed-loop
+    head (``model.latent_head``) or a hooks' ``feedback`` module (CODI's ``prj``) runs in a
+    second graph per bucket (the *latent graph*), replayed by ``latent_outputs()`` only for
+    a step with latent rows: ``(latent_input [n, hidden] float32, stop_prob [n] or None)``,
+    or the next input embeddings ``[n, hidden]``; ``num_latent_replays`` counts them.
     """
 
-    GREEDY = True  # False: no argmax in the graphs, the sampler launches it (A/B runs)
-    # False: the graphs' argmax reads the logits back instead of coming from the LM head's
-    # epilogue (``compute_logits_greedy``; A/B runs)
-    LM_HEAD_ARGMAX = True
+    GREEDY = True  # False: no argmax in the graphs (A/B runs)
+    LM_HEAD_ARGMAX = True  # False: the argmax reads the logits back, not the LM head's (A/B)
     _wait = None  # the event the next replay waits for (wait_before_replay)
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
@@ -177,9 +160,8 @@ class CudaGraphRunner:
                 and getattr(model, "compute_logits_greedy", None) is not None)
 
     def latent_outputs(self):
-        """The latent graph's outputs for the ``n`` rows of the last replay (see the class
-        docstring); the graph is replayed on the first call after each decode replay. None
-        for a model without a latent graph. Raises RuntimeError before any replay."""
+        """The latent graph's outputs for the last replay's rows, replayed on the first call
+        after it; None without a latent graph. Raises RuntimeError before any replay."""
         if self.head is None and self.feedback is None:
             return None
         if self._last is None:
@@ -198,16 +180,6 @@ class CudaGraphRunner:
     @property
     def max_bs(self) -> int:
         return self.buckets[-1]
-
-    def can_replay(self, rec) -> bool:
-        """Whether a batch with forward context ``rec`` fits a captured graph
-        (``GraphHooks.fits``)."""
-        return self.hooks.fits(rec)
-
-    def replayed(self, rec, n: int) -> None:
-        """After a replay of ``n`` rows: fill the forward context ``rec`` with what the graph
-        wrote (``GraphHooks.replayed``)."""
-        self.hooks.replayed(rec, n)
 
     def replay(self, ids, pos, rows, kv_lens, out_slots, embeds=None, mask=None, rec=None,
                mask_all: bool = False):
@@ -230,14 +202,11 @@ class CudaGraphRunner:
 
     def replay_packed(self, packed, n: int, num_pending: int = 0, pending=None, embeds=None,
                       mask=None, mask_all: bool = False, writes: tuple | None = None):
-        """``replay`` for a family without a forward context, from the batch's packed index
-        vectors (``ModelRunner.run``'s one host-to-device copy; layout in
-        ``ops.kernels.decode_inputs``), unpacked into the static buffers by one kernel that
-        also substitutes the ``num_pending`` ids still being sampled (``pending``, the
-        previous step's tokens) and looks up each token's KV slot in the page table.
-        ``writes``: ``(m, slots [m] int64)``, staged page-table writes whose rows and
-        columns end ``packed`` (``PageTable.take_staged``); the same kernel makes them.
-        Raises RuntimeError for a family with a forward context (``GraphHooks.packed``)."""
+        """``replay`` from the batch's packed index vectors (layout in
+        ``ops.kernels.decode_inputs``), unpacked by one kernel that also substitutes the
+        ``num_pending`` ids from ``pending`` (the previous tokens), looks up the KV slots and
+        makes the staged page-table ``writes`` (``(m, slots [m] int64)``). Raises
+        RuntimeError for a family with a forward context (``GraphHooks.packed``)."""
         from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
 
         if not self.hooks.packed:
@@ -250,10 +219,8 @@ class CudaGraphRunner:
         return self._launch(0, b, n, embeds, mask, mask_all)
 
     def wait_before_replay(self, event) -> None:
-        """Make the next replay (any graph) wait on the current stream for ``event``: a
-        copy on another stream still reading a static output buffer (the overlap
-        scheduler's token copy, ``staging.DeviceToHost(side_stream=True)``). Copies on
-        one side stream run in order, so only the latest event is kept."""
+        """Make the next replay wait for ``event`` (a side-stream copy still reading a static
+        output; side-stream copies run in order, so only the latest is kept)."""
         self._wait = event
 
     def _launch(self, depth, b, n, embeds, mask, mask_all):

@@ -22,12 +22,9 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     """Loads ``config.model`` and serves requests step by step.
 
-    Attributes: ``tokenizer`` (transformers; ``models.checkpoint.NoTokenizer`` for a
-    directory without tokenizer files), ``sampling_defaults`` (``SamplingParams`` keyword
-    defaults from the model's generation config, ``models/generation_config.py``; applied
-    by ``LLM`` and the server, not by :meth:`add_request`), ``model_name`` (str),
-    ``max_model_len`` (int),
-    ``num_kv_slots`` (int), ``runner`` (ModelRunner), ``scheduler`` (Scheduler).
+    ``tokenizer``: ``models.checkpoint.NoTokenizer`` without tokenizer files;
+    ``sampling_defaults``: ``SamplingParams`` defaults from the generation config, applied by
+    ``LLM`` and the server, not by :meth:`add_request`.
 
     Raises (constructor): FileNotFoundError / ValueError from model resolution and loading;
     ValueError when the KV pool cannot hold one full-length request.
@@ -173,23 +170,13 @@ class LLMEngine:
                  self.max_model_len)
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError (naming the field) for an empty prompt, a prompt
-        of max_model_len tokens or more (latent positions and transition tokens included), a
-        prompt token id or ``stop_token_ids`` entry outside the vocabulary ``[0,
-        vocab_size)``, a prompt the KV pool cannot hold, a latent_budget above the model's
-        cap, a duplicate ``rid``, or ``params.n`` other than 1 (``LLM.generate`` and the
-        server fan ``n`` out).
-
-        The served model's family (``self.family``, ``latent/family.py``) admits the request
-        first: it resolves the latent fields (``latent_budget``: latent steps, block passes
-        or recurrences; a head's controls; a recurrent model's ``exit_*`` fields and
-        ``exit_semantics``, None = ``config.exit_semantics``) and says what it adds to the
-        prompt; each family's module documents its rules and refusals. Fields a family does
-        not take are a ValueError naming them (a head's ``enable_thinking``-style controls
-        on a model without a head are ignored, as a chat client may send them).
-        ``upstream_stop_rules`` (None: ``config.upstream_stop_rules``) sets the request's
-        EOS rule to ``LatentSpec.upstream_eos_from``; True on a family without one is a
-        ValueError naming the field."""
+        """Queue a request. Raises ValueError naming the field for an empty prompt, one of
+        max_model_len tokens or more (latent and transition positions included), a prompt
+        id or ``stop_token_ids`` entry outside ``[0, vocab_size)``, a prompt the KV pool
+        cannot hold, a duplicate ``rid``, ``params.n`` other than 1, latent fields the
+        family refuses (``Family.admit``) or does not take (a head's thinking controls on
+        another model are ignored), and ``upstream_stop_rules`` on a family without an
+        upstream EOS rule (None: ``config.upstream_stop_rules``)."""
         if rid in self._rids:
             raise ValueError(f"request id {rid!r} is already running")
         req = self._prepare(rid, prompt_token_ids, params)
@@ -202,14 +189,11 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Every check :meth:`add_request` makes of a prompt and its params, nothing queued
-        (the server's ``/v1/messages/count_tokens`` and other dry runs). Raises the same
-        ValueError ``add_request`` would."""
+        """The checks of :meth:`add_request`, nothing queued (dry runs); same ValueErrors."""
         self._prepare("", prompt_token_ids, params)
 
     def _prepare(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> Req:
-        """The checks of :meth:`add_request` and the unqueued ``Req`` they admit (no engine
-        state changes)."""
+        """The checks of :meth:`add_request` and the unqueued ``Req`` they admit."""
         if params.n != 1:
             raise ValueError(f"n must be 1 for one engine request, got {params.n} (LLM.generate "
                              "and the server's n fan a prompt out into n requests)")
@@ -337,9 +321,8 @@ class LLMEngine:
             stop_workers(self._tp_procs)
 
     def dead_workers(self) -> list[str]:
-        """The tensor-parallel workers that have exited, as ``"rank R (exit code C)"``
-        (empty at TP 1 and after ``shutdown``). A dead rank is never recovered: every later
-        step fails, so the caller should stop serving."""
+        """Exited tensor-parallel workers as ``"rank R (exit code C)"`` (a dead rank is never
+        recovered: stop serving)."""
         if self.tp is None:
             return []
         return [f"rank {r} (exit code {p.returncode})"
@@ -354,13 +337,9 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Schedule, forward once, sample, and return what each request produced.
 
-        Rows whose request asked for ``logprobs`` get them on their ``StepOutput``. A
-        sampling failure is isolated to its request: if the batched sampler raises, rows are
-        sampled one at a time and a request whose own row raises finishes with
-        ``finish_reason="error"`` (``error`` says why) while the others go on. An exception
-        from the forward itself propagates (the caller decides what to fail).
-        With ``config.use_overlap_schedule`` (on CUDA by default) a step that can overlap
-        returns the tokens of the batch launched by the previous step (``engine/overlap.py``).
+        A sampling failure finishes only its request (``finish_reason="error"``); an
+        exception from the forward propagates. An overlapped step
+        (``config.use_overlap_schedule``) returns the previous step's batch's tokens.
         """
         if self.config.use_overlap_schedule:
             from latentserve.engine import overlap
@@ -392,10 +371,8 @@ class LLMEngine:
         return self._retire(outs)
 
     def _after_forward(self, batch, logits: torch.Tensor) -> tuple[torch.Tensor, list[Req]]:
-        """After ``batch``'s forward, before sampling: the family's ``after_forward``, the
-        spec's ``suppress_ids`` masked out of ``logits [S, vocab]`` and, after a replay
-        with rows in their latent phase, the latent graph queued (it runs while the host
-        samples). Returns the logits to sample and the sampling rows' requests."""
+        """Before sampling: ``Family.after_forward``, ``suppress_ids`` masked out of ``logits``,
+        the latent graph queued for latent rows. Returns the logits and sampling requests."""
         self.family.after_forward(batch)
         if self.latent_spec is not None and self.latent_spec.suppress_ids:
             ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
@@ -422,9 +399,8 @@ class LLMEngine:
         return outs
 
     def _sample(self, logits, reqs, greedy=None, mask=None) -> tuple[list[int], list]:
-        """Tokens and logprobs for the sampling rows, batched (``greedy``: the argmax of the
-        logits' rows, when known; ``mask``: their ``TokenMask``); row by row when that fails
-        (a row that still fails gets placeholder token 0 and its rid in ``_failed``)."""
+        """Tokens and logprobs, batched; row by row when that fails (a failing row gets
+        token 0 and its rid in ``_failed``)."""
         from latentserve.sampling import TokenMask, sample_with_logprobs
 
         if not reqs:
@@ -452,9 +428,8 @@ class LLMEngine:
         return tokens, logprobs
 
     def _apply_failures(self, outs: list[StepOutput]) -> list[StepOutput]:
-        """Turn failed requests' outputs into one final ``"error"`` output each: a request
-        finishing this step is reported now; one still running is aborted (its final output,
-        next step, is rewritten) and its placeholder token is dropped."""
+        """Failed requests' outputs become one final ``"error"`` output each (a running one is
+        aborted; its placeholder token dropped)."""
         kept = []
         for o in outs:
             error = self._failed.get(o.rid)
@@ -471,16 +446,9 @@ class LLMEngine:
         return kept
 
     def stats(self) -> dict[str, int]:
-        """A snapshot for monitoring, all ints, cheap enough for every health check.
-
-        ``num_running`` / ``num_waiting``: admitted and queued requests.
-        ``kv_slots_total``: the KV pool in tokens; ``kv_slots_free``: slots in the allocator;
-        ``kv_slots_cached``: slots owned by the radix cache (``kv_slots_evictable`` of them
-        unlocked). With no request admitted, ``free + cached == total``.
-        ``prefix_cache_queries`` / ``prefix_cache_hits``: prompt tokens of requests at their
-        first admission since start-up, and how many of them the prefix cache served.
-        ``num_preemptions``, ``num_forward_tokens``: cumulative.
-        """
+        """A cheap monitoring snapshot, all ints. With no request admitted ``kv_slots_free +
+        kv_slots_cached == kv_slots_total``; ``prefix_cache_queries`` / ``_hits``: prompt
+        tokens at first admission and those the prefix cache served."""
         alloc, radix = self.cache.allocator, self.cache.radix
         return {
             "num_running": len(self.scheduler.running),
@@ -496,19 +464,13 @@ class LLMEngine:
         }
 
     def warmup(self) -> None:
-        """Run tiny requests to completion before serving: a 4-token prompt (on the fast
-        path ``layers.DECODE_ROWS + 1`` tokens, so the prefill takes the cuBLAS GEMMs and
-        the decode the decode-sized ones) and 2 greedy tokens with logprobs (one prefill and
-        one decode forward, the sampler and the log-softmax), so one-off costs (allocator
-        growth, kernel selection and compiles) are paid here and not by the first client.
-        On the fast path a second request's prompt of ``layers.QKV_ROPE_ROWS[0]`` tokens
-        compiles the q/k/v + RoPE kernel too (when those rows take it and the prompt fits).
-        When the model's own extra tokens leave no room for the long prompt, 4 tokens are
-        used. Afterwards the prefix cache is emptied and the prefix-cache counters are zero
-        (the forward-token and graph-step counters keep the warm-up's counts).
+        """Run tiny requests to completion so one-off costs (allocator growth, kernel
+        compiles) are paid before serving: a prompt of 4 tokens (fast path:
+        ``layers.DECODE_ROWS + 1``, then ``QKV_ROPE_ROWS[0]``) and 2 greedy tokens with
+        logprobs. Empties the prefix cache and zeroes its counters after.
 
-        Raises RuntimeError when requests are queued; whatever the forward raises. A model
-        whose context cannot hold the warm-up request is left cold (logged).
+        Raises RuntimeError when requests are queued. A model whose context cannot hold the
+        request is left cold (logged).
         """
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine")
@@ -521,9 +483,8 @@ class LLMEngine:
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
 
     def _warm_request(self, lengths, quiet: bool = False) -> bool:
-        """One warm-up request with the first prompt length of ``lengths`` that fits (see
-        ``warmup``), run to completion; False when none fits (logged as a skipped warm-up
-        unless ``quiet``: the optional second request)."""
+        """One warm-up request with the first length of ``lengths`` that fits, run to
+        completion; False when none fits (logged unless ``quiet``)."""
         rid = "__latentserve_warmup__"
         # A head model runs one latent step (no floor, where the head has one), so the head
         # runs too.
@@ -547,8 +508,8 @@ class LLMEngine:
 
     @property
     def _latent_graph(self) -> bool:
-        """The decode graphs have a latent graph (closed-loop head or CODI's prj) whose
-        outputs are used (a GRPO rollout's policy sampling runs the head eagerly)."""
+        """The decode graphs have a latent graph whose outputs are used (not under GRPO
+        policy sampling)."""
         g = self.runner.graphs
         if g is None or (g.head is None and g.feedback is None):
             return False
@@ -561,8 +522,7 @@ def _upstream_eos_from(spec) -> int:
 
 
 def _no_upstream_rule(spec) -> str:
-    """The refusal of ``upstream_stop_rules`` on a model whose family has no upstream stop
-    rule of its own."""
+    """The refusal of ``upstream_stop_rules`` on a family without an upstream stop rule."""
     return ("upstream_stop_rules needs a model family whose upstream code ends on EOS "
             f"differently from the engine (COCONUT, PCCoT), not {_a_model(spec)}: it would "
             "change nothing (leave it unset or false)")

@@ -24,30 +24,18 @@ class ModelRunner:
     """Runs forwards of ``model`` over the paged ``kv_pool``.
 
     ``run(batch)`` returns ``(logits [S, vocab] float32, last_hidden [S, hidden])`` for the S
-    rows with ``batch.sample`` set (in batch order): the final-normed hidden state of each
-    such request's last position, which latent families feed back.
-    Positions a request computes inside its latent span take ``req.latent_embeds`` as input
-    (``(tensor, row)`` entries, ``latent/vectors.py``): the rows of one tensor in token order
-    are injected as a slice of it, else gathered with one ``index_select`` (rows of one
-    tensor) or stacked (several tensors); rows without a vector are masked out.
-    ``num_computed_tokens`` counts every token forwarded (prefix-cache tests read it);
-    ``num_graph_steps`` the decode steps replayed from CUDA graphs. With
-    ``set_capture(layer)``, ``last_captured`` holds ``[S, hidden]``: the residual stream after
-    ``layer`` decoder layers at each sampling row's last position (compression heads read it).
-    ``last_hidden_all`` is the last forward's final-normed hidden at every position
-    (``[num_tokens, hidden]``, batch order; looped blocks read it).
-    ``last_greedy``: after a replayed run whose graph returns them, the argmax ``[S]
-    int64`` of the returned logits (a view of a static buffer, valid until the next run),
-    else None. ``replayed``: whether the last run replayed a CUDA graph; its outputs (and
-    ``last_hidden_all``, ``latent_outputs()``) may then be views of the graph's static
-    buffers, overwritten by the next replay, so a caller that keeps them copies them first.
-    Each forward also gets the model family's context (``Family.forward_context``: for a
-    recurrent-depth model a ``RecurrentBatch``, per-row depth and exit rule,
-    ``ForwardContext.recurrent``, and each token's depth, ``ForwardContext.depths``);
-    sampling rows' iteration counts go to their requests.
-    After each run, ``prompt_hidden`` lists ``(req, start, hidden [q_len, hidden])`` for the
-    requests with ``params.prompt_logprobs`` set whose chunk holds prompt positions
-    ``start ..`` (such batches run eagerly; empty for every other batch).
+    rows with ``batch.sample`` set, in batch order (final-normed hidden of each last
+    position). Positions inside a request's latent span take ``req.latent_embeds``
+    (``(tensor, row)`` entries, ``latent/vectors.py``). Each forward gets the family's
+    context (``Family.forward_context``).
+
+    After a run: ``last_captured`` ``[S, hidden]``, the residual stream after
+    ``set_capture(layer)`` layers at each sampling row; ``last_hidden_all`` ``[num_tokens,
+    hidden]``; ``last_greedy``, the argmax ``[S] int64`` a replayed graph returned, else
+    None; ``replayed``: the outputs may be views of a graph's static buffers, overwritten by
+    the next replay (copy to keep); ``prompt_hidden``: ``(req, start, hidden [q_len,
+    hidden])`` of chunks holding prompt positions of requests with ``prompt_logprobs``.
+    Counters: ``num_computed_tokens`` (tokens forwarded), ``num_graph_steps`` (replays).
     """
 
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
@@ -78,19 +66,16 @@ class ModelRunner:
         self.capture_layer = layer
 
     def release_graphs(self) -> None:
-        """Drop the captured decode graphs (later decode steps run eagerly) and wait for the
-        device. Tensor parallelism calls it before leaving the process group: graphs that
-        captured NCCL collectives keep the communicator busy."""
+        """Drop the captured decode graphs and wait for the device (before leaving a TP
+        process group: graphs that captured NCCL collectives keep the communicator busy)."""
         self.graphs = None
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def latent_outputs(self):
-        """After a replayed run, the sampling rows' outputs of the decode graph's latent
-        graph (``CudaGraphRunner.latent_outputs``: a closed-loop head's ``(latent_input [S, H]
-        float32, stop_prob [S] or None)``, or CODI's projected ``[S, H]``), replayed now;
-        None after an eager run or for a model without a latent graph. Views of static
-        buffers when every row samples, valid until the next run."""
+        """After a replayed run, the sampling rows' outputs of the latent graph
+        (``CudaGraphRunner.latent_outputs``), replayed now; None after an eager run or
+        without a latent graph."""
         if not self.replayed or self.graphs is None:
             return None
         out = self.graphs.latent_outputs()
@@ -113,10 +98,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending: tuple | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``pending`` (overlap mode, ``engine/overlap.py``): ``(tokens [S'] int64 on the
-        device, {id(req): row})``, the previous forward's sampled tokens, not yet on the
-        host; a request in the map whose chunk ends at its last id (the pending id) takes
-        ``tokens[row]`` as that id, substituted on the device."""
+        """``pending`` (overlap mode): ``(tokens [S'] int64 on the device, {id(req): row})``,
+        the previous forward's tokens; a mapped request whose chunk ends at its pending id
+        takes ``tokens[row]`` there, substituted on the device."""
         ids: list[int] = []
         pos: list[int] = []
         last: list[int] = []
@@ -163,14 +147,10 @@ class ModelRunner:
         # also makes the scheduler's staged page-table writes (PageTable.stage).
         packed_replay = fits_graph and self.graphs is not None and self.graphs.hooks.packed
         staged = self.table.staged if packed_replay else None  # taken at the replay
-        # One host-to-device copy for every index vector of the batch:
-        # ids [T] | positions [T] | page-table row of each token [T] | rows [B] | kv_lens [B]
-        # | latent mask [T] (only when some rows take no vector) | latent source row of each
-        # token [T] (only when the latent vectors are not already one slice in token order)
-        # | overlap mode: token rows with a pending id, and their rows in the previous tokens
-        # | packed replays: the staged page-table writes' rows and columns.
-        # NOTE: through array('q'): torch.tensor of a long int list costs ~0.1 us an element;
-        # and through a pinned buffer (staging.py), so the copy never waits for the device.
+        # One host-to-device copy (array('q'), pinned buffer) for every index vector:
+        # ids [T] | positions [T] | page-table row per token [T] | rows [B] | kv_lens [B]
+        # | latent mask [T] (some rows take no vector) | latent source rows [T] (not one
+        # slice) | pending token rows, their rows in the previous tokens | staged writes.
         cells = array("q", ids + pos + row_tok + [r.row for r in batch.reqs] + kv_lens
                       + mask_l + src_rows + sub_dst + sub_src)
         if staged is not None:
@@ -210,7 +190,7 @@ class ModelRunner:
         mask_all = bool(inj_rows) and not mask_l
         graphs = self.graphs
         if graphs is not None and (packed_replay or (fits_graph
-                                                    and (rec is None or graphs.can_replay(rec)))):
+                                                    and (rec is None or graphs.hooks.fits(rec)))):
             self.num_graph_steps += 1
             self.replayed = True
             if packed_replay:
@@ -232,7 +212,7 @@ class ModelRunner:
                                                     out_slots, input_embeds, latent_mask, rec,
                                                     mask_all=mask_all)
             if rec is not None:
-                graphs.replayed(rec, len(ids))
+                graphs.hooks.replayed(rec, len(ids))
                 rec.record(batch)
             captured = graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             self.last_hidden_all = hidden  # one token per row: every position of the batch

@@ -21,15 +21,12 @@ log = logging.getLogger(__name__)
 class Launched:
     """A batch whose forward and sampling were launched and whose tokens are not finished.
 
-    ``batch``: the ``ScheduledBatch``; ``latents``: its rows' next latent inputs
-    (``Family.latent_inputs``), until :func:`_advance` hands them to the scheduler;
-    ``pending``: ``(req, index in output_ids or None, latent step's output, late)`` per
-    sampling row (``Scheduler.advance_launched``; empty until then);
-    ``tokens``: ``[S] int64`` on the device, row j for the batch's j-th sampling row;
-    ``host``: their host copy (pinned on CUDA) and ``event`` the CUDA event after it (None
-    on the CPU); ``src``: ``id(req) -> j`` for the next batch's pending input ids;
-    ``failed``: ``rid -> error`` for rows whose sampling failed (placeholder token 0),
-    failed when the batch finishes."""
+    ``latents``: its rows' next latent inputs until :func:`_advance`; ``pending``: per
+    sampling row ``(req, index in output_ids or None, latent step's output, late)``
+    (``Scheduler.advance_launched``); ``tokens``: ``[S] int64`` on the device; ``host`` /
+    ``event``: their host copy and the CUDA event after it (None on the CPU); ``src``:
+    ``id(req) -> j`` for the next batch's pending ids; ``failed``: ``rid -> error`` of rows
+    whose sampling failed (placeholder token 0)."""
 
     batch: Any
     latents: list | None
@@ -42,7 +39,7 @@ class Launched:
 
 
 def eligible(engine) -> bool:
-    """Whether ``engine``'s next step may overlap (see the module docstring)."""
+    """Whether ``engine``'s next step may overlap."""
     if not engine.config.use_overlap_schedule or not engine.family.overlaps \
             or engine.tp is not None:
         return False
@@ -56,15 +53,13 @@ def eligible(engine) -> bool:
 
 
 def step(engine) -> list:
-    """One overlapped engine step: launch the next batch, finish the batch launched by the
-    previous step (its outputs are returned; none on the first), then advance the host state
-    of the new batch (``Scheduler.advance_launched``) past what that finish settled."""
+    """Launch the next batch, finish (and return the outputs of) the one launched before,
+    then advance the new batch's host state (``Scheduler.advance_launched``)."""
     prev: Launched | None = engine.inflight
     sched = engine.scheduler
     batch = sched.schedule()
-    # NOTE: ``prev`` stays in flight until this batch is launched: when the forward raises,
-    # the next step still finishes it, so a request of ``prev`` preempted by this schedule
-    # (now waiting, its last id still pending) gets its token instead of feeding -1 later.
+    # NOTE: ``prev`` stays in flight until this batch is launched: if the forward raises, the
+    # next step still finishes it (a preempted request of ``prev`` gets its token).
     launched = None
     if batch is not None:
         try:
@@ -86,15 +81,12 @@ def step(engine) -> list:
 
 
 def _launch(engine, batch, prev: Launched | None) -> Launched:
-    """Run ``batch``'s forward (``prev``'s tokens as its pending ids) and launch its
-    sampling, its latent inputs and the tokens' host copy; nothing here waits for the
-    device."""
+    """Launch ``batch``'s forward (``prev``'s tokens as its pending ids), sampling, latent
+    inputs and host copy without waiting for the device."""
     logits, hidden = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
     logits, reqs = engine._after_forward(batch, logits)
-    # NOTE: greedy tokens may be a view of the graph's static buffer (last_greedy). It is
-    # read only by the host copy below and, as pending ids, by the next step's input
-    # kernel, both queued before the next replay overwrites it (if that step raises,
-    # _detach points them at the host copy).
+    # NOTE: greedy tokens may view a graph's static buffer (last_greedy), read only by the
+    # host copy and the next step's input kernel, both queued before the next replay.
     tokens, failed = _sample(engine, logits, reqs, _known(reqs, prev))
     # rows in their latent phase: the next inputs, on the device (their tokens are not read)
     latents = engine.family.latent_inputs(reqs, logits, hidden, None)
@@ -105,8 +97,7 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
 
 
 def _advance(engine, launched: Launched) -> None:
-    """Move the host state past ``launched`` (``Scheduler.advance_launched``, after the
-    batch before it was finished) and map its pending ids for the next batch."""
+    """``Scheduler.advance_launched`` for ``launched``; map its pending ids."""
     batch, latents, launched.batch, launched.latents = launched.batch, launched.latents, None, None
     pending = engine.scheduler.advance_launched(batch, latents)
     launched.pending = pending
@@ -114,10 +105,8 @@ def _advance(engine, launched: Launched) -> None:
 
 
 def finish(engine, launched: Launched) -> list:
-    """Wait for ``launched``'s tokens and finish its requests (``finalize_launched``).
-    Its failed rows fail their requests now (``LLMEngine._apply_failures``, on these
-    outputs), as the synchronous engine's do on the step that sampled them; not the row of
-    a request that finished before it (a discarded row)."""
+    """Wait for ``launched``'s tokens and finish its requests (``finalize_launched``); its
+    failed rows fail their requests (not a discarded row's)."""
     if launched.event is not None:
         launched.event.synchronize()
     tokens = launched.host.tolist()
@@ -128,19 +117,14 @@ def finish(engine, launched: Launched) -> list:
 
 
 def _host_copy(tokens: torch.Tensor, ring: DeviceToHost) -> tuple[torch.Tensor, Any]:
-    """A host copy of a launched batch's ``tokens``, taken now (before the next replay can
-    overwrite a graph's buffer that ``tokens`` may view): on CUDA a non-blocking copy into
-    one of ``ring``'s pinned buffers and the event after it, so that waiting for them does
-    not wait for the next batch; on the CPU a clone and no event. The host copy stays
-    valid for the ring's slots - 1 later copies (the engine reads it on the next step)."""
+    """``(host copy, event)`` of ``tokens``, taken before the next replay can overwrite a
+    graph buffer they view (``ring.copy``)."""
     return ring.copy(tokens)
 
 
 def _detach(prev: Launched | None) -> None:
-    """After a launch that raised (``_launch``: forward, sampling, host copy): point
-    ``prev``'s tokens (the pending ids of a later batch) at its host copy, on their device.
-    The forward may have replayed a graph and overwritten the buffer they viewed
-    (``ModelRunner.last_greedy``) before something raised."""
+    """After a launch that raised: point ``prev``'s tokens at its host copy, on their device
+    (a replay may have overwritten the graph buffer they viewed)."""
     if prev is None:
         return
     if prev.event is not None:
@@ -156,11 +140,8 @@ def drain(engine) -> list:
 
 
 def _known(reqs: list, prev: Launched | None) -> dict | None:
-    """``id(req) -> (index in output_ids, token)`` of ``prev``'s rows, for the token masks of
-    ``reqs`` (``token_masks.batch_bitmask``: the pending id at that index is that token).
-    Only when a mask of ``reqs`` reads tokens (bad words, a grammar) does this wait for
-    ``prev``'s tokens, while this batch's forward runs on the device; otherwise None (static
-    masks read the answer's length alone)."""
+    """``id(req) -> (index in output_ids, token)`` of ``prev``'s rows for the token masks
+    of ``reqs``; waits for them only when a mask reads tokens (else None)."""
     if prev is None or all(r.constraint is None or r.constraint.static for r in reqs):
         return None
     if prev.event is not None:
@@ -171,11 +152,8 @@ def _known(reqs: list, prev: Launched | None) -> dict | None:
 
 def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None
             ) -> tuple[torch.Tensor, dict]:
-    """``[S] int64`` tokens on ``logits.device`` without waiting for them, and ``rid ->
-    error`` of the failed rows; when the batched sampler raises, the engine's row-by-row
-    fallback (which isolates a failing request; its failures are taken back from
-    ``engine._failed`` and kept with the batch until it finishes). ``known``: see
-    :func:`_known`."""
+    """``([S] int64 tokens on the device, rid -> error of failed rows)``, not waited for;
+    the engine's row-by-row fallback when the batched sampler raises."""
     from latentserve.sampling import sample_with_logprobs
 
     if not reqs:
