@@ -200,12 +200,9 @@ class LatentHead(nn.Module):
         ``log_sigma``. ``anchor``: ``[N, H]`` any float dtype; returns ``[N, H]`` and ``[N]``
         float32 (or None without a stop head).
 
-        ``fused`` (None: on CUDA): each Linear, with the SiLU after it, runs as one
-        ``ops.kernels.small_linear`` launch (float32 on tensor cores via 3xTF32, within
-        about 1e-6 relative of the IEEE GEMM). cuBLAS runs these few-row float32 GEMMs as
-        SIMT kernels with few thread blocks (214 us per step for the Llama-1B-shaped head
-        on the H200, docs/benchmarks-history.md). ``fused=False`` gives exactly the values of
-        ``latent_input`` and ``stop_prob``."""
+        ``fused`` (None: on CUDA): each Linear with its SiLU as one
+        ``ops.kernels.small_linear`` launch (3xTF32, within about 1e-6 relative of the IEEE
+        GEMM); ``fused=False`` gives exactly ``latent_input`` and ``stop_prob``."""
         if fused is None:
             fused = anchor.is_cuda
         h = self._ln_anchor(anchor)

@@ -186,46 +186,21 @@ def cache_salt_key(depth: int, rule: ExitRule | None) -> tuple:
 class RecurrentBatch:
     """Host-side picture of one forward of a recurrent model (``ForwardContext.recurrent``).
 
-    Two modes:
+    **Compact** (eager; ``row_depths`` set): ``ActiveRows`` drops rows whose depth is reached
+    or that exited. **Masked** (CUDA graphs; ``masked`` or ``row_depths`` None): every token
+    runs ``num_iters`` iterations and one past its depth keeps its state; valid only without
+    exit rules (the extra K/V goes to banks ``>= depth``, never read at that depth).
 
-    * **compact** (eager path; ``row_depths`` set): rows are the batch's requests, in batch
-      order. ``ActiveRows`` drops rows whose depth is reached or that exited, re-preparing
-      the attention metadata for the rows left, so shallow and exited rows cost nothing.
-    * **masked** (CUDA-graph path; ``masked`` set or ``row_depths`` None): every token runs
-      ``num_iters``
-      iterations and a token past its depth (``ForwardContext.depths``) keeps its state
-      (``torch.where``); no host reads. Only valid without exit rules: the extra iterations
-      write K/V into banks ``>= depth`` of the token's own slot, which no reader of that
-      depth ever reads.
-
-    Attributes:
-        num_iters: iterations the loop runs (the batch's largest depth; the graph's depth).
-        row_depths: ``[B]`` recurrences per row. q_lens / kv_lens / rows / out_slots /
-            page_table: the batch layout (``attention.base.BatchLayout`` fields), to prepare
-            the attention of a subset of rows.
-        rules: ``[B]`` ``ExitRule`` or None. eligible: ``[B]`` the row is one generated token
-            whose rule saves compute (it may exit).
-        iters_used: ``[B]`` filled by the model: iterations run by each row's last token.
-        iterations_run: filled by the model: token-iterations computed in this forward
-            (each core/loop iteration of each active token counts 1).
-        masked: run the masked loop even though the rows are known (tests use it to check
-            the graph path's arithmetic eagerly).
-        exit_thr / exit_weighted: optional ``[T]`` device tensors (float32 / bool), each
-            token's Ouro readout threshold (+inf = last step) and weighted-mixture flag; the
-            graph path binds static buffers here (``token_readout`` fills them), the eager
-            path leaves them None and the model reads ``rules``.
-        traced: ``[B]`` the row's request asked for ``return_latent_trace`` (``record``
-            then appends per-token entries to its ``latent_trace``).
-        readout_steps: ``[T] int64`` device tensor, each token's Ouro readout step (0-based
-            loop step whose hidden was read out; -1 for a ``weighted`` mixture). Ouro's
-            forward fills it when ``track_readout`` (a graph binds a static buffer here and
-            the forward copies into it); None otherwise (Huginn reads out its last step).
-        exit_probs: ``[T, S] float32`` device tensor, each token's Ouro exit probability at
-            each loop step ``t < S`` (0 past the steps it ran), filled with
-            ``readout_steps`` (a graph binds a static ``[T, max depth]`` buffer).
-        drop_skipped: ``[B]`` the row's rule is ``upstream`` (its attention at iteration
-            ``t`` masks positions without K/V there, ``SlotSteps``); None when no row is.
-            Eligible rows of such a request include its whole prompt as one block.
+    ``row_depths`` ``[B]``; ``q_lens`` / ``kv_lens`` / ``rows`` / ``out_slots`` /
+    ``page_table``: the batch layout; ``rules`` ``[B]`` ``ExitRule`` or None; ``eligible``
+    ``[B]``: the row may exit; ``iters_used`` ``[B]`` and ``iterations_run`` (token-iterations)
+    filled by the model; ``exit_thr`` / ``exit_weighted``: ``[T]`` float32 / bool Ouro
+    readout threshold (+inf: last step) and mixture flag (graphs bind static buffers; eager
+    reads ``rules``); ``traced`` ``[B]``: ``return_latent_trace``; ``readout_steps`` ``[T]
+    int64`` Ouro readout step (-1: weighted), filled when ``track_readout``;
+    ``exit_probs`` ``[T, S] float32`` Ouro exit probability per loop step; ``drop_skipped``
+    ``[B]``: ``upstream`` rule rows (attention masks positions without K/V, ``SlotSteps``),
+    None when none.
     """
 
     num_iters: int
