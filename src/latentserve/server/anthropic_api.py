@@ -44,7 +44,7 @@ from latentserve.server.params import (
     unset_default,
 )
 from latentserve.server.prompts import check_conversation_bytes, render_chat
-from latentserve.server.protocol import LatentFields, RequestModel
+from latentserve.server.protocol import BODY_CONFIG, LatentFields, RequestModel
 from latentserve.server.reasoning import (
     LatentReasoning,
     latent_reasoning_mode,
@@ -67,6 +67,10 @@ class AnthropicMessage(RequestModel):
 
 
 class MessagesRequest(LatentFields):
+    """Anthropic's Messages body; ``fields.ACCEPTED``' fields change nothing."""
+
+    model_config = BODY_CONFIG
+
     model: str
     max_tokens: int
     messages: list[AnthropicMessage]
@@ -82,6 +86,13 @@ class MessagesRequest(LatentFields):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     latent_reasoning: str | None = None
+    output_config: dict[str, Any] | None = None
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    cache_control: dict[str, Any] | None = None
+    speed: str | None = None
+    billing_policy: dict[str, Any] | None = None
+    fallback_credit_token: str | dict[str, Any] | None = None
 
 
 def thinking_flag(thinking: dict | None) -> bool | None:
@@ -139,10 +150,11 @@ def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
 
 def _check(body: MessagesRequest, state: ServerState) -> None:
     refuse_unsupported(body)
-    output_config = (body.model_extra or {}).get("output_config")
-    if isinstance(output_config, dict) and output_config.get("format") is not None:
-        raise APIError("output_config.format: structured outputs are not supported by this "
-                       "server", param="output_config.format")
+    for key, value in (body.output_config or {}).items():
+        if value is not None:
+            what = "structured outputs are" if key == "format" else "it is"
+            raise APIError(f"output_config.{key}: {what} not supported by this server",
+                           param=f"output_config.{key}")
     if body.model != state.model_name:
         raise APIError(f"model: {body.model} (this server serves {state.model_name})",
                        status_code=404, param="model", code="model_not_found")

@@ -50,6 +50,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from latentserve.server.metrics import MetricsRegistry
     from latentserve.server.openapi import declare_errors
     from latentserve.server.params import check_model as check_served_model
+    from latentserve.server.params import refuse_unsupported
     from latentserve.server.prompts import chat_prompt_ids
     from latentserve.server.protocol import (
         ChatCompletionRequest,
@@ -155,6 +156,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: TokenizeRequest):
+        refuse_unsupported(body)
         state = model_state(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
@@ -178,6 +180,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.post("/detokenize", response_model=None)
     async def detokenize(body: DetokenizeRequest):
+        refuse_unsupported(body)
         state = model_state(body.model)
         limit = state.vocab_size or len(state.tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < limit]

@@ -1,5 +1,5 @@
-"""The body fields of each generation route, declared once: implemented, accepted with no
-effect, or refused.
+"""The body fields of each route, declared once: implemented, accepted with no effect, or
+refused; any other top-level field is refused as unknown (``params.refuse_unsupported``).
 
 Design notes: docs/internals.md, "latentserve.server.fields".
 """
@@ -13,13 +13,22 @@ ROUTES = {
     "/v1/completions": ("latentserve.server.protocol", "CompletionRequest"),
     "/v1/chat/completions": ("latentserve.server.protocol", "ChatCompletionRequest"),
     "/v1/messages": ("latentserve.server.anthropic_api", "MessagesRequest"),
+    "/tokenize": ("latentserve.server.protocol", "TokenizeRequest"),
+    "/detokenize": ("latentserve.server.protocol", "DetokenizeRequest"),
 }
 
-# Fields of a route's model that are validated and change nothing in the answer.
+# Fields of a route's model that are validated and change nothing in the answer (billing,
+# storage, caching hints, routing, end-user ids).
 ACCEPTED = {
     "/v1/completions": ("user",),
-    "/v1/chat/completions": ("user",),
-    "/v1/messages": ("metadata",),
+    "/v1/chat/completions": (
+        "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+        "prompt_cache_retention", "prompt_cache_options", "prediction"),
+    "/v1/messages": (
+        "metadata", "service_tier", "inference_geo", "cache_control", "speed",
+        "billing_policy", "fallback_credit_token"),
+    "/tokenize": (),
+    "/detokenize": (),
 }
 
 # OpenAI's and vLLM's output-changing fields that are not implemented, with the values that
@@ -27,22 +36,31 @@ ACCEPTED = {
 _OPENAI_REFUSED = {
     "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
     "prompt_logprobs": (None, 0),
     "guided_decoding_backend": (None, "auto", "xgrammar"),
-    "guided_whitespace_pattern": (None,),
+    "guided_whitespace_pattern": (None,), "structural_tag": (None,),
     "prompt_embeds": (None,), "chat_template": (None,),
     "echo": (None, False), "truncate_prompt_tokens": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "logits_processors": (None, []),
     "spaces_between_special_tokens": (None, True),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
     "documents": (None, []), "return_token_ids": (None, False),
-    "reasoning_effort": (None,), "priority": (None, 0),
+    "reasoning_effort": (None,), "verbosity": (None,), "moderation": (None,),
+    "priority": (None, 0), "mm_processor_kwargs": (None, {}), "request_id": (None,),
+    "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None, {}),
 }
 REFUSED = {
-    "/v1/completions": _OPENAI_REFUSED,
-    "/v1/chat/completions": _OPENAI_REFUSED,
-    # Anthropic's server-side tools run code on the provider's side.
-    "/v1/messages": {"mcp_servers": (None, []), "container": (None,)},
+    "/v1/completions": {**_OPENAI_REFUSED, "add_special_tokens": (None, True)},
+    "/v1/chat/completions": {**_OPENAI_REFUSED, "add_special_tokens": (None, False)},
+    # Anthropic's server-side tools run code on the provider's side; the others edit or
+    # hold the conversation on the provider's side, or add to the answer.
+    "/v1/messages": {
+        "mcp_servers": (None, []), "container": (None,), "context_management": (None,),
+        "compaction": (None,), "thread": (None,), "fallbacks": (None, []),
+        "diagnostics": (None,), "output_format": (None,)},
+    "/tokenize": {"mm_processor_kwargs": (None, {})},
+    "/detokenize": {},
 }
 
 _KEYS = "keys other than json, regex, choice, grammar and json_object"
@@ -55,9 +73,12 @@ NESTED = {
         ("messages[i].content[j]", "parts other than text (images, audio, files)"),
         ("chat_template", "unless the server runs with --trust-request-chat-template")),
     "/v1/messages": (
-        ("output_config.format", "structured outputs"),
+        ("output_config.<key>", "every key not null (format: structured outputs, effort)"),
         ("tools[i].type", "server tools (web search, code execution, ...)"),
         ("messages[i].content[j]", "image and document blocks")),
+    "/tokenize": (
+        ("chat_template", "unless the server runs with --trust-request-chat-template"),),
+    "/detokenize": (),
 }
 
 

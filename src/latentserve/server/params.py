@@ -24,12 +24,16 @@ def check_common(request: SamplingRequest, served_model: str, limits: ServerLimi
 
 def refuse_unsupported(request) -> None:
     """Raise APIError (400 naming the field) for a ``fields.refused`` field whose value is
-    not one that means "not used"."""
+    not one that means "not used", and for a top-level field the route does not declare
+    (OpenAI's ``Unrecognized request argument supplied``, code ``unknown_field``)."""
     from latentserve.server.fields import refused, route_of
 
     unsupported = refused(route_of(type(request)))
     for name, value in (request.model_extra or {}).items():
-        if name in unsupported and not any(_same(value, ok) for ok in unsupported[name]):
+        if name not in unsupported:
+            raise APIError(f"Unrecognized request argument supplied: {name}", param=name,
+                           code="unknown_field")
+        if not any(_same(value, ok) for ok in unsupported[name]):
             got = repr(value)
             got = got if len(got) <= 80 else got[:77] + "..."
             raise APIError(f"{name} is not supported by this server (got {got})", param=name)

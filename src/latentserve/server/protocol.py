@@ -1,9 +1,9 @@
 """Pydantic models of OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` and vLLM's
 ``/tokenize`` / ``/detokenize``.
 
-Types are strict, as OpenAI's (``"5"`` is not an integer); unknown fields stay in
-``model_extra`` (``fields.py`` refuses the unimplemented ones); ranges are checked later by
-``SamplingParams`` and the handlers.
+Types are strict, as OpenAI's (``"5"`` is not an integer); undeclared top-level fields stay
+in ``model_extra`` and are refused by ``params.refuse_unsupported`` (``fields.py``); ranges
+are checked later by ``SamplingParams`` and the handlers.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ class RequestModel(BaseModel):
     @classmethod
     def _text_is_unicode(cls, value):
         return no_lone_surrogates(value)
+
+
+# The config of a route's body: /openapi.json lists no other top-level field (one is a 400).
+BODY_CONFIG = ConfigDict(json_schema_extra={"additionalProperties": False})
 
 
 class StreamOptions(RequestModel):
@@ -183,7 +187,10 @@ class ChatTool(RequestModel):
 class ChatCompletionRequest(SamplingRequest):
     """OpenAI's and vLLM's chat fields; ``latent_reasoning`` (``"count"`` or ``"logit_lens"``)
     is how latent steps are written into ``reasoning_content`` (``server/reasoning.py``);
-    ``chat_template`` needs ``--trust-request-chat-template``."""
+    ``chat_template`` needs ``--trust-request-chat-template``; ``fields.ACCEPTED``' fields
+    change nothing."""
+
+    model_config = BODY_CONFIG
 
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None
@@ -199,6 +206,14 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool | None = False
     chat_template: str | None = None
     echo: bool | None = False
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
 
     def with_template_kwargs_fields(self) -> ChatCompletionRequest:
         """This request with ``TEMPLATE_KWARGS_FIELDS`` found in ``chat_template_kwargs``
@@ -229,6 +244,8 @@ TEMPLATE_KWARGS_FIELDS = (*LatentFields.model_fields, "return_latent_trace",
 class CompletionRequest(SamplingRequest):
     """``prompt``: a string, token ids, or a list of either (one choice set per prompt)."""
 
+    model_config = BODY_CONFIG
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = False
@@ -236,6 +253,8 @@ class CompletionRequest(SamplingRequest):
 
 class TokenizeRequest(RequestModel):
     """``/tokenize``: ``prompt`` (plain) or ``messages`` (templated as on the chat route)."""
+
+    model_config = BODY_CONFIG
 
     model: str | None = None
     prompt: str | None = None
@@ -250,6 +269,8 @@ class TokenizeRequest(RequestModel):
 
 
 class DetokenizeRequest(RequestModel):
+    model_config = BODY_CONFIG
+
     model: str | None = None
     tokens: list[int]
 
