@@ -60,8 +60,8 @@ def anthropic_status(err: APIError) -> int:
 def anthropic_message(err: APIError) -> str:
     """``err``'s message in Anthropic's ``field: reason`` form when it names its field in
     another (``top_p must be ...``, ``container is not supported ...``, ``Invalid type for
-    'top_p': ...``, ``Missing required parameter: 'max_tokens'``, an unknown field: Anthropic's
-    ``Extra inputs are not permitted``); else as it is."""
+    'top_p': ...``, ``Missing required parameter: 'max_tokens'``, an unknown field:
+    Anthropic's ``Extra inputs are not permitted``); else as it is."""
     param, text = err.param, err.message
     if err.code == "unknown_field":
         return f"{param}: Extra inputs are not permitted"
