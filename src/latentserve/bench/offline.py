@@ -206,20 +206,13 @@ def _agreement(engine_tokens, hf_tokens, eos_ids) -> list[dict]:
 def run_offline_bench(model: str | None = None, num_prompts: int = 32, output_len: int = 64,
                       device: str = "cpu", dtype: str = "float32", hf_baseline: bool = True,
                       seed: int = 0, command: str | None = None) -> dict:
-    """Offline generation throughput of our engine and, with ``hf_baseline``, of HF
-    ``generate`` one prompt at a time.
+    """Offline throughput of our engine and, with ``hf_baseline``, HF ``generate`` one prompt
+    at a time: ``num_prompts`` GSM8K questions, ``output_len`` greedy tokens each (EOS
+    ignored). ``model``: directory, ``.gguf`` or None (embedded).
 
-    ``model``: HF-style directory, ``.gguf`` file, or None (embedded SmolLM2-135M);
-    ``num_prompts`` GSM8K questions (cycled past 40), ``output_len`` tokens each (exact: greedy,
-    EOS ignored); ``command``: recorded (default ``sys.argv``).
-
-    Returns a JSON-serialisable dict: ``engine`` and ``hf`` (None without baseline) each with
-    ``wall_s``, ``cpu_s``, ``load_s`` [s], ``output_tokens`` / ``total_tokens``,
-    ``output_tok_per_s`` / ``total_tok_per_s`` and the load average before/after; ``speedup``
-    (output tokens/s over HF's, or None); ``greedy_agreement`` (first 4 prompts) and
-    ``greedy_agree``; the prompt statistics [tokens]; ``machine``; ``command``.
-
-    Raises ValueError for ``num_prompts`` or ``output_len`` < 1; errors from model loading."""
+    Returns a JSON-able dict: ``engine`` / ``hf`` (``wall_s``, ``cpu_s``, ``load_s``, token
+    counts and rates, load averages), ``speedup``, ``greedy_agreement``, prompt statistics,
+    ``machine``, ``command``. Raises ValueError for ``num_prompts`` or ``output_len`` < 1."""
     if num_prompts < 1 or output_len < 1:
         raise ValueError(f"num_prompts and output_len must be >= 1, got {num_prompts}, "
                          f"{output_len}")
