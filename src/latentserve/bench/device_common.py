@@ -115,6 +115,46 @@ def profile_replay(graph) -> dict:
     return out
 
 
+def make_engine(path, device: str, dtype: str, max_num_seqs: int, max_model_len: int, **kw):
+    """An ``LLMEngine`` over the model directory ``path`` (other ``EngineConfig`` options: kw)."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype,
+                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len, **kw))
+
+
+def timed(device: str, fn, *args):
+    """``(fn(*args), seconds)``, the device synced before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    result = fn(*args)
+    sync(device)
+    return result, time.perf_counter() - t0
+
+
+def run_suite(key: str, names, bench, device: str, command: str | None, config: dict) -> dict:
+    """``bench(name, root, bandwidth)`` for each of ``names`` in a scratch directory, printed
+    as it ends; returns ``{command, date, machine, config, copy_bandwidth_Bps, key: {name:
+    result}, total_s}``."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    t_start = time.perf_counter()
+    bw = copy_bandwidth_on(device)
+    out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "machine": machine(device), "config": config, "copy_bandwidth_Bps": bw, key: {}}
+    with tempfile.TemporaryDirectory() as d:
+        for name in names:
+            out[key][name] = bench(name, Path(d), bw)
+            shutil.rmtree(Path(d) / name, ignore_errors=True)  # 7.6 GB for Huginn
+            print(json.dumps({name: out[key][name]}, indent=1), flush=True)
+    out["total_s"] = time.perf_counter() - t_start
+    return out
+
+
 def param_bytes(*modules) -> int:
     """Bytes of the distinct parameters of ``modules`` (a tied weight counts once)."""
     seen, total = set(), 0

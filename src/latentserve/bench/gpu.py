@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from latentserve.bench.device_common import free_memory, profile_replay
+from latentserve.bench.device_common import free_memory, make_engine, profile_replay
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -231,8 +231,6 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
     from latentserve.kvcache.pool import KVPool
 
     bw = copy_bandwidth()
@@ -244,9 +242,8 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
     for name in shapes:
         with tempfile.TemporaryDirectory() as d:
             path = save_random_llama(Path(d), SHAPES[name])
-            engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
-                                            max_model_len=prompt_len + output_len + 8,
-                                            max_num_seqs=max(concurrency)))
+            max_len = prompt_len + output_len + 8
+            engine = make_engine(path, "cuda", "bfloat16", max(concurrency), max_len)
             weights = sum(p.numel() * p.element_size()
                           for p in engine.runner.model.parameters())
             layers, kvh, hd = engine.runner.model.kv_shape
@@ -278,9 +275,7 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                 [(f"kv_splits_{s}", {"attention_num_kv_splits": s}) for s in kv_splits]
             for key, opts in variants:  # the largest concurrency again, one option changed
                 c = max(concurrency)
-                engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
-                                                max_model_len=prompt_len + output_len + 8,
-                                                max_num_seqs=c, **opts))
+                engine = make_engine(path, "cuda", "bfloat16", c, max_len, **opts)
                 prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
                 r = _engine_run(engine, prompts, output_len)
                 rows[c][key] = {"engine_tok_s": r["tok_s"], "decode_step_s": r["step_s"],
