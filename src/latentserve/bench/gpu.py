@@ -77,12 +77,9 @@ _STEP_SPREAD = ("step_p50_s", "step_p90_s", "step_max_s", "overlap_wait_s", "hos
 
 
 def _engine_run(engine, prompts, output_len):
-    """One batch through the engine: output tokens/s, wall time, the pure-decode steps' host
-    time (mean, median, p90, max), the device time of their graph replays (CUDA events around
-    ``CudaGraphRunner.replay`` / ``replay_packed``), the 8 slowest decode steps as ``(index,
-    seconds)``, Python collections per generation, and with overlap scheduling
-    ``overlap_wait_s`` (mean host wait for the previous batch's tokens) and
-    ``host_bound_frac`` (fraction of decode steps that waited under 20 us)."""
+    """One batch through the engine: tokens/s, wall time, decode-step host time (mean, p50,
+    p90, max), graph replay device time, the 8 slowest steps, gc collections, and with
+    overlap ``overlap_wait_s`` / ``host_bound_frac`` (waits under 20 us)."""
     import torch
 
     from latentserve.engine import overlap
@@ -220,14 +217,10 @@ def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
 def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                   shapes=tuple(SHAPES), hf_baseline=True, compare_unfused=True,
                   compare_overlap=True, kv_splits=()) -> dict:
-    """Benchmark every shape; returns a JSON-able dict (units: module docstring).
-
-    Per shape and concurrency: engine throughput, the engine decode step (``decode_step_s``,
-    host wall time, overlap scheduling on as by default) and its graph replay's device time
-    (``graph_replay_s``), each over the bandwidth floor, and the device ops in one replay.
-    At the largest concurrency also: ``compare_unfused`` (``fused_ops=False``),
-    ``compare_overlap`` (row ``sync``, ``overlap_schedule=False``) and each of ``kv_splits``
-    as ``attention_num_kv_splits`` (rows ``kv_splits_N``)."""
+    """Benchmark every shape; returns a JSON-able dict. Per shape and concurrency: engine
+    throughput, decode step and graph replay time over the bandwidth floor, device ops per
+    replay; at the largest concurrency also the ``unfused``, ``sync`` and ``kv_splits_N``
+    variants."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -106,10 +106,8 @@ def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora
 
 
 def save_latent_tiny(root, kind: str, seed: int = 0, **convert_opts) -> Path:
-    """Build ``kind`` (one of ``LATENT_KINDS``) under ``root`` and convert it into
-    ``root/model``, which is returned. ``convert_opts`` go to the converter (e.g.
-    ``default_budget``, ``remove_eos``). CODI Llama is written as ``pytorch_model.bin``,
-    CODI GPT-2 as ``model.safetensors``. Raises ValueError for an unknown kind."""
+    """Build ``kind`` (``LATENT_KINDS``) under ``root`` and convert it into ``root/model``
+    (returned; ``convert_opts`` to the converter). ValueError for an unknown kind."""
     from latentserve.latent.convert import convert_coconut, convert_codi
 
     root = Path(root)
