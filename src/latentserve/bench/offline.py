@@ -16,6 +16,8 @@ import time
 from datetime import UTC, datetime
 from importlib import resources
 
+from latentserve.bench.device_common import sync
+
 WARMUP_PROMPTS = 2
 WARMUP_OUTPUT_LEN = 8
 AGREEMENT_PROMPTS = 4
@@ -85,13 +87,6 @@ def machine_info() -> dict:
     return info
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def _cpu_s() -> float:
     """CPU time [s] used so far by this process (user + system, all threads)."""
     t = os.times()
@@ -135,13 +130,13 @@ def _run_engine(model, prompts, warmup, output_len, device, dtype, seed
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in warmup],
                  SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, **greedy), use_tqdm=False)
-    _sync(device)
+    sync(device)
     warmup_s = time.perf_counter() - t0
     gc.collect()
     load0, cpu0, t0 = _loadavg(), _cpu_s(), time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=output_len, **greedy), use_tqdm=False)
-    _sync(device)
+    sync(device)
     wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     res = _rates(wall, sum(map(len, tokens)), sum(map(len, prompts)), cpu, load0)
@@ -177,13 +172,13 @@ def _run_hf(model_dir, prompts, output_len, device, dtype) -> tuple[dict, list[l
         return out[0, len(ids):].tolist()
 
     gen(prompts[0], 4)  # warm-up, untimed
-    _sync(device)
+    sync(device)
     gc.collect()
     tokens = []
     load0, cpu0, t0 = _loadavg(), _cpu_s(), time.perf_counter()
     for p in prompts:
         tokens.append(gen(p, output_len))
-    _sync(device)
+    sync(device)
     wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
     res = _rates(wall, sum(map(len, tokens)), sum(map(len, prompts)), cpu, load0)
     res.update(load_s=round(load_s, 3), batch_size=1)
