@@ -73,11 +73,8 @@ def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: floa
 
 def split_lora_key(name: str) -> tuple[str, str] | None:
     """``<module>.lora_A.weight`` or ``<module>.lora_A.<adapter>.weight`` (same for B) ->
-    ``(module, "A" | "B")``; None for a name without ``.lora_``.
-
-    Raises ValueError for any other PEFT LoRA tensor (DoRA's ``lora_magnitude_vector``,
-    a ``lora_B`` bias, embedding LoRA ``lora_embedding_A``, ...): only A/B weights merge.
-    """
+    ``(module, "A" | "B")``; None without ``.lora_``. Raises ValueError for any other LoRA
+    tensor (DoRA magnitude, a ``lora_B`` bias, embedding LoRA): only A/B weights merge."""
     for part in ("A", "B"):
         module, sep, rest = name.partition(f".lora_{part}.")
         if sep and (rest == "weight" or (rest.endswith(".weight") and rest.count(".") == 1)):
@@ -123,14 +120,11 @@ def _number(v, field: str, integer: bool) -> None:
 
 
 def check_adapter_config(cfg: dict) -> dict:
-    """Check a parsed ``adapter_config.json`` and return ``{r, lora_alpha, use_rslora,
-    rank_pattern, alpha_pattern}`` (defaults as PEFT's: rsLoRA off, empty patterns).
-
-    Raises ValueError naming the field: ``peft_type`` other than LORA, a bad ``r`` /
-    ``lora_alpha`` / pattern value, ``bias`` other than ``"none"``, an ``init_lora_weights``
-    that rewrites the base weights, a field of ``_UNSUPPORTED`` that is set, or a field this
-    loader does not know that is set (a newer PEFT feature).
-    """
+    """Check a parsed ``adapter_config.json``; returns ``{r, lora_alpha, use_rslora,
+    rank_pattern, alpha_pattern}`` (PEFT's defaults). Raises ValueError naming the field: not
+    LORA, a bad ``r`` / ``lora_alpha`` / pattern, ``bias`` not ``"none"``, an
+    ``init_lora_weights`` that rewrites the base, or a set field of ``_UNSUPPORTED`` or one
+    this loader does not know."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{ADAPTER_CONFIG} must hold a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
