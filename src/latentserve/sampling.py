@@ -123,11 +123,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _output_ids(req: Req) -> list[int]:
-    answer = getattr(req, "answer_ids", None)
-    return req.output_ids if answer is None else answer
-
-
 def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     """Return ``logits`` (``[N, vocab]``, row i for ``reqs[i]``) with each request's
     repetition, frequency and presence penalties applied (vLLM semantics, see the module
@@ -137,7 +132,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     params = [r.params for r in reqs]
     counts = torch.zeros(n, vocab, dtype=logits.dtype, device=dev)
     for i, req in enumerate(reqs):
-        ids = _output_ids(req)
+        ids = getattr(req, "answer_ids", None)
+        ids = req.output_ids if ids is None else ids
         if ids:
             idx = torch.tensor(ids, dtype=torch.long, device=dev)
             counts[i].index_add_(0, idx, torch.ones(len(ids), dtype=logits.dtype, device=dev))

@@ -204,8 +204,8 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
             _shard_attention(mod, tp)
         elif leaf == "mlp":
             _shard_mlp(mod, tp)
-    emb_name = next(n for n in ("model.embed_tokens", "transformer.wte")
-                    if _has(model, n))
+    modules = dict(model.named_modules())
+    emb_name = next(n for n in ("model.embed_tokens", "transformer.wte") if n in modules)
     emb = model.get_submodule(emb_name)
     vocab = emb.weight.shape[0]
     head = getattr(model, "lm_head", None)
@@ -223,11 +223,3 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
                              f"in {type(model).__name__}")
     model.tp = tp
     return model
-
-
-def _has(model: nn.Module, dotted: str) -> bool:
-    try:
-        model.get_submodule(dotted)
-        return True
-    except AttributeError:
-        return False
