@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from latentserve.bench.baseline import recurrent_models as rm
+
 HUGINN_3_5B = {"n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads": 55,
                "intermediate_size": 17920, "vocab_size": 65536, "block_size": 4096,
                "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4,
@@ -14,14 +16,8 @@ OURO_1_4B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers"
              "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128,
              "vocab_size": 49152, "max_position_embeddings": 65536, "total_ut_steps": 4,
              "max_recurrence": 4}
-HUGINN_TINY = {"n_embd": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-               "intermediate_size": 128, "vocab_size": 1024, "block_size": 256,
-               "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
-               "n_layers_in_coda": 1, "mean_recurrence": 2, "max_recurrence": 4}
-OURO_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-             "vocab_size": 1024, "max_position_embeddings": 256, "total_ut_steps": 4,
-             "max_recurrence": 4}
+HUGINN_TINY = {**rm.HUGINN_TINY, "mean_recurrence": 2, "max_recurrence": 4}
+OURO_TINY = {**rm.OURO_TINY, "max_recurrence": 4}
 # (family, shape, depths) per benchmark name
 MODELS = {"huginn-0125": ("huginn", HUGINN_3_5B, (8, 32)),
           "ouro-1.4b": ("ouro", OURO_1_4B, (4,))}
@@ -63,8 +59,6 @@ def decode_floor(model, family: str, depth: int, batch: int, mean_ctx: float, bw
 
 
 def _write(family: str, shape: dict, path: Path, device: str, dtype: str) -> Path:
-    from latentserve.bench.baseline import recurrent_models as rm
-
     write = rm.write_huginn if family == "huginn" else rm.write_ouro
     return write(path, save_dtype=_dtype(dtype), init_device=device, **shape)
 
