@@ -15,19 +15,12 @@ GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size
 
 
 def build_coconut_gpt2(root: Path) -> Path:
-    """COCONUT over a random GPT-2 124M-shaped base, written in the upstream form
-    (``base_causallm.`` state dict) and converted; returns the model directory."""
-    import torch
-
-    from latentserve.bench.baseline.latent_models import _resized_base
-    from latentserve.bench.baseline.tiny_models import save_tiny
+    """COCONUT over a random GPT-2 124M-shaped base, written in the upstream form and
+    converted; returns the model directory."""
+    from latentserve.bench.baseline.latent_models import write_upstream_coconut
     from latentserve.latent.convert import convert_coconut
 
-    base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **GPT2_124M)
-    model = _resized_base(base, 0)
-    (root / "upstream").mkdir(parents=True, exist_ok=True)
-    ckpt = root / "upstream" / "checkpoint_1"
-    torch.save({"base_causallm." + k: v for k, v in model.state_dict().items()}, ckpt)
+    base, ckpt = write_upstream_coconut(root, "gpt2", word_tokenizer=True, **GPT2_124M)
     return convert_coconut(base, ckpt, root / "model")
 
 

@@ -33,15 +33,17 @@ def _resized_base(base_dir: Path, seed: int):
     return model
 
 
-def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: int = 0):
-    """Write ``root/base`` (tiny ``gpt2`` or untied ``llama``) and ``root/upstream/checkpoint_7``.
-    Returns ``(base_dir, checkpoint_path)``."""
+def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: int = 0,
+                           **tiny_kw):
+    """Write ``root/base`` (tiny ``gpt2`` or untied ``llama``; ``tiny_kw`` to ``save_tiny``)
+    and ``root/upstream/checkpoint_7``. Returns ``(base_dir, checkpoint_path)``."""
     import torch
 
     from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = Path(root)
-    base_dir = save_tiny(root / "base", "gpt2" if base == "gpt2" else "llama-untied", seed=seed)
+    base_dir = save_tiny(root / "base", "gpt2" if base == "gpt2" else "llama-untied", seed=seed,
+                         **tiny_kw)
     model = _resized_base(base_dir, seed)
     sd = {("base_causallm." if prefix else "") + k: v for k, v in model.state_dict().items()}
     (root / "upstream").mkdir(parents=True, exist_ok=True)
