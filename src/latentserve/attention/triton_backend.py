@@ -62,8 +62,9 @@ class TritonBackend(AttentionBackend):
         self.extend_block_n = extend_block_n
 
     def decode_splits(self, batch: int, kv_heads: int, device=None) -> int:
-        """Splits per (request, KV head) for a decode batch of ``batch`` requests (see the
-        class docstring; measured: docs/benchmarks-history.md, session 7)."""
+        """Splits per (request, KV head) for ``batch`` requests: 1 when the ``batch *
+        kv_heads`` programs cover the SMs three times, else the fewest power of 2 (at most
+        ``num_kv_splits``) giving four programs per SM (docs/benchmarks-history.md, session 7)."""
         sms = self.num_sms or _device_sms(device)
         programs = max(batch * kv_heads, 1)
         if programs >= 3 * sms:

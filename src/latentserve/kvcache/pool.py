@@ -37,8 +37,9 @@ class KVPool:
 class PageTable:
     """Slot-id rows, one per running request: ``table [max_reqs + 1, max_model_len] int64``;
     ``alloc_row()`` (None when full) / ``free_row(i)``. Row ``dummy_row`` (the last) stays
-    zeros for padded rows. ``stage(cells, n, slots)`` records writes applied on the next
-    ``table`` read, or handed to ``decode_inputs`` by ``take_staged``; ``raw``: unapplied."""
+    zeros for padded rows. ``stage(cells, n, slots)`` records ``table[cells[j], cells[n + j]]
+    = slots[j]``, applied on the next ``table`` read or handed to ``decode_inputs`` by
+    ``take_staged``; ``raw``: the table without them."""
 
     def __init__(self, max_reqs: int, max_model_len: int, device: torch.device | str):
         self.raw = torch.zeros((max_reqs + 1, max_model_len), dtype=torch.int64,
