@@ -47,8 +47,9 @@ kernel at 64 rows (7.6 against 8.6 us) and loses at 16 or fewer, and without TMA
 
 
 def decode_gemms(fused: bool, x: torch.Tensor, *linears: nn.Module) -> bool:
-    """True when the fast path should run ``linears`` (plain ``nn.Linear`` of x's dtype) on
-    ``x [..., T, K]`` with ``decode_linear``: ``fused`` and ``0 < T <= DECODE_ROWS``."""
+    """True when the fast path should run ``linears`` (plain ``nn.Linear`` of x's dtype, or a
+    TP rank's merged column shard; not row-parallel shards) on ``x [..., T, K]`` with
+    ``decode_linear``: ``fused`` and ``0 < T <= DECODE_ROWS``."""
     return (fused and 0 < x.shape[-2] <= DECODE_ROWS
             and all(type(lin) is nn.Linear and lin.weight.dtype == x.dtype
                     for lin in linears))
