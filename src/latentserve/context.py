@@ -10,17 +10,10 @@ from typing import Any
 
 @dataclass(slots=True)
 class ForwardContext:
-    """State of the current forward pass.
-
-    ``attn_meta``: what the attention backend prepared for this batch. ``backend``: the
-    attention backend. ``kv_pool``: the KV pool the layers write to. ``capture_layer`` /
-    ``capture_buf``: when ``capture_layer >= 0``, the model copies the residual stream after
-    that many decoder layers (``[T, hidden]``) into ``capture_buf[:T]`` (a fixed buffer, so
-    the copy is part of a captured CUDA graph; compression heads read it).
-    Recurrent-depth models only (``latent/recurrent.py``): ``depths`` is ``[T] int64``, each
-    token's recurrence count (from its request's ``latent_budget``); ``recurrent`` is the
-    batch's ``RecurrentBatch`` (rows, exit rules, and what the model reports back).
-    """
+    """State of the current forward pass: ``attn_meta``, ``backend``, ``kv_pool``;
+    ``capture_layer >= 0``: the residual stream after that many layers is copied into
+    ``capture_buf[:T]`` (fixed, graph-capturable; compression heads read it). Recurrent
+    models: ``depths [T] int64`` recurrence counts and ``recurrent`` (``RecurrentBatch``)."""
 
     attn_meta: Any
     backend: Any

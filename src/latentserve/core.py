@@ -29,40 +29,21 @@ class LatentState:
 class Req:
     """One request inside the engine.
 
-    Token bookkeeping (all counts are token positions in ``ids = prompt_ids + output_ids``;
-    ``output_ids`` holds every generated position: latent placeholders, forced transition
-    tokens and answer tokens; ``answer_ids`` is the answer part):
-    ``num_computed`` tokens have KV in the pool; ``num_allocated`` slots are written in the
-    request's page-table row (``>= num_computed``); ``cache_len`` leading slots belong to the
-    radix cache (matched at admission, locked through ``cache_node``). ``num_cached_prompt``
-    counts prompt tokens served by the prefix cache at first admission (for stats and tests).
+    Counts are positions in ``ids = prompt_ids + output_ids`` (``output_ids``: latent
+    placeholders, forced transition tokens and answer tokens; ``answer_ids`` the answer):
+    ``num_computed`` have KV; ``num_allocated`` slots are in the page-table row; the first
+    ``cache_len`` belong to the radix cache (locked through ``cache_node``).
 
-    Latent phase machine (models with a ``LatentSpec``): positions
-    ``[latent_start, latent_start + len(latent_embeds))`` take ``latent_embeds`` as their
-    input instead of a token embedding (one ``(tensor, row)`` entry per position, the vector
-    being ``tensor[row]``: ``latent/vectors.py``); ``answer_start`` is None until the
-    transition tokens are appended, then the index in ``output_ids`` where the answer begins.
-    Plain requests have ``latent_budget == 0`` and ``answer_start == 0`` from the start.
+    Latent phase: positions ``[latent_start, latent_start + len(latent_embeds))`` take
+    ``latent_embeds`` entries ``(tensor, row)`` as input (``latent/vectors.py``);
+    ``answer_start`` (index in ``output_ids``) is None until the transition tokens are
+    appended. Plain requests: ``latent_budget == 0``, ``answer_start == 0``.
 
-    ``state``: the family's own per-request state (a :class:`LatentState`, set when the
-    family admits the request; None for plain and feedback requests):
-    ``latent.recurrent.RecurrentState`` (recurrent depth: ``latent_budget`` is the
-    recurrence count, the state holds the exit rule and the iterations run per sampled
-    token), ``latent.head.HeadSettings`` (compression heads: resolved controls and latent
-    stats; latent positions, the closing ids and the answer all count against
-    ``params.max_tokens``, already raised by the answer-budget floor, except for CoLaR, whose
-    ``max_tokens`` counts answer tokens only) or ``latent.loop.LoopState`` (looped blocks:
-    the block ``[latent_start, latent_start + block_size)`` is re-forwarded in place,
-    ``latent_embeds`` holding the current pass's inputs, empty for pass 0).
-    ``cache_salt`` (0 = none) keeps a request's prefix-cache entries apart from requests whose
-    KV differs for the same ids (another recurrence depth or exit rule).
-
-    ``eos_from``: an EOS ends the request only as answer token number ``eos_from`` or later
-    (1-based; 0: any), the family's upstream rule (``LatentSpec.upstream_eos_from``) for a
-    request with ``upstream_stop_rules``.
-
-    ``constraint``: the request's ``token_masks.RequestMask`` when its params mask tokens
-    (allowed ids, bad words, ``min_tokens``, a grammar), else None.
+    ``state``: the family's :class:`LatentState` (``RecurrentState``, ``HeadSettings``,
+    ``LoopState``; None for plain and feedback requests). ``cache_salt`` (0 = none) separates
+    prefix-cache entries whose KV differs for the same ids. ``eos_from``: EOS ends the request
+    only from answer token ``eos_from`` (1-based; 0: any). ``constraint``: the
+    ``token_masks.RequestMask``, or None.
     """
 
     rid: str

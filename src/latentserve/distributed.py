@@ -1,10 +1,6 @@
-"""Tensor-parallel process group and the two collectives the parallel layers need.
-
-One process per rank (``engine/tp_worker.py`` starts ranks 1..N-1; the engine process is rank
-0). ``device_group`` carries tensor collectives (NCCL on CUDA, gloo on CPU); ``cpu_group`` is
-always gloo and carries the pickled per-step batch header from rank 0 to the workers (as
-mini-sglang and vLLM do). At ``tensor_parallel_size == 1`` none of this is created.
-"""
+"""Tensor-parallel process group and the two collectives the parallel layers need: one process
+per rank (rank 0 the engine); ``device_group`` (NCCL / gloo) for tensors, ``cpu_group`` (gloo)
+for the pickled per-step batch header. Not created at ``tensor_parallel_size == 1``."""
 
 from __future__ import annotations
 
@@ -16,10 +12,7 @@ import torch
 
 @dataclass(slots=True)
 class TPGroup:
-    """This process's place in the tensor-parallel group.
-
-    ``rank`` in ``[0, size)``; ``device``: this rank's device (``cuda:<rank>`` on CUDA).
-    """
+    """This process's place in the group: ``rank`` in ``[0, size)``, ``device``."""
 
     rank: int
     size: int
@@ -34,12 +27,9 @@ class TPGroup:
 
 
 def init_tp_group(rank: int, size: int, init_method: str, device: str) -> TPGroup:
-    """Join the ``size``-process group at ``init_method`` (``tcp://host:port``) as ``rank``.
-
-    ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL; the rank uses ``cuda:<rank>``).
-    Blocks until every rank has joined. Raises RuntimeError when CUDA has fewer devices than
-    ``size``.
-    """
+    """Join the ``size``-process group at ``init_method`` (``tcp://host:port``) as ``rank``
+    on ``device`` (``cpu``: gloo; ``cuda``: NCCL on ``cuda:<rank>``); blocks until all join.
+    RuntimeError when CUDA has fewer devices than ``size``."""
     from datetime import timedelta
 
     import torch.distributed as dist

@@ -1,5 +1,4 @@
-"""Token sampling for a batch: penalties, greedy, temperature, top-k, top-p, min-p,
-per-request seeds, and log-probabilities.
+"""Token sampling for a batch: penalties, greedy, temperature, top-k/p, min-p, seeds, logprobs.
 
 Design notes: docs/internals.md, "latentserve.sampling".
 """
@@ -43,22 +42,11 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
                          generator: torch.Generator | None = None,
                          greedy: torch.Tensor | None = None,
                          mask: TokenMask | None = None) -> SamplerOutput:
-    """Pick one token per row and compute the requested log-probabilities.
-
-    Args:
-        logits: ``[B, vocab] float32``, row b for ``reqs[b]``; not modified.
-        reqs: the requests: their ``params``, ``prompt_ids`` and generated ids (for
-            penalties; ``answer_ids`` where the request has them, so latent placeholders
-            and transition tokens are not penalized) and, for seeded ones, ``generator``.
-        generator: for unseeded sampled rows; None uses torch's global RNG.
-        greedy: ``[B] int64`` the argmax of ``logits``' rows when the caller has it (a
-            decode graph's ``ModelRunner.last_greedy``); used unless a row has penalties
-            or a mask, and never written.
-        mask: the rows' token masks (see :class:`TokenMask`), or None.
-    Returns:
-        ``SamplerOutput`` with tokens on ``logits.device``. Greedy rows without penalties
-        take the plain ``argmax`` of the raw logits (no copy, no softmax).
-    """
+    """One token per row of ``logits`` (``[B, vocab] float32``, not modified) for ``reqs``,
+    with the requested log-probabilities. Penalties count ``answer_ids`` where present.
+    ``generator``: for unseeded rows (None: global RNG); ``greedy``: ``[B] int64`` argmax the
+    caller already has, used unless a row has penalties or a mask; ``mask``: a
+    :class:`TokenMask` or None. Returns ``SamplerOutput`` on ``logits.device``."""
     raw = logits
     if mask is not None:
         logits = apply_token_mask(logits, mask)
@@ -82,10 +70,8 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
-    """A copy of ``logits`` (``[B, vocab]``) with the tokens ``mask`` disallows at -inf in
-    its rows; the other rows are copied unchanged. Applied with xgrammar's
-    ``apply_token_bitmask_inplace`` (a C++ kernel on the CPU, Triton on CUDA) when installed,
-    else :func:`unpack_bitmask`."""
+    """A copy of ``logits`` ``[B, vocab]`` with ``mask``'s disallowed tokens at -inf (xgrammar's
+    ``apply_token_bitmask_inplace`` when installed, else :func:`unpack_bitmask`)."""
     out = logits.clone()
     if len(mask.rows) == out.shape[0] and mask.rows == list(range(out.shape[0])):
         _apply_bitmask(out, mask.bits)
@@ -137,11 +123,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _output_ids(req: Req) -> list[int]:
-    answer = getattr(req, "answer_ids", None)
-    return req.output_ids if answer is None else answer
-
-
 def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     """Return ``logits`` (``[N, vocab]``, row i for ``reqs[i]``) with each request's
     repetition, frequency and presence penalties applied (vLLM semantics, see the module
@@ -151,7 +132,8 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     params = [r.params for r in reqs]
     counts = torch.zeros(n, vocab, dtype=logits.dtype, device=dev)
     for i, req in enumerate(reqs):
-        ids = _output_ids(req)
+        ids = getattr(req, "answer_ids", None)
+        ids = req.output_ids if ids is None else ids
         if ids:
             idx = torch.tensor(ids, dtype=torch.long, device=dev)
             counts[i].index_add_(0, idx, torch.ones(len(ids), dtype=logits.dtype, device=dev))
@@ -232,10 +214,8 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
-    """Log-probabilities of given tokens (not sampled ones): row i of ``logits``
-    (``[N, vocab]``, raw model logits) scores ``targets[i]``; each entry also has the
-    token's rank and the ``k`` most likely tokens, as for sampled tokens (raw log-softmax,
-    no penalties or temperature)."""
+    """Log-probabilities of given tokens: row i of raw ``logits`` ``[N, vocab]`` scores
+    ``targets[i]``, with its rank and the top ``k`` (raw log-softmax)."""
     if not targets:
         return []
     lsm = torch.log_softmax(logits.float(), dim=-1)

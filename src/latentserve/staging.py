@@ -40,13 +40,8 @@ class _Ring:
 
 
 class HostToDevice:
-    """Copies int64 vectors (``array('q')``) to ``device`` through pinned buffers.
-
-    Args:
-        device: the destination; on a CPU device ``copy`` copies into a plain tensor.
-        slots: pinned buffers in the ring (>= 2; ValueError otherwise). A buffer is reused
-            after ``slots`` copies, once its copy has finished.
-    """
+    """Copies int64 vectors (``array('q')``) to ``device`` through a ring of ``slots`` (>= 2,
+    else ValueError) pinned buffers; a plain tensor on a CPU device."""
 
     def __init__(self, device: torch.device | str, slots: int = 4, side_stream: bool = False):
         self.device = torch.device(device)
@@ -55,11 +50,9 @@ class HostToDevice:
         self._side = torch.cuda.Stream(self.device) if side_stream and self._ring else None
 
     def copy(self, values: array) -> torch.Tensor:
-        """``values`` (an ``array('q')``) as a ``[len(values)] int64`` tensor on the device.
-        The copy is queued on the device's current stream without waiting for it, or
-        (``side_stream``) on the side stream, with the current stream waiting for it there;
-        ``values`` may be changed as soon as this returns. Raises ValueError for another
-        typecode."""
+        """``values`` (``array('q')``) as a ``[len(values)] int64`` device tensor, queued
+        without waiting (on the side stream if set); ``values`` may change once this
+        returns. Raises ValueError for another typecode."""
         if values.typecode != "q":
             raise ValueError(f"values must be an array('q'), got typecode {values.typecode!r}")
         n = len(values)
@@ -83,16 +76,10 @@ class HostToDevice:
 
 
 class DeviceToHost:
-    """Copies int64 device vectors to pinned host buffers without waiting for them.
-
-    Args:
-        slots: pinned buffers in the ring (>= 2; ValueError otherwise). A copy's host tensor
-            stays valid until ``slots - 1`` later copies were taken.
-        side_stream: copy on a stream of its own, after the work queued on the current
-            stream so far. Whatever later overwrites the copied tensor must wait for the
-            returned event on its own stream first (``CudaGraphRunner.wait_before_replay``
-            for a graph's static buffer).
-    """
+    """Copies int64 device vectors to a ring of ``slots`` (>= 2, else ValueError) pinned host
+    buffers without waiting; a host tensor stays valid for ``slots - 1`` later copies.
+    ``side_stream``: copy on its own stream; later writers of the source wait for the
+    returned event (``CudaGraphRunner.wait_before_replay``)."""
 
     def __init__(self, slots: int = 4, side_stream: bool = False):
         self._ring = _Ring(slots)
@@ -100,10 +87,8 @@ class DeviceToHost:
         self._side: dict = {}  # device -> (side stream, ring of "values ready" events)
 
     def copy(self, values: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """``(host, event)``: ``values`` (``[n] int64``) copied into a pinned buffer, and the
-        CUDA event after the copy (``event.synchronize()`` before reading ``host``). A CPU
-        tensor is cloned, with event None. Raises ValueError for a tensor that is not
-        1-D int64."""
+        """``(host, event)``: ``values`` (``[n] int64``) in a pinned buffer and the CUDA event
+        to synchronize before reading it (CPU: a clone, None). ValueError if not 1-D int64."""
         if values.dtype != torch.int64 or values.dim() != 1:
             raise ValueError(f"values must be a 1-D int64 tensor, got {values.dtype} "
                              f"of shape {tuple(values.shape)}")
@@ -133,15 +118,9 @@ class DeviceToHost:
 
 
 class BitmaskToDevice:
-    """Token bitmasks (``[M, W] int32``) written on the host straight into a pinned buffer and
-    copied to ``device`` without waiting.
-
-    Args:
-        device: the destination; on a CPU device :meth:`host` gives a new tensor and
-            :meth:`copy` returns it.
-        slots: pinned buffers in the ring (>= 2; ValueError otherwise). A buffer is reused
-            after ``slots`` copies, once its copy has finished.
-    """
+    """Token bitmasks (``[M, W] int32``) written on the host into a ring of ``slots`` (>= 2,
+    else ValueError) pinned buffers and copied to ``device`` without waiting (CPU: a new
+    tensor)."""
 
     def __init__(self, device: torch.device | str, slots: int = 3):
         self.device = torch.device(device)

@@ -1,8 +1,5 @@
-"""Reference attention backend: gather each request's pages into a padded batch and call
-``torch.nn.functional.scaled_dot_product_attention`` with a causal-with-offset mask.
-
-Runs on CPU and CUDA. Every other backend is tested against this one.
-"""
+"""Reference attention backend (CPU and CUDA): each request's pages gathered into a padded batch
+for ``scaled_dot_product_attention``; every other backend is tested against it."""
 
 from __future__ import annotations
 

@@ -15,17 +15,10 @@ from latentserve.attention.kernels import decode_attention, extend_attention, st
 
 @dataclass(slots=True)
 class TritonMeta:
-    """Per-batch metadata, built once by ``TritonBackend.prepare`` and read by every layer.
-
-    Device tensors (what the kernels read; same shapes for the same batch size, so a CUDA
-    graph runner can keep static copies and refresh them with ``copy_``):
-        ``rows: [B] int64`` page-table rows; ``q_start: [B + 1] int32`` cumulative query
-        offsets into the flat token dimension; ``kv_lens: [B] int32`` keys per request after
-        this step; ``out_slots: [T] int64`` slots the new tokens' K/V go to;
-        ``page_table: [max_reqs, max_model_len] int64`` (the live table, not a copy).
-    Host values (fixed when the batch is built; ``forward`` never reads device values back):
-        ``num_reqs``; ``max_q_len`` (sizes the extend grid); ``is_decode`` (all ``q_len == 1``,
-        selects the decode kernel).
+    """Per-batch metadata from ``TritonBackend.prepare``, read by every layer. Device tensors
+    (fixed shapes per batch size, CUDA-graph friendly): ``rows [B] int64``, ``q_start [B + 1]
+    int32``, ``kv_lens [B] int32`` (after this step), ``out_slots [T] int64``, ``page_table``
+    (the live table). Host: ``num_reqs``, ``max_q_len``, ``is_decode`` (all ``q_len == 1``).
     """
 
     rows: torch.Tensor
@@ -41,24 +34,14 @@ class TritonMeta:
 class TritonBackend(AttentionBackend):
     """Attention through Triton kernels over the paged KV pool (page size 1).
 
-    Args:
-        num_kv_splits: the most flash-decoding splits per (request, KV head). A decode batch
-            of B requests takes ``decode_splits(B, num_kv_heads)``: 1 (no merge kernel) when
-            its ``B * num_kv_heads`` programs cover the device's SMs three times, else the
-            fewest power of 2 (at most this) that gives four programs per SM; the grid is
-            ``(B, num_kv_heads, splits)`` whatever the lengths (CUDA-graph friendly: fixed
-            per batch size).
-        num_sms: streaming multiprocessors to cover (None: the CUDA device's count; 132, an
-            H100/H200's, for CPU tensors, so interpreter runs choose as the GPU would).
-        decode_block_n: keys per decode tile; None picks 128 for a one-split batch with
-            head_dim <= 64 and 64 otherwise (H200 sweep, docs/benchmarks-history.md session 7).
-            extend_block_m / extend_block_n: query / key tile of the extend kernel. All
-            >= 16 and powers of 2.
+    ``num_kv_splits``: the most flash-decoding splits per (request, KV head); a batch takes
+    ``decode_splits(B, num_kv_heads)``, grid ``(B, num_kv_heads, splits)``. ``num_sms``: None
+    = the device's (132 for CPU tensors). ``decode_block_n`` None = 128 for a one-split batch
+    with head_dim <= 64, else 64; all tiles >= 16, powers of 2.
 
-    Shapes follow ``AttentionBackend.forward``: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` with
-    ``H % Hkv == 0`` (MHA or GQA), any head_dim (non-powers of 2 are masked inside a padded
-    tile); fp32, bf16 or fp16 inputs with fp32 softmax statistics and accumulation.
-    ``k = v = None``: the caller stored them already (``fused_kv_store``).
+    Shapes as ``AttentionBackend.forward``: q ``[T, H, D]``, k/v ``[T, Hkv, D]``, ``H % Hkv ==
+    0``, any head_dim; fp32/bf16/fp16 with fp32 softmax and accumulation. ``k = v = None``:
+    already stored (``fused_kv_store``).
     """
 
     fused_kv_store = True
@@ -79,8 +62,9 @@ class TritonBackend(AttentionBackend):
         self.extend_block_n = extend_block_n
 
     def decode_splits(self, batch: int, kv_heads: int, device=None) -> int:
-        """Splits per (request, KV head) for a decode batch of ``batch`` requests (see the
-        class docstring; measured: docs/benchmarks-history.md, session 7)."""
+        """Splits per (request, KV head) for ``batch`` requests: 1 when the ``batch *
+        kv_heads`` programs cover the SMs three times, else the fewest power of 2 (at most
+        ``num_kv_splits``) giving four programs per SM (docs/benchmarks-history.md, session 7)."""
         sms = self.num_sms or _device_sms(device)
         programs = max(batch * kv_heads, 1)
         if programs >= 3 * sms:
@@ -134,11 +118,8 @@ class TritonBackend(AttentionBackend):
         )
 
     def prefetches(self, meta: TritonMeta, weight: torch.Tensor | None, kv_heads: int) -> bool:
-        """True for a one-split decode batch (stage 1 is the last attention kernel, so the
-        prefetch ends right before the caller's GEMM) on a device with PDL, when all of
-        ``weight`` fits the decode attention's prefetch budget
-        (``decode_attention.prefetch_budget``; measured: docs/benchmarks-history.md,
-        session 10)."""
+        """True for a one-split decode batch on a device with PDL when all of ``weight`` fits
+        ``decode_attention.prefetch_budget`` (the prefetch ends right before the GEMM)."""
         from latentserve.attention.kernels.decode_attention import prefetch_budget
         from latentserve.ops.kernels.pdl import pdl_enabled
 

@@ -1,9 +1,5 @@
-"""``latentserve bench``: the offline throughput benchmark from the command line.
-
-``add_bench_args(parser)`` adds the flags to an argparse (sub)parser; ``bench_main(args)``
-runs :func:`latentserve.bench.offline.run_offline_bench`, prints a small table and writes
-the JSON (``--json-out``). Times are in seconds, throughputs in tokens per second.
-"""
+"""``latentserve bench``: the offline throughput benchmark from the command line (seconds,
+tokens per second)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Pieces shared by the H200 latent benchmarks (``bench.head_gpu``, ``bench.recurrent_gpu``):
-device sync, copy bandwidth on either device, weight bytes, machine description, and an
-engine driver that times every step and labels it by phase.
-
-Units: seconds, bytes, bytes per second.
-"""
+"""Pieces shared by the device benchmarks: sync, copy bandwidth, weight bytes, machine
+description, engines, timing, the suite loop, and a step driver labelled by phase.
+Units: seconds, bytes, bytes per second."""
 
 from __future__ import annotations
 
@@ -29,11 +26,9 @@ def free_memory(device: str) -> None:
 
 
 def copy_bandwidth_on(device: str, nbytes: int | None = None, iters: int = 20) -> float:
-    """Copy bandwidth of ``device`` in bytes moved (read + written) per second, the figure
-    the decode floors divide by. CUDA: ``bench.gpu.copy_bandwidth`` (2 GiB buffers, CUDA
-    events, the best of 5 rounds). CPU: a ``nbytes`` (default 64 MiB) tensor copy timed with
-    ``perf_counter``
-    (only so the ``--tiny`` path runs end to end; not a meaningful floor)."""
+    """Copy bandwidth of ``device`` in bytes moved (read + written) per second. CUDA:
+    ``bench.gpu.copy_bandwidth``; CPU: a ``nbytes`` (default 64 MiB) copy, only so the
+    ``--tiny`` path runs (not a meaningful floor)."""
     if device.startswith("cuda"):
         from latentserve.bench.gpu import copy_bandwidth
 
@@ -85,11 +80,9 @@ def time_replays(graph, replays: int = 200, warmup: int = 1) -> float:
 
 
 def profile_replay(graph) -> dict:
-    """Device operations (kernels, memcpys, memsets) in one replay of a captured CUDA
-    ``graph``, from ``torch.profiler``: their count, the 12 most frequent names, the summed
-    device time (``busy_us``; below the replay's wall time by the gaps between kernels) and
-    the 12 names with the most device time (microseconds), and the first 24 operations in
-    start order with their device time (``first_ops_us``: one layer's kernels, in order)."""
+    """Device operations in one replay of a captured CUDA ``graph`` (``torch.profiler``):
+    ``device_ops``, ``top`` names, ``busy_us`` (summed device time), ``top_by_time_us`` and
+    the first 24 in start order (``first_ops_us``), in microseconds."""
     import collections
 
     import torch
@@ -112,6 +105,46 @@ def profile_replay(graph) -> dict:
                             sorted(dev_events, key=lambda e: e.time_range.start)[:24]]}
     if not names:
         out["note"] = "the profiler saw no device ops inside the graph replay"
+    return out
+
+
+def make_engine(path, device: str, dtype: str, max_num_seqs: int, max_model_len: int, **kw):
+    """An ``LLMEngine`` over the model directory ``path`` (other ``EngineConfig`` options: kw)."""
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype,
+                                  max_num_seqs=max_num_seqs, max_model_len=max_model_len, **kw))
+
+
+def timed(device: str, fn, *args):
+    """``(fn(*args), seconds)``, the device synced before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    result = fn(*args)
+    sync(device)
+    return result, time.perf_counter() - t0
+
+
+def run_suite(key: str, names, bench, device: str, command: str | None, config: dict) -> dict:
+    """``bench(name, root, bandwidth)`` for each of ``names`` in a scratch directory, printed
+    as it ends; returns ``{command, date, machine, config, copy_bandwidth_Bps, key: {name:
+    result}, total_s}``."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    t_start = time.perf_counter()
+    bw = copy_bandwidth_on(device)
+    out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "machine": machine(device), "config": config, "copy_bandwidth_Bps": bw, key: {}}
+    with tempfile.TemporaryDirectory() as d:
+        for name in names:
+            out[key][name] = bench(name, Path(d), bw)
+            shutil.rmtree(Path(d) / name, ignore_errors=True)  # 7.6 GB for Huginn
+            print(json.dumps({name: out[key][name]}, indent=1), flush=True)
+    out["total_s"] = time.perf_counter() - t_start
     return out
 
 
@@ -142,10 +175,9 @@ def machine(device: str) -> dict:
 
 
 def step_kind(engine) -> str:
-    """The phase of the batch the next ``engine.step()`` runs, from the scheduler's state:
-    ``latent`` (every running request decodes one position of its compression-head latent
-    phase), ``decode`` (every running request decodes one ordinary token), ``mixed`` (one-token
-    rows of both kinds) or ``other`` (a queue, a prefill or a multi-token extend)."""
+    """The phase of the next ``engine.step()``: ``latent`` (all rows in a head's latent
+    phase), ``decode`` (all one ordinary token), ``mixed`` (both) or ``other`` (queue,
+    prefill or extend)."""
     s = engine.scheduler
     if s.waiting or not s.running or any(r.num_pending != 1 for r in s.running):
         return "other"
@@ -156,14 +188,9 @@ def step_kind(engine) -> str:
 
 
 def drive(engine, prompts, params, device: str, tag: str) -> dict:
-    """Queue every prompt with ``params`` at once and step to completion.
-
-    Returns ``wall_s`` (first add to last output, device synced), ``tokens`` (all new
-    output tokens), ``outputs`` (tokens per request, prompt order), ``step_s`` (the mean
-    step time of each ``step_kind``, over its steady steps: the first and last step of a kind
-    are dropped when it has more than 2), ``steps`` (count per kind) and ``graph_steps``
-    (decode steps replayed from CUDA graphs).
-    """
+    """Queue every prompt with ``params`` at once and step to completion. Returns ``wall_s``,
+    ``tokens``, ``outputs`` (per request, prompt order), ``step_s`` (mean steady step time per
+    ``step_kind``: first and last dropped when more than 2), ``steps`` and ``graph_steps``."""
     rids = [f"{tag}-{engine._arrivals}-{i}" for i in range(len(prompts))]
     graphs0 = engine.runner.num_graph_steps
     sync(device)

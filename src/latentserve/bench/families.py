@@ -96,10 +96,8 @@ READERS = {"plain": _plain, "feedback": _feedback, "head": _head, "recurrent": _
 
 
 def summarize(suites: dict) -> list[dict]:
-    """Rows (see the module docstring) of ``suites``: ``{"plain": bench.gpu result,
-    "feedback": bench.latent result, "head": bench.head_gpu result, "recurrent":
-    bench.recurrent_gpu result, "loop": bench.loop result}``; missing suites give no rows.
-    Rows are in that family order, then model, then concurrency."""
+    """Table rows of ``suites`` (``{family: that suite's result}``), in ``READERS`` order,
+    then model, then concurrency; missing suites give no rows."""
     return [r for family, read in READERS.items() if family in suites
             for r in read(suites[family])]
 

@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from latentserve.bench.device_common import free_memory, profile_replay
+from latentserve.bench.device_common import free_memory, make_engine, profile_replay
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -77,12 +77,9 @@ _STEP_SPREAD = ("step_p50_s", "step_p90_s", "step_max_s", "overlap_wait_s", "hos
 
 
 def _engine_run(engine, prompts, output_len):
-    """One batch through the engine: output tokens/s, wall time, the pure-decode steps' host
-    time (mean, median, p90, max), the device time of their graph replays (CUDA events around
-    ``CudaGraphRunner.replay`` / ``replay_packed``), the 8 slowest decode steps as ``(index,
-    seconds)``, Python collections per generation, and with overlap scheduling
-    ``overlap_wait_s`` (mean host wait for the previous batch's tokens) and
-    ``host_bound_frac`` (fraction of decode steps that waited under 20 us)."""
+    """One batch through the engine: tokens/s, wall time, decode-step host time (mean, p50,
+    p90, max), graph replay device time, the 8 slowest steps, gc collections, and with
+    overlap ``overlap_wait_s`` / ``host_bound_frac`` (waits under 20 us)."""
     import torch
 
     from latentserve.engine import overlap
@@ -220,19 +217,13 @@ def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
 def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                   shapes=tuple(SHAPES), hf_baseline=True, compare_unfused=True,
                   compare_overlap=True, kv_splits=()) -> dict:
-    """Benchmark every shape; returns a JSON-able dict (units: module docstring).
-
-    Per shape and concurrency: engine throughput, the engine decode step (``decode_step_s``,
-    host wall time, overlap scheduling on as by default) and its graph replay's device time
-    (``graph_replay_s``), each over the bandwidth floor, and the device ops in one replay.
-    At the largest concurrency also: ``compare_unfused`` (``fused_ops=False``),
-    ``compare_overlap`` (row ``sync``, ``overlap_schedule=False``) and each of ``kv_splits``
-    as ``attention_num_kv_splits`` (rows ``kv_splits_N``)."""
+    """Benchmark every shape; returns a JSON-able dict. Per shape and concurrency: engine
+    throughput, decode step and graph replay time over the bandwidth floor, device ops per
+    replay; at the largest concurrency also the ``unfused``, ``sync`` and ``kv_splits_N``
+    variants."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
     from latentserve.kvcache.pool import KVPool
 
     bw = copy_bandwidth()
@@ -244,9 +235,8 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
     for name in shapes:
         with tempfile.TemporaryDirectory() as d:
             path = save_random_llama(Path(d), SHAPES[name])
-            engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
-                                            max_model_len=prompt_len + output_len + 8,
-                                            max_num_seqs=max(concurrency)))
+            max_len = prompt_len + output_len + 8
+            engine = make_engine(path, "cuda", "bfloat16", max(concurrency), max_len)
             weights = sum(p.numel() * p.element_size()
                           for p in engine.runner.model.parameters())
             layers, kvh, hd = engine.runner.model.kv_shape
@@ -278,9 +268,7 @@ def run_gpu_bench(concurrency=(1, 16, 64), prompt_len=256, output_len=256,
                 [(f"kv_splits_{s}", {"attention_num_kv_splits": s}) for s in kv_splits]
             for key, opts in variants:  # the largest concurrency again, one option changed
                 c = max(concurrency)
-                engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
-                                                max_model_len=prompt_len + output_len + 8,
-                                                max_num_seqs=c, **opts))
+                engine = make_engine(path, "cuda", "bfloat16", c, max_len, **opts)
                 prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
                 r = _engine_run(engine, prompts, output_len)
                 rows[c][key] = {"engine_tok_s": r["tok_s"], "decode_step_s": r["step_s"],

@@ -4,12 +4,10 @@ single-request reference, and a latent step against a plain one (method: benchma
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from latentserve.bench.device_common import free_memory
+from latentserve.bench.device_common import free_memory, make_engine, run_suite, timed
 
 # Head config per backbone: latent_dim, source_layer (0-based decoder layer whose output is
 # the anchor). Upstream's DeepSeek-V4 head is hidden 4096 -> latent 1024 with the anchor at
@@ -58,12 +56,8 @@ def _params(max_latent: int, answer_len: int, n_close: int, thinking: bool = Tru
 
 
 def _engine(path: Path, device: str, dtype: str, max_seqs: int, max_len: int, **kw):
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype,
-                                  max_num_seqs=max_seqs, max_model_len=max_len,
-                                  kv_slots=(max_seqs + 1) * max_len, **kw))
+    return make_engine(path, device, dtype, max_seqs, max_len,
+                       kv_slots=(max_seqs + 1) * max_len, **kw)
 
 
 def _kv_floor(engine, batch: int, mean_ctx: float, bw: float) -> dict:
@@ -213,14 +207,10 @@ def bench_shape(name: str, root: Path, device: str, dtype: str, concurrency, pro
         outputs[max_c][1][:ref_requests]
     hr.head_reference_generate(path, bundle, rand_prompts(1)[0], spec.start_ids, spec.end_ids,
                                **{**ref_kw, "max_latent": 2, "max_tokens": 2 + n_close + 2})
-    from latentserve.bench.device_common import sync
-
-    sync(device)
-    t0 = time.perf_counter()
-    ref_out = [hr.head_reference_generate(path, bundle, p, spec.start_ids, spec.end_ids,
-                                          **ref_kw)["tokens"] for p in ref_prompts]
-    sync(device)
-    ref_req_s = (time.perf_counter() - t0) / len(ref_prompts)
+    ref_out, ref_s = timed(device, lambda: [
+        hr.head_reference_generate(path, bundle, p, spec.start_ids, spec.end_ids,
+                                   **ref_kw)["tokens"] for p in ref_prompts])
+    ref_req_s = ref_s / len(ref_prompts)
     hr._hf_model.cache_clear()
     hr._bundle_cached.cache_clear()
     free_memory(device)
@@ -248,28 +238,13 @@ def run_head_bench(shapes=tuple(HEADS), device: str = "cuda", dtype: str = "bflo
                    command: str | None = None, step_rounds: int = 1) -> dict:
     """Every shape in ``shapes`` (``HEADS`` keys, or ``("tiny",)``); see the module
     docstring. Returns the JSON-able result with the config it ran."""
-    from latentserve.bench.device_common import copy_bandwidth_on, machine
-
-    t_start = time.perf_counter()
-    bw = copy_bandwidth_on(device)
-    out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "machine": machine(device),
-           "config": {"device": device, "dtype": dtype, "head_dtype": "float32",
-                      "concurrency": list(concurrency), "prompt_len": prompt_len,
-                      "step_rounds": step_rounds,
-                      "think_open_ids": len(THINK_OPEN.split()),
-                      "think_close_ids": len(THINK_CLOSE.split()),
-                      "max_latent": max_latent, "min_latent": 0, "use_stop": False,
-                      "answer_len": answer_len, "ignore_eos": True,
-                      "ref_requests": ref_requests, "cuda_graphs": device.startswith("cuda"),
-                      "goal": ">= 30x at 64 concurrent; latent step within 10% of plain"},
-           "copy_bandwidth_Bps": bw, "shapes": {}}
-    with tempfile.TemporaryDirectory() as d:
-        for name in shapes:
-            out["shapes"][name] = bench_shape(name, Path(d), device, dtype, concurrency,
-                                              prompt_len, max_latent, answer_len,
-                                              ref_requests, bw, bare_baseline, step_rounds)
-            shutil.rmtree(Path(d) / name, ignore_errors=True)
-            print(json.dumps({name: out["shapes"][name]}, indent=1), flush=True)
-    out["total_s"] = time.perf_counter() - t_start
-    return out
+    config = {"device": device, "dtype": dtype, "head_dtype": "float32",
+              "concurrency": list(concurrency), "prompt_len": prompt_len,
+              "step_rounds": step_rounds, "think_open_ids": len(THINK_OPEN.split()),
+              "think_close_ids": len(THINK_CLOSE.split()), "max_latent": max_latent,
+              "min_latent": 0, "use_stop": False, "answer_len": answer_len, "ignore_eos": True,
+              "ref_requests": ref_requests, "cuda_graphs": device.startswith("cuda"),
+              "goal": ">= 30x at 64 concurrent; latent step within 10% of plain"}
+    return run_suite("shapes", shapes, lambda name, root, bw: bench_shape(
+        name, root, device, dtype, concurrency, prompt_len, max_latent, answer_len,
+        ref_requests, bw, bare_baseline, step_rounds), device, command, config)

@@ -9,25 +9,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from latentserve.bench.device_common import free_memory, sync
+from latentserve.bench.device_common import free_memory, make_engine, timed
 
 GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
 
 
 def build_coconut_gpt2(root: Path) -> Path:
-    """COCONUT over a random GPT-2 124M-shaped base, written in the upstream form
-    (``base_causallm.`` state dict) and converted; returns the model directory."""
-    import torch
-
-    from latentserve.bench.baseline.latent_models import _resized_base
-    from latentserve.bench.baseline.tiny_models import save_tiny
+    """COCONUT over a random GPT-2 124M-shaped base, written in the upstream form and
+    converted; returns the model directory."""
+    from latentserve.bench.baseline.latent_models import write_upstream_coconut
     from latentserve.latent.convert import convert_coconut
 
-    base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **GPT2_124M)
-    model = _resized_base(base, 0)
-    (root / "upstream").mkdir(parents=True, exist_ok=True)
-    ckpt = root / "upstream" / "checkpoint_1"
-    torch.save({"base_causallm." + k: v for k, v in model.state_dict().items()}, ckpt)
+    base, ckpt = write_upstream_coconut(root, "gpt2", word_tokenizer=True, **GPT2_124M)
     return convert_coconut(base, ckpt, root / "model")
 
 
@@ -51,15 +44,12 @@ def bench_one(model_dir: Path, device: str, dtype: str, concurrency, budget: int
     import torch
 
     from latentserve.bench.baseline.latent_reference import reference_generate
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(0)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype=dtype,
-                                    max_num_seqs=max(concurrency),
-                                    max_model_len=prompt_len + budget + answer_len + 8,
-                                    kv_slots=None if device == "cuda" else 65536))
+    engine = make_engine(model_dir, device, dtype, max(concurrency),
+                         prompt_len + budget + answer_len + 8,
+                         kv_slots=None if device == "cuda" else 65536)
     sp = SamplingParams(max_tokens=answer_len, temperature=0.0, ignore_eos=True,
                         latent_budget=budget)
     rows = {}
@@ -76,12 +66,10 @@ def bench_one(model_dir: Path, device: str, dtype: str, concurrency, budget: int
     free_memory(device)  # the KV pool took most of the GPU
     prompts = torch.randint(3, 1000, (ref_requests + 1, prompt_len), generator=g).tolist()
     reference_generate(model_dir, prompts[0], budget, 2, device, dtype)  # load + warm up
-    sync(device)
-    t0 = time.perf_counter()
-    for p in prompts[1:]:
+    _, ref_s = timed(device, lambda: [
         reference_generate(model_dir, p, budget, answer_len, device, dtype, ignore_eos=True)
-    sync(device)
-    ref = ref_requests * answer_len / (time.perf_counter() - t0)
+        for p in prompts[1:]])
+    ref = ref_requests * answer_len / ref_s
     for c in concurrency:
         rows[c]["reference_tok_s"] = ref
         rows[c]["speedup"] = rows[c]["engine_tok_s"] / ref
@@ -97,13 +85,10 @@ def latent_step_cost(model_dir: Path, device: str, dtype: str, batch: int = 64,
     budget 0 and ``steps`` answer tokens."""
     import torch
 
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype=dtype,
-                                    max_num_seqs=batch, max_model_len=64 + steps + 16,
-                                    kv_slots=None if device == "cuda" else 65536))
+    engine = make_engine(model_dir, device, dtype, batch, 64 + steps + 16,
+                         kv_slots=None if device == "cuda" else 65536)
     prompts = torch.randint(3, 1000, (batch, 64), generator=torch.Generator().manual_seed(1))
     result = {}
     for name, budget, answer in (("warmup", steps, steps), ("latent", steps, 1),

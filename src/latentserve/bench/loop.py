@@ -7,9 +7,8 @@ import platform
 import time
 from pathlib import Path
 
-from latentserve.bench.device_common import free_memory, sync
-
-GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
+from latentserve.bench.device_common import free_memory, make_engine, sync, timed
+from latentserve.bench.latent import GPT2_124M
 
 
 def build_pccot_gpt2(root: Path, block_size: int = 24, iterations: int = 3) -> Path:
@@ -60,16 +59,13 @@ def bench_loop(root: Path, device: str, dtype: str, concurrency, answer_len: int
         load_pccot_reference,
         reference_generate_loop,
     )
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
 
     model_dir = build_pccot_gpt2(root, block_size, iterations)
     g = torch.Generator().manual_seed(0)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype=dtype,
-                                    max_num_seqs=max(concurrency), enable_prefix_caching=False,
-                                    max_model_len=prompt_len + block_size + answer_len + 16,
-                                    kv_slots=None if device == "cuda" else 65536))
+    engine = make_engine(model_dir, device, dtype, max(concurrency),
+                         prompt_len + block_size + answer_len + 16, enable_prefix_caching=False,
+                         kv_slots=None if device == "cuda" else 65536)
     sp = SamplingParams(max_tokens=answer_len, temperature=0.0, ignore_eos=True,
                         latent_budget=iterations)
     rows = {}
@@ -88,12 +84,10 @@ def bench_loop(root: Path, device: str, dtype: str, concurrency, answer_len: int
     ref = load_pccot_reference(str(root / "base"), str(root / "adapter"), device, dtype)
     prompts = torch.randint(3, 1000, (ref_requests + 1, prompt_len), generator=g).tolist()
     reference_generate_loop(ref, prompts[0], iterations, 2)  # warm up
-    sync(device)
-    t0 = time.perf_counter()
-    for p in prompts[1:]:
+    _, ref_s = timed(device, lambda: [
         reference_generate_loop(ref, p, iterations, answer_len, ignore_eos=True)
-    sync(device)
-    per_req = (time.perf_counter() - t0) / ref_requests
+        for p in prompts[1:]])
+    per_req = ref_s / ref_requests
     for c in concurrency:
         rows[c]["reference_wall_s"] = per_req * c  # one request at a time
         rows[c]["speedup_vs_reference"] = per_req * c / rows[c]["block_passes"]["wall_s"]

@@ -16,6 +16,8 @@ import time
 from datetime import UTC, datetime
 from importlib import resources
 
+from latentserve.bench.device_common import sync
+
 WARMUP_PROMPTS = 2
 WARMUP_OUTPUT_LEN = 8
 AGREEMENT_PROMPTS = 4
@@ -85,13 +87,6 @@ def machine_info() -> dict:
     return info
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def _cpu_s() -> float:
     """CPU time [s] used so far by this process (user + system, all threads)."""
     t = os.times()
@@ -135,13 +130,13 @@ def _run_engine(model, prompts, warmup, output_len, device, dtype, seed
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in warmup],
                  SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, **greedy), use_tqdm=False)
-    _sync(device)
+    sync(device)
     warmup_s = time.perf_counter() - t0
     gc.collect()
     load0, cpu0, t0 = _loadavg(), _cpu_s(), time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=output_len, **greedy), use_tqdm=False)
-    _sync(device)
+    sync(device)
     wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     res = _rates(wall, sum(map(len, tokens)), sum(map(len, prompts)), cpu, load0)
@@ -177,13 +172,13 @@ def _run_hf(model_dir, prompts, output_len, device, dtype) -> tuple[dict, list[l
         return out[0, len(ids):].tolist()
 
     gen(prompts[0], 4)  # warm-up, untimed
-    _sync(device)
+    sync(device)
     gc.collect()
     tokens = []
     load0, cpu0, t0 = _loadavg(), _cpu_s(), time.perf_counter()
     for p in prompts:
         tokens.append(gen(p, output_len))
-    _sync(device)
+    sync(device)
     wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
     res = _rates(wall, sum(map(len, tokens)), sum(map(len, prompts)), cpu, load0)
     res.update(load_s=round(load_s, 3), batch_size=1)
@@ -206,20 +201,13 @@ def _agreement(engine_tokens, hf_tokens, eos_ids) -> list[dict]:
 def run_offline_bench(model: str | None = None, num_prompts: int = 32, output_len: int = 64,
                       device: str = "cpu", dtype: str = "float32", hf_baseline: bool = True,
                       seed: int = 0, command: str | None = None) -> dict:
-    """Offline generation throughput of our engine and, with ``hf_baseline``, of HF
-    ``generate`` one prompt at a time.
+    """Offline throughput of our engine and, with ``hf_baseline``, HF ``generate`` one prompt
+    at a time: ``num_prompts`` GSM8K questions, ``output_len`` greedy tokens each (EOS
+    ignored). ``model``: directory, ``.gguf`` or None (embedded).
 
-    ``model``: HF-style directory, ``.gguf`` file, or None (embedded SmolLM2-135M);
-    ``num_prompts`` GSM8K questions (cycled past 40), ``output_len`` tokens each (exact: greedy,
-    EOS ignored); ``command``: recorded (default ``sys.argv``).
-
-    Returns a JSON-serialisable dict: ``engine`` and ``hf`` (None without baseline) each with
-    ``wall_s``, ``cpu_s``, ``load_s`` [s], ``output_tokens`` / ``total_tokens``,
-    ``output_tok_per_s`` / ``total_tok_per_s`` and the load average before/after; ``speedup``
-    (output tokens/s over HF's, or None); ``greedy_agreement`` (first 4 prompts) and
-    ``greedy_agree``; the prompt statistics [tokens]; ``machine``; ``command``.
-
-    Raises ValueError for ``num_prompts`` or ``output_len`` < 1; errors from model loading."""
+    Returns a JSON-able dict: ``engine`` / ``hf`` (``wall_s``, ``cpu_s``, ``load_s``, token
+    counts and rates, load averages), ``speedup``, ``greedy_agreement``, prompt statistics,
+    ``machine``, ``command``. Raises ValueError for ``num_prompts`` or ``output_len`` < 1."""
     if num_prompts < 1 or output_len < 1:
         raise ValueError(f"num_prompts and output_len must be >= 1, got {num_prompts}, "
                          f"{output_len}")

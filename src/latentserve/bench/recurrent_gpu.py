@@ -3,12 +3,10 @@ reference, and the decode step against its bandwidth floor (method: benchmarks/r
 
 from __future__ import annotations
 
-import gc
-import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
+
+from latentserve.bench.baseline import recurrent_models as rm
 
 HUGINN_3_5B = {"n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads": 55,
                "intermediate_size": 17920, "vocab_size": 65536, "block_size": 4096,
@@ -18,14 +16,8 @@ OURO_1_4B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers"
              "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 128,
              "vocab_size": 49152, "max_position_embeddings": 65536, "total_ut_steps": 4,
              "max_recurrence": 4}
-HUGINN_TINY = {"n_embd": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-               "intermediate_size": 128, "vocab_size": 1024, "block_size": 256,
-               "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
-               "n_layers_in_coda": 1, "mean_recurrence": 2, "max_recurrence": 4}
-OURO_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-             "vocab_size": 1024, "max_position_embeddings": 256, "total_ut_steps": 4,
-             "max_recurrence": 4}
+HUGINN_TINY = {**rm.HUGINN_TINY, "mean_recurrence": 2, "max_recurrence": 4}
+OURO_TINY = {**rm.OURO_TINY, "max_recurrence": 4}
 # (family, shape, depths) per benchmark name
 MODELS = {"huginn-0125": ("huginn", HUGINN_3_5B, (8, 32)),
           "ouro-1.4b": ("ouro", OURO_1_4B, (4,))}
@@ -67,8 +59,6 @@ def decode_floor(model, family: str, depth: int, batch: int, mean_ctx: float, bw
 
 
 def _write(family: str, shape: dict, path: Path, device: str, dtype: str) -> Path:
-    from latentserve.bench.baseline import recurrent_models as rm
-
     write = rm.write_huginn if family == "huginn" else rm.write_ouro
     return write(path, save_dtype=_dtype(dtype), init_device=device, **shape)
 
@@ -96,18 +86,15 @@ def bench_model(name: str, family: str, shape: dict, depths, root: Path, device:
     import torch
 
     from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
-    from latentserve.bench.device_common import agreement, drive, sync
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.bench.device_common import agreement, drive, free_memory, make_engine, timed
 
     t0 = time.perf_counter()
     path = _write(family, shape, root / name, device, dtype)
     t_build = time.perf_counter() - t0
     max_c, max_len = max(concurrency), prompt_len + output_len + 8
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype,
-                                    max_num_seqs=max_c, max_model_len=max_len,
-                                    kv_slots=(max_c + 1) * max_len, fused_ops=fused_ops))
+    engine = make_engine(path, device, dtype, max_c, max_len, kv_slots=(max_c + 1) * max_len,
+                         fused_ops=fused_ops)
     t_engine = time.perf_counter() - t0
     print(f"[{name}] checkpoint written in {t_build:.1f} s, engine ready in {t_engine:.1f} s",
           flush=True)
@@ -141,9 +128,7 @@ def bench_model(name: str, family: str, shape: dict, depths, root: Path, device:
                   f"x floor {r['step_over_floor']}", flush=True)
     engine.cache.check_idle()
     del engine, model
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    free_memory(device)
     t0 = time.perf_counter()
     cls = HuginnReference if family == "huginn" else OuroReference
     ref = cls(path, dtype=_dtype(dtype), device=device)
@@ -155,15 +140,9 @@ def bench_model(name: str, family: str, shape: dict, depths, root: Path, device:
         prompts, eng_out = outputs[depth, max_c]
         pre, dec, ref_out = [], [], []
         for p in prompts[:ref_requests]:
-            sync(device)
-            s = time.perf_counter()
-            _reference(ref, family, p, 1, depth)
-            sync(device)
-            t1 = time.perf_counter() - s
-            s = time.perf_counter()
-            ref_out.append(_reference(ref, family, p, ref_output_len, depth)["tokens"])
-            sync(device)
-            tk = time.perf_counter() - s
+            _, t1 = timed(device, _reference, ref, family, p, 1, depth)
+            out_k, tk = timed(device, _reference, ref, family, p, ref_output_len, depth)
+            ref_out.append(out_k["tokens"])
             pre.append(t1)
             dec.append((tk - t1) / max(ref_output_len - 1, 1))
         t_pre, t_dec = sum(pre) / len(pre), sum(dec) / len(dec)
@@ -178,9 +157,7 @@ def bench_model(name: str, family: str, shape: dict, depths, root: Path, device:
         print(f"[{name}] reference depth={depth}: prefill {t_pre:.3f} s, "
               f"{t_dec * 1e3:.1f} ms/token", flush=True)
     del ref
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    free_memory(device)
     return {"family": family, "shape": shape, "depths": list(depths), "build_s": t_build,
             "engine_init_s": t_engine, "reference_load_s": t_ref_load,
             "max_model_len": max_len,
@@ -195,27 +172,14 @@ def run_recurrent_gpu_bench(models=tuple(MODELS), device: str = "cuda",
                             command: str | None = None, fused_ops: bool | None = None) -> dict:
     """Every model in ``models`` (``MODELS`` keys, or ``TINY_MODELS`` keys with ``tiny``);
     see the module docstring. Returns the JSON-able result with the config it ran."""
-    from latentserve.bench.device_common import copy_bandwidth_on, machine
+    from latentserve.bench.device_common import run_suite
 
     table = TINY_MODELS if tiny else MODELS
-    t_start = time.perf_counter()
-    bw = copy_bandwidth_on(device)
-    out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "machine": machine(device),
-           "config": {"device": device, "dtype": dtype, "concurrency": list(concurrency),
-                      "prompt_len": prompt_len, "output_len": output_len, "ignore_eos": True,
-                      "early_exit": False, "ref_requests": ref_requests,
-                      "ref_output_len": ref_output_len,
-                      "cuda_graphs": device.startswith("cuda"), "fused_ops": fused_ops,
-                      "goal": ">= 30x at 64 concurrent"},
-           "copy_bandwidth_Bps": bw, "models": {}}
-    with tempfile.TemporaryDirectory() as d:
-        for name in models:
-            family, shape, depths = table[name]
-            out["models"][name] = bench_model(name, family, shape, depths, Path(d), device,
-                                              dtype, concurrency, prompt_len, output_len,
-                                              ref_requests, ref_output_len, bw, fused_ops)
-            shutil.rmtree(Path(d) / name, ignore_errors=True)  # 7.6 GB for Huginn
-            print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
-    out["total_s"] = time.perf_counter() - t_start
-    return out
+    config = {"device": device, "dtype": dtype, "concurrency": list(concurrency),
+              "prompt_len": prompt_len, "output_len": output_len, "ignore_eos": True,
+              "early_exit": False, "ref_requests": ref_requests,
+              "ref_output_len": ref_output_len, "cuda_graphs": device.startswith("cuda"),
+              "fused_ops": fused_ops, "goal": ">= 30x at 64 concurrent"}
+    return run_suite("models", models, lambda name, root, bw: bench_model(
+        name, *table[name], root, device, dtype, concurrency, prompt_len, output_len,
+        ref_requests, ref_output_len, bw, fused_ops), device, command, config)

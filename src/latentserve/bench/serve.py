@@ -425,14 +425,9 @@ def _served_model(base_url: str, headers: dict) -> str:
 
 
 def serve_bench_main(args: argparse.Namespace) -> int:
-    """Run the benchmark described by ``args`` (from ``add_serve_bench_args``); print the
-    report, write ``--json-out`` if given. Returns 0, or 1 when a request failed or the
-    server was not healthy with its slot invariant after the run.
-
-    Raises:
-        ValueError: bad flag values, a server that cannot be reached, or a refused
-            ``/v1/models`` (e.g. a missing ``--api-key``); the message says which.
-    """
+    """Run the benchmark of ``args`` (``add_serve_bench_args``), print the report, write
+    ``--json-out``. Returns 1 when a request failed or the server was unhealthy after, else
+    0. Raises ValueError for bad flags, an unreachable server or a refused ``/v1/models``."""
 
     resolve_target(args)
     if args.num_prompts < 1 or args.output_len < 1:

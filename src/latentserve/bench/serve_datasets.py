@@ -51,13 +51,9 @@ def _read_json(path: str, what: str):
 
 
 def sample_requests(args, count_tokens, detokenize) -> list[Sample]:
-    """``args.num_prompts`` samples of ``args.dataset`` (deterministic for ``args.seed``).
-    ``count_tokens(text)`` and ``detokenize(ids)`` ask the server.
-
-    Raises:
-        ValueError: a missing or malformed ``--dataset-path`` file, or one with no usable
-            entry; the message names the flag and the entry.
-    """
+    """``args.num_prompts`` samples of ``args.dataset`` (deterministic for ``args.seed``);
+    ``count_tokens`` / ``detokenize`` ask the server. Raises ValueError naming the flag and
+    entry for a missing, malformed or empty ``--dataset-path``."""
     rng = random.Random(args.seed)
     n = args.num_prompts
     if args.dataset == "gsm8k":

@@ -9,13 +9,9 @@ import torch
 
 
 class SlotAllocator:
-    """Free list of KV slot ids ``1..num_slots`` (page size 1): a ``torch.int64`` tensor on
-    ``device``, no Python loop over slots.
-
-    Slot 0 is a reserved dummy that padded rows write to, so a pool needs ``num_slots + 1``
-    rows. ``free`` queues slots, joined when ``alloc`` reaches them or once ``MAX_QUEUED``
-    tensors wait. Double frees and foreign ids are not checked (a device sync); the callers
-    (request table and ``RadixCache``) own that invariant."""
+    """Free list of KV slot ids ``1..num_slots`` as an int64 tensor on ``device`` (slot 0 is
+    the dummy). ``free`` queues slots, joined when ``alloc`` reaches them or at
+    ``MAX_QUEUED``; double frees are not checked (the callers own that)."""
 
     MAX_QUEUED = 1024  # freed tensors waiting before they are joined to the free list
 

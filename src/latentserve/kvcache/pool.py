@@ -1,9 +1,5 @@
-"""The KV pool (per-layer K and V buffers indexed by slot) and the page table.
-
-Page size is 1: a request's page table row lists one slot id per token, as in SGLang's
-``req_to_token`` (``python/sglang/srt/mem_cache/memory_pool.py``). Slot 0 is a dummy that
-padded rows may write to; the allocator never hands it out.
-"""
+"""The KV pool (per-layer K and V buffers indexed by slot) and the page table: page size 1,
+one slot id per token as SGLang's ``req_to_token``; slot 0 is a dummy for padded rows."""
 
 from __future__ import annotations
 
@@ -17,12 +13,8 @@ if TYPE_CHECKING:
 
 
 class KVPool:
-    """K and V buffers for every layer.
-
-    ``k[layer]`` and ``v[layer]``: ``[num_slots + 1, num_kv_heads, head_dim]`` in ``dtype``
-    (row 0 is the dummy slot). ``num_layers`` counts KV layers as the attention sees them
-    (recurrent-depth models later give one bank per (iteration, layer)).
-    """
+    """K and V buffers: ``k[layer]``/``v[layer]`` ``[num_slots + 1, num_kv_heads, head_dim]``
+    in ``dtype`` (row 0 the dummy); recurrent models have one layer per (iteration, layer)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
@@ -43,16 +35,11 @@ class KVPool:
 
 
 class PageTable:
-    """Rows of slot ids, one row per running request:
-    ``table: [max_reqs + 1, max_model_len] int64``.
-
-    ``alloc_row()`` returns a free row index or None; ``free_row(i)`` gives it back.
-    NOTE: row ``dummy_row`` (the last) is never handed out and stays all zeros (the dummy
-    slot 0); padded rows of a captured decode batch read through it.
-
-    ``stage(cells, n, slots)`` records writes ``table[cells[j], cells[n + j]] = slots[j]``;
-    reading ``table`` applies them first (one copy, one scatter). ``take_staged`` hands them
-    to ``ops.kernels.decode_inputs`` instead; ``raw`` is the table without them applied."""
+    """Slot-id rows, one per running request: ``table [max_reqs + 1, max_model_len] int64``;
+    ``alloc_row()`` (None when full) / ``free_row(i)``. Row ``dummy_row`` (the last) stays
+    zeros for padded rows. ``stage(cells, n, slots)`` records ``table[cells[j], cells[n + j]]
+    = slots[j]``, applied on the next ``table`` read or handed to ``decode_inputs`` by
+    ``take_staged``; ``raw``: the table without them."""
 
     def __init__(self, max_reqs: int, max_model_len: int, device: torch.device | str):
         self.raw = torch.zeros((max_reqs + 1, max_model_len), dtype=torch.int64,

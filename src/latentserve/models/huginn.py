@@ -1,10 +1,6 @@
 """Huginn-0125 (arXiv 2502.05171): a prelude, a core block looped ``r`` times per token, a
-coda. Module names equal upstream's ``RavenForCausalLM`` (``recpre/raven_modeling_minimal.py``
-in ``seal-rg/recurrent-pretraining``; config ``raven_config_minimal.py``), so checkpoints load
-by name: ``transformer.wte``, ``transformer.prelude.{i}``, ``transformer.core_block.{i}``,
-``transformer.coda.{i}`` (each ``norm_1..4``, ``attn.Wqkv``, ``attn.qk_bias``, ``attn.proj``,
-``mlp.fc``, ``mlp.proj``), ``transformer.adapter``, ``transformer.ln_f``, ``lm_head`` (tied to
-``wte`` when ``tie_embeddings``).
+coda. Module names equal upstream's ``RavenForCausalLM`` (``seal-rg/recurrent-pretraining``,
+``recpre/raven_modeling_minimal.py``), so checkpoints load by name.
 
 Design notes: docs/internals.md, "latentserve.models.huginn".
 """
@@ -120,10 +116,8 @@ class SandwichBlock(nn.Module):
 
 
 def huginn_config(d: dict):
-    """A ``PretrainedConfig`` from Huginn's ``config.json`` dict (transformers has no Raven
-    class), with the aliases the engine reads: ``hidden_size`` (``n_embd``),
-    ``num_attention_heads``, ``max_position_embeddings`` (``block_size``),
-    ``tie_word_embeddings`` (``tie_embeddings``)."""
+    """A ``PretrainedConfig`` from Huginn's ``config.json`` dict, with the aliases the engine
+    reads (``hidden_size``, ``max_position_embeddings``, ``tie_word_embeddings``)."""
     from transformers import PretrainedConfig
 
     cfg = PretrainedConfig(**d)
@@ -141,13 +135,10 @@ def huginn_config(d: dict):
 class RavenForCausalLM(nn.Module):
     """Paged-KV Huginn with per-token depth and early exit.
 
-    ``forward(input_ids [T] int64, positions [T] int64, input_embeds=None, latent_mask=None)``
-    returns the final normed hidden ``[T, n_embd]`` (after the coda and ``ln_f``); each
-    token's depth and exit rule come from ``ForwardContext.recurrent`` / ``depths`` (without
-    them every token runs ``mean_recurrence``). ``compute_logits(hidden [B, n_embd]) ->
-    [B, vocab] float32``. ``num_iterations`` counts core-block iterations run, per token
-    (``L`` layers each), since construction.
-    """
+    ``forward(input_ids [T], positions [T], input_embeds=None, latent_mask=None)`` -> final
+    normed hidden ``[T, n_embd]``; depth and exit rule per token from
+    ``ForwardContext.recurrent`` (default ``mean_recurrence``). ``compute_logits`` ->
+    ``[B, vocab]`` float32. ``num_iterations``: core-block iterations run, per token."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -242,10 +233,8 @@ class RavenForCausalLM(nn.Module):
         return self.transformer.wte(input_ids)
 
     def use_fused_ops(self) -> None:
-        """Switch to the CUDA fast path (``latentserve.ops.kernels``): RMSNorm kernel with the
-        residual add folded in, ``qk_bias`` + interleaved-pair RoPE in one in-place kernel,
-        SiLU-and-multiply. Call once after ``load_weights``; CPU only under
-        ``TRITON_INTERPRET=1``."""
+        """Switch to the CUDA fast path (``latentserve.ops.kernels``); call once after
+        ``load_weights``; CPU only under ``TRITON_INTERPRET=1``."""
         for m in self.modules():
             if isinstance(m, (RMSNorm, CausalSelfAttention, GatedMLP)):
                 m.fused = True
@@ -351,17 +340,9 @@ class RavenForCausalLM(nn.Module):
 
 class _HuginnExit:
     """Per-row state of Huginn's exit evaluators for one forward (upstream
-    ``PerIterationExitEvaluator`` subclasses, evaluated for all checked rows at once).
-
-    Rows that may exit (``RecurrentBatch.eligible``) are single generated tokens or, with
-    ``upstream`` semantics, a whole prompt, evaluated as one block as upstream does: latent
-    criteria average the per-position value over the row's positions, logit criteria read
-    the row's last position (the coda runs over all of them). The row's state starts at
-    its initial latents (``latent-diff``, ``cosine``; per position), entropy 100
-    (``entropy-diff``), the uniform distribution over the padded vocabulary (``kl``,
-    ``minp-kl``) or argmax -1 with a zero stability count (``argmax-stability``), and is
-    updated at each check only, as upstream.
-    """
+    ``PerIterationExitEvaluator`` subclasses, all checked rows at once). Latent criteria
+    average over a row's positions, logit criteria read its last; state starts as upstream's
+    (initial latents, entropy 100, uniform distribution, argmax -1) and updates per check."""
 
     def __init__(self, model: RavenForCausalLM, rb, act: ActiveRows, x0):
         self.model, self.rb, self.act = model, rb, act

@@ -1,7 +1,5 @@
-"""Building blocks shared by the model files: RMSNorm, rotary embedding, projection merging
-and the paged attention call. Numerics follow Hugging Face transformers' Llama modules so
-fp32 logits match within 1e-4; the torch math is in ``latentserve.ops``, the fused CUDA
-kernels in ``latentserve.ops.kernels``."""
+"""Blocks shared by the model files: RMSNorm, rotary embedding, projection merging, paged
+attention. Numerics follow transformers' Llama modules (fp32 logits within 1e-4)."""
 
 from __future__ import annotations
 
@@ -15,11 +13,8 @@ from latentserve.ops.rotary import rope_cos_sin, rotate_half
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as ``LlamaRMSNorm`` (fp32 statistics), with the pre-norm residual add folded in.
-
-    ``forward(x [T, H])`` returns the normed ``[T, H]``; ``forward(x, residual)`` returns
-    ``(normed(x + residual), x + residual)``; ``fused``: one Triton kernel
-    (``ops/kernels/rms_norm.py``)."""
+    """RMSNorm as ``LlamaRMSNorm`` (fp32 statistics): ``forward(x [T, H])`` -> normed;
+    ``forward(x, residual)`` -> ``(normed(x + residual), x + residual)``; ``fused``: Triton."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -52,10 +47,9 @@ kernel at 64 rows (7.6 against 8.6 us) and loses at 16 or fewer, and without TMA
 
 
 def decode_gemms(fused: bool, x: torch.Tensor, *linears: nn.Module) -> bool:
-    """True when the fast path (``fused``) should run ``linears`` (plain ``nn.Linear``
-    layers of x's dtype: merged projections, a tensor-parallel rank's merged column shard
-    included, but not the row-parallel shard modules) on ``x``'s ``T`` rows
-    (``x [..., T, K]``) with ``decode_linear``: ``0 < T <= DECODE_ROWS``."""
+    """True when the fast path should run ``linears`` (plain ``nn.Linear`` of x's dtype, or a
+    TP rank's merged column shard; not row-parallel shards) on ``x [..., T, K]`` with
+    ``decode_linear``: ``fused`` and ``0 < T <= DECODE_ROWS``."""
     return (fused and 0 < x.shape[-2] <= DECODE_ROWS
             and all(type(lin) is nn.Linear and lin.weight.dtype == x.dtype
                     for lin in linears))
@@ -74,12 +68,9 @@ def materialize(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding with the rotate-half convention.
-
-    ``inv_freq`` and the attention scaling come from transformers' ``ROPE_INIT_FUNCTIONS``
-    for scaled variants (llama3, yarn, linear, ...). ``cos_sin(positions [T] int64, dtype)``
-    returns ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype``, shared by every layer; after
-    ``build_table`` they are gathered rows of a precomputed table (same values)."""
+    """Rotary position embedding (rotate-half); scaled variants from transformers'
+    ``ROPE_INIT_FUNCTIONS``. ``cos_sin(positions [T] int64, dtype)`` -> ``(cos, sin)`` each
+    ``[T, head_dim]``."""
 
     def __init__(self, hf_config, head_dim: int):
         super().__init__()
@@ -126,10 +117,9 @@ _rotate_half = rotate_half  # the name ouro.py imports
 
 
 class MergedQKV:
-    """The fast path of an attention module with ``q_proj``, ``k_proj``, ``v_proj``,
-    ``n_heads``, ``n_kv``, ``head_dim`` and ``scale`` (Llama family, Ouro): ``fuse()`` merges
-    the three projections into one GEMM (``qkv_proj``, rows q then k then v; call after
-    loading and sharding the weights) and ``fused_attention`` runs it, RoPE and attention."""
+    """Fast path of an attention module with ``q_proj``/``k_proj``/``v_proj``: ``fuse()``
+    merges them into ``qkv_proj`` (after loading and sharding); ``fused_attention`` runs it,
+    RoPE and attention."""
 
     fused = False
 
@@ -140,10 +130,8 @@ class MergedQKV:
 
     def fused_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         layer: int, next_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """x ``[T, hidden]``, cos/sin ``[T, head_dim]``, ``layer`` the KV pool layer (a
-        recurrent model's bank) -> attention output ``[T, H, D]``, as ``paged_attention``.
-        ``next_weight``: the weight read next (the o_proj), the backend's ``prefetch_next`` hint.
-        Which kernels run: docs/internals.md, "latentserve.models.layers"."""
+        """x ``[T, hidden]``, cos/sin ``[T, head_dim]``, ``layer`` the KV pool layer ->
+        ``[T, H, D]``, as ``paged_attention``; ``next_weight``: the prefetch hint."""
         from latentserve.ops.kernels import (
             apply_rotary_,
             apply_rotary_store_kv_,
@@ -188,11 +176,9 @@ def fuse_decoder(model: nn.Module, layers) -> None:
 
 
 def merge_linears(*linears: nn.Module) -> nn.Linear:
-    """One ``nn.Linear`` whose output is the given layers' outputs concatenated (their
-    weights stacked along the output dim, on their device and dtype): one GEMM instead of
-    several. Takes ``nn.Linear`` or any module computing ``x @ weight.T + bias`` (a
-    tensor-parallel rank's column shard: the merge is then that rank's shard of the merged
-    projection). All must share the input size and either all have a bias or none."""
+    """One ``nn.Linear`` whose output is the layers' outputs concatenated (weights stacked
+    on the output dim). Any module computing ``x @ weight.T + bias`` works; all must share
+    the input size and all or none have a bias."""
     w = torch.cat([lin.weight.detach() for lin in linears], dim=0)
     has_bias = [lin.bias is not None for lin in linears]
     if len(set(has_bias)) != 1 or len({lin.weight.shape[1] for lin in linears}) != 1:

@@ -110,11 +110,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, cos, sin):
-        """x: this layer's input ``[T, hidden]`` not yet added to ``residual`` (None for the
-        first layer, whose input is the residual stream). Returns ``(mlp_out, residual)``;
-        the residual stream after this layer is their sum (added by the next norm). On the
-        decode path ``mlp_out`` (and this layer's x) may be fp32 split-K partial sums
-        ``[S, T, hidden]``, which the fused RMSNorm kernel reduces."""
+        """x: this layer's input not yet added to ``residual`` (None for the first layer) ->
+        ``(mlp_out, residual)``, summed by the next norm; on the decode path ``mlp_out`` may be
+        fp32 split-K partials ``[S, T, hidden]``."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -135,13 +133,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Paged-KV Llama.
-
-    ``forward(input_ids [T] int64, positions [T] int64, input_embeds=None, latent_mask=None)``
-    returns the final normed hidden ``[T, hidden_size]``; ``compute_logits(hidden [B, hidden])
-    -> [B, vocab]`` float32. Rows of ``input_embeds [T, hidden]`` where ``latent_mask [T] bool``
-    is set replace the token embeddings (latent steps).
-    """
+    """Paged-KV Llama: ``forward(input_ids [T], positions [T], input_embeds=None,
+    latent_mask=None)`` -> final normed hidden ``[T, hidden]``, rows of ``input_embeds`` where
+    ``latent_mask`` is set replacing token embeddings; ``compute_logits`` -> ``[B, vocab]``
+    float32."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -162,10 +157,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def use_fused_ops(self) -> None:
-        """Switch to the CUDA fast path (``latentserve.ops.kernels``): merged q/k/v and
-        gate/up GEMMs, fused residual-add + RMSNorm, in-place RoPE, SiLU-and-multiply.
-        Call once after ``load_weights``; ``load_weights`` cannot be used afterwards.
-        Runs wherever Triton runs (CUDA; CPU only under ``TRITON_INTERPRET=1``)."""
+        """Switch to the CUDA fast path (``latentserve.ops.kernels``); call once after
+        ``load_weights`` (not usable afterwards); CPU only under ``TRITON_INTERPRET=1``."""
         fuse_decoder(self, self.model.layers)
 
     def prepare_positions(self, max_positions: int) -> None:

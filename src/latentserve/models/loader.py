@@ -1,7 +1,5 @@
-"""Build a model from a Hugging Face-style directory: config.json and ``*.safetensors``
-(those a ``model.safetensors.index.json`` names when there is one; else
-``pytorch_model*.bin`` read with ``weights_only=True``), or from a PEFT LoRA adapter
-directory over such a base (``models.lora``: merged at load)."""
+"""Build a model from an HF-style directory (safetensors, else ``pytorch_model*.bin`` with
+``weights_only=True``) or a PEFT LoRA adapter directory over one (merged at load)."""
 
 from __future__ import annotations
 
@@ -13,18 +11,10 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The ``*.safetensors`` files that hold ``model_dir``'s weights (empty: none).
-
-    With a ``model.safetensors.index.json`` (transformers' sharded checkpoints), the files
-    its ``weight_map`` names and no others (vLLM's ``filter_duplicate_safetensors_files``:
-    an extra ``consolidated.safetensors`` beside the shards is not loaded). Without one,
-    every ``*.safetensors`` but ``consolidated*.safetensors`` (Mistral's single-file copy
-    of the same weights) when another file is there.
-
-    Raises:
-        ValueError: the index is not JSON with a ``weight_map`` object of file names.
-        FileNotFoundError: a file the index names is missing.
-    """
+    """The ``*.safetensors`` files holding ``model_dir``'s weights (empty: none): those an
+    index's ``weight_map`` names, else all but ``consolidated*`` beside others (as vLLM's
+    ``filter_duplicate_safetensors_files``). Raises ValueError for a bad index,
+    FileNotFoundError for a file it names that is missing."""
     import json
 
     index = model_dir / SAFETENSORS_INDEX
@@ -48,13 +38,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def iter_weights(model_dir: Path):
-    """Yield ``(name, tensor)`` from the weight files of ``model_dir`` (:func:`weight_files`,
-    else ``pytorch_model*.bin``). A CoLaR latent policy or a compression-head bundle next to
-    the weights is skipped.
-
-    Raises FileNotFoundError when the directory has no weight file (and as
-    :func:`weight_files`).
-    """
+    """Yield ``(name, tensor)`` from ``model_dir``'s weight files, skipping a CoLaR policy or
+    head bundle. Raises FileNotFoundError when there is none."""
     files = weight_files(model_dir)
     if files:
         from safetensors import safe_open
@@ -96,19 +81,13 @@ def _read_adapter(model_dir: Path):
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
                latent_head: str | None = None, no_latent_head: bool = False,
                latent_injection: str | None = None, tp=None, fused_ops: bool = False):
-    """Return ``(model, hf_config)`` with weights loaded, in eval mode, on ``device``.
+    """``(model, hf_config)`` loaded, in eval mode, on ``device``. Dispatch:
+    docs/internals.md, "latentserve.models.loader" (latent families, Huginn/Ouro configs
+    without remote code, head bundles unless ``no_latent_head``, LoRA merged in float32 before
+    the cast and ``tp`` sharding, ``fused_ops``).
 
-    Dispatch (docs/internals.md, "latentserve.models.loader"): a ``latent_config.json`` loads a
-    latent family (``latent.feedback`` / ``latent.loop_checkpoint``); Huginn and Ouro configs
-    are read without remote code (``registry.config_from_dict``); a compression-head bundle
-    (``latent.bundle.find_bundle``) or ``colar_config.json`` is attached unless
-    ``no_latent_head`` (``latent_injection`` overrides the bundle's mode); a PEFT LoRA adapter
-    directory is merged in float32 into its Llama-family base (``models.lora``) before the cast
-    and before ``tp`` sharding (``models.parallel.shard_model``; latent modules stay whole);
-    ``fused_ops`` switches a model with ``use_fused_ops`` to the fast path.
-
-    Raises ValueError for an unsupported ``model_type``, a bad latent config, an adapter
-    that cannot be merged (message naming the field), or a model the TP size cannot split."""
+    Raises ValueError for an unsupported ``model_type``, a bad latent config, an unmergeable
+    adapter (naming the field), or a model the TP size cannot split."""
     import json
 
     from transformers import AutoConfig

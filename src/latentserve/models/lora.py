@@ -73,11 +73,8 @@ def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: floa
 
 def split_lora_key(name: str) -> tuple[str, str] | None:
     """``<module>.lora_A.weight`` or ``<module>.lora_A.<adapter>.weight`` (same for B) ->
-    ``(module, "A" | "B")``; None for a name without ``.lora_``.
-
-    Raises ValueError for any other PEFT LoRA tensor (DoRA's ``lora_magnitude_vector``,
-    a ``lora_B`` bias, embedding LoRA ``lora_embedding_A``, ...): only A/B weights merge.
-    """
+    ``(module, "A" | "B")``; None without ``.lora_``. Raises ValueError for any other LoRA
+    tensor (DoRA magnitude, a ``lora_B`` bias, embedding LoRA): only A/B weights merge."""
     for part in ("A", "B"):
         module, sep, rest = name.partition(f".lora_{part}.")
         if sep and (rest == "weight" or (rest.endswith(".weight") and rest.count(".") == 1)):
@@ -123,14 +120,11 @@ def _number(v, field: str, integer: bool) -> None:
 
 
 def check_adapter_config(cfg: dict) -> dict:
-    """Check a parsed ``adapter_config.json`` and return ``{r, lora_alpha, use_rslora,
-    rank_pattern, alpha_pattern}`` (defaults as PEFT's: rsLoRA off, empty patterns).
-
-    Raises ValueError naming the field: ``peft_type`` other than LORA, a bad ``r`` /
-    ``lora_alpha`` / pattern value, ``bias`` other than ``"none"``, an ``init_lora_weights``
-    that rewrites the base weights, a field of ``_UNSUPPORTED`` that is set, or a field this
-    loader does not know that is set (a newer PEFT feature).
-    """
+    """Check a parsed ``adapter_config.json``; returns ``{r, lora_alpha, use_rslora,
+    rank_pattern, alpha_pattern}`` (PEFT's defaults). Raises ValueError naming the field: not
+    LORA, a bad ``r`` / ``lora_alpha`` / pattern, ``bias`` not ``"none"``, an
+    ``init_lora_weights`` that rewrites the base, or a set field of ``_UNSUPPORTED`` or one
+    this loader does not know."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{ADAPTER_CONFIG} must hold a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -192,18 +186,12 @@ def _read_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
-    """Read and check the adapter directory ``adapter_dir`` (config, tensors, base).
+    """Read and check the adapter directory ``adapter_dir`` (config, tensors, base); names
+    lose ``base_model.model.``, tensors keep their dtype.
 
-    Tensor names lose PEFT's ``base_model.model.`` prefix; each module needs exactly one
-    ``lora_A`` ``[r, in]`` and one ``lora_B`` ``[out, r]`` with ``r`` the config's (or
-    ``rank_pattern``'s for that module). Tensors stay in their stored dtype.
-
-    Raises:
-        ValueError: a bad config (:func:`check_adapter_config`), a base that does not
-            resolve (``adapter_base_dir``), a tensor that is not a LoRA A/B weight, a module
-            with several adapters or only one of A/B, a rank other than the config's.
-        FileNotFoundError: no adapter weights file.
-    """
+    Raises ValueError for a bad config or base, a tensor that is not a LoRA A/B weight, a
+    module with several adapters, only one of A/B or a rank other than the config's;
+    FileNotFoundError without an adapter weights file."""
     adapter_dir = Path(adapter_dir)
     try:
         raw = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
@@ -241,17 +229,10 @@ def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
 
 def merge_adapter(weights: Iterable[tuple[str, torch.Tensor]], adapter: LoraAdapter,
                   hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base's ``(name, tensor)`` stream with ``adapter`` merged: an adapted weight comes
-    out float32 (:func:`merged_weight`), every other tensor unchanged.
-
-    Checked here (before the stream is read): ``hf_config.model_type`` is one of
-    ``registry.LLAMA_FAMILY``, and no pair adapts ``lm_head`` of a tied-embedding model (the
-    merge would change the input embedding too). Checked as the stream ends: every pair met
-    its base weight.
-
-    Raises ValueError naming the model_type, the tied weight, a shape mismatch or a pair
-    without a base weight.
-    """
+    """The base's ``(name, tensor)`` stream with ``adapter`` merged (adapted weights come out
+    float32). Raises ValueError for a model_type outside ``registry.LLAMA_FAMILY``, an
+    adapted ``lm_head`` of a tied-embedding model, a shape mismatch, or (as the stream ends) a
+    pair without a base weight."""
     from latentserve.models.registry import LLAMA_FAMILY
 
     mt = getattr(hf_config, "model_type", None)
@@ -294,32 +275,20 @@ def _indices_for(module: str, spec, embed: str) -> list[int] | None:
 def fold_embedding_adapters(state: dict[str, torch.Tensor], token_indices, embed: str,
                             tied: bool, base: dict[str, torch.Tensor] | None = None
                             ) -> dict[str, torch.Tensor]:
-    """PEFT's saved forms of a trained embedding or LM head -> a plain ``<module>.weight``.
-
-    ``state``: adapter tensors named without ``base_model.model.``; ``token_indices``: the
-    adapter config's ``trainable_token_indices`` (a list for the input embedding, or
-    ``{module suffix: ids}``; None when the adapter has none); ``embed``: the input
-    embedding's module name (``transformer.wte``, ``model.embed_tokens``); ``tied``: the base
-    ties ``lm_head`` to it; ``base``: the base model's ``<module>.weight`` tensors, for an
-    adapter saved without its embedding (PEFT's ``save_embedding_layers="auto"`` leaves it
-    out when the vocabulary was not resized). Other tensors come back unchanged.
+    """PEFT's saved forms of a trained embedding or LM head -> a plain ``<module>.weight``;
+    other tensors unchanged. ``token_indices``: the config's ``trainable_token_indices``;
+    ``embed``: the input embedding's module name; ``base``: the base's ``<module>.weight``
+    tensors, for an adapter saved without its embedding.
 
     * Trainable tokens (PEFT >= 0.15, ``tuners/trainable_tokens/layer.py``
-      ``get_merged_weights``): ``<m>.token_adapter.base_layer.weight`` ``[V, H]`` (else the
-      base's ``<m>.weight``) with rows ``ids[i]`` replaced by
-      ``<m>.token_adapter.trainable_tokens_delta[i]`` ``[len(ids), H]`` (cast to the base's
-      dtype; the delta holds the rows, not a difference). A tied ``lm_head`` has the
-      embedding's ids and, what it lacks (PEFT 0.15 saved no delta for it), the embedding's
-      rows and delta. ``trainable_tokens_original`` is dropped.
-    * ``modules_to_save``: ``<m>.modules_to_save[.default].<p>`` is the trained copy and
-      becomes ``<m>.<p>``, over a plain ``<m>.<p>`` (older PEFT's only form);
-      ``<m>.original_module.<p>`` (the untrained copy) is dropped.
+      ``get_merged_weights``): the base rows ``ids[i]`` replaced by
+      ``trainable_tokens_delta[i]`` (rows, not differences); a tied ``lm_head`` takes the
+      embedding's ids, rows and delta where it lacks its own.
+    * ``modules_to_save``: ``<m>.modules_to_save[.default].<p>`` becomes ``<m>.<p>``;
+      ``<m>.original_module.<p>`` is dropped.
 
-    Raises ValueError naming the module: base rows without a delta, a delta without base
-    rows (in the adapter or ``base``), no ids for a module with a delta, a delta whose row
-    count or width does not fit the ids or the base rows, an id outside them, or an id listed
-    twice with different rows.
-    """
+    Raises ValueError naming the module: rows without a delta or the reverse, no ids, a delta
+    not fitting the ids or base rows, an id out of range or listed twice with other rows."""
     out, tokens, trained = {}, {}, {}
     for k, v in state.items():
         module, sep, rest = k.partition(".token_adapter.")

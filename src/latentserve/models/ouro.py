@@ -1,10 +1,6 @@
-"""Ouro (arXiv 2510.25741, ByteDance): the whole decoder stack looped ``total_ut_steps``
-times per token, the final norm inside the loop, and an exit gate. Module names equal the
-hub's remote code (``modeling_ouro.py``, ``OuroForCausalLM``): ``model.embed_tokens``,
-``model.layers.{i}.self_attn.{q,k,v,o}_proj``, ``model.layers.{i}.mlp.{gate,up,down}_proj``,
-``model.layers.{i}.{input_layernorm,input_layernorm_2,post_attention_layernorm,
-post_attention_layernorm_2}``, ``model.norm``, ``model.early_exit_gate`` (Linear(d, 1) with
-bias), ``lm_head`` (untied unless ``tie_word_embeddings``).
+"""Ouro (arXiv 2510.25741): the whole decoder stack looped ``total_ut_steps`` times per
+token, the final norm inside the loop, and an exit gate. Module names equal the hub's
+``modeling_ouro.py`` (``OuroForCausalLM``), so checkpoints load by name.
 
 Design notes: docs/internals.md, "latentserve.models.ouro".
 """
@@ -100,15 +96,11 @@ class OuroModel(nn.Module):
 
 
 class OuroForCausalLM(nn.Module):
-    """Paged-KV Ouro with per-request depth and the gate readouts.
-
-    ``forward(input_ids [T] int64, positions [T] int64, input_embeds=None, latent_mask=None)``
-    returns each token's readout hidden ``[T, hidden]`` (already normed; see the module
-    docstring); ``compute_logits(hidden [B, hidden]) -> [B, vocab] float32``. Depth, readout
-    and exit come from ``ForwardContext.recurrent`` / ``depths`` (without them: every token
-    runs ``total_ut_steps`` and reads out the last step). ``num_iterations`` counts stack
-    iterations run, per token, since construction.
-    """
+    """Paged-KV Ouro with per-request depth and the gate readouts: ``forward(input_ids [T],
+    positions [T], input_embeds=None, latent_mask=None)`` -> normed readout ``[T, hidden]``;
+    ``compute_logits`` -> ``[B, vocab]`` float32. Depth, readout and exit from
+    ``ForwardContext.recurrent`` (default: ``total_ut_steps``, last step).
+    ``num_iterations``: stack iterations run, per token."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -238,18 +230,11 @@ class OuroForCausalLM(nn.Module):
 
 
 class _Readout:
-    """Running per-token readout over the loop steps (no per-step history is kept).
-
-    Per token: ``rem`` (probability mass not yet assigned), ``cum`` (cumulative exit
-    probability), ``done`` / ``out`` (the threshold readout once chosen), ``mix`` (the
-    p-weighted sum of hiddens). ``thr [T]`` is +inf for the ``last`` readout, so it picks the
-    token's last step. All updates are tensor ops (no host reads), so the masked path stays
-    capturable; ``update`` returns the ``[T] bool`` "threshold reached at this step" flags.
-    With ``rb.track_readout``, ``step [T] int64`` keeps the step each token was read out
-    from, and ``result`` puts it (-1 for ``weighted`` tokens) in ``rb.readout_steps``; each
-    step's exit probabilities ``p [T]`` go to ``rb.exit_probs`` (``[T, steps]`` float32,
-    column ``t`` = step ``t``; a bound buffer gets its columns written in place).
-    """
+    """Running per-token readout over the loop steps: ``rem`` (unassigned mass), ``cum``
+    (cumulative exit probability), ``done`` / ``out`` (threshold readout), ``mix``
+    (p-weighted hiddens); ``thr [T]`` is +inf for ``last``. Tensor ops only (capturable);
+    ``update`` returns ``[T] bool`` "threshold reached now". With ``rb.track_readout``:
+    ``rb.readout_steps`` (-1 for ``weighted``) and ``rb.exit_probs`` ``[T, steps]``."""
 
     def __init__(self, model: OuroForCausalLM, rb, depths, h0):
         n, dev = h0.shape[0], h0.device

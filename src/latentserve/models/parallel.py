@@ -1,8 +1,5 @@
 """Tensor-parallel layers, and ``shard_model``, which turns a loaded model into this rank's
-shard.
-
-Design notes: docs/internals.md, "latentserve.models.parallel".
-"""
+shard. Design notes: docs/internals.md, "latentserve.models.parallel"."""
 
 from __future__ import annotations
 
@@ -45,14 +42,9 @@ def _scale(s: slice, k: int, offset: int = 0) -> slice:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y[..., out_r] = x W_r^T + b_r``: this rank's block of output features, no
-    communication.
-
-    ``from_rows(linear, parts)``: this rank's output rows are the ``parts`` (slices of the
-    full output, in order: one per chunk of a fused q|k|v or gate|up projection).
-    ``from_linear(linear, tp, splits)``: each chunk of sizes ``splits`` split evenly.
-    Input ``[T, in]``; output ``[T, rows of this rank]``.
-    """
+    """``y[..., out_r] = x W_r^T + b_r``: this rank's output features, no communication.
+    ``from_rows(linear, parts)``: the ``parts`` slices of the output, in order;
+    ``from_linear(linear, tp, splits)``: each chunk of ``splits`` split evenly."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -117,12 +109,9 @@ def vocab_shard(weight: torch.Tensor, tp: TPGroup) -> tuple[nn.Parameter, int]:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embedding over this rank's vocabulary block ``[start, start + per)``.
-
-    ``forward(ids [T] int64) -> [T, hidden]``: ids outside the block look up row 0 and are
-    zeroed, then one all-reduce sums the ranks' parts (each id is in exactly one block).
-    ``weight`` is ``[per, hidden]`` and may be shared with a tied ``ParallelLMHead``.
-    """
+    """Token embedding over this rank's vocabulary block ``[start, start + per)``:
+    ``forward(ids [T]) -> [T, hidden]``, out-of-block ids zeroed, then one all-reduce.
+    ``weight`` ``[per, hidden]`` may be shared with a tied ``ParallelLMHead``."""
 
     def __init__(self, weight: nn.Parameter, start: int, tp: TPGroup):
         super().__init__()
@@ -203,26 +192,20 @@ def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
 
 
 def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
-    """Replace ``model``'s modules (still on the CPU, weights loaded) by this rank's shards.
+    """Replace ``model``'s modules (on the CPU, weights loaded) by this rank's shards and
+    return it: attention and MLP split, embedding -> ``VocabParallelEmbedding``, LM head ->
+    ``ParallelLMHead`` (shared when tied; logits gathered on every rank).
 
-    Every decoder block's ``attn``/``self_attn`` and ``mlp`` are split; the token embedding
-    (``model.embed_tokens`` or ``transformer.wte``) becomes a ``VocabParallelEmbedding`` and
-    the LM head (``lm_head``, or the tied ``wte`` of GPT-2) a ``ParallelLMHead``, sharing the
-    shard when tied. ``compute_logits`` then returns gathered ``[B, vocab]`` logits on every
-    rank. Returns ``model``.
-
-    Raises ValueError naming a head count or size that ``tp.size`` does not divide, or a
-    ``nn.Linear`` / ``nn.Embedding`` no plan covers (so a new architecture cannot be served
-    half-split by accident).
-    """
+    Raises ValueError naming a head count or size ``tp.size`` does not divide, or an
+    ``nn.Linear`` / ``nn.Embedding`` no plan covers."""
     for name, mod in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
         if leaf in ("attn", "self_attn") and not isinstance(mod, nn.Linear):
             _shard_attention(mod, tp)
         elif leaf == "mlp":
             _shard_mlp(mod, tp)
-    emb_name = next(n for n in ("model.embed_tokens", "transformer.wte")
-                    if _has(model, n))
+    modules = dict(model.named_modules())
+    emb_name = next(n for n in ("model.embed_tokens", "transformer.wte") if n in modules)
     emb = model.get_submodule(emb_name)
     vocab = emb.weight.shape[0]
     head = getattr(model, "lm_head", None)
@@ -240,11 +223,3 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
                              f"in {type(model).__name__}")
     model.tp = tp
     return model
-
-
-def _has(model: nn.Module, dotted: str) -> bool:
-    try:
-        model.get_submodule(dotted)
-        return True
-    except AttributeError:
-        return False

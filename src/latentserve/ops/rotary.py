@@ -1,9 +1,6 @@
-"""Rotary position embedding (RoPE, rotate-half convention) in torch.
-
-Source: Su et al. 2021, "RoFormer" (arXiv 2104.09864); the rotate-half layout and the
-rounding (cos/sin cast to the activation dtype, then ``q * cos + rotate_half(q) * sin`` in
-that dtype) as in transformers ``models/llama/modeling_llama.py``.
-"""
+"""Rotary position embedding (rotate-half) in torch. Source: RoFormer (arXiv 2104.09864);
+layout and rounding (cos/sin cast to the activation dtype) as transformers
+``models/llama/modeling_llama.py``."""
 
 from __future__ import annotations
 
@@ -12,12 +9,9 @@ import torch
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of ``position * inv_freq``, duplicated over both halves of the head.
-
-    positions: ``[T]`` int64; inv_freq: ``[head_dim / 2]`` float32 (radians per position);
-    scaling: attention scaling of scaled RoPE variants (1.0 for plain RoPE).
-    Returns ``(cos, sin)``, each ``[T, head_dim]`` in ``dtype`` (angles in fp32).
-    """
+    """``(cos, sin)`` of ``positions [T] int64 * inv_freq [head_dim / 2]`` (fp32 angles),
+    times ``scaling`` (1.0 for plain RoPE), duplicated over both halves: ``[T, head_dim]`` in
+    ``dtype``."""
     freqs = positions[:, None].float() * inv_freq.to(positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)

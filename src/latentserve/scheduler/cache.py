@@ -1,8 +1,5 @@
-"""KV bookkeeping for requests: page-table rows, slot allocation, prefix matching and the
-hand-back of finished KV to the radix cache.
-
-Invariant (checked by ``check_idle``): with no request admitted,
-``allocator.num_free + radix.total_size() == allocator.num_total``.
+"""KV bookkeeping per request: page-table rows, slots, prefix matching, hand-back to the radix
+cache. Invariant (``check_idle``), none admitted: ``num_free + radix.total_size() == num_total``.
 """
 
 from __future__ import annotations
@@ -18,11 +15,8 @@ from latentserve.kvcache.radix import RadixCache
 
 
 class CacheManager:
-    """Owns the slot allocator, the radix cache and the page table.
-
-    Every method keeps ``req.row``, ``req.num_allocated``, ``req.cache_len`` and
-    ``req.cache_node`` consistent with what the request holds.
-    """
+    """Owns the slot allocator, the radix cache and the page table; keeps ``req.row``,
+    ``num_allocated``, ``cache_len`` and ``cache_node`` consistent."""
 
     def __init__(self, allocator: SlotAllocator, radix: RadixCache, table: PageTable):
         self.allocator = allocator
@@ -63,10 +57,9 @@ class CacheManager:
         return True
 
     def reserve(self, req: Req, upto: int) -> bool:
-        """Make sure ``req`` will have slots for ids ``[0, upto)``, evicting from the radix cache
-        when short; False (nothing reserved) when slots ran out. :meth:`flush` takes the slots
-        and writes the page table once per step; call it before :meth:`admit` or any read of the
-        page table."""
+        """Reserve slots for ``req``'s ids ``[0, upto)``, evicting the radix cache when short;
+        False (nothing reserved) when out. Call :meth:`flush` before :meth:`admit` or any
+        page-table read."""
         need = upto - req.num_allocated
         if need <= 0:
             return True
@@ -82,9 +75,7 @@ class CacheManager:
 
     def flush(self) -> None:
         """Take the slots reserved since the last flush and stage their page-table writes
-        (``PageTable.stage``: one slice of the free list, no device work yet). The next read
-        of ``table.table`` applies them, or a packed decode replay writes them in its input
-        kernel."""
+        (``PageTable.stage``); the next ``table.table`` read or packed replay applies them."""
         if not self._grows:
             return
         slots = self.allocator.alloc(self._pending)
@@ -104,18 +95,12 @@ class CacheManager:
         self._pending = 0
 
     def release(self, req: Req) -> None:
-        """Hand ``req``'s computed KV to the radix cache (or free it) and free the rest.
-
-        Only positions before the first latent are inserted: their KV depends on ids alone.
-        """
+        """Hand ``req``'s KV before its first latent to the radix cache; free the rest."""
         self.release_many([req])
 
     def release_many(self, reqs: list[Req]) -> None:
-        """:meth:`release` for each of ``reqs`` in order (requests holding no row are
-        skipped), with a constant number of device operations: one gather of their
-        page-table rows and one append to the free list, not a few per request. A step
-        where a group of requests finishes together would otherwise queue a few hundred
-        small copies between two decode graphs (docs/benchmarks-history.md, issue 3)."""
+        """:meth:`release` for each of ``reqs`` (rowless ones skipped) in a constant number
+        of device operations: one page-table gather, one free-list append."""
         reqs = [r for r in reqs if r.row >= 0]
         if not reqs:
             return

@@ -1,11 +1,6 @@
-"""Continuous-batching scheduler: every step, one decode token for each running request,
-then prefill/extend chunks of admitted and newly admitted requests within a token budget.
-
-Batches mix decode rows (1 token) and extend rows (a chunk of prompt) freely; the attention
-backend handles both in one pass. When KV slots run out, the radix cache is evicted first,
-then the most recently admitted request is preempted (its KV goes to the radix cache and it
-is recomputed later), never a crash.
-"""
+"""Continuous-batching scheduler: each step, one decode token per running request, then
+prefill/extend chunks within a token budget. Out of KV slots: evict the radix cache, then
+preempt the most recently admitted request (recomputed later), never crash."""
 
 from __future__ import annotations
 
@@ -21,11 +16,8 @@ PENDING_ID = -1  # overlap mode: the output id of a token sampled by a forward s
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """One forward's worth of work.
-
-    ``reqs[b]`` computes ids ``[starts[b], starts[b] + q_lens[b])``; ``sample[b]`` is True
-    when that reaches the end of its ids, so a token is sampled for it.
-    """
+    """One forward: ``reqs[b]`` computes ids ``[starts[b], starts[b] + q_lens[b])``;
+    ``sample[b]``: that reaches the end of its ids, so a token is sampled."""
 
     reqs: list[Req]
     starts: list[int]
@@ -38,13 +30,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running set.
-
-    ``max_num_batched_tokens``: tokens per forward (decode rows count one each);
-    ``max_model_len``: a request reaching it finishes with "length"; ``family``: the served
-    model's ``latent.family.Family``, whose hooks cover all a latent family changes.
-    ``forced_one_by_one`` (set when decode replays CUDA graphs): forced ids a latent phase
-    appends at once run one per step as decode rows, not as an eager multi-token chunk."""
+    """Owns the waiting queue and the running set. ``max_num_batched_tokens``: tokens per
+    forward (a decode row counts one); ``family``: the served ``latent.family.Family``;
+    ``forced_one_by_one`` (CUDA-graph decode): forced ids of a latent phase run one per step."""
 
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_ids: set[int], family):
@@ -158,14 +146,10 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, tokens: list[int],
                     latents: list | None = None) -> list[StepOutput]:
-        """Advance each request past this step and retire finished requests.
-
-        ``tokens`` has one sampled id per row with ``sample`` set (batch order); ``latents``,
-        aligned with it, holds the next latent input (a ``(tensor, row)`` entry,
-        ``latent/vectors.py``) for rows still in their latent phase and None elsewhere. A
-        latent-phase row appends a latent position (or, once its budget is spent, the
-        transition tokens) instead of its sampled token.
-        """
+        """Advance each request past this step and retire finished ones. ``tokens``: one id
+        per sampling row (batch order); ``latents``, aligned: the next latent input
+        (``latent/vectors.py``) of rows in their latent phase, else None; such a row appends
+        a latent position (or, its budget spent, the transition tokens), not its token."""
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
         done: list[Req] = []  # finished this step: their KV is released together, at the end
@@ -227,24 +211,15 @@ class Scheduler:
 
     def advance_launched(self, batch: ScheduledBatch, latents: list | None = None
                          ) -> list[tuple[Req, int | None, StepOutput | None, bool]]:
-        """What :meth:`postprocess` does before the sampled tokens are known, for a batch
-        whose forward is launched but not finished (called after the batch launched before
-        it was finalized): ``num_computed`` moves on, each sampling row in its answer
-        appends ``PENDING_ID`` for its token, and each row in its latent phase moves on with
-        its next latent input (``latents``, as for ``postprocess``: on the device, not read
-        here), so the next batch can be scheduled now. A request finished meanwhile is
-        skipped; so is the sampling row of a request whose latent step was undone since this
-        batch was launched (:meth:`finalize_launched`: its row computed a position whose
-        input changed; ``num_computed`` stops before it).
+        """:meth:`postprocess` before the sampled tokens are known, for a launched batch:
+        ``num_computed`` moves on, answer rows append ``PENDING_ID``, latent rows take their
+        next input (``latents``, on the device). Skips finished requests and rows whose latent
+        step :meth:`finalize_launched` undid.
 
-        Returns per sampling row (token row) ``(req, index in output_ids or None, its output
-        or None, late)``: a skipped row ``(req, None, None, False)``; a row in its answer
-        ``(req, index, None, False)``; a latent step ``(req, None, its output or None,
-        False)``; a latent step of a family that decides late
-        (``Family.decides_late``) ``(req, index or None, None, True)``: its budget and its
-        output wait for :meth:`finalize_launched`. Raises RuntimeError when a family that
-        decides at launch finishes a request in its latent phase (``Family.budget_spent``:
-        such a family does not overlap)."""
+        Returns per sampling row ``(req, index in output_ids or None, output or None, late)``;
+        ``late`` (``Family.decides_late``): budget and output wait for
+        :meth:`finalize_launched`. Raises RuntimeError when a family deciding at launch
+        finishes a request in its latent phase."""
         pending: list[tuple[Req, int | None, StepOutput | None, bool]] = []
         lat = iter(latents or ())
         done: list[Req] = []
@@ -295,19 +270,11 @@ class Scheduler:
 
     def finalize_launched(self, pending: list[tuple[Req, int | None, StepOutput | None, bool]],
                           tokens: list[int]) -> list[StepOutput]:
-        """Write the tokens of an earlier :meth:`advance_launched` over their pending ids and
-        retire the requests they finish; latent steps give the outputs built at their
-        launch (their sampled tokens are discarded). A request that finished or was aborted
-        meanwhile is skipped. A finishing request drops the pending ids of the batches
-        launched after (their tokens are discarded; their positions' KV, computed from real
-        ids, stays) and releases its KV; one that was preempted meanwhile leaves the waiting
-        queue.
-
-        A latent step of a family that decides late is settled first (``Family.resolve``
-        with its sampled token): when the family undid it, the phase ends here instead
-        (``Family.advance`` with None, the token then maybe the first answer token) and the
-        request's row in the batch launched after this one is skipped by the next
-        :meth:`advance_launched`; then its budget and output, as :meth:`postprocess`."""
+        """Write an :meth:`advance_launched`'s tokens over their pending ids and retire the
+        requests they finish (latent steps give the outputs built at launch). Skips finished
+        or aborted requests; a finishing one drops later pending ids and releases its KV.
+        A late-deciding latent step is settled first (``Family.resolve``); if undone, the
+        phase ends here and its row in the next launched batch is skipped."""
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
         done: list[Req] = []  # finished now: their KV is released together, at the end

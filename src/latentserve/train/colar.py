@@ -23,16 +23,12 @@ Example = tuple[list[int], list[int], list[int]]
 
 @dataclass(slots=True)
 class ColarTrainConfig:
-    """Options of ``latentserve train colar`` (see its ``--help``). ``base`` None = the
-    base named by ``init_adapter``'s ``adapter_config.json``, else the embedded SmolLM2;
-    ``lora_*`` apply to a fresh LoRA only (``init_adapter`` brings its own; a CoLaR directory
-    as ``init_adapter`` also brings its latent policy and ``embeds_std``); ``lora_r`` 0 =
-    full fine-tune; ``compression_factor`` None = ``max_compression_factor`` (upstream
-    evaluates at 5 = its maximum); ``intermediate_size`` None = the hidden size;
-    ``embeds_std`` None = the std of the input-embedding matrix; ``max_seconds`` 0 = no
-    time limit; ``train_factors`` None = ``1..max_compression_factor`` (upstream), else the
-    factors each batch's ``r`` is drawn from uniformly (repeats weight a factor). Raises
-    ValueError for a bad value."""
+    """Options of ``latentserve train colar`` (see its ``--help``). ``base`` None = the base
+    of ``init_adapter``, else the embedded SmolLM2; ``lora_*`` apply to a fresh LoRA only;
+    ``lora_r`` 0 = full fine-tune; ``compression_factor`` None = ``max_compression_factor``;
+    ``intermediate_size`` None = hidden size; ``embeds_std`` None = the embedding matrix's
+    std; ``train_factors`` None = ``1..max_compression_factor``, else the factors each
+    batch's ``r`` is drawn from. Raises ValueError for a bad value."""
 
     data: list[str]
     out: str
@@ -102,14 +98,10 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
                picks: list[list[int]], embeds_std: float, embed_loss: str = "mse",
                noise: torch.Tensor | None = None, ce_weight: float = 1.0,
                embed_weight: float = 1.0) -> dict[str, torch.Tensor]:
-    """The SFT losses of ``batch`` at compression factor ``r`` (see the module docstring).
-
-    ``model``: an HF ``*ForCausalLM`` (or a PEFT wrapper of one); ``picks``: the label
-    offsets of :func:`draw_picks`; ``noise``: [sum of (K_i + 1), H] float32 standard-normal
-    draws for the ``mse`` samples, example by example in position order (None: drawn with
-    ``torch.randn``). Returns scalars ``total``, ``ce``, ``embed`` (float32) and the counts
-    ``n_ce``, ``n_embed`` they average over.
-    """
+    """The SFT losses of ``batch`` at compression factor ``r``: ``picks`` from
+    :func:`draw_picks`; ``noise`` ``[sum(K_i + 1), H]`` float32 normal draws for ``mse`` (None:
+    ``torch.randn``). Returns float32 scalars ``total``, ``ce``, ``embed`` and counts
+    ``n_ce``, ``n_embed``."""
     from latentserve.train.cot import _lm
 
     if embed_loss not in ("mse", "nll"):
@@ -167,10 +159,9 @@ def embedding_std(model) -> float:
 
 
 def adapter_base(adapter_dir: str) -> str | None:
-    """The base of a stage-0 adapter: its ``base_model_name_or_path`` (None for the
-    embedded SmolLM2, named by its hub id or ``embedded``, or when absent; a relative path
-    that exists beside the adapter is taken from there). Raises FileNotFoundError without
-    ``adapter_config.json``."""
+    """A stage-0 adapter's ``base_model_name_or_path`` (None for the embedded SmolLM2 or
+    when absent; a relative path resolved beside the adapter if it exists).
+    FileNotFoundError without ``adapter_config.json``."""
     from latentserve.train.cot import EMBEDDED_BASE
 
     path = Path(adapter_dir) / "adapter_config.json"

@@ -25,12 +25,9 @@ LOSS_AVERAGES = ("sum", "mean")
 
 @dataclass(slots=True)
 class ColarGRPOConfig:
-    """Options of ``latentserve train colar-grpo`` (see its ``--help``). ``model``: a
-    stage-1 directory (``train colar`` output with a LoRA adapter); ``compression_factor`` /
-    ``max_latent`` None = the model's ``colar_config.json``; ``dtype`` None = bfloat16 on
-    CUDA, float32 on CPU (the engine's; the trainer keeps float32 weights); ``max_seconds``
-    0 = no time limit; ``save_every`` 0 = save at the end only. Raises ValueError for a bad
-    value."""
+    """Options of ``latentserve train colar-grpo`` (see its ``--help``). ``model``: a stage-1
+    directory; ``compression_factor`` / ``max_latent`` None = its ``colar_config.json``;
+    ``dtype`` None = bfloat16 on CUDA, else float32. Raises ValueError for a bad value."""
 
     model: str
     data: list[str]
@@ -100,11 +97,9 @@ class ColarGRPOConfig:
 
 @dataclass(slots=True)
 class Rollout:
-    """One rollout as the engine ran it. ``prompt_ids``: the prefilled ids (question part,
-    ``(Thinking speed: c)``, ``###``); ``latents``: ``[n, H]`` float32, the injected inputs
-    (rounded to the serving dtype); ``answer_ids``: ``###`` then the sampled answer tokens
-    (EOS included when reached); ``text``: the answer tokens decoded; ``end``: "stop" (the
-    sampled ``###``) or "cap" (``max_latent``)."""
+    """One rollout as the engine ran it: ``prompt_ids`` (question, speed, ``###``);
+    ``latents`` ``[n, H]`` float32 injected inputs; ``answer_ids`` (``###`` then the sampled
+    tokens); ``text``; ``end``: "stop" (sampled ``###``) or "cap" (``max_latent``)."""
 
     prompt_ids: list[int]
     latents: torch.Tensor
@@ -133,10 +128,9 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 def reward_stats(rewards: torch.Tensor) -> dict:
-    """Of ``[Q, G]`` rewards: ``reward`` (mean), ``reward_var`` (population variance over
-    all Q * G rollouts), ``group_reward_var`` (mean of the population variance within each
-    group) and ``zero_var_groups`` (the share of groups whose rewards are all equal: their
-    advantages are 0 and they add no gradient)."""
+    """Of ``[Q, G]`` rewards: ``reward`` (mean), ``reward_var`` (population variance),
+    ``group_reward_var`` (mean within-group variance), ``zero_var_groups`` (share of groups
+    with all rewards equal: no gradient)."""
     r = rewards.float()
     return {"reward": float(r.mean()), "reward_var": float(r.var(unbiased=False)),
             "group_reward_var": float(r.var(1, unbiased=False).mean()),
@@ -156,12 +150,9 @@ def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
                      embeds_std: float, latent_temperature: float = 1.0,
                      answer_temperature: float = 1.0) -> tuple[list, list]:
-    """Per rollout ``(latent log-probs [n], answer log-probs [len(answer_ids)])`` float32,
-    from one teacher-forced forward of ``model`` (HF ``*ForCausalLM`` or its PEFT wrapper)
-    over ``prompt | latents | answer_ids`` per rollout (right-padded, no mask, positions
-    0..T-1: causal, so padding is never attended). See the module docstring, item 3 (upstream
-    ``get_logprobs``); gradients flow to the LoRA and the policy. The policy runs in float32
-    outside autocast."""
+    """Per rollout ``(latent log-probs [n], answer log-probs [len(answer_ids)])`` float32
+    from one teacher-forced, right-padded forward over ``prompt | latents | answer_ids``
+    (upstream ``get_logprobs``); gradients reach the LoRA and the policy (float32)."""
     from latentserve.train.cot import _lm
 
     lm = _lm(model)
@@ -212,10 +203,8 @@ def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
                  adv: torch.Tensor, clip_eps: float, average: str,
                  max_log_ratio: float | None = None) -> torch.Tensor:
     """Upstream ``GRPOLoss.calculate_loss``: ``logp``, ``logp_old``, ``mask`` ``[B, L]``,
-    ``adv`` ``[B]``. ``-min(ratio * A, clip(ratio) * A)`` per token, then per sequence the
-    masked sum / :data:`SUM_DIVISOR` ("sum") or the masked mean ("mean"), then the mean over
-    the B sequences. A scalar. ``max_log_ratio``: ``logp - logp_old`` clamped to ``[-m, m]``
-    before the ``exp`` (None: not, as upstream; module docstring, item 4)."""
+    ``adv`` ``[B]`` -> scalar. Per sequence the masked sum / :data:`SUM_DIVISOR` ("sum") or
+    masked mean ("mean"); ``max_log_ratio`` clamps ``logp - logp_old`` (None: as upstream)."""
     log_ratio = logp - logp_old
     if max_log_ratio is not None:
         log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
@@ -231,11 +220,9 @@ def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
               clip_eps: float = 0.2, average: str = "sum", use_latent: bool = True,
               use_answer: bool = True, max_log_ratio: float | None = None
               ) -> dict[str, torch.Tensor]:
-    """Upstream ``GRPOLoss.forward`` on a minibatch: ``new`` / ``old`` as
-    :func:`rollout_logprobs` returns them, ``adv`` ``[B]``; ``max_log_ratio`` as
-    :func:`clipped_loss`. Returns ``total``, ``latent``
-    and ``answer`` (scalars; a part that is off is 0). Raises ValueError for a bad
-    ``average``."""
+    """Upstream ``GRPOLoss.forward`` on a minibatch (``new`` / ``old`` from
+    :func:`rollout_logprobs`, ``adv`` ``[B]``): scalars ``total``, ``latent``, ``answer``
+    (0 when off). Raises ValueError for a bad ``average``."""
     if average not in LOSS_AVERAGES:
         raise ValueError(f"average must be one of {LOSS_AVERAGES}, got {average!r}")
     parts = {}
@@ -261,14 +248,10 @@ _PEFT_PREFIX = "base_model.model."
 
 
 class EngineSync:
-    """Pushes the trainable model's weights into the ``LLMEngine`` that serves it.
-
-    ``model``: the PEFT-wrapped HF model; ``engine``: an engine serving the same stage-1
-    directory (so its adapted weights were merged from the same base). Each LoRA layer maps
-    to its engine weight: the module of the same HF name, or its rows of the fast path's
-    merged ``qkv_proj`` / ``gate_up_proj`` (``models.layers.MergedQKV``, ``LlamaMLP.fuse``).
-    Raises ValueError for a tensor-parallel engine, a model without LoRA layers, or a weight
-    the engine lacks or shapes differently."""
+    """Pushes the trainable PEFT model's weights into the ``LLMEngine`` serving the same
+    stage-1 directory (LoRA layers map to same-named modules or rows of the merged
+    ``qkv_proj`` / ``gate_up_proj``). Raises ValueError for a tensor-parallel engine, no LoRA
+    layers, or a missing or differently shaped engine weight."""
 
     def __init__(self, engine, model):
         from peft.tuners.lora import LoraLayer
@@ -307,10 +290,9 @@ class EngineSync:
 
     @torch.no_grad()
     def push(self, policy: colar.LatentPolicy) -> None:
-        """Engine weights := ``base + B @ A * scale`` (float32, cast to the serving dtype;
-        ``models.lora.merged_weight``, the loader's merge) for every LoRA layer, the
-        engine's ``ColarHead`` policy := ``policy``; the prefix cache is emptied. Call
-        between steps (no request running: the cache reset raises RuntimeError otherwise)."""
+        """Engine weights := ``base + B @ A * scale`` (``models.lora.merged_weight``), its
+        ``ColarHead`` := ``policy``; empties the prefix cache (RuntimeError while requests
+        run)."""
         from latentserve.models.lora import merged_weight
 
         for layer, dest in self.targets:
@@ -378,17 +360,13 @@ def save_model(model, policy, ccfg: colar.ColarConfig, out: Path, base_name: str
 
 
 def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> dict:
-    """Run ``cfg.steps`` GRPO steps (module docstring) and write ``cfg.out``; returns the
-    last log record. ``engine``: an ``LLMEngine`` already serving ``cfg.model`` (else one is
-    built); its weights end as the trained ones. ``reward_fn(rollout, gold) -> float``
-    replaces the accuracy reward (:func:`rewards_of`).
+    """Run ``cfg.steps`` GRPO steps and write ``cfg.out``; returns the last log record.
+    ``engine``: an ``LLMEngine`` serving ``cfg.model`` (else built; ends with the trained
+    weights); ``reward_fn(rollout, gold) -> float`` replaces the accuracy reward.
 
-    Raises:
-        ValueError: a bad option, a stage-1 directory without a LoRA adapter or
-            ``colar_config.json``, a deterministic policy (no log-probs to train), a
-            compression factor the model was not trained for, an engine not serving CoLaR.
-        FileNotFoundError: missing data.
-    """
+    Raises ValueError (bad option, no LoRA adapter or ``colar_config.json``, a deterministic
+    policy, an untrained compression factor, an engine not serving CoLaR) and
+    FileNotFoundError (missing data)."""
     from types import SimpleNamespace
 
     from latentserve.config import EngineConfig

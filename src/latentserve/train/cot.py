@@ -75,10 +75,8 @@ def encode_prompts(tok, questions: list[str], speed: int | str = 1) -> list[list
 
 def encode_parts(tok, items: list[Item], mode: str = "cot"
                  ) -> list[tuple[list[int], list[int], list[int]]]:
-    """``(prompt_ids, steps_ids, answer_ids)`` per item, tokenised in batches, each segment
-    on its own: the prompt at speed 1 (:func:`encode_prompts`), the steps (empty for
-    ``mode="nocot"``) and ``### Answer:{gold} EOS`` (the separator is the single ``###``
-    id)."""
+    """``(prompt_ids, steps_ids, answer_ids)`` per item, each segment tokenised on its own:
+    the prompt at speed 1, the steps (empty for ``mode="nocot"``), ``### Answer:{gold} EOS``."""
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
 
     def enc(texts: list[str]) -> list[list[int]]:
@@ -104,10 +102,8 @@ def encode_example(tok, item: Item, mode: str = "cot") -> tuple[list[int], list[
 
 
 def load_backbone(base: str | None, device: str, cfg=None):
-    """``(model, tokenizer, base_name)``: the HF causal LM of ``base`` in float32 on
-    ``device``, wrapped in PEFT LoRA when ``cfg.lora_r > 0`` (or ``cfg.init_adapter`` is
-    given, whose adapter is loaded trainable). ``cfg``: a :class:`CotConfig` or any options
-    with ``init_adapter``, ``lora_r``, ``lora_alpha`` and ``lora_targets``."""
+    """``(model, tokenizer, base_name)``: ``base``'s HF causal LM in float32 on ``device``,
+    wrapped in PEFT LoRA when ``cfg.lora_r > 0`` or ``cfg.init_adapter`` (loaded trainable)."""
     from transformers import AutoModelForCausalLM
 
     from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
@@ -132,10 +128,8 @@ def load_backbone(base: str | None, device: str, cfg=None):
 
 @contextlib.contextmanager
 def trainer_forward(device: str, autocast: bool = True):
-    """Context for a training forward: on CUDA, bfloat16 autocast (when ``autocast``) and SDPA
-    free to pick any backend but cuDNN's, whose backward returns NaN ``grad_q`` on H100/H200
-    for some sequence lengths when a mask tensor is passed (pytorch/pytorch#196678;
-    transformers passes one). On CPU it changes nothing."""
+    """Context for a training forward: on CUDA, bfloat16 autocast and SDPA without cuDNN
+    (NaN ``grad_q`` with a mask on H100/H200, pytorch/pytorch#196678); a no-op on CPU."""
     if not device.startswith("cuda"):
         yield
         return
@@ -235,13 +229,9 @@ def batches(n: int, batch_size: int, rng: random.Random | None = None):
 def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=print
              ) -> list[dict]:
     """The training loop of ``train cot`` and ``train colar``; returns the log records.
-
-    AdamW (betas 0.9/0.999), bfloat16 autocast on cuda, gradients clipped to norm 1.0; LR
-    linear warmup over ``cfg.warmup`` steps, then cosine to 0 by ``cfg.steps`` or
-    ``cfg.max_seconds``, whichever ends the loop first. ``step_loss() -> (loss, extra)``
-    (``extra`` read only when logged). A record ``{step, loss, **extra, lr, seconds}`` goes to
-    ``progress`` as JSON at step 1, every ``cfg.log_every`` steps and at the end;
-    ``checkpoint(log)`` runs every ``cfg.save_every`` steps (0: never)."""
+    AdamW, grad-norm clip 1.0, LR linear warmup then cosine to 0 by ``cfg.steps`` or
+    ``cfg.max_seconds``. ``step_loss() -> (loss, extra)``; records ``{step, loss, **extra, lr,
+    seconds}`` go to ``progress`` as JSON; ``checkpoint(log)`` every ``cfg.save_every``."""
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                             betas=(0.9, 0.999), fused=cfg.device.startswith("cuda"))
     log: list[dict] = []

@@ -20,10 +20,9 @@ from latentserve.train.features import Features
 
 @dataclass(slots=True)
 class DaggerConfig:
-    """Options of ``train-head dagger`` (see ``latentserve train-head dagger --help``).
-    Layers, compression factor and thinking text come from ``bundle`` (an SFT bundle:
-    ``target_proj`` and a stop head); the data options must be those SFT used.
-    ``rollout_examples`` None = every trace each round (else a fresh random subset)."""
+    """Options of ``train-head dagger`` (see its ``--help``). Layers, compression factor and
+    thinking text come from the SFT ``bundle``; data options must be SFT's.
+    ``rollout_examples`` None = every trace each round, else a random subset."""
 
     bundle: str
     out: str
@@ -75,11 +74,10 @@ class DaggerConfig:
 
 def rollout_anchors(engine, prompts: list[list[int]], caps: list[int],
                     chunk: int = 1024) -> list[torch.Tensor]:
-    """Run each prompt closed-loop through ``engine`` (serving a compression head with
-    policy sampling on, ``set_policy_sampling(head, sigma >= 0)``), the stop off, exactly
-    ``caps[i]`` latent steps, greedy answer token; ``chunk`` prompts at a time. Returns per
-    prompt the recorded anchors ``[caps[i], H]`` float32 on the CPU (fewer rows if the
-    context ran out). Raises RuntimeError when a request fails."""
+    """Run each prompt closed-loop through ``engine`` (policy sampling at ``sigma``, no stop,
+    exactly ``caps[i]`` latent steps), ``chunk`` at a time. Returns per prompt its anchors
+    ``[caps[i], H]`` float32 on the CPU (fewer if the context ran out). RuntimeError when a
+    request fails."""
     from latentserve.sampling_params import SamplingParams
 
     n_close = len(engine.latent_spec.end_ids)
@@ -107,10 +105,8 @@ def rollout_anchors(engine, prompts: list[list[int]], caps: list[int],
 
 def label_rollouts(anchors: list[torch.Tensor], teacher: Features, first: list[int],
                    groups: list[int]) -> Features:
-    """DAgger rows of rollouts (module docstring, step 2): ``anchors[i]`` ``[n_i, H]`` is
-    rollout ``i``'s recorded anchors, ``first[i]`` its trace's first row in ``teacher`` (the
-    teacher-forced :class:`Features`, ``features.first_rows``) and ``groups[i]`` its ``G``.
-    Row ``j`` copies teacher row ``first[i] + min(j, G)`` with its anchor replaced. Returns
+    """DAgger rows of rollouts: row ``j`` of rollout ``i`` (anchors ``[n_i, H]``) copies
+    teacher row ``first[i] + min(j, groups[i])`` with its anchor replaced. Returns
     :class:`Features` on ``teacher``'s device, rollout-major."""
     dev = teacher.anchor.device
     idx = torch.cat([f + torch.arange(len(a)).clamp(max=g)
@@ -123,12 +119,9 @@ def label_rollouts(anchors: list[torch.Tensor], teacher: Features, first: list[i
 @torch.no_grad()
 def closed_loop_metrics(head, anchors: list[torch.Tensor], rows: Features,
                         groups: list[int], threshold: float = 0.5) -> dict:
-    """How the head did on its own rollouts (before training on them): ``stop_at_gold``,
-    ``stop_early``, ``stop_late`` (fractions of rollouts whose stop probability first passes
-    ``threshold`` at ``j == G``, at ``1 <= j < G``, later or never; ``j = 0`` is not
-    asked, as ``min_latent`` >= 1), ``mse`` (mean square error of mu against the latent
-    targets of the rows with one) and ``stop_prob_at_gold`` (mean stop probability at
-    ``j == G``)."""
+    """The head on its own rollouts: ``stop_at_gold`` / ``stop_early`` / ``stop_late``
+    (fractions whose stop probability first passes ``threshold`` at ``j == G``, ``1 <= j <
+    G``, later or never), ``mse`` of mu against the targets, ``stop_prob_at_gold``."""
     lat = head.config.latent_dim
     probs = head.stop_prob(rows.anchor).tolist()
     has = rows.has_target
@@ -157,13 +150,10 @@ def _serve_weights(served, head) -> None:
 
 
 def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
-    """Run ``cfg.rounds`` DAgger rounds from the SFT bundle ``cfg.bundle`` and write the
-    head after round ``r`` to ``<out stem>-round{r}<suffix>`` (the last one to ``cfg.out``)
-    with ``<out>.log.json``. ``engine``: an ``LLMEngine`` already serving that bundle on
-    ``cfg.model`` (else one is built from ``cfg``); it ends serving the trained weights.
-    Returns the log (``history``: per round the closed-loop metrics of the head that made
-    the rollouts, row counts, losses before and after). Raises ValueError for a bundle that
-    is not an SFT bundle or was trained in another prompt format."""
+    """Run ``cfg.rounds`` DAgger rounds from the SFT bundle, writing round ``r``'s head to
+    ``<out stem>-round{r}<suffix>`` (the last to ``cfg.out``) and ``<out>.log.json``.
+    ``engine``: one serving that bundle (else built); it ends with the trained weights.
+    Returns the log. Raises ValueError for a non-SFT bundle or another prompt format."""
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle

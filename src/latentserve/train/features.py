@@ -62,10 +62,9 @@ def first_rows(traces, c: int) -> list[int]:
 @torch.no_grad()
 def capture(model, traces, source_layer: int, target_layer: int, c: int,
             batch_size: int = 8, progress: bool = True) -> Features:
-    """Run ``model`` (an HF causal LM, frozen) over ``traces`` (``train.traces.Trace``) in
-    right-padded batches and collect :class:`Features` (float32, on the model's device).
-    Only the prompt and reasoning are run. Raises ValueError when a layer index is out of
-    range or ``c < 1``."""
+    """Run the frozen HF ``model`` over the prompt and reasoning of ``traces`` in right-padded
+    batches; returns float32 :class:`Features` on its device. ValueError for a layer index
+    out of range or ``c < 1``."""
     n_layers = model.config.num_hidden_layers
     for name, v in (("source_layer", source_layer), ("target_layer", target_layer)):
         if not 0 <= v < n_layers:

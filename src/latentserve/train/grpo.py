@@ -149,12 +149,10 @@ def rollouts(engine, prompts: list[list[int]], params, group_size: int) -> list[
 
 
 def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
-    """Run ``cfg.steps`` GRPO steps from the SFT bundle ``cfg.bundle`` and write the
-    trained bundle to ``cfg.out`` (+ ``<out>.log.json``). ``reward_fn(text, gold, stats) ->
-    float`` replaces :func:`default_reward`; ``engine``: an ``LLMEngine`` already serving
-    that bundle (else one is built from ``cfg``); its head ends with the trained weights.
-    Returns the log (``history``: per step mean reward, accuracy, pg, kl, latent steps).
-    Raises ValueError for bad options."""
+    """Run ``cfg.steps`` GRPO steps from the SFT bundle and write it to ``cfg.out`` (+
+    ``<out>.log.json``); returns the log. ``reward_fn(text, gold, stats) -> float`` replaces
+    :func:`default_reward`; ``engine``: one serving that bundle (else built), ending with the
+    trained head. Raises ValueError for bad options."""
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.latent.bundle import read_bundle

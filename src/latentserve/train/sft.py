@@ -93,11 +93,9 @@ class SFTConfig:
 
 
 def load_backbone(model: str | None, device: str, dtype: str):
-    """``(hf_model, tokenizer, model_dir)``: the frozen HF causal LM (eval, no grads, in
-    ``dtype`` on ``device``) for ``model``: a directory, a ``.gguf``, None for the embedded
-    SmolLM2, or a PEFT LoRA adapter directory, loaded as its base with the adapter merged
-    in float32 (:func:`merged_adapter_model`; the engine serves the same merge). Raises
-    ValueError as ``models.checkpoint.resolve_model_dir`` and ``models.lora.read_adapter``."""
+    """``(hf_model, tokenizer, model_dir)``: the frozen HF causal LM of ``model`` (directory,
+    ``.gguf``, None = embedded, or a LoRA adapter merged in float32) in ``dtype`` on
+    ``device``. Raises ValueError as ``resolve_model_dir`` and ``read_adapter``."""
     from transformers import AutoModelForCausalLM
 
     from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolve_model_dir
@@ -112,11 +110,9 @@ def load_backbone(model: str | None, device: str, dtype: str):
 
 
 def merged_adapter_model(adapter_dir):
-    """The HF causal LM (float32, CPU) of a PEFT LoRA adapter directory: its base
-    (``models.checkpoint.adapter_base_dir``) with every LoRA pair merged,
-    ``W + (B @ A) * scale`` in float32 (``models.lora.merge_adapter``, the engine's merge;
-    PEFT ``merge_and_unload`` computes the same). Raises ValueError for an adapter the
-    merge refuses (``models.lora.read_adapter``)."""
+    """The float32 CPU HF causal LM of a LoRA adapter directory: its base with every pair
+    merged (``models.lora.merge_adapter``, the engine's merge). Raises ValueError as
+    ``read_adapter``."""
     from transformers import AutoModelForCausalLM
 
     from latentserve.models.lora import merge_adapter, read_adapter
@@ -166,10 +162,8 @@ def full_losses(head, feats, beta, embed_var, pos_weight) -> dict:
 
 def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
                    compression_factor: int, think_open: str, think_close: str):
-    """``(traces, features)`` of ``cfg``'s training data (``cfg``: :class:`SFTConfig` or
-    ``train.dagger.DaggerConfig``: ``data``, ``prompt_format``, ``max_examples``, ``style``,
-    ``max_reasoning_tokens``, ``capture_batch_size``, ``progress``) on the frozen ``model``.
-    Raises ValueError when no trace fits ``max_reasoning_tokens``."""
+    """``(traces, features)`` of ``cfg``'s training data (an :class:`SFTConfig` or
+    ``DaggerConfig``) on the frozen ``model``. ValueError when no trace fits."""
     from latentserve.train.features import capture
     from latentserve.train.traces import load_traces, train_file
 
@@ -184,13 +178,10 @@ def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
 
 
 def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
-    """Train ``head`` (``LatentHead`` with a frozen ``target_proj``, on ``cfg.device``) on
-    the rows of ``feats`` for ``cfg.steps`` steps of ``cfg.batch_size`` latent rows and as
-    many stop rows, each drawn uniformly (AdamW ``cfg.lr`` / ``cfg.weight_decay``, warmup
-    fraction ``cfg.warmup``, clip 1.0, seed ``cfg.seed``). ``checkpoint(step)`` is called
-    every ``cfg.save_every`` steps (0: never), the head in eval mode. Returns ``{"before",
-    "after", "history", "rows", "latent_rows"}``: all loss terms over every row, before and
-    after, and the terms every ``cfg.log_every`` steps. The head ends in eval mode."""
+    """Train ``head`` (frozen ``target_proj``) for ``cfg.steps`` steps of ``cfg.batch_size``
+    latent and stop rows drawn uniformly; ``checkpoint(step)`` every ``cfg.save_every``.
+    Returns ``{"before", "after", "history", "rows", "latent_rows"}``; the head ends in eval
+    mode."""
     from latentserve.train.schedule import adamw_warmup_linear
 
     lat_rows = feats.has_target.nonzero()[:, 0]
@@ -239,11 +230,8 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
 
 
 def train_sft(cfg: SFTConfig) -> dict:
-    """Capture features, train a head, write the bundle to ``cfg.out`` (and a JSON log
-    beside it, ``<out>.log.json``). Returns the log: ``config``, ``loss_before`` /
-    ``loss_after`` (all terms over every training row), ``history`` (terms every
-    ``log_every`` steps), counts and seconds. Raises ValueError for bad options or when no
-    trace fits ``max_reasoning_tokens``."""
+    """Capture features, train a head, write the bundle to ``cfg.out`` and ``<out>.log.json``;
+    returns the log. Raises ValueError for bad options or when no trace fits."""
     from latentserve.latent.bundle import bundle_from_module, write_bundle
     from latentserve.latent.head import HeadConfig, LatentHead
 

@@ -140,9 +140,8 @@ def build_colar_traces(tokenizer, items, max_reasoning_tokens: int = 256) -> lis
 
 def load_questions(data: str | Path | None, prompt_format: str = "chat",
                    limit: int | None = None) -> list[tuple[str, str]]:
-    """``(question, gold)`` of the first ``limit`` training examples of ``data`` (None:
-    GSM8K ``train.jsonl``, :func:`train_file`): GSM8K jsonl rows for ``chat``, what
-    ``train.cot.read_items`` reads (iCoT lines or GSM8K jsonl) for ``colar``. Raises
+    """``(question, gold)`` of the first ``limit`` examples of ``data`` (None: GSM8K
+    ``train.jsonl``): GSM8K rows for ``chat``, ``train.cot.read_items`` for ``colar``. Raises
     ValueError for another format or a malformed file, FileNotFoundError."""
     path = train_file(data)
     if prompt_format == "chat":

@@ -156,26 +156,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_n: int = 64, mid_o: torch.Tensor | None = None,
                      mid_lse: torch.Tensor | None = None,
                      prefetch_next: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention (one query token per request) over paged KV.
+    """Decode attention (one query per request) over paged KV, fp32 softmax statistics.
 
-    Args:
-        q: ``[B, num_heads, head_dim]`` fp32/bf16/fp16, token b belongs to request b.
-        k_cache, v_cache: ``[num_slots + 1, num_kv_heads, head_dim]`` one layer of the pool
-            (any float dtype; cast to q's dtype on load).
-        page_table: ``[max_reqs, max_model_len] int64`` slot ids; ``rows: [B] int64`` the
-            page-table row of each request; ``kv_lens: [B] int32`` keys per request (>= 1).
-        scale: softmax scale. ``out``: optional ``[B, num_heads, head_dim]`` output buffer.
-        num_kv_splits: splits per request (stage-1 programs per (request, KV head)); 1 writes
-            the output from stage 1 and launches no stage 2.
-        block_n: keys per tile (>= 16, power of 2).
-        mid_o, mid_lse: optional fp32 scratch ``[B, num_heads, num_kv_splits, head_dim]``
-            and ``[B, num_heads, num_kv_splits]`` (allocated when omitted).
-        prefetch_next: optional contiguous tensor (the next GEMM's weight) whose first
-            ``prefetch_budget()`` bytes stage 1 asks L2 for as its programs end, with PDL
-            only. A hint: results do not depend on it.
-    Returns:
-        ``[B, num_heads, head_dim]`` in q's dtype; softmax statistics are kept in fp32.
-    """
+    q ``[B, num_heads, head_dim]`` fp32/bf16/fp16; k_cache/v_cache ``[num_slots + 1,
+    num_kv_heads, head_dim]`` (any float dtype); ``page_table`` int64, ``rows [B] int64``,
+    ``kv_lens [B] int32`` (>= 1). ``num_kv_splits`` 1: no stage 2. ``block_n`` >= 16, power of
+    2. ``mid_o``/``mid_lse``: optional fp32 scratch. ``prefetch_next``: an L2 hint (PDL only).
+    Returns ``[B, num_heads, head_dim]`` in q's dtype (into ``out`` when given)."""
     bsz, n_heads, d = q.shape
     n_kv = k_cache.shape[1]
     assert n_heads % n_kv == 0, "num_heads must be a multiple of num_kv_heads"

@@ -81,21 +81,11 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      kv_lens: torch.Tensor, max_q_len: int, scale: float,
                      out: torch.Tensor | None = None, block_m: int = 64,
                      block_n: int = 64) -> torch.Tensor:
-    """Causal attention of each request's new tokens over its whole (paged) KV.
-
-    Args:
-        q: ``[T, num_heads, head_dim]`` fp32/bf16/fp16, requests back to back.
-        k_cache, v_cache: ``[num_slots + 1, num_kv_heads, head_dim]`` one layer of the pool,
-            already holding the new tokens' K/V (cast to q's dtype on load).
-        page_table: ``[max_reqs, max_model_len] int64``; ``rows: [B] int64`` page-table rows.
-        q_start: ``[B + 1] int32`` cumulative query offsets (``q_start[0] == 0``).
-        kv_lens: ``[B] int32`` keys per request after this step (``>= q_len``).
-        max_q_len: host int, the largest ``q_len`` (sizes the grid).
-        scale: softmax scale. ``out``: optional ``[T, num_heads, head_dim]`` buffer.
-        block_m, block_n: query / key tile sizes (>= 16, powers of 2).
-    Returns:
-        ``[T, num_heads, head_dim]`` in q's dtype; softmax statistics and accumulation in fp32.
-    """
+    """Causal attention of each request's new tokens over its whole paged KV, fp32 softmax.
+    q ``[T, num_heads, head_dim]`` (requests back to back); k_cache/v_cache already hold the
+    new K/V; ``rows [B] int64``; ``q_start [B + 1] int32``; ``kv_lens [B] int32`` (>= q_len);
+    ``max_q_len`` host int; tiles >= 16, powers of 2. Returns ``[T, num_heads, head_dim]`` in
+    q's dtype (into ``out`` when given)."""
     t, n_heads, d = q.shape
     n_kv = k_cache.shape[1]
     assert n_heads % n_kv == 0, "num_heads must be a multiple of num_kv_heads"

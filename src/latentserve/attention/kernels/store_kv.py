@@ -1,10 +1,5 @@
-"""KV store kernel: scatter the new tokens' K and V into the paged KV pool.
-
-Equivalent to ``k_cache[slots] = k.to(k_cache.dtype)`` (and the same for V), as done by
-``KVPool.store``; one program per token copies all its KV heads, casting to the pool dtype.
-Kept as a kernel so that it can be fused: the fast path's RoPE kernels store K/V themselves
-(``ops/kernels/rotary_store_kv.py``); this one serves every other caller of the Triton backend.
-"""
+"""KV store kernel: ``k_cache[slots] = k.to(k_cache.dtype)`` (and V), one program per token,
+for the Triton backend's callers whose RoPE does not store K/V itself."""
 
 from __future__ import annotations
 
@@ -40,14 +35,8 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """Write the new tokens' K/V into the pool, in place.
-
-    Args:
-        k, v: ``[T, num_kv_heads, head_dim]`` any float dtype (last dim contiguous or copied).
-        k_cache, v_cache: ``[num_slots + 1, num_kv_heads, head_dim]`` pool buffers of one
-            layer (last dim contiguous); values are cast to their dtype.
-        slots: ``[T] int64`` destination slot of each token (duplicates: last write unspecified).
-    """
+    """Write new K/V ``[T, num_kv_heads, head_dim]`` into the pool ``[num_slots + 1, ...]``
+    at ``slots`` (``[T] int64``; duplicates: which write lands is unspecified), in place."""
     t, h, d = k.shape
     if t == 0:
         return

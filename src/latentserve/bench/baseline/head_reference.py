@@ -1,8 +1,6 @@
-"""The eager single-request reference for compression heads, over HF transformers
-(``output_hidden_states`` + ``past_key_values``), written from the algorithm (CoLaR, arXiv
-2505.16552; the DeepSeek-V4 addon's ``closed_loop.py`` / ``injector.py`` as described in its
-design notes). It reads the bundle file itself (safetensors or ``.pt``) and builds its own
-modules, independent of ``latentserve.latent``.
+"""The eager single-request reference for compression heads over HF transformers, written
+from the algorithm (CoLaR, arXiv 2505.16552; the DeepSeek-V4 addon's ``closed_loop.py`` /
+``injector.py``), reading the bundle itself, independent of ``latentserve.latent``.
 
 Design notes: docs/internals.md, "latentserve.bench.baseline.head_reference".
 """
@@ -81,12 +79,10 @@ def head_reference_generate(model_dir, bundle_path, prompt_ids: list[int], open_
                             stop_threshold: float = 0.5, max_tokens: int = 16,
                             eos_ids=(), dtype: str = "float32", device: str = "cpu",
                             reuse_bundle: bool = False) -> dict:
-    """One greedy request. Returns ``{"tokens": answer ids, "steps", "stop_step",
-    "max_stop_prob", "end", "finish_reason"}``. ``open_ids`` are appended unless the prompt
-    already ends with them; ``eos_ids`` end the answer (the eos is kept). The backbone runs
-    in ``dtype`` on ``device`` (the head, stop head and decoder in float32 there); the HF
-    model is cached between calls, the bundle is read on every call unless
-    ``reuse_bundle`` (benchmarks: the file must not change between calls)."""
+    """One greedy request -> ``{"tokens", "steps", "stop_step", "max_stop_prob", "end",
+    "finish_reason"}``. ``open_ids`` appended unless the prompt ends with them; ``eos_ids``
+    end the answer (kept). Backbone in ``dtype``, head in float32; the HF model is cached,
+    the bundle re-read per call unless ``reuse_bundle``."""
     model = _hf_model(str(model_dir), dtype, device)
     load = _bundle_cached if reuse_bundle else _bundle_on
     cfg, head_net, stop_net, dec_net = load(str(bundle_path), device)

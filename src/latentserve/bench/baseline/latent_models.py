@@ -33,15 +33,17 @@ def _resized_base(base_dir: Path, seed: int):
     return model
 
 
-def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: int = 0):
-    """Write ``root/base`` (tiny ``gpt2`` or untied ``llama``) and ``root/upstream/checkpoint_7``.
-    Returns ``(base_dir, checkpoint_path)``."""
+def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: int = 0,
+                           **tiny_kw):
+    """Write ``root/base`` (tiny ``gpt2`` or untied ``llama``; ``tiny_kw`` to ``save_tiny``)
+    and ``root/upstream/checkpoint_7``. Returns ``(base_dir, checkpoint_path)``."""
     import torch
 
     from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = Path(root)
-    base_dir = save_tiny(root / "base", "gpt2" if base == "gpt2" else "llama-untied", seed=seed)
+    base_dir = save_tiny(root / "base", "gpt2" if base == "gpt2" else "llama-untied", seed=seed,
+                         **tiny_kw)
     model = _resized_base(base_dir, seed)
     sd = {("base_causallm." if prefix else "") + k: v for k, v in model.state_dict().items()}
     (root / "upstream").mkdir(parents=True, exist_ok=True)
@@ -106,10 +108,8 @@ def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora
 
 
 def save_latent_tiny(root, kind: str, seed: int = 0, **convert_opts) -> Path:
-    """Build ``kind`` (one of ``LATENT_KINDS``) under ``root`` and convert it into
-    ``root/model``, which is returned. ``convert_opts`` go to the converter (e.g.
-    ``default_budget``, ``remove_eos``). CODI Llama is written as ``pytorch_model.bin``,
-    CODI GPT-2 as ``model.safetensors``. Raises ValueError for an unknown kind."""
+    """Build ``kind`` (``LATENT_KINDS``) under ``root`` and convert it into ``root/model``
+    (returned; ``convert_opts`` to the converter). ValueError for an unknown kind."""
     from latentserve.latent.convert import convert_coconut, convert_codi
 
     root = Path(root)

@@ -40,11 +40,9 @@ def _lora_hooks(model, state: dict, r: int, alpha: float) -> dict:
 
 @lru_cache(maxsize=8)
 def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
-    """``(hf_model, cfg, feedback)`` for a latentserve model directory: the HF CausalLM of the
-    base config with the vocab resized to the checkpoint's rows and the upstream weights
-    (LoRA through peft's unmerged forward when peft is installed, else forward hooks),
-    ``cfg`` the raw latent_config.json, ``feedback`` the CODI ``prj`` or identity; on
-    ``device`` in ``dtype`` (float32 by default)."""
+    """``(hf_model, cfg, feedback)`` for a latentserve model directory: the base HF CausalLM
+    (vocab resized, upstream weights, LoRA unmerged via peft or hooks), the raw
+    ``latent_config.json``, and CODI's ``prj`` or identity; on ``device`` in ``dtype``."""
     from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -118,11 +116,9 @@ def _wrap_ids(cfg: dict) -> tuple[list[int], list[int]]:
 def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens: int,
                        device: str = "cpu", dtype: str = "float32", ignore_eos: bool = False,
                        upstream_stop_rules: bool = False):
-    """Greedy answer for one request: ``(answer_token_ids, first_answer_logits)`` where the
-    logits (``[vocab] float32``, all rows, on the CPU) are those the first answer token is
-    taken from. ``ignore_eos`` decodes exactly ``max_tokens`` (for benchmarks).
-    ``upstream_stop_rules``: COCONUT's upstream answer loop (an eos as the first token is
-    kept); ValueError for CODI, whose upstream stops on the first eos as this loop does."""
+    """Greedy answer for one request: ``(answer_token_ids, first_answer_logits [vocab]
+    float32 CPU)``. ``ignore_eos``: exactly ``max_tokens``; ``upstream_stop_rules``:
+    COCONUT's upstream loop (ValueError for CODI)."""
     model, cfg, feedback = load_reference(str(model_dir), device, dtype)
     if upstream_stop_rules and cfg["family"] != "coconut":
         raise ValueError(f"upstream_stop_rules: {cfg['family']} stops on the first eos")

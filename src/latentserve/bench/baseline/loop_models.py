@@ -23,16 +23,10 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
                          lora_alpha: float = 16.0, seed: int = 0, base_dir=None,
                          embedding: str = "trainable_tokens", train_steps: int = 3,
                          **base_overrides):
-    """Write ``root/base`` (a ``save_tiny`` ``gpt2`` or ``llama``, or use ``base_dir``) and
-    ``root/adapter`` (the upstream PEFT form). Returns ``(base_dir, adapter_dir)``.
-
-    ``embedding`` is how the resized embedding is trained and saved: ``trainable_tokens``
-    (upstream ``run_ccot.py``: ``trainable_token_indices={"wte" | "embed_tokens": [bot, eot,
-    latent, pad, eos]}``, saved by PEFT as ``token_adapter.base_layer.weight`` +
-    ``trainable_tokens_delta``), ``modules_to_save`` (the whole embedding trained and saved)
-    or ``resized`` (``save_embedding_layers=True`` with the embedding frozen). The new rows
-    and ``lora_B`` start random, then ``train_steps`` AdamW steps (lr 1e-2) of next-token
-    loss on seeded random sequences (with the special tokens) move every trained tensor.
+    """Write ``root/base`` (a ``save_tiny`` ``gpt2``/``llama``, or ``base_dir``) and
+    ``root/adapter`` (upstream PEFT form); returns ``(base_dir, adapter_dir)``. ``embedding``:
+    ``trainable_tokens`` (upstream ``run_ccot.py``), ``modules_to_save`` or ``resized``
+    (frozen). ``train_steps`` AdamW steps of next-token loss move every trained tensor.
     Raises ValueError for an unknown ``embedding``, ModuleNotFoundError without peft."""
     from latentserve.extras import require
 

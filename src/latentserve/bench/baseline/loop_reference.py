@@ -68,12 +68,10 @@ def load_pccot_reference(base_dir: str, adapter_dir: str, device: str = "cpu",
 def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iterations: int,
                             max_tokens: int, ignore_eos: bool = False,
                             upstream_stop_rules: bool = False, passes: list | None = None):
-    """Greedy answer for one request: ``(answer_ids, first_answer_logits [vocab] float32 on
-    the CPU)``. Every forward recomputes the full sequence from embeddings.
-    ``upstream_stop_rules``: PCCoT's upstream answer loop (an eos as the first token does
-    not stop it); ValueError for another family. ``passes``: a list that gets, per pass over
-    the block (``iterations + 1`` of them; the last one is the answer's first forward), the
-    LM-head logits at the block positions, ``[block_size, vocab]`` float32 on the CPU."""
+    """Greedy answer for one request, each forward recomputing the sequence: ``(answer_ids,
+    first_answer_logits [vocab] float32 CPU)``. ``upstream_stop_rules``: PCCoT's upstream loop
+    (ValueError for another family); ``passes``: gets each pass's block logits
+    ``[block_size, vocab]``."""
     if upstream_stop_rules and ref.family != "pccot":
         raise ValueError(f"upstream_stop_rules: {ref.family or 'this model'} has no upstream "
                          "stop rule")

@@ -10,25 +10,19 @@ import math
 from pathlib import Path
 
 HUGINN_TINY = {"n_embd": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
-                   "intermediate_size": 128, "vocab_size": 1024, "block_size": 256,
-                   "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
-                   "n_layers_in_coda": 1,
-                   "mean_recurrence": 4, "max_recurrence": 8}
+               "intermediate_size": 128, "vocab_size": 1024, "block_size": 256,
+               "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
+               "n_layers_in_coda": 1, "mean_recurrence": 4, "max_recurrence": 8}
 OURO_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                 "vocab_size": 1024,
-                 "max_position_embeddings": 256, "total_ut_steps": 4, "max_recurrence": 6}
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "vocab_size": 1024, "max_position_embeddings": 256, "total_ut_steps": 4,
+             "max_recurrence": 6}
+
 
 def _rand(g, shape, std):
     import torch
 
     return torch.randn(*shape, generator=g, device=g.device) * std
-
-
-def _generator(seed: int, device: str):
-    import torch
-
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, save_dtype=None,
@@ -37,9 +31,6 @@ def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, save_dtype=N
     weights in ``save_dtype`` (None: float32; ``freqs_cis`` stays float32), drawn on
     ``init_device`` (a CUDA generator draws other numbers than the CPU one)."""
     import torch
-    from safetensors.torch import save_file
-
-    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
 
     c = {**HUGINN_TINY, **overrides}
     e, heads, kv = c["n_embd"], c["num_attention_heads"], c["num_key_value_heads"]
@@ -63,10 +54,8 @@ def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, save_dtype=N
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
         "max_recurrence": c["max_recurrence"],
     }
-    for k in ("init_scale", "state_init_seed"):
-        if k in c:
-            cfg[k] = c[k]
-    g = _generator(seed, init_device)
+    cfg.update({k: c[k] for k in ("init_scale", "state_init_seed") if k in c})
+    g = torch.Generator(device=init_device).manual_seed(seed)
     # Gains ~1 per matmul at any width (0.12 / 0.09 at the tiny width 64 / 128).
     w_e, w_i = 0.96 / math.sqrt(e), 1.02 / math.sqrt(inter)
     sd = {"transformer.wte.weight": _rand(g, (c["vocab_size"], e), 0.1)}
@@ -80,12 +69,9 @@ def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, save_dtype=N
         sd[f"{prefix}.mlp.fc.weight"] = _rand(g, (2 * inter, e), w_e)
         sd[f"{prefix}.mlp.proj.weight"] = _rand(g, (e, inter), w_i)
 
-    for i in range(p):
-        block(f"transformer.prelude.{i}")
-    for i in range(l):
-        block(f"transformer.core_block.{i}")
-    for i in range(cd):
-        block(f"transformer.coda.{i}")
+    for part, n in (("prelude", p), ("core_block", l), ("coda", cd)):
+        for i in range(n):
+            block(f"transformer.{part}.{i}")
     adapter = _rand(g, (e, 2 * e), 1 / math.sqrt(2 * e))
     adapter[:, :e] *= contraction  # state half: the recurrence contracts
     sd["transformer.adapter.weight"] = adapter
@@ -96,16 +82,14 @@ def write_huginn(out_dir, seed: int = 0, contraction: float = 0.25, save_dtype=N
     sd = _cast(sd, save_dtype, cfg)
     sd["freqs_cis"] = torch.stack([freqs.cos()[None, :, None, :],
                                    freqs.sin()[None, :, None, :]], dim=4)
-    return _save(out_dir, cfg, sd, save_file, save_word_tokenizer, c["vocab_size"])
+    return _save(out_dir, cfg, sd, c["vocab_size"])
 
 
 def write_ouro(out_dir, seed: int = 0, save_dtype=None, init_device: str = "cpu",
                **overrides) -> Path:
     """Write a tiny Ouro checkpoint (``OURO_TINY`` + ``overrides``) into ``out_dir``;
     ``save_dtype`` and ``init_device`` as in :func:`write_huginn`."""
-    from safetensors.torch import save_file
-
-    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
+    import torch
 
     c = {**OURO_TINY, **overrides}
     h, inter, n = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
@@ -124,10 +108,8 @@ def write_ouro(out_dir, seed: int = 0, save_dtype=None, init_device: str = "cpu"
         "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2,
         "torch_dtype": "float32", "max_recurrence": c["max_recurrence"],
     }
-    for k in ("early_exit_step", "early_exit_threshold"):
-        if k in c:
-            cfg[k] = c[k]
-    g = _generator(seed, init_device)
+    cfg.update({k: c[k] for k in ("early_exit_step", "early_exit_threshold") if k in c})
+    g = torch.Generator(device=init_device).manual_seed(seed)
     w_h, w_i = 0.96 / math.sqrt(h), 1.02 / math.sqrt(inter)  # 0.12 / 0.09 at width 64 / 128
     sd = {"model.embed_tokens.weight": _rand(g, (c["vocab_size"], h), 0.5)}
     for i in range(n):
@@ -147,7 +129,7 @@ def write_ouro(out_dir, seed: int = 0, save_dtype=None, init_device: str = "cpu"
     sd["model.early_exit_gate.bias"] = _rand(g, (1,), 0.3)
     sd["lm_head.weight"] = _rand(g, (c["vocab_size"], h), w_h)
     sd = _cast(sd, save_dtype, cfg)
-    return _save(out_dir, cfg, sd, save_file, save_word_tokenizer, c["vocab_size"])
+    return _save(out_dir, cfg, sd, c["vocab_size"])
 
 
 def _cast(sd: dict, dtype, cfg: dict) -> dict:
@@ -162,7 +144,11 @@ def _cast(sd: dict, dtype, cfg: dict) -> dict:
     return out
 
 
-def _save(out_dir, cfg, sd, save_file, save_word_tokenizer, vocab) -> Path:
+def _save(out_dir, cfg, sd, vocab) -> Path:
+    from safetensors.torch import save_file
+
+    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -28,15 +28,12 @@ def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, word_tokenizer: boo
     base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
                 bos_token_id=1, eos_token_id=2)
-    if kind == "llama":
-        cfg, cls = tf.LlamaConfig(**{**base, "tie_word_embeddings": True, **overrides}), \
-            tf.LlamaForCausalLM
-    elif kind == "llama-untied":
-        cfg, cls = tf.LlamaConfig(**{**base, "tie_word_embeddings": False, **overrides}), \
-            tf.LlamaForCausalLM
-    elif kind == "qwen2":
-        cfg, cls = tf.Qwen2Config(**{**base, "tie_word_embeddings": False, **overrides}), \
-            tf.Qwen2ForCausalLM
+    llamas = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, True),
+              "llama-untied": (tf.LlamaConfig, tf.LlamaForCausalLM, False),
+              "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, False)}
+    if kind in llamas:
+        config_cls, cls, tied = llamas[kind]
+        cfg = config_cls(**{**base, "tie_word_embeddings": tied, **overrides})
     elif kind == "gpt2":
         g = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
                  bos_token_id=1, eos_token_id=2)

@@ -26,10 +26,8 @@ def _first_max(vals, idx, n):
 
 @triton.jit
 def first_max_rows(vals, idx, n):
-    """Per row of ``vals [R, C]``, ``(value [R], index [R])`` of its first maximum among the
-    columns with ``idx [C] < n`` (the others must hold -inf and an index >= n); NaN beats
-    every number and the first NaN wins. Pass 1 of the argmax, fused into the LM head
-    (``decode_linear.decode_linear_argmax``)."""
+    """Per row of ``vals [R, C]``, ``(value [R], index [R])`` of its first maximum among
+    columns with ``idx [C] < n`` (others hold -inf); the first NaN wins. Argmax pass 1."""
     nan = vals != vals  # noqa: PLR0124 - true exactly for NaN
     first_nan = tl.min(tl.where(nan, idx[None, :], n), axis=1)
     best = tl.max(tl.where(nan, -float("inf"), vals), axis=1)
@@ -65,18 +63,10 @@ def _argmax_rows_kernel(Vals, Idx, Out, n_cols, n_chunks, PDL: tl.constexpr,
 
 
 def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
-    """``torch.argmax(x, dim=-1)`` of a 2-D float tensor, bit for bit, in two passes.
-
-    Args:
-        x: ``[B, V]`` fp32, bf16 or fp16, last dim contiguous.
-        block: columns per pass-1 program (a power of 2 >= 16).
-    Returns:
-        ``[B] int64`` on x's device: per row the first index of its maximum (of its first
-        NaN when it has one).
-    Raises:
-        ValueError: for a non-2-D or empty-row input, a strided last dim, another dtype
-            (fp64 would be compared in fp32) or a bad block.
-    """
+    """``torch.argmax(x, dim=-1)`` bit for bit, in two passes: ``x`` ``[B, V]``
+    fp32/bf16/fp16, last dim contiguous; ``block`` a power of 2 >= 16. Returns ``[B] int64``
+    (the first NaN where a row has one). Raises ValueError for another shape, stride, dtype
+    or block."""
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() != 2 or x.shape[1] == 0 or x.stride(-1) != 1:
@@ -99,19 +89,9 @@ def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
 
 
 def argmax_of_chunks(vals: torch.Tensor, idx: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """Pass 2 of the argmax on chunk results another kernel wrote (the LM head's epilogue,
-    ``decode_linear.decode_linear_argmax``), launched with PDL where it is on.
-
-    Args:
-        vals: ``[B, C]`` fp32, per row and chunk (chunks in column order) the chunk's
-            maximum, NaN if it holds one.
-        idx: ``[B, C]`` int32, the column where that value first occurs.
-        n_cols: the row length V (the index a chunk never reports).
-    Returns:
-        ``[B] int64``: per row the first index of its maximum (of its first NaN).
-    Raises:
-        ValueError: when vals and idx are not contiguous ``[B, C]`` fp32 / int32 pairs.
-    """
+    """Argmax pass 2 over chunk results (``vals`` ``[B, C]`` fp32 chunk maxima, ``idx``
+    ``[B, C]`` int32 their first columns, ``n_cols`` = V), with PDL where on. Returns
+    ``[B] int64``. Raises ValueError unless both are contiguous ``[B, C]`` fp32 / int32."""
     if (vals.shape != idx.shape or vals.dim() != 2 or vals.dtype != torch.float32
             or idx.dtype != torch.int32 or not (vals.is_contiguous() and idx.is_contiguous())):
         raise ValueError(f"vals and idx must be contiguous [B, C] float32 and int32, got "

@@ -68,30 +68,14 @@ def unpack_decode_inputs(packed: torch.Tensor, n: int, b: int, num_pending: int,
                          ids: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
                          kv_lens: torch.Tensor, out_slots: torch.Tensor,
                          num_writes: int = 0, slots: torch.Tensor | None = None) -> None:
-    """Write a decode batch's inputs from its packed copy into static buffers.
+    """Write a decode batch's inputs from its packed copy (``[L] int64``, layout in the module
+    docstring) into the static buffers: rows ``< n`` get the batch's ids (``pending``
+    substituted), slots ``table[row, pos]``, rows and kv_lens; rows ``n..b-1`` get
+    ``dummy_row``, one key and slot 0. ``slots`` ``[num_writes]``: staged page-table writes
+    (``PageTable.take_staged``) at the cells the packed tail names.
 
-    Args:
-        packed: ``[L] int64`` on the device, laid out as the module docstring says (its last
-            ``2 * num_pending + 2 * num_writes`` entries are the pending ``dst`` and ``src``
-            and the staged writes' rows and columns).
-        n: decode rows (tokens) in the batch; b: the graph bucket (``n <= b``).
-        num_pending: pending ids to substitute; pending: ``[S] int64`` the previous step's
-            sampled tokens (None when ``num_pending`` is 0).
-        table: ``[max_reqs, max_model_len] int64`` page table (last dim contiguous);
-            dummy_row: its row for padded rows.
-        ids, pos, out_slots: ``[>= b] int64``; rows: ``[>= b] int64``; kv_lens:
-            ``[>= b] int32``; contiguous. Rows ``< n`` get the batch's values (ids with the
-            pending ones substituted, each token's slot ``table[row, pos]``); rows ``n..b-1``
-            get ``dummy_row``, one key and slot 0 (their ids and positions are left as
-            they are).
-        num_writes, slots: staged page-table writes (``PageTable.take_staged``): ``slots``
-            ``[num_writes] int64`` on the device, written to ``table`` at the cells the
-            packed tail names (distinct cells).
-    Raises:
-        ValueError: ``n > b``, a buffer shorter than ``b``, ``pending`` missing while
-            ``num_pending > 0``, ``slots`` not ``[num_writes]``, or ``packed`` shorter than
-            ``5 * n + 2 * num_pending + 2 * num_writes``.
-    """
+    Raises ValueError for ``n > b``, a buffer shorter than ``b``, ``pending`` missing,
+    ``slots`` not ``[num_writes]``, or ``packed`` too short."""
     if not 0 <= n <= b:
         raise ValueError(f"n must be in [0, b={b}], got {n}")
     for name, buf in (("ids", ids), ("pos", pos), ("rows", rows), ("kv_lens", kv_lens),

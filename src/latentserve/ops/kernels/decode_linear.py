@@ -115,11 +115,9 @@ def _split_k_reduce_kernel(
 
 def pick_tiling(m: int, n: int, k: int, num_sms: int = 132,
                 in_l2: bool = False) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_K, SPLIT_K)`` for an ``[m, k] @ [k, n]`` decode GEMM: 128 columns
-    per program for a wide weight, else 64, and the fewest power-of-2 K splits (each at
-    least 512 long) that give at least 0.7 programs per SM; ``in_l2`` (decode attention
-    prefetched the weight): 0.35 programs per SM. Source: the H200 sweeps of
-    ``benchmarks.layer_gpu`` (docs/benchmarks-history.md, sessions 7 and 10)."""
+    """``(BLOCK_N, BLOCK_K, SPLIT_K)`` for an ``[m, k] @ [k, n]`` decode GEMM: 128 columns a
+    program for a wide weight, else 64; the fewest power-of-2 K splits (>= 512 long) giving
+    >= 0.7 programs per SM (0.35 with ``in_l2``). Source: ``benchmarks.layer_gpu`` H200 sweeps."""
     block_n = 128 if n >= 8192 else 64
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, 64)
     split, target = 1, num_sms * (0.35 if in_l2 else 0.7)
@@ -129,11 +127,9 @@ def pick_tiling(m: int, n: int, k: int, num_sms: int = 132,
 
 
 def use_tma(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``decode_linear`` and ``qkv_rope_store_kv`` read their tiles through TMA
-    tensor descriptors by default: on a CUDA device of compute capability 9.0 or newer
-    (not the Triton interpreter), for 16-bit weights of x's dtype with 16-byte-aligned
-    bases and row strides. ``LATENTSERVE_DECODE_TMA=0`` turns it off, ``=1`` forces it on
-    (the interpreter emulates descriptors: tests). Why: docs/benchmarks-history.md (TMA)."""
+    """Whether tiles are read through TMA descriptors by default: compute capability >= 9.0
+    (not the interpreter), 16-bit weights of x's dtype, 16-byte-aligned bases and row
+    strides. ``LATENTSERVE_DECODE_TMA=0`` / ``=1`` forces it off / on."""
     env = settings.get("LATENTSERVE_DECODE_TMA")
     if env == "0":
         return False
@@ -194,31 +190,14 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   num_stages: int = 4, tma: bool | None = None,
                   weight_in_l2: bool = False) -> torch.Tensor:
     """``x @ weight.T + bias`` for a few rows; with ``swiglu``, ``silu(gate) * up`` of the
-    merged gate/up projection ``x @ weight.T + bias`` (gate: its first half of columns).
+    merged gate/up projection (gate: the first half of columns).
 
-    Args:
-        x: ``[M, K]`` bf16, fp16 or fp32, last dim contiguous (rows may be strided).
-        weight: ``[N, K]`` (``nn.Linear.weight``; ``[2I, K]``, gate rows first, with
-            ``swiglu``), last dim contiguous.
-        bias: ``[N]`` or None (with ``partials`` the caller adds it).
-        swiglu: return ``[M, I]`` ``silu(gate) * up`` (no K split; not with ``partials``).
-        partials: return the fp32 partial sums ``[S, M, N]`` of the K splits instead of
-            the result (S may be 1); their sum is ``x @ weight.T``.
-        out_dtype: the result's dtype (default x's). A wider one (the LM head's fp32
-            logits) holds the values rounded to x's dtype, as ``linear(x).float()`` does.
-        block_n, block_k, split_k: the tiling (default ``pick_tiling``); split_k >= 1.
-        num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
-        tma: read the tiles through TMA tensor descriptors (default: ``use_tma``, on for
-            Hopper and newer). True needs 16-byte-aligned bases and row strides.
-        weight_in_l2: the caller had the weight prefetched into L2; the default tiling
-            then splits K less (``pick_tiling``'s ``in_l2``). Results do not depend on it
-            beyond the split's summation order.
-    Returns:
-        ``[M, N]`` (``[M, N / 2]`` with ``swiglu``) in ``out_dtype``, or ``[S, M, N]`` fp32
-        with ``partials``; new tensors.
-    Raises:
-        ValueError: on a shape, stride or device mismatch or a bad tiling.
-    """
+    ``x`` ``[M, K]`` bf16/fp16/fp32, ``weight`` ``[N, K]``, ``bias`` ``[N]``, last dims
+    contiguous. ``partials``: the fp32 K-split partial sums ``[S, M, N]`` instead (caller
+    adds the bias; not with ``swiglu``). ``out_dtype`` (default x's): a wider one holds values
+    rounded to x's dtype. Tiling defaults to ``pick_tiling``; ``tma`` to ``use_tma``;
+    ``weight_in_l2`` splits K less. Returns new ``[M, N]`` (``[M, N / 2]`` with ``swiglu``).
+    Raises ValueError on a shape, stride or device mismatch or a bad tiling."""
     return _launch(x, weight, bias, swiglu, partials, out_dtype, block_n, block_k, split_k,
                    num_stages, tma, weight_in_l2, argmax=False)[0]
 
@@ -228,20 +207,10 @@ def decode_linear_argmax(x: torch.Tensor, weight: torch.Tensor,
                          out_dtype: torch.dtype | None = None, block_n: int | None = None,
                          block_k: int | None = None, num_stages: int = 4,
                          tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head and greedy sampling's argmax together: ``decode_linear(x, weight, bias)``
-    (never split along K) whose epilogue also writes, per row and column tile, the tile's
-    first maximum of the values it stored (argmax pass 1, ``argmax.first_max_rows``); a
-    short PDL kernel then picks each row's first maximal tile (``argmax.argmax_of_chunks``).
-    The logits are never read back.
-
-    Args: as ``decode_linear`` (``x [M, K]``, ``weight [N, K]``, ``bias [N]`` or None).
-    Returns:
-        ``(y, ids)``: ``y [M, N]`` in ``out_dtype`` (default x's), equal to
-        ``decode_linear``'s unsplit result, and ``ids [M] int64``, ``torch.argmax(y, -1)``
-        bit for bit (the first maximum; the first NaN where a row has one).
-    Raises:
-        ValueError: as ``decode_linear``.
-    """
+    """The LM head and greedy argmax together: ``decode_linear(x, weight, bias)`` (no K split)
+    whose epilogue writes each tile's first maximum, then a PDL kernel picks each row's
+    (``argmax.argmax_of_chunks``). Returns ``(y [M, N], ids [M] int64)``, ``ids`` equal to
+    ``torch.argmax(y, -1)`` bit for bit. Raises ValueError as ``decode_linear``."""
     _check(x, weight, bias, False)
     for name, val in (("block_n", block_n), ("block_k", block_k)):
         if val is not None and (val < 16 or val & (val - 1)):
@@ -265,9 +234,8 @@ def decode_linear_argmax(x: torch.Tensor, weight: torch.Tensor,
 
 def persistent_lm_head(rows: int) -> bool:
     """Whether ``decode_linear_argmax`` runs the persistent LM head (``ops.kernels.lm_head``;
-    it also needs TMA and at most 64 rows) for ``rows`` rows: from 33 rows on
-    (docs/benchmarks-history.md, session 11). ``LATENTSERVE_LMHEAD=persistent`` / ``=tiled``
-    forces either (A/B runs; default ``auto``). Raises ValueError for another value."""
+    needs TMA, <= 64 rows) for ``rows``: from 33 rows on. ``LATENTSERVE_LMHEAD=persistent`` /
+    ``=tiled`` forces either (default ``auto``). Raises ValueError for another value."""
     mode = settings.get("LATENTSERVE_LMHEAD")
     return mode == "persistent" or (mode == "auto" and rows > 32)
 

@@ -1,11 +1,6 @@
-"""Token embedding lookup with latent rows swapped in, in one launch.
-
-A latent-capable decode graph starts with ``embed_tokens(ids)`` and then
-``torch.where(latent_mask[:, None], input_embeds, embeds)`` (``layers.inject``): two
-kernels and a ``[T, hidden]`` intermediate (cost: docs/benchmarks-history.md, issue 3). Here
-one program per (row, column block) copies either the row's embedding or its latent vector
-(cast to the embedding dtype), so the result is bitwise what the two torch ops give.
-"""
+"""Token embedding lookup with latent rows swapped in, in one launch: bitwise
+``torch.where(latent_mask[:, None], input_embeds, embed_tokens(ids))`` (``layers.inject``)
+without the two kernels and the ``[T, hidden]`` intermediate."""
 
 from __future__ import annotations
 
@@ -39,19 +34,11 @@ def _embed_inject_kernel(W, Ids, E, Mask, Out, H, vocab, stride_w, stride_e, str
 
 def embed_inject(weight: torch.Tensor, ids: torch.Tensor, input_embeds: torch.Tensor | None,
                  latent_mask: torch.Tensor | None) -> torch.Tensor:
-    """``layers.inject(weight[ids], input_embeds, latent_mask)`` in one kernel.
-
-    Args:
-        weight: ``[vocab, hidden]`` embedding table, last dim contiguous.
-        ids: ``[T]`` int32/int64 token ids, expected in ``[0, vocab)`` (ids outside are
-            clamped into it instead of faulting; the serving layer rejects them earlier).
-        input_embeds: ``[T, hidden]`` any float dtype (last dim contiguous), or None.
-        latent_mask: ``[T] bool``: rows that take ``input_embeds``; needed with it.
-    Returns:
-        ``[T, hidden]`` in ``weight``'s dtype (a new tensor).
-    Raises:
-        ValueError: naming the argument on a shape, stride or device mismatch.
-    """
+    """``layers.inject(weight[ids], input_embeds, latent_mask)`` in one kernel: ``weight``
+    ``[vocab, hidden]``, ``ids`` ``[T]`` int32/int64 (clamped into range), ``input_embeds``
+    ``[T, hidden]`` any float dtype or None, ``latent_mask`` ``[T] bool``. Returns a new
+    ``[T, hidden]`` in ``weight``'s dtype. Raises ValueError naming the argument on a shape,
+    stride or device mismatch."""
     if weight.dim() != 2 or weight.stride(-1) != 1:
         raise ValueError(f"weight must be [vocab, hidden] with a contiguous last dim, got "
                          f"{tuple(weight.shape)}")

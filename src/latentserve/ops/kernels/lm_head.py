@@ -53,20 +53,11 @@ def lm_head_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      y: torch.Tensor, *, block_n: int = 128, block_k: int = 128,
                      num_stages: int = 4, programs: int | None = None,
                      pdl: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write ``y = x @ weight.T + bias`` (rounded to x's dtype, stored in y's) and return the
-    argmax's per-tile results ``(vals [M, T] fp32, idx [M, T] int32)``, T the column
-    tiles, for ``argmax.argmax_of_chunks``.
-
-    Args:
-        x: ``[M, K]``, ``1 <= M <= 64``; weight: ``[N, K]`` of x's dtype; both 16-bit,
-            TMA-compatible (``decode_linear.tma_compatible``). bias: ``[N]`` or None.
-        y: ``[M, N]`` output (fp32 logits, or x's dtype), last dim contiguous.
-        block_n, block_k: the tile; num_stages: pipeline depth (fitted to shared memory).
-        programs: persistent programs (default: the device's SM count; at most T).
-        pdl: ``pdl.pdl_launch`` keyword arguments (default: none).
-    Raises:
-        ValueError: for more than 64 rows, or tensors TMA cannot read.
-    """
+    """Write ``y = x @ weight.T + bias`` (rounded to x's dtype) and return the per-tile argmax
+    results ``(vals [M, T] fp32, idx [M, T] int32)`` for ``argmax.argmax_of_chunks``.
+    ``x`` ``[M <= 64, K]`` and ``weight`` ``[N, K]`` 16-bit and TMA-readable; ``programs``
+    default: the SM count; ``pdl``: ``pdl.pdl_launch`` kwargs. Raises ValueError for more
+    than 64 rows or tensors TMA cannot read."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from latentserve.ops.kernels.decode_linear import dot_precision, fit_stages, tma_compatible

@@ -36,12 +36,9 @@ def pdl_wait(PDL: tl.constexpr):
 
 @triton.jit
 def prefetch_l2(ptrs, PDL: tl.constexpr):
-    """With ``PDL``, ask L2 for the 128-byte line holding each address of ``ptrs`` (any
-    shape; every address must lie inside an allocation: clamp indices, do not mask), and
-    return at once; without, nothing. A kernel calls it before ``pdl_wait`` on data the
-    previous kernel does not write (its weights), so their read from HBM overlaps the
-    previous kernel's tail instead of following it. PTX ``prefetch.global.L2``: a hint
-    with no effect on results."""
+    """With ``PDL``, ask L2 for the 128-byte line of each address of ``ptrs`` (all inside an
+    allocation: clamp, do not mask), before ``pdl_wait``, so weight reads overlap the previous
+    kernel's tail. PTX ``prefetch.global.L2``: a hint, results unchanged."""
     if PDL:
         tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
                                   [ptrs], dtype=tl.int32, is_pure=False, pack=1)
@@ -60,11 +57,9 @@ def prefetch_share(Next, next_last, pid, LINES: tl.constexpr, LINE: tl.constexpr
 
 def share_args(nxt: torch.Tensor | None, nbytes: int, programs: int,
                stand_in: torch.Tensor) -> tuple:
-    """Launch arguments ``(Next, next_last, LINES, LINE)`` for ``prefetch_share``: the
-    first ``nbytes`` of ``nxt`` split over ``programs`` programs in power-of-2 shares of
-    whole lines. Off (``LINES`` 0, ``stand_in`` fills the pointer) for None, 0 bytes, a
-    tensor under one line, or a non-contiguous one (its lines could lie outside its
-    storage)."""
+    """``(Next, next_last, LINES, LINE)`` for ``prefetch_share``: the first ``nbytes`` of
+    ``nxt`` over ``programs`` in power-of-2 shares of lines; off (``LINES`` 0) for None,
+    0 bytes, under one line, or non-contiguous."""
     if nxt is None or nbytes <= 0 or programs <= 0 or not nxt.is_contiguous():
         return stand_in, 0, 0, 1
     line = max(128 // nxt.element_size(), 1)
@@ -76,11 +71,9 @@ def share_args(nxt: torch.Tensor | None, nbytes: int, programs: int,
 
 def prefetch_lines(nbytes: int, rows: int, programs: int, line_elems: int,
                    k_span: int) -> int:
-    """Elements of each weight row a GEMM program prefetches into L2 (``prefetch_l2``):
-    the program's share of ``nbytes`` (all programs together; 0 turns it off) over its
-    ``rows`` weight rows, as a power of 2 of whole 128-byte lines (``line_elems`` elements
-    each), at most the row's ``k_span`` elements rounded up to a power of 2; 0 when that is
-    less than a line (a budget too small, or rows shorter than a line)."""
+    """Elements of each weight row a GEMM program prefetches: its share of ``nbytes`` over
+    ``rows`` rows as a power of 2 of whole lines, at most ``k_span`` rounded up; 0 when under
+    a line."""
     per_row = nbytes // max(programs * rows, 1) // (128 // line_elems)  # elements
     lines = min(1 << max(per_row.bit_length() - 1, 0), triton.next_power_of_2(max(k_span, 1)))
     return lines if lines >= line_elems else 0

@@ -118,10 +118,8 @@ def _qkv_rope_kernel(
 
 
 def default_block_half(half: int) -> int:
-    """Columns of each head half per program when the caller gives none: 16 for halves of
-    up to 32 (head_dim <= 64; a head of 33 to 64 then runs as 2 programs), else the whole
-    half rounded up to a power of 2 (one program per head). Source: H200 A/B runs at the
-    default 64-row tile (docs/benchmarks-history.md, session 9)."""
+    """Columns of each head half per program by default: 16 for halves up to 32, else the
+    half rounded up to a power of 2 (H200 A/B runs at the 64-row tile)."""
     return 16 if half <= 32 else max(16, triton.next_power_of_2(half))
 
 
@@ -167,38 +165,18 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       *, block_m: int = 64, block_k: int = 128,
                       block_half: int | None = None, num_stages: int = 6,
                       tma: bool | None = None) -> torch.Tensor:
-    """The merged q/k/v projection, RoPE (rotate-half) and the KV store in one launch.
+    """The merged q/k/v projection, RoPE (rotate-half) and the KV store in one launch:
+    ``qkv = x @ weight.T + bias`` (rounded to x's dtype) then ``apply_rotary_store_kv_`` on
+    its views, up to summation order. No host sync (CUDA-graph safe).
 
-    Equals ``qkv = x @ weight.T + bias`` (rounded to x's dtype), then
-    ``ops.kernels.apply_rotary_store_kv_`` on its q/k/v views, up to the GEMM's summation
-    order: q is returned rotated, and the pool rows ``k_cache[slots]`` / ``v_cache[slots]``
-    receive the rotated k and the v. No host sync (CUDA-graph safe).
-
-    Args:
-        x: ``[T, hidden]`` bf16, fp16 or fp32, last dim contiguous.
-        weight: ``[(n_heads + 2 * n_kv) * D, hidden]`` of x's dtype, rows q, then k, then v
-            (``layers.merge_linears``), last dim contiguous; bias ``[(n_heads + 2 n_kv) D]``
-            or None.
-        cos, sin: ``[T, D]`` (``ops.rotary.rope_cos_sin``; the first half is read).
-        k_cache, v_cache: ``[num_slots + 1, n_kv, D]`` one layer's pool buffers (any float
-            dtype), last dim contiguous.
-        slots: ``[T] int64`` each row's destination slot.
-        n_heads, n_kv: query and KV heads; D = rows of ``weight`` / (n_heads + 2 n_kv), even.
-        block_m, block_k: rows per program and the K tile (powers of 2, >= 16; fp32
-            weights use at most 64).
-        block_half: columns of each head half per program, a power of 2 from 16 to 256
-            (default ``default_block_half``); each head runs as ``ceil(D / 2 /
-            block_half)`` programs, each computing the same columns of both halves.
-        num_stages: Triton pipeline depth (lowered to fit ~200 KiB of shared memory).
-        tma: read the tiles through TMA tensor descriptors (default:
-            ``decode_linear.use_tma``, the H200 setting); True needs 16-bit tensors with
-            16-byte-aligned bases and row strides (else ValueError).
-    Returns:
-        q ``[T, n_heads, D]`` rotated, x's dtype, contiguous (a new tensor).
-    Raises:
-        ValueError: naming the argument, on a shape, dtype, stride or device mismatch, a
-            bad tiling or an impossible ``tma=True``.
-    """
+    ``x`` ``[T, hidden]`` bf16/fp16/fp32; ``weight`` ``[(n_heads + 2 n_kv) * D, hidden]`` of
+    x's dtype, rows q, k, v (``layers.merge_linears``); ``bias`` or None; ``cos``/``sin``
+    ``[T, D]``; ``k_cache``/``v_cache`` ``[num_slots + 1, n_kv, D]``; ``slots`` ``[T] int64``;
+    last dims contiguous, D even. Tiles: ``block_m``/``block_k`` powers of 2 >= 16,
+    ``block_half`` 16..256 (default :func:`default_block_half`); ``tma`` default
+    ``decode_linear.use_tma``. Returns rotated q ``[T, n_heads, D]`` (new, x's dtype).
+    Raises ValueError naming the argument on a shape, dtype, stride, device or tiling
+    mismatch or an impossible ``tma=True``."""
     d = _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv)
     for name, val in (("block_m", block_m), ("block_k", block_k)):
         if val < 16 or val & (val - 1):

@@ -47,21 +47,10 @@ def _rms_norm_kernel(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
-    """RMSNorm of ``x`` (``residual`` None) or of ``x + residual``.
-
-    Args:
-        x: ``[T, hidden]`` fp32/bf16/fp16 (rows may be strided; last dim contiguous), or the
-            fp32 partial sums ``[S, T, hidden]`` of a split-K GEMM (contiguous; then
-            ``residual`` is required and gives the dtype).
-        weight: ``[hidden]``. eps: added to the mean square.
-        residual: optional ``[T, hidden]`` in x's dtype.
-    Returns:
-        ``normed`` ``[T, hidden]`` (dtype: promotion of x and weight) when ``residual`` is
-        None, else ``(normed, x + residual)``: new tensors, the inputs are not modified.
-    Raises:
-        ValueError: when x is not 2-D (or 3-D partials with a residual) or its last dim is
-            not contiguous.
-    """
+    """RMSNorm of ``x`` or of ``x + residual``: x ``[T, hidden]`` (last dim contiguous) or the
+    fp32 split-K partials ``[S, T, hidden]`` (then ``residual`` is required). Returns new
+    ``normed`` ``[T, hidden]``, or ``(normed, x + residual)`` with ``residual``. ValueError
+    for another shape or a strided last dim."""
     split = x.shape[0] if x.dim() == 3 else 0
     if x.dim() not in (2, 3) or x.stride(-1) != 1 or split and (
             residual is None or x.dtype != torch.float32 or not x.is_contiguous()):

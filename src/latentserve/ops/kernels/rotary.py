@@ -1,9 +1,5 @@
-"""RoPE kernel: rotates q and k in place in one launch (reference: ``latentserve.ops.rotary``).
-
-One program per token loads both halves of every q and k head and the token's cos/sin row
-(from ``ops.rotary.rope_cos_sin``, computed once per forward, not per layer). The rounding of
-the eager path is kept: each product is rounded to the activation dtype before the sum.
-"""
+"""RoPE kernel: rotates q and k in place in one launch, bitwise as ``latentserve.ops.rotary``
+(each product rounded to the activation dtype before the sum)."""
 
 from __future__ import annotations
 
@@ -72,16 +68,9 @@ def check_qk_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor) -> None:
-    """Rotate q and k in place with the rotate-half convention.
-
-    Args:
-        q: ``[T, H, D]``, k: ``[T, Hkv, D]``, same float dtype, last dim contiguous (views
-            into a fused qkv projection are fine). D even.
-        cos, sin: ``[T, D]`` (``ops.rotary.rope_cos_sin``; both halves equal, the first is
-            read), last dim contiguous.
-    Raises:
-        ValueError: on a shape, dtype or stride mismatch.
-    """
+    """Rotate q ``[T, H, D]`` and k ``[T, Hkv, D]`` (same float dtype, D even) in place,
+    rotate-half; cos/sin ``[T, D]`` (``ops.rotary.rope_cos_sin``, first half read); last
+    dims contiguous. Raises ValueError on a shape, dtype or stride mismatch."""
     t, h, d = q.shape
     check_qk_cos_sin(q, k, cos, sin, d)
     if t == 0:

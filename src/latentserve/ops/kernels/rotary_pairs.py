@@ -1,13 +1,7 @@
-"""Huginn's RoPE kernel: optional per-head bias add, then rotation of interleaved pairs, for q
-and k in place in one launch (reference: ``models.huginn.rope_pairs`` after the ``qk_bias``
-add).
-
-Upstream (``apply_rotary_emb_complex_like`` in seal-rg/recurrent-pretraining
-``recpre/raven_modeling_minimal.py``) treats ``(x[2i], x[2i+1])`` as a complex number and
-multiplies it by ``exp(i * pos * inv_freq[i])`` in fp32. One program per token loads every q
-and k head as pairs, adds the bias rounded as the eager path rounds it (the sum is taken in
-the activation dtype), rotates in fp32 and stores in the activation dtype.
-"""
+"""Huginn's RoPE kernel: optional per-head bias add, then rotation of interleaved pairs, q and
+k in place in one launch; bitwise as ``models.huginn.rope_pairs`` after the ``qk_bias`` add.
+Source: ``apply_rotary_emb_complex_like`` in seal-rg/recurrent-pretraining
+``recpre/raven_modeling_minimal.py`` (fp32 rotation, bias added in the activation dtype)."""
 
 from __future__ import annotations
 
@@ -83,18 +77,10 @@ def check_pairs_args(q, k, cos, sin, q_bias, k_bias) -> bool:
 def apply_rotary_pairs_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, q_bias: torch.Tensor | None = None,
                         k_bias: torch.Tensor | None = None) -> None:
-    """Add the per-head bias (when given) and rotate interleaved pairs of q and k, in place.
-
-    Args:
-        q: ``[T, H, D]``, k: ``[T, Hk, D]``, same float dtype, last dim contiguous (views into
-            the fused ``Wqkv`` output are fine). D even.
-        cos, sin: ``[T, D/2]`` float32 (``RavenForCausalLM.rope`` without its head axis),
-            last dim contiguous.
-        q_bias, k_bias: ``[H, D]`` and ``[Hk, D]`` in q's dtype, contiguous (Huginn's
-            ``qk_bias[0, 0]`` and ``qk_bias[1, 0]``), both or neither.
-    Raises:
-        ValueError: on a shape, dtype or stride mismatch.
-    """
+    """Add the per-head bias (optional) and rotate interleaved pairs of q and k in place.
+    q ``[T, H, D]``, k ``[T, Hk, D]`` (same float dtype, D even), cos/sin ``[T, D/2]``
+    float32, q_bias/k_bias ``[H, D]`` / ``[Hk, D]`` in q's dtype (both or neither); last dims
+    contiguous. Raises ValueError on a shape, dtype or stride mismatch."""
     t, h, d = q.shape
     half = d // 2
     has_bias = check_pairs_args(q, k, cos, sin, q_bias, k_bias)

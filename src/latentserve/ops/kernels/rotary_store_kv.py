@@ -1,9 +1,6 @@
-"""RoPE fused with the KV store: one launch rotates q in place and writes the rotated k and
-the v of every new token into the layer's paged K/V pool, bitwise what
-``ops.kernels.apply_rotary_`` (or Huginn's ``apply_rotary_pairs_``) followed by
-``attention.kernels.store_kv`` write in two launches (same jitted math: ``rotary._rope_halves``,
-``rotary_pairs._bias_rope_pairs``). k in the activations is left unrotated: the attention
-kernels read the new tokens' K/V from the pool only."""
+"""RoPE fused with the KV store: one launch rotates q in place and writes rotated k and v
+into the layer's paged pool, bitwise what ``apply_rotary_`` (or ``apply_rotary_pairs_``) then
+``store_kv`` write in two launches. k in the activations stays unrotated."""
 
 from __future__ import annotations
 
@@ -120,24 +117,13 @@ def _strides(q, k, v, cos, sin, k_cache, v_cache):
 def apply_rotary_store_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Rotate q in place (rotate-half convention) and store rotated k and v into the pool.
+    """Rotate q in place (rotate-half) and store rotated k and v into the pool, bit for bit
+    as ``apply_rotary_`` then ``store_kv``; k, v unchanged; no host sync or allocation.
 
-    Afterwards q holds ``apply_rotary_``'s q and ``k_cache[slots]``/``v_cache[slots]`` hold
-    what ``apply_rotary_`` then ``store_kv`` would write, bit for bit; k and v are not
-    modified. No host sync and no allocation (CUDA-graph safe).
-
-    Args:
-        q: ``[T, H, D]``, k and v: ``[T, Hkv, D]``, one float dtype, last dim contiguous
-            (views into a fused qkv projection are fine). D even.
-        cos, sin: ``[T, D]`` (``ops.rotary.rope_cos_sin``; the first half is read), last dim
-            contiguous.
-        k_cache, v_cache: ``[num_slots + 1, Hkv, D]`` one layer's pool buffers (any float
-            dtype; values are cast to it), last dim contiguous.
-        slots: ``[T] int64`` destination slot of each token (duplicates, e.g. padded rows
-            on the dummy slot 0: which write lands is unspecified).
-    Raises:
-        ValueError: on a shape, dtype or stride mismatch.
-    """
+    q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (one float dtype, D even), cos/sin ``[T, D]``,
+    k_cache/v_cache ``[num_slots + 1, Hkv, D]`` (any float dtype), slots ``[T] int64``
+    (duplicate slots: which write lands is unspecified); last dims contiguous. Raises
+    ValueError on a shape, dtype or stride mismatch."""
     t, h, d = q.shape
     check_qk_cos_sin(q, k, cos, sin, d)
     _check_store_args(k, v, k_cache, v_cache, slots)
@@ -158,19 +144,10 @@ def apply_rotary_pairs_store_kv_(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  v_cache: torch.Tensor, slots: torch.Tensor,
                                  q_bias: torch.Tensor | None = None,
                                  k_bias: torch.Tensor | None = None) -> None:
-    """Huginn's convention: the per-head bias add (when given) and the rotation of
-    interleaved pairs, in place on q and stored with v into the pool.
-
-    Afterwards q and the pool hold what ``apply_rotary_pairs_`` then ``store_kv`` would
-    leave, bit for bit; k and v are not modified. No host sync and no allocation.
-
-    Args:
-        q, k, v, k_cache, v_cache, slots: as ``apply_rotary_store_kv_``.
-        cos, sin, q_bias, k_bias: as ``ops.kernels.apply_rotary_pairs_`` (cos/sin
-            ``[T, D/2]`` float32; biases ``[H, D]`` / ``[Hk, D]`` in q's dtype, or None).
-    Raises:
-        ValueError: on a shape, dtype or stride mismatch.
-    """
+    """Huginn's convention: per-head bias add (optional) and interleaved-pair rotation, in
+    place on q and stored with v into the pool, bit for bit as ``apply_rotary_pairs_`` then
+    ``store_kv``. Arguments as ``apply_rotary_store_kv_`` and ``apply_rotary_pairs_`` (cos/sin
+    ``[T, D/2]`` float32). Raises ValueError on a shape, dtype or stride mismatch."""
     t, h, d = q.shape
     has_bias = check_pairs_args(q, k, cos, sin, q_bias, k_bias)
     _check_store_args(k, v, k_cache, v_cache, slots)

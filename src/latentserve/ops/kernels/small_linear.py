@@ -61,26 +61,14 @@ _tuned_kernel = triton.autotune(_TUNE_CONFIGS, key=["N", "K", "BLOCK_M"],
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  activation: str | None = None, out_features: int | None = None,
                  precision: str = "tf32x3", tuned: bool | None = None) -> torch.Tensor:
-    """``act(x @ weight[:n].T + bias[:n])`` in float32, for a small number of rows.
+    """``act(x @ weight[:n].T + bias[:n])`` in float32 for a few rows (tiled 64 at a time).
 
-    Args:
-        x: ``[M, K]`` float32, last dim contiguous (M up to a few hundred; rows are tiled
-            64 at a time, so larger M works but is not what the tiling is for).
-        weight: ``[N, K]`` float32, last dim contiguous (``nn.Linear.weight``).
-        bias: ``[N]`` float32 or None.
-        activation: None or ``"silu"`` (applied after the bias, in float32).
-        out_features: compute only the first ``n`` output features (rows of ``weight``;
-            default all ``N``), e.g. the ``mu`` half of a head whose second half is
-            ``log_sigma``.
-        precision: ``tl.dot`` input precision: ``"tf32x3"`` (default, float32-accurate),
-            ``"ieee"`` (SIMT float32) or ``"tf32"`` (fast, about 1e-3 relative).
-        tuned: autotune the tiling (None: on CUDA; see the module docstring).
-    Returns:
-        ``[M, n]`` float32, a new contiguous tensor.
-    Raises:
-        ValueError: on a dtype, device, shape or stride mismatch, an unknown activation or
-            precision, or an ``out_features`` that is not an integer in range.
-    """
+    ``x`` ``[M, K]``, ``weight`` ``[N, K]``, ``bias`` ``[N]`` or None, all float32, last dims
+    contiguous; ``activation`` None or ``"silu"``; ``out_features``: the first ``n`` outputs
+    (default N); ``precision``: ``"tf32x3"`` (default, float32-accurate), ``"ieee"`` or
+    ``"tf32"`` (~1e-3 relative); ``tuned`` None = autotune on CUDA. Returns a new ``[M, n]``
+    float32. Raises ValueError on a dtype, device, shape or stride mismatch, an unknown
+    activation or precision, or a bad ``out_features``."""
     if activation not in _ACTS:
         raise ValueError(f"activation must be one of {list(_ACTS)}, got {activation!r}")
     if precision not in _PRECISIONS:
