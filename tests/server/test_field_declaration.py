@@ -129,6 +129,24 @@ def test_tokenize_routes_refuse_an_unknown_field_by_name(http, path, body):
     assert ok.status_code == 200, ok.text
 
 
+def test_every_unknown_field_is_named_at_once(http):
+    r = http.post("/tokenize", json={"prompt": "hi", UNKNOWN: 0.5, "no_such_field": 1})
+    assert r.status_code == 400 and r.json()["error"] == {
+        **OPENAI_UNKNOWN, "message": "Unrecognized request arguments supplied: "
+                                     f"{UNKNOWN}, no_such_field"}
+
+
+def test_sglang_router_fields_at_their_defaults_are_served(http, model):
+    """sglang-router forwards SGLang's extensions at their defaults; other values are
+    refused by name."""
+    body = {"model": model, "prompt": "hi", "max_tokens": 1, "no_stop_trim": False,
+            "return_hidden_states": False, "separate_reasoning": True,
+            "stream_reasoning": True}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    r = http.post("/v1/completions", json={**body, "return_hidden_states": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states"
+
+
 def test_anthropic_routes_refuse_an_unknown_field_by_name(anthropic_client, model):
     messages = [{"role": "user", "content": "hi"}]
     calls = [

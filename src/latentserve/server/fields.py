@@ -49,6 +49,9 @@ _OPENAI_REFUSED = {
     "reasoning_effort": (None,), "verbosity": (None,), "moderation": (None,),
     "priority": (None, 0), "mm_processor_kwargs": (None, {}), "request_id": (None,),
     "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None, {}),
+    # SGLang's extensions, which sglang-router forwards at these defaults
+    "no_stop_trim": (None, False), "return_hidden_states": (None, False),
+    "separate_reasoning": (None, True), "stream_reasoning": (None, True),
 }
 REFUSED = {
     "/v1/completions": {**_OPENAI_REFUSED, "add_special_tokens": (None, True)},

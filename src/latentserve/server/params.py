@@ -29,10 +29,13 @@ def refuse_unsupported(request) -> None:
     from latentserve.server.fields import refused, route_of
 
     unsupported = refused(route_of(type(request)))
-    for name, value in (request.model_extra or {}).items():
-        if name not in unsupported:
-            raise APIError(f"Unrecognized request argument supplied: {name}", param=name,
-                           code="unknown_field")
+    extra = request.model_extra or {}
+    unknown = [name for name in extra if name not in unsupported]
+    if unknown:
+        s = "s" if len(unknown) > 1 else ""
+        raise APIError(f"Unrecognized request argument{s} supplied: {', '.join(unknown)}",
+                       param=unknown[0], code="unknown_field")
+    for name, value in extra.items():
         if not any(_same(value, ok) for ok in unsupported[name]):
             got = repr(value)
             got = got if len(got) <= 80 else got[:77] + "..."
