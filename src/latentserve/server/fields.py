@@ -46,7 +46,7 @@ _OPENAI_REFUSED = {
     "spaces_between_special_tokens": (None, True),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,),
     "documents": (None, []), "return_token_ids": (None, False),
-    "reasoning_effort": (None,), "verbosity": (None,), "moderation": (None,),
+    "reasoning_effort": (None,), "verbosity": (None, "medium"), "moderation": (None,),
     "priority": (None, 0), "mm_processor_kwargs": (None, {}), "request_id": (None,),
     "cache_salt": (None,), "kv_transfer_params": (None,), "vllm_xargs": (None, {}),
     # SGLang's extensions, which sglang-router forwards at these defaults
