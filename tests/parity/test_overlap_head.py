@@ -21,6 +21,7 @@ from tests.support.colar_models import save_colar_tiny
 from tests.support.head_models import save_head_model
 from tests.support.parity import shared_prefix_prompts
 from tests.support.tp_parity import (
+    abort_in_phase_and_answer,
     assert_same_streams,
     mixed_colar_requests,
     mixed_head_requests,
@@ -137,26 +138,7 @@ def test_aborts_in_the_latent_phase_and_the_answer_free_their_slots(dirs):
     sp = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=14, min_output_tokens=0,
                          max_latent=m, use_stop=False) for m in (8, 1, 2, 3)]
     engine = _engine(path, True)
-    for i, (p, s) in enumerate(zip(prompts, sp)):
-        engine.add_request(f"a{i}", p, s)
-    toks: dict[str, list] = {f"a{i}": [] for i in range(4)}
-    finals = {}
-
-    def step():
-        for o in engine.step():
-            toks[o.rid] += o.new_token_ids
-            if o.finished:
-                finals[o.rid] = o
-
-    for _ in range(5):
-        step()
-    assert engine.inflight is not None
-    req = {r.rid: r for r in engine.scheduler.running}
-    assert req["a0"].answer_start is None and req["a1"].answer_start is not None
-    engine.abort_request("a0")  # in its latent phase
-    engine.abort_request("a1")  # in its answer
-    while engine.has_unfinished_requests():
-        step()
+    toks, finals = abort_in_phase_and_answer(engine, list(zip(prompts, sp)), 5)
     engine.cache.check_idle()
     _all_slots_free(engine)
     assert finals["a0"].finish_reason == finals["a1"].finish_reason == "abort"

@@ -17,6 +17,7 @@ from latentserve.sampling_params import SamplingParams
 from tests.support.loop_models import save_loop_tiny
 from tests.support.parity import shared_prefix_prompts
 from tests.support.tp_parity import (
+    abort_in_phase_and_answer,
     assert_same_streams,
     mixed_feedback_requests,
     run_requests,
@@ -98,26 +99,7 @@ def test_aborts_in_a_pass_and_the_answer_free_their_slots(dirs):
     sp = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8, latent_budget=b)
           for b in (6, 0, 2, 3)]
     engine = _engine(path, True)
-    for i, (p, s) in enumerate(zip(prompts, sp)):
-        engine.add_request(f"a{i}", p, s)
-    toks: dict[str, list] = {f"a{i}": [] for i in range(4)}
-    finals = {}
-
-    def step():
-        for o in engine.step():
-            toks[o.rid] += o.new_token_ids
-            if o.finished:
-                finals[o.rid] = o
-
-    for _ in range(4):
-        step()
-    assert engine.inflight is not None
-    req = {r.rid: r for r in engine.scheduler.running}
-    assert req["a0"].answer_start is None and req["a1"].answer_start is not None
-    engine.abort_request("a0")  # in a pass
-    engine.abort_request("a1")  # in its answer
-    while engine.has_unfinished_requests():
-        step()
+    toks, finals = abort_in_phase_and_answer(engine, list(zip(prompts, sp)), 4)
     _all_slots_free(engine)
     assert finals["a0"].finish_reason == finals["a1"].finish_reason == "abort"
     want = run_requests(_engine(path, False), [(prompts[i], sp[i]) for i in (2, 3)])

@@ -218,3 +218,30 @@ def mixed_feedback_requests(**over) -> list:
     ]
     return [(p, SamplingParams(**{"ignore_eos": True, **kinds[i % len(kinds)], **over}))
             for i, p in enumerate(shared_prefix_prompts())]
+
+
+def abort_in_phase_and_answer(engine, requests, warm_steps: int):
+    """Add ``requests`` (``[(prompt, SamplingParams)]``) as ``a0``, ``a1``, ...; after
+    ``warm_steps`` overlapped steps abort ``a0`` (still in its latent phase) and ``a1`` (in
+    its answer), then step until idle. Returns ``(tokens per rid, final output per rid)``."""
+    for i, (p, s) in enumerate(requests):
+        engine.add_request(f"a{i}", p, s)
+    toks: dict[str, list] = {f"a{i}": [] for i in range(len(requests))}
+    finals = {}
+
+    def step():
+        for o in engine.step():
+            toks[o.rid] += o.new_token_ids
+            if o.finished:
+                finals[o.rid] = o
+
+    for _ in range(warm_steps):
+        step()
+    assert engine.inflight is not None
+    req = {r.rid: r for r in engine.scheduler.running}
+    assert req["a0"].answer_start is None and req["a1"].answer_start is not None
+    engine.abort_request("a0")
+    engine.abort_request("a1")
+    while engine.has_unfinished_requests():
+        step()
+    return toks, finals
