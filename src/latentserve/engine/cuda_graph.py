@@ -5,10 +5,28 @@ Design notes: docs/internals.md, "latentserve.engine.cuda_graph".
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 from latentserve.context import ForwardContext, set_context
 from latentserve.latent.family import family_for
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Collect garbage now and keep the collector off inside: a CUDA graph of an engine
+    dropped earlier, freed by the collector while another graph is captured, invalidates
+    that capture (cudaErrorStreamCaptureInvalidated)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -87,36 +105,37 @@ class CudaGraphRunner:
         dist = torch.distributed
         mode = "thread_local" if dist.is_available() and dist.is_initialized() else "global"
         # Largest first, so smaller graphs reuse its pool.
-        for depth, b in [(d, b) for d in reversed(self.graph_depths)
-                         for b in reversed(self.buckets)]:
-            meta = TritonMeta(self.rows[:b], q_start[: b + 1], self.kv_lens[:b],
-                              self.out_slots[:b], table.table, b, 1, True)
-            ctx = ForwardContext(meta, backend, kv_pool, capture_layer, self.capture_buf)
-            self.hooks.bind(ctx, depth, b)  # e.g. a masked loop of `depth` iterations
-            set_context(ctx)
-            try:
-                with torch.inference_mode():
-                    warm = self._forward(model, b)  # warm-up: compiles kernels outside capture
-                    if self._lm_head_argmax(model) and model.lm_head_fast(warm[1]):
-                        model.compute_logits(warm[1])  # and the eager steps' LM head variant
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                        out = self._forward(model, b)
-            finally:
-                set_context(None)
-            pool = graph.pool()
-            self.graphs[depth, b], self.outputs[depth, b] = graph, out
-        if self.hooks.packed:  # compile replay_packed's kernel now, not in the first step
-            from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
+        with _gc_paused():
+            for depth, b in [(d, b) for d in reversed(self.graph_depths)
+                             for b in reversed(self.buckets)]:
+                meta = TritonMeta(self.rows[:b], q_start[: b + 1], self.kv_lens[:b],
+                                  self.out_slots[:b], table.table, b, 1, True)
+                ctx = ForwardContext(meta, backend, kv_pool, capture_layer, self.capture_buf)
+                self.hooks.bind(ctx, depth, b)  # e.g. a masked loop of `depth` iterations
+                set_context(ctx)
+                try:
+                    with torch.inference_mode():
+                        warm = self._forward(model, b)  # warm-up: compiles kernels outside capture
+                        if self._lm_head_argmax(model) and model.lm_head_fast(warm[1]):
+                            model.compute_logits(warm[1])  # and the eager steps' LM head variant
+                        torch.cuda.synchronize()
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
+                            out = self._forward(model, b)
+                finally:
+                    set_context(None)
+                pool = graph.pool()
+                self.graphs[depth, b], self.outputs[depth, b] = graph, out
+            if self.hooks.packed:  # compile replay_packed's kernel now, not in the first step
+                from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
 
-            unpack_decode_inputs(torch.zeros(2, dtype=torch.int64, device=dev), 0, 1, 0, None,
-                                 self.table, self.dummy_row, self.ids, self.pos, self.rows,
-                                 self.kv_lens, self.out_slots)
-        self.latent_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.latent_out: dict[int, object] = {}
-        if self.head is not None or self.feedback is not None:
-            self._capture_latent_graphs(mode)
+                unpack_decode_inputs(torch.zeros(2, dtype=torch.int64, device=dev), 0, 1, 0, None,
+                                     self.table, self.dummy_row, self.ids, self.pos, self.rows,
+                                     self.kv_lens, self.out_slots)
+            self.latent_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+            self.latent_out: dict[int, object] = {}
+            if self.head is not None or self.feedback is not None:
+                self._capture_latent_graphs(mode)
         torch.cuda.synchronize()
 
     def _capture_latent_graphs(self, mode) -> None:
