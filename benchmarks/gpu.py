@@ -14,7 +14,7 @@ def main(argv=None) -> int:
                    help=f"comma list of {list(SHAPES)}")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     args = p.parse_args(argv)
-    write_json(args.out, run_gpu_bench(shapes=tuple(args.shapes.split(",")),
+    write_json(args.out, run_gpu_bench(tuple(args.shapes.split(",")),
                                        hf_baseline=not args.no_hf))
     return 0
 

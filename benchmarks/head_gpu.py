@@ -56,12 +56,12 @@ def main(argv=None) -> int:
     cmd = command("head_gpu", argv)
     conc = tuple(int(x) for x in args.concurrency.split(","))
     if args.tiny:
-        res = run_head_bench(("tiny",), "cpu", "float32", (1, 4), 8, 4, 4, 1,
-                             not args.no_bare, cmd, args.step_rounds)
+        res = run_head_bench(("tiny",), "cpu", (1, 4), 8, 4, 4, 1, not args.no_bare, cmd,
+                             args.step_rounds)
     else:
-        res = run_head_bench(tuple(args.shapes.split(",")), "cuda", "bfloat16", conc,
-                             args.prompt_len, args.max_latent, args.answer_len,
-                             args.ref_requests, not args.no_bare, cmd, args.step_rounds)
+        res = run_head_bench(tuple(args.shapes.split(",")), "cuda", conc, args.prompt_len,
+                             args.max_latent, args.answer_len, args.ref_requests,
+                             not args.no_bare, cmd, args.step_rounds)
     write_json(args.out, res)
     return 0
 

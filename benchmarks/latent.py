@@ -6,12 +6,16 @@ one request at a time, in the same process.
 
 Shapes use random weights: COCONUT on GPT-2 124M (n_embd 768, 12 layers, vocab 50257 + 3) and
 CODI on Llama-3.2-1B (GPU only; needs peft to write the upstream checkpoint). Throughput is
-answer tokens per second; latent steps are work but not output.
+answer tokens per second; latent steps are work but not output. Each concurrency also reports
+its decode step against that step's bandwidth floor, and the largest one a latent step against
+a plain one (``step_cost``; method: docs/internals.md, "latentserve.bench.families").
+``only``: a comma list of ``latentserve.bench.latent.MODELS`` names (``coconut-tiny`` and
+``codi-tiny`` run on the CPU in seconds).
 """
 
 from __future__ import annotations
 
-from benchmarks.common import parser, write_json
+from benchmarks.common import command, parser, write_json
 from latentserve.bench.latent import run_latent_bench
 
 
@@ -22,9 +26,10 @@ def main(argv=None) -> int:
     p.add_argument("only", nargs="?", default=None, help="comma list of models to run")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
-    write_json(args.out, run_latent_bench(args.device, (1, 16, 64) if cuda else (32,),
-                                          codi=cuda,
-                                          only=args.only.split(",") if args.only else None))
+    models = ("coconut-gpt2-124m", "codi-llama-3.2-1b") if cuda else ("coconut-gpt2-124m",)
+    write_json(args.out, run_latent_bench(tuple(args.only.split(",")) if args.only else models,
+                                          args.device, (1, 16, 64) if cuda else (32,),
+                                          command=command("latent", argv)))
     return 0
 
 

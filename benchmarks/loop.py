@@ -16,7 +16,7 @@ Run: ``latentserve bench --suite loop [--device cuda] --json-out PATH`` or
 
 from __future__ import annotations
 
-from benchmarks.common import parser, write_json
+from benchmarks.common import command, parser, write_json
 from latentserve.bench.loop import run_loop_bench
 
 
@@ -25,7 +25,9 @@ def main(argv=None) -> int:
     p.add_argument("out", nargs="?", default="loop_bench.json", help="JSON output path")
     p.add_argument("device", nargs="?", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
-    res = run_loop_bench(args.device, (1, 16, 64) if args.device == "cuda" else (1, 8))
+    res = run_loop_bench(device=args.device,
+                         concurrency=(1, 16, 64) if args.device == "cuda" else (1, 8),
+                         command=command("loop", argv))
     write_json(args.out, res)
     return 0
 

@@ -21,14 +21,14 @@ def plot_gpu(json_path: str | Path, out_png: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     data = json.loads(Path(json_path).read_text())
-    shapes = data["shapes"]
+    shapes = data["models"]
     fig, axes = plt.subplots(2, len(shapes), figsize=(5 * len(shapes), 7), squeeze=False)
     for col, (name, res) in enumerate(shapes.items()):
         conc = sorted(res["concurrency"], key=int)
         rows = [res["concurrency"][c] for c in conc]
         x = [int(c) for c in conc]
         ax = axes[0][col]
-        ax.plot(x, [r["engine_tok_s"] for r in rows], "o-", label="latentserve")
+        ax.plot(x, [r["tok_s"] for r in rows], "o-", label="latentserve")
         ax.plot(x, [r["hf_padded_batch_tok_s"] for r in rows], "s--", label="HF generate, batch")
         ax.plot(x, [r["hf_batch1_tok_s"] for r in rows], "^:", label="HF generate, batch 1")
         ax.set(title=f"{name} (bf16, random weights)", xlabel="concurrent requests",
@@ -40,7 +40,7 @@ def plot_gpu(json_path: str | Path, out_png: str | Path) -> None:
         if all("graph_replay_s" in r for r in rows):
             ax.bar([str(c) for c in x], [r["graph_replay_s"] * 1e3 for r in rows], width=0.5,
                    label="graph replay (device)")
-        ax.plot([str(c) for c in x], [r["bandwidth_floor_s"] * 1e3 for r in rows], "k_",
+        ax.plot([str(c) for c in x], [r["bandwidth_floor"]["floor_s"] * 1e3 for r in rows], "k_",
                 markersize=30, label="bandwidth floor")
         ax.set(xlabel="concurrent requests", ylabel="ms per decode step")
         ax.legend()

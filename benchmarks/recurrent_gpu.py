@@ -40,14 +40,16 @@ options; ``--tiny`` runs the whole pipeline on tiny models on the CPU in seconds
 from __future__ import annotations
 
 from benchmarks.common import command, parser, write_json
-from latentserve.bench.recurrent_gpu import MODELS, TINY_MODELS, run_recurrent_gpu_bench
+from latentserve.bench.recurrent_gpu import run_recurrent_gpu_bench
+
+FULL = ("huginn-0125", "ouro-1.4b")
 
 
 def main(argv=None) -> int:
     p = parser("recurrent_gpu", __doc__)
     p.add_argument("out", nargs="?", default="recurrent_gpu_bench.json",
                    help="JSON output path")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {list(MODELS)}")
+    p.add_argument("--models", default=",".join(FULL), help=f"comma list of {list(FULL)}")
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--ref-output-len", type=int, default=8,
                    help="output tokens per timed reference request (>= 2)")
     p.add_argument("--fused-ops", action="store_true",
-                   help="force the models' Triton fast path (the CUDA default; kept so "
+                   help="the models' Triton fast path: the CUDA default, so a no-op (kept so "
                         "recorded commands still run)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny models on the CPU, float32, small lengths (CI smoke run)")
@@ -65,14 +67,13 @@ def main(argv=None) -> int:
                 "TRITON_INTERPRET=1 on CPU)")
     cmd = command("recurrent_gpu", argv)
     if args.tiny:
-        res = run_recurrent_gpu_bench(tuple(TINY_MODELS), "cpu", "float32", (1, 4), 8, 4, 1,
-                                      3, tiny=True, command=cmd)
+        res = run_recurrent_gpu_bench(("huginn-tiny", "ouro-tiny"), "cpu", (1, 4), 8, 4, 1, 3,
+                                      command=cmd)
     else:
         res = run_recurrent_gpu_bench(
-            tuple(args.models.split(",")), "cuda", "bfloat16",
+            tuple(args.models.split(",")), "cuda",
             tuple(int(x) for x in args.concurrency.split(",")), args.prompt_len,
-            args.output_len, args.ref_requests, args.ref_output_len, command=cmd,
-            fused_ops=True if args.fused_ops else None)
+            args.output_len, args.ref_requests, args.ref_output_len, command=cmd)
     write_json(args.out, res)
     return 0
 

@@ -46,9 +46,10 @@ def run_one(path: str, shape: str, tp: int, concurrency: int) -> dict:
     """One engine at TP size ``tp``: a warm-up, then ``concurrency`` requests at once."""
     import torch
 
-    from latentserve.bench.gpu import _engine_run
+    from latentserve.bench.drive import drive
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.sampling_params import SamplingParams
 
     prompt_len, output_len = LENGTHS[shape]
     engine = LLMEngine(EngineConfig(model=path, device="cuda", dtype="bfloat16",
@@ -58,15 +59,18 @@ def run_one(path: str, shape: str, tp: int, concurrency: int) -> dict:
                                     tensor_parallel_size=tp))
     try:
         g = torch.Generator().manual_seed(0)
-        _engine_run(engine, torch.randint(3, 1000, (2, 16), generator=g).tolist(), 8)
+        drive(engine, torch.randint(3, 1000, (2, 16), generator=g).tolist(),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), "cuda", "warm")
         prompts = torch.randint(3, 1000, (concurrency, prompt_len), generator=g).tolist()
-        run = _engine_run(engine, prompts, output_len)
+        run = drive(engine, prompts, SamplingParams(max_tokens=output_len, temperature=0.0,
+                                                    ignore_eos=True), "cuda", "run")
         graphs = engine.runner.num_graph_steps
     finally:
         engine.shutdown()
-    return {"tok_s": run["tok_s"], "wall_s": run["wall_s"], "decode_step_s": run["step_s"],
-            "replay_s": run["replay_s"], "graph_steps": graphs, "prompt_len": prompt_len,
-            "output_len": output_len}
+    return {"tok_s": run["tokens"] / run["wall_s"], "wall_s": run["wall_s"],
+            "decode_step_s": run["step_s"].get("decode"),
+            "replay_s": run.get("replay_s", {}).get("decode"), "graph_steps": graphs,
+            "prompt_len": prompt_len, "output_len": output_len}
 
 
 def run_tp_bench(shapes=tuple(LENGTHS), sizes=(1, 2), concurrency: int = 64,

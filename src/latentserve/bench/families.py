@@ -17,89 +17,50 @@ def _ms(seconds) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
-def _row(family: str, model: str, c, **figures) -> dict:
-    row = dict.fromkeys(ROW_FIELDS)
-    row.update(family=family, model=model, concurrency=int(c), **figures)
-    return row
-
-
-def _plain(res: dict) -> list[dict]:
+def _rows(family: str, res: dict) -> list[dict]:
+    """One row per model (recurrent: per model and depth) and concurrency of a suite's
+    result (``suite.run_suite``'s)."""
     rows = []
-    for name, shape in res.get("shapes", {}).items():
-        for c, r in shape["concurrency"].items():
-            rows.append(_row("plain", name, c, step_ms=_ms(r["decode_step_s"]),
-                             replay_ms=_ms(r.get("graph_replay_s")),
-                             floor_ms=_ms(r["bandwidth_floor_s"]),
-                             step_over_floor=r["step_over_floor"],
-                             replay_over_floor=r.get("replay_over_floor"),
-                             speedup_vs_reference=r.get("speedup_vs_hf_batch")))
+    for name, m in res["models"].items():
+        groups = ({f"{name} depth {d}": g for d, g in m["depths"].items()} if "depths" in m
+                  else {name: m})
+        cost = m.get("step_cost") or {}
+        for model, g in groups.items():
+            for c, r in g["concurrency"].items():
+                row = dict.fromkeys(ROW_FIELDS)
+                row.update(family=family, model=model, concurrency=int(c),
+                           step_ms=_ms(r["decode_step_s"]), replay_ms=_ms(r.get("graph_replay_s")),
+                           floor_ms=_ms((r["bandwidth_floor"] or {}).get("floor_s")),
+                           step_over_floor=r["step_over_floor"],
+                           replay_over_floor=r.get("replay_over_floor"),
+                           speedup_vs_reference=r.get("speedup"))
+                if int(cost.get("batch", -1)) == int(c):  # the batch the cost was measured at
+                    row["latent_over_plain_pct"] = cost["latent_over_plain_pct"]
+                rows.append(row)
     return rows
 
 
-def _cost_pct(cost: dict | None, c) -> float | None:
-    """A suite's latent-over-plain step cost, on the row of the batch it was measured at."""
-    if not cost or int(cost.get("batch", -1)) != int(c):
-        return None
-    return cost.get("overhead_pct", cost.get("latent_over_plain_pct"))
-
-
-def _feedback(res: dict) -> list[dict]:
-    rows = []
-    for name, m in res.get("models", {}).items():
-        for c, r in m["concurrency"].items():
-            rows.append(_row("feedback", name, c, speedup_vs_reference=r.get("speedup"),
-                             latent_over_plain_pct=_cost_pct(m.get("step_cost"), c)))
-    return rows
-
-
-def _head(res: dict) -> list[dict]:
-    """Per concurrency its decode step; at the step-cost batch the latent step against its
-    floor (the suite measures the floor there only)."""
-    rows = []
-    for name, s in res.get("shapes", {}).items():
-        cost = s.get("step_cost") or {}
-        for c, r in s["concurrency"].items():
-            at_cost = int(cost.get("batch", -1)) == int(c)
-            floor = cost.get("floor_s") if at_cost else None
-            rows.append(_row("head", name, c, step_ms=_ms(r.get("step_s", {}).get("decode")),
-                             floor_ms=_ms(floor),
-                             step_over_floor=cost.get("latent_step_over_floor") if at_cost
-                             else None,
-                             speedup_vs_reference=r.get("speedup"),
-                             latent_over_plain_pct=_cost_pct(cost, c)))
-    return rows
-
-
-def _recurrent(res: dict) -> list[dict]:
-    rows = []
-    for name, m in res.get("models", {}).items():
-        for depth, by_c in m["engine"].items():
-            for c, r in by_c.items():
-                floor = (r.get("bandwidth_floor") or {}).get("floor_s")
-                rows.append(_row("recurrent", f"{name} depth {depth}", c,
-                                 step_ms=_ms(r.get("decode_step_s")), floor_ms=_ms(floor),
-                                 step_over_floor=r.get("step_over_floor"),
-                                 speedup_vs_reference=r.get("speedup")))
-    return rows
-
-
-def _loop(res: dict) -> list[dict]:
-    block = res.get("pccot")
-    if not block:
-        return []
-    return [_row("loop", block["model"], c, speedup_vs_reference=r.get("speedup_vs_reference"))
-            for c, r in block["concurrency"].items()]
-
-
-READERS = {"plain": _plain, "feedback": _feedback, "head": _head, "recurrent": _recurrent,
-           "loop": _loop}
+# family -> (bench module, its runner, models on the H200, options; tiny models for the CPU,
+# their options: short lengths)
+SUITES = {
+    "plain": ("gpu", "run_gpu_bench", ("llama-3.2-1b", "smollm2-135m"),
+              {"hf_baseline": False, "variants": False}, ("tiny",), {"output_len": 8}),
+    "feedback": ("latent", "run_latent_bench", ("coconut-gpt2-124m", "codi-llama-3.2-1b"), {},
+                 ("coconut-tiny", "codi-tiny"), {"answer_len": 4, "ref_requests": 1}),
+    "head": ("head_gpu", "run_head_bench", ("llama-3.2-1b",), {}, ("tiny",),
+             {"max_latent": 4, "answer_len": 4, "ref_requests": 1}),
+    "recurrent": ("recurrent_gpu", "run_recurrent_gpu_bench", ("huginn-0125", "ouro-1.4b"), {},
+                  ("huginn-tiny", "ouro-tiny"),
+                  {"output_len": 4, "ref_requests": 1, "ref_output_len": 3}),
+    "loop": ("loop", "run_loop_bench", ("pccot-gpt2-124m",), {}, ("pccot-tiny",),
+             {"answer_len": 4, "ref_requests": 1, "block_size": 4}),
+}
 
 
 def summarize(suites: dict) -> list[dict]:
-    """Table rows of ``suites`` (``{family: that suite's result}``), in ``READERS`` order,
+    """Table rows of ``suites`` (``{family: that suite's result}``), in ``SUITES`` order,
     then model, then concurrency; missing suites give no rows."""
-    return [r for family, read in READERS.items() if family in suites
-            for r in read(suites[family])]
+    return [r for family in SUITES if family in suites for r in _rows(family, suites[family])]
 
 
 def table_markdown(rows: list[dict]) -> str:
@@ -113,35 +74,28 @@ def table_markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_families_bench(concurrency=(1, 16, 64), families=tuple(READERS),
-                       command: str | None = None) -> dict:
-    """Run the suites of ``families`` (keys of ``READERS``) on CUDA (see the module
-    docstring); returns ``{"command", "date", "suites": {family: result}, "table": rows,
-    "total_s"}``. Raises ValueError for an unknown family, RuntimeError without CUDA."""
-    unknown = set(families) - set(READERS)
+def run_families_bench(concurrency=(1, 16, 64), families=tuple(SUITES),
+                       command: str | None = None, tiny: bool = False) -> dict:
+    """Run the suites of ``families`` (``SUITES`` keys) on CUDA (see the module docstring),
+    or with ``tiny`` their tiny models on the CPU (prompts of 8 ids, short outputs). Returns
+    ``{"command", "date", "suites": {family: result}, "table": rows, "total_s"}``. Raises
+    ValueError for an unknown family, RuntimeError without CUDA (unless ``tiny``)."""
+    import importlib
+
+    unknown = set(families) - set(SUITES)
     if unknown:
-        raise ValueError(f"families must be among {sorted(READERS)}, got {sorted(unknown)}")
+        raise ValueError(f"families must be among {sorted(SUITES)}, got {sorted(unknown)}")
     import torch
 
-    if not torch.cuda.is_available():
+    if not tiny and not torch.cuda.is_available():
         raise RuntimeError("bench --suite families needs a CUDA device (the H200)")
-    from latentserve.bench.gpu import run_gpu_bench
-    from latentserve.bench.head_gpu import run_head_bench
-    from latentserve.bench.latent import run_latent_bench
-    from latentserve.bench.loop import run_loop_bench
-    from latentserve.bench.recurrent_gpu import run_recurrent_gpu_bench
-
-    runs = {
-        "plain": lambda: run_gpu_bench(concurrency, shapes=("llama-3.2-1b", "smollm2-135m"),
-                                       hf_baseline=False, compare_unfused=False,
-                                       compare_overlap=False),
-        "feedback": lambda: run_latent_bench("cuda", concurrency, codi=True),
-        "head": lambda: run_head_bench(("llama-3.2-1b",), "cuda", concurrency=concurrency),
-        "recurrent": lambda: run_recurrent_gpu_bench(concurrency=concurrency),
-        "loop": lambda: run_loop_bench("cuda", concurrency),
-    }
-    t0 = time.perf_counter()
-    suites = {f: runs[f]() for f in READERS if f in families}
+    t0, suites = time.perf_counter(), {}
+    for family, (module, runner, models, options, tiny_models, tiny_options) in SUITES.items():
+        if family in families:
+            run = getattr(importlib.import_module(f"latentserve.bench.{module}"), runner)
+            if tiny:
+                models, options = tiny_models, {**options, "prompt_len": 8, **tiny_options}
+            suites[family] = run(models, "cpu" if tiny else "cuda", concurrency, **options)
     return {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "suites": suites, "table": summarize(suites),
             "total_s": time.perf_counter() - t0}

@@ -1,111 +1,94 @@
 """Looped-block benchmark: PCCoT block passes against the same thoughts position by position
-and against the eager reference (``bench.baseline.loop_reference``); answer tokens/s."""
+and against the eager reference (``bench.baseline.loop_reference``), the decode step against
+its bandwidth floor; answer tokens/s."""
 
 from __future__ import annotations
 
-import platform
-import time
 from pathlib import Path
 
-from latentserve.bench.device_common import free_memory, make_engine, sync, timed
 from latentserve.bench.latent import GPT2_124M
+from latentserve.bench.suite import dtype_for, engine_rows, reference, run_suite
+
+# (GPT-2 base shape, LoRA rank) per benchmark name; the tiny one runs on the CPU in seconds
+MODELS = {"pccot-gpt2-124m": (GPT2_124M, 128), "pccot-tiny": ({}, 8)}
 
 
-def build_pccot_gpt2(root: Path, block_size: int = 24, iterations: int = 3) -> Path:
-    """PCCoT over a random GPT-2 124M-shaped base, upstream form, converted; returns the
-    model directory (``root/model``; upstream dirs ``root/base``, ``root/adapter``)."""
+def build_pccot_gpt2(root: Path, name: str, block_size: int, iterations: int) -> Path:
+    """PCCoT over a random GPT-2 base of ``MODELS[name]``'s shape, upstream form (LoRA alpha
+    32), converted; returns the model directory (``root/model``; upstream dirs
+    ``root/base``, ``root/adapter``)."""
     from latentserve.bench.baseline.loop_models import write_upstream_pccot
     from latentserve.bench.baseline.tiny_models import save_tiny
     from latentserve.latent.loop_convert import convert_pccot
 
-    base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **GPT2_124M)
-    base, adapter = write_upstream_pccot(root, "gpt2", block_size, iterations, lora_r=128,
+    shape, lora_r = MODELS[name]
+    base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **shape)
+    base, adapter = write_upstream_pccot(root, "gpt2", block_size, iterations, lora_r=lora_r,
                                          lora_alpha=32.0, base_dir=base)
     return convert_pccot(base, adapter, root / "model")
 
 
-def _engine_run(engine, prompts, params, pass_chunk: int) -> dict:
-    from latentserve.core import ReqStatus
-
-    reqs = []
-    for i, p in enumerate(prompts):
-        engine.add_request(f"b{time.monotonic_ns()}-{i}", p, params)
-        reqs.append(engine.scheduler.waiting[-1])
-        reqs[-1].state.pass_chunk = pass_chunk
-    dev = engine.device.type
-    sync(dev)
-    t0, n, thought, steps = time.perf_counter(), 0, None, 0
-    while engine.has_unfinished_requests():
-        n += sum(len(o.new_token_ids) for o in engine.step())
-        steps += 1
-        if thought is None and all(r.answer_start is not None or r.status == ReqStatus.FINISHED
-                                   for r in reqs):
-            sync(dev)
-            thought = time.perf_counter() - t0
-    sync(dev)
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "thought_s": thought, "answer_tokens": n, "steps": steps,
-            "answer_tok_s": n / wall}
+def _one_position(req) -> None:
+    req.state.pass_chunk = 1  # every pass split into one-position forwards
 
 
-def bench_loop(root: Path, device: str, dtype: str, concurrency, answer_len: int = 16,
-               prompt_len: int = 64, ref_requests: int = 2, block_size: int = 24,
-               iterations: int = 3) -> dict:
-    """Per concurrency c: the engine with block passes and position by position, and the
-    reference's per-request time (measured on ``ref_requests`` requests) times c."""
-    import torch
-
+def bench_model(name: str, root: Path, device: str, concurrency, answer_len: int,
+                prompt_len: int, ref_requests: int, block_size: int, iterations: int,
+                bw: float) -> dict:
+    """One model: ``suite.engine_rows`` (block passes), the same prompts again with every
+    pass split into one-position forwards (``position_by_position``, and the thought-phase
+    and wall-time speedups of the block passes over it), then ``suite.reference`` after the
+    engine is freed."""
     from latentserve.bench.baseline.loop_reference import (
         load_pccot_reference,
         reference_generate_loop,
     )
+    from latentserve.bench.device_common import free_memory, make_engine
+    from latentserve.bench.drive import drive
     from latentserve.sampling_params import SamplingParams
 
-    model_dir = build_pccot_gpt2(root, block_size, iterations)
-    g = torch.Generator().manual_seed(0)
-    engine = make_engine(model_dir, device, dtype, max(concurrency),
-                         prompt_len + block_size + answer_len + 16, enable_prefix_caching=False,
-                         kv_slots=None if device == "cuda" else 65536)
-    sp = SamplingParams(max_tokens=answer_len, temperature=0.0, ignore_eos=True,
-                        latent_budget=iterations)
-    rows = {}
-    warm = torch.randint(3, 1000, (2, prompt_len), generator=g).tolist()
-    _engine_run(engine, warm, sp, 0)
-    _engine_run(engine, warm, sp, 1)
+    dtype, root = dtype_for(device), root / name
+    path = build_pccot_gpt2(root, name, block_size, iterations)
+    max_c, max_len = max(concurrency), prompt_len + block_size + answer_len + 16
+    engine = make_engine(path, device, dtype, max_c, max_len, enable_prefix_caching=False,
+                         kv_slots=(max_c + 1) * max_len)
+
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                              latent_budget=iterations)
+
+    rows, outputs = engine_rows(engine, params(answer_len), concurrency, prompt_len, device, bw,
+                                params(2))
+    drive(engine, outputs[max_c][0][:2], params(2), device, "warm", _one_position)
     for c in concurrency:
-        prompts = torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
-        block = _engine_run(engine, prompts, sp, 0)
-        by_pos = _engine_run(engine, prompts, sp, 1)
-        rows[c] = {"block_passes": block, "position_by_position": by_pos,
-                   "thought_speedup_vs_positions": by_pos["thought_s"] / block["thought_s"],
-                   "wall_speedup_vs_positions": by_pos["wall_s"] / block["wall_s"]}
+        pos = drive(engine, outputs[c][0], params(answer_len), device, "pos", _one_position)
+        rows[c].update(position_by_position={k: pos[k] for k in ("wall_s", "thought_s",
+                                                                  "steps")},
+                       thought_speedup_vs_positions=pos["thought_s"] / rows[c]["thought_s"],
+                       wall_speedup_vs_positions=pos["wall_s"] / rows[c]["wall_s"])
     del engine
     free_memory(device)
     ref = load_pccot_reference(str(root / "base"), str(root / "adapter"), device, dtype)
-    prompts = torch.randint(3, 1000, (ref_requests + 1, prompt_len), generator=g).tolist()
-    reference_generate_loop(ref, prompts[0], iterations, 2)  # warm up
-    _, ref_s = timed(device, lambda: [
-        reference_generate_loop(ref, p, iterations, answer_len, ignore_eos=True)
-        for p in prompts[1:]])
-    per_req = ref_s / ref_requests
-    for c in concurrency:
-        rows[c]["reference_wall_s"] = per_req * c  # one request at a time
-        rows[c]["speedup_vs_reference"] = per_req * c / rows[c]["block_passes"]["wall_s"]
-    return {"model": "pccot-gpt2-124m", "block_size": block_size, "iterations": iterations,
-            "answer_len": answer_len, "prompt_len": prompt_len, "concurrency": rows}
+    ref_out = reference(rows, outputs, lambda p, n: reference_generate_loop(
+        ref, p, iterations, n, ignore_eos=True)[0], device, ref_requests, answer_len)
+    load_pccot_reference.cache_clear()
+    free_memory(device)
+    return {"block_size": block_size, "iterations": iterations, "answer_len": answer_len,
+            "prompt_len": prompt_len, "max_model_len": max_len, "concurrency": rows,
+            "reference": ref_out}
 
 
-def run_loop_bench(device: str = "cpu", concurrency=(1, 8)) -> dict:
-    """The looped-block benchmark on ``device`` (bfloat16 on CUDA, float32 on the CPU)."""
-    import tempfile
-
-    import torch
-
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    out = {"machine": {"platform": platform.platform(), "python": platform.python_version(),
-                       "torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None},
-           "device": device, "dtype": dtype}
-    with tempfile.TemporaryDirectory() as d:
-        out["pccot"] = bench_loop(Path(d), device, dtype, concurrency)
-    return out
+def run_loop_bench(models=("pccot-gpt2-124m",), device: str = "cuda",
+                   concurrency=(1, 16, 64), answer_len: int = 16, prompt_len: int = 64,
+                   ref_requests: int = 2, block_size: int = 24, iterations: int = 3,
+                   command: str | None = None) -> dict:
+    """Every model in ``models`` (``MODELS`` keys) on ``device`` through ``bench_model``
+    (``suite.run_suite``'s result); 24 latents and 3 Jacobi iterations by default,
+    upstream's released recipe."""
+    config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
+              "prompt_len": prompt_len, "answer_len": answer_len, "block_size": block_size,
+              "iterations": iterations, "ignore_eos": True, "ref_requests": ref_requests,
+              "prefix_caching": False, "goal": ">= 20x at 64 concurrent"}
+    return run_suite(models, lambda name, root, bw: bench_model(
+        name, root, device, concurrency, answer_len, prompt_len, ref_requests, block_size,
+        iterations, bw), device, command, config)

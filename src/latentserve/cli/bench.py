@@ -1,17 +1,29 @@
 """``latentserve bench``: ``--suite offline|gpu|latent|loop|families`` (``bench/``), and
-``bench serve``: TTFT/TPOT/ITL/throughput against a running server."""
+``bench serve``: TTFT/TPOT/ITL/throughput against a running server. Seconds, tokens/s."""
 
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
 
 def register(sub) -> None:
-    from latentserve.bench.cli import add_bench_args
-
     p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent, loop, families)")
-    add_bench_args(p)
+    p.add_argument("--model", default=None,
+                   help="HF-style model directory or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--num-prompts", type=int, default=32,
+                   help="prompts in the timed run (GSM8K questions; default 32)")
+    p.add_argument("--output-len", type=int, default=64,
+                   help="generated tokens per prompt, exact (default 64)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--no-hf-baseline", action="store_true",
+                   help="skip the Hugging Face generate baseline")
+    p.add_argument("--json-out", default=None, metavar="PATH",
+                   help="write the full result as JSON to PATH")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--suite", default="offline",
                    choices=["offline", "gpu", "latent", "loop", "families"],
                    help="offline: the engine against HF on GSM8K prompts (CPU or GPU); gpu: "
@@ -32,49 +44,98 @@ def register(sub) -> None:
     s.set_defaults(func=serve_bench_main)
 
 
-def run(args) -> int:
-    if args.suite == "offline":
-        from latentserve.bench.cli import bench_main
+def command_line(args) -> str:
+    """The ``latentserve bench ...`` offline command equivalent to ``args`` (defaults left
+    out, except --num-prompts and --output-len, which are always written)."""
+    parts = ["latentserve", "bench"]
+    if args.model is not None:
+        parts += ["--model", str(args.model)]
+    parts += ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
+    if args.device != "cpu":
+        parts += ["--device", args.device]
+    if args.dtype != "float32":
+        parts += ["--dtype", args.dtype]
+    if args.no_hf_baseline:
+        parts.append("--no-hf-baseline")
+    if args.seed:
+        parts += ["--seed", str(args.seed)]
+    if args.json_out:
+        parts += ["--json-out", str(args.json_out)]
+    return shlex.join(parts)
 
-        return bench_main(args) or 0
+
+def format_table(result: dict) -> str:
+    """A small plain-text table of a ``run_offline_bench`` result."""
+    rows = [("", "wall s", "out tok/s", "total tok/s")]
+    for name, key in (("latentserve", "engine"), ("HF generate (bs=1)", "hf")):
+        r = result.get(key)
+        if r:
+            rows.append((name, f"{r['wall_s']:.2f}", f"{r['output_tok_per_s']:.1f}",
+                         f"{r['total_tok_per_s']:.1f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    head = (f"{result['num_prompts']} prompts x {result['output_len']} output tokens, "
+            f"{result['device']} {result['dtype']}, prompt len mean "
+            f"{result['prompt_len_mean']} tokens")
+    tail = []
+    if result.get("speedup") is not None:
+        tail.append(f"speedup (output tok/s): {result['speedup']:.2f}x")
+    if result.get("greedy_agree") is not None:
+        tail.append("greedy tokens of the first 4 prompts agree with HF: "
+                    f"{'yes' if result['greedy_agree'] else 'NO'}")
+    return "\n".join([head, *lines, *tail])
+
+
+def run(args) -> int:
+    """Run ``--suite``; print its table (offline, families) or its JSON, and write
+    ``--json-out`` if given. Returns the exit status (0)."""
+    from latentserve.extras import require
+
     conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
-    if args.suite == "gpu":
+    cuda, table = args.device == "cuda", None
+    if args.suite == "offline":
+        from latentserve.bench.offline import run_offline_bench
+
+        result = run_offline_bench(model=args.model, num_prompts=args.num_prompts,
+                                   output_len=args.output_len, device=args.device,
+                                   dtype=args.dtype, hf_baseline=not args.no_hf_baseline,
+                                   seed=args.seed, command=command_line(args))
+        table = format_table(result)
+    elif args.suite == "families":
+        from latentserve.bench.families import SUITES, run_families_bench, table_markdown
+
+        families = args.families.split(",") if args.families else tuple(SUITES)
+        result = run_families_bench(conc or (1, 16, 64), families,
+                                    command="latentserve " + shlex.join(sys.argv[1:]))
+        table = table_markdown(result["table"])
+    elif args.suite == "gpu":
         from latentserve.bench.gpu import run_gpu_bench
 
         result = run_gpu_bench(concurrency=conc or (1, 16, 64),
                                hf_baseline=not args.no_hf_baseline)
-    elif args.suite == "families":
-        import sys
-
-        from latentserve.bench.families import run_families_bench, table_markdown
-
-        families = args.families.split(",") if args.families else \
-            ("plain", "feedback", "head", "recurrent", "loop")
-        result = run_families_bench(conc or (1, 16, 64), families,
-                                    command="latentserve " + " ".join(sys.argv[1:]))
-        print(table_markdown(result["table"]))
     elif args.suite == "loop":
-        from latentserve.bench.loop import run_loop_bench
-        from latentserve.extras import require
-
         require("peft", "bench --suite loop (it builds a PCCoT checkpoint)")
+        from latentserve.bench.loop import run_loop_bench
 
-        cuda = args.device == "cuda"
-        result = run_loop_bench(args.device, conc or ((1, 16, 64) if cuda else (1, 8)))
+        result = run_loop_bench(device=args.device,
+                                concurrency=conc or ((1, 16, 64) if cuda else (1, 8)))
     else:
+        if cuda:
+            require("peft", "bench --suite latent on cuda (it builds a CODI checkpoint)")
         from latentserve.bench.latent import run_latent_bench
 
-        cuda = args.device == "cuda"
-        if cuda:
-            from latentserve.extras import require
-
-            require("peft", "bench --suite latent on cuda (it builds a CODI checkpoint)")
-        result = run_latent_bench(args.device, conc or ((1, 16, 64) if cuda else (32,)),
-                                  codi=cuda)
+        result = run_latent_bench(
+            ("coconut-gpt2-124m", "codi-llama-3.2-1b") if cuda else ("coconut-gpt2-124m",),
+            args.device, conc or ((1, 16, 64) if cuda else (32,)))
     text = json.dumps(result, indent=1)
+    if table is not None:
+        print(table)
+    elif not args.json_out:
+        print(text)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(text)
-    else:
-        print(text)
+        Path(args.json_out).write_text(text + "\n")
+        print(f"wrote {args.json_out}")
     return 0

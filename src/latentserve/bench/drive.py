@@ -1,0 +1,172 @@
+"""One batch through an engine, every step timed and labelled by its phase (``step_kind``);
+on CUDA also the device time of each graph replay and the overlap scheduler's waits
+(``Probe``). Units: seconds."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from latentserve.bench.device_common import sync
+
+
+def step_kind(engine) -> str:
+    """The phase of the next ``engine.step()``: ``latent`` (every row one position of its
+    latent phase), ``decode`` (every row one answer token), ``mixed`` (both) or ``other``
+    (queue, prefill, extend, a looped block's pass)."""
+    s = engine.scheduler
+    if s.waiting or not s.running or any(r.num_pending != 1 for r in s.running):
+        return "other"
+    latent = [r.answer_start is None for r in s.running]
+    if all(latent):
+        return "latent"
+    return "mixed" if any(latent) else "decode"
+
+
+class Probe:
+    """While open, times each CUDA graph replay of ``engine`` (CUDA events) and each wait of
+    the overlap scheduler for a launched step (host clock), both under the step kind the
+    caller sets in ``kind``, and records Triton compiles and Python's collections. Everything
+    patched is put back on exit, whatever raised."""
+
+    def __init__(self, engine):
+        self.engine, self.kind = engine, "other"
+        self.events: list = []  # (kind, start event, end event)
+        self.waits: list = []  # (kind, seconds)
+        self.compiles: list = []
+
+    def __enter__(self):
+        import torch
+
+        from latentserve.engine import overlap
+
+        graphs, events = self.engine.runner.graphs, self.events
+
+        def timed(replay):
+            def timed_replay(*args, **kwargs):
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                start.record()
+                out = replay(*args, **kwargs)
+                end.record()
+                events.append((self.kind, start, end))
+                return out
+            return timed_replay
+
+        def finish(engine, launched):
+            if launched.event is not None:
+                s = time.perf_counter()
+                launched.event.synchronize()
+                self.waits.append((self.kind, time.perf_counter() - s))
+            return self.real_finish(engine, launched)
+
+        self.real_finish, overlap.finish = overlap.finish, finish
+        graphs.replay, graphs.replay_packed = timed(graphs.replay), timed(graphs.replay_packed)
+        self.knobs = _triton_knobs()
+        if self.knobs is not None:  # a compile in a timed run would count as serving time
+            self.knobs.runtime.jit_post_compile_hook = \
+                lambda **kw: self.compiles.append(kw["repr"][:160])
+        self.gc0 = [g["collections"] for g in gc.get_stats()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from latentserve.engine import overlap
+
+        for name in ("replay", "replay_packed"):  # back to the class methods
+            self.engine.runner.graphs.__dict__.pop(name, None)
+        overlap.finish = self.real_finish
+        if self.knobs is not None:
+            self.knobs.runtime.jit_post_compile_hook = None
+
+    def summary(self) -> dict:
+        """``replay_s`` (mean device time per replay, per kind), ``jit_compiles``,
+        ``gc_collections`` (per generation) and, when the scheduler waited during decode
+        steps, ``overlap_wait_s`` (their mean) and ``host_bound_frac`` (the share under
+        20 us: the device was done before the host asked)."""
+        import torch
+
+        torch.cuda.synchronize()
+        replays: dict[str, list[float]] = {}
+        for kind, a, b in self.events:
+            replays.setdefault(kind, []).append(a.elapsed_time(b) / 1e3)
+        out = {"replay_s": {k: sum(v) / len(v) for k, v in replays.items()},
+               "jit_compiles": self.compiles,
+               "gc_collections": [g["collections"] - b
+                                  for g, b in zip(gc.get_stats(), self.gc0)]}
+        waits = [w for kind, w in self.waits if kind == "decode"]
+        if waits:
+            out["overlap_wait_s"] = sum(waits) / len(waits)
+            out["host_bound_frac"] = sum(w < 20e-6 for w in waits) / len(waits)
+        return out
+
+
+def _triton_knobs():
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return knobs
+
+
+def drive(engine, prompts, params, device: str, tag: str, on_add=None) -> dict:
+    """Queue every prompt with ``params`` at once (``on_add(req)`` on each queued ``Req``)
+    and step to completion. Returns ``wall_s``, ``tokens``, ``outputs`` (per request, prompt
+    order), ``thought_s`` (wall time until every request left its latent phase; None when
+    none had one), ``graph_steps``; per ``step_kind``: ``steps``, ``step_s`` (mean steady step
+    time: first and last dropped when more than 2) and ``ctx`` (mean tokens of context per
+    row); the decode steps' ``step_p50_s``, ``step_p90_s``, ``step_max_s`` and
+    ``slowest_steps`` (8 of ``(index, seconds)``); with CUDA graphs ``Probe.summary``."""
+    import contextlib
+
+    from latentserve.core import ReqStatus
+
+    rids = [f"{tag}-{engine._arrivals}-{i}" for i in range(len(prompts))]
+    graphs0, reqs = engine.runner.num_graph_steps, []
+    probe = Probe(engine) if engine.runner.graphs is not None else None
+    toks: dict[str, list[int]] = {r: [] for r in rids}
+    times: dict[str, list[float]] = {}
+    ctx: dict[str, list[float]] = {}
+    thought = None
+    with probe or contextlib.nullcontext():
+        sync(device)
+        t0 = time.perf_counter()
+        for rid, p in zip(rids, prompts):
+            engine.add_request(rid, p, params)
+            reqs.append(engine.scheduler.waiting[-1])
+            if on_add is not None:
+                on_add(reqs[-1])
+        thinking = [r for r in reqs if r.answer_start is None]
+        while engine.has_unfinished_requests():
+            kind = step_kind(engine)
+            running = engine.scheduler.running
+            ctx.setdefault(kind, []).append(sum(r.seq_len for r in running)
+                                            / max(len(running), 1))
+            if probe is not None:
+                probe.kind = kind
+            s = time.perf_counter()
+            outs = engine.step()
+            times.setdefault(kind, []).append(time.perf_counter() - s)
+            for o in outs:
+                toks[o.rid] += o.new_token_ids
+            if thought is None and thinking and all(
+                    r.answer_start is not None or r.status is ReqStatus.FINISHED
+                    for r in thinking):
+                sync(device)
+                thought = time.perf_counter() - t0
+        sync(device)
+        wall = time.perf_counter() - t0
+    steady = {k: (v[1:-1] if len(v) > 2 else v) for k, v in times.items()}
+    out = {"wall_s": wall, "tokens": sum(len(t) for t in toks.values()),
+           "outputs": [toks[r] for r in rids], "thought_s": thought,
+           "step_s": {k: sum(v) / len(v) for k, v in steady.items()},
+           "steps": {k: len(v) for k, v in times.items()},
+           "ctx": {k: sum(v) / len(v) for k, v in ctx.items()},
+           "graph_steps": engine.runner.num_graph_steps - graphs0}
+    decode = times.get("decode")
+    if decode:
+        ranked = sorted(decode)
+        out.update(step_p50_s=ranked[(len(ranked) - 1) // 2],
+                   step_p90_s=ranked[int(0.9 * (len(ranked) - 1))], step_max_s=ranked[-1],
+                   slowest_steps=sorted(enumerate(decode), key=lambda x: -x[1])[:8])
+    if probe is not None:
+        out.update(probe.summary())
+    return out

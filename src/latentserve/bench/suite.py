@@ -1,0 +1,154 @@
+"""What every family's benchmark shares (``bench --suite families``): each model built in a
+scratch directory; the engine at each concurrency, its decode step against that step's
+bandwidth floor; the eager reference one request at a time; a latent step against a plain
+one. A suite module adds only its models, its sampling parameters and its extras.
+Units: seconds, bytes, tokens per second.
+
+Design notes: docs/internals.md, "latentserve.bench.families".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from latentserve.bench.device_common import agreement, copy_bandwidth, kv_floor, machine, timed
+from latentserve.bench.drive import drive
+
+
+def run_suite(names, bench, device: str, command: str | None, config: dict) -> dict:
+    """``bench(name, root, bandwidth)`` for each of ``names`` in a scratch directory, printed
+    as it ends; returns ``{command, date, machine, config, copy_bandwidth_Bps, models: {name:
+    result}, total_s}``."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    t_start = time.perf_counter()
+    bw = copy_bandwidth(device)
+    out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "machine": machine(device), "config": config, "copy_bandwidth_Bps": bw,
+           "models": {}}
+    with tempfile.TemporaryDirectory() as d:
+        for name in names:
+            out["models"][name] = bench(name, Path(d), bw)
+            shutil.rmtree(Path(d) / name, ignore_errors=True)  # 7.6 GB for Huginn
+            print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
+    out["total_s"] = time.perf_counter() - t_start
+    return out
+
+
+def dtype_for(device: str) -> str:
+    """The suites' dtype: bfloat16 on CUDA, float32 on the CPU."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def random_prompts(g, n: int, prompt_len: int) -> list[list[int]]:
+    """``n`` prompts of ``prompt_len`` ids drawn from ``[3, 1000)`` by generator ``g``."""
+    import torch
+
+    return torch.randint(3, 1000, (n, prompt_len), generator=g).tolist()
+
+
+def engine_rows(engine, params, concurrency, prompt_len: int, device: str, bw: float,
+                warm_params, on_add=None, floor=kv_floor) -> tuple[dict, dict]:
+    """Warm up (``warm_params`` at every concurrency, an empty prefix cache after), then per
+    concurrency c: c random prompts of ``prompt_len`` ids with ``params`` through ``drive``.
+    ``rows[c]``: drive's result with ``tok_s`` (output tokens/s), ``decode_step_s`` (its decode
+    steps' steady mean; None without any), ``bandwidth_floor`` (``floor(model, c, ctx, bw,
+    kv_dtype)`` at the decode steps' mean context; a dict with ``floor_s``) and
+    ``step_over_floor``; with CUDA graphs also ``graph_replay_s`` and ``replay_over_floor``.
+    ``outputs[c]``: ``(prompts, engine outputs)``. Returns ``(rows, outputs)``."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    for c in concurrency:
+        drive(engine, random_prompts(g, c, prompt_len), warm_params, device, "warm", on_add)
+    engine.cache.radix.reset()
+    rows, outputs = {}, {}
+    for c in concurrency:
+        prompts = random_prompts(g, c, prompt_len)
+        r = drive(engine, prompts, params, device, f"c{c}", on_add)
+        outputs[c] = (prompts, r.pop("outputs"))
+        step, replay = r["step_s"].get("decode"), r.get("replay_s", {}).get("decode")
+        fl = None if step is None else floor(engine.runner.model, c, r["ctx"]["decode"], bw,
+                                             engine.config.torch_dtype)
+        r.update(tok_s=r["tokens"] / r["wall_s"], decode_step_s=step, bandwidth_floor=fl,
+                 step_over_floor=step / fl["floor_s"] if fl else None)
+        if replay is not None:
+            r.update(graph_replay_s=replay, replay_over_floor=replay / fl["floor_s"])
+        rows[c] = r
+        print(f"[{engine.model_name}] c={c}: {r['wall_s']:.3f} s, {r['tok_s']:.1f} tok/s, "
+              f"step {step} s, x floor {r['step_over_floor']}", flush=True)
+    engine.cache.check_idle()
+    return rows, outputs
+
+
+def reference(rows: dict, outputs: dict, generate, device: str, requests: int,
+              output_len: int, timed_len: int | None = None) -> dict:
+    """The eager reference one request at a time, on the first ``requests`` prompts of the
+    largest concurrency: ``generate(prompt, n)`` gives ``n`` greedy token ids (one warm-up call
+    first). Each is timed at ``timed_len`` tokens (default ``output_len``); with fewer, also
+    at 1, and a request of ``output_len`` tokens is taken as prefill + (output_len - 1) x the
+    per-token decode time. Returns ``{requests, timed_tokens, s_per_request, tok_s,
+    agree_with_engine}`` (agreement on the timed tokens; ``device_common.agreement``) and
+    sets each row's ``speedup``: its ``tok_s`` over the reference's."""
+    timed_len = timed_len or output_len
+    prompts, engine_out = outputs[max(outputs)]
+    prompts = prompts[:requests]
+    generate(prompts[0][:8], 2)
+    per_req, ref_out = [], []
+    for p in prompts:
+        out, t = timed(device, generate, p, timed_len)
+        if timed_len < output_len:
+            _, t1 = timed(device, generate, p, 1)
+            t = t1 + (output_len - 1) * (t - t1) / (timed_len - 1)
+        ref_out.append(out)
+        per_req.append(t)
+    s = sum(per_req) / len(per_req)
+    ref = {"requests": len(prompts), "timed_tokens": timed_len, "s_per_request": s,
+           "tok_s": output_len / s,
+           "agree_with_engine": agreement([o[:timed_len] for o in engine_out], ref_out)}
+    for r in rows.values():
+        r["speedup"] = r["tok_s"] / ref["tok_s"]
+    print(f"reference: {s:.3f} s per request", flush=True)
+    return ref
+
+
+def step_cost(engine, latent, plain, device: str, bw: float, bare=None, rounds: int = 1) -> dict:
+    """Steady step time (s) of a batch in its latent phase against the same rows decoding
+    plain tokens at the same positions: ``latent`` and ``plain`` are ``(prompts, params)``
+    run through ``drive`` on ``engine`` (``plain`` also on the ``bare`` engine when given).
+    ``rounds`` > 1 alternates the phases and reports each one's median (per-round figures in
+    ``rounds``), so drift cannot pass for the latent step's cost. ``bandwidth_floor``: the
+    latent step's (``device_common.kv_floor`` at ``bw``), and ``latent_step_over_floor``."""
+    import statistics
+
+    samples: dict[str, list] = {"latent": [], "plain": [], "bare": []}
+    lat = None
+    for _ in range(rounds):
+        # NOTE: every phase starts from an empty prefix cache, so none pays for evicting
+        # the earlier phases' cached prompts (nor reuses them): like is compared with like.
+        engine.cache.radix.reset()
+        lat = drive(engine, *latent, device, "lat")
+        samples["latent"].append(lat["step_s"].get("latent"))
+        for key, eng in (("plain", engine), ("bare", bare)):
+            if eng is not None:
+                eng.cache.radix.reset()
+                samples[key].append(drive(eng, *plain, device, key)["step_s"].get("decode"))
+    med = {k: statistics.median(v) for k, v in samples.items() if v}
+    batch = len(latent[0])
+    fl = kv_floor(engine.runner.model, batch, lat["ctx"]["latent"], bw,
+                  engine.config.torch_dtype)
+    out = {"batch": batch, "latent_steps": lat["steps"].get("latent", 0),
+           "latent_step_s": med["latent"], "plain_step_s": med["plain"],
+           "latent_graph_steps": lat["graph_steps"], "bandwidth_floor": fl,
+           "latent_step_over_floor": med["latent"] / fl["floor_s"],
+           "latent_over_plain_pct": 100 * (med["latent"] / med["plain"] - 1)}
+    if bare is not None:
+        out["bare_backbone_step_s"] = med["bare"]
+        out["latent_over_bare_pct"] = 100 * (med["latent"] / med["bare"] - 1)
+    if rounds > 1:
+        out["rounds"] = {k: v for k, v in samples.items() if v}
+    print(f"[{engine.model_name}] step cost: {json.dumps(out)}", flush=True)
+    return out
