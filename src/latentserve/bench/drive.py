@@ -61,9 +61,13 @@ class Probe:
 
         self.real_finish, overlap.finish = overlap.finish, finish
         graphs.replay, graphs.replay_packed = timed(graphs.replay), timed(graphs.replay_packed)
-        self.knobs = _triton_knobs()
-        if self.knobs is not None:  # a compile in a timed run would count as serving time
-            self.knobs.runtime.jit_post_compile_hook = \
+        try:
+            from triton import knobs
+        except ImportError:
+            knobs = None
+        self.knobs = knobs
+        if knobs is not None:  # a compile in a timed run would count as serving time
+            knobs.runtime.jit_post_compile_hook = \
                 lambda **kw: self.compiles.append(kw["repr"][:160])
         self.gc0 = [g["collections"] for g in gc.get_stats()]
         return self
@@ -97,14 +101,6 @@ class Probe:
             out["overlap_wait_s"] = sum(waits) / len(waits)
             out["host_bound_frac"] = sum(w < 20e-6 for w in waits) / len(waits)
         return out
-
-
-def _triton_knobs():
-    try:
-        from triton import knobs
-    except ImportError:
-        return None
-    return knobs
 
 
 def drive(engine, prompts, params, device: str, tag: str, on_add=None) -> dict:
