@@ -1,5 +1,5 @@
 """Pieces shared by the device benchmarks: sync, copy bandwidth, CUDA graph timing and
-profiles, engines, weight bytes and the bandwidth floor, the machine, output agreement.
+profiles, engines, weight bytes and the bandwidth floor, output agreement.
 Units: seconds, bytes, bytes per second."""
 
 from __future__ import annotations
@@ -164,21 +164,6 @@ def kv_floor(model, batch: int, ctx: float, bw: float, kv_dtype) -> dict:
     weights = param_bytes(model)
     kv = batch * ctx * KVPool.bytes_per_slot(layers, kvh, hd, kv_dtype)
     return {"weights_bytes": weights, "kv_bytes": kv, "floor_s": (weights + kv) / bw}
-
-
-def machine(device: str) -> dict:
-    """``offline.machine_info()`` plus the device, the GPU name and triton's version."""
-    from latentserve.bench.offline import machine_info
-
-    info = machine_info()
-    info["device"] = device
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    return info
 
 
 def agreement(engine_outputs, reference_outputs) -> float:

@@ -49,8 +49,9 @@ def build_prompts(tokenizer, num_prompts: int, offset: int = 0) -> list[list[int
 
 
 def machine_info() -> dict:
-    """Platform, CPU model and counts, torch/transformers versions, torch's thread count, the
-1-minute load average and the OpenMP/MKL environment variables."""
+    """Platform, CPU model and counts, torch/transformers/triton versions (triton None when
+    absent), torch's thread count, the 1-minute load average, the OpenMP/MKL environment
+    variables and the CUDA device's name when there is one."""
     import torch
     import transformers
 
@@ -82,6 +83,12 @@ def machine_info() -> dict:
         "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
                                                  "MKL_NUM_THREADS", "GOMP_SPINCOUNT")},
     }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
     return info

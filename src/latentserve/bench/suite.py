@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 
-from latentserve.bench.device_common import agreement, copy_bandwidth, kv_floor, machine, timed
+from latentserve.bench.device_common import agreement, copy_bandwidth, kv_floor, timed
 from latentserve.bench.drive import drive
 
 
@@ -24,11 +24,13 @@ def run_suite(names, bench, device: str, command: str | None, config: dict) -> d
     import tempfile
     from pathlib import Path
 
+    from latentserve.bench.offline import machine_info
+
     t_start = time.perf_counter()
     bw = copy_bandwidth(device)
     out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "machine": machine(device), "config": config, "copy_bandwidth_Bps": bw,
-           "models": {}}
+           "machine": {**machine_info(), "device": device}, "config": config,
+           "copy_bandwidth_Bps": bw, "models": {}}
     with tempfile.TemporaryDirectory() as d:
         for name in names:
             out["models"][name] = bench(name, Path(d), bw)
