@@ -5,9 +5,9 @@ The overlapped TP=2 engine gives what the synchronous TP=2 engine and the TP=1 e
 output for output (tokens, finish reasons, latent step counts and stats, streamed latent
 steps, recurrence stats and traces) with every sampled step's logits within 1e-4, for a plain
 model, COCONUT (feedback latents), a closed-loop compression head (provisional steps undone
-a step later) and Huginn and Ouro (mixed depths, exit rules): greedy and seeded, stop ids,
-chunked prefill, preemption, aborts in the latent phase and the answer, and a forward that
-raises with a batch in flight; no KV slot leaks."""
+a step later), Huginn and Ouro (mixed depths, exit rules) and LOTUS (looped-block passes):
+greedy and seeded, stop ids, chunked prefill, preemption, aborts in the latent phase and the
+answer, and a forward that raises with a batch in flight; no KV slot leaks."""
 
 import dataclasses
 
@@ -30,7 +30,7 @@ from tests.support.tp_parity import (
     spy_overlapped,
 )
 
-FAMILIES = ("plain", "coconut", "head", "huginn", "ouro")
+FAMILIES = ("plain", "coconut", "head", "huginn", "ouro", "lotus")
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +43,7 @@ def dirs(tmp_path_factory, tiny_dirs):
             from latentserve.bench.baseline.latent_models import save_latent_tiny
             from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
             from tests.support.head_models import save_head_model
+            from tests.support.loop_models import save_loop_tiny
 
             d = root / family
             made[family] = {
@@ -53,6 +54,7 @@ def dirs(tmp_path_factory, tiny_dirs):
                 "huginn": lambda: write_huginn(d, n_embd=48, num_attention_heads=3,
                                                num_key_value_heads=3),
                 "ouro": lambda: write_ouro(d),
+                "lotus": lambda: save_loop_tiny(d, "lotus-llama", block_size=6, iterations=2),
             }[family]()
         return made[family]
 
@@ -76,7 +78,7 @@ def _requests(family) -> list:
                  {"temperature": 0.0, "max_tokens": 1}]
         return [(p, SamplingParams(ignore_eos=True, **kinds[i % len(kinds)]))
                 for i, p in enumerate(shared_prefix_prompts())]
-    if family == "coconut":
+    if family in ("coconut", "lotus"):
         return mixed_feedback_requests(return_latent_trace=False)
     if family == "head":
         return mixed_head_requests(return_latent_trace=False)
@@ -93,6 +95,8 @@ def test_overlapped_tp2_equals_synchronous_tp2_and_tp1(dirs, family):
         assert [f.latent_steps for f in finals[:4]] == [3, 0, 6, 1]
     elif family == "head":  # fired stops (their provisional steps undone) and caps
         assert {"stop", "cap"} <= {f.latent_stats["end"] for f in finals}
+    elif family == "lotus":  # passes over the block, their inputs computed at launch
+        assert any(f.latent_steps for f in finals)
     elif family != "plain":
         assert all(f.recurrence for f in finals)
     sync, over = _engine(path, 2, False), None
