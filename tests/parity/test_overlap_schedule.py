@@ -14,7 +14,7 @@ from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from tests.support.parity import hf_reference, run_batch, shared_prefix_prompts
-from tests.support.tp_parity import run_requests, spy_overlapped
+from tests.support.tp_parity import fail_forward_after_preemption, run_requests, spy_overlapped
 
 MAX_TOKENS = 12
 
@@ -185,47 +185,13 @@ def test_server_with_overlap_streams_what_the_synchronous_engine_generates(tiny_
     assert texts == [tok.decode(t) for t, _, _ in want]
 
 
-def _fail_forward_after_preemption(engine) -> dict:
-    """Two greedy requests that outgrow ``kv_slots``; the first forward after a preemption
-    raises (as a device error would), and the running requests are then aborted, as the
-    engine process does (``engine_process._fail_running``). Returns each request's tokens."""
-    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    engine.add_request("a", [5, 6, 7, 8, 9], sp)
-    engine.add_request("b", [10, 11, 12, 13, 14], sp)
-    original, failed = engine.runner.run, []
-
-    def run(batch, *args):
-        if engine.scheduler.num_preemptions and not failed:
-            failed.append(True)
-            raise RuntimeError("injected forward failure")
-        return original(batch, *args)
-
-    engine.runner.run = run
-    toks: dict[str, list] = {"a": [], "b": []}
-    finals = {}
-    while engine.has_unfinished_requests():
-        try:
-            outs = engine.step()
-        except RuntimeError:
-            for req in list(engine.scheduler.running):
-                engine.abort_request(req.rid)
-            continue
-        for o in outs:
-            toks[o.rid] += o.new_token_ids
-            if o.finished:
-                finals[o.rid] = o.finish_reason
-    assert failed
-    engine.cache.check_idle()
-    return toks, finals
-
-
 def test_failed_forward_keeps_the_batch_in_flight(tiny_dirs):
     """A forward that raises must not drop the batch in flight: a request it preempted
     (waiting, its last id still pending) would later feed the placeholder id -1 to the
     model. The waiting request goes on as with the synchronous engine."""
-    want = _fail_forward_after_preemption(
+    want = fail_forward_after_preemption(
         LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), kv_slots=16)))
-    got = _fail_forward_after_preemption(_engine(tiny_dirs, kv_slots=16))
+    got = fail_forward_after_preemption(_engine(tiny_dirs, kv_slots=16))
     assert got[1] == want[1] == {"a": "abort", "b": "length"}
     assert got[0]["b"] == want[0]["b"] and len(got[0]["b"]) == 10
 

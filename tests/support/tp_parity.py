@@ -245,3 +245,40 @@ def abort_in_phase_and_answer(engine, requests, warm_steps: int):
     while engine.has_unfinished_requests():
         step()
     return toks, finals
+
+
+def fail_forward_after_preemption(engine) -> tuple[dict, dict]:
+    """Two greedy requests that outgrow ``kv_slots``; the first forward after a preemption
+    raises (as a device error would), and the running requests are then aborted, as the
+    engine process does (``engine_process._fail_running``). Returns ``(tokens per rid,
+    finish reason per rid)``; checks that no KV slot leaked."""
+    from latentserve.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7, 8, 9], sp)
+    engine.add_request("b", [10, 11, 12, 13, 14], sp)
+    original, failed = engine.runner.run, []
+
+    def run(batch, *args):
+        if engine.scheduler.num_preemptions and not failed:
+            failed.append(True)
+            raise RuntimeError("injected forward failure")
+        return original(batch, *args)
+
+    engine.runner.run = run
+    toks: dict[str, list] = {"a": [], "b": []}
+    finals = {}
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RuntimeError:
+            for req in list(engine.scheduler.running):
+                engine.abort_request(req.rid)
+            continue
+        for o in outs:
+            toks[o.rid] += o.new_token_ids
+            if o.finished:
+                finals[o.rid] = o.finish_reason
+    assert failed
+    engine.cache.check_idle()
+    return toks, finals

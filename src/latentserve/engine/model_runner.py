@@ -20,6 +20,15 @@ if TYPE_CHECKING:
     from latentserve.engine.cuda_graph import CudaGraphRunner
 
 
+def pending_row(req, start: int, n: int, src_of: dict[int, int] | None) -> int | None:
+    """The row of the previous forward's tokens that ``req``'s chunk ``[start, start + n)``
+    takes as its last id (a pending id, overlap mode), or None: the chunk ends at
+    ``req.seq_len`` and ``src_of`` (``{id(req): row}``) maps ``req``."""
+    if src_of and start + n == req.seq_len:
+        return src_of.get(id(req))
+    return None
+
+
 class ModelRunner:
     """Runs forwards of ``model`` over the paged ``kv_pool``.
 
@@ -127,9 +136,10 @@ class ModelRunner:
             pos.extend(range(start, start + n))
             row_tok.extend([req.row] * n)
             last.append(len(ids) - 1)
-            if src_of and id(req) in src_of and start + n == req.seq_len:
+            j = pending_row(req, start, n, src_of)
+            if j is not None:
                 sub_dst.append(len(ids) - 1)
-                sub_src.append(src_of[id(req)])
+                sub_src.append(j)
         self.num_computed_tokens += len(ids)
         dev = self.device
         t, b = len(ids), len(batch.reqs)

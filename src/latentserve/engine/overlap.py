@@ -40,8 +40,7 @@ class Launched:
 
 def eligible(engine) -> bool:
     """Whether ``engine``'s next step may overlap."""
-    if not engine.config.use_overlap_schedule or not engine.family.overlaps \
-            or engine.tp is not None:
+    if not engine.config.use_overlap_schedule or not engine.family.overlaps:
         return False
     sched = engine.scheduler
     for queue in (sched.running, sched.waiting):

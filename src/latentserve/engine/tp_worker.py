@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from latentserve.engine.model_runner import ModelRunner
+from latentserve.engine.model_runner import ModelRunner, pending_row
 from latentserve.latent import vectors as latent_vectors
 
 log = logging.getLogger(__name__)
@@ -43,13 +43,17 @@ class StepHeader:
     request ``(row, start, n, ids_chunk, prompt_len, latent_start, latent_len,
     latent_positions, latent_budget, exit_rule)``; ``latent_positions`` are the positions
     of this chunk whose input is a latent vector, whose vectors follow on the device group
-    in order (``latent_dtype``, ``[num_latent, hidden]``)."""
+    in order (``latent_dtype``, ``[num_latent, hidden]``). Overlap mode: ``pending[b]`` is
+    the row of the previous forward's sampled tokens that request ``b`` takes as its last id
+    (-1: none); those tokens follow last (``[num_prev_tokens] int64``, 0: not sent)."""
 
     reqs: list[tuple]
     sample: list[bool]
     max_kv_len: int
     num_latent: int
     latent_dtype: str
+    pending: list[int]
+    num_prev_tokens: int
 
 
 class _Window:
@@ -96,6 +100,12 @@ class _ShadowReq:
     def ids_slice(self, start: int, stop: int) -> list[int]:
         return self.ids[start:stop]
 
+    @property
+    def seq_len(self) -> int:
+        """The end of this step's chunk (rank 0 maps a pending id only where its chunk ends
+        its ids, ``model_runner.pending_row``)."""
+        return self.ids.start + len(self.ids.ids)
+
 
 def _chunk(req, start: int, n: int) -> list[int]:
     """``req.ids[start : start + n]`` without building ``prompt_ids + output_ids``."""
@@ -131,21 +141,27 @@ class TPModelRunner(ModelRunner):
     def send_stop(self) -> None:
         self._send_object(None)
 
-    def run(self, batch):
+    def run(self, batch, pending=None):
         if self.tp.is_driver:
-            self._send_batch(batch)
-        return super().run(batch)
+            self._send_batch(batch, pending)
+        return super().run(batch, pending)
 
     def _send_object(self, obj) -> None:
         import torch.distributed as dist
 
         dist.broadcast_object_list([obj], src=0, group=self.tp.cpu_group)
 
-    def _send_batch(self, batch) -> None:
+    def _send_batch(self, batch, pending: tuple | None) -> None:
+        """Broadcast ``batch``: its ``StepHeader``, then on the device group the page-table
+        block, the latent vectors and, when a row takes a pending id, ``pending``'s tokens
+        (queued on the device, not waited for). What may raise runs before the first send."""
         import torch.distributed as dist
 
         reqs: list = []
         vecs: list = []
+        src_of = None if pending is None else pending[1]
+        rows_of = [pending_row(r, s, n, src_of) for r, s, n
+                   in zip(batch.reqs, batch.starts, batch.q_lens)]
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             span = _latent_span(req, start, n)
             vecs.extend(req.latent_embeds[p - req.latent_start] for p in span)
@@ -153,14 +169,23 @@ class TPModelRunner(ModelRunner):
                          req.latent_start, len(req.latent_embeds), list(span),
                          int(req.latent_budget), getattr(req.state, "exit_rule", None)))
         max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
-        dtype = str(vecs[0][0].dtype).removeprefix("torch.") if vecs else ""
-        self._send_object(StepHeader(reqs, list(batch.sample), max_kv, len(vecs), dtype))
         rows = torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=self.device)
-        block = self.table.table[rows, :max_kv].contiguous()
-        dist.broadcast(block, src=0, group=self.tp.device_group)
-        if vecs:  # (tensor, row) entries (latent/vectors.py), as one [num_latent, hidden]
-            dist.broadcast(latent_vectors.stack(vecs).contiguous(), src=0,
-                           group=self.tp.device_group)
+        sent = [self.table.table[rows, :max_kv].contiguous()]
+        # (tensor, row) entries (latent/vectors.py), as one [num_latent, hidden]
+        latents = latent_vectors.stack(vecs).contiguous() if vecs else None
+        if latents is not None:
+            sent.append(latents)
+        # NOTE: the tokens may view a graph's buffer: this send is queued before the replay
+        prev = pending[0].contiguous() if pending is not None \
+            and any(j is not None for j in rows_of) else None
+        if prev is not None:
+            sent.append(prev)
+        self._send_object(StepHeader(
+            reqs, list(batch.sample), max_kv, len(vecs),
+            "" if latents is None else str(latents.dtype).removeprefix("torch."),
+            [-1 if j is None else j for j in rows_of], 0 if prev is None else len(prev)))
+        for t in sent:
+            dist.broadcast(t, src=0, group=self.tp.device_group)
 
     # ----- workers -----
 
@@ -182,11 +207,13 @@ class TPModelRunner(ModelRunner):
             header = self._receive_object()
             if header is None:
                 return
-            reqs = self._receive_batch(header)
+            reqs, pending = self._receive_batch(header)
             self.run(ScheduledBatch(reqs, [r[1] for r in header.reqs],  # type: ignore[arg-type]
-                                    [r[2] for r in header.reqs], header.sample))
+                                    [r[2] for r in header.reqs], header.sample), pending)
 
-    def _receive_batch(self, header: StepHeader) -> list[_ShadowReq]:
+    def _receive_batch(self, header: StepHeader) -> tuple[list[_ShadowReq], tuple | None]:
+        """The batch's ``_ShadowReq`` and its ``pending`` argument of ``ModelRunner.run``
+        (rank 0's pending ids, as rows of the tokens it broadcast; None when none)."""
         import torch.distributed as dist
 
         dev = self.device
@@ -210,7 +237,11 @@ class TPModelRunner(ModelRunner):
                 k += 1
             out.append(_ShadowReq(row, _Window(start, ids), range(prompt_len), lat_start,
                                   embeds, budget, _ShadowState(rule)))
-        return out
+        if not header.num_prev_tokens:
+            return out, None
+        tokens = torch.empty(header.num_prev_tokens, dtype=torch.int64, device=dev)
+        dist.broadcast(tokens, src=0, group=self.tp.device_group)
+        return out, (tokens, {id(r): j for r, j in zip(out, header.pending) if j >= 0})
 
 
 def _free_port() -> int:
