@@ -88,9 +88,9 @@ def run_requests(engine, requests: list[tuple], tag: str) -> list[tuple[list[int
         for o in engine.step():
             if o.rid in toks:
                 toks[o.rid] += o.new_token_ids
-                if o.finished and o.finish_reason == "error":
-                    raise RuntimeError(f"rollout {o.rid} failed: {o.error}")
                 if o.finished:
+                    if o.finish_reason == "error":
+                        raise RuntimeError(f"rollout {o.rid} failed: {o.error}")
                     stats[o.rid] = o.latent_stats or {}
     return [(toks[r], stats[r]) for r in toks]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import operator
 from dataclasses import MISSING, dataclass, field
 
 from latentserve.train.traces import (
@@ -27,6 +28,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DATA = "training file: iCoT text lines or GSM8K jsonl (repeatable)"
 MAX_SECONDS = "stop and save after this long (0: no limit)"
 KV_SLOTS = "the rollout engine's KV pool in tokens (default: from memory)"
+_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="),
+           "lt": (operator.lt, "<")}
 
 
 def opt(default=MISSING, help: str | None = None, *, ge=None, gt=None, le=None, lt=None,
@@ -56,16 +59,13 @@ def check(cfg) -> None:
             continue
         if "choices" in m and v not in m["choices"]:
             raise ValueError(f"{f.name} must be one of {list(m['choices'])}, got {v!r}")
-        bounds = [(op, m[op]) for op in ("ge", "gt", "le", "lt") if op in m]
+        bounds = [(_BOUNDS[op], m[op]) for op in _BOUNDS if op in m]
         if not bounds:
             continue
         integer = _kind(f) == "int"
         number = isinstance(v, int) if integer else isinstance(v, (int, float))
-        ok = number and not isinstance(v, bool) and all(
-            {"ge": v >= b, "gt": v > b, "le": v <= b, "lt": v < b}[op] for op, b in bounds)
-        if not ok:
-            sign = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-            what = " and ".join(f"{sign[op]} {b}" for op, b in bounds)
+        if not (number and not isinstance(v, bool) and all(test(v, b) for (test, _), b in bounds)):
+            what = " and ".join(f"{sign} {b}" for (_, sign), b in bounds)
             raise ValueError(f"{f.name} must be {'an integer' if integer else 'a number'} "
                              f"{what}, got {v!r}")
 
