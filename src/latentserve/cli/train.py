@@ -6,60 +6,41 @@ from __future__ import annotations
 
 import json
 
+# stage -> (options class in train/options.py, module in train/ with its ``train``, help)
+STAGES = {
+    "cot": ("CotConfig", "cot", "fine-tune a backbone on text chains of thought"),
+    "colar": ("ColarTrainConfig", "colar", "CoLaR stage 1: LoRA + latent policy on compressed "
+              "reasoning (arXiv 2505.16552)"),
+    "colar-grpo": ("ColarGRPOConfig", "colar_grpo", "CoLaR stage 3: GRPO on a stage-1 model, "
+                   "rollouts through the engine (arXiv 2505.16552)"),
+}
+
 
 def register(sub) -> None:
-    from latentserve.train.options import (
-        ColarGRPOConfig,
-        ColarTrainConfig,
-        CotConfig,
-        add_options,
-    )
+    from latentserve.train import options
 
     p = sub.add_parser("train", help="train reasoning models (CoLaR stage 0: cot, stage 1: "
                                      "colar, stage 3: colar-grpo)")
     stages = p.add_subparsers(dest="stage", required=True)
-    for name, cls, run, what in (
-            ("cot", CotConfig, run_cot, "fine-tune a backbone on text chains of thought"),
-            ("colar", ColarTrainConfig, run_colar, "CoLaR stage 1: LoRA + latent policy on "
-             "compressed reasoning (arXiv 2505.16552)"),
-            ("colar-grpo", ColarGRPOConfig, run_colar_grpo, "CoLaR stage 3: GRPO on a "
-             "stage-1 model, rollouts through the engine (arXiv 2505.16552)")):
-        add_options(stages.add_parser(name, help=what), cls).set_defaults(func=run)
+    for stage, (cls, _, what) in STAGES.items():
+        options.add_options(stages.add_parser(stage, help=what), getattr(options, cls))
+    p.set_defaults(func=run)
 
 
-def run_cot(args) -> int:
+def run(args) -> int:
+    """Check the stage's options and that PEFT is there when it is needed (a LoRA: all but a
+    full fine-tune), then train; prints the last log record."""
+    import importlib
+
     from latentserve.extras import require
-    from latentserve.train.options import CotConfig, config_of
+    from latentserve.train import options
 
-    cfg = config_of(CotConfig, args)
-    if cfg.lora_r > 0 or cfg.init_adapter:  # LoRA through PEFT
-        require("peft", "latentserve train cot (LoRA; --lora-r 0 is a full fine-tune)")
-    from latentserve.train.cot import train
-
-    print(json.dumps(train(cfg), indent=1))
-    return 0
-
-
-def run_colar(args) -> int:
-    from latentserve.extras import require
-    from latentserve.train.options import ColarTrainConfig, config_of
-
-    cfg = config_of(ColarTrainConfig, args)
-    if cfg.lora_r > 0 or cfg.init_adapter:  # LoRA through PEFT
-        require("peft", "latentserve train colar (LoRA; --lora-r 0 is a full fine-tune)")
-    from latentserve.train.colar import train
-
-    print(json.dumps(train(cfg), indent=1))
-    return 0
-
-
-def run_colar_grpo(args) -> int:
-    from latentserve.extras import require
-    from latentserve.train.options import ColarGRPOConfig, config_of
-
-    cfg = config_of(ColarGRPOConfig, args)
-    require("peft", "latentserve train colar-grpo")
-    from latentserve.train.colar_grpo import train
-
+    cls, module, _ = STAGES[args.stage]
+    cfg = options.config_of(getattr(options, cls), args)
+    if not hasattr(cfg, "lora_r"):
+        require("peft", f"latentserve train {args.stage}")
+    elif cfg.lora_r > 0 or cfg.init_adapter:  # LoRA through PEFT
+        require("peft", f"latentserve train {args.stage} (LoRA; --lora-r 0 is a full fine-tune)")
+    train = importlib.import_module(f"latentserve.train.{module}").train
     print(json.dumps(train(cfg), indent=1))
     return 0

@@ -93,14 +93,14 @@ def adapter_base(adapter_dir: str) -> str | None:
     """A stage-0 adapter's ``base_model_name_or_path`` (None for the embedded SmolLM2 or
     when absent; a relative path resolved beside the adapter if it exists).
     FileNotFoundError without ``adapter_config.json``."""
-    from latentserve.train.cot import EMBEDDED_BASE
+    from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES
 
     path = Path(adapter_dir) / "adapter_config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (--init-adapter takes a PEFT "
                                 f"adapter directory, e.g. the output of train cot)")
     base = json.loads(path.read_text()).get("base_model_name_or_path")
-    if base in (None, "", EMBEDDED_BASE, "embedded"):
+    if base in (None, "", *EMBEDDED_BASE_NAMES):
         return None
     beside = Path(adapter_dir) / base
     return str(beside) if not Path(base).is_absolute() and beside.exists() else base

@@ -20,8 +20,6 @@ from latentserve.eval.datasets import Item
 from latentserve.latent import colar
 from latentserve.train.options import CotConfig
 
-EMBEDDED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
 
 def read_items(path: str | Path) -> list[Item]:
     """Training items of a file: GSM8K ``.jsonl`` (``tasks.gsm8k_train_items``) or iCoT
@@ -77,13 +75,13 @@ def load_backbone(base: str | None, device: str, cfg=None):
     wrapped in PEFT LoRA when ``cfg.lora_r > 0`` or ``cfg.init_adapter`` (loaded trainable)."""
     from transformers import AutoModelForCausalLM
 
-    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+    from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(base)
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="sdpa").to(device)
-    base_name = EMBEDDED_BASE if base is None else str(Path(base).resolve())
+    base_name = EMBEDDED_BASE_NAMES[0] if base is None else str(Path(base).resolve())
     if cfg is not None and cfg.init_adapter:
         from peft import PeftModel
 
