@@ -271,8 +271,7 @@ def embedding_rows(state: dict, model_dir, cfg: dict, fields=("tokens",)) -> int
     for field in fields:
         ids = list(cfg[field].values() if isinstance(cfg[field], dict) else cfg[field])
         if ids and max(ids) >= rows:
-            raise bad_field(field, f"ids {ids} do not fit the checkpoint's {rows} embedding "
-                            "rows")
+            raise bad_field(field, f"ids {ids} do not fit the embedding's {rows} rows")
     return rows
 
 

@@ -116,9 +116,7 @@ def config_of(cls, args: argparse.Namespace):
 
 @dataclass(slots=True, kw_only=True)
 class FinetuneOptions:
-    """What ``train cot`` and ``train colar`` share: data, backbone (``base`` None: the
-    embedded SmolLM2), LoRA (``lora_r`` 0: full fine-tune) and the optimiser; ``max_seconds``
-    0: no time limit (else training stops and saves when it is reached)."""
+    """What ``train cot`` and ``train colar`` share: data, backbone, LoRA, optimiser."""
 
     data: list[str] = opt(help=DATA)
     out: str = opt(help="model directory to write (the adapter, or the whole model)")
@@ -159,10 +157,8 @@ class CotConfig(FinetuneOptions):
 
 @dataclass(slots=True, kw_only=True)
 class ColarTrainConfig(FinetuneOptions):
-    """Options of ``latentserve train colar`` (stage 1 of CoLaR). ``compression_factor``
-    None = ``max_compression_factor``; ``intermediate_size`` None = hidden size;
-    ``embeds_std`` None = the embedding matrix's std; ``train_factors`` None =
-    ``1..max_compression_factor``, else the factors each batch's ``r`` is drawn from."""
+    """Options of ``latentserve train colar`` (stage 1 of CoLaR); ``compression_factor``
+    None becomes ``max_compression_factor``."""
 
     batch_size: int = opt(256, ge=1)
     lr: float = opt(1e-4, gt=0)
@@ -200,9 +196,7 @@ class ColarTrainConfig(FinetuneOptions):
 
 @dataclass(slots=True, kw_only=True)
 class ColarGRPOConfig:
-    """Options of ``latentserve train colar-grpo`` (stage 3 of CoLaR). ``model``: a stage-1
-    directory; ``compression_factor`` / ``max_latent`` None = its ``colar_config.json``;
-    ``dtype`` None = bfloat16 on CUDA, else float32."""
+    """Options of ``latentserve train colar-grpo`` (stage 3 of CoLaR)."""
 
     model: str = opt(help="stage-1 directory (train colar output: LoRA adapter + latent "
                      "policy)")
@@ -267,9 +261,7 @@ class ColarGRPOConfig:
 
 @dataclass(slots=True, kw_only=True)
 class HeadOptions:
-    """What ``train-head sft|dagger|grpo`` share: the frozen backbone (``model`` None: the
-    embedded SmolLM2), the data (``data`` None: ``$LATENTSERVE_DATA/gsm8k/train.jsonl``),
-    the bundle to write (``out``: ``.safetensors`` or ``.pt``)."""
+    """What ``train-head sft|dagger|grpo`` share: backbone, data, the bundle to write."""
 
     out: str = opt(help="bundle to write (.safetensors or .pt)")
     model: str | None = opt(None, "backbone: a model directory, .gguf or PEFT LoRA adapter "
@@ -313,16 +305,14 @@ class FitOptions(HeadOptions):
 
 @dataclass(slots=True, kw_only=True)
 class SFTConfig(FitOptions):
-    """Options of ``train-head sft``. ``source_layer`` / ``target_layer`` None =
-    ``round(0.8 L) - 1`` / ``L - 1``. ``think_open`` / ``think_close`` None = the format's:
-    ``THINK_OPEN`` / ``THINK_CLOSE`` (``chat``), ``""`` / ``"###"`` (``colar``, which allows
-    no other)."""
+    """Options of ``train-head sft``; ``think_open`` / ``think_close`` None become the
+    prompt format's (``colar`` allows no other)."""
 
     think_open: str | None = opt(None, f"chat format: thinking opening text (default "
                                  f"{THINK_OPEN!r}); the colar format's is empty")
     think_close: str | None = opt(None, f"chat format: thinking closing text (default "
                                   f"{THINK_CLOSE!r}); the colar format's is ###")
-    source_layer: int | None = opt(None, "anchor layer (default: ~80%% depth)")
+    source_layer: int | None = opt(None, "anchor layer (default: round(0.8 L) - 1, ~80%% depth)")
     target_layer: int | None = opt(None, "default: the last layer")
     compression_factor: int = opt(4, "reasoning tokens per latent step", ge=1)
     latent_dim: int = opt(128, ge=1)
@@ -350,8 +340,7 @@ class SFTConfig(FitOptions):
 @dataclass(slots=True, kw_only=True)
 class DaggerConfig(FitOptions):
     """Options of ``train-head dagger``. Layers, compression factor and thinking text come
-    from the SFT ``bundle``; data options must be SFT's. ``rollout_examples`` None = every
-    trace each round, else a random subset."""
+    from the SFT ``bundle``; data options must be SFT's."""
 
     bundle: str = opt(help="the SFT bundle to start from")
     rounds: int = opt(2, ge=1)
