@@ -62,7 +62,7 @@ def test_convert_names_the_missing_upstream_file(pccot_upstream, tmp_path):
     ({"tokens": {"bot": 1, "eot": 2}}, "tokens"),
     ({"loop_rule": "same"}, "loop_rule"),
     ({"answer_prompt_ids": ["x"]}, "answer_prompt_ids"),
-    ({"lora": {"r": 0, "alpha": 1}}, "r"),
+    ({"lora": {"r": 0, "alpha": 1}}, "lora.r"),
     ({"lora": {"r": 2, "alpha": float("nan")}}, "lora.alpha"),
     ({"prj": {"eps": float("inf")}}, "prj.eps"),
 ])

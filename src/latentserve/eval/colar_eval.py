@@ -70,18 +70,13 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
         extra = {k: v for k, v in (("compression_factor", compression_factor),
                                    ("max_latent", max_latent)) if v is not None}
     elif head:
-        from latentserve.train.traces import colar_prompt_ids
-
         cap = max_latent if max_latent is not None else llm.engine.family.defaults["max_latent"]
         extra = {"max_latent": cap, "min_output_tokens": 0, **head_controls}
         max_tokens += cap + len(llm.engine.latent_spec.end_ids)  # latent steps count too
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
-    if head:
-        ids = colar_prompt_ids(tok, [it.question for it in items])
-    else:
-        questions = [it.question for it in items]
-        ids = (tok([colar.QUESTION.format(q) for q in questions], add_special_tokens=False)
-               ["input_ids"] if latent else colar.prompt_ids(tok, questions))
+    questions = [it.question for it in items]  # a head: the text model's prompt, as trained
+    ids = (tok([colar.QUESTION.format(q) for q in questions], add_special_tokens=False)
+           ["input_ids"] if latent else colar.prompt_ids(tok, questions))
     prompts = [{"prompt_token_ids": p} for p in ids]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

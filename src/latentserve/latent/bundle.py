@@ -50,56 +50,41 @@ class HeadBundle:
         return head.float().eval().requires_grad_(False)
 
 
-def _expected_shapes(cfg: HeadConfig, stop: bool) -> tuple[dict, dict, dict]:
+def _expected_shapes(cfg: HeadConfig, stop: bool) -> dict[str, dict]:
+    """Per part (``SUBDICTS``): tensor name -> shape of ``cfg``'s modules."""
     with torch.device("meta"):  # shapes without allocating
         probe = LatentHead(cfg, has_stop_head=stop, has_target_proj=True)
-    def shapes(m):
-        return {k: tuple(v.shape) for k, v in m.state_dict().items()}
-
-    return (shapes(probe.reasoning_head), shapes(probe.decoder), shapes(probe.target_proj))
+    return {s: {k: tuple(v.shape) for k, v in getattr(probe, s).state_dict().items()}
+            for s in SUBDICTS}
 
 
 def validate(b: HeadBundle) -> None:
     """Raise ValueError when the bundle cannot be served as its config says: an ``arch``
     other than v1, a format_version >= 3 bundle without ``reasoning_head.stop_head.*``, an
-    unexpected head key (named), a missing head/decoder tensor or a shape mismatch."""
+    unexpected key (named), a missing tensor, a shape mismatch or a non-finite weight."""
     cfg = b.config
     if cfg.arch != "v1":
         raise ValueError(f"head arch {cfg.arch!r} is not supported (only 'v1')")
     if b.format_version >= 3 and not b.has_stop_head:
         raise ValueError(f"format_version {b.format_version} bundle has no stop head "
                          "(reasoning_head.stop_head.*); format_version >= 3 requires one")
-    head_s, dec_s, tp_s = _expected_shapes(cfg, stop=True)
-    for k, v in b.reasoning_head.items():
-        if k not in head_s:
-            raise ValueError(f"unexpected key reasoning_head.{k} for arch {cfg.arch!r} "
-                             "(wrong arch or head layout)")
-        if tuple(v.shape) != head_s[k]:
-            raise ValueError(f"reasoning_head.{k} has shape {tuple(v.shape)}, config says "
-                             f"{head_s[k]}")
-    for k in head_s:
-        if k.startswith("net.") and k not in b.reasoning_head:
-            raise ValueError(f"missing tensor reasoning_head.{k}")
-    if b.has_stop_head:
-        for k in head_s:
-            if k.startswith("stop_head.") and k not in b.reasoning_head:
-                raise ValueError(f"missing tensor reasoning_head.{k}")
-    for name, got, want in (("decoder", b.decoder, dec_s), ("target_proj", b.target_proj, tp_s)):
+    expected = _expected_shapes(cfg, stop=b.has_stop_head)
+    for name in SUBDICTS:
+        got, want = getattr(b, name), expected[name]
         if got is None:
             continue
         for k, v in got.items():
             if k not in want:
-                raise ValueError(f"unexpected key {name}.{k}")
+                raise ValueError(f"unexpected key {name}.{k} for arch {cfg.arch!r} (wrong arch "
+                                 "or head layout)")
             if tuple(v.shape) != want[k]:
                 raise ValueError(f"{name}.{k} has shape {tuple(v.shape)}, config says {want[k]}")
-        for k in want:
-            if k not in got:
-                raise ValueError(f"missing tensor {name}.{k}")
-    for name, sd in (("reasoning_head", b.reasoning_head), ("decoder", b.decoder),
-                     ("target_proj", b.target_proj)):
-        for k, v in (sd or {}).items():  # a NaN/inf weight would inject NaN embeddings
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                # a NaN/inf weight would inject NaN embeddings
                 raise ValueError(f"{name}.{k} holds non-finite values (NaN or inf)")
+        missing = next((k for k in want if k not in got), None)
+        if missing is not None:
+            raise ValueError(f"missing tensor {name}.{missing}")
 
 
 def _from_dict(d: dict, source: str) -> HeadBundle:

@@ -137,20 +137,25 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
     def write(out: Path) -> None:
         if missing:
             save_file(missing, str(out / "base.safetensors"), metadata={"format": "pt"})
-        config = json.dumps({**hf_cfg, "vocab_size": rows}, indent=2)
-        (out / "config.json").write_text(config + "\n")
-        if (base_dir / "generation_config.json").is_file():
-            shutil.copy2(base_dir / "generation_config.json", out / "generation_config.json")
-        tokenizer.save_pretrained(str(out))
         target = out / checkpoint.name
         if symlink or in_place:  # in place: a link for the check, dropped by the move
             target.symlink_to(checkpoint.resolve())
         else:
             shutil.copy2(checkpoint, target)
         cfg = validate_latent_config({**latent_cfg, "checkpoint": checkpoint.name}, out)
-        (out / LATENT_CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+        write_configs(out, base_dir, {**hf_cfg, "vocab_size": rows}, tokenizer, cfg)
 
     return write_checked(out_dir, overwrite, write)
+
+
+def write_configs(out: Path, base_dir: Path, hf_cfg: dict, tokenizer, latent_cfg: dict) -> None:
+    """Write ``config.json`` (``hf_cfg``), the base's ``generation_config.json`` when it has
+    one, the tokenizer and ``latent_config.json`` (``latent_cfg``) into ``out``."""
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    if (base_dir / "generation_config.json").is_file():
+        shutil.copy2(base_dir / "generation_config.json", out / "generation_config.json")
+    tokenizer.save_pretrained(str(out))
+    (out / LATENT_CONFIG).write_text(json.dumps(latent_cfg, indent=2) + "\n")
 
 
 def _check_fits_base(state: dict, base: dict, base_dir, checkpoint) -> None:

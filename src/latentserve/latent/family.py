@@ -107,6 +107,22 @@ class Family:
         """Whether ``req``'s next input is a latent vector."""
         return False
 
+    def admit_budgeted(self, params: SamplingParams, state=None) -> Admission:
+        """The admission of a family whose latent phase follows the spec's start ids and runs
+        to the resolved ``latent_budget`` (ValueError outside the spec's range); ``state``:
+        ``budget -> Req.state`` (None: no state)."""
+        spec = self.spec
+        budget = spec.resolve_budget(params.latent_budget)
+
+        def start(req: Req) -> None:
+            req.prompt_ids += spec.start_ids
+            req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
+            req.answer_start = None
+            if state is not None:
+                req.state = state(req, budget)
+
+        return Admission(params, spec.prompt_extra(budget), start)
+
     def budget_thinking(self, req: Req) -> bool:
         """``thinking`` of a family whose latent steps run to ``req.latent_budget``."""
         return req.answer_start is None and len(req.latent_embeds) < req.latent_budget

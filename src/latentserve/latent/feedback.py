@@ -24,99 +24,124 @@ _EMBED_KEYS = ("transformer.wte.weight", "wte.weight", "model.embed_tokens.weigh
 
 # ----------------------------------------------------------------------------- config
 
-def _bad(field: str, msg: str) -> ValueError:
+def bad_field(field: str, msg: str) -> ValueError:
     return ValueError(f"{LATENT_CONFIG}: field {field!r} {msg}")
 
 
-def _int(cfg: dict, field: str, lo: int = 0, default=None) -> int:
+def config_int(cfg: dict, field: str, lo: int = 0, default=None) -> int:
     keys = field.split(".")
     v = cfg
     for k in keys:
         v = v.get(k, None) if isinstance(v, dict) else None
     if v is None:
         if default is None:
-            raise _bad(field, "is required")
+            raise bad_field(field, "is required")
         return default
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise _bad(field, f"must be an integer >= {lo}, got {v!r}")
+        raise bad_field(field, f"must be an integer >= {lo}, got {v!r}")
     return v
 
 
-def validate_latent_config(cfg: dict, model_dir: Path | None = None) -> dict:
-    """Check ``cfg`` (parsed latent_config.json) and return a copy with defaults filled in.
-
-    Raises ValueError naming the offending field (e.g. ``'tokens.bot'``, ``'lora.alpha'``).
-    """
+def check_common(cfg, families: tuple[str, ...], default_budget: int | None,
+                 model_dir: Path | None = None) -> dict:
+    """The checks every family's ``latent_config.json`` shares (a JSON object, ``family``,
+    ``format_version``, the budgets, ``checkpoint``: a file in ``model_dir`` when given);
+    returns a deep copy with defaults filled in (``default_budget`` None: required).
+    Raises ValueError naming the offending field."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{LATENT_CONFIG} must hold a JSON object")
     cfg = json.loads(json.dumps(cfg))  # deep copy
-    fam = cfg.get("family")
-    if fam not in FAMILIES:
-        raise _bad("family", f"must be one of {list(FAMILIES)}, got {fam!r}")
+    if cfg.get("family") not in families:
+        raise bad_field("family", f"must be one of {list(families)}, got {cfg.get('family')!r}")
     ver = cfg.setdefault("format_version", 1)
-    if ver != 1:
-        raise _bad("format_version", f"must be 1, got {ver!r}")
-    cfg["default_budget"] = _int(cfg, "default_budget", default=6)
-    cfg["max_budget"] = _int(cfg, "max_budget", default=max(64, cfg["default_budget"]))
+    if isinstance(ver, bool) or ver != 1:
+        raise bad_field("format_version", f"must be 1, got {ver!r}")
+    cfg["default_budget"] = config_int(cfg, "default_budget", default=default_budget)
+    cfg["max_budget"] = config_int(cfg, "max_budget", default=max(64, cfg["default_budget"]))
     if cfg["default_budget"] > cfg["max_budget"]:
-        raise _bad("default_budget", f"must be <= max_budget ({cfg['max_budget']})")
-    if not isinstance(cfg.get("tokens"), dict):
-        raise _bad("tokens", f"is required: an object with {list(_TOKENS[fam])}")
-    ids = [_int(cfg, f"tokens.{k}") for k in _TOKENS[fam]]
-    if len(set(ids)) != len(ids):
-        raise _bad("tokens", f"ids must be distinct, got {cfg['tokens']}")
-    if "vocab_size" in cfg:
-        v = _int(cfg, "vocab_size", lo=1)
-        if max(ids) >= v:
-            raise _bad("tokens", f"ids must be < vocab_size ({v}), got {ids}")
+        raise bad_field("default_budget", f"must be <= max_budget ({cfg['max_budget']})")
     ckpt = cfg.setdefault("checkpoint", None)
     if ckpt is not None:
         if not isinstance(ckpt, str) or not ckpt or "/" in ckpt or ckpt.startswith("."):
-            raise _bad("checkpoint", f"must name a file inside the model directory, got {ckpt!r}")
+            raise bad_field("checkpoint", f"must name a file inside the model directory, got "
+                            f"{ckpt!r}")
         if model_dir is not None and not (Path(model_dir) / ckpt).is_file():
-            raise _bad("checkpoint", f"names {ckpt!r}, which is not a file in {model_dir}")
-    if fam == "codi":
-        rm = cfg.setdefault("remove_eos", True)
-        if not isinstance(rm, bool):
-            raise _bad("remove_eos", f"must be true or false, got {rm!r}")
-        if not rm:
-            _int(cfg, "tokens.eos")
-        lora = cfg.setdefault("lora", None)
-        if lora is not None:
-            if not isinstance(lora, dict):
-                raise _bad("lora", "must be an object {r, alpha} or null")
-            _int(cfg, "lora.r", lo=1)
-            a = lora.get("alpha")
-            if not finite_positive(a):
-                raise _bad("lora.alpha", f"must be a finite number > 0, got {a!r}")
-            if not isinstance(lora.setdefault("use_rslora", False), bool):
-                raise _bad("lora.use_rslora", "must be true or false")
-        prj = cfg.setdefault("prj", None)
-        if prj is not None:
-            if not isinstance(prj, dict):
-                raise _bad("prj", "must be an object {dim, layer_norm, eps} or null")
-            _int(cfg, "prj.dim", lo=1)
-            if not isinstance(prj.setdefault("layer_norm", True), bool):
-                raise _bad("prj.layer_norm", "must be true or false")
-            eps = prj.setdefault("eps", 1e-5)
-            if not finite_positive(eps):
-                raise _bad("prj.eps", f"must be a finite number > 0, got {eps!r}")
-    elif cfg.get("lora") or cfg.get("prj"):
-        raise _bad("lora" if cfg.get("lora") else "prj", "is for family 'codi' only")
+            raise bad_field("checkpoint", f"names {ckpt!r}, which is not a file in {model_dir}")
     return cfg
+
+
+def check_lora_prj(cfg: dict, prj_fields: str = "{eps}") -> None:
+    """Check ``lora`` (``{r, alpha, use_rslora}`` or null) and ``prj`` (an object
+    ``prj_fields``, its ``eps``, or null) in place, filling their defaults."""
+    lora = cfg.setdefault("lora", None)
+    if lora is not None:
+        if not isinstance(lora, dict):
+            raise bad_field("lora", "must be an object {r, alpha} or null")
+        config_int(cfg, "lora.r", lo=1)
+        if not finite_positive(lora.get("alpha")):
+            raise bad_field("lora.alpha", f"must be a finite number > 0, got {lora.get('alpha')!r}")
+        if not isinstance(lora.setdefault("use_rslora", False), bool):
+            raise bad_field("lora.use_rslora", f"must be true or false, got {lora['use_rslora']!r}")
+    prj = cfg.setdefault("prj", None)
+    if prj is not None:
+        if not isinstance(prj, dict):
+            raise bad_field("prj", f"must be an object {prj_fields} or null")
+        eps = prj.setdefault("eps", 1e-5)
+        if not finite_positive(eps):
+            raise bad_field("prj.eps", f"must be a finite number > 0, got {eps!r}")
+
+
+def validate_latent_config(cfg: dict, model_dir: Path | None = None) -> dict:
+    """Check ``cfg`` (parsed latent_config.json of a feedback family) and return a copy with
+    defaults filled in.
+
+    Raises ValueError naming the offending field (e.g. ``'tokens.bot'``, ``'lora.alpha'``).
+    """
+    cfg = check_common(cfg, FAMILIES, 6, model_dir)
+    fam = cfg["family"]
+    if not isinstance(cfg.get("tokens"), dict):
+        raise bad_field("tokens", f"is required: an object with {list(_TOKENS[fam])}")
+    ids = [config_int(cfg, f"tokens.{k}") for k in _TOKENS[fam]]
+    if len(set(ids)) != len(ids):
+        raise bad_field("tokens", f"ids must be distinct, got {cfg['tokens']}")
+    if "vocab_size" in cfg:
+        v = config_int(cfg, "vocab_size", lo=1)
+        if max(ids) >= v:
+            raise bad_field("tokens", f"ids must be < vocab_size ({v}), got {ids}")
+    if fam != "codi":
+        if cfg.get("lora") or cfg.get("prj"):
+            raise bad_field("lora" if cfg.get("lora") else "prj", "is for family 'codi' only")
+        return cfg
+    rm = cfg.setdefault("remove_eos", True)
+    if not isinstance(rm, bool):
+        raise bad_field("remove_eos", f"must be true or false, got {rm!r}")
+    if not rm:
+        config_int(cfg, "tokens.eos")
+    check_lora_prj(cfg, "{dim, layer_norm, eps}")
+    if cfg["prj"] is not None:
+        config_int(cfg, "prj.dim", lo=1)
+        if not isinstance(cfg["prj"].setdefault("layer_norm", True), bool):
+            raise bad_field("prj.layer_norm", "must be true or false")
+    return cfg
+
+
+def read_config_json(model_dir: str | Path):
+    """The parsed ``model_dir/latent_config.json``, None when there is none. Raises
+    ValueError for invalid JSON."""
+    path = Path(model_dir) / LATENT_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def read_latent_config(model_dir: str | Path) -> dict | None:
     """The validated ``model_dir/latent_config.json`` (defaults filled in), or None when the
     directory has none. Raises ValueError naming the field for a bad config."""
-    path = Path(model_dir) / LATENT_CONFIG
-    if not path.is_file():
-        return None
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    return validate_latent_config(cfg, Path(model_dir))
+    cfg = read_config_json(model_dir)
+    return None if cfg is None else validate_latent_config(cfg, Path(model_dir))
 
 
 def latent_spec_from_config(cfg: dict) -> LatentSpec:
@@ -206,7 +231,8 @@ def merge_lora(state: dict, lora: dict | None, conv1d: bool) -> dict[str, torch.
             raise ValueError(f"{mod!r} has more than one LoRA adapter; merge one first")
         pairs[mod][part] = v
     if pairs and lora is None:
-        raise _bad("lora", f"is null but the checkpoint has LoRA tensors ({next(iter(pairs))})")
+        raise bad_field("lora", f"is null but the checkpoint has LoRA tensors "
+                        f"({next(iter(pairs))})")
     if not pairs:
         return out
     r = lora["r"]
@@ -216,7 +242,7 @@ def merge_lora(state: dict, lora: dict | None, conv1d: bool) -> dict[str, torch.
             raise ValueError(f"incomplete LoRA module {mod!r}: has {sorted(ab)}, base weight "
                              f"{'present' if mod + '.weight' in out else 'missing'}")
         if ab["A"].shape[0] != r:
-            raise _bad("lora.r", f"is {r} but {mod}.lora_A has rank {ab['A'].shape[0]}")
+            raise bad_field("lora.r", f"is {r} but {mod}.lora_A has rank {ab['A'].shape[0]}")
         name = mod + ".weight"
         out[name] = merged_weight(out[name], ab["A"], ab["B"], scale, name=name,
                                   transpose=conv1d and mod.endswith(_GPT2_CONV1D))
@@ -231,6 +257,22 @@ def _fallback_weights(model_dir: Path, skip: str, tied: bool):
             for k, v in read_state_dict(f).items():
                 if not (k.endswith(BUFFER_SUFFIXES) or (tied and k == "lm_head.weight")):
                     yield k, v
+
+
+def embedding_rows(state: dict, model_dir, cfg: dict, fields=("tokens",)) -> int:
+    """The rows of ``state``'s input embedding, which the ids of ``cfg``'s ``fields`` (an
+    object or a list of ids each) must fit. Raises ValueError naming the field, or when
+    ``state`` has no embedding."""
+    emb = next((state[k] for k in _EMBED_KEYS if k in state), None)
+    if emb is None:
+        raise ValueError(f"{model_dir}: the checkpoint has no embedding ({_EMBED_KEYS[0]} or "
+                         f"{_EMBED_KEYS[2]})")
+    rows = int(emb.shape[0])
+    for field in fields:
+        ids = list(cfg[field].values() if isinstance(cfg[field], dict) else cfg[field])
+        if ids and max(ids) >= rows:
+            raise bad_field(field, f"ids {ids} do not fit the embedding's {rows} rows")
+    return rows
 
 
 def prepare_latent_weights(model_dir, hf_config, latent_cfg):
@@ -254,17 +296,10 @@ def prepare_latent_weights(model_dir, hf_config, latent_cfg):
         for k, v in _fallback_weights(model_dir, ckpt, tied):
             if k not in names and "transformer." + k not in names:
                 state[k] = v
-    emb = next((state[k] for k in _EMBED_KEYS if k in state), None)
-    if emb is None:
-        raise ValueError(f"{model_dir}: the checkpoint has no embedding ({_EMBED_KEYS[0]} or "
-                         f"{_EMBED_KEYS[2]})")
-    rows = int(emb.shape[0])
-    ids = list(latent_cfg["tokens"].values())
-    if max(ids) >= rows:
-        raise _bad("tokens", f"ids {ids} do not fit the checkpoint's {rows} embedding rows")
+    rows = embedding_rows(state, model_dir, latent_cfg)
     if latent_cfg.get("vocab_size", rows) != rows:
-        raise _bad("vocab_size", f"is {latent_cfg['vocab_size']} but the checkpoint's "
-                   f"embedding has {rows} rows")
+        raise bad_field("vocab_size", f"is {latent_cfg['vocab_size']} but the checkpoint's "
+                        f"embedding has {rows} rows")
     hf_config.vocab_size = rows
     return list(state.items()), hf_config
 
@@ -298,25 +333,43 @@ def attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device) -> Non
     if latent_cfg["family"] != "codi":
         model.latent_feedback = nn.Identity()
         return
-    prj_cfg = latent_cfg.get("prj")
-    ckpt = latent_cfg.get("checkpoint")
-    files = [Path(model_dir) / ckpt] if ckpt else sorted(Path(model_dir).glob("*.safetensors"))
-    sd = {}
-    for f in files:
-        sd.update(read_state_dict(f, keep=lambda k: k.removeprefix("module.").startswith("prj.")))
-    sd = {k.removeprefix("module.").removeprefix("prj."): v for k, v in sd.items()}
+    prj_cfg, sd = latent_cfg.get("prj"), prj_tensors(model_dir, latent_cfg)
     if prj_cfg is None:
         if sd:  # a hand-written config without "prj" would silently skip the projection
             dim = int(sd["1.weight"].shape[0]) if "1.weight" in sd else "?"
             want = json.dumps({"dim": dim, "layer_norm": "ln.weight" in sd, "eps": 1e-5})
-            raise _bad("prj", f"is null but the checkpoint has prj.* tensors "
-                       f"({', '.join(sorted(sd)[:2])}, ...): set it, e.g. {want}")
+            raise bad_field("prj", f"is null but the checkpoint has prj.* tensors "
+                            f"({', '.join(sorted(sd)[:2])}, ...): set it, e.g. {want}")
         model.latent_feedback = nn.Identity()
         return
     hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
     prj = CodiProjection(hidden, prj_cfg["dim"], prj_cfg["layer_norm"], prj_cfg["eps"])
+    model.latent_feedback = load_projection(prj, sd, dtype, device)
+
+
+def _prj_name(k: str) -> str:
+    return k.removeprefix("module.").removeprefix("base_model.model.")
+
+
+def prj_tensors(model_dir, cfg: dict) -> dict:
+    """The ``prj.*`` tensors of the checkpoint (else of every ``*.safetensors``), named
+    without ``prj.``: DDP's ``module.``, PEFT's ``base_model.model.`` and its
+    ``modules_to_save`` wrapper removed, its ``original_module`` copy dropped."""
+    ckpt = cfg.get("checkpoint")
+    files = [Path(model_dir) / ckpt] if ckpt else sorted(Path(model_dir).glob("*.safetensors"))
+    out = {}
+    for f in files:
+        for k, v in read_state_dict(f, keep=lambda k: _prj_name(k).startswith("prj.")).items():
+            if ".original_module." not in k:
+                out[_prj_name(k).removeprefix("prj.").replace("modules_to_save.default.", "")] = v
+    return out
+
+
+def load_projection(prj: nn.Module, sd: dict, dtype, device) -> nn.Module:
+    """``prj`` with ``sd`` loaded strictly, on ``device`` in ``dtype``, in eval mode.
+    Raises ValueError naming ``prj`` when the tensors do not match."""
     try:
         prj.load_state_dict(sd, strict=True)
     except RuntimeError as e:
-        raise _bad("prj", f"does not match the checkpoint's prj.* tensors: {e}") from None
-    model.latent_feedback = prj.to(device=device, dtype=dtype).eval()
+        raise bad_field("prj", f"does not match the checkpoint's prj.* tensors: {e}") from None
+    return prj.to(device=device, dtype=dtype).eval()

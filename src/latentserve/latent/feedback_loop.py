@@ -24,15 +24,7 @@ class FeedbackFamily(Family):
     description = "a feedback-latent model"
 
     def admit(self, prompt_ids, params) -> Admission:
-        spec = self.spec
-        budget = spec.resolve_budget(params.latent_budget)
-
-        def start(req: Req) -> None:
-            req.prompt_ids += spec.start_ids
-            req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
-            req.answer_start = None
-
-        return Admission(params, spec.prompt_extra(budget), start)
+        return self.admit_budgeted(params)
 
     @staticmethod
     def graph_hooks(spec, model, max_bs, device, depths=None) -> GraphHooks:

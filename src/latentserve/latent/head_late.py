@@ -64,25 +64,40 @@ class Late:
     rng: Any = None
 
 
+def phase_outputs(head, reqs: list[Req], anchors: torch.Tensor, precomputed, sigma=None):
+    """The sampling rows in their latent phase and the head's outputs for them, or None when
+    no row is: ``(rows, sel, vecs, probs)``, ``rows`` indices into ``reqs``, ``sel`` their
+    anchors ``[n, H]``, ``vecs`` ``[n, H]`` next inputs and ``probs`` ``[n]`` stop
+    probabilities (None without a stop head). ``precomputed``: ``(vecs [S, H], probs [S] or
+    None)`` a CUDA graph computed (static buffers), or a callable giving them, called only
+    when some row is in its phase; unused with a ``sigma`` (policy sampling: ``vecs`` is
+    ``head.encode``'s ``mu``, to be sampled and decoded)."""
+    rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
+    if not rows:
+        return None
+    every = len(rows) == len(reqs)  # no index ops when every row is in the phase
+    idx = None if every else torch.tensor(rows, dtype=torch.long, device=anchors.device)
+    pre = None if sigma is not None else precomputed() if callable(precomputed) else precomputed
+    with torch.inference_mode():
+        sel = anchors if every else anchors[idx]
+        if sigma is not None:
+            return rows, sel, head.encode(sel), head.stop_prob(sel)
+        if pre is not None:  # a CUDA graph ran the head on these anchors (static buffers)
+            vecs = pre[0].clone() if every else pre[0][idx]
+            return rows, sel, vecs, pre[1] if pre[1] is None or every else pre[1][idx]
+        return rows, sel, *head.serve_outputs(sel)
+
+
 def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torch.Tensor,
                precomputed, ring) -> list | None:
     """Per sampling row its :class:`Candidate` (None: not in its latent phase), or None
     when no row is. ``anchors``: ``[S, hidden]``; ``precomputed``: as for
-    ``head_loop.next_inputs``; ``ring``: ``DeviceToHost`` for the stop probabilities.
+    :func:`phase_outputs`; ``ring``: ``DeviceToHost`` for the stop probabilities.
     Reads the host only for a traced row; changes no request state."""
-    rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
-    if not rows:
+    phase = phase_outputs(head, reqs, anchors, precomputed)
+    if phase is None:
         return None
-    every = len(rows) == len(reqs)
-    idx = None if every else torch.tensor(rows, dtype=torch.long, device=anchors.device)
-    pre = precomputed() if callable(precomputed) else precomputed
-    with torch.inference_mode():
-        sel = anchors if every else anchors[idx]
-        if pre is not None:  # a CUDA graph ran the head on these anchors (static buffers)
-            vecs = pre[0].clone() if every else pre[0][idx]
-            probs = pre[1] if pre[1] is None or every else pre[1][idx]
-        else:
-            vecs, probs = head.serve_outputs(sel)
+    rows, sel, vecs, probs = phase
     host = HostFloats(probs, ring) if probs is not None else None
     states = [reqs[i].state for i in rows]
     open_ = [j for j, h in enumerate(states)  # may take a step

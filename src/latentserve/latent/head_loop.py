@@ -12,7 +12,14 @@ import torch
 
 from latentserve.core import Req
 from latentserve.latent.family import Admission, Family
-from latentserve.latent.head_late import Candidate, candidates, decide, settle, snapshot
+from latentserve.latent.head_late import (
+    Candidate,
+    candidates,
+    decide,
+    phase_outputs,
+    settle,
+    snapshot,
+)
 
 
 def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
@@ -55,34 +62,20 @@ def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
     latent) after ``min_latent`` steps, else end at ``max_latent``, else the next input
     (drawn by ``head.sample`` at ``latent_temperature`` > 0). Prompt mode: the last prompt
     position's latent. Returns per row a ``(tensor, row)`` entry (``[hidden]`` float32) or
-    None, or None when no row is in its phase. ``precomputed``: ``(latent_input [S, hidden],
-    stop_prob [S] or None)`` a CUDA graph computed (static buffers), or a callable giving
-    it, called only when some row is in its phase. ``head.record_latents``: each
-    closed-loop input is also kept in ``actions``.
+    None, or None when no row is in its phase. ``precomputed``: as for
+    ``head_late.phase_outputs``. ``head.record_latents``: each closed-loop input is also
+    kept in ``actions``.
     """
-    rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
-    if not rows:
-        return None
-    every = len(rows) == len(reqs)  # no index ops when every row is in the phase
-    idx = None if every else torch.tensor(rows, dtype=torch.long, device=captured.device)
     sigma = getattr(head, "policy_sigma", None)
-    if callable(precomputed):
-        precomputed = None if sigma is not None else precomputed()
-    with torch.inference_mode():
-        anchors = captured if every else captured[idx]
-        if sigma is not None:  # Gaussian policy: z ~ N(mu, sigma^2 I), recorded with its anchor
-            mu = head.encode(anchors)
-            z = mu + sigma * torch.randn_like(mu) if sigma > 0 else mu
+    phase = phase_outputs(head, reqs, captured, precomputed, sigma)
+    if phase is None:
+        return None
+    rows, anchors, vecs, probs = phase
+    if sigma is not None:  # Gaussian policy: z ~ N(mu, sigma^2 I), recorded with its anchor
+        with torch.inference_mode():
+            z = vecs + sigma * torch.randn_like(vecs) if sigma > 0 else vecs
             vecs = head.decode(z)
             z_cpu, a_cpu = z.float().cpu(), anchors.float().cpu()
-            probs = head.stop_prob(anchors)
-        elif precomputed is not None:  # a CUDA graph already ran the head on these anchors
-            vecs = precomputed[0].clone() if every else precomputed[0][idx]
-            probs = precomputed[1]
-            if probs is not None and not every:
-                probs = probs[idx]
-        else:
-            vecs, probs = head.serve_outputs(anchors)
     probs = probs.tolist() if probs is not None else [None] * len(rows)
     stop_token = head.stop_token
     out: list = [None] * len(reqs)

@@ -89,17 +89,8 @@ class LoopFamily(Family):
     description = "a looped-block model"
 
     def admit(self, prompt_ids, params) -> Admission:
-        spec = self.spec
-        budget = spec.resolve_budget(params.latent_budget)
-
-        def start(req: Req) -> None:
-            req.prompt_ids += spec.start_ids
-            req.latent_start = len(req.prompt_ids)
-            req.latent_budget = budget
-            req.answer_start = None
-            req.state = LoopState(req.latent_start, spec.block_size, budget)
-
-        return Admission(params, spec.prompt_extra(budget), start)
+        return self.admit_budgeted(params, lambda req, budget: LoopState(
+            req.latent_start, self.spec.block_size, budget))
 
     thinking = Family.budget_thinking
 

@@ -6,7 +6,6 @@ Design notes: docs/internals.md, "latentserve.latent.loop_convert".
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from latentserve.latent.feedback import BUFFER_SUFFIXES, read_state_dict
@@ -52,7 +51,7 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
     ValueError naming the missing file or mismatching field."""
     from safetensors.torch import save_file
 
-    from latentserve.latent.convert import write_checked
+    from latentserve.latent.convert import write_checked, write_configs
     from latentserve.models.checkpoint import load_tokenizer
     from latentserve.models.loader import iter_weights
 
@@ -109,11 +108,7 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
         save_file(weights, str(out / "base.safetensors"), metadata={"format": "pt"})
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_FILE),
                   metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-        if (base_dir / "generation_config.json").is_file():
-            shutil.copy2(base_dir / "generation_config.json", out / "generation_config.json")
-        tok.save_pretrained(str(out))
-        (out / "latent_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        write_configs(out, base_dir, hf_cfg, tok, cfg)
 
     return write_checked(out_dir, overwrite, write)
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from latentserve.context import get_context
 from latentserve.models.layers import inject, paged_attention
+from latentserve.models.weights import load_by_name
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -105,20 +106,12 @@ class GPT2LMHeadModel(nn.Module):
     def load_weights(self, weights) -> None:
         """Load ``(name, tensor)`` pairs, with or without the ``transformer.`` prefix.
         Raises KeyError on an unexpected name, ValueError when a weight is missing."""
-        params = dict(self.named_parameters())
-        seen = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # tied head; causal-mask buffers of old checkpoints
-            if not name.startswith("transformer."):
-                name = "transformer." + name
-            if name not in params:
-                raise KeyError(f"unexpected weight {name!r} for GPT2LMHeadModel")
-            if name.endswith(_CONV1D):
-                tensor = tensor.t()
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            seen.add(name)
-        missing = set(params) - seen
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+        def hf_layout(weights):
+            for name, tensor in weights:
+                if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
+                    continue  # tied head; causal-mask buffers of old checkpoints
+                name = name if name.startswith("transformer.") else "transformer." + name
+                yield name, tensor.t() if name.endswith(_CONV1D) else tensor
+
+        load_by_name(self, hf_layout(weights))

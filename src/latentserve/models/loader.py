@@ -109,17 +109,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
 
         weights = merge_adapter(iter_weights(adapter.base_dir), adapter, hf_config)
     elif (model_dir / "latent_config.json").exists():
-        from latentserve.latent.feedback import (
-            attach_latent,
-            prepare_latent_weights,
-            read_latent_config,
-        )
-        from latentserve.latent.loop_checkpoint import read_loop_config
+        from latentserve.latent.feedback import prepare_latent_weights, read_latent_config
+        from latentserve.latent.loop_checkpoint import prepare_loop_weights, read_loop_config
 
         loop_cfg = read_loop_config(model_dir)
         if loop_cfg is not None:
-            from latentserve.latent.loop_checkpoint import prepare_loop_weights
-
             weights, hf_config = prepare_loop_weights(model_dir, hf_config, loop_cfg)
         else:
             latent_cfg = read_latent_config(model_dir)
@@ -149,6 +143,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
 
         attach_loop(model, model_dir, hf_config, loop_cfg, dtype, device)
     elif latent_cfg is not None:
+        from latentserve.latent.feedback import attach_latent
+
         attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device)
     elif colar:
         from latentserve.latent.colar_head import attach_colar

@@ -6,85 +6,17 @@ Design notes: docs/internals.md, "latentserve.train.colar".
 from __future__ import annotations
 
 import json
-import math
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from latentserve.latent import colar
-from latentserve.train import LORA_TARGETS
+from latentserve.train.options import ColarTrainConfig
 
 # (prompt ids at speed r, steps ids, answer ids = [###, *Answer:{a}, EOS])
 Example = tuple[list[int], list[int], list[int]]
-
-
-@dataclass(slots=True)
-class ColarTrainConfig:
-    """Options of ``latentserve train colar`` (see its ``--help``). ``base`` None = the base
-    of ``init_adapter``, else the embedded SmolLM2; ``lora_*`` apply to a fresh LoRA only;
-    ``lora_r`` 0 = full fine-tune; ``compression_factor`` None = ``max_compression_factor``;
-    ``intermediate_size`` None = hidden size; ``embeds_std`` None = the embedding matrix's
-    std; ``train_factors`` None = ``1..max_compression_factor``, else the factors each
-    batch's ``r`` is drawn from. Raises ValueError for a bad value."""
-
-    data: list[str]
-    out: str
-    base: str | None = None
-    lora_r: int = 16
-    lora_alpha: float = 32.0
-    lora_targets: tuple[str, ...] = LORA_TARGETS
-    init_adapter: str | None = None
-    steps: int = 2000
-    batch_size: int = 256
-    lr: float = 1e-4
-    warmup: int = 100
-    weight_decay: float = 0.01
-    max_len: int = 512
-    seed: int = 0
-    device: str = "cpu"
-    max_seconds: float = 0.0
-    save_every: int = 0
-    log_every: int = 50
-    max_compression_factor: int = 5
-    compression_factor: int | None = None
-    embed_loss: str = "mse"
-    embed_weight: float = 1.0
-    ce_weight: float = 1.0
-    intermediate_size: int | None = None
-    embeds_std: float | None = None
-    max_latent: int = 64
-    train_factors: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        if self.steps < 1 or self.batch_size < 1 or self.log_every < 1:
-            raise ValueError("steps, batch_size and log_every must be >= 1")
-        if self.lora_r < 0 or not self.lr > 0:
-            raise ValueError(f"lora_r must be >= 0 and lr > 0, got {self.lora_r}, {self.lr}")
-        if self.max_compression_factor < 1:
-            raise ValueError(f"max_compression_factor must be >= 1, got "
-                             f"{self.max_compression_factor}")
-        if self.compression_factor is None:
-            self.compression_factor = self.max_compression_factor
-        if not 1 <= self.compression_factor <= self.max_compression_factor:
-            raise ValueError(f"compression_factor must be in 1..{self.max_compression_factor}"
-                             f" (max_compression_factor), got {self.compression_factor}")
-        if self.embed_loss not in ("mse", "nll"):
-            raise ValueError(f"embed_loss must be 'mse' or 'nll', got {self.embed_loss!r}")
-        if self.embeds_std is not None and not (math.isfinite(self.embeds_std)
-                                                and self.embeds_std > 0):
-            raise ValueError(f"embeds_std must be a finite number > 0, got {self.embeds_std}")
-        if self.intermediate_size is not None and self.intermediate_size < 1:
-            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
-        if self.max_latent < 1:
-            raise ValueError(f"max_latent must be >= 1, got {self.max_latent}")
-        if self.train_factors is not None and not (self.train_factors and all(
-                1 <= r <= self.max_compression_factor for r in self.train_factors)):
-            raise ValueError(f"train_factors must be a non-empty list of values in "
-                             f"1..{self.max_compression_factor} (max_compression_factor), got "
-                             f"{self.train_factors}")
 
 
 def draw_picks(steps_lens: list[int], r: int, rng: random.Random) -> list[list[int]]:
@@ -102,7 +34,7 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
     :func:`draw_picks`; ``noise`` ``[sum(K_i + 1), H]`` float32 normal draws for ``mse`` (None:
     ``torch.randn``). Returns float32 scalars ``total``, ``ce``, ``embed`` and counts
     ``n_ce``, ``n_embed``."""
-    from latentserve.train.cot import _lm
+    from latentserve.train.cot import _lm, right_pad
 
     if embed_loss not in ("mse", "nll"):
         raise ValueError(f"embed_loss must be 'mse' or 'nll', got {embed_loss!r}")
@@ -122,8 +54,7 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
         ids.append(prompt + [0] * (k + 1) + answer)
         labels.append([sep] + [steps[g * r + p] for g, p in enumerate(pick)] + answer)
         ce_rows += [(b, q - 1 + j) for j in range(len(labels[-1]))]
-    T = max(len(x) for x in ids)
-    ids_t = torch.tensor([x + [0] * (T - len(x)) for x in ids], device=device)
+    ids_t = right_pad(ids, 0, device)
     g_ids = torch.tensor(groups, device=device)
     real = (g_ids >= 0).unsqueeze(-1)
     compressed = (emb(g_ids.clamp(min=0)) * real).sum(1)  # [G, H]
@@ -162,33 +93,23 @@ def adapter_base(adapter_dir: str) -> str | None:
     """A stage-0 adapter's ``base_model_name_or_path`` (None for the embedded SmolLM2 or
     when absent; a relative path resolved beside the adapter if it exists).
     FileNotFoundError without ``adapter_config.json``."""
-    from latentserve.train.cot import EMBEDDED_BASE
+    from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES
 
     path = Path(adapter_dir) / "adapter_config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (--init-adapter takes a PEFT "
                                 f"adapter directory, e.g. the output of train cot)")
     base = json.loads(path.read_text()).get("base_model_name_or_path")
-    if base in (None, "", EMBEDDED_BASE, "embedded"):
+    if base in (None, "", *EMBEDDED_BASE_NAMES):
         return None
     beside = Path(adapter_dir) / base
     return str(beside) if not Path(base).is_absolute() and beside.exists() else base
 
 
-def save_model(model, policy: colar.LatentPolicy, out: Path, base_name: str,
-               cfg: ColarTrainConfig, ccfg: colar.ColarConfig, log: list[dict]) -> None:
-    """A servable directory: the backbone as ``train cot`` writes it (PEFT adapter in
-    bfloat16, ``base_model_name_or_path`` set), ``colar_config.json``,
-    ``latent_policy.safetensors`` (float32), ``train_config.json``, ``train_log.json``."""
-    from latentserve.train.cot import save
-
-    save(model, out, base_name, cfg, log)
-    colar.save_colar(out, ccfg, policy)
-
-
 def train(cfg: ColarTrainConfig, progress=print) -> dict:
     """Run stage 1 (see the module docstring); returns the last log record. Raises
-    ValueError for a bad option, FileNotFoundError for missing data or adapter."""
+    ValueError (no ``###`` token, no example fits), FileNotFoundError for missing data or
+    adapter."""
     from latentserve.train.cot import (
         _lm,
         batches,
@@ -197,6 +118,7 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
         load_backbone,
         optimise,
         read_items,
+        save,
     )
 
     if cfg.init_adapter and cfg.base is None:
@@ -245,9 +167,10 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
                           ce_weight=cfg.ce_weight, embed_weight=cfg.embed_weight)
         return loss["total"], {"ce": loss["ce"], "embed": loss["embed"], "r": r}
 
-    log = optimise(cfg, params, step_loss,
-                   lambda log: save_model(model, policy, out, base_name, cfg, ccfg, log),
-                   progress)
-    save_model(model, policy, out, base_name, cfg, ccfg, log)
+    def checkpoint(log: list[dict]) -> None:  # a servable directory, as train cot's + CoLaR's
+        save(model, out, base_name, cfg, log, colar_files=(ccfg, policy))
+
+    log = optimise(cfg, params, step_loss, checkpoint, progress)
+    checkpoint(log)
     return log[-1]
 

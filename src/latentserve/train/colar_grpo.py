@@ -16,83 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from latentserve.latent import colar
+from latentserve.train.options import LOSS_AVERAGES, ColarGRPOConfig
 
 # GRPOLoss with ``average_per_token_loss: False`` divides each sequence's summed loss by this
 # constant (upstream ``masked_sum``).
 SUM_DIVISOR = 32
-LOSS_AVERAGES = ("sum", "mean")
-
-
-@dataclass(slots=True)
-class ColarGRPOConfig:
-    """Options of ``latentserve train colar-grpo`` (see its ``--help``). ``model``: a stage-1
-    directory; ``compression_factor`` / ``max_latent`` None = its ``colar_config.json``;
-    ``dtype`` None = bfloat16 on CUDA, else float32. Raises ValueError for a bad value."""
-
-    model: str
-    data: list[str]
-    out: str
-    steps: int = 100
-    questions_per_step: int = 8
-    group_size: int = 8
-    exp_batch_size: int = 8
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    clip_eps: float = 0.2
-    loss_average: str = "sum"
-    max_log_ratio: float | None = None  # clamp of logp - logp_old before exp (None: upstream)
-    tempered_logprobs: bool = False  # latent log-probs at latent_temperature (upstream: at 1)
-    use_latent_loss: bool = True
-    use_answer_loss: bool = True
-    punish_latent_length: bool = False
-    length_penalty: float = 0.0
-    latent_temperature: float = 1.0
-    answer_temperature: float = 1.0
-    answer_top_p: float = 0.9
-    answer_tokens: int = 16
-    compression_factor: int | None = None
-    max_latent: int | None = None
-    max_examples: int | None = None
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str | None = None
-    max_num_seqs: int = 256
-    enforce_eager: bool = False
-    kv_slots: int | None = None  # the rollout engine's KV pool in tokens (None: from memory)
-    autocast: bool = True  # the trainer's forward under bfloat16 autocast on CUDA
-    max_seconds: float = 0.0
-    save_every: int = 0
-
-    def __post_init__(self):
-        for k in ("steps", "questions_per_step", "exp_batch_size", "answer_tokens",
-                  "max_num_seqs"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages are group-relative), "
-                             f"got {self.group_size}")
-        if not self.lr > 0 or not 0 < self.clip_eps < 1:
-            raise ValueError(f"lr must be > 0 and clip_eps in (0, 1), got {self.lr}, "
-                             f"{self.clip_eps}")
-        if self.max_log_ratio is not None and not self.max_log_ratio > 0:
-            raise ValueError(f"max_log_ratio must be > 0 (or None: no clamp), got "
-                             f"{self.max_log_ratio}")
-        if self.loss_average not in LOSS_AVERAGES:
-            raise ValueError(f"loss_average must be one of {LOSS_AVERAGES}, got "
-                             f"{self.loss_average!r}")
-        if not (self.use_latent_loss or self.use_answer_loss):
-            raise ValueError("use_latent_loss and use_answer_loss are both off: no loss")
-        if not self.latent_temperature > 0:
-            raise ValueError(f"latent_temperature must be > 0 (GRPO explores by drawing the "
-                             f"latents), got {self.latent_temperature}")
-        if self.answer_temperature < 0 or not 0 < self.answer_top_p <= 1:
-            raise ValueError(f"answer_temperature must be >= 0 and answer_top_p in (0, 1], got "
-                             f"{self.answer_temperature}, {self.answer_top_p}")
-        if self.length_penalty < 0:
-            raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
-        if self.max_latent is not None and self.max_latent < 1:
-            raise ValueError(f"max_latent must be >= 1, got {self.max_latent}")
 
 
 @dataclass(slots=True)
@@ -153,7 +81,7 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
     """Per rollout ``(latent log-probs [n], answer log-probs [len(answer_ids)])`` float32
     from one teacher-forced, right-padded forward over ``prompt | latents | answer_ids``
     (upstream ``get_logprobs``); gradients reach the LoRA and the policy (float32)."""
-    from latentserve.train.cot import _lm
+    from latentserve.train.cot import _lm, right_pad
 
     lm = _lm(model)
     emb = lm.get_input_embeddings()
@@ -165,8 +93,8 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
         lat_pos += [(b, q + k) for k in range(n)]
         ans_pos += [(b, q + n - 1 + j) for j in range(len(r.answer_ids))]
         targets += r.answer_ids
-    T = max(map(len, ids))
-    x = emb(torch.tensor([s + [0] * (T - len(s)) for s in ids], device=dev))
+    x = emb(right_pad(ids, 0, dev))
+    T = x.shape[1]
     if lat_pos:
         lb, lt = torch.tensor(lat_pos, device=dev).T
         z = torch.cat([r.latents for r in batch]).to(dev)
@@ -349,16 +277,6 @@ def rewards_of(rollouts: list[Rollout], golds: list[str], cfg: ColarGRPOConfig,
 
 # ----------------------------------------------------------------------------- training
 
-def save_model(model, policy, ccfg: colar.ColarConfig, out: Path, base_name: str,
-               cfg: ColarGRPOConfig, log: list[dict]) -> None:
-    """A servable directory as ``train colar`` writes it, but with the adapter in float32
-    (an RL step at lr 1e-6 moves the LoRA weights far less than a bfloat16 ulp)."""
-    from latentserve.train.cot import save
-
-    save(model, out, base_name, cfg, log, adapter_dtype=torch.float32)
-    colar.save_colar(out, ccfg, policy)
-
-
 def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> dict:
     """Run ``cfg.steps`` GRPO steps and write ``cfg.out``; returns the last log record.
     ``engine``: an ``LLMEngine`` serving ``cfg.model`` (else built; ends with the trained
@@ -375,7 +293,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     from latentserve.models.checkpoint import is_adapter_dir
     from latentserve.sampling_params import SamplingParams
     from latentserve.train.colar import adapter_base
-    from latentserve.train.cot import batches, load_backbone, read_items, trainer_forward
+    from latentserve.train.cot import batches, load_backbone, read_items, save, trainer_forward
 
     t0 = time.time()
     src = Path(cfg.model)
@@ -421,6 +339,11 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     autocast = cfg.autocast
     out = Path(cfg.out)
     log: list[dict] = []
+
+    def checkpoint() -> None:  # as train colar writes it, but the adapter in float32 (an RL
+        # step at lr 1e-6 moves the LoRA weights far less than a bfloat16 ulp)
+        save(model, out, base_name, cfg, log, torch.float32, colar_files=(ccfg, policy))
+
     progress(f"train colar-grpo: {len(items)} items, {sum(p.numel() for p in params)} "
              f"trainable parameters, {cfg.steps} steps of {cfg.questions_per_step} x "
              f"{cfg.group_size} rollouts, speed {c}, max_latent {max_latent}")
@@ -484,12 +407,12 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
             progress(json.dumps(rec))
             timed_out = cfg.max_seconds and time.time() - t0 > cfg.max_seconds
             if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
-                save_model(model, policy, ccfg, out, base_name, cfg, log)
+                checkpoint()
             if timed_out:
                 progress(f"stopping at step {step}: max_seconds {cfg.max_seconds} reached")
                 break
     finally:
         set_policy_sampling(head, record=False)
-    save_model(model, policy, ccfg, out, base_name, cfg, log)
+    checkpoint()
     return log[-1] if log else {}
 

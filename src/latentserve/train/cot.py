@@ -10,7 +10,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -18,38 +18,7 @@ import torch.nn.functional as F
 
 from latentserve.eval.datasets import Item
 from latentserve.latent import colar
-from latentserve.train import LORA_TARGETS
-
-EMBEDDED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-@dataclass(slots=True)
-class CotConfig:
-    """Options of ``latentserve train cot`` (see its ``--help``). ``base`` None = the
-    embedded SmolLM2; ``lora_r`` 0 = full fine-tune; ``max_seconds`` 0 = no time limit
-    (else training stops and saves when it is reached)."""
-
-    data: list[str]
-    out: str
-    base: str | None = None
-    mode: str = "cot"
-    lora_r: int = 16
-    lora_alpha: float = 32.0
-    lora_targets: tuple[str, ...] = LORA_TARGETS
-    init_adapter: str | None = None
-    steps: int = 2000
-    batch_size: int = 128
-    lr: float = 1e-3
-    warmup: int = 100
-    weight_decay: float = 0.01
-    max_len: int = 512
-    seed: int = 0
-    device: str = "cpu"
-    max_seconds: float = 0.0
-    save_every: int = 0
-    log_every: int = 50
-    eval_data: list[str] = field(default_factory=list)
-    eval_items: int = 200
+from latentserve.train.options import CotConfig
 
 
 def read_items(path: str | Path) -> list[Item]:
@@ -106,13 +75,13 @@ def load_backbone(base: str | None, device: str, cfg=None):
     wrapped in PEFT LoRA when ``cfg.lora_r > 0`` or ``cfg.init_adapter`` (loaded trainable)."""
     from transformers import AutoModelForCausalLM
 
-    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+    from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(base)
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="sdpa").to(device)
-    base_name = EMBEDDED_BASE if base is None else str(Path(base).resolve())
+    base_name = EMBEDDED_BASE_NAMES[0] if base is None else str(Path(base).resolve())
     if cfg is not None and cfg.init_adapter:
         from peft import PeftModel
 
@@ -145,18 +114,18 @@ def _lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def right_pad(rows: list[list[int]], value: int = 0, device=None) -> torch.Tensor:
+    """``[len(rows), longest] int64`` on ``device``: each row, then ``value`` to the end."""
+    width = max(map(len, rows))
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=device)
+
+
 def batch_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int,
                device: str) -> torch.Tensor:
     """Mean cross-entropy of the target tokens of ``batch`` (right-padded, causal, so
     padding is never attended to by a real token); logits only at target positions."""
-    lens = [len(p) + len(t) for p, t in batch]
-    T = max(lens)
-    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), T), -100, dtype=torch.long)
-    for i, (p, t) in enumerate(batch):
-        ids[i, :len(p) + len(t)] = torch.tensor(p + t)
-        labels[i, len(p):len(p) + len(t)] = torch.tensor(t)
-    ids, labels = ids.to(device), labels.to(device)
+    ids = right_pad([p + t for p, t in batch], pad_id, device)
+    labels = right_pad([[-100] * len(p) + t for p, t in batch], -100, device)
     lm = _lm(model)
     hidden = lm.model(input_ids=ids).last_hidden_state[:, :-1]
     target = labels[:, 1:]
@@ -192,10 +161,12 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
             "thinking_median": thinking[len(thinking) // 2] if thinking else 0}
 
 
-def save(model, out: Path, base_name: str, cfg: CotConfig, log: list[dict],
-         adapter_dtype: torch.dtype = torch.bfloat16) -> None:
+def save(model, out: Path, base_name: str, cfg, log: list[dict],
+         adapter_dtype: torch.dtype = torch.bfloat16, colar_files=None) -> None:
     """Write the adapter (PEFT form, in ``adapter_dtype``) or, for a full fine-tune, the
-    model (``model.safetensors``), plus ``train_config.json`` and ``train_log.json``."""
+    model (``model.safetensors``), plus ``train_config.json`` (``cfg``, any options class)
+    and ``train_log.json``; with ``colar_files`` (``(ColarConfig, LatentPolicy)``) a CoLaR
+    model directory (``latent.colar.save_colar``)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -212,6 +183,8 @@ def save(model, out: Path, base_name: str, cfg: CotConfig, log: list[dict],
         model.save_pretrained(str(out), safe_serialization=True)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
+    if colar_files is not None:
+        colar.save_colar(out, *colar_files)
 
 
 def batches(n: int, batch_size: int, rng: random.Random | None = None):
@@ -271,11 +244,7 @@ def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=pr
 
 def train(cfg: CotConfig, progress=print) -> dict:
     """Run stage 0 (see the module docstring); returns the last log record. Raises
-    ValueError for a bad option, FileNotFoundError for missing data."""
-    if cfg.mode not in ("cot", "nocot"):
-        raise ValueError(f"mode must be 'cot' or 'nocot', got {cfg.mode!r}")
-    if cfg.steps < 1 or cfg.batch_size < 1 or cfg.lora_r < 0 or not cfg.lr > 0:
-        raise ValueError("steps and batch_size must be >= 1, lora_r >= 0 and lr > 0")
+    ValueError when no example fits, FileNotFoundError for missing data."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     items = [it for p in cfg.data for it in read_items(p)]

@@ -9,67 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from latentserve.train.features import Features
-
-
-@dataclass(slots=True)
-class DaggerConfig:
-    """Options of ``train-head dagger`` (see its ``--help``). Layers, compression factor and
-    thinking text come from the SFT ``bundle``; data options must be SFT's.
-    ``rollout_examples`` None = every trace each round, else a random subset."""
-
-    bundle: str
-    out: str
-    model: str | None = None
-    data: str | None = None  # None = $LATENTSERVE_DATA/gsm8k/train.jsonl
-    prompt_format: str = "chat"
-    max_examples: int | None = None
-    style: str = "solution"
-    max_reasoning_tokens: int = 256
-    rounds: int = 2
-    rollout_examples: int | None = None
-    overshoot: int = 2
-    sigma: float = 0.0
-    steps: int = 300
-    batch_size: int = 256
-    lr: float = 1e-3
-    warmup: float = 0.05
-    weight_decay: float = 0.01
-    beta: float = 0.01
-    stop_threshold: float = 0.5  # for the logged stop metrics only
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    capture_batch_size: int = 8
-    max_num_seqs: int = 256
-    enforce_eager: bool = False
-    kv_slots: int | None = None  # the rollout engine's KV pool in tokens (None: from memory)
-    gpu_memory_utilization: float = 0.5  # the engine's; the aggregated rows share the GPU
-    log_every: int = 10
-    progress: bool = True
-
-    def __post_init__(self):
-        for k in ("rounds", "overshoot", "steps", "batch_size", "max_reasoning_tokens",
-                  "capture_batch_size", "max_num_seqs", "log_every"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
-        for k in ("max_examples", "rollout_examples"):
-            v = getattr(self, k)
-            if v is not None and v < 1:
-                raise ValueError(f"{k} must be >= 1 (or unset), got {v}")
-        if not self.sigma >= 0:
-            raise ValueError(f"sigma must be >= 0 (0: greedy latents), got {self.sigma}")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        if not str(self.out).endswith((".safetensors", ".pt")):
-            raise ValueError(f"out must end in .safetensors or .pt, got {self.out!r}")
+from latentserve.train.options import DaggerConfig
 
 
 def rollout_anchors(engine, prompts: list[list[int]], caps: list[int],
@@ -79,27 +26,20 @@ def rollout_anchors(engine, prompts: list[list[int]], caps: list[int],
     ``[caps[i], H]`` float32 on the CPU (fewer if the context ran out). RuntimeError when a
     request fails."""
     from latentserve.sampling_params import SamplingParams
+    from latentserve.train.grpo import run_requests
 
     n_close = len(engine.latent_spec.end_ids)
     hidden = engine.runner.model.latent_head.config.hidden_size
-    out: list = [None] * len(prompts)
-    base = f"dagger-{time.monotonic_ns()}-"
+    out = []
     for lo in range(0, len(prompts), chunk):
-        rids = {}
-        for i in range(lo, min(lo + chunk, len(prompts))):
-            rids[f"{base}{i}"] = i
-            engine.add_request(f"{base}{i}", prompts[i], SamplingParams(
-                max_tokens=caps[i] + n_close + 1, temperature=0.0, thinking=True,
-                max_latent=caps[i], min_latent=0, use_stop=False, min_output_tokens=0))
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if not (o.finished and o.rid in rids):
-                    continue
-                if o.finish_reason == "error":
-                    raise RuntimeError(f"rollout {o.rid} failed: {o.error}")
-                acts = (o.latent_stats or {}).get("actions") or []
-                out[rids[o.rid]] = (torch.stack([a for a, _ in acts]).float() if acts
-                                    else torch.zeros(0, hidden))
+        batch = [(prompts[i], SamplingParams(
+            max_tokens=caps[i] + n_close + 1, temperature=0.0, thinking=True,
+            max_latent=caps[i], min_latent=0, use_stop=False, min_output_tokens=0))
+            for i in range(lo, min(lo + chunk, len(prompts)))]
+        for _, stats in run_requests(engine, batch, "dagger"):
+            acts = stats.get("actions") or []
+            out.append(torch.stack([a for a, _ in acts]).float() if acts
+                       else torch.zeros(0, hidden))
     return out
 
 
@@ -154,11 +94,10 @@ def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
     ``<out stem>-round{r}<suffix>`` (the last to ``cfg.out``) and ``<out>.log.json``.
     ``engine``: one serving that bundle (else built); it ends with the trained weights.
     Returns the log. Raises ValueError for a non-SFT bundle or another prompt format."""
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
     from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
     from latentserve.latent.head_loop import set_policy_sampling
     from latentserve.train.features import first_rows, num_groups
+    from latentserve.train.grpo import head_engine
     from latentserve.train.sft import capture_traces, fit, load_backbone
     from latentserve.train.traces import COLAR_CLOSE, COLAR_OPEN
 
@@ -185,15 +124,8 @@ def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
     head = bundle.build().to(cfg.device)
     head.reasoning_head.requires_grad_(True)
     head.decoder.requires_grad_(True)
-    if engine is None:
-        engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle,
-                                        device=cfg.device, dtype=cfg.dtype,
-                                        max_num_seqs=cfg.max_num_seqs, kv_slots=cfg.kv_slots,
-                                        enforce_eager=cfg.enforce_eager,
-                                        gpu_memory_utilization=cfg.gpu_memory_utilization))
-    if engine.latent_spec is None or engine.latent_spec.kind != "head":
-        raise ValueError("the engine serves no compression head")
-    served = engine.runner.model.latent_head
+    engine, served = head_engine(engine, cfg,
+                                 gpu_memory_utilization=cfg.gpu_memory_utilization)
     _serve_weights(served, head)
     set_policy_sampling(served, cfg.sigma)
     groups = [num_groups(len(t.reasoning), c) for t in traces]

@@ -74,21 +74,16 @@ def capture(model, traces, source_layer: int, target_layer: int, c: int,
     device = next(model.parameters()).device
     emb = model.get_input_embeddings()
     rows = {k: [] for k in ("anchor", "target", "embed", "has_target", "stop")}
-    it = range(0, len(traces), batch_size)
-    if progress:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        it = tqdm(it, desc="capturing hidden states", unit="batch")
-    for start in it:
+    from latentserve.train.cot import right_pad
+
+    for start in tqdm(range(0, len(traces), batch_size), desc="capturing hidden states",
+                      unit="batch", disable=not progress):
         batch = traces[start:start + batch_size]
         seqs = [t.prompt + t.reasoning for t in batch]
-        width = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids = right_pad(seqs, 0, device)
+        mask = right_pad([[1] * len(s) for s in seqs], 0, device)
         # the base model only: no logits over the vocabulary for every position
         out = model.base_model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         src = out.hidden_states[source_layer + 1].float()

@@ -10,63 +10,12 @@ import copy
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-
-@dataclass(slots=True)
-class GRPOConfig:
-    """Options of ``train-head grpo`` (see ``latentserve train-head grpo --help``)."""
-
-    bundle: str
-    out: str
-    model: str | None = None
-    data: str | None = None  # None = $LATENTSERVE_DATA/gsm8k/train.jsonl
-    prompt_format: str = "chat"
-    max_examples: int | None = None
-    steps: int = 10
-    questions_per_step: int = 8
-    group_size: int = 8
-    lr: float = 1e-4
-    kl_coef: float = 0.05
-    sigma: float = 0.3
-    max_latent: int = 32
-    min_latent: int = 1
-    stop_threshold: float = 0.5
-    answer_tokens: int = 16
-    close_bonus: float = 0.1
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_num_seqs: int = 256
-    enforce_eager: bool = False
-    kv_slots: int | None = None  # the rollout engine's KV pool in tokens (None: from memory)
-    save_every: int = 0  # also write the bundle (and log) every N steps; 0 = at the end only
-    progress: bool = True
-
-    def __post_init__(self):
-        for k in ("steps", "questions_per_step", "group_size", "answer_tokens",
-                  "max_num_seqs"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (advantages are group-relative), "
-                             f"got {self.group_size}")
-        for k in ("max_latent", "min_latent"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"{k} must be >= 0, got {getattr(self, k)}")
-        if not self.sigma > 0:
-            raise ValueError(f"sigma must be > 0, got {self.sigma}")
-        if self.prompt_format not in ("chat", "colar"):
-            raise ValueError(f"prompt_format must be 'chat' or 'colar', got "
-                             f"{self.prompt_format!r}")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if not str(self.out).endswith((".safetensors", ".pt")):
-            raise ValueError(f"out must end in .safetensors or .pt, got {self.out!r}")
+from latentserve.train.options import GRPOConfig
 
 
 def default_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) -> float:
@@ -126,17 +75,15 @@ def policy_loss(policy, ref, actions: list[list], adv: torch.Tensor, sigma: floa
     return loss, {"pg": float(pg.detach()), "kl": float(kl.detach()), "latent_steps": len(rows)}
 
 
-def rollouts(engine, prompts: list[list[int]], params, group_size: int) -> list[dict]:
-    """Run every prompt ``group_size`` times in one batch through ``engine`` (policy
-    sampling on). Returns, prompt-major, ``{"tokens", "stats"}`` per rollout."""
-    base = f"grpo-{time.monotonic_ns()}-"
-    rids = []
-    for q, ids in enumerate(prompts):
-        for g in range(group_size):
-            rid = f"{base}{q}-{g}"
-            engine.add_request(rid, ids, params)
-            rids.append(rid)
-    toks, stats = {r: [] for r in rids}, {}
+def run_requests(engine, requests: list[tuple], tag: str) -> list[tuple[list[int], dict]]:
+    """Run ``requests`` (``(prompt ids, SamplingParams)`` pairs) through ``engine`` in one
+    batch; per request, in order, its output ids and ``latent_stats`` ({} when none).
+    RuntimeError naming a request that failed."""
+    base = f"{tag}-{time.monotonic_ns()}-"
+    toks: dict[str, list[int]] = {f"{base}{i}": [] for i in range(len(requests))}
+    for rid, (ids, params) in zip(toks, requests):
+        engine.add_request(rid, ids, params)
+    stats = {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.rid in toks:
@@ -145,16 +92,41 @@ def rollouts(engine, prompts: list[list[int]], params, group_size: int) -> list[
                     if o.finish_reason == "error":
                         raise RuntimeError(f"rollout {o.rid} failed: {o.error}")
                     stats[o.rid] = o.latent_stats or {}
-    return [{"tokens": toks[r], "stats": stats[r]} for r in rids]
+    return [(toks[r], stats[r]) for r in toks]
+
+
+def rollouts(engine, prompts: list[list[int]], params, group_size: int) -> list[dict]:
+    """Run every prompt ``group_size`` times in one batch through ``engine`` (policy
+    sampling on). Returns, prompt-major, ``{"tokens", "stats"}`` per rollout."""
+    outs = run_requests(engine, [(ids, params) for ids in prompts for _ in range(group_size)],
+                        "grpo")
+    return [{"tokens": t, "stats": s} for t, s in outs]
+
+
+def head_engine(engine, cfg, **options):
+    """``engine``, else an ``LLMEngine`` serving ``cfg.bundle`` over ``cfg.model`` for
+    rollouts (``options``: more ``EngineConfig`` fields); with its head
+    (``runner.model.latent_head``). ValueError when it serves no compression head."""
+    if engine is None:
+        from latentserve.config import EngineConfig
+        from latentserve.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle,
+                                        device=cfg.device, dtype=cfg.dtype,
+                                        max_num_seqs=cfg.max_num_seqs, kv_slots=cfg.kv_slots,
+                                        enforce_eager=cfg.enforce_eager, **options))
+    if engine.latent_spec is None or engine.latent_spec.kind != "head":
+        raise ValueError("the engine serves no compression head")
+    return engine, engine.runner.model.latent_head
 
 
 def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     """Run ``cfg.steps`` GRPO steps from the SFT bundle and write it to ``cfg.out`` (+
     ``<out>.log.json``); returns the log. ``reward_fn(text, gold, stats) -> float`` replaces
     :func:`default_reward`; ``engine``: one serving that bundle (else built), ending with the
-    trained head. Raises ValueError for bad options."""
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
+    trained head. Raises ValueError when the engine serves no compression head."""
+    from tqdm.auto import tqdm
+
     from latentserve.latent.bundle import read_bundle
     from latentserve.latent.head_loop import set_policy_sampling
     from latentserve.sampling_params import SamplingParams
@@ -164,14 +136,7 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     bundle = read_bundle(cfg.bundle)
-    if engine is None:
-        engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle,
-                                        device=cfg.device, dtype=cfg.dtype,
-                                        max_num_seqs=cfg.max_num_seqs, kv_slots=cfg.kv_slots,
-                                        enforce_eager=cfg.enforce_eager))
-    if engine.latent_spec is None or engine.latent_spec.kind != "head":
-        raise ValueError("the engine serves no compression head")
-    served = engine.runner.model.latent_head
+    engine, served = head_engine(engine, cfg)
     set_policy_sampling(served, cfg.sigma)
     policy = bundle.build().to(cfg.device)
     ref = copy.deepcopy(policy).requires_grad_(False)
@@ -190,13 +155,8 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(rows), generator=gen).tolist()
     history = []
-    it = range(cfg.steps)
-    bar = None
-    if cfg.progress:
-        from tqdm.auto import tqdm
-
-        it = bar = tqdm(it, desc="grpo", unit="step")
-    for step in it:
+    bar = tqdm(range(cfg.steps), desc="grpo", unit="step", disable=not cfg.progress)
+    for step in bar:
         pick = [rows[order[(step * cfg.questions_per_step + j) % len(rows)]]
                 for j in range(cfg.questions_per_step)]
         prompts = prompt_ids(tok, [q for q, _ in pick], cfg.prompt_format)
@@ -219,9 +179,7 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
         row = {"step": step, "reward": float(r.mean()), "accuracy": acc, "closed": closed,
                **parts, "reward_std": float(r.std(unbiased=False))}
         history.append(row)
-        if bar is not None:
-            bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{acc:.2f}",
-                            kl=f"{parts['kl']:.4f}")
+        bar.set_postfix(reward=f"{row['reward']:.3f}", acc=f"{acc:.2f}", kl=f"{parts['kl']:.4f}")
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             _save(policy, bundle.format_version, cfg, history, t0)
     set_policy_sampling(served, None)

@@ -9,87 +9,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from latentserve.train.traces import (
-    COLAR_CLOSE,
-    COLAR_OPEN,
-    PROMPT_FORMATS,
-    THINK_CLOSE,
-    THINK_OPEN,
-)
-
-
-@dataclass(slots=True)
-class SFTConfig:
-    """Options of ``train-head sft`` (see ``latentserve train-head sft --help``).
-    ``source_layer`` / ``target_layer`` None = ``round(0.8 L) - 1`` / ``L - 1``.
-    ``think_open`` / ``think_close`` None = the format's: ``THINK_OPEN`` / ``THINK_CLOSE``
-    (``chat``), ``""`` / ``"###"`` (``colar``, which allows no other)."""
-
-    out: str
-    model: str | None = None
-    data: str | None = None  # None = $LATENTSERVE_DATA/gsm8k/train.jsonl
-    prompt_format: str = "chat"
-    max_examples: int | None = None
-    style: str = "solution"
-    max_reasoning_tokens: int = 256
-    think_open: str | None = None
-    think_close: str | None = None
-    source_layer: int | None = None
-    target_layer: int | None = None
-    compression_factor: int = 4
-    latent_dim: int = 128
-    mlp_dim: int | None = None
-    steps: int = 300
-    batch_size: int = 256
-    lr: float = 1e-3
-    warmup: float = 0.05
-    weight_decay: float = 0.01
-    beta: float = 0.01
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    capture_batch_size: int = 8
-    log_every: int = 10
-    save_every: int = 0
-    progress: bool = True
-
-    def __post_init__(self):
-        for k in ("steps", "batch_size", "compression_factor", "latent_dim",
-                  "max_reasoning_tokens", "capture_batch_size", "log_every"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{k} must be an integer >= 1, got {v!r}")
-        if self.max_examples is not None and self.max_examples < 1:
-            raise ValueError(f"max_examples must be >= 1, got {self.max_examples}")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
-        if self.prompt_format not in PROMPT_FORMATS:
-            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got "
-                             f"{self.prompt_format!r}")
-        fixed = self.prompt_format == "colar"
-        for k, v in (("think_open", COLAR_OPEN if fixed else THINK_OPEN),
-                     ("think_close", COLAR_CLOSE if fixed else THINK_CLOSE)):
-            if getattr(self, k) is None:
-                setattr(self, k, v)
-            elif fixed and getattr(self, k) != v:
-                raise ValueError(f"{k} is {v!r} in the colar prompt format (the prompt ends "
-                                 f"with the opening ###, the closing is ###), got "
-                                 f"{getattr(self, k)!r}")
-        for k in ("think_open", "think_close"):  # empty: serving would look for <think>
-            if fixed:
-                continue
-            if not isinstance(getattr(self, k), str) or not getattr(self, k):
-                raise ValueError(f"{k} must be a non-empty string (the thinking span's text "
-                                 f"the head is trained and served with), got "
-                                 f"{getattr(self, k)!r}")
-        if not str(self.out).endswith((".safetensors", ".pt")):
-            raise ValueError(f"out must end in .safetensors or .pt, got {self.out!r}")
+from latentserve.train.options import SFTConfig
 
 
 def load_backbone(model: str | None, device: str, dtype: str):
@@ -182,6 +108,8 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
     latent and stop rows drawn uniformly; ``checkpoint(step)`` every ``cfg.save_every``.
     Returns ``{"before", "after", "history", "rows", "latent_rows"}``; the head ends in eval
     mode."""
+    from tqdm.auto import tqdm
+
     from latentserve.train.schedule import adamw_warmup_linear
 
     lat_rows = feats.has_target.nonzero()[:, 0]
@@ -194,14 +122,9 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
     opt, sched = adamw_warmup_linear(params, cfg.lr, cfg.steps, cfg.warmup, cfg.weight_decay)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     history = []
-    steps = range(cfg.steps)
-    bar = None
-    if cfg.progress:
-        from tqdm.auto import tqdm
-
-        steps = bar = tqdm(steps, desc=desc, unit="step")
+    bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=not cfg.progress)
     head.train()
-    for step in steps:
+    for step in bar:
         li = lat_rows[torch.randint(len(lat_rows), (cfg.batch_size,), generator=gen,
                                     device=cfg.device)]
         si = torch.randint(len(feats.stop), (cfg.batch_size,), generator=gen,
@@ -216,9 +139,8 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
             row = {"step": step, "lr": sched.get_last_lr()[0],
                    **{k: round(float(v.detach()), 6) for k, v in terms.items()}}
             history.append(row)
-            if bar is not None:
-                bar.set_postfix(loss=f"{row['loss']:.3f}", recon=f"{row['recon']:.3f}",
-                                stop=f"{row['stop']:.3f}")
+            bar.set_postfix(loss=f"{row['loss']:.3f}", recon=f"{row['recon']:.3f}",
+                            stop=f"{row['stop']:.3f}")
         if (checkpoint is not None and cfg.save_every and (step + 1) % cfg.save_every == 0
                 and step + 1 < cfg.steps):
             checkpoint(step + 1)

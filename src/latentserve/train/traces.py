@@ -114,17 +114,6 @@ def build_traces(tokenizer, rows: list[dict], think_open: str = THINK_OPEN,
     return out
 
 
-def colar_prompt_ids(tokenizer, questions: list[str]) -> list[list[int]]:
-    """Ids of CoLaR's prompt at thinking speed 1 with the opening separator, per question
-    (``train.cot.encode_prompts`` + the ``###`` id): what the engine prefills for a head
-    trained on ``colar`` traces."""
-    from latentserve.latent.colar import SEPARATOR
-    from latentserve.train.cot import encode_prompts
-
-    sep = tokenizer.convert_tokens_to_ids(SEPARATOR)
-    return [p + [sep] for p in encode_prompts(tokenizer, questions)]
-
-
 def build_colar_traces(tokenizer, items, max_reasoning_tokens: int = 256) -> list[Trace]:
     """Traces in the ``colar`` format (module docstring) of ``items``
     (``eval.datasets.Item``: question, steps, gold). Items whose steps are empty or longer
@@ -155,8 +144,11 @@ def load_questions(data: str | Path | None, prompt_format: str = "chat",
 
 def prompt_ids(tokenizer, questions: list[str], prompt_format: str = "chat") -> list[list[int]]:
     """What a request of each question prefills, before the engine appends the head's
-    opening ids: the chat template's rendering (``chat``) or :func:`colar_prompt_ids`."""
+    opening ids: the chat template's rendering (``chat``) or CoLaR's prompt at thinking speed
+    1 with the opening separator (``latent.colar.prompt_ids``)."""
     if _check_format(prompt_format) == "colar":
+        from latentserve.latent.colar import prompt_ids as colar_prompt_ids
+
         return colar_prompt_ids(tokenizer, questions)
     return [chat_prompt_ids(tokenizer, q) for q in questions]
 
