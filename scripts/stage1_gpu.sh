@@ -9,7 +9,8 @@
 #   run "bash scripts/stage1_gpu.sh finish"                      (waits, evaluates, packs $OUT)
 # or run "bash scripts/stage1_gpu.sh more" carry [".xfer/p8"] (continues the CoLaR directory
 #   INIT, default models/smollm2-mult-colar, T_MORE s, each batch's speed drawn from
-#   TRAIN_FACTORS, default 1..5), then, on the same machine,
+#   TRAIN_FACTORS, default 1..5; OWN_LATENT_PROB, scheduled sampling, default off), then, on
+#   the same machine,
 #   run "bash scripts/stage1_gpu.sh after" (its speed sweep on both test sets, 64 seqs, and
 #   text CoT's 5x5 run beside it);
 # or run "bash scripts/stage1_gpu.sh tput" carry [".xfer/p8"] (throughput of models/, 64 seqs).
@@ -54,7 +55,8 @@ more)  # continue stage 1 on multiplication from the CoLaR directory carried as 
     --out "$W/${k}x${k}_train.txt"; done
   $ls train colar --device cuda --lr "${LR:-5e-4}" --log-every 200 --max-compression-factor 5 \
     --max-latent 160 --init-adapter "${INIT:-models/smollm2-mult-colar}" \
-    ${TRAIN_FACTORS:+--train-factors "$TRAIN_FACTORS"} --data "$W/4x4_train.txt" \
+    ${TRAIN_FACTORS:+--train-factors "$TRAIN_FACTORS"} \
+    ${OWN_LATENT_PROB:+--own-latent-prob "$OWN_LATENT_PROB"} --data "$W/4x4_train.txt" \
     --data "$W/5x5_train.txt" --compression-factor 2 --out "$W/colar_mult" --steps 100000 \
     --max-seconds "${T_MORE:-420}" --batch-size 128 2>&1 | grep --line-buffered -v Loading
   tar czf "$OUT/colar_mult.tgz" -C "$W" colar_mult

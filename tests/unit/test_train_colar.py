@@ -107,22 +107,31 @@ def _upstream_one(lm, policy, prompt, steps, answer, r, pick, noise, embeds_std,
     return out.loss * n_ce, n_ce, rows.sum(), s
 
 
-@pytest.mark.parametrize("r,kind", [(1, "mse"), (3, "mse"), (3, "nll"), (4, "nll")])
-def test_batched_loss_equals_upstream_per_example(backbone, r, kind):
+def _lora_model(backbone):
+    """The tiny backbone under a random (non-zero) LoRA, float32."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                      init_lora_weights=False))
+    return get_peft_model(AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                     init_lora_weights=False))
+
+
+def _batch(r):
+    """Five examples with 0, 1, r, r + 1 and 7 steps tokens (none, a short last group, exact
+    fills); prompt lengths 3..7."""
+    v, sep, eos = len(WORDS), 3, 2
+    return [([4 + i % 5] * (3 + i), [(7 * i + j) % (v - 4) + 4 for j in n], [sep, 15, 5, 20, eos])
+            for i, n in enumerate([range(0), range(1), range(r), range(r + 1), range(7)])]
+
+
+@pytest.mark.parametrize("r,kind", [(1, "mse"), (3, "mse"), (3, "nll"), (4, "nll")])
+def test_batched_loss_equals_upstream_per_example(backbone, r, kind):
+    model = _lora_model(backbone)
     lm = model.get_base_model()
     policy = colar.LatentPolicy(64, 32)
-    sep, eos = 3, 2
-    v = len(WORDS)
-    # steps lengths 0, 1, r, r + 1, 7: empty steps, a short last group, exact fills
-    batch = [([4 + i % 5] * (3 + i), [(7 * i + j) % (v - 4) + 4 for j in n], [sep, 15, 5, 20, eos])
-             for i, n in enumerate([range(0), range(1), range(r), range(r + 1), range(7)])]
+    batch = _batch(r)
     picks = draw_picks([len(s) for _, s, _ in batch], r, random.Random(1))
     noise = [torch.randn(-(-len(s) // r) + 1, 64) for _, s, _ in batch]
     got = colar_loss(model, policy, batch, r, picks, 0.08, kind, noise=torch.cat(noise),
@@ -135,6 +144,103 @@ def test_batched_loss_equals_upstream_per_example(backbone, r, kind):
     torch.testing.assert_close(got["ce"], ce, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got["embed"], embed, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got["total"], ce + 0.5 * embed, rtol=1e-5, atol=1e-5)
+
+
+def test_own_latent_prob_zero_is_the_plain_loss(backbone):
+    """P = 0 is the loss without the option: one backbone forward, no random draw but the
+    mse noise (``torch.randn`` here), and the value and gradients of upstream's algorithm
+    run on each example alone."""
+    model, policy = _lora_model(backbone), colar.LatentPolicy(64, 32)
+    lm, batch, r = model.get_base_model(), _batch(3), 3
+    picks = draw_picks([len(s) for _, s, _ in batch], r, random.Random(1))
+    params = [p for p in model.parameters() if p.requires_grad] + list(policy.parameters())
+    calls = []
+    hook = lm.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    torch.manual_seed(5)
+    try:
+        got = colar_loss(model, policy, batch, r, picks, 0.08, own_latent_prob=0.0)
+    finally:
+        hook.remove()
+    after = torch.get_rng_state()
+    torch.manual_seed(5)
+    noise = torch.randn(int(got["n_embed"]), 64).split([-(-len(s) // r) + 1 for _, s, _ in batch])
+    assert len(calls) == 1 and torch.equal(after, torch.get_rng_state())
+    ref = [_upstream_one(lm, policy, *ex, r, pk, nz, 0.08, "mse")
+           for ex, pk, nz in zip(batch, picks, noise)]
+    total = (sum(x[0] for x in ref) / sum(x[1] for x in ref)
+             + sum(x[2] for x in ref) / sum(x[3] for x in ref))
+    torch.testing.assert_close(got["total"], total, rtol=1e-5, atol=1e-5)
+    for g, w in zip(torch.autograd.grad(got["total"], params), torch.autograd.grad(total, params),
+                    strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_own_latent_prob_one_feeds_every_later_latent_the_policy_mean(backbone):
+    """P = 1: the loss forward's input at each latent after the first is the policy mean
+    x embeds_std from the previous position of a pass over the gold inputs (what the engine
+    feeds at temperature 0); the first latent (``###``) and the text are the gold inputs;
+    CE labels and latent targets stay gold."""
+    import torch.nn.functional as F
+
+    model, policy = _lora_model(backbone), colar.LatentPolicy(64, 32)
+    lm, batch, r, std = model.get_base_model(), _batch(2), 2, 0.08
+    picks = draw_picks([len(s) for _, s, _ in batch], r, random.Random(1))
+    seen = []
+    hook = lm.model.register_forward_pre_hook(
+        lambda _, args, kw: seen.append(kw["inputs_embeds"].detach().clone()), with_kwargs=True)
+    try:
+        got = colar_loss(model, policy, batch, r, picks, std, "nll", own_latent_prob=1.0)
+    finally:
+        hook.remove()
+    gold, fed = seen  # the no-grad pass, then the loss forward
+    with torch.no_grad():
+        hidden = lm.model(inputs_embeds=gold).last_hidden_state
+        want = gold.clone()
+        rows = []
+        for b, (prompt, steps, _) in enumerate(batch):
+            q, k = len(prompt), -(-len(steps) // r)
+            rows += [(b, q + g) for g in range(k + 1)]
+            for g in range(1, k + 1):
+                want[b, q + g] = policy(hidden[b, q + g - 1]).mean * std
+        replaced = (want != gold).any(-1)
+        assert int(replaced.sum()) == sum(-(-len(s) // r) for _, s, _ in batch)
+        torch.testing.assert_close(fed[replaced], want[replaced])
+        assert torch.equal(fed[~replaced], gold[~replaced])
+        # the loss is the gold-target loss of the mixed inputs
+        h = lm.model(inputs_embeds=fed).last_hidden_state
+        lb, lt = torch.tensor(rows).T
+        dist = policy(h[lb, lt])
+        embed = -dist.log_prob(gold[lb, lt + 1] / std).mean()
+        ce_pos, labels = [], []
+        for b, ((prompt, steps, answer), pick) in enumerate(zip(batch, picks)):
+            ys = [answer[0]] + [steps[g * r + p] for g, p in enumerate(pick)] + answer
+            ce_pos += [(b, len(prompt) - 1 + j) for j in range(len(ys))]
+            labels += ys
+        cb, ct = torch.tensor(ce_pos).T
+        ce = F.cross_entropy(lm.lm_head(h[cb, ct]), torch.tensor(labels))
+    torch.testing.assert_close(got["embed"], embed)
+    torch.testing.assert_close(got["ce"], ce)
+
+
+def test_own_latent_prob_outside_0_1_is_refused(tmp_path):
+    from latentserve.cli import main
+
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="own_latent_prob"):
+            ColarTrainConfig(data=[], out="x", own_latent_prob=bad)
+    assert main(["train", "colar", "--data", "a.txt", "--out", str(tmp_path),
+                 "--own-latent-prob", "1.5"]) == 2
+
+
+def test_training_with_own_latents_runs_and_saves(backbone, toy_file, tmp_path):
+    out = tmp_path / "ss"
+    train(ColarTrainConfig(data=[str(toy_file)], out=str(out), base=str(backbone), lora_r=4,
+                           steps=3, batch_size=4, log_every=1, max_compression_factor=2,
+                           train_factors=(2,), own_latent_prob=0.5), progress=lambda *_: None)
+    log = json.loads((out / "train_log.json").read_text())
+    assert len(log) == 3 and all(rec["loss"] == rec["loss"] for rec in log)  # not NaN
+    assert json.loads((out / "train_config.json").read_text())["own_latent_prob"] == 0.5
+    assert colar.load_colar(out) is not None
 
 
 def test_group_labels_are_real_tokens_of_their_group():
@@ -263,12 +369,13 @@ def test_cli_train_colar_passes_its_options(monkeypatch, tmp_path):
     main(["train", "colar", "--data", "a.txt", "--data", "b.jsonl", "--out", str(tmp_path),
           "--init-adapter", "stage0", "--max-compression-factor", "4",
           "--compression-factor", "3", "--embed-loss", "nll", "--embed-weight", "2",
-          "--intermediate-size", "128", "--lora-targets", "q_proj,v_proj"])
+          "--intermediate-size", "128", "--lora-targets", "q_proj,v_proj",
+          "--own-latent-prob", "0.25"])
     cfg = seen["cfg"]
     assert cfg.data == ["a.txt", "b.jsonl"] and cfg.init_adapter == "stage0"
     assert (cfg.max_compression_factor, cfg.compression_factor, cfg.embed_loss) == (4, 3, "nll")
     assert (cfg.embed_weight, cfg.intermediate_size, cfg.lr) == (2.0, 128, 1e-4)
-    assert cfg.lora_targets == ("q_proj", "v_proj")
+    assert cfg.lora_targets == ("q_proj", "v_proj") and cfg.own_latent_prob == 0.25
 
 
 def test_train_factors_choose_each_batch_r(backbone, toy_file, tmp_path):

@@ -29,11 +29,13 @@ def draw_picks(steps_lens: list[int], r: int, rng: random.Random) -> list[list[i
 def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
                picks: list[list[int]], embeds_std: float, embed_loss: str = "mse",
                noise: torch.Tensor | None = None, ce_weight: float = 1.0,
-               embed_weight: float = 1.0) -> dict[str, torch.Tensor]:
+               embed_weight: float = 1.0, own_latent_prob: float = 0.0
+               ) -> dict[str, torch.Tensor]:
     """The SFT losses of ``batch`` at compression factor ``r``: ``picks`` from
     :func:`draw_picks`; ``noise`` ``[sum(K_i + 1), H]`` float32 normal draws for ``mse`` (None:
-    ``torch.randn``). Returns float32 scalars ``total``, ``ce``, ``embed`` and counts
-    ``n_ce``, ``n_embed``."""
+    ``torch.randn``); ``own_latent_prob`` > 0: the inputs go through :func:`feed_own_latents`
+    first (targets stay gold). Returns float32 scalars ``total``, ``ce``, ``embed`` and
+    counts ``n_ce``, ``n_embed``."""
     from latentserve.train.cot import _lm, right_pad
 
     if embed_loss not in ("mse", "nll"):
@@ -45,12 +47,13 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
     # Example b: prompt [0, q) | c_0 .. c_k at [q, q + k] | answer. Groups of all examples in
     # order, [###] first, then the steps in runs of r (-1 = pad); c_rows: (b, position) of
     # each c (the latent rows), ce_rows: the positions whose logits predict the labels.
-    groups, c_rows, ce_rows, ids, labels = [], [], [], [], []
+    groups, c_rows, ce_rows, ids, labels, fed = [], [], [], [], [], []
     for b, ((prompt, steps, answer), pick) in enumerate(zip(batch, picks)):
         q, k = len(prompt), -(-len(steps) // r)
         chunks = [[sep]] + [steps[g * r:(g + 1) * r] for g in range(k)]
         groups += [c + [-1] * (r - len(c)) for c in chunks]
         c_rows += [(b, q + g) for g in range(k + 1)]
+        fed += [(b, q + g) for g in range(1, k + 1)]  # the latents the engine feeds
         ids.append(prompt + [0] * (k + 1) + answer)
         labels.append([sep] + [steps[g * r + p] for g, p in enumerate(pick)] + answer)
         ce_rows += [(b, q - 1 + j) for j in range(len(labels[-1]))]
@@ -62,8 +65,10 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
         compressed = compressed / (real.sum(1).sqrt() + 1e-5)
     lb, lt = torch.tensor(c_rows, device=device).T
     x = emb(ids_t).index_put((lb, lt), compressed.to(emb.weight.dtype))  # [B, T, H]
+    inputs = (feed_own_latents(lm, policy, x, fed, embeds_std, own_latent_prob)
+              if own_latent_prob > 0 and fed else x)
 
-    hidden = lm.model(inputs_embeds=x).last_hidden_state  # [B, T, H], post final norm
+    hidden = lm.model(inputs_embeds=inputs).last_hidden_state  # [B, T, H], post final norm
     cb, ct = torch.tensor(ce_rows, device=device).T
     target = torch.tensor([y for row in labels for y in row], device=device)
     ce = F.cross_entropy(lm.lm_head(hidden[cb, ct]).float(), target)
@@ -79,6 +84,23 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
     embed = per_row.mean()
     return {"total": ce_weight * ce + embed_weight * embed, "ce": ce, "embed": embed,
             "n_ce": torch.tensor(len(target)), "n_embed": torch.tensor(len(c_rows))}
+
+
+def feed_own_latents(lm, policy: colar.LatentPolicy, x: torch.Tensor,
+                     rows: list[tuple[int, int]], embeds_std: float, prob: float
+                     ) -> torch.Tensor:
+    """Scheduled sampling in one parallel step (our extension, docs/training.md): a copy of
+    the gold inputs ``x`` [B, T, H] where each latent position ``(b, t)`` of ``rows`` holds,
+    with probability ``prob`` (one Bernoulli draw each, ``torch.rand``), the latent the
+    engine would feed there at temperature 0: the policy's mean at ``(b, t - 1)`` of a
+    no-grad pass over ``x``, times ``embeds_std`` (``latent/colar_head.py``
+    ``serve_outputs``)."""
+    b, t = torch.tensor(rows, device=x.device).T
+    with torch.no_grad():
+        hidden = lm.model(inputs_embeds=x).last_hidden_state
+        own = policy(hidden[b, t - 1].float()).mean * embeds_std
+    take = torch.rand(len(rows), device=x.device) < prob
+    return x.index_put((b[take], t[take]), own[take].to(x.dtype))
 
 
 def embedding_std(model) -> float:
@@ -164,7 +186,8 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
         batch = [(p, s, a) for p, (_, (_, s, a)) in zip(prompts, chosen)]
         picks = draw_picks([len(s) for _, s, _ in batch], r, rng)
         loss = colar_loss(model, policy, batch, r, picks, ccfg.embeds_std, cfg.embed_loss,
-                          ce_weight=cfg.ce_weight, embed_weight=cfg.embed_weight)
+                          ce_weight=cfg.ce_weight, embed_weight=cfg.embed_weight,
+                          own_latent_prob=cfg.own_latent_prob)
         return loss["total"], {"ce": loss["ce"], "embed": loss["embed"], "r": r}
 
     def checkpoint(log: list[dict]) -> None:  # a servable directory, as train cot's + CoLaR's

@@ -179,6 +179,9 @@ class ColarTrainConfig(FinetuneOptions):
     embeds_std: float | None = opt(None, "latent scale (default: std of the input-embedding "
                                    "matrix)", gt=0, lt=float("inf"))
     max_latent: int = opt(64, "latent-step cap written to colar_config.json", ge=1)
+    own_latent_prob: float = opt(0.0, "scheduled sampling (our extension): each latent input "
+                                 "but the first is, with this probability, the policy's own "
+                                 "prediction from a no-grad pass of the gold batch", ge=0, le=1)
 
     def __post_init__(self):
         check(self)
