@@ -33,7 +33,6 @@ from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
     check_stop_count,
-    context_error,
     exit_fields,
     head_controls,
     latent_budget,
@@ -43,7 +42,7 @@ from latentserve.server.params import (
     refuse_unsupported,
     unset_default,
 )
-from latentserve.server.prompts import check_conversation_bytes, render_chat
+from latentserve.server.prompts import check_conversation_bytes, check_prompt_length, render_chat
 from latentserve.server.protocol import BODY_CONFIG, LatentFields, RequestModel
 from latentserve.server.reasoning import (
     LatentReasoning,
@@ -171,8 +170,7 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
     if body.max_tokens < 1:
         raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
                        param="max_tokens")
-    if num_prompt_tokens >= max_model_len:
-        raise context_error(num_prompt_tokens, max_model_len, "messages")
+    check_prompt_length(num_prompt_tokens, max_model_len, "messages")
     if num_prompt_tokens + latent + body.max_tokens > max_model_len:
         extra = f" + {latent} latent and transition positions" if latent else ""
         raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + max_tokens "
@@ -205,17 +203,18 @@ def _stop(finish_reason: str | None, stop_string: str | None, called: bool = Fal
 
 @dataclass(slots=True)
 class _Answer:
-    """How a request's answer is shaped: tools, tool choice, thinking block, latent mode."""
+    """How a request's answer is shaped: tools, tool choice, the body's thinking flag
+    (:func:`thinking_flag`; a thinking block is shown when True), latent mode."""
 
     tool_dicts: list[dict] | None
     tools: dict[str, dict]
     choice: ToolChoice
-    thinking: bool
+    flag: bool | None
     latent_mode: str | None
 
     def parser(self, state: ServerState) -> OutputParser:
         return OutputParser(state.reasoning_parser, state.tool_parser, self.choice,
-                            self.thinking, id_prefix="toolu_")
+                            self.flag is True, id_prefix="toolu_")
 
 
 def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
@@ -224,19 +223,18 @@ def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
     tool_dicts = openai_tools(body.tools)
     tools = check_tools(tool_dicts)
     choice = anthropic_tool_choice(body.tool_choice, tools)
-    shown = thinking_flag(body.thinking) is True
+    flag = thinking_flag(body.thinking)
     mode = latent_reasoning_mode(body, state.latent_spec)
-    if body.latent_reasoning is not None and not shown:
+    if body.latent_reasoning is not None and flag is not True:
         raise APIError("latent_reasoning: it writes the thinking block, which needs thinking "
                        '{"type": "enabled"}', param="latent_reasoning")
-    return _Answer(tool_dicts, tools, choice, shown, mode if shown else None)
+    return _Answer(tool_dicts, tools, choice, flag, mode if flag is True else None)
 
 
-def _head_controls(body: MessagesRequest, request, state: ServerState
-                   ) -> tuple[MessagesRequest, dict]:
-    """The body with ``thinking`` as the head's boolean (kept only where it means a head),
-    and the head controls. Raises APIError (400 naming the header or field)."""
-    flag = thinking_flag(body.thinking)
+def _head_controls(body: MessagesRequest, request, state: ServerState, flag: bool | None
+                   ) -> dict:
+    """The head controls that are set, with the thinking ``flag`` as the head's boolean
+    (only where it means a head). Raises APIError (400 naming the header or field)."""
     kind = getattr(state.latent_spec, "kind", None)
     shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
     body = body.model_copy(update={"thinking": flag if kind == "head" or (flag and not shows)
@@ -244,7 +242,7 @@ def _head_controls(body: MessagesRequest, request, state: ServerState
     controls = head_controls(request, body)
     refuse_head_controls(request, body, controls, state.latent_spec)
     refuse_stream_steps(request, body, state.latent_spec)  # validates the header (no ticks)
-    return body, controls
+    return {k: v for k, v in controls.items() if v is not None}
 
 
 async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
@@ -253,7 +251,7 @@ async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
     ``thinking`` / ``enable_thinking``."""
     conversation = _conversation(body)
     check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
-    flag = thinking_flag(body.thinking)
+    flag = answer.flag
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
     return await in_pool(
         render_chat, state.tokenizer, conversation, tools=answer.tool_dicts,
@@ -276,7 +274,7 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     prompt_ids = await _prompt_ids(body, state, answer)
     sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
     try:
-        _, params = _request_params(sized, request, state, len(prompt_ids), answer)
+        params = _request_params(sized, request, state, len(prompt_ids), answer)
     except APIError as e:
         if e.code != "context_length_exceeded" or body.max_tokens is not None:
             raise
@@ -292,22 +290,19 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 
 
 def _request_params(body: MessagesRequest, request, state: ServerState,
-                    num_prompt_tokens: int, answer: _Answer
-                    ) -> tuple[MessagesRequest, SamplingParams]:
-    """The body with ``thinking`` resolved and the engine's ``SamplingParams``. Raises
-    APIError (400 naming the field or header)."""
+                    num_prompt_tokens: int, answer: _Answer) -> SamplingParams:
+    """The engine's ``SamplingParams``. Raises APIError (400 naming the field or header)."""
     budget = latent_budget(request, body, state.latent_spec)
     params = _params(body, num_prompt_tokens, state.max_model_len, budget,
                      latent_positions(state.latent_spec, budget), state.sampling_defaults)
-    body, controls = _head_controls(body, request, state)
-    head = {k: v for k, v in controls.items() if v is not None}
+    head = _head_controls(body, request, state, answer.flag)
     if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
         try:
             params = dataclasses.replace(params, **head)
         except ValueError as exc:  # a body control out of range (the headers are checked)
             raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
-    return body, answer_params(params, answer.choice, answer.tools, answer.latent_mode,
-                               state.tokenizer, answer.parser(state))
+    return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
+                         state.tokenizer, answer.parser(state))
 
 
 async def create_message(body: MessagesRequest, request, state: ServerState):
@@ -338,7 +333,7 @@ async def _admitted_message(body: MessagesRequest, request, state: ServerState,
 
     answer = _answer(body, state)
     prompt_ids = await _prompt_ids(body, state, answer)
-    body, params = _request_params(body, request, state, len(prompt_ids), answer)
+    params = _request_params(body, request, state, len(prompt_ids), answer)
     msg_id, engine_rid = new_request_id(request, "msg")
     if msg_id == engine_rid:
         msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from latentserve.server.admission import Ticket, admit
 from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
-from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.generation import TextDelta
 from latentserve.server.latent_trace import tick_infos
 from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.output_parser import (
@@ -21,8 +21,7 @@ from latentserve.server.output_parser import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
-    check_total_output,
-    fan_out,
+    engine_requests,
     latent_controls,
     latent_positions,
     sampling_params,
@@ -106,10 +105,8 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
                             body.include_reasoning is not False)
 
     params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
-    check_total_output([params], [len(prompt_ids)], body.n or 1, field, state)
     rid, engine_rid = new_request_id(request, "chatcmpl")
-    reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
-            for i, p in enumerate(fan_out(params, body.n or 1))]
+    reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
     as_ids = bool(body.return_tokens_as_token_ids)
 
     texts = token_texts(state.tokenizer)

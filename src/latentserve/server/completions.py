@@ -17,8 +17,7 @@ from latentserve.server.logprobs import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
-    check_total_output,
-    fan_out,
+    engine_requests,
     latent_controls,
     latent_positions,
     sampling_params,
@@ -59,23 +58,17 @@ async def _completion(body: CompletionRequest, request, state: ServerState, arri
     prompt_logprobs = body.logprobs if body.echo else None
     prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
                             state.vocab_size, state.limits.max_prompts, state.max_model_len)
-    n = body.n or 1
-    rid, engine_rid = new_request_id(request, "cmpl")
-    reqs: list[EngineRequest] = []
     budget, head, ticks = latent_controls(request, body, state.latent_spec)
-    for p, (ids, text) in enumerate(prompts):
+    with_params = []
+    for ids, text in prompts:
         check_prompt_length(len(ids), state.max_model_len, "prompt")
-        params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
-                                 state.max_model_len, body.logprobs, budget, head,
-                                 prompt_logprobs, stream_latent_steps=ticks,
-                                 latent_positions=latent_positions(state.latent_spec, budget),
-                                 defaults=state.sampling_defaults)
-        for j, choice_params in enumerate(fan_out(params, n)):
-            index = p * n + j
-            reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,
-                                      text))
-    check_total_output([r.params for r in reqs[::n]], [len(r.prompt_ids) for r in reqs[::n]],
-                       n, "max_tokens", state)
+        with_params.append((ids, text, sampling_params(
+            body, body.max_tokens, "max_tokens", len(ids), state.max_model_len, body.logprobs,
+            budget, head, prompt_logprobs, stream_latent_steps=ticks,
+            latent_positions=latent_positions(state.latent_spec, budget),
+            defaults=state.sampling_defaults)))
+    rid, engine_rid = new_request_id(request, "cmpl")
+    reqs = engine_requests(engine_rid, with_params, body.n or 1, "max_tokens", state)
     echoes = [_echo(state, r) if body.echo else "" for r in reqs]
     num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
     as_ids = bool(body.return_tokens_as_token_ids)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hmac
 
-from latentserve.server.errors import error_response
+from latentserve.server.errors import APIError, error_response
 
 # The interactive docs and the schema describe every route: behind the key as the API is.
 _DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
@@ -32,10 +32,10 @@ class GuardMiddleware:
         path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         if self.api_key is not None and _protected(path) and not self._authorized(headers):
-            response = error_response(path, 401, "Invalid or missing API key; send it as "
-                                      "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                                      code="invalid_api_key",
-                                      headers={"WWW-Authenticate": "Bearer"})
+            response = error_response(path, APIError(
+                "Invalid or missing API key; send it as 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>'", status_code=401, code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"}))
             return await response(scope, receive, send)
         length = headers.get("content-length")
         if length is not None:
@@ -73,8 +73,8 @@ class GuardMiddleware:
         return f"Request body is larger than the limit of {self.max_body_bytes} bytes"
 
     async def _too_large(self, path, scope, receive, send):
-        response = error_response(path, 413, self._too_large_message(),
-                                  code="request_too_large")
+        response = error_response(path, APIError(self._too_large_message(), status_code=413,
+                                                 code="request_too_large"))
         await response(scope, receive, send)
 
 
