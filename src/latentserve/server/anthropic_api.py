@@ -30,6 +30,7 @@ from latentserve.server.errors import (
     param_from_value_error,
 )
 from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.latent_trace import latent_info
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
     check_stop_count,
@@ -323,13 +324,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
 async def _admitted_message(body: MessagesRequest, request, state: ServerState,
                             arrival: float, ticket):
     from latentserve.server.logprobs import token_texts
-    from latentserve.server.serving import (
-        collect,
-        latent_info,
-        sse_events,
-        sse_response,
-        start_stream,
-    )
+    from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 
     answer = _answer(body, state)
     prompt_ids = await _prompt_ids(body, state, answer)
@@ -432,8 +427,6 @@ async def _events(msg_id: str, model: str, input_tokens: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], asked: bool,
                   parser: OutputParser, latent: LatentReasoning | None, texts=None
                   ) -> AsyncIterator[str]:
-    from latentserve.server.serving import latent_info
-
     yield _event("message_start", {"type": "message_start", "message": _message(
         msg_id, model, [], None, None, input_tokens, 0)})
     yield _event("ping", {"type": "ping"})

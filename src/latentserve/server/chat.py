@@ -9,7 +9,7 @@ from latentserve.server.admission import Ticket, admit
 from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
 from latentserve.server.generation import TextDelta
-from latentserve.server.latent_trace import tick_infos
+from latentserve.server.latent_trace import latent_info, tick_infos
 from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.output_parser import (
     CallDelta,
@@ -45,20 +45,10 @@ from latentserve.server.reasoning import (
     latent_reasoning_text,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import (
-    collect,
-    latent_info,
-    sse_events,
-    sse_response,
-    start_stream,
-)
+from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
-from latentserve.server.tools import (
-    ToolChoice,
-    check_tools,
-    resolve_tool_choice,
-)
+from latentserve.server.tools import ToolChoice, check_tools, resolve_tool_choice
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request, state: ServerState):
@@ -135,7 +125,7 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
                                                                    bool(calls), choice),
             logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
                       if logprobs is not None else None),
-            latent=r.latent_info(bool(body.return_latent_trace), texts)))
+            latent=latent_info(r, bool(body.return_latent_trace), texts)))
     return ChatCompletionResponse(
         id=rid, model=state.model_name, choices=choices,
         usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),

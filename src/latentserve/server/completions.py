@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from latentserve.server.admission import Ticket, admit
 from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.latent_trace import tick_infos
+from latentserve.server.latent_trace import latent_info, tick_infos
 from latentserve.server.logprobs import (
     completion_logprobs,
     echo_logprobs,
@@ -30,13 +30,7 @@ from latentserve.server.protocol import (
     Usage,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import (
-    collect,
-    latent_info,
-    sse_events,
-    sse_response,
-    start_stream,
-)
+from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
 
@@ -90,7 +84,7 @@ async def _completion(body: CompletionRequest, request, state: ServerState, arri
                                                   r.prompt_logprobs, as_ids), lps)
         choices.append(CompletionChoice(index=i, text=echoes[i] + r.text,
                                         finish_reason=r.finish_reason, logprobs=lps,
-                                        latent=r.latent_info(bool(body.return_latent_trace),
+                                        latent=latent_info(r, bool(body.return_latent_trace),
                                                              texts)))
     return CompletionResponse(
         id=rid, model=state.model_name, choices=choices,

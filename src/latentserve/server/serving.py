@@ -52,10 +52,6 @@ class ChoiceResult(TextDelta):
 
     step_trace: list = field(default_factory=list)
 
-    def latent_info(self, asked: bool, texts=None):
-        """The choice's ``latent`` field (see :func:`latent_info`)."""
-        return latent_info(self, asked, texts)
-
     def add(self, delta: TextDelta) -> None:
         """Fold one delta of this choice in."""
         self.text += delta.text
@@ -69,20 +65,6 @@ class ChoiceResult(TextDelta):
             self.finish_reason, self.stop_string = delta.finish_reason, delta.stop_string
             self.latent_steps, self.latent_trace = delta.latent_steps, delta.latent_trace
             self.latent_stats, self.recurrence = delta.latent_stats, delta.recurrence
-
-
-def latent_info(final, asked: bool, texts=None):
-    """A choice's ``latent`` field from its final delta or result (None when there is no
-    latent work); the trace and ``recurrence`` only when ``asked``."""
-    from latentserve.server.latent_trace import with_texts
-    from latentserve.server.protocol import LatentInfo
-
-    if not asked and not final.latent_steps and final.latent_stats is None:
-        return None
-    trace = final.latent_trace if texts is None else with_texts(final.latent_trace, texts)
-    return LatentInfo(steps=final.latent_steps, trace=trace if asked else None,
-                      stats=final.latent_stats,
-                      recurrence=final.recurrence if asked else None)
 
 
 def _abort_all(state, reqs: list[EngineRequest]) -> Callable[[], None]:
