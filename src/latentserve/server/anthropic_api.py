@@ -393,33 +393,41 @@ def _error_event(exc: Exception) -> str:
 
 
 class _Blocks:
-    """A streamed message's content blocks; :meth:`open` closes the one before it."""
+    """A streamed message's content blocks as SSE events (:meth:`take` hands them out);
+    opening a block closes the one before it."""
 
     def __init__(self):
         self.index = -1
         self.kind: str | None = None
+        self.events: list[str] = []
 
-    def open(self, block: dict) -> list[str]:
-        out = self.close()
+    def open(self, block: dict) -> None:
+        self.close()
         self.index += 1
         self.kind = block["type"]
-        out.append(_event("content_block_start", {
+        self.events.append(_event("content_block_start", {
             "type": "content_block_start", "index": self.index, "content_block": block}))
-        return out
 
-    def delta(self, delta: dict) -> str:
-        return _event("content_block_delta", {"type": "content_block_delta",
-                                              "index": self.index, "delta": delta})
+    def write(self, block: dict, delta: dict) -> None:
+        """``delta`` into the open block if it is of ``block``'s type, else into ``block``."""
+        if self.kind != block["type"]:
+            self.open(block)
+        self.delta(delta)
 
-    def close(self) -> list[str]:
-        if self.kind is None:
-            return []
-        out = []
+    def delta(self, delta: dict) -> None:
+        self.events.append(_event("content_block_delta", {
+            "type": "content_block_delta", "index": self.index, "delta": delta}))
+
+    def close(self) -> None:
         if self.kind == "thinking":
-            out.append(self.delta({"type": "signature_delta", "signature": ""}))
-        out.append(_event("content_block_stop", {"type": "content_block_stop",
-                                                 "index": self.index}))
+            self.delta({"type": "signature_delta", "signature": ""})
+        if self.kind is not None:
+            self.events.append(_event("content_block_stop", {"type": "content_block_stop",
+                                                             "index": self.index}))
         self.kind = None
+
+    def take(self) -> list[str]:
+        out, self.events = self.events, []
         return out
 
 
@@ -436,29 +444,24 @@ async def _events(msg_id: str, model: str, input_tokens: int,
         piece = parser.step(delta.text, delta.finish_reason is not None)
         thinking = "".join(latent.step_texts(delta) if latent else ()) + piece.reasoning
         if thinking:
-            if blocks.kind != "thinking":
-                for e in blocks.open({"type": "thinking", "thinking": "", "signature": ""}):
-                    yield e
-            yield blocks.delta({"type": "thinking_delta", "thinking": thinking})
+            blocks.write({"type": "thinking", "thinking": "", "signature": ""},
+                         {"type": "thinking_delta", "thinking": thinking})
         if piece.content:
-            if blocks.kind != "text":
-                for e in blocks.open({"type": "text", "text": ""}):
-                    yield e
-            yield blocks.delta({"type": "text_delta", "text": piece.content})
+            blocks.write({"type": "text", "text": ""},
+                         {"type": "text_delta", "text": piece.content})
         for call in piece.calls:
             called = True
             if call.id is not None:
-                for e in blocks.open({"type": "tool_use", "id": call.id, "name": call.name,
-                                      "input": {}}):
-                    yield e
+                blocks.open({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
             if call.arguments:
-                yield blocks.delta({"type": "input_json_delta",
-                                    "partial_json": call.arguments})
+                blocks.delta({"type": "input_json_delta", "partial_json": call.arguments})
+        for e in blocks.take():
+            yield e
         last = delta
     if blocks.index < 0:  # an empty answer: one empty text block, as when not streamed
-        for e in blocks.open({"type": "text", "text": ""}):
-            yield e
-    for e in blocks.close():
+        blocks.open({"type": "text", "text": ""})
+    blocks.close()
+    for e in blocks.take():
         yield e
     stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string, called)
     yield _event("message_delta", _with_latent({

@@ -113,26 +113,3 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
                 router.kill()
         for s in servers:
             s.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m latentserve.server.replicas --config-json {...} --data-parallel-size N``."""
-    import argparse
-    import json
-
-    from latentserve.config import EngineConfig
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config-json", required=True, help="EngineConfig fields as JSON")
-    p.add_argument("--data-parallel-size", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES)
-    args = p.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    serve_replicas(EngineConfig(**json.loads(args.config_json)), args.data_parallel_size,
-                   args.host, args.port, args.router_policy)
-
-
-if __name__ == "__main__":
-    main()

@@ -4,11 +4,12 @@ aborted when the HTTP client disconnects."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -19,7 +20,6 @@ from latentserve.server.client import (
     EngineQueueTimeout,
     EngineRequestError,
 )
-from latentserve.server.disconnect import on_disconnect
 from latentserve.server.errors import APIError, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
 
@@ -67,12 +67,22 @@ class ChoiceResult(TextDelta):
             self.latent_stats, self.recurrence = delta.latent_stats, delta.recurrence
 
 
-def _abort_all(state, reqs: list[EngineRequest]) -> Callable[[], None]:
-    def abort() -> None:
+@asynccontextmanager
+async def _abort_on_disconnect(request, state, reqs: list[EngineRequest]):
+    """Abort ``reqs`` if the HTTP client disconnects while the block runs (a task waits on
+    ``receive()``, which only returns ``http.disconnect`` once the body is read)."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
         for r in reqs:
             state.client.abort(r.rid)
 
-    return abort
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait, seconds
@@ -113,7 +123,7 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
     """Run the engine requests concurrently; one ``ChoiceResult`` each. APIError from
     :func:`api_error` (the others aborted)."""
     results = [ChoiceResult("", None, 0) for _ in reqs]
-    async with on_disconnect(request, _abort_all(state, reqs)), \
+    async with _abort_on_disconnect(request, state, reqs), \
             aclosing(_deltas(state, reqs, arrival, ticket)) as deltas:
         try:
             async for i, delta in deltas:
@@ -128,7 +138,7 @@ async def start_stream(request, state, reqs: list[EngineRequest], arrival: float
     """Start the engine requests and wait for the first delta (so a rejection is a plain
     error, not a 200 stream); an iterator of ``(position in reqs, delta)``. APIError."""
     deltas = _deltas(state, reqs, arrival, ticket)
-    async with on_disconnect(request, _abort_all(state, reqs)):
+    async with _abort_on_disconnect(request, state, reqs):
         try:
             first = await anext(deltas)
         except ENGINE_ERRORS as exc:
@@ -161,7 +171,7 @@ async def sse_events(request, state, reqs: list[EngineRequest],
     if internal_error_event is None:
         internal_error_event = (
             f"data: {json.dumps(error_body('Internal server error', 'server_error'))}\n\n")
-    async with on_disconnect(request, _abort_all(state, reqs)), aclosing(chunks):
+    async with _abort_on_disconnect(request, state, reqs), aclosing(chunks):
         try:
             async for chunk in chunks:
                 yield chunk if isinstance(chunk, str) else f"data: {chunk.model_dump_json()}\n\n"
