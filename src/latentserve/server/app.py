@@ -100,6 +100,11 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check
     app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
 
+    def as_json(result):
+        if isinstance(result, (JSONResponse, dict)) or not hasattr(result, "model_dump"):
+            return JSONResponse(result) if isinstance(result, dict) else result
+        return JSONResponse(result.model_dump(mode="json"))
+
     def model_state(model: str | None) -> ServerState:
         """The state of the model a request names (checked even with one model)."""
         state = served.resolve(model)
@@ -120,30 +125,32 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(body, request, routed(body))
+        return as_json(await create_chat_completion(body, request, routed(body)))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request):
-        return await create_completion(body, request, routed(body))
+        return as_json(await create_completion(body, request, routed(body)))
 
     @app.post("/v1/messages", response_model=None)
     async def messages(body: MessagesRequest, request: Request):
-        return await create_message(body, request, routed(body))
+        return as_json(await create_message(body, request, routed(body)))
 
     @app.post("/v1/messages/count_tokens", response_model=None)
     async def count_tokens(body: CountTokensRequest, request: Request):
         from latentserve.server.anthropic_api import count_input_tokens
 
         state = routed(body)
-        return {"input_tokens": await count_input_tokens(body, request, state)}
+        return JSONResponse({"input_tokens": await count_input_tokens(body, request, state)})
 
     @app.get("/v1/models", response_model=None)
     async def models():
-        return ModelList(data=[c for s in served.states for c in cards(s)])
+        data = [c for s in served.states for c in cards(s)]
+        return JSONResponse(ModelList(data=data).model_dump(mode="json"))
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(model_id: str):
-        return next(c for c in cards(model_state(model_id)) if c.id == model_id)
+        card = next(c for c in cards(model_state(model_id)) if c.id == model_id)
+        return JSONResponse(card.model_dump(mode="json"))
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: TokenizeRequest):
@@ -167,7 +174,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         if body.return_token_strs:
             texts = token_texts(state.tokenizer)
             out["token_strs"] = [texts.text(t) for t in ids]
-        return out
+        return JSONResponse(out)
 
     @app.post("/detokenize", response_model=None)
     async def detokenize(body: DetokenizeRequest):
@@ -180,7 +187,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         if isinstance(state.tokenizer, NoTokenizer):
             raise APIError("this model directory has no tokenizer files; token ids have no "
                            "text", param="tokens")
-        return {"prompt": await in_pool(state.tokenizer.decode, body.tokens)}
+        return JSONResponse({"prompt": await in_pool(state.tokenizer.decode, body.tokens)})
 
     async def model_health(s: ServerState) -> dict:
         client = s.client
@@ -232,7 +239,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.get("/version", response_model=None)
     async def version():
-        return {"version": latentserve.__version__}
+        return JSONResponse({"version": latentserve.__version__})
 
     @app.get("/metrics", response_model=None)
     async def metrics():

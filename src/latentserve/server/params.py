@@ -181,12 +181,12 @@ def header_value(name: str, raw: str, kind: str):
     try:
         if kind == "bool":
             return parse_bool(name, raw)
-        if kind == "int":
-            if raw.strip().isdigit():
-                return int(raw)
-        elif (value := float(raw)) >= 0.0 and (value <= 1.0 if kind == "float"
-                                               else value < math.inf):
-            return value
+        if kind == "int" and raw.strip().isdigit():
+            return int(raw)
+        if kind in ("float", "nonneg"):
+            value = float(raw)
+            if 0.0 <= value <= 1.0 if kind == "float" else 0.0 <= value < math.inf:
+                return value
     except ValueError:
         pass
     raise APIError(f"header {name} must be {_WANT[kind]}, got {raw!r}", param=name)
