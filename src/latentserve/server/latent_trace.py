@@ -27,12 +27,17 @@ def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
 def tick_infos(delta, first_step: int, asked: bool, texts) -> list[LatentInfo]:
     """One ``LatentInfo`` per step ``first_step + 1 .. delta.latent_steps`` of a tick:
     ``steps`` its 1-based number, ``trace`` (when ``asked``) ``[entry]`` or ``[]``."""
-    new = max(delta.latent_steps - first_step, 0)
-    entries = with_texts(list(delta.latent_trace or [])[-new:] if new else [], texts) or []
-    entries = [None] * (new - len(entries)) + entries
     return [LatentInfo(steps=first_step + j + 1,
                        trace=([] if e is None else [e]) if asked else None)
-            for j, e in enumerate(entries)]
+            for j, e in enumerate(with_texts(tick_entries(delta, first_step), texts))]
+
+
+def tick_entries(delta, first_step: int) -> list[dict | None]:
+    """The trace entries of a tick's steps ``first_step + 1 .. delta.latent_steps`` (None
+    for a step the trace has no entry of)."""
+    new = max(delta.latent_steps - first_step, 0)
+    entries = list(delta.latent_trace or [])[-new:] if new else []
+    return [None] * (new - len(entries)) + entries
 
 
 def latent_info(final, asked: bool, texts=None) -> LatentInfo | None:

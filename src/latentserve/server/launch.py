@@ -132,7 +132,7 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     with uvicorn until SIGINT/SIGTERM; the engines are stopped on the way out.
 
     The arguments are the flags of :func:`add_server_args` (their help gives units and
-    defaults; None: no limit, or the default). ``cors``: ``CORSMiddleware`` options (None:
+    defaults; None: no limit, or the default). ``cors``: ``CORSMiddleware`` options (over
     vLLM's defaults). ``drain_timeout``: seconds running requests may take after
     SIGTERM/SIGINT before they are aborted. Engines start with multiprocessing's ``spawn``:
     call this under ``if __name__ == "__main__":``. When some engines die the others keep
@@ -320,8 +320,7 @@ class ServerProcess:
 def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1",
                  port: int | None = None, timeout: float = 600.0,
                  log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-                 log_level: str | None = None, cancel: threading.Event | None = None,
-                 **options) -> ServerProcess:
+                 cancel: threading.Event | None = None, **options) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` as a subprocess and wait for ``/health``.
 
     ``options`` are :func:`run_server`'s keyword arguments: they travel as JSON
@@ -350,8 +349,6 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     api_key = options.pop("api_key", None)
     inspect.signature(run_server).bind(configs, **options)  # a misspelt option fails here
     cmd += ["--options-json", json.dumps(options)]
-    if log_level is not None:
-        cmd += ["--log-level", log_level]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", PARENT_PID_ENV: str(os.getpid()),
                  **(env or {})}
     child_env.pop(API_KEY_ENV, None)
@@ -532,8 +529,8 @@ def main(argv: list[str] | None = None) -> None:
         threading.Thread(target=_stop_with_parent, args=(int(parent),), daemon=True).start()
     try:
         run_server(configs[0] if len(configs) == 1 else configs, host=args.host,
-                   port=args.port, log_level=args.log_level,
-                   **{**server_kwargs(args), **json.loads(args.options_json)})
+                   port=args.port, **{"log_level": args.log_level, **server_kwargs(args),
+                                      **json.loads(args.options_json)})
     except EngineStartupError as exc:
         notes = "".join(getattr(exc, "__notes__", ()))
         sys.exit(f"{notes}\nlatentserve: {exc}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -197,20 +198,13 @@ def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: i
 # "Precompiled" map, ...) may delete text, and the byte bound is not used.
 _SAFE_NORMALIZERS = frozenset({"Sequence", "Prepend", "NFC", "NFKC"})
 _SHRINK = 4
-_BYTES_PER_TOKEN: dict[int, int | None] = {}
 
 
+@functools.cache
 def max_bytes_per_token(tokenizer) -> int | None:
     """An upper bound of the UTF-8 bytes one token stands for: the longest vocabulary string's
     bytes, times ``_SHRINK`` under NFC/NFKC. None when unknown (a slow tokenizer, or a
     normalizer that may delete text). Cached per tokenizer."""
-    key = id(tokenizer)
-    if key not in _BYTES_PER_TOKEN:
-        _BYTES_PER_TOKEN[key] = _bytes_per_token(tokenizer)
-    return _BYTES_PER_TOKEN[key]
-
-
-def _bytes_per_token(tokenizer) -> int | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
