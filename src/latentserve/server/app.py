@@ -43,7 +43,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         create_message,
     )
     from latentserve.server.chat import create_chat_completion
-    from latentserve.server.chat_template import request_chat_template
     from latentserve.server.completions import create_completion
     from latentserve.server.errors import APIError, install_error_handlers
     from latentserve.server.latent_card import latent_card
@@ -52,7 +51,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from latentserve.server.openapi import declare_errors
     from latentserve.server.params import check_model as check_served_model
     from latentserve.server.params import refuse_unsupported
-    from latentserve.server.prompts import chat_prompt_ids
+    from latentserve.server.prompts import templated_prompt_ids
     from latentserve.server.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
@@ -163,13 +162,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
                 state.tokenizer.encode, body.prompt,
                 add_special_tokens=body.add_special_tokens is not False))
         else:
-            template = request_chat_template(body.chat_template,
-                                             state.trust_request_chat_template)
-            ids = await in_pool(
-                chat_prompt_ids, state.tokenizer, body.messages, body.tools,
-                template_kwargs=body.chat_template_kwargs, chat_template=template,
-                add_generation_prompt=body.add_generation_prompt is not False,
-                continue_final_message=bool(body.continue_final_message))
+            ids = await templated_prompt_ids(body, state, body.chat_template_kwargs)
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if body.return_token_strs:
             texts = token_texts(state.tokenizer)

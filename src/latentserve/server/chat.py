@@ -6,7 +6,6 @@ import time
 from collections.abc import AsyncIterator
 
 from latentserve.server.admission import Ticket, admit
-from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
 from latentserve.server.generation import TextDelta
 from latentserve.server.latent_trace import latent_info, tick_infos
@@ -26,7 +25,7 @@ from latentserve.server.params import (
     latent_positions,
     sampling_params,
 )
-from latentserve.server.prompts import chat_prompt_ids, chat_tools, check_prompt_length
+from latentserve.server.prompts import chat_tools, check_prompt_length, templated_prompt_ids
 from latentserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -47,7 +46,6 @@ from latentserve.server.reasoning import (
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 from latentserve.server.state import ServerState
-from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import ToolChoice, check_tools, resolve_tool_choice
 
 
@@ -72,13 +70,7 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
     if head["thinking"] is not None:  # the template renders the thinking opening (or not)
         template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
                            "enable_thinking": head["thinking"]}
-    template = request_chat_template(body.chat_template, state.trust_request_chat_template)
-    prompt_ids = await in_pool(
-        chat_prompt_ids, state.tokenizer, body.messages, body.tools,
-        template_kwargs=template_kwargs, chat_template=template,
-        max_model_len=state.max_model_len,
-        add_generation_prompt=body.add_generation_prompt is not False,
-        continue_final_message=bool(body.continue_final_message))
+    prompt_ids = await templated_prompt_ids(body, state, template_kwargs, state.max_model_len)
     echo = echo_text(body) if body.echo else ""
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
     if body.max_completion_tokens is not None:

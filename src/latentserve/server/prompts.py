@@ -7,9 +7,11 @@ import json
 import re
 from typing import Any
 
+from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
 from latentserve.server.params import context_error
 from latentserve.server.protocol import CHAT_ROLES, ChatMessage, ChatTool, ToolCall
+from latentserve.server.tokenize_pool import in_pool
 
 # Arguments of apply_chat_template that a client may not set through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -133,6 +135,19 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
     if max_model_len is not None:
         check_conversation_bytes(conversation, tokenizer, max_model_len)
     return render_chat(tokenizer, conversation, tools=chat_tools(tools), **kwargs)
+
+
+async def templated_prompt_ids(body, state, template_kwargs: dict[str, Any] | None,
+                               max_model_len: int | None = None) -> list[int]:
+    """:func:`chat_prompt_ids` of a chat or ``/tokenize`` body (in the tokenizer pool): its
+    messages, tools, ``chat_template`` (:func:`request_chat_template`) and generation-prompt
+    flags, with ``template_kwargs``."""
+    template = request_chat_template(body.chat_template, state.trust_request_chat_template)
+    return await in_pool(chat_prompt_ids, state.tokenizer, body.messages, body.tools,
+                         template_kwargs=template_kwargs, chat_template=template,
+                         max_model_len=max_model_len,
+                         add_generation_prompt=body.add_generation_prompt is not False,
+                         continue_final_message=bool(body.continue_final_message))
 
 
 def _text(message: ChatMessage, i: int) -> str:
