@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from latentserve.server.admission import Ticket, admit
 from latentserve.server.errors import APIError
@@ -89,18 +89,13 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
     params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
     rid, engine_rid = new_request_id(request, "chatcmpl")
     reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
-    as_ids = bool(body.return_tokens_as_token_ids)
-
-    texts = token_texts(state.tokenizer)
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival, ticket)
-        latent = [LatentReasoning(latent_mode, texts, ticks) if latent_mode else None
-                  for _ in reqs]
-        chunks = _chunks(state, rid, len(prompt_ids), len(reqs), deltas, body.include_usage,
-                         logprobs is not None, as_ids, bool(body.return_latent_trace),
-                         [parser() for _ in reqs], latent, choice, ticks, echo)
+        chunks = _chunks(body, state, rid, len(prompt_ids), deltas, len(reqs), parser,
+                         latent_mode, choice, ticks, echo)
         return sse_response(sse_events(request, state, reqs, chunks))
     results = await collect(request, state, reqs, arrival, ticket)
+    texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
     choices = []
     for i, r in enumerate(results):
         reasoning, content, calls = parse_output(parser(), r.text)
@@ -152,22 +147,25 @@ def _logprobs_k(body: ChatCompletionRequest, state: ServerState) -> int | None:
     return k
 
 
-async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
-                  deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
-                  want_logprobs: bool, as_ids: bool, trace: bool,
-                  parsers: list[OutputParser], latent: list[LatentReasoning | None],
-                  choice: ToolChoice, ticks: bool = False, echo: str = ""
+async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
+                  num_prompt_tokens: int, deltas: AsyncIterator[tuple[int, TextDelta]],
+                  n: int, parser: Callable[[], OutputParser], latent_mode: str | None,
+                  choice: ToolChoice, ticks: bool, echo: str
                   ) -> AsyncIterator[ChatCompletionChunk]:
-    """Per choice: a role chunk and the echo; per delta, its latent reasoning (with ``ticks``,
-    a chunk per step carrying ``latent``) and what its parser releases; the finish chunk
-    with ``latent``; then the usage chunk, if asked."""
+    """Per choice (``n``, each with a ``parser()``): a role chunk and the echo; per delta,
+    its latent reasoning (with ``ticks``, a chunk per step carrying ``latent``) and what its
+    parser releases; the finish chunk with ``latent``; then the usage chunk, if asked."""
     model = state.model_name
     texts = token_texts(state.tokenizer)
+    trace, as_ids = bool(body.return_latent_trace), bool(body.return_tokens_as_token_ids)
+    parsers = [parser() for _ in range(n)]
+    latent = [LatentReasoning(latent_mode, texts, ticks) if latent_mode else None
+              for _ in range(n)]
     shown = [0] * n  # latent steps announced per choice (ticks)
 
     def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None,
               lps=None, latent=None) -> ChatCompletionChunk:
-        logprobs = chat_logprobs(texts, lps, as_ids) if want_logprobs and lps else None
+        logprobs = chat_logprobs(texts, lps, as_ids) if body.logprobs and lps else None
         return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs,
             latent=latent)])
@@ -198,7 +196,7 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
             yield chunk(i, DeltaMessage(), _finish_reason(delta.finish_reason, called[i],
                                                           choice),
                         latent=latent_info(delta, trace, texts))
-    if include_usage:
+    if body.include_usage:
         yield ChatCompletionChunk(id=rid, model=model, choices=[],
                                   usage=Usage.of(num_prompt_tokens, sum(tokens)))
 

@@ -65,19 +65,16 @@ async def _completion(body: CompletionRequest, request, state: ServerState, arri
     reqs = engine_requests(engine_rid, with_params, body.n or 1, "max_tokens", state)
     echoes = [_echo(state, r) if body.echo else "" for r in reqs]
     num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    as_ids = bool(body.return_tokens_as_token_ids)
-    want_logprobs = body.logprobs is not None
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival, ticket)
-        chunks = _chunks(state, rid, num_prompt_tokens, echoes, deltas, body.include_usage,
-                         want_logprobs, as_ids, reqs, bool(body.return_latent_trace))
+        chunks = _chunks(body, state, rid, num_prompt_tokens, echoes, deltas, reqs)
         return sse_response(sse_events(request, state, reqs, chunks))
     results = await collect(request, state, reqs, arrival, ticket)
-    texts = token_texts(state.tokenizer)
+    texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
     choices = []
     for i, r in enumerate(results):
         lps = None
-        if want_logprobs:
+        if body.logprobs is not None:
             lps, _ = completion_logprobs(texts, r.logprobs, len(echoes[i]), as_ids)
             if body.echo:
                 lps = join_logprobs(echo_logprobs(texts, reqs[i].prompt_ids,
@@ -98,14 +95,20 @@ def _echo(state: ServerState, req: EngineRequest) -> str:
     return state.tokenizer.decode(req.prompt_ids)
 
 
-async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: list[str],
-                  deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
-                  want_logprobs: bool, as_ids: bool, reqs: list[EngineRequest],
-                  trace: bool) -> AsyncIterator[CompletionResponse]:
+async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
+                  num_prompt_tokens: int, echoes: list[str],
+                  deltas: AsyncIterator[tuple[int, TextDelta]], reqs: list[EngineRequest]
+                  ) -> AsyncIterator[CompletionResponse]:
     """Per choice: the echo (with logprobs: once they arrive), a chunk per latent tick and
     per delta, the finish chunk with ``latent``; then the usage chunk, if asked."""
-    model = state.model_name
     texts = token_texts(state.tokenizer)
+    want_logprobs = body.logprobs is not None
+    trace, as_ids = bool(body.return_latent_trace), bool(body.return_tokens_as_token_ids)
+
+    def chunk(index: int, text: str, **fields) -> CompletionResponse:
+        return CompletionResponse(id=rid, model=state.model_name,
+                                  choices=[CompletionChoice(index=index, text=text, **fields)])
+
     shown = [0] * len(echoes)  # latent steps announced per choice (ticks)
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
@@ -113,20 +116,17 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: 
     if not echo_later:
         for i, echo in enumerate(echoes):
             if echo:
-                yield CompletionResponse(id=rid, model=model,
-                                         choices=[CompletionChoice(index=i, text=echo)])
+                yield chunk(i, echo)
     echoed = [not echo_later] * len(echoes)
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
         if not echoed[i]:  # the prompt logprobs ride the choice's first delta
             echoed[i] = True
-            lps = echo_logprobs(texts, reqs[i].prompt_ids, delta.prompt_logprobs, as_ids)
-            yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-                index=i, text=echoes[i], logprobs=lps)])
+            yield chunk(i, echoes[i], logprobs=echo_logprobs(
+                texts, reqs[i].prompt_ids, delta.prompt_logprobs, as_ids))
         if delta.latent_tick:
             for info in tick_infos(delta, shown[i], trace, texts):
-                yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-                    index=i, text="", latent=info)])
+                yield chunk(i, "", latent=info)
             shown[i] = delta.latent_steps
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             continue
@@ -134,9 +134,8 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: 
         if want_logprobs:
             lps, offsets[i] = completion_logprobs(texts, delta.logprobs, offsets[i], as_ids)
         latent = latent_info(delta, trace, texts) if delta.finish_reason is not None else None
-        yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-            index=i, text=delta.text, finish_reason=delta.finish_reason, logprobs=lps,
-            latent=latent)])
-    if include_usage:
-        yield CompletionResponse(id=rid, model=model, choices=[],
+        yield chunk(i, delta.text, finish_reason=delta.finish_reason, logprobs=lps,
+                    latent=latent)
+    if body.include_usage:
+        yield CompletionResponse(id=rid, model=state.model_name, choices=[],
                                  usage=Usage.of(num_prompt_tokens, sum(tokens)))

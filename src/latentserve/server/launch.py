@@ -528,9 +528,9 @@ def main(argv: list[str] | None = None) -> None:
     if parent:
         threading.Thread(target=_stop_with_parent, args=(int(parent),), daemon=True).start()
     try:
-        run_server(configs[0] if len(configs) == 1 else configs, host=args.host,
-                   port=args.port, **{"log_level": args.log_level, **server_kwargs(args),
-                                      **json.loads(args.options_json)})
+        run_server(configs, host=args.host, port=args.port,
+                   **{"log_level": args.log_level, **server_kwargs(args),
+                      **json.loads(args.options_json)})
     except EngineStartupError as exc:
         notes = "".join(getattr(exc, "__notes__", ()))
         sys.exit(f"{notes}\nlatentserve: {exc}")
