@@ -30,10 +30,10 @@ from latentserve.server.errors import (
     param_from_value_error,
 )
 from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.latent_trace import latent_info
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
     check_stop_count,
-    context_error,
     exit_fields,
     head_controls,
     latent_budget,
@@ -43,7 +43,7 @@ from latentserve.server.params import (
     refuse_unsupported,
     unset_default,
 )
-from latentserve.server.prompts import check_conversation_bytes, render_chat
+from latentserve.server.prompts import check_conversation_bytes, check_prompt_length, render_chat
 from latentserve.server.protocol import BODY_CONFIG, LatentFields, RequestModel
 from latentserve.server.reasoning import (
     LatentReasoning,
@@ -171,8 +171,7 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
     if body.max_tokens < 1:
         raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
                        param="max_tokens")
-    if num_prompt_tokens >= max_model_len:
-        raise context_error(num_prompt_tokens, max_model_len, "messages")
+    check_prompt_length(num_prompt_tokens, max_model_len, "messages")
     if num_prompt_tokens + latent + body.max_tokens > max_model_len:
         extra = f" + {latent} latent and transition positions" if latent else ""
         raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + max_tokens "
@@ -205,17 +204,18 @@ def _stop(finish_reason: str | None, stop_string: str | None, called: bool = Fal
 
 @dataclass(slots=True)
 class _Answer:
-    """How a request's answer is shaped: tools, tool choice, thinking block, latent mode."""
+    """How a request's answer is shaped: tools, tool choice, the body's thinking flag
+    (:func:`thinking_flag`; a thinking block is shown when True), latent mode."""
 
     tool_dicts: list[dict] | None
     tools: dict[str, dict]
     choice: ToolChoice
-    thinking: bool
+    flag: bool | None
     latent_mode: str | None
 
     def parser(self, state: ServerState) -> OutputParser:
         return OutputParser(state.reasoning_parser, state.tool_parser, self.choice,
-                            self.thinking, id_prefix="toolu_")
+                            self.flag is True, id_prefix="toolu_")
 
 
 def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
@@ -224,19 +224,18 @@ def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
     tool_dicts = openai_tools(body.tools)
     tools = check_tools(tool_dicts)
     choice = anthropic_tool_choice(body.tool_choice, tools)
-    shown = thinking_flag(body.thinking) is True
+    flag = thinking_flag(body.thinking)
     mode = latent_reasoning_mode(body, state.latent_spec)
-    if body.latent_reasoning is not None and not shown:
+    if body.latent_reasoning is not None and flag is not True:
         raise APIError("latent_reasoning: it writes the thinking block, which needs thinking "
                        '{"type": "enabled"}', param="latent_reasoning")
-    return _Answer(tool_dicts, tools, choice, shown, mode if shown else None)
+    return _Answer(tool_dicts, tools, choice, flag, mode if flag is True else None)
 
 
-def _head_controls(body: MessagesRequest, request, state: ServerState
-                   ) -> tuple[MessagesRequest, dict]:
-    """The body with ``thinking`` as the head's boolean (kept only where it means a head),
-    and the head controls. Raises APIError (400 naming the header or field)."""
-    flag = thinking_flag(body.thinking)
+def _head_controls(body: MessagesRequest, request, state: ServerState, flag: bool | None
+                   ) -> dict:
+    """The head controls that are set, with the thinking ``flag`` as the head's boolean
+    (only where it means a head). Raises APIError (400 naming the header or field)."""
     kind = getattr(state.latent_spec, "kind", None)
     shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
     body = body.model_copy(update={"thinking": flag if kind == "head" or (flag and not shows)
@@ -244,7 +243,7 @@ def _head_controls(body: MessagesRequest, request, state: ServerState
     controls = head_controls(request, body)
     refuse_head_controls(request, body, controls, state.latent_spec)
     refuse_stream_steps(request, body, state.latent_spec)  # validates the header (no ticks)
-    return body, controls
+    return {k: v for k, v in controls.items() if v is not None}
 
 
 async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
@@ -253,7 +252,7 @@ async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
     ``thinking`` / ``enable_thinking``."""
     conversation = _conversation(body)
     check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
-    flag = thinking_flag(body.thinking)
+    flag = answer.flag
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
     return await in_pool(
         render_chat, state.tokenizer, conversation, tools=answer.tool_dicts,
@@ -276,7 +275,7 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     prompt_ids = await _prompt_ids(body, state, answer)
     sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
     try:
-        _, params = _request_params(sized, request, state, len(prompt_ids), answer)
+        params = _request_params(sized, request, state, len(prompt_ids), answer)
     except APIError as e:
         if e.code != "context_length_exceeded" or body.max_tokens is not None:
             raise
@@ -292,22 +291,19 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 
 
 def _request_params(body: MessagesRequest, request, state: ServerState,
-                    num_prompt_tokens: int, answer: _Answer
-                    ) -> tuple[MessagesRequest, SamplingParams]:
-    """The body with ``thinking`` resolved and the engine's ``SamplingParams``. Raises
-    APIError (400 naming the field or header)."""
+                    num_prompt_tokens: int, answer: _Answer) -> SamplingParams:
+    """The engine's ``SamplingParams``. Raises APIError (400 naming the field or header)."""
     budget = latent_budget(request, body, state.latent_spec)
     params = _params(body, num_prompt_tokens, state.max_model_len, budget,
                      latent_positions(state.latent_spec, budget), state.sampling_defaults)
-    body, controls = _head_controls(body, request, state)
-    head = {k: v for k, v in controls.items() if v is not None}
+    head = _head_controls(body, request, state, answer.flag)
     if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
         try:
             params = dataclasses.replace(params, **head)
         except ValueError as exc:  # a body control out of range (the headers are checked)
             raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
-    return body, answer_params(params, answer.choice, answer.tools, answer.latent_mode,
-                               state.tokenizer, answer.parser(state))
+    return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
+                         state.tokenizer, answer.parser(state))
 
 
 async def create_message(body: MessagesRequest, request, state: ServerState):
@@ -328,17 +324,11 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
 async def _admitted_message(body: MessagesRequest, request, state: ServerState,
                             arrival: float, ticket):
     from latentserve.server.logprobs import token_texts
-    from latentserve.server.serving import (
-        collect,
-        latent_info,
-        sse_events,
-        sse_response,
-        start_stream,
-    )
+    from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 
     answer = _answer(body, state)
     prompt_ids = await _prompt_ids(body, state, answer)
-    body, params = _request_params(body, request, state, len(prompt_ids), answer)
+    params = _request_params(body, request, state, len(prompt_ids), answer)
     msg_id, engine_rid = new_request_id(request, "msg")
     if msg_id == engine_rid:
         msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
@@ -403,33 +393,41 @@ def _error_event(exc: Exception) -> str:
 
 
 class _Blocks:
-    """A streamed message's content blocks; :meth:`open` closes the one before it."""
+    """A streamed message's content blocks as SSE events (:meth:`take` hands them out);
+    opening a block closes the one before it."""
 
     def __init__(self):
         self.index = -1
         self.kind: str | None = None
+        self.events: list[str] = []
 
-    def open(self, block: dict) -> list[str]:
-        out = self.close()
+    def open(self, block: dict) -> None:
+        self.close()
         self.index += 1
         self.kind = block["type"]
-        out.append(_event("content_block_start", {
+        self.events.append(_event("content_block_start", {
             "type": "content_block_start", "index": self.index, "content_block": block}))
-        return out
 
-    def delta(self, delta: dict) -> str:
-        return _event("content_block_delta", {"type": "content_block_delta",
-                                              "index": self.index, "delta": delta})
+    def write(self, block: dict, delta: dict) -> None:
+        """``delta`` into the open block if it is of ``block``'s type, else into ``block``."""
+        if self.kind != block["type"]:
+            self.open(block)
+        self.delta(delta)
 
-    def close(self) -> list[str]:
-        if self.kind is None:
-            return []
-        out = []
+    def delta(self, delta: dict) -> None:
+        self.events.append(_event("content_block_delta", {
+            "type": "content_block_delta", "index": self.index, "delta": delta}))
+
+    def close(self) -> None:
         if self.kind == "thinking":
-            out.append(self.delta({"type": "signature_delta", "signature": ""}))
-        out.append(_event("content_block_stop", {"type": "content_block_stop",
-                                                 "index": self.index}))
+            self.delta({"type": "signature_delta", "signature": ""})
+        if self.kind is not None:
+            self.events.append(_event("content_block_stop", {"type": "content_block_stop",
+                                                             "index": self.index}))
         self.kind = None
+
+    def take(self) -> list[str]:
+        out, self.events = self.events, []
         return out
 
 
@@ -437,8 +435,6 @@ async def _events(msg_id: str, model: str, input_tokens: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], asked: bool,
                   parser: OutputParser, latent: LatentReasoning | None, texts=None
                   ) -> AsyncIterator[str]:
-    from latentserve.server.serving import latent_info
-
     yield _event("message_start", {"type": "message_start", "message": _message(
         msg_id, model, [], None, None, input_tokens, 0)})
     yield _event("ping", {"type": "ping"})
@@ -448,29 +444,24 @@ async def _events(msg_id: str, model: str, input_tokens: int,
         piece = parser.step(delta.text, delta.finish_reason is not None)
         thinking = "".join(latent.step_texts(delta) if latent else ()) + piece.reasoning
         if thinking:
-            if blocks.kind != "thinking":
-                for e in blocks.open({"type": "thinking", "thinking": "", "signature": ""}):
-                    yield e
-            yield blocks.delta({"type": "thinking_delta", "thinking": thinking})
+            blocks.write({"type": "thinking", "thinking": "", "signature": ""},
+                         {"type": "thinking_delta", "thinking": thinking})
         if piece.content:
-            if blocks.kind != "text":
-                for e in blocks.open({"type": "text", "text": ""}):
-                    yield e
-            yield blocks.delta({"type": "text_delta", "text": piece.content})
+            blocks.write({"type": "text", "text": ""},
+                         {"type": "text_delta", "text": piece.content})
         for call in piece.calls:
             called = True
             if call.id is not None:
-                for e in blocks.open({"type": "tool_use", "id": call.id, "name": call.name,
-                                      "input": {}}):
-                    yield e
+                blocks.open({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
             if call.arguments:
-                yield blocks.delta({"type": "input_json_delta",
-                                    "partial_json": call.arguments})
+                blocks.delta({"type": "input_json_delta", "partial_json": call.arguments})
+        for e in blocks.take():
+            yield e
         last = delta
     if blocks.index < 0:  # an empty answer: one empty text block, as when not streamed
-        for e in blocks.open({"type": "text", "text": ""}):
-            yield e
-    for e in blocks.close():
+        blocks.open({"type": "text", "text": ""})
+    blocks.close()
+    for e in blocks.take():
         yield e
     stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string, called)
     yield _event("message_delta", _with_latent({

@@ -25,8 +25,9 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     Routes: the OpenAI and Anthropic APIs, ``/v1/models``, ``/tokenize``, ``/detokenize``,
     ``/health``, ``/version``, ``/metrics`` (Prometheus) and ``/viewer/`` (static, open). A
     request's ``model`` picks the model (``ServedModels.resolve``). ``api_key`` (None: open)
-    and the body limit are ``security.GuardMiddleware``'s; ``cors`` None: ``DEFAULT_CORS``.
-    The lifespan starts and closes the clients, then runs ``on_shutdown``.
+    and the body limit are ``security.GuardMiddleware``'s; ``cors``: ``CORSMiddleware``
+    options over ``DEFAULT_CORS``. The lifespan starts and closes the clients, then runs
+    ``on_shutdown``.
     """
     import asyncio
     from contextlib import asynccontextmanager
@@ -42,7 +43,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         create_message,
     )
     from latentserve.server.chat import create_chat_completion
-    from latentserve.server.chat_template import request_chat_template
     from latentserve.server.completions import create_completion
     from latentserve.server.errors import APIError, install_error_handlers
     from latentserve.server.latent_card import latent_card
@@ -51,7 +51,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from latentserve.server.openapi import declare_errors
     from latentserve.server.params import check_model as check_served_model
     from latentserve.server.params import refuse_unsupported
-    from latentserve.server.prompts import chat_prompt_ids
+    from latentserve.server.prompts import templated_prompt_ids
     from latentserve.server.protocol import (
         ChatCompletionRequest,
         CompletionRequest,
@@ -65,15 +65,12 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from latentserve.server.tokenize_pool import in_pool
 
     served = state if isinstance(state, ServedModels) else ServedModels(state)
-    registry = None
-    longest = max(s.max_model_len for s in served.states)
+    registry = MetricsRegistry(max(s.max_model_len for s in served.states))
     for s in served.states:
         if s.metrics is None:
-            registry = registry or MetricsRegistry(longest)
             s.metrics = registry.model(s.model_name, lambda s=s: s.client.last_stats)
-    # One /metrics body per registry (states given their own ServerMetrics keep theirs).
-    registries = list({id(s.metrics.shared): s.metrics.shared for s in served.states
-                       if hasattr(s.metrics, "shared")}.values())
+    # One /metrics body per registry (a state served before keeps its metrics).
+    registries = list({id(s.metrics.shared): s.metrics.shared for s in served.states}.values())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -100,7 +97,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from starlette.middleware.cors import CORSMiddleware
 
     # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check
-    app.add_middleware(CORSMiddleware, **(cors or DEFAULT_CORS))
+    app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
 
     def as_json(result):
         if isinstance(result, (JSONResponse, dict)) or not hasattr(result, "model_dump"):
@@ -165,13 +162,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
                 state.tokenizer.encode, body.prompt,
                 add_special_tokens=body.add_special_tokens is not False))
         else:
-            template = request_chat_template(body.chat_template,
-                                             state.trust_request_chat_template)
-            ids = await in_pool(
-                chat_prompt_ids, state.tokenizer, body.messages, body.tools,
-                template_kwargs=body.chat_template_kwargs, chat_template=template,
-                add_generation_prompt=body.add_generation_prompt is not False,
-                continue_final_message=bool(body.continue_final_message))
+            ids = await templated_prompt_ids(body, state, body.chat_template_kwargs)
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if body.return_token_strs:
             texts = token_texts(state.tokenizer)
@@ -248,10 +239,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         from prometheus_client import CONTENT_TYPE_LATEST
 
         await asyncio.gather(*(s.client.get_stats(STATS_TIMEOUT_S) for s in served.states))
-        if registries:
-            body = b"".join(r.render() for r in registries)
-        else:
-            body = b"".join(s.metrics.render() for s in served.states)
+        body = b"".join(r.render() for r in registries)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     declare_errors(app)  # /openapi.json: the real error responses, no 422

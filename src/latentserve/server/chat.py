@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from latentserve.server.admission import Ticket, admit
-from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
-from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.latent_trace import tick_infos
+from latentserve.server.generation import TextDelta
+from latentserve.server.latent_trace import latent_info, tick_infos
 from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.output_parser import (
     CallDelta,
@@ -21,13 +20,12 @@ from latentserve.server.output_parser import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
-    check_total_output,
-    fan_out,
+    engine_requests,
     latent_controls,
     latent_positions,
     sampling_params,
 )
-from latentserve.server.prompts import chat_prompt_ids, chat_tools, check_prompt_length
+from latentserve.server.prompts import chat_tools, check_prompt_length, templated_prompt_ids
 from latentserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -46,20 +44,9 @@ from latentserve.server.reasoning import (
     latent_reasoning_text,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import (
-    collect,
-    latent_info,
-    sse_events,
-    sse_response,
-    start_stream,
-)
+from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 from latentserve.server.state import ServerState
-from latentserve.server.tokenize_pool import in_pool
-from latentserve.server.tools import (
-    ToolChoice,
-    check_tools,
-    resolve_tool_choice,
-)
+from latentserve.server.tools import ToolChoice, check_tools, resolve_tool_choice
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request, state: ServerState):
@@ -83,13 +70,7 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
     if head["thinking"] is not None:  # the template renders the thinking opening (or not)
         template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
                            "enable_thinking": head["thinking"]}
-    template = request_chat_template(body.chat_template, state.trust_request_chat_template)
-    prompt_ids = await in_pool(
-        chat_prompt_ids, state.tokenizer, body.messages, body.tools,
-        template_kwargs=template_kwargs, chat_template=template,
-        max_model_len=state.max_model_len,
-        add_generation_prompt=body.add_generation_prompt is not False,
-        continue_final_message=bool(body.continue_final_message))
+    prompt_ids = await templated_prompt_ids(body, state, template_kwargs, state.max_model_len)
     echo = echo_text(body) if body.echo else ""
     check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
     if body.max_completion_tokens is not None:
@@ -106,22 +87,15 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
                             body.include_reasoning is not False)
 
     params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
-    check_total_output([params], [len(prompt_ids)], body.n or 1, field, state)
     rid, engine_rid = new_request_id(request, "chatcmpl")
-    reqs = [EngineRequest(i, f"{engine_rid}-{i}", prompt_ids, p)
-            for i, p in enumerate(fan_out(params, body.n or 1))]
-    as_ids = bool(body.return_tokens_as_token_ids)
-
-    texts = token_texts(state.tokenizer)
+    reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival, ticket)
-        latent = [LatentReasoning(latent_mode, texts, ticks) if latent_mode else None
-                  for _ in reqs]
-        chunks = _chunks(state, rid, len(prompt_ids), len(reqs), deltas, body.include_usage,
-                         logprobs is not None, as_ids, bool(body.return_latent_trace),
-                         [parser() for _ in reqs], latent, choice, ticks, echo)
+        chunks = _chunks(body, state, rid, len(prompt_ids), deltas, len(reqs), parser,
+                         latent_mode, choice, ticks, echo)
         return sse_response(sse_events(request, state, reqs, chunks))
     results = await collect(request, state, reqs, arrival, ticket)
+    texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
     choices = []
     for i, r in enumerate(results):
         reasoning, content, calls = parse_output(parser(), r.text)
@@ -138,7 +112,7 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
                                                                    bool(calls), choice),
             logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
                       if logprobs is not None else None),
-            latent=r.latent_info(bool(body.return_latent_trace), texts)))
+            latent=latent_info(r, bool(body.return_latent_trace), texts)))
     return ChatCompletionResponse(
         id=rid, model=state.model_name, choices=choices,
         usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
@@ -173,22 +147,25 @@ def _logprobs_k(body: ChatCompletionRequest, state: ServerState) -> int | None:
     return k
 
 
-async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
-                  deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
-                  want_logprobs: bool, as_ids: bool, trace: bool,
-                  parsers: list[OutputParser], latent: list[LatentReasoning | None],
-                  choice: ToolChoice, ticks: bool = False, echo: str = ""
+async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
+                  num_prompt_tokens: int, deltas: AsyncIterator[tuple[int, TextDelta]],
+                  n: int, parser: Callable[[], OutputParser], latent_mode: str | None,
+                  choice: ToolChoice, ticks: bool, echo: str
                   ) -> AsyncIterator[ChatCompletionChunk]:
-    """Per choice: a role chunk and the echo; per delta, its latent reasoning (with ``ticks``,
-    a chunk per step carrying ``latent``) and what its parser releases; the finish chunk
-    with ``latent``; then the usage chunk, if asked."""
+    """Per choice (``n``, each with a ``parser()``): a role chunk and the echo; per delta,
+    its latent reasoning (with ``ticks``, a chunk per step carrying ``latent``) and what its
+    parser releases; the finish chunk with ``latent``; then the usage chunk, if asked."""
     model = state.model_name
     texts = token_texts(state.tokenizer)
+    trace, as_ids = bool(body.return_latent_trace), bool(body.return_tokens_as_token_ids)
+    parsers = [parser() for _ in range(n)]
+    latent = [LatentReasoning(latent_mode, texts, ticks) if latent_mode else None
+              for _ in range(n)]
     shown = [0] * n  # latent steps announced per choice (ticks)
 
     def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None,
               lps=None, latent=None) -> ChatCompletionChunk:
-        logprobs = chat_logprobs(texts, lps, as_ids) if want_logprobs and lps else None
+        logprobs = chat_logprobs(texts, lps, as_ids) if body.logprobs and lps else None
         return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs,
             latent=latent)])
@@ -219,7 +196,7 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, n: int,
             yield chunk(i, DeltaMessage(), _finish_reason(delta.finish_reason, called[i],
                                                           choice),
                         latent=latent_info(delta, trace, texts))
-    if include_usage:
+    if body.include_usage:
         yield ChatCompletionChunk(id=rid, model=model, choices=[],
                                   usage=Usage.of(num_prompt_tokens, sum(tokens)))
 

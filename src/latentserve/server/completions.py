@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from latentserve.server.admission import Ticket, admit
 from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.latent_trace import tick_infos
+from latentserve.server.latent_trace import latent_info, tick_infos
 from latentserve.server.logprobs import (
     completion_logprobs,
     echo_logprobs,
@@ -17,8 +17,7 @@ from latentserve.server.logprobs import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
-    check_total_output,
-    fan_out,
+    engine_requests,
     latent_controls,
     latent_positions,
     sampling_params,
@@ -31,13 +30,7 @@ from latentserve.server.protocol import (
     Usage,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import (
-    collect,
-    latent_info,
-    sse_events,
-    sse_response,
-    start_stream,
-)
+from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
 
@@ -59,45 +52,36 @@ async def _completion(body: CompletionRequest, request, state: ServerState, arri
     prompt_logprobs = body.logprobs if body.echo else None
     prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
                             state.vocab_size, state.limits.max_prompts, state.max_model_len)
-    n = body.n or 1
-    rid, engine_rid = new_request_id(request, "cmpl")
-    reqs: list[EngineRequest] = []
     budget, head, ticks = latent_controls(request, body, state.latent_spec)
-    for p, (ids, text) in enumerate(prompts):
+    with_params = []
+    for ids, text in prompts:
         check_prompt_length(len(ids), state.max_model_len, "prompt")
-        params = sampling_params(body, body.max_tokens, "max_tokens", len(ids),
-                                 state.max_model_len, body.logprobs, budget, head,
-                                 prompt_logprobs, stream_latent_steps=ticks,
-                                 latent_positions=latent_positions(state.latent_spec, budget),
-                                 defaults=state.sampling_defaults)
-        for j, choice_params in enumerate(fan_out(params, n)):
-            index = p * n + j
-            reqs.append(EngineRequest(index, f"{engine_rid}-{index}", ids, choice_params, p,
-                                      text))
-    check_total_output([r.params for r in reqs[::n]], [len(r.prompt_ids) for r in reqs[::n]],
-                       n, "max_tokens", state)
+        with_params.append((ids, text, sampling_params(
+            body, body.max_tokens, "max_tokens", len(ids), state.max_model_len, body.logprobs,
+            budget, head, prompt_logprobs, stream_latent_steps=ticks,
+            latent_positions=latent_positions(state.latent_spec, budget),
+            defaults=state.sampling_defaults)))
+    rid, engine_rid = new_request_id(request, "cmpl")
+    reqs = engine_requests(engine_rid, with_params, body.n or 1, "max_tokens", state)
     echoes = [_echo(state, r) if body.echo else "" for r in reqs]
     num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    as_ids = bool(body.return_tokens_as_token_ids)
-    want_logprobs = body.logprobs is not None
     if body.stream:
         deltas = await start_stream(request, state, reqs, arrival, ticket)
-        chunks = _chunks(state, rid, num_prompt_tokens, echoes, deltas, body.include_usage,
-                         want_logprobs, as_ids, reqs, bool(body.return_latent_trace))
+        chunks = _chunks(body, state, rid, num_prompt_tokens, echoes, deltas, reqs)
         return sse_response(sse_events(request, state, reqs, chunks))
     results = await collect(request, state, reqs, arrival, ticket)
-    texts = token_texts(state.tokenizer)
+    texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
     choices = []
     for i, r in enumerate(results):
         lps = None
-        if want_logprobs:
+        if body.logprobs is not None:
             lps, _ = completion_logprobs(texts, r.logprobs, len(echoes[i]), as_ids)
             if body.echo:
                 lps = join_logprobs(echo_logprobs(texts, reqs[i].prompt_ids,
                                                   r.prompt_logprobs, as_ids), lps)
         choices.append(CompletionChoice(index=i, text=echoes[i] + r.text,
                                         finish_reason=r.finish_reason, logprobs=lps,
-                                        latent=r.latent_info(bool(body.return_latent_trace),
+                                        latent=latent_info(r, bool(body.return_latent_trace),
                                                              texts)))
     return CompletionResponse(
         id=rid, model=state.model_name, choices=choices,
@@ -111,14 +95,20 @@ def _echo(state: ServerState, req: EngineRequest) -> str:
     return state.tokenizer.decode(req.prompt_ids)
 
 
-async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: list[str],
-                  deltas: AsyncIterator[tuple[int, TextDelta]], include_usage: bool,
-                  want_logprobs: bool, as_ids: bool, reqs: list[EngineRequest],
-                  trace: bool) -> AsyncIterator[CompletionResponse]:
+async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
+                  num_prompt_tokens: int, echoes: list[str],
+                  deltas: AsyncIterator[tuple[int, TextDelta]], reqs: list[EngineRequest]
+                  ) -> AsyncIterator[CompletionResponse]:
     """Per choice: the echo (with logprobs: once they arrive), a chunk per latent tick and
     per delta, the finish chunk with ``latent``; then the usage chunk, if asked."""
-    model = state.model_name
     texts = token_texts(state.tokenizer)
+    want_logprobs = body.logprobs is not None
+    trace, as_ids = bool(body.return_latent_trace), bool(body.return_tokens_as_token_ids)
+
+    def chunk(index: int, text: str, **fields) -> CompletionResponse:
+        return CompletionResponse(id=rid, model=state.model_name,
+                                  choices=[CompletionChoice(index=index, text=text, **fields)])
+
     shown = [0] * len(echoes)  # latent steps announced per choice (ticks)
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
@@ -126,20 +116,17 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: 
     if not echo_later:
         for i, echo in enumerate(echoes):
             if echo:
-                yield CompletionResponse(id=rid, model=model,
-                                         choices=[CompletionChoice(index=i, text=echo)])
+                yield chunk(i, echo)
     echoed = [not echo_later] * len(echoes)
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
         if not echoed[i]:  # the prompt logprobs ride the choice's first delta
             echoed[i] = True
-            lps = echo_logprobs(texts, reqs[i].prompt_ids, delta.prompt_logprobs, as_ids)
-            yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-                index=i, text=echoes[i], logprobs=lps)])
+            yield chunk(i, echoes[i], logprobs=echo_logprobs(
+                texts, reqs[i].prompt_ids, delta.prompt_logprobs, as_ids))
         if delta.latent_tick:
             for info in tick_infos(delta, shown[i], trace, texts):
-                yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-                    index=i, text="", latent=info)])
+                yield chunk(i, "", latent=info)
             shown[i] = delta.latent_steps
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             continue
@@ -147,9 +134,8 @@ async def _chunks(state: ServerState, rid: str, num_prompt_tokens: int, echoes: 
         if want_logprobs:
             lps, offsets[i] = completion_logprobs(texts, delta.logprobs, offsets[i], as_ids)
         latent = latent_info(delta, trace, texts) if delta.finish_reason is not None else None
-        yield CompletionResponse(id=rid, model=model, choices=[CompletionChoice(
-            index=i, text=delta.text, finish_reason=delta.finish_reason, logprobs=lps,
-            latent=latent)])
-    if include_usage:
-        yield CompletionResponse(id=rid, model=model, choices=[],
+        yield chunk(i, delta.text, finish_reason=delta.finish_reason, logprobs=lps,
+                    latent=latent)
+    if body.include_usage:
+        yield CompletionResponse(id=rid, model=state.model_name, choices=[],
                                  usage=Usage.of(num_prompt_tokens, sum(tokens)))

@@ -82,17 +82,18 @@ def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def error_response(path: str, status_code: int, message: str,
-                   type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None):
-    """A JSONResponse in the shape that ``path``'s protocol uses."""
+def error_response(path: str, err: APIError, headers: dict[str, str] | None = None):
+    """A JSONResponse of ``err`` in the shape that ``path``'s protocol uses (under
+    ``/v1/messages``: :func:`anthropic_status` and :func:`anthropic_message`); ``headers``
+    (else ``err.headers``) go with it."""
     from fastapi.responses import JSONResponse
 
     if is_anthropic_path(path):
-        body = anthropic_error_body(message, status_code)
+        status = anthropic_status(err)
+        body = anthropic_error_body(anthropic_message(err), status)
     else:
-        body = error_body(message, type, param, code)
-    return JSONResponse(body, status_code=status_code, headers=headers)
+        status, body = err.status_code, err.body()
+    return JSONResponse(body, status_code=status, headers=headers or err.headers)
 
 
 def param_from_value_error(message: str) -> str | None:
@@ -206,45 +207,33 @@ def _short(value: object, limit: int = 60) -> str:
 
 
 def install_error_handlers(app) -> None:
-    """Register the handlers that keep every error response in the OpenAI shape."""
+    """Register the handler that answers every error in its route's protocol's shape:
+    validation errors and unreadable bodies as 400s, HTTP errors with their status, text
+    sent to a token-ids-only model as a 400, anything else as a 500 (logged)."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
     from latentserve.models.checkpoint import NoTokenizerError
 
-    def reply(request, err: APIError, headers=None):
-        path = request.url.path
-        if is_anthropic_path(path):
-            status, message = anthropic_status(err), anthropic_message(err)
+    async def reply(request, exc: Exception):
+        headers = None
+        if isinstance(exc, APIError):
+            err = exc
+        elif isinstance(exc, RequestValidationError):
+            err = validation_error(list(exc.errors()))
+        elif isinstance(exc, HTTPException) and exc.status_code == 400:
+            err = malformed_body(exc.__cause__)  # FastAPI could not read the body (not UTF-8)
+        elif isinstance(exc, HTTPException):
+            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            code = "request_too_large" if exc.status_code == 413 else None
+            err = APIError(str(exc.detail), status_code=exc.status_code, type=kind, code=code)
+            headers = getattr(exc, "headers", None)
+        elif isinstance(exc, NoTokenizerError):
+            err = APIError(str(exc))
         else:
-            status, message = err.status_code, err.message
-        return error_response(path, status, message, err.type, err.param, err.code,
-                              headers or err.headers)
+            log.exception("unhandled error on %s", request.url.path)
+            err = APIError("Internal server error", status_code=500, type="server_error")
+        return error_response(request.url.path, err, headers)
 
-    async def on_api_error(request, exc: APIError):
-        return reply(request, exc)
-
-    async def on_validation(request, exc: RequestValidationError):
-        return reply(request, validation_error(list(exc.errors())))
-
-    async def on_http(request, exc: HTTPException):
-        if exc.status_code == 400:  # FastAPI could not read the body (not UTF-8, ...)
-            return reply(request, malformed_body(exc.__cause__))
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = "request_too_large" if exc.status_code == 413 else None
-        return reply(request, APIError(str(exc.detail), status_code=exc.status_code, type=kind,
-                                       code=code), getattr(exc, "headers", None))
-
-    async def on_no_tokenizer(request, exc: Exception):
-        return reply(request, APIError(str(exc)))  # text sent to a token-ids-only model
-
-    async def on_unexpected(request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return reply(request, APIError("Internal server error", status_code=500,
-                                       type="server_error"))
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(HTTPException, on_http)
-    app.add_exception_handler(NoTokenizerError, on_no_tokenizer)
-    app.add_exception_handler(Exception, on_unexpected)
+    for cls in (APIError, RequestValidationError, HTTPException, NoTokenizerError, Exception):
+        app.add_exception_handler(cls, reply)

@@ -1,11 +1,13 @@
 """The public shape of a latent trace: the engine's entries (``StepOutput.latent_trace``,
-``latent/lens.py``) with decoded token strings, and the ``latent`` object a streamed tick
-carries (``docs/server.md``, "Latent reasoning").
+``latent/lens.py``) with decoded token strings, and the ``latent`` object of a choice and
+of a streamed tick (``docs/server.md``, "Latent reasoning").
 
 Design notes: docs/internals.md, "latentserve.server.latent_trace".
 """
 
 from __future__ import annotations
+
+from latentserve.server.protocol import LatentInfo
 
 
 def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
@@ -22,14 +24,28 @@ def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
     return out
 
 
-def tick_infos(delta, first_step: int, asked: bool, texts) -> list:
+def tick_infos(delta, first_step: int, asked: bool, texts) -> list[LatentInfo]:
     """One ``LatentInfo`` per step ``first_step + 1 .. delta.latent_steps`` of a tick:
     ``steps`` its 1-based number, ``trace`` (when ``asked``) ``[entry]`` or ``[]``."""
-    from latentserve.server.protocol import LatentInfo
-
-    new = max(delta.latent_steps - first_step, 0)
-    entries = with_texts(list(delta.latent_trace or [])[-new:] if new else [], texts) or []
-    entries = [None] * (new - len(entries)) + entries
     return [LatentInfo(steps=first_step + j + 1,
                        trace=([] if e is None else [e]) if asked else None)
-            for j, e in enumerate(entries)]
+            for j, e in enumerate(with_texts(tick_entries(delta, first_step), texts))]
+
+
+def tick_entries(delta, first_step: int) -> list[dict | None]:
+    """The trace entries of a tick's steps ``first_step + 1 .. delta.latent_steps`` (None
+    for a step the trace has no entry of)."""
+    new = max(delta.latent_steps - first_step, 0)
+    entries = list(delta.latent_trace or [])[-new:] if new else []
+    return [None] * (new - len(entries)) + entries
+
+
+def latent_info(final, asked: bool, texts=None) -> LatentInfo | None:
+    """A choice's ``latent`` field from its final delta or result (None when there is no
+    latent work); the trace and ``recurrence`` only when ``asked``."""
+    if not asked and not final.latent_steps and final.latent_stats is None:
+        return None
+    trace = final.latent_trace if texts is None else with_texts(final.latent_trace, texts)
+    return LatentInfo(steps=final.latent_steps, trace=trace if asked else None,
+                      stats=final.latent_stats,
+                      recurrence=final.recurrence if asked else None)

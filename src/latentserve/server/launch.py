@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import inspect
 import json
 import logging
 import os
@@ -131,7 +132,7 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     with uvicorn until SIGINT/SIGTERM; the engines are stopped on the way out.
 
     The arguments are the flags of :func:`add_server_args` (their help gives units and
-    defaults; None: no limit, or the default). ``cors``: ``CORSMiddleware`` options (None:
+    defaults; None: no limit, or the default). ``cors``: ``CORSMiddleware`` options (over
     vLLM's defaults). ``drain_timeout``: seconds running requests may take after
     SIGTERM/SIGINT before they are aborted. Engines start with multiprocessing's ``spawn``:
     call this under ``if __name__ == "__main__":``. When some engines die the others keep
@@ -172,9 +173,6 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
         raise
 
     def stop_engines() -> None:  # all at once: each may wait for its engine to exit
-        if len(engines) == 1:
-            engines[0].stop()
-            return
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(len(engines)) as pool:
@@ -322,26 +320,17 @@ class ServerProcess:
 def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1",
                  port: int | None = None, timeout: float = 600.0,
                  log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-                 api_key: str | None = None, max_request_body_bytes: int | None = None,
-                 drain_timeout: float | None = None,
-                 max_request_output_tokens: int | None = None, log_level: str | None = None,
-                 cors: dict | None = None, max_waiting_requests: int | None = None,
-                 chat_template: str | None = None, uvicorn_log_level: str | None = None,
-                 log_requests: bool = False, max_log_len: int | None = None,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False, queue_timeout: float | None = None,
-                 timeout_keep_alive: float = 5.0,
-                 timeout_request_headers: float | None = DEFAULT_HEADER_TIMEOUT_S,
-                 timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S,
-                 cancel: threading.Event | None = None) -> ServerProcess:
+                 cancel: threading.Event | None = None, **options) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` as a subprocess and wait for ``/health``.
 
-    The server arguments are :func:`run_server`'s (the API key travels in the environment).
-    ``port`` None picks a free one (retried up to three times if taken); output goes to
-    ``log_path`` (a temp file if None). The server stops when this process is gone.
-    ``cancel``: once set, the server is stopped and RuntimeError raised within 0.25 s.
+    ``options`` are :func:`run_server`'s keyword arguments: they travel as JSON
+    (``--options-json``), the API key in the environment. ``port`` None picks a free one
+    (retried up to three times if taken); output goes to ``log_path`` (a temp file if None).
+    The server stops when this process is gone. ``cancel``: once set, the server is stopped
+    and RuntimeError raised within 0.25 s.
 
     Raises:
+        TypeError: an option :func:`run_server` does not take.
         ValueError: two configs would be served under the same name.
         RuntimeError: the server exited or was not healthy within ``timeout`` seconds (with
             the end of its log).
@@ -357,28 +346,9 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     cmd = [sys.executable, "-m", "latentserve.server.launch", "--host", host]
     for c in configs:
         cmd += ["--config-json", json.dumps(asdict(c))]
-    cors = cors or {}
-    for flag, value in (
-            ("--max-request-body-bytes", max_request_body_bytes),
-            ("--drain-timeout", drain_timeout), ("--log-level", log_level),
-            ("--max-request-output-tokens", max_request_output_tokens),
-            ("--max-waiting-requests", max_waiting_requests), ("--queue-timeout", queue_timeout),
-            ("--timeout-keep-alive", timeout_keep_alive),
-            ("--timeout-request-headers", timeout_request_headers or 0),
-            ("--timeout-request-body", timeout_request_body or 0),
-            ("--tool-call-parser", tool_call_parser), ("--reasoning-parser", reasoning_parser),
-            ("--allowed-origins", cors.get("allow_origins")),
-            ("--allowed-methods", cors.get("allow_methods")),
-            ("--allowed-headers", cors.get("allow_headers")),
-            ("--chat-template", chat_template), ("--uvicorn-log-level", uvicorn_log_level),
-            ("--max-log-len", max_log_len)):
-        if value is not None:
-            cmd += [flag, json.dumps(value) if flag.startswith("--allowed-") else str(value)]
-    for flag, on in (("--allow-credentials", cors.get("allow_credentials")),
-                     ("--enable-log-requests", log_requests),
-                     ("--trust-request-chat-template", trust_request_chat_template)):
-        if on:
-            cmd.append(flag)
+    api_key = options.pop("api_key", None)
+    inspect.signature(run_server).bind(configs, **options)  # a misspelt option fails here
+    cmd += ["--options-json", json.dumps(options)]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", PARENT_PID_ENV: str(os.getpid()),
                  **(env or {})}
     child_env.pop(API_KEY_ENV, None)
@@ -543,6 +513,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--options-json", default="{}",
+                        help="run_server keyword arguments as a JSON object (overrides the "
+                             "flags; start_server's way)")
     add_server_args(parser)
     args = parser.parse_args(argv)
     if args.config_json:
@@ -555,8 +528,9 @@ def main(argv: list[str] | None = None) -> None:
     if parent:
         threading.Thread(target=_stop_with_parent, args=(int(parent),), daemon=True).start()
     try:
-        run_server(configs[0] if len(configs) == 1 else configs, host=args.host,
-                   port=args.port, log_level=args.log_level, **server_kwargs(args))
+        run_server(configs, host=args.host, port=args.port,
+                   **{"log_level": args.log_level, **server_kwargs(args),
+                      **json.loads(args.options_json)})
     except EngineStartupError as exc:
         notes = "".join(getattr(exc, "__notes__", ()))
         sys.exit(f"{notes}\nlatentserve: {exc}")

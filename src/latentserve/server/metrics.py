@@ -111,7 +111,7 @@ class RequestTimer:
             m.prefill_time.observe(max((self.first or end) - self.scheduled_at, 0.0))
             m.decode_time.observe(end - self.first if self.first is not None else 0.0)
             m.inference_time.observe(max(end - self.scheduled_at, 0.0))
-        m.finished.labels(finished_reason=finish_reason or "unknown").inc()
+        m.shared.finished.labels(m.model_name, finish_reason or "unknown").inc()
         if self.group is not None:
             self.group.finished(self.num_tokens)
 
@@ -140,7 +140,7 @@ class MetricsRegistry:
     def model(self, model_name: str, get_stats: Callable[[], dict | None]) -> ServerMetrics:
         """The metrics of one served model, whose latest engine stats ``get_stats()``
         returns (None: none yet)."""
-        return ServerMetrics(model_name, get_stats, registry=self)
+        return ServerMetrics(self, model_name, get_stats)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -185,25 +185,15 @@ _COUNTERS = {
 
 
 class ServerMetrics:
-    """One served model's children of a :class:`MetricsRegistry` (its own when None);
+    """One served model's children of the :class:`MetricsRegistry` ``shared``;
     ``get_stats()``: the latest engine stats or None."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], dict | None],
-                 registry: MetricsRegistry | None = None):
-        shared = MetricsRegistry() if registry is None else registry
+    def __init__(self, shared: MetricsRegistry, model_name: str,
+                 get_stats: Callable[[], dict | None]):
         self.shared = shared
-        self.registry = shared.registry
         self.model_name = model_name
         for name in (*_HISTOGRAMS, *_COUNTERS):
             setattr(self, name, getattr(shared, name).labels(model_name))
-        finished = shared.finished
-
-        class _Finished:
-            @staticmethod
-            def labels(finished_reason: str):
-                return finished.labels(model_name, finished_reason)
-
-        self.finished = _Finished
         shared.engines.append((model_name, get_stats))
 
     def timer(self, arrival: float | None = None, group: RequestGroup | None = None,
@@ -216,13 +206,35 @@ class ServerMetrics:
         """The group of one prompt's ``n`` engine requests."""
         return RequestGroup(self, n)
 
-    def render(self) -> bytes:
-        return self.shared.render()
+
+# Engine samples of ``LLMEngine.stats()``: (family kind, name after "latentserve_", help,
+# value of one model's stats).
+_ENGINE_FAMILIES = (
+    ("gauge", "num_requests_running", "Requests admitted in the engine",
+     lambda s: s["num_running"]),
+    ("gauge", "num_requests_waiting", "Requests queued in the engine",
+     lambda s: s["num_waiting"]),
+    ("gauge", "kv_slots_total", "KV pool size, tokens", lambda s: s["kv_slots_total"]),
+    ("gauge", "kv_slots_free", "Free KV slots", lambda s: s["kv_slots_free"]),
+    ("gauge", "kv_slots_cached", "KV slots held by the prefix cache",
+     lambda s: s["kv_slots_cached"]),
+    ("gauge", "kv_cache_usage_perc", "Fraction of KV slots neither free nor evictable",
+     lambda s: (s["kv_slots_total"] - s["kv_slots_free"] - s["kv_slots_evictable"])
+     / (s["kv_slots_total"] or 1)),
+    ("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     lambda s: s["prefix_cache_queries"]),
+    ("counter", "prefix_cache_hits", "Prompt tokens served by the prefix cache",
+     lambda s: s["prefix_cache_hits"]),
+    ("gauge", "prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start-up",
+     lambda s: s["prefix_cache_hits"] / s["prefix_cache_queries"]
+     if s["prefix_cache_queries"] else 0.0),
+    ("counter", "num_preemptions", "Requests preempted", lambda s: s["num_preemptions"]),
+)
 
 
 class _EngineCollector:
-    """Engine gauges and counters from each model's latest ``LLMEngine.stats()`` (one
-    sample per model that has stats)."""
+    """Engine gauges and counters (``_ENGINE_FAMILIES``) from each model's latest
+    ``LLMEngine.stats()`` (one sample per model that has stats)."""
 
     def __init__(self, engines: list[tuple[str, Callable[[], dict | None]]]):
         self.engines = engines
@@ -234,49 +246,9 @@ class _EngineCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         rows = [(name, stats) for name, get in self.engines if (stats := get())]
-        if not rows:
-            return
-
-        def family(kind, name, doc, value):
-            f = kind(name, doc, labels=["model_name"])
+        for kind, name, doc, value in _ENGINE_FAMILIES if rows else ():
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = cls(f"latentserve_{name}", doc, labels=["model_name"])
             for model_name, stats in rows:
-                f.add_metric([model_name], value(stats))
-            return f
-
-        def gauge(name, doc, value):
-            return family(GaugeMetricFamily, name, doc, value)
-
-        def counter(name, doc, value):
-            return family(CounterMetricFamily, name, doc, value)
-
-        def usage(stats):
-            total = stats["kv_slots_total"] or 1
-            busy = (stats["kv_slots_total"] - stats["kv_slots_free"]
-                    - stats["kv_slots_evictable"])
-            return busy / total
-
-        def hit_rate(stats):
-            queries = stats["prefix_cache_queries"]
-            return stats["prefix_cache_hits"] / queries if queries else 0.0
-
-        yield gauge("latentserve_num_requests_running", "Requests admitted in the engine",
-                    lambda s: s["num_running"])
-        yield gauge("latentserve_num_requests_waiting", "Requests queued in the engine",
-                    lambda s: s["num_waiting"])
-        yield gauge("latentserve_kv_slots_total", "KV pool size, tokens",
-                    lambda s: s["kv_slots_total"])
-        yield gauge("latentserve_kv_slots_free", "Free KV slots", lambda s: s["kv_slots_free"])
-        yield gauge("latentserve_kv_slots_cached", "KV slots held by the prefix cache",
-                    lambda s: s["kv_slots_cached"])
-        yield gauge("latentserve_kv_cache_usage_perc",
-                    "Fraction of KV slots neither free nor evictable", usage)
-        yield counter("latentserve_prefix_cache_queries",
-                      "Prompt tokens looked up in the prefix cache",
-                      lambda s: s["prefix_cache_queries"])
-        yield counter("latentserve_prefix_cache_hits",
-                      "Prompt tokens served by the prefix cache",
-                      lambda s: s["prefix_cache_hits"])
-        yield gauge("latentserve_prefix_cache_hit_rate",
-                    "prefix_cache_hits / prefix_cache_queries since start-up", hit_rate)
-        yield counter("latentserve_num_preemptions", "Requests preempted",
-                      lambda s: s["num_preemptions"])
+                family.add_metric([model_name], value(stats))
+            yield family

@@ -70,12 +70,11 @@ class OutputParser:
 
     def feed(self, text: str) -> Piece:
         """The piece released by one more text delta."""
-        if self.think is None:
-            return self._answer(text, final=False)
-        split = self.think.feed(text)
-        out = self._answer(split.content, final=False)
-        out.reasoning = split.reasoning if self.include_reasoning else ""
-        return out
+        return self._release(text, final=False)
+
+    def finish(self) -> Piece:
+        """What is held back, at the end of the output."""
+        return self._release("", final=True)
 
     def step(self, text: str, final: bool) -> Piece:
         """:meth:`feed`, joined with :meth:`finish` when ``final``."""
@@ -86,12 +85,11 @@ class OutputParser:
                         out.calls + rest.calls)
         return out
 
-    def finish(self) -> Piece:
-        """What is held back, at the end of the output."""
+    def _release(self, text: str, final: bool) -> Piece:
         if self.think is None:
-            return self._answer("", final=True)
-        split = self.think.finish()
-        out = self._answer(split.content, final=True)
+            return self._answer(text, final)
+        split = self.think.finish() if final else self.think.feed(text)
+        out = self._answer(split.content, final)
         out.reasoning = split.reasoning if self.include_reasoning else ""
         return out
 

@@ -7,6 +7,7 @@ import math
 
 from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.server.errors import APIError, param_from_value_error
+from latentserve.server.generation import EngineRequest
 from latentserve.server.protocol import SamplingRequest
 from latentserve.server.state import ServerLimits
 
@@ -146,40 +147,49 @@ def head_controls(http_request, body: SamplingRequest,
     > ``chat_template_kwargs`` thinking > None (the engine's default). ``x-latent-budget: 0``
     turns a body or template ``thinking`` off unless a thinking header is sent. Raises
     APIError (400 naming the header) for a malformed value."""
-    from latentserve.latent.head import parse_bool, template_thinking
+    from latentserve.latent.head import template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
     if out["thinking"] is None:
         out["thinking"] = template_thinking(template_kwargs)
-    headers = getattr(http_request, "headers", None) or {}
+    headers = _headers(http_request)
     for name, (hdr, alias, kind) in HEAD_HEADERS.items():
         used = hdr if headers.get(hdr) is not None or alias is None else alias
-        raw = headers.get(used)
-        if raw is None:
-            continue
-        try:
-            if kind == "bool":
-                value = parse_bool(used, raw)
-            elif kind == "int":
-                if not raw.strip().isdigit():
-                    raise ValueError
-                value = int(raw)
-            else:
-                value = float(raw)
-                if not (0.0 <= value <= 1.0 if kind == "float" else 0.0 <= value < math.inf):
-                    raise ValueError
-        except ValueError:
-            want = {"bool": "a boolean (1/0, true/false, yes/no, on/off)",
-                    "int": "a non-negative integer", "float": "a number in [0, 1]",
-                    "nonneg": "a finite number >= 0"}[kind]
-            raise APIError(f"header {used} must be {want}, got {raw!r}", param=used) from None
-        out[name] = value
+        if headers.get(used) is not None:
+            out[name] = header_value(used, headers[used], kind)
     budget = headers.get("x-latent-budget")
     thinking_header = any(headers.get(h) is not None for h in HEAD_HEADERS["thinking"][:2])
     if out["thinking"] and budget is not None and budget.strip() == "0" \
             and not thinking_header:
         out["thinking"] = False  # header x-latent-budget: 0 (thinking off) beats the body
     return out
+
+
+def _headers(http_request) -> dict:
+    return getattr(http_request, "headers", None) or {}
+
+
+_WANT = {"bool": "a boolean (1/0, true/false, yes/no, on/off)", "int": "a non-negative integer",
+         "float": "a number in [0, 1]", "nonneg": "a finite number >= 0"}
+
+
+def header_value(name: str, raw: str, kind: str):
+    """Header ``name``'s ``raw`` value as a ``kind`` of ``_WANT``. Raises APIError (400
+    naming the header) when it is not one."""
+    from latentserve.latent.head import parse_bool
+
+    try:
+        if kind == "bool":
+            return parse_bool(name, raw)
+        if kind == "int" and raw.strip().isdigit():
+            return int(raw)
+        if kind in ("float", "nonneg"):
+            value = float(raw)
+            if 0.0 <= value <= 1.0 if kind == "float" else 0.0 <= value < math.inf:
+                return value
+    except ValueError:
+        pass
+    raise APIError(f"header {name} must be {_WANT[kind]}, got {raw!r}", param=name)
 
 
 def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
@@ -194,7 +204,7 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
     if not head and controls.get("thinking") is False:
         return
     taken = (spec.controls or CONTROLS) if head else ()
-    headers = getattr(http_request, "headers", None) or {}
+    headers = _headers(http_request)
     for name, (hdr, alias, _) in HEAD_HEADERS.items():
         if name in taken:
             continue
@@ -226,22 +236,16 @@ def _not_taken(spec, taken: tuple[str, ...], hdr: bool, name: str = "") -> str:
         "leave it out)"
 
 
+STREAM_STEPS_HEADER = "x-latent-stream-steps"
+
+
 def stream_latent_steps(http_request, body) -> bool:
     """Header ``x-latent-stream-steps`` > body ``stream_latent_steps`` > False. APIError
     (400 naming the header) for a malformed value."""
-    from latentserve.latent.head import parse_bool
-
-    raw = (getattr(http_request, "headers", None) or {}).get(STREAM_STEPS_HEADER)
+    raw = _headers(http_request).get(STREAM_STEPS_HEADER)
     if raw is None:
         return bool(getattr(body, "stream_latent_steps", None))
-    try:
-        return parse_bool(STREAM_STEPS_HEADER, raw)
-    except ValueError:
-        raise APIError(f"header {STREAM_STEPS_HEADER} must be a boolean (1/0, true/false, "
-                       f"yes/no, on/off), got {raw!r}", param=STREAM_STEPS_HEADER) from None
-
-
-STREAM_STEPS_HEADER = "x-latent-stream-steps"
+    return header_value(STREAM_STEPS_HEADER, raw, "bool")
 
 
 def refuse_stream_steps(http_request, body, spec=None) -> None:
@@ -250,8 +254,7 @@ def refuse_stream_steps(http_request, body, spec=None) -> None:
     asked = stream_latent_steps(http_request, body)  # validates the header
     if not asked or (spec is not None and spec.kind in ("feedback", "head", "loop")):
         return
-    headers = getattr(http_request, "headers", None) or {}
-    sent = STREAM_STEPS_HEADER if headers.get(STREAM_STEPS_HEADER) is not None \
+    sent = STREAM_STEPS_HEADER if _headers(http_request).get(STREAM_STEPS_HEADER) is not None \
         else "stream_latent_steps"
     what = "a recurrent-depth model" if spec is not None else "a model without latent reasoning"
     raise APIError(f"{sent} needs a model with latent steps, not {what} (it would silently "
@@ -431,6 +434,18 @@ def latent_controls(http_request, body, spec, template_kwargs: dict | None = Non
     refuse_head_controls(http_request, body, head, spec)
     refuse_stream_steps(http_request, body, spec)
     return budget, head, bool(body.stream) and stream_latent_steps(http_request, body)
+
+
+def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
+                    n: int, max_tokens_field: str, state) -> list[EngineRequest]:
+    """Each prompt's ``(token ids, text, params)`` fanned out to ``n`` engine requests:
+    choice ``p * n + j`` of prompt p has engine id ``{rid}-{p * n + j}`` and :func:`fan_out`'s
+    params. APIError (400) from :func:`check_total_output` or :func:`fan_out`."""
+    check_total_output([params for _, _, params in prompts], [len(ids) for ids, _, _ in prompts],
+                       n, max_tokens_field, state)
+    return [EngineRequest(p * n + j, f"{rid}-{p * n + j}", ids, choice, p, text)
+            for p, (ids, text, params) in enumerate(prompts)
+            for j, choice in enumerate(fan_out(params, n))]
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:

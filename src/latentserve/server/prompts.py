@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
 
+from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
 from latentserve.server.params import context_error
 from latentserve.server.protocol import CHAT_ROLES, ChatMessage, ChatTool, ToolCall
+from latentserve.server.tokenize_pool import in_pool
 
 # Arguments of apply_chat_template that a client may not set through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -134,6 +137,19 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
     return render_chat(tokenizer, conversation, tools=chat_tools(tools), **kwargs)
 
 
+async def templated_prompt_ids(body, state, template_kwargs: dict[str, Any] | None,
+                               max_model_len: int | None = None) -> list[int]:
+    """:func:`chat_prompt_ids` of a chat or ``/tokenize`` body (in the tokenizer pool): its
+    messages, tools, ``chat_template`` (:func:`request_chat_template`) and generation-prompt
+    flags, with ``template_kwargs``."""
+    template = request_chat_template(body.chat_template, state.trust_request_chat_template)
+    return await in_pool(chat_prompt_ids, state.tokenizer, body.messages, body.tools,
+                         template_kwargs=template_kwargs, chat_template=template,
+                         max_model_len=max_model_len,
+                         add_generation_prompt=body.add_generation_prompt is not False,
+                         continue_final_message=bool(body.continue_final_message))
+
+
 def _text(message: ChatMessage, i: int) -> str:
     content = message.content
     if content is None:
@@ -197,20 +213,13 @@ def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: i
 # "Precompiled" map, ...) may delete text, and the byte bound is not used.
 _SAFE_NORMALIZERS = frozenset({"Sequence", "Prepend", "NFC", "NFKC"})
 _SHRINK = 4
-_BYTES_PER_TOKEN: dict[int, int | None] = {}
 
 
+@functools.cache
 def max_bytes_per_token(tokenizer) -> int | None:
     """An upper bound of the UTF-8 bytes one token stands for: the longest vocabulary string's
     bytes, times ``_SHRINK`` under NFC/NFKC. None when unknown (a slow tokenizer, or a
     normalizer that may delete text). Cached per tokenizer."""
-    key = id(tokenizer)
-    if key not in _BYTES_PER_TOKEN:
-        _BYTES_PER_TOKEN[key] = _bytes_per_token(tokenizer)
-    return _BYTES_PER_TOKEN[key]
-
-
-def _bytes_per_token(tokenizer) -> int | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None

@@ -9,7 +9,7 @@ are checked later by ``SamplingParams`` and the handlers.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -320,21 +320,26 @@ class ToolCallOut(BaseModel):
     function: FunctionCallOut
 
 
-class AssistantMessage(BaseModel):
+class _OmitsNone(BaseModel):
+    """A response model whose ``OMIT_NONE`` fields are left out of the JSON when None."""
+
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k not in self.OMIT_NONE}
+
+
+class AssistantMessage(_OmitsNone):
     """``reasoning_content``: the ``<think>`` text or latent steps ("" if none);
     ``tool_calls`` is left out when None."""
 
+    OMIT_NONE = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str = ""
     tool_calls: list[ToolCallOut] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_null_calls(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("tool_calls") is None:
-            out.pop("tool_calls", None)
-        return out
 
 
 class LatentInfo(BaseModel):
@@ -364,34 +369,25 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_OmitsNone):
     """A streamed message fragment; None fields are left out of the JSON."""
 
+    OMIT_NONE = ("role", "content", "reasoning_content", "tool_calls")
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_OmitsNone):
     """One choice of a streamed chunk; ``latent`` is left out when None."""
 
+    OMIT_NONE = ("latent",)
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
     latent: LatentInfo | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_null_latent(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("latent") is None:
-            out.pop("latent", None)
-        return out
 
 
 class ChatCompletionChunk(_Response):

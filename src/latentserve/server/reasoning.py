@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from latentserve.server.latent_trace import tick_entries
+
 THINK_START, THINK_END = "<think>", "</think>"
 # name -> whether an output that does not open with <think> is reasoning.
 REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
@@ -133,15 +135,11 @@ class LatentReasoning:
     def step_texts(self, delta) -> list[str]:
         """The reasoning texts one ``TextDelta`` releases, one per chunk."""
         if delta.latent_tick:
-            new = max(delta.latent_steps - self.steps_shown, 0)
-            entries = list(delta.latent_trace or [])[-new:] if new else []
-            entries = [None] * (new - len(entries)) + entries
-            self.steps_shown += new
-            if not self.per_step:
-                return []
-            return [latent_step_text(self.steps_shown - new + i + 1,
-                                     entries[i] if self.mode == "logit_lens" else None,
-                                     self.texts) for i in range(new)]
+            entries = tick_entries(delta, self.steps_shown)
+            first, self.steps_shown = self.steps_shown, self.steps_shown + len(entries)
+            return [latent_step_text(first + i + 1, e if self.mode == "logit_lens" else None,
+                                     self.texts)
+                    for i, e in enumerate(entries)] if self.per_step else []
         if (not self.per_step and not self.count_shown and delta.latent_steps
                 and (delta.text or delta.finish_reason is not None)):
             self.count_shown = True

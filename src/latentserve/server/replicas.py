@@ -37,17 +37,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _port_free(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
                    port: int = 8000, policy: str = "cache_aware",
                    server_kwargs: dict | None = None) -> None:
@@ -59,7 +48,7 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
         ModuleNotFoundError: no ``sglang_router``.
         RuntimeError: a replica failed to start (with its log tail) or the router failed.
     """
-    from latentserve.server.launch import free_port, start_server
+    from latentserve.server.launch import free_port, listen_socket, start_server
 
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
@@ -68,9 +57,11 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
     from latentserve.extras import require
 
     require("sglang_router", "--data-parallel-size")
-    if not _port_free(host, port):
+    try:
+        listen_socket(host, port).close()
+    except ValueError:
         raise ValueError(f"--port {port} is in use on {host} (the router's port); pick "
-                         f"another --port")
+                         f"another --port") from None
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
@@ -122,26 +113,3 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
                 router.kill()
         for s in servers:
             s.stop()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m latentserve.server.replicas --config-json {...} --data-parallel-size N``."""
-    import argparse
-    import json
-
-    from latentserve.config import EngineConfig
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config-json", required=True, help="EngineConfig fields as JSON")
-    p.add_argument("--data-parallel-size", type=int, required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES)
-    args = p.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    serve_replicas(EngineConfig(**json.loads(args.config_json)), args.data_parallel_size,
-                   args.host, args.port, args.router_policy)
-
-
-if __name__ == "__main__":
-    main()

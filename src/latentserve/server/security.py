@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hmac
 
-from latentserve.server.errors import error_response
+from latentserve.server.errors import APIError, error_response
 
 # The interactive docs and the schema describe every route: behind the key as the API is.
 _DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
@@ -25,6 +25,7 @@ class GuardMiddleware:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.too_large = f"Request body is larger than the limit of {max_body_bytes} bytes"
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -32,19 +33,19 @@ class GuardMiddleware:
         path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         if self.api_key is not None and _protected(path) and not self._authorized(headers):
-            response = error_response(path, 401, "Invalid or missing API key; send it as "
-                                      "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                                      code="invalid_api_key",
-                                      headers={"WWW-Authenticate": "Bearer"})
+            response = error_response(path, APIError(
+                "Invalid or missing API key; send it as 'Authorization: Bearer <key>' or "
+                "'x-api-key: <key>'", status_code=401, code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"}))
             return await response(scope, receive, send)
-        length = headers.get("content-length")
-        if length is not None:
-            try:
-                too_big = int(length) > self.max_body_bytes
-            except ValueError:
-                too_big = False
-            if too_big:
-                return await self._too_large(path, scope, receive, send)
+        try:
+            too_big = int(headers.get("content-length", 0)) > self.max_body_bytes
+        except ValueError:
+            too_big = False
+        if too_big:
+            response = error_response(path, APIError(self.too_large, status_code=413,
+                                                     code="request_too_large"))
+            return await response(scope, receive, send)
         limit, seen = self.max_body_bytes, 0
 
         async def counted_receive():
@@ -55,7 +56,7 @@ class GuardMiddleware:
                 if seen > limit:
                     from starlette.exceptions import HTTPException
 
-                    raise HTTPException(413, self._too_large_message())
+                    raise HTTPException(413, self.too_large)
             return message
 
         await self.app(scope, counted_receive, send)
@@ -68,14 +69,6 @@ class GuardMiddleware:
         if "x-api-key" in headers:
             candidates.append(headers["x-api-key"].strip())
         return any(hmac.compare_digest(c, self.api_key) for c in candidates)
-
-    def _too_large_message(self) -> str:
-        return f"Request body is larger than the limit of {self.max_body_bytes} bytes"
-
-    async def _too_large(self, path, scope, receive, send):
-        response = error_response(path, 413, self._too_large_message(),
-                                  code="request_too_large")
-        await response(scope, receive, send)
 
 
 class JSONBodies:

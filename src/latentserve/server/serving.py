@@ -4,11 +4,12 @@ aborted when the HTTP client disconnects."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -19,7 +20,6 @@ from latentserve.server.client import (
     EngineQueueTimeout,
     EngineRequestError,
 )
-from latentserve.server.disconnect import on_disconnect
 from latentserve.server.errors import APIError, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
 
@@ -52,10 +52,6 @@ class ChoiceResult(TextDelta):
 
     step_trace: list = field(default_factory=list)
 
-    def latent_info(self, asked: bool, texts=None):
-        """The choice's ``latent`` field (see :func:`latent_info`)."""
-        return latent_info(self, asked, texts)
-
     def add(self, delta: TextDelta) -> None:
         """Fold one delta of this choice in."""
         self.text += delta.text
@@ -71,26 +67,22 @@ class ChoiceResult(TextDelta):
             self.latent_stats, self.recurrence = delta.latent_stats, delta.recurrence
 
 
-def latent_info(final, asked: bool, texts=None):
-    """A choice's ``latent`` field from its final delta or result (None when there is no
-    latent work); the trace and ``recurrence`` only when ``asked``."""
-    from latentserve.server.latent_trace import with_texts
-    from latentserve.server.protocol import LatentInfo
+@asynccontextmanager
+async def _abort_on_disconnect(request, state, reqs: list[EngineRequest]):
+    """Abort ``reqs`` if the HTTP client disconnects while the block runs (a task waits on
+    ``receive()``, which only returns ``http.disconnect`` once the body is read)."""
 
-    if not asked and not final.latent_steps and final.latent_stats is None:
-        return None
-    trace = final.latent_trace if texts is None else with_texts(final.latent_trace, texts)
-    return LatentInfo(steps=final.latent_steps, trace=trace if asked else None,
-                      stats=final.latent_stats,
-                      recurrence=final.recurrence if asked else None)
-
-
-def _abort_all(state, reqs: list[EngineRequest]) -> Callable[[], None]:
-    def abort() -> None:
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
         for r in reqs:
             state.client.abort(r.rid)
 
-    return abort
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait, seconds
@@ -131,7 +123,7 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
     """Run the engine requests concurrently; one ``ChoiceResult`` each. APIError from
     :func:`api_error` (the others aborted)."""
     results = [ChoiceResult("", None, 0) for _ in reqs]
-    async with on_disconnect(request, _abort_all(state, reqs)), \
+    async with _abort_on_disconnect(request, state, reqs), \
             aclosing(_deltas(state, reqs, arrival, ticket)) as deltas:
         try:
             async for i, delta in deltas:
@@ -146,7 +138,7 @@ async def start_stream(request, state, reqs: list[EngineRequest], arrival: float
     """Start the engine requests and wait for the first delta (so a rejection is a plain
     error, not a 200 stream); an iterator of ``(position in reqs, delta)``. APIError."""
     deltas = _deltas(state, reqs, arrival, ticket)
-    async with on_disconnect(request, _abort_all(state, reqs)):
+    async with _abort_on_disconnect(request, state, reqs):
         try:
             first = await anext(deltas)
         except ENGINE_ERRORS as exc:
@@ -179,7 +171,7 @@ async def sse_events(request, state, reqs: list[EngineRequest],
     if internal_error_event is None:
         internal_error_event = (
             f"data: {json.dumps(error_body('Internal server error', 'server_error'))}\n\n")
-    async with on_disconnect(request, _abort_all(state, reqs)), aclosing(chunks):
+    async with _abort_on_disconnect(request, state, reqs), aclosing(chunks):
         try:
             async for chunk in chunks:
                 yield chunk if isinstance(chunk, str) else f"data: {chunk.model_dump_json()}\n\n"

@@ -93,15 +93,8 @@ class ServedModels:
         return list(self.by_name.values())
 
     @property
-    def names(self) -> list[str]:
-        return list(self.by_name)
-
-    @property
     def first(self) -> ServerState:
         return next(iter(self.by_name.values()))
-
-    def __len__(self) -> int:
-        return len(self.by_name)
 
     def canonical(self, model: str | None) -> str | None:
         """The ``model_name`` of the model served as ``model``; other values unchanged."""
