@@ -5,12 +5,22 @@ Design notes: docs/internals.md, "latentserve.mask_ahead".
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from latentserve.core import ReqStatus
 from latentserve.token_masks import FilledRows, accept_each, bitmask_width, new_batcher
+
+# NOTE: while a worker fills, a thread waiting for the GIL gets it within this many seconds
+# (the interpreter's default, 5 ms, can hold the worker back a whole step while the engine's
+# thread runs Python); the default is back once no fill is in flight
+SWITCH_S = 0.001
+_in_flight = [0, 0.0]  # fills in flight in this process, the switch interval before them
+_lock = threading.Lock()
 
 
 class MasksAhead:
@@ -22,7 +32,8 @@ class MasksAhead:
     :meth:`start` after a step is advanced; :meth:`take` where the next step builds its
     masks; :meth:`wait` before anything else reads or feeds a grammar matcher (the worker
     owns them until then). ``enabled`` False: :meth:`start` does nothing (the synchronous
-    fill, for comparison)."""
+    fill, for comparison). ``waited``: seconds the engine's thread has spent waiting for the
+    worker (0 while the fill stays hidden)."""
 
     def __init__(self, vocab_size: int, enabled: bool = True):
         self.width = bitmask_width(vocab_size)
@@ -32,6 +43,7 @@ class MasksAhead:
         self._bits = torch.empty(0, self.width, dtype=torch.int32)
         self._job: Future | None = None
         self._filled: dict = {}
+        self.waited = 0.0
 
     def start(self, rows: list, tokens: torch.Tensor | None = None, event=None) -> None:
         """Fill ahead for the sampling rows ``rows`` (``(req, index of its pending id in
@@ -61,13 +73,24 @@ class MasksAhead:
         if self._bits.shape[0] < len(work):
             self._bits = torch.empty(max(len(work), 2 * self._bits.shape[0]), self.width,
                                      dtype=torch.int32)
-        self._job = self._pool.submit(self._fill, work, tokens, event)
+        _switch_faster()
+        try:
+            self._job = self._pool.submit(self._fill, work, tokens, event)
+        except BaseException:
+            _switch_back()
+            raise
 
     def wait(self) -> None:
         """Wait for the worker (re-raising what it raised)."""
         job, self._job = self._job, None
-        if job is not None:
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        try:
             self._filled = job.result()
+        finally:
+            self.waited += time.perf_counter() - t0
+            _switch_back()
 
     def take(self) -> FilledRows | None:
         """The rows filled by the last :meth:`start` (None: none), after :meth:`wait`; each
@@ -104,3 +127,19 @@ class MasksAhead:
                                                         list(range(len(matchers))))
         return filled
 
+
+def _switch_faster() -> None:
+    """A fill starts: the switch interval down to :data:`SWITCH_S` (the first one in flight)."""
+    with _lock:
+        if _in_flight[0] == 0:
+            _in_flight[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(SWITCH_S, _in_flight[1]))
+        _in_flight[0] += 1
+
+
+def _switch_back() -> None:
+    """A fill was waited for: the interval back as it was once none is in flight."""
+    with _lock:
+        _in_flight[0] -= 1
+        if _in_flight[0] == 0:
+            sys.setswitchinterval(_in_flight[1])
