@@ -152,3 +152,23 @@ def test_disabled_fills_nothing(grammars, smollm2_tokenizer):
     ahead = MasksAhead(VOCAB, enabled=False)
     ahead.start([(reqs[0], None)])
     assert ahead.take() is None and reqs[0].constraint.consumed == 0
+
+
+def test_the_switch_interval_is_short_only_while_fills_are_in_flight(grammars,
+                                                                     smollm2_tokenizer):
+    """While a worker fills, the engine's thread hands it the GIL within ``SWITCH_S``; the
+    interval is back once the last fill in flight was waited for."""
+    import sys
+
+    from latentserve.mask_ahead import SWITCH_S
+
+    before = sys.getswitchinterval()
+    a, b = MasksAhead(VOCAB), MasksAhead(VOCAB)
+    ra, rb = (_reqs(grammars, smollm2_tokenizer, KINDS[:1])[0] for _ in range(2))
+    a.start([(ra, None)])
+    b.start([(rb, None)])
+    assert sys.getswitchinterval() == pytest.approx(min(SWITCH_S, before))
+    a.take()
+    assert sys.getswitchinterval() == pytest.approx(min(SWITCH_S, before))
+    b.take()
+    assert sys.getswitchinterval() == pytest.approx(before)
