@@ -88,7 +88,8 @@ def build_engine(model_dir: Path, batch: int, overlap: bool, device: str):
     return eng
 
 
-def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int) -> list[float]:
+def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int
+                ) -> tuple[list[float], list[float]]:
     """One round of ``name`` on ``eng``: ``(wall, cpu)`` times (s) of its full-batch steps
     (``cpu``: the calling thread's CPU time, without other threads' work or waits for the
     CPU)."""
