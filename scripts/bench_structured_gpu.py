@@ -1,15 +1,18 @@
-"""Decode-step cost of token masks and structured outputs, offline on one GPU.
+"""Decode-step cost of token masks and structured outputs, offline on one GPU (or the CPU).
 
-A random-weight Llama of SmolLM2-135M's shape (SmolLM2's tokenizer from ``--tokenizer``)
+A random-weight Llama of SmolLM2-135M's shape (``--shape tiny``: 2 layers of width 64, so
+that on the CPU the step is mostly the host's work; SmolLM2's tokenizer from ``--tokenizer``)
 serves ``--batch`` concurrent requests per variant; the engine's ``step()`` is timed (no
 device sync between steps) and the median over the steps where every request decodes (all
 ``--batch`` running, no prefill) is the variant's round median. Variants: ``plain`` (overlap
 scheduling on, the CUDA default), ``plain_sync`` (overlap off), ``allowed`` and
-``min_tokens`` (static masks), ``json`` and ``regex`` (a grammar per request; masks built on
-the host while the forward runs). Two engines (overlap on and off) are built once and warmed
-with one pass of every variant; then ``--rounds`` rounds each run every variant once, in
-order, so that a slow stretch of the host hits every variant. Prints one JSON object and
-writes it to ``--out``; docs/server.md quotes it::
+``min_tokens`` (static masks), ``json`` and ``regex`` (a grammar per request; its next row
+filled by a worker thread while the step returns and the next forward is launched,
+``mask_ahead.py``), ``json_noahead`` and ``regex_noahead`` (the same with the rows filled in
+the step that samples them, after its forward is launched). Two engines (overlap on and
+off) are built once and warmed with one pass of every variant; then ``--rounds`` rounds
+each run every variant once, in order, so that a slow stretch of the host hits every
+variant. Prints one JSON object and writes it to ``--out``; docs/server.md quotes it::
 
     {"device": str, "batch": int, "rounds": int, "model": str,
      "rows": [{"variant": str,
@@ -17,9 +20,14 @@ writes it to ``--out``; docs/server.md quotes it::
                "round_ms": [float, ...],     # each round's median step (ms)
                "step_ms_median": float,      # median of round_ms
                "step_ms_mean": float,        # mean step over all rounds' steps
-               "vs_plain": float}]}          # step_ms_median / plain's step_ms_median
+               "thread_cpu_round_ms": [...], # each round's median CPU time of the
+               "thread_cpu_ms_median": float,  # engine's thread per step (its own work,
+                                             # not a worker's; CUDA's spin-waits count)
+               "vs_plain": float,            # step_ms_median / plain's step_ms_median
+               "cpu_vs_plain": float}]}      # the same for thread_cpu_ms_median
 
     python scripts/bench_structured_gpu.py --tokenizer DIR [--batch 64] [--rounds 3] [--out FILE]
+        [--variants plain,json,...] [--device cuda|cpu] [--shape smollm2|tiny]
 """
 
 import argparse
@@ -35,14 +43,19 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
           "required": ["title", "tags"]}
 
 
-def build_model(tokenizer_dir: str, out: Path) -> Path:
+SHAPES = {"smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                       "num_attention_heads": 9, "num_key_value_heads": 3},
+          "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2}}
+
+
+def build_model(tokenizer_dir: str, out: Path, shape: str = "smollm2") -> Path:
     import torch
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         max_position_embeddings=2048, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg = tf.LlamaConfig(vocab_size=49152, **SHAPES[shape], max_position_embeddings=2048,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2)
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -59,6 +72,8 @@ EXTRA = {"plain": {}, "plain_sync": {},
          "min_tokens": {"min_tokens": None},  # max_tokens, filled in
          "json": {"structured_outputs": {"json": SCHEMA}},
          "regex": {"structured_outputs": {"regex": "[a-z ,.]+"}}}
+for _g in ("json", "regex"):  # the grammar rows filled in the step that samples them
+    EXTRA[f"{_g}_noahead"] = EXTRA[_g]
 
 
 def build_engine(model_dir: Path, batch: int, overlap: bool, device: str):
@@ -73,33 +88,44 @@ def build_engine(model_dir: Path, batch: int, overlap: bool, device: str):
     return eng
 
 
-def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int) -> list[float]:
-    """One round of ``name`` on ``eng``: the wall times (s) of its full-batch steps."""
+def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int
+                ) -> tuple[list[float], list[float]]:
+    """One round of ``name`` on ``eng``: ``(wall, cpu)`` times (s) of its full-batch steps
+    (``cpu``: the calling thread's CPU time, without other threads' work or waits for the
+    CPU)."""
     from latentserve.sampling_params import SamplingParams
 
     extra = dict(EXTRA[name])
+    eng.masks_ahead.enabled = not name.endswith("_noahead")
     if "min_tokens" in extra:
         extra["min_tokens"] = max_tokens
     for i in range(batch):
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
-                                ignore_eos=name not in ("json", "regex"), **extra)
+                                ignore_eos="structured_outputs" not in extra, **extra)
         eng.add_request(f"{name}-{tag}-{i}", [1 + (i * 7 + k) % 1000 for k in range(32)],
                         params)
     times: list[float] = []
+    cpu: list[float] = []
+    waited, steps = eng.masks_ahead.waited, 0
     _sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     while eng.has_unfinished_requests():
+        steps += 1
         # NOTE: no device sync between steps (it would undo overlap scheduling): a step's
         # time is the wall time between step boundaries, in the steady state
         full = (len(eng.scheduler.running) == batch and not eng.scheduler.waiting
                 and all(r.num_computed >= len(r.prompt_ids) for r in eng.scheduler.running))
         eng.step()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if full:
             times.append(t1 - t0)
-        t0 = t1
+            cpu.append(c1 - c0)
+        t0, c0 = t1, c1
     _sync()
-    return times
+    if name in ("json", "regex"):  # the engine's thread waiting for the rows filled ahead
+        print(json.dumps({"variant": name, "waited_for_masks_ms_per_step":
+                          _ms((eng.masks_ahead.waited - waited) / steps)}), flush=True)
+    return times, cpu
 
 
 def _sync():
@@ -115,9 +141,12 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="plain,allowed,min_tokens,json,regex,plain_sync")
+    ap.add_argument("--variants", default="plain,allowed,min_tokens,json,regex,json_noahead,"
+                                          "regex_noahead,plain_sync")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES),
+                    help="tiny: 2 layers of width 64, the step all host work (with --device cpu)")
     args = ap.parse_args()
     import torch
 
@@ -125,35 +154,46 @@ def main():
     bad = [v for v in variants if v not in EXTRA]
     if bad or args.rounds < 1:
         ap.error(f"unknown variant {bad[0]!r}" if bad else "--rounds must be >= 1")
-    model_dir = build_model(args.tokenizer, Path(tempfile.mkdtemp()) / "smollm2-shape")
+    model_dir = build_model(args.tokenizer, Path(tempfile.mkdtemp()) / f"{args.shape}-shape",
+                            args.shape)
     engines = {o: build_engine(model_dir, args.batch, o, args.device)
                for o in {v != "plain_sync" for v in variants}}
     times = {v: [] for v in variants}  # per round, the step times
+    cpu = {v: [] for v in variants}  # per round, the engine thread's CPU time per step
     for rnd in range(args.rounds + 1):  # round 0 warms the graphs' batch sizes and grammars
         for v in variants:
-            t = run_variant(engines[v != "plain_sync"], v, str(rnd), args.batch,
-                            args.max_tokens)
+            t, c = run_variant(engines[v != "plain_sync"], v, str(rnd), args.batch,
+                               args.max_tokens)
             if rnd:
                 times[v].append(t)
+                cpu[v].append(c)
                 print(json.dumps({"round": rnd, "variant": v, "steps": len(t),
-                                  "step_ms_median": _ms(statistics.median(t)) if t else None}),
+                                  "step_ms_median": _ms(statistics.median(t)) if t else None,
+                                  "thread_cpu_ms_median":
+                                      _ms(statistics.median(c)) if c else None}),
                       flush=True)
     rows = []
     for v in variants:
         per = [_ms(statistics.median(t)) for t in times[v] if t]
+        per_cpu = [_ms(statistics.median(c)) for c in cpu[v] if c]
         flat = [x for t in times[v] for x in t]
         rows.append({"variant": v, "steps": len(flat), "round_ms": per,
                      "step_ms_median": round(statistics.median(per), 3) if per else None,
-                     "step_ms_mean": _ms(statistics.mean(flat)) if flat else None})
-    base = next((r["step_ms_median"] for r in rows if r["variant"] == "plain"), None)
+                     "step_ms_mean": _ms(statistics.mean(flat)) if flat else None,
+                     "thread_cpu_round_ms": per_cpu,
+                     "thread_cpu_ms_median":
+                         round(statistics.median(per_cpu), 3) if per_cpu else None})
+    plain = next((r for r in rows if r["variant"] == "plain"), None)
     for r in rows:
-        r["vs_plain"] = (round(r["step_ms_median"] / base, 3)
-                         if base and r["step_ms_median"] else None)
+        for key, vs in (("step_ms_median", "vs_plain"), ("thread_cpu_ms_median", "cpu_vs_plain")):
+            base = None if plain is None else plain[key]
+            r[vs] = round(r[key] / base, 3) if base and r[key] else None
     for eng in engines.values():
         eng.shutdown()
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
     result = {"device": name, "batch": args.batch,
-              "rounds": args.rounds, "model": "random Llama, SmolLM2-135M shape, "
+              "rounds": args.rounds, "model": "random Llama, "
+              + ("SmolLM2-135M shape, " if args.shape == "smollm2" else "tiny shape, ")
               + ("bf16" if args.device == "cuda" else "fp32"),
               "rows": rows}
     print(json.dumps(result, indent=1))

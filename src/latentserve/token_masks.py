@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -91,15 +92,22 @@ class RequestMask:
         stop = len(ids) if stop is None else stop
         i = start + self.consumed
         while i < stop and self.grammar_on:
-            t = patch[1] if patch is not None and i == patch[0] else ids[i]
-            self.consumed += 1
-            if not self.matcher.accept_token(t):
-                log.warning("the grammar refused answer token %d; it is no longer applied to "
-                            "this request", t)
-                self.failed = True
-            elif t in self._stops:
-                self.terminated = self.matcher.is_terminated()
+            self.accept(patch[1] if patch is not None and i == patch[0] else ids[i])
             i += 1
+
+    def accept(self, t: int) -> None:
+        """Feed the matcher answer token ``t`` (the grammar must be :attr:`grammar_on`)."""
+        self.took(t, self.matcher.accept_token(t))
+
+    def took(self, t: int, accepted: bool) -> None:
+        """Account for answer token ``t`` just fed to the matcher (``accepted``: its answer)."""
+        self.consumed += 1
+        if not accepted:
+            log.warning("the grammar refused answer token %d; it is no longer applied to this "
+                        "request", t)
+            self.failed = True
+        elif t in self._stops:
+            self.terminated = self.matcher.is_terminated()
 
     def fill(self, row: np.ndarray, answer: list[int]) -> None:
         """Write the allowed tokens into ``row`` (``[W] int32``, any content) given the answer
@@ -141,6 +149,16 @@ class RequestMask:
             row[:] = own  # the grammar wins over min_tokens and the rest
 
 
+def accept_each(masks: list[RequestMask], tokens: list[int]) -> None:
+    """``masks[i].accept(tokens[i])`` for every i (distinct masks, grammars on), the matchers
+    fed in one xgrammar call that runs without the GIL."""
+    import xgrammar
+
+    ok = xgrammar.BatchGrammarMatcher.batch_accept_token([m.matcher for m in masks], tokens)
+    for m, t, accepted in zip(masks, tokens, ok):
+        m.took(t, accepted)
+
+
 def _clear_padding(bits: np.ndarray, vocab_size: int) -> None:
     """Clear the bits past ``vocab_size`` in every row of ``bits`` (``[M, W] int32``;
     xgrammar leaves them set)."""
@@ -148,9 +166,9 @@ def _clear_padding(bits: np.ndarray, vocab_size: int) -> None:
         bits.view(np.uint32)[:, -1] &= np.uint32((1 << (vocab_size % 32)) - 1)
 
 
-@functools.cache
-def _batcher():
-    """xgrammar's ``BatchGrammarMatcher`` on half this process's CPUs, at most 8 threads."""
+def new_batcher():
+    """xgrammar's ``BatchGrammarMatcher`` on half this process's CPUs, at most 8 threads (its
+    fill runs without the GIL)."""
     import os
 
     import xgrammar
@@ -159,12 +177,27 @@ def _batcher():
     return xgrammar.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
 
 
-def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None):
+_batcher = functools.cache(new_batcher)  # the engine thread's
+
+
+@dataclass(slots=True)
+class FilledRows:
+    """Grammar rows filled before the step that uses them (``mask_ahead.MasksAhead``):
+    ``bits``: ``[N, W] int32`` (padding bits as xgrammar leaves them); ``rows``: ``id(req) ->
+    (req, index in bits, the matcher's consumed count when filled)``."""
+
+    bits: np.ndarray
+    rows: dict
+
+
+def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
+                  ahead: FilledRows | None = None):
     """``(rows, bits)`` for the requests of ``reqs`` with a ``constraint``: ``bits[i]`` (an
     ``[M, W] int32`` CPU tensor, written into ``out[:M]`` when given) is ``reqs[rows[i]]``'s
     mask; None when none has one. ``known``: ``id(req) -> (index, token)`` for a pending id
-    whose token is on the host (overlap mode). Grammars fill in one threaded xgrammar call;
-    O(batch + new tokens) per step.
+    whose token is on the host (overlap mode). ``ahead``: grammar rows already filled
+    (``mask_ahead.MasksAhead.take``), each used while its matcher has taken no token since.
+    The other grammars fill in one threaded xgrammar call; O(batch + new tokens) per step.
     """
     import torch
 
@@ -174,25 +207,31 @@ def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None):
     bits = (torch.empty(len(rows), bitmask_width(vocab_size), dtype=torch.int32)
             if out is None else out[: len(rows)])
     arr = bits.numpy()
-    gi, others, matchers = [], [], []
+    gi, others, matchers, done, src = [], [], [], [], []
     for i, b in enumerate(rows):
         r = reqs[b]
         c = r.constraint
         if c.grammar_on and r.answer_start is not None:
             c.sync(r.output_ids, r.answer_start, None,
                    None if known is None else known.get(id(r)))
-        if c.grammar_on:
+        pre = None if ahead is None else ahead.rows.get(id(r))
+        if not c.grammar_on:
+            others.append(i)
+        elif pre is not None and pre[0] is r and pre[2] == c.consumed:
+            done.append(i)  # NOTE: the matcher's state then is its state now
+            src.append(pre[1])
+        else:
             gi.append(i)
             matchers.append(c.matcher)
-        else:
-            others.append(i)
     if others:
         arr[others] = -1
+    if done:
+        arr[done] = ahead.bits[src]
     if len(gi) > 1:
         _batcher().batch_fill_next_token_bitmask(matchers, bits, gi)
     elif gi:
         matchers[0].fill_next_token_bitmask(bits, gi[0])
-    if gi:
+    if gi or done:
         _clear_padding(arr, vocab_size)  # harmless on the all-ones rows
     for i, b in enumerate(rows):
         r = reqs[b]

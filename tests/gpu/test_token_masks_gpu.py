@@ -1,6 +1,7 @@
 """Token masks on CUDA: the bitmask applied on the device (xgrammar's Triton kernel) equals
-the CPU result, and the engine's graph and overlap paths keep masked rows inside their
-masks and unmasked rows exact."""
+the CPU result, the engine's graph and overlap paths keep masked rows inside their masks
+and unmasked rows exact, and grammar rows filled ahead give the tokens of rows filled in
+the step."""
 
 import numpy as np
 import pytest
@@ -41,3 +42,53 @@ def test_engine_on_cuda_keeps_masks_and_unmasked_rows_exact(tmp_path):
     assert [o.outputs[0].token_ids for o in outs[:4]] == alone
     for o in outs[4:]:
         assert len(o.outputs[0].token_ids) == 12 and set(o.outputs[0].token_ids) <= set(allowed)
+
+
+def test_grammar_rows_filled_ahead_on_cuda_equal_the_rows_filled_in_the_step(tiny_dirs,
+                                                                            monkeypatch):
+    """Overlapped on CUDA (graphs; the worker waits for the tokens' event): grammars, a
+    static mask and plain rows, greedy and seeded, with an abort mid-grammar, get the same
+    tokens with the grammar rows filled ahead (``mask_ahead.py``) as filled in the step, and
+    the rows filled ahead are used."""
+    pytest.importorskip("xgrammar")
+    from latentserve import token_masks
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.sampling_params import SamplingParams
+    from tests.support.mask_hits import counting
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "string", "maxLength": 5}},
+              "required": ["a", "b"]}
+    kinds = [{"temperature": 0}, {"structured_outputs": {"json": schema}},
+             {"structured_outputs": {"regex": "[a-z]{2,5}( [a-z]{2,5}){0,5}"}},
+             {"allowed_token_ids": [11, 257, 1000], "min_tokens": 4}]
+    params = [SamplingParams(max_tokens=24, **k, **({} if "temperature" in k else
+                                                     {"temperature": 1.0, "seed": j}
+                                                     if j % 2 else {"temperature": 0}))
+              for j, k in enumerate(kinds * 4)]
+    results = []
+    for ahead in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), device="cuda",
+                                        max_num_seqs=16))
+        assert engine.config.use_overlap_schedule
+        engine.masks_ahead.enabled = ahead
+        used: list[int] = []
+        monkeypatch.setattr(token_masks, "batch_bitmask", counting(used))
+        for i, p in enumerate(params):
+            engine.add_request(f"r{i}", [1 + (i * 13 + k) % 900 for k in range(9 + i)], p)
+        out: dict = {f"r{i}": [] for i in range(len(params))}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.rid].extend(o.new_token_ids)
+                if o.finished:
+                    out[o.rid].append(o.finish_reason)
+            if len(out["r5"]) >= 3 and "abort" not in out["r5"]:
+                engine.abort_request("r5")
+        results.append(out)
+        assert (sum(used) > 0) is ahead
+    want, got = results
+    assert want["r5"][-1] == got["r5"][-1] == "abort"
+    for rid in want:
+        if rid != "r5":
+            assert got[rid] == want[rid], rid

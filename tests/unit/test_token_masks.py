@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from latentserve import token_masks
 from latentserve.core import Req
 from latentserve.sampling import TokenMask, apply_token_mask, sample_with_logprobs, unpack_bitmask
 from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.token_masks import RequestMask, bad_words_ids, ids_bitmask
+from tests.support.mask_hits import counting
 
 VOCAB = 100
 
@@ -362,30 +364,33 @@ def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
     assert results[0] == results[1]
 
 
-def _run_engine(engine, params, prompts, abort_at=None):
-    """``rid -> (tokens, finish_reason)``; ``abort_at``: ``(rid, n)`` aborts ``rid`` once it
-    has ``n`` tokens."""
+def _run_engine(engine, params, prompts, abort_at=()):
+    """``rid -> (tokens, finish_reason)``; ``abort_at``: ``(rid, n)`` pairs, each aborting
+    ``rid`` once it has ``n`` tokens."""
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, sp)
     out = {f"r{i}": [[], None] for i in range(len(params))}
+    aborts = dict(abort_at)
     while engine.has_unfinished_requests():
         for o in engine.step():
             out[o.rid][0].extend(o.new_token_ids)
             if o.finished:
                 out[o.rid][1] = o.finish_reason
-        if abort_at is not None and len(out[abort_at[0]][0]) >= abort_at[1]:
-            engine.abort_request(abort_at[0])
-            abort_at = None
+        for rid, n in list(aborts.items()):
+            if len(out[rid][0]) >= n:
+                engine.abort_request(rid)
+                del aborts[rid]
     engine.cache.check_idle()
     return {rid: tuple(v) for rid, v in out.items()}
 
 
 @pytest.mark.parametrize("opts", [{}, {"kv_slots": 192}], ids=["roomy", "preemption"])
-def test_mixed_masked_batch_overlapped_equals_synchronous(tiny_dirs, opts):
+def test_mixed_masked_batch_overlapped_equals_synchronous(tiny_dirs, opts, monkeypatch):
     """Grammars (JSON schema, regex, choice), static masks, bad words and plain requests,
-    greedy and seeded, in one batch with an abort mid-way (and, with a small KV pool,
-    preemptions): the overlapped engine gives every request the synchronous engine's tokens
-    and finish reason (the aborted one: a prefix of them)."""
+    greedy and seeded, in one batch with aborts mid-way, one mid-grammar (and, with a small
+    KV pool, preemptions): the overlapped engine, and both engines with the grammar rows
+    filled ahead (``mask_ahead.py``) or not, give every request the tokens and finish reason
+    of the synchronous engine filling them in the step (the aborted ones: a prefix)."""
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
 
@@ -402,17 +407,23 @@ def test_mixed_masked_batch_overlapped_equals_synchronous(tiny_dirs, opts):
               for j, k in enumerate(kinds)] * 2
     prompts = [[1 + (i * 13 + k) % 900 for k in range(20 + 3 * i)] for i in range(len(params))]
     results = []
-    for overlap in (False, True):
+    for overlap, ahead in ((False, False), (False, True), (True, False), (True, True)):
         engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), max_num_seqs=8,
                                         overlap_schedule=overlap, **opts))
-        results.append(_run_engine(engine, params, prompts, abort_at=("r9", 3)))
+        engine.masks_ahead.enabled = ahead
+        used = []
+        monkeypatch.setattr(token_masks, "batch_bitmask", counting(used))
+        results.append(_run_engine(engine, params, prompts, abort_at=(("r9", 3), ("r12", 4))))
+        assert (sum(used) > 0) is ahead
         if opts:
             assert engine.scheduler.num_preemptions > 0
-    want, got = results
-    for rid in want:
-        if rid == "r9":
-            assert got[rid][1] == want[rid][1] == "abort"
-            assert want[rid][0][: len(got[rid][0])] == got[rid][0]
-        else:
-            assert got[rid] == want[rid], rid
+    want = results[0]
+    for got in results[1:]:
+        for rid in want:
+            if rid in ("r9", "r12"):
+                assert got[rid][1] == want[rid][1] == "abort"
+                assert want[rid][0][: len(got[rid][0])] == got[rid][0]
+            else:
+                assert got[rid] == want[rid], rid
     assert {reason for _, reason in want.values()} >= {"stop", "length"}
+

@@ -12,6 +12,7 @@ import torch
 
 from latentserve.config import EngineConfig, check_device
 from latentserve.core import Req
+from latentserve.mask_ahead import MasksAhead
 from latentserve.outputs import StepOutput
 from latentserve.sampling_params import SamplingParams
 from latentserve.staging import DeviceToHost
@@ -160,6 +161,8 @@ class LLMEngine:
         # waits for them: CudaGraphRunner.wait_before_replay)
         self.token_copies = DeviceToHost(side_stream=True)
         self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
+        # grammar rows of the next step, filled while this one returns (thread on first use)
+        self.masks_ahead = MasksAhead(self.vocab_size)
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         from latentserve.engine.prompt_logprobs import PromptLogprobTracker
@@ -299,7 +302,7 @@ class LLMEngine:
         if self._mask_copies is None or self._mask_copies.device != device:
             self._mask_copies = BitmaskToDevice(device)
         out = self._mask_copies.host(len(reqs), bitmask_width(self.vocab_size))
-        rows, bits = batch_bitmask(reqs, self.vocab_size, known, out)
+        rows, bits = batch_bitmask(reqs, self.vocab_size, known, out, self.masks_ahead.take())
         return TokenMask(rows, self._mask_copies.copy(bits))
 
     def shutdown(self) -> None:
@@ -361,7 +364,9 @@ class LLMEngine:
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
                                             mask)
             latents = self.family.latent_inputs(sampling_reqs, logits, last_hidden, tokens)
+            self.masks_ahead.wait()  # postprocess feeds the grammars
             outs = self.scheduler.postprocess(batch, tokens, latents)
+            self.masks_ahead.start([(r, None) for r in sampling_reqs])
             by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}
             if by_rid:
                 for o in outs:

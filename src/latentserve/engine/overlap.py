@@ -77,6 +77,9 @@ def step(engine) -> list:
     finally:  # the new batch is on the device whatever finishing the last one raised
         if launched is not None:
             _advance(engine, launched)
+            # the next step's grammar rows, once this batch's tokens are on the host
+            engine.masks_ahead.start([(r, i) for r, i, _, _ in launched.pending],
+                                     launched.host, launched.event)
 
 
 def _launch(engine, batch, prev: Launched | None) -> Launched:
@@ -109,6 +112,7 @@ def finish(engine, launched: Launched) -> list:
     if launched.event is not None:
         launched.event.synchronize()
     tokens = launched.host.tolist()
+    engine.masks_ahead.wait()  # finalizing feeds the grammars
     for req, _, _, _ in launched.pending:
         if req.rid in launched.failed and req.status is not ReqStatus.FINISHED:
             engine._failed[req.rid] = launched.failed[req.rid]
