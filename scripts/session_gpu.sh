@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One session's device work in a few calls (a machine goes cold 30 s after a call): the GGUF
+# parts as scripts/gpu_xfer.sh says, then
+#   take           (carry .xfer/pK, K = 1..8, one call each)
+#   train FILE...  joins the GGUF, starts a stage-1 CoLaR continuation of models/smollm2-mult-colar
+#                  in the background (T_MORE s wall, TRAIN_FACTORS, LR, OWN_LATENT_PROB), then
+#                  runs the GPU tests FILE... in the foreground (log and junit xml in $OUT)
+#   tests FILE...  more GPU tests while the training goes on
+#   bench FAM...   `bench --suite families` per family (one JSON each in $OUT), the training
+#                  paused (SIGSTOP) meanwhile so it does not disturb the timings
+#   finish         waits for the training, packs it, evaluates it at speeds 2-4 on both test sets
+# Session 20 ran: 8 takes; train (8 test files); tests (8 more); bench plain head; bench
+# feedback loop recurrent; finish (docs/results.md "Run 4", docs/benchmarks.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+X=/tmp/x; W=/tmp/stage1; mkdir -p "$X" "$W" "${OUT:=out}"
+export PYTHONPATH="$PWD/src:/tmp/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export LATENTSERVE_EMBEDDED_GGUF=/tmp/smollm2.gguf LATENTSERVE_DATA="$X/data"
+ls="python3 -m latentserve.cli"
+. scripts/gpu_xfer.sh
+D="$X/data/multiplication"
+gtests() {  # gtests TAG FILE...: pytest with a full log and junit xml in $OUT
+  local tag="$1"; shift
+  timeout "${T_TESTS:-540}" python3 -m pytest -m gpu -v -p no:cacheprovider \
+    --junitxml="$OUT/gpu_tests_$tag.xml" "$@" > "$OUT/gpu_tests_$tag.log" 2>&1
+  echo "rc $?"; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu_tests_$tag.log" | grep -c PASSED
+  grep -E "FAILED|ERROR" "$OUT/gpu_tests_$tag.log" | head -20; tail -3 "$OUT/gpu_tests_$tag.log"
+}
+case "${1:-}" in
+take) xfer_take ;;
+bench)
+  shift; pg=$(cat $W/train.pid 2>/dev/null); [ -n "$pg" ] && kill -STOP -- -"$pg"
+  for f in "$@"; do
+    timeout "${T_BENCH:-560}" $ls bench --suite families --families "$f" \
+      --json-out "$OUT/families_$f.json" 2>&1 | grep -v "Loading\|Writing" | tail -8
+  done; [ -n "$pg" ] && kill -CONT -- -"$pg"; tail -2 "$W/train.log" ;;
+train)
+  shift
+  xfer_start || exit 1
+  for k in 4 5; do $ls data multiplication --k $k --n 150000 --seed 2 \
+    --out "$W/${k}x${k}_train.txt"; done
+  setsid nohup $ls train colar --device cuda --lr "${LR:-5e-4}" --log-every 200 \
+    --max-compression-factor 5 --max-latent 160 --init-adapter models/smollm2-mult-colar \
+    --train-factors "${TRAIN_FACTORS:-3,4,4}" --data "$W/4x4_train.txt" \
+    --data "$W/5x5_train.txt" --compression-factor 2 --out "$W/colar_mult" --steps 100000 \
+    --max-seconds "${T_MORE:-1000}" --batch-size 128 --save-every 1000 \
+    ${OWN_LATENT_PROB:+--own-latent-prob "$OWN_LATENT_PROB"} \
+    > "$W/train.log" 2>&1 < /dev/null &
+  echo $! > "$W/train.pid"; sleep 20; tail -3 "$W/train.log"
+  gtests a "$@"; tail -2 "$W/train.log" ;;
+tests) shift; gtests b "$@"; tail -2 "$W/train.log" ;;
+finish)
+  while kill -0 "$(cat $W/train.pid)" 2>/dev/null; do sleep 5; done
+  tail -4 "$W/train.log"; cp "$W/train.log" "$OUT/"
+  tar czf "$OUT/colar_mult.tgz" -C "$W" --exclude=train_log.json colar_mult
+  cp "$W/colar_mult/train_log.json" "$OUT/" 2>/dev/null
+  for s in 4x4 5x5; do
+    $ls eval --device cuda --dtype bfloat16 --model "$W/colar_mult" --max-num-seqs 64 \
+      --dataset-file "$D/${s}_test.txt" --max-tokens 40 --sweep compression_factor=2,3,4 \
+      --json-out "$OUT/s20_colar_${s}.json" 2>&1 | grep --line-buffered -v "Loading\|Converting"
+  done ;;
+*) echo "usage: $0 take|bench|train|tests|finish" >&2; exit 2 ;;
+esac
