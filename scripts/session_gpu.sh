@@ -2,12 +2,14 @@
 # One session's device work in a few calls (a machine goes cold 30 s after a call): the GGUF
 # parts as scripts/gpu_xfer.sh says, then
 #   take           (carry .xfer/pK, K = 1..8, one call each)
-#   train FILE...  joins the GGUF, starts a stage-1 CoLaR continuation of models/smollm2-mult-colar
+#   train FILE...  joins the GGUF (installs the wheels in .whl when carried), starts a stage-1
+#                  CoLaR continuation of models/smollm2-mult-colar
 #                  in the background (T_MORE s wall, TRAIN_FACTORS, LR, OWN_LATENT_PROB), then
 #                  runs the GPU tests FILE... in the foreground (log and junit xml in $OUT)
 #   tests FILE...  more GPU tests while the training goes on
 #   bench FAM...   `bench --suite families` per family (one JSON each in $OUT), the training
 #                  paused (SIGSTOP) meanwhile so it does not disturb the timings
+#   paused CMD...  any command (a profile, another bench) with the training paused
 #   finish         waits for the training, packs it, evaluates it at speeds 2-4 on both test sets
 # Session 20 ran: 8 takes; train (8 test files); tests (8 more); bench plain head; bench
 # feedback loop recurrent; finish (docs/results.md "Run 4", docs/benchmarks.md).
@@ -26,17 +28,24 @@ gtests() {  # gtests TAG FILE...: pytest with a full log and junit xml in $OUT
   echo "rc $?"; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu_tests_$tag.log" | grep -c PASSED
   grep -E "FAILED|ERROR" "$OUT/gpu_tests_$tag.log" | head -20; tail -3 "$OUT/gpu_tests_$tag.log"
 }
+pause() { pg=$(cat $W/train.pid 2>/dev/null); [ -n "$pg" ] && kill -STOP -- -"$pg"; }
+resume() { [ -n "${pg:-}" ] && kill -CONT -- -"$pg"; tail -2 "$W/train.log"; }
 case "${1:-}" in
 take) xfer_take ;;
 bench)
-  shift; pg=$(cat $W/train.pid 2>/dev/null); [ -n "$pg" ] && kill -STOP -- -"$pg"
+  shift; pause
   for f in "$@"; do
     timeout "${T_BENCH:-560}" $ls bench --suite families --families "$f" \
       --json-out "$OUT/families_$f.json" 2>&1 | grep -v "Loading\|Writing" | tail -8
-  done; [ -n "$pg" ] && kill -CONT -- -"$pg"; tail -2 "$W/train.log" ;;
+  done; resume ;;
+paused) shift; pause; timeout "${T_BENCH:-560}" "$@"; echo "rc $?"; resume ;;
 train)
   shift
   xfer_start || exit 1
+  if [ -d .whl ]; then  # wheels the image lacks (xgrammar and its needs), carried as .whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+  fi
   for k in 4 5; do $ls data multiplication --k $k --n 150000 --seed 2 \
     --out "$W/${k}x${k}_train.txt"; done
   setsid nohup $ls train colar --device cuda --lr "${LR:-5e-4}" --log-every 200 \
@@ -57,7 +66,7 @@ finish)
   for s in 4x4 5x5; do
     $ls eval --device cuda --dtype bfloat16 --model "$W/colar_mult" --max-num-seqs 64 \
       --dataset-file "$D/${s}_test.txt" --max-tokens 40 --sweep compression_factor=2,3,4 \
-      --json-out "$OUT/s20_colar_${s}.json" 2>&1 | grep --line-buffered -v "Loading\|Converting"
+      --json-out "$OUT/colar_${s}.json" 2>&1 | grep --line-buffered -v "Loading\|Converting"
   done ;;
-*) echo "usage: $0 take|bench|train|tests|finish" >&2; exit 2 ;;
+*) echo "usage: $0 take|train|tests|bench|paused|finish" >&2; exit 2 ;;
 esac
