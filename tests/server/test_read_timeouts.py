@@ -107,3 +107,21 @@ def test_a_slow_request_within_the_bound_is_served(timed_server):
         while chunk := sock.recv(65536):
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 200") and b'"completion_tokens":100' in reply
+
+
+def test_default_keep_alive_outlives_the_sdks_idle_expiry():
+    """The server's idle keep-alive timeout is longer than the connection pools' idle expiry
+    of the ``openai`` and ``anthropic`` SDKs, so that the client drops an idle connection
+    first (equal timeouts race: a request sent as the server closes gets a reset)."""
+    import argparse
+
+    import anthropic._base_client
+    import openai._base_client
+
+    from latentserve.server.launch import DEFAULT_KEEP_ALIVE_S, add_server_args
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert parser.parse_args([]).timeout_keep_alive == DEFAULT_KEEP_ALIVE_S
+    for sdk in (openai._base_client, anthropic._base_client):
+        assert sdk.DEFAULT_CONNECTION_LIMITS.keepalive_expiry < DEFAULT_KEEP_ALIVE_S

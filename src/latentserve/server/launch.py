@@ -35,6 +35,10 @@ API_KEY_ENV = "LATENTSERVE_API_KEY"
 # when the process with this pid is no longer its parent, e.g. after a SIGKILL.
 PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# NOTE: longer than the idle expiry of httpx (5 s; the openai and anthropic SDKs) and aiohttp
+# (15 s), so that the client drops an idle connection first: with equal timeouts a request
+# sent on a connection the server is closing gets a reset
+DEFAULT_KEEP_ALIVE_S = 30.0
 # The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -125,7 +129,8 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                uvicorn_log_level: str | None = None, log_requests: bool = False,
                max_log_len: int | None = None, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
-               queue_timeout: float | None = None, timeout_keep_alive: float = 5.0,
+               queue_timeout: float | None = None,
+               timeout_keep_alive: float = DEFAULT_KEEP_ALIVE_S,
                timeout_request_headers: float | None = DEFAULT_HEADER_TIMEOUT_S,
                timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S) -> None:
     """Start one engine process per config, wait until each is warmed up, then serve HTTP
@@ -411,9 +416,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait for a seat (beyond --max-num-seqs) "
                              "before new ones get 503 + Retry-After (529 on /v1/messages); "
                              "default: no limit")
-    parser.add_argument("--timeout-keep-alive", type=float, default=5.0, metavar="SECONDS",
-                        help="close an idle keep-alive connection after this (default 5, "
-                             "uvicorn's and vLLM's)")
+    parser.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
+                        metavar="SECONDS",
+                        help="close an idle keep-alive connection after this (default "
+                             f"{DEFAULT_KEEP_ALIVE_S:g}: longer than clients' idle expiry)")
     parser.add_argument("--timeout-request-headers", type=_timeout,
                         default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
                         help="close a connection whose request headers are not complete this "
