@@ -192,12 +192,8 @@ def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
 
 
 def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
-    """Replace ``model``'s modules (on the CPU, weights loaded) by this rank's shards and
-    return it: attention and MLP split, embedding -> ``VocabParallelEmbedding``, LM head ->
-    ``ParallelLMHead`` (shared when tied; logits gathered on every rank).
-
-    Raises ValueError naming a head count or size ``tp.size`` does not divide, or an
-    ``nn.Linear`` / ``nn.Embedding`` no plan covers."""
+    """``model`` (CPU, loaded) with this rank's shards. Raises ValueError naming a size
+    ``tp.size`` does not divide, or a module no plan covers."""
     for name, mod in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
         if leaf in ("attn", "self_attn") and not isinstance(mod, nn.Linear):
