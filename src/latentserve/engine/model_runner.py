@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 
 
 def pending_row(req, start: int, n: int, src_of: dict[int, int] | None) -> int | None:
-    """The previous forward's token row ``req``'s chunk takes as its last id (overlap), or
-    None."""
+    """The previous forward's token row ``req``'s chunk takes as its last id (overlap), or None."""
     if src_of and start + n == req.seq_len:
         return src_of.get(id(req))
     return None

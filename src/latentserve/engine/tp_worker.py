@@ -35,10 +35,9 @@ class RunnerSetup:
 
 @dataclass(slots=True)
 class StepHeader:
-    """One batch as the workers need it: per request ``(row, start, n, ids_chunk,
-    prompt_len, latent_start, latent_len, latent_positions, latent_budget, exit_rule)``;
-    latent vectors ``[num_latent, hidden]`` and (overlap) ``pending`` tokens follow on the
-    device group."""
+    """One batch as the workers need it: per request ``(row, start, n, ids_chunk, prompt_len,
+    latent_start, latent_len, latent_positions, latent_budget, exit_rule)``; latent vectors
+    ``[num_latent, hidden]`` and (overlap) ``pending`` tokens follow on the device group."""
 
     reqs: list[tuple]
     sample: list[bool]

@@ -255,10 +255,9 @@ def random_bundle(hidden_size: int, latent_dim: int = 16, mlp_dim: int | None = 
 # ----------------------------------------------------------------------------- serving
 
 def find_bundle(model_dir, override: str | None = None, disabled: bool = False):
-    """The bundle a model directory serves with: ``override``, else
-    ``LATENTSERVE_LATENT_HEAD``, else ``config.json``'s ``latent_reasoning_head``, else
-    :data:`HEAD_BUNDLE_NAME`; None when none or ``disabled``. FileNotFoundError when
-    ``config.json`` names a missing file."""
+    """The bundle a model directory serves with: ``override``, else ``LATENTSERVE_LATENT_HEAD``,
+    else ``config.json``'s ``latent_reasoning_head``, else :data:`HEAD_BUNDLE_NAME`; None when none
+    or ``disabled``. FileNotFoundError when ``config.json`` names a missing file."""
 
     if disabled:
         return None

@@ -129,8 +129,7 @@ class LatentPolicy(nn.Module):
 
     def forward(self, hidden: torch.Tensor, temperature: float = 1.0
                 ) -> torch.distributions.Normal:
-        """``hidden`` [..., H] -> Normal with mean and std [..., H] (in units of
-        ``embeds_std``)."""
+        """``hidden`` [..., H] -> Normal with mean and std [..., H] (in units of ``embeds_std``)."""
         x = self.fc(hidden)
         mean = self.mean(x)
         if self.deterministic:

@@ -1,7 +1,6 @@
-"""Feedback latents at serving time (COCONUT, CODI, SIM-CoT): each latent step feeds the
-last hidden (through ``model.latent_feedback``) back as the next input embedding. Sources:
-COCONUT arXiv 2412.06769 (``coconut.py``), CODI arXiv 2502.21074 (``test.py``).
-"""
+"""Feedback latents at serving time (COCONUT, CODI, SIM-CoT): each latent step feeds the last hidden
+(through ``model.latent_feedback``) back as the next input embedding. Sources: COCONUT arXiv
+2412.06769 (``coconut.py``), CODI arXiv 2502.21074 (``test.py``)."""
 
 from __future__ import annotations
 

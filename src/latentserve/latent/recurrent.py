@@ -242,9 +242,8 @@ class RecurrentBatch:
                 torch.repeat_interleave(torch.tensor(weighted), reps).to(device))
 
     def record(self, batch) -> None:
-        """Append each sampling row's iterations to ``state.iters`` and, when traced,
-        ``{"depth", "readout_step" (Ouro; None: weighted), "exit_probs" (Ouro)}`` to its
-        ``latent_trace``."""
+        """Append each sampling row's iterations to ``state.iters`` and, when traced, ``{"depth",
+        "readout_step" (Ouro; None: weighted), "exit_probs" (Ouro)}`` to its ``latent_trace``."""
         iters = self.iters_used or self.row_depths
         traced = [bool(self.traced and self.traced[b] and s)
                   for b, s in enumerate(batch.sample)]

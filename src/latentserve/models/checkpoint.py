@@ -135,9 +135,8 @@ def is_adapter_dir(model_dir: str | os.PathLike[str]) -> bool:
 
 
 def adapter_base_dir(adapter_dir: str | os.PathLike[str]) -> Path:
-    """The model directory of ``base_model_name_or_path`` (``EMBEDDED_BASE_NAMES``: the
-    embedded SmolLM2; else a local path relative to ``adapter_dir``). Raises ValueError
-    naming the field."""
+    """The model directory of ``base_model_name_or_path`` (``EMBEDDED_BASE_NAMES``: the embedded
+    SmolLM2; else a local path relative to ``adapter_dir``). Raises ValueError naming the field."""
     adapter_dir = Path(adapter_dir)
     where = f"{adapter_dir / ADAPTER_CONFIG}: field 'base_model_name_or_path'"
     try:

@@ -11,9 +11,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """``model_dir``'s weight ``*.safetensors`` (as vLLM's
-    ``filter_duplicate_safetensors_files``); ValueError for a bad index, FileNotFoundError
-    for a missing file it names."""
+    """``model_dir``'s weight ``*.safetensors`` (as vLLM's ``filter_duplicate_safetensors_files``);
+    ValueError for a bad index, FileNotFoundError for a missing file it names."""
     import json
 
     index = model_dir / SAFETENSORS_INDEX

@@ -205,10 +205,9 @@ class Scheduler:
 
     def advance_launched(self, batch: ScheduledBatch, latents: list | None = None
                          ) -> list[tuple[Req, int | None, StepOutput | None, bool]]:
-        """:meth:`postprocess` before the tokens are known: answer rows append
-        ``PENDING_ID``. Returns per sampling row ``(req, index in output_ids or None, output
-        or None, late)``. Raises RuntimeError when a late-deciding family finishes a request
-        in its latent phase."""
+        """:meth:`postprocess` before the tokens are known: answer rows append ``PENDING_ID``.
+        Returns per sampling row ``(req, index in output_ids or None, output or None, late)``.
+        Raises RuntimeError when a late-deciding family finishes a request in its latent phase."""
         pending: list[tuple[Req, int | None, StepOutput | None, bool]] = []
         lat = iter(latents or ())
         done: list[Req] = []
