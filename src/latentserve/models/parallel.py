@@ -1,5 +1,4 @@
-"""Tensor-parallel layers, and ``shard_model``, which turns a loaded model into this rank's
-shard. Design notes: docs/internals.md, "latentserve.models.parallel"."""
+"""Tensor-parallel layers and ``shard_model``: a loaded model -> this rank's shard."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ def _block(n: int, tp: TPGroup, what: str) -> slice:
 
 
 def head_split(n_heads: int, n_kv: int, tp: TPGroup) -> tuple[slice, slice]:
-    """This rank's ``(query heads, KV heads)`` as index ranges (see the module docstring).
+    """This rank's ``(query heads, KV heads)`` as index ranges (docs/internals.md).
     Raises ValueError when there are fewer KV heads than ranks or the query heads do not
     group evenly over the KV heads."""
     if n_kv < tp.size:
