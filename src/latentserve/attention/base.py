@@ -30,10 +30,9 @@ class BatchLayout:
 
 
 class AttentionBackend:
-    """``prepare`` builds per-batch metadata from a ``BatchLayout``; ``forward`` stores one
-    layer's new K/V into the pool and returns the attention output of every new token.
-    ``fused_kv_store``: the caller may store K/V itself (``apply_rotary_store_kv_``) and pass
-    ``k = v = None``."""
+    """``prepare`` builds per-batch metadata from a ``BatchLayout``; ``forward`` stores one layer's
+    new K/V into the pool and returns the attention output of every new token. ``fused_kv_store``:
+    the caller may store K/V itself (``apply_rotary_store_kv_``) and pass ``k = v = None``."""
 
     fused_kv_store: bool = False
     supports_key_mask: bool = False  # implements ``mask_keys``

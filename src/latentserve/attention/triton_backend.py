@@ -1,7 +1,4 @@
-"""Triton attention backend: paged KV read directly through the page table by Triton kernels.
-
-Design notes: docs/internals.md, "latentserve.attention.triton_backend".
-"""
+"""Triton attention backend: paged KV read through the page table (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -15,11 +12,9 @@ from latentserve.attention.kernels import decode_attention, extend_attention, st
 
 @dataclass(slots=True)
 class TritonMeta:
-    """Per-batch metadata from ``TritonBackend.prepare``, read by every layer. Device tensors
-    (fixed shapes per batch size, CUDA-graph friendly): ``rows [B] int64``, ``q_start [B + 1]
-    int32``, ``kv_lens [B] int32`` (after this step), ``out_slots [T] int64``, ``page_table``
-    (the live table). Host: ``num_reqs``, ``max_q_len``, ``is_decode`` (all ``q_len == 1``).
-    """
+    """Per-batch metadata: device ``rows [B] int64``, ``q_start [B + 1] int32``, ``kv_lens
+    [B] int32``, ``out_slots [T] int64``, ``page_table``; host ``num_reqs``, ``max_q_len``,
+    ``is_decode``."""
 
     rows: torch.Tensor
     q_start: torch.Tensor
@@ -34,14 +29,9 @@ class TritonMeta:
 class TritonBackend(AttentionBackend):
     """Attention through Triton kernels over the paged KV pool (page size 1).
 
-    ``num_kv_splits``: the most flash-decoding splits per (request, KV head); a batch takes
-    ``decode_splits(B, num_kv_heads)``, grid ``(B, num_kv_heads, splits)``. ``num_sms``: None
-    = the device's (132 for CPU tensors). ``decode_block_n`` None = 128 for a one-split batch
-    with head_dim <= 64, else 64; all tiles >= 16, powers of 2.
-
-    Shapes as ``AttentionBackend.forward``: q ``[T, H, D]``, k/v ``[T, Hkv, D]``, ``H % Hkv ==
-    0``, any head_dim; fp32/bf16/fp16 with fp32 softmax and accumulation. ``k = v = None``:
-    already stored (``fused_kv_store``).
+    ``num_kv_splits``: the most flash-decoding splits per (request, KV head); ``num_sms``:
+    None = the device's; ``decode_block_n`` None: 128 for one split and head_dim <= 64,
+    else 64. Shapes as ``AttentionBackend.forward``; fp32 softmax and accumulation.
     """
 
     fused_kv_store = True
@@ -62,9 +52,8 @@ class TritonBackend(AttentionBackend):
         self.extend_block_n = extend_block_n
 
     def decode_splits(self, batch: int, kv_heads: int, device=None) -> int:
-        """Splits per (request, KV head) for ``batch`` requests: 1 when the ``batch *
-        kv_heads`` programs cover the SMs three times, else the fewest power of 2 (at most
-        ``num_kv_splits``) giving four programs per SM (docs/benchmarks-history.md, session 7)."""
+        """Splits per (request, KV head): 1 when the programs cover the SMs three times, else
+        the fewest power of 2 (<= ``num_kv_splits``) giving four programs per SM."""
         sms = self.num_sms or _device_sms(device)
         programs = max(batch * kv_heads, 1)
         if programs >= 3 * sms:

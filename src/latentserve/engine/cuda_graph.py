@@ -1,7 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
-
-Design notes: docs/internals.md, "latentserve.engine.cuda_graph".
-"""
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -16,9 +13,8 @@ from latentserve.latent.family import family_for
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Collect garbage now and keep the collector off inside: a CUDA graph of an engine
-    dropped earlier, freed by the collector while another graph is captured, invalidates
-    that capture (cudaErrorStreamCaptureInvalidated)."""
+    """Collect now and keep the collector off inside: freeing an old graph during a capture
+    invalidates it (cudaErrorStreamCaptureInvalidated)."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
@@ -42,15 +38,11 @@ class CudaGraphRunner:
     ``latent_capable``: bind the inject buffers (False only for a benchmark of their cost).
     ``graph_depths``: loop trip counts (None: ``Family.graph_hooks``' default).
 
-    ``replay`` takes ``[B]`` device tensors (``embeds [B, hidden]``, ``mask [B] bool``, None
-    without latent rows; ``mask_all``: every row takes its ``embeds`` row; ``rec``: the
-    forward context) with B <= max_bs and returns ``(logits [B, vocab] float32, hidden [B,
-    hidden])``, views of static outputs valid until the next replay; ``greedy`` is then their
-    argmax ``[B] int64`` for a model without a ``LatentSpec`` (else None). A closed-loop
-    head (``model.latent_head``) or a hooks' ``feedback`` module (CODI's ``prj``) runs in a
-    second graph per bucket (the *latent graph*), replayed by ``latent_outputs()`` only for
-    a step with latent rows: ``(latent_input [n, hidden] float32, stop_prob [n] or None)``,
-    or the next input embeddings ``[n, hidden]``; ``num_latent_replays`` counts them.
+    ``replay`` takes ``[B]`` device tensors (``embeds [B, hidden]``, ``mask [B] bool`` or
+    None, ``rec``: the forward context), B <= max_bs, and returns ``(logits [B, vocab]
+    float32, hidden [B, hidden])``, views valid until the next replay; ``greedy``: their
+    argmax ``[B] int64`` without a ``LatentSpec``. A latent head or ``feedback`` module runs
+    in a second *latent graph* per bucket, replayed by ``latent_outputs()``.
     """
 
     GREEDY = True  # False: no argmax in the graphs (A/B runs)
@@ -221,10 +213,8 @@ class CudaGraphRunner:
 
     def replay_packed(self, packed, n: int, num_pending: int = 0, pending=None, embeds=None,
                       mask=None, mask_all: bool = False, writes: tuple | None = None):
-        """``replay`` from the batch's packed index vectors (layout in
-        ``ops.kernels.decode_inputs``), unpacked by one kernel that also substitutes the
-        ``num_pending`` ids from ``pending`` (the previous tokens), looks up the KV slots and
-        makes the staged page-table ``writes`` (``(m, slots [m] int64)``). Raises
+        """``replay`` from the batch's packed index vectors (``ops.kernels.decode_inputs``),
+        with ``pending`` ids and page-table ``writes`` applied by the same kernel. Raises
         RuntimeError for a family with a forward context (``GraphHooks.packed``)."""
         from latentserve.ops.kernels.decode_inputs import unpack_decode_inputs
 

@@ -9,18 +9,10 @@ _GPU_RESERVE_BYTES = 1 << 30  # activations, CUDA graphs and allocator slack
 
 
 def kv_slots_for(config, bytes_per_slot: int, max_model_len: int, vocab_size: int) -> int:
-    """KV pool size in tokens (slots).
-
-    ``config.kv_slots`` when set. On CPU: 1 GiB worth, at most ``max_num_seqs`` full-length
-    requests. On CUDA: ``gpu_memory_utilization`` of the device's memory minus all that is
-    in use on it (this process's weights and any other process's memory, as SGLang's
-    ``mem_fraction_static``: the device keeps ``1 - gpu_memory_utilization`` free) and a
-    reserve for activations, graphs and logits.
-
-    Raises:
-        ValueError: on CUDA when the pool cannot hold one ``max_model_len`` request; the
-            message gives the memory in use and names the flags to change.
-    """
+    """KV pool size in tokens: ``config.kv_slots``; on CPU 1 GiB worth (at most
+    ``max_num_seqs`` full requests); on CUDA ``gpu_memory_utilization`` of the device minus
+    all in use and a reserve (as SGLang's ``mem_fraction_static``). Raises ValueError naming
+    the flags when the pool cannot hold one ``max_model_len`` request."""
     if config.kv_slots:
         return config.kv_slots
     if not config.device.startswith("cuda"):

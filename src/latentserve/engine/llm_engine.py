@@ -21,15 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Loads ``config.model`` and serves requests step by step.
-
-    ``tokenizer``: ``models.checkpoint.NoTokenizer`` without tokenizer files;
-    ``sampling_defaults``: ``SamplingParams`` defaults from the generation config, applied by
-    ``LLM`` and the server, not by :meth:`add_request`.
-
-    Raises (constructor): FileNotFoundError / ValueError from model resolution and loading;
-    ValueError when the KV pool cannot hold one full-length request.
-    """
+    """Loads ``config.model`` and serves requests step by step; ``sampling_defaults`` from
+    the generation config are applied by ``LLM`` and the server. Raises FileNotFoundError /
+    ValueError from loading, ValueError when the KV pool cannot hold one request."""
 
     def __init__(self, config: EngineConfig):
         # TPGroup and worker processes when TP > 1
@@ -173,13 +167,9 @@ class LLMEngine:
                  self.max_model_len)
 
     def add_request(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError naming the field for an empty prompt, one of
-        max_model_len tokens or more (latent and transition positions included), a prompt
-        id or ``stop_token_ids`` entry outside ``[0, vocab_size)``, a prompt the KV pool
-        cannot hold, a duplicate ``rid``, ``params.n`` other than 1, latent fields the
-        family refuses (``Family.admit``) or does not take (a head's thinking controls on
-        another model are ignored), and ``upstream_stop_rules`` on a family without an
-        upstream EOS rule (None: ``config.upstream_stop_rules``)."""
+        """Queue a request. Raises ValueError naming the field: empty or too long a prompt,
+        an id outside the vocabulary, a duplicate ``rid``, ``n`` other than 1, latent
+        fields the family refuses, ``upstream_stop_rules`` without an upstream rule."""
         if rid in self._rids:
             raise ValueError(f"request id {rid!r} is already running")
         req = self._prepare(rid, prompt_token_ids, params)
@@ -258,10 +248,8 @@ class LLMEngine:
         return req
 
     def _constraint(self, params: SamplingParams):
-        """The request's ``token_masks.RequestMask`` (its grammar compiled here, in the engine:
-        ``structured.Grammars``). Raises ValueError naming the field: an id outside the
-        vocabulary, a bad word or a grammar without a tokenizer, a grammar that does not
-        compile."""
+        """The request's ``token_masks.RequestMask`` (grammar compiled here); ValueError
+        naming the field for a bad id, word or grammar."""
         from latentserve.models.checkpoint import NoTokenizer
         from latentserve.token_masks import RequestMask, bad_words_ids
 
@@ -289,9 +277,8 @@ class LLMEngine:
                            words, matcher)
 
     def token_mask(self, reqs: list[Req], device, known: dict | None = None):
-        """The sampler's ``TokenMask`` for the sampling rows ``reqs`` (None when no request
-        has a constraint), filled on the host in a pinned buffer and copied to ``device``
-        without waiting; ``known``: see ``token_masks.batch_bitmask``."""
+        """The sampler's ``TokenMask`` for ``reqs`` (None: no constraint), copied to
+        ``device`` without waiting; ``known``: see ``token_masks.batch_bitmask``."""
         from latentserve.sampling import TokenMask
         from latentserve.staging import BitmaskToDevice
         from latentserve.token_masks import batch_bitmask, bitmask_width
@@ -338,12 +325,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        """Schedule, forward once, sample, and return what each request produced.
-
-        A sampling failure finishes only its request (``finish_reason="error"``); an
-        exception from the forward propagates. An overlapped step
-        (``config.use_overlap_schedule``) returns the previous step's batch's tokens.
-        """
+        """Schedule, forward once, sample, and return what each request produced (overlap:
+        the previous batch's). A sampling failure finishes only its request."""
         if self.config.use_overlap_schedule:
             from latentserve.engine import overlap
 
@@ -451,9 +434,8 @@ class LLMEngine:
         return kept
 
     def stats(self) -> dict[str, int]:
-        """A cheap monitoring snapshot, all ints. With no request admitted ``kv_slots_free +
-        kv_slots_cached == kv_slots_total``; ``prefix_cache_queries`` / ``_hits``: prompt
-        tokens at first admission and those the prefix cache served."""
+        """A cheap monitoring snapshot, all ints (idle: ``kv_slots_free + kv_slots_cached ==
+        kv_slots_total``)."""
         alloc, radix = self.cache.allocator, self.cache.radix
         return {
             "num_running": len(self.scheduler.running),
@@ -469,14 +451,8 @@ class LLMEngine:
         }
 
     def warmup(self) -> None:
-        """Run tiny requests to completion so one-off costs (allocator growth, kernel
-        compiles) are paid before serving: a prompt of 4 tokens (fast path:
-        ``layers.DECODE_ROWS + 1``, then ``QKV_ROPE_ROWS[0]``) and 2 greedy tokens with
-        logprobs. Empties the prefix cache and zeroes its counters after.
-
-        Raises RuntimeError when requests are queued. A model whose context cannot hold the
-        request is left cold (logged).
-        """
+        """Run tiny requests to completion so one-off costs are paid before serving; the
+        prefix cache is emptied after. Raises RuntimeError when requests are queued."""
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine")
         from latentserve.models.layers import DECODE_ROWS, QKV_ROPE_ROWS

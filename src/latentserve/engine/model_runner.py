@@ -21,9 +21,7 @@ if TYPE_CHECKING:
 
 
 def pending_row(req, start: int, n: int, src_of: dict[int, int] | None) -> int | None:
-    """The row of the previous forward's tokens that ``req``'s chunk ``[start, start + n)``
-    takes as its last id (a pending id, overlap mode), or None: the chunk ends at
-    ``req.seq_len`` and ``src_of`` (``{id(req): row}``) maps ``req``."""
+    """The previous forward's token row ``req``'s chunk takes as its last id (overlap), or None."""
     if src_of and start + n == req.seq_len:
         return src_of.get(id(req))
     return None
@@ -32,19 +30,13 @@ def pending_row(req, start: int, n: int, src_of: dict[int, int] | None) -> int |
 class ModelRunner:
     """Runs forwards of ``model`` over the paged ``kv_pool``.
 
-    ``run(batch)`` returns ``(logits [S, vocab] float32, last_hidden [S, hidden])`` for the S
-    rows with ``batch.sample`` set, in batch order (final-normed hidden of each last
-    position). Positions inside a request's latent span take ``req.latent_embeds``
-    (``(tensor, row)`` entries, ``latent/vectors.py``). Each forward gets the family's
-    context (``Family.forward_context``).
+    ``run(batch)`` returns ``(logits [S, vocab] float32, last_hidden [S, hidden])`` for the
+    sampling rows in batch order; latent positions take ``req.latent_embeds``.
 
-    After a run: ``last_captured`` ``[S, hidden]``, the residual stream after
-    ``set_capture(layer)`` layers at each sampling row; ``last_hidden_all`` ``[num_tokens,
-    hidden]``; ``last_greedy``, the argmax ``[S] int64`` a replayed graph returned, else
-    None; ``replayed``: the outputs may be views of a graph's static buffers, overwritten by
-    the next replay (copy to keep); ``prompt_hidden``: ``(req, start, hidden [q_len,
-    hidden])`` of chunks holding prompt positions of requests with ``prompt_logprobs``.
-    Counters: ``num_computed_tokens`` (tokens forwarded), ``num_graph_steps`` (replays).
+    After a run: ``last_captured`` ``[S, hidden]`` (residual after ``set_capture`` layers);
+    ``last_hidden_all`` ``[num_tokens, hidden]``; ``last_greedy`` ``[S] int64`` or None;
+    ``replayed`` (outputs may be graph buffers: copy to keep); ``prompt_hidden`` ``(req,
+    start, [q_len, hidden])``; counters ``num_computed_tokens``, ``num_graph_steps``.
     """
 
     def __init__(self, model, kv_pool: KVPool, table: PageTable, backend: AttentionBackend,
@@ -82,9 +74,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def latent_outputs(self):
-        """After a replayed run, the sampling rows' outputs of the latent graph
-        (``CudaGraphRunner.latent_outputs``), replayed now; None after an eager run or
-        without a latent graph."""
+        """The latent graph's outputs after a replayed run, else None."""
         if not self.replayed or self.graphs is None:
             return None
         out = self.graphs.latent_outputs()
@@ -107,9 +97,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending: tuple | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``pending`` (overlap mode): ``(tokens [S'] int64 on the device, {id(req): row})``,
-        the previous forward's tokens; a mapped request whose chunk ends at its pending id
-        takes ``tokens[row]`` there, substituted on the device."""
+        """``pending`` (overlap): ``(tokens [S'] int64 on the device, {id(req): row})``, the
+        previous forward's tokens, substituted for pending ids on the device."""
         ids: list[int] = []
         pos: list[int] = []
         last: list[int] = []

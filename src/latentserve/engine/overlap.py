@@ -1,7 +1,5 @@
-"""Overlap scheduling: the host schedules and prepares step k+1 while the device runs step k.
-
-Design notes: docs/internals.md, "latentserve.engine.overlap".
-"""
+"""Overlap scheduling: the host prepares step k+1 while the device runs step k
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -19,14 +17,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Launched:
-    """A batch whose forward and sampling were launched and whose tokens are not finished.
-
-    ``latents``: its rows' next latent inputs until :func:`_advance`; ``pending``: per
-    sampling row ``(req, index in output_ids or None, latent step's output, late)``
-    (``Scheduler.advance_launched``); ``tokens``: ``[S] int64`` on the device; ``host`` /
-    ``event``: their host copy and the CUDA event after it (None on the CPU); ``src``:
-    ``id(req) -> j`` for the next batch's pending ids; ``failed``: ``rid -> error`` of rows
-    whose sampling failed (placeholder token 0)."""
+    """A launched batch whose tokens are not finished: ``latents``, ``pending``
+    (``Scheduler.advance_launched``), ``tokens`` ``[S] int64`` on the device, ``host`` /
+    ``event`` (None on the CPU), ``src`` (``id(req) -> j``), ``failed`` (``rid -> error``)."""
 
     batch: Any
     latents: list | None

@@ -1,12 +1,5 @@
-"""Prompt logprobs (``SamplingParams.prompt_logprobs``): the log-probability of each prompt
-token given the ones before it, for requests that ask (completions ``echo`` with
-``logprobs``).
-
-The model runner hands over the final hidden states of such requests' prompt chunks
-(``ModelRunner.prompt_hidden``); this tracker turns them into ``TokenLogprob``s as the chunks
-run (a preempted request's recomputed chunks fill nothing twice) and puts the finished list
-on the request's next ``StepOutput``. Requests that do not ask never reach this code.
-"""
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``): each prompt token's log-probability
+given the ones before it, from ``ModelRunner.prompt_hidden`` as the chunks run."""
 
 from __future__ import annotations
 
@@ -46,9 +39,8 @@ class PromptLogprobTracker:
 
     @torch.inference_mode()
     def record(self, model, prompt_hidden: list) -> None:
-        """Score the prompt positions of one forward. ``prompt_hidden``: ``(req, start,
-        hidden [q_len, hidden_size])`` per request (``ModelRunner.prompt_hidden``); row i is
-        position ``start + i`` and predicts the prompt token at ``start + i + 1``."""
+        """Score one forward's ``(req, start, hidden [q_len, hidden_size])``: row i predicts
+        the prompt token at ``start + i + 1``."""
         from latentserve.sampling import prompt_logprobs
 
         for req, start, hidden in prompt_hidden:

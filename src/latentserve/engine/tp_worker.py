@@ -1,9 +1,5 @@
-"""Tensor parallelism across processes: rank 0 (the engine process: scheduler, sampler,
-latent phase machines) broadcasts each batch; ranks 1..N-1 (started here, one process each)
-run the same forward on their shard of the model.
-
-Design notes: docs/internals.md, "latentserve.engine.tp_worker".
-"""
+"""Tensor parallelism across processes: rank 0 broadcasts each batch; ranks 1..N-1 run the
+same forward on their shard (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -39,13 +35,9 @@ class RunnerSetup:
 
 @dataclass(slots=True)
 class StepHeader:
-    """One batch, as the workers need it (see the module docstring). ``reqs`` holds per
-    request ``(row, start, n, ids_chunk, prompt_len, latent_start, latent_len,
-    latent_positions, latent_budget, exit_rule)``; ``latent_positions`` are the positions
-    of this chunk whose input is a latent vector, whose vectors follow on the device group
-    in order (``latent_dtype``, ``[num_latent, hidden]``). Overlap mode: ``pending[b]`` is
-    the row of the previous forward's sampled tokens that request ``b`` takes as its last id
-    (-1: none); those tokens follow last (``[num_prev_tokens] int64``, 0: not sent)."""
+    """One batch as the workers need it: per request ``(row, start, n, ids_chunk, prompt_len,
+    latent_start, latent_len, latent_positions, latent_budget, exit_rule)``; latent vectors
+    ``[num_latent, hidden]`` and (overlap) ``pending`` tokens follow on the device group."""
 
     reqs: list[tuple]
     sample: list[bool]
@@ -125,9 +117,8 @@ def _latent_span(req, start: int, n: int) -> range:
 
 
 class TPModelRunner(ModelRunner):
-    """A ``ModelRunner`` on one tensor-parallel rank. On rank 0 ``run(batch)`` first
-    broadcasts the batch; on a worker ``serve_forever()`` receives batches and runs them
-    until rank 0 sends stop. Same arguments as ``ModelRunner`` plus ``tp`` (``TPGroup``)."""
+    """A ``ModelRunner`` on one TP rank: rank 0's ``run`` broadcasts first; a worker's
+    ``serve_forever()`` runs batches until stop."""
 
     def __init__(self, model, kv_pool, table, backend, device, tp):
         super().__init__(model, kv_pool, table, backend, device)
@@ -152,9 +143,8 @@ class TPModelRunner(ModelRunner):
         dist.broadcast_object_list([obj], src=0, group=self.tp.cpu_group)
 
     def _send_batch(self, batch, pending: tuple | None) -> None:
-        """Broadcast ``batch``: its ``StepHeader``, then on the device group the page-table
-        block, the latent vectors and, when a row takes a pending id, ``pending``'s tokens
-        (queued on the device, not waited for). What may raise runs before the first send."""
+        """Broadcast ``batch``'s ``StepHeader``, page-table block, latent vectors and pending
+        tokens; what may raise runs before the first send."""
         import torch.distributed as dist
 
         reqs: list = []
@@ -253,13 +243,8 @@ def _free_port() -> int:
 
 
 def start_workers(config) -> tuple[Any, list[subprocess.Popen]]:
-    """Start ranks 1..N-1 of ``config.tensor_parallel_size`` as child processes and join the
-    group as rank 0. Returns ``(TPGroup, processes)``.
-
-    Workers are plain subprocesses (``python -m latentserve.engine.tp_worker``), so a
-    daemonic engine process (the server's) may start them. Raises RuntimeError when a worker
-    exits before the group forms.
-    """
+    """Start ranks 1..N-1 as subprocesses and join as rank 0: ``(TPGroup, processes)``.
+    Raises RuntimeError when a worker exits before the group forms."""
     from latentserve.distributed import init_tp_group
 
     size = config.tensor_parallel_size

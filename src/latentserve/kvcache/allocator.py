@@ -1,7 +1,4 @@
-"""KV slot allocator: hands out token-granular slot ids of the KV pool.
-
-Design notes: docs/internals.md, "latentserve.kvcache.allocator".
-"""
+"""KV slot allocator: token-granular slot ids of the KV pool (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -63,9 +60,8 @@ class SlotAllocator:
                                               copy=True)])
 
     def free_many(self, pieces: list[torch.Tensor]) -> None:
-        """Give back the slots of each tensor in ``pieces``, in order: 1-D ``torch.int64``
-        on ``device`` (empty ones skipped), queued as they are, not copied, so the caller
-        must not write to them afterwards (``free`` copies)."""
+        """Give back each 1-D int64 tensor of ``pieces``, queued uncopied (do not write to
+        them after)."""
         for p in pieces:
             k = p.numel()
             if k:

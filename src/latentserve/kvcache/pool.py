@@ -57,9 +57,8 @@ class PageTable:
         return self.raw
 
     def stage(self, cells: array, n: int, slots: torch.Tensor) -> None:
-        """Record ``n`` writes: ``cells`` is ``array('q')`` of ``[rows (n) | cols (n)]``,
-        ``slots`` ``[n] int64`` on the table's device. Writes staged earlier are applied
-        first. Raises ValueError when the lengths disagree."""
+        """Record ``n`` writes: ``cells`` ``array('q')`` ``[rows (n) | cols (n)]``, ``slots``
+        ``[n] int64``; ValueError when the lengths disagree."""
         if len(cells) != 2 * n or slots.shape != (n,):
             raise ValueError(f"stage needs 2 * n = {2 * n} cells and [n] slots, got "
                              f"{len(cells)} and {tuple(slots.shape)}")

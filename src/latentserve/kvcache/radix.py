@@ -106,9 +106,8 @@ class RadixCache:
     # ----- public API -----
 
     def match_prefix(self, token_ids: list[int]) -> tuple[torch.Tensor, Node]:
-        """The longest cached prefix of ``token_ids``: ``(slots [m] int64`` (a fresh tensor,
-        ``m`` may be 0), ``node)``, the node ending exactly at ``m`` (an edge is split if need be;
-        the root when ``m == 0``). Refreshes access time along the path."""
+        """``(slots [m] int64, node ending at m)`` of the longest cached prefix (an edge may
+        be split); refreshes access times."""
         if self.disabled:
             return self._empty(), self.root
         now = self._tick()

@@ -1,8 +1,5 @@
-"""Compression-head bundles: read, validate, write (facts from the DeepSeek-V4 addon's
-``checkpoint.py`` description; the code is ours).
-
-Design notes: docs/internals.md, "latentserve.latent.bundle".
-"""
+"""Compression-head bundles: read, validate, write (after the DeepSeek-V4 addon's
+``checkpoint.py``; docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -59,9 +56,8 @@ def _expected_shapes(cfg: HeadConfig, stop: bool) -> dict[str, dict]:
 
 
 def validate(b: HeadBundle) -> None:
-    """Raise ValueError when the bundle cannot be served as its config says: an ``arch``
-    other than v1, a format_version >= 3 bundle without ``reasoning_head.stop_head.*``, an
-    unexpected key (named), a missing tensor, a shape mismatch or a non-finite weight."""
+    """ValueError when the bundle cannot be served: ``arch`` not v1, v3+ without a stop head,
+    an unexpected (named) or missing key, a shape mismatch or a non-finite weight."""
     cfg = b.config
     if cfg.arch != "v1":
         raise ValueError(f"head arch {cfg.arch!r} is not supported (only 'v1')")
@@ -242,9 +238,8 @@ def bundle_from_module(head: LatentHead, format_version: int = CURRENT_FORMAT) -
 def random_bundle(hidden_size: int, latent_dim: int = 16, mlp_dim: int | None = None,
                   source_layer: int = 0, seed: int = 0, stop_bias: float = 0.0,
                   scale: float = 1.0, **config) -> HeadBundle:
-    """A random v1 bundle (for tests and benchmarks). ``stop_bias`` is added to the stop
-    logit's bias; ``scale`` multiplies every weight's default init; ``config`` goes to
-    ``HeadConfig`` (e.g. ``injection``, ``think_open``)."""
+    """A random v1 bundle (tests, benchmarks); ``stop_bias`` on the stop logit, ``scale`` on
+    the init, ``config`` to ``HeadConfig``."""
     torch.manual_seed(seed)
     cfg = HeadConfig(hidden_size=hidden_size, latent_dim=latent_dim, mlp_dim=mlp_dim,
                      source_layer=source_layer, target_layer=source_layer + 1,
@@ -260,12 +255,9 @@ def random_bundle(hidden_size: int, latent_dim: int = 16, mlp_dim: int | None = 
 # ----------------------------------------------------------------------------- serving
 
 def find_bundle(model_dir, override: str | None = None, disabled: bool = False):
-    """The bundle a model directory serves with ("one model, one directory"): ``override``,
-    else env ``LATENTSERVE_LATENT_HEAD``, else the file named by ``config.json``'s
-    ``latent_reasoning_head`` key, else ``latent_reasoning_head.safetensors`` in the
-    directory; None when there is none or ``disabled``. A ``config.json`` that names a
-    missing file is a FileNotFoundError (not a silent bare backbone); an override that is a
-    model directory means that directory's bundle."""
+    """The bundle a model directory serves with: ``override``, else ``LATENTSERVE_LATENT_HEAD``,
+    else ``config.json``'s ``latent_reasoning_head``, else :data:`HEAD_BUNDLE_NAME`; None when none
+    or ``disabled``. FileNotFoundError when ``config.json`` names a missing file."""
 
     if disabled:
         return None
@@ -322,13 +314,9 @@ def _span_ids(tok, text: str | None, token: str, what: str) -> tuple[int, ...]:
 
 
 def attach_head(model, model_dir, hf_config, path, device, injection: str | None = None) -> None:
-    """Load the bundle at ``path`` onto ``model``: ``model.latent_head`` (float32
-    ``LatentHead`` on ``device``), ``model.latent_head_mode`` (``injection`` or the
-    bundle's) and ``model.latent_spec`` (kind ``"head"``: start/end ids = the thinking
-    opening/closing, ``<think>`` / ``</think>`` or the config's text, none for an empty
-    text; ``latent_id`` = the tokenizer's pad id, else its eos id, else 0). Raises ValueError
-    when the bundle does not fit the backbone (hidden size, source layer) or cannot be
-    injected (no decoder)."""
+    """Set ``model.latent_head`` (float32 ``LatentHead``), ``latent_head_mode`` and
+    ``latent_spec`` (start/end ids: the thinking opening/closing) from the bundle at
+    ``path``. Raises ValueError when it does not fit the backbone."""
     from latentserve.latent.head import CONTROLS
     from latentserve.latent.spec import LatentSpec
     from latentserve.models.checkpoint import load_tokenizer

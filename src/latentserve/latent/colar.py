@@ -1,12 +1,8 @@
-"""CoLaR (arXiv 2505.16552, xiaomi-research/colar): the prompt format its models are trained
-and served with.
+"""CoLaR (arXiv 2505.16552, xiaomi-research/colar): its prompt format and latent policy.
 
-A CoLaR example is ``question`` + ``speed`` + ``###`` + reasoning + ``###`` + ``Answer:`` +
-answer + EOS (upstream ``model_base.py`` templates: ``"Question: {} Let's think step by
-step:"``, ``"(Thinking speed: {})"``, separator ``"###"``, ``"Answer:{}"``). At speed 1 the
-reasoning is text (the chain-of-thought model of stage 0, upstream ``cot.py``); at speed
-``c`` it is ``ceil(n / c)`` latent steps, each standing for ``c`` reasoning tokens, and the
-phase ends when the LM head emits the separator at a latent position.
+An example is question + ``(Thinking speed: c)`` + ``###`` + reasoning + ``###`` +
+``Answer:`` + answer + EOS (upstream ``model_base.py``); at speed ``c`` > 1 the reasoning is
+``ceil(n / c)`` latent steps, ended when the LM head emits ``###`` at a latent position.
 """
 
 from __future__ import annotations
@@ -34,11 +30,8 @@ def prompt_text(question: str, speed: int | str = 1) -> str:
 
 def prompt_ids(tok, questions: list[str], speed: int | str = 1, separator: bool = True
                ) -> list[list[int]]:
-    """The prompt's ids per question as our models are trained and served: the question
-    part, the thinking speed and (``separator``) the ``###`` id, each tokenised on its own,
-    the way the engine appends the speed and the separator to a CoLaR request's question.
-    (Upstream tokenises the joined string; a BPE merge across the boundary, SmolLM2's
-    ``:(``, would then give ids the engine cannot reproduce from a question.)"""
+    """The prompt's ids per question: question, speed and (``separator``) ``###``, each
+    tokenised on its own as the engine appends them (no BPE merge across the boundary)."""
     if not questions:
         return []
     qs = tok([QUESTION.format(q) for q in questions], add_special_tokens=False)["input_ids"]
@@ -49,10 +42,8 @@ def prompt_ids(tok, questions: list[str], speed: int | str = 1, separator: bool 
 
 
 def split_output(text: str) -> tuple[str, str]:
-    """``(reasoning, answer)`` of a generated continuation: the text before the closing
-    separator, and what follows ``Answer:`` after it (stripped). Without a separator the
-    reasoning is the whole text; without ``Answer:`` the answer is what follows the
-    separator (upstream ``extract_answer_from_output`` keeps the whole string then)."""
+    """``(reasoning, answer)``: the text before the closing ``###``, and what follows
+    ``Answer:`` after it (else after ``###``), stripped."""
     reasoning, sep, rest = text.partition(SEPARATOR)
     if not sep:
         return text, ""
@@ -71,16 +62,10 @@ POLICY_WEIGHTS = "latent_policy.safetensors"
 
 @dataclass(frozen=True, slots=True)
 class ColarConfig:
-    """``colar_config.json``.
-
-    ``hidden_size`` (H, the backbone's); ``intermediate_size`` (the policy's width,
-    upstream ``lp_intermediate_size``); ``deterministic`` (no ``log_std``: the policy's
-    std is 1e-9); ``embeds_std`` (the scale between the policy's output and input
-    embeddings, upstream ``MODEL_EMB_STD``, e.g. 0.018 for Llama-3.2-1B; here the std of
-    the backbone's embedding matrix unless set); ``compression_factor`` (the default
-    thinking speed c); ``max_compression_factor`` (the largest c trained, upstream 5);
-    ``max_latent`` (the latent-step cap, upstream ``max_n_latent_forward`` 64).
-    """
+    """``colar_config.json``: ``hidden_size`` H, ``intermediate_size`` (upstream
+    ``lp_intermediate_size``), ``deterministic`` (std 1e-9), ``embeds_std`` (upstream
+    ``MODEL_EMB_STD``), ``compression_factor`` (default speed), ``max_compression_factor``,
+    ``max_latent`` (upstream ``max_n_latent_forward``)."""
 
     hidden_size: int
     intermediate_size: int
@@ -128,12 +113,9 @@ class ColarConfig:
 
 
 class LatentPolicy(nn.Module):
-    """CoLaR's latent head (upstream ``src/modules/projector.py`` ``LatentPolicy``; the
-    parameter names are upstream's): ``fc`` = Linear(H, I), GELU, Linear(I, I),
-    LayerNorm(I); ``mean`` and ``log_std`` = Linear(I, H). It reads the last layer's
-    hidden state (after the final norm) and gives a Normal over the NEXT compressed
-    embedding divided by ``embeds_std``; std = ``exp(log_std) * temperature``.
-    """
+    """Upstream ``src/modules/projector.py`` ``LatentPolicy``: ``fc`` = Linear(H, I), GELU,
+    Linear(I, I), LayerNorm(I); ``mean`` / ``log_std`` = Linear(I, H): a Normal over the next
+    embedding / ``embeds_std`` from the final-normed hidden ``[N, H]``."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, deterministic: bool = False):
         super().__init__()
@@ -147,8 +129,7 @@ class LatentPolicy(nn.Module):
 
     def forward(self, hidden: torch.Tensor, temperature: float = 1.0
                 ) -> torch.distributions.Normal:
-        """``hidden`` [..., H] -> Normal with mean and std [..., H] (in units of
-        ``embeds_std``)."""
+        """``hidden`` [..., H] -> Normal with mean and std [..., H] (in units of ``embeds_std``)."""
         x = self.fc(hidden)
         mean = self.mean(x)
         if self.deterministic:
@@ -157,9 +138,8 @@ class LatentPolicy(nn.Module):
 
 
 def load_colar(model_dir: str | Path) -> tuple[ColarConfig, LatentPolicy] | None:
-    """The CoLaR config and float32 policy of ``model_dir``, or None when it has no
-    ``colar_config.json``. Raises ValueError for a bad config or policy weights (missing,
-    unexpected or misshapen keys), FileNotFoundError when the weights file is missing."""
+    """``(ColarConfig, float32 policy)`` of ``model_dir`` or None; ValueError for a bad
+    config or policy keys, FileNotFoundError for a missing weights file."""
     from safetensors.torch import load_file
 
     d = Path(model_dir)

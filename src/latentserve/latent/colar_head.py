@@ -1,10 +1,5 @@
-"""CoLaR served closed-loop (arXiv 2505.16552; upstream ``src/models/model_base.py``
-``latent_generate``; the code is ours): a CoLaR model is run by the compression head's
-per-request machinery (``latent/head_loop.py``) with :class:`ColarHead` in place of the
-compression head.
-
-Design notes: docs/internals.md, "latentserve.latent.colar_head".
-"""
+"""CoLaR served closed-loop by ``latent/head_loop.py`` (arXiv 2505.16552; upstream
+``src/models/model_base.py`` ``latent_generate``; docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -22,18 +17,9 @@ _SPEED_AT_END = re.compile(r"\(\s*Thinking\s*speed\s*:\s*(\d+)\s*\)\s*$")
 
 
 class ColarHead(nn.Module):
-    """CoLaR's latent step with the compression head's serve-side interface
-    (``latent.head.LatentHead``): ``capture_layer`` -1 (it reads the final-normed hidden,
-    not a captured layer), ``stop_token`` (the ``###`` id: the stop is a sampled token),
-    ``has_stop``, ``serve_outputs``; plus :meth:`sample` (latent temperature > 0) and
-    :meth:`prepare_request` (its controls and the ids appended to the prompt).
-
-    Args:
-        config: the model's ``colar_config.json``. policy: its float32 ``LatentPolicy``.
-        separator_id: the ``###`` token id. speed_ids: ``c -> ids of "(Thinking speed:
-            {c})"`` for every c in ``[1, max_compression_factor]``. tokenizer: decodes a
-            prompt's tail to read a thinking speed already in it.
-    """
+    """CoLaR's latent step behind ``LatentHead``'s serve interface (reads the final-normed
+    hidden; ``stop_token``: ``###``), plus :meth:`sample` and :meth:`prepare_request`.
+    ``speed_ids``: ``c -> ids of "(Thinking speed: {c})"``."""
 
     capture_layer = -1
     has_stop = True
@@ -49,20 +35,15 @@ class ColarHead(nn.Module):
 
     def serve_outputs(self, hidden: torch.Tensor, fused: bool | None = None
                       ) -> tuple[torch.Tensor, None]:
-        """``(embeds_std * mean(hidden), None)``: the next latent inputs ``[N, H]`` float32
-        for final-normed hidden states ``[N, H]`` (any float dtype), the policy's mean
-        (latent temperature 0); no stop probability (the stop is the ``###`` token).
-        ``fused`` is accepted for the interface and unused."""
+        """``(embeds_std * mean(hidden), None)``: ``[N, H]`` -> ``[N, H]`` float32 (``fused``
+        unused)."""
         p = self.policy
         return p.mean(p.fc(hidden.float())) * self.config.embeds_std, None
 
     def sample(self, hidden: torch.Tensor, temperatures: list[float], generators: list
                ) -> torch.Tensor:
-        """Latent inputs ``[n, H]`` float32 drawn from ``Normal(mean, std * t)`` times
-        ``embeds_std`` (upstream ``distributions.rsample() * embeds_std``) for ``hidden``
-        ``[n, H]``, row i with temperature ``temperatures[i]`` and noise from
-        ``generators[i]`` (a ``torch.Generator`` on ``hidden``'s device, or None: the global
-        generator). A deterministic policy's std is 1e-9 whatever the temperature."""
+        """``[n, H]`` float32 draws of ``Normal(mean, std * t_i) * embeds_std`` (upstream
+        ``rsample() * embeds_std``), noise from ``generators[i]`` (None: global)."""
         p = self.policy
         x = p.fc(hidden.float())
         mean = p.mean(x)
@@ -76,17 +57,9 @@ class ColarHead(nn.Module):
         return (mean + std * eps) * self.config.embeds_std
 
     def prepare_request(self, prompt_ids: list[int], params):
-        """``(params, HeadSettings, ids to append to the prompt)`` of a request:
-        ``(Thinking speed: c)`` + ``###`` (+ ``###`` with thinking off), nothing when the
-        prompt already ends with ``###``. Defaults: ``compression_factor`` and ``max_latent``
-        from ``colar_config.json``, ``min_latent`` 0, ``use_stop`` on, ``latent_temperature``
-        0; ``latent_budget`` is an alias of ``max_latent`` (0: thinking off).
-
-        Raises:
-            ValueError: naming the field: a control CoLaR does not take (``stop_threshold``,
-                ``min_output_tokens``), ``compression_factor`` outside ``[1,
-                max_compression_factor]`` or different from the speed the prompt names.
-        """
+        """``(params, HeadSettings, ids to append)``: ``(Thinking speed: c)`` + ``###``
+        (+ ``###`` with thinking off), none when the prompt ends with ``###``. Raises
+        ValueError naming a control CoLaR does not take or a bad ``compression_factor``."""
         from latentserve.latent.head import refuse_controls, resolve_settings
 
         refuse_controls(params, CONTROLS, "a CoLaR model")
@@ -114,8 +87,7 @@ class ColarHead(nn.Module):
         return params, hs, suffix if hs.thinking else (*suffix, *hs.end_ids)
 
     def _prompt_speed(self, prompt_ids: list[int]) -> int | None:
-        """The thinking speed ``(Thinking speed: c)`` right before a prompt's final ``###``,
-        or None when its text names none."""
+        """The ``c`` of ``(Thinking speed: c)`` before the prompt's final ``###``, or None."""
         if self.tokenizer is None:
             return None
         tail = self.tokenizer.decode(prompt_ids[-16:-1])
@@ -124,17 +96,9 @@ class ColarHead(nn.Module):
 
 
 def attach_colar(model, model_dir, hf_config, device) -> bool:
-    """Attach CoLaR to ``model`` when ``model_dir`` holds a ``colar_config.json``
-    (``latent.colar.load_colar``): ``model.latent_head`` (a :class:`ColarHead` on
-    ``device``, float32), ``model.latent_head_mode`` ``"closed_loop"`` and
-    ``model.latent_spec`` (kind ``"head"``, family ``"colar"``: start ids the default speed
-    + ``###``, end ids ``###``, ``latent_id`` the pad id, else eos, else 0; ``controls``
-    :data:`CONTROLS`). Returns False (nothing attached) without a ``colar_config.json``.
-
-    Raises:
-        ValueError: a bad config or policy (``load_colar``), a ``hidden_size`` other than the
-            backbone's, or a tokenizer without a ``###`` token.
-    """
+    """Attach ``model.latent_head`` (float32 :class:`ColarHead`), ``latent_head_mode`` and
+    ``latent_spec`` from ``colar_config.json``; False without one. Raises ValueError for a bad
+    config, a ``hidden_size`` not the backbone's, or a tokenizer without ``###``."""
     from latentserve.latent.colar import load_colar
     from latentserve.latent.spec import LatentSpec
     from latentserve.models.checkpoint import load_tokenizer

@@ -1,8 +1,5 @@
 """``latentserve convert coconut|codi``: an upstream checkpoint over its base HF model
-directory -> a latentserve model directory (docs/models.md).
-
-Design notes: docs/internals.md, "latentserve.latent.convert".
-"""
+directory -> a latentserve model directory (docs/models.md, docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ def _start(base_dir, checkpoint, out_dir, overwrite: bool):
 
 
 def check_serves(model_dir: Path) -> None:
-    """Load ``model_dir`` as the engine does: ``models.loader.load_model`` (float32 on the
-    CPU: the weights, the LoRA merge, the latent spec) and its tokenizer, whose ids must fit
-    the embedding. Raises ValueError ("... would not serve: <the loader's error>")."""
+    """Load ``model_dir`` as the engine does (float32, CPU) with its tokenizer. Raises
+    ValueError ("... would not serve: <the loader's error>")."""
     import torch
 
     from latentserve.models.checkpoint import load_tokenizer
@@ -62,17 +58,12 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def write_checked(out_dir, overwrite: bool, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` into a fresh hidden directory next to ``out_dir``, check it
-    (:func:`check_serves`), then move it to ``out_dir``: renamed when ``out_dir`` is missing
-    or empty, else (``overwrite``) file by file, replacing same-named files. An entry of
-    ``tmp`` that is a link to the very file it would replace (a checkpoint converted in
-    place) is dropped. Returns ``out_dir``.
+    """Run ``write(tmp)`` in a hidden directory next to ``out_dir``, check it
+    (:func:`check_serves`), then move it to ``out_dir`` (file by file with ``overwrite``).
 
-    Raises ValueError when ``out_dir`` is not empty and not ``overwrite``, when the result
-    would not serve, or when ``out_dir`` holds weight files (``*.safetensors``,
-    ``pytorch_model*.bin``) this conversion does not replace (the loader would read them
-    too); whatever ``write`` raises. On every error ``tmp`` is removed and ``out_dir`` is as
-    it was.
+    Raises ValueError when ``out_dir`` is not empty without ``overwrite``, the result would
+    not serve, or ``out_dir`` keeps weight files not replaced; on error ``out_dir`` is as it
+    was.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
@@ -159,10 +150,8 @@ def write_configs(out: Path, base_dir: Path, hf_cfg: dict, tokenizer, latent_cfg
 
 
 def _check_fits_base(state: dict, base: dict, base_dir, checkpoint) -> None:
-    """Raise ValueError when the checkpoint's (stripped, merged) weights are not the base's
-    architecture: a name the base lacks, or a shape other than the base's (the embedding and
-    ``lm_head`` rows excepted, resized by the latent tokens). Without this a wrong --base
-    converts and fails only at load ("unexpected weight")."""
+    """ValueError for a weight name the base lacks or a shape not the base's (embedding and
+    ``lm_head`` rows excepted)."""
     norm = {k.removeprefix("transformer."): v for k, v in base.items()}
     odd = []
     for k, v in state.items():
@@ -189,9 +178,8 @@ def _rows(state: dict, checkpoint) -> int:
 def convert_coconut(base_dir, checkpoint, out_dir, *, default_budget: int = 6,
                     max_budget: int = 64, variant: str | None = None, symlink: bool = False,
                     overwrite: bool = False) -> Path:
-    """Write a COCONUT model directory from ``checkpoint`` (a ``torch.save``'d state dict,
-    keys with or without ``base_causallm.``) over ``base_dir``. Returns ``out_dir``.
-    Raises ValueError when the added token ids do not fit the checkpoint's vocab."""
+    """Write a COCONUT model directory from a ``torch.save``'d ``checkpoint`` over
+    ``base_dir``; ValueError when the token ids do not fit its vocab."""
     from latentserve.models.checkpoint import load_tokenizer
 
     base_dir, checkpoint, out_dir, hf_cfg = _start(base_dir, checkpoint, out_dir, overwrite)
@@ -213,9 +201,8 @@ def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
                  remove_eos: bool = True, default_budget: int = 6, max_budget: int = 64,
                  variant: str | None = None, symlink: bool = False,
                  overwrite: bool = False) -> Path:
-    """Write a CODI model directory from ``checkpoint`` (``model.safetensors`` /
-    ``pytorch_model.bin`` of the whole CODI module) over ``base_dir``. Returns ``out_dir``.
-    Raises ValueError when the embedding rows are not the base vocab + 3."""
+    """Write a CODI model directory from the whole module's ``checkpoint`` over ``base_dir``;
+    ValueError when the embedding rows are not the base vocab + 3."""
     from latentserve.models.checkpoint import load_tokenizer
 
     base_dir, checkpoint, out_dir, hf_cfg = _start(base_dir, checkpoint, out_dir, overwrite)

@@ -1,7 +1,4 @@
-"""The engine's one interface to a model's latent reasoning: :class:`Family`.
-
-Design notes: docs/internals.md, "latentserve.latent.family".
-"""
+"""The engine's one interface to a model's latent reasoning: :class:`Family` (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ FAMILIES = {
 
 @dataclass(slots=True)
 class Admission:
-    """What :meth:`Family.admit` decides for one request: its params, the KV positions the
-    family adds before the answer (``extra``), and ``start(req)``, which makes a fresh
-    ``Req`` a request of the family (None: nothing to do)."""
+    """:meth:`Family.admit`'s decision: params, KV positions added before the answer
+    (``extra``), and ``start(req)`` to set up a fresh ``Req`` (None: nothing)."""
 
     params: SamplingParams
     extra: int = 0
@@ -33,13 +29,11 @@ class Admission:
 
 
 class GraphHooks:
-    """What a family adds to the decode graphs (``engine/cuda_graph.py``); this base adds
-    nothing.
+    """What a family adds to the decode graphs (``engine/cuda_graph.py``); this base: nothing.
 
-    ``depths``: loop trip counts captured, one graph per ``(depth, bucket)``. ``feedback``:
-    a module the latent graph runs on the final hidden rows (``[n, hidden] -> [n, hidden]``,
-    CODI's ``prj``), or None. ``packed``: a batch may replay from its packed index vectors
-    alone (no forward context)."""
+    ``depths``: loop trip counts, one graph per ``(depth, bucket)``; ``feedback``: module on
+    the final hidden rows (``[n, hidden] -> [n, hidden]``) or None; ``packed``: a batch
+    replays from its packed index vectors alone."""
 
     depths = [0]
     feedback = None
@@ -66,15 +60,11 @@ class GraphHooks:
 class Family:
     """A plain model: no latent phase, no latent budget.
 
-    Class attributes the engine's generic checks ask: ``budgeted`` (``latent_budget``
-    applies, ``--max-latent-budget`` caps it), ``traced`` / ``streams_steps``
-    (``return_latent_trace`` / ``stream_latent_steps`` have something to return),
-    ``traced_under_tp`` (the trace works with tensor parallelism), ``takes_exit_fields``,
-    ``takes_exit_semantics`` (a server default other than ``"engine"``),
-    ``takes_head_controls`` (CoLaR's ``compression_factor`` / ``latent_temperature``),
-    ``overlaps`` (steps may run under ``engine/overlap.py``: ``latent_inputs`` does not read
-    ``tokens`` and ``budget_spent`` never finishes a request, unless it ``decides_late``:
-    ``advance`` at launch is provisional, settled by :meth:`resolve`), ``description``.
+    Class attributes the engine's checks ask: ``budgeted`` (``latent_budget`` applies),
+    ``traced`` / ``streams_steps`` / ``traced_under_tp`` (trace and step streaming work),
+    ``takes_exit_fields``, ``takes_exit_semantics``, ``takes_head_controls``, ``overlaps``
+    (steps may run under ``engine/overlap.py``), ``decides_late`` (``advance`` at launch is
+    provisional, settled by :meth:`resolve`), ``description``.
     """
 
     budgeted = False
@@ -96,8 +86,7 @@ class Family:
         """Once, after the engine's model runner exists (e.g. the layer a head reads)."""
 
     def admit(self, prompt_ids: list[int], params: SamplingParams) -> Admission:
-        """Resolve ``params`` for this family without changing any state. Raises ValueError
-        naming the field for a request the family cannot run."""
+        """Resolve ``params`` without changing state; ValueError naming the field."""
         if params.latent_budget:
             raise ValueError("latent_budget must be 0 or null: this model does no latent "
                              "reasoning")
@@ -108,9 +97,8 @@ class Family:
         return False
 
     def admit_budgeted(self, params: SamplingParams, state=None) -> Admission:
-        """The admission of a family whose latent phase follows the spec's start ids and runs
-        to the resolved ``latent_budget`` (ValueError outside the spec's range); ``state``:
-        ``budget -> Req.state`` (None: no state)."""
+        """Admission of a latent phase after the start ids, ``latent_budget`` steps long;
+        ``state(req, budget)`` makes ``Req.state`` (None: none)."""
         spec = self.spec
         budget = spec.resolve_budget(params.latent_budget)
 
@@ -132,22 +120,19 @@ class Family:
 
     def latent_inputs(self, reqs: list[Req], logits, last_hidden, tokens: list[int]
                       ) -> list | None:
-        """The next latent input of each sampling row (a ``(tensor, row)`` entry,
-        ``latent/vectors.py``) or None per row; None when no row has one. ``tokens``: the
-        sampled ids, or None under the overlap scheduler; a family that ``decides_late``
-        then returns what its ``advance`` decides from, changing no request state."""
+        """Per sampling row its next latent input (a ``(tensor, row)`` entry) or None; None
+        when no row has one. ``tokens`` None under the overlap scheduler: a family that
+        ``decides_late`` returns what ``advance`` decides from."""
         return None
 
     @staticmethod
     def forward_context(batch, layout, page_table):
-        """What the forward reads for ``batch`` besides its inputs
-        (``ForwardContext.recurrent``), or None."""
+        """``ForwardContext.recurrent`` for ``batch``, or None."""
         return None
 
     @staticmethod
     def graph_hooks(spec, model, max_bs: int, device, depths=None) -> GraphHooks:
-        """The decode graphs' :class:`GraphHooks` (static buffers for ``max_bs`` rows;
-        ``depths``: loop trip counts to capture, None: the family's default)."""
+        """The decode graphs' :class:`GraphHooks` (``depths`` None: the family's default)."""
         return GraphHooks()
 
     # ----- the scheduler's hooks (scheduler/scheduler.py) -----
@@ -165,22 +150,19 @@ class Family:
         return n
 
     def forces_one_by_one(self, req: Req) -> bool:
-        """Whether forced ids that just ended ``req``'s latent phase may go one per step
-        (``Scheduler.forced_one_by_one``)."""
+        """Whether forced ids ending the latent phase may go one per step."""
         return True
 
     def on_preempt(self, req: Req) -> None:
         """``req`` lost its KV and waits to be recomputed."""
 
     def advance(self, req: Req, vec) -> bool:
-        """Move a latent-phase ``req`` past a forward that sampled for it (``vec``: its
-        :meth:`latent_inputs` entry); True: the sampled token is the first answer token."""
+        """Move ``req`` past a forward that sampled for it (``vec``: its latent input);
+        True: the sampled token is the first answer token."""
         raise RuntimeError(f"request {req.rid} has no latent phase on {self.description}")
 
     def resolve(self, req: Req, token: int) -> bool:
-        """Settle the step ``advance`` took provisionally at launch (``decides_late``) with
-        its sampled ``token``: True when it stands; False when the family undid it (the
-        scheduler then ends the phase, ``advance(req, None)``)."""
+        """Settle the provisional ``advance`` with the sampled ``token``; False: undone."""
         return True
 
     def budget_spent(self, req: Req, max_model_len: int) -> str | None:

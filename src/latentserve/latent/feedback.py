@@ -1,7 +1,5 @@
-"""Feedback latent models (COCONUT, CODI, SIM-CoT) from their upstream checkpoint forms.
-
-Design notes: docs/internals.md, "latentserve.latent.feedback".
-"""
+"""Feedback latent models (COCONUT, CODI, SIM-CoT) from their upstream checkpoint forms
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -44,10 +42,8 @@ def config_int(cfg: dict, field: str, lo: int = 0, default=None) -> int:
 
 def check_common(cfg, families: tuple[str, ...], default_budget: int | None,
                  model_dir: Path | None = None) -> dict:
-    """The checks every family's ``latent_config.json`` shares (a JSON object, ``family``,
-    ``format_version``, the budgets, ``checkpoint``: a file in ``model_dir`` when given);
-    returns a deep copy with defaults filled in (``default_budget`` None: required).
-    Raises ValueError naming the offending field."""
+    """The checks every ``latent_config.json`` shares; a deep copy with defaults filled in
+    (``default_budget`` None: required). Raises ValueError naming the field."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{LATENT_CONFIG} must hold a JSON object")
     cfg = json.loads(json.dumps(cfg))  # deep copy
@@ -92,11 +88,8 @@ def check_lora_prj(cfg: dict, prj_fields: str = "{eps}") -> None:
 
 
 def validate_latent_config(cfg: dict, model_dir: Path | None = None) -> dict:
-    """Check ``cfg`` (parsed latent_config.json of a feedback family) and return a copy with
-    defaults filled in.
-
-    Raises ValueError naming the offending field (e.g. ``'tokens.bot'``, ``'lora.alpha'``).
-    """
+    """A feedback family's ``cfg`` checked, with defaults filled in. Raises ValueError naming
+    the field (e.g. ``'tokens.bot'``)."""
     cfg = check_common(cfg, FAMILIES, 6, model_dir)
     fam = cfg["family"]
     if not isinstance(cfg.get("tokens"), dict):
@@ -126,8 +119,7 @@ def validate_latent_config(cfg: dict, model_dir: Path | None = None) -> dict:
 
 
 def read_config_json(model_dir: str | Path):
-    """The parsed ``model_dir/latent_config.json``, None when there is none. Raises
-    ValueError for invalid JSON."""
+    """The parsed ``model_dir/latent_config.json`` or None; ValueError for invalid JSON."""
     path = Path(model_dir) / LATENT_CONFIG
     if not path.is_file():
         return None
@@ -138,16 +130,14 @@ def read_config_json(model_dir: str | Path):
 
 
 def read_latent_config(model_dir: str | Path) -> dict | None:
-    """The validated ``model_dir/latent_config.json`` (defaults filled in), or None when the
-    directory has none. Raises ValueError naming the field for a bad config."""
+    """The validated ``model_dir/latent_config.json`` or None; ValueError naming the field."""
     cfg = read_config_json(model_dir)
     return None if cfg is None else validate_latent_config(cfg, Path(model_dir))
 
 
 def latent_spec_from_config(cfg: dict) -> LatentSpec:
-    """The engine contract for a validated config. CODI with ``remove_eos: false`` wraps the
-    latents as upstream ``test.py`` does: prompt + [eos, bot] ... [eot, eos]. COCONUT's
-    upstream stop rule (``LatentSpec.upstream_eos_from``) is 2; CODI's is the engine's."""
+    """The engine contract for a validated config (CODI ``remove_eos: false``: [eos, bot] ...
+    [eot, eos], as upstream ``test.py``)."""
     t = cfg["tokens"]
     suppress: tuple[int, ...] = ()
     eos_from = 0  # CODI's test.py stops on the first eos, as the engine does
@@ -170,9 +160,8 @@ def latent_spec_from_config(cfg: dict) -> LatentSpec:
 # ----------------------------------------------------------------------------- weights
 
 def read_state_dict(path: str | Path, keep=None) -> dict[str, torch.Tensor]:
-    """Tensors of a ``.safetensors`` file or a ``torch.save``'d state dict (read with
-    ``weights_only=True``, memory-mapped when the file is a zip archive); only names for which
-    ``keep(name)`` is true when ``keep`` is given."""
+    """Tensors of a ``.safetensors`` file or a ``torch.save``'d state dict (``weights_only``),
+    only names ``keep(name)`` accepts when given."""
     path = Path(path)
     if path.suffix == ".safetensors":
         from safetensors import safe_open
@@ -191,15 +180,9 @@ def read_state_dict(path: str | Path, keep=None) -> dict[str, torch.Tensor]:
 
 
 def strip_keys(state: dict, family: str) -> dict[str, torch.Tensor]:
-    """Upstream keys -> our (HF) names; tensors that are not part of the base LM are dropped.
-
-    ``module.`` (DDP) is stripped first. Then the family's wrapper prefix, ``base_causallm.``
-    (COCONUT) or ``codi.`` (CODI): when any key has it, only those keys are kept (dropping
-    ``prj.*`` and SIM-CoT's training-only ``expainable_llm.*`` / decoder modules) and it is
-    stripped; otherwise every key but ``prj.*`` is kept (a plain HF-named state dict). Last,
-    PEFT's ``base_model.model.``; LoRA tensors keep their ``.base_layer`` / ``.lora_A.<adapter>``
-    infixes for :func:`merge_lora`.
-    """
+    """Upstream keys -> HF names, base LM only: strips ``module.``, then keeps only keys with
+    the wrapper prefix (``base_causallm.`` / ``codi.``) when any has it (else all but
+    ``prj.*``), then strips PEFT's ``base_model.model.``; LoRA infixes stay."""
     state = {k.removeprefix("module."): v for k, v in state.items()}
     prefix = "base_causallm." if family == "coconut" else "codi."
     if any(k.startswith(prefix) for k in state):
@@ -210,16 +193,9 @@ def strip_keys(state: dict, family: str) -> dict[str, torch.Tensor]:
 
 
 def merge_lora(state: dict, lora: dict | None, conv1d: bool) -> dict[str, torch.Tensor]:
-    """Fold PEFT LoRA pairs into their base weights: ``W + (B @ A) * alpha / r`` (``alpha /
-    sqrt(r)`` with rsLoRA), computed and kept in float32 (``models.lora.merged_weight``; the
-    loader casts to the serving dtype later, so a bf16 base is not rounded back to bf16).
-
-    state: stripped names; ``<m>.base_layer.{weight,bias}`` become ``<m>.{weight,bias}``;
-    other tensors are returned unchanged. conv1d: GPT-2, whose ``c_attn/c_proj/c_fc`` store W
-    as ``[in, out]`` (Conv1D), so the update is transposed. Raises ValueError when LoRA
-    tensors and ``lora`` disagree, for a PEFT tensor other than LoRA A/B, and for shapes that
-    do not fit.
-    """
+    """Fold PEFT LoRA pairs into their base weights, float32 (``models.lora.merged_weight``);
+    ``conv1d``: GPT-2's ``[in, out]`` Conv1D weights. Raises ValueError when LoRA tensors and
+    ``lora`` disagree or shapes do not fit."""
     out, pairs = {}, {}
     for k, v in state.items():
         hit = split_lora_key(k)
@@ -250,8 +226,7 @@ def merge_lora(state: dict, lora: dict | None, conv1d: bool) -> dict[str, torch.
 
 
 def _fallback_weights(model_dir: Path, skip: str, tied: bool):
-    """Base weights from the directory's ``*.safetensors`` other than the checkpoint (a tied
-    ``lm_head`` and causal-mask buffers left out)."""
+    """Base weights from the other ``*.safetensors`` (no tied ``lm_head``, no buffers)."""
     for f in sorted(model_dir.glob("*.safetensors")):
         if f.name != skip:
             for k, v in read_state_dict(f).items():
@@ -260,9 +235,8 @@ def _fallback_weights(model_dir: Path, skip: str, tied: bool):
 
 
 def embedding_rows(state: dict, model_dir, cfg: dict, fields=("tokens",)) -> int:
-    """The rows of ``state``'s input embedding, which the ids of ``cfg``'s ``fields`` (an
-    object or a list of ids each) must fit. Raises ValueError naming the field, or when
-    ``state`` has no embedding."""
+    """Rows of ``state``'s input embedding; ValueError naming a field of ``cfg`` whose ids do
+    not fit, or when there is no embedding."""
     emb = next((state[k] for k in _EMBED_KEYS if k in state), None)
     if emb is None:
         raise ValueError(f"{model_dir}: the checkpoint has no embedding ({_EMBED_KEYS[0]} or "
@@ -276,13 +250,9 @@ def embedding_rows(state: dict, model_dir, cfg: dict, fields=("tokens",)) -> int
 
 
 def prepare_latent_weights(model_dir, hf_config, latent_cfg):
-    """Return ``(weights, hf_config)``: ``weights`` is a list of ``(HF name, tensor)`` for our
-    model classes (GPT-2 Conv1D weights still ``[in, out]``, as in HF files); base weights the
-    checkpoint lacks come from the directory's other ``*.safetensors`` (upstream loads the
-    checkpoint over the pretrained base). ``hf_config.vocab_size`` is set to the embedding rows.
-
-    Raises ValueError when the checkpoint has no embedding or its vocab cannot hold the ids.
-    """
+    """``([(HF name, tensor)], hf_config)`` with ``vocab_size`` = the embedding rows; weights
+    the checkpoint lacks come from the other ``*.safetensors``. Raises ValueError when the
+    checkpoint has no embedding or cannot hold the ids."""
     model_dir = Path(model_dir)
     ckpt, fam = latent_cfg.get("checkpoint"), latent_cfg["family"]
     state = {}
@@ -307,10 +277,8 @@ def prepare_latent_weights(model_dir, hf_config, latent_cfg):
 # ----------------------------------------------------------------------------- feedback
 
 class CodiProjection(nn.Module):
-    """CODI's ``prj``: Linear(H, dim) -> GELU (erf) -> Linear(dim, H) -> LayerNorm(H)
-    (LayerNorm absent with upstream ``--prj_no_ln``). Children are named ``1``, ``3``, ``ln``
-    so upstream keys ``prj.1.weight`` ... load after stripping ``prj.``; the Dropout (index 0)
-    and GELU (index 2) hold no weights. ``forward(hidden [N, H]) -> [N, H]``, same dtype."""
+    """CODI's ``prj``: Linear(H, dim) -> GELU -> Linear(dim, H) -> LayerNorm(H) (optional);
+    children ``1``, ``3``, ``ln`` match upstream keys. ``[N, H] -> [N, H]``, same dtype."""
 
     def __init__(self, hidden: int, dim: int, layer_norm: bool = True, eps: float = 1e-5):
         super().__init__()
@@ -324,11 +292,9 @@ class CodiProjection(nn.Module):
 
 
 def attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device) -> None:
-    """Set ``model.latent_spec`` and register ``model.latent_feedback`` (``[N, H]`` post-final-
-    norm hidden in the model dtype -> ``[N, H]`` next input embedding): ``nn.Identity`` for
-    COCONUT and for CODI without ``prj``, else :class:`CodiProjection` loaded from the
-    checkpoint's ``prj.*`` (strict). Raises ValueError on missing/mismatched prj weights, and
-    when ``prj`` is null but the checkpoint has ``prj.*`` tensors (it would be skipped)."""
+    """Set ``model.latent_spec`` and ``model.latent_feedback`` (``[N, H]`` final hidden ->
+    ``[N, H]`` next input): ``nn.Identity`` or a :class:`CodiProjection`. Raises ValueError on
+    mismatched ``prj`` weights, or ``prj`` null with ``prj.*`` tensors present."""
     model.latent_spec = latent_spec_from_config(latent_cfg)
     if latent_cfg["family"] != "codi":
         model.latent_feedback = nn.Identity()
@@ -352,9 +318,7 @@ def _prj_name(k: str) -> str:
 
 
 def prj_tensors(model_dir, cfg: dict) -> dict:
-    """The ``prj.*`` tensors of the checkpoint (else of every ``*.safetensors``), named
-    without ``prj.``: DDP's ``module.``, PEFT's ``base_model.model.`` and its
-    ``modules_to_save`` wrapper removed, its ``original_module`` copy dropped."""
+    """The checkpoint's ``prj.*`` tensors, without ``prj.`` and DDP / PEFT wrappers."""
     ckpt = cfg.get("checkpoint")
     files = [Path(model_dir) / ckpt] if ckpt else sorted(Path(model_dir).glob("*.safetensors"))
     out = {}
@@ -366,8 +330,7 @@ def prj_tensors(model_dir, cfg: dict) -> dict:
 
 
 def load_projection(prj: nn.Module, sd: dict, dtype, device) -> nn.Module:
-    """``prj`` with ``sd`` loaded strictly, on ``device`` in ``dtype``, in eval mode.
-    Raises ValueError naming ``prj`` when the tensors do not match."""
+    """``prj`` loaded strictly from ``sd``, eval mode; ValueError naming ``prj`` on mismatch."""
     try:
         prj.load_state_dict(sd, strict=True)
     except RuntimeError as e:

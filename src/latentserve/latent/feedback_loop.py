@@ -1,12 +1,6 @@
-"""Feedback latents at serving time (COCONUT, CODI, SIM-CoT): the engine's
-:class:`~latentserve.latent.family.Family` for ``LatentSpec.kind == "feedback"``.
-
-A request's prompt gets the spec's start ids; then each of its ``latent_budget`` latent steps
-feeds the last hidden state (CODI: through its ``prj``, ``model.latent_feedback``) back as
-the next input embedding; then the end ids are forced and the answer decoded
-(``scheduler.Scheduler`` runs the phases). Sources: COCONUT arXiv 2412.06769
-(facebookresearch/coconut ``coconut.py``), CODI arXiv 2502.21074 (zhenyi4/codi ``test.py``).
-"""
+"""Feedback latents at serving time (COCONUT, CODI, SIM-CoT): each latent step feeds the last hidden
+(through ``model.latent_feedback``) back as the next input embedding. Sources: COCONUT arXiv
+2412.06769 (``coconut.py``), CODI arXiv 2502.21074 (``test.py``)."""
 
 from __future__ import annotations
 
@@ -51,11 +45,8 @@ class FeedbackFamily(Family):
         return not spec.end_ids
 
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
-        """The feedback hook runs once, batched, on the thinking rows (after a graph replay
-        CODI's ``prj`` has already run in the decode graph's latent graph); ``tokens`` is
-        not read. Records the latent trace (``latent/lens.py``: norm, logit-lens top 5) of
-        requests that asked for it (this reads the vectors on the host: under the overlap
-        scheduler such a step waits for its own forward)."""
+        """The feedback hook, batched on the thinking rows (a graph replay ran it already);
+        records the lens trace of requests that asked."""
         rows = [i for i, r in enumerate(reqs) if self.thinking(r)]
         if not rows:
             return None

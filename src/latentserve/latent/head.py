@@ -1,7 +1,5 @@
-"""Compression heads with a learned stop (CoLaR-style latent reasoning on a frozen backbone).
-
-Design notes: docs/internals.md, "latentserve.latent.head".
-"""
+"""Compression heads with a learned stop (CoLaR-style latent reasoning on a frozen backbone;
+docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -28,17 +26,11 @@ HEAD_BUNDLE_NAME = "latent_reasoning_head.safetensors"
 
 @dataclass(frozen=True, slots=True)
 class HeadConfig:
-    """A bundle's ``config``.
-
-    ``hidden_size`` (H, the backbone's), ``latent_dim`` (L), ``mlp_dim`` (M; None = H // 2),
-    ``source_layer`` (0-based index of the decoder layer whose OUTPUT, the residual stream,
-    is the head's anchor; upstream 35), ``target_layer`` and ``compression_factor``
-    (training only, inert when serving), ``arch`` (only ``"v1"`` is served here),
-    ``bank_m`` (arch v2 only; 1 for v1), ``injection`` (``closed_loop`` or ``prompt``),
-    ``think_open`` / ``think_close`` (text of the thinking span's opening and closing for a
-    backbone without ``<think>`` / ``</think>`` tokens; None = those tokens; ``""`` = no ids,
-    e.g. the opening of a head on CoLaR's prompt, which ends with the opening ``###``).
-    """
+    """A bundle's ``config``: ``hidden_size`` H, ``latent_dim`` L, ``mlp_dim`` (None: H // 2),
+    ``source_layer`` (0-based decoder layer whose output is the anchor), ``target_layer`` /
+    ``compression_factor`` (training only), ``arch`` (``"v1"``), ``bank_m`` (v2 only),
+    ``injection`` (``INJECTION_MODES``), ``think_open`` / ``think_close`` (span text; None:
+    ``<think>`` / ``</think>``; ``""``: no ids)."""
 
     hidden_size: int
     latent_dim: int
@@ -87,11 +79,8 @@ class HeadConfig:
 
 
 class CompressionHead(nn.Module):
-    """Upstream ``ReasoningCompressionHead`` (arch v1).
-
-    ``forward(h [..., H] float32, already layer-normed) -> (mu, log_sigma)``, each
-    ``[..., L]``; ``stop_logit(h [..., H]) -> [..., 1]`` (raw logit). ``stop_head`` is None
-    for a bundle without one (format_version 2)."""
+    """Upstream ``ReasoningCompressionHead`` (arch v1): ``forward(h [..., H] float32,
+    layer-normed) -> (mu, log_sigma)`` ``[..., L]`` each; ``stop_logit(h) -> [..., 1]``."""
 
     def __init__(self, hidden_size: int, latent_dim: int, mlp_dim: int | None = None,
                  stop_head: bool = True):
@@ -137,13 +126,9 @@ class LatentDecoder(nn.Module):
 class LatentHead(nn.Module):
     """Head + decoder (+ ``target_proj``) with the serve path's LayerNorms, in float32.
 
-    ``anchor``: ``[N, H]`` source-layer residual stream (any float dtype).
-    ``latent_input(anchor) -> [N, H] float32``; ``stop_prob(anchor) -> [N] float32`` (None
-    when the bundle has no stop head).
-
-    Serve-side interface (``latent/head_loop.py``; CoLaR's ``latent/colar_head.ColarHead``
-    offers the same): ``capture_layer`` (decoder layers whose output is the anchor, for
-    ``ModelRunner.set_capture``), ``stop_token`` (None: the stop head decides),
+    ``anchor``: ``[N, H]`` source-layer residual stream, any float dtype.
+    ``latent_input(anchor) -> [N, H] float32``; ``stop_prob(anchor) -> [N] float32`` or None.
+    Serve interface (shared with ``ColarHead``): ``capture_layer``, ``stop_token``,
     ``has_stop``, ``serve_outputs``.
     """
 
@@ -179,13 +164,11 @@ class LatentHead(nn.Module):
         return self.decoder(mu)
 
     def policy(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mu, log_sigma)`` of the head's Gaussian over the latent (``[N, L]`` float32
-        each) for anchors ``[N, H]``: the policy that GRPO trains (``train/grpo.py``)."""
+        """``(mu, log_sigma)`` ``[N, L]`` float32 each: the Gaussian policy GRPO trains."""
         return self.reasoning_head(self._ln_anchor(anchor))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """The injected input vector for a latent ``z`` (``[N, L]`` -> ``[N, H]`` float32):
-        ``decoder(LN(z))``; ``latent_input(anchor) == decode(encode(anchor))``."""
+        """``decoder(LN(z))``: ``[N, L]`` -> ``[N, H]`` float32."""
         return self.decoder(F.layer_norm(z, (self.config.latent_dim,)))
 
     def stop_prob(self, anchor: torch.Tensor) -> torch.Tensor | None:
@@ -195,14 +178,9 @@ class LatentHead(nn.Module):
 
     def serve_outputs(self, anchor: torch.Tensor, fused: bool | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(latent_input(anchor), stop_prob(anchor))`` for the serve path: the anchor's
-        LayerNorm done once, only the ``mu`` half of the head's last Linear, no
-        ``log_sigma``. ``anchor``: ``[N, H]`` any float dtype; returns ``[N, H]`` and ``[N]``
-        float32 (or None without a stop head).
-
-        ``fused`` (None: on CUDA): each Linear with its SiLU as one
-        ``ops.kernels.small_linear`` launch (3xTF32, within about 1e-6 relative of the IEEE
-        GEMM); ``fused=False`` gives exactly ``latent_input`` and ``stop_prob``."""
+        """``(latent_input(anchor), stop_prob(anchor))``, ``[N, H]`` and ``[N]`` float32,
+        computing only the ``mu`` half. ``fused`` (None: on CUDA): each Linear + SiLU as one
+        ``small_linear`` launch (3xTF32); ``False`` is exact."""
         if fused is None:
             fused = anchor.is_cuda
         h = self._ln_anchor(anchor)
@@ -216,9 +194,8 @@ class LatentHead(nn.Module):
 
 def _mlp(x: torch.Tensor, layers: nn.Sequential, fused: bool,
          last_out: int | None = None) -> torch.Tensor:
-    """``layers(x)`` for ``x [M, K]`` float32 (Linear and SiLU layers). ``fused``: each
-    Linear and the SiLU after it as one ``small_linear`` launch, the last Linear computing
-    only its first ``last_out`` features (None: all)."""
+    """``layers(x)``, ``x [M, K]`` float32; ``fused``: ``small_linear`` launches, the last
+    computing only its first ``last_out`` features (None: all)."""
     if not fused:
         return layers(x)
     from latentserve.ops.kernels.small_linear import small_linear
@@ -245,9 +222,8 @@ _ENV = {key: f"LATENTSERVE_{key.upper()}" for key in (
 
 
 def template_thinking(template_kwargs: dict | None) -> bool | None:
-    """Thinking on or off as chat ``template_kwargs`` say it: ``thinking``, else
-    ``enable_thinking``, a boolean or a boolean string ("false"); None when neither is
-    (a non-boolean value is left to the template)."""
+    """Thinking on or off per ``template_kwargs`` ``thinking``, else ``enable_thinking``
+    (a bool or bool string); None when neither is."""
     for key in ("thinking", "enable_thinking"):
         value = (template_kwargs or {}).get(key)
         if isinstance(value, str):  # "false" from a client that stringifies kwargs
@@ -261,18 +237,15 @@ def template_thinking(template_kwargs: dict | None) -> bool | None:
 
 
 def head_defaults(environ=None) -> dict:
-    """Server defaults of the per-request head controls, from ``LATENTSERVE_MAX_LATENT``,
-    ``LATENTSERVE_MIN_LATENT``, ``LATENTSERVE_USE_STOP``, ``LATENTSERVE_STOP_THRESHOLD`` and
-    ``LATENTSERVE_MIN_OUTPUT_TOKENS`` (``settings``: defaults 256, 4, on, 0.5, 4096). Raises
-    ValueError naming a malformed variable."""
+    """Server defaults of the head controls from ``LATENTSERVE_<CONTROL>`` (``settings``).
+    Raises ValueError naming a malformed variable."""
     out = {key: settings.get(var, environ) for key, var in _ENV.items()}
     check_controls(out, prefix="LATENTSERVE defaults: ")
     return out
 
 
 def check_controls(c: dict, prefix: str = "") -> None:
-    """Range checks shared by ``SamplingParams`` and the env defaults (ValueError naming the
-    field)."""
+    """Range checks of the head controls; ValueError naming the field."""
     for k in ("max_latent", "min_latent", "min_output_tokens"):
         v = c.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -284,9 +257,8 @@ def check_controls(c: dict, prefix: str = "") -> None:
 
 
 def refuse_controls(params, controls: tuple[str, ...], what: str) -> None:
-    """Raise ValueError naming the first head-family control (``HEAD_FIELDS``) that
-    ``params`` sets and ``controls`` (a head's ``CONTROLS``) does not hold: it would silently
-    do nothing. ``what`` names the head in the message."""
+    """ValueError naming the first ``HEAD_FIELDS`` control ``params`` sets outside
+    ``controls`` (it would do nothing); ``what`` names the head."""
     for name in HEAD_FIELDS:
         if name not in controls and getattr(params, name, None) is not None:
             raise ValueError(f"{name} is not a control of {what}; it takes "
@@ -294,9 +266,8 @@ def refuse_controls(params, controls: tuple[str, ...], what: str) -> None:
 
 
 def apply_output_floor(max_tokens: int, floor: int, cap: int) -> int:
-    """The answer-budget floor: latent steps spend output tokens, so ``max_tokens`` is
-    raised to ``floor + cap`` when lower; never lowered; ``floor <= 0`` disables it.
-    E.g. (1000, 4096, 256) -> 4352; (9000, 4096, 256) -> 9000."""
+    """``max_tokens`` raised to ``floor + cap`` when lower (latent steps spend output
+    tokens); ``floor <= 0`` disables it."""
     if floor <= 0:
         return max_tokens
     return max(max_tokens, floor + max(0, cap))
@@ -304,20 +275,13 @@ def apply_output_floor(max_tokens: int, floor: int, cap: int) -> int:
 
 @dataclass(slots=True)
 class HeadSettings(LatentState):
-    """One request's resolved head controls and, as it runs, its latent stats.
+    """One request's resolved head controls and its latent stats.
 
-    ``steps``: latent positions run; ``stop_step``: steps done when the stop fired (None
-    otherwise); ``max_stop_prob``: the largest stop probability seen at any decision (None
-    without a stop head); ``last_stop_prob``: the one read at the latest decision (CoLaR:
-    the LM head's probability of ``###``, read only for a request that traces its steps;
-    None otherwise), reported as ``end_stop_prob`` once the phase has ended; ``end``: ``"stop"``,
-    ``"cap"`` or ``"length"`` (output budget or
-    context spent inside the latent phase), None while running or with thinking off.
-    ``reported``: the settled stats went out on a ``StepOutput`` before the final one.
-    ``answer_budget``: ``max_tokens`` counts answer tokens only (CoLaR: latent steps are
-    bounded by ``max_latent``, the closing ids are free); False: every output position
-    counts (the compression head). ``compression_factor`` / ``latent_temperature``: CoLaR's
-    thinking speed and latent sampling temperature (None / 0 for the compression head).
+    ``steps``: latent positions run; ``stop_step``: steps when the stop fired;
+    ``max_stop_prob`` / ``last_stop_prob``: largest / latest stop probability (CoLaR: of
+    ``###``, traced requests only); ``end``: ``"stop"``, ``"cap"``, ``"length"`` or None;
+    ``reported``: stats sent before the final output; ``answer_budget``: ``max_tokens``
+    counts answer tokens only (CoLaR); ``compression_factor`` / ``latent_temperature``: CoLaR.
     """
 
     thinking: bool
@@ -333,22 +297,17 @@ class HeadSettings(LatentState):
     max_stop_prob: float | None = None
     last_stop_prob: float | None = None
     end: str | None = None
-    # Policy sampling (latent.head_loop.set_policy_sampling): per latent step the anchor
-    # ``[H]`` and the sampled latent ``[L]`` (float32, CPU), or with ``record`` the injected
-    # input ``[H]`` (float32, CPU, CoLaR); None when nothing is recorded.
+    # set_policy_sampling: per step (anchor [H], z [L]) or the injected input [H], float32 CPU
     actions: list | None = None
     reported: bool = False
-    # overlap mode: the closed-loop decision taken at launch, until settled
-    # (latent.head_late.Late); None otherwise
-    late: Any = None
+    late: Any = None  # overlap mode: head_late.Late, until settled
     answer_budget: bool = False
     compression_factor: int | None = None
     latent_temperature: float = 0.0
 
     @property
     def settled(self) -> bool:
-        """No latent step is left to run: thinking off, or the latent phase has ended (its
-        stats are then final but for ``end`` "length" on a later step)."""
+        """No latent step is left to run: thinking off, or the phase has ended."""
         return not self.thinking or self.end is not None
 
     def stats(self) -> dict:
@@ -369,9 +328,8 @@ class HeadSettings(LatentState):
 
 
 def resolve_settings(params, defaults: dict, mode: str, has_stop: bool) -> HeadSettings:
-    """Per-request controls: the request's ``SamplingParams`` field, else the server default.
-    ``latent_budget`` is an alias of ``max_latent`` (and 0 turns thinking off). A bundle
-    without a stop head never stops early (``use_stop`` is forced off)."""
+    """Per-request controls, else the server default; ``latent_budget`` aliases ``max_latent``
+    (0: thinking off); ``use_stop`` needs a stop head."""
     def pick(name):
         v = getattr(params, name, None)
         return defaults[name] if v is None else v

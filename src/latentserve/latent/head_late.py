@@ -1,9 +1,5 @@
-"""Compression heads under the overlap scheduler: a closed-loop latent step is decided at
-launch and settled when its sampled token and stop probability reach the host
-(``Family.decides_late``); outputs equal the synchronous engine's.
-
-Design notes: docs/internals.md, "latentserve.latent.head_late".
-"""
+"""Compression heads under the overlap scheduler: a latent step decided at launch, settled
+when its sampled token and stop probability reach the host (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -16,8 +12,8 @@ from latentserve.core import Req
 
 
 class HostFloats:
-    """``[n] float32`` device values copied to the host without waiting (their bits ride the
-    int64 ring of ``staging.DeviceToHost``); :meth:`get` waits for the copy once."""
+    """``[n] float32`` device values copied to the host through an int64 ``DeviceToHost``
+    ring; :meth:`get` waits for the copy once."""
 
     def __init__(self, values: torch.Tensor, ring):
         bits = values.detach().float().contiguous().view(torch.int32).to(torch.int64)
@@ -34,11 +30,8 @@ class HostFloats:
 
 @dataclass(slots=True)
 class Candidate:
-    """What a latent-phase row's launch computed: ``vec`` (temperature 0) and ``draw``
-    (None: not drawn) as ``(tensor, row)`` entries; ``rng``: the generator state before the
-    draw; ``probs``/``j``: the batch's stop probabilities (None without a stop head) and
-    the row's index; ``entry``: the step's trace entry; ``lens_p``: CoLaR's stop-token
-    probability (traced rows)."""
+    """A latent-phase row's launch: ``vec`` / ``draw`` ``(tensor, row)`` entries, ``rng``
+    before the draw, stop ``probs`` at row ``j``, trace ``entry``, CoLaR's ``lens_p``."""
 
     vec: tuple
     draw: tuple | None
@@ -51,10 +44,8 @@ class Candidate:
 
 @dataclass(slots=True)
 class Late:
-    """A closed-loop decision taken at launch (``HeadSettings.late``) until settled: ``k``
-    steps before it, whether its stop ``may_fire``, whether the phase ``ended`` at the cap,
-    whether a trace entry was appended, and ``rng``: the generator state before the next
-    batch sampled the row (None: it did not)."""
+    """A launch decision until settled: ``k`` steps before it, ``may_fire``, ``ended`` at the
+    cap, ``traced``, ``rng`` before the next batch sampled the row (None: not sampled)."""
 
     k: int
     cand: Candidate
@@ -65,13 +56,9 @@ class Late:
 
 
 def phase_outputs(head, reqs: list[Req], anchors: torch.Tensor, precomputed, sigma=None):
-    """The sampling rows in their latent phase and the head's outputs for them, or None when
-    no row is: ``(rows, sel, vecs, probs)``, ``rows`` indices into ``reqs``, ``sel`` their
-    anchors ``[n, H]``, ``vecs`` ``[n, H]`` next inputs and ``probs`` ``[n]`` stop
-    probabilities (None without a stop head). ``precomputed``: ``(vecs [S, H], probs [S] or
-    None)`` a CUDA graph computed (static buffers), or a callable giving them, called only
-    when some row is in its phase; unused with a ``sigma`` (policy sampling: ``vecs`` is
-    ``head.encode``'s ``mu``, to be sampled and decoded)."""
+    """``(rows, anchors [n, H], vecs [n, H], probs [n] or None)`` of the latent-phase rows,
+    or None. ``precomputed``: a CUDA graph's ``(vecs [S, H], probs)`` or a callable giving
+    them; with ``sigma``, ``vecs`` is ``head.encode``'s ``mu``."""
     rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
     if not rows:
         return None
@@ -90,10 +77,8 @@ def phase_outputs(head, reqs: list[Req], anchors: torch.Tensor, precomputed, sig
 
 def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torch.Tensor,
                precomputed, ring) -> list | None:
-    """Per sampling row its :class:`Candidate` (None: not in its latent phase), or None
-    when no row is. ``anchors``: ``[S, hidden]``; ``precomputed``: as for
-    :func:`phase_outputs`; ``ring``: ``DeviceToHost`` for the stop probabilities.
-    Reads the host only for a traced row; changes no request state."""
+    """Per sampling row its :class:`Candidate` or None; None when no row is in its phase.
+    ``anchors``: ``[S, hidden]``. Changes no request state."""
     phase = phase_outputs(head, reqs, anchors, precomputed)
     if phase is None:
         return None
@@ -123,8 +108,7 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
 
 
 def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[dict, dict]:
-    """For the traced rows: ``(j -> trace entry of the step a row may take, j -> CoLaR's
-    stop-token probability)``, as ``head_loop.trace_steps`` (this reads the host)."""
+    """Traced rows' ``(j -> trace entry, j -> CoLaR's stop-token probability)``."""
     traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
     if not traced:
         return {}, {}
@@ -153,8 +137,7 @@ def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[d
 
 
 def decide(req: Req, cand: Candidate, stop_token: int | None):
-    """The step ``req`` takes at launch: the next input or None (the phase ends); records
-    the :class:`Late` decision for :func:`settle`. Prompt mode: its one latent, final."""
+    """The step ``req`` takes at launch (next input or None), recorded as :class:`Late`."""
     h = req.state
     if h.mode == "prompt":
         h.steps, h.end = 1, "prompt"
@@ -176,8 +159,7 @@ def decide(req: Req, cand: Candidate, stop_token: int | None):
 
 
 def snapshot(req: Req) -> None:
-    """Before a batch samples ``req``'s row: keep its generator state if the row may be
-    undone."""
+    """Keep ``req``'s generator state before sampling when its step may be undone."""
     late = getattr(req.state, "late", None)
     if (late is not None and late.rng is None and late.may_fire and not late.ended
             and req.generator is not None):
@@ -185,8 +167,7 @@ def snapshot(req: Req) -> None:
 
 
 def settle(req: Req, token: int, stop_token: int | None) -> bool:
-    """Settle ``req``'s :class:`Late` decision with its sampled ``token`` and stop
-    probability: True when it stands, False when a fired stop undid the step."""
+    """Settle ``req``'s :class:`Late` decision; False when a fired stop undid the step."""
     h = req.state
     late = getattr(h, "late", None)
     if late is None:

@@ -1,8 +1,5 @@
-"""The compression head's per-request phase machine (closed loop and prompt mode): what the
-engine and the scheduler call for a request with a head (``req.state``), kept in one place.
-
-Design notes: docs/internals.md, "latentserve.latent.head_loop".
-"""
+"""The compression head's per-request phase machine, closed loop and prompt mode
+(docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -23,10 +20,8 @@ from latentserve.latent.head_late import (
 
 
 def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
-    """A head request's ``(params, HeadSettings, opening ids to append)``: controls
-    resolved against the server defaults, ``max_tokens`` raised by the answer-budget floor
-    when thinking; no opening ids when the prompt ends with them. A head with its own
-    ``prepare_request`` (CoLaR) decides itself. Raises ValueError naming a bad control."""
+    """``(params, HeadSettings, opening ids to append)`` of a head request, ``max_tokens``
+    raised by the output floor. Raises ValueError naming a bad control."""
     from latentserve.latent.head import (
         CONTROLS,
         apply_output_floor,
@@ -54,17 +49,12 @@ def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
 def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
                 precomputed: tuple | None = None, tokens: list[int] | None = None
                 ) -> list | None:
-    """Head decisions for the sampling rows in their latent phase, batched.
+    """Head decisions for the latent-phase rows: per row a ``(tensor, row)`` entry
+    (``[hidden]`` float32) or None; None when no row is in its phase.
 
-    ``captured``: ``[S, hidden]`` anchors (source-layer residual stream; CoLaR: final-normed
-    hidden). ``tokens``: sampled ids (read when ``head.stop_token`` is set). Closed loop:
-    stop when the stop probability > threshold (CoLaR: the token is ``stop_token`` after a
-    latent) after ``min_latent`` steps, else end at ``max_latent``, else the next input
-    (drawn by ``head.sample`` at ``latent_temperature`` > 0). Prompt mode: the last prompt
-    position's latent. Returns per row a ``(tensor, row)`` entry (``[hidden]`` float32) or
-    None, or None when no row is in its phase. ``precomputed``: as for
-    ``head_late.phase_outputs``. ``head.record_latents``: each closed-loop input is also
-    kept in ``actions``.
+    ``captured``: ``[S, hidden]`` anchors; ``tokens``: sampled ids (CoLaR's stop). Closed
+    loop: stop above the threshold after ``min_latent`` steps, end at ``max_latent``, else
+    the next input. Prompt mode: the last prompt position's latent.
     """
     sigma = getattr(head, "policy_sigma", None)
     phase = phase_outputs(head, reqs, captured, precomputed, sigma)
@@ -133,14 +123,9 @@ def _record_inputs(reqs: list[Req], out: list) -> None:
 
 
 def set_policy_sampling(head, sigma: float | None = None, *, record: bool = False) -> None:
-    """Engine options for GRPO rollouts on ``head`` (``engine.runner.model.latent_head``).
-
-    ``sigma`` > 0: each closed-loop step injects ``decode(z)``, ``z ~ N(mu, sigma^2 I)``,
-    and records ``(anchor, z)`` in ``latent_stats["actions"]``; 0: ``mu``, recorded (DAgger);
-    None: MAP decoding, nothing recorded. ``record`` (CoLaR, sigma None): each closed-loop
-    step records its injected input, ``[hidden]`` float32 on the CPU.
-
-    Raises ValueError for sigma < 0, or ``record`` with a sigma."""
+    """GRPO rollout options on ``head``: ``sigma`` > 0 injects ``decode(z)``, ``z ~ N(mu,
+    sigma^2 I)``, recording ``(anchor, z)``; 0: ``mu``, recorded; None: MAP. ``record``
+    (CoLaR): record each injected input. Raises ValueError for sigma < 0 or both."""
     if sigma is not None and not sigma >= 0:
         raise ValueError(f"sigma must be >= 0 (or None to use mu), got {sigma!r}")
     if record and sigma is not None:
@@ -151,10 +136,8 @@ def set_policy_sampling(head, sigma: float | None = None, *, record: bool = Fals
 
 
 class HeadFamily(Family):
-    """The :class:`~latentserve.latent.family.Family` of compression-head models
-    (``LatentSpec.kind == "head"``): controls by :func:`prepare_request` against the server
-    defaults (``head.head_defaults``, read at start-up; ValueError if malformed), latent
-    inputs by :func:`next_inputs` (overlap mode: ``latent/head_late.py``)."""
+    """The ``Family`` of compression-head models: :func:`prepare_request`,
+    :func:`next_inputs` (overlap mode: ``latent/head_late.py``)."""
 
     decides_late = True
     traced = True
@@ -202,10 +185,8 @@ class HeadFamily(Family):
                 snapshot(req)
 
     def advance(self, req: Req, vec) -> bool:
-        """``vec``: the next input, or None (the phase ends: closing ids forced); a
-        ``head_late.Candidate`` under the overlap scheduler, decided here. Closed loop: the
-        input of a new latent position (id ``latent_id``). Prompt mode: the input of the
-        last prompt position, which is recomputed (then outside the cacheable prefix)."""
+        """``vec``: the next input (or a ``head_late.Candidate``), None: closing ids forced.
+        Prompt mode: the last prompt position's input, which is recomputed."""
         if isinstance(vec, Candidate):
             vec = decide(req, vec, self.engine.runner.model.latent_head.stop_token)
         if req.state.mode == "prompt":
@@ -226,9 +207,7 @@ class HeadFamily(Family):
         return settle(req, token, self.engine.runner.model.latent_head.stop_token)
 
     def budget_spent(self, req: Req, max_model_len: int) -> str | None:
-        """"length" when the latent phase spent ``max_tokens`` (unless
-        ``HeadSettings.answer_budget``) or leaves no room for the closing ids and one answer
-        token."""
+        """"length" when the phase spent ``max_tokens`` or left no room for the closing ids."""
         h = req.state
         if h is None or (req.answer_start is not None and h.mode == "prompt"):
             return None
@@ -243,8 +222,7 @@ class HeadFamily(Family):
         return req.state is not None and not req.state.answer_budget
 
     def output_fields(self, req: Req, done: bool) -> dict:
-        """Latent steps, and the head's stats on the final output and once on the output of
-        the step its phase settles in (a request a stop string aborts still has them)."""
+        """Latent steps, and the head's stats once settled and on the final output."""
         fields = super().output_fields(req, done)
         h = req.state
         if h is not None and (done or (h.settled and not h.reported)):
@@ -253,9 +231,7 @@ class HeadFamily(Family):
         return fields
 
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
-        """:func:`next_inputs`, with each traced closed-loop step's entry
-        (:func:`trace_steps`); overlap mode (``tokens`` None): each row's
-        ``head_late.Candidate``."""
+        """:func:`next_inputs` with trace entries; overlap mode: ``head_late.Candidate``s."""
         runner = self.engine.runner
         anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
         if tokens is None:
@@ -277,9 +253,7 @@ class HeadFamily(Family):
 
 
 def trace_steps(model, reqs: list[Req], rows: list[int], out: list) -> None:
-    """Append to each of ``rows`` whose ``out[i]`` is a new latent input its lens entry
-    (``latent/lens.py``) with ``stop_prob``, read at the decision that ran the step (CoLaR:
-    the LM head's probability of ``###``; None without a stop)."""
+    """Append each stepping row's lens entry (``latent/lens.py``) with its ``stop_prob``."""
     from latentserve.latent.lens import lens_entries
 
     stepped = [i for i in rows if out[i] is not None]

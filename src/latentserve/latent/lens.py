@@ -1,9 +1,5 @@
-"""A latent step's trace entry (``SamplingParams.return_latent_trace``): the logit lens of
-the step's input vector, read through the model's LM head (nostalgebraist, "interpreting GPT:
-the logit lens", 2020; COCONUT arXiv 2412.06769 reads its continuous thoughts the same way).
-
-Design notes: docs/internals.md, "latentserve.latent.lens".
-"""
+"""A latent step's trace entry (``return_latent_trace``): the logit lens of its input vector
+through the LM head (nostalgebraist, "interpreting GPT: the logit lens", 2020)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The loop manager: looped latent blocks (PCCoT, LOTUS) re-forwarded in place.
-
-Design notes: docs/internals.md, "latentserve.latent.loop".
-"""
+"""Looped latent blocks (PCCoT, LOTUS) re-forwarded in place (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -17,16 +14,10 @@ from latentserve.latent.vectors import as_rows
 
 @dataclass(slots=True)
 class LoopState(LatentState):
-    """One looped request's block.
-
-    ``block_start``: index in ``ids`` of the first block position; ``iterations``: passes
-    after pass 0 (the latent budget); ``outputs``: ``[block_size + 1, hidden]``
-    post-final-norm outputs at positions ``block_start - 1 .. block_end - 1`` of the current
-    pass; ``next_inputs``: ``[block_size, hidden]``, set when a pass ends; ``slots``: the
-    block's KV slots as the first pass wrote them (reset by a preemption); ``slot_checks``:
-    later passes whose slots were checked; ``pass_chunk``: positions per forward inside a
-    pass (0: the whole block; results are unchanged).
-    """
+    """One looped request's block: ``block_start`` (index in ``ids``), ``iterations``
+    (passes after pass 0), ``outputs`` ``[block_size + 1, hidden]`` (final-normed, positions
+    ``block_start - 1 ..``), ``next_inputs`` ``[block_size, hidden]``, ``slots`` (the first
+    pass's KV slots), ``slot_checks``, ``pass_chunk`` (positions per forward; 0: all)."""
 
     block_start: int
     block_size: int
@@ -78,9 +69,7 @@ def _trace_passes(model, reqs: list[Req]) -> None:
 
 
 class LoopFamily(Family):
-    """The :class:`~latentserve.latent.family.Family` of looped-block models
-    (``LatentSpec.kind == "loop"``): ``latent_budget`` is the number of passes over the
-    block after the first; :meth:`after_forward` lays out the next pass's inputs."""
+    """The ``Family`` of looped-block models: ``latent_budget`` is the passes after the first."""
 
     budgeted = True
     traced = True
@@ -95,12 +84,8 @@ class LoopFamily(Family):
     thinking = Family.budget_thinking
 
     def after_forward(self, batch) -> None:
-        """Gather the looped rows' outputs of the forward (``runner.last_hidden_all``,
-        ``[num_tokens, hidden]`` in batch order) into ``LoopState.outputs``; a row covering
-        the whole block records (first pass, or a prefill after a preemption) or checks the
-        block's page-table slots; rows ending a pass with passes left get ``next_inputs``
-        (``model.latent_feedback``, one batch); traced rows ending a pass get lens entries.
-
+        """Gather the looped rows' outputs (``[num_tokens, hidden]``) into their state, record
+        or check the block's slots, and lay out ``next_inputs`` of rows ending a pass.
         Raises RuntimeError when a pass finds the block's slots moved."""
         model, hidden = self.engine.runner.model, self.engine.runner.last_hidden_all
         table = self.engine.cache.table.table
@@ -165,9 +150,8 @@ class LoopFamily(Family):
             req.state.slots = None
 
     def advance(self, req: Req, vec) -> bool:
-        """After the prompt: lay down the block. After a pass with passes left: the next
-        pass's inputs replace the block's and ``num_computed`` goes back to the block start
-        (same slots). After the last pass: force ``end_ids``."""
+        """After the prompt: lay down the block; after a pass: rewind to the block start
+        with the next inputs; after the last pass: force ``end_ids``."""
         st, spec = req.state, self.spec
         if not req.output_ids:
             req.output_ids.extend([spec.latent_id] * st.block_size)

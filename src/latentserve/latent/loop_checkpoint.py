@@ -1,10 +1,5 @@
-"""Looped-block models (PCCoT, LOTUS) from a latentserve model directory: the latent config,
-the weights (PEFT LoRA merged at load) and the ``LatentSpec``. The loop itself is in
-``latent/loop.py``; ``latentserve convert pccot`` (``latent/loop_convert.py``) writes the
-directory from PCCoT's upstream form.
-
-Design notes: docs/internals.md, "latentserve.latent.loop_checkpoint".
-"""
+"""Looped-block models (PCCoT, LOTUS) from a model directory: config, weights (LoRA merged)
+and ``LatentSpec`` (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -66,10 +61,8 @@ def read_loop_config(model_dir) -> dict | None:
 
 
 def loop_spec_from_config(cfg: dict) -> LatentSpec:
-    """The engine contract: start ids, block, end ids = end token + answer prompt. PCCoT's
-    upstream stop rule (``LatentSpec.upstream_eos_from``) is 2: its ``generate`` (whyNLP/PCCoT
-    ``models/generate.py``) checks the stopping criteria only from the second answer token
-    on. LOTUS has no upstream generate: the engine's rule."""
+    """The engine contract: start ids, block, end ids = end token + answer prompt (PCCoT
+    ``upstream_eos_from`` 2, whyNLP/PCCoT ``models/generate.py``)."""
     t = cfg["tokens"]
     pccot = cfg["family"] == "pccot"
     start, end = (t["bot"], t["eot"]) if pccot else (t["start"], t["end"])
@@ -88,10 +81,8 @@ def _hf_name(k: str, gpt2: bool) -> str:
 
 
 def prepare_loop_weights(model_dir, hf_config, cfg: dict):
-    """``(weights, hf_config)``: HF-named ``(name, tensor)`` pairs with the checkpoint read
-    over the directory's other ``*.safetensors`` (the base) and its LoRA pairs merged
-    (``feedback.merge_lora``); ``prj.*`` and buffers dropped; ``hf_config.vocab_size`` = the
-    embedding rows. Raises ValueError when the token ids do not fit the embedding."""
+    """``([(HF name, tensor)], hf_config)``: the checkpoint over the base, LoRA merged,
+    ``vocab_size`` = embedding rows. ValueError when the token ids do not fit."""
     model_dir = Path(model_dir)
     gpt2 = getattr(hf_config, "model_type", None) == "gpt2"
     ckpt = cfg.get("checkpoint")
@@ -111,9 +102,7 @@ def prepare_loop_weights(model_dir, hf_config, cfg: dict):
 
 
 class PCCoTProjection(nn.Module):
-    """PCCoT's ``prj`` (``use_projection``): Linear(H, H) -> GELU (erf) -> Linear(H, H) ->
-    LayerNorm(H); children ``0``, ``2``, ``3`` as upstream's ``nn.Sequential``.
-    ``forward(hidden [N, H]) -> [N, H]``, same dtype."""
+    """PCCoT's ``prj``: Linear -> GELU -> Linear -> LayerNorm, ``[N, H] -> [N, H]``."""
 
     def __init__(self, hidden: int, eps: float = 1e-5):
         super().__init__()
@@ -127,9 +116,8 @@ class PCCoTProjection(nn.Module):
 
 
 def attach_loop(model, model_dir, hf_config, cfg: dict, dtype, device) -> None:
-    """Set ``model.latent_spec`` (kind ``"loop"``) and ``model.latent_feedback`` (identity,
-    or :class:`PCCoTProjection` loaded strictly from the checkpoint's ``prj.*``).
-    Raises ValueError when ``prj`` is configured but its tensors do not match."""
+    """Set ``model.latent_spec`` and ``model.latent_feedback`` (identity or
+    :class:`PCCoTProjection`); ValueError when ``prj``'s tensors do not match."""
     model.latent_spec = loop_spec_from_config(cfg)
     if cfg.get("prj") is None:
         model.latent_feedback = nn.Identity()

@@ -1,7 +1,4 @@
-"""``latentserve convert pccot``: PCCoT's upstream form -> a latentserve model directory.
-
-Design notes: docs/internals.md, "latentserve.latent.loop_convert".
-"""
+"""``latentserve convert pccot``: PCCoT's upstream form -> a model directory."""
 
 from __future__ import annotations
 
@@ -24,11 +21,8 @@ def _read_json(path: Path, what: str, flag: str = "--adapter") -> dict:
 
 
 def _lora_of(ac: dict) -> dict:
-    """``latent_config.json``'s ``lora`` from the adapter's ``adapter_config.json``, checked
-    as for any adapter (``models.lora.check_adapter_config``) except the fields this
-    converter folds itself (trained embedding rows; GPT-2's Conv1D layout). Raises
-    ValueError naming the field, also for a ``rank_pattern`` / ``alpha_pattern``: one rank
-    and alpha are merged for every module, as upstream ``run_ccot.py`` trains."""
+    """``latent_config.json``'s ``lora`` from ``adapter_config.json``; ValueError naming the
+    field (also ``rank_pattern`` / ``alpha_pattern``: one rank for every module)."""
     from latentserve.models.lora import check_adapter_config
 
     folded = ("trainable_token_indices", "modules_to_save", "fan_in_fan_out")
@@ -44,11 +38,8 @@ def _lora_of(ac: dict) -> dict:
 
 def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = None,
                   overwrite: bool = False) -> Path:
-    """Write a PCCoT model directory from ``adapter_dir`` (upstream form) over ``base_dir``
-    (the HF base model it was trained from). Returns ``out_dir``. ``max_budget``: the
-    largest ``latent_budget`` served (None: ``max(64, num_iterations)``); below the adapter's
-    ``num_iterations`` (the default budget) it is an error, not silently raised. Raises
-    ValueError naming the missing file or mismatching field."""
+    """Write a PCCoT model directory from ``adapter_dir`` over ``base_dir``; ``max_budget``
+    None: ``max(64, num_iterations)``. ValueError naming a missing file or bad field."""
     from safetensors.torch import save_file
 
     from latentserve.latent.convert import write_checked, write_configs
@@ -115,16 +106,9 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
 
 def _fold_embedding(adapter: dict, adapter_dir: Path, base_dir: Path, gpt2: bool,
                     base_weights: dict):
-    """``(state, untie)``: the adapter's tensors named without ``base_model.model.`` with its
-    embedding (and ``lm_head``) folded to plain weights (``models.lora.
-    fold_embedding_adapters``, rows the adapter lacks from ``base_weights``, the base's
-    ``(name, tensor)`` map); a saved ``lm_head`` equal to the embedding of a tied base is
-    dropped. ``untie``: the base ties them but the adapter trained them apart (PEFT's
-    ``modules_to_save`` on a tied embedding keeps ``lm_head`` at the original rows), so the
-    output config must say ``tie_word_embeddings: false``.
-
-    Raises ValueError when the folding does (``fold_embedding_adapters``), or when a GPT-2
-    base would need an untied head (the engine's GPT-2 ties it to ``wte``)."""
+    """``(state, untie)``: the adapter's tensors with embedding and ``lm_head`` folded
+    (``models.lora.fold_embedding_adapters``); ``untie``: the output must set
+    ``tie_word_embeddings: false``. ValueError when folding fails or GPT-2 would untie."""
     import torch
     from transformers import AutoConfig
 

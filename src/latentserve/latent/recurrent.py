@@ -1,8 +1,5 @@
 """Recurrent depth (Huginn-0125, arXiv 2502.05171; Ouro, arXiv 2510.25741): what the engine
-and the model runner share with the recurrent model files.
-
-Design notes: docs/internals.md, "latentserve.latent.recurrent".
-"""
+and the model runner share with the recurrent model files (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -31,20 +28,11 @@ OURO_CRITERIA = ("last", "threshold", "weighted", "threshold-approx")
 class ExitRule:
     """One request's per-token exit rule (hashable: part of the prefix-cache salt).
 
-    Attributes:
-        criterion: Huginn: ``entropy-diff``, ``latent-diff``, ``kl``, ``minp-kl``,
-            ``argmax-stability``, ``cosine``. Ouro: ``threshold``, ``weighted``,
-            ``threshold-approx``.
-        threshold: exit when the criterion's value is below it (``argmax-stability``: when
-            the argmax was stable for at least this many checks; Ouro: when the cumulative
-            exit probability reaches it).
-        min_steps / check_every: Huginn checks after iteration ``t`` (0-based) when
-            ``t >= min_steps and (t - min_steps) % check_every == 0`` (upstream
-            ``min_steps``, ``check_criterion_every_n_steps``).
-        upstream: Huginn ``exit_semantics="upstream"``: the prompt is one exit block (it may
-            stop early, all its positions at the same iteration) and an exited token's
-            skipped iterations stay empty: attention at iteration ``t`` masks positions with
-            no K/V there (``SlotSteps``), instead of the ``fill_banks`` copy.
+    ``criterion``: one of ``HUGINN_AUTO_THRESHOLDS`` or ``OURO_CRITERIA``; ``threshold``:
+    exit below it (``argmax-stability``: stable checks; Ouro: cumulative exit probability);
+    ``min_steps`` / ``check_every``: upstream ``min_steps`` /
+    ``check_criterion_every_n_steps``; ``upstream``: Huginn ``exit_semantics="upstream"``
+    (the prompt is one exit block; skipped iterations are masked, not ``fill_banks``-copied).
     """
 
     criterion: str
@@ -55,15 +43,12 @@ class ExitRule:
 
     @property
     def prompt_exits(self) -> bool:
-        """Whether the prompt is one exit block (``upstream``): it must run in one forward
-        from position 0, and its K/V depends on the whole prompt, so no prefix of it is
-        cacheable."""
+        """Whether the prompt is one exit block: one forward from position 0, not cacheable."""
         return self.upstream and self.saves_compute
 
     @property
     def saves_compute(self) -> bool:
-        """Whether generated tokens may stop iterating (all Huginn criteria; Ouro only
-        ``threshold-approx``). Such rules change the KV of generated tokens."""
+        """Whether generated tokens may stop iterating (Huginn; Ouro ``threshold-approx``)."""
         return self.criterion not in ("threshold", "weighted")
 
     def is_check_step(self, t: int) -> bool:
@@ -73,18 +58,15 @@ class ExitRule:
 
 @dataclass(slots=True)
 class RecurrentState(LatentState):
-    """One recurrent-depth request's state (``Req.state``): its ``exit_rule`` (None: every
-    token runs its full recurrence) and ``iters``, the iterations run at each position a
-    token was sampled from."""
+    """One recurrent-depth request's ``Req.state``: ``exit_rule`` (None: full depth) and
+    ``iters``, the iterations run at each position a token was sampled from."""
 
     exit_rule: ExitRule | None = None
     iters: list[int] = field(default_factory=list)
 
     def cacheable_len(self, req: Req) -> int:
-        """With an exit rule that skips iterations, only the prompt (generated tokens stopped
-        early, while a later request's prompt runs every iteration on them); nothing when the
-        prompt itself is an exit block (``ExitRule.prompt_exits``: its K/V depends on the
-        whole prompt); else everything."""
+        """Only the prompt when generated tokens may stop early; nothing when the prompt is
+        an exit block; else everything."""
         rule = self.exit_rule
         if rule is not None and rule.prompt_exits:
             return 0
@@ -94,16 +76,11 @@ class RecurrentState(LatentState):
 
 
 def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRule | None:
-    """The exit rule of a request with ``SamplingParams`` ``params`` on a model with
-    ``LatentSpec`` ``spec`` (``kind == "recurrent"``); None = run the full depth and read out
-    the last iteration. ``default_semantics`` applies when ``params.exit_semantics`` is None
-    (the server default; ignored by Ouro).
+    """The exit rule of ``params`` on recurrent ``spec``; None = full depth, last iteration.
+    ``default_semantics`` applies when ``params.exit_semantics`` is None.
 
-    Raises ValueError (its message starts with the offending field's name) for a criterion
-    the family does not know, a threshold out of range (Ouro: outside [0, 1]), or exit fields
-    without a criterion that uses them (Huginn: none or ``'none'``; Ouro: ``'last'``,
-    ``'weighted'``; ``exit_min_steps`` / ``exit_check_every`` / ``exit_semantics='upstream'``
-    on Ouro).
+    Raises ValueError, starting with the offending field's name, for an unknown criterion,
+    a threshold out of range, or exit fields the criterion or family does not use.
     """
     crit, thr = params.exit_criterion, params.exit_threshold
     semantics = params.exit_semantics or default_semantics
@@ -166,10 +143,7 @@ def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRu
 
 
 def salt_of(key: tuple) -> int:
-    """A request's prefix-cache namespace (``Req.cache_salt``, > 0) for a
-    :func:`cache_salt_key`: 63 bits of a BLAKE2b digest of the key, so the same variant always
-    gets the same namespace and the engine keeps no table that grows with every distinct
-    threshold a client sends."""
+    """``Req.cache_salt`` (> 0) of a :func:`cache_salt_key`: 63 bits of its BLAKE2b digest."""
     import hashlib
 
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
@@ -177,30 +151,21 @@ def salt_of(key: tuple) -> int:
 
 
 def cache_salt_key(depth: int, rule: ExitRule | None) -> tuple:
-    """What a request's KV depends on besides its token ids: the depth, and the exit rule
-    when it changes which iterations generated tokens compute."""
+    """What a request's KV depends on besides its ids: depth, and a compute-saving rule."""
     return (depth, rule) if rule is not None and rule.saves_compute else (depth,)
 
 
 @dataclass(slots=True)
 class RecurrentBatch:
-    """Host-side picture of one forward of a recurrent model (``ForwardContext.recurrent``).
+    """Host-side picture of one recurrent forward (``ForwardContext.recurrent``).
 
-    **Compact** (eager; ``row_depths`` set): ``ActiveRows`` drops rows whose depth is reached
-    or that exited. **Masked** (CUDA graphs; ``masked`` or ``row_depths`` None): every token
-    runs ``num_iters`` iterations and one past its depth keeps its state; valid only without
-    exit rules (the extra K/V goes to banks ``>= depth``, never read at that depth).
-
-    ``row_depths`` ``[B]``; ``q_lens`` / ``kv_lens`` / ``rows`` / ``out_slots`` /
-    ``page_table``: the batch layout; ``rules`` ``[B]`` ``ExitRule`` or None; ``eligible``
-    ``[B]``: the row may exit; ``iters_used`` ``[B]`` and ``iterations_run`` (token-iterations)
-    filled by the model; ``exit_thr`` / ``exit_weighted``: ``[T]`` float32 / bool Ouro
-    readout threshold (+inf: last step) and mixture flag (graphs bind static buffers; eager
-    reads ``rules``); ``traced`` ``[B]``: ``return_latent_trace``; ``readout_steps`` ``[T]
-    int64`` Ouro readout step (-1: weighted), filled when ``track_readout``;
-    ``exit_probs`` ``[T, S] float32`` Ouro exit probability per loop step; ``drop_skipped``
-    ``[B]``: ``upstream`` rule rows (attention masks positions without K/V, ``SlotSteps``),
-    None when none.
+    **Compact** (eager; ``row_depths`` set): ``ActiveRows`` drops finished rows. **Masked**
+    (CUDA graphs): every token runs ``num_iters`` and one past its depth keeps its state;
+    valid only without exit rules. Per row ``[B]``: ``row_depths``, ``rules``, ``eligible``
+    (may exit), ``traced``, ``drop_skipped`` (``upstream`` rows; None when none),
+    ``iters_used``. Per token ``[T]``: ``exit_thr`` float32 (+inf: last step),
+    ``exit_weighted`` bool, ``readout_steps`` int64 (-1: weighted); ``exit_probs`` ``[T, S]
+    float32``. ``iterations_run``: token-iterations.
     """
 
     num_iters: int
@@ -237,8 +202,7 @@ class RecurrentBatch:
 
     @property
     def graph_ok(self) -> bool:
-        """Whether a masked (graph) forward gives the same result: no row may exit, and no
-        row needs skipped steps masked (``drop_skipped``: the graph path has no key mask)."""
+        """Whether a masked (graph) forward is exact: no row may exit or needs a key mask."""
         return not self.any_exit and self.drop_skipped is None
 
     def row_starts(self) -> list[int]:
@@ -269,9 +233,7 @@ class RecurrentBatch:
         return torch.repeat_interleave(d, torch.tensor(self.q_lens)).to(device)
 
     def token_readout(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([T] float32 threshold, [T] bool weighted)`` of each token's readout rule (Ouro):
-        +inf / False for the last step, the rule's threshold for ``threshold*`` rules, +inf /
-        True for ``weighted``."""
+        """``([T] float32 threshold, [T] bool weighted)`` per token (Ouro); last step: +inf."""
         thr = [r.threshold if r is not None and r.criterion != "weighted" else math.inf
                for r in self.rules]
         weighted = [r is not None and r.criterion == "weighted" for r in self.rules]
@@ -280,12 +242,8 @@ class RecurrentBatch:
                 torch.repeat_interleave(torch.tensor(weighted), reps).to(device))
 
     def record(self, batch) -> None:
-        """Append each sampling row's iteration count to its request's stats and, for a
-        traced row (``traced``), one entry to its ``latent_trace``: ``{"depth": n}``
-        (iterations its last token ran) plus, when the forward reported readout steps
-        (Ouro), ``"readout_step"``: the 0-based step read out, None for ``weighted``, and
-        ``"exit_probs"``: :func:`exit_distribution` of the token's ``depth`` steps.
-        Host reads of ``readout_steps`` / ``exit_probs`` only when a traced row samples."""
+        """Append each sampling row's iterations to ``state.iters`` and, when traced, ``{"depth",
+        "readout_step" (Ouro; None: weighted), "exit_probs" (Ouro)}`` to its ``latent_trace``."""
         iters = self.iters_used or self.row_depths
         traced = [bool(self.traced and self.traced[b] and s)
                   for b, s in enumerate(batch.sample)]
@@ -310,25 +268,15 @@ class RecurrentBatch:
 
 
 def exit_distribution(p: list[float]) -> list[float]:
-    """A token's Ouro exit distribution over the ``len(p)`` loop steps it ran (upstream
-    ``modeling_ouro.py``, ``OuroForCausalLM.forward``: ``p_t = lambda_t * prod_{j<t}(1 -
-    lambda_j)``, the last step takes the remaining mass), from the per-step probabilities
-    ``p`` the forward computed: the last entry is ``1 - sum(p[:-1])``, so the list sums to 1
-    in float64 whatever the model dtype. A ``threshold-approx`` token that stopped early ran
-    fewer steps than its depth: its last step takes the mass of the steps it skipped."""
+    """A token's Ouro exit distribution over its ``len(p)`` steps: ``p`` with the last entry
+    ``1 - sum(p[:-1])`` in float64 (upstream ``modeling_ouro.py``, ``OuroForCausalLM``)."""
     head = [float(x) for x in p[:-1]]
     return head + [max(0.0, 1.0 - math.fsum(head))]
 
 
 class ActiveRows:
-    """The rows of a compact ``RecurrentBatch`` still iterating, for one forward.
-
-    ``select(t)`` makes the attention metadata of ``ForwardContext`` describe the rows that
-    run iteration ``t`` (depth ``> t``, not exited) and returns their token indices
-    (``[T_active] int64``, or None when every token of the batch is active). Metadata are
-    prepared once per distinct row set. ``exit(rows, t)`` retires rows after iteration ``t``.
-    ``restore()`` puts the full batch's metadata back.
-    """
+    """The rows of a compact ``RecurrentBatch`` still iterating, for one forward; attention
+    metadata are prepared once per distinct row set."""
 
     def __init__(self, rb: RecurrentBatch, ctx):
         from latentserve.attention.base import BatchLayout
@@ -340,8 +288,6 @@ class ActiveRows:
         self.num_tokens = sum(rb.q_lens)
         self.exited = [False] * len(rb.row_depths)
         self.rb.iters_used = [min(d, rb.num_iters) for d in rb.row_depths]
-        self._key = None
-        self._idx = None
         self._cache: dict[tuple, tuple] = {}
 
     def rows_at(self, t: int) -> list[int]:
@@ -373,8 +319,8 @@ class ActiveRows:
         return hit
 
     def select(self, t: int):
-        """Rows running iteration ``t``: returns ``(rows, token index or None)`` and points
-        the context's attention metadata at them. ``rows`` may be empty."""
+        """``(rows running iteration t, [T_active] int64 token index or None: all)``; points
+        the context's attention metadata at them."""
         rows = self.rows_at(t)
         if rows:
             idx, meta = self.meta_for(rows)
@@ -398,12 +344,8 @@ class ActiveRows:
 
 
 def slot_steps(kv_pool) -> torch.Tensor:
-    """``[num_slots + 1] int32`` on the pool's device, kept on the pool: per KV slot, the
-    iterations its token has K/V for (banks of iterations ``< n`` hold it). Written by a
-    forward that has ``RecurrentBatch.drop_skipped`` rows (each new token: its depth, or its
-    exit iteration + 1), read by their attention (``upstream`` exit semantics: a position
-    without K/V at iteration ``t`` is masked there). Slots of other requests are never read
-    through it."""
+    """``[num_slots + 1] int32`` kept on the pool: per KV slot, the iterations its token has
+    K/V for (``upstream`` exit semantics mask the others)."""
     steps = getattr(kv_pool, "recurrent_slot_steps", None)
     if steps is None:
         steps = torch.zeros(kv_pool.num_slots + 1, dtype=torch.int32, device=kv_pool.k[0].device)
@@ -413,9 +355,8 @@ def slot_steps(kv_pool) -> torch.Tensor:
 
 def fill_banks(kv_pool, slots: torch.Tensor, bank, t_last: int, depth: int,
                num_layers: int) -> None:
-    """Huginn's "latest same-layer" rule, write side: copy the K/V of iteration ``t_last`` of
-    every looped layer ``l`` (pool layer ``bank(t_last, l)``) at ``slots`` (``[N] int64``) into
-    the banks of iterations ``t_last + 1 .. depth - 1``."""
+    """Huginn's "latest same-layer" rule: copy iteration ``t_last``'s K/V at ``slots``
+    (``[N] int64``) into the banks of iterations ``t_last + 1 .. depth - 1``."""
     for l in range(num_layers):
         src = bank(t_last, l)
         k, v = kv_pool.k[src][slots], kv_pool.v[src][slots]
@@ -426,9 +367,7 @@ def fill_banks(kv_pool, slots: torch.Tensor, bank, t_last: int, depth: int,
 
 
 def recurrence_stats(iters: list[int]) -> dict:
-    """Per-request stats: ``{"tokens", "mean_iterations", "histogram": {iters: count}}``
-    over the sampled tokens (each counted with the iterations of the position it was
-    sampled from)."""
+    """``{"tokens", "mean_iterations", "histogram": {iters: count}}`` of the sampled tokens."""
     hist: dict[int, int] = {}
     for n in iters:
         hist[n] = hist.get(n, 0) + 1
@@ -438,9 +377,7 @@ def recurrence_stats(iters: list[int]) -> dict:
 
 
 def default_graph_depths(spec) -> list[int]:
-    """Recurrence counts captured for a recurrent model: powers of two up to the spec's
-    max budget, plus its default and its max, so a batch replays a loop at most about
-    twice as deep as its deepest row (1, 2, 4, 8, 16, 32 for Huginn's max 32)."""
+    """Recurrence counts to capture: powers of two below the max budget, the default, the max."""
     top = max(spec.max_budget, 1)
     depths = {max(spec.default_budget, 1), top}
     d = 1
@@ -451,15 +388,9 @@ def default_graph_depths(spec) -> list[int]:
 
 
 class RecurrentGraphs(GraphHooks):
-    """Recurrent depth in the decode graphs (``engine/cuda_graph.py``): the loop runs in the
-    masked mode (``RecurrentBatch`` masked) with a fixed trip count ``D``, one graph per
-    (bucket, D) for D in ``depths`` (default: :func:`default_graph_depths`); static buffers
-    (``max_bs`` rows) give each token its recurrence count (``row_depths [B] int64``,
-    padded rows 0) and Ouro readout rule (``exit_thr [B] float32``, +inf: the last step;
-    ``exit_weighted [B] bool``), and take Ouro's readout step per token
-    (``readout_steps [B] int64``) and exit probability per loop step (``exit_probs [B,
-    max D] float32``, columns past a replay's depth stale). A batch replays the smallest D
-    that covers its deepest row; one with a row that may exit early runs eagerly."""
+    """Recurrent depth in the decode graphs: one masked graph per (bucket, depth D); a batch
+    replays the smallest D covering its deepest row. Static ``[max_bs]`` buffers as in
+    ``RecurrentBatch`` (padded rows: depth 0, threshold +inf)."""
 
     packed = False  # each forward carries its RecurrentBatch (per-row depths)
 
@@ -507,11 +438,8 @@ class RecurrentGraphs(GraphHooks):
 
 
 class RecurrentFamily(Family):
-    """The engine's :class:`~latentserve.latent.family.Family` for recurrent-depth models
-    (``LatentSpec.kind == "recurrent"``): ``latent_budget`` is every token's recurrence
-    count, the ``exit_*`` fields its exit rule (:func:`resolve_exit_rule`, the engine's
-    ``exit_semantics`` as the default); nothing is added to the prompt and there are no
-    latent inputs (the recurrence runs inside ``model.forward``)."""
+    """The ``Family`` of recurrent-depth models: ``latent_budget`` is each token's recurrence
+    count, the ``exit_*`` fields its exit rule (:func:`resolve_exit_rule`)."""
 
     budgeted = True
     traced = True
@@ -543,15 +471,13 @@ class RecurrentFamily(Family):
         return Admission(params, 0, start)
 
     def admits_now(self, req: Req, budget: int) -> bool:
-        """A prompt that is one exit block (``ExitRule.prompt_exits``) runs whole, in one
-        forward: it is admitted only when it fits the budget."""
+        """A prompt that is one exit block is admitted only when it fits the budget whole."""
         rule = req.state.exit_rule
         return not (rule is not None and rule.prompt_exits and len(req.prompt_ids) > budget)
 
     def chunk(self, req: Req, n: int) -> int:
-        """A request whose exit rule saves compute runs its generated tokens (recomputed
-        after a preemption too) one per forward and ends a prompt chunk at the prompt's end,
-        so each token that may exit early is a batch row of its own."""
+        """With a compute-saving rule, one generated token per forward and prompt chunks
+        end at the prompt's end: each token that may exit is a row of its own."""
         rule = req.state.exit_rule
         if rule is not None and rule.saves_compute:
             p = len(req.prompt_ids)
@@ -571,9 +497,8 @@ class RecurrentFamily(Family):
         return fields
 
     def _check_upstream_exit(self, n: int) -> None:
-        """Refuse (ValueError naming ``exit_semantics``) an upstream-semantics exit rule the
-        engine cannot run exactly: on an attention backend without ``supports_key_mask``,
-        or a prompt of ``n`` tokens above ``max_num_batched_tokens`` (its one exit block)."""
+        """ValueError naming ``exit_semantics`` without a key-mask backend, or for a prompt
+        of ``n`` tokens above ``max_num_batched_tokens``."""
         engine = self.engine
         if not engine.key_mask_ok:
             raise ValueError(f"exit_semantics 'upstream' needs the torch attention backend "

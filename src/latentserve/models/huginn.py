@@ -1,9 +1,6 @@
 """Huginn-0125 (arXiv 2502.05171): a prelude, a core block looped ``r`` times per token, a
-coda. Module names equal upstream's ``RavenForCausalLM`` (``seal-rg/recurrent-pretraining``,
-``recpre/raven_modeling_minimal.py``), so checkpoints load by name.
-
-Design notes: docs/internals.md, "latentserve.models.huginn".
-"""
+coda. Names as upstream ``RavenForCausalLM`` (``seal-rg/recurrent-pretraining``,
+``recpre/raven_modeling_minimal.py``); docs/internals.md."""
 
 from __future__ import annotations
 
@@ -133,12 +130,9 @@ def huginn_config(d: dict):
 
 
 class RavenForCausalLM(nn.Module):
-    """Paged-KV Huginn with per-token depth and early exit.
-
-    ``forward(input_ids [T], positions [T], input_embeds=None, latent_mask=None)`` -> final
-    normed hidden ``[T, n_embd]``; depth and exit rule per token from
-    ``ForwardContext.recurrent`` (default ``mean_recurrence``). ``compute_logits`` ->
-    ``[B, vocab]`` float32. ``num_iterations``: core-block iterations run, per token."""
+    """Paged-KV Huginn, per-token depth and exit from ``ForwardContext.recurrent``:
+    ``forward(input_ids [T], positions [T], ...)`` -> ``[T, n_embd]``; ``compute_logits`` ->
+    ``[B, vocab]`` float32."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -198,9 +192,8 @@ class RavenForCausalLM(nn.Module):
         self.num_iterations = 0
 
     def state_init_table(self, block_size: int, init_scale: float, seed: int) -> torch.Tensor:
-        """``[block_size, n_embd]`` float32 initial states, row p for position p:
-        ``trunc_normal(0, std, -3 std, 3 std) * sqrt(n_embd)``, ``std = sqrt(2 / (5 n_embd))
-        * init_scale`` (upstream ``initialize_state``), drawn from ``Generator(seed)``."""
+        """``[block_size, n_embd]`` float32 initial states (upstream ``initialize_state``)
+        drawn from ``Generator(seed)``."""
         x = torch.zeros(block_size, self.n_embd)
         std = math.sqrt(2 / (5 * self.n_embd)) * init_scale
         if std > 0:
@@ -325,9 +318,8 @@ class RavenForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights) -> None:
-        """Load ``(name, tensor)`` pairs with upstream names (a ``_orig_mod.`` /
-        ``_orig_mod._original_module.`` prefix is stripped, the ``freqs_cis`` buffer is
-        skipped). Raises KeyError on an unexpected name, ValueError when one is missing."""
+        """Load upstream-named ``(name, tensor)`` pairs; KeyError on an unexpected name,
+        ValueError on a missing one."""
 
         def rename(name: str) -> str | None:
             for prefix in ("_orig_mod._original_module.", "_orig_mod."):
@@ -340,9 +332,8 @@ class RavenForCausalLM(nn.Module):
 
 class _HuginnExit:
     """Per-row state of Huginn's exit evaluators for one forward (upstream
-    ``PerIterationExitEvaluator`` subclasses, all checked rows at once). Latent criteria
-    average over a row's positions, logit criteria read its last; state starts as upstream's
-    (initial latents, entropy 100, uniform distribution, argmax -1) and updates per check."""
+    ``PerIterationExitEvaluator``): latent criteria average a row's positions, logit
+    criteria read its last."""
 
     def __init__(self, model: RavenForCausalLM, rb, act: ActiveRows, x0):
         self.model, self.rb, self.act = model, rb, act

@@ -47,18 +47,16 @@ kernel at 64 rows (7.6 against 8.6 us) and loses at 16 or fewer, and without TMA
 
 
 def decode_gemms(fused: bool, x: torch.Tensor, *linears: nn.Module) -> bool:
-    """True when the fast path should run ``linears`` (plain ``nn.Linear`` of x's dtype, or a
-    TP rank's merged column shard; not row-parallel shards) on ``x [..., T, K]`` with
-    ``decode_linear``: ``fused`` and ``0 < T <= DECODE_ROWS``."""
+    """Whether ``linears`` run on ``x [..., T, K]`` as ``decode_linear``: ``fused``, local
+    weights of x's dtype, ``0 < T <= DECODE_ROWS``."""
     return (fused and 0 < x.shape[-2] <= DECODE_ROWS
             and all(type(lin) is nn.Linear and lin.weight.dtype == x.dtype
                     for lin in linears))
 
 
 def materialize(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A block output as a ``[T, H]`` tensor in ``like``'s dtype: ``x`` itself, or the sum of
-    split-K partials ``[S, T, H]`` (fp32, added in split order as the RMSNorm kernel adds
-    them, so the result is the residual stream's bit for bit) rounded as the GEMM's output."""
+    """``x`` as ``[T, H]`` in ``like``'s dtype: the sum of split-K partials ``[S, T, H]`` in
+    the RMSNorm kernel's order (bit for bit), or ``x`` itself."""
     if x.dim() != 3:
         return x
     total = x[0].clone()
@@ -103,9 +101,8 @@ class Rotary(nn.Module):
         return rope_cos_sin(positions, self.inv_freq, self.scaling, dtype)
 
     def build_table(self, max_positions: int, dtype: torch.dtype) -> None:
-        """Precompute ``(cos, sin)`` of positions ``0 .. max_positions - 1`` in ``dtype`` from
-        ``inv_freq``'s current values: ``[max_positions, 2, head_dim]``. Positions past the end
-        are clamped to the last row. Build it outside CUDA-graph capture."""
+        """Precompute ``[max_positions, 2, head_dim]`` cos/sin in ``dtype`` (later positions
+        clamp to the last row); outside CUDA-graph capture."""
         if max_positions < 1:
             raise ValueError(f"max_positions must be >= 1, got {max_positions}")
         pos = torch.arange(max_positions, device=self.inv_freq.device)
@@ -117,9 +114,8 @@ _rotate_half = rotate_half  # the name ouro.py imports
 
 
 class MergedQKV:
-    """Fast path of an attention module with ``q_proj``/``k_proj``/``v_proj``: ``fuse()``
-    merges them into ``qkv_proj`` (after loading and sharding); ``fused_attention`` runs it,
-    RoPE and attention."""
+    """Fast path of an attention with ``q/k/v_proj``: ``fuse()`` merges them into
+    ``qkv_proj``; ``fused_attention`` runs it, RoPE and attention."""
 
     fused = False
 
@@ -176,9 +172,8 @@ def fuse_decoder(model: nn.Module, layers) -> None:
 
 
 def merge_linears(*linears: nn.Module) -> nn.Linear:
-    """One ``nn.Linear`` whose output is the layers' outputs concatenated (weights stacked
-    on the output dim). Any module computing ``x @ weight.T + bias`` works; all must share
-    the input size and all or none have a bias."""
+    """One ``nn.Linear`` whose output is the layers' outputs concatenated (same input size,
+    all or none with a bias)."""
     w = torch.cat([lin.weight.detach() for lin in linears], dim=0)
     has_bias = [lin.bias is not None for lin in linears]
     if len(set(has_bias)) != 1 or len({lin.weight.shape[1] for lin in linears}) != 1:
@@ -194,8 +189,7 @@ def merge_linears(*linears: nn.Module) -> nn.Linear:
 
 def inject(embeds: torch.Tensor, input_embeds: torch.Tensor | None,
            latent_mask: torch.Tensor | None) -> torch.Tensor:
-    """Swap latent rows in right after the embedding lookup: embeds ``[T, H]``, input_embeds
-    ``[T, H]`` (any float dtype) or None, latent_mask ``[T] bool`` or None -> ``[T, H]`` in
+    """``embeds [T, H]`` with ``input_embeds [T, H]`` rows where ``latent_mask [T]``, in
     ``embeds``' dtype."""
     if input_embeds is None:
         return embeds

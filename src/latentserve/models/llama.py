@@ -1,8 +1,5 @@
-"""The Llama family (Llama 2/3.x, SmolLM2, Qwen2 with q/k/v bias, Mistral without sliding
-window): module names equal Hugging Face's ``LlamaForCausalLM`` so checkpoints load by name.
-
-Source: transformers ``models/llama/modeling_llama.py`` and ``models/qwen2/modeling_qwen2.py``.
-"""
+"""The Llama family (Llama 2/3.x, SmolLM2, Qwen2, Mistral without sliding window), names as
+transformers ``models/llama/modeling_llama.py`` and ``models/qwen2/modeling_qwen2.py``."""
 
 from __future__ import annotations
 
@@ -42,9 +39,8 @@ class LlamaAttention(MergedQKV, nn.Module):
         self.scale = d**-0.5
 
     def forward(self, x, cos, sin, partials: bool = False):
-        """x ``[T, hidden]`` -> ``[T, hidden]``; with ``partials`` on the decode path
-        (``layers.decode_gemms``, o_proj without bias) the o_proj's fp32 split-K partial
-        sums ``[S, T, hidden]`` instead, for the next RMSNorm kernel to reduce."""
+        """``[T, hidden]`` -> ``[T, hidden]``, or with ``partials`` o_proj's fp32 split-K
+        partials ``[S, T, hidden]``."""
         t, d = x.shape[0], self.head_dim
         if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, one RoPE (+ KV store) kernel
             gemm = decode_gemms(True, x, self.o_proj)  # o_proj on the decode GEMM kernel
@@ -110,9 +106,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, cos, sin):
-        """x: this layer's input not yet added to ``residual`` (None for the first layer) ->
-        ``(mlp_out, residual)``, summed by the next norm; on the decode path ``mlp_out`` may be
-        fp32 split-K partials ``[S, T, hidden]``."""
+        """``(x, residual)`` -> ``(mlp_out, residual)``, summed by the next norm (``mlp_out``
+        may be fp32 split-K partials ``[S, T, hidden]``)."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -133,10 +128,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Paged-KV Llama: ``forward(input_ids [T], positions [T], input_embeds=None,
-    latent_mask=None)`` -> final normed hidden ``[T, hidden]``, rows of ``input_embeds`` where
-    ``latent_mask`` is set replacing token embeddings; ``compute_logits`` -> ``[B, vocab]``
-    float32."""
+    """Paged-KV Llama: ``forward(input_ids [T], positions [T], input_embeds, latent_mask)``
+    -> final normed ``[T, hidden]``; ``compute_logits`` -> ``[B, vocab]`` float32."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -162,9 +155,7 @@ class LlamaForCausalLM(nn.Module):
         fuse_decoder(self, self.model.layers)
 
     def prepare_positions(self, max_positions: int) -> None:
-        """On the fast path (``use_fused_ops`` ran), precompute the RoPE cos/sin table for
-        ``max_positions`` positions in the model's dtype (``Rotary.build_table``); call
-        after the model is on its device and dtype. A no-op elsewhere."""
+        """Fast path: precompute the RoPE table (``Rotary.build_table``) on the final device."""
         if self.model.norm.fused:
             dtype = self.model.embed_tokens.weight.dtype
             self.model.rotary_emb.build_table(max_positions, dtype)
@@ -195,15 +186,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def lm_head_fast(self, hidden: torch.Tensor) -> bool:
-        """Whether ``compute_logits(hidden [B, hidden])`` runs the LM head as one local
-        ``decode_linear`` (the fast path, a plain ``nn.Linear``: never under tensor
-        parallelism, whose ``ParallelLMHead`` gathers across ranks)."""
+        """Whether the LM head runs as one local ``decode_linear`` (never under TP)."""
         return decode_gemms(self.model.norm.fused, hidden, self.lm_head)
 
     def compute_logits_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(compute_logits(hidden), its row-wise argmax [B] int64)``, the logits bit for
-        bit; on the fast path one LM-head kernel also finds the argmax when ``decode_linear`` does
-        not split K (``decode_linear.decode_linear_argmax``)."""
+        """``(compute_logits(hidden), row-wise argmax [B] int64)``, one kernel when possible."""
         if self.lm_head_fast(hidden) and "compute_logits" not in vars(self):
             from latentserve.ops.kernels.decode_linear import decode_linear_argmax, pick_tiling
 
@@ -220,9 +207,8 @@ class LlamaForCausalLM(nn.Module):
         return logits, greedy_tokens(logits)
 
     def load_weights(self, weights) -> None:
-        """Load ``(name, tensor)`` pairs with Hugging Face names (``rotary_emb.inv_freq``
-        buffers skipped). Raises KeyError on an unexpected name and ValueError when a
-        parameter is missing."""
+        """Load HF-named ``(name, tensor)`` pairs; KeyError on an unexpected name, ValueError
+        on a missing one."""
         load_by_name(self, weights,
                      rename=lambda n: None if "rotary_emb.inv_freq" in n else n,
                      tied=("lm_head.weight", "model.embed_tokens.weight") if self.tie else ())

@@ -11,10 +11,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The ``*.safetensors`` files holding ``model_dir``'s weights (empty: none): those an
-    index's ``weight_map`` names, else all but ``consolidated*`` beside others (as vLLM's
-    ``filter_duplicate_safetensors_files``). Raises ValueError for a bad index,
-    FileNotFoundError for a file it names that is missing."""
+    """``model_dir``'s weight ``*.safetensors`` (as vLLM's ``filter_duplicate_safetensors_files``);
+    ValueError for a bad index, FileNotFoundError for a missing file it names."""
     import json
 
     index = model_dir / SAFETENSORS_INDEX
@@ -81,13 +79,9 @@ def _read_adapter(model_dir: Path):
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, *,
                latent_head: str | None = None, no_latent_head: bool = False,
                latent_injection: str | None = None, tp=None, fused_ops: bool = False):
-    """``(model, hf_config)`` loaded, in eval mode, on ``device``. Dispatch:
-    docs/internals.md, "latentserve.models.loader" (latent families, Huginn/Ouro configs
-    without remote code, head bundles unless ``no_latent_head``, LoRA merged in float32 before
-    the cast and ``tp`` sharding, ``fused_ops``).
-
-    Raises ValueError for an unsupported ``model_type``, a bad latent config, an unmergeable
-    adapter (naming the field), or a model the TP size cannot split."""
+    """``(model, hf_config)`` in eval mode on ``device`` (dispatch: docs/internals.md).
+    Raises ValueError for an unsupported ``model_type``, a bad latent config or adapter, or a
+    model the TP size cannot split."""
     import json
 
     from transformers import AutoConfig

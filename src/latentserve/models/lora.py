@@ -1,7 +1,4 @@
-"""PEFT LoRA merged into base weights at load: the merge itself, and adapter directories.
-
-Design notes: docs/internals.md, "latentserve.models.lora".
-"""
+"""PEFT LoRA merged into base weights at load: the merge, and adapter directories."""
 
 from __future__ import annotations
 
@@ -72,9 +69,8 @@ def merged_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: floa
 
 
 def split_lora_key(name: str) -> tuple[str, str] | None:
-    """``<module>.lora_A.weight`` or ``<module>.lora_A.<adapter>.weight`` (same for B) ->
-    ``(module, "A" | "B")``; None without ``.lora_``. Raises ValueError for any other LoRA
-    tensor (DoRA magnitude, a ``lora_B`` bias, embedding LoRA): only A/B weights merge."""
+    """``<module>.lora_A[.<adapter>].weight`` -> ``(module, "A" | "B")``; None without
+    ``.lora_``; ValueError for any other LoRA tensor (DoRA, bias, embedding LoRA)."""
     for part in ("A", "B"):
         module, sep, rest = name.partition(f".lora_{part}.")
         if sep and (rest == "weight" or (rest.endswith(".weight") and rest.count(".") == 1)):
@@ -99,9 +95,8 @@ class LoraPair:
 
 @dataclass(frozen=True, slots=True)
 class LoraAdapter:
-    """A checked adapter directory: ``path``, ``base_dir`` (its resolved base model
-    directory) and ``pairs`` (base weight name, e.g.
-    ``model.layers.0.self_attn.q_proj.weight`` -> :class:`LoraPair`)."""
+    """A checked adapter directory: ``path``, ``base_dir``, ``pairs`` (base weight name ->
+    :class:`LoraPair`)."""
 
     path: Path
     base_dir: Path
@@ -120,11 +115,8 @@ def _number(v, field: str, integer: bool) -> None:
 
 
 def check_adapter_config(cfg: dict) -> dict:
-    """Check a parsed ``adapter_config.json``; returns ``{r, lora_alpha, use_rslora,
-    rank_pattern, alpha_pattern}`` (PEFT's defaults). Raises ValueError naming the field: not
-    LORA, a bad ``r`` / ``lora_alpha`` / pattern, ``bias`` not ``"none"``, an
-    ``init_lora_weights`` that rewrites the base, or a set field of ``_UNSUPPORTED`` or one
-    this loader does not know."""
+    """``{r, lora_alpha, use_rslora, rank_pattern, alpha_pattern}`` of a parsed
+    ``adapter_config.json``; ValueError naming a bad, unsupported or unknown field."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{ADAPTER_CONFIG} must hold a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -186,11 +178,7 @@ def _read_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
-    """Read and check the adapter directory ``adapter_dir`` (config, tensors, base); names
-    lose ``base_model.model.``, tensors keep their dtype.
-
-    Raises ValueError for a bad config or base, a tensor that is not a LoRA A/B weight, a
-    module with several adapters, only one of A/B or a rank other than the config's;
+    """Read and check ``adapter_dir``. Raises ValueError for a bad config, base or tensor,
     FileNotFoundError without an adapter weights file."""
     adapter_dir = Path(adapter_dir)
     try:
@@ -229,9 +217,8 @@ def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
 
 def merge_adapter(weights: Iterable[tuple[str, torch.Tensor]], adapter: LoraAdapter,
                   hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base's ``(name, tensor)`` stream with ``adapter`` merged (adapted weights come out
-    float32). Raises ValueError for a model_type outside ``registry.LLAMA_FAMILY``, an
-    adapted ``lm_head`` of a tied-embedding model, a shape mismatch, or (as the stream ends) a
+    """The base's ``(name, tensor)`` stream with ``adapter`` merged (float32). Raises
+    ValueError for a non-Llama model, a tied adapted ``lm_head``, a shape mismatch, or a
     pair without a base weight."""
     from latentserve.models.registry import LLAMA_FAMILY
 
@@ -261,9 +248,7 @@ def _merged_stream(weights, adapter: LoraAdapter):
 # ----------------------------------------------------------------------------- embeddings
 
 def _indices_for(module: str, spec, embed: str) -> list[int] | None:
-    """The token ids PEFT's ``trainable_token_indices`` gives ``module``: a list targets the
-    input embedding ``embed``; a dict maps a module-name suffix to its ids (PEFT
-    ``_set_trainable`` matches ``name == key`` or ``name.endswith("." + key)``)."""
+    """The ids PEFT's ``trainable_token_indices`` gives ``module`` (list: ``embed``'s)."""
     if isinstance(spec, dict):
         for key, ids in spec.items():
             if module == key or module.endswith("." + key):
@@ -275,20 +260,10 @@ def _indices_for(module: str, spec, embed: str) -> list[int] | None:
 def fold_embedding_adapters(state: dict[str, torch.Tensor], token_indices, embed: str,
                             tied: bool, base: dict[str, torch.Tensor] | None = None
                             ) -> dict[str, torch.Tensor]:
-    """PEFT's saved forms of a trained embedding or LM head -> a plain ``<module>.weight``;
-    other tensors unchanged. ``token_indices``: the config's ``trainable_token_indices``;
-    ``embed``: the input embedding's module name; ``base``: the base's ``<module>.weight``
-    tensors, for an adapter saved without its embedding.
-
-    * Trainable tokens (PEFT >= 0.15, ``tuners/trainable_tokens/layer.py``
-      ``get_merged_weights``): the base rows ``ids[i]`` replaced by
-      ``trainable_tokens_delta[i]`` (rows, not differences); a tied ``lm_head`` takes the
-      embedding's ids, rows and delta where it lacks its own.
-    * ``modules_to_save``: ``<m>.modules_to_save[.default].<p>`` becomes ``<m>.<p>``;
-      ``<m>.original_module.<p>`` is dropped.
-
-    Raises ValueError naming the module: rows without a delta or the reverse, no ids, a delta
-    not fitting the ids or base rows, an id out of range or listed twice with other rows."""
+    """PEFT's trained embedding / LM head forms -> a plain ``<module>.weight``: trainable
+    tokens (PEFT ``tuners/trainable_tokens/layer.py`` ``get_merged_weights``) and
+    ``modules_to_save``. ``base``: the base's weights, for rows the adapter lacks.
+    Raises ValueError naming the module when rows, deltas and ids do not fit."""
     out, tokens, trained = {}, {}, {}
     for k, v in state.items():
         module, sep, rest = k.partition(".token_adapter.")

@@ -1,9 +1,5 @@
-"""Ouro (arXiv 2510.25741): the whole decoder stack looped ``total_ut_steps`` times per
-token, the final norm inside the loop, and an exit gate. Module names equal the hub's
-``modeling_ouro.py`` (``OuroForCausalLM``), so checkpoints load by name.
-
-Design notes: docs/internals.md, "latentserve.models.ouro".
-"""
+"""Ouro (arXiv 2510.25741): the decoder stack looped ``total_ut_steps`` times per token with
+an exit gate; names as the hub's ``modeling_ouro.py`` (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -96,11 +92,8 @@ class OuroModel(nn.Module):
 
 
 class OuroForCausalLM(nn.Module):
-    """Paged-KV Ouro with per-request depth and the gate readouts: ``forward(input_ids [T],
-    positions [T], input_embeds=None, latent_mask=None)`` -> normed readout ``[T, hidden]``;
-    ``compute_logits`` -> ``[B, vocab]`` float32. Depth, readout and exit from
-    ``ForwardContext.recurrent`` (default: ``total_ut_steps``, last step).
-    ``num_iterations``: stack iterations run, per token."""
+    """Paged-KV Ouro, depth and readout from ``ForwardContext.recurrent``: ``forward`` ->
+    normed readout ``[T, hidden]``; ``compute_logits`` -> ``[B, vocab]`` float32."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -146,9 +139,7 @@ class OuroForCausalLM(nn.Module):
         return t * self.n_layers + layer
 
     def use_fused_ops(self) -> None:
-        """Switch to the CUDA fast path, as ``LlamaForCausalLM.use_fused_ops`` (the RMSNorm
-        kernel for all four sandwich norms and the loop's final norm). Call once after
-        ``load_weights``; CPU only under ``TRITON_INTERPRET=1``."""
+        """The CUDA fast path, as ``LlamaForCausalLM.use_fused_ops``."""
         fuse_decoder(self, self.model.layers)
 
     def embed(self, input_ids):

@@ -1,5 +1,4 @@
-"""Tensor-parallel layers, and ``shard_model``, which turns a loaded model into this rank's
-shard. Design notes: docs/internals.md, "latentserve.models.parallel"."""
+"""Tensor-parallel layers and ``shard_model``: a loaded model -> this rank's shard."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ def _block(n: int, tp: TPGroup, what: str) -> slice:
 
 
 def head_split(n_heads: int, n_kv: int, tp: TPGroup) -> tuple[slice, slice]:
-    """This rank's ``(query heads, KV heads)`` as index ranges (see the module docstring).
+    """This rank's ``(query heads, KV heads)`` as index ranges (docs/internals.md).
     Raises ValueError when there are fewer KV heads than ranks or the query heads do not
     group evenly over the KV heads."""
     if n_kv < tp.size:
@@ -192,12 +191,8 @@ def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
 
 
 def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
-    """Replace ``model``'s modules (on the CPU, weights loaded) by this rank's shards and
-    return it: attention and MLP split, embedding -> ``VocabParallelEmbedding``, LM head ->
-    ``ParallelLMHead`` (shared when tied; logits gathered on every rank).
-
-    Raises ValueError naming a head count or size ``tp.size`` does not divide, or an
-    ``nn.Linear`` / ``nn.Embedding`` no plan covers."""
+    """``model`` (CPU, loaded) with this rank's shards. Raises ValueError naming a size
+    ``tp.size`` does not divide, or a module no plan covers."""
     for name, mod in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
         if leaf in ("attn", "self_attn") and not isinstance(mod, nn.Linear):

@@ -31,9 +31,8 @@ class CacheManager:
         return self.allocator.alloc(n)
 
     def admit(self, req: Req) -> bool:
-        """Give ``req`` a page-table row, reuse its cached prefix and allocate slots for the
-        rest of its ids (all of them computed later, maybe in chunks). Returns False (and
-        holds nothing) when no row or not enough slots are free, even after eviction."""
+        """Give ``req`` a page-table row, its cached prefix and slots for the rest; False
+        (holding nothing) when out, even after eviction."""
         row = self.table.alloc_row()
         if row is None:
             return False

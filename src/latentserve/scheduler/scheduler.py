@@ -121,9 +121,7 @@ class Scheduler:
         return batch if batch.reqs else None
 
     def _chunk(self, req: Req, budget: int) -> int:
-        """Tokens ``req`` computes this step: what is pending within ``budget``, as the
-        family chunks it (``Family.chunk``). With ``forced_one_by_one``, the forced ids that
-        just ended a latent phase go one per step."""
+        """Tokens ``req`` computes this step within ``budget``, as the family chunks it."""
         n = min(req.num_pending, budget)
         if (self.forced_one_by_one and 1 < n <= self._max_forced
                 and req.answer_start is not None and self.family.forces_one_by_one(req)
@@ -146,10 +144,8 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, tokens: list[int],
                     latents: list | None = None) -> list[StepOutput]:
-        """Advance each request past this step and retire finished ones. ``tokens``: one id
-        per sampling row (batch order); ``latents``, aligned: the next latent input
-        (``latent/vectors.py``) of rows in their latent phase, else None; such a row appends
-        a latent position (or, its budget spent, the transition tokens), not its token."""
+        """Advance each request past this step and retire finished ones; ``tokens`` and
+        ``latents`` (next latent input or None) per sampling row."""
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
         done: list[Req] = []  # finished this step: their KV is released together, at the end
@@ -179,9 +175,7 @@ class Scheduler:
         return outs
 
     def _think(self, req: Req, vec, done: list) -> tuple[bool, StepOutput | None]:
-        """Move latent-phase ``req`` past a forward that sampled for it (``vec``: its next
-        latent input or None, ``Family.advance``): whether the sampled token is its first
-        answer token, and the step's output (None: none; :meth:`_thought`)."""
+        """``Family.advance`` for ``req``: (sampled token is an answer token, step output)."""
         if self.family.advance(req, vec):
             return True, None
         return False, self._thought(req, done)
@@ -211,15 +205,9 @@ class Scheduler:
 
     def advance_launched(self, batch: ScheduledBatch, latents: list | None = None
                          ) -> list[tuple[Req, int | None, StepOutput | None, bool]]:
-        """:meth:`postprocess` before the sampled tokens are known, for a launched batch:
-        ``num_computed`` moves on, answer rows append ``PENDING_ID``, latent rows take their
-        next input (``latents``, on the device). Skips finished requests and rows whose latent
-        step :meth:`finalize_launched` undid.
-
-        Returns per sampling row ``(req, index in output_ids or None, output or None, late)``;
-        ``late`` (``Family.decides_late``): budget and output wait for
-        :meth:`finalize_launched`. Raises RuntimeError when a family deciding at launch
-        finishes a request in its latent phase."""
+        """:meth:`postprocess` before the tokens are known: answer rows append ``PENDING_ID``.
+        Returns per sampling row ``(req, index in output_ids or None, output or None, late)``.
+        Raises RuntimeError when a late-deciding family finishes a request in its latent phase."""
         pending: list[tuple[Req, int | None, StepOutput | None, bool]] = []
         lat = iter(latents or ())
         done: list[Req] = []
@@ -271,10 +259,7 @@ class Scheduler:
     def finalize_launched(self, pending: list[tuple[Req, int | None, StepOutput | None, bool]],
                           tokens: list[int]) -> list[StepOutput]:
         """Write an :meth:`advance_launched`'s tokens over their pending ids and retire the
-        requests they finish (latent steps give the outputs built at launch). Skips finished
-        or aborted requests; a finishing one drops later pending ids and releases its KV.
-        A late-deciding latent step is settled first (``Family.resolve``); if undone, the
-        phase ends here and its row in the next launched batch is skipped."""
+        requests they finish; late latent steps are settled first (``Family.resolve``)."""
         outs = [self._output(r, []) for r in self._aborted]
         self._aborted.clear()
         done: list[Req] = []  # finished now: their KV is released together, at the end
@@ -325,9 +310,8 @@ class Scheduler:
         return self.postprocess(ScheduledBatch([], [], [], []), [])
 
     def _finish_reason(self, req: Req, tok: int, num_out: int | None = None) -> str | None:
-        """Why ``req`` finishes with ``tok`` as its last output id, or None. ``num_out``: its
-        output ids up to ``tok`` (None: all; overlap mode has later pending ids). An EOS
-        ends the request from answer token ``req.eos_from`` on (its family's upstream rule)."""
+        """Why ``req`` finishes with ``tok`` as its last output id (``num_out`` ids up to it;
+        None: all), or None."""
         p = req.params
         n = len(req.output_ids) if num_out is None else num_out
         answer = 0 if req.answer_start is None else n - req.answer_start  # tok included

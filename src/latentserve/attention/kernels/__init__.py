@@ -1,7 +1,4 @@
-"""Triton kernels of the ``triton`` attention backend, one module per kernel.
-
-Design notes: docs/internals.md, "latentserve.attention.kernels".
-"""
+"""Triton kernels of the ``triton`` attention backend, one module per kernel."""
 
 from latentserve.attention.kernels.decode_attention import decode_attention
 from latentserve.attention.kernels.extend_attention import extend_attention

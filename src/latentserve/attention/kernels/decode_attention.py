@@ -1,7 +1,4 @@
-"""Paged decode attention, split-K over each request's KV (flash-decoding).
-
-Design notes: docs/internals.md, "latentserve.attention.kernels.decode_attention".
-"""
+"""Paged decode attention, split-K over each request's KV (flash-decoding)."""
 
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ STAGE1_STAGES = 3  # Triton's default (one K/V tile in flight ahead); 2 and 4 me
 
 
 def prefetch_budget() -> int:
-    """Bytes of the next kernel's weight (``prefetch_next``) that decode attention's
-    programs ask L2 for as they finish: ``LATENTSERVE_ATTN_PREFETCH_MB`` (default 8; 0
-    turns it off). 8 MiB is all of Llama-3.2-1B's o_proj."""
+    """Bytes of the next weight decode attention prefetches to L2:
+    ``LATENTSERVE_ATTN_PREFETCH_MB`` (default 8; 0: off)."""
     return int(settings.get("LATENTSERVE_ATTN_PREFETCH_MB") * (1 << 20))
 
 

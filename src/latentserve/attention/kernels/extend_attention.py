@@ -1,7 +1,4 @@
-"""Extend (prefill with a cached prefix) attention over paged KV.
-
-Design notes: docs/internals.md, "latentserve.attention.kernels.extend_attention".
-"""
+"""Extend (prefill with a cached prefix) attention over paged KV."""
 
 from __future__ import annotations
 
