@@ -18,13 +18,13 @@ __all__ = ["add_engine_args", "build_parser", "engine_config", "engine_configs",
 
 def build_parser() -> argparse.ArgumentParser:
     from latentserve import __version__
-    from latentserve.cli import bench, convert, data, demo, eval, generate, serve, train, train_head
+    from latentserve.cli import bench, convert, data, demo, eval, generate, serve, train
 
     parser = argparse.ArgumentParser(prog="latentserve",
                                      description="Serve latent-reasoning language models.")
     parser.add_argument("--version", action="version", version=f"latentserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (serve, generate, demo, bench, convert, train_head, train, data, eval):
+    for mod in (serve, generate, demo, bench, convert, train, data, eval):
         mod.register(sub)
     return parser
 
