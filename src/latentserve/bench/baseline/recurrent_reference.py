@@ -278,13 +278,9 @@ class OuroReference:
     def _w(self, name):
         return self.sd[name]
 
-    def _rms(self, x, w):  # OuroRMSNorm: weight * normalized.to(input dtype)
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
     def _layer(self, i, x, pos, cos, sin, cache, idx):
         w, pre, s = self._w, f"model.layers.{i}", x.shape[0]
-        hx = self._rms(x, w(f"{pre}.input_layernorm.weight"))
+        hx = _rms(x, w(f"{pre}.input_layernorm.weight"), self.eps)
         q = (hx @ w(f"{pre}.self_attn.q_proj.weight").T).view(s, self.h, self.hd)
         k = (hx @ w(f"{pre}.self_attn.k_proj.weight").T).view(s, self.hkv, self.hd)
         v = (hx @ w(f"{pre}.self_attn.v_proj.weight").T).view(s, self.hkv, self.hd)
@@ -297,11 +293,11 @@ class OuroReference:
         keys, vals, _ = cache.update(idx, pos, k, v)
         o = _attend(q, keys, vals, pos, self.hd**-0.5).reshape(s, -1)
         a = o @ w(f"{pre}.self_attn.o_proj.weight").T
-        x = x + self._rms(a, w(f"{pre}.input_layernorm_2.weight"))
-        hx = self._rms(x, w(f"{pre}.post_attention_layernorm.weight"))
+        x = x + _rms(a, w(f"{pre}.input_layernorm_2.weight"), self.eps)
+        hx = _rms(x, w(f"{pre}.post_attention_layernorm.weight"), self.eps)
         m = (F.silu(hx @ w(f"{pre}.mlp.gate_proj.weight").T)
              * (hx @ w(f"{pre}.mlp.up_proj.weight").T)) @ w(f"{pre}.mlp.down_proj.weight").T
-        return x + self._rms(m, w(f"{pre}.post_attention_layernorm_2.weight"))
+        return x + _rms(m, w(f"{pre}.post_attention_layernorm_2.weight"), self.eps)
 
     def _same_layer(self, idx):
         return list(range(idx - self.n, -1, -self.n))
@@ -318,7 +314,7 @@ class OuroReference:
         for t in range(depth):
             for i in range(self.n):
                 h = self._layer(i, h, pos, cos, sin, cache, t * self.n + i)
-            h = self._rms(h, self._w("model.norm.weight"))
+            h = _rms(h, self._w("model.norm.weight"), self.eps)
             hs.append(h)
             g = (h @ self._w("model.early_exit_gate.weight").T
                  + self._w("model.early_exit_gate.bias"))
