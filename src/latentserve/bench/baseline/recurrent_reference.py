@@ -1,6 +1,5 @@
-"""Eager per-request references for Huginn and Ouro: one request at a time, written from the
-upstream algorithms over plain torch and the checkpoint's own files (``config.json``,
-``model.safetensors``), with no engine code. The engine is tested against these.
+"""Eager per-request references for Huginn and Ouro over plain torch and the checkpoint's own
+files (``config.json``, ``model.safetensors``), from the upstream algorithms.
 
 Design notes: docs/internals.md, "latentserve.bench.baseline.recurrent_reference".
 """
@@ -43,6 +42,22 @@ def _attend(q, keys, vals, q_pos, scale, k_pos=None):
     visible = kp[None, :] <= torch.tensor(q_pos, device=dev)[:, None]
     s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hsp,hpd->shd", s.softmax(-1), v.float()).to(q.dtype)
+
+
+def _greedy(forward, prompt, max_tokens: int, keys: tuple[str, ...]) -> dict:
+    """Greedy tokens after ``prompt``: ``forward(ids, positions, first)`` gives the last
+    position's logits ``[vocab]`` then the values named ``keys``. Returns ``{"tokens",
+    "logits", *keys}``, one entry per token."""
+    ids = list(prompt)
+    out: dict[str, list] = {k: [] for k in ("tokens", "logits", *keys)}
+    res = forward(ids, list(range(len(ids))), True)
+    for i in range(max_tokens):
+        ids.append(int(res[0].argmax()))
+        for k, v in zip(out, (ids[-1], *res)):
+            out[k].append(v)
+        if i + 1 < max_tokens:
+            res = forward([ids[-1]], [len(ids) - 1], False)
+    return out
 
 
 class _LayeredCache:
@@ -240,20 +255,9 @@ class HuginnReference:
             rule = (criterion, thr, min_steps, check_every)
         upstream = semantics == "upstream"
         cache = _LayeredCache(self._same_layer, drop=upstream)
-        ids = list(prompt)
-        out = {"tokens": [], "logits": [], "iterations": []}
-        logits, n = self._forward(ids, list(range(len(ids))), cache, num_steps,
-                                  rule if upstream else None)
-        for _ in range(max_tokens):
-            tok = int(logits.argmax())
-            out["tokens"].append(tok)
-            out["logits"].append(logits.float())
-            out["iterations"].append(n)
-            ids.append(tok)
-            if len(out["tokens"]) == max_tokens:
-                break
-            logits, n = self._forward([tok], [len(ids) - 1], cache, num_steps, rule)
-        return out
+        return _greedy(lambda ids, pos, first: self._forward(
+            ids, pos, cache, num_steps, rule if upstream or not first else None),
+            prompt, max_tokens, ("iterations",))
 
 
 class OuroReference:
@@ -364,20 +368,6 @@ class OuroReference:
         depth = depth or self.steps
         thr = 1.0 if threshold is None else threshold
         cache = _LayeredCache(self._same_layer)
-        ids = list(prompt)
-        out = {"tokens": [], "logits": [], "iterations": [], "readouts": [], "exit_probs": []}
-        logits, n, e, pdf = self._forward(ids, list(range(len(ids))), cache, depth, mode, thr,
-                                          False)
-        for _ in range(max_tokens):
-            tok = int(logits.argmax())
-            out["tokens"].append(tok)
-            out["logits"].append(logits)
-            out["iterations"].append(n)
-            out["readouts"].append(e)
-            out["exit_probs"].append(pdf)
-            ids.append(tok)
-            if len(out["tokens"]) == max_tokens:
-                break
-            logits, n, e, pdf = self._forward([tok], [len(ids) - 1], cache, depth, mode, thr,
-                                              mode == "threshold-approx")
-        return out
+        return _greedy(lambda ids, pos, first: self._forward(
+            ids, pos, cache, depth, mode, thr, not first and mode == "threshold-approx"),
+            prompt, max_tokens, ("iterations", "readouts", "exit_probs"))
