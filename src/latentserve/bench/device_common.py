@@ -1,6 +1,5 @@
 """Pieces shared by the device benchmarks: sync, copy bandwidth, CUDA graph timing and
-profiles, engines, weight bytes and the bandwidth floor, output agreement.
-Units: seconds, bytes, bytes per second."""
+profiles, engines, the bandwidth floor, output agreement. Seconds, bytes, bytes/s."""
 
 from __future__ import annotations
 
@@ -30,11 +29,9 @@ _best_bandwidth: dict = {}  # (device, nbytes) -> the best copy bandwidth measur
 
 def copy_bandwidth(device: str = "cuda", nbytes: int | None = None, iters: int = 20,
                    rounds: int = 5) -> float:
-    """Copy bandwidth of ``device`` in bytes moved (read + written) per second. CUDA: the
-    best of ``rounds`` timings of ``iters`` copies of ``nbytes`` (default 2 GiB) and of every
-    earlier call in this process on the same device and size (a later benchmark in one H200
-    process read ~10% slower); CPU: one timing of a 64 MiB copy, only so the tiny runs work
-    (not a meaningful floor)."""
+    """Bytes moved (read + written) per second by copies on ``device``: on CUDA the best of
+    ``rounds`` timings of ``iters`` copies of ``nbytes`` (default 2 GiB) and of earlier calls
+    on the same device and size; on the CPU one timing of a 64 MiB copy."""
     import torch
 
     cuda = device.startswith("cuda")
@@ -63,9 +60,8 @@ def copy_bandwidth(device: str = "cuda", nbytes: int | None = None, iters: int =
 
 
 def time_graph(fn, calls: int = 1, replays: int = 200):
-    """Capture ``calls`` back-to-back calls of ``fn`` (after one warm-up call outside the
-    capture, which compiles or autotunes) in a CUDA graph and time ``replays`` replays
-    with CUDA events. Returns ``(microseconds per call, graph)``."""
+    """Capture ``calls`` calls of ``fn`` (after one warm-up call) in a CUDA graph and time
+    ``replays`` replays. Returns ``(microseconds per call, graph)``."""
     import torch
 
     with torch.inference_mode():
@@ -80,8 +76,7 @@ def time_graph(fn, calls: int = 1, replays: int = 200):
 
 
 def time_replays(graph, replays: int = 200, warmup: int = 1) -> float:
-    """Microseconds per replay of a captured CUDA ``graph``: ``warmup`` replays, then
-    ``replays`` back to back between two CUDA events."""
+    """Microseconds per replay of a CUDA ``graph`` over ``replays`` (after ``warmup``)."""
     import torch
 
     for _ in range(warmup):
@@ -97,9 +92,8 @@ def time_replays(graph, replays: int = 200, warmup: int = 1) -> float:
 
 
 def profile_replay(graph) -> dict:
-    """Device operations in one replay of a captured CUDA ``graph`` (``torch.profiler``):
-    ``device_ops``, ``top`` names, ``busy_us`` (summed device time), ``top_by_time_us`` and
-    the first 24 in start order (``first_ops_us``), in microseconds."""
+    """Device ops of one replay of a CUDA ``graph`` (``torch.profiler``): ``device_ops``,
+    ``top`` names, ``busy_us``, ``top_by_time_us``, ``first_ops_us`` (24, start order)."""
     import collections
 
     import torch
@@ -155,9 +149,8 @@ def param_bytes(*modules) -> int:
 
 
 def kv_floor(model, batch: int, ctx: float, bw: float, kv_dtype) -> dict:
-    """Bytes one decode step of ``batch`` rows at ``ctx`` tokens of context each must read
-    (every parameter of ``model`` once, each row's KV once; activations, KV writes and logits
-    ignored) and the floor time ``floor_s`` at ``bw`` bytes/s."""
+    """Bytes a decode step of ``batch`` rows at ``ctx`` tokens of context must read (each
+    parameter and each row's KV once) and its time ``floor_s`` at ``bw`` bytes/s."""
     from latentserve.kvcache.pool import KVPool
 
     layers, kvh, hd = model.kv_shape
@@ -167,9 +160,8 @@ def kv_floor(model, batch: int, ctx: float, bw: float, kv_dtype) -> dict:
 
 
 def agreement(engine_outputs, reference_outputs) -> float:
-    """Mean fraction of each reference output's tokens that the engine's output for the
-    same prompt matches before their first difference (1.0 = identical). Informational in
-    bf16: random weights give near-tied logits, and batched kernels round differently."""
+    """Mean fraction of each reference output matched by the engine's output for the same
+    prompt before their first difference (1.0: identical)."""
     fr = []
     for a, b in zip(engine_outputs, reference_outputs):
         n = 0

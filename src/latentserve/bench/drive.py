@@ -1,6 +1,5 @@
-"""One batch through an engine, every step timed and labelled by its phase (``step_kind``);
-on CUDA also the device time of each graph replay and the overlap scheduler's waits
-(``Probe``). Units: seconds."""
+"""One batch through an engine, each step timed under its phase (``step_kind``); on CUDA
+also each graph replay and overlap wait (``Probe``). Seconds."""
 
 from __future__ import annotations
 
@@ -11,9 +10,8 @@ from latentserve.bench.device_common import sync
 
 
 def step_kind(engine) -> str:
-    """The phase of the next ``engine.step()``: ``latent`` (every row one position of its
-    latent phase), ``decode`` (every row one answer token), ``mixed`` (both) or ``other``
-    (queue, prefill, extend, a looped block's pass)."""
+    """The phase of the next ``engine.step()``: ``latent``, ``decode`` (every row one
+    position of it), ``mixed`` (both) or ``other`` (prefill, extend, a block pass)."""
     s = engine.scheduler
     if s.waiting or not s.running or any(r.num_pending != 1 for r in s.running):
         return "other"
@@ -24,10 +22,9 @@ def step_kind(engine) -> str:
 
 
 class Probe:
-    """While open, times each CUDA graph replay of ``engine`` (CUDA events) and each wait of
-    the overlap scheduler for a launched step (host clock), both under the step kind the
-    caller sets in ``kind``, and records Triton compiles and Python's collections. Everything
-    patched is put back on exit, whatever raised."""
+    """While open, times each CUDA graph replay of ``engine`` and each overlap-scheduler wait
+    under the caller's ``kind``, and records Triton compiles and GC collections; the patches
+    are undone on exit."""
 
     def __init__(self, engine):
         self.engine, self.kind = engine, "other"
@@ -82,10 +79,8 @@ class Probe:
             self.knobs.runtime.jit_post_compile_hook = None
 
     def summary(self) -> dict:
-        """``replay_s`` (mean device time per replay, per kind), ``jit_compiles``,
-        ``gc_collections`` (per generation) and, when the scheduler waited during decode
-        steps, ``overlap_wait_s`` (their mean) and ``host_bound_frac`` (the share under
-        20 us: the device was done before the host asked)."""
+        """``replay_s`` (mean per kind), ``jit_compiles``, ``gc_collections`` and, after
+        decode waits, ``overlap_wait_s`` (mean) and ``host_bound_frac`` (share under 20 us)."""
         import torch
 
         torch.cuda.synchronize()
@@ -104,13 +99,11 @@ class Probe:
 
 
 def drive(engine, prompts, params, device: str, tag: str, on_add=None) -> dict:
-    """Queue every prompt with ``params`` at once (``on_add(req)`` on each queued ``Req``)
-    and step to completion. Returns ``wall_s``, ``tokens``, ``outputs`` (per request, prompt
-    order), ``thought_s`` (wall time until every request left its latent phase; None when
-    none had one), ``graph_steps``; per ``step_kind``: ``steps``, ``step_s`` (mean steady step
-    time: first and last dropped when more than 2) and ``ctx`` (mean tokens of context per
-    row); the decode steps' ``step_p50_s``, ``step_p90_s``, ``step_max_s`` and
-    ``slowest_steps`` (8 of ``(index, seconds)``); with CUDA graphs ``Probe.summary``."""
+    """Queue every prompt with ``params`` (``on_add(req)`` on each) and step to completion.
+    Returns ``wall_s``, ``tokens``, ``outputs`` (prompt order), ``thought_s`` (until every
+    request left its latent phase, or None), ``graph_steps``; per ``step_kind`` ``steps``,
+    ``step_s`` (steady mean) and ``ctx`` (mean context per row); the decode steps'
+    ``step_p50_s``, ``step_p90_s``, ``step_max_s``, ``slowest_steps``; ``Probe.summary``."""
     import contextlib
 
     from latentserve.core import ReqStatus

@@ -1,5 +1,4 @@
-"""``latentserve bench --suite families``: every latent family's benchmark in one run, and one
-table of them (issue 27).
+"""``latentserve bench --suite families``: every family's benchmark in one run, one table.
 
 Design notes: docs/internals.md, "latentserve.bench.families".
 """
@@ -18,8 +17,7 @@ def _ms(seconds) -> float | None:
 
 
 def _rows(family: str, res: dict) -> list[dict]:
-    """One row per model (recurrent: per model and depth) and concurrency of a suite's
-    result (``suite.run_suite``'s)."""
+    """A row per model (recurrent: and depth) and concurrency of a ``run_suite`` result."""
     rows = []
     for name, m in res["models"].items():
         groups = ({f"{name} depth {d}": g for d, g in m["depths"].items()} if "depths" in m
@@ -58,8 +56,7 @@ SUITES = {
 
 
 def summarize(suites: dict) -> list[dict]:
-    """Table rows of ``suites`` (``{family: that suite's result}``), in ``SUITES`` order,
-    then model, then concurrency; missing suites give no rows."""
+    """Table rows of ``suites`` (``{family: result}``) in ``SUITES`` order."""
     return [r for family in SUITES if family in suites for r in _rows(family, suites[family])]
 
 
@@ -76,10 +73,9 @@ def table_markdown(rows: list[dict]) -> str:
 
 def run_families_bench(concurrency=(1, 16, 64), families=tuple(SUITES),
                        command: str | None = None, tiny: bool = False) -> dict:
-    """Run the suites of ``families`` (``SUITES`` keys) on CUDA (see the module docstring),
-    or with ``tiny`` their tiny models on the CPU (prompts of 8 ids, short outputs). Returns
-    ``{"command", "date", "suites": {family: result}, "table": rows, "total_s"}``. Raises
-    ValueError for an unknown family, RuntimeError without CUDA (unless ``tiny``)."""
+    """The suites of ``families`` (``SUITES`` keys) on CUDA, or with ``tiny`` on the CPU.
+    Returns ``{command, date, suites: {family: result}, table, total_s}``. ValueError for an
+    unknown family, RuntimeError without CUDA (unless ``tiny``)."""
     import importlib
 
     unknown = set(families) - set(SUITES)

@@ -1,13 +1,13 @@
-"""Plain decode benchmark: Llama shapes with random weights through the engine at each
-concurrency, the decode step and its graph replay against the bandwidth floor, against HF
-``generate`` (bf16 on CUDA; ``tiny`` runs on the CPU). Seconds, output tokens/s, bytes/s."""
+"""Plain decode benchmark: random Llama shapes through the engine, the decode step against
+its bandwidth floor and HF ``generate``. Seconds, output tokens/s, bytes/s."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from latentserve.bench.device_common import free_memory, make_engine, profile_replay
+from latentserve.bench.baseline.tiny_models import save_tiny, save_word_tokenizer
+from latentserve.bench.device_common import free_memory, make_engine, profile_replay, timed
 from latentserve.bench.suite import dtype_for, engine_rows, random_prompts, run_suite
 
 SHAPES = {
@@ -32,12 +32,9 @@ VARIANTS = (("unfused", {"fused_ops": False}), ("sync", {"overlap_schedule": Fal
 
 
 def save_random_llama(out_dir: Path, shape: dict, device: str = "cuda") -> Path:
-    """A random-weight Llama checkpoint of ``shape`` in bf16 (drawn on ``device``) with a
-    word-level tokenizer."""
+    """A random bf16 Llama of ``shape`` (drawn on ``device``) with a word-level tokenizer."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
 
     cfg = LlamaConfig(bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(0)
@@ -49,18 +46,14 @@ def save_random_llama(out_dir: Path, shape: dict, device: str = "cuda") -> Path:
 
 
 def build_llama(root: Path, name: str, device: str) -> Path:
-    """``save_random_llama`` of ``SHAPES[name]``, or for ``tiny`` ``save_tiny``'s float32
-    Llama of ``TINY_SHAPE`` with the word-level tokenizer."""
+    """``save_random_llama`` of ``SHAPES[name]``, or for ``tiny`` a float32 ``TINY_SHAPE``."""
     if name == "tiny":
-        from latentserve.bench.baseline.tiny_models import save_tiny
-
         return save_tiny(root, "llama", word_tokenizer=True, **TINY_SHAPE)
     return save_random_llama(root, SHAPES[name], device)
 
 
 def _kernels_per_replay(engine, bs: int) -> dict:
-    """Device operations in one replay of the decode graph of batch ``bs``'s bucket
-    (``device_common.profile_replay``), with the bucket."""
+    """``profile_replay`` of the decode graph of batch ``bs``'s bucket, with the bucket."""
     try:
         graphs = engine.runner.graphs
         b = next(x for x in graphs.buckets if x >= bs)
@@ -74,8 +67,6 @@ def _kernels_per_replay(engine, bs: int) -> dict:
 def _hf_run(model, prompts, output_len: int, device: str) -> float:
     """Output tokens/s of HF ``generate`` on ``prompts`` as one padded batch."""
     import torch
-
-    from latentserve.bench.device_common import timed
 
     ids = torch.tensor(prompts, device=device)
     _, wall = timed(device, lambda: model.generate(
@@ -113,9 +104,8 @@ def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
 
 def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int,
                 output_len: int, bw: float, hf_baseline: bool, variants: bool) -> dict:
-    """One shape: ``suite.engine_rows`` (with each row's ``kernels`` per replay on CUDA),
-    ``inject_cost`` on CUDA, with ``variants`` the ``VARIANTS`` at the largest concurrency,
-    with ``hf_baseline`` HF ``generate`` as one padded batch (``speedup``) and at batch 1."""
+    """One shape: ``engine_rows`` (with ``kernels`` and ``inject_cost`` on CUDA), with
+    ``variants`` the ``VARIANTS``, with ``hf_baseline`` HF ``generate`` padded and at batch 1."""
     import torch
 
     from latentserve.sampling_params import SamplingParams
@@ -165,8 +155,7 @@ def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int
 def run_gpu_bench(models=tuple(SHAPES), device: str = "cuda", concurrency=(1, 16, 64),
                   prompt_len: int = 256, output_len: int = 256, hf_baseline: bool = True,
                   variants: bool = True, command: str | None = None) -> dict:
-    """Every shape of ``models`` (``SHAPES`` keys, or ``tiny``) through ``bench_shape``
-    (``suite.run_suite``'s result)."""
+    """``run_suite`` of ``bench_shape`` over ``models`` (``SHAPES`` keys, or ``tiny``)."""
     config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
               "prompt_len": prompt_len, "output_len": output_len, "ignore_eos": True,
               "goal": "decode step <= 1.5x its bandwidth floor at 64 concurrent"}

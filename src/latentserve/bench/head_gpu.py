@@ -1,11 +1,12 @@
-"""Compression-head benchmark: the engine's closed-loop latent decoding against the eager
-single-request reference, and a latent step against a plain one (method: benchmarks/head_gpu.py)."""
+"""Compression-head benchmark: closed-loop latent decoding against the eager reference, a
+latent step against a plain one (method: benchmarks/head_gpu.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from latentserve.bench.device_common import free_memory, make_engine
+from latentserve.bench.device_common import free_memory, make_engine, profile_replay, time_graph
+from latentserve.bench.gpu import SHAPES, TINY_SHAPE, build_llama
 from latentserve.bench.suite import (
     dtype_for,
     engine_rows,
@@ -15,10 +16,7 @@ from latentserve.bench.suite import (
     step_cost,
 )
 
-# Head config per backbone: latent_dim, source_layer (0-based decoder layer whose output is
-# the anchor). Upstream's DeepSeek-V4 head is hidden 4096 -> latent 1024 with the anchor at
-# layer 35 of 43 (~0.8 depth); SmolLM2 takes latent 128 (issue 6), Llama-3.2-1B hidden / 4.
-# mlp_dim is the bundle default hidden / 2.
+# latent_dim and source_layer (0-based, the anchor's layer: ~0.8 depth as DeepSeek-V4's head)
 HEADS = {"smollm2-135m": {"latent_dim": 128, "source_layer": 23},
          "llama-3.2-1b": {"latent_dim": 512, "source_layer": 12}}
 TINY_HEAD = {"latent_dim": 16, "source_layer": 1}
@@ -26,9 +24,7 @@ THINK_OPEN, THINK_CLOSE = "w5 w6 w7", "w8"  # word-tokenizer ids (5, 6, 7) and (
 
 
 def build_head_model(root: Path, name: str, device: str = "cuda") -> Path:
-    """A random backbone ``name`` (``bench.gpu.build_llama``: a ``SHAPES`` key, or ``tiny``)
-    with a random closed-loop head bundle in its directory."""
-    from latentserve.bench.gpu import SHAPES, TINY_SHAPE, build_llama
+    """A random backbone ``name`` (``build_llama``) with a random closed-loop head bundle."""
     from latentserve.latent.bundle import random_bundle, write_bundle
     from latentserve.latent.head import HEAD_BUNDLE_NAME
 
@@ -53,14 +49,10 @@ def _params(max_latent: int, answer_len: int, n_close: int, thinking: bool = Tru
 
 
 def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
-    """Device time (microseconds) of one replay of a CUDA graph holding only the head's
-    serve path (``LatentHead.serve_outputs``) for ``rows`` bf16 anchors: the IEEE float32
-    torch modules (``torch_fp32``) against the fused 3xTF32 ``small_linear`` launches
-    (``small_linear_tf32x3``, the default); ``<name>_kernels``: one replay's device ops
-    (``device_common.profile_replay``)."""
+    """Microseconds per CUDA graph replay of ``LatentHead.serve_outputs`` on ``rows`` bf16
+    anchors: float32 torch (``torch_fp32``) against fused 3xTF32 (``small_linear_tf32x3``),
+    each with ``<name>_kernels`` (``profile_replay``)."""
     import torch
-
-    from latentserve.bench.device_common import profile_replay, time_graph
 
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     out = {}
@@ -78,9 +70,8 @@ def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
 def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int,
                 max_latent: int, answer_len: int, ref_requests: int, bw: float,
                 bare_baseline: bool = True, step_rounds: int = 1) -> dict:
-    """One backbone + head: ``suite.engine_rows``, ``suite.step_cost`` at the largest
-    concurrency (with the bare backbone, no head, as a third phase when ``bare_baseline``;
-    ``head_replay_us`` on CUDA), then ``suite.reference`` after the engines are freed."""
+    """One backbone + head: ``engine_rows``, ``step_cost`` at the largest concurrency (the
+    bare backbone as a third phase when ``bare_baseline``), then ``reference``."""
     import torch
 
     from latentserve.bench.baseline import head_reference as hr
@@ -124,8 +115,6 @@ def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int
     hr._hf_model.cache_clear()
     hr._bundle_cached.cache_clear()
     free_memory(device)
-    from latentserve.bench.gpu import SHAPES, TINY_SHAPE
-
     backbone = SHAPES.get(name, TINY_SHAPE)
     return {"backbone": backbone,
             "head": {**HEADS.get(name, TINY_HEAD), "mlp_dim": backbone["hidden_size"] // 2},
@@ -137,8 +126,7 @@ def run_head_bench(models=tuple(HEADS), device: str = "cuda", concurrency=(1, 16
                    prompt_len: int = 128, max_latent: int = 32, answer_len: int = 32,
                    ref_requests: int = 3, bare_baseline: bool = True,
                    command: str | None = None, step_rounds: int = 1) -> dict:
-    """Every backbone in ``models`` (``HEADS`` keys, or ``tiny``) through ``bench_shape``
-    (``suite.run_suite``'s result)."""
+    """``run_suite`` of ``bench_shape`` over ``models`` (``HEADS`` keys, or ``tiny``)."""
     config = {"device": device, "dtype": dtype_for(device), "head_dtype": "float32",
               "concurrency": list(concurrency), "prompt_len": prompt_len,
               "step_rounds": step_rounds, "think_open_ids": len(THINK_OPEN.split()),

@@ -1,11 +1,14 @@
-"""Feedback-latent benchmark: concurrent COCONUT / CODI requests through the engine against
-the eager per-request reference (``bench.baseline.latent_reference``), the decode step against
-its bandwidth floor, a latent step against a plain one; answer tokens/s."""
+"""Feedback-latent benchmark: COCONUT / CODI through the engine against the eager reference
+(``baseline.latent_reference``), a latent step against a plain one; answer tokens/s."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from latentserve.bench.baseline import latent_models
+from latentserve.bench.baseline.latent_reference import load_reference, reference_generate
+from latentserve.bench.device_common import free_memory, make_engine
+from latentserve.bench.gpu import SHAPES, save_random_llama
 from latentserve.bench.suite import (
     dtype_for,
     engine_rows,
@@ -20,20 +23,17 @@ COST_STEPS = 32  # latent steps of the step-cost batch
 
 
 def build_coconut_gpt2(root: Path, device: str = "cuda") -> Path:
-    """COCONUT over a random GPT-2 124M-shaped base, written in the upstream form and
-    converted; returns the model directory."""
-    from latentserve.bench.baseline.latent_models import write_upstream_coconut
+    """COCONUT over a random GPT-2 124M shape, upstream form, converted."""
     from latentserve.latent.convert import convert_coconut
 
-    base, ckpt = write_upstream_coconut(root, "gpt2", word_tokenizer=True, **GPT2_124M)
+    base, ckpt = latent_models.write_upstream_coconut(root, "gpt2", word_tokenizer=True,
+                                                      **GPT2_124M)
     return convert_coconut(base, ckpt, root / "model")
 
 
 def build_codi_llama_1b(root: Path, device: str = "cuda") -> Path:
-    """CODI (LoRA r=128, alpha=32 as upstream's scripts; prj 2048) over a random Llama-3.2-1B
-    shape (drawn on ``device``); returns the converted model directory."""
-    from latentserve.bench.baseline import latent_models
-    from latentserve.bench.gpu import SHAPES, save_random_llama
+    """CODI (LoRA r=128, alpha=32, prj 2048 as upstream's scripts) over a random
+    Llama-3.2-1B shape, converted."""
     from latentserve.latent.convert import convert_codi
 
     base = save_random_llama(root / "base", SHAPES["llama-3.2-1b"], device)
@@ -44,9 +44,7 @@ def build_codi_llama_1b(root: Path, device: str = "cuda") -> Path:
 
 def _tiny(kind: str):
     def build(root: Path, device: str = "cpu") -> Path:
-        from latentserve.bench.baseline.latent_models import save_latent_tiny
-
-        return save_latent_tiny(root, kind)
+        return latent_models.save_latent_tiny(root, kind)
     return build
 
 
@@ -57,13 +55,10 @@ MODELS = {"coconut-gpt2-124m": build_coconut_gpt2, "codi-llama-3.2-1b": build_co
 
 def bench_model(name: str, root: Path, device: str, concurrency, budget: int,
                 answer_len: int, prompt_len: int, ref_requests: int, bw: float) -> dict:
-    """One model: ``suite.engine_rows``, ``suite.step_cost`` at the largest concurrency
-    (``COST_STEPS`` latent steps and 1 answer token against budget 0 and ``COST_STEPS`` + 1
-    answer tokens, same prompts), then ``suite.reference`` after the engine is freed."""
+    """One model: ``engine_rows``, ``step_cost`` at the largest concurrency (``COST_STEPS``
+    latent steps against as many plain ones), then ``reference``."""
     import torch
 
-    from latentserve.bench.baseline.latent_reference import load_reference, reference_generate
-    from latentserve.bench.device_common import free_memory, make_engine
     from latentserve.sampling_params import SamplingParams
 
     dtype, max_c = dtype_for(device), max(concurrency)
@@ -95,8 +90,7 @@ def run_latent_bench(models=("coconut-gpt2-124m",), device: str = "cuda",
                      concurrency=(1, 16, 64), budget: int = 6, answer_len: int = 32,
                      prompt_len: int = 64, ref_requests: int = 4,
                      command: str | None = None) -> dict:
-    """Every model in ``models`` (``MODELS`` keys) on ``device`` through ``bench_model``
-    (``suite.run_suite``'s result)."""
+    """``run_suite`` of ``bench_model`` over ``models`` (``MODELS`` keys)."""
     config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
               "prompt_len": prompt_len, "budget": budget, "answer_len": answer_len,
               "ignore_eos": True, "ref_requests": ref_requests, "cost_steps": COST_STEPS,

@@ -1,11 +1,15 @@
-"""Looped-block benchmark: PCCoT block passes against the same thoughts position by position
-and against the eager reference (``bench.baseline.loop_reference``), the decode step against
-its bandwidth floor; answer tokens/s."""
+"""Looped-block benchmark: PCCoT block passes against one-position passes and the eager
+reference (``baseline.loop_reference``); answer tokens/s."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from latentserve.bench.baseline.loop_models import write_upstream_pccot
+from latentserve.bench.baseline.loop_reference import load_pccot_reference, reference_generate_loop
+from latentserve.bench.baseline.tiny_models import save_tiny
+from latentserve.bench.device_common import free_memory, make_engine
+from latentserve.bench.drive import drive
 from latentserve.bench.latent import GPT2_124M
 from latentserve.bench.suite import dtype_for, engine_rows, reference, run_suite
 
@@ -14,11 +18,8 @@ MODELS = {"pccot-gpt2-124m": (GPT2_124M, 128), "pccot-tiny": ({}, 8)}
 
 
 def build_pccot_gpt2(root: Path, name: str, block_size: int, iterations: int) -> Path:
-    """PCCoT over a random GPT-2 base of ``MODELS[name]``'s shape, upstream form (LoRA alpha
-    32), converted; returns the model directory (``root/model``; upstream dirs
-    ``root/base``, ``root/adapter``)."""
-    from latentserve.bench.baseline.loop_models import write_upstream_pccot
-    from latentserve.bench.baseline.tiny_models import save_tiny
+    """PCCoT over a random GPT-2 of ``MODELS[name]``'s shape in ``root/base`` and
+    ``root/adapter`` (upstream form, LoRA alpha 32), converted into ``root/model``."""
     from latentserve.latent.loop_convert import convert_pccot
 
     shape, lora_r = MODELS[name]
@@ -35,16 +36,8 @@ def _one_position(req) -> None:
 def bench_model(name: str, root: Path, device: str, concurrency, answer_len: int,
                 prompt_len: int, ref_requests: int, block_size: int, iterations: int,
                 bw: float) -> dict:
-    """One model: ``suite.engine_rows`` (block passes), the same prompts again with every
-    pass split into one-position forwards (``position_by_position``, and the thought-phase
-    and wall-time speedups of the block passes over it), then ``suite.reference`` after the
-    engine is freed."""
-    from latentserve.bench.baseline.loop_reference import (
-        load_pccot_reference,
-        reference_generate_loop,
-    )
-    from latentserve.bench.device_common import free_memory, make_engine
-    from latentserve.bench.drive import drive
+    """One model: ``engine_rows`` (block passes), the same prompts with one-position passes
+    (``position_by_position`` and the speedups over it), then ``reference``."""
     from latentserve.sampling_params import SamplingParams
 
     dtype, root = dtype_for(device), root / name
@@ -82,9 +75,8 @@ def run_loop_bench(models=("pccot-gpt2-124m",), device: str = "cuda",
                    concurrency=(1, 16, 64), answer_len: int = 16, prompt_len: int = 64,
                    ref_requests: int = 2, block_size: int = 24, iterations: int = 3,
                    command: str | None = None) -> dict:
-    """Every model in ``models`` (``MODELS`` keys) on ``device`` through ``bench_model``
-    (``suite.run_suite``'s result); 24 latents and 3 Jacobi iterations by default,
-    upstream's released recipe."""
+    """``run_suite`` of ``bench_model`` over ``models`` (``MODELS`` keys); 24 latents and 3
+    Jacobi iterations as upstream's released recipe."""
     config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
               "prompt_len": prompt_len, "answer_len": answer_len, "block_size": block_size,
               "iterations": iterations, "ignore_eos": True, "ref_requests": ref_requests,

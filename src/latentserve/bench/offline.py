@@ -1,5 +1,5 @@
-"""Offline throughput: our engine (all prompts batched) against Hugging Face ``generate``
-(one prompt at a time), on the same chat-templated GSM8K questions.
+"""Offline throughput: the engine (all prompts batched) against HF ``generate`` (one at a
+time) on chat-templated GSM8K questions.
 
 Design notes: docs/internals.md, "latentserve.bench.offline".
 """
@@ -24,15 +24,13 @@ AGREEMENT_PROMPTS = 4
 
 
 def load_questions() -> list[dict]:
-    """The packaged GSM8K questions: a list of ``{"question": str, "answer": str}`` (answer is
-    the final number after '####'). Raises FileNotFoundError if the package data is missing."""
+    """The packaged GSM8K test questions: ``[{"question", "answer"}]`` (the final number)."""
     text = resources.files("latentserve").joinpath("data/questions.json").read_text("utf-8")
     return json.loads(text)["questions"]
 
 
 def chat_prompt_ids(tokenizer, question: str) -> list[int]:
-    """``question`` as one user turn through the tokenizer's chat template (with the
-    generation prompt), as token ids; the plain encoded question if there is no template."""
+    """Ids of ``question`` as one chat user turn (plain encoded without a chat template)."""
     if not getattr(tokenizer, "chat_template", None):
         return list(tokenizer.encode(question))
     out = tokenizer.apply_chat_template([{"role": "user", "content": question}],
@@ -49,9 +47,7 @@ def build_prompts(tokenizer, num_prompts: int, offset: int = 0) -> list[list[int
 
 
 def machine_info() -> dict:
-    """Platform, CPU model and counts, torch/transformers/triton versions (triton None when
-    absent), torch's thread count, the 1-minute load average, the OpenMP/MKL environment
-    variables and the CUDA device's name when there is one."""
+    """Platform, CPU, library versions, threads, load average, OpenMP/MKL variables, GPU."""
     import torch
     import transformers
 
@@ -95,13 +91,13 @@ def machine_info() -> dict:
 
 
 def _cpu_s() -> float:
-    """CPU time [s] used so far by this process (user + system, all threads)."""
+    """CPU seconds used by this process (user + system)."""
     t = os.times()
     return t.user + t.system
 
 
 def _loadavg() -> float | None:
-    """The 1-minute load average (runnable threads on the machine), None where unknown."""
+    """The 1-minute load average, None where unknown."""
     try:
         return round(os.getloadavg()[0], 2)
     except (AttributeError, OSError):
@@ -110,9 +106,7 @@ def _loadavg() -> float | None:
 
 def _rates(wall_s: float, output_tokens: int, prompt_tokens: int, cpu_s: float,
            load_before: float | None) -> dict:
-    """Throughputs of a timed run. ``cpu_s`` [s] is the process CPU time it used; a ratio
-    ``cpu_s / wall_s`` far above the useful thread count, together with a load average above
-    the CPU count, means threads spun waiting for CPUs taken by other processes."""
+    """Throughputs (tokens/s) of a timed run, with its CPU seconds and load averages."""
     return {
         "wall_s": round(wall_s, 4),
         "cpu_s": round(cpu_s, 3),
@@ -193,8 +187,7 @@ def _run_hf(model_dir, prompts, output_len, device, dtype) -> tuple[dict, list[l
 
 
 def _agreement(engine_tokens, hf_tokens, eos_ids) -> list[dict]:
-    """Per prompt: tokens compared (engine output up to, excluding, its first EOS), the
-    length of the common greedy prefix, and whether all compared tokens agree."""
+    """Per prompt: tokens compared (up to the engine's first EOS), the common prefix, agree."""
     rows = []
     for i, (ours, theirs) in enumerate(zip(engine_tokens, hf_tokens)):
         n = next((j for j, t in enumerate(ours) if t in eos_ids), len(ours))
@@ -208,13 +201,10 @@ def _agreement(engine_tokens, hf_tokens, eos_ids) -> list[dict]:
 def run_offline_bench(model: str | None = None, num_prompts: int = 32, output_len: int = 64,
                       device: str = "cpu", dtype: str = "float32", hf_baseline: bool = True,
                       seed: int = 0, command: str | None = None) -> dict:
-    """Offline throughput of our engine and, with ``hf_baseline``, HF ``generate`` one prompt
-    at a time: ``num_prompts`` GSM8K questions, ``output_len`` greedy tokens each (EOS
-    ignored). ``model``: directory, ``.gguf`` or None (embedded).
-
-    Returns a JSON-able dict: ``engine`` / ``hf`` (``wall_s``, ``cpu_s``, ``load_s``, token
-    counts and rates, load averages), ``speedup``, ``greedy_agreement``, prompt statistics,
-    ``machine``, ``command``. Raises ValueError for ``num_prompts`` or ``output_len`` < 1."""
+    """Throughput of the engine and (``hf_baseline``) HF ``generate`` on ``num_prompts``
+    GSM8K questions, ``output_len`` greedy tokens each (EOS ignored); ``model``: directory,
+    ``.gguf`` or None (embedded). Returns ``engine``/``hf`` rates, ``speedup``,
+    ``greedy_agreement``, prompt statistics, ``machine``. ValueError for a count < 1."""
     if num_prompts < 1 or output_len < 1:
         raise ValueError(f"num_prompts and output_len must be >= 1, got {num_prompts}, "
                          f"{output_len}")

@@ -1,5 +1,5 @@
-"""Recurrent-depth benchmark: Huginn and Ouro shapes through the engine against the eager
-reference, and the decode step against its bandwidth floor (method: benchmarks/recurrent_gpu.py)."""
+"""Recurrent-depth benchmark: Huginn and Ouro through the engine against the eager reference
+(method: benchmarks/recurrent_gpu.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from functools import partial
 from pathlib import Path
 
 from latentserve.bench.baseline import recurrent_models as rm
+from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
+from latentserve.bench.device_common import free_memory, make_engine, param_bytes
 from latentserve.bench.suite import dtype_for, engine_rows, reference, run_suite
 
 HUGINN_3_5B = {"n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads": 55,
@@ -27,10 +29,8 @@ MODELS = {"huginn-0125": ("huginn", HUGINN_3_5B, (8, 32)),
 
 def decode_floor(model, batch: int, ctx: float, bw: float, kv_dtype, family: str,
                  depth: int) -> dict:
-    """Bytes one decode step of ``batch`` rows at ``depth`` with ``ctx`` tokens of context
-    must read (the byte model in benchmarks/recurrent_gpu.py; KV in ``kv_dtype``) and the
-    floor time ``floor_s`` at ``bw`` bytes/s."""
-    from latentserve.bench.device_common import param_bytes
+    """``device_common.kv_floor`` for ``depth`` recurrences (the byte model of
+    benchmarks/recurrent_gpu.py), with ``kv_banks_read``."""
     from latentserve.kvcache.pool import KVPool
 
     _, kvh, hd = model.kv_shape
@@ -56,13 +56,10 @@ def decode_floor(model, batch: int, ctx: float, bw: float, kv_dtype, family: str
 def bench_model(name: str, family: str, shape: dict, depths, root: Path, device: str,
                 concurrency, prompt_len: int, output_len: int, ref_requests: int,
                 ref_output_len: int, bw: float) -> dict:
-    """One model: ``suite.engine_rows`` at every depth (one engine), then per depth
-    ``suite.reference`` (after the engine is freed; timed at ``ref_output_len`` tokens and
-    extrapolated to ``output_len``)."""
+    """One model: ``engine_rows`` at every depth, then per depth ``reference`` (timed at
+    ``ref_output_len`` tokens)."""
     import torch
 
-    from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
-    from latentserve.bench.device_common import free_memory, make_engine
     from latentserve.sampling_params import SamplingParams
 
     dtype = dtype_for(device)
@@ -97,8 +94,7 @@ def run_recurrent_gpu_bench(models=("huginn-0125", "ouro-1.4b"), device: str = "
                             concurrency=(1, 16, 64), prompt_len: int = 64,
                             output_len: int = 32, ref_requests: int = 2,
                             ref_output_len: int = 8, command: str | None = None) -> dict:
-    """Every model in ``models`` (``MODELS`` keys) through ``bench_model``
-    (``suite.run_suite``'s result)."""
+    """``run_suite`` of ``bench_model`` over ``models`` (``MODELS`` keys)."""
     config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
               "prompt_len": prompt_len, "output_len": output_len, "ignore_eos": True,
               "early_exit": False, "ref_requests": ref_requests,

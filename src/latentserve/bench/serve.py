@@ -45,9 +45,8 @@ BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
 
 
 def resolve_target(args: argparse.Namespace) -> None:
-    """Fill ``args.base_url`` (``--base-url``, else ``http://--host:--port``) and
-    ``args.endpoint`` (``--endpoint``, else ``--backend``'s, else chat completions), as
-    ``vllm bench serve`` resolves them."""
+    """Fill ``args.base_url`` (else ``http://--host:--port``) and ``args.endpoint`` (else
+    ``--backend``'s, else chat completions) as ``vllm bench serve`` does."""
     if not getattr(args, "base_url", None):
         args.base_url = (f"http://{getattr(args, 'host', '127.0.0.1')}:"
                          f"{getattr(args, 'port', 8000)}")
@@ -57,8 +56,7 @@ def resolve_target(args: argparse.Namespace) -> None:
 
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
-    """Add the ``bench serve`` flags to ``parser`` (vLLM's names, with our older ones as
-    aliases)."""
+    """Add the ``bench serve`` flags to ``parser`` (vLLM's names; our older ones aliases)."""
     from latentserve.bench.serve_datasets import DATASETS
 
     parser.add_argument("--base-url", default=None,
@@ -144,8 +142,7 @@ class RequestResult:
 
 
 def build_requests(args: argparse.Namespace, model: str, samples) -> list[dict]:
-    """The request bodies of ``samples`` (``serve_datasets.Sample``), in send order, with
-    ``--extra-body`` merged in last."""
+    """The request bodies of ``samples`` in send order, ``--extra-body`` merged in last."""
     bodies = []
     for sample in samples:
         body = {"model": model, "max_tokens": sample.output_len, "temperature": 0,
@@ -204,8 +201,7 @@ async def _one(client, endpoint: str, body: dict, cancel_after: int | None) -> R
 
 async def run_benchmark(args: argparse.Namespace, bodies: list[dict]
                         ) -> tuple[list[RequestResult], float]:
-    """Send ``bodies`` as described by ``args``; return the results (in send order) and the
-    wall time in seconds."""
+    """Send ``bodies`` as ``args`` says. Returns the results (send order) and seconds."""
     import httpx
 
     rng = random.Random(args.seed + 1)
@@ -234,8 +230,7 @@ async def run_benchmark(args: argparse.Namespace, bodies: list[dict]
 
 
 def _stats(name: str, values: list[float], percentiles: list[float]) -> dict:
-    """vLLM's ``mean_/median_/std_/pNN_{name}_ms`` of ``values`` (seconds), None when
-    empty."""
+    """vLLM's ``mean_/median_/std_/pNN_{name}_ms`` of ``values`` (seconds; None if empty)."""
     import numpy as np
 
     keys = ["mean", "median", "std", *(f"p{p:g}" for p in percentiles)]
@@ -251,8 +246,7 @@ def _stats(name: str, values: list[float], percentiles: list[float]) -> dict:
 
 def summarize(results: list[RequestResult], duration: float, percentiles: list[float]
               ) -> dict:
-    """vLLM's flat result keys: counts, throughputs (per second of ``duration``), latency
-    statistics (ms) and the per-request lists."""
+    """vLLM's flat result: counts, throughputs (/s), latency statistics (ms), per request."""
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
@@ -282,8 +276,7 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
 
 
 def check_server(base_url: str, api_key: str | None, timeout: float = 30.0) -> dict:
-    """Wait until the server's engine is idle; return ``/health`` with ``slots_ok`` (free +
-    cached == total) added."""
+    """``/health`` once the engine is idle, with ``slots_ok`` (free + cached == total)."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -335,8 +328,7 @@ def format_report(result: dict, percentiles: list[float]) -> str:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    """The ``latentserve bench serve`` command equivalent to ``args`` (the API key left
-    out)."""
+    """The ``latentserve bench serve`` command of ``args``, without the API key."""
     parts = ["latentserve", "bench", "serve", "--base-url", args.base_url,
              "--endpoint", args.endpoint, "--dataset", args.dataset,
              "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
@@ -378,8 +370,7 @@ def _headers(args: argparse.Namespace) -> dict:
 
 
 def _tokenizer_calls(base_url: str, headers: dict, model: str):
-    """``count_tokens(text)`` and ``detokenize(ids)`` through the server's ``/tokenize`` and
-    ``/detokenize``."""
+    """``count_tokens(text)``, ``detokenize(ids)`` through ``/tokenize``, ``/detokenize``."""
     import httpx
 
     client = httpx.Client(base_url=base_url, headers=headers, timeout=60)
@@ -398,8 +389,7 @@ def _tokenizer_calls(base_url: str, headers: dict, model: str):
 
 
 def result_path(args: argparse.Namespace, result: dict) -> str:
-    """Where ``--save-result`` writes: ``--result-dir`` / ``--result-filename``, by default
-    vLLM's ``{label}-{rate}qps[-concurrency{N}]-{model}-{YYYYmmdd-HHMMSS}.json``."""
+    """``--result-dir``/``--result-filename``, by default vLLM's file name."""
     name = args.result_filename
     if name is None:
         concurrency = (f"-concurrency{args.max_concurrency}" if args.max_concurrency
@@ -425,9 +415,9 @@ def _served_model(base_url: str, headers: dict) -> str:
 
 
 def serve_bench_main(args: argparse.Namespace) -> int:
-    """Run the benchmark of ``args`` (``add_serve_bench_args``), print the report, write
-    ``--json-out``. Returns 1 when a request failed or the server was unhealthy after, else
-    0. Raises ValueError for bad flags, an unreachable server or a refused ``/v1/models``."""
+    """Run the benchmark of ``args``, print the report, write the result. Returns 1 when a
+    request failed or the server was unhealthy after, else 0. ValueError for bad flags, an
+    unreachable server or a refused ``/v1/models``."""
 
     resolve_target(args)
     if args.num_prompts < 1 or args.output_len < 1:

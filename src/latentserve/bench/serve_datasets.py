@@ -1,5 +1,5 @@
-"""The prompts of ``latentserve bench serve``, as ``vllm bench serve`` samples them
-(``vllm/benchmarks/datasets.py``): each a :class:`Sample` of prompt and output length.
+"""The prompts of ``latentserve bench serve`` as ``vllm bench serve`` samples them
+(``vllm/benchmarks/datasets.py``).
 
 Design notes: docs/internals.md, "latentserve.bench.serve_datasets".
 """
@@ -10,6 +10,8 @@ import json
 import random
 from dataclasses import dataclass
 
+from latentserve.bench.offline import load_questions
+
 DATASETS = ("gsm8k", "random", "sharegpt", "custom")
 # vLLM's is_valid_sequence bounds (vllm/benchmarks/datasets.py).
 MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
@@ -17,18 +19,13 @@ MIN_LEN, MAX_PROMPT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
 
 @dataclass(slots=True)
 class Sample:
-    """One request's prompt (text, or token ids for a random completions prompt) and the
-    tokens it is asked to generate."""
+    """A request's prompt (text, or ids for a random completions prompt) and output length."""
 
     prompt: str | list[int]
     output_len: int
 
 
-def _questions() -> list[str]:
-    from importlib import resources
 
-    text = resources.files("latentserve").joinpath("data/questions.json").read_text("utf-8")
-    return [q["question"] for q in json.loads(text)["questions"]]
 
 
 def _repeat(samples: list[Sample], n: int, rng: random.Random) -> list[Sample]:
@@ -57,7 +54,7 @@ def sample_requests(args, count_tokens, detokenize) -> list[Sample]:
     rng = random.Random(args.seed)
     n = args.num_prompts
     if args.dataset == "gsm8k":
-        questions = _questions()
+        questions = [q["question"] for q in load_questions()]
         return [Sample(questions[i % len(questions)], args.output_len) for i in range(n)]
     if args.dataset == "random":
         samples = []

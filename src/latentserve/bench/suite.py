@@ -1,8 +1,6 @@
-"""What every family's benchmark shares (``bench --suite families``): each model built in a
-scratch directory; the engine at each concurrency, its decode step against that step's
-bandwidth floor; the eager reference one request at a time; a latent step against a plain
-one. A suite module adds only its models, its sampling parameters and its extras.
-Units: seconds, bytes, tokens per second.
+"""What every family's benchmark shares (``bench --suite families``): models built in a
+scratch directory, the engine's decode step at each concurrency against its bandwidth floor,
+the eager reference, a latent step against a plain one. Seconds, bytes, tokens/s.
 
 Design notes: docs/internals.md, "latentserve.bench.families".
 """
@@ -17,9 +15,8 @@ from latentserve.bench.drive import drive
 
 
 def run_suite(names, bench, device: str, command: str | None, config: dict) -> dict:
-    """``bench(name, root, bandwidth)`` for each of ``names`` in a scratch directory, printed
-    as it ends; returns ``{command, date, machine, config, copy_bandwidth_Bps, models: {name:
-    result}, total_s}``."""
+    """``bench(name, root, bandwidth)`` for each of ``names`` in a scratch directory. Returns
+    ``{command, date, machine, config, copy_bandwidth_Bps, models: {name: result}, total_s}``."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -54,13 +51,11 @@ def random_prompts(g, n: int, prompt_len: int) -> list[list[int]]:
 
 def engine_rows(engine, params, concurrency, prompt_len: int, device: str, bw: float,
                 warm_params, on_add=None, floor=kv_floor) -> tuple[dict, dict]:
-    """Warm up (``warm_params`` at every concurrency, an empty prefix cache after), then per
-    concurrency c: c random prompts of ``prompt_len`` ids with ``params`` through ``drive``.
-    ``rows[c]``: drive's result with ``tok_s`` (output tokens/s), ``decode_step_s`` (its decode
-    steps' steady mean; None without any), ``bandwidth_floor`` (``floor(model, c, ctx, bw,
-    kv_dtype)`` at the decode steps' mean context; a dict with ``floor_s``) and
-    ``step_over_floor``; with CUDA graphs also ``graph_replay_s`` and ``replay_over_floor``.
-    ``outputs[c]``: ``(prompts, engine outputs)``. Returns ``(rows, outputs)``."""
+    """Warm up with ``warm_params``, then per concurrency c drive c random prompts with
+    ``params``. ``rows[c]``: drive's result with ``tok_s``, ``decode_step_s`` (or None),
+    ``bandwidth_floor`` (``floor(model, c, ctx, bw, kv_dtype)``), ``step_over_floor`` and with
+    CUDA graphs ``graph_replay_s``, ``replay_over_floor``; ``outputs[c]``: ``(prompts, engine
+    outputs)``. Returns ``(rows, outputs)``."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -88,13 +83,10 @@ def engine_rows(engine, params, concurrency, prompt_len: int, device: str, bw: f
 
 def reference(rows: dict, outputs: dict, generate, device: str, requests: int,
               output_len: int, timed_len: int | None = None) -> dict:
-    """The eager reference one request at a time, on the first ``requests`` prompts of the
-    largest concurrency: ``generate(prompt, n)`` gives ``n`` greedy token ids (one warm-up call
-    first). Each is timed at ``timed_len`` tokens (default ``output_len``); with fewer, also
-    at 1, and a request of ``output_len`` tokens is taken as prefill + (output_len - 1) x the
-    per-token decode time. Returns ``{requests, timed_tokens, s_per_request, tok_s,
-    agree_with_engine}`` (agreement on the timed tokens; ``device_common.agreement``) and
-    sets each row's ``speedup``: its ``tok_s`` over the reference's."""
+    """The eager reference ``generate(prompt, n) -> n greedy ids`` one request at a time on
+    the first ``requests`` prompts of the largest concurrency, timed at ``timed_len`` tokens
+    (fewer than ``output_len``: extrapolated from the time at 1). Returns ``{requests,
+    timed_tokens, s_per_request, tok_s, agree_with_engine}``; sets each row's ``speedup``."""
     timed_len = timed_len or output_len
     prompts, engine_out = outputs[max(outputs)]
     prompts = prompts[:requests]
@@ -118,12 +110,10 @@ def reference(rows: dict, outputs: dict, generate, device: str, requests: int,
 
 
 def step_cost(engine, latent, plain, device: str, bw: float, bare=None, rounds: int = 1) -> dict:
-    """Steady step time (s) of a batch in its latent phase against the same rows decoding
-    plain tokens at the same positions: ``latent`` and ``plain`` are ``(prompts, params)``
-    run through ``drive`` on ``engine`` (``plain`` also on the ``bare`` engine when given).
-    ``rounds`` > 1 alternates the phases and reports each one's median (per-round figures in
-    ``rounds``), so drift cannot pass for the latent step's cost. ``bandwidth_floor``: the
-    latent step's (``device_common.kv_floor`` at ``bw``), and ``latent_step_over_floor``."""
+    """Steady step time (s) of a batch in its latent phase against plain decoding at the same
+    positions: ``latent``, ``plain`` are ``(prompts, params)`` for ``drive`` (``plain`` also on
+    ``bare`` when given), medians over ``rounds`` alternations; with the latent step's
+    ``bandwidth_floor`` and ``latent_step_over_floor``."""
     import statistics
 
     samples: dict[str, list] = {"latent": [], "plain": [], "bare": []}

@@ -18,13 +18,13 @@ __all__ = ["add_engine_args", "build_parser", "engine_config", "engine_configs",
 
 def build_parser() -> argparse.ArgumentParser:
     from latentserve import __version__
-    from latentserve.cli import bench, convert, data, demo, eval, generate, serve, train, train_head
+    from latentserve.cli import bench, convert, data, demo, eval, generate, serve, train
 
     parser = argparse.ArgumentParser(prog="latentserve",
                                      description="Serve latent-reasoning language models.")
     parser.add_argument("--version", action="version", version=f"latentserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (serve, generate, demo, bench, convert, train_head, train, data, eval):
+    for mod in (serve, generate, demo, bench, convert, train, data, eval):
         mod.register(sub)
     return parser
 
@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     from latentserve.cli.engine_args import finish_engine_args
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub at run time
-    # OpenMP threads that spin while waiting stall every op when another job holds a core
-    # (measured: 2.7 s vs 0.29 s per CPU decode step under load). Set before torch loads.
+    # NOTE: spinning OpenMP threads stall every op when another job holds a core; set
+    # before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         parser = build_parser()

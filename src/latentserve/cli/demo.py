@@ -1,4 +1,4 @@
-"""``latentserve demo``: a text chain of thought beside CoLaR (arXiv 2505.16552) on held-out
+"""``latentserve demo``: text chain of thought beside CoLaR (arXiv 2505.16552) on held-out
 multiplications, through one server and the ``openai`` client.
 
 Design notes: docs/internals.md, "latentserve.cli.demo".
@@ -48,7 +48,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-
 @dataclass(frozen=True, slots=True)
 class Question:
     """A multiplication in iCoT's format: ``question`` ``"7 6 9 2 * 1 6 3 6"`` and ``gold``
@@ -96,14 +95,6 @@ def load_questions(n: int, path: str | Path | None = None) -> list[Question]:
     return sorted(out[:n], key=lambda q: len(q.question))
 
 
-def gsm8k_questions(n: int) -> list[dict]:
-    """The first ``n`` GSM8K test questions shipped with the package (``question``,
-    ``answer``)."""
-    text = resources.files("latentserve").joinpath("data", "questions.json").read_text()
-    return json.loads(text)["questions"][:n]
-
-
-
 def find_models_dir(given: str | None = None) -> Path | None:
     """``given`` (FileNotFoundError if not a directory), else ``<checkout>/models`` or
     ``./models``; None when there is none."""
@@ -124,7 +115,6 @@ def _model(models_dir: Path | None, name: str, marker: str) -> Path | None:
     """``models_dir/name`` (links resolved) when it holds the file ``marker``, else None."""
     d = models_dir / name if models_dir else None
     return d.resolve() if d and (d / marker).is_file() else None
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +251,6 @@ def compare(base_url: str, text_model: str, colar_model: str | None,
     print_summary(text, latent if colar_model is not None else None)
 
 
-
 def convert_embedded(dtype: str = "float32") -> None:
     """Convert the embedded SmolLM2 GGUF into the cache once, before both engines would."""
     from latentserve.models.checkpoint import (
@@ -371,12 +360,12 @@ def _speed(colar_dir: Path | None, given: int | None) -> int | None:
         json.loads((colar_dir / COLAR_CONFIG).read_text())).compression_factor
 
 
-
 def run_gsm8k(args) -> int:
     """Serve ``--model`` (default: the embedded SmolLM2) and stream its chat answers to
     ``--num-questions`` GSM8K questions, each with TTFT and tokens/s."""
     from openai import OpenAI
 
+    from latentserve.bench.offline import load_questions as gsm8k_questions
     from latentserve.cli import engine_config
 
     config = engine_config(args)
@@ -387,7 +376,7 @@ def run_gsm8k(args) -> int:
         client = OpenAI(base_url=server.base_url + "/v1", api_key="none")
         model = client.models.list().data[0].id
         print(f"serving {model}\n", flush=True)
-        for q in gsm8k_questions(args.num_questions):
+        for q in gsm8k_questions()[:args.num_questions]:
             ask_chat(client, model, q, args.max_tokens)
     return 0
 

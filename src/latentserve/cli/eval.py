@@ -1,7 +1,5 @@
-"""``latentserve eval``: accuracy, thinking tokens or latent steps, and latency on GSM8K,
-ProsQA or multiplication, against our engine in-process or an OpenAI-compatible URL;
-``--sweep max_latent=0,4,8`` (CoLaR models also ``compression_factor=1,2,3``) with ``--plot``
-draws accuracy and latent steps against the swept field."""
+"""``latentserve eval``: accuracy, thinking and latency on GSM8K, ProsQA or multiplication,
+in-process or against an OpenAI-compatible URL; ``--sweep`` and ``--plot`` over a field."""
 
 from __future__ import annotations
 

@@ -109,9 +109,8 @@ def run(args) -> int:
 
 
 def budget_note(final, n_answer: int) -> str | None:
-    """What to tell the user when the latent phase took the whole token budget: ``final`` is
-    the request's last ``StepOutput``, ``n_answer`` the answer tokens it got; None unless it
-    ended on the length cap with no answer token after a latent phase."""
+    """The note when the latent phase took the whole budget (``final``: the last
+    ``StepOutput``, ``n_answer`` answer tokens); None otherwise."""
     stats = getattr(final, "latent_stats", None) or {}
     steps = stats.get("steps") or 0
     if n_answer or final is None or final.finish_reason != "length" or not steps:

@@ -1,6 +1,5 @@
-"""Evaluation of models trained in CoLaR's format (``latent/colar.py``): the text-CoT
-backbone of stage 0, CoLaR latent models and compression heads trained on that backbone
-(``train-head sft|dagger|grpo --prompt-format colar``), through our engine, greedy.
+"""Greedy evaluation in CoLaR's format (``latent/colar.py``) of text-CoT backbones, CoLaR
+models and compression heads trained on them, through the engine.
 
 Design notes: docs/internals.md, "latentserve.eval.colar_eval".
 """
@@ -26,10 +25,8 @@ def answers_match(gold: str, pred: str) -> bool:
 
 
 def summarize(records: list[dict], seconds: float) -> dict:
-    """``{"n", "accuracy", "thinking": {"median", "max", "mean"}, "stop_fired",
-    "seconds"}`` of per-item records (``correct``, ``thinking``, ``stop_fired``);
-    ``stop_fired`` is the fraction of items whose thinking ended by the model's own stop.
-    Raises ValueError for no records."""
+    """``{"n", "accuracy", "thinking": {"median", "max", "mean"}, "stop_fired", "seconds"}``
+    of per-item records (``correct``, ``thinking``, ``stop_fired``). ValueError for none."""
     if not records:
         raise ValueError("no records to summarize")
     n, think = len(records), [r["thinking"] for r in records]

@@ -20,9 +20,8 @@ Example = tuple[list[int], list[int], list[int]]
 
 
 def draw_picks(steps_lens: list[int], r: int, rng: random.Random) -> list[list[int]]:
-    """For each example (``steps_lens[i]`` steps tokens), the offset inside each of its
-    ``ceil(n / r)`` groups of the token that labels the group, uniform over the group's
-    tokens (upstream ``sample_indices_from_attention_mask_3d``, one draw per group)."""
+    """Per example, a uniform offset in each of its ``ceil(n / r)`` step groups: the label
+    token (upstream ``sample_indices_from_attention_mask_3d``)."""
     return [[rng.randrange(min(r, n - g * r)) for g in range(-(-n // r))] for n in steps_lens]
 
 
@@ -89,12 +88,10 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
 def feed_own_latents(lm, policy: colar.LatentPolicy, x: torch.Tensor,
                      rows: list[tuple[int, int]], embeds_std: float, prob: float
                      ) -> torch.Tensor:
-    """Scheduled sampling in one parallel step (our extension, docs/training.md): a copy of
-    the gold inputs ``x`` [B, T, H] where each latent position ``(b, t)`` of ``rows`` holds,
-    with probability ``prob`` (one Bernoulli draw each, ``torch.rand``), the latent the
-    engine would feed there at temperature 0: the policy's mean at ``(b, t - 1)`` of a
-    no-grad pass over ``x``, times ``embeds_std`` (``latent/colar_head.py``
-    ``serve_outputs``)."""
+    """Scheduled sampling (our extension, docs/training.md): ``x`` [B, T, H] with each latent
+    position ``(b, t)`` of ``rows``, with probability ``prob``, replaced by what the engine
+    would feed at temperature 0 (the policy's mean at ``t - 1`` of a no-grad pass, times
+    ``embeds_std``)."""
     b, t = torch.tensor(rows, device=x.device).T
     with torch.no_grad():
         hidden = lm.model(inputs_embeds=x).last_hidden_state
@@ -104,16 +101,15 @@ def feed_own_latents(lm, policy: colar.LatentPolicy, x: torch.Tensor,
 
 
 def embedding_std(model) -> float:
-    """Std of the input-embedding matrix (all entries), our default ``embeds_std`` (upstream
-    keeps a per-model constant, ``MODEL_EMB_STD``: 0.018 for Llama-3.2-1B)."""
+    """Std of the input-embedding matrix, the default ``embeds_std`` (upstream: a constant
+    per model, ``MODEL_EMB_STD``)."""
     from latentserve.train.cot import _lm
 
     return _lm(model).get_input_embeddings().weight.detach().float().std().item()
 
 
 def adapter_base(adapter_dir: str) -> str | None:
-    """A stage-0 adapter's ``base_model_name_or_path`` (None for the embedded SmolLM2 or
-    when absent; a relative path resolved beside the adapter if it exists).
+    """A stage-0 adapter's base (None: the embedded SmolLM2; relative: beside the adapter).
     FileNotFoundError without ``adapter_config.json``."""
     from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES
 
@@ -129,9 +125,8 @@ def adapter_base(adapter_dir: str) -> str | None:
 
 
 def train(cfg: ColarTrainConfig, progress=print) -> dict:
-    """Run stage 1 (see the module docstring); returns the last log record. Raises
-    ValueError (no ``###`` token, no example fits), FileNotFoundError for missing data or
-    adapter."""
+    """Run stage 1; returns the last log record. ValueError (no ``###`` token, no example
+    fits), FileNotFoundError (data, adapter)."""
     from latentserve.train.cot import (
         _lm,
         batches,

@@ -25,9 +25,8 @@ SUM_DIVISOR = 32
 
 @dataclass(slots=True)
 class Rollout:
-    """One rollout as the engine ran it: ``prompt_ids`` (question, speed, ``###``);
-    ``latents`` ``[n, H]`` float32 injected inputs; ``answer_ids`` (``###`` then the sampled
-    tokens); ``text``; ``end``: "stop" (sampled ``###``) or "cap" (``max_latent``)."""
+    """One rollout: ``prompt_ids`` (question, speed, ``###``), ``latents`` ``[n, H]`` float32,
+    ``answer_ids`` (``###``, sampled tokens), ``text``, ``end`` ("stop" or "cap")."""
 
     prompt_ids: list[int]
     latents: torch.Tensor
@@ -48,17 +47,15 @@ def answer_of(text: str) -> str:
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``[Q, G]`` rewards -> ``[Q, G]`` float32 advantages ``(r - mean) / (std + eps)`` per
-    row, ``std`` the sample (Bessel-corrected) std as upstream's ``torch.std``; a row of
-    equal rewards gives zeros."""
+    """``[Q, G]`` rewards -> float32 ``(r - mean) / (std + eps)`` per row, ``std`` Bessel
+    corrected as upstream's ``torch.std``."""
     r = rewards.float()
     return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
 
 
 def reward_stats(rewards: torch.Tensor) -> dict:
-    """Of ``[Q, G]`` rewards: ``reward`` (mean), ``reward_var`` (population variance),
-    ``group_reward_var`` (mean within-group variance), ``zero_var_groups`` (share of groups
-    with all rewards equal: no gradient)."""
+    """Of ``[Q, G]`` rewards: ``reward`` (mean), ``reward_var``, ``group_reward_var`` (mean
+    within-group variance), ``zero_var_groups`` (share of groups without a gradient)."""
     r = rewards.float()
     return {"reward": float(r.mean()), "reward_var": float(r.var(unbiased=False)),
             "group_reward_var": float(r.var(1, unbiased=False).mean()),
@@ -78,9 +75,9 @@ def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
                      embeds_std: float, latent_temperature: float = 1.0,
                      answer_temperature: float = 1.0) -> tuple[list, list]:
-    """Per rollout ``(latent log-probs [n], answer log-probs [len(answer_ids)])`` float32
-    from one teacher-forced, right-padded forward over ``prompt | latents | answer_ids``
-    (upstream ``get_logprobs``); gradients reach the LoRA and the policy (float32)."""
+    """Per rollout float32 ``(latent log-probs [n], answer log-probs [len(answer_ids)])``
+    from one teacher-forced forward over ``prompt | latents | answer_ids`` (upstream
+    ``get_logprobs``). FloatingPointError naming a non-finite hidden state."""
     from latentserve.train.cot import _lm, right_pad
 
     lm = _lm(model)
@@ -177,9 +174,9 @@ _PEFT_PREFIX = "base_model.model."
 
 class EngineSync:
     """Pushes the trainable PEFT model's weights into the ``LLMEngine`` serving the same
-    stage-1 directory (LoRA layers map to same-named modules or rows of the merged
-    ``qkv_proj`` / ``gate_up_proj``). Raises ValueError for a tensor-parallel engine, no LoRA
-    layers, or a missing or differently shaped engine weight."""
+    stage-1 directory (LoRA layers onto same-named modules or rows of ``qkv_proj`` /
+    ``gate_up_proj``). ValueError for a tensor-parallel engine, no LoRA layers, or a missing
+    or differently shaped engine weight."""
 
     def __init__(self, engine, model):
         from peft.tuners.lora import LoraLayer
@@ -234,9 +231,8 @@ class EngineSync:
 
 def run_rollouts(engine, prompts: list[list[int]], params, group_size: int,
                  latent_dtype: torch.dtype) -> list[Rollout]:
-    """Run every prompt (the question part's ids) ``group_size`` times in one batch through
-    ``engine`` (its ``ColarHead`` recording the injected latents); returns the rollouts
-    prompt-major. ``latent_dtype``: the serving dtype the latents are rounded to."""
+    """Each prompt ``group_size`` times through ``engine`` (latents rounded to
+    ``latent_dtype``); the rollouts prompt-major."""
     from latentserve.train.grpo import rollouts
 
     head = engine.runner.model.latent_head
@@ -260,9 +256,8 @@ def run_rollouts(engine, prompts: list[list[int]], params, group_size: int,
 
 def rewards_of(rollouts: list[Rollout], golds: list[str], cfg: ColarGRPOConfig,
                max_latent: int, reward_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rewards [N], accuracies [N])`` float32 (see the module docstring, item 2).
-    ``reward_fn(rollout, gold) -> float`` replaces the 0/1 accuracy as the base reward; the
-    length terms apply to either."""
+    """``(rewards [N], accuracies [N])`` float32; ``reward_fn(rollout, gold) -> float``
+    replaces the 0/1 accuracy before the length terms."""
     from latentserve.eval.colar_eval import answers_match
 
     acc = torch.tensor([float(answers_match(g, answer_of(r.text)))

@@ -22,8 +22,7 @@ from latentserve.train.options import CotConfig
 
 
 def read_items(path: str | Path) -> list[Item]:
-    """Training items of a file: GSM8K ``.jsonl`` (``tasks.gsm8k_train_items``) or iCoT
-    text lines ``question||steps #### answer``. Raises FileNotFoundError, ValueError."""
+    """Items of a GSM8K ``.jsonl`` or iCoT text file. FileNotFoundError, ValueError."""
     from latentserve.eval.datasets import _parse
     from latentserve.train.tasks import gsm8k_train_items
 
@@ -36,9 +35,7 @@ def read_items(path: str | Path) -> list[Item]:
 
 
 def encode_prompts(tok, questions: list[str], speed: int | str = 1) -> list[list[int]]:
-    """Ids of ``Question: {q} Let's think step by step:`` and ``(Thinking speed: {speed})``
-    per question, each part tokenised on its own (``colar.prompt_ids`` without the
-    opening separator)."""
+    """``colar.prompt_ids`` at ``speed`` without the opening separator, per question."""
     return colar.prompt_ids(tok, questions, speed, separator=False)
 
 
@@ -59,8 +56,7 @@ def encode_parts(tok, items: list[Item], mode: str = "cot"
 
 def encode_examples(tok, items: list[Item], mode: str = "cot"
                     ) -> list[tuple[list[int], list[int]]]:
-    """``(prompt_ids, target_ids)`` per item (see the module docstring), tokenised in
-    batches."""
+    """``(prompt_ids, target_ids)`` per item, tokenised in batches."""
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
     return [(p, [sep, *s, *a]) for p, s, a in encode_parts(tok, items, mode)]
 
@@ -71,8 +67,8 @@ def encode_example(tok, item: Item, mode: str = "cot") -> tuple[list[int], list[
 
 
 def load_backbone(base: str | None, device: str, cfg=None):
-    """``(model, tokenizer, base_name)``: ``base``'s HF causal LM in float32 on ``device``,
-    wrapped in PEFT LoRA when ``cfg.lora_r > 0`` or ``cfg.init_adapter`` (loaded trainable)."""
+    """``(model, tokenizer, base_name)``: ``base``'s float32 HF causal LM on ``device``, in
+    PEFT LoRA when ``cfg.lora_r > 0`` or ``cfg.init_adapter``."""
     from transformers import AutoModelForCausalLM
 
     from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES, load_tokenizer, resolve_model_dir
@@ -97,8 +93,8 @@ def load_backbone(base: str | None, device: str, cfg=None):
 
 @contextlib.contextmanager
 def trainer_forward(device: str, autocast: bool = True):
-    """Context for a training forward: on CUDA, bfloat16 autocast and SDPA without cuDNN
-    (NaN ``grad_q`` with a mask on H100/H200, pytorch/pytorch#196678); a no-op on CPU."""
+    """On CUDA bfloat16 autocast and SDPA without cuDNN (NaN ``grad_q`` with a mask,
+    pytorch/pytorch#196678); a no-op on CPU."""
     if not device.startswith("cuda"):
         yield
         return
@@ -122,8 +118,7 @@ def right_pad(rows: list[list[int]], value: int = 0, device=None) -> torch.Tenso
 
 def batch_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int,
                device: str) -> torch.Tensor:
-    """Mean cross-entropy of the target tokens of ``batch`` (right-padded, causal, so
-    padding is never attended to by a real token); logits only at target positions."""
+    """Mean cross-entropy of the target tokens of right-padded ``batch``."""
     ids = right_pad([p + t for p, t in batch], pad_id, device)
     labels = right_pad([[-100] * len(p) + t for p, t in batch], -100, device)
     lm = _lm(model)
@@ -137,9 +132,8 @@ def batch_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int,
 @torch.no_grad()
 def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: int = 256,
                     batch_size: int = 256) -> dict:
-    """Greedy text-CoT accuracy of ``model`` on ``items`` through HF ``generate`` (a check
-    during training; the served numbers come from ``latentserve eval``): ``{n, accuracy,
-    thinking_median}``, thinking = tokens before the closing separator."""
+    """Greedy text-CoT ``{n, accuracy, thinking_median}`` of ``model`` on ``items`` through HF
+    ``generate`` (thinking: tokens before the closing separator)."""
     model.eval()
     tok.padding_side = "left"
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
@@ -163,10 +157,9 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
 
 def save(model, out: Path, base_name: str, cfg, log: list[dict],
          adapter_dtype: torch.dtype = torch.bfloat16, colar_files=None) -> None:
-    """Write the adapter (PEFT form, in ``adapter_dtype``) or, for a full fine-tune, the
-    model (``model.safetensors``), plus ``train_config.json`` (``cfg``, any options class)
-    and ``train_log.json``; with ``colar_files`` (``(ColarConfig, LatentPolicy)``) a CoLaR
-    model directory (``latent.colar.save_colar``)."""
+    """Write the PEFT adapter (in ``adapter_dtype``) or the full model, ``train_config.json``
+    and ``train_log.json``; with ``colar_files`` (``(ColarConfig, LatentPolicy)``) also
+    ``latent.colar.save_colar``'s files."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -188,9 +181,8 @@ def save(model, out: Path, base_name: str, cfg, log: list[dict],
 
 
 def batches(n: int, batch_size: int, rng: random.Random | None = None):
-    """Endless batches of ``batch_size`` indices into ``n`` examples, drawn without
-    replacement from reshuffled passes (``rng``, default Python's global ``random``, so
-    ``random.seed`` fixes them)."""
+    """Endless batches of ``batch_size`` indices into ``n``, without replacement per pass
+    (``rng``, default the global ``random``)."""
     rng = rng or random
     order: list[int] = []
     while True:
@@ -201,10 +193,9 @@ def batches(n: int, batch_size: int, rng: random.Random | None = None):
 
 def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=print
              ) -> list[dict]:
-    """The training loop of ``train cot`` and ``train colar``; returns the log records.
-    AdamW, grad-norm clip 1.0, LR linear warmup then cosine to 0 by ``cfg.steps`` or
-    ``cfg.max_seconds``. ``step_loss() -> (loss, extra)``; records ``{step, loss, **extra, lr,
-    seconds}`` go to ``progress`` as JSON; ``checkpoint(log)`` every ``cfg.save_every``."""
+    """The loop of ``train cot`` and ``train colar`` (AdamW, clip 1.0, warmup then cosine to 0
+    by ``cfg.steps`` or ``cfg.max_seconds``) over ``step_loss() -> (loss, extra)``;
+    ``checkpoint(log)`` every ``cfg.save_every``. Returns the log records."""
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                             betas=(0.9, 0.999), fused=cfg.device.startswith("cuda"))
     log: list[dict] = []
@@ -243,8 +234,8 @@ def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=pr
 
 
 def train(cfg: CotConfig, progress=print) -> dict:
-    """Run stage 0 (see the module docstring); returns the last log record. Raises
-    ValueError when no example fits, FileNotFoundError for missing data."""
+    """Run stage 0; returns the last log record. ValueError when no example fits,
+    FileNotFoundError for missing data."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     items = [it for p in cfg.data for it in read_items(p)]

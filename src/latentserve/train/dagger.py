@@ -21,10 +21,9 @@ from latentserve.train.options import DaggerConfig
 
 def rollout_anchors(engine, prompts: list[list[int]], caps: list[int],
                     chunk: int = 1024) -> list[torch.Tensor]:
-    """Run each prompt closed-loop through ``engine`` (policy sampling at ``sigma``, no stop,
-    exactly ``caps[i]`` latent steps), ``chunk`` at a time. Returns per prompt its anchors
-    ``[caps[i], H]`` float32 on the CPU (fewer if the context ran out). RuntimeError when a
-    request fails."""
+    """Each prompt closed-loop through ``engine`` for exactly ``caps[i]`` latent steps (no
+    stop), ``chunk`` at a time: its anchors ``[caps[i], H]`` float32 CPU (fewer when the
+    context ran out). RuntimeError when a request fails."""
     from latentserve.sampling_params import SamplingParams
     from latentserve.train.grpo import run_requests
 
@@ -90,10 +89,9 @@ def _serve_weights(served, head) -> None:
 
 
 def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
-    """Run ``cfg.rounds`` DAgger rounds from the SFT bundle, writing round ``r``'s head to
-    ``<out stem>-round{r}<suffix>`` (the last to ``cfg.out``) and ``<out>.log.json``.
-    ``engine``: one serving that bundle (else built); it ends with the trained weights.
-    Returns the log. Raises ValueError for a non-SFT bundle or another prompt format."""
+    """``cfg.rounds`` DAgger rounds from the SFT bundle, round ``r``'s head written to
+    ``<out stem>-round{r}<suffix>`` (the last to ``cfg.out``), the log to ``<out>.log.json``
+    and returned. ValueError for a non-SFT bundle or another prompt format."""
     from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
     from latentserve.latent.head_loop import set_policy_sampling
     from latentserve.train.features import first_rows, num_groups

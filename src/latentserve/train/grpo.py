@@ -28,9 +28,8 @@ def default_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) 
 
 
 def colar_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) -> float:
-    """1 when the answer after ``Answer:`` in ``text`` matches ``gold``
-    (``eval.colar_eval.answers_match``, upstream ``verify_answer``), + ``close_bonus`` when
-    the latent phase ended by the stop head."""
+    """1 when the answer after ``Answer:`` matches ``gold`` (upstream ``verify_answer``), +
+    ``close_bonus`` when the stop head ended the latent phase."""
     from latentserve.eval.colar_eval import answers_match
     from latentserve.latent.colar import ANSWER
 
@@ -49,9 +48,8 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(policy, ref, actions: list[list], adv: torch.Tensor, sigma: float,
                 kl_coef: float) -> tuple[torch.Tensor, dict]:
-    """The GRPO loss (module docstring) for rollouts ``actions[i]`` = list of ``(anchor [H],
-    z [L])`` with advantages ``adv [n]``. Rollouts without latent steps add nothing.
-    Returns ``(loss, {"pg", "kl", "latent_steps"})``."""
+    """The GRPO loss of rollouts ``actions[i]`` = ``[(anchor [H], z [L])]`` with advantages
+    ``adv [n]``. Returns ``(loss, {"pg", "kl", "latent_steps"})``."""
     rows = [(i, a, z) for i, acts in enumerate(actions) for a, z in acts]
     dev = next(policy.parameters()).device
     if not rows:
@@ -76,9 +74,8 @@ def policy_loss(policy, ref, actions: list[list], adv: torch.Tensor, sigma: floa
 
 
 def run_requests(engine, requests: list[tuple], tag: str) -> list[tuple[list[int], dict]]:
-    """Run ``requests`` (``(prompt ids, SamplingParams)`` pairs) through ``engine`` in one
-    batch; per request, in order, its output ids and ``latent_stats`` ({} when none).
-    RuntimeError naming a request that failed."""
+    """``(prompt ids, SamplingParams)`` pairs through ``engine`` in one batch; per request its
+    output ids and ``latent_stats``. RuntimeError naming a failed request."""
     base = f"{tag}-{time.monotonic_ns()}-"
     toks: dict[str, list[int]] = {f"{base}{i}": [] for i in range(len(requests))}
     for rid, (ids, params) in zip(toks, requests):
@@ -96,17 +93,16 @@ def run_requests(engine, requests: list[tuple], tag: str) -> list[tuple[list[int
 
 
 def rollouts(engine, prompts: list[list[int]], params, group_size: int) -> list[dict]:
-    """Run every prompt ``group_size`` times in one batch through ``engine`` (policy
-    sampling on). Returns, prompt-major, ``{"tokens", "stats"}`` per rollout."""
+    """Each prompt ``group_size`` times through ``engine``: ``{"tokens", "stats"}``,
+    prompt-major."""
     outs = run_requests(engine, [(ids, params) for ids in prompts for _ in range(group_size)],
                         "grpo")
     return [{"tokens": t, "stats": s} for t, s in outs]
 
 
 def head_engine(engine, cfg, **options):
-    """``engine``, else an ``LLMEngine`` serving ``cfg.bundle`` over ``cfg.model`` for
-    rollouts (``options``: more ``EngineConfig`` fields); with its head
-    (``runner.model.latent_head``). ValueError when it serves no compression head."""
+    """``(engine, its head)``; ``engine`` None: one serving ``cfg.bundle`` over ``cfg.model``
+    (``options``: ``EngineConfig`` fields). ValueError when it serves no compression head."""
     if engine is None:
         from latentserve.config import EngineConfig
         from latentserve.engine.llm_engine import LLMEngine
@@ -121,10 +117,9 @@ def head_engine(engine, cfg, **options):
 
 
 def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
-    """Run ``cfg.steps`` GRPO steps from the SFT bundle and write it to ``cfg.out`` (+
-    ``<out>.log.json``); returns the log. ``reward_fn(text, gold, stats) -> float`` replaces
-    :func:`default_reward`; ``engine``: one serving that bundle (else built), ending with the
-    trained head. Raises ValueError when the engine serves no compression head."""
+    """``cfg.steps`` GRPO steps from the SFT bundle, written to ``cfg.out`` and
+    ``<out>.log.json``; returns the log. ``reward_fn(text, gold, stats)`` replaces
+    :func:`default_reward`. ValueError when the engine serves no compression head."""
     from tqdm.auto import tqdm
 
     from latentserve.latent.bundle import read_bundle

@@ -36,9 +36,8 @@ def load_backbone(model: str | None, device: str, dtype: str):
 
 
 def merged_adapter_model(adapter_dir):
-    """The float32 CPU HF causal LM of a LoRA adapter directory: its base with every pair
-    merged (``models.lora.merge_adapter``, the engine's merge). Raises ValueError as
-    ``read_adapter``."""
+    """A LoRA adapter directory's base with the adapter merged (``models.lora``), float32 on
+    the CPU. ValueError as ``read_adapter``."""
     from transformers import AutoModelForCausalLM
 
     from latentserve.models.lora import merge_adapter, read_adapter
@@ -104,10 +103,9 @@ def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
 
 
 def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
-    """Train ``head`` (frozen ``target_proj``) for ``cfg.steps`` steps of ``cfg.batch_size``
-    latent and stop rows drawn uniformly; ``checkpoint(step)`` every ``cfg.save_every``.
-    Returns ``{"before", "after", "history", "rows", "latent_rows"}``; the head ends in eval
-    mode."""
+    """Train ``head`` (``target_proj`` frozen) for ``cfg.steps`` steps of ``cfg.batch_size``
+    uniform rows; ``checkpoint(step)`` every ``cfg.save_every``. Returns ``{"before",
+    "after", "history", "rows", "latent_rows"}``."""
     from tqdm.auto import tqdm
 
     from latentserve.train.schedule import adamw_warmup_linear

@@ -85,8 +85,7 @@ def write_icot(items: Iterable[Item], path: str | Path) -> int:
 
 
 def gsm8k_train_items(path: str | Path, limit: int | None = None) -> list[Item]:
-    """GSM8K rows (``{"question", "answer"}`` jsonl) as items whose steps are the
-    ``<<...>>`` annotations joined by spaces and whose gold is the text after ``####``
+    """GSM8K jsonl rows as items: steps the ``<<...>>`` annotations, gold after ``####``
     (commas removed). Errors as ``traces.load_gsm8k_rows``."""
     return [Item(r["question"].strip(), r["answer"].rpartition("####")[2].strip().replace(",", ""),
                  "number", reasoning_text(r["answer"], "equations"))

@@ -35,9 +35,8 @@ class Trace:
 
 
 def chat_prompt_ids(tokenizer, question: str, instruction: str | None = None) -> list[int]:
-    """The chat template's rendering of one user turn (``question``, then ``instruction``
-    on a new line when given) with the assistant turn opened; plain ids when the tokenizer
-    has no chat template."""
+    """Ids of one chat user turn (``question``, ``instruction`` on a new line) with the
+    assistant turn opened; plain ids without a chat template."""
     text = question if not instruction else f"{question}\n{instruction}"
     if getattr(tokenizer, "chat_template", None):
         out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
@@ -59,9 +58,8 @@ def reasoning_text(solution: str, style: str = "solution") -> str:
 
 
 def train_file(path: str | Path | None) -> Path:
-    """``path``, else GSM8K ``train.jsonl`` under ``$LATENTSERVE_DATA`` (it does not ship
-    with the package). Raises FileNotFoundError saying where to get it
-    (``eval.datasets.find_data_file``)."""
+    """``path``, else GSM8K ``train.jsonl`` under ``$LATENTSERVE_DATA``. FileNotFoundError
+    saying where to get it."""
     if path:
         return Path(path)
     from latentserve.eval.datasets import find_data_file
@@ -115,9 +113,8 @@ def build_traces(tokenizer, rows: list[dict], think_open: str = THINK_OPEN,
 
 
 def build_colar_traces(tokenizer, items, max_reasoning_tokens: int = 256) -> list[Trace]:
-    """Traces in the ``colar`` format (module docstring) of ``items``
-    (``eval.datasets.Item``: question, steps, gold). Items whose steps are empty or longer
-    than ``max_reasoning_tokens`` tokens are skipped."""
+    """``colar``-format traces of ``items``, skipping empty steps or more than
+    ``max_reasoning_tokens``."""
     from latentserve.train.cot import encode_parts
 
     out = []
@@ -143,9 +140,8 @@ def load_questions(data: str | Path | None, prompt_format: str = "chat",
 
 
 def prompt_ids(tokenizer, questions: list[str], prompt_format: str = "chat") -> list[list[int]]:
-    """What a request of each question prefills, before the engine appends the head's
-    opening ids: the chat template's rendering (``chat``) or CoLaR's prompt at thinking speed
-    1 with the opening separator (``latent.colar.prompt_ids``)."""
+    """A request's prefill per question, before the head's opening ids: the chat rendering
+    (``chat``) or CoLaR's prompt at speed 1 (``latent.colar.prompt_ids``)."""
     if _check_format(prompt_format) == "colar":
         from latentserve.latent.colar import prompt_ids as colar_prompt_ids
 

@@ -1,6 +1,5 @@
-"""The eager single-request reference for compression heads over HF transformers, written
-from the algorithm (CoLaR, arXiv 2505.16552; the DeepSeek-V4 addon's ``closed_loop.py`` /
-``injector.py``), reading the bundle itself, independent of ``latentserve.latent``.
+"""The eager single-request reference for compression heads over HF transformers, reading the
+bundle itself (CoLaR, arXiv 2505.16552; the DeepSeek-V4 addon's ``closed_loop.py``).
 
 Design notes: docs/internals.md, "latentserve.bench.baseline.head_reference".
 """
@@ -80,9 +79,9 @@ def head_reference_generate(model_dir, bundle_path, prompt_ids: list[int], open_
                             eos_ids=(), dtype: str = "float32", device: str = "cpu",
                             reuse_bundle: bool = False) -> dict:
     """One greedy request -> ``{"tokens", "steps", "stop_step", "max_stop_prob", "end",
-    "finish_reason"}``. ``open_ids`` appended unless the prompt ends with them; ``eos_ids``
-    end the answer (kept). Backbone in ``dtype``, head in float32; the HF model is cached,
-    the bundle re-read per call unless ``reuse_bundle``."""
+    "finish_reason"}``; ``open_ids`` appended unless the prompt ends with them, ``eos_ids``
+    end the answer (kept). Backbone in ``dtype``, head in float32; the bundle re-read per
+    call unless ``reuse_bundle``."""
     model = _hf_model(str(model_dir), dtype, device)
     load = _bundle_cached if reuse_bundle else _bundle_on
     cfg, head_net, stop_net, dec_net = load(str(bundle_path), device)

@@ -1,6 +1,5 @@
-"""The eager per-request reference for feedback latent models over HF transformers modules
-(``inputs_embeds`` + ``past_key_values``), written from the papers' and upstream's algorithm
-and loading the checkpoint independently of ``latentserve.latent.feedback``.
+"""The eager per-request reference for feedback latent models over HF transformers
+(``inputs_embeds`` + ``past_key_values``), loading the checkpoint independently.
 
 Design notes: docs/internals.md, "latentserve.bench.baseline.latent_reference".
 """
@@ -23,9 +22,8 @@ def _state_dict(path: Path) -> dict:
 
 
 def _lora_hooks(model, state: dict, r: int, alpha: float) -> dict:
-    """Without peft: add ``x @ A.T @ B.T * alpha / r`` to each LoRA module's output at run time
-    (forward hooks; works for ``nn.Linear`` and GPT-2 ``Conv1D`` alike). Returns ``state``
-    with the LoRA tensors removed and ``.base_layer`` dropped from the names."""
+    """Without peft: forward hooks adding ``x @ A.T @ B.T * alpha / r`` to each LoRA module.
+    Returns ``state`` without the LoRA tensors and ``.base_layer``."""
     mods = dict(model.named_modules())
     pairs: dict = {}
     for k in [k for k in state if ".lora_" in k]:
@@ -40,9 +38,8 @@ def _lora_hooks(model, state: dict, r: int, alpha: float) -> dict:
 
 @lru_cache(maxsize=8)
 def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
-    """``(hf_model, cfg, feedback)`` for a latentserve model directory: the base HF CausalLM
-    (vocab resized, upstream weights, LoRA unmerged via peft or hooks), the raw
-    ``latent_config.json``, and CODI's ``prj`` or identity; on ``device`` in ``dtype``."""
+    """``(hf_model, latent_config.json, feedback)`` of a model directory: the HF CausalLM
+    with the upstream weights (LoRA unmerged), CODI's ``prj`` or identity."""
     from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM
 

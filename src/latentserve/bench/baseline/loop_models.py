@@ -9,12 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from latentserve.bench.baseline.latent_models import LORA_TARGETS
+
 PCCOT_TOKENS = ("<pcot.bot>", "<pcot.eot>", "<pcot.latent>")
-_TARGETS = {"gpt2": ["c_attn", "c_fc", "c_proj"],
-            "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "up_proj",
-                      "gate_proj"]}
-
-
 EMBEDDING_FORMS = ("trainable_tokens", "modules_to_save", "resized")
 
 
@@ -66,7 +63,7 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     if embedding == "modules_to_save":
         saved.append(embed_name)
     cfg = LoraConfig(task_type="CAUSAL_LM", r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.1,
-                     target_modules=_TARGETS[base], fan_in_fan_out=base == "gpt2",
+                     target_modules=LORA_TARGETS[base], fan_in_fan_out=base == "gpt2",
                      modules_to_save=saved or None,
                      trainable_token_indices={embed_name: special}
                      if embedding == "trainable_tokens" else None)
@@ -94,7 +91,7 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
         "label_pad_token_id": -100, "answer_prompt": "The answer is:",
         "num_latent_tokens": block_size, "use_peft": True, "lora_r": lora_r,
         "lora_alpha": lora_alpha, "lora_dropout": 0.1,
-        "lora_target_modules": "-".join(_TARGETS[base]),
+        "lora_target_modules": "-".join(LORA_TARGETS[base]),
         "lora_modules_to_save": "-".join(saved)}, indent=4))
     return base_dir, adapter
 

@@ -1,6 +1,5 @@
 """The eager per-request reference for looped latent blocks (PCCoT, LOTUS): every pass
-recomputes the whole sequence from embeddings with HF transformers (no KV cache), written
-from the papers' algorithm, loading weights independently of ``latentserve.latent``.
+recomputes the whole sequence with HF transformers (no KV cache).
 
 Design notes: docs/internals.md, "latentserve.bench.baseline.loop_reference".
 """
@@ -36,8 +35,7 @@ def _eos(model) -> set:
 @lru_cache(maxsize=4)
 def load_pccot_reference(base_dir: str, adapter_dir: str, device: str = "cpu",
                          dtype: str = "float32") -> LoopReference:
-    """PCCoT from its upstream form: the base HF model resized to the adapter's embedding,
-    ``prj`` attached when ``use_projection``, and ``PeftModel.from_pretrained``."""
+    """PCCoT from its upstream form (base + ``prj`` + ``PeftModel.from_pretrained``)."""
     from peft import PeftModel
     from torch import nn
     from transformers import AutoModelForCausalLM

@@ -1,6 +1,5 @@
-"""Eager per-request references for Huginn and Ouro: one request at a time, written from the
-upstream algorithms over plain torch and the checkpoint's own files (``config.json``,
-``model.safetensors``), with no engine code. The engine is tested against these.
+"""Eager per-request references for Huginn and Ouro over plain torch and the checkpoint's own
+files (``config.json``, ``model.safetensors``), from the upstream algorithms.
 
 Design notes: docs/internals.md, "latentserve.bench.baseline.recurrent_reference".
 """
@@ -43,6 +42,22 @@ def _attend(q, keys, vals, q_pos, scale, k_pos=None):
     visible = kp[None, :] <= torch.tensor(q_pos, device=dev)[:, None]
     s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hsp,hpd->shd", s.softmax(-1), v.float()).to(q.dtype)
+
+
+def _greedy(forward, prompt, max_tokens: int, keys: tuple[str, ...]) -> dict:
+    """Greedy tokens after ``prompt``: ``forward(ids, positions, first)`` gives the last
+    position's logits ``[vocab]`` then the values named ``keys``. Returns ``{"tokens",
+    "logits", *keys}``, one entry per token."""
+    ids = list(prompt)
+    out: dict[str, list] = {k: [] for k in ("tokens", "logits", *keys)}
+    res = forward(ids, list(range(len(ids))), True)
+    for i in range(max_tokens):
+        ids.append(int(res[0].argmax()))
+        for k, v in zip(out, (ids[-1], *res)):
+            out[k].append(v)
+        if i + 1 < max_tokens:
+            res = forward([ids[-1]], [len(ids) - 1], False)
+    return out
 
 
 class _LayeredCache:
@@ -240,20 +255,9 @@ class HuginnReference:
             rule = (criterion, thr, min_steps, check_every)
         upstream = semantics == "upstream"
         cache = _LayeredCache(self._same_layer, drop=upstream)
-        ids = list(prompt)
-        out = {"tokens": [], "logits": [], "iterations": []}
-        logits, n = self._forward(ids, list(range(len(ids))), cache, num_steps,
-                                  rule if upstream else None)
-        for _ in range(max_tokens):
-            tok = int(logits.argmax())
-            out["tokens"].append(tok)
-            out["logits"].append(logits.float())
-            out["iterations"].append(n)
-            ids.append(tok)
-            if len(out["tokens"]) == max_tokens:
-                break
-            logits, n = self._forward([tok], [len(ids) - 1], cache, num_steps, rule)
-        return out
+        return _greedy(lambda ids, pos, first: self._forward(
+            ids, pos, cache, num_steps, rule if upstream or not first else None),
+            prompt, max_tokens, ("iterations",))
 
 
 class OuroReference:
@@ -278,13 +282,9 @@ class OuroReference:
     def _w(self, name):
         return self.sd[name]
 
-    def _rms(self, x, w):  # OuroRMSNorm: weight * normalized.to(input dtype)
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
     def _layer(self, i, x, pos, cos, sin, cache, idx):
         w, pre, s = self._w, f"model.layers.{i}", x.shape[0]
-        hx = self._rms(x, w(f"{pre}.input_layernorm.weight"))
+        hx = _rms(x, w(f"{pre}.input_layernorm.weight"), self.eps)
         q = (hx @ w(f"{pre}.self_attn.q_proj.weight").T).view(s, self.h, self.hd)
         k = (hx @ w(f"{pre}.self_attn.k_proj.weight").T).view(s, self.hkv, self.hd)
         v = (hx @ w(f"{pre}.self_attn.v_proj.weight").T).view(s, self.hkv, self.hd)
@@ -297,11 +297,11 @@ class OuroReference:
         keys, vals, _ = cache.update(idx, pos, k, v)
         o = _attend(q, keys, vals, pos, self.hd**-0.5).reshape(s, -1)
         a = o @ w(f"{pre}.self_attn.o_proj.weight").T
-        x = x + self._rms(a, w(f"{pre}.input_layernorm_2.weight"))
-        hx = self._rms(x, w(f"{pre}.post_attention_layernorm.weight"))
+        x = x + _rms(a, w(f"{pre}.input_layernorm_2.weight"), self.eps)
+        hx = _rms(x, w(f"{pre}.post_attention_layernorm.weight"), self.eps)
         m = (F.silu(hx @ w(f"{pre}.mlp.gate_proj.weight").T)
              * (hx @ w(f"{pre}.mlp.up_proj.weight").T)) @ w(f"{pre}.mlp.down_proj.weight").T
-        return x + self._rms(m, w(f"{pre}.post_attention_layernorm_2.weight"))
+        return x + _rms(m, w(f"{pre}.post_attention_layernorm_2.weight"), self.eps)
 
     def _same_layer(self, idx):
         return list(range(idx - self.n, -1, -self.n))
@@ -318,7 +318,7 @@ class OuroReference:
         for t in range(depth):
             for i in range(self.n):
                 h = self._layer(i, h, pos, cos, sin, cache, t * self.n + i)
-            h = self._rms(h, self._w("model.norm.weight"))
+            h = _rms(h, self._w("model.norm.weight"), self.eps)
             hs.append(h)
             g = (h @ self._w("model.early_exit_gate.weight").T
                  + self._w("model.early_exit_gate.bias"))
@@ -368,20 +368,6 @@ class OuroReference:
         depth = depth or self.steps
         thr = 1.0 if threshold is None else threshold
         cache = _LayeredCache(self._same_layer)
-        ids = list(prompt)
-        out = {"tokens": [], "logits": [], "iterations": [], "readouts": [], "exit_probs": []}
-        logits, n, e, pdf = self._forward(ids, list(range(len(ids))), cache, depth, mode, thr,
-                                          False)
-        for _ in range(max_tokens):
-            tok = int(logits.argmax())
-            out["tokens"].append(tok)
-            out["logits"].append(logits)
-            out["iterations"].append(n)
-            out["readouts"].append(e)
-            out["exit_probs"].append(pdf)
-            ids.append(tok)
-            if len(out["tokens"]) == max_tokens:
-                break
-            logits, n, e, pdf = self._forward([tok], [len(ids) - 1], cache, depth, mode, thr,
-                                              mode == "threshold-approx")
-        return out
+        return _greedy(lambda ids, pos, first: self._forward(
+            ids, pos, cache, depth, mode, thr, not first and mode == "threshold-approx"),
+            prompt, max_tokens, ("iterations", "readouts", "exit_probs"))
