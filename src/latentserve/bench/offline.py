@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from importlib import resources
 
 from latentserve.bench.device_common import sync
+from latentserve.eval.datasets import chat_prompt_ids
 
 WARMUP_PROMPTS = 2
 WARMUP_OUTPUT_LEN = 8
@@ -27,16 +28,6 @@ def load_questions() -> list[dict]:
     """The packaged GSM8K test questions: ``[{"question", "answer"}]`` (the final number)."""
     text = resources.files("latentserve").joinpath("data/questions.json").read_text("utf-8")
     return json.loads(text)["questions"]
-
-
-def chat_prompt_ids(tokenizer, question: str) -> list[int]:
-    """Ids of ``question`` as one chat user turn (plain encoded without a chat template)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.encode(question))
-    out = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                        add_generation_prompt=True, tokenize=True)
-    ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-    return [int(t) for t in ids]
 
 
 def build_prompts(tokenizer, num_prompts: int, offset: int = 0) -> list[list[int]]:

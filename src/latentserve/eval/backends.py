@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from latentserve.eval.datasets import chat_prompt_ids
+
 
 @dataclass(slots=True)
 class Completion:
@@ -46,7 +48,6 @@ class EngineBackend:
 
     def run(self, requests: list[Request], **head_controls) -> list[Completion]:
         from latentserve.sampling_params import SamplingParams
-        from latentserve.train.traces import chat_prompt_ids
 
         start, rids = time.perf_counter(), []
         n_close = len(self.engine.latent_spec.end_ids) if self.has_head else 0

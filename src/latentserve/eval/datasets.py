@@ -131,3 +131,14 @@ def _parse(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
             if limit is not None and len(items) >= limit:
                 break
     return items
+
+
+def chat_prompt_ids(tokenizer, question: str, instruction: str | None = None) -> list[int]:
+    """Ids of one chat user turn (``question``, ``instruction`` on a new line) with the
+    assistant turn opened; plain ids without a chat template."""
+    text = question if not instruction else f"{question}\n{instruction}"
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+    return list(tokenizer.encode(text))

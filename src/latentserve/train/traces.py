@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from latentserve.eval.datasets import chat_prompt_ids
+
 # Thinking-span text for a backbone without <think> tokens (SmolLM2): the closing leads the
 # frozen model into stating the answer.
 THINK_OPEN = "Let me think step by step."
@@ -32,17 +34,6 @@ class Trace:
     @property
     def ids(self) -> list[int]:
         return self.prompt + self.reasoning + self.close + self.answer
-
-
-def chat_prompt_ids(tokenizer, question: str, instruction: str | None = None) -> list[int]:
-    """Ids of one chat user turn (``question``, ``instruction`` on a new line) with the
-    assistant turn opened; plain ids without a chat template."""
-    text = question if not instruction else f"{question}\n{instruction}"
-    if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
-    return list(tokenizer.encode(text))
 
 
 def reasoning_text(solution: str, style: str = "solution") -> str:
