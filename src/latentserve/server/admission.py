@@ -1,7 +1,5 @@
 """``--max-waiting-requests``: admission counted in the API process, when a request arrives.
-
-Design notes: docs/internals.md, "latentserve.server.admission".
-"""
+Design notes: docs/internals.md, "latentserve.server.admission"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """``POST /v1/messages``: the Anthropic Messages API over the same engine.
-
-Design notes: docs/internals.md, "latentserve.server.anthropic_api".
-"""
+Design notes: docs/internals.md, "latentserve.server.anthropic_api"."""
 
 from __future__ import annotations
 

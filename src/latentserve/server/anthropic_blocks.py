@@ -1,8 +1,6 @@
 """Anthropic Messages content blocks and tools <-> the chat template's conversation and the
 OpenAI-shaped tools of ``server/tools.py``.
-
-Design notes: docs/internals.md, "latentserve.server.anthropic_blocks".
-"""
+Design notes: docs/internals.md, "latentserve.server.anthropic_blocks"."""
 
 from __future__ import annotations
 

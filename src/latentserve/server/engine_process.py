@@ -1,7 +1,5 @@
 """The engine in its own process: a loop around ``LLMEngine.step()`` fed over ZMQ.
-
-Design notes: docs/internals.md, "latentserve.server.engine_process".
-"""
+Design notes: docs/internals.md, "latentserve.server.engine_process"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Error bodies: OpenAI's shape everywhere, Anthropic's under ``/v1/messages``.
-
-Design notes: docs/internals.md, "latentserve.server.errors".
-"""
+Design notes: docs/internals.md, "latentserve.server.errors"."""
 
 from __future__ import annotations
 

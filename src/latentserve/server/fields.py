@@ -1,8 +1,6 @@
 """The body fields of each route, declared once: implemented, accepted with no effect, or
 refused; any other top-level field is refused as unknown (``params.refuse_unsupported``).
-
-Design notes: docs/internals.md, "latentserve.server.fields".
-"""
+Design notes: docs/internals.md, "latentserve.server.fields"."""
 
 from __future__ import annotations
 

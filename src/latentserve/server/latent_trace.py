@@ -1,9 +1,7 @@
 """The public shape of a latent trace: the engine's entries (``StepOutput.latent_trace``,
 ``latent/lens.py``) with decoded token strings, and the ``latent`` object of a choice and
 of a streamed tick (``docs/server.md``, "Latent reasoning").
-
-Design notes: docs/internals.md, "latentserve.server.latent_trace".
-"""
+Design notes: docs/internals.md, "latentserve.server.latent_trace"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Engine ``TokenLogprob``s -> the OpenAI chat and completions ``logprobs`` objects.
-
-Design notes: docs/internals.md, "latentserve.server.logprobs".
-"""
+Design notes: docs/internals.md, "latentserve.server.logprobs"."""
 
 from __future__ import annotations
 

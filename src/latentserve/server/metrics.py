@@ -2,9 +2,7 @@
 under our prefix: ``vllm:NAME`` is ``latentserve_NAME`` (``vllm/v1/metrics/loggers.py``;
 the rule that turns a vLLM Grafana dashboard into ours), every sample labelled
 ``model_name`` (the first served name).
-
-Design notes: docs/internals.md, "latentserve.server.metrics".
-"""
+Design notes: docs/internals.md, "latentserve.server.metrics"."""
 
 from __future__ import annotations
 

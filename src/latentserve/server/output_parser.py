@@ -1,7 +1,5 @@
 """One chat choice's text -> reasoning, answer and tool calls, streamed or whole.
-
-Design notes: docs/internals.md, "latentserve.server.output_parser".
-"""
+Design notes: docs/internals.md, "latentserve.server.output_parser"."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Reasoning output: a model's ``<think>...</think>`` text split from its answer
 (``--reasoning-parser``), and a latent model's latent steps rendered as readable text.
-
-Design notes: docs/internals.md, "latentserve.server.reasoning".
-"""
+Design notes: docs/internals.md, "latentserve.server.reasoning"."""
 
 from __future__ import annotations
 

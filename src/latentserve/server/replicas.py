@@ -1,7 +1,5 @@
 """Data-parallel replicas behind SGLang's router (``latentserve serve --data-parallel-size N``).
-
-Design notes: docs/internals.md, "latentserve.server.replicas".
-"""
+Design notes: docs/internals.md, "latentserve.server.replicas"."""
 
 from __future__ import annotations
 

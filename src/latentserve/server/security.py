@@ -1,7 +1,5 @@
 """ASGI middleware for the API key, the request body size limit and JSON bodies.
-
-Design notes: docs/internals.md, "latentserve.server.security".
-"""
+Design notes: docs/internals.md, "latentserve.server.security"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Read timeouts: a client too slow to send its request headers or body is disconnected.
-
-Design notes: docs/internals.md, "latentserve.server.timeouts".
-"""
+Design notes: docs/internals.md, "latentserve.server.timeouts"."""
 
 from __future__ import annotations
 

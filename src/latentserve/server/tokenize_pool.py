@@ -1,7 +1,5 @@
 """Tokenization and chat templating off the event loop, in a bounded pool of threads.
-
-Design notes: docs/internals.md, "latentserve.server.tokenize_pool".
-"""
+Design notes: docs/internals.md, "latentserve.server.tokenize_pool"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Tool calls parsed out of a model's text (``--tool-call-parser``), streamed or whole.
-
-Design notes: docs/internals.md, "latentserve.server.tool_parsers".
-"""
+Design notes: docs/internals.md, "latentserve.server.tool_parsers"."""
 
 from __future__ import annotations
 

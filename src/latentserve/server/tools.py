@@ -1,8 +1,6 @@
 """Tool definitions and ``tool_choice``: checks, the JSON schema a forced call is decoded
 under, and the constraint that carries it to the engine.
-
-Design notes: docs/internals.md, "latentserve.server.tools".
-"""
+Design notes: docs/internals.md, "latentserve.server.tools"."""
 
 from __future__ import annotations
 
