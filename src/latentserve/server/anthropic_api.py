@@ -31,6 +31,7 @@ from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import latent_info
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
+    check_prompt_length,
     check_stop_count,
     exit_fields,
     head_controls,
@@ -41,7 +42,7 @@ from latentserve.server.params import (
     refuse_unsupported,
     unset_default,
 )
-from latentserve.server.prompts import check_conversation_bytes, check_prompt_length, render_chat
+from latentserve.server.prompts import check_conversation_bytes, render_chat
 from latentserve.server.protocol import BODY_CONFIG, LatentFields, RequestModel
 from latentserve.server.reasoning import (
     LatentReasoning,

@@ -20,12 +20,13 @@ from latentserve.server.output_parser import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
+    check_prompt_length,
     engine_requests,
     latent_controls,
     latent_positions,
     sampling_params,
 )
-from latentserve.server.prompts import chat_tools, check_prompt_length, templated_prompt_ids
+from latentserve.server.prompts import chat_tools, templated_prompt_ids
 from latentserve.server.protocol import (
     AssistantMessage,
     ChatChoice,

@@ -17,12 +17,13 @@ from latentserve.server.logprobs import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
+    check_prompt_length,
     engine_requests,
     latent_controls,
     latent_positions,
     sampling_params,
 )
-from latentserve.server.prompts import check_prompt_length, completion_prompts, prompt_list
+from latentserve.server.prompts import completion_prompts, prompt_list
 from latentserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,

@@ -9,7 +9,6 @@ from typing import Any
 
 from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
-from latentserve.server.params import context_error
 from latentserve.server.protocol import CHAT_ROLES, ChatMessage, ChatTool, ToolCall
 from latentserve.server.tokenize_pool import in_pool
 
@@ -257,8 +256,3 @@ def check_conversation_bytes(conversation: list[dict[str, Any]], tokenizer,
                if m["role"] != "assistant")
     check_prompt_bytes(size, tokenizer, max_model_len, "messages")
 
-
-def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
-    """Raise :func:`context_error` unless the prompt leaves room for one token."""
-    if num_prompt_tokens >= max_model_len:
-        raise context_error(num_prompt_tokens, max_model_len, param)
