@@ -70,9 +70,9 @@ class GuardMiddleware:
 
 
 class JSONBodies:
-    """Pure ASGI middleware: a POST request whose ``Content-Type`` is missing or not JSON
-    reaches the app as ``application/json``, so its body is parsed (and validated) as
-    JSON rather than refused as "not a JSON object"."""
+    """Pure ASGI middleware: a POST whose ``Content-Type`` is missing or not JSON reaches
+    the app as ``application/json`` (its body is parsed as JSON)."""
+
 
     def __init__(self, app):
         self.app = app
