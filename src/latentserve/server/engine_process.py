@@ -374,16 +374,18 @@ class EngineProcess:
         return self._proc is not None and self._proc.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the engine to exit, then terminate it if it does not; remove the sockets."""
-        if self._proc is not None and self._proc.is_alive() and self.ready is not None:
-            _send_shutdown(self.addresses)
-            self._proc.join(timeout)
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout)
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
+        """Ask the engine to exit, then terminate or kill it if it does not; remove the
+        sockets."""
+        proc = self._proc
+        if proc is not None:
+            if proc.is_alive() and self.ready is not None:
+                _send_shutdown(self.addresses)
+                proc.join(timeout)
+            for end in (proc.terminate, proc.kill):
+                if proc.is_alive():
+                    end()
+                    proc.join(timeout)
+
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -53,11 +53,6 @@ def served_model_name(config: EngineConfig) -> str:
     return config.model or DEFAULT_MODEL_NAME
 
 
-def served_names(config: EngineConfig) -> tuple[str, ...]:
-    """Every name ``config``'s model is served under, :func:`served_model_name` first."""
-    return config.served_model_name or (served_model_name(config),)
-
-
 def check_model_names(configs: list[EngineConfig]) -> list[str]:
     """The served names of ``configs``, in order. Raises ValueError for no config or a name
     served twice (naming both ``--model`` paths)."""
@@ -65,7 +60,7 @@ def check_model_names(configs: list[EngineConfig]) -> list[str]:
         raise ValueError("no model to serve: give at least one --model")
     seen: dict[str, int] = {}
     for i, config in enumerate(configs):
-        for name in served_names(config):
+        for name in config.served_model_name or (served_model_name(config),):
             if name in seen and seen[name] != i:
                 j = seen[name]
                 raise ValueError(
