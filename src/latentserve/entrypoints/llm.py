@@ -105,8 +105,8 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None) -> list[RequestOutput]:
         """Render one conversation or a list of them as ``/v1/chat/completions`` does (vLLM's
-        ``LLM.chat`` arguments), then :meth:`generate`. ValueError naming the message or
-        field (``NoTokenizerError`` without tokenizer files)."""
+        ``LLM.chat`` arguments), then :meth:`generate`; template thinking sets unset
+        ``params.thinking``. ValueError naming the message or field (``NoTokenizerError``)."""
         from latentserve.latent.head import template_thinking
 
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
