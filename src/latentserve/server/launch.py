@@ -1,9 +1,6 @@
 """Start the server: :func:`run_server` in this process, or :func:`start_server` as a
-subprocess (tests, demos) that is ready once ``/health`` answers.
-
-``python -m latentserve.server.launch --model DIR --port 8000`` runs :func:`run_server`;
-``--model A --model B`` serves several models, one engine process each.
-"""
+subprocess ready once ``/health`` answers. ``python -m latentserve.server.launch --model DIR
+--port 8000`` runs :func:`run_server`; ``--model A --model B`` serves several models."""
 
 from __future__ import annotations
 
