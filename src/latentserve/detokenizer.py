@@ -1,7 +1,5 @@
 """Incremental detokenization with stop strings, for streaming outputs.
-
-Design notes: docs/internals.md, "latentserve.detokenizer".
-"""
+Design notes: docs/internals.md, "latentserve.detokenizer"."""
 
 from __future__ import annotations
 

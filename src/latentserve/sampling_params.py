@@ -104,7 +104,8 @@ class SamplingParams:
         _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _check_num("repetition_penalty", self.repetition_penalty, lo=FLOAT32_TINY,
                    hi=FLOAT32_MAX)
-        for name in ("logprobs", "prompt_logprobs", "latent_budget"):
+        for name in ("logprobs", "prompt_logprobs", "latent_budget", "max_latent", "min_latent",
+                     "min_output_tokens"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), lo=0)
         if self.exit_criterion is not None and (not isinstance(self.exit_criterion, str)
@@ -122,9 +123,6 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not isinstance(v, bool):
                 raise ValueError(f"{name} must be a boolean, got {v!r}")
-        for name in ("max_latent", "min_latent", "min_output_tokens"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), lo=0)
         if (self.min_latent is not None and self.max_latent  # max_latent 0: no latent phase
                 and self.min_latent > self.max_latent):
             raise ValueError(f"min_latent must be at most max_latent ({self.max_latent}), "

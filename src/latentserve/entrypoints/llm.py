@@ -15,11 +15,9 @@ PromptType = str | list[int] | dict
 
 class LLM:
     """Run the engine in-process; ``engine_options`` are ``EngineConfig`` fields
-    (``trust_remote_code`` is ignored with a warning: no checkpoint code is run).
+    (``trust_remote_code`` is ignored). TypeError for an unknown option; ValueError or
+    FileNotFoundError from loading."""
 
-    Raises:
-        TypeError for an unknown option; ValueError / FileNotFoundError from loading.
-    """
 
     def __init__(self, model: str | None = None, **engine_options):
         from latentserve.engine.llm_engine import LLMEngine
@@ -45,26 +43,17 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
-        """One ``RequestOutput`` per prompt, in order, each with ``params.n`` completions.
-
-        A prompt is a string, token ids, or vLLM's ``{"prompt": str}`` /
-        ``{"prompt_token_ids": [...]}``. ``sampling_params``: one, or one per prompt (None:
-        :meth:`get_default_sampling_params`). Choice i of ``n`` > 1 uses ``seed + i``.
-        ``use_tqdm``: a bool or a tqdm-like callable.
-
-        Raises ValueError for a bad prompt or params before anything runs
-        (``NoTokenizerError`` for text without tokenizer files).
-        """
+        """One ``RequestOutput`` per prompt, in order, each with ``params.n`` completions
+        (choice i: ``seed + i``). A prompt is a string, token ids, or vLLM's ``{"prompt"}`` /
+        ``{"prompt_token_ids"}``; ``sampling_params``: one, or one per prompt. ValueError
+        (``NoTokenizerError`` for text without tokenizer files) before anything runs."""
         from latentserve.entrypoints.completion import CompletionBuilder, TokenStrings
 
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
+        sampling_params = self._params_list(sampling_params, len(prompts))
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling_params; pass one or one per prompt")
@@ -116,19 +105,12 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: list[dict] | None = None) -> list[RequestOutput]:
         """Render one conversation or a list of them as ``/v1/chat/completions`` does (vLLM's
-        ``LLM.chat`` arguments), then :meth:`generate`; ``RequestOutput.prompt`` is the
-        rendered text. ``chat_template_kwargs`` thinking sets unset ``params.thinking``.
-
-        Raises ValueError naming the message or field (``NoTokenizerError`` without
-        tokenizer files)."""
+        ``LLM.chat`` arguments), then :meth:`generate`; template thinking sets unset
+        ``params.thinking``. ValueError naming the message or field (``NoTokenizerError``)."""
         from latentserve.latent.head import template_thinking
 
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(convs)
-        sampling_params = list(sampling_params)
+        sampling_params = self._params_list(sampling_params, len(convs))
         from_kwargs = template_thinking(chat_template_kwargs)
         render = {"chat_template": chat_template, "tools": tools,
                   "add_generation_prompt": add_generation_prompt,
@@ -145,6 +127,12 @@ class LLM:
             prompts.append({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False),
                             "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_list(self, params, count: int) -> list[SamplingParams]:
+        """``params`` as a list: None -> the defaults, one -> ``count`` of it."""
+        if params is None:
+            params = self.get_default_sampling_params()
+        return [params] * count if isinstance(params, SamplingParams) else list(params)
 
     def _chat_ids(self, conv: list[dict], kwargs: dict, *, chat_template: str | None,
                   tools: list[dict] | None, add_generation_prompt: bool,

@@ -1,14 +1,11 @@
 """``--max-waiting-requests``: admission counted in the API process, when a request arrives.
-
-Design notes: docs/internals.md, "latentserve.server.admission".
-"""
+Design notes: docs/internals.md, "latentserve.server.admission"."""
 
 from __future__ import annotations
 
 
 class Ticket:
-    """An admitted client request's ``left`` engine requests not yet sent (counted in
-    ``state.reserved``); :meth:`take` as each is sent, the ``with`` exit returns the rest."""
+    """An admitted request's ``left`` engine requests not yet sent (in ``state.reserved``)."""
 
     __slots__ = ("state", "left")
 
@@ -32,14 +29,10 @@ class Ticket:
 
 
 def admit(state, n: int, param: str = "n") -> Ticket:
-    """Admit a client request of ``n`` engine requests, unless it would leave more than
-    ``max_waiting_requests`` admitted and unfinished ones beyond the ``max_num_seqs`` seats.
+    """Admit a request of ``n`` engine requests unless more than ``max_waiting_requests``
+    would wait for the ``max_num_seqs`` seats: else the 503 ``overloaded`` (a 400 naming
+    ``param`` when it could never be admitted)."""
 
-    Raises:
-        APIError: the 400 naming ``param`` when ``n`` exceeds seats + waiting (it could
-            never be admitted); the 503 ``overloaded`` with ``Retry-After`` (529 on
-            ``/v1/messages``).
-    """
     limit, seats = state.limits.max_waiting_requests, state.max_num_seqs
     if limit is not None and seats is not None:
         if n > seats + limit:

@@ -1,7 +1,5 @@
 """``POST /v1/messages``: the Anthropic Messages API over the same engine.
-
-Design notes: docs/internals.md, "latentserve.server.anthropic_api".
-"""
+Design notes: docs/internals.md, "latentserve.server.anthropic_api"."""
 
 from __future__ import annotations
 
@@ -33,6 +31,7 @@ from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import latent_info
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
+    check_prompt_length,
     check_stop_count,
     exit_fields,
     head_controls,
@@ -43,7 +42,7 @@ from latentserve.server.params import (
     refuse_unsupported,
     unset_default,
 )
-from latentserve.server.prompts import check_conversation_bytes, check_prompt_length, render_chat
+from latentserve.server.prompts import check_conversation_bytes, render_chat
 from latentserve.server.protocol import BODY_CONFIG, LatentFields, RequestModel
 from latentserve.server.reasoning import (
     LatentReasoning,
@@ -96,8 +95,7 @@ class MessagesRequest(LatentFields):
 
 
 def thinking_flag(thinking: dict | None) -> bool | None:
-    """``thinking.type`` ``enabled`` -> True, ``disabled`` -> False, absent -> None
-    (``budget_tokens`` is not used). APIError naming ``thinking.type`` for another type."""
+    """``thinking.type`` ``enabled`` -> True, ``disabled`` -> False, absent -> None; APIError."""
     if thinking is None:
         return None
     kind = thinking.get("type")
@@ -204,8 +202,7 @@ def _stop(finish_reason: str | None, stop_string: str | None, called: bool = Fal
 
 @dataclass(slots=True)
 class _Answer:
-    """How a request's answer is shaped: tools, tool choice, the body's thinking flag
-    (:func:`thinking_flag`; a thinking block is shown when True), latent mode."""
+    """How a request's answer is shaped: tools, choice, :func:`thinking_flag`, latent mode."""
 
     tool_dicts: list[dict] | None
     tools: dict[str, dict]
@@ -219,8 +216,7 @@ class _Answer:
 
 
 def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
-    """Raises APIError (400 naming the field) for bad tools, ``tool_choice`` or
-    ``latent_reasoning`` (it needs ``thinking`` enabled)."""
+    """APIError (400 naming the field) for bad tools, ``tool_choice`` or ``latent_reasoning``."""
     tool_dicts = openai_tools(body.tools)
     tools = check_tools(tool_dicts)
     choice = anthropic_tool_choice(body.tool_choice, tools)
@@ -234,8 +230,7 @@ def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
 
 def _head_controls(body: MessagesRequest, request, state: ServerState, flag: bool | None
                    ) -> dict:
-    """The head controls that are set, with the thinking ``flag`` as the head's boolean
-    (only where it means a head). Raises APIError (400 naming the header or field)."""
+    """The head controls set, ``flag`` as the head's thinking where it means one; APIError."""
     kind = getattr(state.latent_spec, "kind", None)
     shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
     body = body.model_copy(update={"thinking": flag if kind == "head" or (flag and not shows)
@@ -248,8 +243,7 @@ def _head_controls(body: MessagesRequest, request, state: ServerState, flag: boo
 
 async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
                       ) -> list[int]:
-    """The templated prompt (in the pool), ``thinking`` passed as the template's
-    ``thinking`` / ``enable_thinking``."""
+    """The templated prompt, ``thinking`` as the template's ``thinking`` / ``enable_thinking``."""
     conversation = _conversation(body)
     check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
     flag = answer.flag
@@ -262,12 +256,7 @@ async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
 
 async def count_input_tokens(body: CountTokensRequest, request, state: ServerState) -> int:
     """The prompt tokens ``/v1/messages`` would take, after all its checks (the engine's
-    too, nothing queued); without ``max_tokens`` it asks room for one answer token.
-
-    Raises:
-        APIError: 400 for a body ``/v1/messages`` refuses, 404 for a model not served,
-            503 when the engine is gone.
-    """
+    too); without ``max_tokens``, room for one answer token. APIError: 400, 404, 503."""
     from latentserve.server.serving import ENGINE_ERRORS, api_error
 
     _check(body, state)
@@ -308,11 +297,7 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
 
 async def create_message(body: MessagesRequest, request, state: ServerState):
     """Validate, admit, template, run; answer with a ``message`` or an SSE event stream.
-
-    Raises:
-        APIError: 400, 404 (another model), 503 ``overloaded`` (529 here), or the engine
-            errors of ``serving.api_error``.
-    """
+    APIError: 400, 404, 503 ``overloaded`` (529 here), or ``serving.api_error``'s."""
     from latentserve.server.admission import admit
 
     arrival = time.monotonic()
@@ -393,8 +378,8 @@ def _error_event(exc: Exception) -> str:
 
 
 class _Blocks:
-    """A streamed message's content blocks as SSE events (:meth:`take` hands them out);
-    opening a block closes the one before it."""
+    """A streamed message's content blocks as SSE events, handed out by :meth:`take`."""
+
 
     def __init__(self):
         self.index = -1

@@ -1,8 +1,6 @@
 """Anthropic Messages content blocks and tools <-> the chat template's conversation and the
 OpenAI-shaped tools of ``server/tools.py``.
-
-Design notes: docs/internals.md, "latentserve.server.anthropic_blocks".
-"""
+Design notes: docs/internals.md, "latentserve.server.anthropic_blocks"."""
 
 from __future__ import annotations
 
@@ -58,9 +56,8 @@ def _result_text(block: ContentBlock, param: str) -> str:
 
 def message_turns(role: str, content: str | list[ContentBlock], param: str,
                   tool_names: dict[str, str]) -> list[dict[str, Any]]:
-    """One Anthropic message as chat-template turns; ``tool_names`` (tool_use id -> name) is
-    filled by assistant turns and read by tool results. APIError (400 naming
-    ``{param}.{j}``) for another block type or missing fields."""
+    """One Anthropic message as chat-template turns (``tool_names``: tool_use id -> name).
+    APIError (400 naming ``{param}.{j}``) for another block type or missing fields."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts, calls, results = [], [], []
@@ -103,8 +100,7 @@ def message_turns(role: str, content: str | list[ContentBlock], param: str,
 
 
 def openai_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tools as OpenAI function tools. APIError (400 naming ``tools.{i}.type``,
-    ``.input_schema`` or ``.name``) for a server tool, a bad schema or name."""
+    """Anthropic tools as OpenAI function tools; APIError for a server tool, schema or name."""
     if not tools:
         return None
     out = []
@@ -125,8 +121,8 @@ def openai_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | No
 
 def anthropic_tool_choice(choice: dict[str, Any] | None, tools: dict[str, dict]
                           ) -> ToolChoice:
-    """Anthropic's ``tool_choice`` (None: ``auto`` with tools). APIError (400 naming
-    ``tool_choice``, its ``type`` or ``name``) for a bad value."""
+    """Anthropic's ``tool_choice`` (None: ``auto`` with tools); APIError for a bad value."""
+
     if choice is None:
         return ToolChoice("auto" if tools else "none")
     kind = choice.get("type")

@@ -20,15 +20,10 @@ DEFAULT_CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers":
 def create_app(state: ServerState | list[ServerState] | ServedModels,
                on_shutdown: Callable[[], None] | None = None, api_key: str | None = None,
                cors: dict | None = None):
-    """The app around one ``ServerState`` per served model (clients not yet started).
-
-    Routes: the OpenAI and Anthropic APIs, ``/v1/models``, ``/tokenize``, ``/detokenize``,
-    ``/health``, ``/version``, ``/metrics`` (Prometheus) and ``/viewer/`` (static, open). A
-    request's ``model`` picks the model (``ServedModels.resolve``). ``api_key`` (None: open)
-    and the body limit are ``security.GuardMiddleware``'s; ``cors``: ``CORSMiddleware``
-    options over ``DEFAULT_CORS``. The lifespan starts and closes the clients, then runs
-    ``on_shutdown``.
-    """
+    """The app around one ``ServerState`` per served model: the OpenAI and Anthropic APIs,
+    ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``, ``/metrics``
+    and ``/viewer/``. ``api_key`` None: open; ``cors``: options over ``DEFAULT_CORS``. The
+    lifespan starts and closes the clients, then runs ``on_shutdown``."""
     import asyncio
     from contextlib import asynccontextmanager
 
@@ -199,9 +194,8 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.get("/health", response_model=None)
     async def health(model: str | None = None):
-        """Every engine's health (``models``; ``?model=NAME``: one). One model: its fields at
-        the top level, 503 when its engine is gone. Several: ``status`` ``ok``, ``degraded``
-        (200) or ``error`` (503), ``running`` and ``aborts_sent`` summed."""
+        """Every engine's health (``?model=NAME``: one); 503 when none is left."""
+
         states = [model_state(model)] if model is not None else served.states
         entries = list(await asyncio.gather(*(model_health(s) for s in states)))
         if len(entries) == 1:

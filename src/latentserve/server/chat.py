@@ -20,12 +20,13 @@ from latentserve.server.output_parser import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
+    check_prompt_length,
     engine_requests,
     latent_controls,
     latent_positions,
     sampling_params,
 )
-from latentserve.server.prompts import chat_tools, check_prompt_length, templated_prompt_ids
+from latentserve.server.prompts import chat_tools, templated_prompt_ids
 from latentserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -152,9 +153,9 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
                   n: int, parser: Callable[[], OutputParser], latent_mode: str | None,
                   choice: ToolChoice, ticks: bool, echo: str
                   ) -> AsyncIterator[ChatCompletionChunk]:
-    """Per choice (``n``, each with a ``parser()``): a role chunk and the echo; per delta,
-    its latent reasoning (with ``ticks``, a chunk per step carrying ``latent``) and what its
-    parser releases; the finish chunk with ``latent``; then the usage chunk, if asked."""
+    """Per choice a role chunk and the echo; per delta its latent reasoning (``ticks``: a
+    chunk per step) and what its parser releases; finish chunks; the usage chunk if asked."""
+
     model = state.model_name
     texts = token_texts(state.tokenizer)
     trace, as_ids = bool(body.return_latent_trace), bool(body.return_tokens_as_token_ids)

@@ -10,9 +10,8 @@ _JINJA_CHARS = "{}\n"
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """The Jinja text of ``value``: a file's text, else ``value`` with backslash escapes
-    decoded; None: none. Raises ValueError naming ``--chat-template`` for an unreadable
-    path (no ``{``, ``}`` or newline) or invalid Jinja."""
+    """The Jinja text of ``value``: a file's text, else ``value`` unescaped. ValueError for an
+    unreadable path (no ``{``, ``}`` or newline) or invalid Jinja."""
     if value is None:
         return None
     try:
@@ -33,8 +32,7 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def apply_chat_template(tokenizer, template: str | None) -> None:
-    """Make ``template`` the chat template of ``tokenizer`` (None: keep it). ValueError for
-    a model without a tokenizer."""
+    """Make ``template`` (unless None) the chat template of ``tokenizer``; ValueError."""
     if template is None:
         return
     from latentserve.models.checkpoint import NoTokenizer
@@ -49,9 +47,9 @@ TRUST_FLAG = "--trust-request-chat-template"
 
 
 def request_chat_template(template: str | None, trusted: bool) -> str | None:
-    """A request's ``chat_template``, checked (None: the model's), as vLLM's
-    ``_validate_chat_template``. Raises APIError (400 naming ``chat_template``) without
-    ``--trust-request-chat-template`` or for invalid Jinja."""
+    """A request's ``chat_template``, checked as vLLM's ``_validate_chat_template``; APIError
+    (400) without ``--trust-request-chat-template`` or for invalid Jinja."""
+
     if template is None:
         return None
     from latentserve.server.errors import APIError

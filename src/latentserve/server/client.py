@@ -49,9 +49,8 @@ _EARLY_ABORT_TTL_S = 10.0  # how long an abort for a request not yet sent is rem
 
 class EngineClient:
     """Asyncio client of the engine process: a receive task routes each ``StepOutput`` to
-    its request's queue. Sends never wait (no high-water mark), so :meth:`abort` works in
-    ``finally`` blocks of cancelled tasks. ``is_alive`` is polled while no output arrives;
-    a dead engine fails every pending request."""
+    its request's queue. Sends never wait, so :meth:`abort` works in ``finally`` blocks;
+    ``is_alive`` is polled while no output arrives (a dead engine fails every request)."""
 
     def __init__(self, input_address: str, output_address: str,
                  is_alive: Callable[[], bool] | None = None):
@@ -116,9 +115,8 @@ class EngineClient:
                        params: SamplingParams, queue_timeout: float | None = None
                        ) -> AsyncIterator[StepOutput]:
         """Send the request and yield its ``StepOutput``s until the finished one; leaving
-        early aborts it. Raises ``EngineRequestError`` (rejected), ``EngineInternalError``
-        (failed while running), ``EngineDeadError``, or ``EngineQueueTimeout`` (aborted:
-        not scheduled within ``queue_timeout`` seconds)."""
+        early aborts it. ``EngineRequestError``, ``EngineInternalError``, ``EngineDeadError``
+        or ``EngineQueueTimeout`` (not scheduled within ``queue_timeout`` seconds)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if rid in self._queues:
@@ -165,8 +163,8 @@ class EngineClient:
 
     async def check(self, rid: str, prompt_token_ids: list[int], params: SamplingParams,
                     timeout: float = 30.0) -> None:
-        """Whether the engine would accept this request, not queueing it: EngineRequestError
-        with its reason, or EngineDeadError (gone, or no answer within ``timeout`` s)."""
+        """Check the request in the engine without queueing it: ``EngineRequestError``, or
+        ``EngineDeadError`` (gone, or no answer within ``timeout`` s)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         rid = f"check-{rid}"
@@ -182,16 +180,14 @@ class EngineClient:
             self._checks.pop(rid, None)
 
     def abort_all(self) -> int:
-        """Abort every request that is running (each then finishes with ``"abort"``);
-        returns how many."""
+        """Abort every running request; returns how many."""
         rids = list(self._queues)
         for rid in rids:
             self.abort(rid)
         return len(rids)
 
     def abort(self, rid: str) -> None:
-        """Ask the engine to stop ``rid`` (harmless if it already finished; a running
-        request is aborted once however often this is called)."""
+        """Ask the engine to stop ``rid`` (once; harmless if it already finished)."""
         if rid in self._aborted:
             return
         if rid not in self._queues:  # not started yet (or already over): remember it a while
@@ -207,8 +203,8 @@ class EngineClient:
             self.num_aborts_sent += 1
 
     async def get_stats(self, timeout: float = 5.0) -> dict[str, int] | None:
-        """``LLMEngine.stats()`` now (after every message sent before); ``last_stats`` when
-        the engine is dead or does not answer within ``timeout`` seconds."""
+        """``LLMEngine.stats()`` now; ``last_stats`` if no answer within ``timeout`` s."""
+
         if self._push is None or self.dead_reason is not None:
             return self.last_stats
         self._stats_token += 1

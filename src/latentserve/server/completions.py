@@ -17,12 +17,13 @@ from latentserve.server.logprobs import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
+    check_prompt_length,
     engine_requests,
     latent_controls,
     latent_positions,
     sampling_params,
 )
-from latentserve.server.prompts import check_prompt_length, completion_prompts, prompt_list
+from latentserve.server.prompts import completion_prompts, prompt_list
 from latentserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -99,8 +100,8 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
                   num_prompt_tokens: int, echoes: list[str],
                   deltas: AsyncIterator[tuple[int, TextDelta]], reqs: list[EngineRequest]
                   ) -> AsyncIterator[CompletionResponse]:
-    """Per choice: the echo (with logprobs: once they arrive), a chunk per latent tick and
-    per delta, the finish chunk with ``latent``; then the usage chunk, if asked."""
+    """Per choice the echo, a chunk per latent tick and per delta; the usage chunk if asked."""
+
     texts = token_texts(state.tokenizer)
     want_logprobs = body.logprobs is not None
     trace, as_ids = bool(body.return_latent_trace), bool(body.return_tokens_as_token_ids)

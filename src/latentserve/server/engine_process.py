@@ -1,7 +1,5 @@
 """The engine in its own process: a loop around ``LLMEngine.step()`` fed over ZMQ.
-
-Design notes: docs/internals.md, "latentserve.server.engine_process".
-"""
+Design notes: docs/internals.md, "latentserve.server.engine_process"."""
 
 from __future__ import annotations
 
@@ -63,9 +61,8 @@ class EngineAddresses:
 
 def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
                 parent_pid: int, log_level: str = "info") -> None:
-    """Entry point of the engine process: load, report readiness, then serve until told to
-    stop or until the parent process is gone. ``log_level``: the server's ``--log-level``
-    (uvicorn's names; "trace" logs as debug)."""
+    """The engine process: load, report readiness, then serve until told to stop or the
+    parent process is gone. ``log_level``: uvicorn's names ("trace" logs as debug)."""
     import signal
 
     import zmq
@@ -116,9 +113,8 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
 
 def _exit_if_parent_goes(parent_pid: int, loaded: threading.Event,
                          interval: float = 0.5) -> None:
-    """Exit this process at once when ``parent_pid`` stops being its parent before ``loaded``
-    is set: a server killed while the model loads (SIGTERM, SIGKILL) leaves no engine behind.
-    Tensor-parallel workers watch this process in turn (``tp_worker``)."""
+    """Exit at once when ``parent_pid`` stops being the parent before ``loaded`` is set (a
+    server killed while the model loads leaves no engine behind)."""
     while not loaded.wait(interval):
         if os.getppid() != parent_pid:
             log.info("parent process is gone while loading; engine exits")
@@ -126,10 +122,8 @@ def _exit_if_parent_goes(parent_pid: int, loaded: threading.Event,
 
 
 def _exit_orphaned(addresses: EngineAddresses) -> None:
-    """Leave at once, the API process being gone: remove the IPC sockets and their
-    directory if it is empty (nobody else will), and skip the interpreter's teardown
-    (seconds with torch loaded), which has nothing to save; the memory goes back to the
-    system with the process."""
+    """Leave at once, the API process being gone: remove the IPC sockets and their directory
+    (nobody else will) and skip the interpreter's teardown (seconds with torch loaded)."""
     import contextlib
     import sys
 
@@ -149,14 +143,10 @@ def _exit_orphaned(addresses: EngineAddresses) -> None:
 class EngineLoop:
     """Receive messages, step the engine while it has work, send what each step produced.
 
-    Blocks on the input socket when the engine is idle (no busy spin); while requests run,
-    it only drains what has already arrived between steps. A rejected request is answered
-    with ``RequestFailed`` and the loop goes on. When ``step()`` raises, the requests it was
-    running are aborted and each gets ``RequestFailed(internal=True)``; the loop goes on
-    with the waiting ones. Only after ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps in a
-    row is ``EngineFailed`` sent and the exception re-raised (the process ends). A
-    tensor-parallel worker that exited ends the engine the same way at once (on the failed
-    step, or within a second while idle): its rank cannot be recovered.
+    Blocks on the input socket while idle. A rejected request gets ``RequestFailed``; when
+    ``step()`` raises, its running requests are aborted with ``RequestFailed(internal=True)``
+    and the loop goes on, until ``MAX_CONSECUTIVE_STEP_FAILURES`` in a row or a dead
+    tensor-parallel worker: then ``EngineFailed`` is sent and the exception re-raised.
     """
 
     def __init__(self, engine, inbox, outbox, parent_pid: int | None = None):
@@ -224,9 +214,8 @@ class EngineLoop:
             log.warning("ignoring unknown message %r", type(message).__name__)
 
     def _note_scheduled(self, started: float, outputs) -> None:
-        """Record when each waiting request was first scheduled: the start of the step
-        after which it is running (or has an output); a request aborted before it ran is
-        forgotten."""
+        """Record when each waiting request was first scheduled (the start of the step after
+        which it runs or has an output); forget one aborted before it ran."""
         if not self.queued_at:
             return
         seen = {r.rid for r in self.engine.scheduler.running}
@@ -274,9 +263,8 @@ class EngineLoop:
         self._send(EngineFailed(error))
 
     def _send(self, message: object) -> None:
-        """Send ``message`` to the API process. While it has no reader (the API process
-        reconnecting, or gone), wait; once the parent process is gone, drop it and stop the
-        loop (nobody will read it)."""
+        """Send ``message`` to the API process, waiting while it has no reader; once the
+        parent process is gone, drop it and stop the loop."""
         import zmq
 
         data = dumps(message)
@@ -306,15 +294,10 @@ class EngineLoop:
 
 
 class EngineProcess:
-    """Start the engine process and wait until it is ready (a context manager).
-
-    After :meth:`start`, ``ready`` holds the engine's ``Ready`` message (model name,
-    max_model_len, tokenizer) and ``addresses`` its sockets.
-
-    Raises:
-        EngineStartupError: from :meth:`start`, with the child's error message (and its
-            traceback in the exception's notes), when loading failed, the child died, or it
-            was not ready within ``startup_timeout`` seconds.
+    """Start the engine process and wait until it is ready (a context manager); then
+    ``ready`` holds its ``Ready`` message and ``addresses`` its sockets. :meth:`start` raises
+    ``EngineStartupError`` (the child's traceback in its notes) when loading failed, the
+    child died, or it was not ready within ``startup_timeout`` seconds.
     """
 
     def __init__(self, config: EngineConfig, startup_timeout: float = 600.0,
@@ -329,8 +312,8 @@ class EngineProcess:
         self._cancel = threading.Event()
 
     def cancel(self) -> None:
-        """Make a :meth:`start` waiting in another thread stop the child and raise
-        ``EngineStartupError`` within 0.2 s (Ctrl-C while several engines load)."""
+        """Make a :meth:`start` waiting in another thread stop and raise within 0.2 s."""
+
         self._cancel.set()
 
     def start(self) -> Ready:
@@ -391,16 +374,18 @@ class EngineProcess:
         return self._proc is not None and self._proc.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the engine to exit, then terminate it if it does not; remove the sockets."""
-        if self._proc is not None and self._proc.is_alive() and self.ready is not None:
-            _send_shutdown(self.addresses)
-            self._proc.join(timeout)
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout)
-        if self._proc is not None and self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
+        """Ask the engine to exit, then terminate or kill it if it does not; remove the
+        sockets."""
+        proc = self._proc
+        if proc is not None:
+            if proc.is_alive() and self.ready is not None:
+                _send_shutdown(self.addresses)
+                proc.join(timeout)
+            for end in (proc.terminate, proc.kill):
+                if proc.is_alive():
+                    end()
+                    proc.join(timeout)
+
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -1,7 +1,5 @@
 """Error bodies: OpenAI's shape everywhere, Anthropic's under ``/v1/messages``.
-
-Design notes: docs/internals.md, "latentserve.server.errors".
-"""
+Design notes: docs/internals.md, "latentserve.server.errors"."""
 
 from __future__ import annotations
 
@@ -52,16 +50,13 @@ def is_anthropic_path(path: str) -> bool:
 
 
 def anthropic_status(err: APIError) -> int:
-    """The HTTP status of ``err`` under ``/v1/messages``: Anthropic's 529 for the 503
-    ``overloaded`` (load shedding), else ``err.status_code``."""
+    """``err``'s status under ``/v1/messages``: 529 for the 503 ``overloaded``."""
     return 529 if err.code == "overloaded" else err.status_code
 
 
 def anthropic_message(err: APIError) -> str:
     """``err``'s message in Anthropic's ``field: reason`` form when it names its field in
-    another (``top_p must be ...``, ``container is not supported ...``, ``Invalid type for
-    'top_p': ...``, ``Missing required parameter: 'max_tokens'``, an unknown field:
-    Anthropic's ``Extra inputs are not permitted``); else as it is."""
+    another (``top_p must be ...``, ``Invalid type for 'top_p': ...``, an unknown field)."""
     param, text = err.param, err.message
     if err.code == "unknown_field":
         return f"{param}: Extra inputs are not permitted"
@@ -83,9 +78,8 @@ def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
 
 
 def error_response(path: str, err: APIError, headers: dict[str, str] | None = None):
-    """A JSONResponse of ``err`` in the shape that ``path``'s protocol uses (under
-    ``/v1/messages``: :func:`anthropic_status` and :func:`anthropic_message`); ``headers``
-    (else ``err.headers``) go with it."""
+    """A JSONResponse of ``err`` in ``path``'s protocol's shape, with ``headers`` (else
+    ``err.headers``)."""
     from fastapi.responses import JSONResponse
 
     if is_anthropic_path(path):
@@ -103,11 +97,8 @@ def param_from_value_error(message: str) -> str | None:
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """Turn pydantic/FastAPI request-validation errors into one 400 naming the first bad field.
-
-    Union members' tags (``prompt -> list[int] -> 1``) are dropped from the field path, so
-    ``param`` is what the client sent (``prompt``, ``messages[0].role``).
-    """
+    """One 400 naming the first bad field of pydantic's errors (union members' tags dropped
+    from the path: ``prompt``, ``messages[0].role``)."""
     if not errors:
         return APIError("Invalid request")
     first = errors[0]
@@ -132,8 +123,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 def malformed_body(cause: BaseException | None) -> APIError:
-    """The 400 ``invalid_json`` for a body FastAPI could not parse for another reason than
-    its JSON syntax (``cause``: the parser's exception, e.g. a ``UnicodeDecodeError``)."""
+    """The 400 ``invalid_json`` for a body unreadable for ``cause`` (not its JSON syntax)."""
     if isinstance(cause, UnicodeDecodeError):
         detail = f"not valid UTF-8 (byte {cause.start})"
     elif isinstance(cause, RecursionError):
@@ -174,8 +164,7 @@ def _kind(tag: str, plural: bool = False) -> str | None:
 
 def _union_expected(errors: list[dict[str, Any]]) -> str | None:
     """``expected a string or a list of strings`` when ``errors`` (one field's) are a union's
-    members each refusing the value's type (``stop: [1, 2]``); None otherwise (an error
-    inside a member, or a tag with no plain name)."""
+    members each refusing the value's type (``stop: [1, 2]``); else None."""
     kinds = []
     for e in errors:
         loc = tuple(e.get("loc", ()))
@@ -207,9 +196,9 @@ def _short(value: object, limit: int = 60) -> str:
 
 
 def install_error_handlers(app) -> None:
-    """Register the handler that answers every error in its route's protocol's shape:
-    validation errors and unreadable bodies as 400s, HTTP errors with their status, text
-    sent to a token-ids-only model as a 400, anything else as a 500 (logged)."""
+    """Answer every error in its route's protocol's shape: validation errors, unreadable
+    bodies and text to a token-ids-only model as 400s, anything unknown as a logged 500."""
+
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 

@@ -1,8 +1,6 @@
 """The body fields of each route, declared once: implemented, accepted with no effect, or
 refused; any other top-level field is refused as unknown (``params.refuse_unsupported``).
-
-Design notes: docs/internals.md, "latentserve.server.fields".
-"""
+Design notes: docs/internals.md, "latentserve.server.fields"."""
 
 from __future__ import annotations
 
@@ -94,8 +92,7 @@ def request_model(route: str):
 
 
 def implemented(route: str) -> list[str]:
-    """The fields ``route`` implements: its model's fields less ``ACCEPTED``, by the names a
-    client sends (aliases)."""
+    """The fields ``route`` implements (its model's less ``ACCEPTED``), by alias."""
     fields = request_model(route).model_fields
     return [f.alias or name for name, f in fields.items() if name not in ACCEPTED[route]]
 
@@ -108,8 +105,7 @@ def refused(route: str) -> dict[str, tuple]:
 
 
 def route_of(model: type) -> str:
-    """The route whose request model is ``model`` or one of its bases (``/v1/completions``
-    for a model of no route)."""
+    """The route of request model ``model`` or a base (else ``/v1/completions``)."""
     for route, (_, name) in ROUTES.items():
         if any(cls.__name__ == name for cls in model.__mro__):
             return route
@@ -117,8 +113,7 @@ def route_of(model: type) -> str:
 
 
 def markdown_table() -> str:
-    """The docs table: one row per route, its implemented, accepted and refused fields
-    (refused ones with the values that are served, then ``NESTED``)."""
+    """The docs table: per route, its implemented, accepted and refused fields."""
 
     def code(names) -> str:
         return ", ".join(f"`{n}`" for n in names)
@@ -144,8 +139,8 @@ TABLE_END = "<!-- end of field table -->"
 
 
 def with_table(doc: str) -> str:
-    """``doc`` with the text between ``TABLE_BEGIN`` and ``TABLE_END`` replaced by
-    :func:`markdown_table`. Raises ValueError when a marker is missing."""
+    """``doc`` with :func:`markdown_table` between the markers; ValueError without them."""
+
     if TABLE_BEGIN not in doc or TABLE_END not in doc:
         raise ValueError(f"the doc has no {TABLE_BEGIN!r} ... {TABLE_END!r} markers")
     head, rest = doc.split(TABLE_BEGIN, 1)

@@ -15,12 +15,9 @@ from latentserve.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class TextDelta:
-    """New text of one engine request.
-
-    ``finish_reason`` is set on the last delta only; ``num_output_tokens`` counts all tokens
-    so far; ``logprobs`` cover the tokens whose text this delta releases (those after a stop
-    string are dropped). ``latent_trace``: on the last delta, or a tick's new entries.
-    """
+    """New text of one engine request. ``finish_reason``: on the last delta only;
+    ``num_output_tokens``: all so far; ``logprobs``: the tokens whose text this releases;
+    ``latent_trace``: on the last delta, or a tick's new entries."""
 
     text: str
     finish_reason: str | None
@@ -50,18 +47,10 @@ class EngineRequest:
 async def generate_text(state, rid: str, prompt_ids: list[int], params: SamplingParams,
                         arrival: float | None = None, group=None, ticket=None
                         ) -> AsyncIterator[TextDelta]:
-    """Yield non-empty text deltas, then exactly one with a ``finish_reason``; with
-    ``stream_latent_steps``, also text-less ticks (``latent_tick`` > 0).
-
-    A stop token ends in the engine and is not text (unless
-    ``include_stop_str_in_output``); stop strings are matched here on the detokenized text,
-    which then aborts the engine request. ``arrival``: ``time.monotonic()`` seconds, for the
-    metrics (``group``: the prompt's ``metrics.RequestGroup``); ``ticket``: the
-    ``admission.Ticket`` handing this request to the client's count as it is sent.
-
-    Raises ``EngineRequestError`` (not recorded in the metrics), ``EngineInternalError``
-    (counted as ``finish_reason="error"``) or ``EngineDeadError`` from the client.
-    """
+    """Yield non-empty text deltas, then exactly one with a ``finish_reason`` (with
+    ``stream_latent_steps``, text-less ticks too). Stop strings are matched here, which
+    aborts the engine request. ``arrival``: ``time.monotonic()`` seconds, for the metrics;
+    ``ticket``: the ``admission.Ticket`` counting it. Raises the client's errors."""
     from latentserve.detokenizer import IncrementalDetokenizer
     from latentserve.server.client import EngineRequestError
 
@@ -155,8 +144,9 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
 
 
 async def merge(iterators: list[AsyncIterator[Any]]) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave async iterators as ``(position, item)`` in arrival order; the first
-    exception is re-raised, and closing this generator closes every source."""
+    """Interleave async iterators as ``(position, item)``; the first exception is re-raised,
+    closing this closes every source."""
+
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -1,8 +1,6 @@
 """What ``/v1/models`` says of a served model's latent reasoning (the ``latent`` key of its
 card), so a client (the viewer, ``server/viewer/``) shows only the controls the model takes.
-
-Design notes: docs/internals.md, "latentserve.server.latent_card".
-"""
+Design notes: docs/internals.md, "latentserve.server.latent_card"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The public shape of a latent trace: the engine's entries (``StepOutput.latent_trace``,
 ``latent/lens.py``) with decoded token strings, and the ``latent`` object of a choice and
 of a streamed tick (``docs/server.md``, "Latent reasoning").
-
-Design notes: docs/internals.md, "latentserve.server.latent_trace".
-"""
+Design notes: docs/internals.md, "latentserve.server.latent_trace"."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ from latentserve.server.protocol import LatentInfo
 
 def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
     """Copies of trace ``entries`` with ``top_texts`` next to each ``top_tokens`` (``texts``:
-    the tokenizer's ``logprobs.TokenTexts``); None stays None. The engine's dicts are not
-    changed (a delta's entries are also a choice's collected trace)."""
+    ``logprobs.TokenTexts``); the engine's dicts are not changed."""
     if entries is None:
         return None
     out = []
@@ -33,16 +30,15 @@ def tick_infos(delta, first_step: int, asked: bool, texts) -> list[LatentInfo]:
 
 
 def tick_entries(delta, first_step: int) -> list[dict | None]:
-    """The trace entries of a tick's steps ``first_step + 1 .. delta.latent_steps`` (None
-    for a step the trace has no entry of)."""
+    """The trace entries (or None) of a tick's steps ``first_step + 1 .. latent_steps``."""
     new = max(delta.latent_steps - first_step, 0)
     entries = list(delta.latent_trace or [])[-new:] if new else []
     return [None] * (new - len(entries)) + entries
 
 
 def latent_info(final, asked: bool, texts=None) -> LatentInfo | None:
-    """A choice's ``latent`` field from its final delta or result (None when there is no
-    latent work); the trace and ``recurrence`` only when ``asked``."""
+    """A choice's ``latent`` field (None: no latent work); trace and recurrence if ``asked``."""
+
     if not asked and not final.latent_steps and final.latent_stats is None:
         return None
     trace = final.latent_trace if texts is None else with_texts(final.latent_trace, texts)

@@ -1,9 +1,6 @@
 """Start the server: :func:`run_server` in this process, or :func:`start_server` as a
-subprocess (tests, demos) that is ready once ``/health`` answers.
-
-``python -m latentserve.server.launch --model DIR --port 8000`` runs :func:`run_server`;
-``--model A --model B`` serves several models, one engine process each.
-"""
+subprocess ready once ``/health`` answers. ``python -m latentserve.server.launch --model DIR
+--port 8000`` runs :func:`run_server`; ``--model A --model B`` serves several models."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from latentserve import settings
@@ -57,11 +54,6 @@ def served_model_name(config: EngineConfig) -> str:
     return config.model or DEFAULT_MODEL_NAME
 
 
-def served_names(config: EngineConfig) -> tuple[str, ...]:
-    """Every name ``config``'s model is served under, :func:`served_model_name` first."""
-    return config.served_model_name or (served_model_name(config),)
-
-
 def check_model_names(configs: list[EngineConfig]) -> list[str]:
     """The served names of ``configs``, in order. Raises ValueError for no config or a name
     served twice (naming both ``--model`` paths)."""
@@ -69,7 +61,7 @@ def check_model_names(configs: list[EngineConfig]) -> list[str]:
         raise ValueError("no model to serve: give at least one --model")
     seen: dict[str, int] = {}
     for i, config in enumerate(configs):
-        for name in served_names(config):
+        for name in config.served_model_name or (served_model_name(config),):
             if name in seen and seen[name] != i:
                 j = seen[name]
                 raise ValueError(
@@ -87,10 +79,8 @@ def _as_list(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
 
 
 def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
-    """Start one ``EngineProcess`` per config in parallel; returns them once all are ready.
-
-    Raises ``EngineStartupError`` (prefixed with the model's name) after stopping the others
-    when one fails; Ctrl-C while they load stops them all and is re-raised."""
+    """One ready ``EngineProcess`` per config, started in parallel. ``EngineStartupError``
+    (prefixed with the model's name) after stopping the others when one fails."""
     from concurrent.futures import ThreadPoolExecutor
 
     from latentserve.server.engine_process import EngineProcess
@@ -133,23 +123,16 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                timeout_keep_alive: float = DEFAULT_KEEP_ALIVE_S,
                timeout_request_headers: float | None = DEFAULT_HEADER_TIMEOUT_S,
                timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S) -> None:
-    """Start one engine process per config, wait until each is warmed up, then serve HTTP
-    with uvicorn until SIGINT/SIGTERM; the engines are stopped on the way out.
-
-    The arguments are the flags of :func:`add_server_args` (their help gives units and
-    defaults; None: no limit, or the default). ``cors``: ``CORSMiddleware`` options (over
-    vLLM's defaults). ``drain_timeout``: seconds running requests may take after
-    SIGTERM/SIGINT before they are aborted. Engines start with multiprocessing's ``spawn``:
-    call this under ``if __name__ == "__main__":``. When some engines die the others keep
-    serving (``/health`` says ``degraded``); when all die the server exits.
+    """Start one engine process per config, then serve HTTP with uvicorn until
+    SIGINT/SIGTERM; the engines are stopped on the way out (call under ``__main__``: they
+    start with ``spawn``). Arguments: the flags of :func:`add_server_args`; ``cors``:
+    ``CORSMiddleware`` options. When all engines die the server exits.
 
     Raises:
-        ValueError: two configs would be served under the same name, a bad
-            ``chat_template``, or ``host:port`` cannot be bound (checked before any model
-            loads).
+        ValueError: a name served twice, a bad ``chat_template``, or ``host:port`` cannot
+            be bound (checked before any model loads).
         RuntimeError: every engine process stopped while serving.
-        EngineStartupError: an engine could not start (bad model path, load error, ...);
-            the engines already started are stopped.
+        EngineStartupError: an engine could not start (the others are stopped).
     """
     import uvicorn
 
@@ -227,8 +210,7 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
 
 
 def _log_to_stderr(level: str) -> None:
-    """Log ``latentserve`` records at ``level`` (uvicorn's names) to stderr, unless logging
-    is already set up."""
+    """Log ``latentserve`` at ``level`` (uvicorn's names) to stderr, unless logging is set."""
     if logging.getLogger().handlers:
         return
     name = "DEBUG" if str(level).upper() == "TRACE" else str(level).upper()
@@ -238,8 +220,7 @@ def _log_to_stderr(level: str) -> None:
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (IPv6 if ``host`` has a colon). Raises ValueError
-    naming the address when it cannot be bound."""
+    """A TCP socket bound to ``host:port`` (IPv6 if ``host`` has a colon); ValueError."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
                          socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -257,9 +238,8 @@ _ABORT_BEFORE_DRAIN_END_S = 0.5
 
 
 def _draining_server(uvicorn, clients, drain_timeout: float):
-    """``uvicorn.Server`` that, on the first shutdown signal, aborts every running request of
-    ``clients`` shortly before ``drain_timeout`` ends, so streams end with ``finish_reason``
-    ``"abort"`` and ``[DONE]`` instead of being cut off."""
+    """``uvicorn.Server`` that, on the first shutdown signal, aborts the running requests of
+    ``clients`` just before ``drain_timeout`` ends (streams end with ``abort`` and ``[DONE]``)."""
 
     def abort_all() -> None:
         for client in clients:
@@ -283,14 +263,14 @@ def _draining_server(uvicorn, clients, drain_timeout: float):
     return DrainingServer
 
 
+@dataclass
 class ServerProcess:
     """A server running as a subprocess (see :func:`start_server`); a context manager."""
 
-    def __init__(self, proc: subprocess.Popen, host: str, port: int, log_path: Path):
-        self.proc = proc
-        self.host = host
-        self.port = port
-        self.log_path = log_path
+    proc: subprocess.Popen
+    host: str
+    port: int
+    log_path: Path
 
     @property
     def base_url(self) -> str:
@@ -304,8 +284,7 @@ class ServerProcess:
             return ""
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (uvicorn drains and shuts down, stopping the engine), then SIGKILL after
-        ``timeout`` seconds. Returns the exit code."""
+        """SIGTERM, then SIGKILL after ``timeout`` seconds; the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -327,18 +306,15 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
                  cancel: threading.Event | None = None, **options) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` as a subprocess and wait for ``/health``.
-
-    ``options`` are :func:`run_server`'s keyword arguments: they travel as JSON
-    (``--options-json``), the API key in the environment. ``port`` None picks a free one
-    (retried up to three times if taken); output goes to ``log_path`` (a temp file if None).
-    The server stops when this process is gone. ``cancel``: once set, the server is stopped
-    and RuntimeError raised within 0.25 s.
+    ``options``: :func:`run_server`'s keyword arguments; ``port`` None: a free one (three
+    tries); ``log_path`` None: a temp file; ``cancel``: once set, stop it and raise. The
+    server stops when this process is gone.
 
     Raises:
         TypeError: an option :func:`run_server` does not take.
-        ValueError: two configs would be served under the same name.
-        RuntimeError: the server exited or was not healthy within ``timeout`` seconds (with
-            the end of its log).
+        ValueError: a name served twice.
+        RuntimeError: the server exited, was cancelled or not healthy within ``timeout``
+            seconds (with the end of its log).
     """
     import httpx
 
@@ -492,8 +468,8 @@ def _positive_int(text: str) -> int:
 
 
 def server_kwargs(args: argparse.Namespace) -> dict:
-    """``run_server`` keyword arguments from :func:`add_server_args`' flags (the API key
-    falls back to ``$LATENTSERVE_API_KEY``)."""
+    """``run_server`` keyword arguments from :func:`add_server_args`' flags."""
+
     same = ("max_request_body_bytes", "drain_timeout", "max_request_output_tokens",
             "max_waiting_requests", "queue_timeout", "timeout_keep_alive",
             "timeout_request_headers", "timeout_request_body", "tool_call_parser",

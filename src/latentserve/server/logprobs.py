@@ -1,7 +1,5 @@
 """Engine ``TokenLogprob``s -> the OpenAI chat and completions ``logprobs`` objects.
-
-Design notes: docs/internals.md, "latentserve.server.logprobs".
-"""
+Design notes: docs/internals.md, "latentserve.server.logprobs"."""
 
 from __future__ import annotations
 
@@ -124,9 +122,8 @@ def _add_token(out: CompletionLogprobs, texts: TokenTexts, token_id: int,
 
 def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob], offset: int,
                         as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
-    """The legacy shape for ``lps``, offsets counted from ``offset`` characters;
-    ``top_logprobs[i]`` holds the top k and the sampled token. Returns it and the offset
-    after these tokens."""
+    """The legacy shape for ``lps`` (offsets from ``offset`` characters; ``top_logprobs[i]``:
+    the top k and the sampled token), and the offset after these tokens."""
     out = CompletionLogprobs()
     for t in lps:
         offset = _add_token(out, texts, t.token_id, t, offset, as_ids)
@@ -136,8 +133,9 @@ def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob], offset: int,
 def echo_logprobs(texts: TokenTexts, prompt_ids: list[int],
                   prompt_lps: list[TokenLogprob | None] | None, as_ids: bool = False
                   ) -> CompletionLogprobs:
-    """The legacy shape for an echoed prompt, offsets from 0; the first token (and every one
-    when ``prompt_lps`` is None) has ``null`` logprobs, as in OpenAI's API."""
+    """The legacy shape for an echoed prompt; the first token (every one when ``prompt_lps``
+    is None) has ``null`` logprobs, as in OpenAI's API."""
+
     out, offset, lps = CompletionLogprobs(), 0, prompt_lps or []
     for p, tid in enumerate(prompt_ids):
         offset = _add_token(out, texts, tid, lps[p] if p < len(lps) else None, offset, as_ids)

@@ -15,8 +15,7 @@ from latentserve.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class AddRequest:
-    """Queue a request in the engine; ``check_only``: run its checks alone
-    (``LLMEngine.check_request``), answered by ``RequestChecked`` or ``RequestFailed``."""
+    """Queue a request; ``check_only``: only check it (``RequestChecked`` or ``RequestFailed``)."""
 
     rid: str
     prompt_token_ids: list[int]
@@ -48,8 +47,7 @@ class GetStats:
 
 @dataclass(slots=True)
 class Ready:
-    """Sent once, after the model loaded and a warm-up request ran: what the API process
-    needs to serve it."""
+    """Sent once the model is loaded and warmed up: what the API process needs."""
 
     model_name: str
     max_model_len: int
@@ -70,8 +68,7 @@ class StartupFailed:
 @dataclass(slots=True)
 class StepOutputs:
     """One ``LLMEngine.step()``'s outputs; ``scheduled``: ``(queued_at, scheduled_at)``
-    monotonic seconds of each request first scheduled since the last message (no later
-    than its first output)."""
+    monotonic seconds of each request first scheduled since the last message."""
 
     outputs: list[StepOutput] = field(default_factory=list)
     scheduled: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -79,8 +76,8 @@ class StepOutputs:
 
 @dataclass(slots=True)
 class RequestFailed:
-    """The engine rejected a request (``internal`` False) or failed it while running
-    (``internal`` True); nothing else comes for it."""
+    """The engine rejected a request, or failed it while running (``internal``)."""
+
 
     rid: str
     error: str

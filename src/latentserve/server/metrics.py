@@ -1,10 +1,6 @@
-"""Prometheus metrics of the API process (``GET /metrics``), with vLLM's names and labels
-under our prefix: ``vllm:NAME`` is ``latentserve_NAME`` (``vllm/v1/metrics/loggers.py``;
-the rule that turns a vLLM Grafana dashboard into ours), every sample labelled
-``model_name`` (the first served name).
-
-Design notes: docs/internals.md, "latentserve.server.metrics".
-"""
+"""Prometheus metrics of the API process (``GET /metrics``): vLLM's ``vllm:NAME`` as
+``latentserve_NAME`` (``vllm/v1/metrics/loggers.py``), labelled ``model_name``.
+Design notes: docs/internals.md, "latentserve.server.metrics"."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 
 
 class RequestGroup:
-    """One prompt's ``n`` engine requests: when the last finishes, the most tokens one
-    generated and ``n`` are observed."""
+    """One prompt's ``n`` engine requests; the last to finish observes the most tokens."""
 
     def __init__(self, metrics: ServerMetrics, n: int):
         self.metrics = metrics
@@ -49,8 +44,7 @@ class RequestGroup:
 
 
 class RequestTimer:
-    """Times one engine request (monotonic seconds); :meth:`finish` counts once.
-    ``max_tokens``: as the client set it (None: unset)."""
+    """Times one engine request (monotonic seconds); :meth:`finish` counts once."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float,
                  group: RequestGroup | None = None, max_tokens: int | None = None):
@@ -66,8 +60,7 @@ class RequestTimer:
         self.done = False
 
     def scheduled(self, times: tuple[float, float] | None) -> None:
-        """``(queued_at, scheduled_at)`` from the engine process (monotonic seconds), or
-        None while unknown."""
+        """``(queued_at, scheduled_at)`` monotonic seconds from the engine, or None."""
         if times is not None:
             self.queued_at, self.scheduled_at = times
 
@@ -117,8 +110,7 @@ class RequestTimer:
 
 
 class MetricsRegistry:
-    """The metric families of one ``/metrics`` body, shared by the served models (labelled
-    ``model_name``), in a registry of their own (several apps may share a process)."""
+    """The metric families of one ``/metrics`` body, in a registry of their own."""
 
     def __init__(self, max_model_len: int | None = None):
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -138,8 +130,7 @@ class MetricsRegistry:
         reg.register(_EngineCollector(self.engines))
 
     def model(self, model_name: str, get_stats: Callable[[], dict | None]) -> ServerMetrics:
-        """The metrics of one served model, whose latest engine stats ``get_stats()``
-        returns (None: none yet)."""
+        """The metrics of one served model; ``get_stats()``: its latest engine stats."""
         return ServerMetrics(self, model_name, get_stats)
 
     def render(self) -> bytes:
@@ -185,8 +176,7 @@ _COUNTERS = {
 
 
 class ServerMetrics:
-    """One served model's children of the :class:`MetricsRegistry` ``shared``;
-    ``get_stats()``: the latest engine stats or None."""
+    """One served model's children of the :class:`MetricsRegistry` ``shared``."""
 
     def __init__(self, shared: MetricsRegistry, model_name: str,
                  get_stats: Callable[[], dict | None]):
@@ -233,8 +223,8 @@ _ENGINE_FAMILIES = (
 
 
 class _EngineCollector:
-    """Engine gauges and counters (``_ENGINE_FAMILIES``) from each model's latest
-    ``LLMEngine.stats()`` (one sample per model that has stats)."""
+    """``_ENGINE_FAMILIES`` from each model's latest ``LLMEngine.stats()``."""
+
 
     def __init__(self, engines: list[tuple[str, Callable[[], dict | None]]]):
         self.engines = engines

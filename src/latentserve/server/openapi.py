@@ -46,9 +46,7 @@ _WHY = {
 
 
 def error_responses(path: str, method: str) -> dict[int, dict]:
-    """The error responses of route ``method path``: every route under ``/v1/``,
-    ``/tokenize`` and ``/detokenize`` may send 401 and 404; a POST also 400, 413 and 503;
-    Anthropic's routes 529 for an overload; ``/health`` 404 (``?model``) and 503."""
+    """The error responses of route ``method path``, status -> ``{"model", "description"}``."""
     from latentserve.server.errors import is_anthropic_path
 
     model = AnthropicError if is_anthropic_path(path) else OpenAIError
@@ -64,9 +62,9 @@ def error_responses(path: str, method: str) -> dict[int, dict]:
 
 
 def declare_errors(app) -> None:
-    """Generate ``app``'s schema with :func:`error_responses` on every route (their bodies
-    as ``components.schemas.OpenAIError`` / ``AnthropicError``) and without FastAPI's 422
-    and its validation-error schemas. Call after the routes are added."""
+    """Make ``app``'s schema list :func:`error_responses` on every route and no 422; call
+    after the routes are added."""
+
     from fastapi.openapi.utils import get_openapi
     from fastapi.routing import APIRoute
 

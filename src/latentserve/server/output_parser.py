@@ -1,7 +1,5 @@
 """One chat choice's text -> reasoning, answer and tool calls, streamed or whole.
-
-Design notes: docs/internals.md, "latentserve.server.output_parser".
-"""
+Design notes: docs/internals.md, "latentserve.server.output_parser"."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ from latentserve.server.tools import ToolChoice, new_call_id
 
 @dataclass(slots=True)
 class CallDelta:
-    """A piece of call ``index``: ``id`` and ``name`` on its first piece (None after),
-    ``arguments`` the JSON text that follows."""
+    """A piece of call ``index``: ``id`` and ``name`` on its first piece, then ``arguments``."""
 
     index: int
     id: str | None = None
@@ -27,8 +24,7 @@ class CallDelta:
 
 @dataclass(slots=True)
 class Piece:
-    """What one step releases of a choice: ``reasoning`` and ``content`` text (either may
-    be "") and call pieces."""
+    """What one step releases of a choice: reasoning and content text, call pieces."""
 
     reasoning: str = ""
     content: str = ""
@@ -48,9 +44,8 @@ class Call:
 
 
 class OutputParser:
-    """Parses calls for ``auto`` with a tool parser; the whole answer is a ``named`` choice's
-    arguments, or a JSON array of calls for ``required``. ``include_reasoning`` False drops
-    the reasoning."""
+    """Splits a choice's text: calls by the tool parser for ``auto``, the whole answer as a
+    ``named`` choice's arguments or a JSON array of calls for ``required``."""
 
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
                  choice: ToolChoice | None = None, include_reasoning: bool = True,
@@ -129,8 +124,7 @@ class OutputParser:
 
 
 def _required_calls(text: str) -> list[ParsedCall] | None:
-    """The calls of a ``required`` answer (``[{"name", "parameters"}, ...]``), or None when
-    it is not such an array."""
+    """The calls of a ``required`` answer (``[{"name", "parameters"}, ...]``), or None."""
     try:
         items = json.loads(text)
     except json.JSONDecodeError:
@@ -160,9 +154,8 @@ def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[Call]]
 
 
 def drops_tags(tokenizer, parser: OutputParser) -> bool:
-    """Whether ``tokenizer`` marks a tag ``parser`` looks for as a special token, which
-    ``skip_special_tokens`` would drop from the text: the request must keep special tokens
-    (vLLM's hermes parser turns the option off for the same reason)."""
+    """Whether ``tokenizer`` marks a tag ``parser`` looks for as special (which
+    ``skip_special_tokens`` would drop; vLLM's hermes parser keeps them too)."""
     tags = set()
     if parser.think is not None:
         tags |= {THINK_START, THINK_END}
@@ -175,9 +168,9 @@ def drops_tags(tokenizer, parser: OutputParser) -> bool:
 
 def answer_params(params, choice: ToolChoice, tools: dict[str, dict], latent_mode: str | None,
                   tokenizer, parser: OutputParser):
-    """``params`` as the answer's parsing needs them: a forced call's JSON schema
-    (``tools.call_schema``), every latent step's trace for ``logit_lens`` reasoning, and
-    special tokens kept when :func:`drops_tags`. Raises APIError from ``json_constraint``."""
+    """``params`` with a forced call's JSON schema, per-step traces for ``logit_lens`` and
+    special tokens kept when :func:`drops_tags`. APIError from ``json_constraint``."""
+
     from latentserve.server.tools import call_schema, json_constraint
 
     schema = call_schema(choice, tools)

@@ -24,9 +24,8 @@ def check_common(request: SamplingRequest, served_model: str, limits: ServerLimi
 
 
 def refuse_unsupported(request) -> None:
-    """Raise APIError (400 naming the field) for a ``fields.refused`` field whose value is
-    not one that means "not used", and for a top-level field the route does not declare
-    (OpenAI's ``Unrecognized request argument supplied``, code ``unknown_field``)."""
+    """APIError (400 naming the field) for a ``fields.refused`` field set to a value that is
+    used, or an undeclared top-level field (code ``unknown_field``, as OpenAI)."""
     from latentserve.server.fields import refused, route_of
 
     unsupported = refused(route_of(type(request)))
@@ -65,22 +64,21 @@ def check_logprobs(k: int | None, param: str, limits: ServerLimits) -> None:
         raise APIError(f"{param} must be in [0, {limits.max_logprobs}], got {k}", param=param)
 
 
-def context_error(num_prompt_tokens: int, max_model_len: int, param: str) -> APIError:
-    """The OpenAI-style 400 for a prompt that leaves no room for a generated token."""
-    return APIError(
-        f"This model's maximum context length is {max_model_len} tokens. However, your "
-        f"prompt has {num_prompt_tokens} tokens, so no token can be generated "
-        f"(max_model_len is {max_model_len}). Please reduce the length of the prompt.",
-        param=param, code="context_length_exceeded")
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
+    """OpenAI's 400 ``context_length_exceeded`` naming ``param`` unless the prompt leaves
+    room for one generated token."""
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens, so no token can be generated "
+            f"(max_model_len is {max_model_len}). Please reduce the length of the prompt.",
+            param=param, code="context_length_exceeded")
 
 
 def latent_budget(http_request, body, spec=None) -> int | None:
     """Header ``x-latent-budget`` > body ``latent_budget`` > None (the model's default).
-
-    Raises:
-        APIError: 400 naming the header or field: not a non-negative integer, outside
-            ``spec``'s ``[min_budget, max_budget]``, or > 0 for a model without latent steps.
-    """
+    APIError (400 naming the header or field) for a value that is not a non-negative integer,
+    outside ``spec``'s ``[min_budget, max_budget]``, or > 0 on a model without latent steps."""
     raw = http_request.headers.get("x-latent-budget")
     param = "x-latent-budget" if raw is not None else "latent_budget"
     if raw is None:
@@ -143,10 +141,10 @@ HEAD_HEADERS = {
 
 def head_controls(http_request, body: SamplingRequest,
                   template_kwargs: dict | None = None) -> dict:
-    """The request's ``HEAD_HEADERS`` controls: header (``x-latent-*`` > ``x-ds4-*``) > body
-    > ``chat_template_kwargs`` thinking > None (the engine's default). ``x-latent-budget: 0``
-    turns a body or template ``thinking`` off unless a thinking header is sent. Raises
-    APIError (400 naming the header) for a malformed value."""
+    """``HEAD_HEADERS`` controls: header (``x-latent-*`` > ``x-ds4-*``) > body > template
+    thinking > None; ``x-latent-budget: 0`` turns thinking off unless a thinking header is
+    sent. APIError (400 naming the header) for a malformed value."""
+
     from latentserve.latent.head import template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
@@ -193,11 +191,9 @@ def header_value(name: str, raw: str, kind: str):
 
 
 def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
-    """Refuse head controls sent as headers or body fields that the model would ignore: all
-    of them without a head (unless thinking is off), those not in ``spec.controls`` with
-    one; ``compression_factor`` must be in ``[1, spec.max_compression_factor]``.
-    ``chat_template_kwargs`` alone never refuses. Raises APIError (400 naming what was sent).
-    """
+    """APIError (400 naming the header or field) for head controls the model would ignore:
+    any without a head (unless thinking is off), those not in ``spec.controls`` with one, or
+    ``compression_factor`` outside ``[1, spec.max_compression_factor]``."""
     from latentserve.latent.head import CONTROLS
 
     head = spec is not None and spec.kind == "head"
@@ -266,13 +262,9 @@ _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice",
 
 
 def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
-    """The answer constraint from ``response_format``, vLLM's ``guided_*`` fields or its
-    ``structured_outputs`` object; None when none is set (compiling is the engine's check).
-
-    Raises:
-        APIError: 400 naming the field: a malformed value, an unknown
-            ``structured_outputs`` key, or more than one constraint.
-    """
+    """The answer constraint from ``response_format``, vLLM's ``guided_*`` or
+    ``structured_outputs`` (None: none). APIError (400 naming the field) for a malformed
+    value, an unknown ``structured_outputs`` key, or more than one constraint."""
     found: list[StructuredOutputsParams] = []
     try:
         rf = request.response_format
@@ -313,17 +305,10 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
                     head: dict | None = None, prompt_logprobs: int | None = None,
                     stream_latent_steps: bool = False,
                     latent_positions: int = 0, defaults: dict | None = None) -> SamplingParams:
-    """The engine's ``SamplingParams`` for one prompt.
-
-    ``max_tokens`` None: up to the end of the context; ``max_tokens_field`` names it in
-    errors. ``latent_positions`` count against the context like prompt tokens. ``defaults``
-    (generation-config) fill the sampling fields the request leaves null and bound an unset
-    ``max_tokens`` (unlike vLLM's ``get_max_tokens``, not a set one). ``head`` None: body.
-
-    Raises:
-        APIError: 400 naming the field; over ``max_model_len`` it has
-            ``code="context_length_exceeded"``.
-    """
+    """The engine's ``SamplingParams`` for one prompt. ``max_tokens`` None: up to the end of
+    the context (and ``defaults["max_tokens"]``); ``latent_positions`` count as prompt
+    tokens; ``defaults`` (generation config) fill null sampling fields; ``head`` None: the
+    body's. APIError (400 naming the field; ``context_length_exceeded`` over the context)."""
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
                        param=max_tokens_field)
@@ -405,9 +390,8 @@ def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
 
 def check_total_output(params: list[SamplingParams], prompt_lens: list[int], n: int,
                        max_tokens_field: str, state) -> None:
-    """``n`` x the sum of each prompt's :func:`engine_max_tokens` must be at most
-    ``state.limits.max_request_output_tokens``, else APIError (400 naming
-    ``max_tokens_field``)."""
+    """APIError (400 naming ``max_tokens_field``) when ``n`` x the sum of :func:`engine_max_tokens`
+    over prompts exceeds ``state.limits.max_request_output_tokens``."""
     asked = [p.max_tokens for p in params]
     max_tokens = [engine_max_tokens(p, state.latent_spec, k, state.max_model_len)
                   for p, k in zip(params, prompt_lens)]
@@ -426,9 +410,8 @@ def check_total_output(params: list[SamplingParams], prompt_lens: list[int], n: 
 
 def latent_controls(http_request, body, spec, template_kwargs: dict | None = None
                     ) -> tuple[int | None, dict, bool]:
-    """``(budget, head controls, ticks)``: :func:`latent_budget`, :func:`head_controls`
-    (refused where the model would ignore them) and whether a stream ticks per latent step.
-    Raises APIError (400 naming the header or field)."""
+    """``(budget, head controls, ticks)``: :func:`latent_budget`, checked :func:`head_controls`
+    and whether a stream ticks per latent step. APIError (400 naming the header or field)."""
     budget = latent_budget(http_request, body, spec)
     head = head_controls(http_request, body, template_kwargs)
     refuse_head_controls(http_request, body, head, spec)
@@ -438,9 +421,9 @@ def latent_controls(http_request, body, spec, template_kwargs: dict | None = Non
 
 def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
                     n: int, max_tokens_field: str, state) -> list[EngineRequest]:
-    """Each prompt's ``(token ids, text, params)`` fanned out to ``n`` engine requests:
-    choice ``p * n + j`` of prompt p has engine id ``{rid}-{p * n + j}`` and :func:`fan_out`'s
-    params. APIError (400) from :func:`check_total_output` or :func:`fan_out`."""
+    """Each prompt's ``(token ids, text, params)`` fanned out to ``n`` engine requests (choice
+    ``p * n + j``: id ``{rid}-{p * n + j}``). APIError from :func:`check_total_output`,
+    :func:`fan_out`."""
     check_total_output([params for _, _, params in prompts], [len(ids) for ids, _, _ in prompts],
                        n, max_tokens_field, state)
     return [EngineRequest(p * n + j, f"{rid}-{p * n + j}", ids, choice, p, text)

@@ -9,7 +9,6 @@ from typing import Any
 
 from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
-from latentserve.server.params import context_error
 from latentserve.server.protocol import CHAT_ROLES, ChatMessage, ChatTool, ToolCall
 from latentserve.server.tokenize_pool import in_pool
 
@@ -23,11 +22,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages -> the chat template's turns (``developer`` becomes ``system``).
-
-    Raises:
-        APIError: 400 for an unknown role, non-text content, tool-call arguments that are not
-            JSON, or no system, developer or user message.
-    """
+    APIError (400) for an unknown role, non-text content, tool-call arguments that are not
+    JSON, or no system, developer or user message."""
     conversation = []
     for i, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
@@ -50,8 +46,7 @@ def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _tool_call(call: ToolCall, param: str) -> dict[str, Any]:
-    """A tool call with its JSON-string ``arguments`` parsed (templates ``tojson`` them;
-    empty is ``{}``). APIError naming ``param``'s arguments if they are not JSON."""
+    """A tool call with its JSON-string ``arguments`` parsed (templates ``tojson`` them)."""
     args = call.function.arguments
     if isinstance(args, str) and args.strip():
         try:
@@ -64,8 +59,7 @@ def _tool_call(call: ToolCall, param: str) -> dict[str, Any]:
 
 
 def chat_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
-    """``tools`` as dicts for the chat template (None for none); APIError naming
-    ``tools[i].type`` for a tool that is not a function."""
+    """``tools`` as dicts for the chat template; APIError for a tool that is not a function."""
     for i, tool in enumerate(tools or []):
         if tool.type != "function":
             raise APIError(f"tools[{i}].type must be 'function', got {tool.type!r}",
@@ -78,17 +72,10 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
                 template_kwargs: dict[str, Any] | None = None,
                 tools: list[dict[str, Any]] | None = None,
                 param: str = "messages", chat_template: str | None = None) -> list[int]:
-    """The prompt's token ids from the tokenizer's chat template (or ``chat_template``).
-
-    ``continue_final_message`` leaves the last (assistant) message open and turns
-    ``add_generation_prompt`` off; ``template_kwargs`` may override both flags.
-
-    Raises:
-        APIError: 400 for a model without tokenizer files or a chat template, a reserved
-            or non-string template keyword, ``continue_final_message`` without a final
-            assistant message, or a template that fails on this conversation or renders it
-            as no tokens (naming ``chat_template`` when it is the request's).
-    """
+    """The prompt's token ids from the tokenizer's chat template (or ``chat_template``);
+    ``continue_final_message`` leaves the last (assistant) message open. APIError (400) for
+    no tokenizer or template, a reserved template keyword, no final assistant message to
+    continue, or a template that fails or renders no tokens."""
     from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
 
     if isinstance(tokenizer, NoTokenizer):
@@ -129,8 +116,7 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
                     tools: list[ChatTool] | None = None, max_model_len: int | None = None,
                     **kwargs) -> list[int]:
-    """:func:`render_chat` of the messages; with ``max_model_len``, the non-assistant
-    messages' bytes go through :func:`check_prompt_bytes` first."""
+    """:func:`render_chat` of the messages, after :func:`check_conversation_bytes`."""
     conversation = chat_conversation(messages)
     if max_model_len is not None:
         check_conversation_bytes(conversation, tokenizer, max_model_len)
@@ -139,9 +125,7 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
 
 async def templated_prompt_ids(body, state, template_kwargs: dict[str, Any] | None,
                                max_model_len: int | None = None) -> list[int]:
-    """:func:`chat_prompt_ids` of a chat or ``/tokenize`` body (in the tokenizer pool): its
-    messages, tools, ``chat_template`` (:func:`request_chat_template`) and generation-prompt
-    flags, with ``template_kwargs``."""
+    """:func:`chat_prompt_ids` of a chat or ``/tokenize`` body, in the tokenizer pool."""
     template = request_chat_template(body.chat_template, state.trust_request_chat_template)
     return await in_pool(chat_prompt_ids, state.tokenizer, body.messages, body.tools,
                          template_kwargs=template_kwargs, chat_template=template,
@@ -184,11 +168,7 @@ def prompt_list(prompt, max_prompts: int) -> list:
 def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int,
                        max_model_len: int | None = None) -> list[tuple[list[int], str | None]]:
     """One ``(token_ids, text)`` per completions prompt (``text`` None for token ids).
-
-    Raises:
-        APIError: 400 for an empty prompt (or list), more than ``max_prompts`` prompts, or a
-            token id out of range.
-    """
+    APIError (400) for an empty prompt, over ``max_prompts`` prompts, or an id out of range."""
     limit = vocab_size or len(tokenizer)
     out = []
     for p in prompt_list(prompt, max_prompts):
@@ -217,9 +197,8 @@ _SHRINK = 4
 
 @functools.cache
 def max_bytes_per_token(tokenizer) -> int | None:
-    """An upper bound of the UTF-8 bytes one token stands for: the longest vocabulary string's
-    bytes, times ``_SHRINK`` under NFC/NFKC. None when unknown (a slow tokenizer, or a
-    normalizer that may delete text). Cached per tokenizer."""
+    """An upper bound of the UTF-8 bytes one token stands for (the longest vocabulary
+    string's, times ``_SHRINK`` under NFC/NFKC); None when unknown. Cached per tokenizer."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -232,13 +211,8 @@ def max_bytes_per_token(tokenizer) -> int | None:
 
 
 def check_prompt_bytes(num_bytes: int, tokenizer, max_model_len: int, param: str) -> None:
-    """Refuse, before tokenizing, text of more than ``max_model_len`` x
-    :func:`max_bytes_per_token` bytes (tokenizing it would take seconds and much memory).
-
-    Raises:
-        APIError: OpenAI's "maximum context length" 400 (``context_length_exceeded``)
-            naming ``param``.
-    """
+    """OpenAI's 400 ``context_length_exceeded`` naming ``param``, before tokenizing, for text
+    over ``max_model_len`` x :func:`max_bytes_per_token` bytes."""
     per_token = max_bytes_per_token(tokenizer)
     if per_token is None or num_bytes <= max_model_len * per_token:
         return
@@ -251,14 +225,9 @@ def check_prompt_bytes(num_bytes: int, tokenizer, max_model_len: int, param: str
 
 def check_conversation_bytes(conversation: list[dict[str, Any]], tokenizer,
                              max_model_len: int) -> None:
-    """:func:`check_prompt_bytes` of the turns a template renders whole (not the assistant's,
-    whose past reasoning some templates drop), naming ``messages``."""
+    """:func:`check_prompt_bytes` of the non-assistant turns (templates may drop reasoning)."""
+
     size = sum(len(str(m.get("content") or "").encode("utf-8")) for m in conversation
                if m["role"] != "assistant")
     check_prompt_bytes(size, tokenizer, max_model_len, "messages")
 
-
-def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
-    """Raise :func:`context_error` unless the prompt leaves room for one token."""
-    if num_prompt_tokens >= max_model_len:
-        raise context_error(num_prompt_tokens, max_model_len, param)

@@ -1,10 +1,6 @@
 """Pydantic models of OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` and vLLM's
-``/tokenize`` / ``/detokenize``.
-
-Types are strict, as OpenAI's (``"5"`` is not an integer); undeclared top-level fields stay
-in ``model_extra`` and are refused by ``params.refuse_unsupported`` (``fields.py``); ranges
-are checked later by ``SamplingParams`` and the handlers.
-"""
+``/tokenize`` / ``/detokenize``: strict types, as OpenAI's; undeclared fields are refused by
+``params.refuse_unsupported``, ranges checked by ``SamplingParams`` and the handlers."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 
 def no_lone_surrogates(value):
-    """``value``, unless a string in it (nested in lists and dicts too) holds a lone UTF-16
-    surrogate, which UTF-8 cannot encode: ValueError."""
+    """``value``; ValueError if a string in it (nested too) holds a lone UTF-16 surrogate."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -54,8 +49,7 @@ class StreamOptions(RequestModel):
 
 
 class LatentFields(RequestModel):
-    """The latent body fields of every generation route (``SamplingParams``' meanings; None:
-    the default; ``x-latent-*`` headers win, ``params.head_controls``)."""
+    """The latent body fields of every generation route (``SamplingParams``' meanings)."""
 
     latent_budget: int | None = None
     exit_criterion: str | None = None
@@ -185,10 +179,8 @@ class ChatTool(RequestModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """OpenAI's and vLLM's chat fields; ``latent_reasoning`` (``"count"`` or ``"logit_lens"``)
-    is how latent steps are written into ``reasoning_content`` (``server/reasoning.py``);
-    ``chat_template`` needs ``--trust-request-chat-template``; ``fields.ACCEPTED``' fields
-    change nothing."""
+    """OpenAI's and vLLM's chat fields; ``latent_reasoning`` (``"count"`` or ``"logit_lens"``):
+    how latent steps are written into ``reasoning_content`` (``server/reasoning.py``)."""
 
     model_config = BODY_CONFIG
 
@@ -216,9 +208,8 @@ class ChatCompletionRequest(SamplingRequest):
     prediction: dict[str, Any] | None = None
 
     def with_template_kwargs_fields(self) -> ChatCompletionRequest:
-        """This request with ``TEMPLATE_KWARGS_FIELDS`` found in ``chat_template_kwargs``
-        moved to the top level (routers keep only that; docs/scaling.md); a top-level value
-        wins. Raises APIError naming ``chat_template_kwargs.<field>`` for a wrong type."""
+        """This request with ``TEMPLATE_KWARGS_FIELDS`` of ``chat_template_kwargs`` moved to
+        the top level unless set there (docs/scaling.md). APIError naming the field."""
         from pydantic import ValidationError
 
         from latentserve.server.errors import APIError
@@ -343,11 +334,9 @@ class AssistantMessage(_OmitsNone):
 
 
 class LatentInfo(BaseModel):
-    """A choice's latent work: ``steps`` latent positions run (0 for recurrent depth), the
-    ``trace`` (``return_latent_trace``; entries as ``server/latent_trace.py``), a compression
-    head's ``stats`` and recurrent depth's ``recurrence`` ``{"tokens", "mean_iterations",
-    "histogram"}``. Streamed: on the final chunk, and per step with ``stream_latent_steps``.
-    """
+    """A choice's latent work: ``steps`` run (0 for recurrent depth), the ``trace``
+    (``server/latent_trace.py``), a compression head's ``stats``, recurrent depth's
+    ``recurrence`` ``{"tokens", "mean_iterations", "histogram"}``."""
 
     steps: int
     trace: list[dict] | None = None
@@ -422,8 +411,8 @@ class CompletionResponse(_Response):
 
 
 class ModelCard(BaseModel):
-    """A ``/v1/models`` entry with vLLM's ``root``, ``parent`` and ``max_model_len`` (which
-    ``vllm bench serve`` and lm-eval read) and ``latent`` (``server/latent_card.py``)."""
+    """A ``/v1/models`` entry with vLLM's fields and ``latent`` (``server/latent_card.py``)."""
+
 
     id: str
     object: Literal["model"] = "model"

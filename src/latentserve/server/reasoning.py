@@ -1,8 +1,6 @@
 """Reasoning output: a model's ``<think>...</think>`` text split from its answer
 (``--reasoning-parser``), and a latent model's latent steps rendered as readable text.
-
-Design notes: docs/internals.md, "latentserve.server.reasoning".
-"""
+Design notes: docs/internals.md, "latentserve.server.reasoning"."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ LOGIT_LENS_TOP = 3  # top tokens shown per latent step
 
 
 def held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (text that
-    may still become ``tag`` once more arrives)."""
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
             return n
@@ -36,8 +33,8 @@ class Split:
 
 
 class ThinkParser:
-    """Splits one choice's streamed text at ``</think>`` as :func:`split_reasoning` does the
-    whole; ``implicit``: an output not opening with ``<think>`` is reasoning."""
+    """Splits one choice's streamed text at ``</think>``; ``implicit``: an output not opening
+    with ``<think>`` is reasoning."""
 
     def __init__(self, implicit: bool):
         self.implicit = implicit
@@ -101,9 +98,8 @@ def latent_step_text(step: int, entry: dict | None, texts) -> str:
 
 
 def latent_reasoning_mode(body, spec) -> str | None:
-    """``"count"`` (default), ``"logit_lens"`` or None (``include_reasoning`` false, or no
-    latent phase). Raises APIError (400 naming ``latent_reasoning``) for another value, or
-    ``"logit_lens"`` on a model that is not feedback-latent."""
+    """``"count"`` (default), ``"logit_lens"`` or None (no reasoning shown). APIError (400)
+    for another value, or ``"logit_lens"`` on a model that is not feedback-latent."""
     from latentserve.server.errors import APIError
 
     mode = getattr(body, "latent_reasoning", None)
@@ -124,7 +120,8 @@ def latent_reasoning_mode(body, spec) -> str | None:
 
 class LatentReasoning:
     """One streamed choice's latent steps as ``reasoning_content``: a line per step
-    (``logit_lens``, or ``ticks``), else ``[N latent steps]`` once with the first text."""
+    (``logit_lens`` or ``ticks``), else ``[N latent steps]`` once."""
+
 
     def __init__(self, mode: str, texts, ticks: bool = False):
         self.mode, self.texts = mode, texts

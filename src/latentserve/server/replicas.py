@@ -1,7 +1,5 @@
 """Data-parallel replicas behind SGLang's router (``latentserve serve --data-parallel-size N``).
-
-Design notes: docs/internals.md, "latentserve.server.replicas".
-"""
+Design notes: docs/internals.md, "latentserve.server.replicas"."""
 
 from __future__ import annotations
 
@@ -15,10 +13,8 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 def router_command(host: str, port: int, worker_urls: list[str], policy: str,
                    metrics_port: int) -> list[str]:
-    """The ``sglang_router.launch_router`` command line for ``worker_urls``. The router's
-    Prometheus exporter listens on ``host:metrics_port`` (its own default, 0.0.0.0:29000,
-    is on every interface and is taken by the first router on the machine, so a second
-    one panics at start)."""
+    """The ``sglang_router.launch_router`` command line; its Prometheus exporter on
+    ``host:metrics_port`` (its default port is shared by every router on the machine)."""
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
             "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
             "--prometheus-host", host, "--prometheus-port", str(metrics_port),
@@ -26,8 +22,7 @@ def router_command(host: str, port: int, worker_urls: list[str], policy: str,
 
 
 def _die_with_parent() -> None:
-    """``preexec_fn`` of the router: SIGTERM it when this process dies (Linux
-    ``PR_SET_PDEATHSIG``; elsewhere a no-op), so a killed supervisor leaves no router."""
+    """``preexec_fn`` of the router: SIGTERM it when this process dies (Linux only)."""
     import ctypes
     import signal
 
@@ -41,13 +36,10 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
                    port: int = 8000, policy: str = "cache_aware",
                    server_kwargs: dict | None = None) -> None:
     """Start ``data_parallel_size`` servers and the router; block until interrupted or the
-    router exits, then stop them all.
-
-    Raises:
-        ValueError: bad size or ``policy``, or the router's ``port`` in use (before starting).
-        ModuleNotFoundError: no ``sglang_router``.
-        RuntimeError: a replica failed to start (with its log tail) or the router failed.
+    router exits, then stop them all. ValueError (bad size, ``policy`` or ``port``),
+    ModuleNotFoundError (no ``sglang_router``), RuntimeError (a replica or the router failed).
     """
+
     from latentserve.server.launch import free_port, listen_socket, start_server
 
     if data_parallel_size < 1:

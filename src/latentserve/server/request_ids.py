@@ -10,15 +10,13 @@ MAX_CLIENT_ID_CHARS = 128
 
 
 def public_id(given: str) -> str:
-    """A client's ``X-Request-Id`` as the server reports it: cut to 128 characters,
-    characters outside ``[A-Za-z0-9._:-]`` replaced by ``_``."""
+    """A client's ``X-Request-Id`` cut to 128 characters, others than ``[A-Za-z0-9._:-]`` ``_``."""
     return _SAFE.sub("_", given)[:MAX_CLIENT_ID_CHARS]
 
 
 class RequestIdEcho:
-    """Pure ASGI middleware: a response to a request that carried ``X-Request-Id`` carries
-    it back (as :func:`public_id` makes it), on every route and status, streamed or not,
-    as vLLM's server does."""
+    """Pure ASGI middleware: every response carries the request's ``X-Request-Id`` back
+    (:func:`public_id`), as vLLM's server does."""
 
     def __init__(self, app):
         self.app = app
@@ -45,9 +43,9 @@ class RequestIdEcho:
 
 
 def new_request_id(request, prefix: str) -> tuple[str, str]:
-    """``(response_id, engine_rid_base)``: the ``X-Request-Id`` header's id (cut to 128
-    characters of ``[A-Za-z0-9._:-]``, others ``_``) or ``{prefix}-{uuid}``; the engine id
-    always ends with a fresh UUID, so client ids need not be unique."""
+    """``(response_id, engine_rid_base)``: :func:`public_id` of ``X-Request-Id`` or
+    ``{prefix}-{uuid}``; the engine id always ends with a fresh UUID."""
+
     fresh = uuid.uuid4().hex
     given = request.headers.get("x-request-id") if request is not None else None
     if given:

@@ -1,7 +1,5 @@
 """ASGI middleware for the API key, the request body size limit and JSON bodies.
-
-Design notes: docs/internals.md, "latentserve.server.security".
-"""
+Design notes: docs/internals.md, "latentserve.server.security"."""
 
 from __future__ import annotations
 
@@ -72,9 +70,9 @@ class GuardMiddleware:
 
 
 class JSONBodies:
-    """Pure ASGI middleware: a POST request whose ``Content-Type`` is missing or not JSON
-    reaches the app as ``application/json``, so its body is parsed (and validated) as
-    JSON rather than refused as "not a JSON object"."""
+    """Pure ASGI middleware: a POST whose ``Content-Type`` is missing or not JSON reaches
+    the app as ``application/json`` (its body is parsed as JSON)."""
+
 
     def __init__(self, app):
         self.app = app

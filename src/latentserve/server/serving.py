@@ -1,6 +1,5 @@
-"""What every endpoint does with the engine requests of one client request: collect them,
-or stream them as SSE; with engine errors turned into API errors and every engine request
-aborted when the HTTP client disconnects."""
+"""A client request's engine requests collected or streamed as SSE, engine errors turned
+into API errors, all aborted when the HTTP client disconnects."""
 
 from __future__ import annotations
 
@@ -30,8 +29,8 @@ ENGINE_ERRORS = (EngineRequestError, EngineInternalError, EngineDeadError, Engin
 
 
 def api_error(exc: Exception) -> APIError:
-    """The client-facing error for an engine failure: rejection 400, internal 500 (no
-    traceback), dead engine 503, queue timeout 503 ``overloaded`` + ``Retry-After``."""
+    """The API error of an engine failure: rejected 400, internal 500, dead 503, queue
+    timeout 503 ``overloaded``."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message else None
@@ -48,7 +47,7 @@ def api_error(exc: Exception) -> APIError:
 
 @dataclass(slots=True)
 class ChoiceResult(TextDelta):
-    """All of one engine request: its deltas folded in, and the ticks' trace entries."""
+    """One engine request's deltas folded in, with the ticks' trace entries."""
 
     step_trace: list = field(default_factory=list)
 
@@ -69,8 +68,7 @@ class ChoiceResult(TextDelta):
 
 @asynccontextmanager
 async def _abort_on_disconnect(request, state, reqs: list[EngineRequest]):
-    """Abort ``reqs`` if the HTTP client disconnects while the block runs (a task waits on
-    ``receive()``, which only returns ``http.disconnect`` once the body is read)."""
+    """Abort ``reqs`` if the HTTP client disconnects while the block runs."""
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -89,16 +87,14 @@ RETRY_AFTER_S = 1  # what an overloaded server asks a client to wait, seconds
 
 
 def overloaded(message: str) -> APIError:
-    """The 503 ``overloaded`` error with ``Retry-After: RETRY_AFTER_S`` (the error handler
-    answers 529 ``overloaded_error`` under ``/v1/messages``)."""
+    """The 503 ``overloaded`` error with ``Retry-After`` (529 under ``/v1/messages``)."""
     return APIError(message, status_code=503, type="server_error", code="overloaded",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def log_request(state, r: EngineRequest) -> None:
-    """With ``state.log_requests``: one INFO line per engine request, its prompt (cut to
-    ``state.max_log_len`` characters), parameters and prompt token ids (cut to as many),
-    as vLLM's ``RequestLogger.log_inputs`` (``vllm/entrypoints/logger.py``)."""
+    """One INFO line of the request's prompt and token ids (cut to ``state.max_log_len``) and
+    parameters, as vLLM's ``RequestLogger.log_inputs``."""
     cut = state.max_log_len
     text = r.prompt_text if r.prompt_text is None or cut is None else r.prompt_text[:cut]
     ids = r.prompt_ids if cut is None else r.prompt_ids[:cut]
@@ -120,8 +116,7 @@ def _deltas(state, reqs: list[EngineRequest], arrival: float | None, ticket):
 
 async def collect(request, state, reqs: list[EngineRequest], arrival: float | None = None,
                   ticket=None) -> list[ChoiceResult]:
-    """Run the engine requests concurrently; one ``ChoiceResult`` each. APIError from
-    :func:`api_error` (the others aborted)."""
+    """Run the engine requests concurrently; one ``ChoiceResult`` each. APIError."""
     results = [ChoiceResult("", None, 0) for _ in reqs]
     async with _abort_on_disconnect(request, state, reqs), \
             aclosing(_deltas(state, reqs, arrival, ticket)) as deltas:
@@ -135,8 +130,8 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
 
 async def start_stream(request, state, reqs: list[EngineRequest], arrival: float | None = None,
                        ticket=None) -> AsyncIterator[tuple[int, TextDelta]]:
-    """Start the engine requests and wait for the first delta (so a rejection is a plain
-    error, not a 200 stream); an iterator of ``(position in reqs, delta)``. APIError."""
+    """Start the engine requests and wait for the first delta (a rejection is an error, not
+    a 200 stream); an iterator of ``(position in reqs, delta)``. APIError."""
     deltas = _deltas(state, reqs, arrival, ticket)
     async with _abort_on_disconnect(request, state, reqs):
         try:
@@ -164,8 +159,9 @@ async def sse_events(request, state, reqs: list[EngineRequest],
                      error_event: Callable[[Exception], str] = openai_error_event,
                      internal_error_event: str | None = None,
                      done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
-    """``data: {chunk}`` events, then ``done``. An error after the start is one
-    ``error_event(exc)`` (else ``internal_error_event``); a disconnect aborts ``reqs``."""
+    """``data: {chunk}`` events, then ``done``; an error is one ``error_event(exc)`` (else
+    ``internal_error_event``)."""
+
     from latentserve.server.errors import error_body
 
     if internal_error_event is None:

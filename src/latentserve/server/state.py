@@ -15,16 +15,9 @@ DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 1 << 21
 
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
-    """Per-request limits (over one: a 400 naming the field; a 413 for the body size).
-
-    ``max_request_output_tokens``: the sum of resolved ``max_tokens`` over prompts and ``n``.
-    ``max_waiting_requests`` (engine requests waiting for a seat) and ``queue_timeout``
-    (seconds unscheduled) answer 503 ``overloaded`` with ``Retry-After``; None: no limit.
-
-    Raises:
-        ValueError: a limit below 1 (``max_waiting_requests``: below 0; ``queue_timeout``:
-            not above 0), naming it.
-    """
+    """Per-request limits (``launch.add_server_args`` says what each bounds; None: no
+    limit). ValueError naming a limit below 1 (``max_waiting_requests``: below 0;
+    ``queue_timeout``: not above 0)."""
 
     max_n: int = 16
     max_prompts: int = 256
@@ -101,12 +94,9 @@ class ServedModels:
         return self.primary.get(model, model) if model is not None else None
 
     def resolve(self, model: str | None) -> ServerState:
-        """The state serving ``model``; with one model always that one (handlers check it).
+        """The state serving ``model`` (with one model, that one). APIError: 400 for None
+        with several models, 404 ``model_not_found`` for a name not served."""
 
-        Raises:
-            APIError: several models and ``model`` None (400 naming ``model``), or a name
-                that is not served (404 ``model_not_found``).
-        """
         from latentserve.server.errors import APIError
 
         if len(self.by_name) == 1:

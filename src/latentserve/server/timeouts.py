@@ -1,7 +1,5 @@
 """Read timeouts: a client too slow to send its request headers or body is disconnected.
-
-Design notes: docs/internals.md, "latentserve.server.timeouts".
-"""
+Design notes: docs/internals.md, "latentserve.server.timeouts"."""
 
 from __future__ import annotations
 
@@ -10,9 +8,8 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 
 
 def protocol_class(header_timeout: float | None, body_timeout: float | None):
-    """A subclass of uvicorn's ``H11Protocol`` (``uvicorn.Config(http=...)``) that closes a
-    connection whose request headers take longer than ``header_timeout`` seconds, or whose
-    body takes longer than ``body_timeout`` seconds after them (None: no limit)."""
+    """A uvicorn ``H11Protocol`` that closes a connection whose request headers take over
+    ``header_timeout`` seconds, or its body ``body_timeout`` after them (None: no limit)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -39,8 +36,8 @@ def protocol_class(header_timeout: float | None, body_timeout: float | None):
             super().connection_lost(exc)
 
         def _watch(self) -> None:
-            """(Re)arm the timer of the phase the client is in: headers (h11's ``IDLE``,
-            waiting for a complete request head), body (``SEND_BODY``), or none."""
+            """(Re)arm the timer of the client's phase: headers (``IDLE``), body, or none."""
+
             state = self.conn.their_state
             phase = ("headers" if state is h11.IDLE else
                      "body" if state is h11.SEND_BODY else None)

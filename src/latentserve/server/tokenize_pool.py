@@ -1,7 +1,5 @@
 """Tokenization and chat templating off the event loop, in a bounded pool of threads.
-
-Design notes: docs/internals.md, "latentserve.server.tokenize_pool".
-"""
+Design notes: docs/internals.md, "latentserve.server.tokenize_pool"."""
 
 from __future__ import annotations
 
@@ -27,8 +25,8 @@ class TokenizerPool:
         self._executor = None
 
     async def run(self, fn, /, *args, **kwargs):
-        """``fn(*args, **kwargs)`` in a worker thread. APIError 503 ``overloaded`` when
-        ``max_pending`` jobs are already queued or running."""
+        """``fn(*args, **kwargs)`` in a worker thread; 503 ``overloaded`` past ``max_pending``."""
+
         from concurrent.futures import ThreadPoolExecutor
 
         from latentserve.server.serving import overloaded

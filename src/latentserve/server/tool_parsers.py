@@ -1,7 +1,5 @@
 """Tool calls parsed out of a model's text (``--tool-call-parser``), streamed or whole.
-
-Design notes: docs/internals.md, "latentserve.server.tool_parsers".
-"""
+Design notes: docs/internals.md, "latentserve.server.tool_parsers"."""
 
 from __future__ import annotations
 
@@ -15,8 +13,7 @@ CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
 @dataclass(slots=True)
 class ParsedCall:
-    """One call the model wrote: the function's ``name`` and its ``arguments`` as a JSON
-    object string."""
+    """One call the model wrote: ``name`` and ``arguments`` (a JSON object string)."""
 
     name: str
     arguments: str
@@ -31,8 +28,8 @@ class Parsed:
 
 
 def parse_call(raw: str) -> ParsedCall | None:
-    """The call a block holds (``{"name": str, "arguments": object or JSON string}``;
-    ``arguments`` missing is ``{}``), or None when it is not one."""
+    """The call a block holds (``{"name": str, "arguments": object or JSON string}``), or
+    None."""
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError:
@@ -51,9 +48,8 @@ def parse_call(raw: str) -> ParsedCall | None:
 
 
 class HermesToolParser:
-    """One choice's answer text -> content and calls; :meth:`feed` each text delta, then
-    :meth:`finish`. Tags split over deltas and whitespace that may precede a block are
-    held back until decided, so the pieces equal :func:`parse_tool_calls` of the whole."""
+    """One choice's answer text -> content and calls: :meth:`feed` each delta, then
+    :meth:`finish`; the pieces equal :func:`parse_tool_calls` of the whole."""
 
     def __init__(self):
         self.inside = False
@@ -100,8 +96,8 @@ class HermesToolParser:
         self.inside, self.after_block = False, call is not None
 
     def finish(self) -> Parsed:
-        """What is held back, at the end of the output: a block left open is parsed (a
-        length cut leaves it as text)."""
+        """What is held back, at the end: a block left open is parsed, else left as text."""
+
         out = Parsed()
         held, self.buf = self.buf, ""
         if self.inside:

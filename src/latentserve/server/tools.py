@@ -1,8 +1,6 @@
 """Tool definitions and ``tool_choice``: checks, the JSON schema a forced call is decoded
 under, and the constraint that carries it to the engine.
-
-Design notes: docs/internals.md, "latentserve.server.tools".
-"""
+Design notes: docs/internals.md, "latentserve.server.tools"."""
 
 from __future__ import annotations
 
@@ -20,9 +18,8 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
-    """A resolved ``tool_choice``: ``mode`` is ``none``, ``auto``, ``required`` or ``named``
-    (``name`` the function); ``single``: at most one call (``parallel_tool_calls: false``,
-    Anthropic's ``disable_parallel_tool_use``)."""
+    """A resolved ``tool_choice``: ``mode`` ``none``, ``auto``, ``required`` or ``named``
+    (``name``); ``single``: at most one call."""
 
     mode: str
     name: str | None = None
@@ -39,9 +36,8 @@ def openai_field(i: int, key: str) -> str:
 
 
 def check_tools(tools: list[dict] | None, field=openai_field) -> dict[str, dict]:
-    """The request's function tools by name (``field(i, key)`` names a field in errors).
-    Raises APIError (400 naming the field) for a name not 1-64 of ``[A-Za-z0-9_-]`` or
-    given twice, or ``parameters`` that is not an object schema."""
+    """The function tools by name. APIError (400 naming ``field(i, key)``) for a bad or
+    repeated name, or ``parameters`` that is not an object schema."""
     out: dict[str, dict] = {}
     for i, tool in enumerate(tools or []):
         fn = tool["function"]
@@ -63,8 +59,7 @@ def check_tools(tools: list[dict] | None, field=openai_field) -> dict[str, dict]
 
 def resolve_tool_choice(choice, tools: dict[str, dict], parallel: bool | None = None,
                         param: str = "tool_choice") -> ToolChoice:
-    """OpenAI's ``tool_choice`` (None: ``"auto"`` with tools, ``"none"`` without). Raises
-    APIError (400 naming ``param`` or ``param.function.name``) for a bad value."""
+    """OpenAI's ``tool_choice`` (None: ``"auto"`` with tools); APIError for a bad value."""
     single = parallel is False
     if choice is None:
         return ToolChoice("auto" if tools else "none", single=single)
@@ -85,9 +80,8 @@ def resolve_tool_choice(choice, tools: dict[str, dict], parallel: bool | None = 
 
 
 def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
-    """The JSON schema the answer of a forced ``choice`` is decoded under (None for
-    ``none`` / ``auto``): a named function's parameters, or for ``required`` an array
-    (one item when ``single``) of ``{"name": <one tool>, "parameters": <its schema>}``."""
+    """The JSON schema a forced ``choice``'s answer is decoded under (else None): the named
+    function's parameters, or an array of ``{"name", "parameters"}`` for ``required``."""
     if choice.mode == "named":
         return tools[choice.name].get("parameters") or EMPTY_PARAMETERS
     if choice.mode != "required":
@@ -103,8 +97,7 @@ def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
 
 
 def json_constraint(params, schema: dict, param: str = "tool_choice"):
-    """``params`` with the answer constrained to JSON matching ``schema``. APIError (400
-    naming ``param``) when the request has a constraint already or the schema is refused."""
+    """``params`` constrained to JSON matching ``schema``; APIError (400 naming ``param``)."""
     from latentserve.sampling_params import StructuredOutputsParams
 
     if params.structured_outputs is not None:
@@ -119,6 +112,6 @@ def json_constraint(params, schema: dict, param: str = "tool_choice"):
 
 
 def new_call_id(prefix: str = "call_") -> str:
-    """A fresh tool call id: ``prefix`` and 24 hex digits (``call_``: OpenAI's form;
-    ``toolu_``: Anthropic's)."""
+    """A fresh tool call id: ``prefix`` (``call_``, ``toolu_``) and 24 hex digits."""
+
     return prefix + uuid.uuid4().hex[:24]
