@@ -61,7 +61,7 @@ def _answers(tok, items, outputs, latent: bool) -> list[dict]:
     return out
 
 
-def bench_model(name: str, path: Path, device: str, concurrency, dataset: str,
+def bench_model(path: Path, device: str, concurrency, dataset: str,
                 output_len: int, answer_len: int, max_latent: int | None, cost_steps: int,
                 data_dir, bw: float) -> dict:
     """One trained model: per concurrency c (after a warm-up at each, 2 tokens) the next c
@@ -78,9 +78,10 @@ def bench_model(name: str, path: Path, device: str, concurrency, dataset: str,
     from latentserve.sampling_params import SamplingParams
 
     latent = (path / "colar_config.json").is_file()
-    cap = (max_latent if max_latent is not None
-           else json.loads((path / "colar_config.json").read_text())["max_latent"]) if latent \
-        else 0
+    latent_cap = 0  # the most latent steps a request takes
+    if latent:
+        own = json.loads((path / "colar_config.json").read_text())["max_latent"]
+        latent_cap = max(own if max_latent is None else max_latent, cost_steps)
     items = load_items(dataset, limit=sum(concurrency), data_dir=data_dir)
     if len(items) < sum(concurrency):
         raise ValueError(f"dataset {dataset} has {len(items)} items, the concurrencies "
@@ -91,7 +92,7 @@ def bench_model(name: str, path: Path, device: str, concurrency, dataset: str,
         batches[c], start = items[start:start + c], start + c
     dtype = dtype_for(device)
     tok_len = 64  # the question part is ~30 ids, the speed and ``###`` 8 more
-    max_len = tok_len + cap + (answer_len if latent else output_len) + 8
+    max_len = tok_len + latent_cap + (answer_len if latent else output_len) + 8
     engine = make_engine(path, device, dtype, max_c, max_len, kv_slots=(max_c + 1) * max_len)
     tok = engine.tokenizer
     prompts = {c: encode_questions(tok, [it.question for it in b], latent)
@@ -150,5 +151,5 @@ def run_trained_bench(models=tuple(MODELS), device: str = "cuda", concurrency=(1
               "max_latent": max_latent, "cost_steps": cost_steps, "temperature": 0.0,
               "ignore_eos": False, "cuda_graphs": device.startswith("cuda")}
     return run_suite(models, lambda name, root, bw: bench_model(
-        name, paths[name], device, concurrency, dataset, output_len, answer_len, max_latent,
+        paths[name], device, concurrency, dataset, output_len, answer_len, max_latent,
         cost_steps, data_dir, bw), device, command, config)
