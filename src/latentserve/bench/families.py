@@ -9,7 +9,7 @@ import time
 
 ROW_FIELDS = ("family", "model", "concurrency", "step_ms", "replay_ms", "floor_ms",
               "step_over_floor", "replay_over_floor", "latent_over_plain_pct",
-              "speedup_vs_reference")
+              "speedup_vs_reference", "tok_s", "accuracy")  # accuracy: trained models only
 
 
 def _ms(seconds) -> float | None:
@@ -31,7 +31,8 @@ def _rows(family: str, res: dict) -> list[dict]:
                            floor_ms=_ms((r["bandwidth_floor"] or {}).get("floor_s")),
                            step_over_floor=r["step_over_floor"],
                            replay_over_floor=r.get("replay_over_floor"),
-                           speedup_vs_reference=r.get("speedup"))
+                           speedup_vs_reference=r.get("speedup"), tok_s=r["tok_s"],
+                           accuracy=r.get("accuracy"))
                 if int(cost.get("batch", -1)) == int(c):  # the batch the cost was measured at
                     row["latent_over_plain_pct"] = cost["latent_over_plain_pct"]
                 rows.append(row)
@@ -52,6 +53,9 @@ SUITES = {
                   {"output_len": 4, "ref_requests": 1, "ref_output_len": 3}),
     "loop": ("loop", "run_loop_bench", ("pccot-gpt2-124m",), {}, ("pccot-tiny",),
              {"answer_len": 4, "ref_requests": 1, "block_size": 4}),
+    "trained": ("trained", "run_trained_bench", ("smollm2-mult-cot", "smollm2-mult-colar"), {},
+                ("smollm2-mult-cot", "smollm2-mult-colar"),
+                {"output_len": 4, "answer_len": 4, "max_latent": 4, "cost_steps": 4}),
 }
 
 
@@ -85,6 +89,10 @@ def run_families_bench(concurrency=(1, 16, 64), families=tuple(SUITES),
 
     if not tiny and not torch.cuda.is_available():
         raise RuntimeError("bench --suite families needs a CUDA device (the H200)")
+    if "trained" in families:  # at once, not after hours of the other suites
+        from latentserve.bench.trained import model_paths
+
+        model_paths(SUITES["trained"][2])
     t0, suites = time.perf_counter(), {}
     for family, (module, runner, models, options, tiny_models, tiny_options) in SUITES.items():
         if family in families:

@@ -67,18 +67,27 @@ def engine_rows(engine, params, concurrency, prompt_len: int, device: str, bw: f
         prompts = random_prompts(g, c, prompt_len)
         r = drive(engine, prompts, params, device, f"c{c}", on_add)
         outputs[c] = (prompts, r.pop("outputs"))
-        step, replay = r["step_s"].get("decode"), r.get("replay_s", {}).get("decode")
-        fl = None if step is None else floor(engine.runner.model, c, r["ctx"]["decode"], bw,
-                                             engine.config.torch_dtype)
-        r.update(tok_s=r["tokens"] / r["wall_s"], decode_step_s=step, bandwidth_floor=fl,
-                 step_over_floor=step / fl["floor_s"] if fl else None)
-        if replay is not None:
-            r.update(graph_replay_s=replay, replay_over_floor=replay / fl["floor_s"])
-        rows[c] = r
-        print(f"[{engine.model_name}] c={c}: {r['wall_s']:.3f} s, {r['tok_s']:.1f} tok/s, "
-              f"step {step} s, x floor {r['step_over_floor']}", flush=True)
+        rows[c] = measure(engine, r, c, bw, floor)
     engine.cache.check_idle()
     return rows, outputs
+
+
+def measure(engine, r: dict, c: int, bw: float, floor=kv_floor) -> dict:
+    """``r`` (``drive``'s result for ``c`` rows on ``engine``) with ``tok_s`` (output
+    tokens/s), ``decode_step_s`` (its decode steps' steady mean; None without any),
+    ``bandwidth_floor`` (``floor(model, c, ctx, bw, kv_dtype)`` at the decode steps' mean
+    context; a dict with ``floor_s``) and ``step_over_floor``; with CUDA graphs also
+    ``graph_replay_s`` and ``replay_over_floor``. Prints one line; returns ``r``."""
+    step, replay = r["step_s"].get("decode"), r.get("replay_s", {}).get("decode")
+    fl = None if step is None else floor(engine.runner.model, c, r["ctx"]["decode"], bw,
+                                         engine.config.torch_dtype)
+    r.update(tok_s=r["tokens"] / r["wall_s"], decode_step_s=step, bandwidth_floor=fl,
+             step_over_floor=step / fl["floor_s"] if fl else None)
+    if replay is not None:
+        r.update(graph_replay_s=replay, replay_over_floor=replay / fl["floor_s"])
+    print(f"[{engine.model_name}] c={c}: {r['wall_s']:.3f} s, {r['tok_s']:.1f} tok/s, "
+          f"step {step} s, x floor {r['step_over_floor']}", flush=True)
+    return r
 
 
 def reference(rows: dict, outputs: dict, generate, device: str, requests: int,

@@ -34,7 +34,8 @@ def register(sub) -> None:
                    help="comma-separated concurrent requests (gpu, latent, loop suites)")
     p.add_argument("--families", default=None,
                    help="comma-separated families of --suite families (default: plain, "
-                        "feedback, head, recurrent, loop)")
+                        "feedback, head, recurrent, loop, trained: the models/ of the "
+                        "checkout)")
     p.set_defaults(func=run)
     from latentserve.bench.serve import add_serve_bench_args, serve_bench_main
 

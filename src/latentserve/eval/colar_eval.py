@@ -37,6 +37,27 @@ def summarize(records: list[dict], seconds: float) -> dict:
             "seconds": round(seconds, 3)}
 
 
+def encode_questions(tok, questions: list[str], latent: bool) -> list[list[int]]:
+    """Prompt ids per question in the format the model was trained with: a CoLaR model's
+    question part (``colar.QUESTION``; the engine appends its speed and ``###``), else the
+    text model's whole speed-1 prompt (``colar.prompt_ids``; a compression head on a text
+    model takes that too)."""
+    if latent:
+        return tok([colar.QUESTION.format(q) for q in questions],
+                   add_special_tokens=False)["input_ids"]
+    return colar.prompt_ids(tok, questions)
+
+
+def read_answer(tok, ids: list[int], latent: bool) -> str:
+    """The answer in generated ``ids``: after a latent phase (CoLaR or a head) what follows
+    ``Answer:`` (the whole text without it), else what follows ``Answer:`` after the text
+    chain of thought's closing ``###`` (``colar.split_output``; "" without a ``###``)."""
+    text = tok.decode(ids, skip_special_tokens=True)
+    if latent:
+        return text.partition(colar.ANSWER.format(""))[2].strip() or text.strip()
+    return colar.split_output(text)[1]
+
+
 def evaluate(llm, items: list[Item], max_tokens: int = 320,
              compression_factor: int | None = None, max_latent: int | None = None,
              **head_controls) -> tuple[list[dict], dict]:
@@ -71,9 +92,7 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
         extra = {"max_latent": cap, "min_output_tokens": 0, **head_controls}
         max_tokens += cap + len(llm.engine.latent_spec.end_ids)  # latent steps count too
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
-    questions = [it.question for it in items]  # a head: the text model's prompt, as trained
-    ids = (tok([colar.QUESTION.format(q) for q in questions], add_special_tokens=False)
-           ["input_ids"] if latent else colar.prompt_ids(tok, questions))
+    ids = encode_questions(tok, [it.question for it in items], latent)
     prompts = [{"prompt_token_ids": p} for p in ids]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -85,11 +104,9 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
         if latent or head:
             stats = c.latent_stats or {}
             thinking, fired = int(stats.get("steps", 0)), stats.get("end") == "stop"
-            text = tok.decode(ids, skip_special_tokens=True)
-            answer = text.partition(colar.ANSWER.format(""))[2].strip() or text.strip()
         else:
             thinking, fired = (ids.index(sep), True) if sep in ids else (len(ids), False)
-            _, answer = colar.split_output(tok.decode(ids, skip_special_tokens=True))
+        answer = read_answer(tok, ids, latent or head)
         records.append({"question": it.question, "gold": it.gold, "answer": answer,
                         "correct": answers_match(it.gold, answer), "thinking": thinking,
                         "stop_fired": fired, "output_tokens": len(ids)})
