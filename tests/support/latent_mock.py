@@ -20,7 +20,7 @@ MOCK_SPEC = LatentSpec("feedback", "mock-coconut", default_budget=3, max_budget=
 def mock_latent_loading():
     """Within the block, every model ``LLMEngine`` loads gets ``MOCK_SPEC`` and identity
     feedback."""
-    import latentserve.models.loader as loader
+    import latentserve.latent.load as loader
 
     original = loader.load_model
 

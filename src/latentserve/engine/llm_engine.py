@@ -54,7 +54,7 @@ class LLMEngine:
         from latentserve.kvcache.pool import KVPool, PageTable
         from latentserve.kvcache.radix import RadixCache
         from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
-        from latentserve.models.loader import load_model
+        from latentserve.latent.load import load_model
         from latentserve.scheduler.cache import CacheManager
         from latentserve.scheduler.scheduler import Scheduler
 

@@ -306,7 +306,7 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
     from latentserve.distributed import destroy_tp_group, init_tp_group
     from latentserve.kvcache.pool import KVPool, PageTable
     from latentserve.models.checkpoint import resolve_model_dir
-    from latentserve.models.loader import load_model
+    from latentserve.latent.load import load_model
 
     tp = init_tp_group(rank, size, init_method, config.device)
     torch.manual_seed(config.seed)

@@ -39,7 +39,7 @@ def check_serves(model_dir: Path) -> None:
     import torch
 
     from latentserve.models.checkpoint import load_tokenizer
-    from latentserve.models.loader import load_model
+    from latentserve.latent.load import load_model
 
     try:
         model, hf_config = load_model(model_dir, torch.float32, "cpu")
