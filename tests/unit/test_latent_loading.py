@@ -307,7 +307,7 @@ def test_converter_refuses_a_result_the_loader_fails_on_and_leaves_out_as_it_was
         dirs, tmp_path, monkeypatch):
     """Every converter loads what it wrote (latent.load.load_model) before moving it into
     --out; a failure there is refused with the loader's error and writes nothing."""
-    from latentserve.latent import load as loader
+    from latentserve.latent import convert
 
     root = dirs["coconut-gpt2"].parent
     ckpt = root / "upstream" / "checkpoint_7"
@@ -317,7 +317,7 @@ def test_converter_refuses_a_result_the_loader_fails_on_and_leaves_out_as_it_was
         seen.append(sorted(p.name for p in model_dir.iterdir()))
         raise KeyError("unexpected weight 'transformer.x'")
 
-    monkeypatch.setattr(loader, "load_model", failing_load)
+    monkeypatch.setattr(convert, "load_model", failing_load)
     with pytest.raises(ValueError, match="would not serve: KeyError: .*unexpected weight"):
         convert_coconut(root / "base", ckpt, tmp_path / "out")
     assert "latent_config.json" in seen[0]  # the complete directory was loaded
