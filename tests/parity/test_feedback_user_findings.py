@@ -72,7 +72,7 @@ def test_convert_bad_budget_writes_nothing(upstream):
 def test_codi_prj_left_out_is_refused(tmp_path, smollm2_dir):
     pytest.importorskip("peft")
     from latentserve.bench.baseline.latent_models import write_upstream_codi
-    from latentserve.models.loader import load_model
+    from latentserve.latent.load import load_model
 
     base, ckpt = write_upstream_codi(tmp_path, "gpt2", "safetensors")
     model_dir = convert_codi(base, ckpt, tmp_path / "model", lora_alpha=16.0)

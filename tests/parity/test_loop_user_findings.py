@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
+from latentserve.latent.load import load_model
 from latentserve.latent.loop_checkpoint import prepare_loop_weights, validate_loop_config
 from latentserve.latent.loop_convert import convert_pccot
-from latentserve.models.loader import load_model
 
 CFG = {"format_version": 1, "family": "pccot", "checkpoint": None,
        "tokens": {"bot": 1, "eot": 2, "latent": 3}, "answer_prompt_ids": [4, 5],

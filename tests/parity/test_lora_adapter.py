@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from latentserve.models.loader import load_model
+from latentserve.latent.load import load_model
 from tests.support.parity import hf_reference, run_batch
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

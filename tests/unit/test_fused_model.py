@@ -188,7 +188,7 @@ def test_fused_ouro_matches_unfused_fp32(tmp_path):
 def test_rotary_pairs_kernel_matches_huginn_eager(dtype):
     """The in-place kernel on strided views of a fused q|k|v output equals the eager
     ``qk_bias`` add (in the activation dtype) then ``rope_pairs`` (fp32 rotation)."""
-    from latentserve.models.huginn import rope_pairs
+    from latentserve.latent.huginn import rope_pairs
     from latentserve.ops.kernels import apply_rotary_pairs_
 
     g = torch.Generator().manual_seed(0)
@@ -241,7 +241,7 @@ def test_recurrent_models_take_the_fast_path_when_asked(tmp_path):
     """``fused_ops`` (the CUDA + Triton default) switches Huginn and Ouro to the fast path,
     which passed its fp32 parity test on the H200; without it they stay unfused."""
     from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
-    from latentserve.models.loader import load_model
+    from latentserve.latent.load import load_model
 
     for path in (write_huginn(tmp_path / "h"), write_ouro(tmp_path / "o")):
         plain, _ = load_model(path, torch.float32, "cpu")

@@ -74,7 +74,7 @@ def test_lora_merge_equals_peft(kind, dirs):
 
 
 def test_engine_model_loads_prepared_weights(dirs):
-    from latentserve.models.loader import load_model
+    from latentserve.latent.load import load_model
 
     for kind, d in dirs.items():
         model, hf_cfg = load_model(d, torch.float32, "cpu")
@@ -305,9 +305,9 @@ def test_refused_conversion_creates_no_out_dir(dirs, tmp_path):
 
 def test_converter_refuses_a_result_the_loader_fails_on_and_leaves_out_as_it_was(
         dirs, tmp_path, monkeypatch):
-    """Every converter loads what it wrote (models.loader.load_model) before moving it into
+    """Every converter loads what it wrote (latent.load.load_model) before moving it into
     --out; a failure there is refused with the loader's error and writes nothing."""
-    from latentserve.models import loader
+    from latentserve.latent import convert
 
     root = dirs["coconut-gpt2"].parent
     ckpt = root / "upstream" / "checkpoint_7"
@@ -317,7 +317,7 @@ def test_converter_refuses_a_result_the_loader_fails_on_and_leaves_out_as_it_was
         seen.append(sorted(p.name for p in model_dir.iterdir()))
         raise KeyError("unexpected weight 'transformer.x'")
 
-    monkeypatch.setattr(loader, "load_model", failing_load)
+    monkeypatch.setattr(convert, "load_model", failing_load)
     with pytest.raises(ValueError, match="would not serve: KeyError: .*unexpected weight"):
         convert_coconut(root / "base", ckpt, tmp_path / "out")
     assert "latent_config.json" in seen[0]  # the complete directory was loaded

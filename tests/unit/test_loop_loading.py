@@ -9,10 +9,10 @@ import types
 import pytest
 
 from latentserve.cli import main as cli_main
+from latentserve.latent.load import load_model
 from latentserve.latent.loop_checkpoint import validate_loop_config
 from latentserve.latent.loop_convert import convert_pccot
 from latentserve.models.checkpoint import load_tokenizer
-from latentserve.models.loader import load_model
 from latentserve.server.errors import APIError
 from latentserve.server.params import latent_budget
 

@@ -88,7 +88,7 @@ def test_codi_bf16_checkpoint_merges_in_fp32_not_rounded_to_bf16(tmp_path, smoll
 
     from latentserve.bench.baseline.latent_models import write_upstream_codi
     from latentserve.latent.convert import convert_codi
-    from latentserve.models.loader import load_model
+    from latentserve.latent.load import load_model
 
     base_dir, ckpt = write_upstream_codi(tmp_path, "llama", "safetensors")
     sd = {k: v.bfloat16() for k, v in load_file(ckpt).items()}

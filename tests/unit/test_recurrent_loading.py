@@ -10,8 +10,8 @@ import torch
 
 from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
 from latentserve.config import EngineConfig
+from latentserve.latent.load import load_model
 from latentserve.latent.recurrent import ExitRule, cache_salt_key, resolve_exit_rule
-from latentserve.models.loader import load_model
 from latentserve.sampling_params import SamplingParams
 
 

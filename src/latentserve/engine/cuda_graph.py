@@ -9,6 +9,7 @@ import torch
 
 from latentserve.context import ForwardContext, set_context
 from latentserve.latent.family import family_for
+from latentserve.sampling import greedy_tokens
 
 
 @contextlib.contextmanager
@@ -162,8 +163,6 @@ class CudaGraphRunner:
         logits = model.compute_logits(hidden)
         if not self.with_greedy:
             return logits, hidden, None
-        from latentserve.sampling import greedy_tokens
-
         return logits, hidden, greedy_tokens(logits)  # in the graph: no launches per step
 
     def _lm_head_argmax(self, model) -> bool:

@@ -10,12 +10,44 @@ from typing import Any
 
 import torch
 
+from latentserve.attention.base import make_backend
 from latentserve.config import EngineConfig, check_device
 from latentserve.core import Req
+from latentserve.distributed import destroy_tp_group
+from latentserve.engine import overlap
+from latentserve.engine.kv_sizing import kv_slots_for
+from latentserve.engine.model_runner import ModelRunner
+from latentserve.engine.prompt_logprobs import PromptLogprobTracker
+from latentserve.engine.tp_worker import (
+    RunnerSetup,
+    TPModelRunner,
+    abort_workers,
+    start_workers,
+    stop_workers,
+)
+from latentserve.kvcache.allocator import SlotAllocator
+from latentserve.kvcache.pool import KVPool, PageTable
+from latentserve.kvcache.radix import RadixCache
+from latentserve.latent.family import family_for
+from latentserve.latent.load import load_model
+from latentserve.latent.spec import cap_budget
 from latentserve.mask_ahead import MasksAhead
+from latentserve.models.checkpoint import (
+    NoTokenizer,
+    base_model_dir,
+    load_tokenizer,
+    resolve_model_dir,
+)
+from latentserve.models.generation_config import sampling_defaults
+from latentserve.models.layers import DECODE_ROWS, QKV_ROPE_ROWS
 from latentserve.outputs import StepOutput
+from latentserve.sampling import TokenMask, sample_with_logprobs
 from latentserve.sampling_params import SamplingParams
-from latentserve.staging import DeviceToHost
+from latentserve.scheduler.cache import CacheManager
+from latentserve.scheduler.scheduler import Scheduler
+from latentserve.staging import BitmaskToDevice, DeviceToHost
+from latentserve.structured import Grammars
+from latentserve.token_masks import RequestMask, bad_words_ids, batch_bitmask, bitmask_width
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +62,6 @@ class LLMEngine:
         self.tp: Any = None
         self._tp_procs: list = []
         if config.tensor_parallel_size > 1:
-            from latentserve.engine.tp_worker import abort_workers, start_workers
-            from latentserve.models.checkpoint import resolve_model_dir
-
             # The workers load the directory rank 0 resolves (a GGUF converted once, in the
             # serving dtype), not a conversion of their own.
             resolved = str(resolve_model_dir(config.model, _dtype_name(config)))
@@ -47,17 +76,6 @@ class LLMEngine:
             self._build(config)
 
     def _build(self, config: EngineConfig) -> None:
-        from latentserve.attention.base import make_backend
-        from latentserve.engine.kv_sizing import kv_slots_for
-        from latentserve.engine.model_runner import ModelRunner
-        from latentserve.kvcache.allocator import SlotAllocator
-        from latentserve.kvcache.pool import KVPool, PageTable
-        from latentserve.kvcache.radix import RadixCache
-        from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
-        from latentserve.models.loader import load_model
-        from latentserve.scheduler.cache import CacheManager
-        from latentserve.scheduler.scheduler import Scheduler
-
         self.config = config
         check_device(config.device)
         self.device = self.tp.device if self.tp is not None else torch.device(config.device)
@@ -67,8 +85,6 @@ class LLMEngine:
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir,  # --tokenizer
                                         optional=config.tokenizer is None)  # else ids only
-        from latentserve.models.generation_config import sampling_defaults
-
         self.sampling_defaults = sampling_defaults(model_dir, config.generation_config)
         model, hf_config = load_model(model_dir, config.torch_dtype, config.device,
                                       latent_head=config.latent_head,
@@ -102,9 +118,6 @@ class LLMEngine:
         radix = RadixCache(allocator, enabled=config.enable_prefix_caching)
         self.cache = CacheManager(allocator, radix, table)
         self.eos_ids = _eos_ids(model_dir, self.tokenizer, hf_config)
-        from latentserve.latent.family import family_for
-        from latentserve.latent.spec import cap_budget
-
         spec, cap = getattr(model, "latent_spec", None), config.max_latent_budget
         family = family_for(spec)
         if cap is not None and config.latent_cap_where_applicable:
@@ -134,16 +147,12 @@ class LLMEngine:
         if self.tp is None:
             self.runner = ModelRunner(*runner_args)
         else:
-            from latentserve.engine.tp_worker import TPModelRunner
-
             self.runner = TPModelRunner(*runner_args, self.tp)
         self.family.setup()
         graph_bs = min(config.max_num_seqs, 256) if (
             self.device.type == "cuda" and config.backend_name == "triton"
             and not config.enforce_eager) else 0
         if self.tp is not None:  # the workers copy these, then capture alongside
-            from latentserve.engine.tp_worker import RunnerSetup
-
             self.runner.send_setup(RunnerSetup(slots, self.max_model_len,
                                                self.runner.capture_layer, graph_bs))
         if graph_bs:
@@ -159,8 +168,6 @@ class LLMEngine:
         self.masks_ahead = MasksAhead(self.vocab_size)
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
-        from latentserve.engine.prompt_logprobs import PromptLogprobTracker
-
         self.prompt_logprobs = PromptLogprobTracker()
         self.grammars: Any = None  # structured.Grammars, built for the first constrained one
         log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,
@@ -250,9 +257,6 @@ class LLMEngine:
     def _constraint(self, params: SamplingParams):
         """The request's ``token_masks.RequestMask`` (grammar compiled here); ValueError
         naming the field for a bad id, word or grammar."""
-        from latentserve.models.checkpoint import NoTokenizer
-        from latentserve.token_masks import RequestMask, bad_words_ids
-
         bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
         if bad:
             raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size}), got "
@@ -269,8 +273,6 @@ class LLMEngine:
         matcher = None
         if so is not None:
             if self.grammars is None:
-                from latentserve.structured import Grammars
-
                 self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
             matcher = self.grammars.matcher(so)
         return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
@@ -279,10 +281,6 @@ class LLMEngine:
     def token_mask(self, reqs: list[Req], device, known: dict | None = None):
         """The sampler's ``TokenMask`` for ``reqs`` (None: no constraint), copied to
         ``device`` without waiting; ``known``: see ``token_masks.batch_bitmask``."""
-        from latentserve.sampling import TokenMask
-        from latentserve.staging import BitmaskToDevice
-        from latentserve.token_masks import batch_bitmask, bitmask_width
-
         if not any(r.constraint is not None for r in reqs):
             return None
         device = torch.device(device)
@@ -297,9 +295,6 @@ class LLMEngine:
         idempotent). The engine cannot step afterwards."""
         if self.tp is None:
             return
-        from latentserve.distributed import destroy_tp_group
-        from latentserve.engine.tp_worker import stop_workers
-
         self.tp = None
         try:
             self.runner.send_stop()
@@ -328,8 +323,6 @@ class LLMEngine:
         """Schedule, forward once, sample, and return what each request produced (overlap:
         the previous batch's). A sampling failure finishes only its request."""
         if self.config.use_overlap_schedule:
-            from latentserve.engine import overlap
-
             if overlap.eligible(self):
                 return self._retire(overlap.step(self))
             if self.inflight is not None:  # finish it first; the next step is synchronous
@@ -389,8 +382,6 @@ class LLMEngine:
     def _sample(self, logits, reqs, greedy=None, mask=None) -> tuple[list[int], list]:
         """Tokens and logprobs, batched; row by row when that fails (a failing row gets
         token 0 and its rid in ``_failed``)."""
-        from latentserve.sampling import TokenMask, sample_with_logprobs
-
         if not reqs:
             return [], []
         try:
@@ -455,8 +446,6 @@ class LLMEngine:
         prefix cache is emptied after. Raises RuntimeError when requests are queued."""
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine")
-        from latentserve.models.layers import DECODE_ROWS, QKV_ROPE_ROWS
-
         fused = self.config.use_fused_ops
         long = max(4, DECODE_ROWS + 1) if fused else 4
         if self._warm_request((long, 4)) and fused and QKV_ROPE_ROWS[0] <= DECODE_ROWS:
@@ -527,8 +516,6 @@ def _eos_ids(model_dir, tokenizer, hf_config) -> set[int]:
     ids: set[int] = set()
     try:
         from transformers import GenerationConfig
-
-        from latentserve.models.checkpoint import base_model_dir
 
         gen = GenerationConfig.from_pretrained(base_model_dir(model_dir), local_files_only=True)
         ids |= _as_set(gen.eos_token_id)

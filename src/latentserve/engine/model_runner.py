@@ -4,20 +4,17 @@ captured CUDA graph for decode batches) and returns the logits of the rows that 
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
 
 import torch
 
 from latentserve.attention.base import AttentionBackend, BatchLayout
 from latentserve.context import ForwardContext, set_context
+from latentserve.engine.cuda_graph import CudaGraphRunner
 from latentserve.kvcache.pool import KVPool, PageTable
 from latentserve.latent import vectors as latent_vectors
 from latentserve.latent.family import family_for
 from latentserve.scheduler.scheduler import ScheduledBatch
 from latentserve.staging import HostToDevice
-
-if TYPE_CHECKING:
-    from latentserve.engine.cuda_graph import CudaGraphRunner
 
 
 def pending_row(req, start: int, n: int, src_of: dict[int, int] | None) -> int | None:
@@ -88,8 +85,6 @@ class ModelRunner:
                        with_greedy: bool = True) -> None:
         """Capture decode graphs for batch sizes up to ``max_bs`` (CUDA + Triton only);
         ``with_greedy=False`` leaves the greedy argmax out of them (a rank that never samples)."""
-        from latentserve.engine.cuda_graph import CudaGraphRunner
-
         self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table,
                                       max_bs, hidden_size, dtype, self.capture_layer,
                                       with_greedy=with_greedy)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from latentserve.core import ReqStatus
+from latentserve.sampling import sample_with_logprobs
 from latentserve.staging import DeviceToHost
 
 log = logging.getLogger(__name__)
@@ -150,8 +151,6 @@ def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None
             ) -> tuple[torch.Tensor, dict]:
     """``([S] int64 tokens on the device, rid -> error of failed rows)``, not waited for;
     the engine's row-by-row fallback when the batched sampler raises."""
-    from latentserve.sampling import sample_with_logprobs
-
     if not reqs:
         return torch.empty(0, dtype=torch.int64, device=logits.device), {}
     mask = engine.token_mask(reqs, logits.device, known)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from latentserve.outputs import StepOutput, TokenLogprob
+from latentserve.sampling import prompt_logprobs
 
 # Rows turned into [rows, vocab] logits at once (bounds the memory of a long prompt chunk).
 _LOGIT_ROWS = 256
@@ -41,8 +42,6 @@ class PromptLogprobTracker:
     def record(self, model, prompt_hidden: list) -> None:
         """Score one forward's ``(req, start, hidden [q_len, hidden_size])``: row i predicts
         the prompt token at ``start + i + 1``."""
-        from latentserve.sampling import prompt_logprobs
-
         for req, start, hidden in prompt_hidden:
             entry = self._entries.get(req.rid)
             if entry is None:

@@ -16,8 +16,15 @@ from typing import Any
 
 import torch
 
+from latentserve.attention.base import make_backend
+from latentserve.config import EngineConfig
+from latentserve.distributed import destroy_tp_group, init_tp_group
 from latentserve.engine.model_runner import ModelRunner, pending_row
+from latentserve.kvcache.pool import KVPool, PageTable
 from latentserve.latent import vectors as latent_vectors
+from latentserve.latent.load import load_model
+from latentserve.models.checkpoint import resolve_model_dir
+from latentserve.scheduler.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +198,6 @@ class TPModelRunner(ModelRunner):
 
     def serve_forever(self) -> None:
         """Run rank 0's batches until it sends stop."""
-        from latentserve.scheduler.scheduler import ScheduledBatch
-
         while True:
             header = self._receive_object()
             if header is None:
@@ -245,8 +250,6 @@ def _free_port() -> int:
 def start_workers(config) -> tuple[Any, list[subprocess.Popen]]:
     """Start ranks 1..N-1 as subprocesses and join as rank 0: ``(TPGroup, processes)``.
     Raises RuntimeError when a worker exits before the group forms."""
-    from latentserve.distributed import init_tp_group
-
     size = config.tensor_parallel_size
     init = f"tcp://127.0.0.1:{_free_port()}"
     payload = json.dumps(dataclasses.asdict(config))
@@ -267,8 +270,6 @@ def start_workers(config) -> tuple[Any, list[subprocess.Popen]]:
 def abort_workers(procs: list[subprocess.Popen]) -> None:
     """Kill the workers and leave the process group (rank 0 failed before it could stop them
     in order)."""
-    from latentserve.distributed import destroy_tp_group
-
     _kill_alive(procs)
     destroy_tp_group()
 
@@ -302,12 +303,6 @@ def _exit_with_parent(parent_pid: int) -> None:
 def worker_main(config, rank: int, size: int, init_method: str) -> None:
     """Rank ``rank``: load this rank's shard, copy rank 0's ``RunnerSetup`` (KV pool,
     page table, capture layer, CUDA graphs), then run batches until stop."""
-    from latentserve.attention.base import make_backend
-    from latentserve.distributed import destroy_tp_group, init_tp_group
-    from latentserve.kvcache.pool import KVPool, PageTable
-    from latentserve.models.checkpoint import resolve_model_dir
-    from latentserve.models.loader import load_model
-
     tp = init_tp_group(rank, size, init_method, config.device)
     torch.manual_seed(config.seed)
     model, hf_config = load_model(resolve_model_dir(config.model), config.torch_dtype,
@@ -342,8 +337,6 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from latentserve.config import EngineConfig
-
     payload, rank, size, init, parent = argv
     threading.Thread(target=_exit_with_parent, args=(int(parent),), daemon=True).start()
     logging.basicConfig(level=logging.WARNING)

@@ -4,12 +4,10 @@ one slot id per token as SGLang's ``req_to_token``; slot 0 is a dummy for padded
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from latentserve.staging import HostToDevice
+from latentserve.staging import HostToDevice
 
 
 class KVPool:
@@ -85,8 +83,6 @@ class PageTable:
             return
         cells, n, slots = staged
         if self._to_device is None:
-            from latentserve.staging import HostToDevice
-
             self._to_device = HostToDevice(self.raw.device)
         idx = self._to_device.copy(cells)  # [rows | cols], through a pinned buffer
         self.raw[idx[:n], idx[n:]] = slots

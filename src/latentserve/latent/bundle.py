@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from latentserve import settings
-from latentserve.latent.head import HeadConfig, LatentHead
+from latentserve.latent.head import CONTROLS, HEAD_BUNDLE_NAME, HeadConfig, LatentHead
+from latentserve.latent.spec import LatentSpec
+from latentserve.models.checkpoint import load_tokenizer
 
 SUBDICTS = ("reasoning_head", "decoder", "target_proj")
 CURRENT_FORMAT = 3
@@ -272,8 +274,6 @@ def find_bundle(model_dir, override: str | None = None, disabled: bool = False):
 def _dir_bundle(d: Path) -> Path | None:
     """The bundle of model directory ``d``: the file its ``config.json`` names (missing:
     FileNotFoundError), else ``latent_reasoning_head.safetensors``, else None."""
-    from latentserve.latent.head import HEAD_BUNDLE_NAME
-
     cfg = d / "config.json"
     named = json.loads(cfg.read_text()).get("latent_reasoning_head") if cfg.is_file() else None
     if named:  # the directory's config asks for a head: a missing file is an error
@@ -317,10 +317,6 @@ def attach_head(model, model_dir, hf_config, path, device, injection: str | None
     """Set ``model.latent_head`` (float32 ``LatentHead``), ``latent_head_mode`` and
     ``latent_spec`` (start/end ids: the thinking opening/closing) from the bundle at
     ``path``. Raises ValueError when it does not fit the backbone."""
-    from latentserve.latent.head import CONTROLS
-    from latentserve.latent.spec import LatentSpec
-    from latentserve.models.checkpoint import load_tokenizer
-
     bundle = read_bundle(path)
     cfg = bundle.config
     if not bundle.injectable:

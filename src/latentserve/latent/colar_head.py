@@ -8,7 +8,10 @@ import re
 import torch
 from torch import nn
 
-from latentserve.latent.colar import SEPARATOR, SPEED, ColarConfig, LatentPolicy
+from latentserve.latent.colar import SEPARATOR, SPEED, ColarConfig, LatentPolicy, load_colar
+from latentserve.latent.head import refuse_controls, resolve_settings
+from latentserve.latent.spec import LatentSpec
+from latentserve.models.checkpoint import load_tokenizer
 
 # The per-request controls CoLaR takes (``SamplingParams`` fields; ``latent.head.HEAD_FIELDS``).
 CONTROLS = ("thinking", "max_latent", "min_latent", "use_stop", "compression_factor",
@@ -60,8 +63,6 @@ class ColarHead(nn.Module):
         """``(params, HeadSettings, ids to append)``: ``(Thinking speed: c)`` + ``###``
         (+ ``###`` with thinking off), none when the prompt ends with ``###``. Raises
         ValueError naming a control CoLaR does not take or a bad ``compression_factor``."""
-        from latentserve.latent.head import refuse_controls, resolve_settings
-
         refuse_controls(params, CONTROLS, "a CoLaR model")
         cfg = self.config
         c = params.compression_factor
@@ -99,10 +100,6 @@ def attach_colar(model, model_dir, hf_config, device) -> bool:
     """Attach ``model.latent_head`` (float32 :class:`ColarHead`), ``latent_head_mode`` and
     ``latent_spec`` from ``colar_config.json``; False without one. Raises ValueError for a bad
     config, a ``hidden_size`` not the backbone's, or a tokenizer without ``###``."""
-    from latentserve.latent.colar import load_colar
-    from latentserve.latent.spec import LatentSpec
-    from latentserve.models.checkpoint import load_tokenizer
-
     loaded = load_colar(model_dir)
     if loaded is None:
         return False

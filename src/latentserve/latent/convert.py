@@ -10,6 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from latentserve.latent.feedback import (
     BUFFER_SUFFIXES,
     LATENT_CONFIG,
@@ -18,6 +20,9 @@ from latentserve.latent.feedback import (
     strip_keys,
     validate_latent_config,
 )
+from latentserve.latent.load import load_model
+from latentserve.models.checkpoint import load_tokenizer
+from latentserve.models.loader import iter_weights
 
 COCONUT_TOKENS = ("<|start-latent|>", "<|end-latent|>", "<|latent|>")
 
@@ -36,11 +41,6 @@ def _start(base_dir, checkpoint, out_dir, overwrite: bool):
 def check_serves(model_dir: Path) -> None:
     """Load ``model_dir`` as the engine does (float32, CPU) with its tokenizer. Raises
     ValueError ("... would not serve: <the loader's error>")."""
-    import torch
-
-    from latentserve.models.checkpoint import load_tokenizer
-    from latentserve.models.loader import load_model
-
     try:
         model, hf_config = load_model(model_dir, torch.float32, "cpu")
         del model
@@ -107,8 +107,6 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
     """Check, then write config, tokenizer, checkpoint copy, missing base weights and
     latent_config through :func:`write_checked`."""
     from safetensors.torch import save_file
-
-    from latentserve.models.loader import iter_weights
 
     rows = latent_cfg["vocab_size"]
     # every config error (e.g. a negative --default-budget) before anything is written
@@ -180,8 +178,6 @@ def convert_coconut(base_dir, checkpoint, out_dir, *, default_budget: int = 6,
                     overwrite: bool = False) -> Path:
     """Write a COCONUT model directory from a ``torch.save``'d ``checkpoint`` over
     ``base_dir``; ValueError when the token ids do not fit its vocab."""
-    from latentserve.models.checkpoint import load_tokenizer
-
     base_dir, checkpoint, out_dir, hf_cfg = _start(base_dir, checkpoint, out_dir, overwrite)
     state = strip_keys(read_state_dict(checkpoint), "coconut")
     rows = _rows(state, checkpoint)
@@ -203,8 +199,6 @@ def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
                  overwrite: bool = False) -> Path:
     """Write a CODI model directory from the whole module's ``checkpoint`` over ``base_dir``;
     ValueError when the embedding rows are not the base vocab + 3."""
-    from latentserve.models.checkpoint import load_tokenizer
-
     base_dir, checkpoint, out_dir, hf_cfg = _start(base_dir, checkpoint, out_dir, overwrite)
     raw = read_state_dict(checkpoint)
     ori = int(hf_cfg["vocab_size"])

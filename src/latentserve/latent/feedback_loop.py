@@ -8,6 +8,7 @@ import torch
 
 from latentserve.core import Req
 from latentserve.latent.family import Admission, Family, GraphHooks
+from latentserve.latent.lens import lens_entries
 
 
 class FeedbackFamily(Family):
@@ -66,8 +67,6 @@ class FeedbackFamily(Family):
                 vecs = src[idx] if pre is not None else model.latent_feedback(last_hidden[idx])
         traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
         if traced:
-            from latentserve.latent.lens import lens_entries
-
             sel = vecs[torch.tensor(traced, device=vecs.device)]
             for j, entry in zip(traced, lens_entries(model, sel)):
                 reqs[rows[j]].latent_trace.append(entry)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from latentserve.core import Req
+from latentserve.latent.lens import lens_entries
 
 
 class HostFloats:
@@ -121,8 +122,6 @@ def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[d
     stepping = [j for j in traced if j in set(open_)]
     if not stepping:
         return {}, lens_p
-    from latentserve.latent.lens import lens_entries
-
     with torch.inference_mode():
         inputs = [draws.get(j, (vecs, j)) for j in stepping]
         stacked = torch.stack([t[r] for t, r in inputs])

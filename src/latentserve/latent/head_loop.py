@@ -9,6 +9,13 @@ import torch
 
 from latentserve.core import Req
 from latentserve.latent.family import Admission, Family
+from latentserve.latent.head import (
+    CONTROLS,
+    apply_output_floor,
+    head_defaults,
+    refuse_controls,
+    resolve_settings,
+)
 from latentserve.latent.head_late import (
     Candidate,
     candidates,
@@ -17,18 +24,13 @@ from latentserve.latent.head_late import (
     settle,
     snapshot,
 )
+from latentserve.latent.lens import lens_entries
+from latentserve.staging import DeviceToHost
 
 
 def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
     """``(params, HeadSettings, opening ids to append)`` of a head request, ``max_tokens``
     raised by the output floor. Raises ValueError naming a bad control."""
-    from latentserve.latent.head import (
-        CONTROLS,
-        apply_output_floor,
-        refuse_controls,
-        resolve_settings,
-    )
-
     own = getattr(model.latent_head, "prepare_request", None)
     if own is not None:
         return own(prompt_ids, params)
@@ -154,9 +156,6 @@ class HeadFamily(Family):
                 and not getattr(head, "record_latents", False))
 
     def setup(self) -> None:
-        from latentserve.latent.head import head_defaults
-        from latentserve.staging import DeviceToHost
-
         self.defaults = head_defaults()
         runner = self.engine.runner
         runner.set_capture(runner.model.latent_head.capture_layer)  # -1: final-normed hidden
@@ -254,8 +253,6 @@ class HeadFamily(Family):
 
 def trace_steps(model, reqs: list[Req], rows: list[int], out: list) -> None:
     """Append each stepping row's lens entry (``latent/lens.py``) with its ``stop_prob``."""
-    from latentserve.latent.lens import lens_entries
-
     stepped = [i for i in rows if out[i] is not None]
     if not stepped:
         return

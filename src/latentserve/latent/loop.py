@@ -9,6 +9,7 @@ import torch
 
 from latentserve.core import LatentState, Req
 from latentserve.latent.family import Admission, Family
+from latentserve.latent.lens import lens_entries
 from latentserve.latent.vectors import as_rows
 
 
@@ -58,8 +59,6 @@ def passes_first(running: list[Req]) -> list[Req]:
 def _trace_passes(model, reqs: list[Req]) -> None:
     """Append to each of ``reqs`` (each just ended a pass) one lens entry per block
     position of the pass's outputs, with ``"pass"`` and ``"position"`` (both 1-based)."""
-    from latentserve.latent.lens import lens_entries
-
     entries = iter(lens_entries(model, torch.cat([r.state.outputs[1:] for r in reqs])))
     for req in reqs:
         st = req.state

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from latentserve.latent.convert import write_checked, write_configs
 from latentserve.latent.feedback import BUFFER_SUFFIXES, read_state_dict
 from latentserve.latent.loop_checkpoint import validate_loop_config
+from latentserve.models.checkpoint import load_tokenizer
+from latentserve.models.loader import iter_weights
+from latentserve.models.lora import check_adapter_config, fold_embedding_adapters
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -23,8 +27,6 @@ def _read_json(path: Path, what: str, flag: str = "--adapter") -> dict:
 def _lora_of(ac: dict) -> dict:
     """``latent_config.json``'s ``lora`` from ``adapter_config.json``; ValueError naming the
     field (also ``rank_pattern`` / ``alpha_pattern``: one rank for every module)."""
-    from latentserve.models.lora import check_adapter_config
-
     folded = ("trainable_token_indices", "modules_to_save", "fan_in_fan_out")
     checked = check_adapter_config({k: v for k, v in ac.items() if k not in folded})
     for field in ("rank_pattern", "alpha_pattern"):
@@ -41,10 +43,6 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
     """Write a PCCoT model directory from ``adapter_dir`` over ``base_dir``; ``max_budget``
     None: ``max(64, num_iterations)``. ValueError naming a missing file or bad field."""
     from safetensors.torch import save_file
-
-    from latentserve.latent.convert import write_checked, write_configs
-    from latentserve.models.checkpoint import load_tokenizer
-    from latentserve.models.loader import iter_weights
 
     base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir)
     if not (base_dir / "config.json").is_file():
@@ -111,8 +109,6 @@ def _fold_embedding(adapter: dict, adapter_dir: Path, base_dir: Path, gpt2: bool
     ``tie_word_embeddings: false``. ValueError when folding fails or GPT-2 would untie."""
     import torch
     from transformers import AutoConfig
-
-    from latentserve.models.lora import fold_embedding_adapters
 
     state = {k.removeprefix("module.").removeprefix("base_model.model."): v
              for k, v in adapter.items()}

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from latentserve.attention.base import BatchLayout
 from latentserve.core import LatentState, Req
 from latentserve.latent.family import Admission, Family, GraphHooks
 
@@ -279,8 +280,6 @@ class ActiveRows:
     metadata are prepared once per distinct row set."""
 
     def __init__(self, rb: RecurrentBatch, ctx):
-        from latentserve.attention.base import BatchLayout
-
         self._layout_cls = BatchLayout
         self.rb, self.ctx = rb, ctx
         self.full_meta = ctx.attn_meta

@@ -7,6 +7,9 @@ import json
 import os
 from pathlib import Path
 
+from latentserve.models.checkpoint import base_model_dir
+from latentserve.sampling_params import SamplingParams
+
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json key -> SamplingParams field (vLLM's available_params).
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -17,9 +20,6 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
 def sampling_defaults(model_dir: str | os.PathLike[str], setting: str = "auto") -> dict:
     """The ``SamplingParams`` defaults ``setting`` gives for ``model_dir``. Raises ValueError
     naming ``generation_config`` (bad setting or file) or the file and field."""
-    from latentserve.models.checkpoint import base_model_dir
-    from latentserve.sampling_params import SamplingParams
-
     if setting == "vllm":
         return {}
     if setting == "auto":

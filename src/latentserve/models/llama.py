@@ -20,6 +20,7 @@ from latentserve.models.layers import (
 )
 from latentserve.models.weights import load_by_name
 from latentserve.ops.rotary import apply_rotary
+from latentserve.sampling import greedy_tokens
 
 
 class LlamaAttention(MergedQKV, nn.Module):
@@ -201,8 +202,6 @@ class LlamaForCausalLM(nn.Module):
         return self._logits_then_argmax(hidden)
 
     def _logits_then_argmax(self, hidden):
-        from latentserve.sampling import greedy_tokens
-
         logits = self.compute_logits(hidden)
         return logits, greedy_tokens(logits)
 

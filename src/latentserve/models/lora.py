@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from latentserve.models.checkpoint import ADAPTER_CONFIG, adapter_base_dir
+from latentserve.models.registry import LLAMA_FAMILY
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 PEFT_PREFIX = "base_model.model."
@@ -220,8 +221,6 @@ def merge_adapter(weights: Iterable[tuple[str, torch.Tensor]], adapter: LoraAdap
     """The base's ``(name, tensor)`` stream with ``adapter`` merged (float32). Raises
     ValueError for a non-Llama model, a tied adapted ``lm_head``, a shape mismatch, or a
     pair without a base weight."""
-    from latentserve.models.registry import LLAMA_FAMILY
-
     mt = getattr(hf_config, "model_type", None)
     if mt not in LLAMA_FAMILY:
         raise ValueError(f"{adapter.path}: LoRA adapters are merged into {list(LLAMA_FAMILY)} "

@@ -1,5 +1,5 @@
 """Huginn's RoPE kernel: optional per-head bias add, then rotation of interleaved pairs, q and
-k in place in one launch; bitwise as ``models.huginn.rope_pairs`` after the ``qk_bias`` add.
+k in place in one launch; bitwise as ``latent.huginn.rope_pairs`` after the ``qk_bias`` add.
 Source: ``apply_rotary_emb_complex_like`` in seal-rg/recurrent-pretraining
 ``recpre/raven_modeling_minimal.py`` (fp32 rotation, bias added in the activation dtype)."""
 
