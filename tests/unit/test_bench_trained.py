@@ -78,8 +78,8 @@ def test_without_the_models_the_suite_says_what_is_missing(tmp_path):
 
 
 def test_a_wheel_install_without_models_is_told_so(monkeypatch):
-    import latentserve.cli.demo
+    import latentserve.models.checkpoint
 
-    monkeypatch.setattr(latentserve.cli.demo, "find_models_dir", lambda given=None: None)
+    monkeypatch.setattr(latentserve.models.checkpoint, "find_models_dir", lambda given=None: None)
     with pytest.raises(RuntimeError, match="needs the repository's models/ directory"):
         model_paths(MODELS)

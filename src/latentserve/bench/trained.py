@@ -23,10 +23,10 @@ MODELS = {"smollm2-mult-cot": "adapter_config.json",
 
 def model_paths(names, models_dir: str | Path | None = None) -> dict[str, Path]:
     """``{name: directory}`` of ``names`` (``MODELS`` keys) under ``models_dir``, else the
-    checkout's ``models/`` (next to ``src/``) or ``./models`` (``cli.demo.find_models_dir``).
+    checkout's ``models/`` (next to ``src/``) or ``./models`` (``find_models_dir``).
     Raises ValueError for an unknown name, RuntimeError naming what is missing (no
     ``models/``, as in a wheel install, or a model directory without its marker file)."""
-    from latentserve.cli.demo import find_models_dir
+    from latentserve.models.checkpoint import find_models_dir
 
     unknown = set(names) - set(MODELS)
     if unknown:

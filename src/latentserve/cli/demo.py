@@ -95,22 +95,6 @@ def load_questions(n: int, path: str | Path | None = None) -> list[Question]:
     return sorted(out[:n], key=lambda q: len(q.question))
 
 
-def find_models_dir(given: str | None = None) -> Path | None:
-    """``given`` (FileNotFoundError if not a directory), else ``<checkout>/models`` or
-    ``./models``; None when there is none."""
-    if given is not None:
-        if not Path(given).is_dir():
-            raise FileNotFoundError(f"--models-dir {given} is not a directory")
-        return Path(given).resolve()
-    import latentserve
-
-    checkout = Path(latentserve.__file__).resolve().parents[2]  # src/latentserve/__init__.py
-    for d in (checkout / "models", Path.cwd() / "models"):
-        if d.is_dir():
-            return d.resolve()
-    return None
-
-
 def _model(models_dir: Path | None, name: str, marker: str) -> Path | None:
     """``models_dir/name`` (links resolved) when it holds the file ``marker``, else None."""
     d = models_dir / name if models_dir else None
@@ -315,6 +299,7 @@ def start_verbose(configs: list, labels: list[str]):
 
 def run(args) -> int:
     from latentserve.cli import engine_config
+    from latentserve.models.checkpoint import find_models_dir
 
     if args.num_questions < 1:
         raise ValueError(f"--num-questions must be >= 1, got {args.num_questions}")

@@ -326,3 +326,17 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> Non
 
     generation = {k: v for k, v in special.items() if k != "unk_token_id"}
     GenerationConfig(**generation).save_pretrained(str(out_dir))
+
+
+def find_models_dir(given: str | None = None) -> Path | None:
+    """``given`` (FileNotFoundError if not a directory), else ``<checkout>/models`` or
+    ``./models``; None when there is none."""
+    if given is not None:
+        if not Path(given).is_dir():
+            raise FileNotFoundError(f"--models-dir {given} is not a directory")
+        return Path(given).resolve()
+    checkout = Path(__file__).resolve().parents[3]  # src/latentserve/models/checkpoint.py
+    for d in (checkout / "models", Path.cwd() / "models"):
+        if d.is_dir():
+            return d.resolve()
+    return None
