@@ -69,11 +69,11 @@ def _kind(f) -> str:
 
 def check(obj, **values) -> None:
     """Raise ValueError naming the first field of ``obj`` outside its :func:`option` range or
-    choices (a field whose default is None may be None); ``values``: what to check instead
-    of a field's value."""
+    choices (None passes where the type allows it); ``values``: what to check instead of a
+    field's value."""
     for f in dataclasses.fields(obj):
         value = values.get(f.name, getattr(obj, f.name))
-        if f.metadata and not (value is None and f.default is None):
+        if f.metadata and not (value is None and "None" in str(f.type)):
             check_value(f.name, value, f.metadata, _kind(f) == "int")
 
 
