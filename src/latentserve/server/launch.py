@@ -23,9 +23,8 @@ from pathlib import Path
 from latentserve import settings
 from latentserve.config import EngineConfig
 from latentserve.options import options_of
-from latentserve.server.options import (  # noqa: F401 - DEFAULT_*: importable from here
+from latentserve.server.options import (  # noqa: F401 - DEFAULT_KEEP_ALIVE_S: importable here
     API_KEY_ENV,
-    DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_KEEP_ALIVE_S,
     ServerOptions,
     add_server_args,
