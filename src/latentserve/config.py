@@ -1,56 +1,19 @@
 """Engine configuration shared by the CLI, the server and ``LLM``: each field is declared
-once (:func:`option`); the flags (``cli/engine_args.py``) and checks come from that."""
+once (``options.option``); the flags (``cli/engine_args.py``) and checks come from that."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
+from latentserve.options import check, option
 from latentserve.sampling_params import EXIT_SEMANTICS
 
 # vLLM's --dtype names (vllm/config/model.py: _STR_DTYPE_TO_TORCH_DTYPE) and what they mean.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ("auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES)
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def option(default=None, help: str = "", *, choices: tuple | None = None,
-           ge: float | None = None, gt: float | None = None, le: float | None = None,
-           flags: tuple[str, ...] = (), off_flags: tuple[str, ...] = (), cli: bool = True,
-           metavar: str | None = None, human: bool = False):
-    """A field of :class:`EngineConfig` with what its flag and check need (``flags`` default
-    ``--field-name``; ``off_flags`` set a bool False; ``human``: ``1k`` = 1000, ``1K`` = 1024).
-    """
-    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "flags": flags,
-            "off_flags": off_flags, "cli": cli, "metavar": metavar, "human": human}
-    return field(default=default, metadata=meta)
-
-
-def _range_text(meta) -> str | None:
-    """``(0, 1]``-style text of a declared range, or None when there is none."""
-    lo = f"[{meta['ge']:g}" if meta.get("ge") is not None else (
-        f"({meta['gt']:g}" if meta.get("gt") is not None else None)
-    if meta.get("le") is not None:
-        return f"{lo or '(-inf'}, {meta['le']:g}]"
-    return None
-
-
-def check_value(name: str, value, meta) -> None:
-    """Raise ValueError naming ``name`` when ``value`` is outside its choices or range."""
-    choices = meta.get("choices")
-    if choices is not None and value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return
-    text = _range_text(meta)
-    ge, gt, le = meta.get("ge"), meta.get("gt"), meta.get("le")
-    if ((ge is not None and value < ge) or (gt is not None and value <= gt)
-            or (le is not None and value > le)):
-        if text is not None:
-            raise ValueError(f"{name} must be in {text}, got {value}")
-        bound = f">= {ge:g}" if ge is not None else f"> {gt:g}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
 
 
 def checkpoint_dtype(model: str | None) -> str:
@@ -105,7 +68,7 @@ class EngineConfig:
     served_model_name: tuple[str, ...] | None = option(
         None, "the name(s) the model is served as: the first in responses and metrics, "
         "every one accepted in `model` and listed by /v1/models (default: the --model "
-        "path as given)", metavar="NAME")
+        "path as given)", metavar="NAME", nargs="+")
     tokenizer: str | None = option(
         None, "tokenizer directory (default: the model's own tokenizer files)")
     device: str = option("auto", "auto: cuda when a CUDA device is present, else cpu",
@@ -189,11 +152,7 @@ class EngineConfig:
         set_(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if isinstance(self.model, str) and len(self.model) > 1:  # dir/ and dir: one name
             set_(self, "model", self.model.rstrip("/") or "/")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.metadata and not (value is None and f.default is None):
-                check_value(f.name, value.split(":")[0] if f.name == "device" else value,
-                            f.metadata)
+        check(self, device=str(self.device).split(":")[0])  # cuda:1 is a cuda device
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
                              f"{self.generation_config!r}")

@@ -112,11 +112,13 @@ def test_cors_origins_can_be_restricted(smollm2_tokenizer):
 def test_serve_flags_reach_the_cors_options():
     import argparse
 
-    from latentserve.server.launch import add_server_args, server_kwargs
+    from latentserve.options import options_of
+    from latentserve.server.launch import add_server_args
+    from latentserve.server.options import ServerOptions
 
     p = argparse.ArgumentParser()
     add_server_args(p)
     args = p.parse_args(["--allowed-origins", '["http://a.example"]', "--allow-credentials"])
-    assert server_kwargs(args)["cors"] == {
+    assert options_of(ServerOptions, args).cors == {
         "allow_origins": ["http://a.example"], "allow_methods": ["*"], "allow_headers": ["*"],
         "allow_credentials": True}

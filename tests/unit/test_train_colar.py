@@ -228,8 +228,10 @@ def test_own_latent_prob_outside_0_1_is_refused(tmp_path):
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="own_latent_prob"):
             ColarTrainConfig(data=[], out="x", own_latent_prob=bad)
-    assert main(["train", "colar", "--data", "a.txt", "--out", str(tmp_path),
-                 "--own-latent-prob", "1.5"]) == 2
+    with pytest.raises(SystemExit) as done:  # argparse's error, on the flag
+        main(["train", "colar", "--data", "a.txt", "--out", str(tmp_path),
+              "--own-latent-prob", "1.5"])
+    assert done.value.code == 2
 
 
 def test_training_with_own_latents_runs_and_saves(backbone, toy_file, tmp_path):

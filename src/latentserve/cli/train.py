@@ -26,6 +26,7 @@ HEAD_STAGES = {
 
 
 def register(sub) -> None:
+    from latentserve.options import add_options
     from latentserve.train import options
 
     for name, what, stages, run in (
@@ -36,7 +37,7 @@ def register(sub) -> None:
         p = sub.add_parser(name, help=what)
         parsers = p.add_subparsers(dest="stage", required=True)
         for stage, (cls, *_, text) in stages.items():
-            options.add_options(parsers.add_parser(stage, help=text), getattr(options, cls))
+            add_options(parsers.add_parser(stage, help=text), getattr(options, cls))
         p.set_defaults(func=run)
 
 
@@ -44,10 +45,11 @@ def run_train(args) -> int:
     """Check the stage's options and that PEFT is there when it is needed (a LoRA: all but a
     full fine-tune), then train; prints the last log record."""
     from latentserve.extras import require
+    from latentserve.options import options_of
     from latentserve.train import options
 
     cls, module, _ = STAGES[args.stage]
-    cfg = options.config_of(getattr(options, cls), args)
+    cfg = options_of(getattr(options, cls), args)
     if not hasattr(cfg, "lora_r"):
         require("peft", f"latentserve train {args.stage}")
     elif cfg.lora_r > 0 or cfg.init_adapter:  # LoRA through PEFT
@@ -60,13 +62,14 @@ def run_train(args) -> int:
 def run_train_head(args) -> int:
     """Find the training data (a missing ``--data`` fails before torch loads: FileNotFoundError
     naming the file and where to get it), train, print a summary of the log."""
+    from latentserve.options import options_of
     from latentserve.train import options
     from latentserve.train.traces import train_file
 
     data = train_file(args.data)
     if not data.is_file():
         raise FileNotFoundError(f"--data {data} does not exist")
-    cfg = options.config_of(getattr(options, HEAD_STAGES[args.stage][0]), args)
+    cfg = options_of(getattr(options, HEAD_STAGES[args.stage][0]), args)
     module = importlib.import_module(f"latentserve.train.{args.stage}")
     log = getattr(module, f"train_{args.stage}")(cfg)
     summary = {"bundle": args.out}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import inspect
 import json
 import logging
 import os
@@ -18,24 +17,24 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from latentserve import settings
 from latentserve.config import EngineConfig
-from latentserve.server.timeouts import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
+from latentserve.options import options_of
+from latentserve.server.options import (  # noqa: F401 - DEFAULT_KEEP_ALIVE_S: importable here
+    API_KEY_ENV,
+    DEFAULT_KEEP_ALIVE_S,
+    ServerOptions,
+    add_server_args,
+)
 
 log = logging.getLogger(__name__)
 
-API_KEY_ENV = "LATENTSERVE_API_KEY"
 # Set by a supervising process (``start_server``): the server stops (as on SIGTERM)
 # when the process with this pid is no longer its parent, e.g. after a SIGKILL.
 PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
-# NOTE: longer than the idle expiry of httpx (5 s; the openai and anthropic SDKs) and aiohttp
-# (15 s), so that the client drops an idle connection first: with equal timeouts a request
-# sent on a connection the server is closing gets a reset
-DEFAULT_KEEP_ALIVE_S = 30.0
 # The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -110,23 +109,12 @@ def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
     return engines
 
 
-def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1",
-               port: int = 8000, log_level: str = "info", api_key: str | None = None,
-               max_request_body_bytes: int | None = None,
-               drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S,
-               max_request_output_tokens: int | None = None, cors: dict | None = None,
-               max_waiting_requests: int | None = None, chat_template: str | None = None,
-               uvicorn_log_level: str | None = None, log_requests: bool = False,
-               max_log_len: int | None = None, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None, trust_request_chat_template: bool = False,
-               queue_timeout: float | None = None,
-               timeout_keep_alive: float = DEFAULT_KEEP_ALIVE_S,
-               timeout_request_headers: float | None = DEFAULT_HEADER_TIMEOUT_S,
-               timeout_request_body: float | None = DEFAULT_BODY_TIMEOUT_S) -> None:
+def run_server(config: EngineConfig | list[EngineConfig],
+               options: ServerOptions | None = None) -> None:
     """Start one engine process per config, then serve HTTP with uvicorn until
     SIGINT/SIGTERM; the engines are stopped on the way out (call under ``__main__``: they
-    start with ``spawn``). Arguments: the flags of :func:`add_server_args`; ``cors``:
-    ``CORSMiddleware`` options. When all engines die the server exits.
+    start with ``spawn``). ``options`` None: the defaults; its ``api_key`` None: the
+    ``LATENTSERVE_API_KEY`` environment variable's. When all engines die the server exits.
 
     Raises:
         ValueError: a name served twice, a bad ``chat_template``, or ``host:port`` cannot
@@ -142,20 +130,19 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
     from latentserve.server.state import ServedModels, ServerLimits, ServerState
     from latentserve.server.timeouts import protocol_class
 
+    o = options or ServerOptions()
     configs = _as_list(config)
     check_model_names(configs)
-    template = load_chat_template(chat_template)
-    _log_to_stderr(log_level)
-    limits = ServerLimits(**{k: v for k, v in (
-        ("max_request_body_bytes", max_request_body_bytes),
-        ("max_request_output_tokens", max_request_output_tokens),
-        ("max_waiting_requests", max_waiting_requests),
-        ("queue_timeout", queue_timeout)) if v is not None})
-    sock = listen_socket(host, port)  # a busy port fails now, not after the model loads
+    template = load_chat_template(o.chat_template)
+    _log_to_stderr(o.log_level)
+    limits = ServerLimits(**{k: getattr(o, k) for k in (
+        "max_request_body_bytes", "max_request_output_tokens", "max_waiting_requests",
+        "queue_timeout") if getattr(o, k) is not None})
+    sock = listen_socket(o.host, o.port)  # a busy port fails now, not after the model loads
     for cfg in configs:  # as vLLM logs its engine config: what each flag resolved to
         log.info("engine config of %s: %s", served_model_name(cfg), cfg)
     try:
-        engines = start_engines(configs, log_level)
+        engines = start_engines(configs, o.log_level)
     except BaseException:
         sock.close()
         raise
@@ -179,18 +166,20 @@ def run_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1
                                       latent_spec=ready.latent_spec,
                                       max_num_seqs=cfg.max_num_seqs, aliases=names[1:],
                                       root=cfg.model or ready.model_name,
-                                      log_requests=log_requests, max_log_len=max_log_len,
+                                      log_requests=o.log_requests,
+                                      max_log_len=o.max_log_len,
                                       sampling_defaults=ready.sampling_defaults or {},
-                                      tool_parser=tool_call_parser,
-                                      reasoning_parser=reasoning_parser,
-                                      trust_request_chat_template=trust_request_chat_template))
+                                      tool_parser=o.tool_call_parser,
+                                      reasoning_parser=o.reasoning_parser,
+                                      trust_request_chat_template=o.trust_request_chat_template))
         served = ServedModels(states)
-        app = create_app(served, on_shutdown=stop_engines, api_key=api_key, cors=cors)
+        app = create_app(served, on_shutdown=stop_engines, cors=o.cors,
+                         api_key=o.api_key or settings.get(API_KEY_ENV))
         server = _draining_server(uvicorn, [s.client for s in served.states],
-                                  drain_timeout)(uvicorn.Config(
-            app, host=host, port=port, log_level=uvicorn_log_level or log_level,
-            timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=timeout_keep_alive,
-            http=protocol_class(timeout_request_headers, timeout_request_body)))
+                                  o.drain_timeout)(uvicorn.Config(
+            app, host=o.host, port=o.port, log_level=o.uvicorn_log_level or o.log_level,
+            timeout_graceful_shutdown=o.drain_timeout, timeout_keep_alive=o.timeout_keep_alive,
+            http=protocol_class(o.timeout_request_headers, o.timeout_request_body)))
 
         def engine_gone(name: str, reason: str) -> None:
             log.error("the engine of %s stopped: %s", name, reason)
@@ -306,13 +295,13 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
                  log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
                  cancel: threading.Event | None = None, **options) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` as a subprocess and wait for ``/health``.
-    ``options``: :func:`run_server`'s keyword arguments; ``port`` None: a free one (three
-    tries); ``log_path`` None: a temp file; ``cancel``: once set, stop it and raise. The
-    server stops when this process is gone.
+    ``options``: :class:`ServerOptions` fields; ``port`` None: a free one (three tries);
+    ``log_path`` None: a temp file; ``cancel``: once set, stop it and raise. The server
+    stops when this process is gone.
 
     Raises:
-        TypeError: an option :func:`run_server` does not take.
-        ValueError: a name served twice.
+        TypeError: a field :class:`ServerOptions` does not have.
+        ValueError: a name served twice, an option out of its range.
         RuntimeError: the server exited, was cancelled or not healthy within ``timeout``
             seconds (with the end of its log).
     """
@@ -320,16 +309,16 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
 
     configs = _as_list(config)
     check_model_names(configs)
+    fields = asdict(ServerOptions(host=host, **options))  # a misspelt option fails here
+    api_key = fields.pop("api_key")  # by the environment, not on the command line
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="latentserve-server-", suffix=".log")
         os.close(fd)
     log_path = Path(log_path)
-    cmd = [sys.executable, "-m", "latentserve.server.launch", "--host", host]
+    cmd = [sys.executable, "-m", "latentserve.server.launch"]
     for c in configs:
         cmd += ["--config-json", json.dumps(asdict(c))]
-    api_key = options.pop("api_key", None)
-    inspect.signature(run_server).bind(configs, **options)  # a misspelt option fails here
-    cmd += ["--options-json", json.dumps(options)]
+    cmd += ["--options-json", json.dumps({k: v for k, v in fields.items() if k != "port"})]
     child_env = {**os.environ, "HF_HUB_OFFLINE": "1", PARENT_PID_ENV: str(os.getpid()),
                  **(env or {})}
     child_env.pop(API_KEY_ENV, None)
@@ -373,117 +362,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Add the HTTP server's own flags (also used by ``latentserve serve``)."""
-    from latentserve.server.state import DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
-
-    parser.add_argument("--api-key", default=None,
-                        help=f"require this key (Bearer or x-api-key) on the API routes "
-                             f"(default: ${API_KEY_ENV}, else no key)")
-    parser.add_argument("--max-request-body-bytes", type=int, default=None,
-                        help="refuse larger request bodies with 413 (default 16 MiB)")
-    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
-                        help="seconds running requests may take to finish after SIGTERM "
-                             f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
-    parser.add_argument("--max-request-output-tokens", type=int, default=None,
-                        help="refuse a request whose prompts x n x max_tokens exceeds this "
-                             f"(default {DEFAULT_MAX_REQUEST_OUTPUT_TOKENS})")
-    parser.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="requests that may wait for a seat (beyond --max-num-seqs) "
-                             "before new ones get 503 + Retry-After (529 on /v1/messages); "
-                             "default: no limit")
-    parser.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_S,
-                        metavar="SECONDS",
-                        help="close an idle keep-alive connection after this (default "
-                             f"{DEFAULT_KEEP_ALIVE_S:g}: longer than clients' idle expiry)")
-    parser.add_argument("--timeout-request-headers", type=_timeout,
-                        default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
-                        help="close a connection whose request headers are not complete this "
-                             f"long after it opened (or after its last response; default "
-                             f"{DEFAULT_HEADER_TIMEOUT_S:g}, 0: no limit)")
-    parser.add_argument("--timeout-request-body", type=_timeout,
-                        default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
-                        help="close a connection whose request body is not complete this long "
-                             f"after its headers (default {DEFAULT_BODY_TIMEOUT_S:g}, 0: no "
-                             "limit)")
-    parser.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS",
-                        help="a request that waits longer for a seat is aborted with 503 + "
-                             "Retry-After (529 on /v1/messages); default: no limit")
-    from latentserve.server.reasoning import REASONING_PARSERS
-    from latentserve.server.tool_parsers import TOOL_PARSERS
-
-    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="parse tool calls out of chat answers in this format (tool_choice "
-                             "auto); default: none, calls stay text")
-    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                        help="split <think>...</think> reasoning from chat answers into "
-                             "reasoning_content; default: none")
-    # CORS, with vLLM's flags and defaults (vllm/entrypoints/openai/cli_args.py).
-    parser.add_argument("--allowed-origins", type=json.loads, default=["*"],
-                        help='CORS: origins allowed, a JSON list (default ["*"])')
-    parser.add_argument("--allowed-methods", type=json.loads, default=["*"],
-                        help='CORS: methods allowed, a JSON list (default ["*"])')
-    parser.add_argument("--allowed-headers", type=json.loads, default=["*"],
-                        help='CORS: request headers allowed, a JSON list (default ["*"])')
-    parser.add_argument("--allow-credentials", action="store_true",
-                        help="CORS: allow credentials (cookies, auth headers) cross-site")
-    # vLLM's front-end flags (vllm/entrypoints/openai/cli_args.py).
-    parser.add_argument("--chat-template", default=None,
-                        help="chat template for every model: a file, or the template itself "
-                             "(default: the tokenizer's)")
-    parser.add_argument("--trust-request-chat-template", action="store_true",
-                        help="use a request's chat_template field (a Jinja template the "
-                             "server runs); default: such requests get a 400")
-    parser.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
-                        help="uvicorn's log level (default: --log-level)")
-    log_requests = parser.add_mutually_exclusive_group()
-    log_requests.add_argument("--enable-log-requests", dest="enable_log_requests",
-                              action="store_true",
-                              help="log each request's prompt, token ids and sampling "
-                                   "parameters at INFO")
-    log_requests.add_argument("--disable-log-requests", dest="enable_log_requests",
-                              action="store_false",
-                              help="do not log requests (the default; vLLM's older flag)")
-    parser.add_argument("--max-log-len", type=_positive_int, default=None,
-                        help="with --enable-log-requests: log at most this many prompt "
-                             "characters and token ids (default: all)")
-
-
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-def _timeout(text: str) -> float | None:
-    """A timeout flag's seconds: 0 means none (None)."""
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
-    return value or None
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def server_kwargs(args: argparse.Namespace) -> dict:
-    """``run_server`` keyword arguments from :func:`add_server_args`' flags."""
-
-    same = ("max_request_body_bytes", "drain_timeout", "max_request_output_tokens",
-            "max_waiting_requests", "queue_timeout", "timeout_keep_alive",
-            "timeout_request_headers", "timeout_request_body", "tool_call_parser",
-            "reasoning_parser", "chat_template", "trust_request_chat_template",
-            "uvicorn_log_level", "max_log_len")
-    return {"api_key": args.api_key or settings.get(API_KEY_ENV),
-            **{name: getattr(args, name) for name in same},
-            "cors": {"allow_origins": args.allowed_origins,
-                     "allow_methods": args.allowed_methods,
-                     "allow_headers": args.allowed_headers,
-                     "allow_credentials": args.allow_credentials},
-            "log_requests": args.enable_log_requests}
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m latentserve.server.launch``: serve one model or several."""
     parser = argparse.ArgumentParser(description="latentserve OpenAI-compatible server")
@@ -492,12 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config-json", action="append", default=None,
                         help="EngineConfig fields as a JSON object, one per model (overrides "
                              "--model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--log-level", default="info")
     parser.add_argument("--options-json", default="{}",
-                        help="run_server keyword arguments as a JSON object (overrides the "
-                             "flags; start_server's way)")
+                        help="ServerOptions fields as a JSON object (overrides the flags; "
+                             "start_server's way)")
     add_server_args(parser)
     args = parser.parse_args(argv)
     if args.config_json:
@@ -510,9 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     if parent:
         threading.Thread(target=_stop_with_parent, args=(int(parent),), daemon=True).start()
     try:
-        run_server(configs, host=args.host, port=args.port,
-                   **{"log_level": args.log_level, **server_kwargs(args),
-                      **json.loads(args.options_json)})
+        options = options_of(ServerOptions, args)
+        run_server(configs, replace(options, **json.loads(args.options_json)))
     except EngineStartupError as exc:
         notes = "".join(getattr(exc, "__notes__", ()))
         sys.exit(f"{notes}\nlatentserve: {exc}")

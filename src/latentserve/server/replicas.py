@@ -32,15 +32,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
-                   port: int = 8000, policy: str = "cache_aware",
-                   server_kwargs: dict | None = None) -> None:
-    """Start ``data_parallel_size`` servers and the router; block until interrupted or the
-    router exits, then stop them all. ValueError (bad size, ``policy`` or ``port``),
+def serve_replicas(config, data_parallel_size: int, options, policy: str = "cache_aware") -> None:
+    """Start ``data_parallel_size`` servers with ``options`` (``ServerOptions``; each on a
+    free port) and the router on ``options.host:options.port``; block until interrupted or
+    the router exits, then stop them all. ValueError (bad size, ``policy`` or ``port``),
     ModuleNotFoundError (no ``sglang_router``), RuntimeError (a replica or the router failed).
     """
+    from dataclasses import asdict
 
     from latentserve.server.launch import free_port, listen_socket, start_server
+
+    host, port = options.host, options.port
+    replica_options = {k: v for k, v in asdict(options).items() if k not in ("host", "port")}
 
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
@@ -69,7 +72,7 @@ def serve_replicas(config, data_parallel_size: int, host: str = "127.0.0.1",
         env = {PARENT_PID_ENV: str(os.getpid())}  # a replica stops when this process dies
         if config.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
-        return start_server(config, host, None, env=env, **(server_kwargs or {}))
+        return start_server(config, host, None, env=env, **replica_options)
 
     servers, router = [], None
     try:

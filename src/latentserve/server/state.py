@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from latentserve.options import check, option
 from latentserve.server.client import EngineClient
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
@@ -15,29 +16,20 @@ DEFAULT_MAX_REQUEST_OUTPUT_TOKENS = 1 << 21
 
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
-    """Per-request limits (``launch.add_server_args`` says what each bounds; None: no
-    limit). ValueError naming a limit below 1 (``max_waiting_requests``: below 0;
-    ``queue_timeout``: not above 0)."""
+    """Per-request limits (``ServerOptions`` says what each bounds; None: no limit).
+    ValueError naming a limit out of its range."""
 
-    max_n: int = 16
-    max_prompts: int = 256
-    max_logprobs: int = 20
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    max_request_output_tokens: int = DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
-    max_stop: int = 64
-    max_waiting_requests: int | None = None
-    queue_timeout: float | None = None
+    max_n: int = option(16, ge=1)
+    max_prompts: int = option(256, ge=1)
+    max_logprobs: int = option(20, ge=1)
+    max_request_body_bytes: int = option(DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1)
+    max_request_output_tokens: int = option(DEFAULT_MAX_REQUEST_OUTPUT_TOKENS, ge=1)
+    max_stop: int = option(64, ge=1)
+    max_waiting_requests: int | None = option(None, ge=0)
+    queue_timeout: float | None = option(None, gt=0)
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_prompts", "max_logprobs", "max_request_body_bytes",
-                     "max_request_output_tokens", "max_stop"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
-            raise ValueError(f"max_waiting_requests must be >= 0, got "
-                             f"{self.max_waiting_requests}")
-        if self.queue_timeout is not None and not self.queue_timeout > 0:
-            raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+        check(self)
 
 
 @dataclass(slots=True)

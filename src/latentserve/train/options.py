@@ -1,16 +1,14 @@
 """The options of the training commands, one dataclass each (``train cot|colar|colar-grpo``,
-``train-head sft|dagger|grpo``). A field is declared once, with :func:`opt`: its default, its
-``--help`` text, its range or choices; :func:`check` enforces those (ValueError naming the
-field) and :func:`add_options` builds the command's parser from them. Light: no torch
-(``latentserve --help`` imports it)."""
+``train-head sft|dagger|grpo``), each field declared once with ``options.option``: its
+default, ``--help`` text, range or choices, which ``options.check`` enforces and
+``options.add_options`` turns into the command's flags. Light: no torch (``latentserve
+--help`` imports it)."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import operator
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass
 
+from latentserve.options import check, option
 from latentserve.train.traces import (
     COLAR_CLOSE,
     COLAR_OPEN,
@@ -28,88 +26,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 DATA = "training file: iCoT text lines or GSM8K jsonl (repeatable)"
 MAX_SECONDS = "stop and save after this long (0: no limit)"
 KV_SLOTS = "the rollout engine's KV pool in tokens (default: from memory)"
-_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="),
-           "lt": (operator.lt, "<")}
-
-
-def opt(default=MISSING, help: str | None = None, *, ge=None, gt=None, le=None, lt=None,
-        choices=None, flag: str | None = None):
-    """A config field: ``default`` (a list: a fresh copy per config; MISSING: required),
-    its ``--help``, its bounds (``ge``/``gt``/``le``/``lt``: >=, >, <=, <), its
-    ``choices`` and its ``flag`` (default ``--<name>``, or ``--no-<name>`` for a switch
-    that is on by default)."""
-    meta = {k: v for k, v in (("help", help), ("ge", ge), ("gt", gt), ("le", le), ("lt", lt),
-                              ("choices", choices), ("flag", flag)) if v is not None}
-    if isinstance(default, list):
-        return field(default_factory=default.copy, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _kind(f) -> str:
-    """``int``, ``float``, ``str``, ``bool``, ``list[str]``, ... of a field, without None."""
-    return str(f.type).replace(" | None", "")
-
-
-def check(cfg) -> None:
-    """Raise ValueError naming the first field of ``cfg`` outside its :func:`opt` bounds or
-    choices (a field whose default is None may be None)."""
-    for f in dataclasses.fields(cfg):
-        m, v = f.metadata, getattr(cfg, f.name)
-        if v is None and f.default is None:
-            continue
-        if "choices" in m and v not in m["choices"]:
-            raise ValueError(f"{f.name} must be one of {list(m['choices'])}, got {v!r}")
-        bounds = [(_BOUNDS[op], m[op]) for op in _BOUNDS if op in m]
-        if not bounds:
-            continue
-        integer = _kind(f) == "int"
-        number = isinstance(v, int) if integer else isinstance(v, (int, float))
-        if not (number and not isinstance(v, bool) and all(test(v, b) for (test, _), b in bounds)):
-            what = " and ".join(f"{sign} {b}" for (_, sign), b in bounds)
-            raise ValueError(f"{f.name} must be {'an integer' if integer else 'a number'} "
-                             f"{what}, got {v!r}")
-
-
-def _comma_list(kind: type):
-    def parse(text: str) -> tuple:
-        try:
-            return tuple(kind(t) for t in text.split(",") if t)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be comma-separated {kind.__name__} values, "
-                                             f"got {text!r}") from None
-    return parse
-
-
-def add_options(parser: argparse.ArgumentParser, cls) -> argparse.ArgumentParser:
-    """One argument of ``parser`` per field of the options class ``cls`` (its ``dest`` the
-    field's name): a switch for a bool, repeatable for a list, comma-separated for a
-    tuple, required without a default. Returns ``parser``."""
-    scalar = {"int": int, "float": float, "str": str}
-    for f in dataclasses.fields(cls):
-        m, kind = f.metadata, _kind(f)
-        default = f.default if f.default_factory is MISSING else f.default_factory()
-        flag = m.get("flag") or "--" + ("no-" if default is True else "") + f.name.replace("_", "-")
-        kw = {"dest": f.name, "help": m.get("help")}
-        if kind == "bool":
-            kw["action"] = "store_false" if default else "store_true"
-        else:
-            kw["choices"] = m.get("choices")
-            if kind == "list[str]":
-                kw["action"] = "append"
-            else:
-                kw["type"] = (_comma_list(int if "int" in kind else str)
-                              if kind.startswith("tuple") else scalar[kind])
-            if default is MISSING:
-                kw["required"] = True
-            else:
-                kw["default"] = default
-        parser.add_argument(flag, **kw)
-    return parser
-
-
-def config_of(cls, args: argparse.Namespace):
-    """The ``cls`` options an ``add_options`` parser parsed into ``args`` (checked)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 # ----------------------------------------------------------------------------- train
@@ -118,28 +34,28 @@ def config_of(cls, args: argparse.Namespace):
 class FinetuneOptions:
     """What ``train cot`` and ``train colar`` share: data, backbone, LoRA, optimiser."""
 
-    data: list[str] = opt(help=DATA)
-    out: str = opt(help="model directory to write (the adapter, or the whole model)")
-    base: str | None = opt(None, "backbone (default: the embedded SmolLM2-135M-Instruct; "
-                           "train colar: --init-adapter's base first)", flag="--model")
-    lora_r: int = opt(16, "rank of a fresh LoRA; 0 = full fine-tune", ge=0)
+    data: list[str] = option(help=DATA)
+    out: str = option(help="model directory to write (the adapter, or the whole model)")
+    base: str | None = option(None, "backbone (default: the embedded SmolLM2-135M-Instruct; "
+                              "train colar: --init-adapter's base first)", flags=("--model",))
+    lora_r: int = option(16, "rank of a fresh LoRA; 0 = full fine-tune", ge=0)
     lora_alpha: float = 32.0
-    lora_targets: tuple[str, ...] = opt(LORA_TARGETS, "comma-separated module names of a "
-                                        "fresh LoRA")
-    init_adapter: str | None = opt(None, "adapter directory to continue training (train cot "
-                                   "output; for train colar also a train colar output, its "
-                                   "latent policy too)")
-    steps: int = opt(2000, ge=1)
-    batch_size: int = opt(128, ge=1)
-    lr: float = opt(1e-3, gt=0)
-    warmup: int = opt(100, "warmup steps", ge=0)
+    lora_targets: tuple[str, ...] = option(LORA_TARGETS, "comma-separated module names of a "
+                                           "fresh LoRA")
+    init_adapter: str | None = option(None, "adapter directory to continue training (train cot "
+                                      "output; for train colar also a train colar output, its "
+                                      "latent policy too)")
+    steps: int = option(2000, ge=1)
+    batch_size: int = option(128, ge=1)
+    lr: float = option(1e-3, gt=0)
+    warmup: int = option(100, "warmup steps", ge=0)
     weight_decay: float = 0.01
-    max_len: int = opt(512, "examples longer than this (uncompressed) are dropped")
+    max_len: int = option(512, "examples longer than this (uncompressed) are dropped")
     seed: int = 0
-    device: str = opt("cpu", choices=DEVICES)
-    max_seconds: float = opt(0.0, MAX_SECONDS, ge=0)
-    save_every: int = opt(0, "also save every N steps", ge=0)
-    log_every: int = opt(50, ge=1)
+    device: str = option("cpu", choices=DEVICES)
+    max_seconds: float = option(0.0, MAX_SECONDS, ge=0)
+    save_every: int = option(0, "also save every N steps", ge=0)
+    log_every: int = option(50, ge=1)
 
     def __post_init__(self):
         check(self)
@@ -149,10 +65,10 @@ class FinetuneOptions:
 class CotConfig(FinetuneOptions):
     """Options of ``latentserve train cot`` (stage 0 of CoLaR: a text-CoT backbone)."""
 
-    mode: str = opt("cot", "nocot: the control that answers without steps",
-                    choices=("cot", "nocot"))
-    eval_data: list[str] = opt([], "file to check greedy accuracy on at the end (repeatable)")
-    eval_items: int = opt(200, "items per --eval-data file", ge=1)
+    mode: str = option("cot", "nocot: the control that answers without steps",
+                       choices=("cot", "nocot"))
+    eval_data: list[str] = option([], "file to check greedy accuracy on at the end (repeatable)")
+    eval_items: int = option(200, "items per --eval-data file", ge=1)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -160,28 +76,28 @@ class ColarTrainConfig(FinetuneOptions):
     """Options of ``latentserve train colar`` (stage 1 of CoLaR); ``compression_factor``
     None becomes ``max_compression_factor``."""
 
-    batch_size: int = opt(256, ge=1)
-    lr: float = opt(1e-4, gt=0)
-    max_compression_factor: int = opt(5, "each batch's compression factor is drawn from "
-                                      "1..this", ge=1)
-    train_factors: tuple[int, ...] | None = opt(
+    batch_size: int = option(256, ge=1)
+    lr: float = option(1e-4, gt=0)
+    max_compression_factor: int = option(5, "each batch's compression factor is drawn from "
+                                         "1..this", ge=1)
+    train_factors: tuple[int, ...] | None = option(
         None, "comma-separated factors each batch's compression factor is drawn from instead, "
         "repeats weighting one (e.g. 2,3,4,4); each in 1..--max-compression-factor")
-    compression_factor: int | None = opt(None, "default thinking speed written to "
-                                         "colar_config.json (default: "
-                                         "--max-compression-factor)", ge=1)
-    embed_loss: str = opt("mse", "latent loss: mse of a policy sample (upstream default) or nll",
-                          choices=("mse", "nll"))
-    embed_weight: float = opt(1.0, "weight of the latent loss")
-    ce_weight: float = opt(1.0, "weight of the CE loss")
-    intermediate_size: int | None = opt(None, "latent policy width (default: the hidden size)",
-                                        ge=1)
-    embeds_std: float | None = opt(None, "latent scale (default: std of the input-embedding "
-                                   "matrix)", gt=0, lt=float("inf"))
-    max_latent: int = opt(64, "latent-step cap written to colar_config.json", ge=1)
-    own_latent_prob: float = opt(0.0, "scheduled sampling (our extension): each latent input "
-                                 "but the first is, with this probability, the policy's own "
-                                 "prediction from a no-grad pass of the gold batch", ge=0, le=1)
+    compression_factor: int | None = option(None, "default thinking speed written to "
+                                            "colar_config.json (default: "
+                                            "--max-compression-factor)", ge=1)
+    embed_loss: str = option("mse", "latent loss: mse of a policy sample (upstream default) or nll",
+                             choices=("mse", "nll"))
+    embed_weight: float = option(1.0, "weight of the latent loss")
+    ce_weight: float = option(1.0, "weight of the CE loss")
+    intermediate_size: int | None = option(None, "latent policy width (default: the hidden size)",
+                                           ge=1)
+    embeds_std: float | None = option(None, "latent scale (default: std of the input-embedding "
+                                      "matrix)", gt=0, lt=float("inf"))
+    max_latent: int = option(64, "latent-step cap written to colar_config.json", ge=1)
+    own_latent_prob: float = option(0.0, "scheduled sampling (our extension): each latent input "
+                                    "but the first is, with this probability, the policy's own "
+                                    "prediction from a no-grad pass of the gold batch", ge=0, le=1)
 
     def __post_init__(self):
         check(self)
@@ -201,58 +117,58 @@ class ColarTrainConfig(FinetuneOptions):
 class ColarGRPOConfig:
     """Options of ``latentserve train colar-grpo`` (stage 3 of CoLaR)."""
 
-    model: str = opt(help="stage-1 directory (train colar output: LoRA adapter + latent "
-                     "policy)")
-    data: list[str] = opt(help=DATA)
-    out: str = opt(help="model directory to write")
-    steps: int = opt(100, "rollout + update rounds", ge=1)
-    questions_per_step: int = opt(8, ge=1)
-    group_size: int = opt(8, "rollouts per question (upstream 8; >= 2: advantages are "
-                          "group-relative)", ge=2)
-    exp_batch_size: int = opt(8, "rollouts per optimiser step (upstream 8)", ge=1)
-    lr: float = opt(1e-6, "AdamW learning rate (upstream RL 1e-6)", gt=0)
+    model: str = option(help="stage-1 directory (train colar output: LoRA adapter + latent "
+                        "policy)")
+    data: list[str] = option(help=DATA)
+    out: str = option(help="model directory to write")
+    steps: int = option(100, "rollout + update rounds", ge=1)
+    questions_per_step: int = option(8, ge=1)
+    group_size: int = option(8, "rollouts per question (upstream 8; >= 2: advantages are "
+                             "group-relative)", ge=2)
+    exp_batch_size: int = option(8, "rollouts per optimiser step (upstream 8)", ge=1)
+    lr: float = option(1e-6, "AdamW learning rate (upstream RL 1e-6)", gt=0)
     weight_decay: float = 0.01
-    clip_eps: float = opt(0.2, "PPO ratio clip (upstream 0.2)", gt=0, lt=1)
-    loss_average: str = opt("sum", "per sequence: sum / 32 (upstream colar.yaml) or the mean "
-                            "over tokens", choices=LOSS_AVERAGES)
-    max_log_ratio: float | None = opt(
+    clip_eps: float = option(0.2, "PPO ratio clip (upstream 0.2)", gt=0, lt=1)
+    loss_average: str = option("sum", "per sequence: sum / 32 (upstream colar.yaml) or the mean "
+                               "over tokens", choices=LOSS_AVERAGES)
+    max_log_ratio: float | None = option(
         None, "clamp logp - logp_old to [-M, M] before exp (default: no clamp, upstream); "
         "keeps the ratios of a near-deterministic latent policy finite after an update "
         "(train/colar_grpo.py)", gt=0)
-    tempered_logprobs: bool = opt(False, "latent log-probs at --latent-temperature, the "
-                                  "density the latents were drawn from (default: at 1, "
-                                  "upstream get_logprobs)")
-    use_latent_loss: bool = opt(True, "leave the latent log-probs out of the loss",
-                                flag="--no-latent-loss")
-    use_answer_loss: bool = opt(True, "leave the answer log-probs out of the loss",
-                                flag="--no-answer-loss")
-    punish_latent_length: bool = opt(False, "divide each reward by its latent count "
-                                     "(upstream option)")
-    length_penalty: float = opt(0.0, "subtract this x latent steps / max latent from each "
-                                "reward", ge=0)
-    latent_temperature: float = opt(1.0, "latent policy temperature of the rollouts (> 0: "
-                                    "GRPO explores by drawing the latents; upstream 1)", gt=0)
-    answer_temperature: float = opt(1.0, "sampling temperature of the stop token and the "
-                                    "answer (upstream 1)", ge=0)
-    answer_top_p: float = opt(0.9, "answer top-p (upstream 0.9)", gt=0, le=1)
-    answer_tokens: int = opt(16, "answer tokens per rollout (upstream max_new_tokens 16)",
-                             ge=1)
-    compression_factor: int | None = opt(None, "thinking speed of the rollouts (default: the "
-                                         "model's)")
-    max_latent: int | None = opt(None, "latent-step cap of the rollouts (default: the "
-                                 "model's)", ge=1)
-    max_examples: int | None = opt(None, "use the first N items", ge=1)
+    tempered_logprobs: bool = option(False, "latent log-probs at --latent-temperature, the "
+                                     "density the latents were drawn from (default: at 1, "
+                                     "upstream get_logprobs)")
+    use_latent_loss: bool = option(True, "leave the latent log-probs out of the loss",
+                                   flags=("--no-latent-loss",))
+    use_answer_loss: bool = option(True, "leave the answer log-probs out of the loss",
+                                   flags=("--no-answer-loss",))
+    punish_latent_length: bool = option(False, "divide each reward by its latent count "
+                                        "(upstream option)")
+    length_penalty: float = option(0.0, "subtract this x latent steps / max latent from each "
+                                   "reward", ge=0)
+    latent_temperature: float = option(1.0, "latent policy temperature of the rollouts (> 0: "
+                                       "GRPO explores by drawing the latents; upstream 1)", gt=0)
+    answer_temperature: float = option(1.0, "sampling temperature of the stop token and the "
+                                       "answer (upstream 1)", ge=0)
+    answer_top_p: float = option(0.9, "answer top-p (upstream 0.9)", gt=0, le=1)
+    answer_tokens: int = option(16, "answer tokens per rollout (upstream max_new_tokens 16)",
+                                ge=1)
+    compression_factor: int | None = option(None, "thinking speed of the rollouts (default: the "
+                                            "model's)")
+    max_latent: int | None = option(None, "latent-step cap of the rollouts (default: the "
+                                    "model's)", ge=1)
+    max_examples: int | None = option(None, "use the first N items", ge=1)
     seed: int = 0
-    device: str = opt("cpu", choices=DEVICES)
-    dtype: str | None = opt(None, "the engine's dtype (default: bfloat16 on cuda, float32 on "
-                            "cpu)", choices=DTYPES)
-    max_num_seqs: int = opt(256, "engine batch size", ge=1)
-    enforce_eager: bool = opt(False, "engine without CUDA graphs")
-    kv_slots: int | None = opt(None, KV_SLOTS)
-    autocast: bool = opt(True, "the trainer's forward in float32 on CUDA (default: bfloat16 "
-                         "autocast)")
-    max_seconds: float = opt(0.0, MAX_SECONDS, ge=0)
-    save_every: int = opt(0, "also save every N steps", ge=0)
+    device: str = option("cpu", choices=DEVICES)
+    dtype: str | None = option(None, "the engine's dtype (default: bfloat16 on cuda, float32 on "
+                               "cpu)", choices=DTYPES)
+    max_num_seqs: int = option(256, "engine batch size", ge=1)
+    enforce_eager: bool = option(False, "engine without CUDA graphs")
+    kv_slots: int | None = option(None, KV_SLOTS)
+    autocast: bool = option(True, "the trainer's forward in float32 on CUDA (default: bfloat16 "
+                            "autocast)")
+    max_seconds: float = option(0.0, MAX_SECONDS, ge=0)
+    save_every: int = option(0, "also save every N steps", ge=0)
 
     def __post_init__(self):
         check(self)
@@ -266,21 +182,21 @@ class ColarGRPOConfig:
 class HeadOptions:
     """What ``train-head sft|dagger|grpo`` share: backbone, data, the bundle to write."""
 
-    out: str = opt(help="bundle to write (.safetensors or .pt)")
-    model: str | None = opt(None, "backbone: a model directory, .gguf or PEFT LoRA adapter "
-                            "directory (default: embedded SmolLM2)")
-    data: str | None = opt(None, "GSM8K jsonl; the colar format also takes iCoT lines "
-                           "(default: $LATENTSERVE_DATA/gsm8k/train.jsonl, which does not ship "
-                           "with the package: docs/training.md, 'Data')")
-    prompt_format: str = opt("chat", "chat: chat template + thinking text; colar: CoLaR's "
-                             "prompt ending in ###, steps, ###, Answer:{gold} (a `train cot` "
-                             "backbone; grpo rewards the answer after Answer:)",
-                             choices=PROMPT_FORMATS)
-    max_examples: int | None = opt(None, ge=1)
+    out: str = option(help="bundle to write (.safetensors or .pt)")
+    model: str | None = option(None, "backbone: a model directory, .gguf or PEFT LoRA adapter "
+                               "directory (default: embedded SmolLM2)")
+    data: str | None = option(None, "GSM8K jsonl; the colar format also takes iCoT lines "
+                              "(default: $LATENTSERVE_DATA/gsm8k/train.jsonl, which does not ship "
+                              "with the package: docs/training.md, 'Data')")
+    prompt_format: str = option("chat", "chat: chat template + thinking text; colar: CoLaR's "
+                                "prompt ending in ###, steps, ###, Answer:{gold} (a `train cot` "
+                                "backbone; grpo rewards the answer after Answer:)",
+                                choices=PROMPT_FORMATS)
+    max_examples: int | None = option(None, ge=1)
     seed: int = 0
-    device: str = opt("cpu", choices=DEVICES)
-    dtype: str = opt("float32", choices=DTYPES)
-    progress: bool = opt(True, "no progress bars")
+    device: str = option("cpu", choices=DEVICES)
+    dtype: str = option("float32", choices=DTYPES)
+    progress: bool = option(True, "no progress bars")
 
     def __post_init__(self):
         check(self)
@@ -293,17 +209,17 @@ class FitOptions(HeadOptions):
     """What ``train-head sft`` and ``dagger`` share: the traces and the supervised fit
     (``train.sft.fit``)."""
 
-    style: str = opt("solution", "chat format: reasoning = worked solution text, or only its "
-                     "<<...>> equations", choices=("solution", "equations"))
-    max_reasoning_tokens: int = opt(256, ge=1)
-    capture_batch_size: int = opt(8, ge=1)
-    steps: int = opt(300, "training steps (dagger: per round)", ge=1)
-    batch_size: int = opt(256, "rows per step", ge=1)
-    lr: float = opt(1e-3, gt=0)
-    warmup: float = opt(0.05, "fraction of steps", ge=0, lt=1)
+    style: str = option("solution", "chat format: reasoning = worked solution text, or only its "
+                        "<<...>> equations", choices=("solution", "equations"))
+    max_reasoning_tokens: int = option(256, ge=1)
+    capture_batch_size: int = option(8, ge=1)
+    steps: int = option(300, "training steps (dagger: per round)", ge=1)
+    batch_size: int = option(256, "rows per step", ge=1)
+    lr: float = option(1e-3, gt=0)
+    warmup: float = option(0.05, "fraction of steps", ge=0, lt=1)
     weight_decay: float = 0.01
-    beta: float = opt(0.01, "entropy weight", ge=0)
-    log_every: int = opt(10, ge=1)
+    beta: float = option(0.01, "entropy weight", ge=0)
+    log_every: int = option(10, ge=1)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -311,16 +227,16 @@ class SFTConfig(FitOptions):
     """Options of ``train-head sft``; ``think_open`` / ``think_close`` None become the
     prompt format's (``colar`` allows no other)."""
 
-    think_open: str | None = opt(None, f"chat format: thinking opening text (default "
-                                 f"{THINK_OPEN!r}); the colar format's is empty")
-    think_close: str | None = opt(None, f"chat format: thinking closing text (default "
-                                  f"{THINK_CLOSE!r}); the colar format's is ###")
-    source_layer: int | None = opt(None, "anchor layer (default: round(0.8 L) - 1, ~80%% depth)")
-    target_layer: int | None = opt(None, "default: the last layer")
-    compression_factor: int = opt(4, "reasoning tokens per latent step", ge=1)
-    latent_dim: int = opt(128, ge=1)
-    mlp_dim: int | None = opt(None, "default: hidden_size // 2")
-    save_every: int = opt(0, "checkpoint every N steps", ge=0)
+    think_open: str | None = option(None, f"chat format: thinking opening text (default "
+                                    f"{THINK_OPEN!r}); the colar format's is empty")
+    think_close: str | None = option(None, f"chat format: thinking closing text (default "
+                                     f"{THINK_CLOSE!r}); the colar format's is ###")
+    source_layer: int | None = option(None, "anchor layer (default: round(0.8 L) - 1, ~80%% depth)")
+    target_layer: int | None = option(None, "default: the last layer")
+    compression_factor: int = option(4, "reasoning tokens per latent step", ge=1)
+    latent_dim: int = option(128, ge=1)
+    mlp_dim: int | None = option(None, "default: hidden_size // 2")
+    save_every: int = option(0, "checkpoint every N steps", ge=0)
 
     def __post_init__(self):
         HeadOptions.__post_init__(self)
@@ -345,39 +261,39 @@ class DaggerConfig(FitOptions):
     """Options of ``train-head dagger``. Layers, compression factor and thinking text come
     from the SFT ``bundle``; data options must be SFT's."""
 
-    bundle: str = opt(help="the SFT bundle to start from")
-    rounds: int = opt(2, ge=1)
-    rollout_examples: int | None = opt(None, "traces rolled out per round, a fresh random "
-                                       "subset (default: all)", ge=1)
-    overshoot: int = opt(2, "latent steps each rollout runs past its gold length (labelled "
-                         "stop)", ge=1)
-    sigma: float = opt(0.0, "rollout latents z ~ N(mu, sigma^2) (0: greedy, mu)", ge=0)
-    stop_threshold: float = opt(0.5, "for the logged closed-loop stop metrics")
-    max_num_seqs: int = opt(256, ge=1)
+    bundle: str = option(help="the SFT bundle to start from")
+    rounds: int = option(2, ge=1)
+    rollout_examples: int | None = option(None, "traces rolled out per round, a fresh random "
+                                          "subset (default: all)", ge=1)
+    overshoot: int = option(2, "latent steps each rollout runs past its gold length (labelled "
+                            "stop)", ge=1)
+    sigma: float = option(0.0, "rollout latents z ~ N(mu, sigma^2) (0: greedy, mu)", ge=0)
+    stop_threshold: float = option(0.5, "for the logged closed-loop stop metrics")
+    max_num_seqs: int = option(256, ge=1)
     enforce_eager: bool = False
-    kv_slots: int | None = opt(None, KV_SLOTS)
-    gpu_memory_utilization: float = opt(0.5, "the rollout engine's share of GPU memory (the "
-                                        "rows stay on the GPU)")
+    kv_slots: int | None = option(None, KV_SLOTS)
+    gpu_memory_utilization: float = option(0.5, "the rollout engine's share of GPU memory (the "
+                                           "rows stay on the GPU)")
 
 
 @dataclass(slots=True, kw_only=True)
 class GRPOConfig(HeadOptions):
     """Options of ``train-head grpo``."""
 
-    bundle: str = opt(help="the SFT bundle to start from")
-    steps: int = opt(10, ge=1)
-    questions_per_step: int = opt(8, ge=1)
-    group_size: int = opt(8, "rollouts per question (>= 2: advantages are group-relative)",
-                          ge=2)
+    bundle: str = option(help="the SFT bundle to start from")
+    steps: int = option(10, ge=1)
+    questions_per_step: int = option(8, ge=1)
+    group_size: int = option(8, "rollouts per question (>= 2: advantages are group-relative)",
+                             ge=2)
     lr: float = 1e-4
-    kl_coef: float = opt(0.05, ge=0)
-    sigma: float = opt(0.3, "exploration std of z", gt=0)
-    max_latent: int = opt(32, ge=0)
-    min_latent: int = opt(1, ge=0)
+    kl_coef: float = option(0.05, ge=0)
+    sigma: float = option(0.3, "exploration std of z", gt=0)
+    max_latent: int = option(32, ge=0)
+    min_latent: int = option(1, ge=0)
     stop_threshold: float = 0.5
-    answer_tokens: int = opt(16, ge=1)
+    answer_tokens: int = option(16, ge=1)
     close_bonus: float = 0.1
-    max_num_seqs: int = opt(256, ge=1)
+    max_num_seqs: int = option(256, ge=1)
     enforce_eager: bool = False
-    kv_slots: int | None = opt(None, KV_SLOTS)
-    save_every: int = opt(0, "also write the bundle every N steps (0: at the end only)", ge=0)
+    kv_slots: int | None = option(None, KV_SLOTS)
+    save_every: int = option(0, "also write the bundle every N steps (0: at the end only)", ge=0)
