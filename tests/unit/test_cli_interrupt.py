@@ -110,6 +110,44 @@ def test_ctrl_c_while_two_engines_load_exits_at_once(tiny_dirs, tmp_path):
     assert alive_after(engines, 5) == []
 
 
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:  # gone, or a zombie
+        return []
+
+
+def test_sigint_while_the_engine_interpreter_starts_is_ignored_by_the_engine(tiny_dirs,
+                                                                             tmp_path):
+    """A SIGINT that reaches the engine process while its interpreter is still starting
+    (before ``engine_main`` runs) neither kills it nor prints a traceback: it goes on to load,
+    and Ctrl-C then exits ``serve`` cleanly (before: KeyboardInterrupt in the engine's
+    start-up, a traceback on the server's stderr, and the server failed)."""
+    import psutil
+
+    from tests.support.slow_engine import loading_pids, slow_engine_env
+
+    env, marker = slow_engine_env(tmp_path)
+
+    def when(proc):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            engine = [c for c in psutil.Process(proc.pid).children()
+                      if "--multiprocessing-fork" in _cmdline(c)]
+            if engine:
+                os.kill(engine[0].pid, signal.SIGINT)
+                break
+            time.sleep(0.002)
+        else:
+            raise AssertionError("no engine process started")
+        loading_pids(marker, 1, proc)
+
+    assert_clean(*interrupt(["serve", "--model", str(tiny_dirs["llama"]), "--port", "0"],
+                            when, env=env, exit_within=15))
+
+
 @pytest.mark.parametrize("group", [True, False], ids=["ctrl-c", "kill-int-demo-alone"])
 def test_interrupted_demo_start_up_exits_at_once_and_leaves_no_process(
         tiny_dirs, tmp_path, group):
