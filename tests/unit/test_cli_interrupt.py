@@ -12,8 +12,12 @@ import time
 import pytest
 
 # The command with Python's Ctrl-C handler, even when this test runs where SIGINT is ignored
-# (a background job), which the child would inherit.
+# (a background job), which the child would inherit. It says CLI_IMPORTED once the
+# ``latentserve.cli`` package is imported: a Ctrl-C before that interrupts Python's own imports
+# (a traceback from the interpreter, as for any Python command), which these tests do not time.
+CLI_IMPORTED = "test: latentserve.cli imported"
 RUN_CLI = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           f"import latentserve.cli; print({CLI_IMPORTED!r}, file=sys.stderr, flush=True); "
            "sys.argv[0] = 'latentserve'; runpy.run_module('latentserve.cli', run_name='__main__')")
 
 
@@ -21,7 +25,8 @@ def interrupt(argv: list[str], when, timeout: float = 300.0, env: dict | None = 
               group: bool = True, exit_within: float | None = None):
     """Run ``python -m latentserve.cli argv`` in its own process group (with Python's
     SIGINT handler, as in a terminal), send the group SIGINT (what Ctrl-C does; ``group``
-    False: the command's process alone, as ``kill -INT``) ``when`` seconds after the start,
+    False: the command's process alone, as ``kill -INT``) ``when`` seconds after the
+    ``latentserve.cli`` package is imported,
     once ``when`` (a str) appears on stderr, or once ``when(proc)`` (a callable) returns;
     ``(returncode, stderr)``. The command must exit within ``exit_within`` seconds of the
     signal (default ``timeout``)."""
@@ -34,6 +39,11 @@ def interrupt(argv: list[str], when, timeout: float = 300.0, env: dict | None = 
     reader.start()
     start = time.monotonic()
     try:
+        while not any(CLI_IMPORTED in x for x in lines):
+            assert proc.poll() is None, f"exited before the signal: {''.join(lines)}"
+            assert time.monotonic() - start < timeout, "latentserve.cli not imported"
+            time.sleep(0.01)
+        start = time.monotonic()
         if callable(when):
             when(proc)
         while time.monotonic() - start < timeout and proc.poll() is None:
@@ -78,8 +88,6 @@ def test_ctrl_c_during_eval(tiny_dirs):
                              "--max-tokens", "64"], 3.0))
 
 
-# NOTE: not earlier than ~1 s: before the child's first line runs, a SIGINT that the test's
-# own process ignores (a background job) is ignored by the child too, and lost.
 @pytest.mark.parametrize("delay", [1.0, 2.0])
 def test_ctrl_c_while_generate_starts(tiny_dirs, delay):
     assert_clean(*interrupt(["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "hi",
