@@ -125,7 +125,8 @@ def test_metrics_prefix_cache_hits_count_a_repeated_prompt(http):
 
 def test_a_large_tokenize_does_not_stall_the_event_loop(http):
     """/tokenize runs off the event loop: while an ~8 MB prompt is tokenized, /version still
-    answers within a second (before, it waited for the whole tokenization)."""
+    answers within a second, or a tenth of the tokenization's time on a machine slow enough
+    to stretch that past 10 s (before, it waited for the whole tokenization)."""
     import threading
     import time
 
@@ -146,4 +147,6 @@ def test_a_large_tokenize_does_not_stall_the_event_loop(http):
         worst = max(worst, time.monotonic() - start)
         time.sleep(0.05)
     assert took and took[0][0] == 200
-    assert worst < 1.0, (worst, took)
+    # NOTE: the bound scales with the machine: a loaded core slows the tokenization and every
+    # request alike (measured with another test worker on the core: 1.01 s during 38 s).
+    assert worst < max(1.0, took[0][1] / 10), (worst, took)

@@ -292,3 +292,36 @@ def test_failed_conversion_leaves_no_cache_entry_and_no_temp_dir(fake_gguf, tmp_
         resolve_model_dir(str(path))
     left = [p.name for p in (tmp_path / "cache").iterdir()]
     assert left == [checkpoint.HASHES_FILE]  # the content hash memo only
+
+
+def test_two_conversions_at_once_both_get_the_complete_entry(fake_gguf, tmp_path, monkeypatch):
+    """Two processes (pytest-xdist workers) converting one GGUF at the same moment: while
+    both are mid-conversion the entry does not exist (a reader never sees a half-written
+    one); the first rename wins, the second keeps its entry, and no temp dir is left."""
+    import threading
+
+    path, _ = fake_gguf
+    entry = checkpoint.cache_dir_for(path)
+    both_mid_way, both_looked = threading.Barrier(2, timeout=30), threading.Barrier(2, timeout=30)
+    seen_mid_way = []
+
+    def slow_convert(gguf_path, out_dir, dtype="float32"):
+        (Path(out_dir) / "config.json").write_text("{}")
+        both_mid_way.wait()
+        seen_mid_way.append(entry.exists())
+        both_looked.wait()
+        (Path(out_dir) / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(checkpoint, "_convert_gguf", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(resolve_model_dir(str(path))))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [entry, entry]
+    assert seen_mid_way == [False, False]
+    assert sorted(p.name for p in entry.iterdir()) == ["config.json", "model.safetensors"]
+    assert {p.name for p in (tmp_path / "cache").iterdir()} == {checkpoint.HASHES_FILE,
+                                                                 entry.name}

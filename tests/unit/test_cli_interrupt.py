@@ -12,8 +12,12 @@ import time
 import pytest
 
 # The command with Python's Ctrl-C handler, even when this test runs where SIGINT is ignored
-# (a background job), which the child would inherit.
+# (a background job), which the child would inherit. It says CLI_IMPORTED once the
+# ``latentserve.cli`` package is imported: a Ctrl-C before that interrupts Python's own imports
+# (a traceback from the interpreter, as for any Python command), which these tests do not time.
+CLI_IMPORTED = "test: latentserve.cli imported"
 RUN_CLI = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           f"import latentserve.cli; print({CLI_IMPORTED!r}, file=sys.stderr, flush=True); "
            "sys.argv[0] = 'latentserve'; runpy.run_module('latentserve.cli', run_name='__main__')")
 
 
@@ -21,7 +25,8 @@ def interrupt(argv: list[str], when, timeout: float = 300.0, env: dict | None = 
               group: bool = True, exit_within: float | None = None):
     """Run ``python -m latentserve.cli argv`` in its own process group (with Python's
     SIGINT handler, as in a terminal), send the group SIGINT (what Ctrl-C does; ``group``
-    False: the command's process alone, as ``kill -INT``) ``when`` seconds after the start,
+    False: the command's process alone, as ``kill -INT``) ``when`` seconds after the
+    ``latentserve.cli`` package is imported,
     once ``when`` (a str) appears on stderr, or once ``when(proc)`` (a callable) returns;
     ``(returncode, stderr)``. The command must exit within ``exit_within`` seconds of the
     signal (default ``timeout``)."""
@@ -34,6 +39,11 @@ def interrupt(argv: list[str], when, timeout: float = 300.0, env: dict | None = 
     reader.start()
     start = time.monotonic()
     try:
+        while not any(CLI_IMPORTED in x for x in lines):
+            assert proc.poll() is None, f"exited before the signal: {''.join(lines)}"
+            assert time.monotonic() - start < timeout, "latentserve.cli not imported"
+            time.sleep(0.01)
+        start = time.monotonic()
         if callable(when):
             when(proc)
         while time.monotonic() - start < timeout and proc.poll() is None:
@@ -78,8 +88,6 @@ def test_ctrl_c_during_eval(tiny_dirs):
                              "--max-tokens", "64"], 3.0))
 
 
-# NOTE: not earlier than ~1 s: before the child's first line runs, a SIGINT that the test's
-# own process ignores (a background job) is ignored by the child too, and lost.
 @pytest.mark.parametrize("delay", [1.0, 2.0])
 def test_ctrl_c_while_generate_starts(tiny_dirs, delay):
     assert_clean(*interrupt(["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "hi",
@@ -108,6 +116,44 @@ def test_ctrl_c_while_two_engines_load_exits_at_once(tiny_dirs, tmp_path):
                         env=env, exit_within=15)
     assert_clean(rc, err)
     assert alive_after(engines, 5) == []
+
+
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except psutil.Error:  # gone, or a zombie
+        return []
+
+
+def test_sigint_while_the_engine_interpreter_starts_is_ignored_by_the_engine(tiny_dirs,
+                                                                             tmp_path):
+    """A SIGINT that reaches the engine process while its interpreter is still starting
+    (before ``engine_main`` runs) neither kills it nor prints a traceback: it goes on to load,
+    and Ctrl-C then exits ``serve`` cleanly (before: KeyboardInterrupt in the engine's
+    start-up, a traceback on the server's stderr, and the server failed)."""
+    import psutil
+
+    from tests.support.slow_engine import loading_pids, slow_engine_env
+
+    env, marker = slow_engine_env(tmp_path)
+
+    def when(proc):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            engine = [c for c in psutil.Process(proc.pid).children()
+                      if "--multiprocessing-fork" in _cmdline(c)]
+            if engine:
+                os.kill(engine[0].pid, signal.SIGINT)
+                break
+            time.sleep(0.002)
+        else:
+            raise AssertionError("no engine process started")
+        loading_pids(marker, 1, proc)
+
+    assert_clean(*interrupt(["serve", "--model", str(tiny_dirs["llama"]), "--port", "0"],
+                            when, env=env, exit_within=15))
 
 
 @pytest.mark.parametrize("group", [True, False], ids=["ctrl-c", "kill-int-demo-alone"])

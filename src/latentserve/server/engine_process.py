@@ -68,7 +68,10 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
     import zmq
 
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
+    # SIGINT came blocked from the parent (start_ignoring_sigint): ignoring it drops one that
+    # arrived during the interpreter's start-up, then it can be unblocked.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     loaded = threading.Event()  # from then on EngineLoop watches the parent
     threading.Thread(target=_exit_if_parent_goes, args=(parent_pid, loaded),
                      name="parent-watch", daemon=True).start()
@@ -327,14 +330,15 @@ class EngineProcess:
             target=engine_main, name="latentserve-engine", daemon=True,
             args=(self.config, self.addresses, child_conn, os.getpid(), self.log_level),
         )
-        self._proc.start()
-        child_conn.close()
         try:
+            start_ignoring_sigint(self._proc)
+            child_conn.close()
             self.ready = self._wait_ready(parent_conn)
         except BaseException:
             self.stop()
             raise
         finally:
+            child_conn.close()
             parent_conn.close()
         return self.ready
 
@@ -357,10 +361,11 @@ class EngineProcess:
                 raise EngineStartupError(f"unexpected start-up message {message!r}")
             if not self._proc.is_alive():
                 break
-        if self._proc.is_alive():
+        else:
             raise EngineStartupError(
                 f"engine was not ready within {self.startup_timeout:.0f} s")
-        self._proc.join(1)
+        # NOTE: a dying child closes its pipe end a moment before it can be reaped.
+        self._proc.join(5)
         raise EngineStartupError(
             f"engine process exited with code {self._proc.exitcode} before it was ready")
 
@@ -396,6 +401,35 @@ class EngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_ignoring_sigint(proc) -> None:
+    """``proc.start()`` (a ``spawn`` ``multiprocessing.Process`` running :func:`engine_main`)
+    with SIGINT blocked in this thread: the child inherits the mask, so a Ctrl-C that reaches
+    it while its interpreter starts up is held, then dropped by :func:`engine_main`, instead of
+    raising KeyboardInterrupt there (a traceback on the server's stderr). In the main thread a
+    SIGINT meant for this process during the start is held too, then raised again once the
+    child is started (``proc`` knows its child, so a KeyboardInterrupt can stop it)."""
+    import signal
+    from multiprocessing import resource_tracker
+
+    # NOTE: ``start`` launches multiprocessing's resource tracker the first time, and that
+    # unblocks SIGINT in this thread on its way out: have it running before SIGINT is blocked.
+    resource_tracker.ensure_running()
+    held: list = []
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if in_main else None  # None: not Python's
+    if previous is not None:
+        signal.signal(signal.SIGINT, lambda *a: held.append(a))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+            if held:
+                signal.raise_signal(signal.SIGINT)
 
 
 def _send_shutdown(addresses: EngineAddresses) -> None:
