@@ -5,6 +5,7 @@ measured; the short outputs leave most answers unfinished, so accuracy is not as
 
 import pytest
 
+from latentserve.bench import trained
 from latentserve.bench.families import ROW_FIELDS, run_families_bench
 from latentserve.bench.trained import MODELS, model_paths
 
@@ -78,8 +79,6 @@ def test_without_the_models_the_suite_says_what_is_missing(tmp_path):
 
 
 def test_a_wheel_install_without_models_is_told_so(monkeypatch):
-    import latentserve.models.checkpoint
-
-    monkeypatch.setattr(latentserve.models.checkpoint, "find_models_dir", lambda given=None: None)
+    monkeypatch.setattr(trained, "find_models_dir", lambda given=None: None)
     with pytest.raises(RuntimeError, match="needs the repository's models/ directory"):
         model_paths(MODELS)

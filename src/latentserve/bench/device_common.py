@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import time
 
+from latentserve.config import EngineConfig
+
 
 def sync(device: str) -> None:
     """Wait for queued device work (a no-op on the CPU)."""
@@ -121,8 +123,7 @@ def profile_replay(graph) -> dict:
 
 def make_engine(path, device: str, dtype: str, max_num_seqs: int, max_model_len: int, **kw):
     """An ``LLMEngine`` over the model directory ``path`` (other ``EngineConfig`` options: kw)."""
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.engine.llm_engine import LLMEngine  # torch: bench serve's parser imports us
 
     return LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype,
                                   max_num_seqs=max_num_seqs, max_model_len=max_model_len, **kw))

@@ -3,10 +3,15 @@ also each graph replay and overlap wait (``Probe``). Seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 
+import torch
+
 from latentserve.bench.device_common import sync
+from latentserve.core import ReqStatus
+from latentserve.engine import overlap
 
 
 def step_kind(engine) -> str:
@@ -33,9 +38,6 @@ class Probe:
         self.compiles: list = []
 
     def __enter__(self):
-        import torch
-
-        from latentserve.engine import overlap
 
         graphs, events = self.engine.runner.graphs, self.events
 
@@ -70,8 +72,6 @@ class Probe:
         return self
 
     def __exit__(self, *exc) -> None:
-        from latentserve.engine import overlap
-
         for name in ("replay", "replay_packed"):  # back to the class methods
             self.engine.runner.graphs.__dict__.pop(name, None)
         overlap.finish = self.real_finish
@@ -81,8 +81,6 @@ class Probe:
     def summary(self) -> dict:
         """``replay_s`` (mean per kind), ``jit_compiles``, ``gc_collections`` and, after
         decode waits, ``overlap_wait_s`` (mean) and ``host_bound_frac`` (share under 20 us)."""
-        import torch
-
         torch.cuda.synchronize()
         replays: dict[str, list[float]] = {}
         for kind, a, b in self.events:
@@ -104,10 +102,6 @@ def drive(engine, prompts, params, device: str, tag: str, on_add=None) -> dict:
     request left its latent phase, or None), ``graph_steps``; per ``step_kind`` ``steps``,
     ``step_s`` (steady mean) and ``ctx`` (mean context per row); the decode steps'
     ``step_p50_s``, ``step_p90_s``, ``step_max_s``, ``slowest_steps``; ``Probe.summary``."""
-    import contextlib
-
-    from latentserve.core import ReqStatus
-
     rids = [f"{tag}-{engine._arrivals}-{i}" for i in range(len(prompts))]
     graphs0, reqs = engine.runner.num_graph_steps, []
     probe = Probe(engine) if engine.runner.graphs is not None else None

@@ -5,7 +5,12 @@ Design notes: docs/internals.md, "latentserve.bench.families".
 
 from __future__ import annotations
 
+import importlib
 import time
+
+import torch
+
+from latentserve.bench.trained import model_paths
 
 ROW_FIELDS = ("family", "model", "concurrency", "step_ms", "replay_ms", "floor_ms",
               "step_over_floor", "replay_over_floor", "latent_over_plain_pct",
@@ -80,18 +85,12 @@ def run_families_bench(concurrency=(1, 16, 64), families=tuple(SUITES),
     """The suites of ``families`` (``SUITES`` keys) on CUDA, or with ``tiny`` on the CPU.
     Returns ``{command, date, suites: {family: result}, table, total_s}``. ValueError for an
     unknown family, RuntimeError without CUDA (unless ``tiny``)."""
-    import importlib
-
     unknown = set(families) - set(SUITES)
     if unknown:
         raise ValueError(f"families must be among {sorted(SUITES)}, got {sorted(unknown)}")
-    import torch
-
     if not tiny and not torch.cuda.is_available():
         raise RuntimeError("bench --suite families needs a CUDA device (the H200)")
     if "trained" in families:  # at once, not after hours of the other suites
-        from latentserve.bench.trained import model_paths
-
         model_paths(SUITES["trained"][2])
     t0, suites = time.perf_counter(), {}
     for family, (module, runner, models, options, tiny_models, tiny_options) in SUITES.items():

@@ -6,9 +6,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from latentserve.bench.baseline.tiny_models import save_tiny, save_word_tokenizer
 from latentserve.bench.device_common import free_memory, make_engine, profile_replay, timed
 from latentserve.bench.suite import dtype_for, engine_rows, random_prompts, run_suite
+from latentserve.engine.cuda_graph import CudaGraphRunner
+from latentserve.sampling_params import SamplingParams
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -33,7 +37,6 @@ VARIANTS = (("unfused", {"fused_ops": False}), ("sync", {"overlap_schedule": Fal
 
 def save_random_llama(out_dir: Path, shape: dict, device: str = "cuda") -> Path:
     """A random bf16 Llama of ``shape`` (drawn on ``device``) with a word-level tokenizer."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(bos_token_id=1, eos_token_id=2, **shape)
@@ -66,8 +69,6 @@ def _kernels_per_replay(engine, bs: int) -> dict:
 
 def _hf_run(model, prompts, output_len: int, device: str) -> float:
     """Output tokens/s of HF ``generate`` on ``prompts`` as one padded batch."""
-    import torch
-
     ids = torch.tensor(prompts, device=device)
     _, wall = timed(device, lambda: model.generate(
         ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=output_len,
@@ -77,10 +78,6 @@ def _hf_run(model, prompts, output_len: int, device: str) -> float:
 
 def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
     """Replay time of a decode graph with the latent inject buffers bound vs without."""
-    import torch
-
-    from latentserve.engine.cuda_graph import CudaGraphRunner
-
     r = engine.runner
     hidden = r.graphs.embeds.shape[1]
     out = {}
@@ -106,10 +103,6 @@ def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int
                 output_len: int, bw: float, hf_baseline: bool, variants: bool) -> dict:
     """One shape: ``engine_rows`` (with ``kernels`` and ``inject_cost`` on CUDA), with
     ``variants`` the ``VARIANTS``, with ``hf_baseline`` HF ``generate`` padded and at batch 1."""
-    import torch
-
-    from latentserve.sampling_params import SamplingParams
-
     dtype, cuda, max_c = dtype_for(device), device.startswith("cuda"), max(concurrency)
     path = build_llama(root / name, name, device)
     max_len = prompt_len + output_len + 8

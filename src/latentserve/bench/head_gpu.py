@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from latentserve.bench.baseline import head_reference as hr
 from latentserve.bench.device_common import free_memory, make_engine, profile_replay, time_graph
 from latentserve.bench.gpu import SHAPES, TINY_SHAPE, build_llama
 from latentserve.bench.suite import (
@@ -15,6 +18,9 @@ from latentserve.bench.suite import (
     run_suite,
     step_cost,
 )
+from latentserve.latent.bundle import random_bundle, write_bundle
+from latentserve.latent.head import HEAD_BUNDLE_NAME
+from latentserve.sampling_params import SamplingParams
 
 # latent_dim and source_layer (0-based, the anchor's layer: ~0.8 depth as DeepSeek-V4's head)
 HEADS = {"smollm2-135m": {"latent_dim": 128, "source_layer": 23},
@@ -25,9 +31,6 @@ THINK_OPEN, THINK_CLOSE = "w5 w6 w7", "w8"  # word-tokenizer ids (5, 6, 7) and (
 
 def build_head_model(root: Path, name: str, device: str = "cuda") -> Path:
     """A random backbone ``name`` (``build_llama``) with a random closed-loop head bundle."""
-    from latentserve.latent.bundle import random_bundle, write_bundle
-    from latentserve.latent.head import HEAD_BUNDLE_NAME
-
     path = build_llama(root, name, device)
     head = HEADS.get(name, TINY_HEAD)
     bundle = random_bundle(SHAPES.get(name, TINY_SHAPE)["hidden_size"], head["latent_dim"],
@@ -38,8 +41,6 @@ def build_head_model(root: Path, name: str, device: str = "cuda") -> Path:
 
 
 def _params(max_latent: int, answer_len: int, n_close: int, thinking: bool = True):
-    from latentserve.sampling_params import SamplingParams
-
     if not thinking:
         return SamplingParams(max_tokens=answer_len, temperature=0.0, ignore_eos=True,
                               thinking=False)
@@ -52,8 +53,6 @@ def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
     """Microseconds per CUDA graph replay of ``LatentHead.serve_outputs`` on ``rows`` bf16
     anchors: float32 torch (``torch_fp32``) against fused 3xTF32 (``small_linear_tf32x3``),
     each with ``<name>_kernels`` (``profile_replay``)."""
-    import torch
-
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     out = {}
     for name, fused in (("torch_fp32", False), ("small_linear_tf32x3", True)):
@@ -72,10 +71,6 @@ def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int
                 bare_baseline: bool = True, step_rounds: int = 1) -> dict:
     """One backbone + head: ``engine_rows``, ``step_cost`` at the largest concurrency (the
     bare backbone as a third phase when ``bare_baseline``), then ``reference``."""
-    import torch
-
-    from latentserve.bench.baseline import head_reference as hr
-
     dtype = dtype_for(device)
     path = build_head_model(root / name, name, device)
     n_open, n_close = len(THINK_OPEN.split()), len(THINK_CLOSE.split())

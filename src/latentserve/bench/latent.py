@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from latentserve.bench.baseline import latent_models
 from latentserve.bench.baseline.latent_reference import load_reference, reference_generate
 from latentserve.bench.device_common import free_memory, make_engine
@@ -17,6 +19,8 @@ from latentserve.bench.suite import (
     run_suite,
     step_cost,
 )
+from latentserve.latent.convert import convert_coconut, convert_codi
+from latentserve.sampling_params import SamplingParams
 
 GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
 COST_STEPS = 32  # latent steps of the step-cost batch
@@ -24,8 +28,6 @@ COST_STEPS = 32  # latent steps of the step-cost batch
 
 def build_coconut_gpt2(root: Path, device: str = "cuda") -> Path:
     """COCONUT over a random GPT-2 124M shape, upstream form, converted."""
-    from latentserve.latent.convert import convert_coconut
-
     base, ckpt = latent_models.write_upstream_coconut(root, "gpt2", word_tokenizer=True,
                                                       **GPT2_124M)
     return convert_coconut(base, ckpt, root / "model")
@@ -34,8 +36,6 @@ def build_coconut_gpt2(root: Path, device: str = "cuda") -> Path:
 def build_codi_llama_1b(root: Path, device: str = "cuda") -> Path:
     """CODI (LoRA r=128, alpha=32, prj 2048 as upstream's scripts) over a random
     Llama-3.2-1B shape, converted."""
-    from latentserve.latent.convert import convert_codi
-
     base = save_random_llama(root / "base", SHAPES["llama-3.2-1b"], device)
     base, ckpt = latent_models.write_upstream_codi(root, "llama", "safetensors", lora_r=128,
                                                    lora_alpha=32.0, prj_dim=2048, base_dir=base)
@@ -57,10 +57,6 @@ def bench_model(name: str, root: Path, device: str, concurrency, budget: int,
                 answer_len: int, prompt_len: int, ref_requests: int, bw: float) -> dict:
     """One model: ``engine_rows``, ``step_cost`` at the largest concurrency (``COST_STEPS``
     latent steps against as many plain ones), then ``reference``."""
-    import torch
-
-    from latentserve.sampling_params import SamplingParams
-
     dtype, max_c = dtype_for(device), max(concurrency)
     path = MODELS[name](root / name, device)
     max_len = prompt_len + max(budget, COST_STEPS) + answer_len + 8

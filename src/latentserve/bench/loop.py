@@ -12,6 +12,8 @@ from latentserve.bench.device_common import free_memory, make_engine
 from latentserve.bench.drive import drive
 from latentserve.bench.latent import GPT2_124M
 from latentserve.bench.suite import dtype_for, engine_rows, reference, run_suite
+from latentserve.latent.loop_convert import convert_pccot
+from latentserve.sampling_params import SamplingParams
 
 # (GPT-2 base shape, LoRA rank) per benchmark name; the tiny one runs on the CPU in seconds
 MODELS = {"pccot-gpt2-124m": (GPT2_124M, 128), "pccot-tiny": ({}, 8)}
@@ -20,8 +22,6 @@ MODELS = {"pccot-gpt2-124m": (GPT2_124M, 128), "pccot-tiny": ({}, 8)}
 def build_pccot_gpt2(root: Path, name: str, block_size: int, iterations: int) -> Path:
     """PCCoT over a random GPT-2 of ``MODELS[name]``'s shape in ``root/base`` and
     ``root/adapter`` (upstream form, LoRA alpha 32), converted into ``root/model``."""
-    from latentserve.latent.loop_convert import convert_pccot
-
     shape, lora_r = MODELS[name]
     base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **shape)
     base, adapter = write_upstream_pccot(root, "gpt2", block_size, iterations, lora_r=lora_r,
@@ -38,8 +38,6 @@ def bench_model(name: str, root: Path, device: str, concurrency, answer_len: int
                 bw: float) -> dict:
     """One model: ``engine_rows`` (block passes), the same prompts with one-position passes
     (``position_by_position`` and the speedups over it), then ``reference``."""
-    from latentserve.sampling_params import SamplingParams
-
     dtype, root = dtype_for(device), root / name
     path = build_pccot_gpt2(root, name, block_size, iterations)
     max_c, max_len = max(concurrency), prompt_len + block_size + answer_len + 16

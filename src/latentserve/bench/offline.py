@@ -18,6 +18,8 @@ from importlib import resources
 
 from latentserve.bench.device_common import sync
 from latentserve.eval.datasets import chat_prompt_ids
+from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+from latentserve.sampling_params import SamplingParams
 
 WARMUP_PROMPTS = 2
 WARMUP_OUTPUT_LEN = 8
@@ -112,7 +114,7 @@ def _rates(wall_s: float, output_tokens: int, prompt_tokens: int, cpu_s: float,
 
 def _run_engine(model, prompts, warmup, output_len, device, dtype, seed
                 ) -> tuple[dict, list[list[int]], list[int]]:
-    from latentserve import LLM, SamplingParams
+    from latentserve.entrypoints.llm import LLM  # torch: bench serve's parser imports us
 
     t0 = time.perf_counter()
     llm = LLM(model=model, device=device, dtype=dtype, seed=seed,
@@ -200,8 +202,6 @@ def run_offline_bench(model: str | None = None, num_prompts: int = 32, output_le
         raise ValueError(f"num_prompts and output_len must be >= 1, got {num_prompts}, "
                          f"{output_len}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
-
     model_dir = resolve_model_dir(model)
     tokenizer = load_tokenizer(model_dir)
     prompts = build_prompts(tokenizer, num_prompts)

@@ -6,10 +6,14 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from latentserve.bench.baseline import recurrent_models as rm
 from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
 from latentserve.bench.device_common import free_memory, make_engine, param_bytes
 from latentserve.bench.suite import dtype_for, engine_rows, reference, run_suite
+from latentserve.kvcache.pool import KVPool
+from latentserve.sampling_params import SamplingParams
 
 HUGINN_3_5B = {"n_embd": 5280, "num_attention_heads": 55, "num_key_value_heads": 55,
                "intermediate_size": 17920, "vocab_size": 65536, "block_size": 4096,
@@ -31,8 +35,6 @@ def decode_floor(model, batch: int, ctx: float, bw: float, kv_dtype, family: str
                  depth: int) -> dict:
     """``device_common.kv_floor`` for ``depth`` recurrences (the byte model of
     benchmarks/recurrent_gpu.py), with ``kv_banks_read``."""
-    from latentserve.kvcache.pool import KVPool
-
     _, kvh, hd = model.kv_shape
     per_bank = KVPool.bytes_per_slot(1, kvh, hd, kv_dtype)
     if family == "huginn":
@@ -58,10 +60,6 @@ def bench_model(name: str, family: str, shape: dict, depths, root: Path, device:
                 ref_output_len: int, bw: float) -> dict:
     """One model: ``engine_rows`` at every depth, then per depth ``reference`` (timed at
     ``ref_output_len`` tokens)."""
-    import torch
-
-    from latentserve.sampling_params import SamplingParams
-
     dtype = dtype_for(device)
     write = rm.write_huginn if family == "huginn" else rm.write_ouro
     path = write(root / name, save_dtype=getattr(torch, dtype), init_device=device, **shape)

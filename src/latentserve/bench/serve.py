@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from latentserve import settings
+from latentserve.bench.serve_datasets import DATASETS, sample_requests
 
 
 def _header(text: str) -> tuple[str, str]:
@@ -57,8 +58,6 @@ def resolve_target(args: argparse.Namespace) -> None:
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench serve`` flags to ``parser`` (vLLM's names; our older ones aliases)."""
-    from latentserve.bench.serve_datasets import DATASETS
-
     parser.add_argument("--base-url", default=None,
                         help="the server (default http://--host:--port)")
     parser.add_argument("--host", default="127.0.0.1",
@@ -418,7 +417,6 @@ def serve_bench_main(args: argparse.Namespace) -> int:
     """Run the benchmark of ``args``, print the report, write the result. Returns 1 when a
     request failed or the server was unhealthy after, else 0. ValueError for bad flags, an
     unreachable server or a refused ``/v1/models``."""
-
     resolve_target(args)
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be at least 1")
@@ -428,8 +426,6 @@ def serve_bench_main(args: argparse.Namespace) -> int:
     headers = _headers(args)
     model = args.model or _served_model(args.base_url, headers)
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
-    from latentserve.bench.serve_datasets import sample_requests
-
     samples = sample_requests(args, *_tokenizer_calls(args.base_url, headers, model))
     bodies = build_requests(args, model, samples)
     results, duration = asyncio.run(run_benchmark(args, bodies))

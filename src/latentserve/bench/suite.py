@@ -8,21 +8,22 @@ Design notes: docs/internals.md, "latentserve.bench.families".
 from __future__ import annotations
 
 import json
+import shutil
+import statistics
+import tempfile
 import time
+from pathlib import Path
+
+import torch
 
 from latentserve.bench.device_common import agreement, copy_bandwidth, kv_floor, timed
 from latentserve.bench.drive import drive
+from latentserve.bench.offline import machine_info
 
 
 def run_suite(names, bench, device: str, command: str | None, config: dict) -> dict:
     """``bench(name, root, bandwidth)`` for each of ``names`` in a scratch directory. Returns
     ``{command, date, machine, config, copy_bandwidth_Bps, models: {name: result}, total_s}``."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from latentserve.bench.offline import machine_info
-
     t_start = time.perf_counter()
     bw = copy_bandwidth(device)
     out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -44,8 +45,6 @@ def dtype_for(device: str) -> str:
 
 def random_prompts(g, n: int, prompt_len: int) -> list[list[int]]:
     """``n`` prompts of ``prompt_len`` ids drawn from ``[3, 1000)`` by generator ``g``."""
-    import torch
-
     return torch.randint(3, 1000, (n, prompt_len), generator=g).tolist()
 
 
@@ -56,8 +55,6 @@ def engine_rows(engine, params, concurrency, prompt_len: int, device: str, bw: f
     ``bandwidth_floor`` (``floor(model, c, ctx, bw, kv_dtype)``), ``step_over_floor`` and with
     CUDA graphs ``graph_replay_s``, ``replay_over_floor``; ``outputs[c]``: ``(prompts, engine
     outputs)``. Returns ``(rows, outputs)``."""
-    import torch
-
     g = torch.Generator().manual_seed(0)
     for c in concurrency:
         drive(engine, random_prompts(g, c, prompt_len), warm_params, device, "warm", on_add)
@@ -123,8 +120,6 @@ def step_cost(engine, latent, plain, device: str, bw: float, bare=None, rounds: 
     positions: ``latent``, ``plain`` are ``(prompts, params)`` for ``drive`` (``plain`` also on
     ``bare`` when given), medians over ``rounds`` alternations; with the latent step's
     ``bandwidth_floor`` and ``latent_step_over_floor``."""
-    import statistics
-
     samples: dict[str, list] = {"latent": [], "plain": [], "bare": []}
     lat = None
     for _ in range(rounds):

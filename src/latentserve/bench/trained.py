@@ -13,8 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from latentserve.bench.device_common import free_memory, make_engine
 from latentserve.bench.drive import drive
 from latentserve.bench.suite import dtype_for, measure, run_suite, step_cost
+from latentserve.eval.colar_eval import answers_match, encode_questions, read_answer
+from latentserve.eval.datasets import load_items
+from latentserve.models.checkpoint import find_models_dir
+from latentserve.sampling_params import SamplingParams
 
 # model -> the file that marks its directory (models/ at the repository root)
 MODELS = {"smollm2-mult-cot": "adapter_config.json",
@@ -26,8 +31,6 @@ def model_paths(names, models_dir: str | Path | None = None) -> dict[str, Path]:
     checkout's ``models/`` (next to ``src/``) or ``./models`` (``find_models_dir``).
     Raises ValueError for an unknown name, RuntimeError naming what is missing (no
     ``models/``, as in a wheel install, or a model directory without its marker file)."""
-    from latentserve.models.checkpoint import find_models_dir
-
     unknown = set(names) - set(MODELS)
     if unknown:
         raise ValueError(f"trained models must be among {sorted(MODELS)}, got {sorted(unknown)}")
@@ -51,8 +54,6 @@ def model_paths(names, models_dir: str | Path | None = None) -> dict[str, Path]:
 def _answers(tok, items, outputs, latent: bool) -> list[dict]:
     """``{question, gold, answer, correct}`` per item from its generated ids (the answer read
     as ``latentserve eval`` reads it, ``colar_eval.read_answer`` and ``answers_match``)."""
-    from latentserve.eval.colar_eval import answers_match, read_answer
-
     out = []
     for it, ids in zip(items, outputs):
         answer = read_answer(tok, ids, latent)
@@ -72,11 +73,6 @@ def bench_model(path: Path, device: str, concurrency, dataset: str,
     without the stop against ``cost_steps`` + 1 answer tokens after ``###``, same questions).
     Returns ``{path, latent, dataset, max_model_len, concurrency: rows, accuracy,
     step_cost}`` (``step_cost`` None for the text model)."""
-    from latentserve.bench.device_common import free_memory, make_engine
-    from latentserve.eval.colar_eval import encode_questions
-    from latentserve.eval.datasets import load_items
-    from latentserve.sampling_params import SamplingParams
-
     latent = (path / "colar_config.json").is_file()
     latent_cap = 0  # the most latent steps a request takes
     if latent:

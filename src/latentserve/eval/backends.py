@@ -6,9 +6,12 @@ Design notes: docs/internals.md, "latentserve.eval.backends".
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from latentserve.config import EngineConfig
 from latentserve.eval.datasets import chat_prompt_ids
+from latentserve.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -37,8 +40,7 @@ class EngineBackend:
 
     def __init__(self, engine=None, **engine_options):
         if engine is None:
-            from latentserve.config import EngineConfig
-            from latentserve.engine.llm_engine import LLMEngine
+            from latentserve.engine.llm_engine import LLMEngine  # torch: not on the --url path
 
             engine = LLMEngine(EngineConfig(**engine_options))
         self.engine = engine
@@ -47,8 +49,6 @@ class EngineBackend:
         self._n = 0
 
     def run(self, requests: list[Request], **head_controls) -> list[Completion]:
-        from latentserve.sampling_params import SamplingParams
-
         start, rids = time.perf_counter(), []
         n_close = len(self.engine.latent_spec.end_ids) if self.has_head else 0
         for r in requests:
@@ -127,8 +127,6 @@ class OpenAIBackend:
                           ch.finish_reason, (latent.get("stats") or {}).get("end"))
 
     def run(self, requests: list[Request], **head_controls) -> list[Completion]:
-        from concurrent.futures import ThreadPoolExecutor
-
         start = time.perf_counter()
         pool = ThreadPoolExecutor(self.concurrency)
         try:

@@ -11,6 +11,7 @@ import time
 
 from latentserve.eval.datasets import Item
 from latentserve.latent import colar
+from latentserve.sampling_params import SamplingParams
 
 
 def answers_match(gold: str, pred: str) -> bool:
@@ -65,8 +66,6 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
     bounds text tokens (latent models: the answer's). ``max_latent`` is for CoLaR or a head,
     ``compression_factor`` CoLaR's, ``head_controls`` a head's; ValueError for a model that
     does not take one."""
-    from latentserve.sampling_params import SamplingParams
-
     family = getattr(llm.engine.latent_spec, "family", None)
     latent, head = family == "colar", family == "compression-head"
     head_controls = {k: v for k, v in head_controls.items() if v is not None}

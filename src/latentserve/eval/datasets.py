@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from latentserve import settings
@@ -52,8 +53,6 @@ DATA_ENV = "LATENTSERVE_DATA"
 
 def package_data_dir() -> Path:
     """The data sets shipped inside the package (``latentserve/data``)."""
-    from importlib import resources
-
     return Path(str(resources.files("latentserve").joinpath("data")))
 
 

@@ -13,6 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from latentserve.latent import colar
+from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES
+from latentserve.train.cot import (
+    _lm,
+    batches,
+    encode_parts,
+    encode_prompts,
+    load_backbone,
+    optimise,
+    read_items,
+    right_pad,
+    save,
+)
 from latentserve.train.options import ColarTrainConfig
 
 # (prompt ids at speed r, steps ids, answer ids = [###, *Answer:{a}, EOS])
@@ -35,8 +47,6 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
     ``torch.randn``); ``own_latent_prob`` > 0: the inputs go through :func:`feed_own_latents`
     first (targets stay gold). Returns float32 scalars ``total``, ``ce``, ``embed`` and
     counts ``n_ce``, ``n_embed``."""
-    from latentserve.train.cot import _lm, right_pad
-
     if embed_loss not in ("mse", "nll"):
         raise ValueError(f"embed_loss must be 'mse' or 'nll', got {embed_loss!r}")
     lm = _lm(model)
@@ -103,16 +113,12 @@ def feed_own_latents(lm, policy: colar.LatentPolicy, x: torch.Tensor,
 def embedding_std(model) -> float:
     """Std of the input-embedding matrix, the default ``embeds_std`` (upstream: a constant
     per model, ``MODEL_EMB_STD``)."""
-    from latentserve.train.cot import _lm
-
     return _lm(model).get_input_embeddings().weight.detach().float().std().item()
 
 
 def adapter_base(adapter_dir: str) -> str | None:
     """A stage-0 adapter's base (None: the embedded SmolLM2; relative: beside the adapter).
     FileNotFoundError without ``adapter_config.json``."""
-    from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES
-
     path = Path(adapter_dir) / "adapter_config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist (--init-adapter takes a PEFT "
@@ -127,17 +133,6 @@ def adapter_base(adapter_dir: str) -> str | None:
 def train(cfg: ColarTrainConfig, progress=print) -> dict:
     """Run stage 1; returns the last log record. ValueError (no ``###`` token, no example
     fits), FileNotFoundError (data, adapter)."""
-    from latentserve.train.cot import (
-        _lm,
-        batches,
-        encode_parts,
-        encode_prompts,
-        load_backbone,
-        optimise,
-        read_items,
-        save,
-    )
-
     if cfg.init_adapter and cfg.base is None:
         cfg.base = adapter_base(cfg.init_adapter)
     rng = random.Random(cfg.seed)

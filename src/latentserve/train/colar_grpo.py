@@ -11,11 +11,30 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
+from latentserve.config import EngineConfig
+from latentserve.engine.llm_engine import LLMEngine
+from latentserve.eval.colar_eval import answers_match
 from latentserve.latent import colar
+from latentserve.latent.head_loop import set_policy_sampling
+from latentserve.models.checkpoint import is_adapter_dir
+from latentserve.models.lora import merged_weight
+from latentserve.sampling_params import SamplingParams
+from latentserve.train.colar import adapter_base
+from latentserve.train.cot import (
+    _lm,
+    batches,
+    load_backbone,
+    read_items,
+    right_pad,
+    save,
+    trainer_forward,
+)
+from latentserve.train.grpo import rollouts
 from latentserve.train.options import LOSS_AVERAGES, ColarGRPOConfig
 
 # GRPOLoss with ``average_per_token_loss: False`` divides each sequence's summed loss by this
@@ -78,8 +97,6 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
     """Per rollout float32 ``(latent log-probs [n], answer log-probs [len(answer_ids)])``
     from one teacher-forced forward over ``prompt | latents | answer_ids`` (upstream
     ``get_logprobs``). FloatingPointError naming a non-finite hidden state."""
-    from latentserve.train.cot import _lm, right_pad
-
     lm = _lm(model)
     emb = lm.get_input_embeddings()
     dev = emb.weight.device
@@ -218,8 +235,6 @@ class EngineSync:
         """Engine weights := ``base + B @ A * scale`` (``models.lora.merged_weight``), its
         ``ColarHead`` := ``policy``; empties the prefix cache (RuntimeError while requests
         run)."""
-        from latentserve.models.lora import merged_weight
-
         for layer, dest in self.targets:
             ad = layer.active_adapters[0]
             w = merged_weight(layer.get_base_layer().weight, layer.lora_A[ad].weight,
@@ -233,8 +248,6 @@ def run_rollouts(engine, prompts: list[list[int]], params, group_size: int,
                  latent_dtype: torch.dtype) -> list[Rollout]:
     """Each prompt ``group_size`` times through ``engine`` (latents rounded to
     ``latent_dtype``); the rollouts prompt-major."""
-    from latentserve.train.grpo import rollouts
-
     head = engine.runner.model.latent_head
     c = params.compression_factor or head.config.compression_factor
     tail = [*head.speed_ids[c], head.stop_token]
@@ -258,8 +271,6 @@ def rewards_of(rollouts: list[Rollout], golds: list[str], cfg: ColarGRPOConfig,
                max_latent: int, reward_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rewards [N], accuracies [N])`` float32; ``reward_fn(rollout, gold) -> float``
     replaces the 0/1 accuracy before the length terms."""
-    from latentserve.eval.colar_eval import answers_match
-
     acc = torch.tensor([float(answers_match(g, answer_of(r.text)))
                         for r, g in zip(rollouts, golds)])
     base = acc.clone() if reward_fn is None else torch.tensor(
@@ -280,16 +291,6 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     Raises ValueError (bad option, no LoRA adapter or ``colar_config.json``, a deterministic
     policy, an untrained compression factor, an engine not serving CoLaR) and
     FileNotFoundError (missing data)."""
-    from types import SimpleNamespace
-
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
-    from latentserve.latent.head_loop import set_policy_sampling
-    from latentserve.models.checkpoint import is_adapter_dir
-    from latentserve.sampling_params import SamplingParams
-    from latentserve.train.colar import adapter_base
-    from latentserve.train.cot import batches, load_backbone, read_items, save, trainer_forward
-
     t0 = time.time()
     src = Path(cfg.model)
     loaded = colar.load_colar(src)

@@ -15,17 +15,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from latentserve.eval.datasets import Item
+from latentserve.eval.datasets import Item, _parse
 from latentserve.latent import colar
+from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES, load_tokenizer, resolve_model_dir
 from latentserve.train.options import CotConfig
+from latentserve.train.tasks import gsm8k_train_items
 
 
 def read_items(path: str | Path) -> list[Item]:
     """Items of a GSM8K ``.jsonl`` or iCoT text file. FileNotFoundError, ValueError."""
-    from latentserve.eval.datasets import _parse
-    from latentserve.train.tasks import gsm8k_train_items
-
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file {p} does not exist")
@@ -71,8 +71,6 @@ def load_backbone(base: str | None, device: str, cfg=None):
     PEFT LoRA when ``cfg.lora_r > 0`` or ``cfg.init_adapter``."""
     from transformers import AutoModelForCausalLM
 
-    from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES, load_tokenizer, resolve_model_dir
-
     model_dir = resolve_model_dir(base)
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -98,8 +96,6 @@ def trainer_forward(device: str, autocast: bool = True):
     if not device.startswith("cuda"):
         yield
         return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     with torch.autocast("cuda", torch.bfloat16, enabled=autocast), sdpa_kernel(backends):
         yield

@@ -15,8 +15,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from latentserve.train.features import Features
+from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
+from latentserve.latent.head_loop import set_policy_sampling
+from latentserve.sampling_params import SamplingParams
+from latentserve.train.features import Features, first_rows, num_groups
+from latentserve.train.grpo import head_engine, run_requests
 from latentserve.train.options import DaggerConfig
+from latentserve.train.sft import capture_traces, fit, load_backbone
+from latentserve.train.traces import COLAR_CLOSE, COLAR_OPEN
 
 
 def rollout_anchors(engine, prompts: list[list[int]], caps: list[int],
@@ -24,9 +30,6 @@ def rollout_anchors(engine, prompts: list[list[int]], caps: list[int],
     """Each prompt closed-loop through ``engine`` for exactly ``caps[i]`` latent steps (no
     stop), ``chunk`` at a time: its anchors ``[caps[i], H]`` float32 CPU (fewer when the
     context ran out). RuntimeError when a request fails."""
-    from latentserve.sampling_params import SamplingParams
-    from latentserve.train.grpo import run_requests
-
     n_close = len(engine.latent_spec.end_ids)
     hidden = engine.runner.model.latent_head.config.hidden_size
     out = []
@@ -92,13 +95,6 @@ def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
     """``cfg.rounds`` DAgger rounds from the SFT bundle, round ``r``'s head written to
     ``<out stem>-round{r}<suffix>`` (the last to ``cfg.out``), the log to ``<out>.log.json``
     and returned. ValueError for a non-SFT bundle or another prompt format."""
-    from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
-    from latentserve.latent.head_loop import set_policy_sampling
-    from latentserve.train.features import first_rows, num_groups
-    from latentserve.train.grpo import head_engine
-    from latentserve.train.sft import capture_traces, fit, load_backbone
-    from latentserve.train.traces import COLAR_CLOSE, COLAR_OPEN
-
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     bundle = read_bundle(cfg.bundle)

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from latentserve.train.cot import right_pad
 
 
 @dataclass(slots=True)
@@ -74,9 +77,6 @@ def capture(model, traces, source_layer: int, target_layer: int, c: int,
     device = next(model.parameters()).device
     emb = model.get_input_embeddings()
     rows = {k: [] for k in ("anchor", "target", "embed", "has_target", "stop")}
-    from tqdm.auto import tqdm
-
-    from latentserve.train.cot import right_pad
 
     for start in tqdm(range(0, len(traces), batch_size), desc="capturing hidden states",
                       unit="batch", disable=not progress):

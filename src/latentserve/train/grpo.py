@@ -14,15 +14,24 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from latentserve.config import EngineConfig
+from latentserve.engine.llm_engine import LLMEngine
+from latentserve.eval.answers import last_number, numbers_equal
+from latentserve.eval.colar_eval import answers_match
+from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
+from latentserve.latent.colar import ANSWER
+from latentserve.latent.head_loop import set_policy_sampling
+from latentserve.sampling_params import SamplingParams
 from latentserve.train.options import GRPOConfig
+from latentserve.train.schedule import adamw_warmup_linear
+from latentserve.train.traces import load_questions, prompt_ids
 
 
 def default_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) -> float:
     """1 when the last number of ``text`` equals ``gold``, + ``close_bonus`` when the
     latent phase ended by the stop head (``stats["end"] == "stop"``)."""
-    from latentserve.eval.answers import last_number, numbers_equal
-
     return float(numbers_equal(last_number(text), gold)) + close_bonus * (
         stats.get("end") == "stop")
 
@@ -30,9 +39,6 @@ def default_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) 
 def colar_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) -> float:
     """1 when the answer after ``Answer:`` matches ``gold`` (upstream ``verify_answer``), +
     ``close_bonus`` when the stop head ended the latent phase."""
-    from latentserve.eval.colar_eval import answers_match
-    from latentserve.latent.colar import ANSWER
-
     answer = text.partition(ANSWER.format(""))[2].strip()
     return float(bool(answer) and answers_match(gold, answer)) + close_bonus * (
         stats.get("end") == "stop")
@@ -104,9 +110,6 @@ def head_engine(engine, cfg, **options):
     """``(engine, its head)``; ``engine`` None: one serving ``cfg.bundle`` over ``cfg.model``
     (``options``: ``EngineConfig`` fields). ValueError when it serves no compression head."""
     if engine is None:
-        from latentserve.config import EngineConfig
-        from latentserve.engine.llm_engine import LLMEngine
-
         engine = LLMEngine(EngineConfig(model=cfg.model, latent_head=cfg.bundle,
                                         device=cfg.device, dtype=cfg.dtype,
                                         max_num_seqs=cfg.max_num_seqs, kv_slots=cfg.kv_slots,
@@ -120,14 +123,6 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     """``cfg.steps`` GRPO steps from the SFT bundle, written to ``cfg.out`` and
     ``<out>.log.json``; returns the log. ``reward_fn(text, gold, stats)`` replaces
     :func:`default_reward`. ValueError when the engine serves no compression head."""
-    from tqdm.auto import tqdm
-
-    from latentserve.latent.bundle import read_bundle
-    from latentserve.latent.head_loop import set_policy_sampling
-    from latentserve.sampling_params import SamplingParams
-    from latentserve.train.schedule import adamw_warmup_linear
-    from latentserve.train.traces import load_questions, prompt_ids
-
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     bundle = read_bundle(cfg.bundle)
@@ -182,8 +177,6 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
 
 
 def _save(policy, format_version: int, cfg: GRPOConfig, history: list, t0: float) -> dict:
-    from latentserve.latent.bundle import bundle_from_module, write_bundle
-
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     write_bundle(bundle_from_module(policy, format_version), cfg.out)
     log = {"config": asdict(cfg), "history": history,

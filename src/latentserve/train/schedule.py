@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def adamw_warmup_linear(params, lr: float, steps: int, warmup: float = 0.05,
                         weight_decay: float = 0.01):
@@ -9,8 +11,6 @@ def adamw_warmup_linear(params, lr: float, steps: int, warmup: float = 0.05,
     whose factor rises linearly over ``round(warmup * steps)`` steps (at least 1) from
     1/(warmup steps) to 1, then falls linearly to 0 at ``steps``. Raises ValueError for
     ``lr <= 0``, ``steps < 1`` or ``warmup`` outside [0, 1)."""
-    import torch
-
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr}")
     if steps < 1:

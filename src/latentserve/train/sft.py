@@ -14,8 +14,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
+from latentserve.latent.bundle import bundle_from_module, write_bundle
+from latentserve.latent.head import HeadConfig, LatentHead
+from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolve_model_dir
+from latentserve.models.lora import merge_adapter, read_adapter
+from latentserve.train.features import capture
 from latentserve.train.options import SFTConfig
+from latentserve.train.schedule import adamw_warmup_linear
+from latentserve.train.traces import load_traces, train_file
 
 
 def load_backbone(model: str | None, device: str, dtype: str):
@@ -23,8 +31,6 @@ def load_backbone(model: str | None, device: str, dtype: str):
     ``.gguf``, None = embedded, or a LoRA adapter merged in float32) in ``dtype`` on
     ``device``. Raises ValueError as ``resolve_model_dir`` and ``read_adapter``."""
     from transformers import AutoModelForCausalLM
-
-    from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolve_model_dir
 
     d = resolve_model_dir(model)
     if is_adapter_dir(d):
@@ -39,8 +45,6 @@ def merged_adapter_model(adapter_dir):
     """A LoRA adapter directory's base with the adapter merged (``models.lora``), float32 on
     the CPU. ValueError as ``read_adapter``."""
     from transformers import AutoModelForCausalLM
-
-    from latentserve.models.lora import merge_adapter, read_adapter
 
     adapter = read_adapter(adapter_dir)
     m = AutoModelForCausalLM.from_pretrained(str(adapter.base_dir), dtype=torch.float32)
@@ -89,9 +93,6 @@ def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
                    compression_factor: int, think_open: str, think_close: str):
     """``(traces, features)`` of ``cfg``'s training data (an :class:`SFTConfig` or
     ``DaggerConfig``) on the frozen ``model``. ValueError when no trace fits."""
-    from latentserve.train.features import capture
-    from latentserve.train.traces import load_traces, train_file
-
     traces = load_traces(tok, cfg.data, cfg.prompt_format, cfg.max_examples, think_open,
                          think_close, cfg.style, cfg.max_reasoning_tokens)
     if not traces:
@@ -106,10 +107,6 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
     """Train ``head`` (``target_proj`` frozen) for ``cfg.steps`` steps of ``cfg.batch_size``
     uniform rows; ``checkpoint(step)`` every ``cfg.save_every``. Returns ``{"before",
     "after", "history", "rows", "latent_rows"}``."""
-    from tqdm.auto import tqdm
-
-    from latentserve.train.schedule import adamw_warmup_linear
-
     lat_rows = feats.has_target.nonzero()[:, 0]
     embed_var = float(feats.embed[lat_rows].var(0).sum() / feats.embed.shape[1]) or 1.0
     n_pos = float(feats.stop.sum())
@@ -152,9 +149,6 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
 def train_sft(cfg: SFTConfig) -> dict:
     """Capture features, train a head, write the bundle to ``cfg.out`` and ``<out>.log.json``;
     returns the log. Raises ValueError for bad options or when no trace fits."""
-    from latentserve.latent.bundle import bundle_from_module, write_bundle
-    from latentserve.latent.head import HeadConfig, LatentHead
-
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model, tok, _ = load_backbone(cfg.model, cfg.device, cfg.dtype)

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from latentserve.eval.datasets import chat_prompt_ids
+from latentserve.eval.datasets import chat_prompt_ids, find_data_file
 
 # Thinking-span text for a backbone without <think> tokens (SmolLM2): the closing leads the
 # frozen model into stating the answer.
@@ -53,8 +53,6 @@ def train_file(path: str | Path | None) -> Path:
     saying where to get it."""
     if path:
         return Path(path)
-    from latentserve.eval.datasets import find_data_file
-
     return find_data_file("gsm8k/train.jsonl", flag="--data FILE")
 
 

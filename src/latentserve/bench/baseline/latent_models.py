@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from latentserve.bench.baseline.tiny_models import save_tiny
+from latentserve.extras import require
+from latentserve.latent.convert import convert_coconut, convert_codi
+
 LATENT_KINDS = ("coconut-gpt2", "coconut-llama", "coconut-llama-noprefix", "codi-gpt2",
                 "codi-llama")
 LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
@@ -17,7 +24,6 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
 
 def _resized_base(base_dir: Path, seed: int):
     """The base HF model with 3 new random embedding (and untied lm_head) rows."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -37,10 +43,6 @@ def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: 
                            **tiny_kw):
     """Write ``root/base`` (tiny ``gpt2`` or untied ``llama``; ``tiny_kw`` to ``save_tiny``)
     and ``root/upstream/checkpoint_7``. Returns ``(base_dir, checkpoint_path)``."""
-    import torch
-
-    from latentserve.bench.baseline.tiny_models import save_tiny
-
     root = Path(root)
     base_dir = save_tiny(root / "base", "gpt2" if base == "gpt2" else "llama-untied", seed=seed,
                          **tiny_kw)
@@ -58,14 +60,8 @@ def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora
     """Write ``root/base`` (tiny ``gpt2`` or tied ``llama``; or use an existing ``base_dir``
     of that architecture) and ``root/upstream/<file>`` (``model.safetensors`` or
     ``pytorch_model.bin``). Returns ``(base_dir, checkpoint_path)``."""
-    from latentserve.extras import require
-
     require("peft", "write_upstream_codi (a CODI test checkpoint)")
-    import torch
     from peft import LoraConfig, get_peft_model
-    from torch import nn
-
-    from latentserve.bench.baseline.tiny_models import save_tiny
 
     root = Path(root)
     base_dir = Path(base_dir) if base_dir else save_tiny(root / "base", base, seed=seed)
@@ -110,8 +106,6 @@ def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora
 def save_latent_tiny(root, kind: str, seed: int = 0, **convert_opts) -> Path:
     """Build ``kind`` (``LATENT_KINDS``) under ``root`` and convert it into ``root/model``
     (returned; ``convert_opts`` to the converter). ValueError for an unknown kind."""
-    from latentserve.latent.convert import convert_coconut, convert_codi
-
     root = Path(root)
     if kind.startswith("coconut-"):
         base, prefix = kind.split("-")[1], not kind.endswith("-noprefix")

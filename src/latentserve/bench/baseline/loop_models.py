@@ -10,6 +10,9 @@ import json
 from pathlib import Path
 
 from latentserve.bench.baseline.latent_models import LORA_TARGETS
+from latentserve.bench.baseline.tiny_models import save_tiny
+from latentserve.extras import require
+from latentserve.models.checkpoint import load_tokenizer
 
 PCCOT_TOKENS = ("<pcot.bot>", "<pcot.eot>", "<pcot.latent>")
 EMBEDDING_FORMS = ("trainable_tokens", "modules_to_save", "resized")
@@ -25,16 +28,11 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     ``trainable_tokens`` (upstream ``run_ccot.py``), ``modules_to_save`` or ``resized``
     (frozen). ``train_steps`` AdamW steps of next-token loss move every trained tensor.
     Raises ValueError for an unknown ``embedding``, ModuleNotFoundError without peft."""
-    from latentserve.extras import require
-
     require("peft", "write_upstream_pccot (a PCCoT test checkpoint)")
     import torch
     from peft import LoraConfig, get_peft_model
     from torch import nn
     from transformers import AutoModelForCausalLM
-
-    from latentserve.bench.baseline.tiny_models import save_tiny
-    from latentserve.models.checkpoint import load_tokenizer
 
     if embedding not in EMBEDDING_FORMS:
         raise ValueError(f"embedding must be one of {EMBEDDING_FORMS}, got {embedding!r}")

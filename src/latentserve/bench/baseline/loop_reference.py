@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from latentserve.models.checkpoint import load_tokenizer
+
 
 @dataclass
 class LoopReference:
@@ -39,8 +41,6 @@ def load_pccot_reference(base_dir: str, adapter_dir: str, device: str = "cpu",
     from peft import PeftModel
     from torch import nn
     from transformers import AutoModelForCausalLM
-
-    from latentserve.models.checkpoint import load_tokenizer
 
     adapter = Path(adapter_dir)
     pc = json.loads((adapter / "config.json").read_text())

@@ -9,6 +9,8 @@ import json
 import math
 from pathlib import Path
 
+from latentserve.bench.baseline.tiny_models import save_word_tokenizer
+
 HUGINN_TINY = {"n_embd": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
                "intermediate_size": 128, "vocab_size": 1024, "block_size": 256,
                "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
@@ -146,8 +148,6 @@ def _cast(sd: dict, dtype, cfg: dict) -> dict:
 
 def _save(out_dir, cfg, sd, vocab) -> Path:
     from safetensors.torch import save_file
-
-    from latentserve.bench.baseline.tiny_models import save_word_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
+
 VOCAB = 49152
 
 
 def _tokenizer():
-    from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
-
     return load_tokenizer(resolve_model_dir(None))
 
 
