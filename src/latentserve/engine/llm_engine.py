@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from latentserve import sampling, token_masks  # by module: tests patch what the engine calls
 from latentserve.attention.base import make_backend
 from latentserve.config import EngineConfig, check_device
 from latentserve.core import Req
@@ -32,6 +33,7 @@ from latentserve.latent.family import family_for
 from latentserve.latent.load import load_model
 from latentserve.latent.spec import cap_budget
 from latentserve.mask_ahead import MasksAhead
+from latentserve.models import layers  # by module: tests patch its row bounds
 from latentserve.models.checkpoint import (
     NoTokenizer,
     base_model_dir,
@@ -39,15 +41,14 @@ from latentserve.models.checkpoint import (
     resolve_model_dir,
 )
 from latentserve.models.generation_config import sampling_defaults
-from latentserve.models.layers import DECODE_ROWS, QKV_ROPE_ROWS
 from latentserve.outputs import StepOutput
-from latentserve.sampling import TokenMask, sample_with_logprobs
+from latentserve.sampling import TokenMask
 from latentserve.sampling_params import SamplingParams
 from latentserve.scheduler.cache import CacheManager
 from latentserve.scheduler.scheduler import Scheduler
 from latentserve.staging import BitmaskToDevice, DeviceToHost
 from latentserve.structured import Grammars
-from latentserve.token_masks import RequestMask, bad_words_ids, batch_bitmask, bitmask_width
+from latentserve.token_masks import RequestMask, bad_words_ids, bitmask_width
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,8 @@ class LLMEngine:
         if self._mask_copies is None or self._mask_copies.device != device:
             self._mask_copies = BitmaskToDevice(device)
         out = self._mask_copies.host(len(reqs), bitmask_width(self.vocab_size))
-        rows, bits = batch_bitmask(reqs, self.vocab_size, known, out, self.masks_ahead.take())
+        rows, bits = token_masks.batch_bitmask(reqs, self.vocab_size, known, out,
+                                               self.masks_ahead.take())
         return TokenMask(rows, self._mask_copies.copy(bits))
 
     def shutdown(self) -> None:
@@ -385,7 +387,7 @@ class LLMEngine:
         if not reqs:
             return [], []
         try:
-            res = sample_with_logprobs(logits, reqs, greedy=greedy, mask=mask)
+            res = sampling.sample_with_logprobs(logits, reqs, greedy=greedy, mask=mask)
             return res.tokens.tolist(), res.logprobs
         except Exception:  # noqa: BLE001 - find the failing rows below
             log.exception("batched sampling failed; sampling %d rows one by one", len(reqs))
@@ -394,8 +396,8 @@ class LLMEngine:
         for b, req in enumerate(reqs):
             try:
                 i = where.get(b)
-                res = (sample_with_logprobs(logits[b : b + 1], [req]) if i is None
-                       else sample_with_logprobs(logits[b : b + 1], [req],
+                res = (sampling.sample_with_logprobs(logits[b : b + 1], [req]) if i is None
+                       else sampling.sample_with_logprobs(logits[b : b + 1], [req],
                                                  mask=TokenMask([0], mask.bits[i : i + 1])))
                 tokens.append(int(res.tokens[0]))
                 logprobs.append(res.logprobs[0])
@@ -447,9 +449,10 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine")
         fused = self.config.use_fused_ops
-        long = max(4, DECODE_ROWS + 1) if fused else 4
-        if self._warm_request((long, 4)) and fused and QKV_ROPE_ROWS[0] <= DECODE_ROWS:
-            self._warm_request((QKV_ROPE_ROWS[0],), quiet=True)
+        long = max(4, layers.DECODE_ROWS + 1) if fused else 4
+        rope_rows = layers.QKV_ROPE_ROWS[0]
+        if self._warm_request((long, 4)) and fused and rope_rows <= layers.DECODE_ROWS:
+            self._warm_request((rope_rows,), quiet=True)
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
 
     def _warm_request(self, lengths, quiet: bool = False) -> bool:

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from latentserve import sampling  # by module: tests patch what the engine calls
 from latentserve.core import ReqStatus
-from latentserve.sampling import sample_with_logprobs
 from latentserve.staging import DeviceToHost
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None
         return torch.empty(0, dtype=torch.int64, device=logits.device), {}
     mask = engine.token_mask(reqs, logits.device, known)
     try:
-        return sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
+        return sampling.sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
                                     mask=mask).tokens, {}
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
         tokens, _ = engine._sample(logits, reqs, mask=mask)
