@@ -23,12 +23,18 @@ from pathlib import Path
 from latentserve import settings
 from latentserve.config import EngineConfig
 from latentserve.options import options_of
+from latentserve.server.app import create_app
+from latentserve.server.chat_template import apply_chat_template, load_chat_template
+from latentserve.server.client import EngineClient
+from latentserve.server.engine_process import EngineProcess, EngineStartupError
 from latentserve.server.options import (  # noqa: F401 - DEFAULT_KEEP_ALIVE_S: importable here
     API_KEY_ENV,
     DEFAULT_KEEP_ALIVE_S,
     ServerOptions,
     add_server_args,
 )
+from latentserve.server.state import ServedModels, ServerLimits, ServerState
+from latentserve.server.timeouts import protocol_class
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +88,6 @@ def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
     (prefixed with the model's name) after stopping the others when one fails."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from latentserve.server.engine_process import EngineProcess
-
     engines = [EngineProcess(c, log_level=log_level) for c in configs]
     if len(engines) == 1:
         engines[0].start()
@@ -123,12 +127,6 @@ def run_server(config: EngineConfig | list[EngineConfig],
         EngineStartupError: an engine could not start (the others are stopped).
     """
     import uvicorn
-
-    from latentserve.server.app import create_app
-    from latentserve.server.chat_template import apply_chat_template, load_chat_template
-    from latentserve.server.client import EngineClient
-    from latentserve.server.state import ServedModels, ServerLimits, ServerState
-    from latentserve.server.timeouts import protocol_class
 
     o = options or ServerOptions()
     configs = _as_list(config)
@@ -379,7 +377,6 @@ def main(argv: list[str] | None = None) -> None:
         configs = [EngineConfig(**json.loads(c)) for c in args.config_json]
     else:
         configs = [EngineConfig(model=m) for m in args.model or [None]]
-    from latentserve.server.engine_process import EngineStartupError
 
     parent = os.environ.pop(PARENT_PID_ENV, None)
     if parent:

@@ -8,6 +8,9 @@ import subprocess
 import sys
 import time
 
+from latentserve.extras import require
+from latentserve.server.launch import PARENT_PID_ENV, free_port, listen_socket, start_server
+
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
@@ -40,8 +43,6 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     """
     from dataclasses import asdict
 
-    from latentserve.server.launch import free_port, listen_socket, start_server
-
     host, port = options.host, options.port
     replica_options = {k: v for k, v in asdict(options).items() if k not in ("host", "port")}
 
@@ -49,7 +50,6 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"router policy must be one of {ROUTER_POLICIES}, got {policy!r}")
-    from latentserve.extras import require
 
     require("sglang_router", "--data-parallel-size")
     try:
@@ -67,8 +67,6 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     tp = config.tensor_parallel_size
 
     def start(i: int):
-        from latentserve.server.launch import PARENT_PID_ENV
-
         env = {PARENT_PID_ENV: str(os.getpid())}  # a replica stops when this process dies
         if config.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
