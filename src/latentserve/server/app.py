@@ -3,8 +3,11 @@
 # NOTE: no ``from __future__ import annotations`` here: FastAPI reads the route functions'
 # annotations when create_app defines them (``Request`` is imported there, with FastAPI).
 
+import asyncio
 import time
 from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import latentserve
 from latentserve.models.checkpoint import NoTokenizer
@@ -53,9 +56,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``, ``/metrics``
     and ``/viewer/``. ``api_key`` None: open; ``cors``: options over ``DEFAULT_CORS``. The
     lifespan starts and closes the clients, then runs ``on_shutdown``."""
-    import asyncio
-    from contextlib import asynccontextmanager
-
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
@@ -209,8 +209,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
                 "running": sum(e["running"] for e in ok),
                 "aborts_sent": sum(e["aborts_sent"] for e in ok), "models": entries}
         return JSONResponse(body, status_code=200 if ok else 503)
-
-    from pathlib import Path
 
     from fastapi.responses import RedirectResponse
     from fastapi.staticfiles import StaticFiles

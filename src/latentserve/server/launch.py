@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -86,8 +87,6 @@ def _as_list(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
 def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
     """One ready ``EngineProcess`` per config, started in parallel. ``EngineStartupError``
     (prefixed with the model's name) after stopping the others when one fails."""
-    from concurrent.futures import ThreadPoolExecutor
-
     engines = [EngineProcess(c, log_level=log_level) for c in configs]
     if len(engines) == 1:
         engines[0].start()
@@ -146,8 +145,6 @@ def run_server(config: EngineConfig | list[EngineConfig],
         raise
 
     def stop_engines() -> None:  # all at once: each may wait for its engine to exit
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(len(engines)) as pool:
             list(pool.map(lambda e: e.stop(), engines))
 
