@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from latentserve.detokenizer import IncrementalDetokenizer
+from latentserve.models.checkpoint import NoTokenizer
 from latentserve.outputs import CompletionOutput, Logprob, RequestOutput, StepOutput, TokenLogprob
 from latentserve.sampling_params import SamplingParams
 
@@ -11,8 +13,6 @@ class TokenStrings:
     """``token_id -> tokenizer.decode([token_id])``, cached (None without a tokenizer)."""
 
     def __init__(self, tokenizer):
-        from latentserve.models.checkpoint import NoTokenizer
-
         self._tokenizer = None if isinstance(tokenizer, NoTokenizer) else tokenizer
         self._cache: dict[int, str | None] = {}
 
@@ -46,8 +46,6 @@ class CompletionBuilder:
 
     def __init__(self, result: RequestOutput, index: int, params: SamplingParams, tokenizer,
                  strings: TokenStrings, eos_ids) -> None:
-        from latentserve.detokenizer import IncrementalDetokenizer
-
         self.result, self.index, self.params = result, index, params
         self.strings, self.eos_ids = strings, eos_ids
         self.detok = IncrementalDetokenizer(tokenizer, result.prompt_token_ids, params.stop,

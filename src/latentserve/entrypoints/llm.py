@@ -6,9 +6,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from latentserve.config import EngineConfig
+from latentserve.entrypoints.completion import CompletionBuilder, TokenStrings
+from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizerError
 from latentserve.outputs import RequestOutput
 from latentserve.sampling_params import SamplingParams
+from latentserve.server.errors import APIError
+from latentserve.server.prompts import chat_conversation, chat_tools, render_chat
+from latentserve.server.protocol import ChatMessage, ChatTool
 
 PromptType = str | list[int] | dict
 
@@ -20,6 +27,7 @@ class LLM:
 
 
     def __init__(self, model: str | None = None, **engine_options):
+        # NOTE: torch at construction: `from latentserve import LLM` stays light
         from latentserve.engine.llm_engine import LLMEngine
 
         if engine_options.pop("trust_remote_code", False):
@@ -47,8 +55,6 @@ class LLM:
         (choice i: ``seed + i``). A prompt is a string, token ids, or vLLM's ``{"prompt"}`` /
         ``{"prompt_token_ids"}``; ``sampling_params``: one, or one per prompt. ValueError
         (``NoTokenizerError`` for text without tokenizer files) before anything runs."""
-        from latentserve.entrypoints.completion import CompletionBuilder, TokenStrings
-
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -107,6 +113,7 @@ class LLM:
         """Render one conversation or a list of them as ``/v1/chat/completions`` does (vLLM's
         ``LLM.chat`` arguments), then :meth:`generate`; template thinking sets unset
         ``params.thinking``. ValueError naming the message or field (``NoTokenizerError``)."""
+        # NOTE: latent.head imports torch (LLM imports it at construction, not at import)
         from latentserve.latent.head import template_thinking
 
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -137,15 +144,8 @@ class LLM:
     def _chat_ids(self, conv: list[dict], kwargs: dict, *, chat_template: str | None,
                   tools: list[dict] | None, add_generation_prompt: bool,
                   continue_final_message: bool) -> list[int]:
-        from pydantic import ValidationError
-
-        from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizerError
-        from latentserve.server.errors import APIError
-
         if isinstance(self.tokenizer, NoTokenizer):
             raise NoTokenizerError(NO_TOKENIZER)
-        from latentserve.server.prompts import chat_conversation, chat_tools, render_chat
-        from latentserve.server.protocol import ChatMessage, ChatTool
 
         try:
             messages = [ChatMessage.model_validate(m) for m in conv]

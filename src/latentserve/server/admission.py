@@ -3,6 +3,9 @@ Design notes: docs/internals.md, "latentserve.server.admission"."""
 
 from __future__ import annotations
 
+from latentserve.server.errors import APIError
+from latentserve.server.serving import overloaded
+
 
 class Ticket:
     """An admitted request's ``left`` engine requests not yet sent (in ``state.reserved``)."""
@@ -36,15 +39,11 @@ def admit(state, n: int, param: str = "n") -> Ticket:
     limit, seats = state.limits.max_waiting_requests, state.max_num_seqs
     if limit is not None and seats is not None:
         if n > seats + limit:
-            from latentserve.server.errors import APIError
-
             raise APIError(f"{param}: this request needs {n} engine requests; this server "
                            f"admits at most {seats + limit} at once ({seats} seats + "
                            f"{limit} may wait)", param=param)
         admitted = state.client.num_running + state.reserved
         if admitted + n - seats > limit:
-            from latentserve.server.serving import overloaded
-
             waiting = max(admitted - seats, 0)
             raise overloaded(f"the server is overloaded ({waiting} requests wait for one of "
                              f"{seats} seats, at most {limit} may wait; this one needs "

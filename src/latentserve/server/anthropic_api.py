@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from latentserve.sampling_params import SamplingParams
+from latentserve.server.admission import admit
 from latentserve.server.anthropic_blocks import (
     AnthropicTool,
     ContentBlock,
@@ -29,6 +30,7 @@ from latentserve.server.errors import (
 )
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import latent_info
+from latentserve.server.logprobs import token_texts
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
     check_prompt_length,
@@ -50,6 +52,14 @@ from latentserve.server.reasoning import (
     latent_reasoning_text,
 )
 from latentserve.server.request_ids import new_request_id
+from latentserve.server.serving import (
+    ENGINE_ERRORS,
+    api_error,
+    collect,
+    sse_events,
+    sse_response,
+    start_stream,
+)
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import ToolChoice, check_tools
@@ -257,8 +267,6 @@ async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
 async def count_input_tokens(body: CountTokensRequest, request, state: ServerState) -> int:
     """The prompt tokens ``/v1/messages`` would take, after all its checks (the engine's
     too); without ``max_tokens``, room for one answer token. APIError: 400, 404, 503."""
-    from latentserve.server.serving import ENGINE_ERRORS, api_error
-
     _check(body, state)
     answer = _answer(body, state)
     prompt_ids = await _prompt_ids(body, state, answer)
@@ -298,8 +306,6 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
 async def create_message(body: MessagesRequest, request, state: ServerState):
     """Validate, admit, template, run; answer with a ``message`` or an SSE event stream.
     APIError: 400, 404, 503 ``overloaded`` (529 here), or ``serving.api_error``'s."""
-    from latentserve.server.admission import admit
-
     arrival = time.monotonic()
     _check(body, state)
     with admit(state, 1) as ticket:
@@ -308,9 +314,6 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
 
 async def _admitted_message(body: MessagesRequest, request, state: ServerState,
                             arrival: float, ticket):
-    from latentserve.server.logprobs import token_texts
-    from latentserve.server.serving import collect, sse_events, sse_response, start_stream
-
     answer = _answer(body, state)
     prompt_ids = await _prompt_ids(body, state, answer)
     params = _request_params(body, request, state, len(prompt_ids), answer)
@@ -371,8 +374,6 @@ def _event(name: str, data: dict) -> str:
 
 
 def _error_event(exc: Exception) -> str:
-    from latentserve.server.serving import api_error
-
     err = api_error(exc)
     return _event("error", anthropic_error_body(err.message, anthropic_status(err)))
 

@@ -1,12 +1,44 @@
 """The FastAPI application: routes, error handlers, guards, and the engine client's lifetime."""
 
 # NOTE: no ``from __future__ import annotations`` here: FastAPI reads the route functions'
-# annotations, and the request models are imported inside create_app.
+# annotations when create_app defines them (``Request`` is imported there, with FastAPI).
 
+import asyncio
 import time
 from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 
+import latentserve
+from latentserve.models.checkpoint import NoTokenizer
+from latentserve.server.anthropic_api import (
+    CountTokensRequest,
+    MessagesRequest,
+    count_input_tokens,
+    create_message,
+)
+from latentserve.server.chat import create_chat_completion
+from latentserve.server.completions import create_completion
+from latentserve.server.errors import APIError, install_error_handlers
+from latentserve.server.latent_card import latent_card
+from latentserve.server.logprobs import token_texts
+from latentserve.server.metrics import MetricsRegistry
+from latentserve.server.openapi import declare_errors
+from latentserve.server.params import check_model as check_served_model
+from latentserve.server.params import refuse_unsupported
+from latentserve.server.prompts import templated_prompt_ids
+from latentserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from latentserve.server.request_ids import RequestIdEcho
+from latentserve.server.security import GuardMiddleware, JSONBodies
 from latentserve.server.state import ServedModels, ServerState
+from latentserve.server.tokenize_pool import in_pool
 
 STATS_TIMEOUT_S = 5.0
 # /health waits this long for fresh engine stats, then answers with the last ones and their
@@ -24,40 +56,8 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``, ``/metrics``
     and ``/viewer/``. ``api_key`` None: open; ``cors``: options over ``DEFAULT_CORS``. The
     lifespan starts and closes the clients, then runs ``on_shutdown``."""
-    import asyncio
-    from contextlib import asynccontextmanager
-
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
-
-    import latentserve
-    from latentserve.models.checkpoint import NoTokenizer
-    from latentserve.server.anthropic_api import (
-        CountTokensRequest,
-        MessagesRequest,
-        create_message,
-    )
-    from latentserve.server.chat import create_chat_completion
-    from latentserve.server.completions import create_completion
-    from latentserve.server.errors import APIError, install_error_handlers
-    from latentserve.server.latent_card import latent_card
-    from latentserve.server.logprobs import token_texts
-    from latentserve.server.metrics import MetricsRegistry
-    from latentserve.server.openapi import declare_errors
-    from latentserve.server.params import check_model as check_served_model
-    from latentserve.server.params import refuse_unsupported
-    from latentserve.server.prompts import templated_prompt_ids
-    from latentserve.server.protocol import (
-        ChatCompletionRequest,
-        CompletionRequest,
-        DetokenizeRequest,
-        ModelCard,
-        ModelList,
-        TokenizeRequest,
-    )
-    from latentserve.server.request_ids import RequestIdEcho
-    from latentserve.server.security import GuardMiddleware, JSONBodies
-    from latentserve.server.tokenize_pool import in_pool
 
     served = state if isinstance(state, ServedModels) else ServedModels(state)
     registry = MetricsRegistry(max(s.max_model_len for s in served.states))
@@ -131,8 +131,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.post("/v1/messages/count_tokens", response_model=None)
     async def count_tokens(body: CountTokensRequest, request: Request):
-        from latentserve.server.anthropic_api import count_input_tokens
-
         state = routed(body)
         return JSONResponse({"input_tokens": await count_input_tokens(body, request, state)})
 
@@ -211,8 +209,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
                 "running": sum(e["running"] for e in ok),
                 "aborts_sent": sum(e["aborts_sent"] for e in ok), "models": entries}
         return JSONResponse(body, status_code=200 if ok else 503)
-
-    from pathlib import Path
 
     from fastapi.responses import RedirectResponse
     from fastapi.staticfiles import StaticFiles

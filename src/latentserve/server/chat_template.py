@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import codecs
 
+from latentserve.models.checkpoint import NoTokenizer
+from latentserve.server.errors import APIError
+
 # A value with none of these characters is taken for a file path.
 _JINJA_CHARS = "{}\n"
 
@@ -35,7 +38,6 @@ def apply_chat_template(tokenizer, template: str | None) -> None:
     """Make ``template`` (unless None) the chat template of ``tokenizer``; ValueError."""
     if template is None:
         return
-    from latentserve.models.checkpoint import NoTokenizer
 
     if isinstance(tokenizer, NoTokenizer):
         msg = "--chat-template: this model directory has no tokenizer files (token ids only)"
@@ -52,7 +54,6 @@ def request_chat_template(template: str | None, trusted: bool) -> str | None:
 
     if template is None:
         return None
-    from latentserve.server.errors import APIError
 
     if not trusted:
         raise APIError(f"chat_template: a chat template was passed with the request, but the "

@@ -81,6 +81,7 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
                         format="%(asctime)s engine %(levelname)s %(message)s")
     ctx = zmq.Context()
     try:
+        # NOTE: torch, in the engine process only (the API process imports this module)
         from latentserve.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)

@@ -7,6 +7,8 @@ import logging
 import re
 from typing import Any
 
+from latentserve.models.checkpoint import NoTokenizerError
+
 log = logging.getLogger(__name__)
 
 _NOT_A_FIELD = {"str", "int", "float", "bool", "none", "list", "dict"}
@@ -201,8 +203,6 @@ def install_error_handlers(app) -> None:
 
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
-
-    from latentserve.models.checkpoint import NoTokenizerError
 
     async def reply(request, exc: Exception):
         headers = None

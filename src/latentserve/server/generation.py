@@ -9,8 +9,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from latentserve.detokenizer import IncrementalDetokenizer
 from latentserve.outputs import TokenLogprob
 from latentserve.sampling_params import SamplingParams
+from latentserve.server.client import EngineRequestError
 
 
 @dataclass(slots=True)
@@ -51,9 +53,6 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     ``stream_latent_steps``, text-less ticks too). Stop strings are matched here, which
     aborts the engine request. ``arrival``: ``time.monotonic()`` seconds, for the metrics;
     ``ticket``: the ``admission.Ticket`` counting it. Raises the client's errors."""
-    from latentserve.detokenizer import IncrementalDetokenizer
-    from latentserve.server.client import EngineRequestError
-
     detok = IncrementalDetokenizer(state.tokenizer, prompt_ids, params.stop,
                                    skip_special_tokens=params.skip_special_tokens,
                                    include_stop_str_in_output=params.include_stop_str_in_output,

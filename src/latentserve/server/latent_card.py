@@ -17,6 +17,7 @@ def latent_card(spec) -> dict | None:
     """The card's ``latent`` object for a ``LatentSpec`` (None: a plain model)."""
     if spec is None:
         return None
+    # NOTE: torch (latent.head, latent.recurrent): only a latent model's card loads them
     from latentserve.latent.head import CONTROLS as HEAD_CONTROLS
     from latentserve.latent.recurrent import HUGINN_AUTO_THRESHOLDS, OURO_CRITERIA
 

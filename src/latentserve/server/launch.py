@@ -17,18 +17,25 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from latentserve import settings
 from latentserve.config import EngineConfig
 from latentserve.options import options_of
+from latentserve.server.app import create_app
+from latentserve.server.chat_template import apply_chat_template, load_chat_template
+from latentserve.server.client import EngineClient
+from latentserve.server.engine_process import EngineProcess, EngineStartupError
 from latentserve.server.options import (  # noqa: F401 - DEFAULT_KEEP_ALIVE_S: importable here
     API_KEY_ENV,
     DEFAULT_KEEP_ALIVE_S,
     ServerOptions,
     add_server_args,
 )
+from latentserve.server.state import ServedModels, ServerLimits, ServerState
+from latentserve.server.timeouts import protocol_class
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +87,6 @@ def _as_list(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
 def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
     """One ready ``EngineProcess`` per config, started in parallel. ``EngineStartupError``
     (prefixed with the model's name) after stopping the others when one fails."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from latentserve.server.engine_process import EngineProcess
-
     engines = [EngineProcess(c, log_level=log_level) for c in configs]
     if len(engines) == 1:
         engines[0].start()
@@ -124,12 +127,6 @@ def run_server(config: EngineConfig | list[EngineConfig],
     """
     import uvicorn
 
-    from latentserve.server.app import create_app
-    from latentserve.server.chat_template import apply_chat_template, load_chat_template
-    from latentserve.server.client import EngineClient
-    from latentserve.server.state import ServedModels, ServerLimits, ServerState
-    from latentserve.server.timeouts import protocol_class
-
     o = options or ServerOptions()
     configs = _as_list(config)
     check_model_names(configs)
@@ -148,8 +145,6 @@ def run_server(config: EngineConfig | list[EngineConfig],
         raise
 
     def stop_engines() -> None:  # all at once: each may wait for its engine to exit
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(len(engines)) as pool:
             list(pool.map(lambda e: e.stop(), engines))
 
@@ -379,7 +374,6 @@ def main(argv: list[str] | None = None) -> None:
         configs = [EngineConfig(**json.loads(c)) for c in args.config_json]
     else:
         configs = [EngineConfig(model=m) for m in args.model or [None]]
-    from latentserve.server.engine_process import EngineStartupError
 
     parent = os.environ.pop(PARENT_PID_ENV, None)
     if parent:

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from latentserve.server.errors import is_anthropic_path
+
 
 class OpenAIErrorDetail(BaseModel):
     message: str
@@ -47,8 +49,6 @@ _WHY = {
 
 def error_responses(path: str, method: str) -> dict[int, dict]:
     """The error responses of route ``method path``, status -> ``{"model", "description"}``."""
-    from latentserve.server.errors import is_anthropic_path
-
     model = AnthropicError if is_anthropic_path(path) else OpenAIError
     if path == "/health":
         codes = [404, 503]

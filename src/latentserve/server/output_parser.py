@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from latentserve.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, ThinkParser
 from latentserve.server.tool_parsers import CALL_END, CALL_START, TOOL_PARSERS, ParsedCall
-from latentserve.server.tools import ToolChoice, new_call_id
+from latentserve.server.tools import ToolChoice, call_schema, json_constraint, new_call_id
 
 
 @dataclass(slots=True)
@@ -170,8 +170,6 @@ def answer_params(params, choice: ToolChoice, tools: dict[str, dict], latent_mod
                   tokenizer, parser: OutputParser):
     """``params`` with a forced call's JSON schema, per-step traces for ``logit_lens`` and
     special tokens kept when :func:`drops_tags`. APIError from ``json_constraint``."""
-
-    from latentserve.server.tools import call_schema, json_constraint
 
     schema = call_schema(choice, tools)
     if schema is not None:

@@ -7,6 +7,7 @@ import math
 
 from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.server.errors import APIError, param_from_value_error
+from latentserve.server.fields import refused, route_of
 from latentserve.server.generation import EngineRequest
 from latentserve.server.protocol import SamplingRequest
 from latentserve.server.state import ServerLimits
@@ -26,8 +27,6 @@ def check_common(request: SamplingRequest, served_model: str, limits: ServerLimi
 def refuse_unsupported(request) -> None:
     """APIError (400 naming the field) for a ``fields.refused`` field set to a value that is
     used, or an undeclared top-level field (code ``unknown_field``, as OpenAI)."""
-    from latentserve.server.fields import refused, route_of
-
     unsupported = refused(route_of(type(request)))
     extra = request.model_extra or {}
     unknown = [name for name in extra if name not in unsupported]
@@ -145,6 +144,7 @@ def head_controls(http_request, body: SamplingRequest,
     thinking > None; ``x-latent-budget: 0`` turns thinking off unless a thinking header is
     sent. APIError (400 naming the header) for a malformed value."""
 
+    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
@@ -174,6 +174,7 @@ _WANT = {"bool": "a boolean (1/0, true/false, yes/no, on/off)", "int": "a non-ne
 def header_value(name: str, raw: str, kind: str):
     """Header ``name``'s ``raw`` value as a ``kind`` of ``_WANT``. Raises APIError (400
     naming the header) when it is not one."""
+    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import parse_bool
 
     try:
@@ -194,6 +195,7 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
     """APIError (400 naming the header or field) for head controls the model would ignore:
     any without a head (unless thinking is off), those not in ``spec.controls`` with one, or
     ``compression_factor`` outside ``[1, spec.max_compression_factor]``."""
+    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import CONTROLS
 
     head = spec is not None and spec.kind == "head"
@@ -379,6 +381,7 @@ def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
     if spec is None or spec.kind != "head" or "min_output_tokens" not in (
             spec.controls or ("min_output_tokens",)):  # CoLaR: no floor
         return params.max_tokens
+    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import apply_output_floor, head_defaults, resolve_settings
 
     hs = resolve_settings(params, head_defaults(), "closed_loop", True)

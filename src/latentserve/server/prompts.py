@@ -7,6 +7,7 @@ import json
 import re
 from typing import Any
 
+from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
 from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
 from latentserve.server.protocol import CHAT_ROLES, ChatMessage, ChatTool, ToolCall
@@ -76,8 +77,6 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     ``continue_final_message`` leaves the last (assistant) message open. APIError (400) for
     no tokenizer or template, a reserved template keyword, no final assistant message to
     continue, or a template that fails or renders no tokens."""
-    from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
-
     if isinstance(tokenizer, NoTokenizer):
         raise APIError(f"{NO_TOKENIZER} to /v1/completions", param=param)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):

@@ -7,7 +7,16 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
+
+from latentserve.server.errors import APIError
 
 
 def no_lone_surrogates(value):
@@ -210,10 +219,6 @@ class ChatCompletionRequest(SamplingRequest):
     def with_template_kwargs_fields(self) -> ChatCompletionRequest:
         """This request with ``TEMPLATE_KWARGS_FIELDS`` of ``chat_template_kwargs`` moved to
         the top level unless set there (docs/scaling.md). APIError naming the field."""
-        from pydantic import ValidationError
-
-        from latentserve.server.errors import APIError
-
         kw = self.chat_template_kwargs or {}
         moved = {k: kw[k] for k in TEMPLATE_KWARGS_FIELDS
                  if k in kw and k not in self.model_fields_set}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from latentserve.server.errors import APIError
 from latentserve.server.latent_trace import tick_entries
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -100,8 +101,6 @@ def latent_step_text(step: int, entry: dict | None, texts) -> str:
 def latent_reasoning_mode(body, spec) -> str | None:
     """``"count"`` (default), ``"logit_lens"`` or None (no reasoning shown). APIError (400)
     for another value, or ``"logit_lens"`` on a model that is not feedback-latent."""
-    from latentserve.server.errors import APIError
-
     mode = getattr(body, "latent_reasoning", None)
     if mode is not None and mode not in LATENT_REASONING:
         raise APIError(f"latent_reasoning must be one of {list(LATENT_REASONING)}, got "

@@ -3,10 +3,17 @@ Design notes: docs/internals.md, "latentserve.server.replicas"."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+from latentserve.extras import require
+from latentserve.server.launch import PARENT_PID_ENV, free_port, listen_socket, start_server
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
@@ -23,9 +30,6 @@ def router_command(host: str, port: int, worker_urls: list[str], policy: str,
 
 def _die_with_parent() -> None:
     """``preexec_fn`` of the router: SIGTERM it when this process dies (Linux only)."""
-    import ctypes
-    import signal
-
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -38,10 +42,6 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     the router exits, then stop them all. ValueError (bad size, ``policy`` or ``port``),
     ModuleNotFoundError (no ``sglang_router``), RuntimeError (a replica or the router failed).
     """
-    from dataclasses import asdict
-
-    from latentserve.server.launch import free_port, listen_socket, start_server
-
     host, port = options.host, options.port
     replica_options = {k: v for k, v in asdict(options).items() if k not in ("host", "port")}
 
@@ -49,7 +49,6 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     if policy not in ROUTER_POLICIES:
         raise ValueError(f"router policy must be one of {ROUTER_POLICIES}, got {policy!r}")
-    from latentserve.extras import require
 
     require("sglang_router", "--data-parallel-size")
     try:
@@ -57,8 +56,6 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     except ValueError:
         raise ValueError(f"--port {port} is in use on {host} (the router's port); pick "
                          f"another --port") from None
-    import signal
-    from concurrent.futures import ThreadPoolExecutor
 
     def on_term(*_):
         raise KeyboardInterrupt  # run the finally below on SIGTERM too
@@ -67,8 +64,6 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     tp = config.tensor_parallel_size
 
     def start(i: int):
-        from latentserve.server.launch import PARENT_PID_ENV
-
         env = {PARENT_PID_ENV: str(os.getpid())}  # a replica stops when this process dies
         if config.device.startswith("cuda"):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))

@@ -19,7 +19,7 @@ from latentserve.server.client import (
     EngineQueueTimeout,
     EngineRequestError,
 )
-from latentserve.server.errors import APIError, param_from_value_error
+from latentserve.server.errors import APIError, error_body, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
 
 log = logging.getLogger(__name__)
@@ -161,8 +161,6 @@ async def sse_events(request, state, reqs: list[EngineRequest],
                      done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
     """``data: {chunk}`` events, then ``done``; an error is one ``error_event(exc)`` (else
     ``internal_error_event``)."""
-
-    from latentserve.server.errors import error_body
 
     if internal_error_event is None:
         internal_error_event = (

@@ -8,6 +8,7 @@ from typing import Any
 
 from latentserve.options import check, option
 from latentserve.server.client import EngineClient
+from latentserve.server.errors import APIError
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
 # Output tokens one client request may ask for in all: prompts x n x max_tokens.
@@ -88,8 +89,6 @@ class ServedModels:
     def resolve(self, model: str | None) -> ServerState:
         """The state serving ``model`` (with one model, that one). APIError: 400 for None
         with several models, 404 ``model_not_found`` for a name not served."""
-
-        from latentserve.server.errors import APIError
 
         if len(self.by_name) == 1:
             return self.first

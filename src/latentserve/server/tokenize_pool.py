@@ -7,6 +7,8 @@ import asyncio
 import functools
 import threading
 
+from latentserve.server.serving import overloaded
+
 TOKENIZER_WORKERS = 4
 MAX_PENDING_JOBS = 64
 
@@ -28,8 +30,6 @@ class TokenizerPool:
         """``fn(*args, **kwargs)`` in a worker thread; 503 ``overloaded`` past ``max_pending``."""
 
         from concurrent.futures import ThreadPoolExecutor
-
-        from latentserve.server.serving import overloaded
 
         with self._lock:
             if self.pending >= self.max_pending:

@@ -9,6 +9,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from latentserve.sampling_params import StructuredOutputsParams
 from latentserve.server.errors import APIError
 
 # OpenAI's rule for function names.
@@ -98,8 +99,6 @@ def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
 
 def json_constraint(params, schema: dict, param: str = "tool_choice"):
     """``params`` constrained to JSON matching ``schema``; APIError (400 naming ``param``)."""
-    from latentserve.sampling_params import StructuredOutputsParams
-
     if params.structured_outputs is not None:
         raise APIError(f"{param}: a forced tool call is decoded under its own JSON schema; it "
                        f"cannot be combined with {params.structured_outputs.param}",
