@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from latentserve.extras import require
-from latentserve.server.launch import PARENT_PID_ENV, free_port, listen_socket, start_server
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
@@ -42,6 +41,9 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     the router exits, then stop them all. ValueError (bad size, ``policy`` or ``port``),
     ModuleNotFoundError (no ``sglang_router``), RuntimeError (a replica or the router failed).
     """
+    # NOTE: lazy: the CLI builds its parser from this module, and launch imports the whole API
+    from latentserve.server.launch import PARENT_PID_ENV, free_port, listen_socket, start_server
+
     host, port = options.host, options.port
     replica_options = {k: v for k, v in asdict(options).items() if k not in ("host", "port")}
 
