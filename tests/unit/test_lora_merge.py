@@ -102,3 +102,26 @@ def test_codi_bf16_checkpoint_merges_in_fp32_not_rounded_to_bf16(tmp_path, smoll
     got = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
     assert torch.equal(got, want)
     assert not torch.equal(got, want.bfloat16().float())
+
+
+@pytest.mark.parametrize("model_type", ["huginn_raven", "ouro", "gpt2"])
+def test_adapter_over_a_base_it_cannot_merge_into_is_refused_by_name(tmp_path, model_type):
+    """An adapter whose base is a recurrent-depth model (whose config transformers cannot
+    read) or GPT-2 gets our message naming the model types adapters merge into, before any
+    weight is read."""
+    from safetensors.torch import save_file
+
+    from latentserve.latent.load import load_model
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    base.mkdir()
+    adapter.mkdir()
+    (base / "config.json").write_text(json.dumps({"model_type": model_type}))
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        _plain_config(base_model_name_or_path=str(base))))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    save_file({key.format("A"): torch.zeros(4, 8), key.format("B"): torch.zeros(8, 4)},
+              str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=rf"LoRA adapters are merged into .*model_type "
+                                         rf"'{model_type}'"):
+        load_model(adapter, torch.float32, "cpu")

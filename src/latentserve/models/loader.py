@@ -66,7 +66,8 @@ def iter_weights(model_dir: Path):
 
 def read_adapter(model_dir: Path):
     """``models.lora.read_adapter(model_dir)`` for an adapter directory, else None. Raises
-    ValueError when the adapter or its base holds a ``latent_config.json`` (not merged)."""
+    ValueError when the adapter or its base holds a ``latent_config.json`` or the base is not
+    of a model_type adapters merge into."""
     if not is_adapter_dir(model_dir):
         return None
     adapter = lora.read_adapter(model_dir)
@@ -74,6 +75,9 @@ def read_adapter(model_dir: Path):
         if (d / "latent_config.json").exists():
             raise ValueError(f"{d / 'latent_config.json'}: LoRA adapter directories are "
                              "merged into plain models only")
+    config = adapter.base_dir / "config.json"  # before transformers reads it (Huginn, Ouro)
+    if config.is_file():
+        lora.check_base_type(adapter, json.loads(config.read_text()).get("model_type"))
     return adapter
 
 

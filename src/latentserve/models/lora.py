@@ -216,15 +216,19 @@ def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
     return LoraAdapter(adapter_dir, base_dir, pairs)
 
 
+def check_base_type(adapter: LoraAdapter, model_type: str | None) -> None:
+    """Raise ValueError unless the base's ``model_type`` is one ``merge_adapter`` merges into."""
+    if model_type not in LLAMA_FAMILY:
+        raise ValueError(f"{adapter.path}: LoRA adapters are merged into {list(LLAMA_FAMILY)} "
+                         f"models; the base {adapter.base_dir} has model_type {model_type!r}")
+
+
 def merge_adapter(weights: Iterable[tuple[str, torch.Tensor]], adapter: LoraAdapter,
                   hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """The base's ``(name, tensor)`` stream with ``adapter`` merged (float32). Raises
     ValueError for a non-Llama model, a tied adapted ``lm_head``, a shape mismatch, or a
     pair without a base weight."""
-    mt = getattr(hf_config, "model_type", None)
-    if mt not in LLAMA_FAMILY:
-        raise ValueError(f"{adapter.path}: LoRA adapters are merged into {list(LLAMA_FAMILY)} "
-                         f"models; the base {adapter.base_dir} has model_type {mt!r}")
+    check_base_type(adapter, getattr(hf_config, "model_type", None))
     if getattr(hf_config, "tie_word_embeddings", False) and "lm_head.weight" in adapter.pairs:
         raise ValueError(f"{adapter.path}: the adapter targets lm_head, which the base ties to "
                          "model.embed_tokens (tie_word_embeddings); merging would change the "
