@@ -101,7 +101,8 @@ class EngineConfig:
     fused_ops: bool | None = option(
         None, "the fast path's Triton kernels and merged GEMMs (default: on with cuda and "
         "the triton backend)", flags=("--fused-ops",), off_flags=("--no-fused-ops",))
-    seed: int = option(0, "the engine's random seed (requests with a seed use their own)")
+    seed: int = option(0, "the engine's random seed (requests with a seed use their own)",
+                       ge=0, le=2**63 - 1)
     latent_head: str | None = option(
         None, "compression-head bundle (default: env LATENTSERVE_LATENT_HEAD, else "
         "latent_reasoning_head.safetensors in the model directory)")

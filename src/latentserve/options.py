@@ -36,13 +36,18 @@ def _range_text(meta) -> str | None:
     """``in (0, 1]`` or ``>= 1``: the declared range, or None when there is none."""
     lo = next((("[" if op == "ge" else "(", meta[op]) for op in ("ge", "gt")
                if meta.get(op) is not None), None)
-    hi = next((f"{meta[op]:g}{']' if op == 'le' else ')'}" for op in ("le", "lt")
+    hi = next((f"{_number(meta[op])}{']' if op == 'le' else ')'}" for op in ("le", "lt")
                if meta.get(op) is not None), None)
     if hi is not None:
-        return f"in {lo[0] + format(lo[1], 'g') if lo else '(-inf'}, {hi}"
+        return f"in {lo[0] + _number(lo[1]) if lo else '(-inf'}, {hi}"
     if lo is not None:
-        return f"{'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
+        return f"{'>=' if lo[0] == '[' else '>'} {_number(lo[1])}"
     return None
+
+
+def _number(bound) -> str:
+    """An int bound in full (``65535``), a float one short (``0.9``, ``1``)."""
+    return str(bound) if isinstance(bound, int) else format(bound, "g")
 
 
 def check_value(name: str, value, meta, integer: bool = False) -> None:
@@ -112,6 +117,26 @@ def _checked(conv, name: str, meta):
 
     parse.__name__ = conv.__name__  # argparse's "invalid int value: 'x'"
     return parse
+
+
+def ranged(conv, name: str, **bounds):
+    """An argparse ``type`` for a flag declared outside a dataclass: ``conv`` (``int``,
+    ``float``) checked against ``bounds`` (``ge``/``gt``/``le``/``lt``), e.g.
+    ``ranged(int, "data_parallel_size", ge=1)``."""
+    return _checked(conv, name, bounds)
+
+
+def json_str_list(text: str) -> list[str]:
+    """An argparse ``type``: ``text`` as a JSON list of strings (``["*"]``); ArgumentTypeError
+    otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'must be a JSON list of strings (e.g. \'["*"]\'), '
+                                         f"got {text!r}")
+    return value
 
 
 def _comma_list(kind: type):

@@ -12,9 +12,11 @@ def register(sub) -> None:
     from latentserve.server.options import add_server_args
 
     add_server_args(p)  # --host, --port, --api-key, --drain-timeout, ...
+    from latentserve.options import ranged
     from latentserve.server.replicas import ROUTER_POLICIES
 
-    p.add_argument("--data-parallel-size", "--dp", type=int, default=1,
+    p.add_argument("--data-parallel-size", "--dp", type=ranged(int, "data_parallel_size", ge=1),
+                   default=1,
                    help="N > 1: N replicas on free ports (printed) behind sglang-router on "
                         "--port (docs/scaling.md)")
     p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,

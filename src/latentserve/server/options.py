@@ -5,10 +5,9 @@ front-end flags follow vLLM's (``vllm/entrypoints/openai/cli_args.py``)."""
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 
-from latentserve.options import add_options, check, option
+from latentserve.options import add_options, check, json_str_list, option
 from latentserve.server.reasoning import REASONING_PARSERS
 from latentserve.server.state import DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 from latentserve.server.timeouts import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
@@ -34,14 +33,14 @@ class ServerOptions:
     """
 
     host: str = option("127.0.0.1", "bind address")
-    port: int = option(8000, "TCP port")
-    log_level: str = option("info", "latentserve's log level (uvicorn's names)")
+    port: int = option(8000, "TCP port (0: any free port)", ge=0, le=65535)
+    log_level: str = option("info", "latentserve's log level", choices=UVICORN_LOG_LEVELS)
     api_key: str | None = option(None, "require this key (Bearer or x-api-key) on the API "
                                  f"routes (default: ${API_KEY_ENV}, else no key)")
     max_request_body_bytes: int | None = option(
         None, "refuse larger request bodies with 413 (default 16 MiB)", ge=1)
     drain_timeout: float = option(DEFAULT_DRAIN_TIMEOUT_S, "seconds running requests may take "
-                                  "to finish after SIGTERM")
+                                  "to finish after SIGTERM", ge=0, metavar="SECONDS")
     max_request_output_tokens: int | None = option(
         None, "refuse a request whose prompts x n x max_tokens exceeds this (default "
         f"{DEFAULT_MAX_REQUEST_OUTPUT_TOKENS})", ge=1)
@@ -50,7 +49,7 @@ class ServerOptions:
         f"{_WAIT}", ge=0)
     timeout_keep_alive: float = option(
         DEFAULT_KEEP_ALIVE_S, "close an idle keep-alive connection after this (the default "
-        "outlasts clients' idle expiry)", metavar="SECONDS")
+        "outlasts clients' idle expiry)", ge=0, metavar="SECONDS")
     timeout_request_headers: float | None = option(
         DEFAULT_HEADER_TIMEOUT_S, "close a connection whose request headers are not complete "
         "this long after it opened (or after its last response; 0: no limit)", ge=0,
@@ -67,12 +66,12 @@ class ServerOptions:
     reasoning_parser: str | None = option(
         None, "split <think>...</think> reasoning from chat answers into reasoning_content; "
         "default: none", choices=tuple(sorted(REASONING_PARSERS)))
-    allowed_origins: list[str] = option(["*"], "CORS: origins allowed, a JSON list",
-                                        type=json.loads)
-    allowed_methods: list[str] = option(["*"], "CORS: methods allowed, a JSON list",
-                                        type=json.loads)
-    allowed_headers: list[str] = option(["*"], "CORS: request headers allowed, a JSON list",
-                                        type=json.loads)
+    allowed_origins: list[str] = option(["*"], "CORS: origins allowed, a JSON list of strings",
+                                        type=json_str_list)
+    allowed_methods: list[str] = option(["*"], "CORS: methods allowed, a JSON list of strings",
+                                        type=json_str_list)
+    allowed_headers: list[str] = option(["*"], "CORS: request headers allowed, a JSON list "
+                                        "of strings", type=json_str_list)
     allow_credentials: bool = option(False, "CORS: allow credentials (cookies, auth headers) "
                                      "cross-site")
     chat_template: str | None = option(
@@ -92,6 +91,10 @@ class ServerOptions:
 
     def __post_init__(self) -> None:
         check(self)
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
         for name in ("timeout_request_headers", "timeout_request_body"):
             if getattr(self, name) == 0:
                 setattr(self, name, None)
