@@ -57,7 +57,8 @@ def run(args) -> int:
     floor = args.min_output_tokens
     if floor is None and args.max_tokens is not None:
         floor = 0  # an explicit --max-tokens holds (the floor would raise it)
-    params = SamplingParams(max_tokens=args.max_tokens or 256, temperature=args.temperature,
+    max_tokens = 256 if args.max_tokens is None else args.max_tokens  # 0 is refused, not 256
+    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             latent_budget=args.latent_budget,
                             exit_criterion=args.exit_criterion,
