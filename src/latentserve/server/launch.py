@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as fields_of
 from pathlib import Path
 
 from latentserve import settings
@@ -296,7 +297,8 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
 
     Raises:
         TypeError: a field :class:`ServerOptions` does not have.
-        ValueError: a name served twice, an option out of its range.
+        ValueError: a name served twice, an option (``port``, ``timeout`` too) out of its
+            range.
         RuntimeError: the server exited, was cancelled or not healthy within ``timeout``
             seconds (with the end of its log).
     """
@@ -304,7 +306,17 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
 
     configs = _as_list(config)
     check_model_names(configs)
-    fields = asdict(ServerOptions(host=host, **options))  # a misspelt option fails here
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    chosen_port = {} if port is None else {"port": port}  # checked with the options
+    # a misspelt or out-of-range option fails here, before any process starts
+    unknown = sorted(set(options) - {f.name for f in fields_of(ServerOptions)})
+    if unknown:
+        engine = [n for n in unknown if n in {f.name for f in fields_of(EngineConfig)}]
+        raise TypeError(f"start_server got unknown option(s) {', '.join(unknown)}; it takes "
+                        "ServerOptions fields" + (f" ({', '.join(engine)}: an EngineConfig "
+                                                  "field, give it in config)" if engine else ""))
+    fields = asdict(ServerOptions(host=host, **chosen_port, **options))
     api_key = fields.pop("api_key")  # by the environment, not on the command line
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="latentserve-server-", suffix=".log")
