@@ -29,10 +29,11 @@ def _subparser(parser: argparse.ArgumentParser, argv: list[str]):
     return None, -1
 
 
-def config_tokens(path: str, options: set[str]) -> list[str]:
-    """The command-line tokens of the YAML file ``path`` (``options``: the command's flags).
-    Raises ValueError naming the file (and key) for an unreadable or non-mapping file or
-    an unknown flag."""
+def config_tokens(path: str, options: dict[str, argparse.Action]) -> list[str]:
+    """The command-line tokens of the YAML file ``path`` (``options``: the command's flags
+    and their actions). Raises ValueError naming the file (and key) for an unreadable or
+    non-mapping file, an unknown flag, or a value of the wrong shape for its flag (not
+    true/false for a switch, a list for a one-value flag)."""
     import yaml
 
     try:
@@ -51,20 +52,46 @@ def config_tokens(path: str, options: set[str]) -> list[str]:
     tokens: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")
-        if flag not in options or flag == "--config":
+        action = options.get(flag)
+        if action is None or flag == "--config" or action.nargs == 0 and action.const is None \
+                and not isinstance(action, (argparse._StoreTrueAction,
+                                            argparse._StoreFalseAction)):
             raise ValueError(f"--config {path}: {key!r} is not a flag of this command "
                              f"(keys are flag names, e.g. max-num-seqs)")
-        if isinstance(value, bool):
-            off = "--no-" + flag[2:]
-            tokens += [flag] if value else ([off] if off in options else [])
-        elif isinstance(value, list):
-            tokens += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v)
-                               for v in value)]
-        elif isinstance(value, dict):
-            tokens += [flag, json.dumps(value)]
-        elif value is not None:
-            tokens += [flag, str(value)]
+        tokens += _flag_tokens(path, key, flag, value, action, options)
     return tokens
+
+
+def _flag_tokens(path: str, key, flag: str, value, action: argparse.Action,
+                 options: dict[str, argparse.Action]) -> list[str]:
+    """The tokens of one ``key: value`` of the file; ValueError for a wrong shape. A switch
+    set false gives its opposite flag, if it has one."""
+    if action.nargs == 0:  # a switch: true sets it, false its --no- form (or nothing)
+        if not isinstance(value, bool):
+            raise ValueError(f"--config {path}: {key!r} is a switch: give true or false, got "
+                             f"{value!r}")
+        if value:
+            return [flag]
+        # its opposite: --no-enable-prefix-caching, --disable-overlap-schedule, or nothing
+        return next(([other] for other, a in options.items() if a.dest == action.dest
+                     and a.nargs == 0 and a.const is not action.const
+                     and other.startswith("--")), [])
+    if isinstance(value, bool):
+        raise ValueError(f"--config {path}: {key!r} takes a value, got {value!r}")
+    if value is None:
+        return []
+    if isinstance(value, list):
+        items = [json.dumps(v) if isinstance(v, dict) else str(v) for v in value]
+        if isinstance(action, argparse._AppendAction):
+            return [t for item in items for t in (flag, item)]
+        if action.nargs in ("+", "*"):
+            return [flag, *items]
+        if getattr(action.type, "__name__", "") == "json_str_list":
+            return [flag, json.dumps(value)]
+        raise ValueError(f"--config {path}: {key!r} takes one value, got a list {value!r}")
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
 
 
 def expand_config_args(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -77,5 +104,5 @@ def expand_config_args(parser: argparse.ArgumentParser, argv: list[str]) -> list
         return argv
     if at + 1 < len(argv) and not argv[at + 1].startswith("-"):
         at += 1  # `serve MODEL --config f.yaml`: the file's flags after MODEL
-    return [*argv[:at + 1], *config_tokens(path, set(sub._option_string_actions)),
+    return [*argv[:at + 1], *config_tokens(path, sub._option_string_actions),
             *argv[at + 1:]]
