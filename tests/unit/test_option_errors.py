@@ -101,3 +101,16 @@ def test_config_file_lists_and_false_switches_become_the_right_flags(tmp_path):
     assert args.enable_prefix_caching is False
     assert args.model == ["/a", "/b"]  # --model repeated, not a stray positional
     assert args.allowed_origins == ["x", "y"]
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("--limit", "0", ">= 1"), ("--max-tokens", "0", ">= 1"),
+    ("--compression-factor", "0", ">= 1"), ("--max-latent", "-1", ">= 0"),
+    ("--min-latent", "-1", ">= 0"),
+])
+def test_eval_flag_out_of_range_is_an_argparse_error(capsys, flag, value, allowed):
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["eval", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert done.value.code == 2
+    assert flag in err and allowed in err, err

@@ -11,6 +11,7 @@ import os
 def register(sub) -> None:
     from latentserve.cli import add_engine_args
     from latentserve.eval.datasets import DATASETS
+    from latentserve.options import ranged
 
     p = sub.add_parser("eval", help="evaluate text CoT or latent reasoning on a data set")
     add_engine_args(p)
@@ -26,17 +27,19 @@ def register(sub) -> None:
     p.add_argument("--prompt-format", default="auto", choices=["auto", "colar", "chat"],
                    help="colar: CoLaR's prompt (models from `latentserve train`); auto: colar "
                         "when the model directory has colar_config.json or train_config.json")
-    p.add_argument("--compression-factor", type=int, default=None,
+    p.add_argument("--compression-factor", type=ranged(int, "compression_factor", ge=1),
+                   default=None,
                    help="CoLaR models: thinking speed (default: the model's)")
     p.add_argument("--json-out", default=None, help="colar format: write the summary (JSON)")
-    p.add_argument("--limit", type=int, default=None, help="first N items only")
-    p.add_argument("--max-tokens", type=int, default=256,
+    p.add_argument("--limit", type=ranged(int, "limit", ge=1), default=None,
+                   help="first N items only")
+    p.add_argument("--max-tokens", type=ranged(int, "max_tokens", ge=1), default=256,
                    help="answer tokens (latent steps come on top)")
-    p.add_argument("--max-latent", type=int, default=None,
+    p.add_argument("--max-latent", type=ranged(int, "max_latent", ge=0), default=None,
                    help="latent budget (needs a head); absent = text CoT, thinking off")
     p.add_argument("--sweep", default=None, help="e.g. max_latent=0,4,8,16,32 (CoLaR models "
                    "also compression_factor=1,2,3,4,5)")
-    p.add_argument("--min-latent", type=int, default=None)
+    p.add_argument("--min-latent", type=ranged(int, "min_latent", ge=0), default=None)
     p.add_argument("--stop-threshold", type=float, default=None)
     p.add_argument("--no-stop", action="store_true", help="run every budget to its cap")
     p.add_argument("--url", default=None,
