@@ -266,16 +266,15 @@ def _check_num(
         raise ValueError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
-    if lo_open and lo is not None and value <= lo:
-        hi_s = "inf)" if hi is None else f"{hi}]"
-        raise ValueError(f"{name} must be in ({lo}, {hi_s}, got {value}")
-    _check_range(name, value, lo, hi)
+    _check_range(name, value, lo, hi, lo_open)
 
 
-def _check_range(name: str, value, lo, hi) -> None:
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
+def _check_range(name: str, value, lo, hi, lo_open: bool = False) -> None:
+    """ValueError stating the one declared range (``(0.0, 1.0]`` whichever side failed)."""
+    below = lo is not None and (value <= lo if lo_open else value < lo)
+    if below or (hi is not None and value > hi):
         if hi is None:  # one-sided: "[0, inf]" reads like a real upper bound
-            raise ValueError(f"{name} must be >= {lo}, got {value}")
+            raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
         if lo is None:
             raise ValueError(f"{name} must be <= {hi}, got {value}")
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")

@@ -85,7 +85,7 @@ def test_validation_error_is_an_anthropic_error(server, model):
 
 @pytest.mark.parametrize("extra, message", [
     ({"temperature": 2}, "temperature: must be in [0, 1], got 2.0"),
-    ({"top_p": 2}, "top_p: must be in [0.0, 1.0], got 2.0"),
+    ({"top_p": 2}, "top_p: must be in (0.0, 1.0], got 2.0"),
     ({"top_p": "x"}, "top_p: Input should be a valid number (got 'x')"),
     ({"thinking": {"type": "on"}}, "thinking.type: must be 'enabled' or 'disabled', got 'on'"),
 ])
