@@ -3,7 +3,9 @@ once (``options.option``); the flags (``cli/engine_args.py``) and checks come fr
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +15,24 @@ from latentserve.sampling_params import EXIT_SEMANTICS
 # vLLM's --dtype names (vllm/config/model.py: _STR_DTYPE_TO_TORCH_DTYPE) and what they mean.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ("auto", "float32", "bfloat16", "float16", *DTYPE_ALIASES)
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda")  # and cuda:N
+
+
+def check_device_name(device) -> str:
+    """``device`` when it is one of ``DEVICES`` or ``cuda:N`` (N a GPU index); ValueError
+    naming the field otherwise."""
+    if isinstance(device, str) and (device in DEVICES or re.fullmatch(r"cuda:\d+", device)):
+        return device
+    raise ValueError(f"device must be auto, cpu, cuda or cuda:N (N a GPU index), got "
+                     f"{device!r}")
+
+
+def _device_arg(text: str) -> str:
+    """The ``--device`` argparse type: :func:`check_device_name`'s check and text."""
+    try:
+        return check_device_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def checkpoint_dtype(model: str | None) -> str:
@@ -71,8 +90,8 @@ class EngineConfig:
         "path as given)", metavar="NAME", nargs="+")
     tokenizer: str | None = option(
         None, "tokenizer directory (default: the model's own tokenizer files)")
-    device: str = option("auto", "auto: cuda when a CUDA device is present, else cpu",
-                         choices=DEVICES)
+    device: str = option("auto", "auto: cuda when a CUDA device is present, else cpu; "
+                         "cuda:N: GPU N", type=_device_arg, metavar="{auto,cpu,cuda,cuda:N}")
     dtype: str = option("auto", "weights and activations; auto: the checkpoint's dtype on "
                         "cuda (bfloat16 for a .gguf or the embedded model), float32 on cpu; "
                         "half = float16, float = float32", choices=DTYPES)
@@ -153,7 +172,8 @@ class EngineConfig:
         set_(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if isinstance(self.model, str) and len(self.model) > 1:  # dir/ and dir: one name
             set_(self, "model", self.model.rstrip("/") or "/")
-        check(self, device=str(self.device).split(":")[0])  # cuda:1 is a cuda device
+        check_device_name(self.device)
+        check(self)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a folder path, got "
                              f"{self.generation_config!r}")
