@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,19 @@ from latentserve.server.protocol import ChatMessage, ChatTool
 PromptType = str | list[int] | dict
 
 
+def _refuse_unknown(engine_options: dict) -> None:
+    """TypeError naming ``LLM``, each option that is no ``EngineConfig`` field and its close
+    matches (``LLM(max_num_seq=4)``: did you mean max_num_seqs?)."""
+    known = [f.name for f in dataclasses.fields(EngineConfig) if f.init]
+    unknown = [name for name in engine_options if name not in known]
+    if not unknown:
+        return
+    hints = [f"{name} (did you mean {', '.join(close)}?)" if close else name
+             for name in unknown for close in [difflib.get_close_matches(name, known)]]
+    raise TypeError(f"LLM got unknown engine option(s) {', '.join(hints)}; the options are "
+                    f"EngineConfig's fields (latentserve serve --help lists them as flags)")
+
+
 class LLM:
     """Run the engine in-process; ``engine_options`` are ``EngineConfig`` fields
     (``trust_remote_code`` is ignored). TypeError for an unknown option; ValueError or
@@ -35,6 +49,7 @@ class LLM:
 
             logging.getLogger(__name__).warning(
                 "trust_remote_code is ignored: latentserve runs no code from checkpoints")
+        _refuse_unknown(engine_options)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
