@@ -201,7 +201,6 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
 @pytest.mark.parametrize("extra,words", [
     (["--plot", "p.png"], "--plot needs --sweep"),
     (["--sweep", "max_latent=0,2", "--max-latent", "4"], "give one"),
-    (["--url", "http://127.0.0.1:9/v1", "--concurrency", "0"], "--concurrency must be >= 1"),
     (["--url", "http://127.0.0.1:9/v1"], "--url http://127.0.0.1:9/v1: no OpenAI-compatible"),
     (["--model", "no/such/dir", "--sweep", "compression_factor=1,2"],
      "compression_factor needs the CoLaR prompt format"),

@@ -40,14 +40,15 @@ def register(sub) -> None:
     p.add_argument("--sweep", default=None, help="e.g. max_latent=0,4,8,16,32 (CoLaR models "
                    "also compression_factor=1,2,3,4,5)")
     p.add_argument("--min-latent", type=ranged(int, "min_latent", ge=0), default=None)
-    p.add_argument("--stop-threshold", type=float, default=None)
+    p.add_argument("--stop-threshold", type=ranged(float, "stop_threshold", ge=0.0, le=1.0),
+                   default=None, help="compression-head stop threshold (default: the model's)")
     p.add_argument("--no-stop", action="store_true", help="run every budget to its cap")
     p.add_argument("--url", default=None,
                    help="OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1; without "
                         "/v1 it is tried with /v1 added) instead of an in-process engine")
     p.add_argument("--api-model", default=None, help="model name at --url (default: first)")
     p.add_argument("--api-key", default="none")
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=ranged(int, "concurrency", ge=1), default=16)
     p.add_argument("--out", default=None, help="write summary and per-item records (JSON)")
     p.add_argument("--plot", default=None, help="sweep plot (PNG)")
     p.add_argument("--baseline", default=None,
@@ -166,8 +167,6 @@ def run(args) -> int:
         raise ValueError("--plot needs --sweep")
     if args.sweep and args.max_latent is not None:
         raise ValueError("--max-latent and --sweep both set the latent budget; give one")
-    if args.concurrency < 1:
-        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.baseline and not os.path.isfile(args.baseline):
         raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
     items = load_items(args.dataset, args.data_file, args.limit, args.data_dir)
