@@ -2,11 +2,49 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+# The sampling flags of `generate`, by SamplingParams field: each value is checked by
+# SamplingParams's own check at parse time, and its errors name the flag and the field.
+_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+          "top_k": "--top-k", "seed": "--seed", "latent_budget": "--latent-budget",
+          "exit_criterion": "--exit-criterion", "exit_threshold": "--exit-threshold",
+          "thinking": "--thinking", "max_latent": "--max-latent",
+          "min_output_tokens": "--min-output-tokens"}
+
+
+def _sampling(conv, name: str):
+    """An argparse ``type``: ``conv(text)`` refused (ArgumentTypeError, naming ``name``) when
+    ``SamplingParams(name=value)`` refuses it, so the range is declared once."""
+    def parse(text: str):
+        from latentserve.sampling_params import SamplingParams
+
+        value = conv(text)
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    parse.__name__ = conv.__name__  # argparse's "invalid int value: 'x'"
+    return parse
+
+
+def _flag_error(exc: ValueError) -> ValueError:
+    """A ``SamplingParams`` error that starts with a field name, with the flag first:
+    ``--top-p (top_p) must be in (0.0, 1.0], got 2.0``."""
+    name, _, rest = str(exc).partition(" ")
+    return ValueError(f"{_FLAGS[name]} ({name}) {rest}") if name in _FLAGS else exc
 
 
 def register(sub) -> None:
     from latentserve.cli import add_engine_args
+    from latentserve.latent.exit_criteria import (
+        EXIT_CRITERIA,
+        HUGINN_AUTO_THRESHOLDS,
+        OURO_CRITERIA,
+    )
 
     p = sub.add_parser("generate", help="complete one prompt, streamed to stdout")
     add_engine_args(p, exclude=("seed",))  # --seed below seeds the request and the engine
@@ -15,30 +53,32 @@ def register(sub) -> None:
     what.add_argument("--prompt-token-ids", default=None,
                       help="comma-separated token ids, sent as they are (a model directory "
                            "without tokenizer files takes only these; its output is ids)")
-    p.add_argument("--max-tokens", type=int, default=None,
+    p.add_argument("--max-tokens", type=_sampling(int, "max_tokens"), default=None,
                    help="answer tokens at most (default 256; given, it also holds for a "
                         "compression-head model, whose answer-budget floor otherwise raises "
                         "it)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--temperature", type=_sampling(float, "temperature"), default=0.0)
+    p.add_argument("--top-p", type=_sampling(float, "top_p"), default=1.0)
+    p.add_argument("--top-k", type=_sampling(int, "top_k"), default=-1)
+    p.add_argument("--seed", type=_sampling(int, "seed"), default=None,
                    help="the request's sampling seed (also the engine's; default: unseeded)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template")
-    p.add_argument("--latent-budget", type=int, default=None,
+    p.add_argument("--latent-budget", type=_sampling(int, "latent_budget"), default=None,
                    help="latent steps (feedback models), recurrences per token (Huginn, "
                         "Ouro) or block passes (PCCoT, LOTUS); default: the model's own; "
                         "0: no thinking")
-    p.add_argument("--exit-criterion", default=None,
-                   help="recurrent-depth early exit (docs/models.md), e.g. kl or "
-                        "threshold")
-    p.add_argument("--exit-threshold", type=float, default=None)
+    p.add_argument("--exit-criterion", default=None, choices=EXIT_CRITERIA,
+                   help=f"recurrent-depth early exit (docs/models.md); Huginn takes "
+                        f"{', '.join([*HUGINN_AUTO_THRESHOLDS, 'none'])}, Ouro "
+                        f"{', '.join(OURO_CRITERIA)}")
+    p.add_argument("--exit-threshold", type=_sampling(float, "exit_threshold"), default=None)
     p.add_argument("--thinking", default=None, choices=["on", "off"],
                    help="compression-head models: latent thinking on or off (default: on)")
-    p.add_argument("--max-latent", type=int, default=None,
+    p.add_argument("--max-latent", type=_sampling(int, "max_latent"), default=None,
                    help="compression-head models: latent step cap (default: the server's)")
-    p.add_argument("--min-output-tokens", type=int, default=None,
+    p.add_argument("--min-output-tokens", type=_sampling(int, "min_output_tokens"),
+                   default=None,
                    help="compression-head models: the answer-budget floor (0: --max-tokens "
                         "holds; default: 0 when --max-tokens is given, else "
                         "LATENTSERVE_MIN_OUTPUT_TOKENS, 4096)")
@@ -58,14 +98,15 @@ def run(args) -> int:
     if floor is None and args.max_tokens is not None:
         floor = 0  # an explicit --max-tokens holds (the floor would raise it)
     max_tokens = 256 if args.max_tokens is None else args.max_tokens  # 0 is refused, not 256
-    params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            latent_budget=args.latent_budget,
-                            exit_criterion=args.exit_criterion,
-                            exit_threshold=args.exit_threshold,
-                            thinking=None if args.thinking is None else args.thinking == "on",
-                            max_latent=args.max_latent,
-                            min_output_tokens=floor)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, latent_budget=args.latent_budget,
+            exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold,
+            thinking=None if args.thinking is None else args.thinking == "on",
+            max_latent=args.max_latent, min_output_tokens=floor)
+    except ValueError as exc:
+        raise _flag_error(exc) from None
     engine = LLMEngine(dataclasses.replace(engine_config(args), seed=args.seed or 0))
     head_flags = [f for f, v in (("--thinking", args.thinking), ("--max-latent", args.max_latent),
                                  ("--min-output-tokens", args.min_output_tokens))

@@ -11,18 +11,11 @@ import torch
 
 from latentserve.attention.base import BatchLayout
 from latentserve.core import LatentState, Req
+from latentserve.latent.exit_criteria import HUGINN_AUTO_THRESHOLDS, OURO_CRITERIA
 from latentserve.latent.family import Admission, Family, GraphHooks
 
-# Huginn exit criteria and their "auto" thresholds (upstream raven_modeling_minimal.py,
-# get_adaptive_exit_evaluator). "none" never exits.
-HUGINN_AUTO_THRESHOLDS = {"entropy-diff": 1e-3, "latent-diff": 0.03, "kl": 1e-3,
-                          "minp-kl": 1e-5, "argmax-stability": 5, "cosine": 1e-3}
 # Huginn criteria whose value needs the output distribution (the coda + head run at a check).
 HUGINN_LOGIT_CRITERIA = ("entropy-diff", "kl", "minp-kl", "argmax-stability")
-# Ouro readouts (upstream modeling_ouro.py, OuroForCausalLM.forward): "last" step,
-# "threshold" (first step whose cumulative exit probability reaches the threshold),
-# "weighted" (exit-probability mixture), and our compute-saving "threshold-approx".
-OURO_CRITERIA = ("last", "threshold", "weighted", "threshold-approx")
 
 
 @dataclass(frozen=True, slots=True)
