@@ -39,8 +39,120 @@ def test_generate_max_tokens_zero_is_refused_not_replaced_by_the_default(capsys,
     import latentserve.engine.llm_engine as llm_engine
 
     monkeypatch.setattr(llm_engine, "LLMEngine", None)  # a model load would fail loudly
-    assert main(["generate", "--prompt", "x", "--max-tokens", "0"]) == 2
-    assert "max_tokens must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--prompt", "x", "--max-tokens", "0"])
+    assert done.value.code == 2
+    assert "argument --max-tokens: max_tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--exit-criterion", "bogus", "invalid choice: 'bogus' (choose from 'entropy-diff'"),
+    ("--top-p", "2", "top_p must be in (0.0, 1.0], got 2.0"),
+    ("--top-p", "0", "top_p must be in (0.0, 1.0], got 0.0"),
+    ("--top-p", "nan", "top_p must be a finite number, got nan"),
+    ("--temperature", "-1", "temperature must be in [0.0, "),
+    ("--temperature", "inf", "temperature must be a finite number"),
+    ("--top-k", "-2", "top_k must be >= -1, got -2"),
+    ("--seed", "-1", "seed must be in [0, 9223372036854775807], got -1"),
+    ("--latent-budget", "-1", "latent_budget must be >= 0, got -1"),
+    ("--exit-threshold", "nan", "exit_threshold must be a finite number, got nan"),
+    ("--exit-threshold", "-1", "exit_threshold must be >= 0.0, got -1.0"),
+    ("--thinking", "maybe", "invalid choice: 'maybe'"),
+    ("--max-latent", "-1", "max_latent must be >= 0, got -1"),
+    ("--min-output-tokens", "-1", "min_output_tokens must be >= 0, got -1"),
+    ("--device", "gpu", "device must be auto, cpu, cuda or cuda:N (N a GPU index), got 'gpu'"),
+])
+def test_generate_flag_out_of_range_is_an_argparse_error_naming_flag_and_field(
+        capsys, flag, value, words):
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["generate", "--prompt", "x", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert done.value.code == 2
+    assert f"argument {flag}: {words}" in err, err
+
+
+def test_generate_offers_every_exit_criterion_the_recurrent_families_take():
+    from latentserve.latent.recurrent import HUGINN_AUTO_THRESHOLDS, OURO_CRITERIA
+
+    for name in (*HUGINN_AUTO_THRESHOLDS, "none", *OURO_CRITERIA):
+        args = build_parser().parse_args(["generate", "--prompt", "x", "--exit-criterion",
+                                          name])
+        assert args.exit_criterion == name
+
+
+def test_a_sampling_params_error_at_run_time_names_the_flag_and_the_field():
+    from latentserve.cli.generate import _flag_error
+
+    err = _flag_error(ValueError("top_p must be in (0.0, 1.0], got 2.0"))
+    assert str(err) == "--top-p (top_p) must be in (0.0, 1.0], got 2.0"
+
+
+@pytest.mark.parametrize("value", [0, 2])
+def test_top_p_range_is_stated_the_same_on_either_side(value):
+    from latentserve.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match=rf"^top_p must be in \(0.0, 1.0\], got {value}$"):
+        SamplingParams(top_p=value)
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:1", "cuda:12"])
+def test_device_flag_takes_what_engine_config_takes(device):
+    assert build_parser().parse_args(["serve", "--device", device]).device == device
+    if device != "auto":  # auto resolves to cpu or cuda
+        assert EngineConfig(device=device).device == device
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "cpu:1", "auto:0", "CUDA"])
+def test_bad_device_gets_the_same_text_from_the_flag_and_the_config(capsys, device):
+    text = f"device must be auto, cpu, cuda or cuda:N (N a GPU index), got {device!r}"
+    with pytest.raises(ValueError) as exc:
+        EngineConfig(device=device)
+    assert str(exc.value) == text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--device", device])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        f"argument --device: {text}")
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"bogus": 1}, "LLM got unknown engine option(s) bogus;"),
+    ({"max_num_seq": 4}, "max_num_seq (did you mean max_num_seqs?)"),
+])
+def test_llm_unknown_option_is_named_before_anything_loads(monkeypatch, options, words):
+    import latentserve.engine.llm_engine as llm_engine
+    from latentserve.entrypoints.llm import LLM
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", None)  # a model load would fail loudly
+    with pytest.raises(TypeError) as exc:
+        LLM(**options)
+    assert words in str(exc.value) and "__init__" not in str(exc.value)
+
+
+def _declared_floats():
+    import dataclasses
+
+    from latentserve.train.options import (
+        ColarGRPOConfig,
+        ColarTrainConfig,
+        CotConfig,
+        FinetuneOptions,
+        HeadOptions,
+    )
+
+    for cls in (EngineConfig, ServerOptions, FinetuneOptions, CotConfig, ColarTrainConfig,
+                ColarGRPOConfig, HeadOptions):
+        for f in dataclasses.fields(cls):
+            if "float" in str(f.type) and any(f.metadata.get(op) is not None
+                                              for op in ("ge", "gt", "le", "lt")):
+                yield pytest.param(f, id=f"{cls.__name__}.{f.name}")
+
+
+@pytest.mark.parametrize("f", list(_declared_floats()))
+def test_nan_is_refused_by_every_declared_float_range(f):
+    from latentserve.options import check_value
+
+    with pytest.raises(ValueError, match=rf"^{f.name} must be .*, got nan$"):
+        check_value(f.name, float("nan"), f.metadata)
 
 
 @pytest.fixture
@@ -106,7 +218,9 @@ def test_config_file_lists_and_false_switches_become_the_right_flags(tmp_path):
 @pytest.mark.parametrize("flag, value, allowed", [
     ("--limit", "0", ">= 1"), ("--max-tokens", "0", ">= 1"),
     ("--compression-factor", "0", ">= 1"), ("--max-latent", "-1", ">= 0"),
-    ("--min-latent", "-1", ">= 0"),
+    ("--min-latent", "-1", ">= 0"), ("--stop-threshold", "nan", "[0, 1]"),
+    ("--stop-threshold", "-0.1", "[0, 1]"), ("--stop-threshold", "1.5", "[0, 1]"),
+    ("--concurrency", "0", ">= 1"),
 ])
 def test_eval_flag_out_of_range_is_an_argparse_error(capsys, flag, value, allowed):
     with pytest.raises(SystemExit) as done:
