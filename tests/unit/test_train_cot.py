@@ -104,6 +104,8 @@ def test_cli_refuses_bad_sizes_before_loading_anything(tmp_path, capsys):
     assert "need --k >= 1" in capsys.readouterr().err
     data = tmp_path / "d.txt"
     data.write_text("1 * 2||2 #### 2\n")
-    assert main(["eval", "--model", str(tmp_path), "--prompt-format", "colar",
-                 "--dataset-file", str(data), "--limit", "-3"]) != 0
-    assert "--limit must be >= 1, got -3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused as the command line is read
+        main(["eval", "--model", str(tmp_path), "--prompt-format", "colar",
+              "--dataset-file", str(data), "--limit", "-3"])
+    assert exit_.value.code == 2
+    assert "argument --limit: must be >= 1, got -3" in capsys.readouterr().err
