@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-out}"; mkdir -p "$out"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
-python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$out/gpu_tests.xml" "$@" tests/gpu 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider --junitxml="$out/gpu_tests.xml" "$@" tests/gpu 2>&1 | tee "$out/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 python3 - "$out" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
