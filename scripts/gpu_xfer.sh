@@ -2,6 +2,8 @@
 # in parts (the tree that travels is at most 64 MiB and the repository holds ~45 MB with the
 # shipped adapters). XFER_PARTS (default 8) = how many parts; each call carries one.
 # xfer_pack (here): .xfer/p1..pN (GGUF pieces; p1 also the data and the gguf wheel).
+# xfer_env (device): X=/tmp/x and $OUT (default out) made, the repository's src and /tmp/site
+#   (carried wheels) on PYTHONPATH, the GGUF and data paths exported, $ls the CLI.
 # xfer_take (device): copy whichever parts were carried into $X.
 # xfer_start (device): copy the last part, install the wheel, join the GGUF into
 #   /tmp/smollm2.gguf (fails when a piece is missing).
@@ -18,6 +20,13 @@ xfer_pack() {
   cp -r "${DATA:-../shared/data}" .xfer/p1/data
   python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/p1 gguf==0.19.0
   md5sum "$gguf"; du -sh .xfer/p*
+}
+
+xfer_env() {
+  X=/tmp/x; mkdir -p "$X" "${OUT:=out}"
+  export PYTHONPATH="$PWD/src:/tmp/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+  export LATENTSERVE_EMBEDDED_GGUF=/tmp/smollm2.gguf LATENTSERVE_DATA="$X/data"
+  ls="python3 -m latentserve.cli"
 }
 
 xfer_take() {

@@ -15,11 +15,8 @@
 # feedback loop recurrent; finish (docs/results.md "Run 4", docs/benchmarks.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-X=/tmp/x; W=/tmp/stage1; mkdir -p "$X" "$W" "${OUT:=out}"
-export PYTHONPATH="$PWD/src:/tmp/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-export LATENTSERVE_EMBEDDED_GGUF=/tmp/smollm2.gguf LATENTSERVE_DATA="$X/data"
-ls="python3 -m latentserve.cli"
 . scripts/gpu_xfer.sh
+xfer_env; W=/tmp/stage1; mkdir -p "$W"
 D="$X/data/multiplication"
 gtests() {  # gtests TAG FILE...: pytest with a full log and junit xml in $OUT
   local tag="$1"; shift

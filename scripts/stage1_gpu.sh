@@ -18,11 +18,8 @@
 # LR (5e-4), T_WAIT (500), N_MULT (generated items per k, 400000; seed 0 = stage 0's set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-X=/tmp/x; W=/tmp/stage1; mkdir -p "$X" "$W" "${OUT:=out}"
-export PYTHONPATH="$PWD/src:/tmp/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-export LATENTSERVE_EMBEDDED_GGUF=/tmp/smollm2.gguf LATENTSERVE_DATA="$X/data"
-ls="python3 -m latentserve.cli"
 . scripts/gpu_xfer.sh
+xfer_env; W=/tmp/stage1; mkdir -p "$W"
 D="$X/data/multiplication"; G="$X/data/gsm8k"
 
 case "${1:-}" in

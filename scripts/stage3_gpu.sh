@@ -16,11 +16,8 @@
 # KV pool in tokens; unset: from memory), T_WAIT (500).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-X=/tmp/x; W="${W:-/tmp/stage3}"; mkdir -p "$X" "$W" "${OUT:=out}"
-export PYTHONPATH="$PWD/src:/tmp/site" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-export LATENTSERVE_EMBEDDED_GGUF=/tmp/smollm2.gguf LATENTSERVE_DATA="$X/data"
-ls="python3 -m latentserve.cli"
 . scripts/gpu_xfer.sh
+xfer_env; W="${W:-/tmp/stage3}"; mkdir -p "$W"
 MODEL="${MODEL:-models/smollm2-mult-colar}"; D="$X/data/multiplication"; C="${C:-2}"
 KV=(); [ -n "${KV_SLOTS:-}" ] && KV=(--kv-slots "$KV_SLOTS")
 
