@@ -17,6 +17,20 @@ FLOAT32_TINY = 2.0**-126
 EXIT_SEMANTICS = ("engine", "upstream")
 
 
+# Each numeric field's allowed range: (lo, hi) for integers, (lo, hi, lo_open) for numbers;
+# None (where the field's type allows it) always passes.
+INT_RANGES = {"max_tokens": (1,), "n": (1,), "top_k": (-1,), "seed": (0, 2**63 - 1),
+              "logprobs": (0,), "prompt_logprobs": (0,), "latent_budget": (0,),
+              "max_latent": (0,), "min_latent": (0,), "min_output_tokens": (0,),
+              "exit_min_steps": (0,), "exit_check_every": (1,), "compression_factor": (1,),
+              "min_tokens": (0,)}
+NUM_RANGES = {"temperature": (0.0, FLOAT32_MAX), "top_p": (0.0, 1.0, True),
+              "min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+              "frequency_penalty": (-2.0, 2.0),
+              "repetition_penalty": (FLOAT32_TINY, FLOAT32_MAX), "exit_threshold": (0.0,),
+              "stop_threshold": (0.0, 1.0), "latent_temperature": (0.0,)}
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How one request is decoded (vLLM's names and meanings; docs/internals.md,
@@ -78,68 +92,42 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # numpy scalars (np.int64(3), np.float32(0.7)) as Python's
-            setattr(self, f.name, _plain_number(getattr(self, f.name)))
         if isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = [_plain_number(t) for t in self.stop_token_ids]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_int("n", self.n, lo=1)
-        _check_num("temperature", self.temperature, lo=0.0, hi=FLOAT32_MAX)
-        _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
-        _check_int("top_k", self.top_k, lo=-1)
-        _check_num("min_p", self.min_p, lo=0.0, hi=1.0)
-        if self.seed is not None:
-            _check_int("seed", self.seed, lo=0, hi=2**63 - 1)
+        for f in fields(self):  # numpy scalars (np.int64(3), np.float32(0.7)) as Python's
+            value = _plain_number(getattr(self, f.name))
+            setattr(self, f.name, value)
+            if value is None and "None" in f.type:
+                continue
+            if f.name in INT_RANGES:
+                _check_int(f.name, value, *INT_RANGES[f.name])
+            elif f.name in NUM_RANGES:
+                _check_num(f.name, value, *NUM_RANGES[f.name])
+            elif f.type.startswith("bool") and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be a boolean, got {value!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, lo=0)
-        _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        _check_num("repetition_penalty", self.repetition_penalty, lo=FLOAT32_TINY,
-                   hi=FLOAT32_MAX)
-        for name in ("logprobs", "prompt_logprobs", "latent_budget", "max_latent", "min_latent",
-                     "min_output_tokens"):
-            if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), lo=0)
         if self.exit_criterion is not None and (not isinstance(self.exit_criterion, str)
                                                 or not self.exit_criterion):
             raise ValueError(f"exit_criterion must be a non-empty string, got "
                              f"{self.exit_criterion!r}")
-        if self.exit_threshold is not None:
-            _check_num("exit_threshold", self.exit_threshold, lo=0.0)
-        _check_int("exit_min_steps", self.exit_min_steps, lo=0)
-        _check_int("exit_check_every", self.exit_check_every, lo=1)
         if self.exit_semantics is not None and self.exit_semantics not in EXIT_SEMANTICS:
             raise ValueError(f"exit_semantics must be one of {list(EXIT_SEMANTICS)}, got "
                              f"{self.exit_semantics!r}")
-        for name in ("thinking", "use_stop", "upstream_stop_rules", "return_latent_trace"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, bool):
-                raise ValueError(f"{name} must be a boolean, got {v!r}")
         if (self.min_latent is not None and self.max_latent  # max_latent 0: no latent phase
                 and self.min_latent > self.max_latent):
             raise ValueError(f"min_latent must be at most max_latent ({self.max_latent}), "
                              f"got {self.min_latent}")
-        if self.stop_threshold is not None:
-            _check_num("stop_threshold", self.stop_threshold, lo=0.0, hi=1.0)
-        if self.compression_factor is not None:
-            _check_int("compression_factor", self.compression_factor, lo=1)
-        if self.latent_temperature is not None:
-            _check_num("latent_temperature", self.latent_temperature, lo=0.0)
-        _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got "
                              f"{self.min_tokens}")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise ValueError(f"include_stop_str_in_output must be a boolean, got "
-                             f"{self.include_stop_str_in_output!r}")
         if self.bad_words is None:  # vLLM's default
             self.bad_words = []
         if not isinstance(self.bad_words, (list, tuple)) or not all(
