@@ -139,11 +139,13 @@ def test_numpy_scalars_are_taken_as_python_numbers(tiny_dirs):
     assert len(out[0].outputs[0].token_ids) <= 3
 
 
+@pytest.mark.parametrize("name", ["return_latent_trace", "ignore_eos", "skip_special_tokens",
+                                  "stream_latent_steps", "include_stop_str_in_output"])
 @pytest.mark.parametrize("value", ["no", 1])
-def test_return_latent_trace_takes_a_boolean_only(value):
+def test_boolean_fields_take_a_boolean_only(name, value):
     """A truthy non-boolean (``"no"`` is truthy) is refused by name, as over HTTP."""
-    with pytest.raises(ValueError, match="^return_latent_trace must be a boolean"):
-        SamplingParams(return_latent_trace=value)
+    with pytest.raises(ValueError, match=f"^{name} must be a boolean"):
+        SamplingParams(**{name: value})
 
 
 def test_offline_outputs_carry_a_recurrent_models_per_token_trace(tmp_path):
