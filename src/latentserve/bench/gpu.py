@@ -10,7 +10,7 @@ import torch
 
 from latentserve.bench.baseline.tiny_models import save_tiny, save_word_tokenizer
 from latentserve.bench.device_common import free_memory, make_engine, profile_replay, timed
-from latentserve.bench.suite import dtype_for, engine_rows, random_prompts, run_suite
+from latentserve.bench.suite import dtype_for, engine_rows, random_batches
 from latentserve.engine.cuda_graph import CudaGraphRunner
 from latentserve.sampling_params import SamplingParams
 
@@ -33,6 +33,7 @@ TINY_SHAPE = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 
               "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1024}
 # the largest concurrency again with one engine option changed
 VARIANTS = (("unfused", {"fused_ops": False}), ("sync", {"overlap_schedule": False}))
+NOTES = {"ignore_eos": True, "goal": "decode step <= 1.5x its bandwidth floor at 64 concurrent"}
 
 
 def save_random_llama(out_dir: Path, shape: dict, device: str = "cuda") -> Path:
@@ -99,19 +100,22 @@ def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
     return out
 
 
-def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int,
-                output_len: int, bw: float, hf_baseline: bool, variants: bool) -> dict:
-    """One shape: ``engine_rows`` (with ``kernels`` and ``inject_cost`` on CUDA), with
-    ``variants`` the ``VARIANTS``, with ``hf_baseline`` HF ``generate`` padded and at batch 1."""
+def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
+                prompt_len: int = 256, output_len: int = 256, hf_baseline: bool = True,
+                variants: bool = True) -> dict:
+    """One shape (``SHAPES`` key, or ``tiny``): ``engine_rows`` (with ``kernels`` and
+    ``inject_cost`` on CUDA), with ``variants`` the ``VARIANTS``, with ``hf_baseline`` HF
+    ``generate`` on the same batches padded and on one prompt."""
     dtype, cuda, max_c = dtype_for(device), device.startswith("cuda"), max(concurrency)
     path = build_llama(root / name, name, device)
     max_len = prompt_len + output_len + 8
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    batches = random_batches(concurrency, prompt_len)
 
     def run(conc, **opts):
         engine = make_engine(path, device, dtype, max(conc), max_len, **opts)
-        rows, _ = engine_rows(engine, sp, conc, prompt_len, device, bw, warm)
+        rows, _ = engine_rows(engine, sp, {c: batches[c] for c in conc}, device, bw, warm)
         if cuda:
             for c in conc:
                 rows[c]["kernels"] = _kernels_per_replay(engine, c)
@@ -129,29 +133,14 @@ def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int
     if hf_baseline:
         from transformers import AutoModelForCausalLM
 
-        g = torch.Generator().manual_seed(1)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
         hf = hf.to(device).eval()
-        _hf_run(hf, random_prompts(g, 1, 16), 8, device)
+        _hf_run(hf, batches[max_c][:1], 8, device)  # warm-up
+        tps1 = _hf_run(hf, batches[max_c][:1], output_len, device)
         for c in concurrency:
-            tps = _hf_run(hf, random_prompts(g, c, prompt_len), output_len, device)
-            rows[c].update(hf_padded_batch_tok_s=tps, speedup=rows[c]["tok_s"] / tps)
-        tps1 = _hf_run(hf, random_prompts(g, 1, prompt_len), output_len, device)
-        for c in concurrency:
-            rows[c].update(hf_batch1_tok_s=tps1, speedup_vs_hf_batch1=rows[c]["tok_s"] / tps1)
+            tps = _hf_run(hf, batches[c], output_len, device)
+            rows[c].update(hf_padded_batch_tok_s=tps, speedup=rows[c]["tok_s"] / tps,
+                           hf_batch1_tok_s=tps1, speedup_vs_hf_batch1=rows[c]["tok_s"] / tps1)
         del hf
-        free_memory(device)
     return {"shape": SHAPES.get(name, TINY_SHAPE), "max_model_len": max_len,
             "concurrency": rows, "inject_cost": inject}
-
-
-def run_gpu_bench(models=tuple(SHAPES), device: str = "cuda", concurrency=(1, 16, 64),
-                  prompt_len: int = 256, output_len: int = 256, hf_baseline: bool = True,
-                  variants: bool = True, command: str | None = None) -> dict:
-    """``run_suite`` of ``bench_shape`` over ``models`` (``SHAPES`` keys, or ``tiny``)."""
-    config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
-              "prompt_len": prompt_len, "output_len": output_len, "ignore_eos": True,
-              "goal": "decode step <= 1.5x its bandwidth floor at 64 concurrent"}
-    return run_suite(models, lambda name, root, bw: bench_shape(
-        name, root, device, concurrency, prompt_len, output_len, bw, hf_baseline, variants),
-        device, command, config)

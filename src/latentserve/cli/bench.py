@@ -92,6 +92,7 @@ def format_table(result: dict) -> str:
 def run(args) -> int:
     """Run ``--suite``; print its table (offline, families) or its JSON, and write
     ``--json-out`` if given. Returns the exit status (0)."""
+    from latentserve.bench.suite import run_suite
     from latentserve.extras import require
 
     conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
@@ -112,23 +113,23 @@ def run(args) -> int:
                                     command="latentserve " + shlex.join(sys.argv[1:]))
         table = table_markdown(result["table"])
     elif args.suite == "gpu":
-        from latentserve.bench.gpu import run_gpu_bench
+        from latentserve.bench import gpu
 
-        result = run_gpu_bench(concurrency=conc or (1, 16, 64),
-                               hf_baseline=not args.no_hf_baseline)
+        result = run_suite(gpu, tuple(gpu.SHAPES), "cuda", conc or (1, 16, 64),
+                           hf_baseline=not args.no_hf_baseline)
     elif args.suite == "loop":
         require("peft", "bench --suite loop (it builds a PCCoT checkpoint)")
-        from latentserve.bench.loop import run_loop_bench
+        from latentserve.bench import loop
 
-        result = run_loop_bench(device=args.device,
-                                concurrency=conc or ((1, 16, 64) if cuda else (1, 8)))
+        result = run_suite(loop, ("pccot-gpt2-124m",), args.device,
+                           conc or ((1, 16, 64) if cuda else (1, 8)))
     else:
         if cuda:
             require("peft", "bench --suite latent on cuda (it builds a CODI checkpoint)")
-        from latentserve.bench.latent import run_latent_bench
+        from latentserve.bench import latent
 
-        result = run_latent_bench(
-            ("coconut-gpt2-124m", "codi-llama-3.2-1b") if cuda else ("coconut-gpt2-124m",),
+        result = run_suite(
+            latent, ("coconut-gpt2-124m", "codi-llama-3.2-1b") if cuda else ("coconut-gpt2-124m",),
             args.device, conc or ((1, 16, 64) if cuda else (32,)))
     text = json.dumps(result, indent=1)
     if table is not None:
