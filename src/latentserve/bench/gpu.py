@@ -3,7 +3,6 @@ its bandwidth floor and HF ``generate``. Seconds, output tokens/s, bytes/s."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -78,24 +77,20 @@ def _hf_run(model, prompts, output_len: int, device: str) -> float:
 
 
 def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
-    """Replay time of a decode graph with the latent inject buffers bound vs without."""
+    """Replay time (s) of a decode graph with the latent inject buffers bound vs without."""
     r = engine.runner
-    hidden = r.graphs.embeds.shape[1]
+    z = torch.zeros(bs, dtype=torch.int64, device="cuda")
+    kv = torch.full((bs,), 384, dtype=torch.int32, device="cuda")
+    rows = torch.full((bs,), r.table.dummy_row, dtype=torch.int64, device="cuda")
     out = {}
-    for capable in (True, False):
-        g = CudaGraphRunner(r.model, r.backend, r.kv_pool, r.table, bs, hidden,
-                            r.graphs.embeds.dtype, latent_capable=capable)
-        z = torch.zeros(bs, dtype=torch.int64, device="cuda")
-        kv = torch.full((bs,), 384, dtype=torch.int32, device="cuda")
-        rows = torch.full((bs,), r.table.dummy_row, dtype=torch.int64, device="cuda")
+    for key, capable in (("with_inject_s", True), ("without_inject_s", False)):
+        g = CudaGraphRunner(r.model, r.backend, r.kv_pool, r.table, bs,
+                            r.graphs.embeds.shape[1], r.graphs.embeds.dtype,
+                            latent_capable=capable)
         for _ in range(3):
             g.replay(z, z, rows, kv, z)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            g.replay(z, z, rows, kv, z)
-        torch.cuda.synchronize()
-        out["with_inject_s" if capable else "without_inject_s"] = (time.perf_counter() - t0) / iters
+        out[key] = timed("cuda", lambda g=g: [g.replay(z, z, rows, kv, z)
+                                              for _ in range(iters)])[1] / iters
     out["overhead_pct"] = 100 * (out["with_inject_s"] / out["without_inject_s"] - 1)
     return out
 

@@ -79,36 +79,30 @@ def suite_engine(path, device: str, concurrency, max_len: int, **kw):
 def engine_rows(engine, params, batches: dict, device: str, bw: float, warm_params,
                 on_add=None, floor=kv_floor) -> tuple[dict, dict]:
     """Warm up on every batch of ``batches`` (``{c: prompts}``) with ``warm_params``, then
-    drive each with ``params``. ``rows[c]``: ``measure``'s result; ``outputs[c]``:
-    ``(prompts, engine outputs)``. Returns ``(rows, outputs)``."""
+    drive each with ``params``. ``rows[c]``: ``drive``'s result with ``tok_s`` (output
+    tokens/s), ``decode_step_s`` (the decode steps' steady mean; None without any),
+    ``bandwidth_floor`` (``floor(model, c, ctx, bw, kv_dtype)`` at the decode steps' mean
+    context; a dict with ``floor_s``) and ``step_over_floor``; with CUDA graphs also
+    ``graph_replay_s`` and ``replay_over_floor``; ``outputs[c]``: ``(prompts, engine
+    outputs)``. Prints a line per batch; returns ``(rows, outputs)``."""
     for prompts in batches.values():
         drive(engine, prompts, warm_params, device, "warm", on_add)
     engine.cache.radix.reset()
     rows, outputs = {}, {}
     for c, prompts in batches.items():
-        r = drive(engine, prompts, params, device, f"c{c}", on_add)
+        r = rows[c] = drive(engine, prompts, params, device, f"c{c}", on_add)
         outputs[c] = (prompts, r.pop("outputs"))
-        rows[c] = measure(engine, r, c, bw, floor)
+        step, replay = r["step_s"].get("decode"), r.get("replay_s", {}).get("decode")
+        fl = None if step is None else floor(engine.runner.model, c, r["ctx"]["decode"], bw,
+                                             engine.config.torch_dtype)
+        r.update(tok_s=r["tokens"] / r["wall_s"], decode_step_s=step, bandwidth_floor=fl,
+                 step_over_floor=step / fl["floor_s"] if fl else None)
+        if replay is not None:
+            r.update(graph_replay_s=replay, replay_over_floor=replay / fl["floor_s"])
+        print(f"[{engine.model_name}] c={c}: {r['wall_s']:.3f} s, {r['tok_s']:.1f} tok/s, "
+              f"step {step} s, x floor {r['step_over_floor']}", flush=True)
     engine.cache.check_idle()
     return rows, outputs
-
-
-def measure(engine, r: dict, c: int, bw: float, floor=kv_floor) -> dict:
-    """``r`` (``drive``'s result for ``c`` rows on ``engine``) with ``tok_s`` (output
-    tokens/s), ``decode_step_s`` (its decode steps' steady mean; None without any),
-    ``bandwidth_floor`` (``floor(model, c, ctx, bw, kv_dtype)`` at the decode steps' mean
-    context; a dict with ``floor_s``) and ``step_over_floor``; with CUDA graphs also
-    ``graph_replay_s`` and ``replay_over_floor``. Prints one line; returns ``r``."""
-    step, replay = r["step_s"].get("decode"), r.get("replay_s", {}).get("decode")
-    fl = None if step is None else floor(engine.runner.model, c, r["ctx"]["decode"], bw,
-                                         engine.config.torch_dtype)
-    r.update(tok_s=r["tokens"] / r["wall_s"], decode_step_s=step, bandwidth_floor=fl,
-             step_over_floor=step / fl["floor_s"] if fl else None)
-    if replay is not None:
-        r.update(graph_replay_s=replay, replay_over_floor=replay / fl["floor_s"])
-    print(f"[{engine.model_name}] c={c}: {r['wall_s']:.3f} s, {r['tok_s']:.1f} tok/s, "
-          f"step {step} s, x floor {r['step_over_floor']}", flush=True)
-    return r
 
 
 def reference(rows: dict, outputs: dict, generate, device: str, requests: int,

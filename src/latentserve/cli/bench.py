@@ -48,20 +48,13 @@ def register(sub) -> None:
 def command_line(args) -> str:
     """The ``latentserve bench ...`` offline command equivalent to ``args`` (defaults left
     out, except --num-prompts and --output-len, which are always written)."""
-    parts = ["latentserve", "bench"]
-    if args.model is not None:
-        parts += ["--model", str(args.model)]
-    parts += ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
-    if args.device != "cpu":
-        parts += ["--device", args.device]
-    if args.dtype != "float32":
-        parts += ["--dtype", args.dtype]
-    if args.no_hf_baseline:
-        parts.append("--no-hf-baseline")
-    if args.seed:
-        parts += ["--seed", str(args.seed)]
-    if args.json_out:
-        parts += ["--json-out", str(args.json_out)]
+    parts = ["latentserve", "bench", "--num-prompts", str(args.num_prompts), "--output-len",
+             str(args.output_len)] + ["--no-hf-baseline"] * args.no_hf_baseline
+    for flag, value, default in (("--model", args.model, None), ("--device", args.device, "cpu"),
+                                 ("--dtype", args.dtype, "float32"), ("--seed", args.seed, 0),
+                                 ("--json-out", args.json_out, None)):
+        if value != default:
+            parts += [flag, str(value)]
     return shlex.join(parts)
 
 
