@@ -35,13 +35,6 @@ def load_questions() -> list[dict]:
     return json.loads(text)["questions"]
 
 
-def build_prompts(tokenizer, num_prompts: int, offset: int = 0) -> list[list[int]]:
-    """Token ids of ``num_prompts`` chat prompts, questions ``offset, offset+1, ...`` (cycled)."""
-    qs = load_questions()
-    return [chat_prompt_ids(tokenizer, qs[(offset + i) % len(qs)]["question"])
-            for i in range(num_prompts)]
-
-
 def machine_info() -> dict:
     """Platform, CPU, library versions, threads, load average, OpenMP/MKL variables, GPU."""
     import torch
@@ -181,10 +174,10 @@ def run_offline_bench(model: str | None = None, num_prompts: int = 32, output_le
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(model)
     tokenizer = load_tokenizer(model_dir)
-    prompts = build_prompts(tokenizer, num_prompts)
+    qs = [q["question"] for q in load_questions()]
+    prompts = [chat_prompt_ids(tokenizer, qs[i % len(qs)]) for i in range(num_prompts)]
     # Plain text: no chat-template prefix shared with the timed prompts (cold prefix cache).
-    qs = load_questions()
-    warmup = [list(tokenizer.encode(qs[(num_prompts + i) % len(qs)]["question"]))
+    warmup = [list(tokenizer.encode(qs[(num_prompts + i) % len(qs)]))
               for i in range(WARMUP_PROMPTS)]
     lens = [len(p) for p in prompts]
 

@@ -1,9 +1,6 @@
-"""Trained-model benchmark (issue 27): the project's multiplication models, real weights
-(LoRA adapters over the embedded SmolLM2-135M-Instruct, ``docs/models.md``), serving iCoT
-test questions in the prompt format they were trained with (``eval.colar_eval``): per
-concurrency the decode step against its bandwidth floor, tok/s and the accuracy of the
-answers of that batch; for the CoLaR model also a latent step against a plain one.
-Units: seconds, tokens per second; accuracy a fraction in [0, 1].
+"""Trained-model benchmark: the repository's multiplication models (``docs/models.md``) on
+iCoT test questions in their training prompt format; per concurrency ``engine_rows``' figures
+and the batch's accuracy (a fraction in [0, 1]).
 
 Design notes: docs/internals.md, "latentserve.bench.families".
 """
@@ -62,16 +59,13 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
                 dataset: str = "mult4", output_len: int = 200, answer_len: int = 32,
                 max_latent: int | None = None, cost_steps: int = 32,
                 models_dir: str | Path | None = None, data_dir=None) -> dict:
-    """One trained model (``MODELS`` key, found by ``model_paths`` under ``models_dir``;
-    ``root`` unused): per concurrency c the next c questions of ``dataset``
-    (``eval.datasets`` names: ``mult4``, ``mult5``; the file under ``data_dir``,
-    ``$LATENTSERVE_DATA`` or the package) through ``suite.engine_rows`` (greedy, each ending
-    at its EOS or its cap: ``output_len`` text tokens, CoLaR ``answer_len`` answer tokens
-    after its latent steps, at most ``max_latent``, None: the model's own cap), with
-    ``accuracy`` and ``answers``; for CoLaR ``suite.step_cost`` at the largest concurrency
-    (``cost_steps`` latent steps without the stop against ``cost_steps`` + 1 answer tokens
-    after ``###``, same questions). Returns ``{path, latent, dataset, max_model_len,
-    concurrency: rows, accuracy, step_cost}`` (``step_cost`` None for the text model)."""
+    """One trained model (``MODELS`` key, under ``models_dir``; ``root`` unused): per
+    concurrency c the next c questions of ``dataset`` (an ``eval.datasets`` name) through
+    ``engine_rows``, greedy, capped at ``output_len`` text tokens or, for CoLaR,
+    ``answer_len`` answer tokens after at most ``max_latent`` latents (None: the model's
+    own); for CoLaR also ``step_cost`` (``cost_steps`` latent steps). Returns ``{path, latent,
+    dataset, max_model_len, concurrency, accuracy, step_cost}`` (method: docs/internals.md,
+    "latentserve.bench.families")."""
     path = model_paths([name], models_dir)[name]
     latent = (path / "colar_config.json").is_file()
     latent_cap = 0  # the most latent steps a request takes
