@@ -70,12 +70,12 @@ def summarize(suites: dict) -> list[dict]:
     return [r for family in SUITES if family in suites for r in _rows(family, suites[family])]
 
 
-def table_markdown(rows: list[dict]) -> str:
-    """``rows`` as a Markdown table (figures to 2 decimals, "-" where not measured)."""
+def table_markdown(rows: list[dict], cols=ROW_FIELDS) -> str:
+    """``rows`` as a Markdown table of ``cols`` (figures to 2 decimals, "-" where not
+    measured)."""
     def fmt(v) -> str:
         return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
 
-    cols = ROW_FIELDS
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[k]) for k in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"

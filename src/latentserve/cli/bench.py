@@ -59,27 +59,23 @@ def command_line(args) -> str:
 
 
 def format_table(result: dict) -> str:
-    """A small plain-text table of a ``run_offline_bench`` result."""
-    rows = [("", "wall s", "out tok/s", "total tok/s")]
-    for name, key in (("latentserve", "engine"), ("HF generate (bs=1)", "hf")):
-        r = result.get(key)
-        if r:
-            rows.append((name, f"{r['wall_s']:.2f}", f"{r['output_tok_per_s']:.1f}",
-                         f"{r['total_tok_per_s']:.1f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    head = (f"{result['num_prompts']} prompts x {result['output_len']} output tokens, "
-            f"{result['device']} {result['dtype']}, prompt len mean "
-            f"{result['prompt_len_mean']} tokens")
-    tail = []
+    """A ``run_offline_bench`` result: its setting, a Markdown table, the speedup and
+    whether greedy tokens agree."""
+    from latentserve.bench.families import table_markdown
+
+    cols = ("run", "wall s", "out tok/s", "total tok/s")
+    rows = [dict(zip(cols, (name, r["wall_s"], r["output_tok_per_s"], r["total_tok_per_s"])))
+            for name, key in (("latentserve", "engine"), ("HF generate (bs=1)", "hf"))
+            if (r := result.get(key))]
+    lines = [f"{result['num_prompts']} prompts x {result['output_len']} output tokens, "
+             f"{result['device']} {result['dtype']}, prompt len mean "
+             f"{result['prompt_len_mean']} tokens", table_markdown(rows, cols).rstrip()]
     if result.get("speedup") is not None:
-        tail.append(f"speedup (output tok/s): {result['speedup']:.2f}x")
+        lines.append(f"speedup (output tok/s): {result['speedup']:.2f}x")
     if result.get("greedy_agree") is not None:
-        tail.append("greedy tokens of the first 4 prompts agree with HF: "
-                    f"{'yes' if result['greedy_agree'] else 'NO'}")
-    return "\n".join([head, *lines, *tail])
+        lines.append("greedy tokens of the first 4 prompts agree with HF: "
+                     f"{'yes' if result['greedy_agree'] else 'NO'}")
+    return "\n".join(lines)
 
 
 def run(args) -> int:
