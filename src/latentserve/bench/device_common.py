@@ -90,7 +90,8 @@ def time_replays(graph, replays: int = 200, warmup: int = 1) -> float:
 
 def profile_replay(graph) -> dict:
     """Device ops of one replay of a CUDA ``graph`` (``torch.profiler``): ``device_ops``,
-    ``top`` names, ``busy_us``, ``top_by_time_us``, ``first_ops_us`` (24, start order)."""
+    ``top`` names, ``busy_us``, ``top_by_time_us``, ``first_ops_us`` (24, start order);
+    ``{"error"}`` when the profiler fails (a profiler gap must not lose a benchmark)."""
     import collections
 
     import torch
@@ -98,9 +99,12 @@ def profile_replay(graph) -> dict:
 
     graph.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - reported in the result
+        return {"error": f"{type(exc).__name__}: {exc}"}
     dev_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     names = collections.Counter(e.name for e in dev_events)
     busy = collections.Counter()  # microseconds of device time per op name
