@@ -4,7 +4,9 @@ a choice of shapes: ``python -m benchmarks.gpu [OUT.json] [shape,shape] [--no-hf
 from __future__ import annotations
 
 from benchmarks.common import parser, write_json
-from latentserve.bench.gpu import SHAPES, run_gpu_bench
+from latentserve.bench import gpu
+from latentserve.bench.gpu import SHAPES
+from latentserve.bench.suite import run_suite
 
 
 def main(argv=None) -> int:
@@ -14,8 +16,8 @@ def main(argv=None) -> int:
                    help=f"comma list of {list(SHAPES)}")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     args = p.parse_args(argv)
-    write_json(args.out, run_gpu_bench(tuple(args.shapes.split(",")),
-                                       hf_baseline=not args.no_hf))
+    write_json(args.out, run_suite(gpu, tuple(args.shapes.split(",")),
+                                   hf_baseline=not args.no_hf))
     return 0
 
 

@@ -33,7 +33,9 @@ options; ``--tiny`` runs the whole pipeline on a tiny model on the CPU in second
 from __future__ import annotations
 
 from benchmarks.common import command, parser, write_json
-from latentserve.bench.head_gpu import HEADS, run_head_bench
+from latentserve.bench import head_gpu
+from latentserve.bench.head_gpu import HEADS
+from latentserve.bench.suite import run_suite
 
 
 def main(argv=None) -> int:
@@ -56,12 +58,14 @@ def main(argv=None) -> int:
     cmd = command("head_gpu", argv)
     conc = tuple(int(x) for x in args.concurrency.split(","))
     if args.tiny:
-        res = run_head_bench(("tiny",), "cpu", (1, 4), 8, 4, 4, 1, not args.no_bare, cmd,
-                             args.step_rounds)
+        res = run_suite(head_gpu, ("tiny",), "cpu", (1, 4), cmd, prompt_len=8, max_latent=4,
+                        answer_len=4, ref_requests=1, bare_baseline=not args.no_bare,
+                        step_rounds=args.step_rounds)
     else:
-        res = run_head_bench(tuple(args.shapes.split(",")), "cuda", conc, args.prompt_len,
-                             args.max_latent, args.answer_len, args.ref_requests,
-                             not args.no_bare, cmd, args.step_rounds)
+        res = run_suite(head_gpu, tuple(args.shapes.split(",")), "cuda", conc, cmd,
+                        prompt_len=args.prompt_len, max_latent=args.max_latent,
+                        answer_len=args.answer_len, ref_requests=args.ref_requests,
+                        bare_baseline=not args.no_bare, step_rounds=args.step_rounds)
     write_json(args.out, res)
     return 0
 

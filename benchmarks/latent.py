@@ -16,7 +16,8 @@ a plain one (``step_cost``; method: docs/internals.md, "latentserve.bench.famili
 from __future__ import annotations
 
 from benchmarks.common import command, parser, write_json
-from latentserve.bench.latent import run_latent_bench
+from latentserve.bench import latent
+from latentserve.bench.suite import run_suite
 
 
 def main(argv=None) -> int:
@@ -27,9 +28,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     models = ("coconut-gpt2-124m", "codi-llama-3.2-1b") if cuda else ("coconut-gpt2-124m",)
-    write_json(args.out, run_latent_bench(tuple(args.only.split(",")) if args.only else models,
-                                          args.device, (1, 16, 64) if cuda else (32,),
-                                          command=command("latent", argv)))
+    write_json(args.out, run_suite(latent, tuple(args.only.split(",")) if args.only else models,
+                                   args.device, (1, 16, 64) if cuda else (32,),
+                                   command("latent", argv)))
     return 0
 
 

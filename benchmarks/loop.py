@@ -17,7 +17,8 @@ Run: ``latentserve bench --suite loop [--device cuda] --json-out PATH`` or
 from __future__ import annotations
 
 from benchmarks.common import command, parser, write_json
-from latentserve.bench.loop import run_loop_bench
+from latentserve.bench import loop
+from latentserve.bench.suite import run_suite
 
 
 def main(argv=None) -> int:
@@ -25,9 +26,8 @@ def main(argv=None) -> int:
     p.add_argument("out", nargs="?", default="loop_bench.json", help="JSON output path")
     p.add_argument("device", nargs="?", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
-    res = run_loop_bench(device=args.device,
-                         concurrency=(1, 16, 64) if args.device == "cuda" else (1, 8),
-                         command=command("loop", argv))
+    res = run_suite(loop, ("pccot-gpt2-124m",), args.device,
+                    (1, 16, 64) if args.device == "cuda" else (1, 8), command("loop", argv))
     write_json(args.out, res)
     return 0
 

@@ -40,7 +40,8 @@ options; ``--tiny`` runs the whole pipeline on tiny models on the CPU in seconds
 from __future__ import annotations
 
 from benchmarks.common import command, parser, write_json
-from latentserve.bench.recurrent_gpu import run_recurrent_gpu_bench
+from latentserve.bench import recurrent_gpu
+from latentserve.bench.suite import run_suite
 
 FULL = ("huginn-0125", "ouro-1.4b")
 
@@ -67,13 +68,13 @@ def main(argv=None) -> int:
                 "TRITON_INTERPRET=1 on CPU)")
     cmd = command("recurrent_gpu", argv)
     if args.tiny:
-        res = run_recurrent_gpu_bench(("huginn-tiny", "ouro-tiny"), "cpu", (1, 4), 8, 4, 1, 3,
-                                      command=cmd)
+        res = run_suite(recurrent_gpu, ("huginn-tiny", "ouro-tiny"), "cpu", (1, 4), cmd,
+                        prompt_len=8, output_len=4, ref_requests=1, ref_output_len=3)
     else:
-        res = run_recurrent_gpu_bench(
-            tuple(args.models.split(",")), "cuda",
-            tuple(int(x) for x in args.concurrency.split(",")), args.prompt_len,
-            args.output_len, args.ref_requests, args.ref_output_len, command=cmd)
+        res = run_suite(recurrent_gpu, tuple(args.models.split(",")), "cuda",
+                        tuple(int(x) for x in args.concurrency.split(",")), cmd,
+                        prompt_len=args.prompt_len, output_len=args.output_len,
+                        ref_requests=args.ref_requests, ref_output_len=args.ref_output_len)
     write_json(args.out, res)
     return 0
 

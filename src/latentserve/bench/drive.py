@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
+import importlib.util
 import time
+from collections import defaultdict
 
 import torch
 
@@ -60,13 +63,9 @@ class Probe:
 
         self.real_finish, overlap.finish = overlap.finish, finish
         graphs.replay, graphs.replay_packed = timed(graphs.replay), timed(graphs.replay_packed)
-        try:
-            from triton import knobs
-        except ImportError:
-            knobs = None
-        self.knobs = knobs
-        if knobs is not None:  # a compile in a timed run would count as serving time
-            knobs.runtime.jit_post_compile_hook = \
+        self.knobs = importlib.util.find_spec("triton") and importlib.import_module("triton.knobs")
+        if self.knobs:  # a compile in a timed run would count as serving time
+            self.knobs.runtime.jit_post_compile_hook = \
                 lambda **kw: self.compiles.append(kw["repr"][:160])
         self.gc0 = [g["collections"] for g in gc.get_stats()]
         return self
@@ -75,16 +74,16 @@ class Probe:
         for name in ("replay", "replay_packed"):  # back to the class methods
             self.engine.runner.graphs.__dict__.pop(name, None)
         overlap.finish = self.real_finish
-        if self.knobs is not None:
+        if self.knobs:
             self.knobs.runtime.jit_post_compile_hook = None
 
     def summary(self) -> dict:
         """``replay_s`` (mean per kind), ``jit_compiles``, ``gc_collections`` and, after
         decode waits, ``overlap_wait_s`` (mean) and ``host_bound_frac`` (share under 20 us)."""
         torch.cuda.synchronize()
-        replays: dict[str, list[float]] = {}
+        replays: dict[str, list[float]] = defaultdict(list)
         for kind, a, b in self.events:
-            replays.setdefault(kind, []).append(a.elapsed_time(b) / 1e3)
+            replays[kind].append(a.elapsed_time(b) / 1e3)
         out = {"replay_s": {k: sum(v) / len(v) for k, v in replays.items()},
                "jit_compiles": self.compiles,
                "gc_collections": [g["collections"] - b
@@ -106,8 +105,8 @@ def drive(engine, prompts, params, device: str, tag: str, on_add=None) -> dict:
     graphs0, reqs = engine.runner.num_graph_steps, []
     probe = Probe(engine) if engine.runner.graphs is not None else None
     toks: dict[str, list[int]] = {r: [] for r in rids}
-    times: dict[str, list[float]] = {}
-    ctx: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = defaultdict(list)
+    ctx: dict[str, list[float]] = defaultdict(list)
     thought = None
     with probe or contextlib.nullcontext():
         sync(device)
@@ -121,13 +120,12 @@ def drive(engine, prompts, params, device: str, tag: str, on_add=None) -> dict:
         while engine.has_unfinished_requests():
             kind = step_kind(engine)
             running = engine.scheduler.running
-            ctx.setdefault(kind, []).append(sum(r.seq_len for r in running)
-                                            / max(len(running), 1))
+            ctx[kind].append(sum(r.seq_len for r in running) / max(len(running), 1))
             if probe is not None:
                 probe.kind = kind
             s = time.perf_counter()
             outs = engine.step()
-            times.setdefault(kind, []).append(time.perf_counter() - s)
+            times[kind].append(time.perf_counter() - s)
             for o in outs:
                 toks[o.rid] += o.new_token_ids
             if thought is None and thinking and all(

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from latentserve.bench.suite import run_suite
 from latentserve.bench.trained import model_paths
 
 ROW_FIELDS = ("family", "model", "concurrency", "step_ms", "replay_ms", "floor_ms",
@@ -44,21 +45,21 @@ def _rows(family: str, res: dict) -> list[dict]:
     return rows
 
 
-# family -> (bench module, its runner, models on the H200, options; tiny models for the CPU,
-# their options: short lengths)
+# family -> (suite module, models on the H200, options; tiny models for the CPU, their
+# options: short lengths)
 SUITES = {
-    "plain": ("gpu", "run_gpu_bench", ("llama-3.2-1b", "smollm2-135m"),
-              {"hf_baseline": False, "variants": False}, ("tiny",), {"output_len": 8}),
-    "feedback": ("latent", "run_latent_bench", ("coconut-gpt2-124m", "codi-llama-3.2-1b"), {},
-                 ("coconut-tiny", "codi-tiny"), {"answer_len": 4, "ref_requests": 1}),
-    "head": ("head_gpu", "run_head_bench", ("llama-3.2-1b",), {}, ("tiny",),
-             {"max_latent": 4, "answer_len": 4, "ref_requests": 1}),
-    "recurrent": ("recurrent_gpu", "run_recurrent_gpu_bench", ("huginn-0125", "ouro-1.4b"), {},
-                  ("huginn-tiny", "ouro-tiny"),
-                  {"output_len": 4, "ref_requests": 1, "ref_output_len": 3}),
-    "loop": ("loop", "run_loop_bench", ("pccot-gpt2-124m",), {}, ("pccot-tiny",),
-             {"answer_len": 4, "ref_requests": 1, "block_size": 4}),
-    "trained": ("trained", "run_trained_bench", ("smollm2-mult-cot", "smollm2-mult-colar"), {},
+    "plain": ("gpu", ("llama-3.2-1b", "smollm2-135m"), {"hf_baseline": False, "variants": False},
+              ("tiny",), {"output_len": 8, "prompt_len": 8}),
+    "feedback": ("latent", ("coconut-gpt2-124m", "codi-llama-3.2-1b"), {},
+                 ("coconut-tiny", "codi-tiny"), {"answer_len": 4, "ref_requests": 1,
+                                                 "prompt_len": 8}),
+    "head": ("head_gpu", ("llama-3.2-1b",), {}, ("tiny",),
+             {"max_latent": 4, "answer_len": 4, "ref_requests": 1, "prompt_len": 8}),
+    "recurrent": ("recurrent_gpu", ("huginn-0125", "ouro-1.4b"), {}, ("huginn-tiny", "ouro-tiny"),
+                  {"output_len": 4, "ref_requests": 1, "ref_output_len": 3, "prompt_len": 8}),
+    "loop": ("loop", ("pccot-gpt2-124m",), {}, ("pccot-tiny",),
+             {"answer_len": 4, "ref_requests": 1, "block_size": 4, "prompt_len": 8}),
+    "trained": ("trained", ("smollm2-mult-cot", "smollm2-mult-colar"), {},
                 ("smollm2-mult-cot", "smollm2-mult-colar"),
                 {"output_len": 4, "answer_len": 4, "max_latent": 4, "cost_steps": 4}),
 }
@@ -69,12 +70,12 @@ def summarize(suites: dict) -> list[dict]:
     return [r for family in SUITES if family in suites for r in _rows(family, suites[family])]
 
 
-def table_markdown(rows: list[dict]) -> str:
-    """``rows`` as a Markdown table (figures to 2 decimals, "-" where not measured)."""
+def table_markdown(rows: list[dict], cols=ROW_FIELDS) -> str:
+    """``rows`` as a Markdown table of ``cols`` (figures to 2 decimals, "-" where not
+    measured)."""
     def fmt(v) -> str:
         return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
 
-    cols = ROW_FIELDS
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[k]) for k in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -91,14 +92,14 @@ def run_families_bench(concurrency=(1, 16, 64), families=tuple(SUITES),
     if not tiny and not torch.cuda.is_available():
         raise RuntimeError("bench --suite families needs a CUDA device (the H200)")
     if "trained" in families:  # at once, not after hours of the other suites
-        model_paths(SUITES["trained"][2])
+        model_paths(SUITES["trained"][1])
     t0, suites = time.perf_counter(), {}
-    for family, (module, runner, models, options, tiny_models, tiny_options) in SUITES.items():
+    for family, (module, models, options, tiny_models, tiny_options) in SUITES.items():
         if family in families:
-            run = getattr(importlib.import_module(f"latentserve.bench.{module}"), runner)
             if tiny:
-                models, options = tiny_models, {**options, "prompt_len": 8, **tiny_options}
-            suites[family] = run(models, "cpu" if tiny else "cuda", concurrency, **options)
+                models, options = tiny_models, {**options, **tiny_options}
+            suites[family] = run_suite(importlib.import_module(f"latentserve.bench.{module}"),
+                                       models, "cpu" if tiny else "cuda", concurrency, **options)
     return {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "suites": suites, "table": summarize(suites),
             "total_s": time.perf_counter() - t0}

@@ -3,14 +3,13 @@ its bandwidth floor and HF ``generate``. Seconds, output tokens/s, bytes/s."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
 
 from latentserve.bench.baseline.tiny_models import save_tiny, save_word_tokenizer
 from latentserve.bench.device_common import free_memory, make_engine, profile_replay, timed
-from latentserve.bench.suite import dtype_for, engine_rows, random_prompts, run_suite
+from latentserve.bench.suite import dtype_for, engine_rows, random_batches
 from latentserve.engine.cuda_graph import CudaGraphRunner
 from latentserve.sampling_params import SamplingParams
 
@@ -33,6 +32,7 @@ TINY_SHAPE = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 
               "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1024}
 # the largest concurrency again with one engine option changed
 VARIANTS = (("unfused", {"fused_ops": False}), ("sync", {"overlap_schedule": False}))
+NOTES = {"ignore_eos": True, "goal": "decode step <= 1.5x its bandwidth floor at 64 concurrent"}
 
 
 def save_random_llama(out_dir: Path, shape: dict, device: str = "cuda") -> Path:
@@ -56,15 +56,11 @@ def build_llama(root: Path, name: str, device: str) -> Path:
 
 
 def _kernels_per_replay(engine, bs: int) -> dict:
-    """``profile_replay`` of the decode graph of batch ``bs``'s bucket, with the bucket."""
-    try:
-        graphs = engine.runner.graphs
-        b = next(x for x in graphs.buckets if x >= bs)
-        graph = graphs.graphs[graphs.graph_depths[0], b]
-        graph.replay()  # re-runs the last step's inputs: same K/V into the same slots
-        return {"bucket": b, **profile_replay(graph)}
-    except Exception as exc:  # noqa: BLE001 - a profiler gap must not lose the benchmark
-        return {"error": f"{type(exc).__name__}: {exc}"}
+    """``profile_replay`` of the decode graph of batch ``bs``'s bucket (the last step's
+    inputs again: the same K/V into the same slots), with the bucket."""
+    graphs = engine.runner.graphs
+    b = next(x for x in graphs.buckets if x >= bs)
+    return {"bucket": b, **profile_replay(graphs.graphs[graphs.graph_depths[0], b])}
 
 
 def _hf_run(model, prompts, output_len: int, device: str) -> float:
@@ -77,41 +73,40 @@ def _hf_run(model, prompts, output_len: int, device: str) -> float:
 
 
 def _inject_cost(engine, bs: int, iters: int = 50) -> dict:
-    """Replay time of a decode graph with the latent inject buffers bound vs without."""
+    """Replay time (s) of a decode graph with the latent inject buffers bound vs without."""
     r = engine.runner
-    hidden = r.graphs.embeds.shape[1]
+    z = torch.zeros(bs, dtype=torch.int64, device="cuda")
+    kv = torch.full((bs,), 384, dtype=torch.int32, device="cuda")
+    rows = torch.full((bs,), r.table.dummy_row, dtype=torch.int64, device="cuda")
     out = {}
-    for capable in (True, False):
-        g = CudaGraphRunner(r.model, r.backend, r.kv_pool, r.table, bs, hidden,
-                            r.graphs.embeds.dtype, latent_capable=capable)
-        z = torch.zeros(bs, dtype=torch.int64, device="cuda")
-        kv = torch.full((bs,), 384, dtype=torch.int32, device="cuda")
-        rows = torch.full((bs,), r.table.dummy_row, dtype=torch.int64, device="cuda")
+    for key, capable in (("with_inject_s", True), ("without_inject_s", False)):
+        g = CudaGraphRunner(r.model, r.backend, r.kv_pool, r.table, bs,
+                            r.graphs.embeds.shape[1], r.graphs.embeds.dtype,
+                            latent_capable=capable)
         for _ in range(3):
             g.replay(z, z, rows, kv, z)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            g.replay(z, z, rows, kv, z)
-        torch.cuda.synchronize()
-        out["with_inject_s" if capable else "without_inject_s"] = (time.perf_counter() - t0) / iters
+        out[key] = timed("cuda", lambda g=g: [g.replay(z, z, rows, kv, z)
+                                              for _ in range(iters)])[1] / iters
     out["overhead_pct"] = 100 * (out["with_inject_s"] / out["without_inject_s"] - 1)
     return out
 
 
-def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int,
-                output_len: int, bw: float, hf_baseline: bool, variants: bool) -> dict:
-    """One shape: ``engine_rows`` (with ``kernels`` and ``inject_cost`` on CUDA), with
-    ``variants`` the ``VARIANTS``, with ``hf_baseline`` HF ``generate`` padded and at batch 1."""
+def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
+                prompt_len: int = 256, output_len: int = 256, hf_baseline: bool = True,
+                variants: bool = True) -> dict:
+    """One shape (``SHAPES`` key, or ``tiny``): ``engine_rows`` (with ``kernels`` and
+    ``inject_cost`` on CUDA), with ``variants`` the ``VARIANTS``, with ``hf_baseline`` HF
+    ``generate`` on the same batches padded and on one prompt."""
     dtype, cuda, max_c = dtype_for(device), device.startswith("cuda"), max(concurrency)
     path = build_llama(root / name, name, device)
     max_len = prompt_len + output_len + 8
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    batches = random_batches(concurrency, prompt_len)
 
     def run(conc, **opts):
         engine = make_engine(path, device, dtype, max(conc), max_len, **opts)
-        rows, _ = engine_rows(engine, sp, conc, prompt_len, device, bw, warm)
+        rows, _ = engine_rows(engine, sp, {c: batches[c] for c in conc}, device, bw, warm)
         if cuda:
             for c in conc:
                 rows[c]["kernels"] = _kernels_per_replay(engine, c)
@@ -129,29 +124,14 @@ def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int
     if hf_baseline:
         from transformers import AutoModelForCausalLM
 
-        g = torch.Generator().manual_seed(1)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
         hf = hf.to(device).eval()
-        _hf_run(hf, random_prompts(g, 1, 16), 8, device)
+        _hf_run(hf, batches[max_c][:1], 8, device)  # warm-up
+        tps1 = _hf_run(hf, batches[max_c][:1], output_len, device)
         for c in concurrency:
-            tps = _hf_run(hf, random_prompts(g, c, prompt_len), output_len, device)
-            rows[c].update(hf_padded_batch_tok_s=tps, speedup=rows[c]["tok_s"] / tps)
-        tps1 = _hf_run(hf, random_prompts(g, 1, prompt_len), output_len, device)
-        for c in concurrency:
-            rows[c].update(hf_batch1_tok_s=tps1, speedup_vs_hf_batch1=rows[c]["tok_s"] / tps1)
+            tps = _hf_run(hf, batches[c], output_len, device)
+            rows[c].update(hf_padded_batch_tok_s=tps, speedup=rows[c]["tok_s"] / tps,
+                           hf_batch1_tok_s=tps1, speedup_vs_hf_batch1=rows[c]["tok_s"] / tps1)
         del hf
-        free_memory(device)
     return {"shape": SHAPES.get(name, TINY_SHAPE), "max_model_len": max_len,
             "concurrency": rows, "inject_cost": inject}
-
-
-def run_gpu_bench(models=tuple(SHAPES), device: str = "cuda", concurrency=(1, 16, 64),
-                  prompt_len: int = 256, output_len: int = 256, hf_baseline: bool = True,
-                  variants: bool = True, command: str | None = None) -> dict:
-    """``run_suite`` of ``bench_shape`` over ``models`` (``SHAPES`` keys, or ``tiny``)."""
-    config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
-              "prompt_len": prompt_len, "output_len": output_len, "ignore_eos": True,
-              "goal": "decode step <= 1.5x its bandwidth floor at 64 concurrent"}
-    return run_suite(models, lambda name, root, bw: bench_shape(
-        name, root, device, concurrency, prompt_len, output_len, bw, hf_baseline, variants),
-        device, command, config)

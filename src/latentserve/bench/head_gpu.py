@@ -8,15 +8,15 @@ from pathlib import Path
 import torch
 
 from latentserve.bench.baseline import head_reference as hr
-from latentserve.bench.device_common import free_memory, make_engine, profile_replay, time_graph
+from latentserve.bench.device_common import free_memory, profile_replay, time_graph
 from latentserve.bench.gpu import SHAPES, TINY_SHAPE, build_llama
 from latentserve.bench.suite import (
     dtype_for,
     engine_rows,
-    random_prompts,
+    random_batches,
     reference,
-    run_suite,
     step_cost,
+    suite_engine,
 )
 from latentserve.latent.bundle import random_bundle, write_bundle
 from latentserve.latent.head import HEAD_BUNDLE_NAME
@@ -27,6 +27,9 @@ HEADS = {"smollm2-135m": {"latent_dim": 128, "source_layer": 23},
          "llama-3.2-1b": {"latent_dim": 512, "source_layer": 12}}
 TINY_HEAD = {"latent_dim": 16, "source_layer": 1}
 THINK_OPEN, THINK_CLOSE = "w5 w6 w7", "w8"  # word-tokenizer ids (5, 6, 7) and (8,)
+NOTES = {"head_dtype": "float32", "think_open_ids": 3, "think_close_ids": 1, "min_latent": 0,
+         "use_stop": False, "ignore_eos": True,
+         "goal": ">= 30x at 64 concurrent; latent step within 10% of plain"}
 
 
 def build_head_model(root: Path, name: str, device: str = "cuda") -> Path:
@@ -58,36 +61,32 @@ def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
     for name, fused in (("torch_fp32", False), ("small_linear_tf32x3", True)):
         out[name], graph = time_graph(lambda f=fused: head.serve_outputs(x, fused=f),
                                       replays=iters)
-        try:
-            out[f"{name}_kernels"] = profile_replay(graph)
-        except Exception as exc:  # noqa: BLE001 - a profiler gap must not lose the benchmark
-            out[f"{name}_kernels"] = {"error": f"{type(exc).__name__}: {exc}"}
+        out[f"{name}_kernels"] = profile_replay(graph)
         del graph
     return out
 
 
-def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int,
-                max_latent: int, answer_len: int, ref_requests: int, bw: float,
-                bare_baseline: bool = True, step_rounds: int = 1) -> dict:
-    """One backbone + head: ``engine_rows``, ``step_cost`` at the largest concurrency (the
-    bare backbone as a third phase when ``bare_baseline``), then ``reference``."""
+def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
+                prompt_len: int = 128, max_latent: int = 32, answer_len: int = 32,
+                ref_requests: int = 3, bare_baseline: bool = True, step_rounds: int = 1) -> dict:
+    """One backbone (``HEADS`` key, or ``tiny``) + head: ``engine_rows``, ``step_cost`` at the
+    largest concurrency (the bare backbone as a third phase when ``bare_baseline``), then
+    ``reference``."""
     dtype = dtype_for(device)
     path = build_head_model(root / name, name, device)
-    n_open, n_close = len(THINK_OPEN.split()), len(THINK_CLOSE.split())
-    max_len = prompt_len + n_open + max_latent + n_close + answer_len + 8
+    n_close = len(THINK_CLOSE.split())
+    max_len = prompt_len + len(THINK_OPEN.split()) + max_latent + n_close + answer_len + 8
     max_c = max(concurrency)
-    engine = make_engine(path, device, dtype, max_c, max_len, kv_slots=(max_c + 1) * max_len)
+    engine = suite_engine(path, device, concurrency, max_len)
     spec = engine.latent_spec
-    rows, outputs = engine_rows(engine, _params(max_latent, answer_len, n_close), concurrency,
-                                prompt_len, device, bw, _params(2, 2, n_close))
-    bare = None
-    if bare_baseline:
-        # NOTE: scheduled like the head engine (both overlap on CUDA by default), so the
-        # bare baseline compares like with like
-        bare = make_engine(path, device, dtype, max_c, max_len, no_latent_head=True,
-                           kv_slots=(max_c + 1) * max_len,
-                           overlap_schedule=engine.config.overlap_schedule)
-    prompts = random_prompts(torch.Generator().manual_seed(1), max_c, prompt_len)
+    rows, outputs = engine_rows(engine, _params(max_latent, answer_len, n_close),
+                                random_batches(concurrency, prompt_len), device, bw,
+                                _params(2, 2, n_close))
+    # NOTE: scheduled like the head engine (both overlap on CUDA by default), so the bare
+    # baseline compares like with like
+    bare = suite_engine(path, device, concurrency, max_len, no_latent_head=True,
+                        overlap_schedule=engine.config.overlap_schedule) if bare_baseline else None
+    prompts = random_batches((max_c,), prompt_len, seed=1)[max_c]
     cost = step_cost(engine, (prompts, _params(max_latent, 1, n_close)),
                      ([p + list(spec.start_ids) for p in prompts],
                       _params(0, max_latent + 1, 0, False)),
@@ -97,38 +96,19 @@ def bench_shape(name: str, root: Path, device: str, concurrency, prompt_len: int
         cost["head_replay_us"] = head_replay_us(head, head.config.hidden_size, max_c)
     del engine, bare
     free_memory(device)
-    bundle = path / "latent_reasoning_head.safetensors"
 
     def generate(prompt, n):
         return hr.head_reference_generate(
-            path, bundle, prompt, spec.start_ids, spec.end_ids, mode="closed_loop",
-            max_latent=max_latent, min_latent=0, use_stop=False,
+            path, path / HEAD_BUNDLE_NAME, prompt, spec.start_ids, spec.end_ids,
+            mode="closed_loop", max_latent=max_latent, min_latent=0, use_stop=False,
             max_tokens=max_latent + n_close + n, eos_ids=(), dtype=dtype, device=device,
             reuse_bundle=True)["tokens"]
 
     ref = reference(rows, outputs, generate, device, ref_requests, answer_len)
     hr._hf_model.cache_clear()
     hr._bundle_cached.cache_clear()
-    free_memory(device)
     backbone = SHAPES.get(name, TINY_SHAPE)
     return {"backbone": backbone,
             "head": {**HEADS.get(name, TINY_HEAD), "mlp_dim": backbone["hidden_size"] // 2},
             "max_model_len": max_len, "concurrency": rows, "step_cost": cost,
             "reference": ref}
-
-
-def run_head_bench(models=tuple(HEADS), device: str = "cuda", concurrency=(1, 16, 64),
-                   prompt_len: int = 128, max_latent: int = 32, answer_len: int = 32,
-                   ref_requests: int = 3, bare_baseline: bool = True,
-                   command: str | None = None, step_rounds: int = 1) -> dict:
-    """``run_suite`` of ``bench_shape`` over ``models`` (``HEADS`` keys, or ``tiny``)."""
-    config = {"device": device, "dtype": dtype_for(device), "head_dtype": "float32",
-              "concurrency": list(concurrency), "prompt_len": prompt_len,
-              "step_rounds": step_rounds, "think_open_ids": len(THINK_OPEN.split()),
-              "think_close_ids": len(THINK_CLOSE.split()), "max_latent": max_latent,
-              "min_latent": 0, "use_stop": False, "answer_len": answer_len, "ignore_eos": True,
-              "ref_requests": ref_requests, "cuda_graphs": device.startswith("cuda"),
-              "goal": ">= 30x at 64 concurrent; latent step within 10% of plain"}
-    return run_suite(models, lambda name, root, bw: bench_shape(
-        name, root, device, concurrency, prompt_len, max_latent, answer_len, ref_requests,
-        bw, bare_baseline, step_rounds), device, command, config)

@@ -8,15 +8,16 @@ from pathlib import Path
 from latentserve.bench.baseline.loop_models import write_upstream_pccot
 from latentserve.bench.baseline.loop_reference import load_pccot_reference, reference_generate_loop
 from latentserve.bench.baseline.tiny_models import save_tiny
-from latentserve.bench.device_common import free_memory, make_engine
+from latentserve.bench.device_common import free_memory
 from latentserve.bench.drive import drive
 from latentserve.bench.latent import GPT2_124M
-from latentserve.bench.suite import dtype_for, engine_rows, reference, run_suite
+from latentserve.bench.suite import dtype_for, engine_rows, random_batches, reference, suite_engine
 from latentserve.latent.loop_convert import convert_pccot
 from latentserve.sampling_params import SamplingParams
 
 # (GPT-2 base shape, LoRA rank) per benchmark name; the tiny one runs on the CPU in seconds
 MODELS = {"pccot-gpt2-124m": (GPT2_124M, 128), "pccot-tiny": ({}, 8)}
+NOTES = {"ignore_eos": True, "prefix_caching": False, "goal": ">= 20x at 64 concurrent"}
 
 
 def build_pccot_gpt2(root: Path, name: str, block_size: int, iterations: int) -> Path:
@@ -33,24 +34,24 @@ def _one_position(req) -> None:
     req.state.pass_chunk = 1  # every pass split into one-position forwards
 
 
-def bench_model(name: str, root: Path, device: str, concurrency, answer_len: int,
-                prompt_len: int, ref_requests: int, block_size: int, iterations: int,
-                bw: float) -> dict:
-    """One model: ``engine_rows`` (block passes), the same prompts with one-position passes
+def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
+                answer_len: int = 16, prompt_len: int = 64, ref_requests: int = 2,
+                block_size: int = 24, iterations: int = 3) -> dict:
+    """One model (``MODELS`` key; 24 latents and 3 Jacobi iterations as upstream's released
+    recipe): ``engine_rows`` (block passes), the same prompts with one-position passes
     (``position_by_position`` and the speedups over it), then ``reference``."""
-    dtype, root = dtype_for(device), root / name
+    root = root / name
     path = build_pccot_gpt2(root, name, block_size, iterations)
-    max_c, max_len = max(concurrency), prompt_len + block_size + answer_len + 16
-    engine = make_engine(path, device, dtype, max_c, max_len, enable_prefix_caching=False,
-                         kv_slots=(max_c + 1) * max_len)
+    max_len = prompt_len + block_size + answer_len + 16
+    engine = suite_engine(path, device, concurrency, max_len, enable_prefix_caching=False)
 
     def params(n):
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
                               latent_budget=iterations)
 
-    rows, outputs = engine_rows(engine, params(answer_len), concurrency, prompt_len, device, bw,
-                                params(2))
-    drive(engine, outputs[max_c][0][:2], params(2), device, "warm", _one_position)
+    rows, outputs = engine_rows(engine, params(answer_len),
+                                random_batches(concurrency, prompt_len), device, bw, params(2))
+    drive(engine, outputs[max(concurrency)][0][:2], params(2), device, "warm", _one_position)
     for c in concurrency:
         pos = drive(engine, outputs[c][0], params(answer_len), device, "pos", _one_position)
         rows[c].update(position_by_position={k: pos[k] for k in ("wall_s", "thought_s",
@@ -59,26 +60,11 @@ def bench_model(name: str, root: Path, device: str, concurrency, answer_len: int
                        wall_speedup_vs_positions=pos["wall_s"] / rows[c]["wall_s"])
     del engine
     free_memory(device)
-    ref = load_pccot_reference(str(root / "base"), str(root / "adapter"), device, dtype)
+    ref = load_pccot_reference(str(root / "base"), str(root / "adapter"), device,
+                               dtype_for(device))
     ref_out = reference(rows, outputs, lambda p, n: reference_generate_loop(
         ref, p, iterations, n, ignore_eos=True)[0], device, ref_requests, answer_len)
     load_pccot_reference.cache_clear()
-    free_memory(device)
     return {"block_size": block_size, "iterations": iterations, "answer_len": answer_len,
             "prompt_len": prompt_len, "max_model_len": max_len, "concurrency": rows,
             "reference": ref_out}
-
-
-def run_loop_bench(models=("pccot-gpt2-124m",), device: str = "cuda",
-                   concurrency=(1, 16, 64), answer_len: int = 16, prompt_len: int = 64,
-                   ref_requests: int = 2, block_size: int = 24, iterations: int = 3,
-                   command: str | None = None) -> dict:
-    """``run_suite`` of ``bench_model`` over ``models`` (``MODELS`` keys); 24 latents and 3
-    Jacobi iterations as upstream's released recipe."""
-    config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
-              "prompt_len": prompt_len, "answer_len": answer_len, "block_size": block_size,
-              "iterations": iterations, "ignore_eos": True, "ref_requests": ref_requests,
-              "prefix_caching": False, "goal": ">= 20x at 64 concurrent"}
-    return run_suite(models, lambda name, root, bw: bench_model(
-        name, root, device, concurrency, answer_len, prompt_len, ref_requests, block_size,
-        iterations, bw), device, command, config)

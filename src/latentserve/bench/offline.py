@@ -6,7 +6,10 @@ Design notes: docs/internals.md, "latentserve.bench.offline".
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -16,7 +19,7 @@ import time
 from datetime import UTC, datetime
 from importlib import resources
 
-from latentserve.bench.device_common import sync
+from latentserve.bench.device_common import sync, timed
 from latentserve.eval.datasets import chat_prompt_ids
 from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
 from latentserve.sampling_params import SamplingParams
@@ -32,61 +35,36 @@ def load_questions() -> list[dict]:
     return json.loads(text)["questions"]
 
 
-def build_prompts(tokenizer, num_prompts: int, offset: int = 0) -> list[list[int]]:
-    """Token ids of ``num_prompts`` chat prompts, questions ``offset, offset+1, ...`` (cycled)."""
-    qs = load_questions()
-    return [chat_prompt_ids(tokenizer, qs[(offset + i) % len(qs)]["question"])
-            for i in range(num_prompts)]
-
-
 def machine_info() -> dict:
     """Platform, CPU, library versions, threads, load average, OpenMP/MKL variables, GPU."""
     import torch
     import transformers
 
     cpu_model = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        cpu_model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), cpu_model)
+    triton = importlib.util.find_spec("triton") and importlib.import_module("triton")
     info = {
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_model": cpu_model,
         "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "torch_num_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "triton": triton.__version__ if triton else None,
         "loadavg_1m": _loadavg(),
         # Threading knobs that change CPU results a lot on a shared machine.
         "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY",
                                                  "MKL_NUM_THREADS", "GOMP_SPINCOUNT")},
     }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
     return info
-
-
-def _cpu_s() -> float:
-    """CPU seconds used by this process (user + system)."""
-    t = os.times()
-    return t.user + t.system
 
 
 def _loadavg() -> float | None:
@@ -97,19 +75,20 @@ def _loadavg() -> float | None:
         return None
 
 
-def _rates(wall_s: float, output_tokens: int, prompt_tokens: int, cpu_s: float,
-           load_before: float | None) -> dict:
-    """Throughputs (tokens/s) of a timed run, with its CPU seconds and load averages."""
-    return {
-        "wall_s": round(wall_s, 4),
-        "cpu_s": round(cpu_s, 3),
-        "loadavg_1m_before": load_before,
-        "loadavg_1m_after": _loadavg(),
-        "output_tokens": output_tokens,
-        "total_tokens": output_tokens + prompt_tokens,
-        "output_tok_per_s": round(output_tokens / wall_s, 3),
-        "total_tok_per_s": round((output_tokens + prompt_tokens) / wall_s, 3),
-    }
+def _timed_run(generate, prompts, device: str) -> tuple[dict, list[list[int]]]:
+    """``generate()`` (the output ids per prompt) timed after a GC: wall and CPU seconds,
+    load averages, token counts and throughputs (tokens/s). Returns ``(rates, outputs)``."""
+    gc.collect()
+    load0, cpu0, t0 = _loadavg(), time.process_time(), time.perf_counter()
+    tokens = generate()
+    sync(device)
+    wall, out = time.perf_counter() - t0, sum(map(len, tokens))
+    total = out + sum(map(len, prompts))
+    return {"wall_s": round(wall, 4), "cpu_s": round(time.process_time() - cpu0, 3),
+            "loadavg_1m_before": load0, "loadavg_1m_after": _loadavg(),
+            "output_tokens": out, "total_tokens": total,
+            "output_tok_per_s": round(out / wall, 3),
+            "total_tok_per_s": round(total / wall, 3)}, tokens
 
 
 def _run_engine(model, prompts, warmup, output_len, device, dtype, seed
@@ -120,27 +99,26 @@ def _run_engine(model, prompts, warmup, output_len, device, dtype, seed
     llm = LLM(model=model, device=device, dtype=dtype, seed=seed,
               max_num_seqs=max(64, len(prompts)))
     load_s = time.perf_counter() - t0
-    greedy = {"temperature": 0.0, "ignore_eos": True}
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in warmup],
-                 SamplingParams(max_tokens=WARMUP_OUTPUT_LEN, **greedy), use_tqdm=False)
-    sync(device)
-    warmup_s = time.perf_counter() - t0
-    gc.collect()
-    load0, cpu0, t0 = _loadavg(), _cpu_s(), time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=output_len, **greedy), use_tqdm=False)
-    sync(device)
-    wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    res = _rates(wall, sum(map(len, tokens)), sum(map(len, prompts)), cpu, load0)
+
+    def generate(ps, n):
+        return llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(
+            max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+
+    warmup_s = timed(device, generate, warmup, WARMUP_OUTPUT_LEN)[1]
+    outs = []
+
+    def run():
+        outs.extend(generate(prompts, output_len))
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    res, tokens = _timed_run(run, prompts, device)
+    cfg = llm.engine.config
     res.update(load_s=round(load_s, 3), warmup_s=round(warmup_s, 3),
                prefix_cached_tokens=sum(o.num_cached_tokens for o in outs),
-               max_num_seqs=llm.engine.config.max_num_seqs,
-               max_num_batched_tokens=llm.engine.config.max_num_batched_tokens,
-               enable_prefix_caching=llm.engine.config.enable_prefix_caching)
+               max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+               enable_prefix_caching=cfg.enable_prefix_caching)
     eos = sorted(llm.engine.eos_ids)
-    del llm
+    llm = None  # freed before the HF baseline loads
     gc.collect()
     return res, tokens, eos
 
@@ -165,16 +143,8 @@ def _run_hf(model_dir, prompts, output_len, device, dtype) -> tuple[dict, list[l
                               max_new_tokens=n, min_new_tokens=n, pad_token_id=pad)
         return out[0, len(ids):].tolist()
 
-    gen(prompts[0], 4)  # warm-up, untimed
-    sync(device)
-    gc.collect()
-    tokens = []
-    load0, cpu0, t0 = _loadavg(), _cpu_s(), time.perf_counter()
-    for p in prompts:
-        tokens.append(gen(p, output_len))
-    sync(device)
-    wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
-    res = _rates(wall, sum(map(len, tokens)), sum(map(len, prompts)), cpu, load0)
+    timed(device, gen, prompts[0], 4)  # warm-up, untimed
+    res, tokens = _timed_run(lambda: [gen(p, output_len) for p in prompts], prompts, device)
     res.update(load_s=round(load_s, 3), batch_size=1)
     return res, tokens  # the model is freed with this frame
 
@@ -204,10 +174,10 @@ def run_offline_bench(model: str | None = None, num_prompts: int = 32, output_le
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_dir = resolve_model_dir(model)
     tokenizer = load_tokenizer(model_dir)
-    prompts = build_prompts(tokenizer, num_prompts)
+    qs = [q["question"] for q in load_questions()]
+    prompts = [chat_prompt_ids(tokenizer, qs[i % len(qs)]) for i in range(num_prompts)]
     # Plain text: no chat-template prefix shared with the timed prompts (cold prefix cache).
-    qs = load_questions()
-    warmup = [list(tokenizer.encode(qs[(num_prompts + i) % len(qs)]["question"]))
+    warmup = [list(tokenizer.encode(qs[(num_prompts + i) % len(qs)]))
               for i in range(WARMUP_PROMPTS)]
     lens = [len(p) for p in prompts]
 

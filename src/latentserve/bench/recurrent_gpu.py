@@ -10,8 +10,8 @@ import torch
 
 from latentserve.bench.baseline import recurrent_models as rm
 from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
-from latentserve.bench.device_common import free_memory, make_engine, param_bytes
-from latentserve.bench.suite import dtype_for, engine_rows, reference, run_suite
+from latentserve.bench.device_common import free_memory, param_bytes
+from latentserve.bench.suite import dtype_for, engine_rows, random_batches, reference, suite_engine
 from latentserve.kvcache.pool import KVPool
 from latentserve.sampling_params import SamplingParams
 
@@ -29,6 +29,7 @@ MODELS = {"huginn-0125": ("huginn", HUGINN_3_5B, (8, 32)),
           "huginn-tiny": ("huginn", {**rm.HUGINN_TINY, "mean_recurrence": 2,
                                      "max_recurrence": 4}, (2, 4)),
           "ouro-tiny": ("ouro", {**rm.OURO_TINY, "max_recurrence": 4}, (4,))}
+NOTES = {"ignore_eos": True, "early_exit": False, "goal": ">= 30x at 64 concurrent"}
 
 
 def decode_floor(model, batch: int, ctx: float, bw: float, kv_dtype, family: str,
@@ -55,49 +56,33 @@ def decode_floor(model, batch: int, ctx: float, bw: float, kv_dtype, family: str
             "floor_s": (weights + kv) / bw}
 
 
-def bench_model(name: str, family: str, shape: dict, depths, root: Path, device: str,
-                concurrency, prompt_len: int, output_len: int, ref_requests: int,
-                ref_output_len: int, bw: float) -> dict:
-    """One model: ``engine_rows`` at every depth, then per depth ``reference`` (timed at
-    ``ref_output_len`` tokens)."""
-    dtype = dtype_for(device)
+def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
+                prompt_len: int = 64, output_len: int = 32, ref_requests: int = 2,
+                ref_output_len: int = 8) -> dict:
+    """One model (``MODELS`` key): ``engine_rows`` at every depth, then per depth
+    ``reference`` (timed at ``ref_output_len`` tokens)."""
+    family, shape, depths = MODELS[name]
+    dtype = getattr(torch, dtype_for(device))
     write = rm.write_huginn if family == "huginn" else rm.write_ouro
-    path = write(root / name, save_dtype=getattr(torch, dtype), init_device=device, **shape)
-    max_c, max_len = max(concurrency), prompt_len + output_len + 8
-    engine = make_engine(path, device, dtype, max_c, max_len, kv_slots=(max_c + 1) * max_len)
+    path = write(root / name, save_dtype=dtype, init_device=device, **shape)
+    max_len = prompt_len + output_len + 8
+    engine = suite_engine(path, device, concurrency, max_len)
     extra = {"exit_criterion": "last"} if family == "ouro" else {}
 
     def params(depth, n):
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
                               latent_budget=depth, **extra)
 
-    runs = {depth: engine_rows(engine, params(depth, output_len), concurrency, prompt_len,
-                               device, bw, params(depth, 2), floor=partial(
+    batches = random_batches(concurrency, prompt_len)
+    runs = {depth: engine_rows(engine, params(depth, output_len), batches, device, bw,
+                               params(depth, 2), floor=partial(
                                    decode_floor, family=family, depth=depth))
             for depth in depths}
     del engine
     free_memory(device)
-    cls = HuginnReference if family == "huginn" else OuroReference
-    ref = cls(path, dtype=getattr(torch, dtype), device=device)
+    ref = (HuginnReference if family == "huginn" else OuroReference)(path, dtype, device)
     readout = ["last"] if family == "ouro" else []
     out = {str(depth): {"concurrency": rows, "reference": reference(
         rows, outputs, lambda p, n, d=depth: ref.generate(p, n, d, *readout)["tokens"], device,
         ref_requests, output_len, ref_output_len)} for depth, (rows, outputs) in runs.items()}
-    ref = None
-    free_memory(device)
     return {"family": family, "shape": shape, "max_model_len": max_len, "depths": out}
-
-
-def run_recurrent_gpu_bench(models=("huginn-0125", "ouro-1.4b"), device: str = "cuda",
-                            concurrency=(1, 16, 64), prompt_len: int = 64,
-                            output_len: int = 32, ref_requests: int = 2,
-                            ref_output_len: int = 8, command: str | None = None) -> dict:
-    """``run_suite`` of ``bench_model`` over ``models`` (``MODELS`` keys)."""
-    config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
-              "prompt_len": prompt_len, "output_len": output_len, "ignore_eos": True,
-              "early_exit": False, "ref_requests": ref_requests,
-              "ref_output_len": ref_output_len, "cuda_graphs": device.startswith("cuda"),
-              "goal": ">= 30x at 64 concurrent"}
-    return run_suite(models, lambda name, root, bw: bench_model(
-        name, *MODELS[name], root, device, concurrency, prompt_len, output_len, ref_requests,
-        ref_output_len, bw), device, command, config)

@@ -48,12 +48,8 @@ BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
 def resolve_target(args: argparse.Namespace) -> None:
     """Fill ``args.base_url`` (else ``http://--host:--port``) and ``args.endpoint`` (else
     ``--backend``'s, else chat completions) as ``vllm bench serve`` does."""
-    if not getattr(args, "base_url", None):
-        args.base_url = (f"http://{getattr(args, 'host', '127.0.0.1')}:"
-                         f"{getattr(args, 'port', 8000)}")
-    if not getattr(args, "endpoint", None):
-        args.endpoint = BACKEND_ENDPOINTS.get(getattr(args, "backend", None),
-                                              "/v1/chat/completions")
+    args.base_url = args.base_url or f"http://{args.host}:{args.port}"
+    args.endpoint = args.endpoint or BACKEND_ENDPOINTS.get(args.backend, "/v1/chat/completions")
 
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -331,32 +327,25 @@ def command_line(args: argparse.Namespace) -> str:
     parts = ["latentserve", "bench", "serve", "--base-url", args.base_url,
              "--endpoint", args.endpoint, "--dataset", args.dataset,
              "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
-    if args.dataset == "random":
-        parts += ["--input-len", str(args.input_len)]
-    if args.dataset_path:
-        parts += ["--dataset-path", args.dataset_path]
-    for flag, value in (("--sharegpt-output-len", args.sharegpt_output_len),
-                        ("--custom-output-len", args.custom_output_len)):
-        if value is not None:
-            parts += [flag, str(value)]
     if not args.ignore_eos:
         parts.append("--no-ignore-eos")
-    if args.extra_body:
-        parts += ["--extra-body", json.dumps(args.extra_body)]
     for key, value in args.header or ():
         parts += ["--header", f"{key}={value}"]
-    if args.model:
-        parts += ["--model", args.model]
-    if args.request_rate != float("inf"):
-        parts += ["--request-rate", f"{args.request_rate:g}"]
-    if args.max_concurrency:
-        parts += ["--max-concurrency", str(args.max_concurrency)]
-    if args.disconnect_fraction:
-        parts += ["--disconnect-fraction", f"{args.disconnect_fraction:g}"]
-    if args.seed:
-        parts += ["--seed", str(args.seed)]
-    if args.json_out:
-        parts += ["--json-out", str(args.json_out)]
+    for flag, value in (
+            ("--input-len", args.input_len if args.dataset == "random" else None),
+            ("--dataset-path", args.dataset_path),
+            ("--sharegpt-output-len", args.sharegpt_output_len),
+            ("--custom-output-len", args.custom_output_len),
+            ("--extra-body", json.dumps(args.extra_body) if args.extra_body else None),
+            ("--model", args.model),
+            ("--request-rate", None if args.request_rate == float("inf")
+             else f"{args.request_rate:g}"),
+            ("--max-concurrency", args.max_concurrency),
+            ("--disconnect-fraction", f"{args.disconnect_fraction:g}"
+             if args.disconnect_fraction else None),
+            ("--seed", args.seed or None), ("--json-out", args.json_out)):
+        if value:
+            parts += [flag, str(value)]
     return shlex.join(parts)
 
 
@@ -374,17 +363,13 @@ def _tokenizer_calls(base_url: str, headers: dict, model: str):
 
     client = httpx.Client(base_url=base_url, headers=headers, timeout=60)
 
-    def count_tokens(text: str) -> int:
-        r = client.post("/tokenize", json={"model": model, "prompt": text})
+    def ask(path: str, body: dict, key: str):
+        r = client.post(path, json={"model": model, **body})
         r.raise_for_status()
-        return r.json()["count"]
+        return r.json()[key]
 
-    def detokenize(ids: list[int]) -> str:
-        r = client.post("/detokenize", json={"model": model, "tokens": ids})
-        r.raise_for_status()
-        return r.json()["prompt"]
-
-    return count_tokens, detokenize
+    return (lambda text: ask("/tokenize", {"prompt": text}, "count"),
+            lambda ids: ask("/detokenize", {"tokens": ids}, "prompt"))
 
 
 def result_path(args: argparse.Namespace, result: dict) -> str:

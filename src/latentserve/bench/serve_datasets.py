@@ -25,9 +25,6 @@ class Sample:
     output_len: int
 
 
-
-
-
 def _repeat(samples: list[Sample], n: int, rng: random.Random) -> list[Sample]:
     """``samples`` brought to ``n``: cut, or topped up with random repeats (vLLM's
     ``maybe_oversample_requests``)."""

@@ -7,6 +7,7 @@ Design notes: docs/internals.md, "latentserve.bench.families".
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import statistics
@@ -16,23 +17,40 @@ from pathlib import Path
 
 import torch
 
-from latentserve.bench.device_common import agreement, copy_bandwidth, kv_floor, timed
+from latentserve.bench.device_common import (
+    agreement,
+    copy_bandwidth,
+    free_memory,
+    kv_floor,
+    make_engine,
+    timed,
+)
 from latentserve.bench.drive import drive
 from latentserve.bench.offline import machine_info
 
 
-def run_suite(names, bench, device: str, command: str | None, config: dict) -> dict:
-    """``bench(name, root, bandwidth)`` for each of ``names`` in a scratch directory. Returns
-    ``{command, date, machine, config, copy_bandwidth_Bps, models: {name: result}, total_s}``."""
+def run_suite(family, models, device: str = "cuda", concurrency=(1, 16, 64),
+              command: str | None = None, **options) -> dict:
+    """``family.bench_model(name, root, bw, device, concurrency, **options)`` (``family``: a
+    suite module; options not given take ``bench_model``'s defaults) for each of ``models``
+    in a scratch directory. Returns ``{command, date, machine, config, copy_bandwidth_Bps,
+    models: {name: result}, total_s}``; ``config``: device, dtype, concurrency, cuda_graphs,
+    the options and ``family.NOTES``."""
     t_start = time.perf_counter()
+    params = inspect.signature(family.bench_model).parameters.values()
+    options = {**{p.name: p.default for p in params if p.default is not p.empty}, **options}
     bw = copy_bandwidth(device)
+    config = {"device": device, "dtype": dtype_for(device), "concurrency": list(concurrency),
+              "cuda_graphs": device.startswith("cuda"), **options, **family.NOTES}
     out = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
            "machine": {**machine_info(), "device": device}, "config": config,
            "copy_bandwidth_Bps": bw, "models": {}}
     with tempfile.TemporaryDirectory() as d:
-        for name in names:
-            out["models"][name] = bench(name, Path(d), bw)
+        for name in models:
+            out["models"][name] = family.bench_model(name, Path(d), bw, device, concurrency,
+                                                     **options)
             shutil.rmtree(Path(d) / name, ignore_errors=True)  # 7.6 GB for Huginn
+            free_memory(device)
             print(json.dumps({name: out["models"][name]}, indent=1), flush=True)
     out["total_s"] = time.perf_counter() - t_start
     return out
@@ -43,48 +61,48 @@ def dtype_for(device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def random_prompts(g, n: int, prompt_len: int) -> list[list[int]]:
-    """``n`` prompts of ``prompt_len`` ids drawn from ``[3, 1000)`` by generator ``g``."""
-    return torch.randint(3, 1000, (n, prompt_len), generator=g).tolist()
+def random_batches(concurrency, prompt_len: int, seed: int = 0) -> dict[int, list[list[int]]]:
+    """Per concurrency c, c prompts of ``prompt_len`` ids drawn from ``[3, 1000)``, all
+    distinct draws of one generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return {c: torch.randint(3, 1000, (c, prompt_len), generator=g).tolist()
+            for c in concurrency}
 
 
-def engine_rows(engine, params, concurrency, prompt_len: int, device: str, bw: float,
-                warm_params, on_add=None, floor=kv_floor) -> tuple[dict, dict]:
-    """Warm up with ``warm_params``, then per concurrency c drive c random prompts with
-    ``params``. ``rows[c]``: drive's result with ``tok_s``, ``decode_step_s`` (or None),
-    ``bandwidth_floor`` (``floor(model, c, ctx, bw, kv_dtype)``), ``step_over_floor`` and with
-    CUDA graphs ``graph_replay_s``, ``replay_over_floor``; ``outputs[c]``: ``(prompts, engine
-    outputs)``. Returns ``(rows, outputs)``."""
-    g = torch.Generator().manual_seed(0)
-    for c in concurrency:
-        drive(engine, random_prompts(g, c, prompt_len), warm_params, device, "warm", on_add)
-    engine.cache.radix.reset()
-    rows, outputs = {}, {}
-    for c in concurrency:
-        prompts = random_prompts(g, c, prompt_len)
-        r = drive(engine, prompts, params, device, f"c{c}", on_add)
-        outputs[c] = (prompts, r.pop("outputs"))
-        rows[c] = measure(engine, r, c, bw, floor)
-    engine.cache.check_idle()
-    return rows, outputs
+def suite_engine(path, device: str, concurrency, max_len: int, **kw):
+    """``make_engine`` for the largest of ``concurrency`` with KV room for one more row."""
+    max_c = max(concurrency)
+    return make_engine(path, device, dtype_for(device), max_c, max_len,
+                       kv_slots=(max_c + 1) * max_len, **kw)
 
 
-def measure(engine, r: dict, c: int, bw: float, floor=kv_floor) -> dict:
-    """``r`` (``drive``'s result for ``c`` rows on ``engine``) with ``tok_s`` (output
-    tokens/s), ``decode_step_s`` (its decode steps' steady mean; None without any),
+def engine_rows(engine, params, batches: dict, device: str, bw: float, warm_params,
+                on_add=None, floor=kv_floor) -> tuple[dict, dict]:
+    """Warm up on every batch of ``batches`` (``{c: prompts}``) with ``warm_params``, then
+    drive each with ``params``. ``rows[c]``: ``drive``'s result with ``tok_s`` (output
+    tokens/s), ``decode_step_s`` (the decode steps' steady mean; None without any),
     ``bandwidth_floor`` (``floor(model, c, ctx, bw, kv_dtype)`` at the decode steps' mean
     context; a dict with ``floor_s``) and ``step_over_floor``; with CUDA graphs also
-    ``graph_replay_s`` and ``replay_over_floor``. Prints one line; returns ``r``."""
-    step, replay = r["step_s"].get("decode"), r.get("replay_s", {}).get("decode")
-    fl = None if step is None else floor(engine.runner.model, c, r["ctx"]["decode"], bw,
-                                         engine.config.torch_dtype)
-    r.update(tok_s=r["tokens"] / r["wall_s"], decode_step_s=step, bandwidth_floor=fl,
-             step_over_floor=step / fl["floor_s"] if fl else None)
-    if replay is not None:
-        r.update(graph_replay_s=replay, replay_over_floor=replay / fl["floor_s"])
-    print(f"[{engine.model_name}] c={c}: {r['wall_s']:.3f} s, {r['tok_s']:.1f} tok/s, "
-          f"step {step} s, x floor {r['step_over_floor']}", flush=True)
-    return r
+    ``graph_replay_s`` and ``replay_over_floor``; ``outputs[c]``: ``(prompts, engine
+    outputs)``. Prints a line per batch; returns ``(rows, outputs)``."""
+    for prompts in batches.values():
+        drive(engine, prompts, warm_params, device, "warm", on_add)
+    engine.cache.radix.reset()
+    rows, outputs = {}, {}
+    for c, prompts in batches.items():
+        r = rows[c] = drive(engine, prompts, params, device, f"c{c}", on_add)
+        outputs[c] = (prompts, r.pop("outputs"))
+        step, replay = r["step_s"].get("decode"), r.get("replay_s", {}).get("decode")
+        fl = None if step is None else floor(engine.runner.model, c, r["ctx"]["decode"], bw,
+                                             engine.config.torch_dtype)
+        r.update(tok_s=r["tokens"] / r["wall_s"], decode_step_s=step, bandwidth_floor=fl,
+                 step_over_floor=step / fl["floor_s"] if fl else None)
+        if replay is not None:
+            r.update(graph_replay_s=replay, replay_over_floor=replay / fl["floor_s"])
+        print(f"[{engine.model_name}] c={c}: {r['wall_s']:.3f} s, {r['tok_s']:.1f} tok/s, "
+              f"step {step} s, x floor {r['step_over_floor']}", flush=True)
+    engine.cache.check_idle()
+    return rows, outputs
 
 
 def reference(rows: dict, outputs: dict, generate, device: str, requests: int,

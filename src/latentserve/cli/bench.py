@@ -48,50 +48,40 @@ def register(sub) -> None:
 def command_line(args) -> str:
     """The ``latentserve bench ...`` offline command equivalent to ``args`` (defaults left
     out, except --num-prompts and --output-len, which are always written)."""
-    parts = ["latentserve", "bench"]
-    if args.model is not None:
-        parts += ["--model", str(args.model)]
-    parts += ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len)]
-    if args.device != "cpu":
-        parts += ["--device", args.device]
-    if args.dtype != "float32":
-        parts += ["--dtype", args.dtype]
-    if args.no_hf_baseline:
-        parts.append("--no-hf-baseline")
-    if args.seed:
-        parts += ["--seed", str(args.seed)]
-    if args.json_out:
-        parts += ["--json-out", str(args.json_out)]
+    parts = ["latentserve", "bench", "--num-prompts", str(args.num_prompts), "--output-len",
+             str(args.output_len)] + ["--no-hf-baseline"] * args.no_hf_baseline
+    for flag, value, default in (("--model", args.model, None), ("--device", args.device, "cpu"),
+                                 ("--dtype", args.dtype, "float32"), ("--seed", args.seed, 0),
+                                 ("--json-out", args.json_out, None)):
+        if value != default:
+            parts += [flag, str(value)]
     return shlex.join(parts)
 
 
 def format_table(result: dict) -> str:
-    """A small plain-text table of a ``run_offline_bench`` result."""
-    rows = [("", "wall s", "out tok/s", "total tok/s")]
-    for name, key in (("latentserve", "engine"), ("HF generate (bs=1)", "hf")):
-        r = result.get(key)
-        if r:
-            rows.append((name, f"{r['wall_s']:.2f}", f"{r['output_tok_per_s']:.1f}",
-                         f"{r['total_tok_per_s']:.1f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                       for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    head = (f"{result['num_prompts']} prompts x {result['output_len']} output tokens, "
-            f"{result['device']} {result['dtype']}, prompt len mean "
-            f"{result['prompt_len_mean']} tokens")
-    tail = []
+    """A ``run_offline_bench`` result: its setting, a Markdown table, the speedup and
+    whether greedy tokens agree."""
+    from latentserve.bench.families import table_markdown
+
+    cols = ("run", "wall s", "out tok/s", "total tok/s")
+    rows = [dict(zip(cols, (name, r["wall_s"], r["output_tok_per_s"], r["total_tok_per_s"])))
+            for name, key in (("latentserve", "engine"), ("HF generate (bs=1)", "hf"))
+            if (r := result.get(key))]
+    lines = [f"{result['num_prompts']} prompts x {result['output_len']} output tokens, "
+             f"{result['device']} {result['dtype']}, prompt len mean "
+             f"{result['prompt_len_mean']} tokens", table_markdown(rows, cols).rstrip()]
     if result.get("speedup") is not None:
-        tail.append(f"speedup (output tok/s): {result['speedup']:.2f}x")
+        lines.append(f"speedup (output tok/s): {result['speedup']:.2f}x")
     if result.get("greedy_agree") is not None:
-        tail.append("greedy tokens of the first 4 prompts agree with HF: "
-                    f"{'yes' if result['greedy_agree'] else 'NO'}")
-    return "\n".join([head, *lines, *tail])
+        lines.append("greedy tokens of the first 4 prompts agree with HF: "
+                     f"{'yes' if result['greedy_agree'] else 'NO'}")
+    return "\n".join(lines)
 
 
 def run(args) -> int:
     """Run ``--suite``; print its table (offline, families) or its JSON, and write
     ``--json-out`` if given. Returns the exit status (0)."""
+    from latentserve.bench.suite import run_suite
     from latentserve.extras import require
 
     conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
@@ -112,23 +102,23 @@ def run(args) -> int:
                                     command="latentserve " + shlex.join(sys.argv[1:]))
         table = table_markdown(result["table"])
     elif args.suite == "gpu":
-        from latentserve.bench.gpu import run_gpu_bench
+        from latentserve.bench import gpu
 
-        result = run_gpu_bench(concurrency=conc or (1, 16, 64),
-                               hf_baseline=not args.no_hf_baseline)
+        result = run_suite(gpu, tuple(gpu.SHAPES), "cuda", conc or (1, 16, 64),
+                           hf_baseline=not args.no_hf_baseline)
     elif args.suite == "loop":
         require("peft", "bench --suite loop (it builds a PCCoT checkpoint)")
-        from latentserve.bench.loop import run_loop_bench
+        from latentserve.bench import loop
 
-        result = run_loop_bench(device=args.device,
-                                concurrency=conc or ((1, 16, 64) if cuda else (1, 8)))
+        result = run_suite(loop, ("pccot-gpt2-124m",), args.device,
+                           conc or ((1, 16, 64) if cuda else (1, 8)))
     else:
         if cuda:
             require("peft", "bench --suite latent on cuda (it builds a CODI checkpoint)")
-        from latentserve.bench.latent import run_latent_bench
+        from latentserve.bench import latent
 
-        result = run_latent_bench(
-            ("coconut-gpt2-124m", "codi-llama-3.2-1b") if cuda else ("coconut-gpt2-124m",),
+        result = run_suite(
+            latent, ("coconut-gpt2-124m", "codi-llama-3.2-1b") if cuda else ("coconut-gpt2-124m",),
             args.device, conc or ((1, 16, 64) if cuda else (32,)))
     text = json.dumps(result, indent=1)
     if table is not None:

@@ -17,20 +17,15 @@ from torch import nn
 
 def _mlp(sd: dict, prefix: str) -> nn.Sequential:
     """A Linear/SiLU stack from ``prefix{0,2,4}.weight`` tensors (the addon's layout)."""
-    layers = []
-    i = 0
-    while f"{prefix}{i}.weight" in sd:
-        w, b = sd[f"{prefix}{i}.weight"], sd.get(f"{prefix}{i}.bias")
-        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-            if b is not None:
-                lin.bias.copy_(b)
-        if layers:
-            layers.append(nn.SiLU())
-        layers.append(lin)
-        i += 2
-    return nn.Sequential(*layers).float().eval()
+    sub = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    layers: list[nn.Module] = []
+    while f"{len(layers)}.weight" in sub:
+        w = sub[f"{len(layers)}.weight"]
+        layers += [nn.Linear(w.shape[1], w.shape[0], bias=f"{len(layers)}.bias" in sub),
+                   nn.SiLU()]
+    net = nn.Sequential(*layers[:-1])
+    net.load_state_dict(sub)
+    return net.float().eval()
 
 
 def load_bundle_reference(path) -> tuple[dict, nn.Module, nn.Module | None, nn.Module]:
@@ -40,17 +35,15 @@ def load_bundle_reference(path) -> tuple[dict, nn.Module, nn.Module | None, nn.M
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            cfg = json.loads(f.metadata()["config"])
-            flat = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-        head = {k[len("reasoning_head."):]: v for k, v in flat.items()
-                if k.startswith("reasoning_head.")}
-        dec = {k[len("decoder."):]: v for k, v in flat.items() if k.startswith("decoder.")}
+            cfg, flat = f.metadata()["config"], {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     else:
         d = torch.load(path, map_location="cpu", weights_only=True)
-        cfg = d["config"] if isinstance(d["config"], dict) else json.loads(d["config"])
-        head, dec = d["reasoning_head"], d["decoder"]
-    stop = _mlp(head, "stop_head.") if "stop_head.0.weight" in head else None
-    return cfg, _mlp(head, "net."), stop, _mlp(dec, "net.")
+        cfg, flat = d["config"], {f"{part}.{k}": v for part in ("reasoning_head", "decoder")
+                                  for k, v in d[part].items()}
+    cfg = cfg if isinstance(cfg, dict) else json.loads(cfg)
+    stop = (_mlp(flat, "reasoning_head.stop_head.")
+            if "reasoning_head.stop_head.0.weight" in flat else None)
+    return cfg, _mlp(flat, "reasoning_head.net."), stop, _mlp(flat, "decoder.net.")
 
 
 @lru_cache(maxsize=4)

@@ -138,26 +138,13 @@ def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens
         logits, hidden = run(feedback(hidden)[None])
     logits, hidden = run(emb(torch.tensor(end, device=dev)))
     first, answer = logits.cpu(), []
-    if upstream_stop_rules:  # upstream coconut.py Coconut.generate, line by line
-        # "get the first token using the current hidden state": appended, eos or not
-        next_token = int(logits.argmax())
-        answer.append(next_token)
-        # "get other tokens"
-        for _ in range(max_tokens - 1):
-            logits, hidden = run(emb(torch.tensor([next_token], device=dev)))
-            next_token = int(logits.argmax())
-            if next_token in eos and not ignore_eos:
-                # NOTE: upstream breaks before appending; the eos is kept here as the
-                # engine's token_ids keep it (it is not in the text either way).
-                answer.append(next_token)
-                break
-            answer.append(next_token)
-        return answer, first
     for _ in range(max_tokens):
         pick = logits[: vocab - 1] if cfg["family"] == "codi" else logits
         tok = int(pick.argmax())
         answer.append(tok)
-        if tok in eos and not ignore_eos:
+        # upstream coconut.py Coconut.generate appends its first token, eos or not; it breaks
+        # before appending a later eos, which is kept here as the engine's token_ids keep it
+        if tok in eos and not ignore_eos and not (upstream_stop_rules and len(answer) == 1):
             break
         logits, hidden = run(emb(torch.tensor([tok], device=dev)))
     return answer, first

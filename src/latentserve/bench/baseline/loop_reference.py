@@ -93,18 +93,6 @@ def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iteration
     tail = emb(torch.tensor(ref.end, device=dev)) if ref.end else prefix[:0]
     if passes is not None:  # the last pass: the block as the answer reads it (causal)
         passes.append(full(torch.cat([prefix, block]))[0][p : p + n].cpu())
-    if upstream_stop_rules:  # upstream PCCoTGenerationMixin.generate, line by line
-        logits = full(torch.cat([prefix, block, tail]))[0][-1]
-        first = logits.cpu()
-        next_tokens = int(logits.argmax())  # the first token: no stopping check
-        answer, new_len, finished = [next_tokens], 1, False
-        while not finished and new_len < max_tokens:  # new_len + input_len < max_length
-            tail = torch.cat([tail, emb(torch.tensor([next_tokens], device=dev))])
-            next_tokens = int(full(torch.cat([prefix, block, tail]))[0][-1].argmax())
-            answer.append(next_tokens)
-            finished = next_tokens in ref.eos and not ignore_eos  # EosTokenCriteria: last id
-            new_len += 1
-        return answer, first
     answer, first = [], None
     for _ in range(max_tokens):
         logits = full(torch.cat([prefix, block, tail]))[0][-1]
@@ -112,7 +100,8 @@ def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iteration
             first = logits.cpu()
         tok = int(logits.argmax())
         answer.append(tok)
-        if tok in ref.eos and not ignore_eos:
+        # upstream PCCoTGenerationMixin.generate checks no stop on its first token
+        if tok in ref.eos and not ignore_eos and not (upstream_stop_rules and len(answer) == 1):
             break
         tail = torch.cat([tail, emb(torch.tensor([tok], device=dev))])
     return answer, first

@@ -104,8 +104,7 @@ class HuginnReference:
         c, sd = load_checkpoint(model_dir)
         self.sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()
                    if k != "freqs_cis"}
-        del sd
-        self.dtype, self.device = dtype, torch.device(device)
+        self.device = torch.device(device)
         self.e = c["n_embd"]
         self.h = c.get("num_attention_heads") or c["n_heads"]
         self.hkv = c.get("num_key_value_heads") or self.h
@@ -131,20 +130,15 @@ class HuginnReference:
             table = table * self.emb_scale
         self.state = table.to(device=device, dtype=dtype)
 
-    def _w(self, name):
-        return self.sd[name]
-
     def _block(self, pre, x, pos, cache, step):
-        w = self._w
+        w = self.sd
         s = x.shape[0]
-        hx = _rms(x, w(f"{pre}.norm_1.weight"), self.eps)
-        q, k, v = (hx @ w(f"{pre}.attn.Wqkv.weight").T).split(
+        hx = _rms(x, w[f"{pre}.norm_1.weight"], self.eps)
+        q, k, v = (hx @ w[f"{pre}.attn.Wqkv.weight"].T).split(
             [self.e, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
-        q = q.view(s, self.h, self.hd)
-        k = k.view(s, self.hkv, self.hd)
-        v = v.view(s, self.hkv, self.hd)
+        q, k, v = (t.view(s, -1, self.hd) for t in (q, k, v))
         if self.qk_bias:
-            b = w(f"{pre}.attn.qk_bias")
+            b = w[f"{pre}.attn.qk_bias"]
             q, k = q + b[0, 0], k + b[1, 0]
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
 
@@ -157,28 +151,26 @@ class HuginnReference:
         q, k = rot(q), rot(k)
         keys, vals, kpos = cache.update(step, pos, k, v)
         o = _attend(q, keys, vals, pos, self.hd**-0.5, kpos).reshape(s, self.e)
-        x = _rms(o @ w(f"{pre}.attn.proj.weight").T + x, w(f"{pre}.norm_2.weight"), self.eps)
-        a, g = (_rms(x, w(f"{pre}.norm_3.weight"), self.eps) @ w(f"{pre}.mlp.fc.weight").T) \
+        x = _rms(o @ w[f"{pre}.attn.proj.weight"].T + x, w[f"{pre}.norm_2.weight"], self.eps)
+        a, g = (_rms(x, w[f"{pre}.norm_3.weight"], self.eps) @ w[f"{pre}.mlp.fc.weight"].T) \
             .chunk(2, dim=-1)
-        m = (F.silu(a) * g) @ w(f"{pre}.mlp.proj.weight").T
-        return _rms(m + x, w(f"{pre}.norm_4.weight"), self.eps)
+        m = (F.silu(a) * g) @ w[f"{pre}.mlp.proj.weight"].T
+        return _rms(m + x, w[f"{pre}.norm_4.weight"], self.eps)
 
     def _same_layer(self, idx):
-        if idx < self.p:
-            return []
-        return list(range(idx - self.l, self.p - 1, -self.l))
+        return [] if idx < self.p else list(range(idx - self.l, self.p - 1, -self.l))
 
     def _predict(self, x, pos, cache):
         """``predict_from_latents``: ln_f, coda (cache -1, -2, ...), ln_f, lm_head."""
-        x = _rms(x, self._w("transformer.ln_f.weight"), self.eps)
+        x = _rms(x, self.sd["transformer.ln_f.weight"], self.eps)
         for j in range(self.c):
             x = self._block(f"transformer.coda.{j}", x, pos, cache, -(j + 1))
-        x = _rms(x, self._w("transformer.ln_f.weight"), self.eps)
-        return (x @ self._w("lm_head.weight").T).float()
+        x = _rms(x, self.sd["transformer.ln_f.weight"], self.eps)
+        return (x @ self.sd["lm_head.weight"].T).float()
 
     def _forward(self, ids, pos, cache, num_steps, rule):
         """Logits ``[vocab]`` of the last position and the iterations run."""
-        e = self._w("transformer.wte.weight")[ids] * self.emb_scale
+        e = self.sd["transformer.wte.weight"][ids] * self.emb_scale
         for i in range(self.p):
             e = self._block(f"transformer.prelude.{i}", e, pos, cache, i)
         x = self.state[pos]
@@ -188,7 +180,7 @@ class HuginnReference:
               "prev_logp": torch.full((1, self.vocab), 1 / self.vocab, device=dev).log(),
               "argmax": torch.tensor([-1], device=dev), "stable": torch.tensor([0], device=dev)}
         for step in range(num_steps):
-            x = torch.cat([x, e], dim=-1) @ self._w("transformer.adapter.weight").T
+            x = torch.cat([x, e], dim=-1) @ self.sd["transformer.adapter.weight"].T
             for l in range(self.l):
                 x = self._block(f"transformer.core_block.{l}", x, pos, cache,
                                 self.p + step * self.l + l)
@@ -266,12 +258,9 @@ class OuroReference:
     def __init__(self, model_dir, dtype=torch.float32, device="cpu"):
         c, sd = load_checkpoint(model_dir)
         self.sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-        del sd
-        self.dtype, self.device = dtype, torch.device(device)
+        self.device = torch.device(device)
         self.hid = c["hidden_size"]
-        self.h, self.hkv = c["num_attention_heads"], c.get("num_key_value_heads") or \
-            c["num_attention_heads"]
-        self.hd = c.get("head_dim") or self.hid // self.h
+        self.hd = c.get("head_dim") or self.hid // c["num_attention_heads"]
         self.n = c["num_hidden_layers"]
         self.eps = c["rms_norm_eps"]
         theta = c.get("rope_theta", 10000.0)
@@ -279,15 +268,11 @@ class OuroReference:
                                     / self.hd)).to(device)
         self.steps = c.get("total_ut_steps", 4)
 
-    def _w(self, name):
-        return self.sd[name]
-
     def _layer(self, i, x, pos, cos, sin, cache, idx):
-        w, pre, s = self._w, f"model.layers.{i}", x.shape[0]
-        hx = _rms(x, w(f"{pre}.input_layernorm.weight"), self.eps)
-        q = (hx @ w(f"{pre}.self_attn.q_proj.weight").T).view(s, self.h, self.hd)
-        k = (hx @ w(f"{pre}.self_attn.k_proj.weight").T).view(s, self.hkv, self.hd)
-        v = (hx @ w(f"{pre}.self_attn.v_proj.weight").T).view(s, self.hkv, self.hd)
+        w, pre, s = self.sd, f"model.layers.{i}", x.shape[0]
+        hx = _rms(x, w[f"{pre}.input_layernorm.weight"], self.eps)
+        q, k, v = ((hx @ w[f"{pre}.self_attn.{n}_proj.weight"].T).view(s, -1, self.hd)
+                   for n in "qkv")
 
         def rot(t):
             half = t.shape[-1] // 2
@@ -296,18 +281,18 @@ class OuroReference:
         q, k = rot(q), rot(k)
         keys, vals, _ = cache.update(idx, pos, k, v)
         o = _attend(q, keys, vals, pos, self.hd**-0.5).reshape(s, -1)
-        a = o @ w(f"{pre}.self_attn.o_proj.weight").T
-        x = x + _rms(a, w(f"{pre}.input_layernorm_2.weight"), self.eps)
-        hx = _rms(x, w(f"{pre}.post_attention_layernorm.weight"), self.eps)
-        m = (F.silu(hx @ w(f"{pre}.mlp.gate_proj.weight").T)
-             * (hx @ w(f"{pre}.mlp.up_proj.weight").T)) @ w(f"{pre}.mlp.down_proj.weight").T
-        return x + _rms(m, w(f"{pre}.post_attention_layernorm_2.weight"), self.eps)
+        a = o @ w[f"{pre}.self_attn.o_proj.weight"].T
+        x = x + _rms(a, w[f"{pre}.input_layernorm_2.weight"], self.eps)
+        hx = _rms(x, w[f"{pre}.post_attention_layernorm.weight"], self.eps)
+        m = (F.silu(hx @ w[f"{pre}.mlp.gate_proj.weight"].T)
+             * (hx @ w[f"{pre}.mlp.up_proj.weight"].T)) @ w[f"{pre}.mlp.down_proj.weight"].T
+        return x + _rms(m, w[f"{pre}.post_attention_layernorm_2.weight"], self.eps)
 
     def _same_layer(self, idx):
         return list(range(idx - self.n, -1, -self.n))
 
     def _forward(self, ids, pos, cache, depth, mode, thr, may_stop):
-        h = self._w("model.embed_tokens.weight")[ids]
+        h = self.sd["model.embed_tokens.weight"][ids]
         freqs = torch.tensor(pos, dtype=torch.float32, device=self.device)[:, None] \
             * self.inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -318,20 +303,20 @@ class OuroReference:
         for t in range(depth):
             for i in range(self.n):
                 h = self._layer(i, h, pos, cos, sin, cache, t * self.n + i)
-            h = _rms(h, self._w("model.norm.weight"), self.eps)
+            h = _rms(h, self.sd["model.norm.weight"], self.eps)
             hs.append(h)
-            g = (h @ self._w("model.early_exit_gate.weight").T
-                 + self._w("model.early_exit_gate.bias"))
+            g = (h @ self.sd["model.early_exit_gate.weight"].T
+                 + self.sd["model.early_exit_gate.bias"])
             gates.append(g)
             if may_stop and t < depth - 1:  # threshold-approx: stop at the exit step
                 lam = torch.sigmoid(g.squeeze(-1))
                 cum = cum + lam * rem
                 rem = rem * (1 - lam)
                 if bool(cum[-1] >= thr):
-                    return ((h[-1] @ self._w("lm_head.weight").T).float(), t + 1, t,
+                    return ((h[-1] @ self.sd["lm_head.weight"].T).float(), t + 1, t,
                             self._exit_pdf(gates)[-1].tolist())
         pdf = self._exit_pdf(gates)
-        head = self._w("lm_head.weight")
+        head = self.sd["lm_head.weight"]
         readout = depth - 1
         if mode in ("threshold", "threshold-approx"):
             mask = torch.cumsum(pdf, dim=-1) >= thr
