@@ -12,13 +12,6 @@ from latentserve.eval.backends import Request
 from latentserve.eval.datasets import INSTRUCTIONS, Item
 
 
-def requests_for(items: list[Item], max_tokens: int, max_latent: int | None) -> list[Request]:
-    """One request per item: with the data set's instruction for text CoT, bare for latent."""
-    if max_latent is None:
-        return [Request(f"{it.question}\n{INSTRUCTIONS[it.kind]}", max_tokens) for it in items]
-    return [Request(it.question, max_tokens, max_latent) for it in items]
-
-
 def summarize(records: list[dict]) -> dict:
     """Accuracies (fractions), thinking, token and latency (s) statistics of per-item
     ``records``. Raises ValueError for no records."""
@@ -38,8 +31,11 @@ def summarize(records: list[dict]) -> dict:
 def evaluate(items: list[Item], backend, max_tokens: int = 256,
              max_latent: int | None = None, **head_controls) -> tuple[list[dict], dict]:
     """Run ``items`` through ``backend``; returns ``(records, summary)`` (a latent run's
-    summary counts each ``latent_end``: ``stop``, ``cap`` or ``length``)."""
-    outs = backend.run(requests_for(items, max_tokens, max_latent), **head_controls)
+    summary counts each ``latent_end``: ``stop``, ``cap`` or ``length``). Text CoT asks with
+    the data set's instruction, a latent run with the bare question."""
+    outs = backend.run([Request(it.question if max_latent is not None
+                                else f"{it.question}\n{INSTRUCTIONS[it.kind]}",
+                                max_tokens, max_latent) for it in items], **head_controls)
     records = []
     for it, o in zip(items, outs):
         strict, flexible = score(it.kind, o.text, it.gold, it.question)

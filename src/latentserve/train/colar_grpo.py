@@ -34,8 +34,8 @@ from latentserve.train.cot import (
     save,
     trainer_forward,
 )
-from latentserve.train.grpo import rollouts
-from latentserve.train.options import LOSS_AVERAGES, ColarGRPOConfig
+from latentserve.train.grpo import group_advantages, run_requests
+from latentserve.train.options import ColarGRPOConfig
 
 # GRPOLoss with ``average_per_token_loss: False`` divides each sequence's summed loss by this
 # constant (upstream ``masked_sum``).
@@ -63,13 +63,6 @@ def answer_of(text: str) -> str:
     what follows the first ``Answer:`` up to a second one, else the whole text; stripped."""
     prefix = colar.ANSWER.format("")
     return (text.split(prefix)[1] if prefix in text else text).strip()
-
-
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``[Q, G]`` rewards -> float32 ``(r - mean) / (std + eps)`` per row, ``std`` Bessel
-    corrected as upstream's ``torch.std``."""
-    r = rewards.float()
-    return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
 
 
 def reward_stats(rewards: torch.Tensor) -> dict:
@@ -164,9 +157,7 @@ def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
               ) -> dict[str, torch.Tensor]:
     """Upstream ``GRPOLoss.forward`` on a minibatch (``new`` / ``old`` from
     :func:`rollout_logprobs`, ``adv`` ``[B]``): scalars ``total``, ``latent``, ``answer``
-    (0 when off). Raises ValueError for a bad ``average``."""
-    if average not in LOSS_AVERAGES:
-        raise ValueError(f"average must be one of {LOSS_AVERAGES}, got {average!r}")
+    (0 when off)."""
     parts = {}
     for name, i, on in (("latent", 0, use_latent), ("answer", 1, use_answer)):
         if not on:
@@ -251,18 +242,19 @@ def run_rollouts(engine, prompts: list[list[int]], params, group_size: int,
     head = engine.runner.model.latent_head
     c = params.compression_factor or head.config.compression_factor
     tail = [*head.speed_ids[c], head.stop_token]
-    outs = rollouts(engine, prompts, params, group_size)
+    outs = run_requests(engine, [(ids, params) for ids in prompts for _ in range(group_size)],
+                        "grpo")
     res = []
-    for k, o in enumerate(outs):
-        acts, st = o["stats"].get("actions") or [], o["stats"]
+    for k, (tokens, st) in enumerate(outs):
+        acts = st.get("actions") or []
         if len(acts) != st.get("steps", 0):
             raise RuntimeError(f"rollout {k}: {len(acts)} latents recorded for "
                                f"{st.get('steps')} steps (is recording on?)")
         lat = torch.stack(acts).to(latent_dtype).float() if acts else \
             torch.zeros(0, head.config.hidden_size)
         res.append(Rollout(prompt_ids=list(prompts[k // group_size]) + tail, latents=lat,
-                           answer_ids=[head.stop_token, *o["tokens"]],
-                           text=engine.tokenizer.decode(o["tokens"], skip_special_tokens=True),
+                           answer_ids=[head.stop_token, *tokens],
+                           text=engine.tokenizer.decode(tokens, skip_special_tokens=True),
                            end=st.get("end") or "cap"))
     return res
 
@@ -362,7 +354,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
             golds = [it.gold for it in pick for _ in range(cfg.group_size)]
             rewards, acc = rewards_of(rolls, golds, cfg, max_latent, reward_fn)
             grid = rewards.view(cfg.questions_per_step, cfg.group_size)
-            adv = group_advantages(grid).flatten()
+            adv = group_advantages(grid, unbiased=True, eps=1e-8).flatten()
             t_roll = time.time() - ts
             perm = torch.randperm(len(rolls), generator=shuffle).tolist()
             mbs = [perm[i:i + cfg.exp_batch_size]

@@ -27,9 +27,6 @@ class Features:
     has_target: torch.Tensor
     stop: torch.Tensor
 
-    def to(self, device) -> Features:
-        return Features(*(getattr(self, k).to(device) for k in self.__slots__))
-
     def rows(self, idx: torch.Tensor) -> Features:
         """The rows ``idx`` (``[n]`` int64, on the same device), copied."""
         return Features(*(getattr(self, k)[idx] for k in self.__slots__))
@@ -101,10 +98,7 @@ def capture(model, traces, source_layer: int, target_layer: int, c: int,
             pad = torch.zeros(1, tg.shape[1], device=device)
             rows["target"].append(torch.cat([tg, pad]))
             rows["embed"].append(torch.cat([eg, pad]))
-            flag = torch.ones(g + 1, dtype=torch.bool, device=device)
-            flag[-1] = False
-            rows["has_target"].append(flag)
-            stop = torch.zeros(g + 1, device=device)
-            stop[-1] = 1.0
-            rows["stop"].append(stop)
+            last = torch.arange(g + 1, device=device) == g  # the end-of-reasoning row
+            rows["has_target"].append(~last)
+            rows["stop"].append(last.float())
     return Features(**{k: torch.cat(v) for k, v in rows.items()})

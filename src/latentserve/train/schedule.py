@@ -9,14 +9,8 @@ def adamw_warmup_linear(params, lr: float, steps: int, warmup: float = 0.05,
                         weight_decay: float = 0.01):
     """``(optimizer, scheduler)``: ``torch.optim.AdamW`` over ``params`` and a ``LambdaLR``
     whose factor rises linearly over ``round(warmup * steps)`` steps (at least 1) from
-    1/(warmup steps) to 1, then falls linearly to 0 at ``steps``. Raises ValueError for
-    ``lr <= 0``, ``steps < 1`` or ``warmup`` outside [0, 1)."""
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if not 0 <= warmup < 1:
-        raise ValueError(f"warmup must be in [0, 1), got {warmup}")
+    1/(warmup steps) to 1, then falls linearly to 0 at ``steps`` (the ranges: the options'
+    ``lr``, ``steps`` and ``warmup``)."""
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     n_warm = max(1, round(warmup * steps))
 
