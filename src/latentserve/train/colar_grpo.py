@@ -76,12 +76,9 @@ def reward_stats(rewards: torch.Tensor) -> dict:
 
 def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """1-D tensors -> ``([B, max_len] right-padded with 0, [B, max_len] bool mask)``."""
-    n = max((len(r) for r in rows), default=0)
-    out = rows[0].new_zeros(len(rows), n) if rows else torch.zeros(0, 0)
-    mask = torch.zeros(len(rows), n, dtype=torch.bool, device=out.device)
-    for b, r in enumerate(rows):
-        out[b, :len(r)], mask[b, :len(r)] = r, True
-    return out, mask
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    lengths = torch.tensor([len(r) for r in rows], device=out.device)
+    return out, torch.arange(out.shape[1], device=out.device) < lengths[:, None]
 
 
 def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],

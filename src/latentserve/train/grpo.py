@@ -7,10 +7,8 @@ Design notes: docs/internals.md, "latentserve.train.grpo".
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
 from latentserve.train.options import GRPOConfig
 from latentserve.train.schedule import adamw_warmup_linear
+from latentserve.train.sft import write_log
 from latentserve.train.traces import load_questions, prompt_ids
 
 
@@ -172,7 +171,4 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
 def _save(policy, format_version: int, cfg: GRPOConfig, history: list, t0: float) -> dict:
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     write_bundle(bundle_from_module(policy, format_version), cfg.out)
-    log = {"config": asdict(cfg), "history": history,
-           "seconds": round(time.perf_counter() - t0, 2)}
-    Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
-    return log
+    return write_log(cfg, t0, history=history)

@@ -33,26 +33,25 @@ def load_backbone(model: str | None, device: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
     d = resolve_model_dir(model)
-    if is_adapter_dir(d):
-        m = merged_adapter_model(d).to(getattr(torch, dtype))
+    if is_adapter_dir(d):  # its base with the adapter merged (models.lora), in float32
+        adapter = read_adapter(d)
+        m = AutoModelForCausalLM.from_pretrained(str(adapter.base_dir), dtype=torch.float32)
+        with torch.no_grad():
+            for name, w in merge_adapter(m.state_dict().items(), adapter, m.config):
+                if name in adapter.pairs:
+                    m.get_parameter(name).copy_(w)
     else:
         m = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype))
-    m = m.to(device).eval().requires_grad_(False)
+    m = m.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
     return m, load_tokenizer(d), d
 
 
-def merged_adapter_model(adapter_dir):
-    """A LoRA adapter directory's base with the adapter merged (``models.lora``), float32 on
-    the CPU. ValueError as ``read_adapter``."""
-    from transformers import AutoModelForCausalLM
-
-    adapter = read_adapter(adapter_dir)
-    m = AutoModelForCausalLM.from_pretrained(str(adapter.base_dir), dtype=torch.float32)
-    with torch.no_grad():
-        for name, w in merge_adapter(m.state_dict().items(), adapter, m.config):
-            if name in adapter.pairs:
-                m.get_parameter(name).copy_(w)
-    return m
+def write_log(cfg, t0: float, **fields) -> dict:
+    """``{"config": asdict(cfg), **fields, "seconds"}`` (since ``t0``, ``time.perf_counter``)
+    written to ``<cfg.out>.log.json``; returns it."""
+    log = {"config": asdict(cfg), **fields, "seconds": round(time.perf_counter() - t0, 2)}
+    Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
+    return log
 
 
 def default_layers(n_layers: int) -> tuple[int, int]:
@@ -175,10 +174,7 @@ def train_sft(cfg: SFTConfig) -> dict:
 
     res = fit(head, feats, cfg, "sft", checkpoint)
     write_bundle(bundle_from_module(head), cfg.out)
-    log = {"config": asdict(cfg), "head_config": hcfg.to_dict(), "traces": len(traces),
-           "rows": res["rows"], "latent_rows": res["latent_rows"],
-           "loss_before": res["before"], "loss_after": res["after"],
-           "history": res["history"], "capture_seconds": round(t_capture, 2),
-           "seconds": round(time.perf_counter() - t0, 2)}
-    Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
-    return log
+    return write_log(cfg, t0, head_config=hcfg.to_dict(), traces=len(traces), rows=res["rows"],
+                     latent_rows=res["latent_rows"], loss_before=res["before"],
+                     loss_after=res["after"], history=res["history"],
+                     capture_seconds=round(t_capture, 2))

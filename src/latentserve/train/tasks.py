@@ -69,12 +69,8 @@ def generate_multiplication(k: int, n: int, seed: int = 0,
 
 def questions_of(paths: Iterable[str | Path]) -> set[str]:
     """The questions of iCoT text files (to exclude from generated training data)."""
-    out = set()
-    for p in paths:
-        for line in Path(p).read_text().splitlines():
-            if line.strip():
-                out.add(line.partition("||")[0].strip())
-    return out
+    return {line.partition("||")[0].strip() for p in paths
+            for line in Path(p).read_text().splitlines() if line.strip()}
 
 
 def write_icot(items: Iterable[Item], path: str | Path) -> int:
