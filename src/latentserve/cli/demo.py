@@ -297,7 +297,12 @@ def run(args) -> int:
               "scripts/stage1_gpu.sh, see docs/results.md); showing the text CoT alone",
               flush=True)
     questions = load_questions(args.num_questions, args.questions)
-    speed = _speed(colar_dir, args.compression_factor)
+    speed = args.compression_factor  # CoLaR's thinking speed, else its colar_config.json's
+    if speed is None and colar_dir is not None:
+        from latentserve.latent.colar import COLAR_CONFIG, ColarConfig
+
+        speed = ColarConfig.from_dict(
+            json.loads((colar_dir / COLAR_CONFIG).read_text())).compression_factor
     dirs = [d for d in (text_dir, colar_dir) if d is not None]
     configs = [engine_config(args, model=str(d)) for d in dirs]
     if len(configs) > 1:  # --max-latent-budget caps CoLaR and leaves the text model alone
@@ -311,16 +316,6 @@ def run(args) -> int:
         compare(server.base_url, configs[0].model, configs[1].model if colar_dir else None,
                 questions, args.max_tokens, speed)
     return 0
-
-
-def _speed(colar_dir: Path | None, given: int | None) -> int | None:
-    """CoLaR's thinking speed to ask for: ``given``, else its ``colar_config.json``'s."""
-    if given is not None or colar_dir is None:
-        return given
-    from latentserve.latent.colar import COLAR_CONFIG, ColarConfig
-
-    return ColarConfig.from_dict(
-        json.loads((colar_dir / COLAR_CONFIG).read_text())).compression_factor
 
 
 def run_gsm8k(args) -> int:

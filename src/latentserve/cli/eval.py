@@ -57,16 +57,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _colar_format(args) -> bool:
-    from pathlib import Path
-
-    if args.prompt_format != "auto":
-        return args.prompt_format == "colar"
-    d = Path(args.model) if args.model else None
-    return d is not None and d.is_dir() and any(
-        (d / f).is_file() for f in ("colar_config.json", "train_config.json"))
-
-
 def run_colar(args) -> int:
     """The CoLaR-format evaluation (``eval/colar_eval.py``) of one run or a sweep."""
     from latentserve.cli import engine_config
@@ -84,14 +74,22 @@ def run_colar(args) -> int:
                              f"{'|'.join(icot)} or --dataset-file FILE, got --dataset "
                              f"{args.dataset or '(none)'}")
         args.data_file = str(find_data_file(DATASETS[args.dataset][0], args.data_dir))
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     key, values = "compression_factor", [args.compression_factor]
     if args.sweep:
         key, values = parse_sweep(args.sweep, ("compression_factor", "max_latent"))
     if args.plot and args.sweep is None:
         raise ValueError("--plot needs --sweep")
-    base = _colar_baseline(args.baseline) if args.baseline else None
+    base = None
+    if args.baseline:  # a text-CoT run's --json-out: a summary, or a sweep's first run
+        if not os.path.isfile(args.baseline):
+            raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
+        with open(args.baseline) as f:
+            data = json.load(f)
+        s = data["runs"][0] if "runs" in data else data.get("summary", data)
+        if "accuracy" not in s or "median" not in s.get("thinking", {}):
+            raise ValueError(f"--baseline {args.baseline} is not a `latentserve eval "
+                             "--json-out` summary")
+        base = {"accuracy": s["accuracy"], "thinking_median": s["thinking"]["median"]}
     items = read_items(args.data_file)[:args.limit]
     cfg = engine_config(args)
     llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
@@ -124,20 +122,9 @@ def run_colar(args) -> int:
     return 0
 
 
-def _colar_baseline(path: str) -> dict:
-    """``{"accuracy", "thinking_median"}`` of a text-CoT run's ``--json-out`` (a summary, or
-    the first of a sweep's ``runs``). Raises FileNotFoundError / ValueError."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--baseline {path} does not exist")
-    with open(path) as f:
-        data = json.load(f)
-    s = data["runs"][0] if "runs" in data else data.get("summary", data)
-    if "accuracy" not in s or "median" not in s.get("thinking", {}):
-        raise ValueError(f"--baseline {path} is not a `latentserve eval --json-out` summary")
-    return {"accuracy": s["accuracy"], "thinking_median": s["thinking"]["median"]}
-
-
 def run(args) -> int:
+    from pathlib import Path
+
     from latentserve.eval.datasets import load_items
 
     if args.plot:  # before any work: the sweep would run first and only then fail
@@ -147,7 +134,10 @@ def run(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError(missing_extra_message("matplotlib", "--plot")) from None
-    if _colar_format(args):
+    d = Path(args.model) if args.model else None
+    trained = d is not None and d.is_dir() and any(  # a CoLaR or `train cot` directory
+        (d / f).is_file() for f in ("colar_config.json", "train_config.json"))
+    if args.prompt_format == "colar" or args.prompt_format == "auto" and trained:
         return run_colar(args)
     args.dataset = args.dataset or "gsm8k"
     from latentserve.eval.run import evaluate, parse_sweep, plot_sweep

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
@@ -58,13 +59,6 @@ class Rollout:
         return self.latents.shape[0]
 
 
-def answer_of(text: str) -> str:
-    """The answer in a rollout's text as upstream ``extract_answer_from_output`` takes it:
-    what follows the first ``Answer:`` up to a second one, else the whole text; stripped."""
-    prefix = colar.ANSWER.format("")
-    return (text.split(prefix)[1] if prefix in text else text).strip()
-
-
 def reward_stats(rewards: torch.Tensor) -> dict:
     """Of ``[Q, G]`` rewards: ``reward`` (mean), ``reward_var``, ``group_reward_var`` (mean
     within-group variance), ``zero_var_groups`` (share of groups without a gradient)."""
@@ -72,13 +66,6 @@ def reward_stats(rewards: torch.Tensor) -> dict:
     return {"reward": float(r.mean()), "reward_var": float(r.var(unbiased=False)),
             "group_reward_var": float(r.var(1, unbiased=False).mean()),
             "zero_var_groups": float((r == r[:, :1]).all(1).float().mean())}
-
-
-def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D tensors -> ``([B, max_len] right-padded with 0, [B, max_len] bool mask)``."""
-    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    lengths = torch.tensor([len(r) for r in rows], device=out.device)
-    return out, torch.arange(out.shape[1], device=out.device) < lengths[:, None]
 
 
 def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
@@ -131,39 +118,31 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
     return list(lat_rows), list(ans_rows)
 
 
-def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
-                 adv: torch.Tensor, clip_eps: float, average: str,
-                 max_log_ratio: float | None = None) -> torch.Tensor:
-    """Upstream ``GRPOLoss.calculate_loss``: ``logp``, ``logp_old``, ``mask`` ``[B, L]``,
-    ``adv`` ``[B]`` -> scalar. Per sequence the masked sum / :data:`SUM_DIVISOR` ("sum") or
-    masked mean ("mean"); ``max_log_ratio`` clamps ``logp - logp_old`` (None: as upstream)."""
-    log_ratio = logp - logp_old
-    if max_log_ratio is not None:
-        log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
-    ratio = log_ratio.exp()
-    a = adv[:, None]
-    per_tok = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a) * mask
-    if average == "sum":
-        return (per_tok.sum(-1) / SUM_DIVISOR).mean()
-    return (per_tok.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-
-
 def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
               clip_eps: float = 0.2, average: str = "sum", use_latent: bool = True,
               use_answer: bool = True, max_log_ratio: float | None = None
               ) -> dict[str, torch.Tensor]:
     """Upstream ``GRPOLoss.forward`` on a minibatch (``new`` / ``old`` from
     :func:`rollout_logprobs`, ``adv`` ``[B]``): scalars ``total``, ``latent``, ``answer``
-    (0 when off)."""
+    (0 when off), each upstream ``calculate_loss``: the clipped surrogate per sequence summed
+    / :data:`SUM_DIVISOR` ("sum") or averaged over tokens ("mean"); ``max_log_ratio`` clamps
+    ``logp - logp_old`` (None: as upstream)."""
     parts = {}
     for name, i, on in (("latent", 0, use_latent), ("answer", 1, use_answer)):
         if not on:
             parts[name] = torch.zeros((), device=adv.device)
             continue
-        lp, mask = pad_rows(new[i])
-        lp_old, _ = pad_rows([t.detach() for t in old[i]])
-        parts[name] = clipped_loss(lp, lp_old, mask, adv.to(lp.device), clip_eps, average,
-                                   max_log_ratio)
+        logp = pad_sequence(new[i], batch_first=True)  # [B, L], right-padded with 0
+        log_ratio = logp - pad_sequence([t.detach() for t in old[i]], batch_first=True)
+        lengths = torch.tensor([len(t) for t in new[i]], device=logp.device)
+        mask = torch.arange(logp.shape[1], device=logp.device) < lengths[:, None]
+        if max_log_ratio is not None:
+            log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
+        ratio, a = log_ratio.exp(), adv.to(logp.device)[:, None]
+        per_tok = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a) * mask
+        per_seq = per_tok.sum(-1) / (SUM_DIVISOR if average == "sum"
+                                     else mask.sum(-1).clamp(min=1))
+        parts[name] = per_seq.mean()
     return {"total": parts["latent"] + parts["answer"], **parts}
 
 
@@ -260,7 +239,10 @@ def rewards_of(rollouts: list[Rollout], golds: list[str], cfg: ColarGRPOConfig,
                max_latent: int, reward_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rewards [N], accuracies [N])`` float32; ``reward_fn(rollout, gold) -> float``
     replaces the 0/1 accuracy before the length terms."""
-    acc = torch.tensor([float(answers_match(g, answer_of(r.text)))
+    prefix = colar.ANSWER.format("")  # the answer as upstream extract_answer_from_output takes
+    # it: what follows the first Answer: up to a second one, else the whole text
+    acc = torch.tensor([float(answers_match(g, (r.text.split(prefix)[1] if prefix in r.text
+                                                 else r.text).strip()))
                         for r, g in zip(rollouts, golds)])
     base = acc.clone() if reward_fn is None else torch.tensor(
         [float(reward_fn(r, g)) for r, g in zip(rollouts, golds)])

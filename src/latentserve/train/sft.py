@@ -54,11 +54,6 @@ def write_log(cfg, t0: float, **fields) -> dict:
     return log
 
 
-def default_layers(n_layers: int) -> tuple[int, int]:
-    """``(source, target)`` layer indices near 80% and at 100% depth."""
-    return max(0, min(n_layers - 2, round(0.8 * n_layers) - 1)), n_layers - 1
-
-
 def sft_losses(head, feats, lat_idx: torch.Tensor, stop_idx: torch.Tensor, beta: float,
                embed_var: float, pos_weight: torch.Tensor) -> dict:
     """Loss terms (scalars; ``loss`` is their sum) on latent rows ``lat_idx`` and stop rows
@@ -151,9 +146,10 @@ def train_sft(cfg: SFTConfig) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model, tok, _ = load_backbone(cfg.model, cfg.device, cfg.dtype)
-    src, tgt = default_layers(model.config.num_hidden_layers)
-    src = cfg.source_layer if cfg.source_layer is not None else src
-    tgt = cfg.target_layer if cfg.target_layer is not None else tgt
+    n = model.config.num_hidden_layers  # default layers: near 80% and at 100% depth
+    src = cfg.source_layer if cfg.source_layer is not None else max(0, min(n - 2,
+                                                                           round(0.8 * n) - 1))
+    tgt = cfg.target_layer if cfg.target_layer is not None else n - 1
     traces, feats = capture_traces(model, tok, cfg, src, tgt, cfg.compression_factor,
                                    cfg.think_open, cfg.think_close)
     t_capture = time.perf_counter() - t0
