@@ -155,34 +155,10 @@ def _cell(reply: Reply, unit: str) -> str:
            f"{reply.seconds:5.1f} s"
 
 
-def print_header(columns: list[str]) -> None:
-    sub = f"{'answer':<{_ANS}} {'':<5}  {'thinking':>10}  {'time':>7}"
-    print(f"{'#':<2} {'question':<{_Q}} {'reference':<{_REF}}"
-          + "".join(f" | {c:<{len(sub)}.{len(sub)}}" for c in columns).rstrip())
-    print(f"{'':<2} {'':<{_Q}} {'':<{_REF}}" + f" | {sub}" * len(columns), flush=True)
-
-
-def print_row(i: int, q: Item, cells: list[str]) -> None:
-    print(f"{i:<2} {label(q.question):<{_Q}} {number(q.gold):<{_REF}}"
-          + "".join(f" | {c}" for c in cells), flush=True)
-
-
 def _total(replies: list[Reply], unit: str) -> str:
     right = sum(r.correct for r in replies)
     return (f"{right}/{len(replies)} right, {sum(r.thinking for r in replies)} {unit}, "
             f"{sum(r.seconds for r in replies):.1f} s")
-
-
-def print_summary(text: list[Reply], latent: list[Reply] | None) -> None:
-    line = f"total: text CoT {_total(text, 'thinking tokens')}"
-    if latent is not None:
-        line += f"; CoLaR {_total(latent, 'latent steps')}"
-        tokens, steps = sum(r.thinking for r in text), sum(r.thinking for r in latent)
-        t_text, t_latent = sum(r.seconds for r in text), sum(r.seconds for r in latent)
-        if steps and t_latent:
-            line += (f" ({tokens / steps:.1f}x fewer thinking steps, "
-                     f"{t_text / t_latent:.1f}x faster)")
-    print(line, flush=True)
 
 
 def compare(base_url: str, text_model: str, colar_model: str | None,
@@ -198,7 +174,10 @@ def compare(base_url: str, text_model: str, colar_model: str | None,
     columns = [f"text CoT ({TEXT_MODEL})"]
     if colar_model is not None:
         columns.append(f"CoLaR{speed} ({COLAR_MODEL})")
-    print_header(columns)
+    sub = f"{'answer':<{_ANS}} {'':<5}  {'thinking':>10}  {'time':>7}"
+    print(f"{'#':<2} {'question':<{_Q}} {'reference':<{_REF}}"
+          + "".join(f" | {c:<{len(sub)}.{len(sub)}}" for c in columns).rstrip())
+    print(f"{'':<2} {'':<{_Q}} {'':<{_REF}}" + f" | {sub}" * len(columns), flush=True)
     text, latent = [], []
     for i, q in enumerate(questions, 1):
         text.append(ask_text(client, text_model, q, max_tokens))
@@ -206,11 +185,19 @@ def compare(base_url: str, text_model: str, colar_model: str | None,
         if colar_model is not None:
             latent.append(ask_colar(client, colar_model, q, max_tokens, compression_factor))
             cells.append(_cell(latent[-1], "steps"))
-        print_row(i, q, cells)
+        print(f"{i:<2} {label(q.question):<{_Q}} {number(q.gold):<{_REF}}"
+              + "".join(f" | {c}" for c in cells), flush=True)
     if not all(r.stopped for r in text + latent):
         print("('+': the thinking ran into a cap without the model closing it)")
-    print()
-    print_summary(text, latent if colar_model is not None else None)
+    line = f"\ntotal: text CoT {_total(text, 'thinking tokens')}"
+    if colar_model is not None:
+        line += f"; CoLaR {_total(latent, 'latent steps')}"
+        tokens, steps = sum(r.thinking for r in text), sum(r.thinking for r in latent)
+        t_text, t_latent = sum(r.seconds for r in text), sum(r.seconds for r in latent)
+        if steps and t_latent:
+            line += (f" ({tokens / steps:.1f}x fewer thinking steps, "
+                     f"{t_text / t_latent:.1f}x faster)")
+    print(line, flush=True)
 
 
 def convert_embedded(dtype: str = "float32") -> None:
