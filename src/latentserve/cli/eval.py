@@ -57,8 +57,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run_colar(args) -> int:
-    """The CoLaR-format evaluation (``eval/colar_eval.py``) of one run or a sweep."""
+def run_colar(args, controls: dict) -> int:
+    """The CoLaR-format evaluation (``eval/colar_eval.py``) of one run or a sweep
+    (``controls``: a compression head's)."""
     from latentserve.cli import engine_config
     from latentserve.entrypoints.llm import LLM
     from latentserve.eval.colar_eval import evaluate
@@ -77,12 +78,8 @@ def run_colar(args) -> int:
     key, values = "compression_factor", [args.compression_factor]
     if args.sweep:
         key, values = parse_sweep(args.sweep, ("compression_factor", "max_latent"))
-    if args.plot and args.sweep is None:
-        raise ValueError("--plot needs --sweep")
     base = None
     if args.baseline:  # a text-CoT run's --json-out: a summary, or a sweep's first run
-        if not os.path.isfile(args.baseline):
-            raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
         with open(args.baseline) as f:
             data = json.load(f)
         s = data["runs"][0] if "runs" in data else data.get("summary", data)
@@ -94,8 +91,6 @@ def run_colar(args) -> int:
     cfg = engine_config(args)
     llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     runs = []
-    controls = {"min_latent": args.min_latent, "stop_threshold": args.stop_threshold,
-                "use_stop": False if args.no_stop else None}  # compression heads only
     for v in values:
         opts = {"compression_factor": args.compression_factor, "max_latent": args.max_latent}
         if args.sweep:
@@ -134,11 +129,19 @@ def run(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError(missing_extra_message("matplotlib", "--plot")) from None
+    # Options that are wrong whatever the run gives: refuse them before it starts.
+    if args.plot and args.sweep is None:
+        raise ValueError("--plot needs --sweep")
+    if args.baseline and not os.path.isfile(args.baseline):
+        raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
+    controls = {k: v for k, v in (("min_latent", args.min_latent),  # compression heads only
+                                  ("stop_threshold", args.stop_threshold),
+                                  ("use_stop", False if args.no_stop else None)) if v is not None}
     d = Path(args.model) if args.model else None
     trained = d is not None and d.is_dir() and any(  # a CoLaR or `train cot` directory
         (d / f).is_file() for f in ("colar_config.json", "train_config.json"))
     if args.prompt_format == "colar" or args.prompt_format == "auto" and trained:
-        return run_colar(args)
+        return run_colar(args, controls)
     args.dataset = args.dataset or "gsm8k"
     from latentserve.eval.run import evaluate, parse_sweep, plot_sweep
 
@@ -152,13 +155,8 @@ def run(args) -> int:
                          f"colar_config.json or train_config.json ({given}), or "
                          f"--prompt-format colar")
     budgets = parse_sweep(args.sweep)[1] if args.sweep else [args.max_latent]
-    # Options that are wrong whatever the run gives: refuse them before it starts.
-    if args.plot and args.sweep is None:
-        raise ValueError("--plot needs --sweep")
     if args.sweep and args.max_latent is not None:
         raise ValueError("--max-latent and --sweep both set the latent budget; give one")
-    if args.baseline and not os.path.isfile(args.baseline):
-        raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
     items = load_items(args.dataset, args.data_file, args.limit, args.data_dir)
     if args.url:
         backend = url_backend(args.url, args.api_model, args.api_key, args.concurrency)
@@ -168,10 +166,6 @@ def run(args) -> int:
         from latentserve.eval.backends import EngineBackend
 
         backend = EngineBackend(LLMEngine(engine_config(args)))
-    controls = {k: v for k, v in (("min_latent", args.min_latent),
-                                  ("stop_threshold", args.stop_threshold)) if v is not None}
-    if args.no_stop:
-        controls["use_stop"] = False
     runs, records = [], {}
     for b in budgets:
         recs, summary = evaluate(items, backend, args.max_tokens, b, **controls)

@@ -303,13 +303,12 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     latent_dtype = getattr(torch, engine.config.dtype)
     order = batches(len(items), cfg.questions_per_step, random.Random(cfg.seed))
     shuffle = torch.Generator().manual_seed(cfg.seed)
-    autocast = cfg.autocast
-    out = Path(cfg.out)
     log: list[dict] = []
 
     def checkpoint() -> None:  # as train colar writes it, but the adapter in float32 (an RL
         # step at lr 1e-6 moves the LoRA weights far less than a bfloat16 ulp)
-        save(model, out, base_name, cfg, log, torch.float32, colar_files=(ccfg, policy))
+        save(model, Path(cfg.out), base_name, cfg, log, torch.float32,
+             colar_files=(ccfg, policy))
 
     progress(f"train colar-grpo: {len(items)} items, {sum(p.numel() for p in params)} "
              f"trainable parameters, {cfg.steps} steps of {cfg.questions_per_step} x "
@@ -318,7 +317,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     lp_temperature = cfg.latent_temperature if cfg.tempered_logprobs else 1.0
 
     def logprobs(batch):
-        with trainer_forward(cfg.device, autocast):
+        with trainer_forward(cfg.device, cfg.autocast):
             return rollout_logprobs(model, policy, batch, ccfg.embeds_std, lp_temperature,
                                     cfg.answer_temperature)
 
@@ -327,8 +326,8 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
         for step in range(1, cfg.steps + 1):
             ts = time.time()
             pick = [items[i] for i in next(order)]
-            prompts = [engine.tokenizer.encode(colar.QUESTION.format(it.question),
-                                               add_special_tokens=False) for it in pick]
+            prompts = engine.tokenizer([colar.QUESTION.format(it.question) for it in pick],
+                                       add_special_tokens=False)["input_ids"]
             rolls = run_rollouts(engine, prompts, sp, cfg.group_size, latent_dtype)
             golds = [it.gold for it in pick for _ in range(cfg.group_size)]
             rewards, acc = rewards_of(rolls, golds, cfg, max_latent, reward_fn)
