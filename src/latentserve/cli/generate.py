@@ -139,19 +139,9 @@ def run(args) -> int:
             sys.stdout.write(detok.add(out.new_token_ids))
             sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
-    note = budget_note(last, n_answer)
-    if note:
-        print(f"latentserve: note: {note}", file=sys.stderr)
+    steps = (getattr(last, "latent_stats", None) or {}).get("steps") or 0
+    if not n_answer and last is not None and last.finish_reason == "length" and steps:
+        print(f"latentserve: note: the latent phase ({steps} steps) used the whole --max-tokens "
+              "budget and no answer token was left; raise --max-tokens, or cap the thinking "
+              "with --max-latent N (or --thinking off)", file=sys.stderr)
     return 0
-
-
-def budget_note(final, n_answer: int) -> str | None:
-    """The note when the latent phase took the whole budget (``final``: the last
-    ``StepOutput``, ``n_answer`` answer tokens); None otherwise."""
-    stats = getattr(final, "latent_stats", None) or {}
-    steps = stats.get("steps") or 0
-    if n_answer or final is None or final.finish_reason != "length" or not steps:
-        return None
-    return (f"the latent phase ({steps} steps) used the whole --max-tokens budget and no "
-            "answer token was left; raise --max-tokens, or cap the thinking with "
-            "--max-latent N (or --thinking off)")

@@ -23,8 +23,7 @@ from latentserve.latent.colar import ANSWER
 from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
 from latentserve.train.options import GRPOConfig
-from latentserve.train.schedule import adamw_warmup_linear
-from latentserve.train.sft import write_log
+from latentserve.train.sft import adamw_warmup_linear, write_log
 from latentserve.train.traces import load_questions, prompt_ids
 
 

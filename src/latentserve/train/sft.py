@@ -22,7 +22,6 @@ from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolv
 from latentserve.models.lora import merge_adapter, read_adapter
 from latentserve.train.features import capture
 from latentserve.train.options import SFTConfig
-from latentserve.train.schedule import adamw_warmup_linear
 from latentserve.train.traces import load_traces, train_file
 
 
@@ -52,6 +51,23 @@ def write_log(cfg, t0: float, **fields) -> dict:
     log = {"config": asdict(cfg), **fields, "seconds": round(time.perf_counter() - t0, 2)}
     Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
     return log
+
+
+def adamw_warmup_linear(params, lr: float, steps: int, warmup: float = 0.05,
+                        weight_decay: float = 0.01):
+    """``(optimizer, scheduler)``: ``torch.optim.AdamW`` over ``params`` and a ``LambdaLR``
+    whose factor rises linearly over ``round(warmup * steps)`` steps (at least 1) from
+    1/(warmup steps) to 1, then falls linearly to 0 at ``steps`` (the ranges: the options'
+    ``lr``, ``steps`` and ``warmup``); SFT's and GRPO's."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    n_warm = max(1, round(warmup * steps))
+
+    def factor(step: int) -> float:
+        if step < n_warm:
+            return (step + 1) / n_warm
+        return max(0.0, (steps - step) / max(1, steps - n_warm))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def sft_losses(head, feats, lat_idx: torch.Tensor, stop_idx: torch.Tensor, beta: float,
