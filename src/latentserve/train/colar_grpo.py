@@ -148,11 +148,10 @@ def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
 
 # ----------------------------------------------------------------------------- the engine
 
-_FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-          "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-          "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
-          "up_proj": ("gate_up_proj", ("gate_proj", "up_proj"))}
+# HF projection -> (the engine's fused projection holding it, the fused ones in row order)
+_FUSED = {leaf: (fused, order) for fused, order in (
+    ("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+    for leaf in order}
 _PEFT_PREFIX = "base_model.model."
 
 

@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import random
+import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -136,9 +137,8 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
             _, answer = colar.split_output(tok.decode(row, skip_special_tokens=True))
             right += answer == it.gold
     model.train()
-    thinking.sort()
     return {"n": len(items), "accuracy": right / max(1, len(items)),
-            "thinking_median": thinking[len(thinking) // 2] if thinking else 0}
+            "thinking_median": statistics.median_high(thinking) if thinking else 0}
 
 
 def save(model, out: Path, base_name: str, cfg, log: list[dict],
