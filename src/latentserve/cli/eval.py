@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 
 def register(sub) -> None:
@@ -80,8 +81,7 @@ def run_colar(args, controls: dict) -> int:
         key, values = parse_sweep(args.sweep, ("compression_factor", "max_latent"))
     base = None
     if args.baseline:  # a text-CoT run's --json-out: a summary, or a sweep's first run
-        with open(args.baseline) as f:
-            data = json.load(f)
+        data = json.loads(Path(args.baseline).read_text())
         s = data["runs"][0] if "runs" in data else data.get("summary", data)
         if "accuracy" not in s or "median" not in s.get("thinking", {}):
             raise ValueError(f"--baseline {args.baseline} is not a `latentserve eval "
@@ -101,11 +101,9 @@ def run_colar(args, controls: dict) -> int:
         print(json.dumps(summary), flush=True)
         out = summary if not args.sweep else {"runs": runs}
         if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(out, f, indent=1)
+            Path(args.json_out).write_text(json.dumps(out, indent=1))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"summary": out, "records": records}, f, indent=1)
+            Path(args.out).write_text(json.dumps({"summary": out, "records": records}, indent=1))
     if args.plot:
         from latentserve.eval.run import plot_sweep
 
@@ -118,8 +116,6 @@ def run_colar(args, controls: dict) -> int:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     from latentserve.eval.datasets import load_items
 
     if args.plot:  # before any work: the sweep would run first and only then fail
@@ -174,14 +170,10 @@ def run(args) -> int:
         records[str(b)] = recs
         print(json.dumps(summary), flush=True)
         if args.out:  # after every budget: a sweep cut off keeps what it finished
-            with open(args.out, "w") as f:
-                json.dump({"dataset": args.dataset, "runs": runs, "records": records}, f,
-                          indent=1)
+            Path(args.out).write_text(json.dumps({"dataset": args.dataset, "runs": runs,
+                                                  "records": records}, indent=1))
     if args.plot:
-        base = None
-        if args.baseline:
-            with open(args.baseline) as f:
-                base = json.load(f)["runs"][0]
+        base = json.loads(Path(args.baseline).read_text())["runs"][0] if args.baseline else None
         plot_sweep({"head": runs}, args.plot, f"{args.dataset} (n={len(items)})", base)
     return 0
 
