@@ -7,6 +7,7 @@ Design notes: docs/internals.md, "latentserve.train.features".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -52,11 +53,8 @@ def anchor_positions(p: int, t: int, c: int) -> list[int]:
 def first_rows(traces, c: int) -> list[int]:
     """Index of each trace's row ``k = 0`` in :func:`capture`'s output (trace ``i`` owns
     rows ``first[i] .. first[i] + G_i``)."""
-    out, n = [], 0
-    for tr in traces:
-        out.append(n)
-        n += num_groups(len(tr.reasoning), c) + 1
-    return out
+    sizes = [num_groups(len(tr.reasoning), c) + 1 for tr in traces]
+    return list(accumulate(sizes, initial=0))[:len(traces)]
 
 
 @torch.no_grad()
