@@ -19,7 +19,7 @@ import sys
 import torch
 
 from latentserve.latent import colar
-from latentserve.train.cot import encode_parts, encode_prompts, read_items
+from latentserve.train.cot import encode_parts, read_items
 from tests.support.colar_reference import load_colar_reference
 
 
@@ -32,7 +32,7 @@ def probe(model_dir: str, data: str, n: int, speeds: list[int]) -> list[dict]:
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
     rows = []
     for r in speeds:
-        prompts = (encode_prompts(tok, [it.question for it in items], r) if r > 1
+        prompts = (colar.prompt_ids(tok, [it.question for it in items], r, separator=False) if r > 1
                    else [p for p, _, _ in parts])
         exact, tokens, cosine = 0, 0.0, 0.0
         for (_, steps, answer), prompt in zip(parts, prompts):

@@ -202,7 +202,7 @@ def test_max_log_ratio_keeps_an_overflowing_ratio_finite():
 
 def test_group_advantages_use_the_sample_std_and_zero_variance_groups_are_counted():
     rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.5, 0.5, 0.5], [0.0, 0.0, 0.25]])
-    adv = cg.group_advantages(rewards)
+    adv = cg.group_advantages(rewards, unbiased=True, eps=1e-8)
     s = math.sqrt(1 / 3)  # torch.std of (0, 1, 0)
     torch.testing.assert_close(adv[1], torch.tensor([-1 / 3, 2 / 3, -1 / 3]) / (s + 1e-8))
     assert adv[0].abs().max() == 0 and adv[2].abs().max() == 0

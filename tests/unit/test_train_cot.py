@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from latentserve.eval.datasets import data_root
+from latentserve.eval.datasets import data_dirs
 from latentserve.train.tasks import (
     generate_multiplication,
     gsm8k_train_items,
@@ -18,7 +18,7 @@ from latentserve.train.tasks import (
     questions_of,
 )
 
-MULT = data_root() / "multiplication"
+MULT = data_dirs()[0] / "multiplication"
 
 
 def test_multiplication_item_matches_the_icot_line():
@@ -61,14 +61,14 @@ def test_gsm8k_steps_are_the_calculator_annotations(tmp_path):
 
 
 def test_encode_example_separator_is_one_token(smollm2_tokenizer):
-    from latentserve.train.cot import encode_example
+    from latentserve.train.cot import encode_examples
 
     it = multiplication_item(12, 34, 2)
     sep = smollm2_tokenizer.convert_tokens_to_ids("###")
-    prompt, target = encode_example(smollm2_tokenizer, it)
+    prompt, target = encode_examples(smollm2_tokenizer, [it])[0]
     assert smollm2_tokenizer.decode(prompt).endswith("(Thinking speed: 1)")
     assert target[0] == sep and target.count(sep) == 2 and target[-1] == 2  # eos
-    _, nocot = encode_example(smollm2_tokenizer, it, "nocot")
+    _, nocot = encode_examples(smollm2_tokenizer, [it], "nocot")[0]
     assert nocot[:2] == [sep, sep] and smollm2_tokenizer.decode(nocot[2:-1]) == "Answer:" + it.gold
 
 

@@ -68,7 +68,7 @@ def test_adapter_backbone_loads_merged_as_peft_merges_it(toy):
 
 def test_colar_traces_split_the_stage0_training_sequence(smollm2_tokenizer):
     from latentserve.latent.colar import prompt_text
-    from latentserve.train.cot import encode_example
+    from latentserve.train.cot import encode_examples
     from latentserve.train.sft import SFTConfig
     from latentserve.train.tasks import multiplication_item
     from latentserve.train.traces import build_colar_traces
@@ -82,7 +82,7 @@ def test_colar_traces_split_the_stage0_training_sequence(smollm2_tokenizer):
     assert tok.decode(tr.reasoning) == item.steps
     assert tr.answer[-1] == tok.eos_token_id
     assert tok.decode(tr.answer[:-1]) == "Answer:" + item.gold
-    prompt, target = encode_example(tok, item)  # what `train cot` fine-tuned on
+    prompt, target = encode_examples(tok, [item])[0]  # what `train cot` fine-tuned on
     assert tr.ids == prompt + target
     assert build_colar_traces(tok, [item], max_reasoning_tokens=len(tr.reasoning) - 1) == []
 
@@ -181,8 +181,8 @@ def test_dagger_refuses_a_bundle_of_another_prompt_format(toy):
 
 
 def test_colar_reward_scores_the_answer_after_answer_colon():
-    from latentserve.train.grpo import colar_reward
+    from latentserve.train.grpo import reward
 
-    assert colar_reward("###Answer:2 7 8 0", "2 7 8 0", {"end": "stop"}) == pytest.approx(1.1)
-    assert colar_reward("###Answer:2 7 8 1", "2 7 8 0", {"end": "cap"}) == 0.0
-    assert colar_reward("2 7 8 0", "2 7 8 0", {"end": "cap"}) == 0.0  # no Answer:
+    assert reward("###Answer:2 7 8 0", "2 7 8 0", {"end": "stop"}, "colar") == pytest.approx(1.1)
+    assert reward("###Answer:2 7 8 1", "2 7 8 0", {"end": "cap"}, "colar") == 0.0
+    assert reward("2 7 8 0", "2 7 8 0", {"end": "cap"}, "colar") == 0.0  # no Answer:

@@ -163,9 +163,9 @@ def test_grpo_config_rejects_bad_options():
         GRPOConfig(bundle="b.safetensors", out="o.safetensors", max_latent=-1)
 
 
-def test_default_reward_is_exact_match_plus_a_closing_bonus():
-    from latentserve.train.grpo import default_reward
+def test_chat_reward_is_exact_match_plus_a_closing_bonus():
+    from latentserve.train.grpo import reward
 
-    assert default_reward(" 1,200.", "1200", {"end": "stop"}, 0.1) == pytest.approx(1.1)
-    assert default_reward(" 12 then 13", "12", {"end": "cap"}, 0.1) == 0.0
-    assert default_reward("none", "5", {"end": "stop"}, 0.25) == pytest.approx(0.25)
+    assert reward(" 1,200.", "1200", {"end": "stop"}, "chat", 0.1) == pytest.approx(1.1)
+    assert reward(" 12 then 13", "12", {"end": "cap"}, "chat", 0.1) == 0.0
+    assert reward("none", "5", {"end": "stop"}, "chat", 0.25) == pytest.approx(0.25)

@@ -19,16 +19,6 @@ def _config_path(argv: list[str]) -> str | None:
     return None
 
 
-def _subparser(parser: argparse.ArgumentParser, argv: list[str]):
-    """The command's subparser and the index of the command name in ``argv``."""
-    commands = next((a.choices for a in parser._actions
-                     if isinstance(a, argparse._SubParsersAction)), {})
-    for i, token in enumerate(argv):
-        if token in commands:
-            return commands[token], i
-    return None, -1
-
-
 def config_tokens(path: str, options: dict[str, argparse.Action]) -> list[str]:
     """The command-line tokens of the YAML file ``path`` (``options``: the command's flags
     and their actions). Raises ValueError naming the file (and key) for an unreadable or
@@ -99,9 +89,12 @@ def expand_config_args(parser: argparse.ArgumentParser, argv: list[str]) -> list
     path = _config_path(argv)
     if path is None:
         return argv
-    sub, at = _subparser(parser, argv)
-    if sub is None:
+    commands = next((a.choices for a in parser._actions
+                     if isinstance(a, argparse._SubParsersAction)), {})
+    at = next((i for i, token in enumerate(argv) if token in commands), None)
+    if at is None:
         return argv
+    sub = commands[argv[at]]
     if at + 1 < len(argv) and not argv[at + 1].startswith("-"):
         at += 1  # `serve MODEL --config f.yaml`: the file's flags after MODEL
     return [*argv[:at + 1], *config_tokens(path, sub._option_string_actions),

@@ -12,8 +12,12 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from importlib import resources
+from itertools import accumulate
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from latentserve.eval.datasets import Item
 
 TEXT_MODEL = "smollm2-mult-cot"
 COLAR_MODEL = "smollm2-mult-colar"
@@ -48,19 +52,11 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-@dataclass(frozen=True, slots=True)
-class Question:
-    """A multiplication in iCoT's format: ``question`` ``"7 6 9 2 * 1 6 3 6"`` and ``gold``
-    ``"7 8 0 3 7 8 8 1"``, digits least significant first."""
-
-    question: str
-    gold: str
-
-    @property
-    def label(self) -> str:
-        """The question as usually written (``"2967 x 6361"``)."""
-        a, _, b = self.question.partition("*")
-        return f"{number(a)} x {number(b)}"
+def label(question: str) -> str:
+    """An iCoT multiplication (``"7 6 9 2 * 1 6 3 6"``, digits least significant first) as
+    usually written (``"2967 x 6361"``)."""
+    a, _, b = question.partition("*")
+    return f"{number(a)} x {number(b)}"
 
 
 def number(digits: str) -> str:
@@ -72,26 +68,16 @@ def number(digits: str) -> str:
     return "".join(reversed(parts)).lstrip("0") or "0"
 
 
-def load_questions(n: int, path: str | Path | None = None) -> list[Question]:
-    """The first ``n`` questions of an iCoT file (default: the package's), shortest first.
-    Raises ValueError for ``n`` < 1, too few questions or a malformed line (naming it)."""
-    if n < 1:
-        raise ValueError(f"--num-questions must be >= 1, got {n}")
-    if path is None:
-        text = resources.files("latentserve").joinpath("data", QUESTIONS_FILE).read_text()
-    else:
-        text = Path(path).read_text()
-    out = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        question, sep, rest = line.partition("||")
-        if not sep or "####" not in rest:
-            raise ValueError(f"{path or QUESTIONS_FILE} line {i} is not 'question||steps "
-                             f"#### answer': {line[:60]!r}")
-        out.append(Question(question.strip(), rest.rpartition("####")[2].strip()))
+def load_questions(n: int, path: str | Path | None = None) -> list[Item]:
+    """The first ``n`` items (``eval.datasets.Item``) of an iCoT file (default: the
+    package's), shortest first. Raises ValueError for too few questions or a malformed line
+    (naming it)."""
+    from latentserve.eval.datasets import _parse, package_data_dir
+
+    p = Path(path) if path is not None else package_data_dir() / QUESTIONS_FILE
+    out = _parse(p, "icot", "digits", None)
     if len(out) < n:
-        raise ValueError(f"--num-questions {n}: {path or QUESTIONS_FILE} has {len(out)}")
+        raise ValueError(f"--num-questions {n}: {p} has {len(out)}")
     return sorted(out[:n], key=lambda q: len(q.question))
 
 
@@ -119,18 +105,10 @@ def thinking_tokens(tokens: list[str]) -> int | None:
     from latentserve.latent.colar import SEPARATOR
 
     at = "".join(tokens).find(SEPARATOR)
-    if at < 0:
-        return None
-    n, end = 0, 0
-    for t in tokens:
-        end += len(t)
-        if end > at:
-            break
-        n += 1
-    return n
+    return None if at < 0 else sum(end <= at for end in accumulate(map(len, tokens)))
 
 
-def ask_text(client, model: str, q: Question, max_tokens: int) -> Reply:
+def ask_text(client, model: str, q: Item, max_tokens: int) -> Reply:
     """Ask the text-CoT model (completions, greedy, the whole speed-1 prompt); its tokens come
     from ``logprobs=0``."""
     from latentserve.latent import colar
@@ -147,7 +125,7 @@ def ask_text(client, model: str, q: Question, max_tokens: int) -> Reply:
                  len(tokens) if thinking is None else thinking, thinking is not None, seconds)
 
 
-def ask_colar(client, model: str, q: Question, max_tokens: int,
+def ask_colar(client, model: str, q: Item, max_tokens: int,
               compression_factor: int | None) -> Reply:
     """Ask the CoLaR model (completions, greedy, the question part; ``compression_factor``
     in the body, None: the model's); its thinking is ``latent.stats.steps``."""
@@ -177,38 +155,14 @@ def _cell(reply: Reply, unit: str) -> str:
            f"{reply.seconds:5.1f} s"
 
 
-def print_header(columns: list[str]) -> None:
-    sub = f"{'answer':<{_ANS}} {'':<5}  {'thinking':>10}  {'time':>7}"
-    print(f"{'#':<2} {'question':<{_Q}} {'reference':<{_REF}}"
-          + "".join(f" | {c:<{len(sub)}.{len(sub)}}" for c in columns).rstrip())
-    print(f"{'':<2} {'':<{_Q}} {'':<{_REF}}" + f" | {sub}" * len(columns), flush=True)
-
-
-def print_row(i: int, q: Question, cells: list[str]) -> None:
-    print(f"{i:<2} {q.label:<{_Q}} {number(q.gold):<{_REF}}"
-          + "".join(f" | {c}" for c in cells), flush=True)
-
-
 def _total(replies: list[Reply], unit: str) -> str:
     right = sum(r.correct for r in replies)
     return (f"{right}/{len(replies)} right, {sum(r.thinking for r in replies)} {unit}, "
             f"{sum(r.seconds for r in replies):.1f} s")
 
 
-def print_summary(text: list[Reply], latent: list[Reply] | None) -> None:
-    line = f"total: text CoT {_total(text, 'thinking tokens')}"
-    if latent is not None:
-        line += f"; CoLaR {_total(latent, 'latent steps')}"
-        tokens, steps = sum(r.thinking for r in text), sum(r.thinking for r in latent)
-        t_text, t_latent = sum(r.seconds for r in text), sum(r.seconds for r in latent)
-        if steps and t_latent:
-            line += (f" ({tokens / steps:.1f}x fewer thinking steps, "
-                     f"{t_text / t_latent:.1f}x faster)")
-    print(line, flush=True)
-
-
 def compare(base_url: str, text_model: str, colar_model: str | None,
-            questions: list[Question], max_tokens: int,
+            questions: list[Item], max_tokens: int,
             compression_factor: int | None = None) -> None:
     """Ask each question to both models, one request at a time; print the table and summary."""
     from openai import OpenAI
@@ -216,11 +170,14 @@ def compare(base_url: str, text_model: str, colar_model: str | None,
     client = OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=600)
     speed = f" c={compression_factor}" if compression_factor is not None else ""
     print("the models get each question as they were trained: digits least significant "
-          f"first ({questions[0].label} is '{questions[0].question}')\n")
+          f"first ({label(questions[0].question)} is '{questions[0].question}')\n")
     columns = [f"text CoT ({TEXT_MODEL})"]
     if colar_model is not None:
         columns.append(f"CoLaR{speed} ({COLAR_MODEL})")
-    print_header(columns)
+    sub = f"{'answer':<{_ANS}} {'':<5}  {'thinking':>10}  {'time':>7}"
+    print(f"{'#':<2} {'question':<{_Q}} {'reference':<{_REF}}"
+          + "".join(f" | {c:<{len(sub)}.{len(sub)}}" for c in columns).rstrip())
+    print(f"{'':<2} {'':<{_Q}} {'':<{_REF}}" + f" | {sub}" * len(columns), flush=True)
     text, latent = [], []
     for i, q in enumerate(questions, 1):
         text.append(ask_text(client, text_model, q, max_tokens))
@@ -228,11 +185,19 @@ def compare(base_url: str, text_model: str, colar_model: str | None,
         if colar_model is not None:
             latent.append(ask_colar(client, colar_model, q, max_tokens, compression_factor))
             cells.append(_cell(latent[-1], "steps"))
-        print_row(i, q, cells)
+        print(f"{i:<2} {label(q.question):<{_Q}} {number(q.gold):<{_REF}}"
+              + "".join(f" | {c}" for c in cells), flush=True)
     if not all(r.stopped for r in text + latent):
         print("('+': the thinking ran into a cap without the model closing it)")
-    print()
-    print_summary(text, latent if colar_model is not None else None)
+    line = f"\ntotal: text CoT {_total(text, 'thinking tokens')}"
+    if colar_model is not None:
+        line += f"; CoLaR {_total(latent, 'latent steps')}"
+        tokens, steps = sum(r.thinking for r in text), sum(r.thinking for r in latent)
+        t_text, t_latent = sum(r.seconds for r in text), sum(r.seconds for r in latent)
+        if steps and t_latent:
+            line += (f" ({tokens / steps:.1f}x fewer thinking steps, "
+                     f"{t_text / t_latent:.1f}x faster)")
+    print(line, flush=True)
 
 
 def convert_embedded(dtype: str = "float32") -> None:
@@ -279,10 +244,10 @@ def start_verbose(configs: list, labels: list[str]):
                     pass
                 elapsed = time.perf_counter() - start
                 lines = Path(log).read_text(errors="replace")
-                for name, label in zip(names, labels):
+                for name, what in zip(names, labels):
                     if name not in shown and f"engine ready: {name}," in lines:
                         shown.add(name)
-                        print(f"  {label} ready ({elapsed:.0f} s)", flush=True)
+                        print(f"  {what} ready ({elapsed:.0f} s)", flush=True)
                 if elapsed - last >= 15:
                     last = elapsed
                     print(f"  ... {elapsed:.0f} s", flush=True)
@@ -319,7 +284,12 @@ def run(args) -> int:
               "scripts/stage1_gpu.sh, see docs/results.md); showing the text CoT alone",
               flush=True)
     questions = load_questions(args.num_questions, args.questions)
-    speed = _speed(colar_dir, args.compression_factor)
+    speed = args.compression_factor  # CoLaR's thinking speed, else its colar_config.json's
+    if speed is None and colar_dir is not None:
+        from latentserve.latent.colar import COLAR_CONFIG, ColarConfig
+
+        speed = ColarConfig.from_dict(
+            json.loads((colar_dir / COLAR_CONFIG).read_text())).compression_factor
     dirs = [d for d in (text_dir, colar_dir) if d is not None]
     configs = [engine_config(args, model=str(d)) for d in dirs]
     if len(configs) > 1:  # --max-latent-budget caps CoLaR and leaves the text model alone
@@ -333,16 +303,6 @@ def run(args) -> int:
         compare(server.base_url, configs[0].model, configs[1].model if colar_dir else None,
                 questions, args.max_tokens, speed)
     return 0
-
-
-def _speed(colar_dir: Path | None, given: int | None) -> int | None:
-    """CoLaR's thinking speed to ask for: ``given``, else its ``colar_config.json``'s."""
-    if given is not None or colar_dir is None:
-        return given
-    from latentserve.latent.colar import COLAR_CONFIG, ColarConfig
-
-    return ColarConfig.from_dict(
-        json.loads((colar_dir / COLAR_CONFIG).read_text())).compression_factor
 
 
 def run_gsm8k(args) -> int:

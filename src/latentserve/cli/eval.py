@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 
 def register(sub) -> None:
@@ -57,18 +58,9 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _colar_format(args) -> bool:
-    from pathlib import Path
-
-    if args.prompt_format != "auto":
-        return args.prompt_format == "colar"
-    d = Path(args.model) if args.model else None
-    return d is not None and d.is_dir() and any(
-        (d / f).is_file() for f in ("colar_config.json", "train_config.json"))
-
-
-def run_colar(args) -> int:
-    """The CoLaR-format evaluation (``eval/colar_eval.py``) of one run or a sweep."""
+def run_colar(args, controls: dict) -> int:
+    """The CoLaR-format evaluation (``eval/colar_eval.py``) of one run or a sweep
+    (``controls``: a compression head's)."""
     from latentserve.cli import engine_config
     from latentserve.entrypoints.llm import LLM
     from latentserve.eval.colar_eval import evaluate
@@ -84,20 +76,21 @@ def run_colar(args) -> int:
                              f"{'|'.join(icot)} or --dataset-file FILE, got --dataset "
                              f"{args.dataset or '(none)'}")
         args.data_file = str(find_data_file(DATASETS[args.dataset][0], args.data_dir))
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     key, values = "compression_factor", [args.compression_factor]
     if args.sweep:
         key, values = parse_sweep(args.sweep, ("compression_factor", "max_latent"))
-    if args.plot and args.sweep is None:
-        raise ValueError("--plot needs --sweep")
-    base = _colar_baseline(args.baseline) if args.baseline else None
+    base = None
+    if args.baseline:  # a text-CoT run's --json-out: a summary, or a sweep's first run
+        data = json.loads(Path(args.baseline).read_text())
+        s = data["runs"][0] if "runs" in data else data.get("summary", data)
+        if "accuracy" not in s or "median" not in s.get("thinking", {}):
+            raise ValueError(f"--baseline {args.baseline} is not a `latentserve eval "
+                             "--json-out` summary")
+        base = {"accuracy": s["accuracy"], "thinking_median": s["thinking"]["median"]}
     items = read_items(args.data_file)[:args.limit]
     cfg = engine_config(args)
     llm = LLM(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     runs = []
-    controls = {"min_latent": args.min_latent, "stop_threshold": args.stop_threshold,
-                "use_stop": False if args.no_stop else None}  # compression heads only
     for v in values:
         opts = {"compression_factor": args.compression_factor, "max_latent": args.max_latent}
         if args.sweep:
@@ -108,11 +101,9 @@ def run_colar(args) -> int:
         print(json.dumps(summary), flush=True)
         out = summary if not args.sweep else {"runs": runs}
         if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(out, f, indent=1)
+            Path(args.json_out).write_text(json.dumps(out, indent=1))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"summary": out, "records": records}, f, indent=1)
+            Path(args.out).write_text(json.dumps({"summary": out, "records": records}, indent=1))
     if args.plot:
         from latentserve.eval.run import plot_sweep
 
@@ -122,19 +113,6 @@ def run_colar(args) -> int:
                    f"{os.path.basename(args.data_file)} (n={len(items)})", base, x=key,
                    accuracy_keys=(("accuracy", "exact"),))
     return 0
-
-
-def _colar_baseline(path: str) -> dict:
-    """``{"accuracy", "thinking_median"}`` of a text-CoT run's ``--json-out`` (a summary, or
-    the first of a sweep's ``runs``). Raises FileNotFoundError / ValueError."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--baseline {path} does not exist")
-    with open(path) as f:
-        data = json.load(f)
-    s = data["runs"][0] if "runs" in data else data.get("summary", data)
-    if "accuracy" not in s or "median" not in s.get("thinking", {}):
-        raise ValueError(f"--baseline {path} is not a `latentserve eval --json-out` summary")
-    return {"accuracy": s["accuracy"], "thinking_median": s["thinking"]["median"]}
 
 
 def run(args) -> int:
@@ -147,8 +125,19 @@ def run(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError(missing_extra_message("matplotlib", "--plot")) from None
-    if _colar_format(args):
-        return run_colar(args)
+    # Options that are wrong whatever the run gives: refuse them before it starts.
+    if args.plot and args.sweep is None:
+        raise ValueError("--plot needs --sweep")
+    if args.baseline and not os.path.isfile(args.baseline):
+        raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
+    controls = {k: v for k, v in (("min_latent", args.min_latent),  # compression heads only
+                                  ("stop_threshold", args.stop_threshold),
+                                  ("use_stop", False if args.no_stop else None)) if v is not None}
+    d = Path(args.model) if args.model else None
+    trained = d is not None and d.is_dir() and any(  # a CoLaR or `train cot` directory
+        (d / f).is_file() for f in ("colar_config.json", "train_config.json"))
+    if args.prompt_format == "colar" or args.prompt_format == "auto" and trained:
+        return run_colar(args, controls)
     args.dataset = args.dataset or "gsm8k"
     from latentserve.eval.run import evaluate, parse_sweep, plot_sweep
 
@@ -162,13 +151,8 @@ def run(args) -> int:
                          f"colar_config.json or train_config.json ({given}), or "
                          f"--prompt-format colar")
     budgets = parse_sweep(args.sweep)[1] if args.sweep else [args.max_latent]
-    # Options that are wrong whatever the run gives: refuse them before it starts.
-    if args.plot and args.sweep is None:
-        raise ValueError("--plot needs --sweep")
     if args.sweep and args.max_latent is not None:
         raise ValueError("--max-latent and --sweep both set the latent budget; give one")
-    if args.baseline and not os.path.isfile(args.baseline):
-        raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
     items = load_items(args.dataset, args.data_file, args.limit, args.data_dir)
     if args.url:
         backend = url_backend(args.url, args.api_model, args.api_key, args.concurrency)
@@ -178,10 +162,6 @@ def run(args) -> int:
         from latentserve.eval.backends import EngineBackend
 
         backend = EngineBackend(LLMEngine(engine_config(args)))
-    controls = {k: v for k, v in (("min_latent", args.min_latent),
-                                  ("stop_threshold", args.stop_threshold)) if v is not None}
-    if args.no_stop:
-        controls["use_stop"] = False
     runs, records = [], {}
     for b in budgets:
         recs, summary = evaluate(items, backend, args.max_tokens, b, **controls)
@@ -190,14 +170,10 @@ def run(args) -> int:
         records[str(b)] = recs
         print(json.dumps(summary), flush=True)
         if args.out:  # after every budget: a sweep cut off keeps what it finished
-            with open(args.out, "w") as f:
-                json.dump({"dataset": args.dataset, "runs": runs, "records": records}, f,
-                          indent=1)
+            Path(args.out).write_text(json.dumps({"dataset": args.dataset, "runs": runs,
+                                                  "records": records}, indent=1))
     if args.plot:
-        base = None
-        if args.baseline:
-            with open(args.baseline) as f:
-                base = json.load(f)["runs"][0]
+        base = json.loads(Path(args.baseline).read_text())["runs"][0] if args.baseline else None
         plot_sweep({"head": runs}, args.plot, f"{args.dataset} (n={len(items)})", base)
     return 0
 

@@ -5,13 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-# The sampling flags of `generate`, by SamplingParams field: each value is checked by
-# SamplingParams's own check at parse time, and its errors name the flag and the field.
-_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-          "top_k": "--top-k", "seed": "--seed", "latent_budget": "--latent-budget",
-          "exit_criterion": "--exit-criterion", "exit_threshold": "--exit-threshold",
-          "thinking": "--thinking", "max_latent": "--max-latent",
-          "min_output_tokens": "--min-output-tokens"}
+# The SamplingParams fields `generate` has a flag for (``--top-p`` for ``top_p``): each value is
+# checked by SamplingParams's own check at parse time, and its errors name the flag and field.
+_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "latent_budget",
+           "exit_criterion", "exit_threshold", "thinking", "max_latent", "min_output_tokens")
 
 
 def _sampling(conv, name: str):
@@ -35,7 +32,8 @@ def _flag_error(exc: ValueError) -> ValueError:
     """A ``SamplingParams`` error that starts with a field name, with the flag first:
     ``--top-p (top_p) must be in (0.0, 1.0], got 2.0``."""
     name, _, rest = str(exc).partition(" ")
-    return ValueError(f"{_FLAGS[name]} ({name}) {rest}") if name in _FLAGS else exc
+    flag = "--" + name.replace("_", "-")
+    return ValueError(f"{flag} ({name}) {rest}") if name in _FIELDS else exc
 
 
 def register(sub) -> None:
@@ -91,6 +89,7 @@ def run(args) -> int:
     from latentserve.cli import engine_config
     from latentserve.detokenizer import IncrementalDetokenizer
     from latentserve.engine.llm_engine import LLMEngine
+    from latentserve.eval.datasets import chat_prompt_ids
     from latentserve.models.checkpoint import NoTokenizer
     from latentserve.sampling_params import SamplingParams
 
@@ -122,12 +121,8 @@ def run(args) -> int:
         except ValueError:
             raise ValueError(f"--prompt-token-ids must be comma-separated integers, got "
                              f"{args.prompt_token_ids!r}") from None
-    elif args.raw or not getattr(tok, "chat_template", None):
-        ids = tok.encode(args.prompt)
     else:
-        ids = list(tok.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                           add_generation_prompt=True,
-                                           tokenize=True)["input_ids"])
+        ids = tok.encode(args.prompt) if args.raw else chat_prompt_ids(tok, args.prompt)
     engine.add_request("cli", ids, params)
     if isinstance(tok, NoTokenizer):  # ids out, one line
         out_ids = []
@@ -144,19 +139,9 @@ def run(args) -> int:
             sys.stdout.write(detok.add(out.new_token_ids))
             sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
-    note = budget_note(last, n_answer)
-    if note:
-        print(f"latentserve: note: {note}", file=sys.stderr)
+    steps = (getattr(last, "latent_stats", None) or {}).get("steps") or 0
+    if not n_answer and last is not None and last.finish_reason == "length" and steps:
+        print(f"latentserve: note: the latent phase ({steps} steps) used the whole --max-tokens "
+              "budget and no answer token was left; raise --max-tokens, or cap the thinking "
+              "with --max-latent N (or --thinking off)", file=sys.stderr)
     return 0
-
-
-def budget_note(final, n_answer: int) -> str | None:
-    """The note when the latent phase took the whole budget (``final``: the last
-    ``StepOutput``, ``n_answer`` answer tokens); None otherwise."""
-    stats = getattr(final, "latent_stats", None) or {}
-    steps = stats.get("steps") or 0
-    if n_answer or final is None or final.finish_reason != "length" or not steps:
-        return None
-    return (f"the latent phase ({steps} steps) used the whole --max-tokens budget and no "
-            "answer token was left; raise --max-tokens, or cap the thinking with "
-            "--max-latent N (or --thinking off)")

@@ -5,6 +5,7 @@ Design notes: docs/internals.md, "latentserve.eval.backends".
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class EngineBackend:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.has_head = engine.latent_spec is not None and engine.latent_spec.kind == "head"
-        self._n = 0
+        self._ids = itertools.count()
 
     def run(self, requests: list[Request], **head_controls) -> list[Completion]:
         start, rids = time.perf_counter(), []
@@ -55,21 +56,15 @@ class EngineBackend:
             if r.max_latent is not None and not self.has_head:
                 raise ValueError("max_latent needs a model with a compression head "
                                  "(--latent-head)")
-            extra = {}
+            extra = {"thinking": r.max_latent is not None} if self.has_head else {}
             max_tokens = r.max_tokens
-            if self.has_head:
-                if r.max_latent is None:
-                    extra = {"thinking": False}
-                else:
-                    extra = {"thinking": True, "max_latent": r.max_latent,
-                             "min_output_tokens": 0, **head_controls}
-                    max_tokens += r.max_latent + n_close
-            rid = f"eval-{self._n}"
-            self._n += 1
-            self.engine.add_request(rid, chat_prompt_ids(self.tokenizer, r.user),
+            if r.max_latent is not None:
+                extra |= {"max_latent": r.max_latent, "min_output_tokens": 0, **head_controls}
+                max_tokens += r.max_latent + n_close
+            rids.append(f"eval-{next(self._ids)}")
+            self.engine.add_request(rids[-1], chat_prompt_ids(self.tokenizer, r.user),
                                     SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                    **extra))
-            rids.append(rid)
         toks = {rid: [] for rid in rids}
         done = {}
         while self.engine.has_unfinished_requests():

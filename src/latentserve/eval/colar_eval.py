@@ -25,19 +25,6 @@ def answers_match(gold: str, pred: str) -> bool:
         return g == p
 
 
-def summarize(records: list[dict], seconds: float) -> dict:
-    """``{"n", "accuracy", "thinking": {"median", "max", "mean"}, "stop_fired", "seconds"}``
-    of per-item records (``correct``, ``thinking``, ``stop_fired``). ValueError for none."""
-    if not records:
-        raise ValueError("no records to summarize")
-    n, think = len(records), [r["thinking"] for r in records]
-    return {"n": n, "accuracy": sum(r["correct"] for r in records) / n,
-            "thinking": {"median": statistics.median(think), "max": max(think),
-                         "mean": sum(think) / n},
-            "stop_fired": sum(r["stop_fired"] for r in records) / n,
-            "seconds": round(seconds, 3)}
-
-
 def encode_questions(tok, questions: list[str], latent: bool) -> list[list[int]]:
     """Prompt ids per question in the format the model was trained with: a CoLaR model's
     question part (``colar.QUESTION``; the engine appends its speed and ``###``), else the
@@ -62,10 +49,13 @@ def read_answer(tok, ids: list[int], latent: bool) -> str:
 def evaluate(llm, items: list[Item], max_tokens: int = 320,
              compression_factor: int | None = None, max_latent: int | None = None,
              **head_controls) -> tuple[list[dict], dict]:
-    """Run ``items`` through ``llm`` greedily; returns ``(records, summary)``. ``max_tokens``
+    """Run ``items`` through ``llm`` greedily; returns ``(records, summary)`` (``{"n",
+    "accuracy", "thinking": {"median", "max", "mean"}, "stop_fired", "seconds"}``). ``max_tokens``
     bounds text tokens (latent models: the answer's). ``max_latent`` is for CoLaR or a head,
     ``compression_factor`` CoLaR's, ``head_controls`` a head's; ValueError for a model that
-    does not take one."""
+    does not take one, or no items."""
+    if not items:
+        raise ValueError("no items to evaluate")
     family = getattr(llm.engine.latent_spec, "family", None)
     latent, head = family == "colar", family == "compression-head"
     head_controls = {k: v for k, v in head_controls.items() if v is not None}
@@ -109,4 +99,9 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
         records.append({"question": it.question, "gold": it.gold, "answer": answer,
                         "correct": answers_match(it.gold, answer), "thinking": thinking,
                         "stop_fired": fired, "output_tokens": len(ids)})
-    return records, summarize(records, seconds)
+    n, think = len(records), [r["thinking"] for r in records]
+    return records, {"n": n, "accuracy": sum(r["correct"] for r in records) / n,
+                     "thinking": {"median": statistics.median(think), "max": max(think),
+                                  "mean": sum(think) / n},
+                     "stop_fired": sum(r["stop_fired"] for r in records) / n,
+                     "seconds": round(seconds, 3)}

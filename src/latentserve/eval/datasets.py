@@ -63,11 +63,6 @@ def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
     return ([Path(given)] if given else []) + [package_data_dir()]
 
 
-def data_root(data_dir: str | Path | None = None) -> Path:
-    """The first of :func:`data_dirs`: the user's data directory, else the package's."""
-    return data_dirs(data_dir)[0]
-
-
 def find_data_file(rel: str, data_dir: str | Path | None = None,
                    flag: str = "--data-dir DIR") -> Path:
     """The file ``rel`` under the first of :func:`data_dirs` that holds it. Raises

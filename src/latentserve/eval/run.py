@@ -6,40 +6,24 @@ Design notes: docs/internals.md, "latentserve.eval.run".
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 from latentserve.eval.answers import score
 from latentserve.eval.backends import Request
 from latentserve.eval.datasets import INSTRUCTIONS, Item
 
 
-def requests_for(items: list[Item], max_tokens: int, max_latent: int | None) -> list[Request]:
-    """One request per item: with the data set's instruction for text CoT, bare for latent."""
-    if max_latent is None:
-        return [Request(f"{it.question}\n{INSTRUCTIONS[it.kind]}", max_tokens) for it in items]
-    return [Request(it.question, max_tokens, max_latent) for it in items]
-
-
-def summarize(records: list[dict]) -> dict:
-    """Accuracies (fractions), thinking, token and latency (s) statistics of per-item
-    ``records``. Raises ValueError for no records."""
-    if not records:
-        raise ValueError("no records to summarize")
-    n = len(records)
-    think = [r["thinking"] for r in records]
-    lat = [r["latency_s"] for r in records]
-    return {"n": n,
-            "accuracy_strict": sum(r["strict"] for r in records) / n,
-            "accuracy_flexible": sum(r["flexible"] for r in records) / n,
-            "thinking_median": statistics.median(think), "thinking_max": max(think),
-            "completion_tokens_mean": sum(r["completion_tokens"] for r in records) / n,
-            "latency_median_s": statistics.median(lat), "latency_max_s": max(lat)}
-
-
 def evaluate(items: list[Item], backend, max_tokens: int = 256,
              max_latent: int | None = None, **head_controls) -> tuple[list[dict], dict]:
-    """Run ``items`` through ``backend``; returns ``(records, summary)`` (a latent run's
-    summary counts each ``latent_end``: ``stop``, ``cap`` or ``length``)."""
-    outs = backend.run(requests_for(items, max_tokens, max_latent), **head_controls)
+    """Run ``items`` through ``backend``; returns ``(records, summary)``: accuracies
+    (fractions), thinking, token and latency (s) statistics (a latent run's also counts each
+    ``latent_end``: ``stop``, ``cap`` or ``length``). Text CoT asks with the data set's
+    instruction, a latent run with the bare question. ValueError for no items."""
+    if not items:
+        raise ValueError("no items to evaluate")
+    outs = backend.run([Request(it.question if max_latent is not None
+                                else f"{it.question}\n{INSTRUCTIONS[it.kind]}",
+                                max_tokens, max_latent) for it in items], **head_controls)
     records = []
     for it, o in zip(items, outs):
         strict, flexible = score(it.kind, o.text, it.gold, it.question)
@@ -50,11 +34,16 @@ def evaluate(items: list[Item], backend, max_tokens: int = 256,
                         "completion_tokens": o.completion_tokens,
                         "latent_steps": o.latent_steps, "latency_s": round(o.latency_s, 4),
                         "finish_reason": o.finish_reason, "latent_end": o.latent_end})
-    summary = summarize(records)
-    summary["max_latent"] = max_latent
+    n, think = len(records), [r["thinking"] for r in records]
+    lat = [r["latency_s"] for r in records]
+    summary = {"n": n, "accuracy_strict": sum(r["strict"] for r in records) / n,
+               "accuracy_flexible": sum(r["flexible"] for r in records) / n,
+               "thinking_median": statistics.median(think), "thinking_max": max(think),
+               "completion_tokens_mean": sum(r["completion_tokens"] for r in records) / n,
+               "latency_median_s": statistics.median(lat), "latency_max_s": max(lat),
+               "max_latent": max_latent}
     if max_latent is not None:  # how the latent phases ended (stop head, cap, length)
-        summary["latent_end"] = {e: sum(str(r["latent_end"]) == e for r in records)
-                                 for e in sorted({str(r["latent_end"]) for r in records})}
+        summary["latent_end"] = dict(sorted(Counter(str(r["latent_end"]) for r in records).items()))
     return records, summary
 
 

@@ -18,7 +18,6 @@ from latentserve.train.cot import (
     _lm,
     batches,
     encode_parts,
-    encode_prompts,
     load_backbone,
     optimise,
     read_items,
@@ -47,8 +46,6 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
     ``torch.randn``); ``own_latent_prob`` > 0: the inputs go through :func:`feed_own_latents`
     first (targets stay gold). Returns float32 scalars ``total``, ``ce``, ``embed`` and
     counts ``n_ce``, ``n_embed``."""
-    if embed_loss not in ("mse", "nll"):
-        raise ValueError(f"embed_loss must be 'mse' or 'nll', got {embed_loss!r}")
     lm = _lm(model)
     emb = lm.get_input_embeddings()
     device = emb.weight.device
@@ -110,12 +107,6 @@ def feed_own_latents(lm, policy: colar.LatentPolicy, x: torch.Tensor,
     return x.index_put((b[take], t[take]), own[take].to(x.dtype))
 
 
-def embedding_std(model) -> float:
-    """Std of the input-embedding matrix, the default ``embeds_std`` (upstream: a constant
-    per model, ``MODEL_EMB_STD``)."""
-    return _lm(model).get_input_embeddings().weight.detach().float().std().item()
-
-
 def adapter_base(adapter_dir: str) -> str | None:
     """A stage-0 adapter's base (None: the embedded SmolLM2; relative: beside the adapter).
     FileNotFoundError without ``adapter_config.json``."""
@@ -152,7 +143,9 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
         hidden_size=hidden,
         intermediate_size=prior[0].intermediate_size if prior else
         cfg.intermediate_size or hidden,
-        embeds_std=prior[0].embeds_std if prior else cfg.embeds_std or embedding_std(model),
+        # default: the input embeddings' std (upstream: a constant per model, MODEL_EMB_STD)
+        embeds_std=prior[0].embeds_std if prior else cfg.embeds_std or _lm(
+            model).get_input_embeddings().weight.detach().float().std().item(),
         compression_factor=cfg.compression_factor,
         max_compression_factor=cfg.max_compression_factor, max_latent=cfg.max_latent)
     policy = (prior[1] if prior else colar.LatentPolicy(hidden, ccfg.intermediate_size))
@@ -171,7 +164,7 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
         r = (rng.choice(cfg.train_factors) if cfg.train_factors
              else rng.randint(1, cfg.max_compression_factor))
         chosen = [keep[i] for i in next(order)]
-        prompts = (encode_prompts(tok, [q for q, _ in chosen], r) if r > 1
+        prompts = (colar.prompt_ids(tok, [q for q, _ in chosen], r, separator=False) if r > 1
                    else [p for _, (p, _, _) in chosen])
         batch = [(p, s, a) for p, (_, (_, s, a)) in zip(prompts, chosen)]
         picks = draw_picks([len(s) for _, s, _ in batch], r, rng)

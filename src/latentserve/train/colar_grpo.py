@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
@@ -34,8 +35,8 @@ from latentserve.train.cot import (
     save,
     trainer_forward,
 )
-from latentserve.train.grpo import rollouts
-from latentserve.train.options import LOSS_AVERAGES, ColarGRPOConfig
+from latentserve.train.grpo import group_advantages, run_requests
+from latentserve.train.options import ColarGRPOConfig
 
 # GRPOLoss with ``average_per_token_loss: False`` divides each sequence's summed loss by this
 # constant (upstream ``masked_sum``).
@@ -58,20 +59,6 @@ class Rollout:
         return self.latents.shape[0]
 
 
-def answer_of(text: str) -> str:
-    """The answer in a rollout's text as upstream ``extract_answer_from_output`` takes it:
-    what follows the first ``Answer:`` up to a second one, else the whole text; stripped."""
-    prefix = colar.ANSWER.format("")
-    return (text.split(prefix)[1] if prefix in text else text).strip()
-
-
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``[Q, G]`` rewards -> float32 ``(r - mean) / (std + eps)`` per row, ``std`` Bessel
-    corrected as upstream's ``torch.std``."""
-    r = rewards.float()
-    return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)
-
-
 def reward_stats(rewards: torch.Tensor) -> dict:
     """Of ``[Q, G]`` rewards: ``reward`` (mean), ``reward_var``, ``group_reward_var`` (mean
     within-group variance), ``zero_var_groups`` (share of groups without a gradient)."""
@@ -79,16 +66,6 @@ def reward_stats(rewards: torch.Tensor) -> dict:
     return {"reward": float(r.mean()), "reward_var": float(r.var(unbiased=False)),
             "group_reward_var": float(r.var(1, unbiased=False).mean()),
             "zero_var_groups": float((r == r[:, :1]).all(1).float().mean())}
-
-
-def pad_rows(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D tensors -> ``([B, max_len] right-padded with 0, [B, max_len] bool mask)``."""
-    n = max((len(r) for r in rows), default=0)
-    out = rows[0].new_zeros(len(rows), n) if rows else torch.zeros(0, 0)
-    mask = torch.zeros(len(rows), n, dtype=torch.bool, device=out.device)
-    for b, r in enumerate(rows):
-        out[b, :len(r)], mask[b, :len(r)] = r, True
-    return out, mask
 
 
 def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
@@ -141,51 +118,40 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
     return list(lat_rows), list(ans_rows)
 
 
-def clipped_loss(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor,
-                 adv: torch.Tensor, clip_eps: float, average: str,
-                 max_log_ratio: float | None = None) -> torch.Tensor:
-    """Upstream ``GRPOLoss.calculate_loss``: ``logp``, ``logp_old``, ``mask`` ``[B, L]``,
-    ``adv`` ``[B]`` -> scalar. Per sequence the masked sum / :data:`SUM_DIVISOR` ("sum") or
-    masked mean ("mean"); ``max_log_ratio`` clamps ``logp - logp_old`` (None: as upstream)."""
-    log_ratio = logp - logp_old
-    if max_log_ratio is not None:
-        log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
-    ratio = log_ratio.exp()
-    a = adv[:, None]
-    per_tok = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a) * mask
-    if average == "sum":
-        return (per_tok.sum(-1) / SUM_DIVISOR).mean()
-    return (per_tok.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-
-
 def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
               clip_eps: float = 0.2, average: str = "sum", use_latent: bool = True,
               use_answer: bool = True, max_log_ratio: float | None = None
               ) -> dict[str, torch.Tensor]:
     """Upstream ``GRPOLoss.forward`` on a minibatch (``new`` / ``old`` from
     :func:`rollout_logprobs`, ``adv`` ``[B]``): scalars ``total``, ``latent``, ``answer``
-    (0 when off). Raises ValueError for a bad ``average``."""
-    if average not in LOSS_AVERAGES:
-        raise ValueError(f"average must be one of {LOSS_AVERAGES}, got {average!r}")
+    (0 when off), each upstream ``calculate_loss``: the clipped surrogate per sequence summed
+    / :data:`SUM_DIVISOR` ("sum") or averaged over tokens ("mean"); ``max_log_ratio`` clamps
+    ``logp - logp_old`` (None: as upstream)."""
     parts = {}
     for name, i, on in (("latent", 0, use_latent), ("answer", 1, use_answer)):
         if not on:
             parts[name] = torch.zeros((), device=adv.device)
             continue
-        lp, mask = pad_rows(new[i])
-        lp_old, _ = pad_rows([t.detach() for t in old[i]])
-        parts[name] = clipped_loss(lp, lp_old, mask, adv.to(lp.device), clip_eps, average,
-                                   max_log_ratio)
+        logp = pad_sequence(new[i], batch_first=True)  # [B, L], right-padded with 0
+        log_ratio = logp - pad_sequence([t.detach() for t in old[i]], batch_first=True)
+        lengths = torch.tensor([len(t) for t in new[i]], device=logp.device)
+        mask = torch.arange(logp.shape[1], device=logp.device) < lengths[:, None]
+        if max_log_ratio is not None:
+            log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
+        ratio, a = log_ratio.exp(), adv.to(logp.device)[:, None]
+        per_tok = -torch.min(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a) * mask
+        per_seq = per_tok.sum(-1) / (SUM_DIVISOR if average == "sum"
+                                     else mask.sum(-1).clamp(min=1))
+        parts[name] = per_seq.mean()
     return {"total": parts["latent"] + parts["answer"], **parts}
 
 
 # ----------------------------------------------------------------------------- the engine
 
-_FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-          "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-          "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
-          "up_proj": ("gate_up_proj", ("gate_proj", "up_proj"))}
+# HF projection -> (the engine's fused projection holding it, the fused ones in row order)
+_FUSED = {leaf: (fused, order) for fused, order in (
+    ("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+    for leaf in order}
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -251,18 +217,19 @@ def run_rollouts(engine, prompts: list[list[int]], params, group_size: int,
     head = engine.runner.model.latent_head
     c = params.compression_factor or head.config.compression_factor
     tail = [*head.speed_ids[c], head.stop_token]
-    outs = rollouts(engine, prompts, params, group_size)
+    outs = run_requests(engine, [(ids, params) for ids in prompts for _ in range(group_size)],
+                        "grpo")
     res = []
-    for k, o in enumerate(outs):
-        acts, st = o["stats"].get("actions") or [], o["stats"]
+    for k, (tokens, st) in enumerate(outs):
+        acts = st.get("actions") or []
         if len(acts) != st.get("steps", 0):
             raise RuntimeError(f"rollout {k}: {len(acts)} latents recorded for "
                                f"{st.get('steps')} steps (is recording on?)")
         lat = torch.stack(acts).to(latent_dtype).float() if acts else \
             torch.zeros(0, head.config.hidden_size)
         res.append(Rollout(prompt_ids=list(prompts[k // group_size]) + tail, latents=lat,
-                           answer_ids=[head.stop_token, *o["tokens"]],
-                           text=engine.tokenizer.decode(o["tokens"], skip_special_tokens=True),
+                           answer_ids=[head.stop_token, *tokens],
+                           text=engine.tokenizer.decode(tokens, skip_special_tokens=True),
                            end=st.get("end") or "cap"))
     return res
 
@@ -271,7 +238,10 @@ def rewards_of(rollouts: list[Rollout], golds: list[str], cfg: ColarGRPOConfig,
                max_latent: int, reward_fn=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rewards [N], accuracies [N])`` float32; ``reward_fn(rollout, gold) -> float``
     replaces the 0/1 accuracy before the length terms."""
-    acc = torch.tensor([float(answers_match(g, answer_of(r.text)))
+    prefix = colar.ANSWER.format("")  # the answer as upstream extract_answer_from_output takes
+    # it: what follows the first Answer: up to a second one, else the whole text
+    acc = torch.tensor([float(answers_match(g, (r.text.split(prefix)[1] if prefix in r.text
+                                                 else r.text).strip()))
                         for r, g in zip(rollouts, golds)])
     base = acc.clone() if reward_fn is None else torch.tensor(
         [float(reward_fn(r, g)) for r, g in zip(rollouts, golds)])
@@ -332,13 +302,12 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     latent_dtype = getattr(torch, engine.config.dtype)
     order = batches(len(items), cfg.questions_per_step, random.Random(cfg.seed))
     shuffle = torch.Generator().manual_seed(cfg.seed)
-    autocast = cfg.autocast
-    out = Path(cfg.out)
     log: list[dict] = []
 
     def checkpoint() -> None:  # as train colar writes it, but the adapter in float32 (an RL
         # step at lr 1e-6 moves the LoRA weights far less than a bfloat16 ulp)
-        save(model, out, base_name, cfg, log, torch.float32, colar_files=(ccfg, policy))
+        save(model, Path(cfg.out), base_name, cfg, log, torch.float32,
+             colar_files=(ccfg, policy))
 
     progress(f"train colar-grpo: {len(items)} items, {sum(p.numel() for p in params)} "
              f"trainable parameters, {cfg.steps} steps of {cfg.questions_per_step} x "
@@ -347,7 +316,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     lp_temperature = cfg.latent_temperature if cfg.tempered_logprobs else 1.0
 
     def logprobs(batch):
-        with trainer_forward(cfg.device, autocast):
+        with trainer_forward(cfg.device, cfg.autocast):
             return rollout_logprobs(model, policy, batch, ccfg.embeds_std, lp_temperature,
                                     cfg.answer_temperature)
 
@@ -356,13 +325,13 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
         for step in range(1, cfg.steps + 1):
             ts = time.time()
             pick = [items[i] for i in next(order)]
-            prompts = [engine.tokenizer.encode(colar.QUESTION.format(it.question),
-                                               add_special_tokens=False) for it in pick]
+            prompts = engine.tokenizer([colar.QUESTION.format(it.question) for it in pick],
+                                       add_special_tokens=False)["input_ids"]
             rolls = run_rollouts(engine, prompts, sp, cfg.group_size, latent_dtype)
             golds = [it.gold for it in pick for _ in range(cfg.group_size)]
             rewards, acc = rewards_of(rolls, golds, cfg, max_latent, reward_fn)
             grid = rewards.view(cfg.questions_per_step, cfg.group_size)
-            adv = group_advantages(grid).flatten()
+            adv = group_advantages(grid, unbiased=True, eps=1e-8).flatten()
             t_roll = time.time() - ts
             perm = torch.randperm(len(rolls), generator=shuffle).tolist()
             mbs = [perm[i:i + cfg.exp_batch_size]

@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import random
+import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,11 +35,6 @@ def read_items(path: str | Path) -> list[Item]:
     return _parse(p, "icot", "text", None)
 
 
-def encode_prompts(tok, questions: list[str], speed: int | str = 1) -> list[list[int]]:
-    """``colar.prompt_ids`` at ``speed`` without the opening separator, per question."""
-    return colar.prompt_ids(tok, questions, speed, separator=False)
-
-
 def encode_parts(tok, items: list[Item], mode: str = "cot"
                  ) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt_ids, steps_ids, answer_ids)`` per item, each segment tokenised on its own:
@@ -48,7 +44,7 @@ def encode_parts(tok, items: list[Item], mode: str = "cot"
     def enc(texts: list[str]) -> list[list[int]]:
         return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    prompts = encode_prompts(tok, [it.question for it in items])
+    prompts = colar.prompt_ids(tok, [it.question for it in items], separator=False)
     steps = enc([it.steps for it in items]) if mode == "cot" else [[] for _ in items]
     answers = enc([colar.ANSWER.format(it.gold) for it in items])
     return [(p, s, [sep, *a, tok.eos_token_id]) for p, s, a in zip(prompts, steps, answers)]
@@ -59,11 +55,6 @@ def encode_examples(tok, items: list[Item], mode: str = "cot"
     """``(prompt_ids, target_ids)`` per item, tokenised in batches."""
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
     return [(p, [sep, *s, *a]) for p, s, a in encode_parts(tok, items, mode)]
-
-
-def encode_example(tok, item: Item, mode: str = "cot") -> tuple[list[int], list[int]]:
-    """``(prompt_ids, target_ids)`` of one item."""
-    return encode_examples(tok, [item], mode)[0]
 
 
 def load_backbone(base: str | None, device: str, cfg=None):
@@ -146,9 +137,8 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
             _, answer = colar.split_output(tok.decode(row, skip_special_tokens=True))
             right += answer == it.gold
     model.train()
-    thinking.sort()
     return {"n": len(items), "accuracy": right / max(1, len(items)),
-            "thinking_median": thinking[len(thinking) // 2] if thinking else 0}
+            "thinking_median": statistics.median_high(thinking) if thinking else 0}
 
 
 def save(model, out: Path, base_name: str, cfg, log: list[dict],

@@ -7,9 +7,7 @@ Design notes: docs/internals.md, "latentserve.train.dagger".
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,7 +19,7 @@ from latentserve.sampling_params import SamplingParams
 from latentserve.train.features import Features, first_rows, num_groups
 from latentserve.train.grpo import head_engine, run_requests
 from latentserve.train.options import DaggerConfig
-from latentserve.train.sft import capture_traces, fit, load_backbone
+from latentserve.train.sft import capture_traces, fit, load_backbone, write_log
 from latentserve.train.traces import COLAR_CLOSE, COLAR_OPEN
 
 
@@ -149,10 +147,8 @@ def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
                             "loss_before": res["before"], "loss_after": res["after"],
                             "rollout_seconds": round(t_roll, 2),
                             "seconds": round(time.perf_counter() - t_round, 2)})
-            log = {"config": asdict(cfg), "traces": len(traces),
-                   "teacher_rows": len(teacher.stop), "history": history,
-                   "seconds": round(time.perf_counter() - t0, 2)}
-            Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
+            log = write_log(cfg, t0, traces=len(traces), teacher_rows=len(teacher.stop),
+                            history=history)
     finally:
         set_policy_sampling(served, None)
     return log

@@ -7,6 +7,7 @@ Design notes: docs/internals.md, "latentserve.train.features".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +27,6 @@ class Features:
     embed: torch.Tensor
     has_target: torch.Tensor
     stop: torch.Tensor
-
-    def to(self, device) -> Features:
-        return Features(*(getattr(self, k).to(device) for k in self.__slots__))
 
     def rows(self, idx: torch.Tensor) -> Features:
         """The rows ``idx`` (``[n]`` int64, on the same device), copied."""
@@ -55,11 +53,8 @@ def anchor_positions(p: int, t: int, c: int) -> list[int]:
 def first_rows(traces, c: int) -> list[int]:
     """Index of each trace's row ``k = 0`` in :func:`capture`'s output (trace ``i`` owns
     rows ``first[i] .. first[i] + G_i``)."""
-    out, n = [], 0
-    for tr in traces:
-        out.append(n)
-        n += num_groups(len(tr.reasoning), c) + 1
-    return out
+    sizes = [num_groups(len(tr.reasoning), c) + 1 for tr in traces]
+    return list(accumulate(sizes, initial=0))[:len(traces)]
 
 
 @torch.no_grad()
@@ -101,10 +96,7 @@ def capture(model, traces, source_layer: int, target_layer: int, c: int,
             pad = torch.zeros(1, tg.shape[1], device=device)
             rows["target"].append(torch.cat([tg, pad]))
             rows["embed"].append(torch.cat([eg, pad]))
-            flag = torch.ones(g + 1, dtype=torch.bool, device=device)
-            flag[-1] = False
-            rows["has_target"].append(flag)
-            stop = torch.zeros(g + 1, device=device)
-            stop[-1] = 1.0
-            rows["stop"].append(stop)
+            last = torch.arange(g + 1, device=device) == g  # the end-of-reasoning row
+            rows["has_target"].append(~last)
+            rows["stop"].append(last.float())
     return Features(**{k: torch.cat(v) for k, v in rows.items()})

@@ -7,10 +7,8 @@ Design notes: docs/internals.md, "latentserve.train.grpo".
 from __future__ import annotations
 
 import copy
-import json
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,31 +23,30 @@ from latentserve.latent.colar import ANSWER
 from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
 from latentserve.train.options import GRPOConfig
-from latentserve.train.schedule import adamw_warmup_linear
+from latentserve.train.sft import adamw_warmup_linear, write_log
 from latentserve.train.traces import load_questions, prompt_ids
 
 
-def default_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) -> float:
-    """1 when the last number of ``text`` equals ``gold``, + ``close_bonus`` when the
-    latent phase ended by the stop head (``stats["end"] == "stop"``)."""
-    return float(numbers_equal(last_number(text), gold)) + close_bonus * (
-        stats.get("end") == "stop")
+def reward(text: str, gold: str, stats: dict, prompt_format: str = "chat",
+           close_bonus: float = 0.1) -> float:
+    """1 when the answer is right, + ``close_bonus`` when the stop head ended the latent phase
+    (``stats["end"] == "stop"``). Right: ``chat``, the last number of ``text`` equals ``gold``;
+    ``colar``, the answer after ``Answer:`` matches it (upstream ``verify_answer``)."""
+    if prompt_format == "colar":
+        answer = text.partition(ANSWER.format(""))[2].strip()
+        right = bool(answer) and answers_match(gold, answer)
+    else:
+        right = numbers_equal(last_number(text), gold)
+    return float(right) + close_bonus * (stats.get("end") == "stop")
 
 
-def colar_reward(text: str, gold: str, stats: dict, close_bonus: float = 0.1) -> float:
-    """1 when the answer after ``Answer:`` matches ``gold`` (upstream ``verify_answer``), +
-    ``close_bonus`` when the stop head ended the latent phase."""
-    answer = text.partition(ANSWER.format(""))[2].strip()
-    return float(bool(answer) and answers_match(gold, answer)) + close_bonus * (
-        stats.get("end") == "stop")
-
-
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """``[Q, G]`` rewards -> ``[Q, G]`` advantages ``(r - mean) / (std + 1e-6)`` per row
-    (population std; a row of equal rewards gives zeros)."""
-    mean = rewards.mean(1, keepdim=True)
-    std = rewards.std(1, keepdim=True, unbiased=False)
-    return (rewards - mean) / (std + 1e-6)
+def group_advantages(rewards: torch.Tensor, unbiased: bool = False,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """``[Q, G]`` rewards -> float32 ``[Q, G]`` advantages ``(r - mean) / (std + eps)`` per row
+    (population std; ``unbiased``: Bessel corrected, as upstream CoLaR's ``torch.std``); a row
+    of equal rewards gives zeros."""
+    r = rewards.float()
+    return (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=unbiased) + eps)
 
 
 def policy_loss(policy, ref, actions: list[list], adv: torch.Tensor, sigma: float,
@@ -98,14 +95,6 @@ def run_requests(engine, requests: list[tuple], tag: str) -> list[tuple[list[int
     return [(toks[r], stats[r]) for r in toks]
 
 
-def rollouts(engine, prompts: list[list[int]], params, group_size: int) -> list[dict]:
-    """Each prompt ``group_size`` times through ``engine``: ``{"tokens", "stats"}``,
-    prompt-major."""
-    outs = run_requests(engine, [(ids, params) for ids in prompts for _ in range(group_size)],
-                        "grpo")
-    return [{"tokens": t, "stats": s} for t, s in outs]
-
-
 def head_engine(engine, cfg, **options):
     """``(engine, its head)``; ``engine`` None: one serving ``cfg.bundle`` over ``cfg.model``
     (``options``: ``EngineConfig`` fields). ValueError when it serves no compression head."""
@@ -122,7 +111,7 @@ def head_engine(engine, cfg, **options):
 def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     """``cfg.steps`` GRPO steps from the SFT bundle, written to ``cfg.out`` and
     ``<out>.log.json``; returns the log. ``reward_fn(text, gold, stats)`` replaces
-    :func:`default_reward`. ValueError when the engine serves no compression head."""
+    :func:`reward`. ValueError when the engine serves no compression head."""
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     bundle = read_bundle(cfg.bundle)
@@ -140,8 +129,8 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
                         temperature=0.0, max_latent=cfg.max_latent,
                         min_latent=cfg.min_latent, use_stop=True,
                         stop_threshold=cfg.stop_threshold, min_output_tokens=0)
-    score = colar_reward if cfg.prompt_format == "colar" else default_reward
-    reward = reward_fn or (lambda t, g, s: score(t, g, s, cfg.close_bonus))
+    reward_of = reward_fn or (lambda t, g, s: reward(t, g, s, cfg.prompt_format,
+                                                     cfg.close_bonus))
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(rows), generator=gen).tolist()
     history = []
@@ -150,12 +139,13 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
         pick = [rows[order[(step * cfg.questions_per_step + j) % len(rows)]]
                 for j in range(cfg.questions_per_step)]
         prompts = prompt_ids(tok, [q for q, _ in pick], cfg.prompt_format)
-        outs = rollouts(engine, prompts, sp, cfg.group_size)
+        outs = run_requests(engine, [(ids, sp) for ids in prompts
+                                     for _ in range(cfg.group_size)], "grpo")
         golds = [g for _, g in pick for _ in range(cfg.group_size)]
-        texts = [tok.decode(o["tokens"], skip_special_tokens=True) for o in outs]
-        r = torch.tensor([reward(t, g, o["stats"]) for t, g, o in zip(texts, golds, outs)])
+        texts = [tok.decode(t, skip_special_tokens=True) for t, _ in outs]
+        r = torch.tensor([reward_of(t, g, st) for t, g, (_, st) in zip(texts, golds, outs)])
         adv = group_advantages(r.view(cfg.questions_per_step, cfg.group_size)).flatten()
-        actions = [o["stats"].get("actions") or [] for o in outs]
+        actions = [st.get("actions") or [] for _, st in outs]
         loss, parts = policy_loss(policy, ref, actions, adv, cfg.sigma, cfg.kl_coef)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -164,8 +154,9 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
         sched.step()
         with torch.no_grad():
             served.reasoning_head.load_state_dict(policy.reasoning_head.state_dict())
-        acc = sum(score(t, g, {}, 0.0) for t, g in zip(texts, golds)) / len(texts)
-        closed = sum(o["stats"].get("end") == "stop" for o in outs) / len(outs)
+        acc = sum(reward(t, g, {}, cfg.prompt_format, 0.0)
+                  for t, g in zip(texts, golds)) / len(texts)
+        closed = sum(st.get("end") == "stop" for _, st in outs) / len(outs)
         row = {"step": step, "reward": float(r.mean()), "accuracy": acc, "closed": closed,
                **parts, "reward_std": float(r.std(unbiased=False))}
         history.append(row)
@@ -179,7 +170,4 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
 def _save(policy, format_version: int, cfg: GRPOConfig, history: list, t0: float) -> dict:
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     write_bundle(bundle_from_module(policy, format_version), cfg.out)
-    log = {"config": asdict(cfg), "history": history,
-           "seconds": round(time.perf_counter() - t0, 2)}
-    Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
-    return log
+    return write_log(cfg, t0, history=history)

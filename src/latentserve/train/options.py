@@ -243,17 +243,16 @@ class SFTConfig(FitOptions):
         fixed = self.prompt_format == "colar"
         for k, v in (("think_open", COLAR_OPEN if fixed else THINK_OPEN),
                      ("think_close", COLAR_CLOSE if fixed else THINK_CLOSE)):
-            if getattr(self, k) is None:
+            given = getattr(self, k)
+            if given is None:
                 setattr(self, k, v)
-            elif fixed and getattr(self, k) != v:
+            elif fixed and given != v:
                 raise ValueError(f"{k} is {v!r} in the colar prompt format (the prompt ends "
-                                 f"with the opening ###, the closing is ###), got "
-                                 f"{getattr(self, k)!r}")
-            elif not fixed and not (isinstance(getattr(self, k), str) and getattr(self, k)):
+                                 f"with the opening ###, the closing is ###), got {given!r}")
+            elif not fixed and not (isinstance(given, str) and given):
                 # empty: serving would look for <think>
                 raise ValueError(f"{k} must be a non-empty string (the thinking span's text "
-                                 f"the head is trained and served with), got "
-                                 f"{getattr(self, k)!r}")
+                                 f"the head is trained and served with), got {given!r}")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -22,7 +22,6 @@ from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolv
 from latentserve.models.lora import merge_adapter, read_adapter
 from latentserve.train.features import capture
 from latentserve.train.options import SFTConfig
-from latentserve.train.schedule import adamw_warmup_linear
 from latentserve.train.traces import load_traces, train_file
 
 
@@ -33,31 +32,42 @@ def load_backbone(model: str | None, device: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
     d = resolve_model_dir(model)
-    if is_adapter_dir(d):
-        m = merged_adapter_model(d).to(getattr(torch, dtype))
+    if is_adapter_dir(d):  # its base with the adapter merged (models.lora), in float32
+        adapter = read_adapter(d)
+        m = AutoModelForCausalLM.from_pretrained(str(adapter.base_dir), dtype=torch.float32)
+        with torch.no_grad():
+            for name, w in merge_adapter(m.state_dict().items(), adapter, m.config):
+                if name in adapter.pairs:
+                    m.get_parameter(name).copy_(w)
     else:
         m = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype))
-    m = m.to(device).eval().requires_grad_(False)
+    m = m.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
     return m, load_tokenizer(d), d
 
 
-def merged_adapter_model(adapter_dir):
-    """A LoRA adapter directory's base with the adapter merged (``models.lora``), float32 on
-    the CPU. ValueError as ``read_adapter``."""
-    from transformers import AutoModelForCausalLM
-
-    adapter = read_adapter(adapter_dir)
-    m = AutoModelForCausalLM.from_pretrained(str(adapter.base_dir), dtype=torch.float32)
-    with torch.no_grad():
-        for name, w in merge_adapter(m.state_dict().items(), adapter, m.config):
-            if name in adapter.pairs:
-                m.get_parameter(name).copy_(w)
-    return m
+def write_log(cfg, t0: float, **fields) -> dict:
+    """``{"config": asdict(cfg), **fields, "seconds"}`` (since ``t0``, ``time.perf_counter``)
+    written to ``<cfg.out>.log.json``; returns it."""
+    log = {"config": asdict(cfg), **fields, "seconds": round(time.perf_counter() - t0, 2)}
+    Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
+    return log
 
 
-def default_layers(n_layers: int) -> tuple[int, int]:
-    """``(source, target)`` layer indices near 80% and at 100% depth."""
-    return max(0, min(n_layers - 2, round(0.8 * n_layers) - 1)), n_layers - 1
+def adamw_warmup_linear(params, lr: float, steps: int, warmup: float = 0.05,
+                        weight_decay: float = 0.01):
+    """``(optimizer, scheduler)``: ``torch.optim.AdamW`` over ``params`` and a ``LambdaLR``
+    whose factor rises linearly over ``round(warmup * steps)`` steps (at least 1) from
+    1/(warmup steps) to 1, then falls linearly to 0 at ``steps`` (the ranges: the options'
+    ``lr``, ``steps`` and ``warmup``); SFT's and GRPO's."""
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    n_warm = max(1, round(warmup * steps))
+
+    def factor(step: int) -> float:
+        if step < n_warm:
+            return (step + 1) / n_warm
+        return max(0.0, (steps - step) / max(1, steps - n_warm))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
 def sft_losses(head, feats, lat_idx: torch.Tensor, stop_idx: torch.Tensor, beta: float,
@@ -152,9 +162,10 @@ def train_sft(cfg: SFTConfig) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model, tok, _ = load_backbone(cfg.model, cfg.device, cfg.dtype)
-    src, tgt = default_layers(model.config.num_hidden_layers)
-    src = cfg.source_layer if cfg.source_layer is not None else src
-    tgt = cfg.target_layer if cfg.target_layer is not None else tgt
+    n = model.config.num_hidden_layers  # default layers: near 80% and at 100% depth
+    src = cfg.source_layer if cfg.source_layer is not None else max(0, min(n - 2,
+                                                                           round(0.8 * n) - 1))
+    tgt = cfg.target_layer if cfg.target_layer is not None else n - 1
     traces, feats = capture_traces(model, tok, cfg, src, tgt, cfg.compression_factor,
                                    cfg.think_open, cfg.think_close)
     t_capture = time.perf_counter() - t0
@@ -175,10 +186,7 @@ def train_sft(cfg: SFTConfig) -> dict:
 
     res = fit(head, feats, cfg, "sft", checkpoint)
     write_bundle(bundle_from_module(head), cfg.out)
-    log = {"config": asdict(cfg), "head_config": hcfg.to_dict(), "traces": len(traces),
-           "rows": res["rows"], "latent_rows": res["latent_rows"],
-           "loss_before": res["before"], "loss_after": res["after"],
-           "history": res["history"], "capture_seconds": round(t_capture, 2),
-           "seconds": round(time.perf_counter() - t0, 2)}
-    Path(str(cfg.out) + ".log.json").write_text(json.dumps(log, indent=1))
-    return log
+    return write_log(cfg, t0, head_config=hcfg.to_dict(), traces=len(traces), rows=res["rows"],
+                     latent_rows=res["latent_rows"], loss_before=res["before"],
+                     loss_after=res["after"], history=res["history"],
+                     capture_seconds=round(t_capture, 2))

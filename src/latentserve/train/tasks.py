@@ -49,9 +49,8 @@ def icot_line(item: Item) -> str:
 def generate_multiplication(k: int, n: int, seed: int = 0,
                             exclude: Iterable[str] = ()) -> list[Item]:
     """``n`` distinct random k x k items whose question is not in ``exclude`` (questions as
-    iCoT writes them). Raises ValueError when fewer than ``n`` such items exist."""
-    if k < 1 or n < 0:
-        raise ValueError(f"need k >= 1 and n >= 0, got k={k}, n={n}")
+    iCoT writes them; ``k >= 1``, ``n >= 0``: ``data multiplication`` checks them). Raises
+    ValueError when fewer than ``n`` such items exist."""
     lo, hi = 10 ** (k - 1), 10 ** k
     if n > (hi - lo) ** 2 // 2:
         raise ValueError(f"n={n} is more than half of the {(hi - lo) ** 2} {k}x{k} questions")
@@ -69,12 +68,8 @@ def generate_multiplication(k: int, n: int, seed: int = 0,
 
 def questions_of(paths: Iterable[str | Path]) -> set[str]:
     """The questions of iCoT text files (to exclude from generated training data)."""
-    out = set()
-    for p in paths:
-        for line in Path(p).read_text().splitlines():
-            if line.strip():
-                out.add(line.partition("||")[0].strip())
-    return out
+    return {line.partition("||")[0].strip() for p in paths
+            for line in Path(p).read_text().splitlines() if line.strip()}
 
 
 def write_icot(items: Iterable[Item], path: str | Path) -> int:

@@ -117,12 +117,11 @@ def load_questions(data: str | Path | None, prompt_format: str = "chat",
                    limit: int | None = None) -> list[tuple[str, str]]:
     """``(question, gold)`` of the first ``limit`` examples of ``data`` (None: GSM8K
     ``train.jsonl``): GSM8K rows for ``chat``, ``train.cot.read_items`` for ``colar``. Raises
-    ValueError for another format or a malformed file, FileNotFoundError."""
+    ValueError for a malformed file, FileNotFoundError."""
     path = train_file(data)
     if prompt_format == "chat":
         return [(r["question"], r["answer"].rpartition("####")[2].strip())
                 for r in load_gsm8k_rows(path, limit)]
-    _check_format(prompt_format)
     from latentserve.train.cot import read_items
 
     return [(it.question, it.gold) for it in read_items(path)[:limit]]
@@ -131,7 +130,7 @@ def load_questions(data: str | Path | None, prompt_format: str = "chat",
 def prompt_ids(tokenizer, questions: list[str], prompt_format: str = "chat") -> list[list[int]]:
     """A request's prefill per question, before the head's opening ids: the chat rendering
     (``chat``) or CoLaR's prompt at speed 1 (``latent.colar.prompt_ids``)."""
-    if _check_format(prompt_format) == "colar":
+    if prompt_format == "colar":
         from latentserve.latent.colar import prompt_ids as colar_prompt_ids
 
         return colar_prompt_ids(tokenizer, questions)
@@ -146,16 +145,10 @@ def load_traces(tokenizer, data: str | Path | None, prompt_format: str = "chat",
     GSM8K ``train.jsonl``) in ``prompt_format``; ``think_open`` / ``think_close`` /
     ``style`` apply to ``chat`` only. Raises as :func:`load_questions`."""
     path = train_file(data)
-    if _check_format(prompt_format) == "colar":
+    if prompt_format == "colar":
         from latentserve.train.cot import read_items
 
         return build_colar_traces(tokenizer, read_items(path)[:limit], max_reasoning_tokens)
     return build_traces(tokenizer, load_gsm8k_rows(path, limit), think_open, think_close,
                         style, max_reasoning_tokens)
 
-
-def _check_format(prompt_format: str) -> str:
-    if prompt_format not in PROMPT_FORMATS:
-        raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}, got "
-                         f"{prompt_format!r}")
-    return prompt_format
