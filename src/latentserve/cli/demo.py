@@ -72,10 +72,10 @@ def load_questions(n: int, path: str | Path | None = None) -> list[Item]:
     """The first ``n`` items (``eval.datasets.Item``) of an iCoT file (default: the
     package's), shortest first. Raises ValueError for too few questions or a malformed line
     (naming it)."""
-    from latentserve.eval.datasets import _parse, package_data_dir
+    from latentserve.eval.datasets import package_data_dir, parse_file
 
     p = Path(path) if path is not None else package_data_dir() / QUESTIONS_FILE
-    out = _parse(p, "icot", "digits", None)
+    out = parse_file(p, "icot", "digits", None)
     if len(out) < n:
         raise ValueError(f"--num-questions {n}: {p} has {len(out)}")
     return sorted(out[:n], key=lambda q: len(q.question))

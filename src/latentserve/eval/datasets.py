@@ -93,7 +93,7 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     try:
-        items = _parse(p, fmt, kind, limit)
+        items = parse_file(p, fmt, kind, limit)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON errors included
         if isinstance(exc, ValueError) and str(exc).startswith(str(p)):
             raise
@@ -102,7 +102,7 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
     return items[:limit] if limit else items
 
 
-def _parse(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
+def parse_file(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
     """The items of file ``p`` in format ``fmt`` (see :func:`load_items`)."""
     items = []
     if fmt == "prosqa":
