@@ -320,10 +320,11 @@ class ActiveRows:
 
 def recur_compact(model, ctx, rb: RecurrentBatch, x, inputs: tuple, step, exits,
                   num_layers: int, before=None):
-    """``x`` ``[T, ...]`` after ``model``'s compact loop: per iteration ``t``, ``before(t,
-    rows, idx)``, then ``x = step(x, *inputs, t)`` on the rows still iterating (``inputs``:
-    per-token tensors), then ``exits(t, rows, idx, x)`` names the rows that stop; their later
-    banks get iteration ``t``'s K/V (:func:`fill_banks`; ``upstream`` rows: none)."""
+    """``x`` ``[T, ...]`` after ``model``'s compact loop: per iteration ``t``, ``before(act,
+    t, rows, idx)``, then ``x = step(x, *inputs, t)`` on the rows still iterating
+    (``inputs``: per-token tensors), then ``exits(act, t, rows, idx, x)`` names the rows that
+    stop; their later banks get iteration ``t``'s K/V (:func:`fill_banks`; ``upstream``
+    rows: none). ``act``: the :class:`ActiveRows`."""
     act = ActiveRows(rb, ctx)
     try:
         for t in range(rb.num_iters):
