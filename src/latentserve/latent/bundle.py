@@ -40,11 +40,9 @@ class HeadBundle:
     def build(self) -> LatentHead:
         """The float32 modules with the weights loaded (``read_bundle`` validated them)."""
         head = LatentHead(self.config, self.has_stop_head, self.target_proj is not None)
-        head.reasoning_head.load_state_dict(self.reasoning_head, strict=True)
-        if self.decoder is not None:
-            head.decoder.load_state_dict(self.decoder, strict=True)
-        if self.target_proj is not None:
-            head.target_proj.load_state_dict(self.target_proj, strict=True)
+        for part in SUBDICTS:
+            if getattr(self, part) is not None:
+                getattr(head, part).load_state_dict(getattr(self, part), strict=True)
         return head.float().eval().requires_grad_(False)
 
 

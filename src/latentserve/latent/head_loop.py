@@ -89,7 +89,7 @@ class HeadFamily(Family):
         self.defaults = head_defaults()
         runner = self.engine.runner
         runner.set_capture(runner.model.latent_head.capture_layer)  # -1: final-normed hidden
-        self._probs = DeviceToHost()  # overlap mode: stop probabilities to the host
+        self._probs = DeviceToHost()  # stop probabilities to the host
 
     def admit(self, prompt_ids, params) -> Admission:
         params, hs, start_ids = prepare_request(self.engine.runner.model, self.spec,
