@@ -57,12 +57,13 @@ def test_serve_outputs_equal_latent_input_and_stop_prob(stop):
         assert probs is None
 
 
-def test_next_inputs_runs_the_head_only_for_rows_in_their_latent_phase():
+def test_latent_steps_run_the_head_only_for_rows_in_their_latent_phase():
     """A callable ``precomputed`` (the decode graph's latent graph) is called only when some
     row still thinks; then its values are used."""
     from types import SimpleNamespace
 
-    from latentserve.latent.head_loop import next_inputs
+    from latentserve.latent.head_late import candidates, step_now
+    from latentserve.staging import DeviceToHost
 
     head = random_bundle(64, 16, 40, seed=1).build()
     calls = []
@@ -71,15 +72,22 @@ def test_next_inputs_runs_the_head_only_for_rows_in_their_latent_phase():
         calls.append(1)
         return torch.full((2, 64), 7.0), torch.tensor([0.1, 0.2])
 
+    def steps(reqs):
+        out = candidates(head, None, reqs, None, torch.randn(2, 64), pre, DeviceToHost())
+        return out and [step_now(r, c, 0, head.stop_token) for r, c in zip(reqs, out)]
+
     settings = dict(mode="closed_loop", steps=0, use_stop=True, min_latent=0, max_latent=4,
                     stop_threshold=0.5, max_stop_prob=None, end=None, stop_step=None,
                     actions=None, latent_temperature=0.0)
-    answering = [SimpleNamespace(state=SimpleNamespace(**settings), answer_start=3)
-                 for _ in range(2)]
-    assert next_inputs(head, answering, torch.randn(2, 64), pre) is None and not calls
-    thinking = [SimpleNamespace(state=SimpleNamespace(**settings), answer_start=None)
-                for _ in range(2)]
-    out = next_inputs(head, thinking, torch.randn(2, 64), pre)
+
+    def req(answer_start):
+        return SimpleNamespace(state=SimpleNamespace(**settings), answer_start=answer_start,
+                               params=SimpleNamespace(return_latent_trace=False))
+
+    answering = [req(3) for _ in range(2)]
+    assert steps(answering) is None and not calls
+    thinking = [req(None) for _ in range(2)]
+    out = steps(thinking)
     assert calls == [1]
     assert [r for _, r in out] == [0, 1] and torch.equal(out[0][0], torch.full((2, 64), 7.0))
     assert [r.state.max_stop_prob for r in thinking] == pytest.approx([0.1, 0.2])

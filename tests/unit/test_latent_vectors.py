@@ -20,7 +20,7 @@ def test_stack_slices_consecutive_rows_and_gathers_the_rest():
     torch.testing.assert_close(vectors.stack([(a, 2), (b, 1)]), torch.stack([a[2], b[1]]))
     assert vectors.common_source([(a, 0), (a, 4)]) is a
     assert vectors.common_source([(a, 0), (b, 0)]) is None
-    torch.testing.assert_close(vectors.vector((b, 1)), b[1])
+    torch.testing.assert_close(vectors.stack_at([1], [(b, 1)], 2), torch.stack([b[0] * 0, b[1]]))
 
 
 @pytest.fixture(scope="module")

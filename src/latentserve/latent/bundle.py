@@ -38,14 +38,11 @@ class HeadBundle:
         return any(k.startswith("stop_head.") for k in self.reasoning_head)
 
     def build(self) -> LatentHead:
-        """The float32 modules with the weights loaded (validated). Raises ValueError."""
-        validate(self)
+        """The float32 modules with the weights loaded (``read_bundle`` validated them)."""
         head = LatentHead(self.config, self.has_stop_head, self.target_proj is not None)
-        head.reasoning_head.load_state_dict(self.reasoning_head, strict=True)
-        if self.decoder is not None:
-            head.decoder.load_state_dict(self.decoder, strict=True)
-        if self.target_proj is not None:
-            head.target_proj.load_state_dict(self.target_proj, strict=True)
+        for part in SUBDICTS:
+            if getattr(self, part) is not None:
+                getattr(head, part).load_state_dict(getattr(self, part), strict=True)
         return head.float().eval().requires_grad_(False)
 
 
@@ -263,12 +260,16 @@ def find_bundle(model_dir, override: str | None = None, disabled: bool = False):
 
     if disabled:
         return None
-    if override:
-        return _bundle_file(Path(override), "--latent-head")
-    env = settings.get("LATENTSERVE_LATENT_HEAD")
-    if env:
-        return _bundle_file(Path(env), "LATENTSERVE_LATENT_HEAD")
-    return _dir_bundle(Path(model_dir))
+    given = override or settings.get("LATENTSERVE_LATENT_HEAD")
+    if not given:
+        return _dir_bundle(Path(model_dir))
+    path = Path(given)
+    found = _dir_bundle(path) if path.is_dir() else path
+    if found is None:
+        what = "--latent-head" if override else "LATENTSERVE_LATENT_HEAD"
+        raise FileNotFoundError(f"{what} {path} is a directory without a head bundle "
+                                "(latent_reasoning_head.safetensors)")
+    return found
 
 
 def _dir_bundle(d: Path) -> Path | None:
@@ -284,18 +285,6 @@ def _dir_bundle(d: Path) -> Path | None:
                                     f"latent_reasoning_head), but {d / named} does not exist")
         return d / named
     return d / HEAD_BUNDLE_NAME if (d / HEAD_BUNDLE_NAME).is_file() else None
-
-
-def _bundle_file(path: Path, what: str) -> Path:
-    """``path`` (a bundle file), or a model directory's bundle; FileNotFoundError naming
-    ``what`` otherwise."""
-    if path.is_dir():
-        found = _dir_bundle(path)
-        if found is None:
-            raise FileNotFoundError(f"{what} {path} is a directory without a head bundle "
-                                    "(latent_reasoning_head.safetensors)")
-        return found
-    return path
 
 
 def _span_ids(tok, text: str | None, token: str, what: str) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ import torch
 from latentserve.latent.feedback import (
     BUFFER_SUFFIXES,
     LATENT_CONFIG,
+    embedding_rows,
     merge_lora,
     read_state_dict,
     strip_keys,
@@ -57,17 +58,13 @@ def _same_file(a: Path, b: Path) -> bool:
     return b.exists() and a.resolve() == b.resolve()
 
 
-def write_checked(out_dir, overwrite: bool, write: Callable[[Path], None]) -> Path:
+def write_checked(out_dir, write: Callable[[Path], None]) -> Path:
     """Run ``write(tmp)`` in a hidden directory next to ``out_dir``, check it
-    (:func:`check_serves`), then move it to ``out_dir`` (file by file with ``overwrite``).
-
-    Raises ValueError when ``out_dir`` is not empty without ``overwrite``, the result would
-    not serve, or ``out_dir`` keeps weight files not replaced; on error ``out_dir`` is as it
-    was.
-    """
+    (:func:`check_serves`), then move it to ``out_dir`` (file by file when it exists; the
+    caller refuses a non-empty one without ``overwrite``). Raises ValueError when the
+    result would not serve or ``out_dir`` keeps weight files not replaced; on error
+    ``out_dir`` is as it was."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise ValueError(f"--out {out_dir} exists and is not empty (use --force)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     umask = os.umask(0)
@@ -102,8 +99,7 @@ def write_checked(out_dir, overwrite: bool, write: Callable[[Path], None]) -> Pa
             shutil.rmtree(tmp)
 
 
-def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer, symlink,
-            overwrite):
+def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer, symlink):
     """Check, then write config, tokenizer, checkpoint copy, missing base weights and
     latent_config through :func:`write_checked`."""
     from safetensors.torch import save_file
@@ -134,7 +130,7 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
         cfg = validate_latent_config({**latent_cfg, "checkpoint": checkpoint.name}, out)
         write_configs(out, base_dir, {**hf_cfg, "vocab_size": rows}, tokenizer, cfg)
 
-    return write_checked(out_dir, overwrite, write)
+    return write_checked(out_dir, write)
 
 
 def write_configs(out: Path, base_dir: Path, hf_cfg: dict, tokenizer, latent_cfg: dict) -> None:
@@ -166,13 +162,6 @@ def _check_fits_base(state: dict, base: dict, base_dir, checkpoint) -> None:
                          f"differ, e.g. {', '.join(odd[:3])}: wrong --base?")
 
 
-def _rows(state: dict, checkpoint) -> int:
-    for k in ("transformer.wte.weight", "wte.weight", "model.embed_tokens.weight"):
-        if k in state:
-            return int(state[k].shape[0])
-    raise ValueError(f"{checkpoint} has no embedding weight: is it a COCONUT/CODI checkpoint?")
-
-
 def convert_coconut(base_dir, checkpoint, out_dir, *, default_budget: int = 6,
                     max_budget: int = 64, variant: str | None = None, symlink: bool = False,
                     overwrite: bool = False) -> Path:
@@ -180,7 +169,7 @@ def convert_coconut(base_dir, checkpoint, out_dir, *, default_budget: int = 6,
     ``base_dir``; ValueError when the token ids do not fit its vocab."""
     base_dir, checkpoint, out_dir, hf_cfg = _start(base_dir, checkpoint, out_dir, overwrite)
     state = strip_keys(read_state_dict(checkpoint), "coconut")
-    rows = _rows(state, checkpoint)
+    rows = embedding_rows(state, checkpoint, {}, ())
     tok = load_tokenizer(base_dir)
     tok.add_tokens(list(COCONUT_TOKENS))
     ids = tok.convert_tokens_to_ids(list(COCONUT_TOKENS))
@@ -190,7 +179,7 @@ def convert_coconut(base_dir, checkpoint, out_dir, *, default_budget: int = 6,
     cfg = {"format_version": 1, "family": "coconut", "variant": variant, "vocab_size": rows,
            "default_budget": default_budget, "max_budget": max_budget,
            "tokens": dict(zip(("start_latent", "end_latent", "latent"), ids))}
-    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink, overwrite)
+    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink)
 
 
 def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
@@ -206,7 +195,7 @@ def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
     lora = {"r": int(lora_a[0].shape[0]), "alpha": lora_alpha, "use_rslora": False} \
         if lora_a else None
     state = merge_lora(strip_keys(raw, "codi"), lora, hf_cfg.get("model_type") == "gpt2")
-    rows = _rows(state, checkpoint)
+    rows = embedding_rows(state, checkpoint, {}, ())
     if rows != ori + 3:
         raise ValueError(f"{checkpoint} has {rows} embedding rows; CODI over --base (vocab_size "
                          f"{ori}) has {ori + 3}: wrong --base?")
@@ -223,4 +212,4 @@ def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
     cfg = {"format_version": 1, "family": "codi", "variant": variant, "vocab_size": rows,
            "default_budget": default_budget, "max_budget": max_budget, "tokens": tokens,
            "remove_eos": remove_eos, "lora": lora, "prj": prj}
-    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink, overwrite)
+    return _finish(base_dir, checkpoint, out_dir, hf_cfg, state, cfg, tok, symlink)

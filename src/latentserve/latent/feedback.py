@@ -27,9 +27,8 @@ def bad_field(field: str, msg: str) -> ValueError:
 
 
 def config_int(cfg: dict, field: str, lo: int = 0, default=None) -> int:
-    keys = field.split(".")
     v = cfg
-    for k in keys:
+    for k in field.split("."):
         v = v.get(k, None) if isinstance(v, dict) else None
     if v is None:
         if default is None:
@@ -225,15 +224,6 @@ def merge_lora(state: dict, lora: dict | None, conv1d: bool) -> dict[str, torch.
     return out
 
 
-def _fallback_weights(model_dir: Path, skip: str, tied: bool):
-    """Base weights from the other ``*.safetensors`` (no tied ``lm_head``, no buffers)."""
-    for f in sorted(model_dir.glob("*.safetensors")):
-        if f.name != skip:
-            for k, v in read_state_dict(f).items():
-                if not (k.endswith(BUFFER_SUFFIXES) or (tied and k == "lm_head.weight")):
-                    yield k, v
-
-
 def embedding_rows(state: dict, model_dir, cfg: dict, fields=("tokens",)) -> int:
     """Rows of ``state``'s input embedding; ValueError naming a field of ``cfg`` whose ids do
     not fit, or when there is no embedding."""
@@ -260,12 +250,14 @@ def prepare_latent_weights(model_dir, hf_config, latent_cfg):
         state.update(read_state_dict(f))
     conv1d = getattr(hf_config, "model_type", None) == "gpt2"
     state = merge_lora(strip_keys(state, fam), latent_cfg.get("lora"), conv1d)
-    if ckpt:
-        names = set(state) | {"transformer." + k for k in state}
-        tied = getattr(hf_config, "tie_word_embeddings", True)
-        for k, v in _fallback_weights(model_dir, ckpt, tied):
-            if k not in names and "transformer." + k not in names:
-                state[k] = v
+    if ckpt:  # the base weights it lacks, from the other files (no tied lm_head, no buffers)
+        skip = set(state) | {"transformer." + k for k in state}
+        if getattr(hf_config, "tie_word_embeddings", True):
+            skip.add("lm_head.weight")
+        for f in sorted(model_dir.glob("*.safetensors")):
+            for k, v in read_state_dict(f).items() if f.name != ckpt else ():
+                if not (k in skip or "transformer." + k in skip or k.endswith(BUFFER_SUFFIXES)):
+                    state[k] = v
     rows = embedding_rows(state, model_dir, latent_cfg)
     if latent_cfg.get("vocab_size", rows) != rows:
         raise bad_field("vocab_size", f"is {latent_cfg['vocab_size']} but the checkpoint's "
@@ -313,8 +305,11 @@ def attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device) -> Non
     model.latent_feedback = load_projection(prj, sd, dtype, device)
 
 
-def _prj_name(k: str) -> str:
-    return k.removeprefix("module.").removeprefix("base_model.model.")
+def hf_name(k: str, gpt2: bool = False) -> str:
+    """A checkpoint key without DDP's ``module.`` and PEFT's ``base_model.model.``; ``gpt2``:
+    ``transformer.``-prefixed as the original gpt2 repo's ``h.0...`` are not."""
+    k = k.removeprefix("module.").removeprefix("base_model.model.")
+    return "transformer." + k if gpt2 and k.startswith(("wte.", "wpe.", "h.", "ln_f.")) else k
 
 
 def prj_tensors(model_dir, cfg: dict) -> dict:
@@ -323,9 +318,9 @@ def prj_tensors(model_dir, cfg: dict) -> dict:
     files = [Path(model_dir) / ckpt] if ckpt else sorted(Path(model_dir).glob("*.safetensors"))
     out = {}
     for f in files:
-        for k, v in read_state_dict(f, keep=lambda k: _prj_name(k).startswith("prj.")).items():
+        for k, v in read_state_dict(f, keep=lambda k: hf_name(k).startswith("prj.")).items():
             if ".original_module." not in k:
-                out[_prj_name(k).removeprefix("prj.").replace("modules_to_save.default.", "")] = v
+                out[hf_name(k).removeprefix("prj.").replace("modules_to_save.default.", "")] = v
     return out
 
 

@@ -70,8 +70,6 @@ class FeedbackFamily(Family):
             sel = vecs[torch.tensor(traced, device=vecs.device)]
             for j, entry in zip(traced, lens_entries(model, sel)):
                 reqs[rows[j]].latent_trace.append(entry)
-        if every:
-            return [(vecs, j) for j in range(len(rows))]
         out: list = [None] * len(reqs)
         for j, i in enumerate(rows):
             out[i] = (vecs, j)

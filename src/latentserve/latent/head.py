@@ -160,8 +160,7 @@ class LatentHead(nn.Module):
         return self.reasoning_head(self._ln_anchor(anchor))[0]
 
     def latent_input(self, anchor: torch.Tensor) -> torch.Tensor:
-        mu = F.layer_norm(self.encode(anchor), (self.config.latent_dim,))
-        return self.decoder(mu)
+        return self.decode(self.encode(anchor))
 
     def policy(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mu, log_sigma)`` ``[N, L]`` float32 each: the Gaussian policy GRPO trains."""
@@ -194,24 +193,18 @@ class LatentHead(nn.Module):
 
 def _mlp(x: torch.Tensor, layers: nn.Sequential, fused: bool,
          last_out: int | None = None) -> torch.Tensor:
-    """``layers(x)``, ``x [M, K]`` float32; ``fused``: ``small_linear`` launches, the last
-    computing only its first ``last_out`` features (None: all)."""
+    """``layers(x)`` (Linear, SiLU, ..., Linear), ``x [M, K]`` float32; ``fused``:
+    ``small_linear`` launches, the last computing only its first ``last_out`` features (None:
+    all)."""
     if not fused:
         return layers(x)
     from latentserve.ops.kernels.small_linear import small_linear
 
-    mods = list(layers)
-    i = 0
-    while i < len(mods):
-        layer = mods[i]
-        if not isinstance(layer, nn.Linear):
-            x = layer(x)
-            i += 1
-            continue
-        act = "silu" if i + 1 < len(mods) and isinstance(mods[i + 1], nn.SiLU) else None
-        n = last_out if i == len(mods) - 1 else None
-        x = small_linear(x, layer.weight, layer.bias, act, n)
-        i += 2 if act else 1
+    linears = [m for m in layers if isinstance(m, nn.Linear)]  # SiLU between each two
+    for i, layer in enumerate(linears):
+        last = i == len(linears) - 1
+        x = small_linear(x, layer.weight, layer.bias, None if last else "silu",
+                         last_out if last else None)
     return x
 
 

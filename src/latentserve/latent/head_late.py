@@ -1,5 +1,6 @@
-"""Compression heads under the overlap scheduler: a latent step decided at launch, settled
-when its sampled token and stop probability reach the host (docs/internals.md)."""
+"""A compression head's latent step: decided at launch, settled when its sampled token and
+stop probability reach the host (overlap scheduler), or both at once (:func:`step_now`;
+docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class HostFloats:
 @dataclass(slots=True)
 class Candidate:
     """A latent-phase row's launch: ``vec`` / ``draw`` ``(tensor, row)`` entries, ``rng``
-    before the draw, stop ``probs`` at row ``j``, trace ``entry``, CoLaR's ``lens_p``."""
+    before the draw, stop ``probs`` at row ``j``, trace ``entry``, CoLaR's ``lens_p``,
+    the Gaussian policy's ``action`` ``(anchor [H], z [L])`` float32 CPU (sigma set)."""
 
     vec: tuple
     draw: tuple | None
@@ -41,6 +43,7 @@ class Candidate:
     j: int
     entry: dict | None
     lens_p: float | None
+    action: tuple | None = None
 
 
 @dataclass(slots=True)
@@ -77,19 +80,30 @@ def phase_outputs(head, reqs: list[Req], anchors: torch.Tensor, precomputed, sig
 
 
 def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torch.Tensor,
-               precomputed, ring) -> list | None:
+               precomputed, ring, sigma: float | None = None, tokens: list[int] | None = None
+               ) -> list | None:
     """Per sampling row its :class:`Candidate` or None; None when no row is in its phase.
-    ``anchors``: ``[S, hidden]``. Changes no request state."""
-    phase = phase_outputs(head, reqs, anchors, precomputed)
+    ``anchors``: ``[S, hidden]``; ``sigma`` (``set_policy_sampling``): inputs
+    ``decode(z)``, ``z ~ N(mu, sigma^2 I)``; ``tokens`` (synchronous): the sampled ids, a
+    row whose sampled stop token ends its phase draws nothing. Changes no request state."""
+    phase = phase_outputs(head, reqs, anchors, precomputed, sigma)
     if phase is None:
         return None
     rows, sel, vecs, probs = phase
+    actions: list = [None] * len(rows)
+    if sigma is not None:
+        with torch.inference_mode():
+            z = vecs + sigma * torch.randn_like(vecs) if sigma > 0 else vecs
+            vecs = head.decode(z)
+            actions = list(zip(sel.float().cpu(), z.float().cpu()))
     host = HostFloats(probs, ring) if probs is not None else None
     states = [reqs[i].state for i in rows]
     open_ = [j for j, h in enumerate(states)  # may take a step
              if h.mode == "prompt" or h.steps < h.max_latent]
     drawn = [j for j in open_ if states[j].mode == "closed_loop"
-             and states[j].latent_temperature > 0]
+             and states[j].latent_temperature > 0 and not (
+                 tokens is not None and _may_fire(states[j], head.stop_token, True)
+                 and tokens[rows[j]] == head.stop_token)]
     rngs: dict[int, Any] = {}
     draws: dict[int, tuple] = {}
     if drawn:
@@ -104,7 +118,7 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
     out: list = [None] * len(reqs)
     for j, i in enumerate(rows):
         out[i] = Candidate((vecs, j), draws.get(j), rngs.get(j), host, j, entries.get(j),
-                           lens_p.get(j))
+                           lens_p.get(j), actions[j])
     return out
 
 
@@ -135,6 +149,13 @@ def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[d
     return entries, lens_p
 
 
+def _may_fire(h, stop_token: int | None, has_probs: bool) -> bool:
+    """Whether ``h``'s stop may fire at its next step: CoLaR's on its sampled stop token,
+    a stop head's on its probability (``has_probs``)."""
+    return h.use_stop and h.steps >= h.min_latent and (
+        h.steps > 0 if stop_token is not None else has_probs)
+
+
 def decide(req: Req, cand: Candidate, stop_token: int | None):
     """The step ``req`` takes at launch (next input or None), recorded as :class:`Late`."""
     h = req.state
@@ -144,10 +165,9 @@ def decide(req: Req, cand: Candidate, stop_token: int | None):
             req.latent_trace.append(cand.entry)
         return cand.vec
     k = h.steps
-    may_fire = h.use_stop and k >= h.min_latent and (
-        k > 0 if stop_token is not None else cand.probs is not None)
     ended = k >= h.max_latent
-    h.late = Late(k, cand, may_fire, ended, traced=cand.entry is not None and not ended)
+    h.late = Late(k, cand, _may_fire(h, stop_token, cand.probs is not None), ended,
+                  traced=cand.entry is not None and not ended)
     if ended:
         h.end = "cap"
         return None
@@ -165,8 +185,9 @@ def snapshot(req: Req) -> None:
         late.rng = req.generator.get_state()
 
 
-def settle(req: Req, token: int, stop_token: int | None) -> bool:
-    """Settle ``req``'s :class:`Late` decision; False when a fired stop undid the step."""
+def settle(req: Req, token: int, stop_token: int | None, launched: bool = True) -> bool:
+    """Settle ``req``'s :class:`Late` decision; False when a fired stop undid the step
+    (``launched``: ``advance`` had taken it)."""
     h = req.state
     late = getattr(h, "late", None)
     if late is None:
@@ -187,8 +208,9 @@ def settle(req: Req, token: int, stop_token: int | None) -> bool:
     h.end, h.stop_step = "stop", late.k
     if late.ended:
         return True
-    req.output_ids.pop()
-    req.latent_embeds.pop()
+    if launched:
+        req.output_ids.pop()
+        req.latent_embeds.pop()
     h.steps = late.k
     if late.traced:
         req.latent_trace.pop()
@@ -196,3 +218,16 @@ def settle(req: Req, token: int, stop_token: int | None) -> bool:
     if rng is not None:
         req.generator.set_state(rng)
     return False
+
+
+def step_now(req: Req, cand: Candidate, token: int, stop_token: int | None):
+    """The synchronous schedule's step: :func:`decide` settled at once with the sampled
+    ``token``; the next input or None (the phase ended), the policy's action recorded."""
+    vec = decide(req, cand, stop_token)
+    if not settle(req, token, stop_token, launched=False):
+        return None
+    h = req.state
+    if vec is not None and cand.action is not None and h.mode == "closed_loop":
+        h.actions = h.actions or []
+        h.actions.append(cand.action)
+    return vec

@@ -16,15 +16,7 @@ from latentserve.latent.head import (
     refuse_controls,
     resolve_settings,
 )
-from latentserve.latent.head_late import (
-    Candidate,
-    candidates,
-    decide,
-    phase_outputs,
-    settle,
-    snapshot,
-)
-from latentserve.latent.lens import lens_entries
+from latentserve.latent.head_late import Candidate, candidates, decide, settle, snapshot, step_now
 from latentserve.staging import DeviceToHost
 
 
@@ -46,68 +38,6 @@ def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
     k = len(spec.start_ids)
     start = () if list(prompt_ids[-k:]) == list(spec.start_ids) else spec.start_ids
     return params, hs, start
-
-
-def next_inputs(head, reqs: list[Req], captured: torch.Tensor,
-                precomputed: tuple | None = None, tokens: list[int] | None = None
-                ) -> list | None:
-    """Head decisions for the latent-phase rows: per row a ``(tensor, row)`` entry
-    (``[hidden]`` float32) or None; None when no row is in its phase.
-
-    ``captured``: ``[S, hidden]`` anchors; ``tokens``: sampled ids (CoLaR's stop). Closed
-    loop: stop above the threshold after ``min_latent`` steps, end at ``max_latent``, else
-    the next input. Prompt mode: the last prompt position's latent.
-    """
-    sigma = getattr(head, "policy_sigma", None)
-    phase = phase_outputs(head, reqs, captured, precomputed, sigma)
-    if phase is None:
-        return None
-    rows, anchors, vecs, probs = phase
-    if sigma is not None:  # Gaussian policy: z ~ N(mu, sigma^2 I), recorded with its anchor
-        with torch.inference_mode():
-            z = vecs + sigma * torch.randn_like(vecs) if sigma > 0 else vecs
-            vecs = head.decode(z)
-            z_cpu, a_cpu = z.float().cpu(), anchors.float().cpu()
-    probs = probs.tolist() if probs is not None else [None] * len(rows)
-    stop_token = head.stop_token
-    out: list = [None] * len(reqs)
-    drawn = []  # (j, i) of rows whose latent is drawn from the policy (CoLaR)
-    for j, i in enumerate(rows):
-        h = reqs[i].state
-        if h.mode == "prompt":
-            out[i], h.steps, h.end = (vecs, j), 1, "prompt"
-            continue
-        k, p = h.steps, probs[j]
-        if p is not None:
-            h.max_stop_prob = p if h.max_stop_prob is None else max(h.max_stop_prob, p)
-            h.last_stop_prob = p
-        if stop_token is None:
-            fired = p is not None and p > h.stop_threshold
-        else:  # CoLaR: the LM head named the separator at a latent position
-            fired = k > 0 and tokens[i] == stop_token
-        if h.use_stop and k >= h.min_latent and fired:
-            h.end, h.stop_step = "stop", k
-        elif k >= h.max_latent:
-            h.end = "cap"
-        else:
-            out[i] = (vecs, j)
-            h.steps += 1
-            if h.latent_temperature > 0:
-                drawn.append((j, i))
-            if sigma is not None and h.mode == "closed_loop":
-                if h.actions is None:
-                    h.actions = []
-                h.actions.append((a_cpu[j], z_cpu[j]))
-    if drawn:
-        with torch.inference_mode():
-            sel = torch.tensor([j for j, _ in drawn], dtype=torch.long, device=anchors.device)
-            draws = head.sample(anchors[sel], [reqs[i].state.latent_temperature for _, i in drawn],
-                                [reqs[i].generator for _, i in drawn])
-        for m, (_, i) in enumerate(drawn):
-            out[i] = (draws, m)
-    if getattr(head, "record_latents", False):
-        _record_inputs(reqs, out)
-    return out
 
 
 def _record_inputs(reqs: list[Req], out: list) -> None:
@@ -138,8 +68,8 @@ def set_policy_sampling(head, sigma: float | None = None, *, record: bool = Fals
 
 
 class HeadFamily(Family):
-    """The ``Family`` of compression-head models: :func:`prepare_request`,
-    :func:`next_inputs` (overlap mode: ``latent/head_late.py``)."""
+    """The ``Family`` of compression-head models: :func:`prepare_request`, the latent steps
+    of ``latent/head_late.py``."""
 
     decides_late = True
     traced = True
@@ -159,7 +89,7 @@ class HeadFamily(Family):
         self.defaults = head_defaults()
         runner = self.engine.runner
         runner.set_capture(runner.model.latent_head.capture_layer)  # -1: final-normed hidden
-        self._probs = DeviceToHost()  # overlap mode: stop probabilities to the host
+        self._probs = DeviceToHost()  # stop probabilities to the host
 
     def admit(self, prompt_ids, params) -> Admission:
         params, hs, start_ids = prepare_request(self.engine.runner.model, self.spec,
@@ -230,34 +160,17 @@ class HeadFamily(Family):
         return fields
 
     def latent_inputs(self, reqs, logits, last_hidden, tokens) -> list | None:
-        """:func:`next_inputs` with trace entries; overlap mode: ``head_late.Candidate``s."""
+        """Per row a ``head_late.Candidate`` (overlap mode: ``tokens`` None) or its next
+        input (``head_late.step_now``); None when no row is in its latent phase."""
         runner = self.engine.runner
-        anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
-        if tokens is None:
-            return candidates(runner.model.latent_head, runner.model, reqs, logits, anchors,
-                              runner.latent_outputs, self._probs)
-        traced = [i for i, r in enumerate(reqs) if r.params.return_latent_trace
-                  and r.state is not None and r.answer_start is None]
         head = runner.model.latent_head
-        if traced and head.stop_token is not None:  # CoLaR: the stop is a sampled token
-            with torch.inference_mode():
-                rows = logits[torch.tensor(traced, device=logits.device)].float()
-                p = rows.softmax(-1)[:, head.stop_token].tolist()
-            for i, prob in zip(traced, p):
-                reqs[i].state.last_stop_prob = prob
-        out = next_inputs(head, reqs, anchors, runner.latent_outputs, tokens)
-        if traced and out is not None:
-            trace_steps(runner.model, reqs, traced, out)
+        anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
+        out = candidates(head, runner.model, reqs, logits, anchors, runner.latent_outputs,
+                         self._probs, getattr(head, "policy_sigma", None), tokens)
+        if tokens is None or out is None:
+            return out
+        out = [c if c is None else step_now(reqs[i], c, tokens[i], head.stop_token)
+               for i, c in enumerate(out)]
+        if getattr(head, "record_latents", False):
+            _record_inputs(reqs, out)
         return out
-
-
-def trace_steps(model, reqs: list[Req], rows: list[int], out: list) -> None:
-    """Append each stepping row's lens entry (``latent/lens.py``) with its ``stop_prob``."""
-    stepped = [i for i in rows if out[i] is not None]
-    if not stepped:
-        return
-    with torch.inference_mode():
-        vecs = torch.stack([out[i][0][out[i][1]] for i in stepped])
-    for i, entry in zip(stepped, lens_entries(model, vecs)):
-        entry["stop_prob"] = reqs[i].state.last_stop_prob
-        reqs[i].latent_trace.append(entry)

@@ -11,7 +11,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentserve.context import get_context
-from latentserve.latent.recurrent import HUGINN_LOGIT_CRITERIA, ActiveRows, fill_banks, slot_steps
+from latentserve.latent.recurrent import (
+    HUGINN_LOGIT_CRITERIA,
+    ActiveRows,
+    recur_compact,
+    slot_steps,
+)
 from latentserve.latent.spec import LatentSpec
 from latentserve.models.layers import RMSNorm, inject, paged_attention
 from latentserve.models.weights import load_by_name
@@ -274,45 +279,27 @@ class RavenForCausalLM(nn.Module):
         return self.head_hidden(x, cos, sin)
 
     def _recur_compact(self, x, e, cos, sin, ctx, rb):
-        act = ActiveRows(rb, ctx)
-        ex = _HuginnExit(self, rb, act, x) if rb.any_exit else None
+        ex = _HuginnExit(self, rb, x) if rb.any_exit else None
         steps = drop = None
         if rb.drop_skipped is not None:  # upstream exit semantics: skipped steps are masked
             steps = slot_steps(ctx.kv_pool)
             steps[rb.out_slots] = rb.token_depths(steps.device).to(steps.dtype)
             drop = torch.tensor(rb.drop_skipped, device=steps.device)
-        try:
-            for t in range(rb.num_iters):
-                rows, idx = act.select(t)
-                if not rows:
-                    break
-                if steps is not None:
-                    sel = drop if idx is None else drop[torch.tensor(rows, device=drop.device)]
-                    ctx.attn_meta = ctx.backend.mask_keys(ctx.attn_meta, steps > t, sel)
-                if idx is None:
-                    x = self.iterate(x, e, cos, sin, t)
-                else:
-                    xs = self.iterate(x[idx], e[idx], cos[idx], sin[idx], t)
-                    x = x.index_copy(0, idx, xs)
-                if ex is not None:
-                    check = [b for b in rows if rb.eligible[b] and rb.rules[b].is_check_step(t)]
-                    gone = ex.check(check, x, cos, sin) if check else []
-                    if gone:
-                        act.exit(gone, t)
-                        dropped = [b for b in gone if rb.rules[b].upstream]
-                        if dropped:  # banks > t stay empty: masked for later readers
-                            steps[act.slots_of(dropped)] = t + 1
-                        gone = [b for b in gone if not rb.rules[b].upstream]
-                        # One fill for all rows exiting now, up to the deepest one (banks
-                        # past a row's own depth are never read by that request).
-                        deepest = max((rb.row_depths[b] for b in gone), default=0)
-                        if deepest > t + 1:
-                            fill_banks(ctx.kv_pool, act.slots_of(gone), self.bank, t, deepest,
-                                       self.n_core)
-        finally:
-            act.restore()
-        self.num_iterations += rb.iterations_run
-        return x
+
+        def mask(act, t, rows, idx):
+            sel = drop if idx is None else drop[torch.tensor(rows, device=drop.device)]
+            ctx.attn_meta = ctx.backend.mask_keys(ctx.attn_meta, steps > t, sel)
+
+        def exits(act, t, rows, idx, x):
+            check = [b for b in rows if rb.eligible[b] and rb.rules[b].is_check_step(t)]
+            gone = ex.check(act, check, x, cos, sin) if check else []
+            dropped = [b for b in gone if rb.rules[b].upstream]
+            if dropped:  # banks > t stay empty: masked for later readers
+                steps[act.slots_of(dropped)] = t + 1
+            return gone
+
+        return recur_compact(self, ctx, rb, x, (e, cos, sin), self.iterate, exits, self.n_core,
+                             mask if steps is not None else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -335,8 +322,8 @@ class _HuginnExit:
     ``PerIterationExitEvaluator``): latent criteria average a row's positions, logit
     criteria read its last."""
 
-    def __init__(self, model: RavenForCausalLM, rb, act: ActiveRows, x0):
-        self.model, self.rb, self.act = model, rb, act
+    def __init__(self, model: RavenForCausalLM, rb, x0):
+        self.model, self.rb = model, rb
         dev = x0.device
         b = len(rb.row_depths)
         self.prev_latent = x0.clone()  # [T, n_embd]
@@ -350,32 +337,28 @@ class _HuginnExit:
         self.thr = torch.tensor([r.threshold if r is not None else 0.0 for r in rb.rules],
                                 dtype=torch.float32).to(dev)
 
-    def _tokens(self, rows: list[int], dev) -> torch.Tensor:
-        """``[N] int64`` the token indices of ``rows``, row after row."""
-        return torch.tensor(self.act.tokens_of(rows), dtype=torch.int64).to(dev)
-
-    def _logits(self, rows, x, cos, sin):
+    def _logits(self, act, rows, x, cos, sin):
         """``[len(rows), vocab]`` float32: each row's last position's logits, the coda run
         over all the rows' positions (with the rows' own attention metadata)."""
-        idx, meta = self.act.meta_for(rows)
-        ctx = self.act.ctx
+        idx, meta = act.meta_for(rows)
+        ctx = act.ctx
         keep = ctx.attn_meta
         ctx.attn_meta = meta
         try:
-            tok = self._tokens(rows, x.device) if idx is None else idx
+            tok = act.token_index(rows) if idx is None else idx
             h = self.model.head_hidden(x[tok], cos[tok], sin[tok])
         finally:
             ctx.attn_meta = keep
         last = torch.cumsum(torch.tensor([self.rb.q_lens[b] for b in rows]), 0) - 1
         return self.model.compute_logits(h[last.to(h.device)])
 
-    def check(self, rows: list[int], x, cos, sin) -> list[int]:
+    def check(self, act: ActiveRows, rows: list[int], x, cos, sin) -> list[int]:
         """Evaluate the rows' criteria on the latents ``x [T, n_embd]``; return the rows
         that exit now (one host read)."""
         rules = self.rb.rules
         dev = x.device
         logit_rows = [b for b in rows if rules[b].criterion in HUGINN_LOGIT_CRITERIA]
-        logits = self._logits(logit_rows, x, cos, sin) if logit_rows else None
+        logits = self._logits(act, logit_rows, x, cos, sin) if logit_rows else None
         lpos = {b: i for i, b in enumerate(logit_rows)}
         decided = []  # (rows, exit flags)
         for crit in sorted({rules[b].criterion for b in rows}):
@@ -383,7 +366,7 @@ class _HuginnExit:
             ri = torch.tensor(g, dtype=torch.int64, device=dev)
             thr = self.thr[ri]
             if crit in ("latent-diff", "cosine"):
-                tok = self._tokens(g, dev)
+                tok = act.token_index(g)
                 lat, prev = x[tok], self.prev_latent[tok]
                 if crit == "latent-diff":
                     per = (lat - prev).norm(dim=-1) / lat.norm(dim=-1)

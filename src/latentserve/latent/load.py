@@ -42,18 +42,14 @@ def _load_own_latents(model_dir: Path, dtype: torch.dtype, device: str, tp, fuse
                                    device, tp=tp, fused_ops=fused_ops)
         return model, hf_config
     hf_config = loader.read_config(model_dir)
-    loop_cfg = read_loop_config(model_dir)
-    if loop_cfg is not None:
-        weights, hf_config = prepare_loop_weights(model_dir, hf_config, loop_cfg)
-    else:
-        latent_cfg = read_latent_config(model_dir)
-        weights, hf_config = prepare_latent_weights(model_dir, hf_config, latent_cfg)
+    cfg = read_loop_config(model_dir)
+    prepare, attach = prepare_loop_weights, attach_loop
+    if cfg is None:
+        cfg, prepare, attach = read_latent_config(model_dir), prepare_latent_weights, attach_latent
+    weights, hf_config = prepare(model_dir, hf_config, cfg)
     model = loader.build_model(model_class(hf_config), hf_config, weights, dtype, device,
                                tp=tp, fused_ops=fused_ops)
-    if loop_cfg is not None:
-        attach_loop(model, model_dir, hf_config, loop_cfg, dtype, device)
-    else:
-        attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device)
+    attach(model, model_dir, hf_config, cfg, dtype, device)
     return model, hf_config
 
 

@@ -15,6 +15,7 @@ from latentserve.latent.feedback import (
     check_lora_prj,
     config_int,
     embedding_rows,
+    hf_name,
     load_projection,
     merge_lora,
     prj_tensors,
@@ -73,13 +74,6 @@ def loop_spec_from_config(cfg: dict) -> LatentSpec:
                       loop_rule=cfg["loop_rule"], upstream_eos_from=2 if pccot else 0)
 
 
-def _hf_name(k: str, gpt2: bool) -> str:
-    k = k.removeprefix("module.").removeprefix("base_model.model.")
-    if gpt2 and k.startswith(("wte.", "wpe.", "h.", "ln_f.")):
-        k = "transformer." + k  # the original gpt2 repo stores h.0... without the prefix
-    return k
-
-
 def prepare_loop_weights(model_dir, hf_config, cfg: dict):
     """``([(HF name, tensor)], hf_config)``: the checkpoint over the base, LoRA merged,
     ``vocab_size`` = embedding rows. ValueError when the token ids do not fit."""
@@ -92,7 +86,7 @@ def prepare_loop_weights(model_dir, hf_config, cfg: dict):
     state = {}
     for f in files:
         for k, v in read_state_dict(f).items():
-            k = _hf_name(k, gpt2)
+            k = hf_name(k, gpt2)
             if not k.startswith("prj.") and not k.endswith(BUFFER_SUFFIXES):
                 state[k] = v
     state = merge_lora(state, cfg.get("lora"), gpt2)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from latentserve.latent.convert import write_checked, write_configs
-from latentserve.latent.feedback import BUFFER_SUFFIXES, read_state_dict
+from latentserve.latent.feedback import BUFFER_SUFFIXES, hf_name, read_state_dict
 from latentserve.latent.loop_checkpoint import validate_loop_config
 from latentserve.models.checkpoint import load_tokenizer
 from latentserve.models.loader import iter_weights
@@ -45,8 +45,6 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
     from safetensors.torch import save_file
 
     base_dir, adapter_dir, out_dir = Path(base_dir), Path(adapter_dir), Path(out_dir)
-    if not (base_dir / "config.json").is_file():
-        raise ValueError(f"--base {base_dir} has no config.json (an HF model directory)")
     pc = _read_json(adapter_dir / "config.json", "the pccot-* model config")
     args = _read_json(adapter_dir / "pccot_args.json", "the PCCoT token ids")
     if not (adapter_dir / ADAPTER_FILE).is_file():
@@ -99,7 +97,7 @@ def convert_pccot(base_dir, adapter_dir, out_dir, *, max_budget: int | None = No
                   metadata={"format": "pt"})
         write_configs(out, base_dir, hf_cfg, tok, cfg)
 
-    return write_checked(out_dir, overwrite, write)
+    return write_checked(out_dir, write)
 
 
 def _fold_embedding(adapter: dict, adapter_dir: Path, base_dir: Path, gpt2: bool,
@@ -110,8 +108,6 @@ def _fold_embedding(adapter: dict, adapter_dir: Path, base_dir: Path, gpt2: bool
     import torch
     from transformers import AutoConfig
 
-    state = {k.removeprefix("module.").removeprefix("base_model.model."): v
-             for k, v in adapter.items()}
     ac = {}
     if (adapter_dir / "adapter_config.json").is_file():
         ac = _read_json(adapter_dir / "adapter_config.json", "")
@@ -120,13 +116,10 @@ def _fold_embedding(adapter: dict, adapter_dir: Path, base_dir: Path, gpt2: bool
                         "tie_word_embeddings", True))
     embed = "transformer.wte" if gpt2 else "model.embed_tokens"
 
-    def named(d: dict) -> dict:  # the original gpt2 repo's names have no transformer. prefix
-        return {("transformer." + k if gpt2 and k.startswith(("wte.", "wpe.", "h.", "ln_f."))
-                 else k): v for k, v in d.items()}
-
-    rows = {k: v for k, v in named(base_weights).items()
+    rows = {k: v for k, v in ((hf_name(k, gpt2), v) for k, v in base_weights.items())
             if k in (f"{embed}.weight", "lm_head.weight")}
-    state = fold_embedding_adapters(named(state), indices, embed, tied, rows)
+    state = fold_embedding_adapters({hf_name(k, gpt2): v for k, v in adapter.items()}, indices,
+                                    embed, tied, rows)
     head, emb = state.get("lm_head.weight"), state.get(embed + ".weight")
     untie = False
     if tied and head is not None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from latentserve.context import get_context
-from latentserve.latent.recurrent import ActiveRows, ExitRule, fill_banks
+from latentserve.latent.recurrent import ExitRule, recur_compact
 from latentserve.latent.spec import LatentSpec
 from latentserve.models.layers import (
     MergedQKV,
@@ -172,33 +172,19 @@ class OuroForCausalLM(nn.Module):
                                 dtype=torch.int64, device=dev)
         ro = _Readout(self, rb, depths, h)
         if rb is not None and rb.compact:
-            act = ActiveRows(rb, ctx)
-            try:
-                for t in range(rb.num_iters):
-                    rows, idx = act.select(t)
-                    if not rows:
-                        break
-                    if idx is None:
-                        h = self.step(h, cos, sin, t)
-                        active = None
-                    else:
-                        h = h.index_copy(0, idx, self.step(h[idx], cos[idx], sin[idx], t))
-                        active = torch.zeros(n, dtype=torch.bool, device=dev)
-                        active[idx] = True
-                    hit = ro.update(h, t, active)
-                    approx = [b for b in rows if rb.eligible[b]]
-                    if approx and t + 1 < max(rb.row_depths[b] for b in approx):
-                        tok = ro.row_tok[torch.tensor(approx, device=dev)]
-                        flags = hit[tok].tolist()  # the one host read per step
-                        gone = [b for b, f in zip(approx, flags)
-                                if f and rb.row_depths[b] > t + 1]
-                        if gone:
-                            act.exit(gone, t)
-                            fill_banks(ctx.kv_pool, act.slots_of(gone), self.bank, t,
-                                       max(rb.row_depths[b] for b in gone), self.n_layers)
-            finally:
-                act.restore()
-            self.num_iterations += rb.iterations_run
+            def exits(act, t, rows, idx, h):
+                active = None
+                if idx is not None:
+                    active = torch.zeros(n, dtype=torch.bool, device=dev)
+                    active[idx] = True
+                hit = ro.update(h, t, active)
+                approx = [b for b in rows if rb.eligible[b]]
+                if not approx or t + 1 >= max(rb.row_depths[b] for b in approx):
+                    return []
+                flags = hit[ro.row_tok[torch.tensor(approx, device=dev)]].tolist()  # one read
+                return [b for b, f in zip(approx, flags) if f and rb.row_depths[b] > t + 1]
+
+            h = recur_compact(self, ctx, rb, h, (cos, sin), self.step, exits, self.n_layers)
         else:  # masked: fixed trip count, no host reads (CUDA-graph path)
             steps = self.total_steps if rb is None else rb.num_iters
             for t in range(steps):

@@ -4,7 +4,9 @@ and the model runner share with the recurrent model files (docs/internals.md).""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -199,13 +201,6 @@ class RecurrentBatch:
         """Whether a masked (graph) forward is exact: no row may exit or needs a key mask."""
         return not self.any_exit and self.drop_skipped is None
 
-    def row_starts(self) -> list[int]:
-        out, s = [], 0
-        for n in self.q_lens:
-            out.append(s)
-            s += n
-        return out
-
     @classmethod
     def from_batch(cls, batch, layout, page_table) -> RecurrentBatch:
         """Describe ``batch`` (a ``ScheduledBatch``) laid out as ``layout``."""
@@ -273,23 +268,18 @@ class ActiveRows:
     metadata are prepared once per distinct row set."""
 
     def __init__(self, rb: RecurrentBatch, ctx):
-        self._layout_cls = BatchLayout
         self.rb, self.ctx = rb, ctx
         self.full_meta = ctx.attn_meta
-        self.starts = rb.row_starts()
+        self.starts = [0, *accumulate(rb.q_lens)][:-1]
         self.num_tokens = sum(rb.q_lens)
         self.exited = [False] * len(rb.row_depths)
         self.rb.iters_used = [min(d, rb.num_iters) for d in rb.row_depths]
         self._cache: dict[tuple, tuple] = {}
 
-    def rows_at(self, t: int) -> list[int]:
-        return [b for b, d in enumerate(self.rb.row_depths) if d > t and not self.exited[b]]
-
-    def tokens_of(self, rows: list[int]) -> list[int]:
-        out = []
-        for b in rows:
-            out.extend(range(self.starts[b], self.starts[b] + self.rb.q_lens[b]))
-        return out
+    def token_index(self, rows: list[int]) -> torch.Tensor:
+        """``[N] int64`` the token indices of ``rows``, row after row."""
+        tok = [i for b in rows for i in range(self.starts[b], self.starts[b] + self.rb.q_lens[b])]
+        return torch.tensor(tok, dtype=torch.int64).to(self.rb.out_slots.device)
 
     def meta_for(self, rows: list[int]):
         """``(token index tensor or None, attention metadata)`` for ``rows``."""
@@ -301,11 +291,10 @@ class ActiveRows:
         if len(rows) == len(rb.row_depths):
             hit = (None, self.full_meta)
         else:
-            dev = rb.out_slots.device
-            tok = torch.tensor(self.tokens_of(rows), dtype=torch.int64).to(dev)
-            sel = torch.tensor(rows, dtype=torch.int64).to(dev)
-            layout = self._layout_cls([rb.q_lens[b] for b in rows], [rb.kv_lens[b] for b in rows],
-                                      rb.rows[sel], rb.out_slots[tok])
+            tok = self.token_index(rows)
+            sel = torch.tensor(rows, dtype=torch.int64).to(tok.device)
+            layout = BatchLayout([rb.q_lens[b] for b in rows], [rb.kv_lens[b] for b in rows],
+                                 rb.rows[sel], rb.out_slots[tok])
             hit = (tok, self.ctx.backend.prepare(layout, rb.page_table))
         self._cache[key] = hit
         return hit
@@ -313,14 +302,12 @@ class ActiveRows:
     def select(self, t: int):
         """``(rows running iteration t, [T_active] int64 token index or None: all)``; points
         the context's attention metadata at them."""
-        rows = self.rows_at(t)
-        if rows:
-            idx, meta = self.meta_for(rows)
-            self.ctx.attn_meta = meta
-            n = self.num_tokens if idx is None else len(idx)
-            self.rb.iterations_run += n
-            return rows, idx
-        return rows, None
+        rows = [b for b, d in enumerate(self.rb.row_depths) if d > t and not self.exited[b]]
+        if not rows:
+            return rows, None
+        idx, self.ctx.attn_meta = self.meta_for(rows)
+        self.rb.iterations_run += self.num_tokens if idx is None else len(idx)
+        return rows, idx
 
     def exit(self, rows: list[int], t: int) -> None:
         for b in rows:
@@ -328,11 +315,42 @@ class ActiveRows:
             self.rb.iters_used[b] = t + 1
 
     def slots_of(self, rows: list[int]) -> torch.Tensor:
-        idx = torch.tensor(self.tokens_of(rows), dtype=torch.int64).to(self.rb.out_slots.device)
-        return self.rb.out_slots[idx]
+        return self.rb.out_slots[self.token_index(rows)]
 
-    def restore(self) -> None:
-        self.ctx.attn_meta = self.full_meta
+
+def recur_compact(model, ctx, rb: RecurrentBatch, x, inputs: tuple, step, exits,
+                  num_layers: int, before=None):
+    """``x`` ``[T, ...]`` after ``model``'s compact loop: per iteration ``t``, ``before(act,
+    t, rows, idx)``, then ``x = step(x, *inputs, t)`` on the rows still iterating
+    (``inputs``: per-token tensors), then ``exits(act, t, rows, idx, x)`` names the rows that
+    stop; their later banks get iteration ``t``'s K/V (:func:`fill_banks`; ``upstream``
+    rows: none). ``act``: the :class:`ActiveRows`."""
+    act = ActiveRows(rb, ctx)
+    try:
+        for t in range(rb.num_iters):
+            rows, idx = act.select(t)
+            if not rows:
+                break
+            if before is not None:
+                before(act, t, rows, idx)
+            if idx is None:
+                x = step(x, *inputs, t)
+            else:
+                x = x.index_copy(0, idx, step(x[idx], *(a[idx] for a in inputs), t))
+            gone = exits(act, t, rows, idx, x)
+            if gone:
+                act.exit(gone, t)
+                gone = [b for b in gone if not rb.rules[b].upstream]
+                # One fill for all rows exiting now, up to the deepest one (banks past a
+                # row's own depth are never read by that request).
+                deepest = max((rb.row_depths[b] for b in gone), default=0)
+                if deepest > t + 1:
+                    fill_banks(ctx.kv_pool, act.slots_of(gone), model.bank, t, deepest,
+                               num_layers)
+    finally:
+        ctx.attn_meta = act.full_meta
+    model.num_iterations += rb.iterations_run
+    return x
 
 
 def slot_steps(kv_pool) -> torch.Tensor:
@@ -360,12 +378,9 @@ def fill_banks(kv_pool, slots: torch.Tensor, bank, t_last: int, depth: int,
 
 def recurrence_stats(iters: list[int]) -> dict:
     """``{"tokens", "mean_iterations", "histogram": {iters: count}}`` of the sampled tokens."""
-    hist: dict[int, int] = {}
-    for n in iters:
-        hist[n] = hist.get(n, 0) + 1
     mean = sum(iters) / len(iters) if iters else math.nan
     return {"tokens": len(iters), "mean_iterations": mean,
-            "histogram": dict(sorted(hist.items()))}
+            "histogram": dict(sorted(Counter(iters).items()))}
 
 
 def default_graph_depths(spec) -> list[int]:

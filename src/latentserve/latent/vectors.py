@@ -10,19 +10,10 @@ def as_rows(tensor: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     return [(tensor, j) for j in range(tensor.shape[0])]
 
 
-def vector(entry: tuple[torch.Tensor, int]) -> torch.Tensor:
-    """The ``[hidden]`` vector of one entry."""
-    tensor, row = entry
-    return tensor[row]
-
-
 def common_source(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor | None:
     """The tensor every entry points into, or None when they point into several."""
     src = entries[0][0]
-    for t, _ in entries:
-        if t is not src:
-            return None
-    return src
+    return src if all(t is src for t, _ in entries) else None
 
 
 def stack(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
@@ -65,7 +56,7 @@ def stack_at(rows: list[int], entries: list[tuple[torch.Tensor, int]], t: int
              ) -> torch.Tensor:
     """``[t, hidden]``: ``entries[i]``'s vector at row ``rows[i]``, zeros elsewhere (entries
     from several tensors, e.g. a prefill recomputed after a preemption)."""
-    vecs = [vector(e) for e in entries]
+    vecs = [t[r] for t, r in entries]
     if len(rows) < t:
         full = [vecs[0].new_zeros(vecs[0].shape)] * t
         for r, v in zip(rows, vecs):
