@@ -21,6 +21,7 @@ from latentserve.server.client import (
 )
 from latentserve.server.errors import APIError, error_body, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
+from latentserve.server.metrics import RequestGroup
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def _deltas(state, reqs: list[EngineRequest], arrival: float | None, ticket):
             log_request(state, r)
     # One metrics group per prompt: its n choices (vLLM's parent request).
     counts = Counter(r.prompt_index for r in reqs)
-    groups = ({i: state.metrics.group(n) for i, n in counts.items()}
+    groups = ({i: RequestGroup(state.metrics, n) for i, n in counts.items()}
               if state.metrics is not None else {})
     return merge([generate_text(state, r.rid, r.prompt_ids, r.params, arrival,
                                 groups.get(r.prompt_index), ticket) for r in reqs])
