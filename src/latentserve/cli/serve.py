@@ -9,10 +9,10 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (repeat --model "
                                       "to serve several models)")
     add_engine_args(p, several_models=True)
-    from latentserve.server.options import add_server_args
+    from latentserve.options import add_options, ranged
+    from latentserve.server.options import ServerOptions
 
-    add_server_args(p)  # --host, --port, --api-key, --drain-timeout, ...
-    from latentserve.options import ranged
+    add_options(p, ServerOptions)  # --host, --port, --api-key, --drain-timeout, ...
     from latentserve.server.replicas import ROUTER_POLICIES
 
     p.add_argument("--data-parallel-size", "--dp", type=ranged(int, "data_parallel_size", ge=1),

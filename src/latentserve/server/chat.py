@@ -35,8 +35,6 @@ from latentserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     DeltaMessage,
-    FunctionCallOut,
-    ToolCallOut,
     Usage,
 )
 from latentserve.server.reasoning import (
@@ -106,8 +104,8 @@ async def _chat_completion(body: ChatCompletionRequest, request, state: ServerSt
         content = echo + content
         message = AssistantMessage(
             content=content if content or not calls else None, reasoning_content=reasoning,
-            tool_calls=[ToolCallOut(id=c.id, function=FunctionCallOut(
-                name=c.name, arguments=c.arguments)) for c in calls] or None)
+            tool_calls=[{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in calls] or None)
         choices.append(ChatChoice(
             index=i, message=message, finish_reason=_finish_reason(r.finish_reason,
                                                                    bool(calls), choice),
