@@ -381,7 +381,6 @@ def _error_event(exc: Exception) -> str:
 class _Blocks:
     """A streamed message's content blocks as SSE events, handed out by :meth:`take`."""
 
-
     def __init__(self):
         self.index = -1
         self.kind: str | None = None
