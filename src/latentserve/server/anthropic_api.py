@@ -65,11 +65,6 @@ from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import ToolChoice, check_tools
 
 
-class TextBlock(RequestModel):
-    type: str
-    text: str | None = None
-
-
 class AnthropicMessage(RequestModel):
     role: str = Field(json_schema_extra={"enum": ["user", "assistant"]})  # _conversation checks
     content: str | list[ContentBlock]
@@ -83,7 +78,7 @@ class MessagesRequest(LatentFields):
     model: str
     max_tokens: int
     messages: list[AnthropicMessage]
-    system: str | list[TextBlock] | None = None
+    system: str | list[ContentBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -124,7 +119,7 @@ class CountTokensRequest(MessagesRequest):
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
 
 
-def _blocks_text(content: str | list[TextBlock], param: str) -> str:
+def _blocks_text(content: str | list[ContentBlock], param: str) -> str:
     if isinstance(content, str):
         return content
     parts = []

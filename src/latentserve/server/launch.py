@@ -26,10 +26,10 @@ from latentserve import settings
 from latentserve.config import EngineConfig
 from latentserve.options import add_options, options_of
 from latentserve.server.app import create_app
-from latentserve.server.chat_template import apply_chat_template, load_chat_template
 from latentserve.server.client import EngineClient
 from latentserve.server.engine_process import EngineProcess, EngineStartupError
 from latentserve.server.options import API_KEY_ENV, ServerOptions
+from latentserve.server.prompts import apply_chat_template, load_chat_template
 from latentserve.server.state import ServedModels, ServerLimits, ServerState
 from latentserve.server.timeouts import protocol_class
 

@@ -51,9 +51,4 @@ class TokenizerPool:
             self.pending -= 1
 
 
-POOL = TokenizerPool()
-
-
-async def in_pool(fn, /, *args, **kwargs):
-    """``POOL.run(fn, *args, **kwargs)``: the server's one tokenizer pool."""
-    return await POOL.run(fn, *args, **kwargs)
+in_pool = TokenizerPool().run  # the server's one tokenizer pool
