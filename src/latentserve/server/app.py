@@ -91,10 +91,10 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check
     app.add_middleware(CORSMiddleware, **{**ServerOptions().cors, **(cors or {})})
 
-    def as_json(result):
-        if isinstance(result, (JSONResponse, dict)) or not hasattr(result, "model_dump"):
-            return JSONResponse(result) if isinstance(result, dict) else result
-        return JSONResponse(result.model_dump(mode="json"))
+    def as_json(result):  # a dict or a response model; a streaming response as it is
+        if hasattr(result, "model_dump"):
+            result = result.model_dump(mode="json")
+        return JSONResponse(result) if isinstance(result, dict) else result
 
     def model_state(model: str | None) -> ServerState:
         """The state of the model a request names (checked even with one model)."""

@@ -62,9 +62,7 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
 
     import zmq
 
-    # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
-    # SIGINT came blocked from the parent (start_ignoring_sigint): ignoring it drops one that
-    # arrived during the interpreter's start-up, then it can be unblocked.
+    # the parent decides when the engine stops (start_ignoring_sigint, docs/internals.md)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     loaded = threading.Event()  # from then on EngineLoop watches the parent
@@ -400,11 +398,8 @@ class EngineProcess:
 
 def start_ignoring_sigint(proc) -> None:
     """``proc.start()`` (a ``spawn`` ``multiprocessing.Process`` running :func:`engine_main`)
-    with SIGINT blocked in this thread: the child inherits the mask, so a Ctrl-C that reaches
-    it while its interpreter starts up is held, then dropped by :func:`engine_main`, instead of
-    raising KeyboardInterrupt there (a traceback on the server's stderr). In the main thread a
-    SIGINT meant for this process during the start is held too, then raised again once the
-    child is started (``proc`` knows its child, so a KeyboardInterrupt can stop it)."""
+    with SIGINT blocked, which the child inherits; a SIGINT of this process during the start
+    is raised again once the child is started (docs/internals.md)."""
     import signal
     from multiprocessing import resource_tracker
 
