@@ -132,17 +132,14 @@ class EngineClient:
             while True:
                 if deadline is not None and rid in self.scheduled_at:
                     deadline = None  # it has a seat
-                if deadline is None:
-                    item = await queue.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(
-                            queue.get(), max(deadline - time.monotonic(), 0.0))
-                    except TimeoutError:
-                        raise EngineQueueTimeout(
-                            f"the request waited more than {queue_timeout:g} s for a seat "
-                            f"(--queue-timeout); retry later") from None
-                    deadline = None  # an output (or an error): it is no longer waiting
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                try:
+                    item = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    raise EngineQueueTimeout(
+                        f"the request waited more than {queue_timeout:g} s for a seat "
+                        f"(--queue-timeout); retry later") from None
+                deadline = None  # an output (or an error): it is no longer waiting
                 if isinstance(item, BaseException):
                     done = True
                     raise item

@@ -155,12 +155,10 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
             raise APIError("continue_final_message needs a final message with role "
                            "'assistant'", param="continue_final_message")
         kwargs["add_generation_prompt"] = False
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     try:
-        if chat_template is not None:
-            kwargs["chat_template"] = chat_template
         out = tokenizer.apply_chat_template(conversation, tools=tools, **kwargs)
-    except APIError:
-        raise
     except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(...)
         raise APIError(f"the chat template failed on these messages: "
                        f"{type(exc).__name__}: {exc}", param=param) from None
