@@ -3,7 +3,6 @@ Design notes: docs/internals.md, "latentserve.server.anthropic_api"."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
@@ -168,9 +167,10 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
 
 
 def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
-            budget: int | None = None, latent: int = 0,
-            defaults: dict | None = None) -> SamplingParams:
-    """``latent`` KV positions count against the context; ``defaults`` fill unset fields."""
+            budget: int | None = None, latent: int = 0, defaults: dict | None = None,
+            head: dict | None = None) -> SamplingParams:
+    """``latent`` KV positions count against the context; ``defaults`` fill unset fields;
+    ``head``: the head controls set (``x-latent-*`` / ``x-ds4-*`` headers or body fields)."""
     if body.max_tokens < 1:
         raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
                        param="max_tokens")
@@ -190,7 +190,7 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
             latent_budget=budget,
             return_latent_trace=bool(body.return_latent_trace),
             upstream_stop_rules=body.upstream_stop_rules,
-            **exit_fields(body))
+            **exit_fields(body), **(head or {}))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
 
@@ -287,13 +287,8 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
     """The engine's ``SamplingParams``. Raises APIError (400 naming the field or header)."""
     budget = latent_budget(request, body, state.latent_spec)
     params = _params(body, num_prompt_tokens, state.max_model_len, budget,
-                     latent_positions(state.latent_spec, budget), state.sampling_defaults)
-    head = _head_controls(body, request, state, answer.flag)
-    if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
-        try:
-            params = dataclasses.replace(params, **head)
-        except ValueError as exc:  # a body control out of range (the headers are checked)
-            raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
+                     latent_positions(state.latent_spec, budget), state.sampling_defaults,
+                     _head_controls(body, request, state, answer.flag))
     return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
                          state.tokenizer, answer.parser(state))
 
@@ -304,50 +299,45 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     arrival = time.monotonic()
     _check(body, state)
     with admit(state, 1) as ticket:
-        return await _admitted_message(body, request, state, arrival, ticket)
-
-
-async def _admitted_message(body: MessagesRequest, request, state: ServerState,
-                            arrival: float, ticket):
-    answer = _answer(body, state)
-    prompt_ids = await _prompt_ids(body, state, answer)
-    params = _request_params(body, request, state, len(prompt_ids), answer)
-    msg_id, engine_rid = new_request_id(request, "msg")
-    if msg_id == engine_rid:
-        msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
-    reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
-    asked = bool(body.return_latent_trace)
-    texts = token_texts(state.tokenizer)
-    if body.stream:
-        deltas = await start_stream(request, state, reqs, arrival, ticket)
-        latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
-                  else None)
-        events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
-                         answer.parser(state), latent, texts)
-        return sse_response(sse_events(
-            request, state, reqs, events, error_event=_error_event,
-            internal_error_event=_event("error", anthropic_error_body(
-                "Internal server error", 500)), done=None))
-    result = (await collect(request, state, reqs, arrival, ticket))[0]
-    reasoning, content, calls = parse_output(answer.parser(state), result.text)
-    if answer.latent_mode:
-        reasoning = latent_reasoning_text(answer.latent_mode, result.latent_steps,
-                                          result.step_trace, texts) + reasoning
-    blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning \
-        else []
-    uses = []
-    for c in calls:
-        try:
-            uses.append({"type": "tool_use", "id": c.id, "name": c.name,
-                         "input": json.loads(c.arguments)})
-        except json.JSONDecodeError:  # arguments cut short (max_tokens): left as text
-            content += c.arguments
-    if content or not uses:
-        blocks.append({"type": "text", "text": content})
-    stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string, bool(uses))
-    msg = _message(msg_id, state.model_name, blocks + uses, stop_reason, stop_sequence,
-                   len(prompt_ids), result.num_output_tokens)
-    return _with_latent(msg, latent_info(result, asked, texts))
+        answer = _answer(body, state)
+        prompt_ids = await _prompt_ids(body, state, answer)
+        params = _request_params(body, request, state, len(prompt_ids), answer)
+        msg_id, engine_rid = new_request_id(request, "msg")
+        if msg_id == engine_rid:
+            msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
+        reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
+        asked = bool(body.return_latent_trace)
+        texts = token_texts(state.tokenizer)
+        if body.stream:
+            deltas = await start_stream(request, state, reqs, arrival, ticket)
+            latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
+                      else None)
+            events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
+                             answer.parser(state), latent, texts)
+            return sse_response(sse_events(
+                request, state, reqs, events, error_event=_error_event,
+                internal_error_event=_event("error", anthropic_error_body(
+                    "Internal server error", 500)), done=None))
+        result = (await collect(request, state, reqs, arrival, ticket))[0]
+        reasoning, content, calls = parse_output(answer.parser(state), result.text)
+        if answer.latent_mode:
+            reasoning = latent_reasoning_text(answer.latent_mode, result.latent_steps,
+                                              result.step_trace, texts) + reasoning
+        blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning \
+            else []
+        uses = []
+        for c in calls:
+            try:
+                uses.append({"type": "tool_use", "id": c.id, "name": c.name,
+                             "input": json.loads(c.arguments)})
+            except json.JSONDecodeError:  # arguments cut short (max_tokens): left as text
+                content += c.arguments
+        if content or not uses:
+            blocks.append({"type": "text", "text": content})
+        stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string, bool(uses))
+        msg = _message(msg_id, state.model_name, blocks + uses, stop_reason, stop_sequence,
+                       len(prompt_ids), result.num_output_tokens)
+        return _with_latent(msg, latent_info(result, asked, texts))
 
 
 def _with_latent(obj: dict, info) -> dict:
