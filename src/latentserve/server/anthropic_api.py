@@ -35,11 +35,8 @@ from latentserve.server.params import (
     check_prompt_length,
     check_stop_count,
     exit_fields,
-    head_controls,
-    latent_budget,
+    latent_controls,
     latent_positions,
-    refuse_head_controls,
-    refuse_stream_steps,
     refuse_unsupported,
     unset_default,
 )
@@ -233,19 +230,6 @@ def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
     return _Answer(tool_dicts, tools, choice, flag, mode if flag is True else None)
 
 
-def _head_controls(body: MessagesRequest, request, state: ServerState, flag: bool | None
-                   ) -> dict:
-    """The head controls set, ``flag`` as the head's thinking where it means one; APIError."""
-    kind = getattr(state.latent_spec, "kind", None)
-    shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
-    body = body.model_copy(update={"thinking": flag if kind == "head" or (flag and not shows)
-                                   else None})
-    controls = head_controls(request, body)
-    refuse_head_controls(request, body, controls, state.latent_spec)
-    refuse_stream_steps(request, body, state.latent_spec)  # validates the header (no ticks)
-    return {k: v for k, v in controls.items() if v is not None}
-
-
 async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
                       ) -> list[int]:
     """The templated prompt, ``thinking`` as the template's ``thinking`` / ``enable_thinking``."""
@@ -284,11 +268,16 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 
 def _request_params(body: MessagesRequest, request, state: ServerState,
                     num_prompt_tokens: int, answer: _Answer) -> SamplingParams:
-    """The engine's ``SamplingParams``. Raises APIError (400 naming the field or header)."""
-    budget = latent_budget(request, body, state.latent_spec)
+    """The engine's ``SamplingParams``, ``answer.flag`` as the head's thinking where it means
+    one. Raises APIError (400 naming the field or header)."""
+    kind = getattr(state.latent_spec, "kind", None)
+    shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
+    flag = answer.flag if kind == "head" or (answer.flag and not shows) else None
+    budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
+                                      state.latent_spec)  # no ticks on /v1/messages
     params = _params(body, num_prompt_tokens, state.max_model_len, budget,
                      latent_positions(state.latent_spec, budget), state.sampling_defaults,
-                     _head_controls(body, request, state, answer.flag))
+                     {k: v for k, v in head.items() if v is not None})
     return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
                          state.tokenizer, answer.parser(state))
 
