@@ -58,8 +58,9 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
                 latent_positions=latent_positions(state.latent_spec, budget),
                 defaults=state.sampling_defaults)))
         rid, engine_rid = new_request_id(request, "cmpl")
-        reqs = engine_requests(engine_rid, with_params, body.n or 1, "max_tokens", state)
-        echoes = [_echo(state, r) if body.echo else "" for r in reqs]
+        reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)
+        echoes = [("" if not body.echo else r.prompt_text if r.prompt_text is not None
+                   else state.tokenizer.decode(r.prompt_ids)) for r in reqs]  # the prompt text
         num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
         if body.stream:
             deltas = await start_stream(request, state, reqs, arrival, ticket)
@@ -82,13 +83,6 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
         return CompletionResponse(
             id=rid, model=state.model_name, choices=choices,
             usage=Usage.of(num_prompt_tokens, sum(r.num_output_tokens for r in results)))
-
-
-def _echo(state: ServerState, req: EngineRequest) -> str:
-    """The prompt as text: as given, or the token ids decoded."""
-    if req.prompt_text is not None:
-        return req.prompt_text
-    return state.tokenizer.decode(req.prompt_ids)
 
 
 async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
