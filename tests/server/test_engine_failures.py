@@ -3,6 +3,7 @@ keeps serving the others. Faults are injected in-process: into the sampler, into
 forward, and (for the HTTP mapping) into a stand-in engine client."""
 
 import json
+import pickle
 
 import pytest
 
@@ -10,7 +11,7 @@ from latentserve.config import EngineConfig
 from latentserve.outputs import StepOutput
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.engine_process import MAX_CONSECUTIVE_STEP_FAILURES, EngineLoop
-from latentserve.server.messages import EngineFailed, RequestFailed, StepOutputs, loads
+from latentserve.server.messages import EngineFailed, RequestFailed, StepOutputs
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPT = [5, 6, 7, 8]
@@ -67,8 +68,8 @@ class _Outbox:
     def __init__(self):
         self.messages = []
 
-    def send(self, data):
-        self.messages.append(loads(data))
+    def send_pyobj(self, message):
+        self.messages.append(pickle.loads(pickle.dumps(message)))
 
 
 def _loop(engine):

@@ -118,10 +118,11 @@ def test_default_keep_alive_outlives_the_sdks_idle_expiry():
     import anthropic._base_client
     import openai._base_client
 
-    from latentserve.server.launch import DEFAULT_KEEP_ALIVE_S, add_server_args
+    from latentserve.options import add_options
+    from latentserve.server.options import DEFAULT_KEEP_ALIVE_S, ServerOptions
 
     parser = argparse.ArgumentParser()
-    add_server_args(parser)
+    add_options(parser, ServerOptions)
     assert parser.parse_args([]).timeout_keep_alive == DEFAULT_KEEP_ALIVE_S
     for sdk in (openai._base_client, anthropic._base_client):
         assert sdk.DEFAULT_CONNECTION_LIMITS.keepalive_expiry < DEFAULT_KEEP_ALIVE_S

@@ -112,12 +112,11 @@ def test_cors_origins_can_be_restricted(smollm2_tokenizer):
 def test_serve_flags_reach_the_cors_options():
     import argparse
 
-    from latentserve.options import options_of
-    from latentserve.server.launch import add_server_args
+    from latentserve.options import add_options, options_of
     from latentserve.server.options import ServerOptions
 
     p = argparse.ArgumentParser()
-    add_server_args(p)
+    add_options(p, ServerOptions)
     args = p.parse_args(["--allowed-origins", '["http://a.example"]', "--allow-credentials"])
     assert options_of(ServerOptions, args).cors == {
         "allow_origins": ["http://a.example"], "allow_methods": ["*"], "allow_headers": ["*"],

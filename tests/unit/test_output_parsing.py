@@ -7,8 +7,6 @@ import json
 import pytest
 
 from latentserve.server.output_parser import OutputParser, join_calls, parse_output
-from latentserve.server.reasoning import split_reasoning
-from latentserve.server.tool_parsers import parse_tool_calls
 from latentserve.server.tools import ToolChoice, call_schema, check_tools, resolve_tool_choice
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -30,17 +28,18 @@ def _streamed(parser: OutputParser, text: str):
     ("qwen3", "a < b </think", "", "a < b </think"),
 ])
 def test_think_text_splits_the_same_whole_or_streamed(parser, text, reasoning, content):
-    whole = split_reasoning(text, parser)
-    assert (whole.reasoning, whole.content) == (reasoning, content)
+    whole = parse_output(OutputParser(reasoning_parser=parser), text)
+    assert whole[:2] == (reasoning, content)
     got = _streamed(OutputParser(reasoning_parser=parser), text)
     assert got[:2] == (reasoning, content)
 
 
 def test_hermes_calls_are_parsed_with_the_text_before_them_as_content():
     text = f"Let me look.\n{CALL}\n{CALL.replace('Paris', 'Rome')}"
-    parsed = parse_tool_calls(text)
-    assert parsed.content == "Let me look."
-    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+    _, content, calls = parse_output(OutputParser(tool_parser="hermes",
+                                                  choice=ToolChoice("auto")), text)
+    assert content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
 
 
@@ -62,8 +61,9 @@ def test_hermes_stream_equals_the_whole_and_ids_are_call_ids():
     ("a <tool_c", "a <tool_c", 0),
 ])
 def test_hermes_edge_cases_whole_and_streamed_agree(text, content, calls):
-    parsed = parse_tool_calls(text)
-    assert (parsed.content, len(parsed.calls)) == (content, calls)
+    _, whole, whole_calls = parse_output(OutputParser(tool_parser="hermes",
+                                                      choice=ToolChoice("auto")), text)
+    assert (whole, len(whole_calls)) == (content, calls)
     _, got, got_calls = _streamed(OutputParser(tool_parser="hermes",
                                                choice=ToolChoice("auto")), text)
     assert (got, len(got_calls)) == (content, calls)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 def register(sub) -> None:
     from latentserve.cli import add_engine_args
-    from latentserve.options import ranged
-    from latentserve.server.options import add_server_args
+    from latentserve.options import add_options, ranged
+    from latentserve.server.options import ServerOptions
     from latentserve.server.replicas import ROUTER_POLICIES
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (repeat --model "
                                       "to serve several models)")
     add_engine_args(p, several_models=True)
-    add_server_args(p)  # --host, --port, --api-key, --drain-timeout, ...
+    add_options(p, ServerOptions)  # --host, --port, --api-key, --drain-timeout, ...
     p.add_argument("--data-parallel-size", "--dp", type=ranged(int, "data_parallel_size", ge=1),
                    default=1,
                    help="N > 1: N replicas on free ports (printed) behind sglang-router on "

@@ -3,7 +3,6 @@ Design notes: docs/internals.md, "latentserve.server.anthropic_api"."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
@@ -36,11 +35,8 @@ from latentserve.server.params import (
     check_prompt_length,
     check_stop_count,
     exit_fields,
-    head_controls,
-    latent_budget,
+    latent_controls,
     latent_positions,
-    refuse_head_controls,
-    refuse_stream_steps,
     refuse_unsupported,
     unset_default,
 )
@@ -65,11 +61,6 @@ from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import ToolChoice, check_tools
 
 
-class TextBlock(RequestModel):
-    type: str
-    text: str | None = None
-
-
 class AnthropicMessage(RequestModel):
     role: str = Field(json_schema_extra={"enum": ["user", "assistant"]})  # _conversation checks
     content: str | list[ContentBlock]
@@ -83,7 +74,7 @@ class MessagesRequest(LatentFields):
     model: str
     max_tokens: int
     messages: list[AnthropicMessage]
-    system: str | list[TextBlock] | None = None
+    system: str | list[ContentBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -124,7 +115,7 @@ class CountTokensRequest(MessagesRequest):
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
 
 
-def _blocks_text(content: str | list[TextBlock], param: str) -> str:
+def _blocks_text(content: str | list[ContentBlock], param: str) -> str:
     if isinstance(content, str):
         return content
     parts = []
@@ -173,9 +164,10 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
 
 
 def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
-            budget: int | None = None, latent: int = 0,
-            defaults: dict | None = None) -> SamplingParams:
-    """``latent`` KV positions count against the context; ``defaults`` fill unset fields."""
+            budget: int | None = None, latent: int = 0, defaults: dict | None = None,
+            head: dict | None = None) -> SamplingParams:
+    """``latent`` KV positions count against the context; ``defaults`` fill unset fields;
+    ``head``: the head controls set (``x-latent-*`` / ``x-ds4-*`` headers or body fields)."""
     if body.max_tokens < 1:
         raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
                        param="max_tokens")
@@ -195,7 +187,7 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
             latent_budget=budget,
             return_latent_trace=bool(body.return_latent_trace),
             upstream_stop_rules=body.upstream_stop_rules,
-            **exit_fields(body))
+            **exit_fields(body), **(head or {}))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
 
@@ -238,19 +230,6 @@ def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
     return _Answer(tool_dicts, tools, choice, flag, mode if flag is True else None)
 
 
-def _head_controls(body: MessagesRequest, request, state: ServerState, flag: bool | None
-                   ) -> dict:
-    """The head controls set, ``flag`` as the head's thinking where it means one; APIError."""
-    kind = getattr(state.latent_spec, "kind", None)
-    shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
-    body = body.model_copy(update={"thinking": flag if kind == "head" or (flag and not shows)
-                                   else None})
-    controls = head_controls(request, body)
-    refuse_head_controls(request, body, controls, state.latent_spec)
-    refuse_stream_steps(request, body, state.latent_spec)  # validates the header (no ticks)
-    return {k: v for k, v in controls.items() if v is not None}
-
-
 async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
                       ) -> list[int]:
     """The templated prompt, ``thinking`` as the template's ``thinking`` / ``enable_thinking``."""
@@ -289,16 +268,16 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 
 def _request_params(body: MessagesRequest, request, state: ServerState,
                     num_prompt_tokens: int, answer: _Answer) -> SamplingParams:
-    """The engine's ``SamplingParams``. Raises APIError (400 naming the field or header)."""
-    budget = latent_budget(request, body, state.latent_spec)
+    """The engine's ``SamplingParams``, ``answer.flag`` as the head's thinking where it means
+    one. Raises APIError (400 naming the field or header)."""
+    kind = getattr(state.latent_spec, "kind", None)
+    shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
+    flag = answer.flag if kind == "head" or (answer.flag and not shows) else None
+    budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
+                                      state.latent_spec)  # no ticks on /v1/messages
     params = _params(body, num_prompt_tokens, state.max_model_len, budget,
-                     latent_positions(state.latent_spec, budget), state.sampling_defaults)
-    head = _head_controls(body, request, state, answer.flag)
-    if head:  # x-latent-* / x-ds4-* headers (the seed's only control on /v1/messages)
-        try:
-            params = dataclasses.replace(params, **head)
-        except ValueError as exc:  # a body control out of range (the headers are checked)
-            raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
+                     latent_positions(state.latent_spec, budget), state.sampling_defaults,
+                     {k: v for k, v in head.items() if v is not None})
     return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
                          state.tokenizer, answer.parser(state))
 
@@ -309,50 +288,45 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     arrival = time.monotonic()
     _check(body, state)
     with admit(state, 1) as ticket:
-        return await _admitted_message(body, request, state, arrival, ticket)
-
-
-async def _admitted_message(body: MessagesRequest, request, state: ServerState,
-                            arrival: float, ticket):
-    answer = _answer(body, state)
-    prompt_ids = await _prompt_ids(body, state, answer)
-    params = _request_params(body, request, state, len(prompt_ids), answer)
-    msg_id, engine_rid = new_request_id(request, "msg")
-    if msg_id == engine_rid:
-        msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
-    reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
-    asked = bool(body.return_latent_trace)
-    texts = token_texts(state.tokenizer)
-    if body.stream:
-        deltas = await start_stream(request, state, reqs, arrival, ticket)
-        latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
-                  else None)
-        events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
-                         answer.parser(state), latent, texts)
-        return sse_response(sse_events(
-            request, state, reqs, events, error_event=_error_event,
-            internal_error_event=_event("error", anthropic_error_body(
-                "Internal server error", 500)), done=None))
-    result = (await collect(request, state, reqs, arrival, ticket))[0]
-    reasoning, content, calls = parse_output(answer.parser(state), result.text)
-    if answer.latent_mode:
-        reasoning = latent_reasoning_text(answer.latent_mode, result.latent_steps,
-                                          result.step_trace, texts) + reasoning
-    blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning \
-        else []
-    uses = []
-    for c in calls:
-        try:
-            uses.append({"type": "tool_use", "id": c.id, "name": c.name,
-                         "input": json.loads(c.arguments)})
-        except json.JSONDecodeError:  # arguments cut short (max_tokens): left as text
-            content += c.arguments
-    if content or not uses:
-        blocks.append({"type": "text", "text": content})
-    stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string, bool(uses))
-    msg = _message(msg_id, state.model_name, blocks + uses, stop_reason, stop_sequence,
-                   len(prompt_ids), result.num_output_tokens)
-    return _with_latent(msg, latent_info(result, asked, texts))
+        answer = _answer(body, state)
+        prompt_ids = await _prompt_ids(body, state, answer)
+        params = _request_params(body, request, state, len(prompt_ids), answer)
+        msg_id, engine_rid = new_request_id(request, "msg")
+        if msg_id == engine_rid:
+            msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
+        reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
+        asked = bool(body.return_latent_trace)
+        texts = token_texts(state.tokenizer)
+        if body.stream:
+            deltas = await start_stream(request, state, reqs, arrival, ticket)
+            latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
+                      else None)
+            events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
+                             answer.parser(state), latent, texts)
+            return sse_response(sse_events(
+                request, state, reqs, events, error_event=_error_event,
+                internal_error_event=_event("error", anthropic_error_body(
+                    "Internal server error", 500)), done=None))
+        result = (await collect(request, state, reqs, arrival, ticket))[0]
+        reasoning, content, calls = parse_output(answer.parser(state), result.text)
+        if answer.latent_mode:
+            reasoning = latent_reasoning_text(answer.latent_mode, result.latent_steps,
+                                              result.step_trace, texts) + reasoning
+        blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning \
+            else []
+        uses = []
+        for c in calls:
+            try:
+                uses.append({"type": "tool_use", "id": c.id, "name": c.name,
+                             "input": json.loads(c.arguments)})
+            except json.JSONDecodeError:  # arguments cut short (max_tokens): left as text
+                content += c.arguments
+        if content or not uses:
+            blocks.append({"type": "text", "text": content})
+        stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string, bool(uses))
+        msg = _message(msg_id, state.model_name, blocks + uses, stop_reason, stop_sequence,
+                       len(prompt_ids), result.num_output_tokens)
+        return _with_latent(msg, latent_info(result, asked, texts))
 
 
 def _with_latent(obj: dict, info) -> dict:
@@ -380,7 +354,6 @@ def _error_event(exc: Exception) -> str:
 
 class _Blocks:
     """A streamed message's content blocks as SSE events, handed out by :meth:`take`."""
-
 
     def __init__(self):
         self.index = -1

@@ -22,8 +22,9 @@ from latentserve.server.completions import create_completion
 from latentserve.server.errors import APIError, install_error_handlers
 from latentserve.server.latent_card import latent_card
 from latentserve.server.logprobs import token_texts
-from latentserve.server.metrics import MetricsRegistry
+from latentserve.server.metrics import MetricsRegistry, ServerMetrics
 from latentserve.server.openapi import declare_errors
+from latentserve.server.options import ServerOptions
 from latentserve.server.params import check_model as check_served_model
 from latentserve.server.params import refuse_unsupported
 from latentserve.server.prompts import templated_prompt_ids
@@ -32,7 +33,6 @@ from latentserve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     ModelCard,
-    ModelList,
     TokenizeRequest,
 )
 from latentserve.server.request_ids import RequestIdEcho
@@ -44,9 +44,6 @@ STATS_TIMEOUT_S = 5.0
 # /health waits this long for fresh engine stats, then answers with the last ones and their
 # age (an engine busy with a long step must not make the health check time out).
 HEALTH_STATS_WAIT_S = 0.25
-# CORS as vLLM's server defaults it: every origin, method and header, no credentials.
-DEFAULT_CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"],
-                "allow_credentials": False}
 
 
 def create_app(state: ServerState | list[ServerState] | ServedModels,
@@ -54,7 +51,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
                cors: dict | None = None):
     """The app around one ``ServerState`` per served model: the OpenAI and Anthropic APIs,
     ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``, ``/metrics``
-    and ``/viewer/``. ``api_key`` None: open; ``cors``: options over ``DEFAULT_CORS``. The
+    and ``/viewer/``. ``api_key`` None: open; ``cors``: options over ``ServerOptions().cors``. The
     lifespan starts and closes the clients, then runs ``on_shutdown``."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
@@ -63,7 +60,7 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     registry = MetricsRegistry(max(s.max_model_len for s in served.states))
     for s in served.states:
         if s.metrics is None:
-            s.metrics = registry.model(s.model_name, lambda s=s: s.client.last_stats)
+            s.metrics = ServerMetrics(registry, s.model_name, lambda s=s: s.client.last_stats)
     # One /metrics body per registry (a state served before keeps its metrics).
     registries = list({id(s.metrics.shared): s.metrics.shared for s in served.states}.values())
 
@@ -92,12 +89,12 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from starlette.middleware.cors import CORSMiddleware
 
     # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check
-    app.add_middleware(CORSMiddleware, **{**DEFAULT_CORS, **(cors or {})})
+    app.add_middleware(CORSMiddleware, **{**ServerOptions().cors, **(cors or {})})
 
-    def as_json(result):
-        if isinstance(result, (JSONResponse, dict)) or not hasattr(result, "model_dump"):
-            return JSONResponse(result) if isinstance(result, dict) else result
-        return JSONResponse(result.model_dump(mode="json"))
+    def as_json(result):  # a dict or a response model; a streaming response as it is
+        if hasattr(result, "model_dump"):
+            result = result.model_dump(mode="json")
+        return JSONResponse(result) if isinstance(result, dict) else result
 
     def model_state(model: str | None) -> ServerState:
         """The state of the model a request names (checked even with one model)."""
@@ -136,8 +133,8 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.get("/v1/models", response_model=None)
     async def models():
-        data = [c for s in served.states for c in cards(s)]
-        return JSONResponse(ModelList(data=data).model_dump(mode="json"))
+        data = [c.model_dump(mode="json") for s in served.states for c in cards(s)]
+        return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(model_id: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 
-from latentserve.server.admission import Ticket, admit
+from latentserve.server.admission import admit
 from latentserve.server.errors import APIError
 from latentserve.server.generation import TextDelta
 from latentserve.server.latent_trace import latent_info, tick_infos
@@ -35,8 +35,6 @@ from latentserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     DeltaMessage,
-    FunctionCallOut,
-    ToolCallOut,
     Usage,
 )
 from latentserve.server.reasoning import (
@@ -56,68 +54,63 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     body = body.with_template_kwargs_fields()  # what a router leaves of the latent fields
     check_common(body, state.model_name, state.limits)
     with admit(state, body.n or 1) as ticket:
-        return await _chat_completion(body, request, state, arrival, ticket)
+        tools = check_tools(chat_tools(body.tools))
+        choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
+        latent_mode = latent_reasoning_mode(body, state.latent_spec)
+        logprobs = _logprobs_k(body, state)
+        budget, head, ticks = latent_controls(request, body, state.latent_spec,
+                                              body.chat_template_kwargs)
+        template_kwargs = body.chat_template_kwargs
+        if head["thinking"] is not None:  # the template renders the thinking opening (or not)
+            template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
+                               "enable_thinking": head["thinking"]}
+        prompt_ids = await templated_prompt_ids(body, state, template_kwargs, state.max_model_len)
+        echo = echo_text(body) if body.echo else ""
+        check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
+        if body.max_completion_tokens is not None:
+            max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, field = body.max_tokens, "max_tokens"
+        params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
+                                 logprobs, budget, head, stream_latent_steps=ticks,
+                                 latent_positions=latent_positions(state.latent_spec, budget),
+                                 defaults=state.sampling_defaults)
 
+        def parser() -> OutputParser:
+            return OutputParser(state.reasoning_parser, state.tool_parser, choice,
+                                body.include_reasoning is not False)
 
-async def _chat_completion(body: ChatCompletionRequest, request, state: ServerState,
-                           arrival: float, ticket: Ticket):
-    tools = check_tools(chat_tools(body.tools))
-    choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
-    latent_mode = latent_reasoning_mode(body, state.latent_spec)
-    logprobs = _logprobs_k(body, state)
-    budget, head, ticks = latent_controls(request, body, state.latent_spec,
-                                          body.chat_template_kwargs)
-    template_kwargs = body.chat_template_kwargs
-    if head["thinking"] is not None:  # the template renders the thinking opening (or not)
-        template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
-                           "enable_thinking": head["thinking"]}
-    prompt_ids = await templated_prompt_ids(body, state, template_kwargs, state.max_model_len)
-    echo = echo_text(body) if body.echo else ""
-    check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
-    if body.max_completion_tokens is not None:
-        max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
-    else:
-        max_tokens, field = body.max_tokens, "max_tokens"
-    params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
-                             logprobs, budget, head, stream_latent_steps=ticks,
-                             latent_positions=latent_positions(state.latent_spec, budget),
-                             defaults=state.sampling_defaults)
-
-    def parser() -> OutputParser:
-        return OutputParser(state.reasoning_parser, state.tool_parser, choice,
-                            body.include_reasoning is not False)
-
-    params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
-    rid, engine_rid = new_request_id(request, "chatcmpl")
-    reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
-    if body.stream:
-        deltas = await start_stream(request, state, reqs, arrival, ticket)
-        chunks = _chunks(body, state, rid, len(prompt_ids), deltas, len(reqs), parser,
-                         latent_mode, choice, ticks, echo)
-        return sse_response(sse_events(request, state, reqs, chunks))
-    results = await collect(request, state, reqs, arrival, ticket)
-    texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
-    choices = []
-    for i, r in enumerate(results):
-        reasoning, content, calls = parse_output(parser(), r.text)
-        if latent_mode:
-            reasoning = latent_reasoning_text(latent_mode, r.latent_steps, r.step_trace,
-                                              texts) + reasoning
-        content = echo + content
-        message = AssistantMessage(
-            content=content if content or not calls else None, reasoning_content=reasoning,
-            tool_calls=[ToolCallOut(id=c.id, function=FunctionCallOut(
-                name=c.name, arguments=c.arguments)) for c in calls] or None)
-        choices.append(ChatChoice(
-            index=i, message=message, finish_reason=_finish_reason(r.finish_reason,
-                                                                   bool(calls), choice),
-            logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
-                      if logprobs is not None else None),
-            latent=latent_info(r, bool(body.return_latent_trace), texts)))
-    return ChatCompletionResponse(
-        id=rid, model=state.model_name, choices=choices,
-        usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
-    )
+        params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
+        rid, engine_rid = new_request_id(request, "chatcmpl")
+        reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
+        if body.stream:
+            deltas = await start_stream(request, state, reqs, arrival, ticket)
+            chunks = _chunks(body, state, rid, len(prompt_ids), deltas, len(reqs), parser,
+                             latent_mode, choice, ticks, echo)
+            return sse_response(sse_events(request, state, reqs, chunks))
+        results = await collect(request, state, reqs, arrival, ticket)
+        texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
+        choices = []
+        for i, r in enumerate(results):
+            reasoning, content, calls = parse_output(parser(), r.text)
+            if latent_mode:
+                reasoning = latent_reasoning_text(latent_mode, r.latent_steps, r.step_trace,
+                                                  texts) + reasoning
+            content = echo + content
+            message = AssistantMessage(
+                content=content if content or not calls else None, reasoning_content=reasoning,
+                tool_calls=[{"id": c.id, "type": "function", "function": {
+                    "name": c.name, "arguments": c.arguments}} for c in calls] or None)
+            choices.append(ChatChoice(
+                index=i, message=message, finish_reason=_finish_reason(r.finish_reason,
+                                                                       bool(calls), choice),
+                logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
+                          if logprobs is not None else None),
+                latent=latent_info(r, bool(body.return_latent_trace), texts)))
+        return ChatCompletionResponse(
+            id=rid, model=state.model_name, choices=choices,
+            usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
+        )
 
 
 def echo_text(body: ChatCompletionRequest) -> str:

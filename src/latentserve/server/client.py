@@ -19,8 +19,6 @@ from latentserve.server.messages import (
     RequestChecked,
     RequestFailed,
     StepOutputs,
-    dumps,
-    loads,
 )
 
 log = logging.getLogger(__name__)
@@ -67,9 +65,9 @@ class EngineClient:
         self._aborted: set[str] = set()  # running rids already aborted
         # rid -> time of an abort before the request was sent: generate() refuses it.
         self._early_aborts: dict[str, float] = {}
-        self._stats_waiters: dict[int, asyncio.Future] = {}
+        # a check's "check-{rid}" or a GetStats token -> the future of the engine's answer
+        self._replies: dict[str | int, asyncio.Future] = {}
         self._stats_token = 0
-        self._checks: dict[str, asyncio.Future] = {}  # rid -> check_request's answer
         # called once, with the reason, when the engine is found gone (server: log, exit)
         self.on_dead: Callable[[str], None] | None = None
         self._ctx = self._actx = self._push = self._pull = None
@@ -134,17 +132,14 @@ class EngineClient:
             while True:
                 if deadline is not None and rid in self.scheduled_at:
                     deadline = None  # it has a seat
-                if deadline is None:
-                    item = await queue.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(
-                            queue.get(), max(deadline - time.monotonic(), 0.0))
-                    except TimeoutError:
-                        raise EngineQueueTimeout(
-                            f"the request waited more than {queue_timeout:g} s for a seat "
-                            f"(--queue-timeout); retry later") from None
-                    deadline = None  # an output (or an error): it is no longer waiting
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                try:
+                    item = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    raise EngineQueueTimeout(
+                        f"the request waited more than {queue_timeout:g} s for a seat "
+                        f"(--queue-timeout); retry later") from None
+                deadline = None  # an output (or an error): it is no longer waiting
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -168,16 +163,12 @@ class EngineClient:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         rid = f"check-{rid}"
-        future = asyncio.get_running_loop().create_future()
-        self._checks[rid] = future
         try:
-            self._send(AddRequest(rid, list(prompt_token_ids), params, check_only=True))
-            await asyncio.wait_for(future, timeout)
+            await self._ask(rid, AddRequest(rid, list(prompt_token_ids), params,
+                                            check_only=True), timeout)
         except TimeoutError:
             raise EngineDeadError(f"the engine did not answer a check within {timeout} s"
                                   ) from None
-        finally:
-            self._checks.pop(rid, None)
 
     def abort_all(self) -> int:
         """Abort every running request; returns how many."""
@@ -208,19 +199,24 @@ class EngineClient:
         if self._push is None or self.dead_reason is not None:
             return self.last_stats
         self._stats_token += 1
-        token = self._stats_token
-        future = asyncio.get_running_loop().create_future()
-        self._stats_waiters[token] = future
         try:
-            self._send(GetStats(token))
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
+            return await self._ask(self._stats_token, GetStats(self._stats_token), timeout)
+        except (TimeoutError, EngineDeadError):
             return self.last_stats
+
+    async def _ask(self, key: str | int, message: object, timeout: float):
+        """Send ``message`` and wait for the answer the receive task files under ``key``;
+        TimeoutError after ``timeout`` s, EngineDeadError when the engine goes."""
+        future = asyncio.get_running_loop().create_future()
+        self._replies[key] = future
+        try:
+            self._send(message)
+            return await asyncio.wait_for(future, timeout)
         finally:
-            self._stats_waiters.pop(token, None)
+            self._replies.pop(key, None)
 
     def _send(self, message: object) -> None:
-        self._push.send(dumps(message))
+        self._push.send_pyobj(message)
 
     async def _receive_loop(self) -> None:
         import zmq
@@ -228,7 +224,7 @@ class EngineClient:
         try:
             while True:
                 if await self._pull.poll(_LIVENESS_POLL_MS, zmq.POLLIN):
-                    self._dispatch(loads(await self._pull.recv()))
+                    self._dispatch(await self._pull.recv_pyobj())
                 elif self.is_alive is not None and not self.is_alive():
                     self._fail_all("the engine process has stopped")
                     return
@@ -247,8 +243,8 @@ class EngineClient:
                 queue = self._queues.get(out.rid)
                 if queue is not None:  # None: the caller left (aborted) already
                     queue.put_nowait(out)
-        elif isinstance(message, RequestChecked | RequestFailed) and message.rid in self._checks:
-            future = self._checks[message.rid]
+        elif isinstance(message, RequestChecked | RequestFailed) and message.rid in self._replies:
+            future = self._replies[message.rid]
             if not future.done():
                 if isinstance(message, RequestChecked):
                     future.set_result(None)
@@ -261,7 +257,7 @@ class EngineClient:
                 queue.put_nowait(cls(message.error))
         elif isinstance(message, EngineStats):
             self.last_stats, self.last_stats_at = message.stats, time.monotonic()
-            waiter = self._stats_waiters.get(message.token)
+            waiter = self._replies.get(message.token)
             if waiter is not None and not waiter.done():
                 waiter.set_result(message.stats)
         elif isinstance(message, EngineFailed):
@@ -277,9 +273,6 @@ class EngineClient:
                 self.on_dead(reason)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
-        for waiter in self._stats_waiters.values():
-            if not waiter.done():
-                waiter.set_result(self.last_stats)
-        for future in self._checks.values():
+        for future in self._replies.values():
             if not future.done():
                 future.set_exception(EngineDeadError(reason))

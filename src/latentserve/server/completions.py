@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from latentserve.server.admission import Ticket, admit
+from latentserve.server.admission import admit
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import latent_info, tick_infos
 from latentserve.server.logprobs import (
@@ -44,56 +44,45 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     n = body.n or 1
     count = len(prompt_list(body.prompt, state.limits.max_prompts)) * n
     with admit(state, count, "n" if n > 1 else "prompt") as ticket:
-        return await _completion(body, request, state, arrival, ticket)
-
-
-async def _completion(body: CompletionRequest, request, state: ServerState, arrival: float,
-                      ticket: Ticket):
-    check_logprobs(body.logprobs, "logprobs", state.limits)
-    prompt_logprobs = body.logprobs if body.echo else None
-    prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
-                            state.vocab_size, state.limits.max_prompts, state.max_model_len)
-    budget, head, ticks = latent_controls(request, body, state.latent_spec)
-    with_params = []
-    for ids, text in prompts:
-        check_prompt_length(len(ids), state.max_model_len, "prompt")
-        with_params.append((ids, text, sampling_params(
-            body, body.max_tokens, "max_tokens", len(ids), state.max_model_len, body.logprobs,
-            budget, head, prompt_logprobs, stream_latent_steps=ticks,
-            latent_positions=latent_positions(state.latent_spec, budget),
-            defaults=state.sampling_defaults)))
-    rid, engine_rid = new_request_id(request, "cmpl")
-    reqs = engine_requests(engine_rid, with_params, body.n or 1, "max_tokens", state)
-    echoes = [_echo(state, r) if body.echo else "" for r in reqs]
-    num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
-    if body.stream:
-        deltas = await start_stream(request, state, reqs, arrival, ticket)
-        chunks = _chunks(body, state, rid, num_prompt_tokens, echoes, deltas, reqs)
-        return sse_response(sse_events(request, state, reqs, chunks))
-    results = await collect(request, state, reqs, arrival, ticket)
-    texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
-    choices = []
-    for i, r in enumerate(results):
-        lps = None
-        if body.logprobs is not None:
-            lps, _ = completion_logprobs(texts, r.logprobs, len(echoes[i]), as_ids)
-            if body.echo:
-                lps = join_logprobs(echo_logprobs(texts, reqs[i].prompt_ids,
-                                                  r.prompt_logprobs, as_ids), lps)
-        choices.append(CompletionChoice(index=i, text=echoes[i] + r.text,
-                                        finish_reason=r.finish_reason, logprobs=lps,
-                                        latent=latent_info(r, bool(body.return_latent_trace),
-                                                             texts)))
-    return CompletionResponse(
-        id=rid, model=state.model_name, choices=choices,
-        usage=Usage.of(num_prompt_tokens, sum(r.num_output_tokens for r in results)))
-
-
-def _echo(state: ServerState, req: EngineRequest) -> str:
-    """The prompt as text: as given, or the token ids decoded."""
-    if req.prompt_text is not None:
-        return req.prompt_text
-    return state.tokenizer.decode(req.prompt_ids)
+        check_logprobs(body.logprobs, "logprobs", state.limits)
+        prompt_logprobs = body.logprobs if body.echo else None
+        prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
+                                state.vocab_size, state.limits.max_prompts, state.max_model_len)
+        budget, head, ticks = latent_controls(request, body, state.latent_spec)
+        with_params = []
+        for ids, text in prompts:
+            check_prompt_length(len(ids), state.max_model_len, "prompt")
+            with_params.append((ids, text, sampling_params(
+                body, body.max_tokens, "max_tokens", len(ids), state.max_model_len, body.logprobs,
+                budget, head, prompt_logprobs, stream_latent_steps=ticks,
+                latent_positions=latent_positions(state.latent_spec, budget),
+                defaults=state.sampling_defaults)))
+        rid, engine_rid = new_request_id(request, "cmpl")
+        reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)
+        echoes = [("" if not body.echo else r.prompt_text if r.prompt_text is not None
+                   else state.tokenizer.decode(r.prompt_ids)) for r in reqs]  # the prompt text
+        num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        if body.stream:
+            deltas = await start_stream(request, state, reqs, arrival, ticket)
+            chunks = _chunks(body, state, rid, num_prompt_tokens, echoes, deltas, reqs)
+            return sse_response(sse_events(request, state, reqs, chunks))
+        results = await collect(request, state, reqs, arrival, ticket)
+        texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
+        choices = []
+        for i, r in enumerate(results):
+            lps = None
+            if body.logprobs is not None:
+                lps, _ = completion_logprobs(texts, r.logprobs, len(echoes[i]), as_ids)
+                if body.echo:
+                    lps = join_logprobs(echo_logprobs(texts, reqs[i].prompt_ids,
+                                                      r.prompt_logprobs, as_ids), lps)
+            choices.append(CompletionChoice(index=i, text=echoes[i] + r.text,
+                                            finish_reason=r.finish_reason, logprobs=lps,
+                                            latent=latent_info(r, bool(body.return_latent_trace),
+                                                                 texts)))
+        return CompletionResponse(
+            id=rid, model=state.model_name, choices=choices,
+            usage=Usage.of(num_prompt_tokens, sum(r.num_output_tokens for r in results)))
 
 
 async def _chunks(body: CompletionRequest, state: ServerState, rid: str,

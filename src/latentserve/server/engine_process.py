@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import threading
@@ -25,8 +26,6 @@ from latentserve.server.messages import (
     Shutdown,
     StartupFailed,
     StepOutputs,
-    dumps,
-    loads,
 )
 
 log = logging.getLogger(__name__)
@@ -51,10 +50,6 @@ class EngineAddresses:
     input: str
     output: str
 
-    @classmethod
-    def in_dir(cls, directory: str) -> EngineAddresses:
-        return cls(f"ipc://{directory}/input.sock", f"ipc://{directory}/output.sock")
-
 
 # --- child side ----------------------------------------------------------------------------
 
@@ -67,9 +62,7 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
 
     import zmq
 
-    # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
-    # SIGINT came blocked from the parent (start_ignoring_sigint): ignoring it drops one that
-    # arrived during the interpreter's start-up, then it can be unblocked.
+    # the parent decides when the engine stops (start_ignoring_sigint, docs/internals.md)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     loaded = threading.Event()  # from then on EngineLoop watches the parent
@@ -98,13 +91,13 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
                       getattr(engine, "vocab_size", None), engine.tokenizer,
                       engine.latent_spec, engine.sampling_defaults)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
-        ready_conn.send_bytes(dumps(StartupFailed(f"{type(exc).__name__}: {exc}",
+        ready_conn.send_bytes(pickle.dumps(StartupFailed(f"{type(exc).__name__}: {exc}",
                                                   traceback.format_exc())))
         ready_conn.close()
         ctx.destroy(linger=0)
         raise SystemExit(1) from None
     loaded.set()
-    ready_conn.send_bytes(dumps(ready))
+    ready_conn.send_bytes(pickle.dumps(ready))
     ready_conn.close()
     loop = EngineLoop(engine, inbox, outbox, parent_pid)
     try:
@@ -115,11 +108,10 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         ctx.destroy(linger=1000)
 
 
-def _exit_if_parent_goes(parent_pid: int, loaded: threading.Event,
-                         interval: float = 0.5) -> None:
+def _exit_if_parent_goes(parent_pid: int, loaded: threading.Event) -> None:
     """Exit at once when ``parent_pid`` stops being the parent before ``loaded`` is set (a
     server killed while the model loads leaves no engine behind)."""
-    while not loaded.wait(interval):
+    while not loaded.wait(PARENT_CHECK_S):
         if os.getppid() != parent_pid:
             log.info("parent process is gone while loading; engine exits")
             os._exit(1)
@@ -187,10 +179,10 @@ class EngineLoop:
 
         while self.running:
             try:
-                data = self.inbox.recv(zmq.NOBLOCK)
+                message = self.inbox.recv_pyobj(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.handle(loads(data))
+            self.handle(message)
 
     def handle(self, message: object) -> None:
         """Apply one incoming message to the engine."""
@@ -271,10 +263,9 @@ class EngineLoop:
         parent process is gone, drop it and stop the loop."""
         import zmq
 
-        data = dumps(message)
         while True:
             try:
-                self.outbox.send(data)
+                self.outbox.send_pyobj(message)
                 return
             except zmq.Again:
                 if self._parent_gone():
@@ -325,7 +316,8 @@ class EngineProcess:
 
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="latentserve-")
-        self.addresses = EngineAddresses.in_dir(self._dir)
+        self.addresses = EngineAddresses(f"ipc://{self._dir}/input.sock",
+                                         f"ipc://{self._dir}/output.sock")
         parent_conn, child_conn = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=engine_main, name="latentserve-engine", daemon=True,
@@ -350,7 +342,7 @@ class EngineProcess:
                 raise EngineStartupError("engine start-up cancelled")
             if conn.poll(0.2):
                 try:
-                    message = loads(conn.recv_bytes())
+                    message = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     break  # the child closed its end without a word: it died
                 if isinstance(message, Ready):
@@ -406,11 +398,8 @@ class EngineProcess:
 
 def start_ignoring_sigint(proc) -> None:
     """``proc.start()`` (a ``spawn`` ``multiprocessing.Process`` running :func:`engine_main`)
-    with SIGINT blocked in this thread: the child inherits the mask, so a Ctrl-C that reaches
-    it while its interpreter starts up is held, then dropped by :func:`engine_main`, instead of
-    raising KeyboardInterrupt there (a traceback on the server's stderr). In the main thread a
-    SIGINT meant for this process during the start is held too, then raised again once the
-    child is started (``proc`` knows its child, so a KeyboardInterrupt can stop it)."""
+    with SIGINT blocked, which the child inherits; a SIGINT of this process during the start
+    is raised again once the child is started (docs/internals.md)."""
     import signal
     from multiprocessing import resource_tracker
 
@@ -441,7 +430,7 @@ def _send_shutdown(addresses: EngineAddresses) -> None:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(addresses.input)
-        sock.send(dumps(Shutdown()))
+        sock.send_pyobj(Shutdown())
         sock.close()
     finally:
         ctx.term()

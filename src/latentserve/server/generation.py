@@ -13,6 +13,7 @@ from latentserve.detokenizer import IncrementalDetokenizer
 from latentserve.outputs import TokenLogprob
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.client import EngineRequestError
+from latentserve.server.metrics import RequestTimer
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                                    skip_special_tokens=params.skip_special_tokens,
                                    include_stop_str_in_output=params.include_stop_str_in_output,
                                    min_tokens=params.min_tokens)
-    timer = (state.metrics.timer(arrival, group, params.max_tokens)
+    timer = (RequestTimer(state.metrics, arrival, group, params.max_tokens)
              if state.metrics is not None else None)
     num_tokens = 0
     # Logprobs not yet reported, each with its token's start in the decoded text.

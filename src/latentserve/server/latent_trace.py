@@ -13,12 +13,8 @@ def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
     ``logprobs.TokenTexts``); the engine's dicts are not changed."""
     if entries is None:
         return None
-    out = []
-    for e in entries:
-        if isinstance(e, dict) and "top_tokens" in e:
-            e = {**e, "top_texts": [texts.text(int(t)) for t, _ in e["top_tokens"]]}
-        out.append(e)
-    return out
+    return [{**e, "top_texts": [texts.text(int(t)) for t, _ in e["top_tokens"]]}
+            if isinstance(e, dict) and "top_tokens" in e else e for e in entries]
 
 
 def tick_infos(delta, first_step: int, asked: bool, texts) -> list[LatentInfo]:

@@ -24,17 +24,12 @@ from pathlib import Path
 
 from latentserve import settings
 from latentserve.config import EngineConfig
-from latentserve.options import options_of
+from latentserve.options import add_options, options_of
 from latentserve.server.app import create_app
-from latentserve.server.chat_template import apply_chat_template, load_chat_template
 from latentserve.server.client import EngineClient
 from latentserve.server.engine_process import EngineProcess, EngineStartupError
-from latentserve.server.options import (  # noqa: F401 - DEFAULT_KEEP_ALIVE_S: importable here
-    API_KEY_ENV,
-    DEFAULT_KEEP_ALIVE_S,
-    ServerOptions,
-    add_server_args,
-)
+from latentserve.server.options import API_KEY_ENV, ServerOptions
+from latentserve.server.prompts import apply_chat_template, load_chat_template
 from latentserve.server.state import ServedModels, ServerLimits, ServerState
 from latentserve.server.timeouts import protocol_class
 
@@ -380,12 +375,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--options-json", default="{}",
                         help="ServerOptions fields as a JSON object (overrides the flags; "
                              "start_server's way)")
-    add_server_args(parser)
+    add_options(parser, ServerOptions)
     args = parser.parse_args(argv)
-    if args.config_json:
-        configs = [EngineConfig(**json.loads(c)) for c in args.config_json]
-    else:
-        configs = [EngineConfig(model=m) for m in args.model or [None]]
+    configs = ([EngineConfig(**json.loads(c)) for c in args.config_json] if args.config_json
+               else [EngineConfig(model=m) for m in args.model or [None]])
 
     parent = os.environ.pop(PARENT_PID_ENV, None)
     if parent:

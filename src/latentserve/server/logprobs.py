@@ -22,16 +22,9 @@ _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's ``bytes_to_unicode``: printable stand-in character -> byte."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class TokenTexts:
@@ -145,7 +138,5 @@ def echo_logprobs(texts: TokenTexts, prompt_ids: list[int],
 def join_logprobs(first: CompletionLogprobs, second: CompletionLogprobs
                   ) -> CompletionLogprobs:
     """``first``'s entries followed by ``second``'s (offsets are kept as they are)."""
-    return CompletionLogprobs(tokens=first.tokens + second.tokens,
-                              token_logprobs=first.token_logprobs + second.token_logprobs,
-                              top_logprobs=first.top_logprobs + second.top_logprobs,
-                              text_offset=first.text_offset + second.text_offset)
+    return CompletionLogprobs(**{k: getattr(first, k) + getattr(second, k)
+                                 for k in CompletionLogprobs.model_fields})

@@ -3,7 +3,6 @@ local processes of one install)."""
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +77,6 @@ class StepOutputs:
 class RequestFailed:
     """The engine rejected a request, or failed it while running (``internal``)."""
 
-
     rid: str
     error: str
     internal: bool = False
@@ -105,12 +103,3 @@ class EngineFailed:
 
     error: str
 
-
-def dumps(message: object) -> bytes:
-    """Serialize any message above."""
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def loads(data: bytes) -> object:
-    """Inverse of :func:`dumps`."""
-    return pickle.loads(data)

@@ -30,10 +30,7 @@ class RequestGroup:
     """One prompt's ``n`` engine requests; the last to finish observes the most tokens."""
 
     def __init__(self, metrics: ServerMetrics, n: int):
-        self.metrics = metrics
-        self.n = n
-        self.left = n
-        self.most = 0
+        self.metrics, self.n, self.left, self.most = metrics, n, n, 0
 
     def finished(self, num_tokens: int) -> None:
         self.most = max(self.most, num_tokens)
@@ -44,12 +41,13 @@ class RequestGroup:
 
 
 class RequestTimer:
-    """Times one engine request (monotonic seconds); :meth:`finish` counts once."""
+    """Times one engine request that arrived at ``arrival`` (monotonic seconds; None: now);
+    :meth:`finish` counts once."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float,
+    def __init__(self, metrics: ServerMetrics, arrival: float | None = None,
                  group: RequestGroup | None = None, max_tokens: int | None = None):
         self.metrics = metrics
-        self.arrival = arrival
+        self.arrival = time.monotonic() if arrival is None else arrival
         self.group = group
         self.max_tokens = max_tokens
         self.first: float | None = None
@@ -64,10 +62,10 @@ class RequestTimer:
         if times is not None:
             self.queued_at, self.scheduled_at = times
 
-    def tokens(self, n: int, now: float | None = None) -> None:
+    def tokens(self, n: int) -> None:
         if n <= 0:
             return
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         if self.first is None:
             self.first = now
             self.metrics.ttft.observe(now - self.arrival)
@@ -82,12 +80,11 @@ class RequestTimer:
             self.metrics.latent_steps.inc(stats["steps"])
             self.metrics.latent_steps_per_request.observe(stats["steps"])
 
-    def finish(self, finish_reason: str | None, num_prompt_tokens: int,
-               now: float | None = None) -> None:
+    def finish(self, finish_reason: str | None, num_prompt_tokens: int) -> None:
         if self.done:
             return
         self.done = True
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         m = self.metrics
         m.e2e.observe(now - self.arrival)
         if self.first is not None and self.num_tokens > 1:
@@ -128,10 +125,6 @@ class MetricsRegistry:
                                 ["model_name", "finished_reason"], registry=reg)
         self.engines: list[tuple[str, Callable[[], dict | None]]] = []
         reg.register(_EngineCollector(self.engines))
-
-    def model(self, model_name: str, get_stats: Callable[[], dict | None]) -> ServerMetrics:
-        """The metrics of one served model; ``get_stats()``: its latest engine stats."""
-        return ServerMetrics(self, model_name, get_stats)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -176,7 +169,8 @@ _COUNTERS = {
 
 
 class ServerMetrics:
-    """One served model's children of the :class:`MetricsRegistry` ``shared``."""
+    """One served model's children of the :class:`MetricsRegistry` ``shared``;
+    ``get_stats()``: its latest engine stats."""
 
     def __init__(self, shared: MetricsRegistry, model_name: str,
                  get_stats: Callable[[], dict | None]):
@@ -185,16 +179,6 @@ class ServerMetrics:
         for name in (*_HISTOGRAMS, *_COUNTERS):
             setattr(self, name, getattr(shared, name).labels(model_name))
         shared.engines.append((model_name, get_stats))
-
-    def timer(self, arrival: float | None = None, group: RequestGroup | None = None,
-              max_tokens: int | None = None) -> RequestTimer:
-        """A timer for one engine request that arrived at ``arrival`` (monotonic s)."""
-        return RequestTimer(self, time.monotonic() if arrival is None else arrival, group,
-                            max_tokens)
-
-    def group(self, n: int) -> RequestGroup:
-        """The group of one prompt's ``n`` engine requests."""
-        return RequestGroup(self, n)
 
 
 # Engine samples of ``LLMEngine.stats()``: (family kind, name after "latentserve_", help,
@@ -224,7 +208,6 @@ _ENGINE_FAMILIES = (
 
 class _EngineCollector:
     """``_ENGINE_FAMILIES`` from each model's latest ``LLMEngine.stats()``."""
-
 
     def __init__(self, engines: list[tuple[str, Callable[[], dict | None]]]):
         self.engines = engines

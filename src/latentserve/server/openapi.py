@@ -47,8 +47,9 @@ _WHY = {
 }
 
 
-def error_responses(path: str, method: str) -> dict[int, dict]:
-    """The error responses of route ``method path``, status -> ``{"model", "description"}``."""
+def error_responses(path: str, method: str) -> dict[str, dict]:
+    """The OpenAPI error responses of route ``method path`` by status, each a reference to
+    its protocol's error body in ``#/components/schemas``."""
     model = AnthropicError if is_anthropic_path(path) else OpenAIError
     if path == "/health":
         codes = [404, 503]
@@ -58,7 +59,9 @@ def error_responses(path: str, method: str) -> dict[int, dict]:
             codes.append(529)
     else:
         codes = []
-    return {c: {"model": model, "description": _WHY[c]} for c in sorted(codes)}
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {str(c): {"description": _WHY[c], "content": {"application/json": {
+        "schema": schema}}} for c in sorted(codes)}
 
 
 def declare_errors(app) -> None:
@@ -88,10 +91,7 @@ def declare_errors(app) -> None:
                 operation = schema["paths"][route.path_format][method.lower()]
                 responses = operation.setdefault("responses", {})
                 responses.pop("422", None)
-                for code, spec in error_responses(route.path_format, method).items():
-                    responses[str(code)] = {"description": spec["description"], "content": {
-                        "application/json": {"schema": {
-                            "$ref": ref.format(model=spec["model"].__name__)}}}}
+                responses.update(error_responses(route.path_format, method))
         app.openapi_schema = schema
         return schema
 

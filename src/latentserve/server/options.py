@@ -4,10 +4,9 @@ front-end flags follow vLLM's (``vllm/entrypoints/openai/cli_args.py``)."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from latentserve.options import add_options, check, json_str_list, option
+from latentserve.options import check, json_str_list, option
 from latentserve.server.reasoning import REASONING_PARSERS
 from latentserve.server.state import DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 from latentserve.server.timeouts import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
@@ -106,8 +105,3 @@ class ServerOptions:
                 "allow_headers": self.allowed_headers,
                 "allow_credentials": self.allow_credentials}
 
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per :class:`ServerOptions` field (``--host``, ``--port``, ``--api-key``,
-    ...)."""
-    add_options(parser, ServerOptions)

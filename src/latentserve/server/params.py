@@ -113,16 +113,16 @@ def exit_fields(body) -> dict:
             "exit_semantics": body.exit_semantics}
 
 
-def latent_positions(spec, budget: int | None, param: str = "latent_budget") -> int:
+def latent_positions(spec, budget: int | None) -> int:
     """KV positions a feedback or looped model adds before the answer for ``budget``
-    (``LatentSpec.prompt_extra``); 0 for other models. APIError naming ``param`` for a budget
-    the model refuses."""
+    (``LatentSpec.prompt_extra``); 0 for other models. APIError naming ``latent_budget`` for
+    a budget the model refuses."""
     if spec is None or spec.kind not in ("feedback", "loop"):
         return 0
     try:
         return spec.prompt_extra(spec.resolve_budget(budget))
     except ValueError as exc:
-        raise APIError(str(exc).replace("latent_budget", param, 1), param=param) from None
+        raise APIError(str(exc), param="latent_budget") from None
 
 
 # Head controls: field -> (header, seed alias header or None, parser kind).

@@ -1,17 +1,78 @@
-"""Prompts -> token ids: chat templates for chat, plain encoding for completions."""
+"""Prompts -> token ids: chat templates for chat, plain encoding for completions; the
+``--chat-template`` and a request's ``chat_template``, read as vLLM reads them
+(``load_chat_template``, ``_validate_chat_template`` in ``vllm/entrypoints/chat_utils.py``)."""
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import re
 from typing import Any
 
 from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
-from latentserve.server.chat_template import request_chat_template
 from latentserve.server.errors import APIError
 from latentserve.server.protocol import CHAT_ROLES, ChatMessage, ChatTool, ToolCall
 from latentserve.server.tokenize_pool import in_pool
+
+# A --chat-template value with none of these characters is taken for a file path.
+_JINJA_CHARS = "{}\n"
+TRUST_FLAG = "--trust-request-chat-template"
+
+
+def _jinja_error(text: str) -> str | None:
+    """Why ``text`` is not a valid Jinja template, or None."""
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        return str(exc)
+    return None
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """The Jinja text of ``value``: a file's text, else ``value`` unescaped. ValueError for an
+    unreadable path (no ``{``, ``}`` or newline) or invalid Jinja."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        if not any(c in value for c in _JINJA_CHARS):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it "
+                             f"cannot be read: {exc.strerror or exc}") from None
+        text = codecs.decode(value, "unicode_escape")
+    if (error := _jinja_error(text)) is not None:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {error}")
+    return text
+
+
+def apply_chat_template(tokenizer, template: str | None) -> None:
+    """Make ``template`` (unless None) the chat template of ``tokenizer``; ValueError."""
+    if template is None:
+        return
+    if isinstance(tokenizer, NoTokenizer):
+        msg = "--chat-template: this model directory has no tokenizer files (token ids only)"
+        raise ValueError(msg)  # noqa: TRY004 - a bad flag value: the CLI's one-line error
+    tokenizer.chat_template = template
+
+
+def request_chat_template(template: str | None, trusted: bool) -> str | None:
+    """A request's ``chat_template``; APIError (400) without ``--trust-request-chat-template``
+    or for invalid Jinja."""
+    if template is None:
+        return None
+    if not trusted:
+        raise APIError(f"chat_template: a chat template was passed with the request, but the "
+                       f"server was not started with {TRUST_FLAG}; the request is refused",
+                       param="chat_template")
+    if (error := _jinja_error(template)) is not None:
+        raise APIError(f"chat_template is not a valid Jinja template: {error}",
+                       param="chat_template")
+    return template
+
 
 # Arguments of apply_chat_template that a client may not set through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -94,12 +155,10 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
             raise APIError("continue_final_message needs a final message with role "
                            "'assistant'", param="continue_final_message")
         kwargs["add_generation_prompt"] = False
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     try:
-        if chat_template is not None:
-            kwargs["chat_template"] = chat_template
         out = tokenizer.apply_chat_template(conversation, tools=tools, **kwargs)
-    except APIError:
-        raise
     except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(...)
         raise APIError(f"the chat template failed on these messages: "
                        f"{type(exc).__name__}: {exc}", param=param) from None

@@ -305,17 +305,6 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
-class FunctionCallOut(BaseModel):
-    name: str
-    arguments: str  # a JSON object, as a string
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
 class _OmitsNone(BaseModel):
     """A response model whose ``OMIT_NONE`` fields are left out of the JSON when None."""
 
@@ -329,13 +318,14 @@ class _OmitsNone(BaseModel):
 
 class AssistantMessage(_OmitsNone):
     """``reasoning_content``: the ``<think>`` text or latent steps ("" if none);
-    ``tool_calls`` is left out when None."""
+    ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments"}}``,
+    arguments a JSON object string) is left out when None."""
 
     OMIT_NONE = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str = ""
-    tool_calls: list[ToolCallOut] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class LatentInfo(BaseModel):
@@ -418,7 +408,6 @@ class CompletionResponse(_Response):
 class ModelCard(BaseModel):
     """A ``/v1/models`` entry with vLLM's fields and ``latent`` (``server/latent_card.py``)."""
 
-
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -427,8 +416,3 @@ class ModelCard(BaseModel):
     parent: str | None = None
     max_model_len: int
     latent: dict[str, Any] | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -19,10 +19,8 @@ LOGIT_LENS_TOP = 3  # top tokens shown per latent step
 
 def held_prefix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+    return next((n for n in range(min(len(text), len(tag) - 1), 0, -1)
+                 if tag.startswith(text[-n:])), 0)
 
 
 @dataclass(slots=True)
@@ -73,13 +71,6 @@ class ThinkParser:
         return Split(content=held)
 
 
-def split_reasoning(text: str, parser: str) -> Split:
-    """A whole output's reasoning and answer under reasoning parser ``parser``."""
-    p = ThinkParser(REASONING_PARSERS[parser])
-    a, b = p.feed(text), p.finish()
-    return Split(a.reasoning + b.reasoning, a.content + b.content)
-
-
 def latent_count_text(steps: int) -> str:
     """``[12 latent steps]`` (``[1 latent step]``); "" for none."""
     if steps <= 0:
@@ -120,7 +111,6 @@ def latent_reasoning_mode(body, spec) -> str | None:
 class LatentReasoning:
     """One streamed choice's latent steps as ``reasoning_content``: a line per step
     (``logit_lens`` or ``ticks``), else ``[N latent steps]`` once."""
-
 
     def __init__(self, mode: str, texts, ticks: bool = False):
         self.mode, self.texts = mode, texts

@@ -22,12 +22,9 @@ class RequestIdEcho:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        given = None
-        if scope["type"] == "http":
-            for k, v in scope.get("headers", []):
-                if k.lower() == b"x-request-id":
-                    given = public_id(v.decode("latin-1"))
-                    break
+        raw = next((v for k, v in scope.get("headers", []) if k.lower() == b"x-request-id"),
+                   None) if scope["type"] == "http" else None
+        given = public_id(raw.decode("latin-1")) if raw else None
         if not given:
             return await self.app(scope, receive, send)
 

@@ -73,7 +73,6 @@ class JSONBodies:
     """Pure ASGI middleware: a POST whose ``Content-Type`` is missing or not JSON reaches
     the app as ``application/json`` (its body is parsed as JSON)."""
 
-
     def __init__(self, app):
         self.app = app
 

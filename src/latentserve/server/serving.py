@@ -21,6 +21,7 @@ from latentserve.server.client import (
 )
 from latentserve.server.errors import APIError, error_body, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
+from latentserve.server.metrics import RequestGroup
 
 log = logging.getLogger(__name__)
 
@@ -92,23 +93,18 @@ def overloaded(message: str) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def log_request(state, r: EngineRequest) -> None:
-    """One INFO line of the request's prompt and token ids (cut to ``state.max_log_len``) and
-    parameters, as vLLM's ``RequestLogger.log_inputs``."""
-    cut = state.max_log_len
-    text = r.prompt_text if r.prompt_text is None or cut is None else r.prompt_text[:cut]
-    ids = r.prompt_ids if cut is None else r.prompt_ids[:cut]
-    log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", r.rid, text,
-             r.params, ids)
-
-
 def _deltas(state, reqs: list[EngineRequest], arrival: float | None, ticket):
-    if state.log_requests:
-        for r in reqs:
-            log_request(state, r)
+    """The merged deltas of ``reqs``; with ``log_requests``, first one INFO line each of its
+    prompt and token ids (cut to ``state.max_log_len``) and parameters, as vLLM's
+    ``RequestLogger.log_inputs``."""
+    cut = state.max_log_len
+    for r in reqs if state.log_requests else ():
+        text = r.prompt_text if r.prompt_text is None or cut is None else r.prompt_text[:cut]
+        log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", r.rid,
+                 text, r.params, r.prompt_ids if cut is None else r.prompt_ids[:cut])
     # One metrics group per prompt: its n choices (vLLM's parent request).
     counts = Counter(r.prompt_index for r in reqs)
-    groups = ({i: state.metrics.group(n) for i, n in counts.items()}
+    groups = ({i: RequestGroup(state.metrics, n) for i, n in counts.items()}
               if state.metrics is not None else {})
     return merge([generate_text(state, r.rid, r.prompt_ids, r.params, arrival,
                                 groups.get(r.prompt_index), ticket) for r in reqs])

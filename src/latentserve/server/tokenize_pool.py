@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from latentserve.server.serving import overloaded
 
@@ -20,24 +21,18 @@ class TokenizerPool:
         if workers < 1 or max_pending < 1:
             raise ValueError(f"workers and max_pending must be >= 1, got {workers}, "
                              f"{max_pending}")
-        self.workers = workers
         self.max_pending = max_pending
         self.pending = 0  # jobs queued or running
         self._lock = threading.Lock()
-        self._executor = None
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")  # lazy threads
 
     async def run(self, fn, /, *args, **kwargs):
         """``fn(*args, **kwargs)`` in a worker thread; 503 ``overloaded`` past ``max_pending``."""
-
-        from concurrent.futures import ThreadPoolExecutor
-
         with self._lock:
             if self.pending >= self.max_pending:
                 raise overloaded(f"the server is overloaded ({self.pending} prompts are being "
                                  f"tokenized, at most {self.max_pending}); retry later")
             self.pending += 1
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="tokenize")
         try:
             future = self._executor.submit(functools.partial(fn, *args, **kwargs))
         except BaseException:
@@ -51,9 +46,4 @@ class TokenizerPool:
             self.pending -= 1
 
 
-POOL = TokenizerPool()
-
-
-async def in_pool(fn, /, *args, **kwargs):
-    """``POOL.run(fn, *args, **kwargs)``: the server's one tokenizer pool."""
-    return await POOL.run(fn, *args, **kwargs)
+in_pool = TokenizerPool().run  # the server's one tokenizer pool

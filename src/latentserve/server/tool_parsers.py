@@ -49,7 +49,7 @@ def parse_call(raw: str) -> ParsedCall | None:
 
 class HermesToolParser:
     """One choice's answer text -> content and calls: :meth:`feed` each delta, then
-    :meth:`finish`; the pieces equal :func:`parse_tool_calls` of the whole."""
+    :meth:`finish`; the pieces equal those of the whole text fed at once."""
 
     def __init__(self):
         self.inside = False
@@ -112,10 +112,3 @@ class HermesToolParser:
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser}
-
-
-def parse_tool_calls(text: str, parser: str = "hermes") -> Parsed:
-    """A whole output's content and calls under tool parser ``parser``."""
-    p = TOOL_PARSERS[parser]()
-    a, b = p.feed(text), p.finish()
-    return Parsed(a.content + b.content, a.calls + b.calls)

@@ -31,14 +31,11 @@ class ToolChoice:
         return self.mode in ("required", "named")
 
 
-def openai_field(i: int, key: str) -> str:
-    """The OpenAI name of field ``key`` of tool ``i``'s function."""
-    return f"tools[{i}].function.{key}"
-
-
-def check_tools(tools: list[dict] | None, field=openai_field) -> dict[str, dict]:
-    """The function tools by name. APIError (400 naming ``field(i, key)``) for a bad or
-    repeated name, or ``parameters`` that is not an object schema."""
+def check_tools(tools: list[dict] | None,
+                field=lambda i, key: f"tools[{i}].function.{key}") -> dict[str, dict]:
+    """The function tools by name. APIError (400 naming ``field(i, key)``, OpenAI's name of
+    field ``key`` of tool ``i`` by default) for a bad or repeated name, or ``parameters``
+    that is not an object schema."""
     out: dict[str, dict] = {}
     for i, tool in enumerate(tools or []):
         fn = tool["function"]
