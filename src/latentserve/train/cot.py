@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from latentserve.eval.datasets import Item, _parse
+from latentserve.eval.datasets import Item, parse_file
 from latentserve.latent import colar
 from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES, load_tokenizer, resolve_model_dir
 from latentserve.train.options import CotConfig
@@ -32,7 +32,7 @@ def read_items(path: str | Path) -> list[Item]:
         raise FileNotFoundError(f"data file {p} does not exist")
     if p.suffix == ".jsonl":
         return gsm8k_train_items(p)
-    return _parse(p, "icot", "text", None)
+    return parse_file(p, "icot", "text", None)
 
 
 def encode_parts(tok, items: list[Item], mode: str = "cot"
