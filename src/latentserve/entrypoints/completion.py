@@ -7,6 +7,7 @@ from latentserve.detokenizer import IncrementalDetokenizer
 from latentserve.models.checkpoint import NoTokenizer
 from latentserve.outputs import CompletionOutput, Logprob, RequestOutput, StepOutput, TokenLogprob
 from latentserve.sampling_params import SamplingParams
+from latentserve.server.latent_trace import with_texts
 
 
 class TokenStrings:
@@ -22,13 +23,7 @@ class TokenStrings:
                                      else self._tokenizer.decode([token_id]))
         return self._cache[token_id]
 
-
-def with_top_texts(entries: list | None, strings: TokenStrings) -> list | None:
-    """Copies of trace ``entries`` with ``top_texts`` next to ``top_tokens``, as over HTTP."""
-    if entries is None:
-        return None
-    return [{**e, "top_texts": [strings(int(t)) for t, _ in e["top_tokens"]]}
-            if isinstance(e, dict) and "top_tokens" in e else e for e in entries]
+    text = __call__  # as server.latent_trace.with_texts reads it
 
 
 def logprob_dict(lp: TokenLogprob, strings: TokenStrings) -> dict[int, Logprob]:
@@ -69,7 +64,7 @@ class CompletionBuilder:
         if out.latent_stats is not None:  # settled phase, then the final output
             comp.latent_stats = out.latent_stats
         if out.finished:
-            comp.latent_trace = with_top_texts(out.latent_trace, self.strings)
+            comp.latent_trace = with_texts(out.latent_trace, self.strings)
             comp.recurrence = out.recurrence
         if out.logprobs is not None and comp.logprobs is not None:
             for lp in out.logprobs:

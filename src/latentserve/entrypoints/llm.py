@@ -202,20 +202,14 @@ def _children(params: SamplingParams) -> list[SamplingParams]:
     """One prompt's ``params.n`` engine requests: seed + i, prompt_logprobs on the first."""
     if params.n == 1:
         return [params]
-    out = []
-    for i in range(params.n):
-        seed = None if params.seed is None else params.seed + i
-        out.append(dataclasses.replace(params, n=1, seed=seed,
-                                       prompt_logprobs=params.prompt_logprobs if i == 0
-                                       else None))
-    return out
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            for i in range(params.n)]
 
 
 def _progress(total: int, use_tqdm):
-    if callable(use_tqdm):
-        return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
-    if not use_tqdm or total <= 1:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="Processed prompts", unit="prompt")
+    if not callable(use_tqdm):
+        if not use_tqdm or total <= 1:
+            return None
+        from tqdm.auto import tqdm as use_tqdm
+    return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
