@@ -134,15 +134,20 @@ def is_adapter_dir(model_dir: str | os.PathLike[str]) -> bool:
     return (d / ADAPTER_CONFIG).is_file() and not (d / "config.json").is_file()
 
 
+def read_adapter_config(adapter_dir: Path):
+    """The parsed ``adapter_config.json`` of ``adapter_dir``; ValueError when not JSON."""
+    try:
+        return json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is not valid JSON: {e}") from None
+
+
 def adapter_base_dir(adapter_dir: str | os.PathLike[str]) -> Path:
     """The model directory of ``base_model_name_or_path`` (``EMBEDDED_BASE_NAMES``: the embedded
     SmolLM2; else a local path relative to ``adapter_dir``). Raises ValueError naming the field."""
     adapter_dir = Path(adapter_dir)
     where = f"{adapter_dir / ADAPTER_CONFIG}: field 'base_model_name_or_path'"
-    try:
-        cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is not valid JSON: {e}") from None
+    cfg = read_adapter_config(adapter_dir)
     base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
     if not isinstance(base, str) or not base:
         raise ValueError(f"{where} must name the base model, got {base!r}")
@@ -232,18 +237,9 @@ def gguf_special_token_ids(gguf_path: str | os.PathLike[str]) -> dict[str, int]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
-    names = {
-        "bos_token_id": "tokenizer.ggml.bos_token_id",
-        "eos_token_id": "tokenizer.ggml.eos_token_id",
-        "pad_token_id": "tokenizer.ggml.padding_token_id",
-        "unk_token_id": "tokenizer.ggml.unknown_token_id",
-    }
-    out: dict[str, int] = {}
-    for key, field_name in names.items():
-        field = reader.get_field(field_name)
-        if field is not None:
-            out[key] = int(field.contents())
-    return out
+    fields = {f"{k}_token_id": reader.get_field(f"tokenizer.ggml.{v}_token_id") for k, v in
+              (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
+    return {key: int(field.contents()) for key, field in fields.items() if field is not None}
 
 
 def _converted(gguf_path: Path, dtype: str = "float32") -> Path:

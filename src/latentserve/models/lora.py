@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from latentserve.models.checkpoint import ADAPTER_CONFIG, adapter_base_dir
+from latentserve.models.checkpoint import ADAPTER_CONFIG, adapter_base_dir, read_adapter_config
 from latentserve.models.registry import LLAMA_FAMILY
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -182,11 +181,7 @@ def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
     """Read and check ``adapter_dir``. Raises ValueError for a bad config, base or tensor,
     FileNotFoundError without an adapter weights file."""
     adapter_dir = Path(adapter_dir)
-    try:
-        raw = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is not valid JSON: {e}") from None
-    cfg = check_adapter_config(raw)
+    cfg = check_adapter_config(read_adapter_config(adapter_dir))
     base_dir = adapter_base_dir(adapter_dir)
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(adapter_dir).items():
