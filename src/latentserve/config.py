@@ -214,11 +214,10 @@ class EngineConfig:
                 raise ValueError(f"--latent-head (latent_head) must be a head bundle file "
                                  f"(.safetensors or .pt) or a model directory holding one; "
                                  f"{self.latent_head!r} does not exist")
-        if self.generation_config not in ("auto", "vllm"):
-            file = Path(self.generation_config).expanduser() / "generation_config.json"
-            if not file.is_file():
-                raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder "
-                                 f"holding generation_config.json; there is no {file}")
+        if self.generation_config != "auto":  # "auto" reads the model's, if any, at load
+            from latentserve.models.generation_config import generation_config_file
+
+            generation_config_file(None, self.generation_config)
 
     @property
     def backend_name(self) -> str:

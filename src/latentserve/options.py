@@ -105,8 +105,12 @@ def human_readable_int(text: str) -> int:
 human_readable_int.__name__ = "int"  # argparse's "invalid int value: 'x'"
 
 
-def _checked(conv, name: str, meta):
-    """``conv`` that also enforces ``meta``'s range (argparse reports it on the flag)."""
+def ranged(conv, name: str, meta=None, **bounds):
+    """An argparse ``type``: ``conv`` (``int``, ``float``) checked against ``meta`` (an
+    :func:`option`'s metadata) or ``bounds`` (``ge``/``gt``/``le``/``lt``), reported on the
+    flag, e.g. ``ranged(int, "data_parallel_size", ge=1)``."""
+    meta = bounds if meta is None else meta
+
     def parse(text: str):
         value = conv(text)
         try:
@@ -117,13 +121,6 @@ def _checked(conv, name: str, meta):
 
     parse.__name__ = conv.__name__  # argparse's "invalid int value: 'x'"
     return parse
-
-
-def ranged(conv, name: str, **bounds):
-    """An argparse ``type`` for a flag declared outside a dataclass: ``conv`` (``int``,
-    ``float``) checked against ``bounds`` (``ge``/``gt``/``le``/``lt``), e.g.
-    ``ranged(int, "data_parallel_size", ge=1)``."""
-    return _checked(conv, name, bounds)
 
 
 def json_str_list(text: str) -> list[str]:
@@ -196,7 +193,7 @@ def add_options(parser: argparse.ArgumentParser, cls, exclude: tuple[str, ...] =
             conv = human_readable_int if m.get("human") else scalar.get(base, str)
             if kind.startswith("tuple") and "nargs" not in kw:
                 conv = _comma_list(conv)
-            kw["type"] = conv if kw["choices"] is not None else _checked(conv, f.name, m)
+            kw["type"] = conv if kw["choices"] is not None else ranged(conv, f.name, m)
         parser.add_argument(*flags, **kw)
     return parser
 
