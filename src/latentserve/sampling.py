@@ -1,7 +1,5 @@
 """Token sampling for a batch: penalties, greedy, temperature, top-k/p, min-p, seeds, logprobs.
-
-Design notes: docs/internals.md, "latentserve.sampling".
-"""
+Design notes: docs/internals.md, "latentserve.sampling"."""
 
 from __future__ import annotations
 

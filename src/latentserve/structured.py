@@ -1,8 +1,6 @@
 """Structured outputs: a request's ``StructuredOutputsParams`` compiled into a grammar
 matcher that says, before each answer token, which tokens keep the text inside the grammar.
-
-Design notes: docs/internals.md, "latentserve.structured".
-"""
+Design notes: docs/internals.md, "latentserve.structured"."""
 
 from __future__ import annotations
 
