@@ -129,8 +129,8 @@ class RequestMask:
 
 
 def accept_each(masks: list[RequestMask], tokens: list[int]) -> None:
-    """Feed ``tokens[i]`` to ``masks[i]``'s matcher for every i (distinct masks, grammars on), the matchers
-    fed in one xgrammar call that runs without the GIL."""
+    """Feed ``tokens[i]`` to ``masks[i]``'s matcher (distinct masks, grammars on), in one
+    xgrammar call that runs without the GIL."""
     import xgrammar
 
     ok = xgrammar.BatchGrammarMatcher.batch_accept_token([m.matcher for m in masks], tokens)
