@@ -181,18 +181,8 @@ class EngineConfig:
             if self.no_latent_head and getattr(self, name) is not None:
                 raise ValueError(f"no_latent_head serves the bare backbone; {name} "
                                  f"({getattr(self, name)!r}) asks for a head: give one of them")
-        self._check_local_paths()
-        if self.device == "auto":
-            set_(self, "device", "cuda" if _cuda_available() else "cpu")
-        if self.dtype == "auto":
-            set_(self, "dtype", checkpoint_dtype(self.model) if self.device.startswith("cuda")
-                 else "float32")
-
-    def _check_local_paths(self) -> None:
-        """Check ``tokenizer``, ``latent_head`` and ``generation_config`` paths before any
-        loading. ValueError naming the field and path (a ``tokenizer`` not starting with
-        ``/``, ``.`` or ``~`` goes to transformers' cache); FileNotFoundError for a
-        ``latent_head`` directory without a bundle."""
+        # local paths, before any loading (a tokenizer not starting with /, . or ~ is a name
+        # for transformers' cache; a latent_head directory without a bundle: FileNotFoundError)
         from latentserve.models.checkpoint import TOKENIZER_FILES, has_tokenizer_files
 
         if self.tokenizer is not None:
@@ -218,6 +208,11 @@ class EngineConfig:
             from latentserve.models.generation_config import generation_config_file
 
             generation_config_file(None, self.generation_config)
+        if self.device == "auto":
+            set_(self, "device", "cuda" if _cuda_available() else "cpu")
+        if self.dtype == "auto":
+            set_(self, "dtype", checkpoint_dtype(self.model) if self.device.startswith("cuda")
+                 else "float32")
 
     @property
     def backend_name(self) -> str:

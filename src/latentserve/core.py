@@ -62,18 +62,13 @@ class Req:
     generator: Any = None  # torch.Generator when params.seed is set
     latent_budget: int = 0
     latent_start: int = 0
-    latent_embeds: list = field(default_factory=list)  # (tensor, row) per latent position
+    latent_embeds: list = field(default_factory=list)
     answer_start: int | None = 0
-    # return_latent_trace: per latent step {"norm", "top_tokens", "top_probs"[, "stop_prob"]}
-    # (feedback models, compression heads: latent/lens.py), per
-    # sampled token {"depth"[, "readout_step", "exit_probs"]} (recurrent depth:
-    # RecurrentBatch.record), per block position of each pass a lens entry + "pass",
-    # "position" (looped blocks: loop._trace_passes)
-    latent_trace: list = field(default_factory=list)
+    latent_trace: list = field(default_factory=list)  # return_latent_trace (docs/server.md)
     cache_salt: int = 0
-    state: LatentState | None = None  # the family's per-request state (see above)
-    eos_from: int = 0  # an EOS ends the answer from this 1-based answer token on (0: any)
-    constraint: Any = None  # token_masks.RequestMask: params that mask the sampled tokens
+    state: LatentState | None = None
+    eos_from: int = 0
+    constraint: Any = None
 
     @property
     def ids(self) -> list[int]:

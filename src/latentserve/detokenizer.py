@@ -42,15 +42,9 @@ class IncrementalDetokenizer:
     :meth:`add` after :meth:`flush`.
     """
 
-    def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: Sequence[int],
-        stop: Iterable[str] = (),
-        skip_special_tokens: bool = True,
-        include_stop_str_in_output: bool = False,
-        min_tokens: int = 0,
-    ) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Iterable[str] = (),
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0) -> None:
         from latentserve.models.checkpoint import NoTokenizer, NoTokenizerError
 
         self.tokenizer = tokenizer
@@ -94,15 +88,6 @@ class IncrementalDetokenizer:
         """Characters decoded so far, held-back text included; after a stop string matched,
         the length of the text before it."""
         return len(self._all_text)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._ids[self._n_context :]
-
-    @property
-    def finished(self) -> bool:
-        """True after a stop string matched or :meth:`flush` was called."""
-        return self._finished or self.stopped is not None
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Add output tokens; return the text that became final (tokens after a stop: "")."""

@@ -27,22 +27,19 @@ class Grammars:
         self._compiler = None
         self._lock = threading.Lock()
 
-    def _get_compiler(self, param: str):
+    def compile(self, so: StructuredOutputsParams):
+        """``so`` as an xgrammar ``CompiledGrammar``; ValueError naming ``so.param`` when it
+        does not compile or xgrammar is missing."""
         if self._compiler is None:
             with self._lock:
                 if self._compiler is None:
-                    xgr = import_xgrammar(param)
+                    xgr = import_xgrammar(so.param)
                     info = xgr.TokenizerInfo.from_huggingface(
                         self.tokenizer, vocab_size=self.vocab_size,
                         stop_token_ids=self.eos_ids or None)
                     self._compiler = xgr.GrammarCompiler(info,
                                                          cache_limit_bytes=CACHE_LIMIT_BYTES)
-        return self._compiler
-
-    def compile(self, so: StructuredOutputsParams):
-        """``so`` as an xgrammar ``CompiledGrammar``; ValueError naming ``so.param`` when it
-        does not compile or xgrammar is missing."""
-        c = self._get_compiler(so.param)
+        c = self._compiler
         kind = so.kind
         try:
             if kind == "json":

@@ -164,27 +164,24 @@ def _pattern_value(pattern: dict, module: str, default):
     return default
 
 
-def _read_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    for name in ADAPTER_WEIGHTS:
-        path = adapter_dir / name
-        if path.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{adapter_dir} has {ADAPTER_CONFIG} but no "
-                            f"{' or '.join(ADAPTER_WEIGHTS)}")
-
-
 def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
     """Read and check ``adapter_dir``. Raises ValueError for a bad config, base or tensor,
     FileNotFoundError without an adapter weights file."""
     adapter_dir = Path(adapter_dir)
     cfg = check_adapter_config(read_adapter_config(adapter_dir))
     base_dir = adapter_base_dir(adapter_dir)
+    path = next((adapter_dir / n for n in ADAPTER_WEIGHTS if (adapter_dir / n).is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"{adapter_dir} has {ADAPTER_CONFIG} but no "
+                                f"{' or '.join(ADAPTER_WEIGHTS)}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+    else:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
     found: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in _read_tensors(adapter_dir).items():
+    for key, tensor in tensors.items():
         try:
             hit = split_lora_key(key)
         except ValueError as e:

@@ -25,11 +25,6 @@ class CacheManager:
         self._grows: list[tuple[int, int, int]] = []  # (row, from, to) reserved, not written
         self._pending = 0
 
-    def _alloc(self, n: int) -> torch.Tensor | None:
-        if self.allocator.num_free < n:
-            self.radix.evict(n - self.allocator.num_free)
-        return self.allocator.alloc(n)
-
     def admit(self, req: Req) -> bool:
         """Give ``req`` a page-table row, its cached prefix and slots for the rest; False
         (holding nothing) when out, even after eviction."""
@@ -44,7 +39,8 @@ class CacheManager:
         prefix, node = self.radix.match_prefix(ids[: min(len(ids) - 1, limit)])
         self.radix.inc_lock(node)
         m = len(prefix)
-        slots = self._alloc(len(ids) - m)
+        self.radix.evict(len(ids) - m - self.allocator.num_free)  # evicts nothing when <= 0
+        slots = self.allocator.alloc(len(ids) - m)
         if slots is None:
             self.radix.dec_lock(node)
             self.table.free_row(row)
@@ -133,10 +129,6 @@ class CacheManager:
     @property
     def num_free(self) -> int:
         return self.allocator.num_free
-
-    def available(self) -> int:
-        """Slots that could be handed out now: free plus evictable."""
-        return self.allocator.num_free + self.radix.evictable_size
 
     def check_idle(self) -> None:
         """Raise AssertionError unless free + cached slots == total (call with nothing admitted)."""

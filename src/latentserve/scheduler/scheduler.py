@@ -24,10 +24,6 @@ class ScheduledBatch:
     q_lens: list[int]
     sample: list[bool]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.q_lens)
-
 
 class Scheduler:
     """Owns the waiting queue and the running set. ``max_num_batched_tokens``: tokens per
