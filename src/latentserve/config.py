@@ -67,19 +67,13 @@ def check_device(device: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """What the engine is asked to run; each field's ``help`` says what it means.
-
-    After construction ``device`` and ``dtype`` hold concrete values: ``auto`` device is
-    ``cuda`` when torch sees one, else ``cpu``; ``auto`` dtype is float32 on the CPU and
-    :func:`checkpoint_dtype` on CUDA (float32 checkpoints stay float32, unlike vLLM);
-    ``half`` / ``float`` become ``float16`` / ``float32``. ``model`` loses a trailing ``/``.
+    """What the engine is asked to run; each field's ``help`` says what it means. After
+    construction ``device`` and ``dtype`` are concrete (``auto`` device: ``cuda`` when torch
+    sees one, else ``cpu``; ``auto`` dtype: float32 on the CPU, :func:`checkpoint_dtype` on
+    CUDA; ``half`` / ``float`` renamed) and ``model`` has no trailing ``/``.
     ``latent_cap_where_applicable`` (each model of a multi-model server): ``max_latent_budget``
-    and ``upstream_stop_rules`` are ignored or clipped by models they do not fit, instead of
-    being an error.
-
-    Raises:
-        ValueError: naming the field and its allowed values.
-    """
+    and ``upstream_stop_rules`` are ignored or clipped by models they do not fit, not an
+    error. Raises ValueError naming the field and its allowed values."""
 
     model: str | None = option(
         None, "HF-style model directory or .gguf file (default: the embedded SmolLM2); "

@@ -27,24 +27,19 @@ class LatentState:
 
 @dataclass(eq=False, slots=True)
 class Req:
-    """One request inside the engine.
-
-    Counts are positions in ``ids = prompt_ids + output_ids`` (``output_ids``: latent
-    placeholders, forced transition tokens and answer tokens; ``answer_ids`` the answer):
-    ``num_computed`` have KV; ``num_allocated`` slots are in the page-table row; the first
-    ``cache_len`` belong to the radix cache (locked through ``cache_node``).
-
-    Latent phase: positions ``[latent_start, latent_start + len(latent_embeds))`` take
-    ``latent_embeds`` entries ``(tensor, row)`` as input (``latent/vectors.py``);
-    ``answer_start`` (index in ``output_ids``) is None until the transition tokens are
-    appended. Plain requests: ``latent_budget == 0``, ``answer_start == 0``.
-
-    ``state``: the family's :class:`LatentState` (``RecurrentState``, ``HeadSettings``,
-    ``LoopState``; None for plain and feedback requests). ``cache_salt`` (0 = none) separates
-    prefix-cache entries whose KV differs for the same ids. ``eos_from``: EOS ends the request
-    only from answer token ``eos_from`` (1-based; 0: any). ``constraint``: the
-    ``token_masks.RequestMask``, or None.
-    """
+    """One request inside the engine. Counts are positions in ``ids = prompt_ids + output_ids``
+    (``output_ids``: latent placeholders, forced transition tokens and answer tokens;
+    ``answer_ids`` the answer): ``num_computed`` have KV; ``num_allocated`` slots are in the
+    page-table row; the first ``cache_len`` belong to the radix cache (locked through
+    ``cache_node``). Latent phase: positions
+    ``[latent_start, latent_start + len(latent_embeds))`` take ``latent_embeds`` entries
+    ``(tensor, row)`` as input (``latent/vectors.py``); ``answer_start`` (index in
+    ``output_ids``) is None until the transition tokens are appended. Plain requests:
+    ``latent_budget == 0``, ``answer_start == 0``. ``state``: the family's :class:`LatentState`
+    (``RecurrentState``, ``HeadSettings``, ``LoopState``; None for plain and feedback requests).
+    ``cache_salt`` (0 = none) separates prefix-cache entries whose KV differs for the same ids.
+    ``eos_from``: EOS ends the request only from answer token ``eos_from`` (1-based; 0: any).
+    ``constraint``: the ``token_masks.RequestMask``, or None."""
 
     rid: str
     prompt_ids: list[int]
