@@ -33,14 +33,11 @@ def decode_stream_backend(tokenizer):
 
 
 class IncrementalDetokenizer:
-    """Turn a stream of output token ids into text deltas, honouring stop strings.
-
-    The prompt's last tokens are decoding context only; stop strings cannot match in the
-    text of the first ``min_tokens`` tokens. ``stopped``: the stop string that ended it.
-
-    Raises: ``NoTokenizerError`` for stop strings with a ``NoTokenizer``; RuntimeError from
-    :meth:`add` after :meth:`flush`.
-    """
+    """Turn a stream of output token ids into text deltas, honouring stop strings. The prompt's
+    last tokens are decoding context only; stop strings cannot match in the text of the first
+    ``min_tokens`` tokens. ``stopped``: the stop string that ended it. Raises
+    ``NoTokenizerError`` for stop strings with a ``NoTokenizer``; RuntimeError from :meth:`add`
+    after :meth:`flush`."""
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Iterable[str] = (),
                  skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
@@ -73,11 +70,6 @@ class IncrementalDetokenizer:
 
             self._stream = DecodeStream(ids=list(self._ids),
                                         skip_special_tokens=skip_special_tokens)
-
-    @property
-    def uses_decode_stream(self) -> bool:
-        """Whether the next token goes through ``DecodeStream`` (else the Python window)."""
-        return self._stream is not None
 
     @property
     def text(self) -> str:

@@ -41,11 +41,9 @@ class MasksAhead:
 
     def start(self, rows: list, tokens: torch.Tensor | None = None, event=None) -> None:
         """Fill ahead for the sampling rows ``rows`` (``(req, index of its pending id in
-        output_ids, or None)``): ``tokens[j]`` (``[len(rows)] int64`` on the host) is row j's
-        pending token, readable once ``event`` (a CUDA event or None) completes. Only rows
-        of running requests inside their grammar are taken; the worker feeds each the answer
-        tokens its matcher has not seen (those ``RequestMask.sync`` feeds next), pending id
-        replaced, then fills its row."""
+        output_ids, or None)``) of running requests inside their grammar: ``tokens[j]``
+        (``[len(rows)] int64`` on the host, readable once ``event`` completes) is row j's
+        pending token; the worker feeds each matcher its unseen answer tokens, then fills."""
         self.wait()
         self._filled = {}
         if not self.enabled:

@@ -48,12 +48,10 @@ def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
 
 
 class RequestMask:
-    """What one request allows at its next sampled token.
-
-    ``stop_ids``: what ``min_tokens`` masks (EOS and ``stop_token_ids``); ``matcher``: an
-    xgrammar ``GrammarMatcher`` or None. ``consumed``: answer tokens fed to it; ``failed``:
-    it refused one (the grammar is dropped, logged); ``terminated``: it accepted its end.
-    """
+    """What one request allows at its next sampled token. ``stop_ids``: what ``min_tokens``
+    masks (EOS and ``stop_token_ids``); ``matcher``: an xgrammar ``GrammarMatcher`` or None.
+    ``consumed``: answer tokens fed to it; ``failed``: it refused one (the grammar is dropped,
+    logged); ``terminated``: it accepted its end."""
 
     def __init__(self, params, vocab_size: int, stop_ids: set[int],
                  bad_words: list[list[int]] | None = None, matcher=None):

@@ -90,9 +90,6 @@ class RadixCache:
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
 
-    def _tick(self) -> float:
-        return float(next(self._clock))
-
     def _split(self, child: Node, n: int) -> Node:
         """Split ``child``'s edge after ``n`` tokens; return the new upper node."""
         mid = Node(child.key[:n], child.value[:n], child.parent)
@@ -110,7 +107,7 @@ class RadixCache:
         be split); refreshes access times."""
         if self.disabled:
             return self._empty(), self.root
-        now = self._tick()
+        now = float(next(self._clock))
         node, i, values = self.root, 0, []
         while i < len(token_ids):
             child = node.children.get(token_ids[i])
@@ -134,7 +131,7 @@ class RadixCache:
             raise ValueError(f"{len(token_ids)} token ids but {len(slots)} slots")
         if self.disabled:
             return len(token_ids)
-        now = self._tick()
+        now = float(next(self._clock))
         node, i = self.root, 0
         while i < len(token_ids):
             child = node.children.get(token_ids[i])

@@ -92,9 +92,7 @@ def content_hash(path: str | os.PathLike[str]) -> str:
         fd, tmp = tempfile.mkstemp(prefix=f".{HASHES_FILE}.", dir=memo_path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump(memo, f, indent=1, sort_keys=True)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only
+        _apply_umask(Path(tmp))
         os.replace(tmp, memo_path)
     except OSError:
         pass
@@ -251,7 +249,7 @@ def _converted(gguf_path: Path, dtype: str = "float32") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _convert_gguf(gguf_path.resolve(), tmp, dtype)
-        _apply_umask(tmp)  # mkdtemp (and safetensors) create owner-only entries
+        _apply_umask(tmp, *(e for e in tmp.iterdir() if e.is_file()))
         if target.exists() and not (target / "config.json").is_file():
             shutil.rmtree(target)  # not produced by us (renames are atomic): replace it
         try:
@@ -266,14 +264,13 @@ def _converted(gguf_path: Path, dtype: str = "float32") -> Path:
     return target
 
 
-def _apply_umask(directory: Path) -> None:
-    """Give ``directory`` and its files the permissions a plain mkdir/open would have."""
+def _apply_umask(*paths: Path) -> None:
+    """Give ``paths`` the permissions a plain mkdir/open would have (mkstemp, mkdtemp and
+    safetensors make them owner-only)."""
     umask = os.umask(0)
     os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for entry in directory.iterdir():
-        if entry.is_file():
-            entry.chmod(0o666 & ~umask)
+    for p in paths:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None:
@@ -286,10 +283,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> Non
     special = gguf_special_token_ids(gguf_path)
 
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
-    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        if key in special:
-            token = tokenizer.convert_ids_to_tokens(special[key])
-            setattr(tokenizer, key.removesuffix("_id"), token)
+    for key in ("eos_token", "pad_token", "bos_token"):
+        if f"{key}_id" in special:
+            setattr(tokenizer, key, tokenizer.convert_ids_to_tokens(special[f"{key}_id"]))
 
     model = AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=name, dtype=torch.float32, local_files_only=True

@@ -81,8 +81,6 @@ def split_lora_key(name: str) -> tuple[str, str] | None:
     return None
 
 
-# ----------------------------------------------------------------------------- adapters
-
 @dataclass(frozen=True, slots=True)
 class LoraPair:
     """One adapted weight: ``a`` ``[r, in]`` and ``b`` ``[out, r]`` as stored (any float
@@ -239,8 +237,6 @@ def _merged_stream(weights, adapter: LoraAdapter):
         raise ValueError(f"{adapter.path}: {len(left)} LoRA module(s) match no base weight in "
                          f"{adapter.base_dir}, e.g. {sorted(left)[:3]}: wrong base?")
 
-
-# ----------------------------------------------------------------------------- embeddings
 
 def _indices_for(module: str, spec, embed: str) -> list[int] | None:
     """The ids PEFT's ``trainable_token_indices`` gives ``module`` (list: ``embed``'s)."""

@@ -89,13 +89,9 @@ class CacheManager:
         self._grows.clear()
         self._pending = 0
 
-    def release(self, req: Req) -> None:
-        """Hand ``req``'s KV before its first latent to the radix cache; free the rest."""
-        self.release_many([req])
-
     def release_many(self, reqs: list[Req]) -> None:
-        """:meth:`release` for each of ``reqs`` (rowless ones skipped) in a constant number
-        of device operations: one page-table gather, one free-list append."""
+        """Hand each of ``reqs``' KV before its first latent to the radix cache and free the
+        rest (rowless ones skipped), in a constant number of device operations."""
         reqs = [r for r in reqs if r.row >= 0]
         if not reqs:
             return

@@ -62,7 +62,7 @@ class Scheduler:
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
-                    self.cache.release(req)
+                    self.cache.release_many([req])
                     self._finish(req, "abort")
                     self._aborted.append(req)
                     return
@@ -132,7 +132,7 @@ class Scheduler:
         batch.sample.append(req.num_computed + n == req.seq_len)
 
     def _preempt(self, req: Req) -> None:
-        self.cache.release(req)
+        self.cache.release_many([req])
         self.family.on_preempt(req)
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
