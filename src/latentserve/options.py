@@ -18,12 +18,11 @@ _BOUNDS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operat
 def option(default=MISSING, help: str | None = None, *, ge=None, gt=None, le=None, lt=None,
            choices=None, flags: tuple[str, ...] = (), off_flags: tuple[str, ...] = (),
            cli: bool = True, human: bool = False, **argparse_kwargs):
-    """A dataclass field: ``default`` (a list: a fresh copy each time; MISSING: required),
-    its ``--help``, bounds ``ge``/``gt``/``le``/``lt`` (>=, >, <=, <), ``choices``,
-    ``flags`` (default ``--name``; ``--no-name`` for a bool on by default), ``off_flags``
-    (set a bool False), ``cli`` False: no flag, ``human``: an int flag takes ``1k`` = 1000,
-    ``1K`` = 1024; other keywords go to ``add_argument`` (``metavar``, ``nargs``, ``type``).
-    """
+    """A dataclass field: ``default`` (a list: a fresh copy each time; MISSING: required), its
+    ``--help``, bounds ``ge``/``gt``/``le``/``lt`` (>=, >, <=, <), ``choices``, ``flags``
+    (default ``--name``; ``--no-name`` for a bool on by default), ``off_flags`` (set a bool
+    False), ``cli`` False: no flag, ``human``: an int flag takes ``1k`` = 1000, ``1K`` = 1024;
+    other keywords go to ``add_argument`` (``metavar``, ``nargs``, ``type``)."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices,
             "flags": flags, "off_flags": off_flags, "cli": cli, "human": human,
             "argparse": argparse_kwargs}

@@ -102,11 +102,7 @@ def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     of word ``t // 32``; ids past ``32 * W`` are not allowed)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(bits.shape[0], vocab - allowed.shape[1], dtype=torch.bool,
-                      device=bits.device)
-    return torch.cat([allowed, pad], dim=1)
+    return torch.nn.functional.pad(allowed, (0, max(0, vocab - allowed.shape[1])))[:, :vocab]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

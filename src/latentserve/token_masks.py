@@ -173,9 +173,8 @@ def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
     ``[M, W] int32`` CPU tensor, written into ``out[:M]`` when given) is ``reqs[rows[i]]``'s
     mask; None when none has one. ``known``: ``id(req) -> (index, token)`` for a pending id
     whose token is on the host (overlap mode). ``ahead``: grammar rows already filled
-    (``mask_ahead.MasksAhead.take``), each used while its matcher has taken no token since.
-    The other grammars fill in one threaded xgrammar call; O(batch + new tokens) per step.
-    """
+    (``mask_ahead.MasksAhead.take``), each used while its matcher has taken no token since;
+    the other grammars fill in one threaded xgrammar call."""
     import torch
 
     rows = [b for b, r in enumerate(reqs) if r.constraint is not None]

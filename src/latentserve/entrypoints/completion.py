@@ -28,10 +28,8 @@ class TokenStrings:
 
 def logprob_dict(lp: TokenLogprob, strings: TokenStrings) -> dict[int, Logprob]:
     """One position's ``{token_id: Logprob}``: the sampled token, then the top k (ranks 1..k)."""
-    out = {lp.token_id: Logprob(lp.logprob, lp.rank, strings(lp.token_id))}
-    for rank, (token_id, value) in enumerate(lp.top, start=1):
-        out[token_id] = Logprob(value, rank, strings(token_id))
-    return out
+    return {lp.token_id: Logprob(lp.logprob, lp.rank, strings(lp.token_id)),
+            **{t: Logprob(v, rank, strings(t)) for rank, (t, v) in enumerate(lp.top, start=1)}}
 
 
 class CompletionBuilder:

@@ -40,15 +40,12 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 class RadixCache:
     """Prefix cache mapping token-id prefixes to the KV slots that hold them.
-
     * ``match_prefix(ids)``: the longest cached prefix's slots (tree-owned) and its deepest
       node; ``inc_lock(node)`` before relying on them, ``dec_lock`` after.
     * ``insert(ids, slots)`` with ``slots[:m]`` from ``match_prefix`` returns ``p >= m``
       already cached: the caller frees ``slots[m:p]``, the tree owns ``slots[p:]``.
     * ``evict(n)`` frees unlocked leaves in LRU order.
-
-    ``enabled=False``: always empty; ``insert`` returns ``len(token_ids)`` (caller frees all).
-    """
+    ``enabled=False``: always empty; ``insert`` returns ``len(token_ids)`` (caller frees all)."""
 
     root: Node
     evictable_size: int

@@ -82,11 +82,9 @@ def content_hash(path: str | os.PathLike[str]) -> str:
     if isinstance(seen, dict) and seen.get("size") == st.st_size \
             and seen.get("mtime_ns") == st.st_mtime_ns and isinstance(seen.get("sha256"), str):
         return seen["sha256"]
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    memo[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    memo[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
     try:  # a memo only: losing a concurrent writer's entry costs one more hash later
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{HASHES_FILE}.", dir=memo_path.parent)
@@ -96,7 +94,7 @@ def content_hash(path: str | os.PathLike[str]) -> str:
         os.replace(tmp, memo_path)
     except OSError:
         pass
-    return h.hexdigest()
+    return digest
 
 
 def resolve_model_dir(model: str | os.PathLike[str] | None, dtype: str = "float32") -> Path:

@@ -241,10 +241,8 @@ def _merged_stream(weights, adapter: LoraAdapter):
 def _indices_for(module: str, spec, embed: str) -> list[int] | None:
     """The ids PEFT's ``trainable_token_indices`` gives ``module`` (list: ``embed``'s)."""
     if isinstance(spec, dict):
-        for key, ids in spec.items():
-            if module == key or module.endswith("." + key):
-                return ids
-        return None
+        return next((ids for key, ids in spec.items()
+                     if module == key or module.endswith("." + key)), None)
     return spec if module == embed and spec is not None else None
 
 

@@ -184,11 +184,6 @@ def _shard_mlp(mlp: nn.Module, tp: TPGroup) -> None:
                                                     what="intermediate_size"))
 
 
-def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
-    parent, _, name = dotted.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, module)
-
-
 def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
     """``model`` (CPU, loaded) with this rank's shards. Raises ValueError naming a size
     ``tp.size`` does not divide, or a module no plan covers."""
@@ -200,12 +195,12 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
             _shard_mlp(mod, tp)
     modules = dict(model.named_modules())
     emb_name = next(n for n in ("model.embed_tokens", "transformer.wte") if n in modules)
-    emb = model.get_submodule(emb_name)
+    emb = modules[emb_name]
     vocab = emb.weight.shape[0]
     head = getattr(model, "lm_head", None)
     tied = head is None or head.weight is emb.weight
     weight, start = vocab_shard(emb.weight, tp)
-    _set(model, emb_name, VocabParallelEmbedding(weight, start, tp))
+    model.set_submodule(emb_name, VocabParallelEmbedding(weight, start, tp))
     head_weight = weight if tied else vocab_shard(head.weight, tp)[0]
     model.lm_head = ParallelLMHead(head_weight, vocab, tp)
     if head is None:  # GPT-2 computes logits from wte: route them through the parallel head

@@ -1,6 +1,5 @@
 """KV bookkeeping per request: page-table rows, slots, prefix matching, hand-back to the radix
-cache. Invariant (``check_idle``), none admitted: ``num_free + radix.total_size() == num_total``.
-"""
+cache (``check_idle``: none admitted, ``num_free + radix.total_size() == num_total``)."""
 
 from __future__ import annotations
 
