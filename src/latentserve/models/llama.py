@@ -158,8 +158,7 @@ class LlamaForCausalLM(nn.Module):
     def prepare_positions(self, max_positions: int) -> None:
         """Fast path: precompute the RoPE table (``Rotary.build_table``) on the final device."""
         if self.model.norm.fused:
-            dtype = self.model.embed_tokens.weight.dtype
-            self.model.rotary_emb.build_table(max_positions, dtype)
+            self.model.rotary_emb.build_table(max_positions, self.model.embed_tokens.weight.dtype)
 
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
         emb = self.model.embed_tokens
