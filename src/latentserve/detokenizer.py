@@ -15,11 +15,9 @@ def decode_stream_backend(tokenizer):
     """The ``tokenizers.Tokenizer`` with which ``DecodeStream`` decodes as ``tokenizer.decode``
     does, or None: not a fast tokenizer, or one whose ``decode`` cleans up spaces
     (transformers 5's ``TokenizersBackend._decode`` rule)."""
-    try:
-        from tokenizers import Tokenizer
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
-        return None
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or not isinstance(backend, Tokenizer):
         return None

@@ -110,12 +110,11 @@ def resolve_model_dir(model: str | os.PathLike[str] | None, dtype: str = "float3
         "SmolLM2-135M-Instruct"
     )
     if path.is_dir():
-        if (path / "config.json").is_file():
-            return path.resolve()
         if is_adapter_dir(path):
-            adapter_base_dir(path)
-            return path.resolve()
-        raise ValueError(f"{accepted}; {str(model)!r} is a directory without config.json")
+            adapter_base_dir(path)  # ValueError for a bad base
+        elif not (path / "config.json").is_file():
+            raise ValueError(f"{accepted}; {str(model)!r} is a directory without config.json")
+        return path.resolve()
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return _converted(path, dtype)
