@@ -58,7 +58,6 @@ class Grammars:
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with C++ text
             what = {"json": "is not a JSON schema this server can follow",
                     "regex": "is not a valid regular expression",
-                    "choice": "could not be compiled",
                     "grammar": "is not a valid grammar (EBNF with a root rule, or Lark)"}.get(
                 kind, "could not be compiled")
             raise ValueError(f"{so.param} {what}: {_library_message(exc)}") from None
