@@ -102,7 +102,9 @@ def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     of word ``t // 32``; ids past ``32 * W`` are not allowed)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-    return torch.nn.functional.pad(allowed, (0, max(0, vocab - allowed.shape[1])))[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return allowed[:, :vocab]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

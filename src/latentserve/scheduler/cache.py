@@ -38,7 +38,8 @@ class CacheManager:
         prefix, node = self.radix.match_prefix(ids[: min(len(ids) - 1, limit)])
         self.radix.inc_lock(node)
         m = len(prefix)
-        self.radix.evict(len(ids) - m - self.allocator.num_free)  # evicts nothing when <= 0
+        if (short := len(ids) - m - self.allocator.num_free) > 0:
+            self.radix.evict(short)
         slots = self.allocator.alloc(len(ids) - m)
         if slots is None:
             self.radix.dec_lock(node)
