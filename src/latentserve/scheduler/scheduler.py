@@ -153,12 +153,11 @@ class Scheduler:
                 if not sample:
                     continue
                 tok, vec = next(it), next(lat)
-                if req.answer_start is None:
-                    answers, out = self._think(req, vec, done)
+                if req.answer_start is None and not self.family.advance(req, vec):
+                    out = self._thought(req, done)  # a latent step, no answer token
                     if out is not None:
                         outs.append(out)
-                    if not answers:
-                        continue
+                    continue
                 req.output_ids.append(tok)
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
@@ -169,12 +168,6 @@ class Scheduler:
         finally:  # released even when a later row raises: no KV leaks
             self.cache.release_many(done)
         return outs
-
-    def _think(self, req: Req, vec, done: list) -> tuple[bool, StepOutput | None]:
-        """``Family.advance`` for ``req``: (sampled token is an answer token, step output)."""
-        if self.family.advance(req, vec):
-            return True, None
-        return False, self._thought(req, done)
 
     def _thought(self, req: Req, done: list) -> StepOutput | None:
         """The output of a latent step ``req`` has just taken (None: none). A request whose
@@ -239,11 +232,11 @@ class Scheduler:
                             req.output_ids.append(PENDING_ID)
                         pending.append((req, idx, None, True))
                         continue
-                    answers, out = self._think(req, vec, done)
-                    if done:
-                        raise RuntimeError(f"request {req.rid} finished in its latent phase "
-                                           "under the overlap scheduler")
-                    if not answers:
+                    if not self.family.advance(req, vec):
+                        out = self._thought(req, done)
+                        if done:
+                            raise RuntimeError(f"request {req.rid} finished in its latent "
+                                               "phase under the overlap scheduler")
                         pending.append((req, None, out, False))
                         continue
                 pending.append((req, len(req.output_ids), None, False))
