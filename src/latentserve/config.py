@@ -67,19 +67,13 @@ def check_device(device: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """What the engine is asked to run; each field's ``help`` says what it means.
-
-    After construction ``device`` and ``dtype`` hold concrete values: ``auto`` device is
-    ``cuda`` when torch sees one, else ``cpu``; ``auto`` dtype is float32 on the CPU and
-    :func:`checkpoint_dtype` on CUDA (float32 checkpoints stay float32, unlike vLLM);
-    ``half`` / ``float`` become ``float16`` / ``float32``. ``model`` loses a trailing ``/``.
+    """What the engine is asked to run; each field's ``help`` says what it means. After
+    construction ``device`` and ``dtype`` are concrete (``auto`` device: ``cuda`` when torch
+    sees one, else ``cpu``; ``auto`` dtype: float32 on the CPU, :func:`checkpoint_dtype` on
+    CUDA; ``half`` / ``float`` renamed) and ``model`` has no trailing ``/``.
     ``latent_cap_where_applicable`` (each model of a multi-model server): ``max_latent_budget``
-    and ``upstream_stop_rules`` are ignored or clipped by models they do not fit, instead of
-    being an error.
-
-    Raises:
-        ValueError: naming the field and its allowed values.
-    """
+    and ``upstream_stop_rules`` are ignored or clipped by models they do not fit, not an
+    error. Raises ValueError naming the field and its allowed values."""
 
     model: str | None = option(
         None, "HF-style model directory or .gguf file (default: the embedded SmolLM2); "
@@ -181,18 +175,8 @@ class EngineConfig:
             if self.no_latent_head and getattr(self, name) is not None:
                 raise ValueError(f"no_latent_head serves the bare backbone; {name} "
                                  f"({getattr(self, name)!r}) asks for a head: give one of them")
-        self._check_local_paths()
-        if self.device == "auto":
-            set_(self, "device", "cuda" if _cuda_available() else "cpu")
-        if self.dtype == "auto":
-            set_(self, "dtype", checkpoint_dtype(self.model) if self.device.startswith("cuda")
-                 else "float32")
-
-    def _check_local_paths(self) -> None:
-        """Check ``tokenizer``, ``latent_head`` and ``generation_config`` paths before any
-        loading. ValueError naming the field and path (a ``tokenizer`` not starting with
-        ``/``, ``.`` or ``~`` goes to transformers' cache); FileNotFoundError for a
-        ``latent_head`` directory without a bundle."""
+        # local paths, before any loading (a tokenizer not starting with /, . or ~ is a name
+        # for transformers' cache; a latent_head directory without a bundle: FileNotFoundError)
         from latentserve.models.checkpoint import TOKENIZER_FILES, has_tokenizer_files
 
         if self.tokenizer is not None:
@@ -214,11 +198,15 @@ class EngineConfig:
                 raise ValueError(f"--latent-head (latent_head) must be a head bundle file "
                                  f"(.safetensors or .pt) or a model directory holding one; "
                                  f"{self.latent_head!r} does not exist")
-        if self.generation_config not in ("auto", "vllm"):
-            file = Path(self.generation_config).expanduser() / "generation_config.json"
-            if not file.is_file():
-                raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder "
-                                 f"holding generation_config.json; there is no {file}")
+        if self.generation_config != "auto":  # "auto" reads the model's, if any, at load
+            from latentserve.models.generation_config import generation_config_file
+
+            generation_config_file(None, self.generation_config)
+        if self.device == "auto":
+            set_(self, "device", "cuda" if _cuda_available() else "cpu")
+        if self.dtype == "auto":
+            set_(self, "dtype", checkpoint_dtype(self.model) if self.device.startswith("cuda")
+                 else "float32")
 
     @property
     def backend_name(self) -> str:

@@ -27,24 +27,19 @@ class LatentState:
 
 @dataclass(eq=False, slots=True)
 class Req:
-    """One request inside the engine.
-
-    Counts are positions in ``ids = prompt_ids + output_ids`` (``output_ids``: latent
-    placeholders, forced transition tokens and answer tokens; ``answer_ids`` the answer):
-    ``num_computed`` have KV; ``num_allocated`` slots are in the page-table row; the first
-    ``cache_len`` belong to the radix cache (locked through ``cache_node``).
-
-    Latent phase: positions ``[latent_start, latent_start + len(latent_embeds))`` take
-    ``latent_embeds`` entries ``(tensor, row)`` as input (``latent/vectors.py``);
-    ``answer_start`` (index in ``output_ids``) is None until the transition tokens are
-    appended. Plain requests: ``latent_budget == 0``, ``answer_start == 0``.
-
-    ``state``: the family's :class:`LatentState` (``RecurrentState``, ``HeadSettings``,
-    ``LoopState``; None for plain and feedback requests). ``cache_salt`` (0 = none) separates
-    prefix-cache entries whose KV differs for the same ids. ``eos_from``: EOS ends the request
-    only from answer token ``eos_from`` (1-based; 0: any). ``constraint``: the
-    ``token_masks.RequestMask``, or None.
-    """
+    """One request inside the engine. Counts are positions in ``ids = prompt_ids + output_ids``
+    (``output_ids``: latent placeholders, forced transition tokens and answer tokens;
+    ``answer_ids`` the answer): ``num_computed`` have KV; ``num_allocated`` slots are in the
+    page-table row; the first ``cache_len`` belong to the radix cache (locked through
+    ``cache_node``). Latent phase: positions
+    ``[latent_start, latent_start + len(latent_embeds))`` take ``latent_embeds`` entries
+    ``(tensor, row)`` as input (``latent/vectors.py``); ``answer_start`` (index in
+    ``output_ids``) is None until the transition tokens are appended. Plain requests:
+    ``latent_budget == 0``, ``answer_start == 0``. ``state``: the family's :class:`LatentState`
+    (``RecurrentState``, ``HeadSettings``, ``LoopState``; None for plain and feedback requests).
+    ``cache_salt`` (0 = none) separates prefix-cache entries whose KV differs for the same ids.
+    ``eos_from``: EOS ends the request only from answer token ``eos_from`` (1-based; 0: any).
+    ``constraint``: the ``token_masks.RequestMask``, or None."""
 
     rid: str
     prompt_ids: list[int]
@@ -62,18 +57,13 @@ class Req:
     generator: Any = None  # torch.Generator when params.seed is set
     latent_budget: int = 0
     latent_start: int = 0
-    latent_embeds: list = field(default_factory=list)  # (tensor, row) per latent position
+    latent_embeds: list = field(default_factory=list)
     answer_start: int | None = 0
-    # return_latent_trace: per latent step {"norm", "top_tokens", "top_probs"[, "stop_prob"]}
-    # (feedback models, compression heads: latent/lens.py), per
-    # sampled token {"depth"[, "readout_step", "exit_probs"]} (recurrent depth:
-    # RecurrentBatch.record), per block position of each pass a lens entry + "pass",
-    # "position" (looped blocks: loop._trace_passes)
-    latent_trace: list = field(default_factory=list)
+    latent_trace: list = field(default_factory=list)  # return_latent_trace (docs/server.md)
     cache_salt: int = 0
-    state: LatentState | None = None  # the family's per-request state (see above)
-    eos_from: int = 0  # an EOS ends the answer from this 1-based answer token on (0: any)
-    constraint: Any = None  # token_masks.RequestMask: params that mask the sampled tokens
+    state: LatentState | None = None
+    eos_from: int = 0
+    constraint: Any = None
 
     @property
     def ids(self) -> list[int]:

@@ -15,11 +15,9 @@ def decode_stream_backend(tokenizer):
     """The ``tokenizers.Tokenizer`` with which ``DecodeStream`` decodes as ``tokenizer.decode``
     does, or None: not a fast tokenizer, or one whose ``decode`` cleans up spaces
     (transformers 5's ``TokenizersBackend._decode`` rule)."""
-    try:
-        from tokenizers import Tokenizer
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
-        return None
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not isinstance(tokenizer, PreTrainedTokenizerFast) or not isinstance(backend, Tokenizer):
         return None
@@ -33,24 +31,15 @@ def decode_stream_backend(tokenizer):
 
 
 class IncrementalDetokenizer:
-    """Turn a stream of output token ids into text deltas, honouring stop strings.
+    """Turn a stream of output token ids into text deltas, honouring stop strings. The prompt's
+    last tokens are decoding context only; stop strings cannot match in the text of the first
+    ``min_tokens`` tokens. ``stopped``: the stop string that ended it. Raises
+    ``NoTokenizerError`` for stop strings with a ``NoTokenizer``; RuntimeError from :meth:`add`
+    after :meth:`flush`."""
 
-    The prompt's last tokens are decoding context only; stop strings cannot match in the
-    text of the first ``min_tokens`` tokens. ``stopped``: the stop string that ended it.
-
-    Raises: ``NoTokenizerError`` for stop strings with a ``NoTokenizer``; RuntimeError from
-    :meth:`add` after :meth:`flush`.
-    """
-
-    def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: Sequence[int],
-        stop: Iterable[str] = (),
-        skip_special_tokens: bool = True,
-        include_stop_str_in_output: bool = False,
-        min_tokens: int = 0,
-    ) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Iterable[str] = (),
+                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+                 min_tokens: int = 0) -> None:
         from latentserve.models.checkpoint import NoTokenizer, NoTokenizerError
 
         self.tokenizer = tokenizer
@@ -81,11 +70,6 @@ class IncrementalDetokenizer:
                                         skip_special_tokens=skip_special_tokens)
 
     @property
-    def uses_decode_stream(self) -> bool:
-        """Whether the next token goes through ``DecodeStream`` (else the Python window)."""
-        return self._stream is not None
-
-    @property
     def text(self) -> str:
         return self._all_text[: self._emitted]
 
@@ -94,15 +78,6 @@ class IncrementalDetokenizer:
         """Characters decoded so far, held-back text included; after a stop string matched,
         the length of the text before it."""
         return len(self._all_text)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._ids[self._n_context :]
-
-    @property
-    def finished(self) -> bool:
-        """True after a stop string matched or :meth:`flush` was called."""
-        return self._finished or self.stopped is not None
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Add output tokens; return the text that became final (tokens after a stop: "")."""

@@ -1,7 +1,5 @@
 """Grammar bitmask rows of the next step, filled in a worker thread while the host goes on.
-
-Design notes: docs/internals.md, "latentserve.mask_ahead".
-"""
+Design notes: docs/internals.md, "latentserve.mask_ahead"."""
 
 from __future__ import annotations
 
@@ -25,15 +23,11 @@ _lock = threading.Lock()
 
 class MasksAhead:
     """One worker thread that feeds a step's sampled tokens to the grammars and fills their
-    next bitmask rows while the engine's thread returns the step, schedules the next one and
-    launches its forward; ``token_masks.batch_bitmask`` then copies a row instead of filling
-    it, exactly when its matcher has taken no token since.
-
-    :meth:`start` after a step is advanced; :meth:`take` where the next step builds its
-    masks; :meth:`wait` before anything else reads or feeds a grammar matcher (the worker
-    owns them until then). ``enabled`` False: :meth:`start` does nothing (the synchronous
-    fill, for comparison). ``waited``: seconds the engine's thread has spent waiting for the
-    worker (0 while the fill stays hidden)."""
+    next bitmask rows while the engine's thread goes on; ``token_masks.batch_bitmask`` copies
+    a row whose matcher has taken no token since. :meth:`start` after a step is advanced,
+    :meth:`take` where the next step builds its masks, :meth:`wait` before anything else
+    touches a matcher. ``enabled`` False: :meth:`start` does nothing. ``waited``: seconds
+    the engine's thread has waited for the worker."""
 
     def __init__(self, vocab_size: int, enabled: bool = True):
         self.width = bitmask_width(vocab_size)
@@ -47,11 +41,9 @@ class MasksAhead:
 
     def start(self, rows: list, tokens: torch.Tensor | None = None, event=None) -> None:
         """Fill ahead for the sampling rows ``rows`` (``(req, index of its pending id in
-        output_ids, or None)``): ``tokens[j]`` (``[len(rows)] int64`` on the host) is row j's
-        pending token, readable once ``event`` (a CUDA event or None) completes. Only rows
-        of running requests inside their grammar are taken; the worker feeds each the answer
-        tokens its matcher has not seen (those ``RequestMask.sync`` feeds next), pending id
-        replaced, then fills its row."""
+        output_ids, or None)``) of running requests inside their grammar: ``tokens[j]``
+        (``[len(rows)] int64`` on the host, readable once ``event`` completes) is row j's
+        pending token; the worker feeds each matcher its unseen answer tokens, then fills."""
         self.wait()
         self._filled = {}
         if not self.enabled:

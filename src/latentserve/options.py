@@ -18,12 +18,11 @@ _BOUNDS = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operat
 def option(default=MISSING, help: str | None = None, *, ge=None, gt=None, le=None, lt=None,
            choices=None, flags: tuple[str, ...] = (), off_flags: tuple[str, ...] = (),
            cli: bool = True, human: bool = False, **argparse_kwargs):
-    """A dataclass field: ``default`` (a list: a fresh copy each time; MISSING: required),
-    its ``--help``, bounds ``ge``/``gt``/``le``/``lt`` (>=, >, <=, <), ``choices``,
-    ``flags`` (default ``--name``; ``--no-name`` for a bool on by default), ``off_flags``
-    (set a bool False), ``cli`` False: no flag, ``human``: an int flag takes ``1k`` = 1000,
-    ``1K`` = 1024; other keywords go to ``add_argument`` (``metavar``, ``nargs``, ``type``).
-    """
+    """A dataclass field: ``default`` (a list: a fresh copy each time; MISSING: required), its
+    ``--help``, bounds ``ge``/``gt``/``le``/``lt`` (>=, >, <=, <), ``choices``, ``flags``
+    (default ``--name``; ``--no-name`` for a bool on by default), ``off_flags`` (set a bool
+    False), ``cli`` False: no flag, ``human``: an int flag takes ``1k`` = 1000, ``1K`` = 1024;
+    other keywords go to ``add_argument`` (``metavar``, ``nargs``, ``type``)."""
     meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices,
             "flags": flags, "off_flags": off_flags, "cli": cli, "human": human,
             "argparse": argparse_kwargs}
@@ -105,8 +104,12 @@ def human_readable_int(text: str) -> int:
 human_readable_int.__name__ = "int"  # argparse's "invalid int value: 'x'"
 
 
-def _checked(conv, name: str, meta):
-    """``conv`` that also enforces ``meta``'s range (argparse reports it on the flag)."""
+def ranged(conv, name: str, meta=None, **bounds):
+    """An argparse ``type``: ``conv`` (``int``, ``float``) checked against ``meta`` (an
+    :func:`option`'s metadata) or ``bounds`` (``ge``/``gt``/``le``/``lt``), reported on the
+    flag, e.g. ``ranged(int, "data_parallel_size", ge=1)``."""
+    meta = bounds if meta is None else meta
+
     def parse(text: str):
         value = conv(text)
         try:
@@ -117,13 +120,6 @@ def _checked(conv, name: str, meta):
 
     parse.__name__ = conv.__name__  # argparse's "invalid int value: 'x'"
     return parse
-
-
-def ranged(conv, name: str, **bounds):
-    """An argparse ``type`` for a flag declared outside a dataclass: ``conv`` (``int``,
-    ``float``) checked against ``bounds`` (``ge``/``gt``/``le``/``lt``), e.g.
-    ``ranged(int, "data_parallel_size", ge=1)``."""
-    return _checked(conv, name, bounds)
 
 
 def json_str_list(text: str) -> list[str]:
@@ -196,7 +192,7 @@ def add_options(parser: argparse.ArgumentParser, cls, exclude: tuple[str, ...] =
             conv = human_readable_int if m.get("human") else scalar.get(base, str)
             if kind.startswith("tuple") and "nargs" not in kw:
                 conv = _comma_list(conv)
-            kw["type"] = conv if kw["choices"] is not None else _checked(conv, f.name, m)
+            kw["type"] = conv if kw["choices"] is not None else ranged(conv, f.name, m)
         parser.add_argument(*flags, **kw)
     return parser
 

@@ -33,17 +33,13 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 @dataclass(slots=True)
 class StepOutput:
-    """One request's progress after one engine step.
-
-    ``finished`` is set once, on the last output, with ``finish_reason`` ``"stop"``,
-    ``"length"``, ``"abort"`` or ``"error"`` (``error`` says why; the engine serves on).
-    ``latent_steps`` counts latent positions run so far. On the final output (when asked):
-    ``latent_trace`` (entries as ``server/latent_trace.py``; a ``stream_latent_steps`` tick
+    """One request's progress after one engine step: ``finished`` once, on the last output,
+    with ``finish_reason`` ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` (``error``
+    says why). ``latent_steps``: latent positions run so far. On the final output (when
+    asked): ``latent_trace`` (``server/latent_trace.py``; a ``stream_latent_steps`` tick
     carries its step's entry alone) and ``recurrence`` ``{"tokens", "mean_iterations",
-    "histogram"}``. ``latent_stats`` (``HeadSettings.stats()``) comes on the final output and
-    on the step that ended the latent phase. ``logprobs`` align with ``new_token_ids``;
-    ``prompt_logprobs`` come once, after the prompt is computed.
-    """
+    "histogram"}``; ``latent_stats`` also on the step that ended the latent phase.
+    ``logprobs`` align with ``new_token_ids``; ``prompt_logprobs`` come once."""
 
     rid: str
     new_token_ids: list[int]

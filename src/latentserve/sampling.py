@@ -1,7 +1,5 @@
 """Token sampling for a batch: penalties, greedy, temperature, top-k/p, min-p, seeds, logprobs.
-
-Design notes: docs/internals.md, "latentserve.sampling".
-"""
+Design notes: docs/internals.md, "latentserve.sampling"."""
 
 from __future__ import annotations
 
@@ -104,11 +102,9 @@ def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     of word ``t // 32``; ids past ``32 * W`` are not allowed)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(bits.shape[0], vocab - allowed.shape[1], dtype=torch.bool,
-                      device=bits.device)
-    return torch.cat([allowed, pad], dim=1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return allowed[:, :vocab]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -162,26 +158,28 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Req]
               ) -> list[TokenLogprob | None]:
     want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
     result: list[TokenLogprob | None] = [None] * len(reqs)
-    if not want:
-        return result
-    rows = torch.tensor(want, device=raw.device)
-    lsm = torch.log_softmax(raw[rows].float(), dim=-1)
-    chosen_t = tokens[rows]
-    chosen_lp_t = lsm.gather(1, chosen_t[:, None])[:, 0]
-    rank_t = (lsm > chosen_lp_t[:, None]).sum(-1) + 1
-    ks = {b: reqs[b].params.logprobs or 0 for b in want}
-    k = max(ks.values())
-    top_v: list[list[float]] = []
-    top_i: list[list[int]] = []
-    if k > 0:
-        v, i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
-        top_v, top_i = v.tolist(), i.tolist()
-    chosen, chosen_lp, rank = chosen_t.tolist(), chosen_lp_t.tolist(), rank_t.tolist()
-    for j, b in enumerate(want):
-        kb = ks[b]
-        top = list(zip(top_i[j][:kb], top_v[j][:kb])) if kb else []
-        result[b] = TokenLogprob(chosen[j], chosen_lp[j], rank[j], top)
+    if want:
+        rows = torch.tensor(want, device=raw.device)
+        ks = [reqs[b].params.logprobs or 0 for b in want]
+        for b, lp in zip(want, _scored(raw[rows], tokens[rows], ks)):
+            result[b] = lp
     return result
+
+
+def _scored(logits: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
+    """Row i of raw ``logits`` ``[N, vocab]`` scoring ``targets[i]`` (``[N] int64``): its
+    log-probability, rank and the top ``ks[i]`` (raw log-softmax)."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    lp = lsm.gather(1, targets[:, None])[:, 0]
+    rank = (lsm > lp[:, None]).sum(-1) + 1
+    top_v: list[list[float]] = [[] for _ in ks]
+    top_i: list[list[int]] = [[] for _ in ks]
+    if max(ks) > 0:
+        v, i = lsm.topk(min(max(ks), lsm.shape[-1]), dim=-1)
+        top_v, top_i = v.tolist(), i.tolist()
+    return [TokenLogprob(t, v, r, list(zip(ti[:k], tv[:k])))
+            for t, v, r, ti, tv, k in zip(targets.tolist(), lp.tolist(), rank.tolist(), top_i,
+                                          top_v, ks)]
 
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -218,14 +216,5 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[To
     ``targets[i]``, with its rank and the top ``k`` (raw log-softmax)."""
     if not targets:
         return []
-    lsm = torch.log_softmax(logits.float(), dim=-1)
     tgt = torch.tensor(targets, dtype=torch.long, device=logits.device)
-    lp = lsm.gather(1, tgt[:, None])[:, 0]
-    rank = ((lsm > lp[:, None]).sum(-1) + 1).tolist()
-    top_v: list[list[float]] = [[] for _ in targets]
-    top_i: list[list[int]] = [[] for _ in targets]
-    if k > 0:
-        v, i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
-        top_v, top_i = v.tolist(), i.tolist()
-    return [TokenLogprob(t, v, r, list(zip(ti, tv)))
-            for t, v, r, ti, tv in zip(targets, lp.tolist(), rank, top_i, top_v)]
+    return _scored(logits, tgt, [k] * len(targets))

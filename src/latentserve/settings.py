@@ -1,10 +1,6 @@
 """Every ``LATENTSERVE_*`` environment variable: name, type, default and meaning, read when
-asked for (tests and the engine process set them late). The table in docs/configuration.md
-is :func:`table`'s output (tests/unit/test_settings.py checks that they agree).
-
-A variable that is unset or set to an empty string has its default. :func:`get` parses the
-value by the variable's type and raises ValueError naming the variable and what it takes.
-"""
+asked for (tests and the engine process set them late); unset or empty means the default.
+docs/configuration.md's table is :func:`table`'s output (tests/unit/test_settings.py)."""
 
 from __future__ import annotations
 
@@ -36,15 +32,10 @@ class EnvVar:
     meaning: str
     choices: tuple[str, ...] | None = None
 
-    def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
-        """The value as set, or None when unset or empty."""
-        value = (os.environ if environ is None else environ).get(self.name)
-        return value if value is not None and value.strip() else None
-
     def get(self, environ: Mapping[str, str] | None = None):
         """The parsed value, else the default. Raises ValueError naming the variable."""
-        raw = self.raw(environ)
-        if raw is None:
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is None or not raw.strip():
             return False if self.kind == "flag" else self.default
         try:
             if self.kind == "int":

@@ -1,7 +1,5 @@
 """Pinned host buffers for the engine's small per-step copies between host and device.
-
-Design notes: docs/internals.md, "latentserve.staging".
-"""
+Design notes: docs/internals.md, "latentserve.staging"."""
 
 from __future__ import annotations
 

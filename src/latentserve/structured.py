@@ -1,8 +1,6 @@
 """Structured outputs: a request's ``StructuredOutputsParams`` compiled into a grammar
 matcher that says, before each answer token, which tokens keep the text inside the grammar.
-
-Design notes: docs/internals.md, "latentserve.structured".
-"""
+Design notes: docs/internals.md, "latentserve.structured"."""
 
 from __future__ import annotations
 
@@ -29,22 +27,19 @@ class Grammars:
         self._compiler = None
         self._lock = threading.Lock()
 
-    def _get_compiler(self, param: str):
+    def compile(self, so: StructuredOutputsParams):
+        """``so`` as an xgrammar ``CompiledGrammar``; ValueError naming ``so.param`` when it
+        does not compile or xgrammar is missing."""
         if self._compiler is None:
             with self._lock:
                 if self._compiler is None:
-                    xgr = import_xgrammar(param)
+                    xgr = import_xgrammar(so.param)
                     info = xgr.TokenizerInfo.from_huggingface(
                         self.tokenizer, vocab_size=self.vocab_size,
                         stop_token_ids=self.eos_ids or None)
                     self._compiler = xgr.GrammarCompiler(info,
                                                          cache_limit_bytes=CACHE_LIMIT_BYTES)
-        return self._compiler
-
-    def compile(self, so: StructuredOutputsParams):
-        """``so`` as an xgrammar ``CompiledGrammar``; ValueError naming ``so.param`` when it
-        does not compile or xgrammar is missing."""
-        c = self._get_compiler(so.param)
+        c = self._compiler
         kind = so.kind
         try:
             if kind == "json":
@@ -63,7 +58,6 @@ class Grammars:
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with C++ text
             what = {"json": "is not a JSON schema this server can follow",
                     "regex": "is not a valid regular expression",
-                    "choice": "could not be compiled",
                     "grammar": "is not a valid grammar (EBNF with a root rule, or Lark)"}.get(
                 kind, "could not be compiled")
             raise ValueError(f"{so.param} {what}: {_library_message(exc)}") from None

@@ -1,7 +1,5 @@
 """Per-request token masks: which ids a request may sample next, as a packed bitmask.
-
-Design notes: docs/internals.md, "latentserve.token_masks".
-"""
+Design notes: docs/internals.md, "latentserve.token_masks"."""
 
 from __future__ import annotations
 
@@ -50,17 +48,13 @@ def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
 
 
 class RequestMask:
-    """What one request allows at its next sampled token.
-
-    ``stop_ids``: what ``min_tokens`` masks (EOS and ``stop_token_ids``); ``matcher``: an
-    xgrammar ``GrammarMatcher`` or None. ``consumed``: answer tokens fed to it; ``failed``:
-    it refused one (the grammar is dropped, logged); ``terminated``: it accepted its end.
-    """
+    """What one request allows at its next sampled token. ``stop_ids``: what ``min_tokens``
+    masks (EOS and ``stop_token_ids``); ``matcher``: an xgrammar ``GrammarMatcher`` or None.
+    ``consumed``: answer tokens fed to it; ``failed``: it refused one (the grammar is dropped,
+    logged); ``terminated``: it accepted its end."""
 
     def __init__(self, params, vocab_size: int, stop_ids: set[int],
                  bad_words: list[list[int]] | None = None, matcher=None):
-        self.vocab_size = vocab_size
-        self.width = bitmask_width(vocab_size)
         self.allowed = (None if params.allowed_token_ids is None
                         else ids_bitmask(params.allowed_token_ids, vocab_size))
         self.min_tokens = params.min_tokens
@@ -92,12 +86,9 @@ class RequestMask:
         stop = len(ids) if stop is None else stop
         i = start + self.consumed
         while i < stop and self.grammar_on:
-            self.accept(patch[1] if patch is not None and i == patch[0] else ids[i])
+            t = patch[1] if patch is not None and i == patch[0] else ids[i]
+            self.took(t, self.matcher.accept_token(t))
             i += 1
-
-    def accept(self, t: int) -> None:
-        """Feed the matcher answer token ``t`` (the grammar must be :attr:`grammar_on`)."""
-        self.took(t, self.matcher.accept_token(t))
 
     def took(self, t: int, accepted: bool) -> None:
         """Account for answer token ``t`` just fed to the matcher (``accepted``: its answer)."""
@@ -108,20 +99,6 @@ class RequestMask:
             self.failed = True
         elif t in self._stops:
             self.terminated = self.matcher.is_terminated()
-
-    def fill(self, row: np.ndarray, answer: list[int]) -> None:
-        """Write the allowed tokens into ``row`` (``[W] int32``, any content) given the answer
-        so far (``answer``; a :attr:`static` mask reads only its length)."""
-        self.sync(answer)
-        grammar = self.grammar_on
-        if grammar:
-            import torch
-
-            self.matcher.fill_next_token_bitmask(torch.from_numpy(row).view(1, -1))
-            _clear_padding(row.reshape(1, -1), self.vocab_size)
-        else:
-            row[:] = -1
-        self.restrict(row, answer, len(answer), grammar)
 
     def restricts(self, n: int) -> bool:
         """Whether :meth:`restrict` changes a row at answer length ``n``."""
@@ -150,8 +127,8 @@ class RequestMask:
 
 
 def accept_each(masks: list[RequestMask], tokens: list[int]) -> None:
-    """``masks[i].accept(tokens[i])`` for every i (distinct masks, grammars on), the matchers
-    fed in one xgrammar call that runs without the GIL."""
+    """Feed ``tokens[i]`` to ``masks[i]``'s matcher (distinct masks, grammars on), in one
+    xgrammar call that runs without the GIL."""
     import xgrammar
 
     ok = xgrammar.BatchGrammarMatcher.batch_accept_token([m.matcher for m in masks], tokens)
@@ -196,9 +173,8 @@ def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
     ``[M, W] int32`` CPU tensor, written into ``out[:M]`` when given) is ``reqs[rows[i]]``'s
     mask; None when none has one. ``known``: ``id(req) -> (index, token)`` for a pending id
     whose token is on the host (overlap mode). ``ahead``: grammar rows already filled
-    (``mask_ahead.MasksAhead.take``), each used while its matcher has taken no token since.
-    The other grammars fill in one threaded xgrammar call; O(batch + new tokens) per step.
-    """
+    (``mask_ahead.MasksAhead.take``), each used while its matcher has taken no token since;
+    the other grammars fill in one threaded xgrammar call."""
     import torch
 
     rows = [b for b, r in enumerate(reqs) if r.constraint is not None]

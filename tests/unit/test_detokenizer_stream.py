@@ -23,7 +23,7 @@ class DecodeOnly:
 def run(tok, prompt, chunks, stop, skip):
     detok = IncrementalDetokenizer(tok, prompt, stop=stop, skip_special_tokens=skip)
     deltas = [detok.add(c) for c in chunks]
-    return deltas + [detok.flush()], detok.stopped, detok.uses_decode_stream
+    return deltas + [detok.flush()], detok.stopped, detok._stream is not None
 
 
 def random_ids(rng, tok):
@@ -38,8 +38,8 @@ def random_ids(rng, tok):
 
 def test_smollm2_decodes_through_decode_stream(smollm2_tokenizer):
     assert decode_stream_backend(smollm2_tokenizer) is smollm2_tokenizer.backend_tokenizer
-    assert IncrementalDetokenizer(smollm2_tokenizer, [1, 2]).uses_decode_stream
-    assert not IncrementalDetokenizer(DecodeOnly(smollm2_tokenizer), [1, 2]).uses_decode_stream
+    assert IncrementalDetokenizer(smollm2_tokenizer, [1, 2])._stream is not None
+    assert IncrementalDetokenizer(DecodeOnly(smollm2_tokenizer), [1, 2])._stream is None
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -74,7 +74,7 @@ def test_the_window_takes_over_when_decode_stream_refuses_a_step(smollm2_tokeniz
 
     detok._stream = Refusing()
     rest = detok.add(ids[4:]) + detok.flush()
-    assert not detok.uses_decode_stream
+    assert not detok._stream is not None
     assert first + rest == "Hello 👋 world 🌍! naïve café"
 
 

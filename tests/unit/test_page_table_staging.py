@@ -87,7 +87,7 @@ def test_requests_released_together_keep_every_slot_accounted_for():
         assert cm.reserve(r, len(r.prompt_ids) + 2)  # one more slot than computed
     cm.flush()
     cm.release_many(reqs[:2])
-    cm.release(reqs[2])
+    cm.release_many([reqs[2]])
     assert all(r.row == -1 for r in reqs)
     tree = [s for n in cm.radix._nodes() for s in n.value.tolist()]
     free = alloc._free.tolist() + [s for q in alloc._queued for s in q.tolist()]

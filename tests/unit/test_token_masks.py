@@ -91,14 +91,18 @@ def test_bad_words_are_tokenized_as_vllm_does(smollm2_tokenizer):
         bad_words_ids(tok, [" "])
 
 
+def _filled_row(mask, params, answer):
+    """The ``[W] int32`` row ``batch_bitmask`` fills for one request of ``answer``."""
+    req = Req("r", [1], params, output_ids=list(answer), constraint=mask)
+    return token_masks.batch_bitmask([req], VOCAB)[1][0]
+
+
 def test_a_bad_words_last_token_is_masked_only_after_its_prefix():
     params = SamplingParams(bad_words=["x"])
     m = RequestMask(params, VOCAB, {2}, bad_words=[[10, 11, 12], [40]])
-    row = np.empty(ids_bitmask([], VOCAB).shape, dtype=np.int32)
 
     def banned(answer):
-        m.fill(row, answer)
-        allowed = unpack_bitmask(torch.from_numpy(row)[None], VOCAB)[0]
+        allowed = unpack_bitmask(_filled_row(m, params, answer)[None], VOCAB)[0]
         return sorted(set(range(VOCAB)) - set(allowed.nonzero().flatten().tolist()))
 
     assert banned([]) == [40]
@@ -110,10 +114,8 @@ def test_a_bad_words_last_token_is_masked_only_after_its_prefix():
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     params = SamplingParams(min_tokens=2, stop_token_ids=[7], max_tokens=5)
     m = RequestMask(params, VOCAB, {2, 7})
-    row = np.empty(ids_bitmask([], VOCAB).shape, dtype=np.int32)
     for n, masked in ((0, True), (1, True), (2, False)):
-        m.fill(row, [5] * n)
-        allowed = unpack_bitmask(torch.from_numpy(row)[None], VOCAB)[0]
+        allowed = unpack_bitmask(_filled_row(m, params, [5] * n)[None], VOCAB)[0]
         assert (not allowed[2] and not allowed[7]) is masked
         assert allowed[3]
 

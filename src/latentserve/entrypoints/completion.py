@@ -7,6 +7,7 @@ from latentserve.detokenizer import IncrementalDetokenizer
 from latentserve.models.checkpoint import NoTokenizer
 from latentserve.outputs import CompletionOutput, Logprob, RequestOutput, StepOutput, TokenLogprob
 from latentserve.sampling_params import SamplingParams
+from latentserve.server.latent_trace import with_texts
 
 
 class TokenStrings:
@@ -22,21 +23,13 @@ class TokenStrings:
                                      else self._tokenizer.decode([token_id]))
         return self._cache[token_id]
 
-
-def with_top_texts(entries: list | None, strings: TokenStrings) -> list | None:
-    """Copies of trace ``entries`` with ``top_texts`` next to ``top_tokens``, as over HTTP."""
-    if entries is None:
-        return None
-    return [{**e, "top_texts": [strings(int(t)) for t, _ in e["top_tokens"]]}
-            if isinstance(e, dict) and "top_tokens" in e else e for e in entries]
+    text = __call__  # as server.latent_trace.with_texts reads it
 
 
 def logprob_dict(lp: TokenLogprob, strings: TokenStrings) -> dict[int, Logprob]:
     """One position's ``{token_id: Logprob}``: the sampled token, then the top k (ranks 1..k)."""
-    out = {lp.token_id: Logprob(lp.logprob, lp.rank, strings(lp.token_id))}
-    for rank, (token_id, value) in enumerate(lp.top, start=1):
-        out[token_id] = Logprob(value, rank, strings(token_id))
-    return out
+    return {lp.token_id: Logprob(lp.logprob, lp.rank, strings(lp.token_id)),
+            **{t: Logprob(v, rank, strings(t)) for rank, (t, v) in enumerate(lp.top, start=1)}}
 
 
 class CompletionBuilder:
@@ -69,7 +62,7 @@ class CompletionBuilder:
         if out.latent_stats is not None:  # settled phase, then the final output
             comp.latent_stats = out.latent_stats
         if out.finished:
-            comp.latent_trace = with_top_texts(out.latent_trace, self.strings)
+            comp.latent_trace = with_texts(out.latent_trace, self.strings)
             comp.recurrence = out.recurrence
         if out.logprobs is not None and comp.logprobs is not None:
             for lp in out.logprobs:

@@ -39,7 +39,6 @@ class LLM:
     (``trust_remote_code`` is ignored). TypeError for an unknown option; ValueError or
     FileNotFoundError from loading."""
 
-
     def __init__(self, model: str | None = None, **engine_options):
         # NOTE: torch at construction: `from latentserve import LLM` stays light
         from latentserve.engine.llm_engine import LLMEngine
@@ -70,9 +69,8 @@ class LLM:
         (choice i: ``seed + i``). A prompt is a string, token ids, or vLLM's ``{"prompt"}`` /
         ``{"prompt_token_ids"}``; ``sampling_params``: one, or one per prompt. ValueError
         (``NoTokenizerError`` for text without tokenizer files) before anything runs."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
         sampling_params = self._params_list(sampling_params, len(prompts))
         if len(sampling_params) != len(prompts):
@@ -134,18 +132,31 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         sampling_params = self._params_list(sampling_params, len(convs))
         from_kwargs = template_thinking(chat_template_kwargs)
-        render = {"chat_template": chat_template, "tools": tools,
-                  "add_generation_prompt": add_generation_prompt,
-                  "continue_final_message": continue_final_message}
         prompts = []
         for i, c in enumerate(convs):
+            if isinstance(self.tokenizer, NoTokenizer):
+                raise NoTokenizerError(NO_TOKENIZER)
             kwargs = dict(chat_template_kwargs or {})
             p = sampling_params[i] if i < len(sampling_params) else None
             if p is not None and p.thinking is None and from_kwargs is not None:
                 sampling_params[i] = p = dataclasses.replace(p, thinking=from_kwargs)
             if p is not None and p.thinking is not None:  # the template renders the opening
                 kwargs.update(thinking=p.thinking, enable_thinking=p.thinking)
-            ids = self._chat_ids(c, kwargs, **render)
+            try:
+                tool_list = None if tools is None else [ChatTool.model_validate(t) for t in tools]
+                ids = render_chat(self.tokenizer,
+                                  chat_conversation([ChatMessage.model_validate(m) for m in c]),
+                                  add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message,
+                                  template_kwargs=kwargs, tools=chat_tools(tool_list),
+                                  chat_template=chat_template)
+            except APIError as exc:
+                raise ValueError(exc.message) from None
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(x) for x in err["loc"])
+                raise ValueError(f"a chat message or tool is malformed at {where}: "
+                                 f"{err['msg']}") from None
             prompts.append({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False),
                             "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -155,28 +166,6 @@ class LLM:
         if params is None:
             params = self.get_default_sampling_params()
         return [params] * count if isinstance(params, SamplingParams) else list(params)
-
-    def _chat_ids(self, conv: list[dict], kwargs: dict, *, chat_template: str | None,
-                  tools: list[dict] | None, add_generation_prompt: bool,
-                  continue_final_message: bool) -> list[int]:
-        if isinstance(self.tokenizer, NoTokenizer):
-            raise NoTokenizerError(NO_TOKENIZER)
-
-        try:
-            messages = [ChatMessage.model_validate(m) for m in conv]
-            tool_list = None if tools is None else [ChatTool.model_validate(t) for t in tools]
-            return render_chat(self.tokenizer, chat_conversation(messages),
-                               add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message,
-                               template_kwargs=kwargs, tools=chat_tools(tool_list),
-                               chat_template=chat_template)
-        except APIError as exc:
-            raise ValueError(exc.message) from None
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            raise ValueError(f"a chat message or tool is malformed at {where}: "
-                             f"{err['msg']}") from None
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -202,20 +191,14 @@ def _children(params: SamplingParams) -> list[SamplingParams]:
     """One prompt's ``params.n`` engine requests: seed + i, prompt_logprobs on the first."""
     if params.n == 1:
         return [params]
-    out = []
-    for i in range(params.n):
-        seed = None if params.seed is None else params.seed + i
-        out.append(dataclasses.replace(params, n=1, seed=seed,
-                                       prompt_logprobs=params.prompt_logprobs if i == 0
-                                       else None))
-    return out
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            for i in range(params.n)]
 
 
 def _progress(total: int, use_tqdm):
-    if callable(use_tqdm):
-        return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
-    if not use_tqdm or total <= 1:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="Processed prompts", unit="prompt")
+    if not callable(use_tqdm):
+        if not use_tqdm or total <= 1:
+            return None
+        from tqdm.auto import tqdm as use_tqdm
+    return use_tqdm(total=total, desc="Processed prompts", unit="prompt")

@@ -40,15 +40,12 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 class RadixCache:
     """Prefix cache mapping token-id prefixes to the KV slots that hold them.
-
     * ``match_prefix(ids)``: the longest cached prefix's slots (tree-owned) and its deepest
       node; ``inc_lock(node)`` before relying on them, ``dec_lock`` after.
     * ``insert(ids, slots)`` with ``slots[:m]`` from ``match_prefix`` returns ``p >= m``
       already cached: the caller frees ``slots[m:p]``, the tree owns ``slots[p:]``.
     * ``evict(n)`` frees unlocked leaves in LRU order.
-
-    ``enabled=False``: always empty; ``insert`` returns ``len(token_ids)`` (caller frees all).
-    """
+    ``enabled=False``: always empty; ``insert`` returns ``len(token_ids)`` (caller frees all)."""
 
     root: Node
     evictable_size: int
@@ -90,9 +87,6 @@ class RadixCache:
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
 
-    def _tick(self) -> float:
-        return float(next(self._clock))
-
     def _split(self, child: Node, n: int) -> Node:
         """Split ``child``'s edge after ``n`` tokens; return the new upper node."""
         mid = Node(child.key[:n], child.value[:n], child.parent)
@@ -110,7 +104,7 @@ class RadixCache:
         be split); refreshes access times."""
         if self.disabled:
             return self._empty(), self.root
-        now = self._tick()
+        now = float(next(self._clock))
         node, i, values = self.root, 0, []
         while i < len(token_ids):
             child = node.children.get(token_ids[i])
@@ -134,7 +128,7 @@ class RadixCache:
             raise ValueError(f"{len(token_ids)} token ids but {len(slots)} slots")
         if self.disabled:
             return len(token_ids)
-        now = self._tick()
+        now = float(next(self._clock))
         node, i = self.root, 0
         while i < len(token_ids):
             child = node.children.get(token_ids[i])

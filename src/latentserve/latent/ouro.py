@@ -15,13 +15,13 @@ from latentserve.models.layers import (
     MergedQKV,
     RMSNorm,
     Rotary,
-    _rotate_half,
     fuse_decoder,
     inject,
     paged_attention,
 )
 from latentserve.models.llama import LlamaMLP
 from latentserve.models.weights import load_by_name
+from latentserve.ops.rotary import rotate_half
 
 
 def ouro_config(d: dict):
@@ -59,7 +59,7 @@ class OuroAttention(MergedQKV, nn.Module):
             q = self.q_proj(x).view(t, self.n_heads, d)
             k = self.k_proj(x).view(t, self.n_kv, d)
             v = self.v_proj(x).view(t, self.n_kv, d)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             o = paged_attention(bank, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, -1))
 

@@ -82,23 +82,19 @@ def content_hash(path: str | os.PathLike[str]) -> str:
     if isinstance(seen, dict) and seen.get("size") == st.st_size \
             and seen.get("mtime_ns") == st.st_mtime_ns and isinstance(seen.get("sha256"), str):
         return seen["sha256"]
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    memo[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    memo[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
     try:  # a memo only: losing a concurrent writer's entry costs one more hash later
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{HASHES_FILE}.", dir=memo_path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump(memo, f, indent=1, sort_keys=True)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only
+        _apply_umask(Path(tmp))
         os.replace(tmp, memo_path)
     except OSError:
         pass
-    return h.hexdigest()
+    return digest
 
 
 def resolve_model_dir(model: str | os.PathLike[str] | None, dtype: str = "float32") -> Path:
@@ -114,12 +110,11 @@ def resolve_model_dir(model: str | os.PathLike[str] | None, dtype: str = "float3
         "SmolLM2-135M-Instruct"
     )
     if path.is_dir():
-        if (path / "config.json").is_file():
-            return path.resolve()
         if is_adapter_dir(path):
-            adapter_base_dir(path)
-            return path.resolve()
-        raise ValueError(f"{accepted}; {str(model)!r} is a directory without config.json")
+            adapter_base_dir(path)  # ValueError for a bad base
+        elif not (path / "config.json").is_file():
+            raise ValueError(f"{accepted}; {str(model)!r} is a directory without config.json")
+        return path.resolve()
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return _converted(path, dtype)
@@ -134,15 +129,20 @@ def is_adapter_dir(model_dir: str | os.PathLike[str]) -> bool:
     return (d / ADAPTER_CONFIG).is_file() and not (d / "config.json").is_file()
 
 
+def read_adapter_config(adapter_dir: Path):
+    """The parsed ``adapter_config.json`` of ``adapter_dir``; ValueError when not JSON."""
+    try:
+        return json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is not valid JSON: {e}") from None
+
+
 def adapter_base_dir(adapter_dir: str | os.PathLike[str]) -> Path:
     """The model directory of ``base_model_name_or_path`` (``EMBEDDED_BASE_NAMES``: the embedded
     SmolLM2; else a local path relative to ``adapter_dir``). Raises ValueError naming the field."""
     adapter_dir = Path(adapter_dir)
     where = f"{adapter_dir / ADAPTER_CONFIG}: field 'base_model_name_or_path'"
-    try:
-        cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is not valid JSON: {e}") from None
+    cfg = read_adapter_config(adapter_dir)
     base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
     if not isinstance(base, str) or not base:
         raise ValueError(f"{where} must name the base model, got {base!r}")
@@ -232,18 +232,9 @@ def gguf_special_token_ids(gguf_path: str | os.PathLike[str]) -> dict[str, int]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
-    names = {
-        "bos_token_id": "tokenizer.ggml.bos_token_id",
-        "eos_token_id": "tokenizer.ggml.eos_token_id",
-        "pad_token_id": "tokenizer.ggml.padding_token_id",
-        "unk_token_id": "tokenizer.ggml.unknown_token_id",
-    }
-    out: dict[str, int] = {}
-    for key, field_name in names.items():
-        field = reader.get_field(field_name)
-        if field is not None:
-            out[key] = int(field.contents())
-    return out
+    fields = {f"{k}_token_id": reader.get_field(f"tokenizer.ggml.{v}_token_id") for k, v in
+              (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
+    return {key: int(field.contents()) for key, field in fields.items() if field is not None}
 
 
 def _converted(gguf_path: Path, dtype: str = "float32") -> Path:
@@ -255,7 +246,7 @@ def _converted(gguf_path: Path, dtype: str = "float32") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _convert_gguf(gguf_path.resolve(), tmp, dtype)
-        _apply_umask(tmp)  # mkdtemp (and safetensors) create owner-only entries
+        _apply_umask(tmp, *(e for e in tmp.iterdir() if e.is_file()))
         if target.exists() and not (target / "config.json").is_file():
             shutil.rmtree(target)  # not produced by us (renames are atomic): replace it
         try:
@@ -270,14 +261,13 @@ def _converted(gguf_path: Path, dtype: str = "float32") -> Path:
     return target
 
 
-def _apply_umask(directory: Path) -> None:
-    """Give ``directory`` and its files the permissions a plain mkdir/open would have."""
+def _apply_umask(*paths: Path) -> None:
+    """Give ``paths`` the permissions a plain mkdir/open would have (mkstemp, mkdtemp and
+    safetensors make them owner-only)."""
     umask = os.umask(0)
     os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for entry in directory.iterdir():
-        if entry.is_file():
-            entry.chmod(0o666 & ~umask)
+    for p in paths:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> None:
@@ -290,10 +280,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32") -> Non
     special = gguf_special_token_ids(gguf_path)
 
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name, local_files_only=True)
-    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        if key in special:
-            token = tokenizer.convert_ids_to_tokens(special[key])
-            setattr(tokenizer, key.removesuffix("_id"), token)
+    for key in ("eos_token", "pad_token", "bos_token"):
+        if f"{key}_id" in special:
+            setattr(tokenizer, key, tokenizer.convert_ids_to_tokens(special[f"{key}_id"]))
 
     model = AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=name, dtype=torch.float32, local_files_only=True

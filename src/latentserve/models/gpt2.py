@@ -17,9 +17,8 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 class GPT2Attention(nn.Module):
     def __init__(self, cfg, layer: int):
         super().__init__()
-        if getattr(cfg, "scale_attn_by_inverse_layer_idx", False) or getattr(
-            cfg, "reorder_and_upcast_attn", False
-        ):
+        if any(getattr(cfg, k, False) for k in ("scale_attn_by_inverse_layer_idx",
+                                                 "reorder_and_upcast_attn")):
             raise ValueError("GPT-2 variants with scale_attn_by_inverse_layer_idx or "
                              "reorder_and_upcast_attn are not supported")
         self.layer = layer

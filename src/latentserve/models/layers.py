@@ -9,7 +9,7 @@ from torch import nn
 from latentserve import settings
 from latentserve.context import get_context
 from latentserve.ops.norm import add_rms_norm, rms_norm
-from latentserve.ops.rotary import rope_cos_sin, rotate_half
+from latentserve.ops.rotary import rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -33,17 +33,11 @@ class RMSNorm(nn.Module):
 
 
 DECODE_ROWS = settings.get("LATENTSERVE_DECODE_ROWS")
-"""Up to this many rows, the fast path runs its weight GEMMs as ``ops.kernels.decode_linear``
-(split-K, SiLU-mul in the gate/up epilogue, partial sums handed to the next RMSNorm, PDL) instead of
-cuBLAS: a decode step's batch. Larger batches (prefill, big decode buckets) keep cuBLAS.
-``LATENTSERVE_DECODE_ROWS=0`` keeps cuBLAS everywhere (the path before, for comparison)."""
-
-
+"""Up to this many rows the fast path runs its weight GEMMs as ``ops.kernels.decode_linear``
+(a decode step's batch); larger batches and ``0`` keep cuBLAS."""
 QKV_ROPE_ROWS = (17, 64)
-"""Row counts (inclusive, and within ``DECODE_ROWS``) for which the fast path runs the q/k/v
-projection, RoPE and the KV store as one kernel (``ops.kernels.qkv_rope_store_kv``), when
-it reads through TMA (``decode_linear.use_tma``): on the H200 it beats cuBLAS plus the RoPE
-kernel at 64 rows (7.6 against 8.6 us) and loses at 16 or fewer, and without TMA too."""
+"""Row counts (inclusive) for which the fast path runs q/k/v, RoPE and the KV store as one
+kernel (``ops.kernels.qkv_rope_store_kv``), with TMA only (docs/internals.md)."""
 
 
 def decode_gemms(fused: bool, x: torch.Tensor, *linears: nn.Module) -> bool:
@@ -108,9 +102,6 @@ class Rotary(nn.Module):
         pos = torch.arange(max_positions, device=self.inv_freq.device)
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.scaling, dtype)
         self._table = torch.stack((cos, sin), dim=1)
-
-
-_rotate_half = rotate_half  # the name ouro.py imports
 
 
 class MergedQKV:

@@ -158,8 +158,7 @@ class LlamaForCausalLM(nn.Module):
     def prepare_positions(self, max_positions: int) -> None:
         """Fast path: precompute the RoPE table (``Rotary.build_table``) on the final device."""
         if self.model.norm.fused:
-            dtype = self.model.embed_tokens.weight.dtype
-            self.model.rotary_emb.build_table(max_positions, dtype)
+            self.model.rotary_emb.build_table(max_positions, self.model.embed_tokens.weight.dtype)
 
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
         emb = self.model.embed_tokens
@@ -195,13 +194,9 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_fast(hidden) and "compute_logits" not in vars(self):
             from latentserve.ops.kernels.decode_linear import decode_linear_argmax, pick_tiling
 
-            if pick_tiling(hidden.shape[0], *self.lm_head.weight.shape)[2] > 1:
-                return self._logits_then_argmax(hidden)
-            return decode_linear_argmax(hidden, self.lm_head.weight, self.lm_head.bias,
-                                        out_dtype=torch.float32)
-        return self._logits_then_argmax(hidden)
-
-    def _logits_then_argmax(self, hidden):
+            if pick_tiling(hidden.shape[0], *self.lm_head.weight.shape)[2] <= 1:
+                return decode_linear_argmax(hidden, self.lm_head.weight, self.lm_head.bias,
+                                            out_dtype=torch.float32)
         logits = self.compute_logits(hidden)
         return logits, greedy_tokens(logits)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from latentserve.models.checkpoint import ADAPTER_CONFIG, adapter_base_dir
+from latentserve.models.checkpoint import ADAPTER_CONFIG, adapter_base_dir, read_adapter_config
 from latentserve.models.registry import LLAMA_FAMILY
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -81,8 +80,6 @@ def split_lora_key(name: str) -> tuple[str, str] | None:
                          "lora_A/lora_B weights can be merged")
     return None
 
-
-# ----------------------------------------------------------------------------- adapters
 
 @dataclass(frozen=True, slots=True)
 class LoraPair:
@@ -165,31 +162,24 @@ def _pattern_value(pattern: dict, module: str, default):
     return default
 
 
-def _read_tensors(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    for name in ADAPTER_WEIGHTS:
-        path = adapter_dir / name
-        if path.is_file():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                return load_file(str(path))
-            return torch.load(path, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{adapter_dir} has {ADAPTER_CONFIG} but no "
-                            f"{' or '.join(ADAPTER_WEIGHTS)}")
-
-
 def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
     """Read and check ``adapter_dir``. Raises ValueError for a bad config, base or tensor,
     FileNotFoundError without an adapter weights file."""
     adapter_dir = Path(adapter_dir)
-    try:
-        raw = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is not valid JSON: {e}") from None
-    cfg = check_adapter_config(raw)
+    cfg = check_adapter_config(read_adapter_config(adapter_dir))
     base_dir = adapter_base_dir(adapter_dir)
+    path = next((adapter_dir / n for n in ADAPTER_WEIGHTS if (adapter_dir / n).is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"{adapter_dir} has {ADAPTER_CONFIG} but no "
+                                f"{' or '.join(ADAPTER_WEIGHTS)}")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+    else:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
     found: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in _read_tensors(adapter_dir).items():
+    for key, tensor in tensors.items():
         try:
             hit = split_lora_key(key)
         except ValueError as e:
@@ -248,15 +238,11 @@ def _merged_stream(weights, adapter: LoraAdapter):
                          f"{adapter.base_dir}, e.g. {sorted(left)[:3]}: wrong base?")
 
 
-# ----------------------------------------------------------------------------- embeddings
-
 def _indices_for(module: str, spec, embed: str) -> list[int] | None:
     """The ids PEFT's ``trainable_token_indices`` gives ``module`` (list: ``embed``'s)."""
     if isinstance(spec, dict):
-        for key, ids in spec.items():
-            if module == key or module.endswith("." + key):
-                return ids
-        return None
+        return next((ids for key, ids in spec.items()
+                     if module == key or module.endswith("." + key)), None)
     return spec if module == embed and spec is not None else None
 
 

@@ -40,15 +40,17 @@ def _scale(s: slice, k: int, offset: int = 0) -> slice:
     return slice(offset + s.start * k, offset + s.stop * k)
 
 
-class ColumnParallelLinear(nn.Module):
-    """``y[..., out_r] = x W_r^T + b_r``: this rank's output features, no communication.
-    ``from_rows(linear, parts)``: the ``parts`` slices of the output, in order;
-    ``from_linear(linear, tp, splits)``: each chunk of ``splits`` split evenly."""
-
+class _LocalLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+
+class ColumnParallelLinear(_LocalLinear):
+    """``y[..., out_r] = x W_r^T + b_r``: this rank's output features, no communication.
+    ``from_rows(linear, parts)``: the ``parts`` slices of the output, in order;
+    ``from_linear(linear, tp, splits)``: each chunk of ``splits`` split evenly."""
 
     @classmethod
     def from_rows(cls, linear: nn.Linear, parts: list[slice]) -> ColumnParallelLinear:
@@ -70,25 +72,21 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_r W_r^T) + b``: this rank's block of input features; the bias
-    (whole) is added once, after the sum. Input ``[T, in / size]``; output ``[T, out]``."""
+class RowParallelLinear(_LocalLinear):
+    """``y = all_reduce(x_r W_r^T) + b``: this rank's block of input features (``cols``,
+    default an even split); the bias (whole) is added once, after the sum. Input
+    ``[T, in / size]``; output ``[T, out]``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        super().__init__(weight, bias)
         self.tp = tp
 
     @classmethod
-    def from_cols(cls, linear: nn.Linear, cols: slice, tp: TPGroup) -> RowParallelLinear:
+    def from_linear(cls, linear: nn.Linear, tp: TPGroup, cols: slice | None = None,
+                    what: str = "input features") -> RowParallelLinear:
+        cols = _block(linear.in_features, tp, what) if cols is None else cols
         bias = None if linear.bias is None else linear.bias.data.clone()
         return cls(linear.weight.data[:, cols].clone(), bias, tp)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, tp: TPGroup,
-                    what: str = "input features") -> RowParallelLinear:
-        return cls.from_cols(linear, _block(linear.in_features, tp, what), tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight), self.tp)
@@ -140,26 +138,26 @@ class ParallelLMHead(nn.Module):
 
 def _shard_attention(att: nn.Module, tp: TPGroup) -> None:
     """Split one attention module's heads across ranks (head counts become per-rank)."""
-    col, row = ColumnParallelLinear.from_rows, RowParallelLinear.from_cols
+    col, row = ColumnParallelLinear.from_rows, RowParallelLinear.from_linear
     if hasattr(att, "q_proj"):  # Llama, Qwen2, Mistral, Ouro
         q, kv = head_split(att.n_heads, att.n_kv, tp)
         d = att.head_dim
         att.q_proj = col(att.q_proj, [_scale(q, d)])
         att.k_proj = col(att.k_proj, [_scale(kv, d)])
         att.v_proj = col(att.v_proj, [_scale(kv, d)])
-        att.o_proj = row(att.o_proj, _scale(q, d), tp)
+        att.o_proj = row(att.o_proj, tp, _scale(q, d))
         att.n_heads, att.n_kv = q.stop - q.start, kv.stop - kv.start
     elif hasattr(att, "c_attn"):  # GPT-2: fused q|k|v, multi-head
         q, _ = head_split(att.n_heads, att.n_heads, tp)
         d, e = att.head_dim, att.n_heads * att.head_dim
         att.c_attn = col(att.c_attn, [_scale(q, d, i * e) for i in range(3)])
-        att.c_proj = row(att.c_proj, _scale(q, d), tp)
+        att.c_proj = row(att.c_proj, tp, _scale(q, d))
         att.n_heads = q.stop - q.start
     elif hasattr(att, "Wqkv"):  # Huginn: fused q|k|v, per-head qk_bias
         q, kv = head_split(att.n_head, att.n_kv, tp)
         d, (nq, nk, _) = att.head_dim, att.chunks
         att.Wqkv = col(att.Wqkv, [_scale(q, d), _scale(kv, d, nq), _scale(kv, d, nq + nk)])
-        att.proj = row(att.proj, _scale(q, d), tp)
+        att.proj = row(att.proj, tp, _scale(q, d))
         if att.has_qk_bias:  # [2, 1, heads, head_dim]; Huginn requires kv == heads here
             att.qk_bias = nn.Parameter(att.qk_bias.data[:, :, q].clone(), requires_grad=False)
         att.n_head, att.n_kv = q.stop - q.start, kv.stop - kv.start
@@ -168,26 +166,22 @@ def _shard_attention(att: nn.Module, tp: TPGroup) -> None:
         raise ValueError(f"no tensor-parallel plan for attention {type(att).__name__}")
 
 
+# MLP layouts: (column-split layers, the row-split layer); Huginn's ``fc`` is gate|up fused.
+_MLP_PLANS = {"gate_proj": (("gate_proj", "up_proj"), "down_proj"),  # Llama family, Ouro
+              "c_fc": (("c_fc",), "c_proj"), "fc": (("fc",), "proj")}  # GPT-2, Huginn
+
+
 def _shard_mlp(mlp: nn.Module, tp: TPGroup) -> None:
-    what = "intermediate_size"
-    if hasattr(mlp, "gate_proj"):  # Llama family, Ouro
-        mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, tp, what=what)
-        mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, tp, what=what)
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp, what=what)
-    elif hasattr(mlp, "c_fc"):  # GPT-2
-        mlp.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, tp, what=what)
-        mlp.c_proj = RowParallelLinear.from_linear(mlp.c_proj, tp, what=what)
-    elif hasattr(mlp, "fc"):  # Huginn: fused gate|up
-        inter = mlp.proj.in_features
-        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, [inter, inter], what=what)
-        mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, what=what)
-    else:
+    key = next((k for k in _MLP_PLANS if hasattr(mlp, k)), None)
+    if key is None:
         raise ValueError(f"no tensor-parallel plan for MLP {type(mlp).__name__}")
-
-
-def _set(model: nn.Module, dotted: str, module: nn.Module) -> None:
-    parent, _, name = dotted.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, module)
+    cols, row = _MLP_PLANS[key]
+    inter = getattr(mlp, row).in_features
+    for name in cols:
+        setattr(mlp, name, ColumnParallelLinear.from_linear(
+            getattr(mlp, name), tp, [inter, inter] if key == "fc" else None, "intermediate_size"))
+    setattr(mlp, row, RowParallelLinear.from_linear(getattr(mlp, row), tp,
+                                                    what="intermediate_size"))
 
 
 def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
@@ -201,12 +195,12 @@ def shard_model(model: nn.Module, tp: TPGroup) -> nn.Module:
             _shard_mlp(mod, tp)
     modules = dict(model.named_modules())
     emb_name = next(n for n in ("model.embed_tokens", "transformer.wte") if n in modules)
-    emb = model.get_submodule(emb_name)
+    emb = modules[emb_name]
     vocab = emb.weight.shape[0]
     head = getattr(model, "lm_head", None)
     tied = head is None or head.weight is emb.weight
     weight, start = vocab_shard(emb.weight, tp)
-    _set(model, emb_name, VocabParallelEmbedding(weight, start, tp))
+    model.set_submodule(emb_name, VocabParallelEmbedding(weight, start, tp))
     head_weight = weight if tied else vocab_shard(head.weight, tp)[0]
     model.lm_head = ParallelLMHead(head_weight, vocab, tp)
     if head is None:  # GPT-2 computes logits from wte: route them through the parallel head

@@ -1,6 +1,5 @@
 """KV bookkeeping per request: page-table rows, slots, prefix matching, hand-back to the radix
-cache. Invariant (``check_idle``), none admitted: ``num_free + radix.total_size() == num_total``.
-"""
+cache (``check_idle``: none admitted, ``num_free + radix.total_size() == num_total``)."""
 
 from __future__ import annotations
 
@@ -25,11 +24,6 @@ class CacheManager:
         self._grows: list[tuple[int, int, int]] = []  # (row, from, to) reserved, not written
         self._pending = 0
 
-    def _alloc(self, n: int) -> torch.Tensor | None:
-        if self.allocator.num_free < n:
-            self.radix.evict(n - self.allocator.num_free)
-        return self.allocator.alloc(n)
-
     def admit(self, req: Req) -> bool:
         """Give ``req`` a page-table row, its cached prefix and slots for the rest; False
         (holding nothing) when out, even after eviction."""
@@ -44,7 +38,9 @@ class CacheManager:
         prefix, node = self.radix.match_prefix(ids[: min(len(ids) - 1, limit)])
         self.radix.inc_lock(node)
         m = len(prefix)
-        slots = self._alloc(len(ids) - m)
+        if (short := len(ids) - m - self.allocator.num_free) > 0:
+            self.radix.evict(short)
+        slots = self.allocator.alloc(len(ids) - m)
         if slots is None:
             self.radix.dec_lock(node)
             self.table.free_row(row)
@@ -93,13 +89,9 @@ class CacheManager:
         self._grows.clear()
         self._pending = 0
 
-    def release(self, req: Req) -> None:
-        """Hand ``req``'s KV before its first latent to the radix cache; free the rest."""
-        self.release_many([req])
-
     def release_many(self, reqs: list[Req]) -> None:
-        """:meth:`release` for each of ``reqs`` (rowless ones skipped) in a constant number
-        of device operations: one page-table gather, one free-list append."""
+        """Hand each of ``reqs``' KV before its first latent to the radix cache and free the
+        rest (rowless ones skipped), in a constant number of device operations."""
         reqs = [r for r in reqs if r.row >= 0]
         if not reqs:
             return
@@ -133,10 +125,6 @@ class CacheManager:
     @property
     def num_free(self) -> int:
         return self.allocator.num_free
-
-    def available(self) -> int:
-        """Slots that could be handed out now: free plus evictable."""
-        return self.allocator.num_free + self.radix.evictable_size
 
     def check_idle(self) -> None:
         """Raise AssertionError unless free + cached slots == total (call with nothing admitted)."""

@@ -24,10 +24,6 @@ class ScheduledBatch:
     q_lens: list[int]
     sample: list[bool]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.q_lens)
-
 
 class Scheduler:
     """Owns the waiting queue and the running set. ``max_num_batched_tokens``: tokens per
@@ -66,7 +62,7 @@ class Scheduler:
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
-                    self.cache.release(req)
+                    self.cache.release_many([req])
                     self._finish(req, "abort")
                     self._aborted.append(req)
                     return
@@ -136,7 +132,7 @@ class Scheduler:
         batch.sample.append(req.num_computed + n == req.seq_len)
 
     def _preempt(self, req: Req) -> None:
-        self.cache.release(req)
+        self.cache.release_many([req])
         self.family.on_preempt(req)
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
@@ -157,12 +153,11 @@ class Scheduler:
                 if not sample:
                     continue
                 tok, vec = next(it), next(lat)
-                if req.answer_start is None:
-                    answers, out = self._think(req, vec, done)
+                if req.answer_start is None and not self.family.advance(req, vec):
+                    out = self._thought(req, done)  # a latent step, no answer token
                     if out is not None:
                         outs.append(out)
-                    if not answers:
-                        continue
+                    continue
                 req.output_ids.append(tok)
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
@@ -173,12 +168,6 @@ class Scheduler:
         finally:  # released even when a later row raises: no KV leaks
             self.cache.release_many(done)
         return outs
-
-    def _think(self, req: Req, vec, done: list) -> tuple[bool, StepOutput | None]:
-        """``Family.advance`` for ``req``: (sampled token is an answer token, step output)."""
-        if self.family.advance(req, vec):
-            return True, None
-        return False, self._thought(req, done)
 
     def _thought(self, req: Req, done: list) -> StepOutput | None:
         """The output of a latent step ``req`` has just taken (None: none). A request whose
@@ -243,11 +232,11 @@ class Scheduler:
                             req.output_ids.append(PENDING_ID)
                         pending.append((req, idx, None, True))
                         continue
-                    answers, out = self._think(req, vec, done)
-                    if done:
-                        raise RuntimeError(f"request {req.rid} finished in its latent phase "
-                                           "under the overlap scheduler")
-                    if not answers:
+                    if not self.family.advance(req, vec):
+                        out = self._thought(req, done)
+                        if done:
+                            raise RuntimeError(f"request {req.rid} finished in its latent "
+                                               "phase under the overlap scheduler")
                         pending.append((req, None, out, False))
                         continue
                 pending.append((req, len(req.output_ids), None, False))
