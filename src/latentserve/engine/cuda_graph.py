@@ -37,7 +37,6 @@ class CudaGraphRunner:
 
     ``capture_layer``: decoder layer whose output goes to ``capture_buf`` (-1: none).
     ``latent_capable``: bind the inject buffers (False only for a benchmark of their cost).
-    ``graph_depths``: loop trip counts (None: ``Family.graph_hooks``' default).
 
     ``replay`` takes ``[B]`` device tensors (``embeds [B, hidden]``, ``mask [B] bool`` or
     None, ``rec``: the forward context), B <= max_bs, and returns ``(logits [B, vocab]
@@ -52,7 +51,7 @@ class CudaGraphRunner:
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
-                 graph_depths=None, with_greedy: bool = True):
+                 with_greedy: bool = True):
         from latentserve.attention.triton_backend import TritonMeta
 
         dev = table.table.device
@@ -77,7 +76,7 @@ class CudaGraphRunner:
             getattr(model, "latent_head_mode", None) == "closed_loop" else None
         self.capture_layer = capture_layer
         spec = getattr(model, "latent_spec", None)
-        self.hooks = family_for(spec).graph_hooks(spec, model, n, dev, graph_depths)
+        self.hooks = family_for(spec).graph_hooks(spec, model, n, dev)
         self.feedback = self.hooks.feedback
         self.graph_depths = list(self.hooks.depths)
         self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay

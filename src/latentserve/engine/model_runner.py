@@ -44,6 +44,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.graphs: CudaGraphRunner | None = None  # once capture_graphs() ran
+        # residual after this many decoder layers goes to last_captured (-1: none); set it
+        # before capture_graphs, which bakes it into the graphs
         self.capture_layer = -1
         self.last_captured: torch.Tensor | None = None
         self.last_hidden_all: torch.Tensor | None = None
@@ -57,11 +59,6 @@ class ModelRunner:
         self._to_device = HostToDevice(device, side_stream=True)
         self.prompt_hidden: list = []
         self.family = family_for(getattr(model, "latent_spec", None))  # its class only
-
-    def set_capture(self, layer: int) -> None:
-        """Capture the residual stream after ``layer`` decoder layers (call before
-        ``capture_graphs``, which bakes it into the graphs); -1 turns capture off."""
-        self.capture_layer = layer
 
     def release_graphs(self) -> None:
         """Drop the captured decode graphs and wait for the device (before leaving a TP
