@@ -79,8 +79,7 @@ class LLMEngine:
         check_device(config.device)
         self.device = self.tp.device if self.tp is not None else torch.device(config.device)
         torch.manual_seed(config.seed)
-        model_dir = resolve_model_dir(config.model, _dtype_name(config))
-        self.model_dir = model_dir
+        self.model_dir = model_dir = resolve_model_dir(config.model, _dtype_name(config))
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir,  # --tokenizer
                                         optional=config.tokenizer is None)  # else ids only
@@ -99,8 +98,8 @@ class LLMEngine:
             model.prepare_positions(self.max_model_len)
         layers, kv_heads, head_dim = model.kv_shape
         per_slot = KVPool.bytes_per_slot(layers, kv_heads, head_dim, config.torch_dtype)
-        slots = kv_slots_for(config, per_slot, self.max_model_len, hf_config.vocab_size)
-        self.num_kv_slots = slots
+        slots = self.num_kv_slots = kv_slots_for(config, per_slot, self.max_model_len,
+                                                 hf_config.vocab_size)
         if slots < self.max_model_len:
             # NOTE: a request must always fit the pool on its own, or it would be preempted
             # and re-admitted forever; so no request may outgrow the pool.

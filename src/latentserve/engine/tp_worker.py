@@ -126,16 +126,13 @@ class TPModelRunner(ModelRunner):
                          int(req.latent_budget), getattr(req.state, "exit_rule", None)))
         max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
         rows = torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=self.device)
-        sent = [self.table.table[rows, :max_kv].contiguous()]
         # (tensor, row) entries (latent/vectors.py), as one [num_latent, hidden]
         latents = latent_vectors.stack(vecs).contiguous() if vecs else None
-        if latents is not None:
-            sent.append(latents)
         # NOTE: the tokens may view a graph's buffer: this send is queued before the replay
         prev = pending[0].contiguous() if pending is not None \
             and any(j is not None for j in rows_of) else None
-        if prev is not None:
-            sent.append(prev)
+        sent = [t for t in (self.table.table[rows, :max_kv].contiguous(), latents, prev)
+                if t is not None]
         _broadcast_object(self.tp, StepHeader(
             reqs, list(batch.sample), max_kv, len(vecs),
             "" if latents is None else str(latents.dtype).removeprefix("torch."),
