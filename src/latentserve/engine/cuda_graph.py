@@ -85,6 +85,9 @@ class CudaGraphRunner:
         # model's engine masks ids in the logits first, so its graph does not, nor does a
         # tensor-parallel worker rank's (with_greedy=False: it never samples).
         self.with_greedy = with_greedy and spec is None and self.GREEDY
+        # the LM head's epilogue finds the argmax too
+        self._head_argmax = (self.with_greedy and self.LM_HEAD_ARGMAX
+                             and getattr(model, "compute_logits_greedy", None) is not None)
         self.greedy = None  # the last replay's greedy tokens (with_greedy)
         self.num_latent_replays = 0
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
@@ -108,7 +111,7 @@ class CudaGraphRunner:
                 try:
                     with torch.inference_mode():
                         warm = self._forward(model, b)  # warm-up: compiles kernels outside capture
-                        if self._lm_head_argmax(model) and model.lm_head_fast(warm[1]):
+                        if self._head_argmax and model.lm_head_fast(warm[1]):
                             model.compute_logits(warm[1])  # and the eager steps' LM head variant
                         torch.cuda.synchronize()
                         graph = torch.cuda.CUDAGraph()
@@ -156,17 +159,13 @@ class CudaGraphRunner:
             hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
         else:
             hidden = model(self.ids[:b], self.pos[:b])
-        if self._lm_head_argmax(model):  # the LM head finds the argmax too
+        if self._head_argmax:
             logits, greedy = model.compute_logits_greedy(hidden)
             return logits, hidden, greedy
         logits = model.compute_logits(hidden)
         if not self.with_greedy:
             return logits, hidden, None
         return logits, hidden, greedy_tokens(logits)  # in the graph: no launches per step
-
-    def _lm_head_argmax(self, model) -> bool:
-        return (self.with_greedy and self.LM_HEAD_ARGMAX
-                and getattr(model, "compute_logits_greedy", None) is not None)
 
     def latent_outputs(self):
         """The latent graph's outputs for the last replay's rows, replayed on the first call

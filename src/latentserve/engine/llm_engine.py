@@ -21,6 +21,7 @@ from latentserve.engine.prompt_logprobs import PromptLogprobTracker
 from latentserve.engine.tp_worker import (
     RunnerSetup,
     abort_workers,
+    broadcast_object,
     load_served_model,
     make_runner,
     start_workers,
@@ -141,8 +142,8 @@ class LLMEngine:
             self.device.type == "cuda" and config.backend_name == "triton"
             and not config.enforce_eager) else 0
         if self.tp is not None:  # the workers copy these, then capture alongside
-            self.runner.send(RunnerSetup(slots, self.max_model_len, self.runner.capture_layer,
-                                         graph_bs))
+            broadcast_object(self.tp, RunnerSetup(slots, self.max_model_len,
+                                                  self.runner.capture_layer, graph_bs))
         if graph_bs:
             self.runner.capture_graphs(graph_bs, hf_config.hidden_size, config.torch_dtype)
             self.scheduler.forced_one_by_one = True  # keep latent batches on the graphs
@@ -282,9 +283,9 @@ class LLMEngine:
         idempotent). The engine cannot step afterwards."""
         if self.tp is None:
             return
-        self.tp = None
+        tp, self.tp = self.tp, None
         try:
-            self.runner.send(None)
+            broadcast_object(tp, None)  # stop
         finally:
             # NOTE: leave the group while the workers leave it too: NCCL's teardown waits
             # for its peers, so destroying after they exited (or before they start) hangs.

@@ -30,7 +30,7 @@ class ModelRunner:
     ``run(batch)`` returns ``(logits [S, vocab] float32, last_hidden [S, hidden])`` for the
     sampling rows in batch order; latent positions take ``req.latent_embeds``.
 
-    After a run: ``last_captured`` ``[S, hidden]`` (residual after ``set_capture`` layers);
+    After a run: ``last_captured`` ``[S, hidden]`` (residual after ``capture_layer`` layers);
     ``last_hidden_all`` ``[num_tokens, hidden]``; ``last_greedy`` ``[S] int64`` or None;
     ``replayed`` (outputs may be graph buffers: copy to keep); ``prompt_hidden`` ``(req,
     start, [q_len, hidden])``; counters ``num_computed_tokens``, ``num_graph_steps``.

@@ -97,10 +97,6 @@ class TPModelRunner(ModelRunner):
         super().__init__(model, kv_pool, table, backend, device)
         self.tp = tp
 
-    def send(self, obj: RunnerSetup | None) -> None:
-        """Broadcast ``obj`` to the workers: the ``RunnerSetup``, or None to stop them."""
-        _broadcast_object(self.tp, obj)
-
     def run(self, batch, pending=None):
         if self.tp.is_driver:
             self._send_batch(batch, pending)
@@ -133,7 +129,7 @@ class TPModelRunner(ModelRunner):
             and any(j is not None for j in rows_of) else None
         sent = [t for t in (self.table.table[rows, :max_kv].contiguous(), latents, prev)
                 if t is not None]
-        _broadcast_object(self.tp, StepHeader(
+        broadcast_object(self.tp, StepHeader(
             reqs, list(batch.sample), max_kv, len(vecs),
             "" if latents is None else str(latents.dtype).removeprefix("torch."),
             [-1 if j is None else j for j in rows_of], 0 if prev is None else len(prev)))
@@ -143,7 +139,7 @@ class TPModelRunner(ModelRunner):
     def serve_forever(self) -> None:
         """Run rank 0's batches until it sends stop."""
         while True:
-            header = _broadcast_object(self.tp)
+            header = broadcast_object(self.tp)
             if header is None:
                 return
             reqs, pending = self._receive_batch(header)
@@ -203,8 +199,9 @@ def make_runner(model, config: EngineConfig, kv_slots: int, max_model_len: int, 
     return ModelRunner(*args) if tp is None else TPModelRunner(*args, tp)
 
 
-def _broadcast_object(tp, obj: Any = None) -> Any:
-    """Rank 0's ``obj`` on every rank, over the gloo group (pickled)."""
+def broadcast_object(tp, obj: Any = None) -> Any:
+    """Rank 0's ``obj`` on every rank, over the gloo group (pickled): a ``StepHeader``, the
+    ``RunnerSetup``, or None (stop)."""
     import torch.distributed as dist
 
     box = [obj]
@@ -280,7 +277,7 @@ def main(argv: list[str]) -> None:
                                          str(tp.device), tp)
     runner: Any = None  # a TPModelRunner
     try:
-        setup: RunnerSetup = _broadcast_object(tp)
+        setup: RunnerSetup = broadcast_object(tp)
         if hasattr(model, "prepare_positions"):  # the fast path's RoPE table, as rank 0's
             model.prepare_positions(setup.max_model_len)
         runner = make_runner(model, config, setup.kv_slots, setup.max_model_len, tp.device,
