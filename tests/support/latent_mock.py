@@ -20,9 +20,9 @@ MOCK_SPEC = LatentSpec("feedback", "mock-coconut", default_budget=3, max_budget=
 def mock_latent_loading():
     """Within the block, every model ``LLMEngine`` loads gets ``MOCK_SPEC`` and identity
     feedback."""
-    import latentserve.engine.llm_engine as llm_engine
+    import latentserve.engine.tp_worker as tp_worker  # LLMEngine loads through it
 
-    original = llm_engine.load_model
+    original = tp_worker.load_model
 
     def load(model_dir, dtype, device, **kwargs):
         model, cfg = original(model_dir, dtype, device, **kwargs)
@@ -30,11 +30,11 @@ def mock_latent_loading():
         model.latent_feedback = lambda hidden: hidden
         return model, cfg
 
-    llm_engine.load_model = load
+    tp_worker.load_model = load
     try:
         yield
     finally:
-        llm_engine.load_model = original
+        tp_worker.load_model = original
 
 
 @torch.no_grad()

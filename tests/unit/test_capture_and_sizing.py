@@ -14,7 +14,7 @@ def test_capture_returns_the_layer_hidden_of_each_sampling_row(kind, layer, tiny
     from latentserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_dirs[kind])))
-    engine.runner.set_capture(layer)
+    engine.runner.capture_layer = layer
     seen = {}
     original = engine.runner.run
 

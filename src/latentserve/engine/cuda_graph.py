@@ -37,7 +37,6 @@ class CudaGraphRunner:
 
     ``capture_layer``: decoder layer whose output goes to ``capture_buf`` (-1: none).
     ``latent_capable``: bind the inject buffers (False only for a benchmark of their cost).
-    ``graph_depths``: loop trip counts (None: ``Family.graph_hooks``' default).
 
     ``replay`` takes ``[B]`` device tensors (``embeds [B, hidden]``, ``mask [B] bool`` or
     None, ``rec``: the forward context), B <= max_bs, and returns ``(logits [B, vocab]
@@ -52,7 +51,7 @@ class CudaGraphRunner:
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
-                 graph_depths=None, with_greedy: bool = True):
+                 with_greedy: bool = True):
         from latentserve.attention.triton_backend import TritonMeta
 
         dev = table.table.device
@@ -77,7 +76,7 @@ class CudaGraphRunner:
             getattr(model, "latent_head_mode", None) == "closed_loop" else None
         self.capture_layer = capture_layer
         spec = getattr(model, "latent_spec", None)
-        self.hooks = family_for(spec).graph_hooks(spec, model, n, dev, graph_depths)
+        self.hooks = family_for(spec).graph_hooks(spec, model, n, dev)
         self.feedback = self.hooks.feedback
         self.graph_depths = list(self.hooks.depths)
         self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay
@@ -86,6 +85,9 @@ class CudaGraphRunner:
         # model's engine masks ids in the logits first, so its graph does not, nor does a
         # tensor-parallel worker rank's (with_greedy=False: it never samples).
         self.with_greedy = with_greedy and spec is None and self.GREEDY
+        # the LM head's epilogue finds the argmax too
+        self._head_argmax = (self.with_greedy and self.LM_HEAD_ARGMAX
+                             and getattr(model, "compute_logits_greedy", None) is not None)
         self.greedy = None  # the last replay's greedy tokens (with_greedy)
         self.num_latent_replays = 0
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
@@ -109,7 +111,7 @@ class CudaGraphRunner:
                 try:
                     with torch.inference_mode():
                         warm = self._forward(model, b)  # warm-up: compiles kernels outside capture
-                        if self._lm_head_argmax(model) and model.lm_head_fast(warm[1]):
+                        if self._head_argmax and model.lm_head_fast(warm[1]):
                             model.compute_logits(warm[1])  # and the eager steps' LM head variant
                         torch.cuda.synchronize()
                         graph = torch.cuda.CUDAGraph()
@@ -157,17 +159,13 @@ class CudaGraphRunner:
             hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
         else:
             hidden = model(self.ids[:b], self.pos[:b])
-        if self._lm_head_argmax(model):  # the LM head finds the argmax too
+        if self._head_argmax:
             logits, greedy = model.compute_logits_greedy(hidden)
             return logits, hidden, greedy
         logits = model.compute_logits(hidden)
         if not self.with_greedy:
             return logits, hidden, None
         return logits, hidden, greedy_tokens(logits)  # in the graph: no launches per step
-
-    def _lm_head_argmax(self, model) -> bool:
-        return (self.with_greedy and self.LM_HEAD_ARGMAX
-                and getattr(model, "compute_logits_greedy", None) is not None)
 
     def latent_outputs(self):
         """The latent graph's outputs for the last replay's rows, replayed on the first call

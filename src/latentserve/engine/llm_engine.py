@@ -4,6 +4,7 @@ process both drive this class."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from typing import Any
@@ -11,26 +12,25 @@ from typing import Any
 import torch
 
 from latentserve import sampling, token_masks  # by module: tests patch what the engine calls
-from latentserve.attention.base import make_backend
 from latentserve.config import EngineConfig, check_device
 from latentserve.core import Req
 from latentserve.distributed import destroy_tp_group
 from latentserve.engine import overlap
 from latentserve.engine.kv_sizing import kv_slots_for
-from latentserve.engine.model_runner import ModelRunner
 from latentserve.engine.prompt_logprobs import PromptLogprobTracker
 from latentserve.engine.tp_worker import (
     RunnerSetup,
-    TPModelRunner,
     abort_workers,
+    broadcast_object,
+    load_served_model,
+    make_runner,
     start_workers,
     stop_workers,
 )
 from latentserve.kvcache.allocator import SlotAllocator
-from latentserve.kvcache.pool import KVPool, PageTable
+from latentserve.kvcache.pool import KVPool
 from latentserve.kvcache.radix import RadixCache
 from latentserve.latent.family import family_for
-from latentserve.latent.load import load_model
 from latentserve.latent.spec import cap_budget
 from latentserve.mask_ahead import MasksAhead
 from latentserve.models import layers  # by module: tests patch its row bounds
@@ -67,31 +67,25 @@ class LLMEngine:
             # serving dtype), not a conversion of their own.
             resolved = str(resolve_model_dir(config.model, _dtype_name(config)))
             self.tp, self._tp_procs = start_workers(dataclasses.replace(config, model=resolved))
-            try:
-                self._build(config)
-            except BaseException:
+        try:
+            self._build(config)
+        except BaseException:
+            if self.tp is not None:
                 self.tp = None
                 abort_workers(self._tp_procs)  # kill the workers, leave the process group
-                raise
-        else:
-            self._build(config)
+            raise
 
     def _build(self, config: EngineConfig) -> None:
         self.config = config
         check_device(config.device)
         self.device = self.tp.device if self.tp is not None else torch.device(config.device)
         torch.manual_seed(config.seed)
-        model_dir = resolve_model_dir(config.model, _dtype_name(config))
-        self.model_dir = model_dir
+        self.model_dir = model_dir = resolve_model_dir(config.model, _dtype_name(config))
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir,  # --tokenizer
                                         optional=config.tokenizer is None)  # else ids only
         self.sampling_defaults = sampling_defaults(model_dir, config.generation_config)
-        model, hf_config = load_model(model_dir, config.torch_dtype, config.device,
-                                      latent_head=config.latent_head,
-                                      no_latent_head=config.no_latent_head,
-                                      latent_injection=config.latent_injection, tp=self.tp,
-                                      fused_ops=config.use_fused_ops)
+        model, hf_config = load_served_model(config, model_dir, config.device, self.tp)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
@@ -105,19 +99,19 @@ class LLMEngine:
             model.prepare_positions(self.max_model_len)
         layers, kv_heads, head_dim = model.kv_shape
         per_slot = KVPool.bytes_per_slot(layers, kv_heads, head_dim, config.torch_dtype)
-        slots = kv_slots_for(config, per_slot, self.max_model_len, hf_config.vocab_size)
-        self.num_kv_slots = slots
+        slots = self.num_kv_slots = kv_slots_for(config, per_slot, self.max_model_len,
+                                                 hf_config.vocab_size)
         if slots < self.max_model_len:
             # NOTE: a request must always fit the pool on its own, or it would be preempted
             # and re-admitted forever; so no request may outgrow the pool.
             log.warning("max_model_len lowered from %d to the KV pool's %d slots",
                         self.max_model_len, slots)
             self.max_model_len = slots
-        pool = KVPool(layers, slots, kv_heads, head_dim, config.torch_dtype, self.device)
-        table = PageTable(config.max_num_seqs, self.max_model_len, self.device)
+        self.runner: Any = make_runner(model, config, slots, self.max_model_len, self.device,
+                                       self.tp)  # a TPModelRunner under TP
         allocator = SlotAllocator(slots, self.device)
         radix = RadixCache(allocator, enabled=config.enable_prefix_caching)
-        self.cache = CacheManager(allocator, radix, table)
+        self.cache = CacheManager(allocator, radix, self.runner.table)
         self.eos_ids = _eos_ids(model_dir, self.tokenizer, hf_config)
         spec, cap = getattr(model, "latent_spec", None), config.max_latent_budget
         family = family_for(spec)
@@ -126,7 +120,7 @@ class LLMEngine:
                    if spec is not None and family.budgeted else None)
         self.latent_spec = cap_budget(spec, cap)
         self.upstream_stop_rules = config.upstream_stop_rules  # requests' default
-        if self.upstream_stop_rules and not _upstream_eos_from(self.latent_spec):
+        if self.upstream_stop_rules and not getattr(self.latent_spec, "upstream_eos_from", 0):
             if not config.latent_cap_where_applicable:
                 raise ValueError(_no_upstream_rule(self.latent_spec))
             self.upstream_stop_rules = False  # a multi-model server: where it applies
@@ -134,28 +128,22 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, self.family)
-        backend = make_backend(config.backend_name, config.attention_num_kv_splits)
         self.exit_semantics = config.exit_semantics  # requests' default (Huginn)
         if self.exit_semantics != "engine" and not self.family.takes_exit_semantics:
             if not config.latent_cap_where_applicable:
                 raise ValueError(f"exit_semantics {self.exit_semantics!r} (--exit-semantics) "
                                  f"needs a Huginn model, not {_a_model(self.latent_spec)}")
             self.exit_semantics = "engine"  # a multi-model server: where it applies
-        self.backend_name, self.key_mask_ok = config.backend_name, backend.supports_key_mask
+        self.backend_name = config.backend_name
+        self.key_mask_ok = self.runner.backend.supports_key_mask
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        runner_args = (model, pool, table, backend, self.device)
-        self.runner: Any  # ModelRunner, or TPModelRunner (its subclass) under TP
-        if self.tp is None:
-            self.runner = ModelRunner(*runner_args)
-        else:
-            self.runner = TPModelRunner(*runner_args, self.tp)
         self.family.setup()
         graph_bs = min(config.max_num_seqs, 256) if (
             self.device.type == "cuda" and config.backend_name == "triton"
             and not config.enforce_eager) else 0
         if self.tp is not None:  # the workers copy these, then capture alongside
-            self.runner.send_setup(RunnerSetup(slots, self.max_model_len,
-                                               self.runner.capture_layer, graph_bs))
+            broadcast_object(self.tp, RunnerSetup(slots, self.max_model_len,
+                                                  self.runner.capture_layer, graph_bs))
         if graph_bs:
             self.runner.capture_graphs(graph_bs, hf_config.hidden_size, config.torch_dtype)
             self.scheduler.forced_one_by_one = True  # keep latent batches on the graphs
@@ -209,20 +197,18 @@ class LLMEngine:
                              f"> 1 on {family.description}")
         admission = family.admit(prompt_token_ids, params)
         params, extra = admission.params, admission.extra
-        if not family.takes_head_controls:
-            sent = [name for name in ("compression_factor", "latent_temperature")
-                    if getattr(params, name) is not None]
+        for taken, unset, needs in (
+                (family.takes_head_controls, {"compression_factor": None,
+                                              "latent_temperature": None},
+                 "a CoLaR model (a directory with colar_config.json)"),
+                (family.takes_exit_fields, {"exit_criterion": None, "exit_threshold": None,
+                                            "exit_min_steps": 0, "exit_check_every": 1,
+                                            "exit_semantics": None},
+                 "a recurrent-depth model (Huginn, Ouro)")):
+            sent = [] if taken else [k for k, v in unset.items() if getattr(params, k) != v]
             if sent:
-                raise ValueError(f"{sent[0]} needs a CoLaR model (a directory with "
-                                 "colar_config.json)")
-        if not family.takes_exit_fields:
-            sent = [name for name, unset in (("exit_criterion", None), ("exit_threshold", None),
-                                             ("exit_min_steps", 0), ("exit_check_every", 1))
-                    if getattr(params, name) != unset]
-            if sent or params.exit_semantics is not None:
-                name = sent[0] if sent else "exit_semantics"
-                raise ValueError(f"{name} needs a recurrent-depth model (Huginn, Ouro)")
-        if params.upstream_stop_rules and not _upstream_eos_from(spec):
+                raise ValueError(f"{sent[0]} needs {needs}")
+        if params.upstream_stop_rules and not getattr(spec, "upstream_eos_from", 0):
             raise ValueError(_no_upstream_rule(spec))
         upstream = (self.upstream_stop_rules if params.upstream_stop_rules is None
                     else params.upstream_stop_rules)
@@ -249,7 +235,7 @@ class LLMEngine:
             raise ValueError("prompt_logprobs (echo with logprobs) is not supported with "
                              "tensor_parallel_size > 1")
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals,
-                  eos_from=_upstream_eos_from(spec) if upstream else 0,
+                  eos_from=getattr(spec, "upstream_eos_from", 0) if upstream else 0,
                   constraint=self._constraint(params) if params.has_token_mask else None)
         if admission.start is not None:
             admission.start(req)
@@ -297,9 +283,9 @@ class LLMEngine:
         idempotent). The engine cannot step afterwards."""
         if self.tp is None:
             return
-        self.tp = None
+        tp, self.tp = self.tp, None
         try:
-            self.runner.send_stop()
+            broadcast_object(tp, None)  # stop
         finally:
             # NOTE: leave the group while the workers leave it too: NCCL's teardown waits
             # for its peers, so destroying after they exited (or before they start) hangs.
@@ -328,7 +314,8 @@ class LLMEngine:
             if overlap.eligible(self):
                 return self._retire(overlap.step(self))
             if self.inflight is not None:  # finish it first; the next step is synchronous
-                return self._retire(overlap.drain(self))
+                prev, self.inflight = self.inflight, None
+                return self._retire(overlap.finish(self, prev))
         batch = self.scheduler.schedule()
         if batch is None:
             outs = self.scheduler.drain_aborted()
@@ -371,14 +358,12 @@ class LLMEngine:
             outs = self._apply_failures(outs)
         if self.prompt_logprobs:
             self.prompt_logprobs.attach(outs)
-        for o in outs:
-            if o.finished and o.latent_stats is not None:
-                st = o.latent_stats
+        for o in (o for o in outs if o.finished):
+            self._rids.discard(o.rid)
+            if (st := o.latent_stats) is not None:
                 log.debug("latent head: req %s thinking=%s steps=%d stop_step=%s max_p=%s "
                           "end=%s", o.rid, st["thinking"], st["steps"], st["stop_step"],
                           st["max_stop_prob"], st["end"])
-            if o.finished:
-                self._rids.discard(o.rid)
         return outs
 
     def _sample(self, logits, reqs, greedy=None, mask=None) -> tuple[list[int], list]:
@@ -489,11 +474,6 @@ class LLMEngine:
         return g.head is None or getattr(g.head, "policy_sigma", None) is None
 
 
-def _upstream_eos_from(spec) -> int:
-    """The served family's upstream EOS rule (``LatentSpec.upstream_eos_from``; 0: none)."""
-    return 0 if spec is None else spec.upstream_eos_from
-
-
 def _no_upstream_rule(spec) -> str:
     """The refusal of ``upstream_stop_rules`` on a family without an upstream stop rule."""
     return ("upstream_stop_rules needs a model family whose upstream code ends on EOS "
@@ -516,20 +496,11 @@ def _dtype_name(config: EngineConfig) -> str:
 def _eos_ids(model_dir, tokenizer, hf_config) -> set[int]:
     """EOS ids from generation_config.json (an adapter directory's: its base's), the model
     config and the tokenizer."""
-    ids: set[int] = set()
-    try:
-        from transformers import GenerationConfig
+    from transformers import GenerationConfig
 
-        gen = GenerationConfig.from_pretrained(base_model_dir(model_dir), local_files_only=True)
-        ids |= _as_set(gen.eos_token_id)
-    except OSError:
-        pass
-    ids |= _as_set(getattr(hf_config, "eos_token_id", None))
-    ids |= _as_set(tokenizer.eos_token_id)
-    return ids
-
-
-def _as_set(x) -> set[int]:
-    if x is None:
-        return set()
-    return {int(v) for v in x} if isinstance(x, (list, tuple)) else {int(x)}
+    found = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    with contextlib.suppress(OSError):
+        found.append(GenerationConfig.from_pretrained(base_model_dir(model_dir),
+                                                      local_files_only=True).eos_token_id)
+    return {int(v) for x in found if x is not None
+            for v in (x if isinstance(x, (list, tuple)) else [x])}

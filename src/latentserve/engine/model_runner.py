@@ -30,7 +30,7 @@ class ModelRunner:
     ``run(batch)`` returns ``(logits [S, vocab] float32, last_hidden [S, hidden])`` for the
     sampling rows in batch order; latent positions take ``req.latent_embeds``.
 
-    After a run: ``last_captured`` ``[S, hidden]`` (residual after ``set_capture`` layers);
+    After a run: ``last_captured`` ``[S, hidden]`` (residual after ``capture_layer`` layers);
     ``last_hidden_all`` ``[num_tokens, hidden]``; ``last_greedy`` ``[S] int64`` or None;
     ``replayed`` (outputs may be graph buffers: copy to keep); ``prompt_hidden`` ``(req,
     start, [q_len, hidden])``; counters ``num_computed_tokens``, ``num_graph_steps``.
@@ -44,6 +44,8 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.graphs: CudaGraphRunner | None = None  # once capture_graphs() ran
+        # residual after this many decoder layers goes to last_captured (-1: none); set it
+        # before capture_graphs, which bakes it into the graphs
         self.capture_layer = -1
         self.last_captured: torch.Tensor | None = None
         self.last_hidden_all: torch.Tensor | None = None
@@ -57,11 +59,6 @@ class ModelRunner:
         self._to_device = HostToDevice(device, side_stream=True)
         self.prompt_hidden: list = []
         self.family = family_for(getattr(model, "latent_spec", None))  # its class only
-
-    def set_capture(self, layer: int) -> None:
-        """Capture the residual stream after ``layer`` decoder layers (call before
-        ``capture_graphs``, which bakes it into the graphs); -1 turns capture off."""
-        self.capture_layer = layer
 
     def release_graphs(self) -> None:
         """Drop the captured decode graphs and wait for the device (before leaving a TP

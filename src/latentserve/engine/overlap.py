@@ -34,15 +34,10 @@ class Launched:
 
 def eligible(engine) -> bool:
     """Whether ``engine``'s next step may overlap."""
-    if not engine.config.use_overlap_schedule or not engine.family.overlaps:
-        return False
     sched = engine.scheduler
-    for queue in (sched.running, sched.waiting):
-        for r in queue:
-            p = r.params
-            if p.logprobs is not None or p.prompt_logprobs is not None or p.has_penalties:
-                return False
-    return True
+    return engine.config.use_overlap_schedule and engine.family.overlaps and not any(
+        r.params.logprobs is not None or r.params.prompt_logprobs is not None
+        or r.params.has_penalties for queue in (sched.running, sched.waiting) for r in queue)
 
 
 def step(engine) -> list:
@@ -59,9 +54,14 @@ def step(engine) -> list:
             launched = _launch(engine, batch, prev)
         except BaseException:
             # NOTE: the forward may have replayed a graph, overwriting the buffer that
-            # prev's tokens view, before something raised; its pending ids must survive
+            # prev's tokens view, before something raised; its pending ids must survive: point
+            # them at their host copy, out of the ring (retried launches take its slots again)
             try:
-                _detach(prev)
+                if prev is not None:
+                    if prev.event is not None:
+                        prev.event.synchronize()
+                    prev.host = prev.host.clone()
+                    prev.tokens = prev.host.to(prev.tokens.device)
             except Exception:
                 log.exception("could not restore the in-flight tokens from their host copy")
             raise
@@ -69,8 +69,11 @@ def step(engine) -> list:
     try:
         return sched.drain_aborted() if prev is None else finish(engine, prev)
     finally:  # the new batch is on the device whatever finishing the last one raised
-        if launched is not None:
-            _advance(engine, launched)
+        if launched is not None:  # advance its host state; map its pending ids
+            latents, launched.batch, launched.latents = launched.latents, None, None
+            launched.pending = sched.advance_launched(batch, latents)
+            launched.src = {id(r): j for j, (r, i, _, _) in enumerate(launched.pending)
+                            if i is not None}
             # the next step's grammar rows, once this batch's tokens are on the host
             engine.masks_ahead.start([(r, i) for r, i, _, _ in launched.pending],
                                      launched.host, launched.event)
@@ -92,14 +95,6 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     return Launched(batch, latents, [], tokens, host, event, {}, failed)
 
 
-def _advance(engine, launched: Launched) -> None:
-    """``Scheduler.advance_launched`` for ``launched``; map its pending ids."""
-    batch, latents, launched.batch, launched.latents = launched.batch, launched.latents, None, None
-    pending = engine.scheduler.advance_launched(batch, latents)
-    launched.pending = pending
-    launched.src = {id(r): j for j, (r, i, _, _) in enumerate(pending) if i is not None}
-
-
 def finish(engine, launched: Launched) -> list:
     """Wait for ``launched``'s tokens and finish its requests (``finalize_launched``); its
     failed rows fail their requests (not a discarded row's)."""
@@ -117,23 +112,6 @@ def _host_copy(tokens: torch.Tensor, ring: DeviceToHost) -> tuple[torch.Tensor, 
     """``(host copy, event)`` of ``tokens``, taken before the next replay can overwrite a
     graph buffer they view (``ring.copy``)."""
     return ring.copy(tokens)
-
-
-def _detach(prev: Launched | None) -> None:
-    """After a launch that raised: point ``prev``'s tokens at its host copy, on their device
-    (a replay may have overwritten the graph buffer they viewed)."""
-    if prev is None:
-        return
-    if prev.event is not None:
-        prev.event.synchronize()
-    prev.host = prev.host.clone()  # out of the ring: retried launches take its slots again
-    prev.tokens = prev.host.to(prev.tokens.device)
-
-
-def drain(engine) -> list:
-    """Finish the batch in flight, if any (before a synchronous step)."""
-    prev, engine.inflight = engine.inflight, None
-    return [] if prev is None else finish(engine, prev)
 
 
 def _known(reqs: list, prev: Launched | None) -> dict | None:

@@ -3,7 +3,7 @@ given the ones before it, from ``ModelRunner.prompt_hidden`` as the chunks run."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -18,10 +18,7 @@ _LOGIT_ROWS = 256
 class _Entry:
     k: int
     lps: list[TokenLogprob | None]
-    missing: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.missing = len(self.lps) - 1  # the first prompt token has no logprob
+    missing: int  # logprobs not yet scored (the first prompt token has none)
 
 
 class PromptLogprobTracker:
@@ -36,7 +33,7 @@ class PromptLogprobTracker:
     def add(self, rid: str, num_prompt_tokens: int, k: int) -> None:
         """Track ``rid``: the first ``num_prompt_tokens`` prompt tokens (the client's prompt,
         before any latent start ids) with ``k`` top alternatives each."""
-        self._entries[rid] = _Entry(k, [None] * num_prompt_tokens)
+        self._entries[rid] = _Entry(k, [None] * num_prompt_tokens, num_prompt_tokens - 1)
 
     @torch.inference_mode()
     def record(self, model, prompt_hidden: list) -> None:

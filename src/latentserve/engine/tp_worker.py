@@ -3,6 +3,7 @@ same forward on their shard (docs/internals.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -55,31 +57,9 @@ class StepHeader:
     num_prev_tokens: int
 
 
-class _Window:
-    """``ids`` of a worker-side request: only the slice ``[start, start + len(ids))`` that
-    this step computes is known; slicing it returns that part."""
-
-    __slots__ = ("ids", "start")
-
-    def __init__(self, start: int, ids: list[int]):
-        self.start, self.ids = start, ids
-
-    def __getitem__(self, s: slice) -> list[int]:
-        return self.ids[s.start - self.start : s.stop - self.start]
-
-
 # Rank 0 scores prompt logprobs and keeps the latent trace; workers do neither.
 _NO_PROMPT_LOGPROBS = type("_ShadowParams", (), {"prompt_logprobs": None,
                                                  "return_latent_trace": False})()
-
-
-@dataclass(slots=True)
-class _ShadowState:
-    """A recurrent request's ``exit_rule`` on a worker; ``iters`` collects what rank 0
-    records too (unused here)."""
-
-    exit_rule: Any
-    iters: list = dataclasses.field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -87,40 +67,26 @@ class _ShadowReq:
     """The fields of a ``Req`` that ``ModelRunner.run`` and ``RecurrentBatch`` read."""
 
     row: int
-    ids: _Window
+    start: int  # of this step's chunk: the only ids a worker knows
+    chunk: list[int]
     prompt_ids: range  # only its length is read
     latent_start: int
     latent_embeds: list
     latent_budget: int
-    state: Any  # _ShadowState: what RecurrentBatch reads of a recurrent request's state
+    # what RecurrentBatch reads of a recurrent request's state: its exit_rule, and iters,
+    # which collects what rank 0 records too (unused here)
+    state: SimpleNamespace
     # The engine refuses prompt logprobs under tensor parallelism (rank 0 scores them).
     params: Any = dataclasses.field(default_factory=lambda: _NO_PROMPT_LOGPROBS)
 
     def ids_slice(self, start: int, stop: int) -> list[int]:
-        return self.ids[start:stop]
+        return self.chunk[start - self.start : stop - self.start]
 
     @property
     def seq_len(self) -> int:
         """The end of this step's chunk (rank 0 maps a pending id only where its chunk ends
         its ids, ``model_runner.pending_row``)."""
-        return self.ids.start + len(self.ids.ids)
-
-
-def _chunk(req, start: int, n: int) -> list[int]:
-    """``req.ids[start : start + n]`` without building ``prompt_ids + output_ids``."""
-    p = len(req.prompt_ids)
-    if start >= p:
-        return req.output_ids[start - p : start - p + n]
-    return req.ids[start : start + n]
-
-
-def _latent_span(req, start: int, n: int) -> range:
-    """Positions of ``[start, start + n)`` inside ``req``'s latent span (as ``ModelRunner``)."""
-    if not req.latent_embeds:
-        return range(0)
-    lo = max(start, req.latent_start)
-    hi = min(start + n, req.latent_start + len(req.latent_embeds))
-    return range(lo, max(lo, hi))
+        return self.start + len(self.chunk)
 
 
 class TPModelRunner(ModelRunner):
@@ -131,23 +97,10 @@ class TPModelRunner(ModelRunner):
         super().__init__(model, kv_pool, table, backend, device)
         self.tp = tp
 
-    # ----- rank 0 -----
-
-    def send_setup(self, setup: RunnerSetup) -> None:
-        self._send_object(setup)
-
-    def send_stop(self) -> None:
-        self._send_object(None)
-
     def run(self, batch, pending=None):
         if self.tp.is_driver:
             self._send_batch(batch, pending)
         return super().run(batch, pending)
-
-    def _send_object(self, obj) -> None:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list([obj], src=0, group=self.tp.cpu_group)
 
     def _send_batch(self, batch, pending: tuple | None) -> None:
         """Broadcast ``batch``'s ``StepHeader``, page-table block, latent vectors and pending
@@ -160,46 +113,33 @@ class TPModelRunner(ModelRunner):
         rows_of = [pending_row(r, s, n, src_of) for r, s, n
                    in zip(batch.reqs, batch.starts, batch.q_lens)]
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
-            span = _latent_span(req, start, n)
+            # positions of [start, start + n) inside the latent span (as ModelRunner's)
+            lo = max(start, req.latent_start)
+            span = range(lo, max(lo, min(start + n, req.latent_start + len(req.latent_embeds))))
             vecs.extend(req.latent_embeds[p - req.latent_start] for p in span)
-            reqs.append((req.row, start, n, _chunk(req, start, n), len(req.prompt_ids),
+            reqs.append((req.row, start, n, req.ids_slice(start, start + n), len(req.prompt_ids),
                          req.latent_start, len(req.latent_embeds), list(span),
                          int(req.latent_budget), getattr(req.state, "exit_rule", None)))
         max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
         rows = torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=self.device)
-        sent = [self.table.table[rows, :max_kv].contiguous()]
         # (tensor, row) entries (latent/vectors.py), as one [num_latent, hidden]
         latents = latent_vectors.stack(vecs).contiguous() if vecs else None
-        if latents is not None:
-            sent.append(latents)
         # NOTE: the tokens may view a graph's buffer: this send is queued before the replay
         prev = pending[0].contiguous() if pending is not None \
             and any(j is not None for j in rows_of) else None
-        if prev is not None:
-            sent.append(prev)
-        self._send_object(StepHeader(
+        sent = [t for t in (self.table.table[rows, :max_kv].contiguous(), latents, prev)
+                if t is not None]
+        broadcast_object(self.tp, StepHeader(
             reqs, list(batch.sample), max_kv, len(vecs),
             "" if latents is None else str(latents.dtype).removeprefix("torch."),
             [-1 if j is None else j for j in rows_of], 0 if prev is None else len(prev)))
         for t in sent:
             dist.broadcast(t, src=0, group=self.tp.device_group)
 
-    # ----- workers -----
-
-    def receive_setup(self) -> RunnerSetup:
-        return self._receive_object()
-
-    def _receive_object(self):
-        import torch.distributed as dist
-
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.tp.cpu_group)
-        return box[0]
-
     def serve_forever(self) -> None:
         """Run rank 0's batches until it sends stop."""
         while True:
-            header = self._receive_object()
+            header = broadcast_object(self.tp)
             if header is None:
                 return
             reqs, pending = self._receive_batch(header)
@@ -230,8 +170,8 @@ class TPModelRunner(ModelRunner):
             for p in span:
                 embeds[p - lat_start] = (vecs, k)  # a (tensor, row) entry, as on rank 0
                 k += 1
-            out.append(_ShadowReq(row, _Window(start, ids), range(prompt_len), lat_start,
-                                  embeds, budget, _ShadowState(rule)))
+            out.append(_ShadowReq(row, start, ids, range(prompt_len), lat_start,
+                                  embeds, budget, SimpleNamespace(exit_rule=rule, iters=[])))
         if not header.num_prev_tokens:
             return out, None
         tokens = torch.empty(header.num_prev_tokens, dtype=torch.int64, device=dev)
@@ -239,25 +179,50 @@ class TPModelRunner(ModelRunner):
         return out, (tokens, {id(r): j for r, j in zip(out, header.pending) if j >= 0})
 
 
-def _free_port() -> int:
-    import socket
+def load_served_model(config: EngineConfig, model_dir, device: str, tp=None) -> tuple:
+    """``latent.load.load_model`` with ``config``'s latent and fused-ops options:
+    ``(model, hf_config)``."""
+    return load_model(model_dir, config.torch_dtype, device, latent_head=config.latent_head,
+                      no_latent_head=config.no_latent_head,
+                      latent_injection=config.latent_injection, tp=tp,
+                      fused_ops=config.use_fused_ops)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def make_runner(model, config: EngineConfig, kv_slots: int, max_model_len: int, device,
+                tp=None) -> Any:
+    """A runner with a KV pool of ``kv_slots`` tokens and a page table of ``max_model_len``
+    columns (a ``TPModelRunner`` under ``tp``)."""
+    layers, kv_heads, head_dim = model.kv_shape
+    args = (model, KVPool(layers, kv_slots, kv_heads, head_dim, config.torch_dtype, device),
+            PageTable(config.max_num_seqs, max_model_len, device),
+            make_backend(config.backend_name, config.attention_num_kv_splits), device)
+    return ModelRunner(*args) if tp is None else TPModelRunner(*args, tp)
+
+
+def broadcast_object(tp, obj: Any = None) -> Any:
+    """Rank 0's ``obj`` on every rank, over the gloo group (pickled): a ``StepHeader``, the
+    ``RunnerSetup``, or None (stop)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
+    return box[0]
 
 
 def start_workers(config) -> tuple[Any, list[subprocess.Popen]]:
     """Start ranks 1..N-1 as subprocesses and join as rank 0: ``(TPGroup, processes)``.
     Raises RuntimeError when a worker exits before the group forms."""
+    import atexit
+    import socket
+
     size = config.tensor_parallel_size
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     payload = json.dumps(dataclasses.asdict(config))
     procs = [subprocess.Popen([sys.executable, "-m", "latentserve.engine.tp_worker", payload,
                                str(rank), str(size), init, str(os.getpid())])
              for rank in range(1, size)]
-    import atexit
-
     atexit.register(_kill_alive, procs)  # e.g. when the engine fails after this point
     try:
         tp = init_tp_group(0, size, init, config.device)
@@ -281,15 +246,13 @@ def _kill_alive(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def stop_workers(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
-    """Wait for the workers to exit (after ``send_stop``); kill those that do not."""
-    deadline = time.monotonic() + timeout
+def stop_workers(procs: list[subprocess.Popen]) -> None:
+    """Wait up to 30 s for the workers to exit (after ``send(None)``); kill those that do not."""
+    deadline = time.monotonic() + 30.0
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    _kill_alive(procs)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -300,32 +263,26 @@ def _exit_with_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
-def worker_main(config, rank: int, size: int, init_method: str) -> None:
-    """Rank ``rank``: load this rank's shard, copy rank 0's ``RunnerSetup`` (KV pool,
-    page table, capture layer, CUDA graphs), then run batches until stop."""
-    tp = init_tp_group(rank, size, init_method, config.device)
+def main(argv: list[str]) -> None:
+    """Rank ``rank`` (argv: config JSON, rank, size, init method, rank 0's pid): load this
+    rank's shard, copy rank 0's ``RunnerSetup`` (KV pool, page table, capture layer, CUDA
+    graphs), then run batches until stop."""
+    payload, rank, size, init, parent = argv
+    threading.Thread(target=_exit_with_parent, args=(int(parent),), daemon=True).start()
+    logging.basicConfig(level=logging.WARNING)
+    config = EngineConfig(**json.loads(payload))
+    tp = init_tp_group(int(rank), int(size), init, config.device)
     torch.manual_seed(config.seed)
-    model, hf_config = load_model(resolve_model_dir(config.model), config.torch_dtype,
-                                  str(tp.device), latent_head=config.latent_head,
-                                  no_latent_head=config.no_latent_head,
-                                  latent_injection=config.latent_injection, tp=tp,
-                                  fused_ops=config.use_fused_ops)
-    layers, kv_heads, head_dim = model.kv_shape
-    runner = None
+    model, hf_config = load_served_model(config, resolve_model_dir(config.model),
+                                         str(tp.device), tp)
+    runner: Any = None  # a TPModelRunner
     try:
-        import torch.distributed as dist
-
-        box: list = [None]
-        dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
-        setup: RunnerSetup = box[0]
+        setup: RunnerSetup = broadcast_object(tp)
         if hasattr(model, "prepare_positions"):  # the fast path's RoPE table, as rank 0's
             model.prepare_positions(setup.max_model_len)
-        pool = KVPool(layers, setup.kv_slots, kv_heads, head_dim, config.torch_dtype,
-                      tp.device)
-        table = PageTable(config.max_num_seqs, setup.max_model_len, tp.device)
-        backend = make_backend(config.backend_name, config.attention_num_kv_splits)
-        runner = TPModelRunner(model, pool, table, backend, tp.device, tp)
-        runner.set_capture(setup.capture_layer)
+        runner = make_runner(model, config, setup.kv_slots, setup.max_model_len, tp.device,
+                             tp)
+        runner.capture_layer = setup.capture_layer
         if setup.graph_max_bs:
             runner.capture_graphs(setup.graph_max_bs, hf_config.hidden_size,
                                   config.torch_dtype, with_greedy=False)  # rank 0 samples
@@ -334,13 +291,6 @@ def worker_main(config, rank: int, size: int, init_method: str) -> None:
         if runner is not None:
             runner.release_graphs()
         destroy_tp_group()
-
-
-def main(argv: list[str]) -> None:
-    payload, rank, size, init, parent = argv
-    threading.Thread(target=_exit_with_parent, args=(int(parent),), daemon=True).start()
-    logging.basicConfig(level=logging.WARNING)
-    worker_main(EngineConfig(**json.loads(payload)), int(rank), int(size), init)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # NOTE: skip interpreter teardown (seconds for torch); the group is closed

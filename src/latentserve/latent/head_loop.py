@@ -88,7 +88,7 @@ class HeadFamily(Family):
     def setup(self) -> None:
         self.defaults = head_defaults()
         runner = self.engine.runner
-        runner.set_capture(runner.model.latent_head.capture_layer)  # -1: final-normed hidden
+        runner.capture_layer = runner.model.latent_head.capture_layer  # -1: final-normed hidden
         self._probs = DeviceToHost()  # stop probabilities to the host
 
     def admit(self, prompt_ids, params) -> Admission:
