@@ -197,14 +197,14 @@ def test_dead_worker_ends_the_engine_loop_at_once(tiny_dirs):
     naming the rank on the failed step (or while idle), instead of failing each later
     request one by one while ``/health`` stays ok."""
     from latentserve.server.engine_process import EngineLoop
-    from latentserve.server.messages import AddRequest, EngineFailed, loads
+    from latentserve.server.messages import AddRequest, EngineFailed
 
     class Outbox:
         def __init__(self):
             self.messages = []
 
-        def send(self, data):
-            self.messages.append(loads(data))
+        def send_pyobj(self, message):
+            self.messages.append(message)
 
     two = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), kv_slots=256,
                                  tensor_parallel_size=2))
