@@ -50,6 +50,23 @@ def test_generate_takes_the_head_controls(tmp_path, capsys):
     assert printed == want.text.strip() and want.latent_stats["steps"] <= 2
 
 
+def test_generate_with_max_tokens_on_a_colar_model(tmp_path, capsys):
+    """README's ``generate ... --max-tokens N`` on a CoLaR model (models/smollm2-mult-colar):
+    the implicit answer-budget floor of 0 is not sent to CoLaR, which takes no
+    min_output_tokens (its max_tokens counts answer tokens only). Before: one error line,
+    ``min_output_tokens is not a control of a CoLaR model``."""
+    from tests.support.colar_models import save_colar_tiny
+
+    path = save_colar_tiny(tmp_path / "colar")
+    assert main(["generate", "--model", str(path), "--prompt", "w5 w6", "--raw",
+                 "--max-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert "error" not in err
+    assert main(["generate", "--model", str(path), "--prompt", "w5", "--raw",
+                 "--max-tokens", "4", "--min-output-tokens", "0"]) == 2  # asked for: refused
+    assert "min_output_tokens is not a control" in capsys.readouterr().err
+
+
 def test_a_latent_phase_that_takes_the_whole_budget_is_explained(tmp_path, capsys):
     """A head that never stops thinking within ``--max-tokens`` leaves no answer token: the
     empty answer comes with a note saying why and what to raise (before: an empty line)."""

@@ -161,6 +161,10 @@ def test_grpo_config_rejects_bad_options():
         GRPOConfig(bundle="b.safetensors", out="o.safetensors", sigma=0.0)
     with pytest.raises(ValueError, match="max_latent"):
         GRPOConfig(bundle="b.safetensors", out="o.safetensors", max_latent=-1)
+    # lr: the optimizer helper no longer checks it (train.schedule went into train.sft), so
+    # the option does; before, `train-head grpo --lr 0` trained silently with lr 0.
+    with pytest.raises(ValueError, match="lr"):
+        GRPOConfig(bundle="b.safetensors", out="o.safetensors", lr=0.0)
 
 
 def test_chat_reward_is_exact_match_plus_a_closing_bonus():

@@ -107,6 +107,9 @@ def run(args) -> int:
     except ValueError as exc:
         raise _flag_error(exc) from None
     engine = LLMEngine(dataclasses.replace(engine_config(args), seed=args.seed or 0))
+    if args.min_output_tokens is None and "min_output_tokens" not in (
+            getattr(engine.latent_spec, "controls", None) or ()):
+        params = dataclasses.replace(params, min_output_tokens=None)  # no floor (CoLaR) to lift
     head_flags = [f for f, v in (("--thinking", args.thinking), ("--max-latent", args.max_latent),
                                  ("--min-output-tokens", args.min_output_tokens))
                   if v is not None]

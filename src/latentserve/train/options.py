@@ -284,7 +284,7 @@ class GRPOConfig(HeadOptions):
     questions_per_step: int = option(8, ge=1)
     group_size: int = option(8, "rollouts per question (>= 2: advantages are group-relative)",
                              ge=2)
-    lr: float = 1e-4
+    lr: float = option(1e-4, gt=0)
     kl_coef: float = option(0.05, ge=0)
     sigma: float = option(0.3, "exploration std of z", gt=0)
     max_latent: int = option(32, ge=0)
