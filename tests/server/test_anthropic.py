@@ -88,6 +88,14 @@ def test_validation_error_is_an_anthropic_error(server, model):
     ({"top_p": 2}, "top_p: must be in (0.0, 1.0], got 2.0"),
     ({"top_p": "x"}, "top_p: Input should be a valid number (got 'x')"),
     ({"thinking": {"type": "on"}}, "thinking.type: must be 'enabled' or 'disabled', got 'on'"),
+    ({"thinking": {"type": "enabled", "budget_tokens": "x"}},
+     "thinking.budget_tokens: Input should be a valid integer (got 'x')"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1023}},
+     "thinking.budget_tokens: Input should be greater than or equal to 1024 (got 1023)"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content: a message needs at "
+     "least one content block (only a final assistant message may be empty)"),
+    ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+     "tool_choice.disable_parallel_tool_use: Input should be a valid boolean (got 'yes')"),
 ])
 def test_bad_fields_are_named_in_one_form(anthropic_client, model, extra, message):
     """Every field error reads ``field: reason`` (``top_p must ...`` and ``Invalid type for

@@ -15,7 +15,9 @@ from pydantic import Field
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.admission import admit
 from latentserve.server.anthropic_blocks import (
+    AnthropicThinking,
     AnthropicTool,
+    AnthropicToolChoice,
     ContentBlock,
     anthropic_tool_choice,
     message_turns,
@@ -81,10 +83,10 @@ class MessagesRequest(LatentFields):
     top_k: int | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: AnthropicThinking | None = None
     return_latent_trace: bool | None = False
     tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: AnthropicToolChoice | None = None
     latent_reasoning: str | None = None
     output_config: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -95,11 +97,11 @@ class MessagesRequest(LatentFields):
     fallback_credit_token: str | dict[str, Any] | None = None
 
 
-def thinking_flag(thinking: dict | None) -> bool | None:
+def thinking_flag(thinking: AnthropicThinking | None) -> bool | None:
     """``thinking.type`` ``enabled`` -> True, ``disabled`` -> False, absent -> None; APIError."""
     if thinking is None:
         return None
-    kind = thinking.get("type")
+    kind = thinking.type
     if kind not in ("enabled", "disabled"):
         raise APIError(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}",
                        param="thinking.type")
@@ -139,6 +141,11 @@ def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
         if message.role not in ("user", "assistant"):
             raise APIError(f"messages.{i}.role: Input should be 'user' or 'assistant', got "
                            f"{message.role!r}", param=f"messages.{i}.role")
+        last_assistant = i == len(body.messages) - 1 and message.role == "assistant"
+        if message.content == [] and not last_assistant:  # as Anthropic's API refuses it
+            raise APIError(f"messages.{i}.content: a message needs at least one content "
+                           "block (only a final assistant message may be empty)",
+                           param=f"messages.{i}.content")
         conversation += message_turns(message.role, message.content,
                                       f"messages.{i}.content", tool_names)
     if not any(m.role == "user" for m in body.messages):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from latentserve.server.errors import APIError
 from latentserve.server.protocol import RequestModel
 from latentserve.server.tools import ToolChoice, check_tools
@@ -31,6 +33,22 @@ class AnthropicTool(RequestModel):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+
+
+class AnthropicThinking(RequestModel):
+    """``thinking``: ``type`` is checked by ``anthropic_api.thinking_flag``; ``budget_tokens``
+    is not used, but must be an integer >= 1024 as Anthropic's API requires (400 otherwise)."""
+
+    type: str | None = None
+    budget_tokens: int | None = Field(None, ge=1024)
+
+
+class AnthropicToolChoice(RequestModel):
+    """``tool_choice``: ``type`` is checked by :func:`anthropic_tool_choice`."""
+
+    type: str | None = None
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 def _text(block: ContentBlock, param: str) -> str:
@@ -119,14 +137,14 @@ def openai_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | No
     return out
 
 
-def anthropic_tool_choice(choice: dict[str, Any] | None, tools: dict[str, dict]
+def anthropic_tool_choice(choice: AnthropicToolChoice | None, tools: dict[str, dict]
                           ) -> ToolChoice:
     """Anthropic's ``tool_choice`` (None: ``auto`` with tools); APIError for a bad value."""
 
     if choice is None:
         return ToolChoice("auto" if tools else "none")
-    kind = choice.get("type")
-    single = choice.get("disable_parallel_tool_use") is True
+    kind = choice.type
+    single = choice.disable_parallel_tool_use is True
     if kind in ("auto", "none"):
         return ToolChoice(kind, single=single)
     if kind in ("any", "tool") and not tools:
@@ -134,7 +152,7 @@ def anthropic_tool_choice(choice: dict[str, Any] | None, tools: dict[str, dict]
     if kind == "any":
         return ToolChoice("required", single=single)
     if kind == "tool":
-        name = choice.get("name")
+        name = choice.name
         if name not in tools:
             raise APIError(f"tool_choice.name: {name!r} is not one of the tools "
                            f"({', '.join(repr(n) for n in tools)})", param="tool_choice.name")

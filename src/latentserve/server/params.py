@@ -211,7 +211,8 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
                 raise APIError(f"header {sent} " + _not_taken(spec, taken, True, name),
                                param=sent)
         if name in type(body).model_fields and getattr(body, name) is not None:
-            raise APIError(f"{name} " + _not_taken(spec, taken, False, name), param=name)
+            off = '{"type": "disabled"}' if route_of(type(body)) == "/v1/messages" else None
+            raise APIError(f"{name} " + _not_taken(spec, taken, False, name, off), param=name)
     c = controls.get("compression_factor")
     if c is not None and "compression_factor" in taken:
         top = spec.max_compression_factor
@@ -222,14 +223,17 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
                            param=param)
 
 
-def _not_taken(spec, taken: tuple[str, ...], hdr: bool, name: str = "") -> str:
-    """Why head control ``name`` is refused (the message after its name)."""
+def _not_taken(spec, taken: tuple[str, ...], hdr: bool, name: str = "",
+               off_value: str | None = None) -> str:
+    """Why head control ``name`` is refused (the message after its name); ``off_value``: the
+    body's thinking-off value in the route's own form (``/v1/messages``: Anthropic's object)."""
     if taken:
         return (f"is not a control of this model's latent head ({spec.family}; it takes "
                 f"{', '.join(taken)})")
     if name in ("compression_factor", "latent_temperature"):
         return "needs a CoLaR model (a directory with colar_config.json); leave it out"
-    off = f"{HEAD_HEADERS['thinking'][0]}: false" if hdr else "thinking: false"
+    off = f"{HEAD_HEADERS['thinking'][0]}: false" if hdr else \
+        f"thinking: {off_value or 'false'}"
     return f"needs a model with a compression head; this model has none (send {off} or " \
         "leave it out)"
 
