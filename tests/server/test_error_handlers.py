@@ -91,8 +91,10 @@ def test_messages_errors_name_the_field_as_anthropic_does():
 
 
 @pytest.mark.parametrize("content", [b"{not json", b'{"prompt": "\xff"}', b"", b"[1]",
-                                     b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
-                         ids=["syntax", "not-utf8", "empty", "not-an-object", "too-deep"])
+                                     b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                     b'{"prompt": "x", "seed": ' + b"1" * 5000 + b"}"],
+                         ids=["syntax", "not-utf8", "empty", "not-an-object", "too-deep",
+                              "too-many-digits"])
 def test_a_body_that_is_not_a_json_object_is_invalid_json_on_both_apis(content):
     """OpenAI's body has ``code: "invalid_json"`` (never null) whatever the parser tripped
     on; Anthropic's the same message as an ``invalid_request_error``."""
@@ -118,3 +120,6 @@ def test_a_body_that_is_not_a_json_object_is_invalid_json_on_both_apis(content):
     if content.startswith(b'{"prompt": [['):
         assert error["message"] == ("Malformed JSON body: it nests too deeply (arrays or "
                                     "objects inside one another)")
+    if b"1" * 5000 in content:  # over Python's int digit limit: said, not "ValueError"
+        assert error["message"] == ("Malformed JSON body: a number in the body has too many "
+                                    "digits (over 4300)")

@@ -66,6 +66,11 @@ CASES = [
      "chat_template_kwargs", ["tokenize"]),
     ("continue-without-assistant", *_chat(continue_final_message=True),
      "continue_final_message", ["assistant"]),
+    ("continue-with-generation-prompt", *_chat(  # vLLM's 400, word for word
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A"}],
+        continue_final_message=True, add_generation_prompt=True),
+     "continue_final_message", ["Cannot set both `continue_final_message` and "
+                                "`add_generation_prompt` to True."]),
     ("user-content-null", *_chat(messages=[{"role": "user", "content": None}]),
      "messages[0].content", ["needs content"]),
     ("text-part-without-text", *_chat(messages=[{"role": "user",

@@ -125,11 +125,17 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 def malformed_body(cause: BaseException | None) -> APIError:
-    """The 400 ``invalid_json`` for a body unreadable for ``cause`` (not its JSON syntax)."""
+    """The 400 ``invalid_json`` for a body unreadable for ``cause`` (not its JSON syntax):
+    not UTF-8, nested too deeply, or an integer over Python's int digit limit."""
     if isinstance(cause, UnicodeDecodeError):
         detail = f"not valid UTF-8 (byte {cause.start})"
     elif isinstance(cause, RecursionError):
         detail = "it nests too deeply (arrays or objects inside one another)"
+    elif isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        # json reads integers with Python's int(), limited to sys.get_int_max_str_digits()
+        limit = re.search(r"\((\d+) digits\)", str(cause))
+        detail = "a number in the body has too many digits" + \
+            (f" (over {limit.group(1)})" if limit else "")
     else:
         detail = type(cause).__name__ if cause is not None else "unreadable"
     return APIError(f"Malformed JSON body: {detail}", code="invalid_json")

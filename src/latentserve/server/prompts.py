@@ -183,7 +183,13 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
 
 async def templated_prompt_ids(body, state, template_kwargs: dict[str, Any] | None,
                                max_model_len: int | None = None) -> list[int]:
-    """:func:`chat_prompt_ids` of a chat or ``/tokenize`` body, in the tokenizer pool."""
+    """:func:`chat_prompt_ids` of a chat or ``/tokenize`` body, in the tokenizer pool.
+    APIError (400) for ``continue_final_message`` with ``add_generation_prompt`` sent true,
+    as vLLM refuses it (its default true alone is dropped for ``continue_final_message``)."""
+    if body.continue_final_message and body.add_generation_prompt is True \
+            and "add_generation_prompt" in body.model_fields_set:
+        raise APIError("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                       "to True.", param="continue_final_message")
     template = request_chat_template(body.chat_template, state.trust_request_chat_template)
     return await in_pool(chat_prompt_ids, state.tokenizer, body.messages, body.tools,
                          template_kwargs=template_kwargs, chat_template=template,
