@@ -90,6 +90,11 @@ def _replayable(fn):
 
 @pytest.fixture
 def emulated_graphs(monkeypatch):
+    emulate_graphs(monkeypatch)
+
+
+def emulate_graphs(monkeypatch) -> None:
+    """CUDA graphs emulated for this test (``_ReplayedForward``), one bucket of 8."""
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayedForward)
     monkeypatch.setattr(torch.cuda, "graph", _capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -102,6 +107,10 @@ def emulated_graphs(monkeypatch):
 
 @pytest.fixture(scope="module")
 def small_vocab_llama(tmp_path_factory):
+    return save_small_vocab_llama(tmp_path_factory)
+
+
+def save_small_vocab_llama(tmp_path_factory):
     """The tiny Llama with a 1024-token vocabulary: its LM head and argmax interpret ~48x
     faster than with SmolLM2's vocabulary (the argmax's chunked pass has its own tests)."""
     from latentserve.bench.baseline.tiny_models import save_tiny
@@ -257,151 +266,3 @@ def test_graph_logits_equal_eager_logits_and_fall_back_where_eager_splits_k(
         assert fused == [1] and logits.shape == (5, 3) and ids.eq(0).all()
         monkeypatch.setattr(model, "lm_head", type("Gathering", (torch.nn.Linear,), {})(4, 4))
         assert not model.lm_head_fast(hidden)
-
-
-def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp_path):
-    """Ouro's decode graphs write each row's readout step and per-step exit probabilities
-    into static buffers (``CudaGraphRunner.readout_steps``, ``exit_probs``): the
-    ``return_latent_trace`` of replayed steps (under the overlap scheduler, as on CUDA)
-    equals the eager synchronous engine's, for traced rows with threshold, last and weighted
-    readouts."""
-    from latentserve.bench.baseline.recurrent_models import write_ouro
-
-    d = write_ouro(tmp_path / "ouro")
-    cases = [(4, "threshold", 0.6), (3, "last", None), (3, "weighted", None)]
-
-    def traces(graphs: bool):
-        engine = LLMEngine(EngineConfig(model=str(d), attention_backend="triton",
-                                        max_num_seqs=8, max_model_len=128,
-                                        attention_num_kv_splits=2, overlap_schedule=graphs))
-        if graphs:
-            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
-                                         torch.float32)
-        for i, (depth, crit, thr) in enumerate(cases):
-            engine.add_request(f"r{i}", [5 + i, 17, 29, 41 + i], SamplingParams(
-                max_tokens=3, temperature=0.0, ignore_eos=True, latent_budget=depth,
-                exit_criterion=crit, exit_threshold=thr, return_latent_trace=True))
-        out = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    out[o.rid] = (o.latent_trace, o.recurrence)
-        return out, engine.runner.num_graph_steps
-
-    eager, _ = traces(False)
-    replayed, steps = traces(True)
-    assert steps >= 2  # every decode step
-    # Depths, readout steps and stats exactly; the exit probabilities (``[T, steps]`` static
-    # buffer) within fp32 rounding of the eager loop's.
-    def exact(out):
-        return {rid: ([(e["depth"], e["readout_step"]) for e in trace], stats)
-                for rid, (trace, stats) in out.items()}
-
-    assert exact(replayed) == exact(eager)
-    for rid, (trace, _) in eager.items():
-        for e, r in zip(trace, replayed[rid][0], strict=True):
-            assert len(e["exit_probs"]) == e["depth"]
-            assert r["exit_probs"] == pytest.approx(e["exit_probs"], abs=1e-6)
-    assert all(e["readout_step"] is None for e in eager["r2"][0])
-    assert {e["readout_step"] for e in eager["r1"][0]} == {2}
-
-
-@pytest.fixture(scope="module")
-def small_vocab_codi(tmp_path_factory, small_vocab_llama):
-    """A tiny CODI (Llama, LoRA, ``prj``) over the small-vocabulary Llama."""
-    from latentserve.bench.baseline.latent_models import write_upstream_codi
-    from latentserve.latent.convert import convert_codi
-
-    root = tmp_path_factory.mktemp("small-vocab-codi")
-    base, ckpt = write_upstream_codi(root, "llama", fmt="bin", base_dir=small_vocab_llama)
-    return convert_codi(base, ckpt, root / "model", lora_alpha=16.0)
-
-
-def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_codi,
-                                                                 emulated_graphs):
-    """CODI's ``prj`` runs in the decode graphs' latent graph (``FeedbackFamily.graph_hooks``)
-    and the overlap scheduler launches each latent step on the replayed outputs of the one
-    before (their vectors injected into the next replay): greedy tokens, latent step counts
-    and traces equal the eager synchronous engine's, and every sampled step's logits within
-    1e-4, for budgets 0 to 5 in one batch."""
-    from tests.support.tp_parity import (
-        assert_same,
-        assert_same_outputs,
-        run_requests,
-        spy_overlapped,
-    )
-
-    requests = [([5 + i, 17, 29 + i, 41], SamplingParams(
-        max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=b,
-        return_latent_trace=i % 2 == 0)) for i, b in enumerate((0, 2, 3, 5))]
-
-    def run(graphs: bool):
-        engine = LLMEngine(EngineConfig(model=str(small_vocab_codi), fused_ops=True,
-                                        attention_backend="triton", max_num_seqs=8,
-                                        max_model_len=128, attention_num_kv_splits=2,
-                                        overlap_schedule=graphs))
-        if graphs:
-            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
-                                         torch.float32)
-            engine.scheduler.forced_one_by_one = True
-        overlapped = spy_overlapped(engine)
-        return run_requests(engine, requests), engine, overlapped
-
-    want, _, _ = run(False)
-    got, engine, overlapped = run(True)
-    assert_same_outputs(want, got, atol=1e-4)
-    assert_same(want, got, atol=1e-4)
-    assert sum(overlapped) > 5
-    assert [f.latent_steps for _, _, f in got] == [0, 2, 3, 5]
-    graphs = engine.runner.graphs
-    assert graphs.feedback is engine.runner.model.latent_feedback
-    assert graphs.num_latent_replays > 3 and engine.runner.num_graph_steps > 5
-
-
-@pytest.mark.parametrize("kind", ["colar", "head"])
-def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_graphs,
-                                                                 tmp_path):
-    """A closed-loop head (CoLaR's policy; the compression head with its stop head) runs in
-    the decode graphs' latent graph and the overlap scheduler settles each stop a step later
-    from the graph's static outputs (``latent/head_late.py``), the closing ids one per step:
-    greedy and seeded tokens, latent stats, step counts and traces equal the eager
-    synchronous engine's."""
-    from tests.support.colar_models import save_colar_tiny
-    from tests.support.head_models import save_head_model
-    from tests.support.tp_parity import assert_same_outputs, run_requests, spy_overlapped
-
-    if kind == "colar":
-        path = save_colar_tiny(tmp_path / "colar", stop_push=16.0)
-        extra = [{}, {"latent_temperature": 1.0}]
-    else:
-        path = save_head_model(tmp_path / "head", source_layer=1, stop_bias=0.3,
-                               word_tokenizer=True, vocab_size=1024)
-        extra = [{"stop_threshold": 0.55, "min_latent": 1, "min_output_tokens": 0}] * 2
-    requests = [([40 + i, 57, 69 + i, 81] * (1 + i % 2), SamplingParams(
-        max_tokens=4 if kind == "colar" else 12, temperature=0.0 if i % 2 else 0.8, seed=i,
-        ignore_eos=True, max_latent=m, return_latent_trace=i % 2 == 0, **extra[i % 2]))
-        for i, m in enumerate((0, 3, 6, 8))]
-
-    def run(graphs: bool):
-        engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True,
-                                        attention_backend="triton", max_num_seqs=8,
-                                        max_model_len=128, attention_num_kv_splits=2,
-                                        overlap_schedule=graphs))
-        if graphs:
-            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
-                                         torch.float32)
-            engine.scheduler.forced_one_by_one = True
-        overlapped = spy_overlapped(engine)
-        return run_requests(engine, requests), engine, overlapped
-
-    want, _, _ = run(False)
-    got, engine, overlapped = run(True)
-    assert_same_outputs(want, got, atol=1e-4)
-    for (_, _, w), (_, _, g) in zip(want, got):
-        assert (g.latent_steps, g.latent_stats["end"], g.latent_stats["stop_step"]) == (
-            w.latent_steps, w.latent_stats["end"], w.latent_stats["stop_step"])
-    assert sum(overlapped) > 5
-    assert "stop" in {f.latent_stats["end"] for _, _, f in want}
-    graphs = engine.runner.graphs
-    assert graphs.head is engine.runner.model.latent_head
-    assert graphs.num_latent_replays > 1 and engine.runner.num_graph_steps > 5
