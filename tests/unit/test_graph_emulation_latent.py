@@ -77,6 +77,28 @@ def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp
     assert {e["readout_step"] for e in eager["r1"][0]} == {2}
 
 
+def _eager_then_graphs(model_dir, requests):
+    """``requests`` through an eager engine, then through one with emulated decode graphs and
+    overlap scheduling: (eager outputs, graph outputs, the graph engine, its overlap spy)."""
+
+    from tests.support.tp_parity import run_requests, spy_overlapped
+
+    def run(graphs: bool):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), fused_ops=True,
+                                        attention_backend="triton", max_num_seqs=8,
+                                        max_model_len=128, attention_num_kv_splits=2,
+                                        overlap_schedule=graphs))
+        if graphs:
+            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
+                                         torch.float32)
+            engine.scheduler.forced_one_by_one = True
+        overlapped = spy_overlapped(engine)
+        return run_requests(engine, requests), engine, overlapped
+
+    want, _, _ = run(False)
+    return (want, *run(True))
+
+
 @pytest.fixture(scope="module")
 def small_vocab_codi(tmp_path_factory, small_vocab_llama):
     """A tiny CODI (Llama, LoRA, ``prj``) over the small-vocabulary Llama."""
@@ -95,31 +117,13 @@ def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_cod
     before (their vectors injected into the next replay): greedy tokens, latent step counts
     and traces equal the eager synchronous engine's, and every sampled step's logits within
     1e-4, for budgets 0 to 5 in one batch."""
-    from tests.support.tp_parity import (
-        assert_same,
-        assert_same_outputs,
-        run_requests,
-        spy_overlapped,
-    )
+    from tests.support.tp_parity import assert_same, assert_same_outputs
 
     requests = [([5 + i, 17, 29 + i, 41], SamplingParams(
         max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=b,
         return_latent_trace=i % 2 == 0)) for i, b in enumerate((0, 2, 3, 5))]
 
-    def run(graphs: bool):
-        engine = LLMEngine(EngineConfig(model=str(small_vocab_codi), fused_ops=True,
-                                        attention_backend="triton", max_num_seqs=8,
-                                        max_model_len=128, attention_num_kv_splits=2,
-                                        overlap_schedule=graphs))
-        if graphs:
-            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
-                                         torch.float32)
-            engine.scheduler.forced_one_by_one = True
-        overlapped = spy_overlapped(engine)
-        return run_requests(engine, requests), engine, overlapped
-
-    want, _, _ = run(False)
-    got, engine, overlapped = run(True)
+    want, got, engine, overlapped = _eager_then_graphs(small_vocab_codi, requests)
     assert_same_outputs(want, got, atol=1e-4)
     assert_same(want, got, atol=1e-4)
     assert sum(overlapped) > 5
@@ -139,7 +143,7 @@ def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_
     synchronous engine's."""
     from tests.support.colar_models import save_colar_tiny
     from tests.support.head_models import save_head_model
-    from tests.support.tp_parity import assert_same_outputs, run_requests, spy_overlapped
+    from tests.support.tp_parity import assert_same_outputs
 
     if kind == "colar":
         path = save_colar_tiny(tmp_path / "colar", stop_push=16.0)
@@ -153,20 +157,7 @@ def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_
         ignore_eos=True, max_latent=m, return_latent_trace=i % 2 == 0, **extra[i % 2]))
         for i, m in enumerate((0, 3, 6, 8))]
 
-    def run(graphs: bool):
-        engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True,
-                                        attention_backend="triton", max_num_seqs=8,
-                                        max_model_len=128, attention_num_kv_splits=2,
-                                        overlap_schedule=graphs))
-        if graphs:
-            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
-                                         torch.float32)
-            engine.scheduler.forced_one_by_one = True
-        overlapped = spy_overlapped(engine)
-        return run_requests(engine, requests), engine, overlapped
-
-    want, _, _ = run(False)
-    got, engine, overlapped = run(True)
+    want, got, engine, overlapped = _eager_then_graphs(path, requests)
     assert_same_outputs(want, got, atol=1e-4)
     for (_, _, w), (_, _, g) in zip(want, got):
         assert (g.latent_steps, g.latent_stats["end"], g.latent_stats["stop_step"]) == (
