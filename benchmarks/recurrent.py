@@ -93,10 +93,10 @@ def bench_family(family: str, root: Path, batch: int, prompt_len: int, output_le
     import torch
 
     from latentserve.bench.baseline import recurrent_models as rm
-    from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
+    from tests.support.recurrent_reference import HuginnReference, OuroReference
 
     if family == "huginn":
         path, shape = rm.write_huginn(root / family, **HUGINN_CPU), HUGINN_CPU

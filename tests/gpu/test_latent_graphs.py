@@ -144,7 +144,7 @@ def test_colar_policy_runs_inside_graphs(tmp_path):
 @pytest.mark.parametrize("kind", ["huginn", "ouro"])
 def test_recurrence_loop_runs_inside_graphs(kind, tmp_path):
     from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
-    from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
+    from tests.support.recurrent_reference import HuginnReference, OuroReference
 
     d = (write_huginn if kind == "huginn" else write_ouro)(tmp_path / kind)
     engine = _engine(d, max_model_len=256)
@@ -188,7 +188,7 @@ def test_ouro_exit_distribution_from_replayed_graphs(tmp_path):
     masked graph loop cannot do (``RecurrentGraphs.fits``): its batch runs eagerly, so it is
     served in a batch of its own, checked against the reference too."""
     from latentserve.bench.baseline.recurrent_models import write_ouro
-    from latentserve.bench.baseline.recurrent_reference import OuroReference
+    from tests.support.recurrent_reference import OuroReference
 
     d = write_ouro(tmp_path / "ouro")
     engine = _engine(d, max_model_len=256)

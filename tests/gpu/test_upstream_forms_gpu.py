@@ -111,7 +111,7 @@ MIXED = ["engine", "upstream"] * 3
 @pytest.mark.parametrize("semantics", [MIXED, MIXED[::-1]], ids=["eu", "ue"])
 def test_huginn_mixed_exit_semantics_match_reference(semantics, tmp_path):
     from latentserve.bench.baseline.recurrent_models import write_huginn
-    from latentserve.bench.baseline.recurrent_reference import HuginnReference
+    from tests.support.recurrent_reference import HuginnReference
     from tests.support.recurrent_requests import HUGINN_EXITS, RECURRENT_PROMPTS
     from tests.support.tp_parity import run_requests
 

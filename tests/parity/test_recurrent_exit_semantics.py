@@ -15,10 +15,10 @@ import torch
 from test_recurrent_parity import MAX_TOKENS, PROMPTS, hist, run, sp
 
 from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
-from latentserve.bench.baseline.recurrent_reference import HuginnReference
 from latentserve.config import EngineConfig
 from latentserve.latent.recurrent import cache_salt_key, resolve_exit_rule
 from latentserve.sampling_params import SamplingParams
+from tests.support.recurrent_reference import HuginnReference
 from tests.support.recurrent_requests import HUGINN_EXITS
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
-from latentserve.bench.baseline.recurrent_reference import HuginnReference, OuroReference
 from latentserve.config import EngineConfig
 from latentserve.latent.recurrent import RecurrentBatch
 from latentserve.sampling_params import SamplingParams
+from tests.support.recurrent_reference import HuginnReference, OuroReference
 from tests.support.recurrent_requests import HUGINN_EXITS
 from tests.support.recurrent_requests import RECURRENT_PROMPTS as PROMPTS
 

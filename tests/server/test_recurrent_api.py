@@ -53,7 +53,7 @@ def _body(**fields):
 
 
 def _reference(huginn_dir, depth, criterion=None, threshold="auto", semantics="engine"):
-    from latentserve.bench.baseline.recurrent_reference import HuginnReference
+    from tests.support.recurrent_reference import HuginnReference
 
     ref = HuginnReference(huginn_dir).generate(PROMPT, MAX_TOKENS, depth, criterion, threshold,
                                                semantics=semantics)

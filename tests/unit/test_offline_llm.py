@@ -153,7 +153,7 @@ def test_offline_outputs_carry_a_recurrent_models_per_token_trace(tmp_path):
     and readout step, equal to the eager reference's; a request that did not ask in the same
     batch has no trace; a model without a trace refuses the field by name."""
     from latentserve.bench.baseline.recurrent_models import write_ouro
-    from latentserve.bench.baseline.recurrent_reference import OuroReference
+    from tests.support.recurrent_reference import OuroReference
 
     d = write_ouro(tmp_path / "ouro")
     prompt = [(7 * i + 11) % 900 + 20 for i in range(10)]

@@ -81,8 +81,7 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
     del engine
     free_memory(device)
     ref = (HuginnReference if family == "huginn" else OuroReference)(path, dtype, device)
-    readout = ["last"] if family == "ouro" else []
     out = {str(depth): {"concurrency": rows, "reference": reference(
-        rows, outputs, lambda p, n, d=depth: ref.generate(p, n, d, *readout)["tokens"], device,
+        rows, outputs, lambda p, n, d=depth: ref.generate(p, n, d)["tokens"], device,
         ref_requests, output_len, ref_output_len)} for depth, (rows, outputs) in runs.items()}
     return {"family": family, "shape": shape, "max_model_len": max_len, "depths": out}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,17 +28,15 @@ def _rms(x, w, eps):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * w
 
 
-def _attend(q, keys, vals, q_pos, scale, k_pos=None):
+def _attend(q, keys, vals, q_pos, scale, k_pos):
     """Causal attention of queries ``q [S, H, D]`` at positions ``q_pos`` over ``keys, vals
-    [P, Hkv, D]`` at positions ``k_pos`` (None: ``0 .. P-1``). Returns ``[S, H, D]``."""
+    [P, Hkv, D]`` at positions ``k_pos``. Returns ``[S, H, D]``."""
     rep = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, P, D]
     v = vals.repeat_interleave(rep, dim=1).transpose(0, 1)
     s = torch.einsum("shd,hpd->hsp", q.float(), k.float()) * scale
     dev = keys.device
-    kp = torch.arange(keys.shape[0], device=dev) if k_pos is None else \
-        torch.tensor(k_pos, device=dev)
-    visible = kp[None, :] <= torch.tensor(q_pos, device=dev)[:, None]
+    visible = torch.tensor(k_pos, device=dev)[None, :] <= torch.tensor(q_pos, device=dev)[:, None]
     s = s.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hsp,hpd->shd", s.softmax(-1), v.float()).to(q.dtype)
 
@@ -63,48 +60,31 @@ def _greedy(forward, prompt, max_tokens: int, keys: tuple[str, ...]) -> dict:
 class _LayeredCache:
     """KV per cache index, each a dict position -> (k, v) ``[Hkv, D]``. ``same_layer(idx)``
     lists, newest first, the indices a missing position may fall back to (the latest
-    iteration of the same looped layer); empty for indices that are never skipped.
-    ``drop``: upstream ``HuginnDynamicCache``'s default ``full`` lookup instead, which
-    returns only the positions present at the index (a missing one is left out).
+    iteration of the same looped layer: ``latest-m4``); empty for indices never skipped.
     ``update`` returns ``(keys, values, their positions)``."""
 
-    def __init__(self, same_layer, drop=False):
+    def __init__(self, same_layer):
         self.kv: dict[int, dict[int, tuple]] = {}
         self.same_layer = same_layer
-        self.drop = drop
 
     def update(self, idx, positions, k, v):
         slot = self.kv.setdefault(idx, {})
-        for i, p in enumerate(positions):
-            slot[p] = (k[i], v[i])
-        if self.drop:  # "full": stack the entries present, in position order
-            kept = sorted(slot)
-            return (torch.stack([slot[p][0] for p in kept]),
-                    torch.stack([slot[p][1] for p in kept]), kept)
-        n = max(positions) + 1
-        ks, vs = [], []
-        for p in range(n):
-            entry = slot.get(p)
-            if entry is None:  # latest-m4: latest same-layer step that has this position
-                entry = next(self.kv[j][p] for j in self.same_layer(idx)
-                             if j in self.kv and p in self.kv[j])
-            ks.append(entry[0])
-            vs.append(entry[1])
-        return torch.stack(ks), torch.stack(vs), None
+        slot.update((p, (k[i], v[i])) for i, p in enumerate(positions))
+        return self._rows(idx, slot, max(positions) + 1)
+
+    def _rows(self, idx, slot, n):
+        ks, vs = zip(*(slot.get(p) or next(self.kv[j][p] for j in self.same_layer(idx)
+                                           if p in self.kv.get(j, {})) for p in range(n)))
+        return torch.stack(ks), torch.stack(vs), list(range(n))
 
 
 class HuginnReference:
     """Upstream Huginn inference for one request at a time (see the module docstring)."""
 
-    # upstream get_adaptive_exit_evaluator's "auto" thresholds
-    AUTO: ClassVar[dict] = {"entropy-diff": 1e-3, "latent-diff": 0.03, "kl": 1e-3,
-                            "minp-kl": 1e-5, "argmax-stability": 5, "cosine": 1e-3}
-
     def __init__(self, model_dir, dtype=torch.float32, device="cpu"):
         c, sd = load_checkpoint(model_dir)
         self.sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()
                    if k != "freqs_cis"}
-        self.device = torch.device(device)
         self.e = c["n_embd"]
         self.h = c.get("num_attention_heads") or c["n_heads"]
         self.hkv = c.get("num_key_value_heads") or self.h
@@ -114,7 +94,6 @@ class HuginnReference:
         self.eps = c.get("norm_eps", 1e-6)
         self.qk_bias = c.get("qk_bias", True)
         self.emb_scale = math.sqrt(self.e)
-        self.vocab = c["vocab_size"]
         block = c.get("block_size", 4096)
         base = c.get("rope_base", 50000.0)
         inv = 1.0 / (base ** (torch.arange(0, self.hd, 2, dtype=torch.float32) / self.hd))
@@ -168,88 +147,29 @@ class HuginnReference:
         x = _rms(x, self.sd["transformer.ln_f.weight"], self.eps)
         return (x @ self.sd["lm_head.weight"].T).float()
 
-    def _forward(self, ids, pos, cache, num_steps, rule):
-        """Logits ``[vocab]`` of the last position and the iterations run."""
+    def _forward(self, ids, pos, cache, num_steps, check=None):
+        """Logits ``[vocab]`` of the last position and the iterations run. ``check(step,
+        x)`` after each iteration: None goes on, logits ``[S, vocab]`` stop there."""
         e = self.sd["transformer.wte.weight"][ids] * self.emb_scale
         for i in range(self.p):
             e = self._block(f"transformer.prelude.{i}", e, pos, cache, i)
         x = self.state[pos]
-        crit, thr, min_steps, every = rule if rule else (None, None, 0, 1)
-        dev = self.device
-        st = {"prev_latent": x.clone(), "prev_entropy": torch.tensor([100.0], device=dev),
-              "prev_logp": torch.full((1, self.vocab), 1 / self.vocab, device=dev).log(),
-              "argmax": torch.tensor([-1], device=dev), "stable": torch.tensor([0], device=dev)}
         for step in range(num_steps):
             x = torch.cat([x, e], dim=-1) @ self.sd["transformer.adapter.weight"].T
             for l in range(self.l):
                 x = self._block(f"transformer.core_block.{l}", x, pos, cache,
                                 self.p + step * self.l + l)
-            if crit is None or step < min_steps or (step - min_steps) % every:
-                continue
-            stop, logits = self._check(crit, thr, x, pos, cache, st)
-            if stop:
-                if logits is None:
-                    logits = self._predict(x, pos, cache)
+            logits = check(step, x) if check else None
+            if logits is not None:
                 return logits[-1], step + 1
         return self._predict(x, pos, cache)[-1], num_steps
 
-    def _check(self, crit, thr, x, pos, cache, st):
-        """Upstream exit evaluators at batch size 1: ``(exit, logits or None)``."""
-        if crit == "latent-diff":
-            val = ((x - st["prev_latent"]).norm(dim=-1) / x.norm(dim=-1)).mean(dim=-1)
-            st["prev_latent"] = x.clone()
-            return bool(val < thr), None
-        if crit == "cosine":
-            cos = ((x * st["prev_latent"]).sum(-1) / x.norm(dim=-1)
-                   / st["prev_latent"].norm(dim=-1)).mean()
-            st["prev_latent"] = x.clone()
-            return bool(1 - cos < thr), None
-        logits = self._predict(x, pos, cache)
-        last = logits[-1:]
-        if crit == "entropy-diff":
-            probs = F.softmax(last, dim=-1)
-            ent = -torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
-            val = (ent - st["prev_entropy"]).abs()
-            st["prev_entropy"] = ent
-            return bool(val < thr), logits
-        if crit in ("kl", "minp-kl"):
-            if crit == "kl":
-                logp = F.log_softmax(last.float(), dim=-1)
-            else:
-                probs = F.softmax(last, dim=-1)
-                mask = probs < 0.1 * probs.max(dim=-1, keepdim=True)[0]
-                probs = probs.clone()
-                probs[mask] = 1 / self.vocab
-                logp = (probs / probs.sum(dim=-1, keepdim=True)).log()
-            val = F.kl_div(logp, st["prev_logp"], reduction="none", log_target=True).sum(-1)
-            st["prev_logp"] = logp
-            return bool(val < thr), logits
-        if crit == "argmax-stability":
-            am = last.argmax(dim=-1)
-            st["stable"] = torch.where(am == st["argmax"], st["stable"] + 1, 0)
-            st["argmax"] = am
-            return bool(st["stable"] >= thr), logits
-        raise ValueError(f"unknown criterion {crit!r}")
-
     @torch.no_grad()
-    def generate(self, prompt, max_tokens, num_steps, criterion=None, threshold="auto",
-                 min_steps=0, check_every=1, semantics="engine") -> dict:
-        """Greedy generation (module docstring). ``semantics``: ``"engine"`` (the prompt
-        at full depth, ``do_not_exit_in_prefill``; ``latest-m4`` lookup) or ``"upstream"``
-        (upstream ``generate_with_adaptive_compute``'s defaults: the prompt is checked as
-        one block, ``token_step_in_sequence == 0`` included, and the cache's ``full``
-        lookup leaves positions without K/V at a step out of that step's attention)."""
-        if semantics not in ("engine", "upstream"):
-            raise ValueError(f"semantics must be 'engine' or 'upstream', got {semantics!r}")
-        rule = None
-        if criterion not in (None, "none"):
-            thr = self.AUTO[criterion] if threshold == "auto" else threshold
-            rule = (criterion, thr, min_steps, check_every)
-        upstream = semantics == "upstream"
-        cache = _LayeredCache(self._same_layer, drop=upstream)
-        return _greedy(lambda ids, pos, first: self._forward(
-            ids, pos, cache, num_steps, rule if upstream or not first else None),
-            prompt, max_tokens, ("iterations",))
+    def generate(self, prompt, max_tokens, num_steps) -> dict:
+        """Greedy generation at ``num_steps`` iterations per token (module docstring)."""
+        cache = _LayeredCache(self._same_layer)
+        return _greedy(lambda ids, pos, first: self._forward(ids, pos, cache, num_steps),
+                       prompt, max_tokens, ("iterations",))
 
 
 class OuroReference:
@@ -258,7 +178,6 @@ class OuroReference:
     def __init__(self, model_dir, dtype=torch.float32, device="cpu"):
         c, sd = load_checkpoint(model_dir)
         self.sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-        self.device = torch.device(device)
         self.hid = c["hidden_size"]
         self.hd = c.get("head_dim") or self.hid // c["num_attention_heads"]
         self.n = c["num_hidden_layers"]
@@ -279,8 +198,8 @@ class OuroReference:
             return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
 
         q, k = rot(q), rot(k)
-        keys, vals, _ = cache.update(idx, pos, k, v)
-        o = _attend(q, keys, vals, pos, self.hd**-0.5).reshape(s, -1)
+        keys, vals, kpos = cache.update(idx, pos, k, v)
+        o = _attend(q, keys, vals, pos, self.hd**-0.5, kpos).reshape(s, -1)
         a = o @ w[f"{pre}.self_attn.o_proj.weight"].T
         x = x + _rms(a, w[f"{pre}.input_layernorm_2.weight"], self.eps)
         hx = _rms(x, w[f"{pre}.post_attention_layernorm.weight"], self.eps)
@@ -291,68 +210,28 @@ class OuroReference:
     def _same_layer(self, idx):
         return list(range(idx - self.n, -1, -self.n))
 
-    def _forward(self, ids, pos, cache, depth, mode, thr, may_stop):
+    def _steps(self, ids, pos, cache, depth):
+        """The hidden states ``[S, hidden]`` after each of ``depth`` loops (after ``norm``)."""
         h = self.sd["model.embed_tokens.weight"][ids]
-        freqs = torch.tensor(pos, dtype=torch.float32, device=self.device)[:, None] \
+        freqs = torch.tensor(pos, dtype=torch.float32, device=h.device)[:, None] \
             * self.inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(h.dtype)[:, None, :], emb.sin().to(h.dtype)[:, None, :]
-        hs, gates = [], []
-        rem = torch.ones(h.shape[0], dtype=h.dtype, device=h.device)
-        cum = torch.zeros(h.shape[0], dtype=h.dtype, device=h.device)
         for t in range(depth):
             for i in range(self.n):
                 h = self._layer(i, h, pos, cos, sin, cache, t * self.n + i)
             h = _rms(h, self.sd["model.norm.weight"], self.eps)
-            hs.append(h)
-            g = (h @ self.sd["model.early_exit_gate.weight"].T
-                 + self.sd["model.early_exit_gate.bias"])
-            gates.append(g)
-            if may_stop and t < depth - 1:  # threshold-approx: stop at the exit step
-                lam = torch.sigmoid(g.squeeze(-1))
-                cum = cum + lam * rem
-                rem = rem * (1 - lam)
-                if bool(cum[-1] >= thr):
-                    return ((h[-1] @ self.sd["lm_head.weight"].T).float(), t + 1, t,
-                            self._exit_pdf(gates)[-1].tolist())
-        pdf = self._exit_pdf(gates)
-        head = self.sd["lm_head.weight"]
-        readout = depth - 1
-        if mode in ("threshold", "threshold-approx"):
-            mask = torch.cumsum(pdf, dim=-1) >= thr
-            exit_steps = torch.argmax(mask.float(), dim=-1)
-            exit_steps[~mask.any(dim=-1)] = pdf.shape[-1] - 1
-            hidden = torch.stack(hs, dim=1)[torch.arange(len(ids), device=h.device), exit_steps]
-            logits = hidden @ head.T
-            readout = int(exit_steps[-1])
-        elif mode == "weighted":
-            logits = sum((hh @ head.T) * pdf[:, t:t + 1] for t, hh in enumerate(hs))
-            readout = None
-        else:
-            logits = hs[-1] @ head.T
-        return logits[-1].float(), depth, readout, pdf[-1].tolist()
-
-    @staticmethod
-    def _exit_pdf(gates):
-        """``[S, steps]`` exit pdf from the gate logits of each step (``[S, 1]`` each), as
-        upstream ``OuroForCausalLM.forward``: ``p_i = sigmoid(g_i) * prod_{j<i}(1 -
-        sigmoid(g_j))``, the last step takes the remaining mass."""
-        pdf, rem = [], torch.ones_like(gates[0].squeeze(-1))
-        for i, g in enumerate(gates):
-            lam = torch.sigmoid(g.squeeze(-1))
-            if i < len(gates) - 1:
-                p = lam * rem
-                rem = rem * (1.0 - lam)
-            else:
-                p = rem
-            pdf.append(p)
-        return torch.stack(pdf, dim=-1)
+            yield h
 
     @torch.no_grad()
-    def generate(self, prompt, max_tokens, depth=None, mode="last", threshold=None) -> dict:
+    def generate(self, prompt, max_tokens, depth=None) -> dict:
+        """Greedy generation at ``depth`` loops per token (default ``total_ut_steps``), read
+        out from the last loop (module docstring)."""
         depth = depth or self.steps
-        thr = 1.0 if threshold is None else threshold
         cache = _LayeredCache(self._same_layer)
-        return _greedy(lambda ids, pos, first: self._forward(
-            ids, pos, cache, depth, mode, thr, not first and mode == "threshold-approx"),
-            prompt, max_tokens, ("iterations", "readouts", "exit_probs"))
+
+        def forward(ids, pos, first):
+            *_, h = self._steps(ids, pos, cache, depth)
+            return (h @ self.sd["lm_head.weight"].T)[-1].float(), depth
+
+        return _greedy(forward, prompt, max_tokens, ("iterations",))
