@@ -339,7 +339,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
 def _with_latent(obj: dict, info) -> dict:
     """``obj`` with the extension field ``latent`` when there is one."""
     if info is not None:
-        obj["latent"] = info.model_dump(exclude_none=True)
+        obj["latent"] = {k: v for k, v in info.items() if v is not None}
     return obj
 
 

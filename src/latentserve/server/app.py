@@ -9,6 +9,8 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from pydantic_core import to_jsonable_python
+
 import latentserve
 from latentserve.models.checkpoint import NoTokenizer
 from latentserve.server.anthropic_api import (
@@ -32,7 +34,6 @@ from latentserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
     TokenizeRequest,
 )
 from latentserve.server.request_ids import RequestIdEcho
@@ -91,10 +92,10 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check
     app.add_middleware(CORSMiddleware, **{**ServerOptions().cors, **(cors or {})})
 
-    def as_json(result):  # a dict or a response model; a streaming response as it is
-        if hasattr(result, "model_dump"):
-            result = result.model_dump(mode="json")
-        return JSONResponse(result) if isinstance(result, dict) else result
+    def as_json(result):  # a dict (non-finite floats as null); a streaming response as it is
+        if isinstance(result, dict):
+            return JSONResponse(to_jsonable_python(result, inf_nan_mode="null"))
+        return result
 
     def model_state(model: str | None) -> ServerState:
         """The state of the model a request names (checked even with one model)."""
@@ -108,11 +109,14 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         body.model = served.canonical(body.model)
         return state
 
-    def cards(s: ServerState) -> list[ModelCard]:
-        """One card per name the model is served under (vLLM lists each)."""
+    def cards(s: ServerState) -> list[dict]:
+        """One ``/v1/models`` entry per name the model is served under (vLLM lists each),
+        with vLLM's fields and ``latent`` (``server/latent_card.py``)."""
         latent = latent_card(s.latent_spec)
-        return [ModelCard(id=name, root=s.root or s.model_name, max_model_len=s.max_model_len,
-                          latent=latent) for name in (s.model_name, *s.aliases)]
+        return [{"id": name, "object": "model", "created": int(time.time()),
+                 "owned_by": "latentserve", "root": s.root or s.model_name, "parent": None,
+                 "max_model_len": s.max_model_len, "latent": latent}
+                for name in (s.model_name, *s.aliases)]
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -133,13 +137,12 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.get("/v1/models", response_model=None)
     async def models():
-        data = [c.model_dump(mode="json") for s in served.states for c in cards(s)]
+        data = [c for s in served.states for c in cards(s)]
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/v1/models/{model_id:path}", response_model=None)
     async def model(model_id: str):
-        card = next(c for c in cards(model_state(model_id)) if c.id == model_id)
-        return JSONResponse(card.model_dump(mode="json"))
+        return JSONResponse(next(c for c in cards(model_state(model_id)) if c["id"] == model_id))
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(body: TokenizeRequest):

@@ -27,16 +27,7 @@ from latentserve.server.params import (
     sampling_params,
 )
 from latentserve.server.prompts import chat_tools, templated_prompt_ids
-from latentserve.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    DeltaMessage,
-    Usage,
-)
+from latentserve.server.protocol import ChatCompletionRequest, response, usage_of
 from latentserve.server.reasoning import (
     LatentReasoning,
     latent_reasoning_mode,
@@ -97,20 +88,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                 reasoning = latent_reasoning_text(latent_mode, r.latent_steps, r.step_trace,
                                                   texts) + reasoning
             content = echo + content
-            message = AssistantMessage(
-                content=content if content or not calls else None, reasoning_content=reasoning,
-                tool_calls=[{"id": c.id, "type": "function", "function": {
-                    "name": c.name, "arguments": c.arguments}} for c in calls] or None)
-            choices.append(ChatChoice(
-                index=i, message=message, finish_reason=_finish_reason(r.finish_reason,
-                                                                       bool(calls), choice),
-                logprobs=(chat_logprobs(texts, r.logprobs, as_ids)
-                          if logprobs is not None else None),
-                latent=latent_info(r, bool(body.return_latent_trace), texts)))
-        return ChatCompletionResponse(
-            id=rid, model=state.model_name, choices=choices,
-            usage=Usage.of(len(prompt_ids), sum(r.num_output_tokens for r in results)),
-        )
+            message = {"role": "assistant", "content": content if content or not calls else None,
+                       "reasoning_content": reasoning}
+            if calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.name, "arguments": c.arguments}} for c in calls]
+            choices.append({
+                "index": i, "message": message,
+                "finish_reason": _finish_reason(r.finish_reason, bool(calls), choice),
+                "logprobs": (chat_logprobs(texts, r.logprobs, as_ids)
+                             if logprobs is not None else None),
+                "latent": latent_info(r, bool(body.return_latent_trace), texts)})
+        return response("chat.completion", rid, state.model_name, choices,
+                        usage_of(len(prompt_ids), sum(r.num_output_tokens for r in results)))
 
 
 def echo_text(body: ChatCompletionRequest) -> str:
@@ -145,7 +135,7 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
                   num_prompt_tokens: int, deltas: AsyncIterator[tuple[int, TextDelta]],
                   n: int, parser: Callable[[], OutputParser], latent_mode: str | None,
                   choice: ToolChoice, ticks: bool, echo: str
-                  ) -> AsyncIterator[ChatCompletionChunk]:
+                  ) -> AsyncIterator[dict]:
     """Per choice a role chunk and the echo; per delta its latent reasoning (``ticks``: a
     chunk per step) and what its parser releases; finish chunks; the usage chunk if asked."""
 
@@ -157,17 +147,20 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
               for _ in range(n)]
     shown = [0] * n  # latent steps announced per choice (ticks)
 
-    def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None,
-              lps=None, latent=None) -> ChatCompletionChunk:
+    def chunk(index: int, delta: dict, finish_reason: str | None = None,
+              lps=None, latent=None) -> dict:
+        """A chunk of one choice; the delta's and ``latent``'s None fields left out."""
         logprobs = chat_logprobs(texts, lps, as_ids) if body.logprobs and lps else None
-        return ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
-            index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs,
-            latent=latent)])
+        out = {"index": index, "delta": {k: v for k, v in delta.items() if v is not None},
+               "finish_reason": finish_reason, "logprobs": logprobs}
+        if latent is not None:
+            out["latent"] = latent
+        return response("chat.completion.chunk", rid, model, [out])
 
     for i in range(n):
-        yield chunk(i, DeltaMessage(role="assistant", content=""))
+        yield chunk(i, {"role": "assistant", "content": ""})
     for i in range(n if echo else 0):
-        yield chunk(i, DeltaMessage(content=echo))
+        yield chunk(i, {"content": echo})
     tokens = [0] * n
     called = [False] * n
     async for i, delta in deltas:
@@ -178,27 +171,25 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
             shown[i] = delta.latent_steps
             lines = [None] * (len(infos) - len(lines)) + lines
             for line, info in zip(lines, infos):
-                yield chunk(i, DeltaMessage(reasoning_content=line), latent=info)
+                yield chunk(i, {"reasoning_content": line}, latent=info)
             lines = []
         for text in lines:
-            yield chunk(i, DeltaMessage(reasoning_content=text))
+            yield chunk(i, {"reasoning_content": text})
         piece = parsers[i].step(delta.text, delta.finish_reason is not None)
         called[i] = called[i] or bool(piece.calls)
         if piece or delta.logprobs:
             yield chunk(i, _delta_message(piece), None, delta.logprobs)
         if delta.finish_reason is not None:
-            yield chunk(i, DeltaMessage(), _finish_reason(delta.finish_reason, called[i],
-                                                          choice),
+            yield chunk(i, {}, _finish_reason(delta.finish_reason, called[i], choice),
                         latent=latent_info(delta, trace, texts))
     if body.include_usage:
-        yield ChatCompletionChunk(id=rid, model=model, choices=[],
-                                  usage=Usage.of(num_prompt_tokens, sum(tokens)))
+        yield response("chat.completion.chunk", rid, model, [],
+                       usage_of(num_prompt_tokens, sum(tokens)))
 
 
-def _delta_message(piece: Piece) -> DeltaMessage:
-    return DeltaMessage(reasoning_content=piece.reasoning or None,
-                        content=piece.content or None,
-                        tool_calls=[_call_delta(c) for c in piece.calls] or None)
+def _delta_message(piece: Piece) -> dict:
+    return {"content": piece.content or None, "reasoning_content": piece.reasoning or None,
+            "tool_calls": [_call_delta(c) for c in piece.calls] or None}
 
 
 def _call_delta(c: CallDelta) -> dict:

@@ -24,12 +24,7 @@ from latentserve.server.params import (
     sampling_params,
 )
 from latentserve.server.prompts import completion_prompts, prompt_list
-from latentserve.server.protocol import (
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-)
+from latentserve.server.protocol import CompletionRequest, response, usage_of
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import collect, sse_events, sse_response, start_stream
 from latentserve.server.state import ServerState
@@ -76,28 +71,27 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
                 if body.echo:
                     lps = join_logprobs(echo_logprobs(texts, reqs[i].prompt_ids,
                                                       r.prompt_logprobs, as_ids), lps)
-            choices.append(CompletionChoice(index=i, text=echoes[i] + r.text,
-                                            finish_reason=r.finish_reason, logprobs=lps,
-                                            latent=latent_info(r, bool(body.return_latent_trace),
-                                                                 texts)))
-        return CompletionResponse(
-            id=rid, model=state.model_name, choices=choices,
-            usage=Usage.of(num_prompt_tokens, sum(r.num_output_tokens for r in results)))
+            choices.append({"index": i, "text": echoes[i] + r.text,
+                            "finish_reason": r.finish_reason, "logprobs": lps,
+                            "latent": latent_info(r, bool(body.return_latent_trace), texts)})
+        return response("text_completion", rid, state.model_name, choices,
+                        usage_of(num_prompt_tokens, sum(r.num_output_tokens for r in results)))
 
 
 async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
                   num_prompt_tokens: int, echoes: list[str],
                   deltas: AsyncIterator[tuple[int, TextDelta]], reqs: list[EngineRequest]
-                  ) -> AsyncIterator[CompletionResponse]:
+                  ) -> AsyncIterator[dict]:
     """Per choice the echo, a chunk per latent tick and per delta; the usage chunk if asked."""
 
     texts = token_texts(state.tokenizer)
     want_logprobs = body.logprobs is not None
     trace, as_ids = bool(body.return_latent_trace), bool(body.return_tokens_as_token_ids)
 
-    def chunk(index: int, text: str, **fields) -> CompletionResponse:
-        return CompletionResponse(id=rid, model=state.model_name,
-                                  choices=[CompletionChoice(index=index, text=text, **fields)])
+    def chunk(index: int, text: str, **fields) -> dict:
+        return response("text_completion", rid, state.model_name, [{
+            "index": index, "text": text, "finish_reason": None, "logprobs": None,
+            "latent": None, **fields}])
 
     shown = [0] * len(echoes)  # latent steps announced per choice (ticks)
     offsets = [len(e) for e in echoes]
@@ -127,5 +121,5 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
         yield chunk(i, delta.text, finish_reason=delta.finish_reason, logprobs=lps,
                     latent=latent)
     if body.include_usage:
-        yield CompletionResponse(id=rid, model=state.model_name, choices=[],
-                                 usage=Usage.of(num_prompt_tokens, sum(tokens)))
+        yield response("text_completion", rid, state.model_name, [],
+                       usage_of(num_prompt_tokens, sum(tokens)))

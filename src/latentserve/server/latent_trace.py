@@ -5,8 +5,6 @@ Design notes: docs/internals.md, "latentserve.server.latent_trace"."""
 
 from __future__ import annotations
 
-from latentserve.server.protocol import LatentInfo
-
 
 def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
     """Copies of trace ``entries`` with ``top_texts`` next to each ``top_tokens`` (``texts``:
@@ -17,11 +15,10 @@ def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
             if isinstance(e, dict) and "top_tokens" in e else e for e in entries]
 
 
-def tick_infos(delta, first_step: int, asked: bool, texts) -> list[LatentInfo]:
-    """One ``LatentInfo`` per step ``first_step + 1 .. delta.latent_steps`` of a tick:
+def tick_infos(delta, first_step: int, asked: bool, texts) -> list[dict]:
+    """One ``latent`` object per step ``first_step + 1 .. delta.latent_steps`` of a tick:
     ``steps`` its 1-based number, ``trace`` (when ``asked``) ``[entry]`` or ``[]``."""
-    return [LatentInfo(steps=first_step + j + 1,
-                       trace=([] if e is None else [e]) if asked else None)
+    return [_info(first_step + j + 1, ([] if e is None else [e]) if asked else None)
             for j, e in enumerate(with_texts(tick_entries(delta, first_step), texts))]
 
 
@@ -32,12 +29,18 @@ def tick_entries(delta, first_step: int) -> list[dict | None]:
     return [None] * (new - len(entries)) + entries
 
 
-def latent_info(final, asked: bool, texts=None) -> LatentInfo | None:
+def _info(steps: int, trace=None, stats=None, recurrence=None) -> dict:
+    """A ``latent`` object: ``steps`` run (0 for recurrent depth), the ``trace``, a compression
+    head's ``stats``, recurrent depth's ``recurrence`` ``{"tokens", "mean_iterations",
+    "histogram"}``."""
+    return {"steps": steps, "trace": trace, "stats": stats, "recurrence": recurrence}
+
+
+def latent_info(final, asked: bool, texts=None) -> dict | None:
     """A choice's ``latent`` field (None: no latent work); trace and recurrence if ``asked``."""
 
     if not asked and not final.latent_steps and final.latent_stats is None:
         return None
     trace = final.latent_trace if texts is None else with_texts(final.latent_trace, texts)
-    return LatentInfo(steps=final.latent_steps, trace=trace if asked else None,
-                      stats=final.latent_stats,
-                      recurrence=final.recurrence if asked else None)
+    return _info(final.latent_steps, trace if asked else None, final.latent_stats,
+                 final.recurrence if asked else None)

@@ -9,12 +9,6 @@ import json
 import re
 
 from latentserve.outputs import TokenLogprob
-from latentserve.server.protocol import (
-    ChatLogprobs,
-    ChatTokenLogprob,
-    CompletionLogprobs,
-    TopLogprob,
-)
 
 _SP_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -82,42 +76,43 @@ def token_texts(tokenizer) -> TokenTexts:
 
 
 def chat_logprobs(texts: TokenTexts, lps: list[TokenLogprob], as_ids: bool = False
-                  ) -> ChatLogprobs:
+                  ) -> dict:
     """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}``."""
 
-    def top(tid: int, lp: float) -> TopLogprob:
-        return TopLogprob(token=texts.text(tid, as_ids), logprob=lp,
-                          bytes=list(texts.get(tid)[1]))
+    def top(tid: int, lp: float) -> dict:
+        return {"token": texts.text(tid, as_ids), "logprob": lp, "bytes": list(texts.get(tid)[1])}
 
-    return ChatLogprobs(content=[
-        ChatTokenLogprob(token=texts.text(t.token_id, as_ids), logprob=t.logprob,
-                         bytes=list(texts.get(t.token_id)[1]),
-                         top_logprobs=[top(i, v) for i, v in t.top])
-        for t in lps])
+    return {"content": [{**top(t.token_id, t.logprob),
+                         "top_logprobs": [top(i, v) for i, v in t.top]} for t in lps]}
 
 
-def _add_token(out: CompletionLogprobs, texts: TokenTexts, token_id: int,
+def _legacy() -> dict:
+    """Empty legacy completions logprobs: parallel lists, one entry per token."""
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def _add_token(out: dict, texts: TokenTexts, token_id: int,
                lp: TokenLogprob | None, offset: int, as_ids: bool) -> int:
     """Append one token's entries (``null`` logprobs for ``lp`` None); the next offset."""
     text = texts.text(token_id, as_ids)
-    out.tokens.append(text)
-    out.text_offset.append(offset)
+    out["tokens"].append(text)
+    out["text_offset"].append(offset)
     if lp is None:
-        out.token_logprobs.append(None)
-        out.top_logprobs.append(None)
+        out["token_logprobs"].append(None)
+        out["top_logprobs"].append(None)
     else:
-        out.token_logprobs.append(lp.logprob)
+        out["token_logprobs"].append(lp.logprob)
         top = {texts.text(i, as_ids): v for i, v in lp.top}
         top.setdefault(text, lp.logprob)
-        out.top_logprobs.append(top)
+        out["top_logprobs"].append(top)
     return offset + len(texts.get(token_id)[0])
 
 
 def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob], offset: int,
-                        as_ids: bool = False) -> tuple[CompletionLogprobs, int]:
+                        as_ids: bool = False) -> tuple[dict, int]:
     """The legacy shape for ``lps`` (offsets from ``offset`` characters; ``top_logprobs[i]``:
     the top k and the sampled token), and the offset after these tokens."""
-    out = CompletionLogprobs()
+    out = _legacy()
     for t in lps:
         offset = _add_token(out, texts, t.token_id, t, offset, as_ids)
     return out, offset
@@ -125,18 +120,16 @@ def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob], offset: int,
 
 def echo_logprobs(texts: TokenTexts, prompt_ids: list[int],
                   prompt_lps: list[TokenLogprob | None] | None, as_ids: bool = False
-                  ) -> CompletionLogprobs:
+                  ) -> dict:
     """The legacy shape for an echoed prompt; the first token (every one when ``prompt_lps``
     is None) has ``null`` logprobs, as in OpenAI's API."""
 
-    out, offset, lps = CompletionLogprobs(), 0, prompt_lps or []
+    out, offset, lps = _legacy(), 0, prompt_lps or []
     for p, tid in enumerate(prompt_ids):
         offset = _add_token(out, texts, tid, lps[p] if p < len(lps) else None, offset, as_ids)
     return out
 
 
-def join_logprobs(first: CompletionLogprobs, second: CompletionLogprobs
-                  ) -> CompletionLogprobs:
+def join_logprobs(first: dict, second: dict) -> dict:
     """``first``'s entries followed by ``second``'s (offsets are kept as they are)."""
-    return CompletionLogprobs(**{k: getattr(first, k) + getattr(second, k)
-                                 for k in CompletionLogprobs.model_fields})
+    return {k: first[k] + second[k] for k in first}

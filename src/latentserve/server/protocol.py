@@ -5,16 +5,9 @@
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_serializer,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from latentserve.server.errors import APIError
 
@@ -271,148 +264,15 @@ class DetokenizeRequest(RequestModel):
     tokens: list[int]
 
 
-# --- responses ---------------------------------------------------------------------------
+# --- responses: plain dicts, keys in the order they are written --------------------------
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
-class _Response(BaseModel):
-    id: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = Field(default_factory=list)
-
-
-class _OmitsNone(BaseModel):
-    """A response model whose ``OMIT_NONE`` fields are left out of the JSON when None."""
-
-    OMIT_NONE: ClassVar[tuple[str, ...]] = ()
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        return {k: v for k, v in out.items() if v is not None or k not in self.OMIT_NONE}
-
-
-class AssistantMessage(_OmitsNone):
-    """``reasoning_content``: the ``<think>`` text or latent steps ("" if none);
-    ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments"}}``,
-    arguments a JSON object string) is left out when None."""
-
-    OMIT_NONE = ("tool_calls",)
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    reasoning_content: str = ""
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class LatentInfo(BaseModel):
-    """A choice's latent work: ``steps`` run (0 for recurrent depth), the ``trace``
-    (``server/latent_trace.py``), a compression head's ``stats``, recurrent depth's
-    ``recurrence`` ``{"tokens", "mean_iterations", "histogram"}``."""
-
-    steps: int
-    trace: list[dict] | None = None
-    stats: dict | None = None
-    recurrence: dict | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: ChatLogprobs | None = None
-    latent: LatentInfo | None = None
-
-
-class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(_OmitsNone):
-    """A streamed message fragment; None fields are left out of the JSON."""
-
-    OMIT_NONE = ("role", "content", "reasoning_content", "tool_calls")
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-
-
-class ChatChunkChoice(_OmitsNone):
-    """One choice of a streamed chunk; ``latent`` is left out when None."""
-
-    OMIT_NONE = ("latent",)
-    index: int = 0
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-    latent: LatentInfo | None = None
-
-
-class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None = None
-    logprobs: CompletionLogprobs | None = None
-    latent: LatentInfo | None = None
-
-
-class CompletionResponse(_Response):
-    """The response and each streamed chunk (one shape, as OpenAI's)."""
-
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    """A ``/v1/models`` entry with vLLM's fields and ``latent`` (``server/latent_card.py``)."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "latentserve"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int
-    latent: dict[str, Any] | None = None
+def response(kind: str, rid: str, model: str, choices: list, usage: dict | None = None) -> dict:
+    """A chat or text completion, or one of its stream chunks (``object`` ``kind``)."""
+    return {"id": rid, "created": int(time.time()), "model": model, "object": kind,
+            "choices": choices, "usage": usage}

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel
+from pydantic_core import to_json
 
 from latentserve.server.client import (
     EngineDeadError,
@@ -151,11 +151,12 @@ def openai_error_event(exc: Exception) -> str:
 
 
 async def sse_events(request, state, reqs: list[EngineRequest],
-                     chunks: AsyncIterator[BaseModel | str],
+                     chunks: AsyncIterator[dict | str],
                      error_event: Callable[[Exception], str] = openai_error_event,
                      internal_error_event: str | None = None,
                      done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
-    """``data: {chunk}`` events, then ``done``; an error is one ``error_event(exc)`` (else
+    """``data: {chunk}`` events (a dict as compact JSON, non-finite floats as null; a str as
+    it is), then ``done``; an error is one ``error_event(exc)`` (else
     ``internal_error_event``)."""
 
     if internal_error_event is None:
@@ -164,7 +165,8 @@ async def sse_events(request, state, reqs: list[EngineRequest],
     async with _abort_on_disconnect(request, state, reqs), aclosing(chunks):
         try:
             async for chunk in chunks:
-                yield chunk if isinstance(chunk, str) else f"data: {chunk.model_dump_json()}\n\n"
+                yield chunk if isinstance(chunk, str) else \
+                    f"data: {to_json(chunk, inf_nan_mode='null').decode()}\n\n"
         except ENGINE_ERRORS as exc:
             yield error_event(exc)
         except Exception:  # noqa: BLE001 - the stream ends with an error event, no trace
