@@ -226,3 +226,35 @@ def test_engine_death_mid_stream_on_messages_is_an_api_error_event(smollm2_token
         r = app.post("/v1/messages", json=body)
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "api_error"
+
+
+class _MinusInfClient(_FailingClient):
+    """One token whose logprob (and its top entry) is -inf."""
+
+    async def generate(self, rid, prompt_ids, params):
+        from latentserve.outputs import TokenLogprob
+
+        inf = float("-inf")
+        yield StepOutput(rid, [28], finished=True, finish_reason="length",
+                         logprobs=[TokenLogprob(28, inf, 1, [(28, inf)])])
+
+
+def test_minus_inf_logprobs_are_null_in_a_body(smollm2_tokenizer):
+    """JSON has no -inf: a body writes null, as a stream chunk does."""
+    from fastapi.testclient import TestClient
+
+    from latentserve.server.app import create_app
+    from latentserve.server.state import ServerState
+
+    state = ServerState(_MinusInfClient(), smollm2_tokenizer, "m", 256, 49152)
+    with TestClient(create_app(state), raise_server_exceptions=False) as app:
+        r = app.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": 1})
+        assert r.status_code == 200
+        lps = r.json()["choices"][0]["logprobs"]
+        assert lps["token_logprobs"] == [None] and lps["top_logprobs"] == [{",": None}]
+        r = app.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "logprobs": True, "top_logprobs": 1})
+        assert r.status_code == 200
+        entry = r.json()["choices"][0]["logprobs"]["content"][0]
+        assert entry["logprob"] is None and entry["top_logprobs"][0]["logprob"] is None
