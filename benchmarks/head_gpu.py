@@ -1,7 +1,7 @@
 """Compression-head benchmark for the H200 (issue 6): closed-loop latent decoding through
 ``LLMEngine`` (CUDA graphs on; head, stop head and decoder inside the captured decode
 graphs) at 1, 16 and 64 concurrent requests against the eager single-request closed loop
-over HF transformers (``bench.baseline.head_reference.head_reference_generate``), run one request
+over HF transformers (``bench.baseline.head_reference.HeadReference``), run one request
 at a time in the same process; and the cost of a latent step against a plain decode step.
 
 Models: random bf16 backbones of the SmolLM2-135M and Llama-3.2-1B shapes

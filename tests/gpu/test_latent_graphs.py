@@ -72,8 +72,8 @@ def test_codi_projection_runs_in_latent_graphs(tmp_path, kind):
 
 
 def test_closed_loop_head_runs_inside_graphs(tmp_path):
-    from latentserve.bench.baseline.head_reference import head_reference_generate
     from tests.support.head_models import save_head_model
+    from tests.support.head_reference import head_reference_generate
 
     d = save_head_model(tmp_path / "cl", injection="closed_loop", source_layer=1,
                         stop_bias=0.3)

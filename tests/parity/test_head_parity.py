@@ -8,11 +8,11 @@ the prefix cache never holds a latent position."""
 
 import pytest
 
-from latentserve.bench.baseline.head_reference import head_reference_generate
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from tests.support.head_models import save_head_model
+from tests.support.head_reference import head_reference_generate
 from tests.support.parity import shared_prefix_prompts
 
 MAX_TOKENS = 24

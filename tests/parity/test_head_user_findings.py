@@ -148,10 +148,10 @@ def test_stats_report_min_output_tokens():
 
 
 def test_engine_stats_and_tokens_match_reference(tmp_path, smollm2_dir):
-    from latentserve.bench.baseline.head_reference import head_reference_generate
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from tests.support.head_models import save_head_model
+    from tests.support.head_reference import head_reference_generate
     from tests.support.tp_parity import run_requests
 
     d = save_head_model(tmp_path / "m", source_layer=1, stop_bias=0.3)

@@ -85,12 +85,12 @@ def test_features_equal_hidden_states_of_each_trace_run_alone(tiny_dir, smollm2_
 
 
 def test_sft_cli_lowers_the_loss_and_writes_a_bundle_that_serves(tiny_dir, data_file, tmp_path):
-    from latentserve.bench.baseline.head_reference import head_reference_generate
     from latentserve.cli import main
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.latent.bundle import read_bundle
     from latentserve.sampling_params import SamplingParams
+    from tests.support.head_reference import head_reference_generate
 
     out = tmp_path / "head.safetensors"
     rc = main(["train-head", "sft", "--model", str(tiny_dir), "--data", str(data_file),

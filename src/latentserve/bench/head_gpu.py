@@ -98,11 +98,8 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
     free_memory(device)
 
     def generate(prompt, n):
-        return hr.head_reference_generate(
-            path, path / HEAD_BUNDLE_NAME, prompt, spec.start_ids, spec.end_ids,
-            mode="closed_loop", max_latent=max_latent, min_latent=0, use_stop=False,
-            max_tokens=max_latent + n_close + n, eos_ids=(), dtype=dtype, device=device,
-            reuse_bundle=True)["tokens"]
+        return hr.HeadReference(path, path / HEAD_BUNDLE_NAME, dtype, device, True).generate(
+            prompt, spec.start_ids, spec.end_ids, max_latent, max_latent + n_close + n)["tokens"]
 
     ref = reference(rows, outputs, generate, device, ref_requests, answer_len)
     hr._hf_model.cache_clear()

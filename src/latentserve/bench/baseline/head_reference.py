@@ -64,87 +64,79 @@ def _bundle_on(path: str, device: str):
 _bundle_cached = lru_cache(maxsize=4)(_bundle_on)
 
 
-@torch.no_grad()
-def head_reference_generate(model_dir, bundle_path, prompt_ids: list[int], open_ids, close_ids,
-                            *, mode: str = "closed_loop", max_latent: int = 8,
-                            min_latent: int = 0, use_stop: bool = True,
-                            stop_threshold: float = 0.5, max_tokens: int = 16,
-                            eos_ids=(), dtype: str = "float32", device: str = "cpu",
-                            reuse_bundle: bool = False) -> dict:
-    """One greedy request -> ``{"tokens", "steps", "stop_step", "max_stop_prob", "end",
-    "finish_reason"}``; ``open_ids`` appended unless the prompt ends with them, ``eos_ids``
-    end the answer (kept). Backbone in ``dtype``, head in float32; the bundle re-read per
-    call unless ``reuse_bundle``."""
-    model = _hf_model(str(model_dir), dtype, device)
-    load = _bundle_cached if reuse_bundle else _bundle_on
-    cfg, head_net, stop_net, dec_net = load(str(bundle_path), device)
-    src, hid, lat = cfg["source_layer"], cfg["hidden_size"], cfg["latent_dim"]
-    emb = model.get_input_embeddings()
-    ids = list(prompt_ids)
-    if ids[-len(open_ids):] != list(open_ids):
-        ids += list(open_ids)
-    past = None
+class HeadReference:
+    """One greedy request (``generate``): ``model_dir``'s HF model in ``dtype`` with
+    ``bundle_path``'s nets in float32 (re-read unless ``reuse_bundle``), closed-loop injection
+    without a stop decision (the ``bench`` suite's). The stop head and prompt injection:
+    ``tests/support/head_reference.py``."""
 
-    def run(embeds):  # [T, H] -> (last logits [V] float32, anchor [H])
-        nonlocal past
-        out = model(inputs_embeds=embeds[None], past_key_values=past, use_cache=True,
-                    output_hidden_states=True)
-        past = out.past_key_values
-        return out.logits[0, -1].float(), out.hidden_states[src + 1][0, -1]
+    def __init__(self, model_dir, bundle_path, dtype: str = "float32", device: str = "cpu",
+                 reuse_bundle: bool = False):
+        self.model = _hf_model(str(model_dir), dtype, device)
+        load = _bundle_cached if reuse_bundle else _bundle_on
+        self.cfg, self.head_net, self.stop_net, self.dec_net = load(str(bundle_path), device)
+        self.emb, self.device, self.past = self.model.get_input_embeddings(), device, None
 
-    def decode(anchor):
-        mu = head_net(F.layer_norm(anchor.float(), (hid,)))[..., :lat]
-        return dec_net(F.layer_norm(mu, (lat,)))
+    def run(self, embeds):
+        """Feed ``embeds [T, H]``: ``(last logits [V] float32, anchor [H])``."""
+        out = self.model(inputs_embeds=embeds[None], past_key_values=self.past, use_cache=True,
+                         output_hidden_states=True)
+        self.past = out.past_key_values
+        return out.logits[0, -1].float(), out.hidden_states[self.cfg["source_layer"] + 1][0, -1]
 
-    def stop_p(anchor):
-        if stop_net is None:
-            return None
-        return float(torch.sigmoid(stop_net(F.layer_norm(anchor.float(), (hid,))))[0])
+    def embed(self, ids):
+        return self.emb(torch.tensor(list(ids), device=self.device))
 
-    res = {"steps": 0, "stop_step": None, "max_stop_prob": None, "end": None}
-    n_out = 0
-    logits, anchor = run(emb(torch.tensor(ids, device=device)))
-    if mode == "prompt":
-        embeds = emb(torch.tensor(ids, device=device)).clone()
-        embeds[-1] = decode(anchor).to(embeds.dtype)
-        past = None
-        logits, anchor = run(embeds)
-        res.update(steps=1, end="prompt")
-    else:
-        use_stop = use_stop and stop_net is not None
-        while True:
-            k, p = res["steps"], stop_p(anchor)
-            if p is not None:
-                m = res["max_stop_prob"]
-                res["max_stop_prob"] = p if m is None else max(m, p)
-            if use_stop and k >= min_latent and p > stop_threshold:
-                res.update(end="stop", stop_step=k)
-                break
-            if k >= max_latent:
+    def decode(self, anchor):
+        """The latent input embedding of ``anchor``: ``decoder(LN(head(LN(anchor)).mu))``."""
+        hid, lat = self.cfg["hidden_size"], self.cfg["latent_dim"]
+        mu = self.head_net(F.layer_norm(anchor.float(), (hid,)))[..., :lat]
+        return self.dec_net(F.layer_norm(mu, (lat,)))
+
+    def stops(self, res: dict, anchor) -> bool:
+        """Whether the latent phase ends before step ``res["steps"]``: never here."""
+        return False
+
+    def think(self, res: dict, ids, close_ids, max_latent: int, max_tokens: int):
+        """Prefill ``ids``, latent steps until :meth:`stops` or ``max_latent`` ("cap"), the
+        closing ids: ``(logits, output tokens spent)``, None when ``max_tokens`` ran out."""
+        logits, anchor = self.run(self.embed(ids))
+        while not self.stops(res, anchor):
+            if res["steps"] >= max_latent:
                 res["end"] = "cap"
                 break
-            vec = decode(anchor).to(emb.weight.dtype)
-            logits, anchor = run(vec[None])
+            logits, anchor = self.run(self.decode(anchor).to(self.emb.weight.dtype)[None])
             res["steps"] += 1
-            n_out += 1
-            if n_out >= max_tokens:
-                res.update(end="length", tokens=[], finish_reason="length")
-                return res
-        logits, anchor = run(emb(torch.tensor(list(close_ids), device=device)))
-        n_out += len(close_ids)
-        if n_out >= max_tokens:  # the closing ids spent the rest of the budget
-            res.update(tokens=[], finish_reason="length")
+            if res["steps"] >= max_tokens:
+                res["end"] = "length"
+                return None
+        logits, _ = self.run(self.embed(close_ids))
+        spent = res["steps"] + len(close_ids)
+        return None if spent >= max_tokens else (logits, spent)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], open_ids, close_ids, max_latent: int = 8,
+                 max_tokens: int = 16, eos_ids=()) -> dict:
+        """``{"tokens", "steps", "stop_step", "max_stop_prob", "end", "finish_reason"}``;
+        ``open_ids`` appended unless the prompt ends with them, ``eos_ids`` end the answer
+        (kept). Latent steps, closing ids and answer tokens count against ``max_tokens``."""
+        ids = list(prompt_ids)
+        if ids[-len(open_ids):] != list(open_ids):
+            ids += list(open_ids)
+        res = {"steps": 0, "stop_step": None, "max_stop_prob": None, "end": None,
+               "tokens": [], "finish_reason": "length"}
+        thought = self.think(res, ids, close_ids, max_latent, max_tokens)
+        if thought is None:
             return res
-    answer, reason = [], "length"
-    while True:
-        tok = int(logits.argmax())
-        answer.append(tok)
-        n_out += 1
-        if tok in eos_ids:
-            reason = "stop"
-            break
-        if n_out >= max_tokens:
-            break
-        logits, anchor = run(emb(torch.tensor([tok], device=device)))
-    res.update(tokens=answer, finish_reason=reason)
-    return res
+        logits, spent = thought
+        while True:
+            tok = int(logits.argmax())
+            res["tokens"].append(tok)
+            spent += 1
+            if tok in eos_ids:
+                res["finish_reason"] = "stop"
+                break
+            if spent >= max_tokens:
+                break
+            logits, _ = self.run(self.embed([tok]))
+        return res
