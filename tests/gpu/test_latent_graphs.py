@@ -30,7 +30,7 @@ def _drive(engine, requests):
 
 def test_coconut_feedback_rows_replay_inside_graphs(tmp_path):
     from latentserve.bench.baseline.latent_models import save_latent_tiny
-    from latentserve.bench.baseline.latent_reference import reference_generate
+    from tests.support.latent_reference import reference_generate
 
     d = save_latent_tiny(tmp_path, "coconut-gpt2")
     engine = _engine(d)
@@ -49,7 +49,7 @@ def test_codi_projection_runs_in_latent_graphs(tmp_path, kind):
     """CODI's ``prj`` (Linear, GELU, Linear, LayerNorm) runs in the decode graphs' latent
     graph, replayed only for steps with latent rows; answers equal the eager reference."""
     from latentserve.bench.baseline.latent_models import save_latent_tiny
-    from latentserve.bench.baseline.latent_reference import reference_generate
+    from tests.support.latent_reference import reference_generate
 
     d = save_latent_tiny(tmp_path, kind)
     engine = _engine(d)

@@ -58,8 +58,8 @@ def test_codi_bf16_base_checkpoint_matches_reference(base, tmp_path, smollm2_dir
     from safetensors.torch import load_file, save_file
 
     from latentserve.bench.baseline.latent_models import write_upstream_codi
-    from latentserve.bench.baseline.latent_reference import reference_generate
     from latentserve.latent.convert import convert_codi
+    from tests.support.latent_reference import reference_generate
 
     base_dir, ckpt = write_upstream_codi(tmp_path, base, "safetensors")
     sd = {k: v.bfloat16() if k.startswith("codi.") and ".lora_" not in k else v

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from latentserve.bench.baseline.latent_models import LATENT_KINDS, save_latent_tiny
-from latentserve.bench.baseline.latent_reference import reference_generate
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
+from tests.support.latent_reference import reference_generate
 from tests.support.parity import run_budget_batch, shared_prefix_prompts
 
 BUDGETS = (0, 1, 3, 6, 8)

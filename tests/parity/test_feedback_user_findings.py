@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from latentserve.bench.baseline.latent_models import write_upstream_coconut
-from latentserve.bench.baseline.latent_reference import reference_generate
 from latentserve.latent.convert import convert_coconut, convert_codi
+from tests.support.latent_reference import reference_generate
 
 
 @pytest.fixture(scope="module")

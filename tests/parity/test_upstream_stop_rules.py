@@ -125,7 +125,7 @@ def _check_engine(engine, case):
 @pytest.fixture(scope="module")
 def coconut(tmp_path_factory, smollm2_dir):
     from latentserve.bench.baseline.latent_models import save_latent_tiny
-    from latentserve.bench.baseline.latent_reference import reference_generate
+    from tests.support.latent_reference import reference_generate
 
     root = tmp_path_factory.mktemp("upstream-stop-coconut")
     plain = save_latent_tiny(root / "src", "coconut-llama")

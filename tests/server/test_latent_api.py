@@ -39,8 +39,8 @@ def _complete(srv, body=None, headers=None):
 @pytest.mark.parametrize("budget", [0, 2, 5])
 def test_body_budget_runs_that_many_latent_steps_and_matches_reference(budget, latent_server,
                                                                         coconut_dir):
-    from latentserve.bench.baseline.latent_reference import reference_generate
     from latentserve.models.checkpoint import load_tokenizer
+    from tests.support.latent_reference import reference_generate
 
     r = _complete(latent_server, {"latent_budget": budget})
     assert r.status_code == 200, r.text
@@ -58,8 +58,8 @@ def test_body_budget_runs_that_many_latent_steps_and_matches_reference(budget, l
 def test_upstream_stop_rules_reaches_the_engine(upstream, latent_server, coconut_dir):
     """COCONUT takes the field (the edge it changes is in tests/parity/
     test_upstream_stop_rules.py); the answer equals the reference of that rule."""
-    from latentserve.bench.baseline.latent_reference import reference_generate
     from latentserve.models.checkpoint import load_tokenizer
+    from tests.support.latent_reference import reference_generate
 
     r = _complete(latent_server, {"latent_budget": 2, "upstream_stop_rules": upstream})
     assert r.status_code == 200, r.text

@@ -89,7 +89,7 @@ def _reference(kind, model_dir, budget, hf_models) -> list[int]:
                 ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
         return ids[len(PROMPT):]
     if kind == "coconut":
-        from latentserve.bench.baseline.latent_reference import reference_generate
+        from tests.support.latent_reference import reference_generate
 
         return reference_generate(model_dir, PROMPT, budget, MAX_TOKENS, ignore_eos=True)[0]
     if kind == "huginn":

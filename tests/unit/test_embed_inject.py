@@ -64,11 +64,11 @@ def test_fused_coconut_llama_latent_steps_match_the_reference_loop(tmp_path, mon
     logits equal the eager per-request reference loop (fp32, 1e-4), for a mixed-budget
     batch."""
     from latentserve.bench.baseline.latent_models import save_latent_tiny
-    from latentserve.bench.baseline.latent_reference import reference_generate
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.ops.kernels import embed_inject as module
     from latentserve.sampling_params import SamplingParams
+    from tests.support.latent_reference import reference_generate
     from tests.support.parity import shared_prefix_prompts
 
     latent_calls, real = [], module.embed_inject

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from latentserve.bench.baseline import latent_models as lm
-from latentserve.bench.baseline.latent_reference import load_reference, reference_generate
+from latentserve.bench.baseline.latent_reference import load_reference
 from latentserve.cli.convert import add_args as add_convert_args
 from latentserve.cli.convert import run as convert_main
 from latentserve.latent import feedback as fb
 from latentserve.latent.convert import convert_coconut
+from tests.support.latent_reference import reference_generate
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 

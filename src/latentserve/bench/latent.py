@@ -70,7 +70,7 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency, budg
     del engine
     free_memory(device)
     ref = reference(rows, outputs, lambda p, n: reference_generate(
-        path, p, budget, n, device, dtype_for(device), ignore_eos=True)[0], device,
+        path, p, budget, n, device, dtype_for(device))[0], device,
         ref_requests, answer_len)
     load_reference.cache_clear()
     return {"budget": budget, "answer_len": answer_len, "prompt_len": prompt_len,

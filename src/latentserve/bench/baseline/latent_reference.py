@@ -92,14 +92,6 @@ def load_reference(model_dir: str, device: str = "cpu", dtype: str = "float32"):
     return target.to(device, dt).eval(), cfg, feedback.to(device, dt).eval()
 
 
-def _eos_ids(hf_model) -> set[int]:
-    ids = set()
-    for src in (hf_model.config.eos_token_id, getattr(hf_model.generation_config, "eos_token_id",
-                                                      None)):
-        ids |= set(src if isinstance(src, list) else [src] if src is not None else [])
-    return ids
-
-
 def _wrap_ids(cfg: dict) -> tuple[list[int], list[int]]:
     t = cfg["tokens"]
     if cfg["family"] == "coconut":
@@ -111,17 +103,13 @@ def _wrap_ids(cfg: dict) -> tuple[list[int], list[int]]:
 
 @torch.no_grad()
 def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens: int,
-                       device: str = "cpu", dtype: str = "float32", ignore_eos: bool = False,
-                       upstream_stop_rules: bool = False):
-    """Greedy answer for one request: ``(answer_token_ids, first_answer_logits [vocab]
-    float32 CPU)``. ``ignore_eos``: exactly ``max_tokens``; ``upstream_stop_rules``:
-    COCONUT's upstream loop (ValueError for CODI)."""
+                       device: str = "cpu", dtype: str = "float32"):
+    """Greedy answer for one request, exactly ``max_tokens`` (no EOS stop: that is
+    ``tests/support/latent_reference.py``): ``(answer_token_ids, first_answer_logits [vocab]
+    float32 CPU)``."""
     model, cfg, feedback = load_reference(str(model_dir), device, dtype)
-    if upstream_stop_rules and cfg["family"] != "coconut":
-        raise ValueError(f"upstream_stop_rules: {cfg['family']} stops on the first eos")
     emb = model.get_input_embeddings()
     start, end = _wrap_ids(cfg)
-    eos = _eos_ids(model)
     vocab = model.config.vocab_size
     past = None
 
@@ -142,9 +130,5 @@ def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens
         pick = logits[: vocab - 1] if cfg["family"] == "codi" else logits
         tok = int(pick.argmax())
         answer.append(tok)
-        # upstream coconut.py Coconut.generate appends its first token, eos or not; it breaks
-        # before appending a later eos, which is kept here as the engine's token_ids keep it
-        if tok in eos and not ignore_eos and not (upstream_stop_rules and len(answer) == 1):
-            break
         logits, hidden = run(emb(torch.tensor([tok], device=dev)))
     return answer, first
