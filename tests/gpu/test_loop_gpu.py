@@ -7,10 +7,11 @@ LOTUS in one mixed-budget batch; every pass reuses the block's slots; no slot le
 import pytest
 import torch
 
-from latentserve.bench.baseline.loop_reference import load_pccot_reference, reference_generate_loop
+from latentserve.bench.baseline.loop_reference import load_pccot_reference
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from tests.support.loop_models import load_lotus_reference, save_loop_tiny
+from tests.support.loop_reference import reference_generate_loop
 from tests.support.parity import run_budget_batch, shared_prefix_prompts
 
 pytestmark = [pytest.mark.gpu,

@@ -84,11 +84,9 @@ PCCOT_FORMS = {"gpt2-tokens": ("gpt2", False, {}), "llama-tokens-prj": ("llama",
 def test_pccot_trainable_token_adapter_matches_peft_model(kind, tmp_path, smollm2_dir):
     pytest.importorskip("peft")
     from latentserve.bench.baseline.loop_models import write_upstream_pccot
-    from latentserve.bench.baseline.loop_reference import (
-        load_pccot_reference,
-        reference_generate_loop,
-    )
+    from latentserve.bench.baseline.loop_reference import load_pccot_reference
     from latentserve.latent.loop_convert import convert_pccot
+    from tests.support.loop_reference import reference_generate_loop
 
     base, prj, overrides = PCCOT_FORMS[kind]
     base_dir, adapter = write_upstream_pccot(tmp_path, base, block_size=3, iterations=2,

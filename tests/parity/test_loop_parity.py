@@ -8,11 +8,12 @@ the slot invariant holds."""
 import pytest
 import torch
 
-from latentserve.bench.baseline.loop_reference import load_pccot_reference, reference_generate_loop
+from latentserve.bench.baseline.loop_reference import load_pccot_reference
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from tests.support.loop_models import load_lotus_reference, save_loop_tiny
+from tests.support.loop_reference import reference_generate_loop
 from tests.support.parity import shared_prefix_prompts
 
 # kind -> block size (several sizes, 1 included)

@@ -111,11 +111,11 @@ def _lotus_with_prj(root):
 def test_lotus_reference_applies_the_checkpoints_prj(tmp_path, smollm2_dir):
     """docs/models.md: LOTUS ``prj`` is optional; the reference used identity regardless, so it
     disagreed with the engine (which applies prj) for any budget >= 1."""
-    from latentserve.bench.baseline.loop_reference import reference_generate_loop
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
     from tests.support.loop_models import load_lotus_reference
+    from tests.support.loop_reference import reference_generate_loop
 
     model = _lotus_with_prj(tmp_path)
     ref = load_lotus_reference(str(model))

@@ -11,10 +11,11 @@ import shutil
 import pytest
 import torch
 
-from latentserve.bench.baseline.loop_reference import load_pccot_reference, reference_generate_loop
+from latentserve.bench.baseline.loop_reference import load_pccot_reference
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.latent.loop_convert import convert_pccot
+from tests.support.loop_reference import reference_generate_loop
 from tests.support.parity import run_budget_batch, shared_prefix_prompts
 
 

@@ -175,11 +175,9 @@ def test_max_tokens_one_ends_a_kept_first_eos_with_length(coconut):
 @pytest.fixture(scope="module")
 def pccot(tmp_path_factory, smollm2_dir):
     pytest.importorskip("peft")
-    from latentserve.bench.baseline.loop_reference import (
-        load_pccot_reference,
-        reference_generate_loop,
-    )
+    from latentserve.bench.baseline.loop_reference import load_pccot_reference
     from tests.support.loop_models import save_loop_tiny
+    from tests.support.loop_reference import reference_generate_loop
 
     root = tmp_path_factory.mktemp("upstream-stop-pccot")
     plain = save_loop_tiny(root, "pccot-llama", block_size=3, iterations=2)

@@ -37,9 +37,9 @@ def _complete(srv, body=None, headers=None):
 
 
 def test_concurrent_budgets_match_the_reference(loop_server, lotus_dir):
-    from latentserve.bench.baseline.loop_reference import reference_generate_loop
     from latentserve.models.checkpoint import load_tokenizer
     from tests.support.loop_models import load_lotus_reference
+    from tests.support.loop_reference import reference_generate_loop
 
     budgets = [0, 1, 3, 2, 0, 4]
     with ThreadPoolExecutor(len(budgets)) as pool:

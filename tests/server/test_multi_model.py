@@ -96,8 +96,8 @@ def _reference(kind, model_dir, budget, hf_models) -> list[int]:
         from latentserve.bench.baseline.recurrent_reference import HuginnReference
 
         return HuginnReference(model_dir).generate(PROMPT, MAX_TOKENS, budget)["tokens"]
-    from latentserve.bench.baseline.loop_reference import reference_generate_loop
     from tests.support.loop_models import load_lotus_reference
+    from tests.support.loop_reference import reference_generate_loop
 
     return reference_generate_loop(load_lotus_reference(str(model_dir)), PROMPT, budget,
                                    MAX_TOKENS, ignore_eos=True)[0]

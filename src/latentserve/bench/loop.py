@@ -63,7 +63,7 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
     ref = load_pccot_reference(str(root / "base"), str(root / "adapter"), device,
                                dtype_for(device))
     ref_out = reference(rows, outputs, lambda p, n: reference_generate_loop(
-        ref, p, iterations, n, ignore_eos=True)[0], device, ref_requests, answer_len)
+        ref, p, iterations, n)[0], device, ref_requests, answer_len)
     load_pccot_reference.cache_clear()
     return {"block_size": block_size, "iterations": iterations, "answer_len": answer_len,
             "prompt_len": prompt_len, "max_model_len": max_len, "concurrency": rows,

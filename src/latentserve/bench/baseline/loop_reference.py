@@ -18,6 +18,8 @@ from latentserve.models.checkpoint import load_tokenizer
 
 @dataclass
 class LoopReference:
+    """A loaded looped model (``eos``, ``family``: tests/support/loop_reference.py's stop)."""
+
     model: object  # HF CausalLM (maybe a peft wrapper)
     prj: object  # callable [N, H] -> [N, H]
     start: list
@@ -64,15 +66,11 @@ def load_pccot_reference(base_dir: str, adapter_dir: str, device: str = "cpu",
 
 @torch.no_grad()
 def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iterations: int,
-                            max_tokens: int, ignore_eos: bool = False,
-                            upstream_stop_rules: bool = False, passes: list | None = None):
-    """Greedy answer for one request, each forward recomputing the sequence: ``(answer_ids,
-    first_answer_logits [vocab] float32 CPU)``. ``upstream_stop_rules``: PCCoT's upstream loop
-    (ValueError for another family); ``passes``: gets each pass's block logits
-    ``[block_size, vocab]``."""
-    if upstream_stop_rules and ref.family != "pccot":
-        raise ValueError(f"upstream_stop_rules: {ref.family or 'this model'} has no upstream "
-                         "stop rule")
+                            max_tokens: int, passes: list | None = None):
+    """Greedy answer for one request, exactly ``max_tokens`` (no EOS stop: that is
+    ``tests/support/loop_reference.py``), each forward recomputing the sequence:
+    ``(answer_ids, first_answer_logits [vocab] float32 CPU)``. ``passes``: gets each pass's
+    block logits ``[block_size, vocab]``."""
     model, n = ref.model, ref.block_size
     emb = model.get_input_embeddings()
     dev = emb.weight.device
@@ -100,8 +98,5 @@ def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iteration
             first = logits.cpu()
         tok = int(logits.argmax())
         answer.append(tok)
-        # upstream PCCoTGenerationMixin.generate checks no stop on its first token
-        if tok in ref.eos and not ignore_eos and not (upstream_stop_rules and len(answer) == 1):
-            break
         tail = torch.cat([tail, emb(torch.tensor([tok], device=dev))])
     return answer, first
