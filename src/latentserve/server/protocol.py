@@ -1,6 +1,7 @@
-"""Pydantic models of OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` and vLLM's
-``/tokenize`` / ``/detokenize``: strict types, as OpenAI's; undeclared fields are refused by
-``params.refuse_unsupported``, ranges checked by ``SamplingParams`` and the handlers."""
+"""Pydantic request models of OpenAI's ``/v1/chat/completions`` and ``/v1/completions`` and
+vLLM's ``/tokenize`` / ``/detokenize`` (strict types, as OpenAI's; undeclared fields refused by
+``params.refuse_unsupported``, ranges checked by ``SamplingParams`` and the handlers); the
+responses are plain dicts."""
 
 from __future__ import annotations
 
