@@ -70,7 +70,7 @@ def test_grammar_rows_filled_ahead_on_cuda_equal_the_rows_filled_in_the_step(tin
     results = []
     for ahead in (False, True):
         engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), device="cuda",
-                                        max_num_seqs=16))
+                                        max_num_seqs=16, kv_slots=16 * 512))
         assert engine.config.use_overlap_schedule
         engine.masks_ahead.enabled = ahead
         used: list[int] = []
