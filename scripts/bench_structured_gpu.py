@@ -9,12 +9,14 @@ scheduling on, the CUDA default), ``plain_sync`` (overlap off), ``allowed`` and
 ``min_tokens`` (static masks), ``json`` and ``regex`` (a grammar per request; its next row
 filled by a worker thread while the step returns and the next forward is launched,
 ``mask_ahead.py``), ``json_noahead`` and ``regex_noahead`` (the same with the rows filled in
-the step that samples them, after its forward is launched). Two engines (overlap on and
-off) are built once and warmed with one pass of every variant; then ``--rounds`` rounds
-each run every variant once, in order, so that a slow stretch of the host hits every
-variant. Prints one JSON object and writes it to ``--out``; docs/server.md quotes it::
+the step that samples them, after its forward is launched). ``--sampling``: every request
+at temperature 1 with ``seed=i`` (``seeded``, the default), at temperature 1 without a seed
+(``unseeded``) or at temperature 0 (``greedy``). Two engines (overlap on and off) are built
+once and warmed with one pass of every variant; then ``--rounds`` rounds each run every
+variant once, in order, so that a slow stretch of the host hits every variant. Prints one
+JSON object and writes it to ``--out``; docs/server.md quotes it::
 
-    {"device": str, "batch": int, "rounds": int, "model": str,
+    {"device": str, "batch": int, "rounds": int, "model": str, "sampling": str,
      "rows": [{"variant": str,
                "steps": int,                 # full-batch steps, all rounds
                "round_ms": [float, ...],     # each round's median step (ms)
@@ -28,6 +30,7 @@ variant. Prints one JSON object and writes it to ``--out``; docs/server.md quote
 
     python scripts/bench_structured_gpu.py --tokenizer DIR [--batch 64] [--rounds 3] [--out FILE]
         [--variants plain,json,...] [--device cuda|cpu] [--shape smollm2|tiny]
+        [--sampling seeded|unseeded|greedy]
 """
 
 import argparse
@@ -88,7 +91,11 @@ def build_engine(model_dir: Path, batch: int, overlap: bool, device: str):
     return eng
 
 
-def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int
+SAMPLING = {"seeded": lambda i: {"temperature": 1.0, "seed": i},
+            "unseeded": lambda i: {"temperature": 1.0}, "greedy": lambda i: {"temperature": 0.0}}
+
+
+def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling: str = "seeded"
                 ) -> tuple[list[float], list[float]]:
     """One round of ``name`` on ``eng``: ``(wall, cpu)`` times (s) of its full-batch steps
     (``cpu``: the calling thread's CPU time, without other threads' work or waits for the
@@ -100,7 +107,7 @@ def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int
     if "min_tokens" in extra:
         extra["min_tokens"] = max_tokens
     for i in range(batch):
-        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
+        params = SamplingParams(max_tokens=max_tokens, **SAMPLING[sampling](i),
                                 ignore_eos="structured_outputs" not in extra, **extra)
         eng.add_request(f"{name}-{tag}-{i}", [1 + (i * 7 + k) % 1000 for k in range(32)],
                         params)
@@ -147,6 +154,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES),
                     help="tiny: 2 layers of width 64, the step all host work (with --device cpu)")
+    ap.add_argument("--sampling", default="seeded", choices=sorted(SAMPLING))
     args = ap.parse_args()
     import torch
 
@@ -163,7 +171,7 @@ def main():
     for rnd in range(args.rounds + 1):  # round 0 warms the graphs' batch sizes and grammars
         for v in variants:
             t, c = run_variant(engines[v != "plain_sync"], v, str(rnd), args.batch,
-                               args.max_tokens)
+                               args.max_tokens, args.sampling)
             if rnd:
                 times[v].append(t)
                 cpu[v].append(c)
@@ -192,7 +200,7 @@ def main():
         eng.shutdown()
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
     result = {"device": name, "batch": args.batch,
-              "rounds": args.rounds, "model": "random Llama, "
+              "rounds": args.rounds, "sampling": args.sampling, "model": "random Llama, "
               + ("SmolLM2-135M shape, " if args.shape == "smollm2" else "tiny shape, ")
               + ("bf16" if args.device == "cuda" else "fp32"),
               "rows": rows}

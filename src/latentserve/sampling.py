@@ -57,14 +57,28 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
     out = greedy if greedy is not None and not penalized else greedy_tokens(logits)
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
     if sampled:
-        if out is greedy:  # a static graph buffer: the sampled rows go into a copy
-            out = out.clone()
         rows = torch.tensor(sampled, device=logits.device)
         probs = _filtered_probs(logits[rows], [reqs[b].params for b in sampled])
-        for j, b in enumerate(sampled):
-            gen = reqs[b].generator or generator
-            out[b] = torch.multinomial(probs[j], 1, generator=gen)[0]
+        # out of place: ``greedy`` may be a static graph buffer
+        out = out.index_copy(0, rows, greedy_tokens(probs.div_(_exponentials(
+            probs, [reqs[b].generator for b in sampled], generator))))
     return SamplerOutput(out, _logprobs(raw, out, reqs))
+
+
+def _exponentials(probs: torch.Tensor, gens: list, generator: torch.Generator | None
+                  ) -> torch.Tensor:
+    """Exp(1) noise like ``probs`` (``[N, vocab]``) for the race ``argmax(probs / q)``, which
+    picks token t with probability ``probs[t]`` (the Gumbel-max trick; ``torch.multinomial``
+    runs the same race for one sample but first checks ``probs`` with a host sync). Rows whose
+    ``gens[i]`` is None share one draw from ``generator`` (None: global RNG); row i of a seeded
+    request is drawn alone from ``gens[i]``, so that its tokens do not depend on the batch."""
+    q = torch.empty_like(probs)
+    if None in gens:
+        q.exponential_(generator=generator)
+    for i, gen in enumerate(gens):
+        if gen is not None:
+            q[i].exponential_(generator=gen)
+    return q
 
 
 def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:

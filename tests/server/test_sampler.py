@@ -1,5 +1,6 @@
 """The sampler's penalties and logprobs (vLLM semantics), on hand-made logits."""
 
+import collections
 import math
 
 import pytest
@@ -137,3 +138,51 @@ def test_tiny_repetition_penalty_keeps_logits_finite():
     penalized = apply_penalties(logits, [req])
     assert torch.isfinite(penalized).all()
     assert sample_with_logprobs(logits, [req]).tokens.item() in (0, 1)
+
+
+def _ops(logits, reqs):
+    """``aten`` op name -> calls made by one :func:`sample_with_logprobs` of ``reqs``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        sample_with_logprobs(logits, reqs, torch.Generator().manual_seed(0))
+    return collections.Counter(e.name for e in prof.events() if e.name.startswith("aten::"))
+
+
+def test_unseeded_rows_are_sampled_by_one_draw_whatever_the_batch_size():
+    """vLLM's sampler: one exponential race for the whole batch, no per-row multinomial
+    (each a launch, an index write and a host sync on CUDA)."""
+    counts = [_ops(torch.randn(b, 50), [_req([0], [], temperature=0.8, top_k=20)] * b)
+              for b in (2, 64)]
+    assert counts[0] == counts[1]
+    assert counts[0]["aten::exponential_"] == 1 and "aten::multinomial" not in counts[0]
+    assert "aten::item" not in counts[0] and "aten::_local_scalar_dense" not in counts[0]
+
+
+def test_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch():
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+
+    def stream(rows, seeds):
+        reqs = []
+        for s in seeds:
+            reqs.append(_req([0], [], temperature=0.9 if s is None or s > 0 else 0.0,
+                             top_p=0.95, seed=s))
+            reqs[-1].generator = None if s is None else torch.Generator().manual_seed(s)
+        return [sample_with_logprobs(logits[rows], reqs).tokens.tolist() for _ in range(6)]
+
+    alone = stream([3], [7])
+    mixed = stream([0, 3, 1, 2, 4], [None, 7, 0, 11, None])  # unseeded, greedy, other seeds
+    assert [t[1] for t in mixed] == [t[0] for t in alone] and len({t[0] for t in alone}) > 1
+    assert [t[3] for t in mixed] == [t[0] for t in stream([2], [11])]
+
+
+def test_a_batched_row_follows_its_probabilities():
+    """10000 unseeded rows of one distribution in one call: a chi-square test on the counts
+    (4 degrees of freedom, 99.99% quantile 23.5); the zero-probability token is never drawn."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15, 0.0])
+    n = 10000
+    reqs = [_req([0], [], temperature=1.0)] * n
+    tokens = sample_with_logprobs(probs.log().expand(n, -1), reqs,
+                                  torch.Generator().manual_seed(0)).tokens
+    counts = torch.bincount(tokens, minlength=6).double()
+    expected = probs.double() * n
+    assert counts[5] == 0
+    assert ((counts[:5] - expected[:5]) ** 2 / expected[:5]).sum() < 23.5
