@@ -2,6 +2,7 @@
 # One session's device work in a few calls (a machine goes cold 30 s after a call): the GGUF
 # parts as scripts/gpu_xfer.sh says, then
 #   take           (carry .xfer/pK, K = 1..8, one call each)
+#   prep           joins the GGUF and installs the wheels in .whl when carried (train does too)
 #   train FILE...  joins the GGUF (installs the wheels in .whl when carried), starts a stage-1
 #                  CoLaR continuation of models/smollm2-mult-colar
 #                  in the background (T_MORE s wall, TRAIN_FACTORS, LR, OWN_LATENT_PROB), then
@@ -25,6 +26,13 @@ gtests() {  # gtests TAG FILE...: pytest with a full log and junit xml in $OUT
   echo "rc $?"; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu_tests_$tag.log" | grep -c PASSED
   grep -E "FAILED|ERROR" "$OUT/gpu_tests_$tag.log" | head -20; tail -3 "$OUT/gpu_tests_$tag.log"
 }
+prep() {
+  xfer_start || return 1
+  if [ -d .whl ]; then  # wheels the image lacks (xgrammar and its needs), carried as .whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || return 1
+  fi
+}
 pause() { pg=$(cat $W/train.pid 2>/dev/null); [ -n "$pg" ] && kill -STOP -- -"$pg"; }
 resume() { [ -n "${pg:-}" ] && kill -CONT -- -"$pg"; tail -2 "$W/train.log"; }
 case "${1:-}" in
@@ -36,13 +44,9 @@ bench)
       --json-out "$OUT/families_$f.json" 2>&1 | grep -v "Loading\|Writing" | tail -8
   done; resume ;;
 paused) shift; pause; timeout "${T_BENCH:-560}" "$@"; echo "rc $?"; resume ;;
-train)
-  shift
-  xfer_start || exit 1
-  if [ -d .whl ]; then  # wheels the image lacks (xgrammar and its needs), carried as .whl
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || exit 1
-  fi
+prep|train)  # prep: the GGUF joined and the carried wheels installed, no training
+  [ "$1" = prep ] && { prep; exit $?; }
+  shift; prep || exit 1
   for k in 4 5; do $ls data multiplication --k $k --n 150000 --seed 2 \
     --out "$W/${k}x${k}_train.txt"; done
   setsid nohup $ls train colar --device cuda --lr "${LR:-5e-4}" --log-every 200 \
@@ -65,5 +69,5 @@ finish)
       --dataset-file "$D/${s}_test.txt" --max-tokens 40 --sweep compression_factor=2,3,4 \
       --json-out "$OUT/colar_${s}.json" 2>&1 | grep --line-buffered -v "Loading\|Converting"
   done ;;
-*) echo "usage: $0 take|train|tests|bench|paused|finish" >&2; exit 2 ;;
+*) echo "usage: $0 take|prep|train|tests|bench|paused|finish" >&2; exit 2 ;;
 esac
