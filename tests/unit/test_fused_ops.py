@@ -62,6 +62,53 @@ def test_add_rms_norm_matches_torch_and_keeps_inputs(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96, 200, 2048])
+def test_sandwich_norm_is_the_separate_kernels_bitwise(dtype, hidden):
+    """``pre_weight`` (Ouro's ``*_2`` norm, residual add, next norm in one kernel): bit for bit
+    the three separate kernels of before; against the eager formula bit for bit in bf16/fp16
+    (fp32: the sums run in another order, as ``test_rms_norm_matches_torch``)."""
+    g = torch.Generator().manual_seed(hidden)
+    a, r = ((torch.randn(7, hidden, generator=g) * sd).to(dtype) for sd in (3, 5))
+    wp, w = ((1 + torch.randn(hidden, generator=g) * 0.1).to(dtype) for _ in range(2))
+    a0, r0 = a.clone(), r.clone()
+    y, s = kernels.rms_norm(a, w, 1e-6, residual=r, pre_weight=wp, pre_eps=1e-5)
+    sep_s = r + kernels.rms_norm(a, wp, 1e-5)
+    assert torch.equal(s, sep_s) and torch.equal(y, kernels.rms_norm(sep_s, w, 1e-6))
+    ref_y, ref_s = norm.norm_add_rms_norm(a, r, wp, w, 1e-6, pre_eps=1e-5)
+    if dtype == torch.float32:
+        _ulp_close(s, ref_s)
+        _ulp_close(y, ref_y)
+    else:
+        assert torch.equal(s, ref_s) and torch.equal(y, ref_y)
+    assert torch.equal(a, a0) and torch.equal(r, r0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sandwich_norm_sums_split_k_partials(dtype):
+    """With fp32 partials ``[S, T, hidden]`` (the down projection's) the pre-norm reads their
+    sum rounded as the GEMM's output (``layers.materialize``)."""
+    from latentserve.models.layers import materialize
+
+    g = torch.Generator().manual_seed(5)
+    parts = torch.randn(3, 4, 80, generator=g) * 4
+    r = torch.randn(4, 80, generator=g).to(dtype)
+    wp, w = ((1 + torch.randn(80, generator=g) * 0.1).to(dtype) for _ in range(2))
+    y, s = kernels.rms_norm(parts, w, 1e-6, residual=r, pre_weight=wp)
+    ref_y, ref_s = kernels.rms_norm(materialize(parts, r), w, 1e-6, residual=r, pre_weight=wp)
+    assert torch.equal(s, ref_s) and torch.equal(y, ref_y)
+
+
+def test_sandwich_norm_rejects_missing_residual_and_mixed_dtypes():
+    x, w = torch.randn(2, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="pre_weight needs a residual"):
+        kernels.rms_norm(x, w, 1e-6, pre_weight=w)
+    with pytest.raises(ValueError, match="pre_weight needs a residual"):
+        kernels.rms_norm(x, w, 1e-6, residual=x.bfloat16(), pre_weight=w.bfloat16())
+    with pytest.raises(ValueError, match="pre_weight needs a residual"):
+        kernels.rms_norm(x, w, 1e-6, residual=x, pre_weight=w.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (3, 3, 96), (6, 2, 16)])
 def test_rotary_in_place_matches_torch(dtype, heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(head_dim)
