@@ -166,7 +166,7 @@ def test_fused_ops_default_only_on_cuda_triton():
 
 def test_fused_ouro_matches_unfused_fp32(tmp_path):
     """Ouro's fast path (merged q/k/v and gate/up, in-place RoPE from its ``[T, 1, D]``
-    cos/sin, the RMSNorm kernel on all four sandwich norms and the loop's final norm) gives
+    cos/sin, each sandwich norm, residual add and next norm as one RMSNorm kernel) gives
     the unfused path's tokens and logits (1e-4) for mixed depths and readouts; the unfused
     path is checked against the upstream-algorithm reference in
     ``tests/parity/test_recurrent_parity.py``."""
@@ -182,6 +182,52 @@ def test_fused_ouro_matches_unfused_fp32(tmp_path):
         assert layer.self_attn.fused == fused and layer.input_layernorm_2.fused == fused
         out[fused] = run_requests(engine, reqs)
     assert_same(out[False], out[True])
+
+
+@pytest.mark.parametrize("rows", [0, 64])
+def test_ouro_sandwich_norm_kernel_gives_the_separate_kernels_bitwise(rows, tmp_path,
+                                                                      monkeypatch):
+    """Ouro's fast path in bf16 with ``OuroDecoderLayer.fused_forward`` (each ``*_2`` norm,
+    its residual add and the next norm as one kernel, the down projection's split-K
+    partials summed in it with ``rows``) against the same fast path running the upstream
+    layer formula (four norm kernels and two adds a layer, then the final norm): tokens and
+    every step's logits equal bit for bit, with 2L + 1 norm kernels a loop step, not 4L + 1."""
+    import importlib
+    from types import MethodType
+
+    from latentserve.bench.baseline.recurrent_models import write_ouro
+    from latentserve.models import layers
+    from latentserve.ops import kernels
+    from tests.support.tp_parity import assert_same, run_requests
+
+    def separate_step(self, h, cos, sin, t):  # the fast path before the sandwich kernel
+        for l, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, self.bank(t, l))
+        return self.model.norm(h)
+
+    calls, real = [], kernels.rms_norm
+    monkeypatch.setattr(kernels, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(layers, "DECODE_ROWS", rows)
+    gemm = importlib.import_module("latentserve.ops.kernels.decode_linear")
+    monkeypatch.setattr(gemm, "pick_tiling",  # the down projection (K = 128) splits K in 2
+                        lambda m, n, k, in_l2=False: (64, 64, 2 if k >= 128 else 1))
+    path = write_ouro(tmp_path / "ouro")
+    reqs = _ouro_requests()
+    out, launches = {}, {}
+    for fused_norms in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True, dtype="bfloat16"))
+        model = engine.runner.model
+        assert model.model.layers[0].post_attention_layernorm_2.fused
+        if not fused_norms:
+            model.step = MethodType(separate_step, model)
+        calls.clear()
+        out[fused_norms] = run_requests(engine, reqs)
+        launches[fused_norms] = len(calls)
+    assert_same(out[False], out[True], atol=0)
+    n_layers = 2  # OURO_TINY
+    steps = launches[False] // (4 * n_layers + 1)
+    assert launches[False] == steps * (4 * n_layers + 1) and steps > 0
+    assert launches[True] == steps * (2 * n_layers + 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -18,6 +18,7 @@ from latentserve.models.layers import (
     fuse_decoder,
     inject,
     paged_attention,
+    sandwich_add_norm,
 )
 from latentserve.models.llama import LlamaMLP
 from latentserve.models.weights import load_by_name
@@ -76,8 +77,20 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm_2 = RMSNorm(cfg.hidden_size, eps)
 
     def forward(self, x, cos, sin, bank: int):
+        """The upstream formula (the reference): x ``[T, hidden]`` -> ``[T, hidden]``."""
         x = x + self.input_layernorm_2(self.self_attn(self.input_layernorm(x), cos, sin, bank))
         return x + self.post_attention_layernorm_2(self.mlp(self.post_attention_layernorm(x)))
+
+    def fused_forward(self, normed, x, cos, sin, bank: int, next_norm: RMSNorm):
+        """``forward`` on the fast path: ``normed`` = ``input_layernorm(x)`` -> ``(
+        next_norm(out), out)``, ``out`` = ``forward(x)``, all ``[T, hidden]``. Each ``*_2``
+        norm, its residual add and the norm after it run as one kernel
+        (``sandwich_add_norm``), which also sums the down projection's split-K partials."""
+        a = self.self_attn(normed, cos, sin, bank)
+        normed, x = sandwich_add_norm(a, x, self.input_layernorm_2,
+                                      self.post_attention_layernorm)
+        m = self.mlp(normed, partials=True)
+        return sandwich_add_norm(m, x, self.post_attention_layernorm_2, next_norm)
 
 
 class OuroModel(nn.Module):
@@ -154,10 +167,20 @@ class OuroForCausalLM(nn.Module):
                 (emb.sin() * rot.scaling).to(dtype)[:, None, :])
 
     def step(self, h, cos, sin, t: int):
-        """One loop: every layer with step ``t``'s banks, then the final norm."""
-        for l, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, self.bank(t, l))
-        return self.model.norm(h)
+        """One loop: every layer with step ``t``'s banks, then the final norm. Fast path:
+        ``OuroDecoderLayer.fused_forward``, each layer's last kernel also computing the next
+        layer's ``input_layernorm`` (the last layer's: the final norm), bit for bit as the
+        separate norm kernels and adds."""
+        layers = self.model.layers
+        if not self.model.norm.fused:
+            for l, layer in enumerate(layers):
+                h = layer(h, cos, sin, self.bank(t, l))
+            return self.model.norm(h)
+        normed = layers[0].input_layernorm(h)
+        nexts = [*(layer.input_layernorm for layer in layers[1:]), self.model.norm]
+        for l, (layer, nxt) in enumerate(zip(layers, nexts)):
+            normed, h = layer.fused_forward(normed, h, cos, sin, self.bank(t, l), nxt)
+        return normed
 
     def forward(self, input_ids, positions, input_embeds=None, latent_mask=None):
         ctx = get_context()

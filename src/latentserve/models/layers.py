@@ -32,6 +32,19 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def sandwich_add_norm(x: torch.Tensor, residual: torch.Tensor, pre: RMSNorm,
+                      post: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sandwich-norm block boundary (Ouro): ``s = residual + pre(x)``, then ``(post(s),
+    s)``, both ``[T, hidden]``. With ``post.fused``: one kernel (``ops.kernels.rms_norm``
+    with ``pre_weight``), and x may be fp32 split-K partials ``[S, T, hidden]``."""
+    if post.fused:
+        from latentserve.ops.kernels import rms_norm as fused_rms_norm
+
+        return fused_rms_norm(x, post.weight, post.eps, residual, pre.weight, pre.eps)
+    s = residual + pre(x)
+    return post(s), s
+
+
 DECODE_ROWS = settings.get("LATENTSERVE_DECODE_ROWS")
 """Up to this many rows the fast path runs its weight GEMMs as ``ops.kernels.decode_linear``
 (a decode step's batch); larger batches and ``0`` keep cuBLAS."""
