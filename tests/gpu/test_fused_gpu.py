@@ -76,6 +76,10 @@ def test_kernels_match_torch_at_serving_sizes(shape, dtype, tokens):
     ref_out, ref_res = norm.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(new_res, ref_res)
     _ulp_close(out, ref_out)
+    w2 = 1 + 0.1 * randn(hidden)  # Ouro's sandwich boundary: one kernel, the three's bits
+    out, new_res = kernels.rms_norm(x, w2, 1e-5, residual=res, pre_weight=w)
+    sep_res = res + kernels.rms_norm(x, w, 1e-5)
+    assert torch.equal(new_res, sep_res) and torch.equal(out, kernels.rms_norm(sep_res, w2, 1e-5))
 
     qkv = randn(tokens, (heads + 2 * kv_heads) * d)
     q = qkv[:, : heads * d].view(tokens, heads, d)
