@@ -200,3 +200,26 @@ def test_sigterm_while_the_engine_loads_leaves_no_engine(tiny_dirs, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_ctrl_c_lost_in_a_weakref_callback_is_sent_again():
+    """A KeyboardInterrupt raised inside a weakref callback (where the SIGINT of a Ctrl-C lands
+    when an import releases its module lock) is one Python ignores; with the CLI's
+    ``sys.unraisablehook`` the signal is sent again and interrupts the code after it."""
+    script = ("import signal, sys, weakref\n"
+              "from latentserve.cli import resend_lost_interrupt\n"
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "sys.unraisablehook = resend_lost_interrupt\n"
+              "class A: pass\n"
+              "def cb(_): raise KeyboardInterrupt\n"
+              "a = A(); r = weakref.ref(a, cb)\n"
+              "try:\n"
+              "    del a\n"
+              "    import time; time.sleep(30)\n"
+              "except KeyboardInterrupt:\n"
+              "    sys.exit(130)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                          timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert "Exception ignored" not in proc.stderr, proc.stderr

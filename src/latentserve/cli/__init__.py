@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from latentserve import settings
@@ -29,6 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resend_lost_interrupt(unraisable) -> None:
+    """``sys.unraisablehook`` for the CLI: a Ctrl-C whose KeyboardInterrupt was raised inside a
+    callback Python cannot raise from (a weakref callback, as an import's lock release runs)
+    is sent again 50 ms later (from a thread, so that it lands in the command's own code, not
+    in this hook); other cases as Python's default."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        import threading
+
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def main(argv: list[str] | None = None) -> int:
     from latentserve.cli.config_file import expand_config_args
     from latentserve.cli.engine_args import finish_engine_args
@@ -37,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: spinning OpenMP threads stall every op when another job holds a core; set
     # before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sys.unraisablehook = resend_lost_interrupt
     try:
         parser = build_parser()
         try:
