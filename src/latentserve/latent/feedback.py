@@ -268,25 +268,12 @@ def prepare_latent_weights(model_dir, hf_config, latent_cfg):
 
 # ----------------------------------------------------------------------------- feedback
 
-class CodiProjection(nn.Module):
-    """CODI's ``prj``: Linear(H, dim) -> GELU -> Linear(dim, H) -> LayerNorm(H) (optional);
-    children ``1``, ``3``, ``ln`` match upstream keys. ``[N, H] -> [N, H]``, same dtype."""
-
-    def __init__(self, hidden: int, dim: int, layer_norm: bool = True, eps: float = 1e-5):
-        super().__init__()
-        self.add_module("1", nn.Linear(hidden, dim))
-        self.add_module("3", nn.Linear(dim, hidden))
-        self.ln = nn.LayerNorm(hidden, eps=eps) if layer_norm else None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = self._modules["3"](nn.functional.gelu(self._modules["1"](hidden)))
-        return x if self.ln is None else self.ln(x)
-
-
 def attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device) -> None:
     """Set ``model.latent_spec`` and ``model.latent_feedback`` (``[N, H]`` final hidden ->
-    ``[N, H]`` next input): ``nn.Identity`` or a :class:`CodiProjection`. Raises ValueError on
-    mismatched ``prj`` weights, or ``prj`` null with ``prj.*`` tensors present."""
+    ``[N, H]`` next input): ``nn.Identity`` or CODI's ``prj``, children named as upstream:
+    ``1`` Linear(H, dim), GELU, ``3`` Linear(dim, H), ``ln`` LayerNorm(H) (optional; ``0``:
+    its dropout). Raises ValueError on mismatched ``prj`` weights, or ``prj`` null with
+    ``prj.*`` tensors present."""
     model.latent_spec = latent_spec_from_config(latent_cfg)
     if latent_cfg["family"] != "codi":
         model.latent_feedback = nn.Identity()
@@ -301,7 +288,10 @@ def attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device) -> Non
         model.latent_feedback = nn.Identity()
         return
     hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
-    prj = CodiProjection(hidden, prj_cfg["dim"], prj_cfg["layer_norm"], prj_cfg["eps"])
+    prj = nn.Sequential(nn.Identity(), nn.Linear(hidden, prj_cfg["dim"]), nn.GELU(),
+                        nn.Linear(prj_cfg["dim"], hidden))
+    if prj_cfg["layer_norm"]:
+        prj.add_module("ln", nn.LayerNorm(hidden, eps=prj_cfg["eps"]))
     model.latent_feedback = load_projection(prj, sd, dtype, device)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from latentserve.latent.feedback import (
@@ -95,27 +94,15 @@ def prepare_loop_weights(model_dir, hf_config, cfg: dict):
     return list(state.items()), hf_config
 
 
-class PCCoTProjection(nn.Module):
-    """PCCoT's ``prj``: Linear -> GELU -> Linear -> LayerNorm, ``[N, H] -> [N, H]``."""
-
-    def __init__(self, hidden: int, eps: float = 1e-5):
-        super().__init__()
-        self.add_module("0", nn.Linear(hidden, hidden))
-        self.add_module("2", nn.Linear(hidden, hidden))
-        self.add_module("3", nn.LayerNorm(hidden, eps=eps))
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        m = self._modules
-        return m["3"](m["2"](nn.functional.gelu(m["0"](hidden))))
-
-
 def attach_loop(model, model_dir, hf_config, cfg: dict, dtype, device) -> None:
-    """Set ``model.latent_spec`` and ``model.latent_feedback`` (identity or
-    :class:`PCCoTProjection`); ValueError when ``prj``'s tensors do not match."""
+    """Set ``model.latent_spec`` and ``model.latent_feedback``: identity, or PCCoT's ``prj``
+    Linear -> GELU -> Linear -> LayerNorm (``[N, H] -> [N, H]``, upstream keys); ValueError
+    when ``prj``'s tensors do not match."""
     model.latent_spec = loop_spec_from_config(cfg)
     if cfg.get("prj") is None:
         model.latent_feedback = nn.Identity()
         return
     hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
-    model.latent_feedback = load_projection(PCCoTProjection(hidden, cfg["prj"]["eps"]),
-                                            prj_tensors(model_dir, cfg), dtype, device)
+    prj = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden),
+                        nn.LayerNorm(hidden, eps=cfg["prj"]["eps"]))
+    model.latent_feedback = load_projection(prj, prj_tensors(model_dir, cfg), dtype, device)
