@@ -14,20 +14,13 @@ from latentserve.context import get_context
 from latentserve.latent.recurrent import (
     HUGINN_LOGIT_CRITERIA,
     ActiveRows,
+    RecurrentLM,
     recur_compact,
     slot_steps,
 )
 from latentserve.latent.spec import LatentSpec
 from latentserve.models.layers import RMSNorm, inject, paged_attention
 from latentserve.models.weights import load_by_name
-
-
-def _get(cfg, *names, default=None):
-    for n in names:
-        v = getattr(cfg, n, None)
-        if v is not None:
-            return v
-    return default
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,20 +127,19 @@ def huginn_config(d: dict):
     return cfg
 
 
-class RavenForCausalLM(nn.Module):
-    """Paged-KV Huginn, per-token depth and exit from ``ForwardContext.recurrent``:
-    ``forward(input_ids [T], positions [T], ...)`` -> ``[T, n_embd]``; ``compute_logits`` ->
-    ``[B, vocab]`` float32."""
+class RavenForCausalLM(RecurrentLM):
+    """Paged-KV Huginn (``cfg`` from :func:`huginn_config`), per-token depth and exit from
+    ``ForwardContext.recurrent``: ``forward(input_ids [T], positions [T], ...)`` ->
+    ``[T, n_embd]``; ``compute_logits`` -> ``[B, vocab]`` float32."""
 
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg
-        e = self.n_embd = int(_get(cfg, "n_embd", "hidden_size"))
-        heads = int(_get(cfg, "num_attention_heads", "n_heads"))
-        kv = int(_get(cfg, "num_key_value_heads", default=heads))
+        e = self.n_embd = int(cfg.hidden_size)
+        heads, kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
         inter = int(cfg.intermediate_size)
-        eps = float(_get(cfg, "norm_eps", default=1e-6))
-        qk_bias = bool(_get(cfg, "qk_bias", default=True))
+        eps = float(getattr(cfg, "norm_eps", 1e-6))
+        qk_bias = bool(getattr(cfg, "qk_bias", True))
         for key, ok in (("injection_type", "linear"), ("block_class_name", "SandwichBlock"),
                         ("mlp_class_name", "GatedMLP"), ("nonlin_name", "SiLU")):
             val = getattr(cfg, key, None)
@@ -155,14 +147,14 @@ class RavenForCausalLM(nn.Module):
                 raise ValueError(f"Huginn config {key}={val!r} is not supported (only {ok!r})")
         if qk_bias and kv != heads:
             raise ValueError("Huginn qk_bias needs num_key_value_heads == num_attention_heads")
-        self.n_prelude = int(_get(cfg, "n_layers_in_prelude", default=2))
-        self.n_core = int(_get(cfg, "n_layers_in_recurrent_block", default=4))
-        self.n_coda = int(_get(cfg, "n_layers_in_coda", default=2))
-        self.mean_recurrence = int(_get(cfg, "mean_recurrence", default=32))
-        self.max_depth = int(_get(cfg, "max_recurrence", default=self.mean_recurrence))
-        if self.max_depth < self.mean_recurrence:
-            raise ValueError(f"max_recurrence ({self.max_depth}) must be >= mean_recurrence "
-                             f"({self.mean_recurrence})")
+        self.mean_recurrence = int(getattr(cfg, "mean_recurrence", 32))
+        head_dim = e // heads
+        base = float(getattr(cfg, "rope_base", 50_000.0))
+        self.init_depth(cfg, self.mean_recurrence, "mean_recurrence",
+                        1.0 / (base ** (torch.arange(0, head_dim, 2) / head_dim)),
+                        int(getattr(cfg, "n_layers_in_recurrent_block", 4)),
+                        int(getattr(cfg, "n_layers_in_prelude", 2)),
+                        int(getattr(cfg, "n_layers_in_coda", 2)))
         vocab = int(cfg.vocab_size)
 
         def blocks(n):
@@ -172,29 +164,22 @@ class RavenForCausalLM(nn.Module):
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(vocab, e),
             "prelude": blocks(self.n_prelude),
-            "adapter": nn.Linear(2 * e, e, bias=bool(_get(cfg, "bias", default=False))),
+            "adapter": nn.Linear(2 * e, e, bias=bool(getattr(cfg, "bias", False))),
             "core_block": blocks(self.n_core),
             "coda": blocks(self.n_coda),
             "ln_f": RMSNorm(e, eps),
         })
         self.lm_head = nn.Linear(e, vocab, bias=False)
-        self.tie = bool(_get(cfg, "tie_embeddings", "tie_word_embeddings", default=True))
+        self.tie = bool(cfg.tie_word_embeddings)
         if self.tie:
             self.lm_head.weight = self.transformer.wte.weight
         self.emb_scale = math.sqrt(e)
-        head_dim = e // heads
-        base = float(_get(cfg, "rope_base", default=50_000.0))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        # Kept as int32 bits so model.to(bfloat16) cannot round it (upstream keeps RoPE fp32).
-        self.register_buffer("inv_freq_bits", inv.view(torch.int32), persistent=False)
-        block_size = int(_get(cfg, "block_size", "max_position_embeddings", default=4096))
         self.register_buffer("state_table", self.state_init_table(
-            block_size, float(_get(cfg, "init_scale", default=1.0)),
-            int(_get(cfg, "state_init_seed", default=0))), persistent=False)
+            int(cfg.max_position_embeddings), float(getattr(cfg, "init_scale", 1.0)),
+            int(getattr(cfg, "state_init_seed", 0))), persistent=False)
         self.latent_spec = LatentSpec(kind="recurrent", family="huginn",
                                       default_budget=self.mean_recurrence,
                                       max_budget=self.max_depth)
-        self.num_iterations = 0
 
     def state_init_table(self, block_size: int, init_scale: float, seed: int) -> torch.Tensor:
         """``[block_size, n_embd]`` float32 initial states (upstream ``initialize_state``)
@@ -208,21 +193,8 @@ class RavenForCausalLM(nn.Module):
             x = x * self.emb_scale
         return x
 
-    # ----- layout -----
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(pool layers = P + T_max * L + C, KV heads, head_dim)."""
-        att = self.transformer.prelude[0].attn if self.n_prelude else \
-            self.transformer.core_block[0].attn
-        return (self.n_prelude + self.max_depth * self.n_core + self.n_coda, att.n_kv,
-                att.head_dim)
-
-    def bank(self, t: int, layer: int) -> int:
-        """Pool layer of core layer ``layer`` at iteration ``t`` (0-based)."""
-        return self.n_prelude + t * self.n_core + layer
-
     def coda_bank(self, j: int) -> int:
+        """Pool layer of coda layer ``j``."""
         return self.n_prelude + self.max_depth * self.n_core + j
 
     # ----- forward -----
@@ -239,7 +211,7 @@ class RavenForCausalLM(nn.Module):
 
     def rope(self, positions: torch.Tensor):
         """``(cos, sin)``, each ``[T, 1, head_dim / 2]`` float32."""
-        freqs = positions[:, None].float() * self.inv_freq_bits.view(torch.float32)[None, :]
+        freqs = self.freqs(positions)
         return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
 
     def iterate(self, x, e, cos, sin, t: int):
@@ -298,11 +270,8 @@ class RavenForCausalLM(nn.Module):
                 steps[act.slots_of(dropped)] = t + 1
             return gone
 
-        return recur_compact(self, ctx, rb, x, (e, cos, sin), self.iterate, exits, self.n_core,
+        return recur_compact(self, ctx, rb, x, (e, cos, sin), self.iterate, exits,
                              mask if steps is not None else None)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     def load_weights(self, weights) -> None:
         """Load upstream-named ``(name, tensor)`` pairs; KeyError on an unexpected name,

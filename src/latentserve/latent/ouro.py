@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from latentserve.context import get_context
-from latentserve.latent.recurrent import ExitRule, recur_compact
+from latentserve.latent.recurrent import ExitRule, RecurrentLM, recur_compact
 from latentserve.latent.spec import LatentSpec
 from latentserve.models.layers import (
     MergedQKV,
@@ -104,7 +104,7 @@ class OuroModel(nn.Module):
         self.rotary_emb = Rotary(cfg, head_dim)
 
 
-class OuroForCausalLM(nn.Module):
+class OuroForCausalLM(RecurrentLM):
     """Paged-KV Ouro, depth and readout from ``ForwardContext.recurrent``: ``forward`` ->
     normed readout ``[T, hidden]``; ``compute_logits`` -> ``[B, vocab]`` float32."""
 
@@ -120,12 +120,9 @@ class OuroForCausalLM(nn.Module):
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.n_layers = cfg.num_hidden_layers
         self.total_steps = int(getattr(cfg, "total_ut_steps", None) or 4)
-        self.max_depth = int(getattr(cfg, "max_recurrence", None) or self.total_steps)
-        if self.max_depth < self.total_steps:
-            raise ValueError(f"max_recurrence ({self.max_depth}) must be >= total_ut_steps "
-                             f"({self.total_steps})")
+        self.init_depth(cfg, self.total_steps, "total_ut_steps",
+                        self.model.rotary_emb.inv_freq, cfg.num_hidden_layers)
         step = getattr(cfg, "early_exit_step", None)
         thr = getattr(cfg, "early_exit_threshold", None)
         default = self.total_steps
@@ -137,19 +134,6 @@ class OuroForCausalLM(nn.Module):
         self.latent_spec = LatentSpec(kind="recurrent", family="ouro", default_budget=default,
                                       max_budget=self.max_depth, min_budget=1,
                                       default_exit=default_exit)
-        # int32 bits of the fp32 inverse frequencies: model.to(bfloat16) cannot round them.
-        self.register_buffer("inv_freq_bits", self.model.rotary_emb.inv_freq.float().clone()
-                             .view(torch.int32), persistent=False)
-        self.num_iterations = 0
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        """(pool layers = T_max * L, KV heads, head_dim)."""
-        att = self.model.layers[0].self_attn
-        return self.max_depth * self.n_layers, att.n_kv, att.head_dim
-
-    def bank(self, t: int, layer: int) -> int:
-        return t * self.n_layers + layer
 
     def use_fused_ops(self) -> None:
         """The CUDA fast path, as ``LlamaForCausalLM.use_fused_ops``."""
@@ -161,7 +145,7 @@ class OuroForCausalLM(nn.Module):
     def rope(self, positions, dtype):
         """``(cos, sin)``, each ``[T, 1, head_dim]`` in ``dtype`` (rotate-half convention)."""
         rot = self.model.rotary_emb
-        freqs = positions[:, None].float() * self.inv_freq_bits.view(torch.float32)[None, :]
+        freqs = self.freqs(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
         return ((emb.cos() * rot.scaling).to(dtype)[:, None, :],
                 (emb.sin() * rot.scaling).to(dtype)[:, None, :])
@@ -207,7 +191,7 @@ class OuroForCausalLM(nn.Module):
                 flags = hit[ro.row_tok[torch.tensor(approx, device=dev)]].tolist()  # one read
                 return [b for b, f in zip(approx, flags) if f and rb.row_depths[b] > t + 1]
 
-            h = recur_compact(self, ctx, rb, h, (cos, sin), self.step, exits, self.n_layers)
+            h = recur_compact(self, ctx, rb, h, (cos, sin), self.step, exits)
         else:  # masked: fixed trip count, no host reads (CUDA-graph path)
             steps = self.total_steps if rb is None else rb.num_iters
             for t in range(steps):
@@ -217,9 +201,6 @@ class OuroForCausalLM(nn.Module):
                 ro.update(h, t, live)
             self.num_iterations += steps * n
         return ro.result()
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
 
     def load_weights(self, weights) -> None:
         """Load ``(name, tensor)`` pairs with the hub's names. Raises KeyError on an unexpected

@@ -10,6 +10,7 @@ from itertools import accumulate
 from typing import Any
 
 import torch
+from torch import nn
 
 from latentserve.attention.base import BatchLayout
 from latentserve.core import LatentState, Req
@@ -318,8 +319,45 @@ class ActiveRows:
         return self.rb.out_slots[self.token_index(rows)]
 
 
-def recur_compact(model, ctx, rb: RecurrentBatch, x, inputs: tuple, step, exits,
-                  num_layers: int, before=None):
+class RecurrentLM(nn.Module):
+    """What Huginn's and Ouro's models share: ``n_prelude`` layers, ``max_depth`` iterations
+    of ``n_core`` layers, ``n_coda`` layers, each layer and iteration with its own KV bank;
+    RoPE inverse frequencies kept as int32 bits (``model.to(bfloat16)`` cannot round them)."""
+
+    def init_depth(self, cfg, default: int, default_name: str, inv_freq: torch.Tensor,
+                   n_core: int, n_prelude: int = 0, n_coda: int = 0) -> None:
+        """Raises ValueError when ``cfg.max_recurrence`` is below ``default``."""
+        self.n_prelude, self.n_core, self.n_coda = n_prelude, n_core, n_coda
+        depth = getattr(cfg, "max_recurrence", None)
+        self.max_depth = default if depth is None else int(depth)
+        if self.max_depth < default:
+            raise ValueError(f"max_recurrence ({self.max_depth}) must be >= {default_name} "
+                             f"({default})")
+        self.register_buffer("inv_freq_bits", inv_freq.float().clone().view(torch.int32),
+                             persistent=False)
+        self.num_iterations = 0
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(pool layers = P + T_max * L + C, KV heads, head_dim)."""
+        att = next(m for m in self.modules() if hasattr(m, "n_kv"))
+        return (self.n_prelude + self.max_depth * self.n_core + self.n_coda, att.n_kv,
+                att.head_dim)
+
+    def bank(self, t: int, layer: int) -> int:
+        """Pool layer of core layer ``layer`` at iteration ``t`` (0-based)."""
+        return self.n_prelude + t * self.n_core + layer
+
+    def freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[T, head_dim / 2]`` float32 RoPE angles of ``positions [T]``."""
+        return positions[:, None].float() * self.inv_freq_bits.view(torch.float32)[None, :]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def recur_compact(model: RecurrentLM, ctx, rb: RecurrentBatch, x, inputs: tuple, step, exits,
+                  before=None):
     """``x`` ``[T, ...]`` after ``model``'s compact loop: per iteration ``t``, ``before(act,
     t, rows, idx)``, then ``x = step(x, *inputs, t)`` on the rows still iterating
     (``inputs``: per-token tensors), then ``exits(act, t, rows, idx, x)`` names the rows that
@@ -345,8 +383,7 @@ def recur_compact(model, ctx, rb: RecurrentBatch, x, inputs: tuple, step, exits,
                 # row's own depth are never read by that request).
                 deepest = max((rb.row_depths[b] for b in gone), default=0)
                 if deepest > t + 1:
-                    fill_banks(ctx.kv_pool, act.slots_of(gone), model.bank, t, deepest,
-                               num_layers)
+                    fill_banks(ctx.kv_pool, act.slots_of(gone), model, t, deepest)
     finally:
         ctx.attn_meta = act.full_meta
     model.num_iterations += rb.iterations_run
@@ -363,15 +400,15 @@ def slot_steps(kv_pool) -> torch.Tensor:
     return steps
 
 
-def fill_banks(kv_pool, slots: torch.Tensor, bank, t_last: int, depth: int,
-               num_layers: int) -> None:
+def fill_banks(kv_pool, slots: torch.Tensor, model: RecurrentLM, t_last: int,
+               depth: int) -> None:
     """Huginn's "latest same-layer" rule: copy iteration ``t_last``'s K/V at ``slots``
     (``[N] int64``) into the banks of iterations ``t_last + 1 .. depth - 1``."""
-    for l in range(num_layers):
-        src = bank(t_last, l)
+    for l in range(model.n_core):
+        src = model.bank(t_last, l)
         k, v = kv_pool.k[src][slots], kv_pool.v[src][slots]
         for t in range(t_last + 1, depth):
-            dst = bank(t, l)
+            dst = model.bank(t, l)
             kv_pool.k[dst][slots] = k
             kv_pool.v[dst][slots] = v
 
