@@ -16,7 +16,7 @@ from test_recurrent_parity import MAX_TOKENS, PROMPTS, hist, run, sp
 
 from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
 from latentserve.config import EngineConfig
-from latentserve.latent.recurrent import cache_salt_key, resolve_exit_rule
+from latentserve.latent.recurrent import cache_salt, resolve_exit_rule
 from latentserve.sampling_params import SamplingParams
 from tests.support.recurrent_reference import HuginnReference
 from tests.support.recurrent_requests import HUGINN_EXITS
@@ -134,7 +134,7 @@ def test_semantics_keep_prefix_cache_entries_apart(engine):
     rules = {s: resolve_exit_rule(spec, SamplingParams(exit_criterion="kl", exit_semantics=s))
              for s in ("engine", "upstream")}
     assert rules["upstream"].prompt_exits and not rules["engine"].prompt_exits
-    assert cache_salt_key(8, rules["engine"]) != cache_salt_key(8, rules["upstream"])
+    assert cache_salt(8, rules["engine"]) != cache_salt(8, rules["upstream"])
     # The server default picks the semantics of a request that does not say.
     assert resolve_exit_rule(spec, SamplingParams(exit_criterion="kl"), "upstream") == \
         rules["upstream"]

@@ -11,7 +11,7 @@ import torch
 from latentserve.bench.baseline.recurrent_models import write_huginn, write_ouro
 from latentserve.config import EngineConfig
 from latentserve.latent.load import load_model
-from latentserve.latent.recurrent import ExitRule, cache_salt_key, resolve_exit_rule
+from latentserve.latent.recurrent import ExitRule, cache_salt, resolve_exit_rule
 from latentserve.sampling_params import SamplingParams
 
 
@@ -144,8 +144,8 @@ def test_request_validation(dirs):
         ExitRule("threshold", 0.3)
     assert resolve_exit_rule(spec, SamplingParams(exit_criterion="last")) is None
     # Exact readouts compute the same KV as "last"; only the approximate mode changes it.
-    assert cache_salt_key(4, ExitRule("threshold", 0.3)) == cache_salt_key(4, None)
-    assert cache_salt_key(4, ExitRule("threshold-approx", 0.3)) != cache_salt_key(4, None)
+    assert cache_salt(4, ExitRule("threshold", 0.3)) == cache_salt(4, None)
+    assert cache_salt(4, ExitRule("threshold-approx", 0.3)) != cache_salt(4, None)
 
 
 def test_plain_model_rejects_exit_fields(tmp_path):

@@ -157,10 +157,6 @@ def read_bundle(path: str | Path) -> HeadBundle:
                              f"({type(e).__name__}: {e})") from None
         if "config" not in meta:
             raise ValueError(f"{path}: safetensors metadata has no 'config' (required)")
-        try:
-            cfg = json.loads(meta["config"])
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: metadata 'config' is not JSON: {e}") from None
         if "subdicts" in meta:
             try:
                 subs = json.loads(meta["subdicts"])
@@ -182,7 +178,8 @@ def read_bundle(path: str | Path) -> HeadBundle:
                              f"{SUBDICTS})")
         parts = {s: ({k.split(".", 1)[1]: v for k, v in tensors.items()
                       if k.startswith(s + ".")} or None) for s in subs}
-        d = {"format_version": meta.get("format_version", CURRENT_FORMAT), "config": cfg, **parts}
+        d = {"format_version": meta.get("format_version", CURRENT_FORMAT),
+             "config": meta["config"], **parts}  # JSON text, parsed by _from_dict
         bundle = _from_dict(d, str(path))
     else:
         import pickle

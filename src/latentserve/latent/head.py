@@ -233,20 +233,13 @@ def head_defaults(environ=None) -> dict:
     """Server defaults of the head controls from ``LATENTSERVE_<CONTROL>`` (``settings``).
     Raises ValueError naming a malformed variable."""
     out = {key: settings.get(var, environ) for key, var in _ENV.items()}
-    check_controls(out, prefix="LATENTSERVE defaults: ")
+    for k in ("max_latent", "min_latent", "min_output_tokens"):  # settings parsed the types
+        if out[k] < 0:
+            raise ValueError(f"LATENTSERVE defaults: {k} must be an integer >= 0, got {out[k]}")
+    if not 0.0 <= out["stop_threshold"] <= 1.0:
+        raise ValueError(f"LATENTSERVE defaults: stop_threshold must be a number in [0, 1], "
+                         f"got {out['stop_threshold']}")
     return out
-
-
-def check_controls(c: dict, prefix: str = "") -> None:
-    """Range checks of the head controls; ValueError naming the field."""
-    for k in ("max_latent", "min_latent", "min_output_tokens"):
-        v = c.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"{prefix}{k} must be an integer >= 0, got {v!r}")
-    t = c.get("stop_threshold")
-    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
-                          or not 0.0 <= t <= 1.0):
-        raise ValueError(f"{prefix}stop_threshold must be a number in [0, 1], got {t!r}")
 
 
 def refuse_controls(params, controls: tuple[str, ...], what: str) -> None:

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import torch
 
+from latentserve.latent import feedback, loop_checkpoint
 from latentserve.latent.bundle import attach_head, find_bundle
 from latentserve.latent.colar_head import attach_colar
-from latentserve.latent.feedback import attach_latent, prepare_latent_weights, read_latent_config
 from latentserve.latent.huginn import RavenForCausalLM, huginn_config
-from latentserve.latent.loop_checkpoint import attach_loop, prepare_loop_weights, read_loop_config
 from latentserve.latent.ouro import OuroForCausalLM, ouro_config
 from latentserve.models import loader
 from latentserve.models.checkpoint import is_adapter_dir
@@ -42,10 +41,13 @@ def _load_own_latents(model_dir: Path, dtype: torch.dtype, device: str, tp, fuse
                                    device, tp=tp, fused_ops=fused_ops)
         return model, hf_config
     hf_config = loader.read_config(model_dir)
-    cfg = read_loop_config(model_dir)
-    prepare, attach = prepare_loop_weights, attach_loop
-    if cfg is None:
-        cfg, prepare, attach = read_latent_config(model_dir), prepare_latent_weights, attach_latent
+    cfg = feedback.read_config_json(model_dir)
+    if isinstance(cfg, dict) and cfg.get("family") in loop_checkpoint.LOOP_FAMILIES:
+        cfg = loop_checkpoint.validate_loop_config(cfg, model_dir)
+        prepare, attach = loop_checkpoint.prepare_loop_weights, loop_checkpoint.attach_loop
+    else:
+        cfg = feedback.validate_latent_config(cfg, model_dir)
+        prepare, attach = feedback.prepare_latent_weights, feedback.attach_latent
     weights, hf_config = prepare(model_dir, hf_config, cfg)
     model = loader.build_model(model_class(hf_config), hf_config, weights, dtype, device,
                                tp=tp, fused_ops=fused_ops)

@@ -18,7 +18,6 @@ from latentserve.latent.feedback import (
     load_projection,
     merge_lora,
     prj_tensors,
-    read_config_json,
     read_state_dict,
 )
 from latentserve.latent.spec import LatentSpec
@@ -49,15 +48,6 @@ def validate_loop_config(cfg: dict, model_dir: Path | None = None) -> dict:
                         f"got {rule!r}")
     check_lora_prj(cfg)
     return cfg
-
-
-def read_loop_config(model_dir) -> dict | None:
-    """The validated ``latent_config.json`` when its family is a loop family, else None (no
-    file, or another family). Raises ValueError for a bad loop config or invalid JSON."""
-    cfg = read_config_json(model_dir)
-    if not isinstance(cfg, dict) or cfg.get("family") not in LOOP_FAMILIES:
-        return None
-    return validate_loop_config(cfg, Path(model_dir))
 
 
 def loop_spec_from_config(cfg: dict) -> LatentSpec:

@@ -139,17 +139,14 @@ def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRu
     raise ValueError(f"unknown recurrent family {spec.family!r}")
 
 
-def salt_of(key: tuple) -> int:
-    """``Req.cache_salt`` (> 0) of a :func:`cache_salt_key`: 63 bits of its BLAKE2b digest."""
+def cache_salt(depth: int, rule: ExitRule | None) -> int:
+    """``Req.cache_salt`` (> 0): 63 bits of the BLAKE2b digest of what a request's KV depends
+    on besides its ids: depth, and a compute-saving rule."""
     import hashlib
 
+    key = (depth, rule) if rule is not None and rule.saves_compute else (depth,)
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return (int.from_bytes(digest, "big") >> 1) or 1
-
-
-def cache_salt_key(depth: int, rule: ExitRule | None) -> tuple:
-    """What a request's KV depends on besides its ids: depth, and a compute-saving rule."""
-    return (depth, rule) if rule is not None and rule.saves_compute else (depth,)
 
 
 @dataclass(slots=True)
@@ -438,7 +435,7 @@ class RecurrentGraphs(GraphHooks):
 
     packed = False  # each forward carries its RecurrentBatch (per-row depths)
 
-    def __init__(self, spec, max_bs: int, device, depths=None):
+    def __init__(self, spec, model, max_bs: int, device, depths=None):
         self.depths = sorted(set(depths or default_graph_depths(spec)))
         self.row_depths = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.exit_thr = torch.full((max_bs,), math.inf, device=device)
@@ -494,13 +491,8 @@ class RecurrentFamily(Family):
     def takes_exit_semantics(self) -> bool:  # Ouro's exits are exact readouts: one semantics
         return self.spec.family == "huginn"
 
-    @staticmethod
-    def forward_context(batch, layout, page_table) -> RecurrentBatch:
-        return RecurrentBatch.from_batch(batch, layout, page_table)
-
-    @staticmethod
-    def graph_hooks(spec, model, max_bs, device, depths=None) -> RecurrentGraphs:
-        return RecurrentGraphs(spec, max_bs, device, depths)
+    forward_context = staticmethod(RecurrentBatch.from_batch)
+    graph_hooks = RecurrentGraphs
 
     def admit(self, prompt_ids, params) -> Admission:
         budget = self.spec.resolve_budget(params.latent_budget)
@@ -510,7 +502,7 @@ class RecurrentFamily(Family):
 
         def start(req: Req) -> None:  # no phase machine: answer_start stays 0
             req.latent_budget, req.state = budget, RecurrentState(rule)
-            req.cache_salt = salt_of(cache_salt_key(budget, rule))
+            req.cache_salt = cache_salt(budget, rule)
 
         return Admission(params, 0, start)
 
