@@ -96,25 +96,6 @@ class Family:
         """Whether ``req``'s next input is a latent vector."""
         return False
 
-    def admit_budgeted(self, params: SamplingParams, state=None) -> Admission:
-        """Admission of a latent phase after the start ids, ``latent_budget`` steps long;
-        ``state(req, budget)`` makes ``Req.state`` (None: none)."""
-        spec = self.spec
-        budget = spec.resolve_budget(params.latent_budget)
-
-        def start(req: Req) -> None:
-            req.prompt_ids += spec.start_ids
-            req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
-            req.answer_start = None
-            if state is not None:
-                req.state = state(req, budget)
-
-        return Admission(params, spec.prompt_extra(budget), start)
-
-    def budget_thinking(self, req: Req) -> bool:
-        """``thinking`` of a family whose latent steps run to ``req.latent_budget``."""
-        return req.answer_start is None and len(req.latent_embeds) < req.latent_budget
-
     def after_forward(self, batch) -> None:
         """After every forward, before sampling (a looped block prepares its next pass)."""
 
@@ -179,6 +160,33 @@ class Family:
     def output_fields(self, req: Req, done: bool) -> dict:
         """The family's ``StepOutput`` fields for ``req`` (``done``: its final output)."""
         return {"latent_steps": len(req.latent_embeds)}
+
+
+class BudgetedFamily(Family):
+    """A family whose latent phase follows the start ids and runs ``latent_budget`` steps
+    (feedback, loop); traced and streamed step by step, not under tensor parallelism."""
+
+    budgeted = traced = streams_steps = True
+    traced_under_tp = False
+
+    def new_state(self, req: Req, budget: int):
+        """``Req.state`` of a request admitted with ``budget`` (None: none)."""
+        return None
+
+    def admit(self, prompt_ids: list[int], params: SamplingParams) -> Admission:
+        spec = self.spec
+        budget = spec.resolve_budget(params.latent_budget)
+
+        def start(req: Req) -> None:
+            req.prompt_ids += spec.start_ids
+            req.latent_budget, req.latent_start = budget, len(req.prompt_ids)
+            req.answer_start = None
+            req.state = self.new_state(req, budget)
+
+        return Admission(params, spec.prompt_extra(budget), start)
+
+    def thinking(self, req: Req) -> bool:
+        return req.answer_start is None and len(req.latent_embeds) < req.latent_budget
 
 
 def family_for(spec) -> type[Family]:

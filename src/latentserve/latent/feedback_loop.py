@@ -7,19 +7,12 @@ from __future__ import annotations
 import torch
 
 from latentserve.core import Req
-from latentserve.latent.family import Admission, Family, GraphHooks
+from latentserve.latent.family import BudgetedFamily, GraphHooks
 from latentserve.latent.lens import lens_entries
 
 
-class FeedbackFamily(Family):
-    budgeted = True
-    traced = True
-    traced_under_tp = False
-    streams_steps = True
+class FeedbackFamily(BudgetedFamily):
     description = "a feedback-latent model"
-
-    def admit(self, prompt_ids, params) -> Admission:
-        return self.admit_budgeted(params)
 
     @staticmethod
     def graph_hooks(spec, model, max_bs, device, depths=None) -> GraphHooks:
@@ -30,8 +23,6 @@ class FeedbackFamily(Family):
         if feedback is not None and not isinstance(feedback, torch.nn.Identity):
             hooks.feedback = feedback
         return hooks
-
-    thinking = Family.budget_thinking
 
     def advance(self, req: Req, vec) -> bool:
         """Append the next latent position (input ``vec``) while budget remains, else the

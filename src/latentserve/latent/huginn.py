@@ -197,8 +197,6 @@ class RavenForCausalLM(RecurrentLM):
         """Pool layer of coda layer ``j``."""
         return self.n_prelude + self.max_depth * self.n_core + j
 
-    # ----- forward -----
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.transformer.wte(input_ids)
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from latentserve.core import LatentState, Req
-from latentserve.latent.family import Admission, Family
+from latentserve.latent.family import BudgetedFamily
 from latentserve.latent.lens import lens_entries
 from latentserve.latent.vectors import as_rows
 
@@ -67,20 +67,13 @@ def _trace_passes(model, reqs: list[Req]) -> None:
                                      "position": j + 1})
 
 
-class LoopFamily(Family):
+class LoopFamily(BudgetedFamily):
     """The ``Family`` of looped-block models: ``latent_budget`` is the passes after the first."""
 
-    budgeted = True
-    traced = True
-    traced_under_tp = False
-    streams_steps = True
     description = "a looped-block model"
 
-    def admit(self, prompt_ids, params) -> Admission:
-        return self.admit_budgeted(params, lambda req, budget: LoopState(
-            req.latent_start, self.spec.block_size, budget))
-
-    thinking = Family.budget_thinking
+    def new_state(self, req: Req, budget: int) -> LoopState:
+        return LoopState(req.latent_start, self.spec.block_size, budget)
 
     def after_forward(self, batch) -> None:
         """Gather the looped rows' outputs (``[num_tokens, hidden]``) into their state, record

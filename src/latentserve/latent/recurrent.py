@@ -440,11 +440,10 @@ class RecurrentGraphs(GraphHooks):
         self.row_depths = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.exit_thr = torch.full((max_bs,), math.inf, device=device)
         self.exit_weighted = torch.zeros(max_bs, dtype=torch.bool, device=device)
-        ouro = spec.family == "ouro"
-        self.readout_steps = (torch.zeros(max_bs, dtype=torch.int64, device=device)
-                              if ouro else None)
-        self.exit_probs = (torch.zeros(max_bs, self.depths[-1], device=device)
-                           if ouro else None)
+        self.readout_steps = self.exit_probs = None
+        if spec.family == "ouro":
+            self.readout_steps = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            self.exit_probs = torch.zeros(max_bs, self.depths[-1], device=device)
 
     def bind(self, ctx, depth: int, b: int) -> None:
         ctx.depths = self.row_depths[:b]
