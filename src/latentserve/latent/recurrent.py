@@ -307,11 +307,6 @@ class ActiveRows:
         self.rb.iterations_run += self.num_tokens if idx is None else len(idx)
         return rows, idx
 
-    def exit(self, rows: list[int], t: int) -> None:
-        for b in rows:
-            self.exited[b] = True
-            self.rb.iters_used[b] = t + 1
-
     def slots_of(self, rows: list[int]) -> torch.Tensor:
         return self.rb.out_slots[self.token_index(rows)]
 
@@ -374,7 +369,8 @@ def recur_compact(model: RecurrentLM, ctx, rb: RecurrentBatch, x, inputs: tuple,
                 x = x.index_copy(0, idx, step(x[idx], *(a[idx] for a in inputs), t))
             gone = exits(act, t, rows, idx, x)
             if gone:
-                act.exit(gone, t)
+                for b in gone:
+                    act.exited[b], rb.iters_used[b] = True, t + 1
                 gone = [b for b in gone if not rb.rules[b].upstream]
                 # One fill for all rows exiting now, up to the deepest one (banks past a
                 # row's own depth are never read by that request).
@@ -490,14 +486,25 @@ class RecurrentFamily(Family):
     def takes_exit_semantics(self) -> bool:  # Ouro's exits are exact readouts: one semantics
         return self.spec.family == "huginn"
 
-    forward_context = staticmethod(RecurrentBatch.from_batch)
+    @staticmethod
+    def forward_context(batch, layout, page_table) -> RecurrentBatch:
+        return RecurrentBatch.from_batch(batch, layout, page_table)  # looked up per call
+
     graph_hooks = RecurrentGraphs
 
     def admit(self, prompt_ids, params) -> Admission:
         budget = self.spec.resolve_budget(params.latent_budget)
         rule = resolve_exit_rule(self.spec, params, self.engine.exit_semantics)
+        engine, n = self.engine, len(prompt_ids)
         if rule is not None and rule.prompt_exits:
-            self._check_upstream_exit(len(prompt_ids))
+            if not engine.key_mask_ok:
+                raise ValueError(f"exit_semantics 'upstream' needs the torch attention backend "
+                                 f"(it masks skipped steps per position); this server runs "
+                                 f"{engine.backend_name!r}: use exit_semantics 'engine'")
+            if n > engine.max_num_batched_tokens:
+                raise ValueError(f"exit_semantics 'upstream' runs the prompt as one exit block, "
+                                 f"but it has {n} tokens and max_num_batched_tokens is "
+                                 f"{engine.max_num_batched_tokens}")
 
         def start(req: Req) -> None:  # no phase machine: answer_start stays 0
             req.latent_budget, req.state = budget, RecurrentState(rule)
@@ -530,16 +537,3 @@ class RecurrentFamily(Family):
         if done and req.state.iters:
             fields["recurrence"] = recurrence_stats(req.state.iters)
         return fields
-
-    def _check_upstream_exit(self, n: int) -> None:
-        """ValueError naming ``exit_semantics`` without a key-mask backend, or for a prompt
-        of ``n`` tokens above ``max_num_batched_tokens``."""
-        engine = self.engine
-        if not engine.key_mask_ok:
-            raise ValueError(f"exit_semantics 'upstream' needs the torch attention backend "
-                             f"(it masks skipped steps per position); this server runs "
-                             f"{engine.backend_name!r}: use exit_semantics 'engine'")
-        if n > engine.max_num_batched_tokens:
-            raise ValueError(f"exit_semantics 'upstream' runs the prompt as one exit block, but "
-                             f"it has {n} tokens and max_num_batched_tokens is "
-                             f"{engine.max_num_batched_tokens}")
