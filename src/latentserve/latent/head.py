@@ -297,11 +297,9 @@ class HeadSettings(LatentState):
         return not self.thinking or self.end is not None
 
     def stats(self) -> dict:
-        out = {"thinking": self.thinking, "mode": self.mode, "steps": self.steps,
-               "stop_step": self.stop_step, "max_stop_prob": self.max_stop_prob,
-               "end": self.end, "max_latent": self.max_latent, "min_latent": self.min_latent,
-               "use_stop": self.use_stop, "stop_threshold": self.stop_threshold,
-               "min_output_tokens": self.min_output_tokens}
+        out = {k: getattr(self, k) for k in (
+            "thinking", "mode", "steps", "stop_step", "max_stop_prob", "end", "max_latent",
+            "min_latent", "use_stop", "stop_threshold", "min_output_tokens")}
         if self.end is not None and self.last_stop_prob is not None:
             out["end_stop_prob"] = self.last_stop_prob
         if self.compression_factor is not None:  # CoLaR: its controls instead of the floor's

@@ -49,8 +49,7 @@ def _record_inputs(reqs: list[Req], out: list) -> None:
         vecs = torch.stack([out[i][0][out[i][1]] for i in rows]).float().cpu()
     for m, i in enumerate(rows):
         h = reqs[i].state
-        if h.actions is None:
-            h.actions = []
+        h.actions = h.actions or []
         h.actions.append(vecs[m])
 
 
