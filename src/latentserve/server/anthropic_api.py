@@ -50,14 +50,7 @@ from latentserve.server.reasoning import (
     latent_reasoning_text,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import (
-    ENGINE_ERRORS,
-    api_error,
-    collect,
-    sse_events,
-    sse_response,
-    start_stream,
-)
+from latentserve.server.serving import ENGINE_ERRORS, api_error, collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import ToolChoice, check_tools
@@ -305,15 +298,14 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         asked = bool(body.return_latent_trace)
         texts = token_texts(state.tokenizer)
         if body.stream:
-            deltas = await start_stream(request, state, reqs, arrival, ticket)
             latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
                       else None)
-            events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
-                             answer.parser(state), latent, texts)
-            return sse_response(sse_events(
-                request, state, reqs, events, error_event=_error_event,
-                internal_error_event=_event("error", anthropic_error_body(
-                    "Internal server error", 500)), done=None))
+            return await stream(
+                request, state, reqs, arrival, ticket, lambda deltas: _events(
+                    msg_id, state.model_name, len(prompt_ids), deltas, asked,
+                    answer.parser(state), latent, texts),
+                error_event=_error_event, internal_error_event=_event(
+                    "error", anthropic_error_body("Internal server error", 500)), done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
         reasoning, content, calls = parse_output(answer.parser(state), result.text)
         if answer.latent_mode:

@@ -34,7 +34,7 @@ from latentserve.server.reasoning import (
     latent_reasoning_text,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import collect, sse_events, sse_response, start_stream
+from latentserve.server.serving import collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tools import ToolChoice, check_tools, resolve_tool_choice
 
@@ -75,10 +75,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         rid, engine_rid = new_request_id(request, "chatcmpl")
         reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
         if body.stream:
-            deltas = await start_stream(request, state, reqs, arrival, ticket)
-            chunks = _chunks(body, state, rid, len(prompt_ids), deltas, len(reqs), parser,
-                             latent_mode, choice, ticks, echo)
-            return sse_response(sse_events(request, state, reqs, chunks))
+            return await stream(request, state, reqs, arrival, ticket, lambda deltas: _chunks(
+                body, state, rid, len(prompt_ids), deltas, len(reqs), parser, latent_mode,
+                choice, ticks, echo))
         results = await collect(request, state, reqs, arrival, ticket)
         texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
         choices = []

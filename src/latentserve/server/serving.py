@@ -124,10 +124,14 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
     return results
 
 
-async def start_stream(request, state, reqs: list[EngineRequest], arrival: float | None = None,
-                       ticket=None) -> AsyncIterator[tuple[int, TextDelta]]:
+async def stream(request, state, reqs: list[EngineRequest], arrival: float | None, ticket,
+                 chunks: Callable[[AsyncIterator[tuple[int, TextDelta]]], AsyncIterator],
+                 **events):
     """Start the engine requests and wait for the first delta (a rejection is an error, not
-    a 200 stream); an iterator of ``(position in reqs, delta)``. APIError."""
+    a 200 stream); then the SSE response of ``chunks(deltas)``, deltas as ``(position in
+    reqs, delta)``, through :func:`sse_events` (``events``: its options). APIError."""
+    from fastapi.responses import StreamingResponse
+
     deltas = _deltas(state, reqs, arrival, ticket)
     async with _abort_on_disconnect(request, state, reqs):
         try:
@@ -135,7 +139,8 @@ async def start_stream(request, state, reqs: list[EngineRequest], arrival: float
         except ENGINE_ERRORS as exc:
             await deltas.aclose()
             raise api_error(exc) from None
-    return _chain(first, deltas)
+    body = sse_events(request, state, reqs, chunks(_chain(first, deltas)), **events)
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
@@ -175,8 +180,3 @@ async def sse_events(request, state, reqs: list[EngineRequest],
     if done is not None:
         yield done
 
-
-def sse_response(events: AsyncIterator[str]):
-    from fastapi.responses import StreamingResponse
-
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
