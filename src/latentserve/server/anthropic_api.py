@@ -36,11 +36,10 @@ from latentserve.server.output_parser import OutputParser, answer_params, parse_
 from latentserve.server.params import (
     check_prompt_length,
     check_stop_count,
-    exit_fields,
     latent_controls,
     latent_positions,
     refuse_unsupported,
-    unset_default,
+    shared_fields,
 )
 from latentserve.server.prompts import check_conversation_bytes, render_chat
 from latentserve.server.protocol import BODY_CONFIG, LatentFields, RequestModel
@@ -179,15 +178,8 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
                        param="max_tokens", code="context_length_exceeded")
     try:
         return SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=unset_default(body.temperature, "temperature", defaults, 1.0),
-            top_p=unset_default(body.top_p, "top_p", defaults, 1.0),
-            top_k=unset_default(body.top_k, "top_k", defaults, -1) or -1,
-            stop=list(body.stop_sequences or []),
-            latent_budget=budget,
-            return_latent_trace=bool(body.return_latent_trace),
-            upstream_stop_rules=body.upstream_stop_rules,
-            **exit_fields(body), **(head or {}))
+            max_tokens=body.max_tokens, **(head or {}),
+            **shared_fields(body, list(body.stop_sequences or []), budget, defaults))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
 
@@ -230,14 +222,15 @@ def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
     return _Answer(tool_dicts, tools, choice, flag, mode if flag is True else None)
 
 
-async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
-                      ) -> list[int]:
-    """The templated prompt, ``thinking`` as the template's ``thinking`` / ``enable_thinking``."""
+async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, list[int]]:
+    """:func:`_answer` and the templated prompt, ``thinking`` as the template's ``thinking`` /
+    ``enable_thinking``. APIError (400 naming the field)."""
+    answer = _answer(body, state)
     conversation = _conversation(body)
     check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
     flag = answer.flag
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
-    return await in_pool(
+    return answer, await in_pool(
         render_chat, state.tokenizer, conversation, tools=answer.tool_dicts,
         template_kwargs=kwargs,
         continue_final_message=conversation[-1]["role"] == "assistant")
@@ -247,8 +240,7 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     """The prompt tokens ``/v1/messages`` would take, after all its checks (the engine's
     too); without ``max_tokens``, room for one answer token. APIError: 400, 404, 503."""
     _check(body, state)
-    answer = _answer(body, state)
-    prompt_ids = await _prompt_ids(body, state, answer)
+    answer, prompt_ids = await _prompt(body, state)
     sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
     try:
         params = _request_params(sized, request, state, len(prompt_ids), answer)
@@ -288,8 +280,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     arrival = time.monotonic()
     _check(body, state)
     with admit(state, 1) as ticket:
-        answer = _answer(body, state)
-        prompt_ids = await _prompt_ids(body, state, answer)
+        answer, prompt_ids = await _prompt(body, state)
         params = _request_params(body, request, state, len(prompt_ids), answer)
         msg_id, engine_rid = new_request_id(request, "msg")
         if msg_id == engine_rid:

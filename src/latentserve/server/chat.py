@@ -58,12 +58,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         prompt_ids = await templated_prompt_ids(body, state, template_kwargs, state.max_model_len)
         echo = echo_text(body) if body.echo else ""
         check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
-        if body.max_completion_tokens is not None:
-            max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, field = body.max_tokens, "max_tokens"
-        params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
-                                 logprobs, budget, head, stream_latent_steps=ticks,
+        field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        params = sampling_params(body, getattr(body, field), field, len(prompt_ids),
+                                 state.max_model_len, logprobs, budget, head,
+                                 stream_latent_steps=ticks,
                                  latent_positions=latent_positions(state.latent_spec, budget),
                                  defaults=state.sampling_defaults)
 

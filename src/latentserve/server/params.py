@@ -105,9 +105,16 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     return value
 
 
-def exit_fields(body) -> dict:
-    """A body's recurrent-depth exit fields as ``SamplingParams`` keyword arguments."""
-    return {"exit_criterion": body.exit_criterion, "exit_threshold": body.exit_threshold,
+def shared_fields(body, stop: list[str], budget: int | None, defaults: dict | None) -> dict:
+    """The ``SamplingParams`` keyword arguments every generation route (OpenAI, Anthropic)
+    takes alike: sampling (``defaults`` fill unset ones), ``stop``, the latent fields."""
+    top_k = unset_default(body.top_k, "top_k", defaults, -1)
+    return {"temperature": unset_default(body.temperature, "temperature", defaults, 1.0),
+            "top_p": unset_default(body.top_p, "top_p", defaults, 1.0),
+            "top_k": -1 if top_k == 0 else top_k, "stop": stop, "latent_budget": budget,
+            "return_latent_trace": bool(body.return_latent_trace),
+            "upstream_stop_rules": body.upstream_stop_rules,
+            "exit_criterion": body.exit_criterion, "exit_threshold": body.exit_threshold,
             "exit_min_steps": 0 if body.exit_min_steps is None else body.exit_min_steps,
             "exit_check_every": 1 if body.exit_check_every is None else body.exit_check_every,
             "exit_semantics": body.exit_semantics}
@@ -331,37 +338,30 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             f"prompt{latent}, {max_tokens} in the completion). Please reduce the length of "
             f"the prompt or {max_tokens_field}.", param=max_tokens_field,
             code="context_length_exceeded")
-    top_k = unset_default(request.top_k, "top_k", defaults, -1)
     if head is None:
         head = {k: getattr(request, k, None) for k in HEAD_HEADERS}
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=unset_default(request.temperature, "temperature", defaults, 1.0),
-            top_p=unset_default(request.top_p, "top_p", defaults, 1.0),
-            top_k=-1 if top_k == 0 else top_k,
             min_p=unset_default(request.min_p, "min_p", defaults, 0.0),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=unset_default(request.repetition_penalty, "repetition_penalty",
                                              defaults, 1.0),
             seed=request.seed,
-            stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
             stop_token_ids=list(request.stop_token_ids or []),
             ignore_eos=bool(request.ignore_eos),
             skip_special_tokens=request.skip_special_tokens is not False,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            latent_budget=budget,
-            return_latent_trace=bool(request.return_latent_trace),
             stream_latent_steps=stream_latent_steps,
-            upstream_stop_rules=request.upstream_stop_rules,
             min_tokens=request.min_tokens or 0,
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
             bad_words=list(request.bad_words or []),
             allowed_token_ids=request.allowed_token_ids,
             structured_outputs=structured_outputs(request),
-            **exit_fields(request),
+            **shared_fields(request, stop, budget, defaults),
             **head,
         )
     except ValueError as exc:
