@@ -17,7 +17,8 @@ def _protected(path: str) -> bool:
 
 class GuardMiddleware:
     """Pure ASGI middleware (streaming-safe, unlike ``BaseHTTPMiddleware``): ``api_key``
-    (None: open) and ``max_body_bytes``."""
+    (None: open) and ``max_body_bytes``; a POST whose ``Content-Type`` is missing or not JSON
+    reaches the app as ``application/json`` (its body is parsed as JSON)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -44,6 +45,14 @@ class GuardMiddleware:
             response = error_response(path, APIError(self.too_large, status_code=413,
                                                      code="request_too_large"))
             return await response(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-type"),
+                     b"")
+        media = given.split(b";", 1)[0].strip().lower()
+        if scope.get("method") == "POST" and not (media == b"application/json"
+                                                  or media.endswith(b"+json")):
+            scope = {**scope, "headers": [*((k, v) for k, v in scope.get("headers", [])
+                                            if k.lower() != b"content-type"),
+                                          (b"content-type", b"application/json")]}
         limit, seen = self.max_body_bytes, 0
 
         async def counted_receive():
@@ -68,20 +77,3 @@ class GuardMiddleware:
             candidates.append(headers["x-api-key"].strip())
         return any(hmac.compare_digest(c, self.api_key) for c in candidates)
 
-
-class JSONBodies:
-    """Pure ASGI middleware: a POST whose ``Content-Type`` is missing or not JSON reaches
-    the app as ``application/json`` (its body is parsed as JSON)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            headers = scope.get("headers", [])
-            given = next((v for k, v in headers if k.lower() == b"content-type"), b"")
-            media = given.split(b";", 1)[0].strip().lower()
-            if not (media == b"application/json" or media.endswith(b"+json")):
-                headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
-                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
