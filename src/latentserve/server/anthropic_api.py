@@ -295,8 +295,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
                 request, state, reqs, arrival, ticket, lambda deltas: _events(
                     msg_id, state.model_name, len(prompt_ids), deltas, asked,
                     answer.parser(state), latent, texts),
-                error_event=_error_event, internal_error_event=_event(
-                    "error", anthropic_error_body("Internal server error", 500)), done=None)
+                error_event=_error_event, done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
         reasoning, content, calls = parse_output(answer.parser(state), result.text)
         if answer.latent_mode:
@@ -337,8 +336,7 @@ def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
 
-def _error_event(exc: Exception) -> str:
-    err = api_error(exc)
+def _error_event(err: APIError) -> str:
     return _event("error", anthropic_error_body(err.message, anthropic_status(err)))
 
 
