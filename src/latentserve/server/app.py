@@ -36,7 +36,6 @@ from latentserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from latentserve.server.request_ids import RequestIdEcho
 from latentserve.server.security import GuardMiddleware
 from latentserve.server.state import ServedModels, ServerState
 from latentserve.server.tokenize_pool import in_pool
@@ -85,7 +84,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key,
                        max_body_bytes=served.first.limits.max_request_body_bytes)
-    app.add_middleware(RequestIdEcho)  # 401s and 413s echo the id too
     from starlette.middleware.cors import CORSMiddleware
 
     # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check

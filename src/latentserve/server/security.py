@@ -1,4 +1,4 @@
-"""ASGI middleware for the API key, the request body size limit and JSON bodies.
+"""ASGI middleware for the API key, the request body size limit, JSON bodies and request ids.
 Design notes: docs/internals.md, "latentserve.server.security"."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 
 from latentserve.server.errors import APIError, error_response
+from latentserve.server.request_ids import echoing
 
 # The interactive docs and the schema describe every route: behind the key as the API is.
 _DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
@@ -18,7 +19,8 @@ def _protected(path: str) -> bool:
 class GuardMiddleware:
     """Pure ASGI middleware (streaming-safe, unlike ``BaseHTTPMiddleware``): ``api_key``
     (None: open) and ``max_body_bytes``; a POST whose ``Content-Type`` is missing or not JSON
-    reaches the app as ``application/json`` (its body is parsed as JSON)."""
+    reaches the app as ``application/json`` (its body is parsed as JSON); every response
+    (401 and 413 too) echoes ``X-Request-Id`` (``request_ids.echoing``)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -29,6 +31,7 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        send = echoing(scope, send)
         path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
         if self.api_key is not None and _protected(path) and not self._authorized(headers):
