@@ -380,7 +380,7 @@ class _Blocks:
 
 async def _events(msg_id: str, model: str, input_tokens: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], asked: bool,
-                  parser: OutputParser, latent: LatentReasoning | None, texts=None
+                  parser: OutputParser, latent: LatentReasoning | None, texts
                   ) -> AsyncIterator[str]:
     yield _event("message_start", {"type": "message_start", "message": _message(
         msg_id, model, [], None, None, input_tokens, 0)})

@@ -248,23 +248,16 @@ def _not_taken(spec, taken: tuple[str, ...], hdr: bool, name: str = "",
 STREAM_STEPS_HEADER = "x-latent-stream-steps"
 
 
-def stream_latent_steps(http_request, body) -> bool:
-    """Header ``x-latent-stream-steps`` > body ``stream_latent_steps`` > False. APIError
-    (400 naming the header) for a malformed value."""
+def refuse_stream_steps(http_request, body, spec=None) -> bool:
+    """Whether latent steps are asked to stream: header ``x-latent-stream-steps`` > body
+    ``stream_latent_steps`` > False. APIError (400 naming the header or field) when asked of a
+    model without latent steps, or for a malformed header on any model."""
     raw = _headers(http_request).get(STREAM_STEPS_HEADER)
-    if raw is None:
-        return bool(getattr(body, "stream_latent_steps", None))
-    return header_value(STREAM_STEPS_HEADER, raw, "bool")
-
-
-def refuse_stream_steps(http_request, body, spec=None) -> None:
-    """Raise APIError (400 naming the header or field) for ``stream_latent_steps`` asked of
-    a model without latent steps, or a malformed header on any model."""
-    asked = stream_latent_steps(http_request, body)  # validates the header
+    asked = (bool(getattr(body, "stream_latent_steps", None)) if raw is None
+             else header_value(STREAM_STEPS_HEADER, raw, "bool"))
     if not asked or (spec is not None and spec.kind in ("feedback", "head", "loop")):
-        return
-    sent = STREAM_STEPS_HEADER if _headers(http_request).get(STREAM_STEPS_HEADER) is not None \
-        else "stream_latent_steps"
+        return asked
+    sent = STREAM_STEPS_HEADER if raw is not None else "stream_latent_steps"
     what = "a recurrent-depth model" if spec is not None else "a model without latent reasoning"
     raise APIError(f"{sent} needs a model with latent steps, not {what} (it would silently "
                    "do nothing)", param=sent)
@@ -422,8 +415,7 @@ def latent_controls(http_request, body, spec, template_kwargs: dict | None = Non
     budget = latent_budget(http_request, body, spec)
     head = head_controls(http_request, body, template_kwargs)
     refuse_head_controls(http_request, body, head, spec)
-    refuse_stream_steps(http_request, body, spec)
-    return budget, head, bool(body.stream) and stream_latent_steps(http_request, body)
+    return budget, head, refuse_stream_steps(http_request, body, spec) and bool(body.stream)
 
 
 def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
