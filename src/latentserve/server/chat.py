@@ -26,7 +26,7 @@ from latentserve.server.params import (
     latent_positions,
     sampling_params,
 )
-from latentserve.server.prompts import chat_tools, templated_prompt_ids
+from latentserve.server.prompts import chat_tools, message_text, templated_prompt_ids
 from latentserve.server.protocol import ChatCompletionRequest, response, usage_of
 from latentserve.server.reasoning import (
     LatentReasoning,
@@ -56,7 +56,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
             template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
                                "enable_thinking": head["thinking"]}
         prompt_ids = await templated_prompt_ids(body, state, template_kwargs, state.max_model_len)
-        echo = echo_text(body) if body.echo else ""
+        last = len(body.messages) - 1  # vLLM's echo: the final message's text, the assistant's
+        echo = (message_text(body.messages[last], last)
+                if body.echo and body.messages[last].role == "assistant" else "")
         check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         params = sampling_params(body, getattr(body, field), field, len(prompt_ids),
@@ -98,16 +100,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                 "latent": latent_info(r, bool(body.return_latent_trace), texts)})
         return response("chat.completion", rid, state.model_name, choices,
                         usage_of(len(prompt_ids), sum(r.num_output_tokens for r in results)))
-
-
-def echo_text(body: ChatCompletionRequest) -> str:
-    """vLLM's chat ``echo``: the last message's text when it is the assistant's, else ""."""
-    last = body.messages[-1] if body.messages else None
-    if last is None or last.role != "assistant" or last.content is None:
-        return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "".join(part.text or "" for part in last.content)
 
 
 def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str | None:
