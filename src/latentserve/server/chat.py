@@ -48,7 +48,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         tools = check_tools(chat_tools(body.tools))
         choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
         latent_mode = latent_reasoning_mode(body, state.latent_spec)
-        logprobs = _logprobs_k(body, state)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None  # top k, None: off
+        check_logprobs(logprobs, "top_logprobs", state.limits)
         budget, head, ticks = latent_controls(request, body, state.latent_spec,
                                               body.chat_template_kwargs)
         template_kwargs = body.chat_template_kwargs
@@ -107,17 +110,6 @@ def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str 
     if called and reason == "stop" and choice.mode != "named":
         return "tool_calls"
     return reason
-
-
-def _logprobs_k(body: ChatCompletionRequest, state: ServerState) -> int | None:
-    """``top_logprobs`` when ``logprobs`` is true (0 if unset), else None."""
-    if not body.logprobs:
-        if body.top_logprobs:
-            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        return None
-    k = body.top_logprobs or 0
-    check_logprobs(k, "top_logprobs", state.limits)
-    return k
 
 
 async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
