@@ -13,7 +13,6 @@ from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.output_parser import (
     CallDelta,
     OutputParser,
-    Piece,
     answer_params,
     parse_output,
 )
@@ -159,18 +158,16 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
         piece = parsers[i].step(delta.text, delta.finish_reason is not None)
         called[i] = called[i] or bool(piece.calls)
         if piece or delta.logprobs:
-            yield chunk(i, _delta_message(piece), None, delta.logprobs)
+            yield chunk(i, {"content": piece.content or None,
+                            "reasoning_content": piece.reasoning or None,
+                            "tool_calls": [_call_delta(c) for c in piece.calls] or None},
+                        None, delta.logprobs)
         if delta.finish_reason is not None:
             yield chunk(i, {}, _finish_reason(delta.finish_reason, called[i], choice),
                         latent=latent_info(delta, trace, texts))
     if body.include_usage:
         yield response("chat.completion.chunk", rid, model, [],
                        usage_of(num_prompt_tokens, sum(tokens)))
-
-
-def _delta_message(piece: Piece) -> dict:
-    return {"content": piece.content or None, "reasoning_content": piece.reasoning or None,
-            "tool_calls": [_call_delta(c) for c in piece.calls] or None}
 
 
 def _call_delta(c: CallDelta) -> dict:

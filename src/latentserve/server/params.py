@@ -35,7 +35,8 @@ def refuse_unsupported(request) -> None:
         raise APIError(f"Unrecognized request argument{s} supplied: {', '.join(unknown)}",
                        param=unknown[0], code="unknown_field")
     for name, value in extra.items():
-        if not any(_same(value, ok) for ok in unsupported[name]):
+        if not any(value is None if ok is None else type(value) is type(ok) and value == ok
+                   for ok in unsupported[name]):
             got = repr(value)
             got = got if len(got) <= 80 else got[:77] + "..."
             raise APIError(f"{name} is not supported by this server (got {got})", param=name)
@@ -439,9 +440,3 @@ def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
         return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
     except ValueError as exc:
         raise APIError(f"{exc} (seed + n - 1 must be in range)", param="seed") from None
-
-
-def _same(value: object, ok: object) -> bool:
-    if ok is None:
-        return value is None
-    return type(value) is type(ok) and value == ok

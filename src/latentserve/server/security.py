@@ -12,10 +12,6 @@ from latentserve.server.request_ids import echoing
 _DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
-def _protected(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", *_DOCS)
-
-
 class GuardMiddleware:
     """Pure ASGI middleware (streaming-safe, unlike ``BaseHTTPMiddleware``): ``api_key``
     (None: open) and ``max_body_bytes``; a POST whose ``Content-Type`` is missing or not JSON
@@ -34,7 +30,8 @@ class GuardMiddleware:
         send = echoing(scope, send)
         path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.api_key is not None and _protected(path) and not self._authorized(headers):
+        protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize", *_DOCS)
+        if self.api_key is not None and protected and not self._authorized(headers):
             response = error_response(path, APIError(
                 "Invalid or missing API key; send it as 'Authorization: Bearer <key>' or "
                 "'x-api-key: <key>'", status_code=401, code="invalid_api_key",
