@@ -295,7 +295,8 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
                 request, state, reqs, arrival, ticket, lambda deltas: _events(
                     msg_id, state.model_name, len(prompt_ids), deltas, asked,
                     answer.parser(state), latent, texts),
-                error_event=_error_event, done=None)
+                error_event=lambda err: _event("error", anthropic_error_body(
+                    err.message, anthropic_status(err))), done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
         reasoning, content, calls = parse_output(answer.parser(state), result.text)
         if answer.latent_mode:
@@ -334,10 +335,6 @@ def _message(msg_id: str, model: str, content: list, stop_reason: str | None,
 
 def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
-
-
-def _error_event(err: APIError) -> str:
-    return _event("error", anthropic_error_body(err.message, anthropic_status(err)))
 
 
 class _Blocks:
