@@ -223,40 +223,25 @@ def convert_embedded(dtype: str = "float32") -> None:
 
 def start_verbose(configs: list, labels: list[str]):
     """``start_server(configs)``, printing progress; Ctrl-C stops the server at once."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     from latentserve.server.launch import served_model_name, start_server
 
     fd, log = tempfile.mkstemp(prefix="latentserve-demo-", suffix=".log")
     os.close(fd)
     names = [served_model_name(c) for c in configs]
-    start, shown, last = time.perf_counter(), set(), 0.0
-    cancel = threading.Event()
-    with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(start_server, configs, log_path=log, cancel=cancel)
-        try:
-            while True:
-                try:
-                    server = future.result(timeout=0.5)
-                    break
-                except TimeoutError:
-                    pass
-                elapsed = time.perf_counter() - start
-                lines = Path(log).read_text(errors="replace")
-                for name, what in zip(names, labels):
-                    if name not in shown and f"engine ready: {name}," in lines:
-                        shown.add(name)
-                        print(f"  {what} ready ({elapsed:.0f} s)", flush=True)
-                if elapsed - last >= 15:
-                    last = elapsed
-                    print(f"  ... {elapsed:.0f} s", flush=True)
-        except BaseException:  # start_server stops its server; one ready meanwhile: here
-            cancel.set()
-            pool.shutdown()
-            if future.exception() is None:
-                future.result().stop()
-            raise
+    start, shown, last = time.perf_counter(), set(), [0.0]
+
+    def progress() -> None:
+        elapsed = time.perf_counter() - start
+        lines = Path(log).read_text(errors="replace")
+        for name, what in zip(names, labels):
+            if name not in shown and f"engine ready: {name}," in lines:
+                shown.add(name)
+                print(f"  {what} ready ({elapsed:.0f} s)", flush=True)
+        if elapsed - last[0] >= 15:
+            last[0] = elapsed
+            print(f"  ... {elapsed:.0f} s", flush=True)
+
+    server = start_server(configs, log_path=log, on_wait=progress)
     print(f"server ready at {server.base_url} ({time.perf_counter() - start:.0f} s); "
           f"its log: {log}\n", flush=True)
     return server

@@ -26,14 +26,13 @@ def run(args) -> int:
     from latentserve.cli import engine_configs
     from latentserve.config import check_device
     from latentserve.options import options_of
-    from latentserve.server.launch import check_model_names, run_server
+    from latentserve.server.launch import run_server
     from latentserve.server.options import ServerOptions
 
     configs = engine_configs(args)
     options = options_of(ServerOptions, args)
     for c in configs:
         check_device(c.device)  # before the engine starts: one line, not EngineStartupError
-    check_model_names(configs)  # a name served twice fails before any engine starts
     if args.data_parallel_size != 1:
         if len(configs) != 1:
             raise ValueError("--data-parallel-size serves one model; give one --model")

@@ -36,11 +36,10 @@ from latentserve.server.output_parser import OutputParser, answer_params, parse_
 from latentserve.server.params import (
     check_prompt_length,
     check_stop_count,
-    exit_fields,
     latent_controls,
     latent_positions,
     refuse_unsupported,
-    unset_default,
+    shared_fields,
 )
 from latentserve.server.prompts import check_conversation_bytes, render_chat
 from latentserve.server.protocol import BODY_CONFIG, LatentFields, RequestModel
@@ -50,14 +49,7 @@ from latentserve.server.reasoning import (
     latent_reasoning_text,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import (
-    ENGINE_ERRORS,
-    api_error,
-    collect,
-    sse_events,
-    sse_response,
-    start_stream,
-)
+from latentserve.server.serving import ENGINE_ERRORS, api_error, collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import ToolChoice, check_tools
@@ -186,15 +178,8 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
                        param="max_tokens", code="context_length_exceeded")
     try:
         return SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=unset_default(body.temperature, "temperature", defaults, 1.0),
-            top_p=unset_default(body.top_p, "top_p", defaults, 1.0),
-            top_k=unset_default(body.top_k, "top_k", defaults, -1) or -1,
-            stop=list(body.stop_sequences or []),
-            latent_budget=budget,
-            return_latent_trace=bool(body.return_latent_trace),
-            upstream_stop_rules=body.upstream_stop_rules,
-            **exit_fields(body), **(head or {}))
+            max_tokens=body.max_tokens, **(head or {}),
+            **shared_fields(body, list(body.stop_sequences or []), budget, defaults))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
 
@@ -237,14 +222,15 @@ def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
     return _Answer(tool_dicts, tools, choice, flag, mode if flag is True else None)
 
 
-async def _prompt_ids(body: MessagesRequest, state: ServerState, answer: _Answer
-                      ) -> list[int]:
-    """The templated prompt, ``thinking`` as the template's ``thinking`` / ``enable_thinking``."""
+async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, list[int]]:
+    """:func:`_answer` and the templated prompt, ``thinking`` as the template's ``thinking`` /
+    ``enable_thinking``. APIError (400 naming the field)."""
+    answer = _answer(body, state)
     conversation = _conversation(body)
     check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
     flag = answer.flag
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
-    return await in_pool(
+    return answer, await in_pool(
         render_chat, state.tokenizer, conversation, tools=answer.tool_dicts,
         template_kwargs=kwargs,
         continue_final_message=conversation[-1]["role"] == "assistant")
@@ -254,8 +240,7 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     """The prompt tokens ``/v1/messages`` would take, after all its checks (the engine's
     too); without ``max_tokens``, room for one answer token. APIError: 400, 404, 503."""
     _check(body, state)
-    answer = _answer(body, state)
-    prompt_ids = await _prompt_ids(body, state, answer)
+    answer, prompt_ids = await _prompt(body, state)
     sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
     try:
         params = _request_params(sized, request, state, len(prompt_ids), answer)
@@ -295,8 +280,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     arrival = time.monotonic()
     _check(body, state)
     with admit(state, 1) as ticket:
-        answer = _answer(body, state)
-        prompt_ids = await _prompt_ids(body, state, answer)
+        answer, prompt_ids = await _prompt(body, state)
         params = _request_params(body, request, state, len(prompt_ids), answer)
         msg_id, engine_rid = new_request_id(request, "msg")
         if msg_id == engine_rid:
@@ -305,15 +289,14 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         asked = bool(body.return_latent_trace)
         texts = token_texts(state.tokenizer)
         if body.stream:
-            deltas = await start_stream(request, state, reqs, arrival, ticket)
             latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
                       else None)
-            events = _events(msg_id, state.model_name, len(prompt_ids), deltas, asked,
-                             answer.parser(state), latent, texts)
-            return sse_response(sse_events(
-                request, state, reqs, events, error_event=_error_event,
-                internal_error_event=_event("error", anthropic_error_body(
-                    "Internal server error", 500)), done=None))
+            return await stream(
+                request, state, reqs, arrival, ticket, lambda deltas: _events(
+                    msg_id, state.model_name, len(prompt_ids), deltas, asked,
+                    answer.parser(state), latent, texts),
+                error_event=lambda err: _event("error", anthropic_error_body(
+                    err.message, anthropic_status(err))), done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
         reasoning, content, calls = parse_output(answer.parser(state), result.text)
         if answer.latent_mode:
@@ -352,11 +335,6 @@ def _message(msg_id: str, model: str, content: list, stop_reason: str | None,
 
 def _event(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
-
-
-def _error_event(exc: Exception) -> str:
-    err = api_error(exc)
-    return _event("error", anthropic_error_body(err.message, anthropic_status(err)))
 
 
 class _Blocks:
@@ -399,7 +377,7 @@ class _Blocks:
 
 async def _events(msg_id: str, model: str, input_tokens: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], asked: bool,
-                  parser: OutputParser, latent: LatentReasoning | None, texts=None
+                  parser: OutputParser, latent: LatentReasoning | None, texts
                   ) -> AsyncIterator[str]:
     yield _event("message_start", {"type": "message_start", "message": _message(
         msg_id, model, [], None, None, input_tokens, 0)})

@@ -36,8 +36,7 @@ from latentserve.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from latentserve.server.request_ids import RequestIdEcho
-from latentserve.server.security import GuardMiddleware, JSONBodies
+from latentserve.server.security import GuardMiddleware
 from latentserve.server.state import ServedModels, ServerState
 from latentserve.server.tokenize_pool import in_pool
 
@@ -83,10 +82,8 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     app.state.server = served.first
     app.state.models = served
     install_error_handlers(app)
-    app.add_middleware(JSONBodies)
     app.add_middleware(GuardMiddleware, api_key=api_key,
                        max_body_bytes=served.first.limits.max_request_body_bytes)
-    app.add_middleware(RequestIdEcho)  # 401s and 413s echo the id too
     from starlette.middleware.cors import CORSMiddleware
 
     # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check

@@ -13,7 +13,6 @@ from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.output_parser import (
     CallDelta,
     OutputParser,
-    Piece,
     answer_params,
     parse_output,
 )
@@ -26,7 +25,7 @@ from latentserve.server.params import (
     latent_positions,
     sampling_params,
 )
-from latentserve.server.prompts import chat_tools, templated_prompt_ids
+from latentserve.server.prompts import chat_tools, message_text, templated_prompt_ids
 from latentserve.server.protocol import ChatCompletionRequest, response, usage_of
 from latentserve.server.reasoning import (
     LatentReasoning,
@@ -34,7 +33,7 @@ from latentserve.server.reasoning import (
     latent_reasoning_text,
 )
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import collect, sse_events, sse_response, start_stream
+from latentserve.server.serving import collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tools import ToolChoice, check_tools, resolve_tool_choice
 
@@ -48,7 +47,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         tools = check_tools(chat_tools(body.tools))
         choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
         latent_mode = latent_reasoning_mode(body, state.latent_spec)
-        logprobs = _logprobs_k(body, state)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None  # top k, None: off
+        check_logprobs(logprobs, "top_logprobs", state.limits)
         budget, head, ticks = latent_controls(request, body, state.latent_spec,
                                               body.chat_template_kwargs)
         template_kwargs = body.chat_template_kwargs
@@ -56,14 +58,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
             template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
                                "enable_thinking": head["thinking"]}
         prompt_ids = await templated_prompt_ids(body, state, template_kwargs, state.max_model_len)
-        echo = echo_text(body) if body.echo else ""
+        last = len(body.messages) - 1  # vLLM's echo: the final message's text, the assistant's
+        echo = (message_text(body.messages[last], last)
+                if body.echo and body.messages[last].role == "assistant" else "")
         check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
-        if body.max_completion_tokens is not None:
-            max_tokens, field = body.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, field = body.max_tokens, "max_tokens"
-        params = sampling_params(body, max_tokens, field, len(prompt_ids), state.max_model_len,
-                                 logprobs, budget, head, stream_latent_steps=ticks,
+        field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        params = sampling_params(body, getattr(body, field), field, len(prompt_ids),
+                                 state.max_model_len, logprobs, budget, head,
+                                 stream_latent_steps=ticks,
                                  latent_positions=latent_positions(state.latent_spec, budget),
                                  defaults=state.sampling_defaults)
 
@@ -75,10 +77,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         rid, engine_rid = new_request_id(request, "chatcmpl")
         reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
         if body.stream:
-            deltas = await start_stream(request, state, reqs, arrival, ticket)
-            chunks = _chunks(body, state, rid, len(prompt_ids), deltas, len(reqs), parser,
-                             latent_mode, choice, ticks, echo)
-            return sse_response(sse_events(request, state, reqs, chunks))
+            return await stream(request, state, reqs, arrival, ticket, lambda deltas: _chunks(
+                body, state, rid, len(prompt_ids), deltas, len(reqs), parser, latent_mode,
+                choice, ticks, echo))
         results = await collect(request, state, reqs, arrival, ticket)
         texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
         choices = []
@@ -103,32 +104,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                         usage_of(len(prompt_ids), sum(r.num_output_tokens for r in results)))
 
 
-def echo_text(body: ChatCompletionRequest) -> str:
-    """vLLM's chat ``echo``: the last message's text when it is the assistant's, else ""."""
-    last = body.messages[-1] if body.messages else None
-    if last is None or last.role != "assistant" or last.content is None:
-        return ""
-    if isinstance(last.content, str):
-        return last.content
-    return "".join(part.text or "" for part in last.content)
-
-
 def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str | None:
     """``tool_calls`` after a call, except for a named function (``stop``, as OpenAI)."""
     if called and reason == "stop" and choice.mode != "named":
         return "tool_calls"
     return reason
-
-
-def _logprobs_k(body: ChatCompletionRequest, state: ServerState) -> int | None:
-    """``top_logprobs`` when ``logprobs`` is true (0 if unset), else None."""
-    if not body.logprobs:
-        if body.top_logprobs:
-            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        return None
-    k = body.top_logprobs or 0
-    check_logprobs(k, "top_logprobs", state.limits)
-    return k
 
 
 async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
@@ -178,18 +158,16 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
         piece = parsers[i].step(delta.text, delta.finish_reason is not None)
         called[i] = called[i] or bool(piece.calls)
         if piece or delta.logprobs:
-            yield chunk(i, _delta_message(piece), None, delta.logprobs)
+            yield chunk(i, {"content": piece.content or None,
+                            "reasoning_content": piece.reasoning or None,
+                            "tool_calls": [_call_delta(c) for c in piece.calls] or None},
+                        None, delta.logprobs)
         if delta.finish_reason is not None:
             yield chunk(i, {}, _finish_reason(delta.finish_reason, called[i], choice),
                         latent=latent_info(delta, trace, texts))
     if body.include_usage:
         yield response("chat.completion.chunk", rid, model, [],
                        usage_of(num_prompt_tokens, sum(tokens)))
-
-
-def _delta_message(piece: Piece) -> dict:
-    return {"content": piece.content or None, "reasoning_content": piece.reasoning or None,
-            "tool_calls": [_call_delta(c) for c in piece.calls] or None}
 
 
 def _call_delta(c: CallDelta) -> dict:

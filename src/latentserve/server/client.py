@@ -13,10 +13,9 @@ from latentserve.sampling_params import SamplingParams
 from latentserve.server.messages import (
     Abort,
     AddRequest,
+    Answer,
     EngineFailed,
-    EngineStats,
-    GetStats,
-    RequestChecked,
+    Query,
     RequestFailed,
     StepOutputs,
 )
@@ -65,7 +64,7 @@ class EngineClient:
         self._aborted: set[str] = set()  # running rids already aborted
         # rid -> time of an abort before the request was sent: generate() refuses it.
         self._early_aborts: dict[str, float] = {}
-        # a check's "check-{rid}" or a GetStats token -> the future of the engine's answer
+        # a check's "check-{rid}" or a stats token -> the future of the engine's Answer
         self._replies: dict[str | int, asyncio.Future] = {}
         self._stats_token = 0
         # called once, with the reason, when the engine is found gone (server: log, exit)
@@ -164,8 +163,8 @@ class EngineClient:
             raise EngineDeadError(self.dead_reason)
         rid = f"check-{rid}"
         try:
-            await self._ask(rid, AddRequest(rid, list(prompt_token_ids), params,
-                                            check_only=True), timeout)
+            await self._ask(rid, Query(rid, AddRequest(rid, list(prompt_token_ids), params)),
+                            timeout)
         except TimeoutError:
             raise EngineDeadError(f"the engine did not answer a check within {timeout} s"
                                   ) from None
@@ -200,7 +199,7 @@ class EngineClient:
             return self.last_stats
         self._stats_token += 1
         try:
-            return await self._ask(self._stats_token, GetStats(self._stats_token), timeout)
+            return await self._ask(self._stats_token, Query(self._stats_token), timeout)
         except (TimeoutError, EngineDeadError):
             return self.last_stats
 
@@ -243,23 +242,20 @@ class EngineClient:
                 queue = self._queues.get(out.rid)
                 if queue is not None:  # None: the caller left (aborted) already
                     queue.put_nowait(out)
-        elif isinstance(message, RequestChecked | RequestFailed) and message.rid in self._replies:
-            future = self._replies[message.rid]
-            if not future.done():
-                if isinstance(message, RequestChecked):
-                    future.set_result(None)
-                else:
-                    future.set_exception(EngineRequestError(message.error))
         elif isinstance(message, RequestFailed):
             queue = self._queues.get(message.rid)
             if queue is not None:
                 cls = EngineInternalError if message.internal else EngineRequestError
                 queue.put_nowait(cls(message.error))
-        elif isinstance(message, EngineStats):
-            self.last_stats, self.last_stats_at = message.stats, time.monotonic()
-            waiter = self._replies.get(message.token)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(message.stats)
+        elif isinstance(message, Answer):
+            if message.stats is not None:
+                self.last_stats, self.last_stats_at = message.stats, time.monotonic()
+            future = self._replies.get(message.key)
+            if future is not None and not future.done():
+                if message.error is None:
+                    future.set_result(message.stats)
+                else:
+                    future.set_exception(EngineRequestError(message.error))
         elif isinstance(message, EngineFailed):
             log.error("engine failed: %s", message.error)
             self._fail_all(f"the engine failed: {message.error}")

@@ -26,7 +26,7 @@ from latentserve.server.params import (
 from latentserve.server.prompts import completion_prompts, prompt_list
 from latentserve.server.protocol import CompletionRequest, response, usage_of
 from latentserve.server.request_ids import new_request_id
-from latentserve.server.serving import collect, sse_events, sse_response, start_stream
+from latentserve.server.serving import collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
 
@@ -58,9 +58,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
                    else state.tokenizer.decode(r.prompt_ids)) for r in reqs]  # the prompt text
         num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
         if body.stream:
-            deltas = await start_stream(request, state, reqs, arrival, ticket)
-            chunks = _chunks(body, state, rid, num_prompt_tokens, echoes, deltas, reqs)
-            return sse_response(sse_events(request, state, reqs, chunks))
+            return await stream(request, state, reqs, arrival, ticket, lambda deltas: _chunks(
+                body, state, rid, num_prompt_tokens, echoes, deltas, reqs))
         results = await collect(request, state, reqs, arrival, ticket)
         texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
         choices = []

@@ -17,11 +17,10 @@ from latentserve.config import EngineConfig
 from latentserve.server.messages import (
     Abort,
     AddRequest,
+    Answer,
     EngineFailed,
-    EngineStats,
-    GetStats,
+    Query,
     Ready,
-    RequestChecked,
     RequestFailed,
     Shutdown,
     StartupFailed,
@@ -188,13 +187,8 @@ class EngineLoop:
         """Apply one incoming message to the engine."""
         if isinstance(message, AddRequest):
             try:
-                if message.check_only:
-                    self.engine.check_request(message.prompt_token_ids, message.params)
-                    self._send(RequestChecked(message.rid))
-                else:
-                    self.engine.add_request(message.rid, message.prompt_token_ids,
-                                            message.params)
-                    self.queued_at[message.rid] = time.monotonic()
+                self.engine.add_request(message.rid, message.prompt_token_ids, message.params)
+                self.queued_at[message.rid] = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - any rejection goes back to the caller
                 self._send(RequestFailed(message.rid, str(exc)))
         elif isinstance(message, Abort):
@@ -202,8 +196,15 @@ class EngineLoop:
                 self.engine.abort_request(message.rid)
             except Exception:  # noqa: BLE001 - aborting a finished request is harmless
                 log.debug("abort of %s ignored", message.rid, exc_info=True)
-        elif isinstance(message, GetStats):
-            self._send(EngineStats(message.token, self.engine.stats()))
+        elif isinstance(message, Query):
+            check = message.check
+            answer = Answer(message.key, None if check else self.engine.stats())
+            try:
+                if check is not None:
+                    self.engine.check_request(check.prompt_token_ids, check.params)
+            except Exception as exc:  # noqa: BLE001 - a rejection goes back to the caller
+                answer.error = str(exc)
+            self._send(answer)
         elif isinstance(message, Shutdown):
             self.running = False
         else:

@@ -113,18 +113,15 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                 if out.logprobs:
                     pending.extend(zip(out.logprobs, starts))
                 text = "".join(parts)
-                if detok.stopped is not None:
-                    reason = "stop"
+                if detok.stopped is not None or out.finished:
+                    reason = "stop" if detok.stopped is not None else out.finish_reason
                     if timer is not None and stats is not None:
                         timer.latent(stats)
-                    yield delta(text, "stop", out, cut=detok.decoded_len,
-                                stop_string=detok.stopped)
-                    return  # leaving the generator aborts the engine request
-                if out.finished:
-                    reason = out.finish_reason
-                    if timer is not None and stats is not None:
-                        timer.latent(stats)
-                    yield delta(text + detok.flush(), out.finish_reason, out)
+                    if detok.stopped is not None:  # returning aborts the engine request
+                        yield delta(text, "stop", out, cut=detok.decoded_len,
+                                    stop_string=detok.stopped)
+                    else:
+                        yield delta(text + detok.flush(), reason, out)
                     return
                 tick = out.latent_steps - latent_steps if params.stream_latent_steps else 0
                 latent_steps = out.latent_steps

@@ -36,11 +36,10 @@ def _info(steps: int, trace=None, stats=None, recurrence=None) -> dict:
     return {"steps": steps, "trace": trace, "stats": stats, "recurrence": recurrence}
 
 
-def latent_info(final, asked: bool, texts=None) -> dict | None:
+def latent_info(final, asked: bool, texts) -> dict | None:
     """A choice's ``latent`` field (None: no latent work); trace and recurrence if ``asked``."""
 
     if not asked and not final.latent_steps and final.latent_stats is None:
         return None
-    trace = final.latent_trace if texts is None else with_texts(final.latent_trace, texts)
-    return _info(final.latent_steps, trace if asked else None, final.latent_stats,
-                 final.recurrence if asked else None)
+    return _info(final.latent_steps, with_texts(final.latent_trace, texts) if asked else None,
+                 final.latent_stats, final.recurrence if asked else None)

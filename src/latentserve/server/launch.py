@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as fields_of
@@ -284,18 +285,18 @@ class ServerProcess:
 def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0.1",
                  port: int | None = None, timeout: float = 600.0,
                  log_path: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-                 cancel: threading.Event | None = None, **options) -> ServerProcess:
+                 on_wait: Callable[[], None] | None = None, **options) -> ServerProcess:
     """Run ``python -m latentserve.server.launch`` as a subprocess and wait for ``/health``.
     ``options``: :class:`ServerOptions` fields; ``port`` None: a free one (three tries);
-    ``log_path`` None: a temp file; ``cancel``: once set, stop it and raise. The server
-    stops when this process is gone.
+    ``log_path`` None: a temp file; ``on_wait``: called every 0.25 s while it starts. The
+    server stops when this process is gone, or this call is interrupted.
 
     Raises:
         TypeError: a field :class:`ServerOptions` does not have.
         ValueError: a name served twice, an option (``port``, ``timeout`` too) out of its
             range.
-        RuntimeError: the server exited, was cancelled or not healthy within ``timeout``
-            seconds (with the end of its log).
+        RuntimeError: the server exited or was not healthy within ``timeout`` seconds (with
+            the end of its log).
     """
     import httpx
 
@@ -337,15 +338,15 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
         server = ServerProcess(proc, host, chosen, log_path)
         try:
             while proc.poll() is None and time.monotonic() < deadline:
-                if cancel is not None and cancel.is_set():
-                    raise RuntimeError("server start-up cancelled")
+                if on_wait is not None:
+                    on_wait()
                 try:
                     if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
                         return server
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.25)
-        except BaseException:  # cancelled or interrupted: leave no server behind
+        except BaseException:  # interrupted: leave no server behind
             server.stop()
             raise
         if proc.poll() is None or "cannot listen on" not in server.log_tail() or attempt == 2:

@@ -14,12 +14,11 @@ from latentserve.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class AddRequest:
-    """Queue a request; ``check_only``: only check it (``RequestChecked`` or ``RequestFailed``)."""
+    """Queue a request (``RequestFailed`` if the engine rejects it)."""
 
     rid: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    check_only: bool = False
 
 
 @dataclass(slots=True)
@@ -35,10 +34,12 @@ class Shutdown:
 
 
 @dataclass(slots=True)
-class GetStats:
-    """Ask for an ``EngineStats`` reply carrying the same ``token``."""
+class Query:
+    """Ask, queueing nothing, for the engine's stats (``check`` None) or whether it would
+    accept ``check``; answered by an ``Answer`` with the same ``key``."""
 
-    token: int
+    key: str | int
+    check: AddRequest | None = None
 
 
 # --- engine process -> API process -----------------------------------------------------
@@ -83,18 +84,13 @@ class RequestFailed:
 
 
 @dataclass(slots=True)
-class RequestChecked:
-    """Reply to an ``AddRequest`` with ``check_only``: the engine would accept it."""
+class Answer:
+    """Reply to a ``Query``: ``stats`` (``LLMEngine.stats()``, a dict of ints) or, for a check,
+    the engine's ``error`` (None: it would accept the request)."""
 
-    rid: str
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Reply to ``GetStats``: ``LLMEngine.stats()`` (a dict of ints; no tensors)."""
-
-    token: int
-    stats: dict[str, int]
+    key: str | int
+    stats: dict[str, int] | None = None
+    error: str | None = None
 
 
 @dataclass(slots=True)

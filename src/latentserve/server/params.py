@@ -35,7 +35,8 @@ def refuse_unsupported(request) -> None:
         raise APIError(f"Unrecognized request argument{s} supplied: {', '.join(unknown)}",
                        param=unknown[0], code="unknown_field")
     for name, value in extra.items():
-        if not any(_same(value, ok) for ok in unsupported[name]):
+        if not any(value is None if ok is None else type(value) is type(ok) and value == ok
+                   for ok in unsupported[name]):
             got = repr(value)
             got = got if len(got) <= 80 else got[:77] + "..."
             raise APIError(f"{name} is not supported by this server (got {got})", param=name)
@@ -105,9 +106,16 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     return value
 
 
-def exit_fields(body) -> dict:
-    """A body's recurrent-depth exit fields as ``SamplingParams`` keyword arguments."""
-    return {"exit_criterion": body.exit_criterion, "exit_threshold": body.exit_threshold,
+def shared_fields(body, stop: list[str], budget: int | None, defaults: dict | None) -> dict:
+    """The ``SamplingParams`` keyword arguments every generation route (OpenAI, Anthropic)
+    takes alike: sampling (``defaults`` fill unset ones), ``stop``, the latent fields."""
+    top_k = unset_default(body.top_k, "top_k", defaults, -1)
+    return {"temperature": unset_default(body.temperature, "temperature", defaults, 1.0),
+            "top_p": unset_default(body.top_p, "top_p", defaults, 1.0),
+            "top_k": -1 if top_k == 0 else top_k, "stop": stop, "latent_budget": budget,
+            "return_latent_trace": bool(body.return_latent_trace),
+            "upstream_stop_rules": body.upstream_stop_rules,
+            "exit_criterion": body.exit_criterion, "exit_threshold": body.exit_threshold,
             "exit_min_steps": 0 if body.exit_min_steps is None else body.exit_min_steps,
             "exit_check_every": 1 if body.exit_check_every is None else body.exit_check_every,
             "exit_semantics": body.exit_semantics}
@@ -241,23 +249,16 @@ def _not_taken(spec, taken: tuple[str, ...], hdr: bool, name: str = "",
 STREAM_STEPS_HEADER = "x-latent-stream-steps"
 
 
-def stream_latent_steps(http_request, body) -> bool:
-    """Header ``x-latent-stream-steps`` > body ``stream_latent_steps`` > False. APIError
-    (400 naming the header) for a malformed value."""
+def refuse_stream_steps(http_request, body, spec=None) -> bool:
+    """Whether latent steps are asked to stream: header ``x-latent-stream-steps`` > body
+    ``stream_latent_steps`` > False. APIError (400 naming the header or field) when asked of a
+    model without latent steps, or for a malformed header on any model."""
     raw = _headers(http_request).get(STREAM_STEPS_HEADER)
-    if raw is None:
-        return bool(getattr(body, "stream_latent_steps", None))
-    return header_value(STREAM_STEPS_HEADER, raw, "bool")
-
-
-def refuse_stream_steps(http_request, body, spec=None) -> None:
-    """Raise APIError (400 naming the header or field) for ``stream_latent_steps`` asked of
-    a model without latent steps, or a malformed header on any model."""
-    asked = stream_latent_steps(http_request, body)  # validates the header
+    asked = (bool(getattr(body, "stream_latent_steps", None)) if raw is None
+             else header_value(STREAM_STEPS_HEADER, raw, "bool"))
     if not asked or (spec is not None and spec.kind in ("feedback", "head", "loop")):
-        return
-    sent = STREAM_STEPS_HEADER if _headers(http_request).get(STREAM_STEPS_HEADER) is not None \
-        else "stream_latent_steps"
+        return asked
+    sent = STREAM_STEPS_HEADER if raw is not None else "stream_latent_steps"
     what = "a recurrent-depth model" if spec is not None else "a model without latent reasoning"
     raise APIError(f"{sent} needs a model with latent steps, not {what} (it would silently "
                    "do nothing)", param=sent)
@@ -331,37 +332,30 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             f"prompt{latent}, {max_tokens} in the completion). Please reduce the length of "
             f"the prompt or {max_tokens_field}.", param=max_tokens_field,
             code="context_length_exceeded")
-    top_k = unset_default(request.top_k, "top_k", defaults, -1)
     if head is None:
         head = {k: getattr(request, k, None) for k in HEAD_HEADERS}
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=unset_default(request.temperature, "temperature", defaults, 1.0),
-            top_p=unset_default(request.top_p, "top_p", defaults, 1.0),
-            top_k=-1 if top_k == 0 else top_k,
             min_p=unset_default(request.min_p, "min_p", defaults, 0.0),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=unset_default(request.repetition_penalty, "repetition_penalty",
                                              defaults, 1.0),
             seed=request.seed,
-            stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
             stop_token_ids=list(request.stop_token_ids or []),
             ignore_eos=bool(request.ignore_eos),
             skip_special_tokens=request.skip_special_tokens is not False,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            latent_budget=budget,
-            return_latent_trace=bool(request.return_latent_trace),
             stream_latent_steps=stream_latent_steps,
-            upstream_stop_rules=request.upstream_stop_rules,
             min_tokens=request.min_tokens or 0,
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
             bad_words=list(request.bad_words or []),
             allowed_token_ids=request.allowed_token_ids,
             structured_outputs=structured_outputs(request),
-            **exit_fields(request),
+            **shared_fields(request, stop, budget, defaults),
             **head,
         )
     except ValueError as exc:
@@ -422,8 +416,7 @@ def latent_controls(http_request, body, spec, template_kwargs: dict | None = Non
     budget = latent_budget(http_request, body, spec)
     head = head_controls(http_request, body, template_kwargs)
     refuse_head_controls(http_request, body, head, spec)
-    refuse_stream_steps(http_request, body, spec)
-    return budget, head, bool(body.stream) and stream_latent_steps(http_request, body)
+    return budget, head, refuse_stream_steps(http_request, body, spec) and bool(body.stream)
 
 
 def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
@@ -447,9 +440,3 @@ def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
         return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
     except ValueError as exc:
         raise APIError(f"{exc} (seed + n - 1 must be in range)", param="seed") from None
-
-
-def _same(value: object, ok: object) -> bool:
-    if ok is None:
-        return value is None
-    return type(value) is type(ok) and value == ok

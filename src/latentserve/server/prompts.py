@@ -92,7 +92,7 @@ def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             raise APIError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
                            f"{message.role!r}", param=f"messages[{i}].role")
         turn = {"role": "system" if message.role == "developer" else message.role,
-                "content": _text(message, i)}
+                "content": message_text(message, i)}
         if message.name is not None:
             turn["name"] = message.name
         if message.tool_calls is not None:
@@ -198,7 +198,9 @@ async def templated_prompt_ids(body, state, template_kwargs: dict[str, Any] | No
                          continue_final_message=bool(body.continue_final_message))
 
 
-def _text(message: ChatMessage, i: int) -> str:
+def message_text(message: ChatMessage, i: int) -> str:
+    """Message ``i``'s content as text; APIError (400 naming the part) for a null user,
+    system or developer content, or a part that is not text."""
     content = message.content
     if content is None:
         if message.role in ("user", "system", "developer"):

@@ -38,20 +38,14 @@ def _die_with_parent() -> None:
 def serve_replicas(config, data_parallel_size: int, options, policy: str = "cache_aware") -> None:
     """Start ``data_parallel_size`` servers with ``options`` (``ServerOptions``; each on a
     free port) and the router on ``options.host:options.port``; block until interrupted or
-    the router exits, then stop them all. ValueError (bad size, ``policy`` or ``port``),
-    ModuleNotFoundError (no ``sglang_router``), RuntimeError (a replica or the router failed).
-    """
+    the router exits, then stop them all (``data_parallel_size`` and ``policy`` as ``serve``'s
+    flags checked them). ValueError (``port`` in use), ModuleNotFoundError (no
+    ``sglang_router``), RuntimeError (a replica or the router failed)."""
     # NOTE: lazy: the CLI builds its parser from this module, and launch imports the whole API
     from latentserve.server.launch import PARENT_PID_ENV, free_port, listen_socket, start_server
 
     host, port = options.host, options.port
     replica_options = {k: v for k, v in asdict(options).items() if k not in ("host", "port")}
-
-    if data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-    if policy not in ROUTER_POLICIES:
-        raise ValueError(f"router policy must be one of {ROUTER_POLICIES}, got {policy!r}")
-
     require("sglang_router", "--data-parallel-size")
     try:
         listen_socket(host, port).close()

@@ -14,29 +14,22 @@ def public_id(given: str) -> str:
     return _SAFE.sub("_", given)[:MAX_CLIENT_ID_CHARS]
 
 
-class RequestIdEcho:
-    """Pure ASGI middleware: every response carries the request's ``X-Request-Id`` back
-    (:func:`public_id`), as vLLM's server does."""
+def echoing(scope, send):
+    """``send`` that puts the request's ``X-Request-Id`` (:func:`public_id`) on the response,
+    as vLLM's server does; ``send`` itself for a request without one."""
+    raw = next((v for k, v in scope.get("headers", []) if k.lower() == b"x-request-id"), None)
+    given = public_id(raw.decode("latin-1")) if raw else None
+    if not given:
+        return send
 
-    def __init__(self, app):
-        self.app = app
+    async def echoing_send(message):
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", [])
+                       if k.lower() != b"x-request-id"]
+            message = {**message, "headers": [*headers, (b"x-request-id", given.encode("latin-1"))]}
+        await send(message)
 
-    async def __call__(self, scope, receive, send):
-        raw = next((v for k, v in scope.get("headers", []) if k.lower() == b"x-request-id"),
-                   None) if scope["type"] == "http" else None
-        given = public_id(raw.decode("latin-1")) if raw else None
-        if not given:
-            return await self.app(scope, receive, send)
-
-        async def echoing_send(message):
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", [])
-                           if k.lower() != b"x-request-id"]
-                headers.append((b"x-request-id", given.encode("latin-1")))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, echoing_send)
+    return echoing_send
 
 
 def new_request_id(request, prefix: str) -> tuple[str, str]:

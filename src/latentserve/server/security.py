@@ -1,4 +1,4 @@
-"""ASGI middleware for the API key, the request body size limit and JSON bodies.
+"""ASGI middleware for the API key, the request body size limit, JSON bodies and request ids.
 Design notes: docs/internals.md, "latentserve.server.security"."""
 
 from __future__ import annotations
@@ -6,18 +6,17 @@ from __future__ import annotations
 import hmac
 
 from latentserve.server.errors import APIError, error_response
+from latentserve.server.request_ids import echoing
 
 # The interactive docs and the schema describe every route: behind the key as the API is.
 _DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
-def _protected(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", *_DOCS)
-
-
 class GuardMiddleware:
     """Pure ASGI middleware (streaming-safe, unlike ``BaseHTTPMiddleware``): ``api_key``
-    (None: open) and ``max_body_bytes``."""
+    (None: open) and ``max_body_bytes``; a POST whose ``Content-Type`` is missing or not JSON
+    reaches the app as ``application/json`` (its body is parsed as JSON); every response
+    (401 and 413 too) echoes ``X-Request-Id`` (``request_ids.echoing``)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -28,9 +27,11 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        send = echoing(scope, send)
         path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.api_key is not None and _protected(path) and not self._authorized(headers):
+        protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize", *_DOCS)
+        if self.api_key is not None and protected and not self._authorized(headers):
             response = error_response(path, APIError(
                 "Invalid or missing API key; send it as 'Authorization: Bearer <key>' or "
                 "'x-api-key: <key>'", status_code=401, code="invalid_api_key",
@@ -44,6 +45,14 @@ class GuardMiddleware:
             response = error_response(path, APIError(self.too_large, status_code=413,
                                                      code="request_too_large"))
             return await response(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-type"),
+                     b"")
+        media = given.split(b";", 1)[0].strip().lower()
+        if scope.get("method") == "POST" and not (media == b"application/json"
+                                                  or media.endswith(b"+json")):
+            scope = {**scope, "headers": [*((k, v) for k, v in scope.get("headers", [])
+                                            if k.lower() != b"content-type"),
+                                          (b"content-type", b"application/json")]}
         limit, seen = self.max_body_bytes, 0
 
         async def counted_receive():
@@ -68,20 +77,3 @@ class GuardMiddleware:
             candidates.append(headers["x-api-key"].strip())
         return any(hmac.compare_digest(c, self.api_key) for c in candidates)
 
-
-class JSONBodies:
-    """Pure ASGI middleware: a POST whose ``Content-Type`` is missing or not JSON reaches
-    the app as ``application/json`` (its body is parsed as JSON)."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            headers = scope.get("headers", [])
-            given = next((v for k, v in headers if k.lower() == b"content-type"), b"")
-            media = given.split(b";", 1)[0].strip().lower()
-            if not (media == b"application/json" or media.endswith(b"+json")):
-                headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
-                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)

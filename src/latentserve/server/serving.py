@@ -19,7 +19,7 @@ from latentserve.server.client import (
     EngineQueueTimeout,
     EngineRequestError,
 )
-from latentserve.server.errors import APIError, error_body, param_from_value_error
+from latentserve.server.errors import APIError, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
 from latentserve.server.metrics import RequestGroup
 
@@ -124,10 +124,14 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
     return results
 
 
-async def start_stream(request, state, reqs: list[EngineRequest], arrival: float | None = None,
-                       ticket=None) -> AsyncIterator[tuple[int, TextDelta]]:
+async def stream(request, state, reqs: list[EngineRequest], arrival: float | None, ticket,
+                 chunks: Callable[[AsyncIterator[tuple[int, TextDelta]]], AsyncIterator],
+                 **events):
     """Start the engine requests and wait for the first delta (a rejection is an error, not
-    a 200 stream); an iterator of ``(position in reqs, delta)``. APIError."""
+    a 200 stream); then the SSE response of ``chunks(deltas)``, deltas as ``(position in
+    reqs, delta)``, through :func:`sse_events` (``events``: its options). APIError."""
+    from fastapi.responses import StreamingResponse
+
     deltas = _deltas(state, reqs, arrival, ticket)
     async with _abort_on_disconnect(request, state, reqs):
         try:
@@ -135,7 +139,8 @@ async def start_stream(request, state, reqs: list[EngineRequest], arrival: float
         except ENGINE_ERRORS as exc:
             await deltas.aclose()
             raise api_error(exc) from None
-    return _chain(first, deltas)
+    body = sse_events(request, state, reqs, chunks(_chain(first, deltas)), **events)
+    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
@@ -145,38 +150,30 @@ async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
             yield item
 
 
-def openai_error_event(exc: Exception) -> str:
+def openai_error_event(err: APIError) -> str:
     """An OpenAI stream's error event (``data: {"error": ...}``)."""
-    return f"data: {json.dumps(api_error(exc).body())}\n\n"
+    return f"data: {json.dumps(err.body())}\n\n"
 
 
 async def sse_events(request, state, reqs: list[EngineRequest],
                      chunks: AsyncIterator[dict | str],
-                     error_event: Callable[[Exception], str] = openai_error_event,
-                     internal_error_event: str | None = None,
+                     error_event: Callable[[APIError], str] = openai_error_event,
                      done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
     """``data: {chunk}`` events (a dict as compact JSON, non-finite floats as null; a str as
-    it is), then ``done``; an error is one ``error_event(exc)`` (else
-    ``internal_error_event``)."""
+    it is), then ``done``; an error is one ``error_event`` (of the engine's ``api_error``,
+    else of a 500 ``Internal server error``)."""
 
-    if internal_error_event is None:
-        internal_error_event = (
-            f"data: {json.dumps(error_body('Internal server error', 'server_error'))}\n\n")
     async with _abort_on_disconnect(request, state, reqs), aclosing(chunks):
         try:
             async for chunk in chunks:
                 yield chunk if isinstance(chunk, str) else \
                     f"data: {to_json(chunk, inf_nan_mode='null').decode()}\n\n"
         except ENGINE_ERRORS as exc:
-            yield error_event(exc)
+            yield error_event(api_error(exc))
         except Exception:  # noqa: BLE001 - the stream ends with an error event, no trace
             log.exception("stream of %s failed", reqs[0].rid if reqs else "?")
-            yield internal_error_event
+            yield error_event(APIError("Internal server error", status_code=500,
+                                       type="server_error"))
     if done is not None:
         yield done
 
-
-def sse_response(events: AsyncIterator[str]):
-    from fastapi.responses import StreamingResponse
-
-    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

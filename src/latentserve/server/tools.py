@@ -26,10 +26,6 @@ class ToolChoice:
     name: str | None = None
     single: bool = False
 
-    @property
-    def forced(self) -> bool:
-        return self.mode in ("required", "named")
-
 
 def check_tools(tools: list[dict] | None,
                 field=lambda i, key: f"tools[{i}].function.{key}") -> dict[str, dict]:
