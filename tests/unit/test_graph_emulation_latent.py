@@ -19,7 +19,6 @@ from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from tests.unit import test_graph_emulation as harness
 
-
 # The batches here hold at most 4 requests: one bucket of 4 (not the harness's 8) replays
 # half the padded rows through the interpreted kernels.
 MAX_BS = 4
