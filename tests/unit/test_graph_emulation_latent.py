@@ -22,6 +22,10 @@ from tests.unit import test_graph_emulation as harness
 # The batches here hold at most 4 requests: one bucket of 4 (not the harness's 8) replays
 # half the padded rows through the interpreted kernels.
 MAX_BS = 4
+# One decode split (the kernel's direct path, as for large batches on the GPU): half the
+# interpreted attention programs of two splits and no combine stage. Split decode under
+# emulated graphs is ``test_graph_emulation``'s.
+KV_SPLITS = 1
 
 
 @pytest.fixture
@@ -48,7 +52,8 @@ def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp
     def traces(graphs: bool):
         engine = LLMEngine(EngineConfig(model=str(d), attention_backend="triton",
                                         max_num_seqs=MAX_BS, max_model_len=128,
-                                        attention_num_kv_splits=2, overlap_schedule=graphs))
+                                        attention_num_kv_splits=KV_SPLITS,
+                                        overlap_schedule=graphs))
         if graphs:
             engine.runner.capture_graphs(MAX_BS, engine.runner.model.config.hidden_size,
                                          torch.float32)
@@ -90,7 +95,7 @@ def _eager_then_graphs(model_dir, requests):
     def run(graphs: bool):
         engine = LLMEngine(EngineConfig(model=str(model_dir), fused_ops=True,
                                         attention_backend="triton", max_num_seqs=MAX_BS,
-                                        max_model_len=128, attention_num_kv_splits=2,
+                                        max_model_len=128, attention_num_kv_splits=KV_SPLITS,
                                         overlap_schedule=graphs))
         if graphs:
             engine.runner.capture_graphs(MAX_BS, engine.runner.model.config.hidden_size,
