@@ -30,8 +30,9 @@ from tests.support.tp_parity import (
     spy_overlapped,
 )
 
-# plain last: test_tp_engines_are_eligible, next, takes over its TP=2 engine (``tp2``)
-FAMILIES = ("coconut", "head", "huginn", "ouro", "lotus", "plain")
+# In this order consecutive tests share a TP=2 engine (``tp2``): test_tp_engines_are_eligible
+# (before) plain's, the aborts test (after) head's.
+FAMILIES = ("plain", "huginn", "ouro", "lotus", "coconut", "head")
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,18 @@ def _requests(family) -> list:
     return mixed_recurrent_requests(family)
 
 
+def test_tp_engines_are_eligible(tp2):
+    over = tp2("plain")
+    over.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3))
+    assert overlap.eligible(over)
+    over.add_request("lp", [5, 6], SamplingParams(max_tokens=3, logprobs=1))
+    assert not overlap.eligible(over)  # logprobs read the tokens on the host
+    over.abort_request("p")
+    over.abort_request("lp")
+    while over.has_unfinished_requests():
+        over.step()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_overlapped_tp2_equals_synchronous_tp2_and_tp1(dirs, tp2, family):
     path, requests = dirs(family), _requests(family)
@@ -153,31 +166,7 @@ def test_overlapped_tp2_equals_synchronous_tp2_and_tp1(dirs, tp2, family):
     assert over.cache.num_free == over.num_kv_slots  # every slot back in the pool
 
 
-def test_tp_engines_are_eligible(tp2):
-    over = tp2("plain")
-    over.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3))
-    assert overlap.eligible(over)
-    over.add_request("lp", [5, 6], SamplingParams(max_tokens=3, logprobs=1))
-    assert not overlap.eligible(over)  # logprobs read the tokens on the host
-    over.abort_request("p")
-    over.abort_request("lp")
-    while over.has_unfinished_requests():
-        over.step()
-
-
-@pytest.mark.parametrize("family", ["plain", "head"])
-@pytest.mark.parametrize("opts", [{"max_num_batched_tokens": 7}, {"kv_slots": 200}],
-                         ids=["chunked-prefill", "preemption"])
-def test_chunked_prefill_and_preemption_equal_tp1(dirs, tp2, family, opts):
-    path, requests = dirs(family), _requests(family)
-    want = run_streams(_engine(path, 1, False, **opts), requests)
-    over = tp2(family, **opts)
-    assert_same_streams(want, run_streams(over, requests))
-    if "kv_slots" in opts:  # 8 prompts of up to 73 tokens + outputs in 200 slots
-        assert over.scheduler.num_preemptions > 0
-
-
-@pytest.mark.parametrize("family", ["coconut", "head"])
+@pytest.mark.parametrize("family", ["head", "coconut"])
 def test_aborts_in_the_latent_phase_and_the_answer_free_their_slots(dirs, tp2, family):
     """Requests aborted while a batch holding their rows is on the device (one in its
     latent phase, one in its answer) end with "abort"; the others give the TP=1 engine's
@@ -196,6 +185,18 @@ def test_aborts_in_the_latent_phase_and_the_answer_free_their_slots(dirs, tp2, f
     assert finals["a0"].finish_reason == finals["a1"].finish_reason == "abort"
     want = run_requests(_engine(path, 1, False), [(prompts[i], sp[i]) for i in (2, 3)])
     assert [toks["a2"], toks["a3"]] == [t for t, _, _ in want]
+
+
+@pytest.mark.parametrize("family", ["plain", "head"])
+@pytest.mark.parametrize("opts", [{"max_num_batched_tokens": 7}, {"kv_slots": 200}],
+                         ids=["chunked-prefill", "preemption"])
+def test_chunked_prefill_and_preemption_equal_tp1(dirs, tp2, family, opts):
+    path, requests = dirs(family), _requests(family)
+    want = run_streams(_engine(path, 1, False, **opts), requests)
+    over = tp2(family, **opts)
+    assert_same_streams(want, run_streams(over, requests))
+    if "kv_slots" in opts:  # 8 prompts of up to 73 tokens + outputs in 200 slots
+        assert over.scheduler.num_preemptions > 0
 
 
 def test_failed_forward_keeps_the_batch_in_flight(dirs, tp2):
