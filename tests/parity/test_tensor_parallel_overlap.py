@@ -30,7 +30,9 @@ from tests.support.tp_parity import (
     spy_overlapped,
 )
 
-FAMILIES = ("plain", "coconut", "head", "huginn", "ouro", "lotus")
+# In this order consecutive tests share a TP=2 engine (``tp2``): test_tp_engines_are_eligible
+# (before) plain's, the aborts test (after) head's.
+FAMILIES = ("plain", "huginn", "ouro", "lotus", "coconut", "head")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +69,32 @@ def _engine(path, tp: int, overlapped: bool, **kw):
                                   overlap_schedule=overlapped, **kw))
 
 
+@pytest.fixture(scope="module")
+def tp2(dirs):
+    """``(family, **opts) -> an overlapped TP=2 engine`` (``_engine``), idle, with an empty
+    prefix cache and no spies, as a fresh one. Starting one (a gloo worker subprocess) takes
+    seconds and the process holds one group at a time: consecutive calls with the same
+    family and options get the same engine; any other call shuts it down first."""
+    held: dict = {}
+
+    def get(family, **opts):
+        key, engine = (family, sorted(opts.items())), held.get("engine")
+        if engine is not None and (held["key"] != key or engine.has_unfinished_requests()):
+            held.pop("engine").shutdown()
+            engine = None
+        if engine is None:
+            engine = held["engine"] = _engine(dirs(family), 2, True, **opts)
+            held["key"] = key
+        engine.runner.__dict__.pop("run", None)  # an earlier test's spy
+        engine.cache.radix.evict(engine.cache.radix.total_size())
+        assert engine.cache.num_free == engine.num_kv_slots
+        return engine
+
+    yield get
+    if "engine" in held:
+        held["engine"].shutdown()
+
+
 def _requests(family) -> list:
     """Mixed greedy and seeded requests for ``family``; no latent traces where tensor
     parallelism refuses them (feedback and head families)."""
@@ -85,8 +113,20 @@ def _requests(family) -> list:
     return mixed_recurrent_requests(family)
 
 
+def test_tp_engines_are_eligible(tp2):
+    over = tp2("plain")
+    over.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3))
+    assert overlap.eligible(over)
+    over.add_request("lp", [5, 6], SamplingParams(max_tokens=3, logprobs=1))
+    assert not overlap.eligible(over)  # logprobs read the tokens on the host
+    over.abort_request("p")
+    over.abort_request("lp")
+    while over.has_unfinished_requests():
+        over.step()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_overlapped_tp2_equals_synchronous_tp2_and_tp1(dirs, family):
+def test_overlapped_tp2_equals_synchronous_tp2_and_tp1(dirs, tp2, family):
     path, requests = dirs(family), _requests(family)
     one = _engine(path, 1, False)
     want = run_streams(one, requests)
@@ -99,47 +139,35 @@ def test_overlapped_tp2_equals_synchronous_tp2_and_tp1(dirs, family):
         assert any(f.latent_steps for f in finals)
     elif family != "plain":
         assert all(f.recurrence for f in finals)
-    sync, over = _engine(path, 2, False), None
-    try:
-        assert_same_streams(want, run_streams(sync, requests))
-        sync.shutdown()
-        over = _engine(path, 2, True)
-        overlapped = spy_overlapped(over)
-        got = run_streams(over, requests)  # run_requests checks that no KV slot leaked
-        assert_same_streams(want, got)
-        assert sum(overlapped) > 5  # the worker read rank 0's previous tokens
-        # A stop id each request meets (its own second token, the first answer token of a
-        # latent request): it finishes on a token of a batch it was launched past.
-        stopped = [(p, dataclasses.replace(sp, stop_token_ids=[t[1]], ignore_eos=False))
-                   for (p, sp), (t, _, _) in zip(requests, want[0]) if len(t) > 2]
-        want = run_streams(one, stopped)
-        assert any(f.finish_reason == "stop" for _, _, f in want[0])
-        assert_same_streams(want, run_streams(over, stopped))  # a warm prefix cache
-        over.cache.radix.evict(over.cache.radix.total_size())
-        assert over.cache.num_free == over.num_kv_slots  # every slot back in the pool
-    finally:
-        sync.shutdown()
-        if over is not None:
-            over.shutdown()
-
-
-@pytest.mark.parametrize("family", ["plain", "head"])
-@pytest.mark.parametrize("opts", [{"max_num_batched_tokens": 7}, {"kv_slots": 200}],
-                         ids=["chunked-prefill", "preemption"])
-def test_chunked_prefill_and_preemption_equal_tp1(dirs, family, opts):
-    path, requests = dirs(family), _requests(family)
-    want = run_streams(_engine(path, 1, False, **opts), requests)
-    over = _engine(path, 2, True, **opts)
+    over = tp2(family)
+    overlapped = spy_overlapped(over)
+    # The synchronous TP=2 engine: the same engine and worker stepping without overlap (the
+    # option is read at each step), then emptied to a cold prefix cache.
+    config = over.config
+    over.config = dataclasses.replace(config, overlap_schedule=False)
     try:
         assert_same_streams(want, run_streams(over, requests))
-        if "kv_slots" in opts:  # 8 prompts of up to 73 tokens + outputs in 200 slots
-            assert over.scheduler.num_preemptions > 0
     finally:
-        over.shutdown()
+        over.config = config
+    assert not any(overlapped)
+    over.cache.radix.evict(over.cache.radix.total_size())
+    overlapped.clear()
+    got = run_streams(over, requests)  # run_requests checks that no KV slot leaked
+    assert_same_streams(want, got)
+    assert sum(overlapped) > 5  # the worker read rank 0's previous tokens
+    # A stop id each request meets (its own second token, the first answer token of a
+    # latent request): it finishes on a token of a batch it was launched past.
+    stopped = [(p, dataclasses.replace(sp, stop_token_ids=[t[1]], ignore_eos=False))
+               for (p, sp), (t, _, _) in zip(requests, want[0]) if len(t) > 2]
+    want = run_streams(one, stopped)
+    assert any(f.finish_reason == "stop" for _, _, f in want[0])
+    assert_same_streams(want, run_streams(over, stopped))  # a warm prefix cache
+    over.cache.radix.evict(over.cache.radix.total_size())
+    assert over.cache.num_free == over.num_kv_slots  # every slot back in the pool
 
 
-@pytest.mark.parametrize("family", ["coconut", "head"])
-def test_aborts_in_the_latent_phase_and_the_answer_free_their_slots(dirs, family):
+@pytest.mark.parametrize("family", ["head", "coconut"])
+def test_aborts_in_the_latent_phase_and_the_answer_free_their_slots(dirs, tp2, family):
     """Requests aborted while a batch holding their rows is on the device (one in its
     latent phase, one in its answer) end with "abort"; the others give the TP=1 engine's
     greedy tokens."""
@@ -150,38 +178,32 @@ def test_aborts_in_the_latent_phase_and_the_answer_free_their_slots(dirs, family
     else:
         sp = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=14, max_latent=m,
                              min_output_tokens=0, use_stop=False) for m in (8, 1, 2, 3)]
-    over = _engine(path, 2, True)
-    try:
-        toks, finals = abort_in_phase_and_answer(over, list(zip(prompts, sp)),
-                                                 3 if family == "coconut" else 5)
-        over.cache.check_idle()
-    finally:
-        over.shutdown()
+    over = tp2(family)
+    toks, finals = abort_in_phase_and_answer(over, list(zip(prompts, sp)),
+                                             3 if family == "coconut" else 5)
+    over.cache.check_idle()
     assert finals["a0"].finish_reason == finals["a1"].finish_reason == "abort"
     want = run_requests(_engine(path, 1, False), [(prompts[i], sp[i]) for i in (2, 3)])
     assert [toks["a2"], toks["a3"]] == [t for t, _, _ in want]
 
 
-def test_failed_forward_keeps_the_batch_in_flight(dirs):
+@pytest.mark.parametrize("family", ["plain", "head"])
+@pytest.mark.parametrize("opts", [{"max_num_batched_tokens": 7}, {"kv_slots": 200}],
+                         ids=["chunked-prefill", "preemption"])
+def test_chunked_prefill_and_preemption_equal_tp1(dirs, tp2, family, opts):
+    path, requests = dirs(family), _requests(family)
+    want = run_streams(_engine(path, 1, False, **opts), requests)
+    over = tp2(family, **opts)
+    assert_same_streams(want, run_streams(over, requests))
+    if "kv_slots" in opts:  # 8 prompts of up to 73 tokens + outputs in 200 slots
+        assert over.scheduler.num_preemptions > 0
+
+
+def test_failed_forward_keeps_the_batch_in_flight(dirs, tp2):
     """A forward that raises on rank 0 (before it sent the batch) keeps the batch in flight:
     its tokens, restored from their host copy, are what the next batch sends the worker;
     the waiting request goes on as with the synchronous TP=1 engine."""
     want = fail_forward_after_preemption(_engine(dirs("plain"), 1, False, kv_slots=16))
-    over = _engine(dirs("plain"), 2, True, kv_slots=16)
-    try:
-        got = fail_forward_after_preemption(over)
-    finally:
-        over.shutdown()
+    got = fail_forward_after_preemption(tp2("plain", kv_slots=16))
     assert got[1] == want[1] == {"a": "abort", "b": "length"}
     assert got[0]["b"] == want[0]["b"] and len(got[0]["b"]) == 10
-
-
-def test_tp_engines_are_eligible(dirs):
-    over = _engine(dirs("plain"), 2, True)
-    try:
-        over.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3))
-        assert overlap.eligible(over)
-        over.add_request("lp", [5, 6], SamplingParams(max_tokens=3, logprobs=1))
-        assert not overlap.eligible(over)  # logprobs read the tokens on the host
-    finally:
-        over.shutdown()

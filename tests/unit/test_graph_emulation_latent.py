@@ -19,6 +19,14 @@ from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from tests.unit import test_graph_emulation as harness
 
+# The batches here hold at most 4 requests: one bucket of 4 (not the harness's 8) replays
+# half the padded rows through the interpreted kernels.
+MAX_BS = 4
+# One decode split (the kernel's direct path, as for large batches on the GPU): half the
+# interpreted attention programs of two splits and no combine stage. Split decode under
+# emulated graphs is ``test_graph_emulation``'s.
+KV_SPLITS = 1
+
 
 @pytest.fixture
 def emulated_graphs(monkeypatch):
@@ -43,10 +51,11 @@ def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp
 
     def traces(graphs: bool):
         engine = LLMEngine(EngineConfig(model=str(d), attention_backend="triton",
-                                        max_num_seqs=8, max_model_len=128,
-                                        attention_num_kv_splits=2, overlap_schedule=graphs))
+                                        max_num_seqs=MAX_BS, max_model_len=128,
+                                        attention_num_kv_splits=KV_SPLITS,
+                                        overlap_schedule=graphs))
         if graphs:
-            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
+            engine.runner.capture_graphs(MAX_BS, engine.runner.model.config.hidden_size,
                                          torch.float32)
         for i, (depth, crit, thr) in enumerate(cases):
             engine.add_request(f"r{i}", [5 + i, 17, 29, 41 + i], SamplingParams(
@@ -85,11 +94,11 @@ def _eager_then_graphs(model_dir, requests):
 
     def run(graphs: bool):
         engine = LLMEngine(EngineConfig(model=str(model_dir), fused_ops=True,
-                                        attention_backend="triton", max_num_seqs=8,
-                                        max_model_len=128, attention_num_kv_splits=2,
+                                        attention_backend="triton", max_num_seqs=MAX_BS,
+                                        max_model_len=128, attention_num_kv_splits=KV_SPLITS,
                                         overlap_schedule=graphs))
         if graphs:
-            engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size,
+            engine.runner.capture_graphs(MAX_BS, engine.runner.model.config.hidden_size,
                                          torch.float32)
             engine.scheduler.forced_one_by_one = True
         overlapped = spy_overlapped(engine)
@@ -153,7 +162,7 @@ def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_
                                word_tokenizer=True, vocab_size=1024)
         extra = [{"stop_threshold": 0.55, "min_latent": 1, "min_output_tokens": 0}] * 2
     requests = [([40 + i, 57, 69 + i, 81] * (1 + i % 2), SamplingParams(
-        max_tokens=4 if kind == "colar" else 12, temperature=0.0 if i % 2 else 0.8, seed=i,
+        max_tokens=4 if kind == "colar" else 6, temperature=0.0 if i % 2 else 0.8, seed=i,
         ignore_eos=True, max_latent=m, return_latent_trace=i % 2 == 0, **extra[i % 2]))
         for i, m in enumerate((0, 3, 6, 8))]
 
