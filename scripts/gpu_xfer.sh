@@ -1,7 +1,9 @@
 # Sourced by scripts/stage{1,2,3}_gpu.sh: the embedded GGUF and the data travel to the device
-# in parts (the tree that travels is at most 64 MiB and the repository holds ~45 MB with the
-# shipped adapters). XFER_PARTS (default 8) = how many parts; each call carries one.
-# xfer_pack (here): .xfer/p1..pN (GGUF pieces; p1 also the data and the gguf wheel).
+# in parts (the tree that travels is at most 64 MiB and the tracked tree is ~49 MB with the
+# shipped adapters). XFER_PARTS (default 7) = how many parts; each call carries one.
+# xfer_pack (here): .xfer/p1..pN (GGUF pieces; p1 also the gguf wheel and the data sets
+#   named in XFER_DATA, default multiplication: all of shared/data would put p1 over the
+#   limit; stage 1's GSM8K track wants XFER_DATA="multiplication gsm8k" and more parts).
 # xfer_env (device): X=/tmp/x and $OUT (default out) made, the repository's src and /tmp/site
 #   (carried wheels) on PYTHONPATH, the GGUF and data paths exported, $ls the CLI.
 # xfer_take (device): copy whichever parts were carried into $X.
@@ -9,7 +11,7 @@
 #   /tmp/smollm2.gguf (fails when a piece is missing).
 
 xfer_pack() {
-  local gguf n=${XFER_PARTS:-8} i
+  local gguf n=${XFER_PARTS:-7} i
   gguf=$(env -u LATENTSERVE_EMBEDDED_GGUF python3 -c \
     'from latentserve.models.checkpoint import embedded_gguf_path as e; print(e())') || return 1
   rm -rf .xfer/p[0-9]* .xfer/part_*
@@ -17,7 +19,8 @@ xfer_pack() {
   for i in $(seq "$n"); do
     mkdir -p ".xfer/p$i" && mv ".xfer/part_$(printf %02d $((i - 1)))" ".xfer/p$i/"
   done
-  cp -r "${DATA:-../shared/data}" .xfer/p1/data
+  mkdir -p .xfer/p1/data
+  for d in ${XFER_DATA:-multiplication}; do cp -r "${DATA:-../shared/data}/$d" .xfer/p1/data/; done
   python3 -m pip download -q --no-deps --only-binary=:all: -d .xfer/p1 gguf==0.19.0
   md5sum "$gguf"; du -sh .xfer/p*
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One session's device work in a few calls (a machine goes cold 30 s after a call): the GGUF
 # parts as scripts/gpu_xfer.sh says, then
-#   take           (carry .xfer/pK, K = 1..8, one call each)
+#   take           (carry .xfer/pK, K = 1..7, one call each; with nothing to wait for between them)
 #   prep           joins the GGUF and installs the wheels in .whl when carried (train does too)
 #   train FILE...  joins the GGUF (installs the wheels in .whl when carried), starts a stage-1
 #                  CoLaR continuation of models/smollm2-mult-colar
