@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     # NOTE: spinning OpenMP threads stall every op when another job holds a core; set
     # before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    sys.unraisablehook = resend_lost_interrupt
+    prev_hook, sys.unraisablehook = sys.unraisablehook, resend_lost_interrupt
     try:
         parser = build_parser()
         try:
@@ -73,3 +73,5 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, even for a multi-line message
         print(f"latentserve: error: {kind}{message}", file=sys.stderr)
         return 2
+    finally:  # main() called in-process (tests, scripts) leaves the caller's hook
+        sys.unraisablehook = prev_hook
