@@ -153,8 +153,8 @@ class OuroForCausalLM(RecurrentLM):
     def step(self, h, cos, sin, t: int):
         """One loop: every layer with step ``t``'s banks, then the final norm. Fast path:
         ``OuroDecoderLayer.fused_forward``, each layer's last kernel also computing the next
-        layer's ``input_layernorm`` (the last layer's: the final norm), bit for bit as the
-        separate norm kernels and adds."""
+        layer's ``input_layernorm`` (the last layer's: the final norm); within two ulps of
+        the separate norm kernels and adds (docs/internals.md)."""
         layers = self.model.layers
         if not self.model.norm.fused:
             for l, layer in enumerate(layers):
