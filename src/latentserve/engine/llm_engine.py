@@ -16,7 +16,7 @@ from latentserve.config import EngineConfig, check_device
 from latentserve.core import Req
 from latentserve.distributed import destroy_tp_group
 from latentserve.engine import overlap
-from latentserve.engine.kv_sizing import kv_slots_for
+from latentserve.engine.kv_sizing import check_fits, kv_slots_for
 from latentserve.engine.prompt_logprobs import PromptLogprobTracker
 from latentserve.engine.tp_worker import (
     RunnerSetup,
@@ -107,6 +107,7 @@ class LLMEngine:
             log.warning("max_model_len lowered from %d to the KV pool's %d slots",
                         self.max_model_len, slots)
             self.max_model_len = slots
+        check_fits(config, slots, per_slot, self.max_model_len)
         self.runner: Any = make_runner(model, config, slots, self.max_model_len, self.device,
                                        self.tp)  # a TPModelRunner under TP
         allocator = SlotAllocator(slots, self.device)
