@@ -62,13 +62,11 @@ def capture(model, traces, source_layer: int, target_layer: int, c: int,
             batch_size: int = 8, progress: bool = True) -> Features:
     """Run the frozen HF ``model`` over the prompt and reasoning of ``traces`` in right-padded
     batches; returns float32 :class:`Features` on its device. ValueError for a layer index
-    out of range or ``c < 1``."""
+    out of range."""
     n_layers = model.config.num_hidden_layers
     for name, v in (("source_layer", source_layer), ("target_layer", target_layer)):
         if not 0 <= v < n_layers:
             raise ValueError(f"{name} must be in [0, {n_layers - 1}], got {v}")
-    if c < 1:
-        raise ValueError(f"compression_factor must be >= 1, got {c}")
     device = next(model.parameters()).device
     emb = model.get_input_embeddings()
     rows = {k: [] for k in ("anchor", "target", "embed", "has_target", "stop")}
