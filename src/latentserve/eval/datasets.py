@@ -90,8 +90,6 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
     p = Path(path) if path else find_data_file(rel, data_dir)
     if not p.is_file():
         raise FileNotFoundError(f"dataset file {p} does not exist")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
     try:
         items = parse_file(p, fmt, kind, limit)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON errors included
@@ -127,12 +125,11 @@ def parse_file(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
     return items
 
 
-def chat_prompt_ids(tokenizer, question: str, instruction: str | None = None) -> list[int]:
-    """Ids of one chat user turn (``question``, ``instruction`` on a new line) with the
-    assistant turn opened; plain ids without a chat template."""
-    text = question if not instruction else f"{question}\n{instruction}"
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
+    """Ids of one chat user turn ``question`` with the assistant turn opened; plain ids
+    without a chat template."""
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+        out = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                             add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
-    return list(tokenizer.encode(text))
+    return list(tokenizer.encode(question))
