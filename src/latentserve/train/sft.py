@@ -118,8 +118,8 @@ def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
 
 def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
     """Train ``head`` (``target_proj`` frozen) for ``cfg.steps`` steps of ``cfg.batch_size``
-    uniform rows; ``checkpoint(step)`` every ``cfg.save_every``. Returns ``{"before",
-    "after", "history", "rows", "latent_rows"}``."""
+    uniform rows; ``checkpoint(step)`` every ``cfg.save_every``. Returns ``{"rows",
+    "latent_rows", "loss_before", "loss_after", "history"}``."""
     lat_rows = feats.has_target.nonzero()[:, 0]
     embed_var = float(feats.embed[lat_rows].var(0).sum() / feats.embed.shape[1]) or 1.0
     n_pos = float(feats.stop.sum())
@@ -160,9 +160,8 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
                 and step + 1 < cfg.steps):
             checkpoint(step + 1)
             head.train()
-    after = full_losses()
-    return {"before": before, "after": after, "history": history, "rows": len(feats.stop),
-            "latent_rows": len(lat_rows)}
+    return {"rows": len(feats.stop), "latent_rows": len(lat_rows), "loss_before": before,
+            "loss_after": full_losses(), "history": history}
 
 
 def train_sft(cfg: SFTConfig) -> dict:
@@ -195,7 +194,5 @@ def train_sft(cfg: SFTConfig) -> dict:
 
     res = fit(head, feats, cfg, "sft", checkpoint)
     write_bundle(bundle_from_module(head), cfg.out)
-    return write_log(cfg, t0, head_config=hcfg.to_dict(), traces=len(traces), rows=res["rows"],
-                     latent_rows=res["latent_rows"], loss_before=res["before"],
-                     loss_after=res["after"], history=res["history"],
+    return write_log(cfg, t0, head_config=hcfg.to_dict(), traces=len(traces), **res,
                      capture_seconds=round(t_capture, 2))
