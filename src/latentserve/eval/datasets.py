@@ -91,37 +91,35 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
     if not p.is_file():
         raise FileNotFoundError(f"dataset file {p} does not exist")
     try:
-        items = parse_file(p, fmt, kind, limit)
+        return parse_file(p, fmt, kind, limit)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON errors included
         if isinstance(exc, ValueError) and str(exc).startswith(str(p)):
             raise
         raise ValueError(f"{p} is not a {name} data file ({fmt} format): "
                          f"{type(exc).__name__}: {exc}") from None
-    return items[:limit] if limit else items
 
 
 def parse_file(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
     """The items of file ``p`` in format ``fmt`` (see :func:`load_items`)."""
-    items = []
     if fmt == "prosqa":
-        for row in json.loads(p.read_text()):
-            items.append(Item(row["question"], row["answer"], kind, " ".join(row["steps"])))
-    else:
-        for n, line in enumerate(p.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            if fmt == "jsonl":
-                row = json.loads(line)
-                body, _, gold = row["answer"].rpartition("####")
-                items.append(Item(row["question"], gold.strip(), kind, body.strip()))
-            else:
-                q, sep, rest = line.partition("||")
-                steps, sep2, gold = rest.rpartition("####")
-                if not sep or not sep2:
-                    raise ValueError(f"{p}:{n}: expected 'question||steps #### answer'")
-                items.append(Item(q.strip(), gold.strip(), kind, steps.strip()))
-            if limit is not None and len(items) >= limit:
-                break
+        return [Item(row["question"], row["answer"], kind, " ".join(row["steps"]))
+                for row in json.loads(p.read_text())][:limit]
+    items = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if fmt == "jsonl":
+            row = json.loads(line)
+            body, _, gold = row["answer"].rpartition("####")
+            items.append(Item(row["question"], gold.strip(), kind, body.strip()))
+        else:
+            q, sep, rest = line.partition("||")
+            steps, sep2, gold = rest.rpartition("####")
+            if not sep or not sep2:
+                raise ValueError(f"{p}:{n}: expected 'question||steps #### answer'")
+            items.append(Item(q.strip(), gold.strip(), kind, steps.strip()))
+        if limit is not None and len(items) >= limit:
+            break
     return items
 
 
