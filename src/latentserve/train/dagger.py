@@ -63,10 +63,9 @@ def closed_loop_metrics(head, anchors: list[torch.Tensor], rows: Features,
     """The head on its own rollouts: ``stop_at_gold`` / ``stop_early`` / ``stop_late``
     (fractions whose stop probability first passes ``threshold`` at ``j == G``, ``1 <= j <
     G``, later or never), ``mse`` of mu against the targets, ``stop_prob_at_gold``."""
-    lat = head.config.latent_dim
     probs = head.stop_prob(rows.anchor).tolist()
     has = rows.has_target
-    t = F.layer_norm(head.target_proj(rows.target[has]), (lat,))
+    t = F.layer_norm(head.target_proj(rows.target[has]), (head.config.latent_dim,))
     mse = float(F.mse_loss(head.encode(rows.anchor[has]), t)) if bool(has.any()) else 0.0
     at, early, at_gold, start = 0, 0, [], 0
     for a, g in zip(anchors, groups):

@@ -80,11 +80,9 @@ def sft_losses(head, feats, lat_idx: torch.Tensor, stop_idx: torch.Tensor, beta:
                embed_var: float, pos_weight: torch.Tensor) -> dict:
     """Loss terms (scalars; ``loss`` is their sum) on latent rows ``lat_idx`` and stop rows
     ``stop_idx`` of ``feats``. ``head``: ``latent.head.LatentHead`` with ``target_proj``."""
-    lat = head.config.latent_dim
-    anchor = feats.anchor[lat_idx]
     with torch.no_grad():
-        t = F.layer_norm(head.target_proj(feats.target[lat_idx]), (lat,))
-    mu, log_sigma = head.policy(anchor)
+        t = F.layer_norm(head.target_proj(feats.target[lat_idx]), (head.config.latent_dim,))
+    mu, log_sigma = head.policy(feats.anchor[lat_idx])
     nll = 0.5 * (t - mu) ** 2 * torch.exp(-2 * log_sigma) + log_sigma
     entropy = (log_sigma + 0.5 * math.log(2 * math.pi * math.e)).mean()
     soft_mse = nll.mean() - beta * entropy
