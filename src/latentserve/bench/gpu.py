@@ -94,7 +94,7 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
     sp, warm = greedy(output_len), greedy(8)
     batches = random_batches(concurrency, prompt_len)
 
-    def run(conc, **opts):
+    def run(conc, inject: bool = False, **opts):  # -> (rows, inject cost or None)
         engine = make_engine(path, device, dtype, max(conc), max_len, **opts)
         rows, _ = engine_rows(engine, sp, {c: batches[c] for c in conc}, device, bw, warm)
         graphs = engine.runner.graphs
@@ -102,17 +102,14 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
             b = next(x for x in graphs.buckets if x >= c)
             rows[c]["kernels"] = {"bucket": b,
                                   **profile_replay(graphs.graphs[graphs.graph_depths[0], b])}
-        return engine, rows
-
-    engine, rows = run(concurrency)
-    inject = _inject_cost(engine, max_c) if cuda else None
-    del engine
-    free_memory(device)
-    for key, opts in VARIANTS if variants else ():
-        engine, variant = run((max_c,), **opts)
-        rows[max_c][key] = variant[max_c]
-        del engine
+        cost = _inject_cost(engine, max_c) if inject else None
+        del engine, graphs
         free_memory(device)
+        return rows, cost
+
+    rows, inject = run(concurrency, inject=cuda)
+    for key, opts in VARIANTS if variants else ():
+        rows[max_c][key] = run((max_c,), **opts)[0][max_c]
     if hf_baseline:
         from transformers import AutoModelForCausalLM
 

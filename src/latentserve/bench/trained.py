@@ -27,8 +27,7 @@ def model_paths(names, models_dir: str | Path | None = None) -> dict[str, Path]:
     checkout's ``models/`` (next to ``src/``) or ``./models`` (``find_models_dir``).
     Raises ValueError for an unknown name, RuntimeError naming what is missing (no
     ``models/``, as in a wheel install, or a model directory without its marker file)."""
-    unknown = set(names) - set(MODELS)
-    if unknown:
+    if unknown := set(names) - set(MODELS):
         raise ValueError(f"trained models must be among {sorted(MODELS)}, got {sorted(unknown)}")
     if models_dir is not None and not Path(models_dir).is_dir():
         raise RuntimeError(f"models_dir {models_dir} is not a directory")
