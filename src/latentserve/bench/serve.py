@@ -80,11 +80,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--custom-output-len", type=int, default=None,
                         help="custom: tokens per line without output_tokens (default "
                              "--output-len)")
-    ignore = parser.add_mutually_exclusive_group()
-    ignore.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=True,
-                        help="every request makes its whole output length (default)")
-    ignore.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                        help="requests may end at EOS (vLLM's default)")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="every request makes its whole output length (default); "
+                             "--no-ignore-eos: requests may end at EOS (vLLM's default)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second, Poisson arrivals (default inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None,
