@@ -117,14 +117,10 @@ def run_colar(args, controls: dict) -> int:
 
 def run(args) -> int:
     from latentserve.eval.datasets import load_items
+    from latentserve.extras import require
 
     if args.plot:  # before any work: the sweep would run first and only then fail
-        from latentserve.extras import missing_extra_message
-
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError(missing_extra_message("matplotlib", "--plot")) from None
+        require("matplotlib", "--plot")
     # Options that are wrong whatever the run gives: refuse them before it starts.
     if args.plot and args.sweep is None:
         raise ValueError("--plot needs --sweep")

@@ -127,7 +127,7 @@ class EngineClient:
         done = False
         deadline = None if queue_timeout is None else time.monotonic() + queue_timeout
         try:
-            self._send(AddRequest(rid, list(prompt_token_ids), params))
+            self._push.send_pyobj(AddRequest(rid, list(prompt_token_ids), params))
             while True:
                 if deadline is not None and rid in self.scheduled_at:
                     deadline = None  # it has a seat
@@ -169,12 +169,10 @@ class EngineClient:
             raise EngineDeadError(f"the engine did not answer a check within {timeout} s"
                                   ) from None
 
-    def abort_all(self) -> int:
-        """Abort every running request; returns how many."""
-        rids = list(self._queues)
-        for rid in rids:
+    def abort_all(self) -> None:
+        """Abort every running request."""
+        for rid in list(self._queues):
             self.abort(rid)
-        return len(rids)
 
     def abort(self, rid: str) -> None:
         """Ask the engine to stop ``rid`` (once; harmless if it already finished)."""
@@ -189,12 +187,11 @@ class EngineClient:
         if self._push is not None and self.dead_reason is None:
             if rid in self._queues:
                 self._aborted.add(rid)
-            self._send(Abort(rid))
+            self._push.send_pyobj(Abort(rid))
             self.num_aborts_sent += 1
 
     async def get_stats(self, timeout: float = 5.0) -> dict[str, int] | None:
         """``LLMEngine.stats()`` now; ``last_stats`` if no answer within ``timeout`` s."""
-
         if self._push is None or self.dead_reason is not None:
             return self.last_stats
         self._stats_token += 1
@@ -209,14 +206,10 @@ class EngineClient:
         future = asyncio.get_running_loop().create_future()
         self._replies[key] = future
         try:
-            self._send(message)
+            self._push.send_pyobj(message)
             return await asyncio.wait_for(future, timeout)
         finally:
             self._replies.pop(key, None)
-
-    def _send(self, message: object) -> None:
-        self._push.send_pyobj(message)
-
     async def _receive_loop(self) -> None:
         import zmq
 

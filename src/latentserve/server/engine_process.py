@@ -32,8 +32,7 @@ log = logging.getLogger(__name__)
 # How often an idle engine (and a send waiting for a reader) checks that the API process
 # still exists: an orphaned engine exits within this long, busy or idle.
 PARENT_CHECK_S = 0.5
-_IDLE_POLL_MS = int(PARENT_CHECK_S * 1000)  # idle wake-up, only to notice a dead parent
-_SEND_TIMEOUT_MS = _IDLE_POLL_MS  # a send waiting for the API process rechecks it exists
+_POLL_MS = int(PARENT_CHECK_S * 1000)  # an idle poll or a blocked send wakes up this often
 # Forward failures in a row (with no good step between) after which the engine gives up.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
@@ -67,9 +66,8 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
     loaded = threading.Event()  # from then on EngineLoop watches the parent
     threading.Thread(target=_exit_if_parent_goes, args=(parent_pid, loaded),
                      name="parent-watch", daemon=True).start()
-    level = logging.getLevelName("DEBUG" if str(log_level).upper() == "TRACE"
-                                 else str(log_level).upper())
-    logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
+    name = "DEBUG" if str(log_level).upper() == "TRACE" else str(log_level).upper()
+    logging.basicConfig(level=getattr(logging, name, logging.INFO),
                         format="%(asctime)s engine %(levelname)s %(message)s")
     ctx = zmq.Context()
     try:
@@ -84,7 +82,7 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         outbox.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped
         # A PUSH socket with no peer blocks its sender: wake up to check that the API
         # process still exists (EngineLoop._send).
-        outbox.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        outbox.setsockopt(zmq.SNDTIMEO, _POLL_MS)
         outbox.bind(addresses.output)
         ready = Ready(engine.model_name, engine.max_model_len,
                       getattr(engine, "vocab_size", None), engine.tokenizer,
@@ -165,7 +163,7 @@ class EngineLoop:
                 self._orphan()
                 return
             busy = self.engine.has_unfinished_requests()
-            if poller.poll(0 if busy else _IDLE_POLL_MS):
+            if poller.poll(0 if busy else _POLL_MS):
                 self._drain()
             elif not busy and (gone := self._workers_gone()):
                 self._fail_engine(gone)
@@ -309,7 +307,6 @@ class EngineProcess:
 
     def cancel(self) -> None:
         """Make a :meth:`start` waiting in another thread stop and raise within 0.2 s."""
-
         self._cancel.set()
 
     def start(self) -> Ready:
@@ -378,13 +375,17 @@ class EngineProcess:
         proc = self._proc
         if proc is not None:
             if proc.is_alive() and self.ready is not None:
-                _send_shutdown(self.addresses)
+                import zmq
+
+                with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as sock:
+                    sock.setsockopt(zmq.LINGER, 2000)
+                    sock.connect(self.addresses.input)
+                    sock.send_pyobj(Shutdown())
                 proc.join(timeout)
             for end in (proc.terminate, proc.kill):
                 if proc.is_alive():
                     end()
                     proc.join(timeout)
-
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -421,17 +422,3 @@ def start_ignoring_sigint(proc) -> None:
             signal.signal(signal.SIGINT, previous)
             if held:
                 signal.raise_signal(signal.SIGINT)
-
-
-def _send_shutdown(addresses: EngineAddresses) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(addresses.input)
-        sock.send_pyobj(Shutdown())
-        sock.close()
-    finally:
-        ctx.term()

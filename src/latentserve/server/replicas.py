@@ -17,16 +17,6 @@ from latentserve.extras import require
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
 
-def router_command(host: str, port: int, worker_urls: list[str], policy: str,
-                   metrics_port: int) -> list[str]:
-    """The ``sglang_router.launch_router`` command line; its Prometheus exporter on
-    ``host:metrics_port`` (its default port is shared by every router on the machine)."""
-    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
-            "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
-            "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-            "--log-level", "warn"]
-
-
 def _die_with_parent() -> None:
     """``preexec_fn`` of the router: SIGTERM it when this process dies (Linux only)."""
     try:
@@ -79,9 +69,12 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
                     raise
         for i, s in enumerate(servers):
             print(f"replica {i}: {s.base_url}", flush=True)
-        router = subprocess.Popen(router_command(host, port, [s.base_url for s in servers],
-                                                 policy, free_port(host)),
-                                  preexec_fn=_die_with_parent)  # noqa: PLW1509 - pool ended
+        # its Prometheus exporter on a free port (the default is shared by every router)
+        router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port",
+             str(port), "--worker-urls", *(s.base_url for s in servers), "--policy", policy,
+             "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
+             "--log-level", "warn"], preexec_fn=_die_with_parent)  # noqa: PLW1509 - pool ended
         print(f"router ({policy}): http://{host}:{port}", flush=True)
         while router.poll() is None and all(s.proc.poll() is None for s in servers):
             time.sleep(0.5)
