@@ -76,9 +76,8 @@ def run_colar(args, controls: dict) -> int:
                              f"{'|'.join(icot)} or --dataset-file FILE, got --dataset "
                              f"{args.dataset or '(none)'}")
         args.data_file = str(find_data_file(DATASETS[args.dataset][0], args.data_dir))
-    key, values = "compression_factor", [args.compression_factor]
-    if args.sweep:
-        key, values = parse_sweep(args.sweep, ("compression_factor", "max_latent"))
+    key, values = (parse_sweep(args.sweep, ("compression_factor", "max_latent")) if args.sweep
+                   else ("compression_factor", [args.compression_factor]))
     base = None
     if args.baseline:  # a text-CoT run's --json-out: a summary, or a sweep's first run
         data = json.loads(Path(args.baseline).read_text())

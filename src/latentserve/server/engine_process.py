@@ -3,6 +3,7 @@ Design notes: docs/internals.md, "latentserve.server.engine_process"."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -11,6 +12,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from latentserve.config import EngineConfig
@@ -29,8 +31,8 @@ from latentserve.server.messages import (
 
 log = logging.getLogger(__name__)
 
-# How often an idle engine (and a send waiting for a reader) checks that the API process
-# still exists: an orphaned engine exits within this long, busy or idle.
+# How often a process checks that its parent still exists (watch_parent; an idle engine, or
+# one waiting to send): an orphaned engine exits within this long, busy or idle.
 PARENT_CHECK_S = 0.5
 _POLL_MS = int(PARENT_CHECK_S * 1000)  # an idle poll or a blocked send wakes up this often
 # Forward failures in a row (with no good step between) after which the engine gives up.
@@ -64,8 +66,7 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     loaded = threading.Event()  # from then on EngineLoop watches the parent
-    threading.Thread(target=_exit_if_parent_goes, args=(parent_pid, loaded),
-                     name="parent-watch", daemon=True).start()
+    watch_parent(parent_pid, functools.partial(os._exit, 1), until=loaded)
     name = "DEBUG" if str(log_level).upper() == "TRACE" else str(log_level).upper()
     logging.basicConfig(level=getattr(logging, name, logging.INFO),
                         format="%(asctime)s engine %(levelname)s %(message)s")
@@ -105,28 +106,28 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         ctx.destroy(linger=1000)
 
 
-def _exit_if_parent_goes(parent_pid: int, loaded: threading.Event) -> None:
-    """Exit at once when ``parent_pid`` stops being the parent before ``loaded`` is set (a
-    server killed while the model loads leaves no engine behind)."""
-    while not loaded.wait(PARENT_CHECK_S):
-        if os.getppid() != parent_pid:
-            log.info("parent process is gone while loading; engine exits")
-            os._exit(1)
+def watch_parent(parent_pid: int, on_gone: Callable[[], object],
+                 until: threading.Event | None = None) -> None:
+    """Call ``on_gone()`` from a daemon thread once ``parent_pid`` is no longer this process's
+    parent (checked every ``PARENT_CHECK_S`` s), unless ``until`` is set first."""
+    stop = until or threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(PARENT_CHECK_S):
+            if os.getppid() != parent_pid:
+                log.info("parent process %d is gone", parent_pid)
+                on_gone()
+                return
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _exit_orphaned(addresses: EngineAddresses) -> None:
-    """Leave at once, the API process being gone: remove the IPC sockets and their directory
+    """Leave at once, the API process being gone: remove the IPC sockets' private directory
     (nobody else will) and skip the interpreter's teardown (seconds with torch loaded)."""
-    import contextlib
     import sys
 
-    paths = [a.removeprefix("ipc://") for a in (addresses.input, addresses.output)
-             if a.startswith("ipc://")]
-    with contextlib.suppress(OSError):
-        for path in paths:
-            os.unlink(path)
-        if paths:
-            os.rmdir(os.path.dirname(paths[0]))
+    shutil.rmtree(os.path.dirname(addresses.input.removeprefix("ipc://")), ignore_errors=True)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

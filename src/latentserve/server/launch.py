@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from latentserve.config import EngineConfig
 from latentserve.options import add_options, options_of
 from latentserve.server.app import create_app
 from latentserve.server.client import EngineClient
-from latentserve.server.engine_process import EngineProcess, EngineStartupError
+from latentserve.server.engine_process import EngineProcess, EngineStartupError, watch_parent
 from latentserve.server.options import API_KEY_ENV, ServerOptions
 from latentserve.server.prompts import apply_chat_template, load_chat_template
 from latentserve.server.state import ServedModels, ServerLimits, ServerState
@@ -41,13 +40,6 @@ log = logging.getLogger(__name__)
 PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
 # The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def _stop_with_parent(parent_pid: int, interval: float = 1.0) -> None:
-    """Send this process SIGTERM (the draining shutdown) once ``parent_pid`` is gone."""
-    while os.getppid() == parent_pid:
-        time.sleep(interval)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -373,8 +365,8 @@ def main(argv: list[str] | None = None) -> None:
                else [EngineConfig(model=m) for m in args.model or [None]])
 
     parent = os.environ.pop(PARENT_PID_ENV, None)
-    if parent:
-        threading.Thread(target=_stop_with_parent, args=(int(parent),), daemon=True).start()
+    if parent:  # its SIGTERM: the draining shutdown
+        watch_parent(int(parent), functools.partial(os.kill, os.getpid(), signal.SIGTERM))
     try:
         options = options_of(ServerOptions, args)
         run_server(configs, replace(options, **json.loads(args.options_json)))

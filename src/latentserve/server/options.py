@@ -13,10 +13,7 @@ from latentserve.server.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "LATENTSERVE_API_KEY"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-# NOTE: longer than the idle expiry of httpx (5 s; the openai and anthropic SDKs) and aiohttp
-# (15 s), so that the client drops an idle connection first: with equal timeouts a request
-# sent on a connection the server is closing gets a reset
-DEFAULT_KEEP_ALIVE_S = 30.0
+DEFAULT_KEEP_ALIVE_S = 30.0  # outlasts the clients' idle expiry (docs/server.md says why)
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _WAIT = "503 + Retry-After (529 on /v1/messages); default: no limit"
 
