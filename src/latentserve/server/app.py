@@ -66,15 +66,13 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @asynccontextmanager
     async def lifespan(app):
-        started = []
         try:
             for s in served.states:
                 await s.client.start()
-                started.append(s.client)
             yield
-        finally:
-            for client in started:
-                await client.close()
+        finally:  # closing a client that did not start is harmless
+            for s in served.states:
+                await s.client.close()
             if on_shutdown is not None:
                 on_shutdown()
 

@@ -80,7 +80,7 @@ def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
     with ThreadPoolExecutor(len(engines)) as pool:
         futures = [pool.submit(e.start) for e in engines]
         try:
-            errors = [(c, f.exception()) for c, f in zip(configs, futures)]
+            failed = [(c, exc) for c, f in zip(configs, futures) if (exc := f.exception())]
         except BaseException:  # Ctrl-C while they load: stop them now, not once loaded
             for e in engines:
                 e.cancel()
@@ -88,7 +88,6 @@ def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
             for e in engines:
                 e.stop()
             raise
-    failed = [(c, exc) for c, exc in errors if exc is not None]
     if failed:
         for e in engines:
             e.stop()

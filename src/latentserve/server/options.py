@@ -20,12 +20,9 @@ _WAIT = "503 + Retry-After (529 on /v1/messages); default: no limit"
 
 @dataclass(slots=True, kw_only=True)
 class ServerOptions:
-    """How the server listens, what it allows and logs; each field's ``help`` says what it
-    means. ``timeout_request_headers`` / ``timeout_request_body`` 0 become None (no limit).
-
-    Raises:
-        ValueError: naming the field and its allowed values.
-    """
+    """How the server listens, what it allows and logs (each field's ``help``);
+    ``timeout_request_headers`` / ``timeout_request_body`` 0 become None (no limit).
+    ValueError naming the field and its allowed values."""
 
     host: str = option("127.0.0.1", "bind address")
     port: int = option(8000, "TCP port (0: any free port)", ge=0, le=65535)

@@ -4,7 +4,6 @@ Design notes: docs/internals.md, "latentserve.server.replicas"."""
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import subprocess
 import sys
@@ -32,7 +31,7 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     flags checked them). ValueError (``port`` in use), ModuleNotFoundError (no
     ``sglang_router``), RuntimeError (a replica or the router failed)."""
     # NOTE: lazy: the CLI builds its parser from this module, and launch imports the whole API
-    from latentserve.server.launch import PARENT_PID_ENV, free_port, listen_socket, start_server
+    from latentserve.server.launch import free_port, listen_socket, start_server
 
     host, port = options.host, options.port
     replica_options = {k: v for k, v in asdict(options).items() if k not in ("host", "port")}
@@ -49,24 +48,18 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     signal.signal(signal.SIGTERM, on_term)
     tp = config.tensor_parallel_size
 
-    def start(i: int):
-        env = {PARENT_PID_ENV: str(os.getpid())}  # a replica stops when this process dies
-        if config.device.startswith("cuda"):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
+    def start(i: int):  # start_server: a replica stops when this process dies
+        gpus = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
+        env = {"CUDA_VISIBLE_DEVICES": gpus} if config.device.startswith("cuda") else {}
         return start_server(config, host, None, env=env, **replica_options)
 
     servers, router = [], None
     try:
         with ThreadPoolExecutor(data_parallel_size) as pool:  # replicas load in parallel
             futures = [pool.submit(start, i) for i in range(data_parallel_size)]
-            for f in futures:
-                try:
-                    servers.append(f.result())
-                except Exception:
-                    for g in futures:
-                        if g is not f and g.exception() is None:
-                            g.result().stop()
-                    raise
+        servers = [f.result() for f in futures if f.exception() is None]
+        for f in futures:
+            f.result()  # the first failure, once all have started or failed (finally stops)
         for i, s in enumerate(servers):
             print(f"replica {i}: {s.base_url}", flush=True)
         # its Prometheus exporter on a free port (the default is shared by every router)
