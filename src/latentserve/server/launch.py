@@ -145,9 +145,9 @@ def run_server(config: EngineConfig | list[EngineConfig],
                 limits=limits, latent_spec=ready.latent_spec, max_num_seqs=cfg.max_num_seqs,
                 aliases=names[1:], root=cfg.model or ready.model_name,
                 sampling_defaults=ready.sampling_defaults or {}, tool_parser=o.tool_call_parser,
-                reasoning_parser=cfg.reasoning_parser,
-                **{k: getattr(o, k) for k in ("log_requests", "max_log_len",
-                                              "trust_request_chat_template")}))
+                reasoning_parser=cfg.reasoning_parser, log_requests=o.log_requests,
+                max_log_len=o.max_log_len,
+                trust_request_chat_template=o.trust_request_chat_template))
         served = ServedModels(states)
         app = create_app(served, on_shutdown=stop_engines, cors=o.cors,
                          api_key=o.api_key or settings.get(API_KEY_ENV))
