@@ -33,6 +33,9 @@ class EngineDeadError(RuntimeError):
     """The engine process stopped; no request can be served any more."""
 
 
+_SEATED = object()  # queued for a request the engine scheduled (before any output)
+
+
 class EngineQueueTimeout(RuntimeError):
     """The request waited longer than its queue timeout for a seat; it was aborted."""
 
@@ -129,8 +132,6 @@ class EngineClient:
         try:
             self._push.send_pyobj(AddRequest(rid, list(prompt_token_ids), params))
             while True:
-                if deadline is not None and rid in self.scheduled_at:
-                    deadline = None  # it has a seat
                 left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                 try:
                     item = await asyncio.wait_for(queue.get(), left)
@@ -138,7 +139,9 @@ class EngineClient:
                     raise EngineQueueTimeout(
                         f"the request waited more than {queue_timeout:g} s for a seat "
                         f"(--queue-timeout); retry later") from None
-                deadline = None  # an output (or an error): it is no longer waiting
+                deadline = None  # seated, an output or an error: it is no longer waiting
+                if item is _SEATED:
+                    continue
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -231,6 +234,7 @@ class EngineClient:
             for rid, times in message.scheduled.items():
                 if rid in self._queues:
                     self.scheduled_at[rid] = times
+                    self._queues[rid].put_nowait(_SEATED)  # ends its wait for a seat
             for out in message.outputs:
                 queue = self._queues.get(out.rid)
                 if queue is not None:  # None: the caller left (aborted) already
