@@ -89,17 +89,6 @@ class MessagesRequest(LatentFields):
     fallback_credit_token: str | dict[str, Any] | None = None
 
 
-def thinking_flag(thinking: AnthropicThinking | None) -> bool | None:
-    """``thinking.type`` ``enabled`` -> True, ``disabled`` -> False, absent -> None; APIError."""
-    if thinking is None:
-        return None
-    kind = thinking.type
-    if kind not in ("enabled", "disabled"):
-        raise APIError(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}",
-                       param="thinking.type")
-    return kind == "enabled"
-
-
 class CountTokensRequest(MessagesRequest):
     """``/v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
 
@@ -109,26 +98,13 @@ class CountTokensRequest(MessagesRequest):
 _STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
 
 
-def _blocks_text(content: str | list[ContentBlock], param: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, block in enumerate(content):
-        if block.type != "text" or block.text is None:
-            raise APIError(f"{param}.{j}: only text content blocks are supported, got type "
-                           f"{block.type!r}", param=f"{param}.{j}")
-        parts.append(block.text)
-    return "".join(parts)
-
-
 def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
     """The chat template's turns. Raises APIError (400 naming the field)."""
     if not body.messages:
         raise APIError("messages: at least one message is required", param="messages")
-    conversation = []
-    if body.system:
-        conversation.append({"role": "system", "content": _blocks_text(body.system, "system")})
     tool_names: dict[str, str] = {}
+    conversation = message_turns("system", body.system, "system", tool_names) if body.system \
+        else []
     for i, message in enumerate(body.messages):
         if message.role not in ("user", "assistant"):
             raise APIError(f"messages.{i}.role: Input should be 'user' or 'assistant', got "
@@ -162,28 +138,6 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
     check_stop_count(body.stop_sequences, "stop_sequences", state.limits)
 
 
-def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
-            budget: int | None = None, latent: int = 0, defaults: dict | None = None,
-            head: dict | None = None) -> SamplingParams:
-    """``latent`` KV positions count against the context; ``defaults`` fill unset fields;
-    ``head``: the head controls set (``x-latent-*`` / ``x-ds4-*`` headers or body fields)."""
-    if body.max_tokens < 1:
-        raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
-                       param="max_tokens")
-    check_prompt_length(num_prompt_tokens, max_model_len, "messages")
-    if num_prompt_tokens + latent + body.max_tokens > max_model_len:
-        extra = f" + {latent} latent and transition positions" if latent else ""
-        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + max_tokens "
-                       f"{body.max_tokens} > the maximum context length {max_model_len}",
-                       param="max_tokens", code="context_length_exceeded")
-    try:
-        return SamplingParams(
-            max_tokens=body.max_tokens, **(head or {}),
-            **shared_fields(body, list(body.stop_sequences or []), budget, defaults))
-    except ValueError as exc:
-        raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
-
-
 def _stop(finish_reason: str | None, stop_string: str | None, called: bool = False
           ) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence``."""
@@ -196,7 +150,8 @@ def _stop(finish_reason: str | None, stop_string: str | None, called: bool = Fal
 
 @dataclass(slots=True)
 class _Answer:
-    """How a request's answer is shaped: tools, choice, :func:`thinking_flag`, latent mode."""
+    """How a request's answer is shaped: tools, choice, ``thinking`` (None: absent), latent
+    mode."""
 
     tool_dicts: list[dict] | None
     tools: dict[str, dict]
@@ -209,30 +164,26 @@ class _Answer:
                             self.flag is True, id_prefix="toolu_")
 
 
-def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
-    """APIError (400 naming the field) for bad tools, ``tool_choice`` or ``latent_reasoning``."""
+async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, list[int]]:
+    """The answer's shape and the templated prompt, ``thinking`` as the template's
+    ``thinking`` / ``enable_thinking``. APIError (400 naming the field) for bad tools,
+    ``tool_choice``, ``thinking.type``, ``latent_reasoning`` or messages."""
     tool_dicts = openai_tools(body.tools)
     tools = check_tools(tool_dicts)
     choice = anthropic_tool_choice(body.tool_choice, tools)
-    flag = thinking_flag(body.thinking)
+    flag = None if body.thinking is None else body.thinking.type == "enabled"
+    if body.thinking is not None and body.thinking.type not in ("enabled", "disabled"):
+        raise APIError(f"thinking.type must be 'enabled' or 'disabled', got "
+                       f"{body.thinking.type!r}", param="thinking.type")
     mode = latent_reasoning_mode(body, state.latent_spec)
     if body.latent_reasoning is not None and flag is not True:
         raise APIError("latent_reasoning: it writes the thinking block, which needs thinking "
                        '{"type": "enabled"}', param="latent_reasoning")
-    return _Answer(tool_dicts, tools, choice, flag, mode if flag is True else None)
-
-
-async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, list[int]]:
-    """:func:`_answer` and the templated prompt, ``thinking`` as the template's ``thinking`` /
-    ``enable_thinking``. APIError (400 naming the field)."""
-    answer = _answer(body, state)
     conversation = _conversation(body)
     check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
-    flag = answer.flag
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
-    return answer, await in_pool(
-        render_chat, state.tokenizer, conversation, tools=answer.tool_dicts,
-        template_kwargs=kwargs,
+    return _Answer(tool_dicts, tools, choice, flag, mode if flag else None), await in_pool(
+        render_chat, state.tokenizer, conversation, tools=tool_dicts, template_kwargs=kwargs,
         continue_final_message=conversation[-1]["role"] == "assistant")
 
 
@@ -261,15 +212,31 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 def _request_params(body: MessagesRequest, request, state: ServerState,
                     num_prompt_tokens: int, answer: _Answer) -> SamplingParams:
     """The engine's ``SamplingParams``, ``answer.flag`` as the head's thinking where it means
-    one. Raises APIError (400 naming the field or header)."""
+    one; latent KV positions count against the context. Raises APIError (400 naming the field
+    or header; ``context_length_exceeded`` over the context)."""
     kind = getattr(state.latent_spec, "kind", None)
     shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
     flag = answer.flag if kind == "head" or (answer.flag and not shows) else None
     budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
                                       state.latent_spec)  # no ticks on /v1/messages
-    params = _params(body, num_prompt_tokens, state.max_model_len, budget,
-                     latent_positions(state.latent_spec, budget), state.sampling_defaults,
-                     {k: v for k, v in head.items() if v is not None})
+    if body.max_tokens < 1:
+        raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
+                       param="max_tokens")
+    max_len = state.max_model_len
+    check_prompt_length(num_prompt_tokens, max_len, "messages")
+    latent = latent_positions(state.latent_spec, budget)
+    if num_prompt_tokens + latent + body.max_tokens > max_len:
+        extra = f" + {latent} latent and transition positions" if latent else ""
+        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + max_tokens "
+                       f"{body.max_tokens} > the maximum context length {max_len}",
+                       param="max_tokens", code="context_length_exceeded")
+    try:
+        params = SamplingParams(
+            max_tokens=body.max_tokens, **{k: v for k, v in head.items() if v is not None},
+            **shared_fields(body, list(body.stop_sequences or []), budget,
+                            state.sampling_defaults))
+    except ValueError as exc:
+        raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
     return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
                          state.tokenizer, answer.parser(state))
 

@@ -4,17 +4,18 @@ Design notes: docs/internals.md, "latentserve.server.output_parser"."""
 from __future__ import annotations
 
 import dataclasses
-import json
+import uuid
 from dataclasses import dataclass, field
 
 from latentserve.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, ThinkParser
-from latentserve.server.tool_parsers import CALL_END, CALL_START, TOOL_PARSERS, ParsedCall
-from latentserve.server.tools import ToolChoice, call_schema, json_constraint, new_call_id
+from latentserve.server.tool_parsers import CALL_END, CALL_START, TOOL_PARSERS, required_calls
+from latentserve.server.tools import ToolChoice, call_schema, json_constraint
 
 
 @dataclass(slots=True)
 class CallDelta:
-    """A piece of call ``index``: ``id`` and ``name`` on its first piece, then ``arguments``."""
+    """A piece of call ``index``: ``id`` and ``name`` on its first piece, then ``arguments``;
+    or a whole call (:func:`join_calls`)."""
 
     index: int
     id: str | None = None
@@ -34,15 +35,6 @@ class Piece:
         return bool(self.reasoning or self.content or self.calls)
 
 
-@dataclass(slots=True)
-class Call:
-    """A whole call: :class:`CallDelta` s of one index joined."""
-
-    id: str
-    name: str
-    arguments: str
-
-
 class OutputParser:
     """Splits a choice's text: calls by the tool parser for ``auto``, the whole answer as a
     ``named`` choice's arguments or a JSON array of calls for ``required``."""
@@ -52,9 +44,8 @@ class OutputParser:
                  id_prefix: str = "call_"):
         self.think = (ThinkParser(REASONING_PARSERS[reasoning_parser])
                       if reasoning_parser else None)
-        self.mode = choice.mode if choice is not None else "none"
-        self.name = choice.name if choice is not None else None
-        self.single = bool(choice is not None and choice.single)
+        choice = choice or ToolChoice("none")
+        self.mode, self.name, self.single = choice.mode, choice.name, choice.single
         self.tools = (TOOL_PARSERS[tool_parser]() if tool_parser and self.mode == "auto"
                       else None)
         self.include_reasoning = include_reasoning
@@ -63,19 +54,12 @@ class OutputParser:
         self.required_text = ""  # required: the answer, parsed at the end
         self.named_open = False
 
-    def feed(self, text: str) -> Piece:
-        """The piece released by one more text delta."""
-        return self._release(text, final=False)
-
-    def finish(self) -> Piece:
-        """What is held back, at the end of the output."""
-        return self._release("", final=True)
-
-    def step(self, text: str, final: bool) -> Piece:
-        """:meth:`feed`, joined with :meth:`finish` when ``final``."""
-        out = self.feed(text)
+    def step(self, text: str, final: bool = False) -> Piece:
+        """The piece released by one more text delta; ``final``: with what is held back, at
+        the end of the output."""
+        out = self._release(text, False)
         if final:
-            rest = self.finish()
+            rest = self._release("", True)
             out = Piece(out.reasoning + rest.reasoning, out.content + rest.content,
                         out.calls + rest.calls)
         return out
@@ -99,7 +83,7 @@ class OutputParser:
         elif self.mode == "required":
             self.required_text += text
             if final:
-                calls = _required_calls(self.required_text)
+                calls = required_calls(self.required_text)
                 if calls is None:  # cut short (length): the text as it is
                     out.content = self.required_text
                 for c in calls or []:
@@ -120,34 +104,20 @@ class OutputParser:
 
     def _new_call(self, name: str, arguments: str) -> CallDelta:
         self.num_calls += 1
-        return CallDelta(self.num_calls - 1, new_call_id(self.id_prefix), name, arguments)
+        return CallDelta(self.num_calls - 1, self.id_prefix + uuid.uuid4().hex[:24], name,
+                         arguments)
 
 
-def _required_calls(text: str) -> list[ParsedCall] | None:
-    """The calls of a ``required`` answer (``[{"name", "parameters"}, ...]``), or None."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(items, list) or not all(
-            isinstance(i, dict) and isinstance(i.get("name"), str)
-            and isinstance(i.get("parameters", {}), dict) for i in items):
-        return None
-    return [ParsedCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False))
-            for i in items]
-
-
-def join_calls(pieces: list[CallDelta]) -> list[Call]:
+def join_calls(pieces: list[CallDelta]) -> list[CallDelta]:
     """Call pieces (in stream order) joined per index."""
-    calls: dict[int, Call] = {}
+    calls: dict[int, CallDelta] = {}
     for p in pieces:
-        if p.index not in calls:
-            calls[p.index] = Call(p.id or "", p.name or "", "")
-        calls[p.index].arguments += p.arguments
+        call = calls.setdefault(p.index, CallDelta(p.index, p.id or "", p.name or ""))
+        call.arguments += p.arguments
     return [calls[i] for i in sorted(calls)]
 
 
-def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[Call]]:
+def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[CallDelta]]:
     """``(reasoning, content, calls)`` of a whole output."""
     p = parser.step(text, final=True)
     return p.reasoning, p.content, join_calls(p.calls)

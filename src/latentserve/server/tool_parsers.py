@@ -27,24 +27,30 @@ class Parsed:
     calls: list[ParsedCall] = field(default_factory=list)
 
 
-def parse_call(raw: str) -> ParsedCall | None:
-    """The call a block holds (``{"name": str, "arguments": object or JSON string}``), or
-    None."""
+def parse_call(raw, key: str = "arguments") -> ParsedCall | None:
+    """The call ``raw`` holds (``{"name": str, key: object or JSON string}``, as JSON text or
+    decoded), or None."""
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw) if isinstance(raw, str) else raw
+        args = obj.get(key, {}) if isinstance(obj, dict) else None
+        args = json.loads(args) if isinstance(args, str) else args
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
+    if not isinstance(args, dict) or not isinstance(obj.get("name"), str):
         return None
     return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def required_calls(text: str) -> list[ParsedCall] | None:
+    """The calls of a ``required`` answer (``[{"name", "parameters"}, ...]``), or None."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        return None
+    calls = [parse_call(i, "parameters") for i in items]
+    return None if None in calls else calls
 
 
 class HermesToolParser:
@@ -87,25 +93,21 @@ class HermesToolParser:
             self.buf = text[len(text) - ws:] + tail
             return out
 
-    def _close(self, raw: str, out: Parsed) -> None:
+    def _close(self, raw: str, out: Parsed, end: str = CALL_END) -> None:
+        """The block ``raw`` as a call, or back in the text (closed by ``end``)."""
         call = parse_call(raw)
         if call is not None:
             out.calls.append(call)
-        else:  # not a call: the block stays in the text
-            out.content += self.ws_before + CALL_START + raw + CALL_END
+        else:
+            out.content += self.ws_before + CALL_START + raw + end
         self.inside, self.after_block = False, call is not None
 
     def finish(self) -> Parsed:
         """What is held back, at the end: a block left open is parsed, else left as text."""
-
         out = Parsed()
         held, self.buf = self.buf, ""
         if self.inside:
-            call = parse_call(held)
-            if call is not None:
-                out.calls.append(call)
-            else:
-                out.content = self.ws_before + CALL_START + held
+            self._close(held, out, end="")
         elif not self.after_block:
             out.content = held
         return out
