@@ -5,34 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from dataclasses import dataclass, field
 
 from latentserve.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, ThinkParser
-from latentserve.server.tool_parsers import CALL_END, CALL_START, TOOL_PARSERS, required_calls
+from latentserve.server.tool_parsers import (
+    CALL_END,
+    CALL_START,
+    TOOL_PARSERS,
+    CallDelta,
+    Piece,
+    required_calls,
+)
 from latentserve.server.tools import ToolChoice, call_schema, json_constraint
-
-
-@dataclass(slots=True)
-class CallDelta:
-    """A piece of call ``index``: ``id`` and ``name`` on its first piece, then ``arguments``;
-    or a whole call (:func:`join_calls`)."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass(slots=True)
-class Piece:
-    """What one step releases of a choice: reasoning and content text, call pieces."""
-
-    reasoning: str = ""
-    content: str = ""
-    calls: list[CallDelta] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
 
 
 class OutputParser:

@@ -5,30 +5,16 @@ Design notes: docs/internals.md, "latentserve.server.reasoning"."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from latentserve.server.errors import APIError
 from latentserve.server.latent_trace import tick_entries
+from latentserve.server.tool_parsers import Piece, held_prefix
 
 THINK_START, THINK_END = "<think>", "</think>"
 # name -> whether an output that does not open with <think> is reasoning.
 REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
 LATENT_REASONING = ("count", "logit_lens")
 LOGIT_LENS_TOP = 3  # top tokens shown per latent step
-
-
-def held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    return next((n for n in range(min(len(text), len(tag) - 1), 0, -1)
-                 if tag.startswith(text[-n:])), 0)
-
-
-@dataclass(slots=True)
-class Split:
-    """Text released by a parser: ``reasoning`` and ``content`` (answer), either may be ""."""
-
-    reasoning: str = ""
-    content: str = ""
 
 
 class ThinkParser:
@@ -40,9 +26,9 @@ class ThinkParser:
         self.state = "start"  # start (undecided) | reasoning | content
         self.buf = ""
 
-    def feed(self, text: str) -> Split:
+    def feed(self, text: str) -> Piece:
         self.buf += text
-        out = Split()
+        out = Piece()
         if self.state == "start":
             head = self.buf.lstrip()
             if head.startswith(THINK_START):
@@ -63,12 +49,12 @@ class ThinkParser:
         out.content, self.buf = self.buf, ""
         return out
 
-    def finish(self) -> Split:
+    def finish(self) -> Piece:
         """What is held back, at the end of the output."""
         held, self.buf = self.buf, ""
         if self.state == "reasoning" or (self.state == "start" and self.implicit):
-            return Split(reasoning=held)
-        return Split(content=held)
+            return Piece(reasoning=held)
+        return Piece(content=held)
 
 
 def latent_count_text(steps: int) -> str:

@@ -1,4 +1,5 @@
-"""Tool calls parsed out of a model's text (``--tool-call-parser``), streamed or whole.
+"""Tool calls parsed out of a model's text (``--tool-call-parser``), streamed or whole, and
+the pieces every output parser releases.
 Design notes: docs/internals.md, "latentserve.server.tool_parsers"."""
 
 from __future__ import annotations
@@ -6,28 +7,41 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from latentserve.server.reasoning import held_prefix
-
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
 
-@dataclass(slots=True)
-class ParsedCall:
-    """One call the model wrote: ``name`` and ``arguments`` (a JSON object string)."""
-
-    name: str
-    arguments: str
+def held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    return next((n for n in range(min(len(text), len(tag) - 1), 0, -1)
+                 if tag.startswith(text[-n:])), 0)
 
 
 @dataclass(slots=True)
-class Parsed:
-    """What a parser releases: answer text and complete calls."""
+class CallDelta:
+    """Call ``index`` or a piece of it: ``id`` and ``name`` on its first piece, then
+    ``arguments`` (whole: a JSON object string); the parsers here leave ``index`` and ``id``
+    to ``OutputParser``."""
 
+    index: int = 0
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class Piece:
+    """What a parser releases of a choice: reasoning and content (answer) text, call pieces;
+    either text may be ""."""
+
+    reasoning: str = ""
     content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
 
 
-def parse_call(raw, key: str = "arguments") -> ParsedCall | None:
+def parse_call(raw, key: str = "arguments") -> CallDelta | None:
     """The call ``raw`` holds (``{"name": str, key: object or JSON string}``, as JSON text or
     decoded), or None."""
     try:
@@ -38,10 +52,10 @@ def parse_call(raw, key: str = "arguments") -> ParsedCall | None:
         return None
     if not isinstance(args, dict) or not isinstance(obj.get("name"), str):
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return CallDelta(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
 
 
-def required_calls(text: str) -> list[ParsedCall] | None:
+def required_calls(text: str) -> list[CallDelta] | None:
     """The calls of a ``required`` answer (``[{"name", "parameters"}, ...]``), or None."""
     try:
         items = json.loads(text)
@@ -63,9 +77,9 @@ class HermesToolParser:
         self.after_block = False  # drop whitespace until the first text after a block
         self.ws_before = ""  # the whitespace dropped before the open block
 
-    def feed(self, text: str) -> Parsed:
+    def feed(self, text: str) -> Piece:
         self.buf += text
-        out = Parsed()
+        out = Piece()
         while True:
             if self.inside:
                 end = self.buf.find(CALL_END)
@@ -93,7 +107,7 @@ class HermesToolParser:
             self.buf = text[len(text) - ws:] + tail
             return out
 
-    def _close(self, raw: str, out: Parsed, end: str = CALL_END) -> None:
+    def _close(self, raw: str, out: Piece, end: str = CALL_END) -> None:
         """The block ``raw`` as a call, or back in the text (closed by ``end``)."""
         call = parse_call(raw)
         if call is not None:
@@ -102,9 +116,9 @@ class HermesToolParser:
             out.content += self.ws_before + CALL_START + raw + end
         self.inside, self.after_block = False, call is not None
 
-    def finish(self) -> Parsed:
+    def finish(self) -> Piece:
         """What is held back, at the end: a block left open is parsed, else left as text."""
-        out = Parsed()
+        out = Piece()
         held, self.buf = self.buf, ""
         if self.inside:
             self._close(held, out, end="")
