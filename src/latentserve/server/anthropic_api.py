@@ -52,7 +52,7 @@ from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import ENGINE_ERRORS, api_error, collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
-from latentserve.server.tools import ToolChoice, check_tools
+from latentserve.server.tools import ToolChoice
 
 
 class AnthropicMessage(RequestModel):
@@ -168,8 +168,7 @@ async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, l
     """The answer's shape and the templated prompt, ``thinking`` as the template's
     ``thinking`` / ``enable_thinking``. APIError (400 naming the field) for bad tools,
     ``tool_choice``, ``thinking.type``, ``latent_reasoning`` or messages."""
-    tool_dicts = openai_tools(body.tools)
-    tools = check_tools(tool_dicts)
+    tool_dicts, tools = openai_tools(body.tools)
     choice = anthropic_tool_choice(body.tool_choice, tools)
     flag = None if body.thinking is None else body.thinking.type == "enabled"
     if body.thinking is not None and body.thinking.type not in ("enabled", "disabled"):
@@ -262,7 +261,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
                 request, state, reqs, arrival, ticket, lambda deltas: _events(
                     msg_id, state.model_name, len(prompt_ids), deltas, asked,
                     answer.parser(state), latent, texts),
-                error_event=lambda err: _event("error", anthropic_error_body(
+                error_event=lambda err: _event(anthropic_error_body(
                     err.message, anthropic_status(err))), done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
         reasoning, content, calls = parse_output(answer.parser(state), result.text)
@@ -300,8 +299,8 @@ def _message(msg_id: str, model: str, content: list, stop_reason: str | None,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
 
 
-def _event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+def _event(data: dict) -> str:
+    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"
 
 
 class _Blocks:
@@ -312,29 +311,28 @@ class _Blocks:
         self.kind: str | None = None
         self.events: list[str] = []
 
+    def add(self, kind: str, **fields) -> None:
+        """A ``content_block_{kind}`` event (``start``, ``delta``, ``stop``) of the open block."""
+        self.events.append(_event({"type": f"content_block_{kind}", "index": self.index,
+                                   **fields}))
+
     def open(self, block: dict) -> None:
         self.close()
         self.index += 1
         self.kind = block["type"]
-        self.events.append(_event("content_block_start", {
-            "type": "content_block_start", "index": self.index, "content_block": block}))
+        self.add("start", content_block=block)
 
     def write(self, block: dict, delta: dict) -> None:
         """``delta`` into the open block if it is of ``block``'s type, else into ``block``."""
         if self.kind != block["type"]:
             self.open(block)
-        self.delta(delta)
-
-    def delta(self, delta: dict) -> None:
-        self.events.append(_event("content_block_delta", {
-            "type": "content_block_delta", "index": self.index, "delta": delta}))
+        self.add("delta", delta=delta)
 
     def close(self) -> None:
         if self.kind == "thinking":
-            self.delta({"type": "signature_delta", "signature": ""})
+            self.add("delta", delta={"type": "signature_delta", "signature": ""})
         if self.kind is not None:
-            self.events.append(_event("content_block_stop", {"type": "content_block_stop",
-                                                             "index": self.index}))
+            self.add("stop")
         self.kind = None
 
     def take(self) -> list[str]:
@@ -346,9 +344,9 @@ async def _events(msg_id: str, model: str, input_tokens: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], asked: bool,
                   parser: OutputParser, latent: LatentReasoning | None, texts
                   ) -> AsyncIterator[str]:
-    yield _event("message_start", {"type": "message_start", "message": _message(
+    yield _event({"type": "message_start", "message": _message(
         msg_id, model, [], None, None, input_tokens, 0)})
-    yield _event("ping", {"type": "ping"})
+    yield _event({"type": "ping"})
     blocks = _Blocks()
     last, called = None, False
     async for _, delta in deltas:
@@ -365,7 +363,8 @@ async def _events(msg_id: str, model: str, input_tokens: int,
             if call.id is not None:
                 blocks.open({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
             if call.arguments:
-                blocks.delta({"type": "input_json_delta", "partial_json": call.arguments})
+                blocks.add("delta", delta={"type": "input_json_delta",
+                                           "partial_json": call.arguments})
         for e in blocks.take():
             yield e
         last = delta
@@ -375,9 +374,9 @@ async def _events(msg_id: str, model: str, input_tokens: int,
     for e in blocks.take():
         yield e
     stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string, called)
-    yield _event("message_delta", _with_latent({
+    yield _event(_with_latent({
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
         "usage": {"output_tokens": last.num_output_tokens}},
         latent_info(last, asked, texts)))
-    yield _event("message_stop", {"type": "message_stop"})
+    yield _event({"type": "message_stop"})

@@ -113,10 +113,12 @@ def message_turns(role: str, content: str | list[ContentBlock], param: str,
     return [*results, turn]
 
 
-def openai_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tools as OpenAI function tools; APIError for a server tool, schema or name."""
+def openai_tools(tools: list[AnthropicTool] | None
+                 ) -> tuple[list[dict[str, Any]] | None, dict[str, dict]]:
+    """Anthropic tools as OpenAI function tools (None: none) and ``tools.check_tools``' dict
+    of them by name; APIError (400 naming the field) for a server tool, schema or name."""
     if not tools:
-        return None
+        return None, {}
     out = []
     for i, tool in enumerate(tools):
         if tool.type not in (None, "custom"):
@@ -129,8 +131,8 @@ def openai_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | No
         if tool.description is not None:
             fn["description"] = tool.description
         out.append({"type": "function", "function": fn})
-    check_tools(out, lambda i, key: f"tools.{i}.{'input_schema' if key == 'parameters' else key}")
-    return out
+    return out, check_tools(
+        out, lambda i, key: f"tools.{i}.{'input_schema' if key == 'parameters' else key}")
 
 
 # Anthropic's tool_choice type -> ToolChoice mode.

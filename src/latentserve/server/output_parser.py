@@ -40,17 +40,7 @@ class OutputParser:
     def step(self, text: str, final: bool = False) -> Piece:
         """The piece released by one more text delta; ``final``: with what is held back, at
         the end of the output."""
-        out = self._release(text, False)
-        if final:
-            rest = self._release("", True)
-            out = Piece(out.reasoning + rest.reasoning, out.content + rest.content,
-                        out.calls + rest.calls)
-        return out
-
-    def _release(self, text: str, final: bool) -> Piece:
-        if self.think is None:
-            return self._answer(text, final)
-        split = self.think.finish() if final else self.think.feed(text)
+        split = _step(self.think, text, final) if self.think else Piece(content=text)
         out = self._answer(split.content, final)
         out.reasoning = split.reasoning if self.include_reasoning else ""
         return out
@@ -72,11 +62,7 @@ class OutputParser:
                 for c in calls or []:
                     out.calls.append(self._new_call(c.name, c.arguments))
         elif self.tools is not None:
-            parsed = self.tools.feed(text)
-            if final:
-                rest = self.tools.finish()
-                parsed.content += rest.content
-                parsed.calls += rest.calls
+            parsed = _step(self.tools, text, final)
             out.content = parsed.content
             for c in parsed.calls:
                 if not (self.single and self.num_calls):
@@ -89,6 +75,12 @@ class OutputParser:
         self.num_calls += 1
         return CallDelta(self.num_calls - 1, self.id_prefix + uuid.uuid4().hex[:24], name,
                          arguments)
+
+
+def _step(parser, text: str, final: bool) -> Piece:
+    """``parser.feed(text)``, and ``parser.finish()`` when ``final``."""
+    out = parser.feed(text)
+    return out + parser.finish() if final else out
 
 
 def join_calls(pieces: list[CallDelta]) -> list[CallDelta]:

@@ -8,7 +8,7 @@ import json
 
 from latentserve.server.errors import APIError
 from latentserve.server.latent_trace import tick_entries
-from latentserve.server.tool_parsers import Piece, held_prefix
+from latentserve.server.tool_parsers import Piece, split_held
 
 THINK_START, THINK_END = "<think>", "</think>"
 # name -> whether an output that does not open with <think> is reasoning.
@@ -40,9 +40,7 @@ class ThinkParser:
         if self.state == "reasoning":
             end = self.buf.find(THINK_END)
             if end < 0:
-                keep = held_prefix(self.buf, THINK_END)
-                out.reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[
-                    len(self.buf) - keep:]
+                out.reasoning, self.buf = split_held(self.buf, THINK_END)
                 return out
             out.reasoning = self.buf[:end]
             self.state, self.buf = "content", self.buf[end + len(THINK_END):]
@@ -59,9 +57,7 @@ class ThinkParser:
 
 def latent_count_text(steps: int) -> str:
     """``[12 latent steps]`` (``[1 latent step]``); "" for none."""
-    if steps <= 0:
-        return ""
-    return f"[{steps} latent step{'s' if steps != 1 else ''}]"
+    return f"[{steps} latent step{'s' if steps != 1 else ''}]" if steps > 0 else ""
 
 
 def latent_step_text(step: int, entry: dict | None, texts) -> str:

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
 
-def held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    return next((n for n in range(min(len(text), len(tag) - 1), 0, -1)
-                 if tag.startswith(text[-n:])), 0)
+def split_held(text: str, tag: str) -> tuple[str, str]:
+    """``text`` split before its longest suffix that is a proper prefix of ``tag`` (held
+    back until more text decides it)."""
+    n = next((n for n in range(min(len(text), len(tag) - 1), 0, -1)
+              if tag.startswith(text[-n:])), 0)
+    return text[:len(text) - n], text[len(text) - n:]
 
 
 @dataclass(slots=True)
@@ -39,6 +41,10 @@ class Piece:
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.calls)
+
+    def __add__(self, other: Piece) -> Piece:
+        return Piece(self.reasoning + other.reasoning, self.content + other.content,
+                     self.calls + other.calls)
 
 
 def parse_call(raw, key: str = "arguments") -> CallDelta | None:
@@ -100,8 +106,7 @@ class HermesToolParser:
                 self.ws_before = text[len(text.rstrip()):]
                 self.inside, self.buf = True, self.buf[start + len(CALL_START):]
                 continue
-            keep = held_prefix(self.buf, CALL_START)
-            text, tail = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            text, tail = split_held(self.buf, CALL_START)
             ws = len(text) - len(text.rstrip())  # may precede a block: held too
             out.content += text[:len(text) - ws]
             self.buf = text[len(text) - ws:] + tail
