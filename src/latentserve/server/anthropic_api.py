@@ -95,13 +95,8 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int | None = None
 
 
-_STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
-
-
 def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
     """The chat template's turns. Raises APIError (400 naming the field)."""
-    if not body.messages:
-        raise APIError("messages: at least one message is required", param="messages")
     tool_names: dict[str, str] = {}
     conversation = message_turns("system", body.system, "system", tool_names) if body.system \
         else []
@@ -138,14 +133,14 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
     check_stop_count(body.stop_sequences, "stop_sequences", state.limits)
 
 
-def _stop(finish_reason: str | None, stop_string: str | None, called: bool = False
+def _stop(finish_reason: str | None, stop_string: str | None, called: bool
           ) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence``."""
     if stop_string is not None:
         return "stop_sequence", stop_string
     if called and finish_reason == "stop":
         return "tool_use", None
-    return _STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
+    return "max_tokens" if finish_reason == "length" else "end_turn", None
 
 
 @dataclass(slots=True)
