@@ -145,10 +145,9 @@ def _stop(finish_reason: str | None, stop_string: str | None, called: bool
 
 @dataclass(slots=True)
 class _Answer:
-    """How a request's answer is shaped: tools, choice, ``thinking`` (None: absent), latent
-    mode."""
+    """How a request's answer is shaped: tools by name, choice, ``thinking`` (None: absent),
+    latent mode."""
 
-    tool_dicts: list[dict] | None
     tools: dict[str, dict]
     choice: ToolChoice
     flag: bool | None
@@ -176,7 +175,7 @@ async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, l
     conversation = _conversation(body)
     check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
-    return _Answer(tool_dicts, tools, choice, flag, mode if flag else None), await in_pool(
+    return _Answer(tools, choice, flag, mode if flag else None), await in_pool(
         render_chat, state.tokenizer, conversation, tools=tool_dicts, template_kwargs=kwargs,
         continue_final_message=conversation[-1]["role"] == "assistant")
 
@@ -250,12 +249,10 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         asked = bool(body.return_latent_trace)
         texts = token_texts(state.tokenizer)
         if body.stream:
-            latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
-                      else None)
             return await stream(
                 request, state, reqs, arrival, ticket, lambda deltas: _events(
                     msg_id, state.model_name, len(prompt_ids), deltas, asked,
-                    answer.parser(state), latent, texts),
+                    answer.parser(state), answer.latent_mode, texts),
                 error_event=lambda err: _event(anthropic_error_body(
                     err.message, anthropic_status(err))), done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
@@ -337,8 +334,9 @@ class _Blocks:
 
 async def _events(msg_id: str, model: str, input_tokens: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], asked: bool,
-                  parser: OutputParser, latent: LatentReasoning | None, texts
+                  parser: OutputParser, latent_mode: str | None, texts
                   ) -> AsyncIterator[str]:
+    latent = LatentReasoning(latent_mode, texts) if latent_mode else None
     yield _event({"type": "message_start", "message": _message(
         msg_id, model, [], None, None, input_tokens, 0)})
     yield _event({"type": "ping"})

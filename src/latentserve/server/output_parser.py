@@ -35,7 +35,6 @@ class OutputParser:
         self.id_prefix = id_prefix
         self.num_calls = 0
         self.required_text = ""  # required: the answer, parsed at the end
-        self.named_open = False
 
     def step(self, text: str, final: bool = False) -> Piece:
         """The piece released by one more text delta; ``final``: with what is held back, at
@@ -48,8 +47,7 @@ class OutputParser:
     def _answer(self, text: str, final: bool) -> Piece:
         out = Piece()
         if self.mode == "named":
-            if not self.named_open and (text or final):
-                self.named_open = True
+            if not self.num_calls and (text or final):
                 out.calls.append(self._new_call(self.name, ""))
             if text:
                 out.calls.append(CallDelta(0, arguments=text))
