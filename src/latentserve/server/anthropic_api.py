@@ -224,8 +224,10 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
                        f"{body.max_tokens} > the maximum context length {max_len}",
                        param="max_tokens", code="context_length_exceeded")
     try:
-        params = SamplingParams(
-            max_tokens=body.max_tokens, **{k: v for k, v in head.items() if v is not None},
+        params = SamplingParams(  # thinking_token_budget: <think> tokens or latent positions
+            max_tokens=body.max_tokens,
+            thinking_token_budget=body.thinking.budget_tokens if answer.flag else None,
+            **{k: v for k, v in head.items() if v is not None},
             **shared_fields(body, list(body.stop_sequences or []), budget,
                             state.sampling_defaults))
     except ValueError as exc:

@@ -162,7 +162,7 @@ def run_server(config: EngineConfig | list[EngineConfig],
                                       max_log_len=o.max_log_len,
                                       sampling_defaults=ready.sampling_defaults or {},
                                       tool_parser=o.tool_call_parser,
-                                      reasoning_parser=o.reasoning_parser,
+                                      reasoning_parser=cfg.reasoning_parser,
                                       trust_request_chat_template=o.trust_request_chat_template))
         served = ServedModels(states)
         app = create_app(served, on_shutdown=stop_engines, cors=o.cors,

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from latentserve.options import check, json_str_list, option
-from latentserve.server.reasoning import REASONING_PARSERS
 from latentserve.server.state import DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 from latentserve.server.timeouts import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 from latentserve.server.tool_parsers import TOOL_PARSERS
@@ -62,9 +61,6 @@ class ServerOptions:
     tool_call_parser: str | None = option(
         None, "parse tool calls out of chat answers in this format (tool_choice auto); "
         "default: none, calls stay text", choices=tuple(sorted(TOOL_PARSERS)))
-    reasoning_parser: str | None = option(
-        None, "split <think>...</think> reasoning from chat answers into reasoning_content; "
-        "default: none", choices=tuple(sorted(REASONING_PARSERS)))
     allowed_origins: list[str] = option(["*"], "CORS: origins allowed, a JSON list of strings",
                                         type=json_str_list)
     allowed_methods: list[str] = option(["*"], "CORS: methods allowed, a JSON list of strings",

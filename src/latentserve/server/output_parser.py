@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
-from latentserve.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, ThinkParser
+from latentserve.server.reasoning import ThinkParser
 from latentserve.server.tool_parsers import (
     CALL_END,
     CALL_START,
@@ -16,6 +16,7 @@ from latentserve.server.tool_parsers import (
     required_calls,
 )
 from latentserve.server.tools import ToolChoice, call_schema, json_constraint
+from latentserve.token_masks import REASONING_PARSERS, THINK_END, THINK_START
 
 
 class OutputParser:

@@ -355,6 +355,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens
             bad_words=list(request.bad_words or []),
             allowed_token_ids=request.allowed_token_ids,
             structured_outputs=structured_outputs(request),
+            thinking_token_budget=request.thinking_token_budget,
             **shared_fields(request, stop, budget, defaults),
             **head,
         )
