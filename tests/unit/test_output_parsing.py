@@ -13,7 +13,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 def _streamed(parser: OutputParser, text: str):
-    pieces = [parser.feed(c) for c in text] + [parser.finish()]
+    pieces = [parser.step(c) for c in text] + [parser.step("", final=True)]
     return ("".join(p.reasoning for p in pieces), "".join(p.content for p in pieces),
             join_calls([c for p in pieces for c in p.calls]))
 
@@ -77,10 +77,10 @@ def test_single_keeps_the_first_call_only():
 
 def test_named_choice_streams_the_answer_as_the_arguments():
     parser = OutputParser(choice=ToolChoice("named", "get_weather", single=True))
-    first = parser.feed('{"city"')
+    first = parser.step('{"city"')
     assert first.calls[0].name == "get_weather" and first.calls[0].id.startswith("call_")
     assert first.calls[1].arguments == '{"city"'
-    rest = [parser.feed(': "Paris"}'), parser.finish()]
+    rest = [parser.step(': "Paris"}'), parser.step("", final=True)]
     assert all(p.content == "" for p in [first, *rest])
     calls = join_calls(first.calls + [c for p in rest for c in p.calls])
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]

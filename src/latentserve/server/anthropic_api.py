@@ -52,7 +52,7 @@ from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import ENGINE_ERRORS, api_error, collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
-from latentserve.server.tools import ToolChoice, check_tools
+from latentserve.server.tools import ToolChoice
 
 
 class AnthropicMessage(RequestModel):
@@ -89,46 +89,17 @@ class MessagesRequest(LatentFields):
     fallback_credit_token: str | dict[str, Any] | None = None
 
 
-def thinking_flag(thinking: AnthropicThinking | None) -> bool | None:
-    """``thinking.type`` ``enabled`` -> True, ``disabled`` -> False, absent -> None; APIError."""
-    if thinking is None:
-        return None
-    kind = thinking.type
-    if kind not in ("enabled", "disabled"):
-        raise APIError(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}",
-                       param="thinking.type")
-    return kind == "enabled"
-
-
 class CountTokensRequest(MessagesRequest):
     """``/v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
 
     max_tokens: int | None = None
 
 
-_STOP_REASONS = {"length": "max_tokens", "stop": "end_turn", "abort": "end_turn"}
-
-
-def _blocks_text(content: str | list[ContentBlock], param: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, block in enumerate(content):
-        if block.type != "text" or block.text is None:
-            raise APIError(f"{param}.{j}: only text content blocks are supported, got type "
-                           f"{block.type!r}", param=f"{param}.{j}")
-        parts.append(block.text)
-    return "".join(parts)
-
-
 def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
     """The chat template's turns. Raises APIError (400 naming the field)."""
-    if not body.messages:
-        raise APIError("messages: at least one message is required", param="messages")
-    conversation = []
-    if body.system:
-        conversation.append({"role": "system", "content": _blocks_text(body.system, "system")})
     tool_names: dict[str, str] = {}
+    conversation = message_turns("system", body.system, "system", tool_names) if body.system \
+        else []
     for i, message in enumerate(body.messages):
         if message.role not in ("user", "assistant"):
             raise APIError(f"messages.{i}.role: Input should be 'user' or 'assistant', got "
@@ -162,51 +133,21 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
     check_stop_count(body.stop_sequences, "stop_sequences", state.limits)
 
 
-def _thinking_budget(body: MessagesRequest) -> int | None:
-    """``thinking.budget_tokens`` when thinking is enabled, else None: the engine's
-    ``thinking_token_budget`` (``<think>`` tokens, or latent positions on a latent model)."""
-    t = body.thinking
-    return t.budget_tokens if t is not None and t.type == "enabled" else None
-
-
-def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
-            budget: int | None = None, latent: int = 0, defaults: dict | None = None,
-            head: dict | None = None) -> SamplingParams:
-    """``latent`` KV positions count against the context; ``defaults`` fill unset fields;
-    ``head``: the head controls set (``x-latent-*`` / ``x-ds4-*`` headers or body fields)."""
-    if body.max_tokens < 1:
-        raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
-                       param="max_tokens")
-    check_prompt_length(num_prompt_tokens, max_model_len, "messages")
-    if num_prompt_tokens + latent + body.max_tokens > max_model_len:
-        extra = f" + {latent} latent and transition positions" if latent else ""
-        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + max_tokens "
-                       f"{body.max_tokens} > the maximum context length {max_model_len}",
-                       param="max_tokens", code="context_length_exceeded")
-    try:
-        return SamplingParams(
-            max_tokens=body.max_tokens, thinking_token_budget=_thinking_budget(body),
-            **(head or {}),
-            **shared_fields(body, list(body.stop_sequences or []), budget, defaults))
-    except ValueError as exc:
-        raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
-
-
-def _stop(finish_reason: str | None, stop_string: str | None, called: bool = False
+def _stop(finish_reason: str | None, stop_string: str | None, called: bool
           ) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence``."""
     if stop_string is not None:
         return "stop_sequence", stop_string
     if called and finish_reason == "stop":
         return "tool_use", None
-    return _STOP_REASONS.get(finish_reason or "stop", "end_turn"), None
+    return "max_tokens" if finish_reason == "length" else "end_turn", None
 
 
 @dataclass(slots=True)
 class _Answer:
-    """How a request's answer is shaped: tools, choice, :func:`thinking_flag`, latent mode."""
+    """How a request's answer is shaped: tools by name, choice, ``thinking`` (None: absent),
+    latent mode."""
 
-    tool_dicts: list[dict] | None
     tools: dict[str, dict]
     choice: ToolChoice
     flag: bool | None
@@ -217,30 +158,25 @@ class _Answer:
                             self.flag is True, id_prefix="toolu_")
 
 
-def _answer(body: MessagesRequest, state: ServerState) -> _Answer:
-    """APIError (400 naming the field) for bad tools, ``tool_choice`` or ``latent_reasoning``."""
-    tool_dicts = openai_tools(body.tools)
-    tools = check_tools(tool_dicts)
+async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, list[int]]:
+    """The answer's shape and the templated prompt, ``thinking`` as the template's
+    ``thinking`` / ``enable_thinking``. APIError (400 naming the field) for bad tools,
+    ``tool_choice``, ``thinking.type``, ``latent_reasoning`` or messages."""
+    tool_dicts, tools = openai_tools(body.tools)
     choice = anthropic_tool_choice(body.tool_choice, tools)
-    flag = thinking_flag(body.thinking)
+    flag = None if body.thinking is None else body.thinking.type == "enabled"
+    if body.thinking is not None and body.thinking.type not in ("enabled", "disabled"):
+        raise APIError(f"thinking.type must be 'enabled' or 'disabled', got "
+                       f"{body.thinking.type!r}", param="thinking.type")
     mode = latent_reasoning_mode(body, state.latent_spec)
     if body.latent_reasoning is not None and flag is not True:
         raise APIError("latent_reasoning: it writes the thinking block, which needs thinking "
                        '{"type": "enabled"}', param="latent_reasoning")
-    return _Answer(tool_dicts, tools, choice, flag, mode if flag is True else None)
-
-
-async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, list[int]]:
-    """:func:`_answer` and the templated prompt, ``thinking`` as the template's ``thinking`` /
-    ``enable_thinking``. APIError (400 naming the field)."""
-    answer = _answer(body, state)
     conversation = _conversation(body)
     check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
-    flag = answer.flag
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
-    return answer, await in_pool(
-        render_chat, state.tokenizer, conversation, tools=answer.tool_dicts,
-        template_kwargs=kwargs,
+    return _Answer(tools, choice, flag, mode if flag else None), await in_pool(
+        render_chat, state.tokenizer, conversation, tools=tool_dicts, template_kwargs=kwargs,
         continue_final_message=conversation[-1]["role"] == "assistant")
 
 
@@ -269,15 +205,33 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 def _request_params(body: MessagesRequest, request, state: ServerState,
                     num_prompt_tokens: int, answer: _Answer) -> SamplingParams:
     """The engine's ``SamplingParams``, ``answer.flag`` as the head's thinking where it means
-    one. Raises APIError (400 naming the field or header)."""
+    one; latent KV positions count against the context. Raises APIError (400 naming the field
+    or header; ``context_length_exceeded`` over the context)."""
     kind = getattr(state.latent_spec, "kind", None)
     shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
     flag = answer.flag if kind == "head" or (answer.flag and not shows) else None
     budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
                                       state.latent_spec)  # no ticks on /v1/messages
-    params = _params(body, num_prompt_tokens, state.max_model_len, budget,
-                     latent_positions(state.latent_spec, budget), state.sampling_defaults,
-                     {k: v for k, v in head.items() if v is not None})
+    if body.max_tokens < 1:
+        raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
+                       param="max_tokens")
+    max_len = state.max_model_len
+    check_prompt_length(num_prompt_tokens, max_len, "messages")
+    latent = latent_positions(state.latent_spec, budget)
+    if num_prompt_tokens + latent + body.max_tokens > max_len:
+        extra = f" + {latent} latent and transition positions" if latent else ""
+        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + max_tokens "
+                       f"{body.max_tokens} > the maximum context length {max_len}",
+                       param="max_tokens", code="context_length_exceeded")
+    try:
+        params = SamplingParams(  # thinking_token_budget: <think> tokens or latent positions
+            max_tokens=body.max_tokens,
+            thinking_token_budget=body.thinking.budget_tokens if answer.flag else None,
+            **{k: v for k, v in head.items() if v is not None},
+            **shared_fields(body, list(body.stop_sequences or []), budget,
+                            state.sampling_defaults))
+    except ValueError as exc:
+        raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
     return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
                          state.tokenizer, answer.parser(state))
 
@@ -297,13 +251,11 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         asked = bool(body.return_latent_trace)
         texts = token_texts(state.tokenizer)
         if body.stream:
-            latent = (LatentReasoning(answer.latent_mode, texts) if answer.latent_mode
-                      else None)
             return await stream(
                 request, state, reqs, arrival, ticket, lambda deltas: _events(
                     msg_id, state.model_name, len(prompt_ids), deltas, asked,
-                    answer.parser(state), latent, texts),
-                error_event=lambda err: _event("error", anthropic_error_body(
+                    answer.parser(state), answer.latent_mode, texts),
+                error_event=lambda err: _event(anthropic_error_body(
                     err.message, anthropic_status(err))), done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
         reasoning, content, calls = parse_output(answer.parser(state), result.text)
@@ -341,8 +293,8 @@ def _message(msg_id: str, model: str, content: list, stop_reason: str | None,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
 
 
-def _event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+def _event(data: dict) -> str:
+    return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n"
 
 
 class _Blocks:
@@ -353,29 +305,28 @@ class _Blocks:
         self.kind: str | None = None
         self.events: list[str] = []
 
+    def add(self, kind: str, **fields) -> None:
+        """A ``content_block_{kind}`` event (``start``, ``delta``, ``stop``) of the open block."""
+        self.events.append(_event({"type": f"content_block_{kind}", "index": self.index,
+                                   **fields}))
+
     def open(self, block: dict) -> None:
         self.close()
         self.index += 1
         self.kind = block["type"]
-        self.events.append(_event("content_block_start", {
-            "type": "content_block_start", "index": self.index, "content_block": block}))
+        self.add("start", content_block=block)
 
     def write(self, block: dict, delta: dict) -> None:
         """``delta`` into the open block if it is of ``block``'s type, else into ``block``."""
         if self.kind != block["type"]:
             self.open(block)
-        self.delta(delta)
-
-    def delta(self, delta: dict) -> None:
-        self.events.append(_event("content_block_delta", {
-            "type": "content_block_delta", "index": self.index, "delta": delta}))
+        self.add("delta", delta=delta)
 
     def close(self) -> None:
         if self.kind == "thinking":
-            self.delta({"type": "signature_delta", "signature": ""})
+            self.add("delta", delta={"type": "signature_delta", "signature": ""})
         if self.kind is not None:
-            self.events.append(_event("content_block_stop", {"type": "content_block_stop",
-                                                             "index": self.index}))
+            self.add("stop")
         self.kind = None
 
     def take(self) -> list[str]:
@@ -385,11 +336,12 @@ class _Blocks:
 
 async def _events(msg_id: str, model: str, input_tokens: int,
                   deltas: AsyncIterator[tuple[int, TextDelta]], asked: bool,
-                  parser: OutputParser, latent: LatentReasoning | None, texts
+                  parser: OutputParser, latent_mode: str | None, texts
                   ) -> AsyncIterator[str]:
-    yield _event("message_start", {"type": "message_start", "message": _message(
+    latent = LatentReasoning(latent_mode, texts) if latent_mode else None
+    yield _event({"type": "message_start", "message": _message(
         msg_id, model, [], None, None, input_tokens, 0)})
-    yield _event("ping", {"type": "ping"})
+    yield _event({"type": "ping"})
     blocks = _Blocks()
     last, called = None, False
     async for _, delta in deltas:
@@ -406,7 +358,8 @@ async def _events(msg_id: str, model: str, input_tokens: int,
             if call.id is not None:
                 blocks.open({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
             if call.arguments:
-                blocks.delta({"type": "input_json_delta", "partial_json": call.arguments})
+                blocks.add("delta", delta={"type": "input_json_delta",
+                                           "partial_json": call.arguments})
         for e in blocks.take():
             yield e
         last = delta
@@ -416,9 +369,9 @@ async def _events(msg_id: str, model: str, input_tokens: int,
     for e in blocks.take():
         yield e
     stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string, called)
-    yield _event("message_delta", _with_latent({
+    yield _event(_with_latent({
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
         "usage": {"output_tokens": last.num_output_tokens}},
         latent_info(last, asked, texts)))
-    yield _event("message_stop", {"type": "message_stop"})
+    yield _event({"type": "message_stop"})

@@ -36,7 +36,7 @@ class AnthropicTool(RequestModel):
 
 
 class AnthropicThinking(RequestModel):
-    """``thinking``: ``type`` is checked by ``anthropic_api.thinking_flag``; ``budget_tokens``
+    """``thinking``: ``type`` is checked by ``anthropic_api._prompt``; ``budget_tokens``
     (an integer >= 1024, as Anthropic's API requires; not held below ``max_tokens``) is the
     engine's ``thinking_token_budget``."""
 
@@ -52,31 +52,26 @@ class AnthropicToolChoice(RequestModel):
     disable_parallel_tool_use: bool | None = None
 
 
-def _text(block: ContentBlock, param: str) -> str:
-    if block.text is None:
-        raise APIError(f"{param}.text: a text block needs a string 'text'", param=f"{param}.text")
-    return block.text
-
-
 def _result_text(block: ContentBlock, param: str) -> str:
     """A ``tool_result``'s content as text (a string or text blocks)."""
-    content = block.content
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for k, part in enumerate(content):
+    if not isinstance(block.content, list):
+        return block.content or ""
+    for k, part in enumerate(block.content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise APIError(f"{param}.content.{k}: only text blocks are supported in a "
                            f"tool_result, got type {part.get('type')!r}",
                            param=f"{param}.content.{k}")
-        parts.append(part["text"])
-    return "".join(parts)
+    return "".join(part["text"] for part in block.content)
+
+
+_ALLOWED_BLOCKS = {"assistant": "text, thinking, tool_use", "user": "text, tool_result"}
 
 
 def message_turns(role: str, content: str | list[ContentBlock], param: str,
                   tool_names: dict[str, str]) -> list[dict[str, Any]]:
-    """One Anthropic message as chat-template turns (``tool_names``: tool_use id -> name).
-    APIError (400 naming ``{param}.{j}``) for another block type or missing fields."""
+    """One Anthropic message (or ``system``) as chat-template turns (``tool_names``: tool_use
+    id -> name). APIError (400 naming ``{param}.{j}``) for another block type or a missing
+    field."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts, calls, results = [], [], []
@@ -84,7 +79,10 @@ def message_turns(role: str, content: str | list[ContentBlock], param: str,
         where = f"{param}.{j}"
         kind = block.type
         if kind == "text":
-            texts.append(_text(block, where))
+            if block.text is None:
+                raise APIError(f"{where}.text: a text block needs a string 'text'",
+                               param=f"{where}.text")
+            texts.append(block.text)
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
         elif kind == "tool_use" and role == "assistant":
@@ -105,23 +103,23 @@ def message_turns(role: str, content: str | list[ContentBlock], param: str,
                 turn["is_error"] = True
             results.append(turn)
         else:
-            allowed = ("text, thinking, tool_use" if role == "assistant"
-                       else "text, tool_result")
+            allowed = _ALLOWED_BLOCKS.get(role, "text")
             raise APIError(f"{where}: {role} content blocks may be {allowed}; got type "
                            f"{kind!r}", param=where)
-    turns = results
-    if texts or calls or not results:
-        turn = {"role": role, "content": "".join(texts)}
-        if calls:
-            turn["tool_calls"] = calls
-        turns = [*results, turn]
-    return turns
+    if results and not (texts or calls):
+        return results
+    turn = {"role": role, "content": "".join(texts)}
+    if calls:
+        turn["tool_calls"] = calls
+    return [*results, turn]
 
 
-def openai_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tools as OpenAI function tools; APIError for a server tool, schema or name."""
+def openai_tools(tools: list[AnthropicTool] | None
+                 ) -> tuple[list[dict[str, Any]] | None, dict[str, dict]]:
+    """Anthropic tools as OpenAI function tools (None: none) and ``tools.check_tools``' dict
+    of them by name; APIError (400 naming the field) for a server tool, schema or name."""
     if not tools:
-        return None
+        return None, {}
     out = []
     for i, tool in enumerate(tools):
         if tool.type not in (None, "custom"):
@@ -134,29 +132,27 @@ def openai_tools(tools: list[AnthropicTool] | None) -> list[dict[str, Any]] | No
         if tool.description is not None:
             fn["description"] = tool.description
         out.append({"type": "function", "function": fn})
-    check_tools(out, lambda i, key: f"tools.{i}.{'input_schema' if key == 'parameters' else key}")
-    return out
+    return out, check_tools(
+        out, lambda i, key: f"tools.{i}.{'input_schema' if key == 'parameters' else key}")
+
+
+# Anthropic's tool_choice type -> ToolChoice mode.
+_CHOICE_MODES = {"auto": "auto", "none": "none", "any": "required", "tool": "named"}
 
 
 def anthropic_tool_choice(choice: AnthropicToolChoice | None, tools: dict[str, dict]
                           ) -> ToolChoice:
     """Anthropic's ``tool_choice`` (None: ``auto`` with tools); APIError for a bad value."""
-
     if choice is None:
         return ToolChoice("auto" if tools else "none")
-    kind = choice.type
-    single = choice.disable_parallel_tool_use is True
-    if kind in ("auto", "none"):
-        return ToolChoice(kind, single=single)
-    if kind in ("any", "tool") and not tools:
+    kind, mode = choice.type, _CHOICE_MODES.get(choice.type or "")
+    if mode is None:
+        raise APIError(f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got "
+                       f"{kind!r}", param="tool_choice.type")
+    if mode in ("required", "named") and not tools:
         raise APIError(f"tool_choice: type {kind!r} needs tools", param="tool_choice")
-    if kind == "any":
-        return ToolChoice("required", single=single)
-    if kind == "tool":
-        name = choice.name
-        if name not in tools:
-            raise APIError(f"tool_choice.name: {name!r} is not one of the tools "
-                           f"({', '.join(repr(n) for n in tools)})", param="tool_choice.name")
-        return ToolChoice("named", name, single=True)
-    raise APIError(f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got {kind!r}",
-                   param="tool_choice.type")
+    if mode == "named" and choice.name not in tools:
+        raise APIError(f"tool_choice.name: {choice.name!r} is not one of the tools "
+                       f"({', '.join(repr(n) for n in tools)})", param="tool_choice.name")
+    return ToolChoice(mode, choice.name if mode == "named" else None,
+                      single=mode == "named" or choice.disable_parallel_tool_use is True)

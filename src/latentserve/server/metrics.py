@@ -12,18 +12,12 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 _N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's request_params_n buckets
-DEFAULT_MAX_TOKENS_BUCKET = 1 << 20  # token histograms' last finite bucket without a model
 
 
 def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's ``build_1_2_5_buckets``)."""
-    out, scale = [], 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > max_value:
-                return tuple(out)
-            out.append(m * scale)
-        scale *= 10
+    return tuple(m * 10 ** e for e in range(len(str(max_value))) for m in (1, 2, 5)
+                 if m * 10 ** e <= max_value)
 
 
 class RequestGroup:
@@ -107,14 +101,15 @@ class RequestTimer:
 
 
 class MetricsRegistry:
-    """The metric families of one ``/metrics`` body, in a registry of their own."""
+    """The metric families of one ``/metrics`` body, in a registry of their own; token
+    histograms' buckets go up to ``max_model_len``."""
 
-    def __init__(self, max_model_len: int | None = None):
+    def __init__(self, max_model_len: int):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
         reg = self.registry
-        token_buckets = buckets_1_2_5(max_model_len or DEFAULT_MAX_TOKENS_BUCKET)
+        token_buckets = buckets_1_2_5(max_model_len)
         for attr, (name, doc, buckets) in _HISTOGRAMS.items():
             setattr(self, attr, Histogram(f"latentserve_{name}", doc, ["model_name"],
                                           buckets=buckets or token_buckets, registry=reg))
@@ -124,12 +119,27 @@ class MetricsRegistry:
         self.finished = Counter("latentserve_request_success", "Finished requests by reason",
                                 ["model_name", "finished_reason"], registry=reg)
         self.engines: list[tuple[str, Callable[[], dict | None]]] = []
-        reg.register(_EngineCollector(self.engines))
+        reg.register(self)  # describe() and collect(): the engine families
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        """``_ENGINE_FAMILIES`` from each model's latest ``LLMEngine.stats()``."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        rows = [(name, stats) for name, get in self.engines if (stats := get())]
+        for kind, name, doc, value in _ENGINE_FAMILIES if rows else ():
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = cls(f"latentserve_{name}", doc, labels=["model_name"])
+            for model_name, stats in rows:
+                family.add_metric([model_name], value(stats) if callable(value) else stats[value])
+            yield family
 
 
 # Attribute -> (name after "latentserve_", help, buckets; None: 1-2-5 up to max_model_len).
@@ -182,46 +192,22 @@ class ServerMetrics:
 
 
 # Engine samples of ``LLMEngine.stats()``: (family kind, name after "latentserve_", help,
-# value of one model's stats).
+# one model's stats key or a function of its stats).
 _ENGINE_FAMILIES = (
-    ("gauge", "num_requests_running", "Requests admitted in the engine",
-     lambda s: s["num_running"]),
-    ("gauge", "num_requests_waiting", "Requests queued in the engine",
-     lambda s: s["num_waiting"]),
-    ("gauge", "kv_slots_total", "KV pool size, tokens", lambda s: s["kv_slots_total"]),
-    ("gauge", "kv_slots_free", "Free KV slots", lambda s: s["kv_slots_free"]),
-    ("gauge", "kv_slots_cached", "KV slots held by the prefix cache",
-     lambda s: s["kv_slots_cached"]),
+    ("gauge", "num_requests_running", "Requests admitted in the engine", "num_running"),
+    ("gauge", "num_requests_waiting", "Requests queued in the engine", "num_waiting"),
+    ("gauge", "kv_slots_total", "KV pool size, tokens", "kv_slots_total"),
+    ("gauge", "kv_slots_free", "Free KV slots", "kv_slots_free"),
+    ("gauge", "kv_slots_cached", "KV slots held by the prefix cache", "kv_slots_cached"),
     ("gauge", "kv_cache_usage_perc", "Fraction of KV slots neither free nor evictable",
      lambda s: (s["kv_slots_total"] - s["kv_slots_free"] - s["kv_slots_evictable"])
      / (s["kv_slots_total"] or 1)),
     ("counter", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-     lambda s: s["prefix_cache_queries"]),
+     "prefix_cache_queries"),
     ("counter", "prefix_cache_hits", "Prompt tokens served by the prefix cache",
-     lambda s: s["prefix_cache_hits"]),
+     "prefix_cache_hits"),
     ("gauge", "prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start-up",
      lambda s: s["prefix_cache_hits"] / s["prefix_cache_queries"]
      if s["prefix_cache_queries"] else 0.0),
-    ("counter", "num_preemptions", "Requests preempted", lambda s: s["num_preemptions"]),
+    ("counter", "num_preemptions", "Requests preempted", "num_preemptions"),
 )
-
-
-class _EngineCollector:
-    """``_ENGINE_FAMILIES`` from each model's latest ``LLMEngine.stats()``."""
-
-    def __init__(self, engines: list[tuple[str, Callable[[], dict | None]]]):
-        self.engines = engines
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        rows = [(name, stats) for name, get in self.engines if (stats := get())]
-        for kind, name, doc, value in _ENGINE_FAMILIES if rows else ():
-            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            family = cls(f"latentserve_{name}", doc, labels=["model_name"])
-            for model_name, stats in rows:
-                family.add_metric([model_name], value(stats))
-            yield family

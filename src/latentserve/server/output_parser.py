@@ -4,44 +4,19 @@ Design notes: docs/internals.md, "latentserve.server.output_parser"."""
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass, field
+import uuid
 
 from latentserve.server.reasoning import ThinkParser
-from latentserve.server.tool_parsers import CALL_END, CALL_START, TOOL_PARSERS, ParsedCall
-from latentserve.server.tools import ToolChoice, call_schema, json_constraint, new_call_id
+from latentserve.server.tool_parsers import (
+    CALL_END,
+    CALL_START,
+    TOOL_PARSERS,
+    CallDelta,
+    Piece,
+    required_calls,
+)
+from latentserve.server.tools import ToolChoice, call_schema, json_constraint
 from latentserve.token_masks import REASONING_PARSERS, THINK_END, THINK_START
-
-
-@dataclass(slots=True)
-class CallDelta:
-    """A piece of call ``index``: ``id`` and ``name`` on its first piece, then ``arguments``."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass(slots=True)
-class Piece:
-    """What one step releases of a choice: reasoning and content text, call pieces."""
-
-    reasoning: str = ""
-    content: str = ""
-    calls: list[CallDelta] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
-
-
-@dataclass(slots=True)
-class Call:
-    """A whole call: :class:`CallDelta` s of one index joined."""
-
-    id: str
-    name: str
-    arguments: str
 
 
 class OutputParser:
@@ -53,38 +28,19 @@ class OutputParser:
                  id_prefix: str = "call_"):
         self.think = (ThinkParser(REASONING_PARSERS[reasoning_parser])
                       if reasoning_parser else None)
-        self.mode = choice.mode if choice is not None else "none"
-        self.name = choice.name if choice is not None else None
-        self.single = bool(choice is not None and choice.single)
+        choice = choice or ToolChoice("none")
+        self.mode, self.name, self.single = choice.mode, choice.name, choice.single
         self.tools = (TOOL_PARSERS[tool_parser]() if tool_parser and self.mode == "auto"
                       else None)
         self.include_reasoning = include_reasoning
         self.id_prefix = id_prefix
         self.num_calls = 0
         self.required_text = ""  # required: the answer, parsed at the end
-        self.named_open = False
 
-    def feed(self, text: str) -> Piece:
-        """The piece released by one more text delta."""
-        return self._release(text, final=False)
-
-    def finish(self) -> Piece:
-        """What is held back, at the end of the output."""
-        return self._release("", final=True)
-
-    def step(self, text: str, final: bool) -> Piece:
-        """:meth:`feed`, joined with :meth:`finish` when ``final``."""
-        out = self.feed(text)
-        if final:
-            rest = self.finish()
-            out = Piece(out.reasoning + rest.reasoning, out.content + rest.content,
-                        out.calls + rest.calls)
-        return out
-
-    def _release(self, text: str, final: bool) -> Piece:
-        if self.think is None:
-            return self._answer(text, final)
-        split = self.think.finish() if final else self.think.feed(text)
+    def step(self, text: str, final: bool = False) -> Piece:
+        """The piece released by one more text delta; ``final``: with what is held back, at
+        the end of the output."""
+        split = _step(self.think, text, final) if self.think else Piece(content=text)
         out = self._answer(split.content, final)
         out.reasoning = split.reasoning if self.include_reasoning else ""
         return out
@@ -92,25 +48,20 @@ class OutputParser:
     def _answer(self, text: str, final: bool) -> Piece:
         out = Piece()
         if self.mode == "named":
-            if not self.named_open and (text or final):
-                self.named_open = True
+            if not self.num_calls and (text or final):
                 out.calls.append(self._new_call(self.name, ""))
             if text:
                 out.calls.append(CallDelta(0, arguments=text))
         elif self.mode == "required":
             self.required_text += text
             if final:
-                calls = _required_calls(self.required_text)
+                calls = required_calls(self.required_text)
                 if calls is None:  # cut short (length): the text as it is
                     out.content = self.required_text
                 for c in calls or []:
                     out.calls.append(self._new_call(c.name, c.arguments))
         elif self.tools is not None:
-            parsed = self.tools.feed(text)
-            if final:
-                rest = self.tools.finish()
-                parsed.content += rest.content
-                parsed.calls += rest.calls
+            parsed = _step(self.tools, text, final)
             out.content = parsed.content
             for c in parsed.calls:
                 if not (self.single and self.num_calls):
@@ -121,34 +72,26 @@ class OutputParser:
 
     def _new_call(self, name: str, arguments: str) -> CallDelta:
         self.num_calls += 1
-        return CallDelta(self.num_calls - 1, new_call_id(self.id_prefix), name, arguments)
+        return CallDelta(self.num_calls - 1, self.id_prefix + uuid.uuid4().hex[:24], name,
+                         arguments)
 
 
-def _required_calls(text: str) -> list[ParsedCall] | None:
-    """The calls of a ``required`` answer (``[{"name", "parameters"}, ...]``), or None."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(items, list) or not all(
-            isinstance(i, dict) and isinstance(i.get("name"), str)
-            and isinstance(i.get("parameters", {}), dict) for i in items):
-        return None
-    return [ParsedCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False))
-            for i in items]
+def _step(parser, text: str, final: bool) -> Piece:
+    """``parser.feed(text)``, and ``parser.finish()`` when ``final``."""
+    out = parser.feed(text)
+    return out + parser.finish() if final else out
 
 
-def join_calls(pieces: list[CallDelta]) -> list[Call]:
+def join_calls(pieces: list[CallDelta]) -> list[CallDelta]:
     """Call pieces (in stream order) joined per index."""
-    calls: dict[int, Call] = {}
+    calls: dict[int, CallDelta] = {}
     for p in pieces:
-        if p.index not in calls:
-            calls[p.index] = Call(p.id or "", p.name or "", "")
-        calls[p.index].arguments += p.arguments
+        call = calls.setdefault(p.index, CallDelta(p.index, p.id or "", p.name or ""))
+        call.arguments += p.arguments
     return [calls[i] for i in sorted(calls)]
 
 
-def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[Call]]:
+def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[CallDelta]]:
     """``(reasoning, content, calls)`` of a whole output."""
     p = parser.step(text, final=True)
     return p.reasoning, p.content, join_calls(p.calls)

@@ -5,28 +5,14 @@ Design notes: docs/internals.md, "latentserve.server.reasoning"."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from latentserve.server.errors import APIError
 from latentserve.server.latent_trace import tick_entries
+from latentserve.server.tool_parsers import Piece, split_held
 from latentserve.token_masks import THINK_END, THINK_START
 
 LATENT_REASONING = ("count", "logit_lens")
 LOGIT_LENS_TOP = 3  # top tokens shown per latent step
-
-
-def held_prefix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    return next((n for n in range(min(len(text), len(tag) - 1), 0, -1)
-                 if tag.startswith(text[-n:])), 0)
-
-
-@dataclass(slots=True)
-class Split:
-    """Text released by a parser: ``reasoning`` and ``content`` (answer), either may be ""."""
-
-    reasoning: str = ""
-    content: str = ""
 
 
 class ThinkParser:
@@ -38,9 +24,9 @@ class ThinkParser:
         self.state = "start"  # start (undecided) | reasoning | content
         self.buf = ""
 
-    def feed(self, text: str) -> Split:
+    def feed(self, text: str) -> Piece:
         self.buf += text
-        out = Split()
+        out = Piece()
         if self.state == "start":
             head = self.buf.lstrip()
             if head.startswith(THINK_START):
@@ -52,28 +38,24 @@ class ThinkParser:
         if self.state == "reasoning":
             end = self.buf.find(THINK_END)
             if end < 0:
-                keep = held_prefix(self.buf, THINK_END)
-                out.reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[
-                    len(self.buf) - keep:]
+                out.reasoning, self.buf = split_held(self.buf, THINK_END)
                 return out
             out.reasoning = self.buf[:end]
             self.state, self.buf = "content", self.buf[end + len(THINK_END):]
         out.content, self.buf = self.buf, ""
         return out
 
-    def finish(self) -> Split:
+    def finish(self) -> Piece:
         """What is held back, at the end of the output."""
         held, self.buf = self.buf, ""
         if self.state == "reasoning" or (self.state == "start" and self.implicit):
-            return Split(reasoning=held)
-        return Split(content=held)
+            return Piece(reasoning=held)
+        return Piece(content=held)
 
 
 def latent_count_text(steps: int) -> str:
     """``[12 latent steps]`` (``[1 latent step]``); "" for none."""
-    if steps <= 0:
-        return ""
-    return f"[{steps} latent step{'s' if steps != 1 else ''}]"
+    return f"[{steps} latent step{'s' if steps != 1 else ''}]" if steps > 0 else ""
 
 
 def latent_step_text(step: int, entry: dict | None, texts) -> str:

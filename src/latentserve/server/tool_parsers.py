@@ -1,4 +1,5 @@
-"""Tool calls parsed out of a model's text (``--tool-call-parser``), streamed or whole.
+"""Tool calls parsed out of a model's text (``--tool-call-parser``), streamed or whole, and
+the pieces every output parser releases.
 Design notes: docs/internals.md, "latentserve.server.tool_parsers"."""
 
 from __future__ import annotations
@@ -6,45 +7,70 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from latentserve.server.reasoning import held_prefix
-
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 
 
+def split_held(text: str, tag: str) -> tuple[str, str]:
+    """``text`` split before its longest suffix that is a proper prefix of ``tag`` (held
+    back until more text decides it)."""
+    n = next((n for n in range(min(len(text), len(tag) - 1), 0, -1)
+              if tag.startswith(text[-n:])), 0)
+    return text[:len(text) - n], text[len(text) - n:]
+
+
 @dataclass(slots=True)
-class ParsedCall:
-    """One call the model wrote: ``name`` and ``arguments`` (a JSON object string)."""
+class CallDelta:
+    """Call ``index`` or a piece of it: ``id`` and ``name`` on its first piece, then
+    ``arguments`` (whole: a JSON object string); the parsers here leave ``index`` and ``id``
+    to ``OutputParser``."""
 
-    name: str
-    arguments: str
+    index: int = 0
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass(slots=True)
-class Parsed:
-    """What a parser releases: answer text and complete calls."""
+class Piece:
+    """What a parser releases of a choice: reasoning and content (answer) text, call pieces;
+    either text may be ""."""
 
+    reasoning: str = ""
     content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+    def __add__(self, other: Piece) -> Piece:
+        return Piece(self.reasoning + other.reasoning, self.content + other.content,
+                     self.calls + other.calls)
 
 
-def parse_call(raw: str) -> ParsedCall | None:
-    """The call a block holds (``{"name": str, "arguments": object or JSON string}``), or
-    None."""
+def parse_call(raw, key: str = "arguments") -> CallDelta | None:
+    """The call ``raw`` holds (``{"name": str, key: object or JSON string}``, as JSON text or
+    decoded), or None."""
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw) if isinstance(raw, str) else raw
+        args = obj.get(key, {}) if isinstance(obj, dict) else None
+        args = json.loads(args) if isinstance(args, str) else args
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(args, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
+    return CallDelta(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False))
+
+
+def required_calls(text: str) -> list[CallDelta] | None:
+    """The calls of a ``required`` answer (``[{"name", "parameters"}, ...]``), or None."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        return None
+    calls = [parse_call(i, "parameters") for i in items]
+    return None if None in calls else calls
 
 
 class HermesToolParser:
@@ -57,9 +83,9 @@ class HermesToolParser:
         self.after_block = False  # drop whitespace until the first text after a block
         self.ws_before = ""  # the whitespace dropped before the open block
 
-    def feed(self, text: str) -> Parsed:
+    def feed(self, text: str) -> Piece:
         self.buf += text
-        out = Parsed()
+        out = Piece()
         while True:
             if self.inside:
                 end = self.buf.find(CALL_END)
@@ -80,32 +106,27 @@ class HermesToolParser:
                 self.ws_before = text[len(text.rstrip()):]
                 self.inside, self.buf = True, self.buf[start + len(CALL_START):]
                 continue
-            keep = held_prefix(self.buf, CALL_START)
-            text, tail = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            text, tail = split_held(self.buf, CALL_START)
             ws = len(text) - len(text.rstrip())  # may precede a block: held too
             out.content += text[:len(text) - ws]
             self.buf = text[len(text) - ws:] + tail
             return out
 
-    def _close(self, raw: str, out: Parsed) -> None:
+    def _close(self, raw: str, out: Piece, end: str = CALL_END) -> None:
+        """The block ``raw`` as a call, or back in the text (closed by ``end``)."""
         call = parse_call(raw)
         if call is not None:
             out.calls.append(call)
-        else:  # not a call: the block stays in the text
-            out.content += self.ws_before + CALL_START + raw + CALL_END
+        else:
+            out.content += self.ws_before + CALL_START + raw + end
         self.inside, self.after_block = False, call is not None
 
-    def finish(self) -> Parsed:
+    def finish(self) -> Piece:
         """What is held back, at the end: a block left open is parsed, else left as text."""
-
-        out = Parsed()
+        out = Piece()
         held, self.buf = self.buf, ""
         if self.inside:
-            call = parse_call(held)
-            if call is not None:
-                out.calls.append(call)
-            else:
-                out.content = self.ws_before + CALL_START + held
+            self._close(held, out, end="")
         elif not self.after_block:
             out.content = held
         return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import uuid
 from dataclasses import dataclass
 
 from latentserve.sampling_params import StructuredOutputsParams
@@ -101,9 +100,3 @@ def json_constraint(params, schema: dict, param: str = "tool_choice"):
             params, structured_outputs=StructuredOutputsParams(json=schema, param=param))
     except (TypeError, ValueError) as exc:
         raise APIError(f"{param}: {exc}", param=param) from None
-
-
-def new_call_id(prefix: str = "call_") -> str:
-    """A fresh tool call id: ``prefix`` (``call_``, ``toolu_``) and 24 hex digits."""
-
-    return prefix + uuid.uuid4().hex[:24]
