@@ -100,8 +100,6 @@ def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRu
         if crit == "argmax-stability" and (thr != int(thr) or thr < 1):
             raise ValueError(f"exit_threshold for argmax-stability must be an integer >= 1 "
                              f"(stable checks), got {thr}")
-        if thr < 0:
-            raise ValueError(f"exit_threshold must be >= 0, got {thr}")
         return ExitRule(crit, float(thr), params.exit_min_steps, params.exit_check_every,
                         upstream=semantics == "upstream")
     if spec.family == "ouro":
@@ -118,16 +116,11 @@ def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRu
         if crit not in OURO_CRITERIA:
             raise ValueError(f"exit_criterion must be one of {list(OURO_CRITERIA)} for this "
                              f"model, got {crit!r}")
-        if crit == "last":
+        if crit in ("last", "weighted"):
             if thr is not None:
-                raise ValueError("exit_threshold needs exit_criterion 'threshold' or "
-                                 "'threshold-approx'")
-            return None
-        if crit == "weighted":
-            if thr is not None:
-                raise ValueError("exit_threshold must be null: exit_criterion 'weighted' "
-                                 "takes no exit_threshold (the mixture has no threshold)")
-            return ExitRule("weighted")
+                raise ValueError(f"exit_threshold must be null: exit_criterion {crit!r} takes "
+                                 "no exit_threshold ('threshold' and 'threshold-approx' do)")
+            return None if crit == "last" else ExitRule("weighted")
         if thr is None:
             thr = spec.default_exit.threshold if spec.default_exit is not None else 1.0
         elif not 0 <= thr <= 1:
@@ -416,12 +409,8 @@ def recurrence_stats(iters: list[int]) -> dict:
 def default_graph_depths(spec) -> list[int]:
     """Recurrence counts to capture: powers of two below the max budget, the default, the max."""
     top = max(spec.max_budget, 1)
-    depths = {max(spec.default_budget, 1), top}
-    d = 1
-    while d < top:
-        depths.add(d)
-        d *= 2
-    return sorted(depths)
+    powers = (1 << i for i in range((top - 1).bit_length()))
+    return sorted({max(spec.default_budget, 1), top, *powers})
 
 
 class RecurrentGraphs(GraphHooks):
