@@ -137,15 +137,11 @@ def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[d
     if not stepping:
         return {}, lens_p
     with torch.inference_mode():
-        inputs = [draws.get(j, (vecs, j)) for j in stepping]
-        stacked = torch.stack([t[r] for t, r in inputs])
-    entries = {}
-    for j, entry in zip(stepping, lens_entries(model, stacked)):
-        if reqs[rows[j]].state.mode == "prompt":  # no stop decision
-            entry["stop_prob"] = None
-        else:
-            entry["stop_prob"] = host.get(j) if host is not None else lens_p.get(j)
-        entries[j] = entry
+        stacked = torch.stack([t[r] for t, r in (draws.get(j, (vecs, j)) for j in stepping)])
+    entries = dict(zip(stepping, lens_entries(model, stacked)))
+    for j, entry in entries.items():
+        entry["stop_prob"] = (None if reqs[rows[j]].state.mode == "prompt"  # no stop decision
+                              else host.get(j) if host is not None else lens_p.get(j))
     return entries, lens_p
 
 

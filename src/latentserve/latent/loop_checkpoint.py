@@ -7,19 +7,7 @@ from pathlib import Path
 
 from torch import nn
 
-from latentserve.latent.feedback import (
-    BUFFER_SUFFIXES,
-    bad_field,
-    check_common,
-    check_lora_prj,
-    config_int,
-    embedding_rows,
-    hf_name,
-    load_projection,
-    merge_lora,
-    prj_tensors,
-    read_state_dict,
-)
+from latentserve.latent import feedback as fb
 from latentserve.latent.spec import LatentSpec
 
 LOOP_FAMILIES = ("pccot", "lotus")
@@ -29,24 +17,24 @@ _TOKENS = {"pccot": ("bot", "eot", "latent"), "lotus": ("start", "end", "latent"
 def validate_loop_config(cfg: dict, model_dir: Path | None = None) -> dict:
     """Check a loop family's parsed latent_config.json; return a copy with defaults filled.
     Raises ValueError naming the offending field."""
-    cfg = check_common(cfg, LOOP_FAMILIES, None, model_dir)
+    cfg = fb.check_common(cfg, LOOP_FAMILIES, None, model_dir)
     fam = cfg["family"]
-    cfg["block_size"] = config_int(cfg, "block_size", lo=1)
+    cfg["block_size"] = fb.config_int(cfg, "block_size", lo=1)
     toks = cfg.get("tokens")
     if not isinstance(toks, dict) or set(toks) != set(_TOKENS[fam]):
-        raise bad_field("tokens", f"must be an object with exactly {list(_TOKENS[fam])}, got "
-                        f"{toks!r}")
+        raise fb.bad_field("tokens", f"must be an object with exactly {list(_TOKENS[fam])}, "
+                           f"got {toks!r}")
     for k in toks:
-        config_int(cfg, f"tokens.{k}")
+        fb.config_int(cfg, f"tokens.{k}")
     prompt = cfg.setdefault("answer_prompt_ids", [])
     if not isinstance(prompt, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                and t >= 0 for t in prompt):
-        raise bad_field("answer_prompt_ids", f"must be a list of token ids, got {prompt!r}")
+        raise fb.bad_field("answer_prompt_ids", f"must be a list of token ids, got {prompt!r}")
     rule = cfg.setdefault("loop_rule", "jacobi" if fam == "pccot" else "same")
     if rule not in (("jacobi",) if fam == "pccot" else ("same", "jacobi")):
-        raise bad_field("loop_rule", f"must be 'jacobi' for pccot, 'same' or 'jacobi' for lotus, "
-                        f"got {rule!r}")
-    check_lora_prj(cfg)
+        raise fb.bad_field("loop_rule", "must be 'jacobi' for pccot, 'same' or 'jacobi' for "
+                           f"lotus, got {rule!r}")
+    fb.check_lora_prj(cfg)
     return cfg
 
 
@@ -74,12 +62,12 @@ def prepare_loop_weights(model_dir, hf_config, cfg: dict):
         files.append(model_dir / ckpt)  # last: its tensors (e.g. a resized wte) win
     state = {}
     for f in files:
-        for k, v in read_state_dict(f).items():
-            k = hf_name(k, gpt2)
-            if not k.startswith("prj.") and not k.endswith(BUFFER_SUFFIXES):
+        for k, v in fb.read_state_dict(f).items():
+            k = fb.hf_name(k, gpt2)
+            if not k.startswith("prj.") and not k.endswith(fb.BUFFER_SUFFIXES):
                 state[k] = v
-    state = merge_lora(state, cfg.get("lora"), gpt2)
-    rows = embedding_rows(state, model_dir, cfg, ("tokens", "answer_prompt_ids"))
+    state = fb.merge_lora(state, cfg.get("lora"), gpt2)
+    rows = fb.embedding_rows(state, model_dir, cfg, ("tokens", "answer_prompt_ids"))
     hf_config.vocab_size = rows
     return list(state.items()), hf_config
 
@@ -95,4 +83,4 @@ def attach_loop(model, model_dir, hf_config, cfg: dict, dtype, device) -> None:
     hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
     prj = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden),
                         nn.LayerNorm(hidden, eps=cfg["prj"]["eps"]))
-    model.latent_feedback = load_projection(prj, prj_tensors(model_dir, cfg), dtype, device)
+    model.latent_feedback = fb.load_projection(prj, fb.prj_tensors(model_dir, cfg), dtype, device)

@@ -466,9 +466,7 @@ class RecurrentFamily(Family):
     """The ``Family`` of recurrent-depth models: ``latent_budget`` is each token's recurrence
     count, the ``exit_*`` fields its exit rule (:func:`resolve_exit_rule`)."""
 
-    budgeted = True
-    traced = True
-    takes_exit_fields = True
+    budgeted = traced = takes_exit_fields = True
     description = "a recurrent-depth model"
 
     @property
