@@ -51,10 +51,7 @@ def split_output(text: str) -> tuple[str, str]:
     return reasoning, (rest.partition(prefix)[2] if prefix in rest else rest).strip()
 
 
-# ----------------------------------------------------------------------------- model files
-# A CoLaR model directory holds, beside its backbone (a PEFT LoRA adapter over a base, or
-# full weights): ``colar_config.json`` (:class:`ColarConfig`) and
-# ``latent_policy.safetensors`` (:class:`LatentPolicy`'s state dict, upstream names).
+# ------------------------------------------- model files (beside the backbone; docs/models.md)
 
 COLAR_CONFIG = "colar_config.json"
 POLICY_WEIGHTS = "latent_policy.safetensors"

@@ -35,8 +35,7 @@ def check_serves(model_dir: Path) -> None:
     """Load ``model_dir`` as the engine does (float32, CPU) with its tokenizer. Raises
     ValueError ("... would not serve: <the loader's error>")."""
     try:
-        model, hf_config = load_model(model_dir, torch.float32, "cpu")
-        del model
+        hf_config = load_model(model_dir, torch.float32, "cpu")[1]
         tokens = len(load_tokenizer(model_dir))
     except Exception as e:  # any load failure means it would not serve
         raise ValueError(f"the converted model directory would not serve: "

@@ -206,10 +206,6 @@ def _mlp(x: torch.Tensor, layers: nn.Sequential, fused: bool,
 
 # ----------------------------------------------------------------------------- controls
 
-_ENV = {key: f"LATENTSERVE_{key.upper()}" for key in (
-    "max_latent", "min_latent", "use_stop", "stop_threshold", "min_output_tokens")}
-
-
 def template_thinking(template_kwargs: dict | None) -> bool | None:
     """Thinking on or off per ``template_kwargs`` ``thinking``, else ``enable_thinking``
     (a bool or bool string); None when neither is."""
@@ -228,7 +224,8 @@ def template_thinking(template_kwargs: dict | None) -> bool | None:
 def head_defaults(environ=None) -> dict:
     """Server defaults of the head controls from ``LATENTSERVE_<CONTROL>`` (``settings``).
     Raises ValueError naming a malformed variable."""
-    out = {key: settings.get(var, environ) for key, var in _ENV.items()}
+    out = {k: settings.get(f"LATENTSERVE_{k.upper()}", environ) for k in (
+        "max_latent", "min_latent", "use_stop", "stop_threshold", "min_output_tokens")}
     for k in ("max_latent", "min_latent", "min_output_tokens"):  # settings parsed the types
         if out[k] < 0:
             raise ValueError(f"LATENTSERVE defaults: {k} must be an integer >= 0, got {out[k]}")

@@ -187,11 +187,6 @@ class RecurrentBatch:
     def any_exit(self) -> bool:
         return bool(self.eligible) and any(self.eligible)
 
-    @property
-    def graph_ok(self) -> bool:
-        """Whether a masked (graph) forward is exact: no row may exit or needs a key mask."""
-        return not self.any_exit and self.drop_skipped is None
-
     @classmethod
     def from_batch(cls, batch, layout, page_table) -> RecurrentBatch:
         """Describe ``batch`` (a ``ScheduledBatch``) laid out as ``layout``."""
@@ -439,8 +434,10 @@ class RecurrentGraphs(GraphHooks):
             exit_probs=None if self.exit_probs is None else self.exit_probs[:b, :depth])
 
     def fits(self, rec) -> bool:
-        """No row may exit early and the deepest row is within the deepest captured loop."""
-        return rec.graph_ok and rec.num_iters <= self.depths[-1]
+        """No row may exit early or needs a key mask (a masked forward is then exact), and
+        the deepest row is within the deepest captured loop."""
+        return (not rec.any_exit and rec.drop_skipped is None
+                and rec.num_iters <= self.depths[-1])
 
     def depth_for(self, rec) -> int:
         return next(d for d in self.depths if d >= rec.num_iters)
