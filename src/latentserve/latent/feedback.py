@@ -128,12 +128,6 @@ def read_config_json(model_dir: str | Path):
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def read_latent_config(model_dir: str | Path) -> dict | None:
-    """The validated ``model_dir/latent_config.json`` or None; ValueError naming the field."""
-    cfg = read_config_json(model_dir)
-    return None if cfg is None else validate_latent_config(cfg, Path(model_dir))
-
-
 def latent_spec_from_config(cfg: dict) -> LatentSpec:
     """The engine contract for a validated config (CODI ``remove_eos: false``: [eos, bot] ...
     [eot, eos], as upstream ``test.py``)."""

@@ -80,7 +80,6 @@ def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRu
     a threshold out of range, or exit fields the criterion or family does not use.
     """
     crit, thr = params.exit_criterion, params.exit_threshold
-    semantics = params.exit_semantics or default_semantics
     # The exit fields the request set, in order: errors start with the first one's name (the
     # server's 400 reports it as ``param``).
     knobs = [name for name, unset in (("exit_min_steps", 0), ("exit_check_every", 1))
@@ -101,35 +100,32 @@ def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRu
             raise ValueError(f"exit_threshold for argmax-stability must be an integer >= 1 "
                              f"(stable checks), got {thr}")
         return ExitRule(crit, float(thr), params.exit_min_steps, params.exit_check_every,
-                        upstream=semantics == "upstream")
-    if spec.family == "ouro":
-        if params.exit_semantics == "upstream":
-            raise ValueError("exit_semantics 'upstream' is a Huginn option: Ouro's upstream "
-                             "never stops a token early (its exits are exact readouts)")
-        if knobs:
-            raise ValueError(f"{knobs[0]} is set, but exit_min_steps / exit_check_every are "
-                             "Huginn options; Ouro exits by its gate")
-        if crit is None:
-            if thr is None:
-                return spec.default_exit
-            crit = "threshold"
-        if crit not in OURO_CRITERIA:
-            raise ValueError(f"exit_criterion must be one of {list(OURO_CRITERIA)} for this "
-                             f"model, got {crit!r}")
-        if crit in ("last", "weighted"):
-            if thr is not None:
-                raise ValueError(f"exit_threshold must be null: exit_criterion {crit!r} takes "
-                                 "no exit_threshold ('threshold' and 'threshold-approx' do)")
-            return None if crit == "last" else ExitRule("weighted")
+                        upstream=(params.exit_semantics or default_semantics) == "upstream")
+    # Ouro
+    if params.exit_semantics == "upstream":
+        raise ValueError("exit_semantics 'upstream' is a Huginn option: Ouro's upstream "
+                         "never stops a token early (its exits are exact readouts)")
+    if knobs:
+        raise ValueError(f"{knobs[0]} is set, but exit_min_steps / exit_check_every are "
+                         "Huginn options; Ouro exits by its gate")
+    if crit is None:
         if thr is None:
-            thr = spec.default_exit.threshold if spec.default_exit is not None else 1.0
-        elif not 0 <= thr <= 1:
-            # A cumulative exit probability never exceeds 1: a larger threshold would silently
-            # read out the last step (exit_criterion 'last' says that).
-            raise ValueError(f"exit_threshold must be in [0, 1] for this model (a cumulative "
-                             f"exit probability), got {thr}")
-        return ExitRule(crit, float(thr))
-    raise ValueError(f"unknown recurrent family {spec.family!r}")
+            return spec.default_exit
+        crit = "threshold"
+    if crit not in OURO_CRITERIA:
+        raise ValueError(f"exit_criterion must be one of {list(OURO_CRITERIA)} for this "
+                         f"model, got {crit!r}")
+    if crit in ("last", "weighted"):
+        if thr is not None:
+            raise ValueError(f"exit_threshold must be null: exit_criterion {crit!r} takes "
+                             "no exit_threshold ('threshold' and 'threshold-approx' do)")
+        return None if crit == "last" else ExitRule("weighted")
+    if thr is None:
+        thr = spec.default_exit.threshold if spec.default_exit is not None else 1.0
+    elif not 0 <= thr <= 1:
+        raise ValueError(f"exit_threshold must be in [0, 1] for this model (a cumulative "
+                         f"exit probability), got {thr}")
+    return ExitRule(crit, float(thr))
 
 
 def cache_salt(depth: int, rule: ExitRule | None) -> int:
