@@ -38,19 +38,6 @@ def validate_loop_config(cfg: dict, model_dir: Path | None = None) -> dict:
     return cfg
 
 
-def loop_spec_from_config(cfg: dict) -> LatentSpec:
-    """The engine contract: start ids, block, end ids = end token + answer prompt (PCCoT
-    ``upstream_eos_from`` 2, whyNLP/PCCoT ``models/generate.py``)."""
-    t = cfg["tokens"]
-    pccot = cfg["family"] == "pccot"
-    start, end = (t["bot"], t["eot"]) if pccot else (t["start"], t["end"])
-    return LatentSpec(kind="loop", family=cfg["family"], default_budget=cfg["default_budget"],
-                      max_budget=cfg["max_budget"], positions_per_thought=cfg["block_size"],
-                      start_ids=(start,), end_ids=(end, *cfg["answer_prompt_ids"]),
-                      latent_id=t["latent"], block_size=cfg["block_size"],
-                      loop_rule=cfg["loop_rule"], upstream_eos_from=2 if pccot else 0)
-
-
 def prepare_loop_weights(model_dir, hf_config, cfg: dict):
     """``([(HF name, tensor)], hf_config)``: the checkpoint over the base, LoRA merged,
     ``vocab_size`` = embedding rows. ValueError when the token ids do not fit."""
@@ -73,10 +60,19 @@ def prepare_loop_weights(model_dir, hf_config, cfg: dict):
 
 
 def attach_loop(model, model_dir, hf_config, cfg: dict, dtype, device) -> None:
-    """Set ``model.latent_spec`` and ``model.latent_feedback``: identity, or PCCoT's ``prj``
-    Linear -> GELU -> Linear -> LayerNorm (``[N, H] -> [N, H]``, upstream keys); ValueError
-    when ``prj``'s tensors do not match."""
-    model.latent_spec = loop_spec_from_config(cfg)
+    """Set ``model.latent_spec`` (end ids: end token + answer prompt; PCCoT
+    ``upstream_eos_from`` 2, whyNLP/PCCoT ``models/generate.py``) and
+    ``model.latent_feedback``: identity, or PCCoT's ``prj`` Linear -> GELU -> Linear ->
+    LayerNorm (``[N, H] -> [N, H]``, upstream keys); ValueError when ``prj``'s tensors do
+    not match."""
+    t, pccot = cfg["tokens"], cfg["family"] == "pccot"
+    start, end = (t["bot"], t["eot"]) if pccot else (t["start"], t["end"])
+    model.latent_spec = LatentSpec(
+        kind="loop", family=cfg["family"], default_budget=cfg["default_budget"],
+        max_budget=cfg["max_budget"], positions_per_thought=cfg["block_size"],
+        start_ids=(start,), end_ids=(end, *cfg["answer_prompt_ids"]), latent_id=t["latent"],
+        block_size=cfg["block_size"], loop_rule=cfg["loop_rule"],
+        upstream_eos_from=2 if pccot else 0)
     if cfg.get("prj") is None:
         model.latent_feedback = nn.Identity()
         return
