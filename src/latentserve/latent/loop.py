@@ -126,9 +126,8 @@ class LoopFamily(BudgetedFamily):
                          for r in ending])
         with torch.inference_mode():
             vecs = model.latent_feedback(src)
-        for i, req in enumerate(ending):
-            k = req.state.block_size
-            req.state.next_inputs = vecs[i * k : (i + 1) * k]
+        for req, inputs in zip(ending, vecs.split(self.spec.block_size)):
+            req.state.next_inputs = inputs
 
     def order(self, running: list[Req]) -> list[Req]:
         return passes_first(running)
