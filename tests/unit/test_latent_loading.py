@@ -18,6 +18,12 @@ from tests.support.latent_reference import reference_generate
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 
+def read_latent_config(model_dir) -> dict | None:
+    """The validated ``model_dir/latent_config.json`` or None; ValueError naming the field."""
+    cfg = fb.read_config_json(model_dir)
+    return None if cfg is None else fb.validate_latent_config(cfg, model_dir)
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("latent")
@@ -28,7 +34,7 @@ def _hf_from_prepared(model_dir):
     """An HF CausalLM holding ``prepare_latent_weights``' output (HF names and layouts)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = fb.read_latent_config(model_dir)
+    cfg = read_latent_config(model_dir)
     weights, hf_cfg = fb.prepare_latent_weights(
         model_dir, AutoConfig.from_pretrained(model_dir, local_files_only=True), cfg)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
@@ -68,7 +74,7 @@ def test_lora_merge_equals_peft(kind, dirs):
     peft_merged = copy.deepcopy(peft_model).merge_and_unload()
     for name, p in peft_merged.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[name], p, atol=1e-6, rtol=0, msg=name)
-    base = fb.strip_keys(fb.read_state_dict(dirs[kind] / fb.read_latent_config(dirs[kind])
+    base = fb.strip_keys(fb.read_state_dict(dirs[kind] / read_latent_config(dirs[kind])
                                             ["checkpoint"]), "codi")
     w = next(k for k in base if k.endswith("base_layer.weight"))
     assert not torch.equal(base[w], ours.state_dict()[w.replace(".base_layer", "")])
@@ -116,9 +122,9 @@ def test_hand_written_directory_equals_converted(dirs, tmp_path):
         (d / "latent_config.json").write_text(json.dumps(cfg))
         from transformers import AutoConfig
 
-        a, _ = fb.prepare_latent_weights(d, AutoConfig.from_pretrained(d), fb.read_latent_config(d))
+        a, _ = fb.prepare_latent_weights(d, AutoConfig.from_pretrained(d), read_latent_config(d))
         b, _ = fb.prepare_latent_weights(src, AutoConfig.from_pretrained(src),
-                                         fb.read_latent_config(src))
+                                         read_latent_config(src))
         a, b = dict(a), dict(b)
         assert set(a) == set(b)
         for k in b:
@@ -141,7 +147,7 @@ def test_converter_cli_and_base_weight_fallback(dirs, tmp_path):
                          str(tmp_path / "checkpoint_3"), "--out", str(tmp_path / "m"),
                          "--default-budget", "4", "--variant", "sim-cot"])
     assert convert_main(args) == 0
-    cfg = fb.read_latent_config(tmp_path / "m")
+    cfg = read_latent_config(tmp_path / "m")
     assert (cfg["default_budget"], cfg["variant"], cfg["checkpoint"]) == (4, "sim-cot",
                                                                           "checkpoint_3")
     assert (tmp_path / "m" / "base.safetensors").is_file()
@@ -163,7 +169,7 @@ def test_codi_converter_rejects_wrong_base_and_keep_eos_spec(dirs, tmp_path):
     with pytest.raises(ValueError, match="embedding rows"):
         convert_codi(other, ckpt, tmp_path / "bad")
     d = convert_codi(root / "base", ckpt, tmp_path / "keep", remove_eos=False, symlink=True)
-    spec = fb.latent_spec_from_config(fb.read_latent_config(d))
+    spec = fb.latent_spec_from_config(read_latent_config(d))
     assert (spec.start_ids, spec.end_ids) == ((2, 49153), (49154, 2))
     assert (d / "model.safetensors").is_symlink()
 
@@ -198,7 +204,7 @@ def test_bad_latent_config_names_the_field(mutate, field, dirs, tmp_path):
     mutate(cfg)
     (d / "latent_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=field):
-        fb.read_latent_config(d)
+        read_latent_config(d)
 
 
 def test_config_disagreeing_with_checkpoint_names_the_field(dirs, tmp_path):
@@ -206,7 +212,7 @@ def test_config_disagreeing_with_checkpoint_names_the_field(dirs, tmp_path):
 
     d = tmp_path / "m"
     shutil.copytree(dirs["codi-gpt2"], d)
-    cfg = fb.read_latent_config(d)
+    cfg = read_latent_config(d)
     with pytest.raises(ValueError, match="'lora'"):
         fb.prepare_latent_weights(d, AutoConfig.from_pretrained(d), {**cfg, "lora": None})
     with pytest.raises(ValueError, match="'lora.r'"):
@@ -220,7 +226,7 @@ def test_config_disagreeing_with_checkpoint_names_the_field(dirs, tmp_path):
 
 
 def test_no_latent_config_means_none(tmp_path):
-    assert fb.read_latent_config(tmp_path) is None
+    assert read_latent_config(tmp_path) is None
 
 
 # ----------------------------------------------------------------------------- reference
@@ -338,7 +344,7 @@ def test_in_place_conversion_keeps_the_checkpoint_and_stale_weights_are_refused(
     convert_coconut(root / "base", out / "checkpoint_7", out, overwrite=True)
     assert not (out / "checkpoint_7").is_symlink()
     assert (out / "checkpoint_7").read_bytes() == data
-    assert fb.read_latent_config(out)["checkpoint"] == "checkpoint_7"
+    assert read_latent_config(out)["checkpoint"] == "checkpoint_7"
     (out / "old.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match=r"holds \['old.safetensors'\]"):
         convert_coconut(root / "base", out / "checkpoint_7", out, overwrite=True)

@@ -99,7 +99,7 @@ def _from_dict(d: dict, source: str) -> HeadBundle:
                          f"format_version, config and {SUBDICTS})")
     cfg = d.get("config")
     if cfg is None:
-        raise ValueError(f"{source}: bundle has no config")
+        raise ValueError(f"{source}: bundle has no 'config'")
     if isinstance(cfg, str):
         try:
             cfg = json.loads(cfg)
@@ -108,9 +108,8 @@ def _from_dict(d: dict, source: str) -> HeadBundle:
     fv = _int_version(d["format_version"], source)
     if d.get("reasoning_head") is None:
         raise ValueError(f"{source}: bundle has no reasoning_head")
-    parts = {s: _state_dict(d.get(s), s, source) for s in SUBDICTS}
-    return HeadBundle(fv, HeadConfig.from_dict(cfg), parts["reasoning_head"],
-                      parts["decoder"], parts["target_proj"])
+    return HeadBundle(fv, HeadConfig.from_dict(cfg),
+                      **{s: _state_dict(d.get(s), s, source) for s in SUBDICTS})
 
 
 def _state_dict(sd, name: str, source: str) -> dict | None:
@@ -155,8 +154,6 @@ def read_bundle(path: str | Path) -> HeadBundle:
         except Exception as e:  # noqa: BLE001 - SafetensorError is no ValueError
             raise ValueError(f"{path}: not a readable .safetensors file "
                              f"({type(e).__name__}: {e})") from None
-        if "config" not in meta:
-            raise ValueError(f"{path}: safetensors metadata has no 'config' (required)")
         if "subdicts" in meta:
             try:
                 subs = json.loads(meta["subdicts"])
@@ -179,7 +176,7 @@ def read_bundle(path: str | Path) -> HeadBundle:
         parts = {s: ({k.split(".", 1)[1]: v for k, v in tensors.items()
                       if k.startswith(s + ".")} or None) for s in subs}
         d = {"format_version": meta.get("format_version", CURRENT_FORMAT),
-             "config": meta["config"], **parts}  # JSON text, parsed by _from_dict
+             "config": meta.get("config"), **parts}  # JSON text, parsed by _from_dict
         bundle = _from_dict(d, str(path))
     else:
         import pickle

@@ -51,10 +51,7 @@ def split_output(text: str) -> tuple[str, str]:
     return reasoning, (rest.partition(prefix)[2] if prefix in rest else rest).strip()
 
 
-# ----------------------------------------------------------------------------- model files
-# A CoLaR model directory holds, beside its backbone (a PEFT LoRA adapter over a base, or
-# full weights): ``colar_config.json`` (:class:`ColarConfig`) and
-# ``latent_policy.safetensors`` (:class:`LatentPolicy`'s state dict, upstream names).
+# ------------------------------------------- model files (beside the backbone; docs/models.md)
 
 COLAR_CONFIG = "colar_config.json"
 POLICY_WEIGHTS = "latent_policy.safetensors"
@@ -88,24 +85,21 @@ class ColarConfig:
             if k not in d:
                 raise ValueError(f"{COLAR_CONFIG}: field {k!r} is required")
         cfg = cls(**d)
-        ints = ("hidden_size", "intermediate_size", "compression_factor",
-                "max_compression_factor", "max_latent")
-        for k in ints:
+        for k in ("hidden_size", "intermediate_size", "compression_factor",
+                  "max_compression_factor", "max_latent"):
             v = getattr(cfg, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{COLAR_CONFIG}: field {k!r} must be an integer >= 1, "
                                  f"got {v!r}")
-        if not finite_positive(cfg.embeds_std):
-            raise ValueError(f"{COLAR_CONFIG}: field 'embeds_std' must be a finite number "
-                             f"> 0, got {cfg.embeds_std!r}")
-        if not isinstance(cfg.deterministic, bool):
-            raise ValueError(f"{COLAR_CONFIG}: field 'deterministic' must be true or false")
-        if cfg.format_version != 1:
-            raise ValueError(f"{COLAR_CONFIG}: field 'format_version' must be 1, got "
-                             f"{cfg.format_version!r}")
-        if cfg.compression_factor > cfg.max_compression_factor:
-            raise ValueError(f"{COLAR_CONFIG}: field 'compression_factor' must be <= "
-                             f"max_compression_factor ({cfg.max_compression_factor})")
+        for k, ok, want in (
+                ("embeds_std", finite_positive(cfg.embeds_std), "a finite number > 0"),
+                ("deterministic", isinstance(cfg.deterministic, bool), "true or false"),
+                ("format_version", cfg.format_version == 1, "1"),
+                ("compression_factor", cfg.compression_factor <= cfg.max_compression_factor,
+                 f"<= max_compression_factor ({cfg.max_compression_factor})")):
+            if not ok:
+                raise ValueError(f"{COLAR_CONFIG}: field {k!r} must be {want}, got "
+                                 f"{getattr(cfg, k)!r}")
         return cfg
 
     def to_dict(self) -> dict:
@@ -127,14 +121,20 @@ class LatentPolicy(nn.Module):
         if not deterministic:
             self.log_std = nn.Linear(intermediate_size, hidden_size)
 
-    def forward(self, hidden: torch.Tensor, temperature: float = 1.0
-                ) -> torch.distributions.Normal:
-        """``hidden`` [..., H] -> Normal with mean and std [..., H] (in units of ``embeds_std``)."""
+    def mean_std(self, hidden: torch.Tensor, temperature=1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` [..., H] -> mean and std [..., H] (in units of ``embeds_std``); a
+        ``temperature`` tensor broadcasts against the std."""
         x = self.fc(hidden)
         mean = self.mean(x)
         if self.deterministic:
-            return torch.distributions.Normal(mean, torch.full_like(mean, 1e-9))
-        return torch.distributions.Normal(mean, self.log_std(x).exp() * temperature)
+            return mean, torch.full_like(mean, 1e-9)
+        return mean, self.log_std(x).exp() * temperature
+
+    def forward(self, hidden: torch.Tensor, temperature: float = 1.0
+                ) -> torch.distributions.Normal:
+        """:meth:`mean_std` as a ``Normal``."""
+        return torch.distributions.Normal(*self.mean_std(hidden, temperature))
 
 
 def load_colar(model_dir: str | Path) -> tuple[ColarConfig, LatentPolicy] | None:

@@ -47,16 +47,10 @@ class ColarHead(nn.Module):
                ) -> torch.Tensor:
         """``[n, H]`` float32 draws of ``Normal(mean, std * t_i) * embeds_std`` (upstream
         ``rsample() * embeds_std``), noise from ``generators[i]`` (None: global)."""
-        p = self.policy
-        x = p.fc(hidden.float())
-        mean = p.mean(x)
-        if p.deterministic:
-            std = torch.full_like(mean, 1e-9)
-        else:
-            t = torch.tensor(temperatures, dtype=mean.dtype, device=mean.device)
-            std = p.log_std(x).exp() * t[:, None]
-        h = mean.shape[-1]
-        eps = torch.stack([torch.randn(h, generator=g, device=mean.device) for g in generators])
+        t = torch.tensor(temperatures, dtype=torch.float32, device=hidden.device)
+        mean, std = self.policy.mean_std(hidden.float(), t[:, None])
+        eps = torch.stack([torch.randn(mean.shape[-1], generator=g, device=mean.device)
+                           for g in generators])
         return (mean + std * eps) * self.config.embeds_std
 
     def prepare_request(self, prompt_ids: list[int], params):

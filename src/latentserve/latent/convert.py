@@ -12,15 +12,7 @@ from pathlib import Path
 
 import torch
 
-from latentserve.latent.feedback import (
-    BUFFER_SUFFIXES,
-    LATENT_CONFIG,
-    embedding_rows,
-    merge_lora,
-    read_state_dict,
-    strip_keys,
-    validate_latent_config,
-)
+from latentserve.latent import feedback as fb
 from latentserve.latent.load import load_model
 from latentserve.models.checkpoint import load_tokenizer
 from latentserve.models.loader import iter_weights
@@ -43,8 +35,7 @@ def check_serves(model_dir: Path) -> None:
     """Load ``model_dir`` as the engine does (float32, CPU) with its tokenizer. Raises
     ValueError ("... would not serve: <the loader's error>")."""
     try:
-        model, hf_config = load_model(model_dir, torch.float32, "cpu")
-        del model
+        hf_config = load_model(model_dir, torch.float32, "cpu")[1]
         tokens = len(load_tokenizer(model_dir))
     except Exception as e:  # any load failure means it would not serve
         raise ValueError(f"the converted model directory would not serve: "
@@ -106,7 +97,7 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
 
     rows = latent_cfg["vocab_size"]
     # every config error (e.g. a negative --default-budget) before anything is written
-    validate_latent_config(latent_cfg)
+    fb.validate_latent_config(latent_cfg)
     from transformers import AutoConfig
 
     tied = getattr(AutoConfig.from_pretrained(base_dir, local_files_only=True),
@@ -116,7 +107,7 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
     _check_fits_base(state, base, base_dir, checkpoint)
     missing = {k: v.contiguous() for k, v in base.items()
                if k not in have and "transformer." + k not in have
-               and not k.endswith(BUFFER_SUFFIXES) and not (tied and k == "lm_head.weight")}
+               and not k.endswith(fb.BUFFER_SUFFIXES) and not (tied and k == "lm_head.weight")}
     in_place = _same_file(checkpoint, Path(out_dir) / checkpoint.name)
 
     def write(out: Path) -> None:
@@ -127,7 +118,7 @@ def _finish(base_dir, checkpoint, out_dir, hf_cfg, state, latent_cfg, tokenizer,
             target.symlink_to(checkpoint.resolve())
         else:
             shutil.copy2(checkpoint, target)
-        cfg = validate_latent_config({**latent_cfg, "checkpoint": checkpoint.name}, out)
+        cfg = fb.validate_latent_config({**latent_cfg, "checkpoint": checkpoint.name}, out)
         write_configs(out, base_dir, {**hf_cfg, "vocab_size": rows}, tokenizer, cfg)
 
     return write_checked(out_dir, write)
@@ -140,7 +131,7 @@ def write_configs(out: Path, base_dir: Path, hf_cfg: dict, tokenizer, latent_cfg
     if (base_dir / "generation_config.json").is_file():
         shutil.copy2(base_dir / "generation_config.json", out / "generation_config.json")
     tokenizer.save_pretrained(str(out))
-    (out / LATENT_CONFIG).write_text(json.dumps(latent_cfg, indent=2) + "\n")
+    (out / fb.LATENT_CONFIG).write_text(json.dumps(latent_cfg, indent=2) + "\n")
 
 
 def _check_fits_base(state: dict, base: dict, base_dir, checkpoint) -> None:
@@ -150,7 +141,7 @@ def _check_fits_base(state: dict, base: dict, base_dir, checkpoint) -> None:
     odd = []
     for k, v in state.items():
         n = k.removeprefix("transformer.")
-        if n.endswith(BUFFER_SUFFIXES) or n == "lm_head.weight":
+        if n.endswith(fb.BUFFER_SUFFIXES) or n == "lm_head.weight":
             continue
         b = norm.get(n)
         if b is None:
@@ -168,8 +159,8 @@ def convert_coconut(base_dir, checkpoint, out_dir, *, default_budget: int = 6,
     """Write a COCONUT model directory from a ``torch.save``'d ``checkpoint`` over
     ``base_dir``; ValueError when the token ids do not fit its vocab."""
     base_dir, checkpoint, out_dir, hf_cfg = _start(base_dir, checkpoint, out_dir, overwrite)
-    state = strip_keys(read_state_dict(checkpoint), "coconut")
-    rows = embedding_rows(state, checkpoint, {}, ())
+    state = fb.strip_keys(fb.read_state_dict(checkpoint), "coconut")
+    rows = fb.embedding_rows(state, checkpoint, {}, ())
     tok = load_tokenizer(base_dir)
     tok.add_tokens(list(COCONUT_TOKENS))
     ids = tok.convert_tokens_to_ids(list(COCONUT_TOKENS))
@@ -189,13 +180,13 @@ def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
     """Write a CODI model directory from the whole module's ``checkpoint`` over ``base_dir``;
     ValueError when the embedding rows are not the base vocab + 3."""
     base_dir, checkpoint, out_dir, hf_cfg = _start(base_dir, checkpoint, out_dir, overwrite)
-    raw = read_state_dict(checkpoint)
+    raw = fb.read_state_dict(checkpoint)
     ori = int(hf_cfg["vocab_size"])
     lora_a = [v for k, v in raw.items() if ".lora_A." in k]
     lora = {"r": int(lora_a[0].shape[0]), "alpha": lora_alpha, "use_rslora": False} \
         if lora_a else None
-    state = merge_lora(strip_keys(raw, "codi"), lora, hf_cfg.get("model_type") == "gpt2")
-    rows = embedding_rows(state, checkpoint, {}, ())
+    state = fb.merge_lora(fb.strip_keys(raw, "codi"), lora, hf_cfg.get("model_type") == "gpt2")
+    rows = fb.embedding_rows(state, checkpoint, {}, ())
     if rows != ori + 3:
         raise ValueError(f"{checkpoint} has {rows} embedding rows; CODI over --base (vocab_size "
                          f"{ori}) has {ori + 3}: wrong --base?")

@@ -67,15 +67,9 @@ class Family:
     provisional, settled by :meth:`resolve`), ``description``.
     """
 
-    budgeted = False
-    traced_under_tp = True
-    overlaps = True
-    decides_late = False
-    traced = False
-    streams_steps = False
-    takes_exit_fields = False
-    takes_head_controls = False
-    takes_exit_semantics = False
+    traced_under_tp = overlaps = True
+    budgeted = decides_late = traced = streams_steps = False
+    takes_exit_fields = takes_head_controls = takes_exit_semantics = False
     description = "a model without latent reasoning"
 
     def __init__(self, spec, engine):

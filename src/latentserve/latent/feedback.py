@@ -128,12 +128,6 @@ def read_config_json(model_dir: str | Path):
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def read_latent_config(model_dir: str | Path) -> dict | None:
-    """The validated ``model_dir/latent_config.json`` or None; ValueError naming the field."""
-    cfg = read_config_json(model_dir)
-    return None if cfg is None else validate_latent_config(cfg, Path(model_dir))
-
-
 def latent_spec_from_config(cfg: dict) -> LatentSpec:
     """The engine contract for a validated config (CODI ``remove_eos: false``: [eos, bot] ...
     [eot, eos], as upstream ``test.py``)."""
@@ -275,8 +269,8 @@ def attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device) -> Non
     its dropout). Raises ValueError on mismatched ``prj`` weights, or ``prj`` null with
     ``prj.*`` tensors present."""
     model.latent_spec = latent_spec_from_config(latent_cfg)
+    model.latent_feedback = nn.Identity()
     if latent_cfg["family"] != "codi":
-        model.latent_feedback = nn.Identity()
         return
     prj_cfg, sd = latent_cfg.get("prj"), prj_tensors(model_dir, latent_cfg)
     if prj_cfg is None:
@@ -285,7 +279,6 @@ def attach_latent(model, model_dir, hf_config, latent_cfg, dtype, device) -> Non
             want = json.dumps({"dim": dim, "layer_norm": "ln.weight" in sd, "eps": 1e-5})
             raise bad_field("prj", f"is null but the checkpoint has prj.* tensors "
                             f"({', '.join(sorted(sd)[:2])}, ...): set it, e.g. {want}")
-        model.latent_feedback = nn.Identity()
         return
     hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
     prj = nn.Sequential(nn.Identity(), nn.Linear(hidden, prj_cfg["dim"]), nn.GELU(),

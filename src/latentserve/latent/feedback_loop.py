@@ -55,14 +55,11 @@ class FeedbackFamily(BudgetedFamily):
         with torch.inference_mode():
             pre = runner.latent_outputs()  # CODI's prj after a replay (a static buffer)
             src = last_hidden if pre is None else pre
-            if every:
-                vecs = src if pre is not None else model.latent_feedback(last_hidden)
-                if runner.replayed and (vecs.untyped_storage().data_ptr()
-                                        == src.untyped_storage().data_ptr()):
-                    vecs = vecs.clone()  # a graph's static output (COCONUT: the identity)
-            else:
-                idx = torch.tensor(rows, dtype=torch.long, device=last_hidden.device)
-                vecs = src[idx] if pre is not None else model.latent_feedback(last_hidden[idx])
+            sel = src if every else src[torch.tensor(rows, dtype=torch.long, device=src.device)]
+            vecs = sel if pre is not None else model.latent_feedback(sel)
+            if runner.replayed and (vecs.untyped_storage().data_ptr()
+                                    == src.untyped_storage().data_ptr()):
+                vecs = vecs.clone()  # a graph's static output (COCONUT: the identity)
         traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
         if traced:
             sel = vecs[torch.tensor(traced, device=vecs.device)]

@@ -112,14 +112,10 @@ class LatentDecoder(nn.Module):
     def __init__(self, latent_dim: int, hidden_size: int, mlp_dim: int | None = None):
         super().__init__()
         m = mlp_dim or hidden_size // 2
-        self.latent_dim = latent_dim
         self.net = nn.Sequential(nn.Linear(latent_dim, m), nn.SiLU(), nn.Linear(m, m),
                                  nn.SiLU(), nn.Linear(m, hidden_size))
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        if z.shape[-1] != self.latent_dim:
-            raise ValueError(f"decoder input has last dim {z.shape[-1]}, expected "
-                             f"{self.latent_dim}")
         return self.net(z)
 
 
@@ -157,7 +153,7 @@ class LatentHead(nn.Module):
 
     def encode(self, anchor: torch.Tensor) -> torch.Tensor:
         """``mu`` of the head (``[N, L]`` float32): the MAP latent, as served upstream."""
-        return self.reasoning_head(self._ln_anchor(anchor))[0]
+        return self.policy(anchor)[0]
 
     def latent_input(self, anchor: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(anchor))
@@ -210,10 +206,6 @@ def _mlp(x: torch.Tensor, layers: nn.Sequential, fused: bool,
 
 # ----------------------------------------------------------------------------- controls
 
-_ENV = {key: f"LATENTSERVE_{key.upper()}" for key in (
-    "max_latent", "min_latent", "use_stop", "stop_threshold", "min_output_tokens")}
-
-
 def template_thinking(template_kwargs: dict | None) -> bool | None:
     """Thinking on or off per ``template_kwargs`` ``thinking``, else ``enable_thinking``
     (a bool or bool string); None when neither is."""
@@ -232,7 +224,8 @@ def template_thinking(template_kwargs: dict | None) -> bool | None:
 def head_defaults(environ=None) -> dict:
     """Server defaults of the head controls from ``LATENTSERVE_<CONTROL>`` (``settings``).
     Raises ValueError naming a malformed variable."""
-    out = {key: settings.get(var, environ) for key, var in _ENV.items()}
+    out = {k: settings.get(f"LATENTSERVE_{k.upper()}", environ) for k in (
+        "max_latent", "min_latent", "use_stop", "stop_threshold", "min_output_tokens")}
     for k in ("max_latent", "min_latent", "min_output_tokens"):  # settings parsed the types
         if out[k] < 0:
             raise ValueError(f"LATENTSERVE defaults: {k} must be an integer >= 0, got {out[k]}")
@@ -318,9 +311,8 @@ def resolve_settings(params, defaults: dict, mode: str, has_stop: bool) -> HeadS
         v = getattr(params, name, None)
         return defaults[name] if v is None else v
 
-    cap = params.max_latent
-    if cap is None:
-        cap = params.latent_budget if params.latent_budget is not None else defaults["max_latent"]
+    cap = next((v for v in (params.max_latent, params.latent_budget) if v is not None),
+               defaults["max_latent"])
     if getattr(params, "thinking_token_budget", None) is not None:
         cap = min(cap, params.thinking_token_budget)  # one latent position a step
     thinking = params.thinking if params.thinking is not None else params.latent_budget != 0

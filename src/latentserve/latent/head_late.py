@@ -59,43 +59,33 @@ class Late:
     rng: Any = None
 
 
-def phase_outputs(head, reqs: list[Req], anchors: torch.Tensor, precomputed, sigma=None):
-    """``(rows, anchors [n, H], vecs [n, H], probs [n] or None)`` of the latent-phase rows,
-    or None. ``precomputed``: a CUDA graph's ``(vecs [S, H], probs)`` or a callable giving
-    them; with ``sigma``, ``vecs`` is ``head.encode``'s ``mu``."""
+def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torch.Tensor,
+               precomputed, ring, sigma: float | None = None, tokens: list[int] | None = None
+               ) -> list | None:
+    """Per sampling row its :class:`Candidate` or None; None when no row is in its phase.
+    ``anchors``: ``[S, hidden]``; ``precomputed``: a CUDA graph's ``(vecs [S, H], probs)`` or
+    a callable giving them; ``sigma`` (``set_policy_sampling``): inputs ``decode(z)``,
+    ``z ~ N(mu, sigma^2 I)``; ``tokens`` (synchronous): the sampled ids, a row whose sampled
+    stop token ends its phase draws nothing. Changes no request state."""
     rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
     if not rows:
         return None
     every = len(rows) == len(reqs)  # no index ops when every row is in the phase
     idx = None if every else torch.tensor(rows, dtype=torch.long, device=anchors.device)
     pre = None if sigma is not None else precomputed() if callable(precomputed) else precomputed
+    actions: list = [None] * len(rows)
     with torch.inference_mode():
         sel = anchors if every else anchors[idx]
         if sigma is not None:
-            return rows, sel, head.encode(sel), head.stop_prob(sel)
-        if pre is not None:  # a CUDA graph ran the head on these anchors (static buffers)
-            vecs = pre[0].clone() if every else pre[0][idx]
-            return rows, sel, vecs, pre[1] if pre[1] is None or every else pre[1][idx]
-        return rows, sel, *head.serve_outputs(sel)
-
-
-def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torch.Tensor,
-               precomputed, ring, sigma: float | None = None, tokens: list[int] | None = None
-               ) -> list | None:
-    """Per sampling row its :class:`Candidate` or None; None when no row is in its phase.
-    ``anchors``: ``[S, hidden]``; ``sigma`` (``set_policy_sampling``): inputs
-    ``decode(z)``, ``z ~ N(mu, sigma^2 I)``; ``tokens`` (synchronous): the sampled ids, a
-    row whose sampled stop token ends its phase draws nothing. Changes no request state."""
-    phase = phase_outputs(head, reqs, anchors, precomputed, sigma)
-    if phase is None:
-        return None
-    rows, sel, vecs, probs = phase
-    actions: list = [None] * len(rows)
-    if sigma is not None:
-        with torch.inference_mode():
-            z = vecs + sigma * torch.randn_like(vecs) if sigma > 0 else vecs
+            mu, probs = head.encode(sel), head.stop_prob(sel)
+            z = mu + sigma * torch.randn_like(mu) if sigma > 0 else mu
             vecs = head.decode(z)
             actions = list(zip(sel.float().cpu(), z.float().cpu()))
+        elif pre is not None:  # a CUDA graph ran the head on these anchors (static buffers)
+            vecs = pre[0].clone() if every else pre[0][idx]
+            probs = pre[1] if pre[1] is None or every else pre[1][idx]
+        else:
+            vecs, probs = head.serve_outputs(sel)
     host = HostFloats(probs, ring) if probs is not None else None
     states = [reqs[i].state for i in rows]
     open_ = [j for j, h in enumerate(states)  # may take a step
@@ -137,15 +127,11 @@ def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[d
     if not stepping:
         return {}, lens_p
     with torch.inference_mode():
-        inputs = [draws.get(j, (vecs, j)) for j in stepping]
-        stacked = torch.stack([t[r] for t, r in inputs])
-    entries = {}
-    for j, entry in zip(stepping, lens_entries(model, stacked)):
-        if reqs[rows[j]].state.mode == "prompt":  # no stop decision
-            entry["stop_prob"] = None
-        else:
-            entry["stop_prob"] = host.get(j) if host is not None else lens_p.get(j)
-        entries[j] = entry
+        stacked = torch.stack([t[r] for t, r in (draws.get(j, (vecs, j)) for j in stepping)])
+    entries = dict(zip(stepping, lens_entries(model, stacked)))
+    for j, entry in entries.items():
+        entry["stop_prob"] = (None if reqs[rows[j]].state.mode == "prompt"  # no stop decision
+                              else host.get(j) if host is not None else lens_p.get(j))
     return entries, lens_p
 
 

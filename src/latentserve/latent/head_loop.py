@@ -70,11 +70,8 @@ class HeadFamily(Family):
     """The ``Family`` of compression-head models: :func:`prepare_request`, the latent steps
     of ``latent/head_late.py``."""
 
-    decides_late = True
-    traced = True
+    decides_late = traced = streams_steps = takes_head_controls = True
     traced_under_tp = False
-    streams_steps = True
-    takes_head_controls = True
     description = "a compression-head model"
 
     @property

@@ -48,12 +48,10 @@ def in_pass(req: Req) -> bool:
 def passes_first(running: list[Req]) -> list[Req]:
     """``running`` ordered prefill rows, then block passes, then the rest, each group in
     its order (the order the step's token budget is handed out)."""
-    passes = [r for r in running if in_pass(r)]
-    if not passes:
+    if not any(in_pass(r) for r in running):
         return list(running)
-    prefill = [r for r in running if not in_pass(r) and r.num_computed < len(r.prompt_ids)]
-    chosen = {id(r) for r in passes + prefill}
-    return prefill + passes + [r for r in running if id(r) not in chosen]
+    return sorted(running, key=lambda r: 1 if in_pass(r)  # stable: groups keep their order
+                  else 0 if r.num_computed < len(r.prompt_ids) else 2)
 
 
 def _trace_passes(model, reqs: list[Req]) -> None:
@@ -128,9 +126,8 @@ class LoopFamily(BudgetedFamily):
                          for r in ending])
         with torch.inference_mode():
             vecs = model.latent_feedback(src)
-        for i, req in enumerate(ending):
-            k = req.state.block_size
-            req.state.next_inputs = vecs[i * k : (i + 1) * k]
+        for req, inputs in zip(ending, vecs.split(self.spec.block_size)):
+            req.state.next_inputs = inputs
 
     def order(self, running: list[Req]) -> list[Req]:
         return passes_first(running)

@@ -80,7 +80,6 @@ def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRu
     a threshold out of range, or exit fields the criterion or family does not use.
     """
     crit, thr = params.exit_criterion, params.exit_threshold
-    semantics = params.exit_semantics or default_semantics
     # The exit fields the request set, in order: errors start with the first one's name (the
     # server's 400 reports it as ``param``).
     knobs = [name for name, unset in (("exit_min_steps", 0), ("exit_check_every", 1))
@@ -100,43 +99,33 @@ def resolve_exit_rule(spec, params, default_semantics: str = "engine") -> ExitRu
         if crit == "argmax-stability" and (thr != int(thr) or thr < 1):
             raise ValueError(f"exit_threshold for argmax-stability must be an integer >= 1 "
                              f"(stable checks), got {thr}")
-        if thr < 0:
-            raise ValueError(f"exit_threshold must be >= 0, got {thr}")
         return ExitRule(crit, float(thr), params.exit_min_steps, params.exit_check_every,
-                        upstream=semantics == "upstream")
-    if spec.family == "ouro":
-        if params.exit_semantics == "upstream":
-            raise ValueError("exit_semantics 'upstream' is a Huginn option: Ouro's upstream "
-                             "never stops a token early (its exits are exact readouts)")
-        if knobs:
-            raise ValueError(f"{knobs[0]} is set, but exit_min_steps / exit_check_every are "
-                             "Huginn options; Ouro exits by its gate")
-        if crit is None:
-            if thr is None:
-                return spec.default_exit
-            crit = "threshold"
-        if crit not in OURO_CRITERIA:
-            raise ValueError(f"exit_criterion must be one of {list(OURO_CRITERIA)} for this "
-                             f"model, got {crit!r}")
-        if crit == "last":
-            if thr is not None:
-                raise ValueError("exit_threshold needs exit_criterion 'threshold' or "
-                                 "'threshold-approx'")
-            return None
-        if crit == "weighted":
-            if thr is not None:
-                raise ValueError("exit_threshold must be null: exit_criterion 'weighted' "
-                                 "takes no exit_threshold (the mixture has no threshold)")
-            return ExitRule("weighted")
+                        upstream=(params.exit_semantics or default_semantics) == "upstream")
+    # Ouro
+    if params.exit_semantics == "upstream":
+        raise ValueError("exit_semantics 'upstream' is a Huginn option: Ouro's upstream "
+                         "never stops a token early (its exits are exact readouts)")
+    if knobs:
+        raise ValueError(f"{knobs[0]} is set, but exit_min_steps / exit_check_every are "
+                         "Huginn options; Ouro exits by its gate")
+    if crit is None:
         if thr is None:
-            thr = spec.default_exit.threshold if spec.default_exit is not None else 1.0
-        elif not 0 <= thr <= 1:
-            # A cumulative exit probability never exceeds 1: a larger threshold would silently
-            # read out the last step (exit_criterion 'last' says that).
-            raise ValueError(f"exit_threshold must be in [0, 1] for this model (a cumulative "
-                             f"exit probability), got {thr}")
-        return ExitRule(crit, float(thr))
-    raise ValueError(f"unknown recurrent family {spec.family!r}")
+            return spec.default_exit
+        crit = "threshold"
+    if crit not in OURO_CRITERIA:
+        raise ValueError(f"exit_criterion must be one of {list(OURO_CRITERIA)} for this "
+                         f"model, got {crit!r}")
+    if crit in ("last", "weighted"):
+        if thr is not None:
+            raise ValueError(f"exit_threshold must be null: exit_criterion {crit!r} takes "
+                             "no exit_threshold ('threshold' and 'threshold-approx' do)")
+        return None if crit == "last" else ExitRule("weighted")
+    if thr is None:
+        thr = spec.default_exit.threshold if spec.default_exit is not None else 1.0
+    elif not 0 <= thr <= 1:
+        raise ValueError(f"exit_threshold must be in [0, 1] for this model (a cumulative "
+                         f"exit probability), got {thr}")
+    return ExitRule(crit, float(thr))
 
 
 def cache_salt(depth: int, rule: ExitRule | None) -> int:
@@ -193,11 +182,6 @@ class RecurrentBatch:
     @property
     def any_exit(self) -> bool:
         return bool(self.eligible) and any(self.eligible)
-
-    @property
-    def graph_ok(self) -> bool:
-        """Whether a masked (graph) forward is exact: no row may exit or needs a key mask."""
-        return not self.any_exit and self.drop_skipped is None
 
     @classmethod
     def from_batch(cls, batch, layout, page_table) -> RecurrentBatch:
@@ -416,12 +400,8 @@ def recurrence_stats(iters: list[int]) -> dict:
 def default_graph_depths(spec) -> list[int]:
     """Recurrence counts to capture: powers of two below the max budget, the default, the max."""
     top = max(spec.max_budget, 1)
-    depths = {max(spec.default_budget, 1), top}
-    d = 1
-    while d < top:
-        depths.add(d)
-        d *= 2
-    return sorted(depths)
+    powers = (1 << i for i in range((top - 1).bit_length()))
+    return sorted({max(spec.default_budget, 1), top, *powers})
 
 
 class RecurrentGraphs(GraphHooks):
@@ -450,8 +430,10 @@ class RecurrentGraphs(GraphHooks):
             exit_probs=None if self.exit_probs is None else self.exit_probs[:b, :depth])
 
     def fits(self, rec) -> bool:
-        """No row may exit early and the deepest row is within the deepest captured loop."""
-        return rec.graph_ok and rec.num_iters <= self.depths[-1]
+        """No row may exit early or needs a key mask (a masked forward is then exact), and
+        the deepest row is within the deepest captured loop."""
+        return (not rec.any_exit and rec.drop_skipped is None
+                and rec.num_iters <= self.depths[-1])
 
     def depth_for(self, rec) -> int:
         return next(d for d in self.depths if d >= rec.num_iters)
@@ -477,9 +459,7 @@ class RecurrentFamily(Family):
     """The ``Family`` of recurrent-depth models: ``latent_budget`` is each token's recurrence
     count, the ``exit_*`` fields its exit rule (:func:`resolve_exit_rule`)."""
 
-    budgeted = True
-    traced = True
-    takes_exit_fields = True
+    budgeted = traced = takes_exit_fields = True
     description = "a recurrent-depth model"
 
     @property

@@ -52,12 +52,6 @@ class LatentSpec:
         if self.kind not in ("feedback", "recurrent", "head", "loop"):
             raise ValueError(f"LatentSpec.kind must be 'feedback', 'recurrent', 'head' or "
                              f"'loop', got {self.kind!r}")
-        if self.kind == "loop" and (self.block_size < 1 or self.loop_rule not in ("jacobi",
-                                                                                 "same")):
-            raise ValueError(f"a loop LatentSpec needs block_size >= 1 and loop_rule 'jacobi' "
-                             f"or 'same', got {self.block_size}, {self.loop_rule!r}")
-        if self.upstream_eos_from < 0:
-            raise ValueError(f"upstream_eos_from must be >= 0, got {self.upstream_eos_from}")
         if not 0 <= self.min_budget <= self.default_budget <= self.max_budget:
             raise ValueError(f"default_budget must be in [{self.min_budget}, "
                              f"max_budget={self.max_budget}], got {self.default_budget}")

@@ -18,14 +18,13 @@ def common_source(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor | Non
 
 def stack(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     """The entries' vectors as one ``[n, hidden]`` tensor (maybe a view: read only)."""
-    src = common_source(entries)
+    n = len(entries)
+    _, src, src_rows = injection_plan(list(range(n)), entries, n)
     if src is None:
         return torch.stack([t[r] for t, r in entries])
-    rows = [r for _, r in entries]
-    r0 = rows[0]
-    if rows == list(range(r0, r0 + len(rows))):
-        return src[r0 : r0 + len(rows)]
-    return src.index_select(0, torch.tensor(rows, dtype=torch.long, device=src.device))
+    if not src_rows:
+        return src
+    return src.index_select(0, torch.tensor(src_rows, dtype=torch.long, device=src.device))
 
 
 def injection_plan(rows: list[int], entries: list[tuple[torch.Tensor, int]], t: int
