@@ -8,12 +8,7 @@ from collections.abc import AsyncIterator
 from latentserve.server.admission import admit
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import latent_info, tick_infos
-from latentserve.server.logprobs import (
-    completion_logprobs,
-    echo_logprobs,
-    join_logprobs,
-    token_texts,
-)
+from latentserve.server.logprobs import completion_logprobs, echo_logprobs, token_texts
 from latentserve.server.params import (
     check_common,
     check_logprobs,
@@ -67,9 +62,9 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
             lps = None
             if body.logprobs is not None:
                 lps, _ = completion_logprobs(texts, r.logprobs, len(echoes[i]), as_ids)
-                if body.echo:
-                    lps = join_logprobs(echo_logprobs(texts, reqs[i].prompt_ids,
-                                                      r.prompt_logprobs, as_ids), lps)
+                if body.echo:  # the prompt's entries first, offsets kept as they are
+                    echoed = echo_logprobs(texts, reqs[i].prompt_ids, r.prompt_logprobs, as_ids)
+                    lps = {k: echoed[k] + lps[k] for k in lps}
             choices.append({"index": i, "text": echoes[i] + r.text,
                             "finish_reason": r.finish_reason, "logprobs": lps,
                             "latent": latent_info(r, bool(body.return_latent_trace), texts)})

@@ -29,13 +29,9 @@ class APIError(Exception):
         self.headers = headers  # response headers (Retry-After on a 503 "overloaded")
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """The OpenAI error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
 
 
 # Anthropic's error type for each HTTP status: only load shedding (529, the server's
@@ -119,7 +115,7 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
     reasons = (_union_expected(same)
                or "; ".join(dict.fromkeys(e.get("msg", "invalid") for e in same)))
-    got = _short(first.get("input"))
+    got = short_repr(first.get("input"))
     return APIError(f"Invalid type for '{param}': {reasons} (got {got})", param=param,
                     code="invalid_type")
 
@@ -198,7 +194,8 @@ def _is_field(part: object) -> bool:
             and part not in _NOT_A_FIELD)
 
 
-def _short(value: object, limit: int = 60) -> str:
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters with ``...``."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

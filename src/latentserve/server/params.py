@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
-from latentserve.server.errors import APIError, param_from_value_error
+from latentserve.server.errors import APIError, param_from_value_error, short_repr
 from latentserve.server.fields import refused, route_of
 from latentserve.server.generation import EngineRequest
 from latentserve.server.protocol import SamplingRequest
@@ -37,9 +37,8 @@ def refuse_unsupported(request) -> None:
     for name, value in extra.items():
         if not any(value is None if ok is None else type(value) is type(ok) and value == ok
                    for ok in unsupported[name]):
-            got = repr(value)
-            got = got if len(got) <= 80 else got[:77] + "..."
-            raise APIError(f"{name} is not supported by this server (got {got})", param=name)
+            raise APIError(f"{name} is not supported by this server (got "
+                           f"{short_repr(value, 80)})", param=name)
 
 
 def check_stop_count(stop, param: str, limits: ServerLimits) -> None:
@@ -79,19 +78,9 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     """Header ``x-latent-budget`` > body ``latent_budget`` > None (the model's default).
     APIError (400 naming the header or field) for a value that is not a non-negative integer,
     outside ``spec``'s ``[min_budget, max_budget]``, or > 0 on a model without latent steps."""
-    raw = http_request.headers.get("x-latent-budget")
+    raw = _headers(http_request).get("x-latent-budget")
     param = "x-latent-budget" if raw is not None else "latent_budget"
-    if raw is None:
-        value = body.latent_budget
-    elif raw.strip().isascii() and raw.strip().isdigit():
-        try:
-            value = int(raw)
-        except ValueError:  # over Python's 4300-digit int() limit: far above any cap
-            raise APIError(f"header x-latent-budget is too large ({len(raw.strip())} digits)",
-                           param=param) from None
-    else:
-        raise APIError(f"header x-latent-budget must be a non-negative integer, got {raw!r}",
-                       param=param)
+    value = body.latent_budget if raw is None else header_value(param, raw, "int")
     if value is None or (spec is not None and spec.kind == "head"):
         return value  # heads use the x-latent-* controls
     budgeted = spec is not None and spec.kind in ("feedback", "recurrent", "loop")
@@ -188,7 +177,10 @@ def header_value(name: str, raw: str, kind: str):
     try:
         if kind == "bool":
             return parse_bool(name, raw)
-        if kind == "int" and raw.strip().isdigit():
+        if kind == "int" and raw.strip().isascii() and raw.strip().isdigit():
+            if len(raw.strip()) > 4300:  # Python's int() digit limit: far above any cap
+                raise APIError(f"header {name} is too large ({len(raw.strip())} digits)",
+                               param=name)
             return int(raw)
         if kind in ("float", "nonneg"):
             value = float(raw)
@@ -389,26 +381,6 @@ def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
     return max(params.max_tokens, min(raised, max_model_len - num_prompt_tokens))
 
 
-def check_total_output(params: list[SamplingParams], prompt_lens: list[int], n: int,
-                       max_tokens_field: str, state) -> None:
-    """APIError (400 naming ``max_tokens_field``) when ``n`` x the sum of :func:`engine_max_tokens`
-    over prompts exceeds ``state.limits.max_request_output_tokens``."""
-    asked = [p.max_tokens for p in params]
-    max_tokens = [engine_max_tokens(p, state.latent_spec, k, state.max_model_len)
-                  for p, k in zip(params, prompt_lens)]
-    total = n * sum(max_tokens)
-    limit = state.limits.max_request_output_tokens
-    if total > limit:
-        floor = ("" if asked == max_tokens else
-                 f", raised from {max(asked)} by the answer-budget floor min_output_tokens + "
-                 "max_latent (send min_output_tokens: 0 for it to hold)")
-        raise APIError(
-            f"{max_tokens_field} x n summed over prompts must be at most {limit} tokens per "
-            f"request, got {total} ({len(max_tokens)} prompt(s), n={n}, {max_tokens_field} "
-            f"up to {max(max_tokens)}{floor}); lower {max_tokens_field}, n or the number of "
-            "prompts", param=max_tokens_field)
-
-
 def latent_controls(http_request, body, spec, template_kwargs: dict | None = None
                     ) -> tuple[int | None, dict, bool]:
     """``(budget, head controls, ticks)``: :func:`latent_budget`, checked :func:`head_controls`
@@ -422,21 +394,25 @@ def latent_controls(http_request, body, spec, template_kwargs: dict | None = Non
 def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
                     n: int, max_tokens_field: str, state) -> list[EngineRequest]:
     """Each prompt's ``(token ids, text, params)`` fanned out to ``n`` engine requests (choice
-    ``p * n + j``: id ``{rid}-{p * n + j}``). APIError from :func:`check_total_output`,
-    :func:`fan_out`."""
-    check_total_output([params for _, _, params in prompts], [len(ids) for ids, _, _ in prompts],
-                       n, max_tokens_field, state)
-    return [EngineRequest(p * n + j, f"{rid}-{p * n + j}", ids, choice, p, text)
-            for p, (ids, text, params) in enumerate(prompts)
-            for j, choice in enumerate(fan_out(params, n))]
-
-
-def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """``n`` copies of ``params``; with a ``seed``, choice i gets ``seed + i``. APIError (400)
-    when ``seed + n - 1`` is out of range."""
-    if params.seed is None:
-        return [params] + [dataclasses.replace(params) for _ in range(n - 1)]
+    ``p * n + j``: id ``{rid}-{p * n + j}``; with a ``seed``, seed ``seed + j``). APIError (400
+    naming the field) when ``n`` x the sum of :func:`engine_max_tokens` over prompts exceeds
+    ``state.limits.max_request_output_tokens``, or ``seed + n - 1`` is out of range."""
+    asked = [params.max_tokens for _, _, params in prompts]
+    max_tokens = [engine_max_tokens(params, state.latent_spec, len(ids), state.max_model_len)
+                  for ids, _, params in prompts]
+    total, limit = n * sum(max_tokens), state.limits.max_request_output_tokens
+    if total > limit:
+        floor = ("" if asked == max_tokens else
+                 f", raised from {max(asked)} by the answer-budget floor min_output_tokens + "
+                 "max_latent (send min_output_tokens: 0 for it to hold)")
+        raise APIError(
+            f"{max_tokens_field} x n summed over prompts must be at most {limit} tokens per "
+            f"request, got {total} ({len(max_tokens)} prompt(s), n={n}, {max_tokens_field} "
+            f"up to {max(max_tokens)}{floor}); lower {max_tokens_field}, n or the number of "
+            "prompts", param=max_tokens_field)
     try:
-        return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+        return [EngineRequest(p * n + j, f"{rid}-{p * n + j}", ids, dataclasses.replace(
+                    params, seed=None if params.seed is None else params.seed + j), p, text)
+                for p, (ids, text, params) in enumerate(prompts) for j in range(n)]
     except ValueError as exc:
         raise APIError(f"{exc} (seed + n - 1 must be in range)", param="seed") from None
