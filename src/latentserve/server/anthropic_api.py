@@ -23,12 +23,7 @@ from latentserve.server.anthropic_blocks import (
     message_turns,
     openai_tools,
 )
-from latentserve.server.errors import (
-    APIError,
-    anthropic_error_body,
-    anthropic_status,
-    param_from_value_error,
-)
+from latentserve.server.errors import APIError, anthropic_error, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import latent_info
 from latentserve.server.logprobs import token_texts
@@ -295,8 +290,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
                 request, state, reqs, arrival, ticket, lambda deltas: _events(
                     msg_id, state.model_name, len(prompt_ids), deltas, asked,
                     answer.parser(state), latent, texts),
-                error_event=lambda err: _event("error", anthropic_error_body(
-                    err.message, anthropic_status(err))), done=None)
+                error_event=lambda err: _event("error", anthropic_error(err)[1]), done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
         reasoning, content, calls = parse_output(answer.parser(state), result.text)
         if answer.latent_mode:

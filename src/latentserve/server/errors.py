@@ -47,11 +47,6 @@ def is_anthropic_path(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
-def anthropic_status(err: APIError) -> int:
-    """``err``'s status under ``/v1/messages``: 529 for the 503 ``overloaded``."""
-    return 529 if err.code == "overloaded" else err.status_code
-
-
 def anthropic_message(err: APIError) -> str:
     """``err``'s message in Anthropic's ``field: reason`` form when it names its field in
     another (``top_p must be ...``, ``Invalid type for 'top_p': ...``, an unknown field)."""
@@ -68,11 +63,12 @@ def anthropic_message(err: APIError) -> str:
     return text
 
 
-def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
-    """Anthropic's error object for an HTTP status."""
-    kind = _ANTHROPIC_TYPES.get(status_code, "api_error" if status_code >= 500
-                                else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
+    """``err``'s status under ``/v1/messages`` (529 for the 503 ``overloaded``) and
+    Anthropic's error object."""
+    status = 529 if err.code == "overloaded" else err.status_code
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": anthropic_message(err)}}
 
 
 def error_response(path: str, err: APIError, headers: dict[str, str] | None = None):
@@ -80,11 +76,8 @@ def error_response(path: str, err: APIError, headers: dict[str, str] | None = No
     ``err.headers``)."""
     from fastapi.responses import JSONResponse
 
-    if is_anthropic_path(path):
-        status = anthropic_status(err)
-        body = anthropic_error_body(anthropic_message(err), status)
-    else:
-        status, body = err.status_code, err.body()
+    status, body = (anthropic_error(err) if is_anthropic_path(path)
+                    else (err.status_code, err.body()))
     return JSONResponse(body, status_code=status, headers=headers or err.headers)
 
 

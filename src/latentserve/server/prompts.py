@@ -144,12 +144,11 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
         raise APIError("this model's tokenizer has no chat template; use /v1/completions",
                        param=param)
     kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
-                              "continue_final_message": continue_final_message}
-    for key, value in (template_kwargs or {}).items():
-        if key in _RESERVED_TEMPLATE_KWARGS:
-            raise APIError(f"chat_template_kwargs may not set {key!r}",
-                           param="chat_template_kwargs")
-        kwargs[key] = value
+                              "continue_final_message": continue_final_message,
+                              **(template_kwargs or {})}
+    if reserved := [key for key in kwargs if key in _RESERVED_TEMPLATE_KWARGS]:
+        raise APIError(f"chat_template_kwargs may not set {reserved[0]!r}",
+                       param="chat_template_kwargs")
     if kwargs["continue_final_message"]:
         if not conversation or conversation[-1]["role"] != "assistant":
             raise APIError("continue_final_message needs a final message with role "
@@ -171,31 +170,28 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
     return ids
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
-                    tools: list[ChatTool] | None = None, max_model_len: int | None = None,
-                    **kwargs) -> list[int]:
-    """:func:`render_chat` of the messages, after :func:`check_conversation_bytes`."""
-    conversation = chat_conversation(messages)
-    if max_model_len is not None:
-        check_conversation_bytes(conversation, tokenizer, max_model_len)
-    return render_chat(tokenizer, conversation, tools=chat_tools(tools), **kwargs)
-
-
 async def templated_prompt_ids(body, state, template_kwargs: dict[str, Any] | None,
                                max_model_len: int | None = None) -> list[int]:
-    """:func:`chat_prompt_ids` of a chat or ``/tokenize`` body, in the tokenizer pool.
-    APIError (400) for ``continue_final_message`` with ``add_generation_prompt`` sent true,
-    as vLLM refuses it (its default true alone is dropped for ``continue_final_message``)."""
+    """:func:`render_chat` of a chat or ``/tokenize`` body in the tokenizer pool, after
+    :func:`check_conversation_bytes` (with ``max_model_len``). APIError (400) for
+    ``continue_final_message`` with ``add_generation_prompt`` sent true, as vLLM refuses it
+    (its default true alone is dropped for ``continue_final_message``)."""
     if body.continue_final_message and body.add_generation_prompt is True \
             and "add_generation_prompt" in body.model_fields_set:
         raise APIError("Cannot set both `continue_final_message` and `add_generation_prompt` "
                        "to True.", param="continue_final_message")
     template = request_chat_template(body.chat_template, state.trust_request_chat_template)
-    return await in_pool(chat_prompt_ids, state.tokenizer, body.messages, body.tools,
-                         template_kwargs=template_kwargs, chat_template=template,
-                         max_model_len=max_model_len,
-                         add_generation_prompt=body.add_generation_prompt is not False,
-                         continue_final_message=bool(body.continue_final_message))
+
+    def render(tokenizer) -> list[int]:
+        conversation = chat_conversation(body.messages)
+        if max_model_len is not None:
+            check_conversation_bytes(conversation, tokenizer, max_model_len)
+        return render_chat(tokenizer, conversation, tools=chat_tools(body.tools),
+                           template_kwargs=template_kwargs, chat_template=template,
+                           add_generation_prompt=body.add_generation_prompt is not False,
+                           continue_final_message=bool(body.continue_final_message))
+
+    return await in_pool(render, state.tokenizer)
 
 
 def message_text(message: ChatMessage, i: int) -> str:

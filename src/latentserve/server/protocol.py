@@ -21,13 +21,9 @@ def no_lone_surrogates(value):
         except UnicodeEncodeError:
             raise ValueError("text contains a lone UTF-16 surrogate (not valid Unicode)") \
                 from None
-    elif isinstance(value, list):
-        for v in value:
-            no_lone_surrogates(v)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            no_lone_surrogates(k)
-            no_lone_surrogates(v)
+    elif isinstance(value, (list, tuple, dict)):
+        for v in value.items() if isinstance(value, dict) else value:
+            no_lone_surrogates(v)  # a dict's (key, value) pairs too
     return value
 
 
