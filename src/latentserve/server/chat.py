@@ -22,7 +22,6 @@ from latentserve.server.params import (
     check_prompt_length,
     engine_requests,
     latent_controls,
-    latent_positions,
     sampling_params,
 )
 from latentserve.server.prompts import chat_tools, message_text, templated_prompt_ids
@@ -63,11 +62,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                 if body.echo and body.messages[last].role == "assistant" else "")
         check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        params = sampling_params(body, getattr(body, field), field, len(prompt_ids),
-                                 state.max_model_len, logprobs, budget, head,
-                                 stream_latent_steps=ticks,
-                                 latent_positions=latent_positions(state.latent_spec, budget),
-                                 defaults=state.sampling_defaults)
+        params = sampling_params(body, field, len(prompt_ids), state, logprobs, budget, head,
+                                 stream_latent_steps=ticks)
 
         def parser() -> OutputParser:
             return OutputParser(state.reasoning_parser, state.tool_parser, choice,

@@ -15,7 +15,6 @@ from latentserve.server.params import (
     check_prompt_length,
     engine_requests,
     latent_controls,
-    latent_positions,
     sampling_params,
 )
 from latentserve.server.prompts import completion_prompts, prompt_list
@@ -43,10 +42,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
         for ids, text in prompts:
             check_prompt_length(len(ids), state.max_model_len, "prompt")
             with_params.append((ids, text, sampling_params(
-                body, body.max_tokens, "max_tokens", len(ids), state.max_model_len, body.logprobs,
-                budget, head, prompt_logprobs, stream_latent_steps=ticks,
-                latent_positions=latent_positions(state.latent_spec, budget),
-                defaults=state.sampling_defaults)))
+                body, "max_tokens", len(ids), state, body.logprobs, budget, head,
+                prompt_logprobs, ticks)))
         rid, engine_rid = new_request_id(request, "cmpl")
         reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)
         echoes = [("" if not body.echo else r.prompt_text if r.prompt_text is not None

@@ -36,13 +36,10 @@ class TokenTexts:
                                                             .get("decoder"))
             except Exception:  # noqa: BLE001 - unknown backend: fall back to plain pieces
                 self.byte_level = False
-        self._cache: dict[int, tuple[str, bytes]] = {}
+        self.get = functools.lru_cache(maxsize=200_000)(self._get)
 
-    def get(self, token_id: int) -> tuple[str, bytes]:
-        """``(text, raw bytes)`` of one token."""
-        hit = self._cache.get(token_id)
-        if hit is not None:
-            return hit
+    def _get(self, token_id: int) -> tuple[str, bytes]:
+        """``(text, raw bytes)`` of one token (``get``: cached)."""
         if token_id in self.added:
             raw = self.added[token_id].encode()
         else:
@@ -56,10 +53,7 @@ class TokenTexts:
                 raw = bytes(dec[c] for c in piece)
             else:
                 raw = piece.replace("\u2581", " ").encode()
-        out = (raw.decode("utf-8", errors="replace"), raw)
-        if len(self._cache) < 200_000:
-            self._cache[token_id] = out
-        return out
+        return raw.decode("utf-8", errors="replace"), raw
 
     def text(self, token_id: int, as_ids: bool = False) -> str:
         return f"token_id:{token_id}" if as_ids else self.get(token_id)[0]

@@ -298,31 +298,31 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
     return found[0] if found else None
 
 
-def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens_field: str,
-                    num_prompt_tokens: int, max_model_len: int,
-                    logprobs: int | None = None, budget: int | None = None,
+def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_tokens: int,
+                    state, logprobs: int | None = None, budget: int | None = None,
                     head: dict | None = None, prompt_logprobs: int | None = None,
-                    stream_latent_steps: bool = False,
-                    latent_positions: int = 0, defaults: dict | None = None) -> SamplingParams:
-    """The engine's ``SamplingParams`` for one prompt. ``max_tokens`` None: up to the end of
-    the context (and ``defaults["max_tokens"]``); ``latent_positions`` count as prompt
-    tokens; ``defaults`` (generation config) fill null sampling fields; ``head`` None: the
-    body's. APIError (400 naming the field; ``context_length_exceeded`` over the context)."""
+                    stream_latent_steps: bool = False) -> SamplingParams:
+    """The engine's ``SamplingParams`` for one prompt. ``max_tokens_field`` null: up to the
+    end of ``state.max_model_len`` (and the generation config's ``max_tokens``);
+    :func:`latent_positions` count as prompt tokens; ``state.sampling_defaults`` fill null
+    sampling fields; ``head`` None: the body's. APIError (400 naming the field;
+    ``context_length_exceeded`` over the context)."""
+    latent = latent_positions(state.latent_spec, budget)
+    max_tokens, max_model_len = getattr(request, max_tokens_field), state.max_model_len
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
                        param=max_tokens_field)
-    used = num_prompt_tokens + latent_positions
-    defaults = defaults or {}
+    used = num_prompt_tokens + latent
+    defaults = state.sampling_defaults or {}
     if max_tokens is None:
         max_tokens = min(max(max_model_len - used, 1), defaults.get("max_tokens", max_model_len))
     elif used + max_tokens > max_model_len:
-        latent = (f", {latent_positions} latent and transition positions"
-                  if latent_positions else "")
+        positions = f", {latent} latent and transition positions" if latent else ""
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {used + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt{latent}, {max_tokens} in the completion). Please reduce the length of "
-            f"the prompt or {max_tokens_field}.", param=max_tokens_field,
+            f"prompt{positions}, {max_tokens} in the completion). Please reduce the length "
+            f"of the prompt or {max_tokens_field}.", param=max_tokens_field,
             code="context_length_exceeded")
     if head is None:
         head = {k: getattr(request, k, None) for k in HEAD_HEADERS}

@@ -69,8 +69,7 @@ class LatentFields(RequestModel):
 class JsonSchemaFormat(RequestModel):
     """``response_format.json_schema``; only ``schema`` constrains the answer."""
 
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True,
-                              serialize_by_alias=True)
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
     name: str | None = None
     description: str | None = None

@@ -150,18 +150,14 @@ async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
             yield item
 
 
-def openai_error_event(err: APIError) -> str:
-    """An OpenAI stream's error event (``data: {"error": ...}``)."""
-    return f"data: {json.dumps(err.body())}\n\n"
-
-
 async def sse_events(request, state, reqs: list[EngineRequest],
                      chunks: AsyncIterator[dict | str],
-                     error_event: Callable[[APIError], str] = openai_error_event,
+                     error_event: Callable[[APIError], str] = (
+                         lambda err: f"data: {json.dumps(err.body())}\n\n"),
                      done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
     """``data: {chunk}`` events (a dict as compact JSON, non-finite floats as null; a str as
     it is), then ``done``; an error is one ``error_event`` (of the engine's ``api_error``,
-    else of a 500 ``Internal server error``)."""
+    else of a 500 ``Internal server error``; OpenAI's ``data: {"error": ...}`` by default)."""
 
     async with _abort_on_disconnect(request, state, reqs), aclosing(chunks):
         try:
