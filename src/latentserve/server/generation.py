@@ -68,16 +68,13 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     stats = None  # a compression head's latent stats, once its latent phase has settled
     reason = "abort"
 
-    def take(cut: int | None = None) -> list[TokenLogprob]:
-        """The pending logprobs; with ``cut``, only those of tokens starting before it."""
-        out = [lp for lp, start in pending if cut is None or start < cut]
-        pending.clear()
-        return out
-
     def delta(text: str, finish: str | None, out=None, cut: int | None = None,
               **kw) -> TextDelta:
+        """A delta taking the pending logprobs (with ``cut``: of tokens starting before it)."""
         nonlocal prompt_lps
-        d = TextDelta(text, finish, num_tokens, take(cut), prompt_logprobs=prompt_lps, **kw)
+        lps = [lp for lp, start in pending if cut is None or start < cut]
+        pending.clear()
+        d = TextDelta(text, finish, num_tokens, lps, prompt_logprobs=prompt_lps, **kw)
         prompt_lps = None
         if out is not None:
             d.latent_steps, d.latent_trace = out.latent_steps, out.latent_trace

@@ -28,14 +28,11 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self.added = {int(i): str(getattr(t, "content", t))
                       for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
-        self.byte_level = False
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            try:
-                self.byte_level = "ByteLevel" in json.dumps(json.loads(backend.to_str())
-                                                            .get("decoder"))
-            except Exception:  # noqa: BLE001 - unknown backend: fall back to plain pieces
-                self.byte_level = False
+        try:
+            self.byte_level = "ByteLevel" in json.dumps(
+                json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder"))
+        except Exception:  # noqa: BLE001 - no or an unknown backend: plain pieces
+            self.byte_level = False
         self.get = functools.lru_cache(maxsize=200_000)(self._get)
 
     def _get(self, token_id: int) -> tuple[str, bytes]:

@@ -204,38 +204,30 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
     taken = (spec.controls or CONTROLS) if head else ()
     headers = _headers(http_request)
     for name, (hdr, alias, _) in HEAD_HEADERS.items():
-        if name in taken:
+        field = name in type(body).model_fields and getattr(body, name) is not None
+        sent = next((h for h in (hdr, alias) if h is not None and headers.get(h) is not None),
+                    name if field else None)
+        if name in taken or sent is None:
             continue
-        for sent in (hdr, alias):
-            if sent is not None and headers.get(sent) is not None:
-                raise APIError(f"header {sent} " + _not_taken(spec, taken, True, name),
-                               param=sent)
-        if name in type(body).model_fields and getattr(body, name) is not None:
-            off = '{"type": "disabled"}' if route_of(type(body)) == "/v1/messages" else None
-            raise APIError(f"{name} " + _not_taken(spec, taken, False, name, off), param=name)
+        if taken:
+            why = (f"is not a control of this model's latent head ({spec.family}; it takes "
+                   f"{', '.join(taken)})")
+        elif name in ("compression_factor", "latent_temperature"):
+            why = "needs a CoLaR model (a directory with colar_config.json); leave it out"
+        else:  # how to turn thinking off, in the route's own form for a body field
+            off = (f"{HEAD_HEADERS['thinking'][0]}: false" if sent != name else "thinking: "
+                   + ('{"type": "disabled"}' if route_of(type(body)) == "/v1/messages"
+                      else "false"))
+            why = (f"needs a model with a compression head; this model has none (send {off} "
+                   "or leave it out)")
+        raise APIError(f"{'header ' if sent != name else ''}{sent} {why}", param=sent)
     c = controls.get("compression_factor")
-    if c is not None and "compression_factor" in taken:
-        top = spec.max_compression_factor
-        if not 1 <= c <= top:
-            sent = HEAD_HEADERS["compression_factor"][0]
-            param = sent if headers.get(sent) is not None else "compression_factor"
-            raise APIError(f"{param} must be in [1, {top}] for this model, got {c}",
-                           param=param)
-
-
-def _not_taken(spec, taken: tuple[str, ...], hdr: bool, name: str = "",
-               off_value: str | None = None) -> str:
-    """Why head control ``name`` is refused (the message after its name); ``off_value``: the
-    body's thinking-off value in the route's own form (``/v1/messages``: Anthropic's object)."""
-    if taken:
-        return (f"is not a control of this model's latent head ({spec.family}; it takes "
-                f"{', '.join(taken)})")
-    if name in ("compression_factor", "latent_temperature"):
-        return "needs a CoLaR model (a directory with colar_config.json); leave it out"
-    off = f"{HEAD_HEADERS['thinking'][0]}: false" if hdr else \
-        f"thinking: {off_value or 'false'}"
-    return f"needs a model with a compression head; this model has none (send {off} or " \
-        "leave it out)"
+    if c is not None and "compression_factor" in taken and \
+            not 1 <= c <= spec.max_compression_factor:
+        sent = HEAD_HEADERS["compression_factor"][0]
+        param = sent if headers.get(sent) is not None else "compression_factor"
+        raise APIError(f"{param} must be in [1, {spec.max_compression_factor}] for this model, "
+                       f"got {c}", param=param)
 
 
 STREAM_STEPS_HEADER = "x-latent-stream-steps"

@@ -92,14 +92,11 @@ def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             raise APIError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
                            f"{message.role!r}", param=f"messages[{i}].role")
         turn = {"role": "system" if message.role == "developer" else message.role,
-                "content": message_text(message, i)}
-        if message.name is not None:
-            turn["name"] = message.name
+                "content": message_text(message, i),
+                **message.model_dump(include={"name", "tool_call_id"}, exclude_none=True)}
         if message.tool_calls is not None:
             turn["tool_calls"] = [_tool_call(call, f"messages[{i}].tool_calls[{j}]")
                                   for j, call in enumerate(message.tool_calls)]
-        if message.tool_call_id is not None:
-            turn["tool_call_id"] = message.tool_call_id
         conversation.append(turn)
     if not any(m["role"] in ("system", "user") for m in conversation):
         raise APIError("messages must contain at least one message with role 'system', "
