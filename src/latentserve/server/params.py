@@ -95,19 +95,36 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     return value
 
 
-def shared_fields(body, stop: list[str], budget: int | None, defaults: dict | None) -> dict:
+# Sampling fields whose null takes the generation config's value, else vLLM's neutral one.
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+           "repetition_penalty": 1.0}
+# Body fields SamplingParams takes as sent (null: its default), on every route / OpenAI's.
+_SHARED_FIELDS = ("return_latent_trace", "upstream_stop_rules", "exit_criterion",
+                  "exit_threshold", "exit_min_steps", "exit_check_every", "exit_semantics")
+_OPENAI_FIELDS = ("seed", "presence_penalty", "frequency_penalty", "stop_token_ids",
+                  "ignore_eos", "skip_special_tokens", "min_tokens",
+                  "include_stop_str_in_output", "bad_words", "allowed_token_ids")
+
+
+def _sent(body, names: tuple[str, ...]) -> dict:
+    """``body``'s fields ``names`` that are not null."""
+    return {k: v for k in names if (v := getattr(body, k)) is not None}
+
+
+def _or_default(body, names: tuple[str, ...], defaults: dict | None) -> dict:
+    """``body``'s fields ``names``, a null one as ``defaults[name]``, else ``NEUTRAL[name]``."""
+    return {k: v if (v := getattr(body, k)) is not None else (defaults or {}).get(k, NEUTRAL[k])
+            for k in names}
+
+
+def shared_fields(body, stop: list[str] | None, budget: int | None, defaults: dict | None
+                  ) -> dict:
     """The ``SamplingParams`` keyword arguments every generation route (OpenAI, Anthropic)
     takes alike: sampling (``defaults`` fill unset ones), ``stop``, the latent fields."""
-    top_k = unset_default(body.top_k, "top_k", defaults, -1)
-    return {"temperature": unset_default(body.temperature, "temperature", defaults, 1.0),
-            "top_p": unset_default(body.top_p, "top_p", defaults, 1.0),
-            "top_k": -1 if top_k == 0 else top_k, "stop": stop, "latent_budget": budget,
-            "return_latent_trace": bool(body.return_latent_trace),
-            "upstream_stop_rules": body.upstream_stop_rules,
-            "exit_criterion": body.exit_criterion, "exit_threshold": body.exit_threshold,
-            "exit_min_steps": 0 if body.exit_min_steps is None else body.exit_min_steps,
-            "exit_check_every": 1 if body.exit_check_every is None else body.exit_check_every,
-            "exit_semantics": body.exit_semantics}
+    out = {**_or_default(body, ("temperature", "top_p", "top_k"), defaults), "stop": stop,
+           "latent_budget": budget, **_sent(body, _SHARED_FIELDS)}
+    out["top_k"] = -1 if out["top_k"] == 0 else out["top_k"]
+    return out
 
 
 def latent_positions(spec, budget: int | None) -> int:
@@ -318,42 +335,18 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
             code="context_length_exceeded")
     if head is None:
         head = {k: getattr(request, k, None) for k in HEAD_HEADERS}
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
         return SamplingParams(
-            max_tokens=max_tokens,
-            min_p=unset_default(request.min_p, "min_p", defaults, 0.0),
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=unset_default(request.repetition_penalty, "repetition_penalty",
-                                             defaults, 1.0),
-            seed=request.seed,
-            stop_token_ids=list(request.stop_token_ids or []),
-            ignore_eos=bool(request.ignore_eos),
-            skip_special_tokens=request.skip_special_tokens is not False,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            stream_latent_steps=stream_latent_steps,
-            min_tokens=request.min_tokens or 0,
-            include_stop_str_in_output=bool(request.include_stop_str_in_output),
-            bad_words=list(request.bad_words or []),
-            allowed_token_ids=request.allowed_token_ids,
-            structured_outputs=structured_outputs(request),
-            **shared_fields(request, stop, budget, defaults),
-            **head,
-        )
+            max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            stream_latent_steps=stream_latent_steps, structured_outputs=structured_outputs(request),
+            **_or_default(request, ("min_p", "repetition_penalty"), defaults),
+            **_sent(request, _OPENAI_FIELDS),
+            **shared_fields(request, request.stop, budget, defaults), **head)
     except ValueError as exc:
         param = param_from_value_error(str(exc))
         if param == "max_tokens":
             param = max_tokens_field
         raise APIError(str(exc), param=param) from None
-
-
-def unset_default(value, name: str, defaults: dict | None, neutral):
-    """``value``, else ``defaults[name]``, else vLLM's ``neutral`` value."""
-    if value is not None:
-        return value
-    return (defaults or {}).get(name, neutral)
 
 
 def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
