@@ -19,7 +19,6 @@ from latentserve.server.output_parser import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
-    check_prompt_length,
     engine_requests,
     latent_controls,
     sampling_params,
@@ -60,7 +59,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         last = len(body.messages) - 1  # vLLM's echo: the final message's text, the assistant's
         echo = (message_text(body.messages[last], last)
                 if body.echo and body.messages[last].role == "assistant" else "")
-        check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         params = sampling_params(body, field, len(prompt_ids), state, logprobs, budget, head,
                                  stream_latent_steps=ticks)

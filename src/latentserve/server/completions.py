@@ -12,7 +12,6 @@ from latentserve.server.logprobs import completion_logprobs, echo_logprobs, toke
 from latentserve.server.params import (
     check_common,
     check_logprobs,
-    check_prompt_length,
     engine_requests,
     latent_controls,
     sampling_params,
@@ -38,12 +37,10 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
         prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
                                 state.vocab_size, state.limits.max_prompts, state.max_model_len)
         budget, head, ticks = latent_controls(request, body, state.latent_spec)
-        with_params = []
-        for ids, text in prompts:
-            check_prompt_length(len(ids), state.max_model_len, "prompt")
-            with_params.append((ids, text, sampling_params(
-                body, "max_tokens", len(ids), state, body.logprobs, budget, head,
-                prompt_logprobs, ticks)))
+        with_params = [(ids, text, sampling_params(body, "max_tokens", len(ids), state,
+                                                   body.logprobs, budget, head,
+                                                   prompt_logprobs, ticks))
+                       for ids, text in prompts]
         rid, engine_rid = new_request_id(request, "cmpl")
         reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)
         echoes = [("" if not body.echo else r.prompt_text if r.prompt_text is not None

@@ -9,7 +9,7 @@ from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.server.errors import APIError, param_from_value_error, short_repr
 from latentserve.server.fields import refused, route_of
 from latentserve.server.generation import EngineRequest
-from latentserve.server.protocol import SamplingRequest
+from latentserve.server.protocol import CompletionRequest, SamplingRequest
 from latentserve.server.state import ServerLimits
 
 
@@ -84,11 +84,9 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     if value is None or (spec is not None and spec.kind == "head"):
         return value  # heads use the x-latent-* controls
     budgeted = spec is not None and spec.kind in ("feedback", "recurrent", "loop")
-    if value < 0 and not budgeted:
-        raise APIError(f"{param} must be 0 or null, got {value}", param=param)
-    if value > 0 and not budgeted:
-        raise APIError(f"{param} must be 0 or null: this model does no latent reasoning",
-                       param=param)
+    if value != 0 and not budgeted:
+        why = f", got {value}" if value < 0 else ": this model does no latent reasoning"
+        raise APIError(f"{param} must be 0 or null{why}", param=param)
     if budgeted and not spec.min_budget <= value <= spec.max_budget:
         raise APIError(f"{param} must be in [{spec.min_budget}, {spec.max_budget}], got "
                        f"{value}", param=param)
@@ -169,10 +167,8 @@ def head_controls(http_request, body: SamplingRequest,
         used = hdr if headers.get(hdr) is not None or alias is None else alias
         if headers.get(used) is not None:
             out[name] = header_value(used, headers[used], kind)
-    budget = headers.get("x-latent-budget")
-    thinking_header = any(headers.get(h) is not None for h in HEAD_HEADERS["thinking"][:2])
-    if out["thinking"] and budget is not None and budget.strip() == "0" \
-            and not thinking_header:
+    if out["thinking"] and (headers.get("x-latent-budget") or "").strip() == "0" \
+            and not any(headers.get(h) is not None for h in HEAD_HEADERS["thinking"][:2]):
         out["thinking"] = False  # header x-latent-budget: 0 (thinking off) beats the body
     return out
 
@@ -316,8 +312,10 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
     :func:`latent_positions` count as prompt tokens; ``state.sampling_defaults`` fill null
     sampling fields; ``head`` None: the body's. APIError (400 naming the field;
     ``context_length_exceeded`` over the context)."""
-    latent = latent_positions(state.latent_spec, budget)
     max_tokens, max_model_len = getattr(request, max_tokens_field), state.max_model_len
+    check_prompt_length(num_prompt_tokens, max_model_len,
+                        "prompt" if isinstance(request, CompletionRequest) else "messages")
+    latent = latent_positions(state.latent_spec, budget)
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
                        param=max_tokens_field)

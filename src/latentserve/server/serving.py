@@ -37,13 +37,11 @@ def api_error(exc: Exception) -> APIError:
         code = "context_length_exceeded" if "max_model_len" in message else None
         return APIError(message, param="prompt" if message.startswith("prompt")
                         else param_from_value_error(message), code=code)
-    if isinstance(exc, EngineInternalError):
-        return APIError(str(exc), status_code=500, type="server_error", code="engine_error")
-    if isinstance(exc, EngineDeadError):
-        return APIError(str(exc), status_code=503, type="server_error", code="engine_dead")
     if isinstance(exc, EngineQueueTimeout):
         return overloaded(str(exc))
-    raise TypeError(f"not an engine error: {exc!r}")
+    status, code = (500, "engine_error") if isinstance(exc, EngineInternalError) else \
+        (503, "engine_dead")  # EngineDeadError
+    return APIError(str(exc), status_code=status, type="server_error", code=code)
 
 
 @dataclass(slots=True)
@@ -97,11 +95,10 @@ def _deltas(state, reqs: list[EngineRequest], arrival: float | None, ticket):
     """The merged deltas of ``reqs``; with ``log_requests``, first one INFO line each of its
     prompt and token ids (cut to ``state.max_log_len``) and parameters, as vLLM's
     ``RequestLogger.log_inputs``."""
-    cut = state.max_log_len
+    cut = state.max_log_len  # None: [:None], all of it
     for r in reqs if state.log_requests else ():
-        text = r.prompt_text if r.prompt_text is None or cut is None else r.prompt_text[:cut]
         log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", r.rid,
-                 text, r.params, r.prompt_ids if cut is None else r.prompt_ids[:cut])
+                 r.prompt_text and r.prompt_text[:cut], r.params, r.prompt_ids[:cut])
     # One metrics group per prompt: its n choices (vLLM's parent request).
     counts = Counter(r.prompt_index for r in reqs)
     groups = ({i: RequestGroup(state.metrics, n) for i, n in counts.items()}
