@@ -101,11 +101,11 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         if first.get("type") == "missing":
             return APIError("Request body is missing; send a JSON object", code="invalid_json")
         return APIError("Request body must be a JSON object", code="invalid_json")
-    param = _param(loc)
+    param = _split(loc)[0]
     if first.get("type") == "missing":
         return APIError(f"Missing required parameter: '{param}'", param=param,
                         code="missing_required_parameter")
-    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
+    same = [e for e in errors if _split(e.get("loc", ()))[0] == param]
     reasons = (_union_expected(same)
                or "; ".join(dict.fromkeys(e.get("msg", "invalid") for e in same)))
     got = short_repr(first.get("input"))
@@ -130,16 +130,20 @@ def malformed_body(cause: BaseException | None) -> APIError:
     return APIError(f"Malformed JSON body: {detail}", code="invalid_json")
 
 
-def _param(loc: tuple) -> str:
+def _split(loc) -> tuple[str, tuple]:
+    """A pydantic error's ``loc`` as its field's path (``messages[0].role``; ``body`` for
+    none) and the rest, from a union member's tag (``str``, ``list[int]``, ``StreamOptions``)."""
+    loc = tuple(loc)
+    loc = loc[1:] if loc[:1] == ("body",) else loc
     path = ""
-    for part in loc[1:] if loc[:1] == ("body",) else loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             path += f"[{part}]"
         elif _is_field(part):
             path += f".{part}" if path else part
         else:
-            break  # a union member's tag: "str", "list[int]", "StreamOptions", ...
-    return path or "body"
+            return path or "body", loc[i:]
+    return path or "body", ()
 
 
 _KINDS = {"str": ("a string", "strings"), "int": ("an integer", "integers"),
@@ -164,18 +168,12 @@ def _union_expected(errors: list[dict[str, Any]]) -> str | None:
     members each refusing the value's type (``stop: [1, 2]``); else None."""
     kinds = []
     for e in errors:
-        loc = tuple(e.get("loc", ()))
-        loc = loc[1:] if loc[:1] == ("body",) else loc
-        at = next((i for i, p in enumerate(loc) if not isinstance(p, int) and not _is_field(p)),
-                  None)
-        if at is None or not str(e.get("type", "")).endswith("_type"):
+        rest = _split(e.get("loc", ()))[1]  # the tag, then () or an item's index: the type
+        refused = str(e.get("type", "")).endswith("_type") and 0 < len(rest) < 3 and all(
+            isinstance(p, int) for p in rest[1:])
+        kinds.append(_kind(str(rest[0])) if refused else None)
+        if kinds[-1] is None:
             return None
-        rest = loc[at + 1:]  # () or an item's index: the member refused the type
-        kind = _kind(str(loc[at])) if len(rest) < 2 and all(isinstance(p, int) for p in rest) \
-            else None
-        if kind is None:
-            return None
-        kinds.append(kind)
     kinds = list(dict.fromkeys(kinds))
     if len(kinds) < 2:
         return None
