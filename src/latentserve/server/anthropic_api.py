@@ -280,7 +280,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         msg_id, engine_rid = new_request_id(request, "msg")
         if msg_id == engine_rid:
             msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
-        reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
+        reqs = [EngineRequest(engine_rid, prompt_ids, params)]
         asked = bool(body.return_latent_trace)
         texts = token_texts(state.tokenizer)
         if body.stream:

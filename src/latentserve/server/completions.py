@@ -84,12 +84,11 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
     shown = [0] * len(echoes)  # latent steps announced per choice (ticks)
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
-    echo_later = want_logprobs and any(echoes)  # the echo chunk waits for prompt logprobs
-    if not echo_later:
-        for i, echo in enumerate(echoes):
-            if echo:
-                yield chunk(i, echo)
-    echoed = [not echo_later] * len(echoes)
+    # With logprobs, an echo chunk waits for its prompt logprobs (on the first delta).
+    echoed = [not (want_logprobs and any(echoes))] * len(echoes)
+    for i, echo in enumerate(echoes):
+        if echo and echoed[i]:
+            yield chunk(i, echo)
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
         if not echoed[i]:  # the prompt logprobs ride the choice's first delta

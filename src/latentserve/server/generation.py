@@ -37,9 +37,8 @@ class TextDelta:
 
 @dataclass(slots=True)
 class EngineRequest:
-    """Choice ``index`` of prompt ``prompt_index`` of a client request."""
+    """One choice of prompt ``prompt_index`` of a client request."""
 
-    index: int
     rid: str
     prompt_ids: list[int]
     params: SamplingParams

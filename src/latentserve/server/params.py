@@ -394,7 +394,7 @@ def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, Samplin
             f"up to {max(max_tokens)}{floor}); lower {max_tokens_field}, n or the number of "
             "prompts", param=max_tokens_field)
     try:
-        return [EngineRequest(p * n + j, f"{rid}-{p * n + j}", ids, dataclasses.replace(
+        return [EngineRequest(f"{rid}-{p * n + j}", ids, dataclasses.replace(
                     params, seed=None if params.seed is None else params.seed + j), p, text)
                 for p, (ids, text, params) in enumerate(prompts) for j in range(n)]
     except ValueError as exc:
