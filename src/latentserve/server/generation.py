@@ -110,14 +110,12 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                     pending.extend(zip(out.logprobs, starts))
                 text = "".join(parts)
                 if detok.stopped is not None or out.finished:
-                    reason = "stop" if detok.stopped is not None else out.finish_reason
+                    stopped = detok.stopped is not None  # returning aborts the engine request
+                    reason = "stop" if stopped else out.finish_reason
                     if timer is not None and stats is not None:
                         timer.latent(stats)
-                    if detok.stopped is not None:  # returning aborts the engine request
-                        yield delta(text, "stop", out, cut=detok.decoded_len,
-                                    stop_string=detok.stopped)
-                    else:
-                        yield delta(text + detok.flush(), reason, out)
+                    yield delta(text if stopped else text + detok.flush(), reason, out,
+                                detok.decoded_len if stopped else None, stop_string=detok.stopped)
                     return
                 tick = out.latent_steps - latent_steps if params.stream_latent_steps else 0
                 latent_steps = out.latent_steps

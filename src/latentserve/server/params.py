@@ -1,4 +1,5 @@
-"""Request fields -> ``SamplingParams``, with 400s that name the offending field."""
+"""Request fields -> ``SamplingParams``, with 400s that name the offending field.
+``latent.head`` imports torch: the functions that need it import it, off the API's start-up."""
 
 from __future__ import annotations
 
@@ -155,8 +156,6 @@ def head_controls(http_request, body: SamplingRequest,
     """``HEAD_HEADERS`` controls: header (``x-latent-*`` > ``x-ds4-*``) > body > template
     thinking > None; ``x-latent-budget: 0`` turns thinking off unless a thinking header is
     sent. APIError (400 naming the header) for a malformed value."""
-
-    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
@@ -184,7 +183,6 @@ _WANT = {"bool": "a boolean (1/0, true/false, yes/no, on/off)", "int": "a non-ne
 def header_value(name: str, raw: str, kind: str):
     """Header ``name``'s ``raw`` value as a ``kind`` of ``_WANT``. Raises APIError (400
     naming the header) when it is not one."""
-    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import parse_bool
 
     try:
@@ -208,7 +206,6 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
     """APIError (400 naming the header or field) for head controls the model would ignore:
     any without a head (unless thinking is off), those not in ``spec.controls`` with one, or
     ``compression_factor`` outside ``[1, spec.max_compression_factor]``."""
-    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import CONTROLS
 
     head = spec is not None and spec.kind == "head"
@@ -354,7 +351,6 @@ def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
     if spec is None or spec.kind != "head" or "min_output_tokens" not in (
             spec.controls or ("min_output_tokens",)):  # CoLaR: no floor
         return params.max_tokens
-    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import apply_output_floor, head_defaults, resolve_settings
 
     hs = resolve_settings(params, head_defaults(), "closed_loop", True)

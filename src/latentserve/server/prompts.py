@@ -129,17 +129,17 @@ def chat_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
 def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None,
-                param: str = "messages", chat_template: str | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None
+                ) -> list[int]:
     """The prompt's token ids from the tokenizer's chat template (or ``chat_template``);
     ``continue_final_message`` leaves the last (assistant) message open. APIError (400) for
     no tokenizer or template, a reserved template keyword, no final assistant message to
     continue, or a template that fails or renders no tokens."""
     if isinstance(tokenizer, NoTokenizer):
-        raise APIError(f"{NO_TOKENIZER} to /v1/completions", param=param)
+        raise APIError(f"{NO_TOKENIZER} to /v1/completions", param="messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template; use /v1/completions",
-                       param=param)
+                       param="messages")
     kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
                               "continue_final_message": continue_final_message,
                               **(template_kwargs or {})}
@@ -157,13 +157,13 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
         out = tokenizer.apply_chat_template(conversation, tools=tools, **kwargs)
     except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(...)
         raise APIError(f"the chat template failed on these messages: "
-                       f"{type(exc).__name__}: {exc}", param=param) from None
+                       f"{type(exc).__name__}: {exc}", param="messages") from None
     ids = list(out["input_ids"] if hasattr(out, "keys") else out)
     if not ids:
         whose = "the request's chat_template" if chat_template is not None else \
             "the model's chat template"
         raise APIError(f"{whose} rendered these messages as an empty prompt",
-                       param="chat_template" if chat_template is not None else param)
+                       param="chat_template" if chat_template is not None else "messages")
     return ids
 
 
@@ -225,20 +225,18 @@ def prompt_list(prompt, max_prompts: int) -> list:
 
 
 def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int,
-                       max_model_len: int | None = None) -> list[tuple[list[int], str | None]]:
+                       max_model_len: int) -> list[tuple[list[int], str | None]]:
     """One ``(token_ids, text)`` per completions prompt (``text`` None for token ids).
     APIError (400) for an empty prompt, over ``max_prompts`` prompts, or an id out of range."""
     limit = vocab_size or len(tokenizer)
     out = []
     for p in prompt_list(prompt, max_prompts):
         if isinstance(p, str):
-            if max_model_len is not None:
-                check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
+            check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
             ids, text = (tokenizer.encode(p) if p else []), p
         else:
             ids, text = list(p), None
-            bad = [t for t in ids if not 0 <= t < limit]
-            if bad:
+            if bad := [t for t in ids if not 0 <= t < limit]:
                 raise APIError(f"prompt token ids must be in [0, {limit}), got {bad[0]}",
                                param="prompt")
         if not ids:

@@ -100,8 +100,8 @@ def _deltas(state, reqs: list[EngineRequest], arrival: float | None, ticket):
         log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", r.rid,
                  r.prompt_text and r.prompt_text[:cut], r.params, r.prompt_ids[:cut])
     # One metrics group per prompt: its n choices (vLLM's parent request).
-    counts = Counter(r.prompt_index for r in reqs)
-    groups = ({i: RequestGroup(state.metrics, n) for i, n in counts.items()}
+    groups = ({i: RequestGroup(state.metrics, n)
+               for i, n in Counter(r.prompt_index for r in reqs).items()}
               if state.metrics is not None else {})
     return merge([generate_text(state, r.rid, r.prompt_ids, r.params, arrival,
                                 groups.get(r.prompt_index), ticket) for r in reqs])
