@@ -123,10 +123,15 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
 
 async def stream(request, state, reqs: list[EngineRequest], arrival: float | None, ticket,
                  chunks: Callable[[AsyncIterator[tuple[int, TextDelta]]], AsyncIterator],
-                 **events):
+                 error_event: Callable[[APIError], str] = (
+                     lambda err: f"data: {json.dumps(err.body())}\n\n"),
+                 done: str | None = "data: [DONE]\n\n"):
     """Start the engine requests and wait for the first delta (a rejection is an error, not
     a 200 stream); then the SSE response of ``chunks(deltas)``, deltas as ``(position in
-    reqs, delta)``, through :func:`sse_events` (``events``: its options). APIError."""
+    reqs, delta)``: ``data: {chunk}`` events (a dict as compact JSON, non-finite floats as
+    null; a str as it is), then ``done``; an error is one ``error_event`` (of the engine's
+    ``api_error``, else of a 500 ``Internal server error``; OpenAI's ``data: {"error": ...}``
+    by default). APIError."""
     from fastapi.responses import StreamingResponse
 
     deltas = _deltas(state, reqs, arrival, ticket)
@@ -136,8 +141,24 @@ async def stream(request, state, reqs: list[EngineRequest], arrival: float | Non
         except ENGINE_ERRORS as exc:
             await deltas.aclose()
             raise api_error(exc) from None
-    body = sse_events(request, state, reqs, chunks(_chain(first, deltas)), **events)
-    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def events() -> AsyncIterator[str]:
+        body = chunks(_chain(first, deltas))
+        async with _abort_on_disconnect(request, state, reqs), aclosing(body):
+            try:
+                async for chunk in body:
+                    yield chunk if isinstance(chunk, str) else \
+                        f"data: {to_json(chunk, inf_nan_mode='null').decode()}\n\n"
+            except ENGINE_ERRORS as exc:
+                yield error_event(api_error(exc))
+            except Exception:  # noqa: BLE001 - the stream ends with an error event, no trace
+                log.exception("stream of %s failed", reqs[0].rid if reqs else "?")
+                yield error_event(APIError("Internal server error", status_code=500,
+                                           type="server_error"))
+        if done is not None:
+            yield done
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
@@ -145,28 +166,3 @@ async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
         yield first
         async for item in rest:
             yield item
-
-
-async def sse_events(request, state, reqs: list[EngineRequest],
-                     chunks: AsyncIterator[dict | str],
-                     error_event: Callable[[APIError], str] = (
-                         lambda err: f"data: {json.dumps(err.body())}\n\n"),
-                     done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
-    """``data: {chunk}`` events (a dict as compact JSON, non-finite floats as null; a str as
-    it is), then ``done``; an error is one ``error_event`` (of the engine's ``api_error``,
-    else of a 500 ``Internal server error``; OpenAI's ``data: {"error": ...}`` by default)."""
-
-    async with _abort_on_disconnect(request, state, reqs), aclosing(chunks):
-        try:
-            async for chunk in chunks:
-                yield chunk if isinstance(chunk, str) else \
-                    f"data: {to_json(chunk, inf_nan_mode='null').decode()}\n\n"
-        except ENGINE_ERRORS as exc:
-            yield error_event(api_error(exc))
-        except Exception:  # noqa: BLE001 - the stream ends with an error event, no trace
-            log.exception("stream of %s failed", reqs[0].rid if reqs else "?")
-            yield error_event(APIError("Internal server error", status_code=500,
-                                       type="server_error"))
-    if done is not None:
-        yield done
-
