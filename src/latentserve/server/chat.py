@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -62,11 +63,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         params = sampling_params(body, field, len(prompt_ids), state, logprobs, budget, head,
                                  stream_latent_steps=ticks)
-
-        def parser() -> OutputParser:
-            return OutputParser(state.reasoning_parser, state.tool_parser, choice,
-                                body.include_reasoning is not False)
-
+        parser = functools.partial(OutputParser, state.reasoning_parser, state.tool_parser,
+                                   choice, body.include_reasoning is not False)
         params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
         rid, engine_rid = new_request_id(request, "chatcmpl")
         reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
@@ -100,9 +98,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
 
 def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str | None:
     """``tool_calls`` after a call, except for a named function (``stop``, as OpenAI)."""
-    if called and reason == "stop" and choice.mode != "named":
-        return "tool_calls"
-    return reason
+    return "tool_calls" if called and reason == "stop" and choice.mode != "named" else reason
 
 
 async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,

@@ -1,5 +1,5 @@
 """One engine request's token stream -> text deltas with stop strings, logprobs and timing;
-and the fan-out of a client request into several engine requests (``n``, prompt lists)."""
+``EngineRequest``, one of a client request's fan-out (``n``, prompt lists); ``merge``."""
 
 from __future__ import annotations
 

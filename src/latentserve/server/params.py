@@ -270,14 +270,12 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
     try:
         rf = request.response_format
         if rf is not None and rf.type != "text":
-            if rf.type == "json_object":
-                found.append(StructuredOutputsParams(json_object=True, param="response_format"))
-            elif rf.json_schema is None or rf.json_schema.schema_ is None:
+            schema = rf.json_schema and rf.json_schema.schema_
+            if rf.type == "json_schema" and schema is None:
                 raise APIError("response_format of type json_schema needs json_schema.schema "
                                "(the JSON schema the answer follows)", param="response_format")
-            else:
-                found.append(StructuredOutputsParams(json=rf.json_schema.schema_,
-                                                     param="response_format"))
+            kind = {"json_object": True} if rf.type == "json_object" else {"json": schema}
+            found.append(StructuredOutputsParams(**kind, param="response_format"))
         for name, kind in _GUIDED:
             value = getattr(request, name)
             if value is not None:

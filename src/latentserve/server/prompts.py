@@ -59,21 +59,6 @@ def apply_chat_template(tokenizer, template: str | None) -> None:
     tokenizer.chat_template = template
 
 
-def request_chat_template(template: str | None, trusted: bool) -> str | None:
-    """A request's ``chat_template``; APIError (400) without ``--trust-request-chat-template``
-    or for invalid Jinja."""
-    if template is None:
-        return None
-    if not trusted:
-        raise APIError(f"chat_template: a chat template was passed with the request, but the "
-                       f"server was not started with {TRUST_FLAG}; the request is refused",
-                       param="chat_template")
-    if (error := _jinja_error(template)) is not None:
-        raise APIError(f"chat_template is not a valid Jinja template: {error}",
-                       param="chat_template")
-    return template
-
-
 # Arguments of apply_chat_template that a client may not set through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tokenize", "return_dict", "return_tensors", "tools",
@@ -172,12 +157,20 @@ async def templated_prompt_ids(body, state, template_kwargs: dict[str, Any] | No
     """:func:`render_chat` of a chat or ``/tokenize`` body in the tokenizer pool, after
     :func:`check_conversation_bytes` (with ``max_model_len``). APIError (400) for
     ``continue_final_message`` with ``add_generation_prompt`` sent true, as vLLM refuses it
-    (its default true alone is dropped for ``continue_final_message``)."""
+    (its default true alone is dropped for ``continue_final_message``), or a ``chat_template``
+    without ``--trust-request-chat-template`` or that is not valid Jinja."""
     if body.continue_final_message and body.add_generation_prompt is True \
             and "add_generation_prompt" in body.model_fields_set:
         raise APIError("Cannot set both `continue_final_message` and `add_generation_prompt` "
                        "to True.", param="continue_final_message")
-    template = request_chat_template(body.chat_template, state.trust_request_chat_template)
+    template = body.chat_template
+    if template is not None and not state.trust_request_chat_template:
+        raise APIError(f"chat_template: a chat template was passed with the request, but the "
+                       f"server was not started with {TRUST_FLAG}; the request is refused",
+                       param="chat_template")
+    if template is not None and (error := _jinja_error(template)) is not None:
+        raise APIError(f"chat_template is not a valid Jinja template: {error}",
+                       param="chat_template")
 
     def render(tokenizer) -> list[int]:
         conversation = chat_conversation(body.messages)
