@@ -11,6 +11,7 @@ from pathlib import Path
 
 from latentserve.options import check, option
 from latentserve.sampling_params import EXIT_SEMANTICS
+from latentserve.token_masks import REASONING_PARSERS
 
 # vLLM's --dtype names (vllm/config/model.py: _STR_DTYPE_TO_TORCH_DTYPE) and what they mean.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -153,6 +154,10 @@ class EngineConfig:
         "auto", "sampling defaults for the fields a request leaves unset (vLLM's flag): "
         "'auto' (the model's generation_config.json), 'vllm' (none) or a folder holding a "
         "generation_config.json", metavar="auto|vllm|DIR")
+    reasoning_parser: str | None = option(
+        None, "the model writes <think>...</think> reasoning: the server splits it into "
+        "reasoning_content and thinking_token_budget caps it; default: none",
+        choices=tuple(sorted(REASONING_PARSERS)))
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalize in place, once

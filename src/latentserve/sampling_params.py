@@ -23,7 +23,7 @@ INT_RANGES = {"max_tokens": (1,), "n": (1,), "top_k": (-1,), "seed": (0, 2**63 -
               "logprobs": (0,), "prompt_logprobs": (0,), "latent_budget": (0,),
               "max_latent": (0,), "min_latent": (0,), "min_output_tokens": (0,),
               "exit_min_steps": (0,), "exit_check_every": (1,), "compression_factor": (1,),
-              "min_tokens": (0,)}
+              "min_tokens": (0,), "thinking_token_budget": (0,)}
 NUM_RANGES = {"temperature": (0.0, FLOAT32_MAX), "top_p": (0.0, 1.0, True),
               "min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
               "frequency_penalty": (-2.0, 2.0),
@@ -43,7 +43,9 @@ class SamplingParams:
     Latent fields: ``latent_budget`` (None: the model's default; 0: no thinking), the
     recurrent-depth ``exit_*`` fields, the compression-head / CoLaR controls (None: the
     server's or model's default). Token masks (``token_masks.py``) change what is sampled,
-    never the reported logprobs, and cover answer tokens only.
+    never the reported logprobs, and cover answer tokens only; ``thinking_token_budget``
+    (needs the engine's ``reasoning_parser``) caps ``<think>`` reasoning at that many tokens,
+    then forces ``</think>``.
 
     Raises:
         ValueError: naming the field and the allowed range, from ``__post_init__``.
@@ -90,6 +92,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, (list, tuple)):

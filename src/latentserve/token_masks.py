@@ -11,6 +11,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+THINK_START, THINK_END = "<think>", "</think>"
+# --reasoning-parser name -> whether an output that does not open with <think> is reasoning.
+REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
+
 
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per bitmask row."""
@@ -47,14 +51,49 @@ def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return out
 
 
+def _find(ids: list[int], seq: list[int], lo: int) -> int | None:
+    """Index just past the first ``seq`` in ``ids`` starting at or after ``lo``, or None."""
+    n = len(seq)
+    return next((i + n for i in range(max(lo, 0), len(ids) - n + 1) if ids[i:i + n] == seq),
+                None)
+
+
+class ThinkBudget:
+    """``thinking_token_budget`` (vLLM's): at most ``budget`` tokens of reasoning, counted from
+    the end of ``start`` ids in the answer (``start`` None: from the answer's first token),
+    then the ``end`` ids are forced one by one; nothing once ``end`` has appeared."""
+
+    def __init__(self, budget: int, start: list[int] | None, end: list[int]):
+        self.budget, self.start, self.end = budget, start, end
+        self.begin: int | None = None if start else 0  # where the reasoning's tokens start
+        self.ended = False
+        self.seen = 0  # answer tokens searched so far
+
+    def forced(self, answer: list[int]) -> int | None:
+        """The id the next answer token must be, or None. ``answer``: the tokens so far (it
+        only grows between calls)."""
+        if self.begin is None:
+            self.begin = _find(answer, self.start, self.seen - len(self.start) + 1)
+        if self.begin is not None and not self.ended:
+            self.ended = _find(answer, self.end,
+                               max(self.begin, self.seen - len(self.end) + 1)) is not None
+        self.seen = len(answer)
+        if self.begin is None or self.ended:
+            return None
+        over = len(answer) - self.begin - self.budget  # end ids forced so far
+        return self.end[over] if 0 <= over < len(self.end) else None
+
+
 class RequestMask:
     """What one request allows at its next sampled token. ``stop_ids``: what ``min_tokens``
-    masks (EOS and ``stop_token_ids``); ``matcher``: an xgrammar ``GrammarMatcher`` or None.
-    ``consumed``: answer tokens fed to it; ``failed``: it refused one (the grammar is dropped,
-    logged); ``terminated``: it accepted its end."""
+    masks (EOS and ``stop_token_ids``); ``matcher``: an xgrammar ``GrammarMatcher`` or None;
+    ``think``: a :class:`ThinkBudget` or None. ``consumed``: answer tokens fed to the matcher;
+    ``failed``: it refused one (the grammar is dropped, logged); ``terminated``: it accepted
+    its end."""
 
     def __init__(self, params, vocab_size: int, stop_ids: set[int],
-                 bad_words: list[list[int]] | None = None, matcher=None):
+                 bad_words: list[list[int]] | None = None, matcher=None,
+                 think: ThinkBudget | None = None):
         self.allowed = (None if params.allowed_token_ids is None
                         else ids_bitmask(params.allowed_token_ids, vocab_size))
         self.min_tokens = params.min_tokens
@@ -63,6 +102,7 @@ class RequestMask:
         self._stops = frozenset(matcher.stop_token_ids) if matcher is not None else frozenset()
         self.bad_words = bad_words or []
         self.matcher = matcher
+        self.think = think
         self.consumed = 0
         self.failed = False
         self.terminated = False
@@ -71,7 +111,7 @@ class RequestMask:
     def static(self) -> bool:
         """Whether the mask depends only on the answer's length, not its tokens: the overlap
         scheduler builds it without waiting for the previous batch's tokens."""
-        return self.matcher is None and not self.bad_words
+        return self.matcher is None and not self.bad_words and self.think is None
 
     @property
     def grammar_on(self) -> bool:
@@ -102,7 +142,8 @@ class RequestMask:
 
     def restricts(self, n: int) -> bool:
         """Whether :meth:`restrict` changes a row at answer length ``n``."""
-        return self.allowed is not None or bool(self.bad_words) or n < self.min_tokens
+        return (self.allowed is not None or bool(self.bad_words) or n < self.min_tokens
+                or self.think is not None)
 
     def restrict(self, row: np.ndarray, ids: list[int], stop: int, grammar: bool,
                  start: int = 0, patch: tuple[int, int] | None = None) -> None:
@@ -122,6 +163,12 @@ class RequestMask:
                          if len(w) <= n + 1 and (len(w) == 1 or tail[-(len(w) - 1):] == w[:-1])])
         if n < self.min_tokens:
             _clear(row, self.stop_ids)
+        if self.think is not None:
+            answer = ids[start:stop]
+            if patch is not None and start <= patch[0] < stop:
+                answer[patch[0] - start] = patch[1]
+            if (t := self.think.forced(answer)) is not None:
+                row[:] = ids_bitmask([t], len(row) * 32)
         if own is not None and not row.any():
             row[:] = own  # the grammar wins over min_tokens and the rest
 

@@ -77,8 +77,9 @@ def tool_chat_server(tool_chat_dir):
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
 
-    srv = start_server(EngineConfig(model=str(tool_chat_dir), max_num_seqs=4), timeout=300,
-                       tool_call_parser="hermes", reasoning_parser="qwen3")
+    srv = start_server(EngineConfig(model=str(tool_chat_dir), max_num_seqs=4,
+                                    reasoning_parser="qwen3"), timeout=300,
+                       tool_call_parser="hermes")
     yield srv
     srv.stop()
 

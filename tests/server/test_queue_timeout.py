@@ -92,3 +92,33 @@ def test_queue_timeout_is_a_503_on_openai_and_a_529_on_anthropic(seat_server):
         assert wait_idle(http)["kv_slots_free"] == free
     ok = client.completions.create(model=model, prompt=[A], max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_a_request_seated_before_its_first_output_does_not_time_out():
+    """The engine says a request is scheduled (a first prefill chunk: no output yet) before
+    the queue timeout; its first output comes after it. The wait for a seat ended when it
+    was seated, so the output is delivered, not an ``EngineQueueTimeout``."""
+    import asyncio
+
+    from latentserve.outputs import StepOutput
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.server.client import EngineClient
+    from latentserve.server.messages import StepOutputs
+
+    client = EngineClient("ipc://unused-in", "ipc://unused-out")
+    client._push = type("Push", (), {"send_pyobj": lambda self, msg: None})()
+
+    async def main():
+        async def engine():
+            await asyncio.sleep(0.05)
+            client._dispatch(StepOutputs([], {"r": (0.0, 0.0)}))
+            await asyncio.sleep(0.4)  # past the 0.2 s queue timeout
+            client._dispatch(StepOutputs([StepOutput("r", [7], True, "length")]))
+
+        task = asyncio.create_task(engine())
+        outs = [o async for o in client.generate("r", [1, 2], SamplingParams(), 0.2)]
+        await task
+        return outs
+
+    (out,) = asyncio.run(main())
+    assert out.new_token_ids == [7] and out.finished and client.num_running == 0

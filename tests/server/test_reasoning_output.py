@@ -50,6 +50,36 @@ def test_streamed_think_text_arrives_as_reasoning_deltas_before_the_answer(
     assert not any("<think>" in (d.get("content") or "") for d in deltas)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_token_budget_cuts_the_reasoning_and_closes_it(tool_chat_server, model,
+                                                                 stream):
+    """Budget 1: ``<think>``, one reasoning token, then ``</think>`` forced (vLLM's field)."""
+    body = {"model": model, "messages": HI, "temperature": 0, "max_tokens": 20, **THINK,
+            "thinking_token_budget": 1}
+    url = f"{tool_chat_server.base_url}/v1/chat/completions"
+    if stream:
+        with httpx.stream("POST", url, timeout=120, json={**body, "stream": True}) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                      if line.startswith("data: {")]
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    else:
+        r = httpx.post(url, timeout=120, json=body)
+        assert r.status_code == 200, r.text
+        reasoning = r.json()["choices"][0]["message"]["reasoning_content"]
+    assert reasoning == REASONING.rstrip("\n")
+
+
+def test_thinking_token_budget_without_a_reasoning_parser_is_a_400(scripted_http,
+                                                                     scripted_model_dir):
+    r = scripted_http.post("/v1/completions", json={
+        "model": str(scripted_model_dir), "prompt": "Hi", "max_tokens": 2,
+        "thinking_token_budget": 4})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "thinking_token_budget"
+    assert err["message"].startswith("thinking_token_budget needs a model that reasons")
+
+
 def test_include_reasoning_false_drops_the_reasoning(client, model):
     r = client.chat.completions.create(model=model, messages=HI, temperature=0,
                                        max_tokens=20,

@@ -1,10 +1,11 @@
-"""The mid-layer capture buffer (what compression heads read) and KV pool sizing."""
+"""The mid-layer capture buffer (what compression heads read), KV pool sizing and the check
+that the pool and page table fit the device."""
 
 import pytest
 import torch
 
 from latentserve.config import EngineConfig
-from latentserve.engine.kv_sizing import kv_slots_for
+from latentserve.engine.kv_sizing import check_fits, kv_slots_for
 from tests.support.parity import run_batch, shared_prefix_prompts
 
 
@@ -55,3 +56,25 @@ def test_kv_sizing_on_cuda_uses_the_memory_fraction(monkeypatch):
                          1024, 1000)
     # 0.4 of 80 GiB more memory buys 0.4 * 80 GiB / 64 KiB more slots.
     assert large - small == pytest.approx(0.4 * 80 * gib / (1 << 16), abs=1)
+
+
+def test_pool_and_page_table_that_do_not_fit_the_gpu_name_the_flags(monkeypatch):
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    check_fits(EngineConfig(device="cuda", max_num_seqs=256), 100_000, 1 << 16, 8192)
+    with pytest.raises(ValueError, match="--kv-slots, --max-num-seqs or --max-model-len") as err:
+        check_fits(EngineConfig(device="cuda", max_num_seqs=1 << 20), 100_000, 1 << 16, 8192)
+    assert "page table (max_num_seqs=1048576 x max_model_len=8192 x 8 bytes = 64.0 GiB)" \
+        in str(err.value) and "10.0 GiB free on cuda" in str(err.value)
+    with pytest.raises(ValueError, match=r"KV pool \(200000 slots x 65536 bytes = 12.2 GiB\)"):
+        check_fits(EngineConfig(device="cuda"), 200_000, 1 << 16, 8192)
+
+
+@pytest.mark.parametrize("option", [{"max_num_seqs": 10**20}, {"kv_slots": 10**20}])
+def test_engine_refuses_a_pool_or_page_table_larger_than_memory(tiny_dirs, option):
+    """A huge --max-num-seqs or --kv-slots is a ValueError naming the flags, not a torch
+    overflow or an allocation failure."""
+    from latentserve.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="lower --kv-slots, --max-num-seqs or --max-model-len"):
+        LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), **option))

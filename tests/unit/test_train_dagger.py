@@ -7,6 +7,7 @@ gives them) labelled by the gold trace's step of the same index; after DAgger th
 ends the closed loop in the engine on the toy's questions."""
 
 import json
+from itertools import accumulate
 
 import pytest
 import torch
@@ -97,7 +98,6 @@ def test_dagger_round_rows_are_the_engines_anchors_labelled_by_step_index(toy):
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.latent.head_loop import set_policy_sampling
     from latentserve.train.dagger import DaggerConfig, label_rollouts, rollout_anchors
-    from latentserve.train.features import first_rows
     from latentserve.train.sft import capture_traces, load_backbone
 
     engine = LLMEngine(EngineConfig(model=str(toy["adapter"]), latent_head=str(toy["sft"])))
@@ -108,8 +108,9 @@ def test_dagger_round_rows_are_the_engines_anchors_labelled_by_step_index(toy):
     cfg = DaggerConfig(bundle=str(toy["sft"]), out="d.safetensors", data=str(toy["data"]),
                        prompt_format="colar", progress=False)
     traces, teacher = capture_traces(model, tok, cfg, SOURCE, SOURCE + 1, C, "", "###")
-    traces, first = traces[:3], first_rows(traces, C)[:3]
-    groups = [num_groups(len(t.reasoning), C) for t in traces]
+    groups = [num_groups(len(t.reasoning), C) for t in traces[:3]]
+    first = list(accumulate([g + 1 for g in groups], initial=0))  # row k = 0 of each trace
+    traces = traces[:3]
 
     set_policy_sampling(head, 0.0)  # greedy latents, anchors recorded
     anchors = rollout_anchors(engine, [t.prompt for t in traces],

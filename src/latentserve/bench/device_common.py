@@ -26,18 +26,17 @@ def free_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-_best_bandwidth: dict = {}  # (device, nbytes) -> the best copy bandwidth measured (bytes/s)
+_best_bandwidth: dict = {}  # CUDA device -> the best copy bandwidth measured (bytes/s)
 
 
-def copy_bandwidth(device: str = "cuda", nbytes: int | None = None, iters: int = 20,
-                   rounds: int = 5) -> float:
-    """Bytes moved (read + written) per second by copies on ``device``: on CUDA the best of
-    ``rounds`` timings of ``iters`` copies of ``nbytes`` (default 2 GiB) and of earlier calls
-    on the same device and size; on the CPU one timing of a 64 MiB copy."""
+def copy_bandwidth(device: str = "cuda", iters: int = 20) -> float:
+    """Bytes moved (read + written) per second by ``iters`` copies on ``device``: on CUDA of
+    2 GiB, the best of 5 timings and of earlier calls on the device; on the CPU one timing of
+    64 MiB copies."""
     import torch
 
     cuda = device.startswith("cuda")
-    nbytes = nbytes or (2 << 30 if cuda else 64 << 20)
+    nbytes = 2 << 30 if cuda else 64 << 20
     free_memory(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -47,11 +46,10 @@ def copy_bandwidth(device: str = "cuda", nbytes: int | None = None, iters: int =
         for _ in range(iters):
             dst.copy_(src)
 
-    best = max(2 * nbytes * iters / timed(device, copies)[1]
-               for _ in range(rounds if cuda else 1))
+    best = max(2 * nbytes * iters / timed(device, copies)[1] for _ in range(5 if cuda else 1))
     if not cuda:
         return best
-    key = (torch.cuda.current_device(), nbytes)
+    key = torch.cuda.current_device()
     _best_bandwidth[key] = max(_best_bandwidth.get(key, 0.0), best)
     return _best_bandwidth[key]
 

@@ -86,8 +86,7 @@ def run_families_bench(concurrency=(1, 16, 64), families=tuple(SUITES),
     """The suites of ``families`` (``SUITES`` keys) on CUDA, or with ``tiny`` on the CPU.
     Returns ``{command, date, suites: {family: result}, table, total_s}``. ValueError for an
     unknown family, RuntimeError without CUDA (unless ``tiny``)."""
-    unknown = set(families) - set(SUITES)
-    if unknown:
+    if unknown := set(families) - set(SUITES):
         raise ValueError(f"families must be among {sorted(SUITES)}, got {sorted(unknown)}")
     if not tiny and not torch.cuda.is_available():
         raise RuntimeError("bench --suite families needs a CUDA device (the H200)")

@@ -9,9 +9,8 @@ import torch
 
 from latentserve.bench.baseline.tiny_models import save_tiny, save_word_tokenizer
 from latentserve.bench.device_common import free_memory, make_engine, profile_replay, timed
-from latentserve.bench.suite import dtype_for, engine_rows, random_batches
+from latentserve.bench.suite import dtype_for, engine_rows, greedy, random_batches
 from latentserve.engine.cuda_graph import CudaGraphRunner
-from latentserve.sampling_params import SamplingParams
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
@@ -55,14 +54,6 @@ def build_llama(root: Path, name: str, device: str) -> Path:
     return save_random_llama(root, SHAPES[name], device)
 
 
-def _kernels_per_replay(engine, bs: int) -> dict:
-    """``profile_replay`` of the decode graph of batch ``bs``'s bucket (the last step's
-    inputs again: the same K/V into the same slots), with the bucket."""
-    graphs = engine.runner.graphs
-    b = next(x for x in graphs.buckets if x >= bs)
-    return {"bucket": b, **profile_replay(graphs.graphs[graphs.graph_depths[0], b])}
-
-
 def _hf_run(model, prompts, output_len: int, device: str) -> float:
     """Output tokens/s of HF ``generate`` on ``prompts`` as one padded batch."""
     ids = torch.tensor(prompts, device=device)
@@ -100,27 +91,25 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
     dtype, cuda, max_c = dtype_for(device), device.startswith("cuda"), max(concurrency)
     path = build_llama(root / name, name, device)
     max_len = prompt_len + output_len + 8
-    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sp, warm = greedy(output_len), greedy(8)
     batches = random_batches(concurrency, prompt_len)
 
-    def run(conc, **opts):
+    def run(conc, inject: bool = False, **opts):  # -> (rows, inject cost or None)
         engine = make_engine(path, device, dtype, max(conc), max_len, **opts)
         rows, _ = engine_rows(engine, sp, {c: batches[c] for c in conc}, device, bw, warm)
-        if cuda:
-            for c in conc:
-                rows[c]["kernels"] = _kernels_per_replay(engine, c)
-        return engine, rows
-
-    engine, rows = run(concurrency)
-    inject = _inject_cost(engine, max_c) if cuda else None
-    del engine
-    free_memory(device)
-    for key, opts in VARIANTS if variants else ():
-        engine, variant = run((max_c,), **opts)
-        rows[max_c][key] = variant[max_c]
-        del engine
+        graphs = engine.runner.graphs
+        for c in conc if cuda else ():  # c's bucket's decode graph on the last step's inputs
+            b = next(x for x in graphs.buckets if x >= c)
+            rows[c]["kernels"] = {"bucket": b,
+                                  **profile_replay(graphs.graphs[graphs.graph_depths[0], b])}
+        cost = _inject_cost(engine, max_c) if inject else None
+        del engine, graphs
         free_memory(device)
+        return rows, cost
+
+    rows, inject = run(concurrency, inject=cuda)
+    for key, opts in VARIANTS if variants else ():
+        rows[max_c][key] = run((max_c,), **opts)[0][max_c]
     if hf_baseline:
         from transformers import AutoModelForCausalLM
 

@@ -13,6 +13,7 @@ from latentserve.bench.gpu import SHAPES, TINY_SHAPE, build_llama
 from latentserve.bench.suite import (
     dtype_for,
     engine_rows,
+    greedy,
     random_batches,
     reference,
     step_cost,
@@ -20,7 +21,6 @@ from latentserve.bench.suite import (
 )
 from latentserve.latent.bundle import random_bundle, write_bundle
 from latentserve.latent.head import HEAD_BUNDLE_NAME
-from latentserve.sampling_params import SamplingParams
 
 # latent_dim and source_layer (0-based, the anchor's layer: ~0.8 depth as DeepSeek-V4's head)
 HEADS = {"smollm2-135m": {"latent_dim": 128, "source_layer": 23},
@@ -45,11 +45,9 @@ def build_head_model(root: Path, name: str, device: str = "cuda") -> Path:
 
 def _params(max_latent: int, answer_len: int, n_close: int, thinking: bool = True):
     if not thinking:
-        return SamplingParams(max_tokens=answer_len, temperature=0.0, ignore_eos=True,
-                              thinking=False)
-    return SamplingParams(max_tokens=max_latent + n_close + answer_len, temperature=0.0,
-                          ignore_eos=True, thinking=True, max_latent=max_latent,
-                          min_latent=0, use_stop=False, min_output_tokens=0)
+        return greedy(answer_len, thinking=False)
+    return greedy(max_latent + n_close + answer_len, thinking=True, max_latent=max_latent,
+                  min_latent=0, use_stop=False, min_output_tokens=0)
 
 
 def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:

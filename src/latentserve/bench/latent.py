@@ -13,13 +13,13 @@ from latentserve.bench.gpu import SHAPES, save_random_llama
 from latentserve.bench.suite import (
     dtype_for,
     engine_rows,
+    greedy,
     random_batches,
     reference,
     step_cost,
     suite_engine,
 )
 from latentserve.latent.convert import convert_coconut, convert_codi
-from latentserve.sampling_params import SamplingParams
 
 GPT2_124M = dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257)
 COST_STEPS = 32  # latent steps of the step-cost batch
@@ -56,17 +56,12 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency, budg
     path = MODELS[name](root / name)
     max_len = prompt_len + max(budget, COST_STEPS) + answer_len + 8
     engine = suite_engine(path, device, concurrency, max_len)
-
-    def params(latent, n):
-        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
-                              latent_budget=latent)
-
-    rows, outputs = engine_rows(engine, params(budget, answer_len),
+    rows, outputs = engine_rows(engine, greedy(answer_len, latent_budget=budget),
                                 random_batches(concurrency, prompt_len), device, bw,
-                                params(budget, 2))
+                                greedy(2, latent_budget=budget))
     prompts = random_batches((max_c,), prompt_len, seed=1)[max_c]
-    cost = step_cost(engine, (prompts, params(COST_STEPS, 1)),
-                     (prompts, params(0, COST_STEPS + 1)), device, bw)
+    cost = step_cost(engine, (prompts, greedy(1, latent_budget=COST_STEPS)),
+                     (prompts, greedy(COST_STEPS + 1, latent_budget=0)), device, bw)
     del engine
     free_memory(device)
     ref = reference(rows, outputs, lambda p, n: reference_generate(

@@ -20,16 +20,6 @@ MODELS = {"pccot-gpt2-124m": (GPT2_124M, 128), "pccot-tiny": ({}, 8)}
 NOTES = {"ignore_eos": True, "prefix_caching": False, "goal": ">= 20x at 64 concurrent"}
 
 
-def build_pccot_gpt2(root: Path, name: str, block_size: int, iterations: int) -> Path:
-    """PCCoT over a random GPT-2 of ``MODELS[name]``'s shape in ``root/base`` and
-    ``root/adapter`` (upstream form, LoRA alpha 32), converted into ``root/model``."""
-    shape, lora_r = MODELS[name]
-    base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **shape)
-    base, adapter = write_upstream_pccot(root, "gpt2", block_size, iterations, lora_r=lora_r,
-                                         lora_alpha=32.0, base_dir=base)
-    return convert_pccot(base, adapter, root / "model")
-
-
 def _one_position(req) -> None:
     req.state.pass_chunk = 1  # every pass split into one-position forwards
 
@@ -38,10 +28,14 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
                 answer_len: int = 16, prompt_len: int = 64, ref_requests: int = 2,
                 block_size: int = 24, iterations: int = 3) -> dict:
     """One model (``MODELS`` key; 24 latents and 3 Jacobi iterations as upstream's released
-    recipe): ``engine_rows`` (block passes), the same prompts with one-position passes
-    (``position_by_position`` and the speedups over it), then ``reference``."""
-    root = root / name
-    path = build_pccot_gpt2(root, name, block_size, iterations)
+    recipe; upstream form in ``root/name``, LoRA alpha 32, converted): ``engine_rows`` (block
+    passes), the same prompts with one-position passes (``position_by_position`` and the
+    speedups over it), then ``reference``."""
+    root, (shape, lora_r) = root / name, MODELS[name]
+    base = save_tiny(root / "base", "gpt2", word_tokenizer=True, **shape)
+    base, adapter = write_upstream_pccot(root, "gpt2", block_size, iterations, lora_r=lora_r,
+                                         lora_alpha=32.0, base_dir=base)
+    path = convert_pccot(base, adapter, root / "model")
     max_len = prompt_len + block_size + answer_len + 16
     engine = suite_engine(path, device, concurrency, max_len, enable_prefix_caching=False)
 

@@ -100,18 +100,14 @@ def _run_engine(model, prompts, warmup, output_len, device, dtype, seed
               max_num_seqs=max(64, len(prompts)))
     load_s = time.perf_counter() - t0
 
-    def generate(ps, n):
-        return llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(
+    def generate(ps, n):  # the ids per prompt; the request outputs left in outs
+        outs[:] = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(
             max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
-
-    warmup_s = timed(device, generate, warmup, WARMUP_OUTPUT_LEN)[1]
-    outs = []
-
-    def run():
-        outs.extend(generate(prompts, output_len))
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    res, tokens = _timed_run(run, prompts, device)
+    outs: list = []
+    warmup_s = timed(device, generate, warmup, WARMUP_OUTPUT_LEN)[1]
+    res, tokens = _timed_run(lambda: generate(prompts, output_len), prompts, device)
     cfg = llm.engine.config
     res.update(load_s=round(load_s, 3), warmup_s=round(warmup_s, 3),
                prefix_cached_tokens=sum(o.num_cached_tokens for o in outs),

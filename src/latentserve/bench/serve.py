@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 
 from latentserve import settings
 from latentserve.bench.serve_datasets import DATASETS, sample_requests
@@ -43,13 +44,6 @@ def _json_object(text: str) -> dict:
 # endpoint_request_func.py: vllm and openai post completions, openai-chat chat completions).
 BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
                      "openai-chat": "/v1/chat/completions"}
-
-
-def resolve_target(args: argparse.Namespace) -> None:
-    """Fill ``args.base_url`` (else ``http://--host:--port``) and ``args.endpoint`` (else
-    ``--backend``'s, else chat completions) as ``vllm bench serve`` does."""
-    args.base_url = args.base_url or f"http://{args.host}:{args.port}"
-    args.endpoint = args.endpoint or BACKEND_ENDPOINTS.get(args.backend, "/v1/chat/completions")
 
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
@@ -86,11 +80,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--custom-output-len", type=int, default=None,
                         help="custom: tokens per line without output_tokens (default "
                              "--output-len)")
-    ignore = parser.add_mutually_exclusive_group()
-    ignore.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=True,
-                        help="every request makes its whole output length (default)")
-    ignore.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                        help="requests may end at EOS (vLLM's default)")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="every request makes its whole output length (default); "
+                             "--no-ignore-eos: requests may end at EOS (vLLM's default)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second, Poisson arrivals (default inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None,
@@ -138,24 +130,16 @@ class RequestResult:
 
 def build_requests(args: argparse.Namespace, model: str, samples) -> list[dict]:
     """The request bodies of ``samples`` in send order, ``--extra-body`` merged in last."""
-    bodies = []
-    for sample in samples:
-        body = {"model": model, "max_tokens": sample.output_len, "temperature": 0,
-                "ignore_eos": args.ignore_eos, "stream": True,
-                "stream_options": {"include_usage": True}}
-        if args.endpoint == "/v1/chat/completions":
-            body["messages"] = [{"role": "user", "content": sample.prompt}]
-        else:
-            body["prompt"] = sample.prompt
-        bodies.append({**body, **(args.extra_body or {})})
-    return bodies
+    chat = args.endpoint == "/v1/chat/completions"
+    return [{"model": model, "max_tokens": s.output_len, "temperature": 0,
+             "ignore_eos": args.ignore_eos, "stream": True,
+             "stream_options": {"include_usage": True},
+             **({"messages": [{"role": "user", "content": s.prompt}]} if chat
+                else {"prompt": s.prompt}), **(args.extra_body or {})} for s in samples]
 
 
 async def _one(client, endpoint: str, body: dict, cancel_after: int | None) -> RequestResult:
-    res = RequestResult()
-    start = time.perf_counter()
-    last = None
-    chunks = 0
+    res, start, last, chunks = RequestResult(), time.perf_counter(), None, 0
     try:
         async with client.stream("POST", endpoint, json=body) as r:
             if r.status_code != 200:
@@ -194,15 +178,14 @@ async def _one(client, endpoint: str, body: dict, cancel_after: int | None) -> R
     return res
 
 
-async def run_benchmark(args: argparse.Namespace, bodies: list[dict]
+async def run_benchmark(args: argparse.Namespace, bodies: list[dict], headers: dict
                         ) -> tuple[list[RequestResult], float]:
-    """Send ``bodies`` as ``args`` says. Returns the results (send order) and seconds."""
+    """Send ``bodies`` with ``headers`` as ``args`` says: the results (send order), seconds."""
     import httpx
 
     rng = random.Random(args.seed + 1)
     cancels = [rng.randrange(1, 5) if rng.random() < args.disconnect_fraction else None
                for _ in bodies]
-    headers = _headers(args)
     limit = args.max_concurrency or len(bodies)
     sem = asyncio.Semaphore(limit)
     async with httpx.AsyncClient(
@@ -228,15 +211,10 @@ def _stats(name: str, values: list[float], percentiles: list[float]) -> dict:
     """vLLM's ``mean_/median_/std_/pNN_{name}_ms`` of ``values`` (seconds; None if empty)."""
     import numpy as np
 
-    keys = ["mean", "median", "std", *(f"p{p:g}" for p in percentiles)]
-    if not values:
-        return {f"{k}_{name}_ms": None for k in keys}
     arr = np.asarray(values) * 1000.0
-    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
-           f"std_{name}_ms": float(arr.std())}
-    for p in percentiles:
-        out[f"p{p:g}_{name}_ms"] = float(np.percentile(arr, p))
-    return out
+    stats = {"mean": np.mean, "median": np.median, "std": np.std,
+             **{f"p{p:g}": partial(np.percentile, q=p) for p in percentiles}}
+    return {f"{k}_{name}_ms": float(f(arr)) if values else None for k, f in stats.items()}
 
 
 def summarize(results: list[RequestResult], duration: float, percentiles: list[float]
@@ -270,14 +248,13 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[f
     }
 
 
-def check_server(base_url: str, api_key: str | None, timeout: float = 30.0) -> dict:
-    """``/health`` once the engine is idle, with ``slots_ok`` (free + cached == total)."""
-    import httpx
-
+def check_server(client, timeout: float = 30.0) -> dict:
+    """``/health`` (``client``: an ``httpx.Client`` of the server) once the engine is idle,
+    with ``slots_ok`` (free + cached == total)."""
     deadline = time.monotonic() + timeout
     health = {}
     while time.monotonic() < deadline:
-        health = httpx.get(f"{base_url}/health", timeout=10).json()
+        health = client.get("/health", timeout=10).json()
         engine = health.get("engine") or {}
         if (health.get("running") == 0 and engine.get("num_running") == 0
                 and engine.get("num_waiting") == 0):
@@ -294,19 +271,19 @@ def format_report(result: dict, percentiles: list[float]) -> str:
     """The plain-text report (vLLM's layout)."""
     lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
 
-    def row(name, value, fmt="{:.2f}"):
-        text = "n/a" if value is None else fmt.format(value)
+    def row(name, value):  # counts as integers, other figures to 2 decimals
+        text = "n/a" if value is None else f"{value:.2f}" if isinstance(value, float) else value
         lines.append(f"{name:<44}{text:>16}")
 
-    row("Successful requests:", result["completed"], "{}")
-    row("Cancelled requests (client hung up):", result["cancelled"], "{}")
-    row("Failed requests:", result["failed"], "{}")
-    row("Benchmark duration (s):", result["duration"])
-    row("Total input tokens:", result["total_input_tokens"], "{}")
-    row("Total generated tokens:", result["total_output_tokens"], "{}")
-    row("Request throughput (req/s):", result["request_throughput"])
-    row("Output token throughput (tok/s):", result["output_throughput"])
-    row("Total token throughput (tok/s):", result["total_token_throughput"])
+    for name, key in (("Successful requests:", "completed"),
+                      ("Cancelled requests (client hung up):", "cancelled"),
+                      ("Failed requests:", "failed"), ("Benchmark duration (s):", "duration"),
+                      ("Total input tokens:", "total_input_tokens"),
+                      ("Total generated tokens:", "total_output_tokens"),
+                      ("Request throughput (req/s):", "request_throughput"),
+                      ("Output token throughput (tok/s):", "output_throughput"),
+                      ("Total token throughput (tok/s):", "total_token_throughput")):
+        row(name, result[key])
     for key, title, short in (("ttft", "Time to First Token", "TTFT"),
                               ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
                               ("itl", "Inter-token Latency", "ITL"),
@@ -349,19 +326,8 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-def _headers(args: argparse.Namespace) -> dict:
-    """The headers of every request: ``--header`` pairs, then the API key's."""
-    headers = dict(args.header or ())
-    if args.api_key:
-        headers["Authorization"] = f"Bearer {args.api_key}"
-    return headers
-
-
-def _tokenizer_calls(base_url: str, headers: dict, model: str):
+def _tokenizer_calls(client, model: str):
     """``count_tokens(text)``, ``detokenize(ids)`` through ``/tokenize``, ``/detokenize``."""
-    import httpx
-
-    client = httpx.Client(base_url=base_url, headers=headers, timeout=60)
 
     def ask(path: str, body: dict, key: str):
         r = client.post(path, json={"model": model, **body})
@@ -376,20 +342,19 @@ def result_path(args: argparse.Namespace, result: dict) -> str:
     """``--result-dir``/``--result-filename``, by default vLLM's file name."""
     name = args.result_filename
     if name is None:
-        concurrency = (f"-concurrency{args.max_concurrency}" if args.max_concurrency
-                       else "")
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         name = (f"{result['label']}-{args.request_rate}qps{concurrency}-"
                 f"{result['model_id'].rstrip('/').split('/')[-1]}-{stamp}.json")
     return os.path.join(args.result_dir or ".", name)
 
 
-def _served_model(base_url: str, headers: dict) -> str:
+def _served_model(client, base_url: str) -> str:
     """The first model ``/v1/models`` lists. Raises ValueError with the reason."""
     import httpx
 
     try:
-        r = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30)
+        r = client.get("/v1/models", timeout=30)
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot reach {base_url}: {exc}") from None
     if r.status_code != 200:
@@ -402,18 +367,24 @@ def serve_bench_main(args: argparse.Namespace) -> int:
     """Run the benchmark of ``args``, print the report, write the result. Returns 1 when a
     request failed or the server was unhealthy after, else 0. ValueError for bad flags, an
     unreachable server or a refused ``/v1/models``."""
-    resolve_target(args)
+    import httpx
+
+    args.base_url = args.base_url or f"http://{args.host}:{args.port}"
+    args.endpoint = args.endpoint or BACKEND_ENDPOINTS.get(args.backend, "/v1/chat/completions")
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be at least 1")
     if not 0.0 <= args.disconnect_fraction <= 1.0:
         raise ValueError("--disconnect-fraction must be in [0, 1]")
     args.api_key = args.api_key or settings.get("LATENTSERVE_API_KEY")
-    headers = _headers(args)
-    model = args.model or _served_model(args.base_url, headers)
+    headers = dict(args.header or ())  # then the API key's
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    client = httpx.Client(base_url=args.base_url, headers=headers, timeout=60)
+    model = args.model or _served_model(client, args.base_url)
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
-    samples = sample_requests(args, *_tokenizer_calls(args.base_url, headers, model))
+    samples = sample_requests(args, *_tokenizer_calls(client, model))
     bodies = build_requests(args, model, samples)
-    results, duration = asyncio.run(run_benchmark(args, bodies))
+    results, duration = asyncio.run(run_benchmark(args, bodies, headers))
     endpoint_type = "openai-chat" if args.endpoint == "/v1/chat/completions" else "openai"
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -434,7 +405,7 @@ def serve_bench_main(args: argparse.Namespace) -> int:
         "dataset_name": args.dataset,
         "extra_body": args.extra_body,
         "disconnect_fraction": args.disconnect_fraction,
-        "server_after": check_server(args.base_url, args.api_key),
+        "server_after": check_server(client),
     }
     print(format_report(result, percentiles))
     errors = list(dict.fromkeys(e for e in result.get("errors") or [] if e))
@@ -457,12 +428,7 @@ def serve_bench_main(args: argparse.Namespace) -> int:
     return 0 if result["failed"] == 0 and healthy else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m latentserve.bench.serve``: the same as ``latentserve bench serve``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_serve_bench_args(parser)
-    return serve_bench_main(parser.parse_args(argv))
+if __name__ == "__main__":  # python -m latentserve.bench.serve: latentserve bench serve
+    from latentserve.cli import main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", "serve", *sys.argv[1:]]))

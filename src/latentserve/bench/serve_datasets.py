@@ -54,12 +54,9 @@ def sample_requests(args, count_tokens, detokenize) -> list[Sample]:
         questions = [q["question"] for q in load_questions()]
         return [Sample(questions[i % len(questions)], args.output_len) for i in range(n)]
     if args.dataset == "random":
-        samples = []
-        for _ in range(n):
-            ids = [rng.randrange(1000, 30000) for _ in range(args.input_len)]
-            chat = args.endpoint == "/v1/chat/completions"
-            samples.append(Sample(detokenize(ids) if chat else ids, args.output_len))
-        return samples
+        chat = args.endpoint == "/v1/chat/completions"
+        rows = ([rng.randrange(1000, 30000) for _ in range(args.input_len)] for _ in range(n))
+        return [Sample(detokenize(ids) if chat else ids, args.output_len) for ids in rows]
     if args.dataset_path is None:
         raise ValueError(f"--dataset {args.dataset} needs --dataset-path FILE")
     if args.dataset == "sharegpt":

@@ -27,6 +27,7 @@ from latentserve.bench.device_common import (
 )
 from latentserve.bench.drive import drive
 from latentserve.bench.offline import machine_info
+from latentserve.sampling_params import SamplingParams
 
 
 def run_suite(family, models, device: str = "cuda", concurrency=(1, 16, 64),
@@ -59,6 +60,11 @@ def run_suite(family, models, device: str = "cuda", concurrency=(1, 16, 64),
 def dtype_for(device: str) -> str:
     """The suites' dtype: bfloat16 on CUDA, float32 on the CPU."""
     return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    """``n`` greedy tokens, EOS ignored (``kw``: other ``SamplingParams`` fields)."""
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
 def random_batches(concurrency, prompt_len: int, seed: int = 0) -> dict[int, list[list[int]]]:

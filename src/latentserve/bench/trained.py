@@ -27,8 +27,7 @@ def model_paths(names, models_dir: str | Path | None = None) -> dict[str, Path]:
     checkout's ``models/`` (next to ``src/``) or ``./models`` (``find_models_dir``).
     Raises ValueError for an unknown name, RuntimeError naming what is missing (no
     ``models/``, as in a wheel install, or a model directory without its marker file)."""
-    unknown = set(names) - set(MODELS)
-    if unknown:
+    if unknown := set(names) - set(MODELS):
         raise ValueError(f"trained models must be among {sorted(MODELS)}, got {sorted(unknown)}")
     if models_dir is not None and not Path(models_dir).is_dir():
         raise RuntimeError(f"models_dir {models_dir} is not a directory")
@@ -47,25 +46,14 @@ def model_paths(names, models_dir: str | Path | None = None) -> dict[str, Path]:
     return paths
 
 
-def _answers(tok, items, outputs, latent: bool) -> list[dict]:
-    """``{question, gold, answer, correct}`` per item from its generated ids (the answer read
-    as ``latentserve eval`` reads it, ``colar_eval.read_answer`` and ``answers_match``)."""
-    answers = [read_answer(tok, ids, latent) for ids in outputs]
-    return [{"question": it.question, "gold": it.gold, "answer": a,
-             "correct": answers_match(it.gold, a)} for it, a in zip(items, answers)]
-
-
 def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
                 dataset: str = "mult4", output_len: int = 200, answer_len: int = 32,
                 max_latent: int | None = None, cost_steps: int = 32,
                 models_dir: str | Path | None = None, data_dir=None) -> dict:
-    """One trained model (``MODELS`` key, under ``models_dir``; ``root`` unused): per
-    concurrency c the next c questions of ``dataset`` (an ``eval.datasets`` name) through
-    ``engine_rows``, greedy, capped at ``output_len`` text tokens or, for CoLaR,
-    ``answer_len`` answer tokens after at most ``max_latent`` latents (None: the model's
-    own); for CoLaR also ``step_cost`` (``cost_steps`` latent steps). Returns ``{path, latent,
-    dataset, max_model_len, concurrency, accuracy, step_cost}`` (method: docs/internals.md,
-    "latentserve.bench.families")."""
+    """One trained model (``MODELS`` key, under ``models_dir``; ``root`` unused) on ``dataset``
+    (an ``eval.datasets`` name): ``output_len`` text tokens, or for CoLaR ``answer_len`` after
+    ``max_latent`` latents (None: the model's own) and ``step_cost`` at ``cost_steps``. Returns
+    ``{path, latent, dataset, max_model_len, concurrency, accuracy, step_cost}``."""
     path = model_paths([name], models_dir)[name]
     latent = (path / "colar_config.json").is_file()
     latent_cap = 0  # the most latent steps a request takes
@@ -96,8 +84,11 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
     rows, outputs = engine_rows(engine, params(answer_len if latent else output_len), prompts,
                                 device, bw, params(2, 2))
     answered = []
-    for c, row in rows.items():
-        answers = _answers(tok, batches[c], outputs[c][1], latent)
+    for c, row in rows.items():  # each answer read as ``latentserve eval`` reads it
+        answers = [{"question": it.question, "gold": it.gold, "answer": a,
+                    "correct": answers_match(it.gold, a)}
+                   for it, ids in zip(batches[c], outputs[c][1])
+                   for a in [read_answer(tok, ids, latent)]]
         row.update(accuracy=sum(a["correct"] for a in answers) / c, answers=answers)
         answered += answers
     cost = None

@@ -8,11 +8,7 @@ import signal
 import sys
 
 from latentserve import settings
-from latentserve.cli.engine_args import (  # re-exported: the commands import them from here
-    add_engine_args,
-    engine_config,
-    engine_configs,
-)
+from latentserve.cli.engine_args import add_engine_args, engine_config, engine_configs
 
 __all__ = ["add_engine_args", "build_parser", "engine_config", "engine_configs", "main"]
 

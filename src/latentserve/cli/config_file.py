@@ -33,33 +33,30 @@ def config_tokens(path: str, options: dict[str, argparse.Action]) -> list[str]:
         raise ValueError(f"--config {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"--config {path}: not valid YAML ({exc})") from None
-    if data is None:
-        return []
-    if not isinstance(data, dict):
+    if not isinstance(data, dict | None):
         msg = (f"--config {path}: the file must hold a mapping of flag names to values, got "
                f"{type(data).__name__}")
         raise ValueError(msg)  # noqa: TRY004 - a bad file: the CLI's one-line error
     tokens: list[str] = []
-    for key, value in data.items():
-        flag = "--" + str(key).replace("_", "-")
-        action = options.get(flag)
-        if action is None or flag == "--config" or action.nargs == 0 and action.const is None \
-                and not isinstance(action, (argparse._StoreTrueAction,
-                                            argparse._StoreFalseAction)):
-            raise ValueError(f"--config {path}: {key!r} is not a flag of this command "
-                             f"(keys are flag names, e.g. max-num-seqs)")
-        tokens += _flag_tokens(path, key, flag, value, action, options)
+    for key, value in (data or {}).items():
+        try:
+            tokens += _flag_tokens("--" + str(key).replace("_", "-"), value, options)
+        except ValueError as exc:
+            raise ValueError(f"--config {path}: {key!r} {exc}") from None
     return tokens
 
 
-def _flag_tokens(path: str, key, flag: str, value, action: argparse.Action,
-                 options: dict[str, argparse.Action]) -> list[str]:
-    """The tokens of one ``key: value`` of the file; ValueError for a wrong shape. A switch
-    set false gives its opposite flag, if it has one."""
+def _flag_tokens(flag: str, value, options: dict[str, argparse.Action]) -> list[str]:
+    """The tokens of one ``flag: value`` of the file; ValueError saying what is wrong. A
+    switch set false gives its opposite flag, if it has one."""
+    action = options.get(flag)
+    if action is None or flag == "--config" or action.nargs == 0 and action.const is None \
+            and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        raise ValueError("is not a flag of this command (keys are flag names, e.g. "
+                         "max-num-seqs)")
     if action.nargs == 0:  # a switch: true sets it, false its --no- form (or nothing)
         if not isinstance(value, bool):
-            raise ValueError(f"--config {path}: {key!r} is a switch: give true or false, got "
-                             f"{value!r}")
+            raise ValueError(f"is a switch: give true or false, got {value!r}")
         if value:
             return [flag]
         # its opposite: --no-enable-prefix-caching, --disable-overlap-schedule, or nothing
@@ -67,7 +64,7 @@ def _flag_tokens(path: str, key, flag: str, value, action: argparse.Action,
                      and a.nargs == 0 and a.const is not action.const
                      and other.startswith("--")), [])
     if isinstance(value, bool):
-        raise ValueError(f"--config {path}: {key!r} takes a value, got {value!r}")
+        raise ValueError(f"takes a value, got {value!r}")
     if value is None:
         return []
     if isinstance(value, list):
@@ -78,7 +75,7 @@ def _flag_tokens(path: str, key, flag: str, value, action: argparse.Action,
             return [flag, *items]
         if getattr(action.type, "__name__", "") == "json_str_list":
             return [flag, json.dumps(value)]
-        raise ValueError(f"--config {path}: {key!r} takes one value, got a list {value!r}")
+        raise ValueError(f"takes one value, got a list {value!r}")
     if isinstance(value, dict):
         return [flag, json.dumps(value)]
     return [flag, str(value)]

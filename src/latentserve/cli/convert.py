@@ -41,10 +41,8 @@ _FLAGS = {"coconut": {"checkpoint", "default_budget", "variant", "symlink"},
 
 
 def run(args) -> int:
-    given = [name for name in ("checkpoint", "adapter", "default_budget", "variant",
-                               "lora_alpha", "keep_eos", "symlink")
-             if getattr(args, name) is not None and getattr(args, name) is not False]
-    unused = [n for n in given if n not in _FLAGS[args.family]]
+    unused = [n for n in sorted(set().union(*_FLAGS.values()) - _FLAGS[args.family])
+              if getattr(args, n) is not None and getattr(args, n) is not False]
     if unused:
         flag = "--" + unused[0].replace("_", "-")
         raise ValueError(f"convert {args.family} does not take {flag}")

@@ -202,11 +202,7 @@ def compare(base_url: str, text_model: str, colar_model: str | None,
 
 def convert_embedded(dtype: str = "float32") -> None:
     """Convert the embedded SmolLM2 GGUF into the cache once, before both engines would."""
-    from latentserve.models.checkpoint import (
-        cache_dir_for,
-        embedded_gguf_path,
-        resolve_model_dir,
-    )
+    from latentserve.models.checkpoint import cache_dir_for, embedded_gguf_path, resolve_model_dir
 
     try:
         target = cache_dir_for(embedded_gguf_path(), dtype)

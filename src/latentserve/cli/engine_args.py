@@ -24,15 +24,10 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False,
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as in `vllm serve MODEL` (same as --model)")
     p.set_defaults(several_models=several_models)
-    if several_models:
-        p.add_argument("--model", action="append", default=None,
-                       help="HF-style model directory or .gguf file (default: embedded "
-                            "SmolLM2); repeat to serve several models, one engine each, "
-                            "each under its own name")
-    else:
-        p.add_argument("--model", default=None,
-                       help="HF-style model directory or .gguf file (default: embedded "
-                            "SmolLM2)")
+    p.add_argument("--model", action="append" if several_models else "store", default=None,
+                   help="HF-style model directory or .gguf file (default: embedded SmolLM2)"
+                        + ("; repeat to serve several models, one engine each, each under its "
+                           "own name" if several_models else ""))
     add_options(p, EngineConfig, exclude)
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM launch lines and ignored: latentserve runs no "

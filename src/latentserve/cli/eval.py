@@ -76,9 +76,8 @@ def run_colar(args, controls: dict) -> int:
                              f"{'|'.join(icot)} or --dataset-file FILE, got --dataset "
                              f"{args.dataset or '(none)'}")
         args.data_file = str(find_data_file(DATASETS[args.dataset][0], args.data_dir))
-    key, values = "compression_factor", [args.compression_factor]
-    if args.sweep:
-        key, values = parse_sweep(args.sweep, ("compression_factor", "max_latent"))
+    key, values = (parse_sweep(args.sweep, ("compression_factor", "max_latent")) if args.sweep
+                   else ("compression_factor", [args.compression_factor]))
     base = None
     if args.baseline:  # a text-CoT run's --json-out: a summary, or a sweep's first run
         data = json.loads(Path(args.baseline).read_text())
@@ -117,14 +116,10 @@ def run_colar(args, controls: dict) -> int:
 
 def run(args) -> int:
     from latentserve.eval.datasets import load_items
+    from latentserve.extras import require
 
     if args.plot:  # before any work: the sweep would run first and only then fail
-        from latentserve.extras import missing_extra_message
-
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError(missing_extra_message("matplotlib", "--plot")) from None
+        require("matplotlib", "--plot")
     # Options that are wrong whatever the run gives: refuse them before it starts.
     if args.plot and args.sweep is None:
         raise ValueError("--plot needs --sweep")

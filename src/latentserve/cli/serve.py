@@ -39,6 +39,6 @@ def run(args) -> int:
         from latentserve.server.replicas import serve_replicas
 
         serve_replicas(configs[0], args.data_parallel_size, options, args.router_policy)
-        return 0
-    run_server(configs, options)
+    else:
+        run_server(configs, options)
     return 0

@@ -1,6 +1,8 @@
-"""How many KV slots the pool gets."""
+"""How many KV slots the pool gets, and whether the pool and page table fit the device."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -33,3 +35,33 @@ def kv_slots_for(config, bytes_per_slot: int, max_model_len: int, vocab_size: in
             "--max-model-len or --max-num-seqs, raise --gpu-memory-utilization, free the "
             "device, or give the pool's size with --kv-slots")
     return slots
+
+
+def check_fits(config, kv_slots: int, bytes_per_slot: int, max_model_len: int) -> None:
+    """Raise ValueError naming the flags when the KV pool (``kv_slots`` x ``bytes_per_slot``)
+    and the page table (``max_num_seqs + 1`` rows of ``max_model_len`` int64) need more bytes
+    than the device has free (CPU: ``MemAvailable`` of /proc/meminfo, else physical memory)."""
+    pool, table = (kv_slots + 1) * bytes_per_slot, (config.max_num_seqs + 1) * max_model_len * 8
+    if config.device.startswith("cuda"):
+        free = torch.cuda.mem_get_info(torch.device(config.device))[0]
+    else:
+        free = _cpu_available_bytes()
+    if pool + table > free:
+        gib = 1 << 30
+        raise ValueError(
+            f"the KV pool ({kv_slots} slots x {bytes_per_slot} bytes = {pool / gib:.1f} GiB) and "
+            f"the page table (max_num_seqs={config.max_num_seqs} x max_model_len="
+            f"{max_model_len} x 8 bytes = {table / gib:.1f} GiB) need more than the "
+            f"{free / gib:.1f} GiB free on {config.device}: lower --kv-slots, --max-num-seqs "
+            "or --max-model-len")
+
+
+def _cpu_available_bytes() -> int:
+    """Linux's ``MemAvailable`` (free plus reclaimable cache) in bytes; elsewhere the
+    machine's physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

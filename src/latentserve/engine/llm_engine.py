@@ -16,7 +16,7 @@ from latentserve.config import EngineConfig, check_device
 from latentserve.core import Req
 from latentserve.distributed import destroy_tp_group
 from latentserve.engine import overlap
-from latentserve.engine.kv_sizing import kv_slots_for
+from latentserve.engine.kv_sizing import check_fits, kv_slots_for
 from latentserve.engine.prompt_logprobs import PromptLogprobTracker
 from latentserve.engine.tp_worker import (
     RunnerSetup,
@@ -48,7 +48,15 @@ from latentserve.scheduler.cache import CacheManager
 from latentserve.scheduler.scheduler import Scheduler
 from latentserve.staging import BitmaskToDevice, DeviceToHost
 from latentserve.structured import Grammars
-from latentserve.token_masks import RequestMask, bad_words_ids, bitmask_width
+from latentserve.token_masks import (
+    REASONING_PARSERS,
+    THINK_END,
+    THINK_START,
+    RequestMask,
+    ThinkBudget,
+    bad_words_ids,
+    bitmask_width,
+)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +115,7 @@ class LLMEngine:
             log.warning("max_model_len lowered from %d to the KV pool's %d slots",
                         self.max_model_len, slots)
             self.max_model_len = slots
+        check_fits(config, slots, per_slot, self.max_model_len)
         self.runner: Any = make_runner(model, config, slots, self.max_model_len, self.device,
                                        self.tp)  # a TPModelRunner under TP
         allocator = SlotAllocator(slots, self.device)
@@ -192,6 +201,8 @@ class LLMEngine:
         if params.max_tokens is None:  # vLLM: until the context is full
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - n))
         spec, family = self.latent_spec, self.family
+        if params.thinking_token_budget is not None and self.config.reasoning_parser is None:
+            params = family.cap_thinking(params)
         if params.return_latent_trace and self.tp is not None and not family.traced_under_tp:
             raise ValueError("return_latent_trace is not supported with tensor_parallel_size "
                              f"> 1 on {family.description}")
@@ -236,20 +247,25 @@ class LLMEngine:
                              "tensor_parallel_size > 1")
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals,
                   eos_from=getattr(spec, "upstream_eos_from", 0) if upstream else 0,
-                  constraint=self._constraint(params) if params.has_token_mask else None)
+                  constraint=self._constraint(params))
         if admission.start is not None:
             admission.start(req)
         return req
 
     def _constraint(self, params: SamplingParams):
-        """The request's ``token_masks.RequestMask`` (grammar compiled here); ValueError
-        naming the field for a bad id, word or grammar."""
+        """The request's ``token_masks.RequestMask`` (grammar compiled here) or None (nothing
+        masks it); ValueError naming the field for a bad id, word or grammar."""
+        parser = self.config.reasoning_parser
+        budget = params.thinking_token_budget if parser else None  # else: cap_thinking
+        if not params.has_token_mask and budget is None:
+            return None
         bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
         if bad:
             raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size}), got "
                              f"{bad[0]}")
         so = params.structured_outputs
         for name, used in (("bad_words", bool(params.bad_words)),
+                           ("thinking_token_budget", budget is not None),
                            (so.param if so is not None else "", so is not None)):
             if used and isinstance(self.tokenizer, NoTokenizer):
                 raise ValueError(f"{name} needs text: this model directory has no tokenizer "
@@ -262,8 +278,13 @@ class LLMEngine:
             if self.grammars is None:
                 self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
             matcher = self.grammars.matcher(so)
+        think = None
+        if parser and budget is not None:
+            ids = [self.tokenizer.encode(t, add_special_tokens=False)
+                   for t in (THINK_START, THINK_END)]
+            think = ThinkBudget(budget, None if REASONING_PARSERS[parser] else ids[0], ids[1])
         return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
-                           words, matcher)
+                           words, matcher, think)
 
     def token_mask(self, reqs: list[Req], device, known: dict | None = None):
         """The sampler's ``TokenMask`` for ``reqs`` (None: no constraint), copied to

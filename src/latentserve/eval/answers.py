@@ -55,12 +55,9 @@ def score(kind: str, text: str, gold: str, question: str = "") -> tuple[bool, bo
         strict = _norm_sentence(gold) in _norm_sentence(text if tail is None else tail)
         m = re.search(r"Is \w+ an? (\w+) or (\w+)\?\s*$", question.strip())  # the options
         flexible = False
-        if m:
-            opts, low = m.groups(), text.lower()
-            pos = {o: low.rfind(o.lower()) for o in opts}
-            named = [o for o in opts if pos[o] >= 0]
-            if named:
-                last = max(named, key=lambda o: pos[o])
-                flexible = _norm_sentence(gold).endswith(" " + last.lower())
+        if m:  # the option the text names last
+            low = text.lower()
+            last = max(m.groups(), key=lambda o: low.rfind(o.lower())).lower()
+            flexible = last in low and _norm_sentence(gold).endswith(" " + last)
         return strict, flexible
     raise ValueError(f"answer kind must be one of number, digits, prosqa; got {kind!r}")

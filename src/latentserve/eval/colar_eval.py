@@ -52,33 +52,26 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
     """Run ``items`` through ``llm`` greedily; returns ``(records, summary)`` (``{"n",
     "accuracy", "thinking": {"median", "max", "mean"}, "stop_fired", "seconds"}``). ``max_tokens``
     bounds text tokens (latent models: the answer's). ``max_latent`` is for CoLaR or a head,
-    ``compression_factor`` CoLaR's, ``head_controls`` a head's; ValueError for a model that
-    does not take one, or no items."""
+    ``compression_factor`` CoLaR's, ``head_controls`` a head's (``SamplingParams`` fields:
+    ``min_latent``, ``use_stop``, ``stop_threshold``); ValueError for a model that does not
+    take one, or no items."""
     if not items:
         raise ValueError("no items to evaluate")
     family = getattr(llm.engine.latent_spec, "family", None)
     latent, head = family == "colar", family == "compression-head"
-    head_controls = {k: v for k, v in head_controls.items() if v is not None}
-    unknown = set(head_controls) - {"min_latent", "use_stop", "stop_threshold"}
-    if unknown:
-        raise ValueError(f"unknown head control(s) {sorted(unknown)}")
-    if not (latent or head) and (compression_factor is not None or max_latent is not None):
-        raise ValueError("compression_factor and max_latent need a CoLaR model "
-                         "(a directory with colar_config.json) or a compression head")
+    if max_latent is not None and not (latent or head):
+        raise ValueError("max_latent needs a CoLaR model (a directory with colar_config.json) "
+                         "or a compression head")
     if head_controls and not head:
         raise ValueError(f"{sorted(head_controls)} need a compression head (--latent-head)")
-    if compression_factor is not None and head:
-        raise ValueError("compression_factor is a control of CoLaR models, not of a "
-                         "compression head (its factor is fixed by training)")
     tok = llm.tokenizer
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
-    extra = {}
-    if latent:
-        extra = {k: v for k, v in (("compression_factor", compression_factor),
-                                   ("max_latent", max_latent)) if v is not None}
-    elif head:
+    # compression_factor: the engine refuses it on any model but CoLaR (ValueError)
+    extra = {k: v for k, v in (("compression_factor", compression_factor),
+                               ("max_latent", max_latent)) if v is not None}
+    if head:
         cap = max_latent if max_latent is not None else llm.engine.family.defaults["max_latent"]
-        extra = {"max_latent": cap, "min_output_tokens": 0, **head_controls}
+        extra |= {"max_latent": cap, "min_output_tokens": 0, **head_controls}
         max_tokens += cap + len(llm.engine.latent_spec.end_ids)  # latent steps count too
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
     ids = encode_questions(tok, [it.question for it in items], latent)

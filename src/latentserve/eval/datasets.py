@@ -90,49 +90,44 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
     p = Path(path) if path else find_data_file(rel, data_dir)
     if not p.is_file():
         raise FileNotFoundError(f"dataset file {p} does not exist")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be >= 1, got {limit}")
     try:
-        items = parse_file(p, fmt, kind, limit)
+        return parse_file(p, fmt, kind, limit)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON errors included
         if isinstance(exc, ValueError) and str(exc).startswith(str(p)):
             raise
         raise ValueError(f"{p} is not a {name} data file ({fmt} format): "
                          f"{type(exc).__name__}: {exc}") from None
-    return items[:limit] if limit else items
 
 
 def parse_file(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
     """The items of file ``p`` in format ``fmt`` (see :func:`load_items`)."""
-    items = []
     if fmt == "prosqa":
-        for row in json.loads(p.read_text()):
-            items.append(Item(row["question"], row["answer"], kind, " ".join(row["steps"])))
-    else:
-        for n, line in enumerate(p.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            if fmt == "jsonl":
-                row = json.loads(line)
-                body, _, gold = row["answer"].rpartition("####")
-                items.append(Item(row["question"], gold.strip(), kind, body.strip()))
-            else:
-                q, sep, rest = line.partition("||")
-                steps, sep2, gold = rest.rpartition("####")
-                if not sep or not sep2:
-                    raise ValueError(f"{p}:{n}: expected 'question||steps #### answer'")
-                items.append(Item(q.strip(), gold.strip(), kind, steps.strip()))
-            if limit is not None and len(items) >= limit:
-                break
+        return [Item(row["question"], row["answer"], kind, " ".join(row["steps"]))
+                for row in json.loads(p.read_text())][:limit]
+    items = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if fmt == "jsonl":
+            row = json.loads(line)
+            body, _, gold = row["answer"].rpartition("####")
+            items.append(Item(row["question"], gold.strip(), kind, body.strip()))
+        else:
+            q, sep, rest = line.partition("||")
+            steps, sep2, gold = rest.rpartition("####")
+            if not sep or not sep2:
+                raise ValueError(f"{p}:{n}: expected 'question||steps #### answer'")
+            items.append(Item(q.strip(), gold.strip(), kind, steps.strip()))
+        if limit is not None and len(items) >= limit:
+            break
     return items
 
 
-def chat_prompt_ids(tokenizer, question: str, instruction: str | None = None) -> list[int]:
-    """Ids of one chat user turn (``question``, ``instruction`` on a new line) with the
-    assistant turn opened; plain ids without a chat template."""
-    text = question if not instruction else f"{question}\n{instruction}"
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
+    """Ids of one chat user turn ``question`` with the assistant turn opened; plain ids
+    without a chat template."""
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+        out = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                             add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
-    return list(tokenizer.encode(text))
+    return list(tokenizer.encode(question))

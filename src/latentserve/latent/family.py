@@ -92,6 +92,13 @@ class Family:
                              "reasoning")
         return Admission(params)
 
+    def cap_thinking(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the latent phase held to ``thinking_token_budget`` positions (the
+        engine has no reasoning parser); ValueError where the model has no such phase."""
+        raise ValueError("thinking_token_budget needs a model that reasons in <think> text "
+                         "(an engine with reasoning_parser) or in latent positions (feedback, "
+                         f"looped-block or compression-head), not {self.description}")
+
     def thinking(self, req: Req) -> bool:
         """Whether ``req``'s next input is a latent vector."""
         return False

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from latentserve.core import Req
@@ -23,6 +25,11 @@ class FeedbackFamily(BudgetedFamily):
         if feedback is not None and not isinstance(feedback, torch.nn.Identity):
             hooks.feedback = feedback
         return hooks
+
+    def cap_thinking(self, params):
+        """One latent position a step: ``latent_budget`` at most ``thinking_token_budget``."""
+        budget = self.spec.resolve_budget(params.latent_budget)
+        return replace(params, latent_budget=min(budget, params.thinking_token_budget))
 
     def advance(self, req: Req, vec) -> bool:
         """Append the next latent position (input ``vec``) while budget remains, else the

@@ -321,6 +321,8 @@ def resolve_settings(params, defaults: dict, mode: str, has_stop: bool) -> HeadS
     cap = params.max_latent
     if cap is None:
         cap = params.latent_budget if params.latent_budget is not None else defaults["max_latent"]
+    if getattr(params, "thinking_token_budget", None) is not None:
+        cap = min(cap, params.thinking_token_budget)  # one latent position a step
     thinking = params.thinking if params.thinking is not None else params.latent_budget != 0
     return HeadSettings(thinking=bool(thinking), mode=mode, max_latent=int(cap),
                         min_latent=int(pick("min_latent")),

@@ -90,6 +90,10 @@ class HeadFamily(Family):
         runner.capture_layer = runner.model.latent_head.capture_layer  # -1: final-normed hidden
         self._probs = DeviceToHost()  # stop probabilities to the host
 
+    def cap_thinking(self, params):
+        """``head.resolve_settings`` holds ``max_latent`` to ``thinking_token_budget``."""
+        return params
+
     def admit(self, prompt_ids, params) -> Admission:
         params, hs, start_ids = prepare_request(self.engine.runner.model, self.spec,
                                                 self.defaults, prompt_ids, params)

@@ -72,6 +72,15 @@ class LoopFamily(BudgetedFamily):
 
     description = "a looped-block model"
 
+    def cap_thinking(self, params):
+        """The block's positions are fixed (passes add none): ValueError when there are more
+        than ``thinking_token_budget``."""
+        if self.spec.block_size > params.thinking_token_budget:
+            raise ValueError(f"thinking_token_budget must be at least this model's "
+                             f"{self.spec.block_size} latent positions, got "
+                             f"{params.thinking_token_budget}")
+        return params
+
     def new_state(self, req: Req, budget: int) -> LoopState:
         return LoopState(req.latent_start, self.spec.block_size, budget)
 

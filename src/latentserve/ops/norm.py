@@ -23,12 +23,3 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
 
-
-def norm_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, pre_weight: torch.Tensor,
-                      weight: torch.Tensor, eps: float,
-                      pre_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sandwich-norm block boundary (Ouro): ``s = residual + rms_norm(x, pre_weight)``
-    (the add in the promoted dtype), then ``(rms_norm(s, weight), s)``, both
-    ``[..., hidden]``; ``pre_eps`` defaults to ``eps``."""
-    s = residual + rms_norm(x, pre_weight, eps if pre_eps is None else pre_eps)
-    return rms_norm(s, weight, eps), s

@@ -157,6 +157,13 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
     check_stop_count(body.stop_sequences, "stop_sequences", state.limits)
 
 
+def _thinking_budget(body: MessagesRequest) -> int | None:
+    """``thinking.budget_tokens`` when thinking is enabled, else None: the engine's
+    ``thinking_token_budget`` (``<think>`` tokens, or latent positions on a latent model)."""
+    t = body.thinking
+    return t.budget_tokens if t is not None and t.type == "enabled" else None
+
+
 def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
             budget: int | None = None, latent: int = 0, defaults: dict | None = None,
             head: dict | None = None) -> SamplingParams:
@@ -173,7 +180,8 @@ def _params(body: MessagesRequest, num_prompt_tokens: int, max_model_len: int,
                        param="max_tokens", code="context_length_exceeded")
     try:
         return SamplingParams(
-            max_tokens=body.max_tokens, **(head or {}),
+            max_tokens=body.max_tokens, thinking_token_budget=_thinking_budget(body),
+            **(head or {}),
             **shared_fields(body, list(body.stop_sequences or []), budget, defaults))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None

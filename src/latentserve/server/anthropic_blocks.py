@@ -37,7 +37,8 @@ class AnthropicTool(RequestModel):
 
 class AnthropicThinking(RequestModel):
     """``thinking``: ``type`` is checked by ``anthropic_api.thinking_flag``; ``budget_tokens``
-    is not used, but must be an integer >= 1024 as Anthropic's API requires (400 otherwise)."""
+    (an integer >= 1024, as Anthropic's API requires; not held below ``max_tokens``) is the
+    engine's ``thinking_token_budget``."""
 
     type: str | None = None
     budget_tokens: int | None = Field(None, ge=1024)

@@ -66,15 +66,13 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @asynccontextmanager
     async def lifespan(app):
-        started = []
         try:
             for s in served.states:
                 await s.client.start()
-                started.append(s.client)
             yield
-        finally:
-            for client in started:
-                await client.close()
+        finally:  # closing a client that did not start is harmless
+            for s in served.states:
+                await s.client.close()
             if on_shutdown is not None:
                 on_shutdown()
 
@@ -190,16 +188,12 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     @app.get("/health", response_model=None)
     async def health(model: str | None = None):
         """Every engine's health (``?model=NAME``: one); 503 when none is left."""
-
         states = [model_state(model)] if model is not None else served.states
         entries = list(await asyncio.gather(*(model_health(s) for s in states)))
-        if len(entries) == 1:
-            entry = entries[0]
-            if entry["status"] != "ok":
-                return JSONResponse({"status": "error", "reason": entry["reason"],
-                                     "models": entries}, status_code=503)
-            body = {k: v for k, v in entry.items() if k != "model"}
-            return JSONResponse({**body, "models": entries})
+        if len(entries) == 1:  # the entry's own keys, then "models"
+            body = {k: v for k, v in entries[0].items() if k != "model"}
+            return JSONResponse({**body, "models": entries},
+                                status_code=200 if body["status"] == "ok" else 503)
         ok = [e for e in entries if e["status"] == "ok"]
         status = "ok" if len(ok) == len(entries) else "degraded" if ok else "error"
         body = {"status": status, "ready": bool(ok),

@@ -33,6 +33,9 @@ class EngineDeadError(RuntimeError):
     """The engine process stopped; no request can be served any more."""
 
 
+_SEATED = object()  # queued for a request the engine scheduled (before any output)
+
+
 class EngineQueueTimeout(RuntimeError):
     """The request waited longer than its queue timeout for a seat; it was aborted."""
 
@@ -127,10 +130,8 @@ class EngineClient:
         done = False
         deadline = None if queue_timeout is None else time.monotonic() + queue_timeout
         try:
-            self._send(AddRequest(rid, list(prompt_token_ids), params))
+            self._push.send_pyobj(AddRequest(rid, list(prompt_token_ids), params))
             while True:
-                if deadline is not None and rid in self.scheduled_at:
-                    deadline = None  # it has a seat
                 left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                 try:
                     item = await asyncio.wait_for(queue.get(), left)
@@ -138,7 +139,9 @@ class EngineClient:
                     raise EngineQueueTimeout(
                         f"the request waited more than {queue_timeout:g} s for a seat "
                         f"(--queue-timeout); retry later") from None
-                deadline = None  # an output (or an error): it is no longer waiting
+                deadline = None  # seated, an output or an error: it is no longer waiting
+                if item is _SEATED:
+                    continue
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -169,12 +172,10 @@ class EngineClient:
             raise EngineDeadError(f"the engine did not answer a check within {timeout} s"
                                   ) from None
 
-    def abort_all(self) -> int:
-        """Abort every running request; returns how many."""
-        rids = list(self._queues)
-        for rid in rids:
+    def abort_all(self) -> None:
+        """Abort every running request."""
+        for rid in list(self._queues):
             self.abort(rid)
-        return len(rids)
 
     def abort(self, rid: str) -> None:
         """Ask the engine to stop ``rid`` (once; harmless if it already finished)."""
@@ -189,12 +190,11 @@ class EngineClient:
         if self._push is not None and self.dead_reason is None:
             if rid in self._queues:
                 self._aborted.add(rid)
-            self._send(Abort(rid))
+            self._push.send_pyobj(Abort(rid))
             self.num_aborts_sent += 1
 
     async def get_stats(self, timeout: float = 5.0) -> dict[str, int] | None:
         """``LLMEngine.stats()`` now; ``last_stats`` if no answer within ``timeout`` s."""
-
         if self._push is None or self.dead_reason is not None:
             return self.last_stats
         self._stats_token += 1
@@ -209,14 +209,10 @@ class EngineClient:
         future = asyncio.get_running_loop().create_future()
         self._replies[key] = future
         try:
-            self._send(message)
+            self._push.send_pyobj(message)
             return await asyncio.wait_for(future, timeout)
         finally:
             self._replies.pop(key, None)
-
-    def _send(self, message: object) -> None:
-        self._push.send_pyobj(message)
-
     async def _receive_loop(self) -> None:
         import zmq
 
@@ -238,6 +234,7 @@ class EngineClient:
             for rid, times in message.scheduled.items():
                 if rid in self._queues:
                     self.scheduled_at[rid] = times
+                    self._queues[rid].put_nowait(_SEATED)  # ends its wait for a seat
             for out in message.outputs:
                 queue = self._queues.get(out.rid)
                 if queue is not None:  # None: the caller left (aborted) already

@@ -3,6 +3,7 @@ Design notes: docs/internals.md, "latentserve.server.engine_process"."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -11,6 +12,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from latentserve.config import EngineConfig
@@ -29,11 +31,10 @@ from latentserve.server.messages import (
 
 log = logging.getLogger(__name__)
 
-# How often an idle engine (and a send waiting for a reader) checks that the API process
-# still exists: an orphaned engine exits within this long, busy or idle.
+# How often a process checks that its parent still exists (watch_parent; an idle engine, or
+# one waiting to send): an orphaned engine exits within this long, busy or idle.
 PARENT_CHECK_S = 0.5
-_IDLE_POLL_MS = int(PARENT_CHECK_S * 1000)  # idle wake-up, only to notice a dead parent
-_SEND_TIMEOUT_MS = _IDLE_POLL_MS  # a send waiting for the API process rechecks it exists
+_POLL_MS = int(PARENT_CHECK_S * 1000)  # an idle poll or a blocked send wakes up this often
 # Forward failures in a row (with no good step between) after which the engine gives up.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
@@ -65,11 +66,9 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     loaded = threading.Event()  # from then on EngineLoop watches the parent
-    threading.Thread(target=_exit_if_parent_goes, args=(parent_pid, loaded),
-                     name="parent-watch", daemon=True).start()
-    level = logging.getLevelName("DEBUG" if str(log_level).upper() == "TRACE"
-                                 else str(log_level).upper())
-    logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
+    watch_parent(parent_pid, functools.partial(os._exit, 1), until=loaded)
+    name = "DEBUG" if str(log_level).upper() == "TRACE" else str(log_level).upper()
+    logging.basicConfig(level=getattr(logging, name, logging.INFO),
                         format="%(asctime)s engine %(levelname)s %(message)s")
     ctx = zmq.Context()
     try:
@@ -84,7 +83,7 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         outbox.setsockopt(zmq.SNDHWM, 0)  # outputs are never dropped
         # A PUSH socket with no peer blocks its sender: wake up to check that the API
         # process still exists (EngineLoop._send).
-        outbox.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
+        outbox.setsockopt(zmq.SNDTIMEO, _POLL_MS)
         outbox.bind(addresses.output)
         ready = Ready(engine.model_name, engine.max_model_len,
                       getattr(engine, "vocab_size", None), engine.tokenizer,
@@ -107,28 +106,28 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
         ctx.destroy(linger=1000)
 
 
-def _exit_if_parent_goes(parent_pid: int, loaded: threading.Event) -> None:
-    """Exit at once when ``parent_pid`` stops being the parent before ``loaded`` is set (a
-    server killed while the model loads leaves no engine behind)."""
-    while not loaded.wait(PARENT_CHECK_S):
-        if os.getppid() != parent_pid:
-            log.info("parent process is gone while loading; engine exits")
-            os._exit(1)
+def watch_parent(parent_pid: int, on_gone: Callable[[], object],
+                 until: threading.Event | None = None) -> None:
+    """Call ``on_gone()`` from a daemon thread once ``parent_pid`` is no longer this process's
+    parent (checked every ``PARENT_CHECK_S`` s), unless ``until`` is set first."""
+    stop = until or threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(PARENT_CHECK_S):
+            if os.getppid() != parent_pid:
+                log.info("parent process %d is gone", parent_pid)
+                on_gone()
+                return
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _exit_orphaned(addresses: EngineAddresses) -> None:
-    """Leave at once, the API process being gone: remove the IPC sockets and their directory
+    """Leave at once, the API process being gone: remove the IPC sockets' private directory
     (nobody else will) and skip the interpreter's teardown (seconds with torch loaded)."""
-    import contextlib
     import sys
 
-    paths = [a.removeprefix("ipc://") for a in (addresses.input, addresses.output)
-             if a.startswith("ipc://")]
-    with contextlib.suppress(OSError):
-        for path in paths:
-            os.unlink(path)
-        if paths:
-            os.rmdir(os.path.dirname(paths[0]))
+    shutil.rmtree(os.path.dirname(addresses.input.removeprefix("ipc://")), ignore_errors=True)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -165,7 +164,7 @@ class EngineLoop:
                 self._orphan()
                 return
             busy = self.engine.has_unfinished_requests()
-            if poller.poll(0 if busy else _IDLE_POLL_MS):
+            if poller.poll(0 if busy else _POLL_MS):
                 self._drain()
             elif not busy and (gone := self._workers_gone()):
                 self._fail_engine(gone)
@@ -309,7 +308,6 @@ class EngineProcess:
 
     def cancel(self) -> None:
         """Make a :meth:`start` waiting in another thread stop and raise within 0.2 s."""
-
         self._cancel.set()
 
     def start(self) -> Ready:
@@ -378,13 +376,17 @@ class EngineProcess:
         proc = self._proc
         if proc is not None:
             if proc.is_alive() and self.ready is not None:
-                _send_shutdown(self.addresses)
+                import zmq
+
+                with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as sock:
+                    sock.setsockopt(zmq.LINGER, 2000)
+                    sock.connect(self.addresses.input)
+                    sock.send_pyobj(Shutdown())
                 proc.join(timeout)
             for end in (proc.terminate, proc.kill):
                 if proc.is_alive():
                     end()
                     proc.join(timeout)
-
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -421,17 +423,3 @@ def start_ignoring_sigint(proc) -> None:
             signal.signal(signal.SIGINT, previous)
             if held:
                 signal.raise_signal(signal.SIGINT)
-
-
-def _send_shutdown(addresses: EngineAddresses) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(addresses.input)
-        sock.send_pyobj(Shutdown())
-        sock.close()
-    finally:
-        ctx.term()

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from latentserve.config import EngineConfig
 from latentserve.options import add_options, options_of
 from latentserve.server.app import create_app
 from latentserve.server.client import EngineClient
-from latentserve.server.engine_process import EngineProcess, EngineStartupError
+from latentserve.server.engine_process import EngineProcess, EngineStartupError, watch_parent
 from latentserve.server.options import API_KEY_ENV, ServerOptions
 from latentserve.server.prompts import apply_chat_template, load_chat_template
 from latentserve.server.state import ServedModels, ServerLimits, ServerState
@@ -43,13 +42,6 @@ PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-def _stop_with_parent(parent_pid: int, interval: float = 1.0) -> None:
-    """Send this process SIGTERM (the draining shutdown) once ``parent_pid`` is gone."""
-    while os.getppid() == parent_pid:
-        time.sleep(interval)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
 def served_model_name(config: EngineConfig) -> str:
     """The first ``served_model_name``, else the ``model`` path (or the default's name)."""
     if config.served_model_name:
@@ -57,9 +49,10 @@ def served_model_name(config: EngineConfig) -> str:
     return config.model or DEFAULT_MODEL_NAME
 
 
-def check_model_names(configs: list[EngineConfig]) -> list[str]:
-    """The served names of ``configs``, in order. Raises ValueError for no config or a name
-    served twice (naming both ``--model`` paths)."""
+def check_model_names(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
+    """``configs`` as a list. Raises ValueError for no config or a name served twice (naming
+    both ``--model`` paths)."""
+    configs = [configs] if isinstance(configs, EngineConfig) else list(configs)
     if not configs:
         raise ValueError("no model to serve: give at least one --model")
     seen: dict[str, int] = {}
@@ -74,11 +67,7 @@ def check_model_names(configs: list[EngineConfig]) -> list[str]:
             if name in seen:
                 raise ValueError(f"--served-model-name gives {name!r} twice")
             seen[name] = i
-    return [served_model_name(c) for c in configs]
-
-
-def _as_list(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
-    return [configs] if isinstance(configs, EngineConfig) else list(configs)
+    return configs
 
 
 def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
@@ -91,7 +80,7 @@ def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
     with ThreadPoolExecutor(len(engines)) as pool:
         futures = [pool.submit(e.start) for e in engines]
         try:
-            errors = [(c, f.exception()) for c, f in zip(configs, futures)]
+            failed = [(c, exc) for c, f in zip(configs, futures) if (exc := f.exception())]
         except BaseException:  # Ctrl-C while they load: stop them now, not once loaded
             for e in engines:
                 e.cancel()
@@ -99,7 +88,6 @@ def start_engines(configs: list[EngineConfig], log_level: str = "info") -> list:
             for e in engines:
                 e.stop()
             raise
-    failed = [(c, exc) for c, exc in errors if exc is not None]
     if failed:
         for e in engines:
             e.stop()
@@ -125,8 +113,7 @@ def run_server(config: EngineConfig | list[EngineConfig],
     import uvicorn
 
     o = options or ServerOptions()
-    configs = _as_list(config)
-    check_model_names(configs)
+    configs = check_model_names(config)
     template = load_chat_template(o.chat_template)
     _log_to_stderr(o.log_level)
     limits = ServerLimits(**{k: getattr(o, k) for k in (
@@ -153,17 +140,14 @@ def run_server(config: EngineConfig | list[EngineConfig],
                                   is_alive=engine.is_alive)
             apply_chat_template(ready.tokenizer, template)
             names = cfg.served_model_name or (ready.model_name,)
-            states.append(ServerState(client, ready.tokenizer, names[0],
-                                      ready.max_model_len, ready.vocab_size, limits=limits,
-                                      latent_spec=ready.latent_spec,
-                                      max_num_seqs=cfg.max_num_seqs, aliases=names[1:],
-                                      root=cfg.model or ready.model_name,
-                                      log_requests=o.log_requests,
-                                      max_log_len=o.max_log_len,
-                                      sampling_defaults=ready.sampling_defaults or {},
-                                      tool_parser=o.tool_call_parser,
-                                      reasoning_parser=o.reasoning_parser,
-                                      trust_request_chat_template=o.trust_request_chat_template))
+            states.append(ServerState(
+                client, ready.tokenizer, names[0], ready.max_model_len, ready.vocab_size,
+                limits=limits, latent_spec=ready.latent_spec, max_num_seqs=cfg.max_num_seqs,
+                aliases=names[1:], root=cfg.model or ready.model_name,
+                sampling_defaults=ready.sampling_defaults or {}, tool_parser=o.tool_call_parser,
+                reasoning_parser=cfg.reasoning_parser, log_requests=o.log_requests,
+                max_log_len=o.max_log_len,
+                trust_request_chat_template=o.trust_request_chat_template))
         served = ServedModels(states)
         app = create_app(served, on_shutdown=stop_engines, cors=o.cors,
                          api_key=o.api_key or settings.get(API_KEY_ENV))
@@ -182,9 +166,8 @@ def run_server(config: EngineConfig | list[EngineConfig],
         for st in served.states:
             st.client.on_dead = functools.partial(engine_gone, st.model_name)
         server.run(sockets=[sock])
-        gone = [s for s in served.states if s.client.dead_reason]
-        if gone and len(gone) == len(served.states):
-            raise RuntimeError(f"{gone[0].client.dead_reason}; the server exited")
+        if all(s.client.dead_reason for s in served.states):
+            raise RuntimeError(f"{served.first.client.dead_reason}; the server exited")
     finally:
         sock.close()
         stop_engines()
@@ -300,8 +283,7 @@ def start_server(config: EngineConfig | list[EngineConfig], host: str = "127.0.0
     """
     import httpx
 
-    configs = _as_list(config)
-    check_model_names(configs)
+    configs = check_model_names(config)
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     chosen_port = {} if port is None else {"port": port}  # checked with the options
@@ -382,8 +364,8 @@ def main(argv: list[str] | None = None) -> None:
                else [EngineConfig(model=m) for m in args.model or [None]])
 
     parent = os.environ.pop(PARENT_PID_ENV, None)
-    if parent:
-        threading.Thread(target=_stop_with_parent, args=(int(parent),), daemon=True).start()
+    if parent:  # its SIGTERM: the draining shutdown
+        watch_parent(int(parent), functools.partial(os.kill, os.getpid(), signal.SIGTERM))
     try:
         options = options_of(ServerOptions, args)
         run_server(configs, replace(options, **json.loads(args.options_json)))

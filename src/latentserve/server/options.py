@@ -7,29 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from latentserve.options import check, json_str_list, option
-from latentserve.server.reasoning import REASONING_PARSERS
 from latentserve.server.state import DEFAULT_MAX_REQUEST_OUTPUT_TOKENS
 from latentserve.server.timeouts import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S
 from latentserve.server.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "LATENTSERVE_API_KEY"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-# NOTE: longer than the idle expiry of httpx (5 s; the openai and anthropic SDKs) and aiohttp
-# (15 s), so that the client drops an idle connection first: with equal timeouts a request
-# sent on a connection the server is closing gets a reset
-DEFAULT_KEEP_ALIVE_S = 30.0
+DEFAULT_KEEP_ALIVE_S = 30.0  # outlasts the clients' idle expiry (docs/server.md says why)
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _WAIT = "503 + Retry-After (529 on /v1/messages); default: no limit"
 
 
 @dataclass(slots=True, kw_only=True)
 class ServerOptions:
-    """How the server listens, what it allows and logs; each field's ``help`` says what it
-    means. ``timeout_request_headers`` / ``timeout_request_body`` 0 become None (no limit).
-
-    Raises:
-        ValueError: naming the field and its allowed values.
-    """
+    """How the server listens, what it allows and logs (each field's ``help``);
+    ``timeout_request_headers`` / ``timeout_request_body`` 0 become None (no limit).
+    ValueError naming the field and its allowed values."""
 
     host: str = option("127.0.0.1", "bind address")
     port: int = option(8000, "TCP port (0: any free port)", ge=0, le=65535)
@@ -62,9 +55,6 @@ class ServerOptions:
     tool_call_parser: str | None = option(
         None, "parse tool calls out of chat answers in this format (tool_choice auto); "
         "default: none, calls stay text", choices=tuple(sorted(TOOL_PARSERS)))
-    reasoning_parser: str | None = option(
-        None, "split <think>...</think> reasoning from chat answers into reasoning_content; "
-        "default: none", choices=tuple(sorted(REASONING_PARSERS)))
     allowed_origins: list[str] = option(["*"], "CORS: origins allowed, a JSON list of strings",
                                         type=json_str_list)
     allowed_methods: list[str] = option(["*"], "CORS: methods allowed, a JSON list of strings",

@@ -7,9 +7,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from latentserve.server.reasoning import REASONING_PARSERS, THINK_END, THINK_START, ThinkParser
+from latentserve.server.reasoning import ThinkParser
 from latentserve.server.tool_parsers import CALL_END, CALL_START, TOOL_PARSERS, ParsedCall
 from latentserve.server.tools import ToolChoice, call_schema, json_constraint, new_call_id
+from latentserve.token_masks import REASONING_PARSERS, THINK_END, THINK_START
 
 
 @dataclass(slots=True)

@@ -102,7 +102,8 @@ _SHARED_FIELDS = ("return_latent_trace", "upstream_stop_rules", "exit_criterion"
                   "exit_threshold", "exit_min_steps", "exit_check_every", "exit_semantics")
 _OPENAI_FIELDS = ("seed", "presence_penalty", "frequency_penalty", "stop_token_ids",
                   "ignore_eos", "skip_special_tokens", "min_tokens",
-                  "include_stop_str_in_output", "bad_words", "allowed_token_ids")
+                  "include_stop_str_in_output", "bad_words", "allowed_token_ids",
+                  "thinking_token_budget")
 
 
 def _sent(body, names: tuple[str, ...]) -> dict:

@@ -93,6 +93,7 @@ class StructuredFields(RequestModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
 
 
 class SamplingRequest(LatentFields, StructuredFields):

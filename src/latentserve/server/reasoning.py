@@ -9,10 +9,8 @@ from dataclasses import dataclass
 
 from latentserve.server.errors import APIError
 from latentserve.server.latent_trace import tick_entries
+from latentserve.token_masks import THINK_END, THINK_START
 
-THINK_START, THINK_END = "<think>", "</think>"
-# name -> whether an output that does not open with <think> is reasoning.
-REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
 LATENT_REASONING = ("count", "logit_lens")
 LOGIT_LENS_TOP = 3  # top tokens shown per latent step
 

@@ -4,7 +4,6 @@ Design notes: docs/internals.md, "latentserve.server.replicas"."""
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import subprocess
 import sys
@@ -15,16 +14,6 @@ from dataclasses import asdict
 from latentserve.extras import require
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
-
-
-def router_command(host: str, port: int, worker_urls: list[str], policy: str,
-                   metrics_port: int) -> list[str]:
-    """The ``sglang_router.launch_router`` command line; its Prometheus exporter on
-    ``host:metrics_port`` (its default port is shared by every router on the machine)."""
-    return [sys.executable, "-m", "sglang_router.launch_router", "--host", host,
-            "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,
-            "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-            "--log-level", "warn"]
 
 
 def _die_with_parent() -> None:
@@ -42,7 +31,7 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     flags checked them). ValueError (``port`` in use), ModuleNotFoundError (no
     ``sglang_router``), RuntimeError (a replica or the router failed)."""
     # NOTE: lazy: the CLI builds its parser from this module, and launch imports the whole API
-    from latentserve.server.launch import PARENT_PID_ENV, free_port, listen_socket, start_server
+    from latentserve.server.launch import free_port, listen_socket, start_server
 
     host, port = options.host, options.port
     replica_options = {k: v for k, v in asdict(options).items() if k not in ("host", "port")}
@@ -59,29 +48,26 @@ def serve_replicas(config, data_parallel_size: int, options, policy: str = "cach
     signal.signal(signal.SIGTERM, on_term)
     tp = config.tensor_parallel_size
 
-    def start(i: int):
-        env = {PARENT_PID_ENV: str(os.getpid())}  # a replica stops when this process dies
-        if config.device.startswith("cuda"):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
+    def start(i: int):  # start_server: a replica stops when this process dies
+        gpus = ",".join(str(d) for d in range(i * tp, (i + 1) * tp))
+        env = {"CUDA_VISIBLE_DEVICES": gpus} if config.device.startswith("cuda") else {}
         return start_server(config, host, None, env=env, **replica_options)
 
     servers, router = [], None
     try:
         with ThreadPoolExecutor(data_parallel_size) as pool:  # replicas load in parallel
             futures = [pool.submit(start, i) for i in range(data_parallel_size)]
-            for f in futures:
-                try:
-                    servers.append(f.result())
-                except Exception:
-                    for g in futures:
-                        if g is not f and g.exception() is None:
-                            g.result().stop()
-                    raise
+        servers = [f.result() for f in futures if f.exception() is None]
+        for f in futures:
+            f.result()  # the first failure, once all have started or failed (finally stops)
         for i, s in enumerate(servers):
             print(f"replica {i}: {s.base_url}", flush=True)
-        router = subprocess.Popen(router_command(host, port, [s.base_url for s in servers],
-                                                 policy, free_port(host)),
-                                  preexec_fn=_die_with_parent)  # noqa: PLW1509 - pool ended
+        # its Prometheus exporter on a free port (the default is shared by every router)
+        router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port",
+             str(port), "--worker-urls", *(s.base_url for s in servers), "--policy", policy,
+             "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
+             "--log-level", "warn"], preexec_fn=_die_with_parent)  # noqa: PLW1509 - pool ended
         print(f"router ({policy}): http://{host}:{port}", flush=True)
         while router.poll() is None and all(s.proc.poll() is None for s in servers):
             time.sleep(0.5)

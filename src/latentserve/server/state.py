@@ -89,7 +89,6 @@ class ServedModels:
     def resolve(self, model: str | None) -> ServerState:
         """The state serving ``model`` (with one model, that one). APIError: 400 for None
         with several models, 404 ``model_not_found`` for a name not served."""
-
         if len(self.by_name) == 1:
             return self.first
         served = ", ".join(repr(n) for n in self.by_name)

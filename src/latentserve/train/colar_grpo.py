@@ -193,8 +193,7 @@ class EngineSync:
             raise ValueError(f"the engine's model has no weight for {name!r}")
         sizes = [model.get_submodule(_PEFT_PREFIX + f"{parent}.{o}").weight.shape[0]
                  for o in order]
-        start = sum(sizes[:order.index(leaf)])
-        return getattr(host, fused).weight[start:start + sizes[order.index(leaf)]]
+        return getattr(host, fused).weight.split(sizes)[order.index(leaf)]
 
     @torch.no_grad()
     def push(self, policy: colar.LatentPolicy) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
 from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
-from latentserve.train.features import Features, first_rows, num_groups
+from latentserve.train.features import Features, num_groups
 from latentserve.train.grpo import head_engine, run_requests
 from latentserve.train.options import DaggerConfig
 from latentserve.train.sft import capture_traces, fit, load_backbone, write_log
@@ -62,10 +63,9 @@ def closed_loop_metrics(head, anchors: list[torch.Tensor], rows: Features,
     """The head on its own rollouts: ``stop_at_gold`` / ``stop_early`` / ``stop_late``
     (fractions whose stop probability first passes ``threshold`` at ``j == G``, ``1 <= j <
     G``, later or never), ``mse`` of mu against the targets, ``stop_prob_at_gold``."""
-    lat = head.config.latent_dim
     probs = head.stop_prob(rows.anchor).tolist()
     has = rows.has_target
-    t = F.layer_norm(head.target_proj(rows.target[has]), (lat,))
+    t = F.layer_norm(head.target_proj(rows.target[has]), (head.config.latent_dim,))
     mse = float(F.mse_loss(head.encode(rows.anchor[has]), t)) if bool(has.any()) else 0.0
     at, early, at_gold, start = 0, 0, [], 0
     for a, g in zip(anchors, groups):
@@ -121,7 +121,7 @@ def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
     _serve_weights(served, head)
     set_policy_sampling(served, cfg.sigma)
     groups = [num_groups(len(t.reasoning), c) for t in traces]
-    first = first_rows(traces, c)
+    first = list(accumulate([g + 1 for g in groups], initial=0))  # trace i's row k = 0
     data, history = teacher, []
     gen = torch.Generator().manual_seed(cfg.seed)
     out = Path(cfg.out)
@@ -144,7 +144,7 @@ def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
             write_bundle(bundle_from_module(head, bundle.format_version), path)
             history.append({"round": r, "rollouts": len(pick), "new_rows": len(new.stop),
                             "rows": res["rows"], "closed_loop": metrics,
-                            "loss_before": res["before"], "loss_after": res["after"],
+                            "loss_before": res["loss_before"], "loss_after": res["loss_after"],
                             "rollout_seconds": round(t_roll, 2),
                             "seconds": round(time.perf_counter() - t_round, 2)})
             log = write_log(cfg, t0, traces=len(traces), teacher_rows=len(teacher.stop),

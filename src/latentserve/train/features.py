@@ -7,7 +7,6 @@ Design notes: docs/internals.md, "latentserve.train.features".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -50,25 +49,16 @@ def anchor_positions(p: int, t: int, c: int) -> list[int]:
     return [p - 1] + [p + k * c - 1 for k in range(1, g)] + [p + t - 1]
 
 
-def first_rows(traces, c: int) -> list[int]:
-    """Index of each trace's row ``k = 0`` in :func:`capture`'s output (trace ``i`` owns
-    rows ``first[i] .. first[i] + G_i``)."""
-    sizes = [num_groups(len(tr.reasoning), c) + 1 for tr in traces]
-    return list(accumulate(sizes, initial=0))[:len(traces)]
-
-
 @torch.no_grad()
 def capture(model, traces, source_layer: int, target_layer: int, c: int,
             batch_size: int = 8, progress: bool = True) -> Features:
     """Run the frozen HF ``model`` over the prompt and reasoning of ``traces`` in right-padded
     batches; returns float32 :class:`Features` on its device. ValueError for a layer index
-    out of range or ``c < 1``."""
+    out of range."""
     n_layers = model.config.num_hidden_layers
     for name, v in (("source_layer", source_layer), ("target_layer", target_layer)):
         if not 0 <= v < n_layers:
             raise ValueError(f"{name} must be in [0, {n_layers - 1}], got {v}")
-    if c < 1:
-        raise ValueError(f"compression_factor must be >= 1, got {c}")
     device = next(model.parameters()).device
     emb = model.get_input_embeddings()
     rows = {k: [] for k in ("anchor", "target", "embed", "has_target", "stop")}
@@ -91,11 +81,9 @@ def capture(model, traces, source_layer: int, target_layer: int, c: int,
             g = len(pos) - 1
             rows["anchor"].append(src[i, pos])
             groups = [(p + k * c, min(p + (k + 1) * c, p + t)) for k in range(g)]
-            tg = torch.stack([tgt[i, a:b].mean(0) for a, b in groups])
-            eg = torch.stack([e[i, a:b].mean(0) for a, b in groups])
-            pad = torch.zeros(1, tg.shape[1], device=device)
-            rows["target"].append(torch.cat([tg, pad]))
-            rows["embed"].append(torch.cat([eg, pad]))
+            for key, h in (("target", tgt), ("embed", e)):  # group means, then a zero row
+                rows[key].append(torch.cat([torch.stack([h[i, a:b].mean(0) for a, b in groups]),
+                                            h.new_zeros(1, h.shape[-1])]))
             last = torch.arange(g + 1, device=device) == g  # the end-of-reasoning row
             rows["has_target"].append(~last)
             rows["stop"].append(last.float())

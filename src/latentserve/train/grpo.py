@@ -18,13 +18,14 @@ from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.eval.answers import last_number, numbers_equal
 from latentserve.eval.colar_eval import answers_match
+from latentserve.eval.datasets import chat_prompt_ids
+from latentserve.latent import colar
 from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
-from latentserve.latent.colar import ANSWER
 from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
 from latentserve.train.options import GRPOConfig
 from latentserve.train.sft import adamw_warmup_linear, write_log
-from latentserve.train.traces import load_questions, prompt_ids
+from latentserve.train.traces import load_questions
 
 
 def reward(text: str, gold: str, stats: dict, prompt_format: str = "chat",
@@ -33,7 +34,7 @@ def reward(text: str, gold: str, stats: dict, prompt_format: str = "chat",
     (``stats["end"] == "stop"``). Right: ``chat``, the last number of ``text`` equals ``gold``;
     ``colar``, the answer after ``Answer:`` matches it (upstream ``verify_answer``)."""
     if prompt_format == "colar":
-        answer = text.partition(ANSWER.format(""))[2].strip()
+        answer = text.partition(colar.ANSWER.format(""))[2].strip()
         right = bool(answer) and answers_match(gold, answer)
     else:
         right = numbers_equal(last_number(text), gold)
@@ -122,7 +123,7 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     policy.reasoning_head.net.requires_grad_(True)
     params = list(policy.reasoning_head.net.parameters())
     opt, sched = adamw_warmup_linear(params, cfg.lr, cfg.steps, warmup=0.0)
-    rows = load_questions(cfg.data, cfg.prompt_format, cfg.max_examples)
+    rows = load_questions(cfg.data, cfg.max_examples)
     tok = engine.tokenizer
     n_close = len(engine.latent_spec.end_ids)
     sp = SamplingParams(max_tokens=cfg.max_latent + n_close + cfg.answer_tokens,
@@ -138,7 +139,9 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     for step in bar:
         pick = [rows[order[(step * cfg.questions_per_step + j) % len(rows)]]
                 for j in range(cfg.questions_per_step)]
-        prompts = prompt_ids(tok, [q for q, _ in pick], cfg.prompt_format)
+        # the prefill before the head's opening ids: CoLaR's prompt at speed 1, or the chat's
+        prompts = (colar.prompt_ids(tok, [q for q, _ in pick]) if cfg.prompt_format == "colar"
+                   else [chat_prompt_ids(tok, q) for q, _ in pick])
         outs = run_requests(engine, [(ids, sp) for ids in prompts
                                      for _ in range(cfg.group_size)], "grpo")
         golds = [g for _, g in pick for _ in range(cfg.group_size)]

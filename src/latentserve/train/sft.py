@@ -20,9 +20,15 @@ from latentserve.latent.bundle import bundle_from_module, write_bundle
 from latentserve.latent.head import HeadConfig, LatentHead
 from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolve_model_dir
 from latentserve.models.lora import merge_adapter, read_adapter
+from latentserve.train.cot import read_items
 from latentserve.train.features import capture
 from latentserve.train.options import SFTConfig
-from latentserve.train.traces import load_traces, train_file
+from latentserve.train.traces import (
+    build_colar_traces,
+    build_traces,
+    load_gsm8k_rows,
+    train_file,
+)
 
 
 def load_backbone(model: str | None, device: str, dtype: str):
@@ -74,11 +80,9 @@ def sft_losses(head, feats, lat_idx: torch.Tensor, stop_idx: torch.Tensor, beta:
                embed_var: float, pos_weight: torch.Tensor) -> dict:
     """Loss terms (scalars; ``loss`` is their sum) on latent rows ``lat_idx`` and stop rows
     ``stop_idx`` of ``feats``. ``head``: ``latent.head.LatentHead`` with ``target_proj``."""
-    lat = head.config.latent_dim
-    anchor = feats.anchor[lat_idx]
     with torch.no_grad():
-        t = F.layer_norm(head.target_proj(feats.target[lat_idx]), (lat,))
-    mu, log_sigma = head.policy(anchor)
+        t = F.layer_norm(head.target_proj(feats.target[lat_idx]), (head.config.latent_dim,))
+    mu, log_sigma = head.policy(feats.anchor[lat_idx])
     nll = 0.5 * (t - mu) ** 2 * torch.exp(-2 * log_sigma) + log_sigma
     entropy = (log_sigma + 0.5 * math.log(2 * math.pi * math.e)).mean()
     soft_mse = nll.mean() - beta * entropy
@@ -90,23 +94,20 @@ def sft_losses(head, feats, lat_idx: torch.Tensor, stop_idx: torch.Tensor, beta:
             "stop": stop, "mse": F.mse_loss(mu, t), "log_sigma": log_sigma.mean()}
 
 
-@torch.no_grad()
-def full_losses(head, feats, beta, embed_var, pos_weight) -> dict:
-    """:func:`sft_losses` over every row at once (floats)."""
-    lat_rows = feats.has_target.nonzero()[:, 0]
-    all_rows = torch.arange(len(feats.stop), device=feats.stop.device)
-    terms = sft_losses(head, feats, lat_rows, all_rows, beta, embed_var, pos_weight)
-    return {k: float(v) for k, v in terms.items()}
-
-
 def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
                    compression_factor: int, think_open: str, think_close: str):
     """``(traces, features)`` of ``cfg``'s training data (an :class:`SFTConfig` or
-    ``DaggerConfig``) on the frozen ``model``. ValueError when no trace fits."""
-    traces = load_traces(tok, cfg.data, cfg.prompt_format, cfg.max_examples, think_open,
-                         think_close, cfg.style, cfg.max_reasoning_tokens)
+    ``DaggerConfig``; ``train.traces`` in ``cfg.prompt_format``, ``think_open`` /
+    ``think_close`` / ``cfg.style`` for ``chat`` only) on the frozen ``model``. ValueError
+    when no trace fits or for a malformed file, FileNotFoundError."""
+    path, limit = train_file(cfg.data), cfg.max_examples
+    if cfg.prompt_format == "colar":
+        traces = build_colar_traces(tok, read_items(path)[:limit], cfg.max_reasoning_tokens)
+    else:
+        traces = build_traces(tok, load_gsm8k_rows(path, limit), think_open, think_close,
+                              cfg.style, cfg.max_reasoning_tokens)
     if not traces:
-        raise ValueError(f"no usable trace in {train_file(cfg.data)} (max_reasoning_tokens="
+        raise ValueError(f"no usable trace in {path} (max_reasoning_tokens="
                          f"{cfg.max_reasoning_tokens})")
     feats = capture(model, traces, source_layer, target_layer, compression_factor,
                     cfg.capture_batch_size, cfg.progress)
@@ -115,14 +116,21 @@ def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
 
 def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
     """Train ``head`` (``target_proj`` frozen) for ``cfg.steps`` steps of ``cfg.batch_size``
-    uniform rows; ``checkpoint(step)`` every ``cfg.save_every``. Returns ``{"before",
-    "after", "history", "rows", "latent_rows"}``."""
+    uniform rows; ``checkpoint(step)`` every ``cfg.save_every``. Returns ``{"rows",
+    "latent_rows", "loss_before", "loss_after", "history"}``."""
     lat_rows = feats.has_target.nonzero()[:, 0]
     embed_var = float(feats.embed[lat_rows].var(0).sum() / feats.embed.shape[1]) or 1.0
     n_pos = float(feats.stop.sum())
     pos_weight = torch.tensor((len(feats.stop) - n_pos) / max(n_pos, 1.0), device=cfg.device)
-    head.eval()
-    before = full_losses(head, feats, cfg.beta, embed_var, pos_weight)
+    all_rows = torch.arange(len(feats.stop), device=feats.stop.device)
+
+    @torch.no_grad()
+    def full_losses() -> dict:  # every row at once, eval mode
+        head.eval()
+        terms = sft_losses(head, feats, lat_rows, all_rows, cfg.beta, embed_var, pos_weight)
+        return {k: float(v) for k, v in terms.items()}
+
+    before = full_losses()
     params = [p for p in head.parameters() if p.requires_grad]
     opt, sched = adamw_warmup_linear(params, cfg.lr, cfg.steps, cfg.warmup, cfg.weight_decay)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
@@ -150,10 +158,8 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
                 and step + 1 < cfg.steps):
             checkpoint(step + 1)
             head.train()
-    head.eval()
-    after = full_losses(head, feats, cfg.beta, embed_var, pos_weight)
-    return {"before": before, "after": after, "history": history, "rows": len(feats.stop),
-            "latent_rows": len(lat_rows)}
+    return {"rows": len(feats.stop), "latent_rows": len(lat_rows), "loss_before": before,
+            "loss_after": full_losses(), "history": history}
 
 
 def train_sft(cfg: SFTConfig) -> dict:
@@ -186,7 +192,5 @@ def train_sft(cfg: SFTConfig) -> dict:
 
     res = fit(head, feats, cfg, "sft", checkpoint)
     write_bundle(bundle_from_module(head), cfg.out)
-    return write_log(cfg, t0, head_config=hcfg.to_dict(), traces=len(traces), rows=res["rows"],
-                     latent_rows=res["latent_rows"], loss_before=res["before"],
-                     loss_after=res["after"], history=res["history"],
+    return write_log(cfg, t0, head_config=hcfg.to_dict(), traces=len(traces), **res,
                      capture_seconds=round(t_capture, 2))

@@ -58,11 +58,10 @@ def generate_multiplication(k: int, n: int, seed: int = 0,
     seen = set(exclude)
     out = []
     while len(out) < n:
-        a, b = rng.randrange(lo, hi), rng.randrange(lo, hi)
-        q = f"{digits(a, k)} * {digits(b, k)}"
-        if q not in seen:
-            seen.add(q)
-            out.append(multiplication_item(a, b, k))
+        it = multiplication_item(rng.randrange(lo, hi), rng.randrange(lo, hi), k)
+        if it.question not in seen:
+            seen.add(it.question)
+            out.append(it)
     return out
 
 

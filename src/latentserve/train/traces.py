@@ -60,10 +60,8 @@ def load_gsm8k_rows(path: str | Path, limit: int | None = None) -> list[dict]:
     """``{"question", "answer"}`` rows of a GSM8K jsonl file (the first ``limit``).
     Raises FileNotFoundError naming the file; ValueError naming the file and line when a
     line is not a JSON object with string ``question`` and ``answer``."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"training data {path} does not exist")
     rows = []
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
@@ -113,42 +111,10 @@ def build_colar_traces(tokenizer, items, max_reasoning_tokens: int = 256) -> lis
     return out
 
 
-def load_questions(data: str | Path | None, prompt_format: str = "chat",
-                   limit: int | None = None) -> list[tuple[str, str]]:
+def load_questions(data: str | Path | None, limit: int | None = None) -> list[tuple[str, str]]:
     """``(question, gold)`` of the first ``limit`` examples of ``data`` (None: GSM8K
-    ``train.jsonl``): GSM8K rows for ``chat``, ``train.cot.read_items`` for ``colar``. Raises
-    ValueError for a malformed file, FileNotFoundError."""
-    path = train_file(data)
-    if prompt_format == "chat":
-        return [(r["question"], r["answer"].rpartition("####")[2].strip())
-                for r in load_gsm8k_rows(path, limit)]
+    ``train.jsonl``; ``train.cot.read_items``'s formats). Raises ValueError for a malformed
+    file, FileNotFoundError."""
     from latentserve.train.cot import read_items
 
-    return [(it.question, it.gold) for it in read_items(path)[:limit]]
-
-
-def prompt_ids(tokenizer, questions: list[str], prompt_format: str = "chat") -> list[list[int]]:
-    """A request's prefill per question, before the head's opening ids: the chat rendering
-    (``chat``) or CoLaR's prompt at speed 1 (``latent.colar.prompt_ids``)."""
-    if prompt_format == "colar":
-        from latentserve.latent.colar import prompt_ids as colar_prompt_ids
-
-        return colar_prompt_ids(tokenizer, questions)
-    return [chat_prompt_ids(tokenizer, q) for q in questions]
-
-
-def load_traces(tokenizer, data: str | Path | None, prompt_format: str = "chat",
-                limit: int | None = None, think_open: str = THINK_OPEN,
-                think_close: str = THINK_CLOSE, style: str = "solution",
-                max_reasoning_tokens: int = 256) -> list[Trace]:
-    """The traces (module docstring) of the first ``limit`` examples of ``data`` (None:
-    GSM8K ``train.jsonl``) in ``prompt_format``; ``think_open`` / ``think_close`` /
-    ``style`` apply to ``chat`` only. Raises as :func:`load_questions`."""
-    path = train_file(data)
-    if prompt_format == "colar":
-        from latentserve.train.cot import read_items
-
-        return build_colar_traces(tokenizer, read_items(path)[:limit], max_reasoning_tokens)
-    return build_traces(tokenizer, load_gsm8k_rows(path, limit), think_open, think_close,
-                        style, max_reasoning_tokens)
-
+    return [(it.question, it.gold) for it in read_items(train_file(data))[:limit]]

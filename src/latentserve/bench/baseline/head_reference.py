@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _mlp(sd: dict, prefix: str) -> nn.Sequential:
-    """A Linear/SiLU stack from ``prefix{0,2,4}.weight`` tensors (the addon's layout)."""
+def _mlp(sd: dict, prefix: str, device: str) -> nn.Sequential:
+    """A float32 Linear/SiLU stack on ``device`` from ``prefix{0,2,4}.weight`` tensors (the
+    addon's layout)."""
     sub = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
     layers: list[nn.Module] = []
     while f"{len(layers)}.weight" in sub:
@@ -25,11 +26,12 @@ def _mlp(sd: dict, prefix: str) -> nn.Sequential:
                    nn.SiLU()]
     net = nn.Sequential(*layers[:-1])
     net.load_state_dict(sub)
-    return net.float().eval()
+    return net.float().to(device).eval()
 
 
-def load_bundle_reference(path) -> tuple[dict, nn.Module, nn.Module | None, nn.Module]:
-    """``(config, head_net, stop_net or None, decoder_net)`` from a bundle file."""
+def load_bundle_reference(path, device: str = "cpu"
+                          ) -> tuple[dict, nn.Module, nn.Module | None, nn.Module]:
+    """``(config, head_net, stop_net or None, decoder_net)`` from a bundle file, on ``device``."""
     path = Path(path)
     if path.suffix == ".safetensors":
         from safetensors import safe_open
@@ -41,9 +43,9 @@ def load_bundle_reference(path) -> tuple[dict, nn.Module, nn.Module | None, nn.M
         cfg, flat = d["config"], {f"{part}.{k}": v for part in ("reasoning_head", "decoder")
                                   for k, v in d[part].items()}
     cfg = cfg if isinstance(cfg, dict) else json.loads(cfg)
-    stop = (_mlp(flat, "reasoning_head.stop_head.")
+    stop = (_mlp(flat, "reasoning_head.stop_head.", device)
             if "reasoning_head.stop_head.0.weight" in flat else None)
-    return cfg, _mlp(flat, "reasoning_head.net."), stop, _mlp(flat, "decoder.net.")
+    return cfg, _mlp(flat, "reasoning_head.net.", device), stop, _mlp(flat, "decoder.net.", device)
 
 
 @lru_cache(maxsize=4)
@@ -54,26 +56,18 @@ def _hf_model(model_dir: str, dtype: str, device: str = "cpu"):
         model_dir, dtype=getattr(torch, dtype)).to(device).eval()
 
 
-def _bundle_on(path: str, device: str):
-    """``load_bundle_reference(path)`` with its modules on ``device``."""
-    cfg, head_net, stop_net, dec_net = load_bundle_reference(path)
-    return (cfg, head_net.to(device), None if stop_net is None else stop_net.to(device),
-            dec_net.to(device))
-
-
-_bundle_cached = lru_cache(maxsize=4)(_bundle_on)
+_bundle_cached = lru_cache(maxsize=4)(load_bundle_reference)
 
 
 class HeadReference:
     """One greedy request (``generate``): ``model_dir``'s HF model in ``dtype`` with
     ``bundle_path``'s nets in float32 (re-read unless ``reuse_bundle``), closed-loop injection
-    without a stop decision (the ``bench`` suite's). The stop head and prompt injection:
-    ``tests/support/head_reference.py``."""
+    without a stop decision."""
 
     def __init__(self, model_dir, bundle_path, dtype: str = "float32", device: str = "cpu",
                  reuse_bundle: bool = False):
         self.model = _hf_model(str(model_dir), dtype, device)
-        load = _bundle_cached if reuse_bundle else _bundle_on
+        load = _bundle_cached if reuse_bundle else load_bundle_reference
         self.cfg, self.head_net, self.stop_net, self.dec_net = load(str(bundle_path), device)
         self.emb, self.device, self.past = self.model.get_input_embeddings(), device, None
 

@@ -22,21 +22,22 @@ LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
                           "gate_proj"]}
 
 
-def _resized_base(base_dir: Path, seed: int):
-    """The base HF model with 3 new random embedding (and untied lm_head) rows."""
+def resized_base(base_dir: Path, seed: int, rows: int = 0):
+    """The base HF model with new random embedding (and untied lm_head) rows: 3, or up to
+    ``rows`` when the vocabulary is smaller; and the generator that drew them."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     v = model.config.vocab_size
-    model.resize_token_embeddings(v + 3, mean_resizing=False)
+    model.resize_token_embeddings(max(rows, v) if rows else v + 3, mean_resizing=False)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
-        emb[v:] = torch.randn(3, emb.shape[1], generator=g) * 0.08
+        emb[v:] = torch.randn(emb.shape[0] - v, emb.shape[1], generator=g) * 0.08
         head = model.get_output_embeddings().weight
         if head.data_ptr() != emb.data_ptr():
-            head[v:] = torch.randn(3, head.shape[1], generator=g) * 0.08
-    return model
+            head[v:] = torch.randn(head.shape[0] - v, head.shape[1], generator=g) * 0.08
+    return model, g
 
 
 def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: int = 0,
@@ -46,7 +47,7 @@ def write_upstream_coconut(root, base: str = "gpt2", prefix: bool = True, seed: 
     root = Path(root)
     base_dir = save_tiny(root / "base", "gpt2" if base == "gpt2" else "llama-untied", seed=seed,
                          **tiny_kw)
-    model = _resized_base(base_dir, seed)
+    model, _ = resized_base(base_dir, seed)
     sd = {("base_causallm." if prefix else "") + k: v for k, v in model.state_dict().items()}
     (root / "upstream").mkdir(parents=True, exist_ok=True)
     ckpt = root / "upstream" / "checkpoint_7"
@@ -65,7 +66,7 @@ def write_upstream_codi(root, base: str = "gpt2", fmt: str = "safetensors", lora
 
     root = Path(root)
     base_dir = Path(base_dir) if base_dir else save_tiny(root / "base", base, seed=seed)
-    model = _resized_base(base_dir, seed)
+    model, _ = resized_base(base_dir, seed)
     cfg = LoraConfig(task_type="CAUSAL_LM", r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.1,
                      target_modules=LORA_TARGETS[base], init_lora_weights=True,
                      fan_in_fan_out=base == "gpt2")

@@ -104,9 +104,8 @@ def _wrap_ids(cfg: dict) -> tuple[list[int], list[int]]:
 @torch.no_grad()
 def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens: int,
                        device: str = "cpu", dtype: str = "float32"):
-    """Greedy answer for one request, exactly ``max_tokens`` (no EOS stop: that is
-    ``tests/support/latent_reference.py``): ``(answer_token_ids, first_answer_logits [vocab]
-    float32 CPU)``."""
+    """Greedy answer for one request, exactly ``max_tokens`` (no EOS stop):
+    ``(answer_token_ids, first_answer_logits [vocab] float32 CPU)``."""
     model, cfg, feedback = load_reference(str(model_dir), device, dtype)
     emb = model.get_input_embeddings()
     start, end = _wrap_ids(cfg)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from latentserve.bench.baseline.latent_models import LORA_TARGETS
+from latentserve.bench.baseline.latent_models import LORA_TARGETS, resized_base
 from latentserve.bench.baseline.tiny_models import save_tiny
 from latentserve.extras import require
 from latentserve.models.checkpoint import load_tokenizer
@@ -32,7 +32,6 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
     import torch
     from peft import LoraConfig, get_peft_model
     from torch import nn
-    from transformers import AutoModelForCausalLM
 
     if embedding not in EMBEDDING_FORMS:
         raise ValueError(f"embedding must be one of {EMBEDDING_FORMS}, got {embedding!r}")
@@ -44,14 +43,8 @@ def write_upstream_pccot(root, base: str = "gpt2", block_size: int = 4, iteratio
         tok.add_special_tokens({"pad_token": "[PAD]"})
     tok.add_special_tokens({"additional_special_tokens": list(PCCOT_TOKENS)})
     bot, eot, latent = tok.convert_tokens_to_ids(list(PCCOT_TOKENS))
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    v = model.config.vocab_size
-    rows = max(len(tok), v)  # a base whose vocab exceeds its tokenizer already has the rows
-    model.resize_token_embeddings(rows, mean_resizing=False)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        emb = model.get_input_embeddings().weight
-        emb[v:] = torch.randn(emb.shape[0] - v, emb.shape[1], generator=g) * 0.08
+    model, g = resized_base(base_dir, seed, len(tok))
+    rows = model.config.vocab_size
     d = model.config.hidden_size
     if use_projection:
         model.prj = nn.Sequential(nn.Linear(d, d), nn.GELU(), nn.Linear(d, d), nn.LayerNorm(d))

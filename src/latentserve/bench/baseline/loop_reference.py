@@ -67,10 +67,9 @@ def load_pccot_reference(base_dir: str, adapter_dir: str, device: str = "cpu",
 @torch.no_grad()
 def reference_generate_loop(ref: LoopReference, prompt_ids: list[int], iterations: int,
                             max_tokens: int, passes: list | None = None):
-    """Greedy answer for one request, exactly ``max_tokens`` (no EOS stop: that is
-    ``tests/support/loop_reference.py``), each forward recomputing the sequence:
-    ``(answer_ids, first_answer_logits [vocab] float32 CPU)``. ``passes``: gets each pass's
-    block logits ``[block_size, vocab]``."""
+    """Greedy answer for one request, exactly ``max_tokens`` (no EOS stop), each forward
+    recomputing the sequence: ``(answer_ids, first_answer_logits [vocab] float32 CPU)``.
+    ``passes``: gets each pass's block logits ``[block_size, vocab]``."""
     model, n = ref.model, ref.block_size
     emb = model.get_input_embeddings()
     dev = emb.weight.device

@@ -136,11 +136,8 @@ def write_ouro(out_dir, seed: int = 0, save_dtype=None, init_device: str = "cpu"
 
 def _cast(sd: dict, dtype, cfg: dict) -> dict:
     """``sd`` on the CPU in ``dtype`` (None: unchanged dtype); ``cfg["torch_dtype"]`` names
-    it. Tensors are converted one at a time (a real-size state dict drawn on the GPU)."""
-    out = {}
-    for k in list(sd):
-        v = sd.pop(k)
-        out[k] = (v if dtype is None else v.to(dtype)).cpu()
+    it."""
+    out = {k: (v if dtype is None else v.to(dtype)).cpu() for k, v in sd.items()}
     if dtype is not None:
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     return out

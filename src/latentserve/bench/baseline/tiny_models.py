@@ -25,21 +25,19 @@ def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, word_tokenizer: boo
     import transformers as tf
 
     out = Path(out_dir)
-    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-                bos_token_id=1, eos_token_id=2)
-    llamas = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, True),
-              "llama-untied": (tf.LlamaConfig, tf.LlamaForCausalLM, False),
-              "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, False)}
-    if kind in llamas:
-        config_cls, cls, tied = llamas[kind]
-        cfg = config_cls(**{**base, "tie_word_embeddings": tied, **overrides})
-    elif kind == "gpt2":
-        g = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512,
-                 bos_token_id=1, eos_token_id=2)
-        cfg, cls = tf.GPT2Config(**{**g, **overrides}), tf.GPT2LMHeadModel
-    else:
-        raise ValueError(f"kind must be one of llama, llama-untied, qwen2, gpt2; got {kind!r}")
+    llama = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
+                 tie_word_embeddings=False)
+    gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=512)
+    kinds = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {**llama, "tie_word_embeddings": True}),
+             "llama-untied": (tf.LlamaConfig, tf.LlamaForCausalLM, llama),
+             "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, llama),
+             "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, gpt2)}
+    if kind not in kinds:
+        raise ValueError(f"kind must be one of {', '.join(kinds)}; got {kind!r}")
+    config_cls, cls, shape = kinds[kind]
+    cfg = config_cls(**{"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, **shape,
+                        **overrides})
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():  # larger-than-default weights so greedy paths are not degenerate

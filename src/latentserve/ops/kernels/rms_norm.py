@@ -60,7 +60,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     ``pre_weight`` (needs ``residual``; ``pre_eps`` defaults to ``eps``): a sandwich-norm
     boundary (Ouro), ``s = residual + rms_norm(x, pre_weight, pre_eps)`` with every step
-    rounded as ``ops.norm.norm_add_rms_norm``; returns ``(rms_norm(s, weight, eps), s)``.
+    rounded as ``ops.norm.rms_norm``; returns ``(rms_norm(s, weight, eps), s)``.
     ``pre_weight`` and x (without partials) must have the residual's dtype.
 
     ValueError for another shape or dtype or a strided last dim."""
