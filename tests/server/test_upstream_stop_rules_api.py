@@ -51,6 +51,8 @@ def test_a_non_boolean_is_a_400_naming_it(http, model):
 
 @pytest.mark.parametrize("value", [True, False, None])
 def test_the_field_reaches_sampling_params_on_every_route(value):
+    from types import SimpleNamespace
+
     from latentserve.server.anthropic_api import MessagesRequest, _params
     from latentserve.server.params import sampling_params
     from latentserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -58,7 +60,9 @@ def test_the_field_reaches_sampling_params_on_every_route(value):
     body = MessagesRequest(model="m", max_tokens=4, messages=MESSAGES,
                            upstream_stop_rules=value)
     assert _params(body, 3, 64).upstream_stop_rules is value
-    for request in (CompletionRequest(prompt="hi", upstream_stop_rules=value),
-                    ChatCompletionRequest(messages=MESSAGES, upstream_stop_rules=value)):
-        params = sampling_params(request, 4, "max_tokens", 3, 64)
+    state = SimpleNamespace(max_model_len=64, latent_spec=None, sampling_defaults=None)
+    for request in (CompletionRequest(prompt="hi", max_tokens=4, upstream_stop_rules=value),
+                    ChatCompletionRequest(messages=MESSAGES, max_tokens=4,
+                                          upstream_stop_rules=value)):
+        params = sampling_params(request, "max_tokens", 3, state)
         assert params.upstream_stop_rules is value

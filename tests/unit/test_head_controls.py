@@ -2,6 +2,8 @@
 server default, x-ds4-* aliases, chat_template_kwargs thinking, 400 naming a malformed
 header; and the controls reach SamplingParams."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from latentserve.server.errors import APIError
@@ -15,7 +17,12 @@ class _Req:
 
 
 def _body(**kw):
-    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                 **{"max_tokens": 16, **kw})
+
+
+# The server state sampling_params reads: a plain model with a 512-token context.
+STATE = SimpleNamespace(max_model_len=512, latent_spec=None, sampling_defaults=None)
 
 
 def test_defaults_are_none_so_the_engine_uses_env():
@@ -60,24 +67,24 @@ def test_malformed_header_is_a_400_naming_it(header, value):
 def test_controls_reach_sampling_params_and_bad_body_names_field():
     body = _body(max_latent=7)
     c = head_controls(_Req({"x-latent-stop-threshold": "0.25"}), body)
-    p = sampling_params(body, 16, "max_tokens", 3, 512, head=c)
+    p = sampling_params(body, "max_tokens", 3, STATE, head=c)
     assert p.max_latent == 7 and p.stop_threshold == 0.25 and p.use_stop is None
     with pytest.raises(APIError) as e:
-        sampling_params(_body(min_latent=-1), 16, "max_tokens", 3, 512)
+        sampling_params(_body(min_latent=-1), "max_tokens", 3, STATE)
     assert e.value.param == "min_latent"
     # a floor above the cap, in the body or from headers: a 400 naming min_latent
     with pytest.raises(APIError, match="at most max_latent") as e:
-        sampling_params(_body(max_latent=3, min_latent=5), 16, "max_tokens", 3, 512)
+        sampling_params(_body(max_latent=3, min_latent=5), "max_tokens", 3, STATE)
     assert e.value.param == "min_latent"
     c = head_controls(_Req({"x-latent-max": "2", "x-latent-min": "4"}), _body())
     with pytest.raises(APIError) as e:
-        sampling_params(_body(), 16, "max_tokens", 3, 512, head=c)
+        sampling_params(_body(), "max_tokens", 3, STATE, head=c)
     assert e.value.param == "min_latent"
-    assert sampling_params(_body(max_latent=5, min_latent=5), 16, "max_tokens", 3,
-                           512).min_latent == 5
+    assert sampling_params(_body(max_latent=5, min_latent=5), "max_tokens", 3,
+                           STATE).min_latent == 5
     # max_latent 0 runs no latent phase: any floor is moot, not an error
-    assert sampling_params(_body(max_latent=0, min_latent=2), 16, "max_tokens", 3,
-                           512).max_latent == 0
+    assert sampling_params(_body(max_latent=0, min_latent=2), "max_tokens", 3,
+                           STATE).max_latent == 0
 
 
 @pytest.mark.parametrize("kw,field", [({"latent_head": "h.safetensors"}, "latent_head"),
@@ -151,6 +158,6 @@ def test_colar_controls_reach_sampling_params_and_the_floor_stays_off():
     body = _body(compression_factor=2, max_latent=9)
     c = head_controls(req, body)
     refuse_head_controls(req, body, c, _spec("colar"))
-    p = sampling_params(body, 16, "max_tokens", 3, 512, head=c)
+    p = sampling_params(body, "max_tokens", 3, STATE, head=c)
     assert (p.compression_factor, p.latent_temperature, p.max_latent) == (4, 0.3, 9)
     assert engine_max_tokens(p, _spec("colar"), 3, 512) == 16  # answer tokens only

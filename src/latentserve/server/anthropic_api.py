@@ -23,12 +23,7 @@ from latentserve.server.anthropic_blocks import (
     message_turns,
     openai_tools,
 )
-from latentserve.server.errors import (
-    APIError,
-    anthropic_error_body,
-    anthropic_status,
-    param_from_value_error,
-)
+from latentserve.server.errors import APIError, anthropic_error, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import latent_info
 from latentserve.server.logprobs import token_texts
@@ -247,7 +242,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
         msg_id, engine_rid = new_request_id(request, "msg")
         if msg_id == engine_rid:
             msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")
-        reqs = [EngineRequest(0, engine_rid, prompt_ids, params)]
+        reqs = [EngineRequest(engine_rid, prompt_ids, params)]
         asked = bool(body.return_latent_trace)
         texts = token_texts(state.tokenizer)
         if body.stream:
@@ -255,8 +250,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
                 request, state, reqs, arrival, ticket, lambda deltas: _events(
                     msg_id, state.model_name, len(prompt_ids), deltas, asked,
                     answer.parser(state), answer.latent_mode, texts),
-                error_event=lambda err: _event(anthropic_error_body(
-                    err.message, anthropic_status(err))), done=None)
+                error_event=lambda err: _event(anthropic_error(err)[1]), done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
         reasoning, content, calls = parse_output(answer.parser(state), result.text)
         if answer.latent_mode:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -19,10 +20,8 @@ from latentserve.server.output_parser import (
 from latentserve.server.params import (
     check_common,
     check_logprobs,
-    check_prompt_length,
     engine_requests,
     latent_controls,
-    latent_positions,
     sampling_params,
 )
 from latentserve.server.prompts import chat_tools, message_text, templated_prompt_ids
@@ -61,18 +60,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         last = len(body.messages) - 1  # vLLM's echo: the final message's text, the assistant's
         echo = (message_text(body.messages[last], last)
                 if body.echo and body.messages[last].role == "assistant" else "")
-        check_prompt_length(len(prompt_ids), state.max_model_len, "messages")
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
-        params = sampling_params(body, getattr(body, field), field, len(prompt_ids),
-                                 state.max_model_len, logprobs, budget, head,
-                                 stream_latent_steps=ticks,
-                                 latent_positions=latent_positions(state.latent_spec, budget),
-                                 defaults=state.sampling_defaults)
-
-        def parser() -> OutputParser:
-            return OutputParser(state.reasoning_parser, state.tool_parser, choice,
-                                body.include_reasoning is not False)
-
+        params = sampling_params(body, field, len(prompt_ids), state, logprobs, budget, head,
+                                 stream_latent_steps=ticks)
+        parser = functools.partial(OutputParser, state.reasoning_parser, state.tool_parser,
+                                   choice, body.include_reasoning is not False)
         params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
         rid, engine_rid = new_request_id(request, "chatcmpl")
         reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
@@ -106,9 +98,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
 
 def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str | None:
     """``tool_calls`` after a call, except for a named function (``stop``, as OpenAI)."""
-    if called and reason == "stop" and choice.mode != "named":
-        return "tool_calls"
-    return reason
+    return "tool_calls" if called and reason == "stop" and choice.mode != "named" else reason
 
 
 async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,

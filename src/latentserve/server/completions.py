@@ -8,19 +8,12 @@ from collections.abc import AsyncIterator
 from latentserve.server.admission import admit
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_trace import latent_info, tick_infos
-from latentserve.server.logprobs import (
-    completion_logprobs,
-    echo_logprobs,
-    join_logprobs,
-    token_texts,
-)
+from latentserve.server.logprobs import completion_logprobs, echo_logprobs, token_texts
 from latentserve.server.params import (
     check_common,
     check_logprobs,
-    check_prompt_length,
     engine_requests,
     latent_controls,
-    latent_positions,
     sampling_params,
 )
 from latentserve.server.prompts import completion_prompts, prompt_list
@@ -44,14 +37,10 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
         prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
                                 state.vocab_size, state.limits.max_prompts, state.max_model_len)
         budget, head, ticks = latent_controls(request, body, state.latent_spec)
-        with_params = []
-        for ids, text in prompts:
-            check_prompt_length(len(ids), state.max_model_len, "prompt")
-            with_params.append((ids, text, sampling_params(
-                body, body.max_tokens, "max_tokens", len(ids), state.max_model_len, body.logprobs,
-                budget, head, prompt_logprobs, stream_latent_steps=ticks,
-                latent_positions=latent_positions(state.latent_spec, budget),
-                defaults=state.sampling_defaults)))
+        with_params = [(ids, text, sampling_params(body, "max_tokens", len(ids), state,
+                                                   body.logprobs, budget, head,
+                                                   prompt_logprobs, ticks))
+                       for ids, text in prompts]
         rid, engine_rid = new_request_id(request, "cmpl")
         reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)
         echoes = [("" if not body.echo else r.prompt_text if r.prompt_text is not None
@@ -67,9 +56,9 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
             lps = None
             if body.logprobs is not None:
                 lps, _ = completion_logprobs(texts, r.logprobs, len(echoes[i]), as_ids)
-                if body.echo:
-                    lps = join_logprobs(echo_logprobs(texts, reqs[i].prompt_ids,
-                                                      r.prompt_logprobs, as_ids), lps)
+                if body.echo:  # the prompt's entries first, offsets kept as they are
+                    echoed = echo_logprobs(texts, reqs[i].prompt_ids, r.prompt_logprobs, as_ids)
+                    lps = {k: echoed[k] + lps[k] for k in lps}
             choices.append({"index": i, "text": echoes[i] + r.text,
                             "finish_reason": r.finish_reason, "logprobs": lps,
                             "latent": latent_info(r, bool(body.return_latent_trace), texts)})
@@ -95,12 +84,11 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
     shown = [0] * len(echoes)  # latent steps announced per choice (ticks)
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
-    echo_later = want_logprobs and any(echoes)  # the echo chunk waits for prompt logprobs
-    if not echo_later:
-        for i, echo in enumerate(echoes):
-            if echo:
-                yield chunk(i, echo)
-    echoed = [not echo_later] * len(echoes)
+    # With logprobs, an echo chunk waits for its prompt logprobs (on the first delta).
+    echoed = [not (want_logprobs and any(echoes))] * len(echoes)
+    for i, echo in enumerate(echoes):
+        if echo and echoed[i]:
+            yield chunk(i, echo)
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
         if not echoed[i]:  # the prompt logprobs ride the choice's first delta

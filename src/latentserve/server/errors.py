@@ -29,13 +29,9 @@ class APIError(Exception):
         self.headers = headers  # response headers (Retry-After on a 503 "overloaded")
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """The OpenAI error object."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
 
 
 # Anthropic's error type for each HTTP status: only load shedding (529, the server's
@@ -49,11 +45,6 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 def is_anthropic_path(path: str) -> bool:
     """Whether ``path`` is served with Anthropic's error shape."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")
-
-
-def anthropic_status(err: APIError) -> int:
-    """``err``'s status under ``/v1/messages``: 529 for the 503 ``overloaded``."""
-    return 529 if err.code == "overloaded" else err.status_code
 
 
 def anthropic_message(err: APIError) -> str:
@@ -72,11 +63,12 @@ def anthropic_message(err: APIError) -> str:
     return text
 
 
-def anthropic_error_body(message: str, status_code: int) -> dict[str, Any]:
-    """Anthropic's error object for an HTTP status."""
-    kind = _ANTHROPIC_TYPES.get(status_code, "api_error" if status_code >= 500
-                                else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
+    """``err``'s status under ``/v1/messages`` (529 for the 503 ``overloaded``) and
+    Anthropic's error object."""
+    status = 529 if err.code == "overloaded" else err.status_code
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": anthropic_message(err)}}
 
 
 def error_response(path: str, err: APIError, headers: dict[str, str] | None = None):
@@ -84,11 +76,8 @@ def error_response(path: str, err: APIError, headers: dict[str, str] | None = No
     ``err.headers``)."""
     from fastapi.responses import JSONResponse
 
-    if is_anthropic_path(path):
-        status = anthropic_status(err)
-        body = anthropic_error_body(anthropic_message(err), status)
-    else:
-        status, body = err.status_code, err.body()
+    status, body = (anthropic_error(err) if is_anthropic_path(path)
+                    else (err.status_code, err.body()))
     return JSONResponse(body, status_code=status, headers=headers or err.headers)
 
 
@@ -112,14 +101,14 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
         if first.get("type") == "missing":
             return APIError("Request body is missing; send a JSON object", code="invalid_json")
         return APIError("Request body must be a JSON object", code="invalid_json")
-    param = _param(loc)
+    param = _split(loc)[0]
     if first.get("type") == "missing":
         return APIError(f"Missing required parameter: '{param}'", param=param,
                         code="missing_required_parameter")
-    same = [e for e in errors if _param(tuple(e.get("loc", ()))) == param]
+    same = [e for e in errors if _split(e.get("loc", ()))[0] == param]
     reasons = (_union_expected(same)
                or "; ".join(dict.fromkeys(e.get("msg", "invalid") for e in same)))
-    got = _short(first.get("input"))
+    got = short_repr(first.get("input"))
     return APIError(f"Invalid type for '{param}': {reasons} (got {got})", param=param,
                     code="invalid_type")
 
@@ -141,16 +130,20 @@ def malformed_body(cause: BaseException | None) -> APIError:
     return APIError(f"Malformed JSON body: {detail}", code="invalid_json")
 
 
-def _param(loc: tuple) -> str:
+def _split(loc) -> tuple[str, tuple]:
+    """A pydantic error's ``loc`` as its field's path (``messages[0].role``; ``body`` for
+    none) and the rest, from a union member's tag (``str``, ``list[int]``, ``StreamOptions``)."""
+    loc = tuple(loc)
+    loc = loc[1:] if loc[:1] == ("body",) else loc
     path = ""
-    for part in loc[1:] if loc[:1] == ("body",) else loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             path += f"[{part}]"
         elif _is_field(part):
             path += f".{part}" if path else part
         else:
-            break  # a union member's tag: "str", "list[int]", "StreamOptions", ...
-    return path or "body"
+            return path or "body", loc[i:]
+    return path or "body", ()
 
 
 _KINDS = {"str": ("a string", "strings"), "int": ("an integer", "integers"),
@@ -175,18 +168,12 @@ def _union_expected(errors: list[dict[str, Any]]) -> str | None:
     members each refusing the value's type (``stop: [1, 2]``); else None."""
     kinds = []
     for e in errors:
-        loc = tuple(e.get("loc", ()))
-        loc = loc[1:] if loc[:1] == ("body",) else loc
-        at = next((i for i, p in enumerate(loc) if not isinstance(p, int) and not _is_field(p)),
-                  None)
-        if at is None or not str(e.get("type", "")).endswith("_type"):
+        rest = _split(e.get("loc", ()))[1]  # the tag, then () or an item's index: the type
+        refused = str(e.get("type", "")).endswith("_type") and 0 < len(rest) < 3 and all(
+            isinstance(p, int) for p in rest[1:])
+        kinds.append(_kind(str(rest[0])) if refused else None)
+        if kinds[-1] is None:
             return None
-        rest = loc[at + 1:]  # () or an item's index: the member refused the type
-        kind = _kind(str(loc[at])) if len(rest) < 2 and all(isinstance(p, int) for p in rest) \
-            else None
-        if kind is None:
-            return None
-        kinds.append(kind)
     kinds = list(dict.fromkeys(kinds))
     if len(kinds) < 2:
         return None
@@ -198,7 +185,8 @@ def _is_field(part: object) -> bool:
             and part not in _NOT_A_FIELD)
 
 
-def _short(value: object, limit: int = 60) -> str:
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters with ``...``."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -1,5 +1,5 @@
 """One engine request's token stream -> text deltas with stop strings, logprobs and timing;
-and the fan-out of a client request into several engine requests (``n``, prompt lists)."""
+``EngineRequest``, one of a client request's fan-out (``n``, prompt lists); ``merge``."""
 
 from __future__ import annotations
 
@@ -37,9 +37,8 @@ class TextDelta:
 
 @dataclass(slots=True)
 class EngineRequest:
-    """Choice ``index`` of prompt ``prompt_index`` of a client request."""
+    """One choice of prompt ``prompt_index`` of a client request."""
 
-    index: int
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
@@ -68,16 +67,13 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     stats = None  # a compression head's latent stats, once its latent phase has settled
     reason = "abort"
 
-    def take(cut: int | None = None) -> list[TokenLogprob]:
-        """The pending logprobs; with ``cut``, only those of tokens starting before it."""
-        out = [lp for lp, start in pending if cut is None or start < cut]
-        pending.clear()
-        return out
-
     def delta(text: str, finish: str | None, out=None, cut: int | None = None,
               **kw) -> TextDelta:
+        """A delta taking the pending logprobs (with ``cut``: of tokens starting before it)."""
         nonlocal prompt_lps
-        d = TextDelta(text, finish, num_tokens, take(cut), prompt_logprobs=prompt_lps, **kw)
+        lps = [lp for lp, start in pending if cut is None or start < cut]
+        pending.clear()
+        d = TextDelta(text, finish, num_tokens, lps, prompt_logprobs=prompt_lps, **kw)
         prompt_lps = None
         if out is not None:
             d.latent_steps, d.latent_trace = out.latent_steps, out.latent_trace
@@ -114,14 +110,12 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                     pending.extend(zip(out.logprobs, starts))
                 text = "".join(parts)
                 if detok.stopped is not None or out.finished:
-                    reason = "stop" if detok.stopped is not None else out.finish_reason
+                    stopped = detok.stopped is not None  # returning aborts the engine request
+                    reason = "stop" if stopped else out.finish_reason
                     if timer is not None and stats is not None:
                         timer.latent(stats)
-                    if detok.stopped is not None:  # returning aborts the engine request
-                        yield delta(text, "stop", out, cut=detok.decoded_len,
-                                    stop_string=detok.stopped)
-                    else:
-                        yield delta(text + detok.flush(), reason, out)
+                    yield delta(text if stopped else text + detok.flush(), reason, out,
+                                detok.decoded_len if stopped else None, stop_string=detok.stopped)
                     return
                 tick = out.latent_steps - latent_steps if params.stream_latent_steps else 0
                 latent_steps = out.latent_steps

@@ -28,21 +28,15 @@ class TokenTexts:
         self.tokenizer = tokenizer
         self.added = {int(i): str(getattr(t, "content", t))
                       for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
-        self.byte_level = False
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            try:
-                self.byte_level = "ByteLevel" in json.dumps(json.loads(backend.to_str())
-                                                            .get("decoder"))
-            except Exception:  # noqa: BLE001 - unknown backend: fall back to plain pieces
-                self.byte_level = False
-        self._cache: dict[int, tuple[str, bytes]] = {}
+        try:
+            self.byte_level = "ByteLevel" in json.dumps(
+                json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder"))
+        except Exception:  # noqa: BLE001 - no or an unknown backend: plain pieces
+            self.byte_level = False
+        self.get = functools.lru_cache(maxsize=200_000)(self._get)
 
-    def get(self, token_id: int) -> tuple[str, bytes]:
-        """``(text, raw bytes)`` of one token."""
-        hit = self._cache.get(token_id)
-        if hit is not None:
-            return hit
+    def _get(self, token_id: int) -> tuple[str, bytes]:
+        """``(text, raw bytes)`` of one token (``get``: cached)."""
         if token_id in self.added:
             raw = self.added[token_id].encode()
         else:
@@ -56,10 +50,7 @@ class TokenTexts:
                 raw = bytes(dec[c] for c in piece)
             else:
                 raw = piece.replace("\u2581", " ").encode()
-        out = (raw.decode("utf-8", errors="replace"), raw)
-        if len(self._cache) < 200_000:
-            self._cache[token_id] = out
-        return out
+        return raw.decode("utf-8", errors="replace"), raw
 
     def text(self, token_id: int, as_ids: bool = False) -> str:
         return f"token_id:{token_id}" if as_ids else self.get(token_id)[0]
@@ -86,35 +77,23 @@ def chat_logprobs(texts: TokenTexts, lps: list[TokenLogprob], as_ids: bool = Fal
                          "top_logprobs": [top(i, v) for i, v in t.top]} for t in lps]}
 
 
-def _legacy() -> dict:
-    """Empty legacy completions logprobs: parallel lists, one entry per token."""
-    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-
-
-def _add_token(out: dict, texts: TokenTexts, token_id: int,
-               lp: TokenLogprob | None, offset: int, as_ids: bool) -> int:
-    """Append one token's entries (``null`` logprobs for ``lp`` None); the next offset."""
-    text = texts.text(token_id, as_ids)
-    out["tokens"].append(text)
-    out["text_offset"].append(offset)
-    if lp is None:
-        out["token_logprobs"].append(None)
-        out["top_logprobs"].append(None)
-    else:
-        out["token_logprobs"].append(lp.logprob)
-        top = {texts.text(i, as_ids): v for i, v in lp.top}
-        top.setdefault(text, lp.logprob)
-        out["top_logprobs"].append(top)
-    return offset + len(texts.get(token_id)[0])
-
-
-def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob], offset: int,
-                        as_ids: bool = False) -> tuple[dict, int]:
-    """The legacy shape for ``lps`` (offsets from ``offset`` characters; ``top_logprobs[i]``:
-    the top k and the sampled token), and the offset after these tokens."""
-    out = _legacy()
-    for t in lps:
-        offset = _add_token(out, texts, t.token_id, t, offset, as_ids)
+def completion_logprobs(texts: TokenTexts, lps: list[TokenLogprob | None], offset: int,
+                        as_ids: bool = False, token_ids: list[int] | None = None
+                        ) -> tuple[dict, int]:
+    """The legacy shape of ``lps`` (parallel lists, one entry per token; ``null`` logprobs for
+    None, whose token is in ``token_ids``), and the offset after these tokens. Offsets start
+    at ``offset`` characters; ``top_logprobs[i]``: the top k and the sampled token."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for p, lp in enumerate(lps):
+        token_id = lp.token_id if token_ids is None else token_ids[p]
+        text, top = texts.text(token_id, as_ids), None
+        if lp is not None:
+            top = {texts.text(i, as_ids): v for i, v in lp.top}
+            top.setdefault(text, lp.logprob)
+        for key, value in zip(out, (text, None if lp is None else lp.logprob, top, offset)):
+            out[key].append(value)
+        offset += len(texts.get(token_id)[0])
     return out, offset
 
 
@@ -123,13 +102,6 @@ def echo_logprobs(texts: TokenTexts, prompt_ids: list[int],
                   ) -> dict:
     """The legacy shape for an echoed prompt; the first token (every one when ``prompt_lps``
     is None) has ``null`` logprobs, as in OpenAI's API."""
-
-    out, offset, lps = _legacy(), 0, prompt_lps or []
-    for p, tid in enumerate(prompt_ids):
-        offset = _add_token(out, texts, tid, lps[p] if p < len(lps) else None, offset, as_ids)
-    return out
-
-
-def join_logprobs(first: dict, second: dict) -> dict:
-    """``first``'s entries followed by ``second``'s (offsets are kept as they are)."""
-    return {k: first[k] + second[k] for k in first}
+    lps = prompt_lps or []
+    return completion_logprobs(texts, [lps[p] if p < len(lps) else None
+                                       for p in range(len(prompt_ids))], 0, as_ids, prompt_ids)[0]

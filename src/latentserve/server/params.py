@@ -1,4 +1,5 @@
-"""Request fields -> ``SamplingParams``, with 400s that name the offending field."""
+"""Request fields -> ``SamplingParams``, with 400s that name the offending field.
+``latent.head`` imports torch: the functions that need it import it, off the API's start-up."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import dataclasses
 import math
 
 from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
-from latentserve.server.errors import APIError, param_from_value_error
+from latentserve.server.errors import APIError, param_from_value_error, short_repr
 from latentserve.server.fields import refused, route_of
 from latentserve.server.generation import EngineRequest
-from latentserve.server.protocol import SamplingRequest
+from latentserve.server.protocol import CompletionRequest, SamplingRequest
 from latentserve.server.state import ServerLimits
 
 
@@ -37,9 +38,8 @@ def refuse_unsupported(request) -> None:
     for name, value in extra.items():
         if not any(value is None if ok is None else type(value) is type(ok) and value == ok
                    for ok in unsupported[name]):
-            got = repr(value)
-            got = got if len(got) <= 80 else got[:77] + "..."
-            raise APIError(f"{name} is not supported by this server (got {got})", param=name)
+            raise APIError(f"{name} is not supported by this server (got "
+                           f"{short_repr(value, 80)})", param=name)
 
 
 def check_stop_count(stop, param: str, limits: ServerLimits) -> None:
@@ -79,46 +79,52 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     """Header ``x-latent-budget`` > body ``latent_budget`` > None (the model's default).
     APIError (400 naming the header or field) for a value that is not a non-negative integer,
     outside ``spec``'s ``[min_budget, max_budget]``, or > 0 on a model without latent steps."""
-    raw = http_request.headers.get("x-latent-budget")
+    raw = _headers(http_request).get("x-latent-budget")
     param = "x-latent-budget" if raw is not None else "latent_budget"
-    if raw is None:
-        value = body.latent_budget
-    elif raw.strip().isascii() and raw.strip().isdigit():
-        try:
-            value = int(raw)
-        except ValueError:  # over Python's 4300-digit int() limit: far above any cap
-            raise APIError(f"header x-latent-budget is too large ({len(raw.strip())} digits)",
-                           param=param) from None
-    else:
-        raise APIError(f"header x-latent-budget must be a non-negative integer, got {raw!r}",
-                       param=param)
+    value = body.latent_budget if raw is None else header_value(param, raw, "int")
     if value is None or (spec is not None and spec.kind == "head"):
         return value  # heads use the x-latent-* controls
     budgeted = spec is not None and spec.kind in ("feedback", "recurrent", "loop")
-    if value < 0 and not budgeted:
-        raise APIError(f"{param} must be 0 or null, got {value}", param=param)
-    if value > 0 and not budgeted:
-        raise APIError(f"{param} must be 0 or null: this model does no latent reasoning",
-                       param=param)
+    if value != 0 and not budgeted:
+        why = f", got {value}" if value < 0 else ": this model does no latent reasoning"
+        raise APIError(f"{param} must be 0 or null{why}", param=param)
     if budgeted and not spec.min_budget <= value <= spec.max_budget:
         raise APIError(f"{param} must be in [{spec.min_budget}, {spec.max_budget}], got "
                        f"{value}", param=param)
     return value
 
 
-def shared_fields(body, stop: list[str], budget: int | None, defaults: dict | None) -> dict:
+# Sampling fields whose null takes the generation config's value, else vLLM's neutral one.
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+           "repetition_penalty": 1.0}
+# Body fields SamplingParams takes as sent (null: its default), on every route / OpenAI's.
+_SHARED_FIELDS = ("return_latent_trace", "upstream_stop_rules", "exit_criterion",
+                  "exit_threshold", "exit_min_steps", "exit_check_every", "exit_semantics")
+_OPENAI_FIELDS = ("seed", "presence_penalty", "frequency_penalty", "stop_token_ids",
+                  "ignore_eos", "skip_special_tokens", "min_tokens",
+                  "include_stop_str_in_output", "bad_words", "allowed_token_ids",
+                  "thinking_token_budget")
+
+
+def _sent(body, names: tuple[str, ...]) -> dict:
+    """``body``'s fields ``names`` that are not null."""
+    return {k: v for k in names if (v := getattr(body, k)) is not None}
+
+
+def _or_default(body, names: tuple[str, ...], defaults: dict | None) -> dict:
+    """``body``'s fields ``names``, a null one as ``defaults[name]``, else ``NEUTRAL[name]``."""
+    return {k: v if (v := getattr(body, k)) is not None else (defaults or {}).get(k, NEUTRAL[k])
+            for k in names}
+
+
+def shared_fields(body, stop: list[str] | None, budget: int | None, defaults: dict | None
+                  ) -> dict:
     """The ``SamplingParams`` keyword arguments every generation route (OpenAI, Anthropic)
     takes alike: sampling (``defaults`` fill unset ones), ``stop``, the latent fields."""
-    top_k = unset_default(body.top_k, "top_k", defaults, -1)
-    return {"temperature": unset_default(body.temperature, "temperature", defaults, 1.0),
-            "top_p": unset_default(body.top_p, "top_p", defaults, 1.0),
-            "top_k": -1 if top_k == 0 else top_k, "stop": stop, "latent_budget": budget,
-            "return_latent_trace": bool(body.return_latent_trace),
-            "upstream_stop_rules": body.upstream_stop_rules,
-            "exit_criterion": body.exit_criterion, "exit_threshold": body.exit_threshold,
-            "exit_min_steps": 0 if body.exit_min_steps is None else body.exit_min_steps,
-            "exit_check_every": 1 if body.exit_check_every is None else body.exit_check_every,
-            "exit_semantics": body.exit_semantics}
+    out = {**_or_default(body, ("temperature", "top_p", "top_k"), defaults), "stop": stop,
+           "latent_budget": budget, **_sent(body, _SHARED_FIELDS)}
+    out["top_k"] = -1 if out["top_k"] == 0 else out["top_k"]
+    return out
 
 
 def latent_positions(spec, budget: int | None) -> int:
@@ -151,8 +157,6 @@ def head_controls(http_request, body: SamplingRequest,
     """``HEAD_HEADERS`` controls: header (``x-latent-*`` > ``x-ds4-*``) > body > template
     thinking > None; ``x-latent-budget: 0`` turns thinking off unless a thinking header is
     sent. APIError (400 naming the header) for a malformed value."""
-
-    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
@@ -163,10 +167,8 @@ def head_controls(http_request, body: SamplingRequest,
         used = hdr if headers.get(hdr) is not None or alias is None else alias
         if headers.get(used) is not None:
             out[name] = header_value(used, headers[used], kind)
-    budget = headers.get("x-latent-budget")
-    thinking_header = any(headers.get(h) is not None for h in HEAD_HEADERS["thinking"][:2])
-    if out["thinking"] and budget is not None and budget.strip() == "0" \
-            and not thinking_header:
+    if out["thinking"] and (headers.get("x-latent-budget") or "").strip() == "0" \
+            and not any(headers.get(h) is not None for h in HEAD_HEADERS["thinking"][:2]):
         out["thinking"] = False  # header x-latent-budget: 0 (thinking off) beats the body
     return out
 
@@ -182,13 +184,15 @@ _WANT = {"bool": "a boolean (1/0, true/false, yes/no, on/off)", "int": "a non-ne
 def header_value(name: str, raw: str, kind: str):
     """Header ``name``'s ``raw`` value as a ``kind`` of ``_WANT``. Raises APIError (400
     naming the header) when it is not one."""
-    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import parse_bool
 
     try:
         if kind == "bool":
             return parse_bool(name, raw)
-        if kind == "int" and raw.strip().isdigit():
+        if kind == "int" and raw.strip().isascii() and raw.strip().isdigit():
+            if len(raw.strip()) > 4300:  # Python's int() digit limit: far above any cap
+                raise APIError(f"header {name} is too large ({len(raw.strip())} digits)",
+                               param=name)
             return int(raw)
         if kind in ("float", "nonneg"):
             value = float(raw)
@@ -203,7 +207,6 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
     """APIError (400 naming the header or field) for head controls the model would ignore:
     any without a head (unless thinking is off), those not in ``spec.controls`` with one, or
     ``compression_factor`` outside ``[1, spec.max_compression_factor]``."""
-    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import CONTROLS
 
     head = spec is not None and spec.kind == "head"
@@ -212,38 +215,30 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
     taken = (spec.controls or CONTROLS) if head else ()
     headers = _headers(http_request)
     for name, (hdr, alias, _) in HEAD_HEADERS.items():
-        if name in taken:
+        field = name in type(body).model_fields and getattr(body, name) is not None
+        sent = next((h for h in (hdr, alias) if h is not None and headers.get(h) is not None),
+                    name if field else None)
+        if name in taken or sent is None:
             continue
-        for sent in (hdr, alias):
-            if sent is not None and headers.get(sent) is not None:
-                raise APIError(f"header {sent} " + _not_taken(spec, taken, True, name),
-                               param=sent)
-        if name in type(body).model_fields and getattr(body, name) is not None:
-            off = '{"type": "disabled"}' if route_of(type(body)) == "/v1/messages" else None
-            raise APIError(f"{name} " + _not_taken(spec, taken, False, name, off), param=name)
+        if taken:
+            why = (f"is not a control of this model's latent head ({spec.family}; it takes "
+                   f"{', '.join(taken)})")
+        elif name in ("compression_factor", "latent_temperature"):
+            why = "needs a CoLaR model (a directory with colar_config.json); leave it out"
+        else:  # how to turn thinking off, in the route's own form for a body field
+            off = (f"{HEAD_HEADERS['thinking'][0]}: false" if sent != name else "thinking: "
+                   + ('{"type": "disabled"}' if route_of(type(body)) == "/v1/messages"
+                      else "false"))
+            why = (f"needs a model with a compression head; this model has none (send {off} "
+                   "or leave it out)")
+        raise APIError(f"{'header ' if sent != name else ''}{sent} {why}", param=sent)
     c = controls.get("compression_factor")
-    if c is not None and "compression_factor" in taken:
-        top = spec.max_compression_factor
-        if not 1 <= c <= top:
-            sent = HEAD_HEADERS["compression_factor"][0]
-            param = sent if headers.get(sent) is not None else "compression_factor"
-            raise APIError(f"{param} must be in [1, {top}] for this model, got {c}",
-                           param=param)
-
-
-def _not_taken(spec, taken: tuple[str, ...], hdr: bool, name: str = "",
-               off_value: str | None = None) -> str:
-    """Why head control ``name`` is refused (the message after its name); ``off_value``: the
-    body's thinking-off value in the route's own form (``/v1/messages``: Anthropic's object)."""
-    if taken:
-        return (f"is not a control of this model's latent head ({spec.family}; it takes "
-                f"{', '.join(taken)})")
-    if name in ("compression_factor", "latent_temperature"):
-        return "needs a CoLaR model (a directory with colar_config.json); leave it out"
-    off = f"{HEAD_HEADERS['thinking'][0]}: false" if hdr else \
-        f"thinking: {off_value or 'false'}"
-    return f"needs a model with a compression head; this model has none (send {off} or " \
-        "leave it out)"
+    if c is not None and "compression_factor" in taken and \
+            not 1 <= c <= spec.max_compression_factor:
+        sent = HEAD_HEADERS["compression_factor"][0]
+        param = sent if headers.get(sent) is not None else "compression_factor"
+        raise APIError(f"{param} must be in [1, {spec.max_compression_factor}] for this model, "
+                       f"got {c}", param=param)
 
 
 STREAM_STEPS_HEADER = "x-latent-stream-steps"
@@ -276,14 +271,12 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
     try:
         rf = request.response_format
         if rf is not None and rf.type != "text":
-            if rf.type == "json_object":
-                found.append(StructuredOutputsParams(json_object=True, param="response_format"))
-            elif rf.json_schema is None or rf.json_schema.schema_ is None:
+            schema = rf.json_schema and rf.json_schema.schema_
+            if rf.type == "json_schema" and schema is None:
                 raise APIError("response_format of type json_schema needs json_schema.schema "
                                "(the JSON schema the answer follows)", param="response_format")
-            else:
-                found.append(StructuredOutputsParams(json=rf.json_schema.schema_,
-                                                     param="response_format"))
+            kind = {"json_object": True} if rf.type == "json_object" else {"json": schema}
+            found.append(StructuredOutputsParams(**kind, param="response_format"))
         for name, kind in _GUIDED:
             value = getattr(request, name)
             if value is not None:
@@ -306,71 +299,48 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
     return found[0] if found else None
 
 
-def sampling_params(request: SamplingRequest, max_tokens: int | None, max_tokens_field: str,
-                    num_prompt_tokens: int, max_model_len: int,
-                    logprobs: int | None = None, budget: int | None = None,
+def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_tokens: int,
+                    state, logprobs: int | None = None, budget: int | None = None,
                     head: dict | None = None, prompt_logprobs: int | None = None,
-                    stream_latent_steps: bool = False,
-                    latent_positions: int = 0, defaults: dict | None = None) -> SamplingParams:
-    """The engine's ``SamplingParams`` for one prompt. ``max_tokens`` None: up to the end of
-    the context (and ``defaults["max_tokens"]``); ``latent_positions`` count as prompt
-    tokens; ``defaults`` (generation config) fill null sampling fields; ``head`` None: the
-    body's. APIError (400 naming the field; ``context_length_exceeded`` over the context)."""
+                    stream_latent_steps: bool = False) -> SamplingParams:
+    """The engine's ``SamplingParams`` for one prompt. ``max_tokens_field`` null: up to the
+    end of ``state.max_model_len`` (and the generation config's ``max_tokens``);
+    :func:`latent_positions` count as prompt tokens; ``state.sampling_defaults`` fill null
+    sampling fields; ``head`` None: the body's. APIError (400 naming the field;
+    ``context_length_exceeded`` over the context)."""
+    max_tokens, max_model_len = getattr(request, max_tokens_field), state.max_model_len
+    check_prompt_length(num_prompt_tokens, max_model_len,
+                        "prompt" if isinstance(request, CompletionRequest) else "messages")
+    latent = latent_positions(state.latent_spec, budget)
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
                        param=max_tokens_field)
-    used = num_prompt_tokens + latent_positions
-    defaults = defaults or {}
+    used = num_prompt_tokens + latent
+    defaults = state.sampling_defaults or {}
     if max_tokens is None:
         max_tokens = min(max(max_model_len - used, 1), defaults.get("max_tokens", max_model_len))
     elif used + max_tokens > max_model_len:
-        latent = (f", {latent_positions} latent and transition positions"
-                  if latent_positions else "")
+        positions = f", {latent} latent and transition positions" if latent else ""
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {used + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt{latent}, {max_tokens} in the completion). Please reduce the length of "
-            f"the prompt or {max_tokens_field}.", param=max_tokens_field,
+            f"prompt{positions}, {max_tokens} in the completion). Please reduce the length "
+            f"of the prompt or {max_tokens_field}.", param=max_tokens_field,
             code="context_length_exceeded")
     if head is None:
         head = {k: getattr(request, k, None) for k in HEAD_HEADERS}
-    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     try:
         return SamplingParams(
-            max_tokens=max_tokens,
-            min_p=unset_default(request.min_p, "min_p", defaults, 0.0),
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=unset_default(request.repetition_penalty, "repetition_penalty",
-                                             defaults, 1.0),
-            seed=request.seed,
-            stop_token_ids=list(request.stop_token_ids or []),
-            ignore_eos=bool(request.ignore_eos),
-            skip_special_tokens=request.skip_special_tokens is not False,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            stream_latent_steps=stream_latent_steps,
-            min_tokens=request.min_tokens or 0,
-            include_stop_str_in_output=bool(request.include_stop_str_in_output),
-            bad_words=list(request.bad_words or []),
-            allowed_token_ids=request.allowed_token_ids,
-            structured_outputs=structured_outputs(request),
-            thinking_token_budget=request.thinking_token_budget,
-            **shared_fields(request, stop, budget, defaults),
-            **head,
-        )
+            max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            stream_latent_steps=stream_latent_steps, structured_outputs=structured_outputs(request),
+            **_or_default(request, ("min_p", "repetition_penalty"), defaults),
+            **_sent(request, _OPENAI_FIELDS),
+            **shared_fields(request, request.stop, budget, defaults), **head)
     except ValueError as exc:
         param = param_from_value_error(str(exc))
         if param == "max_tokens":
             param = max_tokens_field
         raise APIError(str(exc), param=param) from None
-
-
-def unset_default(value, name: str, defaults: dict | None, neutral):
-    """``value``, else ``defaults[name]``, else vLLM's ``neutral`` value."""
-    if value is not None:
-        return value
-    return (defaults or {}).get(name, neutral)
 
 
 def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
@@ -380,7 +350,6 @@ def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
     if spec is None or spec.kind != "head" or "min_output_tokens" not in (
             spec.controls or ("min_output_tokens",)):  # CoLaR: no floor
         return params.max_tokens
-    # NOTE: latent.head imports torch, kept out of the API process's start-up
     from latentserve.latent.head import apply_output_floor, head_defaults, resolve_settings
 
     hs = resolve_settings(params, head_defaults(), "closed_loop", True)
@@ -388,26 +357,6 @@ def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
         return params.max_tokens
     raised = apply_output_floor(params.max_tokens, hs.min_output_tokens, hs.max_latent)
     return max(params.max_tokens, min(raised, max_model_len - num_prompt_tokens))
-
-
-def check_total_output(params: list[SamplingParams], prompt_lens: list[int], n: int,
-                       max_tokens_field: str, state) -> None:
-    """APIError (400 naming ``max_tokens_field``) when ``n`` x the sum of :func:`engine_max_tokens`
-    over prompts exceeds ``state.limits.max_request_output_tokens``."""
-    asked = [p.max_tokens for p in params]
-    max_tokens = [engine_max_tokens(p, state.latent_spec, k, state.max_model_len)
-                  for p, k in zip(params, prompt_lens)]
-    total = n * sum(max_tokens)
-    limit = state.limits.max_request_output_tokens
-    if total > limit:
-        floor = ("" if asked == max_tokens else
-                 f", raised from {max(asked)} by the answer-budget floor min_output_tokens + "
-                 "max_latent (send min_output_tokens: 0 for it to hold)")
-        raise APIError(
-            f"{max_tokens_field} x n summed over prompts must be at most {limit} tokens per "
-            f"request, got {total} ({len(max_tokens)} prompt(s), n={n}, {max_tokens_field} "
-            f"up to {max(max_tokens)}{floor}); lower {max_tokens_field}, n or the number of "
-            "prompts", param=max_tokens_field)
 
 
 def latent_controls(http_request, body, spec, template_kwargs: dict | None = None
@@ -423,21 +372,25 @@ def latent_controls(http_request, body, spec, template_kwargs: dict | None = Non
 def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
                     n: int, max_tokens_field: str, state) -> list[EngineRequest]:
     """Each prompt's ``(token ids, text, params)`` fanned out to ``n`` engine requests (choice
-    ``p * n + j``: id ``{rid}-{p * n + j}``). APIError from :func:`check_total_output`,
-    :func:`fan_out`."""
-    check_total_output([params for _, _, params in prompts], [len(ids) for ids, _, _ in prompts],
-                       n, max_tokens_field, state)
-    return [EngineRequest(p * n + j, f"{rid}-{p * n + j}", ids, choice, p, text)
-            for p, (ids, text, params) in enumerate(prompts)
-            for j, choice in enumerate(fan_out(params, n))]
-
-
-def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """``n`` copies of ``params``; with a ``seed``, choice i gets ``seed + i``. APIError (400)
-    when ``seed + n - 1`` is out of range."""
-    if params.seed is None:
-        return [params] + [dataclasses.replace(params) for _ in range(n - 1)]
+    ``p * n + j``: id ``{rid}-{p * n + j}``; with a ``seed``, seed ``seed + j``). APIError (400
+    naming the field) when ``n`` x the sum of :func:`engine_max_tokens` over prompts exceeds
+    ``state.limits.max_request_output_tokens``, or ``seed + n - 1`` is out of range."""
+    asked = [params.max_tokens for _, _, params in prompts]
+    max_tokens = [engine_max_tokens(params, state.latent_spec, len(ids), state.max_model_len)
+                  for ids, _, params in prompts]
+    total, limit = n * sum(max_tokens), state.limits.max_request_output_tokens
+    if total > limit:
+        floor = ("" if asked == max_tokens else
+                 f", raised from {max(asked)} by the answer-budget floor min_output_tokens + "
+                 "max_latent (send min_output_tokens: 0 for it to hold)")
+        raise APIError(
+            f"{max_tokens_field} x n summed over prompts must be at most {limit} tokens per "
+            f"request, got {total} ({len(max_tokens)} prompt(s), n={n}, {max_tokens_field} "
+            f"up to {max(max_tokens)}{floor}); lower {max_tokens_field}, n or the number of "
+            "prompts", param=max_tokens_field)
     try:
-        return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+        return [EngineRequest(f"{rid}-{p * n + j}", ids, dataclasses.replace(
+                    params, seed=None if params.seed is None else params.seed + j), p, text)
+                for p, (ids, text, params) in enumerate(prompts) for j in range(n)]
     except ValueError as exc:
         raise APIError(f"{exc} (seed + n - 1 must be in range)", param="seed") from None

@@ -59,21 +59,6 @@ def apply_chat_template(tokenizer, template: str | None) -> None:
     tokenizer.chat_template = template
 
 
-def request_chat_template(template: str | None, trusted: bool) -> str | None:
-    """A request's ``chat_template``; APIError (400) without ``--trust-request-chat-template``
-    or for invalid Jinja."""
-    if template is None:
-        return None
-    if not trusted:
-        raise APIError(f"chat_template: a chat template was passed with the request, but the "
-                       f"server was not started with {TRUST_FLAG}; the request is refused",
-                       param="chat_template")
-    if (error := _jinja_error(template)) is not None:
-        raise APIError(f"chat_template is not a valid Jinja template: {error}",
-                       param="chat_template")
-    return template
-
-
 # Arguments of apply_chat_template that a client may not set through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tokenize", "return_dict", "return_tensors", "tools",
@@ -92,14 +77,11 @@ def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             raise APIError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
                            f"{message.role!r}", param=f"messages[{i}].role")
         turn = {"role": "system" if message.role == "developer" else message.role,
-                "content": message_text(message, i)}
-        if message.name is not None:
-            turn["name"] = message.name
+                "content": message_text(message, i),
+                **message.model_dump(include={"name", "tool_call_id"}, exclude_none=True)}
         if message.tool_calls is not None:
             turn["tool_calls"] = [_tool_call(call, f"messages[{i}].tool_calls[{j}]")
                                   for j, call in enumerate(message.tool_calls)]
-        if message.tool_call_id is not None:
-            turn["tool_call_id"] = message.tool_call_id
         conversation.append(turn)
     if not any(m["role"] in ("system", "user") for m in conversation):
         raise APIError("messages must contain at least one message with role 'system', "
@@ -132,24 +114,23 @@ def chat_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
 def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None,
-                param: str = "messages", chat_template: str | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None, chat_template: str | None = None
+                ) -> list[int]:
     """The prompt's token ids from the tokenizer's chat template (or ``chat_template``);
     ``continue_final_message`` leaves the last (assistant) message open. APIError (400) for
     no tokenizer or template, a reserved template keyword, no final assistant message to
     continue, or a template that fails or renders no tokens."""
     if isinstance(tokenizer, NoTokenizer):
-        raise APIError(f"{NO_TOKENIZER} to /v1/completions", param=param)
+        raise APIError(f"{NO_TOKENIZER} to /v1/completions", param="messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template; use /v1/completions",
-                       param=param)
+                       param="messages")
     kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
-                              "continue_final_message": continue_final_message}
-    for key, value in (template_kwargs or {}).items():
-        if key in _RESERVED_TEMPLATE_KWARGS:
-            raise APIError(f"chat_template_kwargs may not set {key!r}",
-                           param="chat_template_kwargs")
-        kwargs[key] = value
+                              "continue_final_message": continue_final_message,
+                              **(template_kwargs or {})}
+    if reserved := [key for key in kwargs if key in _RESERVED_TEMPLATE_KWARGS]:
+        raise APIError(f"chat_template_kwargs may not set {reserved[0]!r}",
+                       param="chat_template_kwargs")
     if kwargs["continue_final_message"]:
         if not conversation or conversation[-1]["role"] != "assistant":
             raise APIError("continue_final_message needs a final message with role "
@@ -161,41 +142,46 @@ def render_chat(tokenizer, conversation: list[dict[str, Any]], *,
         out = tokenizer.apply_chat_template(conversation, tools=tools, **kwargs)
     except Exception as exc:  # noqa: BLE001 - jinja errors, template raise_exception(...)
         raise APIError(f"the chat template failed on these messages: "
-                       f"{type(exc).__name__}: {exc}", param=param) from None
+                       f"{type(exc).__name__}: {exc}", param="messages") from None
     ids = list(out["input_ids"] if hasattr(out, "keys") else out)
     if not ids:
         whose = "the request's chat_template" if chat_template is not None else \
             "the model's chat template"
         raise APIError(f"{whose} rendered these messages as an empty prompt",
-                       param="chat_template" if chat_template is not None else param)
+                       param="chat_template" if chat_template is not None else "messages")
     return ids
-
-
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage],
-                    tools: list[ChatTool] | None = None, max_model_len: int | None = None,
-                    **kwargs) -> list[int]:
-    """:func:`render_chat` of the messages, after :func:`check_conversation_bytes`."""
-    conversation = chat_conversation(messages)
-    if max_model_len is not None:
-        check_conversation_bytes(conversation, tokenizer, max_model_len)
-    return render_chat(tokenizer, conversation, tools=chat_tools(tools), **kwargs)
 
 
 async def templated_prompt_ids(body, state, template_kwargs: dict[str, Any] | None,
                                max_model_len: int | None = None) -> list[int]:
-    """:func:`chat_prompt_ids` of a chat or ``/tokenize`` body, in the tokenizer pool.
-    APIError (400) for ``continue_final_message`` with ``add_generation_prompt`` sent true,
-    as vLLM refuses it (its default true alone is dropped for ``continue_final_message``)."""
+    """:func:`render_chat` of a chat or ``/tokenize`` body in the tokenizer pool, after
+    :func:`check_conversation_bytes` (with ``max_model_len``). APIError (400) for
+    ``continue_final_message`` with ``add_generation_prompt`` sent true, as vLLM refuses it
+    (its default true alone is dropped for ``continue_final_message``), or a ``chat_template``
+    without ``--trust-request-chat-template`` or that is not valid Jinja."""
     if body.continue_final_message and body.add_generation_prompt is True \
             and "add_generation_prompt" in body.model_fields_set:
         raise APIError("Cannot set both `continue_final_message` and `add_generation_prompt` "
                        "to True.", param="continue_final_message")
-    template = request_chat_template(body.chat_template, state.trust_request_chat_template)
-    return await in_pool(chat_prompt_ids, state.tokenizer, body.messages, body.tools,
-                         template_kwargs=template_kwargs, chat_template=template,
-                         max_model_len=max_model_len,
-                         add_generation_prompt=body.add_generation_prompt is not False,
-                         continue_final_message=bool(body.continue_final_message))
+    template = body.chat_template
+    if template is not None and not state.trust_request_chat_template:
+        raise APIError(f"chat_template: a chat template was passed with the request, but the "
+                       f"server was not started with {TRUST_FLAG}; the request is refused",
+                       param="chat_template")
+    if template is not None and (error := _jinja_error(template)) is not None:
+        raise APIError(f"chat_template is not a valid Jinja template: {error}",
+                       param="chat_template")
+
+    def render(tokenizer) -> list[int]:
+        conversation = chat_conversation(body.messages)
+        if max_model_len is not None:
+            check_conversation_bytes(conversation, tokenizer, max_model_len)
+        return render_chat(tokenizer, conversation, tools=chat_tools(body.tools),
+                           template_kwargs=template_kwargs, chat_template=template,
+                           add_generation_prompt=body.add_generation_prompt is not False,
+                           continue_final_message=bool(body.continue_final_message))
+
+    return await in_pool(render, state.tokenizer)
 
 
 def message_text(message: ChatMessage, i: int) -> str:
@@ -232,20 +218,18 @@ def prompt_list(prompt, max_prompts: int) -> list:
 
 
 def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int,
-                       max_model_len: int | None = None) -> list[tuple[list[int], str | None]]:
+                       max_model_len: int) -> list[tuple[list[int], str | None]]:
     """One ``(token_ids, text)`` per completions prompt (``text`` None for token ids).
     APIError (400) for an empty prompt, over ``max_prompts`` prompts, or an id out of range."""
     limit = vocab_size or len(tokenizer)
     out = []
     for p in prompt_list(prompt, max_prompts):
         if isinstance(p, str):
-            if max_model_len is not None:
-                check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
+            check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
             ids, text = (tokenizer.encode(p) if p else []), p
         else:
             ids, text = list(p), None
-            bad = [t for t in ids if not 0 <= t < limit]
-            if bad:
+            if bad := [t for t in ids if not 0 <= t < limit]:
                 raise APIError(f"prompt token ids must be in [0, {limit}), got {bad[0]}",
                                param="prompt")
         if not ids:

@@ -21,13 +21,9 @@ def no_lone_surrogates(value):
         except UnicodeEncodeError:
             raise ValueError("text contains a lone UTF-16 surrogate (not valid Unicode)") \
                 from None
-    elif isinstance(value, list):
-        for v in value:
-            no_lone_surrogates(v)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            no_lone_surrogates(k)
-            no_lone_surrogates(v)
+    elif isinstance(value, (list, tuple, dict)):
+        for v in value.items() if isinstance(value, dict) else value:
+            no_lone_surrogates(v)  # a dict's (key, value) pairs too
     return value
 
 
@@ -36,11 +32,7 @@ class RequestModel(BaseModel):
     fields kept, text checked for lone surrogates."""
 
     model_config = ConfigDict(strict=True, extra="allow")
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _text_is_unicode(cls, value):
-        return no_lone_surrogates(value)
+    _text_is_unicode = field_validator("*", mode="after")(staticmethod(no_lone_surrogates))
 
 
 # The config of a route's body: /openapi.json lists no other top-level field (one is a 400).
@@ -73,8 +65,7 @@ class LatentFields(RequestModel):
 class JsonSchemaFormat(RequestModel):
     """``response_format.json_schema``; only ``schema`` constrains the answer."""
 
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True,
-                              serialize_by_alias=True)
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 
     name: str | None = None
     description: str | None = None

@@ -37,13 +37,11 @@ def api_error(exc: Exception) -> APIError:
         code = "context_length_exceeded" if "max_model_len" in message else None
         return APIError(message, param="prompt" if message.startswith("prompt")
                         else param_from_value_error(message), code=code)
-    if isinstance(exc, EngineInternalError):
-        return APIError(str(exc), status_code=500, type="server_error", code="engine_error")
-    if isinstance(exc, EngineDeadError):
-        return APIError(str(exc), status_code=503, type="server_error", code="engine_dead")
     if isinstance(exc, EngineQueueTimeout):
         return overloaded(str(exc))
-    raise TypeError(f"not an engine error: {exc!r}")
+    status, code = (500, "engine_error") if isinstance(exc, EngineInternalError) else \
+        (503, "engine_dead")  # EngineDeadError
+    return APIError(str(exc), status_code=status, type="server_error", code=code)
 
 
 @dataclass(slots=True)
@@ -97,14 +95,13 @@ def _deltas(state, reqs: list[EngineRequest], arrival: float | None, ticket):
     """The merged deltas of ``reqs``; with ``log_requests``, first one INFO line each of its
     prompt and token ids (cut to ``state.max_log_len``) and parameters, as vLLM's
     ``RequestLogger.log_inputs``."""
-    cut = state.max_log_len
+    cut = state.max_log_len  # None: [:None], all of it
     for r in reqs if state.log_requests else ():
-        text = r.prompt_text if r.prompt_text is None or cut is None else r.prompt_text[:cut]
         log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s", r.rid,
-                 text, r.params, r.prompt_ids if cut is None else r.prompt_ids[:cut])
+                 r.prompt_text and r.prompt_text[:cut], r.params, r.prompt_ids[:cut])
     # One metrics group per prompt: its n choices (vLLM's parent request).
-    counts = Counter(r.prompt_index for r in reqs)
-    groups = ({i: RequestGroup(state.metrics, n) for i, n in counts.items()}
+    groups = ({i: RequestGroup(state.metrics, n)
+               for i, n in Counter(r.prompt_index for r in reqs).items()}
               if state.metrics is not None else {})
     return merge([generate_text(state, r.rid, r.prompt_ids, r.params, arrival,
                                 groups.get(r.prompt_index), ticket) for r in reqs])
@@ -126,10 +123,15 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
 
 async def stream(request, state, reqs: list[EngineRequest], arrival: float | None, ticket,
                  chunks: Callable[[AsyncIterator[tuple[int, TextDelta]]], AsyncIterator],
-                 **events):
+                 error_event: Callable[[APIError], str] = (
+                     lambda err: f"data: {json.dumps(err.body())}\n\n"),
+                 done: str | None = "data: [DONE]\n\n"):
     """Start the engine requests and wait for the first delta (a rejection is an error, not
     a 200 stream); then the SSE response of ``chunks(deltas)``, deltas as ``(position in
-    reqs, delta)``, through :func:`sse_events` (``events``: its options). APIError."""
+    reqs, delta)``: ``data: {chunk}`` events (a dict as compact JSON, non-finite floats as
+    null; a str as it is), then ``done``; an error is one ``error_event`` (of the engine's
+    ``api_error``, else of a 500 ``Internal server error``; OpenAI's ``data: {"error": ...}``
+    by default). APIError."""
     from fastapi.responses import StreamingResponse
 
     deltas = _deltas(state, reqs, arrival, ticket)
@@ -139,8 +141,24 @@ async def stream(request, state, reqs: list[EngineRequest], arrival: float | Non
         except ENGINE_ERRORS as exc:
             await deltas.aclose()
             raise api_error(exc) from None
-    body = sse_events(request, state, reqs, chunks(_chain(first, deltas)), **events)
-    return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def events() -> AsyncIterator[str]:
+        body = chunks(_chain(first, deltas))
+        async with _abort_on_disconnect(request, state, reqs), aclosing(body):
+            try:
+                async for chunk in body:
+                    yield chunk if isinstance(chunk, str) else \
+                        f"data: {to_json(chunk, inf_nan_mode='null').decode()}\n\n"
+            except ENGINE_ERRORS as exc:
+                yield error_event(api_error(exc))
+            except Exception:  # noqa: BLE001 - the stream ends with an error event, no trace
+                log.exception("stream of %s failed", reqs[0].rid if reqs else "?")
+                yield error_event(APIError("Internal server error", status_code=500,
+                                           type="server_error"))
+        if done is not None:
+            yield done
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
@@ -148,32 +166,3 @@ async def _chain(first, rest: AsyncIterator) -> AsyncIterator:
         yield first
         async for item in rest:
             yield item
-
-
-def openai_error_event(err: APIError) -> str:
-    """An OpenAI stream's error event (``data: {"error": ...}``)."""
-    return f"data: {json.dumps(err.body())}\n\n"
-
-
-async def sse_events(request, state, reqs: list[EngineRequest],
-                     chunks: AsyncIterator[dict | str],
-                     error_event: Callable[[APIError], str] = openai_error_event,
-                     done: str | None = "data: [DONE]\n\n") -> AsyncIterator[str]:
-    """``data: {chunk}`` events (a dict as compact JSON, non-finite floats as null; a str as
-    it is), then ``done``; an error is one ``error_event`` (of the engine's ``api_error``,
-    else of a 500 ``Internal server error``)."""
-
-    async with _abort_on_disconnect(request, state, reqs), aclosing(chunks):
-        try:
-            async for chunk in chunks:
-                yield chunk if isinstance(chunk, str) else \
-                    f"data: {to_json(chunk, inf_nan_mode='null').decode()}\n\n"
-        except ENGINE_ERRORS as exc:
-            yield error_event(api_error(exc))
-        except Exception:  # noqa: BLE001 - the stream ends with an error event, no trace
-            log.exception("stream of %s failed", reqs[0].rid if reqs else "?")
-            yield error_event(APIError("Internal server error", status_code=500,
-                                       type="server_error"))
-    if done is not None:
-        yield done
-
