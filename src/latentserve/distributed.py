@@ -66,14 +66,6 @@ def destroy_tp_group() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Sum ``x`` over the ranks, in place; returns ``x``."""
-    import torch.distributed as dist
-
-    dist.all_reduce(x, group=tp.device_group)
-    return x
-
-
 def all_gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """``[..., n]`` on every rank -> ``[..., size * n]``, rank r's block at ``[r*n, (r+1)*n)``."""
     import torch.distributed as dist

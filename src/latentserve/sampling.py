@@ -30,12 +30,6 @@ class TokenMask:
     bits: torch.Tensor
 
 
-def sample(logits: torch.Tensor, reqs: list[Req], generator: torch.Generator | None = None
-           ) -> torch.Tensor:
-    """Pick one token per row (see :func:`sample_with_logprobs`); returns ``[B] int64``."""
-    return sample_with_logprobs(logits, reqs, generator).tokens
-
-
 def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
                          generator: torch.Generator | None = None,
                          greedy: torch.Tensor | None = None,
@@ -175,12 +169,13 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Req]
     if want:
         rows = torch.tensor(want, device=raw.device)
         ks = [reqs[b].params.logprobs or 0 for b in want]
-        for b, lp in zip(want, _scored(raw[rows], tokens[rows], ks)):
+        for b, lp in zip(want, score_tokens(raw[rows], tokens[rows], ks)):
             result[b] = lp
     return result
 
 
-def _scored(logits: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, ks: list[int]
+                 ) -> list[TokenLogprob]:
     """Row i of raw ``logits`` ``[N, vocab]`` scoring ``targets[i]`` (``[N] int64``): its
     log-probability, rank and the top ``ks[i]`` (raw log-softmax)."""
     lsm = torch.log_softmax(logits.float(), dim=-1)
@@ -223,12 +218,3 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
-
-
-def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
-    """Log-probabilities of given tokens: row i of raw ``logits`` ``[N, vocab]`` scores
-    ``targets[i]``, with its rank and the top ``k`` (raw log-softmax)."""
-    if not targets:
-        return []
-    tgt = torch.tensor(targets, dtype=torch.long, device=logits.device)
-    return _scored(logits, tgt, [k] * len(targets))

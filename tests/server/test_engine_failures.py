@@ -48,10 +48,10 @@ def test_sampler_failure_fails_only_its_request(engine, monkeypatch):
     expected = _tokens(_drain(engine), "solo")
     real = sampling.sample_with_logprobs
 
-    def faulty(logits, reqs, generator=None):
+    def faulty(logits, reqs, generator=None, **kw):
         if any(r.rid == "poison" for r in reqs):
             raise RuntimeError("injected sampler fault")
-        return real(logits, reqs, generator)
+        return real(logits, reqs, generator, **kw)
 
     monkeypatch.setattr(sampling, "sample_with_logprobs", faulty)
     engine.add_request("good", PROMPT, GREEDY)

@@ -238,7 +238,8 @@ class LLMEngine:
         if n + extra + 1 > self.num_kv_slots:
             raise ValueError(f"prompt has {n} tokens but the KV pool holds {self.num_kv_slots}")
         for name, ids in (("prompt token ids", prompt_token_ids),
-                          ("stop_token_ids", params.stop_token_ids)):
+                          ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} must be in [0, {self.vocab_size}), got {bad[0]}")
@@ -259,10 +260,6 @@ class LLMEngine:
         budget = params.thinking_token_budget if parser else None  # else: cap_thinking
         if not params.has_token_mask and budget is None:
             return None
-        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"allowed_token_ids must be in [0, {self.vocab_size}), got "
-                             f"{bad[0]}")
         so = params.structured_outputs
         for name, used in (("bad_words", bool(params.bad_words)),
                            ("thinking_token_budget", budget is not None),
@@ -402,9 +399,8 @@ class LLMEngine:
         for b, req in enumerate(reqs):
             try:
                 i = where.get(b)
-                res = (sampling.sample_with_logprobs(logits[b : b + 1], [req]) if i is None
-                       else sampling.sample_with_logprobs(logits[b : b + 1], [req],
-                                                 mask=TokenMask([0], mask.bits[i : i + 1])))
+                one = None if i is None else TokenMask([0], mask.bits[i : i + 1])
+                res = sampling.sample_with_logprobs(logits[b : b + 1], [req], mask=one)
                 tokens.append(int(res.tokens[0]))
                 logprobs.append(res.logprobs[0])
             except Exception as exc:  # noqa: BLE001 - fails this request only

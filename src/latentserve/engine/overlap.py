@@ -11,7 +11,6 @@ import torch
 
 from latentserve import sampling  # by module: tests patch what the engine calls
 from latentserve.core import ReqStatus
-from latentserve.staging import DeviceToHost
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     tokens, failed = _sample(engine, logits, reqs, _known(reqs, prev))
     # rows in their latent phase: the next inputs, on the device (their tokens are not read)
     latents = engine.family.latent_inputs(reqs, logits, hidden, None)
-    host, event = _host_copy(tokens, engine.token_copies)
+    host, event = engine.token_copies.copy(tokens)  # before a replay can overwrite them
     if event is not None and engine.runner.replayed:  # tokens may view a graph's buffer
         engine.runner.graphs.wait_before_replay(event)
     return Launched(batch, latents, [], tokens, host, event, {}, failed)
@@ -106,12 +105,6 @@ def finish(engine, launched: Launched) -> list:
         if req.rid in launched.failed and req.status is not ReqStatus.FINISHED:
             engine._failed[req.rid] = launched.failed[req.rid]
     return engine.scheduler.finalize_launched(launched.pending, tokens)
-
-
-def _host_copy(tokens: torch.Tensor, ring: DeviceToHost) -> tuple[torch.Tensor, Any]:
-    """``(host copy, event)`` of ``tokens``, taken before the next replay can overwrite a
-    graph buffer they view (``ring.copy``)."""
-    return ring.copy(tokens)
 
 
 def _known(reqs: list, prev: Launched | None) -> dict | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from latentserve.outputs import StepOutput, TokenLogprob
-from latentserve.sampling import prompt_logprobs
+from latentserve.sampling import score_tokens
 
 # Rows turned into [rows, vocab] logits at once (bounds the memory of a long prompt chunk).
 _LOGIT_ROWS = 256
@@ -46,8 +46,10 @@ class PromptLogprobTracker:
             m = min(len(hidden), len(entry.lps) - 1 - start)
             for lo in range(0, max(m, 0), _LOGIT_ROWS):
                 hi = min(m, lo + _LOGIT_ROWS)
-                targets = req.prompt_ids[start + 1 + lo : start + 1 + hi]
-                scored = prompt_logprobs(model.compute_logits(hidden[lo:hi]), targets, entry.k)
+                targets = torch.tensor(req.prompt_ids[start + 1 + lo : start + 1 + hi],
+                                       device=hidden.device)
+                scored = score_tokens(model.compute_logits(hidden[lo:hi]), targets,
+                                      [entry.k] * (hi - lo))
                 for i, lp in enumerate(scored, start=start + 1 + lo):
                     if entry.lps[i] is None:
                         entry.lps[i] = lp

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from latentserve.distributed import TPGroup, all_gather_last_dim, all_reduce
+from latentserve.distributed import TPGroup, all_gather_last_dim
 
 # Modules kept whole on every rank (small, or cheaper whole than split).
 REPLICATED = ("wpe", "adapter", "early_exit_gate")
@@ -89,7 +90,8 @@ class RowParallelLinear(_LocalLinear):
         return cls(linear.weight.data[:, cols].clone(), bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.tp.device_group)  # the ranks' partial sums
         return y if self.bias is None else y + self.bias
 
 
@@ -118,8 +120,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce(x.masked_fill(outside[:, None], 0), self.tp)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0)
+        dist.all_reduce(x, group=self.tp.device_group)
+        return x
 
 
 class ParallelLMHead(nn.Module):
