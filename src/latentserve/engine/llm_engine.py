@@ -351,11 +351,9 @@ class LLMEngine:
             outs = self.scheduler.postprocess(batch, tokens, latents)
             self.masks_ahead.start([(r, None) for r in sampling_reqs])
             by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}
-            if by_rid:
-                for o in outs:
-                    lp = by_rid.get(o.rid)
-                    if lp is not None and o.new_token_ids == [lp.token_id]:
-                        o.logprobs = [lp]
+            for o in outs:
+                if (lp := by_rid.get(o.rid)) is not None and o.new_token_ids == [lp.token_id]:
+                    o.logprobs = [lp]
         return self._retire(outs)
 
     def _after_forward(self, batch, logits: torch.Tensor) -> tuple[torch.Tensor, list[Req]]:
