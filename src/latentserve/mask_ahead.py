@@ -23,11 +23,8 @@ _lock = threading.Lock()
 
 class MasksAhead:
     """One worker thread that feeds a step's sampled tokens to the grammars and fills their
-    next bitmask rows while the engine's thread goes on; ``token_masks.batch_bitmask`` copies
-    a row whose matcher has taken no token since. :meth:`start` after a step is advanced,
-    :meth:`take` where the next step builds its masks, :meth:`wait` before anything else
-    touches a matcher. ``enabled`` False: :meth:`start` does nothing. ``waited``: seconds
-    the engine's thread has waited for the worker."""
+    next bitmask rows (docs/internals.md). ``enabled`` False: :meth:`start` does nothing.
+    ``waited``: seconds the engine's thread has waited for the worker."""
 
     def __init__(self, vocab_size: int, enabled: bool = True):
         self.width = bitmask_width(vocab_size)

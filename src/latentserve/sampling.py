@@ -61,11 +61,9 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
 
 def _exponentials(probs: torch.Tensor, gens: list, generator: torch.Generator | None
                   ) -> torch.Tensor:
-    """Exp(1) noise like ``probs`` (``[N, vocab]``) for the race ``argmax(probs / q)``, which
-    picks token t with probability ``probs[t]`` (the Gumbel-max trick; ``torch.multinomial``
-    runs the same race for one sample but first checks ``probs`` with a host sync). Rows whose
-    ``gens[i]`` is None share one draw from ``generator`` (None: global RNG); row i of a seeded
-    request is drawn alone from ``gens[i]``, so that its tokens do not depend on the batch."""
+    """Exp(1) noise like ``probs`` (``[N, vocab]``) for ``argmax(probs / q)``: rows whose
+    ``gens[i]`` is None share one draw from ``generator`` (None: global RNG), row i of a
+    seeded request is drawn from ``gens[i]`` (docs/internals.md)."""
     q = torch.empty_like(probs)
     if None in gens:
         q.exponential_(generator=generator)

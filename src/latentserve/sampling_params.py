@@ -36,17 +36,6 @@ class SamplingParams:
     """How one request is decoded (vLLM's names and meanings; docs/internals.md,
     "latentserve.sampling_params", gives each field's semantics).
 
-    ``temperature`` < ``SAMPLING_EPS`` is greedy; ``top_k <= 0`` disables top-k.
-    ``max_tokens`` counts generated tokens (None: up to ``max_model_len``). ``stop`` strings
-    are matched on detokenized text and left out of it. Penalties apply to the raw logits
-    (greedy rows too). ``logprobs`` / ``prompt_logprobs`` (k >= 0) are raw log-softmax values.
-    Latent fields: ``latent_budget`` (None: the model's default; 0: no thinking), the
-    recurrent-depth ``exit_*`` fields, the compression-head / CoLaR controls (None: the
-    server's or model's default). Token masks (``token_masks.py``) change what is sampled,
-    never the reported logprobs, and cover answer tokens only; ``thinking_token_budget``
-    (needs the engine's ``reasoning_parser``) caps ``<think>`` reasoning at that many tokens,
-    then forces ``</think>``.
-
     Raises:
         ValueError: naming the field and the allowed range, from ``__post_init__``.
     """
@@ -107,16 +96,16 @@ class SamplingParams:
             if value is None and "None" in f.type:
                 continue
             if f.name in INT_RANGES:
-                _check_int(f.name, value, *INT_RANGES[f.name])
+                _check(f.name, value, *INT_RANGES[f.name])
             elif f.name in NUM_RANGES:
-                _check_num(f.name, value, *NUM_RANGES[f.name])
+                _check(f.name, value, *NUM_RANGES[f.name], integer=False)
             elif f.type.startswith("bool") and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be a boolean, got {value!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids[]", t, lo=0)
+            _check("stop_token_ids[]", t, lo=0)
         if self.exit_criterion is not None and (not isinstance(self.exit_criterion, str)
                                                 or not self.exit_criterion):
             raise ValueError(f"exit_criterion must be a non-empty string, got "
@@ -145,7 +134,7 @@ class SamplingParams:
                                  f"got {_short(ids)}")
             self.allowed_token_ids = [_plain_number(t) for t in ids]
             for t in self.allowed_token_ids:
-                _check_int("allowed_token_ids[]", t, lo=0)
+                _check("allowed_token_ids[]", t, lo=0)
         if isinstance(self.structured_outputs, dict):
             kinds = StructuredOutputsParams.KINDS
             unknown = set(self.structured_outputs) - set(kinds) - {"param"}
@@ -244,28 +233,15 @@ def _plain_number(value):
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
-def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    _check_range(name, value, lo, hi)
-
-
-def _check_num(
-    name: str, value: object, lo: float | None = None, hi: float | None = None, lo_open=False
-) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
+def _check(name: str, value, lo, hi=None, lo_open: bool = False, integer: bool = True) -> None:
+    """ValueError naming ``name`` for a value that is not an integer (``integer``) or a finite
+    number, or outside its one declared range (``(0.0, 1.0]`` whichever side failed)."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got "
+                         f"{value!r}")
+    if not integer and not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
-    _check_range(name, value, lo, hi, lo_open)
-
-
-def _check_range(name: str, value, lo, hi, lo_open: bool = False) -> None:
-    """ValueError stating the one declared range (``(0.0, 1.0]`` whichever side failed)."""
-    below = lo is not None and (value <= lo if lo_open else value < lo)
-    if below or (hi is not None and value > hi):
+    if (value <= lo if lo_open else value < lo) or (hi is not None and value > hi):
         if hi is None:  # one-sided: "[0, inf]" reads like a real upper bound
             raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
-        if lo is None:
-            raise ValueError(f"{name} must be <= {hi}, got {value}")
         raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")

@@ -142,8 +142,7 @@ class Scheduler:
                     latents: list | None = None) -> list[StepOutput]:
         """Advance each request past this step and retire finished ones; ``tokens`` and
         ``latents`` (next latent input or None) per sampling row."""
-        outs = [self._output(r, []) for r in self._aborted]
-        self._aborted.clear()
+        outs, self._aborted = [self._output(r, []) for r in self._aborted], []
         done: list[Req] = []  # finished this step: their KV is released together, at the end
         try:
             it = iter(tokens)
@@ -249,8 +248,7 @@ class Scheduler:
                           tokens: list[int]) -> list[StepOutput]:
         """Write an :meth:`advance_launched`'s tokens over their pending ids and retire the
         requests they finish; late latent steps are settled first (``Family.resolve``)."""
-        outs = [self._output(r, []) for r in self._aborted]
-        self._aborted.clear()
+        outs, self._aborted = [self._output(r, []) for r in self._aborted], []
         done: list[Req] = []  # finished now: their KV is released together, at the end
         try:
             for (req, idx, tick, late), tok in zip(pending, tokens):
