@@ -25,6 +25,9 @@ class LatentState:
         return req.latent_start if req.latent_embeds else req.seq_len
 
 
+_NO_STATE = LatentState()
+
+
 @dataclass(eq=False, slots=True)
 class Req:
     """One request inside the engine. Counts are positions in ``ids = prompt_ids + output_ids``
@@ -103,9 +106,7 @@ class Req:
         """Leading positions whose KV depends on token ids alone (safe for the radix cache):
         everything before the first latent position, unless the family's state says
         otherwise (``LatentState.cacheable_len``: a looped block, an early-exit rule)."""
-        if self.state is not None:
-            return self.state.cacheable_len(self)
-        return self.latent_start if self.latent_embeds else self.seq_len
+        return (self.state if self.state is not None else _NO_STATE).cacheable_len(self)
 
     @property
     def num_pending(self) -> int:

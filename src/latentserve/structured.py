@@ -64,8 +64,7 @@ class Grammars:
 
     def matcher(self, so: StructuredOutputsParams):
         """A fresh xgrammar ``GrammarMatcher`` for ``so`` (see :meth:`compile`)."""
-        xgr = import_xgrammar(so.param)
-        return xgr.GrammarMatcher(self.compile(so))
+        return import_xgrammar(so.param).GrammarMatcher(self.compile(so))
 
 
 def import_xgrammar(param: str = "structured_outputs"):

@@ -205,10 +205,10 @@ def test_failed_sampling_rows_fail_like_the_synchronous_engine(tiny_dirs, monkey
     original = sampling.sample_with_logprobs
     fail_at = {"a": 2, "b": 3}  # output ids before the failing row: a's 3rd, b's 4th token
 
-    def flaky(logits, reqs, *args):
+    def flaky(logits, reqs, *args, **kw):
         if any(fail_at.get(r.rid) == len(r.output_ids) for r in reqs):
             raise RuntimeError("probability tensor contains nan")
-        return original(logits, reqs, *args)
+        return original(logits, reqs, *args, **kw)
 
     monkeypatch.setattr(sampling, "sample_with_logprobs", flaky)
     outs = []

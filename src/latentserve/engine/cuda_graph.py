@@ -45,7 +45,6 @@ class CudaGraphRunner:
     in a second *latent graph* per bucket, replayed by ``latent_outputs()``.
     """
 
-    GREEDY = True  # False: no argmax in the graphs (A/B runs)
     LM_HEAD_ARGMAX = True  # False: the argmax reads the logits back, not the LM head's (A/B)
     _wait = None  # the event the next replay waits for (wait_before_replay)
 
@@ -84,7 +83,7 @@ class CudaGraphRunner:
         # the sampler takes instead of launching the argmax after the replay; a latent
         # model's engine masks ids in the logits first, so its graph does not, nor does a
         # tensor-parallel worker rank's (with_greedy=False: it never samples).
-        self.with_greedy = with_greedy and spec is None and self.GREEDY
+        self.with_greedy = with_greedy and spec is None
         # the LM head's epilogue finds the argmax too
         self._head_argmax = (self.with_greedy and self.LM_HEAD_ARGMAX
                              and getattr(model, "compute_logits_greedy", None) is not None)

@@ -267,9 +267,8 @@ class LLMEngine:
             if used and isinstance(self.tokenizer, NoTokenizer):
                 raise ValueError(f"{name} needs text: this model directory has no tokenizer "
                                  "files")
-        words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else None
-        if words:
-            words = [w for w in words if all(0 <= t < self.vocab_size for t in w)]
+        words = [w for w in bad_words_ids(self.tokenizer, params.bad_words)
+                 if all(0 <= t < self.vocab_size for t in w)] if params.bad_words else None
         matcher = None
         if so is not None:
             if self.grammars is None:

@@ -160,9 +160,7 @@ class Scheduler:
                 req.output_ids.append(tok)
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
-                    self.running.remove(req)
-                    done.append(req)
-                    self._finish(req, reason)
+                    self._end(req, reason, done)
                 outs.append(self._output(req, [tok]))
         finally:  # released even when a later row raises: no KV leaks
             self.cache.release_many(done)
@@ -173,21 +171,21 @@ class Scheduler:
         budget is spent (``Family.budget_spent``) finishes and joins ``done``."""
         reason = self.family.budget_spent(req, self.max_model_len)
         if reason is not None:  # e.g. head latent steps spend the output budget
-            self._leave(req)
-            done.append(req)
-            self._finish(req, reason)
+            self._end(req, reason, done)
             return self._output(req, [])
         if req.params.stream_latent_steps:  # progress of a latent step, no token
             return self._output(req, [])
         return None
 
-    def _leave(self, req: Req) -> None:
-        """Take ``req`` out of the running set, or out of the waiting queue when it was
-        preempted after its forward was launched (overlap mode)."""
+    def _end(self, req: Req, reason: str, done: list) -> None:
+        """Finish ``req``: out of the running set (its KV released with ``done``), or out of
+        the waiting queue when it was preempted after its forward was launched (overlap)."""
         if req.status is ReqStatus.RUNNING:
             self.running.remove(req)
+            done.append(req)
         else:
             self.waiting.remove(req)
+        self._finish(req, reason)
 
     # ----- overlap mode (engine/overlap.py): the step's tokens arrive one step later -----
 
@@ -273,10 +271,7 @@ class Scheduler:
                     del req.output_ids[idx + 1 :]
                     self.family.truncate(req)
                     req.num_computed = min(req.num_computed, req.seq_len)
-                    self._leave(req)
-                    if req.status is ReqStatus.RUNNING:
-                        done.append(req)
-                    self._finish(req, reason)
+                    self._end(req, reason, done)
                 outs.append(self._output(req, [tok]))
         finally:  # released even when a later row raises: no KV leaks
             self.cache.release_many(done)
