@@ -87,9 +87,7 @@ class IncrementalDetokenizer:
             if self.stopped is not None:
                 break
             self._ids.append(int(token_id))
-            new_text = self._decode_step(force=False)
-            if new_text:
-                self._append(new_text)
+            self._append(self._decode_step(force=False))
         return self._release(hold=True)
 
     def flush(self) -> str:
@@ -98,9 +96,7 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         if self.stopped is None:
-            new_text = self._decode_step(force=True)
-            if new_text:
-                self._append(new_text)
+            self._append(self._decode_step(force=True))
         self._finished = True
         return self._release(hold=False)
 
@@ -135,6 +131,8 @@ class IncrementalDetokenizer:
 
     def _append(self, new_text: str) -> None:
         """Append decoded text and cut it at the earliest stop string it completes."""
+        if not new_text:
+            return
         old_len = len(self._all_text)
         self._all_text += new_text
         if len(self._ids) - self._n_context <= self._min_tokens:

@@ -154,17 +154,13 @@ class CudaGraphRunner:
         return self.feedback(self.outputs[self.graph_depths[0], b][1])
 
     def _forward(self, model, b):
-        if self.latent_capable:
-            hidden = model(self.ids[:b], self.pos[:b], self.embeds[:b], self.mask[:b])
-        else:
-            hidden = model(self.ids[:b], self.pos[:b])
+        latent = (self.embeds[:b], self.mask[:b]) if self.latent_capable else ()
+        hidden = model(self.ids[:b], self.pos[:b], *latent)
         if self._head_argmax:
             logits, greedy = model.compute_logits_greedy(hidden)
             return logits, hidden, greedy
-        logits = model.compute_logits(hidden)
-        if not self.with_greedy:
-            return logits, hidden, None
-        return logits, hidden, greedy_tokens(logits)  # in the graph: no launches per step
+        logits = model.compute_logits(hidden)  # greedy in the graph: no launches per step
+        return logits, hidden, greedy_tokens(logits) if self.with_greedy else None
 
     def latent_outputs(self):
         """The latent graph's outputs for the last replay's rows, replayed on the first call

@@ -101,18 +101,13 @@ class ModelRunner:
         inj_rows, inj = [], []  # token rows that take a latent vector, and their entries
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             emb = req.latent_embeds
-            if emb:  # latent span [lo, hi) of this chunk takes vectors
-                lo = start - req.latent_start  # index in latent_embeds of the chunk's start
-                if n == 1:  # a decode row
-                    if 0 <= lo < len(emb):
-                        inj_rows.append(len(ids))
-                        inj.append(emb[lo])
-                else:
-                    lo, hi = max(lo, 0), min(lo + n, len(emb))
-                    if lo < hi:
-                        base = len(ids) - start + req.latent_start
-                        inj_rows.extend(range(base + lo, base + hi))
-                        inj.extend(emb[lo:hi])
+            if emb:  # latent span [lo, hi) of this chunk takes vectors (indices in emb)
+                lo = start - req.latent_start
+                lo, hi = max(lo, 0), min(lo + n, len(emb))
+                if lo < hi:
+                    base = len(ids) - start + req.latent_start
+                    inj_rows.extend(range(base + lo, base + hi))
+                    inj.extend(emb[lo:hi])
             ids.extend(req.ids_slice(start, start + n))
             pos.extend(range(start, start + n))
             row_tok.extend([req.row] * n)
@@ -127,11 +122,10 @@ class ModelRunner:
         kv_lens = [s + n for s, n in zip(batch.starts, batch.q_lens)]
         mask_l, src, src_rows = ([], None, []) if not inj_rows else \
             latent_vectors.injection_plan(inj_rows, inj, t)
-        decode = t == b
         # Rows of requests that asked for prompt logprobs and compute prompt tokens now.
         prompt_rows = [b for b, (r, st) in enumerate(zip(batch.reqs, batch.starts))
                        if r.params.prompt_logprobs is not None and st < len(r.prompt_ids)]
-        fits_graph = (self.graphs is not None and decode and not prompt_rows
+        fits_graph = (self.graphs is not None and t == b and not prompt_rows
                       and t <= self.graphs.max_bs)
         # A plain decode batch that fits a graph: one kernel unpacks the inputs into the
         # graph's buffers (ops.kernels.decode_inputs), so nothing below touches them. It

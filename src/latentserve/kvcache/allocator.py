@@ -54,8 +54,6 @@ class SlotAllocator:
     def free(self, slots: torch.Tensor) -> None:
         """Give slots back. ``slots``: integer tensor of any shape (flattened), any device;
         copied, so the caller may reuse it."""
-        if slots.numel() == 0:
-            return
         self.free_many([slots.reshape(-1).to(device=self.device, dtype=torch.int64,
                                               copy=True)])
 

@@ -12,11 +12,9 @@ LLAMA_FAMILY = ("llama", "qwen2", "mistral")
 BACKBONES = {**dict.fromkeys(LLAMA_FAMILY, LlamaForCausalLM), "gpt2": GPT2LMHeadModel}
 
 
-def model_class(hf_config, extra: dict | None = None):
-    """The model class for ``hf_config``: ``BACKBONES`` or ``extra`` (model_type -> class).
-    Raises ValueError naming the supported types."""
-    table = {**BACKBONES, **(extra or {})}
+def model_class(hf_config):
+    """The ``BACKBONES`` class for ``hf_config``; ValueError naming the supported types."""
     mt = getattr(hf_config, "model_type", None)
-    if mt not in table:
-        raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(table)}")
-    return table[mt]
+    if mt not in BACKBONES:
+        raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(BACKBONES)}")
+    return BACKBONES[mt]

@@ -100,9 +100,7 @@ class Scheduler:
         # 2. Admit waiting requests in arrival order while rows, slots and budget last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not self.family.admits_now(req, budget):
-                break
-            if not self.cache.admit(req):
+            if not self.family.admits_now(req, budget) or not self.cache.admit(req):
                 break
             self.waiting.popleft()
             if req.num_cached_prompt is None:
