@@ -134,9 +134,7 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     params = [r.params for r in reqs]
     counts = torch.zeros(n, vocab, dtype=logits.dtype, device=dev)
     for i, req in enumerate(reqs):
-        ids = getattr(req, "answer_ids", None)
-        ids = req.output_ids if ids is None else ids
-        if ids:
+        if ids := req.answer_ids:
             idx = torch.tensor(ids, dtype=torch.long, device=dev)
             counts[i].index_add_(0, idx, torch.ones(len(ids), dtype=logits.dtype, device=dev))
     present = counts > 0

@@ -84,12 +84,8 @@ class SamplingParams:
     thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop_token_ids, (list, tuple)):
-            self.stop_token_ids = [_plain_number(t) for t in self.stop_token_ids]
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = [_plain_number(t) for t in self.stop_token_ids or []]
         for f in fields(self):  # numpy scalars (np.int64(3), np.float32(0.7)) as Python's
             value = _plain_number(getattr(self, f.name))
             setattr(self, f.name, value)

@@ -11,6 +11,7 @@ import torch
 
 from latentserve import sampling  # by module: tests patch what the engine calls
 from latentserve.core import ReqStatus
+from latentserve.staging import DeviceToHost
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     tokens, failed = _sample(engine, logits, reqs, _known(reqs, prev))
     # rows in their latent phase: the next inputs, on the device (their tokens are not read)
     latents = engine.family.latent_inputs(reqs, logits, hidden, None)
-    host, event = engine.token_copies.copy(tokens)  # before a replay can overwrite them
+    host, event = _host_copy(tokens, engine.token_copies)
     if event is not None and engine.runner.replayed:  # tokens may view a graph's buffer
         engine.runner.graphs.wait_before_replay(event)
     return Launched(batch, latents, [], tokens, host, event, {}, failed)
@@ -105,6 +106,12 @@ def finish(engine, launched: Launched) -> list:
         if req.rid in launched.failed and req.status is not ReqStatus.FINISHED:
             engine._failed[req.rid] = launched.failed[req.rid]
     return engine.scheduler.finalize_launched(launched.pending, tokens)
+
+
+def _host_copy(tokens: torch.Tensor, ring: DeviceToHost) -> tuple[torch.Tensor, Any]:
+    """``(host copy, event)`` of ``tokens`` before the next replay can overwrite a graph
+    buffer they view (a seam: tests and scripts/host_probe.py patch it)."""
+    return ring.copy(tokens)
 
 
 def _known(reqs: list, prev: Launched | None) -> dict | None:

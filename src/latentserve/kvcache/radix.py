@@ -57,8 +57,6 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.reset()
 
-    # ----- bookkeeping -----
-
     def reset(self) -> None:
         """Drop the whole tree, slots back to the allocator. RuntimeError if a node is locked."""
         root = getattr(self, "root", None)
@@ -96,8 +94,6 @@ class RadixCache:
         child.parent.children[child.key[0]] = mid
         child.key, child.value, child.parent = child.key[n:], child.value[n:], mid
         return mid
-
-    # ----- public API -----
 
     def match_prefix(self, token_ids: list[int]) -> tuple[torch.Tensor, Node]:
         """``(slots [m] int64, node ending at m)`` of the longest cached prefix (an edge may

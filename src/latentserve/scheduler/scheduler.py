@@ -50,8 +50,6 @@ class Scheduler:
         self.forced_one_by_one = False
         self._max_forced = len(family.spec.end_ids) if family.spec is not None else 0
 
-    # ----- requests in and out -----
-
     def add(self, req: Req) -> None:
         self.waiting.append(req)
 
@@ -69,8 +67,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)
-
-    # ----- one step -----
 
     def schedule(self) -> ScheduledBatch | None:
         self._undone.clear()  # only the advance right after the finalize that set them
