@@ -92,16 +92,16 @@ class SamplingParams:
             if value is None and "None" in f.type:
                 continue
             if f.name in INT_RANGES:
-                _check(f.name, value, *INT_RANGES[f.name])
+                _check(f.name, value, INT_RANGES[f.name])
             elif f.name in NUM_RANGES:
-                _check(f.name, value, *NUM_RANGES[f.name], integer=False)
+                _check(f.name, value, NUM_RANGES[f.name], integer=False)
             elif f.type.startswith("bool") and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be a boolean, got {value!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            _check("stop_token_ids[]", t, lo=0)
+            _check("stop_token_ids[]", t, (0,))
         if self.exit_criterion is not None and (not isinstance(self.exit_criterion, str)
                                                 or not self.exit_criterion):
             raise ValueError(f"exit_criterion must be a non-empty string, got "
@@ -130,7 +130,7 @@ class SamplingParams:
                                  f"got {_short(ids)}")
             self.allowed_token_ids = [_plain_number(t) for t in ids]
             for t in self.allowed_token_ids:
-                _check("allowed_token_ids[]", t, lo=0)
+                _check("allowed_token_ids[]", t, (0,))
         if isinstance(self.structured_outputs, dict):
             kinds = StructuredOutputsParams.KINDS
             unknown = set(self.structured_outputs) - set(kinds) - {"param"}
@@ -201,12 +201,11 @@ class StructuredOutputsParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{p} must be a non-empty string ({name}), got {_short(v)}")
-        if self.choice is not None and (not isinstance(self.choice, (list, tuple))
-                                        or not self.choice
-                                        or not all(isinstance(c, str) for c in self.choice)):
-            raise ValueError(f"{p} must be a non-empty list of strings (choice), got "
-                             f"{_short(self.choice)}")
         if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) for c in self.choice):
+                raise ValueError(f"{p} must be a non-empty list of strings (choice), got "
+                                 f"{_short(self.choice)}")
             self.choice = list(self.choice)
         if self.json_object not in (None, True, False):
             raise ValueError(f"{p} json_object must be a boolean, got {self.json_object!r}")
@@ -229,9 +228,11 @@ def _plain_number(value):
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
-def _check(name: str, value, lo, hi=None, lo_open: bool = False, integer: bool = True) -> None:
+def _check(name: str, value, bounds: tuple, integer: bool = True) -> None:
     """ValueError naming ``name`` for a value that is not an integer (``integer``) or a finite
-    number, or outside its one declared range (``(0.0, 1.0]`` whichever side failed)."""
+    number, or outside ``bounds`` (``(lo[, hi[, lo_open]])``, stated as ``(0.0, 1.0]``
+    whichever side failed)."""
+    lo, hi, lo_open = (*bounds, None, False)[:3]
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got "
                          f"{value!r}")

@@ -94,7 +94,6 @@ class LLMEngine:
                                         optional=config.tokenizer is None)  # else ids only
         self.sampling_defaults = sampling_defaults(model_dir, config.generation_config)
         model, hf_config = load_served_model(config, model_dir, config.device, self.tp)
-        self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         limit = getattr(hf_config, "max_position_embeddings", None) or hf_config.n_positions
         self.max_model_len = min(config.max_model_len or limit, limit)

@@ -98,7 +98,8 @@ class ModelRunner:
         sub_dst: list[int] = []  # pending ids: token row <- row of the previous tokens
         sub_src: list[int] = []
         src_of = pending[1] if pending is not None else None
-        inj_rows, inj = [], []  # token rows that take a latent vector, and their entries
+        inj_rows: list[int] = []  # token rows that take a latent vector, and their entries
+        inj: list = []
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             emb = req.latent_embeds
             if emb:  # latent span [lo, hi) of this chunk takes vectors (indices in emb)

@@ -60,10 +60,7 @@ class PromptLogprobTracker:
         requests that finish (an aborted request may never complete its prompt)."""
         for o in outs:
             entry = self._entries.get(o.rid)
-            if entry is None:
-                continue
-            if entry.missing == 0:
-                o.prompt_logprobs = entry.lps
-                del self._entries[o.rid]
-            elif o.finished:
+            if entry is not None and (entry.missing == 0 or o.finished):
+                if entry.missing == 0:
+                    o.prompt_logprobs = entry.lps
                 del self._entries[o.rid]
