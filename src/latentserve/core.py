@@ -95,11 +95,10 @@ class Req:
         """The ids as the radix cache sees them: ``ids``, each shifted into the request's
         ``cache_salt`` namespace (ids stay below 2**32), so differently salted requests never
         share a prefix."""
-        ids = self.ids
         if not self.cache_salt:
-            return ids
+            return self.ids
         off = self.cache_salt << 32
-        return [off + i for i in ids]
+        return [off + i for i in self.ids]
 
     @property
     def cacheable_len(self) -> int:

@@ -252,10 +252,9 @@ def stop_workers(procs: list[subprocess.Popen]) -> None:
 
 def _exit_with_parent(parent_pid: int) -> None:
     """Leave at once when rank 0's process goes away (its collectives would never come)."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(0)
+    while os.getppid() == parent_pid:
         time.sleep(1.0)
+    os._exit(0)
 
 
 def main(argv: list[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,8 +155,6 @@ def check_adapter_config(cfg: dict) -> dict:
 def _pattern_value(pattern: dict, module: str, default):
     """PEFT's ``get_pattern_key``: the first key ``k`` with ``re.match(rf"(.*\\.)?({k})$",
     module)`` gives the value, else ``default``."""
-    import re
-
     for key, value in pattern.items():
         if re.match(rf"(.*\.)?({key})$", module):
             return value
