@@ -256,8 +256,7 @@ def _converted(gguf_path: Path, dtype: str = "float32") -> Path:
             if not (target / "config.json").is_file():
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed
     return target
 
 
