@@ -429,6 +429,6 @@ def serve_bench_main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # python -m latentserve.bench.serve: latentserve bench serve
-    from latentserve.cli import main
-
-    sys.exit(main(["bench", "serve", *sys.argv[1:]]))
+    parser = argparse.ArgumentParser(prog="python -m latentserve.bench.serve")
+    add_serve_bench_args(parser)
+    sys.exit(serve_bench_main(parser.parse_args()))
