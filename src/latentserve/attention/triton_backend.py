@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -70,23 +71,13 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, layout: BatchLayout, page_table: torch.Tensor) -> TritonMeta:
         """Build the batch's metadata on ``page_table``'s device (one host-to-device copy)."""
-        dev = page_table.device
-        q_start = [0]
-        for n in layout.q_lens:
-            q_start.append(q_start[-1] + n)
+        dev, b = page_table.device, len(layout.q_lens)
         # One transfer for both int32 vectors: [q_start (B + 1) | kv_lens (B)].
-        packed = torch.tensor(q_start + list(layout.kv_lens), dtype=torch.int32, device=dev)
-        b = layout.num_reqs
-        return TritonMeta(
-            rows=layout.rows.to(device=dev, dtype=torch.int64),
-            q_start=packed[: b + 1],
-            kv_lens=packed[b + 1:],
-            out_slots=layout.out_slots,
-            page_table=page_table,
-            num_reqs=b,
-            max_q_len=max(layout.q_lens),
-            is_decode=all(n == 1 for n in layout.q_lens),
-        )
+        packed = torch.tensor([*accumulate(layout.q_lens, initial=0), *layout.kv_lens],
+                              dtype=torch.int32, device=dev)
+        return TritonMeta(layout.rows.to(device=dev, dtype=torch.int64), packed[:b + 1],
+                          packed[b + 1:], layout.out_slots, page_table, b, max(layout.q_lens),
+                          all(n == 1 for n in layout.q_lens))
 
     def forward(self, layer, q, k, v, meta: TritonMeta, kv_pool, scale, prefetch_next=None):
         k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
