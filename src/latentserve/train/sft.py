@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from latentserve.eval.datasets import parse_file
 from latentserve.latent.bundle import bundle_from_module, write_bundle
 from latentserve.latent.head import HeadConfig, LatentHead
 from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolve_model_dir
@@ -23,12 +24,7 @@ from latentserve.models.lora import merge_adapter, read_adapter
 from latentserve.train.cot import read_items
 from latentserve.train.features import capture
 from latentserve.train.options import SFTConfig
-from latentserve.train.traces import (
-    build_colar_traces,
-    build_traces,
-    load_gsm8k_rows,
-    train_file,
-)
+from latentserve.train.traces import build_colar_traces, build_traces, train_file
 
 
 def load_backbone(model: str | None, device: str, dtype: str):
@@ -104,8 +100,8 @@ def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
     if cfg.prompt_format == "colar":
         traces = build_colar_traces(tok, read_items(path)[:limit], cfg.max_reasoning_tokens)
     else:
-        traces = build_traces(tok, load_gsm8k_rows(path, limit), think_open, think_close,
-                              cfg.style, cfg.max_reasoning_tokens)
+        traces = build_traces(tok, parse_file(path, "jsonl", "number", limit), think_open,
+                              think_close, cfg.style, cfg.max_reasoning_tokens)
     if not traces:
         raise ValueError(f"no usable trace in {path} (max_reasoning_tokens="
                          f"{cfg.max_reasoning_tokens})")
