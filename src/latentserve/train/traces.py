@@ -87,11 +87,3 @@ def build_colar_traces(tokenizer, items, max_reasoning_tokens: int = 256) -> lis
             out.append(Trace(prompt + tail[:1], steps, tail[:1], tail[1:]))
     return out
 
-
-def load_questions(data: str | Path | None, limit: int | None = None) -> list[tuple[str, str]]:
-    """``(question, gold)`` of the first ``limit`` examples of ``data`` (None: GSM8K
-    ``train.jsonl``; ``train.cot.read_items``'s formats). Raises ValueError for a malformed
-    file, FileNotFoundError."""
-    from latentserve.train.cot import read_items
-
-    return [(it.question, it.gold) for it in read_items(train_file(data))[:limit]]
