@@ -44,8 +44,6 @@ class TritonBackend(AttentionBackend):
                           ("extend_block_n", extend_block_n)):
             if val is not None and (val < 16 or val & (val - 1)):
                 raise ValueError(f"{name} must be a power of 2 >= 16, got {val}")
-        if num_kv_splits < 1:
-            raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         self.num_kv_splits = num_kv_splits
         self.num_sms = num_sms
         self.decode_block_n = decode_block_n

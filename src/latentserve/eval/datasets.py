@@ -88,8 +88,6 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
         raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {name!r}")
     rel, fmt, kind = DATASETS[name]
     p = Path(path) if path else find_data_file(rel, data_dir)
-    if not p.is_file():
-        raise FileNotFoundError(f"dataset file {p} does not exist")
     try:
         return parse_file(p, fmt, kind, limit)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON errors included
@@ -100,7 +98,9 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
 def parse_file(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
     """The items of file ``p`` in format ``fmt`` (see :func:`load_items`); ``jsonl``'s steps
     are the GSM8K solution before ``####``. ValueError naming the file and a malformed
-    ``jsonl`` or ``icot`` line."""
+    ``jsonl`` or ``icot`` line; FileNotFoundError naming a missing file."""
+    if not p.is_file():
+        raise FileNotFoundError(f"data file {p} does not exist")
     if fmt == "prosqa":
         return [Item(row["question"], row["answer"], kind, " ".join(row["steps"]))
                 for row in json.loads(p.read_text())][:limit]

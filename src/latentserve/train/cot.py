@@ -28,11 +28,7 @@ from latentserve.train.tasks import gsm8k_train_items
 def read_items(path: str | Path) -> list[Item]:
     """Items of a GSM8K ``.jsonl`` or iCoT text file. FileNotFoundError, ValueError."""
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"data file {p} does not exist")
-    if p.suffix == ".jsonl":
-        return gsm8k_train_items(p)
-    return parse_file(p, "icot", "text", None)
+    return gsm8k_train_items(p) if p.suffix == ".jsonl" else parse_file(p, "icot", "text", None)
 
 
 def encode_parts(tok, items: list[Item], mode: str = "cot"
