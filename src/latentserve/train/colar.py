@@ -148,8 +148,8 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
             model).get_input_embeddings().weight.detach().float().std().item(),
         compression_factor=cfg.compression_factor,
         max_compression_factor=cfg.max_compression_factor, max_latent=cfg.max_latent)
-    policy = (prior[1] if prior else colar.LatentPolicy(hidden, ccfg.intermediate_size))
-    policy = policy.to(cfg.device)
+    policy = (prior[1] if prior else colar.LatentPolicy(hidden, ccfg.intermediate_size)).to(
+        cfg.device)
     params = [p for p in model.parameters() if p.requires_grad] + list(policy.parameters())
     progress(f"train colar: {len(keep)} examples, {sum(p.numel() for p in params)} trainable "
              f"parameters, {cfg.steps} steps of {cfg.batch_size}, r from "

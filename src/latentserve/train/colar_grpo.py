@@ -113,9 +113,8 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
         with torch.autocast(dev.type, enabled=False):
             dist = policy(hidden[lb, lt - 1].float(), temperature=latent_temperature)
             lat = dist.log_prob(z.float() / embeds_std).mean(-1)
-    lat_rows = lat.split([r.n_latent for r in batch])
-    ans_rows = ans.split([len(r.answer_ids) for r in batch])
-    return list(lat_rows), list(ans_rows)
+    return (list(lat.split([r.n_latent for r in batch])),
+            list(ans.split([len(r.answer_ids) for r in batch])))
 
 
 def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,

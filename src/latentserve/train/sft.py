@@ -90,23 +90,23 @@ def sft_losses(head, feats, lat_idx: torch.Tensor, stop_idx: torch.Tensor, beta:
             "stop": stop, "mse": F.mse_loss(mu, t), "log_sigma": log_sigma.mean()}
 
 
-def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
-                   compression_factor: int, think_open: str, think_close: str):
+def capture_traces(model, tok, cfg, hc: HeadConfig):
     """``(traces, features)`` of ``cfg``'s training data (an :class:`SFTConfig` or
-    ``DaggerConfig``; ``train.traces`` in ``cfg.prompt_format``, ``think_open`` /
-    ``think_close`` / ``cfg.style`` for ``chat`` only) on the frozen ``model``. ValueError
-    when no trace fits or for a malformed file, FileNotFoundError."""
+    ``DaggerConfig``; ``train.traces`` in ``cfg.prompt_format``, ``hc.think_open`` /
+    ``think_close`` / ``cfg.style`` for ``chat`` only) on the frozen ``model`` at ``hc``'s
+    layers and compression factor. ValueError when no trace fits or for a malformed file,
+    FileNotFoundError."""
     path, limit = train_file(cfg.data), cfg.max_examples
     if cfg.prompt_format == "colar":
         traces = build_colar_traces(tok, read_items(path)[:limit], cfg.max_reasoning_tokens)
     else:
-        traces = build_traces(tok, parse_file(path, "jsonl", "number", limit), think_open,
-                              think_close, cfg.style, cfg.max_reasoning_tokens)
+        traces = build_traces(tok, parse_file(path, "jsonl", "number", limit), hc.think_open,
+                              hc.think_close, cfg.style, cfg.max_reasoning_tokens)
     if not traces:
         raise ValueError(f"no usable trace in {path} (max_reasoning_tokens="
                          f"{cfg.max_reasoning_tokens})")
-    feats = capture(model, traces, source_layer, target_layer, compression_factor,
-                    cfg.capture_batch_size, cfg.progress)
+    feats = capture(model, traces, hc.source_layer, hc.target_layer,
+                    hc.compression_factor or 1, cfg.capture_batch_size, cfg.progress)
     return traces, feats
 
 
@@ -168,15 +168,13 @@ def train_sft(cfg: SFTConfig) -> dict:
     src = cfg.source_layer if cfg.source_layer is not None else max(0, min(n - 2,
                                                                            round(0.8 * n) - 1))
     tgt = cfg.target_layer if cfg.target_layer is not None else n - 1
-    traces, feats = capture_traces(model, tok, cfg, src, tgt, cfg.compression_factor,
-                                   cfg.think_open, cfg.think_close)
-    t_capture = time.perf_counter() - t0
-    del model
-
-    hcfg = HeadConfig(hidden_size=feats.anchor.shape[1], latent_dim=cfg.latent_dim,
+    hcfg = HeadConfig(hidden_size=model.config.hidden_size, latent_dim=cfg.latent_dim,
                       mlp_dim=cfg.mlp_dim, source_layer=src, target_layer=tgt,
                       compression_factor=cfg.compression_factor,
                       think_open=cfg.think_open, think_close=cfg.think_close)
+    traces, feats = capture_traces(model, tok, cfg, hcfg)
+    t_capture = time.perf_counter() - t0
+    del model
     head = LatentHead(hcfg, has_stop_head=True, has_target_proj=True).to(cfg.device)
     head.target_proj.requires_grad_(False)
     out = Path(cfg.out)
