@@ -47,9 +47,7 @@ class TorchBackend(AttentionBackend):
         # Query i of request b sits at position start+i and sees keys 0..start+i.
         # NOTE: padded query rows attend to key 0 only, so SDPA never sees an all-False row.
         mask = (valid_q & (j <= start + i)) | (~valid_q & (j == 0))
-        b_idx = torch.repeat_interleave(torch.arange(len(layout.q_lens), device=dev), q)
-        offsets = torch.cumsum(q, 0) - q
-        flat_idx = b_idx * q_max + (torch.arange(int(q.sum()), device=dev) - offsets[b_idx])
+        flat_idx = valid_q.flatten().nonzero()[:, 0]  # request-major, as the tokens are
         return TorchMeta(page_table[layout.rows, :k_max], mask[:, None], flat_idx,
                          layout.out_slots)
 

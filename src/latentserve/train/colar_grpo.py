@@ -311,11 +311,10 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
              f"trainable parameters, {cfg.steps} steps of {cfg.questions_per_step} x "
              f"{cfg.group_size} rollouts, speed {c}, max_latent {max_latent}")
 
-    lp_temperature = cfg.latent_temperature if cfg.tempered_logprobs else 1.0
-
     def logprobs(batch):
         with trainer_forward(cfg.device, cfg.autocast):
-            return rollout_logprobs(model, policy, batch, ccfg.embeds_std, lp_temperature,
+            return rollout_logprobs(model, policy, batch, ccfg.embeds_std,
+                                    cfg.latent_temperature if cfg.tempered_logprobs else 1.0,
                                     cfg.answer_temperature)
 
     torch.manual_seed(cfg.seed)  # the rollouts' draws do not depend on what loading drew

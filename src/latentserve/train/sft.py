@@ -37,10 +37,7 @@ def load_backbone(model: str | None, device: str, dtype: str):
     if is_adapter_dir(d):  # its base with the adapter merged (models.lora), in float32
         adapter = read_adapter(d)
         m = AutoModelForCausalLM.from_pretrained(str(adapter.base_dir), dtype=torch.float32)
-        with torch.no_grad():
-            for name, w in merge_adapter(m.state_dict().items(), adapter, m.config):
-                if name in adapter.pairs:
-                    m.get_parameter(name).copy_(w)
+        m.load_state_dict(dict(merge_adapter(m.state_dict().items(), adapter, m.config)))
     else:
         m = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype))
     m = m.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
