@@ -166,8 +166,7 @@ class EngineSync:
         if engine.tp is not None:
             raise ValueError("colar-grpo needs a single-process engine "
                              "(tensor_parallel_size 1)")
-        served = engine.runner.model
-        mods = dict(served.named_modules())
+        mods = dict(engine.runner.model.named_modules())
         self.engine, self.targets = engine, []
         for name, layer in model.named_modules():
             if isinstance(layer, LoraLayer):

@@ -99,19 +99,6 @@ def right_pad(rows: list[list[int]], value: int = 0, device=None) -> torch.Tenso
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=device)
 
 
-def batch_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int,
-               device: str) -> torch.Tensor:
-    """Mean cross-entropy of the target tokens of right-padded ``batch``."""
-    ids = right_pad([p + t for p, t in batch], pad_id, device)
-    labels = right_pad([[-100] * len(p) + t for p, t in batch], -100, device)
-    lm = _lm(model)
-    hidden = lm.model(input_ids=ids).last_hidden_state[:, :-1]
-    target = labels[:, 1:]
-    keep = target != -100
-    logits = lm.lm_head(hidden[keep])
-    return F.cross_entropy(logits.float(), target[keep])
-
-
 @torch.no_grad()
 def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: int = 256,
                     batch_size: int = 256) -> dict:
@@ -235,8 +222,15 @@ def train(cfg: CotConfig, progress=print) -> dict:
     order = batches(len(examples), cfg.batch_size)
     out = Path(cfg.out)
 
-    def step_loss() -> tuple[torch.Tensor, dict]:
-        return batch_loss(model, [examples[i] for i in next(order)], pad, cfg.device), {}
+    lm = _lm(model)
+
+    def step_loss() -> tuple[torch.Tensor, dict]:  # mean CE of the right-padded targets
+        batch = [examples[i] for i in next(order)]
+        ids = right_pad([p + t for p, t in batch], pad, cfg.device)
+        target = right_pad([[-100] * len(p) + t for p, t in batch], -100, cfg.device)[:, 1:]
+        hidden = lm.model(input_ids=ids).last_hidden_state[:, :-1]
+        keep = target != -100
+        return F.cross_entropy(lm.lm_head(hidden[keep]).float(), target[keep]), {}
 
     log = optimise(cfg, params, step_loss, lambda log: save(model, out, base_name, cfg, log),
                    progress)

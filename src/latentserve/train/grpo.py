@@ -60,9 +60,8 @@ def policy_loss(policy, ref, actions: list[list], adv: torch.Tensor, sigma: floa
     if not rows:
         zero = torch.zeros((), device=dev, requires_grad=True)
         return zero, {"pg": 0.0, "kl": 0.0, "latent_steps": 0}
-    idx = torch.tensor([r[0] for r in rows], device=dev)
-    anchors = torch.stack([r[1] for r in rows]).to(dev)
-    z = torch.stack([r[2] for r in rows]).to(dev)
+    i, a, z = zip(*rows)
+    idx, anchors, z = torch.tensor(i, device=dev), torch.stack(a).to(dev), torch.stack(z).to(dev)
     mu = policy.encode(anchors)
     with torch.no_grad():
         mu_ref = ref.encode(anchors)
