@@ -158,7 +158,6 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
     model.train()
     policy.train()
     order = batches(len(keep), cfg.batch_size)
-    out = Path(cfg.out)
 
     def step_loss() -> tuple[torch.Tensor, dict]:
         r = (rng.choice(cfg.train_factors) if cfg.train_factors
@@ -174,7 +173,7 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
         return loss["total"], {"ce": loss["ce"], "embed": loss["embed"], "r": r}
 
     def checkpoint(log: list[dict]) -> None:  # a servable directory, as train cot's + CoLaR's
-        save(model, out, base_name, cfg, log, colar_files=(ccfg, policy))
+        save(model, base_name, cfg, log, colar_files=(ccfg, policy))
 
     log = optimise(cfg, params, step_loss, checkpoint, progress)
     checkpoint(log)

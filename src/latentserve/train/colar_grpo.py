@@ -85,14 +85,12 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
         ans_pos += [(b, q + n - 1 + j) for j in range(len(r.answer_ids))]
         targets += r.answer_ids
     x = emb(right_pad(ids, 0, dev))
-    T = x.shape[1]
     if lat_pos:
         lb, lt = torch.tensor(lat_pos, device=dev).T
         z = torch.cat([r.latents for r in batch]).to(dev)
         x = x.index_put((lb, lt), z.to(x.dtype))
     hidden = lm.model(inputs_embeds=x).last_hidden_state  # [B, T, H], after the final norm
-    lengths = torch.tensor([len(s) for s in ids], device=dev)
-    bad = ~torch.isfinite(hidden).all(-1) & (torch.arange(T, device=dev) < lengths[:, None])
+    bad = ~torch.isfinite(hidden).all(-1) & right_pad([[1] * len(s) for s in ids], 0, dev).bool()
     if bad.any():
         b, t = (int(v) for v in bad.nonzero()[0])
         r = batch[b]
@@ -303,8 +301,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
 
     def checkpoint() -> None:  # as train colar writes it, but the adapter in float32 (an RL
         # step at lr 1e-6 moves the LoRA weights far less than a bfloat16 ulp)
-        save(model, Path(cfg.out), base_name, cfg, log, torch.float32,
-             colar_files=(ccfg, policy))
+        save(model, base_name, cfg, log, torch.float32, colar_files=(ccfg, policy))
 
     progress(f"train colar-grpo: {len(items)} items, {sum(p.numel() for p in params)} "
              f"trainable parameters, {cfg.steps} steps of {cfg.questions_per_step} x "

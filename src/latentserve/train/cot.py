@@ -124,13 +124,14 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
             "thinking_median": statistics.median_high(thinking) if thinking else 0}
 
 
-def save(model, out: Path, base_name: str, cfg, log: list[dict],
+def save(model, base_name: str, cfg, log: list[dict],
          adapter_dtype: torch.dtype = torch.bfloat16, colar_files=None) -> None:
     """Write the PEFT adapter (in ``adapter_dtype``) or the full model, ``train_config.json``
-    and ``train_log.json``; with ``colar_files`` (``(ColarConfig, LatentPolicy)``) also
-    ``latent.colar.save_colar``'s files."""
+    and ``train_log.json`` to directory ``cfg.out``; with ``colar_files`` (``(ColarConfig,
+    LatentPolicy)``) also ``latent.colar.save_colar``'s files."""
     from safetensors.torch import save_file
 
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "peft_config"):
         from peft import get_peft_model_state_dict
@@ -220,8 +221,6 @@ def train(cfg: CotConfig, progress=print) -> dict:
     model.train()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     order = batches(len(examples), cfg.batch_size)
-    out = Path(cfg.out)
-
     lm = _lm(model)
 
     def step_loss() -> tuple[torch.Tensor, dict]:  # mean CE of the right-padded targets
@@ -232,11 +231,10 @@ def train(cfg: CotConfig, progress=print) -> dict:
         keep = target != -100
         return F.cross_entropy(lm.lm_head(hidden[keep]).float(), target[keep]), {}
 
-    log = optimise(cfg, params, step_loss, lambda log: save(model, out, base_name, cfg, log),
-                   progress)
+    log = optimise(cfg, params, step_loss, lambda log: save(model, base_name, cfg, log), progress)
     if evals:
         rec = dict(log[-1], eval=greedy_accuracy(model, tok, evals, cfg.device))
         log.append(rec)
         progress(json.dumps(rec))
-    save(model, out, base_name, cfg, log)
+    save(model, base_name, cfg, log)
     return log[-1]
