@@ -101,9 +101,8 @@ class TritonBackend(AttentionBackend):
         from latentserve.attention.kernels.decode_attention import prefetch_budget
         from latentserve.ops.kernels.pdl import pdl_enabled
 
-        if weight is None or not meta.is_decode or not weight.is_contiguous():
-            return False
-        if self.decode_splits(meta.num_reqs, kv_heads, weight.device) != 1:
+        if (weight is None or not meta.is_decode or not weight.is_contiguous()
+                or self.decode_splits(meta.num_reqs, kv_heads, weight.device) != 1):
             return False
         return (weight.numel() * weight.element_size() <= prefetch_budget()
                 and pdl_enabled(weight.device))
