@@ -186,7 +186,7 @@ def test_answer_length_does_not_grow_with_unused_latent_budget(head_dir, gsm_fil
 
 
 def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
-    from latentserve.train.traces import load_gsm8k_rows
+    from latentserve.eval.datasets import parse_file
 
     prosqa = tmp_path / "p.json"
     prosqa.write_text(json.dumps([{"question": "q", "answer": "a", "steps": []}]))
@@ -195,7 +195,7 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
     with pytest.raises(ValueError, match="is not a prosqa data file"):
         load_items("prosqa", gsm_file)
     with pytest.raises(ValueError, match=f"{prosqa}:1: not a GSM8K jsonl line"):
-        load_gsm8k_rows(prosqa)
+        parse_file(prosqa, "jsonl", "number", None)
 
 
 @pytest.mark.parametrize("extra,words", [

@@ -107,7 +107,10 @@ def test_dagger_round_rows_are_the_engines_anchors_labelled_by_step_index(toy):
     model, tok, _ = load_backbone(str(toy["adapter"]), "cpu", "float32")
     cfg = DaggerConfig(bundle=str(toy["sft"]), out="d.safetensors", data=str(toy["data"]),
                        prompt_format="colar", progress=False)
-    traces, teacher = capture_traces(model, tok, cfg, SOURCE, SOURCE + 1, C, "", "###")
+    hc = head.config  # the SFT bundle's layers, speed and colar thinking text
+    assert (hc.source_layer, hc.target_layer, hc.compression_factor) == (SOURCE, SOURCE + 1, C)
+    assert (hc.think_open, hc.think_close) == ("", "###")
+    traces, teacher = capture_traces(model, tok, cfg, hc)
     groups = [num_groups(len(t.reasoning), C) for t in traces[:3]]
     first = list(accumulate([g + 1 for g in groups], initial=0))  # row k = 0 of each trace
     traces = traces[:3]

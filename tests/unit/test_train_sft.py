@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from latentserve.eval.datasets import parse_file
 from latentserve.train.features import anchor_positions, capture
 from latentserve.train.traces import build_traces, reasoning_text
 
@@ -57,11 +58,12 @@ def test_anchor_positions_follow_groups_of_the_compression_factor():
     assert anchor_positions(3, 1, 1) == [2, 3]
 
 
-def test_features_equal_hidden_states_of_each_trace_run_alone(tiny_dir, smollm2_tokenizer):
+def test_features_equal_hidden_states_of_each_trace_run_alone(tiny_dir, smollm2_tokenizer,
+                                                              data_file):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    traces = build_traces(smollm2_tokenizer, _rows(3))
+    traces = build_traces(smollm2_tokenizer, parse_file(data_file, "jsonl", "number", 3))
     c, src, tgt = 3, 1, 2
     feats = capture(model, traces, src, tgt, c, batch_size=3, progress=False)  # padded
     row = 0

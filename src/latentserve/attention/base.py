@@ -20,14 +20,6 @@ class BatchLayout:
     rows: torch.Tensor
     out_slots: torch.Tensor
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.q_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.out_slots.numel())
-
 
 class AttentionBackend:
     """``prepare`` builds per-batch metadata from a ``BatchLayout``; ``forward`` stores one layer's

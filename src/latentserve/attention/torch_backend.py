@@ -21,8 +21,6 @@ class TorchMeta:
     mask: torch.Tensor
     flat_idx: torch.Tensor
     out_slots: torch.Tensor
-    num_reqs: int
-    q_max: int
 
 
 class TorchBackend(AttentionBackend):
@@ -49,23 +47,15 @@ class TorchBackend(AttentionBackend):
         # Query i of request b sits at position start+i and sees keys 0..start+i.
         # NOTE: padded query rows attend to key 0 only, so SDPA never sees an all-False row.
         mask = (valid_q & (j <= start + i)) | (~valid_q & (j == 0))
-        b_idx = torch.repeat_interleave(torch.arange(len(layout.q_lens), device=dev), q)
-        offsets = torch.cumsum(q, 0) - q
-        flat_idx = b_idx * q_max + (torch.arange(int(q.sum()), device=dev) - offsets[b_idx])
-        return TorchMeta(
-            kv_index=page_table[layout.rows, :k_max],
-            mask=mask[:, None],
-            flat_idx=flat_idx,
-            out_slots=layout.out_slots,
-            num_reqs=len(layout.q_lens),
-            q_max=q_max,
-        )
+        flat_idx = valid_q.flatten().nonzero()[:, 0]  # request-major, as the tokens are
+        return TorchMeta(page_table[layout.rows, :k_max], mask[:, None], flat_idx,
+                         layout.out_slots)
 
     def forward(self, layer, q, k, v, meta: TorchMeta, kv_pool, scale, prefetch_next=None):
         if k is not None:  # None: the caller stored them (the contract allows; unused here)
             kv_pool.store(layer, meta.out_slots, k, v)
         n_heads, d = q.shape[1], q.shape[2]
-        b, q_max = meta.num_reqs, meta.q_max
+        b, _, q_max, _ = meta.mask.shape
         if q_max == 1:
             qp = q[:, None]  # decode: T == B, already in request order
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -43,8 +44,6 @@ class TritonBackend(AttentionBackend):
                           ("extend_block_n", extend_block_n)):
             if val is not None and (val < 16 or val & (val - 1)):
                 raise ValueError(f"{name} must be a power of 2 >= 16, got {val}")
-        if num_kv_splits < 1:
-            raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         self.num_kv_splits = num_kv_splits
         self.num_sms = num_sms
         self.decode_block_n = decode_block_n
@@ -70,23 +69,13 @@ class TritonBackend(AttentionBackend):
 
     def prepare(self, layout: BatchLayout, page_table: torch.Tensor) -> TritonMeta:
         """Build the batch's metadata on ``page_table``'s device (one host-to-device copy)."""
-        dev = page_table.device
-        q_start = [0]
-        for n in layout.q_lens:
-            q_start.append(q_start[-1] + n)
+        dev, b = page_table.device, len(layout.q_lens)
         # One transfer for both int32 vectors: [q_start (B + 1) | kv_lens (B)].
-        packed = torch.tensor(q_start + list(layout.kv_lens), dtype=torch.int32, device=dev)
-        b = layout.num_reqs
-        return TritonMeta(
-            rows=layout.rows.to(device=dev, dtype=torch.int64),
-            q_start=packed[: b + 1],
-            kv_lens=packed[b + 1:],
-            out_slots=layout.out_slots,
-            page_table=page_table,
-            num_reqs=b,
-            max_q_len=max(layout.q_lens),
-            is_decode=all(n == 1 for n in layout.q_lens),
-        )
+        packed = torch.tensor([*accumulate(layout.q_lens, initial=0), *layout.kv_lens],
+                              dtype=torch.int32, device=dev)
+        return TritonMeta(layout.rows.to(device=dev, dtype=torch.int64), packed[:b + 1],
+                          packed[b + 1:], layout.out_slots, page_table, b, max(layout.q_lens),
+                          all(n == 1 for n in layout.q_lens))
 
     def forward(self, layer, q, k, v, meta: TritonMeta, kv_pool, scale, prefetch_next=None):
         k_cache, v_cache = kv_pool.k[layer], kv_pool.v[layer]
@@ -112,9 +101,8 @@ class TritonBackend(AttentionBackend):
         from latentserve.attention.kernels.decode_attention import prefetch_budget
         from latentserve.ops.kernels.pdl import pdl_enabled
 
-        if weight is None or not meta.is_decode or not weight.is_contiguous():
-            return False
-        if self.decode_splits(meta.num_reqs, kv_heads, weight.device) != 1:
+        if (weight is None or not meta.is_decode or not weight.is_contiguous()
+                or self.decode_splits(meta.num_reqs, kv_heads, weight.device) != 1):
             return False
         return (weight.numel() * weight.element_size() <= prefetch_budget()
                 and pdl_enabled(weight.device))

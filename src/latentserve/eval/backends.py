@@ -50,7 +50,7 @@ class EngineBackend:
         self._ids = itertools.count()
 
     def run(self, requests: list[Request], **head_controls) -> list[Completion]:
-        start, rids = time.perf_counter(), []
+        start, reqs = time.perf_counter(), {}
         n_close = len(self.engine.latent_spec.end_ids) if self.has_head else 0
         for r in requests:
             if r.max_latent is not None and not self.has_head:
@@ -61,32 +61,28 @@ class EngineBackend:
             if r.max_latent is not None:
                 extra |= {"max_latent": r.max_latent, "min_output_tokens": 0, **head_controls}
                 max_tokens += r.max_latent + n_close
-            rids.append(f"eval-{next(self._ids)}")
-            self.engine.add_request(rids[-1], chat_prompt_ids(self.tokenizer, r.user),
+            rid = f"eval-{next(self._ids)}"
+            reqs[rid] = r
+            self.engine.add_request(rid, chat_prompt_ids(self.tokenizer, r.user),
                                     SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                    **extra))
-        toks = {rid: [] for rid in rids}
+        toks: dict[str, list[int]] = {rid: [] for rid in reqs}
         done = {}
         while self.engine.has_unfinished_requests():
             for o in self.engine.step():
-                if o.rid not in toks:
+                if o.rid not in reqs:
                     continue
                 toks[o.rid] += o.new_token_ids
                 if o.finished:
-                    st = o.latent_stats or {}
-                    done[o.rid] = (time.perf_counter() - start, st.get("steps", o.latent_steps)
-                                   or 0, o.finish_reason, st.get("end"))
-        out = []
-        for rid, r in zip(rids, requests):
-            lat, steps, reason, end = done[rid]
-            # The latent steps a stop head left unused would otherwise lengthen the answer
-            # (they share max_tokens): every answer gets at most r.max_tokens tokens.
-            answer = toks[rid][: r.max_tokens]
-            if len(answer) < len(toks[rid]):
-                reason = "length"
-            text = self.tokenizer.decode(answer, skip_special_tokens=True)
-            out.append(Completion(text, len(answer), steps, lat, reason, end))
-        return out
+                    # The latent steps a stop head left unused would otherwise lengthen the
+                    # answer (they share max_tokens): every answer gets at most max_tokens.
+                    st, answer = o.latent_stats or {}, toks[o.rid][:reqs[o.rid].max_tokens]
+                    done[o.rid] = Completion(
+                        self.tokenizer.decode(answer, skip_special_tokens=True), len(answer),
+                        st.get("steps", o.latent_steps) or 0, time.perf_counter() - start,
+                        "length" if len(answer) < len(toks[o.rid]) else o.finish_reason,
+                        st.get("end"))
+        return [done[rid] for rid in reqs]
 
 
 class OpenAIBackend:

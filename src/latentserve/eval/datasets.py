@@ -83,24 +83,24 @@ def load_items(name: str, path: str | Path | None = None, limit: int | None = No
     """Items of data set ``name`` (a key of ``DATASETS``) from ``path`` (default: its file
     found by :func:`find_data_file` under ``data_dir``, ``$LATENTSERVE_DATA`` or the
     package); the first ``limit`` only when given. Raises ValueError for an unknown name or
-    a malformed line (naming the file and line), FileNotFoundError."""
+    a malformed file (naming it, and the line where it can), FileNotFoundError."""
     if name not in DATASETS:
         raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {name!r}")
     rel, fmt, kind = DATASETS[name]
     p = Path(path) if path else find_data_file(rel, data_dir)
-    if not p.is_file():
-        raise FileNotFoundError(f"dataset file {p} does not exist")
     try:
         return parse_file(p, fmt, kind, limit)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON errors included
-        if isinstance(exc, ValueError) and str(exc).startswith(str(p)):
-            raise
         raise ValueError(f"{p} is not a {name} data file ({fmt} format): "
                          f"{type(exc).__name__}: {exc}") from None
 
 
 def parse_file(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
-    """The items of file ``p`` in format ``fmt`` (see :func:`load_items`)."""
+    """The items of file ``p`` in format ``fmt`` (see :func:`load_items`); ``jsonl``'s steps
+    are the GSM8K solution before ``####``. ValueError naming the file and a malformed
+    ``jsonl`` or ``icot`` line; FileNotFoundError naming a missing file."""
+    if not p.is_file():
+        raise FileNotFoundError(f"data file {p} does not exist")
     if fmt == "prosqa":
         return [Item(row["question"], row["answer"], kind, " ".join(row["steps"]))
                 for row in json.loads(p.read_text())][:limit]
@@ -109,7 +109,14 @@ def parse_file(p: Path, fmt: str, kind: str, limit: int | None) -> list[Item]:
         if not line.strip():
             continue
         if fmt == "jsonl":
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+                ok = all(isinstance(row.get(k), str) for k in ("question", "answer"))
+            except (ValueError, AttributeError):
+                ok = False
+            if not ok:
+                raise ValueError(f"{p}:{n}: not a GSM8K jsonl line (a JSON object with string "
+                                 "'question' and 'answer')")
             body, _, gold = row["answer"].rpartition("####")
             items.append(Item(row["question"], gold.strip(), kind, body.strip()))
         else:

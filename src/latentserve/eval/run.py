@@ -55,13 +55,10 @@ def parse_sweep(spec: str, keys: tuple[str, ...] = ("max_latent",)) -> tuple[str
     if key not in keys or not sep:
         shapes = " or ".join(f"{k}=..." for k in keys)
         raise ValueError(f"--sweep must look like {shapes} (e.g. {keys[0]}=0,4,8); got {spec!r}")
-    try:
-        out = [int(v) for v in vals.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"--sweep values must be integers, got {vals!r}") from None
-    if not out or any(v < 0 for v in out):
+    out = [v.strip() for v in vals.split(",") if v.strip()]
+    if not out or not all(v.isdecimal() for v in out):
         raise ValueError(f"--sweep needs integers >= 0, got {vals!r}")
-    return key, out
+    return key, [int(v) for v in out]
 
 
 ACCURACY_KEYS = (("accuracy_flexible", "flexible"), ("accuracy_strict", "strict"))

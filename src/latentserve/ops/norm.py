@@ -10,10 +10,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim: x ``[..., hidden]``,
     weight ``[hidden]``; statistics in fp32, cast to ``x.dtype`` before the weight multiply.
     Returns ``[..., hidden]`` in the promoted dtype of ``weight`` and ``x``."""
-    dtype = x.dtype
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

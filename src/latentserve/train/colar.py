@@ -148,8 +148,8 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
             model).get_input_embeddings().weight.detach().float().std().item(),
         compression_factor=cfg.compression_factor,
         max_compression_factor=cfg.max_compression_factor, max_latent=cfg.max_latent)
-    policy = (prior[1] if prior else colar.LatentPolicy(hidden, ccfg.intermediate_size))
-    policy = policy.to(cfg.device)
+    policy = (prior[1] if prior else colar.LatentPolicy(hidden, ccfg.intermediate_size)).to(
+        cfg.device)
     params = [p for p in model.parameters() if p.requires_grad] + list(policy.parameters())
     progress(f"train colar: {len(keep)} examples, {sum(p.numel() for p in params)} trainable "
              f"parameters, {cfg.steps} steps of {cfg.batch_size}, r from "
@@ -158,7 +158,6 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
     model.train()
     policy.train()
     order = batches(len(keep), cfg.batch_size)
-    out = Path(cfg.out)
 
     def step_loss() -> tuple[torch.Tensor, dict]:
         r = (rng.choice(cfg.train_factors) if cfg.train_factors
@@ -174,7 +173,7 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
         return loss["total"], {"ce": loss["ce"], "embed": loss["embed"], "r": r}
 
     def checkpoint(log: list[dict]) -> None:  # a servable directory, as train cot's + CoLaR's
-        save(model, out, base_name, cfg, log, colar_files=(ccfg, policy))
+        save(model, base_name, cfg, log, colar_files=(ccfg, policy))
 
     log = optimise(cfg, params, step_loss, checkpoint, progress)
     checkpoint(log)

@@ -85,14 +85,12 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
         ans_pos += [(b, q + n - 1 + j) for j in range(len(r.answer_ids))]
         targets += r.answer_ids
     x = emb(right_pad(ids, 0, dev))
-    T = x.shape[1]
     if lat_pos:
         lb, lt = torch.tensor(lat_pos, device=dev).T
         z = torch.cat([r.latents for r in batch]).to(dev)
         x = x.index_put((lb, lt), z.to(x.dtype))
     hidden = lm.model(inputs_embeds=x).last_hidden_state  # [B, T, H], after the final norm
-    lengths = torch.tensor([len(s) for s in ids], device=dev)
-    bad = ~torch.isfinite(hidden).all(-1) & (torch.arange(T, device=dev) < lengths[:, None])
+    bad = ~torch.isfinite(hidden).all(-1) & right_pad([[1] * len(s) for s in ids], 0, dev).bool()
     if bad.any():
         b, t = (int(v) for v in bad.nonzero()[0])
         r = batch[b]
@@ -113,9 +111,8 @@ def rollout_logprobs(model, policy: colar.LatentPolicy, batch: list[Rollout],
         with torch.autocast(dev.type, enabled=False):
             dist = policy(hidden[lb, lt - 1].float(), temperature=latent_temperature)
             lat = dist.log_prob(z.float() / embeds_std).mean(-1)
-    lat_rows = lat.split([r.n_latent for r in batch])
-    ans_rows = ans.split([len(r.answer_ids) for r in batch])
-    return list(lat_rows), list(ans_rows)
+    return (list(lat.split([r.n_latent for r in batch])),
+            list(ans.split([len(r.answer_ids) for r in batch])))
 
 
 def grpo_loss(new: tuple[list, list], old: tuple[list, list], adv: torch.Tensor,
@@ -167,8 +164,7 @@ class EngineSync:
         if engine.tp is not None:
             raise ValueError("colar-grpo needs a single-process engine "
                              "(tensor_parallel_size 1)")
-        served = engine.runner.model
-        mods = dict(served.named_modules())
+        mods = dict(engine.runner.model.named_modules())
         self.engine, self.targets = engine, []
         for name, layer in model.named_modules():
             if isinstance(layer, LoraLayer):
@@ -305,18 +301,16 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
 
     def checkpoint() -> None:  # as train colar writes it, but the adapter in float32 (an RL
         # step at lr 1e-6 moves the LoRA weights far less than a bfloat16 ulp)
-        save(model, Path(cfg.out), base_name, cfg, log, torch.float32,
-             colar_files=(ccfg, policy))
+        save(model, base_name, cfg, log, torch.float32, colar_files=(ccfg, policy))
 
     progress(f"train colar-grpo: {len(items)} items, {sum(p.numel() for p in params)} "
              f"trainable parameters, {cfg.steps} steps of {cfg.questions_per_step} x "
              f"{cfg.group_size} rollouts, speed {c}, max_latent {max_latent}")
 
-    lp_temperature = cfg.latent_temperature if cfg.tempered_logprobs else 1.0
-
     def logprobs(batch):
         with trainer_forward(cfg.device, cfg.autocast):
-            return rollout_logprobs(model, policy, batch, ccfg.embeds_std, lp_temperature,
+            return rollout_logprobs(model, policy, batch, ccfg.embeds_std,
+                                    cfg.latent_temperature if cfg.tempered_logprobs else 1.0,
                                     cfg.answer_temperature)
 
     torch.manual_seed(cfg.seed)  # the rollouts' draws do not depend on what loading drew

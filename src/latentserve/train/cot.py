@@ -28,11 +28,7 @@ from latentserve.train.tasks import gsm8k_train_items
 def read_items(path: str | Path) -> list[Item]:
     """Items of a GSM8K ``.jsonl`` or iCoT text file. FileNotFoundError, ValueError."""
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"data file {p} does not exist")
-    if p.suffix == ".jsonl":
-        return gsm8k_train_items(p)
-    return parse_file(p, "icot", "text", None)
+    return gsm8k_train_items(p) if p.suffix == ".jsonl" else parse_file(p, "icot", "text", None)
 
 
 def encode_parts(tok, items: list[Item], mode: str = "cot"
@@ -103,19 +99,6 @@ def right_pad(rows: list[list[int]], value: int = 0, device=None) -> torch.Tenso
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], device=device)
 
 
-def batch_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int,
-               device: str) -> torch.Tensor:
-    """Mean cross-entropy of the target tokens of right-padded ``batch``."""
-    ids = right_pad([p + t for p, t in batch], pad_id, device)
-    labels = right_pad([[-100] * len(p) + t for p, t in batch], -100, device)
-    lm = _lm(model)
-    hidden = lm.model(input_ids=ids).last_hidden_state[:, :-1]
-    target = labels[:, 1:]
-    keep = target != -100
-    logits = lm.lm_head(hidden[keep])
-    return F.cross_entropy(logits.float(), target[keep])
-
-
 @torch.no_grad()
 def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: int = 256,
                     batch_size: int = 256) -> dict:
@@ -141,13 +124,14 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
             "thinking_median": statistics.median_high(thinking) if thinking else 0}
 
 
-def save(model, out: Path, base_name: str, cfg, log: list[dict],
+def save(model, base_name: str, cfg, log: list[dict],
          adapter_dtype: torch.dtype = torch.bfloat16, colar_files=None) -> None:
     """Write the PEFT adapter (in ``adapter_dtype``) or the full model, ``train_config.json``
-    and ``train_log.json``; with ``colar_files`` (``(ColarConfig, LatentPolicy)``) also
-    ``latent.colar.save_colar``'s files."""
+    and ``train_log.json`` to directory ``cfg.out``; with ``colar_files`` (``(ColarConfig,
+    LatentPolicy)``) also ``latent.colar.save_colar``'s files."""
     from safetensors.torch import save_file
 
+    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if hasattr(model, "peft_config"):
         from peft import get_peft_model_state_dict
@@ -237,16 +221,20 @@ def train(cfg: CotConfig, progress=print) -> dict:
     model.train()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     order = batches(len(examples), cfg.batch_size)
-    out = Path(cfg.out)
+    lm = _lm(model)
 
-    def step_loss() -> tuple[torch.Tensor, dict]:
-        return batch_loss(model, [examples[i] for i in next(order)], pad, cfg.device), {}
+    def step_loss() -> tuple[torch.Tensor, dict]:  # mean CE of the right-padded targets
+        batch = [examples[i] for i in next(order)]
+        ids = right_pad([p + t for p, t in batch], pad, cfg.device)
+        target = right_pad([[-100] * len(p) + t for p, t in batch], -100, cfg.device)[:, 1:]
+        hidden = lm.model(input_ids=ids).last_hidden_state[:, :-1]
+        keep = target != -100
+        return F.cross_entropy(lm.lm_head(hidden[keep]).float(), target[keep]), {}
 
-    log = optimise(cfg, params, step_loss, lambda log: save(model, out, base_name, cfg, log),
-                   progress)
+    log = optimise(cfg, params, step_loss, lambda log: save(model, base_name, cfg, log), progress)
     if evals:
         rec = dict(log[-1], eval=greedy_accuracy(model, tok, evals, cfg.device))
         log.append(rec)
         progress(json.dumps(rec))
-    save(model, out, base_name, cfg, log)
+    save(model, base_name, cfg, log)
     return log[-1]

@@ -63,14 +63,12 @@ def closed_loop_metrics(head, anchors: list[torch.Tensor], rows: Features,
     """The head on its own rollouts: ``stop_at_gold`` / ``stop_early`` / ``stop_late``
     (fractions whose stop probability first passes ``threshold`` at ``j == G``, ``1 <= j <
     G``, later or never), ``mse`` of mu against the targets, ``stop_prob_at_gold``."""
-    probs = head.stop_prob(rows.anchor).tolist()
+    probs = [p.tolist() for p in head.stop_prob(rows.anchor).split([len(a) for a in anchors])]
     has = rows.has_target
     t = F.layer_norm(head.target_proj(rows.target[has]), (head.config.latent_dim,))
     mse = float(F.mse_loss(head.encode(rows.anchor[has]), t)) if bool(has.any()) else 0.0
-    at, early, at_gold, start = 0, 0, [], 0
-    for a, g in zip(anchors, groups):
-        p = probs[start:start + len(a)]
-        start += len(a)
+    at, early, at_gold = 0, 0, []
+    for p, g in zip(probs, groups):
         fire = next((j for j in range(1, len(p)) if p[j] > threshold), None)
         at += fire == g
         early += fire is not None and fire < g
@@ -108,8 +106,7 @@ def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
                          f"{cfg.prompt_format!r} prompt format")
     c = hc.compression_factor or 1
     model, tok, _ = load_backbone(cfg.model, cfg.device, cfg.dtype)
-    traces, teacher = capture_traces(model, tok, cfg, hc.source_layer, hc.target_layer, c,
-                                     hc.think_open, hc.think_close)
+    traces, teacher = capture_traces(model, tok, cfg, hc)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the engine sizes its KV pool from the free memory

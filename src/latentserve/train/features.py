@@ -60,7 +60,6 @@ def capture(model, traces, source_layer: int, target_layer: int, c: int,
         if not 0 <= v < n_layers:
             raise ValueError(f"{name} must be in [0, {n_layers - 1}], got {v}")
     device = next(model.parameters()).device
-    emb = model.get_input_embeddings()
     rows = {k: [] for k in ("anchor", "target", "embed", "has_target", "stop")}
 
     for start in tqdm(range(0, len(traces), batch_size), desc="capturing hidden states",
@@ -74,7 +73,7 @@ def capture(model, traces, source_layer: int, target_layer: int, c: int,
         src = out.hidden_states[source_layer + 1].float()
         tgt = out.hidden_states[target_layer + 1].float()
         tgt = F.layer_norm(tgt, (tgt.shape[-1],))
-        e = emb(ids).float()
+        e = model.get_input_embeddings()(ids).float()
         for i, tr in enumerate(batch):
             p, t = len(tr.prompt), len(tr.reasoning)
             pos = anchor_positions(p, t, c)

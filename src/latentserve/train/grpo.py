@@ -23,9 +23,10 @@ from latentserve.latent import colar
 from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
 from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
+from latentserve.train.cot import read_items
 from latentserve.train.options import GRPOConfig
 from latentserve.train.sft import adamw_warmup_linear, write_log
-from latentserve.train.traces import load_questions
+from latentserve.train.traces import train_file
 
 
 def reward(text: str, gold: str, stats: dict, prompt_format: str = "chat",
@@ -59,9 +60,8 @@ def policy_loss(policy, ref, actions: list[list], adv: torch.Tensor, sigma: floa
     if not rows:
         zero = torch.zeros((), device=dev, requires_grad=True)
         return zero, {"pg": 0.0, "kl": 0.0, "latent_steps": 0}
-    idx = torch.tensor([r[0] for r in rows], device=dev)
-    anchors = torch.stack([r[1] for r in rows]).to(dev)
-    z = torch.stack([r[2] for r in rows]).to(dev)
+    i, a, z = zip(*rows)
+    idx, anchors, z = torch.tensor(i, device=dev), torch.stack(a).to(dev), torch.stack(z).to(dev)
     mu = policy.encode(anchors)
     with torch.no_grad():
         mu_ref = ref.encode(anchors)
@@ -123,7 +123,7 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     policy.reasoning_head.net.requires_grad_(True)
     params = list(policy.reasoning_head.net.parameters())
     opt, sched = adamw_warmup_linear(params, cfg.lr, cfg.steps, warmup=0.0)
-    rows = load_questions(cfg.data, cfg.max_examples)
+    items = read_items(train_file(cfg.data))[:cfg.max_examples]
     tok = engine.tokenizer
     n_close = len(engine.latent_spec.end_ids)
     sp = SamplingParams(max_tokens=cfg.max_latent + n_close + cfg.answer_tokens,
@@ -133,18 +133,19 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     reward_of = reward_fn or (lambda t, g, s: reward(t, g, s, cfg.prompt_format,
                                                      cfg.close_bonus))
     gen = torch.Generator().manual_seed(cfg.seed)
-    order = torch.randperm(len(rows), generator=gen).tolist()
+    order = torch.randperm(len(items), generator=gen).tolist()
     history = []
     bar = tqdm(range(cfg.steps), desc="grpo", unit="step", disable=not cfg.progress)
     for step in bar:
-        pick = [rows[order[(step * cfg.questions_per_step + j) % len(rows)]]
+        pick = [items[order[(step * cfg.questions_per_step + j) % len(items)]]
                 for j in range(cfg.questions_per_step)]
         # the prefill before the head's opening ids: CoLaR's prompt at speed 1, or the chat's
-        prompts = (colar.prompt_ids(tok, [q for q, _ in pick]) if cfg.prompt_format == "colar"
-                   else [chat_prompt_ids(tok, q) for q, _ in pick])
+        qs = [it.question for it in pick]
+        prompts = (colar.prompt_ids(tok, qs) if cfg.prompt_format == "colar"
+                   else [chat_prompt_ids(tok, q) for q in qs])
         outs = run_requests(engine, [(ids, sp) for ids in prompts
                                      for _ in range(cfg.group_size)], "grpo")
-        golds = [g for _, g in pick for _ in range(cfg.group_size)]
+        golds = [it.gold for it in pick for _ in range(cfg.group_size)]
         texts = [tok.decode(t, skip_special_tokens=True) for t, _ in outs]
         r = torch.tensor([reward_of(t, g, st) for t, g, (_, st) in zip(texts, golds, outs)])
         adv = group_advantages(r.view(cfg.questions_per_step, cfg.group_size)).flatten()

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from latentserve.eval.datasets import parse_file
 from latentserve.latent.bundle import bundle_from_module, write_bundle
 from latentserve.latent.head import HeadConfig, LatentHead
 from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolve_model_dir
@@ -23,12 +24,7 @@ from latentserve.models.lora import merge_adapter, read_adapter
 from latentserve.train.cot import read_items
 from latentserve.train.features import capture
 from latentserve.train.options import SFTConfig
-from latentserve.train.traces import (
-    build_colar_traces,
-    build_traces,
-    load_gsm8k_rows,
-    train_file,
-)
+from latentserve.train.traces import build_colar_traces, build_traces, train_file
 
 
 def load_backbone(model: str | None, device: str, dtype: str):
@@ -41,10 +37,7 @@ def load_backbone(model: str | None, device: str, dtype: str):
     if is_adapter_dir(d):  # its base with the adapter merged (models.lora), in float32
         adapter = read_adapter(d)
         m = AutoModelForCausalLM.from_pretrained(str(adapter.base_dir), dtype=torch.float32)
-        with torch.no_grad():
-            for name, w in merge_adapter(m.state_dict().items(), adapter, m.config):
-                if name in adapter.pairs:
-                    m.get_parameter(name).copy_(w)
+        m.load_state_dict(dict(merge_adapter(m.state_dict().items(), adapter, m.config)))
     else:
         m = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype))
     m = m.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
@@ -94,23 +87,23 @@ def sft_losses(head, feats, lat_idx: torch.Tensor, stop_idx: torch.Tensor, beta:
             "stop": stop, "mse": F.mse_loss(mu, t), "log_sigma": log_sigma.mean()}
 
 
-def capture_traces(model, tok, cfg, source_layer: int, target_layer: int,
-                   compression_factor: int, think_open: str, think_close: str):
+def capture_traces(model, tok, cfg, hc: HeadConfig):
     """``(traces, features)`` of ``cfg``'s training data (an :class:`SFTConfig` or
-    ``DaggerConfig``; ``train.traces`` in ``cfg.prompt_format``, ``think_open`` /
-    ``think_close`` / ``cfg.style`` for ``chat`` only) on the frozen ``model``. ValueError
-    when no trace fits or for a malformed file, FileNotFoundError."""
+    ``DaggerConfig``; ``train.traces`` in ``cfg.prompt_format``, ``hc.think_open`` /
+    ``think_close`` / ``cfg.style`` for ``chat`` only) on the frozen ``model`` at ``hc``'s
+    layers and compression factor. ValueError when no trace fits or for a malformed file,
+    FileNotFoundError."""
     path, limit = train_file(cfg.data), cfg.max_examples
     if cfg.prompt_format == "colar":
         traces = build_colar_traces(tok, read_items(path)[:limit], cfg.max_reasoning_tokens)
     else:
-        traces = build_traces(tok, load_gsm8k_rows(path, limit), think_open, think_close,
-                              cfg.style, cfg.max_reasoning_tokens)
+        traces = build_traces(tok, parse_file(path, "jsonl", "number", limit), hc.think_open,
+                              hc.think_close, cfg.style, cfg.max_reasoning_tokens)
     if not traces:
         raise ValueError(f"no usable trace in {path} (max_reasoning_tokens="
                          f"{cfg.max_reasoning_tokens})")
-    feats = capture(model, traces, source_layer, target_layer, compression_factor,
-                    cfg.capture_batch_size, cfg.progress)
+    feats = capture(model, traces, hc.source_layer, hc.target_layer,
+                    hc.compression_factor or 1, cfg.capture_batch_size, cfg.progress)
     return traces, feats
 
 
@@ -172,15 +165,13 @@ def train_sft(cfg: SFTConfig) -> dict:
     src = cfg.source_layer if cfg.source_layer is not None else max(0, min(n - 2,
                                                                            round(0.8 * n) - 1))
     tgt = cfg.target_layer if cfg.target_layer is not None else n - 1
-    traces, feats = capture_traces(model, tok, cfg, src, tgt, cfg.compression_factor,
-                                   cfg.think_open, cfg.think_close)
-    t_capture = time.perf_counter() - t0
-    del model
-
-    hcfg = HeadConfig(hidden_size=feats.anchor.shape[1], latent_dim=cfg.latent_dim,
+    hcfg = HeadConfig(hidden_size=model.config.hidden_size, latent_dim=cfg.latent_dim,
                       mlp_dim=cfg.mlp_dim, source_layer=src, target_layer=tgt,
                       compression_factor=cfg.compression_factor,
                       think_open=cfg.think_open, think_close=cfg.think_close)
+    traces, feats = capture_traces(model, tok, cfg, hcfg)
+    t_capture = time.perf_counter() - t0
+    del model
     head = LatentHead(hcfg, has_stop_head=True, has_target_proj=True).to(cfg.device)
     head.target_proj.requires_grad_(False)
     out = Path(cfg.out)

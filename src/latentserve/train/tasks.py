@@ -10,8 +10,8 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from latentserve.eval.datasets import Item
-from latentserve.train.traces import load_gsm8k_rows, reasoning_text
+from latentserve.eval.datasets import Item, parse_file
+from latentserve.train.traces import reasoning_text
 
 
 def digits(n: int, width: int) -> str:
@@ -78,9 +78,9 @@ def write_icot(items: Iterable[Item], path: str | Path) -> int:
     return len(lines)
 
 
-def gsm8k_train_items(path: str | Path, limit: int | None = None) -> list[Item]:
+def gsm8k_train_items(path: str | Path) -> list[Item]:
     """GSM8K jsonl rows as items: steps the ``<<...>>`` annotations, gold after ``####``
-    (commas removed). Errors as ``traces.load_gsm8k_rows``."""
-    return [Item(r["question"].strip(), r["answer"].rpartition("####")[2].strip().replace(",", ""),
-                 "number", reasoning_text(r["answer"], "equations"))
-            for r in load_gsm8k_rows(path, limit)]
+    (commas removed). Errors as ``datasets.parse_file``."""
+    return [Item(it.question.strip(), it.gold.replace(",", ""), "number",
+                 reasoning_text(it.steps, "equations"))
+            for it in parse_file(Path(path), "jsonl", "number", None)]

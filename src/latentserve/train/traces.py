@@ -5,12 +5,11 @@ Design notes: docs/internals.md, "latentserve.train.traces".
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from latentserve.eval.datasets import chat_prompt_ids, find_data_file
+from latentserve.eval.datasets import Item, chat_prompt_ids, find_data_file
 
 # Thinking-span text for a backbone without <think> tokens (SmolLM2): the closing leads the
 # frozen model into stating the answer.
@@ -56,46 +55,24 @@ def train_file(path: str | Path | None) -> Path:
     return find_data_file("gsm8k/train.jsonl", flag="--data FILE")
 
 
-def load_gsm8k_rows(path: str | Path, limit: int | None = None) -> list[dict]:
-    """``{"question", "answer"}`` rows of a GSM8K jsonl file (the first ``limit``).
-    Raises FileNotFoundError naming the file; ValueError naming the file and line when a
-    line is not a JSON object with string ``question`` and ``answer``."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                    ok = all(isinstance(row.get(k), str) for k in ("question", "answer"))
-                except (ValueError, AttributeError):
-                    ok = False
-                if not ok:
-                    raise ValueError(f"{path}:{n}: not a GSM8K jsonl line (a JSON object "
-                                     "with string 'question' and 'answer')")
-                rows.append(row)
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows
-
-
-def build_traces(tokenizer, rows: list[dict], think_open: str = THINK_OPEN,
+def build_traces(tokenizer, items: list[Item], think_open: str = THINK_OPEN,
                  think_close: str = THINK_CLOSE, style: str = "solution",
                  max_reasoning_tokens: int = 256) -> list[Trace]:
-    """Tokenised traces of GSM8K ``rows``. Rows whose reasoning is empty or longer than
-    ``max_reasoning_tokens`` tokens are skipped (the stop label needs the end in window)."""
+    """Tokenised traces of GSM8K ``items`` (``datasets.parse_file``'s ``jsonl``). Items whose
+    reasoning is empty or longer than ``max_reasoning_tokens`` tokens are skipped (the stop
+    label needs the end in window)."""
     open_ids = tokenizer.encode(think_open, add_special_tokens=False)
     close_ids = tokenizer.encode(think_close, add_special_tokens=False)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []
-    for row in rows:
-        reasoning = reasoning_text(row["answer"], style)
-        gold = row["answer"].rpartition("####")[2].strip()
+    for it in items:
+        reasoning = reasoning_text(it.steps, style)
         r_ids = tokenizer.encode("\n" + reasoning, add_special_tokens=False)
         if not reasoning or not r_ids or len(r_ids) > max_reasoning_tokens:
             continue
-        prompt = chat_prompt_ids(tokenizer, row["question"]) + open_ids
+        prompt = chat_prompt_ids(tokenizer, it.question) + open_ids
         out.append(Trace(prompt, r_ids, close_ids,
-                         tokenizer.encode(f" {gold}.", add_special_tokens=False) + eos))
+                         tokenizer.encode(f" {it.gold}.", add_special_tokens=False) + eos))
     return out
 
 
@@ -110,11 +87,3 @@ def build_colar_traces(tokenizer, items, max_reasoning_tokens: int = 256) -> lis
             out.append(Trace(prompt + tail[:1], steps, tail[:1], tail[1:]))
     return out
 
-
-def load_questions(data: str | Path | None, limit: int | None = None) -> list[tuple[str, str]]:
-    """``(question, gold)`` of the first ``limit`` examples of ``data`` (None: GSM8K
-    ``train.jsonl``; ``train.cot.read_items``'s formats). Raises ValueError for a malformed
-    file, FileNotFoundError."""
-    from latentserve.train.cot import read_items
-
-    return [(it.question, it.gold) for it in read_items(train_file(data))[:limit]]
