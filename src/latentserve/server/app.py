@@ -24,7 +24,7 @@ from latentserve.server.completions import create_completion
 from latentserve.server.errors import APIError, install_error_handlers
 from latentserve.server.latent_card import latent_card
 from latentserve.server.logprobs import token_texts
-from latentserve.server.metrics import MetricsRegistry, ServerMetrics
+from latentserve.server.metrics import MetricsRegistry
 from latentserve.server.openapi import declare_errors
 from latentserve.server.options import ServerOptions
 from latentserve.server.params import check_model as check_served_model
@@ -46,7 +46,7 @@ STATS_TIMEOUT_S = 5.0
 HEALTH_STATS_WAIT_S = 0.25
 
 
-def create_app(state: ServerState | list[ServerState] | ServedModels,
+def create_app(state: ServerState | list[ServerState],
                on_shutdown: Callable[[], None] | None = None, api_key: str | None = None,
                cors: dict | None = None):
     """The app around one ``ServerState`` per served model: the OpenAI and Anthropic APIs,
@@ -56,11 +56,11 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
-    served = state if isinstance(state, ServedModels) else ServedModels(state)
+    served = ServedModels(state)
     registry = MetricsRegistry(max(s.max_model_len for s in served.states))
     for s in served.states:
         if s.metrics is None:
-            s.metrics = ServerMetrics(registry, s.model_name, lambda s=s: s.client.last_stats)
+            s.metrics = registry.for_model(s.model_name, lambda s=s: s.client.last_stats)
     # One /metrics body per registry (a state served before keeps its metrics).
     registries = list({id(s.metrics.shared): s.metrics.shared for s in served.states}.values())
 
@@ -77,8 +77,6 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
                 on_shutdown()
 
     app = FastAPI(title="latentserve", lifespan=lifespan)
-    app.state.server = served.first
-    app.state.models = served
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key,
                        max_body_bytes=served.first.limits.max_request_body_bytes)

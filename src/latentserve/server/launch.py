@@ -30,7 +30,7 @@ from latentserve.server.client import EngineClient
 from latentserve.server.engine_process import EngineProcess, EngineStartupError, watch_parent
 from latentserve.server.options import API_KEY_ENV, ServerOptions
 from latentserve.server.prompts import apply_chat_template, load_chat_template
-from latentserve.server.state import ServedModels, ServerLimits, ServerState
+from latentserve.server.state import ServerLimits, ServerState
 from latentserve.server.timeouts import protocol_class
 
 log = logging.getLogger(__name__)
@@ -148,10 +148,9 @@ def run_server(config: EngineConfig | list[EngineConfig],
                 reasoning_parser=cfg.reasoning_parser, log_requests=o.log_requests,
                 max_log_len=o.max_log_len,
                 trust_request_chat_template=o.trust_request_chat_template))
-        served = ServedModels(states)
-        app = create_app(served, on_shutdown=stop_engines, cors=o.cors,
+        app = create_app(states, on_shutdown=stop_engines, cors=o.cors,
                          api_key=o.api_key or settings.get(API_KEY_ENV))
-        server = _draining_server(uvicorn, [s.client for s in served.states],
+        server = _draining_server(uvicorn, [s.client for s in states],
                                   o.drain_timeout)(uvicorn.Config(
             app, host=o.host, port=o.port, log_level=o.uvicorn_log_level or o.log_level,
             timeout_graceful_shutdown=o.drain_timeout, timeout_keep_alive=o.timeout_keep_alive,
@@ -159,15 +158,15 @@ def run_server(config: EngineConfig | list[EngineConfig],
 
         def engine_gone(name: str, reason: str) -> None:
             log.error("the engine of %s stopped: %s", name, reason)
-            if all(s.client.dead_reason for s in served.states):
+            if all(s.client.dead_reason for s in states):
                 log.error("no engine is left: the server exits")
                 server.should_exit = True
 
-        for st in served.states:
+        for st in states:
             st.client.on_dead = functools.partial(engine_gone, st.model_name)
         server.run(sockets=[sock])
-        if all(s.client.dead_reason for s in served.states):
-            raise RuntimeError(f"{served.first.client.dead_reason}; the server exited")
+        if all(s.client.dead_reason for s in states):
+            raise RuntimeError(f"{states[0].client.dead_reason}; the server exited")
     finally:
         sock.close()
         stop_engines()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -23,7 +24,7 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 class RequestGroup:
     """One prompt's ``n`` engine requests; the last to finish observes the most tokens."""
 
-    def __init__(self, metrics: ServerMetrics, n: int):
+    def __init__(self, metrics, n: int):
         self.metrics, self.n, self.left, self.most = metrics, n, n, 0
 
     def finished(self, num_tokens: int) -> None:
@@ -35,10 +36,10 @@ class RequestGroup:
 
 
 class RequestTimer:
-    """Times one engine request that arrived at ``arrival`` (monotonic seconds; None: now);
-    :meth:`finish` counts once."""
+    """Times one engine request that arrived at ``arrival`` (monotonic seconds; None: now)
+    in ``metrics`` (:meth:`MetricsRegistry.for_model`'s); :meth:`finish` counts once."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float | None = None,
+    def __init__(self, metrics, arrival: float | None = None,
                  group: RequestGroup | None = None, max_tokens: int | None = None):
         self.metrics = metrics
         self.arrival = time.monotonic() if arrival is None else arrival
@@ -121,6 +122,13 @@ class MetricsRegistry:
         self.engines: list[tuple[str, Callable[[], dict | None]]] = []
         reg.register(self)  # describe() and collect(): the engine families
 
+    def for_model(self, model_name: str, get_stats: Callable[[], dict | None]):
+        """One served model's children of these families (``shared``: this registry);
+        ``get_stats()``: its latest engine stats."""
+        self.engines.append((model_name, get_stats))
+        return SimpleNamespace(shared=self, model_name=model_name, **{
+            name: getattr(self, name).labels(model_name) for name in (*_HISTOGRAMS, *_COUNTERS)})
+
     def render(self) -> bytes:
         from prometheus_client import generate_latest
 
@@ -176,19 +184,6 @@ _COUNTERS = {
     "generation_tokens": ("generation_tokens", "Tokens generated"),
     "latent_steps": ("latent_steps", "Latent steps run by compression-head requests"),
 }
-
-
-class ServerMetrics:
-    """One served model's children of the :class:`MetricsRegistry` ``shared``;
-    ``get_stats()``: its latest engine stats."""
-
-    def __init__(self, shared: MetricsRegistry, model_name: str,
-                 get_stats: Callable[[], dict | None]):
-        self.shared = shared
-        self.model_name = model_name
-        for name in (*_HISTOGRAMS, *_COUNTERS):
-            setattr(self, name, getattr(shared, name).labels(model_name))
-        shared.engines.append((model_name, get_stats))
 
 
 # Engine samples of ``LLMEngine.stats()``: (family kind, name after "latentserve_", help,
