@@ -27,9 +27,9 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        send = echoing(scope, send)
-        path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        send = echoing(headers.get("x-request-id"), send)
+        path = scope.get("path", "")
         protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize", *_DOCS)
         if self.api_key is not None and protected and not self._authorized(headers):
             response = error_response(path, APIError(
@@ -45,9 +45,7 @@ class GuardMiddleware:
             response = error_response(path, APIError(self.too_large, status_code=413,
                                                      code="request_too_large"))
             return await response(scope, receive, send)
-        given = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-type"),
-                     b"")
-        media = given.split(b";", 1)[0].strip().lower()
+        media = headers.get("content-type", b"").split(b";", 1)[0].strip().lower()
         if scope.get("method") == "POST" and not (media == b"application/json"
                                                   or media.endswith(b"+json")):
             scope = {**scope, "headers": [*((k, v) for k, v in scope.get("headers", [])
