@@ -103,12 +103,9 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for sock in (self._push, self._pull):
-            if sock is not None:
-                sock.close(linger=0)
         for ctx in (self._ctx, self._actx):
             if ctx is not None:
-                ctx.term()
+                ctx.destroy(linger=0)  # its socket too
         self._ctx = self._actx = self._push = self._pull = None
 
     async def generate(self, rid: str, prompt_token_ids: list[int],
