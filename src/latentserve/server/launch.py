@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
 # The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# How long before the drain timeout the requests still running are aborted, seconds.
+_ABORT_BEFORE_DRAIN_END_S = 0.5
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -115,7 +117,11 @@ def run_server(config: EngineConfig | list[EngineConfig],
     o = options or ServerOptions()
     configs = check_model_names(config)
     template = load_chat_template(o.chat_template)
-    _log_to_stderr(o.log_level)
+    if not logging.getLogger().handlers:  # latentserve's records to stderr at o.log_level
+        name = "DEBUG" if o.log_level.upper() == "TRACE" else o.log_level.upper()
+        logging.basicConfig(level=logging.WARNING,
+                            format="%(asctime)s api %(levelname)s %(message)s")
+        logging.getLogger("latentserve").setLevel(getattr(logging, name, logging.INFO))
     limits = ServerLimits(**{k: getattr(o, k) for k in (
         "max_request_body_bytes", "max_request_output_tokens", "max_waiting_requests",
         "queue_timeout") if getattr(o, k) is not None})
@@ -150,11 +156,27 @@ def run_server(config: EngineConfig | list[EngineConfig],
                 trust_request_chat_template=o.trust_request_chat_template))
         app = create_app(states, on_shutdown=stop_engines, cors=o.cors,
                          api_key=o.api_key or settings.get(API_KEY_ENV))
-        server = _draining_server(uvicorn, [s.client for s in states],
-                                  o.drain_timeout)(uvicorn.Config(
+        server = uvicorn.Server(uvicorn.Config(
             app, host=o.host, port=o.port, log_level=o.uvicorn_log_level or o.log_level,
             timeout_graceful_shutdown=o.drain_timeout, timeout_keep_alive=o.timeout_keep_alive,
             http=protocol_class(o.timeout_request_headers, o.timeout_request_body)))
+        exit_server, armed = server.handle_exit, []
+
+        def abort_all() -> None:  # streams end with "abort" and [DONE]
+            for st in states:
+                st.client.abort_all()
+
+        def handle_exit(sig, frame) -> None:  # the first signal also arms abort_all
+            exit_server(sig, frame)
+            try:
+                loop = asyncio.get_running_loop()  # the handler runs in the loop's thread
+            except RuntimeError:
+                return
+            if not armed:  # just before drain_timeout ends
+                delay = max(o.drain_timeout - _ABORT_BEFORE_DRAIN_END_S, 0.0)
+                armed.append(loop.call_soon_threadsafe(loop.call_later, delay, abort_all))
+
+        server.handle_exit = handle_exit  # uvicorn installs it when it runs
 
         def engine_gone(name: str, reason: str) -> None:
             log.error("the engine of %s stopped: %s", name, reason)
@@ -172,16 +194,6 @@ def run_server(config: EngineConfig | list[EngineConfig],
         stop_engines()
 
 
-def _log_to_stderr(level: str) -> None:
-    """Log ``latentserve`` at ``level`` (uvicorn's names) to stderr, unless logging is set."""
-    if logging.getLogger().handlers:
-        return
-    name = "DEBUG" if str(level).upper() == "TRACE" else str(level).upper()
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s api %(levelname)s %(message)s")
-    logging.getLogger("latentserve").setLevel(getattr(logging, name, logging.INFO))
-
-
 def listen_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (IPv6 if ``host`` has a colon); ValueError."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
@@ -194,36 +206,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server "
                          f"on that port? choose one with --port)") from None
     return sock
-
-
-# How long before the drain timeout the requests still running are aborted, seconds.
-_ABORT_BEFORE_DRAIN_END_S = 0.5
-
-
-def _draining_server(uvicorn, clients, drain_timeout: float):
-    """``uvicorn.Server`` that, on the first shutdown signal, aborts the running requests of
-    ``clients`` just before ``drain_timeout`` ends (streams end with ``abort`` and ``[DONE]``)."""
-
-    def abort_all() -> None:
-        for client in clients:
-            client.abort_all()
-
-    class DrainingServer(uvicorn.Server):
-        _armed = False
-
-        def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            if self._armed:
-                return
-            try:
-                loop = asyncio.get_running_loop()  # the handler runs in the loop's thread
-            except RuntimeError:
-                return
-            self._armed = True
-            delay = max(drain_timeout - _ABORT_BEFORE_DRAIN_END_S, 0.0)
-            loop.call_soon_threadsafe(loop.call_later, delay, abort_all)
-
-    return DrainingServer
 
 
 @dataclass
