@@ -59,10 +59,7 @@ def create_app(state: ServerState | list[ServerState],
     served = ServedModels(state)
     registry = MetricsRegistry(max(s.max_model_len for s in served.states))
     for s in served.states:
-        if s.metrics is None:
-            s.metrics = registry.for_model(s.model_name, lambda s=s: s.client.last_stats)
-    # One /metrics body per registry (a state served before keeps its metrics).
-    registries = list({id(s.metrics.shared): s.metrics.shared for s in served.states}.values())
+        s.metrics = registry.for_model(s.model_name, lambda s=s: s.client.last_stats)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -175,13 +172,10 @@ def create_app(state: ServerState | list[ServerState],
         stats = await client.get_stats(HEALTH_STATS_WAIT_S)
         age = (None if client.last_stats_at is None
                else round(time.monotonic() - client.last_stats_at, 3))
-        body = {"model": s.model_name, "status": "ok", "ready": True,
+        kv = ("kv_slots_free", "kv_slots_cached", "kv_slots_total") if stats else ()
+        return {"model": s.model_name, "status": "ok", "ready": True,
                 "running": client.num_running, "aborts_sent": client.num_aborts_sent,
-                "engine": stats, "engine_stats_age_s": age}
-        if stats:
-            for key in ("kv_slots_free", "kv_slots_cached", "kv_slots_total"):
-                body[key] = stats[key]
-        return body
+                "engine": stats, "engine_stats_age_s": age, **{k: stats[k] for k in kv}}
 
     @app.get("/health", response_model=None)
     async def health(model: str | None = None):
@@ -215,11 +209,10 @@ def create_app(state: ServerState | list[ServerState],
 
     @app.get("/metrics", response_model=None)
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         await asyncio.gather(*(s.client.get_stats(STATS_TIMEOUT_S) for s in served.states))
-        body = b"".join(r.render() for r in registries)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)
 
     declare_errors(app)  # /openapi.json: the real error responses, no 422
     return app

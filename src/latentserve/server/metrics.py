@@ -108,8 +108,7 @@ class MetricsRegistry:
     def __init__(self, max_model_len: int):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
-        self.registry = CollectorRegistry()
-        reg = self.registry
+        self.registry = reg = CollectorRegistry()
         token_buckets = buckets_1_2_5(max_model_len)
         for attr, (name, doc, buckets) in _HISTOGRAMS.items():
             setattr(self, attr, Histogram(f"latentserve_{name}", doc, ["model_name"],
@@ -120,7 +119,7 @@ class MetricsRegistry:
         self.finished = Counter("latentserve_request_success", "Finished requests by reason",
                                 ["model_name", "finished_reason"], registry=reg)
         self.engines: list[tuple[str, Callable[[], dict | None]]] = []
-        reg.register(self)  # describe() and collect(): the engine families
+        reg.register(self)  # collect(): the engine families
 
     def for_model(self, model_name: str, get_stats: Callable[[], dict | None]):
         """One served model's children of these families (``shared``: this registry);
@@ -128,14 +127,6 @@ class MetricsRegistry:
         self.engines.append((model_name, get_stats))
         return SimpleNamespace(shared=self, model_name=model_name, **{
             name: getattr(self, name).labels(model_name) for name in (*_HISTOGRAMS, *_COUNTERS)})
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
-
-    def describe(self):
-        return []
 
     def collect(self):
         """``_ENGINE_FAMILIES`` from each model's latest ``LLMEngine.stats()``."""
