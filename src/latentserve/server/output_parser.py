@@ -102,11 +102,8 @@ def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[CallDe
 def drops_tags(tokenizer, parser: OutputParser) -> bool:
     """Whether ``tokenizer`` marks a tag ``parser`` looks for as special (which
     ``skip_special_tokens`` would drop; vLLM's hermes parser keeps them too)."""
-    tags = set()
-    if parser.think is not None:
-        tags |= {THINK_START, THINK_END}
-    if parser.tools is not None:
-        tags |= {CALL_START, CALL_END}
+    tags = {*((THINK_START, THINK_END) if parser.think is not None else ()),
+            *((CALL_START, CALL_END) if parser.tools is not None else ())}
     added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
     return any(getattr(t, "special", False) and str(getattr(t, "content", t)) in tags
                for t in added)

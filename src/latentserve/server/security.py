@@ -37,11 +37,8 @@ class GuardMiddleware:
                 "'x-api-key: <key>'", status_code=401, code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"}))
             return await response(scope, receive, send)
-        try:
-            too_big = int(headers.get("content-length", 0)) > self.max_body_bytes
-        except ValueError:
-            too_big = False
-        if too_big:
+        length = headers.get("content-length", b"").strip()
+        if length.isdigit() and int(length) > self.max_body_bytes:
             response = error_response(path, APIError(self.too_large, status_code=413,
                                                      code="request_too_large"))
             return await response(scope, receive, send)
@@ -67,11 +64,8 @@ class GuardMiddleware:
         await self.app(scope, counted_receive, send)
 
     def _authorized(self, headers: dict[str, bytes]) -> bool:
-        candidates = []
         auth = headers.get("authorization", b"")
-        if auth[:7].lower() == b"bearer ":
-            candidates.append(auth[7:].strip())
-        if "x-api-key" in headers:
-            candidates.append(headers["x-api-key"].strip())
-        return any(hmac.compare_digest(c, self.api_key) for c in candidates)
+        keys = [auth[7:]] if auth[:7].lower() == b"bearer " else []
+        keys += [headers["x-api-key"]] if "x-api-key" in headers else []
+        return any(hmac.compare_digest(k.strip(), self.api_key) for k in keys)
 
