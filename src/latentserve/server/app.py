@@ -76,7 +76,7 @@ def create_app(state: ServerState | list[ServerState],
     app = FastAPI(title="latentserve", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key,
-                       max_body_bytes=served.first.limits.max_request_body_bytes)
+                       max_body_bytes=served.states[0].limits.max_request_body_bytes)
     from starlette.middleware.cors import CORSMiddleware
 
     # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check

@@ -210,6 +210,7 @@ class EngineClient:
             return await asyncio.wait_for(future, timeout)
         finally:
             self._replies.pop(key, None)
+
     async def _receive_loop(self) -> None:
         import zmq
 
@@ -220,8 +221,6 @@ class EngineClient:
                 elif self.is_alive is not None and not self.is_alive():
                     self._fail_all("the engine process has stopped")
                     return
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - a broken link fails requests, not the app
             log.exception("engine client receive loop failed")
             self._fail_all(f"lost the link to the engine: {type(exc).__name__}")

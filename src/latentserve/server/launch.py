@@ -46,9 +46,7 @@ _ABORT_BEFORE_DRAIN_END_S = 0.5
 
 def served_model_name(config: EngineConfig) -> str:
     """The first ``served_model_name``, else the ``model`` path (or the default's name)."""
-    if config.served_model_name:
-        return config.served_model_name[0]
-    return config.model or DEFAULT_MODEL_NAME
+    return (config.served_model_name or [config.model or DEFAULT_MODEL_NAME])[0]
 
 
 def check_model_names(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:

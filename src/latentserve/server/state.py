@@ -66,7 +66,6 @@ class ServedModels:
         self.states = [states] if isinstance(states, ServerState) else list(states)
         if not self.states:
             raise ValueError("a server needs at least one model")
-        self.first = self.states[0]
         self.by_name: dict[str, ServerState] = {}  # aliases too
         for s in self.states:
             for name in (s.model_name, *s.aliases):
@@ -83,7 +82,7 @@ class ServedModels:
         """The state serving ``model`` (with one model, that one). APIError: 400 for None
         with several models, 404 ``model_not_found`` for a name not served."""
         if len(self.states) == 1:
-            return self.first
+            return self.states[0]
         served = ", ".join(repr(s.model_name) for s in self.states)
         if model is None:
             raise APIError(f"Missing required parameter: 'model' (this server serves "

@@ -81,7 +81,5 @@ def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
               "properties": {"name": {"type": "string", "enum": [name]},
                              "parameters": fn.get("parameters") or EMPTY_PARAMETERS},
               "required": ["name", "parameters"]} for name, fn in tools.items()]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    if choice.single:
-        schema["maxItems"] = 1
-    return schema
+    return {"type": "array", "minItems": 1, "items": {"anyOf": items},
+            **({"maxItems": 1} if choice.single else {})}
