@@ -24,7 +24,7 @@ from latentserve.server.completions import create_completion
 from latentserve.server.errors import APIError, install_error_handlers
 from latentserve.server.latent_card import latent_card
 from latentserve.server.logprobs import token_texts
-from latentserve.server.metrics import MetricsRegistry, ServerMetrics
+from latentserve.server.metrics import MetricsRegistry
 from latentserve.server.openapi import declare_errors
 from latentserve.server.options import ServerOptions
 from latentserve.server.params import check_model as check_served_model
@@ -46,7 +46,7 @@ STATS_TIMEOUT_S = 5.0
 HEALTH_STATS_WAIT_S = 0.25
 
 
-def create_app(state: ServerState | list[ServerState] | ServedModels,
+def create_app(state: ServerState | list[ServerState],
                on_shutdown: Callable[[], None] | None = None, api_key: str | None = None,
                cors: dict | None = None):
     """The app around one ``ServerState`` per served model: the OpenAI and Anthropic APIs,
@@ -56,13 +56,10 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
 
-    served = state if isinstance(state, ServedModels) else ServedModels(state)
+    served = ServedModels(state)
     registry = MetricsRegistry(max(s.max_model_len for s in served.states))
     for s in served.states:
-        if s.metrics is None:
-            s.metrics = ServerMetrics(registry, s.model_name, lambda s=s: s.client.last_stats)
-    # One /metrics body per registry (a state served before keeps its metrics).
-    registries = list({id(s.metrics.shared): s.metrics.shared for s in served.states}.values())
+        s.metrics = registry.for_model(s.model_name, lambda s=s: s.client.last_stats)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -77,11 +74,9 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
                 on_shutdown()
 
     app = FastAPI(title="latentserve", lifespan=lifespan)
-    app.state.server = served.first
-    app.state.models = served
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, api_key=api_key,
-                       max_body_bytes=served.first.limits.max_request_body_bytes)
+                       max_body_bytes=served.states[0].limits.max_request_body_bytes)
     from starlette.middleware.cors import CORSMiddleware
 
     # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check
@@ -177,13 +172,10 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
         stats = await client.get_stats(HEALTH_STATS_WAIT_S)
         age = (None if client.last_stats_at is None
                else round(time.monotonic() - client.last_stats_at, 3))
-        body = {"model": s.model_name, "status": "ok", "ready": True,
+        kv = ("kv_slots_free", "kv_slots_cached", "kv_slots_total") if stats else ()
+        return {"model": s.model_name, "status": "ok", "ready": True,
                 "running": client.num_running, "aborts_sent": client.num_aborts_sent,
-                "engine": stats, "engine_stats_age_s": age}
-        if stats:
-            for key in ("kv_slots_free", "kv_slots_cached", "kv_slots_total"):
-                body[key] = stats[key]
-        return body
+                "engine": stats, "engine_stats_age_s": age, **{k: stats[k] for k in kv}}
 
     @app.get("/health", response_model=None)
     async def health(model: str | None = None):
@@ -217,11 +209,10 @@ def create_app(state: ServerState | list[ServerState] | ServedModels,
 
     @app.get("/metrics", response_model=None)
     async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         await asyncio.gather(*(s.client.get_stats(STATS_TIMEOUT_S) for s in served.states))
-        body = b"".join(r.render() for r in registries)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)
 
     declare_errors(app)  # /openapi.json: the real error responses, no 422
     return app

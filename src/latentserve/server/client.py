@@ -103,12 +103,9 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for sock in (self._push, self._pull):
-            if sock is not None:
-                sock.close(linger=0)
         for ctx in (self._ctx, self._actx):
             if ctx is not None:
-                ctx.term()
+                ctx.destroy(linger=0)  # its socket too
         self._ctx = self._actx = self._push = self._pull = None
 
     async def generate(self, rid: str, prompt_token_ids: list[int],
@@ -213,6 +210,7 @@ class EngineClient:
             return await asyncio.wait_for(future, timeout)
         finally:
             self._replies.pop(key, None)
+
     async def _receive_loop(self) -> None:
         import zmq
 
@@ -223,8 +221,6 @@ class EngineClient:
                 elif self.is_alive is not None and not self.is_alive():
                     self._fail_all("the engine process has stopped")
                     return
-        except asyncio.CancelledError:
-            raise
         except Exception as exc:  # noqa: BLE001 - a broken link fails requests, not the app
             log.exception("engine client receive loop failed")
             self._fail_all(f"lost the link to the engine: {type(exc).__name__}")

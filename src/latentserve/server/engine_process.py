@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -101,8 +102,14 @@ def engine_main(config: EngineConfig, addresses: EngineAddresses, ready_conn,
     try:
         loop.run()
     finally:
-        if loop.orphaned:
-            _exit_orphaned(addresses)
+        if loop.orphaned:  # leave at once: remove the sockets' private directory (nobody else
+            # will) and skip the interpreter's teardown (seconds with torch loaded)
+            shutil.rmtree(os.path.dirname(addresses.input.removeprefix("ipc://")),
+                          ignore_errors=True)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         ctx.destroy(linger=1000)
 
 
@@ -120,18 +127,6 @@ def watch_parent(parent_pid: int, on_gone: Callable[[], object],
                 return
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _exit_orphaned(addresses: EngineAddresses) -> None:
-    """Leave at once, the API process being gone: remove the IPC sockets' private directory
-    (nobody else will) and skip the interpreter's teardown (seconds with torch loaded)."""
-    import sys
-
-    shutil.rmtree(os.path.dirname(addresses.input.removeprefix("ipc://")), ignore_errors=True)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 class EngineLoop:

@@ -23,14 +23,13 @@ def latent_card(spec) -> dict | None:
 
     kind = spec.kind
     controls = list(spec.controls or HEAD_CONTROLS) if kind == "head" else ["latent_budget"]
-    if kind == "recurrent":
-        controls += _EXIT_FIELDS[spec.family]
-    if spec.upstream_eos_from:
-        controls.append("upstream_stop_rules")
     criteria = None
     if kind == "recurrent":
+        controls += _EXIT_FIELDS[spec.family]
         criteria = (list(OURO_CRITERIA) if spec.family == "ouro"
                     else [*HUGINN_AUTO_THRESHOLDS, "none"])
+    if spec.upstream_eos_from:
+        controls.append("upstream_stop_rules")
     budget = None if kind == "head" else {"default": spec.default_budget,
                                           "min": spec.min_budget, "max": spec.max_budget}
     return {"kind": kind, "family": spec.family, "controls": controls, "budget": budget,

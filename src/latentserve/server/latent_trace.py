@@ -18,7 +18,8 @@ def with_texts(entries: list[dict] | None, texts) -> list[dict] | None:
 def tick_infos(delta, first_step: int, asked: bool, texts) -> list[dict]:
     """One ``latent`` object per step ``first_step + 1 .. delta.latent_steps`` of a tick:
     ``steps`` its 1-based number, ``trace`` (when ``asked``) ``[entry]`` or ``[]``."""
-    return [_info(first_step + j + 1, ([] if e is None else [e]) if asked else None)
+    return [{"steps": first_step + j + 1, "trace": ([] if e is None else [e]) if asked else None,
+             "stats": None, "recurrence": None}
             for j, e in enumerate(with_texts(tick_entries(delta, first_step), texts))]
 
 
@@ -29,17 +30,12 @@ def tick_entries(delta, first_step: int) -> list[dict | None]:
     return [None] * (new - len(entries)) + entries
 
 
-def _info(steps: int, trace=None, stats=None, recurrence=None) -> dict:
-    """A ``latent`` object: ``steps`` run (0 for recurrent depth), the ``trace``, a compression
-    head's ``stats``, recurrent depth's ``recurrence`` ``{"tokens", "mean_iterations",
-    "histogram"}``."""
-    return {"steps": steps, "trace": trace, "stats": stats, "recurrence": recurrence}
-
-
 def latent_info(final, asked: bool, texts) -> dict | None:
-    """A choice's ``latent`` field (None: no latent work); trace and recurrence if ``asked``."""
-
+    """A choice's ``latent`` field (None: no latent work): ``steps`` run (0 for recurrent
+    depth), a compression head's ``stats``; if ``asked``, the ``trace`` and recurrent depth's
+    ``recurrence`` ``{"tokens", "mean_iterations", "histogram"}``."""
     if not asked and not final.latent_steps and final.latent_stats is None:
         return None
-    return _info(final.latent_steps, with_texts(final.latent_trace, texts) if asked else None,
-                 final.latent_stats, final.recurrence if asked else None)
+    return {"steps": final.latent_steps,
+            "trace": with_texts(final.latent_trace, texts) if asked else None,
+            "stats": final.latent_stats, "recurrence": final.recurrence if asked else None}

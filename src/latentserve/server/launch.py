@@ -30,7 +30,7 @@ from latentserve.server.client import EngineClient
 from latentserve.server.engine_process import EngineProcess, EngineStartupError, watch_parent
 from latentserve.server.options import API_KEY_ENV, ServerOptions
 from latentserve.server.prompts import apply_chat_template, load_chat_template
-from latentserve.server.state import ServedModels, ServerLimits, ServerState
+from latentserve.server.state import ServerLimits, ServerState
 from latentserve.server.timeouts import protocol_class
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,13 @@ log = logging.getLogger(__name__)
 PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
 # The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# How long before the drain timeout the requests still running are aborted, seconds.
+_ABORT_BEFORE_DRAIN_END_S = 0.5
 
 
 def served_model_name(config: EngineConfig) -> str:
     """The first ``served_model_name``, else the ``model`` path (or the default's name)."""
-    if config.served_model_name:
-        return config.served_model_name[0]
-    return config.model or DEFAULT_MODEL_NAME
+    return (config.served_model_name or [config.model or DEFAULT_MODEL_NAME])[0]
 
 
 def check_model_names(configs: EngineConfig | list[EngineConfig]) -> list[EngineConfig]:
@@ -115,7 +115,11 @@ def run_server(config: EngineConfig | list[EngineConfig],
     o = options or ServerOptions()
     configs = check_model_names(config)
     template = load_chat_template(o.chat_template)
-    _log_to_stderr(o.log_level)
+    if not logging.getLogger().handlers:  # latentserve's records to stderr at o.log_level
+        name = "DEBUG" if o.log_level.upper() == "TRACE" else o.log_level.upper()
+        logging.basicConfig(level=logging.WARNING,
+                            format="%(asctime)s api %(levelname)s %(message)s")
+        logging.getLogger("latentserve").setLevel(getattr(logging, name, logging.INFO))
     limits = ServerLimits(**{k: getattr(o, k) for k in (
         "max_request_body_bytes", "max_request_output_tokens", "max_waiting_requests",
         "queue_timeout") if getattr(o, k) is not None})
@@ -148,39 +152,44 @@ def run_server(config: EngineConfig | list[EngineConfig],
                 reasoning_parser=cfg.reasoning_parser, log_requests=o.log_requests,
                 max_log_len=o.max_log_len,
                 trust_request_chat_template=o.trust_request_chat_template))
-        served = ServedModels(states)
-        app = create_app(served, on_shutdown=stop_engines, cors=o.cors,
+        app = create_app(states, on_shutdown=stop_engines, cors=o.cors,
                          api_key=o.api_key or settings.get(API_KEY_ENV))
-        server = _draining_server(uvicorn, [s.client for s in served.states],
-                                  o.drain_timeout)(uvicorn.Config(
+        server = uvicorn.Server(uvicorn.Config(
             app, host=o.host, port=o.port, log_level=o.uvicorn_log_level or o.log_level,
             timeout_graceful_shutdown=o.drain_timeout, timeout_keep_alive=o.timeout_keep_alive,
             http=protocol_class(o.timeout_request_headers, o.timeout_request_body)))
+        exit_server, armed = server.handle_exit, []
+
+        def abort_all() -> None:  # streams end with "abort" and [DONE]
+            for st in states:
+                st.client.abort_all()
+
+        def handle_exit(sig, frame) -> None:  # the first signal also arms abort_all
+            exit_server(sig, frame)
+            try:
+                loop = asyncio.get_running_loop()  # the handler runs in the loop's thread
+            except RuntimeError:
+                return
+            if not armed:  # just before drain_timeout ends
+                delay = max(o.drain_timeout - _ABORT_BEFORE_DRAIN_END_S, 0.0)
+                armed.append(loop.call_soon_threadsafe(loop.call_later, delay, abort_all))
+
+        server.handle_exit = handle_exit  # uvicorn installs it when it runs
 
         def engine_gone(name: str, reason: str) -> None:
             log.error("the engine of %s stopped: %s", name, reason)
-            if all(s.client.dead_reason for s in served.states):
+            if all(s.client.dead_reason for s in states):
                 log.error("no engine is left: the server exits")
                 server.should_exit = True
 
-        for st in served.states:
+        for st in states:
             st.client.on_dead = functools.partial(engine_gone, st.model_name)
         server.run(sockets=[sock])
-        if all(s.client.dead_reason for s in served.states):
-            raise RuntimeError(f"{served.first.client.dead_reason}; the server exited")
+        if all(s.client.dead_reason for s in states):
+            raise RuntimeError(f"{states[0].client.dead_reason}; the server exited")
     finally:
         sock.close()
         stop_engines()
-
-
-def _log_to_stderr(level: str) -> None:
-    """Log ``latentserve`` at ``level`` (uvicorn's names) to stderr, unless logging is set."""
-    if logging.getLogger().handlers:
-        return
-    name = "DEBUG" if str(level).upper() == "TRACE" else str(level).upper()
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s api %(levelname)s %(message)s")
-    logging.getLogger("latentserve").setLevel(getattr(logging, name, logging.INFO))
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -195,36 +204,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server "
                          f"on that port? choose one with --port)") from None
     return sock
-
-
-# How long before the drain timeout the requests still running are aborted, seconds.
-_ABORT_BEFORE_DRAIN_END_S = 0.5
-
-
-def _draining_server(uvicorn, clients, drain_timeout: float):
-    """``uvicorn.Server`` that, on the first shutdown signal, aborts the running requests of
-    ``clients`` just before ``drain_timeout`` ends (streams end with ``abort`` and ``[DONE]``)."""
-
-    def abort_all() -> None:
-        for client in clients:
-            client.abort_all()
-
-    class DrainingServer(uvicorn.Server):
-        _armed = False
-
-        def handle_exit(self, sig, frame) -> None:
-            super().handle_exit(sig, frame)
-            if self._armed:
-                return
-            try:
-                loop = asyncio.get_running_loop()  # the handler runs in the loop's thread
-            except RuntimeError:
-                return
-            self._armed = True
-            delay = max(drain_timeout - _ABORT_BEFORE_DRAIN_END_S, 0.0)
-            loop.call_soon_threadsafe(loop.call_later, delay, abort_all)
-
-    return DrainingServer
 
 
 @dataclass

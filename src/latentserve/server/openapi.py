@@ -71,8 +71,6 @@ def declare_errors(app) -> None:
     from fastapi.openapi.utils import get_openapi
     from fastapi.routing import APIRoute
 
-    ref = "#/components/schemas/{model}"
-
     def openapi() -> dict:
         if app.openapi_schema is not None:
             return app.openapi_schema
@@ -81,7 +79,7 @@ def declare_errors(app) -> None:
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
         for model in (OpenAIError, AnthropicError):
-            body = model.model_json_schema(ref_template=ref)
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(body.pop("$defs", {}))
             schemas[model.__name__] = body
         for route in app.routes:

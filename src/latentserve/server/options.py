@@ -20,9 +20,8 @@ _WAIT = "503 + Retry-After (529 on /v1/messages); default: no limit"
 
 @dataclass(slots=True, kw_only=True)
 class ServerOptions:
-    """How the server listens, what it allows and logs (each field's ``help``);
-    ``timeout_request_headers`` / ``timeout_request_body`` 0 become None (no limit).
-    ValueError naming the field and its allowed values."""
+    """How the server listens, what it allows and logs (each field's ``help``). ValueError
+    naming the field and its allowed values."""
 
     host: str = option("127.0.0.1", "bind address")
     port: int = option(8000, "TCP port (0: any free port)", ge=0, le=65535)
@@ -84,9 +83,6 @@ class ServerOptions:
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"{name} must be a list of strings, got {value!r}")
-        for name in ("timeout_request_headers", "timeout_request_body"):
-            if getattr(self, name) == 0:
-                setattr(self, name, None)
 
     @property
     def cors(self) -> dict:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
+from latentserve.sampling_params import StructuredOutputsParams
+from latentserve.server.errors import APIError
 from latentserve.server.reasoning import ThinkParser
 from latentserve.server.tool_parsers import (
     CALL_END,
@@ -15,7 +17,7 @@ from latentserve.server.tool_parsers import (
     Piece,
     required_calls,
 )
-from latentserve.server.tools import ToolChoice, call_schema, json_constraint
+from latentserve.server.tools import ToolChoice, call_schema
 from latentserve.token_masks import REASONING_PARSERS, THINK_END, THINK_START
 
 
@@ -100,11 +102,8 @@ def parse_output(parser: OutputParser, text: str) -> tuple[str, str, list[CallDe
 def drops_tags(tokenizer, parser: OutputParser) -> bool:
     """Whether ``tokenizer`` marks a tag ``parser`` looks for as special (which
     ``skip_special_tokens`` would drop; vLLM's hermes parser keeps them too)."""
-    tags = set()
-    if parser.think is not None:
-        tags |= {THINK_START, THINK_END}
-    if parser.tools is not None:
-        tags |= {CALL_START, CALL_END}
+    tags = {*((THINK_START, THINK_END) if parser.think is not None else ()),
+            *((CALL_START, CALL_END) if parser.tools is not None else ())}
     added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
     return any(getattr(t, "special", False) and str(getattr(t, "content", t)) in tags
                for t in added)
@@ -113,11 +112,19 @@ def drops_tags(tokenizer, parser: OutputParser) -> bool:
 def answer_params(params, choice: ToolChoice, tools: dict[str, dict], latent_mode: str | None,
                   tokenizer, parser: OutputParser):
     """``params`` with a forced call's JSON schema, per-step traces for ``logit_lens`` and
-    special tokens kept when :func:`drops_tags`. APIError from ``json_constraint``."""
-
+    special tokens kept when :func:`drops_tags`. APIError (400 naming ``tool_choice``): a
+    forced call with the request's own structured output, or a schema the engine refuses."""
     schema = call_schema(choice, tools)
+    if schema is not None and params.structured_outputs is not None:
+        raise APIError("tool_choice: a forced tool call is decoded under its own JSON schema; "
+                       f"it cannot be combined with {params.structured_outputs.param}",
+                       param="tool_choice")
     if schema is not None:
-        params = json_constraint(params, schema)
+        try:
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
+                json=schema, param="tool_choice"))
+        except (TypeError, ValueError) as exc:
+            raise APIError(f"tool_choice: {exc}", param="tool_choice") from None
     if latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
         params = dataclasses.replace(params, return_latent_trace=True, stream_latent_steps=True)
     if drops_tags(tokenizer, parser):

@@ -14,19 +14,18 @@ def public_id(given: str) -> str:
     return _SAFE.sub("_", given)[:MAX_CLIENT_ID_CHARS]
 
 
-def echoing(scope, send):
-    """``send`` that puts the request's ``X-Request-Id`` (:func:`public_id`) on the response,
-    as vLLM's server does; ``send`` itself for a request without one."""
-    raw = next((v for k, v in scope.get("headers", []) if k.lower() == b"x-request-id"), None)
-    given = public_id(raw.decode("latin-1")) if raw else None
-    if not given:
+def echoing(given: bytes | None, send):
+    """``send`` that puts the request's ``X-Request-Id`` header value ``given`` (as
+    :func:`public_id`) on the response, as vLLM's server does; ``send`` itself for none."""
+    public = public_id(given.decode("latin-1")).encode("latin-1") if given else b""
+    if not public:
         return send
 
     async def echoing_send(message):
         if message["type"] == "http.response.start":
             headers = [(k, v) for k, v in message.get("headers", [])
                        if k.lower() != b"x-request-id"]
-            message = {**message, "headers": [*headers, (b"x-request-id", given.encode("latin-1"))]}
+            message = {**message, "headers": [*headers, (b"x-request-id", public)]}
         await send(message)
 
     return echoing_send
@@ -35,11 +34,7 @@ def echoing(scope, send):
 def new_request_id(request, prefix: str) -> tuple[str, str]:
     """``(response_id, engine_rid_base)``: :func:`public_id` of ``X-Request-Id`` or
     ``{prefix}-{uuid}``; the engine id always ends with a fresh UUID."""
-
     fresh = uuid.uuid4().hex
-    given = request.headers.get("x-request-id") if request is not None else None
-    if given:
-        public = public_id(given)
-        return public, f"{public}-{fresh}"
-    rid = f"{prefix}-{fresh}"
-    return rid, rid
+    if given := request.headers.get("x-request-id"):
+        return public_id(given), f"{public_id(given)}-{fresh}"
+    return f"{prefix}-{fresh}", f"{prefix}-{fresh}"

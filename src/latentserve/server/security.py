@@ -27,9 +27,9 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        send = echoing(scope, send)
-        path = scope.get("path", "")
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
+        send = echoing(headers.get("x-request-id"), send)
+        path = scope.get("path", "")
         protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize", *_DOCS)
         if self.api_key is not None and protected and not self._authorized(headers):
             response = error_response(path, APIError(
@@ -37,17 +37,12 @@ class GuardMiddleware:
                 "'x-api-key: <key>'", status_code=401, code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"}))
             return await response(scope, receive, send)
-        try:
-            too_big = int(headers.get("content-length", 0)) > self.max_body_bytes
-        except ValueError:
-            too_big = False
-        if too_big:
+        length = headers.get("content-length", b"").strip()
+        if length.isdigit() and int(length) > self.max_body_bytes:
             response = error_response(path, APIError(self.too_large, status_code=413,
                                                      code="request_too_large"))
             return await response(scope, receive, send)
-        given = next((v for k, v in scope.get("headers", []) if k.lower() == b"content-type"),
-                     b"")
-        media = given.split(b";", 1)[0].strip().lower()
+        media = headers.get("content-type", b"").split(b";", 1)[0].strip().lower()
         if scope.get("method") == "POST" and not (media == b"application/json"
                                                   or media.endswith(b"+json")):
             scope = {**scope, "headers": [*((k, v) for k, v in scope.get("headers", [])
@@ -69,11 +64,8 @@ class GuardMiddleware:
         await self.app(scope, counted_receive, send)
 
     def _authorized(self, headers: dict[str, bytes]) -> bool:
-        candidates = []
         auth = headers.get("authorization", b"")
-        if auth[:7].lower() == b"bearer ":
-            candidates.append(auth[7:].strip())
-        if "x-api-key" in headers:
-            candidates.append(headers["x-api-key"].strip())
-        return any(hmac.compare_digest(c, self.api_key) for c in candidates)
+        keys = [auth[7:]] if auth[:7].lower() == b"bearer " else []
+        keys += [headers["x-api-key"]] if "x-api-key" in headers else []
+        return any(hmac.compare_digest(k.strip(), self.api_key) for k in keys)
 

@@ -59,44 +59,36 @@ class ServerState:
 
 
 class ServedModels:
-    """The served models by name, in order; ValueError for none or a name served twice."""
+    """The served models (``states``, in order) by every name they are served as; ValueError
+    for none or a name served twice."""
 
     def __init__(self, states: ServerState | list[ServerState]):
-        states = [states] if isinstance(states, ServerState) else list(states)
-        if not states:
+        self.states = [states] if isinstance(states, ServerState) else list(states)
+        if not self.states:
             raise ValueError("a server needs at least one model")
-        self.by_name: dict[str, ServerState] = {}
-        self.primary: dict[str, str] = {}  # every served name -> the model's model_name
-        for s in states:
+        self.by_name: dict[str, ServerState] = {}  # aliases too
+        for s in self.states:
             for name in (s.model_name, *s.aliases):
-                if name in self.primary:
+                if name in self.by_name:
                     raise ValueError(f"two models are served as {name!r}")
-                self.primary[name] = s.model_name
-            self.by_name[s.model_name] = s
-
-    @property
-    def states(self) -> list[ServerState]:
-        return list(self.by_name.values())
-
-    @property
-    def first(self) -> ServerState:
-        return next(iter(self.by_name.values()))
+                self.by_name[name] = s
 
     def canonical(self, model: str | None) -> str | None:
         """The ``model_name`` of the model served as ``model``; other values unchanged."""
-        return self.primary.get(model, model) if model is not None else None
+        state = self.by_name.get(model)  # None for None
+        return model if state is None else state.model_name
 
     def resolve(self, model: str | None) -> ServerState:
         """The state serving ``model`` (with one model, that one). APIError: 400 for None
         with several models, 404 ``model_not_found`` for a name not served."""
-        if len(self.by_name) == 1:
-            return self.first
-        served = ", ".join(repr(n) for n in self.by_name)
+        if len(self.states) == 1:
+            return self.states[0]
+        served = ", ".join(repr(s.model_name) for s in self.states)
         if model is None:
             raise APIError(f"Missing required parameter: 'model' (this server serves "
                            f"several models: {served})", param="model",
                            code="missing_required_parameter")
-        state = self.by_name.get(self.canonical(model))
+        state = self.by_name.get(model)
         if state is None:
             raise APIError(f"The model '{model}' does not exist; this server serves "
                            f"{served}", status_code=404, param="model",

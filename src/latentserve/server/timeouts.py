@@ -9,7 +9,8 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 
 def protocol_class(header_timeout: float | None, body_timeout: float | None):
     """A uvicorn ``H11Protocol`` that closes a connection whose request headers take over
-    ``header_timeout`` seconds, or its body ``body_timeout`` after them (None: no limit)."""
+    ``header_timeout`` seconds, or its body ``body_timeout`` after them (None or 0: no
+    limit)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -45,8 +46,7 @@ def protocol_class(header_timeout: float | None, body_timeout: float | None):
                 return
             self._cancel()
             self._phase = phase
-            if phase is not None and limits[phase] is not None \
-                    and not self.transport.is_closing():
+            if phase is not None and limits[phase] and not self.transport.is_closing():
                 self._timer = self.loop.call_later(limits[phase], self._expired, phase)
 
         def _cancel(self) -> None:

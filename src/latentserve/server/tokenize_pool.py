@@ -4,7 +4,6 @@ Design notes: docs/internals.md, "latentserve.server.tokenize_pool"."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,7 +33,7 @@ class TokenizerPool:
                                  f"tokenized, at most {self.max_pending}); retry later")
             self.pending += 1
         try:
-            future = self._executor.submit(functools.partial(fn, *args, **kwargs))
+            future = self._executor.submit(fn, *args, **kwargs)
         except BaseException:
             self._done(None)
             raise

@@ -1,14 +1,12 @@
-"""Tool definitions and ``tool_choice``: checks, the JSON schema a forced call is decoded
-under, and the constraint that carries it to the engine.
+"""Tool definitions and ``tool_choice``: checks, and the JSON schema a forced call is decoded
+under.
 Design notes: docs/internals.md, "latentserve.server.tools"."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
-from latentserve.sampling_params import StructuredOutputsParams
 from latentserve.server.errors import APIError
 
 # OpenAI's rule for function names.
@@ -50,26 +48,26 @@ def check_tools(tools: list[dict] | None,
     return out
 
 
-def resolve_tool_choice(choice, tools: dict[str, dict], parallel: bool | None = None,
-                        param: str = "tool_choice") -> ToolChoice:
+def resolve_tool_choice(choice, tools: dict[str, dict], parallel: bool | None = None
+                        ) -> ToolChoice:
     """OpenAI's ``tool_choice`` (None: ``"auto"`` with tools); APIError for a bad value."""
     single = parallel is False
     if choice is None:
         return ToolChoice("auto" if tools else "none", single=single)
     if choice in ("none", "auto", "required"):
         if choice == "required" and not tools:
-            raise APIError(f"{param} 'required' needs tools", param=param)
+            raise APIError("tool_choice 'required' needs tools", param="tool_choice")
         return ToolChoice(choice, single=single)
     if isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in tools:
             known = ", ".join(repr(n) for n in tools) or "none"
-            raise APIError(f"{param}.function.name {name!r} is not one of the tools "
-                           f"({known})", param=f"{param}.function.name")
+            raise APIError(f"tool_choice.function.name {name!r} is not one of the tools "
+                           f"({known})", param="tool_choice.function.name")
         return ToolChoice("named", name, single=True)
-    raise APIError(f"{param} must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
-                   f"\"function\": {{\"name\": ...}}}}, got {choice!r}", param=param)
+    raise APIError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                   f"\"function\": {{\"name\": ...}}}}, got {choice!r}", param="tool_choice")
 
 
 def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
@@ -83,20 +81,5 @@ def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
               "properties": {"name": {"type": "string", "enum": [name]},
                              "parameters": fn.get("parameters") or EMPTY_PARAMETERS},
               "required": ["name", "parameters"]} for name, fn in tools.items()]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    if choice.single:
-        schema["maxItems"] = 1
-    return schema
-
-
-def json_constraint(params, schema: dict, param: str = "tool_choice"):
-    """``params`` constrained to JSON matching ``schema``; APIError (400 naming ``param``)."""
-    if params.structured_outputs is not None:
-        raise APIError(f"{param}: a forced tool call is decoded under its own JSON schema; it "
-                       f"cannot be combined with {params.structured_outputs.param}",
-                       param=param)
-    try:
-        return dataclasses.replace(
-            params, structured_outputs=StructuredOutputsParams(json=schema, param=param))
-    except (TypeError, ValueError) as exc:
-        raise APIError(f"{param}: {exc}", param=param) from None
+    return {"type": "array", "minItems": 1, "items": {"anyOf": items},
+            **({"maxItems": 1} if choice.single else {})}
