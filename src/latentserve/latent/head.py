@@ -279,7 +279,7 @@ class HeadSettings(LatentState):
     # set_policy_sampling: per step (anchor [H], z [L]) or the injected input [H], float32 CPU
     actions: list | None = None
     reported: bool = False
-    late: Any = None  # overlap mode: head_late.Late, until settled
+    late: Any = None  # overlap mode: its head_late.Candidate, until settled
     answer_budget: bool = False
     compression_factor: int | None = None
     latent_temperature: float = 0.0

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from latentserve.core import Req
 from latentserve.latent.family import Admission, Family
 from latentserve.latent.head import (
@@ -38,19 +36,6 @@ def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
     k = len(spec.start_ids)
     start = () if list(prompt_ids[-k:]) == list(spec.start_ids) else spec.start_ids
     return params, hs, start
-
-
-def _record_inputs(reqs: list[Req], out: list) -> None:
-    """Append each closed-loop row's next input (float32, CPU) to its ``actions``."""
-    rows = [i for i, e in enumerate(out) if e is not None and reqs[i].state.mode == "closed_loop"]
-    if not rows:
-        return
-    with torch.inference_mode():
-        vecs = torch.stack([out[i][0][out[i][1]] for i in rows]).float().cpu()
-    for m, i in enumerate(rows):
-        h = reqs[i].state
-        h.actions = h.actions or []
-        h.actions.append(vecs[m])
 
 
 def set_policy_sampling(head, sigma: float | None = None, *, record: bool = False) -> None:
@@ -166,11 +151,8 @@ class HeadFamily(Family):
         head = runner.model.latent_head
         anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
         out = candidates(head, runner.model, reqs, logits, anchors, runner.latent_outputs,
-                         self._probs, getattr(head, "policy_sigma", None), tokens)
+                         self._probs, tokens)
         if tokens is None or out is None:
             return out
-        out = [c if c is None else step_now(reqs[i], c, tokens[i], head.stop_token)
-               for i, c in enumerate(out)]
-        if getattr(head, "record_latents", False):
-            _record_inputs(reqs, out)
-        return out
+        return [c if c is None else step_now(reqs[i], c, tokens[i], head.stop_token)
+                for i, c in enumerate(out)]
