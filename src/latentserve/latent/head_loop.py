@@ -18,26 +18,6 @@ from latentserve.latent.head_late import Candidate, candidates, decide, settle, 
 from latentserve.staging import DeviceToHost
 
 
-def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
-    """``(params, HeadSettings, opening ids to append)`` of a head request, ``max_tokens``
-    raised by the output floor. Raises ValueError naming a bad control."""
-    own = getattr(model.latent_head, "prepare_request", None)
-    if own is not None:
-        return own(prompt_ids, params)
-    refuse_controls(params, CONTROLS, "a compression head")
-    hs = resolve_settings(params, defaults, model.latent_head_mode, model.latent_head.has_stop)
-    hs.end_ids = spec.end_ids if hs.mode == "closed_loop" else ()
-    if not hs.thinking:
-        return params, hs, ()
-    cap = hs.max_latent if hs.mode == "closed_loop" else 0
-    floor = apply_output_floor(params.max_tokens, hs.min_output_tokens, cap)
-    if floor != params.max_tokens:
-        params = dataclasses.replace(params, max_tokens=floor)
-    k = len(spec.start_ids)
-    start = () if list(prompt_ids[-k:]) == list(spec.start_ids) else spec.start_ids
-    return params, hs, start
-
-
 def set_policy_sampling(head, sigma: float | None = None, *, record: bool = False) -> None:
     """GRPO rollout options on ``head``: ``sigma`` > 0 injects ``decode(z)``, ``z ~ N(mu,
     sigma^2 I)``, recording ``(anchor, z)``; 0: ``mu``, recorded; None: MAP. ``record``
@@ -52,8 +32,8 @@ def set_policy_sampling(head, sigma: float | None = None, *, record: bool = Fals
 
 
 class HeadFamily(Family):
-    """The ``Family`` of compression-head models: :func:`prepare_request`, the latent steps
-    of ``latent/head_late.py``."""
+    """The ``Family`` of compression-head models: :meth:`admit`, the latent steps of
+    ``latent/head_late.py``."""
 
     decides_late = traced = streams_steps = takes_head_controls = True
     traced_under_tp = False
@@ -77,8 +57,25 @@ class HeadFamily(Family):
         return params
 
     def admit(self, prompt_ids, params) -> Admission:
-        params, hs, start_ids = prepare_request(self.engine.runner.model, self.spec,
-                                                self.defaults, prompt_ids, params)
+        """The head's own ``prepare_request`` (CoLaR), else the compression head's controls,
+        ``max_tokens`` raised by the output floor. Raises ValueError naming a bad control."""
+        model, spec = self.engine.runner.model, self.spec
+        own = getattr(model.latent_head, "prepare_request", None)
+        if own is not None:
+            params, hs, start_ids = own(prompt_ids, params)
+        else:
+            refuse_controls(params, CONTROLS, "a compression head")
+            hs = resolve_settings(params, self.defaults, model.latent_head_mode,
+                                  model.latent_head.has_stop)
+            hs.end_ids = spec.end_ids if hs.mode == "closed_loop" else ()
+            k, start_ids = len(spec.start_ids), ()
+            if hs.thinking:
+                cap = hs.max_latent if hs.mode == "closed_loop" else 0
+                floor = apply_output_floor(params.max_tokens, hs.min_output_tokens, cap)
+                if floor != params.max_tokens:
+                    params = dataclasses.replace(params, max_tokens=floor)
+                if list(prompt_ids[-k:]) != list(spec.start_ids):
+                    start_ids = spec.start_ids
 
         def start(req: Req) -> None:
             req.state = hs
