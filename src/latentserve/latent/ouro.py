@@ -179,10 +179,8 @@ class OuroForCausalLM(RecurrentLM):
         ro = _Readout(self, rb, depths, h)
         if rb is not None and rb.compact:
             def exits(act, t, rows, idx, h):
-                active = None
-                if idx is not None:
-                    active = torch.zeros(n, dtype=torch.bool, device=dev)
-                    active[idx] = True
+                active = None if idx is None else torch.zeros(
+                    n, dtype=torch.bool, device=dev).index_fill_(0, idx, True)
                 hit = ro.update(h, t, active)
                 approx = [b for b in rows if rb.eligible[b]]
                 if not approx or t + 1 >= max(rb.row_depths[b] for b in approx):

@@ -390,13 +390,6 @@ def fill_banks(kv_pool, slots: torch.Tensor, model: RecurrentLM, t_last: int,
             kv_pool.v[dst][slots] = v
 
 
-def default_graph_depths(spec) -> list[int]:
-    """Recurrence counts to capture: powers of two below the max budget, the default, the max."""
-    top = max(spec.max_budget, 1)
-    powers = (1 << i for i in range((top - 1).bit_length()))
-    return sorted({max(spec.default_budget, 1), top, *powers})
-
-
 class RecurrentGraphs(GraphHooks):
     """Recurrent depth in the decode graphs: one masked graph per (bucket, depth D); a batch
     replays the smallest D covering its deepest row. Static ``[max_bs]`` buffers as in
@@ -405,7 +398,9 @@ class RecurrentGraphs(GraphHooks):
     packed = False  # each forward carries its RecurrentBatch (per-row depths)
 
     def __init__(self, spec, model, max_bs: int, device, depths=None):
-        self.depths = sorted(set(depths or default_graph_depths(spec)))
+        top = max(spec.max_budget, 1)  # default: the powers of two below it, it, the default
+        self.depths = sorted(set(depths or {max(spec.default_budget, 1), top,
+                                            *(1 << i for i in range((top - 1).bit_length()))}))
         self.row_depths = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.exit_thr = torch.full((max_bs,), math.inf, device=device)
         self.exit_weighted = torch.zeros(max_bs, dtype=torch.bool, device=device)
