@@ -36,10 +36,8 @@ class ColarHead(nn.Module):
         self.speed_ids = speed_ids
         self.tokenizer = tokenizer
 
-    def serve_outputs(self, hidden: torch.Tensor, fused: bool | None = None
-                      ) -> tuple[torch.Tensor, None]:
-        """``(embeds_std * mean(hidden), None)``: ``[N, H]`` -> ``[N, H]`` float32 (``fused``
-        unused)."""
+    def serve_outputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``(embeds_std * mean(hidden), None)``: ``[N, H]`` -> ``[N, H]`` float32."""
         p = self.policy
         return p.mean(p.fc(hidden.float())) * self.config.embeds_std, None
 

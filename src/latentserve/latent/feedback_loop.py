@@ -17,7 +17,7 @@ class FeedbackFamily(BudgetedFamily):
     description = "a feedback-latent model"
 
     @staticmethod
-    def graph_hooks(spec, model, max_bs, device, depths=None) -> GraphHooks:
+    def graph_hooks(spec, model, max_bs, device) -> GraphHooks:
         """A latent graph for ``model.latent_feedback`` unless it is the identity (COCONUT):
         CODI's ``prj`` runs in the decode graphs' latent graph."""
         hooks = GraphHooks()

@@ -397,10 +397,10 @@ class RecurrentGraphs(GraphHooks):
 
     packed = False  # each forward carries its RecurrentBatch (per-row depths)
 
-    def __init__(self, spec, model, max_bs: int, device, depths=None):
-        top = max(spec.max_budget, 1)  # default: the powers of two below it, it, the default
-        self.depths = sorted(set(depths or {max(spec.default_budget, 1), top,
-                                            *(1 << i for i in range((top - 1).bit_length()))}))
+    def __init__(self, spec, model, max_bs: int, device):
+        top = max(spec.max_budget, 1)  # depths: the powers of two below it, it, the default
+        self.depths = sorted({max(spec.default_budget, 1), top,
+                              *(1 << i for i in range((top - 1).bit_length()))})
         self.row_depths = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.exit_thr = torch.full((max_bs,), math.inf, device=device)
         self.exit_weighted = torch.zeros(max_bs, dtype=torch.bool, device=device)
