@@ -196,7 +196,7 @@ def test_legacy_bare_head_state_dict(tmp_path):
     torch.save(b.reasoning_head, tmp_path / "legacy.pt")
     back = read_bundle(tmp_path / "legacy.pt")
     assert back.config.hidden_size == 64 and back.config.latent_dim == 16
-    assert not back.injectable and back.has_stop_head
+    assert back.decoder is None and back.has_stop_head  # not injectable
 
 
 def test_output_floor_arithmetic():

@@ -107,7 +107,7 @@ def test_sft_cli_lowers_the_loss_and_writes_a_bundle_that_serves(tiny_dir, data_
     assert log["traces"] == 12
 
     b = read_bundle(out)
-    assert b.has_stop_head and b.target_proj is not None and b.injectable
+    assert b.has_stop_head and b.target_proj is not None and b.decoder is not None
     cfg = b.config
     assert (cfg.source_layer, cfg.target_layer, cfg.compression_factor, cfg.latent_dim) == \
         (1, 2, 3, 16)  # target default: the last of the 3 layers

@@ -30,10 +30,6 @@ class HeadBundle:
     target_proj: dict | None = None
 
     @property
-    def injectable(self) -> bool:
-        return self.decoder is not None
-
-    @property
     def has_stop_head(self) -> bool:
         return any(k.startswith("stop_head.") for k in self.reasoning_head)
 
@@ -46,14 +42,6 @@ class HeadBundle:
         return head.float().eval().requires_grad_(False)
 
 
-def _expected_shapes(cfg: HeadConfig, stop: bool) -> dict[str, dict]:
-    """Per part (``SUBDICTS``): tensor name -> shape of ``cfg``'s modules."""
-    with torch.device("meta"):  # shapes without allocating
-        probe = LatentHead(cfg, has_stop_head=stop, has_target_proj=True)
-    return {s: {k: tuple(v.shape) for k, v in getattr(probe, s).state_dict().items()}
-            for s in SUBDICTS}
-
-
 def validate(b: HeadBundle) -> None:
     """ValueError when the bundle cannot be served: ``arch`` not v1, v3+ without a stop head,
     an unexpected (named) or missing key, a shape mismatch or a non-finite weight."""
@@ -63,11 +51,11 @@ def validate(b: HeadBundle) -> None:
     if b.format_version >= 3 and not b.has_stop_head:
         raise ValueError(f"format_version {b.format_version} bundle has no stop head "
                          "(reasoning_head.stop_head.*); format_version >= 3 requires one")
-    expected = _expected_shapes(cfg, stop=b.has_stop_head)
-    for name in SUBDICTS:
-        got, want = getattr(b, name), expected[name]
-        if got is None:
-            continue
+    with torch.device("meta"):  # shapes without allocating
+        probe = LatentHead(cfg, has_stop_head=b.has_stop_head, has_target_proj=True)
+    for name in (s for s in SUBDICTS if getattr(b, s) is not None):
+        got = getattr(b, name)
+        want = {k: tuple(v.shape) for k, v in getattr(probe, name).state_dict().items()}
         for k, v in got.items():
             if k not in want:
                 raise ValueError(f"unexpected key {name}.{k} for arch {cfg.arch!r} (wrong arch "
@@ -105,7 +93,15 @@ def _from_dict(d: dict, source: str) -> HeadBundle:
             cfg = json.loads(cfg)
         except json.JSONDecodeError as e:
             raise ValueError(f"{source}: 'config' is not JSON: {e}") from None
-    fv = _int_version(d["format_version"], source)
+    v = d["format_version"]
+    try:  # int(True) and int(3.7) would pass: only integers, integral floats and digits
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError
+        fv = int(v)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{source}: format_version must be an integer, got {v!r}") from None
+    if fv < 1:
+        raise ValueError(f"{source}: format_version must be >= 1, got {fv}")
     if d.get("reasoning_head") is None:
         raise ValueError(f"{source}: bundle has no reasoning_head")
     return HeadBundle(fv, HeadConfig.from_dict(cfg),
@@ -124,18 +120,6 @@ def _state_dict(sd, name: str, source: str) -> dict | None:
             raise ValueError(  # noqa: TRY004 - a bundle error, like the others
                 f"{source}: {name}.{k} must be a tensor, got {type(v).__name__}")
     return dict(sd)
-
-
-def _int_version(v, source: str) -> int:
-    try:  # int(True) and int(3.7) would pass: only integers, integral floats and digits
-        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
-            raise ValueError
-        fv = int(v)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"{source}: format_version must be an integer, got {v!r}") from None
-    if fv < 1:
-        raise ValueError(f"{source}: format_version must be >= 1, got {fv}")
-    return fv
 
 
 def read_bundle(path: str | Path) -> HeadBundle:
@@ -251,7 +235,6 @@ def find_bundle(model_dir, override: str | None = None, disabled: bool = False):
     """The bundle a model directory serves with: ``override``, else ``LATENTSERVE_LATENT_HEAD``,
     else ``config.json``'s ``latent_reasoning_head``, else :data:`HEAD_BUNDLE_NAME`; None when none
     or ``disabled``. FileNotFoundError when ``config.json`` names a missing file."""
-
     if disabled:
         return None
     given = override or settings.get("LATENTSERVE_LATENT_HEAD")
@@ -302,7 +285,7 @@ def attach_head(model, model_dir, hf_config, path, device, injection: str | None
     ``path``. Raises ValueError when it does not fit the backbone."""
     bundle = read_bundle(path)
     cfg = bundle.config
-    if not bundle.injectable:
+    if bundle.decoder is None:
         raise ValueError(f"head bundle {path} has no decoder: it cannot be served")
     if cfg.hidden_size != hf_config.hidden_size:
         raise ValueError(f"head bundle {path} is for hidden_size {cfg.hidden_size}, the model "

@@ -8,7 +8,7 @@ An example is question + ``(Thinking speed: c)`` + ``###`` + reasoning + ``###``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -102,9 +102,6 @@ class ColarConfig:
                                  f"{getattr(cfg, k)!r}")
         return cfg
 
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
-
 
 class LatentPolicy(nn.Module):
     """Upstream ``src/modules/projector.py`` ``LatentPolicy``: ``fc`` = Linear(H, I), GELU,
@@ -162,6 +159,6 @@ def save_colar(model_dir: str | Path, cfg: ColarConfig, policy: LatentPolicy) ->
 
     d = Path(model_dir)
     d.mkdir(parents=True, exist_ok=True)
-    (d / COLAR_CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
+    (d / COLAR_CONFIG).write_text(json.dumps(asdict(cfg), indent=1))
     save_file({k: v.detach().float().cpu().contiguous() for k, v in policy.state_dict().items()},
               str(d / POLICY_WEIGHTS))

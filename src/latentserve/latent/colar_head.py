@@ -28,7 +28,7 @@ class ColarHead(nn.Module):
     has_stop = True
 
     def __init__(self, config: ColarConfig, policy: LatentPolicy, separator_id: int,
-                 speed_ids: dict[int, tuple[int, ...]], tokenizer=None):
+                 speed_ids: dict[int, tuple[int, ...]], tokenizer):
         super().__init__()
         self.config = config
         self.policy = policy
@@ -36,10 +36,8 @@ class ColarHead(nn.Module):
         self.speed_ids = speed_ids
         self.tokenizer = tokenizer
 
-    def serve_outputs(self, hidden: torch.Tensor, fused: bool | None = None
-                      ) -> tuple[torch.Tensor, None]:
-        """``(embeds_std * mean(hidden), None)``: ``[N, H]`` -> ``[N, H]`` float32 (``fused``
-        unused)."""
+    def serve_outputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``(embeds_std * mean(hidden), None)``: ``[N, H]`` -> ``[N, H]`` float32."""
         p = self.policy
         return p.mean(p.fc(hidden.float())) * self.config.embeds_std, None
 
@@ -69,7 +67,9 @@ class ColarHead(nn.Module):
         hs.end_ids, hs.answer_budget = (self.stop_token,), True
         hs.latent_temperature = float(params.latent_temperature or 0.0)
         if prompt_ids and prompt_ids[-1] == self.stop_token:  # the whole upstream prompt
-            named = self._prompt_speed(prompt_ids)
+            # the c of "(Thinking speed: c)" before the final ###, or None
+            m = _SPEED_AT_END.search(self.tokenizer.decode(prompt_ids[-16:-1]))
+            named = int(m.group(1)) if m else None
             if c is not None and named is not None and named != c:
                 raise ValueError(f"compression_factor {c} contradicts the prompt's "
                                  f"{SPEED.format(named)}; send the question alone or leave "
@@ -80,14 +80,6 @@ class ColarHead(nn.Module):
         hs.compression_factor = cfg.compression_factor if c is None else c
         suffix = (*self.speed_ids[hs.compression_factor], self.stop_token)
         return params, hs, suffix if hs.thinking else (*suffix, *hs.end_ids)
-
-    def _prompt_speed(self, prompt_ids: list[int]) -> int | None:
-        """The ``c`` of ``(Thinking speed: c)`` before the prompt's final ``###``, or None."""
-        if self.tokenizer is None:
-            return None
-        tail = self.tokenizer.decode(prompt_ids[-16:-1])
-        m = _SPEED_AT_END.search(tail)
-        return int(m.group(1)) if m else None
 
 
 def attach_colar(model, model_dir, hf_config, device) -> bool:

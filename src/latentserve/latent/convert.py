@@ -31,30 +31,16 @@ def _start(base_dir, checkpoint, out_dir, overwrite: bool):
     return base_dir, checkpoint, out_dir, json.loads((base_dir / "config.json").read_text())
 
 
-def check_serves(model_dir: Path) -> None:
-    """Load ``model_dir`` as the engine does (float32, CPU) with its tokenizer. Raises
-    ValueError ("... would not serve: <the loader's error>")."""
-    try:
-        hf_config = load_model(model_dir, torch.float32, "cpu")[1]
-        tokens = len(load_tokenizer(model_dir))
-    except Exception as e:  # any load failure means it would not serve
-        raise ValueError(f"the converted model directory would not serve: "
-                         f"{type(e).__name__}: {e}") from e
-    if tokens > hf_config.vocab_size:
-        raise ValueError(f"the converted model directory would not serve: its tokenizer has "
-                         f"{tokens} tokens but the embedding only {hf_config.vocab_size} rows")
-
-
 def _same_file(a: Path, b: Path) -> bool:
     return b.exists() and a.resolve() == b.resolve()
 
 
 def write_checked(out_dir, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` in a hidden directory next to ``out_dir``, check it
-    (:func:`check_serves`), then move it to ``out_dir`` (file by file when it exists; the
-    caller refuses a non-empty one without ``overwrite``). Raises ValueError when the
-    result would not serve or ``out_dir`` keeps weight files not replaced; on error
-    ``out_dir`` is as it was."""
+    """Run ``write(tmp)`` in a hidden directory next to ``out_dir``, check it (loaded as the
+    engine does, float32 on CPU, with its tokenizer), then move it to ``out_dir`` (file by
+    file when it exists; the caller refuses a non-empty one without ``overwrite``). Raises
+    ValueError when the result would not serve or ``out_dir`` keeps weight files not
+    replaced; on error ``out_dir`` is as it was."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -63,7 +49,16 @@ def write_checked(out_dir, write: Callable[[Path], None]) -> Path:
     tmp.chmod(0o777 & ~umask)  # as a plain mkdir of out_dir would be (mkdtemp gives 0700)
     try:
         write(tmp)
-        check_serves(tmp)
+        try:
+            hf_config = load_model(tmp, torch.float32, "cpu")[1]
+            tokens = len(load_tokenizer(tmp))
+        except Exception as e:  # any load failure means it would not serve
+            raise ValueError(f"the converted model directory would not serve: "
+                             f"{type(e).__name__}: {e}") from e
+        if tokens > hf_config.vocab_size:
+            raise ValueError(f"the converted model directory would not serve: its tokenizer "
+                             f"has {tokens} tokens but the embedding only "
+                             f"{hf_config.vocab_size} rows")
         if out_dir.exists():
             stale = sorted(f.name for pattern in ("*.safetensors", "pytorch_model*.bin")
                            for f in out_dir.glob(pattern) if not (tmp / f.name).is_symlink()
@@ -191,10 +186,8 @@ def convert_codi(base_dir, checkpoint, out_dir, *, lora_alpha: float = 32.0,
         raise ValueError(f"{checkpoint} has {rows} embedding rows; CODI over --base (vocab_size "
                          f"{ori}) has {ori + 3}: wrong --base?")
     raw = {k.removeprefix("module."): v for k, v in raw.items()}
-    prj = None
-    if "prj.1.weight" in raw:
-        prj = {"dim": int(raw["prj.1.weight"].shape[0]), "layer_norm": "prj.ln.weight" in raw,
-               "eps": 1e-5}
+    prj = {"dim": int(raw["prj.1.weight"].shape[0]), "layer_norm": "prj.ln.weight" in raw,
+           "eps": 1e-5} if "prj.1.weight" in raw else None
     tok = load_tokenizer(base_dir)
     eos = tok.eos_token_id if tok.eos_token_id is not None else hf_cfg.get("eos_token_id")
     tokens = {"pad": ori, "bot": ori + 1, "eot": ori + 2}

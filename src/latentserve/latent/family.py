@@ -113,8 +113,8 @@ class Family:
         return None
 
     @staticmethod
-    def graph_hooks(spec, model, max_bs: int, device, depths=None) -> GraphHooks:
-        """The decode graphs' :class:`GraphHooks` (``depths`` None: the family's default)."""
+    def graph_hooks(spec, model, max_bs: int, device) -> GraphHooks:
+        """The decode graphs' :class:`GraphHooks`."""
         return GraphHooks()
 
     # ----- the scheduler's hooks (scheduler/scheduler.py) -----

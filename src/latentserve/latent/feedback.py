@@ -145,9 +145,8 @@ def latent_spec_from_config(cfg: dict) -> LatentSpec:
         if not cfg["remove_eos"]:
             start, end = (t["eos"], t["bot"]), (t["eot"], t["eos"])
     return LatentSpec(kind="feedback", family=cfg["family"], default_budget=cfg["default_budget"],
-                      max_budget=cfg["max_budget"], positions_per_thought=1,
-                      start_ids=start, end_ids=end, latent_id=latent, suppress_ids=suppress,
-                      upstream_eos_from=eos_from)
+                      max_budget=cfg["max_budget"], start_ids=start, end_ids=end,
+                      latent_id=latent, suppress_ids=suppress, upstream_eos_from=eos_from)
 
 
 # ----------------------------------------------------------------------------- weights

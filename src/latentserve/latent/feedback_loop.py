@@ -17,7 +17,7 @@ class FeedbackFamily(BudgetedFamily):
     description = "a feedback-latent model"
 
     @staticmethod
-    def graph_hooks(spec, model, max_bs, device, depths=None) -> GraphHooks:
+    def graph_hooks(spec, model, max_bs, device) -> GraphHooks:
         """A latent graph for ``model.latent_feedback`` unless it is the identity (COCONUT):
         CODI's ``prj`` runs in the decode graphs' latent graph."""
         hooks = GraphHooks()
@@ -65,7 +65,5 @@ class FeedbackFamily(BudgetedFamily):
             sel = vecs[torch.tensor(traced, device=vecs.device)]
             for j, entry in zip(traced, lens_entries(model, sel)):
                 reqs[rows[j]].latent_trace.append(entry)
-        out: list = [None] * len(reqs)
-        for j, i in enumerate(rows):
-            out[i] = (vecs, j)
-        return out
+        pos = {i: j for j, i in enumerate(rows)}
+        return [(vecs, pos[i]) if i in pos else None for i in range(len(reqs))]

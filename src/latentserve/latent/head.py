@@ -78,6 +78,12 @@ class HeadConfig:
         return cfg
 
 
+def silu_mlp(d_in: int, m: int, d_out: int) -> nn.Sequential:
+    """Linear(d_in, m), SiLU, Linear(m, m), SiLU, Linear(m, d_out): upstream's arch v1 MLP."""
+    return nn.Sequential(nn.Linear(d_in, m), nn.SiLU(), nn.Linear(m, m), nn.SiLU(),
+                         nn.Linear(m, d_out))
+
+
 class CompressionHead(nn.Module):
     """Upstream ``ReasoningCompressionHead`` (arch v1): ``forward(h [..., H] float32,
     layer-normed) -> (mu, log_sigma)`` ``[..., L]`` each; ``stop_logit(h) -> [..., 1]``."""
@@ -87,8 +93,7 @@ class CompressionHead(nn.Module):
         super().__init__()
         m = mlp_dim or hidden_size // 2
         self.hidden_size, self.latent_dim = hidden_size, latent_dim
-        self.net = nn.Sequential(nn.Linear(hidden_size, m), nn.SiLU(), nn.Linear(m, m),
-                                 nn.SiLU(), nn.Linear(m, 2 * latent_dim))
+        self.net = silu_mlp(hidden_size, m, 2 * latent_dim)
         self.stop_head = (nn.Sequential(nn.Linear(hidden_size, m // 2), nn.SiLU(),
                                         nn.Linear(m // 2, 1)) if stop_head else None)
 
@@ -103,20 +108,6 @@ class CompressionHead(nn.Module):
         if self.stop_head is None:
             raise ValueError("this head has no stop head (format_version < 3)")
         return self.stop_head(h)
-
-
-class LatentDecoder(nn.Module):
-    """Upstream ``LatentDecoder`` (arch v1): ``forward(z [..., L] float32) -> [..., H]``,
-    an absolute input-embedding vector for the backbone's embedding output."""
-
-    def __init__(self, latent_dim: int, hidden_size: int, mlp_dim: int | None = None):
-        super().__init__()
-        m = mlp_dim or hidden_size // 2
-        self.net = nn.Sequential(nn.Linear(latent_dim, m), nn.SiLU(), nn.Linear(m, m),
-                                 nn.SiLU(), nn.Linear(m, hidden_size))
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.net(z)
 
 
 class LatentHead(nn.Module):
@@ -136,7 +127,8 @@ class LatentHead(nn.Module):
         self.config = config
         h, lat, m = config.hidden_size, config.latent_dim, config.mlp
         self.reasoning_head = CompressionHead(h, lat, m, stop_head=has_stop_head)
-        self.decoder = LatentDecoder(lat, h, m)
+        # upstream LatentDecoder: z [..., L] -> an absolute input embedding [..., H]
+        self.decoder = nn.ModuleDict({"net": silu_mlp(lat, m, h)})
         self.target_proj = nn.Linear(h, lat, bias=False) if has_target_proj else None
 
     @property
@@ -164,7 +156,7 @@ class LatentHead(nn.Module):
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         """``decoder(LN(z))``: ``[N, L]`` -> ``[N, H]`` float32."""
-        return self.decoder(F.layer_norm(z, (self.config.latent_dim,)))
+        return self.decoder.net(F.layer_norm(z, (self.config.latent_dim,)))
 
     def stop_prob(self, anchor: torch.Tensor) -> torch.Tensor | None:
         if not self.has_stop:
@@ -279,7 +271,7 @@ class HeadSettings(LatentState):
     # set_policy_sampling: per step (anchor [H], z [L]) or the injected input [H], float32 CPU
     actions: list | None = None
     reported: bool = False
-    late: Any = None  # overlap mode: head_late.Late, until settled
+    late: Any = None  # overlap mode: its head_late.Candidate, until settled
     answer_budget: bool = False
     compression_factor: int | None = None
     latent_temperature: float = 0.0

@@ -32,9 +32,12 @@ class HostFloats:
 
 @dataclass(slots=True)
 class Candidate:
-    """A latent-phase row's launch: ``vec`` / ``draw`` ``(tensor, row)`` entries, ``rng``
-    before the draw, stop ``probs`` at row ``j``, trace ``entry``, CoLaR's ``lens_p``,
-    the Gaussian policy's ``action`` ``(anchor [H], z [L])`` float32 CPU (sigma set)."""
+    """A latent-phase row's launch, then (:func:`decide`) its decision until settled: ``vec``
+    / ``draw`` ``(tensor, row)`` entries, stop ``probs`` at row ``j``, trace ``entry``,
+    CoLaR's ``lens_p``, ``action`` (float32 CPU: ``(anchor [H], z [L])`` with sigma set, the
+    injected input ``[H]`` when recorded); ``rng`` before the draw, else before the next
+    batch sampled the row (None: not sampled); ``k`` steps before it, ``may_fire``, ``ended``
+    at the cap, ``traced``."""
 
     vec: tuple
     draw: tuple | None
@@ -43,30 +46,22 @@ class Candidate:
     j: int
     entry: dict | None
     lens_p: float | None
-    action: tuple | None = None
-
-
-@dataclass(slots=True)
-class Late:
-    """A launch decision until settled: ``k`` steps before it, ``may_fire``, ``ended`` at the
-    cap, ``traced``, ``rng`` before the next batch sampled the row (None: not sampled)."""
-
-    k: int
-    cand: Candidate
-    may_fire: bool
-    ended: bool
-    traced: bool
-    rng: Any = None
+    action: Any = None
+    k: int = 0
+    may_fire: bool = False
+    ended: bool = False
+    traced: bool = False
 
 
 def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torch.Tensor,
-               precomputed, ring, sigma: float | None = None, tokens: list[int] | None = None
-               ) -> list | None:
+               precomputed, ring, tokens: list[int] | None = None) -> list | None:
     """Per sampling row its :class:`Candidate` or None; None when no row is in its phase.
     ``anchors``: ``[S, hidden]``; ``precomputed``: a CUDA graph's ``(vecs [S, H], probs)`` or
-    a callable giving them; ``sigma`` (``set_policy_sampling``): inputs ``decode(z)``,
-    ``z ~ N(mu, sigma^2 I)``; ``tokens`` (synchronous): the sampled ids, a row whose sampled
-    stop token ends its phase draws nothing. Changes no request state."""
+    a callable giving them; ``tokens`` (synchronous): the sampled ids, a row whose sampled
+    stop token ends its phase draws nothing. ``head.policy_sigma`` (``set_policy_sampling``):
+    inputs ``decode(z)``, ``z ~ N(mu, sigma^2 I)``, action ``(anchor, z)``;
+    ``head.record_latents``: action the injected input. Changes no request state."""
+    sigma = getattr(head, "policy_sigma", None)
     rows = [i for i, r in enumerate(reqs) if r.state is not None and r.answer_start is None]
     if not rows:
         return None
@@ -104,7 +99,11 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
             out = head.sample(sel[at], [reqs[rows[j]].state.latent_temperature for j in drawn],
                               gens)
         draws = {j: (out, m) for m, j in enumerate(drawn)}
-    entries, lens_p = _trace(head, model, reqs, rows, open_, logits, vecs, host, draws)
+    injected = [draws.get(j, (vecs, j)) for j in range(len(rows))]
+    if getattr(head, "record_latents", False):
+        with torch.inference_mode():
+            actions = list(torch.stack([t[r] for t, r in injected]).float().cpu())
+    entries, lens_p = _trace(head, model, reqs, rows, open_, logits, injected, host)
     out: list = [None] * len(reqs)
     for j, i in enumerate(rows):
         out[i] = Candidate((vecs, j), draws.get(j), rngs.get(j), host, j, entries.get(j),
@@ -112,7 +111,7 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
     return out
 
 
-def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[dict, dict]:
+def _trace(head, model, reqs, rows, open_, logits, injected, host) -> tuple[dict, dict]:
     """Traced rows' ``(j -> trace entry, j -> CoLaR's stop-token probability)``."""
     traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
     if not traced:
@@ -127,7 +126,7 @@ def _trace(head, model, reqs, rows, open_, logits, vecs, host, draws) -> tuple[d
     if not stepping:
         return {}, lens_p
     with torch.inference_mode():
-        stacked = torch.stack([t[r] for t, r in (draws.get(j, (vecs, j)) for j in stepping)])
+        stacked = torch.stack([injected[j][0][injected[j][1]] for j in stepping])
     entries = dict(zip(stepping, lens_entries(model, stacked)))
     for j, entry in entries.items():
         entry["stop_prob"] = (None if reqs[rows[j]].state.mode == "prompt"  # no stop decision
@@ -143,18 +142,18 @@ def _may_fire(h, stop_token: int | None, has_probs: bool) -> bool:
 
 
 def decide(req: Req, cand: Candidate, stop_token: int | None):
-    """The step ``req`` takes at launch (next input or None), recorded as :class:`Late`."""
+    """The step ``req`` takes at launch (next input or None), ``cand`` kept as ``late``."""
     h = req.state
     if h.mode == "prompt":
         h.steps, h.end = 1, "prompt"
         if cand.entry is not None:
             req.latent_trace.append(cand.entry)
         return cand.vec
-    k = h.steps
-    ended = k >= h.max_latent
-    h.late = Late(k, cand, _may_fire(h, stop_token, cand.probs is not None), ended,
-                  traced=cand.entry is not None and not ended)
-    if ended:
+    cand.k, cand.ended = h.steps, h.steps >= h.max_latent
+    cand.may_fire = _may_fire(h, stop_token, cand.probs is not None)
+    cand.traced = cand.entry is not None and not cand.ended
+    h.late = cand
+    if cand.ended:
         h.end = "cap"
         return None
     h.steps += 1
@@ -172,14 +171,13 @@ def snapshot(req: Req) -> None:
 
 
 def settle(req: Req, token: int, stop_token: int | None, launched: bool = True) -> bool:
-    """Settle ``req``'s :class:`Late` decision; False when a fired stop undid the step
+    """Settle ``req``'s ``late`` decision; False when a fired stop undid the step
     (``launched``: ``advance`` had taken it)."""
     h = req.state
-    late = getattr(h, "late", None)
-    if late is None:
+    cand = getattr(h, "late", None)
+    if cand is None:
         return True
     h.late = None
-    cand = late.cand
     if cand.lens_p is not None:
         h.last_stop_prob = cand.lens_p
     p = cand.probs.get(cand.j) if cand.probs is not None else None
@@ -189,20 +187,19 @@ def settle(req: Req, token: int, stop_token: int | None, launched: bool = True) 
     # the stop head's probability, or CoLaR's sampled stop token
     fired = token == stop_token if stop_token is not None else (
         p is not None and p > h.stop_threshold)
-    if not (late.may_fire and fired):
+    if not (cand.may_fire and fired):
         return True
-    h.end, h.stop_step = "stop", late.k
-    if late.ended:
+    h.end, h.stop_step = "stop", cand.k
+    if cand.ended:
         return True
     if launched:
         req.output_ids.pop()
         req.latent_embeds.pop()
-    h.steps = late.k
-    if late.traced:
+    h.steps = cand.k
+    if cand.traced:
         req.latent_trace.pop()
-    rng = cand.rng if cand.rng is not None else late.rng
-    if rng is not None:
-        req.generator.set_state(rng)
+    if cand.rng is not None:
+        req.generator.set_state(cand.rng)
     return False
 
 

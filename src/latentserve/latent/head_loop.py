@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from latentserve.core import Req
 from latentserve.latent.family import Admission, Family
 from latentserve.latent.head import (
@@ -18,39 +16,6 @@ from latentserve.latent.head import (
 )
 from latentserve.latent.head_late import Candidate, candidates, decide, settle, snapshot, step_now
 from latentserve.staging import DeviceToHost
-
-
-def prepare_request(model, spec, defaults: dict, prompt_ids: list[int], params):
-    """``(params, HeadSettings, opening ids to append)`` of a head request, ``max_tokens``
-    raised by the output floor. Raises ValueError naming a bad control."""
-    own = getattr(model.latent_head, "prepare_request", None)
-    if own is not None:
-        return own(prompt_ids, params)
-    refuse_controls(params, CONTROLS, "a compression head")
-    hs = resolve_settings(params, defaults, model.latent_head_mode, model.latent_head.has_stop)
-    hs.end_ids = spec.end_ids if hs.mode == "closed_loop" else ()
-    if not hs.thinking:
-        return params, hs, ()
-    cap = hs.max_latent if hs.mode == "closed_loop" else 0
-    floor = apply_output_floor(params.max_tokens, hs.min_output_tokens, cap)
-    if floor != params.max_tokens:
-        params = dataclasses.replace(params, max_tokens=floor)
-    k = len(spec.start_ids)
-    start = () if list(prompt_ids[-k:]) == list(spec.start_ids) else spec.start_ids
-    return params, hs, start
-
-
-def _record_inputs(reqs: list[Req], out: list) -> None:
-    """Append each closed-loop row's next input (float32, CPU) to its ``actions``."""
-    rows = [i for i, e in enumerate(out) if e is not None and reqs[i].state.mode == "closed_loop"]
-    if not rows:
-        return
-    with torch.inference_mode():
-        vecs = torch.stack([out[i][0][out[i][1]] for i in rows]).float().cpu()
-    for m, i in enumerate(rows):
-        h = reqs[i].state
-        h.actions = h.actions or []
-        h.actions.append(vecs[m])
 
 
 def set_policy_sampling(head, sigma: float | None = None, *, record: bool = False) -> None:
@@ -67,8 +32,8 @@ def set_policy_sampling(head, sigma: float | None = None, *, record: bool = Fals
 
 
 class HeadFamily(Family):
-    """The ``Family`` of compression-head models: :func:`prepare_request`, the latent steps
-    of ``latent/head_late.py``."""
+    """The ``Family`` of compression-head models: :meth:`admit`, the latent steps of
+    ``latent/head_late.py``."""
 
     decides_late = traced = streams_steps = takes_head_controls = True
     traced_under_tp = False
@@ -92,8 +57,25 @@ class HeadFamily(Family):
         return params
 
     def admit(self, prompt_ids, params) -> Admission:
-        params, hs, start_ids = prepare_request(self.engine.runner.model, self.spec,
-                                                self.defaults, prompt_ids, params)
+        """The head's own ``prepare_request`` (CoLaR), else the compression head's controls,
+        ``max_tokens`` raised by the output floor. Raises ValueError naming a bad control."""
+        model, spec = self.engine.runner.model, self.spec
+        own = getattr(model.latent_head, "prepare_request", None)
+        if own is not None:
+            params, hs, start_ids = own(prompt_ids, params)
+        else:
+            refuse_controls(params, CONTROLS, "a compression head")
+            hs = resolve_settings(params, self.defaults, model.latent_head_mode,
+                                  model.latent_head.has_stop)
+            hs.end_ids = spec.end_ids if hs.mode == "closed_loop" else ()
+            k, start_ids = len(spec.start_ids), ()
+            if hs.thinking:
+                cap = hs.max_latent if hs.mode == "closed_loop" else 0
+                floor = apply_output_floor(params.max_tokens, hs.min_output_tokens, cap)
+                if floor != params.max_tokens:
+                    params = dataclasses.replace(params, max_tokens=floor)
+                if list(prompt_ids[-k:]) != list(spec.start_ids):
+                    start_ids = spec.start_ids
 
         def start(req: Req) -> None:
             req.state = hs
@@ -166,11 +148,8 @@ class HeadFamily(Family):
         head = runner.model.latent_head
         anchors = runner.last_captured if runner.capture_layer >= 0 else last_hidden
         out = candidates(head, runner.model, reqs, logits, anchors, runner.latent_outputs,
-                         self._probs, getattr(head, "policy_sigma", None), tokens)
+                         self._probs, tokens)
         if tokens is None or out is None:
             return out
-        out = [c if c is None else step_now(reqs[i], c, tokens[i], head.stop_token)
-               for i, c in enumerate(out)]
-        if getattr(head, "record_latents", False):
-            _record_inputs(reqs, out)
-        return out
+        return [c if c is None else step_now(reqs[i], c, tokens[i], head.stop_token)
+                for i, c in enumerate(out)]

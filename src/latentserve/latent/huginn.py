@@ -174,24 +174,18 @@ class RavenForCausalLM(RecurrentLM):
         if self.tie:
             self.lm_head.weight = self.transformer.wte.weight
         self.emb_scale = math.sqrt(e)
-        self.register_buffer("state_table", self.state_init_table(
-            int(cfg.max_position_embeddings), float(getattr(cfg, "init_scale", 1.0)),
-            int(getattr(cfg, "state_init_seed", 0))), persistent=False)
+        # [block_size, n_embd] float32 initial states (upstream initialize_state)
+        table = torch.zeros(int(cfg.max_position_embeddings), e)
+        std = math.sqrt(2 / (5 * e)) * float(getattr(cfg, "init_scale", 1.0))
+        if std > 0:
+            g = torch.Generator().manual_seed(int(getattr(cfg, "state_init_seed", 0)))
+            torch.nn.init.trunc_normal_(table, mean=0.0, std=std, a=-3 * std, b=3 * std,
+                                        generator=g)
+            table = table * self.emb_scale
+        self.register_buffer("state_table", table, persistent=False)
         self.latent_spec = LatentSpec(kind="recurrent", family="huginn",
                                       default_budget=self.mean_recurrence,
                                       max_budget=self.max_depth)
-
-    def state_init_table(self, block_size: int, init_scale: float, seed: int) -> torch.Tensor:
-        """``[block_size, n_embd]`` float32 initial states (upstream ``initialize_state``)
-        drawn from ``Generator(seed)``."""
-        x = torch.zeros(block_size, self.n_embd)
-        std = math.sqrt(2 / (5 * self.n_embd)) * init_scale
-        if std > 0:
-            g = torch.Generator().manual_seed(seed)
-            torch.nn.init.trunc_normal_(x, mean=0.0, std=std, a=-3 * std, b=3 * std,
-                                        generator=g)
-            x = x * self.emb_scale
-        return x
 
     def coda_bank(self, j: int) -> int:
         """Pool layer of coda layer ``j``."""
@@ -236,10 +230,7 @@ class RavenForCausalLM(RecurrentLM):
         rb = getattr(ctx, "recurrent", None)
         if rb is not None and rb.compact:
             x = self._recur_compact(x, e, cos, sin, ctx, rb)
-        else:  # masked: fixed trip count, no host reads (CUDA-graph path)
-            if rb is not None and rb.drop_skipped is not None:
-                raise RuntimeError("the masked loop cannot drop skipped steps "
-                                   "(exit_semantics 'upstream' runs the compact loop)")
+        else:  # masked: fixed trip count, no host reads (CUDA-graph path; no upstream rows)
             n = self.mean_recurrence if rb is None else rb.num_iters
             depths = getattr(ctx, "depths", None)
             for t in range(n):
@@ -327,11 +318,13 @@ class _HuginnExit:
         logit_rows = [b for b in rows if rules[b].criterion in HUGINN_LOGIT_CRITERIA]
         logits = self._logits(act, logit_rows, x, cos, sin) if logit_rows else None
         lpos = {b: i for i, b in enumerate(logit_rows)}
-        decided = []  # (rows, exit flags)
+        order, flags = [], []  # rows, their exit flags
         for crit in sorted({rules[b].criterion for b in rows}):
             g = [b for b in rows if rules[b].criterion == crit]
             ri = torch.tensor(g, dtype=torch.int64, device=dev)
             thr = self.thr[ri]
+            if crit in HUGINN_LOGIT_CRITERIA:
+                lg = logits[torch.tensor([lpos[b] for b in g], device=dev)]
             if crit in ("latent-diff", "cosine"):
                 tok = act.token_index(g)
                 lat, prev = x[tok], self.prev_latent[tok]
@@ -344,15 +337,11 @@ class _HuginnExit:
                 if crit == "cosine":
                     val = 1 - val
                 self.prev_latent[tok] = lat
-                decided.append((g, val < thr))
-                continue
-            lg = logits[torch.tensor([lpos[b] for b in g], device=dev)]
-            if crit == "entropy-diff":
+            elif crit == "entropy-diff":
                 probs = F.softmax(lg, dim=-1)
                 ent = -torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
                 val = (ent - self.prev_entropy[ri]).abs()
                 self.prev_entropy[ri] = ent
-                decided.append((g, val < thr))
             elif crit in ("kl", "minp-kl"):
                 if crit == "kl":
                     logp = F.log_softmax(lg.float(), dim=-1)
@@ -364,12 +353,11 @@ class _HuginnExit:
                 val = F.kl_div(logp, self.prev_logp[ri], reduction="none",
                                log_target=True).sum(dim=-1)
                 self.prev_logp[ri] = logp
-                decided.append((g, val < thr))
             else:  # argmax-stability
                 am = lg.argmax(dim=-1)
                 stable = torch.where(am == self.prev_argmax[ri], self.stable[ri] + 1, 0)
                 self.prev_argmax[ri], self.stable[ri] = am, stable
-                decided.append((g, stable >= thr))
-        flags = torch.cat([f for _, f in decided]).tolist()  # the one host read per check
-        order = [b for g, _ in decided for b in g]
-        return [b for b, f in zip(order, flags) if f]
+            order += g
+            flags.append(stable >= thr if crit == "argmax-stability" else val < thr)
+        # the one host read per check
+        return [b for b, f in zip(order, torch.cat(flags).tolist()) if f]

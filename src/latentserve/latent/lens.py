@@ -8,15 +8,13 @@ import torch
 LENS_TOP = 5  # tokens per latent step
 
 
-def lens_entries(model, vecs: torch.Tensor, k: int = LENS_TOP) -> list[dict]:
-    """The trace entries of latent inputs ``vecs`` ``[n, hidden]`` (any float dtype), one per
-    row: their L2 norm, the ``k`` largest LM-head logits (``model.compute_logits``) and those
-    tokens' probabilities."""
-    if vecs.shape[0] == 0:
-        return []
+def lens_entries(model, vecs: torch.Tensor) -> list[dict]:
+    """The trace entries of latent inputs ``vecs`` ``[n >= 1, hidden]`` (any float dtype), one
+    per row: their L2 norm, the ``LENS_TOP`` largest LM-head logits (``model.compute_logits``)
+    and those tokens' probabilities."""
     with torch.inference_mode():
         logits = model.compute_logits(vecs).float()
-        top = logits.topk(k, dim=-1)
+        top = logits.topk(LENS_TOP, dim=-1)
         probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp()
         norms = vecs.float().norm(dim=-1)
     return [{"norm": float(n), "top_tokens": [[int(t), float(v)] for t, v in zip(ids, vals)],

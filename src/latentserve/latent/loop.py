@@ -54,17 +54,6 @@ def passes_first(running: list[Req]) -> list[Req]:
                   else 0 if r.num_computed < len(r.prompt_ids) else 2)
 
 
-def _trace_passes(model, reqs: list[Req]) -> None:
-    """Append to each of ``reqs`` (each just ended a pass) one lens entry per block
-    position of the pass's outputs, with ``"pass"`` and ``"position"`` (both 1-based)."""
-    entries = iter(lens_entries(model, torch.cat([r.state.outputs[1:] for r in reqs])))
-    for req in reqs:
-        st = req.state
-        for j in range(st.block_size):
-            req.latent_trace.append({**next(entries), "pass": st.passes_done + 1,
-                                     "position": j + 1})
-
-
 class LoopFamily(BudgetedFamily):
     """The ``Family`` of looped-block models: ``latent_budget`` is the passes after the first."""
 
@@ -117,8 +106,11 @@ class LoopFamily(BudgetedFamily):
                 ending.append(req)
             if sample and req.params.return_latent_trace:
                 traced.append(req)
-        if traced:
-            _trace_passes(model, traced)
+        if traced:  # one lens entry per block position, "pass" and "position" 1-based
+            entries = iter(lens_entries(model, torch.cat([r.state.outputs[1:] for r in traced])))
+            for req in traced:
+                req.latent_trace += [{**next(entries), "pass": req.state.passes_done + 1,
+                                      "position": j + 1} for j in range(req.state.block_size)]
         if not ending:
             return
         jacobi = model.latent_spec.loop_rule == "jacobi"

@@ -69,10 +69,9 @@ def attach_loop(model, model_dir, hf_config, cfg: dict, dtype, device) -> None:
     start, end = (t["bot"], t["eot"]) if pccot else (t["start"], t["end"])
     model.latent_spec = LatentSpec(
         kind="loop", family=cfg["family"], default_budget=cfg["default_budget"],
-        max_budget=cfg["max_budget"], positions_per_thought=cfg["block_size"],
-        start_ids=(start,), end_ids=(end, *cfg["answer_prompt_ids"]), latent_id=t["latent"],
-        block_size=cfg["block_size"], loop_rule=cfg["loop_rule"],
-        upstream_eos_from=2 if pccot else 0)
+        max_budget=cfg["max_budget"], start_ids=(start,), latent_id=t["latent"],
+        end_ids=(end, *cfg["answer_prompt_ids"]), block_size=cfg["block_size"],
+        loop_rule=cfg["loop_rule"], upstream_eos_from=2 if pccot else 0)
     if cfg.get("prj") is None:
         model.latent_feedback = nn.Identity()
         return

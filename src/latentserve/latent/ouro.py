@@ -100,8 +100,7 @@ class OuroModel(nn.Module):
         self.layers = nn.ModuleList(OuroDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.early_exit_gate = nn.Linear(cfg.hidden_size, 1)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary_emb = Rotary(cfg, head_dim)
+        self.rotary_emb = Rotary(cfg, self.layers[0].self_attn.head_dim)
 
 
 class OuroForCausalLM(RecurrentLM):
@@ -180,10 +179,8 @@ class OuroForCausalLM(RecurrentLM):
         ro = _Readout(self, rb, depths, h)
         if rb is not None and rb.compact:
             def exits(act, t, rows, idx, h):
-                active = None
-                if idx is not None:
-                    active = torch.zeros(n, dtype=torch.bool, device=dev)
-                    active[idx] = True
+                active = None if idx is None else torch.zeros(
+                    n, dtype=torch.bool, device=dev).index_fill_(0, idx, True)
                 hit = ro.update(h, t, active)
                 approx = [b for b in rows if rb.eligible[b]]
                 if not approx or t + 1 >= max(rb.row_depths[b] for b in approx):
@@ -221,17 +218,15 @@ class _Readout:
         n, dev = h0.shape[0], h0.device
         self.model, self.depths = model, depths
         if rb is not None and rb.exit_thr is not None:  # static buffers (graph path)
-            self.thr, self.weighted = rb.exit_thr.to(h0.dtype), rb.exit_weighted
-            self.any_weighted = True
+            thr, self.weighted = rb.exit_thr, rb.exit_weighted
         elif rb is not None and rb.rules is not None:  # eager: from the rows' rules
             thr, self.weighted = rb.token_readout(dev)
-            self.thr = thr.to(h0.dtype)
-            self.any_weighted = any(r is not None and r.criterion == "weighted"
-                                    for r in rb.rules)
         else:  # no recurrent context: last-step readout
-            self.thr = torch.full((n,), math.inf, dtype=h0.dtype, device=dev)
+            thr = torch.full((n,), math.inf, device=dev)
             self.weighted = torch.zeros(n, dtype=torch.bool, device=dev)
-            self.any_weighted = False
+        self.thr = thr.to(h0.dtype)
+        self.any_weighted = rb is not None and (rb.exit_thr is not None or any(  # graph: any
+            r is not None and r.criterion == "weighted" for r in rb.rules or ()))
         self.row_tok = None
         if rb is not None and rb.compact:  # each row's last token (approximate exits)
             reps = torch.tensor(rb.q_lens)

@@ -390,20 +390,6 @@ def fill_banks(kv_pool, slots: torch.Tensor, model: RecurrentLM, t_last: int,
             kv_pool.v[dst][slots] = v
 
 
-def recurrence_stats(iters: list[int]) -> dict:
-    """``{"tokens", "mean_iterations", "histogram": {iters: count}}`` of the sampled tokens."""
-    mean = sum(iters) / len(iters) if iters else math.nan
-    return {"tokens": len(iters), "mean_iterations": mean,
-            "histogram": dict(sorted(Counter(iters).items()))}
-
-
-def default_graph_depths(spec) -> list[int]:
-    """Recurrence counts to capture: powers of two below the max budget, the default, the max."""
-    top = max(spec.max_budget, 1)
-    powers = (1 << i for i in range((top - 1).bit_length()))
-    return sorted({max(spec.default_budget, 1), top, *powers})
-
-
 class RecurrentGraphs(GraphHooks):
     """Recurrent depth in the decode graphs: one masked graph per (bucket, depth D); a batch
     replays the smallest D covering its deepest row. Static ``[max_bs]`` buffers as in
@@ -411,8 +397,10 @@ class RecurrentGraphs(GraphHooks):
 
     packed = False  # each forward carries its RecurrentBatch (per-row depths)
 
-    def __init__(self, spec, model, max_bs: int, device, depths=None):
-        self.depths = sorted(set(depths or default_graph_depths(spec)))
+    def __init__(self, spec, model, max_bs: int, device):
+        top = max(spec.max_budget, 1)  # depths: the powers of two below it, it, the default
+        self.depths = sorted({max(spec.default_budget, 1), top,
+                              *(1 << i for i in range((top - 1).bit_length()))})
         self.row_depths = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.exit_thr = torch.full((max_bs,), math.inf, device=device)
         self.exit_weighted = torch.zeros(max_bs, dtype=torch.bool, device=device)
@@ -440,13 +428,11 @@ class RecurrentGraphs(GraphHooks):
 
     def refresh(self, rec, n: int, b: int) -> None:
         dev = self.row_depths.device
-        self.row_depths[:n].copy_(rec.token_depths(dev))
-        self.row_depths[n:b].zero_()
-        thr, weighted = rec.token_readout(dev)
-        self.exit_thr[:n].copy_(thr)
-        self.exit_weighted[:n].copy_(weighted)
-        self.exit_thr[n:b].fill_(math.inf)
-        self.exit_weighted[n:b].zero_()
+        for buf, value, pad in zip((self.row_depths, self.exit_thr, self.exit_weighted),
+                                   (rec.token_depths(dev), *rec.token_readout(dev)),
+                                   (0, math.inf, False)):
+            buf[:n].copy_(value)
+            buf[n:b].fill_(pad)
 
     def replayed(self, rec, n: int) -> None:
         rec.iters_used = list(rec.row_depths)
@@ -514,6 +500,9 @@ class RecurrentFamily(Family):
 
     def output_fields(self, req: Req, done: bool) -> dict:
         fields = super().output_fields(req, done)
-        if done and req.state.iters:
-            fields["recurrence"] = recurrence_stats(req.state.iters)
+        iters = req.state.iters
+        if done and iters:  # over the sampled tokens
+            fields["recurrence"] = {"tokens": len(iters),
+                                    "mean_iterations": sum(iters) / len(iters),
+                                    "histogram": dict(sorted(Counter(iters).items()))}
         return fields

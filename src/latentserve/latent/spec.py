@@ -18,7 +18,6 @@ class LatentSpec:
         default_budget / min_budget / max_budget: latent steps (recurrent: recurrences) when
             a request does not say, and the range it may ask for (recurrent: sizes KV banks).
         default_exit: recurrent only: the ``ExitRule`` when a request names none, or None.
-        positions_per_thought: KV positions one latent step writes.
         start_ids / end_ids: ids appended before the latent phase / forced after it.
         latent_id: the id recorded at latent positions (never embedded).
         suppress_ids: ids never sampled (logits -inf), e.g. CODI's ``eot``.
@@ -35,7 +34,6 @@ class LatentSpec:
     family: str
     default_budget: int
     max_budget: int = 64
-    positions_per_thought: int = 1
     start_ids: tuple[int, ...] = field(default_factory=tuple)
     end_ids: tuple[int, ...] = field(default_factory=tuple)
     latent_id: int = 0
