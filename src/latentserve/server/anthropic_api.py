@@ -71,7 +71,6 @@ class MessagesRequest(LatentFields):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     thinking: AnthropicThinking | None = None
-    return_latent_trace: bool | None = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     latent_reasoning: str | None = None
@@ -207,9 +206,6 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
     flag = answer.flag if kind == "head" or (answer.flag and not shows) else None
     budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
                                       state.latent_spec)  # no ticks on /v1/messages
-    if body.max_tokens < 1:
-        raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
-                       param="max_tokens")
     max_len = state.max_model_len
     check_prompt_length(num_prompt_tokens, max_len, "messages")
     latent = latent_positions(state.latent_spec, budget)

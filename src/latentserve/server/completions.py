@@ -30,12 +30,12 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     arrival = time.monotonic()
     check_common(body, state.model_name, state.limits)
     n = body.n or 1
-    count = len(prompt_list(body.prompt, state.limits.max_prompts)) * n
-    with admit(state, count, "n" if n > 1 else "prompt") as ticket:
+    listed = prompt_list(body.prompt, state.limits.max_prompts)
+    with admit(state, len(listed) * n, "n" if n > 1 else "prompt") as ticket:
         check_logprobs(body.logprobs, "logprobs", state.limits)
         prompt_logprobs = body.logprobs if body.echo else None
-        prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
-                                state.vocab_size, state.limits.max_prompts, state.max_model_len)
+        prompts = await in_pool(completion_prompts, state.tokenizer, listed, state.vocab_size,
+                                state.max_model_len)
         budget, head, ticks = latent_controls(request, body, state.latent_spec)
         with_params = [(ids, text, sampling_params(body, "max_tokens", len(ids), state,
                                                    body.logprobs, budget, head,

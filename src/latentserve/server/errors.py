@@ -139,7 +139,8 @@ def _split(loc) -> tuple[str, tuple]:
     for i, part in enumerate(loc):
         if isinstance(part, int):
             path += f"[{part}]"
-        elif _is_field(part):
+        elif (isinstance(part, str) and part.isidentifier() and part == part.lower()
+              and part not in _NOT_A_FIELD):
             path += f".{part}" if path else part
         else:
             return path or "body", loc[i:]
@@ -178,11 +179,6 @@ def _union_expected(errors: list[dict[str, Any]]) -> str | None:
     if len(kinds) < 2:
         return None
     return f"expected {', '.join(kinds[:-1])} or {kinds[-1]}"
-
-
-def _is_field(part: object) -> bool:
-    return (isinstance(part, str) and part.isidentifier() and part == part.lower()
-            and part not in _NOT_A_FIELD)
 
 
 def short_repr(value: object, limit: int = 60) -> str:

@@ -312,9 +312,6 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
     check_prompt_length(num_prompt_tokens, max_model_len,
                         "prompt" if isinstance(request, CompletionRequest) else "messages")
     latent = latent_positions(state.latent_spec, budget)
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
-                       param=max_tokens_field)
     used = num_prompt_tokens + latent
     defaults = state.sampling_defaults or {}
     if max_tokens is None:
@@ -336,11 +333,11 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
             **_or_default(request, ("min_p", "repetition_penalty"), defaults),
             **_sent(request, _OPENAI_FIELDS),
             **shared_fields(request, request.stop, budget, defaults), **head)
-    except ValueError as exc:
-        param = param_from_value_error(str(exc))
+    except ValueError as exc:  # a max_tokens error names the field sent
+        msg, param = str(exc), param_from_value_error(str(exc))
         if param == "max_tokens":
-            param = max_tokens_field
-        raise APIError(str(exc), param=param) from None
+            msg, param = max_tokens_field + msg.removeprefix(param), max_tokens_field
+        raise APIError(msg, param=param) from None
 
 
 def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,

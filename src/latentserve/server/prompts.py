@@ -217,13 +217,13 @@ def prompt_list(prompt, max_prompts: int) -> list:
     return [prompt]
 
 
-def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int,
-                       max_model_len: int) -> list[tuple[list[int], str | None]]:
-    """One ``(token_ids, text)`` per completions prompt (``text`` None for token ids).
-    APIError (400) for an empty prompt, over ``max_prompts`` prompts, or an id out of range."""
+def completion_prompts(tokenizer, prompts: list, vocab_size: int | None, max_model_len: int
+                       ) -> list[tuple[list[int], str | None]]:
+    """One ``(token_ids, text)`` per prompt of :func:`prompt_list` (``text`` None for token
+    ids). APIError (400) for an empty prompt or an id out of range."""
     limit = vocab_size or len(tokenizer)
     out = []
-    for p in prompt_list(prompt, max_prompts):
+    for p in prompts:
         if isinstance(p, str):
             check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
             ids, text = (tokenizer.encode(p) if p else []), p

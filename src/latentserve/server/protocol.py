@@ -60,6 +60,7 @@ class LatentFields(RequestModel):
     compression_factor: int | None = None
     latent_temperature: float | None = None
     upstream_stop_rules: bool | None = None
+    return_latent_trace: bool | None = False
 
 
 class JsonSchemaFormat(RequestModel):
@@ -80,8 +81,8 @@ class ResponseFormat(RequestModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredFields(RequestModel):
-    """Token masks and structured outputs; at most one constraint field per request."""
+class SamplingRequest(LatentFields):
+    """Fields shared by both OpenAI endpoints; at most one structured-output constraint."""
 
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
@@ -94,11 +95,6 @@ class StructuredFields(RequestModel):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
-
-
-class SamplingRequest(LatentFields, StructuredFields):
-    """Fields shared by both OpenAI endpoints."""
-
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -118,7 +114,6 @@ class SamplingRequest(LatentFields, StructuredFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool | None = False
-    return_latent_trace: bool | None = False
     stream_latent_steps: bool | None = None
     thinking: bool | None = None
 
@@ -219,8 +214,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # Latent body fields a chat request may also send inside chat_template_kwargs.
-TEMPLATE_KWARGS_FIELDS = (*LatentFields.model_fields, "return_latent_trace",
-                          "stream_latent_steps", "latent_reasoning")
+TEMPLATE_KWARGS_FIELDS = (*LatentFields.model_fields, "stream_latent_steps", "latent_reasoning")
 
 
 class CompletionRequest(SamplingRequest):
