@@ -29,7 +29,6 @@ from latentserve.server.latent_trace import latent_info
 from latentserve.server.logprobs import token_texts
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
-    check_prompt_length,
     check_stop_count,
     latent_controls,
     latent_positions,
@@ -179,16 +178,7 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     too); without ``max_tokens``, room for one answer token. APIError: 400, 404, 503."""
     _check(body, state)
     answer, prompt_ids = await _prompt(body, state)
-    sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
-    try:
-        params = _request_params(sized, request, state, len(prompt_ids), answer)
-    except APIError as e:
-        if e.code != "context_length_exceeded" or body.max_tokens is not None:
-            raise
-        raise APIError(f"prompt is too long: {len(prompt_ids)} tokens leave no room for an "
-                       f"answer token (latent and transition positions counted) within the "
-                       f"maximum context length {state.max_model_len}", param="messages",
-                       code="context_length_exceeded") from None
+    params = _request_params(body, request, state, len(prompt_ids), answer)
     try:
         await state.client.check(uuid.uuid4().hex, prompt_ids, params)
     except ENGINE_ERRORS as exc:
@@ -199,24 +189,25 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 def _request_params(body: MessagesRequest, request, state: ServerState,
                     num_prompt_tokens: int, answer: _Answer) -> SamplingParams:
     """The engine's ``SamplingParams``, ``answer.flag`` as the head's thinking where it means
-    one; latent KV positions count against the context. Raises APIError (400 naming the field
-    or header; ``context_length_exceeded`` over the context)."""
+    one; latent KV positions and ``max_tokens`` (None: one answer token) count against the
+    context. Raises APIError (400 naming the field or header; ``context_length_exceeded``)."""
     kind = getattr(state.latent_spec, "kind", None)
     shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
     flag = answer.flag if kind == "head" or (answer.flag and not shows) else None
     budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
                                       state.latent_spec)  # no ticks on /v1/messages
-    max_len = state.max_model_len
-    check_prompt_length(num_prompt_tokens, max_len, "messages")
+    max_len, asked = state.max_model_len, body.max_tokens
     latent = latent_positions(state.latent_spec, budget)
-    if num_prompt_tokens + latent + body.max_tokens > max_len:
+    if num_prompt_tokens + latent + (1 if asked is None else asked) > max_len:
         extra = f" + {latent} latent and transition positions" if latent else ""
-        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + max_tokens "
-                       f"{body.max_tokens} > the maximum context length {max_len}",
-                       param="max_tokens", code="context_length_exceeded")
+        answer_room = "1 answer token" if asked is None else f"max_tokens {asked}"
+        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + {answer_room} "
+                       f"> the maximum context length {max_len}", code="context_length_exceeded",
+                       param="messages" if asked is None or num_prompt_tokens >= max_len
+                       else "max_tokens")
     try:
         params = SamplingParams(  # thinking_token_budget: <think> tokens or latent positions
-            max_tokens=body.max_tokens,
+            max_tokens=1 if asked is None else asked,
             thinking_token_budget=body.thinking.budget_tokens if answer.flag else None,
             **{k: v for k, v in head.items() if v is not None},
             **shared_fields(body, list(body.stop_sequences or []), budget,

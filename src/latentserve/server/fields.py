@@ -5,6 +5,7 @@ Design notes: docs/internals.md, "latentserve.server.fields"."""
 from __future__ import annotations
 
 import functools
+import importlib
 
 # Route -> (module, request model class).
 ROUTES = {
@@ -66,8 +67,6 @@ REFUSED = {
 
 def request_model(route: str):
     """The pydantic request model of ``route`` (a key of ``ROUTES``)."""
-    import importlib
-
     module, name = ROUTES[route]
     return getattr(importlib.import_module(module), name)
 

@@ -277,20 +277,16 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
                                "(the JSON schema the answer follows)", param="response_format")
             kind = {"json_object": True} if rf.type == "json_object" else {"json": schema}
             found.append(StructuredOutputsParams(**kind, param="response_format"))
-        for name, kind in _GUIDED:
-            value = getattr(request, name)
-            if value is not None:
-                found.append(StructuredOutputsParams(**{kind: value}, param=name))
-        if request.structured_outputs is not None:
-            fields = {}
-            for key, value in request.structured_outputs.items():
-                if key in StructuredOutputsParams.KINDS:
-                    fields[key] = value
-                elif value not in (None, False):
-                    raise APIError(f"structured_outputs.{key} is not supported by this server "
-                                   f"(it takes {', '.join(StructuredOutputsParams.KINDS)})",
-                                   param=f"structured_outputs.{key}")
-            found.append(StructuredOutputsParams(**fields, param="structured_outputs"))
+        found += [StructuredOutputsParams(**{kind: v}, param=name) for name, kind in _GUIDED
+                  if (v := getattr(request, name)) is not None]
+        if (so := request.structured_outputs) is not None:
+            kinds = StructuredOutputsParams.KINDS
+            unused = (k for k, v in so.items() if k not in kinds and v not in (None, False))
+            if (key := next(unused, None)) is not None:
+                raise APIError(f"structured_outputs.{key} is not supported by this server "
+                               f"(it takes {', '.join(kinds)})", param=f"structured_outputs.{key}")
+            found.append(StructuredOutputsParams(**{k: v for k, v in so.items() if k in kinds},
+                                                 param="structured_outputs"))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
     if len(found) > 1:

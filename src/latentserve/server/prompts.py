@@ -195,7 +195,6 @@ def message_text(message: ChatMessage, i: int) -> str:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
     for j, part in enumerate(content):
         if part.type != "text":
             raise APIError(f"only text content parts are supported, got type {part.type!r}",
@@ -203,8 +202,7 @@ def message_text(message: ChatMessage, i: int) -> str:
         if part.text is None:
             raise APIError("a text content part needs a string 'text'",
                            param=f"messages[{i}].content[{j}].text")
-        texts.append(part.text)
-    return "".join(texts)
+    return "".join(part.text for part in content)
 
 
 def prompt_list(prompt, max_prompts: int) -> list:
