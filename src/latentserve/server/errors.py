@@ -34,12 +34,10 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-# Anthropic's error type for each HTTP status: only load shedding (529, the server's
-# ``overloaded``) is ``overloaded_error``; a failed engine (500, 503) is ``api_error``.
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "api_error", 529: "overloaded_error"}
+# Anthropic's error type of an HTTP status other than ``invalid_request_error`` (< 500) and
+# ``api_error`` (a failed engine); only load shedding (529, ``overloaded``) is overloaded_error.
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -90,8 +88,6 @@ def param_from_value_error(message: str) -> str | None:
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """One 400 naming the first bad field of pydantic's errors (union members' tags dropped
     from the path: ``prompt``, ``messages[0].role``)."""
-    if not errors:
-        return APIError("Invalid request")
     first = errors[0]
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":

@@ -64,17 +64,6 @@ def check_logprobs(k: int | None, param: str, limits: ServerLimits) -> None:
         raise APIError(f"{param} must be in [0, {limits.max_logprobs}], got {k}", param=param)
 
 
-def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
-    """OpenAI's 400 ``context_length_exceeded`` naming ``param`` unless the prompt leaves
-    room for one generated token."""
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt_tokens} tokens, so no token can be generated "
-            f"(max_model_len is {max_model_len}). Please reduce the length of the prompt.",
-            param=param, code="context_length_exceeded")
-
-
 def latent_budget(http_request, body, spec=None) -> int | None:
     """Header ``x-latent-budget`` > body ``latent_budget`` > None (the model's default).
     APIError (400 naming the header or field) for a value that is not a non-negative integer,
@@ -128,15 +117,11 @@ def shared_fields(body, stop: list[str] | None, budget: int | None, defaults: di
 
 
 def latent_positions(spec, budget: int | None) -> int:
-    """KV positions a feedback or looped model adds before the answer for ``budget``
-    (``LatentSpec.prompt_extra``); 0 for other models. APIError naming ``latent_budget`` for
-    a budget the model refuses."""
+    """KV positions a feedback or looped model adds before the answer for ``budget`` (in
+    range: :func:`latent_budget` checked it); 0 for other models."""
     if spec is None or spec.kind not in ("feedback", "loop"):
         return 0
-    try:
-        return spec.prompt_extra(spec.resolve_budget(budget))
-    except ValueError as exc:
-        raise APIError(str(exc), param="latent_budget") from None
+    return spec.prompt_extra(spec.resolve_budget(budget))
 
 
 # Head controls: field -> (header, seed alias header or None, parser kind).
@@ -305,8 +290,13 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
     sampling fields; ``head`` None: the body's. APIError (400 naming the field;
     ``context_length_exceeded`` over the context)."""
     max_tokens, max_model_len = getattr(request, max_tokens_field), state.max_model_len
-    check_prompt_length(num_prompt_tokens, max_model_len,
-                        "prompt" if isinstance(request, CompletionRequest) else "messages")
+    if num_prompt_tokens >= max_model_len:  # no room for one generated token
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens, so no token can be generated "
+            f"(max_model_len is {max_model_len}). Please reduce the length of the prompt.",
+            param="prompt" if isinstance(request, CompletionRequest) else "messages",
+            code="context_length_exceeded")
     latent = latent_positions(state.latent_spec, budget)
     used = num_prompt_tokens + latent
     defaults = state.sampling_defaults or {}
