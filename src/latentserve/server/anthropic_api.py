@@ -126,14 +126,15 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
     check_stop_count(body.stop_sequences, "stop_sequences", state.limits)
 
 
-def _stop(finish_reason: str | None, stop_string: str | None, called: bool
-          ) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence``."""
-    if stop_string is not None:
-        return "stop_sequence", stop_string
-    if called and finish_reason == "stop":
-        return "tool_use", None
-    return "max_tokens" if finish_reason == "length" else "end_turn", None
+def _stop(last: TextDelta, called: bool) -> dict:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` of a choice's ``last`` delta."""
+    if last.stop_string is not None:
+        reason = "stop_sequence"
+    elif called and last.finish_reason == "stop":
+        reason = "tool_use"
+    else:
+        reason = "max_tokens" if last.finish_reason == "length" else "end_turn"
+    return {"stop_reason": reason, "stop_sequence": last.stop_string}
 
 
 @dataclass(slots=True)
@@ -254,9 +255,8 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
                 content += c.arguments
         if content or not uses:
             blocks.append({"type": "text", "text": content})
-        stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string, bool(uses))
-        msg = _message(msg_id, state.model_name, blocks + uses, stop_reason, stop_sequence,
-                       len(prompt_ids), result.num_output_tokens)
+        msg = _message(msg_id, state.model_name, blocks + uses, len(prompt_ids),
+                       result.num_output_tokens, _stop(result, bool(uses)))
         return _with_latent(msg, latent_info(result, asked, texts))
 
 
@@ -267,10 +267,10 @@ def _with_latent(obj: dict, info) -> dict:
     return obj
 
 
-def _message(msg_id: str, model: str, content: list, stop_reason: str | None,
-             stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict:
+def _message(msg_id: str, model: str, content: list, input_tokens: int, output_tokens: int,
+             stop: dict) -> dict:
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "content": content, **stop,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
 
 
@@ -321,7 +321,7 @@ async def _events(msg_id: str, model: str, input_tokens: int,
                   ) -> AsyncIterator[str]:
     latent = LatentReasoning(latent_mode, texts) if latent_mode else None
     yield _event({"type": "message_start", "message": _message(
-        msg_id, model, [], None, None, input_tokens, 0)})
+        msg_id, model, [], input_tokens, 0, {"stop_reason": None, "stop_sequence": None})})
     yield _event({"type": "ping"})
     blocks = _Blocks()
     last, called = None, False
@@ -349,10 +349,8 @@ async def _events(msg_id: str, model: str, input_tokens: int,
     blocks.close()
     for e in blocks.take():
         yield e
-    stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string, called)
     yield _event(_with_latent({
-        "type": "message_delta",
-        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+        "type": "message_delta", "delta": _stop(last, called),
         "usage": {"output_tokens": last.num_output_tokens}},
         latent_info(last, asked, texts)))
     yield _event({"type": "message_stop"})

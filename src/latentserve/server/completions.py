@@ -33,13 +33,12 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     listed = prompt_list(body.prompt, state.limits.max_prompts)
     with admit(state, len(listed) * n, "n" if n > 1 else "prompt") as ticket:
         check_logprobs(body.logprobs, "logprobs", state.limits)
-        prompt_logprobs = body.logprobs if body.echo else None
         prompts = await in_pool(completion_prompts, state.tokenizer, listed, state.vocab_size,
                                 state.max_model_len)
         budget, head, ticks = latent_controls(request, body, state.latent_spec)
         with_params = [(ids, text, sampling_params(body, "max_tokens", len(ids), state,
                                                    body.logprobs, budget, head,
-                                                   prompt_logprobs, ticks))
+                                                   body.logprobs if body.echo else None, ticks))
                        for ids, text in prompts]
         rid, engine_rid = new_request_id(request, "cmpl")
         reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)

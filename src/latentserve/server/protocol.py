@@ -110,6 +110,7 @@ class SamplingRequest(LatentFields):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     n: int | None = 1
+    echo: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -187,7 +188,6 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template: str | None = None
-    echo: bool | None = False
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -224,7 +224,6 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool | None = False
 
 
 class TokenizeRequest(RequestModel):
