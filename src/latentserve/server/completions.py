@@ -80,7 +80,6 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
             "index": index, "text": text, "finish_reason": None, "logprobs": None,
             "latent": None, **fields}])
 
-    shown = [0] * len(echoes)  # latent steps announced per choice (ticks)
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
     # With logprobs, an echo chunk waits for its prompt logprobs (on the first delta).
@@ -95,9 +94,8 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
             yield chunk(i, echoes[i], logprobs=echo_logprobs(
                 texts, reqs[i].prompt_ids, delta.prompt_logprobs, as_ids))
         if delta.latent_tick:
-            for info in tick_infos(delta, shown[i], trace, texts):
+            for info in tick_infos(delta, delta.latent_steps - delta.latent_tick, trace, texts):
                 yield chunk(i, "", latent=info)
-            shown[i] = delta.latent_steps
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             continue
         lps = None

@@ -86,7 +86,5 @@ def refused(route: str) -> dict[str, tuple]:
 
 def route_of(model: type) -> str:
     """The route of request model ``model`` or a base (else ``/v1/completions``)."""
-    for route, (_, name) in ROUTES.items():
-        if any(cls.__name__ == name for cls in model.__mro__):
-            return route
-    return "/v1/completions"
+    return next((route for route, (_, name) in ROUTES.items()
+                 if any(cls.__name__ == name for cls in model.__mro__)), "/v1/completions")
