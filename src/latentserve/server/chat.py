@@ -42,8 +42,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     """Validate, admit, template, fan out, run; answer with one response or an SSE stream."""
     arrival = time.monotonic()
     body = body.with_template_kwargs_fields()  # what a router leaves of the latent fields
-    check_common(body, state.model_name, state.limits)
-    with admit(state, body.n or 1) as ticket:
+    n = check_common(body, state.model_name, state.limits)
+    with admit(state, n) as ticket:
         tools = check_tools(chat_tools(body.tools))
         choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
         latent_mode = latent_reasoning_mode(body, state.latent_spec)
@@ -68,7 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                                    choice, body.include_reasoning is not False)
         params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
         rid, engine_rid = new_request_id(request, "chatcmpl")
-        reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
+        reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], n, field, state)
         if body.stream:
             return await stream(request, state, reqs, arrival, ticket, lambda deltas: _chunks(
                 body, state, rid, len(prompt_ids), deltas, len(reqs), parser, latent_mode,

@@ -28,8 +28,7 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     """Validate, admit, encode, fan out (choice ``p * n + j`` is choice j of prompt p), run;
     answer with one response or an SSE stream."""
     arrival = time.monotonic()
-    check_common(body, state.model_name, state.limits)
-    n = body.n or 1
+    n = check_common(body, state.model_name, state.limits)
     listed = prompt_list(body.prompt, state.limits.max_prompts)
     with admit(state, len(listed) * n, "n" if n > 1 else "prompt") as ticket:
         check_logprobs(body.logprobs, "logprobs", state.limits)

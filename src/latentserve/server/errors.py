@@ -69,14 +69,13 @@ def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
     return status, {"type": "error", "error": {"type": kind, "message": anthropic_message(err)}}
 
 
-def error_response(path: str, err: APIError, headers: dict[str, str] | None = None):
-    """A JSONResponse of ``err`` in ``path``'s protocol's shape, with ``headers`` (else
-    ``err.headers``)."""
+def error_response(path: str, err: APIError):
+    """A JSONResponse of ``err`` (with ``err.headers``) in ``path``'s protocol's shape."""
     from fastapi.responses import JSONResponse
 
     status, body = (anthropic_error(err) if is_anthropic_path(path)
                     else (err.status_code, err.body()))
-    return JSONResponse(body, status_code=status, headers=headers or err.headers)
+    return JSONResponse(body, status_code=status, headers=err.headers)
 
 
 def param_from_value_error(message: str) -> str | None:
@@ -191,7 +190,6 @@ def install_error_handlers(app) -> None:
     from starlette.exceptions import HTTPException
 
     async def reply(request, exc: Exception):
-        headers = None
         if isinstance(exc, APIError):
             err = exc
         elif isinstance(exc, RequestValidationError):
@@ -201,14 +199,14 @@ def install_error_handlers(app) -> None:
         elif isinstance(exc, HTTPException):
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
             code = "request_too_large" if exc.status_code == 413 else None
-            err = APIError(str(exc.detail), status_code=exc.status_code, type=kind, code=code)
-            headers = getattr(exc, "headers", None)
+            err = APIError(str(exc.detail), status_code=exc.status_code, type=kind, code=code,
+                           headers=getattr(exc, "headers", None))
         elif isinstance(exc, NoTokenizerError):
             err = APIError(str(exc))
         else:
             log.exception("unhandled error on %s", request.url.path)
             err = APIError("Internal server error", status_code=500, type="server_error")
-        return error_response(request.url.path, err, headers)
+        return error_response(request.url.path, err)
 
     for cls in (APIError, RequestValidationError, HTTPException, NoTokenizerError, Exception):
         app.add_exception_handler(cls, reply)

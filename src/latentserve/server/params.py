@@ -14,15 +14,16 @@ from latentserve.server.protocol import CompletionRequest, SamplingRequest
 from latentserve.server.state import ServerLimits
 
 
-def check_common(request: SamplingRequest, served_model: str, limits: ServerLimits) -> None:
-    """Checks that need no tokenizer: model name, ``n``, stop count, refused fields.
-    Raises APIError: 400 naming the field (404 ``model_not_found`` for another model)."""
+def check_common(request: SamplingRequest, served_model: str, limits: ServerLimits) -> int:
+    """``n`` (null: 1) after the checks that need no tokenizer: model name, ``n``, stop count,
+    refused fields. APIError: 400 naming the field (404 ``model_not_found`` for another model)."""
     refuse_unsupported(request)
     check_model(request.model, served_model)
     n = 1 if request.n is None else request.n
     if not 1 <= n <= limits.max_n:
         raise APIError(f"n must be in [1, {limits.max_n}], got {n}", param="n")
     check_stop_count(request.stop, "stop", limits)
+    return n
 
 
 def refuse_unsupported(request) -> None:
