@@ -12,7 +12,7 @@ from typing import Any
 
 from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
 from latentserve.server.errors import APIError
-from latentserve.server.protocol import CHAT_ROLES, ChatMessage, ChatTool, ToolCall
+from latentserve.server.protocol import ChatMessage, ChatTool, ToolCall
 from latentserve.server.tokenize_pool import in_pool
 
 # A --chat-template value with none of these characters is taken for a file path.
@@ -69,13 +69,10 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages -> the chat template's turns (``developer`` becomes ``system``).
-    APIError (400) for an unknown role, non-text content, tool-call arguments that are not
-    JSON, or no system, developer or user message."""
+    APIError (400) for non-text content, tool-call arguments that are not JSON, or no system,
+    developer or user message."""
     conversation = []
     for i, message in enumerate(messages):
-        if message.role not in CHAT_ROLES:
-            raise APIError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
-                           f"{message.role!r}", param=f"messages[{i}].role")
         turn = {"role": "system" if message.role == "developer" else message.role,
                 "content": message_text(message, i),
                 **message.model_dump(include={"name", "tool_call_id"}, exclude_none=True)}
@@ -103,11 +100,7 @@ def _tool_call(call: ToolCall, param: str) -> dict[str, Any]:
 
 
 def chat_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
-    """``tools`` as dicts for the chat template; APIError for a tool that is not a function."""
-    for i, tool in enumerate(tools or []):
-        if tool.type != "function":
-            raise APIError(f"tools[{i}].type must be 'function', got {tool.type!r}",
-                           param=f"tools[{i}].type")
+    """``tools`` as dicts for the chat template."""
     return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
 
 

@@ -143,13 +143,10 @@ class ToolCall(RequestModel):
     function: FunctionCall
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 class ChatMessage(RequestModel):
-    """One turn; ``role`` (one of ``CHAT_ROLES``) is checked by ``prompts.chat_conversation``."""
+    """One turn of the conversation."""
 
-    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -165,7 +162,7 @@ class FunctionDefinition(RequestModel):
 class ChatTool(RequestModel):
     """A tool the chat template shows the model (``server/tools.py``)."""
 
-    type: str
+    type: Literal["function"]
     function: FunctionDefinition
 
 
