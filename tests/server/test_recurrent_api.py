@@ -243,20 +243,28 @@ def test_plain_model_refuses_return_latent_trace_on_every_route(server, model):
 
 def test_messages_route_passes_the_exit_fields_on():
     """/v1/messages takes the same exit fields as the OpenAI routes (they were dropped)."""
-    from latentserve.server.anthropic_api import MessagesRequest, _params
+    from types import SimpleNamespace
 
-    body = MessagesRequest(model="m", max_tokens=4, messages=[{"role": "user", "content": "a"}],
-                           exit_criterion="kl", exit_threshold=0.01, exit_min_steps=2,
-                           exit_check_every=3, exit_semantics="upstream")
-    params = _params(body, 3, 64, budget=5)
+    from latentserve.latent.spec import LatentSpec
+    from latentserve.server.anthropic_api import MessagesRequest, _Answer, _request_params
+    from latentserve.server.tools import ToolChoice
+
+    spec = LatentSpec(kind="recurrent", family="huginn", default_budget=4, max_budget=8)
+    state = SimpleNamespace(max_model_len=64, latent_spec=spec, sampling_defaults=None,
+                            reasoning_parser=None, tool_parser=None, tokenizer=None)
+
+    def _params(**fields):
+        body = MessagesRequest(model="m", max_tokens=4, **fields,
+                               messages=[{"role": "user", "content": "a"}])
+        return _request_params(body, None, state, 3, _Answer({}, ToolChoice("none"), None, None))
+
+    params = _params(exit_criterion="kl", exit_threshold=0.01, exit_min_steps=2,
+                     exit_check_every=3, exit_semantics="upstream", latent_budget=5)
     assert (params.latent_budget, params.exit_criterion, params.exit_threshold,
             params.exit_min_steps, params.exit_check_every,
             params.exit_semantics) == (5, "kl", 0.01, 2, 3, "upstream")
     assert not params.return_latent_trace
-    traced = MessagesRequest(model="m", max_tokens=4, return_latent_trace=True,
-                             messages=[{"role": "user", "content": "a"}])
-    assert _params(traced, 3, 64).return_latent_trace
-    plain = _params(MessagesRequest(model="m", max_tokens=4,
-                                    messages=[{"role": "user", "content": "a"}]), 3, 64)
+    assert _params(return_latent_trace=True).return_latent_trace
+    plain = _params()
     assert (plain.exit_criterion, plain.exit_min_steps, plain.exit_check_every,
             plain.exit_semantics) == (None, 0, 1, None)

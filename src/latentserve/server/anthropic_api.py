@@ -29,7 +29,6 @@ from latentserve.server.latent_trace import latent_info
 from latentserve.server.logprobs import token_texts
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
-    check_prompt_length,
     check_stop_count,
     latent_controls,
     latent_positions,
@@ -71,7 +70,6 @@ class MessagesRequest(LatentFields):
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
     thinking: AnthropicThinking | None = None
-    return_latent_trace: bool | None = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     latent_reasoning: str | None = None
@@ -128,14 +126,15 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
     check_stop_count(body.stop_sequences, "stop_sequences", state.limits)
 
 
-def _stop(finish_reason: str | None, stop_string: str | None, called: bool
-          ) -> tuple[str, str | None]:
-    """Anthropic's ``stop_reason`` and ``stop_sequence``."""
-    if stop_string is not None:
-        return "stop_sequence", stop_string
-    if called and finish_reason == "stop":
-        return "tool_use", None
-    return "max_tokens" if finish_reason == "length" else "end_turn", None
+def _stop(last: TextDelta, called: bool) -> dict:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` of a choice's ``last`` delta."""
+    if last.stop_string is not None:
+        reason = "stop_sequence"
+    elif called and last.finish_reason == "stop":
+        reason = "tool_use"
+    else:
+        reason = "max_tokens" if last.finish_reason == "length" else "end_turn"
+    return {"stop_reason": reason, "stop_sequence": last.stop_string}
 
 
 @dataclass(slots=True)
@@ -180,16 +179,7 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     too); without ``max_tokens``, room for one answer token. APIError: 400, 404, 503."""
     _check(body, state)
     answer, prompt_ids = await _prompt(body, state)
-    sized = body.model_copy(update={"max_tokens": body.max_tokens or 1})
-    try:
-        params = _request_params(sized, request, state, len(prompt_ids), answer)
-    except APIError as e:
-        if e.code != "context_length_exceeded" or body.max_tokens is not None:
-            raise
-        raise APIError(f"prompt is too long: {len(prompt_ids)} tokens leave no room for an "
-                       f"answer token (latent and transition positions counted) within the "
-                       f"maximum context length {state.max_model_len}", param="messages",
-                       code="context_length_exceeded") from None
+    params = _request_params(body, request, state, len(prompt_ids), answer)
     try:
         await state.client.check(uuid.uuid4().hex, prompt_ids, params)
     except ENGINE_ERRORS as exc:
@@ -200,27 +190,25 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
 def _request_params(body: MessagesRequest, request, state: ServerState,
                     num_prompt_tokens: int, answer: _Answer) -> SamplingParams:
     """The engine's ``SamplingParams``, ``answer.flag`` as the head's thinking where it means
-    one; latent KV positions count against the context. Raises APIError (400 naming the field
-    or header; ``context_length_exceeded`` over the context)."""
+    one; latent KV positions and ``max_tokens`` (None: one answer token) count against the
+    context. Raises APIError (400 naming the field or header; ``context_length_exceeded``)."""
     kind = getattr(state.latent_spec, "kind", None)
     shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
     flag = answer.flag if kind == "head" or (answer.flag and not shows) else None
     budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
                                       state.latent_spec)  # no ticks on /v1/messages
-    if body.max_tokens < 1:
-        raise APIError(f"max_tokens: must be at least 1, got {body.max_tokens}",
-                       param="max_tokens")
-    max_len = state.max_model_len
-    check_prompt_length(num_prompt_tokens, max_len, "messages")
+    max_len, asked = state.max_model_len, body.max_tokens
     latent = latent_positions(state.latent_spec, budget)
-    if num_prompt_tokens + latent + body.max_tokens > max_len:
+    if num_prompt_tokens + latent + (1 if asked is None else asked) > max_len:
         extra = f" + {latent} latent and transition positions" if latent else ""
-        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + max_tokens "
-                       f"{body.max_tokens} > the maximum context length {max_len}",
-                       param="max_tokens", code="context_length_exceeded")
+        answer_room = "1 answer token" if asked is None else f"max_tokens {asked}"
+        raise APIError(f"prompt is too long: {num_prompt_tokens} tokens{extra} + {answer_room} "
+                       f"> the maximum context length {max_len}", code="context_length_exceeded",
+                       param="messages" if asked is None or num_prompt_tokens >= max_len
+                       else "max_tokens")
     try:
         params = SamplingParams(  # thinking_token_budget: <think> tokens or latent positions
-            max_tokens=body.max_tokens,
+            max_tokens=1 if asked is None else asked,
             thinking_token_budget=body.thinking.budget_tokens if answer.flag else None,
             **{k: v for k, v in head.items() if v is not None},
             **shared_fields(body, list(body.stop_sequences or []), budget,
@@ -267,9 +255,8 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
                 content += c.arguments
         if content or not uses:
             blocks.append({"type": "text", "text": content})
-        stop_reason, stop_sequence = _stop(result.finish_reason, result.stop_string, bool(uses))
-        msg = _message(msg_id, state.model_name, blocks + uses, stop_reason, stop_sequence,
-                       len(prompt_ids), result.num_output_tokens)
+        msg = _message(msg_id, state.model_name, blocks + uses, len(prompt_ids),
+                       result.num_output_tokens, _stop(result, bool(uses)))
         return _with_latent(msg, latent_info(result, asked, texts))
 
 
@@ -280,10 +267,10 @@ def _with_latent(obj: dict, info) -> dict:
     return obj
 
 
-def _message(msg_id: str, model: str, content: list, stop_reason: str | None,
-             stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict:
+def _message(msg_id: str, model: str, content: list, input_tokens: int, output_tokens: int,
+             stop: dict) -> dict:
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "content": content, **stop,
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
 
 
@@ -334,7 +321,7 @@ async def _events(msg_id: str, model: str, input_tokens: int,
                   ) -> AsyncIterator[str]:
     latent = LatentReasoning(latent_mode, texts) if latent_mode else None
     yield _event({"type": "message_start", "message": _message(
-        msg_id, model, [], None, None, input_tokens, 0)})
+        msg_id, model, [], input_tokens, 0, {"stop_reason": None, "stop_sequence": None})})
     yield _event({"type": "ping"})
     blocks = _Blocks()
     last, called = None, False
@@ -362,10 +349,8 @@ async def _events(msg_id: str, model: str, input_tokens: int,
     blocks.close()
     for e in blocks.take():
         yield e
-    stop_reason, stop_sequence = _stop(last.finish_reason, last.stop_string, called)
     yield _event(_with_latent({
-        "type": "message_delta",
-        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+        "type": "message_delta", "delta": _stop(last, called),
         "usage": {"output_tokens": last.num_output_tokens}},
         latent_info(last, asked, texts)))
     yield _event({"type": "message_stop"})

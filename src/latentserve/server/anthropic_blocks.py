@@ -4,7 +4,7 @@ Design notes: docs/internals.md, "latentserve.server.anthropic_blocks"."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -45,9 +45,9 @@ class AnthropicThinking(RequestModel):
 
 
 class AnthropicToolChoice(RequestModel):
-    """``tool_choice``: ``type`` is checked by :func:`anthropic_tool_choice`."""
+    """``tool_choice``; ``type`` -> ``ToolChoice`` mode by ``_CHOICE_MODES``."""
 
-    type: str | None = None
+    type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
@@ -145,10 +145,7 @@ def anthropic_tool_choice(choice: AnthropicToolChoice | None, tools: dict[str, d
     """Anthropic's ``tool_choice`` (None: ``auto`` with tools); APIError for a bad value."""
     if choice is None:
         return ToolChoice("auto" if tools else "none")
-    kind, mode = choice.type, _CHOICE_MODES.get(choice.type or "")
-    if mode is None:
-        raise APIError(f"tool_choice.type: must be 'auto', 'any', 'tool' or 'none', got "
-                       f"{kind!r}", param="tool_choice.type")
+    kind, mode = choice.type, _CHOICE_MODES[choice.type]
     if mode in ("required", "named") and not tools:
         raise APIError(f"tool_choice: type {kind!r} needs tools", param="tool_choice")
     if mode == "named" and choice.name not in tools:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
+from itertools import zip_longest
 
 from latentserve.server.admission import admit
 from latentserve.server.errors import APIError
@@ -41,8 +42,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     """Validate, admit, template, fan out, run; answer with one response or an SSE stream."""
     arrival = time.monotonic()
     body = body.with_template_kwargs_fields()  # what a router leaves of the latent fields
-    check_common(body, state.model_name, state.limits)
-    with admit(state, body.n or 1) as ticket:
+    n = check_common(body, state.model_name, state.limits)
+    with admit(state, n) as ticket:
         tools = check_tools(chat_tools(body.tools))
         choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
         latent_mode = latent_reasoning_mode(body, state.latent_spec)
@@ -67,7 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                                    choice, body.include_reasoning is not False)
         params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
         rid, engine_rid = new_request_id(request, "chatcmpl")
-        reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], body.n or 1, field, state)
+        reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], n, field, state)
         if body.stream:
             return await stream(request, state, reqs, arrival, ticket, lambda deltas: _chunks(
                 body, state, rid, len(prompt_ids), deltas, len(reqs), parser, latent_mode,
@@ -115,7 +116,6 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
     parsers = [parser() for _ in range(n)]
     latent = [LatentReasoning(latent_mode, texts, ticks) if latent_mode else None
               for _ in range(n)]
-    shown = [0] * n  # latent steps announced per choice (ticks)
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None,
               lps=None, latent=None) -> dict:
@@ -136,15 +136,10 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
     async for i, delta in deltas:
         tokens[i] = delta.num_output_tokens
         lines = latent[i].step_texts(delta) if latent[i] is not None else []
-        if ticks and delta.latent_tick:
-            infos = tick_infos(delta, shown[i], trace, texts)
-            shown[i] = delta.latent_steps
-            lines = [None] * (len(infos) - len(lines)) + lines
-            for line, info in zip(lines, infos):
-                yield chunk(i, {"reasoning_content": line}, latent=info)
-            lines = []
-        for text in lines:
-            yield chunk(i, {"reasoning_content": text})
+        infos = (tick_infos(delta, delta.latent_steps - delta.latent_tick, trace, texts)
+                 if ticks and delta.latent_tick else [])  # a line per tick step, if any
+        for line, info in zip_longest([None] * (len(infos) - len(lines)) + lines, infos):
+            yield chunk(i, {"reasoning_content": line}, latent=info)
         piece = parsers[i].step(delta.text, delta.finish_reason is not None)
         called[i] = called[i] or bool(piece.calls)
         if piece or delta.logprobs:

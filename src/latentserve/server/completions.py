@@ -28,18 +28,16 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     """Validate, admit, encode, fan out (choice ``p * n + j`` is choice j of prompt p), run;
     answer with one response or an SSE stream."""
     arrival = time.monotonic()
-    check_common(body, state.model_name, state.limits)
-    n = body.n or 1
-    count = len(prompt_list(body.prompt, state.limits.max_prompts)) * n
-    with admit(state, count, "n" if n > 1 else "prompt") as ticket:
+    n = check_common(body, state.model_name, state.limits)
+    listed = prompt_list(body.prompt, state.limits.max_prompts)
+    with admit(state, len(listed) * n, "n" if n > 1 else "prompt") as ticket:
         check_logprobs(body.logprobs, "logprobs", state.limits)
-        prompt_logprobs = body.logprobs if body.echo else None
-        prompts = await in_pool(completion_prompts, state.tokenizer, body.prompt,
-                                state.vocab_size, state.limits.max_prompts, state.max_model_len)
+        prompts = await in_pool(completion_prompts, state.tokenizer, listed, state.vocab_size,
+                                state.max_model_len)
         budget, head, ticks = latent_controls(request, body, state.latent_spec)
         with_params = [(ids, text, sampling_params(body, "max_tokens", len(ids), state,
                                                    body.logprobs, budget, head,
-                                                   prompt_logprobs, ticks))
+                                                   body.logprobs if body.echo else None, ticks))
                        for ids, text in prompts]
         rid, engine_rid = new_request_id(request, "cmpl")
         reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)
@@ -81,7 +79,6 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
             "index": index, "text": text, "finish_reason": None, "logprobs": None,
             "latent": None, **fields}])
 
-    shown = [0] * len(echoes)  # latent steps announced per choice (ticks)
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
     # With logprobs, an echo chunk waits for its prompt logprobs (on the first delta).
@@ -96,9 +93,8 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
             yield chunk(i, echoes[i], logprobs=echo_logprobs(
                 texts, reqs[i].prompt_ids, delta.prompt_logprobs, as_ids))
         if delta.latent_tick:
-            for info in tick_infos(delta, shown[i], trace, texts):
+            for info in tick_infos(delta, delta.latent_steps - delta.latent_tick, trace, texts):
                 yield chunk(i, "", latent=info)
-            shown[i] = delta.latent_steps
         if not delta.text and delta.finish_reason is None and not delta.logprobs:
             continue
         lps = None

@@ -34,12 +34,10 @@ class APIError(Exception):
                           "code": self.code}}
 
 
-# Anthropic's error type for each HTTP status: only load shedding (529, the server's
-# ``overloaded``) is ``overloaded_error``; a failed engine (500, 503) is ``api_error``.
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "api_error", 529: "overloaded_error"}
+# Anthropic's error type of an HTTP status other than ``invalid_request_error`` (< 500) and
+# ``api_error`` (a failed engine); only load shedding (529, ``overloaded``) is overloaded_error.
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -71,14 +69,13 @@ def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
     return status, {"type": "error", "error": {"type": kind, "message": anthropic_message(err)}}
 
 
-def error_response(path: str, err: APIError, headers: dict[str, str] | None = None):
-    """A JSONResponse of ``err`` in ``path``'s protocol's shape, with ``headers`` (else
-    ``err.headers``)."""
+def error_response(path: str, err: APIError):
+    """A JSONResponse of ``err`` (with ``err.headers``) in ``path``'s protocol's shape."""
     from fastapi.responses import JSONResponse
 
     status, body = (anthropic_error(err) if is_anthropic_path(path)
                     else (err.status_code, err.body()))
-    return JSONResponse(body, status_code=status, headers=headers or err.headers)
+    return JSONResponse(body, status_code=status, headers=err.headers)
 
 
 def param_from_value_error(message: str) -> str | None:
@@ -90,8 +87,6 @@ def param_from_value_error(message: str) -> str | None:
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """One 400 naming the first bad field of pydantic's errors (union members' tags dropped
     from the path: ``prompt``, ``messages[0].role``)."""
-    if not errors:
-        return APIError("Invalid request")
     first = errors[0]
     loc = tuple(first.get("loc", ()))
     if first.get("type") == "json_invalid":
@@ -139,7 +134,8 @@ def _split(loc) -> tuple[str, tuple]:
     for i, part in enumerate(loc):
         if isinstance(part, int):
             path += f"[{part}]"
-        elif _is_field(part):
+        elif (isinstance(part, str) and part.isidentifier() and part == part.lower()
+              and part not in _NOT_A_FIELD):
             path += f".{part}" if path else part
         else:
             return path or "body", loc[i:]
@@ -180,11 +176,6 @@ def _union_expected(errors: list[dict[str, Any]]) -> str | None:
     return f"expected {', '.join(kinds[:-1])} or {kinds[-1]}"
 
 
-def _is_field(part: object) -> bool:
-    return (isinstance(part, str) and part.isidentifier() and part == part.lower()
-            and part not in _NOT_A_FIELD)
-
-
 def short_repr(value: object, limit: int = 60) -> str:
     """``repr(value)``, cut to ``limit`` characters with ``...``."""
     text = repr(value)
@@ -199,7 +190,6 @@ def install_error_handlers(app) -> None:
     from starlette.exceptions import HTTPException
 
     async def reply(request, exc: Exception):
-        headers = None
         if isinstance(exc, APIError):
             err = exc
         elif isinstance(exc, RequestValidationError):
@@ -209,14 +199,14 @@ def install_error_handlers(app) -> None:
         elif isinstance(exc, HTTPException):
             kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
             code = "request_too_large" if exc.status_code == 413 else None
-            err = APIError(str(exc.detail), status_code=exc.status_code, type=kind, code=code)
-            headers = getattr(exc, "headers", None)
+            err = APIError(str(exc.detail), status_code=exc.status_code, type=kind, code=code,
+                           headers=getattr(exc, "headers", None))
         elif isinstance(exc, NoTokenizerError):
             err = APIError(str(exc))
         else:
             log.exception("unhandled error on %s", request.url.path)
             err = APIError("Internal server error", status_code=500, type="server_error")
-        return error_response(request.url.path, err, headers)
+        return error_response(request.url.path, err)
 
     for cls in (APIError, RequestValidationError, HTTPException, NoTokenizerError, Exception):
         app.add_exception_handler(cls, reply)

@@ -5,6 +5,7 @@ Design notes: docs/internals.md, "latentserve.server.fields"."""
 from __future__ import annotations
 
 import functools
+import importlib
 
 # Route -> (module, request model class).
 ROUTES = {
@@ -66,8 +67,6 @@ REFUSED = {
 
 def request_model(route: str):
     """The pydantic request model of ``route`` (a key of ``ROUTES``)."""
-    import importlib
-
     module, name = ROUTES[route]
     return getattr(importlib.import_module(module), name)
 
@@ -87,7 +86,5 @@ def refused(route: str) -> dict[str, tuple]:
 
 def route_of(model: type) -> str:
     """The route of request model ``model`` or a base (else ``/v1/completions``)."""
-    for route, (_, name) in ROUTES.items():
-        if any(cls.__name__ == name for cls in model.__mro__):
-            return route
-    return "/v1/completions"
+    return next((route for route, (_, name) in ROUTES.items()
+                 if any(cls.__name__ == name for cls in model.__mro__)), "/v1/completions")

@@ -14,15 +14,16 @@ from latentserve.server.protocol import CompletionRequest, SamplingRequest
 from latentserve.server.state import ServerLimits
 
 
-def check_common(request: SamplingRequest, served_model: str, limits: ServerLimits) -> None:
-    """Checks that need no tokenizer: model name, ``n``, stop count, refused fields.
-    Raises APIError: 400 naming the field (404 ``model_not_found`` for another model)."""
+def check_common(request: SamplingRequest, served_model: str, limits: ServerLimits) -> int:
+    """``n`` (null: 1) after the checks that need no tokenizer: model name, ``n``, stop count,
+    refused fields. APIError: 400 naming the field (404 ``model_not_found`` for another model)."""
     refuse_unsupported(request)
     check_model(request.model, served_model)
     n = 1 if request.n is None else request.n
     if not 1 <= n <= limits.max_n:
         raise APIError(f"n must be in [1, {limits.max_n}], got {n}", param="n")
     check_stop_count(request.stop, "stop", limits)
+    return n
 
 
 def refuse_unsupported(request) -> None:
@@ -62,17 +63,6 @@ def check_logprobs(k: int | None, param: str, limits: ServerLimits) -> None:
     """``k`` top logprobs must be in [0, limits.max_logprobs]."""
     if k is not None and not 0 <= k <= limits.max_logprobs:
         raise APIError(f"{param} must be in [0, {limits.max_logprobs}], got {k}", param=param)
-
-
-def check_prompt_length(num_prompt_tokens: int, max_model_len: int, param: str) -> None:
-    """OpenAI's 400 ``context_length_exceeded`` naming ``param`` unless the prompt leaves
-    room for one generated token."""
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt_tokens} tokens, so no token can be generated "
-            f"(max_model_len is {max_model_len}). Please reduce the length of the prompt.",
-            param=param, code="context_length_exceeded")
 
 
 def latent_budget(http_request, body, spec=None) -> int | None:
@@ -128,15 +118,11 @@ def shared_fields(body, stop: list[str] | None, budget: int | None, defaults: di
 
 
 def latent_positions(spec, budget: int | None) -> int:
-    """KV positions a feedback or looped model adds before the answer for ``budget``
-    (``LatentSpec.prompt_extra``); 0 for other models. APIError naming ``latent_budget`` for
-    a budget the model refuses."""
+    """KV positions a feedback or looped model adds before the answer for ``budget`` (in
+    range: :func:`latent_budget` checked it); 0 for other models."""
     if spec is None or spec.kind not in ("feedback", "loop"):
         return 0
-    try:
-        return spec.prompt_extra(spec.resolve_budget(budget))
-    except ValueError as exc:
-        raise APIError(str(exc), param="latent_budget") from None
+    return spec.prompt_extra(spec.resolve_budget(budget))
 
 
 # Head controls: field -> (header, seed alias header or None, parser kind).
@@ -277,20 +263,16 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
                                "(the JSON schema the answer follows)", param="response_format")
             kind = {"json_object": True} if rf.type == "json_object" else {"json": schema}
             found.append(StructuredOutputsParams(**kind, param="response_format"))
-        for name, kind in _GUIDED:
-            value = getattr(request, name)
-            if value is not None:
-                found.append(StructuredOutputsParams(**{kind: value}, param=name))
-        if request.structured_outputs is not None:
-            fields = {}
-            for key, value in request.structured_outputs.items():
-                if key in StructuredOutputsParams.KINDS:
-                    fields[key] = value
-                elif value not in (None, False):
-                    raise APIError(f"structured_outputs.{key} is not supported by this server "
-                                   f"(it takes {', '.join(StructuredOutputsParams.KINDS)})",
-                                   param=f"structured_outputs.{key}")
-            found.append(StructuredOutputsParams(**fields, param="structured_outputs"))
+        found += [StructuredOutputsParams(**{kind: v}, param=name) for name, kind in _GUIDED
+                  if (v := getattr(request, name)) is not None]
+        if (so := request.structured_outputs) is not None:
+            kinds = StructuredOutputsParams.KINDS
+            unused = (k for k, v in so.items() if k not in kinds and v not in (None, False))
+            if (key := next(unused, None)) is not None:
+                raise APIError(f"structured_outputs.{key} is not supported by this server "
+                               f"(it takes {', '.join(kinds)})", param=f"structured_outputs.{key}")
+            found.append(StructuredOutputsParams(**{k: v for k, v in so.items() if k in kinds},
+                                                 param="structured_outputs"))
     except ValueError as exc:
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
     if len(found) > 1:
@@ -309,12 +291,14 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
     sampling fields; ``head`` None: the body's. APIError (400 naming the field;
     ``context_length_exceeded`` over the context)."""
     max_tokens, max_model_len = getattr(request, max_tokens_field), state.max_model_len
-    check_prompt_length(num_prompt_tokens, max_model_len,
-                        "prompt" if isinstance(request, CompletionRequest) else "messages")
+    if num_prompt_tokens >= max_model_len:  # no room for one generated token
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens, so no token can be generated "
+            f"(max_model_len is {max_model_len}). Please reduce the length of the prompt.",
+            param="prompt" if isinstance(request, CompletionRequest) else "messages",
+            code="context_length_exceeded")
     latent = latent_positions(state.latent_spec, budget)
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(f"{max_tokens_field} must be at least 1, got {max_tokens}",
-                       param=max_tokens_field)
     used = num_prompt_tokens + latent
     defaults = state.sampling_defaults or {}
     if max_tokens is None:
@@ -336,11 +320,11 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
             **_or_default(request, ("min_p", "repetition_penalty"), defaults),
             **_sent(request, _OPENAI_FIELDS),
             **shared_fields(request, request.stop, budget, defaults), **head)
-    except ValueError as exc:
-        param = param_from_value_error(str(exc))
+    except ValueError as exc:  # a max_tokens error names the field sent
+        msg, param = str(exc), param_from_value_error(str(exc))
         if param == "max_tokens":
-            param = max_tokens_field
-        raise APIError(str(exc), param=param) from None
+            msg, param = max_tokens_field + msg.removeprefix(param), max_tokens_field
+        raise APIError(msg, param=param) from None
 
 
 def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,

@@ -12,7 +12,7 @@ from typing import Any
 
 from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
 from latentserve.server.errors import APIError
-from latentserve.server.protocol import CHAT_ROLES, ChatMessage, ChatTool, ToolCall
+from latentserve.server.protocol import ChatMessage, ChatTool, ToolCall
 from latentserve.server.tokenize_pool import in_pool
 
 # A --chat-template value with none of these characters is taken for a file path.
@@ -69,13 +69,10 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages -> the chat template's turns (``developer`` becomes ``system``).
-    APIError (400) for an unknown role, non-text content, tool-call arguments that are not
-    JSON, or no system, developer or user message."""
+    APIError (400) for non-text content, tool-call arguments that are not JSON, or no system,
+    developer or user message."""
     conversation = []
     for i, message in enumerate(messages):
-        if message.role not in CHAT_ROLES:
-            raise APIError(f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
-                           f"{message.role!r}", param=f"messages[{i}].role")
         turn = {"role": "system" if message.role == "developer" else message.role,
                 "content": message_text(message, i),
                 **message.model_dump(include={"name", "tool_call_id"}, exclude_none=True)}
@@ -103,11 +100,7 @@ def _tool_call(call: ToolCall, param: str) -> dict[str, Any]:
 
 
 def chat_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
-    """``tools`` as dicts for the chat template; APIError for a tool that is not a function."""
-    for i, tool in enumerate(tools or []):
-        if tool.type != "function":
-            raise APIError(f"tools[{i}].type must be 'function', got {tool.type!r}",
-                           param=f"tools[{i}].type")
+    """``tools`` as dicts for the chat template."""
     return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
 
 
@@ -195,7 +188,6 @@ def message_text(message: ChatMessage, i: int) -> str:
         return ""
     if isinstance(content, str):
         return content
-    texts = []
     for j, part in enumerate(content):
         if part.type != "text":
             raise APIError(f"only text content parts are supported, got type {part.type!r}",
@@ -203,8 +195,7 @@ def message_text(message: ChatMessage, i: int) -> str:
         if part.text is None:
             raise APIError("a text content part needs a string 'text'",
                            param=f"messages[{i}].content[{j}].text")
-        texts.append(part.text)
-    return "".join(texts)
+    return "".join(part.text for part in content)
 
 
 def prompt_list(prompt, max_prompts: int) -> list:
@@ -217,13 +208,13 @@ def prompt_list(prompt, max_prompts: int) -> list:
     return [prompt]
 
 
-def completion_prompts(tokenizer, prompt, vocab_size: int | None, max_prompts: int,
-                       max_model_len: int) -> list[tuple[list[int], str | None]]:
-    """One ``(token_ids, text)`` per completions prompt (``text`` None for token ids).
-    APIError (400) for an empty prompt, over ``max_prompts`` prompts, or an id out of range."""
+def completion_prompts(tokenizer, prompts: list, vocab_size: int | None, max_model_len: int
+                       ) -> list[tuple[list[int], str | None]]:
+    """One ``(token_ids, text)`` per prompt of :func:`prompt_list` (``text`` None for token
+    ids). APIError (400) for an empty prompt or an id out of range."""
     limit = vocab_size or len(tokenizer)
     out = []
-    for p in prompt_list(prompt, max_prompts):
+    for p in prompts:
         if isinstance(p, str):
             check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
             ids, text = (tokenizer.encode(p) if p else []), p

@@ -60,6 +60,7 @@ class LatentFields(RequestModel):
     compression_factor: int | None = None
     latent_temperature: float | None = None
     upstream_stop_rules: bool | None = None
+    return_latent_trace: bool | None = False
 
 
 class JsonSchemaFormat(RequestModel):
@@ -80,8 +81,8 @@ class ResponseFormat(RequestModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredFields(RequestModel):
-    """Token masks and structured outputs; at most one constraint field per request."""
+class SamplingRequest(LatentFields):
+    """Fields shared by both OpenAI endpoints; at most one structured-output constraint."""
 
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
@@ -94,11 +95,6 @@ class StructuredFields(RequestModel):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
-
-
-class SamplingRequest(LatentFields, StructuredFields):
-    """Fields shared by both OpenAI endpoints."""
-
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -114,11 +110,11 @@ class SamplingRequest(LatentFields, StructuredFields):
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     n: int | None = 1
+    echo: bool | None = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool | None = False
-    return_latent_trace: bool | None = False
     stream_latent_steps: bool | None = None
     thinking: bool | None = None
 
@@ -147,13 +143,10 @@ class ToolCall(RequestModel):
     function: FunctionCall
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
 class ChatMessage(RequestModel):
-    """One turn; ``role`` (one of ``CHAT_ROLES``) is checked by ``prompts.chat_conversation``."""
+    """One turn of the conversation."""
 
-    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -169,7 +162,7 @@ class FunctionDefinition(RequestModel):
 class ChatTool(RequestModel):
     """A tool the chat template shows the model (``server/tools.py``)."""
 
-    type: str
+    type: Literal["function"]
     function: FunctionDefinition
 
 
@@ -192,7 +185,6 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template: str | None = None
-    echo: bool | None = False
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -219,8 +211,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # Latent body fields a chat request may also send inside chat_template_kwargs.
-TEMPLATE_KWARGS_FIELDS = (*LatentFields.model_fields, "return_latent_trace",
-                          "stream_latent_steps", "latent_reasoning")
+TEMPLATE_KWARGS_FIELDS = (*LatentFields.model_fields, "stream_latent_steps", "latent_reasoning")
 
 
 class CompletionRequest(SamplingRequest):
@@ -230,7 +221,6 @@ class CompletionRequest(SamplingRequest):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool | None = False
 
 
 class TokenizeRequest(RequestModel):

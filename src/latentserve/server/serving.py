@@ -126,12 +126,9 @@ async def stream(request, state, reqs: list[EngineRequest], arrival: float | Non
                  error_event: Callable[[APIError], str] = (
                      lambda err: f"data: {json.dumps(err.body())}\n\n"),
                  done: str | None = "data: [DONE]\n\n"):
-    """Start the engine requests and wait for the first delta (a rejection is an error, not
-    a 200 stream); then the SSE response of ``chunks(deltas)``, deltas as ``(position in
-    reqs, delta)``: ``data: {chunk}`` events (a dict as compact JSON, non-finite floats as
-    null; a str as it is), then ``done``; an error is one ``error_event`` (of the engine's
-    ``api_error``, else of a 500 ``Internal server error``; OpenAI's ``data: {"error": ...}``
-    by default). APIError."""
+    """The SSE response of ``chunks(deltas)`` (deltas as ``(position in reqs, delta)``; a dict
+    chunk as compact JSON, non-finite floats null), then ``done``; a failure mid-stream is one
+    ``error_event``. APIError (not a 200 stream) if the engine refuses the first delta."""
     from fastapi.responses import StreamingResponse
 
     deltas = _deltas(state, reqs, arrival, ticket)
