@@ -21,6 +21,7 @@ from functools import partial
 
 from latentserve import settings
 from latentserve.bench.serve_datasets import DATASETS, sample_requests
+from latentserve.options import ranged
 
 
 def _header(text: str) -> tuple[str, str]:
@@ -68,12 +69,12 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-path", default=None,
                         help="sharegpt: a ShareGPT JSON file; custom: JSON lines of "
                              "{\"prompt\": ..., \"output_tokens\": ...}")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=ranged(int, "num_prompts", ge=1), default=64)
     parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int,
                         default=128,
                         help="prompt tokens per request for --dataset random (default 128)")
-    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
-                        default=64,
+    parser.add_argument("--output-len", "--random-output-len", dest="output_len",
+                        type=ranged(int, "output_len", ge=1), default=64,
                         help="generated tokens per request, gsm8k and random (default 64)")
     parser.add_argument("--sharegpt-output-len", type=int, default=None,
                         help="sharegpt: this many tokens per request instead of the answer's")
@@ -87,7 +88,8 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="requests per second, Poisson arrivals (default inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="requests in flight at most (default: no limit)")
-    parser.add_argument("--disconnect-fraction", type=float, default=0.0,
+    parser.add_argument("--disconnect-fraction", default=0.0,
+                        type=ranged(float, "disconnect_fraction", ge=0.0, le=1.0),
                         help="share of requests whose client hangs up after 1-4 text chunks")
     parser.add_argument("--percentiles", "--metric-percentiles", dest="percentiles",
                         default="50,90,99",
@@ -365,16 +367,12 @@ def _served_model(client, base_url: str) -> str:
 
 def serve_bench_main(args: argparse.Namespace) -> int:
     """Run the benchmark of ``args``, print the report, write the result. Returns 1 when a
-    request failed or the server was unhealthy after, else 0. ValueError for bad flags, an
-    unreachable server or a refused ``/v1/models``."""
+    request failed or the server was unhealthy after, else 0. ValueError for a bad
+    ``--dataset-path``, an unreachable server or a refused ``/v1/models``."""
     import httpx
 
     args.base_url = args.base_url or f"http://{args.host}:{args.port}"
     args.endpoint = args.endpoint or BACKEND_ENDPOINTS.get(args.backend, "/v1/chat/completions")
-    if args.num_prompts < 1 or args.output_len < 1:
-        raise ValueError("--num-prompts and --output-len must be at least 1")
-    if not 0.0 <= args.disconnect_fraction <= 1.0:
-        raise ValueError("--disconnect-fraction must be in [0, 1]")
     args.api_key = args.api_key or settings.get("LATENTSERVE_API_KEY")
     headers = dict(args.header or ())  # then the API key's
     if args.api_key:

@@ -127,23 +127,21 @@ def run(args) -> int:
     else:
         ids = tok.encode(args.prompt) if args.raw else chat_prompt_ids(tok, args.prompt)
     engine.add_request("cli", ids, params)
-    if isinstance(tok, NoTokenizer):  # ids out, one line
-        out_ids = []
-        while engine.has_unfinished_requests():
-            out_ids += [t for out in engine.step() for t in out.new_token_ids]
+    detok = None if isinstance(tok, NoTokenizer) else IncrementalDetokenizer(
+        tok, ids, params.stop, params.skip_special_tokens)
+    out_ids, last = [], None
+    while engine.has_unfinished_requests():
+        for last in engine.step():
+            out_ids += last.new_token_ids
+            if detok is not None:
+                sys.stdout.write(detok.add(last.new_token_ids))
+                sys.stdout.flush()
+    if detok is None:  # ids out, one line
         print(" ".join(map(str, out_ids)))
         return 0
-    detok = IncrementalDetokenizer(tok, ids, params.stop, params.skip_special_tokens)
-    n_answer, last = 0, None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            n_answer += len(out.new_token_ids)
-            last = out
-            sys.stdout.write(detok.add(out.new_token_ids))
-            sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
     steps = (getattr(last, "latent_stats", None) or {}).get("steps") or 0
-    if not n_answer and last is not None and last.finish_reason == "length" and steps:
+    if not out_ids and last is not None and last.finish_reason == "length" and steps:
         print(f"latentserve: note: the latent phase ({steps} steps) used the whole --max-tokens "
               "budget and no answer token was left; raise --max-tokens, or cap the thinking "
               "with --max-latent N (or --thinking off)", file=sys.stderr)

@@ -21,19 +21,6 @@ from latentserve.server.protocol import ChatMessage, ChatTool
 PromptType = str | list[int] | dict
 
 
-def _refuse_unknown(engine_options: dict) -> None:
-    """TypeError naming ``LLM``, each option that is no ``EngineConfig`` field and its close
-    matches (``LLM(max_num_seq=4)``: did you mean max_num_seqs?)."""
-    known = [f.name for f in dataclasses.fields(EngineConfig) if f.init]
-    unknown = [name for name in engine_options if name not in known]
-    if not unknown:
-        return
-    hints = [f"{name} (did you mean {', '.join(close)}?)" if close else name
-             for name in unknown for close in [difflib.get_close_matches(name, known)]]
-    raise TypeError(f"LLM got unknown engine option(s) {', '.join(hints)}; the options are "
-                    f"EngineConfig's fields (latentserve serve --help lists them as flags)")
-
-
 class LLM:
     """Run the engine in-process; ``engine_options`` are ``EngineConfig`` fields
     (``trust_remote_code`` is ignored). TypeError for an unknown option; ValueError or
@@ -48,7 +35,13 @@ class LLM:
 
             logging.getLogger(__name__).warning(
                 "trust_remote_code is ignored: latentserve runs no code from checkpoints")
-        _refuse_unknown(engine_options)
+        known = [f.name for f in dataclasses.fields(EngineConfig) if f.init]
+        if unknown := [name for name in engine_options if name not in known]:
+            hints = [f"{name} (did you mean {', '.join(close)}?)" if close else name
+                     for name in unknown for close in [difflib.get_close_matches(name, known)]]
+            raise TypeError(f"LLM got unknown engine option(s) {', '.join(hints)}; the options "
+                            "are EngineConfig's fields (latentserve serve --help lists them as "
+                            "flags)")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
@@ -132,10 +125,10 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         sampling_params = self._params_list(sampling_params, len(convs))
         from_kwargs = template_thinking(chat_template_kwargs)
+        if convs and isinstance(self.tokenizer, NoTokenizer):
+            raise NoTokenizerError(NO_TOKENIZER)
         prompts = []
         for i, c in enumerate(convs):
-            if isinstance(self.tokenizer, NoTokenizer):
-                raise NoTokenizerError(NO_TOKENIZER)
             kwargs = dict(chat_template_kwargs or {})
             p = sampling_params[i] if i < len(sampling_params) else None
             if p is not None and p.thinking is None and from_kwargs is not None:
