@@ -328,18 +328,6 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-def _tokenizer_calls(client, model: str):
-    """``count_tokens(text)``, ``detokenize(ids)`` through ``/tokenize``, ``/detokenize``."""
-
-    def ask(path: str, body: dict, key: str):
-        r = client.post(path, json={"model": model, **body})
-        r.raise_for_status()
-        return r.json()[key]
-
-    return (lambda text: ask("/tokenize", {"prompt": text}, "count"),
-            lambda ids: ask("/detokenize", {"tokens": ids}, "prompt"))
-
-
 def result_path(args: argparse.Namespace, result: dict) -> str:
     """``--result-dir``/``--result-filename``, by default vLLM's file name."""
     name = args.result_filename
@@ -380,7 +368,14 @@ def serve_bench_main(args: argparse.Namespace) -> int:
     client = httpx.Client(base_url=args.base_url, headers=headers, timeout=60)
     model = args.model or _served_model(client, args.base_url)
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
-    samples = sample_requests(args, *_tokenizer_calls(client, model))
+
+    def ask(path: str, body: dict, key: str):  # the server's /tokenize and /detokenize
+        r = client.post(path, json={"model": model, **body})
+        r.raise_for_status()
+        return r.json()[key]
+
+    samples = sample_requests(args, lambda text: ask("/tokenize", {"prompt": text}, "count"),
+                              lambda ids: ask("/detokenize", {"tokens": ids}, "prompt"))
     bodies = build_requests(args, model, samples)
     results, duration = asyncio.run(run_benchmark(args, bodies, headers))
     endpoint_type = "openai-chat" if args.endpoint == "/v1/chat/completions" else "openai"

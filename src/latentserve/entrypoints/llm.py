@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from latentserve.config import EngineConfig
-from latentserve.entrypoints.completion import CompletionBuilder, TokenStrings
+from latentserve.entrypoints.completion import CompletionBuilder, token_strings
 from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizerError
 from latentserve.outputs import RequestOutput
 from latentserve.sampling_params import SamplingParams
@@ -70,7 +70,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling_params; pass one or one per prompt")
         encoded = [self._encode(p) for p in prompts]
-        strings = TokenStrings(self.tokenizer)
+        strings = token_strings(self.tokenizer)
         results: list[RequestOutput] = []
         running: dict[str, CompletionBuilder] = {}
         try:
