@@ -55,30 +55,26 @@ def finish_engine_args(args: argparse.Namespace) -> None:
                     "checkpoints")
 
 
-def engine_config(args: argparse.Namespace, model: str | None | list = ...):
-    """The ``EngineConfig`` of the flags (``model``: instead of ``args.model``). Raises
-    ValueError for several models or a failed field check."""
+def engine_configs(args: argparse.Namespace) -> list:
+    """One ``EngineConfig`` per model of the flags, each with ``latent_cap_where_applicable``
+    when there are several. ValueError for ``--served-model-name`` with several or a failed
+    field check."""
     from latentserve.config import EngineConfig
 
-    if model is ...:
-        model = args.model
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("this command takes one --model")
-        model = model[0]
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-              if f.name != "model" and hasattr(args, f.name)
-              and not (getattr(args, f.name) is None and f.default is not None)}
-    return EngineConfig(model=model, **values)
-
-
-def engine_configs(args: argparse.Namespace) -> list:
-    """One ``EngineConfig`` per model, each with ``latent_cap_where_applicable`` when there
-    are several (ValueError with ``--served-model-name``)."""
     models = args.model if isinstance(args.model, list) else [args.model]
     several = len(models) > 1
     if several and getattr(args, "served_model_name", None) is not None:
         raise ValueError("--served-model-name names one model; with several --model each "
                          "is served under its path")
-    return [dataclasses.replace(engine_config(args, model=m),
-                                latent_cap_where_applicable=several) for m in models]
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+              if f.name != "model" and hasattr(args, f.name)
+              and not (getattr(args, f.name) is None and f.default is not None)}
+    return [EngineConfig(model=m, latent_cap_where_applicable=several, **values) for m in models]
+
+
+def engine_config(args: argparse.Namespace):
+    """The one ``EngineConfig`` of the flags; ValueError as :func:`engine_configs`, or for
+    several models."""
+    if len(configs := engine_configs(args)) != 1:
+        raise ValueError("this command takes one --model")
+    return configs[0]
