@@ -91,7 +91,10 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 self.engine.step()
             raise
-        bar = _progress(len(results), use_tqdm)
+        if use_tqdm and not callable(use_tqdm) and len(results) > 1:
+            from tqdm.auto import tqdm as use_tqdm
+        bar = use_tqdm(total=len(results), desc="Processed prompts", unit="prompt") \
+            if callable(use_tqdm) else None
         left = {r.request_id: len(r.outputs) for r in results}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -188,10 +191,3 @@ def _children(params: SamplingParams) -> list[SamplingParams]:
                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             for i in range(params.n)]
 
-
-def _progress(total: int, use_tqdm):
-    if not callable(use_tqdm):
-        if not use_tqdm or total <= 1:
-            return None
-        from tqdm.auto import tqdm as use_tqdm
-    return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
