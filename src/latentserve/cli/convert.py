@@ -46,27 +46,20 @@ def run(args) -> int:
     if unused:
         flag = "--" + unused[0].replace("_", "-")
         raise ValueError(f"convert {args.family} does not take {flag}")
-    if args.family == "pccot":
-        from latentserve.latent.loop_convert import convert_pccot
-
-        if not args.adapter:
-            raise ValueError("convert pccot needs --adapter DIR")
-        out = convert_pccot(args.base, args.adapter, args.out, max_budget=args.max_budget,
-                            overwrite=args.force)
-        print(f"wrote {out}")
-        return 0
-    if not args.checkpoint:
-        raise ValueError(f"convert {args.family} needs --checkpoint FILE")
+    pccot = args.family == "pccot"
+    source = args.adapter if pccot else args.checkpoint
+    if not source:
+        raise ValueError(f"convert {args.family} needs "
+                         + ("--adapter DIR" if pccot else "--checkpoint FILE"))
     from latentserve.latent.convert import convert_coconut, convert_codi
+    from latentserve.latent.loop_convert import convert_pccot
 
-    common = dict(default_budget=6 if args.default_budget is None else args.default_budget,
-                  max_budget=64 if args.max_budget is None else args.max_budget,
-                  variant=args.variant, symlink=args.symlink, overwrite=args.force)
-    if args.family == "coconut":
-        out = convert_coconut(args.base, args.checkpoint, args.out, **common)
-    else:
-        alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
-        out = convert_codi(args.base, args.checkpoint, args.out, lora_alpha=alpha,
-                           remove_eos=not args.keep_eos, **common)
+    # the form's own flags as its converter's keywords; one not given takes the default
+    opts = {n: getattr(args, n) for n in _FLAGS[args.family] - {"checkpoint", "adapter", "keep_eos"}
+            | {"max_budget"} if getattr(args, n) is not None}
+    if args.family == "codi":
+        opts["remove_eos"] = not args.keep_eos
+    convert = {"coconut": convert_coconut, "codi": convert_codi, "pccot": convert_pccot}
+    out = convert[args.family](args.base, source, args.out, overwrite=args.force, **opts)
     print(f"wrote {out}")
     return 0
