@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
+from pathlib import Path
 
 from latentserve import settings
 from latentserve.bench.serve_datasets import DATASETS, sample_requests
@@ -410,11 +411,9 @@ def serve_bench_main(args: argparse.Namespace) -> int:
     paths = [args.json_out] if args.json_out else []
     if args.save_result:
         paths.append(result_path(args, result))
-    for path in paths:
-        if os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+    for path in map(Path, paths):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}")
     healthy = result["server_after"].get("status") == "ok" and result["server_after"].get(
         "slots_ok")
