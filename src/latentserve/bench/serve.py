@@ -50,24 +50,22 @@ BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench serve`` flags to ``parser`` (vLLM's names; our older ones aliases)."""
-    parser.add_argument("--base-url", default=None,
-                        help="the server (default http://--host:--port)")
+    parser.add_argument("--base-url", help="the server (default http://--host:--port)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="the server's host, without --base-url (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000,
                         help="the server's port, without --base-url (default 8000)")
-    parser.add_argument("--backend", default=None, choices=sorted(BACKEND_ENDPOINTS),
+    parser.add_argument("--backend", choices=sorted(BACKEND_ENDPOINTS),
                         help="vLLM's backend names: vllm and openai send to /v1/completions, "
                              "openai-chat to /v1/chat/completions (an --endpoint given wins)")
-    parser.add_argument("--endpoint", default=None,
-                        choices=["/v1/chat/completions", "/v1/completions"],
+    parser.add_argument("--endpoint", choices=["/v1/chat/completions", "/v1/completions"],
                         help="default: --backend's, else /v1/chat/completions")
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model",
                         help="model name to send (default: the server's, from /v1/models)")
     parser.add_argument("--dataset", "--dataset-name", dest="dataset", default="gsm8k",
                         choices=DATASETS,
                         help="gsm8k (packaged), random, sharegpt or custom (--dataset-path)")
-    parser.add_argument("--dataset-path", default=None,
+    parser.add_argument("--dataset-path",
                         help="sharegpt: a ShareGPT JSON file; custom: JSON lines of "
                              "{\"prompt\": ..., \"output_tokens\": ...}")
     parser.add_argument("--num-prompts", type=ranged(int, "num_prompts", ge=1), default=64)
@@ -77,9 +75,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", "--random-output-len", dest="output_len",
                         type=ranged(int, "output_len", ge=1), default=64,
                         help="generated tokens per request, gsm8k and random (default 64)")
-    parser.add_argument("--sharegpt-output-len", type=int, default=None,
+    parser.add_argument("--sharegpt-output-len", type=int,
                         help="sharegpt: this many tokens per request instead of the answer's")
-    parser.add_argument("--custom-output-len", type=int, default=None,
+    parser.add_argument("--custom-output-len", type=int,
                         help="custom: tokens per line without output_tokens (default "
                              "--output-len)")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -87,7 +85,7 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                              "--no-ignore-eos: requests may end at EOS (vLLM's default)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second, Poisson arrivals (default inf: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=None,
+    parser.add_argument("--max-concurrency", type=int,
                         help="requests in flight at most (default: no limit)")
     parser.add_argument("--disconnect-fraction", default=0.0,
                         type=ranged(float, "disconnect_fraction", ge=0.0, le=1.0),
@@ -96,24 +94,23 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                         default="50,90,99",
                         help="comma-separated percentiles to report (default 50,90,99)")
     parser.add_argument("--seed", type=int, default=0, help="arrivals, prompts, disconnects")
-    parser.add_argument("--api-key", default=None,
+    parser.add_argument("--api-key",
                         help="sent as a Bearer token (default: $LATENTSERVE_API_KEY if set)")
-    parser.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+    parser.add_argument("--extra-body", type=_json_object, metavar="JSON",
                         help="a JSON object merged into every request body, e.g. "
                              "'{\"latent_budget\": 4}'")
-    parser.add_argument("--header", type=_header, action="append", default=None,
+    parser.add_argument("--header", type=_header, action="append",
                         metavar="KEY=VALUE", help="a header on every request (repeatable)")
     parser.add_argument("--save-result", action="store_true",
                         help="write the result JSON to --result-dir/--result-filename")
-    parser.add_argument("--result-dir", default=None, help="with --save-result (default .)")
-    parser.add_argument("--result-filename", default=None,
+    parser.add_argument("--result-dir", help="with --save-result (default .)")
+    parser.add_argument("--result-filename",
                         help="with --save-result (default: vLLM's "
                              "{label}-{rate}qps[-concurrency{N}]-{model}-{time}.json)")
-    parser.add_argument("--label", default=None,
+    parser.add_argument("--label",
                         help="the result's label and file name prefix (default: the "
                              "endpoint type, openai-chat or openai)")
-    parser.add_argument("--json-out", default=None, metavar="PATH",
-                        help="write the result JSON to PATH")
+    parser.add_argument("--json-out", metavar="PATH", help="write the result JSON to PATH")
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent, loop, families)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model",
                    help="HF-style model directory or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--num-prompts", type=int, default=32,
                    help="prompts in the timed run (GSM8K questions; default 32)")
@@ -21,8 +21,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-hf-baseline", action="store_true",
                    help="skip the Hugging Face generate baseline")
-    p.add_argument("--json-out", default=None, metavar="PATH",
-                   help="write the full result as JSON to PATH")
+    p.add_argument("--json-out", metavar="PATH", help="write the full result as JSON to PATH")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--suite", default="offline",
                    choices=["offline", "gpu", "latent", "loop", "families"],
@@ -30,9 +29,9 @@ def register(sub) -> None:
                         "decode steps against the bandwidth floor (CUDA); latent: latent "
                         "against plain steps; loop: looped-block passes; families: every "
                         "family's suite and one table (CUDA; docs/benchmarks.md)")
-    p.add_argument("--concurrency", default=None,
+    p.add_argument("--concurrency",
                    help="comma-separated concurrent requests (gpu, latent, loop suites)")
-    p.add_argument("--families", default=None,
+    p.add_argument("--families",
                    help="comma-separated families of --suite families (default: plain, "
                         "feedback, head, recurrent, loop, trained: the models/ of the "
                         "checkout)")

@@ -16,17 +16,16 @@ def add_args(p) -> None:
     ``latentserve convert pccot --base DIR --adapter DIR --out DIR``."""
     p.add_argument("family", choices=["coconut", "codi", "pccot"], help="upstream checkpoint form")
     p.add_argument("--base", required=True, help="the base HF model directory it was trained from")
-    p.add_argument("--checkpoint", default=None,
+    p.add_argument("--checkpoint",
                    help="COCONUT: checkpoint_N; CODI: model.safetensors or pytorch_model.bin")
-    p.add_argument("--adapter", default=None,
+    p.add_argument("--adapter",
                    help="PCCoT: the upstream PEFT adapter directory (pccot_args.json, ...)")
     p.add_argument("--out", required=True, help="the model directory to write")
-    p.add_argument("--default-budget", type=int, default=None,
-                   help="COCONUT/CODI: latent steps by default (6)")
-    p.add_argument("--max-budget", type=int, default=None,
+    p.add_argument("--default-budget", type=int, help="COCONUT/CODI: latent steps by default (6)")
+    p.add_argument("--max-budget", type=int,
                    help="the largest budget allowed (64; PCCoT: at least num_iterations)")
-    p.add_argument("--variant", default=None, help="COCONUT/CODI: informative tag, e.g. sim-cot")
-    p.add_argument("--lora-alpha", type=float, default=None, help="CODI LoRA alpha (32)")
+    p.add_argument("--variant", help="COCONUT/CODI: informative tag, e.g. sim-cot")
+    p.add_argument("--lora-alpha", type=float, help="CODI LoRA alpha (32)")
     p.add_argument("--keep-eos", action="store_true",
                    help="CODI trained without --remove_eos: latents in [eos, bot] ... [eot, eos]")
     p.add_argument("--symlink", action="store_true", help="link the checkpoint instead of copying")

@@ -41,12 +41,12 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="tokens each model may write per question (text CoT: thinking and "
                         "answer; CoLaR: the answer, latent steps come on top)")
-    p.add_argument("--models-dir", default=None,
+    p.add_argument("--models-dir",
                    help=f"where {TEXT_MODEL} and {COLAR_MODEL} are (default: models/ of the "
                         "source checkout, else of the working directory)")
-    p.add_argument("--compression-factor", type=int, default=None,
+    p.add_argument("--compression-factor", type=int,
                    help="CoLaR's thinking speed c (default: its colar_config.json)")
-    p.add_argument("--questions", default=None,
+    p.add_argument("--questions",
                    help="iCoT multiplication file (question||steps #### answer lines) to take "
                         "the questions from (default: 8 test items shipped with the package)")
     p.set_defaults(func=run)

@@ -21,10 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False,
     from latentserve.config import EngineConfig
     from latentserve.options import add_options
 
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="the model, as in `vllm serve MODEL` (same as --model)")
     p.set_defaults(several_models=several_models)
-    p.add_argument("--model", action="append" if several_models else "store", default=None,
+    p.add_argument("--model", action="append" if several_models else "store",
                    help="HF-style model directory or .gguf file (default: embedded SmolLM2)"
                         + ("; repeat to serve several models, one engine each, each under its "
                            "own name" if several_models else ""))
@@ -32,7 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False,
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM launch lines and ignored: latentserve runs no "
                         "code from checkpoints")
-    p.add_argument("--config", default=None, metavar="FILE.yaml",
+    p.add_argument("--config", metavar="FILE.yaml",
                    help="flags from a YAML file, as vLLM's --config: keys are flag names "
                         "(`max-num-seqs: 8` or `max_num_seqs: 8`), `true` for a flag "
                         "without value; flags on the command line override the file")

@@ -48,35 +48,34 @@ def register(sub) -> None:
     add_engine_args(p, exclude=("seed",))  # --seed below seeds the request and the engine
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="text (with the model's chat template unless --raw)")
-    what.add_argument("--prompt-token-ids", default=None,
+    what.add_argument("--prompt-token-ids",
                       help="comma-separated token ids, sent as they are (a model directory "
                            "without tokenizer files takes only these; its output is ids)")
-    p.add_argument("--max-tokens", type=_sampling(int, "max_tokens"), default=None,
+    p.add_argument("--max-tokens", type=_sampling(int, "max_tokens"),
                    help="answer tokens at most (default 256; given, it also holds for a "
                         "compression-head model, whose answer-budget floor otherwise raises "
                         "it)")
     p.add_argument("--temperature", type=_sampling(float, "temperature"), default=0.0)
     p.add_argument("--top-p", type=_sampling(float, "top_p"), default=1.0)
     p.add_argument("--top-k", type=_sampling(int, "top_k"), default=-1)
-    p.add_argument("--seed", type=_sampling(int, "seed"), default=None,
+    p.add_argument("--seed", type=_sampling(int, "seed"),
                    help="the request's sampling seed (also the engine's; default: unseeded)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template")
-    p.add_argument("--latent-budget", type=_sampling(int, "latent_budget"), default=None,
+    p.add_argument("--latent-budget", type=_sampling(int, "latent_budget"),
                    help="latent steps (feedback models), recurrences per token (Huginn, "
                         "Ouro) or block passes (PCCoT, LOTUS); default: the model's own; "
                         "0: no thinking")
-    p.add_argument("--exit-criterion", default=None, choices=EXIT_CRITERIA,
+    p.add_argument("--exit-criterion", choices=EXIT_CRITERIA,
                    help=f"recurrent-depth early exit (docs/models.md); Huginn takes "
                         f"{', '.join([*HUGINN_AUTO_THRESHOLDS, 'none'])}, Ouro "
                         f"{', '.join(OURO_CRITERIA)}")
-    p.add_argument("--exit-threshold", type=_sampling(float, "exit_threshold"), default=None)
-    p.add_argument("--thinking", default=None, choices=["on", "off"],
+    p.add_argument("--exit-threshold", type=_sampling(float, "exit_threshold"))
+    p.add_argument("--thinking", choices=["on", "off"],
                    help="compression-head models: latent thinking on or off (default: on)")
-    p.add_argument("--max-latent", type=_sampling(int, "max_latent"), default=None,
+    p.add_argument("--max-latent", type=_sampling(int, "max_latent"),
                    help="compression-head models: latent step cap (default: the server's)")
     p.add_argument("--min-output-tokens", type=_sampling(int, "min_output_tokens"),
-                   default=None,
                    help="compression-head models: the answer-budget floor (0: --max-tokens "
                         "holds; default: 0 when --max-tokens is given, else "
                         "LATENTSERVE_MIN_OUTPUT_TOKENS, 4096)")
