@@ -326,17 +326,6 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-def result_path(args: argparse.Namespace, result: dict) -> str:
-    """``--result-dir``/``--result-filename``, by default vLLM's file name."""
-    name = args.result_filename
-    if name is None:
-        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = (f"{result['label']}-{args.request_rate}qps{concurrency}-"
-                f"{result['model_id'].rstrip('/').split('/')[-1]}-{stamp}.json")
-    return os.path.join(args.result_dir or ".", name)
-
-
 def _served_model(client, base_url: str) -> str:
     """The first model ``/v1/models`` lists. Raises ValueError with the reason."""
     import httpx
@@ -406,8 +395,11 @@ def serve_bench_main(args: argparse.Namespace) -> int:
         print(f"... and {len(errors) - 3} other errors (the result's 'errors')",
               file=sys.stderr)
     paths = [args.json_out] if args.json_out else []
-    if args.save_result:
-        paths.append(result_path(args, result))
+    if args.save_result:  # --result-dir/--result-filename, by default vLLM's file name
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        paths.append(os.path.join(args.result_dir or ".", args.result_filename or (
+            f"{result['label']}-{args.request_rate}qps{concurrency}-"
+            f"{model.rstrip('/').split('/')[-1]}-{result['date']}.json")))
     for path in map(Path, paths):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))

@@ -95,7 +95,6 @@ class LLM:
             from tqdm.auto import tqdm as use_tqdm
         bar = use_tqdm(total=len(results), desc="Processed prompts", unit="prompt") \
             if callable(use_tqdm) else None
-        left = {r.request_id: len(r.outputs) for r in results}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 builder = running.get(out.rid)
@@ -103,12 +102,12 @@ class LLM:
                     continue
                 if builder.add(out):  # a stop string ended it
                     self.engine.abort_request(out.rid)
-                if builder.finished:
-                    left[builder.result.request_id] -= 1
-                    if not left[builder.result.request_id]:
-                        builder.result.finished = True
-                        if bar is not None:
-                            bar.update(1)
+                result = builder.result
+                if builder.finished and all(running[f"{i}_{result.request_id}"].finished
+                                            for i in range(len(result.outputs))):
+                    result.finished = True
+                    if bar is not None:
+                        bar.update(1)
         if bar is not None:
             bar.close()
         return results
