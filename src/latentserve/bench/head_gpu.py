@@ -43,7 +43,9 @@ def build_head_model(root: Path, name: str, device: str = "cuda") -> Path:
     return path
 
 
-def _params(max_latent: int, answer_len: int, n_close: int):
+def _params(max_latent: int, answer_len: int, n_close: int, thinking: bool = True):
+    if not thinking:
+        return greedy(answer_len, thinking=False)
     return greedy(max_latent + n_close + answer_len, thinking=True, max_latent=max_latent,
                   min_latent=0, use_stop=False, min_output_tokens=0)
 
@@ -85,7 +87,7 @@ def bench_model(name: str, root: Path, bw: float, device: str, concurrency,
     prompts = random_batches((max_c,), prompt_len, seed=1)[max_c]
     cost = step_cost(engine, (prompts, _params(max_latent, 1, n_close)),
                      ([p + list(spec.start_ids) for p in prompts],
-                      greedy(max_latent + 1, thinking=False)),
+                      _params(0, max_latent + 1, 0, False)),
                      device, bw, bare, step_rounds)
     if device.startswith("cuda"):
         head = engine.runner.model.latent_head
