@@ -23,7 +23,6 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False,
 
     p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="the model, as in `vllm serve MODEL` (same as --model)")
-    p.set_defaults(several_models=several_models)
     p.add_argument("--model", action="append" if several_models else "store",
                    help="HF-style model directory or .gguf file (default: embedded SmolLM2)"
                         + ("; repeat to serve several models, one engine each, each under its "
@@ -49,7 +48,7 @@ def finish_engine_args(args: argparse.Namespace) -> None:
             raise ValueError(f"the model is given twice: positional {tag!r} and --model "
                              f"{args.model!r}; give one")
         else:
-            args.model = [tag] if getattr(args, "several_models", False) else tag
+            args.model = tag
     if getattr(args, "trust_remote_code", False):
         log.warning("--trust-remote-code is ignored: latentserve runs no code from "
                     "checkpoints")
