@@ -72,7 +72,7 @@ def test_the_models_are_found_in_the_checkout():
 def test_without_the_models_the_suite_says_what_is_missing(tmp_path):
     with pytest.raises(RuntimeError, match="is not the trained model smollm2-mult-cot"):
         model_paths(MODELS, tmp_path)
-    with pytest.raises(RuntimeError, match="is not a directory"):
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
         model_paths(MODELS, tmp_path / "absent")
     with pytest.raises(ValueError, match="trained models must be among"):
         model_paths(("gpt-4",))

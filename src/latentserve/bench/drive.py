@@ -41,7 +41,6 @@ class Probe:
         self.compiles: list = []
 
     def __enter__(self):
-
         graphs, events = self.engine.runner.graphs, self.events
 
         def timed(replay):

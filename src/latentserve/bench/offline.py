@@ -149,8 +149,7 @@ def _agreement(engine_tokens, hf_tokens, eos_ids) -> list[dict]:
     """Per prompt: tokens compared (up to the engine's first EOS), the common prefix, agree."""
     rows = []
     for i, (ours, theirs) in enumerate(zip(engine_tokens, hf_tokens)):
-        n = next((j for j, t in enumerate(ours) if t in eos_ids), len(ours))
-        n = min(n, len(theirs))
+        n = min(next((j for j, t in enumerate(ours) if t in eos_ids), len(ours)), len(theirs))
         match = next((j for j in range(n) if ours[j] != theirs[j]), n)
         rows.append({"prompt": i, "compared_tokens": n, "matching_prefix_tokens": match,
                      "agree": match == n, "engine_hit_eos": n < len(ours)})

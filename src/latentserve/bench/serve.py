@@ -18,9 +18,11 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
+from pathlib import Path
 
 from latentserve import settings
 from latentserve.bench.serve_datasets import DATASETS, sample_requests
+from latentserve.options import ranged
 
 
 def _header(text: str) -> tuple[str, str]:
@@ -48,36 +50,34 @@ BACKEND_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions",
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench serve`` flags to ``parser`` (vLLM's names; our older ones aliases)."""
-    parser.add_argument("--base-url", default=None,
-                        help="the server (default http://--host:--port)")
+    parser.add_argument("--base-url", help="the server (default http://--host:--port)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="the server's host, without --base-url (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000,
                         help="the server's port, without --base-url (default 8000)")
-    parser.add_argument("--backend", default=None, choices=sorted(BACKEND_ENDPOINTS),
+    parser.add_argument("--backend", choices=sorted(BACKEND_ENDPOINTS),
                         help="vLLM's backend names: vllm and openai send to /v1/completions, "
                              "openai-chat to /v1/chat/completions (an --endpoint given wins)")
-    parser.add_argument("--endpoint", default=None,
-                        choices=["/v1/chat/completions", "/v1/completions"],
+    parser.add_argument("--endpoint", choices=["/v1/chat/completions", "/v1/completions"],
                         help="default: --backend's, else /v1/chat/completions")
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model",
                         help="model name to send (default: the server's, from /v1/models)")
     parser.add_argument("--dataset", "--dataset-name", dest="dataset", default="gsm8k",
                         choices=DATASETS,
                         help="gsm8k (packaged), random, sharegpt or custom (--dataset-path)")
-    parser.add_argument("--dataset-path", default=None,
+    parser.add_argument("--dataset-path",
                         help="sharegpt: a ShareGPT JSON file; custom: JSON lines of "
                              "{\"prompt\": ..., \"output_tokens\": ...}")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=ranged(int, "num_prompts", ge=1), default=64)
     parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int,
                         default=128,
                         help="prompt tokens per request for --dataset random (default 128)")
-    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
-                        default=64,
+    parser.add_argument("--output-len", "--random-output-len", dest="output_len",
+                        type=ranged(int, "output_len", ge=1), default=64,
                         help="generated tokens per request, gsm8k and random (default 64)")
-    parser.add_argument("--sharegpt-output-len", type=int, default=None,
+    parser.add_argument("--sharegpt-output-len", type=int,
                         help="sharegpt: this many tokens per request instead of the answer's")
-    parser.add_argument("--custom-output-len", type=int, default=None,
+    parser.add_argument("--custom-output-len", type=int,
                         help="custom: tokens per line without output_tokens (default "
                              "--output-len)")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -85,32 +85,32 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                              "--no-ignore-eos: requests may end at EOS (vLLM's default)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second, Poisson arrivals (default inf: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=None,
+    parser.add_argument("--max-concurrency", type=int,
                         help="requests in flight at most (default: no limit)")
-    parser.add_argument("--disconnect-fraction", type=float, default=0.0,
+    parser.add_argument("--disconnect-fraction", default=0.0,
+                        type=ranged(float, "disconnect_fraction", ge=0.0, le=1.0),
                         help="share of requests whose client hangs up after 1-4 text chunks")
     parser.add_argument("--percentiles", "--metric-percentiles", dest="percentiles",
                         default="50,90,99",
                         help="comma-separated percentiles to report (default 50,90,99)")
     parser.add_argument("--seed", type=int, default=0, help="arrivals, prompts, disconnects")
-    parser.add_argument("--api-key", default=None,
+    parser.add_argument("--api-key",
                         help="sent as a Bearer token (default: $LATENTSERVE_API_KEY if set)")
-    parser.add_argument("--extra-body", type=_json_object, default=None, metavar="JSON",
+    parser.add_argument("--extra-body", type=_json_object, metavar="JSON",
                         help="a JSON object merged into every request body, e.g. "
                              "'{\"latent_budget\": 4}'")
-    parser.add_argument("--header", type=_header, action="append", default=None,
+    parser.add_argument("--header", type=_header, action="append",
                         metavar="KEY=VALUE", help="a header on every request (repeatable)")
     parser.add_argument("--save-result", action="store_true",
                         help="write the result JSON to --result-dir/--result-filename")
-    parser.add_argument("--result-dir", default=None, help="with --save-result (default .)")
-    parser.add_argument("--result-filename", default=None,
+    parser.add_argument("--result-dir", help="with --save-result (default .)")
+    parser.add_argument("--result-filename",
                         help="with --save-result (default: vLLM's "
                              "{label}-{rate}qps[-concurrency{N}]-{model}-{time}.json)")
-    parser.add_argument("--label", default=None,
+    parser.add_argument("--label",
                         help="the result's label and file name prefix (default: the "
                              "endpoint type, openai-chat or openai)")
-    parser.add_argument("--json-out", default=None, metavar="PATH",
-                        help="write the result JSON to PATH")
+    parser.add_argument("--json-out", metavar="PATH", help="write the result JSON to PATH")
 
 
 @dataclass(slots=True)
@@ -326,29 +326,6 @@ def command_line(args: argparse.Namespace) -> str:
     return shlex.join(parts)
 
 
-def _tokenizer_calls(client, model: str):
-    """``count_tokens(text)``, ``detokenize(ids)`` through ``/tokenize``, ``/detokenize``."""
-
-    def ask(path: str, body: dict, key: str):
-        r = client.post(path, json={"model": model, **body})
-        r.raise_for_status()
-        return r.json()[key]
-
-    return (lambda text: ask("/tokenize", {"prompt": text}, "count"),
-            lambda ids: ask("/detokenize", {"tokens": ids}, "prompt"))
-
-
-def result_path(args: argparse.Namespace, result: dict) -> str:
-    """``--result-dir``/``--result-filename``, by default vLLM's file name."""
-    name = args.result_filename
-    if name is None:
-        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = (f"{result['label']}-{args.request_rate}qps{concurrency}-"
-                f"{result['model_id'].rstrip('/').split('/')[-1]}-{stamp}.json")
-    return os.path.join(args.result_dir or ".", name)
-
-
 def _served_model(client, base_url: str) -> str:
     """The first model ``/v1/models`` lists. Raises ValueError with the reason."""
     import httpx
@@ -365,16 +342,12 @@ def _served_model(client, base_url: str) -> str:
 
 def serve_bench_main(args: argparse.Namespace) -> int:
     """Run the benchmark of ``args``, print the report, write the result. Returns 1 when a
-    request failed or the server was unhealthy after, else 0. ValueError for bad flags, an
-    unreachable server or a refused ``/v1/models``."""
+    request failed or the server was unhealthy after, else 0. ValueError for a bad
+    ``--dataset-path``, an unreachable server or a refused ``/v1/models``."""
     import httpx
 
     args.base_url = args.base_url or f"http://{args.host}:{args.port}"
     args.endpoint = args.endpoint or BACKEND_ENDPOINTS.get(args.backend, "/v1/chat/completions")
-    if args.num_prompts < 1 or args.output_len < 1:
-        raise ValueError("--num-prompts and --output-len must be at least 1")
-    if not 0.0 <= args.disconnect_fraction <= 1.0:
-        raise ValueError("--disconnect-fraction must be in [0, 1]")
     args.api_key = args.api_key or settings.get("LATENTSERVE_API_KEY")
     headers = dict(args.header or ())  # then the API key's
     if args.api_key:
@@ -382,7 +355,14 @@ def serve_bench_main(args: argparse.Namespace) -> int:
     client = httpx.Client(base_url=args.base_url, headers=headers, timeout=60)
     model = args.model or _served_model(client, args.base_url)
     percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
-    samples = sample_requests(args, *_tokenizer_calls(client, model))
+
+    def ask(path: str, body: dict, key: str):  # the server's /tokenize and /detokenize
+        r = client.post(path, json={"model": model, **body})
+        r.raise_for_status()
+        return r.json()[key]
+
+    samples = sample_requests(args, lambda text: ask("/tokenize", {"prompt": text}, "count"),
+                              lambda ids: ask("/detokenize", {"tokens": ids}, "prompt"))
     bodies = build_requests(args, model, samples)
     results, duration = asyncio.run(run_benchmark(args, bodies, headers))
     endpoint_type = "openai-chat" if args.endpoint == "/v1/chat/completions" else "openai"
@@ -415,13 +395,14 @@ def serve_bench_main(args: argparse.Namespace) -> int:
         print(f"... and {len(errors) - 3} other errors (the result's 'errors')",
               file=sys.stderr)
     paths = [args.json_out] if args.json_out else []
-    if args.save_result:
-        paths.append(result_path(args, result))
-    for path in paths:
-        if os.path.dirname(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+    if args.save_result:  # --result-dir/--result-filename, by default vLLM's file name
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        paths.append(os.path.join(args.result_dir or ".", args.result_filename or (
+            f"{result['label']}-{args.request_rate}qps{concurrency}-"
+            f"{model.rstrip('/').split('/')[-1]}-{result['date']}.json")))
+    for path in map(Path, paths):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
         print(f"wrote {path}")
     healthy = result["server_after"].get("status") == "ok" and result["server_after"].get(
         "slots_ok")

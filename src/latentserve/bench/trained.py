@@ -25,12 +25,11 @@ NOTES = {"temperature": 0.0, "ignore_eos": False}
 def model_paths(names, models_dir: str | Path | None = None) -> dict[str, Path]:
     """``{name: directory}`` of ``names`` (``MODELS`` keys) under ``models_dir``, else the
     checkout's ``models/`` (next to ``src/``) or ``./models`` (``find_models_dir``).
-    Raises ValueError for an unknown name, RuntimeError naming what is missing (no
-    ``models/``, as in a wheel install, or a model directory without its marker file)."""
+    Raises ValueError for an unknown name, FileNotFoundError for a ``models_dir`` that is no
+    directory, RuntimeError naming what is missing (no ``models/``, as in a wheel install, or a
+    model directory without its marker file)."""
     if unknown := set(names) - set(MODELS):
         raise ValueError(f"trained models must be among {sorted(MODELS)}, got {sorted(unknown)}")
-    if models_dir is not None and not Path(models_dir).is_dir():
-        raise RuntimeError(f"models_dir {models_dir} is not a directory")
     root = find_models_dir(models_dir)
     if root is None:
         raise RuntimeError(

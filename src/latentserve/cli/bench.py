@@ -11,7 +11,7 @@ from pathlib import Path
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent, loop, families)")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model",
                    help="HF-style model directory or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--num-prompts", type=int, default=32,
                    help="prompts in the timed run (GSM8K questions; default 32)")
@@ -21,8 +21,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--no-hf-baseline", action="store_true",
                    help="skip the Hugging Face generate baseline")
-    p.add_argument("--json-out", default=None, metavar="PATH",
-                   help="write the full result as JSON to PATH")
+    p.add_argument("--json-out", metavar="PATH", help="write the full result as JSON to PATH")
     p.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
     p.add_argument("--suite", default="offline",
                    choices=["offline", "gpu", "latent", "loop", "families"],
@@ -30,9 +29,9 @@ def register(sub) -> None:
                         "decode steps against the bandwidth floor (CUDA); latent: latent "
                         "against plain steps; loop: looped-block passes; families: every "
                         "family's suite and one table (CUDA; docs/benchmarks.md)")
-    p.add_argument("--concurrency", default=None,
+    p.add_argument("--concurrency",
                    help="comma-separated concurrent requests (gpu, latent, loop suites)")
-    p.add_argument("--families", default=None,
+    p.add_argument("--families",
                    help="comma-separated families of --suite families (default: plain, "
                         "feedback, head, recurrent, loop, trained: the models/ of the "
                         "checkout)")
@@ -43,19 +42,6 @@ def register(sub) -> None:
     s = sub_bench.add_parser("serve", help="load a running server like `vllm bench serve`")
     add_serve_bench_args(s)
     s.set_defaults(func=serve_bench_main)
-
-
-def command_line(args) -> str:
-    """The ``latentserve bench ...`` offline command equivalent to ``args`` (defaults left
-    out, except --num-prompts and --output-len, which are always written)."""
-    parts = ["latentserve", "bench", "--num-prompts", str(args.num_prompts), "--output-len",
-             str(args.output_len)] + ["--no-hf-baseline"] * args.no_hf_baseline
-    for flag, value, default in (("--model", args.model, None), ("--device", args.device, "cpu"),
-                                 ("--dtype", args.dtype, "float32"), ("--seed", args.seed, 0),
-                                 ("--json-out", args.json_out, None)):
-        if value != default:
-            parts += [flag, str(value)]
-    return shlex.join(parts)
 
 
 def format_table(result: dict) -> str:
@@ -85,33 +71,32 @@ def run(args) -> int:
     from latentserve.extras import require
 
     conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
-    cuda, table = args.device == "cuda", None
+    cuda, table, command = args.device == "cuda", None, shlex.join(["latentserve", *sys.argv[1:]])
     if args.suite == "offline":
         from latentserve.bench.offline import run_offline_bench
 
         result = run_offline_bench(model=args.model, num_prompts=args.num_prompts,
                                    output_len=args.output_len, device=args.device,
                                    dtype=args.dtype, hf_baseline=not args.no_hf_baseline,
-                                   seed=args.seed, command=command_line(args))
+                                   seed=args.seed, command=command)
         table = format_table(result)
     elif args.suite == "families":
         from latentserve.bench.families import SUITES, run_families_bench, table_markdown
 
         families = args.families.split(",") if args.families else tuple(SUITES)
-        result = run_families_bench(conc or (1, 16, 64), families,
-                                    command="latentserve " + shlex.join(sys.argv[1:]))
+        result = run_families_bench(conc or (1, 16, 64), families, command=command)
         table = table_markdown(result["table"])
     elif args.suite == "gpu":
         from latentserve.bench import gpu
 
-        result = run_suite(gpu, tuple(gpu.SHAPES), "cuda", conc or (1, 16, 64),
+        result = run_suite(gpu, tuple(gpu.SHAPES), "cuda", conc or (1, 16, 64), command,
                            hf_baseline=not args.no_hf_baseline)
     elif args.suite == "loop":
         require("peft", "bench --suite loop (it builds a PCCoT checkpoint)")
         from latentserve.bench import loop
 
         result = run_suite(loop, ("pccot-gpt2-124m",), args.device,
-                           conc or ((1, 16, 64) if cuda else (1, 8)))
+                           conc or ((1, 16, 64) if cuda else (1, 8)), command)
     else:
         if cuda:
             require("peft", "bench --suite latent on cuda (it builds a CODI checkpoint)")
@@ -119,7 +104,7 @@ def run(args) -> int:
 
         result = run_suite(
             latent, ("coconut-gpt2-124m", "codi-llama-3.2-1b") if cuda else ("coconut-gpt2-124m",),
-            args.device, conc or ((1, 16, 64) if cuda else (32,)))
+            args.device, conc or ((1, 16, 64) if cuda else (32,)), command)
     text = json.dumps(result, indent=1)
     if table is not None:
         print(table)

@@ -16,17 +16,16 @@ def add_args(p) -> None:
     ``latentserve convert pccot --base DIR --adapter DIR --out DIR``."""
     p.add_argument("family", choices=["coconut", "codi", "pccot"], help="upstream checkpoint form")
     p.add_argument("--base", required=True, help="the base HF model directory it was trained from")
-    p.add_argument("--checkpoint", default=None,
+    p.add_argument("--checkpoint",
                    help="COCONUT: checkpoint_N; CODI: model.safetensors or pytorch_model.bin")
-    p.add_argument("--adapter", default=None,
+    p.add_argument("--adapter",
                    help="PCCoT: the upstream PEFT adapter directory (pccot_args.json, ...)")
     p.add_argument("--out", required=True, help="the model directory to write")
-    p.add_argument("--default-budget", type=int, default=None,
-                   help="COCONUT/CODI: latent steps by default (6)")
-    p.add_argument("--max-budget", type=int, default=None,
+    p.add_argument("--default-budget", type=int, help="COCONUT/CODI: latent steps by default (6)")
+    p.add_argument("--max-budget", type=int,
                    help="the largest budget allowed (64; PCCoT: at least num_iterations)")
-    p.add_argument("--variant", default=None, help="COCONUT/CODI: informative tag, e.g. sim-cot")
-    p.add_argument("--lora-alpha", type=float, default=None, help="CODI LoRA alpha (32)")
+    p.add_argument("--variant", help="COCONUT/CODI: informative tag, e.g. sim-cot")
+    p.add_argument("--lora-alpha", type=float, help="CODI LoRA alpha (32)")
     p.add_argument("--keep-eos", action="store_true",
                    help="CODI trained without --remove_eos: latents in [eos, bot] ... [eot, eos]")
     p.add_argument("--symlink", action="store_true", help="link the checkpoint instead of copying")
@@ -46,27 +45,20 @@ def run(args) -> int:
     if unused:
         flag = "--" + unused[0].replace("_", "-")
         raise ValueError(f"convert {args.family} does not take {flag}")
-    if args.family == "pccot":
-        from latentserve.latent.loop_convert import convert_pccot
-
-        if not args.adapter:
-            raise ValueError("convert pccot needs --adapter DIR")
-        out = convert_pccot(args.base, args.adapter, args.out, max_budget=args.max_budget,
-                            overwrite=args.force)
-        print(f"wrote {out}")
-        return 0
-    if not args.checkpoint:
-        raise ValueError(f"convert {args.family} needs --checkpoint FILE")
+    pccot = args.family == "pccot"
+    source = args.adapter if pccot else args.checkpoint
+    if not source:
+        raise ValueError(f"convert {args.family} needs "
+                         + ("--adapter DIR" if pccot else "--checkpoint FILE"))
     from latentserve.latent.convert import convert_coconut, convert_codi
+    from latentserve.latent.loop_convert import convert_pccot
 
-    common = dict(default_budget=6 if args.default_budget is None else args.default_budget,
-                  max_budget=64 if args.max_budget is None else args.max_budget,
-                  variant=args.variant, symlink=args.symlink, overwrite=args.force)
-    if args.family == "coconut":
-        out = convert_coconut(args.base, args.checkpoint, args.out, **common)
-    else:
-        alpha = 32.0 if args.lora_alpha is None else args.lora_alpha
-        out = convert_codi(args.base, args.checkpoint, args.out, lora_alpha=alpha,
-                           remove_eos=not args.keep_eos, **common)
+    # the form's own flags as its converter's keywords; one not given takes the default
+    opts = {n: getattr(args, n) for n in _FLAGS[args.family] - {"checkpoint", "adapter", "keep_eos"}
+            | {"max_budget"} if getattr(args, n) is not None}
+    if args.family == "codi":
+        opts["remove_eos"] = not args.keep_eos
+    convert = {"coconut": convert_coconut, "codi": convert_codi, "pccot": convert_pccot}
+    out = convert[args.family](args.base, source, args.out, overwrite=args.force, **opts)
     print(f"wrote {out}")
     return 0

@@ -16,12 +16,11 @@ def register(sub) -> None:
     m.add_argument("--n", type=int, required=True, help="items to write")
     m.add_argument("--out", required=True, help="file to write (iCoT text lines)")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--exclude", action="append", default=None,
+    m.add_argument("--exclude", action="append",
                    help="iCoT files whose questions are left out (repeatable; default: "
                         "multiplication/{k}x{k}_test.txt and _valid.txt, from --data-dir, "
                         "$LATENTSERVE_DATA or the package (4x4 and 5x5 ship))")
-    m.add_argument("--data-dir", default=None,
-                   help="folder searched first for the default --exclude files")
+    m.add_argument("--data-dir", help="folder searched first for the default --exclude files")
     m.set_defaults(func=run_multiplication)
 
 

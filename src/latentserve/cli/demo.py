@@ -6,7 +6,6 @@ Design notes: docs/internals.md, "latentserve.cli.demo".
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
@@ -27,6 +26,7 @@ DEFAULT_MAX_TOKENS = 200  # a 5x5 chain of thought and its answer take about 160
 
 def register(sub) -> None:
     from latentserve.cli import add_engine_args
+    from latentserve.options import ranged
 
     p = sub.add_parser("demo", help="serve the text-CoT and CoLaR multiplication models and "
                                     "compare them on held-out questions",
@@ -36,17 +36,17 @@ def register(sub) -> None:
                                    "model alone and stream its answers to grade-school math "
                                    "questions.")
     add_engine_args(p)
-    p.add_argument("--num-questions", type=int, default=4,
+    p.add_argument("--num-questions", type=ranged(int, "num_questions", ge=1), default=4,
                    help="questions to ask (default 4: two 4x4, two 5x5)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="tokens each model may write per question (text CoT: thinking and "
                         "answer; CoLaR: the answer, latent steps come on top)")
-    p.add_argument("--models-dir", default=None,
+    p.add_argument("--models-dir",
                    help=f"where {TEXT_MODEL} and {COLAR_MODEL} are (default: models/ of the "
                         "source checkout, else of the working directory)")
-    p.add_argument("--compression-factor", type=int, default=None,
+    p.add_argument("--compression-factor", type=int,
                    help="CoLaR's thinking speed c (default: its colar_config.json)")
-    p.add_argument("--questions", default=None,
+    p.add_argument("--questions",
                    help="iCoT multiplication file (question||steps #### answer lines) to take "
                         "the questions from (default: 8 test items shipped with the package)")
     p.set_defaults(func=run)
@@ -108,41 +108,32 @@ def thinking_tokens(tokens: list[str]) -> int | None:
     return None if at < 0 else sum(end <= at for end in accumulate(map(len, tokens)))
 
 
-def ask_text(client, model: str, q: Item, max_tokens: int) -> Reply:
-    """Ask the text-CoT model (completions, greedy, the whole speed-1 prompt); its tokens come
-    from ``logprobs=0``."""
-    from latentserve.latent import colar
-
-    start = time.perf_counter()
-    r = client.completions.create(model=model, prompt=colar.prompt_text(q.question),
-                                  max_tokens=max_tokens, temperature=0.0, logprobs=0)
-    seconds = time.perf_counter() - start
-    choice = r.choices[0]
-    tokens = list(choice.logprobs.tokens) if choice.logprobs else []
-    thinking = thinking_tokens(tokens)
-    answer = colar.split_output(choice.text)[1] if thinking is not None else ""
-    return Reply(answer, answer.split() == q.gold.split(),
-                 len(tokens) if thinking is None else thinking, thinking is not None, seconds)
-
-
-def ask_colar(client, model: str, q: Item, max_tokens: int,
-              compression_factor: int | None) -> Reply:
-    """Ask the CoLaR model (completions, greedy, the question part; ``compression_factor``
-    in the body, None: the model's); its thinking is ``latent.stats.steps``."""
+def ask(client, model: str, q: Item, max_tokens: int, latent: bool = False,
+        compression_factor: int | None = None) -> Reply:
+    """Ask one question (completions, greedy): the text-CoT model the whole speed-1 prompt
+    (its tokens from ``logprobs=0``) or, with ``latent``, the CoLaR model the question part
+    (``compression_factor`` in the body, None: the model's; thinking ``latent.stats.steps``)."""
     from latentserve.latent import colar
 
     extra = {} if compression_factor is None else {"compression_factor": compression_factor}
     start = time.perf_counter()
-    r = client.completions.create(model=model, prompt=colar.QUESTION.format(q.question),
-                                  max_tokens=max_tokens, temperature=0.0, extra_body=extra)
+    r = client.completions.create(model=model, max_tokens=max_tokens, temperature=0.0, **(
+        {"prompt": colar.QUESTION.format(q.question), "extra_body": extra} if latent
+        else {"prompt": colar.prompt_text(q.question), "logprobs": 0}))
     seconds = time.perf_counter() - start
     choice = r.choices[0]
-    stats = ((choice.model_extra or {}).get("latent") or {}).get("stats") or {}
-    text = choice.text.strip().removeprefix(colar.SEPARATOR)
-    prefix = colar.ANSWER.format("")
-    answer = (text.partition(prefix)[2] if prefix in text else text).strip()
-    return Reply(answer, answer.split() == q.gold.split(), int(stats.get("steps", 0)),
-                 stats.get("end") == "stop", seconds)
+    if latent:
+        stats = ((choice.model_extra or {}).get("latent") or {}).get("stats") or {}
+        text = choice.text.strip().removeprefix(colar.SEPARATOR)
+        prefix = colar.ANSWER.format("")
+        answer = (text.partition(prefix)[2] if prefix in text else text).strip()
+        thinking, stopped = int(stats.get("steps", 0)), stats.get("end") == "stop"
+    else:
+        tokens = list(choice.logprobs.tokens) if choice.logprobs else []
+        before = thinking_tokens(tokens)
+        answer = colar.split_output(choice.text)[1] if before is not None else ""
+        thinking, stopped = len(tokens) if before is None else before, before is not None
+    return Reply(answer, answer.split() == q.gold.split(), thinking, stopped, seconds)
 
 
 _Q, _REF, _ANS = 13, 12, 12  # column widths: question, reference, answer
@@ -180,10 +171,10 @@ def compare(base_url: str, text_model: str, colar_model: str | None,
     print(f"{'':<2} {'':<{_Q}} {'':<{_REF}}" + f" | {sub}" * len(columns), flush=True)
     text, latent = [], []
     for i, q in enumerate(questions, 1):
-        text.append(ask_text(client, text_model, q, max_tokens))
+        text.append(ask(client, text_model, q, max_tokens))
         cells = [_cell(text[-1], "tokens")]
         if colar_model is not None:
-            latent.append(ask_colar(client, colar_model, q, max_tokens, compression_factor))
+            latent.append(ask(client, colar_model, q, max_tokens, True, compression_factor))
             cells.append(_cell(latent[-1], "steps"))
         print(f"{i:<2} {label(q.question):<{_Q}} {number(q.gold):<{_REF}}"
               + "".join(f" | {c}" for c in cells), flush=True)
@@ -244,11 +235,9 @@ def start_verbose(configs: list, labels: list[str]):
 
 
 def run(args) -> int:
-    from latentserve.cli import engine_config
+    from latentserve.cli import engine_configs
     from latentserve.models.checkpoint import find_models_dir
 
-    if args.num_questions < 1:
-        raise ValueError(f"--num-questions must be >= 1, got {args.num_questions}")
     if args.model is not None:
         return run_gsm8k(args)
     models_dir = find_models_dir(args.models_dir)
@@ -271,10 +260,8 @@ def run(args) -> int:
 
         speed = ColarConfig.from_dict(
             json.loads((colar_dir / COLAR_CONFIG).read_text())).compression_factor
-    dirs = [d for d in (text_dir, colar_dir) if d is not None]
-    configs = [engine_config(args, model=str(d)) for d in dirs]
-    if len(configs) > 1:  # --max-latent-budget caps CoLaR and leaves the text model alone
-        configs = [dataclasses.replace(c, latent_cap_where_applicable=True) for c in configs]
+    args.model = [str(d) for d in (text_dir, colar_dir) if d is not None]
+    configs = engine_configs(args)  # two: --max-latent-budget caps CoLaR, not the text model
     convert_embedded()
     labels = ["text CoT model", "CoLaR model"][:len(configs)]
     what = "the text CoT and CoLaR models" if colar_dir else "the text CoT model"

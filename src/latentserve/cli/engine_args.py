@@ -21,10 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False,
     from latentserve.config import EngineConfig
     from latentserve.options import add_options
 
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
                    help="the model, as in `vllm serve MODEL` (same as --model)")
-    p.set_defaults(several_models=several_models)
-    p.add_argument("--model", action="append" if several_models else "store", default=None,
+    p.add_argument("--model", action="append" if several_models else "store",
                    help="HF-style model directory or .gguf file (default: embedded SmolLM2)"
                         + ("; repeat to serve several models, one engine each, each under its "
                            "own name" if several_models else ""))
@@ -32,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser, several_models: bool = False,
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM launch lines and ignored: latentserve runs no "
                         "code from checkpoints")
-    p.add_argument("--config", default=None, metavar="FILE.yaml",
+    p.add_argument("--config", metavar="FILE.yaml",
                    help="flags from a YAML file, as vLLM's --config: keys are flag names "
                         "(`max-num-seqs: 8` or `max_num_seqs: 8`), `true` for a flag "
                         "without value; flags on the command line override the file")
@@ -49,36 +48,32 @@ def finish_engine_args(args: argparse.Namespace) -> None:
             raise ValueError(f"the model is given twice: positional {tag!r} and --model "
                              f"{args.model!r}; give one")
         else:
-            args.model = [tag] if getattr(args, "several_models", False) else tag
+            args.model = tag
     if getattr(args, "trust_remote_code", False):
         log.warning("--trust-remote-code is ignored: latentserve runs no code from "
                     "checkpoints")
 
 
-def engine_config(args: argparse.Namespace, model: str | None | list = ...):
-    """The ``EngineConfig`` of the flags (``model``: instead of ``args.model``). Raises
-    ValueError for several models or a failed field check."""
+def engine_configs(args: argparse.Namespace) -> list:
+    """One ``EngineConfig`` per model of the flags, each with ``latent_cap_where_applicable``
+    when there are several. ValueError for ``--served-model-name`` with several or a failed
+    field check."""
     from latentserve.config import EngineConfig
 
-    if model is ...:
-        model = args.model
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("this command takes one --model")
-        model = model[0]
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-              if f.name != "model" and hasattr(args, f.name)
-              and not (getattr(args, f.name) is None and f.default is not None)}
-    return EngineConfig(model=model, **values)
-
-
-def engine_configs(args: argparse.Namespace) -> list:
-    """One ``EngineConfig`` per model, each with ``latent_cap_where_applicable`` when there
-    are several (ValueError with ``--served-model-name``)."""
     models = args.model if isinstance(args.model, list) else [args.model]
     several = len(models) > 1
     if several and getattr(args, "served_model_name", None) is not None:
         raise ValueError("--served-model-name names one model; with several --model each "
                          "is served under its path")
-    return [dataclasses.replace(engine_config(args, model=m),
-                                latent_cap_where_applicable=several) for m in models]
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+              if f.name != "model" and hasattr(args, f.name)
+              and not (getattr(args, f.name) is None and f.default is not None)}
+    return [EngineConfig(model=m, latent_cap_where_applicable=several, **values) for m in models]
+
+
+def engine_config(args: argparse.Namespace):
+    """The one ``EngineConfig`` of the flags; ValueError as :func:`engine_configs`, or for
+    several models."""
+    if len(configs := engine_configs(args)) != 1:
+        raise ValueError("this command takes one --model")
+    return configs[0]

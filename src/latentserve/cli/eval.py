@@ -16,12 +16,12 @@ def register(sub) -> None:
 
     p = sub.add_parser("eval", help="evaluate text CoT or latent reasoning on a data set")
     add_engine_args(p)
-    p.add_argument("--dataset", default=None, choices=sorted(DATASETS),
+    p.add_argument("--dataset", choices=sorted(DATASETS),
                    help="data set (default gsm8k; the CoLaR prompt format reads iCoT lines: "
                         "mult4, mult5 or gsm8k-icot); its test set ships with the package")
-    p.add_argument("--data-file", "--dataset-file", dest="data_file", default=None,
+    p.add_argument("--data-file", "--dataset-file", dest="data_file",
                    help="override the data set's file (iCoT text lines or GSM8K jsonl)")
-    p.add_argument("--data-dir", default=None,
+    p.add_argument("--data-dir",
                    help="folder searched first for --dataset's file (gsm8k/test.jsonl, "
                         "prosqa/test.json, multiplication/4x4_test.txt, ...); default "
                         "$LATENTSERVE_DATA, then the test sets shipped in the package")
@@ -29,30 +29,28 @@ def register(sub) -> None:
                    help="colar: CoLaR's prompt (models from `latentserve train`); auto: colar "
                         "when the model directory has colar_config.json or train_config.json")
     p.add_argument("--compression-factor", type=ranged(int, "compression_factor", ge=1),
-                   default=None,
                    help="CoLaR models: thinking speed (default: the model's)")
-    p.add_argument("--json-out", default=None, help="colar format: write the summary (JSON)")
-    p.add_argument("--limit", type=ranged(int, "limit", ge=1), default=None,
-                   help="first N items only")
+    p.add_argument("--json-out", help="colar format: write the summary (JSON)")
+    p.add_argument("--limit", type=ranged(int, "limit", ge=1), help="first N items only")
     p.add_argument("--max-tokens", type=ranged(int, "max_tokens", ge=1), default=256,
                    help="answer tokens (latent steps come on top)")
-    p.add_argument("--max-latent", type=ranged(int, "max_latent", ge=0), default=None,
+    p.add_argument("--max-latent", type=ranged(int, "max_latent", ge=0),
                    help="latent budget (needs a head); absent = text CoT, thinking off")
-    p.add_argument("--sweep", default=None, help="e.g. max_latent=0,4,8,16,32 (CoLaR models "
+    p.add_argument("--sweep", help="e.g. max_latent=0,4,8,16,32 (CoLaR models "
                    "also compression_factor=1,2,3,4,5)")
-    p.add_argument("--min-latent", type=ranged(int, "min_latent", ge=0), default=None)
+    p.add_argument("--min-latent", type=ranged(int, "min_latent", ge=0))
     p.add_argument("--stop-threshold", type=ranged(float, "stop_threshold", ge=0.0, le=1.0),
-                   default=None, help="compression-head stop threshold (default: the model's)")
+                   help="compression-head stop threshold (default: the model's)")
     p.add_argument("--no-stop", action="store_true", help="run every budget to its cap")
-    p.add_argument("--url", default=None,
+    p.add_argument("--url",
                    help="OpenAI-compatible base URL (e.g. http://127.0.0.1:8000/v1; without "
                         "/v1 it is tried with /v1 added) instead of an in-process engine")
-    p.add_argument("--api-model", default=None, help="model name at --url (default: first)")
+    p.add_argument("--api-model", help="model name at --url (default: first)")
     p.add_argument("--api-key", default="none")
     p.add_argument("--concurrency", type=ranged(int, "concurrency", ge=1), default=16)
-    p.add_argument("--out", default=None, help="write summary and per-item records (JSON)")
-    p.add_argument("--plot", default=None, help="sweep plot (PNG)")
-    p.add_argument("--baseline", default=None,
+    p.add_argument("--out", help="write summary and per-item records (JSON)")
+    p.add_argument("--plot", help="sweep plot (PNG)")
+    p.add_argument("--baseline",
                    help="a text-CoT run's --out JSON (CoLaR format: its --json-out), drawn "
                         "as a reference line")
     p.set_defaults(func=run)

@@ -48,35 +48,34 @@ def register(sub) -> None:
     add_engine_args(p, exclude=("seed",))  # --seed below seeds the request and the engine
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="text (with the model's chat template unless --raw)")
-    what.add_argument("--prompt-token-ids", default=None,
+    what.add_argument("--prompt-token-ids",
                       help="comma-separated token ids, sent as they are (a model directory "
                            "without tokenizer files takes only these; its output is ids)")
-    p.add_argument("--max-tokens", type=_sampling(int, "max_tokens"), default=None,
+    p.add_argument("--max-tokens", type=_sampling(int, "max_tokens"),
                    help="answer tokens at most (default 256; given, it also holds for a "
                         "compression-head model, whose answer-budget floor otherwise raises "
                         "it)")
     p.add_argument("--temperature", type=_sampling(float, "temperature"), default=0.0)
     p.add_argument("--top-p", type=_sampling(float, "top_p"), default=1.0)
     p.add_argument("--top-k", type=_sampling(int, "top_k"), default=-1)
-    p.add_argument("--seed", type=_sampling(int, "seed"), default=None,
+    p.add_argument("--seed", type=_sampling(int, "seed"),
                    help="the request's sampling seed (also the engine's; default: unseeded)")
     p.add_argument("--raw", action="store_true",
                    help="send the prompt as is, without the model's chat template")
-    p.add_argument("--latent-budget", type=_sampling(int, "latent_budget"), default=None,
+    p.add_argument("--latent-budget", type=_sampling(int, "latent_budget"),
                    help="latent steps (feedback models), recurrences per token (Huginn, "
                         "Ouro) or block passes (PCCoT, LOTUS); default: the model's own; "
                         "0: no thinking")
-    p.add_argument("--exit-criterion", default=None, choices=EXIT_CRITERIA,
+    p.add_argument("--exit-criterion", choices=EXIT_CRITERIA,
                    help=f"recurrent-depth early exit (docs/models.md); Huginn takes "
                         f"{', '.join([*HUGINN_AUTO_THRESHOLDS, 'none'])}, Ouro "
                         f"{', '.join(OURO_CRITERIA)}")
-    p.add_argument("--exit-threshold", type=_sampling(float, "exit_threshold"), default=None)
-    p.add_argument("--thinking", default=None, choices=["on", "off"],
+    p.add_argument("--exit-threshold", type=_sampling(float, "exit_threshold"))
+    p.add_argument("--thinking", choices=["on", "off"],
                    help="compression-head models: latent thinking on or off (default: on)")
-    p.add_argument("--max-latent", type=_sampling(int, "max_latent"), default=None,
+    p.add_argument("--max-latent", type=_sampling(int, "max_latent"),
                    help="compression-head models: latent step cap (default: the server's)")
     p.add_argument("--min-output-tokens", type=_sampling(int, "min_output_tokens"),
-                   default=None,
                    help="compression-head models: the answer-budget floor (0: --max-tokens "
                         "holds; default: 0 when --max-tokens is given, else "
                         "LATENTSERVE_MIN_OUTPUT_TOKENS, 4096)")
@@ -127,23 +126,21 @@ def run(args) -> int:
     else:
         ids = tok.encode(args.prompt) if args.raw else chat_prompt_ids(tok, args.prompt)
     engine.add_request("cli", ids, params)
-    if isinstance(tok, NoTokenizer):  # ids out, one line
-        out_ids = []
-        while engine.has_unfinished_requests():
-            out_ids += [t for out in engine.step() for t in out.new_token_ids]
+    detok = None if isinstance(tok, NoTokenizer) else IncrementalDetokenizer(
+        tok, ids, params.stop, params.skip_special_tokens)
+    out_ids, last = [], None
+    while engine.has_unfinished_requests():
+        for last in engine.step():
+            out_ids += last.new_token_ids
+            if detok is not None:
+                sys.stdout.write(detok.add(last.new_token_ids))
+                sys.stdout.flush()
+    if detok is None:  # ids out, one line
         print(" ".join(map(str, out_ids)))
         return 0
-    detok = IncrementalDetokenizer(tok, ids, params.stop, params.skip_special_tokens)
-    n_answer, last = 0, None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            n_answer += len(out.new_token_ids)
-            last = out
-            sys.stdout.write(detok.add(out.new_token_ids))
-            sys.stdout.flush()
     sys.stdout.write(detok.flush() + "\n")
     steps = (getattr(last, "latent_stats", None) or {}).get("steps") or 0
-    if not n_answer and last is not None and last.finish_reason == "length" and steps:
+    if not out_ids and last is not None and last.finish_reason == "length" and steps:
         print(f"latentserve: note: the latent phase ({steps} steps) used the whole --max-tokens "
               "budget and no answer token was left; raise --max-tokens, or cap the thinking "
               "with --max-latent N (or --thinking off)", file=sys.stderr)

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 from latentserve.detokenizer import IncrementalDetokenizer
 from latentserve.models.checkpoint import NoTokenizer
 from latentserve.outputs import CompletionOutput, Logprob, RequestOutput, StepOutput, TokenLogprob
@@ -10,26 +13,17 @@ from latentserve.sampling_params import SamplingParams
 from latentserve.server.latent_trace import with_texts
 
 
-class TokenStrings:
-    """``token_id -> tokenizer.decode([token_id])``, cached (None without a tokenizer)."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer = None if isinstance(tokenizer, NoTokenizer) else tokenizer
-        self._cache: dict[int, str | None] = {}
-
-    def __call__(self, token_id: int) -> str | None:
-        if token_id not in self._cache:
-            self._cache[token_id] = (None if self._tokenizer is None
-                                     else self._tokenizer.decode([token_id]))
-        return self._cache[token_id]
-
-    text = __call__  # as server.latent_trace.with_texts reads it
+def token_strings(tokenizer) -> SimpleNamespace:
+    """``.text(token_id)``: ``tokenizer.decode([token_id])``, cached (None without a tokenizer),
+    as ``server.latent_trace.with_texts`` reads it."""
+    decode = None if isinstance(tokenizer, NoTokenizer) else tokenizer.decode
+    return SimpleNamespace(text=functools.cache(lambda t: None if decode is None else decode([t])))
 
 
-def logprob_dict(lp: TokenLogprob, strings: TokenStrings) -> dict[int, Logprob]:
+def logprob_dict(lp: TokenLogprob, strings: SimpleNamespace) -> dict[int, Logprob]:
     """One position's ``{token_id: Logprob}``: the sampled token, then the top k (ranks 1..k)."""
-    return {lp.token_id: Logprob(lp.logprob, lp.rank, strings(lp.token_id)),
-            **{t: Logprob(v, rank, strings(t)) for rank, (t, v) in enumerate(lp.top, start=1)}}
+    return {lp.token_id: Logprob(lp.logprob, lp.rank, strings.text(lp.token_id)), **{
+        t: Logprob(v, rank, strings.text(t)) for rank, (t, v) in enumerate(lp.top, start=1)}}
 
 
 class CompletionBuilder:
@@ -38,7 +32,7 @@ class CompletionBuilder:
     ``NoTokenizerError`` for stop strings without a tokenizer."""
 
     def __init__(self, result: RequestOutput, index: int, params: SamplingParams, tokenizer,
-                 strings: TokenStrings, eos_ids) -> None:
+                 strings: SimpleNamespace, eos_ids) -> None:
         self.result, self.index, self.params = result, index, params
         self.strings, self.eos_ids = strings, eos_ids
         self.detok = IncrementalDetokenizer(tokenizer, result.prompt_token_ids, params.stop,

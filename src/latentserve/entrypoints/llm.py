@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from latentserve.config import EngineConfig
-from latentserve.entrypoints.completion import CompletionBuilder, TokenStrings
+from latentserve.entrypoints.completion import CompletionBuilder, token_strings
 from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizerError
 from latentserve.outputs import RequestOutput
 from latentserve.sampling_params import SamplingParams
@@ -19,19 +19,6 @@ from latentserve.server.prompts import chat_conversation, chat_tools, render_cha
 from latentserve.server.protocol import ChatMessage, ChatTool
 
 PromptType = str | list[int] | dict
-
-
-def _refuse_unknown(engine_options: dict) -> None:
-    """TypeError naming ``LLM``, each option that is no ``EngineConfig`` field and its close
-    matches (``LLM(max_num_seq=4)``: did you mean max_num_seqs?)."""
-    known = [f.name for f in dataclasses.fields(EngineConfig) if f.init]
-    unknown = [name for name in engine_options if name not in known]
-    if not unknown:
-        return
-    hints = [f"{name} (did you mean {', '.join(close)}?)" if close else name
-             for name in unknown for close in [difflib.get_close_matches(name, known)]]
-    raise TypeError(f"LLM got unknown engine option(s) {', '.join(hints)}; the options are "
-                    f"EngineConfig's fields (latentserve serve --help lists them as flags)")
 
 
 class LLM:
@@ -48,7 +35,13 @@ class LLM:
 
             logging.getLogger(__name__).warning(
                 "trust_remote_code is ignored: latentserve runs no code from checkpoints")
-        _refuse_unknown(engine_options)
+        known = [f.name for f in dataclasses.fields(EngineConfig) if f.init]
+        if unknown := [name for name in engine_options if name not in known]:
+            hints = [f"{name} (did you mean {', '.join(close)}?)" if close else name
+                     for name in unknown for close in [difflib.get_close_matches(name, known)]]
+            raise TypeError(f"LLM got unknown engine option(s) {', '.join(hints)}; the options "
+                            "are EngineConfig's fields (latentserve serve --help lists them as "
+                            "flags)")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
@@ -77,7 +70,7 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling_params; pass one or one per prompt")
         encoded = [self._encode(p) for p in prompts]
-        strings = TokenStrings(self.tokenizer)
+        strings = token_strings(self.tokenizer)
         results: list[RequestOutput] = []
         running: dict[str, CompletionBuilder] = {}
         try:
@@ -98,8 +91,10 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 self.engine.step()
             raise
-        bar = _progress(len(results), use_tqdm)
-        left = {r.request_id: len(r.outputs) for r in results}
+        if use_tqdm and not callable(use_tqdm) and len(results) > 1:
+            from tqdm.auto import tqdm as use_tqdm
+        bar = use_tqdm(total=len(results), desc="Processed prompts", unit="prompt") \
+            if callable(use_tqdm) else None
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 builder = running.get(out.rid)
@@ -107,12 +102,12 @@ class LLM:
                     continue
                 if builder.add(out):  # a stop string ended it
                     self.engine.abort_request(out.rid)
-                if builder.finished:
-                    left[builder.result.request_id] -= 1
-                    if not left[builder.result.request_id]:
-                        builder.result.finished = True
-                        if bar is not None:
-                            bar.update(1)
+                result = builder.result
+                if builder.finished and all(running[f"{i}_{result.request_id}"].finished
+                                            for i in range(len(result.outputs))):
+                    result.finished = True
+                    if bar is not None:
+                        bar.update(1)
         if bar is not None:
             bar.close()
         return results
@@ -132,10 +127,10 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         sampling_params = self._params_list(sampling_params, len(convs))
         from_kwargs = template_thinking(chat_template_kwargs)
+        if convs and isinstance(self.tokenizer, NoTokenizer):
+            raise NoTokenizerError(NO_TOKENIZER)
         prompts = []
         for i, c in enumerate(convs):
-            if isinstance(self.tokenizer, NoTokenizer):
-                raise NoTokenizerError(NO_TOKENIZER)
             kwargs = dict(chat_template_kwargs or {})
             p = sampling_params[i] if i < len(sampling_params) else None
             if p is not None and p.thinking is None and from_kwargs is not None:
@@ -195,10 +190,3 @@ def _children(params: SamplingParams) -> list[SamplingParams]:
                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             for i in range(params.n)]
 
-
-def _progress(total: int, use_tqdm):
-    if not callable(use_tqdm):
-        if not use_tqdm or total <= 1:
-            return None
-        from tqdm.auto import tqdm as use_tqdm
-    return use_tqdm(total=total, desc="Processed prompts", unit="prompt")

@@ -10,10 +10,6 @@ from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
 VOCAB = 49152
 
 
-def _tokenizer():
-    return load_tokenizer(resolve_model_dir(None))
-
-
 def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, word_tokenizer: bool = False,
               **overrides) -> Path:
     """Write a tiny random checkpoint of ``kind`` into ``out_dir`` and return the path.
@@ -50,7 +46,7 @@ def save_tiny(out_dir: str | Path, kind: str, seed: int = 0, word_tokenizer: boo
     if word_tokenizer:
         save_word_tokenizer(out, cfg.vocab_size)
     else:
-        _tokenizer().save_pretrained(out)
+        load_tokenizer(resolve_model_dir(None)).save_pretrained(out)
     return out
 
 
