@@ -58,14 +58,23 @@ def _find(ids: list[int], seq: list[int], lo: int) -> int | None:
                 None)
 
 
+def _last(ids: list[int], seq: list[int]) -> int:
+    """Index of the last ``seq`` in ``ids``, or -1."""
+    n = len(seq)
+    return next((i for i in range(len(ids) - n, -1, -1) if ids[i:i + n] == seq), -1)
+
+
 class ThinkBudget:
     """``thinking_token_budget`` (vLLM's): at most ``budget`` tokens of reasoning, counted from
-    the end of ``start`` ids in the answer (``start`` None: from the answer's first token),
-    then the ``end`` ids are forced one by one; nothing once ``end`` has appeared."""
+    the end of ``start`` ids in the answer (``start`` None, or a ``prompt`` whose last ``start``
+    is not closed by ``end``: from the answer's first token), then the ``end`` ids are forced
+    one by one; nothing once ``end`` has appeared."""
 
-    def __init__(self, budget: int, start: list[int] | None, end: list[int]):
+    def __init__(self, budget: int, start: list[int] | None, end: list[int],
+                 prompt: list[int] = ()):
         self.budget, self.start, self.end = budget, start, end
-        self.begin: int | None = None if start else 0  # where the reasoning's tokens start
+        opened = start is None or _last(list(prompt), start) > _last(list(prompt), end)
+        self.begin: int | None = 0 if opened else None  # where the reasoning's tokens start
         self.ended = False
         self.seen = 0  # answer tokens searched so far
 

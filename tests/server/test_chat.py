@@ -178,7 +178,9 @@ def test_head_controls_without_a_head_are_400s_naming_them(http, model, path, bo
     assert r.status_code == 400, r.text
     assert param in r.text and "compression head" in r.text
     if path == "/v1/messages" and "thinking" in body:  # the way off in Anthropic's form
-        assert 'send thinking: {"type": "disabled"}' in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert 'send thinking: {"type": "disabled"}' in message
+        assert "or <think> text under --reasoning-parser" in message  # the other ways on
 
 
 @pytest.mark.parametrize("path,body,headers", [

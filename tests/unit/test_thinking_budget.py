@@ -35,6 +35,15 @@ def test_the_end_ids_are_forced_once_the_budget_is_spent():
     assert _forced_each_step(0, [5, 6], [5, 6])[-1] == 7
 
 
+def test_a_prompt_that_leaves_think_open_counts_from_the_answer_start():
+    """vLLM's rule: an unclosed start in the prompt (a template or an assistant prefill that
+    opens ``<think>``) makes the whole answer reasoning; a closed one does not."""
+    opened = ThinkBudget(1, [5], END, prompt=[3, 5, 4])
+    assert [opened.forced([2] * n) for n in range(3)] == [None, 7, 8]
+    closed = ThinkBudget(1, [5], END, prompt=[5, 4, 7, 8, 9, 3])
+    assert [closed.forced([2] * n) for n in range(3)] == [None, None, None]
+
+
 def test_incremental_search_finds_what_a_fresh_search_finds():
     """Start and end ids split across steps are found as a search from scratch finds them."""
     rng = random.Random(0)
@@ -91,6 +100,25 @@ def test_explicit_reasoning_is_capped_only_after_think(tiny_dirs):
     out = _outputs(engine, [SamplingParams(**base),
                             SamplingParams(**base, thinking_token_budget=0)])
     assert out["r0"] == out["r1"]
+
+
+def test_think_opened_by_the_prompt_is_capped_and_a_grammar_is_refused(tiny_dirs):
+    """qwen3 with ``<think>`` at the prompt's end: the answer is reasoning from its first
+    token. A grammar would refuse the forced ``</think>``: the pair is a ValueError."""
+    engine = _engine(tiny_dirs["llama"], reasoning_parser="qwen3")
+    start, end = (engine.tokenizer.encode(t, add_special_tokens=False)
+                  for t in ("<think>", "</think>"))
+    engine.add_request("r", [1, 60] + start, SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, thinking_token_budget=2))
+    out = []
+    while engine.has_unfinished_requests():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    assert out[2:2 + len(end)] == end
+    with pytest.raises(ValueError, match="^thinking_token_budget cannot be combined with "
+                                         "structured outputs"):
+        engine.add_request("g", [1, 2], SamplingParams(
+            thinking_token_budget=2, structured_outputs={"choice": ["a", "b"]}))
+    engine.cache.check_idle()
 
 
 def test_a_plain_model_without_a_reasoning_parser_refuses_it(tiny_dirs):

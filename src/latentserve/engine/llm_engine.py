@@ -247,12 +247,12 @@ class LLMEngine:
                              "tensor_parallel_size > 1")
         req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals,
                   eos_from=getattr(spec, "upstream_eos_from", 0) if upstream else 0,
-                  constraint=self._constraint(params))
+                  constraint=self._constraint(params, prompt_token_ids))
         if admission.start is not None:
             admission.start(req)
         return req
 
-    def _constraint(self, params: SamplingParams):
+    def _constraint(self, params: SamplingParams, prompt: list[int]):
         """The request's ``token_masks.RequestMask`` (grammar compiled here) or None (nothing
         masks it); ValueError naming the field for a bad id, word or grammar."""
         parser = self.config.reasoning_parser
@@ -277,7 +277,12 @@ class LLMEngine:
         if parser and budget is not None:
             ids = [self.tokenizer.encode(t, add_special_tokens=False)
                    for t in (THINK_START, THINK_END)]
-            think = ThinkBudget(budget, None if REASONING_PARSERS[parser] else ids[0], ids[1])
+            think = ThinkBudget(budget, None if REASONING_PARSERS[parser] else ids[0], ids[1],
+                                prompt)
+            if matcher is not None:
+                raise ValueError("thinking_token_budget cannot be combined with structured "
+                                 "outputs: the grammar covers the whole output, the <think> "
+                                 "reasoning included, and refuses the forced </think>")
         return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
                            words, matcher, think)
 

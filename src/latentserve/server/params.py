@@ -212,11 +212,13 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
         elif name in ("compression_factor", "latent_temperature"):
             why = "needs a CoLaR model (a directory with colar_config.json); leave it out"
         else:  # how to turn thinking off, in the route's own form for a body field
+            messages = route_of(type(body)) == "/v1/messages"
             off = (f"{HEAD_HEADERS['thinking'][0]}: false" if sent != name else "thinking: "
-                   + ('{"type": "disabled"}' if route_of(type(body)) == "/v1/messages"
-                      else "false"))
-            why = (f"needs a model with a compression head; this model has none (send {off} "
-                   "or leave it out)")
+                   + ('{"type": "disabled"}' if messages else "false"))
+            also = (" (or latent steps, or <think> text under --reasoning-parser)"
+                    if messages and sent == "thinking" else "")
+            why = (f"needs a model with a compression head{also}; this model has none (send "
+                   f"{off} or leave it out)")
         raise APIError(f"{'header ' if sent != name else ''}{sent} {why}", param=sent)
     c = controls.get("compression_factor")
     if c is not None and "compression_factor" in taken and \
