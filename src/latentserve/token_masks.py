@@ -120,7 +120,12 @@ class RequestMask:
     def static(self) -> bool:
         """Whether the mask depends only on the answer's length, not its tokens: the overlap
         scheduler builds it without waiting for the previous batch's tokens."""
-        return self.matcher is None and not self.bad_words and self.think is None
+        return self.matcher is None and not self.bad_words and not self.thinking
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the thinking budget may still force ``</think>`` (not once it appeared)."""
+        return self.think is not None and not self.think.ended
 
     @property
     def grammar_on(self) -> bool:
@@ -152,7 +157,7 @@ class RequestMask:
     def restricts(self, n: int) -> bool:
         """Whether :meth:`restrict` changes a row at answer length ``n``."""
         return (self.allowed is not None or bool(self.bad_words) or n < self.min_tokens
-                or self.think is not None)
+                or self.thinking)
 
     def restrict(self, row: np.ndarray, ids: list[int], stop: int, grammar: bool,
                  start: int = 0, patch: tuple[int, int] | None = None) -> None:
@@ -172,7 +177,7 @@ class RequestMask:
                          if len(w) <= n + 1 and (len(w) == 1 or tail[-(len(w) - 1):] == w[:-1])])
         if n < self.min_tokens:
             _clear(row, self.stop_ids)
-        if self.think is not None:
+        if self.thinking:
             answer = ids[start:stop]
             if patch is not None and start <= patch[0] < stop:
                 answer[patch[0] - start] = patch[1]

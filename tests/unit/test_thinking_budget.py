@@ -5,6 +5,7 @@ ThinkBudget``); on a latent model without one it caps the latent positions."""
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from latentserve.sampling_params import SamplingParams
@@ -51,6 +52,18 @@ def test_incremental_search_finds_what_a_fresh_search_finds():
         answer = [rng.choice([5, 6, 7, 8, 9, 1]) for _ in range(rng.randint(0, 14))]
         budget, start = rng.randint(0, 6), rng.choice([None, [5], [5, 6]])
         assert _forced_each_step(budget, start, answer) == _forced_fresh(budget, start, answer)
+
+
+def test_a_closed_reasoning_leaves_the_mask_static():
+    """Once ``</think>`` is in the answer nothing can be forced: the overlap scheduler no
+    longer waits for the previous tokens, and no row is restricted."""
+    from latentserve.token_masks import RequestMask
+
+    mask = RequestMask(SamplingParams(), 100, set(), think=ThinkBudget(5, None, END))
+    assert not mask.static and mask.restricts(0)
+    row = np.full(4, -1, dtype=np.int32)
+    mask.restrict(row, [1, 7, 8, 9], 4, False)
+    assert mask.static and not mask.restricts(4) and (row == -1).all()
 
 
 def test_the_field_is_a_non_negative_integer():

@@ -305,7 +305,7 @@ def resolve_settings(params, defaults: dict, mode: str, has_stop: bool) -> HeadS
 
     cap = next((v for v in (params.max_latent, params.latent_budget) if v is not None),
                defaults["max_latent"])
-    if getattr(params, "thinking_token_budget", None) is not None:
+    if params.thinking_token_budget is not None:
         cap = min(cap, params.thinking_token_budget)  # one latent position a step
     thinking = params.thinking if params.thinking is not None else params.latent_budget != 0
     return HeadSettings(thinking=bool(thinking), mode=mode, max_latent=int(cap),
