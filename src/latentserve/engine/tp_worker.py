@@ -44,11 +44,11 @@ class RunnerSetup:
 
 @dataclass(slots=True)
 class StepHeader:
-    """One batch as the workers need it (``reqs`` with their latent entries unset); latent
-    vectors ``[num_latent, hidden]`` and (overlap) ``pending`` tokens follow on the device
-    group."""
+    """One batch as the workers need it: per request ``(row, start, n, ids_chunk, prompt_len,
+    latent_start, latent_len, latent_positions, latent_budget, exit_rule)``; latent vectors
+    ``[num_latent, hidden]`` and (overlap) ``pending`` tokens follow on the device group."""
 
-    reqs: list[_ShadowReq]
+    reqs: list[tuple]
     sample: list[bool]
     max_kv_len: int
     num_latent: int
@@ -57,10 +57,14 @@ class StepHeader:
     num_prev_tokens: int
 
 
+# Rank 0 scores prompt logprobs and keeps the latent trace; workers do neither.
+_NO_PROMPT_LOGPROBS = type("_ShadowParams", (), {"prompt_logprobs": None,
+                                                 "return_latent_trace": False})()
+
+
 @dataclass(slots=True)
 class _ShadowReq:
-    """The fields of a ``Req`` that ``ModelRunner.run`` and ``RecurrentBatch`` read;
-    ``span``: the positions of this step's chunk that take a latent vector."""
+    """The fields of a ``Req`` that ``ModelRunner.run`` and ``RecurrentBatch`` read."""
 
     row: int
     start: int  # of this step's chunk: the only ids a worker knows
@@ -72,9 +76,8 @@ class _ShadowReq:
     # what RecurrentBatch reads of a recurrent request's state: its exit_rule, and iters,
     # which collects what rank 0 records too (unused here)
     state: SimpleNamespace
-    span: range
-    # Rank 0 scores prompt logprobs and keeps the latent trace; workers do neither.
-    params = SimpleNamespace(prompt_logprobs=None, return_latent_trace=False)
+    # The engine refuses prompt logprobs under tensor parallelism (rank 0 scores them).
+    params: Any = dataclasses.field(default_factory=lambda: _NO_PROMPT_LOGPROBS)
 
     def ids_slice(self, start: int, stop: int) -> list[int]:
         return self.chunk[start - self.start : stop - self.start]
@@ -104,7 +107,7 @@ class TPModelRunner(ModelRunner):
         tokens; what may raise runs before the first send."""
         import torch.distributed as dist
 
-        reqs: list[_ShadowReq] = []
+        reqs: list = []
         vecs: list = []
         src_of = None if pending is None else pending[1]
         rows_of = [pending_row(r, s, n, src_of) for r, s, n
@@ -114,11 +117,9 @@ class TPModelRunner(ModelRunner):
             lo = max(start, req.latent_start)
             span = range(lo, max(lo, min(start + n, req.latent_start + len(req.latent_embeds))))
             vecs.extend(req.latent_embeds[p - req.latent_start] for p in span)
-            state = SimpleNamespace(exit_rule=getattr(req.state, "exit_rule", None), iters=[])
-            reqs.append(_ShadowReq(req.row, start, req.ids_slice(start, start + n),
-                                   range(len(req.prompt_ids)), req.latent_start,
-                                   [None] * len(req.latent_embeds), int(req.latent_budget),
-                                   state, span))
+            reqs.append((req.row, start, n, req.ids_slice(start, start + n), len(req.prompt_ids),
+                         req.latent_start, len(req.latent_embeds), list(span),
+                         int(req.latent_budget), getattr(req.state, "exit_rule", None)))
         max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
         rows = torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=self.device)
         # (tensor, row) entries (latent/vectors.py), as one [num_latent, hidden]
@@ -142,16 +143,16 @@ class TPModelRunner(ModelRunner):
             if header is None:
                 return
             reqs, pending = self._receive_batch(header)
-            self.run(ScheduledBatch(reqs, [r.start for r in reqs],  # type: ignore[arg-type]
-                                    [len(r.chunk) for r in reqs], header.sample), pending)
+            self.run(ScheduledBatch(reqs, [r[1] for r in header.reqs],  # type: ignore[arg-type]
+                                    [r[2] for r in header.reqs], header.sample), pending)
 
     def _receive_batch(self, header: StepHeader) -> tuple[list[_ShadowReq], tuple | None]:
         """The batch's ``_ShadowReq`` and its ``pending`` argument of ``ModelRunner.run``
         (rank 0's pending ids, as rows of the tokens it broadcast; None when none)."""
         import torch.distributed as dist
 
-        dev, reqs = self.device, header.reqs
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev)
+        dev = self.device
+        rows = torch.tensor([r[0] for r in header.reqs], dtype=torch.int64, device=dev)
         block = torch.empty(len(rows), header.max_kv_len, dtype=self.table.table.dtype,
                             device=dev)
         dist.broadcast(block, src=0, group=self.tp.device_group)
@@ -162,16 +163,20 @@ class TPModelRunner(ModelRunner):
             vecs = torch.empty(header.num_latent, hidden,
                                dtype=getattr(torch, header.latent_dtype), device=dev)
             dist.broadcast(vecs, src=0, group=self.tp.device_group)
-        k = 0
-        for r in reqs:
-            for p in r.span:
-                r.latent_embeds[p - r.latent_start] = (vecs, k)  # a (tensor, row), as on rank 0
+        out, k = [], 0
+        for (row, start, _n, ids, prompt_len, lat_start, lat_len, span, budget,
+             rule) in header.reqs:
+            embeds: list = [None] * lat_len
+            for p in span:
+                embeds[p - lat_start] = (vecs, k)  # a (tensor, row) entry, as on rank 0
                 k += 1
+            out.append(_ShadowReq(row, start, ids, range(prompt_len), lat_start,
+                                  embeds, budget, SimpleNamespace(exit_rule=rule, iters=[])))
         if not header.num_prev_tokens:
-            return reqs, None
+            return out, None
         tokens = torch.empty(header.num_prev_tokens, dtype=torch.int64, device=dev)
         dist.broadcast(tokens, src=0, group=self.tp.device_group)
-        return reqs, (tokens, {id(r): j for r, j in zip(reqs, header.pending) if j >= 0})
+        return out, (tokens, {id(r): j for r, j in zip(out, header.pending) if j >= 0})
 
 
 def load_served_model(config: EngineConfig, model_dir, device: str, tp=None) -> tuple:
