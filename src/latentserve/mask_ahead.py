@@ -51,7 +51,7 @@ class MasksAhead:
             if (c is None or not c.grammar_on or req.answer_start is None
                     or req.status is ReqStatus.FINISHED):
                 continue
-            base = req.answer_start + c.consumed
+            base = req.answer_start + c.grammar_from + c.consumed
             tail = req.output_ids[base:]  # a copy: the engine's thread changes output_ids
             work.append((req, tail, idx - base if idx is not None and idx >= base else None, j))
         if not work:

@@ -65,38 +65,47 @@ def _last(ids: list[int], seq: list[int]) -> int:
 
 
 class ThinkBudget:
-    """``thinking_token_budget`` (vLLM's): at most ``budget`` tokens of reasoning, counted from
-    the end of ``start`` ids in the answer (``start`` None, or a ``prompt`` whose last ``start``
-    is not closed by ``end``: from the answer's first token), then the ``end`` ids are forced
-    one by one; nothing once ``end`` has appeared."""
+    """Where the ``<think>`` reasoning of an answer ends, and ``thinking_token_budget``
+    (vLLM's): at most ``budget`` tokens of reasoning (None: no cap), counted from the end of
+    ``start`` ids in the answer (``start`` None, or a ``prompt`` whose last ``start`` is not
+    closed by ``end``: from the answer's first token), then the ``end`` ids are forced one by
+    one; nothing once ``end`` has appeared."""
 
-    def __init__(self, budget: int, start: list[int] | None, end: list[int],
+    def __init__(self, budget: int | None, start: list[int] | None, end: list[int],
                  prompt: list[int] = ()):
         self.budget, self.start, self.end = budget, start, end
         opened = start is None or _last(list(prompt), start) > _last(list(prompt), end)
         self.begin: int | None = 0 if opened else None  # where the reasoning's tokens start
-        self.ended = False
+        self.after: int | None = None  # the answer index after its end ids, once they appear
         self.seen = 0  # answer tokens searched so far
 
-    def forced(self, answer: list[int]) -> int | None:
-        """The id the next answer token must be, or None. ``answer``: the tokens so far (it
-        only grows between calls)."""
+    @property
+    def ended(self) -> bool:
+        return self.after is not None
+
+    def update(self, answer: list[int]) -> None:
+        """Search the answer tokens not seen yet (``answer`` only grows between calls)."""
         if self.begin is None:
             self.begin = _find(answer, self.start, self.seen - len(self.start) + 1)
-        if self.begin is not None and not self.ended:
-            self.ended = _find(answer, self.end,
-                               max(self.begin, self.seen - len(self.end) + 1)) is not None
+        if self.begin is not None and self.after is None:
+            self.after = _find(answer, self.end, max(self.begin, self.seen - len(self.end) + 1))
         self.seen = len(answer)
-        if self.begin is None or self.ended:
+
+    def forced(self, answer: list[int]) -> int | None:
+        """The id the next answer token must be, or None (``answer`` as for :meth:`update`)."""
+        self.update(answer)
+        if self.budget is None or self.begin is None or self.ended:
             return None
-        over = len(answer) - self.begin - self.budget  # end ids forced so far
+        over = self.seen - self.begin - self.budget  # end ids forced so far
         return self.end[over] if 0 <= over < len(self.end) else None
 
 
 class RequestMask:
     """What one request allows at its next sampled token. ``stop_ids``: what ``min_tokens``
     masks (EOS and ``stop_token_ids``); ``matcher``: an xgrammar ``GrammarMatcher`` or None;
-    ``think``: a :class:`ThinkBudget` or None. ``consumed``: answer tokens fed to the matcher;
+    ``think``: a :class:`ThinkBudget` or None; when it has the reasoning open at the answer's
+    start, the grammar starts after the reasoning (vLLM's rule). ``consumed``: answer tokens
+    fed to the matcher;
     ``failed``: it refused one (the grammar is dropped, logged); ``terminated``: it accepted
     its end."""
 
@@ -112,6 +121,7 @@ class RequestMask:
         self.bad_words = bad_words or []
         self.matcher = matcher
         self.think = think
+        self._after_think = matcher is not None and think is not None and think.begin == 0
         self.consumed = 0
         self.failed = False
         self.terminated = False
@@ -125,12 +135,24 @@ class RequestMask:
     @property
     def thinking(self) -> bool:
         """Whether the thinking budget may still force ``</think>`` (not once it appeared)."""
-        return self.think is not None and not self.think.ended
+        return self.think is not None and self.think.budget is not None and not self.think.ended
+
+    @property
+    def grammar_from(self) -> int | None:
+        """The answer index of the grammar's first token (None: the reasoning goes on)."""
+        return self.think.after if self._after_think else 0
 
     @property
     def grammar_on(self) -> bool:
         """Whether the grammar masks the next token."""
-        return self.matcher is not None and not self.failed and not self.terminated
+        return (self.matcher is not None and not self.failed and not self.terminated
+                and self.grammar_from is not None)
+
+    def watch(self, ids: list[int], start: int, patch: tuple[int, int] | None) -> None:
+        """Find the reasoning's end in the answer ``ids[start:]`` while the grammar waits for
+        it (``patch``: see :meth:`sync`)."""
+        if self._after_think and not self.think.ended:
+            self.think.update(_patched(ids, start, len(ids), patch))
 
     def sync(self, ids: list[int], start: int = 0, stop: int | None = None,
              patch: tuple[int, int] | None = None) -> None:
@@ -138,7 +160,9 @@ class RequestMask:
         (``stop`` None: to the end); ``patch``: ``(index, token)``, ``ids[index]`` being a
         pending id whose token is known (overlap mode). O(new tokens)."""
         stop = len(ids) if stop is None else stop
-        i = start + self.consumed
+        if not self.grammar_on:
+            return
+        i = start + self.grammar_from + self.consumed
         while i < stop and self.grammar_on:
             t = patch[1] if patch is not None and i == patch[0] else ids[i]
             self.took(t, self.matcher.accept_token(t))
@@ -177,14 +201,19 @@ class RequestMask:
                          if len(w) <= n + 1 and (len(w) == 1 or tail[-(len(w) - 1):] == w[:-1])])
         if n < self.min_tokens:
             _clear(row, self.stop_ids)
-        if self.thinking:
-            answer = ids[start:stop]
-            if patch is not None and start <= patch[0] < stop:
-                answer[patch[0] - start] = patch[1]
-            if (t := self.think.forced(answer)) is not None:
-                row[:] = ids_bitmask([t], len(row) * 32)
+        if self.thinking and (t := self.think.forced(_patched(ids, start, stop, patch))
+                              ) is not None:
+            row[:] = ids_bitmask([t], len(row) * 32)
         if own is not None and not row.any():
             row[:] = own  # the grammar wins over min_tokens and the rest
+
+
+def _patched(ids: list[int], start: int, stop: int, patch: tuple[int, int] | None) -> list[int]:
+    """A copy of ``ids[start:stop]`` with ``patch`` (see :meth:`RequestMask.sync`) applied."""
+    answer = ids[start:stop]
+    if patch is not None and start <= patch[0] < stop:
+        answer[patch[0] - start] = patch[1]
+    return answer
 
 
 def accept_each(masks: list[RequestMask], tokens: list[int]) -> None:
@@ -248,9 +277,10 @@ def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
     for i, b in enumerate(rows):
         r = reqs[b]
         c = r.constraint
-        if c.grammar_on and r.answer_start is not None:
-            c.sync(r.output_ids, r.answer_start, None,
-                   None if known is None else known.get(id(r)))
+        if c.matcher is not None and r.answer_start is not None:
+            patch = None if known is None else known.get(id(r))
+            c.watch(r.output_ids, r.answer_start, patch)
+            c.sync(r.output_ids, r.answer_start, None, patch)
         pre = None if ahead is None else ahead.rows.get(id(r))
         if not c.grammar_on:
             others.append(i)

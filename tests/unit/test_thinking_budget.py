@@ -115,23 +115,43 @@ def test_explicit_reasoning_is_capped_only_after_think(tiny_dirs):
     assert out["r0"] == out["r1"]
 
 
-def test_think_opened_by_the_prompt_is_capped_and_a_grammar_is_refused(tiny_dirs):
+def test_think_opened_by_the_prompt_is_capped(tiny_dirs):
     """qwen3 with ``<think>`` at the prompt's end: the answer is reasoning from its first
-    token. A grammar would refuse the forced ``</think>``: the pair is a ValueError."""
+    token."""
     engine = _engine(tiny_dirs["llama"], reasoning_parser="qwen3")
-    start, end = (engine.tokenizer.encode(t, add_special_tokens=False)
-                  for t in ("<think>", "</think>"))
+    end = engine.tokenizer.encode("</think>", add_special_tokens=False)
+    start = engine.tokenizer.encode("<think>", add_special_tokens=False)
     engine.add_request("r", [1, 60] + start, SamplingParams(
         max_tokens=8, temperature=0, ignore_eos=True, thinking_token_budget=2))
     out = []
     while engine.has_unfinished_requests():
         out += [t for o in engine.step() for t in o.new_token_ids]
     assert out[2:2 + len(end)] == end
-    with pytest.raises(ValueError, match="^thinking_token_budget cannot be combined with "
-                                         "structured outputs"):
-        engine.add_request("g", [1, 2], SamplingParams(
-            thinking_token_budget=2, structured_outputs={"choice": ["a", "b"]}))
     engine.cache.check_idle()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_starts_after_the_reasoning(tiny_dirs, overlap):
+    """vLLM's rule: with a reasoning parser, structured outputs constrain what follows
+    ``</think>`` when the reasoning is open at the answer's start (deepseek_r1; qwen3 with
+    ``<think>`` left open by the prompt). The budget ends the reasoning after 2 tokens, the
+    same 2 as a free run's; then the grammar's choice. Under qwen3 with no open ``<think>``
+    the grammar covers the whole answer."""
+    tok = None
+    outs = {}
+    for parser in ("deepseek_r1", "qwen3"):
+        engine = _engine(tiny_dirs["llama"], reasoning_parser=parser, overlap_schedule=overlap)
+        tok = engine.tokenizer
+        base = {"max_tokens": 16, "temperature": 0}
+        outs[parser] = _outputs(engine, [
+            SamplingParams(**base, ignore_eos=True),
+            SamplingParams(**base, thinking_token_budget=2,
+                           structured_outputs={"choice": ["yes", "no"]})])
+    end = tok.encode("</think>", add_special_tokens=False)
+    free, cut = outs["deepseek_r1"]["r0"], outs["deepseek_r1"]["r1"]
+    assert cut[:2] == free[:2] and cut[2:2 + len(end)] == end
+    assert tok.decode(cut[2 + len(end):], skip_special_tokens=True) in ("yes", "no")
+    assert tok.decode(outs["qwen3"]["r1"], skip_special_tokens=True) in ("yes", "no")
 
 
 def test_a_plain_model_without_a_reasoning_parser_refuses_it(tiny_dirs):

@@ -260,10 +260,6 @@ class LLMEngine:
         if not params.has_token_mask and budget is None:
             return None
         so = params.structured_outputs
-        if budget is not None and so is not None:
-            raise ValueError("thinking_token_budget cannot be combined with structured outputs: "
-                             "the grammar covers the whole output, the <think> reasoning "
-                             "included, and refuses the forced </think>")
         for name, used in (("bad_words", bool(params.bad_words)),
                            ("thinking_token_budget", budget is not None),
                            (so.param if so is not None else "", so is not None)):
@@ -278,7 +274,7 @@ class LLMEngine:
                 self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
             matcher = self.grammars.matcher(so)
         think = None
-        if parser and budget is not None:
+        if parser and (budget is not None or so is not None):  # so: starts after </think>
             ids = [self.tokenizer.encode(t, add_special_tokens=False)
                    for t in (THINK_START, THINK_END)]
             think = ThinkBudget(budget, None if REASONING_PARSERS[parser] else ids[0], ids[1],
