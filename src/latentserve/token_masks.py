@@ -64,6 +64,24 @@ def _last(ids: list[int], seq: list[int]) -> int:
     return next((i for i in range(len(ids) - n, -1, -1) if ids[i:i + n] == seq), -1)
 
 
+def think_open(prompt: list[int], start: list[int], end: list[int]) -> bool:
+    """Whether ``prompt``'s last ``start`` ids are not closed by ``end`` ids after them (a
+    template or an assistant prefill left ``<think>`` open: the answer starts inside it)."""
+    return _last(list(prompt), start) > _last(list(prompt), end)
+
+
+def reasoning_open(tokenizer, parser: str | None, prompt: list[int]) -> bool:
+    """Whether the answer to ``prompt`` starts inside its reasoning under ``--reasoning-parser``
+    ``parser`` (None: False): always for ``deepseek_r1``; for ``qwen3`` when the prompt leaves
+    ``<think>`` open (:func:`think_open`, the ids as ``tokenizer`` encodes the tags)."""
+    if not parser:
+        return False
+    if REASONING_PARSERS[parser]:
+        return True
+    start, end = (tokenizer.encode(t, add_special_tokens=False) for t in (THINK_START, THINK_END))
+    return think_open(prompt, start, end)
+
+
 class ThinkBudget:
     """Where the ``<think>`` reasoning of an answer ends, and ``thinking_token_budget``
     (vLLM's): at most ``budget`` tokens of reasoning (None: no cap), counted from the end of
@@ -74,7 +92,7 @@ class ThinkBudget:
     def __init__(self, budget: int | None, start: list[int] | None, end: list[int],
                  prompt: list[int] = ()):
         self.budget, self.start, self.end = budget, start, end
-        opened = start is None or _last(list(prompt), start) > _last(list(prompt), end)
+        opened = start is None or think_open(prompt, start, end)
         self.begin: int | None = 0 if opened else None  # where the reasoning's tokens start
         self.after: int | None = None  # the answer index after its end ids, once they appear
         self.seen = 0  # answer tokens searched so far

@@ -145,3 +145,14 @@ def test_special_tags_make_the_request_keep_special_tokens():
     hermes = OutputParser(tool_parser="hermes", choice=ToolChoice("auto"))
     assert drops_tags(tok(True), hermes) and not drops_tags(tok(False), hermes)
     assert not drops_tags(tok(True), OutputParser(choice=ToolChoice("none")))
+
+
+@pytest.mark.parametrize("split", [parse_output, _streamed])
+def test_a_prompt_that_left_think_open_makes_the_answer_reasoning_under_qwen3(split):
+    """An assistant prefill or a template ending in ``<think>`` (``opened``, as
+    ``token_masks.reasoning_open`` finds it): the answer is reasoning up to ``</think>``, as
+    the engine reads it when a grammar waits for the reasoning's end."""
+    got = split(OutputParser(reasoning_parser="qwen3", opened=True), 'hmm</think>{"a": 0}')
+    assert got[:2] == ("hmm", '{"a": 0}')
+    assert split(OutputParser(reasoning_parser="qwen3", opened=True),
+                 "<think>hmm</think>Yes.")[:2] == ("hmm", "Yes.")

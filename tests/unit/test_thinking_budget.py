@@ -45,6 +45,21 @@ def test_a_prompt_that_leaves_think_open_counts_from_the_answer_start():
     assert [closed.forced([2] * n) for n in range(3)] == [None, None, None]
 
 
+def test_reasoning_open_follows_the_parser_and_the_prompt():
+    """What the server's ``<think>`` split is told (the rule ThinkBudget applies): deepseek_r1
+    always opens the answer in its reasoning; qwen3 only after a prompt that left
+    ``<think>`` open; no parser, never."""
+    from latentserve.token_masks import reasoning_open
+
+    tok = SimpleNamespace(encode=lambda t, add_special_tokens: {"<think>": [5],
+                                                                "</think>": END}[t])
+    assert reasoning_open(tok, "deepseek_r1", [1, 2])
+    assert not reasoning_open(tok, None, [1, 5])
+    assert reasoning_open(tok, "qwen3", [1, 5, 2])
+    assert not reasoning_open(tok, "qwen3", [1, 5, 2, 7, 8, 9])
+    assert not reasoning_open(tok, "qwen3", [1, 2])
+
+
 def test_incremental_search_finds_what_a_fresh_search_finds():
     """Start and end ids split across steps are found as a search from scratch finds them."""
     rng = random.Random(0)

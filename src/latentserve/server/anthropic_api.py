@@ -47,6 +47,7 @@ from latentserve.server.serving import ENGINE_ERRORS, api_error, collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
 from latentserve.server.tools import ToolChoice
+from latentserve.token_masks import reasoning_open
 
 
 class AnthropicMessage(RequestModel):
@@ -146,10 +147,11 @@ class _Answer:
     choice: ToolChoice
     flag: bool | None
     latent_mode: str | None
+    opened: bool = False  # the prompt left <think> open (token_masks.reasoning_open)
 
     def parser(self, state: ServerState) -> OutputParser:
         return OutputParser(state.reasoning_parser, state.tool_parser, self.choice,
-                            self.flag is True, id_prefix="toolu_")
+                            self.flag is True, id_prefix="toolu_", opened=self.opened)
 
 
 async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, list[int]]:
@@ -169,9 +171,11 @@ async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, l
     conversation = _conversation(body)
     check_conversation_bytes(conversation, state.tokenizer, state.max_model_len)
     kwargs = None if flag is None else {"thinking": flag, "enable_thinking": flag}
-    return _Answer(tools, choice, flag, mode if flag else None), await in_pool(
+    ids = await in_pool(
         render_chat, state.tokenizer, conversation, tools=tool_dicts, template_kwargs=kwargs,
         continue_final_message=conversation[-1]["role"] == "assistant")
+    return _Answer(tools, choice, flag, mode if flag else None,
+                   reasoning_open(state.tokenizer, state.reasoning_parser, ids)), ids
 
 
 async def count_input_tokens(body: CountTokensRequest, request, state: ServerState) -> int:

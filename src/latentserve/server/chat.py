@@ -36,6 +36,7 @@ from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tools import ToolChoice, check_tools, resolve_tool_choice
+from latentserve.token_masks import reasoning_open
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request, state: ServerState):
@@ -65,7 +66,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         params = sampling_params(body, field, len(prompt_ids), state, logprobs, budget, head,
                                  stream_latent_steps=ticks)
         parser = functools.partial(OutputParser, state.reasoning_parser, state.tool_parser,
-                                   choice, body.include_reasoning is not False)
+                                   choice, body.include_reasoning is not False, opened=(
+                                       reasoning_open(state.tokenizer, state.reasoning_parser,
+                                                      prompt_ids)))
         params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
         rid, engine_rid = new_request_id(request, "chatcmpl")
         reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], n, field, state)

@@ -23,12 +23,14 @@ from latentserve.token_masks import REASONING_PARSERS, THINK_END, THINK_START
 
 class OutputParser:
     """Splits a choice's text: calls by the tool parser for ``auto``, the whole answer as a
-    ``named`` choice's arguments or a JSON array of calls for ``required``."""
+    ``named`` choice's arguments or a JSON array of calls for ``required``. ``opened``: the
+    prompt left ``<think>`` open (``token_masks.reasoning_open``), so an answer that does not
+    open with ``<think>`` is reasoning up to ``</think>`` under any reasoning parser."""
 
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
                  choice: ToolChoice | None = None, include_reasoning: bool = True,
-                 id_prefix: str = "call_"):
-        self.think = (ThinkParser(REASONING_PARSERS[reasoning_parser])
+                 id_prefix: str = "call_", opened: bool = False):
+        self.think = (ThinkParser(REASONING_PARSERS[reasoning_parser] or opened)
                       if reasoning_parser else None)
         choice = choice or ToolChoice("none")
         self.mode, self.name, self.single = choice.mode, choice.name, choice.single
