@@ -64,35 +64,39 @@ def _last(ids: list[int], seq: list[int]) -> int:
     return next((i for i in range(len(ids) - n, -1, -1) if ids[i:i + n] == seq), -1)
 
 
-def think_open(prompt: list[int], start: list[int], end: list[int]) -> bool:
-    """Whether ``prompt``'s last ``start`` ids are not closed by ``end`` ids after them (a
-    template or an assistant prefill left ``<think>`` open: the answer starts inside it)."""
-    return _last(list(prompt), start) > _last(list(prompt), end)
+def think_open(prompt: list[int], start: list[int] | None, end: list[int],
+               implicit: bool = False) -> bool:
+    """Whether an answer to ``prompt`` starts inside its reasoning (vLLM's
+    ``is_reasoning_end``, negated): the prompt's last tag is ``start`` (a template or an
+    assistant prefill left ``<think>`` open), or it has neither tag and ``implicit`` (an
+    output that does not open with ``<think>`` is reasoning). ``start`` None: not searched."""
+    s = -1 if start is None else _last(list(prompt), start)
+    e = _last(list(prompt), end)
+    return s > e or (implicit and s < 0 and e < 0)
 
 
 def reasoning_open(tokenizer, parser: str | None, prompt: list[int]) -> bool:
     """Whether the answer to ``prompt`` starts inside its reasoning under ``--reasoning-parser``
-    ``parser`` (None: False): always for ``deepseek_r1``; for ``qwen3`` when the prompt leaves
-    ``<think>`` open (:func:`think_open`, the ids as ``tokenizer`` encodes the tags)."""
+    ``parser`` (None: False): :func:`think_open` with the tags as ``tokenizer`` encodes them,
+    implicit for ``deepseek_r1``."""
     if not parser:
         return False
-    if REASONING_PARSERS[parser]:
-        return True
     start, end = (tokenizer.encode(t, add_special_tokens=False) for t in (THINK_START, THINK_END))
-    return think_open(prompt, start, end)
+    return think_open(prompt, start, end, REASONING_PARSERS[parser])
 
 
 class ThinkBudget:
     """Where the ``<think>`` reasoning of an answer ends, and ``thinking_token_budget``
     (vLLM's): at most ``budget`` tokens of reasoning (None: no cap), counted from the end of
-    ``start`` ids in the answer (``start`` None, or a ``prompt`` whose last ``start`` is not
-    closed by ``end``: from the answer's first token), then the ``end`` ids are forced one by
-    one; nothing once ``end`` has appeared."""
+    ``start`` ids in the answer, or from the answer's first token when it starts inside the
+    reasoning (:func:`think_open` of ``prompt``; ``implicit``, or ``start`` None: a prompt
+    with no tag counts), then the ``end`` ids are forced one by one; nothing once ``end`` has
+    appeared."""
 
     def __init__(self, budget: int | None, start: list[int] | None, end: list[int],
-                 prompt: list[int] = ()):
+                 prompt: list[int] = (), implicit: bool = False):
         self.budget, self.start, self.end = budget, start, end
-        opened = start is None or think_open(prompt, start, end)
+        opened = think_open(prompt, start, end, implicit or start is None)
         self.begin: int | None = 0 if opened else None  # where the reasoning's tokens start
         self.after: int | None = None  # the answer index after its end ids, once they appear
         self.seen = 0  # answer tokens searched so far
@@ -103,7 +107,7 @@ class ThinkBudget:
 
     def update(self, answer: list[int]) -> None:
         """Search the answer tokens not seen yet (``answer`` only grows between calls)."""
-        if self.begin is None:
+        if self.begin is None and self.start is not None:
             self.begin = _find(answer, self.start, self.seen - len(self.start) + 1)
         if self.begin is not None and self.after is None:
             self.after = _find(answer, self.end, max(self.begin, self.seen - len(self.end) + 1))

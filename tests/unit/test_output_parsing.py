@@ -148,7 +148,7 @@ def test_special_tags_make_the_request_keep_special_tokens():
 
 
 @pytest.mark.parametrize("split", [parse_output, _streamed])
-def test_a_prompt_that_left_think_open_makes_the_answer_reasoning_under_qwen3(split):
+def test_the_split_follows_where_the_prompt_left_the_reasoning(split):
     """An assistant prefill or a template ending in ``<think>`` (``opened``, as
     ``token_masks.reasoning_open`` finds it): the answer is reasoning up to ``</think>``, as
     the engine reads it when a grammar waits for the reasoning's end."""
@@ -156,3 +156,6 @@ def test_a_prompt_that_left_think_open_makes_the_answer_reasoning_under_qwen3(sp
     assert got[:2] == ("hmm", '{"a": 0}')
     assert split(OutputParser(reasoning_parser="qwen3", opened=True),
                  "<think>hmm</think>Yes.")[:2] == ("hmm", "Yes.")
+    # deepseek_r1 after a prompt that closed the reasoning: the answer is content
+    assert split(OutputParser(reasoning_parser="deepseek_r1", opened=False),
+                 "yes")[:2] == ("", "yes")

@@ -46,14 +46,16 @@ def test_a_prompt_that_leaves_think_open_counts_from_the_answer_start():
 
 
 def test_reasoning_open_follows_the_parser_and_the_prompt():
-    """What the server's ``<think>`` split is told (the rule ThinkBudget applies): deepseek_r1
-    always opens the answer in its reasoning; qwen3 only after a prompt that left
-    ``<think>`` open; no parser, never."""
+    """What the server's ``<think>`` split is told (the rule ThinkBudget applies, vLLM's
+    ``is_reasoning_end``): the prompt's last tag decides; with none, deepseek_r1 opens the
+    answer in its reasoning and qwen3 does not; no parser, never."""
     from latentserve.token_masks import reasoning_open
 
     tok = SimpleNamespace(encode=lambda t, add_special_tokens: {"<think>": [5],
                                                                 "</think>": END}[t])
     assert reasoning_open(tok, "deepseek_r1", [1, 2])
+    assert not reasoning_open(tok, "deepseek_r1", [1, 5, 7, 8, 9, 2])  # thinking closed
+    assert reasoning_open(tok, "deepseek_r1", [7, 8, 9, 1, 5])
     assert not reasoning_open(tok, None, [1, 5])
     assert reasoning_open(tok, "qwen3", [1, 5, 2])
     assert not reasoning_open(tok, "qwen3", [1, 5, 2, 7, 8, 9])
@@ -167,6 +169,31 @@ def test_a_grammar_starts_after_the_reasoning(tiny_dirs, overlap):
     assert cut[:2] == free[:2] and cut[2:2 + len(end)] == end
     assert tok.decode(cut[2 + len(end):], skip_special_tokens=True) in ("yes", "no")
     assert tok.decode(outs["qwen3"]["r1"], skip_special_tokens=True) in ("yes", "no")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prompt_that_closed_the_reasoning_leaves_the_answer_to_the_grammar(tiny_dirs,
+                                                                               overlap):
+    """deepseek_r1 with ``<think></think>`` closed by the prompt (thinking turned off by the
+    template or a prefill): as in vLLM the answer is not reasoning, so the grammar applies
+    from its first token and the budget forces no second ``</think>``."""
+    engine = _engine(tiny_dirs["llama"], reasoning_parser="deepseek_r1",
+                     overlap_schedule=overlap)
+    tok = engine.tokenizer
+    prompt = [1, 60] + tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    base = {"max_tokens": 12, "temperature": 0}
+    params = [SamplingParams(**base, structured_outputs={"choice": ["yes", "no"]}),
+              SamplingParams(**base, ignore_eos=True),
+              SamplingParams(**base, ignore_eos=True, thinking_token_budget=2)]
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", prompt, p)
+    out = {f"r{i}": [] for i in range(3)}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.rid].extend(o.new_token_ids)
+    engine.cache.check_idle()
+    assert tok.decode(out["r0"], skip_special_tokens=True) in ("yes", "no")
+    assert out["r2"] == out["r1"]
 
 
 def test_a_plain_model_without_a_reasoning_parser_refuses_it(tiny_dirs):

@@ -277,8 +277,7 @@ class LLMEngine:
         if parser and (budget is not None or so is not None):  # so: starts after </think>
             ids = [self.tokenizer.encode(t, add_special_tokens=False)
                    for t in (THINK_START, THINK_END)]
-            think = ThinkBudget(budget, None if REASONING_PARSERS[parser] else ids[0], ids[1],
-                                prompt)
+            think = ThinkBudget(budget, ids[0], ids[1], prompt, REASONING_PARSERS[parser])
         return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
                            words, matcher, think)
 

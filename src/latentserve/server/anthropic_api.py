@@ -147,7 +147,7 @@ class _Answer:
     choice: ToolChoice
     flag: bool | None
     latent_mode: str | None
-    opened: bool = False  # the prompt left <think> open (token_masks.reasoning_open)
+    opened: bool | None = None  # the answer starts in its reasoning (None: the default)
 
     def parser(self, state: ServerState) -> OutputParser:
         return OutputParser(state.reasoning_parser, state.tool_parser, self.choice,

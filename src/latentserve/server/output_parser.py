@@ -23,15 +23,16 @@ from latentserve.token_masks import REASONING_PARSERS, THINK_END, THINK_START
 
 class OutputParser:
     """Splits a choice's text: calls by the tool parser for ``auto``, the whole answer as a
-    ``named`` choice's arguments or a JSON array of calls for ``required``. ``opened``: the
-    prompt left ``<think>`` open (``token_masks.reasoning_open``), so an answer that does not
-    open with ``<think>`` is reasoning up to ``</think>`` under any reasoning parser."""
+    ``named`` choice's arguments or a JSON array of calls for ``required``. ``opened``:
+    whether the answer starts inside its reasoning (``token_masks.reasoning_open`` of the
+    prompt, the engine's rule), so that an answer not opening with ``<think>`` is reasoning
+    up to ``</think>``; None: the parser's default (``deepseek_r1`` yes, ``qwen3`` no)."""
 
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
                  choice: ToolChoice | None = None, include_reasoning: bool = True,
-                 id_prefix: str = "call_", opened: bool = False):
-        self.think = (ThinkParser(REASONING_PARSERS[reasoning_parser] or opened)
-                      if reasoning_parser else None)
+                 id_prefix: str = "call_", opened: bool | None = None):
+        implicit = REASONING_PARSERS.get(reasoning_parser) if opened is None else opened
+        self.think = ThinkParser(bool(implicit)) if reasoning_parser else None
         choice = choice or ToolChoice("none")
         self.mode, self.name, self.single = choice.mode, choice.name, choice.single
         self.tools = (TOOL_PARSERS[tool_parser]() if tool_parser and self.mode == "auto"
