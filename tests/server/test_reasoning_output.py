@@ -98,6 +98,25 @@ def test_an_answer_without_think_tags_is_all_content_under_qwen3(client, model):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_a_prefill_that_opens_think_makes_the_answer_reasoning_under_qwen3(client, model,
+                                                                          stream):
+    """An assistant prefill ``<think>`` continued (``continue_final_message``): the answer
+    starts inside the reasoning, as the engine reads it for a grammar or a thinking budget,
+    so it is split at ``</think>`` though it does not open with ``<think>``."""
+    r = client.chat.completions.create(
+        model=model, messages=[*HI, {"role": "assistant", "content": "<think>"}],
+        temperature=0, max_tokens=20, stream=stream,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    if stream:
+        deltas = [c.choices[0].delta for c in r if c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        reasoning, content = r.choices[0].message.reasoning_content, r.choices[0].message.content
+    assert (reasoning, content) == (REASONING, ANSWER)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_thinking_block_carries_the_reasoning(tool_chat_server, model, stream):
     claude = anthropic.Anthropic(base_url=tool_chat_server.base_url, api_key="none",
                                  max_retries=0, timeout=120)
