@@ -24,7 +24,7 @@ NESTED = {
         ("messages[i].content[j]", "parts other than text (images, audio, files)"),
         ("chat_template", "unless the server runs with --trust-request-chat-template")),
     "/v1/messages": (
-        ("output_config.<key>", "every key not null (format: structured outputs, effort)"),
+        ("output_config.<key>", "every key but format not null (effort)"),
         ("tools[i].type", "server tools (web search, code execution, ...)"),
         ("messages[i].content[j]", "image and document blocks")),
     "/tokenize": (

@@ -150,14 +150,6 @@ def test_sampling_fields_travel_in_the_body(anthropic_client, model):
     assert a.content[0].text == b.content[0].text  # top_k=1 is greedy at any temperature
 
 
-def test_structured_output_is_refused_not_ignored(anthropic_client, model):
-    with pytest.raises(anthropic.BadRequestError) as info:
-        anthropic_client.messages.create(
-            model=model, max_tokens=2, messages=MESSAGES,
-            output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
-    assert "output_config" in info.value.body["error"]["message"]
-
-
 def test_count_tokens_equals_message_input_tokens(anthropic_client, model):
     counted = anthropic_client.messages.count_tokens(model=model, messages=MESSAGES)
     m = anthropic_client.messages.create(model=model, max_tokens=1, messages=MESSAGES)

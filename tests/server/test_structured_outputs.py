@@ -187,3 +187,35 @@ def test_unconstrained_requests_batched_with_constrained_ones_are_unchanged(clie
         t.join()
     assert [results[i] for i in range(3)] == alone
     assert results[("c", 2)] in ("x", "y")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_output_config_format_parses_and_validates(anthropic_client, model, stream):
+    """Anthropic's structured outputs: ``output_config.format`` is a JSON schema."""
+    fmt = {"output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}
+    for _ in range(3):
+        args = dict(model=model, max_tokens=80, messages=MESSAGES,
+                    extra_body={"temperature": 1.0}, **fmt)
+        if stream:
+            with anthropic_client.messages.stream(**args) as s:
+                m = s.get_final_message()
+        else:
+            m = anthropic_client.messages.create(**args)
+        assert m.stop_reason == "end_turn", m
+        assert valid_person(json.loads(m.content[0].text)), m.content
+
+
+@pytest.mark.parametrize("config, param", [
+    ({"format": {"type": "json_object"}}, "output_config.format"),
+    ({"format": {"type": "json_schema", "schema": "{}"}}, "output_config.format"),
+    ({"format": {"type": "json_schema", "schema": {"type": "nonsense"}}},
+     "output_config.format"),
+    ({"effort": "high"}, "output_config.effort")])
+def test_anthropic_output_config_refusals_name_the_field(anthropic_client, model, config,
+                                                         param):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(model=model, max_tokens=4, messages=MESSAGES,
+                                         output_config=config)
+    assert info.value.body["error"]["message"].startswith(param), info.value.body

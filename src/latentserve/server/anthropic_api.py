@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from latentserve.sampling_params import SamplingParams
+from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.server.admission import admit
 from latentserve.server.anthropic_blocks import (
     AnthropicThinking,
@@ -114,10 +114,15 @@ def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
 def _check(body: MessagesRequest, state: ServerState) -> None:
     refuse_unsupported(body)
     for key, value in (body.output_config or {}).items():
-        if value is not None:
-            what = "structured outputs are" if key == "format" else "it is"
-            raise APIError(f"output_config.{key}: {what} not supported by this server",
+        if value is not None and key != "format":
+            raise APIError(f"output_config.{key}: it is not supported by this server",
                            param=f"output_config.{key}")
+    fmt = (body.output_config or {}).get("format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.keys() == {"type", "schema"}
+                                and fmt["type"] == "json_schema"
+                                and isinstance(fmt["schema"], dict)):
+        raise APIError('output_config.format: must be {"type": "json_schema", "schema": '
+                       "{...}} (a JSON schema object)", param="output_config.format")
     if body.model != state.model_name:
         raise APIError(f"model: {body.model} (this server serves {state.model_name})",
                        status_code=404, param="model", code="model_not_found")
@@ -210,9 +215,12 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
                        f"> the maximum context length {max_len}", code="context_length_exceeded",
                        param="messages" if asked is None or num_prompt_tokens >= max_len
                        else "max_tokens")
+    fmt = (body.output_config or {}).get("format")
     try:
         params = SamplingParams(  # thinking_token_budget: <think> tokens or latent positions
             max_tokens=1 if asked is None else asked,
+            structured_outputs=fmt and StructuredOutputsParams(json=fmt["schema"],
+                                                               param="output_config.format"),
             thinking_token_budget=body.thinking.budget_tokens if answer.flag else None,
             **{k: v for k, v in head.items() if v is not None},
             **shared_fields(body, list(body.stop_sequences or []), budget,
