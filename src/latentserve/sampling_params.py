@@ -82,6 +82,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     thinking_token_budget: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -97,6 +98,7 @@ class SamplingParams:
                 _check(f.name, value, NUM_RANGES[f.name], integer=False)
             elif f.type.startswith("bool") and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be a boolean, got {value!r}")
+        _check_truncation(self.truncate_prompt_tokens)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
@@ -214,6 +216,27 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which of ``KINDS`` is set."""
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+def _check_truncation(k) -> None:
+    """ValueError unless ``truncate_prompt_tokens`` ``k`` is None, -1 or an integer >= 1
+    (vLLM's ``SamplingParams._verify_args``)."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k == 0 or k < -1):
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k!r}")
+
+
+def prompt_tokens_kept(k: int | None, max_model_len: int) -> int | None:
+    """How many last prompt tokens ``truncate_prompt_tokens`` ``k`` keeps: None (all), k,
+    or ``max_model_len`` for -1 (vLLM's ``_validate_truncation_size``; left truncation).
+    ValueError naming the field for another value or one over ``max_model_len``."""
+    _check_truncation(k)
+    if k is None:
+        return None
+    k = max_model_len if k == -1 else k
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                         f"({max_model_len}). Please, select a smaller truncation size.")
+    return k
 
 
 def _short(value) -> str:

@@ -10,10 +10,10 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 # vLLM's output-changing fields (and OpenAI's response_format) with a value that is used.
 REFUSED = [
     ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"),
-    ("prompt_embeds", "AAAA" * 100), ("truncate_prompt_tokens", 3), ("use_beam_search", True),
+    ("prompt_embeds", "AAAA" * 100), ("use_beam_search", True),
     ("length_penalty", 0.5),
     ("logits_processors", ["x"]), ("spaces_between_special_tokens", False),
-    ("documents", [{"title": "a", "text": "b"}]), ("return_token_ids", True),
+    ("documents", [{"title": "a", "text": "b"}]),
     ("reasoning_effort", "high"), ("priority", 5),
 ]
 

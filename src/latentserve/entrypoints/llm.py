@@ -13,7 +13,7 @@ from latentserve.config import EngineConfig
 from latentserve.entrypoints.completion import CompletionBuilder, token_strings
 from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizerError
 from latentserve.outputs import RequestOutput
-from latentserve.sampling_params import SamplingParams
+from latentserve.sampling_params import SamplingParams, prompt_tokens_kept
 from latentserve.server.errors import APIError
 from latentserve.server.prompts import chat_conversation, chat_tools, render_chat
 from latentserve.server.protocol import ChatMessage, ChatTool
@@ -60,7 +60,8 @@ class LLM:
                  use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order, each with ``params.n`` completions
         (choice i: ``seed + i``). A prompt is a string, token ids, or vLLM's ``{"prompt"}`` /
-        ``{"prompt_token_ids"}``; ``sampling_params``: one, or one per prompt. ValueError
+        ``{"prompt_token_ids"}``; ``sampling_params``: one, or one per prompt; a prompt is cut
+        to its last ``truncate_prompt_tokens`` ids (-1: ``max_model_len``). ValueError
         (``NoTokenizerError`` for text without tokenizer files) before anything runs."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
@@ -70,6 +71,10 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
                              "sampling_params; pass one or one per prompt")
         encoded = [self._encode(p) for p in prompts]
+        for j, params in enumerate(sampling_params):
+            keep = prompt_tokens_kept(params.truncate_prompt_tokens, self.engine.max_model_len)
+            if keep is not None:
+                encoded[j] = (encoded[j][0], encoded[j][1][-keep:])
         strings = token_strings(self.tokenizer)
         results: list[RequestOutput] = []
         running: dict[str, CompletionBuilder] = {}

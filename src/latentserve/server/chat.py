@@ -25,7 +25,12 @@ from latentserve.server.params import (
     latent_controls,
     sampling_params,
 )
-from latentserve.server.prompts import chat_tools, message_text, templated_prompt_ids
+from latentserve.server.prompts import (
+    chat_tools,
+    message_text,
+    prompt_truncation,
+    templated_prompt_ids,
+)
 from latentserve.server.protocol import ChatCompletionRequest, response, usage_of
 from latentserve.server.reasoning import (
     LatentReasoning,
@@ -58,7 +63,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         if head["thinking"] is not None:  # the template renders the thinking opening (or not)
             template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
                                "enable_thinking": head["thinking"]}
-        prompt_ids = await templated_prompt_ids(body, state, template_kwargs, state.max_model_len)
+        keep = prompt_truncation(body, state.max_model_len)  # a prompt to cut may be longer
+        prompt_ids = await templated_prompt_ids(body, state, template_kwargs,
+                                                state.max_model_len if keep is None else None)
+        prompt_ids = prompt_ids if keep is None else prompt_ids[-keep:]
         last = len(body.messages) - 1  # vLLM's echo: the final message's text, the assistant's
         echo = (message_text(body.messages[last], last)
                 if body.echo and body.messages[last].role == "assistant" else "")
@@ -74,7 +82,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], n, field, state)
         if body.stream:
             return await stream(request, state, reqs, arrival, ticket, lambda deltas: _chunks(
-                body, state, rid, len(prompt_ids), deltas, len(reqs), parser, latent_mode,
+                body, state, rid, prompt_ids, deltas, len(reqs), parser, latent_mode,
                 choice, ticks, echo))
         results = await collect(request, state, reqs, arrival, ticket)
         texts, as_ids = token_texts(state.tokenizer), bool(body.return_tokens_as_token_ids)
@@ -96,8 +104,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                 "logprobs": (chat_logprobs(texts, r.logprobs, as_ids)
                              if logprobs is not None else None),
                 "latent": latent_info(r, bool(body.return_latent_trace), texts)})
-        return response("chat.completion", rid, state.model_name, choices,
-                        usage_of(len(prompt_ids), sum(r.num_output_tokens for r in results)))
+            if body.return_token_ids:
+                choices[-1]["token_ids"] = r.token_ids
+        out = response("chat.completion", rid, state.model_name, choices,
+                       usage_of(len(prompt_ids), sum(r.num_output_tokens for r in results)))
+        if body.return_token_ids:  # vLLM's: the prompt's ids on the response
+            out["prompt_token_ids"] = prompt_ids
+        return out
 
 
 def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str | None:
@@ -106,12 +119,15 @@ def _finish_reason(reason: str | None, called: bool, choice: ToolChoice) -> str 
 
 
 async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
-                  num_prompt_tokens: int, deltas: AsyncIterator[tuple[int, TextDelta]],
+                  prompt_ids: list[int], deltas: AsyncIterator[tuple[int, TextDelta]],
                   n: int, parser: Callable[[], OutputParser], latent_mode: str | None,
                   choice: ToolChoice, ticks: bool, echo: str
                   ) -> AsyncIterator[dict]:
     """Per choice a role chunk and the echo; per delta its latent reasoning (``ticks``: a
-    chunk per step) and what its parser releases; finish chunks; the usage chunk if asked."""
+    chunk per step) and what its parser releases; finish chunks; the usage chunk if asked.
+    With ``return_token_ids`` (vLLM's ``chat_completion_stream_generator``) the role chunks
+    carry ``prompt_token_ids`` and each delta's first chunk (an empty one if its parser held
+    its text back; the finish chunk on the last delta) the delta's ``token_ids``."""
 
     model = state.model_name
     texts = token_texts(state.tokenizer)
@@ -121,17 +137,23 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
               for _ in range(n)]
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None,
-              lps=None, latent=None) -> dict:
-        """A chunk of one choice; the delta's and ``latent``'s None fields left out."""
+              lps=None, latent=None, token_ids: list[int] | None = None) -> dict:
+        """A chunk of one choice; the delta's, ``latent``'s and ``token_ids``' None left out."""
         logprobs = chat_logprobs(texts, lps, as_ids) if body.logprobs and lps else None
         out = {"index": index, "delta": {k: v for k, v in delta.items() if v is not None},
                "finish_reason": finish_reason, "logprobs": logprobs}
         if latent is not None:
             out["latent"] = latent
+        if token_ids is not None:
+            out["token_ids"] = token_ids
         return response("chat.completion.chunk", rid, model, [out])
 
+    with_ids = bool(body.return_token_ids)
     for i in range(n):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        first = chunk(i, {"role": "assistant", "content": ""})
+        if with_ids:
+            first["prompt_token_ids"] = prompt_ids
+        yield first
     for i in range(n if echo else 0):
         yield chunk(i, {"content": echo})
     tokens = [0] * n
@@ -145,17 +167,19 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
             yield chunk(i, {"reasoning_content": line}, latent=info)
         piece = parsers[i].step(delta.text, delta.finish_reason is not None)
         called[i] = called[i] or bool(piece.calls)
-        if piece or delta.logprobs:
+        ids = delta.token_ids if with_ids else None
+        if piece or delta.logprobs or (ids and delta.finish_reason is None):
             yield chunk(i, {"content": piece.content or None,
                             "reasoning_content": piece.reasoning or None,
                             "tool_calls": [_call_delta(c) for c in piece.calls] or None},
-                        None, delta.logprobs)
+                        None, delta.logprobs, token_ids=ids)
+            ids = [] if with_ids else None
         if delta.finish_reason is not None:
             yield chunk(i, {}, _finish_reason(delta.finish_reason, called[i], choice),
-                        latent=latent_info(delta, trace, texts))
+                        latent=latent_info(delta, trace, texts), token_ids=ids)
     if body.include_usage:
         yield response("chat.completion.chunk", rid, model, [],
-                       usage_of(num_prompt_tokens, sum(tokens)))
+                       usage_of(len(prompt_ids), sum(tokens)))
 
 
 def _call_delta(c: CallDelta) -> dict:

@@ -16,7 +16,7 @@ from latentserve.server.params import (
     latent_controls,
     sampling_params,
 )
-from latentserve.server.prompts import completion_prompts, prompt_list
+from latentserve.server.prompts import completion_prompts, prompt_list, prompt_truncation
 from latentserve.server.protocol import CompletionRequest, response, usage_of
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import collect, stream
@@ -32,8 +32,9 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
     listed = prompt_list(body.prompt, state.limits.max_prompts)
     with admit(state, len(listed) * n, "n" if n > 1 else "prompt") as ticket:
         check_logprobs(body.logprobs, "logprobs", state.limits)
+        keep = prompt_truncation(body, state.max_model_len)
         prompts = await in_pool(completion_prompts, state.tokenizer, listed, state.vocab_size,
-                                state.max_model_len)
+                                state.max_model_len, keep)
         budget, head, ticks = latent_controls(request, body, state.latent_spec)
         with_params = [(ids, text, sampling_params(body, "max_tokens", len(ids), state,
                                                    body.logprobs, budget, head,
@@ -60,6 +61,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
             choices.append({"index": i, "text": echoes[i] + r.text,
                             "finish_reason": r.finish_reason, "logprobs": lps,
                             "latent": latent_info(r, bool(body.return_latent_trace), texts)})
+            if body.return_token_ids:  # vLLM's: on the choice, the answer's ids alone
+                choices[-1].update(prompt_token_ids=reqs[i].prompt_ids, token_ids=r.token_ids)
         return response("text_completion", rid, state.model_name, choices,
                         usage_of(num_prompt_tokens, sum(r.num_output_tokens for r in results)))
 
@@ -68,16 +71,24 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
                   num_prompt_tokens: int, echoes: list[str],
                   deltas: AsyncIterator[tuple[int, TextDelta]], reqs: list[EngineRequest]
                   ) -> AsyncIterator[dict]:
-    """Per choice the echo, a chunk per latent tick and per delta; the usage chunk if asked."""
+    """Per choice the echo, a chunk per latent tick and per delta; the usage chunk if asked.
+    With ``return_token_ids`` each choice chunk carries its new ``token_ids`` and a choice's
+    first chunk the ``prompt_token_ids`` (vLLM's ``completion_stream_generator``)."""
 
     texts = token_texts(state.tokenizer)
     want_logprobs = body.logprobs is not None
     trace, as_ids = bool(body.return_latent_trace), bool(body.return_tokens_as_token_ids)
+    with_ids = bool(body.return_token_ids)
+    prompt_ids_due = [with_ids] * len(echoes)
 
-    def chunk(index: int, text: str, **fields) -> dict:
-        return response("text_completion", rid, state.model_name, [{
-            "index": index, "text": text, "finish_reason": None, "logprobs": None,
-            "latent": None, **fields}])
+    def chunk(index: int, text: str, token_ids: list[int] | None = None, **fields) -> dict:
+        out = {"index": index, "text": text, "finish_reason": None, "logprobs": None,
+               "latent": None, **fields}
+        if with_ids:
+            if prompt_ids_due[index]:
+                out["prompt_token_ids"], prompt_ids_due[index] = reqs[index].prompt_ids, False
+            out["token_ids"] = token_ids or []
+        return response("text_completion", rid, state.model_name, [out])
 
     offsets = [len(e) for e in echoes]
     tokens = [0] * len(echoes)
@@ -95,14 +106,15 @@ async def _chunks(body: CompletionRequest, state: ServerState, rid: str,
         if delta.latent_tick:
             for info in tick_infos(delta, delta.latent_steps - delta.latent_tick, trace, texts):
                 yield chunk(i, "", latent=info)
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs and not (
+                with_ids and delta.token_ids):
             continue
         lps = None
         if want_logprobs:
             lps, offsets[i] = completion_logprobs(texts, delta.logprobs, offsets[i], as_ids)
         latent = latent_info(delta, trace, texts) if delta.finish_reason is not None else None
-        yield chunk(i, delta.text, finish_reason=delta.finish_reason, logprobs=lps,
-                    latent=latent)
+        yield chunk(i, delta.text, delta.token_ids, finish_reason=delta.finish_reason,
+                    logprobs=lps, latent=latent)
     if body.include_usage:
         yield response("text_completion", rid, state.model_name, [],
                        usage_of(num_prompt_tokens, sum(tokens)))

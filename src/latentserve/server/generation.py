@@ -20,7 +20,8 @@ from latentserve.server.metrics import RequestTimer
 class TextDelta:
     """New text of one engine request. ``finish_reason``: on the last delta only;
     ``num_output_tokens``: all so far; ``logprobs``: the tokens whose text this releases;
-    ``latent_trace``: on the last delta, or a tick's new entries."""
+    ``token_ids``: the ids generated since the previous delta (the EOS / stop token too;
+    latent steps are no ids); ``latent_trace``: on the last delta, or a tick's new entries."""
 
     text: str
     finish_reason: str | None
@@ -33,6 +34,7 @@ class TextDelta:
     recurrence: dict | None = None
     latent_tick: int = 0  # latent steps run since the previous delta (stream_latent_steps)
     prompt_logprobs: list | None = None  # on the first delta
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -62,6 +64,7 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
     num_tokens = 0
     # Logprobs not yet reported, each with its token's start in the decoded text.
     pending: list[tuple[TokenLogprob, int]] = []
+    pending_ids: list[int] = []  # ids not yet handed out
     prompt_lps: list | None = None
     latent_steps = 0
     stats = None  # a compression head's latent stats, once its latent phase has settled
@@ -73,8 +76,10 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
         nonlocal prompt_lps
         lps = [lp for lp, start in pending if cut is None or start < cut]
         pending.clear()
-        d = TextDelta(text, finish, num_tokens, lps, prompt_logprobs=prompt_lps, **kw)
+        d = TextDelta(text, finish, num_tokens, lps, prompt_logprobs=prompt_lps,
+                      token_ids=pending_ids[:], **kw)
         prompt_lps = None
+        pending_ids.clear()
         if out is not None:
             d.latent_steps, d.latent_trace = out.latent_steps, out.latent_trace
             d.latent_stats, d.recurrence = out.latent_stats or stats, out.recurrence
@@ -89,6 +94,7 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
             async for out in outputs:
                 ids = out.new_token_ids
                 num_tokens += len(ids)
+                pending_ids.extend(ids)
                 if timer is not None:
                     if timer.scheduled_at is None:  # (a stand-in client may not say)
                         timer.scheduled(getattr(state.client, "scheduled_at", {}).get(rid))

@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer
+from latentserve.sampling_params import prompt_tokens_kept
 from latentserve.server.errors import APIError
 from latentserve.server.protocol import ChatMessage, ChatTool, ToolCall
 from latentserve.server.tokenize_pool import in_pool
@@ -208,15 +209,26 @@ def prompt_list(prompt, max_prompts: int) -> list:
     return [prompt]
 
 
-def completion_prompts(tokenizer, prompts: list, vocab_size: int | None, max_model_len: int
-                       ) -> list[tuple[list[int], str | None]]:
+def prompt_truncation(body, max_model_len: int) -> int | None:
+    """How many last prompt tokens ``body.truncate_prompt_tokens`` keeps (None: all;
+    ``sampling_params.prompt_tokens_kept``); APIError (400 naming the field)."""
+    try:
+        return prompt_tokens_kept(body.truncate_prompt_tokens, max_model_len)
+    except ValueError as exc:
+        raise APIError(str(exc), param="truncate_prompt_tokens") from None
+
+
+def completion_prompts(tokenizer, prompts: list, vocab_size: int | None, max_model_len: int,
+                       keep: int | None = None) -> list[tuple[list[int], str | None]]:
     """One ``(token_ids, text)`` per prompt of :func:`prompt_list` (``text`` None for token
-    ids). APIError (400) for an empty prompt or an id out of range."""
+    ids, or text cut to its last ``keep`` tokens). APIError (400) for an empty prompt or an id
+    out of range."""
     limit = vocab_size or len(tokenizer)
     out = []
     for p in prompts:
         if isinstance(p, str):
-            check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
+            if keep is None:  # a prompt to cut may be longer than the context
+                check_prompt_bytes(len(p.encode("utf-8")), tokenizer, max_model_len, "prompt")
             ids, text = (tokenizer.encode(p) if p else []), p
         else:
             ids, text = list(p), None
@@ -225,6 +237,8 @@ def completion_prompts(tokenizer, prompts: list, vocab_size: int | None, max_mod
                                param="prompt")
         if not ids:
             raise APIError("prompt must not be empty", param="prompt")
+        if keep is not None and len(ids) > keep:
+            ids, text = ids[-keep:], None
         out.append((ids, text))
     return out
 

@@ -115,6 +115,8 @@ class SamplingRequest(LatentFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool | None = False
+    return_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
     stream_latent_steps: bool | None = None
     thinking: bool | None = None
 

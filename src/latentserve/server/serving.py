@@ -54,6 +54,7 @@ class ChoiceResult(TextDelta):
         """Fold one delta of this choice in."""
         self.text += delta.text
         self.logprobs.extend(delta.logprobs)
+        self.token_ids.extend(delta.token_ids)
         self.num_output_tokens = delta.num_output_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
