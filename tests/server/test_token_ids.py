@@ -3,9 +3,12 @@ the openai SDK (the extra fields read as attributes): the ids decode to the text
 ids add up to the whole answer's, prompt ids are the (templated, cut) prompt's encoding, and
 bad values are 400s naming the field."""
 
+import json
+
+import httpx
 import openai
 import pytest
-from server_testlib import MAX_MODEL_LEN
+from server_testlib import API_KEY, COLAR_STOP_STEPS, COLAR_STOPS, MAX_MODEL_LEN
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name a color."}]
@@ -154,3 +157,31 @@ def test_ids_held_back_by_the_tool_parser_still_stream(tool_client, tool_chat_di
     chunks = list(tool_client.chat.completions.create(stream=True, **args))
     assert sum((getattr(c.choices[0], "token_ids", None) or [] for c in chunks), []) == \
         whole.choices[0].token_ids
+
+
+def test_a_latent_model_returns_the_answer_ids_and_no_latent_steps(colar_key_server):
+    """CoLaR thinks in latent steps, which are no tokens: ``token_ids`` are the answer's ids
+    (the text decodes from them), streamed with per-step ticks or not."""
+    url, auth = f"{colar_key_server.base_url}/v1/completions", {"Authorization":
+                                                                   f"Bearer {API_KEY}"}
+    body = {"prompt": COLAR_STOPS, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = httpx.post(url, headers=auth, json=body, timeout=120).json()
+    choice = r["choices"][0]
+    assert choice["latent"]["steps"] == COLAR_STOP_STEPS
+    assert len(choice["token_ids"]) == r["usage"]["completion_tokens"] == 4
+
+    def decode(ids: list[int]) -> str:
+        return httpx.post(f"{colar_key_server.base_url}/detokenize", headers=auth, timeout=30,
+                          json={"tokens": ids}).json()["prompt"]
+
+    prompt = choice["prompt_token_ids"]  # the text is decoded after the prompt
+    assert decode(prompt + choice["token_ids"]) == decode(prompt) + choice["text"]
+    streamed = []
+    with httpx.stream("POST", url, headers=auth, timeout=120, json={
+            **body, "stream": True, "stream_latent_steps": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                streamed += json.loads(line[6:])["choices"]
+    assert streamed[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+    assert sum((c["token_ids"] for c in streamed), []) == choice["token_ids"]

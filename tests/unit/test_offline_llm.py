@@ -199,3 +199,25 @@ def test_prompt_dicts_as_vllm_takes_them(tiny_dirs):
     assert outs[1].prompt == "hello world" and outs[1].prompt_token_ids == ids
     with pytest.raises(ValueError, match="'prompt_token_ids'.*'prompt'"):
         llm.generate([{"text": "hello"}], greedy, use_tqdm=False)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k_ids(tiny_dirs):
+    """vLLM's ``SamplingParams.truncate_prompt_tokens``: the last k ids (text or ids), -1
+    the context; 0, below -1 or over ``max_model_len`` is a ValueError naming it."""
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    text = "one two three four five six"
+    out = llm.generate([text, [5, 6, 7, 8, 9]],
+                       SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=3),
+                       use_tqdm=False)
+    assert out[0].prompt_token_ids == llm.get_tokenizer().encode(text)[-3:]
+    assert out[0].prompt == text and out[1].prompt_token_ids == [7, 8, 9]
+    whole = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
+                         use_tqdm=False)
+    assert whole[0].prompt_token_ids == [5, 6, 7]
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(\d+\) is greater"):
+        llm.generate([[5, 6]], SamplingParams(
+            truncate_prompt_tokens=llm.engine.max_model_len + 1), use_tqdm=False)
+    llm.engine.cache.check_idle()
