@@ -1,4 +1,5 @@
-"""Token sampling for a batch: token masks, logit bias, penalties, greedy, temperature, top-k/p, min-p, seeds, logprobs.
+"""Token sampling for a batch: token masks, logit bias, penalties, greedy, temperature,
+top-k/p, min-p, seeds, logprobs.
 Design notes: docs/internals.md, "latentserve.sampling"."""
 
 from __future__ import annotations
