@@ -1,4 +1,5 @@
-"""Token sampling for a batch: penalties, greedy, temperature, top-k/p, min-p, seeds, logprobs.
+"""Token sampling for a batch: token masks, logit bias, penalties, greedy, temperature,
+top-k/p, min-p, seeds, logprobs.
 Design notes: docs/internals.md, "latentserve.sampling"."""
 
 from __future__ import annotations
@@ -30,18 +31,36 @@ class TokenMask:
     bits: torch.Tensor
 
 
+@dataclass(slots=True)
+class LogitBias:
+    """Additive biases on some logits of a batch (``SamplingParams.logit_bias``):
+    ``logits[rows[k], ids[k]] += values[k]``; ``rows``, ``ids``: ``[K] int64``, ``values``:
+    ``[K] float64``, on the logits' device; each ``(row, id)`` pair at most once."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    values: torch.Tensor
+
+
 def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
                          generator: torch.Generator | None = None,
                          greedy: torch.Tensor | None = None,
-                         mask: TokenMask | None = None) -> SamplerOutput:
+                         mask: TokenMask | None = None,
+                         bias: LogitBias | None = None) -> SamplerOutput:
     """One token per row of ``logits`` (``[B, vocab] float32``, not modified) for ``reqs``,
-    with the requested log-probabilities. Penalties count ``answer_ids`` where present.
-    ``generator``: for unseeded rows (None: global RNG); ``greedy``: ``[B] int64`` argmax the
-    caller already has, used unless a row has penalties or a mask; ``mask``: a
-    :class:`TokenMask` or None. Returns ``SamplerOutput`` on ``logits.device``."""
+    with the requested log-probabilities (of the raw logits: vLLM's default
+    ``raw_logprobs``). Penalties count ``answer_ids`` where present. ``generator``: for
+    unseeded rows (None: global RNG); ``greedy``: ``[B] int64`` argmax the caller already
+    has, used unless a row has penalties, a mask or a bias; ``mask``: a :class:`TokenMask` or
+    None; ``bias``: a :class:`LogitBias` or None, added after the mask and before the
+    penalties (vLLM's order). Returns ``SamplerOutput`` on ``logits.device``."""
     raw = logits
     if mask is not None:
         logits = apply_token_mask(logits, mask)
+        greedy = None
+    if bias is not None:
+        logits = logits.clone() if logits is raw else logits
+        logits.index_put_((bias.rows, bias.ids), bias.values.to(logits.dtype), accumulate=True)
         greedy = None
     penalized = [b for b, r in enumerate(reqs) if r.params.has_penalties]
     if penalized:

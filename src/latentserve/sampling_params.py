@@ -13,6 +13,8 @@ SAMPLING_EPS = 1e-5
 # larger values overflow to inf and smaller ones lose precision or flush to 0.
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 2.0**-126
+# OpenAI's bound on a logit_bias value (either sign).
+LOGIT_BIAS_MAX = 100.0
 # Huginn adaptive-exit semantics (SamplingParams.exit_semantics, EngineConfig.exit_semantics).
 EXIT_SEMANTICS = ("engine", "upstream")
 
@@ -83,6 +85,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     thinking_token_budget: int | None = None
     truncate_prompt_tokens: int | None = None
+    # Token id -> bias added to its logit (OpenAI's and vLLM's; ``LOGIT_BIAS_MAX``).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -133,6 +137,8 @@ class SamplingParams:
             self.allowed_token_ids = [_plain_number(t) for t in ids]
             for t in self.allowed_token_ids:
                 _check("allowed_token_ids[]", t, (0,))
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
             kinds = StructuredOutputsParams.KINDS
             unknown = set(self.structured_outputs) - set(kinds) - {"param"}
@@ -150,6 +156,11 @@ class SamplingParams:
         """Whether the sampler masks this request's logits (``token_masks.py``)."""
         return (self.allowed_token_ids is not None or bool(self.bad_words)
                 or self.min_tokens > 0 or self.structured_outputs is not None)
+
+    @property
+    def has_logit_bias(self) -> bool:
+        """Whether the sampler adds a bias to this request's logits (``logit_bias.py``)."""
+        return bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -237,6 +248,24 @@ def prompt_tokens_kept(k: int | None, max_model_len: int) -> int | None:
         raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
                          f"({max_model_len}). Please, select a smaller truncation size.")
     return k
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """``bias`` as ``{token id: float}``: keys integers >= 0 (numpy's as Python's), values
+    finite numbers in ``[-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]``; ValueError naming ``logit_bias``
+    otherwise (whether an id is in the vocabulary is the engine's check)."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_short(bias)}")
+    out = {}
+    for key, value in bias.items():
+        key = _plain_number(key)
+        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got "
+                             f"{_short(key)}")
+        value = _plain_number(value)
+        _check("logit_bias", value, (-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX), integer=False)
+        out[key] = float(value)
+    return out
 
 
 def _short(value) -> str:

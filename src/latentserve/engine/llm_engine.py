@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from latentserve import sampling, token_masks  # by module: tests patch what the engine calls
+from latentserve import logit_bias, sampling, token_masks  # by module: tests patch them
 from latentserve.config import EngineConfig, check_device
 from latentserve.core import Req
 from latentserve.distributed import destroy_tp_group
@@ -46,7 +46,7 @@ from latentserve.sampling import TokenMask
 from latentserve.sampling_params import SamplingParams
 from latentserve.scheduler.cache import CacheManager
 from latentserve.scheduler.scheduler import Scheduler
-from latentserve.staging import BitmaskToDevice, DeviceToHost
+from latentserve.staging import BitmaskToDevice, DeviceToHost, HostToDevice
 from latentserve.structured import Grammars
 from latentserve.token_masks import (
     REASONING_PARSERS,
@@ -161,6 +161,8 @@ class LLMEngine:
         # waits for them: CudaGraphRunner.wait_before_replay)
         self.token_copies = DeviceToHost(side_stream=True)
         self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
+        self._bias_copies: Any = None  # staging.HostToDevice of the logit bias, first use
+        self._biased: set[str] = set()  # live requests that set logit_bias
         # grammar rows of the next step, filled while this one returns (thread on first use)
         self.masks_ahead = MasksAhead(self.vocab_size)
         self._arrivals = 0
@@ -181,6 +183,8 @@ class LLMEngine:
         if params.seed is not None:
             req.generator = torch.Generator(self.device).manual_seed(params.seed)
         self._rids.add(rid)
+        if params.has_logit_bias:
+            self._biased.add(rid)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs.add(rid, len(prompt_token_ids), params.prompt_logprobs)
         self.scheduler.add(req)
@@ -238,7 +242,8 @@ class LLMEngine:
             raise ValueError(f"prompt has {n} tokens but the KV pool holds {self.num_kv_slots}")
         for name, ids in (("prompt token ids", prompt_token_ids),
                           ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
+                          ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", params.logit_bias or ())):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} must be in [0, {self.vocab_size}), got {bad[0]}")
@@ -294,6 +299,17 @@ class LLMEngine:
                                                self.masks_ahead.take())
         return TokenMask(rows, self._mask_copies.copy(bits))
 
+    def logit_bias(self, reqs: list[Req], device):
+        """The sampler's ``LogitBias`` for ``reqs`` (None: no row has one), copied to
+        ``device`` without waiting (``logit_bias.batch_logit_bias``); no pass over ``reqs``
+        while no live request sets ``logit_bias``."""
+        if not self._biased:
+            return None
+        device = torch.device(device)
+        if self._bias_copies is None or self._bias_copies.device != device:
+            self._bias_copies = HostToDevice(device)
+        return logit_bias.batch_logit_bias(reqs, self._bias_copies)
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (no-op at TP 1;
         idempotent). The engine cannot step afterwards."""
@@ -343,7 +359,7 @@ class LLMEngine:
             # None for a latent model, whose ids were masked above (its graphs return none)
             mask = self.token_mask(sampling_reqs, logits.device)
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
-                                            mask)
+                                            mask, self.logit_bias(sampling_reqs, logits.device))
             latents = self.family.latent_inputs(sampling_reqs, logits, last_hidden, tokens)
             self.masks_ahead.wait()  # postprocess feeds the grammars
             outs = self.scheduler.postprocess(batch, tokens, latents)
@@ -374,19 +390,22 @@ class LLMEngine:
             self.prompt_logprobs.attach(outs)
         for o in (o for o in outs if o.finished):
             self._rids.discard(o.rid)
+            self._biased.discard(o.rid)
             if (st := o.latent_stats) is not None:
                 log.debug("latent head: req %s thinking=%s steps=%d stop_step=%s max_p=%s "
                           "end=%s", o.rid, st["thinking"], st["steps"], st["stop_step"],
                           st["max_stop_prob"], st["end"])
         return outs
 
-    def _sample(self, logits, reqs, greedy=None, mask=None) -> tuple[list[int], list]:
+    def _sample(self, logits, reqs, greedy=None, mask=None, bias=None
+                ) -> tuple[list[int], list]:
         """Tokens and logprobs, batched; row by row when that fails (a failing row gets
         token 0 and its rid in ``_failed``)."""
         if not reqs:
             return [], []
         try:
-            res = sampling.sample_with_logprobs(logits, reqs, greedy=greedy, mask=mask)
+            res = sampling.sample_with_logprobs(logits, reqs, greedy=greedy, mask=mask,
+                                                bias=bias)
             return res.tokens.tolist(), res.logprobs
         except Exception:  # noqa: BLE001 - find the failing rows below
             log.exception("batched sampling failed; sampling %d rows one by one", len(reqs))
@@ -396,7 +415,9 @@ class LLMEngine:
             try:
                 i = where.get(b)
                 one = None if i is None else TokenMask([0], mask.bits[i : i + 1])
-                res = sampling.sample_with_logprobs(logits[b : b + 1], [req], mask=one)
+                res = sampling.sample_with_logprobs(
+                    logits[b : b + 1], [req], mask=one,
+                    bias=None if bias is None else self.logit_bias([req], logits.device))
                 tokens.append(int(res.tokens[0]))
                 logprobs.append(res.logprobs[0])
             except Exception as exc:  # noqa: BLE001 - fails this request only

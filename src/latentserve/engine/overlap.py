@@ -132,10 +132,11 @@ def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None
     if not reqs:
         return torch.empty(0, dtype=torch.int64, device=logits.device), {}
     mask = engine.token_mask(reqs, logits.device, known)
+    bias = engine.logit_bias(reqs, logits.device)
     try:
         return sampling.sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
-                                    mask=mask).tokens, {}
+                                             mask=mask, bias=bias).tokens, {}
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
-        tokens, _ = engine._sample(logits, reqs, mask=mask)
+        tokens, _ = engine._sample(logits, reqs, mask=mask, bias=bias)
         failed = {r.rid: engine._failed.pop(r.rid) for r in reqs if r.rid in engine._failed}
         return torch.tensor(tokens, dtype=torch.int64, device=logits.device), failed

@@ -33,7 +33,7 @@ ACCEPTED = {
 # OpenAI's and vLLM's output-changing fields that are not implemented, with the values that
 # mean "not used" (served); per route, those that are not fields of its model.
 _OPENAI_REFUSED = {
-    "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+    "best_of": (None, 1), "suffix": (None, ""),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
     "function_call": (None, "none", "auto"),
     "prompt_logprobs": (None, 0),

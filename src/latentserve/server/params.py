@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.server.errors import APIError, param_from_value_error, short_repr
@@ -283,6 +284,21 @@ def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | No
     return found[0] if found else None
 
 
+def logit_bias(request: SamplingRequest) -> dict[int, float] | None:
+    """The body's ``logit_bias`` with its keys (token ids, decimal strings on the wire, as
+    OpenAI's ``{"50256": -100}``) as integers; ranges are ``SamplingParams``' check.
+    APIError (400 naming ``logit_bias``) for a key that is not an integer."""
+    if request.logit_bias is None:
+        return None
+    out = {}
+    for key, value in request.logit_bias.items():
+        if not re.fullmatch(r"-?[0-9]{1,20}", key):
+            raise APIError(f"logit_bias keys must be token ids (integers, as strings such as "
+                           f"\"50256\"), got {short_repr(key, 40)}", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
 def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_tokens: int,
                     state, logprobs: int | None = None, budget: int | None = None,
                     head: dict | None = None, prompt_logprobs: int | None = None,
@@ -319,6 +335,7 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
         return SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             stream_latent_steps=stream_latent_steps, structured_outputs=structured_outputs(request),
+            logit_bias=logit_bias(request),
             **_or_default(request, ("min_p", "repetition_penalty"), defaults),
             **_sent(request, _OPENAI_FIELDS),
             **shared_fields(request, request.stop, budget, defaults), **head)

@@ -88,6 +88,7 @@ class SamplingRequest(LatentFields):
     include_stop_str_in_output: bool | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
