@@ -92,3 +92,31 @@ def test_grammar_rows_filled_ahead_on_cuda_equal_the_rows_filled_in_the_step(tin
     for rid in want:
         if rid != "r5":
             assert got[rid] == want[rid], rid
+
+
+def test_logit_bias_on_cuda_equals_cpu_and_leaves_unbiased_rows_exact(tmp_path):
+    """``logit_bias`` through the CUDA graph and overlap path: +100 on an id makes greedy pick
+    it every step, the unbiased rows keep their tokens, and the biased rows' tokens equal the
+    CPU engine's (the packed int64/float64 copy, ``logit_bias.py``)."""
+    from latentserve import LLM, SamplingParams
+    from latentserve.bench.baseline.tiny_models import save_tiny
+
+    path = save_tiny(tmp_path / "m", "llama", word_tokenizer=True, vocab_size=VOCAB)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 11 + i]} for i in range(4)]
+    plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    forced = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                            logit_bias={700: 100.0})
+    mixed = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True,
+                           logit_bias={7: 5.0, 70: -100.0, 4000: 3.5})
+    outs = {}
+    for device in ("cuda", "cpu"):
+        llm = LLM(str(path), device=device, max_num_seqs=12)
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+        got = llm.generate(prompts * 3, [plain] * 4 + [forced] * 4 + [mixed] * 4,
+                           use_tqdm=False)
+        ids = [o.outputs[0].token_ids for o in got]
+        assert ids[:4] == alone
+        assert all(t == [700] * 10 for t in ids[4:8])
+        assert all(70 not in t for t in ids[8:])
+        outs[device] = ids[4:8]
+    assert outs["cuda"] == outs["cpu"]
