@@ -21,7 +21,8 @@ xfer_env; W=/tmp/stage1; mkdir -p "$W"
 D="$X/data/multiplication"
 gtests() {  # gtests TAG FILE...: pytest with a full log and junit xml in $OUT
   local tag="$1"; shift
-  timeout "${T_TESTS:-540}" python3 -m pytest -n 0 -m gpu -v -p no:cacheprovider \
+  # SIGINT at the limit: pytest then prints the failures so far (a kill prints none)
+  timeout -s INT -k 20 "${T_TESTS:-540}" python3 -m pytest -n 0 -m gpu -v -p no:cacheprovider \
     --junitxml="$OUT/gpu_tests_$tag.xml" "$@" > "$OUT/gpu_tests_$tag.log" 2>&1
   echo "rc $?"; grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu_tests_$tag.log" | grep -c PASSED
   grep -E "FAILED|ERROR" "$OUT/gpu_tests_$tag.log" | head -20; tail -3 "$OUT/gpu_tests_$tag.log"

@@ -115,8 +115,8 @@ def test_logit_bias_on_cuda_equals_cpu_and_leaves_unbiased_rows_exact(tmp_path):
         got = llm.generate(prompts * 3, [plain] * 4 + [forced] * 4 + [mixed] * 4,
                            use_tqdm=False)
         ids = [o.outputs[0].token_ids for o in got]
-        assert ids[:4] == alone
-        assert all(t == [700] * 10 for t in ids[4:8])
-        assert all(70 not in t for t in ids[8:])
+        assert ids[:4] == alone, (device, ids[:4], alone)
+        assert all(t == [700] * 10 for t in ids[4:8]), (device, ids[4:8])
+        assert all(70 not in t for t in ids[8:]), (device, ids[8:])
         outs[device] = ids[4:8]
     assert outs["cuda"] == outs["cpu"]
