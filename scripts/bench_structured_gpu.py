@@ -9,10 +9,10 @@ scheduling on, the CUDA default), ``plain_sync`` (overlap off), ``allowed`` and
 ``min_tokens`` (static masks), ``json`` and ``regex`` (a grammar per request; its row
 filled in the step that samples it, after that step's forward is launched). ``--sampling``:
 every request at temperature 1 with ``seed=i`` (``seeded``, the default), at temperature 1
-without a seed (``unseeded``) or at temperature 0 (``greedy``). Two engines (overlap on and off) are built
-once and warmed with one pass of every variant; then ``--rounds`` rounds each run every
-variant once, in order, so that a slow stretch of the host hits every variant. Prints one
-JSON object and writes it to ``--out``; docs/server.md quotes it::
+without a seed (``unseeded``) or at temperature 0 (``greedy``). Two engines (overlap on and
+off) are built once and warmed with one pass of every variant; then ``--rounds`` rounds each
+run every variant once, in order, so that a slow stretch of the host hits every variant.
+Prints one JSON object and writes it to ``--out``; docs/server.md quotes it::
 
     {"device": str, "batch": int, "rounds": int, "model": str, "sampling": str,
      "rows": [{"variant": str,
