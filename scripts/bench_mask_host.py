@@ -8,16 +8,9 @@ tokens, the ``[batch, 1536] int32`` bitmask is filled, the host buffer the devic
 is written, and finalizing the previous batch checks the grammars' end
 (``Scheduler._finish_reason``). Prints one JSON object per kind: the median and mean step
 in ms over the steps of ``--walks`` walks, and a breakdown (ms per step, from cProfile's
-``tottime`` of a separate walk, so its total is inflated by the profiler). Then the same
-with the grammar rows filled ahead (``mask_ahead.MasksAhead``, started when the tokens are
-pending): the engine thread's part only (start, waiting for the worker, the bitmask from
-the rows, the end check), with ``--between-ms`` of other host work between start and take
-that sleeps, spins in Python with a torch op every 100 us, or spins in Python only
-(``sleep``, ``torch``, ``python``: see ``_between``), and the time waited for the worker per
-step.
+``tottime`` of a separate walk, so its total is inflated by the profiler).
 
     python scripts/bench_mask_host.py [--batch 64] [--walks 5] [--kinds json,regex]
-        [--between sleep,torch,python] [--between-ms 5]
 """
 
 import argparse
@@ -88,11 +81,9 @@ class Harness:
             reqs.append(r)
         return reqs
 
-    def walk(self, reqs, steps: int, times: list[float] | None, ahead=None,
-             between=None) -> None:
-        """``ahead``: a ``MasksAhead`` started when the tokens are pending and taken by the
-        bitmask (else the rows are filled in the timed part); ``between``: the rest of the
-        host's step, run untimed between the two."""
+    def walk(self, reqs, steps: int, times: list[float] | None) -> None:
+        """``steps`` overlapped steps of ``reqs``, each step's mask work timed into ``times``
+        (s; None: untimed); asserts each next answer token is allowed by its step's mask."""
         import torch
 
         from latentserve.engine import overlap
@@ -111,15 +102,8 @@ class Harness:
             prev = Launched(None, None, [(r, s, None, False) for r in reqs], host, host, None,
                             {}, {})
             t0 = time.perf_counter()
-            if ahead is not None:  # overlap.step, after advance_launched
-                ahead.start([(r, s) for r in reqs], host)
-            t_between = time.perf_counter()
-            if between is not None:
-                between()
-            t0 += time.perf_counter() - t_between  # untimed
             known = overlap._known(reqs, prev)
-            filled = None if ahead is None else ahead.take()
-            rows, mask = batch_bitmask(reqs, vocab, known, staging, filled)  # the pinned buffer
+            rows, mask = batch_bitmask(reqs, vocab, known, staging)  # the pinned buffer
             # finalize batch s: the grammar's end check of Scheduler._finish_reason
             for r, tok in zip(reqs, host.tolist()):
                 r.output_ids[s] = tok
@@ -135,43 +119,11 @@ class Harness:
                 assert all(ok), (s, ok)
 
 
-def _between(kind: str, ms: float):
-    """The rest of a step's host work, ``ms`` long: ``sleep`` (the GIL free, as in a wait for
-    the device), ``torch`` (Python with a small torch op, which frees the GIL, every 100 us,
-    as in building and launching a forward) or ``python`` (pure Python holding the GIL but
-    for the interpreter's forced switches: the worker's worst case)."""
-    import torch
-
-    if kind == "sleep":
-        return lambda: time.sleep(ms / 1e3)
-    x = torch.zeros(4)
-
-    def spin():
-        end = time.perf_counter() + ms / 1e3
-        op = time.perf_counter() + 1e-4
-        while (now := time.perf_counter()) < end:
-            if kind == "torch" and now >= op:
-                x.add_(1)
-                op = now + 1e-4
-
-    return spin
-
-
-def run(tok, kind: str, batch: int, n_walks: int, length: int, between: list[str],
-        between_ms: float) -> dict:
-    from latentserve.mask_ahead import MasksAhead
-
+def run(tok, kind: str, batch: int, n_walks: int, length: int) -> dict:
     answers = walks(tok, kind, batch, length)
     steps = min(len(a) for a in answers) - 1
     h = Harness(tok, kind, answers)
     h.walk(h.fresh(), steps, None)  # warm: the compiled grammar's cache
-    ahead_ms = {}
-    for b in between:  # the same steps with the rows filled ahead, around `b` of other work
-        ahead, t = MasksAhead(h.vocab), []
-        for _ in range(n_walks):
-            h.walk(h.fresh(), steps, t, ahead, _between(b, between_ms))
-        ahead_ms[b] = {"step_ms_median": round(statistics.median(t) * 1e3, 3),
-                       "waited_ms_per_step": round(ahead.waited / len(t) * 1e3, 3)}
     times: list[float] = []
     for _ in range(n_walks):
         h.walk(h.fresh(), steps, times)
@@ -186,7 +138,6 @@ def run(tok, kind: str, batch: int, n_walks: int, length: int, between: list[str
     return {"kind": kind, "batch": batch, "steps_per_walk": steps, "walks": n_walks,
             "step_ms_median": round(statistics.median(times) * 1e3, 3),
             "step_ms_mean": round(statistics.mean(times) * 1e3, 3),
-            f"ahead_around_{between_ms:g}ms": ahead_ms,
             "profile_ms_per_step": {name: round(t / steps * 1e3, 3) for t, name in top}}
 
 
@@ -196,17 +147,13 @@ def main():
     ap.add_argument("--walks", type=int, default=5)
     ap.add_argument("--length", type=int, default=96)
     ap.add_argument("--kinds", default="json,regex")
-    ap.add_argument("--between", default="sleep,torch,python",
-                    help="what runs between a fill ahead's start and take (empty: none)")
-    ap.add_argument("--between-ms", type=float, default=5.0)
     args = ap.parse_args()
     from latentserve.models.checkpoint import load_tokenizer, resolve_model_dir
 
     tok = load_tokenizer(resolve_model_dir(None))
     for kind in args.kinds.split(","):
-        print(json.dumps(run(tok, kind, args.batch, args.walks, args.length,
-                             [b for b in args.between.split(",") if b], args.between_ms),
-                         indent=1), flush=True)
+        print(json.dumps(run(tok, kind, args.batch, args.walks, args.length), indent=1),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -6,15 +6,13 @@ serves ``--batch`` concurrent requests per variant; the engine's ``step()`` is t
 device sync between steps) and the median over the steps where every request decodes (all
 ``--batch`` running, no prefill) is the variant's round median. Variants: ``plain`` (overlap
 scheduling on, the CUDA default), ``plain_sync`` (overlap off), ``allowed`` and
-``min_tokens`` (static masks), ``json`` and ``regex`` (a grammar per request; its next row
-filled by a worker thread while the step returns and the next forward is launched,
-``mask_ahead.py``), ``json_noahead`` and ``regex_noahead`` (the same with the rows filled in
-the step that samples them, after its forward is launched). ``--sampling``: every request
-at temperature 1 with ``seed=i`` (``seeded``, the default), at temperature 1 without a seed
-(``unseeded``) or at temperature 0 (``greedy``). Two engines (overlap on and off) are built
-once and warmed with one pass of every variant; then ``--rounds`` rounds each run every
-variant once, in order, so that a slow stretch of the host hits every variant. Prints one
-JSON object and writes it to ``--out``; docs/server.md quotes it::
+``min_tokens`` (static masks), ``json`` and ``regex`` (a grammar per request; its row
+filled in the step that samples it, after that step's forward is launched). ``--sampling``:
+every request at temperature 1 with ``seed=i`` (``seeded``, the default), at temperature 1
+without a seed (``unseeded``) or at temperature 0 (``greedy``). Two engines (overlap on and
+off) are built once and warmed with one pass of every variant; then ``--rounds`` rounds each
+run every variant once, in order, so that a slow stretch of the host hits every variant.
+Prints one JSON object and writes it to ``--out``; docs/server.md quotes it::
 
     {"device": str, "batch": int, "rounds": int, "model": str, "sampling": str,
      "rows": [{"variant": str,
@@ -24,7 +22,8 @@ JSON object and writes it to ``--out``; docs/server.md quotes it::
                "step_ms_mean": float,        # mean step over all rounds' steps
                "thread_cpu_round_ms": [...], # each round's median CPU time of the
                "thread_cpu_ms_median": float,  # engine's thread per step (its own work,
-                                             # not a worker's; CUDA's spin-waits count)
+                                             # not xgrammar's threads'; CUDA's spin-waits
+                                             # count)
                "vs_plain": float,            # step_ms_median / plain's step_ms_median
                "cpu_vs_plain": float}]}      # the same for thread_cpu_ms_median
 
@@ -75,8 +74,6 @@ EXTRA = {"plain": {}, "plain_sync": {},
          "min_tokens": {"min_tokens": None},  # max_tokens, filled in
          "json": {"structured_outputs": {"json": SCHEMA}},
          "regex": {"structured_outputs": {"regex": "[a-z ,.]+"}}}
-for _g in ("json", "regex"):  # the grammar rows filled in the step that samples them
-    EXTRA[f"{_g}_noahead"] = EXTRA[_g]
 
 
 def build_engine(model_dir: Path, batch: int, overlap: bool, device: str):
@@ -103,7 +100,6 @@ def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling:
     from latentserve.sampling_params import SamplingParams
 
     extra = dict(EXTRA[name])
-    eng.masks_ahead.enabled = not name.endswith("_noahead")
     if "min_tokens" in extra:
         extra["min_tokens"] = max_tokens
     for i in range(batch):
@@ -113,11 +109,9 @@ def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling:
                         params)
     times: list[float] = []
     cpu: list[float] = []
-    waited, steps = eng.masks_ahead.waited, 0
     _sync()
     t0, c0 = time.perf_counter(), time.thread_time()
     while eng.has_unfinished_requests():
-        steps += 1
         # NOTE: no device sync between steps (it would undo overlap scheduling): a step's
         # time is the wall time between step boundaries, in the steady state
         full = (len(eng.scheduler.running) == batch and not eng.scheduler.waiting
@@ -129,9 +123,6 @@ def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling:
             cpu.append(c1 - c0)
         t0, c0 = t1, c1
     _sync()
-    if name in ("json", "regex"):  # the engine's thread waiting for the rows filled ahead
-        print(json.dumps({"variant": name, "waited_for_masks_ms_per_step":
-                          _ms((eng.masks_ahead.waited - waited) / steps)}), flush=True)
     return times, cpu
 
 
@@ -148,8 +139,7 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="plain,allowed,min_tokens,json,regex,json_noahead,"
-                                          "regex_noahead,plain_sync")
+    ap.add_argument("--variants", default="plain,allowed,min_tokens,json,regex,plain_sync")
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -187,18 +186,14 @@ class RequestMask:
         i = start + self.grammar_from + self.consumed
         while i < stop and self.grammar_on:
             t = patch[1] if patch is not None and i == patch[0] else ids[i]
-            self.took(t, self.matcher.accept_token(t))
+            self.consumed += 1
+            if not self.matcher.accept_token(t):
+                log.warning("the grammar refused answer token %d; it is no longer applied to "
+                            "this request", t)
+                self.failed = True
+            elif t in self._stops:
+                self.terminated = self.matcher.is_terminated()
             i += 1
-
-    def took(self, t: int, accepted: bool) -> None:
-        """Account for answer token ``t`` just fed to the matcher (``accepted``: its answer)."""
-        self.consumed += 1
-        if not accepted:
-            log.warning("the grammar refused answer token %d; it is no longer applied to this "
-                        "request", t)
-            self.failed = True
-        elif t in self._stops:
-            self.terminated = self.matcher.is_terminated()
 
     def restricts(self, n: int) -> bool:
         """Whether :meth:`restrict` changes a row at answer length ``n``."""
@@ -238,16 +233,6 @@ def _patched(ids: list[int], start: int, stop: int, patch: tuple[int, int] | Non
     return answer
 
 
-def accept_each(masks: list[RequestMask], tokens: list[int]) -> None:
-    """Feed ``tokens[i]`` to ``masks[i]``'s matcher (distinct masks, grammars on), in one
-    xgrammar call that runs without the GIL."""
-    import xgrammar
-
-    ok = xgrammar.BatchGrammarMatcher.batch_accept_token([m.matcher for m in masks], tokens)
-    for m, t, accepted in zip(masks, tokens, ok):
-        m.took(t, accepted)
-
-
 def _clear_padding(bits: np.ndarray, vocab_size: int) -> None:
     """Clear the bits past ``vocab_size`` in every row of ``bits`` (``[M, W] int32``;
     xgrammar leaves them set)."""
@@ -255,7 +240,8 @@ def _clear_padding(bits: np.ndarray, vocab_size: int) -> None:
         bits.view(np.uint32)[:, -1] &= np.uint32((1 << (vocab_size % 32)) - 1)
 
 
-def new_batcher():
+@functools.cache
+def _batcher():
     """xgrammar's ``BatchGrammarMatcher`` on half this process's CPUs, at most 8 threads (its
     fill runs without the GIL)."""
     import os
@@ -266,27 +252,12 @@ def new_batcher():
     return xgrammar.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
 
 
-_batcher = functools.cache(new_batcher)  # the engine thread's
-
-
-@dataclass(slots=True)
-class FilledRows:
-    """Grammar rows filled before the step that uses them (``mask_ahead.MasksAhead``):
-    ``bits``: ``[N, W] int32`` (padding bits as xgrammar leaves them); ``rows``: ``id(req) ->
-    (req, index in bits, the matcher's consumed count when filled)``."""
-
-    bits: np.ndarray
-    rows: dict
-
-
-def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
-                  ahead: FilledRows | None = None):
+def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None):
     """``(rows, bits)`` for the requests of ``reqs`` with a ``constraint``: ``bits[i]`` (an
     ``[M, W] int32`` CPU tensor, written into ``out[:M]`` when given) is ``reqs[rows[i]]``'s
     mask; None when none has one. ``known``: ``id(req) -> (index, token)`` for a pending id
-    whose token is on the host (overlap mode). ``ahead``: grammar rows already filled
-    (``mask_ahead.MasksAhead.take``), each used while its matcher has taken no token since;
-    the other grammars fill in one threaded xgrammar call."""
+    whose token is on the host (overlap mode). Each grammar is fed its unseen answer tokens,
+    then the grammars fill in one threaded xgrammar call; O(batch + new tokens) per step."""
     import torch
 
     rows = [b for b, r in enumerate(reqs) if r.constraint is not None]
@@ -295,7 +266,7 @@ def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
     bits = (torch.empty(len(rows), bitmask_width(vocab_size), dtype=torch.int32)
             if out is None else out[: len(rows)])
     arr = bits.numpy()
-    gi, others, matchers, done, src = [], [], [], [], []
+    gi, others, matchers = [], [], []
     for i, b in enumerate(rows):
         r = reqs[b]
         c = r.constraint
@@ -303,24 +274,18 @@ def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
             patch = None if known is None else known.get(id(r))
             c.watch(r.output_ids, r.answer_start, patch)
             c.sync(r.output_ids, r.answer_start, None, patch)
-        pre = None if ahead is None else ahead.rows.get(id(r))
-        if not c.grammar_on:
-            others.append(i)
-        elif pre is not None and pre[0] is r and pre[2] == c.consumed:
-            done.append(i)  # NOTE: the matcher's state then is its state now
-            src.append(pre[1])
-        else:
+        if c.grammar_on:
             gi.append(i)
             matchers.append(c.matcher)
+        else:
+            others.append(i)
     if others:
         arr[others] = -1
-    if done:
-        arr[done] = ahead.bits[src]
     if len(gi) > 1:
         _batcher().batch_fill_next_token_bitmask(matchers, bits, gi)
     elif gi:
         matchers[0].fill_next_token_bitmask(bits, gi[0])
-    if gi or done:
+    if gi:
         _clear_padding(arr, vocab_size)  # harmless on the all-ones rows
     for i, b in enumerate(rows):
         r = reqs[b]

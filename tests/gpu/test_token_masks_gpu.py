@@ -1,7 +1,6 @@
 """Token masks on CUDA: the bitmask applied on the device (xgrammar's Triton kernel) equals
 the CPU result, the engine's graph and overlap paths keep masked rows inside their masks
-and unmasked rows exact, and grammar rows filled ahead give the tokens of rows filled in
-the step."""
+and unmasked rows exact, and overlapped grammar rows hold their grammars."""
 
 import dataclasses
 
@@ -46,54 +45,59 @@ def test_engine_on_cuda_keeps_masks_and_unmasked_rows_exact(tmp_path):
         assert len(o.outputs[0].token_ids) == 12 and set(o.outputs[0].token_ids) <= set(allowed)
 
 
-def test_grammar_rows_filled_ahead_on_cuda_equal_the_rows_filled_in_the_step(tiny_dirs,
-                                                                            monkeypatch):
-    """Overlapped on CUDA (graphs; the worker waits for the tokens' event): grammars, a
-    static mask and plain rows, greedy and seeded, with an abort mid-grammar, get the same
-    tokens with the grammar rows filled ahead (``mask_ahead.py``) as filled in the step, and
-    the rows filled ahead are used."""
+def test_overlapped_grammar_rows_on_cuda_hold_their_grammars(tiny_dirs, monkeypatch):
+    """Overlapped on CUDA (graphs; a grammar's rows wait for the previous tokens' event and
+    are filled in the step): grammars, a static mask and plain rows, greedy and seeded, with
+    an abort mid-grammar; every grammar row's tokens are accepted by a fresh matcher, the
+    static rows stay in their ids, the masks were built from pending ids, no KV slot
+    leaks."""
     pytest.importorskip("xgrammar")
     from latentserve import token_masks
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
     from latentserve.sampling_params import SamplingParams
-    from tests.support.mask_hits import counting
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"},
                                                "b": {"type": "string", "maxLength": 5}},
               "required": ["a", "b"]}
+    allowed = [11, 257, 1000]
     kinds = [{"temperature": 0}, {"structured_outputs": {"json": schema}},
              {"structured_outputs": {"regex": "[a-z]{2,5}( [a-z]{2,5}){0,5}"}},
-             {"allowed_token_ids": [11, 257, 1000], "min_tokens": 4}]
+             {"allowed_token_ids": allowed, "min_tokens": 4}]
     params = [SamplingParams(max_tokens=24, **k, **({} if "temperature" in k else
                                                      {"temperature": 1.0, "seed": j}
                                                      if j % 2 else {"temperature": 0}))
               for j, k in enumerate(kinds * 4)]
-    results = []
-    for ahead in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), device="cuda",
-                                        max_num_seqs=16, kv_slots=16 * 512))
-        assert engine.config.use_overlap_schedule
-        engine.masks_ahead.enabled = ahead
-        used: list[int] = []
-        monkeypatch.setattr(token_masks, "batch_bitmask", counting(used))
-        for i, p in enumerate(params):
-            engine.add_request(f"r{i}", [1 + (i * 13 + k) % 900 for k in range(9 + i)], p)
-        out: dict = {f"r{i}": [] for i in range(len(params))}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                out[o.rid].extend(o.new_token_ids)
-                if o.finished:
-                    out[o.rid].append(o.finish_reason)
-            if len(out["r5"]) >= 3 and "abort" not in out["r5"]:
-                engine.abort_request("r5")
-        results.append(out)
-        assert (sum(used) > 0) is ahead
-    want, got = results
-    assert want["r5"][-1] == got["r5"][-1] == "abort"
-    for rid in want:
-        if rid != "r5":
-            assert got[rid] == want[rid], rid
+    engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), device="cuda",
+                                    max_num_seqs=16, kv_slots=16 * 512))
+    assert engine.config.use_overlap_schedule
+    real, pending = token_masks.batch_bitmask, []
+
+    def batch_bitmask(reqs, vocab_size, known=None, out=None):
+        pending.append(known is not None)
+        return real(reqs, vocab_size, known, out)
+
+    monkeypatch.setattr(token_masks, "batch_bitmask", batch_bitmask)
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", [1 + (i * 13 + k) % 900 for k in range(9 + i)], p)
+    out: dict = {f"r{i}": [[], None] for i in range(len(params))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.rid][0].extend(o.new_token_ids)
+            if o.finished:
+                out[o.rid][1] = o.finish_reason
+        if len(out["r5"][0]) >= 3 and out["r5"][1] is None:
+            engine.abort_request("r5")
+    engine.cache.check_idle()
+    assert any(pending)
+    assert out["r5"][1] == "abort"
+    for (toks, reason), p in zip(out.values(), params):
+        assert toks and reason is not None
+        if p.structured_outputs is not None:
+            matcher = engine.grammars.matcher(p.structured_outputs)
+            assert all(matcher.accept_token(t) for t in toks), toks
+        elif p.allowed_token_ids is not None:
+            assert set(toks) <= set(allowed)
 
 
 def test_logit_bias_on_cuda_forces_ids_and_leaves_unbiased_rows_exact(tmp_path):

@@ -32,7 +32,6 @@ from latentserve.kvcache.pool import KVPool
 from latentserve.kvcache.radix import RadixCache
 from latentserve.latent.family import family_for
 from latentserve.latent.spec import cap_budget
-from latentserve.mask_ahead import MasksAhead
 from latentserve.models import layers  # by module: tests patch its row bounds
 from latentserve.models.checkpoint import (
     NoTokenizer,
@@ -163,8 +162,6 @@ class LLMEngine:
         self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
         self._bias_copies: Any = None  # staging.HostToDevice of the logit bias, first use
         self._biased: set[str] = set()  # live requests that set logit_bias
-        # grammar rows of the next step, filled while this one returns (thread on first use)
-        self.masks_ahead = MasksAhead(self.vocab_size)
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         self.prompt_logprobs = PromptLogprobTracker()
@@ -295,8 +292,7 @@ class LLMEngine:
         if self._mask_copies is None or self._mask_copies.device != device:
             self._mask_copies = BitmaskToDevice(device)
         out = self._mask_copies.host(len(reqs), bitmask_width(self.vocab_size))
-        rows, bits = token_masks.batch_bitmask(reqs, self.vocab_size, known, out,
-                                               self.masks_ahead.take())
+        rows, bits = token_masks.batch_bitmask(reqs, self.vocab_size, known, out)
         return TokenMask(rows, self._mask_copies.copy(bits))
 
     def logit_bias(self, reqs: list[Req], device):
@@ -361,9 +357,7 @@ class LLMEngine:
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
                                             mask, self.logit_bias(sampling_reqs, logits.device))
             latents = self.family.latent_inputs(sampling_reqs, logits, last_hidden, tokens)
-            self.masks_ahead.wait()  # postprocess feeds the grammars
             outs = self.scheduler.postprocess(batch, tokens, latents)
-            self.masks_ahead.start([(r, None) for r in sampling_reqs])
             by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}
             for o in outs:
                 if (lp := by_rid.get(o.rid)) is not None and o.new_token_ids == [lp.token_id]:

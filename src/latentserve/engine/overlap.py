@@ -74,9 +74,6 @@ def step(engine) -> list:
             launched.pending = sched.advance_launched(batch, latents)
             launched.src = {id(r): j for j, (r, i, _, _) in enumerate(launched.pending)
                             if i is not None}
-            # the next step's grammar rows, once this batch's tokens are on the host
-            engine.masks_ahead.start([(r, i) for r, i, _, _ in launched.pending],
-                                     launched.host, launched.event)
 
 
 def _launch(engine, batch, prev: Launched | None) -> Launched:
@@ -101,7 +98,6 @@ def finish(engine, launched: Launched) -> list:
     if launched.event is not None:
         launched.event.synchronize()
     tokens = launched.host.tolist()
-    engine.masks_ahead.wait()  # finalizing feeds the grammars
     for req, _, _, _ in launched.pending:
         if req.rid in launched.failed and req.status is not ReqStatus.FINISHED:
             engine._failed[req.rid] = launched.failed[req.rid]
