@@ -1,6 +1,9 @@
 # Sourced by scripts/stage{1,2,3}_gpu.sh: the embedded GGUF and the data travel to the device
 # in parts (the tree that travels is at most 64 MiB and the tracked tree is ~49 MB with the
 # shipped adapters). XFER_PARTS (default 7) = how many parts; each call carries one.
+# Fewer, larger parts: move the tracked binaries the run does not read out of the working
+# tree for the session (`rm` the stage-0 adapters and docs/results/*.safetensors, ~26 MB;
+# `git checkout -- models docs/results` afterwards) and use XFER_PARTS=3.
 # xfer_pack (here): .xfer/p1..pN (GGUF pieces; p1 also the gguf wheel and the data sets
 #   named in XFER_DATA, default multiplication: all of shared/data would put p1 over the
 #   limit; stage 1's GSM8K track wants XFER_DATA="multiplication gsm8k" and more parts).
