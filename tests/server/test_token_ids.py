@@ -98,6 +98,16 @@ def test_completion_truncation_keeps_the_last_k_ids(client, model, smollm2_token
     assert ids.choices[0].prompt_token_ids == full[-2:] and ids.usage.prompt_tokens == 2
 
 
+def test_ids_are_checked_after_the_cut_as_vllm_does(client, model):
+    """An out-of-vocabulary id that truncation drops is no error; one it keeps is a 400."""
+    r = client.completions.create(model=model, prompt=[[10**6, 5, 6]], max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 2})
+    assert r.usage.prompt_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="prompt token ids must be in"):
+        client.completions.create(model=model, prompt=[[5, 10**6]], max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 2})
+
+
 def test_truncation_lets_a_prompt_over_the_context_run(client, model):
     r = client.completions.create(model=model, prompt=[[7] * (MAX_MODEL_LEN + 40)],
                                   max_tokens=2, extra_body={"truncate_prompt_tokens": 16})

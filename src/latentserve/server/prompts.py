@@ -221,8 +221,8 @@ def prompt_truncation(body, max_model_len: int) -> int | None:
 def completion_prompts(tokenizer, prompts: list, vocab_size: int | None, max_model_len: int,
                        keep: int | None = None) -> list[tuple[list[int], str | None]]:
     """One ``(token_ids, text)`` per prompt of :func:`prompt_list` (``text`` None for token
-    ids, or text cut to its last ``keep`` tokens). APIError (400) for an empty prompt or an id
-    out of range."""
+    ids, or text cut to its last ``keep`` tokens). APIError (400) for an empty prompt or a kept
+    id out of range."""
     limit = vocab_size or len(tokenizer)
     out = []
     for p in prompts:
@@ -232,13 +232,14 @@ def completion_prompts(tokenizer, prompts: list, vocab_size: int | None, max_mod
             ids, text = (tokenizer.encode(p) if p else []), p
         else:
             ids, text = list(p), None
-            if bad := [t for t in ids if not 0 <= t < limit]:
-                raise APIError(f"prompt token ids must be in [0, {limit}), got {bad[0]}",
-                               param="prompt")
         if not ids:
             raise APIError("prompt must not be empty", param="prompt")
         if keep is not None and len(ids) > keep:
             ids, text = ids[-keep:], None
+        # ids given: checked after the cut, as vLLM does
+        if not isinstance(p, str) and (bad := [t for t in ids if not 0 <= t < limit]):
+            raise APIError(f"prompt token ids must be in [0, {limit}), got {bad[0]}",
+                           param="prompt")
         out.append((ids, text))
     return out
 
