@@ -149,8 +149,7 @@ def test_finished_requests_leave_the_engine_unbiased(llm):
 
 
 def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
+    from tests.support.overlap_runs import sync_and_overlapped
 
     params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
@@ -159,21 +158,8 @@ def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
                              logit_bias={11: 3.0, 1000: -100.0}),
               SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
                              logit_bias={11: 4.0}, allowed_token_ids=[11, 12, 13])]
-    results = []
-    for overlap in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]),
-                                        overlap_schedule=overlap))
-        seen, run = [], engine.runner.run
-        engine.runner.run = lambda batch, pending=None: (
-            seen.append(pending is not None), run(batch, pending))[1]  # noqa: B023 - its own
-        for i, sp in enumerate(params):
-            engine.add_request(f"r{i}", [1 + i, 50 + i, 700 + i], sp)
-        out = {f"r{i}": [] for i in range(len(params))}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                out[o.rid].extend(o.new_token_ids)
-        results.append(out)
-        assert any(seen) is overlap
+    prompts = [[1 + i, 50 + i, 700 + i] for i in range(len(params))]
+    results = sync_and_overlapped(tiny_dirs["llama"], prompts, params)
     assert results[0] == results[1]
     assert results[0]["r1"] == [257] * 8 and set(results[0]["r3"]) == {11}
 

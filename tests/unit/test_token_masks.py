@@ -336,8 +336,7 @@ def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
     """Masks under overlap scheduling (engine/overlap.py): static ones are built before the
     previous token is on the host, bad words and grammars after it; every request gets the
     tokens of the synchronous engine, and the steps stay overlapped."""
-    from latentserve.config import EngineConfig
-    from latentserve.engine.llm_engine import LLMEngine
+    from tests.support.overlap_runs import sync_and_overlapped
 
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=1.0, seed=1,
@@ -348,21 +347,7 @@ def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
               SamplingParams(max_tokens=12, temperature=1.0, seed=3,
                              structured_outputs={"regex": "[a-z]{2,5}( [a-z]{2,5}){0,3}"})]
     prompts = [[1 + i, 50 + i, 700 + i] for i in range(len(params))]
-    results = []
-    for overlap in (False, True):
-        engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]),
-                                        overlap_schedule=overlap))
-        seen, run = [], engine.runner.run
-        engine.runner.run = lambda batch, pending=None: (
-            seen.append(pending is not None), run(batch, pending))[1]  # noqa: B023 - its own
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            engine.add_request(f"r{i}", p, sp)
-        out = {f"r{i}": [] for i in range(len(params))}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                out[o.rid].extend(o.new_token_ids)
-        results.append(out)
-        assert any(seen) is overlap
+    results = sync_and_overlapped(tiny_dirs["llama"], prompts, params)
     assert results[0] == results[1]
 
 
