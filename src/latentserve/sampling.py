@@ -10,6 +10,7 @@ import torch
 
 from latentserve.core import Req
 from latentserve.outputs import TokenLogprob
+from latentserve.staging import to_device
 
 
 @dataclass(slots=True)
@@ -64,17 +65,20 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
         greedy = None
     penalized = [b for b, r in enumerate(reqs) if r.params.has_penalties]
     if penalized:
-        rows = torch.tensor(penalized, device=logits.device)
+        rows = to_device(penalized, torch.long, logits.device)
         logits = logits.clone() if logits is raw else logits
         logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized])
     out = greedy if greedy is not None and not penalized else greedy_tokens(logits)
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
     if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
-        probs = _filtered_probs(logits[rows], [reqs[b].params for b in sampled])
+        every = len(sampled) == len(reqs)  # no index ops (the usual batch)
+        idx = None if every else to_device(sampled, torch.long, logits.device)
+        probs = _filtered_probs(logits if idx is None else logits[idx],
+                                [reqs[b].params for b in sampled])
+        drawn = greedy_tokens(probs.div_(_exponentials(
+            probs, [reqs[b].generator for b in sampled], generator)))
         # out of place: ``greedy`` may be a static graph buffer
-        out = out.index_copy(0, rows, greedy_tokens(probs.div_(_exponentials(
-            probs, [reqs[b].generator for b in sampled], generator))))
+        out = drawn if idx is None else out.index_copy(0, idx, drawn)
     return SamplerOutput(out, _logprobs(raw, out, reqs))
 
 
@@ -99,7 +103,7 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
     if len(mask.rows) == out.shape[0] and mask.rows == list(range(out.shape[0])):
         _apply_bitmask(out, mask.bits)
         return out
-    rows = torch.tensor(mask.rows, dtype=torch.long, device=logits.device)
+    rows = to_device(mask.rows, torch.long, logits.device)
     sub = out.index_select(0, rows)
     _apply_bitmask(sub, mask.bits)
     return out.index_copy_(0, rows, sub)
@@ -208,16 +212,18 @@ def score_tokens(logits: torch.Tensor, targets: torch.Tensor, ks: list[int]
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
-    logits = logits / temp
+    temps = [p.temperature for p in params]
+    # one temperature for all (the usual case) is filled on the device: no copy
+    logits = logits / (torch.full((1, 1), temps[0], dtype=torch.float32, device=dev)
+                       if len(set(temps)) == 1 else to_device(temps, torch.float32, dev)[:, None])
     top_k = [p.top_k for p in params]
     if any(k > 0 for k in top_k):
         vocab = logits.shape[-1]
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+        k = to_device([k if 0 < k < vocab else vocab for k in top_k], torch.long, dev)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1 for p in params):  # decided on the host: no wait for the device
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the mass before it already reaches p. The first token is always
@@ -228,7 +234,7 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
         logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_logits)
     probs = logits.softmax(-1)
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=dev)
+        min_p = to_device([p.min_p for p in params], torch.float32, dev)
         keep = probs >= min_p[:, None] * probs.max(-1, keepdim=True).values
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)

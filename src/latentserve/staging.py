@@ -9,6 +9,22 @@ from array import array
 import torch
 
 
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` (a sequence of numbers, or a CPU tensor) as a 1-D ``dtype`` tensor on
+    ``device``, queued without waiting for the device. On CUDA the bytes go through a pinned
+    block of torch's caching host allocator, which holds the block until its copy is done;
+    ``torch.tensor(values, device="cuda")`` would be a pageable copy, which waits for all the
+    work queued on the stream (the forward that overlap scheduling runs meanwhile)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.as_tensor(values, dtype=dtype).to(device)
+    if isinstance(values, torch.Tensor):
+        host = values.to(dtype).pin_memory()
+    else:
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)
+
+
 class _Ring:
     """``slots`` pinned int64 buffers (grown on demand) and the event of each one's last
     copy."""

@@ -7,7 +7,7 @@ from array import array
 import pytest
 import torch
 
-from latentserve.staging import DeviceToHost, HostToDevice
+from latentserve.staging import DeviceToHost, HostToDevice, to_device
 
 
 def test_host_to_device_on_the_cpu_copies_the_values():
@@ -57,3 +57,11 @@ def test_side_stream_is_a_plain_copy_on_the_cpu():
     host, event = DeviceToHost(side_stream=True).copy(src)
     src.fill_(0)
     assert host.tolist() == [4, 5] and event is None
+
+
+@pytest.mark.parametrize("values", [[3, 1, 2], torch.tensor([3, 1, 2])])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bool])
+def test_to_device_on_the_cpu_gives_the_values_in_the_dtype(values, dtype):
+    out = to_device(values, dtype, "cpu")
+    assert out.dtype == dtype and out.device.type == "cpu"
+    assert out.tolist() == torch.tensor([3, 1, 2]).to(dtype).tolist()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from latentserve.attention.base import AttentionBackend, BatchLayout
+from latentserve.staging import to_device
 
 
 @dataclass(slots=True)
@@ -38,8 +39,8 @@ class TorchBackend(AttentionBackend):
     def prepare(self, layout: BatchLayout, page_table: torch.Tensor) -> TorchMeta:
         dev = page_table.device
         q_max, k_max = max(layout.q_lens), max(layout.kv_lens)
-        q = torch.tensor(layout.q_lens, device=dev)
-        kv = torch.tensor(layout.kv_lens, device=dev)
+        q = to_device(layout.q_lens, torch.int64, dev)
+        kv = to_device(layout.kv_lens, torch.int64, dev)
         i = torch.arange(q_max, device=dev)[None, :, None]
         j = torch.arange(k_max, device=dev)[None, None, :]
         start = (kv - q)[:, None, None]

@@ -9,6 +9,7 @@ import torch
 
 from latentserve.attention.base import AttentionBackend, BatchLayout
 from latentserve.attention.kernels import decode_attention, extend_attention, store_kv
+from latentserve.staging import to_device
 
 
 @dataclass(slots=True)
@@ -71,8 +72,8 @@ class TritonBackend(AttentionBackend):
         """Build the batch's metadata on ``page_table``'s device (one host-to-device copy)."""
         dev, b = page_table.device, len(layout.q_lens)
         # One transfer for both int32 vectors: [q_start (B + 1) | kv_lens (B)].
-        packed = torch.tensor([*accumulate(layout.q_lens, initial=0), *layout.kv_lens],
-                              dtype=torch.int32, device=dev)
+        packed = to_device([*accumulate(layout.q_lens, initial=0), *layout.kv_lens],
+                           torch.int32, dev)
         return TritonMeta(layout.rows.to(device=dev, dtype=torch.int64), packed[:b + 1],
                           packed[b + 1:], layout.out_slots, page_table, b, max(layout.q_lens),
                           all(n == 1 for n in layout.q_lens))

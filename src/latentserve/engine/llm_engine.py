@@ -161,6 +161,7 @@ class LLMEngine:
         self.token_copies = DeviceToHost(side_stream=True)
         self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
         self._bias_copies: Any = None  # staging.HostToDevice of the logit bias, first use
+        self._suppress: Any = None  # latent_spec.suppress_ids on the device, first use
         self._biased: set[str] = set()  # live requests that set logit_bias
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
@@ -369,8 +370,10 @@ class LLMEngine:
         the latent graph queued for latent rows. Returns the logits and sampling requests."""
         self.family.after_forward(batch)
         if self.latent_spec is not None and self.latent_spec.suppress_ids:
-            ids = torch.tensor(self.latent_spec.suppress_ids, device=logits.device)
-            logits = logits.index_fill(1, ids, float("-inf"))
+            if self._suppress is None:  # once: a copy per step would wait for the forward
+                self._suppress = torch.tensor(self.latent_spec.suppress_ids,
+                                              device=logits.device)
+            logits = logits.index_fill(1, self._suppress, float("-inf"))
         reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
         if self.runner.replayed and self._latent_graph and any(map(self.family.thinking, reqs)):
             self.runner.latent_outputs()

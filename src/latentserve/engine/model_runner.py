@@ -14,7 +14,7 @@ from latentserve.kvcache.pool import KVPool, PageTable
 from latentserve.latent import vectors as latent_vectors
 from latentserve.latent.family import family_for
 from latentserve.scheduler.scheduler import ScheduledBatch
-from latentserve.staging import HostToDevice
+from latentserve.staging import HostToDevice, to_device
 
 
 def pending_row(req, start: int, n: int, src_of: dict[int, int] | None) -> int | None:
@@ -206,7 +206,7 @@ class ModelRunner:
             keep = [i for i, s in enumerate(batch.sample) if s]
             self._keep = None
             if len(keep) < len(ids):  # a 1-token prefill chunk that does not end its prompt
-                self._keep = idx = torch.tensor(keep, dtype=torch.long, device=dev)
+                self._keep = idx = to_device(keep, torch.long, dev)
                 logits, hidden = logits[idx], hidden[idx]
                 captured = None if captured is None else captured[idx]
                 self.last_greedy = None if self.last_greedy is None else self.last_greedy[idx]
@@ -234,7 +234,7 @@ class ModelRunner:
             self.prompt_hidden.append((batch.reqs[b], batch.starts[b],
                                        hidden[end - batch.q_lens[b] : end]))
         sample_rows = [i for i, s in zip(last, batch.sample) if s]
-        idx = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        idx = to_device(sample_rows, torch.long, dev)
         if capture_buf is not None:
             self.last_captured = capture_buf[idx]
         last_hidden = hidden[idx]

@@ -27,6 +27,7 @@ from latentserve.latent import vectors as latent_vectors
 from latentserve.latent.load import load_model
 from latentserve.models.checkpoint import resolve_model_dir
 from latentserve.scheduler.scheduler import ScheduledBatch
+from latentserve.staging import to_device
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class TPModelRunner(ModelRunner):
                          req.latent_start, len(req.latent_embeds), list(span),
                          int(req.latent_budget), getattr(req.state, "exit_rule", None)))
         max_kv = max(s + n for s, n in zip(batch.starts, batch.q_lens))
-        rows = torch.tensor([r.row for r in batch.reqs], dtype=torch.int64, device=self.device)
+        rows = to_device([r.row for r in batch.reqs], torch.int64, self.device)
         # (tensor, row) entries (latent/vectors.py), as one [num_latent, hidden]
         latents = latent_vectors.stack(vecs).contiguous() if vecs else None
         # NOTE: the tokens may view a graph's buffer: this send is queued before the replay
@@ -152,7 +153,7 @@ class TPModelRunner(ModelRunner):
         import torch.distributed as dist
 
         dev = self.device
-        rows = torch.tensor([r[0] for r in header.reqs], dtype=torch.int64, device=dev)
+        rows = to_device([r[0] for r in header.reqs], torch.int64, dev)
         block = torch.empty(len(rows), header.max_kv_len, dtype=self.table.table.dtype,
                             device=dev)
         dist.broadcast(block, src=0, group=self.tp.device_group)

@@ -12,6 +12,7 @@ from latentserve.latent.colar import SEPARATOR, SPEED, ColarConfig, LatentPolicy
 from latentserve.latent.head import refuse_controls, resolve_settings
 from latentserve.latent.spec import LatentSpec
 from latentserve.models.checkpoint import load_tokenizer
+from latentserve.staging import to_device
 
 # The per-request controls CoLaR takes (``SamplingParams`` fields; ``latent.head.HEAD_FIELDS``).
 CONTROLS = ("thinking", "max_latent", "min_latent", "use_stop", "compression_factor",
@@ -45,7 +46,7 @@ class ColarHead(nn.Module):
                ) -> torch.Tensor:
         """``[n, H]`` float32 draws of ``Normal(mean, std * t_i) * embeds_std`` (upstream
         ``rsample() * embeds_std``), noise from ``generators[i]`` (None: global)."""
-        t = torch.tensor(temperatures, dtype=torch.float32, device=hidden.device)
+        t = to_device(temperatures, torch.float32, hidden.device)
         mean, std = self.policy.mean_std(hidden.float(), t[:, None])
         eps = torch.stack([torch.randn(mean.shape[-1], generator=g, device=mean.device)
                            for g in generators])

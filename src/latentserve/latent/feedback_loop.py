@@ -11,6 +11,7 @@ import torch
 from latentserve.core import Req
 from latentserve.latent.family import BudgetedFamily, GraphHooks
 from latentserve.latent.lens import lens_entries
+from latentserve.staging import to_device
 
 
 class FeedbackFamily(BudgetedFamily):
@@ -55,7 +56,7 @@ class FeedbackFamily(BudgetedFamily):
         with torch.inference_mode():
             pre = runner.latent_outputs()  # CODI's prj after a replay (a static buffer)
             src = last_hidden if pre is None else pre
-            sel = src if every else src[torch.tensor(rows, dtype=torch.long, device=src.device)]
+            sel = src if every else src[to_device(rows, torch.long, src.device)]
             vecs = sel if pre is not None else model.latent_feedback(sel)
             if runner.replayed and (vecs.untyped_storage().data_ptr()
                                     == src.untyped_storage().data_ptr()):

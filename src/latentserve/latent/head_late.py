@@ -11,6 +11,7 @@ import torch
 
 from latentserve.core import Req
 from latentserve.latent.lens import lens_entries
+from latentserve.staging import to_device
 
 
 class HostFloats:
@@ -66,7 +67,7 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
     if not rows:
         return None
     every = len(rows) == len(reqs)  # no index ops when every row is in the phase
-    idx = None if every else torch.tensor(rows, dtype=torch.long, device=anchors.device)
+    idx = None if every else to_device(rows, torch.long, anchors.device)
     pre = None if sigma is not None else precomputed() if callable(precomputed) else precomputed
     actions: list = [None] * len(rows)
     with torch.inference_mode():
@@ -95,7 +96,7 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
         gens = [reqs[rows[j]].generator for j in drawn]
         rngs = {j: g.get_state() for j, g in zip(drawn, gens) if g is not None}
         with torch.inference_mode():
-            at = torch.tensor(drawn, dtype=torch.long, device=sel.device)
+            at = to_device(drawn, torch.long, sel.device)
             out = head.sample(sel[at], [reqs[rows[j]].state.latent_temperature for j in drawn],
                               gens)
         draws = {j: (out, m) for m, j in enumerate(drawn)}

@@ -16,6 +16,7 @@ from latentserve.attention.base import BatchLayout
 from latentserve.core import LatentState, Req
 from latentserve.latent.exit_criteria import HUGINN_AUTO_THRESHOLDS, OURO_CRITERIA
 from latentserve.latent.family import Admission, Family, GraphHooks
+from latentserve.staging import to_device
 
 # Huginn criteria whose value needs the output distribution (the coda + head run at a check).
 HUGINN_LOGIT_CRITERIA = ("entropy-diff", "kl", "minp-kl", "argmax-stability")
@@ -201,7 +202,8 @@ class RecurrentBatch:
     def token_depths(self, device) -> torch.Tensor:
         """``[T] int64`` recurrences per token (``ForwardContext.depths``)."""
         d = torch.tensor(self.row_depths, dtype=torch.int64)
-        return torch.repeat_interleave(d, torch.tensor(self.q_lens)).to(device)
+        return to_device(torch.repeat_interleave(d, torch.tensor(self.q_lens)), torch.int64,
+                         device)
 
     def token_readout(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``([T] float32 threshold, [T] bool weighted)`` per token (Ouro); last step: +inf."""
@@ -209,8 +211,10 @@ class RecurrentBatch:
                for r in self.rules]
         weighted = [r is not None and r.criterion == "weighted" for r in self.rules]
         reps = torch.tensor(self.q_lens)
-        return (torch.repeat_interleave(torch.tensor(thr, dtype=torch.float32), reps).to(device),
-                torch.repeat_interleave(torch.tensor(weighted), reps).to(device))
+        return (to_device(torch.repeat_interleave(torch.tensor(thr, dtype=torch.float32), reps),
+                          torch.float32, device),
+                to_device(torch.repeat_interleave(torch.tensor(weighted), reps), torch.bool,
+                          device))
 
     def record(self, batch) -> None:
         """Append each sampling row's iterations to ``state.iters`` and, when traced, ``{"depth",
@@ -261,7 +265,7 @@ class ActiveRows:
     def token_index(self, rows: list[int]) -> torch.Tensor:
         """``[N] int64`` the token indices of ``rows``, row after row."""
         tok = [i for b in rows for i in range(self.starts[b], self.starts[b] + self.rb.q_lens[b])]
-        return torch.tensor(tok, dtype=torch.int64).to(self.rb.out_slots.device)
+        return to_device(tok, torch.int64, self.rb.out_slots.device)
 
     def meta_for(self, rows: list[int]):
         """``(token index tensor or None, attention metadata)`` for ``rows``."""
@@ -274,7 +278,7 @@ class ActiveRows:
             hit = (None, self.full_meta)
         else:
             tok = self.token_index(rows)
-            sel = torch.tensor(rows, dtype=torch.int64).to(tok.device)
+            sel = to_device(rows, torch.int64, tok.device)
             layout = BatchLayout([rb.q_lens[b] for b in rows], [rb.kv_lens[b] for b in rows],
                                  rb.rows[sel], rb.out_slots[tok])
             hit = (tok, self.ctx.backend.prepare(layout, rb.page_table))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from latentserve.staging import to_device
+
 
 def as_rows(tensor: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     """``(tensor, j)`` for each row ``j`` of ``tensor [N, hidden]``."""
@@ -24,7 +26,7 @@ def stack(entries: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
         return torch.stack([t[r] for t, r in entries])
     if not src_rows:
         return src
-    return src.index_select(0, torch.tensor(src_rows, dtype=torch.long, device=src.device))
+    return src.index_select(0, to_device(src_rows, torch.long, src.device))
 
 
 def injection_plan(rows: list[int], entries: list[tuple[torch.Tensor, int]], t: int

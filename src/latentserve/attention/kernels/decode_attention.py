@@ -151,13 +151,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, out: torch.Tensor | None = None, num_kv_splits: int = 8,
                      block_n: int = 64, mid_o: torch.Tensor | None = None,
                      mid_lse: torch.Tensor | None = None,
-                     prefetch_next: torch.Tensor | None = None) -> torch.Tensor:
+                     prefetch_next: torch.Tensor | None = None, num_warps: int = 4
+                     ) -> torch.Tensor:
     """Decode attention (one query per request) over paged KV, fp32 softmax statistics.
 
     q ``[B, num_heads, head_dim]`` fp32/bf16/fp16; k_cache/v_cache ``[num_slots + 1,
     num_kv_heads, head_dim]`` (any float dtype); ``page_table`` int64, ``rows [B] int64``,
     ``kv_lens [B] int32`` (>= 1). ``num_kv_splits`` 1: no stage 2. ``block_n`` >= 16, power of
     2. ``mid_o``/``mid_lse``: optional fp32 scratch. ``prefetch_next``: an L2 hint (PDL only).
+    ``num_warps``: of stage 1.
     Returns ``[B, num_heads, head_dim]`` in q's dtype (into ``out`` when given)."""
     bsz, n_heads, d = q.shape
     n_kv = k_cache.shape[1]
@@ -195,7 +197,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DIRECT=direct, NEXT_LINES=next_lines, LINE=line, KV_LINE=128 // k_cache.element_size(),
         ROW_LINES=triton.next_power_of_2(triton.cdiv(d * k_cache.element_size(), 128)),
-        num_warps=4, num_stages=STAGE1_STAGES, **pdl_launch(q.device),
+        num_warps=num_warps, num_stages=STAGE1_STAGES, **pdl_launch(q.device),
     )
     if direct:
         return out
