@@ -43,7 +43,10 @@ def walks(tok, kind: str, batch: int, length: int) -> list[list[int]]:
             tags = words[length // 2 : length]
             text = json.dumps({"title": title, "tags": tags})
             while len(tok.encode(text, add_special_tokens=False)) > length - 1:
-                tags = tags[:-1]
+                if not tags and not title:
+                    raise ValueError(f"--length {length} is too short for the JSON answer")
+                # the tags go first, then the title's last words
+                tags, title = (tags[:-1], title) if tags else ([], title.rpartition(" ")[0])
                 text = json.dumps({"title": title, "tags": tags})
             out.append(tok.encode(text, add_special_tokens=False) + [tok.eos_token_id])
         else:
