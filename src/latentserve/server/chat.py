@@ -94,7 +94,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                                                   texts) + reasoning
             content = echo + content
             message = {"role": "assistant", "content": content if content or not calls else None,
-                       "reasoning_content": reasoning}
+                       "reasoning_content": reasoning or None}  # null when none, as vLLM
             if calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                     "name": c.name, "arguments": c.arguments}} for c in calls]
