@@ -11,8 +11,8 @@ batch-64 Llama-3.2-1B step the GEMM choice and programmatic dependent launch (PD
    SiLU-mul in the gate/up epilogue, fp32 logits; q/k/v stays cuBLAS) without and with
    PDL. Reported: microseconds per replay against the weights' read floor at 4.28 TB/s.
 
-Run on the H200: ``python -m benchmarks.layer_gpu OUT.json [ROWS]`` (ROWS: the
-batch, default 64).
+Run on the H200: ``python -m benchmarks.layer_gpu OUT.json [ROWS] [--ouro]`` (ROWS: the
+batch, default 64; ``--ouro``: step 1 only, at Ouro-1.4B's shapes).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from benchmarks.common import parser, write_json
 HIDDEN, INTER, QKV, VOCAB, LAYERS, EPS = 2048, 8192, 3072, 128256, 16, 1e-5
 SHAPES = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
           "down": (HIDDEN, INTER), "lm_head": (VOCAB, HIDDEN)}
+# Ouro-1.4B (hidden 2048, 16 heads of 128 without GQA, intermediate 5632): GEMMs only
+OURO_SHAPES = {"qkv": (3 * 2048, 2048), "o": (2048, 2048), "gate_up": (2 * 5632, 2048),
+               "down": (2048, 5632)}
 COPY_BW = 4.28e12
 
 
@@ -32,9 +35,9 @@ def _set_pdl(on: bool) -> None:
     os.environ["LATENTSERVE_PDL"] = "1" if on else "0"
 
 
-def gemm_sweep(rows: int = 64) -> dict:
-    """Per shape: cuBLAS us, and ``decode_linear`` us per tiling (PDL + prefetch, PDL only,
-    none for the best)."""
+def gemm_sweep(rows: int = 64, shapes: dict = SHAPES) -> dict:
+    """Per shape of ``shapes`` (name -> ``(N, K)``): cuBLAS us, and ``decode_linear`` us per
+    tiling (PDL + prefetch, PDL only, none for the best)."""
     import torch
     import torch.nn.functional as F
 
@@ -42,7 +45,7 @@ def gemm_sweep(rows: int = 64) -> dict:
     from latentserve.ops.kernels.decode_linear import decode_linear, pick_tiling
 
     out = {}
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         ref = F.linear(x, w).float()
@@ -154,7 +157,13 @@ def main(argv=None) -> int:
     p = parser("layer_gpu", __doc__)
     p.add_argument("out", nargs="?", default="layer_gpu.json", help="JSON output path")
     p.add_argument("rows", nargs="?", type=int, default=64, help="decode rows (default 64)")
+    p.add_argument("--ouro", action="store_true",
+                   help="Ouro-1.4B's GEMM shapes instead (no chain)")
     args = p.parse_args(argv)
+    if args.ouro:
+        write_json(args.out, {"rows": args.rows, "model": "ouro-1.4b",
+                              "gemms": gemm_sweep(args.rows, OURO_SHAPES)})
+        return 0
     write_json(args.out, {"rows": args.rows, "gemms": gemm_sweep(args.rows),
                           "chain": chain(args.rows)})
     return 0
