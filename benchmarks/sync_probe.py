@@ -82,8 +82,8 @@ def probe(engine, fields: dict, variant: str, batch: int, steps: int, tag: str) 
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        warnings.showwarning = hook
         torch.cuda.set_sync_debug_mode("warn")
+        warnings.showwarning = hook  # after: enabling the mode warns once itself
         try:
             for _ in range(steps):
                 engine.step()

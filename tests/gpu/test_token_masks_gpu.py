@@ -32,7 +32,7 @@ def test_engine_on_cuda_keeps_masks_and_unmasked_rows_exact(tmp_path):
     from latentserve.bench.baseline.tiny_models import save_tiny
 
     path = save_tiny(tmp_path / "m", "llama", word_tokenizer=True, vocab_size=VOCAB)
-    llm = LLM(str(path), device="cuda", max_num_seqs=8)
+    llm = LLM(str(path), device="cuda", max_num_seqs=8, kv_slots=4096)  # not 90% of the GPU
     prompts = [{"prompt_token_ids": [5 + i, 9, 11 + i]} for i in range(4)]
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
@@ -113,7 +113,8 @@ def test_logit_bias_on_cuda_forces_ids_and_leaves_unbiased_rows_exact(tmp_path):
     plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
     biases = [None] * 4 + [{700: 100.0}] * 4 + [{7: 5.0, 70: -100.0, 4000: 3.5}] * 4
-    llm = LLM(str(path), device="cuda", max_num_seqs=12, enable_prefix_caching=False)
+    llm = LLM(str(path), device="cuda", max_num_seqs=12, enable_prefix_caching=False,
+              kv_slots=4096)
 
     def run(with_bias: bool) -> list[list[int]]:
         params = [dataclasses.replace(plain if i < 8 else sampled,
