@@ -252,6 +252,24 @@ def _batcher():
     return xgrammar.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
 
 
+def static_key(reqs) -> tuple | None:
+    """What the masks of ``reqs`` depend on when every constrained request's mask is static
+    (``RequestMask.static``): per constrained row its index, its ``RequestMask`` (compared by
+    identity) and whether ``min_tokens`` still masks; None when a mask reads tokens. Equal
+    keys give equal :func:`batch_bitmask` results."""
+    key: list = [len(reqs)]
+    for b, r in enumerate(reqs):
+        c = r.constraint
+        if c is None:
+            continue
+        if not c.static:
+            return None
+        stop = len(r.output_ids)
+        n = 0 if r.answer_start is None else stop - r.answer_start
+        key.append((b, c, n < c.min_tokens))
+    return tuple(key)
+
+
 def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None):
     """``(rows, bits)`` for the requests of ``reqs`` with a ``constraint``: ``bits[i]`` (an
     ``[M, W] int32`` CPU tensor, written into ``out[:M]`` when given) is ``reqs[rows[i]]``'s

@@ -478,3 +478,36 @@ def test_rows_from_pending_ids_equal_the_synchronous_rows(smollm2_tokenizer):
             r.output_ids.append(PENDING_ID)
         prev = toks
     assert any(r.constraint.consumed for r in got[:4])
+
+
+def test_static_key_changes_only_with_what_a_static_mask_reads():
+    allowed = SamplingParams(allowed_token_ids=[3, 4], min_tokens=2, max_tokens=8)
+    reqs = [_req(SamplingParams()), _req(allowed, [9])]
+    reqs[1].constraint = RequestMask(allowed, VOCAB, {2})
+    reqs[1].answer_start = 0
+    key = token_masks.static_key(reqs)
+    assert key == token_masks.static_key(reqs)
+    reqs[1].output_ids.append(5)  # min_tokens reached: EOS no longer masked
+    assert token_masks.static_key(reqs) != key
+    other = RequestMask(allowed, VOCAB, {2})  # another request's mask, same content
+    reqs[1].constraint = other
+    assert token_masks.static_key(reqs) != key
+    reqs[1].constraint = RequestMask(SamplingParams(bad_words=["x"]), VOCAB, {2},
+                                     bad_words=[[7]])
+    assert token_masks.static_key(reqs) is None  # reads the answer's tokens
+
+
+def test_unchanged_static_masks_are_reused_with_the_same_tokens(llm, monkeypatch):
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i, ignore_eos=True,
+                             allowed_token_ids=[11, 257, 1000, 4000, 2], min_tokens=6)
+              for i in range(3)]
+    fills = []
+    real = token_masks.batch_bitmask
+    monkeypatch.setattr(token_masks, "batch_bitmask",
+                        lambda *a, **k: fills.append(1) or real(*a, **k))
+    reused = [o.token_ids for o in _gen(llm, PROMPTS, params)]
+    n_reused = len(fills)
+    monkeypatch.setattr(token_masks, "static_key", lambda reqs: None)
+    fills.clear()
+    assert [o.token_ids for o in _gen(llm, PROMPTS, params)] == reused
+    assert n_reused < len(fills)

@@ -162,6 +162,7 @@ class LLMEngine:
         self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
         self._bias_copies: Any = None  # staging.HostToDevice of the logit bias, first use
         self._suppress: Any = None  # latent_spec.suppress_ids on the device, first use
+        self._static_mask: tuple | None = None  # (token_masks.static_key, its TokenMask)
         self._biased: set[str] = set()  # live requests that set logit_bias
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
@@ -290,11 +291,17 @@ class LLMEngine:
         if not any(r.constraint is not None for r in reqs):
             return None
         device = torch.device(device)
+        key = token_masks.static_key(reqs)
+        if (key is not None and self._static_mask is not None and self._static_mask[0] == key
+                and self._static_mask[1].bits.device == device):
+            return self._static_mask[1]  # unchanged static masks: the rows already copied
         if self._mask_copies is None or self._mask_copies.device != device:
             self._mask_copies = BitmaskToDevice(device)
         out = self._mask_copies.host(len(reqs), bitmask_width(self.vocab_size))
         rows, bits = token_masks.batch_bitmask(reqs, self.vocab_size, known, out)
-        return TokenMask(rows, self._mask_copies.copy(bits))
+        mask = TokenMask(rows, self._mask_copies.copy(bits))
+        self._static_mask = None if key is None else (key, mask)
+        return mask
 
     def logit_bias(self, reqs: list[Req], device):
         """The sampler's ``LogitBias`` for ``reqs`` (None: no row has one), copied to
