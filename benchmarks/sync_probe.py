@@ -113,7 +113,7 @@ def _engine(name: str, root: Path, batch: int, tokenizer: str | None):
         else:
             from latentserve.bench.gpu import build_llama
 
-            path = build_llama(root, "smollm2-135m", "cuda")
+            path = build_llama(root / name, "smollm2-135m", "cuda")
         fields: dict = {}
     elif name == "coconut-gpt2-124m":
         from latentserve.bench.latent import build_coconut_gpt2
