@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks import common
+from benchmarks.host import steady_step_ms
 
 
 def measure(name: str, root: Path, batch: int, pdl: bool, steps: int = 32) -> dict:
@@ -36,18 +37,7 @@ def measure(name: str, root: Path, batch: int, pdl: bool, steps: int = 32) -> di
         engine.add_request(f"r{i}", [3 + (i * 7 + k) % 900 for k in range(32)],
                            SamplingParams(max_tokens=steps + 24, temperature=0.0,
                                           ignore_eos=True))
-    sched = engine.scheduler
-    while not (len(sched.running) == batch and not sched.waiting and all(
-            r.num_computed >= len(r.prompt_ids) for r in sched.running)):
-        engine.step()
-    for _ in range(4):
-        engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    step_ms = steady_step_ms(engine, steps)
     while engine.has_unfinished_requests():
         engine.step()
     graph = next(g for (d, b), g in engine.runner.graphs.graphs.items() if b == batch)

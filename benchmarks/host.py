@@ -65,6 +65,26 @@ def step_until_all_decode(engine) -> None:
         engine.step()
 
 
+def steady_step_ms(engine, steps: int, warm: int = 4) -> float:
+    """Mean wall time (ms) of ``steps`` engine steps once every request decodes
+    (:func:`step_until_all_decode`, then ``warm`` steps); no device sync between steps, one
+    before and after on CUDA."""
+    import torch
+
+    step_until_all_decode(engine)
+    for _ in range(warm):
+        engine.step()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
 def abort_all(engine) -> None:
     """Abort every running request and step until the engine is empty."""
     for r in list(engine.scheduler.running):

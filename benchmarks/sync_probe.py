@@ -18,13 +18,13 @@ Needs CUDA.
 from __future__ import annotations
 
 import tempfile
-import time
 import traceback
 import warnings
 from collections import Counter
 from pathlib import Path
 
 from benchmarks import common
+from benchmarks.host import steady_step_ms
 
 VARIANTS = ("greedy", "t1", "mixed", "seeded", "json")
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}},
@@ -62,18 +62,7 @@ def probe(engine, fields: dict, variant: str, batch: int, steps: int, tag: str) 
         engine.add_request(f"{tag}-{variant}-{i}", p, SamplingParams(
             max_tokens=2 * steps + 24, ignore_eos=variant != "json", **fields,
             **_fields(variant, i)))
-    sched = engine.scheduler
-    while not (len(sched.running) == batch and not sched.waiting and all(
-            r.num_computed >= len(r.prompt_ids) for r in sched.running)):
-        engine.step()
-    for _ in range(4):
-        engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) * 1e3 / steps
+    step_ms = steady_step_ms(engine, steps)
     seen: Counter = Counter()
     show = warnings.showwarning
 

@@ -252,6 +252,11 @@ def _batcher():
     return xgrammar.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
 
 
+def _answer_start(r) -> int:
+    """Where ``r``'s answer starts in ``output_ids`` (its end in the latent phase: no answer)."""
+    return len(r.output_ids) if r.answer_start is None else r.answer_start
+
+
 def static_key(reqs) -> tuple | None:
     """What the masks of ``reqs`` depend on when every constrained request's mask is static
     (``RequestMask.static``): per constrained row its index, its ``RequestMask`` (compared by
@@ -264,9 +269,7 @@ def static_key(reqs) -> tuple | None:
             continue
         if not c.static:
             return None
-        stop = len(r.output_ids)
-        n = 0 if r.answer_start is None else stop - r.answer_start
-        key.append((b, c, n < c.min_tokens))
+        key.append((b, c, len(r.output_ids) - _answer_start(r) < c.min_tokens))
     return tuple(key)
 
 
@@ -308,8 +311,7 @@ def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None):
     for i, b in enumerate(rows):
         r = reqs[b]
         c = r.constraint
-        stop = len(r.output_ids)
-        start = stop if r.answer_start is None else r.answer_start  # latent phase: no answer
+        stop, start = len(r.output_ids), _answer_start(r)
         if c.restricts(stop - start):
             c.restrict(arr[i], r.output_ids, stop, c.grammar_on, start,
                        None if known is None else known.get(id(r)))
