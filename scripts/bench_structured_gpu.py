@@ -29,11 +29,14 @@ Prints one JSON object and writes it to ``--out``; docs/server.md quotes it::
 
     python scripts/bench_structured_gpu.py --tokenizer DIR [--batch 64] [--rounds 3] [--out FILE]
         [--variants plain,json,...] [--device cuda|cpu] [--shape smollm2|tiny]
-        [--sampling seeded|unseeded|greedy]
+        [--sampling seeded|unseeded|greedy] [--prompt-len 32] [--profile DIR]
 """
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -92,11 +95,14 @@ SAMPLING = {"seeded": lambda i: {"temperature": 1.0, "seed": i},
             "unseeded": lambda i: {"temperature": 1.0}, "greedy": lambda i: {"temperature": 0.0}}
 
 
-def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling: str = "seeded"
+def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling: str = "seeded",
+                prompt_len: int = 32, profile: Path | None = None
                 ) -> tuple[list[float], list[float]]:
     """One round of ``name`` on ``eng``: ``(wall, cpu)`` times (s) of its full-batch steps
     (``cpu``: the calling thread's CPU time, without other threads' work or waits for the
-    CPU)."""
+    CPU). ``profile``: a cProfile of the full-batch steps is written there (the 40 costliest
+    functions by own time, then by cumulative time; the profiler slows every Python call,
+    so these steps' times are not comparable with an unprofiled round's)."""
     from latentserve.sampling_params import SamplingParams
 
     extra = dict(EXTRA[name])
@@ -105,10 +111,11 @@ def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling:
     for i in range(batch):
         params = SamplingParams(max_tokens=max_tokens, **SAMPLING[sampling](i),
                                 ignore_eos="structured_outputs" not in extra, **extra)
-        eng.add_request(f"{name}-{tag}-{i}", [1 + (i * 7 + k) % 1000 for k in range(32)],
-                        params)
+        eng.add_request(f"{name}-{tag}-{i}",
+                        [1 + (i * 7 + k) % 1000 for k in range(prompt_len)], params)
     times: list[float] = []
     cpu: list[float] = []
+    prof = cProfile.Profile() if profile is not None else None
     _sync()
     t0, c0 = time.perf_counter(), time.thread_time()
     while eng.has_unfinished_requests():
@@ -116,13 +123,24 @@ def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling:
         # time is the wall time between step boundaries, in the steady state
         full = (len(eng.scheduler.running) == batch and not eng.scheduler.waiting
                 and all(r.num_computed >= len(r.prompt_ids) for r in eng.scheduler.running))
+        if full and prof is not None:
+            prof.enable()
         eng.step()
+        if prof is not None:
+            prof.disable()
         t1, c1 = time.perf_counter(), time.thread_time()
         if full:
             times.append(t1 - t0)
             cpu.append(c1 - c0)
         t0, c0 = t1, c1
     _sync()
+    if prof is not None and profile is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        text.write(f"{name}: {len(times)} full-batch steps\n")
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(40)
+        profile.write_text(text.getvalue())
     return times, cpu
 
 
@@ -145,6 +163,10 @@ def main():
     ap.add_argument("--shape", default="smollm2", choices=sorted(SHAPES),
                     help="tiny: 2 layers of width 64, the step all host work (with --device cpu)")
     ap.add_argument("--sampling", default="seeded", choices=sorted(SAMPLING))
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed rounds, one more round of each variant under "
+                         "cProfile, written to DIR/profile_VARIANT.txt")
     args = ap.parse_args()
     import torch
 
@@ -161,7 +183,7 @@ def main():
     for rnd in range(args.rounds + 1):  # round 0 warms the graphs' batch sizes and grammars
         for v in variants:
             t, c = run_variant(engines[v != "plain_sync"], v, str(rnd), args.batch,
-                               args.max_tokens, args.sampling)
+                               args.max_tokens, args.sampling, args.prompt_len)
             if rnd:
                 times[v].append(t)
                 cpu[v].append(c)
@@ -170,6 +192,12 @@ def main():
                                   "thread_cpu_ms_median":
                                       _ms(statistics.median(c)) if c else None}),
                       flush=True)
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        for v in variants:
+            run_variant(engines[v != "plain_sync"], v, "prof", args.batch, args.max_tokens,
+                        args.sampling, args.prompt_len,
+                        Path(args.profile) / f"profile_{v}.txt")
     rows = []
     for v in variants:
         per = [_ms(statistics.median(t)) for t in times[v] if t]

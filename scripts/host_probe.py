@@ -10,9 +10,11 @@ wait for the device). Then, on the batch-64 graph: the host time of a graph laun
 device idle and busy, and of a 320-value host-to-device copy from pageable and from pinned
 memory with a replay in flight.
 
-Usage (on the H200): ``OUT=dir python scripts/host_probe.py``. Prints one JSON line per
-batch size and writes ``$OUT/probe.json``: per batch ``plainN`` (median and mean step, us)
-and ``instN`` (the same, and per part ``[median, mean, calls]`` in us).
+Usage (on the H200): ``OUT=dir python scripts/host_probe.py [--model llama-3.2-1b|smollm2-135m]
+[--prompt-len 256] [--temperature 0] [--batches 1,16,64]``. Prints one JSON line per
+batch size and writes ``$OUT/probe_MODEL_tT_pP.json``: per batch ``plainN`` (median and mean
+step, us) and ``instN`` (the same, and per part ``[median, mean, calls]`` in us), and the
+batch-64 graph's device time per replay (``replay_device_us``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class _TimedGraph:
         self.sink.setdefault("cudaGraphLaunch", []).append(pc() - s)
 
 
-def _run(engine, batch: int, steps: int, instrument: bool, gen) -> dict:
+def _run(engine, batch: int, steps: int, instrument: bool, gen, prompt_len: int = 256,
+         temperature: float = 0.0) -> dict:
     import torch
 
     from benchmarks.host import abort_all, step_until_all_decode, time_calls
@@ -48,8 +51,8 @@ def _run(engine, batch: int, steps: int, instrument: bool, gen) -> dict:
     from latentserve.sampling_params import SamplingParams
 
     sched, runner = engine.scheduler, engine.runner
-    sp = SamplingParams(max_tokens=steps + 50, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(torch.randint(3, 1000, (batch, 256), generator=gen).tolist()):
+    sp = SamplingParams(max_tokens=steps + 50, temperature=temperature, ignore_eos=True)
+    for i, p in enumerate(torch.randint(3, 1000, (batch, prompt_len), generator=gen).tolist()):
         engine.add_request(f"p{batch}-{i}-{time.monotonic_ns()}", p, sp)
     step_until_all_decode(engine)
     for _ in range(5):
@@ -113,33 +116,46 @@ def _copies(engine) -> dict:
     def med(xs):
         return statistics.median(xs) * 1e6
 
-    return {"launch_idle_us": med(idle), "launch_busy_us": med(busy),
-            "pageable_copy_busy_us": med(pageable), "pinned_copy_busy_us": med(pinned_t)}
+    from latentserve.bench.device_common import time_replays
+
+    return {"replay_device_us": time_replays(graph, 100), "launch_idle_us": med(idle),
+            "launch_busy_us": med(busy), "pageable_copy_busy_us": med(pageable),
+            "pinned_copy_busy_us": med(pinned_t)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
     import torch
 
     from latentserve.bench.gpu import SHAPES, save_random_llama
     from latentserve.config import EngineConfig
     from latentserve.engine.llm_engine import LLMEngine
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b", choices=sorted(SHAPES))
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--batches", default="1,16,64")
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
-        path = save_random_llama(Path(d), SHAPES["llama-3.2-1b"])
+        path = save_random_llama(Path(d), SHAPES[args.model])
         engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="bfloat16",
-                                        max_model_len=520, max_num_seqs=64,
+                                        max_model_len=args.prompt_len + 264, max_num_seqs=64,
                                         overlap_schedule=True))
     gen = torch.Generator().manual_seed(0)
-    _run(engine, 64, 20, False, gen)  # warm-up
-    out = {}
-    for batch in (1, 16, 64):
-        out[f"plain{batch}"] = _run(engine, batch, 200, False, gen)
-        out[f"inst{batch}"] = _run(engine, batch, 200, True, gen)
+    _run(engine, 64, 20, False, gen, args.prompt_len, args.temperature)  # warm-up
+    out: dict = {"args": vars(args)}
+    for batch in map(int, args.batches.split(",")):
+        for tag, inst in (("plain", False), ("inst", True)):
+            out[f"{tag}{batch}"] = _run(engine, batch, 200, inst, gen, args.prompt_len,
+                                        args.temperature)
         print(batch, json.dumps(out[f"plain{batch}"]), json.dumps(out[f"inst{batch}"]),
               flush=True)
     out.update(_copies(engine))
     print(json.dumps({k: v for k, v in out.items() if k.endswith("_us")}))
-    Path(os.environ.get("OUT", "."), "probe.json").write_text(json.dumps(out, indent=1))
+    name = f"probe_{args.model}_t{args.temperature:g}_p{args.prompt_len}.json"
+    Path(os.environ.get("OUT", "."), name).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
