@@ -144,6 +144,14 @@ def test_penalties_and_head_policy_sampling_do_not_overlap(tmp_path, tiny_dirs):
     assert overlap.eligible(plain)
     plain.add_request("q", [5, 6], SamplingParams(max_tokens=3, presence_penalty=0.5))
     assert not overlap.eligible(plain)
+    while plain.has_unfinished_requests():
+        plain.step()
+    assert overlap.eligible(plain)  # no live request needs the synchronous step
+    plain.add_request("r", [5, 6], SamplingParams(max_tokens=3, logprobs=1))
+    plain.abort_request("r")
+    assert not overlap.eligible(plain)  # until its final output is sent
+    assert [o.finish_reason for o in plain.step()] == ["abort"]
+    assert overlap.eligible(plain)
 
 
 def test_server_with_overlap_streams_what_the_synchronous_engine_generates(tiny_dirs):

@@ -164,6 +164,8 @@ class LLMEngine:
         self._suppress: Any = None  # latent_spec.suppress_ids on the device, first use
         self._static_mask: tuple | None = None  # (token_masks.static_key, its TokenMask)
         self._biased: set[str] = set()  # live requests that set logit_bias
+        # live requests that need the synchronous step (logprobs, penalties: overlap.eligible)
+        self.no_overlap: set[str] = set()
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         self.prompt_logprobs = PromptLogprobTracker()
@@ -184,6 +186,9 @@ class LLMEngine:
         self._rids.add(rid)
         if params.has_logit_bias:
             self._biased.add(rid)
+        if (params.logprobs is not None or params.prompt_logprobs is not None
+                or params.has_penalties):
+            self.no_overlap.add(rid)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs.add(rid, len(prompt_token_ids), params.prompt_logprobs)
         self.scheduler.add(req)
@@ -395,6 +400,7 @@ class LLMEngine:
         for o in (o for o in outs if o.finished):
             self._rids.discard(o.rid)
             self._biased.discard(o.rid)
+            self.no_overlap.discard(o.rid)
             if (st := o.latent_stats) is not None:
                 log.debug("latent head: req %s thinking=%s steps=%d stop_step=%s max_p=%s "
                           "end=%s", o.rid, st["thinking"], st["steps"], st["stop_step"],

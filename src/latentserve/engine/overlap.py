@@ -33,11 +33,10 @@ class Launched:
 
 
 def eligible(engine) -> bool:
-    """Whether ``engine``'s next step may overlap."""
-    sched = engine.scheduler
-    return engine.config.use_overlap_schedule and engine.family.overlaps and not any(
-        r.params.logprobs is not None or r.params.prompt_logprobs is not None
-        or r.params.has_penalties for queue in (sched.running, sched.waiting) for r in queue)
+    """Whether ``engine``'s next step may overlap: not while a live request asks for logprobs
+    or penalties (``LLMEngine.no_overlap``)."""
+    return (engine.config.use_overlap_schedule and engine.family.overlaps
+            and not engine.no_overlap)
 
 
 def step(engine) -> list:
