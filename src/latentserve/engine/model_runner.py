@@ -102,6 +102,17 @@ class ModelRunner:
         inj: list = []
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             emb = req.latent_embeds
+            if n == 1 and not emb:  # a decode row (the usual one): no slices, no ranges
+                last.append(len(ids))
+                ids.extend(req.ids_slice(start, start + 1))
+                pos.append(start)
+                row_tok.append(req.row)
+                if src_of and start + 1 == req.seq_len:  # pending_row, inlined
+                    j = src_of.get(id(req))
+                    if j is not None:
+                        sub_dst.append(len(ids) - 1)
+                        sub_src.append(j)
+                continue
             if emb:  # latent span [lo, hi) of this chunk takes vectors (indices in emb)
                 lo = start - req.latent_start
                 lo, hi = max(lo, 0), min(lo + n, len(emb))
@@ -203,9 +214,9 @@ class ModelRunner:
             captured = graphs.capture_buf[: len(ids)] if self.capture_layer >= 0 else None
             self.last_hidden_all = hidden  # one token per row: every position of the batch
             self.last_greedy = graphs.greedy
-            keep = [i for i, s in enumerate(batch.sample) if s]
             self._keep = None
-            if len(keep) < len(ids):  # a 1-token prefill chunk that does not end its prompt
+            if not all(batch.sample):  # a 1-token prefill chunk that does not end its prompt
+                keep = [i for i, s in enumerate(batch.sample) if s]
                 self._keep = idx = to_device(keep, torch.long, dev)
                 logits, hidden = logits[idx], hidden[idx]
                 captured = None if captured is None else captured[idx]

@@ -74,24 +74,26 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # 1. Running requests, oldest first (or in the family's order): decode rows and
         #    unfinished prefill chunks.
-        in_batch: set[int] = set()
+        reserve = self.cache.reserve
         for req in self.family.order(self.running):
             if budget <= 0:
                 break
             if req.status is not ReqStatus.RUNNING:
                 continue  # preempted while an earlier row grew
             n = self._chunk(req, budget)
-            while not self.cache.reserve(req, req.num_computed + n):
-                # NOTE: the most recently admitted request not already in this batch.
-                victim = next(r for r in reversed(self.running) if id(r) not in in_batch)
-                self.running.remove(victim)
-                self._preempt(victim)
+            if not reserve(req, req.num_computed + n):
+                in_batch, victim = {id(r) for r in batch.reqs}, None
+                while not reserve(req, req.num_computed + n):
+                    # NOTE: the most recently admitted request not already in this batch.
+                    victim = next(r for r in reversed(self.running) if id(r) not in in_batch)
+                    self.running.remove(victim)
+                    self._preempt(victim)
+                    if victim is req:
+                        break
                 if victim is req:
-                    break
-            else:
-                self._add_to_batch(batch, req, n)
-                in_batch.add(id(req))
-                budget -= n
+                    continue
+            self._add_to_batch(batch, req, n)
+            budget -= n
         self.cache.flush()
         # 2. Admit waiting requests in arrival order while rows, slots and budget last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -112,18 +114,20 @@ class Scheduler:
 
     def _chunk(self, req: Req, budget: int) -> int:
         """Tokens ``req`` computes this step within ``budget``, as the family chunks it."""
-        n = min(req.num_pending, budget)
+        n = min(len(req.prompt_ids) + len(req.output_ids) - req.num_computed, budget)
         if (self.forced_one_by_one and 1 < n <= self._max_forced
                 and req.answer_start is not None and self.family.forces_one_by_one(req)
                 and req.num_computed >= len(req.prompt_ids)):
             return 1
         return self.family.chunk(req, n)
 
-    def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
+    @staticmethod
+    def _add_to_batch(batch: ScheduledBatch, req: Req, n: int) -> None:
+        start = req.num_computed
         batch.reqs.append(req)
-        batch.starts.append(req.num_computed)
+        batch.starts.append(start)
         batch.q_lens.append(n)
-        batch.sample.append(req.num_computed + n == req.seq_len)
+        batch.sample.append(start + n == len(req.prompt_ids) + len(req.output_ids))
 
     def _preempt(self, req: Req) -> None:
         self.cache.release_many([req])
