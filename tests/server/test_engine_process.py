@@ -172,3 +172,21 @@ def test_check_answers_as_add_request_would_and_queues_nothing(engine):
     before, after, running = _run(engine, scenario)
     assert running == after["num_running"] == after["num_waiting"] == 0
     assert after["kv_slots_free"] == before["kv_slots_free"]
+
+
+def test_freeze_heap_takes_the_loaded_objects_out_of_full_collections():
+    """What the engine process does once warmed up: the objects alive then are frozen, so a
+    full collection no longer visits them (they leave the oldest generation)."""
+    import gc
+
+    from latentserve.server.engine_process import freeze_heap
+
+    gc.collect()
+    before = len(gc.get_objects(generation=2))
+    try:
+        frozen = freeze_heap()
+        assert frozen == gc.get_freeze_count() >= before > 10_000  # torch and pytest alone
+        assert len(gc.get_objects(generation=2)) < before // 100
+    finally:
+        gc.unfreeze()
+    assert gc.get_freeze_count() == 0
