@@ -154,6 +154,11 @@ class EngineConfig:
         "auto", "sampling defaults for the fields a request leaves unset (vLLM's flag): "
         "'auto' (the model's generation_config.json), 'vllm' (none) or a folder holding a "
         "generation_config.json", metavar="auto|vllm|DIR")
+    grammar_compile_timeout: float = option(
+        10.0, "seconds a request's structured-outputs grammar may take to compile (on a "
+        "thread of the server's engine process, beside the running requests) before the "
+        "request is refused with a 400; the offline LLM compiles in add_request, unbounded",
+        gt=0)
     reasoning_parser: str | None = option(
         None, "the model writes <think>...</think> reasoning: the server splits it into "
         "reasoning_content and thinking_token_budget caps it; default: none",

@@ -261,6 +261,18 @@ class LLMEngine:
             admission.start(req)
         return req
 
+    def compile_grammar(self, so) -> None:
+        """Compile ``so`` (``StructuredOutputsParams``) into the grammar cache, so a request
+        that uses it later finds it compiled; safe from another thread. ValueError naming
+        the field, as :meth:`add_request`'s."""
+        if isinstance(self.tokenizer, NoTokenizer):
+            raise ValueError(f"{so.param} needs text: this model directory has no tokenizer "
+                             "files")
+        grammars = self.grammars
+        if grammars is None:  # NOTE: two threads may both build one; either serves
+            grammars = self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+        grammars.compile(so)
+
     def _constraint(self, params: SamplingParams, prompt: list[int]):
         """The request's ``token_masks.RequestMask`` (grammar compiled here) or None (nothing
         masks it); ValueError naming the field for a bad id, word or grammar."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from latentserve.config import EngineConfig
+from latentserve.server.grammar_worker import GrammarWorker
 from latentserve.server.messages import (
     Abort,
     AddRequest,
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 # one waiting to send): an orphaned engine exits within this long, busy or idle.
 PARENT_CHECK_S = 0.5
 _POLL_MS = int(PARENT_CHECK_S * 1000)  # an idle poll or a blocked send wakes up this often
+# How often an idle loop checks the grammar worker while a compile is parked (ms).
+_GRAMMAR_POLL_MS = 2
 # Forward failures in a row (with no good step between) after which the engine gives up.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
@@ -162,6 +165,9 @@ class EngineLoop:
         self.failed_steps = 0
         self.queued_at: dict[str, float] = {}  # added, not yet scheduled: when it came
         self.scheduled: dict[str, tuple[float, float]] = {}  # to send: (queued, scheduled)
+        # requests and checks with structured outputs wait here while their grammar compiles
+        self.grammars = GrammarWorker(engine.compile_grammar,
+                                      engine.config.grammar_compile_timeout)
 
     def run(self) -> None:
         import zmq
@@ -173,11 +179,14 @@ class EngineLoop:
                 self._orphan()
                 return
             busy = self.engine.has_unfinished_requests()
-            if poller.poll(0 if busy else _POLL_MS):
+            idle_ms = _GRAMMAR_POLL_MS if self.grammars.parked else _POLL_MS
+            if poller.poll(0 if busy else idle_ms):
                 self._drain()
             elif not busy and (gone := self._workers_gone()):
                 self._fail_engine(gone)
                 raise RuntimeError(gone)
+            if self.grammars.parked:
+                self._unpark()
             if self.running and self.engine.has_unfinished_requests():
                 self._step()
 
@@ -191,8 +200,11 @@ class EngineLoop:
                 return
             self.handle(message)
 
-    def handle(self, message: object) -> None:
-        """Apply one incoming message to the engine."""
+    def handle(self, message: object, compiled: bool = False) -> None:
+        """Apply one incoming message to the engine. A request or check with structured
+        outputs first waits for its grammar (``GrammarWorker``) unless ``compiled``."""
+        if not compiled and self._park(message):
+            return
         if isinstance(message, AddRequest):
             try:
                 self.engine.add_request(message.rid, message.prompt_token_ids, message.params)
@@ -200,6 +212,8 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - any rejection goes back to the caller
                 self._send(RequestFailed(message.rid, str(exc)))
         elif isinstance(message, Abort):
+            if self.grammars.drop(message.rid):
+                return  # never reached the engine
             try:
                 self.engine.abort_request(message.rid)
             except Exception:  # noqa: BLE001 - aborting a finished request is harmless
@@ -217,6 +231,24 @@ class EngineLoop:
             self.running = False
         else:
             log.warning("ignoring unknown message %r", type(message).__name__)
+
+    def _park(self, message: object) -> bool:
+        """Hand ``message`` to the grammar worker when it carries structured outputs."""
+        add = message.check if isinstance(message, Query) else message
+        if not isinstance(add, AddRequest) or add.params.structured_outputs is None:
+            return False
+        self.grammars.park(add.rid, add.params.structured_outputs, message)
+        return True
+
+    def _unpark(self) -> None:
+        """Apply the parked messages whose grammar compiled; answer the others' errors."""
+        for message, error in self.grammars.ready():
+            if error is None:
+                self.handle(message, compiled=True)
+            elif isinstance(message, Query):
+                self._send(Answer(message.key, None, error))
+            else:
+                self._send(RequestFailed(message.rid, error))
 
     def _note_scheduled(self, started: float, outputs) -> None:
         """Record when each waiting request was first scheduled (the start of the step after

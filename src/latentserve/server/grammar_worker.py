@@ -1,0 +1,93 @@
+"""Grammar compiles off the engine loop: a request with structured outputs waits beside the
+engine while a background thread compiles its grammar (xgrammar releases the GIL while it
+compiles), so a costly grammar never stalls the steps of the other requests.
+Design notes: docs/server.md, "Structured outputs and token masks"."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Parked:
+    """A message waiting for its grammar: ``key`` names it for :meth:`GrammarWorker.drop`;
+    ``deadline``: ``time.monotonic()`` after which it is answered with a timeout."""
+
+    key: Any
+    message: Any
+    future: Future
+    deadline: float
+
+
+class GrammarWorker:
+    """Runs ``compile_fn(so)`` for parked messages on one daemon thread, one at a time, in
+    arrival order; ``compile_fn`` raises ValueError for a grammar that does not compile and
+    leaves the compiled grammar where the engine finds it (xgrammar's cache), so the
+    engine's own compile of the request is a lookup. ``timeout_s`` (> 0): how long a message
+    may wait for its compile, queueing included."""
+
+    def __init__(self, compile_fn, timeout_s: float):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._compile = compile_fn
+        self.timeout_s = timeout_s
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.parked: list[Parked] = []
+
+    def park(self, key, so, message) -> None:
+        """Queue the compile of ``so`` (``StructuredOutputsParams``) and hold ``message``
+        until :meth:`ready` hands it back."""
+        future: Future = Future()
+        self.parked.append(Parked(key, message, future, time.monotonic() + self.timeout_s))
+        self._jobs.put((so, future))
+        if self._thread is None:  # a daemon: a compile never holds up the process's exit
+            self._thread = threading.Thread(target=self._work, name="grammar-compile",
+                                            daemon=True)
+            self._thread.start()
+
+    def drop(self, key) -> bool:
+        """Forget the parked messages under ``key`` (an abort); True if there were any."""
+        keep = [p for p in self.parked if p.key != key]
+        dropped = len(keep) < len(self.parked)
+        for p in self.parked:
+            if p.key == key:
+                p.future.cancel()  # a compile not started yet is skipped
+        self.parked = keep
+        return dropped
+
+    def ready(self) -> list[tuple[Any, str | None]]:
+        """The parked messages whose compile ended or whose time ran out, in arrival order,
+        each with None (compiled) or the error to answer it with; they are no longer
+        parked."""
+        now, out, keep = time.monotonic(), [], []
+        for p in self.parked:
+            if p.future.done() and not p.future.cancelled():
+                exc = p.future.exception()
+                out.append((p.message, None if exc is None else str(exc)))
+            elif now >= p.deadline:
+                p.future.cancel()
+                out.append((p.message, f"the request's grammar did not compile within "
+                                       f"{self.timeout_s:g} s (--grammar-compile-timeout): "
+                                       "use a smaller schema, regex or list of choices"))
+            else:
+                keep.append(p)
+        self.parked = keep
+        return out
+
+    def _work(self) -> None:
+        while True:
+            so, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # dropped or timed out before its turn
+            try:
+                self._compile(so)
+            except Exception as exc:  # noqa: BLE001 - handed to the message's answer
+                future.set_exception(exc)
+            else:
+                future.set_result(None)

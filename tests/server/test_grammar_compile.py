@@ -1,0 +1,149 @@
+"""A request's grammar compiles beside the engine loop (``server/grammar_worker.py``): the
+other requests keep stepping meanwhile, a compile that takes too long is refused with an
+error naming the flag, a bad grammar is refused as before, an abort drops a waiting request."""
+
+import dataclasses
+import pickle
+import threading
+import time
+
+import pytest
+
+from latentserve.config import EngineConfig
+from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
+from latentserve.server.engine_process import EngineLoop
+from latentserve.server.grammar_worker import GrammarWorker
+from latentserve.server.messages import Abort, AddRequest, Answer, Query, RequestFailed, StepOutputs
+
+PLAIN = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+CHOICE = SamplingParams(max_tokens=8, temperature=0,
+                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+
+
+class _Outbox:
+    def __init__(self):
+        self.messages = []
+
+    def send_pyobj(self, message):
+        self.messages.append(pickle.loads(pickle.dumps(message)))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    pytest.importorskip("xgrammar")
+    from latentserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_seqs=4))
+
+
+def _outputs(loop, rid):
+    return [o for m in loop.outbox.messages if isinstance(m, StepOutputs)
+            for o in m.outputs if o.rid == rid]
+
+
+def _run_until(loop, done, timeout=60.0):
+    """Turn the loop (unpark, then step) until ``done()`` or ``timeout`` s."""
+    end = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < end, "timed out"
+        if loop.grammars.parked:
+            loop._unpark()
+        if loop.engine.has_unfinished_requests():
+            loop._step()
+        else:
+            time.sleep(0.002)
+
+
+def _slow_loop(engine, monkeypatch, timeout_s=30.0):
+    """A loop whose grammar compiles wait for ``release`` (then compile for real)."""
+    release = threading.Event()
+    real = engine.compile_grammar
+
+    def slow(so):
+        assert release.wait(30)
+        real(so)
+
+    monkeypatch.setattr(engine, "compile_grammar", slow)
+    loop = EngineLoop(engine, inbox=None, outbox=_Outbox())
+    loop.grammars = GrammarWorker(slow, timeout_s)
+    return loop, release
+
+
+def test_other_requests_finish_while_a_grammar_compiles(engine, monkeypatch):
+    loop, release = _slow_loop(engine, monkeypatch)
+    loop.handle(AddRequest("choice", [5, 6, 7], CHOICE))
+    loop.handle(AddRequest("plain", [5, 6, 7], PLAIN))
+    assert [p.key for p in loop.grammars.parked] == ["choice"]
+    _run_until(loop, lambda: any(o.finished for o in _outputs(loop, "plain")))
+    assert _outputs(loop, "choice") == []  # still compiling: not in the engine yet
+    release.set()
+    _run_until(loop, lambda: any(o.finished for o in _outputs(loop, "choice")))
+    text = engine.tokenizer.decode([t for o in _outputs(loop, "choice")
+                                    for t in o.new_token_ids], skip_special_tokens=True)
+    assert text in ("yes", "no")
+
+
+def test_a_compile_past_the_timeout_is_refused_and_the_engine_goes_on(engine, monkeypatch):
+    loop, release = _slow_loop(engine, monkeypatch, timeout_s=0.2)
+    loop.handle(AddRequest("slow", [5, 6, 7], CHOICE))
+    loop.handle(Query("check-slow", AddRequest("check-slow", [5, 6], CHOICE)))
+    _run_until(loop, lambda: not loop.grammars.parked)
+    failed = [m for m in loop.outbox.messages if isinstance(m, RequestFailed)]
+    answers = [m for m in loop.outbox.messages if isinstance(m, Answer)]
+    assert [m.rid for m in failed] == ["slow"] and not failed[0].internal
+    assert "did not compile within 0.2 s (--grammar-compile-timeout)" in failed[0].error
+    assert answers[0].key == "check-slow" and "--grammar-compile-timeout" in answers[0].error
+    release.set()
+    loop.handle(AddRequest("plain", [5, 6, 7], PLAIN))
+    _run_until(loop, lambda: any(o.finished for o in _outputs(loop, "plain")))
+    s = engine.stats()
+    assert s["num_running"] == s["num_waiting"] == 0
+
+
+def test_a_bad_grammar_is_refused_with_the_engine_error(engine):
+    loop = EngineLoop(engine, inbox=None, outbox=_Outbox())
+    bad = dataclasses.replace(CHOICE, structured_outputs=StructuredOutputsParams(
+        regex="([a-z", param="guided_regex"))
+    loop.handle(AddRequest("bad", [5, 6, 7], bad))
+    _run_until(loop, lambda: not loop.grammars.parked)
+    (failed,) = [m for m in loop.outbox.messages if isinstance(m, RequestFailed)]
+    assert failed.rid == "bad" and failed.error.startswith(
+        "guided_regex is not a valid regular expression")
+    assert not engine.has_unfinished_requests()
+
+
+def test_an_abort_drops_a_request_still_waiting_for_its_grammar(engine, monkeypatch):
+    loop, release = _slow_loop(engine, monkeypatch)
+    loop.handle(AddRequest("gone", [5, 6, 7], CHOICE))
+    loop.handle(Abort("gone"))
+    assert loop.grammars.parked == []
+    release.set()
+    time.sleep(0.05)
+    assert loop.grammars.ready() == [] and not engine.has_unfinished_requests()
+    assert loop.outbox.messages == []
+
+
+def test_the_worker_answers_in_arrival_order():
+    gate = threading.Event()
+    seen = []
+
+    def compile_fn(so):
+        gate.wait(10)
+        seen.append(so)
+        if so == "bad":
+            raise ValueError("bad grammar")
+
+    worker = GrammarWorker(compile_fn, 30)
+    for key in ("a", "bad", "b"):
+        worker.park(key, key, f"msg-{key}")
+    assert worker.ready() == []
+    gate.set()
+    end = time.monotonic() + 10
+    got = []
+    while len(got) < 3 and time.monotonic() < end:
+        got += worker.ready()
+        time.sleep(0.001)
+    assert got == [("msg-a", None), ("msg-bad", "bad grammar"), ("msg-b", None)]
+    assert seen == ["a", "bad", "b"]
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        GrammarWorker(compile_fn, 0)
