@@ -137,6 +137,9 @@ class RequestMask:
                         else ids_bitmask(params.allowed_token_ids, vocab_size))
         self.min_tokens = params.min_tokens
         self.stop_ids = sorted(t for t in stop_ids if 0 <= t < vocab_size)
+        if params.allowed_token_ids is not None and matcher is None:
+            _check_allowed(set(params.allowed_token_ids), set(self.stop_ids),
+                           {w[0] for w in bad_words or () if len(w) == 1}, params.min_tokens)
         # the grammar ends only on accepting one of these (xgrammar's default)
         self._stops = frozenset(matcher.stop_token_ids) if matcher is not None else frozenset()
         self.bad_words = bad_words or []
@@ -221,8 +224,25 @@ class RequestMask:
         if self.thinking and (t := self.think.forced(_patched(ids, start, stop, patch))
                               ) is not None:
             row[:] = ids_bitmask([t], len(row) * 32)
-        if own is not None and not row.any():
-            row[:] = own  # the grammar wins over min_tokens and the rest
+        if not row.any():  # nothing left: the grammar wins over min_tokens and the rest,
+            if own is not None:  # else allowed_token_ids does (a bad word's context)
+                row[:] = own
+            elif self.allowed is not None:
+                row[:] = self.allowed
+
+
+def _check_allowed(allowed: set[int], stop_ids: set[int], bad: set[int], min_tokens: int
+                   ) -> None:
+    """ValueError when ``allowed_token_ids`` leaves nothing to sample at the first answer
+    token: all of them are ``bad`` (single-token bad words) or, while ``min_tokens`` holds,
+    stop ids (EOS and ``stop_token_ids``)."""
+    if not allowed - bad:
+        raise ValueError("allowed_token_ids holds only ids that bad_words forbids: nothing "
+                         "could be sampled")
+    if min_tokens > 0 and not allowed - bad - stop_ids:
+        raise ValueError(f"allowed_token_ids holds only stop ids (EOS or stop_token_ids), "
+                         f"which min_tokens={min_tokens} forbids for the first tokens: nothing "
+                         "could be sampled")
 
 
 def _patched(ids: list[int], start: int, stop: int, patch: tuple[int, int] | None) -> list[int]:

@@ -168,6 +168,35 @@ def test_allowed_token_ids_outside_the_vocabulary_are_refused(llm):
         _gen(llm, PROMPTS[:1], SamplingParams(allowed_token_ids=[5, 49152]))
 
 
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused(llm):
+    """(Found by fuzzing the server: token 0, outside the allowed ids, came out.)"""
+    with pytest.raises(ValueError, match=r"^allowed_token_ids holds only stop ids .* "
+                                         r"min_tokens=2 forbids"):
+        _gen(llm, PROMPTS[:1], SamplingParams(max_tokens=3, allowed_token_ids=[2],
+                                              stop_token_ids=[2], min_tokens=2))
+    with pytest.raises(ValueError, match=r"^allowed_token_ids holds only ids that bad_words"):
+        _gen(llm, PROMPTS[:1], SamplingParams(max_tokens=3, allowed_token_ids=[11],
+                                              bad_words=[llm.get_tokenizer().decode([11])]))
+    # an EOS among others is fine: min_tokens only masks it
+    out = _gen(llm, PROMPTS[:1], SamplingParams(max_tokens=3, allowed_token_ids=[2, 11],
+                                                stop_token_ids=[2], min_tokens=2))[0]
+    assert out.token_ids[:2] == [11, 11]
+
+
+def test_a_bad_word_context_never_empties_the_allowed_ids():
+    """A multi-token bad word whose last token is the only allowed one: allowed_token_ids
+    wins over bad_words (nothing would be sampleable)."""
+    import numpy as np
+
+    from latentserve.token_masks import RequestMask, ids_bitmask
+
+    params = SamplingParams(allowed_token_ids=[7])
+    mask = RequestMask(params, 64, {2}, bad_words=[[5, 7]])
+    row = np.full(2, -1, dtype=np.int32)
+    mask.restrict(row, [5], 1, grammar=False)
+    assert (row == ids_bitmask([7], 64)).all()
+
+
 @pytest.mark.parametrize("bad", [49152, 10**6])
 def test_stop_token_ids_outside_the_vocabulary_are_refused(llm, bad):
     with pytest.raises(ValueError, match=rf"^stop_token_ids must be in \[0, 49152\), got {bad}$"):
