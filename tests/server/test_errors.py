@@ -42,6 +42,15 @@ CASES = [
      ["messages[0].role"]),
     ("include-usage-not-bool", *_chat(stream=True, stream_options={"include_usage": "y"}),
      "stream_options.include_usage", ["include_usage"]),
+    ("stream-options-unimplemented-key", *_chat(stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}),
+     "stream_options.continuous_usage_stats",
+     ["Unrecognized request argument supplied: stream_options.continuous_usage_stats"]),
+    ("response-format-unknown-key", *_cmpl(response_format={"type": "json_object", "foo": 1}),
+     "response_format.foo", ["foo"]),
+    ("json-schema-unknown-key", *_chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {}, "foo": 1}}),
+     "response_format.json_schema.foo", ["foo"]),
     ("missing-messages", "/v1/chat/completions", {"max_tokens": 2}, "messages", ["messages"]),
     ("only-assistant-turn", *_chat(messages=[{"role": "assistant", "content": "Hello!"}]),
      "messages", ["user"]),

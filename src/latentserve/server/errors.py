@@ -100,6 +100,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     if first.get("type") == "missing":
         return APIError(f"Missing required parameter: '{param}'", param=param,
                         code="missing_required_parameter")
+    if first.get("type") == "extra_forbidden":  # a nested key no model declares
+        return APIError(f"Unrecognized request argument supplied: {param}", param=param,
+                        code="unknown_field")
     same = [e for e in errors if _split(e.get("loc", ()))[0] == param]
     reasons = (_union_expected(same)
                or "; ".join(dict.fromkeys(e.get("msg", "invalid") for e in same)))

@@ -40,6 +40,11 @@ BODY_CONFIG = ConfigDict(json_schema_extra={"additionalProperties": False})
 
 
 class StreamOptions(RequestModel):
+    """OpenAI's ``stream_options``; another key (``continuous_usage_stats``,
+    ``include_obfuscation``) is a 400: not implemented."""
+
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool | None = False
 
 
@@ -66,7 +71,7 @@ class LatentFields(RequestModel):
 class JsonSchemaFormat(RequestModel):
     """``response_format.json_schema``; only ``schema`` constrains the answer."""
 
-    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True, extra="forbid")
 
     name: str | None = None
     description: str | None = None
@@ -75,7 +80,9 @@ class JsonSchemaFormat(RequestModel):
 
 
 class ResponseFormat(RequestModel):
-    """OpenAI's ``response_format``."""
+    """OpenAI's ``response_format`` (another key is a 400)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
