@@ -133,7 +133,7 @@ def test_the_worker_answers_in_arrival_order():
         if so == "bad":
             raise ValueError("bad grammar")
 
-    worker = GrammarWorker(compile_fn, 30)
+    worker = GrammarWorker(compile_fn, 30, threads=1)
     for key in ("a", "bad", "b"):
         worker.park(key, key, f"msg-{key}")
     assert worker.ready() == []
@@ -147,3 +147,27 @@ def test_the_worker_answers_in_arrival_order():
     assert seen == ["a", "bad", "b"]
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         GrammarWorker(compile_fn, 0)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        GrammarWorker(compile_fn, 1, threads=0)
+
+
+def test_a_stuck_compile_does_not_hold_up_the_next_one():
+    """Two threads: a compile that never ends (past its time) leaves the other thread to
+    the requests after it."""
+    stuck = threading.Event()
+
+    def compile_fn(so):
+        if so == "slow":
+            stuck.wait(30)
+
+    worker = GrammarWorker(compile_fn, 0.3)
+    worker.park("slow", "slow", "msg-slow")
+    worker.park("fast", "fast", "msg-fast")
+    end = time.monotonic() + 10
+    got = []
+    while len(got) < 2 and time.monotonic() < end:
+        got += worker.ready()
+        time.sleep(0.001)
+    stuck.set()
+    assert got[0] == ("msg-fast", None)  # compiled while "slow" was stuck
+    assert got[1][0] == "msg-slow" and "did not compile within 0.3 s" in got[1][1]

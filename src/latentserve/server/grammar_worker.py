@@ -25,19 +25,23 @@ class Parked:
 
 
 class GrammarWorker:
-    """Runs ``compile_fn(so)`` for parked messages on one daemon thread, one at a time, in
-    arrival order; ``compile_fn`` raises ValueError for a grammar that does not compile and
-    leaves the compiled grammar where the engine finds it (xgrammar's cache), so the
-    engine's own compile of the request is a lookup. ``timeout_s`` (> 0): how long a message
-    may wait for its compile, queueing included."""
+    """Runs ``compile_fn(so)`` for parked messages on ``threads`` (>= 1) daemon threads,
+    started in arrival order; ``compile_fn`` raises ValueError for a grammar that does not
+    compile and leaves the compiled grammar where the engine finds it (xgrammar's cache), so
+    the engine's own compile of the request is a lookup. ``timeout_s`` (> 0): how long a
+    message may wait for its compile, queueing included. A compile past its time runs on
+    (it cannot be stopped) and holds its thread; the others go on."""
 
-    def __init__(self, compile_fn, timeout_s: float):
+    def __init__(self, compile_fn, timeout_s: float, threads: int = 2):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
         self._compile = compile_fn
         self.timeout_s = timeout_s
+        self.threads = threads
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._started = 0
         self.parked: list[Parked] = []
 
     def park(self, key, so, message) -> None:
@@ -46,10 +50,11 @@ class GrammarWorker:
         future: Future = Future()
         self.parked.append(Parked(key, message, future, time.monotonic() + self.timeout_s))
         self._jobs.put((so, future))
-        if self._thread is None:  # a daemon: a compile never holds up the process's exit
-            self._thread = threading.Thread(target=self._work, name="grammar-compile",
-                                            daemon=True)
-            self._thread.start()
+        if self._started < min(self.threads, len(self.parked)):
+            # daemons: a compile never holds up the process's exit
+            threading.Thread(target=self._work, name=f"grammar-compile-{self._started}",
+                             daemon=True).start()
+            self._started += 1
 
     def drop(self, key) -> bool:
         """Forget the parked messages under ``key`` (an abort); True if there were any."""
