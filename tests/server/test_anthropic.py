@@ -96,6 +96,8 @@ def test_validation_error_is_an_anthropic_error(server, model):
      "least one content block (only a final assistant message may be empty)"),
     ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
      "tool_choice.disable_parallel_tool_use: Input should be a valid boolean (got 'yes')"),
+    ({"service_tier": "bogus"},
+     "service_tier: Input should be 'auto' or 'standard_only' (got 'bogus')"),
 ])
 def test_bad_fields_are_named_in_one_form(anthropic_client, model, extra, message):
     """Every field error reads ``field: reason`` (``top_p must ...`` and ``Invalid type for

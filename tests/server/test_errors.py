@@ -51,6 +51,7 @@ CASES = [
     ("json-schema-unknown-key", *_chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {}, "foo": 1}}),
      "response_format.json_schema.foo", ["foo"]),
+    ("service-tier-unknown", *_chat(service_tier="bogus"), "service_tier", ["service_tier"]),
     ("missing-messages", "/v1/chat/completions", {"max_tokens": 2}, "messages", ["messages"]),
     ("only-assistant-turn", *_chat(messages=[{"role": "assistant", "content": "Hello!"}]),
      "messages", ["user"]),

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -75,7 +75,7 @@ class MessagesRequest(LatentFields):
     tool_choice: AnthropicToolChoice | None = None
     latent_reasoning: str | None = None
     output_config: dict[str, Any] | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
     inference_geo: str | None = None
     cache_control: dict[str, Any] | None = None
     speed: str | None = None

@@ -197,7 +197,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
