@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -170,6 +171,7 @@ class LLMEngine:
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         self.prompt_logprobs = PromptLogprobTracker()
         self.grammars: Any = None  # structured.Grammars, built for the first constrained one
+        self._grammars_lock = threading.Lock()
         log.info("engine ready: %s, %d KV slots, max_model_len %d", self.model_name, slots,
                  self.max_model_len)
 
@@ -268,10 +270,15 @@ class LLMEngine:
         if isinstance(self.tokenizer, NoTokenizer):
             raise ValueError(f"{so.param} needs text: this model directory has no tokenizer "
                              "files")
-        grammars = self.grammars
-        if grammars is None:  # NOTE: two threads may both build one; either serves
-            grammars = self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
-        grammars.compile(so)
+        self._grammars().compile(so)
+
+    def _grammars(self) -> Grammars:
+        """The engine's one ``structured.Grammars`` (one compiler cache), built on first use
+        under a lock (:meth:`compile_grammar` runs on other threads)."""
+        with self._grammars_lock:
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self.grammars
 
     def _constraint(self, params: SamplingParams, prompt: list[int]):
         """The request's ``token_masks.RequestMask`` (grammar compiled here) or None (nothing
@@ -291,9 +298,7 @@ class LLMEngine:
                  if all(0 <= t < self.vocab_size for t in w)] if params.bad_words else None
         matcher = None
         if so is not None:
-            if self.grammars is None:
-                self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
-            matcher = self.grammars.matcher(so)
+            matcher = self._grammars().matcher(so)
         think = None
         if parser and (budget is not None or so is not None):  # so: starts after </think>
             ids = [self.tokenizer.encode(t, add_special_tokens=False)
