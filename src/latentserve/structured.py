@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 from latentserve.sampling_params import StructuredOutputsParams
 
 JSON_SEPARATORS = (", ", ": ")
+# The longest a grammar's first token mask may take to fill (seconds): every answer token of
+# the request pays about that on the engine's step (docs/server.md).
+FIRST_MASK_LIMIT_S = 0.1
 # xgrammar's compiled-grammar cache (LRU): bounded, so many distinct schemas cannot grow the
 # engine process without limit.
 CACHE_LIMIT_BYTES = 256 << 20
@@ -61,6 +65,21 @@ class Grammars:
                     "grammar": "is not a valid grammar (EBNF with a root rule, or Lark)"}.get(
                 kind, "could not be compiled")
             raise ValueError(f"{so.param} {what}: {_library_message(exc)}") from None
+
+    def check_first_mask(self, so: StructuredOutputsParams) -> None:
+        """ValueError naming ``so.param`` when filling the grammar's first token mask takes
+        longer than ``FIRST_MASK_LIMIT_S`` (some regexes compile at once, then take seconds a
+        token); compiles ``so`` first (:meth:`compile`'s errors)."""
+        xgr = import_xgrammar(so.param)
+        matcher = xgr.GrammarMatcher(self.compile(so))
+        bits = xgr.allocate_token_bitmask(1, self.vocab_size)
+        start = time.perf_counter()
+        matcher.fill_next_token_bitmask(bits)
+        took = time.perf_counter() - start
+        if took > FIRST_MASK_LIMIT_S:
+            raise ValueError(f"{so.param} is too costly to follow: its first token mask took "
+                             f"{took:.2f} s (limit {FIRST_MASK_LIMIT_S:g} s); use a simpler "
+                             "schema or regex")
 
     def matcher(self, so: StructuredOutputsParams):
         """A fresh xgrammar ``GrammarMatcher`` for ``so`` (see :meth:`compile`)."""

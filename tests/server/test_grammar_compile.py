@@ -91,7 +91,8 @@ def test_a_compile_past_the_timeout_is_refused_and_the_engine_goes_on(engine, mo
     failed = [m for m in loop.outbox.messages if isinstance(m, RequestFailed)]
     answers = [m for m in loop.outbox.messages if isinstance(m, Answer)]
     assert [m.rid for m in failed] == ["slow"] and not failed[0].internal
-    assert "did not compile within 0.2 s (--grammar-compile-timeout)" in failed[0].error
+    assert failed[0].error.startswith(  # the field first: the API's 400 names it
+        "structured_outputs did not compile within 0.2 s (--grammar-compile-timeout)")
     assert answers[0].key == "check-slow" and "--grammar-compile-timeout" in answers[0].error
     release.set()
     loop.handle(AddRequest("plain", [5, 6, 7], PLAIN))
@@ -120,7 +121,10 @@ def test_an_abort_drops_a_request_still_waiting_for_its_grammar(engine, monkeypa
     release.set()
     time.sleep(0.05)
     assert loop.grammars.ready() == [] and not engine.has_unfinished_requests()
-    assert loop.outbox.messages == []
+    # its final output, as for a request the engine aborts: the API side stops waiting
+    (sent,) = loop.outbox.messages
+    assert [(o.rid, o.finished, o.finish_reason) for o in sent.outputs] == [
+        ("gone", True, "abort")]
 
 
 def test_the_worker_answers_in_arrival_order():
@@ -171,3 +175,44 @@ def test_a_stuck_compile_does_not_hold_up_the_next_one():
     stuck.set()
     assert got[0] == ("msg-fast", None)  # compiled while "slow" was stuck
     assert got[1][0] == "msg-slow" and "did not compile within 0.3 s" in got[1][1]
+
+
+def test_a_timed_out_compile_gets_a_thread_in_its_place():
+    """One thread, stuck past its time on a compile that cannot be stopped: the next
+    request still compiles (a thread takes the stuck one's place)."""
+    stuck = threading.Event()
+
+    def compile_fn(so):
+        if so == "slow":
+            stuck.wait(30)
+
+    worker = GrammarWorker(compile_fn, 0.2, threads=1)
+    worker.park("slow", "slow", "msg-slow")
+    end = time.monotonic() + 10
+    got = []
+    while not got and time.monotonic() < end:
+        got = worker.ready()
+        time.sleep(0.005)
+    assert got[0][0] == "msg-slow"
+    worker.park("fast", "fast", "msg-fast")
+    got = []
+    while not got and time.monotonic() < end:
+        got = worker.ready()
+        time.sleep(0.001)
+    assert got == [("msg-fast", None)]
+    stuck.set()
+
+
+def test_a_grammar_whose_first_mask_is_too_costly_is_refused(engine, monkeypatch):
+    """Some regexes compile at once, then take seconds a token to mask (nested bounded
+    repeats); the grammar thread fills the first mask and refuses one over the limit."""
+    import latentserve.structured as structured
+
+    monkeypatch.setattr(structured, "FIRST_MASK_LIMIT_S", 0.0)
+    loop = EngineLoop(engine, inbox=None, outbox=_Outbox())
+    loop.handle(AddRequest("costly", [5, 6, 7], CHOICE))
+    _run_until(loop, lambda: not loop.grammars.parked)
+    (failed,) = [m for m in loop.outbox.messages if isinstance(m, RequestFailed)]
+    assert failed.error.startswith("structured_outputs is too costly to follow: its first "
+                                   "token mask took")
+    assert not engine.has_unfinished_requests()

@@ -266,11 +266,12 @@ class LLMEngine:
     def compile_grammar(self, so) -> None:
         """Compile ``so`` (``StructuredOutputsParams``) into the grammar cache, so a request
         that uses it later finds it compiled; safe from another thread. ValueError naming
-        the field, as :meth:`add_request`'s."""
+        the field, as :meth:`add_request`'s, or when its first token mask is too costly
+        (``Grammars.check_first_mask``)."""
         if isinstance(self.tokenizer, NoTokenizer):
             raise ValueError(f"{so.param} needs text: this model directory has no tokenizer "
                              "files")
-        self._grammars().compile(so)
+        self._grammars().check_first_mask(so)
 
     def _grammars(self) -> Grammars:
         """The engine's one ``structured.Grammars`` (one compiler cache), built on first use

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from latentserve.config import EngineConfig
+from latentserve.outputs import StepOutput
 from latentserve.server.grammar_worker import GrammarWorker
 from latentserve.server.messages import (
     Abort,
@@ -212,8 +213,9 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - any rejection goes back to the caller
                 self._send(RequestFailed(message.rid, str(exc)))
         elif isinstance(message, Abort):
-            if self.grammars.drop(message.rid):
-                return  # never reached the engine
+            if self.grammars.drop(message.rid):  # never reached the engine: its final output
+                self._send(StepOutputs([StepOutput(message.rid, [], True, "abort")]))
+                return
             try:
                 self.engine.abort_request(message.rid)
             except Exception:  # noqa: BLE001 - aborting a finished request is harmless

@@ -16,9 +16,11 @@ from typing import Any
 @dataclass(slots=True)
 class Parked:
     """A message waiting for its grammar: ``key`` names it for :meth:`GrammarWorker.drop`;
-    ``deadline``: ``time.monotonic()`` after which it is answered with a timeout."""
+    ``param``: the request field of the grammar (error messages); ``deadline``:
+    ``time.monotonic()`` after which it is answered with a timeout."""
 
     key: Any
+    param: str
     message: Any
     future: Future
     deadline: float
@@ -29,10 +31,11 @@ class GrammarWorker:
     started in arrival order; ``compile_fn`` raises ValueError for a grammar that does not
     compile and leaves the compiled grammar where the engine finds it (xgrammar's cache), so
     the engine's own compile of the request is a lookup. ``timeout_s`` (> 0): how long a
-    message may wait for its compile, queueing included. A compile past its time runs on
-    (it cannot be stopped) and holds its thread; the others go on."""
+    message may wait for its compile, queueing included. A compile past its time cannot be
+    stopped and holds its thread: another thread replaces it, up to ``max_stuck`` held
+    threads (then the queue waits for them)."""
 
-    def __init__(self, compile_fn, timeout_s: float, threads: int = 2):
+    def __init__(self, compile_fn, timeout_s: float, threads: int = 2, max_stuck: int = 4):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if threads < 1:
@@ -40,21 +43,30 @@ class GrammarWorker:
         self._compile = compile_fn
         self.timeout_s = timeout_s
         self.threads = threads
+        self.max_stuck = max_stuck
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the thread counts, read by the workers too
         self._started = 0
+        self._stuck: set[Future] = set()  # running compiles whose message timed out
         self.parked: list[Parked] = []
 
     def park(self, key, so, message) -> None:
         """Queue the compile of ``so`` (``StructuredOutputsParams``) and hold ``message``
         until :meth:`ready` hands it back."""
         future: Future = Future()
-        self.parked.append(Parked(key, message, future, time.monotonic() + self.timeout_s))
+        self.parked.append(Parked(key, getattr(so, "param", "structured_outputs"), message,
+                                  future, time.monotonic() + self.timeout_s))
         self._jobs.put((so, future))
-        if self._started < min(self.threads, len(self.parked)):
-            # daemons: a compile never holds up the process's exit
-            threading.Thread(target=self._work, name=f"grammar-compile-{self._started}",
-                             daemon=True).start()
-            self._started += 1
+        with self._lock:
+            if self._started - len(self._stuck) < min(self.threads, len(self.parked)):
+                self._start_thread()
+
+    def _start_thread(self) -> None:
+        """One more worker (a daemon: a compile never holds up the process's exit); call
+        with ``_lock`` held."""
+        threading.Thread(target=self._work, name=f"grammar-compile-{self._started}",
+                         daemon=True).start()
+        self._started += 1
 
     def drop(self, key) -> bool:
         """Forget the parked messages under ``key`` (an abort); True if there were any."""
@@ -76,8 +88,12 @@ class GrammarWorker:
                 exc = p.future.exception()
                 out.append((p.message, None if exc is None else str(exc)))
             elif now >= p.deadline:
-                p.future.cancel()
-                out.append((p.message, f"the request's grammar did not compile within "
+                if not p.future.cancel():  # running: it holds its thread
+                    with self._lock:
+                        if not p.future.done() and len(self._stuck) < self.max_stuck:
+                            self._stuck.add(p.future)
+                            self._start_thread()  # in its place
+                out.append((p.message, f"{p.param} did not compile within "
                                        f"{self.timeout_s:g} s (--grammar-compile-timeout): "
                                        "use a smaller schema, regex or list of choices"))
             else:
@@ -96,3 +112,8 @@ class GrammarWorker:
                 future.set_exception(exc)
             else:
                 future.set_result(None)
+            with self._lock:
+                if future in self._stuck:  # another thread took this one's place: leave
+                    self._stuck.discard(future)
+                    self._started -= 1
+                    return
