@@ -107,11 +107,10 @@ class ModelRunner:
                 ids.extend(req.ids_slice(start, start + 1))
                 pos.append(start)
                 row_tok.append(req.row)
-                if src_of and start + 1 == req.seq_len:  # pending_row, inlined
-                    j = src_of.get(id(req))
-                    if j is not None:
-                        sub_dst.append(len(ids) - 1)
-                        sub_src.append(j)
+                j = pending_row(req, start, 1, src_of)
+                if j is not None:
+                    sub_dst.append(len(ids) - 1)
+                    sub_src.append(j)
                 continue
             if emb:  # latent span [lo, hi) of this chunk takes vectors (indices in emb)
                 lo = start - req.latent_start

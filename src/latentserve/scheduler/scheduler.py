@@ -114,7 +114,7 @@ class Scheduler:
 
     def _chunk(self, req: Req, budget: int) -> int:
         """Tokens ``req`` computes this step within ``budget``, as the family chunks it."""
-        n = min(len(req.prompt_ids) + len(req.output_ids) - req.num_computed, budget)
+        n = min(req.num_pending, budget)
         if (self.forced_one_by_one and 1 < n <= self._max_forced
                 and req.answer_start is not None and self.family.forces_one_by_one(req)
                 and req.num_computed >= len(req.prompt_ids)):
@@ -123,11 +123,10 @@ class Scheduler:
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, req: Req, n: int) -> None:
-        start = req.num_computed
         batch.reqs.append(req)
-        batch.starts.append(start)
+        batch.starts.append(req.num_computed)
         batch.q_lens.append(n)
-        batch.sample.append(start + n == len(req.prompt_ids) + len(req.output_ids))
+        batch.sample.append(req.num_computed + n == req.seq_len)
 
     def _preempt(self, req: Req) -> None:
         self.cache.release_many([req])
