@@ -15,16 +15,18 @@ batch twice in one engine: ``steps`` latent steps (every row in its latent phase
 step injects the previous step's latent vectors) and ``steps`` plain decode steps (latent
 budget 0 / thinking off, same prompt length), and reports both (``latent`` and ``plain``
 dicts) and ``latent_over_plain_pct`` of the median step. The head's MLPs are stubbed too on
-CPU (``latent_input`` / ``stop_prob`` return zeros; on CUDA they run inside the no-op
-graphs); the engine's own latent host code (phase machines, vector bookkeeping, injection)
-runs for real.
+CPU (``latent_input``, ``stop_prob`` and ``serve_outputs`` return zeros; on CUDA they run
+inside the no-op graphs); the engine's own latent host code (phase machines, vector
+bookkeeping, injection) runs for real.
 
 Run: ``python -m benchmarks.host [--device cuda] [--batch 64] [--steps 200]
-[--latent feedback|head]``.
+[--latent feedback|head] [--overlap | --no-overlap]`` (the CUDA engine overlaps by default,
+the CPU one does not; ``--overlap`` on the CPU times the host path a GPU step takes).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 import time
@@ -166,10 +168,13 @@ def _time_steps(engine, params, batch: int, steps: int, prompt_len: int, tag: st
 
 
 def run_host_bench(device: str = "cpu", batch: int = 64, steps: int = 200,
-                   prompt_len: int = 100, latent: str | None = None) -> dict:
+                   prompt_len: int = 100, latent: str | None = None,
+                   overlap: bool | None = None) -> dict:
     """Median host time per decode step (us) and of its parts; see the module docstring.
     ``batch`` requests of ``prompt_len`` ids decode for ``steps`` timed steps. ``latent``
-    (``"feedback"`` or ``"head"``): time latent steps and plain steps of the same batch."""
+    (``"feedback"`` or ``"head"``): time latent steps and plain steps of the same batch.
+    ``overlap``: the overlap scheduler on or off (None: the device's default, on for CUDA
+    only)."""
     import torch
 
     from latentserve.config import EngineConfig
@@ -178,7 +183,7 @@ def run_host_bench(device: str = "cpu", batch: int = 64, steps: int = 200,
     with tempfile.TemporaryDirectory() as d:
         path = _build(Path(d), latent)
         engine = LLMEngine(EngineConfig(model=str(path), device=device, max_num_seqs=batch,
-                                        kv_slots=batch * 512))
+                                        kv_slots=batch * 512, overlap_schedule=overlap))
     runner, model = engine.runner, engine.runner.model
     if runner.graphs is not None:
         runner.graphs.graphs = {k: _NoReplay() for k in runner.graphs.graphs}
@@ -192,9 +197,12 @@ def run_host_bench(device: str = "cpu", batch: int = 64, steps: int = 200,
         if latent == "head" and head is not None:
             head.latent_input = lambda a: torch.zeros(a.shape[0], hidden)
             head.stop_prob = lambda a: torch.zeros(a.shape[0])
+            head.serve_outputs = lambda a: (torch.zeros(a.shape[0], hidden),
+                                            torch.zeros(a.shape[0]) if head.has_stop else None)
     # Room for the opening ids, the steps (+ slack), the closing ids and one answer token.
     steps = max(2, min(steps, engine.max_model_len - prompt_len - 8 - _SLACK))
-    base = {"device": device, "batch": batch, "graphs": runner.graphs is not None}
+    base = {"device": device, "batch": batch, "graphs": runner.graphs is not None,
+            "overlap": engine.config.use_overlap_schedule}
     if latent is None:
         res = _time_steps(engine, _params(None, engine, False, steps + _SLACK), batch, steps - 1,
                           prompt_len, "h", False)
@@ -216,8 +224,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--latent", choices=["feedback", "head"], default=None,
                     help="also time latent steps of this kind against plain steps")
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="the overlap scheduler on or off (default: on for CUDA only)")
     a = ap.parse_args(argv)
-    write_json(None, run_host_bench(a.device, a.batch, a.steps, latent=a.latent))
+    write_json(None, run_host_bench(a.device, a.batch, a.steps, latent=a.latent,
+                                    overlap=a.overlap))
     return 0
 
 

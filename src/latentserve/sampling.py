@@ -10,6 +10,7 @@ import torch
 
 from latentserve.core import Req
 from latentserve.outputs import TokenLogprob
+from latentserve.sampling_params import SamplingParams
 from latentserve.staging import to_device
 
 
@@ -73,13 +74,56 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
     if sampled:
         every = len(sampled) == len(reqs)  # no index ops (the usual batch)
         idx = None if every else to_device(sampled, torch.long, logits.device)
-        probs = _filtered_probs(logits if idx is None else logits[idx],
-                                [reqs[b].params for b in sampled])
-        drawn = greedy_tokens(probs.div_(_exponentials(
-            probs, [reqs[b].generator for b in sampled], generator)))
+        sub = logits if idx is None else logits[idx]
+        params = [reqs[b].params for b in sampled]
+        gens = [reqs[b].generator for b in sampled]
+        if generator is None and _one_race(sub, params, gens):
+            drawn = _gumbel_tokens(sub, params)
+        else:
+            probs = _filtered_probs(sub, params)
+            drawn = greedy_tokens(probs.div_(_exponentials(probs, gens, generator)))
         # out of place: ``greedy`` may be a static graph buffer
         out = drawn if idx is None else out.index_copy(0, idx, drawn)
     return SamplerOutput(out, _logprobs(raw, out, reqs))
+
+
+def _one_race(logits: torch.Tensor, params, gens: list) -> bool:
+    """Whether the rows of ``logits`` can be drawn by :func:`_gumbel_tokens`: on CUDA, no
+    seeded row, no top-k, top-p or min-p filter (decided on the host: no wait)."""
+    vocab = logits.shape[-1]
+    return (_races_on(logits) and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(g is None for g in gens)
+            and all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1 and p.min_p <= 0
+                    for p in params))
+
+
+def _races_on(logits: torch.Tensor) -> bool:
+    """Whether ``logits``' device runs the fused race (CUDA; tests point it at the Triton
+    interpreter)."""
+    return logits.is_cuda
+
+
+def _gumbel_tokens(logits: torch.Tensor, params) -> torch.Tensor:
+    """One token per row of ``logits`` ``[N, vocab]`` at its row's temperature, in one
+    Gumbel-max race on the device (``ops.kernels.gumbel``) keyed by a seed from torch's CPU
+    generator (seeded with the engine's seed): two launches in place of the filter chain's
+    eight, and no copy when every row has one temperature."""
+    from latentserve.ops.kernels.gumbel import gumbel_sample_rows
+
+    temps = [p.temperature for p in params]
+    temperature = (temps[0] if len(set(temps)) == 1
+                   else to_device(temps, torch.float32, logits.device))
+    seed = int(torch.randint(2**62, ()))
+    return gumbel_sample_rows(logits if logits.stride(-1) == 1 else logits.contiguous(),
+                              temperature, seed)
+
+
+def warm_race(vocab_size: int, device) -> None:
+    """Compile :func:`_gumbel_tokens`' kernels (one temperature, and one per row) for fp32
+    logits of ``vocab_size`` columns on ``device``."""
+    logits = torch.zeros(2, vocab_size, device=device)
+    for temps in ((1.0, 1.0), (1.0, 0.5)):
+        _gumbel_tokens(logits, [SamplingParams(temperature=t) for t in temps])
 
 
 def _exponentials(probs: torch.Tensor, gens: list, generator: torch.Generator | None

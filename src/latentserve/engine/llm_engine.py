@@ -501,6 +501,8 @@ class LLMEngine:
         if self._warm_request((long, 4)) and fused and rope_rows <= layers.DECODE_ROWS:
             self._warm_request((rope_rows,), quiet=True)
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
+        if self.config.device.startswith("cuda"):  # the first sampled step must not compile
+            sampling.warm_race(self.vocab_size, self.config.device)
 
     def _warm_request(self, lengths, quiet: bool = False) -> bool:
         """One warm-up request with the first length of ``lengths`` that fits, run to

@@ -1,0 +1,73 @@
+"""Temperature sampling of a logits matrix as one Gumbel-max race in two short passes.
+
+Design notes: docs/internals.md, "latentserve.ops.kernels.gumbel".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from latentserve.ops.kernels.argmax import _first_max, argmax_of_chunks
+
+# The smallest normal float32: a uniform draw of exactly 0 would give log(0).
+_TINY = 1.1754943508222875e-38
+
+
+@triton.jit(do_not_specialize=["temp", "seed"])
+def _gumbel_chunks_kernel(X, Temps, Vals, Idx, temp, seed, n_cols, n_chunks, stride_x,
+                          PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_cols
+    x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=ok, other=-float("inf"))
+    t = tl.load(Temps + row) if PER_ROW else temp
+    u = tl.maximum(tl.rand(seed + row, offs), _TINY)  # one Philox stream per row
+    y = x.to(tl.float32) / t - tl.log(-tl.log(u))
+    v, i = _first_max(tl.where(ok, y, -float("inf")), tl.where(ok, offs, n_cols), n_cols)
+    tl.store(Vals + row * n_chunks + chunk, v)
+    tl.store(Idx + row * n_chunks + chunk, i)
+
+
+def gumbel_sample_rows(logits: torch.Tensor, temperature: float | torch.Tensor, seed: int,
+                       block: int = 4096) -> torch.Tensor:
+    """One token per row of ``logits`` (``[B, V]`` fp32/bf16/fp16, last dim contiguous), drawn
+    from ``softmax(logits / temperature)``: ``argmax(logits / T + g)``, ``g`` standard Gumbel
+    noise from Philox keyed by ``seed + row`` (int, 0 <= seed < 2**63 - B) and the column, so
+    the same seed gives the same tokens. ``temperature``: one positive float, or a ``[B]``
+    float32 tensor on the logits' device. -inf logits are never drawn (a row of -inf only:
+    index 0; a NaN logit wins its row). Returns ``[B] int64``. Raises ValueError for another
+    shape, stride, dtype, block or temperature."""
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(-1) != 1:
+        raise ValueError(f"logits must be [B, V] with V > 0 and a contiguous last dim, got "
+                         f"{tuple(logits.shape)}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of 2 >= 16, got {block}")
+    b, v = logits.shape
+    if not 0 <= seed < 2**63 - max(b, 1):
+        raise ValueError(f"seed must be in [0, 2**63 - {max(b, 1)}), got {seed}")
+    per_row = isinstance(temperature, torch.Tensor)
+    if per_row:
+        if (temperature.shape != (b,) or temperature.dtype != torch.float32
+                or temperature.device != logits.device):
+            raise ValueError(f"temperature must be a [{b}] float32 tensor on {logits.device}, "
+                             f"got {tuple(temperature.shape)} {temperature.dtype} on "
+                             f"{temperature.device}")
+        temps, temp = temperature.contiguous(), 1.0
+    else:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        temps, temp = logits, float(temperature)  # Temps is not read
+    if b == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    n_chunks = triton.cdiv(v, block)
+    vals = torch.empty(b, n_chunks, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(b, n_chunks, dtype=torch.int32, device=logits.device)
+    _gumbel_chunks_kernel[(b, n_chunks)](logits, temps, vals, idx, temp, seed, v, n_chunks,
+                                         logits.stride(0), PER_ROW=per_row, BLOCK=block,
+                                         num_warps=8 if block >= 2048 else 4)
+    return argmax_of_chunks(vals, idx, v)
