@@ -11,9 +11,6 @@ import triton.language as tl
 
 from latentserve.ops.kernels.argmax import _first_max, argmax_of_chunks
 
-# The smallest normal float32: a uniform draw of exactly 0 would give log(0).
-_TINY = 1.1754943508222875e-38
-
 
 @triton.jit(do_not_specialize=["temp", "seed"])
 def _gumbel_chunks_kernel(X, Temps, Vals, Idx, temp, seed, n_cols, n_chunks, stride_x,
@@ -24,7 +21,8 @@ def _gumbel_chunks_kernel(X, Temps, Vals, Idx, temp, seed, n_cols, n_chunks, str
     ok = offs < n_cols
     x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=ok, other=-float("inf"))
     t = tl.load(Temps + row) if PER_ROW else temp
-    u = tl.maximum(tl.rand(seed + row, offs), _TINY)  # one Philox stream per row
+    # one Philox stream per row; u held above 0 (the smallest normal float32): no log(0)
+    u = tl.maximum(tl.rand(seed + row, offs), 1.1754943508222875e-38)
     y = x.to(tl.float32) / t - tl.log(-tl.log(u))
     v, i = _first_max(tl.where(ok, y, -float("inf")), tl.where(ok, offs, n_cols), n_cols)
     tl.store(Vals + row * n_chunks + chunk, v)
