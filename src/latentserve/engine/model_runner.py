@@ -102,14 +102,18 @@ class ModelRunner:
         inj: list = []
         for req, start, n in zip(batch.reqs, batch.starts, batch.q_lens):
             emb = req.latent_embeds
-            if n == 1 and not emb:  # a decode row (the usual one): no slices, no ranges
-                last.append(len(ids))
+            if n == 1:  # a decode row (the usual one, or a latent step): no slices, no ranges
+                k = len(ids)
+                last.append(k)
                 ids.extend(req.ids_slice(start, start + 1))
                 pos.append(start)
                 row_tok.append(req.row)
+                if emb and 0 <= start - req.latent_start < len(emb):
+                    inj_rows.append(k)
+                    inj.append(emb[start - req.latent_start])
                 j = pending_row(req, start, 1, src_of)
                 if j is not None:
-                    sub_dst.append(len(ids) - 1)
+                    sub_dst.append(k)
                     sub_src.append(j)
                 continue
             if emb:  # latent span [lo, hi) of this chunk takes vectors (indices in emb)

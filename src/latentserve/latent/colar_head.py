@@ -27,6 +27,8 @@ class ColarHead(nn.Module):
 
     capture_layer = -1
     has_stop = True
+    policy_sigma: float | None = None  # head_loop.set_policy_sampling
+    record_latents = False
 
     def __init__(self, config: ColarConfig, policy: LatentPolicy, separator_id: int,
                  speed_ids: dict[int, tuple[int, ...]], tokenizer):

@@ -120,6 +120,10 @@ class LatentHead(nn.Module):
     """
 
     stop_token = None  # the stop is the stop head's probability, not a sampled token
+    # GRPO rollout options (head_loop.set_policy_sampling); class defaults, so the step's
+    # lookups do not fall through to nn.Module.__getattr__
+    policy_sigma: float | None = None
+    record_latents = False
 
     def __init__(self, config: HeadConfig, has_stop_head: bool = True,
                  has_target_proj: bool = False):

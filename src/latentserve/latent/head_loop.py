@@ -51,6 +51,7 @@ class HeadFamily(Family):
         runner = self.engine.runner
         runner.capture_layer = runner.model.latent_head.capture_layer  # -1: final-normed hidden
         self._probs = DeviceToHost()  # stop probabilities to the host
+        self._stop_token = runner.model.latent_head.stop_token  # fixed per model
 
     def cap_thinking(self, params):
         """``head.resolve_settings`` holds ``max_latent`` to ``thinking_token_budget``."""
@@ -99,7 +100,7 @@ class HeadFamily(Family):
         """``vec``: the next input (or a ``head_late.Candidate``), None: closing ids forced.
         Prompt mode: the last prompt position's input, which is recomputed."""
         if isinstance(vec, Candidate):
-            vec = decide(req, vec, self.engine.runner.model.latent_head.stop_token)
+            vec = decide(req, vec, self._stop_token)
         if req.state.mode == "prompt":
             req.latent_start = len(req.prompt_ids) - 1
             req.latent_embeds = [vec]
@@ -115,7 +116,7 @@ class HeadFamily(Family):
         return not req.state.end_ids
 
     def resolve(self, req: Req, token: int) -> bool:
-        return settle(req, token, self.engine.runner.model.latent_head.stop_token)
+        return settle(req, token, self._stop_token)
 
     def budget_spent(self, req: Req, max_model_len: int) -> str | None:
         """"length" when the phase spent ``max_tokens`` or left no room for the closing ids."""
