@@ -9,8 +9,9 @@ median engine step, its 90th and 99th percentiles and maximum, and the median of
 (scheduling, ``ModelRunner.run``, sampling, the next latent inputs, postprocess), in
 microseconds.
 
-``--latent feedback`` (a tiny COCONUT Llama) or ``--latent head`` (a tiny Llama with a random
-closed-loop compression-head bundle, ``bench.head_gpu.build_head_model``) times the same
+``--latent feedback`` (a tiny COCONUT Llama), ``--latent head`` (a tiny Llama with a random
+closed-loop compression-head bundle, ``bench.head_gpu.build_head_model``) or ``--latent colar``
+(the checkout's ``models/smollm2-mult-colar``, SmolLM2-135M's shape) times the same
 batch twice in one engine: ``steps`` latent steps (every row in its latent phase, so each
 step injects the previous step's latent vectors) and ``steps`` plain decode steps (latent
 budget 0 / thinking off, same prompt length), and reports both (``latent`` and ``plain``
@@ -20,7 +21,7 @@ inside the no-op graphs); the engine's own latent host code (phase machines, vec
 bookkeeping, injection) runs for real.
 
 Run: ``python -m benchmarks.host [--device cuda] [--batch 64] [--steps 200]
-[--latent feedback|head] [--overlap | --no-overlap]`` (the CUDA engine overlaps by default,
+[--latent feedback|head|colar] [--overlap | --no-overlap]`` (the CUDA engine overlaps by default,
 the CPU one does not; ``--overlap`` on the CPU times the host path a GPU step takes).
 """
 
@@ -110,7 +111,15 @@ def _build(root: Path, latent: str | None) -> Path:
         from latentserve.bench.head_gpu import build_head_model
 
         return build_head_model(root / "head", "tiny")
-    raise ValueError(f"latent must be None, 'feedback' or 'head', got {latent!r}")
+    if latent == "colar":
+        from latentserve.models.checkpoint import find_models_dir
+
+        models = find_models_dir()
+        if models is None or not (models / "smollm2-mult-colar").is_dir():
+            raise RuntimeError("--latent colar serves the checkout's models/smollm2-mult-colar, "
+                               "which is not here (a wheel install has no models/)")
+        return models / "smollm2-mult-colar"
+    raise ValueError(f"latent must be None, 'feedback', 'head' or 'colar', got {latent!r}")
 
 
 def _params(latent: str | None, engine, thinking: bool, n: int):
@@ -123,6 +132,9 @@ def _params(latent: str | None, engine, thinking: bool, n: int):
 
         return head_params(n if thinking else 0, n + 1, len(engine.latent_spec.end_ids),
                            thinking)
+    if latent == "colar":  # the stub logits never name ###: the cap ends the phase
+        return SamplingParams(max_tokens=n + 1, temperature=0.0, ignore_eos=True,
+                              max_latent=n if thinking else 0)
     budget = (n if thinking else 0) if latent == "feedback" else None
     return SamplingParams(max_tokens=n + 1, temperature=0.0, ignore_eos=True,
                           latent_budget=budget)
@@ -172,7 +184,8 @@ def run_host_bench(device: str = "cpu", batch: int = 64, steps: int = 200,
                    overlap: bool | None = None) -> dict:
     """Median host time per decode step (us) and of its parts; see the module docstring.
     ``batch`` requests of ``prompt_len`` ids decode for ``steps`` timed steps. ``latent``
-    (``"feedback"`` or ``"head"``): time latent steps and plain steps of the same batch.
+    (``"feedback"``, ``"head"`` or ``"colar"``): time latent steps and plain steps of the same
+    batch.
     ``overlap``: the overlap scheduler on or off (None: the device's default, on for CUDA
     only)."""
     import torch
@@ -194,11 +207,13 @@ def run_host_bench(device: str = "cpu", batch: int = 64, steps: int = 200,
         model.forward = lambda ids, pos, *a: torch.zeros(ids.shape[0], hidden)
         model.compute_logits = lambda h: torch.zeros(h.shape[0], 8)
         head = getattr(model, "latent_head", None)
-        if latent == "head" and head is not None:
+        if latent in ("head", "colar") and head is not None:
+            # a stop head gives probabilities; CoLaR's stop is a sampled token (None)
+            probs = head.has_stop and head.stop_token is None
             head.latent_input = lambda a: torch.zeros(a.shape[0], hidden)
             head.stop_prob = lambda a: torch.zeros(a.shape[0])
             head.serve_outputs = lambda a: (torch.zeros(a.shape[0], hidden),
-                                            torch.zeros(a.shape[0]) if head.has_stop else None)
+                                            torch.zeros(a.shape[0]) if probs else None)
     # Room for the opening ids, the steps (+ slack), the closing ids and one answer token.
     steps = max(2, min(steps, engine.max_model_len - prompt_len - 8 - _SLACK))
     base = {"device": device, "batch": batch, "graphs": runner.graphs is not None,
@@ -222,7 +237,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--latent", choices=["feedback", "head"], default=None,
+    ap.add_argument("--latent", choices=["feedback", "head", "colar"], default=None,
                     help="also time latent steps of this kind against plain steps")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="the overlap scheduler on or off (default: on for CUDA only)")
