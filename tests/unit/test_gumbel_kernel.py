@@ -29,14 +29,14 @@ def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def test_draws_follow_the_tempered_softmax():
-    """1,200 rows of one 6-token row of logits, half at temperature 1 and half at 0.5 (chunks
+    """800 rows of one 6-token row of logits, half at temperature 1 and half at 0.5 (chunks
     of 4 columns: one cut short): each half's counts match ``softmax(logits / T)``
     (chi-square, 5 degrees of freedom, under 20.5 = p 0.001)."""
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.25, 0.75])
-    temps = torch.tensor([1.0, 0.5]).repeat_interleave(600)
-    tokens = gumbel_sample_rows(logits.repeat(1200, 1), temps, seed=123, block=16)
-    assert tokens.dtype == torch.int64 and tokens.shape == (1200,)
-    for half, t in ((tokens[:600], 1.0), (tokens[600:], 0.5)):
+    temps = torch.tensor([1.0, 0.5]).repeat_interleave(400)
+    tokens = gumbel_sample_rows(logits.repeat(800, 1), temps, seed=123, block=16)
+    assert tokens.dtype == torch.int64 and tokens.shape == (800,)
+    for half, t in ((tokens[:400], 1.0), (tokens[400:], 0.5)):
         assert _chi_square(half, torch.softmax(logits / t, -1)) < 20.5, t
 
 
