@@ -45,6 +45,7 @@ def test_figures_are_the_suites_own(result):
         run = suites[family]["models"][name]["concurrency"][2]
         r = _one(rows, family, name, 2)
         assert r["step_ms"] == pytest.approx(1e3 * run["decode_step_s"])
+        assert r["step_p50_ms"] == pytest.approx(1e3 * run["step_p50_s"])  # the median step
         assert r["floor_ms"] == pytest.approx(1e3 * run["bandwidth_floor"]["floor_s"])
         assert r["speedup_vs_reference"] == run.get("speedup")
     huginn = suites["recurrent"]["models"]["huginn-tiny"]["depths"]["4"]["concurrency"][2]
@@ -98,9 +99,9 @@ def test_the_table_has_a_line_per_row_and_dashes_for_what_was_not_measured(resul
     rows = [r for r in result["table"] if r["family"] == "loop"]
     text = table_markdown(rows).splitlines()
     assert len(text) == 2 + len(rows) == 4
-    assert text[0].startswith("| family | model | concurrency | step_ms | replay_ms")
+    assert text[0].startswith("| family | model | concurrency | step_ms | step_p50_ms | replay_ms")
     assert text[-1].startswith("| loop | pccot-tiny | 2 | ")
-    assert text[-1].split(" | ")[4] == "-"  # replay_ms: no CUDA graphs on the CPU
+    assert text[-1].split(" | ")[5] == "-"  # replay_ms: no CUDA graphs on the CPU
 
 
 def test_the_suite_needs_cuda():

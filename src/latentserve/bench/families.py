@@ -13,7 +13,7 @@ import torch
 from latentserve.bench.suite import run_suite
 from latentserve.bench.trained import model_paths
 
-ROW_FIELDS = ("family", "model", "concurrency", "step_ms", "replay_ms", "floor_ms",
+ROW_FIELDS = ("family", "model", "concurrency", "step_ms", "step_p50_ms", "replay_ms", "floor_ms",
               "step_over_floor", "replay_over_floor", "latent_over_plain_pct",
               "speedup_vs_reference", "tok_s", "accuracy")  # accuracy: trained models only
 
@@ -33,7 +33,8 @@ def _rows(family: str, res: dict) -> list[dict]:
             for c, r in g["concurrency"].items():
                 row = dict.fromkeys(ROW_FIELDS)
                 row.update(family=family, model=model, concurrency=int(c),
-                           step_ms=_ms(r["decode_step_s"]), replay_ms=_ms(r.get("graph_replay_s")),
+                           step_ms=_ms(r["decode_step_s"]), step_p50_ms=_ms(r.get("step_p50_s")),
+                           replay_ms=_ms(r.get("graph_replay_s")),
                            floor_ms=_ms((r["bandwidth_floor"] or {}).get("floor_s")),
                            step_over_floor=r["step_over_floor"],
                            replay_over_floor=r.get("replay_over_floor"),
