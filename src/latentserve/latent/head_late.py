@@ -89,8 +89,7 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
     drawn = [j for j in open_ if states[j].mode == "closed_loop"
              and states[j].latent_temperature > 0 and not (
                  tokens is not None and _may_fire(states[j], head.stop_token, True)
-                 and tokens[rows[j]] == head.stop_token)
-             ] if any(h.latent_temperature > 0 for h in states) else []
+                 and tokens[rows[j]] == head.stop_token)]
     rngs: dict[int, Any] = {}
     draws: dict[int, tuple] = {}
     if drawn:
@@ -101,22 +100,15 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
             out = head.sample(sel[at], [reqs[rows[j]].state.latent_temperature for j in drawn],
                               gens)
         draws = {j: (out, m) for m, j in enumerate(drawn)}
-    record = getattr(head, "record_latents", False)
-    injected = [draws.get(j, (vecs, j)) for j in range(len(rows))] if (
-        record or any(reqs[i].params.return_latent_trace for i in rows)) else None
-    if record:
+    injected = [draws.get(j, (vecs, j)) for j in range(len(rows))]
+    if getattr(head, "record_latents", False):
         with torch.inference_mode():
             actions = list(torch.stack([t[r] for t, r in injected]).float().cpu())
-    entries, lens_p = ({}, {}) if injected is None else _trace(
-        head, model, reqs, rows, open_, logits, injected, host)
+    entries, lens_p = _trace(head, model, reqs, rows, open_, logits, injected, host)
     out: list = [None] * len(reqs)
-    if draws or rngs or entries or lens_p:
-        for j, i in enumerate(rows):
-            out[i] = Candidate((vecs, j), draws.get(j), rngs.get(j), host, j,
-                               entries.get(j), lens_p.get(j), actions[j])
-    else:  # the usual step: nothing drawn or traced
-        for j, i in enumerate(rows):
-            out[i] = Candidate((vecs, j), None, None, host, j, None, None, actions[j])
+    for j, i in enumerate(rows):
+        out[i] = Candidate((vecs, j), draws.get(j), rngs.get(j), host, j, entries.get(j),
+                           lens_p.get(j), actions[j])
     return out
 
 

@@ -62,18 +62,25 @@ def _argmax_rows_kernel(Vals, Idx, Out, n_cols, n_chunks, PDL: tl.constexpr,
     tl.store(Out + row, best.to(tl.int64))
 
 
+def check_rows(x: torch.Tensor, block: int, name: str = "x") -> None:
+    """Raise ValueError (naming ``name``) unless ``x`` is ``[B, V]`` fp32/bf16/fp16 with
+    V > 0 and a contiguous last dim, and ``block`` a power of 2 >= 16: the input of a
+    two-pass row kernel (this one, ``ops.kernels.gumbel``)."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() != 2 or x.shape[1] == 0 or x.stride(-1) != 1:
+        raise ValueError(f"{name} must be [B, V] with V > 0 and a contiguous last dim, got "
+                         f"{tuple(x.shape)}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of 2 >= 16, got {block}")
+
+
 def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` bit for bit, in two passes: ``x`` ``[B, V]``
     fp32/bf16/fp16, last dim contiguous; ``block`` a power of 2 >= 16. Returns ``[B] int64``
     (the first NaN where a row has one). Raises ValueError for another shape, stride, dtype
     or block."""
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() != 2 or x.shape[1] == 0 or x.stride(-1) != 1:
-        raise ValueError(f"x must be [B, V] with V > 0 and a contiguous last dim, got "
-                         f"{tuple(x.shape)}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of 2 >= 16, got {block}")
+    check_rows(x, block)
     b, v = x.shape
     out = torch.empty(b, dtype=torch.int64, device=x.device)
     if b == 0:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from latentserve.ops.kernels.argmax import _first_max, argmax_of_chunks
+from latentserve.ops.kernels.argmax import _first_max, argmax_of_chunks, check_rows
 
 
 @triton.jit(do_not_specialize=["temp", "seed"])
@@ -38,13 +38,7 @@ def gumbel_sample_rows(logits: torch.Tensor, temperature: float | torch.Tensor, 
     float32 tensor on the logits' device. -inf logits are never drawn (a row of -inf only:
     index 0; a NaN logit wins its row). Returns ``[B] int64``. Raises ValueError for another
     shape, stride, dtype, block or temperature."""
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
-    if logits.dim() != 2 or logits.shape[1] == 0 or logits.stride(-1) != 1:
-        raise ValueError(f"logits must be [B, V] with V > 0 and a contiguous last dim, got "
-                         f"{tuple(logits.shape)}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of 2 >= 16, got {block}")
+    check_rows(logits, block, "logits")
     b, v = logits.shape
     if not 0 <= seed < 2**63 - max(b, 1):
         raise ValueError(f"seed must be in [0, 2**63 - {max(b, 1)}), got {seed}")
