@@ -77,6 +77,20 @@ def test_swiglu_epilogue_equals_silu_and_mul(dtype, bias):
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_silu_epilogue_fp32(split_k, bias):
+    """``silu``: ``silu(x @ w.T + b)`` in fp32, in the GEMM's epilogue (one split) or the
+    split-K reduction (three splits); refused with ``partials`` or ``swiglu``."""
+    x, w, b = _data(70, 33, 200, seed=11)
+    b = b if bias else None
+    y = decode_linear(x, w, b, silu=True, block_n=16, block_k=32, split_k=split_k)
+    torch.testing.assert_close(y, F.silu(F.linear(x, w, b)), rtol=1e-5, atol=1e-6)
+    for bad in ({"partials": True}, {"swiglu": True}):
+        with pytest.raises(ValueError, match="cannot be combined"):
+            decode_linear(x, torch.cat([w, w]), silu=True, **bad)
+
+
 def test_empty_rows_and_strided_rows():
     x, w, b = _data(6, 24, 64)
     assert decode_linear(x[:0], w, b).shape == (0, 24)

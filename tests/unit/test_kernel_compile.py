@@ -52,7 +52,7 @@ NO_PDL = {"PDL": False}
 # decode_linear: the argument types of its TMA (bf16) and pointer launches
 _LINEAR_INTS = _sig("M N K k_per_split stride_xm stride_wn stride_ym", "i32")
 _LINEAR_CONSTS = {"HAS_BIAS": False, "SWIGLU": False, "PARTIALS": False, "ROUND_TO_X": False,
-                  "ARGMAX": False, "PRECISION": None, "num_warps": 4}
+                  "ARGMAX": False, "PRECISION": None, "SILU": False, "num_warps": 4}
 # qkv_rope: everything but the weight's and x's (descriptors with TMA)
 _QKV = {**_sig("B Q Cos Sin KCache VCache", "*bf16"), "Slots": "*i64",
         **_sig("M K n_q_heads n_kv_heads stride_xm stride_wn stride_qt stride_qh stride_ct "
@@ -172,18 +172,25 @@ CASES = [
      {**_sig("X W XD WD B Y P AV AI", "*bf16"), **_LINEAR_INTS},
      [{**_LINEAR_CONSTS, "HAS_BIAS": True, "SWIGLU": True, **NO_PDL, "TMA": False,
        "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 4}]),
-    (OPS + "decode_linear", "_decode_linear_kernel",  # fp32 weights: 3xTF32
+    (OPS + "decode_linear", "_decode_linear_kernel",  # fp32 weights (the latent head): 3xTF32
      {**_sig("X W XD WD B Y P AV AI", "*fp32"), **_LINEAR_INTS},
-     [{**_LINEAR_CONSTS, "HAS_BIAS": True, "PRECISION": "tf32x3", **NO_PDL, "TMA": False,
-       "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 4}]),
+     [{**_LINEAR_CONSTS, "HAS_BIAS": True, "PRECISION": "tf32x3", "SILU": silu, **PDL,
+       "TMA": False, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 4}
+      for silu in (True, False)]
+     + [{**_LINEAR_CONSTS, "PARTIALS": True, "PRECISION": "tf32x3", **PDL, "TMA": False,
+         "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_stages": 4}]),
     (OPS + "decode_linear", "_split_k_reduce_kernel",
      {"P": "*fp32", **_sig("B Y XT", "*bf16"), **_sig("M N stride_ym", "i32")},
-     [{"HAS_BIAS": True, "SPLIT_K": 2, "ROUND_TO_X": False, **PDL, "BLOCK": 1024,
-       "num_warps": 4}]),
+     [{"HAS_BIAS": True, "SPLIT_K": 2, "ROUND_TO_X": False, **PDL, "SILU": False,
+       "BLOCK": 1024, "num_warps": 4}]),
+    (OPS + "decode_linear", "_split_k_reduce_kernel",  # the latent head's fp32 Linear + SiLU
+     {**_sig("P B Y XT", "*fp32"), **_sig("M N stride_ym", "i32")},
+     [{"HAS_BIAS": True, "SPLIT_K": 4, "ROUND_TO_X": False, **PDL, "SILU": True,
+       "BLOCK": 1024, "num_warps": 4}]),
     (OPS + "decode_linear", "_split_k_reduce_kernel",  # fp32 logits of a bf16 x
      {"P": "*fp32", "B": "*bf16", "Y": "*fp32", "XT": "*bf16", **_sig("M N stride_ym", "i32")},
-     [{"HAS_BIAS": False, "SPLIT_K": 4, "ROUND_TO_X": True, **NO_PDL, "BLOCK": 1024,
-       "num_warps": 4}]),
+     [{"HAS_BIAS": False, "SPLIT_K": 4, "ROUND_TO_X": True, **NO_PDL, "SILU": False,
+       "BLOCK": 1024, "num_warps": 4}]),
     (OPS + "lm_head", "_lm_head_persistent_kernel",  # 33..64 rows, 132 SMs
      {"XD": _desc(64, 128), "WD": _desc(128, 128), **_sig("X W B", "*bf16"), "Y": "*fp32",
       "AV": "*fp32", "AI": "*i32", **_sig("M N K stride_ym n_tiles", "i32")},

@@ -1,5 +1,5 @@
-"""Linear layer for decode-sized batches (up to a few dozen rows) with split-K, a fused
-SiLU-and-multiply epilogue and programmatic dependent launch.
+"""Linear layer for decode-sized batches (up to a few dozen rows) with split-K, fused SiLU and
+SiLU-and-multiply epilogues and programmatic dependent launch.
 
 Design notes: docs/internals.md, "latentserve.ops.kernels.decode_linear".
 """
@@ -25,7 +25,7 @@ def _decode_linear_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PARTIALS: tl.constexpr,
     ROUND_TO_X: tl.constexpr, ARGMAX: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr, TMA: tl.constexpr, SILU: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # XD, WD: TMA descriptors of x and the weight when TMA (tiles past an edge read as
@@ -80,6 +80,8 @@ def _decode_linear_kernel(
     else:
         if HAS_BIAS and not SWIGLU:
             acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
         if ROUND_TO_X:
             acc = acc.to(X.dtype.element_ty)
         out = acc.to(Y.dtype.element_ty)
@@ -97,7 +99,7 @@ def _decode_linear_kernel(
 def _split_k_reduce_kernel(
     P, B, Y, XT, M, N, stride_ym,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, ROUND_TO_X: tl.constexpr,
-    PDL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr, SILU: tl.constexpr, BLOCK: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -108,6 +110,8 @@ def _split_k_reduce_kernel(
         acc += tl.load(P + (s * M + m) * N + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(B + offs, mask=ok, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
     if ROUND_TO_X:  # XT: any tensor of x's dtype
         acc = acc.to(XT.dtype.element_ty)
     tl.store(Y + m * stride_ym + offs, acc.to(Y.dtype.element_ty), mask=ok)
@@ -184,22 +188,23 @@ def _check(x, weight, bias, swiglu):
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  *, swiglu: bool = False, partials: bool = False,
+                  *, swiglu: bool = False, silu: bool = False, partials: bool = False,
                   out_dtype: torch.dtype | None = None, block_n: int | None = None,
                   block_k: int | None = None, split_k: int | None = None,
                   num_stages: int = 4, tma: bool | None = None,
                   weight_in_l2: bool = False) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a few rows; with ``swiglu``, ``silu(gate) * up`` of the
-    merged gate/up projection (gate: the first half of columns).
+    """``x @ weight.T + bias`` for a few rows; with ``silu``, ``silu`` of it; with ``swiglu``,
+    ``silu(gate) * up`` of the merged gate/up projection (gate: the first half of columns).
 
     ``x`` ``[M, K]`` bf16/fp16/fp32, ``weight`` ``[N, K]``, ``bias`` ``[N]``, last dims
-    contiguous. ``partials``: the fp32 K-split partial sums ``[S, M, N]`` instead (caller
-    adds the bias; not with ``swiglu``). ``out_dtype`` (default x's): a wider one holds values
+    contiguous; fp32 weights multiply as 3xTF32 on CUDA (``dot_precision``). ``partials``: the
+    fp32 K-split partial sums ``[S, M, N]`` instead (caller adds the bias; not with ``swiglu``
+    or ``silu``). ``out_dtype`` (default x's): a wider one holds values
     rounded to x's dtype. Tiling defaults to ``pick_tiling``; ``tma`` to ``use_tma``;
     ``weight_in_l2`` splits K less. Returns new ``[M, N]`` (``[M, N / 2]`` with ``swiglu``).
     Raises ValueError on a shape, stride or device mismatch or a bad tiling."""
     return _launch(x, weight, bias, swiglu, partials, out_dtype, block_n, block_k, split_k,
-                   num_stages, tma, weight_in_l2, argmax=False)[0]
+                   num_stages, tma, weight_in_l2, argmax=False, silu=silu)[0]
 
 
 def decode_linear_argmax(x: torch.Tensor, weight: torch.Tensor,
@@ -241,12 +246,12 @@ def persistent_lm_head(rows: int) -> bool:
 
 
 def _launch(x, weight, bias, swiglu, partials, out_dtype, block_n, block_k, split_k,
-            num_stages, tma, weight_in_l2, argmax):
+            num_stages, tma, weight_in_l2, argmax, silu=False):
     """decode_linear's launch; returns ``(y, vals, idx)``, the last two the argmax pass-1
     buffers with ``argmax`` (None without, or for no rows)."""
     _check(x, weight, bias, swiglu)
-    if swiglu and partials:
-        raise ValueError("swiglu and partials cannot be combined")
+    if partials and (swiglu or silu) or swiglu and silu:
+        raise ValueError("swiglu, silu and partials cannot be combined")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     bn, bk, sk = pick_tiling(m, n, k, in_l2=weight_in_l2)
     if swiglu:  # one program computes BLOCK_N gate and BLOCK_N up columns
@@ -291,11 +296,11 @@ def _launch(x, weight, bias, swiglu, partials, out_dtype, block_n, block_k, spli
         weight.stride(0), y.stride(-2), HAS_BIAS=bias is not None, SWIGLU=swiglu,
         PARTIALS=partials or sk > 1, ROUND_TO_X=round_to_x, ARGMAX=argmax,
         PRECISION=dot_precision(weight),
-        TMA=xd is not x, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
-        num_stages=num_stages, **launch)
+        TMA=xd is not x, SILU=silu and sk == 1, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=4, num_stages=num_stages, **launch)
     if sk > 1 and not partials:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             part, b, y, x, m, n, y.stride(0), HAS_BIAS=bias is not None, SPLIT_K=sk,
-            ROUND_TO_X=round_to_x, BLOCK=block, num_warps=4, **launch)
+            ROUND_TO_X=round_to_x, SILU=silu, BLOCK=block, num_warps=4, **launch)
     return (y, vals, idx) if argmax else (y, None, None)
