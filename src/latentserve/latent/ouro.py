@@ -51,17 +51,18 @@ class OuroAttention(MergedQKV, nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.scale = d**-0.5
 
-    def forward(self, x, cos, sin, bank: int):
-        """x ``[T, hidden]``; cos, sin ``[T, 1, head_dim]`` (``OuroForCausalLM.rope``)."""
+    def forward(self, x, cos, sin, bank: int, partials: bool = False):
+        """x ``[T, hidden]``; cos, sin ``[T, 1, head_dim]`` (``OuroForCausalLM.rope``) ->
+        ``[T, hidden]``, or on the fast path with ``partials`` o_proj's fp32 split-K
+        partials ``[S, T, hidden]``."""
         t, d = x.shape[0], self.head_dim
         if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, one RoPE (+ KV store) kernel
-            o = self.fused_attention(x, cos[:, 0], sin[:, 0], bank)
-        else:
-            q = self.q_proj(x).view(t, self.n_heads, d)
-            k = self.k_proj(x).view(t, self.n_kv, d)
-            v = self.v_proj(x).view(t, self.n_kv, d)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            o = paged_attention(bank, q, k, v, self.scale)
+            return self.fused_attention_out(x, cos[:, 0], sin[:, 0], bank, partials)
+        q = self.q_proj(x).view(t, self.n_heads, d)
+        k = self.k_proj(x).view(t, self.n_kv, d)
+        v = self.v_proj(x).view(t, self.n_kv, d)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        o = paged_attention(bank, q, k, v, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -85,8 +86,9 @@ class OuroDecoderLayer(nn.Module):
         """``forward`` on the fast path: ``normed`` = ``input_layernorm(x)`` -> ``(
         next_norm(out), out)``, ``out`` = ``forward(x)``, all ``[T, hidden]``. Each ``*_2``
         norm, its residual add and the norm after it run as one kernel
-        (``sandwich_add_norm``), which also sums the down projection's split-K partials."""
-        a = self.self_attn(normed, cos, sin, bank)
+        (``sandwich_add_norm``), which also sums o_proj's and the down projection's split-K
+        partials."""
+        a = self.self_attn(normed, cos, sin, bank, partials=True)
         normed, x = sandwich_add_norm(a, x, self.input_layernorm_2,
                                       self.post_attention_layernorm)
         m = self.mlp(normed, partials=True)

@@ -164,6 +164,27 @@ class MergedQKV:
                                    prefetch_next=next_weight)
 
 
+    def fused_attention_out(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            layer: int, partials: bool = False) -> torch.Tensor:
+        """``o_proj(fused_attention(...))``: ``[T, hidden]``, or with ``partials`` (and no
+        o_proj bias) its fp32 split-K partials ``[S, T, hidden]`` for the next RMSNorm
+        kernel. On the decode-GEMM path o_proj runs as ``decode_linear``, and decode
+        attention prefetches its weight into L2 as it ends (so it splits K less)."""
+        t = x.shape[0]
+        gemm = decode_gemms(True, x, self.o_proj)
+        w = self.o_proj.weight if gemm else None
+        o = self.fused_attention(x, cos, sin, layer, w).reshape(t, -1)
+        if not gemm:
+            return self.o_proj(o)
+        from latentserve.ops import kernels
+
+        ctx = get_context()
+        in_l2 = ctx.backend.prefetches(ctx.attn_meta, w, self.n_kv)
+        if partials and self.o_proj.bias is None:
+            return kernels.decode_linear(o, w, partials=True, weight_in_l2=in_l2)
+        return kernels.decode_linear(o, w, self.o_proj.bias, weight_in_l2=in_l2)
+
+
 def fuse_decoder(model: nn.Module, layers) -> None:
     """Put ``model`` on the fast path: every layer's ``self_attn.fuse()`` and ``mlp.fuse()``
     (merged GEMMs, RoPE and SiLU-mul kernels) and the RMSNorm kernel for every RMSNorm."""

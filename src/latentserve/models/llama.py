@@ -44,20 +44,7 @@ class LlamaAttention(MergedQKV, nn.Module):
         partials ``[S, T, hidden]``."""
         t, d = x.shape[0], self.head_dim
         if self.fused:  # MergedQKV.fuse() ran: one q/k/v GEMM, one RoPE (+ KV store) kernel
-            gemm = decode_gemms(True, x, self.o_proj)  # o_proj on the decode GEMM kernel
-            # decode attention prefetches the o_proj weight into L2 as it ends, so the
-            # o_proj splits K less (ops.kernels.decode_linear.pick_tiling)
-            w = self.o_proj.weight if gemm else None
-            o = self.fused_attention(x, cos, sin, self.layer, w).reshape(t, -1)
-            if gemm:
-                from latentserve.ops.kernels import decode_linear
-
-                ctx = get_context()
-                in_l2 = ctx.backend.prefetches(ctx.attn_meta, w, self.n_kv)
-                if partials and self.o_proj.bias is None:
-                    return decode_linear(o, w, partials=True, weight_in_l2=in_l2)
-                return decode_linear(o, w, self.o_proj.bias, weight_in_l2=in_l2)
-            return self.o_proj(o)
+            return self.fused_attention_out(x, cos, sin, self.layer, partials)
         q = self.q_proj(x).view(t, self.n_heads, d)
         k = self.k_proj(x).view(t, self.n_kv, d)
         v = self.v_proj(x).view(t, self.n_kv, d)
