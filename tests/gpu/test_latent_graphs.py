@@ -164,7 +164,7 @@ def test_recurrence_loop_runs_inside_graphs(kind, tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_fused_head_serve_path_matches_ieee_float32(rows):
-    """The head's fused serve path (``small_linear`` with 3xTF32 on tensor cores, the CUDA
+    """The head's fused serve path (``decode_linear`` with 3xTF32 on tensor cores, the CUDA
     default) against the IEEE float32 modules at the Llama-1B head's size (hidden 2048,
     latent 512, mlp 1024): within float32 rounding, far inside plain TF32's ~1e-3."""
     from latentserve.latent.bundle import random_bundle

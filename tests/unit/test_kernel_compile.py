@@ -200,14 +200,6 @@ CASES = [
       {"HAS_BIAS": True, "ROUND_TO_X": True, "PRECISION": None, **NO_PDL, "NUM_PROGS": 132,
        "STAGES": 4, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4,
        "num_stages": 4}]),
-    (OPS + "small_linear", "_small_linear_kernel",  # the latent head's fp32 MLP
-     {**_sig("X W B Y", "*fp32"), **_sig("M N K stride_xm stride_wn stride_ym", "i32")},
-     [{"HAS_BIAS": True, "ACT": 1, "PRECISION": "tf32x3", "BLOCK_M": 16, "BLOCK_N": 16,
-       "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}]  # tuned=False
-     + [{"HAS_BIAS": True, "ACT": 0, "PRECISION": "tf32x3", "BLOCK_M": 64, "BLOCK_N": bn,
-         "BLOCK_K": bk, "num_warps": 4, "num_stages": st}  # the autotuner's configs (CUDA)
-        for bn, bk, st in ((16, 64, 4), (16, 128, 3), (32, 64, 4), (32, 128, 3), (16, 256, 2),
-                           (64, 64, 3))]),
     # attention (Triton backend)
     (ATTN + "store_kv", "_store_kv_kernel",
      {**_sig("K V KCache VCache", "*bf16"), "Slots": "*i64",

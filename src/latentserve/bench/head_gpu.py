@@ -52,11 +52,11 @@ def _params(max_latent: int, answer_len: int, n_close: int, thinking: bool = Tru
 
 def head_replay_us(head, hidden: int, rows: int, iters: int = 200) -> dict:
     """Microseconds per CUDA graph replay of ``LatentHead.serve_outputs`` on ``rows`` bf16
-    anchors: float32 torch (``torch_fp32``) against fused 3xTF32 (``small_linear_tf32x3``),
+    anchors: float32 torch (``torch_fp32``) against fused 3xTF32 (``decode_linear_tf32x3``),
     each with ``<name>_kernels`` (``profile_replay``)."""
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     out = {}
-    for name, fused in (("torch_fp32", False), ("small_linear_tf32x3", True)):
+    for name, fused in (("torch_fp32", False), ("decode_linear_tf32x3", True)):
         out[name], graph = time_graph(lambda f=fused: head.serve_outputs(x, fused=f),
                                       replays=iters)
         out[f"{name}_kernels"] = profile_replay(graph)

@@ -171,7 +171,7 @@ class LatentHead(nn.Module):
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(latent_input(anchor), stop_prob(anchor))``, ``[N, H]`` and ``[N]`` float32,
         computing only the ``mu`` half. ``fused`` (None: on CUDA): each Linear + SiLU as one
-        ``small_linear`` launch (3xTF32); ``False`` is exact."""
+        ``decode_linear`` launch (3xTF32); ``False`` is exact."""
         if fused is None:
             fused = anchor.is_cuda
         h = self._ln_anchor(anchor)
@@ -186,18 +186,35 @@ class LatentHead(nn.Module):
 def _mlp(x: torch.Tensor, layers: nn.Sequential, fused: bool,
          last_out: int | None = None) -> torch.Tensor:
     """``layers(x)`` (Linear, SiLU, ..., Linear), ``x [M, K]`` float32; ``fused``:
-    ``small_linear`` launches, the last computing only its first ``last_out`` features (None:
-    all)."""
+    ``decode_linear`` launches (3xTF32 on CUDA, SiLU in the epilogue), the last computing
+    only its first ``last_out`` features (None: all)."""
     if not fused:
         return layers(x)
-    from latentserve.ops.kernels.small_linear import small_linear
+    from latentserve.ops.kernels.decode_linear import decode_linear
 
     linears = [m for m in layers if isinstance(m, nn.Linear)]  # SiLU between each two
     for i, layer in enumerate(linears):
         last = i == len(linears) - 1
-        x = small_linear(x, layer.weight, layer.bias, None if last else "silu",
-                         last_out if last else None)
+        w, b = layer.weight, layer.bias
+        if last and last_out is not None:
+            w, b = w[:last_out], None if b is None else b[:last_out]
+        block_n, split = fp32_tiling(*x.shape, w.shape[0])
+        x = decode_linear(x, w, b, silu=not last, block_n=block_n, split_k=split)
     return x
+
+
+def fp32_tiling(m: int, k: int, n: int, num_sms: int = 132) -> tuple[int, int]:
+    """``(block_n, split_k)`` of ``decode_linear`` for a float32 ``[m, k] @ [k, n]`` (3xTF32):
+    32 columns a program; K split into pieces of about 256, more (down to 128) while there
+    are fewer than 0.9 programs per SM. Source: ``benchmarks.head_tiling`` on an H100
+    (docs/benchmarks.md): the best of 15 tilings for each of the Llama-1B head's Linears."""
+    tiles = -(-n // 32) * -(-m // 64)
+    split = 1
+    while split * 256 < k:
+        split *= 2
+    while tiles * split < 0.9 * num_sms and split * 128 < k:
+        split *= 2
+    return 32, split
 
 
 # ----------------------------------------------------------------------------- controls
