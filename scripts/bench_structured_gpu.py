@@ -1,7 +1,8 @@
 """Decode-step cost of token masks and structured outputs, offline on one GPU (or the CPU).
 
 A random-weight Llama of SmolLM2-135M's shape (``--shape tiny``: 2 layers of width 64, so
-that on the CPU the step is mostly the host's work; SmolLM2's tokenizer from ``--tokenizer``)
+that on the CPU the step is mostly the host's work; ``--shape llama-1b``: Llama-3.2-1B's
+layers, a device-bound step; SmolLM2's tokenizer and vocabulary from ``--tokenizer``)
 serves ``--batch`` concurrent requests per variant; the engine's ``step()`` is timed (no
 device sync between steps) and the median over the steps where every request decodes (all
 ``--batch`` running, no prefill) is the variant's round median. Variants: ``plain`` (overlap
@@ -28,7 +29,7 @@ Prints one JSON object and writes it to ``--out``; docs/server.md quotes it::
                "cpu_vs_plain": float}]}      # the same for thread_cpu_ms_median
 
     python scripts/bench_structured_gpu.py --tokenizer DIR [--batch 64] [--rounds 3] [--out FILE]
-        [--variants plain,json,...] [--device cuda|cpu] [--shape smollm2|tiny]
+        [--variants plain,json,...] [--device cuda|cpu] [--shape smollm2|llama-1b|tiny]
         [--sampling seeded|unseeded|greedy] [--prompt-len 32] [--profile DIR]
 """
 
@@ -50,6 +51,9 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
 
 SHAPES = {"smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                        "num_attention_heads": 9, "num_key_value_heads": 3},
+          # Llama-3.2-1B's layers (a device-bound step) with SmolLM2's vocabulary
+          "llama-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                       "num_attention_heads": 32, "num_key_value_heads": 8},
           "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 2}}
 
@@ -67,6 +71,8 @@ def build_model(tokenizer_dir: str, out: Path, shape: str = "smollm2") -> Path:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.05)
+    if shape == "llama-1b":
+        model.to(torch.bfloat16)  # half the bytes to write and load
     model.save_pretrained(out)
     tf.AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     return out
