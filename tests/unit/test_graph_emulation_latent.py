@@ -140,6 +140,7 @@ def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_cod
     graphs = engine.runner.graphs
     assert graphs.feedback is engine.runner.model.latent_feedback
     assert graphs.num_latent_replays > 3 and engine.runner.num_graph_steps > 5
+    assert not graphs.with_greedy  # eot is masked after the replay: the engine's argmax
 
 
 @pytest.mark.parametrize("kind", ["colar", "head"])
@@ -176,3 +177,4 @@ def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_
     graphs = engine.runner.graphs
     assert graphs.head is engine.runner.model.latent_head
     assert graphs.num_latent_replays > 1 and engine.runner.num_graph_steps > 5
+    assert graphs.with_greedy  # no suppressed ids: the greedy rows take the graph's argmax

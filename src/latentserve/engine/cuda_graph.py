@@ -79,11 +79,11 @@ class CudaGraphRunner:
         self.feedback = self.hooks.feedback
         self.graph_depths = list(self.hooks.depths)
         self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay
-        # A plain model's graph also returns the logits' argmax (the greedy tokens), which
-        # the sampler takes instead of launching the argmax after the replay; a latent
-        # model's engine masks ids in the logits first, so its graph does not, nor does a
-        # tensor-parallel worker rank's (with_greedy=False: it never samples).
-        self.with_greedy = with_greedy and spec is None
+        # The graph also returns the logits' argmax (the greedy tokens), which the sampler
+        # takes instead of launching the argmax after the replay; not where the engine masks
+        # ids in the logits first (a latent model's ``suppress_ids``, CODI's eot), nor on a
+        # tensor-parallel worker rank (with_greedy=False: it never samples).
+        self.with_greedy = with_greedy and not (spec is not None and spec.suppress_ids)
         # the LM head's epilogue finds the argmax too
         self._head_argmax = (self.with_greedy and self.LM_HEAD_ARGMAX
                              and getattr(model, "compute_logits_greedy", None) is not None)
