@@ -163,7 +163,6 @@ class MergedQKV:
         return ctx.backend.forward(layer, q, k, v, ctx.attn_meta, ctx.kv_pool, self.scale,
                                    prefetch_next=next_weight)
 
-
     def fused_attention_out(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             layer: int, partials: bool = False) -> torch.Tensor:
         """``o_proj(fused_attention(...))``: ``[T, hidden]``, or with ``partials`` (and no
