@@ -166,7 +166,8 @@ def test_recurrence_loop_runs_inside_graphs(kind, tmp_path):
 def test_fused_head_serve_path_matches_ieee_float32(rows):
     """The head's fused serve path (``decode_linear`` with 3xTF32 on tensor cores, the CUDA
     default) against the IEEE float32 modules at the Llama-1B head's size (hidden 2048,
-    latent 512, mlp 1024): within float32 rounding, far inside plain TF32's ~1e-3."""
+    latent 512, mlp 1024): within float32 rounding, far inside plain TF32's ~1e-3; replayed
+    from a CUDA graph (its stop head on a side stream), bit for bit the eager fused path."""
     from latentserve.latent.bundle import random_bundle
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -178,6 +179,19 @@ def test_fused_head_serve_path_matches_ieee_float32(rows):
     assert torch.equal(ref_v, head.latent_input(x)) and torch.equal(ref_p, head.stop_prob(x))
     torch.testing.assert_close(vecs, ref_v, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(probs, ref_p, rtol=2e-5, atol=2e-6)
+    # captured (the stop head on a side stream), replayed: the eager fused path's values
+    static = x.clone()
+    with torch.inference_mode():
+        head.serve_outputs(static)  # warm-up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_v, out_p = head.serve_outputs(static)
+        static.copy_(torch.randn_like(x) * 3)
+        graph.replay()
+        want_v, want_p = head.serve_outputs(static)
+    torch.cuda.synchronize()
+    assert torch.equal(out_v, want_v) and torch.equal(out_p, want_p)
 
 
 def test_ouro_exit_distribution_from_replayed_graphs(tmp_path):

@@ -140,7 +140,11 @@ def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_cod
     graphs = engine.runner.graphs
     assert graphs.feedback is engine.runner.model.latent_feedback
     assert graphs.num_latent_replays > 3 and engine.runner.num_graph_steps > 5
-    assert not graphs.with_greedy  # eot is masked after the replay: the engine's argmax
+    # eot is masked in the graph, before the graph's greedy argmax the sampler takes
+    eot = engine.latent_spec.suppress_ids
+    assert graphs.with_greedy and graphs.suppress.tolist() == list(eot)
+    logits, _, greedy = graphs.outputs[graphs.graph_depths[0], graphs.buckets[0]]
+    assert greedy is not None and torch.isneginf(logits[:, eot]).all()
 
 
 @pytest.mark.parametrize("kind", ["colar", "head"])

@@ -50,7 +50,7 @@ class CudaGraphRunner:
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
-                 with_greedy: bool = True):
+                 with_greedy: bool = True, suppress: torch.Tensor | None = None):
         from latentserve.attention.triton_backend import TritonMeta
 
         dev = table.table.device
@@ -80,12 +80,13 @@ class CudaGraphRunner:
         self.graph_depths = list(self.hooks.depths)
         self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay
         # The graph also returns the logits' argmax (the greedy tokens), which the sampler
-        # takes instead of launching the argmax after the replay; not where the engine masks
-        # ids in the logits first (a latent model's ``suppress_ids``, CODI's eot), nor on a
-        # tensor-parallel worker rank (with_greedy=False: it never samples).
-        self.with_greedy = with_greedy and not (spec is not None and spec.suppress_ids)
-        # the LM head's epilogue finds the argmax too
-        self._head_argmax = (self.with_greedy and self.LM_HEAD_ARGMAX
+        # takes instead of launching the argmax after the replay; not on a tensor-parallel
+        # worker rank (with_greedy=False: it never samples). ``suppress`` (``[K] int64``: ids
+        # never sampled, CODI's eot) is masked to -inf in the graph, before the argmax.
+        self.with_greedy = with_greedy
+        self.suppress = suppress
+        # the LM head's epilogue finds the argmax too (of the logits before any mask)
+        self._head_argmax = (self.with_greedy and self.LM_HEAD_ARGMAX and suppress is None
                              and getattr(model, "compute_logits_greedy", None) is not None)
         self.greedy = None  # the last replay's greedy tokens (with_greedy)
         self.num_latent_replays = 0
@@ -160,6 +161,8 @@ class CudaGraphRunner:
             logits, greedy = model.compute_logits_greedy(hidden)
             return logits, hidden, greedy
         logits = model.compute_logits(hidden)  # greedy in the graph: no launches per step
+        if self.suppress is not None:
+            logits.index_fill_(1, self.suppress, float("-inf"))
         return logits, hidden, greedy_tokens(logits) if self.with_greedy else None
 
     def latent_outputs(self):

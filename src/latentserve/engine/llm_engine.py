@@ -162,7 +162,6 @@ class LLMEngine:
         self.token_copies = DeviceToHost(side_stream=True)
         self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
         self._bias_copies: Any = None  # staging.HostToDevice of the logit bias, first use
-        self._suppress: Any = None  # latent_spec.suppress_ids on the device, first use
         self._static_mask: tuple | None = None  # (token_masks.static_key, its TokenMask)
         self._biased: set[str] = set()  # live requests that set logit_bias
         # live requests that need the synchronous step (logprobs, penalties: overlap.eligible)
@@ -383,7 +382,6 @@ class LLMEngine:
             if self.runner.prompt_hidden:
                 self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
             logits, sampling_reqs = self._after_forward(batch, logits)
-            # None for a latent model, whose ids were masked above (its graphs return none)
             mask = self.token_mask(sampling_reqs, logits.device)
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
                                             mask, self.logit_bias(sampling_reqs, logits.device))
@@ -396,14 +394,9 @@ class LLMEngine:
         return self._retire(outs)
 
     def _after_forward(self, batch, logits: torch.Tensor) -> tuple[torch.Tensor, list[Req]]:
-        """Before sampling: ``Family.after_forward``, ``suppress_ids`` masked out of ``logits``,
-        the latent graph queued for latent rows. Returns the logits and sampling requests."""
+        """Before sampling: ``Family.after_forward``, the latent graph queued for latent rows.
+        Returns the logits and sampling requests."""
         self.family.after_forward(batch)
-        if self.latent_spec is not None and self.latent_spec.suppress_ids:
-            if self._suppress is None:  # once: a copy per step would wait for the forward
-                self._suppress = torch.tensor(self.latent_spec.suppress_ids,
-                                              device=logits.device)
-            logits = logits.index_fill(1, self._suppress, float("-inf"))
         reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
         if self.runner.replayed and self._latent_graph and any(map(self.family.thinking, reqs)):
             self.runner.latent_outputs()

@@ -24,11 +24,18 @@ def pending_row(req, start: int, n: int, src_of: dict[int, int] | None) -> int |
     return None
 
 
+def suppressed(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` (``[S, vocab]``) with columns ``ids`` (``[K] int64``, same device) set to -inf
+    in place; as is for None."""
+    return logits if ids is None else logits.index_fill_(1, ids, float("-inf"))
+
+
 class ModelRunner:
     """Runs forwards of ``model`` over the paged ``kv_pool``.
 
     ``run(batch)`` returns ``(logits [S, vocab] float32, last_hidden [S, hidden])`` for the
-    sampling rows in batch order; latent positions take ``req.latent_embeds``.
+    sampling rows in batch order, the latent spec's ``suppress_ids`` at -inf (CODI's eot: never
+    sampled); latent positions take ``req.latent_embeds``.
 
     After a run: ``last_captured`` ``[S, hidden]`` (residual after ``capture_layer`` layers);
     ``last_hidden_all`` ``[num_tokens, hidden]``; ``last_greedy`` ``[S] int64`` or None;
@@ -58,7 +65,11 @@ class ModelRunner:
         # the batch's packed index vectors, copied while the previous batch's kernels run
         self._to_device = HostToDevice(device, side_stream=True)
         self.prompt_hidden: list = []
-        self.family = family_for(getattr(model, "latent_spec", None))  # its class only
+        spec = getattr(model, "latent_spec", None)
+        self.family = family_for(spec)  # its class only
+        # ids never sampled, masked in place (in the graphs too): no copy of the logits a step
+        self.suppress = (torch.tensor(spec.suppress_ids, dtype=torch.long, device=device)
+                         if spec is not None and spec.suppress_ids else None)
 
     def release_graphs(self) -> None:
         """Drop the captured decode graphs and wait for the device (before leaving a TP
@@ -84,7 +95,7 @@ class ModelRunner:
         ``with_greedy=False`` leaves the greedy argmax out of them (a rank that never samples)."""
         self.graphs = CudaGraphRunner(self.model, self.backend, self.kv_pool, self.table,
                                       max_bs, hidden_size, dtype, self.capture_layer,
-                                      with_greedy=with_greedy)
+                                      with_greedy=with_greedy, suppress=self.suppress)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending: tuple | None = None
@@ -252,4 +263,4 @@ class ModelRunner:
         if capture_buf is not None:
             self.last_captured = capture_buf[idx]
         last_hidden = hidden[idx]
-        return self.model.compute_logits(last_hidden), last_hidden
+        return suppressed(self.model.compute_logits(last_hidden), self.suppress), last_hidden

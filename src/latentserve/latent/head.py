@@ -171,16 +171,37 @@ class LatentHead(nn.Module):
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(latent_input(anchor), stop_prob(anchor))``, ``[N, H]`` and ``[N]`` float32,
         computing only the ``mu`` half. ``fused`` (None: on CUDA): each Linear + SiLU as one
-        ``decode_linear`` launch (3xTF32); ``False`` is exact."""
+        ``decode_linear`` launch (3xTF32); ``False`` is exact. Captured into a CUDA graph, the
+        stop head runs on a side stream, beside the head and decoder."""
         if fused is None:
             fused = anchor.is_cuda
         h = self._ln_anchor(anchor)
         lat = self.config.latent_dim
+        side = None
+        if self.has_stop and h.is_cuda and torch.cuda.is_current_stream_capturing():
+            side = _side_stream(h.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                probs = torch.sigmoid(_mlp(h, self.reasoning_head.stop_head, fused)[..., 0])
         mu = _mlp(h, self.reasoning_head.net, fused, last_out=lat)[..., :lat]
         vecs = _mlp(F.layer_norm(mu, (lat,)), self.decoder.net, fused)
         if not self.has_stop:
             return vecs, None
-        return vecs, torch.sigmoid(_mlp(h, self.reasoning_head.stop_head, fused)[..., 0])
+        if side is None:
+            probs = torch.sigmoid(_mlp(h, self.reasoning_head.stop_head, fused)[..., 0])
+        else:
+            torch.cuda.current_stream().wait_stream(side)  # joins the capture
+        return vecs, probs
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One side stream per CUDA device for branches captured into graphs."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def _mlp(x: torch.Tensor, layers: nn.Sequential, fused: bool,

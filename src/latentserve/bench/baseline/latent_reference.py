@@ -105,7 +105,9 @@ def _wrap_ids(cfg: dict) -> tuple[list[int], list[int]]:
 def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens: int,
                        device: str = "cpu", dtype: str = "float32"):
     """Greedy answer for one request, exactly ``max_tokens`` (no EOS stop):
-    ``(answer_token_ids, first_answer_logits [vocab] float32 CPU)``."""
+    ``(answer_token_ids, first_answer_logits [vocab] float32 CPU)``: the logits the first
+    answer token is picked from (CODI: its last id, eot, at -inf, as upstream ``test.py``'s
+    argmax over ``logits[:vocab_size - 1]``)."""
     model, cfg, feedback = load_reference(str(model_dir), device, dtype)
     emb = model.get_input_embeddings()
     start, end = _wrap_ids(cfg)
@@ -125,6 +127,8 @@ def reference_generate(model_dir, prompt_ids: list[int], budget: int, max_tokens
         logits, hidden = run(feedback(hidden)[None])
     logits, hidden = run(emb(torch.tensor(end, device=dev)))
     first, answer = logits.cpu(), []
+    if cfg["family"] == "codi":
+        first[vocab - 1] = float("-inf")
     for _ in range(max_tokens):
         pick = logits[: vocab - 1] if cfg["family"] == "codi" else logits
         tok = int(pick.argmax())
