@@ -40,6 +40,7 @@ def _time_shape(name: str, rows: list[int], l2: int) -> list[dict]:
     from latentserve.ops.kernels.qkv_rope import default_block_half, qkv_rope_store_kv
 
     hidden, nq, nkv, d = SHAPES[name]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows_w = (nq + 2 * nkv) * d
     nbytes = rows_w * hidden * 2
     copies = max(2, -(-2 * l2 // nbytes))
@@ -54,7 +55,9 @@ def _time_shape(name: str, rows: list[int], l2: int) -> list[dict]:
         sin = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
         slots = torch.arange(1, m + 1, device="cuda")
         row = {"shape": name, "rows": m, "weight_bytes": nbytes, "copies": copies,
-               "default_block_half": default_block_half(d // 2), "us": {}}
+               "block_half_before": default_block_half(d // 2),
+               "block_half_rule": default_block_half(d // 2, nq + 2 * nkv, m, sms),
+               "us": {}}
         us, g = time_graph(_cycled(lambda w, x=x: decode_linear(x, w), ws), calls=copies)
         del g
         row["decode_linear_us"] = round(us, 2)
@@ -70,9 +73,11 @@ def _time_shape(name: str, rows: list[int], l2: int) -> list[dict]:
                 row["us"][f"{bh}x{st}"] = round(us, 2)
         best = min(row["us"], key=row["us"].get)
         row["best"], row["best_TBps"] = best, round(nbytes / row["us"][best] / 1e6, 3)
-        row["default_us"] = row["us"].get(f"{row['default_block_half']}x6")
+        row["before_us"] = row["us"].get(f"{row['block_half_before']}x6")
+        row["rule_us"] = row["us"].get(f"{row['block_half_rule']}x6")
         out.append(row)
-        print(name, m, "default", row["default_us"], "best", best, row["us"][best],
+        print(name, m, "before", row["before_us"], "rule", row["rule_us"], "best", best,
+              row["us"][best],
               "decode_linear", row["decode_linear_us"], file=sys.stderr)
     return out
 

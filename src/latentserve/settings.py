@@ -87,6 +87,10 @@ VARS = (
     EnvVar("LATENTSERVE_LMHEAD", "str", "auto",
            "LM head GEMM kernel: `persistent`, `tiled` or `auto` (persistent above 32 rows)",
            ("auto", "persistent", "tiled")),
+    EnvVar("LATENTSERVE_QKV_BLOCK_HALF", "str", "auto",
+           "fused q/k/v + RoPE GEMM: columns of each head half per program, `auto` (narrower "
+           "while the grid is small for the SMs) or a fixed 16, 32, 64 or 128",
+           ("auto", "16", "32", "64", "128")),
     EnvVar("LATENTSERVE_PDL", "str", "1",
            "`0` turns off programmatic dependent launch (sm90+)", ("0", "1")),
     EnvVar("LATENTSERVE_DECODE_PREFETCH_MB", "float", 3.0,

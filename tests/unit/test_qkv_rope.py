@@ -126,3 +126,19 @@ def test_heads_split_in_column_chunks_bitwise(d, block_half, tma):
         outs.append((q, kc, vc))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_block_half_fills_the_grid_then_the_setting_fixes_it(monkeypatch):
+    """The rule picks the fastest width of the H100 sweep (docs/benchmarks.md,
+    ``benchmarks.qkv_tiling``): Ouro-1.4B (48 heads, half 64) keeps 64 columns up to 16 rows
+    and takes 32 at 64 rows (96 programs); Llama-1B (48 heads, half 32) 32 then 16; SmolLM2
+    (15 heads) 16; Huginn (165 heads, half 48) 64. ``LATENTSERVE_QKV_BLOCK_HALF`` fixes it."""
+    from latentserve.ops.kernels.qkv_rope import default_block_half
+
+    assert default_block_half(64) == 64  # without the grid: the half's width
+    assert [default_block_half(64, 48, m, 132) for m in (1, 16, 64)] == [64, 64, 32]
+    assert [default_block_half(32, 48, m, 132) for m in (1, 16, 64)] == [32, 32, 16]
+    assert [default_block_half(32, 15, m, 132) for m in (1, 16, 64)] == [16, 16, 16]
+    assert [default_block_half(48, 165, m, 132) for m in (1, 16, 64)] == [64, 64, 64]
+    monkeypatch.setenv("LATENTSERVE_QKV_BLOCK_HALF", "64")
+    assert default_block_half(64, 48, 64, 132) == 64

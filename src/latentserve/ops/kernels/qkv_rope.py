@@ -117,10 +117,29 @@ def _qkv_rope_kernel(
         tl.store(dst + HALF, a2.to(VCache.dtype.element_ty), mask=mask)
 
 
-def default_block_half(half: int) -> int:
-    """Columns of each head half per program by default: 16 for halves up to 32, else the
-    half rounded up to a power of 2 (H200 A/B runs at the 64-row tile)."""
-    return 16 if half <= 32 else max(16, triton.next_power_of_2(half))
+def default_block_half(half: int, heads: int | None = None, rows: int = 64,
+                       num_sms: int = 132) -> int:
+    """Columns of each head half per program: ``LATENTSERVE_QKV_BLOCK_HALF`` when fixed, else
+    the half rounded up to a power of 2 (at least 16), halved down to 16 while the grid
+    (``heads`` x chunks x 64-row tiles of ``rows``; None: not checked) has fewer programs than
+    0.7 per SM for more than 32 rows, 0.25 per SM for fewer (where a wide program costs little
+    more than a narrow one). Source: ``benchmarks.qkv_tiling`` on an H100 (docs/benchmarks.md):
+    the best of 16/32/64 for Llama-1B, Ouro-1.4B, Huginn and SmolLM2 at 1, 16 and 64 rows."""
+    from latentserve import settings
+
+    fixed = settings.get("LATENTSERVE_QKV_BLOCK_HALF")
+    if fixed != "auto":
+        return int(fixed)
+    bh = max(16, triton.next_power_of_2(half))
+    target = num_sms * (0.7 if rows > 32 else 0.25)
+    while heads and bh > 16 and heads * -(-rows // 64) * triton.cdiv(half, bh) < target:
+        bh //= 2
+    return bh
+
+
+def _num_sms(device: torch.device) -> int:
+    return (torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 132)
 
 
 def _check(x, weight, bias, cos, sin, k_cache, v_cache, slots, n_heads, n_kv) -> int:
@@ -173,7 +192,7 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     x's dtype, rows q, k, v (``layers.merge_linears``); ``bias`` or None; ``cos``/``sin``
     ``[T, D]``; ``k_cache``/``v_cache`` ``[num_slots + 1, n_kv, D]``; ``slots`` ``[T] int64``;
     last dims contiguous, D even. Tiles: ``block_m``/``block_k`` powers of 2 >= 16,
-    ``block_half`` 16..256 (default :func:`default_block_half`); ``tma`` default
+    ``block_half`` 16..256 (default :func:`default_block_half` for the grid); ``tma`` default
     ``decode_linear.use_tma``. Returns rotated q ``[T, n_heads, D]`` (new, x's dtype).
     Raises ValueError naming the argument on a shape, dtype, stride, device or tiling
     mismatch or an impossible ``tma=True``."""
@@ -193,7 +212,8 @@ def qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if t == 0:
         return q
     half = d // 2
-    block_half = block_half or default_block_half(half)
+    block_half = block_half or default_block_half(half, n_heads + 2 * n_kv, t,
+                                                  _num_sms(x.device))
     block_k = block_k if weight.element_size() == 2 else min(block_k, 64)
     stage = (block_m * block_k + 2 * block_k * block_half) * weight.element_size()
     num_stages = fit_stages(num_stages, stage)
