@@ -12,7 +12,8 @@ from typing import Any
 class ForwardContext:
     """State of the current forward pass: ``attn_meta``, ``backend``, ``kv_pool``;
     ``capture_layer >= 0``: the residual stream after that many layers is copied into
-    ``capture_buf[:T]`` (fixed, graph-capturable; compression heads read it). Recurrent
+    ``capture_buf[:T]`` (fixed, graph-capturable; compression heads read it), then
+    ``on_capture(capture_buf[:T])`` when set (a decode graph starts the head there). Recurrent
     models: ``depths [T] int64`` recurrence counts and ``recurrent`` (``RecurrentBatch``)."""
 
     attn_meta: Any
@@ -22,11 +23,14 @@ class ForwardContext:
     capture_buf: Any = None
     depths: Any = None
     recurrent: Any = None
+    on_capture: Any = None
 
     def maybe_capture(self, layer: int, x) -> None:
         """Called by the model after decoder layer ``layer - 1`` (``layer`` layers done)."""
         if layer == self.capture_layer:
             self.capture_buf[: x.shape[0]].copy_(x)
+            if self.on_capture is not None:
+                self.on_capture(self.capture_buf[: x.shape[0]])
 
 
 _CTX: ForwardContext | None = None

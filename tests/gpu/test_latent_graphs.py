@@ -99,8 +99,10 @@ def test_closed_loop_head_runs_inside_graphs(tmp_path):
             assert final.latent_stats[k] == ref[k], k
     steps = engine.runner.num_graph_steps - before
     assert steps >= max(r["steps"] for r in refs)
-    # The head runs in the latent graph, replayed only for decode steps with rows still
-    # thinking (a step that forces a request's closing ids is an eager extend step).
+    # The head runs inside the decode graph, from its anchor layer on a side stream; its
+    # outputs are read only for decode steps with rows still thinking (a step that forces a
+    # request's closing ids is an eager extend step).
+    assert engine.runner.graphs.inline_head and not engine.runner.graphs.latent_graphs
     assert 0 < engine.runner.graphs.num_latent_replays < steps
 
 

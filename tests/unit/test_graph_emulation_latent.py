@@ -143,15 +143,16 @@ def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_cod
     # eot is masked in the graph, before the graph's greedy argmax the sampler takes
     eot = engine.latent_spec.suppress_ids
     assert graphs.with_greedy and graphs.suppress.tolist() == list(eot)
-    logits, _, greedy = graphs.outputs[graphs.graph_depths[0], graphs.buckets[0]]
+    logits, _, greedy = graphs.outputs[graphs.graph_depths[0], graphs.buckets[0]][:3]
     assert greedy is not None and torch.isneginf(logits[:, eot]).all()
 
 
 @pytest.mark.parametrize("kind", ["colar", "head"])
 def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_graphs,
                                                                  tmp_path):
-    """A closed-loop head (CoLaR's policy; the compression head with its stop head) runs in
-    the decode graphs' latent graph and the overlap scheduler settles each stop a step later
+    """A closed-loop head (CoLaR's policy, in the decode graphs' latent graph; the compression
+    head with its stop head, inside the decode graph from its anchor layer on) runs in
+    CUDA graphs and the overlap scheduler settles each stop a step later
     from the graph's static outputs (``latent/head_late.py``), the closing ids one per step:
     greedy and seeded tokens, latent stats, step counts and traces equal the eager
     synchronous engine's."""
@@ -182,3 +183,7 @@ def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_
     assert graphs.head is engine.runner.model.latent_head
     assert graphs.num_latent_replays > 1 and engine.runner.num_graph_steps > 5
     assert graphs.with_greedy  # no suppressed ids: the greedy rows take the graph's argmax
+    # the compression head reads a layer inside the stack: it runs in the decode graph (no
+    # latent graph); CoLaR reads the final hidden: a latent graph after it
+    assert graphs.inline_head == (kind == "head")
+    assert bool(graphs.latent_graphs) == (kind == "colar")

@@ -41,12 +41,15 @@ class CudaGraphRunner:
     ``replay`` takes ``[B]`` device tensors (``embeds [B, hidden]``, ``mask [B] bool`` or
     None, ``rec``: the forward context), B <= max_bs, and returns ``(logits [B, vocab]
     float32, hidden [B, hidden])``, views valid until the next replay; ``greedy``: their
-    argmax ``[B] int64`` without a ``LatentSpec``. A latent head or ``feedback`` module runs
-    in a second *latent graph* per bucket, replayed by ``latent_outputs()``.
+    argmax ``[B] int64`` (``suppress`` ids masked first). A head reading a layer inside the
+    stack runs in the decode graph beside the layers after it (``inline_head``); a head
+    reading the final hidden, or a ``feedback`` module, runs in a second *latent graph* per
+    bucket, replayed by ``latent_outputs()``.
     """
 
     LM_HEAD_ARGMAX = True  # False: the argmax reads the logits back, not the LM head's (A/B)
     _wait = None  # the event the next replay waits for (wait_before_replay)
+    inline_head = False  # set in __init__ (a class default for runners built without it)
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
@@ -74,11 +77,18 @@ class CudaGraphRunner:
         self.head = head if head is not None and capture_layer == head.capture_layer and \
             getattr(model, "latent_head_mode", None) == "closed_loop" else None
         self.capture_layer = capture_layer
+        # A head whose anchor is a layer inside the stack (the compression head) runs in the
+        # decode graph itself, from that layer on a side stream beside the layers after it
+        # (every step, thinking rows or not); one reading the final hidden (CoLaR) runs in
+        # a latent graph after the decode graph, replayed only for steps with thinking rows.
+        self.inline_head = self.head is not None and capture_layer >= 0
+        self._side, self._head_out = None, ()
         spec = getattr(model, "latent_spec", None)
         self.hooks = family_for(spec).graph_hooks(spec, model, n, dev)
         self.feedback = self.hooks.feedback
         self.graph_depths = list(self.hooks.depths)
         self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay
+        self._depth = self.graph_depths[0]  # the graph depth of the last replay
         # The graph also returns the logits' argmax (the greedy tokens), which the sampler
         # takes instead of launching the argmax after the replay; not on a tensor-parallel
         # worker rank (with_greedy=False: it never samples). ``suppress`` (``[K] int64``: ids
@@ -105,7 +115,8 @@ class CudaGraphRunner:
                              for b in reversed(self.buckets)]:
                 meta = TritonMeta(self.rows[:b], q_start[: b + 1], self.kv_lens[:b],
                                   self.out_slots[:b], table.table, b, 1, True)
-                ctx = ForwardContext(meta, backend, kv_pool, capture_layer, self.capture_buf)
+                ctx = ForwardContext(meta, backend, kv_pool, capture_layer, self.capture_buf,
+                                     on_capture=self._start_head if self.inline_head else None)
                 self.hooks.bind(ctx, depth, b)  # e.g. a masked loop of `depth` iterations
                 set_context(ctx)
                 try:
@@ -129,7 +140,7 @@ class CudaGraphRunner:
                                      self.kv_lens, self.out_slots)
             self.latent_graphs: dict[int, torch.cuda.CUDAGraph] = {}
             self.latent_out: dict[int, object] = {}
-            if self.head is not None or self.feedback is not None:
+            if (self.head is not None and not self.inline_head) or self.feedback is not None:
                 self._capture_latent_graphs(mode)
         torch.cuda.synchronize()
 
@@ -154,30 +165,50 @@ class CudaGraphRunner:
             return self.head.serve_outputs(anchors)
         return self.feedback(self.outputs[self.graph_depths[0], b][1])
 
+    def _start_head(self, anchor):
+        """The head's ``serve_outputs(anchor)`` (``ForwardContext.on_capture``), on a side
+        stream while capturing on CUDA; ``_forward`` joins it."""
+        if anchor.is_cuda and torch.cuda.is_current_stream_capturing():
+            if self._side is None:
+                self._side = torch.cuda.Stream(anchor.device)
+            self._side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._side):
+                self._head_out = self.head.serve_outputs(anchor)
+        else:
+            self._head_out = self.head.serve_outputs(anchor)
+
     def _forward(self, model, b):
+        """``(logits, hidden, greedy or None)`` of a decode step of ``b`` rows, then an inline
+        head's ``(vecs, probs)``."""
         latent = (self.embeds[:b], self.mask[:b]) if self.latent_capable else ()
         hidden = model(self.ids[:b], self.pos[:b], *latent)
+        if self._side is not None and torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().wait_stream(self._side)  # the head joins the capture
+        head, self._head_out = self._head_out, ()
         if self._head_argmax:
             logits, greedy = model.compute_logits_greedy(hidden)
-            return logits, hidden, greedy
+            return logits, hidden, greedy, *head
         logits = model.compute_logits(hidden)  # greedy in the graph: no launches per step
         if self.suppress is not None:
             logits.index_fill_(1, self.suppress, float("-inf"))
-        return logits, hidden, greedy_tokens(logits) if self.with_greedy else None
+        return logits, hidden, greedy_tokens(logits) if self.with_greedy else None, *head
 
     def latent_outputs(self):
-        """The latent graph's outputs for the last replay's rows, replayed on the first call
-        after it; None without a latent graph. Raises RuntimeError before any replay."""
+        """The latent outputs (a head's ``(vecs, probs)``, feedback's vectors) of the last
+        replay's rows: the latent graph's, replayed on the first call after it, or an inline
+        head's, computed by the decode graph itself; ``num_latent_replays`` counts the replays
+        whose outputs were read. None without either. Raises RuntimeError before any replay."""
         if self.head is None and self.feedback is None:
             return None
         if self._last is None:
             raise RuntimeError("latent_outputs() needs a decode-graph replay first")
         b, n = self._last
         if not self._latent_ran:
-            self.latent_graphs[b].replay()
+            if not self.inline_head:
+                self.latent_graphs[b].replay()
             self._latent_ran = True
             self.num_latent_replays += 1
-        out = self.latent_out[b]
+        out = self.outputs[self._depth, b][3:] if self.inline_head else self.latent_out[b]
         if self.head is not None:
             vecs, probs = out
             return vecs[:n], None if probs is None else probs[:n]
@@ -250,7 +281,7 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_event(self._wait)
             self._wait = None
         self.graphs[depth, b].replay()
-        self._last, self._latent_ran = (b, n), False
-        logits, hidden, greedy = self.outputs[depth, b]
+        self._last, self._depth, self._latent_ran = (b, n), depth, False
+        logits, hidden, greedy = self.outputs[depth, b][:3]
         self.greedy = None if greedy is None else greedy[:n]
         return logits[:n], hidden[:n]
