@@ -7,6 +7,7 @@ import gc
 
 import torch
 
+from latentserve import settings
 from latentserve.context import ForwardContext, set_context
 from latentserve.latent.family import family_for
 from latentserve.sampling import greedy_tokens
@@ -81,7 +82,8 @@ class CudaGraphRunner:
         # decode graph itself, from that layer on a side stream beside the layers after it
         # (every step, thinking rows or not); one reading the final hidden (CoLaR) runs in
         # a latent graph after the decode graph, replayed only for steps with thinking rows.
-        self.inline_head = self.head is not None and capture_layer >= 0
+        self.inline_head = (self.head is not None and capture_layer >= 0
+                            and settings.get("LATENTSERVE_HEAD_IN_GRAPH") == "1")
         self._side, self._head_out = None, ()
         spec = getattr(model, "latent_spec", None)
         self.hooks = family_for(spec).graph_hooks(spec, model, n, dev)
