@@ -107,8 +107,8 @@ def test_closed_loop_head_runs_inside_graphs(tmp_path):
 
 
 def test_colar_policy_runs_inside_graphs(tmp_path):
-    """CoLaR (latent/colar_head.py): the policy runs in the latent graph on the decode
-    graph's final-normed hidden; answers, latent steps and stop/cap equal the eager
+    """CoLaR (latent/colar_head.py): the policy runs in the decode graph on its final-normed
+    hidden, beside the LM head; answers, latent steps and stop/cap equal the eager
     reference's for a batch of mixed thinking speeds and caps, cold and warm."""
     from transformers import AutoModelForCausalLM
 
@@ -140,6 +140,7 @@ def test_colar_policy_runs_inside_graphs(tmp_path):
             assert final.latent_stats["steps"] == ref.n_latent
     fired = [r.n_latent > 0 and int(r.latent_logits[-1].argmax()) == 3 for r in refs]  # ###
     assert any(fired) and not all(fired)  # stops and caps both ran
+    assert engine.runner.graphs.inline_head and not engine.runner.graphs.latent_graphs
     assert 0 < engine.runner.graphs.num_latent_replays < engine.runner.num_graph_steps - before
 
 

@@ -42,10 +42,10 @@ class CudaGraphRunner:
     ``replay`` takes ``[B]`` device tensors (``embeds [B, hidden]``, ``mask [B] bool`` or
     None, ``rec``: the forward context), B <= max_bs, and returns ``(logits [B, vocab]
     float32, hidden [B, hidden])``, views valid until the next replay; ``greedy``: their
-    argmax ``[B] int64`` (``suppress`` ids masked first). A head reading a layer inside the
-    stack runs in the decode graph beside the layers after it (``inline_head``); a head
-    reading the final hidden, or a ``feedback`` module, runs in a second *latent graph* per
-    bucket, replayed by ``latent_outputs()``.
+    argmax ``[B] int64`` (``suppress`` ids masked first). A closed-loop head runs in the
+    decode graph from its anchor on, on a side stream (``inline_head``); a ``feedback``
+    module (or the head, with ``LATENTSERVE_HEAD_IN_GRAPH=0``) runs in a second *latent
+    graph* per bucket, replayed by ``latent_outputs()``.
     """
 
     LM_HEAD_ARGMAX = True  # False: the argmax reads the logits back, not the LM head's (A/B)
@@ -78,11 +78,12 @@ class CudaGraphRunner:
         self.head = head if head is not None and capture_layer == head.capture_layer and \
             getattr(model, "latent_head_mode", None) == "closed_loop" else None
         self.capture_layer = capture_layer
-        # A head whose anchor is a layer inside the stack (the compression head) runs in the
-        # decode graph itself, from that layer on a side stream beside the layers after it
-        # (every step, thinking rows or not); one reading the final hidden (CoLaR) runs in
-        # a latent graph after the decode graph, replayed only for steps with thinking rows.
-        self.inline_head = (self.head is not None and capture_layer >= 0
+        # A closed-loop head runs in the decode graph itself, on a side stream from its
+        # anchor on: beside the layers after it (the compression head, which reads a layer
+        # inside the stack) or beside the LM head (CoLaR, which reads the final hidden); every
+        # step, thinking rows or not. LATENTSERVE_HEAD_IN_GRAPH=0: in a latent graph after the
+        # decode graph, replayed only for steps with thinking rows.
+        self.inline_head = (self.head is not None
                             and settings.get("LATENTSERVE_HEAD_IN_GRAPH") == "1")
         self._side, self._head_out = None, ()
         spec = getattr(model, "latent_spec", None)
@@ -117,8 +118,10 @@ class CudaGraphRunner:
                              for b in reversed(self.buckets)]:
                 meta = TritonMeta(self.rows[:b], q_start[: b + 1], self.kv_lens[:b],
                                   self.out_slots[:b], table.table, b, 1, True)
-                ctx = ForwardContext(meta, backend, kv_pool, capture_layer, self.capture_buf,
-                                     on_capture=self._start_head if self.inline_head else None)
+                ctx = ForwardContext(
+                    meta, backend, kv_pool, capture_layer, self.capture_buf,
+                    on_capture=self._start_head if self.inline_head and capture_layer >= 0
+                    else None)
                 self.hooks.bind(ctx, depth, b)  # e.g. a masked loop of `depth` iterations
                 set_context(ctx)
                 try:
@@ -184,16 +187,19 @@ class CudaGraphRunner:
         head's ``(vecs, probs)``."""
         latent = (self.embeds[:b], self.mask[:b]) if self.latent_capable else ()
         hidden = model(self.ids[:b], self.pos[:b], *latent)
+        if self.inline_head and self.capture_layer < 0:
+            self._start_head(hidden)  # the final-normed hidden: beside the LM head
+        if self._head_argmax:
+            logits, greedy = model.compute_logits_greedy(hidden)
+        else:
+            logits = model.compute_logits(hidden)  # greedy in the graph: no launches per step
+            if self.suppress is not None:
+                logits.index_fill_(1, self.suppress, float("-inf"))
+            greedy = greedy_tokens(logits) if self.with_greedy else None
         if self._side is not None and torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream().wait_stream(self._side)  # the head joins the capture
         head, self._head_out = self._head_out, ()
-        if self._head_argmax:
-            logits, greedy = model.compute_logits_greedy(hidden)
-            return logits, hidden, greedy, *head
-        logits = model.compute_logits(hidden)  # greedy in the graph: no launches per step
-        if self.suppress is not None:
-            logits.index_fill_(1, self.suppress, float("-inf"))
-        return logits, hidden, greedy_tokens(logits) if self.with_greedy else None, *head
+        return logits, hidden, greedy, *head
 
     def latent_outputs(self):
         """The latent outputs (a head's ``(vecs, probs)``, feedback's vectors) of the last
