@@ -57,7 +57,13 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
     None; ``bias``: a :class:`LogitBias` or None, added after the mask and before the
     penalties (vLLM's order). Returns ``SamplerOutput`` on ``logits.device``."""
     raw = logits
-    if mask is not None:
+    sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
+    # a mask of every row, every row racing: the race applies the bits (no masked copy)
+    in_race = (mask is not None and bias is None and generator is None
+               and len(sampled) == len(reqs) == len(mask.rows)
+               and mask.rows == sampled and not any(r.params.has_penalties for r in reqs)
+               and _one_race(logits, [r.params for r in reqs], [r.generator for r in reqs]))
+    if mask is not None and not in_race:
         logits = apply_token_mask(logits, mask)
         greedy = None
     if bias is not None:
@@ -69,15 +75,17 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
         rows = to_device(penalized, torch.long, logits.device)
         logits = logits.clone() if logits is raw else logits
         logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized])
-    out = greedy if greedy is not None and not penalized else greedy_tokens(logits)
-    sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
+    every = len(sampled) == len(reqs)  # no index ops (the usual batch)
+    out = None if every and sampled else (
+        greedy if greedy is not None and not penalized else greedy_tokens(logits))
     if sampled:
-        every = len(sampled) == len(reqs)  # no index ops (the usual batch)
         idx = None if every else to_device(sampled, torch.long, logits.device)
         sub = logits if idx is None else logits[idx]
         params = [reqs[b].params for b in sampled]
         gens = [reqs[b].generator for b in sampled]
-        if generator is None and _one_race(sub, params, gens):
+        if in_race:
+            drawn = _gumbel_tokens(sub, params, mask.bits.contiguous())
+        elif generator is None and _one_race(sub, params, gens):
             drawn = _gumbel_tokens(sub, params)
         else:
             probs = _filtered_probs(sub, params)
@@ -103,11 +111,13 @@ def _races_on(logits: torch.Tensor) -> bool:
     return logits.is_cuda
 
 
-def _gumbel_tokens(logits: torch.Tensor, params) -> torch.Tensor:
+def _gumbel_tokens(logits: torch.Tensor, params, bits: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """One token per row of ``logits`` ``[N, vocab]`` at its row's temperature, in one
     Gumbel-max race on the device (``ops.kernels.gumbel``) keyed by a seed from torch's CPU
     generator (seeded with the engine's seed): two launches in place of the filter chain's
-    eight, and no copy when every row has one temperature."""
+    eight, and no copy when every row has one temperature. ``bits``: a ``[N, W]`` int32 token
+    mask the race applies (``TokenMask.bits``), or None."""
     from latentserve.ops.kernels.gumbel import gumbel_sample_rows
 
     temps = [p.temperature for p in params]
@@ -115,7 +125,7 @@ def _gumbel_tokens(logits: torch.Tensor, params) -> torch.Tensor:
                    else to_device(temps, torch.float32, logits.device))
     seed = int(torch.randint(2**62, ()))
     return gumbel_sample_rows(logits if logits.stride(-1) == 1 else logits.contiguous(),
-                              temperature, seed)
+                              temperature, seed, bits=bits)
 
 
 def warm_race(vocab_size: int, device) -> None:

@@ -29,9 +29,9 @@ def races(monkeypatch):
     calls: list[int] = []
     real = sampling._gumbel_tokens
 
-    def spy(logits, params):
+    def spy(logits, params, bits=None):
         calls.append(len(params))
-        return real(logits, params)
+        return real(logits, params, bits)
 
     monkeypatch.setattr(sampling, "_races_on", lambda logits: True)
     monkeypatch.setattr(sampling, "_gumbel_tokens", spy)
@@ -68,6 +68,36 @@ def test_a_token_mask_applies_before_the_race(races):
     reqs = _reqs(*[{"temperature": 1.0}] * 3)
     drawn = {int(sample_with_logprobs(logits, reqs, mask=mask).tokens[1]) for _ in range(12)}
     assert drawn <= {35, 41} and races == [3] * 12
+
+
+def test_a_mask_of_every_row_is_applied_in_the_race(races, monkeypatch):
+    """Every row masked and sampled: the race reads the bits itself (no masked copy of the
+    logits) and draws the tokens the masked copy would give under the same engine seed;
+    columns past the mask's words are never drawn."""
+    from latentserve.sampling import apply_token_mask
+
+    logits = torch.randn(4, 70, generator=torch.Generator().manual_seed(5))
+    bits = torch.zeros(4, bitmask_width(70), dtype=torch.int32)
+    bits[:, 1] = (1 << 3) | (1 << 9)  # ids 35 and 41
+    bits[2, 0] = -1  # row 2: ids 0-31 too (bit 31 is the sign bit)
+    mask = TokenMask([0, 1, 2, 3], bits)
+    reqs = _reqs(*[{"temperature": t} for t in (1.0, 0.5, 1.0, 2.0)])
+    copies = []
+    real_apply = sampling.apply_token_mask
+    monkeypatch.setattr(sampling, "apply_token_mask",
+                        lambda *a: copies.append(1) or real_apply(*a))
+    for seed in range(6):
+        torch.manual_seed(seed)
+        got = sample_with_logprobs(logits, reqs, mask=mask).tokens
+        torch.manual_seed(seed)
+        want = sample_with_logprobs(apply_token_mask(logits, mask), reqs).tokens
+        assert torch.equal(got, want)
+        assert set(got[[0, 1, 3]].tolist()) <= {35, 41} and int(got[2]) in {*range(32), 35, 41}
+    assert copies == []  # the masked path never copied (the reference calls its own import)
+    wide = torch.zeros(2, 70)  # 70 columns, a mask of one word: ids 32-69 disallowed
+    one_word = TokenMask([0, 1], torch.full((2, 1), 1 << 5, dtype=torch.int32))
+    assert sample_with_logprobs(wide, _reqs({"temperature": 1.0}, {"temperature": 1.0}),
+                                mask=one_word).tokens.tolist() == [5, 5]
 
 
 @pytest.mark.parametrize("params", [{"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1},
