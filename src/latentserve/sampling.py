@@ -129,11 +129,15 @@ def _gumbel_tokens(logits: torch.Tensor, params, bits: torch.Tensor | None = Non
 
 
 def warm_race(vocab_size: int, device) -> None:
-    """Compile :func:`_gumbel_tokens`' kernels (one temperature, and one per row) for fp32
-    logits of ``vocab_size`` columns on ``device``."""
+    """Compile :func:`_gumbel_tokens`' kernels (one temperature, and one per row; with and
+    without a token mask) for fp32 logits of ``vocab_size`` columns on ``device``."""
+    from latentserve.token_masks import bitmask_width
+
     logits = torch.zeros(2, vocab_size, device=device)
-    for temps in ((1.0, 1.0), (1.0, 0.5)):
-        _gumbel_tokens(logits, [SamplingParams(temperature=t) for t in temps])
+    bits = torch.full((2, bitmask_width(vocab_size)), -1, dtype=torch.int32, device=device)
+    for mask in (None, bits):
+        for temps in ((1.0, 1.0), (1.0, 0.5)):
+            _gumbel_tokens(logits, [SamplingParams(temperature=t) for t in temps], mask)
 
 
 def _exponentials(probs: torch.Tensor, gens: list, generator: torch.Generator | None
