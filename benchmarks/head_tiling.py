@@ -12,9 +12,11 @@ tiling and with ``latent.head.fp32_tiling``. Needs CUDA. (Session 29's run also 
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
+
+from benchmarks.common import command, parser, write_json
+
+NAME = "head_tiling"
 
 BLOCK_NS = (16, 32, 64)
 SPLITS = (1, 2, 4, 8, 16)
@@ -38,7 +40,7 @@ def _linears(head, latent_dim: int) -> list[tuple[str, object, object, bool]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser()
+    ap = parser(NAME, __doc__)
     ap.add_argument("out", nargs="?", default=None)
     ap.add_argument("--rows", type=int, default=64)
     args = ap.parse_args(argv)
@@ -84,10 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
         del g
         result["head"][name] = round(us, 2)
     head_mod.fp32_tiling = rule
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    result["command"] = command(NAME, argv)
+    write_json(args.out, result)
     return result
 
 

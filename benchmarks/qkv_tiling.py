@@ -9,9 +9,11 @@ those of ``latentserve.bench.gpu`` / ``recurrent_gpu``'s models."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
+
+from benchmarks.common import command, parser, write_json
+
+NAME = "qkv_tiling"
 
 SHAPES = {"llama-3.2-1b": (2048, 32, 8, 64), "ouro-1.4b": (2048, 16, 16, 128),
           "huginn-0125": (5280, 55, 55, 96), "smollm2-135m": (576, 9, 3, 64)}
@@ -83,7 +85,7 @@ def _time_shape(name: str, rows: list[int], l2: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser()
+    ap = parser(NAME, __doc__)
     ap.add_argument("out", nargs="?", default=None)
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -95,10 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.shapes.split(","):
         result["shapes"] += _time_shape(name, [int(r) for r in args.rows.split(",")], l2)
         torch.cuda.empty_cache()
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    result["command"] = command(NAME, argv)
+    write_json(args.out, result)
     return result
 
 
