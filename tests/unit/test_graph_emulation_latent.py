@@ -147,17 +147,20 @@ def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_cod
     assert greedy is not None and torch.isneginf(logits[:, eot]).all()
 
 
-@pytest.mark.parametrize("kind", ["colar", "head"])
-def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_graphs,
-                                                                 tmp_path):
+@pytest.mark.parametrize(("kind", "in_graph"), [("colar", "1"), ("head", "1"), ("head", "0")])
+def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, in_graph, emulated_graphs,
+                                                                 tmp_path, monkeypatch):
     """A closed-loop head (CoLaR's policy from the final hidden; the compression head with its
-    stop head from a layer inside the stack) runs inside the decode graphs and the overlap
+    stop head from a layer inside the stack) runs inside the decode graphs (with
+    ``LATENTSERVE_HEAD_IN_GRAPH=0``: in a latent graph after them) and the overlap
     scheduler settles each stop a step later
     from the graph's static outputs (``latent/head_late.py``), the closing ids one per step:
     greedy and seeded tokens, latent stats, step counts and traces equal the eager
     synchronous engine's."""
     from tests.support.colar_models import save_colar_tiny
     from tests.support.head_models import save_head_model
+
+    monkeypatch.setenv("LATENTSERVE_HEAD_IN_GRAPH", in_graph)
     from tests.support.tp_parity import assert_same_outputs
 
     if kind == "colar":
@@ -184,5 +187,6 @@ def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, emulated_
     assert graphs.num_latent_replays > 1 and engine.runner.num_graph_steps > 5
     assert graphs.with_greedy  # no suppressed ids: the greedy rows take the graph's argmax
     # both run in the decode graph from their anchor on (no latent graph): the compression
-    # head from a layer inside the stack, CoLaR from the final hidden
-    assert graphs.inline_head and not graphs.latent_graphs
+    # head from a layer inside the stack, CoLaR from the final hidden; or in a latent graph
+    inline = in_graph == "1"
+    assert graphs.inline_head == inline and bool(graphs.latent_graphs) != inline
