@@ -48,7 +48,7 @@ def test_overlapped_head_engine_equals_the_synchronous_one_on_cuda(tmp_path, kin
     overlapped = spy_overlapped(engine)
     assert_same_streams(want, run_streams(engine, requests))
     assert sum(overlapped) > 5 and engine.runner.num_graph_steps > 0
-    assert engine.runner.graphs.num_latent_replays > 0  # the head ran in the latent graph
+    assert engine.runner.graphs.num_latent_replays > 0  # replays whose head outputs were read
     assert "stop" in {f.latent_stats["end"] for _, _, f in want[0]}
     _all_slots_free(engine)
     stopped = [(p, dataclasses.replace(sp, stop_token_ids=[t[1]], ignore_eos=False))
