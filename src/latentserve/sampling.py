@@ -58,12 +58,14 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
     penalties (vLLM's order). Returns ``SamplerOutput`` on ``logits.device``."""
     raw = logits
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
+    every = len(sampled) == len(reqs)  # no index ops (the usual batch)
     # a mask of every row, every row racing: the race applies the bits (no masked copy)
-    in_race = (mask is not None and bias is None and generator is None
-               and len(sampled) == len(reqs) == len(mask.rows)
-               and mask.rows == sampled and not any(r.params.has_penalties for r in reqs)
-               and _one_race(logits, [r.params for r in reqs], [r.generator for r in reqs]))
-    if mask is not None and not in_race:
+    race_bits = None
+    if (mask is not None and bias is None and generator is None and every
+            and mask.rows == sampled and not any(r.params.has_penalties for r in reqs)
+            and _one_race(logits, [r.params for r in reqs], [r.generator for r in reqs])):
+        race_bits = mask.bits.contiguous()
+    elif mask is not None:
         logits = apply_token_mask(logits, mask)
         greedy = None
     if bias is not None:
@@ -75,24 +77,29 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
         rows = to_device(penalized, torch.long, logits.device)
         logits = logits.clone() if logits is raw else logits
         logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized])
-    every = len(sampled) == len(reqs)  # no index ops (the usual batch)
-    out = None if every and sampled else (
-        greedy if greedy is not None and not penalized else greedy_tokens(logits))
-    if sampled:
-        idx = None if every else to_device(sampled, torch.long, logits.device)
-        sub = logits if idx is None else logits[idx]
-        params = [reqs[b].params for b in sampled]
-        gens = [reqs[b].generator for b in sampled]
-        if in_race:
-            drawn = _gumbel_tokens(sub, params, mask.bits.contiguous())
-        elif generator is None and _one_race(sub, params, gens):
-            drawn = _gumbel_tokens(sub, params)
-        else:
-            probs = _filtered_probs(sub, params)
-            drawn = greedy_tokens(probs.div_(_exponentials(probs, gens, generator)))
-        # out of place: ``greedy`` may be a static graph buffer
-        out = drawn if idx is None else out.index_copy(0, idx, drawn)
+    if sampled and every:
+        out = _draw(logits, reqs, generator, race_bits)
+    else:
+        out = greedy if greedy is not None and not penalized else greedy_tokens(logits)
+        if sampled:
+            idx = to_device(sampled, torch.long, logits.device)
+            drawn = _draw(logits[idx], [reqs[b] for b in sampled], generator, None)
+            out = out.index_copy(0, idx, drawn)  # out of place: may be a static graph buffer
     return SamplerOutput(out, _logprobs(raw, out, reqs))
+
+
+def _draw(logits: torch.Tensor, reqs: list[Req], generator: torch.Generator | None,
+          bits: torch.Tensor | None) -> torch.Tensor:
+    """One token per row of ``logits`` for the sampled ``reqs`` (one row each): the fused race
+    (``bits``: its token mask) where it can run, else the torch filter chain."""
+    params = [r.params for r in reqs]
+    gens = [r.generator for r in reqs]
+    if bits is not None:
+        return _gumbel_tokens(logits, params, bits)
+    if generator is None and _one_race(logits, params, gens):
+        return _gumbel_tokens(logits, params)
+    probs = _filtered_probs(logits, params)
+    return greedy_tokens(probs.div_(_exponentials(probs, gens, generator)))
 
 
 def _one_race(logits: torch.Tensor, params, gens: list) -> bool:

@@ -72,10 +72,11 @@ _MID_STRIDES = "stride_mo_b stride_mo_h stride_mo_s stride_ml_b stride_ml_h"
 CASES = [
     # sampling: logits are fp32 (compute_logits)
     (OPS + "gumbel", "_gumbel_chunks_kernel",
-     {"X": "*fp32", "Temps": "*fp32", "Vals": "*fp32", "Idx": "*i32", "temp": "fp32",
-      "seed": "i64", "n_cols": "i32", "n_chunks": "i32", "stride_x": "i32"},
-     [{"PER_ROW": True, "BLOCK": 4096, "num_warps": 8},
-      {"PER_ROW": False, "BLOCK": 4096, "num_warps": 8}]),
+     {"X": "*fp32", "Temps": "*fp32", "Bits": "*i32", "Vals": "*fp32", "Idx": "*i32",
+      "temp": "fp32", "seed": "i64", "n_cols": "i32", "n_chunks": "i32", "stride_x": "i32",
+      "n_words": "i32"},
+     [{"PER_ROW": p, "MASKED": m, "BLOCK": 4096, "num_warps": 8}
+      for p in (True, False) for m in (False, True)]),
     (OPS + "argmax", "_argmax_chunks_kernel",
      {"X": "*fp32", "Vals": "*fp32", "Idx": "*i32", "n_cols": "i32", "n_chunks": "i32",
       "stride_x": "i32"},
