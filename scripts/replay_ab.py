@@ -90,7 +90,7 @@ def run(path: Path, bs: int, configs: list[tuple[str, dict]], rounds: int, repla
                     getattr(gr, buf)[:bs].copy_(getattr(old, buf)[:bs])
                 graph = gr.graphs[gr.graph_depths[0], bs]
                 us[name].append(round(time_replays(graph, replays, warmup=20), 1))
-                logits, _, greedy = gr.outputs[gr.graph_depths[0], bs]
+                logits, _, greedy = gr.outputs[gr.graph_depths[0], bs][:3]
                 tokens[name] = None if greedy is None else greedy[:8].tolist()
                 if greedy is not None and not torch.equal(greedy, logits.argmax(-1)):
                     mismatch.append(name)

@@ -5,6 +5,8 @@ Design notes: docs/internals.md, "latentserve.ops.kernels.qkv_rope".
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -137,6 +139,7 @@ def default_block_half(half: int, heads: int | None = None, rows: int = 64,
     return bh
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     return (torch.cuda.get_device_properties(device).multi_processor_count
             if device.type == "cuda" else 132)
