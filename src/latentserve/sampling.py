@@ -102,6 +102,12 @@ def _draw(logits: torch.Tensor, reqs: list[Req], generator: torch.Generator | No
     return greedy_tokens(probs.div_(_exponentials(probs, gens, generator)))
 
 
+def suppress_(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` (``[S, vocab]``) with columns ``ids`` (``[K] int64``, same device; a latent
+    spec's ``suppress_ids``, CODI's eot) set to -inf in place, returned; as is for None."""
+    return logits if ids is None else logits.index_fill_(1, ids, float("-inf"))
+
+
 def _one_race(logits: torch.Tensor, params, gens: list) -> bool:
     """Whether the rows of ``logits`` can be drawn by :func:`_gumbel_tokens`: on CUDA, no
     seeded row, no top-k, top-p or min-p filter (decided on the host: no wait)."""

@@ -108,6 +108,7 @@ def _cpu_graph_runner(buckets: list[int], hidden: int):
     g = object.__new__(CudaGraphRunner)
     cap = buckets[-1]
     g.buckets, g.graph_depths, g.hooks, g.latent_capable = buckets, [0], GraphHooks(), True
+    g.inline_head = False
     g.dummy_row = 0
     for name in ("ids", "pos", "rows", "out_slots"):
         setattr(g, name, torch.zeros(cap, dtype=torch.int64))

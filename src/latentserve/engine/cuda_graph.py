@@ -10,7 +10,7 @@ import torch
 from latentserve import settings
 from latentserve.context import ForwardContext, set_context
 from latentserve.latent.family import family_for
-from latentserve.sampling import greedy_tokens
+from latentserve.sampling import greedy_tokens, suppress_
 
 
 @contextlib.contextmanager
@@ -50,7 +50,6 @@ class CudaGraphRunner:
 
     LM_HEAD_ARGMAX = True  # False: the argmax reads the logits back, not the LM head's (A/B)
     _wait = None  # the event the next replay waits for (wait_before_replay)
-    inline_head = False  # set in __init__ (a class default for runners built without it)
 
     def __init__(self, model, backend, kv_pool, table, max_bs: int, hidden_size: int,
                  dtype: torch.dtype, capture_layer: int = -1, latent_capable: bool = True,
@@ -192,9 +191,8 @@ class CudaGraphRunner:
         if self._head_argmax:
             logits, greedy = model.compute_logits_greedy(hidden)
         else:
-            logits = model.compute_logits(hidden)  # greedy in the graph: no launches per step
-            if self.suppress is not None:
-                logits.index_fill_(1, self.suppress, float("-inf"))
+            # greedy in the graph: no launches per step
+            logits = suppress_(model.compute_logits(hidden), self.suppress)
             greedy = greedy_tokens(logits) if self.with_greedy else None
         if self._side is not None and torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream().wait_stream(self._side)  # the head joins the capture

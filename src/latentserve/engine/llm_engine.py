@@ -493,10 +493,13 @@ class LLMEngine:
         rope_rows = layers.QKV_ROPE_ROWS[0]
         if self._warm_request((long, 4)) and fused and rope_rows <= layers.DECODE_ROWS:
             self._warm_request((rope_rows,), quiet=True)
-            # the q/k/v kernel narrows above 32 rows (qkv_rope.default_block_half): a second
-            # variant, compiled now rather than in a served step
-            if self.config.device.startswith("cuda") and layers.QKV_ROPE_ROWS[1] > 32:
-                self._warm_request((33,), quiet=True)
+            # the q/k/v kernel narrows above WIDE_ROWS rows (qkv_rope.default_block_half): a
+            # second variant, compiled now rather than in a served step
+            if self.config.device.startswith("cuda"):
+                from latentserve.ops.kernels.qkv_rope import WIDE_ROWS
+
+                if layers.QKV_ROPE_ROWS[1] > WIDE_ROWS:
+                    self._warm_request((WIDE_ROWS + 1,), quiet=True)
         self.scheduler.prefix_queries = self.scheduler.prefix_hits = 0
         if self.config.device.startswith("cuda"):  # the first sampled step must not compile
             sampling.warm_race(self.vocab_size, self.config.device)

@@ -13,6 +13,7 @@ from latentserve.engine.cuda_graph import CudaGraphRunner
 from latentserve.kvcache.pool import KVPool, PageTable
 from latentserve.latent import vectors as latent_vectors
 from latentserve.latent.family import family_for
+from latentserve.sampling import suppress_
 from latentserve.scheduler.scheduler import ScheduledBatch
 from latentserve.staging import HostToDevice, to_device
 
@@ -22,12 +23,6 @@ def pending_row(req, start: int, n: int, src_of: dict[int, int] | None) -> int |
     if src_of and start + n == req.seq_len:
         return src_of.get(id(req))
     return None
-
-
-def suppressed(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-    """``logits`` (``[S, vocab]``) with columns ``ids`` (``[K] int64``, same device) set to -inf
-    in place; as is for None."""
-    return logits if ids is None else logits.index_fill_(1, ids, float("-inf"))
 
 
 class ModelRunner:
@@ -263,4 +258,4 @@ class ModelRunner:
         if capture_buf is not None:
             self.last_captured = capture_buf[idx]
         last_hidden = hidden[idx]
-        return suppressed(self.model.compute_logits(last_hidden), self.suppress), last_hidden
+        return suppress_(self.model.compute_logits(last_hidden), self.suppress), last_hidden

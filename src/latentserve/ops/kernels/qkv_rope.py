@@ -119,6 +119,9 @@ def _qkv_rope_kernel(
         tl.store(dst + HALF, a2.to(VCache.dtype.element_ty), mask=mask)
 
 
+WIDE_ROWS = 32  # up to this many rows a wide program costs little more than a narrow one
+
+
 def default_block_half(half: int, heads: int | None = None, rows: int = 64,
                        num_sms: int = 132) -> int:
     """Columns of each head half per program: ``LATENTSERVE_QKV_BLOCK_HALF`` when fixed, else
@@ -133,7 +136,7 @@ def default_block_half(half: int, heads: int | None = None, rows: int = 64,
     if fixed != "auto":
         return int(fixed)
     bh = max(16, triton.next_power_of_2(half))
-    target = num_sms * (0.7 if rows > 32 else 0.25)
+    target = num_sms * (0.7 if rows > WIDE_ROWS else 0.25)
     while heads and bh > 16 and heads * -(-rows // 64) * triton.cdiv(half, bh) < target:
         bh //= 2
     return bh
