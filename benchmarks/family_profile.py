@@ -66,8 +66,6 @@ def profile_model(name: str, root: Path, batch: int, output_len: int = 48) -> di
     graphs = engine.runner.graphs
     out: dict = {"model": name, "batch": batch, "fields": fields}
     found = {f"decode depth {d}": gr for (d, b), gr in graphs.graphs.items() if b == batch}
-    if batch in graphs.latent_graphs:
-        found["latent"] = graphs.latent_graphs[batch]
     for key, graph in found.items():
         out[key] = {"replay_us": time_replays(graph, 100), **profile_replay(graph)}
         print(name, key, round(out[key]["replay_us"], 1), "us,",

@@ -200,7 +200,6 @@ def run_host_bench(device: str = "cpu", batch: int = 64, steps: int = 200,
     runner, model = engine.runner, engine.runner.model
     if runner.graphs is not None:
         runner.graphs.graphs = {k: _NoReplay() for k in runner.graphs.graphs}
-        runner.graphs.latent_graphs = {k: _NoReplay() for k in runner.graphs.latent_graphs}
     else:
         torch.set_num_threads(1)  # host work is one Python thread; no OpenMP spin on shared CPUs
         hidden = model.config.hidden_size

@@ -91,9 +91,6 @@ VARS = (
            "fused q/k/v + RoPE GEMM: columns of each head half per program, `auto` (narrower "
            "while the grid is small for the SMs) or a fixed 16, 32, 64 or 128",
            ("auto", "16", "32", "64", "128")),
-    EnvVar("LATENTSERVE_HEAD_IN_GRAPH", "str", "1",
-           "`1`: a closed-loop head (compression head, CoLaR) runs in the decode graph, on a "
-           "side stream from its anchor on; `0`: in a latent graph after it", ("0", "1")),
     EnvVar("LATENTSERVE_PDL", "str", "1",
            "`0` turns off programmatic dependent launch (sm90+)", ("0", "1")),
     EnvVar("LATENTSERVE_DECODE_PREFETCH_MB", "float", 3.0,

@@ -1,6 +1,6 @@
 """The feedback overlap parity of tests/parity/test_overlap_feedback.py on CUDA (float32,
 CUDA graphs on, forced end ids one per step): COCONUT and CODI (its ``prj`` in the decode
-graphs' latent graph) overlapped equal the synchronous engine, output for output, with
+graphs) overlapped equal the synchronous engine, output for output, with
 latent steps replayed from the graphs (issue 27)."""
 
 import dataclasses
@@ -37,7 +37,7 @@ def test_overlapped_feedback_engine_equals_the_synchronous_one_on_cuda(tmp_path,
     overlapped = spy_overlapped(engine)
     assert_same_streams(want, run_streams(engine, requests))
     assert sum(overlapped) > 5 and engine.runner.num_graph_steps > 0
-    if kind.startswith("codi"):  # the prj ran in the latent graph
+    if kind.startswith("codi"):  # the prj ran in the decode graph
         assert engine.runner.graphs.num_latent_replays > 0
     stopped = [(p, dataclasses.replace(sp, stop_token_ids=[t[2]], ignore_eos=False))
                for (p, sp), (t, _, _) in zip(requests, want[0])]

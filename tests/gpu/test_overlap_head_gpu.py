@@ -1,5 +1,5 @@
 """The head overlap parity of tests/parity/test_overlap_head.py on CUDA (float32, CUDA graphs
-on, the head in the decode graphs' latent graph, forced closing ids one per step): the
+on, the head in the decode graphs, forced closing ids one per step): the
 compression head and CoLaR overlapped equal the synchronous engine, output for output, with
 stops settled a step late, preemption, and every KV slot back in the pool (issue 27)."""
 

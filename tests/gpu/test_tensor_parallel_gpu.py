@@ -156,7 +156,7 @@ def _tiny(root, family):
 
 @pytest.mark.parametrize("family", ["coconut", "head", "ouro"])
 def test_overlapped_tp2_latent_families_equal_synchronous_tp2_and_tp1(tmp_path, family):
-    """fp32, CUDA graphs on every rank (latent rows replayed, the latent graph on rank 0):
+    """fp32, CUDA graphs on every rank (latent rows replayed, the head in rank 0's graphs):
     output for output equal to the synchronous TP=2 engine, and to the TP=1 engine (tokens,
     finish reasons, recurrence stats, logits within 1e-4), with preemption too."""
     path, requests = _tiny(tmp_path / family, family)

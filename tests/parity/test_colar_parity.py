@@ -318,9 +318,9 @@ def _capture(graph, pool=None, capture_error_mode=None):
 
 
 def _replayable(fn):
-    """``fn(self, *args)`` (a decode or latent graph's forward) that, under capture, makes
+    """``fn(self, *args)`` (a decode graph's forward) that, under capture, makes
     the capturing graph's replay recompute it into the outputs it returned (under the
-    forward context of the capture; a latent graph has none)."""
+    forward context of the capture)."""
     from latentserve import context
 
     set_context = context.set_context
@@ -360,15 +360,13 @@ def emulated_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph", _capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(CudaGraphRunner, "_forward", _replayable(CudaGraphRunner._forward))
-    monkeypatch.setattr(CudaGraphRunner, "_latent_forward",
-                        _replayable(CudaGraphRunner._latent_forward))
     monkeypatch.setattr(cuda_graph, "graph_buckets", lambda max_bs: [max_bs])  # one bucket
 
 
-def test_decode_graphs_run_the_policy_in_the_latent_graph(colar_dir, references,
-                                                          emulated_graphs):
+def test_decode_graphs_run_the_policy_beside_the_lm_head(colar_dir, references,
+                                                        emulated_graphs):
     """Fused ops, Triton attention and decode steps replayed from (emulated) CUDA graphs:
-    the policy runs in the latent graph on the decode graph's final-normed hidden, and
+    the policy runs in the decode graph on its final-normed hidden, beside the LM head, and
     the answers equal the reference's."""
     engine = LLMEngine(EngineConfig(model=str(colar_dir), fused_ops=True,
                                     attention_backend="triton", max_num_seqs=8,

@@ -4,7 +4,7 @@ as a real graph writes its static buffers. This covers what only the H200 ran be
 ``CudaGraphRunner.replay_packed`` with the input kernel (``ops.kernels.decode_inputs``,
 overlap scheduling's pending ids included), the greedy tokens returned by the graph
 (``ModelRunner.last_greedy``) and the sampler taking them, the family's graph hooks (Ouro's
-readout buffers, CODI's ``prj`` and a closed-loop head in the latent graph, under overlap
+readout buffers, CODI's ``prj`` and a closed-loop head in the decode graph, under overlap
 scheduling). Tokens and logprobs must equal an engine without graphs; every replay's
 ``last_greedy`` must be the argmax of the logits it returned. Kernels run in the Triton
 interpreter.
@@ -60,7 +60,7 @@ def _capture(graph, pool=None, capture_error_mode=None):
 
 
 def _replayable(fn):
-    """``fn(self, *args)`` (a decode or latent graph's forward) that, under capture, makes
+    """``fn(self, *args)`` (a decode graph's forward) that, under capture, makes
     the capturing graph's replay re-run it into the outputs it returned (a tensor or a
     tuple of them), under the forward context of the capture."""
 
@@ -68,7 +68,7 @@ def _replayable(fn):
         out = fn(self, *args)
         graph = _ReplayedForward.capturing
         if graph is not None:
-            ctx = context._CTX  # a latent graph's capture has none
+            ctx = context._CTX
 
             @torch.inference_mode()
             def rerun():  # into the capture's outputs, as the graph's static buffers
@@ -99,8 +99,6 @@ def emulate_graphs(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "graph", _capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(CudaGraphRunner, "_forward", _replayable(CudaGraphRunner._forward))
-    monkeypatch.setattr(CudaGraphRunner, "_latent_forward",
-                        _replayable(CudaGraphRunner._latent_forward))
     # one bucket of 8 (fewer captures in the interpreter); smaller batches replay it padded
     monkeypatch.setattr(cuda_graph, "graph_buckets", lambda max_bs: [max_bs])
 

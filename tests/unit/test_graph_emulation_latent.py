@@ -1,6 +1,6 @@
 """The decode-graph path with CUDA graphs emulated on CPU (``test_graph_emulation``'s
 harness) for the latent families' graph hooks: Ouro's readout buffers, CODI's ``prj`` and a
-closed-loop head in the latent graph, under overlap scheduling. Tokens and logprobs must
+closed-loop head in the decode graph, under overlap scheduling. Tokens and logprobs must
 equal an engine without graphs. A file of its own so that xdist spreads the two halves.
 """
 
@@ -119,13 +119,13 @@ def small_vocab_codi(tmp_path_factory, small_vocab_llama):
     return convert_codi(base, ckpt, root / "model", lora_alpha=16.0)
 
 
-def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_codi,
-                                                                 emulated_graphs):
-    """CODI's ``prj`` runs in the decode graphs' latent graph (``FeedbackFamily.graph_hooks``)
-    and the overlap scheduler launches each latent step on the replayed outputs of the one
-    before (their vectors injected into the next replay): greedy tokens, latent step counts
-    and traces equal the eager synchronous engine's, and every sampled step's logits within
-    1e-4, for budgets 0 to 5 in one batch."""
+def test_codi_prj_in_the_graph_under_overlap_equals_the_eager_engine(small_vocab_codi,
+                                                                     emulated_graphs):
+    """CODI's ``prj`` runs in the decode graphs beside the LM head
+    (``FeedbackFamily.graph_hooks``) and the overlap scheduler launches each latent step on
+    the replayed outputs of the one before (their vectors injected into the next replay):
+    greedy tokens, latent step counts and traces equal the eager synchronous engine's, and
+    every sampled step's logits within 1e-4, for budgets 0 to 5 in one batch."""
     from tests.support.tp_parity import assert_same, assert_same_outputs
 
     requests = [([5 + i, 17, 29 + i, 41], SamplingParams(
@@ -145,22 +145,21 @@ def test_codi_latent_graph_under_overlap_equals_the_eager_engine(small_vocab_cod
     assert graphs.with_greedy and graphs.suppress.tolist() == list(eot)
     logits, _, greedy = graphs.outputs[graphs.graph_depths[0], graphs.buckets[0]][:3]
     assert greedy is not None and torch.isneginf(logits[:, eot]).all()
+    out = graphs.outputs[graphs.graph_depths[0], graphs.buckets[0]]
+    assert len(out) == 4 and out[3].shape == out[1].shape  # prj's vectors, in the graph
 
 
-@pytest.mark.parametrize(("kind", "in_graph"), [("colar", "1"), ("head", "1"), ("head", "0")])
-def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, in_graph, emulated_graphs,
-                                                                 tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["colar", "head"])
+def test_head_in_the_graph_under_overlap_equals_the_eager_engine(kind, emulated_graphs,
+                                                                 tmp_path):
     """A closed-loop head (CoLaR's policy from the final hidden; the compression head with its
-    stop head from a layer inside the stack) runs inside the decode graphs (with
-    ``LATENTSERVE_HEAD_IN_GRAPH=0``: in a latent graph after them) and the overlap
+    stop head from a layer inside the stack) runs inside the decode graphs and the overlap
     scheduler settles each stop a step later
     from the graph's static outputs (``latent/head_late.py``), the closing ids one per step:
     greedy and seeded tokens, latent stats, step counts and traces equal the eager
     synchronous engine's."""
     from tests.support.colar_models import save_colar_tiny
     from tests.support.head_models import save_head_model
-
-    monkeypatch.setenv("LATENTSERVE_HEAD_IN_GRAPH", in_graph)
     from tests.support.tp_parity import assert_same_outputs
 
     if kind == "colar":
@@ -186,7 +185,7 @@ def test_head_latent_graph_under_overlap_equals_the_eager_engine(kind, in_graph,
     assert graphs.head is engine.runner.model.latent_head
     assert graphs.num_latent_replays > 1 and engine.runner.num_graph_steps > 5
     assert graphs.with_greedy  # no suppressed ids: the greedy rows take the graph's argmax
-    # both run in the decode graph from their anchor on (no latent graph): the compression
-    # head from a layer inside the stack, CoLaR from the final hidden; or in a latent graph
-    inline = in_graph == "1"
-    assert graphs.inline_head == inline and bool(graphs.latent_graphs) != inline
+    # both run in the decode graph from their anchor on: the compression head from a layer
+    # inside the stack (its vectors and stop probabilities), CoLaR from the final hidden
+    out = graphs.outputs[graphs.graph_depths[0], graphs.buckets[0]]
+    assert len(out) == 5 and (out[4] is None) == (kind == "colar")

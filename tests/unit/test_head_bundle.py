@@ -58,7 +58,7 @@ def test_serve_outputs_equal_latent_input_and_stop_prob(stop):
 
 
 def test_latent_steps_run_the_head_only_for_rows_in_their_latent_phase():
-    """A callable ``precomputed`` (the decode graph's latent graph) is called only when some
+    """A callable ``precomputed`` (the decode graph's latent outputs) is called only when some
     row still thinks; then its values are used."""
     from types import SimpleNamespace
 

@@ -108,7 +108,6 @@ def _cpu_graph_runner(buckets: list[int], hidden: int):
     g = object.__new__(CudaGraphRunner)
     cap = buckets[-1]
     g.buckets, g.graph_depths, g.hooks, g.latent_capable = buckets, [0], GraphHooks(), True
-    g.inline_head = False
     g.dummy_row = 0
     for name in ("ids", "pos", "rows", "out_slots"):
         setattr(g, name, torch.zeros(cap, dtype=torch.int64))
@@ -156,33 +155,36 @@ def test_graph_replay_keeps_the_static_mask_exact():
     assert sum(1 for s in fills if s == (12,)) == 1 and sum(1 for s in fills if s == (6,)) == 1
 
 
-def test_latent_graph_replays_lazily_once_per_decode_replay():
-    """``CudaGraphRunner.latent_outputs``: the latent graph of the bucket just replayed runs
-    on the first call after a decode replay only (a plain step never asks), and its outputs
-    are sliced to the batch's rows; checked on CPU with counting no-op graphs."""
+def test_latent_outputs_are_the_replayed_graphs_rows():
+    """``CudaGraphRunner.latent_outputs``: the latent module's outputs of the bucket just
+    replayed (after the decode graph's logits, hidden and greedy tokens), sliced to the
+    batch's rows; ``num_latent_replays`` counts the replays whose outputs were read, once
+    each. Checked on CPU with counting no-op graphs."""
     h = 4
     g = _cpu_graph_runner([4, 8], h)
     g.head, g.feedback = object(), None  # a closed-loop head: (vectors, stop probabilities)
-    g.latent_graphs = {b: _CountingGraph() for b in g.buckets}
-    g.latent_out = {b: (torch.arange(b * h, dtype=torch.float32).view(b, h),
-                        torch.arange(b, dtype=torch.float32)) for b in g.buckets}
-    g._last, g._latent_ran, g.num_latent_replays = None, False, 0
+    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, h), None,
+                          torch.arange(b * h, dtype=torch.float32).view(b, h) + b,
+                          torch.arange(b, dtype=torch.float32)) for b in g.buckets}
+    g._last, g._read, g.num_latent_replays = None, False, 0
     with pytest.raises(RuntimeError, match="replay first"):
         g.latent_outputs()
     z = torch.zeros(3, dtype=torch.int64)
     g.replay(z, z, z, z, z)  # 3 rows: bucket 4
     vecs, probs = g.latent_outputs()
-    g.latent_outputs()  # the same step again: no second replay
-    assert vecs.shape == (3, h) and probs.tolist() == [0.0, 1.0, 2.0]
-    assert (g.latent_graphs[4].n, g.latent_graphs[8].n, g.num_latent_replays) == (1, 0, 1)
+    g.latent_outputs()  # the same step again: counted once
+    assert vecs.shape == (3, h) and vecs[0, 0] == 4 and probs.tolist() == [0.0, 1.0, 2.0]
+    assert (g.graphs[0, 4].n, g.num_latent_replays) == (1, 1)
     z = torch.zeros(6, dtype=torch.int64)
     g.replay(z, z, z, z, z)  # a plain step (nobody asks) ...
     g.replay(z, z, z, z, z)  # ... then one with latent rows
-    assert g.latent_outputs()[0].shape == (6, h)
-    assert (g.latent_graphs[8].n, g.graphs[0, 8].n, g.num_latent_replays) == (1, 2, 2)
+    vecs, _ = g.latent_outputs()
+    assert vecs.shape == (6, h) and vecs[0, 0] == 8  # bucket 8's buffers
+    assert (g.graphs[0, 8].n, g.num_latent_replays) == (2, 2)
     g.head, g.feedback = None, object()  # CODI's prj: one tensor
-    g.latent_out = {b: torch.ones(b, h) for b in g.buckets}
+    g.outputs = {(0, b): (torch.zeros(b, 8), torch.zeros(b, h), None, torch.ones(b, h))
+                 for b in g.buckets}
     g.replay(z[:2], z[:2], z[:2], z[:2], z[:2])
     assert g.latent_outputs().shape == (2, h) and g.num_latent_replays == 3
-    g.head = g.feedback = None  # no latent graph at all
+    g.head = g.feedback = None  # no latent module
     assert g.latent_outputs() is None

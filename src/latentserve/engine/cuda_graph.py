@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from typing import Any
 
 import torch
 
-from latentserve import settings
 from latentserve.context import ForwardContext, set_context
 from latentserve.latent.family import family_for
 from latentserve.sampling import greedy_tokens, suppress_
@@ -42,10 +42,10 @@ class CudaGraphRunner:
     ``replay`` takes ``[B]`` device tensors (``embeds [B, hidden]``, ``mask [B] bool`` or
     None, ``rec``: the forward context), B <= max_bs, and returns ``(logits [B, vocab]
     float32, hidden [B, hidden])``, views valid until the next replay; ``greedy``: their
-    argmax ``[B] int64`` (``suppress`` ids masked first). A closed-loop head runs in the
-    decode graph from its anchor on, on a side stream (``inline_head``); a ``feedback``
-    module (or the head, with ``LATENTSERVE_HEAD_IN_GRAPH=0``) runs in a second *latent
-    graph* per bucket, replayed by ``latent_outputs()``.
+    argmax ``[B] int64`` (``suppress`` ids masked first). The family's latent module runs
+    in the decode graph too, on a side stream (``latent_outputs()`` reads its outputs): a
+    closed-loop head from its anchor on (the captured layer, or the final hidden), a
+    ``feedback`` module (CODI's ``prj``) on the final hidden, beside the LM head.
     """
 
     LM_HEAD_ARGMAX = True  # False: the argmax reads the logits back, not the LM head's (A/B)
@@ -71,25 +71,22 @@ class CudaGraphRunner:
         self._mask_hi = 0  # mask entries at or past this index are all False
         self._mask_ones = 0  # > 0: the mask is exactly this many leading True entries
         self.capture_buf = torch.zeros(n, hidden_size, dtype=dtype, device=dev)
-        # A closed-loop head runs in the latent graph on its anchors: the captured layer, or
-        # the final-normed hidden for a head that captures none (CoLaR).
+        # A closed-loop head runs on its anchors: the captured layer, or the final-normed
+        # hidden for a head that captures none (CoLaR).
         head = getattr(model, "latent_head", None)
         self.head = head if head is not None and capture_layer == head.capture_layer and \
             getattr(model, "latent_head_mode", None) == "closed_loop" else None
         self.capture_layer = capture_layer
-        # A closed-loop head runs in the decode graph itself, on a side stream from its
-        # anchor on: beside the layers after it (the compression head, which reads a layer
-        # inside the stack) or beside the LM head (CoLaR, which reads the final hidden); every
-        # step, thinking rows or not. LATENTSERVE_HEAD_IN_GRAPH=0: in a latent graph after the
-        # decode graph, replayed only for steps with thinking rows.
-        self.inline_head = (self.head is not None
-                            and settings.get("LATENTSERVE_HEAD_IN_GRAPH") == "1")
-        self._side, self._head_out = None, ()
         spec = getattr(model, "latent_spec", None)
         self.hooks = family_for(spec).graph_hooks(spec, model, n, dev)
-        self.feedback = self.hooks.feedback
+        self.feedback: Any = self.hooks.feedback
+        # The latent module runs in every step's graph, thinking rows or not, on a side stream
+        # from its input on: beside the layers after a head's anchor layer, else beside the
+        # LM head.
+        self._side: torch.cuda.Stream | None = None
+        self._side_out: tuple = ()
         self.graph_depths = list(self.hooks.depths)
-        self._last, self._latent_ran = None, False  # (bucket, rows) of the last replay
+        self._last, self._read = None, False  # (bucket, rows) of the last replay
         self._depth = self.graph_depths[0]  # the graph depth of the last replay
         # The graph also returns the logits' argmax (the greedy tokens), which the sampler
         # takes instead of launching the argmax after the replay; not on a tensor-parallel
@@ -101,7 +98,7 @@ class CudaGraphRunner:
         self._head_argmax = (self.with_greedy and self.LM_HEAD_ARGMAX and suppress is None
                              and getattr(model, "compute_logits_greedy", None) is not None)
         self.greedy = None  # the last replay's greedy tokens (with_greedy)
-        self.num_latent_replays = 0
+        self.num_latent_replays = 0  # replays whose latent outputs were read
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.latent_capable = latent_capable
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -119,7 +116,7 @@ class CudaGraphRunner:
                                   self.out_slots[:b], table.table, b, 1, True)
                 ctx = ForwardContext(
                     meta, backend, kv_pool, capture_layer, self.capture_buf,
-                    on_capture=self._start_head if self.inline_head and capture_layer >= 0
+                    on_capture=self._start_side if self.head is not None and capture_layer >= 0
                     else None)
                 self.hooks.bind(ctx, depth, b)  # e.g. a masked loop of `depth` iterations
                 set_context(ctx)
@@ -142,52 +139,34 @@ class CudaGraphRunner:
                 unpack_decode_inputs(torch.zeros(2, dtype=torch.int64, device=dev), 0, 1, 0, None,
                                      self.table, self.dummy_row, self.ids, self.pos, self.rows,
                                      self.kv_lens, self.out_slots)
-            self.latent_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-            self.latent_out: dict[int, object] = {}
-            if (self.head is not None and not self.inline_head) or self.feedback is not None:
-                self._capture_latent_graphs(mode)
         torch.cuda.synchronize()
 
-    def _capture_latent_graphs(self, mode) -> None:
-        """One latent graph per bucket, largest first, in a pool of their own (they read the
-        decode graphs' static outputs, so their work must not reuse that pool's memory)."""
-        pool = None
-        for b in reversed(self.buckets):
-            with torch.inference_mode():
-                self._latent_forward(b)  # warm-up outside capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
-                    out = self._latent_forward(b)
-            pool = graph.pool()
-            self.latent_graphs[b], self.latent_out[b] = graph, out
+    def _latent_module(self, x: torch.Tensor) -> tuple:
+        """The latent outputs of ``x`` (``[b, hidden]``): a head's ``(vecs, probs or None)``,
+        feedback's ``(vecs,)``."""
+        if self.head is not None:
+            return tuple(self.head.serve_outputs(x))
+        return (self.feedback(x),)
 
-    def _latent_forward(self, b):
-        if self.head is not None:  # next latent inputs and stop probabilities of every row
-            anchors = self.capture_buf[:b] if self.capture_layer >= 0 else \
-                self.outputs[self.graph_depths[0], b][1]
-            return self.head.serve_outputs(anchors)
-        return self.feedback(self.outputs[self.graph_depths[0], b][1])
-
-    def _start_head(self, anchor):
-        """The head's ``serve_outputs(anchor)`` (``ForwardContext.on_capture``), on a side
-        stream while capturing on CUDA; ``_forward`` joins it."""
-        if anchor.is_cuda and torch.cuda.is_current_stream_capturing():
+    def _start_side(self, x: torch.Tensor) -> None:
+        """:meth:`_latent_module` of ``x`` (``ForwardContext.on_capture`` for a head's anchor
+        layer), on a side stream while capturing on CUDA; ``_forward`` joins it."""
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
             if self._side is None:
-                self._side = torch.cuda.Stream(anchor.device)
+                self._side = torch.cuda.Stream(x.device)
             self._side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._side):
-                self._head_out = self.head.serve_outputs(anchor)
+                self._side_out = self._latent_module(x)
         else:
-            self._head_out = self.head.serve_outputs(anchor)
+            self._side_out = self._latent_module(x)
 
     def _forward(self, model, b):
-        """``(logits, hidden, greedy or None)`` of a decode step of ``b`` rows, then an inline
-        head's ``(vecs, probs)``."""
+        """``(logits, hidden, greedy or None)`` of a decode step of ``b`` rows, then the
+        latent module's outputs (:meth:`_latent_module`)."""
         latent = (self.embeds[:b], self.mask[:b]) if self.latent_capable else ()
         hidden = model(self.ids[:b], self.pos[:b], *latent)
-        if self.inline_head and self.capture_layer < 0:
-            self._start_head(hidden)  # the final-normed hidden: beside the LM head
+        if (self.head is not None and self.capture_layer < 0) or self.feedback is not None:
+            self._start_side(hidden)  # on the final-normed hidden: beside the LM head
         if self._head_argmax:
             logits, greedy = model.compute_logits_greedy(hidden)
         else:
@@ -196,29 +175,27 @@ class CudaGraphRunner:
             greedy = greedy_tokens(logits) if self.with_greedy else None
         if self._side is not None and torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream().wait_stream(self._side)  # the head joins the capture
-        head, self._head_out = self._head_out, ()
-        return logits, hidden, greedy, *head
+        side, self._side_out = self._side_out, ()
+        return logits, hidden, greedy, *side
 
     def latent_outputs(self):
-        """The latent outputs (a head's ``(vecs, probs)``, feedback's vectors) of the last
-        replay's rows: the latent graph's, replayed on the first call after it, or an inline
-        head's, computed by the decode graph itself; ``num_latent_replays`` counts the replays
-        whose outputs were read. None without either. Raises RuntimeError before any replay."""
+        """The latent outputs of the last replay's rows (a head's ``(vecs [n, H], probs [n] or
+        None)``, feedback's ``vecs [n, H]``), views of the graph's static buffers;
+        ``num_latent_replays`` counts the replays whose outputs were read. None without a
+        latent module. Raises RuntimeError before any replay."""
         if self.head is None and self.feedback is None:
             return None
         if self._last is None:
             raise RuntimeError("latent_outputs() needs a decode-graph replay first")
         b, n = self._last
-        if not self._latent_ran:
-            if not self.inline_head:
-                self.latent_graphs[b].replay()
-            self._latent_ran = True
+        if not self._read:
+            self._read = True
             self.num_latent_replays += 1
-        out = self.outputs[self._depth, b][3:] if self.inline_head else self.latent_out[b]
+        out = self.outputs[self._depth, b][3:]
         if self.head is not None:
             vecs, probs = out
             return vecs[:n], None if probs is None else probs[:n]
-        return out[:n]
+        return out[0][:n]
 
     @property
     def max_bs(self) -> int:
@@ -287,7 +264,7 @@ class CudaGraphRunner:
             torch.cuda.current_stream().wait_event(self._wait)
             self._wait = None
         self.graphs[depth, b].replay()
-        self._last, self._depth, self._latent_ran = (b, n), depth, False
+        self._last, self._depth, self._read = (b, n), depth, False
         logits, hidden, greedy = self.outputs[depth, b][:3]
         self.greedy = None if greedy is None else greedy[:n]
         return logits[:n], hidden[:n]

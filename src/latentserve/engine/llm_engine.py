@@ -381,7 +381,7 @@ class LLMEngine:
             logits, last_hidden = self.runner.run(batch)
             if self.runner.prompt_hidden:
                 self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
-            logits, sampling_reqs = self._after_forward(batch, logits)
+            sampling_reqs = self._after_forward(batch)
             mask = self.token_mask(sampling_reqs, logits.device)
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
                                             mask, self.logit_bias(sampling_reqs, logits.device))
@@ -393,14 +393,10 @@ class LLMEngine:
                     o.logprobs = [lp]
         return self._retire(outs)
 
-    def _after_forward(self, batch, logits: torch.Tensor) -> tuple[torch.Tensor, list[Req]]:
-        """Before sampling: ``Family.after_forward``, the latent graph queued for latent rows.
-        Returns the logits and sampling requests."""
+    def _after_forward(self, batch) -> list[Req]:
+        """Before sampling: ``Family.after_forward``. Returns the sampling requests."""
         self.family.after_forward(batch)
-        reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        if self.runner.replayed and self._latent_graph and any(map(self.family.thinking, reqs)):
-            self.runner.latent_outputs()
-        return logits, reqs
+        return [r for r, s in zip(batch.reqs, batch.sample) if s]
 
     def _retire(self, outs: list[StepOutput]) -> list[StepOutput]:
         """A step's outputs, after failures, prompt logprobs and finished-request bookkeeping."""
@@ -527,15 +523,6 @@ class LLMEngine:
             self.step()
         self.cache.radix.reset()  # the next warm-up prompt must not hit this one's prefix
         return True
-
-    @property
-    def _latent_graph(self) -> bool:
-        """The decode graphs have a latent graph whose outputs are used (not under GRPO
-        policy sampling)."""
-        g = self.runner.graphs
-        if g is None or (g.head is None and g.feedback is None):
-            return False
-        return g.head is None or getattr(g.head, "policy_sigma", None) is None
 
 
 def _no_upstream_rule(spec) -> str:

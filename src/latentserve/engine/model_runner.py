@@ -74,7 +74,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def latent_outputs(self):
-        """The latent graph's outputs after a replayed run, else None."""
+        """The decode graph's latent outputs (``CudaGraphRunner.latent_outputs``) of the
+        sampling rows after a replayed run, else None."""
         if not self.replayed or self.graphs is None:
             return None
         out = self.graphs.latent_outputs()

@@ -79,7 +79,7 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
     """Launch ``batch``'s forward (``prev``'s tokens as its pending ids), sampling, latent
     inputs and host copy without waiting for the device."""
     logits, hidden = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
-    logits, reqs = engine._after_forward(batch, logits)
+    reqs = engine._after_forward(batch)
     # NOTE: greedy tokens may view a graph's static buffer (last_greedy), read only by the
     # host copy and the next step's input kernel, both queued before the next replay.
     tokens, failed = _sample(engine, logits, reqs, _known(reqs, prev))

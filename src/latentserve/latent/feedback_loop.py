@@ -19,8 +19,8 @@ class FeedbackFamily(BudgetedFamily):
 
     @staticmethod
     def graph_hooks(spec, model, max_bs, device) -> GraphHooks:
-        """A latent graph for ``model.latent_feedback`` unless it is the identity (COCONUT):
-        CODI's ``prj`` runs in the decode graphs' latent graph."""
+        """``model.latent_feedback`` in the decode graphs unless it is the identity (COCONUT):
+        CODI's ``prj`` runs there beside the LM head."""
         hooks = GraphHooks()
         feedback = getattr(model, "latent_feedback", None)
         if feedback is not None and not isinstance(feedback, torch.nn.Identity):
@@ -54,7 +54,7 @@ class FeedbackFamily(BudgetedFamily):
         model = runner.model
         every = len(rows) == len(reqs)  # every row thinks (the common latent decode batch)
         with torch.inference_mode():
-            pre = runner.latent_outputs()  # CODI's prj after a replay (a static buffer)
+            pre = runner.latent_outputs()  # CODI's prj in the replayed graph (a static buffer)
             src = last_hidden if pre is None else pre
             sel = src if every else src[to_device(rows, torch.long, src.device)]
             vecs = sel if pre is not None else model.latent_feedback(sel)
