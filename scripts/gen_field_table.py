@@ -22,11 +22,15 @@ NESTED = {
     "/v1/chat/completions": (
         ("structured_outputs.<key>", _KEYS),
         ("messages[i].content[j]", "parts other than text (images, audio, files)"),
+        ("messages[i].<key>", "refusal, audio and function_call not null"),
+        ("tools[i].function.strict", "true under tool_choice auto"),
         ("chat_template", "unless the server runs with --trust-request-chat-template")),
     "/v1/messages": (
         ("output_config.<key>", "every key but format not null (effort)"),
         ("tools[i].type", "server tools (web search, code execution, ...)"),
-        ("messages[i].content[j]", "image and document blocks")),
+        ("tools[i].strict", "true under tool_choice auto"),
+        ("messages[i].content[j]", "image and document blocks"),
+        ("messages[i].content[j].citations", "not null or []")),
     "/tokenize": (
         ("chat_template", "unless the server runs with --trust-request-chat-template"),),
     "/detokenize": (),

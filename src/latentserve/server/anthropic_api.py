@@ -15,6 +15,7 @@ from pydantic import Field
 from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.server.admission import admit
 from latentserve.server.anthropic_blocks import (
+    AnthropicMetadata,
     AnthropicThinking,
     AnthropicTool,
     AnthropicToolChoice,
@@ -46,7 +47,7 @@ from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import ENGINE_ERRORS, api_error, collect, stream
 from latentserve.server.state import ServerState
 from latentserve.server.tokenize_pool import in_pool
-from latentserve.server.tools import ToolChoice
+from latentserve.server.tools import ToolChoice, refuse_unenforced_strict
 from latentserve.token_masks import reasoning_open
 
 
@@ -69,7 +70,7 @@ class MessagesRequest(LatentFields):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool | None = False
-    metadata: dict[str, Any] | None = None
+    metadata: AnthropicMetadata | None = None
     thinking: AnthropicThinking | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
@@ -165,6 +166,7 @@ async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, l
     ``tool_choice``, ``thinking.type``, ``latent_reasoning`` or messages."""
     tool_dicts, tools = openai_tools(body.tools)
     choice = anthropic_tool_choice(body.tool_choice, tools)
+    refuse_unenforced_strict(tools, choice, lambda i, key: f"tools.{i}.{key}")
     flag = None if body.thinking is None else body.thinking.type == "enabled"
     if body.thinking is not None and body.thinking.type not in ("enabled", "disabled"):
         raise APIError(f"thinking.type must be 'enabled' or 'disabled', got "
@@ -225,8 +227,11 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
             **{k: v for k, v in head.items() if v is not None},
             **shared_fields(body, list(body.stop_sequences or []), budget,
                             state.sampling_defaults))
-    except ValueError as exc:
-        raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
+    except ValueError as exc:  # SamplingParams' stop is stop_sequences here
+        msg, param = str(exc), param_from_value_error(str(exc))
+        if param == "stop":
+            msg, param = "stop_sequences" + msg.removeprefix(param), "stop_sequences"
+        raise APIError(msg, param=param) from None
     return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
                          state.tokenizer, answer.parser(state))
 

@@ -14,7 +14,17 @@ from latentserve.server.tools import ToolChoice, check_tools
 
 
 class ContentBlock(RequestModel):
-    """One block of a message's content; which fields a block has depends on its type."""
+    """One block of a message's content; which keys a block takes depends on its type
+    (``cache_control``, a caching hint, has no effect; ``thinking`` blocks are dropped)."""
+
+    TYPE_KEYS = {
+        "text": ("type", "text", "cache_control"),
+        "thinking": ("type", "thinking", "signature"),
+        "redacted_thinking": ("type", "data"),
+        "tool_use": ("type", "id", "name", "input", "cache_control"),
+        "tool_result": ("type", "tool_use_id", "content", "is_error", "cache_control"),
+    }
+    UNUSED = {"citations": (None, []), "caller": (None,), "toolset_name": (None,)}
 
     type: str
     text: str | None = None
@@ -22,23 +32,39 @@ class ContentBlock(RequestModel):
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None  # tool_result
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentBlock] | None = None  # text blocks
     is_error: bool | None = None
     thinking: str | None = None  # thinking
     signature: str | None = None
+    data: str | None = None  # redacted_thinking
+    cache_control: dict[str, Any] | None = None
+
+
+_CUSTOM_TOOL = ("name", "description", "input_schema", "type", "cache_control", "strict")
 
 
 class AnthropicTool(RequestModel):
+    """A client tool (``type`` null or ``custom``; server tools are refused by type);
+    ``strict`` as OpenAI's (``tools.refuse_unenforced_strict``)."""
+
+    TYPE_KEYS = {None: _CUSTOM_TOOL, "custom": _CUSTOM_TOOL}
+    UNUSED = {"allowed_callers": (None, []), "defer_loading": (None, False),
+              "eager_input_streaming": (None, False), "input_examples": (None, [])}
+
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    cache_control: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class AnthropicThinking(RequestModel):
     """``thinking``: ``type`` is checked by ``anthropic_api._prompt``; ``budget_tokens``
     (an integer >= 1024, as Anthropic's API requires; not held below ``max_tokens``) is the
     engine's ``thinking_token_budget``."""
+
+    UNUSED = {"display": (None,)}
 
     type: str | None = None
     budget_tokens: int | None = Field(None, ge=1024)
@@ -47,9 +73,19 @@ class AnthropicThinking(RequestModel):
 class AnthropicToolChoice(RequestModel):
     """``tool_choice``; ``type`` -> ``ToolChoice`` mode by ``_CHOICE_MODES``."""
 
+    TYPE_KEYS = {"auto": ("type", "disable_parallel_tool_use"),
+                 "any": ("type", "disable_parallel_tool_use"),
+                 "tool": ("type", "name", "disable_parallel_tool_use"), "none": ("type",)}
+
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicMetadata(RequestModel):
+    """``metadata``: ``user_id`` has no effect."""
+
+    user_id: str | None = None
 
 
 def _result_text(block: ContentBlock, param: str) -> str:
@@ -57,11 +93,11 @@ def _result_text(block: ContentBlock, param: str) -> str:
     if not isinstance(block.content, list):
         return block.content or ""
     for k, part in enumerate(block.content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+        if part.type != "text" or part.text is None:
             raise APIError(f"{param}.content.{k}: only text blocks are supported in a "
-                           f"tool_result, got type {part.get('type')!r}",
+                           f"tool_result, got type {part.type!r}",
                            param=f"{param}.content.{k}")
-    return "".join(part["text"] for part in block.content)
+    return "".join(part.text or "" for part in block.content)
 
 
 _ALLOWED_BLOCKS = {"assistant": "text, thinking, tool_use", "user": "text, tool_result"}
@@ -129,8 +165,7 @@ def openai_tools(tools: list[AnthropicTool] | None
             raise APIError(f"tools.{i}.input_schema: Field required",
                            param=f"tools.{i}.input_schema")
         fn = {"name": tool.name, "parameters": tool.input_schema}
-        if tool.description is not None:
-            fn["description"] = tool.description
+        fn |= {k: v for k in ("description", "strict") if (v := getattr(tool, k)) is not None}
         out.append({"type": "function", "function": fn})
     return out, check_tools(
         out, lambda i, key: f"tools.{i}.{'input_schema' if key == 'parameters' else key}")

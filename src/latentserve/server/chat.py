@@ -40,7 +40,12 @@ from latentserve.server.reasoning import (
 from latentserve.server.request_ids import new_request_id
 from latentserve.server.serving import collect, stream
 from latentserve.server.state import ServerState
-from latentserve.server.tools import ToolChoice, check_tools, resolve_tool_choice
+from latentserve.server.tools import (
+    ToolChoice,
+    check_tools,
+    refuse_unenforced_strict,
+    resolve_tool_choice,
+)
 from latentserve.token_masks import reasoning_open
 
 
@@ -52,6 +57,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     with admit(state, n) as ticket:
         tools = check_tools(chat_tools(body.tools))
         choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
+        refuse_unenforced_strict(tools, choice)
         latent_mode = latent_reasoning_mode(body, state.latent_spec)
         if body.top_logprobs and not body.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -11,7 +11,7 @@ from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.server.errors import APIError, param_from_value_error, short_repr
 from latentserve.server.fields import refused, route_of
 from latentserve.server.generation import EngineRequest
-from latentserve.server.protocol import CompletionRequest, SamplingRequest
+from latentserve.server.protocol import CompletionRequest, RequestModel, SamplingRequest
 from latentserve.server.state import ServerLimits
 
 
@@ -38,10 +38,43 @@ def refuse_unsupported(request) -> None:
         raise APIError(f"Unrecognized request argument{s} supplied: {', '.join(unknown)}",
                        param=unknown[0], code="unknown_field")
     for name, value in extra.items():
-        if not any(value is None if ok is None else type(value) is type(ok) and value == ok
-                   for ok in unsupported[name]):
+        if not _unused(value, unsupported[name]):
             raise APIError(f"{name} is not supported by this server (got "
                            f"{short_repr(value, 80)})", param=name)
+    dotted = route_of(type(request)) == "/v1/messages"  # Anthropic's paths: messages.0.content
+    for name in type(request).model_fields:
+        refuse_nested(getattr(request, name), name, dotted)
+
+
+def _unused(value, served: tuple) -> bool:
+    """Whether ``value`` is one of ``served`` (same type: ``0`` is not ``false``)."""
+    return any(value is None if ok is None else type(value) is type(ok) and value == ok
+               for ok in served)
+
+
+def refuse_nested(value, path: str, dotted: bool = False) -> None:
+    """APIError (400 naming ``path`` and the key) for a key of an object inside the body
+    (``value``, at ``path``; lists walked, ``[i]`` or, ``dotted``, ``.i``) that the object
+    does not take: ``unknown_field`` as at the top level, or "not supported" for one of its
+    ``UNUSED`` keys at a value it does not serve. An object whose type is not served is
+    left to the route, which refuses it naming its type."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            refuse_nested(item, f"{path}.{i}" if dotted else f"{path}[{i}]", dotted)
+        return
+    if not isinstance(value, RequestModel) or (taken := value.taken_keys()) is None:
+        return
+    extra = value.model_extra or {}
+    for key in value.model_fields_set - set(taken):
+        here, served = f"{path}.{key}", value.UNUSED.get(key)
+        if served is None:
+            raise APIError(f"Unrecognized request argument supplied: {here}", param=here,
+                           code="unknown_field")
+        if not _unused(extra.get(key), served):
+            raise APIError(f"{here} is not supported by this server (got "
+                           f"{short_repr(extra.get(key), 80)})", param=here)
+    for name in taken:
+        refuse_nested(getattr(value, name, None), f"{path}.{name}", dotted)
 
 
 def check_stop_count(stop, param: str, limits: ServerLimits) -> None:

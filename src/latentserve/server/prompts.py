@@ -69,14 +69,16 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI messages -> the chat template's turns (``developer`` becomes ``system``).
+    """OpenAI messages -> the chat template's turns (``developer`` becomes ``system``; ``name``,
+    ``tool_call_id`` and ``reasoning_content`` kept).
     APIError (400) for non-text content, tool-call arguments that are not JSON, or no system,
     developer or user message."""
     conversation = []
     for i, message in enumerate(messages):
         turn = {"role": "system" if message.role == "developer" else message.role,
                 "content": message_text(message, i),
-                **message.model_dump(include={"name", "tool_call_id"}, exclude_none=True)}
+                **message.model_dump(include={"name", "tool_call_id", "reasoning_content"},
+                                     exclude_none=True)}
         if message.tool_calls is not None:
             turn["tool_calls"] = [_tool_call(call, f"messages[{i}].tool_calls[{j}]")
                                   for j, call in enumerate(message.tool_calls)]

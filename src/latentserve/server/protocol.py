@@ -6,7 +6,7 @@ responses are plain dicts."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -28,11 +28,25 @@ def no_lone_surrogates(value):
 
 
 class RequestModel(BaseModel):
-    """Base of every request body (OpenAI and Anthropic routes): strict types, unknown
-    fields kept, text checked for lone surrogates."""
+    """Base of every request body (OpenAI and Anthropic routes) and of the objects in it:
+    strict types, unknown fields kept, text checked for lone surrogates. Inside a body,
+    ``params.refuse_nested`` refuses the keys an object does not take (``taken_keys``),
+    except those of ``UNUSED`` at a value it serves."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     _text_is_unicode = field_validator("*", mode="after")(staticmethod(no_lone_surrogates))
+    # Keys the protocol defines for this object and this server does not implement: key ->
+    # the values that mean "not used" (served); another value is a 400 naming the key.
+    UNUSED: ClassVar[dict[str, tuple]] = {}
+    # The keys each ``type`` of this object takes (None: its declared fields, whatever
+    # its type); a type not listed is refused by the route, naming the type.
+    TYPE_KEYS: ClassVar[dict[str | None, tuple[str, ...]] | None] = None
+
+    def taken_keys(self) -> tuple[str, ...] | None:
+        """The keys this object takes; None when its ``type`` is not served."""
+        if self.TYPE_KEYS is None:
+            return tuple(type(self).model_fields)
+        return self.TYPE_KEYS.get(getattr(self, "type", None))
 
 
 # The config of a route's body: /openapi.json lists no other top-level field (one is a 400).
@@ -134,10 +148,14 @@ class SamplingRequest(LatentFields):
 
 
 class ContentPart(RequestModel):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served
+    (``prompt_cache_breakpoint``, a caching hint, has no effect)."""
+
+    TYPE_KEYS = {"text": ("type", "text", "prompt_cache_breakpoint")}
 
     type: str
     text: str | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
 class FunctionCall(RequestModel):
@@ -149,24 +167,33 @@ class FunctionCall(RequestModel):
 
 class ToolCall(RequestModel):
     id: str | None = None
-    type: str = "function"
+    type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class ChatMessage(RequestModel):
-    """One turn of the conversation."""
+    """One turn of the conversation; ``reasoning_content`` (vLLM's, an assistant turn's
+    reasoning as the responses carry it) goes to the chat template."""
+
+    UNUSED = {"refusal": (None,), "audio": (None,), "function_call": (None,),
+              "annotations": (None, [])}
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(RequestModel):
+    """A function tool; ``strict: true`` holds only where calls are decoded under
+    ``parameters`` (``tools.refuse_unenforced_strict``)."""
+
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ChatTool(RequestModel):

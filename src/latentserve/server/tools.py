@@ -60,6 +60,11 @@ def resolve_tool_choice(choice, tools: dict[str, dict], parallel: bool | None = 
         return ToolChoice(choice, single=single)
     if isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("function"), dict):
+        extra = [f"tool_choice.{k}" for k in choice if k not in ("type", "function")] + \
+            [f"tool_choice.function.{k}" for k in choice["function"] if k != "name"]
+        if extra:
+            raise APIError(f"Unrecognized request argument supplied: {extra[0]}",
+                           param=extra[0], code="unknown_field")
         name = choice["function"].get("name")
         if name not in tools:
             known = ", ".join(repr(n) for n in tools) or "none"
@@ -68,6 +73,19 @@ def resolve_tool_choice(choice, tools: dict[str, dict], parallel: bool | None = 
         return ToolChoice("named", name, single=True)
     raise APIError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                    f"\"function\": {{\"name\": ...}}}}, got {choice!r}", param="tool_choice")
+
+
+def refuse_unenforced_strict(tools: dict[str, dict], choice: ToolChoice,
+                             field=lambda i, key: f"tools[{i}].function.{key}") -> None:
+    """APIError (400 naming ``field(i, "strict")``) for a tool with ``strict: true`` under
+    ``auto``, where the calls the model writes are parsed as written, not decoded under their
+    schema (``required`` and a named function are; ``none`` makes no call)."""
+    for i, fn in enumerate(tools.values()):
+        if fn.get("strict") and choice.mode == "auto":
+            raise APIError(f"{field(i, 'strict')}: strict is not supported with tool_choice "
+                           "'auto' (calls are parsed as the model writes them); force a call "
+                           "('required' or a named function: decoded under the schema) or "
+                           "leave strict out", param=field(i, "strict"))
 
 
 def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
