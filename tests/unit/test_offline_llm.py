@@ -1,6 +1,8 @@
 """The offline ``LLM`` API on a tiny model: stop strings, a KV pool smaller than the
 model's context, and the latent fields of a completion."""
 
+import re
+
 import pytest
 
 from latentserve import LLM, SamplingParams
@@ -221,3 +223,20 @@ def test_truncate_prompt_tokens_keeps_the_last_k_ids(tiny_dirs):
         llm.generate([[5, 6]], SamplingParams(
             truncate_prompt_tokens=llm.engine.max_model_len + 1), use_tqdm=False)
     llm.engine.cache.check_idle()
+
+
+@pytest.mark.parametrize(("conv", "tools", "path"), [
+    ([{"role": "user", "content": "hi", "bogus": 1}], None, "messages[0].bogus"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi", "colour": "red"}]}], None,
+     "messages[0].content[0].colour"),
+    ([{"role": "user", "content": "hi"}],
+     [{"type": "function", "function": {"name": "f", "parameters": {}, "x": 1}}],
+     "tools[0].function.x"),
+])
+def test_chat_refuses_an_unknown_nested_key_as_the_route_does(tiny_dirs, conv, tools, path):
+    """``LLM.chat`` checks messages and tools as ``/v1/chat/completions`` does: an unknown
+    key anywhere inside is a ValueError naming its path, never silently ignored."""
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    with pytest.raises(ValueError, match=re.escape(path)):
+        llm.chat(conv, SamplingParams(max_tokens=2), use_tqdm=False, tools=tools)
+    assert not llm.engine.has_unfinished_requests()

@@ -15,6 +15,7 @@ from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizer
 from latentserve.outputs import RequestOutput
 from latentserve.sampling_params import SamplingParams, prompt_tokens_kept
 from latentserve.server.errors import APIError
+from latentserve.server.params import refuse_nested
 from latentserve.server.prompts import chat_conversation, chat_tools, render_chat
 from latentserve.server.protocol import ChatMessage, ChatTool
 
@@ -144,8 +145,10 @@ class LLM:
                 kwargs.update(thinking=p.thinking, enable_thinking=p.thinking)
             try:
                 tool_list = None if tools is None else [ChatTool.model_validate(t) for t in tools]
-                ids = render_chat(self.tokenizer,
-                                  chat_conversation([ChatMessage.model_validate(m) for m in c]),
+                msgs = [ChatMessage.model_validate(m) for m in c]
+                refuse_nested(msgs, "messages")  # as the route: no unknown key is ignored
+                refuse_nested(tool_list, "tools")
+                ids = render_chat(self.tokenizer, chat_conversation(msgs),
                                   add_generation_prompt=add_generation_prompt,
                                   continue_final_message=continue_final_message,
                                   template_kwargs=kwargs, tools=chat_tools(tool_list),
