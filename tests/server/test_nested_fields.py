@@ -192,3 +192,18 @@ def test_every_sdk_nested_key_is_declared(params, model_class, kind):
     keys = set().union(*(_keys(m) for m in members))
     types = model_class.TYPE_KEYS or {None: tuple(model_class.model_fields)}
     assert keys - set(types[kind]) - set(model_class.UNUSED) == set()
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"messages": [USER]}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_stream_options_without_streaming_is_refused(http, model, route, body):
+    """``stream_options`` means nothing without ``stream: true``: a 400 (as vLLM), not
+    ignored; with streaming it is served."""
+    base = {"model": model, "max_tokens": 1, **body,
+            "stream_options": {"include_usage": True}}
+    r = http.post(route, json=base)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    r = http.post(route, json={**base, "stream": True})
+    assert r.status_code == 200 and '"usage"' in r.text, r.text

@@ -41,6 +41,9 @@ def refuse_unsupported(request) -> None:
         if not _unused(value, unsupported[name]):
             raise APIError(f"{name} is not supported by this server (got "
                            f"{short_repr(value, 80)})", param=name)
+    if getattr(request, "stream_options", None) is not None and not request.stream:
+        raise APIError("stream_options is only allowed with stream: true",  # as vLLM
+                       param="stream_options")
     dotted = route_of(type(request)) == "/v1/messages"  # Anthropic's paths: messages.0.content
     for name in type(request).model_fields:
         refuse_nested(getattr(request, name), name, dotted)
