@@ -37,21 +37,18 @@ class Candidate:
     / ``draw`` ``(tensor, row)`` entries, stop ``probs`` at row ``j``, trace ``entry``,
     CoLaR's ``lens_p``, ``action`` (float32 CPU: ``(anchor [H], z [L])`` with sigma set, the
     injected input ``[H]`` when recorded); ``rng`` before the draw, else before the next
-    batch sampled the row (None: not sampled); ``k`` steps before it, ``may_fire``, ``ended``
-    at the cap, ``traced``."""
+    batch sampled the row (None: not sampled); ``k`` steps before it, ``ended`` at the cap."""
 
     vec: tuple
-    draw: tuple | None
-    rng: Any
     probs: HostFloats | None
     j: int
-    entry: dict | None
-    lens_p: float | None
+    draw: tuple | None = None
+    rng: Any = None
+    entry: dict | None = None
+    lens_p: float | None = None
     action: Any = None
     k: int = 0
-    may_fire: bool = False
     ended: bool = False
-    traced: bool = False
 
 
 def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torch.Tensor,
@@ -69,7 +66,7 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
     every = len(rows) == len(reqs)  # no index ops when every row is in the phase
     idx = None if every else to_device(rows, torch.long, anchors.device)
     pre = None if sigma is not None else precomputed() if callable(precomputed) else precomputed
-    actions: list = [None] * len(rows)
+    actions = None
     with torch.inference_mode():
         sel = anchors if every else anchors[idx]
         if sigma is not None:
@@ -83,63 +80,91 @@ def candidates(head, model, reqs: list[Req], logits: torch.Tensor, anchors: torc
         else:
             vecs, probs = head.serve_outputs(sel)
     host = HostFloats(probs, ring) if probs is not None else None
+    cands = [Candidate((vecs, j), host, j) for j in range(len(rows))]
+    if actions is not None or getattr(head, "record_latents", False) or _extra_rows(reqs, rows):
+        _add_extras(head, model, reqs, rows, sel, logits, tokens, cands, actions)
+    if every:
+        return cands
+    out: list = [None] * len(reqs)
+    for i, cand in zip(rows, cands):
+        out[i] = cand
+    return out
+
+
+def _extra_rows(reqs: list[Req], rows: list[int]) -> bool:
+    """Whether a row of ``rows`` may draw its input (``latent_temperature`` > 0) or is traced;
+    without one, and without policy actions, :func:`_add_extras` has nothing to set."""
+    return any([reqs[i].state.latent_temperature > 0 or reqs[i].params.return_latent_trace
+                for i in rows])
+
+
+def _add_extras(head, model, reqs, rows, sel, logits, tokens, cands, actions) -> None:
+    """Set what only some candidates have, ``cands`` one per row of ``rows``: ``draw`` and
+    ``rng`` (open closed-loop rows with ``latent_temperature`` > 0 draw their input from their
+    anchor in ``sel`` ``[len(rows), hidden]``), ``action`` (``actions``, else the injected
+    input with ``head.record_latents``) and the trace's ``entry`` / ``lens_p``."""
+    stop = head.stop_token
     states = [reqs[i].state for i in rows]
     open_ = [j for j, h in enumerate(states)  # may take a step
              if h.mode == "prompt" or h.steps < h.max_latent]
     drawn = [j for j in open_ if states[j].mode == "closed_loop"
              and states[j].latent_temperature > 0 and not (
-                 tokens is not None and _may_fire(states[j], head.stop_token, True)
-                 and tokens[rows[j]] == head.stop_token)]
-    rngs: dict[int, Any] = {}
-    draws: dict[int, tuple] = {}
+                 tokens is not None and _may_fire(states[j], states[j].steps, stop, True)
+                 and tokens[rows[j]] == stop)]
     if drawn:
         gens = [reqs[rows[j]].generator for j in drawn]
-        rngs = {j: g.get_state() for j, g in zip(drawn, gens) if g is not None}
+        for j, g in zip(drawn, gens):
+            if g is not None:
+                cands[j].rng = g.get_state()
         with torch.inference_mode():
             at = to_device(drawn, torch.long, sel.device)
-            out = head.sample(sel[at], [reqs[rows[j]].state.latent_temperature for j in drawn],
-                              gens)
-        draws = {j: (out, m) for m, j in enumerate(drawn)}
-    injected = [draws.get(j, (vecs, j)) for j in range(len(rows))]
+            out = head.sample(sel[at], [states[j].latent_temperature for j in drawn], gens)
+        for m, j in enumerate(drawn):
+            cands[j].draw = (out, m)
     if getattr(head, "record_latents", False):
         with torch.inference_mode():
-            actions = list(torch.stack([t[r] for t, r in injected]).float().cpu())
-    entries, lens_p = _trace(head, model, reqs, rows, open_, logits, injected, host)
-    out: list = [None] * len(reqs)
-    for j, i in enumerate(rows):
-        out[i] = Candidate((vecs, j), draws.get(j), rngs.get(j), host, j, entries.get(j),
-                           lens_p.get(j), actions[j])
-    return out
+            actions = list(torch.stack([_input(c) for c in cands]).float().cpu())
+    if actions is not None:
+        for cand, action in zip(cands, actions):
+            cand.action = action
+    _trace(head, model, reqs, rows, open_, logits, cands)
 
 
-def _trace(head, model, reqs, rows, open_, logits, injected, host) -> tuple[dict, dict]:
-    """Traced rows' ``(j -> trace entry, j -> CoLaR's stop-token probability)``."""
+def _input(cand: Candidate) -> torch.Tensor:
+    """The ``[hidden]`` input ``cand`` injects when it steps: its draw, else its ``vec``."""
+    t, r = cand.vec if cand.draw is None else cand.draw
+    return t[r]
+
+
+def _trace(head, model, reqs, rows, open_, logits, cands) -> None:
+    """Set traced rows' CoLaR stop-token probability ``lens_p`` and, on those that may take a
+    step (``open_``), their trace ``entry``."""
     traced = [j for j, i in enumerate(rows) if reqs[i].params.return_latent_trace]
     if not traced:
-        return {}, {}
-    lens_p = {}
+        return
     if head.stop_token is not None:
         with torch.inference_mode():
             at = torch.tensor([rows[j] for j in traced], device=logits.device)
             p = logits[at].float().softmax(-1)[:, head.stop_token].tolist()
-        lens_p = dict(zip(traced, p))
+        for j, pj in zip(traced, p):
+            cands[j].lens_p = pj
     stepping = [j for j in traced if j in set(open_)]
     if not stepping:
-        return {}, lens_p
+        return
     with torch.inference_mode():
-        stacked = torch.stack([injected[j][0][injected[j][1]] for j in stepping])
-    entries = dict(zip(stepping, lens_entries(model, stacked)))
-    for j, entry in entries.items():
+        stacked = torch.stack([_input(cands[j]) for j in stepping])
+    for j, entry in zip(stepping, lens_entries(model, stacked)):
+        cand = cands[j]
         entry["stop_prob"] = (None if reqs[rows[j]].state.mode == "prompt"  # no stop decision
-                              else host.get(j) if host is not None else lens_p.get(j))
-    return entries, lens_p
+                              else cand.probs.get(j) if cand.probs is not None else cand.lens_p)
+        cand.entry = entry
 
 
-def _may_fire(h, stop_token: int | None, has_probs: bool) -> bool:
-    """Whether ``h``'s stop may fire at its next step: CoLaR's on its sampled stop token,
-    a stop head's on its probability (``has_probs``)."""
-    return h.use_stop and h.steps >= h.min_latent and (
-        h.steps > 0 if stop_token is not None else has_probs)
+def _may_fire(h, steps: int, stop_token: int | None, has_probs: bool) -> bool:
+    """Whether ``h``'s stop may fire at the step taken after ``steps`` steps: CoLaR's on its
+    sampled stop token, a stop head's on its probability (``has_probs``)."""
+    return h.use_stop and steps >= h.min_latent and (
+        steps > 0 if stop_token is not None else has_probs)
 
 
 def decide(req: Req, cand: Candidate, stop_token: int | None):
@@ -150,12 +175,10 @@ def decide(req: Req, cand: Candidate, stop_token: int | None):
         if cand.entry is not None:
             req.latent_trace.append(cand.entry)
         return cand.vec
-    cand.k, cand.ended = h.steps, h.steps >= h.max_latent
-    cand.may_fire = _may_fire(h, stop_token, cand.probs is not None)
-    cand.traced = cand.entry is not None and not cand.ended
+    cand.k = h.steps
     h.late = cand
-    if cand.ended:
-        h.end = "cap"
+    if h.steps >= h.max_latent:
+        cand.ended, h.end = True, "cap"
         return None
     h.steps += 1
     if cand.entry is not None:
@@ -163,11 +186,11 @@ def decide(req: Req, cand: Candidate, stop_token: int | None):
     return cand.draw if cand.draw is not None else cand.vec
 
 
-def snapshot(req: Req) -> None:
+def snapshot(req: Req, stop_token: int | None) -> None:
     """Keep ``req``'s generator state before sampling when its step may be undone."""
     late = getattr(req.state, "late", None)
-    if (late is not None and late.rng is None and late.may_fire and not late.ended
-            and req.generator is not None):
+    if (late is not None and late.rng is None and not late.ended and req.generator is not None
+            and _may_fire(req.state, late.k, stop_token, late.probs is not None)):
         late.rng = req.generator.get_state()
 
 
@@ -188,7 +211,7 @@ def settle(req: Req, token: int, stop_token: int | None, launched: bool = True) 
     # the stop head's probability, or CoLaR's sampled stop token
     fired = token == stop_token if stop_token is not None else (
         p is not None and p > h.stop_threshold)
-    if not (cand.may_fire and fired):
+    if not (fired and _may_fire(h, cand.k, stop_token, cand.probs is not None)):
         return True
     h.end, h.stop_step = "stop", cand.k
     if cand.ended:
@@ -197,7 +220,7 @@ def settle(req: Req, token: int, stop_token: int | None, launched: bool = True) 
         req.output_ids.pop()
         req.latent_embeds.pop()
     h.steps = cand.k
-    if cand.traced:
+    if cand.entry is not None:  # decide appended it
         req.latent_trace.pop()
     if cand.rng is not None:
         req.generator.set_state(cand.rng)

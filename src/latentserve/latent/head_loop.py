@@ -94,7 +94,7 @@ class HeadFamily(Family):
         """Overlap mode: keep the generator state of a row that may be undone."""
         for req, sample in zip(batch.reqs, batch.sample):
             if sample and req.generator is not None and req.state is not None:
-                snapshot(req)
+                snapshot(req, self._stop_token)
 
     def advance(self, req: Req, vec) -> bool:
         """``vec``: the next input (or a ``head_late.Candidate``), None: closing ids forced.
