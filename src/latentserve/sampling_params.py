@@ -178,21 +178,23 @@ class SamplingParams:
 class StructuredOutputsParams:
     """One constraint on the answer's text (vLLM's ``StructuredOutputsParams``): exactly one
     of ``json`` (a schema, dict or JSON string), ``regex``, ``choice``, ``grammar`` (GBNF with
-    a ``root`` rule, or Lark with ``start``) or ``json_object``. ``param`` names the request
-    field in error messages.
+    a ``root`` rule, or Lark with ``start``), ``json_object`` or ``structural_tag`` (xgrammar's
+    structural tag, dict or JSON string: free text with tagged, schema-bound blocks). ``param``
+    names the request field in error messages.
 
     Raises:
         ValueError: naming ``param`` for none or several kinds, or a value of the wrong type
             (whether it compiles is the engine's check, ``structured.py``).
     """
 
-    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict | str | None = None
     param: str = "structured_outputs"
 
     def __post_init__(self) -> None:
@@ -210,6 +212,15 @@ class StructuredOutputsParams:
             if not isinstance(self.json, (dict, bool)):
                 raise ValueError(f"{p} must be a JSON schema (an object), got "
                                  f"{_short(self.json)}")
+        if self.structural_tag is not None:
+            if isinstance(self.structural_tag, str):
+                try:
+                    self.structural_tag = _json.loads(self.structural_tag)
+                except ValueError as exc:
+                    raise ValueError(f"{p} structural_tag is not valid JSON: {exc}") from None
+            if not isinstance(self.structural_tag, dict):
+                raise ValueError(f"{p} structural_tag must be an object, got "
+                                 f"{_short(self.structural_tag)}")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):

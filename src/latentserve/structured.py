@@ -56,13 +56,16 @@ class Grammars:
                 return c.compile_regex(so.regex)
             if kind == "choice":
                 return c.compile_grammar(choice_grammar(so.choice))
+            if kind == "structural_tag":
+                return c.compile_structural_tag(json.dumps(so.structural_tag))
             if "::=" in so.grammar:
                 return c.compile_grammar(so.grammar)
             return c.compile_lark(so.grammar)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with C++ text
             what = {"json": "is not a JSON schema this server can follow",
                     "regex": "is not a valid regular expression",
-                    "grammar": "is not a valid grammar (EBNF with a root rule, or Lark)"}.get(
+                    "grammar": "is not a valid grammar (EBNF with a root rule, or Lark)",
+                    "structural_tag": "is not a structural tag this server can follow"}.get(
                 kind, "could not be compiled")
             raise ValueError(f"{so.param} {what}: {_library_message(exc)}") from None
 

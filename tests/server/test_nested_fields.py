@@ -86,6 +86,8 @@ def test_an_answer_sent_back_as_the_sdk_dumps_it_is_served(client, model):
 
 
 def test_strict_tools_are_refused_where_calls_are_not_decoded_under_the_schema(http, model):
+    """This server has no tool-call parser: under ``auto`` nothing would decode a strict
+    tool's call (tests/server/test_tool_calls.py has the parser's structural tag)."""
     strict = {**TOOL, "function": {**TOOL["function"], "strict": True}}
     body = {"model": model, "max_tokens": 2, "messages": [USER], "tools": [strict]}
     r = http.post("/v1/chat/completions", json=body)

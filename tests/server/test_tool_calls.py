@@ -145,6 +145,48 @@ def test_bad_tools_are_a_400_naming_the_field(client, model, tools, tool_choice,
     assert info.value.body["param"] == param
 
 
+STRICT_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_strict_tool_under_auto_is_decoded_under_its_schema(client, model, stream):
+    """``strict: true`` under ``tool_choice`` ``auto`` (the OpenAI Agents SDK's default): the
+    answer is free text whose ``<tool_call>`` blocks follow the hermes parser's structural
+    tag, so the scripted model's call (Paris) comes out in the schema (Rome or Oslo); with
+    parallel calls off the tag ends the answer after the call."""
+    kw = dict(model=model, messages=ASK, tools=STRICT_TOOLS, temperature=0, max_tokens=60,
+              parallel_tool_calls=False)
+    if stream:
+        with client.chat.completions.stream(**kw) as s:
+            r = s.get_final_completion().choices[0]
+    else:
+        r = client.chat.completions.create(**kw).choices[0]
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather" and r.finish_reason == "tool_calls"
+    assert json.loads(call.function.arguments)["city"] in ("Rome", "Oslo")
+
+
+def test_a_strict_tool_under_auto_leaves_text_and_reasoning_as_they_are(client, model):
+    """Text outside the call blocks is free: the thinking reply (reasoning, then "Hello!")
+    is what it is with the same tool not strict."""
+    kw = dict(model=model, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+              max_tokens=40, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    plain = client.chat.completions.create(tools=TOOLS, **kw).choices[0].message
+    strict = client.chat.completions.create(tools=STRICT_TOOLS, **kw).choices[0].message
+    assert strict.content == plain.content and "Hello!" in strict.content
+    assert strict.reasoning_content == plain.reasoning_content and not strict.tool_calls
+
+
+def test_a_strict_tool_with_a_response_format_is_refused(client, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=ASK, tools=STRICT_TOOLS,
+                                       max_tokens=4, response_format={"type": "json_object"})
+    assert info.value.body["param"] == "tools"
+
+
 # --- Anthropic /v1/messages ----------------------------------------------------------------
 
 CLAUDE_TOOLS = [{"name": "get_weather", "description": "Weather of a city",
@@ -205,6 +247,17 @@ def test_anthropic_forced_tool_use_is_decoded_under_the_schema(claude, model, to
                                messages=[{"role": "user", "content": "Say hi"}])
     (block,) = [b for b in r.content if b.type == "tool_use"]
     assert block.name == "get_weather" and block.input["city"] in ("Paris", "Rome")
+
+
+def test_anthropic_strict_tool_under_auto_is_decoded_under_its_schema(claude, model):
+    tools = [{"name": "get_weather", "description": "Weather of a city", "strict": True,
+              "input_schema": STRICT_TOOLS[0]["function"]["parameters"]}]
+    r = claude.messages.create(model=model, max_tokens=60, tools=tools, messages=ASK,
+                               tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+                               extra_body={"temperature": 0})
+    (block,) = [b for b in r.content if b.type == "tool_use"]
+    assert block.name == "get_weather" and block.input["city"] in ("Rome", "Oslo")
+    assert r.stop_reason == "tool_use"
 
 
 def test_anthropic_tool_choice_none_answers_in_text(claude, model):

@@ -335,6 +335,23 @@ def test_each_constraint_kind_holds(llm, so, check):
         assert o.finish_reason == "stop" and check(o.text), o.text
 
 
+def test_a_structural_tags_blocks_follow_their_schema(llm):
+    """``structural_tag`` (xgrammar's format, as a JSON string): the answer is one
+    ``<b>...</b>`` block whose body follows SCHEMA (free text between triggered blocks is
+    tests/server/test_tool_calls.py's strict tools)."""
+    tag = json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<b>", "end": "</b>",
+        "content": {"type": "json_schema", "json_schema": SCHEMA, "max_whitespace_cnt": 1}}})
+    for o in _gen(llm, PROMPTS, [SamplingParams(max_tokens=64, temperature=1.0, seed=s,
+                                                structured_outputs={"structural_tag": tag})
+                                 for s in range(3)]):
+        assert o.finish_reason == "stop", o.text
+        body = re.fullmatch(r"(?s)<b>(.*)</b>", o.text)
+        assert body is not None and _valid(json.loads(body.group(1))), o.text
+    with pytest.raises(ValueError, match="^structured_outputs structural_tag is not valid"):
+        SamplingParams(structured_outputs={"structural_tag": "{x"})
+
+
 def test_a_schema_or_regex_that_does_not_compile_names_its_field(llm):
     for so, field in (({"json": {"type": "foo"}, "param": "guided_json"}, "guided_json"),
                       ({"regex": "(ab", "param": "guided_regex"}, "guided_regex"),

@@ -166,7 +166,7 @@ async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, l
     ``tool_choice``, ``thinking.type``, ``latent_reasoning`` or messages."""
     tool_dicts, tools = openai_tools(body.tools)
     choice = anthropic_tool_choice(body.tool_choice, tools)
-    refuse_unenforced_strict(tools, choice, lambda i, key: f"tools.{i}.{key}")
+    refuse_unenforced_strict(tools, choice, state.tool_parser, lambda i, key: f"tools.{i}.{key}")
     flag = None if body.thinking is None else body.thinking.type == "enabled"
     if body.thinking is not None and body.thinking.type not in ("enabled", "disabled"):
         raise APIError(f"thinking.type must be 'enabled' or 'disabled', got "

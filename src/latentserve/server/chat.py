@@ -57,7 +57,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
     with admit(state, n) as ticket:
         tools = check_tools(chat_tools(body.tools))
         choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
-        refuse_unenforced_strict(tools, choice)
+        refuse_unenforced_strict(tools, choice, state.tool_parser)
         latent_mode = latent_reasoning_mode(body, state.latent_spec)
         if body.top_logprobs and not body.logprobs:
             raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -114,20 +114,24 @@ def drops_tags(tokenizer, parser: OutputParser) -> bool:
 
 def answer_params(params, choice: ToolChoice, tools: dict[str, dict], latent_mode: str | None,
                   tokenizer, parser: OutputParser):
-    """``params`` with a forced call's JSON schema, per-step traces for ``logit_lens`` and
-    special tokens kept when :func:`drops_tags`. APIError (400 naming ``tool_choice``): a
-    forced call with the request's own structured output, or a schema the engine refuses."""
-    schema = call_schema(choice, tools)
-    if schema is not None and params.structured_outputs is not None:
-        raise APIError("tool_choice: a forced tool call is decoded under its own JSON schema; "
-                       f"it cannot be combined with {params.structured_outputs.param}",
-                       param="tool_choice")
-    if schema is not None:
+    """``params`` with a forced call's JSON schema (or, under ``auto`` with a ``strict`` tool,
+    the tool parser's structural tag), per-step traces for ``logit_lens`` and special tokens
+    kept when :func:`drops_tags`. APIError (400 naming ``tool_choice``, or ``tools`` for a
+    strict tool): either with the request's own structured output, or a schema the engine
+    refuses."""
+    kind, param = {"json": call_schema(choice, tools)}, "tool_choice"
+    if parser.tools is not None and any(fn.get("strict") for fn in tools.values()):
+        kind, param = {"structural_tag": parser.tools.structural_tag(tools, choice.single)}, "tools"
+    if None not in kind.values():
+        if params.structured_outputs is not None:
+            what = "a forced tool call" if param == "tool_choice" else "a strict tool's call"
+            raise APIError(f"{param}: {what} is decoded under its own JSON schema; it cannot "
+                           f"be combined with {params.structured_outputs.param}", param=param)
         try:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
-                json=schema, param="tool_choice"))
+                **kind, param=param))
         except (TypeError, ValueError) as exc:
-            raise APIError(f"tool_choice: {exc}", param="tool_choice") from None
+            raise APIError(f"{param}: {exc}", param=param) from None
     if latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
         params = dataclasses.replace(params, return_latent_trace=True, stream_latent_steps=True)
     if drops_tags(tokenizer, parser):

@@ -77,6 +77,22 @@ class HermesToolParser:
     """One choice's answer text -> content and calls: :meth:`feed` each delta, then
     :meth:`finish`; the pieces equal those of the whole text fed at once."""
 
+    @staticmethod
+    def structural_tag(tools: dict[str, dict], single: bool) -> dict:
+        """The structural tag (xgrammar's format) that decodes an answer this parser reads:
+        free text, and each ``<tool_call>`` block a call of one of ``tools`` (by name: its
+        function dict) whose arguments follow its ``parameters`` when it is ``strict``, else
+        any JSON object; ``single``: the answer ends after its first call."""
+        tags = [{"type": "tag",
+                 "begin": f'{CALL_START}\n{{"name": {json.dumps(name)}, "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": (
+                     fn.get("parameters") or {"type": "object", "properties": {}}
+                     if fn.get("strict") else {"type": "object"})},
+                 "end": f"}}\n{CALL_END}"} for name, fn in tools.items()]
+        return {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": [CALL_START], "tags": tags,
+            "at_least_one": False, "stop_after_first": single}}
+
     def __init__(self):
         self.inside = False
         self.buf = ""

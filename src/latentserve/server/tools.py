@@ -76,16 +76,19 @@ def resolve_tool_choice(choice, tools: dict[str, dict], parallel: bool | None = 
 
 
 def refuse_unenforced_strict(tools: dict[str, dict], choice: ToolChoice,
+                             tool_parser: str | None,
                              field=lambda i, key: f"tools[{i}].function.{key}") -> None:
     """APIError (400 naming ``field(i, "strict")``) for a tool with ``strict: true`` under
-    ``auto``, where the calls the model writes are parsed as written, not decoded under their
-    schema (``required`` and a named function are; ``none`` makes no call)."""
+    ``auto`` on a server without a tool-call parser (``tool_parser`` None), where nothing
+    decodes the calls under their schema (with a parser the answer is decoded under its
+    structural tag; ``required`` and a named function under the schema; ``none`` makes no
+    call)."""
     for i, fn in enumerate(tools.values()):
-        if fn.get("strict") and choice.mode == "auto":
-            raise APIError(f"{field(i, 'strict')}: strict is not supported with tool_choice "
-                           "'auto' (calls are parsed as the model writes them); force a call "
-                           "('required' or a named function: decoded under the schema) or "
-                           "leave strict out", param=field(i, "strict"))
+        if fn.get("strict") and choice.mode == "auto" and tool_parser is None:
+            raise APIError(f"{field(i, 'strict')}: strict under tool_choice 'auto' needs a "
+                           "server started with --tool-call-parser; force a call ('required' "
+                           "or a named function: decoded under the schema) or leave strict "
+                           "out", param=field(i, "strict"))
 
 
 def call_schema(choice: ToolChoice, tools: dict[str, dict]) -> dict | None:
