@@ -17,6 +17,9 @@ FLOAT32_TINY = 2.0**-126
 LOGIT_BIAS_MAX = 100.0
 # Huginn adaptive-exit semantics (SamplingParams.exit_semantics, EngineConfig.exit_semantics).
 EXIT_SEMANTICS = ("engine", "upstream")
+# The deepest a JSON schema or structural tag may nest (objects and arrays inside one another):
+# deeper ones overflow Python's recursion (pickled to the engine, dumped for xgrammar).
+MAX_SCHEMA_DEPTH = 128
 
 
 # Each numeric field's allowed range: (lo, hi) for integers, (lo, hi, lo_open) for numbers;
@@ -207,7 +210,7 @@ class StructuredOutputsParams:
             if isinstance(self.json, str):
                 try:
                     self.json = _json.loads(self.json)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
                     raise ValueError(f"{p} is not valid JSON: {exc}") from None
             if not isinstance(self.json, (dict, bool)):
                 raise ValueError(f"{p} must be a JSON schema (an object), got "
@@ -216,11 +219,14 @@ class StructuredOutputsParams:
             if isinstance(self.structural_tag, str):
                 try:
                     self.structural_tag = _json.loads(self.structural_tag)
-                except ValueError as exc:
+                except (ValueError, RecursionError) as exc:
                     raise ValueError(f"{p} structural_tag is not valid JSON: {exc}") from None
             if not isinstance(self.structural_tag, dict):
                 raise ValueError(f"{p} structural_tag must be an object, got "
                                  f"{_short(self.structural_tag)}")
+        for name in ("json", "structural_tag"):
+            if _depth(getattr(self, name)) > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"{p} nests deeper than {MAX_SCHEMA_DEPTH} levels ({name})")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -277,6 +283,17 @@ def _logit_bias(bias) -> dict[int, float]:
         _check("logit_bias", value, (-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX), integer=False)
         out[key] = float(value)
     return out
+
+
+def _depth(value) -> int:
+    """How deep JSON ``value`` nests (0: a scalar), walked without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list, tuple)):
+            deepest = max(deepest, d + 1)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
 
 
 def _short(value) -> str:

@@ -57,7 +57,7 @@ class Grammars:
             if kind == "choice":
                 return c.compile_grammar(choice_grammar(so.choice))
             if kind == "structural_tag":
-                return c.compile_structural_tag(json.dumps(so.structural_tag))
+                return c.compile_structural_tag(json.dumps(_structural_tag(so.structural_tag)))
             if "::=" in so.grammar:
                 return c.compile_grammar(so.grammar)
             return c.compile_lark(so.grammar)
@@ -108,6 +108,18 @@ def choice_grammar(choices: list[str]) -> str:
         return '"' + s.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t") + '"'
 
     return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+def _structural_tag(tag: dict) -> dict:
+    """``tag`` in xgrammar's format; vLLM's legacy form (``{"structures": [{"begin", "schema",
+    "end"}, ...], "triggers": [...]}``, which vLLM still takes) as the triggered tags it means."""
+    if "structures" not in tag:
+        return tag
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": tag.get("triggers"),
+        "tags": [{"type": "tag", "begin": s["begin"], "end": s["end"],
+                  "content": {"type": "json_schema", "json_schema": s["schema"]}}
+                 for s in tag["structures"]]}}
 
 
 def _library_message(exc: Exception) -> str:

@@ -187,6 +187,22 @@ def test_a_strict_tool_with_a_response_format_is_refused(client, model):
     assert info.value.body["param"] == "tools"
 
 
+def test_a_strict_tool_nested_too_deep_is_a_400_naming_tools(client, model):
+    """Deeper than Python's recursion limit allows: a 400 naming ``tools`` (once a 500, in
+    the check for lone surrogates and then in pickling the request to the engine); the
+    server answers the next request."""
+    deep = json.loads('{"type": "array", "items": ' * 600 + "{}" + "}" * 600)
+    tools = [{"type": "function", "function": {
+        "name": "f", "strict": True,
+        "parameters": {"type": "object", "properties": {"a": deep}}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=ASK, tools=tools, max_tokens=4)
+    assert info.value.body["param"] == "tools"
+    r = client.chat.completions.create(model=model, messages=ASK, tools=STRICT_TOOLS,
+                                       temperature=0, max_tokens=60, parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
 # --- Anthropic /v1/messages ----------------------------------------------------------------
 
 CLAUDE_TOOLS = [{"name": "get_weather", "description": "Weather of a city",

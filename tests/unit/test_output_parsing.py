@@ -118,6 +118,8 @@ def test_required_schema_is_an_array_of_named_calls():
 @pytest.mark.parametrize("tools,choice,param", [
     ([{"type": "function", "function": {"name": "bad name"}}], None,
      "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "get_weather\n"}}], None,  # '$' takes "\n"
+     "tools[0].function.name"),
     (TOOLS + TOOLS[:1], None, "tools[2].function.name"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
      None, "tools[0].function.parameters"),

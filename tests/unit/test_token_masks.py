@@ -352,6 +352,33 @@ def test_a_structural_tags_blocks_follow_their_schema(llm):
         SamplingParams(structured_outputs={"structural_tag": "{x"})
 
 
+def test_a_schema_or_structural_tag_nested_too_deep_is_a_value_error_naming_its_field():
+    """Past Python's recursion limit a JSON string's decoding raises RecursionError, and a
+    deep object overflows later (pickled to the engine): both are a ValueError naming the
+    field, which the server answers as a 400, not a 500."""
+    deep = '{"items": ' * 2000 + "{}" + "}" * 2000
+    for kind in ("json", "structural_tag"):
+        with pytest.raises(ValueError, match="^guided_json .*not valid JSON"):
+            StructuredOutputsParams(**{kind: deep}, param="guided_json")
+        nested = json.loads('{"items": ' * 200 + "{}" + "}" * 200)
+        with pytest.raises(ValueError, match="^guided_json nests deeper than 128"):
+            StructuredOutputsParams(**{kind: nested}, param="guided_json")
+    StructuredOutputsParams(json=json.loads('{"items": ' * 100 + "{}" + "}" * 100))
+
+
+def test_vllms_legacy_structural_tag_means_its_triggered_tags(smollm2_tokenizer):
+    """vLLM still takes ``{"structures": [{"begin", "schema", "end"}], "triggers"}``: free
+    text, each triggered block's body under its schema."""
+    from latentserve.structured import Grammars
+
+    grammars = Grammars(smollm2_tokenizer, len(smollm2_tokenizer), {2})
+    so = StructuredOutputsParams(structural_tag={
+        "structures": [{"begin": "<b>", "schema": SCHEMA, "end": "</b>"}], "triggers": ["<b>"]})
+    assert grammars.matcher(so).accept_string(
+        'hi <b>{"name": "a", "age": 3, "ok": true}</b> bye')
+    assert not grammars.matcher(so).accept_string('hi <b>{"name": 7')
+
+
 def test_a_schema_or_regex_that_does_not_compile_names_its_field(llm):
     for so, field in (({"json": {"type": "foo"}, "param": "guided_json"}, "guided_json"),
                       ({"regex": "(ab", "param": "guided_regex"}, "guided_regex"),

@@ -14,16 +14,19 @@ from latentserve.server.errors import APIError
 
 
 def no_lone_surrogates(value):
-    """``value``; ValueError if a string in it (nested too) holds a lone UTF-16 surrogate."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError("text contains a lone UTF-16 surrogate (not valid Unicode)") \
-                from None
-    elif isinstance(value, (list, tuple, dict)):
-        for v in value.items() if isinstance(value, dict) else value:
-            no_lone_surrogates(v)  # a dict's (key, value) pairs too
+    """``value``; ValueError if a string in it (nested too) holds a lone UTF-16 surrogate.
+    Walks with a stack, not recursion: JSON nested past Python's recursion limit is checked."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("text contains a lone UTF-16 surrogate (not valid Unicode)") \
+                    from None
+        elif isinstance(v, (list, tuple, dict)):
+            stack.extend(v.items() if isinstance(v, dict) else v)  # a dict's keys too
     return value
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from latentserve.server.errors import APIError
 
 # OpenAI's rule for function names.
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -33,7 +33,7 @@ def check_tools(tools: list[dict] | None,
     for i, tool in enumerate(tools or []):
         fn = tool["function"]
         name = fn["name"]
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):  # not match: '$' takes a final newline
             raise APIError(f"{field(i, 'name')} must be 1 to 64 letters, digits, '_' or '-', "
                            f"got {name!r}", param=field(i, "name"))
         if name in out:
