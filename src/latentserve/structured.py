@@ -72,7 +72,10 @@ class Grammars:
     def check_first_mask(self, so: StructuredOutputsParams) -> None:
         """ValueError naming ``so.param`` when filling the grammar's first token mask takes
         longer than ``FIRST_MASK_LIMIT_S`` (some regexes compile at once, then take seconds a
-        token); compiles ``so`` first (:meth:`compile`'s errors)."""
+        token), or when that mask allows no token of the vocabulary (the tokenizer cannot
+        spell the grammar's text); compiles ``so`` first (:meth:`compile`'s errors)."""
+        from latentserve.sampling import unpack_bitmask
+
         xgr = import_xgrammar(so.param)
         matcher = xgr.GrammarMatcher(self.compile(so))
         bits = xgr.allocate_token_bitmask(1, self.vocab_size)
@@ -83,6 +86,9 @@ class Grammars:
             raise ValueError(f"{so.param} is too costly to follow: its first token mask took "
                              f"{took:.2f} s (limit {FIRST_MASK_LIMIT_S:g} s); use a simpler "
                              "schema or regex")
+        if not unpack_bitmask(bits, self.vocab_size).any():
+            raise ValueError(f"{so.param} allows no token of this model's vocabulary as its "
+                             "first token: this tokenizer cannot write its text")
 
     def matcher(self, so: StructuredOutputsParams):
         """A fresh xgrammar ``GrammarMatcher`` for ``so`` (see :meth:`compile`)."""

@@ -150,7 +150,9 @@ def test_response_format_text_is_no_constraint(client, model):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),  # not JSON
+    ({"structured_outputs": {"whitespace_pattern": "x"}},
+     "structured_outputs.whitespace_pattern"),
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"guided_json": {"type": "object"}, "guided_regex": "b"}, "guided_regex"),
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),

@@ -584,3 +584,18 @@ def test_unchanged_static_masks_are_reused_with_the_same_tokens(llm, monkeypatch
     fills.clear()
     assert [o.token_ids for o in _gen(llm, PROMPTS, params)] == reused
     assert n_reused < len(fills)
+
+
+def test_a_grammar_this_tokenizer_cannot_write_is_refused(tmp_path):
+    """A word-level tokenizer (``w<N>`` words, no byte fallback) cannot write "yes": the
+    grammar's first mask allows no token, so the request is refused naming the field, not
+    decoded without its constraint."""
+    from latentserve import LLM
+    from latentserve.bench.baseline.tiny_models import save_tiny
+
+    llm = LLM(str(save_tiny(tmp_path / "words", "llama", word_tokenizer=True,
+                            vocab_size=1024)))
+    with pytest.raises(ValueError, match="^guided_choice allows no token"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, structured_outputs={
+            "choice": ["yes", "no"], "param": "guided_choice"}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -298,7 +298,9 @@ class LLMEngine:
                  if all(0 <= t < self.vocab_size for t in w)] if params.bad_words else None
         matcher = None
         if so is not None:
-            matcher = self._grammars().matcher(so)
+            grammars = self._grammars()
+            grammars.check_first_mask(so)  # not a grammar this tokenizer cannot write
+            matcher = grammars.matcher(so)
         think = None
         if parser and (budget is not None or so is not None):  # so: starts after </think>
             ids = [self.tokenizer.encode(t, add_special_tokens=False)
