@@ -61,6 +61,8 @@ def test_post_route_errors_match_their_declared_bodies(server, schema, model, pa
         big = b"[" + b"1," * (9 * 1024 * 1024) + b"1]"  # over the 16 MiB limit
         _check(schema, path, "post", http.post(
             url, content=big, headers={**auth, "Content-Type": "application/json"}), 413)
+        _check(schema, path, "post", http.post(url, content=b"x", headers={
+            **auth, "Content-Type": "application/json", "Content-Encoding": "gzip"}), 415)
 
 
 def test_get_model_errors_match_their_declared_bodies(server, schema):

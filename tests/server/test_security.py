@@ -64,6 +64,28 @@ def test_chunked_body_over_the_limit_is_413(http):
     assert r.json()["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+def test_a_compressed_body_is_415_not_read_as_json(http, path):
+    """A gzip body is refused by its Content-Encoding (in the route's protocol), not parsed
+    as JSON and called malformed; an identity encoding is served."""
+    import gzip
+
+    raw = b'{"model": "m", "prompt": "hi", "max_tokens": 1}'
+    r = http.post(path, content=gzip.compress(raw),
+                  headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 415, r.text
+    body = r.json()
+    message = body["error"]["message"]
+    assert message.startswith("Content-Encoding 'gzip' is not supported"), body
+    if path == "/v1/messages":
+        assert body["type"] == "error"
+    else:
+        assert body["error"]["code"] == "unsupported_content_encoding"
+    r = http.post("/v1/completions", content=raw,
+                  headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert r.status_code != 415
+
+
 def test_error_bodies_carry_no_traceback(http):
     r = http.post("/v1/completions", content=b'{"prompt": [1, "x"]}',
                   headers={"Content-Type": "application/json"})

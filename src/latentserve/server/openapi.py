@@ -41,6 +41,7 @@ _WHY = {
     401: "missing or wrong API key (with --api-key)",
     404: "no such model, or no such route",
     413: "request body over --max-request-body-bytes",
+    415: "a compressed body (Content-Encoding other than identity)",
     503: "overloaded (Retry-After; --max-waiting-requests, --queue-timeout, the tokenizer "
          "pool) or the engine is gone",
     529: "overloaded (Anthropic's overloaded_error, with Retry-After)",
@@ -54,7 +55,7 @@ def error_responses(path: str, method: str) -> dict[str, dict]:
     if path == "/health":
         codes = [404, 503]
     elif path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
-        codes = [401, 404] + ([400, 413, 503] if method == "POST" else [])
+        codes = [401, 404] + ([400, 413, 415, 503] if method == "POST" else [])
         if is_anthropic_path(path) and method == "POST":
             codes.append(529)
     else:

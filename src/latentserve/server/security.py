@@ -15,8 +15,9 @@ _DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 class GuardMiddleware:
     """Pure ASGI middleware (streaming-safe, unlike ``BaseHTTPMiddleware``): ``api_key``
     (None: open) and ``max_body_bytes``; a POST whose ``Content-Type`` is missing or not JSON
-    reaches the app as ``application/json`` (its body is parsed as JSON); every response
-    (401 and 413 too) echoes ``X-Request-Id`` (``request_ids.echoing``)."""
+    reaches the app as ``application/json`` (its body is parsed as JSON); a compressed POST
+    body (``Content-Encoding`` other than identity) is a 415; every response (401, 413 and 415
+    too) echoes ``X-Request-Id`` (``request_ids.echoing``)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app = app
@@ -41,6 +42,12 @@ class GuardMiddleware:
         if length.isdigit() and int(length) > self.max_body_bytes:
             response = error_response(path, APIError(self.too_large, status_code=413,
                                                      code="request_too_large"))
+            return await response(scope, receive, send)
+        encoding = headers.get("content-encoding", b"identity").strip().lower()
+        if scope.get("method") == "POST" and encoding not in (b"identity", b""):
+            response = error_response(path, APIError(
+                f"Content-Encoding {encoding.decode('latin-1')!r} is not supported; send the "
+                "body uncompressed", status_code=415, code="unsupported_content_encoding"))
             return await response(scope, receive, send)
         media = headers.get("content-type", b"").split(b";", 1)[0].strip().lower()
         if scope.get("method") == "POST" and not (media == b"application/json"
