@@ -44,6 +44,14 @@ def _chat(client, model, messages, stream: bool, **kw):
         return s.get_final_completion()
 
 
+def _choice(client, stream: bool, **kw):
+    """The first choice of a completion; streamed, as the openai SDK accumulates it."""
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0]
+    with client.chat.completions.stream(**kw) as s:
+        return s.get_final_completion().choices[0]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_openai_round_trip_call_result_answer(client, model, stream):
     first = _chat(client, model, ASK, stream).choices[0]
@@ -103,14 +111,9 @@ ENUM_TOOLS = [{"type": "function", "function": {
 def test_a_forced_call_is_decoded_under_the_tools_schema(client, model, tool_choice, stream):
     """The scripted model would answer with text; forced, its answer is a valid call (one:
     with parallel calls on, a model may list calls until max_tokens)."""
-    kw = dict(model=model, messages=[{"role": "user", "content": "Say hi"}],
-              tools=ENUM_TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=60,
-              parallel_tool_calls=False)
-    if stream:
-        with client.chat.completions.stream(**kw) as s:
-            r = s.get_final_completion().choices[0]
-    else:
-        r = client.chat.completions.create(**kw).choices[0]
+    r = _choice(client, stream, model=model, messages=[{"role": "user", "content": "Say hi"}],
+                tools=ENUM_TOOLS, tool_choice=tool_choice, temperature=0, max_tokens=60,
+                parallel_tool_calls=False)
     (call,) = r.message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
@@ -157,13 +160,8 @@ def test_a_strict_tool_under_auto_is_decoded_under_its_schema(client, model, str
     answer is free text whose ``<tool_call>`` blocks follow the hermes parser's structural
     tag, so the scripted model's call (Paris) comes out in the schema (Rome or Oslo); with
     parallel calls off the tag ends the answer after the call."""
-    kw = dict(model=model, messages=ASK, tools=STRICT_TOOLS, temperature=0, max_tokens=60,
-              parallel_tool_calls=False)
-    if stream:
-        with client.chat.completions.stream(**kw) as s:
-            r = s.get_final_completion().choices[0]
-    else:
-        r = client.chat.completions.create(**kw).choices[0]
+    r = _choice(client, stream, model=model, messages=ASK, tools=STRICT_TOOLS, temperature=0,
+                max_tokens=60, parallel_tool_calls=False)
     (call,) = r.message.tool_calls
     assert call.function.name == "get_weather" and r.finish_reason == "tool_calls"
     assert json.loads(call.function.arguments)["city"] in ("Rome", "Oslo")
