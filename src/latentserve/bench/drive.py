@@ -77,8 +77,11 @@ class Probe:
             self.knobs.runtime.jit_post_compile_hook = None
 
     def summary(self) -> dict:
-        """``replay_s`` (mean per kind), ``jit_compiles``, ``gc_collections`` and, after
-        decode waits, ``overlap_wait_s`` (mean) and ``host_bound_frac`` (share under 20 us)."""
+        """``replay_s`` (mean per kind), ``jit_compiles``, ``gc_collections``; after decode
+        replays ``replay_p50_s`` and ``slowest_replays`` (``(index, seconds)``, the 8 longest
+        decode replays in order of launch: a slow step with a slow replay waited on the
+        device); after decode waits, ``overlap_wait_s`` (mean) and ``host_bound_frac``
+        (share under 20 us)."""
         torch.cuda.synchronize()
         replays: dict[str, list[float]] = defaultdict(list)
         for kind, a, b in self.events:
@@ -87,6 +90,10 @@ class Probe:
                "jit_compiles": self.compiles,
                "gc_collections": [g["collections"] - b
                                   for g, b in zip(gc.get_stats(), self.gc0)]}
+        decode = replays.get("decode")
+        if decode:
+            out["replay_p50_s"] = sorted(decode)[(len(decode) - 1) // 2]
+            out["slowest_replays"] = sorted(enumerate(decode), key=lambda x: -x[1])[:8]
         waits = [w for kind, w in self.waits if kind == "decode"]
         if waits:
             out["overlap_wait_s"] = sum(waits) / len(waits)
