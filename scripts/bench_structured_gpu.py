@@ -6,9 +6,11 @@ layers, a device-bound step; SmolLM2's tokenizer and vocabulary from ``--tokeniz
 serves ``--batch`` concurrent requests per variant; the engine's ``step()`` is timed (no
 device sync between steps) and the median over the steps where every request decodes (all
 ``--batch`` running, no prefill) is the variant's round median. Variants: ``plain`` (overlap
-scheduling on, the CUDA default), ``plain_sync`` (overlap off), ``allowed`` and
-``min_tokens`` (static masks), ``json`` and ``regex`` (a grammar per request; its row
-filled in the step that samples it, after that step's forward is launched). ``--sampling``:
+scheduling on, the CUDA default), ``allowed`` and ``min_tokens`` (static masks), ``json``
+and ``regex`` (a grammar per request; its row filled in the step that samples it, after
+that step's forward is launched), ``logprobs`` (1 each) and ``penalties`` (presence,
+frequency and repetition, overlapped: ``overlap.PENALTIES`` on for it alone);
+``NAME_sync`` runs NAME with overlap scheduling off. ``--sampling``:
 every request at temperature 1 with ``seed=i`` (``seeded``, the default), at temperature 1
 without a seed (``unseeded``) or at temperature 0 (``greedy``). Two engines (overlap on and
 off) are built once and warmed with one pass of every variant; then ``--rounds`` rounds each
@@ -78,11 +80,16 @@ def build_model(tokenizer_dir: str, out: Path, shape: str = "smollm2") -> Path:
     return out
 
 
-EXTRA = {"plain": {}, "plain_sync": {},
+EXTRA = {"plain": {},
          "allowed": {"allowed_token_ids": list(range(0, 49152, 3))},
          "min_tokens": {"min_tokens": None},  # max_tokens, filled in
          "json": {"structured_outputs": {"json": SCHEMA}},
-         "regex": {"structured_outputs": {"regex": "[a-z ,.]+"}}}
+         "regex": {"structured_outputs": {"regex": "[a-z ,.]+"}},
+         "logprobs": {"logprobs": 1},
+         "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5,
+                       "repetition_penalty": 1.1}}
+# NAME_sync: NAME on an engine without overlap scheduling
+EXTRA.update({f"{k}_sync": v for k, v in list(EXTRA.items())})
 
 
 def build_engine(model_dir: Path, batch: int, overlap: bool, device: str):
@@ -109,8 +116,10 @@ def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling:
     CPU). ``profile``: a cProfile of the full-batch steps is written there (the 40 costliest
     functions by own time, then by cumulative time; the profiler slows every Python call,
     so these steps' times are not comparable with an unprofiled round's)."""
+    from latentserve.engine import overlap
     from latentserve.sampling_params import SamplingParams
 
+    overlap.PENALTIES = name == "penalties"  # the overlapped penalties (off by default)
     extra = dict(EXTRA[name])
     if "min_tokens" in extra:
         extra["min_tokens"] = max_tokens
@@ -183,12 +192,12 @@ def main():
     model_dir = build_model(args.tokenizer, Path(tempfile.mkdtemp()) / f"{args.shape}-shape",
                             args.shape)
     engines = {o: build_engine(model_dir, args.batch, o, args.device)
-               for o in {v != "plain_sync" for v in variants}}
+               for o in {not v.endswith("_sync") for v in variants}}
     times = {v: [] for v in variants}  # per round, the step times
     cpu = {v: [] for v in variants}  # per round, the engine thread's CPU time per step
     for rnd in range(args.rounds + 1):  # round 0 warms the graphs' batch sizes and grammars
         for v in variants:
-            t, c = run_variant(engines[v != "plain_sync"], v, str(rnd), args.batch,
+            t, c = run_variant(engines[not v.endswith("_sync")], v, str(rnd), args.batch,
                                args.max_tokens, args.sampling, args.prompt_len)
             if rnd:
                 times[v].append(t)
@@ -201,7 +210,7 @@ def main():
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         for v in variants:
-            run_variant(engines[v != "plain_sync"], v, "prof", args.batch, args.max_tokens,
+            run_variant(engines[not v.endswith("_sync")], v, "prof", args.batch, args.max_tokens,
                         args.sampling, args.prompt_len,
                         Path(args.profile) / f"profile_{v}.txt")
     rows = []
@@ -225,7 +234,8 @@ def main():
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
     result = {"device": name, "batch": args.batch,
               "rounds": args.rounds, "sampling": args.sampling, "model": "random Llama, "
-              + ("SmolLM2-135M shape, " if args.shape == "smollm2" else "tiny shape, ")
+              + {"smollm2": "SmolLM2-135M shape, ", "llama-1b": "Llama-3.2-1B layers, SmolLM2 "
+                 "vocabulary, ", "tiny": "tiny shape, "}[args.shape]
               + ("bf16" if args.device == "cuda" else "fp32"),
               "rows": rows}
     print(json.dumps(result, indent=1))

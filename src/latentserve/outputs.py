@@ -88,3 +88,14 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     prompt_logprobs: PromptLogprobs | None = None
+
+
+def attach_logprobs(outs: list[StepOutput], rids: list[str],
+                    logprobs: list[TokenLogprob | None]) -> None:
+    """Give each output in ``outs`` the logprobs of the token it adds: ``logprobs[i]`` was
+    sampled for request ``rids[i]`` (None: not asked); an output whose new ids are not
+    exactly that token (a latent step, forced ids) gets none."""
+    by_rid = {rid: lp for rid, lp in zip(rids, logprobs) if lp is not None}
+    for o in outs:
+        if (lp := by_rid.get(o.rid)) is not None and o.new_token_ids == [lp.token_id]:
+            o.logprobs = [lp]

@@ -4,6 +4,7 @@ Design notes: docs/internals.md, "latentserve.sampling"."""
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -11,16 +12,35 @@ import torch
 from latentserve.core import Req
 from latentserve.outputs import TokenLogprob
 from latentserve.sampling_params import SamplingParams
-from latentserve.staging import to_device
+from latentserve.staging import HostToDevice, to_device
 
 
 @dataclass(slots=True)
 class SamplerOutput:
-    """``tokens``: ``[B] int64`` sampled ids; ``logprobs[b]``: a ``TokenLogprob`` for rows
-    whose request set ``params.logprobs``, None for the others."""
+    """``tokens``: ``[B] int64`` sampled ids. The rows ``scored`` (their request set
+    ``params.logprobs``, ``ks`` top alternatives each) have their log-probabilities in
+    ``scores`` (:func:`score_rows`, still on the device; None when no row is scored):
+    :meth:`read` (or ``logprobs``, which waits for the device) turns them into
+    ``TokenLogprob``s."""
 
     tokens: torch.Tensor
-    logprobs: list[TokenLogprob | None]
+    scored: list[int]
+    ks: list[int]
+    scores: torch.Tensor | None
+
+    def read(self, scores: torch.Tensor | None = None) -> list[TokenLogprob | None]:
+        """Per batch row its ``TokenLogprob`` (None for rows not scored), from ``scores`` (a
+        host copy of ``self.scores``; None: ``self.scores``, waiting for the device)."""
+        out: list[TokenLogprob | None] = [None] * len(self.tokens)
+        src = self.scores if scores is None else scores
+        if src is not None:
+            for b, lp in zip(self.scored, unpack_scores(src, self.ks)):
+                out[b] = lp
+        return out
+
+    @property
+    def logprobs(self) -> list[TokenLogprob | None]:
+        return self.read()
 
 
 @dataclass(slots=True)
@@ -48,14 +68,19 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
                          generator: torch.Generator | None = None,
                          greedy: torch.Tensor | None = None,
                          mask: TokenMask | None = None,
-                         bias: LogitBias | None = None) -> SamplerOutput:
+                         bias: LogitBias | None = None,
+                         pending: torch.Tensor | None = None,
+                         copies: HostToDevice | None = None) -> SamplerOutput:
     """One token per row of ``logits`` (``[B, vocab] float32``, not modified) for ``reqs``,
     with the requested log-probabilities (of the raw logits: vLLM's default
     ``raw_logprobs``). Penalties count ``answer_ids`` where present. ``generator``: for
     unseeded rows (None: global RNG); ``greedy``: ``[B] int64`` argmax the caller already
     has, used unless a row has penalties, a mask or a bias; ``mask``: a :class:`TokenMask` or
     None; ``bias``: a :class:`LogitBias` or None, added after the mask and before the
-    penalties (vLLM's order). Returns ``SamplerOutput`` on ``logits.device``."""
+    penalties (vLLM's order); ``pending``: ``[B] int64`` on the device, per row the answer
+    token its ``answer_ids`` hold as ``PENDING_ID`` (overlap mode), -1 for none: penalties
+    count it; ``copies``: the ``HostToDevice`` that copies the penalties' inputs (None: a
+    new one). Returns ``SamplerOutput`` on ``logits.device``, nothing read on the host."""
     raw = logits
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
     every = len(sampled) == len(reqs)  # no index ops (the usual batch)
@@ -73,10 +98,13 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
         logits.index_put_((bias.rows, bias.ids), bias.values.to(logits.dtype), accumulate=True)
         greedy = None
     penalized = [b for b, r in enumerate(reqs) if r.params.has_penalties]
-    if penalized:
+    if len(penalized) == len(reqs):  # every row: no index copy (apply_penalties clones)
+        logits = apply_penalties(logits, reqs, pending, copies)
+    elif penalized:
         rows = to_device(penalized, torch.long, logits.device)
         logits = logits.clone() if logits is raw else logits
-        logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized])
+        logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized],
+                                       None if pending is None else pending[rows], copies)
     if sampled and every:
         out = _draw(logits, reqs, generator, race_bits)
     else:
@@ -85,7 +113,15 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
             idx = to_device(sampled, torch.long, logits.device)
             drawn = _draw(logits[idx], [reqs[b] for b in sampled], generator, None)
             out = out.index_copy(0, idx, drawn)  # out of place: may be a static graph buffer
-    return SamplerOutput(out, _logprobs(raw, out, reqs))
+    scored = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+    ks = [reqs[b].params.logprobs or 0 for b in scored]
+    scores = None
+    if len(scored) == len(reqs):  # every row: no index copy
+        scores = score_rows(raw, out, max(ks))
+    elif scored:
+        rows = to_device(scored, torch.long, raw.device)
+        scores = score_rows(raw[rows], out[rows], max(ks))
+    return SamplerOutput(out, scored, ks, scores)
 
 
 def _draw(logits: torch.Tensor, reqs: list[Req], generator: torch.Generator | None,
@@ -219,66 +255,89 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def apply_penalties(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, reqs: list[Req], pending: torch.Tensor | None = None,
+                    copies: HostToDevice | None = None) -> torch.Tensor:
     """Return ``logits`` (``[N, vocab]``, row i for ``reqs[i]``) with each request's
     repetition, frequency and presence penalties applied (vLLM semantics, see the module
-    docstring). Token ids must be below ``vocab``."""
+    docstring), counting each request's ``answer_ids`` but a last ``PENDING_ID`` (overlap
+    mode: at most the last answer id is pending) and, from ``pending`` (``[N] int64`` on the
+    device, -1: none), one more token per row. Token ids must be below ``vocab``. The host's
+    values reach the device in one copy, through ``copies`` (a ``staging.HostToDevice`` on
+    ``logits.device``; None: a new one), queued without waiting."""
     n, vocab = logits.shape
     dev = logits.device
     params = [r.params for r in reqs]
-    counts = torch.zeros(n, vocab, dtype=logits.dtype, device=dev)
-    for i, req in enumerate(reqs):
-        if ids := req.answer_ids:
-            idx = torch.tensor(ids, dtype=torch.long, device=dev)
-            counts[i].index_add_(0, idx, torch.ones(len(ids), dtype=logits.dtype, device=dev))
-    present = counts > 0
-    logits = logits.clone()
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    # one int64 copy: answer ids, then the prompt ids of rep_rows (t in all); the end of
+    # each of these n + r segments; each segment's row; the float64 bits of the penalties
+    ids: list[int] = []
+    ends: list[int] = []
+    for req in reqs:
+        answer = req.answer_ids
+        ids += answer[:-1] if answer and answer[-1] < 0 else answer  # PENDING_ID: `pending`
+        ends.append(len(ids))
+    m = len(ids)
+    for i in rep_rows:
+        ids += reqs[i].prompt_ids
+        ends.append(len(ids))
+    t, g = len(ids), len(ends)
+    packed = array.array("q", ids + ends + list(range(n)) + rep_rows)
+    packed.frombytes(array.array("d", [p.repetition_penalty for p in params]
+                                 + [p.frequency_penalty for p in params]
+                                 + [p.presence_penalty for p in params]).tobytes())
+    vals = (copies or HostToDevice(dev)).copy(packed)
+    seg = torch.searchsorted(vals[t : t + g], torch.arange(t, device=dev), right=True)
+    flat = torch.add(vals[:t], vals[t + g : t + 2 * g][seg], alpha=vocab)  # row * vocab + id
+    rep, freq, pres = vals[t + 2 * g :].view(torch.float64).to(logits.dtype).view(3, n)
+    counts = torch.zeros(n, vocab, dtype=logits.dtype, device=dev)
+    if m:  # exact: whole numbers added in any order
+        counts.view(-1).index_add_(0, flat[:m], torch.ones(m, dtype=logits.dtype, device=dev))
+    if pending is not None:
+        counts.scatter_add_(1, pending.clamp(min=0)[:, None],
+                            (pending >= 0).to(logits.dtype)[:, None])
+    logits = logits.clone()
     if rep_rows:
-        seen = present.clone()
-        for i in rep_rows:
-            if reqs[i].prompt_ids:
-                seen[i, torch.tensor(reqs[i].prompt_ids, dtype=torch.long, device=dev)] = True
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype,
-                           device=dev)[:, None]
+        seen = counts > 0
+        if t > m:
+            seen.view(-1).index_fill_(0, flat[m:], True)
         # A tiny penalty can overflow a seen logit: held at float32's largest, not inf (NaN).
         big = torch.finfo(logits.dtype).max
-        scaled = torch.where(logits > 0, logits / rep, logits * rep).clamp(-big, big)
-        logits = torch.where(seen, scaled, logits)
-    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype, device=dev)
-    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype, device=dev)
-    logits -= freq[:, None] * counts
-    logits -= pres[:, None] * present.to(logits.dtype)
-    return logits
+        scaled = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+        logits = torch.where(seen, scaled.clamp(-big, big), logits)
+    logits.addcmul_(freq[:, None], counts, value=-1)
+    return logits.addcmul_(pres[:, None], counts.clamp_(max=1), value=-1)  # counts: presence
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Req]
-              ) -> list[TokenLogprob | None]:
-    want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
-    result: list[TokenLogprob | None] = [None] * len(reqs)
-    if want:
-        rows = torch.tensor(want, device=raw.device)
-        ks = [reqs[b].params.logprobs or 0 for b in want]
-        for b, lp in zip(want, score_tokens(raw[rows], tokens[rows], ks)):
-            result[b] = lp
-    return result
+def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """Row i of raw ``logits`` ``[N, vocab]`` scoring ``targets[i]`` (``[N] int64``), packed
+    on the logits' device as ``[N, 3 + 2k] float64`` (ids and ranks are exact in float64):
+    target, its log-probability (raw log-softmax), its rank, then the top ``k`` ids and their
+    log-probabilities. :func:`unpack_scores` reads it."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    lp = lsm.gather(1, targets[:, None])
+    rank = (lsm > lp).sum(-1, keepdim=True) + 1
+    parts = [targets[:, None].double(), lp.double(), rank.double()]
+    if k > 0:
+        v, i = lsm.topk(min(k, lsm.shape[-1]), dim=-1)
+        parts += [i.double(), v.double()]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_scores(scores: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
+    """The ``TokenLogprob`` of each row of :func:`score_rows`'s ``scores``, the top ``ks[i]``
+    alternatives for row i (a device tensor is waited for)."""
+    rows = scores.tolist()
+    k = (scores.shape[1] - 3) // 2
+    return [TokenLogprob(int(r[0]), r[1], int(r[2]),
+                         [(int(t), v) for t, v in zip(r[3 : 3 + kk], r[3 + k : 3 + k + kk])])
+            for r, kk in zip(rows, ks)]
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, ks: list[int]
                  ) -> list[TokenLogprob]:
     """Row i of raw ``logits`` ``[N, vocab]`` scoring ``targets[i]`` (``[N] int64``): its
-    log-probability, rank and the top ``ks[i]`` (raw log-softmax)."""
-    lsm = torch.log_softmax(logits.float(), dim=-1)
-    lp = lsm.gather(1, targets[:, None])[:, 0]
-    rank = (lsm > lp[:, None]).sum(-1) + 1
-    top_v: list[list[float]] = [[] for _ in ks]
-    top_i: list[list[int]] = [[] for _ in ks]
-    if max(ks) > 0:
-        v, i = lsm.topk(min(max(ks), lsm.shape[-1]), dim=-1)
-        top_v, top_i = v.tolist(), i.tolist()
-    return [TokenLogprob(t, v, r, list(zip(ti[:k], tv[:k])))
-            for t, v, r, ti, tv, k in zip(targets.tolist(), lp.tolist(), rank.tolist(), top_i,
-                                          top_v, ks)]
+    log-probability, rank and the top ``ks[i]`` (raw log-softmax); waits for the device."""
+    return unpack_scores(score_rows(logits, targets, max(ks)), ks)
 
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:

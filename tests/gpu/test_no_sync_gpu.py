@@ -1,8 +1,9 @@
 """An overlapped engine's steady decode steps on CUDA wait for the device only through the
 previous step's event: no blocking copy, ``.item()`` or stream sync
 (``torch.cuda.set_sync_debug_mode("error")`` raises on one). Plain Llama with greedy,
-temperature-1, mixed top-k/top-p/min-p and seeded rows; CODI, whose suppressed id is masked
-out of every step's logits (issue 27: one pageable copy there cost CODI 7.6% a step)."""
+temperature-1, mixed top-k/top-p/min-p and seeded rows, and rows with logprobs and
+penalties; CODI, whose suppressed id is masked out of every step's logits (issue 27: one
+pageable copy there cost CODI 7.6% a step)."""
 
 import pytest
 import torch
@@ -22,6 +23,11 @@ ROWS = {
     "mixed": lambda i: {"temperature": (0.7, 1.0)[i % 2], "top_k": 20, "top_p": 0.9,
                         "min_p": 0.05},
     "seeded": lambda i: {"temperature": 1.0, "seed": i},
+    # logprobs travel to the host beside the tokens; penalties (overlap.PENALTIES on) count
+    # the pending token on the device (overlap._pending_tokens)
+    "scored": lambda i: {"temperature": (0.0, 1.0)[i % 2], "logprobs": i % 3,
+                         "presence_penalty": 0.5, "frequency_penalty": 0.3,
+                         "repetition_penalty": (1.0, 1.2)[i % 2]},
 }
 
 
@@ -52,7 +58,10 @@ def _steady_steps_sync_free(engine: LLMEngine, fields: dict, kind: str, batch: i
 
 
 @pytest.mark.parametrize("kind", list(ROWS))
-def test_plain_decode_steps_do_not_sync(tmp_path, kind):
+def test_plain_decode_steps_do_not_sync(tmp_path, kind, monkeypatch):
+    from latentserve.engine import overlap
+
+    monkeypatch.setattr(overlap, "PENALTIES", True)  # the scored rows' penalties overlap too
     path = save_tiny(tmp_path / "llama", "llama", word_tokenizer=True)
     engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32",
                                     kv_slots=2048, max_model_len=256))

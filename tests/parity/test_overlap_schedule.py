@@ -1,9 +1,9 @@
 """Overlap scheduling (``EngineConfig.overlap_schedule``, engine/overlap.py): the engine
 prepares step k+1 before step k's tokens reach the host. Greedy tokens and first logits
 equal HF transformers' (cold, warm prefix cache, chunked prefill, preemption); sampled,
-stopped and aborted requests give what the synchronous engine gives; a request that needs
-its tokens on the host (logprobs) makes the engine finish the batch in flight and step
-synchronously; no KV slot leaks."""
+stopped and aborted requests, logprobs, prompt logprobs and penalties give what the
+synchronous engine gives; no KV slot leaks. Penalties overlap only with
+``overlap.PENALTIES`` on (off by default: docs/benchmarks.md)."""
 
 import dataclasses
 
@@ -13,6 +13,7 @@ import torch
 from latentserve.config import EngineConfig
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
+from tests.support.overlap_runs import assert_same_scored, scored_outputs
 from tests.support.parity import hf_reference, run_batch, shared_prefix_prompts
 from tests.support.tp_parity import fail_forward_after_preemption, run_requests, spy_overlapped
 
@@ -89,7 +90,61 @@ def test_sampled_and_stopped_requests_equal_the_synchronous_engine(tiny_dirs):
     assert any(f.finish_reason == "stop" for _, _, f in want)
 
 
-def test_logprobs_request_steps_synchronously_and_abort_frees_slots(tiny_dirs):
+def _scored_requests():
+    """Requests that read their token history or score their tokens: logprobs (top 0 to 3),
+    prompt logprobs, the three penalties, greedy and seeded, some stopping on a token."""
+    prompts = shared_prefix_prompts()
+    kinds = [{"temperature": 0.0, "max_tokens": 9, "logprobs": 3},
+             {"temperature": 0.8, "seed": 7, "max_tokens": 14, "logprobs": 0},
+             {"temperature": 0.0, "max_tokens": 12, "presence_penalty": 1.5,
+              "frequency_penalty": 1.0, "logprobs": 2, "ignore_eos": True},
+             {"temperature": 0.0, "max_tokens": 11, "repetition_penalty": 1.8,
+              "ignore_eos": True},
+             {"temperature": 1.0, "seed": 3, "max_tokens": 10, "frequency_penalty": 2.0,
+              "logprobs": 1},
+             {"temperature": 0.0, "max_tokens": 6, "prompt_logprobs": 2, "logprobs": 1},
+             {"temperature": 0.0, "max_tokens": 13},
+             {"temperature": 0.0, "max_tokens": 16, "presence_penalty": -2.0,
+              "prompt_logprobs": 0, "ignore_eos": True}]
+    return [(p, SamplingParams(**k)) for p, k in zip(prompts, kinds)]
+
+
+@pytest.mark.parametrize("opts", [{}, {"max_num_batched_tokens": 7}, {"kv_slots": 160}],
+                         ids=["plain", "chunked-prefill", "preemption"])
+def test_logprobs_and_penalties_overlap_and_equal_the_synchronous_engine(tiny_dirs, opts,
+                                                                          monkeypatch):
+    """Logprobs, prompt logprobs and (``overlap.PENALTIES`` on) penalties do not stop overlap
+    scheduling: the logprobs travel to the host beside the tokens, and a penalty counts the
+    answer token still on the device (``overlap._pending_tokens``). Tokens, finish reasons,
+    logprobs and prompt logprobs equal the synchronous engine's, cold and with the prefix
+    cache warm."""
+    from latentserve.engine import overlap
+
+    monkeypatch.setattr(overlap, "PENALTIES", True)
+    requests = _scored_requests()
+    sync = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), **opts))
+    want = scored_outputs(sync, requests, 2)
+    engine = _engine(tiny_dirs, **opts)
+    overlapped = spy_overlapped(engine)
+    got = scored_outputs(engine, requests, 2)
+    assert sum(overlapped) > 2 * MAX_TOKENS  # it overlapped throughout
+    if "kv_slots" in opts:
+        assert engine.scheduler.num_preemptions > 0
+    assert_same_scored(got, want)
+    for g, (_, sp) in zip(got[1], requests):  # one logprob per token, where asked
+        assert len(g[1]) == (len(g[0]) if sp.logprobs is not None else 0)
+        assert (g[2] is not None) is (sp.prompt_logprobs is not None)
+    # the penalties changed what was generated (else the test would not check them)
+    plain = [(p, dataclasses.replace(sp, presence_penalty=0.0, frequency_penalty=0.0,
+                                     repetition_penalty=1.0)) for p, sp in requests]
+    unpenalized = scored_outputs(LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), **opts)),
+                           plain)[0]
+    assert all(unpenalized[i][0] != want[0][i][0] for i in (2, 3, 7))
+
+
+def test_abort_with_logprobs_in_flight_frees_slots(tiny_dirs):
+    """A request asking for logprobs joins a batch in flight and stays overlapped; an abort
+    of a row on the device frees its slots; the logprobs align with the tokens."""
     engine = _engine(tiny_dirs)
     prompts = shared_prefix_prompts()
     for i, p in enumerate(prompts[:4]):
@@ -112,8 +167,8 @@ def test_logprobs_request_steps_synchronously_and_abort_frees_slots(tiny_dirs):
     engine.abort_request("a1")  # its row is in the batch on the device
     engine.add_request("lp", prompts[5], SamplingParams(max_tokens=4, temperature=0.0,
                                                         logprobs=2, ignore_eos=True))
-    step()  # finishes the batch in flight, launches nothing
-    assert engine.inflight is None
+    step()
+    assert engine.inflight is not None  # still overlapped
     while engine.has_unfinished_requests():
         step()
     engine.cache.check_idle()
@@ -128,7 +183,7 @@ def test_logprobs_request_steps_synchronously_and_abort_frees_slots(tiny_dirs):
     assert [lp.token_id for lp in logprobs] == toks["lp"]
 
 
-def test_penalties_and_head_policy_sampling_do_not_overlap(tmp_path, tiny_dirs):
+def test_head_policy_sampling_and_penalties_do_not_overlap(tmp_path, tiny_dirs):
     from latentserve.engine import overlap
     from latentserve.latent.head_loop import set_policy_sampling
     from tests.support.head_models import save_head_model
@@ -140,18 +195,14 @@ def test_penalties_and_head_policy_sampling_do_not_overlap(tmp_path, tiny_dirs):
     set_policy_sampling(engine.runner.model.latent_head, 0.0)  # DAgger / GRPO rollouts
     assert not overlap.eligible(engine)
     plain = _engine(tiny_dirs)
-    plain.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3))
-    assert overlap.eligible(plain)
-    plain.add_request("q", [5, 6], SamplingParams(max_tokens=3, presence_penalty=0.5))
-    assert not overlap.eligible(plain)
+    plain.add_request("q", [5, 6], SamplingParams(max_tokens=3, logprobs=1,
+                                                  prompt_logprobs=1))
+    assert overlap.eligible(plain)  # logprobs overlap
+    plain.add_request("r", [5, 6], SamplingParams(max_tokens=3, repetition_penalty=1.2))
+    assert not overlap.eligible(plain)  # penalties do not, by default (overlap.PENALTIES)
     while plain.has_unfinished_requests():
         plain.step()
-    assert overlap.eligible(plain)  # no live request needs the synchronous step
-    plain.add_request("r", [5, 6], SamplingParams(max_tokens=3, logprobs=1))
-    plain.abort_request("r")
-    assert not overlap.eligible(plain)  # until its final output is sent
-    assert [o.finish_reason for o in plain.step()] == ["abort"]
-    assert overlap.eligible(plain)
+    assert overlap.eligible(plain)  # no live request with penalties left
 
 
 def test_server_with_overlap_streams_what_the_synchronous_engine_generates(tiny_dirs):

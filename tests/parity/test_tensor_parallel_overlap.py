@@ -4,10 +4,11 @@ the next batch and the worker substitutes the same pending ids (``engine/tp_work
 The overlapped TP=2 engine gives what the synchronous TP=2 engine and the TP=1 engine give,
 output for output (tokens, finish reasons, latent step counts and stats, streamed latent
 steps, recurrence stats and traces) with every sampled step's logits within 1e-4, for a plain
-model, COCONUT (feedback latents), a closed-loop compression head (provisional steps undone
-a step later), Huginn and Ouro (mixed depths, exit rules) and LOTUS (looped-block passes):
-greedy and seeded, stop ids, chunked prefill, preemption, aborts in the latent phase and the
-answer, and a forward that raises with a batch in flight; no KV slot leaks."""
+model (also with logprobs and penalties), COCONUT (feedback latents), a
+closed-loop compression head (provisional steps undone a step later), Huginn and Ouro (mixed
+depths, exit rules) and LOTUS (looped-block passes): greedy and seeded, stop ids, chunked
+prefill, preemption, aborts in the latent phase and the answer, and a forward that raises
+with a batch in flight; no KV slot leaks."""
 
 import dataclasses
 
@@ -30,7 +31,7 @@ from tests.support.tp_parity import (
     spy_overlapped,
 )
 
-# In this order consecutive tests share a TP=2 engine (``tp2``): test_tp_engines_are_eligible
+# In this order consecutive tests share a TP=2 engine (``tp2``): the logprobs test
 # (before) plain's, the aborts test (after) head's.
 FAMILIES = ("plain", "huginn", "ouro", "lotus", "coconut", "head")
 
@@ -113,16 +114,23 @@ def _requests(family) -> list:
     return mixed_recurrent_requests(family)
 
 
-def test_tp_engines_are_eligible(tp2):
+def test_tp_logprobs_and_penalties_overlap_and_equal_tp1(dirs, tp2, monkeypatch):
+    """Logprobs and penalties (the pending token counted on rank 0's device;
+    ``overlap.PENALTIES`` on) keep a TP=2 engine overlapped and give the synchronous TP=1
+    engine's outputs (prompt logprobs are refused under tensor parallelism)."""
+    monkeypatch.setattr(overlap, "PENALTIES", True)
+    from tests.parity.test_overlap_scored import SCORED
+    from tests.support.overlap_runs import assert_same_scored, scored_outputs
+
+    scored = [{k: v for k, v in s.items() if k != "prompt_logprobs"} for s in SCORED]
+    requests = [(p, dataclasses.replace(sp, **scored[i % len(scored)]))
+                for i, (p, sp) in enumerate(_requests("plain"))]
+    want = scored_outputs(_engine(dirs("plain"), 1, False), requests)
     over = tp2("plain")
-    over.add_request("p", [5, 6, 7], SamplingParams(max_tokens=3))
+    overlapped = spy_overlapped(over)
     assert overlap.eligible(over)
-    over.add_request("lp", [5, 6], SamplingParams(max_tokens=3, logprobs=1))
-    assert not overlap.eligible(over)  # logprobs read the tokens on the host
-    over.abort_request("p")
-    over.abort_request("lp")
-    while over.has_unfinished_requests():
-        over.step()
+    assert_same_scored(scored_outputs(over, requests), want)
+    assert sum(overlapped) > 5
 
 
 @pytest.mark.parametrize("family", FAMILIES)

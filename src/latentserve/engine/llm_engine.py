@@ -41,7 +41,7 @@ from latentserve.models.checkpoint import (
     resolve_model_dir,
 )
 from latentserve.models.generation_config import sampling_defaults
-from latentserve.outputs import StepOutput
+from latentserve.outputs import StepOutput, attach_logprobs
 from latentserve.sampling import TokenMask
 from latentserve.sampling_params import SamplingParams
 from latentserve.scheduler.cache import CacheManager
@@ -160,12 +160,13 @@ class LLMEngine:
         # overlap mode: pinned host copies of the tokens, on a side stream (the next replay
         # waits for them: CudaGraphRunner.wait_before_replay)
         self.token_copies = DeviceToHost(side_stream=True)
+        self.score_copies = DeviceToHost()  # overlap mode: the sampled tokens' logprobs
         self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
         self._bias_copies: Any = None  # staging.HostToDevice of the logit bias, first use
+        self._penalty_copies: Any = None  # staging.HostToDevice of the penalties, first use
         self._static_mask: tuple | None = None  # (token_masks.static_key, its TokenMask)
         self._biased: set[str] = set()  # live requests that set logit_bias
-        # live requests that need the synchronous step (logprobs, penalties: overlap.eligible)
-        self.no_overlap: set[str] = set()
+        self.penalized: set[str] = set()  # live requests with penalties (overlap.eligible)
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         self.prompt_logprobs = PromptLogprobTracker()
@@ -187,9 +188,8 @@ class LLMEngine:
         self._rids.add(rid)
         if params.has_logit_bias:
             self._biased.add(rid)
-        if (params.logprobs is not None or params.prompt_logprobs is not None
-                or params.has_penalties):
-            self.no_overlap.add(rid)
+        if params.has_penalties:
+            self.penalized.add(rid)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs.add(rid, len(prompt_token_ids), params.prompt_logprobs)
         self.scheduler.add(req)
@@ -327,6 +327,13 @@ class LLMEngine:
         self._static_mask = None if key is None else (key, mask)
         return mask
 
+    def penalty_copies(self, device) -> HostToDevice:
+        """The ``staging.HostToDevice`` that copies the penalties' inputs to ``device``."""
+        device = torch.device(device)
+        if self._penalty_copies is None or self._penalty_copies.device != device:
+            self._penalty_copies = HostToDevice(device, slots=6)  # two copies a step
+        return self._penalty_copies
+
     def logit_bias(self, reqs: list[Req], device):
         """The sampler's ``LogitBias`` for ``reqs`` (None: no row has one), copied to
         ``device`` without waiting (``logit_bias.batch_logit_bias``); no pass over ``reqs``
@@ -389,10 +396,7 @@ class LLMEngine:
                                             mask, self.logit_bias(sampling_reqs, logits.device))
             latents = self.family.latent_inputs(sampling_reqs, logits, last_hidden, tokens)
             outs = self.scheduler.postprocess(batch, tokens, latents)
-            by_rid = {r.rid: lp for r, lp in zip(sampling_reqs, logprobs) if lp is not None}
-            for o in outs:
-                if (lp := by_rid.get(o.rid)) is not None and o.new_token_ids == [lp.token_id]:
-                    o.logprobs = [lp]
+            attach_logprobs(outs, [r.rid for r in sampling_reqs], logprobs)
         return self._retire(outs)
 
     def _after_forward(self, batch) -> list[Req]:
@@ -409,22 +413,23 @@ class LLMEngine:
         for o in (o for o in outs if o.finished):
             self._rids.discard(o.rid)
             self._biased.discard(o.rid)
-            self.no_overlap.discard(o.rid)
+            self.penalized.discard(o.rid)
             if (st := o.latent_stats) is not None:
                 log.debug("latent head: req %s thinking=%s steps=%d stop_step=%s max_p=%s "
                           "end=%s", o.rid, st["thinking"], st["steps"], st["stop_step"],
                           st["max_stop_prob"], st["end"])
         return outs
 
-    def _sample(self, logits, reqs, greedy=None, mask=None, bias=None
+    def _sample(self, logits, reqs, greedy=None, mask=None, bias=None, pending=None
                 ) -> tuple[list[int], list]:
         """Tokens and logprobs, batched; row by row when that fails (a failing row gets
-        token 0 and its rid in ``_failed``)."""
+        token 0 and its rid in ``_failed``). ``pending``: see ``sample_with_logprobs``."""
         if not reqs:
             return [], []
         try:
             res = sampling.sample_with_logprobs(logits, reqs, greedy=greedy, mask=mask,
-                                                bias=bias)
+                                                bias=bias, pending=pending,
+                                                copies=self.penalty_copies(logits.device))
             return res.tokens.tolist(), res.logprobs
         except Exception:  # noqa: BLE001 - find the failing rows below
             log.exception("batched sampling failed; sampling %d rows one by one", len(reqs))
@@ -436,7 +441,9 @@ class LLMEngine:
                 one = None if i is None else TokenMask([0], mask.bits[i : i + 1])
                 res = sampling.sample_with_logprobs(
                     logits[b : b + 1], [req], mask=one,
-                    bias=None if bias is None else self.logit_bias([req], logits.device))
+                    bias=None if bias is None else self.logit_bias([req], logits.device),
+                    pending=None if pending is None else pending[b : b + 1],
+                    copies=self.penalty_copies(logits.device))
                 tokens.append(int(res.tokens[0]))
                 logprobs.append(res.logprobs[0])
             except Exception as exc:  # noqa: BLE001 - fails this request only

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +13,8 @@ import torch
 
 from latentserve import sampling  # by module: tests patch what the engine calls
 from latentserve.core import ReqStatus
-from latentserve.staging import DeviceToHost
+from latentserve.outputs import attach_logprobs
+from latentserve.staging import DeviceToHost, to_device
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +23,9 @@ log = logging.getLogger(__name__)
 class Launched:
     """A launched batch whose tokens are not finished: ``latents``, ``pending``
     (``Scheduler.advance_launched``), ``tokens`` ``[S] int64`` on the device, ``host`` /
-    ``event`` (None on the CPU), ``src`` (``id(req) -> j``), ``failed`` (``rid -> error``)."""
+    ``event`` (None on the CPU), ``src`` (``id(req) -> j``), ``failed`` (``rid -> error``),
+    ``logprobs`` (None: no row asked; else returns the ``S`` rows' ``TokenLogprob`` or None,
+    waiting for their copy)."""
 
     batch: Any
     latents: list | None
@@ -30,13 +35,22 @@ class Launched:
     event: Any
     src: dict[int, int]
     failed: dict[str, str]
+    logprobs: Callable[[], list] | None = None
+
+
+# Whether a live request with penalties lets the engine overlap (the penalties then count
+# the answer token still on the device: _pending_tokens). Off: such steps were slower
+# overlapped than synchronous in session 32's runs (docs/benchmarks.md, "Logprobs and
+# penalties under overlap scheduling"); tests and A/B runs turn it on.
+PENALTIES = False
 
 
 def eligible(engine) -> bool:
-    """Whether ``engine``'s next step may overlap: not while a live request asks for logprobs
-    or penalties (``LLMEngine.no_overlap``)."""
+    """Whether ``engine``'s next step may overlap: overlap scheduling on, a family that
+    overlaps (``Family.overlaps``) and, unless ``PENALTIES``, no live request with
+    penalties (``LLMEngine.penalized``)."""
     return (engine.config.use_overlap_schedule and engine.family.overlaps
-            and not engine.no_overlap)
+            and (PENALTIES or not engine.penalized))
 
 
 def step(engine) -> list:
@@ -78,17 +92,20 @@ def step(engine) -> list:
 def _launch(engine, batch, prev: Launched | None) -> Launched:
     """Launch ``batch``'s forward (``prev``'s tokens as its pending ids), sampling, latent
     inputs and host copy without waiting for the device."""
+    pending = _pending_tokens(engine, batch, prev)
     logits, hidden = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
+    if engine.runner.prompt_hidden:  # prompt logprobs: waits for this forward
+        engine.prompt_logprobs.record(engine.runner.model, engine.runner.prompt_hidden)
     reqs = engine._after_forward(batch)
     # NOTE: greedy tokens may view a graph's static buffer (last_greedy), read only by the
     # host copy and the next step's input kernel, both queued before the next replay.
-    tokens, failed = _sample(engine, logits, reqs, _known(reqs, prev))
+    tokens, logprobs, failed = _sample(engine, logits, reqs, _known(reqs, prev), pending)
     # rows in their latent phase: the next inputs, on the device (their tokens are not read)
     latents = engine.family.latent_inputs(reqs, logits, hidden, None)
     host, event = _host_copy(tokens, engine.token_copies)
     if event is not None and engine.runner.replayed:  # tokens may view a graph's buffer
         engine.runner.graphs.wait_before_replay(event)
-    return Launched(batch, latents, [], tokens, host, event, {}, failed)
+    return Launched(batch, latents, [], tokens, host, event, {}, failed, logprobs)
 
 
 def finish(engine, launched: Launched) -> list:
@@ -100,7 +117,10 @@ def finish(engine, launched: Launched) -> list:
     for req, _, _, _ in launched.pending:
         if req.rid in launched.failed and req.status is not ReqStatus.FINISHED:
             engine._failed[req.rid] = launched.failed[req.rid]
-    return engine.scheduler.finalize_launched(launched.pending, tokens)
+    outs = engine.scheduler.finalize_launched(launched.pending, tokens)
+    if launched.logprobs is not None:  # one pending entry per sampled row, in row order
+        attach_logprobs(outs, [r.rid for r, _, _, _ in launched.pending], launched.logprobs())
+    return outs
 
 
 def _host_copy(tokens: torch.Tensor, ring: DeviceToHost) -> tuple[torch.Tensor, Any]:
@@ -120,18 +140,56 @@ def _known(reqs: list, prev: Launched | None) -> dict | None:
             in zip(prev.pending, prev.host.tolist()) if idx is not None}
 
 
-def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None
-            ) -> tuple[torch.Tensor, dict]:
-    """``([S] int64 tokens on the device, rid -> error of failed rows)``, not waited for;
+def _pending_tokens(engine, batch, prev: Launched | None) -> torch.Tensor | None:
+    """``[S] int64`` on the device: per sampling row of ``batch``, the token of ``prev`` that
+    its answer holds as ``PENDING_ID`` (-1: none), for the penalties; None when no row has
+    penalties. Queued before ``batch``'s forward, whose replay may overwrite the graph
+    buffer that ``prev.tokens`` views."""
+    if prev is None:
+        return None
+    reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+    if not any(r.params.has_penalties for r in reqs):
+        return None
+    idx = array("q")
+    for r in reqs:
+        j = prev.src.get(id(r))
+        at = None if j is None else prev.pending[j][1]
+        answer = at is not None and r.answer_start is not None and at >= r.answer_start
+        idx.append(j if answer and j is not None else -1)
+    if max(idx) < 0:
+        return None
+    rows = engine.penalty_copies(prev.tokens.device).copy(idx)
+    return torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], -1)
+
+
+def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None,
+            pending: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, Callable[[], list] | None, dict]:
+    """``([S] int64 tokens on the device, the logprobs' reader or None, rid -> error of
+    failed rows)``, not waited for (the logprobs are copied to the host beside the tokens);
     the engine's row-by-row fallback when the batched sampler raises."""
     if not reqs:
-        return torch.empty(0, dtype=torch.int64, device=logits.device), {}
+        return torch.empty(0, dtype=torch.int64, device=logits.device), None, {}
     mask = engine.token_mask(reqs, logits.device, known)
     bias = engine.logit_bias(reqs, logits.device)
     try:
-        return sampling.sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
-                                             mask=mask, bias=bias).tokens, {}
+        res = sampling.sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
+                                            mask=mask, bias=bias, pending=pending,
+                                            copies=engine.penalty_copies(logits.device))
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
-        tokens, _ = engine._sample(logits, reqs, mask=mask, bias=bias)
+        tokens, logprobs = engine._sample(logits, reqs, mask=mask, bias=bias, pending=pending)
         failed = {r.rid: engine._failed.pop(r.rid) for r in reqs if r.rid in engine._failed}
-        return torch.tensor(tokens, dtype=torch.int64, device=logits.device), failed
+        known_lps = (lambda: logprobs) if any(lp is not None for lp in logprobs) else None
+        return to_device(tokens, torch.int64, logits.device), known_lps, failed
+    if res.scores is None:
+        return res.tokens, None, {}
+    shape = res.scores.shape
+    host, event = engine.score_copies.copy(res.scores.view(torch.int64).reshape(-1))
+    res.scores = None  # the device copy is not kept
+
+    def read() -> list:
+        if event is not None:
+            event.synchronize()
+        return res.read(host.view(torch.float64).view(shape))
+
+    return res.tokens, read, {}
