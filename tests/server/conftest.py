@@ -24,7 +24,9 @@ from server_testlib import (
 # answer after a tool result), "assistant thinking" (enable_thinking: <think> text).
 TOOL_CHAT_TEMPLATE = (
     "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>\n"
-    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content or '' }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
     "\"arguments\": {{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant"

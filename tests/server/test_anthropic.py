@@ -137,6 +137,24 @@ def test_assistant_prefill_is_continued(anthropic_client, model):
     assert prefilled.usage.input_tokens > base.usage.input_tokens
 
 
+@pytest.mark.parametrize("content", ["Blue ", "Blue\n", [{"type": "text", "text": "Blue\t"}]],
+                         ids=["space", "newline", "block"])
+def test_a_final_assistant_turn_may_not_end_in_whitespace(anthropic_client, model, content):
+    """As Anthropic's API: a prefill ending in whitespace is a 400 naming the message; inside
+    the conversation it is fine."""
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(
+            model=model, max_tokens=2,
+            messages=[*MESSAGES, {"role": "assistant", "content": content}])
+    assert info.value.body["error"] == {
+        "type": "invalid_request_error",
+        "message": "messages.1.content: final assistant content cannot end with trailing "
+                   "whitespace"}
+    turns = [*MESSAGES, {"role": "assistant", "content": content},
+             {"role": "user", "content": "Again."}]
+    assert anthropic_client.messages.create(model=model, max_tokens=1, messages=turns).content
+
+
 def test_a_user_turn_is_required_as_anthropics_protocol_says(anthropic_client, model):
     with pytest.raises(anthropic.BadRequestError) as info:
         anthropic_client.messages.create(model=model, max_tokens=2, system="Be terse.",

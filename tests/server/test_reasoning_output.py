@@ -30,7 +30,7 @@ def test_think_text_goes_to_reasoning_content(client, model):
     r = client.chat.completions.create(model=model, messages=HI, temperature=0,
                                        max_tokens=20, extra_body=THINK)
     message = r.choices[0].message
-    assert message.reasoning_content == REASONING
+    assert message.reasoning_content == message.reasoning == REASONING  # vLLM's both names
     assert message.content == ANSWER
     assert r.choices[0].finish_reason == "stop"
 
@@ -43,6 +43,7 @@ def test_streamed_think_text_arrives_as_reasoning_deltas_before_the_answer(
         deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
                   if line.startswith("data: {")]
     reasoning = [d["reasoning_content"] for d in deltas if d.get("reasoning_content")]
+    assert reasoning == [d["reasoning"] for d in deltas if d.get("reasoning")]
     content = [d["content"] for d in deltas if d.get("content")]
     assert "".join(reasoning) == REASONING and "".join(content) == ANSWER
     first_answer = next(i for i, d in enumerate(deltas) if d.get("content"))
@@ -153,3 +154,31 @@ def test_latent_reasoning_on_a_model_without_latent_steps_is_a_400(client, model
         client.chat.completions.create(model=model, messages=HI, max_tokens=2,
                                        extra_body={"latent_reasoning": "words"})
     assert info.value.body["param"] == "latent_reasoning"
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_history_reasoning_under_either_name_reaches_the_template(tool_chat_server, model,
+                                                                   field):
+    """A client that round-trips an assistant message sends its reasoning back as
+    ``reasoning`` (newer vLLM) or ``reasoning_content``; the prompt (the scripted template
+    renders ``reasoning_content``) is the same either way and longer than without it; both,
+    unequal, is a 400 naming the message."""
+    url = f"{tool_chat_server.base_url}/v1/chat/completions"
+
+    def prompt_tokens(turn: dict) -> int:
+        r = httpx.post(url, timeout=120, json={
+            "model": model, "max_tokens": 1, "messages": [
+                *HI, {"role": "assistant", "content": "Hello!", **turn},
+                {"role": "user", "content": "Again."}]})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    with_reasoning = prompt_tokens({field: "I should greet back."})
+    assert with_reasoning == prompt_tokens({"reasoning": "I should greet back.",
+                                            "reasoning_content": "I should greet back."})
+    assert with_reasoning > prompt_tokens({})  # the template renders it
+    r = httpx.post(url, timeout=120, json={"model": model, "messages": [
+        *HI, {"role": "assistant", "content": "Hello!", "reasoning": "a",
+              "reasoning_content": "b"}, {"role": "user", "content": "Again."}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages[1].reasoning"

@@ -104,12 +104,24 @@ def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
             raise APIError(f"messages.{i}.content: a message needs at least one content "
                            "block (only a final assistant message may be empty)",
                            param=f"messages.{i}.content")
+        if last_assistant and _ends_in_whitespace(message.content):  # as Anthropic's API
+            raise APIError(f"messages.{i}.content: final assistant content cannot end with "
+                           "trailing whitespace", param=f"messages.{i}.content")
         conversation += message_turns(message.role, message.content,
                                       f"messages.{i}.content", tool_names)
     if not any(m.role == "user" for m in body.messages):
         raise APIError("messages: at least one message must have role 'user'",
                        param="messages")
     return conversation
+
+
+def _ends_in_whitespace(content: str | list) -> bool:
+    """Whether a message's ``content`` (a string or a list of ``ContentBlock``) ends in a
+    text that ends in whitespace."""
+    if isinstance(content, list):
+        last = content[-1] if content else None
+        content = last.text if last is not None and last.type == "text" else None
+    return isinstance(content, str) and content != content.rstrip()
 
 
 def _check(body: MessagesRequest, state: ServerState) -> None:

@@ -99,8 +99,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                 reasoning = latent_reasoning_text(latent_mode, r.latent_steps, r.step_trace,
                                                   texts) + reasoning
             content = echo + content
+            # null when none, as vLLM; under both names (vLLM's newer ``reasoning``)
             message = {"role": "assistant", "content": content if content or not calls else None,
-                       "reasoning_content": reasoning or None}  # null when none, as vLLM
+                       "reasoning": reasoning or None, "reasoning_content": reasoning or None}
             if calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                     "name": c.name, "arguments": c.arguments}} for c in calls]
@@ -144,8 +145,11 @@ async def _chunks(body: ChatCompletionRequest, state: ServerState, rid: str,
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None,
               lps=None, latent=None, token_ids: list[int] | None = None) -> dict:
-        """A chunk of one choice; the delta's, ``latent``'s and ``token_ids``' None left out."""
+        """A chunk of one choice; the delta's, ``latent``'s and ``token_ids``' None left out;
+        ``reasoning_content`` also as ``reasoning`` (vLLM's newer name)."""
         logprobs = chat_logprobs(texts, lps, as_ids) if body.logprobs and lps else None
+        if delta.get("reasoning_content") is not None:
+            delta = {**delta, "reasoning": delta["reasoning_content"]}
         out = {"index": index, "delta": {k: v for k, v in delta.items() if v is not None},
                "finish_reason": finish_reason, "logprobs": logprobs}
         if latent is not None:

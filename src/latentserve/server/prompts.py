@@ -69,16 +69,21 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI messages -> the chat template's turns (``developer`` becomes ``system``; ``name``,
-    ``tool_call_id`` and ``reasoning_content`` kept).
-    APIError (400) for non-text content, tool-call arguments that are not JSON, or no system,
-    developer or user message."""
+    """OpenAI messages -> the chat template's turns (``developer`` becomes ``system``; ``name``
+    and ``tool_call_id`` kept; the reasoning as ``reasoning_content`` and ``reasoning``).
+    APIError (400) for non-text content, tool-call arguments that are not JSON, ``reasoning``
+    and ``reasoning_content`` that differ, or no system, developer or user message."""
     conversation = []
     for i, message in enumerate(messages):
         turn = {"role": "system" if message.role == "developer" else message.role,
                 "content": message_text(message, i),
-                **message.model_dump(include={"name", "tool_call_id", "reasoning_content"},
-                                     exclude_none=True)}
+                **message.model_dump(include={"name", "tool_call_id"}, exclude_none=True)}
+        said = {message.reasoning, message.reasoning_content} - {None}
+        if len(said) > 1:
+            raise APIError(f"messages[{i}].reasoning: differs from its reasoning_content (give "
+                           "one, or both equal)", param=f"messages[{i}].reasoning")
+        if said:
+            turn["reasoning_content"] = turn["reasoning"] = said.pop()
         if message.tool_calls is not None:
             turn["tool_calls"] = [_tool_call(call, f"messages[{i}].tool_calls[{j}]")
                                   for j, call in enumerate(message.tool_calls)]

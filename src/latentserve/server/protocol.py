@@ -175,8 +175,9 @@ class ToolCall(RequestModel):
 
 
 class ChatMessage(RequestModel):
-    """One turn of the conversation; ``reasoning_content`` (vLLM's, an assistant turn's
-    reasoning as the responses carry it) goes to the chat template."""
+    """One turn of the conversation; an assistant turn's reasoning, as the responses carry it
+    (``reasoning``, vLLM's newer name, or ``reasoning_content``; both only when equal), goes
+    to the chat template under both names."""
 
     UNUSED = {"refusal": (None,), "audio": (None,), "function_call": (None,),
               "annotations": (None, [])}
@@ -186,6 +187,7 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
 
 
