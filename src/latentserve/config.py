@@ -159,6 +159,9 @@ class EngineConfig:
         "thread of the server's engine process, beside the running requests) before the "
         "request is refused with a 400; the offline LLM compiles in add_request, unbounded",
         gt=0)
+    max_logprobs: int = option(
+        20, "most logprobs (top alternatives) and prompt_logprobs a request may ask for "
+        "(vLLM's; -1: the vocabulary size)", ge=-1)
     reasoning_parser: str | None = option(
         None, "the model writes <think>...</think> reasoning: the server splits it into "
         "reasoning_content and thinking_token_budget caps it; default: none",

@@ -206,6 +206,10 @@ class LLMEngine:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
+        cap = self.vocab_size if self.config.max_logprobs < 0 else self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            if (k := getattr(params, name)) is not None and k > cap:
+                raise ValueError(f"{name} must be in [0, {cap}] (max_logprobs), got {k}")
         if params.max_tokens is None:  # vLLM: until the context is full
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - n))
         spec, family = self.latent_spec, self.family

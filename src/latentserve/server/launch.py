@@ -122,7 +122,9 @@ def run_server(config: EngineConfig | list[EngineConfig],
         logging.getLogger("latentserve").setLevel(getattr(logging, name, logging.INFO))
     limits = ServerLimits(**{k: getattr(o, k) for k in (
         "max_request_body_bytes", "max_request_output_tokens", "max_waiting_requests",
-        "queue_timeout") if getattr(o, k) is not None})
+        "queue_timeout") if getattr(o, k) is not None},
+        max_logprobs=min(c.max_logprobs for c in configs) if all(
+            c.max_logprobs >= 0 for c in configs) else None)
     sock = listen_socket(o.host, o.port)  # a busy port fails now, not after the model loads
     for cfg in configs:  # as vLLM logs its engine config: what each flag resolved to
         log.info("engine config of %s: %s", served_model_name(cfg), cfg)

@@ -97,9 +97,12 @@ def check_model(model: str | None, served_model: str) -> None:
 
 
 def check_logprobs(k: int | None, param: str, limits: ServerLimits) -> None:
-    """``k`` top logprobs must be in [0, limits.max_logprobs]."""
-    if k is not None and not 0 <= k <= limits.max_logprobs:
-        raise APIError(f"{param} must be in [0, {limits.max_logprobs}], got {k}", param=param)
+    """``k`` top logprobs must be in [0, limits.max_logprobs] (None: >= 0; the engine checks
+    the vocabulary size)."""
+    cap = limits.max_logprobs
+    if k is not None and not (k >= 0 if cap is None else 0 <= k <= cap):
+        raise APIError(f"{param} must be in [0, {'vocab size' if cap is None else cap}], got "
+                       f"{k}", param=param)
 
 
 def latent_budget(http_request, body, spec=None) -> int | None:

@@ -22,7 +22,7 @@ class ServerLimits:
 
     max_n: int = option(16, ge=1)
     max_prompts: int = option(256, ge=1)
-    max_logprobs: int = option(20, ge=1)
+    max_logprobs: int | None = option(20, ge=0)  # EngineConfig.max_logprobs; None: the engine's
     max_request_body_bytes: int = option(DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1)
     max_request_output_tokens: int = option(DEFAULT_MAX_REQUEST_OUTPUT_TOKENS, ge=1)
     max_stop: int = option(64, ge=1)
