@@ -92,7 +92,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stop, (str, list, tuple, type(None))):
+            raise ValueError(f"stop must be a string or a list of strings, got "
+                             f"{_short(self.stop)}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got "
+                             f"{_short(self.stop_token_ids)}")
         self.stop_token_ids = [_plain_number(t) for t in self.stop_token_ids or []]
         for f in fields(self):  # numpy scalars (np.int64(3), np.float32(0.7)) as Python's
             value = _plain_number(getattr(self, f.name))

@@ -240,3 +240,53 @@ def test_chat_refuses_an_unknown_nested_key_as_the_route_does(tiny_dirs, conv, t
     with pytest.raises(ValueError, match=re.escape(path)):
         llm.chat(conv, SamplingParams(max_tokens=2), use_tqdm=False, tools=tools)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_bad_token_ids_are_refused_naming_them_and_leave_the_llm_usable(tiny_dirs):
+    """Float, bool, negative and huge ids: a ValueError naming the prompt's ids before
+    anything runs (a float once reached the forward, failing every later call); a step that
+    raises takes its call's requests out of the engine; ``stop`` / ``stop_token_ids`` of
+    the wrong type name themselves."""
+    import numpy as np
+
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for bad, message in (([1.5, 2], "must be integers, got 1.5"),
+                         ([True, 5], "must be integers, got True"),
+                         (np.array([1.0, 2.0]), "must be integers"),
+                         ([1, -5], r"must be in \[0, \d+\), got -5"),
+                         ([1, 2**64], r"must be in \[0, \d+\), got 18446744073709551616")):
+        with pytest.raises(ValueError, match=f"^prompt token ids {message}"):
+            llm.generate({"prompt_token_ids": bad}, params, use_tqdm=False)
+    want = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate({"prompt_token_ids": np.array([5, 6, 7])}, params,
+                        use_tqdm=False)[0].outputs[0].token_ids == want
+    steps = [0]
+    step = llm.engine.step
+
+    def flaky():
+        steps[0] += 1
+        if steps[0] == 2:
+            raise RuntimeError("the forward failed")
+        return step()
+
+    llm.engine.step = flaky
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
+    llm.engine.step = step
+    assert llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    llm.engine.cache.check_idle()
+    with pytest.raises(ValueError, match="^stop must be a string or a list of strings, got 5"):
+        SamplingParams(stop=5)
+    with pytest.raises(ValueError, match="^stop_token_ids must be a list of token ids, got 5"):
+        SamplingParams(stop_token_ids=5)
+
+
+def test_truncating_to_the_context_leaves_room_for_one_token(tiny_dirs):
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    n = llm.engine.max_model_len
+    for k in (-1, n):
+        out = llm.generate([list(range(1, n + 40))], SamplingParams(
+            max_tokens=3, truncate_prompt_tokens=k), use_tqdm=False)[0]
+        assert out.prompt_token_ids == list(range(41, n + 40))  # the last n - 1 ids
+        assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"

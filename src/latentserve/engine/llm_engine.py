@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -253,13 +254,16 @@ class LLMEngine:
                           ("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids or ()),
                           ("logit_bias", params.logit_bias or ())):
+            odd = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
+            if odd:
+                raise ValueError(f"{name} must be integers, got {odd[0]!r}")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} must be in [0, {self.vocab_size}), got {bad[0]}")
         if self.tp is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs (echo with logprobs) is not supported with "
                              "tensor_parallel_size > 1")
-        req = Req(rid, list(prompt_token_ids), params, arrival=self._arrivals,
+        req = Req(rid, [int(t) for t in prompt_token_ids], params, arrival=self._arrivals,
                   eos_from=getattr(spec, "upstream_eos_from", 0) if upstream else 0,
                   constraint=self._constraint(params, prompt_token_ids))
         if admission.start is not None:

@@ -62,7 +62,8 @@ class LLM:
         """One ``RequestOutput`` per prompt, in order, each with ``params.n`` completions
         (choice i: ``seed + i``). A prompt is a string, token ids, or vLLM's ``{"prompt"}`` /
         ``{"prompt_token_ids"}``; ``sampling_params``: one, or one per prompt; a prompt is cut
-        to its last ``truncate_prompt_tokens`` ids (-1: ``max_model_len``). ValueError
+        to its last ``truncate_prompt_tokens`` ids (-1: ``max_model_len``; at most
+        ``max_model_len - 1``, which leaves the engine room for one output token). ValueError
         (``NoTokenizerError`` for text without tokenizer files) before anything runs."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
@@ -75,6 +76,9 @@ class LLM:
         for j, params in enumerate(sampling_params):
             keep = prompt_tokens_kept(params.truncate_prompt_tokens, self.engine.max_model_len)
             if keep is not None:
+                # NOTE: the engine needs a free position for the output token; vLLM keeps
+                # max_model_len ids and stops after one token
+                keep = min(keep, self.engine.max_model_len - 1)
                 encoded[j] = (encoded[j][0], encoded[j][1][-keep:])
         strings = token_strings(self.tokenizer)
         results: list[RequestOutput] = []
@@ -86,10 +90,10 @@ class LLM:
                 self._counter += 1
                 for i, child in enumerate(_children(params)):
                     rid = f"{i}_{result.request_id}"
+                    self.engine.add_request(rid, ids, child)  # checks the ids first
                     running[rid] = CompletionBuilder(result, i, child, self.tokenizer, strings,
                                                      self.engine.eos_ids)
                     result.outputs.append(running[rid].completion)
-                    self.engine.add_request(rid, ids, child)
                 results.append(result)
         except Exception:  # a bad prompt or params: nothing of this call stays queued
             for rid in running:
@@ -101,21 +105,28 @@ class LLM:
             from tqdm.auto import tqdm as use_tqdm
         bar = use_tqdm(total=len(results), desc="Processed prompts", unit="prompt") \
             if callable(use_tqdm) else None
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                builder = running.get(out.rid)
-                if builder is None or builder.finished:  # another call's, or an abort's echo
-                    continue
-                if builder.add(out):  # a stop string ended it
-                    self.engine.abort_request(out.rid)
-                result = builder.result
-                if builder.finished and all(running[f"{i}_{result.request_id}"].finished
-                                            for i in range(len(result.outputs))):
-                    result.finished = True
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    builder = running.get(out.rid)
+                    if builder is None or builder.finished:  # another call's, an abort's echo
+                        continue
+                    if builder.add(out):  # a stop string ended it
+                        self.engine.abort_request(out.rid)
+                    result = builder.result
+                    if builder.finished and all(running[f"{i}_{result.request_id}"].finished
+                                                for i in range(len(result.outputs))):
+                        result.finished = True
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:  # a step raised (or Ctrl-C): this call's requests leave the engine
+            for rid, builder in running.items():
+                if not builder.finished:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return results
 
     def chat(self, messages: list[dict] | list[list[dict]],
