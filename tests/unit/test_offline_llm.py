@@ -290,3 +290,16 @@ def test_truncating_to_the_context_leaves_room_for_one_token(tiny_dirs):
             max_tokens=3, truncate_prompt_tokens=k), use_tqdm=False)[0]
         assert out.prompt_token_ids == list(range(41, n + 40))  # the last n - 1 ids
         assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
+def test_vllm_options_that_change_nothing_are_taken_at_those_values(tiny_dirs):
+    """A vLLM script's ``LLM(...)`` runs unchanged where its options change nothing here;
+    a value that would change something is refused naming it."""
+    llm = LLM(model=str(tiny_dirs["llama"]), disable_log_stats=True, swap_space=4,
+              kv_cache_dtype="auto", tokenizer_mode="auto", enable_lora=False,
+              quantization=None)
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=1), use_tqdm=False)
+    for name, value in (("kv_cache_dtype", "fp8"), ("enable_lora", True),
+                        ("quantization", "awq"), ("tokenizer_mode", "slow")):
+        with pytest.raises(ValueError, match=f"^{name}={value!r} is not supported"):
+            LLM(model=str(tiny_dirs["llama"]), **{name: value})

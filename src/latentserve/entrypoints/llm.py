@@ -21,11 +21,18 @@ from latentserve.server.protocol import ChatMessage, ChatTool
 
 PromptType = str | list[int] | dict
 
+# vLLM ``LLM`` options that change nothing here, at these values (None: at any value: stats
+# are not logged offline; preemption recomputes, it never swaps); another value is refused.
+VLLM_NO_EFFECT: dict[str, tuple | None] = {
+    "disable_log_stats": None, "swap_space": None, "kv_cache_dtype": ("auto",),
+    "tokenizer_mode": ("auto",), "enable_lora": (False,), "quantization": (None,)}
+
 
 class LLM:
     """Run the engine in-process; ``engine_options`` are ``EngineConfig`` fields
-    (``trust_remote_code`` is ignored). TypeError for an unknown option; ValueError or
-    FileNotFoundError from loading."""
+    (``trust_remote_code`` is ignored; ``VLLM_NO_EFFECT``'s vLLM options are taken at values
+    that change nothing, else a ValueError naming them). TypeError for an unknown option;
+    ValueError or FileNotFoundError from loading."""
 
     def __init__(self, model: str | None = None, **engine_options):
         # NOTE: torch at construction: `from latentserve import LLM` stays light
@@ -36,6 +43,12 @@ class LLM:
 
             logging.getLogger(__name__).warning(
                 "trust_remote_code is ignored: latentserve runs no code from checkpoints")
+        for name, allowed in VLLM_NO_EFFECT.items():
+            if name in engine_options:
+                value = engine_options.pop(name)
+                if allowed is not None and value not in allowed:
+                    raise ValueError(f"{name}={value!r} is not supported (only "
+                                     f"{', '.join(map(repr, allowed))}, vLLM's default)")
         known = [f.name for f in dataclasses.fields(EngineConfig) if f.init]
         if unknown := [name for name in engine_options if name not in known]:
             hints = [f"{name} (did you mean {', '.join(close)}?)" if close else name
