@@ -203,7 +203,8 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
     (["--sweep", "max_latent=0,2", "--max-latent", "4"], "give one"),
     (["--url", "http://127.0.0.1:9/v1"], "--url http://127.0.0.1:9/v1: no OpenAI-compatible"),
     (["--model", "no/such/dir", "--sweep", "compression_factor=1,2"],
-     "compression_factor needs the CoLaR prompt format"),
+     "(--model no/such/dir does not exist)"),
+    (["--model", ".", "--json-out", "s.json"], "(--model . is not one)"),
     (["--compression-factor", "2"], "the embedded SmolLM2 is not one"),
     (["--json-out", "s.json"], "--json-out needs the CoLaR prompt format"),
 ])

@@ -138,8 +138,9 @@ def run(args) -> int:
         args.sweep or "").partition("=")[0].strip() == "compression_factor"
     if speed or args.json_out:
         what = "--json-out" if args.json_out and not speed else "compression_factor"
-        given = (f"--model {args.model} is not one: a path that does not exist?"
-                 if args.model else "the embedded SmolLM2 is not one")
+        given = ("the embedded SmolLM2 is not one" if not args.model
+                 else f"--model {args.model} is not one" if d is not None and d.exists()
+                 else f"--model {args.model} does not exist")
         raise ValueError(f"{what} needs the CoLaR prompt format: a model directory holding "
                          f"colar_config.json or train_config.json ({given}), or "
                          f"--prompt-format colar")
