@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json as _json
 import math
 import numbers
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
@@ -34,6 +35,13 @@ NUM_RANGES = {"temperature": (0.0, FLOAT32_MAX), "top_p": (0.0, 1.0, True),
               "frequency_penalty": (-2.0, 2.0),
               "repetition_penalty": (FLOAT32_TINY, FLOAT32_MAX), "exit_threshold": (0.0,),
               "stop_threshold": (0.0, 1.0), "latent_temperature": (0.0,)}
+
+
+# vLLM ``SamplingParams`` fields and the values at which they change nothing here (best_of
+# also at n).
+VLLM_NO_EFFECT: dict[str, tuple] = {
+    "best_of": (None, 1), "detokenize": (True,), "spaces_between_special_tokens": (True,),
+    "logits_processors": (None, [])}
 
 
 @dataclass(slots=True)
@@ -90,8 +98,23 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # Token id -> bias added to its logit (OpenAI's and vLLM's; ``LOGIT_BIAS_MAX``).
     logit_bias: dict[int, float] | None = None
+    # vLLM fields taken only at values that change nothing here (``VLLM_NO_EFFECT``), not kept.
+    best_of: InitVar[int | None] = None
+    detokenize: InitVar[bool] = True
+    spaces_between_special_tokens: InitVar[bool] = True
+    logits_processors: InitVar[list | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, best_of, detokenize, spaces_between_special_tokens,
+                      logits_processors) -> None:
+        for name, value in (("best_of", best_of), ("detokenize", detokenize),
+                            ("spaces_between_special_tokens", spaces_between_special_tokens),
+                            ("logits_processors", logits_processors)):
+            allowed = VLLM_NO_EFFECT[name]
+            if name == "best_of" and self.n not in allowed:  # best_of also at n
+                allowed += (self.n,)
+            if not any(value is v or (type(value) is type(v) and value == v) for v in allowed):
+                raise ValueError(f"{name}={_short(value)} is not supported (only "
+                                 f"{' or '.join(map(repr, allowed))}, where it changes nothing)")
         if not isinstance(self.stop, (str, list, tuple, type(None))):
             raise ValueError(f"stop must be a string or a list of strings, got "
                              f"{_short(self.stop)}")
@@ -159,6 +182,10 @@ class SamplingParams:
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
                              f"got {_short(self.structured_outputs)}")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's ``SamplingParams.clone``)."""
+        return copy.deepcopy(self)
 
     @property
     def has_token_mask(self) -> bool:

@@ -303,3 +303,21 @@ def test_vllm_options_that_change_nothing_are_taken_at_those_values(tiny_dirs):
                         ("quantization", "awq"), ("tokenizer_mode", "slow")):
         with pytest.raises(ValueError, match=f"^{name}={value!r} is not supported"):
             LLM(model=str(tiny_dirs["llama"]), **{name: value})
+
+
+def test_vllm_sampling_fields_that_change_nothing_are_taken_at_those_values():
+    """vLLM's ``best_of`` (None, 1 or n), ``detokenize``, ``spaces_between_special_tokens``
+    and ``logits_processors`` at their defaults; other values are refused naming them;
+    ``clone`` is a deep copy."""
+    import dataclasses
+
+    sp = SamplingParams(n=2, best_of=2, detokenize=True, spaces_between_special_tokens=True,
+                        logits_processors=[], stop=["x"])
+    copy = sp.clone()
+    assert copy == sp and copy.stop is not sp.stop
+    assert dataclasses.replace(sp, max_tokens=3).max_tokens == 3
+    for name, value in (("best_of", 3), ("best_of", True), ("detokenize", False),
+                        ("spaces_between_special_tokens", False),
+                        ("logits_processors", [abs])):
+        with pytest.raises(ValueError, match=f"^{name}=.* is not supported"):
+            SamplingParams(n=2, **{name: value})
