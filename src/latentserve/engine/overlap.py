@@ -177,6 +177,8 @@ def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None,
                                             mask=mask, bias=bias, pending=pending,
                                             copies=engine.penalty_copies(logits.device))
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
+        res = None
+    if res is None:  # outside the except: the fallback's own logs chain no traceback
         tokens, logprobs = engine._sample(logits, reqs, mask=mask, bias=bias, pending=pending)
         failed = {r.rid: engine._failed.pop(r.rid) for r in reqs if r.rid in engine._failed}
         known_lps = (lambda: logprobs) if any(lp is not None for lp in logprobs) else None
