@@ -106,15 +106,6 @@ class SamplingParams:
 
     def __post_init__(self, best_of, detokenize, spaces_between_special_tokens,
                       logits_processors) -> None:
-        for name, value in (("best_of", best_of), ("detokenize", detokenize),
-                            ("spaces_between_special_tokens", spaces_between_special_tokens),
-                            ("logits_processors", logits_processors)):
-            allowed = VLLM_NO_EFFECT[name]
-            if name == "best_of" and self.n not in allowed:  # best_of also at n
-                allowed += (self.n,)
-            if not any(value is v or (type(value) is type(v) and value == v) for v in allowed):
-                raise ValueError(f"{name}={_short(value)} is not supported (only "
-                                 f"{' or '.join(map(repr, allowed))}, where it changes nothing)")
         if not isinstance(self.stop, (str, list, tuple, type(None))):
             raise ValueError(f"stop must be a string or a list of strings, got "
                              f"{_short(self.stop)}")
@@ -135,6 +126,15 @@ class SamplingParams:
             elif f.type.startswith("bool") and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be a boolean, got {value!r}")
         _check_truncation(self.truncate_prompt_tokens)
+        for name, value in (("best_of", best_of), ("detokenize", detokenize),
+                            ("spaces_between_special_tokens", spaces_between_special_tokens),
+                            ("logits_processors", logits_processors)):
+            value, allowed = _plain_number(value), VLLM_NO_EFFECT[name]
+            if name == "best_of" and self.n not in allowed:  # best_of also at n
+                allowed += (self.n,)
+            if not any(value is v or (type(value) is type(v) and value == v) for v in allowed):
+                raise ValueError(f"{name}={_short(value)} is not supported (only "
+                                 f"{' or '.join(map(repr, allowed))}, where it changes nothing)")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
