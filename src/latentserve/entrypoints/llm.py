@@ -96,6 +96,7 @@ class LLM:
         strings = token_strings(self.tokenizer)
         results: list[RequestOutput] = []
         running: dict[str, CompletionBuilder] = {}
+        queued: list[str] = []
         try:
             for (text, ids), params in zip(encoded, sampling_params):
                 result = RequestOutput(f"offline-{self._counter}", text, ids, [],
@@ -104,12 +105,13 @@ class LLM:
                 for i, child in enumerate(_children(params)):
                     rid = f"{i}_{result.request_id}"
                     self.engine.add_request(rid, ids, child)  # checks the ids first
+                    queued.append(rid)
                     running[rid] = CompletionBuilder(result, i, child, self.tokenizer, strings,
                                                      self.engine.eos_ids)
                     result.outputs.append(running[rid].completion)
                 results.append(result)
         except Exception:  # a bad prompt or params: nothing of this call stays queued
-            for rid in running:
+            for rid in queued:
                 self.engine.abort_request(rid)
             while self.engine.has_unfinished_requests():
                 self.engine.step()
