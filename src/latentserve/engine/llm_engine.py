@@ -435,9 +435,9 @@ class LLMEngine:
         if not reqs:
             return [], []
         try:
+            copies = self.penalty_copies(logits.device) if self.penalized else None
             res = sampling.sample_with_logprobs(logits, reqs, greedy=greedy, mask=mask,
-                                                bias=bias, pending=pending,
-                                                copies=self.penalty_copies(logits.device))
+                                                bias=bias, pending=pending, copies=copies)
             return res.tokens.tolist(), res.logprobs
         except Exception:  # noqa: BLE001 - find the failing rows below
             log.exception("batched sampling failed; sampling %d rows one by one", len(reqs))

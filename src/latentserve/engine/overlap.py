@@ -145,7 +145,7 @@ def _pending_tokens(engine, batch, prev: Launched | None) -> torch.Tensor | None
     its answer holds as ``PENDING_ID`` (-1: none), for the penalties; None when no row has
     penalties. Queued before ``batch``'s forward, whose replay may overwrite the graph
     buffer that ``prev.tokens`` views."""
-    if prev is None:
+    if prev is None or not engine.penalized:  # O(1) on the usual step
         return None
     reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
     if not any(r.params.has_penalties for r in reqs):
@@ -175,7 +175,8 @@ def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None,
     try:
         res = sampling.sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
                                             mask=mask, bias=bias, pending=pending,
-                                            copies=engine.penalty_copies(logits.device))
+                                            copies=engine.penalty_copies(logits.device)
+                                            if engine.penalized else None)
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
         res = None
     if res is None:  # outside the except: the fallback's own logs chain no traceback
