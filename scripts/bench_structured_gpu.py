@@ -9,7 +9,7 @@ device sync between steps) and the median over the steps where every request dec
 scheduling on, the CUDA default), ``allowed`` and ``min_tokens`` (static masks), ``json``
 and ``regex`` (a grammar per request; its row filled in the step that samples it, after
 that step's forward is launched), ``logprobs`` (1 each) and ``penalties`` (presence,
-frequency and repetition, overlapped: ``overlap.PENALTIES`` on for it alone);
+frequency and repetition);
 ``NAME_sync`` runs NAME with overlap scheduling off. ``--sampling``:
 every request at temperature 1 with ``seed=i`` (``seeded``, the default), at temperature 1
 without a seed (``unseeded``) or at temperature 0 (``greedy``). Two engines (overlap on and
@@ -116,10 +116,8 @@ def run_variant(eng, name: str, tag: str, batch: int, max_tokens: int, sampling:
     CPU). ``profile``: a cProfile of the full-batch steps is written there (the 40 costliest
     functions by own time, then by cumulative time; the profiler slows every Python call,
     so these steps' times are not comparable with an unprofiled round's)."""
-    from latentserve.engine import overlap
     from latentserve.sampling_params import SamplingParams
 
-    overlap.PENALTIES = name == "penalties"  # the overlapped penalties (off by default)
     extra = dict(EXTRA[name])
     if "min_tokens" in extra:
         extra["min_tokens"] = max_tokens

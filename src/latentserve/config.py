@@ -141,8 +141,7 @@ class EngineConfig:
         "they ignore it)")
     overlap_schedule: bool | None = option(
         None, "schedule and prepare the next step while the device runs this one (default "
-        "on cuda; every family, tensor parallel too; steps with logprobs or penalties run "
-        "synchronously)",
+        "on cuda; every family, tensor parallel, logprobs and penalties too)",
         flags=("--overlap-schedule",), off_flags=("--disable-overlap-schedule",))
     exit_semantics: str = option(
         "engine", "requests that do not say (exit_semantics) use this Huginn adaptive exit: "

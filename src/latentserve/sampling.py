@@ -4,15 +4,15 @@ Design notes: docs/internals.md, "latentserve.sampling"."""
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass
 
 import torch
 
 from latentserve.core import Req
 from latentserve.outputs import TokenLogprob
+from latentserve.penalties import PenaltyCounts, apply_penalties
 from latentserve.sampling_params import SamplingParams
-from latentserve.staging import HostToDevice, to_device
+from latentserve.staging import to_device
 
 
 @dataclass(slots=True)
@@ -69,18 +69,16 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
                          greedy: torch.Tensor | None = None,
                          mask: TokenMask | None = None,
                          bias: LogitBias | None = None,
-                         pending: torch.Tensor | None = None,
-                         copies: HostToDevice | None = None) -> SamplerOutput:
+                         penalties: PenaltyCounts | None = None) -> SamplerOutput:
     """One token per row of ``logits`` (``[B, vocab] float32``, not modified) for ``reqs``,
     with the requested log-probabilities (of the raw logits: vLLM's default
     ``raw_logprobs``). Penalties count ``answer_ids`` where present. ``generator``: for
     unseeded rows (None: global RNG); ``greedy``: ``[B] int64`` argmax the caller already
     has, used unless a row has penalties, a mask or a bias; ``mask``: a :class:`TokenMask` or
     None; ``bias``: a :class:`LogitBias` or None, added after the mask and before the
-    penalties (vLLM's order); ``pending``: ``[B] int64`` on the device, per row the answer
-    token its ``answer_ids`` hold as ``PENDING_ID`` (overlap mode), -1 for none: penalties
-    count it; ``copies``: the ``HostToDevice`` that copies the penalties' inputs (None: a
-    new one). Returns ``SamplerOutput`` on ``logits.device``, nothing read on the host."""
+    penalties (vLLM's order); ``penalties``: the engine's :class:`PenaltyCounts`, counted
+    for this step (None: each answer is counted here, whole). Returns ``SamplerOutput`` on
+    ``logits.device``, nothing read on the host."""
     raw = logits
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
     every = len(sampled) == len(reqs)  # no index ops (the usual batch)
@@ -97,14 +95,10 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
         logits = logits.clone() if logits is raw else logits
         logits.index_put_((bias.rows, bias.ids), bias.values.to(logits.dtype), accumulate=True)
         greedy = None
-    penalized = [b for b, r in enumerate(reqs) if r.params.has_penalties]
-    if len(penalized) == len(reqs):  # every row: no index copy (apply_penalties clones)
-        logits = apply_penalties(logits, reqs, pending, copies)
-    elif penalized:
-        rows = to_device(penalized, torch.long, logits.device)
-        logits = logits.clone() if logits is raw else logits
-        logits[rows] = apply_penalties(logits[rows], [reqs[b] for b in penalized],
-                                       None if pending is None else pending[rows], copies)
+    penalized = any(r.params.has_penalties for r in reqs)
+    if penalized:  # a new tensor; rows without penalties copied
+        logits = (apply_penalties(logits, reqs) if penalties is None
+                  else penalties.apply(logits, reqs))
     if sampled and every:
         out = _draw(logits, reqs, generator, race_bits)
     else:
@@ -253,59 +247,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
         return argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
     return logits.argmax(dim=-1)
-
-
-def apply_penalties(logits: torch.Tensor, reqs: list[Req], pending: torch.Tensor | None = None,
-                    copies: HostToDevice | None = None) -> torch.Tensor:
-    """Return ``logits`` (``[N, vocab]``, row i for ``reqs[i]``) with each request's
-    repetition, frequency and presence penalties applied (vLLM semantics, see the module
-    docstring), counting each request's ``answer_ids`` but a last ``PENDING_ID`` (overlap
-    mode: at most the last answer id is pending) and, from ``pending`` (``[N] int64`` on the
-    device, -1: none), one more token per row. Token ids must be below ``vocab``. The host's
-    values reach the device in one copy, through ``copies`` (a ``staging.HostToDevice`` on
-    ``logits.device``; None: a new one), queued without waiting."""
-    n, vocab = logits.shape
-    dev = logits.device
-    params = [r.params for r in reqs]
-    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    # one int64 copy: answer ids, then the prompt ids of rep_rows (t in all); the end of
-    # each of these n + r segments; each segment's row; the float64 bits of the penalties
-    ids: list[int] = []
-    ends: list[int] = []
-    for req in reqs:
-        answer = req.answer_ids
-        ids += answer[:-1] if answer and answer[-1] < 0 else answer  # PENDING_ID: `pending`
-        ends.append(len(ids))
-    m = len(ids)
-    for i in rep_rows:
-        ids += reqs[i].prompt_ids
-        ends.append(len(ids))
-    t, g = len(ids), len(ends)
-    packed = array.array("q", ids + ends + list(range(n)) + rep_rows)
-    packed.frombytes(array.array("d", [p.repetition_penalty for p in params]
-                                 + [p.frequency_penalty for p in params]
-                                 + [p.presence_penalty for p in params]).tobytes())
-    vals = (copies or HostToDevice(dev)).copy(packed)
-    seg = torch.searchsorted(vals[t : t + g], torch.arange(t, device=dev), right=True)
-    flat = torch.add(vals[:t], vals[t + g : t + 2 * g][seg], alpha=vocab)  # row * vocab + id
-    rep, freq, pres = vals[t + 2 * g :].view(torch.float64).to(logits.dtype).view(3, n)
-    counts = torch.zeros(n, vocab, dtype=logits.dtype, device=dev)
-    if m:  # exact: whole numbers added in any order
-        counts.view(-1).index_add_(0, flat[:m], torch.ones(m, dtype=logits.dtype, device=dev))
-    if pending is not None:
-        counts.scatter_add_(1, pending.clamp(min=0)[:, None],
-                            (pending >= 0).to(logits.dtype)[:, None])
-    logits = logits.clone()
-    if rep_rows:
-        seen = counts > 0
-        if t > m:
-            seen.view(-1).index_fill_(0, flat[m:], True)
-        # A tiny penalty can overflow a seen logit: held at float32's largest, not inf (NaN).
-        big = torch.finfo(logits.dtype).max
-        scaled = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
-        logits = torch.where(seen, scaled.clamp(-big, big), logits)
-    logits.addcmul_(freq[:, None], counts, value=-1)
-    return logits.addcmul_(pres[:, None], counts.clamp_(max=1), value=-1)  # counts: presence
 
 
 def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:

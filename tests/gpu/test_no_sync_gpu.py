@@ -23,8 +23,8 @@ ROWS = {
     "mixed": lambda i: {"temperature": (0.7, 1.0)[i % 2], "top_k": 20, "top_p": 0.9,
                         "min_p": 0.05},
     "seeded": lambda i: {"temperature": 1.0, "seed": i},
-    # logprobs travel to the host beside the tokens; penalties (overlap.PENALTIES on) count
-    # the pending token on the device (overlap._pending_tokens)
+    # logprobs travel to the host beside the tokens; penalties count the pending token on
+    # the device (PenaltyCounts.count)
     "scored": lambda i: {"temperature": (0.0, 1.0)[i % 2], "logprobs": i % 3,
                          "presence_penalty": 0.5, "frequency_penalty": 0.3,
                          "repetition_penalty": (1.0, 1.2)[i % 2]},
@@ -58,10 +58,7 @@ def _steady_steps_sync_free(engine: LLMEngine, fields: dict, kind: str, batch: i
 
 
 @pytest.mark.parametrize("kind", list(ROWS))
-def test_plain_decode_steps_do_not_sync(tmp_path, kind, monkeypatch):
-    from latentserve.engine import overlap
-
-    monkeypatch.setattr(overlap, "PENALTIES", True)  # the scored rows' penalties overlap too
+def test_plain_decode_steps_do_not_sync(tmp_path, kind):
     path = save_tiny(tmp_path / "llama", "llama", word_tokenizer=True)
     engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32",
                                     kv_slots=2048, max_model_len=256))

@@ -2,8 +2,7 @@
 prepares step k+1 before step k's tokens reach the host. Greedy tokens and first logits
 equal HF transformers' (cold, warm prefix cache, chunked prefill, preemption); sampled,
 stopped and aborted requests, logprobs, prompt logprobs and penalties give what the
-synchronous engine gives; no KV slot leaks. Penalties overlap only with
-``overlap.PENALTIES`` on (off by default: docs/benchmarks.md)."""
+synchronous engine gives; no KV slot leaks."""
 
 import dataclasses
 
@@ -111,16 +110,12 @@ def _scored_requests():
 
 @pytest.mark.parametrize("opts", [{}, {"max_num_batched_tokens": 7}, {"kv_slots": 160}],
                          ids=["plain", "chunked-prefill", "preemption"])
-def test_logprobs_and_penalties_overlap_and_equal_the_synchronous_engine(tiny_dirs, opts,
-                                                                          monkeypatch):
-    """Logprobs, prompt logprobs and (``overlap.PENALTIES`` on) penalties do not stop overlap
-    scheduling: the logprobs travel to the host beside the tokens, and a penalty counts the
-    answer token still on the device (``overlap._pending_tokens``). Tokens, finish reasons,
+def test_logprobs_and_penalties_overlap_and_equal_the_synchronous_engine(tiny_dirs, opts):
+    """Logprobs, prompt logprobs and penalties do not stop overlap scheduling: the logprobs
+    travel to the host beside the tokens, and the penalties' counts take the answer token
+    still on the device (``PenaltyCounts.count``). Tokens, finish reasons,
     logprobs and prompt logprobs equal the synchronous engine's, cold and with the prefix
     cache warm."""
-    from latentserve.engine import overlap
-
-    monkeypatch.setattr(overlap, "PENALTIES", True)
     requests = _scored_requests()
     sync = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), **opts))
     want = scored_outputs(sync, requests, 2)
@@ -183,7 +178,7 @@ def test_abort_with_logprobs_in_flight_frees_slots(tiny_dirs):
     assert [lp.token_id for lp in logprobs] == toks["lp"]
 
 
-def test_head_policy_sampling_and_penalties_do_not_overlap(tmp_path, tiny_dirs):
+def test_head_policy_sampling_does_not_overlap(tmp_path, tiny_dirs):
     from latentserve.engine import overlap
     from latentserve.latent.head_loop import set_policy_sampling
     from tests.support.head_models import save_head_model
@@ -197,12 +192,8 @@ def test_head_policy_sampling_and_penalties_do_not_overlap(tmp_path, tiny_dirs):
     plain = _engine(tiny_dirs)
     plain.add_request("q", [5, 6], SamplingParams(max_tokens=3, logprobs=1,
                                                   prompt_logprobs=1))
-    assert overlap.eligible(plain)  # logprobs overlap
     plain.add_request("r", [5, 6], SamplingParams(max_tokens=3, repetition_penalty=1.2))
-    assert not overlap.eligible(plain)  # penalties do not, by default (overlap.PENALTIES)
-    while plain.has_unfinished_requests():
-        plain.step()
-    assert overlap.eligible(plain)  # no live request with penalties left
+    assert overlap.eligible(plain)  # logprobs and penalties overlap
 
 
 def test_server_with_overlap_streams_what_the_synchronous_engine_generates(tiny_dirs):

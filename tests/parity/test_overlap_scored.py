@@ -1,9 +1,9 @@
 """Logprobs, prompt logprobs and penalties under overlap scheduling, for every family (issue
 27): a model of each family runs its mixed requests (latent phases, budgets, caps, stops,
 traces) with logprobs, prompt logprobs and the three penalties spread over them, in the
-synchronous and the overlapped engine (penalties overlapping too: ``overlap.PENALTIES``);
-tokens, finish reasons, latent step counts, logprobs and prompt logprobs are the same, cold
-and with the prefix cache warm, and the overlapped engine overlaps."""
+synchronous and the overlapped engine; tokens, finish reasons, latent step counts, logprobs
+and prompt logprobs are the same, cold and with the prefix cache warm, and the overlapped
+engine overlaps."""
 
 import dataclasses
 
@@ -52,17 +52,9 @@ def _scored(requests):
             for i, (p, sp) in enumerate(requests)]
 
 
-@pytest.fixture
-def penalties_overlap(monkeypatch):
-    """Let requests with penalties overlap (``overlap.PENALTIES``, off by default)."""
-    from latentserve.engine import overlap
-
-    monkeypatch.setattr(overlap, "PENALTIES", True)
-
-
 @pytest.mark.parametrize("model", list(MODELS))
 def test_overlapped_engine_scores_and_penalizes_like_the_synchronous_one(
-        tmp_path, smollm2_dir, penalties_overlap, model):
+        tmp_path, smollm2_dir, model):
     if model == "pccot-gpt2":
         pytest.importorskip("peft")  # PCCoT's adapter
     build, requests = MODELS[model]

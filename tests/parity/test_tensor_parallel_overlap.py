@@ -114,11 +114,10 @@ def _requests(family) -> list:
     return mixed_recurrent_requests(family)
 
 
-def test_tp_logprobs_and_penalties_overlap_and_equal_tp1(dirs, tp2, monkeypatch):
-    """Logprobs and penalties (the pending token counted on rank 0's device;
-    ``overlap.PENALTIES`` on) keep a TP=2 engine overlapped and give the synchronous TP=1
-    engine's outputs (prompt logprobs are refused under tensor parallelism)."""
-    monkeypatch.setattr(overlap, "PENALTIES", True)
+def test_tp_logprobs_and_penalties_overlap_and_equal_tp1(dirs, tp2):
+    """Logprobs and penalties (the pending token counted on rank 0's device) keep a TP=2
+    engine overlapped and give the synchronous TP=1 engine's outputs (prompt logprobs are
+    refused under tensor parallelism)."""
     from tests.parity.test_overlap_scored import SCORED
     from tests.support.overlap_runs import assert_same_scored, scored_outputs
 

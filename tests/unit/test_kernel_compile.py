@@ -84,6 +84,15 @@ CASES = [
     (OPS + "argmax", "_argmax_rows_kernel",  # argmax_of_chunks after the LM head; argmax_rows
      {"Vals": "*fp32", "Idx": "*i32", "Out": "*i64", "n_cols": "i32", "n_chunks": "i32"},
      [{**PDL, "BLOCK_C": 512, "num_warps": 4}, {**NO_PDL, "BLOCK_C": 16, "num_warps": 1}]),
+    # penalties: fp32 logits, int32 counts, the prompt's tokens as uint8, float64 penalties
+    (OPS + "penalties", "_penalize_kernel",
+     {"X": "*fp32", "Out": "*fp32", "Counts": "*i32", "Prompt": "*u8", "Rows": "*i64",
+      "Params": "*fp64", "big": "fp32",
+      **_sig("n_rows n_cols stride_x stride_o stride_c", "i32")},
+     [{"BLOCK": 2048, "num_warps": 8}]),
+    (OPS + "penalties", "_count_kernel",
+     {"Counts": "*i32", "Entries": "*i64", "Tokens": "*i64", "n": "i32"},
+     [{"BLOCK": 256}]),
     # the model's inputs
     (OPS + "decode_inputs", "_decode_inputs_kernel",  # Slots: no alignment specialization
      {**_sig("Packed Pending Table Slots Ids Pos Rows", "*i64"), "KvLens": "*i32",

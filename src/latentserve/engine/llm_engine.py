@@ -43,6 +43,7 @@ from latentserve.models.checkpoint import (
 )
 from latentserve.models.generation_config import sampling_defaults
 from latentserve.outputs import StepOutput, attach_logprobs
+from latentserve.penalties import PenaltyCounts
 from latentserve.sampling import TokenMask
 from latentserve.sampling_params import SamplingParams
 from latentserve.scheduler.cache import CacheManager
@@ -164,10 +165,10 @@ class LLMEngine:
         self.score_copies = DeviceToHost()  # overlap mode: the sampled tokens' logprobs
         self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
         self._bias_copies: Any = None  # staging.HostToDevice of the logit bias, first use
-        self._penalty_copies: Any = None  # staging.HostToDevice of the penalties, first use
         self._static_mask: tuple | None = None  # (token_masks.static_key, its TokenMask)
         self._biased: set[str] = set()  # live requests that set logit_bias
-        self.penalized: set[str] = set()  # live requests with penalties (overlap.eligible)
+        self.penalized: set[str] = set()  # live requests with penalties
+        self.penalties = PenaltyCounts(self.vocab_size, self.device)  # their token counts
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         self.prompt_logprobs = PromptLogprobTracker()
@@ -335,13 +336,6 @@ class LLMEngine:
         self._static_mask = None if key is None else (key, mask)
         return mask
 
-    def penalty_copies(self, device) -> HostToDevice:
-        """The ``staging.HostToDevice`` that copies the penalties' inputs to ``device``."""
-        device = torch.device(device)
-        if self._penalty_copies is None or self._penalty_copies.device != device:
-            self._penalty_copies = HostToDevice(device, slots=6)  # two copies a step
-        return self._penalty_copies
-
     def logit_bias(self, reqs: list[Req], device):
         """The sampler's ``LogitBias`` for ``reqs`` (None: no row has one), copied to
         ``device`` without waiting (``logit_bias.batch_logit_bias``); no pass over ``reqs``
@@ -399,6 +393,8 @@ class LLMEngine:
             if self.runner.prompt_hidden:
                 self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
             sampling_reqs = self._after_forward(batch)
+            if self.penalized:
+                self.penalties.count(sampling_reqs)
             mask = self.token_mask(sampling_reqs, logits.device)
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
                                             mask, self.logit_bias(sampling_reqs, logits.device))
@@ -422,22 +418,22 @@ class LLMEngine:
             self._rids.discard(o.rid)
             self._biased.discard(o.rid)
             self.penalized.discard(o.rid)
+            self.penalties.release(o.rid)
             if (st := o.latent_stats) is not None:
                 log.debug("latent head: req %s thinking=%s steps=%d stop_step=%s max_p=%s "
                           "end=%s", o.rid, st["thinking"], st["steps"], st["stop_step"],
                           st["max_stop_prob"], st["end"])
         return outs
 
-    def _sample(self, logits, reqs, greedy=None, mask=None, bias=None, pending=None
+    def _sample(self, logits, reqs, greedy=None, mask=None, bias=None
                 ) -> tuple[list[int], list]:
         """Tokens and logprobs, batched; row by row when that fails (a failing row gets
-        token 0 and its rid in ``_failed``). ``pending``: see ``sample_with_logprobs``."""
+        token 0 and its rid in ``_failed``). Penalties: counted for this step already."""
         if not reqs:
             return [], []
         try:
-            copies = self.penalty_copies(logits.device) if self.penalized else None
             res = sampling.sample_with_logprobs(logits, reqs, greedy=greedy, mask=mask,
-                                                bias=bias, pending=pending, copies=copies)
+                                                bias=bias, penalties=self.penalties)
             return res.tokens.tolist(), res.logprobs
         except Exception:  # noqa: BLE001 - find the failing rows below
             log.exception("batched sampling failed; sampling %d rows one by one", len(reqs))
@@ -450,8 +446,7 @@ class LLMEngine:
                 res = sampling.sample_with_logprobs(
                     logits[b : b + 1], [req], mask=one,
                     bias=None if bias is None else self.logit_bias([req], logits.device),
-                    pending=None if pending is None else pending[b : b + 1],
-                    copies=self.penalty_copies(logits.device))
+                    penalties=self.penalties)
                 tokens.append(int(res.tokens[0]))
                 logprobs.append(res.logprobs[0])
             except Exception as exc:  # noqa: BLE001 - fails this request only

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,19 +37,10 @@ class Launched:
     logprobs: Callable[[], list] | None = None
 
 
-# Whether a live request with penalties lets the engine overlap (the penalties then count
-# the answer token still on the device: _pending_tokens). Off: such steps were slower
-# overlapped than synchronous in session 32's runs (docs/benchmarks.md, "Logprobs and
-# penalties under overlap scheduling"); tests and A/B runs turn it on.
-PENALTIES = False
-
-
 def eligible(engine) -> bool:
-    """Whether ``engine``'s next step may overlap: overlap scheduling on, a family that
-    overlaps (``Family.overlaps``) and, unless ``PENALTIES``, no live request with
-    penalties (``LLMEngine.penalized``)."""
-    return (engine.config.use_overlap_schedule and engine.family.overlaps
-            and (PENALTIES or not engine.penalized))
+    """Whether ``engine``'s next step may overlap: overlap scheduling on and a family that
+    overlaps (``Family.overlaps``)."""
+    return engine.config.use_overlap_schedule and engine.family.overlaps
 
 
 def step(engine) -> list:
@@ -92,14 +82,14 @@ def step(engine) -> list:
 def _launch(engine, batch, prev: Launched | None) -> Launched:
     """Launch ``batch``'s forward (``prev``'s tokens as its pending ids), sampling, latent
     inputs and host copy without waiting for the device."""
-    pending = _pending_tokens(engine, batch, prev)
+    _count_penalties(engine, batch, prev)
     logits, hidden = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
     if engine.runner.prompt_hidden:  # prompt logprobs: waits for this forward
         engine.prompt_logprobs.record(engine.runner.model, engine.runner.prompt_hidden)
     reqs = engine._after_forward(batch)
     # NOTE: greedy tokens may view a graph's static buffer (last_greedy), read only by the
     # host copy and the next step's input kernel, both queued before the next replay.
-    tokens, logprobs, failed = _sample(engine, logits, reqs, _known(reqs, prev), pending)
+    tokens, logprobs, failed = _sample(engine, logits, reqs, _known(reqs, prev))
     # rows in their latent phase: the next inputs, on the device (their tokens are not read)
     latents = engine.family.latent_inputs(reqs, logits, hidden, None)
     host, event = _host_copy(tokens, engine.token_copies)
@@ -140,30 +130,21 @@ def _known(reqs: list, prev: Launched | None) -> dict | None:
             in zip(prev.pending, prev.host.tolist()) if idx is not None}
 
 
-def _pending_tokens(engine, batch, prev: Launched | None) -> torch.Tensor | None:
-    """``[S] int64`` on the device: per sampling row of ``batch``, the token of ``prev`` that
-    its answer holds as ``PENDING_ID`` (-1: none), for the penalties; None when no row has
-    penalties. Queued before ``batch``'s forward, whose replay may overwrite the graph
-    buffer that ``prev.tokens`` views."""
-    if prev is None or not engine.penalized:  # O(1) on the usual step
-        return None
+def _count_penalties(engine, batch, prev: Launched | None) -> None:
+    """Count the answer tokens that ``batch``'s rows with penalties gained
+    (``PenaltyCounts.count``), the one ``prev`` still holds on the device among them; queued
+    before ``batch``'s forward, whose replay may overwrite the graph buffer that
+    ``prev.tokens`` views."""
+    if not engine.penalized:  # O(1) on the usual step
+        return
     reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
-    if not any(r.params.has_penalties for r in reqs):
-        return None
-    idx = array("q")
-    for r in reqs:
-        j = prev.src.get(id(r))
-        at = None if j is None else prev.pending[j][1]
-        answer = at is not None and r.answer_start is not None and at >= r.answer_start
-        idx.append(j if answer and j is not None else -1)
-    if max(idx) < 0:
-        return None
-    rows = engine.penalty_copies(prev.tokens.device).copy(idx)
-    return torch.where(rows >= 0, prev.tokens[rows.clamp(min=0)], -1)
+    if prev is None:
+        engine.penalties.count(reqs)
+    else:
+        engine.penalties.count(reqs, prev.src, prev.pending, prev.tokens)
 
 
-def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None,
-            pending: torch.Tensor | None = None
+def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None
             ) -> tuple[torch.Tensor, Callable[[], list] | None, dict]:
     """``([S] int64 tokens on the device, the logprobs' reader or None, rid -> error of
     failed rows)``, not waited for (the logprobs are copied to the host beside the tokens);
@@ -174,13 +155,11 @@ def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None,
     bias = engine.logit_bias(reqs, logits.device)
     try:
         res = sampling.sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,
-                                            mask=mask, bias=bias, pending=pending,
-                                            copies=engine.penalty_copies(logits.device)
-                                            if engine.penalized else None)
+                                            mask=mask, bias=bias, penalties=engine.penalties)
     except Exception:  # noqa: BLE001 - the fallback below names the failing rows
         res = None
     if res is None:  # outside the except: the fallback's own logs chain no traceback
-        tokens, logprobs = engine._sample(logits, reqs, mask=mask, bias=bias, pending=pending)
+        tokens, logprobs = engine._sample(logits, reqs, mask=mask, bias=bias)
         failed = {r.rid: engine._failed.pop(r.rid) for r in reqs if r.rid in engine._failed}
         known_lps = (lambda: logprobs) if any(lp is not None for lp in logprobs) else None
         return to_device(tokens, torch.int64, logits.device), known_lps, failed
