@@ -253,7 +253,12 @@ def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Ten
     """Row i of raw ``logits`` ``[N, vocab]`` scoring ``targets[i]`` (``[N] int64``), packed
     on the logits' device as ``[N, 3 + 2k] float64`` (ids and ranks are exact in float64):
     target, its log-probability (raw log-softmax), its rank, then the top ``k`` ids and their
-    log-probabilities. :func:`unpack_scores` reads it."""
+    log-probabilities. :func:`unpack_scores` reads it. On CUDA two kernels and a ``topk``
+    (``ops.kernels.logprobs``: the same values within float32 rounding), else torch."""
+    if logits.is_cuda and logits.stride(-1) == 1:
+        from latentserve.ops.kernels.logprobs import score_rows_cuda
+
+        return score_rows_cuda(logits, targets, k)
     lsm = torch.log_softmax(logits.float(), dim=-1)
     lp = lsm.gather(1, targets[:, None])
     rank = (lsm > lp).sum(-1, keepdim=True) + 1

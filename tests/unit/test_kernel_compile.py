@@ -84,6 +84,15 @@ CASES = [
     (OPS + "argmax", "_argmax_rows_kernel",  # argmax_of_chunks after the LM head; argmax_rows
      {"Vals": "*fp32", "Idx": "*i32", "Out": "*i64", "n_cols": "i32", "n_chunks": "i32"},
      [{**PDL, "BLOCK_C": 512, "num_warps": 4}, {**NO_PDL, "BLOCK_C": 16, "num_warps": 1}]),
+    # logprobs of the sampled tokens: fp32 logits, a float64 row per token
+    (OPS + "logprobs", "_score_kernel",
+     {"X": "*fp32", "Targets": "*i64", "Out": "*fp64", "Stats": "*fp32",
+      **_sig("n_cols stride_x stride_o", "i32")},
+     [{"BLOCK": 4096, "num_warps": 8}]),
+    (OPS + "logprobs", "_pack_top_kernel",
+     {"Vals": "*fp32", "Idx": "*i64", "Stats": "*fp32", "Out": "*fp64", "k": "i32",
+      "stride_o": "i32"},
+     [{"BLOCK_K": 1}, {"BLOCK_K": 32}]),
     # penalties: fp32 logits, int32 counts, the prompt's tokens as uint8, float64 penalties
     (OPS + "penalties", "_penalize_kernel",
      {"X": "*fp32", "Out": "*fp32", "Counts": "*i32", "Prompt": "*u8", "Rows": "*i64",
