@@ -259,6 +259,11 @@ def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Ten
         from latentserve.ops.kernels.logprobs import score_rows_cuda
 
         return score_rows_cuda(logits, targets, k)
+    return score_rows_torch(logits, targets, k)
+
+
+def score_rows_torch(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`score_rows` in torch, on any device (the CPU path)."""
     lsm = torch.log_softmax(logits.float(), dim=-1)
     lp = lsm.gather(1, targets[:, None])
     rank = (lsm > lp).sum(-1, keepdim=True) + 1
