@@ -305,6 +305,26 @@ def test_vllm_options_that_change_nothing_are_taken_at_those_values(tiny_dirs):
             LLM(model=str(tiny_dirs["llama"]), **{name: value})
 
 
+def test_generate_and_chat_take_vllms_lora_request_and_priority_where_they_do_nothing(
+        tiny_dirs):
+    """``lora_request=None`` and ``priority`` None or all 0 (vLLM scripts pass them); a
+    LoRA request or a non-zero priority is refused naming it, before anything runs."""
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    params = SamplingParams(max_tokens=2, temperature=0)
+    want = llm.generate([[5, 6], [7]], params, use_tqdm=False)
+    got = llm.generate([[5, 6], [7]], params, use_tqdm=False, lora_request=None,
+                       priority=[0, 0])
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for kwargs, name in (({"lora_request": object()}, "lora_request"),
+                         ({"priority": [0, 1]}, "priority")):
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            llm.generate([[5, 6]], params, use_tqdm=False, **kwargs)
+    with pytest.raises(ValueError, match="^lora_request must be"):
+        llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False,
+                 lora_request=object())
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_vllm_sampling_fields_that_change_nothing_are_taken_at_those_values():
     """vLLM's ``best_of`` (None, 1 or n), ``detokenize``, ``spaces_between_special_tokens``
     and ``logits_processors`` at their defaults; other values are refused naming them;

@@ -71,13 +71,17 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = True, lora_request: None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order, each with ``params.n`` completions
         (choice i: ``seed + i``). A prompt is a string, token ids, or vLLM's ``{"prompt"}`` /
         ``{"prompt_token_ids"}``; ``sampling_params``: one, or one per prompt; a prompt is cut
         to its last ``truncate_prompt_tokens`` ids (-1: ``max_model_len``; at most
-        ``max_model_len - 1``, which leaves the engine room for one output token). ValueError
+        ``max_model_len - 1``, which leaves the engine room for one output token). vLLM's
+        ``lora_request`` is taken as None only (adapters are merged at load) and ``priority``
+        as None or all 0 (one queue, first come first served). ValueError
         (``NoTokenizerError`` for text without tokenizer files) before anything runs."""
+        _check_no_effect(lora_request, priority)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -149,13 +153,15 @@ class LLM:
              use_tqdm: bool | Callable[..., Any] = True,
              chat_template_kwargs: dict | None = None, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request: None = None
+             ) -> list[RequestOutput]:
         """Render one conversation or a list of them as ``/v1/chat/completions`` does (vLLM's
         ``LLM.chat`` arguments), then :meth:`generate`; template thinking sets unset
         ``params.thinking``. ValueError naming the message or field (``NoTokenizerError``)."""
         # NOTE: latent.head imports torch (LLM imports it at construction, not at import)
         from latentserve.latent.head import template_thinking
 
+        _check_no_effect(lora_request, None)
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         sampling_params = self._params_list(sampling_params, len(convs))
         from_kwargs = template_thinking(chat_template_kwargs)
@@ -224,3 +230,14 @@ def _children(params: SamplingParams) -> list[SamplingParams]:
                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             for i in range(params.n)]
 
+
+def _check_no_effect(lora_request, priority) -> None:
+    """ValueError naming ``lora_request`` (not None) or ``priority`` (not None or all 0):
+    vLLM's per-request LoRA and priority scheduling, which this engine does not serve."""
+    if lora_request is not None:
+        raise ValueError("lora_request must be None: per-request LoRA adapters are not "
+                         "served (a LoRA adapter directory is merged at load: "
+                         "LLM(model=ADAPTER_DIR))")
+    if priority is not None and any(p != 0 for p in priority):
+        raise ValueError("priority must be None or all 0: requests are served first come, "
+                         "first served")
