@@ -135,8 +135,8 @@ class PenaltyCounts:
     def apply(self, logits: torch.Tensor, reqs) -> torch.Tensor:
         """A new ``[S, V]`` tensor: ``logits`` (``[S, V]``, row i for ``reqs[i]``, not
         modified) with each request's penalties applied from its counts (rows of requests
-        without penalties copied). Not waited for. RuntimeError for a request with penalties
-        that was never counted."""
+        without penalties copied). Not waited for. ValueError when ``V`` is not the counts'
+        vocabulary; RuntimeError for a request with penalties that was never counted."""
         if logits.shape[1] != self.vocab:
             raise ValueError(f"logits have {logits.shape[1]} columns, the counts {self.vocab}")
         n = len(reqs)
