@@ -20,7 +20,8 @@ class PenaltyCounts:
     ``prompt`` (``[R, vocab] bool``: the tokens of its prompt, for the repetition penalty),
     on ``device``. A row is taken at a request's first :meth:`count` (the tensors grow by
     doubling) and given back by :meth:`release`. A step costs O(batch) host work and two
-    small copies: the answer is not sent again."""
+    small copies: the answer is not sent again. ``live``: whether a request announced by
+    :meth:`add` has not been released (the engine counts only then)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str,
                  key: Callable[[Any], Hashable] = operator.attrgetter("rid")):
@@ -32,6 +33,7 @@ class PenaltyCounts:
         self._rows: dict[Hashable, int] = {}  # key -> row
         self._counted: dict[Hashable, int] = {}  # key -> answer tokens in its counts row
         self._free: list[int] = []
+        self._live: set[Hashable] = set()  # add()ed, not released
         self._epoch = 0  # changes whenever a row is taken or given back
         self._applied: tuple | None = None  # ((epoch, ids of the requests), their rows)
         self._last: dict[str, tuple[array, torch.Tensor]] = {}  # _copy's last per tag
@@ -39,6 +41,14 @@ class PenaltyCounts:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def add(self, key: Hashable) -> None:
+        """Announce a live request with penalties (``live`` until :meth:`release`)."""
+        self._live.add(key)
+
+    @property
+    def live(self) -> bool:
+        return bool(self._live)
 
     def count(self, reqs, src: dict[int, int] | None = None, slots: list | None = None,
               tokens: torch.Tensor | None = None) -> None:
@@ -161,7 +171,8 @@ class PenaltyCounts:
         return penalize_reference(logits, self.counts, self.prompt, rows_d, params_d)
 
     def release(self, key: Hashable) -> None:
-        """Give the row of the request with ``key`` back (no-op without one)."""
+        """The request with ``key`` left: its row goes back (no-op without one)."""
+        self._live.discard(key)
         row = self._rows.pop(key, None)
         if row is not None:
             del self._counted[key]

@@ -167,8 +167,7 @@ class LLMEngine:
         self._bias_copies: Any = None  # staging.HostToDevice of the logit bias, first use
         self._static_mask: tuple | None = None  # (token_masks.static_key, its TokenMask)
         self._biased: set[str] = set()  # live requests that set logit_bias
-        self.penalized: set[str] = set()  # live requests with penalties
-        self.penalties = PenaltyCounts(self.vocab_size, self.device)  # their token counts
+        self.penalties = PenaltyCounts(self.vocab_size, self.device)  # token counts, if any
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
         self.prompt_logprobs = PromptLogprobTracker()
@@ -191,7 +190,7 @@ class LLMEngine:
         if params.has_logit_bias:
             self._biased.add(rid)
         if params.has_penalties:
-            self.penalized.add(rid)
+            self.penalties.add(rid)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs.add(rid, len(prompt_token_ids), params.prompt_logprobs)
         self.scheduler.add(req)
@@ -393,7 +392,7 @@ class LLMEngine:
             if self.runner.prompt_hidden:
                 self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
             sampling_reqs = self._after_forward(batch)
-            if self.penalized:
+            if self.penalties.live:
                 self.penalties.count(sampling_reqs)
             mask = self.token_mask(sampling_reqs, logits.device)
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
@@ -417,7 +416,6 @@ class LLMEngine:
         for o in (o for o in outs if o.finished):
             self._rids.discard(o.rid)
             self._biased.discard(o.rid)
-            self.penalized.discard(o.rid)
             self.penalties.release(o.rid)
             if (st := o.latent_stats) is not None:
                 log.debug("latent head: req %s thinking=%s steps=%d stop_step=%s max_p=%s "

@@ -135,7 +135,7 @@ def _count_penalties(engine, batch, prev: Launched | None) -> None:
     (``PenaltyCounts.count``), the one ``prev`` still holds on the device among them; queued
     before ``batch``'s forward, whose replay may overwrite the graph buffer that
     ``prev.tokens`` views."""
-    if not engine.penalized:  # O(1) on the usual step
+    if not engine.penalties.live:  # O(1) on the usual step
         return
     reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
     if prev is None:
