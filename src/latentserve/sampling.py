@@ -82,12 +82,18 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
     raw = logits
     sampled = [b for b, r in enumerate(reqs) if not r.params.greedy]
     every = len(sampled) == len(reqs)  # no index ops (the usual batch)
-    # a mask of every row, every row racing: the race applies the bits (no masked copy)
-    race_bits = None
-    if (mask is not None and bias is None and generator is None and every
-            and mask.rows == sampled and not any(r.params.has_penalties for r in reqs)
+    # a mask of every row, every row racing or every row greedy: the race or the argmax
+    # kernel applies the bits (no masked copy)
+    race_bits = argmax_bits = None
+    whole = (mask is not None and bias is None and _races_on(logits)
+             and len(mask.rows) == len(reqs) and mask.rows == list(range(len(reqs)))
+             and not any(r.params.has_penalties for r in reqs))
+    if (whole and mask is not None and generator is None and every
             and _one_race(logits, [r.params for r in reqs], [r.generator for r in reqs])):
         race_bits = mask.bits.contiguous()
+    elif whole and mask is not None and not sampled and logits.dtype in (
+            torch.float32, torch.bfloat16, torch.float16):
+        argmax_bits, greedy = mask.bits.contiguous(), None
     elif mask is not None:
         logits = apply_token_mask(logits, mask)
         greedy = None
@@ -102,7 +108,8 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
     if sampled and every:
         out = _draw(logits, reqs, generator, race_bits)
     else:
-        out = greedy if greedy is not None and not penalized else greedy_tokens(logits)
+        out = (greedy if greedy is not None and not penalized
+               else greedy_tokens(logits, argmax_bits))
         if sampled:
             idx = to_device(sampled, torch.long, logits.device)
             drawn = _draw(logits[idx], [reqs[b] for b in sampled], generator, None)
@@ -237,15 +244,21 @@ def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     return allowed[:, :vocab]
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` (``[B, vocab]`` -> ``[B] int64``): on CUDA the two-pass
-    Triton kernel ``ops.kernels.argmax.argmax_rows`` (the same indices) for fp32/bf16/fp16
-    logits, else torch."""
-    if (logits.is_cuda and logits.dim() == 2 and logits.shape[1] > 0
+def greedy_tokens(logits: torch.Tensor, bits: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (``[B, vocab]`` -> ``[B] int64``): on CUDA (or where
+    :func:`_races_on`) the two-pass Triton kernel ``ops.kernels.argmax.argmax_rows`` (the
+    same indices) for fp32/bf16/fp16 logits, else torch. ``bits``: a ``[B, W]`` int32 token
+    mask of every row (``TokenMask.bits``), applied first, or None."""
+    if ((logits.is_cuda or (bits is not None and _races_on(logits))) and logits.dim() == 2
+            and logits.shape[1] > 0
             and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         from latentserve.ops.kernels.argmax import argmax_rows
 
-        return argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+        return argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous(),
+                           bits=bits)
+    if bits is not None:
+        logits = logits.clone()
+        _apply_bitmask(logits, bits)
     return logits.argmax(dim=-1)
 
 

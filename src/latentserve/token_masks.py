@@ -128,7 +128,7 @@ class RequestMask:
     start, the grammar starts after the reasoning (vLLM's rule). ``consumed``: answer tokens
     fed to the matcher;
     ``failed``: it refused one (the grammar is dropped, logged); ``terminated``: it accepted
-    its end."""
+    its end, one of ``end_ids`` (the grammar's stop ids)."""
 
     def __init__(self, params, vocab_size: int, stop_ids: set[int],
                  bad_words: list[list[int]] | None = None, matcher=None,
@@ -141,7 +141,7 @@ class RequestMask:
             _check_allowed(set(params.allowed_token_ids), set(self.stop_ids),
                            {w[0] for w in bad_words or () if len(w) == 1}, params.min_tokens)
         # the grammar ends only on accepting one of these (xgrammar's default)
-        self._stops = frozenset(matcher.stop_token_ids) if matcher is not None else frozenset()
+        self.end_ids = frozenset(matcher.stop_token_ids) if matcher is not None else frozenset()
         self.bad_words = bad_words or []
         self.matcher = matcher
         self.think = think
@@ -178,25 +178,38 @@ class RequestMask:
         if self._after_think and not self.think.ended:
             self.think.update(_patched(ids, start, len(ids), patch))
 
+    def unfed(self, ids: list[int], start: int = 0, stop: int | None = None,
+              patch: tuple[int, int] | None = None) -> list[int]:
+        """The answer tokens the matcher has not seen (empty while the grammar is off); the
+        answer and ``patch`` as for :meth:`sync`."""
+        if not self.grammar_on:
+            return []
+        stop = len(ids) if stop is None else stop
+        i = start + self.grammar_from + self.consumed
+        new = ids[i:stop]
+        if patch is not None and i <= patch[0] < stop:
+            new[patch[0] - i] = patch[1]
+        return new
+
+    def took(self, token: int, accepted: bool) -> None:
+        """Record the matcher's answer (``accepted``) to ``token``, the next unfed one."""
+        self.consumed += 1
+        if not accepted:
+            log.warning("the grammar refused answer token %d; it is no longer applied to this "
+                        "request", token)
+            self.failed = True
+        elif token in self.end_ids:
+            self.terminated = self.matcher.is_terminated()
+
     def sync(self, ids: list[int], start: int = 0, stop: int | None = None,
              patch: tuple[int, int] | None = None) -> None:
         """Feed the matcher the answer tokens it has not seen: the answer is ``ids[start:stop]``
         (``stop`` None: to the end); ``patch``: ``(index, token)``, ``ids[index]`` being a
         pending id whose token is known (overlap mode). O(new tokens)."""
-        stop = len(ids) if stop is None else stop
-        if not self.grammar_on:
-            return
-        i = start + self.grammar_from + self.consumed
-        while i < stop and self.grammar_on:
-            t = patch[1] if patch is not None and i == patch[0] else ids[i]
-            self.consumed += 1
-            if not self.matcher.accept_token(t):
-                log.warning("the grammar refused answer token %d; it is no longer applied to "
-                            "this request", t)
-                self.failed = True
-            elif t in self._stops:
-                self.terminated = self.matcher.is_terminated()
-            i += 1
+        for t in self.unfed(ids, start, stop, patch):
+            self.took(t, self.matcher.accept_token(t))
+            if not self.grammar_on:
+                break
 
     def restricts(self, n: int) -> bool:
         """Whether :meth:`restrict` changes a row at answer length ``n``."""
@@ -272,6 +285,14 @@ def _batcher():
     return xgrammar.BatchGrammarMatcher(max(1, min(8, cpus // 2)))
 
 
+@functools.cache
+def _filler():
+    """The one worker thread that runs grammar fills beside the engine's thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1, thread_name_prefix="latentserve-grammar")
+
+
 def _answer_start(r) -> int:
     """Where ``r``'s answer starts in ``output_ids`` (its end in the latent phase: no answer)."""
     return len(r.output_ids) if r.answer_start is None else r.answer_start
@@ -297,8 +318,19 @@ def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None):
     """``(rows, bits)`` for the requests of ``reqs`` with a ``constraint``: ``bits[i]`` (an
     ``[M, W] int32`` CPU tensor, written into ``out[:M]`` when given) is ``reqs[rows[i]]``'s
     mask; None when none has one. ``known``: ``id(req) -> (index, token)`` for a pending id
-    whose token is on the host (overlap mode). Each grammar is fed its unseen answer tokens,
-    then the grammars fill in one threaded xgrammar call; O(batch + new tokens) per step."""
+    whose token is on the host (overlap mode). :func:`begin_bitmask`, waited for."""
+    begun = begin_bitmask(reqs, vocab_size, known, out)
+    return None if begun is None else begun.result()
+
+
+def begin_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
+                  background: bool = False) -> PendingBitmask | None:
+    """Start :func:`batch_bitmask` of ``reqs`` (None: no row has a constraint): each grammar
+    is fed its unseen answer tokens (one batched xgrammar call for the usual one token a
+    row), then the grammars fill their rows in one threaded xgrammar call, which runs
+    without the GIL. ``background``: both on the worker thread, so the caller's thread goes
+    on (a forward launch). The other masks are ANDed in by :meth:`PendingBitmask.result`;
+    nothing may touch the grammars of ``reqs`` until then. O(batch + new tokens)."""
     import torch
 
     rows = [b for b, r in enumerate(reqs) if r.constraint is not None]
@@ -306,33 +338,93 @@ def batch_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None):
         return None
     bits = (torch.empty(len(rows), bitmask_width(vocab_size), dtype=torch.int32)
             if out is None else out[: len(rows)])
-    arr = bits.numpy()
-    gi, others, matchers = [], [], []
-    for i, b in enumerate(rows):
-        r = reqs[b]
-        c = r.constraint
-        if c.matcher is not None and r.answer_start is not None:
+    job = PendingBitmask(reqs, rows, bits, vocab_size, known)
+    if background:
+        job._pending = _filler().submit(job.fill)
+    else:
+        job.fill()
+    return job
+
+
+def settle(begun: PendingBitmask | None) -> None:
+    """Wait for ``begun``'s fill on an error path, logging (not raising) what it raised."""
+    if begun is None:
+        return
+    try:
+        begun.wait()
+    except Exception:  # noqa: BLE001 - the caller re-raises its own error
+        log.exception("a grammar fill failed while the step failed")
+
+
+class PendingBitmask:
+    """:func:`begin_bitmask`'s masks: ``reqs`` (the list it was given), ``rows`` and ``bits``
+    as :func:`batch_bitmask` returns them once :meth:`result` has run; ``grammar_rows``: the
+    indices of ``bits`` a grammar fills (once fed)."""
+
+    def __init__(self, reqs, rows: list[int], bits, vocab_size: int, known: dict | None):
+        self.reqs, self.rows, self.bits = reqs, rows, bits
+        self.grammar_rows: list[int] = []
+        self._vocab_size, self._known = vocab_size, known
+        self._pending = None  # the worker's future
+        self._done = False
+
+    def fill(self) -> None:
+        """Feed the grammars their unseen answer tokens, then fill their rows of ``bits``."""
+        reqs, rows, known = self.reqs, self.rows, self._known
+        fed_c, fed_t = [], []  # rows with exactly one token to feed: one batched call
+        for b in rows:
+            r = reqs[b]
+            c = r.constraint
+            if c.matcher is None or r.answer_start is None:
+                continue
             patch = None if known is None else known.get(id(r))
-            c.watch(r.output_ids, r.answer_start, patch)
-            c.sync(r.output_ids, r.answer_start, None, patch)
-        if c.grammar_on:
-            gi.append(i)
-            matchers.append(c.matcher)
-        else:
-            others.append(i)
-    if others:
-        arr[others] = -1
-    if len(gi) > 1:
-        _batcher().batch_fill_next_token_bitmask(matchers, bits, gi)
-    elif gi:
-        matchers[0].fill_next_token_bitmask(bits, gi[0])
-    if gi:
-        _clear_padding(arr, vocab_size)  # harmless on the all-ones rows
-    for i, b in enumerate(rows):
-        r = reqs[b]
-        c = r.constraint
-        stop, start = len(r.output_ids), _answer_start(r)
-        if c.restricts(stop - start):
-            c.restrict(arr[i], r.output_ids, stop, c.grammar_on, start,
-                       None if known is None else known.get(id(r)))
-    return rows, bits
+            if c._after_think:
+                c.watch(r.output_ids, r.answer_start, patch)
+            new = c.unfed(r.output_ids, r.answer_start, None, patch)
+            if len(new) == 1:
+                fed_c.append(c)
+                fed_t.append(new[0])
+            elif new:
+                c.sync(r.output_ids, r.answer_start, None, patch)
+        if fed_c:
+            import xgrammar
+
+            ok = xgrammar.BatchGrammarMatcher.batch_accept_token([c.matcher for c in fed_c],
+                                                                 fed_t)
+            for c, t, a in zip(fed_c, fed_t, ok):
+                c.took(t, a)
+        gi = self.grammar_rows = [i for i, b in enumerate(rows)
+                                  if reqs[b].constraint.grammar_on]
+        if len(gi) > 1:
+            _batcher().batch_fill_next_token_bitmask([reqs[rows[i]].constraint.matcher
+                                                      for i in gi], self.bits, gi)
+        elif gi:
+            reqs[rows[gi[0]]].constraint.matcher.fill_next_token_bitmask(self.bits, gi[0])
+
+    def wait(self) -> None:
+        """Wait for the worker (re-raising what it raised); idempotent."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def result(self):
+        """``(rows, bits)``: the worker waited for, the other masks ANDed in (once)."""
+        self.wait()
+        if self._done:
+            return self.rows, self.bits
+        self._done = True
+        arr = self.bits.numpy()
+        gset = set(self.grammar_rows)
+        if len(gset) < len(self.rows):
+            arr[[i for i in range(len(self.rows)) if i not in gset]] = -1
+        if gset:
+            _clear_padding(arr, self._vocab_size)  # harmless on the all-ones rows
+        known = self._known
+        for i, b in enumerate(self.rows):
+            r = self.reqs[b]
+            c = r.constraint
+            stop, start = len(r.output_ids), _answer_start(r)
+            if c.restricts(stop - start):
+                c.restrict(arr[i], r.output_ids, stop, i in gset, start,
+                           None if known is None else known.get(id(r)))
+        return self.rows, self.bits

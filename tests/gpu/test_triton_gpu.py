@@ -233,6 +233,14 @@ def test_argmax_kernel_equals_torch_argmax(rows, vocab):
         x[-1, [vocab - 1, 4100, 9000]] = torch.tensor([0.0, -0.0, 0.0], device="cuda")
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    # a token mask (greedy rows under a grammar): the argmax of the masked copy
+    from latentserve.sampling import TokenMask, apply_token_mask
+
+    bits = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), generator=g,
+                         device="cuda", dtype=torch.int64).to(torch.int32)
+    bits[0] = 0
+    want = apply_token_mask(x, TokenMask(list(range(rows)), bits)).argmax(dim=-1)
+    assert torch.equal(argmax_rows(x, bits=bits), want)
 
 
 @pytest.mark.parametrize("rows,vocab", [(64, 128256), (16, 49152)])

@@ -95,3 +95,28 @@ def test_argmax_of_chunks_rejects_bad_buffers():
         argmax_of_chunks(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int64), 10)
     with pytest.raises(ValueError, match="float32 and int32"):
         argmax_of_chunks(torch.zeros(2, 3), torch.zeros(3, 2, dtype=torch.int32), 10)
+
+
+@pytest.mark.parametrize("v,block", [(1000, 128), (70, 16)])
+def test_a_token_mask_equals_masking_then_torch_argmax(v, block):
+    """``bits`` read as -inf where they disallow: the indices of ``apply_token_mask`` then
+    ``torch.argmax``, also for a row whose best tokens are masked, a row that allows nothing
+    (index 0), a masked NaN and words short of the vocabulary (columns past them masked)."""
+    from latentserve.sampling import TokenMask, apply_token_mask
+    from latentserve.token_masks import bitmask_width
+
+    x = _cases(torch.float32, v, seed=v + 1)
+    g = torch.Generator().manual_seed(v)
+    bits = torch.randint(-2**31, 2**31 - 1, (11, bitmask_width(v)), generator=g,
+                         dtype=torch.int64).to(torch.int32)
+    bits[0] = 0  # nothing allowed
+    bits[3] = -1  # the NaN row unmasked, then its NaNs masked in row 10
+    bits[10, (v - 1) // 32] = 0
+    bits[10, 3 // 32] &= ~(1 << 3)
+    want = apply_token_mask(x, TokenMask(list(range(11)), bits)).argmax(dim=-1)
+    assert torch.equal(argmax_rows(x, block=block, bits=bits), want)
+    short = bits[:, :1].contiguous()  # only ids 0..31 may be taken
+    want = apply_token_mask(x, TokenMask(list(range(11)), short)).argmax(dim=-1)
+    assert torch.equal(argmax_rows(x, block=block, bits=short), want)
+    with pytest.raises(ValueError, match="bits must be"):
+        argmax_rows(x, bits=bits[:3])

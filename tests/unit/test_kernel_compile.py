@@ -78,9 +78,9 @@ CASES = [
      [{"PER_ROW": p, "MASKED": m, "BLOCK": 4096, "num_warps": 8}
       for p in (True, False) for m in (False, True)]),
     (OPS + "argmax", "_argmax_chunks_kernel",
-     {"X": "*fp32", "Vals": "*fp32", "Idx": "*i32", "n_cols": "i32", "n_chunks": "i32",
-      "stride_x": "i32"},
-     [{"BLOCK": 4096, "num_warps": 8}]),
+     {"X": "*fp32", "Bits": "*i32", "Vals": "*fp32", "Idx": "*i32", "n_cols": "i32",
+      "n_chunks": "i32", "stride_x": "i32", "n_words": "i32"},
+     [{"MASKED": m, "BLOCK": 4096, "num_warps": 8} for m in (False, True)]),
     (OPS + "argmax", "_argmax_rows_kernel",  # argmax_of_chunks after the LM head; argmax_rows
      {"Vals": "*fp32", "Idx": "*i32", "Out": "*i64", "n_cols": "i32", "n_chunks": "i32"},
      [{**PDL, "BLOCK_C": 512, "num_warps": 4}, {**NO_PDL, "BLOCK_C": 16, "num_warps": 1}]),

@@ -100,6 +100,29 @@ def test_a_mask_of_every_row_is_applied_in_the_race(races, monkeypatch):
                                 mask=one_word).tokens.tolist() == [5, 5]
 
 
+def test_a_mask_of_every_greedy_row_is_applied_in_the_argmax(races, monkeypatch):
+    """Every row masked and greedy: the argmax kernel reads the bits (no masked copy) and
+    gives the masked copy's argmax, the graph's unmasked argmax ignored; a mask of some rows
+    keeps the masked copy."""
+    logits = torch.randn(4, 70, generator=torch.Generator().manual_seed(6))
+    bits = torch.zeros(4, bitmask_width(70), dtype=torch.int32)
+    bits[:, 1] = (1 << 3) | (1 << 9)  # ids 35 and 41
+    bits[2, 0] = -1
+    bits[3] = 0  # nothing allowed: index 0, as torch's argmax of an all -inf row
+    copies = []
+    real_apply = sampling.apply_token_mask
+    monkeypatch.setattr(sampling, "apply_token_mask",
+                        lambda *a: copies.append(1) or real_apply(*a))
+    reqs = _reqs(*[{"temperature": 0}] * 4)
+    want = real_apply(logits, TokenMask([0, 1, 2, 3], bits)).argmax(dim=-1)
+    got = sample_with_logprobs(logits, reqs, greedy=logits.argmax(dim=-1),
+                               mask=TokenMask([0, 1, 2, 3], bits)).tokens
+    assert torch.equal(got, want) and copies == [] and races == []
+    some = sample_with_logprobs(logits, reqs, mask=TokenMask([1, 3], bits[[1, 3]])).tokens
+    assert copies == [1] and some[[1, 3]].tolist() == want[[1, 3]].tolist()
+    assert some[[0, 2]].tolist() == logits[[0, 2]].argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize("params", [{"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1},
                                     {"seed": 3}])
 def test_filters_and_seeds_keep_the_torch_path(races, params):

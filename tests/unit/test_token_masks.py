@@ -514,12 +514,13 @@ def _end_check(r, n):
         r.constraint.sync(r.output_ids, 0, n)
 
 
-def test_rows_from_pending_ids_equal_the_synchronous_rows(smollm2_tokenizer):
+@pytest.mark.parametrize("background", [False, True])
+def test_rows_from_pending_ids_equal_the_synchronous_rows(smollm2_tokenizer, background):
     """Two copies of a mixed batch (grammars, grammars with ``min_tokens`` and ``bad_words``,
     a static mask, no mask) walk the same random allowed tokens for 40 steps: one with each
     token in ``output_ids`` before the step (``LLMEngine.step``), one with it as a pending
-    id whose token is ``known`` and finalized a step later (``engine/overlap.py``); every
-    step's bitmask is the same."""
+    id whose token is ``known`` and finalized a step later (``engine/overlap.py``), fed and
+    filled on the worker thread when ``background``; every step's bitmask is the same."""
     pytest.importorskip("xgrammar")
     from latentserve.scheduler.scheduler import PENDING_ID
     from latentserve.structured import Grammars
@@ -531,7 +532,7 @@ def test_rows_from_pending_ids_equal_the_synchronous_rows(smollm2_tokenizer):
     for step in range(40):
         known = None if prev is None else {id(r): (step - 1, t) for r, t in zip(got, prev)}
         ref = token_masks.batch_bitmask(want, GVOCAB)
-        mine = token_masks.batch_bitmask(got, GVOCAB, known)
+        mine = token_masks.begin_bitmask(got, GVOCAB, known, background=background).result()
         assert ref[0] == mine[0] and torch.equal(ref[1], mine[1]), step
         toks = []
         for b in range(len(want)):
@@ -551,6 +552,84 @@ def test_rows_from_pending_ids_equal_the_synchronous_rows(smollm2_tokenizer):
             r.output_ids.append(PENDING_ID)
         prev = toks
     assert any(r.constraint.consumed for r in got[:4])
+
+
+@pytest.mark.parametrize("overlap,worker", [(False, True), (True, True), (True, False)])
+def test_grammar_masks_fill_on_the_worker_beside_the_forward(tiny_dirs, monkeypatch, overlap,
+                                                             worker):
+    """``LLMEngine.begin_token_mask``: a batch with grammar rows has its grammars fed and
+    filled before the forward (overlap: when the previous tokens are on the host, always on
+    the CPU), on the worker thread where ``grammar_worker`` (CUDA's default; the CPU's is
+    the engine's thread); the outputs are those of the engine without it (``token_mask``
+    built after the forward); a forward that raises waits for the fill before the error
+    leaves the step."""
+    import threading
+    import time
+
+    from latentserve.config import EngineConfig
+    from latentserve.engine.llm_engine import LLMEngine
+
+    params = [SamplingParams(max_tokens=16, temperature=t, seed=3,
+                             structured_outputs={"json": SCHEMA} if i % 2 else {"regex": "[a-z ]+"})
+              for i, t in enumerate([0, 1.0, 0, 1.0])]
+    prompts = [[1 + i, 50 + i, 700 + i] for i in range(len(params))]
+    eng = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), max_num_seqs=8,
+                                 overlap_schedule=overlap))
+    assert not eng.grammar_worker  # on the CPU
+    eng.grammar_worker = worker
+    threads, in_flight = [], []
+    real_fill, real_run = token_masks.PendingBitmask.fill, eng.runner.run
+
+    def fill(self, *a, **k):
+        threads.append(threading.current_thread().name)
+        return real_fill(self, *a, **k)
+
+    def run(*a, **k):
+        in_flight.append(len(threads))
+        return real_run(*a, **k)
+
+    monkeypatch.setattr(token_masks.PendingBitmask, "fill", fill)
+    monkeypatch.setattr(eng.runner, "run", run)
+    got = _run_engine(eng, params, prompts)
+    assert threads and set(threads) == {"latentserve-grammar_0" if worker else "MainThread"}
+    assert max(in_flight) > 0  # fills were submitted before a forward began
+    monkeypatch.setattr(eng, "begin_token_mask", lambda *a, **k: None)  # built after it
+    assert _run_engine(eng, params, prompts) == got
+    monkeypatch.undo()
+
+    done = []
+
+    def slow_fill(self, *a, **k):
+        time.sleep(0.3)
+        real_fill(self, *a, **k)
+        done.append(True)
+
+    def broken_run(*a, **k):
+        raise RuntimeError("forward failed")
+
+    eng.add_request("x", prompts[1], params[1])
+    eng.step()  # the prompt; its first token is being sampled (overlap) or sampled
+    monkeypatch.setattr(token_masks.PendingBitmask, "fill", slow_fill)
+    monkeypatch.setattr(eng.runner, "run", broken_run)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        eng.step()
+    assert done == [True]  # the fill ended before the error left the step
+
+
+def test_a_mask_begun_for_other_rows_is_waited_for_and_built_anew(llm, smollm2_tokenizer):
+    """``LLMEngine.token_mask`` given a ``begin_token_mask`` of another row list (a family
+    changed the sampled rows): the rows of a fresh ``batch_bitmask``."""
+    pytest.importorskip("xgrammar")
+    from latentserve.structured import Grammars
+
+    tok = smollm2_tokenizer
+    grammars = Grammars(tok, GVOCAB, {tok.eos_token_id})
+    want, got = _grammar_reqs(grammars, tok), _grammar_reqs(grammars, tok)
+    engine = llm.engine
+    begun = engine.begin_token_mask(got)
+    mask = engine.token_mask(got[1:], "cpu", begun=begun)
+    rows, bits = token_masks.batch_bitmask(want[1:], GVOCAB)
+    assert mask.rows == rows and torch.equal(mask.bits, bits)
 
 
 def test_static_key_changes_only_with_what_a_static_mask_reads():

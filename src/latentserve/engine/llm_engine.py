@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import threading
 from numbers import Integral
 from typing import Any
@@ -166,6 +167,9 @@ class LLMEngine:
         self._mask_copies: Any = None  # staging.BitmaskToDevice of the token masks, first use
         self._bias_copies: Any = None  # staging.HostToDevice of the logit bias, first use
         self._static_mask: tuple | None = None  # (token_masks.static_key, its TokenMask)
+        # grammars fill on a worker thread beside the forward launch (a CPU forward takes
+        # every core: there the fill runs on the engine's thread, before the forward)
+        self.grammar_worker = self.device.type == "cuda"
         self._biased: set[str] = set()  # live requests that set logit_bias
         self.penalties = PenaltyCounts(self.vocab_size, self.device)  # token counts, if any
         self._arrivals = 0
@@ -317,9 +321,27 @@ class LLMEngine:
         return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
                            words, matcher, think)
 
-    def token_mask(self, reqs: list[Req], device, known: dict | None = None):
+    def begin_token_mask(self, reqs: list[Req], known: dict | None = None):
+        """Start the token masks of ``reqs`` before their forward: a
+        ``token_masks.PendingBitmask`` whose grammar fill runs on the worker thread, for
+        :meth:`token_mask`; None when no row has a grammar (nothing worth starting)."""
+        if not any(r.constraint is not None and r.constraint.matcher is not None
+                   for r in reqs):
+            return None
+        out = self._mask_host(self.device, len(reqs))
+        return token_masks.begin_bitmask(reqs, self.vocab_size, known, out,
+                                         background=self.grammar_worker)
+
+    def token_mask(self, reqs: list[Req], device, known: dict | None = None, begun=None):
         """The sampler's ``TokenMask`` for ``reqs`` (None: no constraint), copied to
-        ``device`` without waiting; ``known``: see ``token_masks.batch_bitmask``."""
+        ``device`` without waiting; ``known``: see ``token_masks.batch_bitmask``; ``begun``:
+        :meth:`begin_token_mask`'s result, used when it was begun for these ``reqs``."""
+        if begun is not None:
+            if len(begun.reqs) == len(reqs) and all(map(operator.is_, begun.reqs, reqs)):
+                rows, bits = begun.result()
+                self._static_mask = None
+                return TokenMask(rows, self._mask_copies.copy(bits))
+            begun.wait()  # the grammars are free again; built anew below
         if not any(r.constraint is not None for r in reqs):
             return None
         device = torch.device(device)
@@ -327,13 +349,20 @@ class LLMEngine:
         if (key is not None and self._static_mask is not None and self._static_mask[0] == key
                 and self._static_mask[1].bits.device == device):
             return self._static_mask[1]  # unchanged static masks: the rows already copied
-        if self._mask_copies is None or self._mask_copies.device != device:
-            self._mask_copies = BitmaskToDevice(device)
-        out = self._mask_copies.host(len(reqs), bitmask_width(self.vocab_size))
+        out = self._mask_host(device, len(reqs))
         rows, bits = token_masks.batch_bitmask(reqs, self.vocab_size, known, out)
         mask = TokenMask(rows, self._mask_copies.copy(bits))
         self._static_mask = None if key is None else (key, mask)
         return mask
+
+    def _mask_host(self, device, rows: int) -> torch.Tensor:
+        """The next host buffer of ``rows`` bitmask rows for copies to ``device``."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # as logits.device names it
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self._mask_copies is None or self._mask_copies.device != device:
+            self._mask_copies = BitmaskToDevice(device)
+        return self._mask_copies.host(rows, bitmask_width(self.vocab_size))
 
     def logit_bias(self, reqs: list[Req], device):
         """The sampler's ``LogitBias`` for ``reqs`` (None: no row has one), copied to
@@ -388,13 +417,18 @@ class LLMEngine:
         if batch is None:
             outs = self.scheduler.drain_aborted()
         else:
-            logits, last_hidden = self.runner.run(batch)
-            if self.runner.prompt_hidden:
-                self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
-            sampling_reqs = self._after_forward(batch)
-            if self.penalties.live:
-                self.penalties.count(sampling_reqs)
-            mask = self.token_mask(sampling_reqs, logits.device)
+            begun = self.begin_token_mask([r for r, s in zip(batch.reqs, batch.sample) if s])
+            try:  # the grammars fill beside the forward
+                logits, last_hidden = self.runner.run(batch)
+                if self.runner.prompt_hidden:
+                    self.prompt_logprobs.record(self.runner.model, self.runner.prompt_hidden)
+                sampling_reqs = self._after_forward(batch)
+                if self.penalties.live:
+                    self.penalties.count(sampling_reqs)
+                mask = self.token_mask(sampling_reqs, logits.device, begun=begun)
+            except BaseException:
+                token_masks.settle(begun)
+                raise
             tokens, logprobs = self._sample(logits, sampling_reqs, self.runner.last_greedy,
                                             mask, self.logit_bias(sampling_reqs, logits.device))
             latents = self.family.latent_inputs(sampling_reqs, logits, last_hidden, tokens)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from latentserve import sampling  # by module: tests patch what the engine calls
+from latentserve import sampling, token_masks  # by module: tests patch what the engine calls
 from latentserve.core import ReqStatus
 from latentserve.outputs import attach_logprobs
 from latentserve.staging import DeviceToHost, to_device
@@ -81,15 +81,24 @@ def step(engine) -> list:
 
 def _launch(engine, batch, prev: Launched | None) -> Launched:
     """Launch ``batch``'s forward (``prev``'s tokens as its pending ids), sampling, latent
-    inputs and host copy without waiting for the device."""
+    inputs and host copy without waiting for the device; the token masks' grammars fill
+    beside the forward launch when ``prev``'s tokens are on the host already."""
     _count_penalties(engine, batch, prev)
-    logits, hidden = engine.runner.run(batch, None if prev is None else (prev.tokens, prev.src))
-    if engine.runner.prompt_hidden:  # prompt logprobs: waits for this forward
-        engine.prompt_logprobs.record(engine.runner.model, engine.runner.prompt_hidden)
-    reqs = engine._after_forward(batch)
-    # NOTE: greedy tokens may view a graph's static buffer (last_greedy), read only by the
-    # host copy and the next step's input kernel, both queued before the next replay.
-    tokens, logprobs, failed = _sample(engine, logits, reqs, _known(reqs, prev))
+    begun, known = _begin_mask(engine, batch, prev)
+    try:
+        logits, hidden = engine.runner.run(batch,
+                                           None if prev is None else (prev.tokens, prev.src))
+        if engine.runner.prompt_hidden:  # prompt logprobs: waits for this forward
+            engine.prompt_logprobs.record(engine.runner.model, engine.runner.prompt_hidden)
+        reqs = engine._after_forward(batch)
+        if begun is None:
+            known = _known(reqs, prev)
+        # NOTE: greedy tokens may view a graph's static buffer (last_greedy), read only by
+        # the host copy and the next step's input kernel, both queued before the next replay.
+        tokens, logprobs, failed = _sample(engine, logits, reqs, known, begun)
+    except BaseException:
+        token_masks.settle(begun)
+        raise
     # rows in their latent phase: the next inputs, on the device (their tokens are not read)
     latents = engine.family.latent_inputs(reqs, logits, hidden, None)
     host, event = _host_copy(tokens, engine.token_copies)
@@ -97,6 +106,20 @@ def _launch(engine, batch, prev: Launched | None) -> Launched:
         engine.runner.graphs.wait_before_replay(event)
     return Launched(batch, latents, [], tokens, host, event, {}, failed, logprobs)
 
+
+def _begin_mask(engine, batch, prev: Launched | None) -> tuple[Any, dict | None]:
+    """``(LLMEngine.begin_token_mask's result, known)`` for ``batch``'s sampling rows when
+    their masks read tokens and ``prev``'s are on the host already (a host-bound step:
+    checked without waiting); ``(None, None)`` otherwise: the masks wait for the forward's
+    launch."""
+    if not any(r.constraint is not None and r.constraint.matcher is not None
+               for r in batch.reqs):
+        return None, None
+    if prev is not None and prev.event is not None and not prev.event.query():
+        return None, None
+    reqs = [r for r, s in zip(batch.reqs, batch.sample) if s]
+    known = _known(reqs, prev)
+    return engine.begin_token_mask(reqs, known), known
 
 def finish(engine, launched: Launched) -> list:
     """Wait for ``launched``'s tokens and finish its requests (``finalize_launched``); its
@@ -144,14 +167,16 @@ def _count_penalties(engine, batch, prev: Launched | None) -> None:
         engine.penalties.count(reqs, prev.src, prev.pending, prev.tokens)
 
 
-def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None
-            ) -> tuple[torch.Tensor, Callable[[], list] | None, dict]:
+def _sample(engine, logits: torch.Tensor, reqs: list, known: dict | None = None,
+            begun=None) -> tuple[torch.Tensor, Callable[[], list] | None, dict]:
     """``([S] int64 tokens on the device, the logprobs' reader or None, rid -> error of
     failed rows)``, not waited for (the logprobs are copied to the host beside the tokens);
-    the engine's row-by-row fallback when the batched sampler raises."""
+    the engine's row-by-row fallback when the batched sampler raises. ``begun``: see
+    ``LLMEngine.token_mask``."""
     if not reqs:
+        token_masks.settle(begun)
         return torch.empty(0, dtype=torch.int64, device=logits.device), None, {}
-    mask = engine.token_mask(reqs, logits.device, known)
+    mask = engine.token_mask(reqs, logits.device, known, begun)
     bias = engine.logit_bias(reqs, logits.device)
     try:
         res = sampling.sample_with_logprobs(logits, reqs, greedy=engine.runner.last_greedy,

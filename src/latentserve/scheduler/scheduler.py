@@ -298,9 +298,11 @@ class Scheduler:
                 or tok in p.stop_token_ids):
             return "stop"
         c = req.constraint
-        if c is not None and c.matcher is not None and req.answer_start is not None:
+        # only an end id ends a grammar (an ignored EOS): fed here; other ids are fed when
+        # the next mask is built
+        if c is not None and tok in c.end_ids and req.answer_start is not None:
             c.sync(req.output_ids, req.answer_start, n)
-            if c.terminated:  # the grammar took its end (an ignored EOS): done
+            if c.terminated:
                 return "stop"
         # answer = len(req.answer_ids), without copying them
         spent = n if self.family.latents_count_as_output(req) else answer

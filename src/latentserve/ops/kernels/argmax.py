@@ -37,12 +37,25 @@ def first_max_rows(vals, idx, n):
 
 
 @triton.jit
-def _argmax_chunks_kernel(X, Vals, Idx, n_cols, n_chunks, stride_x, BLOCK: tl.constexpr):
+def allowed_cols(Bits, row, offs, ok, n_words):
+    """Which columns ``offs`` of ``row`` a token bitmask allows (bit t % 32 of word t // 32;
+    words past ``n_words`` allow nothing), within ``ok``."""
+    word = offs // 32
+    w = tl.load(Bits + row.to(tl.int64) * n_words + word, mask=ok & (word < n_words), other=0)
+    return ok & (((w >> (offs % 32)) & 1) != 0)
+
+
+@triton.jit
+def _argmax_chunks_kernel(X, Bits, Vals, Idx, n_cols, n_chunks, stride_x, n_words,
+                          MASKED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_cols
-    x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=ok, other=-float("inf"))
+    take = ok
+    if MASKED:
+        take = allowed_cols(Bits, row, offs, ok, n_words)
+    x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=take, other=-float("inf"))
     v, i = _first_max(x.to(tl.float32), tl.where(ok, offs, n_cols), n_cols)
     tl.store(Vals + row * n_chunks + chunk, v)
     tl.store(Idx + row * n_chunks + chunk, i)
@@ -75,12 +88,26 @@ def check_rows(x: torch.Tensor, block: int, name: str = "x") -> None:
         raise ValueError(f"block must be a power of 2 >= 16, got {block}")
 
 
-def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
+def check_bits(bits: torch.Tensor | None, x: torch.Tensor) -> None:
+    """Raise ValueError unless ``bits`` is None or a contiguous ``[B, W]`` int32 token
+    bitmask on ``x``'s device (``x``: ``[B, V]`` logits)."""
+    b = x.shape[0]
+    if bits is not None and (bits.dim() != 2 or bits.shape[0] != b or bits.dtype != torch.int32
+                             or not bits.is_contiguous() or bits.device != x.device):
+        raise ValueError(f"bits must be a contiguous [{b}, W] int32 tensor on {x.device}, "
+                         f"got {tuple(bits.shape)} {bits.dtype} on {bits.device}")
+
+
+def argmax_rows(x: torch.Tensor, block: int = 4096, bits: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """``torch.argmax(x, dim=-1)`` bit for bit, in two passes: ``x`` ``[B, V]``
-    fp32/bf16/fp16, last dim contiguous; ``block`` a power of 2 >= 16. Returns ``[B] int64``
-    (the first NaN where a row has one). Raises ValueError for another shape, stride, dtype
-    or block."""
+    fp32/bf16/fp16, last dim contiguous; ``block`` a power of 2 >= 16. ``bits``: a token
+    mask, ``[B, W]`` int32 contiguous on ``x``'s device (bit ``t % 32`` of ``bits[b, t // 32]``
+    set = token t allowed; columns past ``32 W`` disallowed), read as -inf where it
+    disallows, or None. Returns ``[B] int64`` (the first NaN where a row has one). Raises
+    ValueError for another shape, stride, dtype, block or mask."""
     check_rows(x, block)
+    check_bits(bits, x)
     b, v = x.shape
     out = torch.empty(b, dtype=torch.int64, device=x.device)
     if b == 0:
@@ -88,7 +115,9 @@ def argmax_rows(x: torch.Tensor, block: int = 4096) -> torch.Tensor:
     n_chunks = triton.cdiv(v, block)
     vals = torch.empty(b, n_chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(b, n_chunks, dtype=torch.int32, device=x.device)
-    _argmax_chunks_kernel[(b, n_chunks)](x, vals, idx, v, n_chunks, x.stride(0), BLOCK=block,
+    _argmax_chunks_kernel[(b, n_chunks)](x, x if bits is None else bits, vals, idx, v, n_chunks,
+                                         x.stride(0), 0 if bits is None else bits.shape[1],
+                                         MASKED=bits is not None, BLOCK=block,
                                          num_warps=8 if block >= 2048 else 4)
     _argmax_rows_kernel[(b,)](vals, idx, out, v, n_chunks, PDL=False,
                               BLOCK_C=max(16, triton.next_power_of_2(n_chunks)), num_warps=1)

@@ -9,7 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
-from latentserve.ops.kernels.argmax import _first_max, argmax_of_chunks, check_rows
+from latentserve.ops.kernels.argmax import (
+    _first_max,
+    allowed_cols,
+    argmax_of_chunks,
+    check_bits,
+    check_rows,
+)
 
 
 @triton.jit(do_not_specialize=["temp", "seed"])
@@ -21,11 +27,8 @@ def _gumbel_chunks_kernel(X, Temps, Bits, Vals, Idx, temp, seed, n_cols, n_chunk
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n_cols
     take = ok
-    if MASKED:  # token t allowed where bit t % 32 of word t // 32 is set; else read as -inf
-        word = offs // 32
-        w = tl.load(Bits + row.to(tl.int64) * n_words + word, mask=ok & (word < n_words),
-                    other=0)
-        take = ok & (((w >> (offs % 32)) & 1) != 0)
+    if MASKED:  # a disallowed token is read as -inf
+        take = allowed_cols(Bits, row, offs, ok, n_words)
     x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=take, other=-float("inf"))
     t = tl.load(Temps + row) if PER_ROW else temp
     # one Philox stream per row; u held above 0 (the smallest normal float32): no log(0)
@@ -63,10 +66,7 @@ def gumbel_sample_rows(logits: torch.Tensor, temperature: float | torch.Tensor, 
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         temps, temp = logits, float(temperature)  # Temps is not read
-    if bits is not None and (bits.dim() != 2 or bits.shape[0] != b or bits.dtype != torch.int32
-                             or not bits.is_contiguous() or bits.device != logits.device):
-        raise ValueError(f"bits must be a contiguous [{b}, W] int32 tensor on {logits.device}, "
-                         f"got {tuple(bits.shape)} {bits.dtype} on {bits.device}")
+    check_bits(bits, logits)
     if b == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
     n_chunks = triton.cdiv(v, block)
