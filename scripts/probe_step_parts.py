@@ -82,6 +82,7 @@ def main() -> None:
             (token_masks, "batch_bitmask", "batch_bitmask"),
             (token_masks, "begin_bitmask", "begin_bitmask"),
             (token_masks.PendingBitmask, "result", "bitmask_result"),
+            (token_masks.PendingBitmask, "build", "bitmask_build_any_thread"),
             (eng, "begin_token_mask", "begin_token_mask"),
             (sampling, "apply_token_mask", "apply_token_mask"),
             (staging._Ring, "take", "ring_take"), (torch.cuda.Event, "synchronize", "event_sync"),

@@ -327,10 +327,11 @@ def begin_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
                   background: bool = False) -> PendingBitmask | None:
     """Start :func:`batch_bitmask` of ``reqs`` (None: no row has a constraint): each grammar
     is fed its unseen answer tokens (one batched xgrammar call for the usual one token a
-    row), then the grammars fill their rows in one threaded xgrammar call, which runs
-    without the GIL. ``background``: both on the worker thread, so the caller's thread goes
-    on (a forward launch). The other masks are ANDed in by :meth:`PendingBitmask.result`;
-    nothing may touch the grammars of ``reqs`` until then. O(batch + new tokens)."""
+    row), the grammars fill their rows in one threaded xgrammar call, which runs without
+    the GIL, and the other masks are ANDed in. ``background``: all of it on the worker
+    thread, so the caller's thread goes on (a forward launch); nothing may touch the
+    grammars of ``reqs`` until :meth:`PendingBitmask.result` (or ``wait``). O(batch + new
+    tokens)."""
     import torch
 
     rows = [b for b, r in enumerate(reqs) if r.constraint is not None]
@@ -340,14 +341,14 @@ def begin_bitmask(reqs, vocab_size: int, known: dict | None = None, out=None,
             if out is None else out[: len(rows)])
     job = PendingBitmask(reqs, rows, bits, vocab_size, known)
     if background:
-        job._pending = _filler().submit(job.fill)
+        job._pending = _filler().submit(job.build)
     else:
-        job.fill()
+        job.build()
     return job
 
 
 def settle(begun: PendingBitmask | None) -> None:
-    """Wait for ``begun``'s fill on an error path, logging (not raising) what it raised."""
+    """Wait for ``begun``'s worker on an error path, logging (not raising) what it raised."""
     if begun is None:
         return
     try:
@@ -358,18 +359,16 @@ def settle(begun: PendingBitmask | None) -> None:
 
 class PendingBitmask:
     """:func:`begin_bitmask`'s masks: ``reqs`` (the list it was given), ``rows`` and ``bits``
-    as :func:`batch_bitmask` returns them once :meth:`result` has run; ``grammar_rows``: the
-    indices of ``bits`` a grammar fills (once fed)."""
+    as :func:`batch_bitmask` returns them, complete once :meth:`result` returns."""
 
     def __init__(self, reqs, rows: list[int], bits, vocab_size: int, known: dict | None):
         self.reqs, self.rows, self.bits = reqs, rows, bits
-        self.grammar_rows: list[int] = []
         self._vocab_size, self._known = vocab_size, known
         self._pending = None  # the worker's future
-        self._done = False
 
-    def fill(self) -> None:
-        """Feed the grammars their unseen answer tokens, then fill their rows of ``bits``."""
+    def build(self) -> None:
+        """Feed the grammars their unseen answer tokens, fill their rows of ``bits``, then AND
+        in the other masks (all-ones rows where no grammar is on)."""
         reqs, rows, known = self.reqs, self.rows, self._known
         fed_c, fed_t = [], []  # rows with exactly one token to feed: one batched call
         for b in rows:
@@ -393,13 +392,25 @@ class PendingBitmask:
                                                                  fed_t)
             for c, t, a in zip(fed_c, fed_t, ok):
                 c.took(t, a)
-        gi = self.grammar_rows = [i for i, b in enumerate(rows)
-                                  if reqs[b].constraint.grammar_on]
+        on = [reqs[b].constraint.grammar_on for b in rows]
+        gi = [i for i, g in enumerate(on) if g]
         if len(gi) > 1:
             _batcher().batch_fill_next_token_bitmask([reqs[rows[i]].constraint.matcher
                                                       for i in gi], self.bits, gi)
         elif gi:
             reqs[rows[gi[0]]].constraint.matcher.fill_next_token_bitmask(self.bits, gi[0])
+        arr = self.bits.numpy()
+        if len(gi) < len(rows):
+            arr[[i for i, g in enumerate(on) if not g]] = -1
+        if gi:
+            _clear_padding(arr, self._vocab_size)  # harmless on the all-ones rows
+        for i, b in enumerate(rows):
+            r = reqs[b]
+            c = r.constraint
+            stop, start = len(r.output_ids), _answer_start(r)
+            if c.restricts(stop - start):
+                c.restrict(arr[i], r.output_ids, stop, on[i], start,
+                           None if known is None else known.get(id(r)))
 
     def wait(self) -> None:
         """Wait for the worker (re-raising what it raised); idempotent."""
@@ -408,23 +419,6 @@ class PendingBitmask:
             pending.result()
 
     def result(self):
-        """``(rows, bits)``: the worker waited for, the other masks ANDed in (once)."""
+        """``(rows, bits)``, the worker waited for."""
         self.wait()
-        if self._done:
-            return self.rows, self.bits
-        self._done = True
-        arr = self.bits.numpy()
-        gset = set(self.grammar_rows)
-        if len(gset) < len(self.rows):
-            arr[[i for i in range(len(self.rows)) if i not in gset]] = -1
-        if gset:
-            _clear_padding(arr, self._vocab_size)  # harmless on the all-ones rows
-        known = self._known
-        for i, b in enumerate(self.rows):
-            r = self.reqs[b]
-            c = r.constraint
-            stop, start = len(r.output_ids), _answer_start(r)
-            if c.restricts(stop - start):
-                c.restrict(arr[i], r.output_ids, stop, i in gset, start,
-                           None if known is None else known.get(id(r)))
         return self.rows, self.bits

@@ -578,7 +578,7 @@ def test_grammar_masks_fill_on_the_worker_beside_the_forward(tiny_dirs, monkeypa
     assert not eng.grammar_worker  # on the CPU
     eng.grammar_worker = worker
     threads, in_flight = [], []
-    real_fill, real_run = token_masks.PendingBitmask.fill, eng.runner.run
+    real_fill, real_run = token_masks.PendingBitmask.build, eng.runner.run
 
     def fill(self, *a, **k):
         threads.append(threading.current_thread().name)
@@ -588,7 +588,7 @@ def test_grammar_masks_fill_on_the_worker_beside_the_forward(tiny_dirs, monkeypa
         in_flight.append(len(threads))
         return real_run(*a, **k)
 
-    monkeypatch.setattr(token_masks.PendingBitmask, "fill", fill)
+    monkeypatch.setattr(token_masks.PendingBitmask, "build", fill)
     monkeypatch.setattr(eng.runner, "run", run)
     got = _run_engine(eng, params, prompts)
     assert threads and set(threads) == {"latentserve-grammar_0" if worker else "MainThread"}
@@ -609,7 +609,7 @@ def test_grammar_masks_fill_on_the_worker_beside_the_forward(tiny_dirs, monkeypa
 
     eng.add_request("x", prompts[1], params[1])
     eng.step()  # the prompt; its first token is being sampled (overlap) or sampled
-    monkeypatch.setattr(token_masks.PendingBitmask, "fill", slow_fill)
+    monkeypatch.setattr(token_masks.PendingBitmask, "build", slow_fill)
     monkeypatch.setattr(eng.runner, "run", broken_run)
     with pytest.raises(RuntimeError, match="forward failed"):
         eng.step()
