@@ -195,7 +195,10 @@ def test_chat_takes_vllms_arguments_and_content_parts(llm):
                             chat_template="{{ tools[0].function.name }}|{{ messages[0].content }}")
     assert with_tool.prompt == "get_weather|Hi there"
     with pytest.raises(ValueError, match="continue_final_message needs a final message"):
-        llm.chat(conv, greedy, use_tqdm=False, continue_final_message=True)
+        llm.chat(conv, greedy, use_tqdm=False, add_generation_prompt=False,
+                 continue_final_message=True)
+    with pytest.raises(ValueError, match="needs add_generation_prompt=False"):
+        llm.chat(cont, greedy, use_tqdm=False, continue_final_message=True)  # as vLLM
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}], greedy, use_tqdm=False)
     llm.engine.cache.check_idle()

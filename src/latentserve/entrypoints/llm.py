@@ -157,11 +157,16 @@ class LLM:
              ) -> list[RequestOutput]:
         """Render one conversation or a list of them as ``/v1/chat/completions`` does (vLLM's
         ``LLM.chat`` arguments), then :meth:`generate`; template thinking sets unset
-        ``params.thinking``. ValueError naming the message or field (``NoTokenizerError``)."""
+        ``params.thinking``. ValueError naming the message or field (``NoTokenizerError``);
+        ``continue_final_message`` needs ``add_generation_prompt=False`` (as HF's template
+        call, hence vLLM's ``LLM.chat``)."""
         # NOTE: latent.head imports torch (LLM imports it at construction, not at import)
         from latentserve.latent.head import template_thinking
 
         _check_no_effect(lora_request, None)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False: "
+                             "the final message is continued, no new one is opened")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         sampling_params = self._params_list(sampling_params, len(convs))
         from_kwargs = template_thinking(chat_template_kwargs)
