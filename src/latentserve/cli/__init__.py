@@ -1,4 +1,5 @@
-"""The ``latentserve`` command: serve, generate, demo, bench, convert, train-head, eval."""
+"""The ``latentserve`` command: serve, chat, complete, generate, demo, bench, convert, train,
+data, eval."""
 
 from __future__ import annotations
 
@@ -15,13 +16,23 @@ __all__ = ["add_engine_args", "build_parser", "engine_config", "engine_configs",
 
 def build_parser() -> argparse.ArgumentParser:
     from latentserve import __version__
-    from latentserve.cli import bench, convert, data, demo, eval, generate, serve, train
+    from latentserve.cli import (
+        bench,
+        client,
+        convert,
+        data,
+        demo,
+        eval,
+        generate,
+        serve,
+        train,
+    )
 
     parser = argparse.ArgumentParser(prog="latentserve",
                                      description="Serve latent-reasoning language models.")
     parser.add_argument("--version", action="version", version=f"latentserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for mod in (serve, generate, demo, bench, convert, train, data, eval):
+    for mod in (serve, client, generate, demo, bench, convert, train, data, eval):
         mod.register(sub)
     return parser
 
