@@ -293,39 +293,6 @@ def _filler():
     return ThreadPoolExecutor(1, thread_name_prefix="latentserve-grammar")
 
 
-@functools.cache
-def _accept_pool():
-    """``(threads, pool)``: the accepts of a batch split over ``threads`` (a quarter of this
-    process's CPUs, at most 4; the pool runs all but one share), or ``(1, None)``."""
-    import os
-
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
-    n = max(1, min(4, cpus // 4))
-    if n == 1:
-        return 1, None
-    from concurrent.futures import ThreadPoolExecutor
-
-    return n, ThreadPoolExecutor(n - 1, thread_name_prefix="latentserve-accept")
-
-
-def _accept(matchers: list, tokens: list[int]) -> list[bool]:
-    """xgrammar's ``batch_accept_token`` of ``tokens`` by ``matchers`` (distinct), in shares
-    run on :func:`_accept_pool`'s threads at once (the accepts run without the GIL)."""
-    import xgrammar
-
-    accept = xgrammar.BatchGrammarMatcher.batch_accept_token
-    n, pool = _accept_pool()
-    if pool is None or len(matchers) < 4 * n:
-        return accept(matchers, tokens)
-    cut = [len(matchers) * i // n for i in range(n + 1)]
-    shares = [pool.submit(accept, matchers[a:b], tokens[a:b])
-              for a, b in zip(cut[1:-1], cut[2:])]
-    out = accept(matchers[: cut[1]], tokens[: cut[1]])
-    for f in shares:
-        out += f.result()
-    return out
-
-
 def _answer_start(r) -> int:
     """Where ``r``'s answer starts in ``output_ids`` (its end in the latent phase: no answer)."""
     return len(r.output_ids) if r.answer_start is None else r.answer_start
@@ -419,7 +386,10 @@ class PendingBitmask:
             elif new:
                 c.sync(r.output_ids, r.answer_start, None, patch)
         if fed_c:
-            ok = _accept([c.matcher for c in fed_c], fed_t)
+            import xgrammar
+
+            ok = xgrammar.BatchGrammarMatcher.batch_accept_token([c.matcher for c in fed_c],
+                                                                 fed_t)
             for c, t, a in zip(fed_c, fed_t, ok):
                 c.took(t, a)
         on = [reqs[b].constraint.grammar_on for b in rows]

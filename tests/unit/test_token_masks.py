@@ -678,36 +678,3 @@ def test_a_grammar_this_tokenizer_cannot_write_is_refused(tmp_path):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, structured_outputs={
             "choice": ["yes", "no"], "param": "guided_choice"}), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-
-
-def test_accepts_split_over_threads_equal_one_batched_call(smollm2_tokenizer, monkeypatch):
-    """``token_masks._accept`` in four shares on three pool threads and the caller's (a
-    16-CPU host's split): the answers of one ``batch_accept_token`` call, refusals included,
-    and the matchers in the same states after."""
-    pytest.importorskip("xgrammar")
-    from concurrent.futures import ThreadPoolExecutor
-
-    import xgrammar
-
-    from latentserve.structured import Grammars
-
-    grammars = Grammars(smollm2_tokenizer, GVOCAB, {smollm2_tokenizer.eos_token_id})
-    so = StructuredOutputsParams(regex="[a-z ]+")
-    one = [grammars.matcher(so) for _ in range(19)]
-    split = [grammars.matcher(so) for _ in range(19)]
-    with ThreadPoolExecutor(3) as pool:
-        monkeypatch.setattr(token_masks, "_accept_pool", lambda: (4, pool))
-        rng = random.Random(1)
-        letters = smollm2_tokenizer.encode("ab", add_special_tokens=False)[0]
-        answers = []
-        for _ in range(6):
-            toks = [rng.randrange(GVOCAB) if rng.random() < 0.3 else letters for _ in one]
-            want = xgrammar.BatchGrammarMatcher.batch_accept_token(one, toks)
-            assert token_masks._accept(split, toks) == want
-            answers += want
-    assert True in answers and False in answers
-    bits = torch.zeros(2, token_masks.bitmask_width(GVOCAB), dtype=torch.int32)
-    for a, b in zip(one, split):
-        a.fill_next_token_bitmask(bits, 0)
-        b.fill_next_token_bitmask(bits, 1)
-        assert torch.equal(bits[0], bits[1])
