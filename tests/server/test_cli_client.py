@@ -62,9 +62,9 @@ def test_complete_quick_prints_one_completion_and_exits(server, monkeypatch, cap
 
 @pytest.mark.parametrize("argv,message", [
     (["--api-key", "wrong"], "refused to list its models"),
-    (["--api-key", API_KEY, "--model-name", "no-such-model"], "refused the message"),
+    (["--api-key", API_KEY, "--model-name", "no-such-model"], "refused the request"),
 ])
-def test_a_refused_request_is_one_error_line(server, capsys, argv, message):
+def test_a_refused_quick_request_is_one_error_line(server, capsys, argv, message):
     url = f"{server.base_url}/v1"
     code = main(["chat", "--url", url, "-q", "Hi", *argv])
     err = capsys.readouterr().err.strip()
@@ -72,9 +72,31 @@ def test_a_refused_request_is_one_error_line(server, capsys, argv, message):
     assert len(err.splitlines()) == 1
 
 
-def test_no_server_is_one_error_line_naming_the_address(capsys):
-    assert main(["complete", "--url", "http://127.0.0.1:9/v1", "-q", "Hi"]) == 2
+def test_a_refused_turn_is_reported_and_the_session_goes_on(server, monkeypatch, capsys):
+    """Interactive: a turn the server refuses (a prompt past the context) is one line on
+    stderr, left out of the history; the next turn is answered."""
+    from openai.resources.chat.completions import Completions
+
+    calls = _spy(monkeypatch, Completions)
+    _stdin(monkeypatch, "word " * 3000 + "\nHi\n")
+    assert main(["chat", "--url", f"{server.base_url}/v1", "--api-key", API_KEY,
+                 "--max-tokens", "3"]) == 0
+    io_ = capsys.readouterr()
+    assert io_.err.count("the server refused the request") == 1
+    assert len(io_.out.splitlines()) == 1 and len(calls) == 2
+    assert calls[1]["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("argv", [[], ["--model-name", "m"]])
+def test_no_server_is_one_error_line_naming_the_address(capsys, argv):
+    assert main(["complete", "--url", "http://127.0.0.1:9/v1", "-q", "Hi", *argv]) == 2
     assert "no server answers at http://127.0.0.1:9/v1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["localhost:1/v1", "http://[::1", "ftp://host/v1"])
+def test_a_url_that_is_no_http_address_is_refused_naming_the_flag(capsys, url):
+    assert main(["chat", "--url", url, "-q", "Hi"]) == 2
+    assert "--url" in capsys.readouterr().err
 
 
 def test_reasoning_deltas_are_shown_in_brackets_before_the_answer(monkeypatch):
@@ -98,7 +120,7 @@ def test_reasoning_deltas_are_shown_in_brackets_before_the_answer(monkeypatch):
     monkeypatch.setattr(client, "_connect", lambda args: (fake, "m"))
     _stdin(monkeypatch, "a\nb\n")
     out = io.StringIO()
-    args = types.SimpleNamespace(quick=None, system_prompt=None, max_tokens=None)
+    args = types.SimpleNamespace(quick=None, system_prompt=None, max_tokens=None, url="u")
     assert client.run_chat(args, out) == 0
     assert out.getvalue() == '[[step 1: "7"]] 42!\n' * 2
     assert sent[1][1] == {"role": "assistant", "content": "42!"}

@@ -35,9 +35,18 @@ def register(sub) -> None:
 
 
 def _connect(args):
-    """``(openai.OpenAI client, model name)``; the model named, else the server's first."""
+    """``(openai.OpenAI client, model name)``; the model named, else the server's first.
+    ValueError naming ``--url`` for an address that is not an http(s) URL or where no
+    server answers."""
+    import httpx
     import openai
 
+    try:
+        url = httpx.URL(args.url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"--url {args.url!r} is not a URL: {exc}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"--url must be an http:// or https:// address, got {args.url!r}")
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
     client = openai.OpenAI(base_url=args.url, api_key=key, max_retries=0)
     try:
@@ -54,7 +63,7 @@ def _connect(args):
 
 def _turns(args, out):
     """The user's inputs: ``--quick`` alone, else one line a turn read from stdin (``> ``
-    shown on a terminal) until end of input."""
+    shown on a terminal) until end of input. ValueError for a line that is not UTF-8."""
     if args.quick is not None:
         yield args.quick
         return
@@ -65,6 +74,10 @@ def _turns(args, out):
         line = sys.stdin.readline()
         if not line:
             return
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("an input line is not valid UTF-8") from None
         if line.strip():
             yield line.rstrip("\n")
 
@@ -73,56 +86,92 @@ def _extra(args) -> dict:
     return {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
 
 
-def run_chat(args, out=None) -> int:
-    """Chat: each turn streamed to ``out`` (default stdout), the conversation kept; a
-    server error ends the command with its message (ValueError)."""
+def _turn(args, out, stream, text_of) -> str | None:
+    """Write one streamed answer to ``out`` (``text_of(chunk)``: ``(reasoning, text)``);
+    returns its text, or None when the server refused it: with ``--quick`` a ValueError,
+    else the error on stderr and the session goes on. ValueError when the connection is
+    lost."""
     import openai
 
+    parts: list[str] = []
+    started = thinking = False
+    try:
+        for chunk in stream():
+            reasoning, text = text_of(chunk)
+            if reasoning:
+                out.write(("" if thinking else "[") + reasoning)
+                started = thinking = True
+            if text:
+                out.write(("] " if thinking else "") + text)
+                started, thinking = True, False
+                parts.append(text)
+            out.flush()
+        out.write("]\n" if thinking else "\n")
+        return "".join(parts)
+    except openai.APIConnectionError:
+        if started:
+            out.write("\n")
+            raise ValueError(f"lost the connection to {args.url}") from None
+        raise ValueError(f"no server answers at {args.url} (--url)") from None
+    except openai.APIError as exc:
+        if started:
+            out.write("\n")
+        if args.quick is not None:
+            raise ValueError(f"the server refused the request: {exc}") from None
+        print(f"latentserve: the server refused the request: {exc}", file=sys.stderr)
+        return None
+
+
+def _run(args, out, ask) -> int:
+    """Each turn through ``ask(text)`` (a :func:`_turn` result); a closed stdout ends the
+    command quietly (``... | head``)."""
     out = out or sys.stdout
+    try:
+        for text in _turns(args, out):
+            ask(text, out)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's flush at exit: no error
+    return 0
+
+
+def run_chat(args, out=None) -> int:
+    """Chat: each turn streamed to ``out`` (default stdout), the conversation kept (a
+    refused turn is dropped from it)."""
     client, model = _connect(args)
     messages = [] if args.system_prompt is None else [{"role": "system",
                                                        "content": args.system_prompt}]
-    for text in _turns(args, out):
-        messages.append({"role": "user", "content": text})
-        answer = []
-        try:
-            stream = client.chat.completions.create(model=model, messages=messages,
-                                                    stream=True, **_extra(args))
-            thinking = False
-            for chunk in stream:
-                if not chunk.choices:
-                    continue
-                delta = chunk.choices[0].delta
-                reasoning = getattr(delta, "reasoning_content", None)
-                if reasoning:
-                    out.write(("" if thinking else "[") + reasoning)
-                    thinking = True
-                if delta.content:
-                    out.write(("] " if thinking else "") + delta.content)
-                    thinking = False
-                    answer.append(delta.content)
-                out.flush()
-            out.write("]\n" if thinking else "\n")
-        except openai.APIError as exc:
-            raise ValueError(f"the server refused the message: {exc}") from None
-        messages.append({"role": "assistant", "content": "".join(answer)})
-    return 0
+
+    def ask(text: str, out) -> None:
+        sent = [*messages, {"role": "user", "content": text}]
+
+        def stream():
+            return client.chat.completions.create(model=model, messages=sent, stream=True,
+                                                  **_extra(args))
+
+        def text_of(chunk):
+            if not chunk.choices:
+                return None, None
+            delta = chunk.choices[0].delta
+            return getattr(delta, "reasoning_content", None), delta.content
+
+        answer = _turn(args, out, stream, text_of)
+        if answer is not None:
+            messages[:] = [*sent, {"role": "assistant", "content": answer}]
+
+    return _run(args, out, ask)
 
 
 def run_complete(args, out=None) -> int:
     """Complete each prompt, streamed to ``out`` (default stdout); no history."""
-    import openai
-
-    out = out or sys.stdout
     client, model = _connect(args)
-    for text in _turns(args, out):
-        try:
-            for chunk in client.completions.create(model=model, prompt=text, stream=True,
-                                                   **_extra(args)):
-                if chunk.choices:
-                    out.write(chunk.choices[0].text)
-                    out.flush()
-            out.write("\n")
-        except openai.APIError as exc:
-            raise ValueError(f"the server refused the prompt: {exc}") from None
-    return 0
+
+    def ask(text: str, out) -> None:
+        def stream():
+            return client.completions.create(model=model, prompt=text, stream=True,
+                                             **_extra(args))
+
+        _turn(args, out, stream,
+              lambda c: (None, c.choices[0].text if c.choices else None))
+
+    return _run(args, out, ask)
