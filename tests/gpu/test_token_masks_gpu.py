@@ -46,8 +46,8 @@ def test_engine_on_cuda_keeps_masks_and_unmasked_rows_exact(tmp_path):
 
 
 def test_overlapped_grammar_rows_on_cuda_hold_their_grammars(tiny_dirs, monkeypatch):
-    """Overlapped on CUDA (graphs; a grammar's rows wait for the previous tokens' event and
-    are filled in the step): grammars, a static mask and plain rows, greedy and seeded, with
+    """Overlapped on CUDA (graphs; a grammar's rows are built on the worker beside the
+    forward once the previous tokens are on the host, or after its launch): grammars, a static mask and plain rows, greedy and seeded, with
     an abort mid-grammar; every grammar row's tokens are accepted by a fresh matcher, the
     static rows stay in their ids, the masks were built from pending ids, no KV slot
     leaks."""
@@ -71,13 +71,13 @@ def test_overlapped_grammar_rows_on_cuda_hold_their_grammars(tiny_dirs, monkeypa
     engine = LLMEngine(EngineConfig(model=str(tiny_dirs["llama"]), device="cuda",
                                     max_num_seqs=16, kv_slots=16 * 512))
     assert engine.config.use_overlap_schedule
-    real, pending = token_masks.batch_bitmask, []
+    real, pending = token_masks.begin_bitmask, []
 
-    def batch_bitmask(reqs, vocab_size, known=None, out=None):
-        pending.append(known is not None)
-        return real(reqs, vocab_size, known, out)
+    def begin_bitmask(reqs, vocab_size, known=None, out=None, background=False):
+        pending.append(known is not None)  # built (on the worker when background) from them
+        return real(reqs, vocab_size, known, out, background)
 
-    monkeypatch.setattr(token_masks, "batch_bitmask", batch_bitmask)
+    monkeypatch.setattr(token_masks, "begin_bitmask", begin_bitmask)
     for i, p in enumerate(params):
         engine.add_request(f"r{i}", [1 + (i * 13 + k) % 900 for k in range(9 + i)], p)
     out: dict = {f"r{i}": [[], None] for i in range(len(params))}
