@@ -323,8 +323,9 @@ class LLMEngine:
 
     def begin_token_mask(self, reqs: list[Req], known: dict | None = None):
         """Start the token masks of ``reqs`` before their forward: a
-        ``token_masks.PendingBitmask`` whose grammar fill runs on the worker thread, for
-        :meth:`token_mask`; None when no row has a grammar (nothing worth starting)."""
+        ``token_masks.PendingBitmask`` built on the worker thread where ``grammar_worker``
+        (else here, at once), for :meth:`token_mask`; None when no row has a grammar
+        (nothing worth starting). ``known``: see ``token_masks.batch_bitmask``."""
         if not any(r.constraint is not None and r.constraint.matcher is not None
                    for r in reqs):
             return None

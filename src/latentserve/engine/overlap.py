@@ -121,6 +121,7 @@ def _begin_mask(engine, batch, prev: Launched | None) -> tuple[Any, dict | None]
     known = _known(reqs, prev)
     return engine.begin_token_mask(reqs, known), known
 
+
 def finish(engine, launched: Launched) -> list:
     """Wait for ``launched``'s tokens and finish its requests (``finalize_launched``); its
     failed rows fail their requests (not a discarded row's)."""
