@@ -47,10 +47,10 @@ def test_engine_on_cuda_keeps_masks_and_unmasked_rows_exact(tmp_path):
 
 def test_overlapped_grammar_rows_on_cuda_hold_their_grammars(tiny_dirs, monkeypatch):
     """Overlapped on CUDA (graphs; a grammar's rows are built on the worker beside the
-    forward once the previous tokens are on the host, or after its launch): grammars, a static mask and plain rows, greedy and seeded, with
-    an abort mid-grammar; every grammar row's tokens are accepted by a fresh matcher, the
-    static rows stay in their ids, the masks were built from pending ids, no KV slot
-    leaks."""
+    forward once the previous tokens are on the host, or after its launch): grammars, a
+    static mask and plain rows, greedy and seeded, with an abort mid-grammar; every grammar
+    row's tokens are accepted by a fresh matcher, the static rows stay in their ids, the
+    masks were built from pending ids, no KV slot leaks."""
     pytest.importorskip("xgrammar")
     from latentserve import token_masks
     from latentserve.config import EngineConfig
