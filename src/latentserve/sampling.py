@@ -85,15 +85,14 @@ def sample_with_logprobs(logits: torch.Tensor, reqs: list[Req],
     # a mask of every row, every row racing or every row greedy: the race or the argmax
     # kernel applies the bits (no masked copy)
     race_bits = argmax_bits = None
-    whole = (mask is not None and bias is None and _races_on(logits)
-             and len(mask.rows) == len(reqs) and mask.rows == list(range(len(reqs)))
-             and not any(r.params.has_penalties for r in reqs))
-    if (whole and mask is not None and generator is None and every
+    whole = (mask.bits if mask is not None and bias is None and len(mask.rows) == len(reqs)
+             and mask.rows == list(range(len(reqs)))
+             and not any(r.params.has_penalties for r in reqs) else None)
+    if (whole is not None and generator is None and every
             and _one_race(logits, [r.params for r in reqs], [r.generator for r in reqs])):
-        race_bits = mask.bits.contiguous()
-    elif whole and mask is not None and not sampled and logits.dtype in (
-            torch.float32, torch.bfloat16, torch.float16):
-        argmax_bits, greedy = mask.bits.contiguous(), None
+        race_bits = whole.contiguous()
+    elif whole is not None and not sampled and _races_on(logits):
+        argmax_bits, greedy = whole.contiguous(), None
     elif mask is not None:
         logits = apply_token_mask(logits, mask)
         greedy = None

@@ -171,6 +171,7 @@ class LLMEngine:
         # every core: there the fill runs on the engine's thread, before the forward)
         self.grammar_worker = self.device.type == "cuda"
         self._biased: set[str] = set()  # live requests that set logit_bias
+        self._grammar_rids: set[str] = set()  # live requests with a grammar
         self.penalties = PenaltyCounts(self.vocab_size, self.device)  # token counts, if any
         self._arrivals = 0
         self._failed: dict[str, str] = {}  # rid -> error, until its final output is sent
@@ -193,6 +194,8 @@ class LLMEngine:
         self._rids.add(rid)
         if params.has_logit_bias:
             self._biased.add(rid)
+        if req.constraint is not None and req.constraint.matcher is not None:
+            self._grammar_rids.add(rid)
         if params.has_penalties:
             self.penalties.add(rid)
         if params.prompt_logprobs is not None:
@@ -325,9 +328,10 @@ class LLMEngine:
         """Start the token masks of ``reqs`` before their forward: a
         ``token_masks.PendingBitmask`` built on the worker thread where ``grammar_worker``
         (else here, at once), for :meth:`token_mask`; None when no row has a grammar
-        (nothing worth starting). ``known``: see ``token_masks.batch_bitmask``."""
-        if not any(r.constraint is not None and r.constraint.matcher is not None
-                   for r in reqs):
+        (nothing worth starting; O(1) while no live request has one). ``known``: see
+        ``token_masks.batch_bitmask``."""
+        if not self._grammar_rids or not any(
+                r.constraint is not None and r.constraint.matcher is not None for r in reqs):
             return None
         out = self._mask_host(self.device, len(reqs))
         return token_masks.begin_bitmask(reqs, self.vocab_size, known, out,
@@ -418,7 +422,8 @@ class LLMEngine:
         if batch is None:
             outs = self.scheduler.drain_aborted()
         else:
-            begun = self.begin_token_mask([r for r, s in zip(batch.reqs, batch.sample) if s])
+            begun = (self.begin_token_mask([r for r, s in zip(batch.reqs, batch.sample) if s])
+                     if self._grammar_rids else None)
             try:  # the grammars fill beside the forward
                 logits, last_hidden = self.runner.run(batch)
                 if self.runner.prompt_hidden:
@@ -451,6 +456,7 @@ class LLMEngine:
         for o in (o for o in outs if o.finished):
             self._rids.discard(o.rid)
             self._biased.discard(o.rid)
+            self._grammar_rids.discard(o.rid)
             self.penalties.release(o.rid)
             if (st := o.latent_stats) is not None:
                 log.debug("latent head: req %s thinking=%s steps=%d stop_step=%s max_p=%s "

@@ -111,9 +111,8 @@ def _begin_mask(engine, batch, prev: Launched | None) -> tuple[Any, dict | None]
     """``(LLMEngine.begin_token_mask's result, known)`` for ``batch``'s sampling rows when
     their masks read tokens and ``prev``'s are on the host already (a host-bound step:
     checked without waiting); ``(None, None)`` otherwise: the masks wait for the forward's
-    launch."""
-    if not any(r.constraint is not None and r.constraint.matcher is not None
-               for r in batch.reqs):
+    launch. O(1) while no live request has a grammar."""
+    if not engine._grammar_rids:
         return None, None
     if prev is not None and prev.event is not None and not prev.event.query():
         return None, None
