@@ -130,7 +130,9 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
     def _append(self, new_text: str) -> None:
-        """Append decoded text and cut it at the earliest stop string it completes."""
+        """Append decoded text and cut it at the stop string it completes first (the match
+        that ends earliest; at equal ends the first in ``stop``), as text added one character
+        at a time would, and as vLLM's ``check_stop_strings``."""
         if not new_text:
             return
         old_len = len(self._all_text)
@@ -145,7 +147,7 @@ class IncrementalDetokenizer:
         best: tuple[int, str] | None = None
         for s in self.stop:
             idx = self._all_text.find(s, max(start, self._stop_from - len(s) + 1))
-            if idx >= 0 and (best is None or idx < best[0]):
+            if idx >= 0 and (best is None or idx + len(s) < best[0] + len(best[1])):
                 best = (idx, s)
         if best is not None:
             end = best[0] + len(best[1]) if self._include_stop else best[0]

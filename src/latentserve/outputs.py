@@ -61,7 +61,8 @@ class CompletionOutput:
     """One completion of ``LLM.generate`` (vLLM's ``CompletionOutput``); ``stop_reason`` is
     the stop token id or string that ended it (None for EOS or length). The latent fields
     are the final ``StepOutput``'s (``latent_trace`` and ``recurrence`` None when a stop
-    string ended it); trace entries gain ``top_texts``."""
+    string ended it); trace entries gain ``top_texts``. ``lora_request`` is always None
+    (adapters are merged at load)."""
 
     index: int
     text: str
@@ -74,12 +75,19 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
+    lora_request: None = None
+
+    def finished(self) -> bool:
+        """Whether this completion has ended (it has a ``finish_reason``)."""
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)
 class RequestOutput:
     """One prompt's result from ``LLM.generate`` (vLLM's ``RequestOutput``); ``prompt`` is
-    None for a token-id prompt."""
+    None for a token-id prompt. vLLM's ``metrics``, ``lora_request`` and encoder prompt are
+    always None here (no per-request stats offline, adapters merged at load, decoder-only
+    models)."""
 
     request_id: str
     prompt: str | None
@@ -88,6 +96,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = True
     prompt_logprobs: PromptLogprobs | None = None
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
 
 
 def attach_logprobs(outs: list[StepOutput], rids: list[str],

@@ -44,10 +44,13 @@ VLLM_NO_EFFECT: dict[str, tuple] = {
     "logits_processors": (None, [])}
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SamplingParams:
     """How one request is decoded (vLLM's names and meanings; docs/internals.md,
-    "latentserve.sampling_params", gives each field's semantics).
+    "latentserve.sampling_params", gives each field's semantics). Keyword arguments only:
+    vLLM's takes positional ones in its own field order, so a positional call is refused
+    rather than misread. As vLLM's, ``seed=-1`` is no seed and ``logprobs=True`` /
+    ``prompt_logprobs=True`` are 1.
 
     Raises:
         ValueError: naming the field and the allowed range, from ``__post_init__``.
@@ -114,6 +117,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got "
                              f"{_short(self.stop_token_ids)}")
         self.stop_token_ids = [_plain_number(t) for t in self.stop_token_ids or []]
+        if _plain_number(self.seed) == -1:  # vLLM's "no seed"
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's True: the chosen token's + 1
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         for f in fields(self):  # numpy scalars (np.int64(3), np.float32(0.7)) as Python's
             value = _plain_number(getattr(self, f.name))
             setattr(self, f.name, value)

@@ -123,6 +123,18 @@ def test_earliest_stop_string_wins(tok, prompt_ids):
     assert detok.stopped == "quick brown"
 
 
+@pytest.mark.parametrize("stop, text, stopped", [
+    (["ari", " Paris"], " P", "ari"),  # completed inside one token: the first to end wins
+    (["Paris", "is"], " ", "Paris"), (["is", "Paris"], " Par", "is")])  # equal ends: order
+def test_the_stop_string_that_ends_first_wins_then_list_order(tok, prompt_ids, stop, text,
+                                                               stopped):
+    """As vLLM's ``check_stop_strings``: the result of adding the text one character at a
+    time."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, stop=stop)
+    detok.add(ids_of(tok, " Paris is"))
+    assert (detok.text, detok.stopped) == (text, stopped)
+
+
 def test_stop_string_across_multibyte_characters(tok, prompt_ids):
     detok = IncrementalDetokenizer(tok, prompt_ids, stop=["世界"])
     assert "".join(stream(detok, ids_of(tok, CHINESE))) == "你好，"

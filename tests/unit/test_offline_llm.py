@@ -305,24 +305,47 @@ def test_vllm_options_that_change_nothing_are_taken_at_those_values(tiny_dirs):
             LLM(model=str(tiny_dirs["llama"]), **{name: value})
 
 
-def test_generate_and_chat_take_vllms_lora_request_and_priority_where_they_do_nothing(
+def test_generate_and_chat_take_vllms_lora_request_priority_and_content_format(
         tiny_dirs):
-    """``lora_request=None`` and ``priority`` None or all 0 (vLLM scripts pass them); a
-    LoRA request or a non-zero priority is refused naming it, before anything runs."""
+    """``lora_request=None`` and ``priority`` None, 0 or one 0 per prompt (vLLM scripts
+    pass them); a LoRA request, a non-zero priority or a priority list of another length is
+    refused naming it, before anything runs; ``chat_template_content_format`` "auto" and
+    "string" render alike, "openai" is refused."""
     llm = LLM(model=str(tiny_dirs["llama"]))
     params = SamplingParams(max_tokens=2, temperature=0)
     want = llm.generate([[5, 6], [7]], params, use_tqdm=False)
-    got = llm.generate([[5, 6], [7]], params, use_tqdm=False, lora_request=None,
-                       priority=[0, 0])
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    for kwargs, name in (({"lora_request": object()}, "lora_request"),
-                         ({"priority": [0, 1]}, "priority")):
-        with pytest.raises(ValueError, match=f"^{name} must be"):
+    for priority in ([0, 0], 0):
+        got = llm.generate([[5, 6], [7]], params, use_tqdm=False, lora_request=None,
+                           priority=priority)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for kwargs, match in (({"lora_request": object()}, "^lora_request must be"),
+                          ({"priority": [1]}, "^priority must be"),
+                          ({"priority": 2}, "^priority must be"),
+                          ({"priority": [0, 0]}, "^got 1 prompts but 2 priorities")):
+        with pytest.raises(ValueError, match=match):
             llm.generate([[5, 6]], params, use_tqdm=False, **kwargs)
+    conv = [{"role": "user", "content": "hi"}]
     with pytest.raises(ValueError, match="^lora_request must be"):
-        llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False,
-                 lora_request=object())
+        llm.chat(conv, params, use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="^priority must be"):
+        llm.chat(conv, params, use_tqdm=False, priority=1)
+    with pytest.raises(ValueError, match="^chat_template_content_format='openai' is not"):
+        llm.chat(conv, params, use_tqdm=False, chat_template_content_format="openai")
+    chats = [llm.chat(conv, params, False, None, 0, chat_template_content_format=fmt)
+             for fmt in ("auto", "string")]  # vLLM's positional order
+    assert chats[0][0].outputs[0].token_ids == chats[1][0].outputs[0].token_ids
+    with pytest.raises(TypeError):  # vLLM's generate takes use_tqdm by keyword only
+        llm.generate([[5, 6]], params, False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_normalise_as_vllms_and_refuse_positional_arguments():
+    """``seed=-1`` is no seed, ``logprobs=True`` / ``prompt_logprobs=True`` are 1 (vLLM's
+    ``__post_init__``); ``SamplingParams(2)``, ``n`` in vLLM's field order, is refused."""
+    sp = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True)
+    assert (sp.seed, sp.logprobs, sp.prompt_logprobs) == (None, 1, 1)
+    with pytest.raises(TypeError, match="positional"):
+        SamplingParams(2)
 
 
 def test_vllm_sampling_fields_that_change_nothing_are_taken_at_those_values():

@@ -68,6 +68,8 @@ def test_a_vllm_offline_script_runs_unchanged(llm, tiny_dirs, hf_models, capsys)
         assert ids == tokenizer.encode(text)
         (completion,) = output.outputs
         assert completion.index == 0 and completion.finish_reason == "length"
+        assert completion.finished() and completion.lora_request is None
+        assert (output.metrics, output.lora_request, output.encoder_prompt) == (None,) * 3
         full = ids + completion.token_ids
         ref = reference_logprobs(hf_models, tiny_dirs["llama"], full)
         # Greedy tokens equal the reference's argmax, and the text their decoding.
@@ -83,6 +85,12 @@ def test_a_vllm_offline_script_runs_unchanged(llm, tiny_dirs, hf_models, capsys)
         for p in range(1, len(ids)):
             check_position(output.prompt_logprobs[p], ids[p], ref[p - 1], 2, tokenizer)
     llm.engine.cache.check_idle()
+    radix = llm.engine.cache.radix
+    assert radix.total_size() > 0 and llm.reset_prefix_cache() is True  # vLLM's
+    assert radix.total_size() == 0
+    llm.engine.cache.check_idle()
+    with pytest.raises(ValueError, match="^reset_running_requests=True is not supported"):
+        llm.reset_prefix_cache(reset_running_requests=True)
 
 
 def test_n_gives_n_completions_seeded_as_vllm(llm):

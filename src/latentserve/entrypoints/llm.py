@@ -69,22 +69,36 @@ class LLM:
         (none with ``generation_config="vllm"``), as vLLM's."""
         return SamplingParams(**self.engine.sampling_defaults)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop the radix prefix cache, its KV slots back to the pool (vLLM's): True, or False
+        while a running request holds cached slots (never between calls here).
+        ``reset_running_requests=True`` is refused (ValueError): requests finish first."""
+        if reset_running_requests:
+            raise ValueError("reset_running_requests=True is not supported: a running "
+                             "request keeps its cached prefix until it finishes")
+        radix = self.engine.cache.radix
+        if radix.protected_size:
+            return False
+        radix.reset()
+        return True
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., Any] = True, lora_request: None = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 *, use_tqdm: bool | Callable[..., Any] = True, lora_request: None = None,
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order, each with ``params.n`` completions
         (choice i: ``seed + i``). A prompt is a string, token ids, or vLLM's ``{"prompt"}`` /
         ``{"prompt_token_ids"}``; ``sampling_params``: one, or one per prompt; a prompt is cut
         to its last ``truncate_prompt_tokens`` ids (-1: ``max_model_len``; at most
         ``max_model_len - 1``, which leaves the engine room for one output token). vLLM's
         ``lora_request`` is taken as None only (adapters are merged at load) and ``priority``
-        as None or all 0 (one queue, first come first served). ValueError
-        (``NoTokenizerError`` for text without tokenizer files) before anything runs."""
-        _check_no_effect(lora_request, priority)
+        (one, or one per prompt) as None or 0 (one queue, first come first served).
+        ValueError (``NoTokenizerError`` for text without tokenizer files) before anything
+        runs."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
+        _check_no_effect(lora_request, priority, len(prompts))
         sampling_params = self._params_list(sampling_params, len(prompts))
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
@@ -150,24 +164,30 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., Any] = True,
-             chat_template_kwargs: dict | None = None, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, lora_request: None = None
-             ) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., Any] = True, lora_request: None = None,
+             priority: int | Sequence[int] | None = None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Render one conversation or a list of them as ``/v1/chat/completions`` does (vLLM's
-        ``LLM.chat`` arguments), then :meth:`generate`; template thinking sets unset
-        ``params.thinking``. ValueError naming the message or field (``NoTokenizerError``);
+        ``LLM.chat`` arguments, in its order), then :meth:`generate`; template thinking sets
+        unset ``params.thinking``. Message content reaches the template as a string
+        (``chat_template_content_format`` "auto" or "string"; "openai", a list of parts, is
+        refused). ValueError naming the message or field (``NoTokenizerError``);
         ``continue_final_message`` needs ``add_generation_prompt=False`` (as HF's template
         call, hence vLLM's ``LLM.chat``)."""
         # NOTE: latent.head imports torch (LLM imports it at construction, not at import)
         from latentserve.latent.head import template_thinking
 
-        _check_no_effect(lora_request, None)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r} "
+                             "is not supported (only 'auto' or 'string': message content "
+                             "reaches the template as a string)")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False: "
                              "the final message is continued, no new one is opened")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        _check_no_effect(lora_request, priority, len(convs))
         sampling_params = self._params_list(sampling_params, len(convs))
         from_kwargs = template_thinking(chat_template_kwargs)
         if convs and isinstance(self.tokenizer, NoTokenizer):
@@ -199,7 +219,7 @@ class LLM:
                                  f"{err['msg']}") from None
             prompts.append({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False),
                             "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_list(self, params, count: int) -> list[SamplingParams]:
         """``params`` as a list: None -> the defaults, one -> ``count`` of it."""
@@ -236,13 +256,21 @@ def _children(params: SamplingParams) -> list[SamplingParams]:
             for i in range(params.n)]
 
 
-def _check_no_effect(lora_request, priority) -> None:
-    """ValueError naming ``lora_request`` (not None) or ``priority`` (not None or all 0):
-    vLLM's per-request LoRA and priority scheduling, which this engine does not serve."""
+def _check_no_effect(lora_request, priority, count: int) -> None:
+    """ValueError naming ``lora_request`` (not None) or ``priority`` (not None, 0 or ``count``
+    zeros): vLLM's per-request LoRA and priority scheduling, which this engine does not
+    serve."""
     if lora_request is not None:
         raise ValueError("lora_request must be None: per-request LoRA adapters are not "
                          "served (a LoRA adapter directory is merged at load: "
                          "LLM(model=ADAPTER_DIR))")
-    if priority is not None and any(p != 0 for p in priority):
-        raise ValueError("priority must be None or all 0: requests are served first come, "
+    if priority is None:
+        return
+    if not isinstance(priority, int):
+        priority = list(priority)
+        if len(priority) != count:
+            raise ValueError(f"got {count} prompts but {len(priority)} priorities; pass one "
+                             "or one per prompt")
+    if any(p != 0 for p in ([priority] if isinstance(priority, int) else priority)):
+        raise ValueError("priority must be None or 0: requests are served first come, "
                          "first served")
