@@ -293,16 +293,11 @@ def _filler():
     return ThreadPoolExecutor(1, thread_name_prefix="latentserve-grammar")
 
 
-def _answer_start(r) -> int:
-    """Where ``r``'s answer starts in ``output_ids`` (its end in the latent phase: no answer)."""
-    return len(r.output_ids) if r.answer_start is None else r.answer_start
-
-
 def static_key(reqs) -> tuple | None:
     """What the masks of ``reqs`` depend on when every constrained request's mask is static
     (``RequestMask.static``): per constrained row its index, its ``RequestMask`` (compared by
-    identity) and whether ``min_tokens`` still masks; None when a mask reads tokens. Equal
-    keys give equal :func:`batch_bitmask` results."""
+    identity) and whether ``min_tokens`` still masks (None in the latent phase: no mask);
+    None when a mask reads tokens. Equal keys give equal :func:`batch_bitmask` results."""
     key: list = [len(reqs)]
     for b, r in enumerate(reqs):
         c = r.constraint
@@ -310,7 +305,8 @@ def static_key(reqs) -> tuple | None:
             continue
         if not c.static:
             return None
-        key.append((b, c, len(r.output_ids) - _answer_start(r) < c.min_tokens))
+        key.append((b, c, None if r.answer_start is None
+                    else len(r.output_ids) - r.answer_start < c.min_tokens))
     return tuple(key)
 
 
@@ -368,7 +364,8 @@ class PendingBitmask:
 
     def build(self) -> None:
         """Feed the grammars their unseen answer tokens, fill their rows of ``bits``, then AND
-        in the other masks (all-ones rows where no grammar is on)."""
+        in the other masks (all-ones rows where no grammar is on). A row in its latent phase
+        is all ones: its token is no answer token (CoLaR's stop is the token it samples)."""
         reqs, rows, known = self.reqs, self.rows, self._known
         fed_c, fed_t = [], []  # rows with exactly one token to feed: one batched call
         for b in rows:
@@ -392,7 +389,8 @@ class PendingBitmask:
                                                                  fed_t)
             for c, t, a in zip(fed_c, fed_t, ok):
                 c.took(t, a)
-        on = [reqs[b].constraint.grammar_on for b in rows]
+        on = [reqs[b].answer_start is not None and reqs[b].constraint.grammar_on
+              for b in rows]
         gi = [i for i, g in enumerate(on) if g]
         if len(gi) > 1:
             _batcher().batch_fill_next_token_bitmask([reqs[rows[i]].constraint.matcher
@@ -407,8 +405,8 @@ class PendingBitmask:
         for i, b in enumerate(rows):
             r = reqs[b]
             c = r.constraint
-            stop, start = len(r.output_ids), _answer_start(r)
-            if c.restricts(stop - start):
+            stop, start = len(r.output_ids), r.answer_start
+            if start is not None and c.restricts(stop - start):
                 c.restrict(arr[i], r.output_ids, stop, on[i], start,
                            None if known is None else known.get(id(r)))
 

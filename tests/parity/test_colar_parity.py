@@ -149,6 +149,24 @@ def test_min_latent_and_use_stop_hold_the_stop_back(colar_dir, references):
                                                                   ("stop", st["steps"]))
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_answer_masks_leave_the_latent_phase_alone(colar_dir, references, overlap):
+    """A grammar, ``bad_words`` or ``allowed_token_ids`` that exclude ``###`` cover the
+    answer only: the stop is the token a latent step samples, so the latent phase (steps,
+    stop step) is the reference's."""
+    engine = LLMEngine(EngineConfig(model=str(colar_dir), overlap_schedule=overlap))
+    picked = [k for k, r in enumerate(references) if _end(r) == "stop"][:3]
+    cases = [_cases()[k] for k in picked]
+    for extra in ({"bad_words": ["###"]}, {"allowed_token_ids": list(range(4, 1024))},
+                  {"structured_outputs": {"regex": "w[0-9]+"}}):
+        for (toks, final, _), k in zip(_run(engine, cases, **extra), picked):
+            st, ref = final.latent_stats, references[k]
+            assert (st["steps"], st["end"], st["stop_step"]) == (
+                ref.n_latent, "stop", ref.n_latent), extra
+            assert SEP not in toks, extra
+    engine.cache.check_idle()
+
+
 def test_max_tokens_counts_answer_tokens_only(colar_dir):
     engine = LLMEngine(EngineConfig(model=str(colar_dir)))
     (toks, final, _), = _run(engine, [(QUESTIONS[0], 2, 6)], max_tokens=2, use_stop=False,
