@@ -203,6 +203,30 @@ def test_a_timed_out_compile_gets_a_thread_in_its_place():
     stuck.set()
 
 
+def test_a_dropped_running_compile_gets_a_thread_in_its_place():
+    """One thread, running a compile whose request is aborted (``drop``): the compile
+    cannot be stopped, so the next request compiles on a thread in its place, well within
+    its timeout."""
+    stuck, running = threading.Event(), threading.Event()
+
+    def compile_fn(so):
+        if so == "slow":
+            running.set()
+            stuck.wait(30)
+
+    worker = GrammarWorker(compile_fn, 20, threads=1)
+    worker.park("slow", "slow", "msg-slow")
+    assert running.wait(10)
+    assert worker.drop("slow") and not worker.parked
+    worker.park("fast", "fast", "msg-fast")
+    end, got = time.monotonic() + 10, []
+    while not got and time.monotonic() < end:
+        got = worker.ready()
+        time.sleep(0.001)
+    assert got == [("msg-fast", None)]
+    stuck.set()
+
+
 def test_a_grammar_whose_first_mask_is_too_costly_is_refused(engine, monkeypatch):
     """Some regexes compile at once, then take seconds a token to mask (nested bounded
     repeats); the grammar thread fills the first mask and refuses one over the limit."""

@@ -74,9 +74,19 @@ class GrammarWorker:
         dropped = len(keep) < len(self.parked)
         for p in self.parked:
             if p.key == key:
-                p.future.cancel()  # a compile not started yet is skipped
+                self._give_up(p.future)
         self.parked = keep
         return dropped
+
+    def _give_up(self, future: Future) -> None:
+        """Stop waiting for ``future``: a compile not started yet is skipped; a running one
+        holds its thread, which another replaces (up to ``max_stuck`` held threads)."""
+        if future.cancel():
+            return
+        with self._lock:
+            if not future.done() and len(self._stuck) < self.max_stuck:
+                self._stuck.add(future)
+                self._start_thread()  # in its place
 
     def ready(self) -> list[tuple[Any, str | None]]:
         """The parked messages whose compile ended or whose time ran out, in arrival order,
@@ -88,11 +98,7 @@ class GrammarWorker:
                 exc = p.future.exception()
                 out.append((p.message, None if exc is None else str(exc)))
             elif now >= p.deadline:
-                if not p.future.cancel():  # running: it holds its thread
-                    with self._lock:
-                        if not p.future.done() and len(self._stuck) < self.max_stuck:
-                            self._stuck.add(p.future)
-                            self._start_thread()  # in its place
+                self._give_up(p.future)
                 out.append((p.message, f"{p.param} did not compile within "
                                        f"{self.timeout_s:g} s (--grammar-compile-timeout): "
                                        "use a smaller schema, regex or list of choices"))
