@@ -16,6 +16,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 2.0**-126
 # OpenAI's bound on a logit_bias value (either sign).
 LOGIT_BIAS_MAX = 100.0
+# The largest latent_temperature: a draw's noise 100x the policy's spread already swamps its
+# mean; far larger ones overflow the forward (NaN latents and logits).
+LATENT_TEMPERATURE_MAX = 100.0
 # Huginn adaptive-exit semantics (SamplingParams.exit_semantics, EngineConfig.exit_semantics).
 EXIT_SEMANTICS = ("engine", "upstream")
 # The deepest a JSON schema or structural tag may nest (objects and arrays inside one another):
@@ -34,7 +37,8 @@ NUM_RANGES = {"temperature": (0.0, FLOAT32_MAX), "top_p": (0.0, 1.0, True),
               "min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
               "frequency_penalty": (-2.0, 2.0),
               "repetition_penalty": (FLOAT32_TINY, FLOAT32_MAX), "exit_threshold": (0.0,),
-              "stop_threshold": (0.0, 1.0), "latent_temperature": (0.0,)}
+              "stop_threshold": (0.0, 1.0),
+              "latent_temperature": (0.0, LATENT_TEMPERATURE_MAX)}
 
 
 # vLLM ``SamplingParams`` fields and the values at which they change nothing here (best_of

@@ -210,7 +210,8 @@ def test_a_prompt_holding_the_speed_is_taken_as_is(colar_dir, reference):
 @pytest.mark.parametrize("field,value,match", [
     ("compression_factor", 6, r"compression_factor must be in \[1, 5\]"),
     ("compression_factor", 0, "compression_factor must be >= 1"),
-    ("latent_temperature", -0.5, "latent_temperature must be >= 0"),
+    ("latent_temperature", -0.5, r"latent_temperature must be in \[0.0, 100.0\]"),
+    ("latent_temperature", 1e39, r"latent_temperature must be in \[0.0, 100.0\]"),
     ("stop_threshold", 0.5, "stop_threshold is not a control of a CoLaR model"),
     ("min_output_tokens", 0, "min_output_tokens is not a control of a CoLaR model")])
 def test_bad_or_foreign_controls_are_refused(colar_dir, field, value, match):

@@ -77,6 +77,8 @@ def test_seeded_latent_temperature_is_reproducible(colar_server):
     ({"latent_temperature": -0.5}, {}, "latent_temperature"),
     ({}, {"x-latent-temperature": "-1"}, "x-latent-temperature"),
     ({}, {"x-latent-temperature": "nan"}, "x-latent-temperature"),
+    ({}, {"x-latent-temperature": "1e39"}, "x-latent-temperature"),
+    ({"latent_temperature": 3.5e38}, {}, "latent_temperature"),
     ({"stop_threshold": 0.5}, {}, "stop_threshold"),
     ({}, {"x-ds4-min-output-tokens": "0"}, "x-ds4-min-output-tokens")])
 def test_bad_or_foreign_control_is_a_400_naming_it(colar_server, body, headers, param):

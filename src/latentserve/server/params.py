@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
-from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
+from latentserve.sampling_params import (
+    LATENT_TEMPERATURE_MAX,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from latentserve.server.errors import APIError, param_from_value_error, short_repr
 from latentserve.server.fields import refused, route_of
 from latentserve.server.generation import EngineRequest
@@ -174,7 +177,7 @@ HEAD_HEADERS = {
     "stop_threshold": ("x-latent-stop-threshold", "x-ds4-stop-threshold", "float"),
     "min_output_tokens": ("x-latent-min-output-tokens", "x-ds4-min-output-tokens", "int"),
     "compression_factor": ("x-latent-compression-factor", None, "int"),
-    "latent_temperature": ("x-latent-temperature", None, "nonneg"),
+    "latent_temperature": ("x-latent-temperature", None, "temperature"),
 }
 
 
@@ -204,7 +207,8 @@ def _headers(http_request) -> dict:
 
 
 _WANT = {"bool": "a boolean (1/0, true/false, yes/no, on/off)", "int": "a non-negative integer",
-         "float": "a number in [0, 1]", "nonneg": "a finite number >= 0"}
+         "float": "a number in [0, 1]",
+         "temperature": f"a number in [0, {LATENT_TEMPERATURE_MAX:g}]"}
 
 
 def header_value(name: str, raw: str, kind: str):
@@ -220,9 +224,9 @@ def header_value(name: str, raw: str, kind: str):
                 raise APIError(f"header {name} is too large ({len(raw.strip())} digits)",
                                param=name)
             return int(raw)
-        if kind in ("float", "nonneg"):
+        if kind in ("float", "temperature"):
             value = float(raw)
-            if 0.0 <= value <= 1.0 if kind == "float" else 0.0 <= value < math.inf:
+            if 0.0 <= value <= (1.0 if kind == "float" else LATENT_TEMPERATURE_MAX):
                 return value
     except ValueError:
         pass
