@@ -139,6 +139,10 @@ def test_a_forced_call_with_a_response_format_is_refused(client, model):
      "tool_choice.function.name"),
     (TOOLS, "sometimes", "tool_choice"),
     (None, "required", "tool_choice"),
+    # a schema the grammar cannot follow, under a forced call: the tool's schema is named
+    (TOOLS + [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "wizard"}}}}}],
+     {"type": "function", "function": {"name": "f"}}, "tools[1].function.parameters"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(client, model, tools, tool_choice, param):
     kw = {} if tool_choice is None else {"tool_choice": tool_choice}
@@ -289,6 +293,9 @@ def test_anthropic_tool_choice_none_answers_in_text(claude, model):
     ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
      "tool_choice.name"),
     ({"tools": CLAUDE_TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
+    ({"tools": CLAUDE_TOOLS + [{"name": "f", "input_schema": {
+        "type": "object", "properties": {"a": {"type": "wizard"}}}}],
+      "tool_choice": {"type": "tool", "name": "f"}}, "tools.1.input_schema"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": ""}}]}]}, "messages.0.content.0"),

@@ -23,6 +23,7 @@ from latentserve.server.anthropic_blocks import (
     anthropic_tool_choice,
     message_turns,
     openai_tools,
+    tool_field,
 )
 from latentserve.server.errors import APIError, anthropic_error, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta
@@ -245,7 +246,7 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
             msg, param = "stop_sequences" + msg.removeprefix(param), "stop_sequences"
         raise APIError(msg, param=param) from None
     return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
-                         state.tokenizer, answer.parser(state))
+                         state.tokenizer, answer.parser(state), tool_field)
 
 
 async def create_message(body: MessagesRequest, request, state: ServerState):

@@ -167,8 +167,13 @@ def openai_tools(tools: list[AnthropicTool] | None
         fn = {"name": tool.name, "parameters": tool.input_schema}
         fn |= {k: v for k in ("description", "strict") if (v := getattr(tool, k)) is not None}
         out.append({"type": "function", "function": fn})
-    return out, check_tools(
-        out, lambda i, key: f"tools.{i}.{'input_schema' if key == 'parameters' else key}")
+    return out, check_tools(out, tool_field)
+
+
+def tool_field(i: int, key: str) -> str:
+    """Anthropic's name of field ``key`` (OpenAI's name: ``parameters`` is ``input_schema``)
+    of tool ``i``."""
+    return f"tools.{i}.{'input_schema' if key == 'parameters' else key}"
 
 
 # Anthropic's tool_choice type -> ToolChoice mode.

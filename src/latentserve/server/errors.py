@@ -79,8 +79,9 @@ def error_response(path: str, err: APIError):
 
 
 def param_from_value_error(message: str) -> str | None:
-    """The field a ``SamplingParams`` error names first (``"top_p must be ..."`` -> top_p)."""
-    match = re.match(r"([A-Za-z_][A-Za-z0-9_]*)", message)
+    """The field a ``SamplingParams`` error names first (``"top_p must be ..."`` -> top_p;
+    ``"tools[1].function.parameters is ..."`` -> that path)."""
+    match = re.match(r"([A-Za-z_][A-Za-z0-9_]*(?:\[\d+\]|\.[A-Za-z0-9_]+)*)", message)
     return match.group(1) if match else None
 
 

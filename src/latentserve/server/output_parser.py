@@ -113,20 +113,27 @@ def drops_tags(tokenizer, parser: OutputParser) -> bool:
 
 
 def answer_params(params, choice: ToolChoice, tools: dict[str, dict], latent_mode: str | None,
-                  tokenizer, parser: OutputParser):
+                  tokenizer, parser: OutputParser,
+                  field=lambda i, key: f"tools[{i}].function.{key}"):
     """``params`` with a forced call's JSON schema (or, under ``auto`` with a ``strict`` tool,
     the tool parser's structural tag), per-step traces for ``logit_lens`` and special tokens
     kept when :func:`drops_tags`. APIError (400 naming ``tool_choice``, or ``tools`` for a
-    strict tool): either with the request's own structured output, or a schema the engine
-    refuses."""
+    strict tool) with the request's own structured output; a schema the engine refuses is a
+    400 naming the tool's ``field(i, "parameters")`` when one tool's schema is decoded
+    (a named function, or the only tool), else ``tools``."""
     kind, param = {"json": call_schema(choice, tools)}, "tool_choice"
+    names = list(tools)
+    schema_param = (field(names.index(choice.name), "parameters") if choice.mode == "named"
+                    else field(0, "parameters") if len(names) == 1 else "tools")
     if parser.tools is not None and any(fn.get("strict") for fn in tools.values()):
         kind, param = {"structural_tag": parser.tools.structural_tag(tools, choice.single)}, "tools"
+        schema_param = "tools"
     if None not in kind.values():
         if params.structured_outputs is not None:
             what = "a forced tool call" if param == "tool_choice" else "a strict tool's call"
             raise APIError(f"{param}: {what} is decoded under its own JSON schema; it cannot "
                            f"be combined with {params.structured_outputs.param}", param=param)
+        param = schema_param
         try:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
                 **kind, param=param))
