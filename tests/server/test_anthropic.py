@@ -92,8 +92,13 @@ def test_validation_error_is_an_anthropic_error(server, model):
      "thinking.budget_tokens: Input should be a valid integer (got 'x')"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1023}},
      "thinking.budget_tokens: Input should be greater than or equal to 1024 (got 1023)"),
-    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content: a message needs at "
-     "least one content block (only a final assistant message may be empty)"),
+    *[({"messages": [{"role": "user", "content": empty}]}, "messages.0.content: all messages "
+       "must have non-empty content except for the optional final assistant message")
+      for empty in ("", [])],
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+     "messages.0.content.0.text: text content blocks must be non-empty"),
+    ({"system": [{"type": "text", "text": ""}]},
+     "system.0.text: text content blocks must be non-empty"),
     ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
      "tool_choice.disable_parallel_tool_use: Input should be a valid boolean (got 'yes')"),
     ({"service_tier": "bogus"},

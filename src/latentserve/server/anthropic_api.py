@@ -101,9 +101,9 @@ def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
             raise APIError(f"messages.{i}.role: Input should be 'user' or 'assistant', got "
                            f"{message.role!r}", param=f"messages.{i}.role")
         last_assistant = i == len(body.messages) - 1 and message.role == "assistant"
-        if message.content == [] and not last_assistant:  # as Anthropic's API refuses it
-            raise APIError(f"messages.{i}.content: a message needs at least one content "
-                           "block (only a final assistant message may be empty)",
+        if message.content in ("", []) and not last_assistant:  # as Anthropic's API
+            raise APIError(f"messages.{i}.content: all messages must have non-empty content "
+                           "except for the optional final assistant message",
                            param=f"messages.{i}.content")
         if last_assistant and _ends_in_whitespace(message.content):  # as Anthropic's API
             raise APIError(f"messages.{i}.content: final assistant content cannot end with "

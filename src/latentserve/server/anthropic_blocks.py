@@ -106,8 +106,8 @@ _ALLOWED_BLOCKS = {"assistant": "text, thinking, tool_use", "user": "text, tool_
 def message_turns(role: str, content: str | list[ContentBlock], param: str,
                   tool_names: dict[str, str]) -> list[dict[str, Any]]:
     """One Anthropic message (or ``system``) as chat-template turns (``tool_names``: tool_use
-    id -> name). APIError (400 naming ``{param}.{j}``) for another block type or a missing
-    field."""
+    id -> name). APIError (400 naming ``{param}.{j}``) for another block type, a missing
+    field or an empty text block (as Anthropic's API)."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts, calls, results = [], [], []
@@ -117,6 +117,9 @@ def message_turns(role: str, content: str | list[ContentBlock], param: str,
         if kind == "text":
             if block.text is None:
                 raise APIError(f"{where}.text: a text block needs a string 'text'",
+                               param=f"{where}.text")
+            if not block.text:
+                raise APIError(f"{where}.text: text content blocks must be non-empty",
                                param=f"{where}.text")
             texts.append(block.text)
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
