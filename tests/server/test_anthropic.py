@@ -1,6 +1,8 @@
 """/v1/messages through the anthropic SDK: messages, streaming events, stop sequences,
 errors in Anthropic's shape, and the API key."""
 
+import json
+
 import anthropic
 import pytest
 from server_testlib import API_KEY
@@ -220,3 +222,31 @@ def test_count_tokens_of_a_prompt_that_leaves_no_room_names_no_max_tokens(anthro
         anthropic_client.messages.count_tokens(model=model, messages=long)
     error = info.value.body["error"]
     assert "max_tokens" not in error["message"] and "prompt is too long" in error["message"]
+
+
+def test_an_aborted_message_ends_in_an_error_event_not_a_stop_reason():
+    """A stream cut by the server's drain ends in Anthropic's ``error`` event (no
+    ``stop_reason`` says "aborted"; ``end_turn`` would pass for a finished answer); a
+    finished one ends with ``message_delta`` and ``message_stop``."""
+    import asyncio
+
+    from latentserve.server.anthropic_api import _events
+    from latentserve.server.generation import TextDelta
+    from latentserve.server.output_parser import OutputParser
+
+    async def run(reason):
+        async def deltas():
+            yield 0, TextDelta("Hel", None, 1)
+            yield 0, TextDelta("lo", reason, 2)
+
+        events = [e async for e in _events("msg_1", "m", 3, deltas(), False, OutputParser(),
+                                           None, None)]
+        return [json.loads(e.split("data: ", 1)[1]) for e in events]
+
+    cut, done = asyncio.run(run("abort")), asyncio.run(run("stop"))
+    assert cut[-1] == {"type": "error", "error": {"type": "api_error", "message": (
+        "the request was aborted before it finished (the server is shutting down); "
+        "retry it")}}
+    assert not any(e["type"] in ("message_delta", "message_stop") for e in cut)
+    assert [e["type"] for e in done[-2:]] == ["message_delta", "message_stop"]
+    assert done[-2]["delta"]["stop_reason"] == "end_turn"

@@ -146,6 +146,13 @@ def _check(body: MessagesRequest, state: ServerState) -> None:
     check_stop_count(body.stop_sequences, "stop_sequences", state.limits)
 
 
+def _aborted() -> APIError:
+    """The 503 (``api_error``) of a request aborted before it finished (the server's drain at
+    shutdown), which no ``stop_reason`` of Anthropic's can say."""
+    return APIError("the request was aborted before it finished (the server is shutting "
+                    "down); retry it", status_code=503, type="api_error")
+
+
 def _stop(last: TextDelta, called: bool) -> dict:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` of a choice's ``last`` delta."""
     if last.stop_string is not None:
@@ -251,7 +258,8 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
 
 async def create_message(body: MessagesRequest, request, state: ServerState):
     """Validate, admit, template, run; answer with a ``message`` or an SSE event stream.
-    APIError: 400, 404, 503 ``overloaded`` (529 here), or ``serving.api_error``'s."""
+    APIError: 400, 404, 503 ``overloaded`` (529 here), 503 for a request aborted before it
+    finished, or ``serving.api_error``'s."""
     arrival = time.monotonic()
     _check(body, state)
     with admit(state, 1) as ticket:
@@ -270,6 +278,8 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
                     answer.parser(state), answer.latent_mode, texts),
                 error_event=lambda err: _event(anthropic_error(err)[1]), done=None)
         result = (await collect(request, state, reqs, arrival, ticket))[0]
+        if result.finish_reason == "abort":
+            raise _aborted()
         reasoning, content, calls = parse_output(answer.parser(state), result.text)
         if answer.latent_mode:
             reasoning = latent_reasoning_text(answer.latent_mode, result.latent_steps,
@@ -374,6 +384,9 @@ async def _events(msg_id: str, model: str, input_tokens: int,
         for e in blocks.take():
             yield e
         last = delta
+    if last.finish_reason == "abort":  # no stop_reason says it: Anthropic's error event
+        yield _event(anthropic_error(_aborted())[1])
+        return
     if blocks.index < 0:  # an empty answer: one empty text block, as when not streamed
         blocks.open({"type": "text", "text": ""})
     blocks.close()
