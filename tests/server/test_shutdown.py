@@ -80,7 +80,7 @@ def test_requests_left_at_the_drain_timeout_end_cleanly_then_the_server_exits(
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
 
-    drain = 0.5  # = the abort margin: the abort comes at the signal (250 tokens take < 0.5 s)
+    drain = 0.0  # the abort comes at the signal (250 tokens take < 0.5 s)
     srv = start_server(EngineConfig(model=str(scripted_model_dir), max_num_seqs=2),
                        timeout=300, drain_timeout=drain)
     try:

@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 PARENT_PID_ENV = "LATENTSERVE_PARENT_PID"
 # The name a model is served as when EngineConfig.model is None (LLMEngine's rule).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# How long before the drain timeout the requests still running are aborted, seconds.
-_ABORT_BEFORE_DRAIN_END_S = 0.5
+# Seconds the requests still running when the drain timeout ends (then aborted) have to get
+# their final answer before uvicorn cancels them (a plain 500 under a heavily loaded host).
+_ANSWER_ABORTED_S = 5.0
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -158,7 +159,8 @@ def run_server(config: EngineConfig | list[EngineConfig],
                          api_key=o.api_key or settings.get(API_KEY_ENV))
         server = uvicorn.Server(uvicorn.Config(
             app, host=o.host, port=o.port, log_level=o.uvicorn_log_level or o.log_level,
-            timeout_graceful_shutdown=o.drain_timeout, timeout_keep_alive=o.timeout_keep_alive,
+            timeout_graceful_shutdown=o.drain_timeout + _ANSWER_ABORTED_S,
+            timeout_keep_alive=o.timeout_keep_alive,
             http=protocol_class(o.timeout_request_headers, o.timeout_request_body)))
         exit_server, armed = server.handle_exit, []
 
@@ -172,9 +174,9 @@ def run_server(config: EngineConfig | list[EngineConfig],
                 loop = asyncio.get_running_loop()  # the handler runs in the loop's thread
             except RuntimeError:
                 return
-            if not armed:  # just before drain_timeout ends
-                delay = max(o.drain_timeout - _ABORT_BEFORE_DRAIN_END_S, 0.0)
-                armed.append(loop.call_soon_threadsafe(loop.call_later, delay, abort_all))
+            if not armed:  # when drain_timeout ends
+                armed.append(loop.call_soon_threadsafe(loop.call_later, o.drain_timeout,
+                                                       abort_all))
 
         server.handle_exit = handle_exit  # uvicorn installs it when it runs
 
