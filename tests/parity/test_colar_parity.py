@@ -12,6 +12,7 @@ seeded latent temperature, a prompt that already holds the speed, refusals."""
 import contextlib
 import json
 import os
+import re
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the graph test)
 
@@ -164,6 +165,9 @@ def test_answer_masks_leave_the_latent_phase_alone(colar_dir, references, overla
             assert (st["steps"], st["end"], st["stop_step"]) == (
                 ref.n_latent, "stop", ref.n_latent), extra
             assert SEP not in toks, extra
+            if "structured_outputs" in extra:  # and the grammar holds the answer
+                raw = "".join(engine.tokenizer.convert_ids_to_tokens(toks))
+                assert re.fullmatch("w[0-9]+", raw), raw
     engine.cache.check_idle()
 
 
