@@ -128,11 +128,14 @@ class RequestMask:
     start, the grammar starts after the reasoning (vLLM's rule). ``consumed``: answer tokens
     fed to the matcher;
     ``failed``: it refused one (the grammar is dropped, logged); ``terminated``: it accepted
-    its end, one of ``end_ids`` (the grammar's stop ids)."""
+    its end, one of ``end_ids`` (the grammar's stop ids). ``free_latent``: the latent
+    phase's sampled tokens never become answer tokens (the family forces closing ids after
+    it), so its rows are not masked (CoLaR's stop is the ``###`` they sample); else a
+    latent-phase row is masked as the answer's first token, which its token may become."""
 
     def __init__(self, params, vocab_size: int, stop_ids: set[int],
                  bad_words: list[list[int]] | None = None, matcher=None,
-                 think: ThinkBudget | None = None):
+                 think: ThinkBudget | None = None, free_latent: bool = False):
         self.allowed = (None if params.allowed_token_ids is None
                         else ids_bitmask(params.allowed_token_ids, vocab_size))
         self.min_tokens = params.min_tokens
@@ -145,6 +148,7 @@ class RequestMask:
         self.bad_words = bad_words or []
         self.matcher = matcher
         self.think = think
+        self.free_latent = free_latent
         self._after_think = matcher is not None and think is not None and think.begin == 0
         self.consumed = 0
         self.failed = False
@@ -293,11 +297,22 @@ def _filler():
     return ThreadPoolExecutor(1, thread_name_prefix="latentserve-grammar")
 
 
+def _answer_start(r) -> int:
+    """Where ``r``'s answer starts in ``output_ids`` (its end in the latent phase: no answer)."""
+    return len(r.output_ids) if r.answer_start is None else r.answer_start
+
+
+def _unmasked(r) -> bool:
+    """Whether ``r``'s row is all ones: in its latent phase, whose tokens are no answer's
+    (``RequestMask.free_latent``)."""
+    return r.answer_start is None and r.constraint.free_latent
+
+
 def static_key(reqs) -> tuple | None:
     """What the masks of ``reqs`` depend on when every constrained request's mask is static
     (``RequestMask.static``): per constrained row its index, its ``RequestMask`` (compared by
-    identity) and whether ``min_tokens`` still masks (None in the latent phase: no mask);
-    None when a mask reads tokens. Equal keys give equal :func:`batch_bitmask` results."""
+    identity) and whether ``min_tokens`` still masks (None: the row is unmasked); None when
+    a mask reads tokens. Equal keys give equal :func:`batch_bitmask` results."""
     key: list = [len(reqs)]
     for b, r in enumerate(reqs):
         c = r.constraint
@@ -305,8 +320,8 @@ def static_key(reqs) -> tuple | None:
             continue
         if not c.static:
             return None
-        key.append((b, c, None if r.answer_start is None
-                    else len(r.output_ids) - r.answer_start < c.min_tokens))
+        key.append((b, c, None if _unmasked(r)
+                    else len(r.output_ids) - _answer_start(r) < c.min_tokens))
     return tuple(key)
 
 
@@ -364,8 +379,8 @@ class PendingBitmask:
 
     def build(self) -> None:
         """Feed the grammars their unseen answer tokens, fill their rows of ``bits``, then AND
-        in the other masks (all-ones rows where no grammar is on). A row in its latent phase
-        is all ones: its token is no answer token (CoLaR's stop is the token it samples)."""
+        in the other masks (all-ones rows where no grammar is on, and unmasked latent-phase
+        rows: ``RequestMask.free_latent``)."""
         reqs, rows, known = self.reqs, self.rows, self._known
         fed_c, fed_t = [], []  # rows with exactly one token to feed: one batched call
         for b in rows:
@@ -389,8 +404,8 @@ class PendingBitmask:
                                                                  fed_t)
             for c, t, a in zip(fed_c, fed_t, ok):
                 c.took(t, a)
-        on = [reqs[b].answer_start is not None and reqs[b].constraint.grammar_on
-              for b in rows]
+        free = [_unmasked(reqs[b]) for b in rows]
+        on = [not f and reqs[b].constraint.grammar_on for f, b in zip(free, rows)]
         gi = [i for i, g in enumerate(on) if g]
         if len(gi) > 1:
             _batcher().batch_fill_next_token_bitmask([reqs[rows[i]].constraint.matcher
@@ -405,8 +420,8 @@ class PendingBitmask:
         for i, b in enumerate(rows):
             r = reqs[b]
             c = r.constraint
-            stop, start = len(r.output_ids), r.answer_start
-            if start is not None and c.restricts(stop - start):
+            stop, start = len(r.output_ids), _answer_start(r)
+            if not free[i] and c.restricts(stop - start):
                 c.restrict(arr[i], r.output_ids, stop, on[i], start,
                            None if known is None else known.get(id(r)))
 

@@ -405,6 +405,39 @@ def test_the_constraint_covers_the_answer_not_the_latent_phase(tmp_path):
         assert c.text in ("alpha", "beta") and c.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_head_without_closing_ids_masks_the_step_that_ends_its_phase(tmp_path, overlap):
+    """A compression head whose thinking has no closing ids (``think_close=""``): the token
+    sampled at the latent step that ends the phase is the answer's first, so that row is
+    masked (its grammar not yet fed) while CoLaR's latent rows are not (test_colar_parity)."""
+    import json
+
+    from latentserve import LLM
+    from latentserve.bench.baseline.tiny_models import save_tiny
+    from latentserve.latent.bundle import random_bundle, write_bundle
+    from latentserve.latent.head import HEAD_BUNDLE_NAME
+
+    d = save_tiny(tmp_path / "head", "llama", seed=0, num_hidden_layers=3)
+    hidden = json.loads((d / "config.json").read_text())["hidden_size"]
+    write_bundle(random_bundle(hidden, 16, source_layer=1, seed=7, stop_bias=0.0,
+                               injection="closed_loop", think_open=" Let me think.",
+                               think_close=""), d / HEAD_BUNDLE_NAME)
+    llm = LLM(model=str(d), overlap_schedule=overlap)
+    assert llm.engine.latent_spec.end_ids == ()
+    allowed = llm.tokenizer.encode(" yes no", add_special_tokens=False)
+    base = {"temperature": 0, "max_tokens": 8, "min_output_tokens": 0, "use_stop": False}
+    for cap in (1, 3):
+        free, masked, choice = _gen(llm, ["hello world"] * 3, [
+            SamplingParams(**base, max_latent=cap),
+            SamplingParams(**base, max_latent=cap, allowed_token_ids=allowed),
+            SamplingParams(**base, max_latent=cap, structured_outputs={"choice": ["yes", "no"]})])
+        assert free.token_ids[0] not in allowed  # else the test shows nothing
+        assert masked.latent_steps == choice.latent_steps == cap
+        assert set(masked.token_ids) <= set(allowed)
+        assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    llm.engine.cache.check_idle()
+
+
 def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_dirs):
     """Masks under overlap scheduling (engine/overlap.py): static ones are built before the
     previous token is on the host, bad words and grammars after it; every request gets the

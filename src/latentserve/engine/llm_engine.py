@@ -321,8 +321,9 @@ class LLMEngine:
             ids = [self.tokenizer.encode(t, add_special_tokens=False)
                    for t in (THINK_START, THINK_END)]
             think = ThinkBudget(budget, ids[0], ids[1], prompt, REASONING_PARSERS[parser])
+        free = self.latent_spec is not None and bool(self.latent_spec.end_ids)
         return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
-                           words, matcher, think)
+                           words, matcher, think, free_latent=free)
 
     def begin_token_mask(self, reqs: list[Req], known: dict | None = None):
         """Start the token masks of ``reqs`` before their forward: a
