@@ -3,6 +3,7 @@ model's context, and the latent fields of a completion."""
 
 import re
 
+import numpy as np
 import pytest
 
 from latentserve import LLM, SamplingParams
@@ -314,7 +315,7 @@ def test_generate_and_chat_take_vllms_lora_request_priority_and_content_format(
     llm = LLM(model=str(tiny_dirs["llama"]))
     params = SamplingParams(max_tokens=2, temperature=0)
     want = llm.generate([[5, 6], [7]], params, use_tqdm=False)
-    for priority in ([0, 0], 0):
+    for priority in ([0, 0], 0, np.int64(0)):
         got = llm.generate([[5, 6], [7]], params, use_tqdm=False, lora_request=None,
                            priority=priority)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -266,11 +267,11 @@ def _check_no_effect(lora_request, priority, count: int) -> None:
                          "LLM(model=ADAPTER_DIR))")
     if priority is None:
         return
-    if not isinstance(priority, int):
-        priority = list(priority)
-        if len(priority) != count:
-            raise ValueError(f"got {count} prompts but {len(priority)} priorities; pass one "
-                             "or one per prompt")
-    if any(p != 0 for p in ([priority] if isinstance(priority, int) else priority)):
+    if isinstance(priority, numbers.Integral):
+        priority = [priority] * count
+    elif len(priority := list(priority)) != count:
+        raise ValueError(f"got {count} prompts but {len(priority)} priorities; pass one or "
+                         "one per prompt")
+    if any(p != 0 for p in priority):
         raise ValueError("priority must be None or 0: requests are served first come, "
                          "first served")
