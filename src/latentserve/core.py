@@ -42,7 +42,9 @@ class Req:
     (``RecurrentState``, ``HeadSettings``, ``LoopState``; None for plain and feedback requests).
     ``cache_salt`` (0 = none) separates prefix-cache entries whose KV differs for the same ids.
     ``eos_from``: EOS ends the request only from answer token ``eos_from`` (1-based; 0: any).
-    ``constraint``: the ``token_masks.RequestMask``, or None."""
+    ``constraint``: the ``token_masks.RequestMask``, or None. ``forced_close``: the family
+    appends closing ids after the latent phase (``LatentSpec.end_ids``), so no token sampled
+    in that phase becomes an answer token (:attr:`samples_answer`)."""
 
     rid: str
     prompt_ids: list[int]
@@ -67,6 +69,16 @@ class Req:
     state: LatentState | None = None
     eos_from: int = 0
     constraint: Any = None
+    forced_close: bool = False
+
+    @property
+    def samples_answer(self) -> bool:
+        """Whether the token sampled for this request's next row may be an answer token: in
+        the answer, or in a latent phase without ``forced_close`` (the token sampled at the
+        step ending the phase is the answer's first). Token masks, ``logit_bias`` and the
+        penalties apply to such rows only; a latent phase's other tokens decide the phase
+        (CoLaR's ``###`` stop) or are dropped."""
+        return self.answer_start is not None or not self.forced_close
 
     @property
     def ids(self) -> list[int]:

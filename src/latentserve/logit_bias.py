@@ -13,14 +13,14 @@ from latentserve.sampling import LogitBias
 
 def batch_logit_bias(reqs, copies) -> LogitBias | None:
     """The :class:`~latentserve.sampling.LogitBias` of the rows of ``reqs`` (``core.Req``)
-    whose request sets ``logit_bias`` and samples an answer token (``answer_start`` set: a
-    latent step's row gets none, as its token decides the phase); None when no row has one.
+    whose request sets ``logit_bias`` and whose token may be an answer token
+    (``core.Req.samples_answer``); None when no row has one.
     ``copies``: the ``staging.HostToDevice`` that makes the one int64 copy (rows | ids | the
     values' float64 bits), queued without waiting."""
     rows, ids, values = array("q"), array("q"), array("d")
     for b, r in enumerate(reqs):
         bias = r.params.logit_bias
-        if bias and r.answer_start is not None:
+        if bias and r.samples_answer:
             rows.extend([b] * len(bias))
             ids.extend(bias)
             values.extend(bias.values())

@@ -145,18 +145,22 @@ class PenaltyCounts:
     def apply(self, logits: torch.Tensor, reqs) -> torch.Tensor:
         """A new ``[S, V]`` tensor: ``logits`` (``[S, V]``, row i for ``reqs[i]``, not
         modified) with each request's penalties applied from its counts (rows of requests
-        without penalties copied). Not waited for. ValueError when ``V`` is not the counts'
+        without penalties, or whose token is no answer token (``core.Req.samples_answer``),
+        copied). Not waited for. ValueError when ``V`` is not the counts'
         vocabulary; RuntimeError for a request with penalties that was never counted."""
         if logits.shape[1] != self.vocab:
             raise ValueError(f"logits have {logits.shape[1]} columns, the counts {self.vocab}")
         n = len(reqs)
-        same = (self._epoch, tuple(map(id, reqs)))  # the same live requests, the same rows
+        answer = tuple(r.samples_answer for r in reqs)
+        same = (self._epoch, tuple(map(id, reqs)), answer)  # the same rows
         if self._applied is None or self._applied[0] != same:
-            rows = array("q", (self._rows.get(self._key(r), -1) for r in reqs))
-            for r, row in zip(reqs, rows):
+            rows = array("q")
+            for r, a in zip(reqs, answer):
+                row = self._rows.get(self._key(r), -1)
                 if row < 0 and r.params.has_penalties:
                     raise RuntimeError(f"request {r.rid!r} has penalties but was never "
                                        "counted")
+                rows.append(row if a else -1)  # no penalty on a latent step's token
             params = array("d", [r.params.repetition_penalty for r in reqs]
                            + [r.params.frequency_penalty for r in reqs]
                            + [r.params.presence_penalty for r in reqs])

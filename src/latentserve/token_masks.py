@@ -128,14 +128,12 @@ class RequestMask:
     start, the grammar starts after the reasoning (vLLM's rule). ``consumed``: answer tokens
     fed to the matcher;
     ``failed``: it refused one (the grammar is dropped, logged); ``terminated``: it accepted
-    its end, one of ``end_ids`` (the grammar's stop ids). ``free_latent``: the latent
-    phase's sampled tokens never become answer tokens (the family forces closing ids after
-    it), so its rows are not masked (CoLaR's stop is the ``###`` they sample); else a
-    latent-phase row is masked as the answer's first token, which its token may become."""
+    its end, one of ``end_ids`` (the grammar's stop ids). A row whose token is no answer
+    token (``Req.samples_answer`` false) is all ones."""
 
     def __init__(self, params, vocab_size: int, stop_ids: set[int],
                  bad_words: list[list[int]] | None = None, matcher=None,
-                 think: ThinkBudget | None = None, free_latent: bool = False):
+                 think: ThinkBudget | None = None):
         self.allowed = (None if params.allowed_token_ids is None
                         else ids_bitmask(params.allowed_token_ids, vocab_size))
         self.min_tokens = params.min_tokens
@@ -148,7 +146,6 @@ class RequestMask:
         self.bad_words = bad_words or []
         self.matcher = matcher
         self.think = think
-        self.free_latent = free_latent
         self._after_think = matcher is not None and think is not None and think.begin == 0
         self.consumed = 0
         self.failed = False
@@ -303,9 +300,8 @@ def _answer_start(r) -> int:
 
 
 def _unmasked(r) -> bool:
-    """Whether ``r``'s row is all ones: in its latent phase, whose tokens are no answer's
-    (``RequestMask.free_latent``)."""
-    return r.answer_start is None and r.constraint.free_latent
+    """Whether ``r``'s row is all ones: its token is no answer token (``Req.samples_answer``)."""
+    return not r.samples_answer
 
 
 def static_key(reqs) -> tuple | None:
@@ -380,7 +376,7 @@ class PendingBitmask:
     def build(self) -> None:
         """Feed the grammars their unseen answer tokens, fill their rows of ``bits``, then AND
         in the other masks (all-ones rows where no grammar is on, and unmasked latent-phase
-        rows: ``RequestMask.free_latent``)."""
+        rows: ``Req.samples_answer``)."""
         reqs, rows, known = self.reqs, self.rows, self._known
         fed_c, fed_t = [], []  # rows with exactly one token to feed: one batched call
         for b in rows:

@@ -152,14 +152,16 @@ def test_min_latent_and_use_stop_hold_the_stop_back(colar_dir, references):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_answer_masks_leave_the_latent_phase_alone(colar_dir, references, overlap):
-    """A grammar, ``bad_words`` or ``allowed_token_ids`` that exclude ``###`` cover the
-    answer only: the stop is the token a latent step samples, so the latent phase (steps,
-    stop step) is the reference's."""
+    """A grammar, ``bad_words``, ``allowed_token_ids``, a ``logit_bias`` or a repetition
+    penalty (``###`` is in the prompt) that exclude ``###`` cover the answer only: the stop
+    is the token a latent step samples, so the latent phase (steps, stop step) is the
+    reference's."""
     engine = LLMEngine(EngineConfig(model=str(colar_dir), overlap_schedule=overlap))
     picked = [k for k, r in enumerate(references) if _end(r) == "stop"][:3]
     cases = [_cases()[k] for k in picked]
     for extra in ({"bad_words": ["###"]}, {"allowed_token_ids": list(range(4, 1024))},
-                  {"structured_outputs": {"regex": "w[0-9]+"}}):
+                  {"structured_outputs": {"regex": "w[0-9]+"}}, {"logit_bias": {SEP: -100}},
+                  {"repetition_penalty": 1e6}):
         for (toks, final, _), k in zip(_run(engine, cases, **extra), picked):
             st, ref = final.latent_stats, references[k]
             assert (st["steps"], st["end"], st["stop_step"]) == (

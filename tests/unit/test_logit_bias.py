@@ -53,10 +53,14 @@ def test_the_bias_comes_after_the_mask_and_before_the_penalties():
     assert sample_with_logprobs(torch.zeros(1, VOCAB), [pen], bias=bias).tokens.item() == 4
 
 
-def test_latent_phase_rows_get_no_bias():
-    r = _req(logit_bias={3: 1.0})
-    r.answer_start = None
-    assert batch_logit_bias([r], HostToDevice("cpu")) is None
+def test_latent_phase_rows_get_a_bias_only_where_their_token_may_be_the_answers():
+    closed, open_ = _req(logit_bias={3: 1.0}), _req(logit_bias={4: 2.0})
+    closed.answer_start = open_.answer_start = None
+    closed.forced_close = True  # closing ids follow the phase: its tokens are never kept
+    assert batch_logit_bias([closed], HostToDevice("cpu")) is None
+    # no closing ids: the step ending the phase samples the answer's first token
+    bias = batch_logit_bias([closed, open_], HostToDevice("cpu"))
+    assert (bias.rows.tolist(), bias.ids.tolist(), bias.values.tolist()) == ([1], [4], [2.0])
 
 
 @pytest.mark.parametrize("bias,msg", [

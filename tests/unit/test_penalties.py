@@ -2,7 +2,8 @@
 answers that grow by host-known tokens and by the token still on the device (overlap mode),
 requests without penalties in the batch, rows given back and taken by new requests (their
 prompts replace the old ones), more requests than the first 8 rows, an answer that shrinks
-(counted again), a latent phase before the answer; and the Triton kernels (through the
+(counted again), a latent phase before the answer (its rows penalized only where their
+token may be the answer's first: ``Req.samples_answer``); and the Triton kernels (through the
 interpreter) against the torch path."""
 
 import os
@@ -27,6 +28,8 @@ def _reference(logits: torch.Tensor, reqs, answers) -> torch.Tensor:
     answer (vLLM's ``apply_penalties``)."""
     out = logits.clone()
     for i, (r, answer) in enumerate(zip(reqs, answers)):
+        if r.answer_start is None and r.forced_close:
+            continue  # a latent step's token, dropped or deciding the phase: no penalty
         p, counts = r.params, torch.zeros(VOCAB)
         for t in answer:
             counts[t] += 1
@@ -50,6 +53,9 @@ def _new_req(rng: random.Random, rid: str) -> Req:
     req = Req(rid, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 10))], _params(rng))
     if rng.random() < 0.3:  # a latent phase first: two latent ids, then the answer
         req.output_ids, req.answer_start = [7, 7], None
+        # closing ids forced after the phase (no latent row penalized), or none (each
+        # latent row is, as the one ending the phase samples the answer's first token)
+        req.forced_close = rng.random() < 0.5
     else:
         req.answer_start = 0
     return req

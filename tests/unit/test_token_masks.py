@@ -409,7 +409,8 @@ def test_the_constraint_covers_the_answer_not_the_latent_phase(tmp_path):
 def test_a_head_without_closing_ids_masks_the_step_that_ends_its_phase(tmp_path, overlap):
     """A compression head whose thinking has no closing ids (``think_close=""``): the token
     sampled at the latent step that ends the phase is the answer's first, so that row is
-    masked (its grammar not yet fed) while CoLaR's latent rows are not (test_colar_parity)."""
+    masked (its grammar not yet fed) and biased (``logit_bias``), while CoLaR's latent rows
+    are not (test_colar_parity)."""
     import json
 
     from latentserve import LLM
@@ -427,12 +428,14 @@ def test_a_head_without_closing_ids_masks_the_step_that_ends_its_phase(tmp_path,
     allowed = llm.tokenizer.encode(" yes no", add_special_tokens=False)
     base = {"temperature": 0, "max_tokens": 8, "min_output_tokens": 0, "use_stop": False}
     for cap in (1, 3):
-        free, masked, choice = _gen(llm, ["hello world"] * 3, [
+        free, masked, choice, biased = _gen(llm, ["hello world"] * 4, [
             SamplingParams(**base, max_latent=cap),
             SamplingParams(**base, max_latent=cap, allowed_token_ids=allowed),
-            SamplingParams(**base, max_latent=cap, structured_outputs={"choice": ["yes", "no"]})])
+            SamplingParams(**base, max_latent=cap, structured_outputs={"choice": ["yes", "no"]}),
+            SamplingParams(**base, max_latent=cap, logit_bias={allowed[1]: 100})])
         assert free.token_ids[0] not in allowed  # else the test shows nothing
-        assert masked.latent_steps == choice.latent_steps == cap
+        assert masked.latent_steps == choice.latent_steps == biased.latent_steps == cap
+        assert biased.token_ids[0] == allowed[1]
         assert set(masked.token_ids) <= set(allowed)
         assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
     llm.engine.cache.check_idle()

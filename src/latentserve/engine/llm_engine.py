@@ -272,7 +272,8 @@ class LLMEngine:
                              "tensor_parallel_size > 1")
         req = Req(rid, [int(t) for t in prompt_token_ids], params, arrival=self._arrivals,
                   eos_from=getattr(spec, "upstream_eos_from", 0) if upstream else 0,
-                  constraint=self._constraint(params, prompt_token_ids))
+                  constraint=self._constraint(params, prompt_token_ids),
+                  forced_close=spec is not None and bool(spec.end_ids))
         if admission.start is not None:
             admission.start(req)
         return req
@@ -321,9 +322,8 @@ class LLMEngine:
             ids = [self.tokenizer.encode(t, add_special_tokens=False)
                    for t in (THINK_START, THINK_END)]
             think = ThinkBudget(budget, ids[0], ids[1], prompt, REASONING_PARSERS[parser])
-        free = self.latent_spec is not None and bool(self.latent_spec.end_ids)
         return RequestMask(params, self.vocab_size, self.eos_ids | set(params.stop_token_ids),
-                           words, matcher, think, free_latent=free)
+                           words, matcher, think)
 
     def begin_token_mask(self, reqs: list[Req], known: dict | None = None):
         """Start the token masks of ``reqs`` before their forward: a
