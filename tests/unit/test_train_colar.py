@@ -300,6 +300,29 @@ def test_a_colar_directory_as_init_adapter_continues_its_policy(trained, toy_fil
         assert torch.allclose(a, b, atol=1e-6), k
 
 
+def test_lora_r_0_from_a_colar_directory_merges_it_and_trains_every_weight(trained, toy_file,
+                                                                           tmp_path):
+    """``--init-adapter DIR --lora-r 0``: the adapter merged into the weights, all of them
+    trained; the output is a whole model with its tokenizer and policy, which serves alone
+    and (at a vanishing lr) answers as the LoRA directory does."""
+    from latentserve import LLM, SamplingParams
+
+    out, _ = trained
+    full = tmp_path / "full"
+    train(ColarTrainConfig(data=[str(toy_file)], out=str(full), init_adapter=str(out),
+                           lora_r=0, steps=1, batch_size=4, lr=1e-12, warmup=0,
+                           max_compression_factor=2), progress=lambda *_: None)
+    names = {p.name for p in full.iterdir()}
+    assert {"model.safetensors", "tokenizer.json", "latent_policy.safetensors"} <= names
+    assert "adapter_config.json" not in names
+    params = SamplingParams(temperature=0, max_tokens=6)
+    prompts = ["Question : 3 + 4", "Question : 2 + 5"]
+    want, got = (LLM(model=str(d)).generate(prompts, params) for d in (out, full))
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].latent_steps == w.outputs[0].latent_steps > 0
+
+
 # ------------------------------------------------------------------ the reference loop
 
 

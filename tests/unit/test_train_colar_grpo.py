@@ -78,7 +78,7 @@ def _trainable(stage1):
     from latentserve.train.cot import load_backbone
 
     base = adapter_base(str(stage1))
-    model, _, _ = load_backbone(base, "cpu", SimpleNamespace(init_adapter=str(stage1)))
+    model, _, _ = load_backbone(base, "cpu", SimpleNamespace(init_adapter=str(stage1), lora_r=1))
     ccfg, policy = colar.load_colar(stage1)
     return model.eval(), load_tokenizer(base), ccfg, policy
 

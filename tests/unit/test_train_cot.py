@@ -96,6 +96,25 @@ def test_lora_run_lowers_loss_and_adapter_reproduces_model(tmp_path, tiny_dirs):
     assert not torch.allclose(plain, tuned, atol=1e-3)  # the adapter changes the model
 
 
+def test_a_full_fine_tune_writes_a_model_that_serves_alone(tmp_path, tiny_dirs):
+    """``lora_r=0``: every weight trained, the whole model and its tokenizer written, so
+    ``LLM(model=out)`` loads it with no base beside it."""
+    from latentserve import LLM, SamplingParams
+    from latentserve.train.cot import CotConfig, train
+    from latentserve.train.tasks import write_icot
+
+    data = tmp_path / "train.txt"
+    write_icot(generate_multiplication(2, 8, seed=0), data)
+    out = tmp_path / "full"
+    train(CotConfig(data=[str(data)], out=str(out), base=str(tiny_dirs["llama"]), lora_r=0,
+                    steps=2, batch_size=4, lr=1e-3, warmup=0), progress=lambda s: None)
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()}
+    out_ = LLM(model=str(out)).generate([[5, 17, 300]], SamplingParams(max_tokens=3,
+                                                                        temperature=0))
+    assert len(out_[0].outputs[0].token_ids) == 3
+
+
 def test_cli_refuses_bad_sizes_before_loading_anything(tmp_path, capsys):
     from latentserve.cli import main
 

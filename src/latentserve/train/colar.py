@@ -173,7 +173,7 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
         return loss["total"], {"ce": loss["ce"], "embed": loss["embed"], "r": r}
 
     def checkpoint(log: list[dict]) -> None:  # a servable directory, as train cot's + CoLaR's
-        save(model, base_name, cfg, log, colar_files=(ccfg, policy))
+        save(model, base_name, cfg, log, colar_files=(ccfg, policy), tok=tok)
 
     log = optimise(cfg, params, step_loss, checkpoint, progress)
     checkpoint(log)

@@ -282,7 +282,7 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     if getattr(engine.latent_spec, "family", None) != "colar":
         raise ValueError("the engine does not serve a CoLaR model")
     model, _, base_name = load_backbone(adapter_base(str(src)), cfg.device,
-                                        SimpleNamespace(init_adapter=str(src)))
+                                        SimpleNamespace(init_adapter=str(src), lora_r=1))
     model.eval()  # no dropout: old and new log-probs come from the same function
     policy = policy.to(cfg.device)
     params = [p for p in model.parameters() if p.requires_grad] + list(policy.parameters())

@@ -55,7 +55,8 @@ def encode_examples(tok, items: list[Item], mode: str = "cot"
 
 def load_backbone(base: str | None, device: str, cfg=None):
     """``(model, tokenizer, base_name)``: ``base``'s float32 HF causal LM on ``device``, in
-    PEFT LoRA when ``cfg.lora_r > 0`` or ``cfg.init_adapter``."""
+    PEFT LoRA when ``cfg.lora_r > 0`` or ``cfg.init_adapter``; ``cfg.init_adapter`` with
+    ``cfg.lora_r == 0``: that adapter merged into the weights, all of them trained."""
     from transformers import AutoModelForCausalLM
 
     model_dir = resolve_model_dir(base)
@@ -67,6 +68,9 @@ def load_backbone(base: str | None, device: str, cfg=None):
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True)
+        if cfg.lora_r == 0:  # a full fine-tune from the adapted model
+            model = model.merge_and_unload()
+            model.requires_grad_(True)
     elif cfg is not None and cfg.lora_r > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -125,7 +129,7 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
 
 
 def save(model, base_name: str, cfg, log: list[dict],
-         adapter_dtype: torch.dtype = torch.bfloat16, colar_files=None) -> None:
+         adapter_dtype: torch.dtype = torch.bfloat16, colar_files=None, tok=None) -> None:
     """Write the PEFT adapter (in ``adapter_dtype``) or the full model, ``train_config.json``
     and ``train_log.json`` to directory ``cfg.out``; with ``colar_files`` (``(ColarConfig,
     LatentPolicy)``) also ``latent.colar.save_colar``'s files."""
@@ -142,8 +146,10 @@ def save(model, base_name: str, cfg, log: list[dict],
         sd = get_peft_model_state_dict(model)
         save_file({k: v.detach().to(adapter_dtype).cpu().contiguous() for k, v in sd.items()},
                   str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    else:
+    else:  # a whole model: its tokenizer beside it, so the directory serves alone
         model.save_pretrained(str(out), safe_serialization=True)
+        if tok is not None:
+            tok.save_pretrained(str(out))
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     if colar_files is not None:
@@ -231,10 +237,11 @@ def train(cfg: CotConfig, progress=print) -> dict:
         keep = target != -100
         return F.cross_entropy(lm.lm_head(hidden[keep]).float(), target[keep]), {}
 
-    log = optimise(cfg, params, step_loss, lambda log: save(model, base_name, cfg, log), progress)
+    log = optimise(cfg, params, step_loss, lambda log: save(model, base_name, cfg, log, tok=tok),
+                   progress)
     if evals:
         rec = dict(log[-1], eval=greedy_accuracy(model, tok, evals, cfg.device))
         log.append(rec)
         progress(json.dumps(rec))
-    save(model, base_name, cfg, log)
+    save(model, base_name, cfg, log, tok=tok)
     return log[-1]
