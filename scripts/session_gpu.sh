@@ -5,13 +5,15 @@
 #   prep           joins the GGUF and installs the wheels in .whl when carried (train does too)
 #   train FILE...  joins the GGUF (installs the wheels in .whl when carried), starts a stage-1
 #                  CoLaR continuation of models/smollm2-mult-colar
-#                  in the background (T_MORE s wall, TRAIN_FACTORS, LR, OWN_LATENT_PROB), then
+#                  in the background (T_MORE s wall, TRAIN_FACTORS, LR, OWN_LATENT_PROB,
+#                  LORA_R: 0 merges the adapter and trains every weight), then
 #                  runs the GPU tests FILE... in the foreground (log and junit xml in $OUT)
 #   tests FILE...  more GPU tests while the training goes on
 #   bench FAM...   `bench --suite families` per family (one JSON each in $OUT), the training
 #                  paused (SIGSTOP) meanwhile so it does not disturb the timings
 #   paused CMD...  any command (a profile, another bench) with the training paused
-#   finish         waits for the training, packs it, evaluates it at speeds 2-4 on both test sets
+#   finish         waits for the training, packs it (not a whole model), evaluates it at
+#                  speeds 2-4 on both test sets, and runs the teacher-forced probe
 # Session 20 ran: 8 takes; train (8 test files); tests (8 more); bench plain head; bench
 # feedback loop recurrent; finish (docs/results.md "Run 4", docs/benchmarks.md).
 set -uo pipefail
@@ -55,7 +57,7 @@ prep|train)  # prep: the GGUF joined and the carried wheels installed, no traini
     --train-factors "${TRAIN_FACTORS:-3,4,4}" --data "$W/4x4_train.txt" \
     --data "$W/5x5_train.txt" --compression-factor 2 --out "$W/colar_mult" --steps 100000 \
     --max-seconds "${T_MORE:-1000}" --batch-size 128 --save-every 1000 \
-    ${OWN_LATENT_PROB:+--own-latent-prob "$OWN_LATENT_PROB"} \
+    ${OWN_LATENT_PROB:+--own-latent-prob "$OWN_LATENT_PROB"} ${LORA_R:+--lora-r "$LORA_R"} \
     > "$W/train.log" 2>&1 < /dev/null &
   echo $! > "$W/train.pid"; sleep 20; tail -3 "$W/train.log"
   gtests a "$@"; tail -2 "$W/train.log" ;;
@@ -63,12 +65,18 @@ tests) shift; gtests b "$@"; tail -2 "$W/train.log" ;;
 finish)
   while kill -0 "$(cat $W/train.pid)" 2>/dev/null; do sleep 5; done
   tail -4 "$W/train.log"; cp "$W/train.log" "$OUT/"
-  tar czf "$OUT/colar_mult.tgz" -C "$W" --exclude=train_log.json colar_mult
-  cp "$W/colar_mult/train_log.json" "$OUT/" 2>/dev/null
+  # a whole model (LORA_R=0) is too large to come back: only its logs and figures do
+  [ -f "$W/colar_mult/model.safetensors" ] || \
+    tar czf "$OUT/colar_mult.tgz" -C "$W" --exclude=train_log.json colar_mult
+  cp "$W/colar_mult/train_log.json" "$W/colar_mult/train_config.json" "$OUT/" 2>/dev/null
   for s in 4x4 5x5; do
     $ls eval --device cuda --dtype bfloat16 --model "$W/colar_mult" --max-num-seqs 64 \
       --dataset-file "$D/${s}_test.txt" --max-tokens 40 --sweep compression_factor=2,3,4 \
       --json-out "$OUT/colar_${s}.json" 2>&1 | grep --line-buffered -v "Loading\|Converting"
-  done ;;
+  done
+  # the teacher-forced probe (docs/results.md): gold compressed steps in, on the CPU
+  PYTHONPATH="$PYTHONPATH:$PWD" timeout "${T_PROBE:-240}" python3 \
+    scripts/colar_teacher_forced.py "$W/colar_mult" "$D/4x4_test.txt" 100 2 3 4 \
+    > "$OUT/teacher_forced_4x4_100.jsonl" && cat "$OUT/teacher_forced_4x4_100.jsonl" ;;
 *) echo "usage: $0 take|prep|train|tests|bench|paused|finish" >&2; exit 2 ;;
 esac

@@ -45,8 +45,8 @@ class ColarReferenceOutput:
 def load_colar_reference(model_dir: str | Path, device: str = "cpu"):
     """``(model, tokenizer, ColarConfig, LatentPolicy)`` of a ``train colar`` output: the
     base named by its ``adapter_config.json`` (the embedded SmolLM2 for its hub name) with
-    the LoRA merged, float32, eval mode, on ``device``. Raises ValueError when the
-    directory has no ``colar_config.json``."""
+    the LoRA merged, or the whole model of a full fine-tune (no adapter), float32, eval
+    mode, on ``device``. Raises ValueError when the directory has no ``colar_config.json``."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -57,6 +57,10 @@ def load_colar_reference(model_dir: str | Path, device: str = "cpu"):
     loaded = colar.load_colar(d)
     if loaded is None:
         raise ValueError(f"{d} has no {colar.COLAR_CONFIG}")
+    if not (d / "adapter_config.json").is_file():  # a full fine-tune: the model itself
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        cfg, policy = loaded
+        return model.to(device).eval(), load_tokenizer(d), cfg, policy.to(device)
     base_dir = resolve_model_dir(adapter_base(str(d)))
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(model, str(d)).merge_and_unload()
