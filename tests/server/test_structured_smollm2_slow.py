@@ -38,7 +38,7 @@ def smollm2_client(smollm2_dir):
     from latentserve.config import EngineConfig
     from latentserve.server.launch import start_server
 
-    with start_server(EngineConfig(max_num_seqs=32, max_model_len=1024), timeout=600) as srv:
+    with start_server(EngineConfig(max_num_seqs=100, max_model_len=1024), timeout=600) as srv:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused",
                                max_retries=0, timeout=600)
         yield client, client.models.list().data[0].id
@@ -50,7 +50,7 @@ def _many(client, model, n, **kw):
                                            seed=seed, **kw)
         return r.choices[0].message.content, r.choices[0].finish_reason
 
-    with ThreadPoolExecutor(32) as pool:
+    with ThreadPoolExecutor(n) as pool:  # all at once: one batch
         return list(pool.map(one, range(n)))
 
 
