@@ -6,7 +6,8 @@
 #   train FILE...  joins the GGUF (installs the wheels in .whl when carried), starts a stage-1
 #                  CoLaR continuation of models/smollm2-mult-colar
 #                  in the background (T_MORE s wall, TRAIN_FACTORS, LR, OWN_LATENT_PROB,
-#                  LORA_R: 0 merges the adapter and trains every weight), then
+#                  LORA_R: 0 merges the adapter and trains every weight; N_TRAIN items of
+#                  each size), then
 #                  runs the GPU tests FILE... in the foreground (log and junit xml in $OUT)
 #   tests FILE...  more GPU tests while the training goes on
 #   bench FAM...   `bench --suite families` per family (one JSON each in $OUT), the training
@@ -50,7 +51,7 @@ paused) shift; pause; timeout "${T_BENCH:-560}" "$@"; echo "rc $?"; resume ;;
 prep|train)  # prep: the GGUF joined and the carried wheels installed, no training
   [ "$1" = prep ] && { prep; exit $?; }
   shift; prep || exit 1
-  for k in 4 5; do $ls data multiplication --k $k --n 150000 --seed 2 \
+  for k in 4 5; do $ls data multiplication --k $k --n "${N_TRAIN:-150000}" --seed 2 \
     --out "$W/${k}x${k}_train.txt"; done
   setsid nohup $ls train colar --device cuda --lr "${LR:-5e-4}" --log-every 200 \
     --max-compression-factor 5 --max-latent 160 --init-adapter models/smollm2-mult-colar \
