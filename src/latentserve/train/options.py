@@ -44,7 +44,8 @@ class FinetuneOptions:
                                            "fresh LoRA")
     init_adapter: str | None = option(None, "adapter directory to continue training (train cot "
                                       "output; for train colar also a train colar output, its "
-                                      "latent policy too)")
+                                      "latent policy too); with --lora-r 0 it is merged and "
+                                      "every weight trained")
     steps: int = option(2000, ge=1)
     batch_size: int = option(128, ge=1)
     lr: float = option(1e-3, gt=0)
