@@ -15,6 +15,9 @@
 #   paused CMD...  any command (a profile, another bench) with the training paused
 #   finish         waits for the training, packs it (not a whole model), evaluates it at
 #                  speeds 2-4 on both test sets, and runs the teacher-forced probe
+#   once FILE...   train FILE..., then finish, in one call (T_MORE about 330 s, N_TRAIN 60000
+#                  and T_TESTS about 150 fit the 600-s call: with XFER_PARTS=3, two takes
+#                  and this call carrying the last part and .whl)
 # Session 20 ran: 8 takes; train (8 test files); tests (8 more); bench plain head; bench
 # feedback loop recurrent; finish (docs/results.md "Run 4", docs/benchmarks.md).
 set -uo pipefail
@@ -79,5 +82,6 @@ finish)
   PYTHONPATH="$PYTHONPATH:$PWD" timeout "${T_PROBE:-240}" python3 \
     scripts/colar_teacher_forced.py "$W/colar_mult" "$D/4x4_test.txt" 100 2 3 4 \
     > "$OUT/teacher_forced_4x4_100.jsonl" && cat "$OUT/teacher_forced_4x4_100.jsonl" ;;
-*) echo "usage: $0 take|prep|train|tests|bench|paused|finish" >&2; exit 2 ;;
+once) shift; bash "$0" train "$@" && bash "$0" finish ;;
+*) echo "usage: $0 take|prep|train|tests|bench|paused|finish|once" >&2; exit 2 ;;
 esac
