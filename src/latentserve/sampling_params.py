@@ -28,7 +28,8 @@ MAX_SCHEMA_DEPTH = 128
 
 # Each numeric field's allowed range: (lo, hi) for integers, (lo, hi, lo_open) for numbers;
 # None (where the field's type allows it) always passes.
-INT_RANGES = {"max_tokens": (1,), "n": (1,), "top_k": (-1,), "seed": (0, 2**63 - 1),
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes int64
+INT_RANGES = {"max_tokens": (1,), "n": (1,), "top_k": (-1,), "seed": (0, SEED_MAX),
               "logprobs": (0,), "prompt_logprobs": (0,), "latent_budget": (0,),
               "max_latent": (0,), "min_latent": (0,), "min_output_tokens": (0,),
               "exit_min_steps": (0,), "exit_check_every": (1,), "compression_factor": (1,),

@@ -173,6 +173,23 @@ def test_answer_masks_leave_the_latent_phase_alone(colar_dir, references, overla
     engine.cache.check_idle()
 
 
+def test_latent_budget_is_max_latent_and_checked_as_it(colar_dir):
+    """``latent_budget`` aliases ``max_latent``: ``min_latent`` above it is refused as above
+    ``max_latent``, and two different values are refused (neither silently wins)."""
+    engine = LLMEngine(EngineConfig(model=str(colar_dir)))
+    ids = engine.tokenizer.encode(QUESTIONS[0])
+    for kw, msg in (({"min_latent": 10, "latent_budget": 3},
+                     r"^min_latent must be at most latent_budget \(3\), got 10$"),
+                    ({"latent_budget": 3, "max_latent": 6},
+                     r"^latent_budget \(3\) and max_latent \(6\) are one control")):
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request("x", ids, SamplingParams(max_tokens=2, **kw))
+    engine.add_request("ok", ids, SamplingParams(max_tokens=2, latent_budget=3, max_latent=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.cache.check_idle()
+
+
 def test_max_tokens_counts_answer_tokens_only(colar_dir):
     engine = LLMEngine(EngineConfig(model=str(colar_dir)))
     (toks, final, _), = _run(engine, [(QUESTIONS[0], 2, 6)], max_tokens=2, use_stop=False,
@@ -282,6 +299,43 @@ def test_colar_eval_runs_latents_at_the_asked_speed(colar_dir, reference):
     assert [r["thinking"] for r in records] == [reference(q, 3, 6, 4).n_latent
                                                 for q in QUESTIONS[:3]]
     assert summary["n"] == 3
+
+
+def test_colar_eval_takes_colars_controls_and_refuses_a_heads(colar_dir, reference):
+    """``min_latent`` and ``use_stop`` are CoLaR's controls too: the eval sends them (the
+    reference's steps with the stop off run to the cap); ``stop_threshold`` is a stop
+    head's, refused naming its flag."""
+    from latentserve.entrypoints.llm import LLM
+    from latentserve.eval.colar_eval import evaluate
+    from latentserve.eval.datasets import Item
+
+    llm = LLM(model=str(colar_dir))
+    items = [Item(question=q, gold="1", kind="number") for q in QUESTIONS[:2]]
+    records, _ = evaluate(llm, items, max_tokens=3, compression_factor=2, max_latent=5,
+                          min_latent=1, use_stop=False)
+    assert [r["thinking"] for r in records] == [5, 5]
+    with pytest.raises(ValueError, match=r"^--stop-threshold \(stop_threshold\) is not a "
+                                         r"control of this model \(colar\)"):
+        evaluate(llm, items, max_tokens=3, stop_threshold=0.3)
+    # the chat-format backend sends no answer-budget floor, which CoLaR does not take
+    from latentserve.eval.backends import EngineBackend, Request
+
+    (done,) = EngineBackend(model=str(colar_dir)).run(
+        [Request(QUESTIONS[0], max_tokens=3, max_latent=4)], use_stop=False)
+    assert done.latent_steps == 4
+
+
+def test_cli_sweep_and_the_flag_it_sweeps_are_refused_together(colar_dir, tmp_path, capsys):
+    from latentserve.cli import main
+
+    data = tmp_path / "q.txt"
+    data.write_text(f"{QUESTIONS[0]}||x #### 1\n")
+    for flag, key in (("--max-latent", "max_latent"),
+                      ("--compression-factor", "compression_factor")):
+        assert main(["eval", "--model", str(colar_dir), "--dataset-file", str(data), flag, "3",
+                     "--sweep", f"{key}=1,2"]) == 2
+        assert f"{flag} and --sweep {key}=... both set {key}; give one" in \
+            capsys.readouterr().err
 
 
 def test_cli_speed_sweep_writes_runs_and_a_plot_beside_a_baseline(colar_dir, reference,

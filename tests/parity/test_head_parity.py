@@ -63,8 +63,9 @@ def _run(engine, cases, max_tokens=MAX_TOKENS, **extra):
     base = engine._arrivals
     rids = [f"h{base + i}" for i in range(len(cases))]
     for rid, (prompt, c) in zip(rids, cases):
+        floor = {"min_output_tokens": 0} if engine.latent_spec else {}  # a head's control
         engine.add_request(rid, prompt, SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, min_output_tokens=0, **c, **extra))
+            max_tokens=max_tokens, temperature=0.0, **floor, **c, **extra))
     toks, final = {r: [] for r in rids}, {}
     while engine.has_unfinished_requests():
         for o in engine.step():

@@ -190,6 +190,8 @@ def test_head_controls_without_a_head_are_400s_naming_them(http, model, path, bo
     *[(p, {}, {"x-latent-thinking": "0", "x-latent-max": "8"}) for p in _ROUTES],
     *[(p, {"thinking": False, "max_latent": 8}, {}) for p in _OPENAI_ROUTES],
     ("/v1/messages", {"thinking": {"type": "disabled"}}, {}),  # what Anthropic clients send
+    ("/v1/messages", {"thinking": {"type": "disabled"}}, {"x-latent-max": "3"}),
+    ("/v1/messages", {"thinking": {"type": "disabled"}, "max_latent": 3}, {}),
 ])
 def test_thinking_off_is_harmless_without_a_head(http, model, path, body, headers):
     r = http.post(path, json={**_route_body(path, model), **body}, headers=headers)

@@ -167,7 +167,7 @@ def test_parse_sweep_rejects_bad_specs():
     assert parse_sweep("max_latent=0,4,16") == ("max_latent", [0, 4, 16])
     assert parse_sweep("compression_factor=1,5", ("compression_factor", "max_latent")) == (
         "compression_factor", [1, 5])
-    for bad in ("budget=1,2", "max_latent=a", "max_latent=", "max_latent=-1"):
+    for bad in ("budget=1,2", "max_latent=a", "max_latent=", "max_latent=-1", "max_latent=1,,2"):
         with pytest.raises(ValueError, match="sweep"):
             parse_sweep(bad)
 

@@ -365,3 +365,36 @@ def test_vllm_sampling_fields_that_change_nothing_are_taken_at_those_values():
                         ("logits_processors", [abs])):
         with pytest.raises(ValueError, match=f"^{name}=.* is not supported"):
             SamplingParams(n=2, **{name: value})
+
+
+@pytest.mark.parametrize("field,value", [("max_latent", 4), ("min_latent", 2), ("use_stop", True),
+                                         ("stop_threshold", 0.3), ("min_output_tokens", 10)])
+def test_head_controls_on_a_model_without_a_head_are_refused(tiny_dirs, field, value):
+    """A compression head's control on a plain model would do nothing: refused by the engine
+    (offline as on the server), unless thinking is off, which makes them harmless."""
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    with pytest.raises(ValueError, match=f"^{field} needs a model with a compression head"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, **{field: value}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    off = SamplingParams(max_tokens=2, thinking=False, **{field: value})  # thinking off
+    assert len(llm.generate([[5, 6, 7]], off, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def test_malformed_generate_arguments_are_refused_by_name(tiny_dirs):
+    """A dict for ``sampling_params``, ``prompt_token_ids`` that is no list, and a seed whose
+    ``seed + n - 1`` leaves the range are refused up front; numpy ids are ids."""
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    for bad in ({"temperature": 0}, [{"temperature": 0}]):
+        with pytest.raises(TypeError, match="^sampling_params must be a SamplingParams"):
+            llm.generate(["a"], bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="^prompt_token_ids must be a list of token ids"):
+        llm.generate({"prompt_token_ids": None}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^seed must be at most 9223372036854775806 with n=2"):
+        llm.generate([[5, 6]], SamplingParams(n=2, seed=2**63 - 1, max_tokens=1),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    a, b = llm.generate([[np.int64(5), 6, 7], [5, 6, 7]], greedy, use_tqdm=False)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert llm.generate([np.int64(5), 6, 7], greedy, use_tqdm=False)[0].prompt_token_ids == \
+        [5, 6, 7]

@@ -76,6 +76,9 @@ def run_colar(args, controls: dict) -> int:
         args.data_file = str(find_data_file(DATASETS[args.dataset][0], args.data_dir))
     key, values = (parse_sweep(args.sweep, ("compression_factor", "max_latent")) if args.sweep
                    else ("compression_factor", [args.compression_factor]))
+    if args.sweep and getattr(args, key) is not None:
+        flag = "--" + key.replace("_", "-")
+        raise ValueError(f"{flag} and --sweep {key}=... both set {key}; give one")
     base = None
     if args.baseline:  # a text-CoT run's --json-out: a summary, or a sweep's first run
         data = json.loads(Path(args.baseline).read_text())
@@ -123,7 +126,7 @@ def run(args) -> int:
         raise ValueError("--plot needs --sweep")
     if args.baseline and not os.path.isfile(args.baseline):
         raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
-    controls = {k: v for k, v in (("min_latent", args.min_latent),  # compression heads only
+    controls = {k: v for k, v in (("min_latent", args.min_latent),  # heads and CoLaR
                                   ("stop_threshold", args.stop_threshold),
                                   ("use_stop", False if args.no_stop else None)) if v is not None}
     d = Path(args.model) if args.model else None

@@ -34,7 +34,7 @@ from latentserve.kvcache.allocator import SlotAllocator
 from latentserve.kvcache.pool import KVPool
 from latentserve.kvcache.radix import RadixCache
 from latentserve.latent.family import family_for
-from latentserve.latent.spec import cap_budget
+from latentserve.latent.spec import HEAD_FIELDS, cap_budget
 from latentserve.models import layers  # by module: tests patch its row bounds
 from latentserve.models.checkpoint import (
     NoTokenizer,
@@ -232,6 +232,12 @@ class LLMEngine:
                 (family.takes_head_controls, {"compression_factor": None,
                                               "latent_temperature": None},
                  "a CoLaR model (a directory with colar_config.json)"),
+                # thinking is also the chat template's switch, so it passes on any model;
+                # thinking off makes the others harmless (docs/server.md)
+                (family.takes_head_controls or params.thinking is False,
+                 dict.fromkeys(HEAD_FIELDS[1:6]),
+                 "a model with a compression head (CoLaR or a head bundle); this model has "
+                 "none, so it would do nothing"),
                 (family.takes_exit_fields, {"exit_criterion": None, "exit_threshold": None,
                                             "exit_min_steps": 0, "exit_check_every": 1,
                                             "exit_semantics": None},
@@ -558,9 +564,11 @@ class LLMEngine:
         rid = "__latentserve_warmup__"
         # A head model runs one latent step (no floor, where the head has one), so the head
         # runs too.
-        floor = 0 if "min_output_tokens" in getattr(self.latent_spec, "controls", ()) else None
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1,
-                                max_latent=1, use_stop=False, min_output_tokens=floor)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1)
+        if self.family.takes_head_controls:
+            floor = 0 if "min_output_tokens" in getattr(self.latent_spec, "controls", ()) else None
+            params = dataclasses.replace(params, max_latent=1, use_stop=False,
+                                         min_output_tokens=floor)
         for n in dict.fromkeys(max(1, min(k, self.max_model_len - 3)) for k in lengths):
             try:  # the long prompt, then (a model's extra tokens overflow it) 4 tokens
                 self.add_request(rid, [min(i + 1, self.vocab_size - 1) for i in range(n)],

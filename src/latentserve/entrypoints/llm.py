@@ -14,7 +14,7 @@ from latentserve.config import EngineConfig
 from latentserve.entrypoints.completion import CompletionBuilder, token_strings
 from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizerError
 from latentserve.outputs import RequestOutput
-from latentserve.sampling_params import SamplingParams, prompt_tokens_kept
+from latentserve.sampling_params import SEED_MAX, SamplingParams, prompt_tokens_kept
 from latentserve.server.errors import APIError
 from latentserve.server.params import refuse_nested
 from latentserve.server.prompts import chat_conversation, chat_tools, render_chat
@@ -97,7 +97,7 @@ class LLM:
         ValueError (``NoTokenizerError`` for text without tokenizer files) before anything
         runs."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+                                                and _is_id(prompts[0])):
             prompts = [prompts]
         _check_no_effect(lora_request, priority, len(prompts))
         sampling_params = self._params_list(sampling_params, len(prompts))
@@ -106,6 +106,7 @@ class LLM:
                              "sampling_params; pass one or one per prompt")
         encoded = [self._encode(p) for p in prompts]
         for j, params in enumerate(sampling_params):
+            _check_fanout(params)
             keep = prompt_tokens_kept(params.truncate_prompt_tokens, self.engine.max_model_len)
             if keep is not None:
                 # NOTE: the engine needs a free position for the output token; vLLM keeps
@@ -226,7 +227,15 @@ class LLM:
         """``params`` as a list: None -> the defaults, one -> ``count`` of it."""
         if params is None:
             params = self.get_default_sampling_params()
-        return [params] * count if isinstance(params, SamplingParams) else list(params)
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        many = isinstance(params, Sequence) and not isinstance(params, str)
+        out = list(params) if many else [params]
+        odd = next((p for p in out if not isinstance(p, SamplingParams)), None)
+        if odd is not None:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one "
+                            f"per prompt), got {type(odd).__name__}")
+        return out
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -237,15 +246,32 @@ class LLM:
                 raise ValueError(f"prompt key {extra[0]!r} is not supported (a prompt dict "
                                  "takes 'prompt' and 'prompt_token_ids' only)")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+                    raise ValueError(f"prompt_token_ids must be a list of token ids, got "
+                                     f"{type(ids).__name__}")
+                return prompt.get("prompt"), list(ids)
             if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             raise ValueError(f"a prompt dict needs 'prompt_token_ids' (a list of ids) or "
                              f"'prompt' (a string), got keys {sorted(prompt)}")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, list) and all(map(_is_id, prompt)):
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict with "
                          f"'prompt_token_ids' or 'prompt', got {type(prompt).__name__}")
+
+
+def _is_id(t) -> bool:
+    """A token id: an integer (numpy's too), not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _check_fanout(params: SamplingParams) -> None:
+    """ValueError naming ``seed`` when :func:`_children`'s ``seed + n - 1`` is past the range."""
+    top = SEED_MAX - params.n + 1
+    if params.seed is not None and params.seed > top:
+        raise ValueError(f"seed must be at most {top} with n={params.n} (request i draws with "
+                         f"seed + i, at most {SEED_MAX}), got {params.seed}")
 
 
 def _children(params: SamplingParams) -> list[SamplingParams]:

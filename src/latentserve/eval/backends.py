@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from latentserve.config import EngineConfig
 from latentserve.eval.datasets import chat_prompt_ids
+from latentserve.latent.head import CONTROLS as HEAD_CONTROLS
 from latentserve.sampling_params import SamplingParams
 
 
@@ -59,7 +60,9 @@ class EngineBackend:
             extra = {"thinking": r.max_latent is not None} if self.has_head else {}
             max_tokens = r.max_tokens
             if r.max_latent is not None:
-                extra |= {"max_latent": r.max_latent, "min_output_tokens": 0, **head_controls}
+                extra |= {"max_latent": r.max_latent, **head_controls}
+                if "min_output_tokens" in (self.engine.latent_spec.controls or HEAD_CONTROLS):
+                    extra["min_output_tokens"] = 0  # max_tokens counts the answer alone
                 max_tokens += r.max_latent + n_close
             rid = f"eval-{next(self._ids)}"
             reqs[rid] = r

@@ -11,6 +11,7 @@ import time
 
 from latentserve.eval.datasets import Item
 from latentserve.latent import colar
+from latentserve.latent.head import CONTROLS as HEAD_CONTROLS
 from latentserve.sampling_params import SamplingParams
 
 
@@ -62,16 +63,22 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
     if max_latent is not None and not (latent or head):
         raise ValueError("max_latent needs a CoLaR model (a directory with colar_config.json) "
                          "or a compression head")
-    if head_controls and not head:
-        raise ValueError(f"{sorted(head_controls)} need a compression head (--latent-head)")
+    spec = llm.engine.latent_spec
+    takes = (spec.controls or HEAD_CONTROLS) if latent or head else ()
+    for k in head_controls:
+        if k not in takes:
+            flag = "--no-stop" if k == "use_stop" else "--" + k.replace("_", "-")
+            raise ValueError(f"{flag} ({k}) is not a control of this model ("
+                             f"{family or 'no latent head'}); it takes "
+                             f"{', '.join(takes) or 'none'}")
     tok = llm.tokenizer
     sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
     # compression_factor: the engine refuses it on any model but CoLaR (ValueError)
     extra = {k: v for k, v in (("compression_factor", compression_factor),
-                               ("max_latent", max_latent)) if v is not None}
+                               ("max_latent", max_latent)) if v is not None} | head_controls
     if head:
         cap = max_latent if max_latent is not None else llm.engine.family.defaults["max_latent"]
-        extra |= {"max_latent": cap, "min_output_tokens": 0, **head_controls}
+        extra |= {"max_latent": cap, "min_output_tokens": 0}
         max_tokens += cap + len(llm.engine.latent_spec.end_ids)  # latent steps count too
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
     ids = encode_questions(tok, [it.question for it in items], latent)

@@ -54,10 +54,10 @@ def parse_sweep(spec: str, keys: tuple[str, ...] = ("max_latent",)) -> tuple[str
     key = key.strip()
     if key not in keys or not sep:
         shapes = " or ".join(f"{k}=..." for k in keys)
-        raise ValueError(f"--sweep must look like {shapes} (e.g. {keys[0]}=0,4,8); got {spec!r}")
-    out = [v.strip() for v in vals.split(",") if v.strip()]
-    if not out or not all(v.isdecimal() for v in out):
-        raise ValueError(f"--sweep needs integers >= 0, got {vals!r}")
+        raise ValueError(f"--sweep must look like {shapes} (e.g. {keys[0]}=1,2,4); got {spec!r}")
+    out = [v.strip() for v in vals.split(",")]
+    if not all(v.isdecimal() for v in out):
+        raise ValueError(f"--sweep needs a comma-separated list of integers >= 0, got {vals!r}")
     return key, [int(v) for v in out]
 
 

@@ -14,7 +14,7 @@ from latentserve.latent.spec import LatentSpec
 from latentserve.models.checkpoint import load_tokenizer
 from latentserve.staging import to_device
 
-# The per-request controls CoLaR takes (``SamplingParams`` fields; ``latent.head.HEAD_FIELDS``).
+# The per-request controls CoLaR takes (``SamplingParams`` fields; ``latent.spec.HEAD_FIELDS``).
 CONTROLS = ("thinking", "max_latent", "min_latent", "use_stop", "compression_factor",
             "latent_temperature")
 _SPEED_AT_END = re.compile(r"\(\s*Thinking\s*speed\s*:\s*(\d+)\s*\)\s*$")

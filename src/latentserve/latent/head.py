@@ -12,13 +12,10 @@ from torch import nn
 
 from latentserve import settings
 from latentserve.core import LatentState
+from latentserve.latent.spec import HEAD_FIELDS
 from latentserve.settings import parse_bool
 
 INJECTION_MODES = ("closed_loop", "prompt")
-# Per-request controls of the head family (``SamplingParams`` fields); each head takes a
-# subset (its ``CONTROLS``) and a request setting another one is refused (ValueError).
-HEAD_FIELDS = ("thinking", "max_latent", "min_latent", "use_stop", "stop_threshold",
-               "min_output_tokens", "compression_factor", "latent_temperature")
 CONTROLS = HEAD_FIELDS[:6]  # this module's compression head
 LOG_SIGMA_MIN, LOG_SIGMA_MAX = -10.0, 2.0
 HEAD_BUNDLE_NAME = "latent_reasoning_head.safetensors"
@@ -340,7 +337,16 @@ class HeadSettings(LatentState):
 
 def resolve_settings(params, defaults: dict, mode: str, has_stop: bool) -> HeadSettings:
     """Per-request controls, else the server default; ``latent_budget`` aliases ``max_latent``
-    (0: thinking off); ``use_stop`` needs a stop head."""
+    (0: thinking off; two different values are refused); ``use_stop`` needs a stop head.
+    Raises ValueError naming the field."""
+    budget, cap_sent = params.latent_budget, params.max_latent
+    if budget is not None and cap_sent is not None and budget != cap_sent:
+        raise ValueError(f"latent_budget ({budget}) and max_latent ({cap_sent}) are one control "
+                         "on this model (the latent step cap); give one")
+    if cap_sent is None and budget and (params.min_latent or 0) > budget:
+        raise ValueError(f"min_latent must be at most latent_budget ({budget}), got "
+                         f"{params.min_latent}")
+
     def pick(name):
         v = getattr(params, name, None)
         return defaults[name] if v is None else v

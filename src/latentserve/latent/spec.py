@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+# Per-request controls of the head family (``SamplingParams`` fields); each head takes a
+# subset (``LatentSpec.controls``) and a request setting another one is refused (ValueError),
+# as is any of them but ``thinking`` (also the chat template's switch) on another model.
+HEAD_FIELDS = ("thinking", "max_latent", "min_latent", "use_stop", "stop_threshold",
+               "min_output_tokens", "compression_factor", "latent_temperature")
+
 
 @dataclass(frozen=True, slots=True)
 class LatentSpec:

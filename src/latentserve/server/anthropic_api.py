@@ -225,7 +225,9 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
     context. Raises APIError (400 naming the field or header; ``context_length_exceeded``)."""
     kind = getattr(state.latent_spec, "kind", None)
     shows = state.reasoning_parser is not None or kind in ("feedback", "loop")
-    flag = answer.flag if kind == "head" or (answer.flag and not shows) else None
+    # thinking disabled is passed on any model: it makes head controls harmless (server.md)
+    flag = answer.flag if kind == "head" or answer.flag is False or (
+        answer.flag and not shows) else None
     budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
                                       state.latent_spec)  # no ticks on /v1/messages
     max_len, asked = state.max_model_len, body.max_tokens
