@@ -299,11 +299,6 @@ def _answer_start(r) -> int:
     return len(r.output_ids) if r.answer_start is None else r.answer_start
 
 
-def _unmasked(r) -> bool:
-    """Whether ``r``'s row is all ones: its token is no answer token (``Req.samples_answer``)."""
-    return not r.samples_answer
-
-
 def static_key(reqs) -> tuple | None:
     """What the masks of ``reqs`` depend on when every constrained request's mask is static
     (``RequestMask.static``): per constrained row its index, its ``RequestMask`` (compared by
@@ -316,7 +311,7 @@ def static_key(reqs) -> tuple | None:
             continue
         if not c.static:
             return None
-        key.append((b, c, None if _unmasked(r)
+        key.append((b, c, None if not r.samples_answer
                     else len(r.output_ids) - _answer_start(r) < c.min_tokens))
     return tuple(key)
 
@@ -400,7 +395,7 @@ class PendingBitmask:
                                                                  fed_t)
             for c, t, a in zip(fed_c, fed_t, ok):
                 c.took(t, a)
-        free = [_unmasked(reqs[b]) for b in rows]
+        free = [not reqs[b].samples_answer for b in rows]
         on = [not f and reqs[b].constraint.grammar_on for f, b in zip(free, rows)]
         gi = [i for i, g in enumerate(on) if g]
         if len(gi) > 1:

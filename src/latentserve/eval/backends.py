@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from latentserve.config import EngineConfig
 from latentserve.eval.datasets import chat_prompt_ids
-from latentserve.latent.head import CONTROLS as HEAD_CONTROLS
 from latentserve.sampling_params import SamplingParams
 
 
@@ -61,7 +60,7 @@ class EngineBackend:
             max_tokens = r.max_tokens
             if r.max_latent is not None:
                 extra |= {"max_latent": r.max_latent, **head_controls}
-                if "min_output_tokens" in (self.engine.latent_spec.controls or HEAD_CONTROLS):
+                if "min_output_tokens" in self.engine.latent_spec.controls:
                     extra["min_output_tokens"] = 0  # max_tokens counts the answer alone
                 max_tokens += r.max_latent + n_close
             rid = f"eval-{next(self._ids)}"

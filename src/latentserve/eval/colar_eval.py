@@ -11,7 +11,6 @@ import time
 
 from latentserve.eval.datasets import Item
 from latentserve.latent import colar
-from latentserve.latent.head import CONTROLS as HEAD_CONTROLS
 from latentserve.sampling_params import SamplingParams
 
 
@@ -63,8 +62,7 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
     if max_latent is not None and not (latent or head):
         raise ValueError("max_latent needs a CoLaR model (a directory with colar_config.json) "
                          "or a compression head")
-    spec = llm.engine.latent_spec
-    takes = (spec.controls or HEAD_CONTROLS) if latent or head else ()
+    takes = getattr(llm.engine.latent_spec, "controls", ())  # () but on a head model
     for k in head_controls:
         if k not in takes:
             flag = "--no-stop" if k == "use_stop" else "--" + k.replace("_", "-")
