@@ -135,13 +135,19 @@ def json_str_list(text: str) -> list[str]:
     return value
 
 
-def _comma_list(kind: type):
+def comma_list(kind):
+    """An argparse ``type``: one or more comma-separated values of ``kind`` (a type, or a
+    :func:`ranged` parser whose range is then reported), as a tuple."""
     def parse(text: str) -> tuple:
         try:
-            return tuple(kind(t) for t in text.split(",") if t)
-        except ValueError:
+            out = tuple(kind(t) for t in text.split(",") if t)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            why = f" ({exc})" if isinstance(exc, argparse.ArgumentTypeError) else ""
             raise argparse.ArgumentTypeError(f"must be comma-separated {kind.__name__} values, "
-                                             f"got {text!r}") from None
+                                             f"got {text!r}{why}") from None
+        if not out:
+            raise argparse.ArgumentTypeError(f"must name at least one value, got {text!r}")
+        return out
     return parse
 
 
@@ -191,7 +197,7 @@ def add_options(parser: argparse.ArgumentParser, cls, exclude: tuple[str, ...] =
             base = kind.removeprefix("tuple[").split(",")[0]
             conv = human_readable_int if m.get("human") else scalar.get(base, str)
             if kind.startswith("tuple") and "nargs" not in kw:
-                conv = _comma_list(conv)
+                conv = comma_list(conv)
             kw["type"] = conv if kw["choices"] is not None else ranged(conv, f.name, m)
         parser.add_argument(*flags, **kw)
     return parser

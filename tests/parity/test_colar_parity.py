@@ -228,6 +228,38 @@ def test_a_prompt_holding_the_speed_is_taken_as_is(colar_dir, reference):
         assert final.latent_stats["compression_factor"] == 3
     with pytest.raises(ValueError, match="compression_factor 2 contradicts"):
         engine.add_request("x", ids, SamplingParams(compression_factor=2))
+    # a speed the model does not take, and a prompt naming none (whose speed is unknown)
+    enc = engine.tokenizer.encode
+    bad = enc(colar.prompt_text(q, 9), add_special_tokens=False)
+    with pytest.raises(ValueError, match=r"the prompt's \(Thinking speed: 9\) must be in "
+                                         r"\[1, 5\] for this model$"):
+        engine.add_request("x", bad, SamplingParams())
+    bare = enc(colar.QUESTION.format(q), add_special_tokens=False) + [SEP]
+    with pytest.raises(ValueError, match="compression_factor 3 would be ignored: the prompt "
+                                         "ends with ### and names no speed"):
+        engine.add_request("x", bare, SamplingParams(compression_factor=3))
+    (_, final, _), = _run(engine, [(bare, None, 4)])
+    assert final.latent_stats["compression_factor"] is None
+    assert not engine.has_unfinished_requests()
+    engine.cache.check_idle()
+
+
+def test_latent_steps_past_the_context_end_with_length(colar_dir):
+    """CoLaR's latent steps take KV slots beside ``max_tokens``; offline, as vLLM's
+    ``max_tokens``, a cap past the context is taken and the request ends with ``length``
+    where the context does (the server refuses a sent one: tests/server/test_colar_api.py)."""
+    engine = LLMEngine(EngineConfig(model=str(colar_dir), max_model_len=40))
+    ids = engine.tokenizer.encode(colar.QUESTION.format(QUESTIONS[4]), add_special_tokens=False)
+    # each latent step's output is fed at the next position: the last must fit too
+    room = 40 - len(ids) - len(engine.latent_spec.start_ids) - 1
+    engine.add_request("x", ids, SamplingParams(max_latent=10**30, use_stop=False,
+                                                max_tokens=4))
+    out = []
+    while engine.has_unfinished_requests():
+        out += [o for o in engine.step() if o.finished]
+    st = out[0].latent_stats
+    assert (st["steps"], st["end"], out[0].finish_reason) == (room, "length", "length")
+    engine.cache.check_idle()
 
 
 @pytest.mark.parametrize("field,value,match", [

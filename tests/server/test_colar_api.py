@@ -21,7 +21,8 @@ def colar_server(tmp_path_factory):
 
     d = save_colar_tiny(tmp_path_factory.mktemp("colar-api") / "m", stop_push=16.0,
                         compression_factor=2, max_compression_factor=5, max_latent=6)
-    srv = start_server(EngineConfig(model=str(d), max_num_seqs=8), timeout=300)
+    srv = start_server(EngineConfig(model=str(d), max_num_seqs=8), timeout=300,
+                       max_request_output_tokens=4000)
     srv.model_dir = str(d)
     yield srv
     srv.stop()
@@ -111,5 +112,23 @@ def test_messages_route_takes_the_controls_and_answers_anthropic_errors(colar_se
         err = bad.json()
         assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
         assert param in err["error"]["message"]
+    with httpx.Client(base_url=colar_server.base_url) as http:
+        assert_slots_invariant(wait_idle(http))
+
+
+def test_latent_steps_count_against_the_context_and_the_request_limit(colar_server):
+    """A sent cap counts as latent positions against the context (vLLM's ``max_tokens``
+    check): over it is the context-length 400, naming ``max_tokens`` when it was sent, else
+    ``max_latent``. ``n`` x (``max_tokens`` + the cap) meets ``--max-request-output-tokens``."""
+    err = _openai_400(_complete(colar_server, {"max_latent": 10**9}), "max_tokens")
+    assert "latent and transition positions" in err
+    r = _complete(colar_server, {"max_tokens": None}, {"x-latent-max": str(10**9)})
+    assert "latent and transition positions, at least 1 in the completion" in \
+        _openai_400(r, "max_latent")
+    r = _complete(colar_server, {"max_tokens": None, "max_latent": 40})
+    assert r.status_code == 200, r.text  # null max_tokens: the context the cap leaves
+    r = _complete(colar_server, {"n": 16, "max_tokens": 100, "max_latent": 200})
+    assert ("got 4800 (1 prompt(s), n=16, max_tokens up to 100 plus up to 200 latent steps "
+            "(max_latent))") in _openai_400(r, "max_tokens")  # the server's limit: 4000
     with httpx.Client(base_url=colar_server.base_url) as http:
         assert_slots_invariant(wait_idle(http))

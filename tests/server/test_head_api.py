@@ -110,20 +110,38 @@ def test_count_tokens_checks_the_headers_messages_checks(head_server):
         assert bad.json()["type"] == "error"
 
 
-def test_messages_route_refuses_a_malformed_stream_steps_header(head_server):
-    """``x-latent-stream-steps`` is validated on every generation route (a 400 naming it,
-    streamed or not), as on /v1/completions, which does not tick either; /v1/messages
-    ignored it."""
+def test_messages_route_refuses_the_stream_steps_header(head_server):
+    """/v1/messages has no per-step ticks (its thinking block shows latent steps per
+    ``latent_reasoning``): ``x-latent-stream-steps`` is a 400 naming it, well-formed or not,
+    streamed or not, and on count_tokens alike."""
     body = {"model": head_server.model_dir, "max_tokens": 3,
             "messages": [{"role": "user", "content": "hi"}]}
-    for stream in (False, True):
+    for value, stream in (("sometimes", False), ("1", True), ("0", False)):
         bad = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60,
-                         headers={"x-latent-stream-steps": "sometimes"},
+                         headers={"x-latent-stream-steps": value},
                          json={**body, "stream": stream})
-        assert bad.status_code == 400 and "x-latent-stream-steps" in bad.text, bad.text
-    ok = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60,
-                    headers={"x-latent-stream-steps": "1"}, json=body)
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["message"].startswith(
+            "header x-latent-stream-steps is not taken on /v1/messages"), bad.text
+    ok = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60, json=body)
     assert ok.status_code == 200, ok.text
+
+
+def test_stream_steps_without_stream_are_refused(head_server):
+    """Ticks are stream chunks: the field or the header without ``stream`` is a 400 naming
+    what was sent, on both OpenAI routes."""
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        for extra, headers, param in (({"stream_latent_steps": True}, {}, "stream_latent_steps"),
+                                      ({}, {"x-latent-stream-steps": "1"},
+                                       "x-latent-stream-steps")):
+            r = httpx.post(f"{head_server.base_url}{path}", timeout=60, headers=headers,
+                           json={**body, "max_tokens": 3, **extra})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and err["message"] == (
+                f"{param} needs stream: true (each latent step is a stream chunk)")
 
 
 def _steps_total(server) -> float:

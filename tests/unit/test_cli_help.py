@@ -27,7 +27,8 @@ def test_help_names_every_form(capsys, argv, words):
         assert word in text, (argv, word)
 
 
-@pytest.mark.parametrize("argv", [["generate", "--prompt", "x"], ["serve"]])
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x"], ["serve"],
+                                  ["bench", "--suite", "gpu", "--device", "cpu"]])
 def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys, monkeypatch, argv):
     """One line, the same for generate and serve (serve's used to come from the engine
     process as an EngineStartupError, after the server logged its config)."""
@@ -42,7 +43,7 @@ def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys, monkeyp
         raise AssertionError("the server was started")
 
     monkeypatch.setattr(launch, "run_server", no_server)
-    assert main([*argv, "--device", "cuda"]) == 2
+    assert main(argv if "--device" in argv else [*argv, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err == (f"latentserve: error: device 'cuda': no CUDA device is available here "
                    f"(torch {torch.__version__}); use --device cpu\n")
@@ -74,3 +75,13 @@ def test_train_head_checks_its_data_before_importing_torch(tmp_path):
                        check=True)
     assert r.stdout.split() == ["2", "False"], r.stderr
     assert "missing.jsonl does not exist" in r.stderr
+
+
+@pytest.mark.parametrize("value,words", [
+    ("0,a", "must be comma-separated int values, got '0,a'"),
+    ("2,0", "(must be >= 1, got 0)"), (",", "must name at least one value")])
+def test_bench_concurrency_is_checked_on_the_flag(capsys, value, words):
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--concurrency", value])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "argument --concurrency: " in err and words in err

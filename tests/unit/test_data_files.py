@@ -97,3 +97,23 @@ def test_colar_eval_reads_its_dataset_from_the_package_before_loading(no_data_en
     assert rc == 2
     assert ("give --dataset gsm8k-icot|mult4|mult5 or --dataset-file FILE, got --dataset "
             "gsm8k") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--k", "100000"], "need --k in [1, 30] and --n >= 0, got --k 100000"),
+    (["--exclude", "README"], "README line 1 is not an iCoT line (question||steps #### answer)"),
+    (["--exclude", "FIVE"], "FIVE holds no 4x4 question, so it would exclude nothing")])
+def test_data_multiplication_refuses_what_it_cannot_honour(no_data_env, capsys, tmp_path,
+                                                            args, message):
+    """A huge ``--k`` and an ``--exclude`` file that would leave nothing out (not iCoT, or
+    another k's questions) are refused up front, naming the flag or the file."""
+    from latentserve.cli import main
+
+    (tmp_path / "README").write_text("# not a data file\n")
+    five = load_items("mult5")[0]
+    (tmp_path / "FIVE").write_text(f"{five.question}||1 #### 2\n")
+    args = [a if a not in ("README", "FIVE") else str(tmp_path / a) for a in args]
+    out = tmp_path / "train.txt"
+    rc = main(["data", "multiplication", "--k", "4", "--n", "5", "--out", str(out), *args])
+    assert rc == 2 and not out.exists()
+    assert message in capsys.readouterr().err

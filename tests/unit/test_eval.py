@@ -207,6 +207,11 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
     (["--model", ".", "--json-out", "s.json"], "(--model . is not one)"),
     (["--compression-factor", "2"], "the embedded SmolLM2 is not one"),
     (["--json-out", "s.json"], "--json-out needs the CoLaR prompt format"),
+    (["--out", "no/such/dir/o.json"], "--out no/such/dir/o.json: its folder no/such/dir does "
+                                      "not exist"),
+    (["--out", "."], "--out . is a folder; give a file path"),
+    (["--sweep", "max_latent=0", "--plot", "gone/p.png"], "--plot gone/p.png: its folder"),
+    (["--data-file", "."], "--dataset-file . is a folder; give a file"),
 ])
 def test_cli_refuses_bad_options_before_running_naming_them(gsm_file, capsys, extra, words):
     from latentserve.cli import main

@@ -2,6 +2,7 @@
 server default, x-ds4-* aliases, chat_template_kwargs thinking, 400 naming a malformed
 header; and the controls reach SamplingParams."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -123,7 +124,8 @@ def _spec(family):
 
     if family == "colar":
         return LatentSpec(kind="head", family="colar", default_budget=0,
-                          controls=colar_head.CONTROLS, max_compression_factor=5)
+                          controls=colar_head.CONTROLS, max_compression_factor=5,
+                          start_ids=(7, 8, 3), end_ids=(3,), default_max_latent=64)
     return LatentSpec(kind="head", family="compression-head", default_budget=0,
                       controls=head.CONTROLS)
 
@@ -152,7 +154,7 @@ def test_a_control_the_served_model_does_not_take_is_a_400_naming_it(spec, heade
 
 
 def test_colar_controls_reach_sampling_params_and_the_floor_stays_off():
-    from latentserve.server.params import engine_max_tokens, refuse_head_controls
+    from latentserve.server.params import refuse_head_controls, request_steps
 
     req = _Req({"x-latent-compression-factor": "4", "x-latent-temperature": "0.3"})
     body = _body(compression_factor=2, max_latent=9)
@@ -160,4 +162,33 @@ def test_colar_controls_reach_sampling_params_and_the_floor_stays_off():
     refuse_head_controls(req, body, c, _spec("colar"))
     p = sampling_params(body, "max_tokens", 3, STATE, head=c)
     assert (p.compression_factor, p.latent_temperature, p.max_latent) == (4, 0.3, 9)
-    assert engine_max_tokens(p, _spec("colar"), 3, 512) == 16  # answer tokens only
+    # max_tokens counts answer tokens only; the latent-step cap runs beside it
+    assert request_steps(p, _spec("colar"), 3, 512) == 16 + 9
+    assert request_steps(dataclasses.replace(p, max_latent=None), _spec("colar"), 3, 512) \
+        == 16 + 64  # the model's default cap
+    assert request_steps(dataclasses.replace(p, max_latent=None), _spec("colar"), 500, 512) \
+        == 16 + 12  # within the context left
+    assert request_steps(dataclasses.replace(p, thinking=False), _spec("colar"), 3, 512) == 16
+
+
+def test_a_sent_colar_cap_counts_against_the_context():
+    """CoLaR's sent ``max_latent`` (or ``latent_budget``) takes KV positions beside
+    ``max_tokens``: with the speed and closing ids it lowers a null ``max_tokens`` and a sent
+    one over the context is a 400; the model's default cap and thinking off count nothing."""
+    from latentserve.server.params import latent_positions
+
+    spec = _spec("colar")
+    assert latent_positions(spec, None, {"max_latent": 9}) == 3 + 9 + 1
+    assert latent_positions(spec, 9, {"max_latent": None}) == 3 + 9 + 1
+    assert latent_positions(spec, None, {"max_latent": None}) == 0
+    assert latent_positions(spec, None, {"max_latent": 9, "thinking": False}) == 0
+    state = SimpleNamespace(max_model_len=512, latent_spec=spec, sampling_defaults=None)
+    body = _body(max_tokens=None, max_latent=100)
+    p = sampling_params(body, "max_tokens", 20, state, head=head_controls(_Req({}), body))
+    assert p.max_tokens == 512 - 20 - 104
+    body = _body(max_tokens=400, max_latent=100)
+    with pytest.raises(APIError) as e:
+        sampling_params(body, "max_tokens", 20, state, head=head_controls(_Req({}), body))
+    assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+    assert "(20 in the prompt, 104 latent and transition positions, 400 in the completion)" \
+        in str(e.value) and "the latent steps or max_tokens" in str(e.value)

@@ -50,8 +50,13 @@ def test_stream_steps_on_a_model_without_latent_steps_is_refused_streamed_or_not
                 refuse_stream_steps(_Req({"x-latent-stream-steps": "1"}),
                                     CompletionRequest(prompt="hi", stream=stream), spec)
             assert exc.value.param == "x-latent-stream-steps"
-        refuse_stream_steps(_Req({}), body, COCONUT)  # feedback models tick
-        refuse_stream_steps(_Req({"x-latent-stream-steps": "0"}), body, None)  # off: harmless
+        if stream:
+            assert refuse_stream_steps(_Req({}), body, COCONUT)  # feedback models tick
+        else:  # ticks are stream chunks
+            with pytest.raises(APIError, match="^stream_latent_steps needs stream: true"):
+                refuse_stream_steps(_Req({}), body, COCONUT)
+        off = ChatCompletionRequest(messages=msgs, stream=stream)
+        assert not refuse_stream_steps(_Req({"x-latent-stream-steps": "0"}), off, None)
         with pytest.raises(APIError) as exc:
             refuse_stream_steps(_Req({"x-latent-stream-steps": "maybe"}),
                                 ChatCompletionRequest(messages=msgs, stream=stream), COCONUT)

@@ -416,3 +416,27 @@ def test_train_factors_choose_each_batch_r(backbone, toy_file, tmp_path):
     for bad in ((), (0,), (4,)):
         with pytest.raises(ValueError, match="train_factors"):
             ColarTrainConfig(data=[], out="x", max_compression_factor=3, train_factors=bad)
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--embed-weight", "-1"), ("--ce-weight", "-0.5"), ("--weight-decay", "-5"),
+    ("--lora-alpha", "0"), ("--max-len", "0")])
+def test_out_of_range_flags_are_refused_by_argparse_naming_them(tmp_path, capsys, flag, value):
+    from latentserve.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "colar", "--data", "a.txt", "--out", str(tmp_path), flag, value])
+    assert done.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.mark.skipif("torch.cuda.is_available()")
+def test_device_cuda_without_cuda_is_refused_before_loading(tmp_path, capsys):
+    from latentserve.cli import main
+
+    (tmp_path / "t.jsonl").write_text("{}\n")
+    for argv in (["train", "colar", "--data", "a.txt", "--out", str(tmp_path / "o")],
+                 ["train-head", "sft", "--data", str(tmp_path / "t.jsonl"), "--out",
+                  str(tmp_path / "o.safetensors")]):
+        rc = main([*argv, "--device", "cuda"])
+        assert rc == 2 and "device 'cuda': no CUDA device is available" in capsys.readouterr().err
+        assert [p.name for p in tmp_path.iterdir()] == ["t.jsonl"]

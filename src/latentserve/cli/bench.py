@@ -10,12 +10,14 @@ from pathlib import Path
 
 
 def register(sub) -> None:
+    from latentserve.options import comma_list, ranged
+
     p = sub.add_parser("bench", help="benchmarks (offline, gpu, latent, loop, families)")
     p.add_argument("--model",
                    help="HF-style model directory or .gguf file (default: embedded SmolLM2)")
-    p.add_argument("--num-prompts", type=int, default=32,
+    p.add_argument("--num-prompts", type=ranged(int, "num_prompts", ge=1), default=32,
                    help="prompts in the timed run (GSM8K questions; default 32)")
-    p.add_argument("--output-len", type=int, default=64,
+    p.add_argument("--output-len", type=ranged(int, "output_len", ge=1), default=64,
                    help="generated tokens per prompt, exact (default 64)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -29,7 +31,7 @@ def register(sub) -> None:
                         "decode steps against the bandwidth floor (CUDA); latent: latent "
                         "against plain steps; loop: looped-block passes; families: every "
                         "family's suite and one table (CUDA; docs/benchmarks.md)")
-    p.add_argument("--concurrency",
+    p.add_argument("--concurrency", type=comma_list(ranged(int, "concurrency", ge=1)),
                    help="comma-separated concurrent requests (gpu, latent, loop suites)")
     p.add_argument("--families",
                    help="comma-separated families of --suite families (default: plain, "
@@ -70,8 +72,12 @@ def run(args) -> int:
     from latentserve.bench.suite import run_suite
     from latentserve.extras import require
 
-    conc = tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None
+    conc = args.concurrency
     cuda, table, command = args.device == "cuda", None, shlex.join(["latentserve", *sys.argv[1:]])
+    if cuda or args.suite in ("gpu", "families"):  # these suites run on CUDA
+        from latentserve.config import check_device
+
+        check_device("cuda")
     if args.suite == "offline":
         from latentserve.bench.offline import run_offline_bench
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 
+MAX_K = 30  # digits per operand (iCoT's sets go to 20 x 20)
+
 
 def register(sub) -> None:
     p = sub.add_parser("data", help="build training data")
     kinds = p.add_subparsers(dest="kind", required=True)
     m = kinds.add_parser("multiplication", help="k x k multiplication in the iCoT format")
     m.add_argument("--k", type=int, required=True,
-                   help="digits per operand, >= 1 (the default --exclude has evaluation sets "
+                   help="digits per operand, in [1, 30] (the default --exclude has evaluation sets "
                         "for 4 and 5; another k needs --exclude)")
     m.add_argument("--n", type=int, required=True, help="items to write")
     m.add_argument("--out", required=True, help="file to write (iCoT text lines)")
@@ -28,8 +30,9 @@ def run_multiplication(args) -> int:
     from latentserve.eval.datasets import data_dirs, find_data_file
     from latentserve.train.tasks import generate_multiplication, questions_of, write_icot
 
-    if args.k < 1 or args.n < 0:
-        raise ValueError(f"need --k >= 1 and --n >= 0, got --k {args.k}, --n {args.n}")
+    if not 1 <= args.k <= MAX_K or args.n < 0:
+        raise ValueError(f"need --k in [1, {MAX_K}] and --n >= 0, got --k {args.k}, --n "
+                         f"{args.n}")
     if args.exclude is None:
         try:
             args.exclude = [str(find_data_file(f"multiplication/{args.k}x{args.k}_{s}.txt",
@@ -41,7 +44,7 @@ def run_multiplication(args) -> int:
                 f"and _valid.txt to leave out in {where} (4x4 and 5x5 ship, from iCoT); pass "
                 "--exclude FILE with the questions to leave out, or --exclude /dev/null for "
                 "none") from None
-    items = generate_multiplication(args.k, args.n, args.seed, questions_of(args.exclude))
+    items = generate_multiplication(args.k, args.n, args.seed, questions_of(args.exclude, args.k))
     n = write_icot(items, args.out)
     print(json.dumps({"out": args.out, "n": n, "excluded_from": args.exclude}))
     return 0

@@ -126,6 +126,7 @@ def run(args) -> int:
         raise ValueError("--plot needs --sweep")
     if args.baseline and not os.path.isfile(args.baseline):
         raise FileNotFoundError(f"--baseline {args.baseline} does not exist")
+    check_paths(args)
     controls = {k: v for k, v in (("min_latent", args.min_latent),  # heads and CoLaR
                                   ("stop_threshold", args.stop_threshold),
                                   ("use_stop", False if args.no_stop else None)) if v is not None}
@@ -173,6 +174,24 @@ def run(args) -> int:
         base = json.loads(Path(args.baseline).read_text())["runs"][0] if args.baseline else None
         plot_sweep({"head": runs}, args.plot, f"{args.dataset} (n={len(items)})", base)
     return 0
+
+
+def check_paths(args) -> None:
+    """Refuse before the run what only its end would trip on: an output path (``--out``,
+    ``--json-out``, ``--plot``) that is a folder or lies in a missing one, a
+    ``--dataset-file`` that is a folder. ValueError / FileNotFoundError naming the flag."""
+    for flag, path in (("--out", args.out), ("--json-out", args.json_out),
+                       ("--plot", args.plot)):
+        if path is None:
+            continue
+        if Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a folder; give a file path")
+        if not Path(path).absolute().parent.is_dir():
+            raise FileNotFoundError(f"{flag} {path}: its folder {Path(path).parent} does not "
+                                    "exist")
+    if args.data_file is not None and Path(args.data_file).is_dir():
+        raise ValueError(f"--dataset-file {args.data_file} is a folder; give a file (iCoT "
+                         "text lines or GSM8K jsonl)")
 
 
 def url_backend(url: str, model: str | None, api_key: str, concurrency: int):

@@ -44,12 +44,14 @@ def register(sub) -> None:
 def run_train(args) -> int:
     """Check the stage's options and that PEFT is there when it is needed (a LoRA: all but a
     full fine-tune), then train; prints the last log record."""
+    from latentserve.config import check_device
     from latentserve.extras import require
     from latentserve.options import options_of
     from latentserve.train import options
 
     cls, module, _ = STAGES[args.stage]
     cfg = options_of(getattr(options, cls), args)
+    check_device(cfg.device)  # before any load
     if not hasattr(cfg, "lora_r"):
         require("peft", f"latentserve train {args.stage}")
     elif cfg.lora_r > 0 or cfg.init_adapter:  # LoRA through PEFT
@@ -62,6 +64,7 @@ def run_train(args) -> int:
 def run_train_head(args) -> int:
     """Find the training data (a missing ``--data`` fails before torch loads: FileNotFoundError
     naming the file and where to get it), train, print a summary of the log."""
+    from latentserve.config import check_device
     from latentserve.options import options_of
     from latentserve.train import options
     from latentserve.train.traces import train_file
@@ -70,6 +73,7 @@ def run_train_head(args) -> int:
     if not data.is_file():
         raise FileNotFoundError(f"--data {data} does not exist")
     cfg = options_of(getattr(options, HEAD_STAGES[args.stage][0]), args)
+    check_device(cfg.device)
     module = importlib.import_module(f"latentserve.train.{args.stage}")
     log = getattr(module, f"train_{args.stage}")(cfg)
     summary = {"bundle": args.out}

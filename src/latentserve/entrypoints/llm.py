@@ -61,6 +61,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    @property
+    def llm_engine(self):
+        """The ``LLMEngine`` (vLLM's name for :attr:`engine`)."""
+        return self.engine
+
     def get_tokenizer(self):
         """The engine's tokenizer (``NoTokenizer`` for a directory without tokenizer files)."""
         return self.engine.tokenizer

@@ -56,8 +56,10 @@ class ColarHead(nn.Module):
 
     def prepare_request(self, prompt_ids: list[int], params):
         """``(params, HeadSettings, ids to append)``: ``(Thinking speed: c)`` + ``###``
-        (+ ``###`` with thinking off), none when the prompt ends with ``###``. Raises
-        ValueError naming a control CoLaR does not take or a bad ``compression_factor``."""
+        (+ ``###`` with thinking off), none when the prompt ends with ``###`` (the speed it
+        names, if any, is reported). Raises ValueError naming a control CoLaR does not take, a
+        ``compression_factor`` out of range or beside such a prompt, or a named speed out of
+        range."""
         refuse_controls(params, CONTROLS, "a CoLaR model")
         cfg = self.config
         c = params.compression_factor
@@ -70,15 +72,18 @@ class ColarHead(nn.Module):
         hs.end_ids, hs.answer_budget = (self.stop_token,), True
         hs.latent_temperature = float(params.latent_temperature or 0.0)
         if prompt_ids and prompt_ids[-1] == self.stop_token:  # the whole upstream prompt
-            # the c of "(Thinking speed: c)" before the final ###, or None
+            # the c of "(Thinking speed: c)" before the final ###, or None (reported as such)
             m = _SPEED_AT_END.search(self.tokenizer.decode(prompt_ids[-16:-1]))
             named = int(m.group(1)) if m else None
-            if c is not None and named is not None and named != c:
-                raise ValueError(f"compression_factor {c} contradicts the prompt's "
-                                 f"{SPEED.format(named)}; send the question alone or leave "
-                                 "compression_factor out")
-            hs.compression_factor = named if named is not None else \
-                cfg.compression_factor if c is None else c  # reported only
+            if named is not None and not 1 <= named <= cfg.max_compression_factor:
+                raise ValueError(f"the prompt's {SPEED.format(named)} must be in [1, "
+                                 f"{cfg.max_compression_factor}] for this model")
+            if c is not None and named != c:
+                why = ("contradicts the prompt's " + SPEED.format(named) if named is not None
+                       else "would be ignored: the prompt ends with ### and names no speed")
+                raise ValueError(f"compression_factor {c} {why}; send the question alone or "
+                                 "leave compression_factor out")
+            hs.compression_factor = named
             return params, hs, () if hs.thinking else hs.end_ids
         hs.compression_factor = cfg.compression_factor if c is None else c
         suffix = (*self.speed_ids[hs.compression_factor], self.stop_token)
@@ -111,5 +116,5 @@ def attach_colar(model, model_dir, hf_config, device) -> bool:
         kind="head", family="colar", default_budget=0, max_budget=0,
         start_ids=(*speeds[cfg.compression_factor], sep), end_ids=(sep,),
         latent_id=int(pad or 0), controls=CONTROLS,
-        max_compression_factor=cfg.max_compression_factor)
+        max_compression_factor=cfg.max_compression_factor, default_max_latent=cfg.max_latent)
     return True

@@ -291,7 +291,8 @@ class HeadSettings(LatentState):
     ``max_stop_prob`` / ``last_stop_prob``: largest / latest stop probability (CoLaR: of
     ``###``, traced requests only); ``end``: ``"stop"``, ``"cap"``, ``"length"`` or None;
     ``reported``: stats sent before the final output; ``answer_budget``: ``max_tokens``
-    counts answer tokens only (CoLaR); ``compression_factor`` / ``latent_temperature``: CoLaR.
+    counts answer tokens only (CoLaR); ``compression_factor`` / ``latent_temperature``: CoLaR
+    (``compression_factor`` None: a whole prompt naming no speed).
     """
 
     thinking: bool
@@ -326,7 +327,7 @@ class HeadSettings(LatentState):
             "min_latent", "use_stop", "stop_threshold", "min_output_tokens")}
         if self.end is not None and self.last_stop_prob is not None:
             out["end_stop_prob"] = self.last_stop_prob
-        if self.compression_factor is not None:  # CoLaR: its controls instead of the floor's
+        if self.answer_budget:  # CoLaR: its controls instead of the floor's
             del out["stop_threshold"], out["min_output_tokens"]
             out["compression_factor"] = self.compression_factor
             out["latent_temperature"] = self.latent_temperature

@@ -32,6 +32,8 @@ class LatentSpec:
             ``"same"`` (its own).
         controls: head only: the ``HEAD_FIELDS`` the head takes; others are refused.
         max_compression_factor: CoLaR only: the largest compression factor; else 0.
+        default_max_latent: CoLaR only: the latent-step cap of a request that sends none
+            (``colar_config.json`` ``max_latent``); else 0.
         upstream_eos_from: with ``upstream_stop_rules``, an EOS ends the request only from
             answer token number ``upstream_eos_from`` (1-based); 0: the rule is refused.
     """
@@ -50,6 +52,7 @@ class LatentSpec:
     loop_rule: str = ""
     controls: tuple[str, ...] = ()
     max_compression_factor: int = 0
+    default_max_latent: int = 0
     upstream_eos_from: int = 0
 
     def __post_init__(self) -> None:

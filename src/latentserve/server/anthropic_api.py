@@ -231,7 +231,7 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
     budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
                                       state.latent_spec)  # no ticks on /v1/messages
     max_len, asked = state.max_model_len, body.max_tokens
-    latent = latent_positions(state.latent_spec, budget)
+    latent = latent_positions(state.latent_spec, budget, head)
     if num_prompt_tokens + latent + (1 if asked is None else asked) > max_len:
         extra = f" + {latent} latent and transition positions" if latent else ""
         answer_room = "1 answer token" if asked is None else f"max_tokens {asked}"

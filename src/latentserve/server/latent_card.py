@@ -17,12 +17,11 @@ def latent_card(spec) -> dict | None:
     """The card's ``latent`` object for a ``LatentSpec`` (None: a plain model)."""
     if spec is None:
         return None
-    # NOTE: torch (latent.head, latent.recurrent): only a latent model's card loads them
-    from latentserve.latent.head import CONTROLS as HEAD_CONTROLS
+    # NOTE: torch (latent.recurrent): only a latent model's card loads it
     from latentserve.latent.recurrent import HUGINN_AUTO_THRESHOLDS, OURO_CRITERIA
 
     kind = spec.kind
-    controls = list(spec.controls or HEAD_CONTROLS) if kind == "head" else ["latent_budget"]
+    controls = list(spec.controls) if kind == "head" else ["latent_budget"]
     criteria = None
     if kind == "recurrent":
         controls += _EXIT_FIELDS[spec.family]

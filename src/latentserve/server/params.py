@@ -160,9 +160,16 @@ def shared_fields(body, stop: list[str] | None, budget: int | None, defaults: di
     return out
 
 
-def latent_positions(spec, budget: int | None) -> int:
+def latent_positions(spec, budget: int | None, head: dict | None = None) -> int:
     """KV positions a feedback or looped model adds before the answer for ``budget`` (in
-    range: :func:`latent_budget` checked it); 0 for other models."""
+    range: :func:`latent_budget` checked it); on CoLaR, whose latent steps are not in
+    ``max_tokens``, those of a sent cap (``head["max_latent"]`` or ``budget``; the model's
+    default cap is not counted); 0 for other models."""
+    if spec is not None and spec.kind == "head" and spec.default_max_latent:
+        cap = next((v for v in ((head or {}).get("max_latent"), budget) if v is not None), 0)
+        if not cap or (head or {}).get("thinking") is False:
+            return 0
+        return len(spec.start_ids) + cap + len(spec.end_ids)
     if spec is None or spec.kind not in ("feedback", "loop"):
         return 0
     return spec.prompt_extra(spec.resolve_budget(budget))
@@ -237,12 +244,10 @@ def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
     """APIError (400 naming the header or field) for head controls the model would ignore:
     any without a head (unless thinking is off), those not in ``spec.controls`` with one, or
     ``compression_factor`` outside ``[1, spec.max_compression_factor]``."""
-    from latentserve.latent.head import CONTROLS
-
     head = spec is not None and spec.kind == "head"
     if not head and controls.get("thinking") is False:
         return
-    taken = (spec.controls or CONTROLS) if head else ()
+    taken = spec.controls if head else ()
     headers = _headers(http_request)
     for name, (hdr, alias, _) in HEAD_HEADERS.items():
         field = name in type(body).model_fields and getattr(body, name) is not None
@@ -279,16 +284,26 @@ STREAM_STEPS_HEADER = "x-latent-stream-steps"
 def refuse_stream_steps(http_request, body, spec=None) -> bool:
     """Whether latent steps are asked to stream: header ``x-latent-stream-steps`` > body
     ``stream_latent_steps`` > False. APIError (400 naming the header or field) when asked of a
-    model without latent steps, or for a malformed header on any model."""
+    model without latent steps or without ``stream`` (the ticks are stream chunks), for the
+    header on /v1/messages (which has no such field), or for a malformed header."""
     raw = _headers(http_request).get(STREAM_STEPS_HEADER)
+    sent = STREAM_STEPS_HEADER if raw is not None else "stream_latent_steps"
+    if raw is not None and route_of(type(body)) == "/v1/messages":
+        raise APIError(f"header {sent} is not taken on /v1/messages (its thinking block "
+                       "shows latent steps per latent_reasoning); leave it out", param=sent)
     asked = (bool(getattr(body, "stream_latent_steps", None)) if raw is None
              else header_value(STREAM_STEPS_HEADER, raw, "bool"))
-    if not asked or (spec is not None and spec.kind in ("feedback", "head", "loop")):
-        return asked
-    sent = STREAM_STEPS_HEADER if raw is not None else "stream_latent_steps"
-    what = "a recurrent-depth model" if spec is not None else "a model without latent reasoning"
-    raise APIError(f"{sent} needs a model with latent steps, not {what} (it would silently "
-                   "do nothing)", param=sent)
+    if not asked:
+        return False
+    if spec is None or spec.kind not in ("feedback", "head", "loop"):
+        what = ("a recurrent-depth model" if spec is not None
+                else "a model without latent reasoning")
+        raise APIError(f"{sent} needs a model with latent steps, not {what} (it would "
+                       "silently do nothing)", param=sent)
+    if not body.stream:
+        raise APIError(f"{sent} needs stream: true (each latent step is a stream chunk)",
+                       param=sent)
+    return True
 
 
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -359,21 +374,29 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
             f"(max_model_len is {max_model_len}). Please reduce the length of the prompt.",
             param="prompt" if isinstance(request, CompletionRequest) else "messages",
             code="context_length_exceeded")
-    latent = latent_positions(state.latent_spec, budget)
+    if head is None:
+        head = {k: getattr(request, k, None) for k in HEAD_HEADERS}
+    latent = latent_positions(state.latent_spec, budget, head)
     used = num_prompt_tokens + latent
     defaults = state.sampling_defaults or {}
+    if max_tokens is None and used >= max_model_len:  # the latent positions fill it
+        sent = "max_latent" if head.get("max_latent") is not None else "latent_budget"
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {used + 1} tokens ({num_prompt_tokens} in the prompt, {latent} latent "
+            f"and transition positions, at least 1 in the completion). Please reduce the "
+            f"length of the prompt or {sent}.", param=sent, code="context_length_exceeded")
     if max_tokens is None:
-        max_tokens = min(max(max_model_len - used, 1), defaults.get("max_tokens", max_model_len))
+        max_tokens = min(max_model_len - used, defaults.get("max_tokens", max_model_len))
     elif used + max_tokens > max_model_len:
         positions = f", {latent} latent and transition positions" if latent else ""
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {used + max_tokens} tokens ({num_prompt_tokens} in the "
             f"prompt{positions}, {max_tokens} in the completion). Please reduce the length "
-            f"of the prompt or {max_tokens_field}.", param=max_tokens_field,
+            f"of the prompt{', the latent steps' if latent else ''} or {max_tokens_field}.",
+            param=max_tokens_field,
             code="context_length_exceeded")
-    if head is None:
-        head = {k: getattr(request, k, None) for k in HEAD_HEADERS}
     try:
         return SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
@@ -389,20 +412,25 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
         raise APIError(msg, param=param) from None
 
 
-def engine_max_tokens(params: SamplingParams, spec, num_prompt_tokens: int,
+def request_steps(params: SamplingParams, spec, num_prompt_tokens: int,
                       max_model_len: int) -> int:
-    """``params.max_tokens``, raised on a thinking compression head to the answer-budget
-    floor ``min_output_tokens + max_latent`` (within the context left)."""
-    if spec is None or spec.kind != "head" or "min_output_tokens" not in (
-            spec.controls or ("min_output_tokens",)):  # CoLaR: no floor
+    """The steps one request may run after its prompt: ``params.max_tokens``, on a thinking
+    compression head raised to the answer-budget floor ``min_output_tokens + max_latent``,
+    on thinking CoLaR plus its latent-step cap (both within the context left)."""
+    if spec is None or spec.kind != "head":
         return params.max_tokens
     from latentserve.latent.head import apply_output_floor, head_defaults, resolve_settings
 
-    hs = resolve_settings(params, head_defaults(), "closed_loop", True)
+    colar = bool(spec.default_max_latent)  # latent steps beside max_tokens, no floor
+    defaults = {**head_defaults(), **({"max_latent": spec.default_max_latent} if colar else {})}
+    hs = resolve_settings(params, defaults, "closed_loop", True)
+    left = max_model_len - num_prompt_tokens
     if not hs.thinking:
         return params.max_tokens
+    if colar:
+        return params.max_tokens + max(0, min(hs.max_latent, left))
     raised = apply_output_floor(params.max_tokens, hs.min_output_tokens, hs.max_latent)
-    return max(params.max_tokens, min(raised, max_model_len - num_prompt_tokens))
+    return max(params.max_tokens, min(raised, left))
 
 
 def latent_controls(http_request, body, spec, template_kwargs: dict | None = None
@@ -412,27 +440,33 @@ def latent_controls(http_request, body, spec, template_kwargs: dict | None = Non
     budget = latent_budget(http_request, body, spec)
     head = head_controls(http_request, body, template_kwargs)
     refuse_head_controls(http_request, body, head, spec)
-    return budget, head, refuse_stream_steps(http_request, body, spec) and bool(body.stream)
+    return budget, head, refuse_stream_steps(http_request, body, spec)
 
 
 def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
                     n: int, max_tokens_field: str, state) -> list[EngineRequest]:
     """Each prompt's ``(token ids, text, params)`` fanned out to ``n`` engine requests (choice
     ``p * n + j``: id ``{rid}-{p * n + j}``; with a ``seed``, seed ``seed + j``). APIError (400
-    naming the field) when ``n`` x the sum of :func:`engine_max_tokens` over prompts exceeds
+    naming the field) when ``n`` x the sum of :func:`request_steps` over prompts exceeds
     ``state.limits.max_request_output_tokens``, or ``seed + n - 1`` is out of range."""
     asked = [params.max_tokens for _, _, params in prompts]
-    max_tokens = [engine_max_tokens(params, state.latent_spec, len(ids), state.max_model_len)
+    max_tokens = [request_steps(params, state.latent_spec, len(ids), state.max_model_len)
                   for ids, _, params in prompts]
     total, limit = n * sum(max_tokens), state.limits.max_request_output_tokens
     if total > limit:
-        floor = ("" if asked == max_tokens else
-                 f", raised from {max(asked)} by the answer-budget floor min_output_tokens + "
-                 "max_latent (send min_output_tokens: 0 for it to hold)")
+        f = max_tokens_field
+        if asked == max_tokens:
+            each = f"{f} up to {max(asked)}"
+        elif state.latent_spec.default_max_latent:  # CoLaR
+            each = (f"{f} up to {max(asked)} plus up to "
+                    f"{max(m - a for m, a in zip(max_tokens, asked))} latent steps (max_latent)")
+        else:
+            each = (f"{f} up to {max(max_tokens)}, raised from {max(asked)} by the "
+                    "answer-budget floor min_output_tokens + max_latent (send "
+                    "min_output_tokens: 0 for it to hold)")
         raise APIError(
-            f"{max_tokens_field} x n summed over prompts must be at most {limit} tokens per "
-            f"request, got {total} ({len(max_tokens)} prompt(s), n={n}, {max_tokens_field} "
-            f"up to {max(max_tokens)}{floor}); lower {max_tokens_field}, n or the number of "
+            f"{f} x n summed over prompts must be at most {limit} tokens per request, got "
+            f"{total} ({len(max_tokens)} prompt(s), n={n}, {each}); lower {f}, n or the number of "
             "prompts", param=max_tokens_field)
     try:
         return [EngineRequest(f"{rid}-{p * n + j}", ids, dataclasses.replace(

@@ -39,7 +39,7 @@ class FinetuneOptions:
     base: str | None = option(None, "backbone (default: the embedded SmolLM2-135M-Instruct; "
                               "train colar: --init-adapter's base first)", flags=("--model",))
     lora_r: int = option(16, "rank of a fresh LoRA; 0 = full fine-tune", ge=0)
-    lora_alpha: float = 32.0
+    lora_alpha: float = option(32.0, gt=0, lt=float("inf"))
     lora_targets: tuple[str, ...] = option(LORA_TARGETS, "comma-separated module names of a "
                                            "fresh LoRA")
     init_adapter: str | None = option(None, "adapter directory to continue training (train cot "
@@ -50,8 +50,8 @@ class FinetuneOptions:
     batch_size: int = option(128, ge=1)
     lr: float = option(1e-3, gt=0)
     warmup: int = option(100, "warmup steps", ge=0)
-    weight_decay: float = 0.01
-    max_len: int = option(512, "examples longer than this (uncompressed) are dropped")
+    weight_decay: float = option(0.01, ge=0, lt=float("inf"))
+    max_len: int = option(512, "examples longer than this (uncompressed) are dropped", ge=1)
     seed: int = 0
     device: str = option("cpu", choices=DEVICES)
     max_seconds: float = option(0.0, MAX_SECONDS, ge=0)
@@ -89,8 +89,8 @@ class ColarTrainConfig(FinetuneOptions):
                                             "--max-compression-factor)", ge=1)
     embed_loss: str = option("mse", "latent loss: mse of a policy sample (upstream default) or nll",
                              choices=("mse", "nll"))
-    embed_weight: float = option(1.0, "weight of the latent loss")
-    ce_weight: float = option(1.0, "weight of the CE loss")
+    embed_weight: float = option(1.0, "weight of the latent loss", ge=0, lt=float("inf"))
+    ce_weight: float = option(1.0, "weight of the CE loss", ge=0, lt=float("inf"))
     intermediate_size: int | None = option(None, "latent policy width (default: the hidden size)",
                                            ge=1)
     embeds_std: float | None = option(None, "latent scale (default: std of the input-embedding "
@@ -128,7 +128,7 @@ class ColarGRPOConfig:
                              "group-relative)", ge=2)
     exp_batch_size: int = option(8, "rollouts per optimiser step (upstream 8)", ge=1)
     lr: float = option(1e-6, "AdamW learning rate (upstream RL 1e-6)", gt=0)
-    weight_decay: float = 0.01
+    weight_decay: float = option(0.01, ge=0, lt=float("inf"))
     clip_eps: float = option(0.2, "PPO ratio clip (upstream 0.2)", gt=0, lt=1)
     loss_average: str = option("sum", "per sequence: sum / 32 (upstream colar.yaml) or the mean "
                                "over tokens", choices=LOSS_AVERAGES)
@@ -155,7 +155,7 @@ class ColarGRPOConfig:
     answer_tokens: int = option(16, "answer tokens per rollout (upstream max_new_tokens 16)",
                                 ge=1)
     compression_factor: int | None = option(None, "thinking speed of the rollouts (default: the "
-                                            "model's)")
+                                            "model's)", ge=1)
     max_latent: int | None = option(None, "latent-step cap of the rollouts (default: the "
                                     "model's)", ge=1)
     max_examples: int | None = option(None, "use the first N items", ge=1)
@@ -218,7 +218,7 @@ class FitOptions(HeadOptions):
     batch_size: int = option(256, "rows per step", ge=1)
     lr: float = option(1e-3, gt=0)
     warmup: float = option(0.05, "fraction of steps", ge=0, lt=1)
-    weight_decay: float = 0.01
+    weight_decay: float = option(0.01, ge=0, lt=float("inf"))
     beta: float = option(0.01, "entropy weight", ge=0)
     log_every: int = option(10, ge=1)
 
@@ -236,7 +236,7 @@ class SFTConfig(FitOptions):
     target_layer: int | None = option(None, "default: the last layer")
     compression_factor: int = option(4, "reasoning tokens per latent step", ge=1)
     latent_dim: int = option(128, ge=1)
-    mlp_dim: int | None = option(None, "default: hidden_size // 2")
+    mlp_dim: int | None = option(None, "default: hidden_size // 2", ge=1)
     save_every: int = option(0, "checkpoint every N steps", ge=0)
 
     def __post_init__(self):
@@ -268,12 +268,12 @@ class DaggerConfig(FitOptions):
     overshoot: int = option(2, "latent steps each rollout runs past its gold length (labelled "
                             "stop)", ge=1)
     sigma: float = option(0.0, "rollout latents z ~ N(mu, sigma^2) (0: greedy, mu)", ge=0)
-    stop_threshold: float = option(0.5, "for the logged closed-loop stop metrics")
+    stop_threshold: float = option(0.5, "for the logged closed-loop stop metrics", ge=0, le=1)
     max_num_seqs: int = option(256, ge=1)
     enforce_eager: bool = False
     kv_slots: int | None = option(None, KV_SLOTS)
     gpu_memory_utilization: float = option(0.5, "the rollout engine's share of GPU memory (the "
-                                           "rows stay on the GPU)")
+                                           "rows stay on the GPU)", gt=0, le=1)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -290,7 +290,7 @@ class GRPOConfig(HeadOptions):
     sigma: float = option(0.3, "exploration std of z", gt=0)
     max_latent: int = option(32, ge=0)
     min_latent: int = option(1, ge=0)
-    stop_threshold: float = 0.5
+    stop_threshold: float = option(0.5, ge=0, le=1)
     answer_tokens: int = option(16, ge=1)
     close_bonus: float = 0.1
     max_num_seqs: int = option(256, ge=1)

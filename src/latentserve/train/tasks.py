@@ -65,10 +65,32 @@ def generate_multiplication(k: int, n: int, seed: int = 0,
     return out
 
 
-def questions_of(paths: Iterable[str | Path]) -> set[str]:
-    """The questions of iCoT text files (to exclude from generated training data)."""
-    return {line.partition("||")[0].strip() for p in paths
-            for line in Path(p).read_text().splitlines() if line.strip()}
+def questions_of(paths: Iterable[str | Path], k: int | None = None) -> set[str]:
+    """The questions of iCoT text files (to exclude from generated training data). Raises
+    ValueError naming the file and line when a non-empty line is not ``question||steps ####
+    answer``, or, given ``k``, when a file with questions holds no k x k one (it would exclude
+    nothing)."""
+    out: set[str] = set()
+    for p in paths:
+        mine = set()
+        for i, line in enumerate(Path(p).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            question, bar, rest = line.partition("||")
+            if not bar or "####" not in rest:
+                raise ValueError(f"{p} line {i} is not an iCoT line (question||steps #### "
+                                 f"answer): {line[:60]!r}")
+            mine.add(question.strip())
+        shape = [f"{' '.join('d' * k)} * {' '.join('d' * k)}"] if k else []
+        if mine and shape and not any(_digits_shape(q) in shape for q in mine):
+            raise ValueError(f"{p} holds no {k}x{k} question, so it would exclude nothing")
+        out |= mine
+    return out
+
+
+def _digits_shape(question: str) -> str:
+    """``"7 6 9 2 * 1 6 3 6"`` -> ``"d d d d * d d d d"``."""
+    return " ".join("d" if w.isdigit() and len(w) == 1 else w for w in question.split())
 
 
 def write_icot(items: Iterable[Item], path: str | Path) -> int:
