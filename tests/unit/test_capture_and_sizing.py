@@ -56,6 +56,11 @@ def test_kv_sizing_on_cuda_uses_the_memory_fraction(monkeypatch):
                          1024, 1000)
     # 0.4 of 80 GiB more memory buys 0.4 * 80 GiB / 64 KiB more slots.
     assert large - small == pytest.approx(0.4 * 80 * gib / (1 << 16), abs=1)
+    # the per-sequence vocabulary rows (logits, penalty counts) come off the pool: 256 more
+    # sequences of a 100k vocabulary take 256 x 100k x 13 bytes
+    few, many = (kv_slots_for(EngineConfig(device="cuda", max_num_seqs=n), 1 << 16, 1024,
+                              100_000) for n in (256, 512))
+    assert few - many == pytest.approx(256 * 100_000 * 13 / (1 << 16), abs=1)
 
 
 def test_pool_and_page_table_that_do_not_fit_the_gpu_name_the_flags(monkeypatch):

@@ -13,7 +13,8 @@ _GPU_RESERVE_BYTES = 1 << 30  # activations, CUDA graphs and allocator slack
 def kv_slots_for(config, bytes_per_slot: int, max_model_len: int, vocab_size: int) -> int:
     """KV pool size in tokens: ``config.kv_slots``; on CPU 1 GiB worth (at most
     ``max_num_seqs`` full requests); on CUDA ``gpu_memory_utilization`` of the device minus
-    all in use and a reserve (as SGLang's ``mem_fraction_static``). Raises ValueError naming
+    all in use, a reserve and the per-sequence vocabulary rows (logits, penalty counts; as
+    SGLang's ``mem_fraction_static``). Raises ValueError naming
     the flags when the pool cannot hold one ``max_model_len`` request."""
     if config.kv_slots:
         return config.kv_slots
@@ -21,8 +22,11 @@ def kv_slots_for(config, bytes_per_slot: int, max_model_len: int, vocab_size: in
         return min(config.max_num_seqs * max_model_len, max(CPU_KV_BYTES // bytes_per_slot, 2))
     torch.cuda.empty_cache()  # blocks cached by an earlier engine in this process are free
     free, total = torch.cuda.mem_get_info(torch.device(config.device))
-    logits = 4 * vocab_size * (2 * config.max_num_seqs + config.max_num_batched_tokens // 8)
-    budget = total * config.gpu_memory_utilization - (total - free) - _GPU_RESERVE_BYTES - logits
+    # per sequence two float32 logits rows and the penalties' rows (int32 counts, bool
+    # prompt tokens: penalties.PenaltyCounts); an eighth of a prefill chunk's logits
+    rows = vocab_size * ((2 * 4 + 4 + 1) * config.max_num_seqs
+                         + 4 * (config.max_num_batched_tokens // 8))
+    budget = total * config.gpu_memory_utilization - (total - free) - _GPU_RESERVE_BYTES - rows
     slots = int(budget // bytes_per_slot)
     if slots < max_model_len + 1:
         gib = 1 << 30
