@@ -267,6 +267,30 @@ def test_anthropic_forced_tool_use_is_decoded_under_the_schema(claude, model, to
     assert block.name == "get_weather" and block.input["city"] in ("Paris", "Rome")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_forced_tool_use_cut_by_max_tokens_is_a_tool_use_block(claude, model, stream):
+    """Cut short, a forced call is still a ``tool_use`` block, streamed or not (the stream's
+    ``input_json_delta`` carries the cut JSON; a whole message keeps its complete members),
+    and ``stop_reason`` is ``max_tokens``, as Anthropic closes a truncated call."""
+    tools = [{"name": "get_weather", "description": "Weather of a city", "input_schema":
+              ENUM_TOOLS[0]["function"]["parameters"]}]
+    r = _message(claude, model, [{"role": "user", "content": "Say hi"}], stream, tools=tools,
+                 tool_choice={"type": "tool", "name": "get_weather"}, max_tokens=3)
+    assert r.stop_reason == "max_tokens"
+    assert [(b.type, b.name, b.input) for b in r.content] == [("tool_use", "get_weather", {})]
+
+
+def test_a_cut_tool_calls_input_keeps_its_complete_members():
+    from latentserve.server.anthropic_api import complete_members
+
+    for text, want in (('{"city": "Paris"}', {"city": "Paris"}), ('{"city": "Par', {}),
+                       ('{"city": "Paris", "unit": "c', {"city": "Paris"}),
+                       ('{"a": {"x": 1}, "b": [1, 2', {"a": {"x": 1}}),
+                       ('{"a": 12', {}), ('{"a": true , "b": null', {"a": True}),
+                       ("", {}), ("[1, 2]", {}), ('{"a"', {})):
+        assert complete_members(text) == want, text
+
+
 def test_anthropic_strict_tool_under_auto_is_decoded_under_its_schema(claude, model):
     tools = [{"name": "get_weather", "description": "Weather of a city", "strict": True,
               "input_schema": STRICT_TOOLS[0]["function"]["parameters"]}]

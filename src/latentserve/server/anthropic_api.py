@@ -288,18 +288,47 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
                                               result.step_trace, texts) + reasoning
         blocks = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning \
             else []
-        uses = []
-        for c in calls:
-            try:
-                uses.append({"type": "tool_use", "id": c.id, "name": c.name,
-                             "input": json.loads(c.arguments)})
-            except json.JSONDecodeError:  # arguments cut short (max_tokens): left as text
-                content += c.arguments
+        uses = [{"type": "tool_use", "id": c.id, "name": c.name,
+                 "input": complete_members(c.arguments)} for c in calls]
         if content or not uses:
             blocks.append({"type": "text", "text": content})
         msg = _message(msg_id, state.model_name, blocks + uses, len(prompt_ids),
                        result.num_output_tokens, _stop(result, bool(uses)))
         return _with_latent(msg, latent_info(result, asked, texts))
+
+
+def complete_members(arguments: str) -> dict:
+    """A tool call's ``input``: ``arguments`` parsed, or, cut short (``max_tokens``), the
+    members of its JSON object that are complete, as Anthropic closes a truncated
+    ``tool_use`` block (``stop_reason`` then says ``max_tokens``): each member followed by
+    ``,`` or ``}``; ``{}`` for no object."""
+    try:
+        value = json.loads(arguments)
+        return value if isinstance(value, dict) else {}
+    except json.JSONDecodeError:
+        pass
+    decode, out = json.JSONDecoder().raw_decode, {}
+    text = arguments.strip()
+    i = 1 if text.startswith("{") else len(text)
+    while True:  # "key": value pairs until one is cut
+        try:
+            i = len(text) - len(text[i:].lstrip())
+            key, i = decode(text, i)
+            i = len(text) - len(text[i:].lstrip())
+            if not isinstance(key, str) or text[i] != ":":
+                return out
+            i += 1
+            i = len(text) - len(text[i:].lstrip())
+            value, i = decode(text, i)
+        except (ValueError, IndexError):
+            return out
+        rest = text[i:].lstrip()
+        if not rest.startswith((",", "}")):  # a number at the cut may be cut itself
+            return out
+        out[key] = value
+        if rest.startswith("}"):
+            return out
+        i = len(text) - len(rest) + 1
 
 
 def _with_latent(obj: dict, info) -> dict:
