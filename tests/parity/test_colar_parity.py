@@ -181,7 +181,8 @@ def test_latent_budget_is_max_latent_and_checked_as_it(colar_dir):
     for kw, msg in (({"min_latent": 10, "latent_budget": 3},
                      r"^min_latent must be at most latent_budget \(3\), got 10$"),
                     ({"latent_budget": 3, "max_latent": 6},
-                     r"^latent_budget \(3\) and max_latent \(6\) are one control")):
+                     r"^latent_budget must equal max_latent when both are sent .* got 3 and 6; "
+                     r"give one$")):
         with pytest.raises(ValueError, match=msg):
             engine.add_request("x", ids, SamplingParams(max_tokens=2, **kw))
     engine.add_request("ok", ids, SamplingParams(max_tokens=2, latent_budget=3, max_latent=3))
@@ -231,8 +232,8 @@ def test_a_prompt_holding_the_speed_is_taken_as_is(colar_dir, reference):
     # a speed the model does not take, and a prompt naming none (whose speed is unknown)
     enc = engine.tokenizer.encode
     bad = enc(colar.prompt_text(q, 9), add_special_tokens=False)
-    with pytest.raises(ValueError, match=r"the prompt's \(Thinking speed: 9\) must be in "
-                                         r"\[1, 5\] for this model$"):
+    with pytest.raises(ValueError, match=r"^prompt names \(Thinking speed: 9\); the speed "
+                                         r"must be in \[1, 5\] for this model$"):
         engine.add_request("x", bad, SamplingParams())
     bare = enc(colar.QUESTION.format(q), add_special_tokens=False) + [SEP]
     with pytest.raises(ValueError, match="compression_factor 3 would be ignored: the prompt "

@@ -22,7 +22,7 @@ def colar_server(tmp_path_factory):
     d = save_colar_tiny(tmp_path_factory.mktemp("colar-api") / "m", stop_push=16.0,
                         compression_factor=2, max_compression_factor=5, max_latent=6)
     srv = start_server(EngineConfig(model=str(d), max_num_seqs=8), timeout=300,
-                       max_request_output_tokens=4000)
+                       max_request_output_tokens=400)
     srv.model_dir = str(d)
     yield srv
     srv.stop()
@@ -124,11 +124,63 @@ def test_latent_steps_count_against_the_context_and_the_request_limit(colar_serv
     assert "latent and transition positions" in err
     r = _complete(colar_server, {"max_tokens": None}, {"x-latent-max": str(10**9)})
     assert "latent and transition positions, at least 1 in the completion" in \
-        _openai_400(r, "max_latent")
-    r = _complete(colar_server, {"max_tokens": None, "max_latent": 40})
-    assert r.status_code == 200, r.text  # null max_tokens: the context the cap leaves
+        _openai_400(r, "x-latent-max")
     r = _complete(colar_server, {"n": 16, "max_tokens": 100, "max_latent": 200})
     assert ("got 4800 (1 prompt(s), n=16, max_tokens up to 100 plus up to 200 latent steps "
-            "(max_latent))") in _openai_400(r, "max_tokens")  # the server's limit: 4000
+            "(max_latent))") in _openai_400(r, "max_tokens")  # the server's limit: 400
     with httpx.Client(base_url=colar_server.base_url) as http:
         assert_slots_invariant(wait_idle(http))
+
+
+def test_contradicting_caps_are_a_400_on_every_route(colar_server):
+    """``max_latent`` and ``latent_budget`` are one control: differing values, or a
+    ``min_latent`` above ``latent_budget``, are a 400 naming it (they were a 500 on the
+    OpenAI routes), Anthropic's message in its ``field: reason`` form."""
+    for body, headers in (({"max_latent": 5, "latent_budget": 6}, {}),
+                          ({"max_latent": 5}, {"x-latent-budget": "4"}),
+                          ({"min_latent": 5, "latent_budget": 3}, {})):
+        param = "min_latent" if "min_latent" in body else "latent_budget"
+        _openai_400(_complete(colar_server, body, headers), param)
+        r = httpx.post(f"{colar_server.base_url}/v1/chat/completions", timeout=60,
+                       headers=headers, json={"messages": MSGS, "max_tokens": 2, **body})
+        _openai_400(r, param)
+        r = httpx.post(f"{colar_server.base_url}/v1/messages", timeout=60, headers=headers,
+                       json={"model": colar_server.model_dir, "max_tokens": 2,
+                             "messages": MSGS, **body})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            f"{param}: must"), r.text
+
+
+def test_latent_positions_are_counted_as_the_engine_runs_them(colar_server):
+    """A whole prompt (ending with ``###``) gets no speed appended, so none is counted;
+    ``thinking_token_budget`` caps the latent steps counted; a header cap that fills the
+    context is refused naming the header; the prompt's speed out of range names ``prompt``."""
+    spec = httpx.get(f"{colar_server.base_url}/v1/models", timeout=60).json()
+    assert spec["data"][0]["max_model_len"] == 512
+    whole = QUESTION.replace("w40", "w40 " * 400) + " (Thinking speed: 3)###"
+    n = len(httpx.post(f"{colar_server.base_url}/tokenize", timeout=60,
+                       json={"prompt": whole}).json()["tokens"])
+    fits = {"prompt": whole, "max_tokens": 9, "max_latent": 512 - n - 1 - 9}
+    assert _complete(colar_server, fits).status_code == 200
+    over = _complete(colar_server, {**fits, "max_tokens": 10})
+    assert f"you requested 513 tokens ({n} in the prompt" in _openai_400(over, "max_tokens")
+    r = httpx.post(f"{colar_server.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": MSGS, "max_tokens": 2, "max_latent": 600, "thinking_token_budget": 5})
+    assert r.status_code == 200, r.text
+    r = _complete(colar_server, {"max_tokens": None}, {"x-latent-max": "600"})
+    assert "reduce the length of the prompt or x-latent-max" in _openai_400(r, "x-latent-max")
+    r = _complete(colar_server, {"prompt": QUESTION + " (Thinking speed: 6)###"})
+    assert _openai_400(r, "prompt").startswith("prompt names (Thinking speed: 6)")
+    r = httpx.post(f"{colar_server.base_url}/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "w5 " * 600}]})
+    _openai_400(r, "messages")  # an over-long prompt names the route's own field
+
+
+def test_messages_route_meets_the_request_output_limit(colar_server):
+    """--max-request-output-tokens (400 here) holds on /v1/messages too, with the cap."""
+    body = {"model": colar_server.model_dir, "messages": MSGS}
+    for extra in ({"max_tokens": 401}, {"max_tokens": 395, "max_latent": 10}):
+        r = httpx.post(f"{colar_server.base_url}/v1/messages", timeout=60,
+                       json={**body, **extra})
+        assert r.status_code == 400 and "must be at most 400 tokens per request" in \
+            r.json()["error"]["message"], r.text

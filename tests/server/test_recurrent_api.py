@@ -247,16 +247,19 @@ def test_messages_route_passes_the_exit_fields_on():
 
     from latentserve.latent.spec import LatentSpec
     from latentserve.server.anthropic_api import MessagesRequest, _Answer, _request_params
+    from latentserve.server.state import ServerLimits
     from latentserve.server.tools import ToolChoice
 
     spec = LatentSpec(kind="recurrent", family="huginn", default_budget=4, max_budget=8)
     state = SimpleNamespace(max_model_len=64, latent_spec=spec, sampling_defaults=None,
-                            reasoning_parser=None, tool_parser=None, tokenizer=None)
+                            reasoning_parser=None, tool_parser=None, tokenizer=None,
+                            limits=ServerLimits())
 
     def _params(**fields):
         body = MessagesRequest(model="m", max_tokens=4, **fields,
                                messages=[{"role": "user", "content": "a"}])
-        return _request_params(body, None, state, 3, _Answer({}, ToolChoice("none"), None, None))
+        return _request_params(body, None, state, [5, 6, 7],
+                               _Answer({}, ToolChoice("none"), None, None))
 
     params = _params(exit_criterion="kl", exit_threshold=0.01, exit_min_steps=2,
                      exit_check_every=3, exit_semantics="upstream", latent_budget=5)

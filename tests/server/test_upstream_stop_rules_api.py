@@ -56,14 +56,16 @@ def test_the_field_reaches_sampling_params_on_every_route(value):
     from latentserve.server.anthropic_api import MessagesRequest, _Answer, _request_params
     from latentserve.server.params import sampling_params
     from latentserve.server.protocol import ChatCompletionRequest, CompletionRequest
+    from latentserve.server.state import ServerLimits
     from latentserve.server.tools import ToolChoice
 
     state = SimpleNamespace(max_model_len=64, latent_spec=None, sampling_defaults=None,
-                            reasoning_parser=None, tool_parser=None, tokenizer=None)
+                            reasoning_parser=None, tool_parser=None, tokenizer=None,
+                            limits=ServerLimits())
     body = MessagesRequest(model="m", max_tokens=4, messages=MESSAGES,
                            upstream_stop_rules=value)
     answer = _Answer({}, ToolChoice("none"), None, None)
-    assert _request_params(body, None, state, 3, answer).upstream_stop_rules is value
+    assert _request_params(body, None, state, [5, 6, 7], answer).upstream_stop_rules is value
     for request in (CompletionRequest(prompt="hi", max_tokens=4, upstream_stop_rules=value),
                     ChatCompletionRequest(messages=MESSAGES, max_tokens=4,
                                           upstream_stop_rules=value)):

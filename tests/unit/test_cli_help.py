@@ -28,7 +28,7 @@ def test_help_names_every_form(capsys, argv, words):
 
 
 @pytest.mark.parametrize("argv", [["generate", "--prompt", "x"], ["serve"],
-                                  ["bench", "--suite", "gpu", "--device", "cpu"]])
+                                  ["bench", "--suite", "latent"]])
 def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys, monkeypatch, argv):
     """One line, the same for generate and serve (serve's used to come from the engine
     process as an EngineStartupError, after the server logged its config)."""
@@ -43,7 +43,7 @@ def test_device_cuda_without_one_is_a_clear_error_before_loading(capsys, monkeyp
         raise AssertionError("the server was started")
 
     monkeypatch.setattr(launch, "run_server", no_server)
-    assert main(argv if "--device" in argv else [*argv, "--device", "cuda"]) == 2
+    assert main([*argv, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     assert err == (f"latentserve: error: device 'cuda': no CUDA device is available here "
                    f"(torch {torch.__version__}); use --device cpu\n")
@@ -85,3 +85,18 @@ def test_bench_concurrency_is_checked_on_the_flag(capsys, value, words):
         main(["bench", "--concurrency", value])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "argument --concurrency: " in err and words in err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--suite", "gpu", "--device", "cpu"], "--suite gpu runs on CUDA, and torch sees no CUDA"),
+    (["--concurrency", "4"], "--concurrency sets the gpu, latent, loop and families suites"),
+    (["--suite", "latent", "--families", "plain"], "--families needs --suite families"),
+    (["--suite", "families", "--families", "plain,xyz"], "--families: unknown family 'xyz'; "
+                                                          "the families are plain, feedback")])
+def test_bench_refuses_flags_its_suite_would_ignore_or_cannot_run(capsys, argv, words):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    assert main(["bench", *argv]) == 2
+    assert words in capsys.readouterr().err

@@ -209,14 +209,33 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
     (["--json-out", "s.json"], "--json-out needs the CoLaR prompt format"),
     (["--out", "no/such/dir/o.json"], "--out no/such/dir/o.json: its folder no/such/dir does "
                                       "not exist"),
-    (["--out", "."], "--out . is a folder; give a file path"),
+    (["--out", "."], "--out '.' is not a file path"),
+    (["--out", ""], "--out '' is not a file path"),
+    (["--out", "gone/"], "--out 'gone/' is not a file path"),
+    (["--out", "README.md/o.json"], "--out README.md/o.json: its folder README.md is not a "
+                                    "folder"),
+    (["--out", "o.json", "--json-out", "o.json"], "--json-out o.json is also --out's file"),
     (["--sweep", "max_latent=0", "--plot", "gone/p.png"], "--plot gone/p.png: its folder"),
     (["--data-file", "."], "--dataset-file . is a folder; give a file"),
 ])
-def test_cli_refuses_bad_options_before_running_naming_them(gsm_file, capsys, extra, words):
+def test_cli_refuses_bad_options_before_running_naming_them(gsm_file, capsys, extra, words,
+                                                           monkeypatch, tmp_path):
     from latentserve.cli import main
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "README.md").write_text("a file, not a folder\n")
     rc = main(["eval", "--dataset", "gsm8k", "--data-file", str(gsm_file), "--limit", "1",
                *extra])
     err = capsys.readouterr().err
     assert rc != 0 and words in err and "Traceback" not in err
+    assert {p.name for p in tmp_path.iterdir()} <= {"README.md", gsm_file.name}  # no output
+
+
+def test_cli_refuses_an_output_over_the_data_file(gsm_file, capsys):
+    from latentserve.cli import main
+
+    before = gsm_file.read_text()
+    rc = main(["eval", "--dataset", "gsm8k", "--data-file", str(gsm_file), "--out",
+               str(gsm_file)])
+    assert rc == 2 and gsm_file.read_text() == before
+    assert f"--out {gsm_file} is also --dataset-file's file" in capsys.readouterr().err

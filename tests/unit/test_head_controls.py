@@ -172,16 +172,19 @@ def test_colar_controls_reach_sampling_params_and_the_floor_stays_off():
 
 
 def test_a_sent_colar_cap_counts_against_the_context():
-    """CoLaR's sent ``max_latent`` (or ``latent_budget``) takes KV positions beside
-    ``max_tokens``: with the speed and closing ids it lowers a null ``max_tokens`` and a sent
-    one over the context is a 400; the model's default cap and thinking off count nothing."""
+    """CoLaR's sent ``max_latent`` (or ``latent_budget``, at most ``thinking_token_budget``)
+    takes KV positions beside ``max_tokens``: with the speed and closing ids (no speed after
+    a prompt ending with ``###``) it lowers a null ``max_tokens`` and a sent one over the
+    context is a 400; the model's default cap and thinking off count the transitions only."""
     from latentserve.server.params import latent_positions
 
     spec = _spec("colar")
     assert latent_positions(spec, None, {"max_latent": 9}) == 3 + 9 + 1
     assert latent_positions(spec, 9, {"max_latent": None}) == 3 + 9 + 1
-    assert latent_positions(spec, None, {"max_latent": None}) == 0
-    assert latent_positions(spec, None, {"max_latent": 9, "thinking": False}) == 0
+    assert latent_positions(spec, None, {"max_latent": None}) == 3 + 1  # speed, ###s
+    assert latent_positions(spec, None, {"max_latent": 9, "thinking": False}) == 3 + 1
+    assert latent_positions(spec, None, {"max_latent": 9}, [5, 3]) == 9 + 1  # ends with ###
+    assert latent_positions(spec, None, {"max_latent": 9}, [5, 6], 4) == 3 + 4 + 1
     state = SimpleNamespace(max_model_len=512, latent_spec=spec, sampling_defaults=None)
     body = _body(max_tokens=None, max_latent=100)
     p = sampling_params(body, "max_tokens", 20, state, head=head_controls(_Req({}), body))

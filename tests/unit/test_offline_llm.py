@@ -214,7 +214,10 @@ def test_truncate_prompt_tokens_keeps_the_last_k_ids(tiny_dirs):
                        use_tqdm=False)
     assert out[0].prompt_token_ids == llm.get_tokenizer().encode(text)[-3:]
     assert out[0].prompt == text and out[1].prompt_token_ids == [7, 8, 9]
-    assert llm.llm_engine is llm.engine  # vLLM's name, as its users reach the engine
+    assert llm.llm_engine is llm.engine  # vLLM's names, as its users reach the engine
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer()
+    with pytest.raises(ValueError, match="^stream_latent_steps needs a stream"):
+        llm.generate([text], SamplingParams(stream_latent_steps=True), use_tqdm=False)
     whole = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
                          use_tqdm=False)
     assert whole[0].prompt_token_ids == [5, 6, 7]

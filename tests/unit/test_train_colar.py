@@ -429,6 +429,11 @@ def test_out_of_range_flags_are_refused_by_argparse_naming_them(tmp_path, capsys
     assert done.value.code == 2 and flag in capsys.readouterr().err
 
 
+def test_no_loss_at_all_is_refused():
+    with pytest.raises(ValueError, match="ce_weight and embed_weight are both 0"):
+        ColarTrainConfig(data=[], out="x", ce_weight=0, embed_weight=0)
+
+
 @pytest.mark.skipif("torch.cuda.is_available()")
 def test_device_cuda_without_cuda_is_refused_before_loading(tmp_path, capsys):
     from latentserve.cli import main

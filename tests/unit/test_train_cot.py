@@ -47,6 +47,13 @@ def test_generated_training_set_excludes_test_and_valid():
 def test_generator_refuses_impossible_requests():
     with pytest.raises(ValueError, match="more than half"):
         generate_multiplication(1, 50)
+    # exclusions count: 81 1x1 questions less 60 excluded leave 21, so 11 is too many
+    taken = [it.question for it in generate_multiplication(1, 40, seed=0)]
+    taken += [it.question for it in generate_multiplication(1, 20, seed=1, exclude=taken)]
+    assert len(set(taken)) == 60
+    assert len(generate_multiplication(1, 10, seed=2, exclude=taken)) == 10
+    with pytest.raises(ValueError, match=r"less the 60 excluded \(21\)"):
+        generate_multiplication(1, 11, seed=2, exclude=taken)
     with pytest.raises(ValueError, match="2 digits"):
         multiplication_item(5, 12, 2)
 

@@ -74,7 +74,24 @@ def run(args) -> int:
 
     conc = args.concurrency
     cuda, table, command = args.device == "cuda", None, shlex.join(["latentserve", *sys.argv[1:]])
-    if cuda or args.suite in ("gpu", "families"):  # these suites run on CUDA
+    if conc is not None and args.suite == "offline":
+        raise ValueError("--concurrency sets the gpu, latent, loop and families suites; "
+                         "--suite offline runs --num-prompts at once")
+    if args.families is not None and args.suite != "families":
+        raise ValueError(f"--families needs --suite families, got --suite {args.suite}")
+    if args.families is not None:
+        from latentserve.bench.families import SUITES
+
+        if unknown := [f for f in args.families.split(",") if f not in SUITES]:
+            raise ValueError(f"--families: unknown family {unknown[0]!r}; the families are "
+                             f"{', '.join(SUITES)}")
+    if args.suite in ("gpu", "families"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--suite {args.suite} runs on CUDA, and torch sees no CUDA "
+                             "device here")
+    elif cuda:
         from latentserve.config import check_device
 
         check_device("cuda")

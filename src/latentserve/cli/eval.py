@@ -178,17 +178,25 @@ def run(args) -> int:
 
 def check_paths(args) -> None:
     """Refuse before the run what only its end would trip on: an output path (``--out``,
-    ``--json-out``, ``--plot``) that is a folder or lies in a missing one, a
-    ``--dataset-file`` that is a folder. ValueError / FileNotFoundError naming the flag."""
-    for flag, path in (("--out", args.out), ("--json-out", args.json_out),
-                       ("--plot", args.plot)):
-        if path is None:
-            continue
-        if Path(path).is_dir():
-            raise ValueError(f"{flag} {path} is a folder; give a file path")
-        if not Path(path).absolute().parent.is_dir():
-            raise FileNotFoundError(f"{flag} {path}: its folder {Path(path).parent} does not "
-                                    "exist")
+    ``--json-out``, ``--plot``) that is empty, a folder (or ends with ``/``), lies in a
+    missing folder or names the data file or another output; a ``--dataset-file`` that is a
+    folder. ValueError / FileNotFoundError naming the flag."""
+    outs = {flag: path for flag, path in (("--out", args.out), ("--json-out", args.json_out),
+                                          ("--plot", args.plot)) if path is not None}
+    for flag, path in outs.items():
+        if not path or path.endswith(("/", os.sep)) or Path(path).is_dir():
+            raise ValueError(f"{flag} {path!r} is not a file path")
+        folder = Path(path).absolute().parent
+        if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            raise FileNotFoundError(f"{flag} {path}: its folder {Path(path).parent} {what}")
+    named = {}
+    for flag, path in [("--dataset-file", args.data_file), ("--baseline", args.baseline),
+                       *outs.items()]:
+        if path is not None and (same := named.get(os.path.realpath(path))):
+            raise ValueError(f"{flag} {path} is also {same}'s file; the run would overwrite it")
+        if path is not None:
+            named[os.path.realpath(path)] = flag
     if args.data_file is not None and Path(args.data_file).is_dir():
         raise ValueError(f"--dataset-file {args.data_file} is a folder; give a file (iCoT "
                          "text lines or GSM8K jsonl)")

@@ -413,6 +413,10 @@ class LLMEngine:
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's ``LLMEngine.get_tokenizer``)."""
+        return self.tokenizer
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

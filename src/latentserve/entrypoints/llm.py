@@ -272,7 +272,11 @@ def _is_id(t) -> bool:
 
 
 def _check_fanout(params: SamplingParams) -> None:
-    """ValueError naming ``seed`` when :func:`_children`'s ``seed + n - 1`` is past the range."""
+    """ValueError naming ``seed`` when :func:`_children`'s ``seed + n - 1`` is past the range,
+    or ``stream_latent_steps`` (whole outputs come back: nothing would stream)."""
+    if params.stream_latent_steps:
+        raise ValueError("stream_latent_steps needs a stream (the server's stream: true, or "
+                         "LLMEngine.step's outputs); LLM.generate returns whole outputs")
     top = SEED_MAX - params.n + 1
     if params.seed is not None and params.seed > top:
         raise ValueError(f"seed must be at most {top} with n={params.n} (request i draws with "

@@ -76,8 +76,8 @@ class ColarHead(nn.Module):
             m = _SPEED_AT_END.search(self.tokenizer.decode(prompt_ids[-16:-1]))
             named = int(m.group(1)) if m else None
             if named is not None and not 1 <= named <= cfg.max_compression_factor:
-                raise ValueError(f"the prompt's {SPEED.format(named)} must be in [1, "
-                                 f"{cfg.max_compression_factor}] for this model")
+                raise ValueError(f"prompt names {SPEED.format(named)}; the speed must be in "
+                                 f"[1, {cfg.max_compression_factor}] for this model")
             if c is not None and named != c:
                 why = ("contradicts the prompt's " + SPEED.format(named) if named is not None
                        else "would be ignored: the prompt ends with ### and names no speed")

@@ -342,8 +342,9 @@ def resolve_settings(params, defaults: dict, mode: str, has_stop: bool) -> HeadS
     Raises ValueError naming the field."""
     budget, cap_sent = params.latent_budget, params.max_latent
     if budget is not None and cap_sent is not None and budget != cap_sent:
-        raise ValueError(f"latent_budget ({budget}) and max_latent ({cap_sent}) are one control "
-                         "on this model (the latent step cap); give one")
+        raise ValueError(f"latent_budget must equal max_latent when both are sent (one "
+                         f"control on this model: the latent step cap), got {budget} and "
+                         f"{cap_sent}; give one")
     if cap_sent is None and budget and (params.min_latent or 0) > budget:
         raise ValueError(f"min_latent must be at most latent_budget ({budget}), got "
                          f"{params.min_latent}")

@@ -31,6 +31,7 @@ from latentserve.server.latent_trace import latent_info
 from latentserve.server.logprobs import token_texts
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
+    check_request_steps,
     check_stop_count,
     latent_controls,
     latent_positions,
@@ -210,16 +211,16 @@ async def count_input_tokens(body: CountTokensRequest, request, state: ServerSta
     too); without ``max_tokens``, room for one answer token. APIError: 400, 404, 503."""
     _check(body, state)
     answer, prompt_ids = await _prompt(body, state)
-    params = _request_params(body, request, state, len(prompt_ids), answer)
+    params = _request_params(body, request, state, prompt_ids, answer)
     try:
         await state.client.check(uuid.uuid4().hex, prompt_ids, params)
     except ENGINE_ERRORS as exc:
-        raise api_error(exc) from None
+        raise api_error(exc, request) from None
     return len(prompt_ids)
 
 
 def _request_params(body: MessagesRequest, request, state: ServerState,
-                    num_prompt_tokens: int, answer: _Answer) -> SamplingParams:
+                    prompt_ids: list[int], answer: _Answer) -> SamplingParams:
     """The engine's ``SamplingParams``, ``answer.flag`` as the head's thinking where it means
     one; latent KV positions and ``max_tokens`` (None: one answer token) count against the
     context. Raises APIError (400 naming the field or header; ``context_length_exceeded``)."""
@@ -230,8 +231,9 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
         answer.flag and not shows) else None
     budget, head, _ = latent_controls(request, body.model_copy(update={"thinking": flag}),
                                       state.latent_spec)  # no ticks on /v1/messages
-    max_len, asked = state.max_model_len, body.max_tokens
-    latent = latent_positions(state.latent_spec, budget, head)
+    max_len, asked, num_prompt_tokens = state.max_model_len, body.max_tokens, len(prompt_ids)
+    thinking_budget = body.thinking.budget_tokens if answer.flag else None
+    latent = latent_positions(state.latent_spec, budget, head, prompt_ids, thinking_budget)
     if num_prompt_tokens + latent + (1 if asked is None else asked) > max_len:
         extra = f" + {latent} latent and transition positions" if latent else ""
         answer_room = "1 answer token" if asked is None else f"max_tokens {asked}"
@@ -245,7 +247,7 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
             max_tokens=1 if asked is None else asked,
             structured_outputs=fmt and StructuredOutputsParams(json=fmt["schema"],
                                                                param="output_config.format"),
-            thinking_token_budget=body.thinking.budget_tokens if answer.flag else None,
+            thinking_token_budget=thinking_budget,
             **{k: v for k, v in head.items() if v is not None},
             **shared_fields(body, list(body.stop_sequences or []), budget,
                             state.sampling_defaults))
@@ -254,6 +256,7 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
         if param == "stop":
             msg, param = "stop_sequences" + msg.removeprefix(param), "stop_sequences"
         raise APIError(msg, param=param) from None
+    check_request_steps([(prompt_ids, params)], 1, "max_tokens", state)
     return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
                          state.tokenizer, answer.parser(state), tool_field)
 
@@ -266,7 +269,7 @@ async def create_message(body: MessagesRequest, request, state: ServerState):
     _check(body, state)
     with admit(state, 1) as ticket:
         answer, prompt_ids = await _prompt(body, state)
-        params = _request_params(body, request, state, len(prompt_ids), answer)
+        params = _request_params(body, request, state, prompt_ids, answer)
         msg_id, engine_rid = new_request_id(request, "msg")
         if msg_id == engine_rid:
             msg_id = engine_rid = "msg_" + engine_rid.removeprefix("msg-")

@@ -38,7 +38,8 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
         budget, head, ticks = latent_controls(request, body, state.latent_spec)
         with_params = [(ids, text, sampling_params(body, "max_tokens", len(ids), state,
                                                    body.logprobs, budget, head,
-                                                   body.logprobs if body.echo else None, ticks))
+                                                   body.logprobs if body.echo else None, ticks,
+                                                   prompt_ids=ids))
                        for ids, text in prompts]
         rid, engine_rid = new_request_id(request, "cmpl")
         reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 
 from latentserve.sampling_params import (
     LATENT_TEMPERATURE_MAX,
@@ -160,16 +161,24 @@ def shared_fields(body, stop: list[str] | None, budget: int | None, defaults: di
     return out
 
 
-def latent_positions(spec, budget: int | None, head: dict | None = None) -> int:
-    """KV positions a feedback or looped model adds before the answer for ``budget`` (in
-    range: :func:`latent_budget` checked it); on CoLaR, whose latent steps are not in
-    ``max_tokens``, those of a sent cap (``head["max_latent"]`` or ``budget``; the model's
-    default cap is not counted); 0 for other models."""
+def latent_positions(spec, budget: int | None, head: dict | None = None,
+                     prompt_ids: Sequence[int] = (), thinking_budget: int | None = None) -> int:
+    """KV positions a model adds between the prompt and the answer that ``max_tokens`` does
+    not count (``budget`` in range: :func:`latent_budget` checked it). Feedback and looped
+    models: start, latent or block and end positions. CoLaR: its speed and ``###`` (none when
+    ``prompt_ids`` ends with ``###``, upstream's whole prompt), the closing ``###`` and, while
+    thinking, a sent cap (``head["max_latent"]`` or ``budget``, at most ``thinking_budget``;
+    the model's default cap is not counted: a latent phase that reaches the end of the
+    context ends with ``length``). 0 for other models."""
     if spec is not None and spec.kind == "head" and spec.default_max_latent:
-        cap = next((v for v in ((head or {}).get("max_latent"), budget) if v is not None), 0)
-        if not cap or (head or {}).get("thinking") is False:
-            return 0
-        return len(spec.start_ids) + cap + len(spec.end_ids)
+        head = head or {}
+        whole = bool(prompt_ids) and prompt_ids[-1] == spec.start_ids[-1]
+        cap = next((v for v in (head.get("max_latent"), budget) if v is not None), 0)
+        thinking = head.get("thinking") if head.get("thinking") is not None else budget != 0
+        if thinking_budget is not None:
+            cap = min(cap, thinking_budget)
+        return (0 if whole else len(spec.start_ids)) + (cap if thinking else 0) + len(
+            spec.end_ids)
     if spec is None or spec.kind not in ("feedback", "loop"):
         return 0
     return spec.prompt_extra(spec.resolve_budget(budget))
@@ -285,16 +294,16 @@ def refuse_stream_steps(http_request, body, spec=None) -> bool:
     """Whether latent steps are asked to stream: header ``x-latent-stream-steps`` > body
     ``stream_latent_steps`` > False. APIError (400 naming the header or field) when asked of a
     model without latent steps or without ``stream`` (the ticks are stream chunks), for the
-    header on /v1/messages (which has no such field), or for a malformed header."""
+    header asking on /v1/messages (which has no such field), or for a malformed header."""
     raw = _headers(http_request).get(STREAM_STEPS_HEADER)
     sent = STREAM_STEPS_HEADER if raw is not None else "stream_latent_steps"
-    if raw is not None and route_of(type(body)) == "/v1/messages":
-        raise APIError(f"header {sent} is not taken on /v1/messages (its thinking block "
-                       "shows latent steps per latent_reasoning); leave it out", param=sent)
     asked = (bool(getattr(body, "stream_latent_steps", None)) if raw is None
              else header_value(STREAM_STEPS_HEADER, raw, "bool"))
     if not asked:
         return False
+    if raw is not None and route_of(type(body)) == "/v1/messages":
+        raise APIError(f"header {sent} is not taken on /v1/messages (its thinking block "
+                       "shows latent steps per latent_reasoning); leave it out", param=sent)
     if spec is None or spec.kind not in ("feedback", "head", "loop"):
         what = ("a recurrent-depth model" if spec is not None
                 else "a model without latent reasoning")
@@ -360,11 +369,13 @@ def logit_bias(request: SamplingRequest) -> dict[int, float] | None:
 def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_tokens: int,
                     state, logprobs: int | None = None, budget: int | None = None,
                     head: dict | None = None, prompt_logprobs: int | None = None,
-                    stream_latent_steps: bool = False) -> SamplingParams:
-    """The engine's ``SamplingParams`` for one prompt. ``max_tokens_field`` null: up to the
-    end of ``state.max_model_len`` (and the generation config's ``max_tokens``);
+                    stream_latent_steps: bool = False, prompt_ids: Sequence[int] = ()
+                    ) -> SamplingParams:
+    """The engine's ``SamplingParams`` for one prompt (``prompt_ids``: its ids, where
+    :func:`latent_positions` needs them). ``max_tokens_field`` null: up to the end of
+    ``state.max_model_len`` (and the generation config's ``max_tokens``);
     :func:`latent_positions` count as prompt tokens; ``state.sampling_defaults`` fill null
-    sampling fields; ``head`` None: the body's. APIError (400 naming the field;
+    sampling fields; ``head`` None: the body's. APIError (400 naming the field or header;
     ``context_length_exceeded`` over the context)."""
     max_tokens, max_model_len = getattr(request, max_tokens_field), state.max_model_len
     if num_prompt_tokens >= max_model_len:  # no room for one generated token
@@ -376,11 +387,14 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
             code="context_length_exceeded")
     if head is None:
         head = {k: getattr(request, k, None) for k in HEAD_HEADERS}
-    latent = latent_positions(state.latent_spec, budget, head)
+    latent = latent_positions(state.latent_spec, budget, head, prompt_ids,
+                              getattr(request, "thinking_token_budget", None))
     used = num_prompt_tokens + latent
     defaults = state.sampling_defaults or {}
     if max_tokens is None and used >= max_model_len:  # the latent positions fill it
-        sent = "max_latent" if head.get("max_latent") is not None else "latent_budget"
+        sent = ("max_latent" if head.get("max_latent") is not None else "latent_budget")
+        if getattr(request, sent, None) is None:  # sent as a header
+            sent = HEAD_HEADERS["max_latent"][0] if sent == "max_latent" else "x-latent-budget"
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {used + 1} tokens ({num_prompt_tokens} in the prompt, {latent} latent "
@@ -443,15 +457,17 @@ def latent_controls(http_request, body, spec, template_kwargs: dict | None = Non
     return budget, head, refuse_stream_steps(http_request, body, spec)
 
 
-def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
-                    n: int, max_tokens_field: str, state) -> list[EngineRequest]:
-    """Each prompt's ``(token ids, text, params)`` fanned out to ``n`` engine requests (choice
-    ``p * n + j``: id ``{rid}-{p * n + j}``; with a ``seed``, seed ``seed + j``). APIError (400
-    naming the field) when ``n`` x the sum of :func:`request_steps` over prompts exceeds
-    ``state.limits.max_request_output_tokens``, or ``seed + n - 1`` is out of range."""
-    asked = [params.max_tokens for _, _, params in prompts]
-    max_tokens = [request_steps(params, state.latent_spec, len(ids), state.max_model_len)
-                  for ids, _, params in prompts]
+def check_request_steps(prompts: list[tuple[list[int], SamplingParams]], n: int,
+                        max_tokens_field: str, state) -> None:
+    """APIError (400 naming the field) when ``n`` x the sum of :func:`request_steps` over
+    ``prompts`` (``(token ids, params)``) exceeds ``state.limits.max_request_output_tokens``,
+    or when head controls contradict each other."""
+    asked = [params.max_tokens for _, params in prompts]
+    try:
+        max_tokens = [request_steps(params, state.latent_spec, len(ids), state.max_model_len)
+                      for ids, params in prompts]
+    except ValueError as exc:  # head.resolve_settings: controls that contradict each other
+        raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
     total, limit = n * sum(max_tokens), state.limits.max_request_output_tokens
     if total > limit:
         f = max_tokens_field
@@ -468,6 +484,15 @@ def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, Samplin
             f"{f} x n summed over prompts must be at most {limit} tokens per request, got "
             f"{total} ({len(max_tokens)} prompt(s), n={n}, {each}); lower {f}, n or the number of "
             "prompts", param=max_tokens_field)
+
+
+def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
+                    n: int, max_tokens_field: str, state) -> list[EngineRequest]:
+    """Each prompt's ``(token ids, text, params)`` fanned out to ``n`` engine requests (choice
+    ``p * n + j``: id ``{rid}-{p * n + j}``; with a ``seed``, seed ``seed + j``). APIError (400
+    naming the field): :func:`check_request_steps`, or ``seed + n - 1`` out of range."""
+    check_request_steps([(ids, params) for ids, _, params in prompts], n, max_tokens_field,
+                        state)
     try:
         return [EngineRequest(f"{rid}-{p * n + j}", ids, dataclasses.replace(
                     params, seed=None if params.seed is None else params.seed + j), p, text)

@@ -29,13 +29,17 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ENGINE_ERRORS = (EngineRequestError, EngineInternalError, EngineDeadError, EngineQueueTimeout)
 
 
-def api_error(exc: Exception) -> APIError:
-    """The API error of an engine failure: rejected 400, internal 500, dead 503, queue
-    timeout 503 ``overloaded``."""
+def api_error(exc: Exception, request=None) -> APIError:
+    """The API error of an engine failure: rejected 400 (one about the prompt names
+    ``messages`` on the chat routes of ``request``), internal 500, dead 503, queue timeout
+    503 ``overloaded``."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message else None
-        return APIError(message, param="prompt" if message.startswith("prompt")
+        chat = getattr(getattr(request, "url", None), "path", "").endswith(
+            ("/chat/completions", "/messages", "/messages/count_tokens"))
+        prompt = "messages" if chat else "prompt"
+        return APIError(message, param=prompt if message.startswith("prompt")
                         else param_from_value_error(message), code=code)
     if isinstance(exc, EngineQueueTimeout):
         return overloaded(str(exc))
@@ -118,7 +122,7 @@ async def collect(request, state, reqs: list[EngineRequest], arrival: float | No
             async for i, delta in deltas:
                 results[i].add(delta)
         except ENGINE_ERRORS as exc:
-            raise api_error(exc) from None
+            raise api_error(exc, request) from None
     return results
 
 
@@ -138,7 +142,7 @@ async def stream(request, state, reqs: list[EngineRequest], arrival: float | Non
             first = await anext(deltas)
         except ENGINE_ERRORS as exc:
             await deltas.aclose()
-            raise api_error(exc) from None
+            raise api_error(exc, request) from None
 
     async def events() -> AsyncIterator[str]:
         body = chunks(_chain(first, deltas))
@@ -148,7 +152,7 @@ async def stream(request, state, reqs: list[EngineRequest], arrival: float | Non
                     yield chunk if isinstance(chunk, str) else \
                         f"data: {to_json(chunk, inf_nan_mode='null').decode()}\n\n"
             except ENGINE_ERRORS as exc:
-                yield error_event(api_error(exc))
+                yield error_event(api_error(exc, request))
             except Exception:  # noqa: BLE001 - the stream ends with an error event, no trace
                 log.exception("stream of %s failed", reqs[0].rid if reqs else "?")
                 yield error_event(APIError("Internal server error", status_code=500,

@@ -102,6 +102,8 @@ class ColarTrainConfig(FinetuneOptions):
 
     def __post_init__(self):
         check(self)
+        if self.ce_weight == 0 and self.embed_weight == 0:
+            raise ValueError("ce_weight and embed_weight are both 0: nothing would be trained")
         top = self.max_compression_factor
         if self.compression_factor is None:
             self.compression_factor = top

@@ -50,12 +50,15 @@ def generate_multiplication(k: int, n: int, seed: int = 0,
                             exclude: Iterable[str] = ()) -> list[Item]:
     """``n`` distinct random k x k items whose question is not in ``exclude`` (questions as
     iCoT writes them; ``k >= 1``, ``n >= 0``: ``data multiplication`` checks them). Raises
-    ValueError when fewer than ``n`` such items exist."""
+    ValueError when ``n`` is more than half of the questions not in ``exclude`` (drawing
+    more would slow to a crawl)."""
     lo, hi = 10 ** (k - 1), 10 ** k
-    if n > (hi - lo) ** 2 // 2:
-        raise ValueError(f"n={n} is more than half of the {(hi - lo) ** 2} {k}x{k} questions")
-    rng = random.Random(seed)
     seen = set(exclude)
+    left = (hi - lo) ** 2 - len(seen)  # at least this many questions are not excluded
+    if n > left // 2:
+        raise ValueError(f"n={n} is more than half of the {(hi - lo) ** 2} {k}x{k} questions "
+                         f"less the {len(seen)} excluded ({max(left, 0)})")
+    rng = random.Random(seed)
     out = []
     while len(out) < n:
         it = multiplication_item(rng.randrange(lo, hi), rng.randrange(lo, hi), k)
