@@ -427,7 +427,7 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
 
 
 def request_steps(params: SamplingParams, spec, num_prompt_tokens: int,
-                      max_model_len: int) -> int:
+                  max_model_len: int) -> int:
     """The steps one request may run after its prompt: ``params.max_tokens``, on a thinking
     compression head raised to the answer-budget floor ``min_output_tokens + max_latent``,
     on thinking CoLaR plus its latent-step cap (both within the context left)."""
@@ -464,25 +464,25 @@ def check_request_steps(prompts: list[tuple[list[int], SamplingParams]], n: int,
     or when head controls contradict each other."""
     asked = [params.max_tokens for _, params in prompts]
     try:
-        max_tokens = [request_steps(params, state.latent_spec, len(ids), state.max_model_len)
-                      for ids, params in prompts]
+        steps = [request_steps(params, state.latent_spec, len(ids), state.max_model_len)
+                 for ids, params in prompts]
     except ValueError as exc:  # head.resolve_settings: controls that contradict each other
         raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
-    total, limit = n * sum(max_tokens), state.limits.max_request_output_tokens
+    total, limit = n * sum(steps), state.limits.max_request_output_tokens
     if total > limit:
         f = max_tokens_field
-        if asked == max_tokens:
+        if asked == steps:
             each = f"{f} up to {max(asked)}"
         elif state.latent_spec.default_max_latent:  # CoLaR
             each = (f"{f} up to {max(asked)} plus up to "
-                    f"{max(m - a for m, a in zip(max_tokens, asked))} latent steps (max_latent)")
+                    f"{max(s - a for s, a in zip(steps, asked))} latent steps (max_latent)")
         else:
-            each = (f"{f} up to {max(max_tokens)}, raised from {max(asked)} by the "
-                    "answer-budget floor min_output_tokens + max_latent (send "
-                    "min_output_tokens: 0 for it to hold)")
+            each = (f"{f} up to {max(steps)}, raised from {max(asked)} by the answer-budget "
+                    "floor min_output_tokens + max_latent (send min_output_tokens: 0 for it to "
+                    "hold)")
         raise APIError(
             f"{f} x n summed over prompts must be at most {limit} tokens per request, got "
-            f"{total} ({len(max_tokens)} prompt(s), n={n}, {each}); lower {f}, n or the number of "
+            f"{total} ({len(steps)} prompt(s), n={n}, {each}); lower {f}, n or the number of "
             "prompts", param=max_tokens_field)
 
 

@@ -84,8 +84,8 @@ def questions_of(paths: Iterable[str | Path], k: int | None = None) -> set[str]:
                 raise ValueError(f"{p} line {i} is not an iCoT line (question||steps #### "
                                  f"answer): {line[:60]!r}")
             mine.add(question.strip())
-        shape = [f"{' '.join('d' * k)} * {' '.join('d' * k)}"] if k else []
-        if mine and shape and not any(_digits_shape(q) in shape for q in mine):
+        shape = f"{' '.join('d' * k)} * {' '.join('d' * k)}" if k else None
+        if mine and shape and shape not in map(_digits_shape, mine):
             raise ValueError(f"{p} holds no {k}x{k} question, so it would exclude nothing")
         out |= mine
     return out
