@@ -189,6 +189,12 @@ def test_a_sent_colar_cap_counts_against_the_context():
     body = _body(max_tokens=None, max_latent=100)
     p = sampling_params(body, "max_tokens", 20, state, head=head_controls(_Req({}), body))
     assert p.max_tokens == 512 - 20 - 104
+    body = _body(max_tokens=None)  # no cap sent: the speed and ### positions fill it
+    with pytest.raises(APIError) as e:
+        sampling_params(body, "max_tokens", 509, state, head=head_controls(_Req({}), body))
+    assert e.value.param == "messages" and str(e.value).endswith(
+        "(509 in the prompt, 4 latent and transition positions, at least 1 in the completion)."
+        " Please reduce the length of the prompt.")
     body = _body(max_tokens=400, max_latent=100)
     with pytest.raises(APIError) as e:
         sampling_params(body, "max_tokens", 20, state, head=head_controls(_Req({}), body))

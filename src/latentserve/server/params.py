@@ -392,14 +392,17 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
     used = num_prompt_tokens + latent
     defaults = state.sampling_defaults or {}
     if max_tokens is None and used >= max_model_len:  # the latent positions fill it
-        sent = ("max_latent" if head.get("max_latent") is not None else "latent_budget")
-        if getattr(request, sent, None) is None:  # sent as a header
+        prompt = "prompt" if isinstance(request, CompletionRequest) else "messages"
+        sent = ("max_latent" if head.get("max_latent") is not None else "latent_budget"
+                if budget is not None else None)
+        if sent is not None and getattr(request, sent, None) is None:  # sent as a header
             sent = HEAD_HEADERS["max_latent"][0] if sent == "max_latent" else "x-latent-budget"
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {used + 1} tokens ({num_prompt_tokens} in the prompt, {latent} latent "
             f"and transition positions, at least 1 in the completion). Please reduce the "
-            f"length of the prompt or {sent}.", param=sent, code="context_length_exceeded")
+            f"length of the prompt{'' if sent is None else ' or ' + sent}.",
+            param=sent or prompt, code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(max_model_len - used, defaults.get("max_tokens", max_model_len))
     elif used + max_tokens > max_model_len:
