@@ -14,8 +14,8 @@ def kv_slots_for(config, bytes_per_slot: int, max_model_len: int, vocab_size: in
     """KV pool size in tokens: ``config.kv_slots``; on CPU 1 GiB worth (at most
     ``max_num_seqs`` full requests); on CUDA ``gpu_memory_utilization`` of the device minus
     all in use, a reserve and the per-sequence vocabulary rows (logits, penalty counts; as
-    SGLang's ``mem_fraction_static``). Raises ValueError naming
-    the flags when the pool cannot hold one ``max_model_len`` request."""
+    SGLang's ``mem_fraction_static``). Raises ValueError naming the flags when the pool
+    cannot hold one ``max_model_len`` request."""
     if config.kv_slots:
         return config.kv_slots
     if not config.device.startswith("cuda"):

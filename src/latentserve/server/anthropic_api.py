@@ -312,26 +312,27 @@ def complete_members(arguments: str) -> dict:
         pass
     decode, out = json.JSONDecoder().raw_decode, {}
     text = arguments.strip()
+
+    def skip(j: int) -> int:  # past white space from j
+        return len(text) - len(text[j:].lstrip())
+
     i = 1 if text.startswith("{") else len(text)
     while True:  # "key": value pairs until one is cut
         try:
-            i = len(text) - len(text[i:].lstrip())
-            key, i = decode(text, i)
-            i = len(text) - len(text[i:].lstrip())
+            key, i = decode(text, skip(i))
+            i = skip(i)
             if not isinstance(key, str) or text[i] != ":":
                 return out
-            i += 1
-            i = len(text) - len(text[i:].lstrip())
-            value, i = decode(text, i)
+            value, i = decode(text, skip(i + 1))
         except (ValueError, IndexError):
             return out
-        rest = text[i:].lstrip()
-        if not rest.startswith((",", "}")):  # a number at the cut may be cut itself
+        i = skip(i)
+        if text[i:i + 1] not in (",", "}"):  # a number at the cut may be cut itself
             return out
         out[key] = value
-        if rest.startswith("}"):
+        if text[i] == "}":
             return out
-        i = len(text) - len(rest) + 1
+        i += 1
 
 
 def _with_latent(obj: dict, info) -> dict:

@@ -439,7 +439,9 @@ def request_steps(params: SamplingParams, spec, num_prompt_tokens: int,
     from latentserve.latent.head import apply_output_floor, head_defaults, resolve_settings
 
     colar = bool(spec.default_max_latent)  # latent steps beside max_tokens, no floor
-    defaults = {**head_defaults(), **({"max_latent": spec.default_max_latent} if colar else {})}
+    defaults = head_defaults()
+    if colar:
+        defaults["max_latent"] = spec.default_max_latent
     hs = resolve_settings(params, defaults, "closed_loop", True)
     left = max_model_len - num_prompt_tokens
     if not hs.thinking:

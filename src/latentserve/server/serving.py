@@ -19,7 +19,7 @@ from latentserve.server.client import (
     EngineQueueTimeout,
     EngineRequestError,
 )
-from latentserve.server.errors import APIError, param_from_value_error
+from latentserve.server.errors import APIError, is_anthropic_path, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
 from latentserve.server.metrics import RequestGroup
 
@@ -36,8 +36,8 @@ def api_error(exc: Exception, request=None) -> APIError:
     if isinstance(exc, EngineRequestError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message else None
-        chat = getattr(getattr(request, "url", None), "path", "").endswith(
-            ("/chat/completions", "/messages", "/messages/count_tokens"))
+        path = getattr(getattr(request, "url", None), "path", "")
+        chat = path.endswith("/chat/completions") or is_anthropic_path(path)
         prompt = "messages" if chat else "prompt"
         return APIError(message, param=prompt if message.startswith("prompt")
                         else param_from_value_error(message), code=code)
