@@ -1,9 +1,9 @@
 """Teacher-forced probe of a CoLaR model (``train colar`` output) at each thinking speed.
 
 For the first N items of an iCoT file, feed the prompt at speed r, the gold compressed
-steps (each group of r step tokens summed and divided by sqrt(count), as in training) and
-the answer, in one fp32 pass on CPU, and report per r: the share of answers whose every
-token is the argmax (``answer_exact``), the mean share of answer tokens that are
+steps (each group of r step tokens compressed as in training, by colar_config.json's
+``compression``) and the answer, in one fp32 pass on CPU, and report per r: the share of
+answers whose every token is the argmax (``answer_exact``), the mean share of answer tokens that are
 (``answer_tokens``), and the mean cosine between the latent policy's mean (times
 ``embeds_std``) and the gold next compressed input (``latent_cosine``). This separates the
 two ways the closed loop can fail: the backbone not reading compressed steps (low
@@ -19,6 +19,7 @@ import sys
 import torch
 
 from latentserve.latent import colar
+from latentserve.train.colar import compress_groups
 from latentserve.train.cot import encode_parts, read_items
 from tests.support.colar_reference import load_colar_reference
 
@@ -36,12 +37,11 @@ def probe(model_dir: str, data: str, n: int, speeds: list[int]) -> list[dict]:
                    else [p for p, _, _ in parts])
         exact, tokens, cosine = 0, 0.0, 0.0
         for (_, steps, answer), prompt in zip(parts, prompts):
-            groups = [torch.tensor(steps[g:g + r]) for g in range(0, len(steps), r)]
-            gold = torch.stack([emb(g).sum(0) / (len(g) ** 0.5 + 1e-5 if r > 1 else 1.0)
-                                for g in groups])
+            pad = [-1] * (-len(steps) % r)
+            gold = compress_groups(emb, torch.tensor(steps + pad).view(-1, r), cfg.compression)
             x = torch.cat([emb(torch.tensor(prompt + [sep])), gold, emb(torch.tensor(answer))])
             hidden = model.model(inputs_embeds=x[None]).last_hidden_state[0]
-            q, k = len(prompt), len(groups)  # q: the opening ###; c_K predicts the closing one
+            q, k = len(prompt), len(gold)  # q: the opening ###; c_K predicts the closing one
             pred = model.lm_head(hidden[q + k:q + k + len(answer)]).argmax(-1).tolist()
             exact += pred == answer
             tokens += sum(a == b for a, b in zip(pred, answer)) / len(answer)

@@ -6,9 +6,10 @@
 #   train FILE...  joins the GGUF (installs the wheels in .whl when carried), starts a stage-1
 #                  CoLaR continuation of models/smollm2-mult-colar
 #                  in the background (T_MORE s wall, TRAIN_FACTORS, LR, OWN_LATENT_PROB,
-#                  LORA_R: 0 merges the adapter and trains every weight; N_TRAIN items of
-#                  each size), then
-#                  runs the GPU tests FILE... in the foreground (log and junit xml in $OUT)
+#                  LORA_R: 0 merges the adapter and trains every weight; COMPRESSION;
+#                  N_TRAIN items of each size), then
+#                  runs the GPU tests FILE... in the foreground (log and junit xml in $OUT;
+#                  none without FILE)
 #   tests FILE...  more GPU tests while the training goes on
 #   bench FAM...   `bench --suite families` per family (one JSON each in $OUT), the training
 #                  paused (SIGSTOP) meanwhile so it does not disturb the timings
@@ -62,9 +63,9 @@ prep|train)  # prep: the GGUF joined and the carried wheels installed, no traini
     --data "$W/5x5_train.txt" --compression-factor 2 --out "$W/colar_mult" --steps 100000 \
     --max-seconds "${T_MORE:-1000}" --batch-size 128 --save-every 1000 \
     ${OWN_LATENT_PROB:+--own-latent-prob "$OWN_LATENT_PROB"} ${LORA_R:+--lora-r "$LORA_R"} \
-    > "$W/train.log" 2>&1 < /dev/null &
+    ${COMPRESSION:+--compression "$COMPRESSION"} > "$W/train.log" 2>&1 < /dev/null &
   echo $! > "$W/train.pid"; sleep 20; tail -3 "$W/train.log"
-  gtests a "$@"; tail -2 "$W/train.log" ;;
+  [ $# -gt 0 ] && gtests a "$@"; tail -2 "$W/train.log" ;;
 tests) shift; gtests b "$@"; tail -2 "$W/train.log" ;;
 finish)
   while kill -0 "$(cat $W/train.pid)" 2>/dev/null; do sleep 5; done

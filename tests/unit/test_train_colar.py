@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from latentserve.latent import colar
-from latentserve.train.colar import ColarTrainConfig, colar_loss, draw_picks, train
+from latentserve.train.colar import (
+    ColarTrainConfig,
+    colar_loss,
+    compress_groups,
+    draw_picks,
+    train,
+)
 
 WORDS = ["<unk>", "<s>", "</s>", "###", "Question", ":", "Let", "'s", "think", "step", "by",
          "(", "Thinking", "speed", ")", "Answer", "+", "=", *map(str, range(10))]
@@ -71,14 +77,16 @@ def trained(backbone, toy_file, tmp_path_factory):
 # ------------------------------------------------------------------ upstream, one example
 
 
-def _upstream_one(lm, policy, prompt, steps, answer, r, pick, noise, embeds_std, kind):
+def _upstream_one(lm, policy, prompt, steps, answer, r, pick, noise, embeds_std, kind,
+                  compression="sqrt_mean"):
     """Upstream ``LitCoLaR.forward`` for a batch of one example, written out: ``(ce_sum,
     n_ce, embed_sum, n_embed)``. Steps part ``[pad]*(r-1) ### steps [pad]*`` grouped by r,
     pads zeroed, each group summed and divided by sqrt(count) + 1e-5 (r = 1: the plain
     embeddings), labels gathered from the groups; -100 on the question, HF's shifted CE;
     latent target = the next input embedding / embeds_std at every steps position. The
     all-pad group upstream puts before the separator when the steps fill their groups
-    exactly is left out (a masked position; docs/training.md)."""
+    exactly is left out (a masked position; docs/training.md). ``compression="ramp"`` (ours):
+    the group's token at place j weighted j + 1 instead, the sum over the weights' norm."""
     emb = lm.get_input_embeddings()
     sep = answer[0]
     ids = [sep, *steps]
@@ -91,6 +99,10 @@ def _upstream_one(lm, policy, prompt, steps, answer, r, pick, noise, embeds_std,
         e = (emb(padded) * mask[:, None]).view(-1, r, emb.weight.shape[1])
         count = mask.view(-1, r).sum(1).float()
         steps_embeds = e.sum(1) / (count.sqrt()[:, None] + 1e-5)
+        if compression == "ramp":
+            w = torch.arange(1.0, r + 1).repeat(len(mask) // r) * mask  # the ### group: r
+            e = e * w.view(-1, r, 1)
+            steps_embeds = e.sum(1) / w.view(-1, r).square().sum(1).sqrt()[:, None]
         groups = padded.view(-1, r)
         steps_labels = [sep] + [int(groups[g + 1, p]) for g, p in enumerate(pick)]
     x = torch.cat([emb(torch.tensor(prompt)), steps_embeds, emb(torch.tensor(answer))])[None]
@@ -127,8 +139,10 @@ def _batch(r):
             for i, n in enumerate([range(0), range(1), range(r), range(r + 1), range(7)])]
 
 
-@pytest.mark.parametrize("r,kind", [(1, "mse"), (3, "mse"), (3, "nll"), (4, "nll")])
-def test_batched_loss_equals_upstream_per_example(backbone, r, kind):
+@pytest.mark.parametrize("r,kind,compression", [
+    (1, "mse", "sqrt_mean"), (3, "mse", "sqrt_mean"), (3, "nll", "sqrt_mean"),
+    (4, "nll", "sqrt_mean"), (3, "mse", "ramp"), (1, "nll", "ramp")])
+def test_batched_loss_equals_upstream_per_example(backbone, r, kind, compression):
     model = _lora_model(backbone)
     lm = model.get_base_model()
     policy = colar.LatentPolicy(64, 32)
@@ -136,8 +150,8 @@ def test_batched_loss_equals_upstream_per_example(backbone, r, kind):
     picks = draw_picks([len(s) for _, s, _ in batch], r, random.Random(1))
     noise = [torch.randn(-(-len(s) // r) + 1, 64) for _, s, _ in batch]
     got = colar_loss(model, policy, batch, r, picks, 0.08, kind, noise=torch.cat(noise),
-                     embed_weight=0.5)
-    ref = [_upstream_one(lm, policy, *ex, r, pk, nz, 0.08, kind)
+                     embed_weight=0.5, compression=compression)
+    ref = [_upstream_one(lm, policy, *ex, r, pk, nz, 0.08, kind, compression)
            for ex, pk, nz in zip(batch, picks, noise)]
     ce = sum(x[0] for x in ref) / sum(x[1] for x in ref)
     embed = sum(x[2] for x in ref) / sum(x[3] for x in ref)
@@ -244,6 +258,39 @@ def test_training_with_own_latents_runs_and_saves(backbone, toy_file, tmp_path):
     assert len(log) == 3 and all(rec["loss"] == rec["loss"] for rec in log)  # not NaN
     assert json.loads((out / "train_config.json").read_text())["own_latent_prob"] == 0.5
     assert colar.load_colar(out) is not None
+
+
+def test_ramp_compression_keeps_the_order_within_a_group_and_sqrt_mean_does_not():
+    emb = torch.nn.Embedding(10, 8)
+    swapped = torch.tensor([[1, 2, 3, 4], [2, 1, 3, 4], [5, 6, -1, -1]])
+    with torch.no_grad():
+        mean = compress_groups(emb, swapped)
+        ramp = compress_groups(emb, swapped, "ramp")
+        e = emb.weight
+        torch.testing.assert_close(mean[0], mean[1])  # a sum carries no order
+        assert not torch.allclose(ramp[0], ramp[1])
+        torch.testing.assert_close(ramp[0], (e[1] + 2 * e[2] + 3 * e[3] + 4 * e[4]) / 30 ** 0.5)
+        torch.testing.assert_close(ramp[2], (e[5] + 2 * e[6]) / 5 ** 0.5)  # pads weigh 0
+        torch.testing.assert_close(mean[2], (e[5] + e[6]) / (2 ** 0.5 + 1e-5))
+        one = torch.tensor([[7], [3]])  # r = 1: the plain embeddings either way
+        assert torch.equal(compress_groups(emb, one, "ramp"), e[[7, 3]])
+        assert torch.equal(compress_groups(emb, one), e[[7, 3]])
+    with pytest.raises(ValueError, match="compression must be one of sqrt_mean, ramp"):
+        compress_groups(emb, one, "mean")
+
+
+def test_the_compression_is_recorded_and_checked_in_colar_config(backbone, toy_file, tmp_path):
+    out = tmp_path / "ramp"
+    train(ColarTrainConfig(data=[str(toy_file)], out=str(out), base=str(backbone), lora_r=4,
+                           steps=2, batch_size=4, max_compression_factor=2,
+                           compression="ramp"), progress=lambda *_: None)
+    saved = json.loads((out / colar.COLAR_CONFIG).read_text())
+    assert saved["compression"] == "ramp" and colar.load_colar(out)[0].compression == "ramp"
+    with pytest.raises(ValueError, match="field 'compression' must be one of 'sqrt_mean', "
+                                         "'ramp', got 'mean'"):
+        colar.ColarConfig.from_dict({**saved, "compression": "mean"})
+    with pytest.raises(ValueError, match="compression"):
+        ColarTrainConfig(data=[str(toy_file)], out=str(out), compression="mean")
 
 
 def test_group_labels_are_real_tokens_of_their_group():

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from latentserve.latent.spec import finite_positive
+from latentserve.latent.spec import COMPRESSIONS, finite_positive
 
 QUESTION = "Question: {} Let's think step by step:"
 SPEED = "(Thinking speed: {})"
@@ -62,7 +62,8 @@ class ColarConfig:
     """``colar_config.json``: ``hidden_size`` H, ``intermediate_size`` (upstream
     ``lp_intermediate_size``), ``deterministic`` (std 1e-9), ``embeds_std`` (upstream
     ``MODEL_EMB_STD``), ``compression_factor`` (default speed), ``max_compression_factor``,
-    ``max_latent`` (upstream ``max_n_latent_forward``)."""
+    ``max_latent`` (upstream ``max_n_latent_forward``), ``compression`` (how training formed
+    the latents the policy predicts, one of :data:`COMPRESSIONS`; serving does not read it)."""
 
     hidden_size: int
     intermediate_size: int
@@ -71,6 +72,7 @@ class ColarConfig:
     compression_factor: int = 4
     max_compression_factor: int = 5
     max_latent: int = 64
+    compression: str = "sqrt_mean"
     format_version: int = 1
 
     @classmethod
@@ -95,6 +97,8 @@ class ColarConfig:
                 ("embeds_std", finite_positive(cfg.embeds_std), "a finite number > 0"),
                 ("deterministic", isinstance(cfg.deterministic, bool), "true or false"),
                 ("format_version", cfg.format_version == 1, "1"),
+                ("compression", cfg.compression in COMPRESSIONS,
+                 f"one of {', '.join(map(repr, COMPRESSIONS))}"),
                 ("compression_factor", cfg.compression_factor <= cfg.max_compression_factor,
                  f"<= max_compression_factor ({cfg.max_compression_factor})")):
             if not ok:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+# How CoLaR's stage 1 forms a latent from a group of step-token embeddings
+# (``train.colar.compress_groups``); colar_config.json records which.
+COMPRESSIONS = ("sqrt_mean", "ramp")
 # Per-request controls of the head family (``SamplingParams`` fields); each head takes a
 # subset (``LatentSpec.controls``) and a request setting another one is refused (ValueError),
 # as is any of them but ``thinking`` (also the chat template's switch) on another model.

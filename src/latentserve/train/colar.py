@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from latentserve.latent import colar
+from latentserve.latent.spec import COMPRESSIONS
 from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES
 from latentserve.train.cot import (
     _lm,
@@ -36,16 +37,37 @@ def draw_picks(steps_lens: list[int], r: int, rng: random.Random) -> list[list[i
     return [[rng.randrange(min(r, n - g * r)) for g in range(-(-n // r))] for n in steps_lens]
 
 
+def compress_groups(emb, group_ids: torch.Tensor, how: str = "sqrt_mean") -> torch.Tensor:
+    """One compressed embedding per row of ``group_ids`` [G, r] (int64 token ids, -1 = pad
+    after the real ones), from the embedding module ``emb``: [G, H] in its dtype.
+    ``sqrt_mean`` (upstream CoLaR, arXiv 2505.16552): the sum over the real tokens divided
+    by sqrt(count) + 1e-5 (not divided when r = 1). ``ramp`` (our extension,
+    docs/training.md): token j of a group weighted j + 1 and the sum divided by the weights'
+    L2 norm, so that a group's order is kept (a sum carries none). ValueError for another
+    ``how``."""
+    if how not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {how!r}")
+    real = (group_ids >= 0).unsqueeze(-1)  # [G, r, 1]
+    vectors = emb(group_ids.clamp(min=0))  # [G, r, H]
+    if how == "ramp":
+        w = torch.arange(1, group_ids.shape[1] + 1, device=vectors.device,
+                         dtype=vectors.dtype).view(1, -1, 1) * real
+        return (vectors * w).sum(1) / w.square().sum(1).sqrt()
+    summed = (vectors * real).sum(1)
+    return summed / (real.sum(1).sqrt() + 1e-5) if group_ids.shape[1] > 1 else summed
+
+
 def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
                picks: list[list[int]], embeds_std: float, embed_loss: str = "mse",
                noise: torch.Tensor | None = None, ce_weight: float = 1.0,
-               embed_weight: float = 1.0, own_latent_prob: float = 0.0
-               ) -> dict[str, torch.Tensor]:
+               embed_weight: float = 1.0, own_latent_prob: float = 0.0,
+               compression: str = "sqrt_mean") -> dict[str, torch.Tensor]:
     """The SFT losses of ``batch`` at compression factor ``r``: ``picks`` from
-    :func:`draw_picks`; ``noise`` ``[sum(K_i + 1), H]`` float32 normal draws for ``mse`` (None:
-    ``torch.randn``); ``own_latent_prob`` > 0: the inputs go through :func:`feed_own_latents`
-    first (targets stay gold). Returns float32 scalars ``total``, ``ce``, ``embed`` and
-    counts ``n_ce``, ``n_embed``."""
+    :func:`draw_picks`; ``compression`` as in :func:`compress_groups`; ``noise``
+    ``[sum(K_i + 1), H]`` float32 normal draws for ``mse`` (None: ``torch.randn``);
+    ``own_latent_prob`` > 0: the inputs go through :func:`feed_own_latents` first (targets
+    stay gold). Returns float32 scalars ``total``, ``ce``, ``embed`` and counts ``n_ce``,
+    ``n_embed``."""
     lm = _lm(model)
     emb = lm.get_input_embeddings()
     device = emb.weight.device
@@ -64,11 +86,7 @@ def colar_loss(model, policy: colar.LatentPolicy, batch: list[Example], r: int,
         labels.append([sep] + [steps[g * r + p] for g, p in enumerate(pick)] + answer)
         ce_rows += [(b, q - 1 + j) for j in range(len(labels[-1]))]
     ids_t = right_pad(ids, 0, device)
-    g_ids = torch.tensor(groups, device=device)
-    real = (g_ids >= 0).unsqueeze(-1)
-    compressed = (emb(g_ids.clamp(min=0)) * real).sum(1)  # [G, H]
-    if r > 1:
-        compressed = compressed / (real.sum(1).sqrt() + 1e-5)
+    compressed = compress_groups(emb, torch.tensor(groups, device=device), compression)
     lb, lt = torch.tensor(c_rows, device=device).T
     x = emb(ids_t).index_put((lb, lt), compressed.to(emb.weight.dtype))  # [B, T, H]
     inputs = (feed_own_latents(lm, policy, x, fed, embeds_std, own_latent_prob)
@@ -147,7 +165,8 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
         embeds_std=prior[0].embeds_std if prior else cfg.embeds_std or _lm(
             model).get_input_embeddings().weight.detach().float().std().item(),
         compression_factor=cfg.compression_factor,
-        max_compression_factor=cfg.max_compression_factor, max_latent=cfg.max_latent)
+        max_compression_factor=cfg.max_compression_factor, max_latent=cfg.max_latent,
+        compression=cfg.compression)
     policy = (prior[1] if prior else colar.LatentPolicy(hidden, ccfg.intermediate_size)).to(
         cfg.device)
     params = [p for p in model.parameters() if p.requires_grad] + list(policy.parameters())
@@ -169,7 +188,7 @@ def train(cfg: ColarTrainConfig, progress=print) -> dict:
         picks = draw_picks([len(s) for _, s, _ in batch], r, rng)
         loss = colar_loss(model, policy, batch, r, picks, ccfg.embeds_std, cfg.embed_loss,
                           ce_weight=cfg.ce_weight, embed_weight=cfg.embed_weight,
-                          own_latent_prob=cfg.own_latent_prob)
+                          own_latent_prob=cfg.own_latent_prob, compression=ccfg.compression)
         return loss["total"], {"ce": loss["ce"], "embed": loss["embed"], "r": r}
 
     def checkpoint(log: list[dict]) -> None:  # a servable directory, as train cot's + CoLaR's

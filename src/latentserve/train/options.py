@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from latentserve.latent.spec import COMPRESSIONS
 from latentserve.options import check, option
 from latentserve.train.traces import (
     COLAR_CLOSE,
@@ -96,6 +97,10 @@ class ColarTrainConfig(FinetuneOptions):
     embeds_std: float | None = option(None, "latent scale (default: std of the input-embedding "
                                       "matrix)", gt=0, lt=float("inf"))
     max_latent: int = option(64, "latent-step cap written to colar_config.json", ge=1)
+    compression: str = option("sqrt_mean", "how a group of r step-token embeddings becomes one "
+                              "latent: sqrt_mean (upstream: their sum over sqrt(r)) or ramp (our "
+                              "extension: token j weighted j + 1, over the weights' norm, so "
+                              "the order within a group is kept)", choices=COMPRESSIONS)
     own_latent_prob: float = option(0.0, "scheduled sampling (our extension): each latent input "
                                     "but the first is, with this probability, the policy's own "
                                     "prediction from a no-grad pass of the gold batch", ge=0, le=1)
