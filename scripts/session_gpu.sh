@@ -6,7 +6,7 @@
 #   train FILE...  joins the GGUF (installs the wheels in .whl when carried), starts a stage-1
 #                  CoLaR continuation of models/smollm2-mult-colar
 #                  in the background (T_MORE s wall, TRAIN_FACTORS, LR, OWN_LATENT_PROB,
-#                  LORA_R: 0 merges the adapter and trains every weight; COMPRESSION;
+#                  LORA_R: 0 merges the adapter and trains every weight; COMPRESSION, LOG_EVERY;
 #                  N_TRAIN items of each size), then
 #                  runs the GPU tests FILE... in the foreground (log and junit xml in $OUT;
 #                  none without FILE)
@@ -57,7 +57,7 @@ prep|train)  # prep: the GGUF joined and the carried wheels installed, no traini
   shift; prep || exit 1
   for k in 4 5; do $ls data multiplication --k $k --n "${N_TRAIN:-150000}" --seed 2 \
     --out "$W/${k}x${k}_train.txt"; done
-  setsid nohup $ls train colar --device cuda --lr "${LR:-5e-4}" --log-every 200 \
+  setsid nohup $ls train colar --device cuda --lr "${LR:-5e-4}" --log-every "${LOG_EVERY:-200}" \
     --max-compression-factor 5 --max-latent 160 --init-adapter models/smollm2-mult-colar \
     --train-factors "${TRAIN_FACTORS:-3,4,4}" --data "$W/4x4_train.txt" \
     --data "$W/5x5_train.txt" --compression-factor 2 --out "$W/colar_mult" --steps 100000 \
