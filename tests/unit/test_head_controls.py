@@ -201,3 +201,33 @@ def test_a_sent_colar_cap_counts_against_the_context():
     assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
     assert "(20 in the prompt, 104 latent and transition positions, 400 in the completion)" \
         in str(e.value) and "the latent steps or max_tokens" in str(e.value)
+
+
+def test_a_sent_colar_floor_counts_against_the_context():
+    """CoLaR runs at least ``min_latent`` latent steps, so a floor above the sent cap (or with
+    none sent) counts as that many positions; past the context it is named (the header when
+    a header sent it)."""
+    from latentserve.server.params import latent_positions
+
+    spec = _spec("colar")
+    assert latent_positions(spec, None, {"min_latent": 40}) == 3 + 40 + 1
+    assert latent_positions(spec, None, {"min_latent": 4, "max_latent": 9}) == 3 + 9 + 1
+    assert latent_positions(spec, None, {"min_latent": 40, "thinking": False}) == 3 + 1
+    assert latent_positions(spec, None, {"min_latent": 90}) == 3 + 64 + 1  # the default cap
+    assert latent_positions(spec, None, {"min_latent": 2, "max_latent": 0}) == 3 + 1
+    state = SimpleNamespace(max_model_len=512, latent_spec=spec, sampling_defaults=None)
+    body = _body(max_tokens=None, min_latent=60)
+    p = sampling_params(body, "max_tokens", 20, state, head=head_controls(_Req({}), body))
+    assert p.max_tokens == 512 - 20 - 64
+    state = SimpleNamespace(max_model_len=80, latent_spec=spec, sampling_defaults=None)
+    for req, b, param in ((_Req({}), _body(max_tokens=None, min_latent=60), "min_latent"),
+                          (_Req({"x-latent-min": "60"}), _body(max_tokens=None),
+                           "x-latent-min")):
+        with pytest.raises(APIError) as e:
+            sampling_params(b, "max_tokens", 20, state, head=head_controls(req, b))
+        assert e.value.param == param and e.value.code == "context_length_exceeded"
+        assert str(e.value).endswith(f"Please reduce the length of the prompt or {param}.")
+    body = _body(max_tokens=10, min_latent=60)
+    with pytest.raises(APIError) as e:
+        sampling_params(body, "max_tokens", 20, state, head=head_controls(_Req({}), body))
+    assert e.value.param == "max_tokens" and "64 latent and transition positions" in str(e.value)

@@ -167,13 +167,17 @@ def latent_positions(spec, budget: int | None, head: dict | None = None,
     not count (``budget`` in range: :func:`latent_budget` checked it). Feedback and looped
     models: start, latent or block and end positions. CoLaR: its speed and ``###`` (none when
     ``prompt_ids`` ends with ``###``, upstream's whole prompt), the closing ``###`` and, while
-    thinking, a sent cap (``head["max_latent"]`` or ``budget``, at most ``thinking_budget``;
-    the model's default cap is not counted: a latent phase that reaches the end of the
-    context ends with ``length``). 0 for other models."""
+    thinking, a sent cap (``head["max_latent"]`` or ``budget``) or the sent floor
+    ``head["min_latent"]`` (at most the model's default cap) where larger, at most
+    ``thinking_budget`` (the default cap itself is not counted: a latent phase that reaches
+    the end of the context ends with ``length``). 0 for other models."""
     if spec is not None and spec.kind == "head" and spec.default_max_latent:
         head = head or {}
         whole = bool(prompt_ids) and prompt_ids[-1] == spec.start_ids[-1]
-        cap = next((v for v in (head.get("max_latent"), budget) if v is not None), 0)
+        sent = next((v for v in (head.get("max_latent"), budget) if v is not None), None)
+        # the engine runs at least min_latent steps, up to the cap (the model's if none sent)
+        cap = max(sent or 0, min(head.get("min_latent") or 0,
+                                 spec.default_max_latent if sent is None else sent))
         thinking = head.get("thinking") if head.get("thinking") is not None else budget != 0
         if thinking_budget is not None:
             cap = min(cap, thinking_budget)
@@ -393,10 +397,12 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
     defaults = state.sampling_defaults or {}
     if max_tokens is None and used >= max_model_len:  # the latent positions fill it
         prompt = "prompt" if isinstance(request, CompletionRequest) else "messages"
-        sent = ("max_latent" if head.get("max_latent") is not None else "latent_budget"
+        cap = head.get("max_latent") if head.get("max_latent") is not None else budget
+        sent = ("min_latent" if (head.get("min_latent") or 0) > (cap or 0) else "max_latent"
+                if head.get("max_latent") is not None else "latent_budget"
                 if budget is not None else None)
         if sent is not None and getattr(request, sent, None) is None:  # sent as a header
-            sent = HEAD_HEADERS["max_latent"][0] if sent == "max_latent" else "x-latent-budget"
+            sent = HEAD_HEADERS[sent][0] if sent in HEAD_HEADERS else "x-latent-budget"
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {used + 1} tokens ({num_prompt_tokens} in the prompt, {latent} latent "
