@@ -8,13 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+# Short strings and lists: the batch decodes until its longest answer ends.
 SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 20},
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "city": {"type": "string", "maxLength": 24},
+                         "city": {"type": "string", "maxLength": 12},
                          "hobbies": {"type": "array", "items": {"type": "string",
-                                                                "maxLength": 16},
-                                     "maxItems": 3},
+                                                                "maxLength": 10},
+                                     "maxItems": 2},
                          "employed": {"type": "boolean"}},
           "required": ["name", "age", "city", "hobbies", "employed"]}
 MESSAGES = [{"role": "user", "content": "Invent a person. Answer in JSON with name, age, city, "
@@ -23,11 +24,11 @@ MESSAGES = [{"role": "user", "content": "Invent a person. Answer in JSON with na
 
 def _valid(v) -> bool:
     return (isinstance(v, dict) and set(v) == set(SCHEMA["required"])
-            and isinstance(v["name"], str) and 1 <= len(v["name"]) <= 20
+            and isinstance(v["name"], str) and 1 <= len(v["name"]) <= 12
             and type(v["age"]) is int and 0 <= v["age"] <= 120
-            and isinstance(v["city"], str) and len(v["city"]) <= 24
-            and isinstance(v["hobbies"], list) and len(v["hobbies"]) <= 3
-            and all(isinstance(h, str) and len(h) <= 16 for h in v["hobbies"])
+            and isinstance(v["city"], str) and len(v["city"]) <= 12
+            and isinstance(v["hobbies"], list) and len(v["hobbies"]) <= 2
+            and all(isinstance(h, str) and len(h) <= 10 for h in v["hobbies"])
             and isinstance(v["employed"], bool))
 
 
