@@ -23,6 +23,20 @@ from tests.support.triton_interpreter import patch_triton_interpreter
 patch_triton_interpreter()
 
 
+def _prefix_prompts(n: int = 16, m: int = 10):
+    """``shared_prefix_prompts``' first, third and fifth cut to ``n + 3``, ``m`` (a prefix of
+    the first) and 3 tokens (each prompt token is an interpreted program of every per-token
+    kernel). By default a prefill of 32 rows, not 84."""
+    base = shared_prefix_prompts()[0]
+    return [base[:n] + base[-3:], base[:m], shared_prefix_prompts()[4]]
+
+
+def _prompts_past_decode_rows():
+    """``_prefix_prompts`` of 43, 24 and 3 tokens: a prefill of 70 rows, past
+    ``layers.DECODE_ROWS`` (64), so it keeps the torch GEMMs and decode the decode GEMMs."""
+    return _prefix_prompts(40, 24)
+
+
 @pytest.mark.parametrize("kind,backend", [("llama", "torch"), ("qwen2", "torch"),
                                           ("llama", "triton"), ("qwen2", "triton")])
 def test_fused_engine_matches_hf_fp32(kind, backend, small_vocab_dirs, hf_models):
@@ -33,7 +47,7 @@ def test_fused_engine_matches_hf_fp32(kind, backend, small_vocab_dirs, hf_models
     layer = engine.runner.model.model.layers[0]
     assert layer.self_attn.fused and layer.mlp.fused and layer.input_layernorm.fused
     assert not hasattr(layer.self_attn, "q_proj")  # merged, not kept twice
-    prompts = shared_prefix_prompts()[0:5:2]  # 51, 30 (its prefix) and 3 tokens
+    prompts = _prompts_past_decode_rows()  # 43, 24 (its prefix) and 3 tokens
     tokens, logits, _ = run_batch(engine, prompts, 5)
     hf = hf_models(small_vocab_dirs[kind])
     for i, p in enumerate(prompts):
@@ -80,22 +94,40 @@ def test_fused_kv_store_gives_the_two_kernel_path_bitwise(kind, dtype, small_voc
     from tests.support.tp_parity import assert_same
 
     sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]  # 51, 30 (its prefix), 3 tokens
+    reqs = [(p, sp) for p in _prefix_prompts()]  # 19, 10 (its prefix), 3 tokens
     two, one = _run_with_and_without_fused_kv_store(small_vocab_dirs[kind], reqs, monkeypatch,
                                                     dtype=dtype)
     assert_same(two, one, atol=0)
 
 
 def _ouro_requests():
-    """Four Ouro requests with mixed depths and exit rules (one batch)."""
+    """Four Ouro requests with mixed depths and exit rules (one batch). Short prompts (14
+    tokens in all): each prompt token runs every loop iteration of its request through the
+    interpreted kernels. The threshold row exits at its first step for some tokens, at its
+    last for others."""
     from latentserve.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(3)
     cases = [(4, None, None), (2, "threshold", 0.6), (6, "weighted", None), (3, "last", None)]
     return [(torch.randint(3, 200, (n,), generator=g).tolist(),
-             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
+             SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, latent_budget=d,
                             exit_criterion=c, exit_threshold=t))
-            for n, (d, c, t) in zip((9, 17, 4, 12), cases)]
+            for n, (d, c, t) in zip((3, 5, 2, 4), cases)]
+
+
+def _huginn_requests(cases):
+    """Huginn requests for ``cases`` (``(latent_budget, exit options)``): prompts drawn as 9,
+    17, 4 and 12 tokens, all but the third cut to their first 3 to 5 (fewer interpreted
+    programs a prefill). The third, in full, is the one whose KL exit fires (at budget 5 or
+    6: before the budget for some of its tokens)."""
+    from latentserve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist()[:k]
+               for n, k in ((9, 3), (17, 5), (4, 4), (12, 4))]
+    return [(p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True,
+                               latent_budget=d, **kw))
+            for p, (d, kw) in zip(prompts, cases)]
 
 
 def test_fused_kv_store_ouro_banks_bitwise(tmp_path, monkeypatch):
@@ -115,18 +147,14 @@ def test_fused_kv_store_huginn_banks_bitwise(tmp_path, monkeypatch):
     K/V into its bank, with early exit (banks then filled from the exit iteration); tokens
     and logits equal the two-kernel path."""
     from latentserve.bench.baseline.recurrent_models import write_huginn
-    from latentserve.sampling_params import SamplingParams
     from tests.support.tp_parity import assert_same
 
     path = write_huginn(tmp_path / "huginn")
-    g = torch.Generator().manual_seed(4)
-    cases = [(3, {}), (2, {}), (5, {"exit_criterion": "kl", "exit_threshold": 5e-4})]
-    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
-             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
-                            **kw))
-            for n, (d, kw) in zip((9, 17, 4), cases)]
+    reqs = _huginn_requests([(3, {}), (2, {}),
+                             (5, {"exit_criterion": "kl", "exit_threshold": 5e-4})])
     two, one = _run_with_and_without_fused_kv_store(path, reqs, monkeypatch)
     assert_same(two, one, atol=0)
+    assert min(one[2][2].recurrence["histogram"]) < 5  # the KL exit fired
 
 
 def test_fused_kv_store_llama_tp2_matches_tp1(small_vocab_dirs, tmp_path, monkeypatch):
@@ -145,7 +173,7 @@ def test_fused_kv_store_llama_tp2_matches_tp1(small_vocab_dirs, tmp_path, monkey
         p for p in (str(tmp_path), root, os.environ.get("PYTHONPATH")) if p))
 
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    reqs = [(p, sp) for p in shared_prefix_prompts()[0:5:2]]
+    reqs = [(p, sp) for p in _prompts_past_decode_rows()]
     cfg = {"model": str(small_vocab_dirs["llama"]), "fused_ops": True,
            "attention_backend": "triton",
            "kv_slots": 1024, "max_model_len": 128, "attention_num_kv_splits": 1}
@@ -264,17 +292,11 @@ def test_fused_huginn_matches_unfused_fp32(tmp_path):
     at mixed depths, with and without early exit; the unfused path is checked against the
     upstream-algorithm reference in ``tests/parity/test_recurrent_parity.py``."""
     from latentserve.bench.baseline.recurrent_models import write_huginn
-    from latentserve.sampling_params import SamplingParams
     from tests.support.tp_parity import assert_same, run_requests
 
     path = write_huginn(tmp_path / "huginn")
-    g = torch.Generator().manual_seed(4)
-    cases = [(4, {}), (2, {}), (6, {"exit_criterion": "kl", "exit_threshold": 5e-4}),
-             (3, {})]
-    reqs = [(torch.randint(3, 200, (n,), generator=g).tolist(),
-             SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d,
-                            **kw))
-            for n, (d, kw) in zip((9, 17, 4, 12), cases)]
+    reqs = _huginn_requests([(4, {}), (2, {}),
+                             (6, {"exit_criterion": "kl", "exit_threshold": 5e-4}), (3, {})])
     out = {}
     for fused in (False, True):
         engine = LLMEngine(EngineConfig(model=str(path), fused_ops=fused))
@@ -283,6 +305,7 @@ def test_fused_huginn_matches_unfused_fp32(tmp_path):
             block.norm_2.fused == fused
         out[fused] = run_requests(engine, reqs)
     assert_same(out[False], out[True])
+    assert min(out[False][2][2].recurrence["histogram"]) < 6  # the KL exit fired
 
 
 def test_recurrent_models_take_the_fast_path_when_asked(tmp_path):
@@ -308,7 +331,7 @@ def test_fused_huginn_tp2_matches_tp1(tmp_path):
 
     path = write_huginn(tmp_path / "huginn", n_embd=48, num_attention_heads=3,
                         num_key_value_heads=3)
-    reqs = [([(7 * i + 11 * j) % 900 + 20 for i in range(5 + 4 * j)],
+    reqs = [([(7 * i + 11 * j) % 900 + 20 for i in range(3 + 2 * j)],
              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, latent_budget=d))
             for j, d in enumerate((2, 1, 3))]  # mixed depths; fewer interpreted loop steps
     cfg = {"model": str(path), "fused_ops": True, "kv_slots": 2048, "max_model_len": 128}

@@ -34,6 +34,9 @@ from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
 
+# One bucket of 4 (not 8): each replay runs its padded rows through the interpreted kernels.
+MAX_BS = 4
+
 
 class _ReplayedForward:
     """Stands in for ``torch.cuda.CUDAGraph``: ``replay()`` re-runs the captured forward."""
@@ -94,12 +97,12 @@ def emulated_graphs(monkeypatch):
 
 
 def emulate_graphs(monkeypatch) -> None:
-    """CUDA graphs emulated for this test (``_ReplayedForward``), one bucket of 8."""
+    """CUDA graphs emulated for this test (``_ReplayedForward``), one bucket: the largest."""
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayedForward)
     monkeypatch.setattr(torch.cuda, "graph", _capture)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(CudaGraphRunner, "_forward", _replayable(CudaGraphRunner._forward))
-    # one bucket of 8 (fewer captures in the interpreter); smaller batches replay it padded
+    # one bucket (fewer captures in the interpreter); smaller batches replay it padded
     monkeypatch.setattr(cuda_graph, "graph_buckets", lambda max_bs: [max_bs])
 
 
@@ -108,28 +111,30 @@ def small_vocab_llama(tmp_path_factory):
     return save_small_vocab_llama(tmp_path_factory)
 
 
-def save_small_vocab_llama(tmp_path_factory):
+def save_small_vocab_llama(tmp_path_factory, **overrides):
     """The tiny Llama with a 1024-token vocabulary: its LM head and argmax interpret ~48x
-    faster than with SmolLM2's vocabulary (the argmax's chunked pass has its own tests)."""
+    faster than with SmolLM2's vocabulary (the argmax's chunked pass has its own tests);
+    ``overrides`` go into its config."""
     from latentserve.bench.baseline.tiny_models import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("small-vocab") / "llama", "llama",
-                     word_tokenizer=True, vocab_size=1024)
+                     word_tokenizer=True, vocab_size=1024, **overrides)
 
 
 def _run(path, graphs: bool, overlap_on: bool, fail_at: int = -1, seeded: bool = True,
-         n: int = 7):
+         n: int = MAX_BS, kv_splits: int = 2):
     """Greedy and seeded requests to completion; ``fail_at``: the run (counted from 0)
     whose forward raises after its replay, as a fault after the graph would; the step is
     then retried, as ``engine_process`` does not (it fails the running requests), so that
     the in-flight batch's pending ids are used again."""
-    # two decode splits, not eight: a quarter of the interpreted attention programs
+    # two decode splits (by default), not eight: a quarter of the interpreted attention programs
     engine = LLMEngine(EngineConfig(model=str(path), fused_ops=True, attention_backend="triton",
-                                    max_num_seqs=8, max_num_batched_tokens=64,
+                                    max_num_seqs=MAX_BS, max_num_batched_tokens=64,
                                     max_model_len=128, overlap_schedule=overlap_on,
-                                    attention_num_kv_splits=2))
+                                    attention_num_kv_splits=kv_splits))
     if graphs:
-        engine.runner.capture_graphs(8, engine.runner.model.config.hidden_size, torch.float32)
+        engine.runner.capture_graphs(MAX_BS, engine.runner.model.config.hidden_size,
+                                     torch.float32)
 
     rng = random.Random(0)
     for i in range(n):
@@ -198,7 +203,8 @@ def test_a_step_that_raises_after_the_replay_leaves_the_pending_ids_intact(
     later one from the host copy of its tokens. Retried, each must feed the in-flight
     batch's real tokens (its host copy) as pending ids: the same tokens as a run without
     the faults (the eager engine's: the test above holds the graphs to them)."""
-    want, _ = _run(small_vocab_llama, graphs=False, overlap_on=False, seeded=False, n=4)
+    # one decode split (split decode under the graphs is the test above's)
+    want, _ = _run(small_vocab_llama, graphs=False, overlap_on=False, seeded=False, kv_splits=1)
     real_copy, calls = overlap._host_copy, []
 
     def host_copy(tokens, ring):
@@ -211,7 +217,7 @@ def test_a_step_that_raises_after_the_replay_leaves_the_pending_ids_intact(
 
     monkeypatch.setattr(overlap, "_host_copy", host_copy)
     got, seen = _run(small_vocab_llama, graphs=True, overlap_on=True, fail_at=3, seeded=False,
-                     n=4)
+                     kv_splits=1)
     assert seen["failed"] == 2 and got == want
 
 
@@ -219,11 +225,11 @@ def test_a_rank_that_never_samples_captures_no_argmax(small_vocab_llama, emulate
     """``capture_graphs(with_greedy=False)`` (tensor-parallel worker ranks): the graphs return no
     greedy tokens, so they launch no argmax; the default graphs of a plain model do."""
     engine = LLMEngine(EngineConfig(model=str(small_vocab_llama), fused_ops=True,
-                                    attention_backend="triton", max_num_seqs=8,
-                                    max_model_len=64, attention_num_kv_splits=2))
+                                    attention_backend="triton", max_num_seqs=MAX_BS,
+                                    max_model_len=64, attention_num_kv_splits=1))
     hidden = engine.runner.model.config.hidden_size
     for greedy in (False, True):
-        engine.runner.capture_graphs(8, hidden, torch.float32, with_greedy=greedy)
+        engine.runner.capture_graphs(MAX_BS, hidden, torch.float32, with_greedy=greedy)
         graphs = engine.runner.graphs
         assert graphs.with_greedy is greedy
         assert all((out[2] is not None) is greedy for out in graphs.outputs.values())

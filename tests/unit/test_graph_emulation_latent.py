@@ -19,8 +19,8 @@ from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from tests.unit import test_graph_emulation as harness
 
-# The batches here hold at most 4 requests: one bucket of 4 (not the harness's 8) replays
-# half the padded rows through the interpreted kernels.
+# The batches here hold at most 4 requests: one bucket of 4 (as the harness's) replays few
+# padded rows through the interpreted kernels.
 MAX_BS = 4
 # One decode split (the kernel's direct path, as for large batches on the GPU): half the
 # interpreted attention programs of two splits and no combine stage. Split decode under
@@ -35,7 +35,9 @@ def emulated_graphs(monkeypatch):
 
 @pytest.fixture(scope="module")
 def small_vocab_llama(tmp_path_factory):
-    return harness.save_small_vocab_llama(tmp_path_factory)
+    """The harness's small-vocabulary Llama with one decoder layer (CODI's backbone here: its
+    ``prj`` and LoRA do not depend on the depth), half the interpreted layer kernels."""
+    return harness.save_small_vocab_llama(tmp_path_factory, num_hidden_layers=1)
 
 
 def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp_path):
@@ -46,7 +48,11 @@ def test_ouro_decode_graphs_return_each_tokens_readout_step(emulated_graphs, tmp
     readouts."""
     from latentserve.bench.baseline.recurrent_models import write_ouro
 
-    d = write_ouro(tmp_path / "ouro")
+    # One decoder layer (half the interpreted kernels of each loop iteration; the readout
+    # buffers do not depend on it): the threshold row still reads out before its last step
+    # for some tokens. Budgets up to 6 as ``OURO_TINY``: the replayed depth-4 graph writes a
+    # slice of the depth-6 exit-probability buffer.
+    d = write_ouro(tmp_path / "ouro", num_hidden_layers=1)
     cases = [(4, "threshold", 0.6), (3, "last", None), (3, "weighted", None)]
 
     def traces(graphs: bool):
@@ -162,8 +168,8 @@ def test_head_in_the_graph_under_overlap_equals_the_eager_engine(kind, emulated_
     from tests.support.head_models import save_head_model
     from tests.support.tp_parity import assert_same_outputs
 
-    if kind == "colar":
-        path = save_colar_tiny(tmp_path / "colar", stop_push=16.0)
+    if kind == "colar":  # one decoder layer: CoLaR's policy reads the final hidden
+        path = save_colar_tiny(tmp_path / "colar", stop_push=16.0, num_hidden_layers=1)
         extra = [{}, {"latent_temperature": 1.0}]
     else:
         path = save_head_model(tmp_path / "head", source_layer=1, stop_bias=0.3,
