@@ -18,6 +18,7 @@ from latentserve.train.colar import (
     draw_picks,
     train,
 )
+from latentserve.train.options import LORA_TARGETS, CotConfig
 
 WORDS = ["<unk>", "<s>", "</s>", "###", "Question", ":", "Let", "'s", "think", "step", "by",
          "(", "Thinking", "speed", ")", "Answer", "+", "=", *map(str, range(10))]
@@ -442,13 +443,33 @@ def test_cli_train_colar_passes_its_options(monkeypatch, tmp_path):
     main(["train", "colar", "--data", "a.txt", "--data", "b.jsonl", "--out", str(tmp_path),
           "--init-adapter", "stage0", "--max-compression-factor", "4",
           "--compression-factor", "3", "--embed-loss", "nll", "--embed-weight", "2",
-          "--intermediate-size", "128", "--lora-targets", "q_proj,v_proj",
-          "--own-latent-prob", "0.25"])
+          "--intermediate-size", "128", "--own-latent-prob", "0.25"])
     cfg = seen["cfg"]
     assert cfg.data == ["a.txt", "b.jsonl"] and cfg.init_adapter == "stage0"
     assert (cfg.max_compression_factor, cfg.compression_factor, cfg.embed_loss) == (4, 3, "nll")
     assert (cfg.embed_weight, cfg.intermediate_size, cfg.lr) == (2.0, 128, 1e-4)
-    assert cfg.lora_targets == ("q_proj", "v_proj") and cfg.own_latent_prob == 0.25
+    assert cfg.lora_r is None and cfg.lora_targets is None and cfg.own_latent_prob == 0.25
+
+
+def test_lora_options_that_would_do_nothing_are_refused():
+    """A fresh LoRA gets r 16, alpha 32 and every Llama linear unless sent; alpha and targets
+    with a full fine-tune or a continued adapter (whose own config rules), and a rank > 0
+    with a continued adapter, are refused naming the field."""
+    fresh = ColarTrainConfig(data=[], out="x")
+    assert (fresh.lora_r, fresh.lora_alpha, fresh.lora_targets) == (16, 32.0, LORA_TARGETS)
+    sent = ColarTrainConfig(data=[], out="x", lora_r=4, lora_alpha=8.0, lora_targets=("q_proj",))
+    assert (sent.lora_r, sent.lora_alpha, sent.lora_targets) == (4, 8.0, ("q_proj",))
+    merged = ColarTrainConfig(data=[], out="x", init_adapter="a", lora_r=0)
+    assert (merged.lora_r, merged.lora_alpha, merged.lora_targets) == (0, None, None)
+    for kw, field in ((dict(lora_r=0, lora_alpha=8.0), "lora_alpha"),
+                      (dict(lora_r=0, lora_targets=("q_proj",)), "lora_targets"),
+                      (dict(init_adapter="a", lora_alpha=8.0), "lora_alpha"),
+                      (dict(init_adapter="a", lora_r=0, lora_targets=("q_proj",)), "lora_targets"),
+                      (dict(init_adapter="a", lora_r=8), "lora_r")):
+        with pytest.raises(ValueError, match=f"^{field} "):
+            ColarTrainConfig(data=[], out="x", **kw)
+        with pytest.raises(ValueError, match=f"^{field} "):
+            CotConfig(data=[], out="x", **kw)
 
 
 def test_train_factors_choose_each_batch_r(backbone, toy_file, tmp_path):

@@ -31,6 +31,25 @@ KV_SLOTS = "the rollout engine's KV pool in tokens (default: from memory)"
 
 # ----------------------------------------------------------------------------- train
 
+def fresh_lora(cfg) -> None:
+    """Fill in the LoRA options of ``cfg`` (a :class:`FinetuneOptions`): r 16, alpha 32 and
+    :data:`LORA_TARGETS` for a fresh adapter. ValueError naming the field for an option that
+    would do nothing: ``lora_alpha``/``lora_targets`` without a fresh LoRA (``lora_r`` 0, or
+    ``init_adapter``, whose own config rules), ``lora_r`` > 0 with ``init_adapter``."""
+    fresh = not cfg.init_adapter and cfg.lora_r != 0
+    if cfg.init_adapter and cfg.lora_r:
+        raise ValueError(f"lora_r must be 0 (merge the adapter) or unset with init_adapter, "
+                         f"got {cfg.lora_r}: the adapter keeps its own rank")
+    for name in ("lora_alpha", "lora_targets"):
+        if not fresh and getattr(cfg, name) is not None:
+            why = "init_adapter's own config" if cfg.init_adapter else "a full fine-tune"
+            raise ValueError(f"{name} applies to a fresh LoRA only, not to {why}")
+    if fresh:
+        cfg.lora_r = 16 if cfg.lora_r is None else cfg.lora_r
+        cfg.lora_alpha = 32.0 if cfg.lora_alpha is None else cfg.lora_alpha
+        cfg.lora_targets = LORA_TARGETS if cfg.lora_targets is None else cfg.lora_targets
+
+
 @dataclass(slots=True, kw_only=True)
 class FinetuneOptions:
     """What ``train cot`` and ``train colar`` share: data, backbone, LoRA, optimiser."""
@@ -39,10 +58,13 @@ class FinetuneOptions:
     out: str = option(help="model directory to write (the adapter, or the whole model)")
     base: str | None = option(None, "backbone (default: the embedded SmolLM2-135M-Instruct; "
                               "train colar: --init-adapter's base first)", flags=("--model",))
-    lora_r: int = option(16, "rank of a fresh LoRA; 0 = full fine-tune", ge=0)
-    lora_alpha: float = option(32.0, gt=0, lt=float("inf"))
-    lora_targets: tuple[str, ...] = option(LORA_TARGETS, "comma-separated module names of a "
-                                           "fresh LoRA")
+    lora_r: int | None = option(None, "rank of a fresh LoRA (default 16); 0 = full fine-tune; "
+                                "with --init-adapter only 0 (merge it), its own rank otherwise",
+                                ge=0)
+    lora_alpha: float | None = option(None, "alpha of a fresh LoRA (default 32)", gt=0,
+                                      lt=float("inf"))
+    lora_targets: tuple[str, ...] | None = option(None, "comma-separated module names of a "
+                                                  "fresh LoRA (default: every Llama linear)")
     init_adapter: str | None = option(None, "adapter directory to continue training (train cot "
                                       "output; for train colar also a train colar output, its "
                                       "latent policy too); with --lora-r 0 it is merged and "
@@ -61,6 +83,7 @@ class FinetuneOptions:
 
     def __post_init__(self):
         check(self)
+        fresh_lora(self)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -107,6 +130,7 @@ class ColarTrainConfig(FinetuneOptions):
 
     def __post_init__(self):
         check(self)
+        fresh_lora(self)
         if self.ce_weight == 0 and self.embed_weight == 0:
             raise ValueError("ce_weight and embed_weight are both 0: nothing would be trained")
         top = self.max_compression_factor
