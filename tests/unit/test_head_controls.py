@@ -224,10 +224,54 @@ def test_a_sent_colar_floor_counts_against_the_context():
                           (_Req({"x-latent-min": "60"}), _body(max_tokens=None),
                            "x-latent-min")):
         with pytest.raises(APIError) as e:
-            sampling_params(b, "max_tokens", 20, state, head=head_controls(req, b))
+            sampling_params(b, "max_tokens", 20, state, head=head_controls(req, b),
+                            http_request=req)
         assert e.value.param == param and e.value.code == "context_length_exceeded"
         assert str(e.value).endswith(f"Please reduce the length of the prompt or {param}.")
     body = _body(max_tokens=10, min_latent=60)
     with pytest.raises(APIError) as e:
         sampling_params(body, "max_tokens", 20, state, head=head_controls(_Req({}), body))
     assert e.value.param == "max_tokens" and "64 latent and transition positions" in str(e.value)
+
+
+@pytest.mark.parametrize("headers,fields,param", [
+    ({"x-ds4-min-latent": "60"}, {}, "x-ds4-min-latent"),  # the alias a client sent
+    ({"x-ds4-max-latent": "70"}, {}, "x-ds4-max-latent"),
+    ({"x-latent-min": "60", "x-ds4-min-latent": "2"}, {}, "x-latent-min"),  # it wins
+    ({}, {"max_latent": 70}, "max_latent"),
+    ({}, {"max_latent": 70, "thinking_token_budget": 65}, "thinking_token_budget"),
+    ({"x-latent-budget": "70"}, {}, "x-latent-budget"),
+    # thinking off: only the transitions count, so the prompt is what to shorten
+    ({"x-latent-min": "60", "x-latent-thinking": "off"}, {}, "messages"),
+    ({}, {"min_latent": 60, "thinking": False}, "messages")])
+def test_a_full_context_names_what_counted(headers, fields, param):
+    """With null max_tokens, a 400 for latent positions that fill the context names the
+    control that counted, as the header that set it, or the prompt when none did."""
+    spec = _spec("colar")
+    state = SimpleNamespace(max_model_len=80, latent_spec=spec, sampling_defaults=None)
+    body, req = _body(max_tokens=None, **fields), _Req(headers)
+    prompt = 78 if param == "messages" else 20  # 78 + 3 + 1 transitions fill 80
+    with pytest.raises(APIError) as e:
+        sampling_params(body, "max_tokens", prompt, state, head=head_controls(req, body),
+                        budget=70 if "x-latent-budget" in headers else None, http_request=req)
+    assert e.value.param == param and e.value.code == "context_length_exceeded"
+    assert str(e.value).endswith("prompt." if param == "messages" else f"prompt or {param}.")
+
+
+def test_an_engine_refusal_of_a_header_control_names_the_header():
+    """CoLaR's engine-side refusals name ``compression_factor``; over HTTP the header that
+    sent it is named instead (the body field where no header did)."""
+    from latentserve.server.client import EngineRequestError
+    from latentserve.server.serving import api_error
+
+    exc = EngineRequestError("compression_factor 3 contradicts the prompt's (Thinking speed: "
+                             "2); send the question alone or leave compression_factor out")
+    req = SimpleNamespace(headers={"x-latent-compression-factor": "3"},
+                          url=SimpleNamespace(path="/v1/completions"))
+    err = api_error(exc, req)
+    assert err.param == "x-latent-compression-factor"
+    assert str(err).startswith("header x-latent-compression-factor 3 contradicts")
+    assert str(err).endswith("leave header x-latent-compression-factor out")
+    req.headers = {}
+    assert api_error(exc, req).param == "compression_factor"
+    assert str(api_error(exc, req)) == str(exc)

@@ -78,7 +78,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                 if body.echo and body.messages[last].role == "assistant" else "")
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         params = sampling_params(body, field, len(prompt_ids), state, logprobs, budget, head,
-                                 stream_latent_steps=ticks, prompt_ids=prompt_ids)
+                                 stream_latent_steps=ticks, prompt_ids=prompt_ids,
+                                 http_request=request)
         parser = functools.partial(OutputParser, state.reasoning_parser, state.tool_parser,
                                    choice, body.include_reasoning is not False, opened=(
                                        reasoning_open(state.tokenizer, state.reasoning_parser,

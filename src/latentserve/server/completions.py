@@ -39,7 +39,7 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
         with_params = [(ids, text, sampling_params(body, "max_tokens", len(ids), state,
                                                    body.logprobs, budget, head,
                                                    body.logprobs if body.echo else None, ticks,
-                                                   prompt_ids=ids))
+                                                   prompt_ids=ids, http_request=request))
                        for ids, text in prompts]
         rid, engine_rid = new_request_id(request, "cmpl")
         reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)

@@ -161,6 +161,26 @@ def shared_fields(body, stop: list[str] | None, budget: int | None, defaults: di
     return out
 
 
+def _positions_param(spec, budget: int | None, head: dict,
+                     thinking_budget: int | None) -> str | None:
+    """The field whose value :func:`latent_positions` counted beyond the model's fixed
+    transitions (``latent_budget``, ``max_latent``, ``min_latent``, ``thinking_token_budget``),
+    or None when only those transitions or the model's own cap count."""
+    if spec is None or spec.kind != "head":
+        return "latent_budget" if budget is not None and spec is not None else None
+    thinking = head.get("thinking") if head.get("thinking") is not None else budget != 0
+    cap = head.get("max_latent") if head.get("max_latent") is not None else budget
+    floor = min(head.get("min_latent") or 0, spec.default_max_latent if cap is None else cap)
+    counted = max(cap or 0, floor)
+    if not thinking or counted == 0:
+        return None
+    if thinking_budget is not None and thinking_budget < counted:
+        return "thinking_token_budget"
+    if floor > (cap or 0):
+        return "min_latent"
+    return "max_latent" if head.get("max_latent") is not None else "latent_budget"
+
+
 def latent_positions(spec, budget: int | None, head: dict | None = None,
                      prompt_ids: Sequence[int] = (), thinking_budget: int | None = None) -> int:
     """KV positions a model adds between the prompt and the answer that ``max_tokens`` does
@@ -224,6 +244,14 @@ def head_controls(http_request, body: SamplingRequest,
 
 def _headers(http_request) -> dict:
     return getattr(http_request, "headers", None) or {}
+
+
+def sent_as(http_request, name: str) -> str:
+    """The header of ``http_request`` that set control ``name`` (``x-latent-*`` before its
+    ``x-ds4-*`` alias; ``x-latent-budget`` for ``latent_budget``), else ``name`` itself."""
+    headers = _headers(http_request)
+    names = ("x-latent-budget",) if name == "latent_budget" else HEAD_HEADERS.get(name, ())[:2]
+    return next((h for h in names if h is not None and headers.get(h) is not None), name)
 
 
 _WANT = {"bool": "a boolean (1/0, true/false, yes/no, on/off)", "int": "a non-negative integer",
@@ -373,10 +401,11 @@ def logit_bias(request: SamplingRequest) -> dict[int, float] | None:
 def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_tokens: int,
                     state, logprobs: int | None = None, budget: int | None = None,
                     head: dict | None = None, prompt_logprobs: int | None = None,
-                    stream_latent_steps: bool = False, prompt_ids: Sequence[int] = ()
-                    ) -> SamplingParams:
+                    stream_latent_steps: bool = False, prompt_ids: Sequence[int] = (),
+                    http_request=None) -> SamplingParams:
     """The engine's ``SamplingParams`` for one prompt (``prompt_ids``: its ids, where
-    :func:`latent_positions` needs them). ``max_tokens_field`` null: up to the end of
+    :func:`latent_positions` needs them; ``http_request``: its headers, to name a control a
+    header sent). ``max_tokens_field`` null: up to the end of
     ``state.max_model_len`` (and the generation config's ``max_tokens``);
     :func:`latent_positions` count as prompt tokens; ``state.sampling_defaults`` fill null
     sampling fields; ``head`` None: the body's. APIError (400 naming the field or header;
@@ -397,12 +426,9 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
     defaults = state.sampling_defaults or {}
     if max_tokens is None and used >= max_model_len:  # the latent positions fill it
         prompt = "prompt" if isinstance(request, CompletionRequest) else "messages"
-        cap = head.get("max_latent") if head.get("max_latent") is not None else budget
-        sent = ("min_latent" if (head.get("min_latent") or 0) > (cap or 0) else "max_latent"
-                if head.get("max_latent") is not None else "latent_budget"
-                if budget is not None else None)
-        if sent is not None and getattr(request, sent, None) is None:  # sent as a header
-            sent = HEAD_HEADERS[sent][0] if sent in HEAD_HEADERS else "x-latent-budget"
+        sent = _positions_param(state.latent_spec, budget, head,
+                                getattr(request, "thinking_token_budget", None))
+        sent = None if sent is None else sent_as(http_request, sent)
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {used + 1} tokens ({num_prompt_tokens} in the prompt, {latent} latent "

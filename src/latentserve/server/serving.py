@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -22,6 +23,7 @@ from latentserve.server.client import (
 from latentserve.server.errors import APIError, is_anthropic_path, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
 from latentserve.server.metrics import RequestGroup
+from latentserve.server.params import sent_as
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +33,20 @@ ENGINE_ERRORS = (EngineRequestError, EngineInternalError, EngineDeadError, Engin
 
 def api_error(exc: Exception, request=None) -> APIError:
     """The API error of an engine failure: rejected 400 (one about the prompt names
-    ``messages`` on the chat routes of ``request``), internal 500, dead 503, queue timeout
-    503 ``overloaded``."""
+    ``messages`` on the chat routes of ``request``, one about a head control a header of
+    ``request`` set names that header), internal 500, dead 503, queue timeout 503
+    ``overloaded``."""
     if isinstance(exc, EngineRequestError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message else None
         path = getattr(getattr(request, "url", None), "path", "")
         chat = path.endswith("/chat/completions") or is_anthropic_path(path)
         prompt = "messages" if chat else "prompt"
-        return APIError(message, param=prompt if message.startswith("prompt")
-                        else param_from_value_error(message), code=code)
+        param = prompt if message.startswith("prompt") else param_from_value_error(message)
+        header = param and sent_as(request, param)
+        if header != param:  # a head control a header set: named as that header
+            message = re.sub(rf"\b{param}\b", f"header {header}", message)
+        return APIError(message, param=header, code=code)
     if isinstance(exc, EngineQueueTimeout):
         return overloaded(str(exc))
     status, code = (500, "engine_error") if isinstance(exc, EngineInternalError) else \
