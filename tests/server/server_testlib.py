@@ -30,6 +30,28 @@ LOOP = {A: [(B, 8.0), (X, 7.0)], B: [(A, 8.0), (Y, 7.0)]}
 RMS_EPS = 1e-6
 
 
+class StandInClient:
+    """The engine client's surface with nothing behind it (no model, no process): a test's
+    subclass writes ``generate`` (and ``get_stats`` where the health check matters)."""
+
+    dead_reason = None
+    num_running = 0
+    num_aborts_sent = 0
+    last_stats = last_stats_at = None
+
+    async def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+    async def get_stats(self, timeout=5.0):
+        return None
+
+    def abort(self, rid):
+        pass
+
+
 def script() -> dict[int, list[tuple[int, float]]]:
     chain = [SCRIPT_START, *SCRIPT_IDS, EOS]
     out = {cur: [(nxt, SCRIPT_LOGIT)] for cur, nxt in zip(chain, chain[1:])}

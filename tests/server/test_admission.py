@@ -2,34 +2,19 @@
 in-process states and apps whose engine client is a stand-in (no model runs)."""
 
 import pytest
+from server_testlib import StandInClient
 
 from latentserve.outputs import StepOutput
 from latentserve.server.errors import APIError
 
 
-class _Client:
+class _Client(StandInClient):
     """Counts requests as the engine client does (``num_running``: sent, not finished);
     each is answered with one token and ``length``."""
-
-    dead_reason = None
-    num_aborts_sent = 0
-    last_stats = last_stats_at = None
 
     def __init__(self):
         self.num_running = 0
         self.seen_reserved: list[int] = []  # state.reserved when each request was sent
-
-    async def start(self):
-        pass
-
-    async def close(self):
-        pass
-
-    async def get_stats(self, timeout=5.0):
-        return None
-
-    def abort(self, rid):
-        pass
 
     async def generate(self, rid, prompt_ids, params):
         self.num_running += 1

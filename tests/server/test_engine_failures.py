@@ -6,6 +6,7 @@ import json
 import pickle
 
 import pytest
+from server_testlib import StandInClient
 
 from latentserve.config import EngineConfig
 from latentserve.outputs import StepOutput
@@ -124,25 +125,8 @@ def test_repeated_forward_failures_end_the_engine(engine, monkeypatch):
 # --- the HTTP mapping, with a stand-in engine client ---------------------------------------
 
 
-class _FailingClient:
+class _FailingClient(StandInClient):
     """Generates one token, then fails the way the engine reports an internal error."""
-
-    dead_reason = None
-    num_running = 0
-    num_aborts_sent = 0
-    last_stats = last_stats_at = None
-
-    async def start(self):
-        pass
-
-    async def close(self):
-        pass
-
-    async def get_stats(self, timeout=5.0):
-        return None
-
-    def abort(self, rid):
-        pass
 
     async def generate(self, rid, prompt_ids, params):
         from latentserve.server.client import EngineInternalError

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_testlib import MAX_MODEL_LEN, assert_slots_invariant, wait_idle
+from server_testlib import MAX_MODEL_LEN, StandInClient, assert_slots_invariant, wait_idle
 
 from latentserve.outputs import StepOutput
 
@@ -280,30 +280,17 @@ def test_a_model_that_cannot_load_fails_start_up_naming_it(tmp_path):
     assert "Traceback" not in done.stderr + done.stdout
 
 
-class _StandIn:
+class _StandIn(StandInClient):
     """An engine client that answers one token per request, or, with ``dead``, one whose
     engine process is gone."""
 
-    num_running = 0
-    num_aborts_sent = 0
-    last_stats = last_stats_at = None
-
     def __init__(self, dead: bool = False):
         self.dead_reason = "engine process exited" if dead else None
-
-    async def start(self):
-        pass
-
-    async def close(self):
-        pass
 
     async def get_stats(self, timeout=5.0):
         return None if self.dead_reason else {"num_running": 0, "num_waiting": 0,
                                               "kv_slots_free": 8, "kv_slots_cached": 0,
                                               "kv_slots_total": 8}
-
-    def abort(self, rid):
-        pass
 
     def abort_all(self):
         return 0

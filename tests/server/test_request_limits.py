@@ -4,34 +4,18 @@ whose engine client is a stand-in (no model runs: these are checks of the API pr
 import re
 
 import pytest
+from server_testlib import StandInClient
 
 from latentserve.outputs import StepOutput
 
 
-class _StandInClient:
+class _StandInClient(StandInClient):
     """Records every engine request; answers each with one token and ``length``, or raises
     ``refuse`` (an ``EngineRequestError``) as the engine does for a request it rejects."""
-
-    dead_reason = None
-    num_running = 0
-    num_aborts_sent = 0
-    last_stats = last_stats_at = None
 
     def __init__(self, refuse: str | None = None):
         self.refuse = refuse
         self.sent: list = []
-
-    async def start(self):
-        pass
-
-    async def close(self):
-        pass
-
-    async def get_stats(self, timeout=5.0):
-        return None
-
-    def abort(self, rid):
-        pass
 
     async def generate(self, rid, prompt_ids, params):
         from latentserve.server.client import EngineRequestError
