@@ -9,7 +9,6 @@ scheduling asked for, chunked prefill with preemptions, and the decode-graph pat
 graphs emulated on CPU). Per-request controls: thinking off, min_latent, use_stop, a
 seeded latent temperature, a prompt that already holds the speed, refusals."""
 
-import contextlib
 import json
 import os
 import re
@@ -404,75 +403,14 @@ def test_no_latent_head_serves_the_bare_backbone(colar_dir):
 
 # ----------------------------------------------------------------------------- graphs
 
-class _ReplayedForward:
-    """Stands in for ``torch.cuda.CUDAGraph``: ``replay()`` re-runs what was captured and
-    copies the results into the capture's outputs, as a graph writes its static buffers."""
-
-    capturing = None
-
-    def __init__(self):
-        self.rerun = None
-
-    def pool(self):
-        return None
-
-    def replay(self):
-        self.rerun()
-
-
-@contextlib.contextmanager
-def _capture(graph, pool=None, capture_error_mode=None):
-    _ReplayedForward.capturing = graph
-    try:
-        yield
-    finally:
-        _ReplayedForward.capturing = None
-
-
-def _replayable(fn):
-    """``fn(self, *args)`` (a decode graph's forward) that, under capture, makes
-    the capturing graph's replay recompute it into the outputs it returned (under the
-    forward context of the capture)."""
-    from latentserve import context
-
-    set_context = context.set_context
-
-    def wrapped(self, *args):
-        out = fn(self, *args)
-        graph = _ReplayedForward.capturing
-        if graph is not None:
-            ctx = context._CTX
-
-            @torch.inference_mode()
-            def rerun():
-                set_context(ctx)
-                try:
-                    new = fn(self, *args)
-                finally:
-                    set_context(None)
-                for old, fresh in zip(out, new):
-                    if old is not None:
-                        old.copy_(fresh)
-
-            graph.rerun = rerun
-        return out
-
-    return wrapped
-
-
 @pytest.fixture
 def emulated_graphs(monkeypatch):
     pytest.importorskip("triton")
-    from latentserve.engine import cuda_graph
-    from latentserve.engine.cuda_graph import CudaGraphRunner
+    from tests.support.graph_emulation import emulate_graphs
     from tests.support.triton_interpreter import patch_triton_interpreter
 
     patch_triton_interpreter()
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayedForward)
-    monkeypatch.setattr(torch.cuda, "graph", _capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(CudaGraphRunner, "_forward", _replayable(CudaGraphRunner._forward))
-    monkeypatch.setattr(cuda_graph, "graph_buckets", lambda max_bs: [max_bs])  # one bucket
+    emulate_graphs(monkeypatch)
 
 
 def test_decode_graphs_run_the_policy_beside_the_lm_head(colar_dir, references,

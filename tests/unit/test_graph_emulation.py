@@ -10,7 +10,6 @@ scheduling). Tokens and logprobs must equal an engine without graphs; every repl
 interpreter.
 """
 
-import contextlib
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton or the kernels
@@ -23,13 +22,11 @@ pytest.importorskip("triton")
 
 import torch
 
-from latentserve import context
 from latentserve.config import EngineConfig
-from latentserve.context import set_context
-from latentserve.engine import cuda_graph, overlap
-from latentserve.engine.cuda_graph import CudaGraphRunner
+from latentserve.engine import overlap
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
+from tests.support.graph_emulation import emulate_graphs
 from tests.support.triton_interpreter import patch_triton_interpreter
 
 patch_triton_interpreter()
@@ -38,72 +35,9 @@ patch_triton_interpreter()
 MAX_BS = 4
 
 
-class _ReplayedForward:
-    """Stands in for ``torch.cuda.CUDAGraph``: ``replay()`` re-runs the captured forward."""
-
-    capturing = None
-
-    def __init__(self):
-        self.rerun = None
-
-    def pool(self):
-        return None
-
-    def replay(self):
-        self.rerun()
-
-
-@contextlib.contextmanager
-def _capture(graph, pool=None, capture_error_mode=None):
-    _ReplayedForward.capturing = graph
-    try:
-        yield
-    finally:
-        _ReplayedForward.capturing = None
-
-
-def _replayable(fn):
-    """``fn(self, *args)`` (a decode graph's forward) that, under capture, makes
-    the capturing graph's replay re-run it into the outputs it returned (a tensor or a
-    tuple of them), under the forward context of the capture."""
-
-    def wrapped(self, *args):
-        out = fn(self, *args)
-        graph = _ReplayedForward.capturing
-        if graph is not None:
-            ctx = context._CTX
-
-            @torch.inference_mode()
-            def rerun():  # into the capture's outputs, as the graph's static buffers
-                set_context(ctx)
-                try:
-                    new = fn(self, *args)
-                finally:
-                    set_context(None)
-                pairs = [(out, new)] if isinstance(out, torch.Tensor) else zip(out, new)
-                for old, fresh in pairs:
-                    if old is not None:
-                        old.copy_(fresh)
-
-            graph.rerun = rerun
-        return out
-
-    return wrapped
-
-
 @pytest.fixture
 def emulated_graphs(monkeypatch):
     emulate_graphs(monkeypatch)
-
-
-def emulate_graphs(monkeypatch) -> None:
-    """CUDA graphs emulated for this test (``_ReplayedForward``), one bucket: the largest."""
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _ReplayedForward)
-    monkeypatch.setattr(torch.cuda, "graph", _capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(CudaGraphRunner, "_forward", _replayable(CudaGraphRunner._forward))
-    # one bucket (fewer captures in the interpreter); smaller batches replay it padded
-    monkeypatch.setattr(cuda_graph, "graph_buckets", lambda max_bs: [max_bs])
 
 
 @pytest.fixture(scope="module")
