@@ -1,4 +1,4 @@
-"""Compression-head controls over HTTP (server/params.head_controls): header > body >
+"""Compression-head controls over HTTP (server/latent_params.head_controls): header > body >
 server default, x-ds4-* aliases, chat_template_kwargs thinking, 400 naming a malformed
 header; and the controls reach SamplingParams."""
 
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from latentserve.server.errors import APIError
-from latentserve.server.params import head_controls, sampling_params
+from latentserve.server.latent_params import head_controls
+from latentserve.server.params import sampling_params
 from latentserve.server.protocol import ChatCompletionRequest
 
 
@@ -144,7 +145,7 @@ def test_a_control_the_served_model_does_not_take_is_a_400_naming_it(spec, heade
     """A plain model takes no head control; a compression head no ``compression_factor``
     or ``latent_temperature``; CoLaR no ``stop_threshold`` or ``min_output_tokens``, and
     its thinking speed must be in ``[1, max_compression_factor]``."""
-    from latentserve.server.params import refuse_head_controls
+    from latentserve.server.latent_params import refuse_head_controls
 
     served = None if spec is None else _spec(spec)
     req, b = _Req(headers), _body(**body)
@@ -154,7 +155,8 @@ def test_a_control_the_served_model_does_not_take_is_a_400_naming_it(spec, heade
 
 
 def test_colar_controls_reach_sampling_params_and_the_floor_stays_off():
-    from latentserve.server.params import refuse_head_controls, request_steps
+    from latentserve.server.latent_params import refuse_head_controls
+    from latentserve.server.params import request_steps
 
     req = _Req({"x-latent-compression-factor": "4", "x-latent-temperature": "0.3"})
     body = _body(compression_factor=2, max_latent=9)
@@ -176,7 +178,7 @@ def test_a_sent_colar_cap_counts_against_the_context():
     takes KV positions beside ``max_tokens``: with the speed and closing ids (no speed after
     a prompt ending with ``###``) it lowers a null ``max_tokens`` and a sent one over the
     context is a 400; the model's default cap and thinking off count the transitions only."""
-    from latentserve.server.params import latent_positions
+    from latentserve.server.latent_params import latent_positions
 
     spec = _spec("colar")
     assert latent_positions(spec, None, {"max_latent": 9}) == 3 + 9 + 1
@@ -207,7 +209,7 @@ def test_a_sent_colar_floor_counts_against_the_context():
     """CoLaR runs at least ``min_latent`` latent steps, so a floor above the sent cap (or with
     none sent) counts as that many positions; past the context it is named (the header when
     a header sent it)."""
-    from latentserve.server.params import latent_positions
+    from latentserve.server.latent_params import latent_positions
 
     spec = _spec("colar")
     assert latent_positions(spec, None, {"min_latent": 40}) == 3 + 40 + 1

@@ -1,11 +1,11 @@
-"""``x-latent-budget`` header parsing (server/params.latent_budget): every malformed or
+"""``x-latent-budget`` header parsing (server/latent_params.latent_budget): every malformed or
 out-of-range value is a 400 naming the header, never a 500."""
 
 import pytest
 
 from latentserve.latent.spec import LatentSpec
 from latentserve.server.errors import APIError
-from latentserve.server.params import latent_budget
+from latentserve.server.latent_params import latent_budget
 from latentserve.server.protocol import CompletionRequest
 
 COCONUT = LatentSpec(kind="feedback", family="coconut", default_budget=6, max_budget=16)
@@ -35,7 +35,7 @@ def test_stream_steps_on_a_model_without_latent_steps_is_refused_streamed_or_not
     """docs/server.md: stream_latent_steps is a 400 naming it on plain and recurrent-depth
     models, and a malformed x-latent-stream-steps is a 400; both held only for streamed chat
     (a non-streamed chat or a completion silently ignored them)."""
-    from latentserve.server.params import refuse_stream_steps
+    from latentserve.server.latent_params import refuse_stream_steps
     from latentserve.server.protocol import ChatCompletionRequest
 
     huginn = LatentSpec(kind="recurrent", family="huginn", default_budget=4, max_budget=8)

@@ -14,7 +14,7 @@ from latentserve.latent.loop_checkpoint import validate_loop_config
 from latentserve.latent.loop_convert import convert_pccot
 from latentserve.models.checkpoint import load_tokenizer
 from latentserve.server.errors import APIError
-from latentserve.server.params import latent_budget
+from latentserve.server.latent_params import latent_budget
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from latentserve.latent.recurrent import ExitRule, resolve_exit_rule
 from latentserve.latent.spec import LatentSpec
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.errors import APIError, param_from_value_error
-from latentserve.server.params import latent_budget
+from latentserve.server.latent_params import latent_budget
 
 HUGINN = LatentSpec(kind="recurrent", family="huginn", default_budget=4, max_budget=8)
 OURO = LatentSpec(kind="recurrent", family="ouro", default_budget=4, max_budget=6,

@@ -27,14 +27,13 @@ from latentserve.server.anthropic_blocks import (
 )
 from latentserve.server.errors import APIError, anthropic_error, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.latent_params import latent_controls, latent_positions
 from latentserve.server.latent_trace import latent_info
 from latentserve.server.logprobs import token_texts
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
 from latentserve.server.params import (
     check_request_steps,
     check_stop_count,
-    latent_controls,
-    latent_positions,
     refuse_unsupported,
     shared_fields,
 )

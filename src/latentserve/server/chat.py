@@ -10,6 +10,7 @@ from itertools import zip_longest
 from latentserve.server.admission import admit
 from latentserve.server.errors import APIError
 from latentserve.server.generation import TextDelta
+from latentserve.server.latent_params import latent_controls
 from latentserve.server.latent_trace import latent_info, tick_infos
 from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.output_parser import (
@@ -18,13 +19,7 @@ from latentserve.server.output_parser import (
     answer_params,
     parse_output,
 )
-from latentserve.server.params import (
-    check_common,
-    check_logprobs,
-    engine_requests,
-    latent_controls,
-    sampling_params,
-)
+from latentserve.server.params import check_common, check_logprobs, engine_requests, sampling_params
 from latentserve.server.prompts import (
     chat_tools,
     message_text,

@@ -7,15 +7,10 @@ from collections.abc import AsyncIterator
 
 from latentserve.server.admission import admit
 from latentserve.server.generation import EngineRequest, TextDelta
+from latentserve.server.latent_params import latent_controls
 from latentserve.server.latent_trace import latent_info, tick_infos
 from latentserve.server.logprobs import completion_logprobs, echo_logprobs, token_texts
-from latentserve.server.params import (
-    check_common,
-    check_logprobs,
-    engine_requests,
-    latent_controls,
-    sampling_params,
-)
+from latentserve.server.params import check_common, check_logprobs, engine_requests, sampling_params
 from latentserve.server.prompts import completion_prompts, prompt_list, prompt_truncation
 from latentserve.server.protocol import CompletionRequest, response, usage_of
 from latentserve.server.request_ids import new_request_id

@@ -22,8 +22,8 @@ from latentserve.server.client import (
 )
 from latentserve.server.errors import APIError, is_anthropic_path, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
+from latentserve.server.latent_params import sent_as
 from latentserve.server.metrics import RequestGroup
-from latentserve.server.params import sent_as
 
 log = logging.getLogger(__name__)
 
