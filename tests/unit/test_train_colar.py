@@ -4,6 +4,7 @@
 short run lowers the loss, the output directory loads with ``load_colar`` and PEFT, and a
 toy model trained for it ends its latent phase after ceil(steps / c) latents."""
 
+import dataclasses
 import json
 import random
 
@@ -18,7 +19,7 @@ from latentserve.train.colar import (
     draw_picks,
     train,
 )
-from latentserve.train.options import LORA_TARGETS, CotConfig
+from latentserve.train.options import LORA_TARGETS, CotConfig, fresh_lora
 
 WORDS = ["<unk>", "<s>", "</s>", "###", "Question", ":", "Let", "'s", "think", "step", "by",
          "(", "Thinking", "speed", ")", "Answer", "+", "=", *map(str, range(10))]
@@ -456,11 +457,14 @@ def test_lora_options_that_would_do_nothing_are_refused():
     with a full fine-tune or a continued adapter (whose own config rules), and a rank > 0
     with a continued adapter, are refused naming the field."""
     fresh = ColarTrainConfig(data=[], out="x")
-    assert (fresh.lora_r, fresh.lora_alpha, fresh.lora_targets) == (16, 32.0, LORA_TARGETS)
+    assert fresh_lora(fresh) == (16, 32.0, LORA_TARGETS)
     sent = ColarTrainConfig(data=[], out="x", lora_r=4, lora_alpha=8.0, lora_targets=("q_proj",))
-    assert (sent.lora_r, sent.lora_alpha, sent.lora_targets) == (4, 8.0, ("q_proj",))
-    merged = ColarTrainConfig(data=[], out="x", init_adapter="a", lora_r=0)
-    assert (merged.lora_r, merged.lora_alpha, merged.lora_targets) == (0, None, None)
+    assert fresh_lora(sent) == (4, 8.0, ("q_proj",))
+    assert fresh_lora(ColarTrainConfig(data=[], out="x", init_adapter="a", lora_r=0)) is None
+    assert fresh_lora(ColarTrainConfig(data=[], out="x", init_adapter="a")) is None
+    # what was sent is kept, so a copy may turn to a full fine-tune or a continued adapter
+    assert fresh_lora(dataclasses.replace(fresh, lora_r=0)) is None
+    assert dataclasses.replace(fresh, init_adapter="a").lora_r is None
     for kw, field in ((dict(lora_r=0, lora_alpha=8.0), "lora_alpha"),
                       (dict(lora_r=0, lora_targets=("q_proj",)), "lora_targets"),
                       (dict(init_adapter="a", lora_alpha=8.0), "lora_alpha"),

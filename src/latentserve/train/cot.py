@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from latentserve.eval.datasets import Item, parse_file
 from latentserve.latent import colar
 from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES, load_tokenizer, resolve_model_dir
-from latentserve.train.options import CotConfig
+from latentserve.train.options import CotConfig, fresh_lora
 from latentserve.train.tasks import gsm8k_train_items
 
 
@@ -55,7 +55,7 @@ def encode_examples(tok, items: list[Item], mode: str = "cot"
 
 def load_backbone(base: str | None, device: str, cfg=None):
     """``(model, tokenizer, base_name)``: ``base``'s float32 HF causal LM on ``device``, in
-    PEFT LoRA when ``cfg.lora_r > 0`` or ``cfg.init_adapter``; ``cfg.init_adapter`` with
+    PEFT LoRA when ``options.fresh_lora(cfg)`` or ``cfg.init_adapter``; ``cfg.init_adapter`` with
     ``cfg.lora_r == 0``: that adapter merged into the weights, all of them trained."""
     from transformers import AutoModelForCausalLM
 
@@ -71,12 +71,13 @@ def load_backbone(base: str | None, device: str, cfg=None):
         if cfg.lora_r == 0:  # a full fine-tune from the adapted model
             model = model.merge_and_unload()
             model.requires_grad_(True)
-    elif cfg is not None and cfg.lora_r > 0:
+    elif cfg is not None and (lora := fresh_lora(cfg)) is not None:
         from peft import LoraConfig, get_peft_model
 
+        r, alpha, targets = lora
         model = get_peft_model(model, LoraConfig(
-            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_targets),
-            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+            r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+            bias="none", task_type="CAUSAL_LM"))
     return model, tok, base_name
 
 

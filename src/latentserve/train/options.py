@@ -31,23 +31,28 @@ KV_SLOTS = "the rollout engine's KV pool in tokens (default: from memory)"
 
 # ----------------------------------------------------------------------------- train
 
-def fresh_lora(cfg) -> None:
-    """Fill in the LoRA options of ``cfg`` (a :class:`FinetuneOptions`): r 16, alpha 32 and
-    :data:`LORA_TARGETS` for a fresh adapter. ValueError naming the field for an option that
-    would do nothing: ``lora_alpha``/``lora_targets`` without a fresh LoRA (``lora_r`` 0, or
-    ``init_adapter``, whose own config rules), ``lora_r`` > 0 with ``init_adapter``."""
-    fresh = not cfg.init_adapter and cfg.lora_r != 0
+def fresh_lora(cfg) -> tuple[int, float, tuple[str, ...]] | None:
+    """``(r, alpha, target modules)`` of the fresh LoRA ``cfg`` (a :class:`FinetuneOptions`)
+    asks for, unsent ones as 16, 32 and :data:`LORA_TARGETS`; None for a full fine-tune
+    (``lora_r`` 0) or a continued ``init_adapter`` (its own config rules)."""
+    if cfg.init_adapter or cfg.lora_r == 0:
+        return None
+    return (16 if cfg.lora_r is None else cfg.lora_r,
+            32.0 if cfg.lora_alpha is None else cfg.lora_alpha,
+            LORA_TARGETS if cfg.lora_targets is None else cfg.lora_targets)
+
+
+def check_lora(cfg) -> None:
+    """ValueError naming the field for a LoRA option of ``cfg`` that would do nothing:
+    ``lora_alpha``/``lora_targets`` without a fresh LoRA, ``lora_r`` > 0 with
+    ``init_adapter``."""
     if cfg.init_adapter and cfg.lora_r:
         raise ValueError(f"lora_r must be 0 (merge the adapter) or unset with init_adapter, "
                          f"got {cfg.lora_r}: the adapter keeps its own rank")
     for name in ("lora_alpha", "lora_targets"):
-        if not fresh and getattr(cfg, name) is not None:
+        if fresh_lora(cfg) is None and getattr(cfg, name) is not None:
             why = "init_adapter's own config" if cfg.init_adapter else "a full fine-tune"
             raise ValueError(f"{name} applies to a fresh LoRA only, not to {why}")
-    if fresh:
-        cfg.lora_r = 16 if cfg.lora_r is None else cfg.lora_r
-        cfg.lora_alpha = 32.0 if cfg.lora_alpha is None else cfg.lora_alpha
-        cfg.lora_targets = LORA_TARGETS if cfg.lora_targets is None else cfg.lora_targets
 
 
 @dataclass(slots=True, kw_only=True)
@@ -83,7 +88,7 @@ class FinetuneOptions:
 
     def __post_init__(self):
         check(self)
-        fresh_lora(self)
+        check_lora(self)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -130,7 +135,7 @@ class ColarTrainConfig(FinetuneOptions):
 
     def __post_init__(self):
         check(self)
-        fresh_lora(self)
+        check_lora(self)
         if self.ce_weight == 0 and self.embed_weight == 0:
             raise ValueError("ce_weight and embed_weight are both 0: nothing would be trained")
         top = self.max_compression_factor
