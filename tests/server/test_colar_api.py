@@ -134,12 +134,14 @@ def test_latent_steps_count_against_the_context_and_the_request_limit(colar_serv
 
 def test_contradicting_caps_are_a_400_on_every_route(colar_server):
     """``max_latent`` and ``latent_budget`` are one control: differing values, or a
-    ``min_latent`` above ``latent_budget``, are a 400 naming it (they were a 500 on the
-    OpenAI routes), Anthropic's message in its ``field: reason`` form."""
+    ``min_latent`` above ``latent_budget``, are a 400 naming it, as the header that sent it
+    where one did (they were a 500 on the OpenAI routes), Anthropic's message in its
+    ``field: reason`` form."""
     for body, headers in (({"max_latent": 5, "latent_budget": 6}, {}),
                           ({"max_latent": 5}, {"x-latent-budget": "4"}),
                           ({"min_latent": 5, "latent_budget": 3}, {})):
         param = "min_latent" if "min_latent" in body else "latent_budget"
+        param = "x-latent-budget" if headers else param
         _openai_400(_complete(colar_server, body, headers), param)
         r = httpx.post(f"{colar_server.base_url}/v1/chat/completions", timeout=60,
                        headers=headers, json={"messages": MSGS, "max_tokens": 2, **body})
@@ -148,7 +150,7 @@ def test_contradicting_caps_are_a_400_on_every_route(colar_server):
                        json={"model": colar_server.model_dir, "max_tokens": 2,
                              "messages": MSGS, **body})
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(
-            f"{param}: must"), r.text
+            f"header {param} must" if headers else f"{param}: must"), r.text
 
 
 def test_latent_positions_are_counted_as_the_engine_runs_them(colar_server):

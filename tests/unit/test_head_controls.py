@@ -78,10 +78,12 @@ def test_controls_reach_sampling_params_and_bad_body_names_field():
     with pytest.raises(APIError, match="at most max_latent") as e:
         sampling_params(_body(max_latent=3, min_latent=5), "max_tokens", 3, STATE)
     assert e.value.param == "min_latent"
-    c = head_controls(_Req({"x-latent-max": "2", "x-latent-min": "4"}), _body())
-    with pytest.raises(APIError) as e:
-        sampling_params(_body(), "max_tokens", 3, STATE, head=c)
-    assert e.value.param == "min_latent"
+    req = _Req({"x-latent-max": "2", "x-ds4-min-latent": "4"})
+    c = head_controls(req, _body())
+    with pytest.raises(APIError) as e:  # named as the header that sent it
+        sampling_params(_body(), "max_tokens", 3, STATE, head=c, http_request=req)
+    assert e.value.param == "x-ds4-min-latent"
+    assert str(e.value).startswith("header x-ds4-min-latent must be")
     assert sampling_params(_body(max_latent=5, min_latent=5), "max_tokens", 3,
                            STATE).min_latent == 5
     # max_latent 0 runs no latent phase: any floor is moot, not an error
@@ -173,6 +175,25 @@ def test_colar_controls_reach_sampling_params_and_the_floor_stays_off():
     assert request_steps(dataclasses.replace(p, thinking=False), _spec("colar"), 3, 512) == 16
 
 
+def test_contradicting_controls_name_the_header_that_sent_them():
+    """Controls that contradict only once resolved against the model (a floor above a
+    budget cap) are a 400 naming the header that sent the floor, or the field."""
+    from latentserve.server.params import check_request_steps
+    from latentserve.server.state import ServerLimits
+
+    state = SimpleNamespace(max_model_len=512, latent_spec=_spec("colar"),
+                            sampling_defaults=None, limits=ServerLimits())
+    for headers, fields, param in (({"x-latent-budget": "5", "x-latent-min": "9"}, {},
+                                    "x-latent-min"),
+                                   ({}, {"latent_budget": 5, "min_latent": 9}, "min_latent")):
+        req, body = _Req(headers), _body(**fields)
+        p = sampling_params(body, "max_tokens", 3, state, head=head_controls(req, body),
+                            budget=5, http_request=req)
+        with pytest.raises(APIError) as e:
+            check_request_steps([([1, 2, 3], p)], 1, "max_tokens", state, req)
+        assert e.value.param == param and param in str(e.value)
+
+
 def test_a_sent_colar_cap_counts_against_the_context():
     """CoLaR's sent ``max_latent`` (or ``latent_budget``, at most ``thinking_token_budget``)
     takes KV positions beside ``max_tokens``: with the speed and closing ids (no speed after
@@ -242,6 +263,7 @@ def test_a_sent_colar_floor_counts_against_the_context():
     ({"x-latent-min": "60", "x-ds4-min-latent": "2"}, {}, "x-latent-min"),  # it wins
     ({}, {"max_latent": 70}, "max_latent"),
     ({}, {"max_latent": 70, "thinking_token_budget": 65}, "thinking_token_budget"),
+    ({}, {"max_latent": 70, "thinking_token_budget": 0}, "messages"),  # it adds none
     ({"x-latent-budget": "70"}, {}, "x-latent-budget"),
     # thinking off: only the transitions count, so the prompt is what to shorten
     ({"x-latent-min": "60", "x-latent-thinking": "off"}, {}, "messages"),

@@ -27,7 +27,7 @@ from latentserve.server.anthropic_blocks import (
 )
 from latentserve.server.errors import APIError, anthropic_error, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta
-from latentserve.server.latent_params import latent_controls, latent_positions
+from latentserve.server.latent_params import header_error, latent_controls, latent_positions
 from latentserve.server.latent_trace import latent_info
 from latentserve.server.logprobs import token_texts
 from latentserve.server.output_parser import OutputParser, answer_params, parse_output
@@ -254,8 +254,8 @@ def _request_params(body: MessagesRequest, request, state: ServerState,
         msg, param = str(exc), param_from_value_error(str(exc))
         if param == "stop":
             msg, param = "stop_sequences" + msg.removeprefix(param), "stop_sequences"
-        raise APIError(msg, param=param) from None
-    check_request_steps([(prompt_ids, params)], 1, "max_tokens", state)
+        raise header_error(request, msg, param) from None
+    check_request_steps([(prompt_ids, params)], 1, "max_tokens", state, request)
     return answer_params(params, answer.choice, answer.tools, answer.latent_mode,
                          state.tokenizer, answer.parser(state), tool_field)
 

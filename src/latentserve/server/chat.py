@@ -81,7 +81,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
                                                       prompt_ids)))
         params = answer_params(params, choice, tools, latent_mode, state.tokenizer, parser())
         rid, engine_rid = new_request_id(request, "chatcmpl")
-        reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], n, field, state)
+        reqs = engine_requests(engine_rid, [(prompt_ids, None, params)], n, field, state,
+                               request)
         if body.stream:
             return await stream(request, state, reqs, arrival, ticket, lambda deltas: _chunks(
                 body, state, rid, prompt_ids, deltas, len(reqs), parser, latent_mode,

@@ -37,7 +37,7 @@ async def create_completion(body: CompletionRequest, request, state: ServerState
                                                    prompt_ids=ids, http_request=request))
                        for ids, text in prompts]
         rid, engine_rid = new_request_id(request, "cmpl")
-        reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state)
+        reqs = engine_requests(engine_rid, with_params, n, "max_tokens", state, request)
         echoes = [("" if not body.echo else r.prompt_text if r.prompt_text is not None
                    else state.tokenizer.decode(r.prompt_ids)) for r in reqs]  # the prompt text
         num_prompt_tokens = sum(len(ids) for ids, _ in prompts)

@@ -5,6 +5,7 @@ phase adds to a prompt. ``latent.head`` imports torch: the functions that need i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from latentserve.sampling_params import LATENT_TEMPERATURE_MAX
@@ -46,7 +47,7 @@ def positions_param(spec, budget: int | None, head: dict,
     if not thinking or counted == 0:
         return None
     if thinking_budget is not None and thinking_budget < counted:
-        return "thinking_token_budget"
+        return "thinking_token_budget" if thinking_budget > 0 else None
     if floor > (cap or 0):
         return "min_latent"
     return "max_latent" if head.get("max_latent") is not None else "latent_budget"
@@ -123,6 +124,18 @@ def sent_as(http_request, name: str) -> str:
     headers = _headers(http_request)
     names = ("x-latent-budget",) if name == "latent_budget" else HEAD_HEADERS.get(name, ())[:2]
     return next((h for h in names if h is not None and headers.get(h) is not None), name)
+
+
+def header_error(http_request, message: str, param: str | None,
+                 code: str | None = None) -> APIError:
+    """A 400 with ``message`` naming ``param``, or, where ``param`` is a control a header of
+    ``http_request`` set (:func:`sent_as`), naming that header instead (every mention of a
+    snake_case field, the first of a one-word one)."""
+    header = param and sent_as(http_request, param)
+    if header != param:
+        message = re.sub(rf"\b{param}\b", f"header {header}", message,
+                         count=0 if "_" in param else 1)
+    return APIError(message, param=header, code=code)
 
 
 _WANT = {"bool": "a boolean (1/0, true/false, yes/no, on/off)", "int": "a non-negative integer",

@@ -16,6 +16,7 @@ from latentserve.server.fields import refused, route_of
 from latentserve.server.generation import EngineRequest
 from latentserve.server.latent_params import (
     HEAD_HEADERS,
+    header_error,
     latent_positions,
     positions_param,
     sent_as,
@@ -258,7 +259,7 @@ def sampling_params(request: SamplingRequest, max_tokens_field: str, num_prompt_
         msg, param = str(exc), param_from_value_error(str(exc))
         if param == "max_tokens":
             msg, param = max_tokens_field + msg.removeprefix(param), max_tokens_field
-        raise APIError(msg, param=param) from None
+        raise header_error(http_request, msg, param) from None
 
 
 def request_steps(params: SamplingParams, spec, num_prompt_tokens: int,
@@ -285,16 +286,17 @@ def request_steps(params: SamplingParams, spec, num_prompt_tokens: int,
 
 
 def check_request_steps(prompts: list[tuple[list[int], SamplingParams]], n: int,
-                        max_tokens_field: str, state) -> None:
+                        max_tokens_field: str, state, http_request=None) -> None:
     """APIError (400 naming the field) when ``n`` x the sum of :func:`request_steps` over
     ``prompts`` (``(token ids, params)``) exceeds ``state.limits.max_request_output_tokens``,
-    or when head controls contradict each other."""
+    or when head controls contradict each other (naming the header of ``http_request`` that
+    sent one)."""
     asked = [params.max_tokens for _, params in prompts]
     try:
         steps = [request_steps(params, state.latent_spec, len(ids), state.max_model_len)
                  for ids, params in prompts]
     except ValueError as exc:  # head.resolve_settings: controls that contradict each other
-        raise APIError(str(exc), param=param_from_value_error(str(exc))) from None
+        raise header_error(http_request, str(exc), param_from_value_error(str(exc))) from None
     total, limit = n * sum(steps), state.limits.max_request_output_tokens
     if total > limit:
         f = max_tokens_field
@@ -314,12 +316,13 @@ def check_request_steps(prompts: list[tuple[list[int], SamplingParams]], n: int,
 
 
 def engine_requests(rid: str, prompts: list[tuple[list[int], str | None, SamplingParams]],
-                    n: int, max_tokens_field: str, state) -> list[EngineRequest]:
+                    n: int, max_tokens_field: str, state, http_request=None
+                    ) -> list[EngineRequest]:
     """Each prompt's ``(token ids, text, params)`` fanned out to ``n`` engine requests (choice
     ``p * n + j``: id ``{rid}-{p * n + j}``; with a ``seed``, seed ``seed + j``). APIError (400
     naming the field): :func:`check_request_steps`, or ``seed + n - 1`` out of range."""
     check_request_steps([(ids, params) for ids, _, params in prompts], n, max_tokens_field,
-                        state)
+                        state, http_request)
     try:
         return [EngineRequest(f"{rid}-{p * n + j}", ids, dataclasses.replace(
                     params, seed=None if params.seed is None else params.seed + j), p, text)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -22,7 +21,7 @@ from latentserve.server.client import (
 )
 from latentserve.server.errors import APIError, is_anthropic_path, param_from_value_error
 from latentserve.server.generation import EngineRequest, TextDelta, generate_text, merge
-from latentserve.server.latent_params import sent_as
+from latentserve.server.latent_params import header_error
 from latentserve.server.metrics import RequestGroup
 
 log = logging.getLogger(__name__)
@@ -42,11 +41,9 @@ def api_error(exc: Exception, request=None) -> APIError:
         path = getattr(getattr(request, "url", None), "path", "")
         chat = path.endswith("/chat/completions") or is_anthropic_path(path)
         prompt = "messages" if chat else "prompt"
-        param = prompt if message.startswith("prompt") else param_from_value_error(message)
-        header = param and sent_as(request, param)
-        if header != param:  # a head control a header set: named as that header
-            message = re.sub(rf"\b{param}\b", f"header {header}", message)
-        return APIError(message, param=header, code=code)
+        if message.startswith("prompt"):
+            return APIError(message, param=prompt, code=code)
+        return header_error(request, message, param_from_value_error(message), code)
     if isinstance(exc, EngineQueueTimeout):
         return overloaded(str(exc))
     status, code = (500, "engine_error") if isinstance(exc, EngineInternalError) else \
