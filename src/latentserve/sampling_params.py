@@ -8,6 +8,8 @@ import math
 import numbers
 from dataclasses import InitVar, dataclass, field, fields
 
+from latentserve.schema_support import tag_schemas, unenforced
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing by them overflows.
 SAMPLING_EPS = 1e-5
 # float32's largest finite value and smallest normal one: the sampler computes in float32, where
@@ -248,7 +250,8 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         p = self.param
-        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in self.KINDS if getattr(self, k) is not None and not (
+            k == "json_object" and self.json_object is False)]
         if len(given) != 1:
             raise ValueError(f"{p} must set exactly one of {', '.join(self.KINDS)}, got "
                              f"{', '.join(given) if given else 'none'}")
@@ -273,6 +276,13 @@ class StructuredOutputsParams:
         for name in ("json", "structural_tag"):
             if _depth(getattr(self, name)) > MAX_SCHEMA_DEPTH:
                 raise ValueError(f"{p} nests deeper than {MAX_SCHEMA_DEPTH} levels ({name})")
+        if self.json is False:
+            raise ValueError(f"{p} is the schema false, which no value satisfies")
+        for schema in ([self.json] if self.json is not None else
+                       tag_schemas(self.structural_tag)):
+            if (found := unenforced(schema)) is not None:
+                raise ValueError(f"{p} uses a JSON-schema keyword this server cannot enforce "
+                                 f"({found})")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
@@ -289,7 +299,8 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         """Which of ``KINDS`` is set."""
-        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in self.KINDS if getattr(self, k) is not None and not (
+            k == "json_object" and self.json_object is False))
 
 
 def _check_truncation(k) -> None:

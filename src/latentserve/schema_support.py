@@ -1,0 +1,166 @@
+"""Which JSON-schema keywords a structured output may use. The grammar library (xgrammar 0.2)
+compiles some keywords it does not enforce; :func:`unenforced` finds them, so the request is
+refused rather than its constraint silently loosened. The list was measured keyword by keyword
+(a violating string accepted or not); docs/server.md, "Structured outputs", has it. Light: no
+imports beyond the standard library."""
+
+from __future__ import annotations
+
+# Keywords whose value is one subschema, a list of subschemas, or a name -> subschema map.
+_ONE = ("additionalProperties", "contains", "propertyNames", "unevaluatedProperties",
+        "unevaluatedItems", "items")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")  # ``items``: a list in draft 7
+_MAP = ("properties", "patternProperties", "$defs", "definitions")
+# Compiled and not enforced: keyword -> what to do instead.
+_IGNORED = {
+    "not": "it is not enforced",
+    "if": "if/then/else is not enforced", "then": "if/then/else is not enforced",
+    "else": "if/then/else is not enforced",
+    "dependentRequired": "it is not enforced", "dependentSchemas": "it is not enforced",
+    "dependencies": "it is not enforced",
+}
+# ``format`` values enforced on a ``"type": "string"`` schema.
+FORMATS = frozenset((
+    "email", "date", "date-time", "time", "duration", "uri", "uri-reference", "uri-template",
+    "uuid", "ipv4", "ipv6", "hostname", "json-pointer", "relative-json-pointer"))
+
+
+def unenforced(schema, path: str = "") -> str | None:
+    """``"<path>: <why>"`` for the first keyword of ``schema`` (a JSON schema: dict or bool)
+    that the grammar would accept without enforcing, else None: ``not``, ``if``/``then``/
+    ``else``, ``dependentRequired``/``dependentSchemas``/``dependencies``, ``uniqueItems``
+    true, ``allOf`` with more than one subschema, a ``$ref`` that is not local (``#`` or
+    ``#/...``), a ``format`` outside :data:`FORMATS` or on a schema that is not a string,
+    ``oneOf`` branches not provably disjoint (followed as ``anyOf``), a ``required`` property
+    that ``additionalProperties: false`` forbids. ``path``: a JSON pointer into ``schema``."""
+    return _walk(schema, path, schema)
+
+
+def tag_schemas(tag) -> list:
+    """The JSON schemas inside a structural tag (``tag``: xgrammar's format, whose
+    ``{"type": "json_schema", "json_schema": ...}`` nodes hold them, or vLLM's legacy
+    ``{"structures": [{"schema": ...}]}``), in document order."""
+    if isinstance(tag, list):
+        return [s for item in tag for s in tag_schemas(item)]
+    if not isinstance(tag, dict):
+        return []
+    if tag.get("type") == "json_schema" and "json_schema" in tag:
+        return [tag["json_schema"]]
+    if "schema" in tag and "begin" in tag:  # a legacy structure
+        return [tag["schema"]]
+    return [s for value in tag.values() for s in tag_schemas(value)]
+
+
+def _walk(s, path: str, root) -> str | None:
+    if not isinstance(s, dict):
+        return None
+    for key, why in _IGNORED.items():
+        if key in s:
+            return f"{path}/{key}: {why}; leave it out"
+    found = _own(s, path, root)
+    if found:
+        return found
+    for key in _ONE:
+        if isinstance(s.get(key), dict):
+            found = _walk(s[key], f"{path}/{key}", root)
+            if found:
+                return found
+    for key in _LIST:
+        if isinstance(s.get(key), list):
+            for i, sub in enumerate(s[key]):
+                found = _walk(sub, f"{path}/{key}/{i}", root)
+                if found:
+                    return found
+    for key in _MAP:
+        if isinstance(s.get(key), dict):
+            for name, sub in s[key].items():
+                found = _walk(sub, f"{path}/{key}/{_escape(name)}", root)
+                if found:
+                    return found
+    return None
+
+
+def _own(s: dict, path: str, root) -> str | None:
+    """The first unenforced keyword of ``s`` itself (not of its subschemas)."""
+    if s.get("uniqueItems") is True:
+        return f"{path}/uniqueItems: it is not enforced; leave it out"
+    if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
+        return (f"{path}/allOf: more than one subschema is not enforced; merge them into one "
+                "schema")
+    ref = s.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return f"{path}/$ref: only local references (#/$defs/...) are followed, got {ref!r}"
+    if "format" in s and (s.get("type") != "string" or s["format"] not in FORMATS):
+        return (f"{path}/format: only {', '.join(sorted(FORMATS))} on a string are enforced, "
+                f"got {s['format']!r}" + ("" if s.get("type") == "string" else
+                                          f" on type {s.get('type')!r}") + "; leave it out")
+    if isinstance(s.get("oneOf"), list) and not _disjoint(s["oneOf"], root):
+        return (f"{path}/oneOf: branches that may overlap would be followed as anyOf; make "
+                "them differ by type or by a required const property, or send anyOf")
+    props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+    if s.get("additionalProperties") is False and not s.get("patternProperties"):
+        for name in s.get("required") or ():
+            if name not in props:
+                return (f"{path}/required: {name!r} is required but additionalProperties "
+                        "false forbids it: no value satisfies the schema")
+    return None
+
+
+def _disjoint(branches: list, root) -> bool:
+    """Whether no value can match two of ``branches``: each pair differs in its types, or in
+    the ``const``/``enum`` values of a property both require (local ``$ref`` resolved)."""
+    resolved = [_resolve(b, root) for b in branches]
+    return all(_apart(a, b) for i, a in enumerate(resolved) for b in resolved[i + 1:])
+
+
+def _apart(a, b) -> bool:
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return False
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not ta & tb:
+        return True
+    pa, pb = a.get("properties") or {}, b.get("properties") or {}
+    shared = set(a.get("required") or ()) & set(b.get("required") or ())
+    return any(_values(pa.get(k)) is not None and _values(pb.get(k)) is not None
+               and not _values(pa.get(k)) & _values(pb.get(k)) for k in shared)
+
+
+def _types(s: dict) -> set | None:
+    t = s.get("type")
+    if isinstance(t, str):
+        t = [t]
+    if not isinstance(t, list):
+        return None
+    out = set(t)
+    return out | {"number"} if "integer" in out else out  # an integer is a number
+
+
+def _values(s) -> set | None:
+    """The JSON texts ``s`` allows when it is a ``const`` or ``enum``, else None."""
+    import json
+
+    if not isinstance(s, dict):
+        return None
+    if "const" in s:
+        return {json.dumps(s["const"], sort_keys=True)}
+    if isinstance(s.get("enum"), list):
+        return {json.dumps(v, sort_keys=True) for v in s["enum"]}
+    return None
+
+
+def _resolve(s, root, depth: int = 0):
+    """``s`` with a local ``$ref`` (``#/a/b``, ``~1`` and ``~0`` escapes) followed."""
+    ref = s.get("$ref") if isinstance(s, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#") or depth > 16:
+        return s
+    target = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return s
+        target = target[part]
+    return _resolve(target, root, depth + 1)
+
+
+def _escape(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
