@@ -97,6 +97,17 @@ CASES = [
     ("lone-surrogate-model", "/v1/completions",
      '{"model": "\\udfff", "prompt": "hi", "max_tokens": 2}', "model", ["surrogate"]),
     ("lone-surrogate-tokenize", "/tokenize", '{"prompt": "a\\udc00"}', "prompt", ["surrogate"]),
+    # template fields beside a plain prompt would do nothing; a bad tool as on the chat route
+    ("tokenize-prompt-with-template-kwargs", "/tokenize",
+     {"prompt": "hi", "chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs",
+     ["messages only"]),
+    ("tokenize-prompt-with-generation-prompt", "/tokenize",
+     {"prompt": "hi", "add_generation_prompt": False}, "add_generation_prompt",
+     ["messages only"]),
+    ("tokenize-bad-tool-name", "/tokenize",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": [
+         {"type": "function", "function": {"name": "bad name", "parameters": {}}}]},
+     "tools[0].function.name", ["bad name"]),
 ]
 
 

@@ -29,7 +29,7 @@ from latentserve.server.openapi import declare_errors
 from latentserve.server.options import ServerOptions
 from latentserve.server.params import check_model as check_served_model
 from latentserve.server.params import refuse_unsupported
-from latentserve.server.prompts import templated_prompt_ids
+from latentserve.server.prompts import chat_tools, templated_prompt_ids
 from latentserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,11 +39,15 @@ from latentserve.server.protocol import (
 from latentserve.server.security import GuardMiddleware
 from latentserve.server.state import ServedModels, ServerState
 from latentserve.server.tokenize_pool import in_pool
+from latentserve.server.tools import check_tools
 
 STATS_TIMEOUT_S = 5.0
 # /health waits this long for fresh engine stats, then answers with the last ones and their
 # age (an engine busy with a long step must not make the health check time out).
 HEALTH_STATS_WAIT_S = 0.25
+# /tokenize fields that shape the chat template: refused beside a plain prompt.
+_CHAT_ONLY = ("tools", "add_generation_prompt", "continue_final_message",
+              "chat_template_kwargs", "chat_template")
 
 
 def create_app(state: ServerState | list[ServerState],
@@ -141,10 +145,16 @@ def create_app(state: ServerState | list[ServerState],
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.prompt is not None:
+            sent = [k for k in _CHAT_ONLY if getattr(body, k) is not None
+                    and k in body.model_fields_set]
+            if sent:  # they shape a chat template, which a prompt does not go through
+                raise APIError(f"{sent[0]} applies to messages only; with prompt it would do "
+                               "nothing (leave it out)", param=sent[0])
             ids = list(await in_pool(
                 state.tokenizer.encode, body.prompt,
                 add_special_tokens=body.add_special_tokens is not False))
         else:
+            check_tools(chat_tools(body.tools))
             ids = await templated_prompt_ids(body, state, body.chat_template_kwargs)
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if body.return_token_strs:
