@@ -52,6 +52,32 @@ class StandInClient:
         pass
 
 
+class OneTokenClient(StandInClient):
+    """A stand-in engine that answers every request with one token and ``length`` and passes
+    every check: a request it sees got past the API process's checks."""
+
+    async def generate(self, rid, prompt_ids, params):
+        from latentserve.outputs import StepOutput
+
+        yield StepOutput(rid, [28], True, "length")
+
+    async def check(self, rid, prompt_ids, params, timeout=30.0):
+        pass
+
+
+def stand_in_app(tokenizer, model: str = "m"):
+    """An in-process app (a ``TestClient``; use it in ``with``) serving ``model``, a plain
+    model with ``tokenizer``, a 256-token context and a ``OneTokenClient``: fast checks of
+    what the API refuses."""
+    from fastapi.testclient import TestClient
+
+    from latentserve.server.app import create_app
+    from latentserve.server.state import ServerState
+
+    state = ServerState(OneTokenClient(), tokenizer, model, MAX_MODEL_LEN, VOCAB)
+    return TestClient(create_app(state), raise_server_exceptions=False)
+
+
 def script() -> dict[int, list[tuple[int, float]]]:
     chain = [SCRIPT_START, *SCRIPT_IDS, EOS]
     out = {cur: [(nxt, SCRIPT_LOGIT)] for cur, nxt in zip(chain, chain[1:])}

@@ -5,7 +5,7 @@ import json
 
 import anthropic
 import pytest
-from server_testlib import API_KEY
+from server_testlib import API_KEY, stand_in_app
 
 MESSAGES = [{"role": "user", "content": "Name a color."}]
 # This SDK version no longer has temperature/top_p/top_k arguments; they travel as extra body.
@@ -250,3 +250,97 @@ def test_an_aborted_message_ends_in_an_error_event_not_a_stop_reason():
     assert not any(e["type"] in ("message_delta", "message_stop") for e in cut)
     assert [e["type"] for e in done[-2:]] == ["message_delta", "message_stop"]
     assert done[-2]["delta"]["stop_reason"] == "end_turn"
+
+
+# --- refusals checked in the API process (an in-process app, a stand-in engine) -----------
+
+
+@pytest.fixture(scope="module")
+def app(smollm2_tokenizer):
+    with stand_in_app(smollm2_tokenizer) as app:
+        yield app
+
+
+def _message(app, route="/v1/messages", **body):
+    """``route``'s answer to a body of ``MESSAGES`` (``max_tokens`` 2 on /v1/messages)."""
+    head = {"model": "m", "messages": MESSAGES}
+    if route == "/v1/messages":
+        head["max_tokens"] = 2
+    return app.post(route, json={**head, **body})
+
+
+def _error(r) -> str:
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error"
+    return r.json()["error"]["message"]
+
+
+USE = {"role": "assistant", "content": [
+    {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}
+
+
+def _result(tool_use_id: str) -> dict:
+    return {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": tool_use_id, "content": "ok"}]}
+
+
+def test_a_tool_result_needs_an_earlier_tool_use_with_its_id(app):
+    """As Anthropic's API: a ``tool_result`` answering no ``tool_use`` is a 400 naming it."""
+    message = _error(_message(app, messages=[*MESSAGES, USE, _result("toolu_2")]))
+    assert message.startswith("messages.2.content.0.tool_use_id: unexpected `tool_use_id` "
+                              "found in `tool_result` blocks: toolu_2.")
+    assert "messages.0.content.0.tool_use_id" in _error(_message(
+        app, messages=[_result("toolu_1")]))
+    assert _message(app, messages=[*MESSAGES, USE, _result("toolu_1")]).status_code == 200
+
+
+BOGUS = {"type": "bogus"}
+
+
+@pytest.mark.parametrize("body,path", [
+    ({"cache_control": BOGUS}, "cache_control.type"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": BOGUS}]}]},
+     "messages.0.content.0.cache_control.type"),
+    ({"system": [{"type": "text", "text": "sys", "cache_control": BOGUS}]},
+     "system.0.cache_control.type"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}, "cache_control": BOGUS}]},
+     "tools.0.cache_control.type"),
+    ({"messages": [*MESSAGES, USE, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "text", "text": "ok", "cache_control": BOGUS}]}]}]},
+     "messages.2.content.0.content.0.cache_control.type"),
+    ({"cache_control": {"type": "ephemeral", "ttl": "2h"}}, "cache_control.ttl"),
+    ({"cache_control": {"type": "ephemeral", "scope": "x"}}, "cache_control.scope"),
+])
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_cache_control_other_than_ephemeral_is_a_400_naming_its_path(app, route, body, path):
+    assert _error(_message(app, route, **body)).startswith(f"{path}: ")
+
+
+def test_ephemeral_cache_control_is_taken_everywhere(app):
+    """The hint has no effect (the radix cache is automatic), with either ``ttl`` or none."""
+    block = {"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}
+    r = _message(app, system=[block], cache_control={"type": "ephemeral", "ttl": "1h"},
+                 tools=[{"name": "f", "input_schema": {"type": "object"},
+                         "cache_control": {"type": "ephemeral", "ttl": "5m"}}])
+    assert r.status_code == 200, r.text
+
+
+def test_top_k_below_zero_is_a_400_and_zero_is_no_top_k(app):
+    """Anthropic's API takes ``top_k`` >= 0; -1 (vLLM's "no top-k") is refused there."""
+    assert _error(_message(app, top_k=-1)) == \
+        "top_k: Input should be greater than or equal to 0 (got -1)"
+    assert _message(app, top_k=0).status_code == 200
+
+
+@pytest.mark.parametrize("field,value", [("stream", True), ("stream", False),
+                                         ("max_tokens", 5), ("temperature", 0.5),
+                                         ("top_k", 1), ("stop_sequences", ["x"]),
+                                         ("metadata", {"user_id": "u"})])
+def test_count_tokens_refuses_the_fields_it_does_not_take(app, field, value):
+    """As Anthropic's count (``Extra inputs are not permitted``), whatever the value: they
+    would change nothing in a count."""
+    r = _message(app, "/v1/messages/count_tokens", **{field: value})
+    assert _error(r) == f"{field}: Extra inputs are not permitted"
+    assert _message(app, "/v1/messages/count_tokens").json()["input_tokens"] > 0

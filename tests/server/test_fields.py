@@ -4,6 +4,7 @@ SDK, as a vLLM client sends them (``extra_body``)."""
 
 import openai
 import pytest
+from server_testlib import stand_in_app
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -46,6 +47,28 @@ def test_unused_values_of_those_fields_are_served(client, model):
         extra_body={"min_tokens": 0, "include_stop_str_in_output": False, "bad_words": [],
                     "guided_json": None, "echo": False, "chat_template": None})
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+SCHEMA = {"name": "x", "schema": {"type": "object"}}
+
+
+@pytest.mark.parametrize("kind", ["text", "json_object"])
+@pytest.mark.parametrize("route,body", [("/v1/chat/completions", {"messages": MESSAGES}),
+                                        ("/v1/completions", {"prompt": "hi"})])
+def test_a_json_schema_beside_another_response_format_type_is_a_400(smollm2_tokenizer, kind,
+                                                                     route, body):
+    """``response_format.json_schema`` constrains only under type json_schema; beside
+    another type it would be ignored, so it is refused by its path (null is served)."""
+    with stand_in_app(smollm2_tokenizer) as app:
+        r = app.post(route, json={**body, "max_tokens": 2, "response_format": {
+            "type": kind, "json_schema": SCHEMA}})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "response_format.json_schema"
+        assert f"got type '{kind}'" in error["message"]
+        ok = app.post(route, json={**body, "max_tokens": 2, "response_format": {
+            "type": kind, "json_schema": None}})
+        assert ok.status_code == 200, ok.text
 
 
 def test_top_p_float32_flushes_to_zero_samples_the_greedy_text(client, model):

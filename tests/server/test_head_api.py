@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from server_testlib import assert_slots_invariant, wait_idle
+from server_testlib import assert_slots_invariant, stand_in_app, wait_idle
 
 ENV = {"LATENTSERVE_MAX_LATENT": "3", "LATENTSERVE_USE_STOP": "0",
        "LATENTSERVE_MIN_OUTPUT_TOKENS": "0"}
@@ -79,6 +79,38 @@ def test_thinking_off_says_so(head_server):
 def test_malformed_header_is_400_naming_it(head_server, header, value):
     r = _complete(head_server, headers={header: value})
     assert r.status_code == 400 and header in r.text
+
+
+_ROUTE_BODIES = {
+    "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/v1/messages": {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                     "max_tokens": 2},
+    "/v1/messages/count_tokens": {"model": "m",
+                                  "messages": [{"role": "user", "content": "hi"}]},
+}
+
+
+@pytest.mark.parametrize("header", ["x-latent-bogus", "X-Latent-Maxx", "x-ds4-max"])
+@pytest.mark.parametrize("route", list(_ROUTE_BODIES))
+def test_an_unknown_latent_header_is_a_400_naming_it(smollm2_tokenizer, route, header):
+    """A typo of a latent header would do nothing: it is refused by name on every
+    generation route, with the headers the server takes; a known one, off, is served."""
+    with stand_in_app(smollm2_tokenizer) as app:
+        r = app.post(route, json=_ROUTE_BODIES[route], headers={header: "1"})
+        assert r.status_code == 400, r.text
+        message = r.text
+        assert f"header {header.lower()} is not a header this server takes" in message
+        assert "x-latent-max, x-ds4-max-latent" in message  # the known ones are listed
+        ok = app.post(route, json=_ROUTE_BODIES[route], headers={"x-latent-thinking": "0"})
+        assert ok.status_code == 200, ok.text
+
+
+def test_tokenize_leaves_latent_headers_alone(smollm2_tokenizer):
+    """/tokenize runs nothing latent: it neither reads nor refuses the headers."""
+    with stand_in_app(smollm2_tokenizer) as app:
+        r = app.post("/tokenize", json={"prompt": "hi"}, headers={"x-latent-bogus": "1"})
+        assert r.status_code == 200, r.text
 
 
 def test_messages_route_takes_headers(head_server):

@@ -9,6 +9,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from server_testlib import stand_in_app
 
 HI = [{"role": "user", "content": "Hi!"}]
 REASONING, ANSWER = "\nThe user greets me.\n", "\n\nHello!"
@@ -154,6 +155,21 @@ def test_latent_reasoning_on_a_model_without_latent_steps_is_a_400(client, model
         client.chat.completions.create(model=model, messages=HI, max_tokens=2,
                                        extra_body={"latent_reasoning": "words"})
     assert info.value.body["param"] == "latent_reasoning"
+
+
+@pytest.mark.parametrize("body", [{"latent_reasoning": "count"},
+                                  {"chat_template_kwargs": {"latent_reasoning": "count"}}])
+def test_latent_reasoning_count_on_a_plain_model_is_a_400(smollm2_tokenizer, body):
+    """A model without latent steps has no count to show: ``"count"`` would silently do
+    nothing (as ``stream_latent_steps`` would), so only null is served there."""
+    with stand_in_app(smollm2_tokenizer) as app:
+        r = app.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2, **body})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "latent_reasoning" and "silently do nothing" in error["message"]
+        ok = app.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2,
+                                                    "latent_reasoning": None})
+        assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])

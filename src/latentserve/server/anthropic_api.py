@@ -23,9 +23,11 @@ from latentserve.server.anthropic_blocks import (
     anthropic_tool_choice,
     message_turns,
     openai_tools,
+    refuse_bad_cache_control,
     tool_field,
 )
 from latentserve.server.errors import APIError, anthropic_error, param_from_value_error
+from latentserve.server.fields import NOT_COUNTED
 from latentserve.server.generation import EngineRequest, TextDelta
 from latentserve.server.latent_params import header_error, latent_controls, latent_positions
 from latentserve.server.latent_trace import latent_info
@@ -69,7 +71,7 @@ class MessagesRequest(LatentFields):
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=0)  # as Anthropic's API (0: no top-k, as -1 is)
     stream: bool | None = False
     metadata: AnthropicMetadata | None = None
     thinking: AnthropicThinking | None = None
@@ -86,9 +88,20 @@ class MessagesRequest(LatentFields):
 
 
 class CountTokensRequest(MessagesRequest):
-    """``/v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
+    """``/v1/messages/count_tokens``: a Messages request without ``max_tokens`` and the other
+    fields of ``fields.NOT_COUNTED`` (each refused when sent, as Anthropic's API)."""
 
     max_tokens: int | None = None
+
+
+def _refuse_not_counted(body: CountTokensRequest) -> None:
+    """APIError (400 ``unknown_field`` naming it, as Anthropic's "Extra inputs are not
+    permitted") for a field of ``fields.NOT_COUNTED`` in the body, whatever its value."""
+    sent = body.model_fields_set | set(body.model_extra or {})
+    name = next((name for name in NOT_COUNTED if name in sent), None)
+    if name is not None:
+        raise APIError(f"Unrecognized request argument supplied: {name}", param=name,
+                       code="unknown_field")
 
 
 def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
@@ -126,7 +139,10 @@ def _ends_in_whitespace(content: str | list) -> bool:
 
 
 def _check(body: MessagesRequest, state: ServerState) -> None:
+    """The checks that need no tokenizer: fields, ``cache_control``, ``output_config``,
+    model, ``temperature``, stop count. APIError (400 naming the field; 404 for the model)."""
     refuse_unsupported(body)
+    refuse_bad_cache_control(body, "")
     for key, value in (body.output_config or {}).items():
         if value is not None and key != "format":
             raise APIError(f"output_config.{key}: it is not supported by this server",
@@ -207,7 +223,8 @@ async def _prompt(body: MessagesRequest, state: ServerState) -> tuple[_Answer, l
 
 async def count_input_tokens(body: CountTokensRequest, request, state: ServerState) -> int:
     """The prompt tokens ``/v1/messages`` would take, after all its checks (the engine's
-    too); without ``max_tokens``, room for one answer token. APIError: 400, 404, 503."""
+    too); room for one answer token. APIError: 400, 404, 503."""
+    _refuse_not_counted(body)
     _check(body, state)
     answer, prompt_ids = await _prompt(body, state)
     params = _request_params(body, request, state, prompt_ids, answer)

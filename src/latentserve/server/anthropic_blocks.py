@@ -8,14 +8,15 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from latentserve.server.errors import APIError
+from latentserve.server.errors import APIError, short_repr
 from latentserve.server.protocol import RequestModel
 from latentserve.server.tools import ToolChoice, check_tools
 
 
 class ContentBlock(RequestModel):
     """One block of a message's content; which keys a block takes depends on its type
-    (``cache_control``, a caching hint, has no effect; ``thinking`` blocks are dropped)."""
+    (``cache_control``, a caching hint checked by :func:`refuse_bad_cache_control`, has no
+    effect; ``thinking`` blocks are dropped)."""
 
     TYPE_KEYS = {
         "text": ("type", "text", "cache_control"),
@@ -88,6 +89,45 @@ class AnthropicMetadata(RequestModel):
     user_id: str | None = None
 
 
+CACHE_TTLS = ("5m", "1h")
+
+
+def refuse_bad_cache_control(value, path: str) -> None:
+    """APIError (400 naming the path) for a ``cache_control`` in ``value`` (a request body or
+    an object or list in it, at ``path``; "" for the body) other than Anthropic's
+    ``{"type": "ephemeral"}`` with an optional ``ttl`` of ``CACHE_TTLS``. The hint is taken
+    and has no effect: prompt caching here is the radix cache's, automatic."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            refuse_bad_cache_control(item, f"{path}.{i}")
+        return
+    if not isinstance(value, RequestModel):
+        return
+    for name in type(value).model_fields:
+        here = f"{path}.{name}" if path else name
+        if name == "cache_control":
+            _check_cache_control(getattr(value, name), here)
+        else:
+            refuse_bad_cache_control(getattr(value, name), here)
+
+
+def _check_cache_control(control: dict[str, Any] | None, path: str) -> None:
+    """APIError (400 naming ``path`` or its key) unless ``control`` is None or ephemeral."""
+    if control is None:
+        return
+    if control.get("type") != "ephemeral":
+        raise APIError(f"{path}.type: Input should be 'ephemeral' (got "
+                       f"{short_repr(control.get('type'))})", param=f"{path}.type")
+    ttl = control.get("ttl")
+    if ttl is not None and ttl not in CACHE_TTLS:
+        raise APIError(f"{path}.ttl: Input should be '5m' or '1h' (got {short_repr(ttl)})",
+                       param=f"{path}.ttl")
+    extra = sorted(control.keys() - {"type", "ttl"})
+    if extra:
+        raise APIError(f"Unrecognized request argument supplied: {path}.{extra[0]}",
+                       param=f"{path}.{extra[0]}", code="unknown_field")
+
+
 def _result_text(block: ContentBlock, param: str) -> str:
     """A ``tool_result``'s content as text (a string or text blocks)."""
     if not isinstance(block.content, list):
@@ -106,8 +146,9 @@ _ALLOWED_BLOCKS = {"assistant": "text, thinking, tool_use", "user": "text, tool_
 def message_turns(role: str, content: str | list[ContentBlock], param: str,
                   tool_names: dict[str, str]) -> list[dict[str, Any]]:
     """One Anthropic message (or ``system``) as chat-template turns (``tool_names``: tool_use
-    id -> name). APIError (400 naming ``{param}.{j}``) for another block type, a missing
-    field or an empty text block (as Anthropic's API)."""
+    id -> name, of the earlier messages). APIError (400 naming ``{param}.{j}``) for another
+    block type, a missing field, an empty text block or a ``tool_result`` whose
+    ``tool_use_id`` no earlier ``tool_use`` has (as Anthropic's API)."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts, calls, results = [], [], []
@@ -134,10 +175,13 @@ def message_turns(role: str, content: str | list[ContentBlock], param: str,
             if block.tool_use_id is None:
                 raise APIError(f"{where}.tool_use_id: a tool_result block needs it",
                                param=f"{where}.tool_use_id")
+            if block.tool_use_id not in tool_names:  # as Anthropic's API
+                raise APIError(f"{where}.tool_use_id: unexpected `tool_use_id` found in "
+                               f"`tool_result` blocks: {block.tool_use_id}. Each `tool_result` "
+                               "block must have a corresponding `tool_use` block before it",
+                               param=f"{where}.tool_use_id")
             turn = {"role": "tool", "tool_call_id": block.tool_use_id,
-                    "content": _result_text(block, where)}
-            if block.tool_use_id in tool_names:
-                turn["name"] = tool_names[block.tool_use_id]
+                    "content": _result_text(block, where), "name": tool_names[block.tool_use_id]}
             if block.is_error:
                 turn["is_error"] = True
             results.append(turn)

@@ -65,6 +65,13 @@ REFUSED = {
     "/detokenize": {},
 }
 
+# /v1/messages' fields that /v1/messages/count_tokens does not take (Anthropic's count answers
+# "Extra inputs are not permitted"): sampling, stopping, streaming, billing and routing.
+NOT_COUNTED = ("max_tokens", "stream", "stop_sequences", "temperature", "top_p", "top_k",
+               "metadata", "service_tier", "inference_geo", "fallback_credit_token",
+               "container", "diagnostics", "fallbacks", "thread")
+
+
 def request_model(route: str):
     """The pydantic request model of ``route`` (a key of ``ROUTES``)."""
     module, name = ROUTES[route]

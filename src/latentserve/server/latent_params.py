@@ -231,10 +231,27 @@ def refuse_stream_steps(http_request, body, spec=None) -> bool:
     return True
 
 
+# Every latent header the server reads; another ``x-latent-*`` or ``x-ds4-*`` one is a 400.
+KNOWN_HEADERS = ("x-latent-budget", STREAM_STEPS_HEADER,
+                 *(h for hdr, alias, _ in HEAD_HEADERS.values() for h in (hdr, alias) if h))
+
+
+def refuse_unknown_headers(http_request) -> None:
+    """APIError (400 naming the header) for an ``x-latent-*`` or ``x-ds4-*`` header that is
+    not one of ``KNOWN_HEADERS`` (a typo such as ``x-latent-maxx`` would do nothing)."""
+    for name in _headers(http_request):
+        header = name.lower()
+        if header.startswith(("x-latent-", "x-ds4-")) and header not in KNOWN_HEADERS:
+            raise APIError(f"header {header} is not a header this server takes; the latent "
+                           f"headers are {', '.join(KNOWN_HEADERS)}", param=header)
+
+
 def latent_controls(http_request, body, spec, template_kwargs: dict | None = None
                     ) -> tuple[int | None, dict, bool]:
     """``(budget, head controls, ticks)``: :func:`latent_budget`, checked :func:`head_controls`
-    and whether a stream ticks per latent step. APIError (400 naming the header or field)."""
+    and whether a stream ticks per latent step. APIError (400 naming the header or field; an
+    unknown latent header too: :func:`refuse_unknown_headers`)."""
+    refuse_unknown_headers(http_request)
     budget = latent_budget(http_request, body, spec)
     head = head_controls(http_request, body, template_kwargs)
     refuse_head_controls(http_request, body, head, spec)

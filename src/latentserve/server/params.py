@@ -155,10 +155,15 @@ _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice",
 def structured_outputs(request: SamplingRequest) -> StructuredOutputsParams | None:
     """The answer constraint from ``response_format``, vLLM's ``guided_*`` or
     ``structured_outputs`` (None: none). APIError (400 naming the field) for a malformed
-    value, an unknown ``structured_outputs`` key, or more than one constraint."""
+    value, ``response_format.json_schema`` beside a type other than json_schema, an unknown
+    ``structured_outputs`` key, or more than one constraint."""
     found: list[StructuredOutputsParams] = []
+    rf = request.response_format
+    if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+        raise APIError(f"response_format.json_schema is only taken with type json_schema, got "
+                       f"type {rf.type!r} (its schema would be ignored)",
+                       param="response_format.json_schema")
     try:
-        rf = request.response_format
         if rf is not None and rf.type != "text":
             schema = rf.json_schema and rf.json_schema.schema_
             if rf.type == "json_schema" and schema is None:

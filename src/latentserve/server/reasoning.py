@@ -70,8 +70,10 @@ def latent_step_text(step: int, entry: dict | None, texts) -> str:
 
 
 def latent_reasoning_mode(body, spec) -> str | None:
-    """``"count"`` (default), ``"logit_lens"`` or None (no reasoning shown). APIError (400)
-    for another value, or ``"logit_lens"`` on a model that is not feedback-latent."""
+    """``"count"`` (the default, null, on a model with latent steps), ``"logit_lens"`` or None
+    (no reasoning shown). APIError (400) for another value, ``"logit_lens"`` on a model that
+    is not feedback-latent, or any value but null on a model without latent steps (plain,
+    recurrent-depth: it would silently do nothing)."""
     mode = getattr(body, "latent_reasoning", None)
     if mode is not None and mode not in LATENT_REASONING:
         raise APIError(f"latent_reasoning must be one of {list(LATENT_REASONING)}, got "
@@ -82,8 +84,13 @@ def latent_reasoning_mode(body, spec) -> str | None:
                        "CODI), whose latent steps the LM head can read; this model has "
                        f"{'none' if kind is None else kind + ' latent steps'}",
                        param="latent_reasoning")
-    if getattr(body, "include_reasoning", True) is False or kind not in (
-            "feedback", "head", "loop"):
+    stepped = kind in ("feedback", "head", "loop")
+    if mode is not None and not stepped:
+        what = ("a recurrent-depth model" if kind is not None
+                else "a model without latent reasoning")
+        raise APIError(f"latent_reasoning needs a model with latent steps, not {what} (it would "
+                       "silently do nothing); leave it out or null", param="latent_reasoning")
+    if getattr(body, "include_reasoning", True) is False or not stepped:
         return None
     return mode or "count"
 
