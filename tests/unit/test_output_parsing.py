@@ -135,6 +135,27 @@ def test_bad_tools_and_choices_name_the_field(tools, choice, param):
     assert info.value.param == param
 
 
+def test_a_forced_call_whose_schema_cannot_hold_names_the_tool_once():
+    """A named tool's ``parameters`` with a keyword the grammar would not enforce: a 400
+    naming that tool's field once, with the keyword's place in the call schema."""
+    from types import SimpleNamespace
+
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.server.errors import APIError
+    from latentserve.server.output_parser import answer_params
+
+    tools = check_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}])
+    choice = resolve_tool_choice({"type": "function", "function": {"name": "f"}}, tools)
+    with pytest.raises(APIError) as info:
+        answer_params(SamplingParams(max_tokens=4), choice, tools, None,
+                      SimpleNamespace(added_tokens_decoder={}), OutputParser(choice=choice))
+    param = "tools[0].function.parameters"
+    assert info.value.param == param
+    assert str(info.value).startswith(f"{param}: uses a JSON-schema keyword")
+    assert str(info.value).count(param) == 1 and "/x/uniqueItems" in str(info.value)
+
+
 def test_special_tags_make_the_request_keep_special_tokens():
     from types import SimpleNamespace
 

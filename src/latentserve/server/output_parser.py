@@ -137,8 +137,9 @@ def answer_params(params, choice: ToolChoice, tools: dict[str, dict], latent_mod
         try:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
                 **kind, param=param))
-        except (TypeError, ValueError) as exc:
-            raise APIError(f"{param}: {exc}", param=param) from None
+        except (TypeError, ValueError) as exc:  # named once, however the message begins
+            raise APIError(f"{param}: {str(exc).removeprefix(param).lstrip(': ')}",
+                           param=param) from None
     if latent_mode == "logit_lens":  # each step's logit lens arrives with its tick
         params = dataclasses.replace(params, return_latent_trace=True, stream_latent_steps=True)
     if drops_tags(tokenizer, parser):
