@@ -282,6 +282,22 @@ def test_a_full_context_names_what_counted(headers, fields, param):
     assert str(e.value).endswith("prompt." if param == "messages" else f"prompt or {param}.")
 
 
+def test_only_what_adds_positions_is_named():
+    """A control that adds no KV positions on this model is never named for a full
+    context: a compression head's cap (its steps are generation steps), a recurrent
+    model's budget (loops over one position), thinking off."""
+    from latentserve.latent.spec import LatentSpec
+    from latentserve.server.latent_params import positions_param
+
+    assert positions_param(_spec("head"), None, {"max_latent": 70}, None) is None
+    recurrent = LatentSpec(kind="recurrent", family="huginn", default_budget=4)
+    assert positions_param(recurrent, 8, {}, None) is None
+    assert positions_param(LatentSpec(kind="feedback", family="codi", default_budget=6), 6,
+                           {}, None) == "latent_budget"
+    assert positions_param(_spec("colar"), None, {"max_latent": 9, "thinking": False},
+                           None) is None
+
+
 def test_an_engine_refusal_of_a_header_control_names_the_header():
     """CoLaR's engine-side refusals name ``compression_factor``; over HTTP the header that
     sent it is named instead (the body field where no header did)."""

@@ -38,8 +38,9 @@ def positions_param(spec, budget: int | None, head: dict,
     """The field whose value :func:`latent_positions` counted beyond the model's fixed
     transitions (``latent_budget``, ``max_latent``, ``min_latent``, ``thinking_token_budget``),
     or None when only those transitions or the model's own cap count."""
-    if spec is None or spec.kind != "head":
-        return "latent_budget" if budget is not None and spec is not None else None
+    if spec is None or not (spec.kind == "head" and spec.default_max_latent):  # not CoLaR
+        feedback = spec is not None and spec.kind in ("feedback", "loop")
+        return "latent_budget" if feedback and budget else None
     thinking = head.get("thinking") if head.get("thinking") is not None else budget != 0
     cap = head.get("max_latent") if head.get("max_latent") is not None else budget
     floor = min(head.get("min_latent") or 0, spec.default_max_latent if cap is None else cap)
