@@ -51,6 +51,31 @@ def tag_schemas(tag) -> list:
     return [s for value in tag.values() for s in tag_schemas(value)]
 
 
+def safe_strings(schema):
+    """``schema`` with each ``"type": "string"`` schema that bounds its length (and has no
+    ``pattern`` or ``format``) rewritten as the same bounds on a pattern of characters JSON
+    takes unescaped. xgrammar 0.2.9 follows ``minLength``/``maxLength`` with a rule that
+    admits raw control characters (U+0000-U+001F but CR and LF), which no JSON parser takes;
+    it admits no escapes there either, so ``"`` and ``\\`` stay out as before."""
+    if isinstance(schema, list):
+        return [safe_strings(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _ONE or key in _LIST:
+            out[key] = safe_strings(value)
+        elif key in _MAP and isinstance(value, dict):
+            out[key] = {name: safe_strings(sub) for name, sub in value.items()}
+        else:
+            out[key] = value
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
+    return out
+
+
 def _walk(s, path: str, root) -> str | None:
     if not isinstance(s, dict):
         return None

@@ -10,6 +10,7 @@ import threading
 import time
 
 from latentserve.sampling_params import StructuredOutputsParams
+from latentserve.schema_support import safe_strings
 
 JSON_SEPARATORS = (", ", ": ")
 # The longest a grammar's first token mask may take to fill (seconds): every answer token of
@@ -47,7 +48,8 @@ class Grammars:
         kind = so.kind
         try:
             if kind == "json":
-                return c.compile_json_schema(json.dumps(so.json), any_whitespace=False,
+                return c.compile_json_schema(json.dumps(safe_strings(so.json)),
+                                             any_whitespace=False,
                                              separators=JSON_SEPARATORS, strict_mode=True)
             if kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False,
@@ -57,7 +59,8 @@ class Grammars:
             if kind == "choice":
                 return c.compile_grammar(choice_grammar(so.choice))
             if kind == "structural_tag":
-                return c.compile_structural_tag(json.dumps(_structural_tag(so.structural_tag)))
+                tag = _safe_tag(_structural_tag(so.structural_tag))
+                return c.compile_structural_tag(json.dumps(tag))
             if "::=" in so.grammar:
                 return c.compile_grammar(so.grammar)
             return c.compile_lark(so.grammar)
@@ -126,6 +129,18 @@ def _structural_tag(tag: dict) -> dict:
         "tags": [{"type": "tag", "begin": s["begin"], "end": s["end"],
                   "content": {"type": "json_schema", "json_schema": s["schema"]}}
                  for s in tag["structures"]]}}
+
+
+def _safe_tag(tag):
+    """``tag`` (xgrammar's structural-tag format) with :func:`safe_strings` applied to the
+    schema of each ``{"type": "json_schema", "json_schema": ...}`` node."""
+    if isinstance(tag, list):
+        return [_safe_tag(v) for v in tag]
+    if not isinstance(tag, dict):
+        return tag
+    if tag.get("type") == "json_schema" and "json_schema" in tag:
+        return {**tag, "json_schema": safe_strings(tag["json_schema"])}
+    return {k: _safe_tag(v) for k, v in tag.items()}
 
 
 def _library_message(exc: Exception) -> str:

@@ -89,3 +89,26 @@ def test_structural_tags_and_the_false_schema():
             StructuredOutputsParams(structural_tag=tag)
     with pytest.raises(ValueError, match="^p is the schema false, which no value satisfies"):
         StructuredOutputsParams(json=False, param="p")
+
+
+def test_length_bounded_strings_keep_out_raw_control_characters():
+    """xgrammar 0.2.9 follows ``minLength``/``maxLength`` with a rule that admits a raw
+    U+0005, which no JSON parser takes (a sampled answer once held one); ``safe_strings``
+    keeps the same bounds on characters JSON takes unescaped."""
+    from latentserve.schema_support import safe_strings
+
+    schema = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 8}}}
+    raw = '{"name": "__\x05 room"}'
+    assert _xgrammar_accepts(schema, raw), "xgrammar keeps control characters out now"
+    safe = safe_strings(schema)
+    assert not _xgrammar_accepts(safe, raw)
+    for text, ok in (('{"name": "Ana"}', True), ('{"name": "é日本"}', True),
+                     ('{"name": ""}', False), ('{"name": "abcdefghi"}', False)):
+        assert _xgrammar_accepts(safe, text) is ok and _xgrammar_accepts(schema, text) is ok
+    from latentserve.structured import _safe_tag
+
+    tag = {"type": "tag", "content": {"type": "json_schema", "json_schema": schema}}
+    assert _safe_tag(tag)["content"]["json_schema"] == safe
+    kept = {"type": "string", "maxLength": 3, "pattern": "^a+$"}  # a pattern: left alone
+    assert safe_strings(kept) == kept and schema["properties"]["name"]["maxLength"] == 8
