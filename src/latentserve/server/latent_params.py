@@ -33,25 +33,38 @@ def latent_budget(http_request, body, spec=None) -> int | None:
     return value
 
 
+def _colar_steps(spec, budget: int | None, head: dict,
+                 thinking_budget: int | None) -> tuple[int, str | None]:
+    """``(latent steps counted, the field that set them or None)`` of a request to CoLaR
+    ``spec``: none while not thinking; else a sent cap (``head["max_latent"]`` or ``budget``)
+    or the sent floor ``head["min_latent"]`` (at most the cap, the model's default if none
+    sent) where larger, at most ``thinking_budget``."""
+    if not (head.get("thinking") if head.get("thinking") is not None else budget != 0):
+        return 0, None
+    cap = head.get("max_latent") if head.get("max_latent") is not None else budget
+    # the engine runs at least min_latent steps, up to the cap (the model's if none sent)
+    floor = min(head.get("min_latent") or 0, spec.default_max_latent if cap is None else cap)
+    steps = max(cap or 0, floor)
+    param = ("min_latent" if floor > (cap or 0) else "max_latent"
+             if head.get("max_latent") is not None else "latent_budget")
+    if thinking_budget is not None and thinking_budget < steps:
+        steps, param = thinking_budget, "thinking_token_budget"
+    return steps, param if steps > 0 else None
+
+
+def _is_colar(spec) -> bool:
+    return spec is not None and spec.kind == "head" and bool(spec.default_max_latent)
+
+
 def positions_param(spec, budget: int | None, head: dict,
-                     thinking_budget: int | None) -> str | None:
+                    thinking_budget: int | None) -> str | None:
     """The field whose value :func:`latent_positions` counted beyond the model's fixed
     transitions (``latent_budget``, ``max_latent``, ``min_latent``, ``thinking_token_budget``),
     or None when only those transitions or the model's own cap count."""
-    if spec is None or not (spec.kind == "head" and spec.default_max_latent):  # not CoLaR
+    if not _is_colar(spec):
         feedback = spec is not None and spec.kind in ("feedback", "loop")
         return "latent_budget" if feedback and budget else None
-    thinking = head.get("thinking") if head.get("thinking") is not None else budget != 0
-    cap = head.get("max_latent") if head.get("max_latent") is not None else budget
-    floor = min(head.get("min_latent") or 0, spec.default_max_latent if cap is None else cap)
-    counted = max(cap or 0, floor)
-    if not thinking or counted == 0:
-        return None
-    if thinking_budget is not None and thinking_budget < counted:
-        return "thinking_token_budget" if thinking_budget > 0 else None
-    if floor > (cap or 0):
-        return "min_latent"
-    return "max_latent" if head.get("max_latent") is not None else "latent_budget"
+    return _colar_steps(spec, budget, head, thinking_budget)[1]
 
 
 def latent_positions(spec, budget: int | None, head: dict | None = None,
@@ -59,23 +72,13 @@ def latent_positions(spec, budget: int | None, head: dict | None = None,
     """KV positions a model adds between the prompt and the answer that ``max_tokens`` does
     not count (``budget`` in range: :func:`latent_budget` checked it). Feedback and looped
     models: start, latent or block and end positions. CoLaR: its speed and ``###`` (none when
-    ``prompt_ids`` ends with ``###``, upstream's whole prompt), the closing ``###`` and, while
-    thinking, a sent cap (``head["max_latent"]`` or ``budget``) or the sent floor
-    ``head["min_latent"]`` (at most the model's default cap) where larger, at most
-    ``thinking_budget`` (the default cap itself is not counted: a latent phase that reaches
-    the end of the context ends with ``length``). 0 for other models."""
-    if spec is not None and spec.kind == "head" and spec.default_max_latent:
-        head = head or {}
+    ``prompt_ids`` ends with ``###``, upstream's whole prompt), the closing ``###`` and the
+    latent steps :func:`_colar_steps` counts (the default cap itself is not counted: a latent
+    phase that reaches the end of the context ends with ``length``). 0 for other models."""
+    if _is_colar(spec):
         whole = bool(prompt_ids) and prompt_ids[-1] == spec.start_ids[-1]
-        sent = next((v for v in (head.get("max_latent"), budget) if v is not None), None)
-        # the engine runs at least min_latent steps, up to the cap (the model's if none sent)
-        cap = max(sent or 0, min(head.get("min_latent") or 0,
-                                 spec.default_max_latent if sent is None else sent))
-        thinking = head.get("thinking") if head.get("thinking") is not None else budget != 0
-        if thinking_budget is not None:
-            cap = min(cap, thinking_budget)
-        return (0 if whole else len(spec.start_ids)) + (cap if thinking else 0) + len(
-            spec.end_ids)
+        steps, _ = _colar_steps(spec, budget, head or {}, thinking_budget)
+        return (0 if whole else len(spec.start_ids)) + steps + len(spec.end_ids)
     if spec is None or spec.kind not in ("feedback", "loop"):
         return 0
     return spec.prompt_extra(spec.resolve_budget(budget))
