@@ -6,6 +6,8 @@ imports beyond the standard library."""
 
 from __future__ import annotations
 
+import json
+
 # Keywords whose value is one subschema, a list of subschemas, or a name -> subschema map.
 _ONE = ("additionalProperties", "contains", "propertyNames", "unevaluatedProperties",
         "unevaluatedItems", "items")
@@ -36,19 +38,26 @@ def unenforced(schema, path: str = "") -> str | None:
     return _walk(schema, path, schema)
 
 
-def tag_schemas(tag) -> list:
-    """The JSON schemas inside a structural tag (``tag``: xgrammar's format, whose
-    ``{"type": "json_schema", "json_schema": ...}`` nodes hold them, or vLLM's legacy
-    ``{"structures": [{"schema": ...}]}``), in document order."""
+def map_tag_schemas(tag, fn):
+    """``tag`` (a structural tag: xgrammar's format, whose ``{"type": "json_schema",
+    "json_schema": ...}`` nodes hold schemas, or vLLM's legacy ``{"structures": [{"begin",
+    "schema", "end"}]}``) with ``fn`` applied to each schema in it, in document order."""
     if isinstance(tag, list):
-        return [s for item in tag for s in tag_schemas(item)]
+        return [map_tag_schemas(item, fn) for item in tag]
     if not isinstance(tag, dict):
-        return []
+        return tag
     if tag.get("type") == "json_schema" and "json_schema" in tag:
-        return [tag["json_schema"]]
+        return {**tag, "json_schema": fn(tag["json_schema"])}
     if "schema" in tag and "begin" in tag:  # a legacy structure
-        return [tag["schema"]]
-    return [s for value in tag.values() for s in tag_schemas(value)]
+        return {**tag, "schema": fn(tag["schema"])}
+    return {key: map_tag_schemas(value, fn) for key, value in tag.items()}
+
+
+def tag_schemas(tag) -> list:
+    """The JSON schemas inside structural tag ``tag`` (:func:`map_tag_schemas`), in order."""
+    found: list = []
+    map_tag_schemas(tag, lambda schema: found.append(schema) or schema)
+    return found
 
 
 def safe_strings(schema):
@@ -82,27 +91,24 @@ def _walk(s, path: str, root) -> str | None:
     for key, why in _IGNORED.items():
         if key in s:
             return f"{path}/{key}: {why}; leave it out"
-    found = _own(s, path, root)
-    if found:
-        return found
+    return _own(s, path, root) or next(
+        (found for suffix, sub in _children(s) if (found := _walk(sub, path + suffix, root))),
+        None)
+
+
+def _children(s: dict):
+    """``(JSON-pointer suffix, subschema)`` of each subschema directly in ``s``."""
     for key in _ONE:
         if isinstance(s.get(key), dict):
-            found = _walk(s[key], f"{path}/{key}", root)
-            if found:
-                return found
+            yield f"/{key}", s[key]
     for key in _LIST:
         if isinstance(s.get(key), list):
             for i, sub in enumerate(s[key]):
-                found = _walk(sub, f"{path}/{key}/{i}", root)
-                if found:
-                    return found
+                yield f"/{key}/{i}", sub
     for key in _MAP:
         if isinstance(s.get(key), dict):
             for name, sub in s[key].items():
-                found = _walk(sub, f"{path}/{key}/{_escape(name)}", root)
-                if found:
-                    return found
-    return None
+                yield f"/{key}/{_escape(name)}", sub
 
 
 def _own(s: dict, path: str, root) -> str | None:
@@ -162,8 +168,6 @@ def _types(s: dict) -> set | None:
 
 def _values(s) -> set | None:
     """The JSON texts ``s`` allows when it is a ``const`` or ``enum``, else None."""
-    import json
-
     if not isinstance(s, dict):
         return None
     if "const" in s:

@@ -10,7 +10,7 @@ import threading
 import time
 
 from latentserve.sampling_params import StructuredOutputsParams
-from latentserve.schema_support import safe_strings
+from latentserve.schema_support import map_tag_schemas, safe_strings
 
 JSON_SEPARATORS = (", ", ": ")
 # The longest a grammar's first token mask may take to fill (seconds): every answer token of
@@ -59,7 +59,7 @@ class Grammars:
             if kind == "choice":
                 return c.compile_grammar(choice_grammar(so.choice))
             if kind == "structural_tag":
-                tag = _safe_tag(_structural_tag(so.structural_tag))
+                tag = map_tag_schemas(_structural_tag(so.structural_tag), safe_strings)
                 return c.compile_structural_tag(json.dumps(tag))
             if "::=" in so.grammar:
                 return c.compile_grammar(so.grammar)
@@ -129,18 +129,6 @@ def _structural_tag(tag: dict) -> dict:
         "tags": [{"type": "tag", "begin": s["begin"], "end": s["end"],
                   "content": {"type": "json_schema", "json_schema": s["schema"]}}
                  for s in tag["structures"]]}}
-
-
-def _safe_tag(tag):
-    """``tag`` (xgrammar's structural-tag format) with :func:`safe_strings` applied to the
-    schema of each ``{"type": "json_schema", "json_schema": ...}`` node."""
-    if isinstance(tag, list):
-        return [_safe_tag(v) for v in tag]
-    if not isinstance(tag, dict):
-        return tag
-    if tag.get("type") == "json_schema" and "json_schema" in tag:
-        return {**tag, "json_schema": safe_strings(tag["json_schema"])}
-    return {k: _safe_tag(v) for k, v in tag.items()}
 
 
 def _library_message(exc: Exception) -> str:

@@ -106,9 +106,9 @@ def test_length_bounded_strings_keep_out_raw_control_characters():
     for text, ok in (('{"name": "Ana"}', True), ('{"name": "é日本"}', True),
                      ('{"name": ""}', False), ('{"name": "abcdefghi"}', False)):
         assert _xgrammar_accepts(safe, text) is ok and _xgrammar_accepts(schema, text) is ok
-    from latentserve.structured import _safe_tag
+    from latentserve.schema_support import map_tag_schemas
 
     tag = {"type": "tag", "content": {"type": "json_schema", "json_schema": schema}}
-    assert _safe_tag(tag)["content"]["json_schema"] == safe
+    assert map_tag_schemas(tag, safe_strings)["content"]["json_schema"] == safe
     kept = {"type": "string", "maxLength": 3, "pattern": "^a+$"}  # a pattern: left alone
     assert safe_strings(kept) == kept and schema["properties"]["name"]["maxLength"] == 8
