@@ -54,7 +54,7 @@ def run_train(args) -> int:
     check_device(cfg.device)  # before any load
     if not hasattr(cfg, "lora_r"):
         require("peft", f"latentserve train {args.stage}")
-    elif cfg.init_adapter or cfg.lora_r != 0:  # LoRA through PEFT
+    elif cfg.init_adapter or options.fresh_lora(cfg):  # LoRA through PEFT
         require("peft", f"latentserve train {args.stage} (LoRA; --lora-r 0 is a full fine-tune)")
     train = importlib.import_module(f"latentserve.train.{module}").train
     print(json.dumps(train(cfg), indent=1))

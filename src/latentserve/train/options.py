@@ -49,8 +49,10 @@ def check_lora(cfg) -> None:
     if cfg.init_adapter and cfg.lora_r:
         raise ValueError(f"lora_r must be 0 (merge the adapter) or unset with init_adapter, "
                          f"got {cfg.lora_r}: the adapter keeps its own rank")
+    if fresh_lora(cfg) is not None:
+        return
     for name in ("lora_alpha", "lora_targets"):
-        if fresh_lora(cfg) is None and getattr(cfg, name) is not None:
+        if getattr(cfg, name) is not None:
             why = "init_adapter's own config" if cfg.init_adapter else "a full fine-tune"
             raise ValueError(f"{name} applies to a fresh LoRA only, not to {why}")
 
