@@ -33,8 +33,9 @@ def unenforced(schema, path: str = "") -> str | None:
     ``else``, ``dependentRequired``/``dependentSchemas``/``dependencies``, ``uniqueItems``
     true, ``allOf`` with more than one subschema, a ``$ref`` that is not local (``#`` or
     ``#/...``), a ``format`` outside :data:`FORMATS` or on a schema that is not a string,
-    ``oneOf`` branches not provably disjoint (followed as ``anyOf``), a ``required`` property
-    that ``additionalProperties: false`` forbids. ``path``: a JSON pointer into ``schema``."""
+    ``oneOf`` branches not provably disjoint (followed as ``anyOf``), ``minLength``/
+    ``maxLength`` beside ``pattern`` or ``format`` (the length is dropped), a ``required``
+    property that ``additionalProperties: false`` forbids. ``path``: a JSON pointer into ``schema``."""
     return _walk(schema, path, schema)
 
 
@@ -61,9 +62,9 @@ def tag_schemas(tag) -> list:
 
 
 def safe_strings(schema):
-    """``schema`` with each ``"type": "string"`` schema that bounds its length (and has no
-    ``pattern`` or ``format``) rewritten as the same bounds on a pattern of characters JSON
-    takes unescaped. xgrammar 0.2.9 follows ``minLength``/``maxLength`` with a rule that
+    """``schema`` with each string schema (``"type"`` ``"string"`` or a list holding it) that
+    bounds its length (and has no ``pattern`` or ``format``) rewritten as the same bounds on
+    a pattern of characters JSON takes unescaped. xgrammar 0.2.9 follows ``minLength``/``maxLength`` with a rule that
     admits raw control characters (U+0000-U+001F but CR and LF), which no JSON parser takes;
     it admits no escapes there either, so ``"`` and ``\\`` stay out as before."""
     if isinstance(schema, list):
@@ -79,7 +80,8 @@ def safe_strings(schema):
         else:
             out[key] = value
     bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+    strings = "string" in (_types(out) or ())
+    if strings and bounded and "pattern" not in out and "format" not in out:
         low, high = out.pop("minLength", 0), out.pop("maxLength", "")
         out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
     return out
@@ -125,6 +127,12 @@ def _own(s: dict, path: str, root) -> str | None:
         return (f"{path}/format: only {', '.join(sorted(FORMATS))} on a string are enforced, "
                 f"got {s['format']!r}" + ("" if s.get("type") == "string" else
                                           f" on type {s.get('type')!r}") + "; leave it out")
+    length = next((k for k in ("minLength", "maxLength") if k in s), None)
+    beside = next((k for k in ("pattern", "format") if k in s), None)
+    if length and beside:
+        return (f"{path}/{length}: a length beside {beside} is not enforced; "
+                + ("bound the pattern's repeats instead" if beside == "pattern" else
+                   "leave it out"))
     if isinstance(s.get("oneOf"), list) and not _disjoint(s["oneOf"], root):
         return (f"{path}/oneOf: branches that may overlap would be followed as anyOf; make "
                 "them differ by type or by a required const property, or send anyOf")

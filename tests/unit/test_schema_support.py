@@ -26,6 +26,8 @@ REFUSED = [
     ({"type": "string", "format": "idn-email"}, '"a"', "/format"),
     ({"type": "integer", "format": "int32"}, "99999999999", "/format"),
     ({"$defs": {"x": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"}, '"x"', "/$ref"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaa"', "/maxLength"),
+    ({"type": "string", "format": "email", "minLength": 9}, '"a@b.com"', "/minLength"),
     ({"type": "object", "properties": {"p": {"type": "array", "items": {"type": "boolean"},
                                              "uniqueItems": True}}},
      '{"p": [true, true]}', "/properties/p/uniqueItems"),
@@ -44,6 +46,7 @@ ENFORCED = [
                       "required": ["k", "y"]}},
       "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}, '{"k": "a", "y": 1}'),
     ({"type": "string", "format": "email"}, '"a"'),
+    ({"type": "string", "pattern": "^a{1,2}$"}, '"aaa"'),
     ({"type": "object", "properties": {"not": {"type": "integer"}}}, '{"not": "a"}'),
     ({**OBJ, "required": ["a"], "additionalProperties": False}, "{}"),
 ]
@@ -110,5 +113,10 @@ def test_length_bounded_strings_keep_out_raw_control_characters():
 
     tag = {"type": "tag", "content": {"type": "json_schema", "json_schema": schema}}
     assert map_tag_schemas(tag, safe_strings)["content"]["json_schema"] == safe
-    kept = {"type": "string", "maxLength": 3, "pattern": "^a+$"}  # a pattern: left alone
+    nullable = {"type": ["string", "null"], "maxLength": 4}
+    assert _xgrammar_accepts(nullable, '"\x05"') and not _xgrammar_accepts(
+        safe_strings(nullable), '"\x05"')
+    for text, ok in (('"abcd"', True), ("null", True), ('"abcde"', False), ("1", False)):
+        assert _xgrammar_accepts(safe_strings(nullable), text) is ok
+    kept = {"type": "integer", "maxLength": 3}  # not a string: left alone
     assert safe_strings(kept) == kept and schema["properties"]["name"]["maxLength"] == 8
