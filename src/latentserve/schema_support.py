@@ -35,7 +35,8 @@ def unenforced(schema, path: str = "") -> str | None:
     ``#/...``), a ``format`` outside :data:`FORMATS` or on a schema that is not a string,
     ``oneOf`` branches not provably disjoint (followed as ``anyOf``), ``minLength``/
     ``maxLength`` beside ``pattern`` or ``format`` (the length is dropped), a ``required``
-    property that ``additionalProperties: false`` forbids. ``path``: a JSON pointer into ``schema``."""
+    property that ``additionalProperties: false`` forbids. ``path``: a JSON pointer into
+    ``schema``."""
     return _walk(schema, path, schema)
 
 
@@ -64,9 +65,10 @@ def tag_schemas(tag) -> list:
 def safe_strings(schema):
     """``schema`` with each string schema (``"type"`` ``"string"`` or a list holding it) that
     bounds its length (and has no ``pattern`` or ``format``) rewritten as the same bounds on
-    a pattern of characters JSON takes unescaped. xgrammar 0.2.9 follows ``minLength``/``maxLength`` with a rule that
-    admits raw control characters (U+0000-U+001F but CR and LF), which no JSON parser takes;
-    it admits no escapes there either, so ``"`` and ``\\`` stay out as before."""
+    a pattern of characters JSON takes unescaped. xgrammar 0.2.9 follows ``minLength``/
+    ``maxLength`` with a rule that admits raw control characters (U+0000-U+001F but CR and
+    LF), which no JSON parser takes; it admits no escapes there either, so ``"`` and ``\\``
+    stay out as before."""
     if isinstance(schema, list):
         return [safe_strings(v) for v in schema]
     if not isinstance(schema, dict):

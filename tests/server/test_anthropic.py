@@ -284,14 +284,18 @@ def _result(tool_use_id: str) -> dict:
         {"type": "tool_result", "tool_use_id": tool_use_id, "content": "ok"}]}
 
 
-def test_a_tool_result_needs_an_earlier_tool_use_with_its_id(app):
-    """As Anthropic's API: a ``tool_result`` answering no ``tool_use`` is a 400 naming it."""
+def test_a_tool_result_needs_a_tool_use_with_its_id_in_the_previous_message(app):
+    """As Anthropic's API: a ``tool_result`` answering no ``tool_use`` of the previous message
+    is a 400 naming it."""
     message = _error(_message(app, messages=[*MESSAGES, USE, _result("toolu_2")]))
     assert message.startswith("messages.2.content.0.tool_use_id: unexpected `tool_use_id` "
                               "found in `tool_result` blocks: toolu_2.")
     assert "messages.0.content.0.tool_use_id" in _error(_message(
         app, messages=[_result("toolu_1")]))
     assert _message(app, messages=[*MESSAGES, USE, _result("toolu_1")]).status_code == 200
+    later = [*MESSAGES, USE, _result("toolu_1"), {"role": "assistant", "content": "ok"},
+             _result("toolu_1")]
+    assert "messages.4.content.0.tool_use_id" in _error(_message(app, messages=later))
 
 
 BOGUS = {"type": "bogus"}

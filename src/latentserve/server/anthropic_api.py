@@ -106,9 +106,8 @@ def _refuse_not_counted(body: CountTokensRequest) -> None:
 
 def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
     """The chat template's turns. Raises APIError (400 naming the field)."""
-    tool_names: dict[str, str] = {}
-    conversation = message_turns("system", body.system, "system", tool_names) if body.system \
-        else []
+    conversation = message_turns("system", body.system, "system", {}) if body.system else []
+    answerable: dict[str, str] = {}  # the previous message's tool_use ids -> names
     for i, message in enumerate(body.messages):
         if message.role not in ("user", "assistant"):
             raise APIError(f"messages.{i}.role: Input should be 'user' or 'assistant', got "
@@ -122,7 +121,10 @@ def _conversation(body: MessagesRequest) -> list[dict[str, Any]]:
             raise APIError(f"messages.{i}.content: final assistant content cannot end with "
                            "trailing whitespace", param=f"messages.{i}.content")
         conversation += message_turns(message.role, message.content,
-                                      f"messages.{i}.content", tool_names)
+                                      f"messages.{i}.content", answerable)
+        answerable = {block.id: block.name for block in message.content
+                      if block.type == "tool_use" and block.id and block.name} \
+            if isinstance(message.content, list) and message.role == "assistant" else {}
     if not any(m.role == "user" for m in body.messages):
         raise APIError("messages: at least one message must have role 'user'",
                        param="messages")

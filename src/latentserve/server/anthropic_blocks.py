@@ -144,11 +144,11 @@ _ALLOWED_BLOCKS = {"assistant": "text, thinking, tool_use", "user": "text, tool_
 
 
 def message_turns(role: str, content: str | list[ContentBlock], param: str,
-                  tool_names: dict[str, str]) -> list[dict[str, Any]]:
-    """One Anthropic message (or ``system``) as chat-template turns (``tool_names``: tool_use
-    id -> name, of the earlier messages). APIError (400 naming ``{param}.{j}``) for another
+                  answerable: dict[str, str]) -> list[dict[str, Any]]:
+    """One Anthropic message (or ``system``) as chat-template turns (``answerable``: tool_use
+    id -> name, of the previous message). APIError (400 naming ``{param}.{j}``) for another
     block type, a missing field, an empty text block or a ``tool_result`` whose
-    ``tool_use_id`` no earlier ``tool_use`` has (as Anthropic's API)."""
+    ``tool_use_id`` the previous message's ``tool_use`` blocks lack (as Anthropic's API)."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     texts, calls, results = [], [], []
@@ -168,20 +168,20 @@ def message_turns(role: str, content: str | list[ContentBlock], param: str,
         elif kind == "tool_use" and role == "assistant":
             if block.id is None or block.name is None:
                 raise APIError(f"{where}: a tool_use block needs 'id' and 'name'", param=where)
-            tool_names[block.id] = block.name
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": block.input or {}}})
         elif kind == "tool_result" and role == "user":
             if block.tool_use_id is None:
                 raise APIError(f"{where}.tool_use_id: a tool_result block needs it",
                                param=f"{where}.tool_use_id")
-            if block.tool_use_id not in tool_names:  # as Anthropic's API
+            if block.tool_use_id not in answerable:  # as Anthropic's API
                 raise APIError(f"{where}.tool_use_id: unexpected `tool_use_id` found in "
                                f"`tool_result` blocks: {block.tool_use_id}. Each `tool_result` "
-                               "block must have a corresponding `tool_use` block before it",
+                               "block must have a corresponding `tool_use` block in the "
+                               "previous message",
                                param=f"{where}.tool_use_id")
             turn = {"role": "tool", "tool_call_id": block.tool_use_id,
-                    "content": _result_text(block, where), "name": tool_names[block.tool_use_id]}
+                    "content": _result_text(block, where), "name": answerable[block.tool_use_id]}
             if block.is_error:
                 turn["is_error"] = True
             results.append(turn)
