@@ -49,6 +49,21 @@ def test_no_route_documents_422(schema):
             assert "422" not in operation["responses"], (path, method)
 
 
+def test_count_tokens_schema_lists_no_field_it_refuses(schema):
+    """count_tokens refuses ``fields.NOT_COUNTED`` (max_tokens, stream, ...), so its request
+    schema does not list them, and takes no other field."""
+    from latentserve.server.fields import NOT_COUNTED
+
+    def model(path):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        return schema["components"]["schemas"][body["schema"]["$ref"].rsplit("/", 1)[1]]
+
+    assert {"max_tokens", "stream", "temperature"} <= set(model("/v1/messages")["properties"])
+    counted = model("/v1/messages/count_tokens")
+    assert not set(NOT_COUNTED) & set(counted["properties"]) and "messages" in counted[
+        "properties"] and counted["additionalProperties"] is False
+
+
 @pytest.mark.parametrize("path", sorted(BODIES))
 def test_post_route_errors_match_their_declared_bodies(server, schema, model, path):
     url = f"{server.base_url}{path}"

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
 from latentserve.server.admission import admit
@@ -89,9 +89,19 @@ class MessagesRequest(LatentFields):
 
 class CountTokensRequest(MessagesRequest):
     """``/v1/messages/count_tokens``: a Messages request without ``max_tokens`` and the other
-    fields of ``fields.NOT_COUNTED`` (each refused when sent, as Anthropic's API)."""
+    fields of ``fields.NOT_COUNTED`` (each refused when sent, as Anthropic's API, and left out
+    of its JSON schema)."""
+
+    model_config = ConfigDict(json_schema_extra=lambda schema: _counted_schema(schema))
 
     max_tokens: int | None = None
+
+
+def _counted_schema(schema: dict) -> None:
+    """CountTokensRequest's JSON schema, in place: MessagesRequest's less ``NOT_COUNTED``."""
+    for name in NOT_COUNTED:
+        schema["properties"].pop(name, None)
+    schema["additionalProperties"] = False
 
 
 def _refuse_not_counted(body: CountTokensRequest) -> None:
