@@ -183,6 +183,20 @@ def test_count_tokens_equals_message_input_tokens(anthropic_client, model):
     assert counted.input_tokens == m.usage.input_tokens
 
 
+def test_text_blocks_are_joined_as_vllm_joins_them(anthropic_client, model,
+                                                   smollm2_tokenizer):
+    """A message's text blocks become one turn a line each, the system's run together (as
+    vLLM's Anthropic route): the count equals the template on those strings."""
+    blocks = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    counted = anthropic_client.messages.count_tokens(
+        model=model, system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief"}],
+        messages=[{"role": "user", "content": blocks}])
+    ids = smollm2_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi\nthere"}],
+        add_generation_prompt=True)
+    assert counted.input_tokens == len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def test_count_tokens_refuses_head_controls_a_plain_model_would_ignore(anthropic_client, model):
     """As ``/v1/messages`` does: a compression-head header on a model without a head."""
     with pytest.raises(anthropic.BadRequestError) as info:

@@ -73,7 +73,8 @@ def test_a_refused_prompt_leaves_nothing_queued_and_the_llm_usable(tmp_path, smo
 def test_chat_template_kwargs_turn_a_heads_thinking_on_and_off(tmp_path, smollm2_dir):
     """``LLM.chat(..., chat_template_kwargs={"enable_thinking": False})`` turns the latent
     phase off, as the same kwargs do on ``/v1/chat/completions`` (``thinking`` too, a
-    string "false" as well); a ``thinking`` set in the SamplingParams wins over them."""
+    string "false" as well); a ``thinking`` set in the SamplingParams wins over them. Text
+    parts are joined a line each."""
     from tests.support.head_models import save_head_model
 
     llm = LLM(model=str(save_head_model(tmp_path / "m")))
@@ -92,6 +93,10 @@ def test_chat_template_kwargs_turn_a_heads_thinking_on_and_off(tmp_path, smollm2
     assert stats(SamplingParams(**{**_fields(p), "thinking": True}),
                  {"enable_thinking": False})["steps"] == 2
     llm.engine.cache.check_idle()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                          {"type": "text", "text": "there"}]}]
+    prompt = llm.chat(parts, SamplingParams(max_tokens=1, thinking=False), use_tqdm=False)[0]
+    assert "Hi\nthere" in prompt.prompt  # text parts a line each, as vLLM joins them
 
 
 def _fields(p):
@@ -388,9 +393,13 @@ def test_malformed_generate_arguments_are_refused_by_name(tiny_dirs):
     """A dict for ``sampling_params``, ``prompt_token_ids`` that is no list, and a seed whose
     ``seed + n - 1`` leaves the range are refused up front; numpy ids are ids."""
     llm = LLM(model=str(tiny_dirs["llama"]))
-    for bad in ({"temperature": 0}, [{"temperature": 0}]):
+    for bad in ({"temperature": 0}, [{"temperature": 0}], [SamplingParams(), None]):
         with pytest.raises(TypeError, match="^sampling_params must be a SamplingParams"):
-            llm.generate(["a"], bad, use_tqdm=False)
+            llm.generate(["a", "b"][:len(bad) if isinstance(bad, list) else 1], bad,
+                         use_tqdm=False)
+    for bad, name in ((5, "int"), (b"hi", "bytes"), (np.array([5, 6]), "ndarray")):
+        with pytest.raises(TypeError, match=f"^prompts must be a prompt .* got {name}$"):
+            llm.generate(bad, use_tqdm=False)
     with pytest.raises(ValueError, match="^prompt_token_ids must be a list of token ids"):
         llm.generate({"prompt_token_ids": None}, use_tqdm=False)
     with pytest.raises(ValueError, match=r"^seed must be at most 9223372036854775806 with n=2"):
@@ -400,5 +409,6 @@ def test_malformed_generate_arguments_are_refused_by_name(tiny_dirs):
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     a, b = llm.generate([[np.int64(5), 6, 7], [5, 6, 7]], greedy, use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    assert llm.generate([np.int64(5), 6, 7], greedy, use_tqdm=False)[0].prompt_token_ids == \
-        [5, 6, 7]
+    for prompt in ([np.int64(5), 6, 7], {"prompt_token_ids": np.array([5, 6, 7])}):
+        ids = llm.generate(prompt, greedy, use_tqdm=False)[0].prompt_token_ids
+        assert ids == [5, 6, 7] and all(type(t) is int for t in ids)

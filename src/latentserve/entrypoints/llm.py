@@ -104,6 +104,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and _is_id(prompts[0])):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a prompt (a string, a list of token ids or a "
+                            f"prompt dict) or a list of them, got {type(prompts).__name__}")
         _check_no_effect(lora_request, priority, len(prompts))
         sampling_params = self._params_list(sampling_params, len(prompts))
         if len(sampling_params) != len(prompts):
@@ -236,10 +239,10 @@ class LLM:
             return [params] * count
         many = isinstance(params, Sequence) and not isinstance(params, str)
         out = list(params) if many else [params]
-        odd = next((p for p in out if not isinstance(p, SamplingParams)), None)
-        if odd is not None:
+        odd = [p for p in out if not isinstance(p, SamplingParams)]
+        if odd:
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one "
-                            f"per prompt), got {type(odd).__name__}")
+                            f"per prompt), got {type(odd[0]).__name__}")
         return out
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -255,13 +258,13 @@ class LLM:
                 if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
                     raise ValueError(f"prompt_token_ids must be a list of token ids, got "
                                      f"{type(ids).__name__}")
-                return prompt.get("prompt"), list(ids)
+                return prompt.get("prompt"), [int(t) if _is_id(t) else t for t in ids]
             if isinstance(prompt.get("prompt"), str):
                 return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
             raise ValueError(f"a prompt dict needs 'prompt_token_ids' (a list of ids) or "
                              f"'prompt' (a string), got keys {sorted(prompt)}")
         if isinstance(prompt, list) and all(map(_is_id, prompt)):
-            return None, list(prompt)
+            return None, [int(t) for t in prompt]  # numpy's integers as Python's
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict with "
                          f"'prompt_token_ids' or 'prompt', got {type(prompt).__name__}")
 

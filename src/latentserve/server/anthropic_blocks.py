@@ -137,7 +137,7 @@ def _result_text(block: ContentBlock, param: str) -> str:
             raise APIError(f"{param}.content.{k}: only text blocks are supported in a "
                            f"tool_result, got type {part.type!r}",
                            param=f"{param}.content.{k}")
-    return "".join(part.text or "" for part in block.content)
+    return "\n".join(part.text or "" for part in block.content)
 
 
 _ALLOWED_BLOCKS = {"assistant": "text, thinking, tool_use", "user": "text, tool_result"}
@@ -191,7 +191,8 @@ def message_turns(role: str, content: str | list[ContentBlock], param: str,
                            f"{kind!r}", param=where)
     if results and not (texts or calls):
         return results
-    turn = {"role": role, "content": "".join(texts)}
+    # text blocks as vLLM joins them: a line each, the system prompt's run together
+    turn = {"role": role, "content": ("" if role == "system" else "\n").join(texts)}
     if calls:
         turn["tool_calls"] = calls
     return [*results, turn]

@@ -203,7 +203,7 @@ def message_text(message: ChatMessage, i: int) -> str:
         if part.text is None:
             raise APIError("a text content part needs a string 'text'",
                            param=f"messages[{i}].content[{j}].text")
-    return "".join(part.text for part in content)
+    return "\n".join(part.text for part in content)  # as vLLM's string content format
 
 
 def prompt_list(prompt, max_prompts: int) -> list:
