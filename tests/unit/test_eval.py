@@ -201,6 +201,9 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
 @pytest.mark.parametrize("extra,words", [
     (["--plot", "p.png"], "--plot needs --sweep"),
     (["--sweep", "max_latent=0,2", "--max-latent", "4"], "give one"),
+    (["--min-latent", "3", "--no-stop"], "--min-latent, --no-stop control a compression "
+                                         "head's latent phase, which runs only with"),
+    (["--stop-threshold", "0.5"], "--stop-threshold control"),
     (["--url", "http://127.0.0.1:9/v1"], "--url http://127.0.0.1:9/v1: no OpenAI-compatible"),
     (["--model", "no/such/dir", "--sweep", "compression_factor=1,2"],
      "(--model no/such/dir does not exist)"),

@@ -151,6 +151,11 @@ def run(args) -> int:
     budgets = parse_sweep(args.sweep)[1] if args.sweep else [args.max_latent]
     if args.sweep and args.max_latent is not None:
         raise ValueError("--max-latent and --sweep both set the latent budget; give one")
+    if controls and budgets == [None]:  # no latent phase runs: they would do nothing
+        flags = ", ".join("--no-stop" if k == "use_stop" else "--" + k.replace("_", "-")
+                          for k in controls)
+        raise ValueError(f"{flags} control a compression head's latent phase, which runs "
+                         "only with --max-latent or --sweep max_latent=...")
     items = load_items(args.dataset, args.data_file, args.limit, args.data_dir)
     if args.url:
         backend = url_backend(args.url, args.api_model, args.api_key, args.concurrency)
