@@ -3,6 +3,7 @@ write -> read round trips in both formats, every validation error, the weights_o
 the answer-budget floor and the per-request controls."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -224,6 +225,24 @@ def test_env_defaults_and_request_controls():
         (7, 4, False, 0.25, True)
     assert resolve_settings(SamplingParams(latent_budget=0), d, "prompt", True).thinking is False
     assert resolve_settings(SamplingParams(latent_budget=9), d, "prompt", True).max_latent == 9
+
+
+def test_a_floor_above_the_cap_is_refused_naming_what_set_the_cap():
+    """A ``min_latent`` the request sent above the cap (its own, or the model's default, or a
+    ``thinking_token_budget``) is a ValueError naming both; the server's default floor yields
+    to a request's lower cap; with thinking off, or a cap of 0, the floor is moot."""
+    d = {"max_latent": 32, "min_latent": 4, "use_stop": True, "stop_threshold": 0.5,
+         "min_output_tokens": 0}
+    for params, words in ((SamplingParams(min_latent=40), "this model's max_latent (32)"),
+                          (SamplingParams(min_latent=9, latent_budget=8), "latent_budget (8)"),
+                          (SamplingParams(min_latent=9, thinking_token_budget=5),
+                           "thinking_token_budget (5)")):
+        with pytest.raises(ValueError, match=re.escape(f"min_latent must be at most {words}")):
+            resolve_settings(params, d, "closed_loop", True)
+    assert resolve_settings(SamplingParams(max_latent=2), d, "closed_loop", True).min_latent == 2
+    for moot in (SamplingParams(min_latent=40, thinking=False), SamplingParams(
+            min_latent=40, max_latent=0)):
+        assert resolve_settings(moot, d, "closed_loop", True).min_latent == 40
 
 
 @pytest.mark.parametrize("field,value", [("max_latent", -1), ("min_latent", 1.5),

@@ -412,3 +412,19 @@ def test_malformed_generate_arguments_are_refused_by_name(tiny_dirs):
     for prompt in ([np.int64(5), 6, 7], {"prompt_token_ids": np.array([5, 6, 7])}):
         ids = llm.generate(prompt, greedy, use_tqdm=False)[0].prompt_token_ids
         assert ids == [5, 6, 7] and all(type(t) is int for t in ids)
+
+
+def test_generate_runs_without_the_server_stack(tiny_dirs):
+    """``LLM.generate`` (and so ``latentserve eval``) imports no pydantic or FastAPI: only
+    ``LLM.chat`` validates messages with the server's models (a GPU image without them ran
+    training, then failed every evaluation)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['pydantic'] = sys.modules['fastapi'] = None; "
+            "from latentserve import LLM, SamplingParams; "
+            f"out = LLM(model={str(tiny_dirs['llama'])!r}).generate([[5, 6, 7]], "
+            "SamplingParams(max_tokens=2), use_tqdm=False); "
+            "print(len(out[0].outputs[0].token_ids))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "2", r.stderr[-2000:]

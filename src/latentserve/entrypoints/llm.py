@@ -8,17 +8,11 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pydantic import ValidationError
-
 from latentserve.config import EngineConfig
 from latentserve.entrypoints.completion import CompletionBuilder, token_strings
 from latentserve.models.checkpoint import NO_TOKENIZER, NoTokenizer, NoTokenizerError
 from latentserve.outputs import RequestOutput
 from latentserve.sampling_params import SEED_MAX, SamplingParams, prompt_tokens_kept
-from latentserve.server.errors import APIError
-from latentserve.server.params import refuse_nested
-from latentserve.server.prompts import chat_conversation, chat_tools, render_chat
-from latentserve.server.protocol import ChatMessage, ChatTool
 
 PromptType = str | list[int] | dict
 
@@ -186,8 +180,15 @@ class LLM:
         refused). ValueError naming the message or field (``NoTokenizerError``);
         ``continue_final_message`` needs ``add_generation_prompt=False`` (as HF's template
         call, hence vLLM's ``LLM.chat``)."""
-        # NOTE: latent.head imports torch (LLM imports it at construction, not at import)
+        # NOTE: latent.head imports torch (LLM imports it at construction, not at import);
+        # the server's message models need pydantic, which generate() does not
+        from pydantic import ValidationError
+
         from latentserve.latent.head import template_thinking
+        from latentserve.server.errors import APIError
+        from latentserve.server.params import refuse_nested
+        from latentserve.server.prompts import chat_conversation, chat_tools, render_chat
+        from latentserve.server.protocol import ChatMessage, ChatTool
 
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format={chat_template_content_format!r} "

@@ -345,21 +345,24 @@ def resolve_settings(params, defaults: dict, mode: str, has_stop: bool) -> HeadS
         raise ValueError(f"latent_budget must equal max_latent when both are sent (one "
                          f"control on this model: the latent step cap), got {budget} and "
                          f"{cap_sent}; give one")
-    if cap_sent is None and budget and (params.min_latent or 0) > budget:
-        raise ValueError(f"min_latent must be at most latent_budget ({budget}), got "
-                         f"{params.min_latent}")
 
     def pick(name):
         v = getattr(params, name, None)
         return defaults[name] if v is None else v
 
-    cap = next((v for v in (params.max_latent, params.latent_budget) if v is not None),
-               defaults["max_latent"])
-    if params.thinking_token_budget is not None:
-        cap = min(cap, params.thinking_token_budget)  # one latent position a step
+    source, cap = next(((k, v) for k, v in (("max_latent", params.max_latent),
+                                            ("latent_budget", params.latent_budget))
+                        if v is not None), ("this model's max_latent", defaults["max_latent"]))
+    if params.thinking_token_budget is not None and params.thinking_token_budget < cap:
+        source, cap = "thinking_token_budget", params.thinking_token_budget  # a step a token
     thinking = params.thinking if params.thinking is not None else params.latent_budget != 0
+    floor = pick("min_latent")
+    if params.min_latent is None:
+        floor = min(floor, cap)  # a server default floor yields to the request's cap
+    elif thinking and 0 < cap < floor:  # the cap would end the phase below the floor
+        raise ValueError(f"min_latent must be at most {source} ({cap}), got {floor}")
     return HeadSettings(thinking=bool(thinking), mode=mode, max_latent=int(cap),
-                        min_latent=int(pick("min_latent")),
+                        min_latent=int(floor),
                         use_stop=bool(pick("use_stop")) and has_stop,
                         stop_threshold=float(pick("stop_threshold")),
                         min_output_tokens=int(pick("min_output_tokens")))
