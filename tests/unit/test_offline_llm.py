@@ -428,3 +428,19 @@ def test_generate_runs_without_the_server_stack(tiny_dirs):
             "print(len(out[0].outputs[0].token_ids))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.split()[-1] == "2", r.stderr[-2000:]
+
+
+def test_params_changed_after_construction_are_checked_again(tiny_dirs):
+    """A field set on a SamplingParams after it was built is checked (or normalized) as at
+    construction when ``generate`` takes it, and the engine runs on a copy."""
+    llm = LLM(model=str(tiny_dirs["llama"]))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    for field, value in (("temperature", float("nan")), ("n", 0), ("seed", "a")):
+        changed = SamplingParams(temperature=0, max_tokens=2)
+        setattr(changed, field, value)
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            llm.generate([[5, 6, 7]], changed, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    params.stop_token_ids = None  # normalized to [] as at construction
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 2 and params.stop_token_ids is None

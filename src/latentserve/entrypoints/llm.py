@@ -233,18 +233,20 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_list(self, params, count: int) -> list[SamplingParams]:
-        """``params`` as a list: None -> the defaults, one -> ``count`` of it."""
+        """``params`` as a list: None -> the defaults, one -> ``count`` of it; each checked
+        again as at construction (a field set afterwards is refused or normalized as there)
+        and copied, so a change after the call reaches no running request."""
         if params is None:
             params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
-            return [params] * count
+            return [dataclasses.replace(params)] * count
         many = isinstance(params, Sequence) and not isinstance(params, str)
         out = list(params) if many else [params]
         odd = [p for p in out if not isinstance(p, SamplingParams)]
         if odd:
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one "
                             f"per prompt), got {type(odd[0]).__name__}")
-        return out
+        return [dataclasses.replace(p) for p in out]
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
