@@ -87,21 +87,21 @@ class MessagesRequest(LatentFields):
     fallback_credit_token: str | dict[str, Any] | None = None
 
 
-class CountTokensRequest(MessagesRequest):
-    """``/v1/messages/count_tokens``: a Messages request without ``max_tokens`` and the other
-    fields of ``fields.NOT_COUNTED`` (each refused when sent, as Anthropic's API, and left out
-    of its JSON schema)."""
-
-    model_config = ConfigDict(json_schema_extra=lambda schema: _counted_schema(schema))
-
-    max_tokens: int | None = None
-
-
 def _counted_schema(schema: dict) -> None:
     """CountTokensRequest's JSON schema, in place: MessagesRequest's less ``NOT_COUNTED``."""
     for name in NOT_COUNTED:
         schema["properties"].pop(name, None)
     schema["additionalProperties"] = False
+
+
+class CountTokensRequest(MessagesRequest):
+    """``/v1/messages/count_tokens``: a Messages request without ``max_tokens`` and the other
+    fields of ``fields.NOT_COUNTED`` (each refused when sent, as Anthropic's API, and left out
+    of its JSON schema)."""
+
+    model_config = ConfigDict(json_schema_extra=_counted_schema)
+
+    max_tokens: int | None = None
 
 
 def _refuse_not_counted(body: CountTokensRequest) -> None:
