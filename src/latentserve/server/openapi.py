@@ -42,8 +42,8 @@ _WHY = {
     404: "no such model, or no such route",
     413: "request body over --max-request-body-bytes",
     415: "a compressed body (Content-Encoding other than identity)",
-    503: "overloaded (Retry-After; --max-waiting-requests, --queue-timeout, the tokenizer "
-         "pool) or the engine is gone",
+    503: "overloaded (Retry-After; --max-waiting-requests, --queue-timeout) or the engine is "
+         "gone",
     529: "overloaded (Anthropic's overloaded_error, with Retry-After)",
 }
 
