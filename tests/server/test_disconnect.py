@@ -75,3 +75,40 @@ def test_n2_stream_disconnect_aborts_both_choices_and_frees_every_slot(server, h
     after = wait_idle(http)
     assert after["aborts_sent"] - before == 2
     assert_slots_invariant(after)
+
+
+def test_a_stream_aborted_before_its_first_output_is_aborted_once(monkeypatch):
+    """A client that leaves while its stream waits for the first output (queued) gets one
+    abort per engine request, not a second one from the watcher of the stream's body (the
+    count behind ``/health``'s ``aborts_sent``)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from latentserve.server import serving
+    from latentserve.server.generation import TextDelta
+
+    aborted: list[str] = []
+
+    async def receive():
+        await asyncio.sleep(0)
+        return {"type": "http.disconnect"}
+
+    async def deltas(state, reqs, arrival, ticket):
+        await asyncio.sleep(0.05)  # queued: the watcher sees the disconnect first
+        yield 0, TextDelta("", "abort", 0, [])
+
+    async def chunks(items):
+        async for _, delta in items:
+            await asyncio.sleep(0.05)  # the body's own watcher runs meanwhile
+            yield {"finish_reason": delta.finish_reason}
+
+    async def main():
+        monkeypatch.setattr(serving, "_deltas", deltas)
+        state = SimpleNamespace(client=SimpleNamespace(abort=aborted.append))
+        reqs = [SimpleNamespace(rid="r-0")]
+        response = await serving.stream(SimpleNamespace(receive=receive), state, reqs, None,
+                                        None, chunks)
+        return [part async for part in response.body_iterator]
+
+    body = asyncio.run(main())
+    assert aborted == ["r-0"] and body[-1] == "data: [DONE]\n\n"

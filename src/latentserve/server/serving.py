@@ -75,17 +75,20 @@ class ChoiceResult(TextDelta):
 
 @asynccontextmanager
 async def _abort_on_disconnect(request, state, reqs: list[EngineRequest]):
-    """Abort ``reqs`` if the HTTP client disconnects while the block runs."""
+    """Abort ``reqs`` if the HTTP client disconnects while the block runs; yields a list that
+    holds True once it has (a later watcher of the same requests then aborts nothing)."""
+    seen: list[bool] = []
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        seen.append(True)
         for r in reqs:
             state.client.abort(r.rid)
 
     task = asyncio.create_task(watch())
     try:
-        yield
+        yield seen
     finally:
         task.cancel()
 
@@ -140,7 +143,7 @@ async def stream(request, state, reqs: list[EngineRequest], arrival: float | Non
     from fastapi.responses import StreamingResponse
 
     deltas = _deltas(state, reqs, arrival, ticket)
-    async with _abort_on_disconnect(request, state, reqs):
+    async with _abort_on_disconnect(request, state, reqs) as gone:
         try:
             first = await anext(deltas)
         except ENGINE_ERRORS as exc:
@@ -149,7 +152,7 @@ async def stream(request, state, reqs: list[EngineRequest], arrival: float | Non
 
     async def events() -> AsyncIterator[str]:
         body = chunks(_chain(first, deltas))
-        async with _abort_on_disconnect(request, state, reqs), aclosing(body):
+        async with _abort_on_disconnect(request, state, [] if gone else reqs), aclosing(body):
             try:
                 async for chunk in body:
                     yield chunk if isinstance(chunk, str) else \
