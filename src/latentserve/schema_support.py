@@ -21,6 +21,10 @@ _IGNORED = {
     "dependentRequired": "it is not enforced", "dependentSchemas": "it is not enforced",
     "dependencies": "it is not enforced",
 }
+# Bounds on a value, none of them enforced beside ``enum`` or ``const``.
+_BOUNDS = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum",
+           "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems", "maxItems",
+           "minProperties", "maxProperties")
 # ``format`` values enforced on a ``"type": "string"`` schema.
 FORMATS = frozenset((
     "email", "date", "date-time", "time", "duration", "uri", "uri-reference", "uri-template",
@@ -34,7 +38,8 @@ def unenforced(schema, path: str = "") -> str | None:
     true, ``allOf`` with more than one subschema, a ``$ref`` that is not local (``#`` or
     ``#/...``), a ``format`` outside :data:`FORMATS` or on a schema that is not a string,
     ``oneOf`` branches not provably disjoint (followed as ``anyOf``), ``minLength``/
-    ``maxLength`` beside ``pattern`` or ``format`` (the length is dropped), a ``required``
+    ``maxLength`` beside ``pattern`` or ``format`` (the length is dropped), a bound (length,
+    range, pattern, format, item or property count) beside ``enum`` or ``const``, a ``required``
     property that ``additionalProperties: false`` forbids. ``path``: a JSON pointer into
     ``schema``."""
     return _walk(schema, path, schema)
@@ -129,6 +134,11 @@ def _own(s: dict, path: str, root) -> str | None:
         return (f"{path}/format: only {', '.join(sorted(FORMATS))} on a string are enforced, "
                 f"got {s['format']!r}" + ("" if s.get("type") == "string" else
                                           f" on type {s.get('type')!r}") + "; leave it out")
+    listed = next((k for k in ("const", "enum") if k in s), None)
+    bound = next((k for k in _BOUNDS if k in s), None)
+    if listed and bound:
+        return (f"{path}/{bound}: not enforced beside {listed} (only its values are); list "
+                "only the values it allows")
     length = next((k for k in ("minLength", "maxLength") if k in s), None)
     beside = next((k for k in ("pattern", "format") if k in s), None)
     if length and beside:

@@ -27,6 +27,9 @@ REFUSED = [
     ({"type": "integer", "format": "int32"}, "99999999999", "/format"),
     ({"$defs": {"x": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"}, '"x"', "/$ref"),
     ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaa"', "/maxLength"),
+    ({"type": "string", "enum": ["a", "bb"], "minLength": 2}, '"a"', "/minLength"),
+    ({"type": "integer", "enum": [1, 50], "maximum": 10}, "50", "/maximum"),
+    ({"const": "abc", "pattern": "^x"}, '"abc"', "/pattern"),
     ({"type": "string", "format": "email", "minLength": 9}, '"a@b.com"', "/minLength"),
     ({"type": "object", "properties": {"p": {"type": "array", "items": {"type": "boolean"},
                                              "uniqueItems": True}}},
@@ -47,6 +50,7 @@ ENFORCED = [
       "oneOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}, '{"k": "a", "y": 1}'),
     ({"type": "string", "format": "email"}, '"a"'),
     ({"type": "string", "pattern": "^a{1,2}$"}, '"aaa"'),
+    ({"type": "string", "enum": ["a", "bb"], "title": "T"}, '"c"'),
     ({"type": "object", "properties": {"not": {"type": "integer"}}}, '{"not": "a"}'),
     ({**OBJ, "required": ["a"], "additionalProperties": False}, "{}"),
 ]
