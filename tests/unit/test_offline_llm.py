@@ -427,7 +427,7 @@ def test_generate_runs_without_the_server_stack(tiny_dirs):
             "SamplingParams(max_tokens=2), use_tqdm=False); "
             "print(len(out[0].outputs[0].token_ids))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.split()[-1] == "2", r.stderr[-2000:]
+    assert r.returncode == 0 and r.stdout.split()[-1:] == ["2"], r.stderr[-2000:]
 
 
 def test_params_changed_after_construction_are_checked_again(tiny_dirs):
