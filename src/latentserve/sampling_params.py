@@ -250,8 +250,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         p = self.param
-        given = [k for k in self.KINDS if getattr(self, k) is not None and not (
-            k == "json_object" and self.json_object is False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"{p} must set exactly one of {', '.join(self.KINDS)}, got "
                              f"{', '.join(given) if given else 'none'}")
@@ -296,11 +295,16 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True, False):
             raise ValueError(f"{p} json_object must be a boolean, got {self.json_object!r}")
 
+    def _given(self) -> list[str]:
+        """The ``KINDS`` set (``json_object`` False is not set; ``json`` False is: the schema
+        false)."""
+        return [k for k in self.KINDS if getattr(self, k) is not None and not (
+            k == "json_object" and self.json_object is False)]
+
     @property
     def kind(self) -> str:
         """Which of ``KINDS`` is set."""
-        return next(k for k in self.KINDS if getattr(self, k) is not None and not (
-            k == "json_object" and self.json_object is False))
+        return self._given()[0]
 
 
 def _check_truncation(k) -> None:
