@@ -6,7 +6,36 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never download from the hu
 # Spinning OpenMP waits stall every op on a shared 2-core machine (set before torch loads).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import shutil
+
 import pytest
+
+_failed_modules: set[str] = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Note the modules with a failed test (setup, call or teardown): their directories stay."""
+    report = yield
+    if report.failed:
+        _failed_modules.add(item.nodeid.split("::")[0])
+    return report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_tmp_dirs(request, tmp_path_factory):
+    """Remove the temporary directories made while a module ran (its fixtures' tiny
+    checkpoints) when it ends, unless one of its tests failed; those of session fixtures
+    (named ``session-*``) stay. Set up before the module's other fixtures, so torn down
+    after them. Without it a run holds about 3 GB under the base temporary directory."""
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.node.nodeid in _failed_modules:
+        return
+    for path in set(base.iterdir()) - before:
+        if not path.name.startswith("session-"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +60,7 @@ def tiny_dirs(tmp_path_factory, smollm2_dir):
     """``kind -> checkpoint dir`` for every tiny kind (built once per session)."""
     from latentserve.bench.baseline.tiny_models import save_tiny
 
-    root = tmp_path_factory.mktemp("tiny")
+    root = tmp_path_factory.mktemp("session-tiny")
     return {k: save_tiny(root / k, k) for k in ("llama", "llama-untied", "qwen2", "gpt2")}
 
 
@@ -42,7 +71,7 @@ def small_vocab_dirs(tmp_path_factory):
     takes 66 programs a call instead of SmolLM2's 384, for the fast-path tests."""
     from latentserve.bench.baseline.tiny_models import save_tiny
 
-    root = tmp_path_factory.mktemp("tiny-small-vocab")
+    root = tmp_path_factory.mktemp("session-tiny-small-vocab")
     return {k: save_tiny(root / k, k, word_tokenizer=True, vocab_size=4224)
             for k in ("llama", "qwen2")}
 

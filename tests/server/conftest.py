@@ -45,13 +45,13 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir):
     """Tiny random Llama (hidden 64, 2 layers, 4/2 heads, 256 positions, vocab 49152)."""
     from latentserve.bench.baseline.tiny_models import save_tiny
 
-    return save_tiny(tmp_path_factory.mktemp("server") / "tiny-llama", "llama",
+    return save_tiny(tmp_path_factory.mktemp("session-server") / "tiny-llama", "llama",
                      max_position_embeddings=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="session")
 def scripted_model_dir(tmp_path_factory, smollm2_dir):
-    return save_scripted(tmp_path_factory.mktemp("server") / "scripted-llama", script())
+    return save_scripted(tmp_path_factory.mktemp("session-server") / "scripted-llama", script())
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +60,7 @@ def tool_chat_dir(tmp_path_factory, smollm2_dir):
     (``server_testlib.scripted_chat``)."""
     from latentserve.models.checkpoint import load_tokenizer
 
-    out = tmp_path_factory.mktemp("server") / "tool-chat"
+    out = tmp_path_factory.mktemp("session-server") / "tool-chat"
     tok = load_tokenizer(smollm2_dir)
     tail = {t: tok.encode(f"<|im_start|>assistant{t}")[-1]
             for t in ("", " with the result", " thinking")}
@@ -106,7 +106,7 @@ def colar_key_server(tmp_path_factory):
     from latentserve.server.launch import start_server
     from tests.support.colar_models import save_colar_tiny
 
-    d = save_colar_tiny(tmp_path_factory.mktemp("colar-key") / "m", stop_push=16.0,
+    d = save_colar_tiny(tmp_path_factory.mktemp("session-colar-key") / "m", stop_push=16.0,
                         compression_factor=2, max_compression_factor=5, max_latent=12)
     srv = start_server(EngineConfig(model=str(d), max_num_seqs=4), timeout=300,
                        api_key=API_KEY)
