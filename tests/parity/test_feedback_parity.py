@@ -130,3 +130,20 @@ def test_codi_never_samples_eot(latent_dirs):
     assert boosted == plain
     assert all(eot not in answer for answer in boosted)
     engine.cache.check_idle()
+
+
+def test_thinking_off_runs_no_latent_steps_and_refuses_a_budget(latent_dirs):
+    """``thinking=False`` on a feedback model is ``latent_budget=0`` (the same answer, no
+    latent step); with a budget above 0 as well it is a ValueError naming both."""
+    from latentserve import LLM, SamplingParams
+
+    llm = LLM(model=str(latent_dirs["coconut-llama"]))
+    prompt = {"prompt_token_ids": shared_prefix_prompts()[1]}
+    off, zero, default = (
+        llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, **kw))[0].outputs[0]
+        for kw in ({"thinking": False}, {"latent_budget": 0}, {}))
+    assert off.token_ids == zero.token_ids and off.latent_steps == zero.latent_steps == 0
+    assert default.latent_steps == llm.engine.latent_spec.default_budget > 0
+    with pytest.raises(ValueError, match="thinking is false but latent_budget is 3"):
+        llm.generate([prompt], SamplingParams(thinking=False, latent_budget=3))
+    llm.engine.cache.check_idle()

@@ -164,6 +164,14 @@ def test_budget_above_the_cap_is_rejected_naming_the_field(loop_dirs):
     engine.cache.check_idle()
 
 
+def test_thinking_off_is_refused_the_block_always_runs(loop_dirs):
+    engine = _engine(loop_dirs["pccot-gpt2"])
+    with pytest.raises(ValueError, match="thinking cannot be false on a looped-block model"):
+        engine.add_request("x", [1, 2, 3], SamplingParams(thinking=False))
+    assert not engine.has_unfinished_requests()
+    engine.cache.check_idle()
+
+
 def test_offline_llm_serves_mixed_budgets_and_reports_block_positions(loop_dirs, references):
     """The user path: ``LLM.generate`` with one ``SamplingParams`` per prompt; the engine's
     final outputs count block size x passes as latent steps."""

@@ -124,6 +124,37 @@ def test_bad_budget_is_a_400_naming_it_and_the_server_goes_on(body, headers, par
         assert_slots_invariant(wait_idle(http))
 
 
+def test_thinking_off_runs_no_latent_step_on_every_route(latent_server, coconut_dir):
+    """Body ``thinking: false``, its header, template kwargs and Anthropic's disabled
+    thinking block each run no latent step; beside a budget above 0 it is a 400."""
+    base = latent_server.base_url
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = {"messages": msgs, "max_tokens": 3, "temperature": 0}
+    for path, body, headers in (
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "thinking": False}, {}),
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3},
+             {"x-latent-thinking": "off"}),
+            ("/v1/chat/completions", {**chat, "thinking": False}, {}),
+            ("/v1/chat/completions", {**chat, "chat_template_kwargs": {"enable_thinking": False}},
+             {})):
+        r = httpx.post(base + path, json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, (path, body, r.text)
+        assert r.json()["choices"][0]["latent"] is None  # no latent step ran
+    r = httpx.post(base + "/v1/messages", timeout=60, json={
+        "model": str(coconut_dir), "max_tokens": 3, "messages": msgs,
+        "thinking": {"type": "disabled"}})
+    assert r.status_code == 200, r.text
+    assert not [b for b in r.json()["content"] if b["type"] == "thinking"]
+    r = httpx.post(base + "/v1/chat/completions", timeout=60,
+                   json={**chat, "chat_template_kwargs": {"enable_thinking": 0}})
+    assert r.status_code == 400, r.text  # 0 is no boolean: refused, not ignored
+    assert r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
+    r = _complete(latent_server, {"thinking": False, "latent_budget": 2})
+    assert r.status_code == 400 and "latent_budget is 2" in r.json()["error"]["message"]
+    with httpx.Client(base_url=base) as http:
+        assert_slots_invariant(wait_idle(http))
+
+
 def test_messages_route_takes_the_budget_too(latent_server, coconut_dir):
     body = {"model": str(coconut_dir), "max_tokens": 3,
             "messages": [{"role": "user", "content": "hi"}]}

@@ -51,9 +51,18 @@ def test_thinking_from_template_kwargs_below_body_and_header():
     assert head_controls(_Req({}), _body(), {"thinking": False})["thinking"] is False
     assert head_controls(_Req({}), _body(thinking=False), {"thinking": True})["thinking"] is False
     assert head_controls(_Req({"x-latent-thinking": "1"}), _body(thinking=False))["thinking"]
-    # a stringified boolean counts; another string is the template's business
+    # a stringified boolean counts, a null is unset; any other value is a 400 naming the key
     assert head_controls(_Req({}), _body(), {"enable_thinking": "false"})["thinking"] is False
-    assert head_controls(_Req({}), _body(), {"enable_thinking": "maybe"})["thinking"] is None
+    assert head_controls(_Req({}), _body(), {"enable_thinking": None})["thinking"] is None
+
+
+@pytest.mark.parametrize("key", ["thinking", "enable_thinking"])
+@pytest.mark.parametrize("value", [0, 1, "maybe", [], {"a": 1}, 0.5])
+def test_template_thinking_other_than_a_boolean_is_a_400(key, value):
+    with pytest.raises(APIError) as e:
+        head_controls(_Req({}), _body(), {key: value})
+    assert e.value.param == f"chat_template_kwargs.{key}"
+    assert str(e.value).startswith(f"chat_template_kwargs.{key} must be")
 
 
 @pytest.mark.parametrize("header,value", [("x-latent-max", "-3"), ("x-ds4-max-latent", "ten"),

@@ -176,7 +176,10 @@ class BudgetedFamily(Family):
 
     def admit(self, prompt_ids: list[int], params: SamplingParams) -> Admission:
         spec = self.spec
-        budget = spec.resolve_budget(params.latent_budget)
+        requested = params.latent_budget
+        if params.thinking is False:
+            requested = self.budget_without_thinking(requested)
+        budget = spec.resolve_budget(requested)
 
         def start(req: Req) -> None:
             req.prompt_ids += spec.start_ids
@@ -185,6 +188,14 @@ class BudgetedFamily(Family):
             req.state = self.new_state(req, budget)
 
         return Admission(params, spec.prompt_extra(budget), start)
+
+    def budget_without_thinking(self, requested: int | None) -> int:
+        """The budget of a request with ``thinking`` false: no latent steps. ValueError when
+        it also asks for some (``requested`` > 0)."""
+        if requested:
+            raise ValueError(f"thinking is false but latent_budget is {requested}; send one "
+                             "or the other")
+        return 0
 
     def thinking(self, req: Req) -> bool:
         return req.answer_start is None and len(req.latent_embeds) < req.latent_budget

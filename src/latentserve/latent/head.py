@@ -239,16 +239,17 @@ def fp32_tiling(m: int, k: int, n: int, num_sms: int = 132) -> tuple[int, int]:
 
 def template_thinking(template_kwargs: dict | None) -> bool | None:
     """Thinking on or off per ``template_kwargs`` ``thinking``, else ``enable_thinking``
-    (a bool or bool string); None when neither is."""
+    (a bool or bool string); None when neither is set (a null is not set). Raises
+    ValueError naming ``chat_template_kwargs.<key>`` for any other value (0, "maybe", [])."""
     for key in ("thinking", "enable_thinking"):
         value = (template_kwargs or {}).get(key)
         if isinstance(value, str):  # "false" from a client that stringifies kwargs
-            try:
-                value = parse_bool(f"chat_template_kwargs.{key}", value)
-            except ValueError:
-                continue
+            value = parse_bool(f"chat_template_kwargs.{key}", value)
         if isinstance(value, bool):
             return value
+        if value is not None:
+            raise ValueError(f"chat_template_kwargs.{key} must be true or false, got "
+                             f"{value!r}")
     return None
 
 

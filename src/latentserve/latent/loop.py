@@ -68,6 +68,12 @@ class LoopFamily(BudgetedFamily):
                              f"{params.thinking_token_budget}")
         return params
 
+    def budget_without_thinking(self, requested: int | None) -> int:
+        """ValueError: the block's latent positions are always there (the budget adds passes)."""
+        raise ValueError(f"thinking cannot be false on {self.description}: its block of "
+                         f"{self.spec.block_size} latent positions always runs (latent_budget "
+                         "sets its passes after the first)")
+
     def new_state(self, req: Req, budget: int) -> LoopState:
         return LoopState(req.latent_start, self.spec.block_size, budget)
 

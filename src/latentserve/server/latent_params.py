@@ -106,7 +106,10 @@ def head_controls(http_request, body: SamplingRequest,
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
     if out["thinking"] is None:
-        out["thinking"] = template_thinking(template_kwargs)
+        try:
+            out["thinking"] = template_thinking(template_kwargs)
+        except ValueError as e:
+            raise APIError(str(e), param=str(e).split()[0]) from None
     headers = _headers(http_request)
     for name, (hdr, alias, kind) in HEAD_HEADERS.items():
         used = hdr if headers.get(hdr) is not None or alias is None else alias
@@ -258,5 +261,8 @@ def latent_controls(http_request, body, spec, template_kwargs: dict | None = Non
     refuse_unknown_headers(http_request)
     budget = latent_budget(http_request, body, spec)
     head = head_controls(http_request, body, template_kwargs)
+    if head["thinking"] is False and budget is None and spec is not None \
+            and spec.kind == "feedback":
+        budget = 0  # thinking off: no latent steps (the engine's rule: latent/family.py)
     refuse_head_controls(http_request, body, head, spec)
     return budget, head, refuse_stream_steps(http_request, body, spec)
