@@ -155,6 +155,18 @@ def test_thinking_off_runs_no_latent_step_on_every_route(latent_server, coconut_
         assert_slots_invariant(wait_idle(http))
 
 
+def test_latent_steps_are_counted_in_the_metrics(latent_server):
+    def total():
+        text = httpx.get(f"{latent_server.base_url}/metrics", timeout=30).text
+        return float(next(x for x in text.splitlines()
+                          if x.startswith("latentserve_latent_steps_total")).rsplit(" ", 1)[1])
+
+    before = total()
+    assert _complete(latent_server, {"latent_budget": 3}).status_code == 200
+    assert _complete(latent_server, {"latent_budget": 0}).status_code == 200
+    assert total() == before + 3
+
+
 def test_messages_route_takes_the_budget_too(latent_server, coconut_dir):
     body = {"model": str(coconut_dir), "max_tokens": 3,
             "messages": [{"role": "user", "content": "hi"}]}

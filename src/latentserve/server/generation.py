@@ -118,8 +118,8 @@ async def generate_text(state, rid: str, prompt_ids: list[int], params: Sampling
                 if detok.stopped is not None or out.finished:
                     stopped = detok.stopped is not None  # returning aborts the engine request
                     reason = "stop" if stopped else out.finish_reason
-                    if timer is not None and stats is not None:
-                        timer.latent(stats)
+                    if timer is not None:
+                        timer.latent(out.latent_steps, stats)
                     yield delta(text if stopped else text + detok.flush(), reason, out,
                                 detok.decoded_len if stopped else None, stop_string=detok.stopped)
                     return

@@ -68,11 +68,14 @@ class RequestTimer:
         self.last = now
         self.num_tokens += n
 
-    def latent(self, stats: dict) -> None:
-        """Count a compression-head request's latent steps (thinking on only)."""
-        if stats.get("thinking"):
-            self.metrics.latent_steps.inc(stats["steps"])
-            self.metrics.latent_steps_per_request.observe(stats["steps"])
+    def latent(self, steps: int, stats: dict | None) -> None:
+        """Count a finished request's ``steps`` latent steps (a compression head's ``stats``
+        steps instead); one that thought none (a head's thinking off) is not counted."""
+        if stats is not None:
+            steps = stats["steps"] if stats.get("thinking") else 0
+        if steps > 0:
+            self.metrics.latent_steps.inc(steps)
+            self.metrics.latent_steps_per_request.observe(steps)
 
     def finish(self, finish_reason: str | None, num_prompt_tokens: int) -> None:
         if self.done:
@@ -166,13 +169,14 @@ _HISTOGRAMS = {
     "params_max_tokens": ("request_params_max_tokens",
                           "The max_tokens request parameter (when set)", None),
     "latent_steps_per_request": ("latent_steps_per_request",
-                                 "Latent steps per compression-head request (thinking on)",
+                                 "Latent steps per request that ran some",
                                  (1, 2, 4, 8, 16, 32, 64, 128, 256)),
 }
 _COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens received"),
     "generation_tokens": ("generation_tokens", "Tokens generated"),
-    "latent_steps": ("latent_steps", "Latent steps run by compression-head requests"),
+    "latent_steps": ("latent_steps", "Latent steps run (feedback, looped-block and "
+                     "compression-head requests)"),
 }
 
 
