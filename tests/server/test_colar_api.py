@@ -53,6 +53,16 @@ def test_defaults_come_from_colar_config(colar_server):
     assert "stop_threshold" not in s and "min_output_tokens" not in s
 
 
+def test_card_lists_latent_budget_the_alias_of_max_latent(colar_server):
+    card = httpx.get(f"{colar_server.base_url}/v1/models", timeout=30).json()["data"][0]
+    controls = card["latent"]["controls"]
+    assert controls[controls.index("max_latent") + 1] == "latent_budget"
+    assert _stats(_complete(colar_server, {"latent_budget": 2}))["max_latent"] == 2
+    assert _stats(_complete(colar_server, {}, {"x-latent-budget": "3"}))["max_latent"] == 3
+    assert "latent_budget must equal max_latent" in _openai_400(
+        _complete(colar_server, {"latent_budget": 2, "max_latent": 4}), "latent_budget")
+
+
 def test_body_field_and_header_precedence(colar_server):
     assert _stats(_complete(colar_server, {"compression_factor": 4}))["compression_factor"] == 4
     s = _stats(_complete(colar_server, {"compression_factor": 4},

@@ -118,7 +118,8 @@ function showControls() {
   box.classList.toggle("none", !lat);
   for (const name of lat ? lat.controls : []) {
     const spec = CONTROLS[name];
-    if (!spec) continue;
+    // a head's latent_budget is its max_latent again: one input is enough
+    if (!spec || (name === "latent_budget" && lat.controls.includes("max_latent"))) continue;
     let input;
     if (spec[0] === "bool") {
       input = el("select", { id: "c_" + name },
