@@ -24,7 +24,8 @@ def test_cap_lowers_the_max_and_a_default_above_it():
     (HUGINN, 9, r"max_latent_budget must be in \[1, 8\]"),
     (OURO, 7, r"max_latent_budget must be in \[1, 6\]"),
     (None, 4, "not a plain model"),
-    (LatentSpec(kind="head", family="head", default_budget=0), 4, "use max_latent"),
+    (LatentSpec(kind="head", family="head", default_budget=0), 4,
+     "looped-block and recurrent-depth models, not a compression head"),
 ])
 def test_cap_outside_what_the_model_allows_is_refused_by_name(spec, cap, words):
     with pytest.raises(ValueError, match=words):

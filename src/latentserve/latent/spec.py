@@ -90,9 +90,10 @@ def cap_budget(spec: LatentSpec | None, cap: int | None) -> LatentSpec | None:
     if cap is None:
         return spec
     if spec is None or spec.kind == "head":
-        what = "a plain model" if spec is None else "a compression head (use max_latent)"
-        raise ValueError(f"max_latent_budget applies to feedback and recurrent-depth models, "
-                         f"not {what}")
+        what = ("a plain model" if spec is None else "a compression head (a request's "
+                "max_latent caps its steps, and the context always does)")
+        raise ValueError(f"max_latent_budget applies to feedback, looped-block and "
+                         f"recurrent-depth models, not {what}")
     lo = max(spec.min_budget, 1)
     if not lo <= cap <= spec.max_budget:
         raise ValueError(f"max_latent_budget must be in [{lo}, {spec.max_budget}] for this "
