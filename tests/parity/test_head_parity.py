@@ -180,6 +180,31 @@ def test_floor_raises_max_tokens_and_latent_steps_count(head_dirs):
     engine.cache.check_idle()
 
 
+def test_latent_phase_leaves_room_for_an_answer_token_near_the_context_end(head_dirs):
+    """A cap past the context is held to the steps that leave room for the closing ids and
+    one answer token (it used to end in the latent phase with no answer); a floor that does
+    not fit is a ValueError naming min_latent."""
+    engine = LLMEngine(EngineConfig(model=str(head_dirs["closed_loop"]), max_model_len=48))
+    prompt = shared_prefix_prompts()[2]
+    room = 48 - len(prompt) - len(engine.latent_spec.start_ids) - \
+        len(engine.latent_spec.end_ids) - 1
+    assert room > 0
+    engine.add_request("r", prompt, SamplingParams(
+        temperature=0.0, ignore_eos=True, max_latent=2**64, use_stop=False))
+    toks, final = [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            toks += o.new_token_ids
+            final = o if o.finished else final
+    stats = final.latent_stats
+    assert stats["steps"] == stats["max_latent"] == room and stats["end"] == "cap"
+    assert final.finish_reason == "length" and len(toks) == 1  # the one answer token
+    with pytest.raises(ValueError, match=f"min_latent must be at most {room} for this prompt"):
+        engine.add_request("m", prompt, SamplingParams(max_latent=2**64, min_latent=2**62))
+    assert not engine.has_unfinished_requests()
+    engine.cache.check_idle()
+
+
 def test_thinking_off_is_the_bare_backbone_and_says_so(head_dirs):
     d = head_dirs["closed_loop"]
     engine = LLMEngine(EngineConfig(model=str(d)))
@@ -276,16 +301,4 @@ def test_smollm2_with_random_head_matches_reference(mode, smollm2_dir, tmp_path)
                                     mode=mode, max_tokens=12, eos_ids=engine.eos_ids, **c)
             for p, c in cases]
     _assert_matches(mode, results, refs, cases)
-    engine.cache.check_idle()
-
-
-def test_context_spent_inside_latent_phase_finishes_with_length(head_dirs):
-    engine = LLMEngine(EngineConfig(model=str(head_dirs["closed_loop"]), max_model_len=40))
-    prompt = list(range(100, 120))
-    (toks, reason, stats, _), = _run(engine, [(prompt, {"max_latent": 30, "use_stop": False})],
-                                     max_tokens=100)
-    n = len(prompt) + len(engine.latent_spec.start_ids)
-    # room is left for the closing ids: seq_len + closing < max_model_len after each step
-    assert reason == "length" and toks == [] and stats["end"] == "length"
-    assert stats["steps"] == 40 - len(engine.latent_spec.end_ids) - n
     engine.cache.check_idle()

@@ -70,13 +70,15 @@ class HeadFamily(Family):
                                   model.latent_head.has_stop)
             hs.end_ids = spec.end_ids if hs.mode == "closed_loop" else ()
             k, start_ids = len(spec.start_ids), ()
+            if hs.thinking and list(prompt_ids[-k:]) != list(spec.start_ids):
+                start_ids = spec.start_ids
+            if hs.thinking and hs.mode == "closed_loop":
+                self._fit_context(hs, len(prompt_ids) + len(start_ids))
             if hs.thinking:
                 cap = hs.max_latent if hs.mode == "closed_loop" else 0
                 floor = apply_output_floor(params.max_tokens, hs.min_output_tokens, cap)
                 if floor != params.max_tokens:
                     params = dataclasses.replace(params, max_tokens=floor)
-                if list(prompt_ids[-k:]) != list(spec.start_ids):
-                    start_ids = spec.start_ids
 
         def start(req: Req) -> None:
             req.state = hs
@@ -86,6 +88,20 @@ class HeadFamily(Family):
 
         return Admission(params, len(start_ids) + (len(hs.end_ids) if hs.thinking else 0),
                          start)
+
+    def _fit_context(self, hs, n: int) -> None:
+        """Hold ``hs.max_latent`` to the latent steps that leave room, after a prompt of
+        ``n`` positions, for the closing ids and one answer token. ValueError when
+        ``hs.min_latent`` does not fit (a prompt too long for any is the engine's error)."""
+        room = self.engine.max_model_len - n - len(hs.end_ids) - 1
+        if room < 0:
+            return
+        if hs.min_latent > room:
+            raise ValueError(f"min_latent must be at most {room} for this prompt: its {n} "
+                             f"positions, the closing ids and one answer token leave room for "
+                             f"{room} latent steps in max_model_len {self.engine.max_model_len},"
+                             f" got {hs.min_latent}")
+        hs.max_latent = min(hs.max_latent, room)
 
     def thinking(self, req: Req) -> bool:
         return req.answer_start is None and req.state is not None
