@@ -184,6 +184,28 @@ def test_colar_controls_reach_sampling_params_and_the_floor_stays_off():
     assert request_steps(dataclasses.replace(p, thinking=False), _spec("colar"), 3, 512) == 16
 
 
+def test_feedback_and_loop_latent_positions_count_toward_the_request_limit():
+    from latentserve.latent.spec import LatentSpec
+    from latentserve.sampling_params import SamplingParams
+    from latentserve.server.params import check_request_steps, request_steps
+    from latentserve.server.state import ServerLimits
+
+    coconut = LatentSpec(kind="feedback", family="coconut", default_budget=6, max_budget=8,
+                         start_ids=(1,), end_ids=(2,))
+    lotus = LatentSpec(kind="loop", family="lotus", default_budget=3, max_budget=8,
+                       start_ids=(1,), end_ids=(2,), block_size=16, loop_rule="same")
+    p = SamplingParams(max_tokens=10)
+    assert request_steps(p, coconut, 3, 512) == 10 + 1 + 6 + 1
+    assert request_steps(dataclasses.replace(p, latent_budget=0), coconut, 3, 512) == 12
+    assert request_steps(p, lotus, 3, 512) == 10 + 1 + 16 + 1
+    state = SimpleNamespace(max_model_len=512, latent_spec=lotus, sampling_defaults=None,
+                            limits=ServerLimits(max_request_output_tokens=100))
+    check_request_steps([([1, 2, 3], p)] * 3, 1, "max_tokens", state)  # 3 x 28 = 84
+    with pytest.raises(APIError, match="got 112 .* plus up to 18 latent positions") as e:
+        check_request_steps([([1, 2, 3], p)] * 4, 1, "max_tokens", state)
+    assert e.value.param == "max_tokens"
+
+
 def test_contradicting_controls_name_the_header_that_sent_them():
     """Controls that contradict only once resolved against the model (a floor above a
     budget cap) are a 400 naming the header that sent the floor, or the field."""

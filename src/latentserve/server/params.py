@@ -271,7 +271,10 @@ def request_steps(params: SamplingParams, spec, num_prompt_tokens: int,
                   max_model_len: int) -> int:
     """The steps one request may run after its prompt: ``params.max_tokens``, on a thinking
     compression head raised to the answer-budget floor ``min_output_tokens + max_latent``,
-    on thinking CoLaR plus its latent-step cap (both within the context left)."""
+    on thinking CoLaR plus its latent-step cap (both within the context left), on a
+    feedback or looped-block model plus its latent positions (``LatentSpec.prompt_extra``)."""
+    if spec is not None and spec.kind in ("feedback", "loop"):
+        return params.max_tokens + spec.prompt_extra(spec.resolve_budget(params.latent_budget))
     if spec is None or spec.kind != "head":
         return params.max_tokens
     from latentserve.latent.head import apply_output_floor, head_defaults, resolve_settings
@@ -305,8 +308,13 @@ def check_request_steps(prompts: list[tuple[list[int], SamplingParams]], n: int,
     total, limit = n * sum(steps), state.limits.max_request_output_tokens
     if total > limit:
         f = max_tokens_field
+        kind = getattr(state.latent_spec, "kind", None)
         if asked == steps:
             each = f"{f} up to {max(asked)}"
+        elif kind in ("feedback", "loop"):
+            each = (f"{f} up to {max(asked)} plus up to "
+                    f"{max(s - a for s, a in zip(steps, asked))} latent positions (start, "
+                    "latent or block, end: latent_budget)")
         elif state.latent_spec.default_max_latent:  # CoLaR
             each = (f"{f} up to {max(asked)} plus up to "
                     f"{max(s - a for s, a in zip(steps, asked))} latent steps (max_latent)")
