@@ -143,3 +143,30 @@ def test_thinking_counts_the_tokens_wholly_before_the_separator():
     assert thinking_tokens(["7", " ", "8", "###", "Answer", ":", "5"]) == 3
     assert thinking_tokens(["7", "#", "##", "Answer"]) == 1
     assert thinking_tokens(["7", " 8"]) is None
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--model", "m", "--questions", "q.txt"], "--questions is for the multiplication demo, "
+                                               "not with --model"),
+    (["--model", "m", "--compression-factor", "2"], "--compression-factor is for the"),
+    (["--model", "m", "--models-dir", "d"], "--models-dir is for the multiplication demo"),
+    (["--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+    (["--compression-factor", "0"], "argument --compression-factor: must be >= 1, got 0"),
+])
+def test_flags_it_would_ignore_or_that_are_out_of_range_are_refused_first(argv, words, capsys):
+    from latentserve.cli import main
+
+    try:
+        rc = main(["demo", *argv])
+    except SystemExit as e:  # argparse's own refusal
+        rc = e.code
+    assert rc != 0 and words in capsys.readouterr().err
+
+
+def test_a_speed_above_the_models_range_is_refused_before_serving(models, capsys, monkeypatch):
+    from latentserve.cli import main
+
+    monkeypatch.setattr("latentserve.cli.demo.start_verbose", None)  # never reached
+    rc = main(["demo", "--models-dir", str(models[0]), "--compression-factor", "9"])
+    assert rc != 0
+    assert "--compression-factor must be in [1, " in capsys.readouterr().err

@@ -38,14 +38,16 @@ def register(sub) -> None:
     add_engine_args(p)
     p.add_argument("--num-questions", type=ranged(int, "num_questions", ge=1), default=4,
                    help="questions to ask (default 4: two 4x4, two 5x5)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+    p.add_argument("--max-tokens", type=ranged(int, "max_tokens", ge=1),
+                   default=DEFAULT_MAX_TOKENS,
                    help="tokens each model may write per question (text CoT: thinking and "
                         "answer; CoLaR: the answer, latent steps come on top)")
     p.add_argument("--models-dir",
                    help=f"where {TEXT_MODEL} and {COLAR_MODEL} are (default: models/ of the "
                         "source checkout, else of the working directory)")
-    p.add_argument("--compression-factor", type=int,
-                   help="CoLaR's thinking speed c (default: its colar_config.json)")
+    p.add_argument("--compression-factor", type=ranged(int, "compression_factor", ge=1),
+                   help="CoLaR's thinking speed c, at most its max_compression_factor "
+                        "(default: its colar_config.json)")
     p.add_argument("--questions",
                    help="iCoT multiplication file (question||steps #### answer lines) to take "
                         "the questions from (default: 8 test items shipped with the package)")
@@ -239,12 +241,15 @@ def run(args) -> int:
     from latentserve.models.checkpoint import find_models_dir
 
     if args.model is not None:
+        _refuse_demo_flags(args, "with --model (which serves that model on grade-school math)")
         return run_gsm8k(args)
     models_dir = find_models_dir(args.models_dir)
     text_dir = _model(models_dir, TEXT_MODEL, "adapter_config.json") \
         or _model(models_dir, TEXT_MODEL, "config.json")
     if text_dir is None:
         where = models_dir / TEXT_MODEL if models_dir else f"models/{TEXT_MODEL}"
+        _refuse_demo_flags(args, f"without {where} (it ships with the source checkout, not "
+                           "the wheel)")
         print(f"note: {where} not found (it ships with the source checkout, not the wheel); "
               "showing the embedded SmolLM2 on grade-school math instead", flush=True)
         return run_gsm8k(args)
@@ -254,12 +259,15 @@ def run(args) -> int:
               "scripts/stage1_gpu.sh, see docs/results.md); showing the text CoT alone",
               flush=True)
     questions = load_questions(args.num_questions, args.questions)
-    speed = args.compression_factor  # CoLaR's thinking speed, else its colar_config.json's
-    if speed is None and colar_dir is not None:
+    speed = None  # CoLaR's thinking speed: --compression-factor, else its colar_config.json's
+    if colar_dir is not None:
         from latentserve.latent.colar import COLAR_CONFIG, ColarConfig
 
-        speed = ColarConfig.from_dict(
-            json.loads((colar_dir / COLAR_CONFIG).read_text())).compression_factor
+        colar = ColarConfig.from_dict(json.loads((colar_dir / COLAR_CONFIG).read_text()))
+        speed = args.compression_factor or colar.compression_factor
+        if speed > colar.max_compression_factor:
+            raise ValueError(f"--compression-factor must be in [1, "
+                             f"{colar.max_compression_factor}] for {colar_dir}, got {speed}")
     args.model = [str(d) for d in (text_dir, colar_dir) if d is not None]
     configs = engine_configs(args)  # two: --max-latent-budget caps CoLaR, not the text model
     convert_embedded()
@@ -271,6 +279,14 @@ def run(args) -> int:
         compare(server.base_url, configs[0].model, configs[1].model if colar_dir else None,
                 questions, args.max_tokens, speed)
     return 0
+
+
+def _refuse_demo_flags(args, why: str) -> None:
+    """ValueError naming the first multiplication-demo flag set (it would be ignored)."""
+    for flag, value in (("--questions", args.questions), ("--models-dir", args.models_dir),
+                        ("--compression-factor", args.compression_factor)):
+        if value is not None:
+            raise ValueError(f"{flag} is for the multiplication demo, not {why}; leave it out")
 
 
 def run_gsm8k(args) -> int:
