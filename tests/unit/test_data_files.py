@@ -99,10 +99,20 @@ def test_colar_eval_reads_its_dataset_from_the_package_before_loading(no_data_en
             "gsm8k") in capsys.readouterr().err
 
 
+def test_data_multiplication_makes_the_folder_of_out(no_data_env, capsys, tmp_path):
+    from latentserve.cli import main
+
+    out = tmp_path / "new" / "train.txt"
+    assert main(["data", "multiplication", "--k", "4", "--n", "3", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 3
+
+
 @pytest.mark.parametrize("args,message", [
     (["--k", "100000"], "need --k in [1, 30] and --n >= 0, got --k 100000"),
     (["--exclude", "README"], "README line 1 is not an iCoT line (question||steps #### answer)"),
-    (["--exclude", "FIVE"], "FIVE holds no 4x4 question, so it would exclude nothing")])
+    (["--exclude", "FIVE"], "FIVE holds no 4x4 question, so it would exclude nothing"),
+    (["--exclude", "EMPTY"], "EMPTY holds no questions, so it would exclude nothing"),
+    (["--out", "DIR"], "is a directory; give the file to write")])
 def test_data_multiplication_refuses_what_it_cannot_honour(no_data_env, capsys, tmp_path,
                                                             args, message):
     """A huge ``--k`` and an ``--exclude`` file that would leave nothing out (not iCoT, or
@@ -112,7 +122,10 @@ def test_data_multiplication_refuses_what_it_cannot_honour(no_data_env, capsys, 
     (tmp_path / "README").write_text("# not a data file\n")
     five = load_items("mult5")[0]
     (tmp_path / "FIVE").write_text(f"{five.question}||1 #### 2\n")
-    args = [a if a not in ("README", "FIVE") else str(tmp_path / a) for a in args]
+    (tmp_path / "EMPTY").write_text("\n")
+    (tmp_path / "DIR").mkdir()
+    args = [a if a not in ("README", "FIVE", "EMPTY", "DIR") else str(tmp_path / a)
+            for a in args]
     out = tmp_path / "train.txt"
     rc = main(["data", "multiplication", "--k", "4", "--n", "5", "--out", str(out), *args])
     assert rc == 2 and not out.exists()

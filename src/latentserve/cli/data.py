@@ -4,6 +4,8 @@ format (``train/tasks.py``), excluding the evaluation sets' questions."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 MAX_K = 30  # digits per operand (iCoT's sets go to 20 x 20)
 
@@ -33,6 +35,9 @@ def run_multiplication(args) -> int:
     if not 1 <= args.k <= MAX_K or args.n < 0:
         raise ValueError(f"need --k in [1, {MAX_K}] and --n >= 0, got --k {args.k}, --n "
                          f"{args.n}")
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out} is a directory; give the file to write")
     if args.exclude is None:
         try:
             args.exclude = [str(find_data_file(f"multiplication/{args.k}x{args.k}_{s}.txt",
@@ -44,7 +49,12 @@ def run_multiplication(args) -> int:
                 f"and _valid.txt to leave out in {where} (4x4 and 5x5 ship, from iCoT); pass "
                 "--exclude FILE with the questions to leave out, or --exclude /dev/null for "
                 "none") from None
+    for path in args.exclude:  # /dev/null is the way to say none
+        if path != os.devnull and not questions_of([path], args.k):
+            raise ValueError(f"--exclude {path} holds no questions, so it would exclude "
+                             f"nothing (--exclude {os.devnull} says none)")
     items = generate_multiplication(args.k, args.n, args.seed, questions_of(args.exclude, args.k))
+    out.parent.mkdir(parents=True, exist_ok=True)
     n = write_icot(items, args.out)
     print(json.dumps({"out": args.out, "n": n, "excluded_from": args.exclude}))
     return 0
