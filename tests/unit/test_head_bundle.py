@@ -192,6 +192,14 @@ def test_pt_with_pickled_object_is_refused(tmp_path):
         read_bundle(tmp_path / "evil.pt")
 
 
+@pytest.mark.parametrize("name,words", [("notes.txt", "got .txt"),
+                                        ("bundle", "got a name without a suffix")])
+def test_a_file_of_another_kind_is_refused_by_its_name(tmp_path, name, words):
+    (tmp_path / name).write_text("not a bundle\n")
+    with pytest.raises(ValueError, match=f"a head bundle is a .safetensors or .pt file, {words}"):
+        read_bundle(tmp_path / name)
+
+
 def test_legacy_bare_head_state_dict(tmp_path):
     b = _bundle()
     torch.save(b.reasoning_head, tmp_path / "legacy.pt")

@@ -124,10 +124,13 @@ def _state_dict(sd, name: str, source: str) -> dict | None:
 
 def read_bundle(path: str | Path) -> HeadBundle:
     """Read and validate a bundle (``.safetensors`` or ``.pt``). Raises FileNotFoundError,
-    or ValueError naming what is wrong (a ``.pt`` needing a pickled object included)."""
+    or ValueError naming what is wrong (another suffix, a ``.pt`` needing a pickled object)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"head bundle {path} does not exist")
+    if path.suffix not in (".safetensors", ".pt"):
+        raise ValueError(f"{path}: a head bundle is a .safetensors or .pt file, got "
+                         f"{path.suffix or 'a name without a suffix'}")
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
