@@ -72,9 +72,11 @@ def register(sub) -> None:
                         f"{', '.join(OURO_CRITERIA)}")
     p.add_argument("--exit-threshold", type=_sampling(float, "exit_threshold"))
     p.add_argument("--thinking", choices=["on", "off"],
-                   help="compression-head models: latent thinking on or off (default: on)")
+                   help="latent thinking on or off (default: on): a compression head's or "
+                        "CoLaR's latent phase; a feedback model's latent steps (off: none)")
     p.add_argument("--max-latent", type=_sampling(int, "max_latent"),
-                   help="compression-head models: latent step cap (default: the server's)")
+                   help="compression-head and CoLaR models: latent step cap (default: the "
+                        "server's, CoLaR's colar_config.json)")
     p.add_argument("--min-output-tokens", type=_sampling(int, "min_output_tokens"),
                    help="compression-head models: the answer-budget floor (0: --max-tokens "
                         "holds; default: 0 when --max-tokens is given, else "
