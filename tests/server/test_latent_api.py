@@ -82,6 +82,10 @@ def test_trace_reports_norm_and_top5_per_step(latent_server):
     assert latent["steps"] == 3 and len(latent["trace"]) == 3
     for step in latent["trace"]:
         assert step["norm"] > 0 and len(step["top_tokens"]) == 5
+    r = httpx.post(f"{latent_server.base_url}/v1/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 2, "latent_budget": 0, "return_latent_trace": True})
+    assert r.json()["choices"][0]["latent"] == {"steps": 0, "trace": [], "stats": None,
+                                                "recurrence": None}  # a list, as asked
 
 
 def test_chat_takes_latent_fields_inside_chat_template_kwargs(latent_server):

@@ -112,8 +112,8 @@ def test_models_card_names_the_family_and_its_controls(colar_key_server):
                      timeout=30).json()["data"][0]
     assert card["latent"] == {
         "kind": "head", "family": "colar",
-        "controls": ["thinking", "max_latent", "min_latent", "use_stop", "compression_factor",
-                     "latent_temperature"],
+        "controls": ["thinking", "max_latent", "latent_budget", "min_latent", "use_stop",
+                     "compression_factor", "latent_temperature"],
         "budget": None, "max_compression_factor": 5, "exit_criteria": None,
         "block_size": None, "return_latent_trace": True, "stream_latent_steps": True}
 

@@ -276,7 +276,7 @@ class Scheduler:
 
     def _output(self, req: Req, new: list[int]) -> StepOutput:
         done = req.status == ReqStatus.FINISHED
-        trace = req.latent_trace or None
+        trace = req.latent_trace if req.params.return_latent_trace else None  # [] if none ran
         if not done:  # a latent step's progress output carries that step's entry
             tick = not new and req.params.stream_latent_steps
             trace = trace[-1:] if trace and tick else None
