@@ -6,6 +6,7 @@ toy model trained for it ends its latent phase after ceil(steps / c) latents."""
 
 import dataclasses
 import json
+import math
 import random
 
 import pytest
@@ -334,6 +335,23 @@ def test_output_directory_loads_with_load_colar_and_peft(trained, backbone):
     assert json.loads((out / "train_config.json").read_text())["max_compression_factor"] == 2
 
 
+def test_the_output_chats_in_the_question_format_the_engine_continues(trained, backbone):
+    """``chat_template.jinja``: a chat renders the last user message as CoLaR's question part
+    (the engine appends the thinking speed and ``###``), as the shipped CoLaR model's."""
+    from transformers import AutoTokenizer
+
+    from latentserve import LLM, SamplingParams
+    from latentserve.train.cot import CHAT_TEMPLATES
+
+    out, _ = trained
+    assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATES["colar"]
+    res = LLM(model=str(out)).chat([{"role": "user", "content": "3 + 4"}],
+                                   SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    tok = AutoTokenizer.from_pretrained(backbone)
+    assert res.prompt_token_ids == tok.encode(colar.QUESTION.format("3 + 4"),
+                                              add_special_tokens=False)
+
+
 def test_a_colar_directory_as_init_adapter_continues_its_policy(trained, toy_file, tmp_path):
     """Stage 1 resumed from its own output starts from the saved latent policy and
     ``embeds_std`` (not a fresh head): with a vanishing lr the policy comes back as saved."""
@@ -485,6 +503,9 @@ def test_train_factors_choose_each_batch_r(backbone, toy_file, tmp_path):
           progress=lambda *_: None)
     log = json.loads((tmp_path / "o" / "train_log.json").read_text())
     assert [rec["r"] for rec in log] == [3] * 6
+    # the rate each step ran at: 1e-4 x (s + 1) / 100 warmup steps x the cosine of s / 6
+    assert [rec["lr"] for rec in log] == pytest.approx(
+        [1e-6 * (s + 1) * 0.5 * (1 + math.cos(math.pi * s / 6)) for s in range(6)])
     for bad in ((), (0,), (4,)):
         with pytest.raises(ValueError, match="train_factors"):
             ColarTrainConfig(data=[], out="x", max_compression_factor=3, train_factors=bad)

@@ -19,6 +19,7 @@ from latentserve.latent import colar
 from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
 from latentserve.train import colar_grpo as cg
+from latentserve.train.cot import CHAT_TEMPLATES
 
 SEP = 3  # "###" in save_colar_word_tokenizer
 DIGITS = range(17, 27)  # "0".."9"
@@ -328,6 +329,8 @@ def test_a_reward_on_the_answer_token_raises_it_and_the_output_serves_as_trained
     assert len(json.loads((out / "train_log.json").read_text())) == 10
     assert engine.runner.model.latent_head.record_latents is False  # recording switched off
     served = LLMEngine(EngineConfig(model=str(out)))
+    # chat prompts render CoLaR's question part, as stage 1's and the shipped model's
+    assert served.tokenizer.chat_template == CHAT_TEMPLATES["colar"]
     for e in (engine, served):
         set_policy_sampling(e.runner.model.latent_head, record=True)
     assert _greedy(served, QUESTIONS) == _greedy(engine, QUESTIONS)

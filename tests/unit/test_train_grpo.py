@@ -152,6 +152,30 @@ def test_grpo_step_changes_only_the_heads_mu_network(head_dir, tmp_path):
     assert getattr(engine.runner.model.latent_head, "policy_sigma", None) is None
 
 
+def test_a_non_finite_loss_stops_grpo_naming_the_step_and_writes_no_bundle(head_dir, tmp_path,
+                                                                            monkeypatch):
+    import latentserve.train.grpo as grpo
+
+    real = grpo.policy_loss
+
+    def nan_loss(*args):
+        loss, parts = real(*args)
+        return loss * float("nan"), parts
+
+    monkeypatch.setattr(grpo, "policy_loss", nan_loss)
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "What is 1 plus 3?", "answer": "1+3=4\n#### 4"})
+                    + "\n")
+    bundle = head_dir / "latent_reasoning_head.safetensors"
+    out = tmp_path / "out" / "grpo.safetensors"
+    with pytest.raises(FloatingPointError, match="NaN or inf at step 0: .*--lr than 0.01"):
+        grpo.train_grpo(grpo.GRPOConfig(bundle=str(bundle), out=str(out), model=str(head_dir),
+                                        data=str(data), steps=2, questions_per_step=1,
+                                        group_size=2, max_latent=2, answer_tokens=2, lr=1e-2,
+                                        progress=False))
+    assert not out.parent.exists()
+
+
 def test_grpo_config_rejects_bad_options():
     from latentserve.train.grpo import GRPOConfig
 

@@ -105,6 +105,9 @@ def test_sft_cli_lowers_the_loss_and_writes_a_bundle_that_serves(tiny_dir, data_
     for term in ("loss", "soft_mse", "recon", "stop"):
         assert after[term] < before[term], (term, before[term], after[term])
     assert log["traces"] == 12
+    # the rate each logged step ran at: 2 warmup steps (5% of 40) from 1/2 of --lr, then linear
+    lrs = {row["step"]: row["lr"] for row in log["history"]}
+    assert [lrs[0], lrs[10], lrs[39]] == pytest.approx([1.5e-3, 3e-3 * 30 / 38, 3e-3 / 38])
 
     b = read_bundle(out)
     assert b.has_stop_head and b.target_proj is not None and b.decoder is not None
@@ -127,6 +130,46 @@ def test_sft_cli_lowers_the_loss_and_writes_a_bundle_that_serves(tiny_dir, data_
                                   max_tokens=12, eos_ids=engine.eos_ids, **controls)
     assert toks == ref["tokens"]
     assert (stats["steps"], stats["end"]) == (ref["steps"], ref["end"])
+
+
+def test_a_non_finite_loss_stops_sft_naming_the_step_and_writes_no_bundle(
+        tiny_dir, data_file, tmp_path, monkeypatch, capsys):
+    """The loss turns NaN at step 2 (0-based, as logged) of 5, logged every 10: the run
+    stops at the last step naming step 2, with no bundle or log written."""
+    import latentserve.train.sft as sft
+    from latentserve.cli import main
+
+    real, calls = sft.sft_losses, []
+
+    def nan_at_step_2(*args):  # call 0 is the loss before training
+        terms = real(*args)
+        calls.append(1)
+        return {**terms, "loss": terms["loss"] * float("nan")} if len(calls) == 4 else terms
+
+    monkeypatch.setattr(sft, "sft_losses", nan_at_step_2)
+    out = tmp_path / "head.safetensors"
+    rc = main(["train-head", "sft", "--model", str(tiny_dir), "--data", str(data_file),
+               "--steps", "5", "--batch-size", "8", "--latent-dim", "8", "--no-progress",
+               "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the training loss is NaN or inf at step 2" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_that_is_a_directory_is_refused_before_loading(data_file, tmp_path, capsys,
+                                                              monkeypatch):
+    """``--out d.safetensors`` naming a directory failed with a SafetensorError after
+    training; now an error naming ``--out`` comes before the backbone loads."""
+    import latentserve.train.sft as sft
+    from latentserve.cli import main
+
+    monkeypatch.setattr(sft, "load_backbone", lambda *a: pytest.fail("loaded before --out"))
+    out = tmp_path / "d.safetensors"
+    out.mkdir()
+    rc = main(["train-head", "sft", "--data", str(data_file), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"error: --out {out} is an existing directory, but it names a bundle " \
+        "file" in err, err
 
 
 def test_sft_config_rejects_bad_options():

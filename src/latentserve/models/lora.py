@@ -162,8 +162,9 @@ def _pattern_value(pattern: dict, module: str, default):
 
 
 def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
-    """Read and check ``adapter_dir``. Raises ValueError for a bad config, base or tensor,
-    FileNotFoundError without an adapter weights file."""
+    """Read and check ``adapter_dir``. Raises ValueError for a bad config, base or tensor (one
+    holding NaN or inf named with its file: it would serve NaN logits), FileNotFoundError
+    without an adapter weights file."""
     adapter_dir = Path(adapter_dir)
     cfg = check_adapter_config(read_adapter_config(adapter_dir))
     base_dir = adapter_base_dir(adapter_dir)
@@ -186,6 +187,9 @@ def read_adapter(adapter_dir: str | Path) -> LoraAdapter:
         if hit is None:
             raise ValueError(f"{adapter_dir}: tensor {key!r} is not a LoRA A/B weight (a "
                              "saved module, as modules_to_save writes, is not supported)")
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{path}: tensor {key!r} holds non-finite values (NaN or inf); "
+                             "was the adapter trained with a diverging loss?")
         module, part = hit[0].removeprefix(PEFT_PREFIX), hit[1]
         if part in found.setdefault(module, {}):
             raise ValueError(f"{adapter_dir}: {module!r} has more than one lora_{part}")

@@ -25,7 +25,7 @@ from latentserve.train.cot import (
     right_pad,
     save,
 )
-from latentserve.train.options import ColarTrainConfig
+from latentserve.train.options import ColarTrainConfig, check_out
 
 # (prompt ids at speed r, steps ids, answer ids = [###, *Answer:{a}, EOS])
 Example = tuple[list[int], list[int], list[int]]
@@ -140,8 +140,10 @@ def adapter_base(adapter_dir: str) -> str | None:
 
 
 def train(cfg: ColarTrainConfig, progress=print) -> dict:
-    """Run stage 1; returns the last log record. ValueError (no ``###`` token, no example
-    fits), FileNotFoundError (data, adapter)."""
+    """Run stage 1; returns the last log record. ValueError (``cfg.out`` cannot be a model
+    directory, checked first; no ``###`` token, no example fits), FileNotFoundError (data,
+    adapter), FloatingPointError (the loss turned NaN or inf; nothing saved)."""
+    check_out(cfg.out, "a model directory", True, progress)
     if cfg.init_adapter and cfg.base is None:
         cfg.base = adapter_base(cfg.init_adapter)
     rng = random.Random(cfg.seed)

@@ -36,7 +36,7 @@ from latentserve.train.cot import (
     trainer_forward,
 )
 from latentserve.train.grpo import group_advantages, run_requests
-from latentserve.train.options import ColarGRPOConfig
+from latentserve.train.options import ColarGRPOConfig, check_out
 
 # GRPOLoss with ``average_per_token_loss: False`` divides each sequence's summed loss by this
 # constant (upstream ``masked_sum``).
@@ -253,9 +253,11 @@ def train(cfg: ColarGRPOConfig, progress=print, engine=None, reward_fn=None) -> 
     ``engine``: an ``LLMEngine`` serving ``cfg.model`` (else built; ends with the trained
     weights); ``reward_fn(rollout, gold) -> float`` replaces the accuracy reward.
 
-    Raises ValueError (bad option, no LoRA adapter or ``colar_config.json``, a deterministic
-    policy, an untrained compression factor, an engine not serving CoLaR) and
-    FileNotFoundError (missing data)."""
+    Raises ValueError (``cfg.out`` cannot be a model directory, checked first; bad option, no
+    LoRA adapter or ``colar_config.json``, a deterministic policy, an untrained compression
+    factor, an engine not serving CoLaR), FileNotFoundError (missing data) and
+    FloatingPointError (non-finite weights or rollouts; nothing saved)."""
+    check_out(cfg.out, "a model directory", True, progress)
     t0 = time.time()
     src = Path(cfg.model)
     loaded = colar.load_colar(src)

@@ -21,8 +21,23 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from latentserve.eval.datasets import Item, parse_file
 from latentserve.latent import colar
 from latentserve.models.checkpoint import EMBEDDED_BASE_NAMES, load_tokenizer, resolve_model_dir
-from latentserve.train.options import CotConfig, fresh_lora
+from latentserve.train.options import CotConfig, check_out, fresh_lora
 from latentserve.train.tasks import gsm8k_train_items
+
+# chat_template.jinja of a trained directory: the last user message as the prompt the model
+# was trained on (chat routes and LLM.chat send a question, not chat turns); those of the
+# shipped models/smollm2-mult-cot and models/smollm2-mult-colar.
+_LAST_USER = ("{%- set ns = namespace(q='') -%}\n{%- for m in messages -%}{%- if m['role'] == "
+              "'user' -%}{%- set ns.q = m['content'] -%}{%- endif -%}{%- endfor -%}\n")
+CHAT_TEMPLATES = {
+    "cot": "{#- CoLaR's prompt (latent/colar.py) for the last user message: the model was "
+           "trained on it, not on chat turns. -#}\n" + _LAST_USER
+           + colar.prompt_text("{{ ns.q }}") + "\n",
+    "colar": "{#- CoLaR's question part (latent/colar.py QUESTION) for the last user message; "
+             "the engine appends the thinking speed and the separator. -#}\n" + _LAST_USER
+             + colar.QUESTION.format("{{ ns.q }}") + "\n",
+}
+CHAT_TEMPLATE = "chat_template.jinja"
 
 
 def read_items(path: str | Path) -> list[Item]:
@@ -129,28 +144,48 @@ def greedy_accuracy(model, tok, items: list[Item], device: str, max_new_tokens: 
             "thinking_median": statistics.median_high(thinking) if thinking else 0}
 
 
+def refuse_non_finite(tensors: dict[str, torch.Tensor], out) -> None:
+    """FloatingPointError naming the first floating tensor of ``tensors`` holding NaN or inf:
+    ``out`` is not written with a diverged model."""
+    bad = next((k for k, v in tensors.items()
+                if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise FloatingPointError(f"not writing {out}: weight {bad!r} holds NaN or inf (training "
+                                 "diverged; a lower --lr?)")
+
+
 def save(model, base_name: str, cfg, log: list[dict],
          adapter_dtype: torch.dtype = torch.bfloat16, colar_files=None, tok=None) -> None:
-    """Write the PEFT adapter (in ``adapter_dtype``) or the full model, ``train_config.json``
-    and ``train_log.json`` to directory ``cfg.out``; with ``colar_files`` (``(ColarConfig,
-    LatentPolicy)``) also ``latent.colar.save_colar``'s files."""
+    """Write the PEFT adapter (in ``adapter_dtype``) or the full model, ``train_config.json``,
+    ``train_log.json`` and :data:`CHAT_TEMPLATES` ``["cot"]`` as ``chat_template.jinja`` to
+    directory ``cfg.out``; with ``colar_files`` (``(ColarConfig, LatentPolicy)``) also
+    ``latent.colar.save_colar``'s files and the ``"colar"`` template. FloatingPointError
+    (nothing written) when a weight is NaN or inf."""
     from safetensors.torch import save_file
 
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if hasattr(model, "peft_config"):
+    peft = hasattr(model, "peft_config")
+    if peft:
         from peft import get_peft_model_state_dict
 
+        sd = {k: v.detach().to(adapter_dtype).cpu().contiguous()
+              for k, v in get_peft_model_state_dict(model).items()}
+    else:
+        sd = model.state_dict()
+    policy = {} if colar_files is None else {
+        f"latent_policy.{k}": v for k, v in colar_files[1].state_dict().items()}
+    refuse_non_finite(sd | policy, out)
+    out.mkdir(parents=True, exist_ok=True)
+    if peft:
         pc = model.peft_config["default"]
         pc.base_model_name_or_path = base_name
         pc.save_pretrained(str(out))
-        sd = get_peft_model_state_dict(model)
-        save_file({k: v.detach().to(adapter_dtype).cpu().contiguous() for k, v in sd.items()},
-                  str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_file(sd, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     else:  # a whole model: its tokenizer beside it, so the directory serves alone
         model.save_pretrained(str(out), safe_serialization=True)
         if tok is not None:
             tok.save_pretrained(str(out))
+    (out / CHAT_TEMPLATE).write_text(CHAT_TEMPLATES["cot" if colar_files is None else "colar"])
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1))
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     if colar_files is not None:
@@ -168,13 +203,37 @@ def batches(n: int, batch_size: int, rng: random.Random | None = None):
         yield [order.pop() for _ in range(batch_size)]
 
 
+class DivergenceWatch:
+    """The first step whose loss was NaN or inf, kept on the loss's device (no sync a step);
+    :meth:`check` (one sync) raises FloatingPointError naming it and ``lr``."""
+
+    def __init__(self, lr: float):
+        self.lr, self.first = lr, None
+
+    def see(self, step: int, loss: torch.Tensor) -> None:
+        if self.first is None:
+            self.first = torch.full((), -1, dtype=torch.long, device=loss.device)
+        bad = (self.first < 0) & ~torch.isfinite(loss.detach())
+        self.first = torch.where(bad, step, self.first)
+
+    def check(self) -> None:
+        step = -1 if self.first is None else int(self.first)
+        if step >= 0:
+            raise FloatingPointError(f"the training loss is NaN or inf at step {step}: training "
+                                     f"diverged (a lower --lr than {self.lr:g}?); stopped "
+                                     "without saving")
+
+
 def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=print
              ) -> list[dict]:
     """The loop of ``train cot`` and ``train colar`` (AdamW, clip 1.0, warmup then cosine to 0
     by ``cfg.steps`` or ``cfg.max_seconds``) over ``step_loss() -> (loss, extra)``;
-    ``checkpoint(log)`` every ``cfg.save_every``. Returns the log records."""
+    ``checkpoint(log)`` every ``cfg.save_every``. Returns the log records (``lr``: the rate
+    the step used). FloatingPointError (:class:`DivergenceWatch`, checked before each log
+    record and checkpoint) once a loss is NaN or inf."""
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                             betas=(0.9, 0.999), fused=cfg.device.startswith("cuda"))
+    watch = DivergenceWatch(cfg.lr)
     log: list[dict] = []
     start = time.time()
 
@@ -189,20 +248,26 @@ def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=pr
     for step in range(1, cfg.steps + 1):
         with trainer_forward(cfg.device):
             loss, extra = step_loss()
+        watch.see(step, loss)
+        lr = sched.get_last_lr()[0]  # this step's; sched.step() sets the next one's
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         timed_out = cfg.max_seconds and time.time() - start > cfg.max_seconds
-        if step % cfg.log_every == 0 or step == 1 or step == cfg.steps or timed_out:
+        logged = step % cfg.log_every == 0 or step == 1 or step == cfg.steps or timed_out
+        saving = cfg.save_every and step % cfg.save_every == 0
+        if logged or saving:  # the last step is always logged: the log ends checked
+            watch.check()
+        if logged:
             rec = {"step": step, "loss": round(loss.item(), 5),
                    **{k: round(v.item(), 5) if torch.is_tensor(v) else v
                       for k, v in extra.items()},
-                   "lr": sched.get_last_lr()[0], "seconds": round(time.time() - start, 1)}
+                   "lr": lr, "seconds": round(time.time() - start, 1)}
             log.append(rec)
             progress(json.dumps(rec))
-        if cfg.save_every and step % cfg.save_every == 0:
+        if saving:
             checkpoint(log)
         if timed_out:
             progress(f"stopping at step {step}: max_seconds {cfg.max_seconds} reached")
@@ -211,8 +276,10 @@ def optimise(cfg, params: list[torch.Tensor], step_loss, checkpoint, progress=pr
 
 
 def train(cfg: CotConfig, progress=print) -> dict:
-    """Run stage 0; returns the last log record. ValueError when no example fits,
-    FileNotFoundError for missing data."""
+    """Run stage 0; returns the last log record. ValueError when no example fits or ``cfg.out``
+    cannot be a model directory (checked first), FileNotFoundError for missing data,
+    FloatingPointError when the loss turns NaN or inf (nothing saved then)."""
+    check_out(cfg.out, "a model directory", True, progress)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     items = [it for p in cfg.data for it in read_items(p)]

@@ -19,8 +19,8 @@ from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
 from latentserve.train.features import Features, num_groups
 from latentserve.train.grpo import head_engine, run_requests
-from latentserve.train.options import DaggerConfig
-from latentserve.train.sft import capture_traces, fit, load_backbone, write_log
+from latentserve.train.options import DaggerConfig, check_out
+from latentserve.train.sft import capture_traces, fit, load_backbone, say_stderr, write_log
 from latentserve.train.traces import COLAR_CLOSE, COLAR_OPEN
 
 
@@ -90,7 +90,9 @@ def _serve_weights(served, head) -> None:
 def train_dagger(cfg: DaggerConfig, engine=None) -> dict:
     """``cfg.rounds`` DAgger rounds from the SFT bundle, round ``r``'s head written to
     ``<out stem>-round{r}<suffix>`` (the last to ``cfg.out``), the log to ``<out>.log.json``
-    and returned. ValueError for a non-SFT bundle or another prompt format."""
+    and returned. ValueError for an ``out`` that is a directory (checked first), a non-SFT
+    bundle or another prompt format; FloatingPointError as ``sft.fit``."""
+    check_out(cfg.out, "a bundle file", False, say_stderr)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     bundle = read_bundle(cfg.bundle)

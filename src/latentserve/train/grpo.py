@@ -23,9 +23,9 @@ from latentserve.latent import colar
 from latentserve.latent.bundle import bundle_from_module, read_bundle, write_bundle
 from latentserve.latent.head_loop import set_policy_sampling
 from latentserve.sampling_params import SamplingParams
-from latentserve.train.cot import read_items
-from latentserve.train.options import GRPOConfig
-from latentserve.train.sft import adamw_warmup_linear, write_log
+from latentserve.train.cot import DivergenceWatch, read_items
+from latentserve.train.options import GRPOConfig, check_out
+from latentserve.train.sft import adamw_warmup_linear, say_stderr, write_log
 from latentserve.train.traces import train_file
 
 
@@ -112,7 +112,10 @@ def head_engine(engine, cfg, **options):
 def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     """``cfg.steps`` GRPO steps from the SFT bundle, written to ``cfg.out`` and
     ``<out>.log.json``; returns the log. ``reward_fn(text, gold, stats)`` replaces
-    :func:`reward`. ValueError when the engine serves no compression head."""
+    :func:`reward`. ValueError for an ``out`` that is a directory (checked first) or when the
+    engine serves no compression head; FloatingPointError naming the step whose loss is NaN
+    or inf (nothing saved then)."""
+    check_out(cfg.out, "a bundle file", False, say_stderr)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     bundle = read_bundle(cfg.bundle)
@@ -136,6 +139,7 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
     order = torch.randperm(len(items), generator=gen).tolist()
     history = []
     bar = tqdm(range(cfg.steps), desc="grpo", unit="step", disable=not cfg.progress)
+    watch = DivergenceWatch(cfg.lr)
     for step in bar:
         pick = [items[order[(step * cfg.questions_per_step + j) % len(items)]]
                 for j in range(cfg.questions_per_step)]
@@ -151,6 +155,8 @@ def train_grpo(cfg: GRPOConfig, reward_fn=None, engine=None) -> dict:
         adv = group_advantages(r.view(cfg.questions_per_step, cfg.group_size)).flatten()
         actions = [st.get("actions") or [] for _, st in outs]
         loss, parts = policy_loss(policy, ref, actions, adv, cfg.sigma, cfg.kl_coef)
+        watch.see(step, loss)
+        watch.check()  # no extra sync: policy_loss's parts are read already
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

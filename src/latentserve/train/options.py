@@ -6,7 +6,9 @@ default, ``--help`` text, range or choices, which ``options.check`` enforces and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from latentserve.latent.spec import COMPRESSIONS
 from latentserve.options import check, option
@@ -26,7 +28,30 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA = "training file: iCoT text lines or GSM8K jsonl (repeatable)"
 MAX_SECONDS = "stop and save after this long (0: no limit)"
+INF = float("inf")  # the upper bound of a float option with no other: inf (and NaN) refused
 KV_SLOTS = "the rollout engine's KV pool in tokens (default: from memory)"
+
+
+def check_out(path, what: str, directory: bool, say=print) -> None:
+    """Before any training: ValueError naming ``--out`` when ``path`` cannot take ``what``
+    (e.g. "a model directory"): a ``directory`` output that is an existing file, a file
+    output that is an existing directory, a nearest existing folder above it that is a file
+    or not writable. ``say`` gets one line when an existing non-empty directory or a file is
+    overwritten (missing folders are created when the output is written)."""
+    p = Path(path)
+    if p.exists() and p.is_dir() != directory:
+        raise ValueError(f"--out {p} is an existing {'file' if directory else 'directory'}, "
+                         f"but it names {what}: give a new path or "
+                         f"{'a directory' if directory else 'a file'}")
+    above = p if p.is_dir() else next(a for a in p.absolute().parents if a.exists())
+    if not above.is_dir():
+        raise ValueError(f"--out {p}: {above} is a file, not a folder, so {what} cannot be "
+                         "written below it")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {p}: {above} is not writable")
+    if p.is_file() or (p.is_dir() and any(p.iterdir())):
+        say(f"--out {p} exists: {'the files written there are' if directory else 'it is'} "
+            "overwritten")
 
 
 # ----------------------------------------------------------------------------- train
@@ -69,7 +94,7 @@ class FinetuneOptions:
                                 "with --init-adapter only 0 (merge it), its own rank otherwise",
                                 ge=0)
     lora_alpha: float | None = option(None, "alpha of a fresh LoRA (default 32)", gt=0,
-                                      lt=float("inf"))
+                                      lt=INF)
     lora_targets: tuple[str, ...] | None = option(None, "comma-separated module names of a "
                                                   "fresh LoRA (default: every Llama linear)")
     init_adapter: str | None = option(None, "adapter directory to continue training (train cot "
@@ -78,13 +103,13 @@ class FinetuneOptions:
                                       "every weight trained")
     steps: int = option(2000, ge=1)
     batch_size: int = option(128, ge=1)
-    lr: float = option(1e-3, gt=0)
+    lr: float = option(1e-3, gt=0, lt=INF)
     warmup: int = option(100, "warmup steps", ge=0)
-    weight_decay: float = option(0.01, ge=0, lt=float("inf"))
+    weight_decay: float = option(0.01, ge=0, lt=INF)
     max_len: int = option(512, "examples longer than this (uncompressed) are dropped", ge=1)
     seed: int = 0
     device: str = option("cpu", choices=DEVICES)
-    max_seconds: float = option(0.0, MAX_SECONDS, ge=0)
+    max_seconds: float = option(0.0, MAX_SECONDS, ge=0, lt=INF)
     save_every: int = option(0, "also save every N steps", ge=0)
     log_every: int = option(50, ge=1)
 
@@ -109,7 +134,7 @@ class ColarTrainConfig(FinetuneOptions):
     None becomes ``max_compression_factor``."""
 
     batch_size: int = option(256, ge=1)
-    lr: float = option(1e-4, gt=0)
+    lr: float = option(1e-4, gt=0, lt=INF)
     max_compression_factor: int = option(5, "each batch's compression factor is drawn from "
                                          "1..this", ge=1)
     train_factors: tuple[int, ...] | None = option(
@@ -120,12 +145,12 @@ class ColarTrainConfig(FinetuneOptions):
                                             "--max-compression-factor)", ge=1)
     embed_loss: str = option("mse", "latent loss: mse of a policy sample (upstream default) or nll",
                              choices=("mse", "nll"))
-    embed_weight: float = option(1.0, "weight of the latent loss", ge=0, lt=float("inf"))
-    ce_weight: float = option(1.0, "weight of the CE loss", ge=0, lt=float("inf"))
+    embed_weight: float = option(1.0, "weight of the latent loss", ge=0, lt=INF)
+    ce_weight: float = option(1.0, "weight of the CE loss", ge=0, lt=INF)
     intermediate_size: int | None = option(None, "latent policy width (default: the hidden size)",
                                            ge=1)
     embeds_std: float | None = option(None, "latent scale (default: std of the input-embedding "
-                                      "matrix)", gt=0, lt=float("inf"))
+                                      "matrix)", gt=0, lt=INF)
     max_latent: int = option(64, "latent-step cap written to colar_config.json", ge=1)
     compression: str = option("sqrt_mean", "how a group of r step-token embeddings becomes one "
                               "latent: sqrt_mean (upstream: their sum over sqrt(r)) or ramp (our "
@@ -165,15 +190,15 @@ class ColarGRPOConfig:
     group_size: int = option(8, "rollouts per question (upstream 8; >= 2: advantages are "
                              "group-relative)", ge=2)
     exp_batch_size: int = option(8, "rollouts per optimiser step (upstream 8)", ge=1)
-    lr: float = option(1e-6, "AdamW learning rate (upstream RL 1e-6)", gt=0)
-    weight_decay: float = option(0.01, ge=0, lt=float("inf"))
+    lr: float = option(1e-6, "AdamW learning rate (upstream RL 1e-6)", gt=0, lt=INF)
+    weight_decay: float = option(0.01, ge=0, lt=INF)
     clip_eps: float = option(0.2, "PPO ratio clip (upstream 0.2)", gt=0, lt=1)
     loss_average: str = option("sum", "per sequence: sum / 32 (upstream colar.yaml) or the mean "
                                "over tokens", choices=LOSS_AVERAGES)
     max_log_ratio: float | None = option(
         None, "clamp logp - logp_old to [-M, M] before exp (default: no clamp, upstream); "
         "keeps the ratios of a near-deterministic latent policy finite after an update "
-        "(train/colar_grpo.py)", gt=0)
+        "(train/colar_grpo.py)", gt=0, lt=INF)
     tempered_logprobs: bool = option(False, "latent log-probs at --latent-temperature, the "
                                      "density the latents were drawn from (default: at 1, "
                                      "upstream get_logprobs)")
@@ -184,11 +209,12 @@ class ColarGRPOConfig:
     punish_latent_length: bool = option(False, "divide each reward by its latent count "
                                         "(upstream option)")
     length_penalty: float = option(0.0, "subtract this x latent steps / max latent from each "
-                                   "reward", ge=0)
+                                   "reward", ge=0, lt=INF)
     latent_temperature: float = option(1.0, "latent policy temperature of the rollouts (> 0: "
-                                       "GRPO explores by drawing the latents; upstream 1)", gt=0)
+                                       "GRPO explores by drawing the latents; upstream 1)", gt=0,
+                                       lt=INF)
     answer_temperature: float = option(1.0, "sampling temperature of the stop token and the "
-                                       "answer (upstream 1)", ge=0)
+                                       "answer (upstream 1)", ge=0, lt=INF)
     answer_top_p: float = option(0.9, "answer top-p (upstream 0.9)", gt=0, le=1)
     answer_tokens: int = option(16, "answer tokens per rollout (upstream max_new_tokens 16)",
                                 ge=1)
@@ -206,7 +232,7 @@ class ColarGRPOConfig:
     kv_slots: int | None = option(None, KV_SLOTS)
     autocast: bool = option(True, "the trainer's forward in float32 on CUDA (default: bfloat16 "
                             "autocast)")
-    max_seconds: float = option(0.0, MAX_SECONDS, ge=0)
+    max_seconds: float = option(0.0, MAX_SECONDS, ge=0, lt=INF)
     save_every: int = option(0, "also save every N steps", ge=0)
 
     def __post_init__(self):
@@ -254,10 +280,10 @@ class FitOptions(HeadOptions):
     capture_batch_size: int = option(8, ge=1)
     steps: int = option(300, "training steps (dagger: per round)", ge=1)
     batch_size: int = option(256, "rows per step", ge=1)
-    lr: float = option(1e-3, gt=0)
+    lr: float = option(1e-3, gt=0, lt=INF)
     warmup: float = option(0.05, "fraction of steps", ge=0, lt=1)
-    weight_decay: float = option(0.01, ge=0, lt=float("inf"))
-    beta: float = option(0.01, "entropy weight", ge=0)
+    weight_decay: float = option(0.01, ge=0, lt=INF)
+    beta: float = option(0.01, "entropy weight", ge=0, lt=INF)
     log_every: int = option(10, ge=1)
 
 
@@ -305,7 +331,7 @@ class DaggerConfig(FitOptions):
                                           "subset (default: all)", ge=1)
     overshoot: int = option(2, "latent steps each rollout runs past its gold length (labelled "
                             "stop)", ge=1)
-    sigma: float = option(0.0, "rollout latents z ~ N(mu, sigma^2) (0: greedy, mu)", ge=0)
+    sigma: float = option(0.0, "rollout latents z ~ N(mu, sigma^2) (0: greedy, mu)", ge=0, lt=INF)
     stop_threshold: float = option(0.5, "for the logged closed-loop stop metrics", ge=0, le=1)
     max_num_seqs: int = option(256, ge=1)
     enforce_eager: bool = False
@@ -323,14 +349,15 @@ class GRPOConfig(HeadOptions):
     questions_per_step: int = option(8, ge=1)
     group_size: int = option(8, "rollouts per question (>= 2: advantages are group-relative)",
                              ge=2)
-    lr: float = option(1e-4, gt=0)
-    kl_coef: float = option(0.05, ge=0)
-    sigma: float = option(0.3, "exploration std of z", gt=0)
+    lr: float = option(1e-4, gt=0, lt=INF)
+    kl_coef: float = option(0.05, ge=0, lt=INF)
+    sigma: float = option(0.3, "exploration std of z", gt=0, lt=INF)
     max_latent: int = option(32, ge=0)
     min_latent: int = option(1, ge=0)
     stop_threshold: float = option(0.5, ge=0, le=1)
     answer_tokens: int = option(16, ge=1)
-    close_bonus: float = 0.1
+    close_bonus: float = option(0.1, "reward added when the stop head closed the phase",
+                                gt=-INF, lt=INF)
     max_num_seqs: int = option(256, ge=1)
     enforce_eager: bool = False
     kv_slots: int | None = option(None, KV_SLOTS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -21,9 +22,9 @@ from latentserve.latent.bundle import bundle_from_module, write_bundle
 from latentserve.latent.head import HeadConfig, LatentHead
 from latentserve.models.checkpoint import is_adapter_dir, load_tokenizer, resolve_model_dir
 from latentserve.models.lora import merge_adapter, read_adapter
-from latentserve.train.cot import read_items
+from latentserve.train.cot import DivergenceWatch, read_items
 from latentserve.train.features import capture
-from latentserve.train.options import SFTConfig
+from latentserve.train.options import SFTConfig, check_out
 from latentserve.train.traces import build_colar_traces, build_traces, train_file
 
 
@@ -42,6 +43,11 @@ def load_backbone(model: str | None, device: str, dtype: str):
         m = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype))
     m = m.to(device=device, dtype=getattr(torch, dtype)).eval().requires_grad_(False)
     return m, load_tokenizer(d), d
+
+
+def say_stderr(line: str) -> None:
+    """Print ``line`` to stderr (the head trainers' stdout is their JSON summary)."""
+    print(line, file=sys.stderr)
 
 
 def write_log(cfg, t0: float, **fields) -> dict:
@@ -110,7 +116,9 @@ def capture_traces(model, tok, cfg, hc: HeadConfig):
 def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
     """Train ``head`` (``target_proj`` frozen) for ``cfg.steps`` steps of ``cfg.batch_size``
     uniform rows; ``checkpoint(step)`` every ``cfg.save_every``. Returns ``{"rows",
-    "latent_rows", "loss_before", "loss_after", "history"}``."""
+    "latent_rows", "loss_before", "loss_after", "history"}`` (a history row's ``lr``: the rate
+    its step used). FloatingPointError naming the step once the loss is NaN or inf (checked
+    at each logged step and checkpoint: ``cot.DivergenceWatch``)."""
     lat_rows = feats.has_target.nonzero()[:, 0]
     embed_var = float(feats.embed[lat_rows].var(0).sum() / feats.embed.shape[1]) or 1.0
     n_pos = float(feats.stop.sum())
@@ -129,6 +137,7 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     history = []
     bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=not cfg.progress)
+    watch = DivergenceWatch(cfg.lr)
     head.train()
     for step in bar:
         li = lat_rows[torch.randint(len(lat_rows), (cfg.batch_size,), generator=gen,
@@ -136,19 +145,25 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
         si = torch.randint(len(feats.stop), (cfg.batch_size,), generator=gen,
                            device=cfg.device)
         terms = sft_losses(head, feats, li, si, cfg.beta, embed_var, pos_weight)
+        watch.see(step, terms["loss"])
+        lr = sched.get_last_lr()[0]  # this step's; sched.step() sets the next one's
         opt.zero_grad(set_to_none=True)
         terms["loss"].backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            row = {"step": step, "lr": sched.get_last_lr()[0],
+        logged = step % cfg.log_every == 0 or step == cfg.steps - 1
+        saving = (checkpoint is not None and cfg.save_every and (step + 1) % cfg.save_every == 0
+                  and step + 1 < cfg.steps)
+        if logged or saving:  # the last step is always logged
+            watch.check()
+        if logged:
+            row = {"step": step, "lr": lr,
                    **{k: round(float(v.detach()), 6) for k, v in terms.items()}}
             history.append(row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", recon=f"{row['recon']:.3f}",
                             stop=f"{row['stop']:.3f}")
-        if (checkpoint is not None and cfg.save_every and (step + 1) % cfg.save_every == 0
-                and step + 1 < cfg.steps):
+        if saving:
             checkpoint(step + 1)
             head.train()
     return {"rows": len(feats.stop), "latent_rows": len(lat_rows), "loss_before": before,
@@ -157,7 +172,9 @@ def fit(head, feats, cfg, desc: str = "sft", checkpoint=None) -> dict:
 
 def train_sft(cfg: SFTConfig) -> dict:
     """Capture features, train a head, write the bundle to ``cfg.out`` and ``<out>.log.json``;
-    returns the log. Raises ValueError for bad options or when no trace fits."""
+    returns the log. Raises ValueError for bad options, an ``out`` that is a directory
+    (checked first) or when no trace fits, FloatingPointError as :func:`fit`."""
+    check_out(cfg.out, "a bundle file", False, say_stderr)
     t0 = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model, tok, _ = load_backbone(cfg.model, cfg.device, cfg.dtype)
