@@ -75,6 +75,14 @@ def test_malformed_header_is_a_400_naming_it(header, value):
     assert e.value.param == header and header in str(e.value)
 
 
+def test_a_non_ascii_header_value_is_quoted_as_sent():
+    """Starlette hands header bytes over as latin-1 text; the 400 shows the UTF-8 sent."""
+    sent = "\u0663".encode().decode("latin-1")  # ARABIC-INDIC DIGIT THREE, as it arrives
+    with pytest.raises(APIError) as e:
+        head_controls(_Req({"x-latent-max": sent}), _body())
+    assert str(e.value).endswith("got '\u0663'")
+
+
 def test_controls_reach_sampling_params_and_bad_body_names_field():
     body = _body(max_latent=7)
     c = head_controls(_Req({"x-latent-stop-threshold": "0.25"}), body)

@@ -169,7 +169,11 @@ def header_value(name: str, raw: str, kind: str):
                 return value
     except ValueError:
         pass
-    raise APIError(f"header {name} must be {_WANT[kind]}, got {raw!r}", param=name)
+    try:  # the ASGI server decodes header bytes as latin-1; show UTF-8 text as sent
+        shown = raw.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        shown = raw
+    raise APIError(f"header {name} must be {_WANT[kind]}, got {shown!r}", param=name)
 
 
 def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
