@@ -34,6 +34,9 @@ def test_url_backend_reports_latent_steps_from_the_server(head_server, tmp_path)
     assert [r["latent_steps"] for r in records] == [3, 3, 3]
     assert (summary["thinking_median"], summary["thinking_max"], summary["n"]) == (3, 3, 3)
     assert summary["latent_end"] == {"cap": 3}  # use_stop off: every phase hits its cap
+    # the controls as the server resolved them (latent.stats), the answer budget as given
+    assert (summary["use_stop"], summary["max_tokens"]) == (False, 4)
+    assert summary["min_latent"] is not None and summary["stop_threshold"] is not None
     assert all(r["completion_tokens"] > 0 for r in records)
     assert summary["accuracy_flexible"] == sum(r["flexible"] for r in records) / 3
 

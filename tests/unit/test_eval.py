@@ -147,6 +147,40 @@ def test_cli_sweep_writes_runs_and_a_plot(head_dir, gsm_file, tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert [(r["max_latent"], r["thinking_max"], r["n"]) for r in runs] == [(0, 0, 2), (2, 2, 2)]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the settings and the file read are recorded, the controls as the engine resolved them
+    data = json.loads(out.read_text())
+    assert data["dataset_file"] == str(gsm_file) and sorted(data["records"]) == ["0", "2"]
+    for r in runs:
+        assert (r["dataset_file"], r["max_tokens"], r["use_stop"]) == (str(gsm_file), 3, False)
+        assert r["min_latent"] is not None and r["stop_threshold"] is not None
+
+
+def test_cli_records_the_head_controls_it_was_given(head_dir, gsm_file, tmp_path):
+    """Two runs that differ only in ``--min-latent`` / ``--stop-threshold`` differ in their
+    summaries (they looked identical)."""
+    from latentserve.cli import main
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(head_dir), "--dataset", "gsm8k", "--data-file",
+                 str(gsm_file), "--limit", "1", "--max-tokens", "2", "--max-latent", "3",
+                 "--min-latent", "2", "--stop-threshold", "0.25", "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert (run["max_latent"], run["min_latent"], run["stop_threshold"], run["use_stop"],
+            run["max_tokens"]) == (3, 2, 0.25, True, 2)
+
+
+def test_cli_checks_every_budget_before_the_first_run(head_dir, gsm_file, tmp_path, capsys):
+    """``--min-latent 3`` above the sweep's second budget (2) is refused before the first
+    budget (5) runs, naming the value."""
+    from latentserve.cli import main
+
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "--model", str(head_dir), "--dataset", "gsm8k", "--data-file",
+               str(gsm_file), "--limit", "1", "--max-tokens", "2", "--min-latent", "3",
+               "--sweep", "max_latent=5,2", "--out", str(out)])
+    stdout, err = capsys.readouterr()
+    assert rc == 2 and stdout == "" and not out.exists()
+    assert "--sweep max_latent=2: min_latent must be at most max_latent (2), got 3" in err
 
 
 def test_plot_without_matplotlib_is_refused_before_any_work(monkeypatch, capsys, tmp_path):
@@ -170,6 +204,13 @@ def test_parse_sweep_rejects_bad_specs():
     for bad in ("budget=1,2", "max_latent=a", "max_latent=", "max_latent=-1", "max_latent=1,,2"):
         with pytest.raises(ValueError, match="sweep"):
             parse_sweep(bad)
+    # each run is recorded under its value: a value given twice is refused
+    with pytest.raises(ValueError, match=r"^--sweep max_latent=2,4,2 repeats 2; give each "):
+        parse_sweep("max_latent=2,4,2")
+    # the range of the value's own flag (--compression-factor: >= 1)
+    with pytest.raises(ValueError, match=r"^--sweep compression_factor=\.\.\.: "
+                                         r"compression_factor must be >= 1, got 0"):
+        parse_sweep("compression_factor=0,2", ("compression_factor", "max_latent"))
 
 
 def test_answer_length_does_not_grow_with_unused_latent_budget(head_dir, gsm_file):
@@ -203,7 +244,7 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
     (["--sweep", "max_latent=0,2", "--max-latent", "4"], "give one"),
     (["--min-latent", "3", "--no-stop"], "--min-latent, --no-stop control a compression "
                                          "head's latent phase, which runs only with"),
-    (["--stop-threshold", "0.5"], "--stop-threshold control"),
+    (["--stop-threshold", "0.5"], "--stop-threshold controls a compression head's"),
     (["--url", "http://127.0.0.1:9/v1"], "--url http://127.0.0.1:9/v1: no OpenAI-compatible"),
     (["--model", "no/such/dir", "--sweep", "compression_factor=1,2"],
      "(--model no/such/dir does not exist)"),
@@ -220,6 +261,11 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
     (["--out", "o.json", "--json-out", "o.json"], "--json-out o.json is also --out's file"),
     (["--sweep", "max_latent=0", "--plot", "gone/p.png"], "--plot gone/p.png: its folder"),
     (["--data-file", "."], "--dataset-file . is a folder; give a file"),
+    (["--baseline", "README.md"], "--baseline is a reference line on --plot's sweep plot"),
+    (["--api-model", "m"], "--api-model is for the server at --url"),
+    (["--api-key", "k"], "--api-key is for the server at --url"),
+    (["--concurrency", "4"], "--concurrency is for the server at --url"),
+    (["--data-dir", "no/such/dir"], "--data-dir no/such/dir does not exist; give a folder"),
 ])
 def test_cli_refuses_bad_options_before_running_naming_them(gsm_file, capsys, extra, words,
                                                            monkeypatch, tmp_path):
@@ -242,3 +288,44 @@ def test_cli_refuses_an_output_over_the_data_file(gsm_file, capsys):
                str(gsm_file)])
     assert rc == 2 and gsm_file.read_text() == before
     assert f"--out {gsm_file} is also --dataset-file's file" in capsys.readouterr().err
+
+
+def test_a_colar_baseline_is_refused_before_a_chat_sweep(gsm_file, tmp_path, capsys):
+    """The chat format's ``--baseline`` is a chat ``--out``; a CoLaR ``--json-out`` is
+    refused naming the flag before the model loads (it was a KeyError after the sweep)."""
+    pytest.importorskip("matplotlib")
+    from latentserve.cli import main
+
+    colar = tmp_path / "r.json"
+    colar.write_text(json.dumps({"n": 1, "accuracy": 0.5, "thinking": {"median": 3}}))
+    rc = main(["eval", "--model", str(tmp_path / "none"), "--dataset", "gsm8k",
+               "--data-file", str(gsm_file), "--sweep", "max_latent=0", "--plot",
+               str(tmp_path / "p.png"), "--baseline", str(colar)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"--baseline {colar} is not a chat-prompt-format run's --out JSON" in err
+    assert "it is a CoLaR-prompt-format summary, which goes with --prompt-format colar" in err
+
+
+def test_a_data_dir_that_does_not_exist_is_refused(tmp_path, monkeypatch, capsys):
+    """``--data-dir`` or ``$LATENTSERVE_DATA`` naming no folder is an error naming it (it
+    fell back to the packaged data without a word), for ``eval`` and ``data``."""
+    from latentserve.cli import main
+    from latentserve.eval.datasets import find_data_file
+
+    gone = tmp_path / "gone"
+    monkeypatch.delenv("LATENTSERVE_DATA", raising=False)
+    with pytest.raises(FileNotFoundError, match=f"^--data-dir {gone} does not exist; give a"):
+        find_data_file("prosqa/test.json", gone)
+    monkeypatch.setenv("LATENTSERVE_DATA", str(gone))
+    with pytest.raises(FileNotFoundError,
+                       match=rf"^\$LATENTSERVE_DATA \({gone}\) does not exist"):
+        load_items("prosqa", limit=1)
+    (tmp_path / "f").write_text("")
+    monkeypatch.delenv("LATENTSERVE_DATA")
+    with pytest.raises(FileNotFoundError, match="/f is not a folder"):
+        find_data_file("prosqa/test.json", tmp_path / "f")
+    assert main(["data", "multiplication", "--k", "4", "--n", "5", "--out",
+                 str(tmp_path / "x.txt"), "--data-dir", str(gone)]) == 2
+    assert f"--data-dir {gone} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "x.txt").exists()

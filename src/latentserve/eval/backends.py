@@ -23,6 +23,7 @@ class Completion:
     latency_s: float
     finish_reason: str | None = None
     latent_end: str | None = None  # how a head's latent phase ended: stop, cap or length
+    stats: dict | None = None  # the latent stats: the resolved head controls among them
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,25 +50,35 @@ class EngineBackend:
         self.has_head = engine.latent_spec is not None and engine.latent_spec.kind == "head"
         self._ids = itertools.count()
 
+    def _params(self, r: Request, head_controls: dict) -> SamplingParams:
+        """The engine's sampling params of ``r``. ValueError for ``max_latent`` without a
+        head."""
+        if r.max_latent is not None and not self.has_head:
+            raise ValueError("max_latent needs a model with a compression head "
+                             "(--latent-head)")
+        extra = {"thinking": r.max_latent is not None} if self.has_head else {}
+        max_tokens = r.max_tokens
+        if r.max_latent is not None:
+            extra |= {"max_latent": r.max_latent, **head_controls}
+            if "min_output_tokens" in self.engine.latent_spec.controls:
+                extra["min_output_tokens"] = 0  # max_tokens counts the answer alone
+            max_tokens += r.max_latent + len(self.engine.latent_spec.end_ids)
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+    def check(self, requests: list[Request], **head_controls) -> None:
+        """The engine's checks of :meth:`run`'s requests, nothing queued; ValueError naming
+        the field (a control out of range, ``max_latent`` without a head, ...)."""
+        for r in requests:
+            self.engine.check_request(chat_prompt_ids(self.tokenizer, r.user),
+                                      self._params(r, head_controls))
+
     def run(self, requests: list[Request], **head_controls) -> list[Completion]:
         start, reqs = time.perf_counter(), {}
-        n_close = len(self.engine.latent_spec.end_ids) if self.has_head else 0
         for r in requests:
-            if r.max_latent is not None and not self.has_head:
-                raise ValueError("max_latent needs a model with a compression head "
-                                 "(--latent-head)")
-            extra = {"thinking": r.max_latent is not None} if self.has_head else {}
-            max_tokens = r.max_tokens
-            if r.max_latent is not None:
-                extra |= {"max_latent": r.max_latent, **head_controls}
-                if "min_output_tokens" in self.engine.latent_spec.controls:
-                    extra["min_output_tokens"] = 0  # max_tokens counts the answer alone
-                max_tokens += r.max_latent + n_close
             rid = f"eval-{next(self._ids)}"
             reqs[rid] = r
             self.engine.add_request(rid, chat_prompt_ids(self.tokenizer, r.user),
-                                    SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                   **extra))
+                                    self._params(r, head_controls))
         toks: dict[str, list[int]] = {rid: [] for rid in reqs}
         done = {}
         while self.engine.has_unfinished_requests():
@@ -83,7 +94,7 @@ class EngineBackend:
                         self.tokenizer.decode(answer, skip_special_tokens=True), len(answer),
                         st.get("steps", o.latent_steps) or 0, time.perf_counter() - start,
                         "length" if len(answer) < len(toks[o.rid]) else o.finish_reason,
-                        st.get("end"))
+                        st.get("end"), o.latent_stats)
         return [done[rid] for rid in reqs]
 
 
@@ -117,7 +128,8 @@ class OpenAIBackend:
         return Completion(ch.message.content or "",
                           resp.usage.completion_tokens if resp.usage else 0,
                           int(latent.get("steps") or 0), time.perf_counter() - start,
-                          ch.finish_reason, (latent.get("stats") or {}).get("end"))
+                          ch.finish_reason, (latent.get("stats") or {}).get("end"),
+                          latent.get("stats"))
 
     def run(self, requests: list[Request], **head_controls) -> list[Completion]:
         start = time.perf_counter()

@@ -10,6 +10,7 @@ import statistics
 import time
 
 from latentserve.eval.datasets import Item
+from latentserve.eval.run import CONTROLS, resolved_controls
 from latentserve.latent import colar
 from latentserve.sampling_params import SamplingParams
 
@@ -46,17 +47,11 @@ def read_answer(tok, ids: list[int], latent: bool) -> str:
     return colar.split_output(text)[1]
 
 
-def evaluate(llm, items: list[Item], max_tokens: int = 320,
-             compression_factor: int | None = None, max_latent: int | None = None,
-             **head_controls) -> tuple[list[dict], dict]:
-    """Run ``items`` through ``llm`` greedily; returns ``(records, summary)`` (``{"n",
-    "accuracy", "thinking": {"median", "max", "mean"}, "stop_fired", "seconds"}``). ``max_tokens``
-    bounds text tokens (latent models: the answer's). ``max_latent`` is for CoLaR or a head,
-    ``compression_factor`` CoLaR's, ``head_controls`` a head's (``SamplingParams`` fields:
-    ``min_latent``, ``use_stop``, ``stop_threshold``); ValueError for a model that does not
-    take one, or no items."""
-    if not items:
-        raise ValueError("no items to evaluate")
+def _params(llm, max_tokens: int, compression_factor: int | None, max_latent: int | None,
+            head_controls: dict) -> tuple[SamplingParams, bool, bool]:
+    """``(params, latent, head)``: the greedy sampling params of :func:`evaluate`'s requests
+    and whether the model is CoLaR / a compression head. ValueError for a control the model
+    does not take."""
     family = getattr(llm.engine.latent_spec, "family", None)
     latent, head = family == "colar", family == "compression-head"
     if max_latent is not None and not (latent or head):
@@ -69,28 +64,58 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
             raise ValueError(f"{flag} ({k}) is not a control of this model ("
                              f"{family or 'no latent head'}); it takes "
                              f"{', '.join(takes) or 'none'}")
-    tok = llm.tokenizer
-    sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
     # compression_factor: the engine refuses it on any model but CoLaR (ValueError)
     extra = {k: v for k, v in (("compression_factor", compression_factor),
                                ("max_latent", max_latent)) if v is not None} | head_controls
-    if head:
+    if head:  # thinking is on: without max_latent the engine's default cap
         cap = max_latent if max_latent is not None else llm.engine.family.defaults["max_latent"]
         extra |= {"max_latent": cap, "min_output_tokens": 0}
         max_tokens += cap + len(llm.engine.latent_spec.end_ids)  # latent steps count too
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra), latent, head
+
+
+def check(llm, items: list[Item], max_tokens: int = 320,
+          compression_factor: int | None = None, max_latent: int | None = None,
+          **head_controls) -> None:
+    """The checks of :func:`evaluate`'s requests (its own and the engine's), nothing run: a
+    sweep checks every value before its first run. ValueError naming the field (a
+    ``compression_factor`` out of the model's range, ...)."""
+    params, latent, _ = _params(llm, max_tokens, compression_factor, max_latent, head_controls)
+    for p in encode_questions(llm.tokenizer, [it.question for it in items], latent):
+        llm.engine.check_request(p, params)
+
+
+def evaluate(llm, items: list[Item], max_tokens: int = 320,
+             compression_factor: int | None = None, max_latent: int | None = None,
+             **head_controls) -> tuple[list[dict], dict]:
+    """Run ``items`` through ``llm`` greedily; returns ``(records, summary)`` (``{"n",
+    "accuracy", "thinking": {"median", "max", "mean"}, "stop_fired", "seconds"}`` and the
+    settings as the engine resolved them: ``compression_factor``, ``max_latent`` (a text
+    model's None) and the head controls, ``min_latent``, ``stop_threshold``, ``use_stop``;
+    None where the model has none). ``max_tokens`` bounds text tokens (latent models: the
+    answer's). ``max_latent`` is for CoLaR or a head (None: the model's cap; a head thinks
+    with the engine's default, ``LATENTSERVE_MAX_LATENT``), ``compression_factor`` CoLaR's,
+    ``head_controls`` a head's (``SamplingParams`` fields: ``min_latent``, ``use_stop``,
+    ``stop_threshold``); ValueError for a model that does not take one, or no items."""
+    if not items:
+        raise ValueError("no items to evaluate")
+    params, latent, head = _params(llm, max_tokens, compression_factor, max_latent,
+                                   head_controls)
+    tok = llm.tokenizer
+    sep = tok.convert_tokens_to_ids(colar.SEPARATOR)
     ids = encode_questions(tok, [it.question for it in items], latent)
     prompts = [{"prompt_token_ids": p} for p in ids]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    records = []
+    records, stats = [], []
     for it, o in zip(items, outs):
         c = o.outputs[0]
         ids = list(c.token_ids)
         if latent or head:
-            stats = c.latent_stats or {}
-            thinking, fired = int(stats.get("steps", 0)), stats.get("end") == "stop"
+            st = c.latent_stats or {}
+            stats.append(st)
+            thinking, fired = int(st.get("steps", 0)), st.get("end") == "stop"
         else:
             thinking, fired = (ids.index(sep), True) if sep in ids else (len(ids), False)
         answer = read_answer(tok, ids, latent or head)
@@ -98,7 +123,11 @@ def evaluate(llm, items: list[Item], max_tokens: int = 320,
                         "correct": answers_match(it.gold, answer), "thinking": thinking,
                         "stop_fired": fired, "output_tokens": len(ids)})
     n, think = len(records), [r["thinking"] for r in records]
-    return records, {"n": n, "accuracy": sum(r["correct"] for r in records) / n,
+    given = {"compression_factor": compression_factor, "max_latent": max_latent,
+             **head_controls}
+    return records, {**resolved_controls(stats, given, ("compression_factor", "max_latent",
+                                                         *CONTROLS)),
+                     "n": n, "accuracy": sum(r["correct"] for r in records) / n,
                      "thinking": {"median": statistics.median(think), "max": max(think),
                                   "mean": sum(think) / n},
                      "stop_fired": sum(r["stop_fired"] for r in records) / n,

@@ -58,15 +58,26 @@ def package_data_dir() -> Path:
 
 def data_dirs(data_dir: str | Path | None = None) -> list[Path]:
     """The folders searched for a data file, in order: ``data_dir`` (``--data-dir``), else
-    ``$LATENTSERVE_DATA`` when set; then the package's own data."""
+    ``$LATENTSERVE_DATA`` when set; then the package's own data. Raises FileNotFoundError
+    naming ``--data-dir`` or the variable when the folder given is not one (else a typo
+    would read the package's copy without a word)."""
     given = data_dir or settings.get(DATA_ENV)
+    if given and not Path(given).is_dir():
+        what = "is not a folder" if Path(given).exists() else "does not exist"
+        where = f"--data-dir {given}" if data_dir else f"${DATA_ENV} ({given})"
+        raise FileNotFoundError(
+            f"{where} {what}; give a folder laid out as the package's data "
+            f"(gsm8k/test.jsonl, multiplication/4x4_test.txt, ...), or "
+            f"{'leave it out' if data_dir else 'unset it'} for the test sets that ship "
+            "(docs/training.md, 'Data')")
     return ([Path(given)] if given else []) + [package_data_dir()]
 
 
 def find_data_file(rel: str, data_dir: str | Path | None = None,
                    flag: str = "--data-dir DIR") -> Path:
     """The file ``rel`` under the first of :func:`data_dirs` that holds it. Raises
-    FileNotFoundError naming the folders searched, ``flag`` and the upstream source."""
+    FileNotFoundError naming the folders searched, ``flag`` and the upstream source, or
+    (:func:`data_dirs`) a data folder that does not exist."""
     dirs = data_dirs(data_dir)
     for d in dirs:
         if (d / rel).is_file():
@@ -78,16 +89,25 @@ def find_data_file(rel: str, data_dir: str | Path | None = None,
         f"{UPSTREAM.get(folder, 'its upstream repository')} (docs/training.md, 'Data')")
 
 
+def dataset_file(name: str, path: str | Path | None = None,
+                 data_dir: str | Path | None = None) -> Path:
+    """The file :func:`load_items` reads for data set ``name``: ``path`` when given, else
+    the set's file found by :func:`find_data_file`. ValueError for an unknown name,
+    FileNotFoundError."""
+    if name not in DATASETS:
+        raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {name!r}")
+    return Path(path) if path else find_data_file(DATASETS[name][0], data_dir)
+
+
 def load_items(name: str, path: str | Path | None = None, limit: int | None = None,
                data_dir: str | Path | None = None) -> list[Item]:
     """Items of data set ``name`` (a key of ``DATASETS``) from ``path`` (default: its file
     found by :func:`find_data_file` under ``data_dir``, ``$LATENTSERVE_DATA`` or the
-    package); the first ``limit`` only when given. Raises ValueError for an unknown name or
-    a malformed file (naming it, and the line where it can), FileNotFoundError."""
-    if name not in DATASETS:
-        raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {name!r}")
-    rel, fmt, kind = DATASETS[name]
-    p = Path(path) if path else find_data_file(rel, data_dir)
+    package; :func:`dataset_file`); the first ``limit`` only when given. Raises ValueError
+    for an unknown name or a malformed file (naming it, and the line where it can),
+    FileNotFoundError."""
+    p = dataset_file(name, path, data_dir)
+    _, fmt, kind = DATASETS[name]
     try:
         return parse_file(p, fmt, kind, limit)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSON errors included
