@@ -266,6 +266,10 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
     (["--api-key", "k"], "--api-key is for the server at --url"),
     (["--concurrency", "4"], "--concurrency is for the server at --url"),
     (["--data-dir", "no/such/dir"], "--data-dir no/such/dir does not exist; give a folder"),
+    (["--url", "http://127.0.0.1:9/v1", "--model", "."], "--model is for an in-process "
+                                                       "engine; with --url the server's"),
+    (["--url", "http://127.0.0.1:9/v1", "--latent-head", "h.safetensors"],
+     "--latent-head is for an in-process engine"),
 ])
 def test_cli_refuses_bad_options_before_running_naming_them(gsm_file, capsys, extra, words,
                                                            monkeypatch, tmp_path):

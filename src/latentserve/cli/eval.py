@@ -178,6 +178,11 @@ def run(args) -> int:
     args.dataset = args.dataset or "gsm8k"
     from latentserve.eval.run import check, evaluate, parse_sweep, plot_sweep
 
+    for flag, value in (("--model", args.model), ("--latent-head", args.latent_head)):
+        if args.url and value:
+            raise ValueError(f"{flag} is for an in-process engine; with --url the server's "
+                             "model answers (name it with --api-model)")
+
     speed = args.compression_factor is not None or (
         args.sweep or "").partition("=")[0].strip() == "compression_factor"
     if speed or args.json_out:
