@@ -205,6 +205,23 @@ def test_latent_phase_leaves_room_for_an_answer_token_near_the_context_end(head_
     engine.cache.check_idle()
 
 
+def test_the_server_default_floor_yields_to_the_context(head_dirs, monkeypatch):
+    """A floor the request did not send (``LATENTSERVE_MIN_LATENT``) is held to the room
+    the context leaves, not refused."""
+    monkeypatch.setenv("LATENTSERVE_MIN_LATENT", "1000")
+    engine = LLMEngine(EngineConfig(model=str(head_dirs["closed_loop"]), max_model_len=48))
+    prompt = shared_prefix_prompts()[2]
+    room = 48 - len(prompt) - len(engine.latent_spec.start_ids) - \
+        len(engine.latent_spec.end_ids) - 1
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, ignore_eos=True))
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    stats = final.latent_stats
+    assert stats["steps"] == stats["min_latent"] == stats["max_latent"] == room
+    engine.cache.check_idle()
+
+
 def test_thinking_off_is_the_bare_backbone_and_says_so(head_dirs):
     d = head_dirs["closed_loop"]
     engine = LLMEngine(EngineConfig(model=str(d)))

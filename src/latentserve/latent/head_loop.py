@@ -73,7 +73,8 @@ class HeadFamily(Family):
             if hs.thinking and list(prompt_ids[-k:]) != list(spec.start_ids):
                 start_ids = spec.start_ids
             if hs.thinking and hs.mode == "closed_loop":
-                self._fit_context(hs, len(prompt_ids) + len(start_ids))
+                self._fit_context(hs, len(prompt_ids) + len(start_ids),
+                                  params.min_latent is not None)
             if hs.thinking:
                 cap = hs.max_latent if hs.mode == "closed_loop" else 0
                 floor = apply_output_floor(params.max_tokens, hs.min_output_tokens, cap)
@@ -89,13 +90,16 @@ class HeadFamily(Family):
         return Admission(params, len(start_ids) + (len(hs.end_ids) if hs.thinking else 0),
                          start)
 
-    def _fit_context(self, hs, n: int) -> None:
+    def _fit_context(self, hs, n: int, floor_sent: bool) -> None:
         """Hold ``hs.max_latent`` to the latent steps that leave room, after a prompt of
-        ``n`` positions, for the closing ids and one answer token. ValueError when
-        ``hs.min_latent`` does not fit (a prompt too long for any is the engine's error)."""
+        ``n`` positions, for the closing ids and one answer token; the server's default
+        floor yields to it too. ValueError when a sent ``hs.min_latent`` (``floor_sent``)
+        does not fit (a prompt too long for any is the engine's error)."""
         room = self.engine.max_model_len - n - len(hs.end_ids) - 1
         if room < 0:
             return
+        if not floor_sent:
+            hs.min_latent = min(hs.min_latent, room)
         if hs.min_latent > room:
             raise ValueError(f"min_latent must be at most {room} for this prompt: its {n} "
                              f"positions, the closing ids and one answer token leave room for "
