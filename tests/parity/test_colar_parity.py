@@ -259,6 +259,11 @@ def test_latent_steps_past_the_context_end_with_length(colar_dir):
         out += [o for o in engine.step() if o.finished]
     st = out[0].latent_stats
     assert (st["steps"], st["end"], out[0].finish_reason) == (room, "length", "length")
+    # a floor that leaves no room for ### and one answer token is refused, as the server's
+    # context-length 400 (offline it ran fewer steps than the floor)
+    with pytest.raises(ValueError, match=f"min_latent must be at most {room - 1} for this"):
+        engine.add_request("y", ids, SamplingParams(max_latent=room + 5, min_latent=room))
+    assert not engine.has_unfinished_requests()
     engine.cache.check_idle()
 
 

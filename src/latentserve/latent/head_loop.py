@@ -64,6 +64,8 @@ class HeadFamily(Family):
         own = getattr(model.latent_head, "prepare_request", None)
         if own is not None:
             params, hs, start_ids = own(prompt_ids, params)
+            if hs.thinking:  # CoLaR: a cap past the context ends with length, as vLLM's
+                self._fit_context(hs, len(prompt_ids) + len(start_ids), True, hold=False)
         else:
             refuse_controls(params, CONTROLS, "a compression head")
             hs = resolve_settings(params, self.defaults, model.latent_head_mode,
@@ -90,22 +92,23 @@ class HeadFamily(Family):
         return Admission(params, len(start_ids) + (len(hs.end_ids) if hs.thinking else 0),
                          start)
 
-    def _fit_context(self, hs, n: int, floor_sent: bool) -> None:
-        """Hold ``hs.max_latent`` to the latent steps that leave room, after a prompt of
-        ``n`` positions, for the closing ids and one answer token; the server's default
-        floor yields to it too. ValueError when a sent ``hs.min_latent`` (``floor_sent``)
-        does not fit (a prompt too long for any is the engine's error)."""
+    def _fit_context(self, hs, n: int, floor_sent: bool, hold: bool = True) -> None:
+        """With ``hold``, hold ``hs.max_latent`` to the latent steps that leave room, after
+        a prompt of ``n`` positions, for the closing ids and one answer token; the server's
+        default floor yields to it too. ValueError when a sent ``hs.min_latent``
+        (``floor_sent``) does not fit (a prompt too long for any is the engine's error)."""
         room = self.engine.max_model_len - n - len(hs.end_ids) - 1
         if room < 0:
             return
-        if not floor_sent:
+        if hold and not floor_sent:
             hs.min_latent = min(hs.min_latent, room)
         if hs.min_latent > room:
             raise ValueError(f"min_latent must be at most {room} for this prompt: its {n} "
                              f"positions, the closing ids and one answer token leave room for "
                              f"{room} latent steps in max_model_len {self.engine.max_model_len},"
                              f" got {hs.min_latent}")
-        hs.max_latent = min(hs.max_latent, room)
+        if hold:
+            hs.max_latent = min(hs.max_latent, room)
 
     def thinking(self, req: Req) -> bool:
         return req.answer_start is None and req.state is not None
