@@ -170,3 +170,13 @@ def test_a_speed_above_the_models_range_is_refused_before_serving(models, capsys
     rc = main(["demo", "--models-dir", str(models[0]), "--compression-factor", "9"])
     assert rc != 0
     assert "--compression-factor must be in [1, " in capsys.readouterr().err
+
+
+def test_a_speed_without_the_colar_model_or_a_models_dir_without_models_is_refused(
+        models, capsys, tmp_path):
+    from latentserve.cli import main
+
+    assert main(["demo", "--models-dir", str(models[1]), "--compression-factor", "2"]) != 0
+    assert "--compression-factor is CoLaR's speed, and" in capsys.readouterr().err
+    assert main(["demo", "--models-dir", str(tmp_path)]) != 0
+    assert f"--models-dir {tmp_path} holds no smollm2-mult-cot" in capsys.readouterr().err

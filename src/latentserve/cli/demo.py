@@ -248,12 +248,18 @@ def run(args) -> int:
         or _model(models_dir, TEXT_MODEL, "config.json")
     if text_dir is None:
         where = models_dir / TEXT_MODEL if models_dir else f"models/{TEXT_MODEL}"
+        if args.models_dir is not None:
+            raise ValueError(f"--models-dir {args.models_dir} holds no {TEXT_MODEL} (the "
+                             "source checkout's models/ does)")
         _refuse_demo_flags(args, f"without {where} (it ships with the source checkout, not "
                            "the wheel)")
         print(f"note: {where} not found (it ships with the source checkout, not the wheel); "
               "showing the embedded SmolLM2 on grade-school math instead", flush=True)
         return run_gsm8k(args)
     colar_dir = _model(models_dir, COLAR_MODEL, "colar_config.json")
+    if colar_dir is None and args.compression_factor is not None:
+        raise ValueError(f"--compression-factor is CoLaR's speed, and {models_dir} holds no "
+                         f"{COLAR_MODEL}; leave it out")
     if colar_dir is None:
         print(f"note: {models_dir / COLAR_MODEL} is not there yet (it is trained on a GPU by "
               "scripts/stage1_gpu.sh, see docs/results.md); showing the text CoT alone",
