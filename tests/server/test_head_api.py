@@ -113,6 +113,30 @@ def test_tokenize_leaves_latent_headers_alone(smollm2_tokenizer):
         assert r.status_code == 200, r.text
 
 
+def test_tokenize_reads_template_thinking_as_the_chat_route(smollm2_tokenizer):
+    """A string "false" renders as false (Jinja would take the string as true) and a value
+    that is no boolean is a 400 naming its key, as on the chat route."""
+    import copy
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = ("{% if enable_thinking %}<think>{% endif %}"
+                         "{{ messages[-1]['content'] }}")
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def count(kwargs):
+        r = app.post("/tokenize", json={"messages": msgs, "chat_template_kwargs": kwargs})
+        assert r.status_code == 200, r.text
+        return r.json()["count"]
+
+    with stand_in_app(tok) as app:
+        assert count({"enable_thinking": "false"}) == count({}) < count({"thinking": True})
+        for kwargs, key in (({"enable_thinking": "maybe"}, "enable_thinking"),
+                            ({"thinking": True, "enable_thinking": False}, "enable_thinking")):
+            r = app.post("/tokenize", json={"messages": msgs, "chat_template_kwargs": kwargs})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == f"chat_template_kwargs.{key}"
+
+
 def test_messages_route_takes_headers(head_server):
     r = httpx.post(f"{head_server.base_url}/v1/messages", timeout=60,
                    headers={"x-ds4-max-latent": "2", "x-ds4-min-output-tokens": "0"},

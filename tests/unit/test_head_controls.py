@@ -56,6 +56,16 @@ def test_thinking_from_template_kwargs_below_body_and_header():
     assert head_controls(_Req({}), _body(), {"enable_thinking": None})["thinking"] is None
 
 
+def test_template_thinking_is_checked_even_under_a_body_value_and_both_keys_must_agree():
+    with pytest.raises(APIError) as e:
+        head_controls(_Req({}), _body(thinking=False), {"enable_thinking": 0})
+    assert e.value.param == "chat_template_kwargs.enable_thinking"
+    with pytest.raises(APIError, match="enable_thinking disagrees with"):
+        head_controls(_Req({}), _body(), {"thinking": True, "enable_thinking": "off"})
+    assert head_controls(_Req({}), _body(), {"thinking": "on", "enable_thinking": True}
+                         )["thinking"] is True
+
+
 @pytest.mark.parametrize("key", ["thinking", "enable_thinking"])
 @pytest.mark.parametrize("value", [0, 1, "maybe", [], {"a": 1}, 0.5])
 def test_template_thinking_other_than_a_boolean_is_a_400(key, value):

@@ -238,19 +238,24 @@ def fp32_tiling(m: int, k: int, n: int, num_sms: int = 132) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- controls
 
 def template_thinking(template_kwargs: dict | None) -> bool | None:
-    """Thinking on or off per ``template_kwargs`` ``thinking``, else ``enable_thinking``
-    (a bool or bool string); None when neither is set (a null is not set). Raises
-    ValueError naming ``chat_template_kwargs.<key>`` for any other value (0, "maybe", [])."""
+    """Thinking on or off per ``template_kwargs`` ``thinking`` and ``enable_thinking`` (a
+    bool, or a string ``settings.parse_bool`` reads); None when neither is set (a null is
+    not set). Raises ValueError naming ``chat_template_kwargs.<key>`` for any other value
+    (0, "maybe", []) or when the two disagree."""
+    found: dict[str, bool] = {}
     for key in ("thinking", "enable_thinking"):
         value = (template_kwargs or {}).get(key)
         if isinstance(value, str):  # "false" from a client that stringifies kwargs
             value = parse_bool(f"chat_template_kwargs.{key}", value)
-        if isinstance(value, bool):
-            return value
-        if value is not None:
+        if value is not None and not isinstance(value, bool):
             raise ValueError(f"chat_template_kwargs.{key} must be true or false, got "
                              f"{value!r}")
-    return None
+        if value is not None:
+            found[key] = value
+    if len(set(found.values())) > 1:
+        raise ValueError("chat_template_kwargs.enable_thinking disagrees with "
+                         "chat_template_kwargs.thinking; send one")
+    return next(iter(found.values()), None)
 
 
 def head_defaults(environ=None) -> dict:

@@ -23,6 +23,7 @@ from latentserve.server.chat import create_chat_completion
 from latentserve.server.completions import create_completion
 from latentserve.server.errors import APIError, install_error_handlers
 from latentserve.server.latent_card import latent_card
+from latentserve.server.latent_params import checked_template_thinking, thinking_kwargs
 from latentserve.server.logprobs import token_texts
 from latentserve.server.metrics import MetricsRegistry
 from latentserve.server.openapi import declare_errors
@@ -155,7 +156,9 @@ def create_app(state: ServerState | list[ServerState],
                 add_special_tokens=body.add_special_tokens is not False))
         else:
             check_tools(chat_tools(body.tools))
-            ids = await templated_prompt_ids(body, state, body.chat_template_kwargs)
+            kwargs = body.chat_template_kwargs  # thinking read and rendered as on the chat route
+            kwargs = thinking_kwargs(kwargs, checked_template_thinking(kwargs))
+            ids = await templated_prompt_ids(body, state, kwargs)
         out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if body.return_token_strs:
             texts = token_texts(state.tokenizer)

@@ -10,7 +10,7 @@ from itertools import zip_longest
 from latentserve.server.admission import admit
 from latentserve.server.errors import APIError
 from latentserve.server.generation import TextDelta
-from latentserve.server.latent_params import latent_controls
+from latentserve.server.latent_params import latent_controls, thinking_kwargs
 from latentserve.server.latent_trace import latent_info, tick_infos
 from latentserve.server.logprobs import chat_logprobs, token_texts
 from latentserve.server.output_parser import (
@@ -60,10 +60,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request, state: Se
         check_logprobs(logprobs, "top_logprobs", state.limits)
         budget, head, ticks = latent_controls(request, body, state.latent_spec,
                                               body.chat_template_kwargs)
-        template_kwargs = body.chat_template_kwargs
-        if head["thinking"] is not None:  # the template renders the thinking opening (or not)
-            template_kwargs = {**(template_kwargs or {}), "thinking": head["thinking"],
-                               "enable_thinking": head["thinking"]}
+        template_kwargs = thinking_kwargs(body.chat_template_kwargs, head["thinking"])
         keep = prompt_truncation(body, state.max_model_len)  # a prompt to cut may be longer
         prompt_ids = await templated_prompt_ids(body, state, template_kwargs,
                                                 state.max_model_len if keep is None else None)

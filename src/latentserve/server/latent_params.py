@@ -102,14 +102,11 @@ def head_controls(http_request, body: SamplingRequest,
     """``HEAD_HEADERS`` controls: header (``x-latent-*`` > ``x-ds4-*``) > body > template
     thinking > None; ``x-latent-budget: 0`` turns thinking off unless a thinking header is
     sent. APIError (400 naming the header) for a malformed value."""
-    from latentserve.latent.head import template_thinking
 
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
+    from_template = checked_template_thinking(template_kwargs)  # checked even when unused
     if out["thinking"] is None:
-        try:
-            out["thinking"] = template_thinking(template_kwargs)
-        except ValueError as e:
-            raise APIError(str(e), param=str(e).split()[0]) from None
+        out["thinking"] = from_template
     headers = _headers(http_request)
     for name, (hdr, alias, kind) in HEAD_HEADERS.items():
         used = hdr if headers.get(hdr) is not None or alias is None else alias
@@ -119,6 +116,25 @@ def head_controls(http_request, body: SamplingRequest,
             and not any(headers.get(h) is not None for h in HEAD_HEADERS["thinking"][:2]):
         out["thinking"] = False  # header x-latent-budget: 0 (thinking off) beats the body
     return out
+
+
+def thinking_kwargs(template_kwargs: dict | None, thinking: bool | None) -> dict | None:
+    """``template_kwargs`` with ``thinking`` and ``enable_thinking`` set to ``thinking``
+    (the template renders the opening, or not), unchanged when it is None."""
+    if thinking is None:
+        return template_kwargs
+    return {**(template_kwargs or {}), "thinking": thinking, "enable_thinking": thinking}
+
+
+def checked_template_thinking(template_kwargs: dict | None) -> bool | None:
+    """``latent.head.template_thinking`` with its ValueError as an APIError (400) naming
+    the ``chat_template_kwargs`` key."""
+    from latentserve.latent.head import template_thinking
+
+    try:
+        return template_thinking(template_kwargs)
+    except ValueError as e:
+        raise APIError(str(e), param=str(e).split()[0]) from None
 
 
 def _headers(http_request) -> dict:
