@@ -155,6 +155,13 @@ def test_thinking_off_runs_no_latent_step_on_every_route(latent_server, coconut_
     assert r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
     r = _complete(latent_server, {"thinking": False, "latent_budget": 2})
     assert r.status_code == 400 and "latent_budget is 2" in r.json()["error"]["message"]
+    # thinking on is the default: taken, as the template's and Anthropic's switch are
+    on = [_complete(latent_server, {"thinking": True}),
+          _complete(latent_server, {}, {"x-latent-thinking": "on"}), _complete(latent_server)]
+    assert [r.status_code for r in on] == [200] * 3, on[0].text
+    assert len({r.json()["choices"][0]["latent"]["steps"] for r in on}) == 1
+    card = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["latent"]
+    assert card["controls"] == ["latent_budget", "thinking", "upstream_stop_rules"]
     with httpx.Client(base_url=base) as http:
         assert_slots_invariant(wait_idle(http))
 

@@ -22,6 +22,8 @@ def latent_card(spec) -> dict | None:
 
     kind = spec.kind
     controls = list(spec.controls) if kind == "head" else ["latent_budget"]
+    if kind == "feedback":  # thinking off: no latent step (a looped block refuses it)
+        controls.append("thinking")
     if "max_latent" in controls:  # a head takes latent_budget (and its header) as max_latent
         controls.insert(controls.index("max_latent") + 1, "latent_budget")
     criteria = None

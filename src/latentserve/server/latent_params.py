@@ -194,18 +194,21 @@ def header_value(name: str, raw: str, kind: str):
 
 def refuse_head_controls(http_request, body, controls: dict, spec=None) -> None:
     """APIError (400 naming the header or field) for head controls the model would ignore:
-    any without a head (unless thinking is off), those not in ``spec.controls`` with one, or
+    any without a head (unless thinking is off; ``thinking`` itself is taken by feedback and
+    looped models, whose latent steps it turns on or off), those not in ``spec.controls``
+    with one, or
     ``compression_factor`` outside ``[1, spec.max_compression_factor]``."""
     head = spec is not None and spec.kind == "head"
     if not head and controls.get("thinking") is False:
         return
     taken = spec.controls if head else ()
+    stepped = spec is not None and spec.kind in ("feedback", "loop")  # thinking: on is theirs
     headers = _headers(http_request)
     for name, (hdr, alias, _) in HEAD_HEADERS.items():
         field = name in type(body).model_fields and getattr(body, name) is not None
         sent = next((h for h in (hdr, alias) if h is not None and headers.get(h) is not None),
                     name if field else None)
-        if name in taken or sent is None:
+        if name in taken or sent is None or (name == "thinking" and stepped):
             continue
         if taken:
             why = (f"is not a control of this model's latent head ({spec.family}; it takes "
