@@ -112,7 +112,8 @@ def test_data_multiplication_makes_the_folder_of_out(no_data_env, capsys, tmp_pa
     (["--exclude", "README"], "README line 1 is not an iCoT line (question||steps #### answer)"),
     (["--exclude", "FIVE"], "FIVE holds no 4x4 question, so it would exclude nothing"),
     (["--exclude", "EMPTY"], "EMPTY holds no questions, so it would exclude nothing"),
-    (["--out", "DIR"], "is a directory; give the file to write")])
+    (["--out", "DIR"], "is a directory; give the file to write"),
+    (["--out", "FIVE/x.txt"], "FIVE is a file, not a folder")])
 def test_data_multiplication_refuses_what_it_cannot_honour(no_data_env, capsys, tmp_path,
                                                             args, message):
     """A huge ``--k`` and an ``--exclude`` file that would leave nothing out (not iCoT, or
@@ -124,7 +125,7 @@ def test_data_multiplication_refuses_what_it_cannot_honour(no_data_env, capsys, 
     (tmp_path / "FIVE").write_text(f"{five.question}||1 #### 2\n")
     (tmp_path / "EMPTY").write_text("\n")
     (tmp_path / "DIR").mkdir()
-    args = [a if a not in ("README", "FIVE", "EMPTY", "DIR") else str(tmp_path / a)
+    args = [str(tmp_path / a) if a in ("README", "FIVE", "EMPTY", "DIR", "FIVE/x.txt") else a
             for a in args]
     out = tmp_path / "train.txt"
     rc = main(["data", "multiplication", "--k", "4", "--n", "5", "--out", str(out), *args])

@@ -38,6 +38,9 @@ def run_multiplication(args) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ValueError(f"--out {args.out} is a directory; give the file to write")
+    above = next(p for p in out.parents if p.exists())  # "." at the least
+    if not above.is_dir():
+        raise ValueError(f"--out {args.out}: {above} is a file, not a folder")
     if args.exclude is None:
         try:
             args.exclude = [str(find_data_file(f"multiplication/{args.k}x{args.k}_{s}.txt",
