@@ -270,6 +270,8 @@ def test_a_file_of_another_data_set_is_a_clear_error(tmp_path, gsm_file):
                                                        "engine; with --url the server's"),
     (["--url", "http://127.0.0.1:9/v1", "--latent-head", "h.safetensors"],
      "--latent-head is for an in-process engine"),
+    (["--url", "http://127.0.0.1:9/v1", "--max-model-len", "64"],
+     "--max-model-len is for an in-process engine"),
 ])
 def test_cli_refuses_bad_options_before_running_naming_them(gsm_file, capsys, extra, words,
                                                            monkeypatch, tmp_path):

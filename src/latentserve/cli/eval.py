@@ -65,6 +65,21 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def refuse_engine_flags(args) -> None:
+    """ValueError naming the first engine flag set beside ``--url`` (``--model`` or an
+    ``EngineConfig`` field off its default): the server's model and settings answer."""
+    from latentserve.config import EngineConfig
+
+    names = ["model", *(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"
+                        and hasattr(args, f.name) and getattr(args, f.name) not in
+                        (None, f.default))]
+    for name in names:
+        if getattr(args, name, None):
+            raise ValueError(f"--{name.replace('_', '-')} is for an in-process engine; with "
+                             "--url the server's model and settings answer (name the model "
+                             "with --api-model)")
+
+
 def model_label(args) -> str:
     """The plot's name of the evaluated model: ``--model``'s last path part, else the
     embedded SmolLM2's; ``+ <bundle>`` with ``--latent-head``."""
@@ -178,10 +193,8 @@ def run(args) -> int:
     args.dataset = args.dataset or "gsm8k"
     from latentserve.eval.run import check, evaluate, parse_sweep, plot_sweep
 
-    for flag, value in (("--model", args.model), ("--latent-head", args.latent_head)):
-        if args.url and value:
-            raise ValueError(f"{flag} is for an in-process engine; with --url the server's "
-                             "model answers (name it with --api-model)")
+    if args.url:
+        refuse_engine_flags(args)
 
     speed = args.compression_factor is not None or (
         args.sweep or "").partition("=")[0].strip() == "compression_factor"
