@@ -101,8 +101,7 @@ def head_controls(http_request, body: SamplingRequest,
                   template_kwargs: dict | None = None) -> dict:
     """``HEAD_HEADERS`` controls: header (``x-latent-*`` > ``x-ds4-*``) > body > template
     thinking > None; ``x-latent-budget: 0`` turns thinking off unless a thinking header is
-    sent. APIError (400 naming the header) for a malformed value."""
-
+    sent. APIError (400 naming the header or template key) for a malformed value."""
     out = {k: getattr(body, k, None) for k in HEAD_HEADERS}
     from_template = checked_template_thinking(template_kwargs)  # checked even when unused
     if out["thinking"] is None:
