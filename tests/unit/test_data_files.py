@@ -112,8 +112,8 @@ def test_data_multiplication_makes_the_folder_of_out(no_data_env, capsys, tmp_pa
     (["--exclude", "README"], "README line 1 is not an iCoT line (question||steps #### answer)"),
     (["--exclude", "FIVE"], "FIVE holds no 4x4 question, so it would exclude nothing"),
     (["--exclude", "EMPTY"], "EMPTY holds no questions, so it would exclude nothing"),
-    (["--out", "DIR"], "is a directory; give the file to write"),
-    (["--out", "FIVE/x.txt"], "FIVE is a file, not a folder")])
+    (["--out", "DIR"], "is an existing directory, but it names an iCoT data file"),
+    (["--out", "FIVE/x.txt"], "FIVE is a file, not a folder, so an iCoT data file cannot")])
 def test_data_multiplication_refuses_what_it_cannot_honour(no_data_env, capsys, tmp_path,
                                                             args, message):
     """A huge ``--k`` and an ``--exclude`` file that would leave nothing out (not iCoT, or

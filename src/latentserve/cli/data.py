@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 MAX_K = 30  # digits per operand (iCoT's sets go to 20 x 20)
@@ -30,17 +31,14 @@ def register(sub) -> None:
 
 def run_multiplication(args) -> int:
     from latentserve.eval.datasets import data_dirs, find_data_file
+    from latentserve.train.options import check_out
     from latentserve.train.tasks import generate_multiplication, questions_of, write_icot
 
     if not 1 <= args.k <= MAX_K or args.n < 0:
         raise ValueError(f"need --k in [1, {MAX_K}] and --n >= 0, got --k {args.k}, --n "
                          f"{args.n}")
     out = Path(args.out)
-    if out.is_dir():
-        raise ValueError(f"--out {args.out} is a directory; give the file to write")
-    above = next(p for p in out.parents if p.exists())  # "." at the least
-    if not above.is_dir():
-        raise ValueError(f"--out {args.out}: {above} is a file, not a folder")
+    check_out(out, "an iCoT data file", False, say=lambda m: print(m, file=sys.stderr))
     if args.exclude is None:
         try:
             args.exclude = [str(find_data_file(f"multiplication/{args.k}x{args.k}_{s}.txt",
