@@ -70,12 +70,9 @@ def refuse_engine_flags(args) -> None:
     ``EngineConfig`` field off its default): the server's model and settings answer."""
     from latentserve.config import EngineConfig
 
-    names = ["model", *(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"
-                        and hasattr(args, f.name) and getattr(args, f.name) not in
-                        (None, f.default))]
-    for name in names:
-        if getattr(args, name, None):
-            raise ValueError(f"--{name.replace('_', '-')} is for an in-process engine; with "
+    for f in dataclasses.fields(EngineConfig):  # --model first: its default is None too
+        if hasattr(args, f.name) and getattr(args, f.name) not in (None, f.default):
+            raise ValueError(f"--{f.name.replace('_', '-')} is for an in-process engine; with "
                              "--url the server's model and settings answer (name the model "
                              "with --api-model)")
 

@@ -186,6 +186,7 @@ class LLM:
 
         from latentserve.latent.head import template_thinking
         from latentserve.server.errors import APIError
+        from latentserve.server.latent_params import thinking_kwargs
         from latentserve.server.params import refuse_nested
         from latentserve.server.prompts import chat_conversation, chat_tools, render_chat
         from latentserve.server.protocol import ChatMessage, ChatTool
@@ -205,12 +206,10 @@ class LLM:
             raise NoTokenizerError(NO_TOKENIZER)
         prompts = []
         for i, c in enumerate(convs):
-            kwargs = dict(chat_template_kwargs or {})
             p = sampling_params[i] if i < len(sampling_params) else None
             if p is not None and p.thinking is None and from_kwargs is not None:
                 sampling_params[i] = p = dataclasses.replace(p, thinking=from_kwargs)
-            if p is not None and p.thinking is not None:  # the template renders the opening
-                kwargs.update(thinking=p.thinking, enable_thinking=p.thinking)
+            kwargs = thinking_kwargs(chat_template_kwargs, None if p is None else p.thinking)
             try:
                 tool_list = None if tools is None else [ChatTool.model_validate(t) for t in tools]
                 msgs = [ChatMessage.model_validate(m) for m in c]
